@@ -1,0 +1,1 @@
+//! DS4 model description: hyper-parameters, layer schedule, weight binding.

@@ -1,0 +1,1 @@
+//! Quantisation block formats (model.md §5).

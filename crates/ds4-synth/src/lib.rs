@@ -1,0 +1,1 @@
+//! Synthetic DS4 GGUF generator.

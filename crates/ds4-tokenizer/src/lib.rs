@@ -1,0 +1,1 @@
+//! DeepSeek byte-level BPE tokenizer.
