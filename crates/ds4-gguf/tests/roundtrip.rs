@@ -258,7 +258,10 @@ fn writer_rejects_bad_tensors_and_alignment() {
     w.set("general.alignment", 1u32);
     w.add_tensor("y", GgmlType::I8, &[3]).unwrap();
     let l = w.layout().unwrap();
-    assert_eq!(l.offsets, vec![l.header.len() as u64, l.header.len() as u64 + 4]);
+    assert_eq!(
+        l.offsets,
+        vec![l.header.len() as u64, l.header.len() as u64 + 4]
+    );
     assert_eq!(l.total_len, l.header.len() as u64 + 7);
     // Nesting beyond the reader's limit is refused at write time.
     let mut deep = Array::U8(vec![1]);
