@@ -1,1 +1,487 @@
-//! Quantisation block formats (model.md §5).
+//! Quantisation block formats (model.md §5): dequantisation, exact dot products, quantisers.
+//!
+//! Supported types: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (and I32 tables for reading).
+//! A *row* is a whole number of blocks, laid out as in GGUF (model.md §0: `out` rows of `in`
+//! elements). Dot products are *exact mode*: `Σ dequant(w)·x` in f32 with f32 activations (no
+//! activation quantisation); SIMD paths differ from the portable one only in summation order.
+//!
+//! ISA paths (x86-64): AVX2+FMA+F16C and AVX-512F, detected once at first use. Set
+//! `DS4_QUANT_PORTABLE=1` (read once) or call [`set_force_portable`] to force the portable path.
+
+mod iq2_tables;
+mod portable;
+mod quantize;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+pub use ds4_gguf::GgmlType;
+pub use iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+pub use quantize::quantize_row;
+
+/// Errors from this crate. Every variant names the type and the quantity that is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    #[error("{op} is not supported for ggml type {ty}")]
+    Unsupported { ty: GgmlType, op: &'static str },
+    #[error("{ty}: a row of {n} elements is not a whole number of {block}-element blocks")]
+    PartialBlock {
+        ty: GgmlType,
+        n: usize,
+        block: usize,
+    },
+    #[error("{ty}: {what} has length {got}, expected {expected}")]
+    Length {
+        ty: GgmlType,
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    #[error("I32: value {value} at element {index} is not exactly representable as f32")]
+    InexactI32 { index: usize, value: i32 },
+    #[error("instruction set {0} is not available on this CPU")]
+    IsaUnavailable(Isa),
+}
+
+/// The types that have a dequantiser, a dot product and a quantiser here.
+pub const SUPPORTED: [GgmlType; 7] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q4_K,
+    GgmlType::IQ2_XXS,
+];
+
+/// Whether `ty` is one of [`SUPPORTED`].
+pub fn is_supported(ty: GgmlType) -> bool {
+    SUPPORTED.contains(&ty)
+}
+
+fn require_supported(ty: GgmlType, op: &'static str) -> Result<(), QuantError> {
+    if is_supported(ty) {
+        Ok(())
+    } else {
+        Err(QuantError::Unsupported { ty, op })
+    }
+}
+
+/// Bytes of a row of `n` elements of `ty`, or an error when `n` is not a whole number of blocks.
+pub fn row_bytes(ty: GgmlType, n: usize) -> Result<usize, QuantError> {
+    let block = ty.block_elems() as usize;
+    ty.row_bytes(n as u64)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or(QuantError::PartialBlock { ty, n, block })
+}
+
+/// Check that `bytes` holds exactly one row of `n` elements of `ty`.
+fn check_row(ty: GgmlType, what: &'static str, bytes: usize, n: usize) -> Result<(), QuantError> {
+    let expected = row_bytes(ty, n)?;
+    if bytes != expected {
+        return Err(QuantError::Length {
+            ty,
+            what,
+            expected,
+            got: bytes,
+        });
+    }
+    Ok(())
+}
+
+/// Dequantise one row: `src` holds `dst.len()` elements of type `ty`, written to `dst` as f32.
+/// The result is bit-identical to `gguf.quants.dequantize` (pip `gguf` 0.19). I32 is accepted
+/// for integer tables and fails if a value has no exact f32 (|v| > 2^24); see [`read_i32_row`].
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    if ty == GgmlType::I32 {
+        check_row(ty, "source row", src.len(), dst.len())?;
+        for (i, (c, o)) in src.chunks_exact(4).zip(dst.iter_mut()).enumerate() {
+            let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            if v.unsigned_abs() > 1 << 24 {
+                return Err(QuantError::InexactI32 { index: i, value: v });
+            }
+            *o = v as f32;
+        }
+        return Ok(());
+    }
+    require_supported(ty, "dequantisation")?;
+    check_row(ty, "source row", src.len(), dst.len())?;
+    portable::dequantize(ty, src, dst);
+    Ok(())
+}
+
+/// Read an I32 table row (e.g. `ffn_gate_tid2eid`): `src` holds `dst.len()` little-endian i32.
+pub fn read_i32_row(src: &[u8], dst: &mut [i32]) -> Result<(), QuantError> {
+    check_row(GgmlType::I32, "source row", src.len(), dst.len())?;
+    for (c, o) in src.chunks_exact(4).zip(dst.iter_mut()) {
+        *o = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// ISA selection
+
+/// A dot-product implementation family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// x86-64 AVX2 + FMA + F16C, 256-bit.
+    Avx2,
+    /// x86-64 AVX-512F, 512-bit.
+    Avx512,
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        })
+    }
+}
+
+struct Detected {
+    avx2: bool,
+    avx512: bool,
+    env_portable: bool,
+}
+
+fn detected() -> &'static Detected {
+    static D: OnceLock<Detected> = OnceLock::new();
+    D.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let (avx2, avx512) = (
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c"),
+            is_x86_feature_detected!("avx512f"),
+        );
+        #[cfg(not(target_arch = "x86_64"))]
+        let (avx2, avx512) = (false, false);
+        let env_portable = std::env::var("DS4_QUANT_PORTABLE")
+            .map(|v| !v.is_empty() && v != "0")
+            .unwrap_or(false);
+        Detected {
+            avx2,
+            avx512,
+            env_portable,
+        }
+    })
+}
+
+static FORCE_PORTABLE: AtomicBool = AtomicBool::new(false);
+
+/// Force (or stop forcing) the portable path for [`dot_row`], [`dot_kernel`] and [`matvec`].
+/// `DS4_QUANT_PORTABLE=1` in the environment forces it regardless of this switch.
+pub fn set_force_portable(on: bool) {
+    FORCE_PORTABLE.store(on, Ordering::Relaxed);
+}
+
+impl Isa {
+    /// Whether this CPU can run the path.
+    pub fn is_available(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            Isa::Avx2 => detected().avx2,
+            Isa::Avx512 => detected().avx512,
+        }
+    }
+
+    /// All paths this CPU can run, portable first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.is_available())
+            .collect()
+    }
+
+    /// The fastest path this CPU can run (ignores forcing).
+    pub fn best() -> Isa {
+        if Isa::Avx512.is_available() {
+            Isa::Avx512
+        } else if Isa::Avx2.is_available() {
+            Isa::Avx2
+        } else {
+            Isa::Portable
+        }
+    }
+}
+
+/// The path [`dot_row`], [`dot_kernel`] and [`matvec`] use now.
+pub fn active_isa() -> Isa {
+    if detected().env_portable || FORCE_PORTABLE.load(Ordering::Relaxed) {
+        Isa::Portable
+    } else {
+        Isa::best()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot products
+
+/// Inner kernel contract: processes `min(whole blocks in row, whole blocks in x)` blocks, so a
+/// mismatched call is memory-safe but truncated.
+type RawDot = fn(&[u8], &[f32]) -> f32;
+
+/// A dot-product kernel resolved once for a type and an ISA path; [`DotKernel::dot`] is the
+/// unchecked fast variant for loops.
+#[derive(Clone, Copy)]
+pub struct DotKernel {
+    ty: GgmlType,
+    isa: Isa,
+    f: RawDot,
+}
+
+impl fmt::Debug for DotKernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DotKernel({}, {})", self.ty, self.isa)
+    }
+}
+
+impl DotKernel {
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// `Σ dequant(row)·x` without validation: the caller guarantees
+    /// `row.len() == row_bytes(ty, x.len())`. Otherwise the result covers only the blocks
+    /// present in both (never out of bounds, never a panic), which is garbage for the caller.
+    #[inline]
+    pub fn dot(&self, row: &[u8], x: &[f32]) -> f32 {
+        (self.f)(row, x)
+    }
+
+    /// `y[r] = dot(weight row r, x)` for `y.len()` rows, without validation (see [`matvec`]).
+    pub fn matvec_unchecked(&self, weight: &[u8], x: &[f32], y: &mut [f32]) {
+        let rb = match row_bytes(self.ty, x.len()) {
+            Ok(rb) if rb > 0 => rb,
+            _ => {
+                y.fill(0.0);
+                return;
+            }
+        };
+        let rows = y.len().min(weight.len() / rb);
+        let (y, rest) = y.split_at_mut(rows);
+        rest.fill(0.0);
+        let total = rows * rb;
+        if total < PAR_MIN_BYTES || rows < 2 {
+            for (r, o) in y.iter_mut().enumerate() {
+                *o = self.dot(&weight[r * rb..(r + 1) * rb], x);
+            }
+        } else {
+            let min_len = (PAR_TASK_BYTES / rb).max(1);
+            y.par_iter_mut()
+                .enumerate()
+                .with_min_len(min_len)
+                .for_each(|(r, o)| *o = self.dot(&weight[r * rb..(r + 1) * rb], x));
+        }
+    }
+}
+
+/// Matrices with fewer weight bytes than this run on the calling thread.
+const PAR_MIN_BYTES: usize = 1 << 20;
+/// Weight bytes per rayon task at least.
+const PAR_TASK_BYTES: usize = 128 << 10;
+
+/// The kernel for `ty` on the [`active_isa`].
+pub fn dot_kernel(ty: GgmlType) -> Result<DotKernel, QuantError> {
+    dot_kernel_for(ty, active_isa())
+}
+
+/// The kernel for `ty` on a given path (for tests and benchmarks).
+pub fn dot_kernel_for(ty: GgmlType, isa: Isa) -> Result<DotKernel, QuantError> {
+    require_supported(ty, "dot product")?;
+    if !isa.is_available() {
+        return Err(QuantError::IsaUnavailable(isa));
+    }
+    let f: RawDot = match isa {
+        Isa::Portable => portable::dot_fn(ty),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::avx2_dot_fn(ty),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::avx512_dot_fn(ty),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => return Err(QuantError::IsaUnavailable(isa)),
+    };
+    Ok(DotKernel { ty, isa, f })
+}
+
+/// `Σ_k dequant(row)[k]·x[k]` in f32 (exact mode), on the active path.
+pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> Result<f32, QuantError> {
+    require_supported(ty, "dot product")?;
+    check_row(ty, "weight row", row.len(), x.len())?;
+    Ok(dot_kernel(ty)?.dot(row, x))
+}
+
+/// `y = W·x` for a `rows × x.len()` weight matrix of type `ty` (`rows` rows of `x.len()`
+/// elements, model.md §0). Rows run in parallel with rayon when the matrix is large.
+pub fn matvec(
+    ty: GgmlType,
+    weight: &[u8],
+    rows: usize,
+    x: &[f32],
+    y: &mut [f32],
+) -> Result<(), QuantError> {
+    require_supported(ty, "matvec")?;
+    let rb = row_bytes(ty, x.len())?;
+    if y.len() != rows {
+        return Err(QuantError::Length {
+            ty,
+            what: "output vector y",
+            expected: rows,
+            got: y.len(),
+        });
+    }
+    let expected = rb.checked_mul(rows).ok_or(QuantError::Length {
+        ty,
+        what: "weight matrix (size overflows)",
+        expected: usize::MAX,
+        got: weight.len(),
+    })?;
+    if weight.len() != expected {
+        return Err(QuantError::Length {
+            ty,
+            what: "weight matrix",
+            expected,
+            got: weight.len(),
+        });
+    }
+    dot_kernel(ty)?.matvec_unchecked(weight, x, y);
+    Ok(())
+}
+
+// Little-endian field readers shared by the implementations.
+#[inline(always)]
+pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[off], b[off + 1]]))
+}
+
+/// IEEE binary16 → binary32, exact; NaN payloads are kept as they are (signalling NaNs stay
+/// signalling, as numpy/gguf-py does; F16C hardware would quiet them).
+#[inline(always)]
+pub(crate) fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    match exp {
+        // Zero or subnormal: man · 2⁻²⁴, exact in f32.
+        0 => f32::from_bits(sign | (man as f32 * (1.0 / 16_777_216.0)).to_bits()),
+        31 => f32::from_bits(sign | 0x7f80_0000 | (man << 13)),
+        _ => f32::from_bits(sign | ((exp + 112) << 23) | (man << 13)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_problem() {
+        let mut out = [0f32; 32];
+        let e = dequantize_row(GgmlType::Q8_0, &[0u8; 33], &mut out).unwrap_err();
+        assert_eq!(
+            e,
+            QuantError::Length {
+                ty: GgmlType::Q8_0,
+                what: "source row",
+                expected: 34,
+                got: 33
+            }
+        );
+        assert!(e.to_string().contains("Q8_0"));
+        let e = dequantize_row(GgmlType::Q4_K, &[0u8; 144], &mut out).unwrap_err();
+        assert!(matches!(
+            e,
+            QuantError::PartialBlock {
+                n: 32,
+                block: 256,
+                ..
+            }
+        ));
+        let e = dequantize_row(GgmlType::Q6_K, &[0u8; 210], &mut [0f32; 256]).unwrap_err();
+        assert!(e.to_string().contains("Q6_K"), "{e}");
+        let e = dot_row(GgmlType::IQ2_XS, &[0u8; 74], &[0f32; 256]).unwrap_err();
+        assert!(matches!(
+            e,
+            QuantError::Unsupported {
+                ty: GgmlType::IQ2_XS,
+                ..
+            }
+        ));
+        let e = matvec(GgmlType::F32, &[0u8; 16], 2, &[0f32; 2], &mut [0f32; 3]).unwrap_err();
+        assert!(matches!(
+            e,
+            QuantError::Length {
+                what: "output vector y",
+                ..
+            }
+        ));
+        let e = matvec(GgmlType::F32, &[0u8; 15], 2, &[0f32; 2], &mut [0f32; 2]).unwrap_err();
+        assert!(matches!(
+            e,
+            QuantError::Length {
+                what: "weight matrix",
+                expected: 16,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn i32_tables() {
+        let vals = [0i32, -1, 255, 1 << 24, -(1 << 24)];
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut out = [0i32; 5];
+        read_i32_row(&bytes, &mut out).unwrap();
+        assert_eq!(out, vals);
+        let mut f = [0f32; 5];
+        dequantize_row(GgmlType::I32, &bytes, &mut f).unwrap();
+        assert_eq!(f, [0.0, -1.0, 255.0, 16777216.0, -16777216.0]);
+        let bad = ((1 << 24) + 1i32).to_le_bytes();
+        let e = dequantize_row(GgmlType::I32, &bad, &mut [0f32; 1]).unwrap_err();
+        assert_eq!(
+            e,
+            QuantError::InexactI32 {
+                index: 0,
+                value: (1 << 24) + 1
+            }
+        );
+        assert!(read_i32_row(&bytes[..19], &mut out).is_err());
+    }
+
+    #[test]
+    fn unchecked_kernel_is_memory_safe_on_mismatch() {
+        for ty in SUPPORTED {
+            for isa in Isa::available() {
+                let k = dot_kernel_for(ty, isa).unwrap();
+                // Short row, long x and the reverse: truncated, no panic.
+                let _ = k.dot(&[1u8; 100], &[1.0; 512]);
+                let _ = k.dot(&[1u8; 1000], &[1.0; 3]);
+                assert_eq!(k.dot(&[], &[1.0; 512]), 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn force_portable_switch() {
+        set_force_portable(true);
+        assert_eq!(active_isa(), Isa::Portable);
+        assert_eq!(dot_kernel(GgmlType::F32).unwrap().isa(), Isa::Portable);
+        set_force_portable(false);
+        if std::env::var("DS4_QUANT_PORTABLE").map_or(true, |v| v.is_empty() || v == "0") {
+            assert_eq!(active_isa(), Isa::best());
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! Portable dequantisers (bit-identical to `gguf.quants.dequantize`) and dot products.
+//!
+//! Every weight is computed with the same f32 operations, in the same order, as gguf-py:
+//! Q2_K/Q4_K `(d·sc)·q − dmin·m`, IQ2_XXS `((d·(0.5+ls))·0.25)·grid·sign`. No FMA contraction
+//! (Rust never contracts `a*b+c`).
+
+use crate::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+use crate::{f16_at, f16_to_f32, GgmlType};
+
+pub(crate) const QK_K: usize = 256;
+
+/// Dequantise whole blocks; `src`/`dst` lengths were validated by the caller.
+pub(crate) fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    match ty {
+        GgmlType::F32 => {
+            for (c, o) in src.chunks_exact(4).zip(dst) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (c, o) in src.chunks_exact(2).zip(dst) {
+                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        GgmlType::BF16 => {
+            for (c, o) in src.chunks_exact(2).zip(dst) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (b, o) in src.chunks_exact(34).zip(dst.chunks_exact_mut(32)) {
+                deq_q8_0(b, o.try_into().unwrap());
+            }
+        }
+        GgmlType::Q2_K => {
+            for (b, o) in src.chunks_exact(84).zip(dst.chunks_exact_mut(QK_K)) {
+                deq_q2_k(b, o.try_into().unwrap());
+            }
+        }
+        GgmlType::Q4_K => {
+            for (b, o) in src.chunks_exact(144).zip(dst.chunks_exact_mut(QK_K)) {
+                deq_q4_k(b, o.try_into().unwrap());
+            }
+        }
+        GgmlType::IQ2_XXS => {
+            for (b, o) in src.chunks_exact(66).zip(dst.chunks_exact_mut(QK_K)) {
+                deq_iq2_xxs(b, o.try_into().unwrap());
+            }
+        }
+        _ => unreachable!("caller checked the type is supported"),
+    }
+}
+
+/// Q8_0, 34 bytes: `d: f16`, `qs: i8[32]`.
+#[inline]
+pub(crate) fn deq_q8_0(b: &[u8], o: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    for (w, &q) in o.iter_mut().zip(&b[2..34]) {
+        *w = (q as i8) as f32 * d;
+    }
+}
+
+/// Q2_K, 84 bytes: `scales: u8[16]`, `qs: u8[64]`, `d: f16`, `dmin: f16`.
+#[inline]
+pub(crate) fn deq_q2_k(b: &[u8], o: &mut [f32; QK_K]) {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let d = f16_at(b, 80);
+    let dmin = f16_at(b, 82);
+    // Weight k = 128·half + 32·j + 16·i + l uses qs[32·half + 16·i + l] >> 2j, scale 8·half + 2j + i.
+    for half in 0..2 {
+        for j in 0..4 {
+            for i in 0..2 {
+                let s = scales[8 * half + 2 * j + i];
+                let dl = d * (s & 15) as f32;
+                let ml = dmin * (s >> 4) as f32;
+                let q = &qs[32 * half + 16 * i..32 * half + 16 * i + 16];
+                let out = &mut o[128 * half + 32 * j + 16 * i..][..16];
+                for (w, &byte) in out.iter_mut().zip(q) {
+                    *w = dl * ((byte >> (2 * j)) & 3) as f32 - ml;
+                }
+            }
+        }
+    }
+}
+
+/// Q4_K 6-bit scale and min of sub-block `b` (0..8) from the 12 packed bytes.
+#[inline(always)]
+pub(crate) fn q4k_scale_min(scales: &[u8], b: usize) -> (u8, u8) {
+    if b < 4 {
+        (scales[b] & 63, scales[b + 4] & 63)
+    } else {
+        (
+            (scales[b + 4] & 15) | ((scales[b - 4] >> 6) << 4),
+            (scales[b + 4] >> 4) | ((scales[b] >> 6) << 4),
+        )
+    }
+}
+
+/// Q4_K, 144 bytes: `d: f16`, `dmin: f16`, `scales: u8[12]`, `qs: u8[128]`.
+#[inline]
+pub(crate) fn deq_q4_k(b: &[u8], o: &mut [f32; QK_K]) {
+    let d = f16_at(b, 0);
+    let dmin = f16_at(b, 2);
+    let (scales, qs) = (&b[4..16], &b[16..144]);
+    // Chunk c of 64 weights: low nibbles of qs[32c..32c+32] (sub-block 2c), then high (2c+1).
+    for c in 0..4 {
+        let q = &qs[32 * c..32 * c + 32];
+        for (h, shift) in [(0usize, 0u8), (1, 4)] {
+            let (sc, m) = q4k_scale_min(scales, 2 * c + h);
+            let dl = d * sc as f32;
+            let ml = dmin * m as f32;
+            let out = &mut o[64 * c + 32 * h..][..32];
+            for (w, &byte) in out.iter_mut().zip(q) {
+                *w = dl * ((byte >> shift) & 15) as f32 - ml;
+            }
+        }
+    }
+}
+
+/// IQ2_XXS group scale: `(d·(0.5 + ls))·0.25`, as gguf-py computes it.
+#[inline(always)]
+pub(crate) fn iq2_db(d: f32, aux: u32) -> f32 {
+    d * (0.5 + (aux >> 28) as f32) * 0.25
+}
+
+/// IQ2_XXS, 66 bytes: `d: f16`, then 8 groups of (4 grid indices u8, u32 aux).
+#[inline]
+pub(crate) fn deq_iq2_xxs(b: &[u8], o: &mut [f32; QK_K]) {
+    let d = f16_at(b, 0);
+    for g in 0..8 {
+        let grp = &b[2 + 8 * g..10 + 8 * g];
+        let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
+        let db = iq2_db(d, aux);
+        for c in 0..4 {
+            let grid = IQ2XXS_GRID[grp[c] as usize].to_le_bytes();
+            let signs = KSIGNS_IQ2XS[((aux >> (7 * c)) & 127) as usize];
+            let out = &mut o[32 * g + 8 * c..][..8];
+            for j in 0..8 {
+                let s = if signs >> j & 1 != 0 { -1.0f32 } else { 1.0 };
+                out[j] = db * grid[j] as f32 * s;
+            }
+        }
+    }
+}
+
+/// Dot of two equal-length f32 slices with 8 partial sums (vectorisable, fixed order).
+#[inline(always)]
+fn dot_f32s(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let n8 = w.len().min(x.len()) / 8 * 8;
+    for (a, b) in w[..n8].chunks_exact(8).zip(x[..n8].chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += a[l] * b[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (a, b) in w[n8..].iter().zip(&x[n8..]) {
+        s += a * b;
+    }
+    s
+}
+
+pub(crate) fn dot_fn(ty: GgmlType) -> fn(&[u8], &[f32]) -> f32 {
+    match ty {
+        GgmlType::F32 => dot_f32,
+        GgmlType::F16 => dot_f16,
+        GgmlType::BF16 => dot_bf16,
+        GgmlType::Q8_0 => dot_q8_0,
+        GgmlType::Q2_K => |r, x| dot_blocks::<84, QK_K>(r, x, deq_q2_k),
+        GgmlType::Q4_K => |r, x| dot_blocks::<144, QK_K>(r, x, deq_q4_k),
+        GgmlType::IQ2_XXS => |r, x| dot_blocks::<66, QK_K>(r, x, deq_iq2_xxs),
+        _ => unreachable!("caller checked the type is supported"),
+    }
+}
+
+/// Scalar element types: convert in chunks of 64 into a stack buffer, then dot.
+fn dot_scalar<const ES: usize>(row: &[u8], x: &[f32], conv: impl Fn(&[u8]) -> f32) -> f32 {
+    let n = (row.len() / ES).min(x.len());
+    let mut buf = [0f32; 64];
+    let mut s = 0f32;
+    for (rc, xc) in row[..n * ES].chunks(64 * ES).zip(x[..n].chunks(64)) {
+        for (o, e) in buf.iter_mut().zip(rc.chunks_exact(ES)) {
+            *o = conv(e);
+        }
+        s += dot_f32s(&buf[..xc.len()], xc);
+    }
+    s
+}
+
+fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+    dot_scalar::<4>(row, x, |e| f32::from_le_bytes([e[0], e[1], e[2], e[3]]))
+}
+
+fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    dot_scalar::<2>(row, x, |e| f16_to_f32(u16::from_le_bytes([e[0], e[1]])))
+}
+
+fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+    dot_scalar::<2>(row, x, |e| {
+        f32::from_bits((u16::from_le_bytes([e[0], e[1]]) as u32) << 16)
+    })
+}
+
+fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+    dot_blocks::<34, 32>(row, x, deq_q8_0)
+}
+
+/// Block types: dequantise each block into a stack buffer (bit-identical weights), then dot.
+#[inline(always)]
+fn dot_blocks<const BB: usize, const BE: usize>(
+    row: &[u8],
+    x: &[f32],
+    deq: fn(&[u8], &mut [f32; BE]),
+) -> f32 {
+    let mut buf = [0f32; BE];
+    let mut s = 0f32;
+    for (b, xb) in row.chunks_exact(BB).zip(x.chunks_exact(BE)) {
+        deq(b, &mut buf);
+        s += dot_f32s(&buf, xb);
+    }
+    s
+}

@@ -1,0 +1,527 @@
+//! x86-64 dot products: AVX2+FMA+F16C (8 lanes) and AVX-512F (16 lanes).
+//!
+//! Weights are formed exactly as the dequantiser forms them (the products `d·sc·q`, `db·grid`
+//! are exact in f32, and `fmsub(dl, q, ml)` rounds once like `dl·q − ml` does because `dl·q` is
+//! exact), so these kernels differ from the portable path only in summation order. For Q8_0 and
+//! IQ2_XXS the per-block scale is applied after summing `q·x` within the block, which is one
+//! extra rounding per block.
+//!
+//! Every kernel works on `min(whole blocks in row, whole blocks in x)` so it never reads out of
+//! bounds; the public wrappers are only handed out by `dot_kernel_for` after the ISA check.
+
+use std::arch::x86_64::*;
+
+use crate::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+use crate::portable::{iq2_db, q4k_scale_min, QK_K};
+use crate::{f16_at, GgmlType};
+
+type RawDot = fn(&[u8], &[f32]) -> f32;
+
+pub(crate) fn avx2_dot_fn(ty: GgmlType) -> RawDot {
+    // SAFETY (all closures): handed out only when AVX2+FMA+F16C were detected.
+    match ty {
+        GgmlType::F32 => |r, x| unsafe { avx2::dot_f32(r, x) },
+        GgmlType::F16 => |r, x| unsafe { avx2::dot_f16(r, x) },
+        GgmlType::BF16 => |r, x| unsafe { avx2::dot_bf16(r, x) },
+        GgmlType::Q8_0 => |r, x| unsafe { avx2::dot_q8_0(r, x) },
+        GgmlType::Q2_K => |r, x| unsafe { avx2::dot_q2_k(r, x) },
+        GgmlType::Q4_K => |r, x| unsafe { avx2::dot_q4_k(r, x) },
+        GgmlType::IQ2_XXS => |r, x| unsafe { avx2::dot_iq2_xxs(r, x) },
+        _ => unreachable!("caller checked the type is supported"),
+    }
+}
+
+pub(crate) fn avx512_dot_fn(ty: GgmlType) -> RawDot {
+    // SAFETY (all closures): handed out only when AVX-512F was detected.
+    match ty {
+        GgmlType::F32 => |r, x| unsafe { avx512::dot_f32(r, x) },
+        GgmlType::F16 => |r, x| unsafe { avx512::dot_f16(r, x) },
+        GgmlType::BF16 => |r, x| unsafe { avx512::dot_bf16(r, x) },
+        GgmlType::Q8_0 => |r, x| unsafe { avx512::dot_q8_0(r, x) },
+        GgmlType::Q2_K => |r, x| unsafe { avx512::dot_q2_k(r, x) },
+        GgmlType::Q4_K => |r, x| unsafe { avx512::dot_q4_k(r, x) },
+        GgmlType::IQ2_XXS => |r, x| unsafe { avx512::dot_iq2_xxs(r, x) },
+        _ => unreachable!("caller checked the type is supported"),
+    }
+}
+
+#[inline(always)]
+fn f16_bits_to_f32(b: u16) -> f32 {
+    crate::f16_to_f32(b)
+}
+
+#[inline(always)]
+fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Elements of a scalar-typed row usable with `x` (element size `es`).
+#[inline(always)]
+fn scalar_len(row: &[u8], x: &[f32], es: usize) -> usize {
+    (row.len() / es).min(x.len())
+}
+
+/// Whole blocks present in both the row and `x`.
+#[inline(always)]
+fn block_count(row: &[u8], x: &[f32], bb: usize, be: usize) -> usize {
+    (row.len() / bb).min(x.len() / be)
+}
+
+mod avx2 {
+    use super::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// 8 unsigned bytes at `p` widened to 8 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn u8x8(p: *const u8) -> __m256i {
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+        let n = scalar_len(row, x, 4);
+        let (w, xp) = (row.as_ptr() as *const f32, x.as_ptr());
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, acc) in a.iter_mut().enumerate() {
+                let o = i + 8 * k;
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(o)), _mm256_loadu_ps(xp.add(o)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(i)), _mm256_loadu_ps(xp.add(i)), a[0]);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(
+            _mm256_add_ps(a[0], a[1]),
+            _mm256_add_ps(a[2], a[3]),
+        ));
+        while i < n {
+            s += w.add(i).read_unaligned() * x[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+        let n = scalar_len(row, x, 2);
+        let (w, xp) = (row.as_ptr(), x.as_ptr());
+        let ld = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * o) as *const __m128i));
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, acc) in a.iter_mut().enumerate() {
+                let o = i + 8 * k;
+                *acc = _mm256_fmadd_ps(ld(o), _mm256_loadu_ps(xp.add(o)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            a[0] = _mm256_fmadd_ps(ld(i), _mm256_loadu_ps(xp.add(i)), a[0]);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(
+            _mm256_add_ps(a[0], a[1]),
+            _mm256_add_ps(a[2], a[3]),
+        ));
+        while i < n {
+            s += f16_bits_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+        let n = scalar_len(row, x, 2);
+        let (w, xp) = (row.as_ptr(), x.as_ptr());
+        let ld = |o: usize| {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(w.add(2 * o) as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        };
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, acc) in a.iter_mut().enumerate() {
+                let o = i + 8 * k;
+                *acc = _mm256_fmadd_ps(ld(o), _mm256_loadu_ps(xp.add(o)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            a[0] = _mm256_fmadd_ps(ld(i), _mm256_loadu_ps(xp.add(i)), a[0]);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(
+            _mm256_add_ps(a[0], a[1]),
+            _mm256_add_ps(a[2], a[3]),
+        ));
+        while i < n {
+            s += bf16_bits_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 34, 32);
+        let mut total = [_mm256_setzero_ps(); 2];
+        for ib in 0..nb {
+            let b = row.as_ptr().add(34 * ib);
+            let xp = x.as_ptr().add(32 * ib);
+            let d = _mm256_set1_ps(f16_at(row, 34 * ib));
+            let q = |k: usize| {
+                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(2 + 8 * k) as *const __m128i));
+                _mm256_cvtepi32_ps(v)
+            };
+            let mut s0 = _mm256_mul_ps(q(0), _mm256_loadu_ps(xp));
+            let mut s1 = _mm256_mul_ps(q(1), _mm256_loadu_ps(xp.add(8)));
+            s0 = _mm256_fmadd_ps(q(2), _mm256_loadu_ps(xp.add(16)), s0);
+            s1 = _mm256_fmadd_ps(q(3), _mm256_loadu_ps(xp.add(24)), s1);
+            total[ib & 1] = _mm256_fmadd_ps(d, _mm256_add_ps(s0, s1), total[ib & 1]);
+        }
+        hsum(_mm256_add_ps(total[0], total[1]))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 84, QK_K);
+        let three = _mm256_set1_epi32(3);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for ib in 0..nb {
+            let blk = &row[84 * ib..84 * ib + 84];
+            let qs = blk.as_ptr().add(16);
+            let xb = x.as_ptr().add(QK_K * ib);
+            let d = f16_at(blk, 80);
+            let dmin = f16_at(blk, 82);
+            for half in 0..2 {
+                for i in 0..2 {
+                    // 16 weights per (half, i, j) share the bytes qs[32·half + 16·i ..][..16].
+                    let lo = u8x8(qs.add(32 * half + 16 * i));
+                    let hi = u8x8(qs.add(32 * half + 16 * i + 8));
+                    for j in 0..4 {
+                        let s = blk[8 * half + 2 * j + i];
+                        let dl = _mm256_set1_ps(d * (s & 15) as f32);
+                        let ml = _mm256_set1_ps(dmin * (s >> 4) as f32);
+                        let sh = _mm_cvtsi32_si128(2 * j as i32);
+                        let q0 = _mm256_and_si256(_mm256_srl_epi32(lo, sh), three);
+                        let q1 = _mm256_and_si256(_mm256_srl_epi32(hi, sh), three);
+                        let w0 = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(q0), ml);
+                        let w1 = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(q1), ml);
+                        let xo = xb.add(128 * half + 32 * j + 16 * i);
+                        acc[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xo), acc[0]);
+                        acc[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xo.add(8)), acc[1]);
+                    }
+                }
+            }
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1]))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 144, QK_K);
+        let fifteen = _mm256_set1_epi32(15);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for ib in 0..nb {
+            let blk = &row[144 * ib..144 * ib + 144];
+            let qs = blk.as_ptr().add(16);
+            let xb = x.as_ptr().add(QK_K * ib);
+            let d = f16_at(blk, 0);
+            let dmin = f16_at(blk, 2);
+            let scales = &blk[4..16];
+            for c in 0..4 {
+                let (sc0, m0) = q4k_scale_min(scales, 2 * c);
+                let (sc1, m1) = q4k_scale_min(scales, 2 * c + 1);
+                let dl0 = _mm256_set1_ps(d * sc0 as f32);
+                let ml0 = _mm256_set1_ps(dmin * m0 as f32);
+                let dl1 = _mm256_set1_ps(d * sc1 as f32);
+                let ml1 = _mm256_set1_ps(dmin * m1 as f32);
+                for t in 0..4 {
+                    let v = u8x8(qs.add(32 * c + 8 * t));
+                    let qlo = _mm256_cvtepi32_ps(_mm256_and_si256(v, fifteen));
+                    let qhi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
+                    let w0 = _mm256_fmsub_ps(dl0, qlo, ml0);
+                    let w1 = _mm256_fmsub_ps(dl1, qhi, ml1);
+                    let xo = xb.add(64 * c + 8 * t);
+                    acc[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xo), acc[0]);
+                    acc[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xo.add(32)), acc[1]);
+                }
+            }
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1]))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_iq2_xxs(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 66, QK_K);
+        let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        let neg = _mm256_set1_ps(-0.0);
+        let mut total = [_mm256_setzero_ps(); 2];
+        for ib in 0..nb {
+            let blk = &row[66 * ib..66 * ib + 66];
+            let d = f16_at(blk, 0);
+            let xb = x.as_ptr().add(QK_K * ib);
+            for g in 0..8 {
+                let grp = &blk[2 + 8 * g..10 + 8 * g];
+                let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
+                let mut sg = [_mm256_setzero_ps(); 2];
+                for c in 0..4 {
+                    let grid = IQ2XXS_GRID[grp[c] as usize];
+                    let gv = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(grid as i64));
+                    let signs = KSIGNS_IQ2XS[((aux >> (7 * c)) & 127) as usize];
+                    // Lane j negative when bit j of `signs` is set: flip the f32 sign bit.
+                    let m = _mm256_cmpeq_epi32(
+                        _mm256_and_si256(_mm256_set1_epi32(signs as i32), bits),
+                        bits,
+                    );
+                    let w = _mm256_xor_ps(
+                        _mm256_cvtepi32_ps(gv),
+                        _mm256_and_ps(_mm256_castsi256_ps(m), neg),
+                    );
+                    let xv = _mm256_loadu_ps(xb.add(32 * g + 8 * c));
+                    sg[c & 1] = _mm256_fmadd_ps(w, xv, sg[c & 1]);
+                }
+                let db = _mm256_set1_ps(iq2_db(d, aux));
+                total[g & 1] = _mm256_fmadd_ps(db, _mm256_add_ps(sg[0], sg[1]), total[g & 1]);
+            }
+        }
+        hsum(_mm256_add_ps(total[0], total[1]))
+    }
+}
+
+mod avx512 {
+    use super::*;
+
+    /// 16 unsigned bytes at `p` widened to 16 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn u8x16(p: *const u8) -> __m512i {
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+        let n = scalar_len(row, x, 4);
+        let (w, xp) = (row.as_ptr() as *const f32, x.as_ptr());
+        let mut a = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 64 <= n {
+            for (k, acc) in a.iter_mut().enumerate() {
+                let o = i + 16 * k;
+                *acc = _mm512_fmadd_ps(_mm512_loadu_ps(w.add(o)), _mm512_loadu_ps(xp.add(o)), *acc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w.add(i)), _mm512_loadu_ps(xp.add(i)), a[0]);
+            i += 16;
+        }
+        if i < n {
+            // Masked tail: lanes past n are neither read nor added.
+            let k: __mmask16 = (1u32 << (n - i)) as u16 - 1;
+            let wv = _mm512_maskz_loadu_ps(k, w.add(i));
+            let xv = _mm512_maskz_loadu_ps(k, xp.add(i));
+            a[1] = _mm512_fmadd_ps(wv, xv, a[1]);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(a[0], a[1]),
+            _mm512_add_ps(a[2], a[3]),
+        ))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+        let n = scalar_len(row, x, 2);
+        let (w, xp) = (row.as_ptr(), x.as_ptr());
+        let ld = |o: usize| _mm512_cvtph_ps(_mm256_loadu_si256(w.add(2 * o) as *const __m256i));
+        let mut a = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 64 <= n {
+            for (k, acc) in a.iter_mut().enumerate() {
+                let o = i + 16 * k;
+                *acc = _mm512_fmadd_ps(ld(o), _mm512_loadu_ps(xp.add(o)), *acc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            a[0] = _mm512_fmadd_ps(ld(i), _mm512_loadu_ps(xp.add(i)), a[0]);
+            i += 16;
+        }
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(a[0], a[1]),
+            _mm512_add_ps(a[2], a[3]),
+        ));
+        while i < n {
+            s += f16_bits_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+        let n = scalar_len(row, x, 2);
+        let (w, xp) = (row.as_ptr(), x.as_ptr());
+        let ld = |o: usize| {
+            let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(w.add(2 * o) as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+        };
+        let mut a = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 64 <= n {
+            for (k, acc) in a.iter_mut().enumerate() {
+                let o = i + 16 * k;
+                *acc = _mm512_fmadd_ps(ld(o), _mm512_loadu_ps(xp.add(o)), *acc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            a[0] = _mm512_fmadd_ps(ld(i), _mm512_loadu_ps(xp.add(i)), a[0]);
+            i += 16;
+        }
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(a[0], a[1]),
+            _mm512_add_ps(a[2], a[3]),
+        ));
+        while i < n {
+            s += bf16_bits_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i];
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 34, 32);
+        let mut total = [_mm512_setzero_ps(); 2];
+        for ib in 0..nb {
+            let b = row.as_ptr().add(34 * ib);
+            let xp = x.as_ptr().add(32 * ib);
+            let d = _mm512_set1_ps(f16_at(row, 34 * ib));
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                b.add(2) as *const __m128i
+            )));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                b.add(18) as *const __m128i
+            )));
+            let s = _mm512_fmadd_ps(
+                q1,
+                _mm512_loadu_ps(xp.add(16)),
+                _mm512_mul_ps(q0, _mm512_loadu_ps(xp)),
+            );
+            total[ib & 1] = _mm512_fmadd_ps(d, s, total[ib & 1]);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 84, QK_K);
+        let three = _mm512_set1_epi32(3);
+        let mut acc = [_mm512_setzero_ps(); 2];
+        for ib in 0..nb {
+            let blk = &row[84 * ib..84 * ib + 84];
+            let qs = blk.as_ptr().add(16);
+            let xb = x.as_ptr().add(QK_K * ib);
+            let d = f16_at(blk, 80);
+            let dmin = f16_at(blk, 82);
+            for half in 0..2 {
+                for i in 0..2 {
+                    let v = u8x16(qs.add(32 * half + 16 * i));
+                    for j in 0..4 {
+                        let s = blk[8 * half + 2 * j + i];
+                        let dl = _mm512_set1_ps(d * (s & 15) as f32);
+                        let ml = _mm512_set1_ps(dmin * (s >> 4) as f32);
+                        let sh = _mm_cvtsi32_si128(2 * j as i32);
+                        let q = _mm512_and_si512(_mm512_srl_epi32(v, sh), three);
+                        let w = _mm512_fmsub_ps(dl, _mm512_cvtepi32_ps(q), ml);
+                        let xo = xb.add(128 * half + 32 * j + 16 * i);
+                        acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xo), acc[i]);
+                    }
+                }
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 144, QK_K);
+        let fifteen = _mm512_set1_epi32(15);
+        let mut acc = [_mm512_setzero_ps(); 2];
+        for ib in 0..nb {
+            let blk = &row[144 * ib..144 * ib + 144];
+            let qs = blk.as_ptr().add(16);
+            let xb = x.as_ptr().add(QK_K * ib);
+            let d = f16_at(blk, 0);
+            let dmin = f16_at(blk, 2);
+            let scales = &blk[4..16];
+            for c in 0..4 {
+                let (sc0, m0) = q4k_scale_min(scales, 2 * c);
+                let (sc1, m1) = q4k_scale_min(scales, 2 * c + 1);
+                let dl0 = _mm512_set1_ps(d * sc0 as f32);
+                let ml0 = _mm512_set1_ps(dmin * m0 as f32);
+                let dl1 = _mm512_set1_ps(d * sc1 as f32);
+                let ml1 = _mm512_set1_ps(dmin * m1 as f32);
+                for t in 0..2 {
+                    let v = u8x16(qs.add(32 * c + 16 * t));
+                    let qlo = _mm512_cvtepi32_ps(_mm512_and_si512(v, fifteen));
+                    let qhi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                    let w0 = _mm512_fmsub_ps(dl0, qlo, ml0);
+                    let w1 = _mm512_fmsub_ps(dl1, qhi, ml1);
+                    let xo = xb.add(64 * c + 16 * t);
+                    acc[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xo), acc[0]);
+                    acc[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xo.add(32)), acc[1]);
+                }
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_iq2_xxs(row: &[u8], x: &[f32]) -> f32 {
+        let nb = block_count(row, x, 66, QK_K);
+        let zero = _mm512_setzero_ps();
+        let mut total = [_mm512_setzero_ps(); 2];
+        for ib in 0..nb {
+            let blk = &row[66 * ib..66 * ib + 66];
+            let d = f16_at(blk, 0);
+            let xb = x.as_ptr().add(QK_K * ib);
+            for g in 0..8 {
+                let grp = &blk[2 + 8 * g..10 + 8 * g];
+                let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
+                let mut sg = [_mm512_setzero_ps(); 2];
+                for h in 0..2 {
+                    // Two sub-chunks of 8 weights per 16-lane vector.
+                    let g0 = IQ2XXS_GRID[grp[2 * h] as usize];
+                    let g1 = IQ2XXS_GRID[grp[2 * h + 1] as usize];
+                    let gv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(
+                        g1 as i64, g0 as i64,
+                    )));
+                    let s0 = KSIGNS_IQ2XS[((aux >> (14 * h)) & 127) as usize] as u16;
+                    let s1 = KSIGNS_IQ2XS[((aux >> (14 * h + 7)) & 127) as usize] as u16;
+                    let w = _mm512_mask_sub_ps(gv, s0 | (s1 << 8), zero, gv);
+                    let xv = _mm512_loadu_ps(xb.add(32 * g + 16 * h));
+                    sg[h] = _mm512_fmadd_ps(w, xv, sg[h]);
+                }
+                let db = _mm512_set1_ps(iq2_db(d, aux));
+                total[g & 1] = _mm512_fmadd_ps(db, _mm512_add_ps(sg[0], sg[1]), total[g & 1]);
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]))
+    }
+}
