@@ -98,6 +98,29 @@ pub struct StreamParser {
     failed: Option<DsmlStatus>,
 }
 
+/// Merges adjacent deltas of the same kind (fewer, larger events per push).
+fn coalesce(events: Vec<StreamEvent>) -> Vec<StreamEvent> {
+    let mut out: Vec<StreamEvent> = Vec::with_capacity(events.len());
+    for e in events {
+        match (out.last_mut(), e) {
+            (Some(StreamEvent::Reasoning(a)), StreamEvent::Reasoning(b)) => a.push_str(&b),
+            (Some(StreamEvent::Content(a)), StreamEvent::Content(b)) => a.push_str(&b),
+            (
+                Some(StreamEvent::ToolArgs {
+                    index: i,
+                    json_delta: a,
+                }),
+                StreamEvent::ToolArgs {
+                    index: j,
+                    json_delta: b,
+                },
+            ) if *i == j => a.push_str(&b),
+            (_, e) => out.push(e),
+        }
+    }
+    out
+}
+
 fn escape_fragment(s: &str) -> String {
     let q = quote(s);
     q[1..q.len() - 1].to_string()
@@ -281,7 +304,7 @@ impl StreamParser {
         }
         self.text.push_str(chunk);
         self.advance(false, &mut out);
-        out
+        coalesce(out)
     }
 
     /// Feeds raw bytes (e.g. token pieces that split UTF-8 sequences). Incomplete
@@ -460,6 +483,7 @@ impl StreamParser {
             self.text.push('\u{fffd}');
         }
         self.advance(true, &mut out);
+        let out = coalesce(out);
         let text = &self.text;
         let reasoning_closed = self.reasoning_end.is_some();
         if let Some(status) = self.failed.take() {
