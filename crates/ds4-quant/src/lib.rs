@@ -373,14 +373,19 @@ pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
 #[inline(always)]
 pub(crate) fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h & 0x8000) as u32) << 16;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let man = (h & 0x3ff) as u32;
-    match exp {
-        // Zero or subnormal: man · 2⁻²⁴, exact in f32.
-        0 => f32::from_bits(sign | (man as f32 * (1.0 / 16_777_216.0)).to_bits()),
-        31 => f32::from_bits(sign | 0x7f80_0000 | (man << 13)),
-        _ => f32::from_bits(sign | ((exp + 112) << 23) | (man << 13)),
-    }
+    let me = (h & 0x7fff) as u32;
+    // Written as selects (no branches) so loops over it vectorise.
+    let normal = (me << 13) + (112 << 23); // rebias exponent 15 → 127
+    let inf_nan = (me << 13) | 0x7f80_0000;
+    let sub = ((me as i32) as f32 * (1.0 / 16_777_216.0)).to_bits(); // zero/subnormal: man·2⁻²⁴
+    let bits = if me < 0x400 {
+        sub
+    } else if me >= 0x7c00 {
+        inf_nan
+    } else {
+        normal
+    };
+    f32::from_bits(sign | bits)
 }
 
 #[cfg(test)]
@@ -437,6 +442,22 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn f16_conversion_is_exact_for_all_65536_patterns() {
+        for h in 0..=u16::MAX {
+            let ours = f16_to_f32(h);
+            let reference = half::f16::from_bits(h).to_f32();
+            if reference.is_nan() {
+                // Payload kept verbatim (half quiets it; numpy does not).
+                let want =
+                    (((h & 0x8000) as u32) << 16) | 0x7f80_0000 | (((h & 0x3ff) as u32) << 13);
+                assert_eq!(ours.to_bits(), want, "{h:#06x}");
+            } else {
+                assert_eq!(ours.to_bits(), reference.to_bits(), "{h:#06x}");
+            }
+        }
     }
 
     #[test]

@@ -196,26 +196,42 @@ mod avx2 {
         hsum(_mm256_add_ps(total[0], total[1]))
     }
 
+    /// Q2_K sub-block factors `d·(sc & 15)` and `dmin·(sc >> 4)` for the 16 scale bytes
+    /// (exact products, as in the dequantiser).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2k_factors(blk: &[u8], dl: &mut [f32; 16], ml: &mut [f32; 16]) {
+        let d = _mm256_set1_ps(f16_at(blk, 80));
+        let dmin = _mm256_set1_ps(f16_at(blk, 82));
+        for h in 0..2 {
+            let s = u8x8(blk.as_ptr().add(8 * h));
+            let lo = _mm256_cvtepi32_ps(_mm256_and_si256(s, _mm256_set1_epi32(15)));
+            let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(s));
+            _mm256_storeu_ps(dl.as_mut_ptr().add(8 * h), _mm256_mul_ps(d, lo));
+            _mm256_storeu_ps(ml.as_mut_ptr().add(8 * h), _mm256_mul_ps(dmin, hi));
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 84, QK_K);
         let three = _mm256_set1_epi32(3);
         let mut acc = [_mm256_setzero_ps(); 2];
+        let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
         for ib in 0..nb {
             let blk = &row[84 * ib..84 * ib + 84];
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
-            let d = f16_at(blk, 80);
-            let dmin = f16_at(blk, 82);
+            q2k_factors(blk, &mut dls, &mut mls);
             for half in 0..2 {
                 for i in 0..2 {
                     // 16 weights per (half, i, j) share the bytes qs[32·half + 16·i ..][..16].
                     let lo = u8x8(qs.add(32 * half + 16 * i));
                     let hi = u8x8(qs.add(32 * half + 16 * i + 8));
                     for j in 0..4 {
-                        let s = blk[8 * half + 2 * j + i];
-                        let dl = _mm256_set1_ps(d * (s & 15) as f32);
-                        let ml = _mm256_set1_ps(dmin * (s >> 4) as f32);
+                        let s = 8 * half + 2 * j + i;
+                        let dl = _mm256_set1_ps(dls[s]);
+                        let ml = _mm256_set1_ps(mls[s]);
                         let sh = _mm_cvtsi32_si128(2 * j as i32);
                         let q0 = _mm256_and_si256(_mm256_srl_epi32(lo, sh), three);
                         let q1 = _mm256_and_si256(_mm256_srl_epi32(hi, sh), three);
@@ -433,19 +449,30 @@ mod avx512 {
         let nb = block_count(row, x, 84, QK_K);
         let three = _mm512_set1_epi32(3);
         let mut acc = [_mm512_setzero_ps(); 2];
+        let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
         for ib in 0..nb {
             let blk = &row[84 * ib..84 * ib + 84];
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
-            let d = f16_at(blk, 80);
-            let dmin = f16_at(blk, 82);
+            // The 16 sub-block factors d·(sc & 15), dmin·(sc >> 4) at once (exact products).
+            let sc = u8x16(blk.as_ptr());
+            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15)));
+            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sc));
+            _mm512_storeu_ps(
+                dls.as_mut_ptr(),
+                _mm512_mul_ps(_mm512_set1_ps(f16_at(blk, 80)), lo),
+            );
+            _mm512_storeu_ps(
+                mls.as_mut_ptr(),
+                _mm512_mul_ps(_mm512_set1_ps(f16_at(blk, 82)), hi),
+            );
             for half in 0..2 {
                 for i in 0..2 {
                     let v = u8x16(qs.add(32 * half + 16 * i));
                     for j in 0..4 {
-                        let s = blk[8 * half + 2 * j + i];
-                        let dl = _mm512_set1_ps(d * (s & 15) as f32);
-                        let ml = _mm512_set1_ps(dmin * (s >> 4) as f32);
+                        let s = 8 * half + 2 * j + i;
+                        let dl = _mm512_set1_ps(dls[s]);
+                        let ml = _mm512_set1_ps(mls[s]);
                         let sh = _mm_cvtsi32_si128(2 * j as i32);
                         let q = _mm512_and_si512(_mm512_srl_epi32(v, sh), three);
                         let w = _mm512_fmsub_ps(dl, _mm512_cvtepi32_ps(q), ml);

@@ -1,0 +1,118 @@
+//! Dot-product throughput per type and ISA path on one core, in GB/s of weight bytes.
+//!
+//! `cargo run -p ds4-quant --release --example dot_bench [-- --quick]`
+//!
+//! Two working sets: "L2" (≈192 KiB of weights, re-read from cache) and "DRAM" (≈64 MiB, streamed
+//! from memory). Rows are 4096 elements (the model's hidden size), random valid codes. Each
+//! measurement is the best of 5 repetitions of ≥ 0.1 s (0.02 s with --quick).
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use ds4_quant::{dot_kernel_for, GgmlType, Isa, SUPPORTED};
+
+/// Deterministic xorshift bytes (no dependency on rand in an example).
+fn fill(buf: &mut [u8], mut s: u64) {
+    for b in buf {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        *b = (s >> 24) as u8;
+    }
+}
+
+/// Random valid row bytes: random codes, f16 scales set to 0.01, finite scalar values.
+fn weights(ty: GgmlType, n: usize, rows: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(n as u64).unwrap() as usize;
+    let mut w = vec![0u8; rb * rows];
+    fill(&mut w, 0x9e37_79b9_7f4a_7c15);
+    let d = half::f16::from_f32(0.01).to_le_bytes();
+    let fields: &[usize] = match ty {
+        GgmlType::Q8_0 | GgmlType::IQ2_XXS => &[0],
+        GgmlType::Q4_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        _ => &[],
+    };
+    let bb = ty.block_bytes() as usize;
+    match ty {
+        GgmlType::F32 => {
+            for c in w.chunks_exact_mut(4) {
+                let v = (c[0] as f32 - 128.0) / 64.0;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for c in w.chunks_exact_mut(2) {
+                c[1] = (c[1] & 0x83) | 0x30; // normal, |v| in [2^-3, 2^0)
+            }
+        }
+        GgmlType::BF16 => {
+            for c in w.chunks_exact_mut(2) {
+                c[1] = (c[1] & 0x80) | 0x3f; // normal, |v| in [2^-2, 2^0) (no subnormal stalls)
+            }
+        }
+        _ => {
+            for b in w.chunks_exact_mut(bb) {
+                for &o in fields {
+                    b[o..o + 2].copy_from_slice(&d);
+                }
+            }
+        }
+    }
+    w
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let min_t = if quick { 0.02 } else { 0.1 };
+    let n = 4096;
+    let x: Vec<f32> = (0..n)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+        .collect();
+    println!("# ds4-quant dot_bench: exact-mode dot products, one core, rows of {n} elements");
+    println!("# GB/s = weight bytes read / time (1e9 bytes); Gelem/s = weights per ns");
+    println!(
+        "{:<8} {:<9} {:>10} {:>10} {:>10} {:>10}",
+        "type", "path", "L2 GB/s", "L2 Gel/s", "DRAM GB/s", "DRAM Gel/s"
+    );
+    for ty in SUPPORTED {
+        let rb = ty.row_bytes(n as u64).unwrap() as usize;
+        let rows_l2 = (192 << 10) / rb;
+        let rows_dram = ((64 << 20) / rb).max(1);
+        let w_dram = weights(ty, n, rows_dram);
+        let w_l2 = &w_dram[..rows_l2.max(1) * rb];
+        for isa in Isa::available() {
+            let k = dot_kernel_for(ty, isa).unwrap();
+            let mut rates = Vec::new();
+            for w in [w_l2, &w_dram[..]] {
+                let rows = w.len() / rb;
+                let mut best = f64::INFINITY;
+                for _ in 0..5 {
+                    let t0 = Instant::now();
+                    let mut passes = 0usize;
+                    let mut acc = 0f32;
+                    while t0.elapsed().as_secs_f64() < min_t {
+                        for r in 0..rows {
+                            acc += k.dot(black_box(&w[r * rb..(r + 1) * rb]), black_box(&x));
+                        }
+                        passes += 1;
+                    }
+                    black_box(acc);
+                    best = best.min(t0.elapsed().as_secs_f64() / passes as f64);
+                }
+                let bytes = w.len() as f64;
+                let elems = (rows * n) as f64;
+                rates.push((bytes / best / 1e9, elems / best / 1e9));
+            }
+            println!(
+                "{:<8} {:<9} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                ty.name(),
+                isa.to_string(),
+                rates[0].0,
+                rates[0].1,
+                rates[1].0,
+                rates[1].1
+            );
+        }
+    }
+}
