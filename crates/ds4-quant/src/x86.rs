@@ -467,7 +467,7 @@ mod avx512 {
                 _mm512_mul_ps(_mm512_set1_ps(f16_at(blk, 82)), hi),
             );
             for half in 0..2 {
-                for i in 0..2 {
+                for (i, acc_i) in acc.iter_mut().enumerate() {
                     let v = u8x16(qs.add(32 * half + 16 * i));
                     for j in 0..4 {
                         let s = 8 * half + 2 * j + i;
@@ -477,7 +477,7 @@ mod avx512 {
                         let q = _mm512_and_si512(_mm512_srl_epi32(v, sh), three);
                         let w = _mm512_fmsub_ps(dl, _mm512_cvtepi32_ps(q), ml);
                         let xo = xb.add(128 * half + 32 * j + 16 * i);
-                        acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xo), acc[i]);
+                        *acc_i = _mm512_fmadd_ps(w, _mm512_loadu_ps(xo), *acc_i);
                     }
                 }
             }
