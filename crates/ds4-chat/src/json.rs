@@ -337,6 +337,55 @@ pub(crate) fn object_members(raw: &str) -> Option<Vec<(String, ArgValue)>> {
     Some(out)
 }
 
+/// Byte range of the value of the first member named `key` of the JSON object `raw`
+/// (the value's exact bytes, no surrounding whitespace). `None` if `raw` is not a valid
+/// object or has no such member.
+pub(crate) fn member_span(raw: &str, key: &str) -> Option<std::ops::Range<usize>> {
+    let mut sc = Scanner {
+        s: raw.as_bytes(),
+        pos: 0,
+    };
+    sc.ws();
+    if !sc.eat(b'{') {
+        return None;
+    }
+    let mut found = None;
+    sc.ws();
+    if !sc.eat(b'}') {
+        loop {
+            sc.ws();
+            let mut k = String::new();
+            if !sc.string(Some(&mut k)) {
+                return None;
+            }
+            sc.ws();
+            if !sc.eat(b':') {
+                return None;
+            }
+            sc.ws();
+            let start = sc.pos;
+            if !sc.skip_value(1) {
+                return None;
+            }
+            if found.is_none() && k == key {
+                found = Some(start..sc.pos);
+            }
+            sc.ws();
+            if sc.eat(b'}') {
+                break;
+            }
+            if !sc.eat(b',') {
+                return None;
+            }
+        }
+    }
+    sc.ws();
+    if sc.pos != raw.len() {
+        return None;
+    }
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,5 +428,20 @@ mod tests {
         assert!(object_members("[1]").is_none());
         assert!(object_members("{\"a\":1} x").is_none());
         assert_eq!(object_members(" {} ").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn member_spans() {
+        let raw = r#"{"type":"function", "function" : {"name": "f"} }"#;
+        assert_eq!(
+            &raw[member_span(raw, "function").unwrap()],
+            r#"{"name": "f"}"#
+        );
+        assert_eq!(member_span(raw, "nope"), None);
+        assert_eq!(
+            member_span("{\"function\":1", "function"),
+            None,
+            "truncated object"
+        );
     }
 }

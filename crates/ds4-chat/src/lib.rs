@@ -23,8 +23,8 @@ pub use protocol::*;
 pub use render::{
     canonical_dsml, cli_one_shot, cli_prelude, cli_user_turn, escape_tool_result, is_prerendered,
     pieces_text, push_tool_result, render_chat_prompt, render_completion_prompt, render_tool_tail,
-    tool_context, tools_section, ChatRequest, CliChat, DsmlReplay, Message, NoReplay, Piece,
-    ReplayMap, Role, ToolCall,
+    tool_context, tool_schema_line, tools_section, ChatRequest, CliChat, DsmlReplay, Message,
+    NoReplay, Piece, ReplayMap, Role, ToolCall,
 };
-pub use stream::{StreamEvent, StreamParser};
+pub use stream::{SamplingState, StreamEvent, StreamParser};
 pub use think::{parse_effort, Effort, ThinkControls, ThinkError, ThinkMode, ThinkResolution};

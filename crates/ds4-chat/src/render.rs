@@ -242,6 +242,16 @@ fn push_calls(out: &mut String, calls: &[ToolCall], replay: &dyn DsmlReplay) {
     }
 }
 
+/// The schema line for one client tool entry (§1.4, §3.2): OpenAI's
+/// `{"type":"function","function":X}` (any object with a `function` member) gives the raw
+/// bytes of `X`; anything else is used as sent.
+pub fn tool_schema_line(raw_tool: &str) -> &str {
+    match json::member_span(raw_tool, "function") {
+        Some(r) => &raw_tool[r],
+        None => raw_tool,
+    }
+}
+
 /// Tools section (§3.2): preamble, schema lines joined by `\n`, postamble.
 pub fn tools_section(schemas: &[String]) -> String {
     let mut s = String::from(TOOLS_PREAMBLE);

@@ -55,11 +55,52 @@ enum Value {
     /// No `string` attribute: plain string or nested parameters?
     Undecided(ParamHead),
     Nested(ParamHead),
-    Json(ParamHead),
+    /// A JSON value (held until complete); `scan` tracks JSON strings for [`SamplingState`].
+    Json(ParamHead, JsonScan),
     /// A string value emitted up to byte `from`.
     Str {
         from: usize,
     },
+}
+
+/// Incremental scan of a JSON value: are we inside a JSON string?
+#[derive(Default)]
+struct JsonScan {
+    /// Bytes of the value scanned so far.
+    done: usize,
+    in_str: bool,
+    esc: bool,
+}
+
+impl JsonScan {
+    fn advance(&mut self, text: &str, value_start: usize) {
+        for &c in &text.as_bytes()[value_start + self.done..] {
+            if self.in_str {
+                if self.esc {
+                    self.esc = false;
+                } else if c == b'\\' {
+                    self.esc = true;
+                } else if c == b'"' {
+                    self.in_str = false;
+                }
+            } else if c == b'"' {
+                self.in_str = true;
+            }
+        }
+        self.done = text.len() - value_start;
+    }
+}
+
+/// Where generation currently is, for the tools sampler (interfaces.md §1.3 "greedy DSML
+/// syntax"): structure is sampled greedily, payload with the request's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SamplingState {
+    /// Not inside a tool block.
+    Outside,
+    /// Tags, attributes, JSON punctuation, closing markers.
+    Structure,
+    /// A `string="true"` body or the inside of a JSON string.
+    Payload,
 }
 
 struct Invoke {
@@ -200,7 +241,7 @@ fn step_block(text: &str, b: &mut Block, out: &mut Vec<StreamEvent>) -> BlockSte
                                 from: h.value_start,
                             }
                         } else {
-                            Value::Json(h)
+                            Value::Json(h, JsonScan::default())
                         });
                     }
                     Step::NeedMore => return BlockStep::NeedMore,
@@ -233,7 +274,7 @@ fn step_block(text: &str, b: &mut Block, out: &mut Vec<StreamEvent>) -> BlockSte
                 }
                 Step::Fail(e) => return BlockStep::Fail(e),
             },
-            Some(Value::Json(h)) => match text[h.value_start..].find(t.param_close) {
+            Some(Value::Json(h, mut scan)) => match text[h.value_start..].find(t.param_close) {
                 Some(i) => {
                     let end = h.value_start + i;
                     let (v, ok) = value_json(&text[h.value_start..end], false);
@@ -244,7 +285,8 @@ fn step_block(text: &str, b: &mut Block, out: &mut Vec<StreamEvent>) -> BlockSte
                     b.pos = end + t.param_close.len();
                 }
                 None => {
-                    inv.value = Some(Value::Json(h));
+                    scan.advance(text, h.value_start);
+                    inv.value = Some(Value::Json(h, scan));
                     return BlockStep::NeedMore;
                 }
             },
@@ -343,9 +385,28 @@ impl StreamParser {
         self.block.as_ref().is_some_and(|b| b.raw_end.is_some())
     }
 
-    /// True while inside a tool block (structure tokens may be sampled greedily).
+    /// True while inside a tool block.
     pub fn in_tool_block(&self) -> bool {
         self.phase == Phase::Block
+    }
+
+    /// Whether the next token continues tool-call structure or payload.
+    pub fn sampling_state(&self) -> SamplingState {
+        let Some(b) = self.block.as_ref().filter(|_| self.phase == Phase::Block) else {
+            return SamplingState::Outside;
+        };
+        match b.cur.as_ref().and_then(|i| i.value.as_ref()) {
+            Some(Value::Str { from }) => {
+                // Once a closing tag has visibly started (`</`…), finish it greedily.
+                if partial_suffix(&self.text[*from..], b.dialect.tags().param_close) >= 2 {
+                    SamplingState::Structure
+                } else {
+                    SamplingState::Payload
+                }
+            }
+            Some(Value::Json(_, scan)) if scan.in_str => SamplingState::Payload,
+            _ => SamplingState::Structure,
+        }
     }
 
     fn emit_text(&mut self, end: usize, reasoning: bool, out: &mut Vec<StreamEvent>) {

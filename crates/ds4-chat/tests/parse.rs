@@ -399,3 +399,49 @@ fn detection_off_for_tool_choice_none() {
         (DOC_3_1_OUTPUT, 0, &DsmlStatus::NoBlock)
     );
 }
+
+#[test]
+fn sampling_state_tracks_structure_and_payload() {
+    let mut sp = StreamParser::new(ParseOptions {
+        thinking: false,
+        detect_tools: true,
+    });
+    let mut at = |chunk: &str| {
+        sp.push(chunk);
+        sp.sampling_state()
+    };
+    use SamplingState::*;
+    assert_eq!(at("I'll look.\n\n"), Outside);
+    assert_eq!(
+        at("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n"),
+        Structure
+    );
+    assert_eq!(
+        at("<｜DSML｜parameter name=\"path\" string=\"true\">"),
+        Payload
+    );
+    assert_eq!(at("conf/app <b>"), Payload);
+    assert_eq!(at("</"), Structure);
+    assert_eq!(at("｜DSML｜parameter>\n"), Structure);
+    assert_eq!(
+        at("<｜DSML｜parameter name=\"flags\" string=\"false\">{"),
+        Structure
+    );
+    assert_eq!(at("\"ra"), Payload);
+    assert_eq!(
+        at("w\\\""),
+        Payload,
+        "escaped quote stays inside the string"
+    );
+    assert_eq!(at("\": "), Structure);
+    assert_eq!(
+        at("true}</｜DSML｜parameter>\n</｜DSML｜invoke>\n"),
+        Structure
+    );
+    assert_eq!(at("</｜DSML｜tool_calls>"), Outside);
+    let (_, out) = sp.finish();
+    assert_eq!(
+        out.tool_calls[0].arguments_json,
+        r#"{"path":"conf/app <b>","flags":{"raw\"":true}}"#
+    );
+}

@@ -278,3 +278,15 @@ fn cli_renderers() {
     );
     snapshot("render/cli_repl.txt", &chat.text());
 }
+
+#[test]
+fn openai_tool_wrapper_is_unwrapped_to_raw_bytes() {
+    let wrapped = r#"{"type": "function", "function": {"name":"bash",  "parameters":{}}}"#;
+    assert_eq!(
+        tool_schema_line(wrapped),
+        r#"{"name":"bash",  "parameters":{}}"#
+    );
+    let anthropic = r#"{"name":"bash","input_schema":{"type":"object"}}"#;
+    assert_eq!(tool_schema_line(anthropic), anthropic);
+    assert_eq!(tool_schema_line("not json"), "not json");
+}
