@@ -168,6 +168,11 @@ def corpus(added):
     out += [c * n for c in " \t\n" for n in (1, 2, 3, 5, 17, 64)] + [" " * n + "x" for n in range(1, 10)]
     out += ["9" * n for n in range(1, 40)] + ["a" + "1" * n + "b" for n in range(1, 12)] + [str(2 ** n) for n in range(0, 200, 7)]
     out += [" " * n + "123" for n in range(0, 5)] + ["x" + " " * n + "\n" for n in range(0, 5)]
+    # long single pieces (exercise the O(n log n) merge loop used above 64 bytes)
+    b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    out += ["".join(r.choice(b64) for _ in range(n)) for n in (65, 100, 300, 1000, 4000)]
+    out += ["a" * 200, "ab" * 150, " " * 300 + "x", "\n" * 100, "-" * 120, "=" * 80 + "\n", "🙂" * 40, "深" * 100,
+            "ا" * 70 + "ب", "Supercalifragilisticexpialidocious" * 4, "x" + "\u0301" * 80, "'" * 70 + "s"]
     # every added token once, in light context (HF splits them all out)
     out += [f"a{tok}b" if i % 2 else f" {tok}\n" for i, tok in enumerate(added)]
     # a rendered chat prompt, like the server builds

@@ -1,17 +1,50 @@
 //! Single-thread encode throughput over the oracle corpus, repeated to >= 50 MB.
 //!
-//!     cargo run -p ds4-tokenizer --release --example encode_bench
+//!     cargo run -p ds4-tokenizer --release --example encode_bench [CORPUS.jsonl.gz]
 //!
-//! Prints MB/s (1 MB = 1e6 bytes) for plain `encode` (warm piece cache, as in a
-//! long-running server) and for a cold cache (a fresh tokenizer for each pass).
+//! Prints MB/s (1 MB = 1e6 bytes) of wall time and of this thread's CPU time (so that a
+//! loaded shared machine still gives a usable number), for plain `encode` with the piece
+//! cache warm (as in a long-running server), with the cache cleared before every pass
+//! (cold), and for `encode_with_specials`.
 
 use ds4_tokenizer::{builtin, Tokenizer};
 use std::io::Read;
 use std::time::Instant;
 
+/// CPU time of this thread in seconds (Linux schedstat; NaN elsewhere).
+fn cpu_s() -> f64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(f64::NAN, |ns| ns / 1e9)
+}
+
+/// Runs `f` over all docs `reps` times; prints and returns MB/s (wall).
+fn run(name: &str, docs: &[String], reps: usize, mut f: impl FnMut(&str) -> usize) -> f64 {
+    let bytes: usize = docs.iter().map(|d| d.len()).sum::<usize>() * reps;
+    let (t, c) = (Instant::now(), cpu_s());
+    let mut tokens = 0usize;
+    for _ in 0..reps {
+        for d in docs {
+            tokens += f(d);
+        }
+    }
+    let (dt, dc) = (t.elapsed().as_secs_f64(), cpu_s() - c);
+    let mb = bytes as f64 / 1e6;
+    println!(
+        "{name:<34} {mb:6.1} MB  {dt:6.2} s wall  {:6.1} MB/s wall  {:6.1} MB/s per CPU-s  {:5.2} M tok/s wall",
+        mb / dt,
+        mb / dc,
+        tokens as f64 / dt / 1e6
+    );
+    mb / dt
+}
+
 fn main() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/oracle.jsonl.gz");
-    let gz = std::fs::read(path).expect("corpus");
+    let path = std::env::args().nth(1).unwrap_or_else(|| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/oracle.jsonl.gz").to_string()
+    });
+    let gz = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let mut text = String::new();
     flate2::read::GzDecoder::new(&gz[..])
         .read_to_string(&mut text)
@@ -26,58 +59,25 @@ fn main() {
     let corpus_bytes: usize = docs.iter().map(|d| d.len()).sum();
     let reps = 50_000_000usize.div_ceil(corpus_bytes);
     let t0 = Instant::now();
-    let vocab = builtin::deepseek_v4();
-    let tok = Tokenizer::from_builtin(vocab.clone()).expect("vocab");
+    let tok = Tokenizer::from_builtin(builtin::deepseek_v4()).expect("vocab");
     println!(
-        "corpus: {} strings, {} bytes; repeated {reps}x = {:.1} MB; tokenizer load {:.0} ms",
+        "corpus: {} strings, {} bytes, repeated {reps}x; tokenizer load (decompress + build) {:.0} ms",
         docs.len(),
         corpus_bytes,
-        (reps * corpus_bytes) as f64 / 1e6,
         t0.elapsed().as_secs_f64() * 1e3
     );
-    // Warm cache: one untimed pass, then the timed repetitions.
-    let mut n_tokens = 0usize;
-    for d in &docs {
-        n_tokens += tok.encode(d).len();
-    }
-    let t = Instant::now();
-    let mut sink = 0usize;
-    for _ in 0..reps {
-        for d in &docs {
-            sink += tok.encode(d).len();
+    tok.encode(&docs[0]); // touch
+    run("warm-up pass", &docs, 1, |d| tok.encode(d).len());
+    run("encode, cache warm", &docs, reps, |d| tok.encode(d).len());
+    let mut n = 0usize;
+    run("encode, cache cleared every pass", &docs, reps, |d| {
+        if n == 0 {
+            tok.clear_cache(); // start of a pass
         }
-    }
-    let dt = t.elapsed().as_secs_f64();
-    let mb = (reps * corpus_bytes) as f64 / 1e6;
-    println!(
-        "encode (warm cache): {mb:.1} MB in {dt:.2} s = {:.1} MB/s, {:.2} M tokens/s ({} tokens per pass)",
-        mb / dt,
-        sink as f64 / dt / 1e6,
-        n_tokens
-    );
-    // Cold cache: fresh tokenizer per pass (construction not timed).
-    let passes = 5;
-    let mut dt = 0.0;
-    for _ in 0..passes {
-        let fresh = Tokenizer::from_builtin(vocab.clone()).expect("vocab");
-        let t = Instant::now();
-        for d in &docs {
-            sink += fresh.encode(d).len();
-        }
-        dt += t.elapsed().as_secs_f64();
-    }
-    let mb = (passes * corpus_bytes) as f64 / 1e6;
-    println!(
-        "encode (cold cache, {passes} passes): {mb:.2} MB in {dt:.3} s = {:.1} MB/s",
-        mb / dt
-    );
-    let t = Instant::now();
-    for d in &docs {
-        sink += tok.encode_with_specials(d).len();
-    }
-    let dt = t.elapsed().as_secs_f64();
-    println!(
-        "encode_with_specials (warm): {:.1} MB/s  [checksum {sink}]",
-        corpus_bytes as f64 / 1e6 / dt
-    );
+        n = (n + 1) % docs.len();
+        tok.encode(d).len()
+    });
+    run("encode_with_specials, cache warm", &docs, reps, |d| {
+        tok.encode_with_specials(d).len()
+    });
 }

@@ -70,11 +70,49 @@ const CACHE_CAP: usize = 200_000;
 /// Pieces with more symbols than this use the heap-based merge loop.
 const SMALL_PIECE: usize = 64;
 
+/// Piece -> ids cache. Pieces of at most 15 bytes are keyed inline (bytes + length in
+/// the top byte of a u128), longer ones by their bytes.
 #[derive(Default)]
 struct Cache {
-    /// piece bytes -> (start, len) in `ids`
-    map: FxHashMap<Box<[u8]>, (u32, u32)>,
+    /// key -> (start, len) in `ids`
+    small: FxHashMap<u128, (u32, u32)>,
+    big: FxHashMap<Box<[u8]>, (u32, u32)>,
     ids: Vec<u32>,
+}
+
+impl Cache {
+    #[inline]
+    fn small_key(piece: &[u8]) -> u128 {
+        let mut k = [0u8; 16];
+        k[..piece.len()].copy_from_slice(piece);
+        k[15] = piece.len() as u8;
+        u128::from_le_bytes(k)
+    }
+
+    #[inline]
+    fn get(&self, piece: &[u8]) -> Option<&[u32]> {
+        let hit = if piece.len() < 16 {
+            self.small.get(&Self::small_key(piece))
+        } else {
+            self.big.get(piece)
+        };
+        hit.map(|&(s, l)| &self.ids[s as usize..(s + l) as usize])
+    }
+
+    fn insert(&mut self, piece: &[u8], ids: &[u32]) {
+        if self.small.len() + self.big.len() >= CACHE_CAP {
+            self.small.clear();
+            self.big.clear();
+            self.ids.clear();
+        }
+        let v = (self.ids.len() as u32, ids.len() as u32);
+        self.ids.extend_from_slice(ids);
+        if piece.len() < 16 {
+            self.small.insert(Self::small_key(piece), v);
+        } else {
+            self.big.insert(piece.into(), v);
+        }
+    }
 }
 
 /// Reusable buffers for one encode call.
@@ -295,6 +333,13 @@ impl Tokenizer {
         Ok(out)
     }
 
+    /// Empties the piece cache (it is also bounded: cleared when it reaches 200,000 pieces).
+    pub fn clear_cache(&self) {
+        if let Ok(mut c) = self.cache.lock() {
+            *c = Cache::default();
+        }
+    }
+
     /// Plain-text BPE: added/special token strings in `text` are encoded as ordinary text.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
@@ -343,9 +388,24 @@ impl Tokenizer {
         scratch: &mut Scratch,
         out: &mut Vec<u32>,
     ) {
-        if piece.len() == 1 {
-            out.push(self.byte_ids[piece[0] as usize]);
-            return;
+        match piece.len() {
+            1 => {
+                out.push(self.byte_ids[piece[0] as usize]);
+                return;
+            }
+            2 => {
+                // One possible merge: cheaper than a cache lookup.
+                let (a, b) = (
+                    self.byte_ids[piece[0] as usize],
+                    self.byte_ids[piece[1] as usize],
+                );
+                match self.pair(a, b) {
+                    Some((_, m)) => out.push(m),
+                    None => out.extend_from_slice(&[a, b]),
+                }
+                return;
+            }
+            _ => {}
         }
         let cache = match cache {
             Some(c) if piece.len() <= CACHE_MAX_PIECE => c,
@@ -354,21 +414,13 @@ impl Tokenizer {
                 return;
             }
         };
-        if let Some(&(s, l)) = cache.map.get(piece) {
-            out.extend_from_slice(&cache.ids[s as usize..(s + l) as usize]);
+        if let Some(ids) = cache.get(piece) {
+            out.extend_from_slice(ids);
             return;
         }
         let start = out.len();
         self.bpe(piece, scratch, out);
-        if cache.map.len() >= CACHE_CAP {
-            cache.map.clear();
-            cache.ids.clear();
-        }
-        let s = cache.ids.len() as u32;
-        cache.ids.extend_from_slice(&out[start..]);
-        cache
-            .map
-            .insert(piece.into(), (s, (out.len() - start) as u32));
+        cache.insert(piece, &out[start..]);
     }
 
     #[inline]

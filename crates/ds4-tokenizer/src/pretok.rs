@@ -122,20 +122,29 @@ pub fn split(text: &str, cls: &Classes, emit: &mut impl FnMut(&str)) {
 
 /// `\p{N}{1,3}` isolated.
 fn stage1(s: &str, cls: &Classes, emit: &mut impl FnMut(&str)) {
+    let b = s.as_bytes();
     let mut i = 0;
     let mut span = 0; // start of the current non-number span
-    while i < s.len() {
-        let (c, l) = char_at(s, i);
-        if cls.of(c) & N == 0 {
-            i += l;
-            continue;
+    while i < b.len() {
+        // ASCII fast path: only '0'..='9' are numbers.
+        if b[i] < 0x80 {
+            if !b[i].is_ascii_digit() {
+                i += 1;
+                continue;
+            }
+        } else {
+            let (c, l) = char_at(s, i);
+            if cls.of(c) & N == 0 {
+                i += l;
+                continue;
+            }
         }
         if span < i {
             stage2(&s[span..i], cls, emit);
         }
         let start = i;
         let mut k = 0;
-        while k < 3 && i < s.len() {
+        while k < 3 && i < b.len() {
             let (c, l) = char_at(s, i);
             if cls.of(c) & N == 0 {
                 break;
@@ -146,16 +155,26 @@ fn stage1(s: &str, cls: &Classes, emit: &mut impl FnMut(&str)) {
         emit(&s[start..i]); // a 1-3 digit piece: no stage-2/3 regex matches digits
         span = i;
     }
-    if span < s.len() {
+    if span < b.len() {
         stage2(&s[span..], cls, emit);
     }
 }
 
 /// `[一-龥぀-ゟ゠-ヿ]+` isolated.
 fn stage2(s: &str, cls: &Classes, emit: &mut impl FnMut(&str)) {
+    let b = s.as_bytes();
+    // All chars of the ranges are 3-byte UTF-8 with a lead byte in E3..=E9.
+    let maybe_cjk = |x: u8| (0xE3..=0xE9).contains(&x);
+    if !b.iter().any(|&x| maybe_cjk(x)) {
+        return stage3(s, cls, emit);
+    }
     let mut i = 0;
     let mut span = 0;
-    while i < s.len() {
+    while i < b.len() {
+        if !maybe_cjk(b[i]) {
+            i += 1; // continuation and other bytes never start a CJK char
+            continue;
+        }
         let (c, l) = char_at(s, i);
         if !is_cjk(c) {
             i += l;
@@ -165,7 +184,7 @@ fn stage2(s: &str, cls: &Classes, emit: &mut impl FnMut(&str)) {
             stage3(&s[span..i], cls, emit);
         }
         let start = i;
-        while i < s.len() {
+        while i < b.len() {
             let (c, l) = char_at(s, i);
             if !is_cjk(c) {
                 break;
@@ -176,7 +195,7 @@ fn stage2(s: &str, cls: &Classes, emit: &mut impl FnMut(&str)) {
         stage3(&s[start..i], cls, emit);
         span = i;
     }
-    if span < s.len() {
+    if span < b.len() {
         stage3(&s[span..], cls, emit);
     }
 }

@@ -5,7 +5,10 @@ use ds4_tokenizer::pretok::{Classes, LM, N, PS, WS};
 
 #[test]
 fn every_code_point_classified_like_hf() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/hf_char_classes.txt");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/hf_char_classes.txt"
+    );
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let mut want = vec![0u8; 0x110000];
     let mut n_ranges = 0;
@@ -34,11 +37,18 @@ fn every_code_point_classified_like_hf() {
     let cls = Classes::default();
     let mut bad = Vec::new();
     for cp in 0..0x110000u32 {
-        let Some(c) = char::from_u32(cp) else { continue };
+        let Some(c) = char::from_u32(cp) else {
+            continue;
+        };
         let got = cls.of(c);
         if got != want[cp as usize] {
             bad.push(format!("U+{cp:04X} ours {got} hf {}", want[cp as usize]));
         }
     }
-    assert!(bad.is_empty(), "{} code points differ (1=L/M 2=N 4=P/S 8=\\s): {:?}", bad.len(), &bad[..bad.len().min(40)]);
+    assert!(
+        bad.is_empty(),
+        "{} code points differ (1=L/M 2=N 4=P/S 8=\\s): {:?}",
+        bad.len(),
+        &bad[..bad.len().min(40)]
+    );
 }

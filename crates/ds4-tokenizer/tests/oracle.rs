@@ -48,21 +48,26 @@ fn corpus() -> Vec<Case> {
         .collect()
 }
 
-/// Readable report of the first mismatch: the string, both id lists and their tokens.
+/// Readable report of the first mismatch: the string, and both id lists (with their
+/// token strings) around the first differing position.
 fn mismatch(t: &Tokenizer, what: &str, n: usize, text: &str, got: &[u32], want: &[u32]) -> String {
-    let show = |ids: &[u32]| -> String {
-        ids.iter()
-            .map(|&i| format!("{i}:{:?}", t.token_str(i).unwrap_or("<?>")))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     let first = got
         .iter()
         .zip(want)
         .position(|(a, b)| a != b)
         .unwrap_or(got.len().min(want.len()));
+    let from = first.saturating_sub(4);
+    let show = |ids: &[u32]| -> String {
+        let w: Vec<String> = ids
+            .iter()
+            .skip(from)
+            .take(16)
+            .map(|&i| format!("{i}:{:?}", t.token_str(i).unwrap_or("<?>")))
+            .collect();
+        format!("[{from}..] {}", w.join(" "))
+    };
     format!(
-        "{what} mismatch on corpus string #{n}: {text:?}\n first difference at token {first}\n ours ({}): {}\n want ({}): {}",
+        "{what} mismatch on corpus string #{n}: {text:?}\n first difference at token {first}\n ours ({} ids): {}\n want ({} ids): {}",
         got.len(),
         show(got),
         want.len(),
