@@ -1,1 +1,50 @@
-fn main() {}
+//! `ds4`: the one binary. Each subcommand lives in `cmd/` and uses only the library crates'
+//! public APIs.
+
+mod cmd;
+mod progress;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "ds4",
+    version,
+    about = "Native inference engine for DeepSeek V4 Flash",
+    long_about = "Native inference engine for DeepSeek V4 Flash (GGUF, q2/q4 mixes).\n\n\
+        Quick start without the real weights:\n  \
+        ds4 synth --preset tiny -o models/tiny.gguf\n  \
+        ds4 inspect models/tiny.gguf\n  \
+        ds4 tokenize -m models/tiny.gguf 'Hello, world'"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a synthetic DeepSeek V4 GGUF (random weights, real layout and tokenizer).
+    Synth(cmd::synth::Args),
+    /// Describe a GGUF file: architecture, hyper-parameters, tensors by type, weight check.
+    Inspect(cmd::inspect::Args),
+    /// Print the token ids of a text as a JSON array (or decode ids with --decode).
+    Tokenize(cmd::tokenize::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Command::Synth(a) => cmd::synth::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Tokenize(a) => cmd::tokenize::run(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ds4: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

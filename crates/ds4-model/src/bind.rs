@@ -196,7 +196,7 @@ pub fn bind_main(file: &GgufFile, hp: &HParams) -> Result<WeightDir, BindError> 
         .map(|l| format!("blk.{l}.exp_probs_b.bias"))
         .collect();
     bind_specs(
-        &file.name(),
+        file.name(),
         &specs,
         lookup_in(file),
         file.tensors().iter().map(|t| t.name.as_str()),
@@ -207,7 +207,7 @@ pub fn bind_main(file: &GgufFile, hp: &HParams) -> Result<WeightDir, BindError> 
 /// Bind an MTP file (model.md §2.5). Its HC mixers and router may be F16 or F32.
 pub fn bind_mtp(file: &GgufFile, hp: &HParams) -> Result<WeightDir, BindError> {
     bind_specs(
-        &file.name(),
+        file.name(),
         &mtp_tensors(hp),
         lookup_in(file),
         file.tensors().iter().map(|t| t.name.as_str()),

@@ -384,7 +384,7 @@ impl HParams {
             ),
         );
         check(
-            self.n_rot > 0 && self.n_rot % 2 == 0 && self.n_rot < self.head_dim,
+            self.n_rot > 0 && self.n_rot.is_multiple_of(2) && self.n_rot < self.head_dim,
             format!(
                 "{} = {}: RoPE dims must be even and smaller than the head dim {}",
                 k("rope.dimension_count"),
@@ -394,7 +394,7 @@ impl HParams {
         );
         // fp8sim rounds the non-RoPE part of a KV row in blocks of 64 (model.md §3.1).
         check(
-            self.head_dim > self.n_rot && (self.head_dim - self.n_rot) % 64 == 0,
+            self.head_dim > self.n_rot && (self.head_dim - self.n_rot).is_multiple_of(64),
             format!(
                 "{} = {} with {} RoPE dims: the non-RoPE part must be a multiple of 64 (FP8 blocks)",
                 k("attention.key_length"),
@@ -403,7 +403,7 @@ impl HParams {
             ),
         );
         check(
-            self.o_groups > 0 && self.n_head % self.o_groups == 0,
+            self.o_groups > 0 && self.n_head.is_multiple_of(self.o_groups),
             format!(
                 "{} = {}: must divide the head count {}",
                 k("attention.output_group_count"),

@@ -115,7 +115,8 @@ fn other_sizes_load() {
 
 #[test]
 fn invariant_violations_name_their_key() {
-    let cases: Vec<(fn(&mut HParams), &str)> = vec![
+    type Mutation = fn(&mut HParams);
+    let cases: Vec<(Mutation, &str)> = vec![
         (|h| h.n_head_kv = 2, "deepseek4.attention.head_count_kv = 2"),
         (
             |h| h.o_groups = 3,

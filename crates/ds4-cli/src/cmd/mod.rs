@@ -1,0 +1,3 @@
+pub mod inspect;
+pub mod synth;
+pub mod tokenize;

@@ -1,0 +1,21 @@
+//! Progress bars on a terminal, nothing when stderr is piped.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
+
+/// A byte-count progress bar, hidden unless stderr is a terminal.
+pub fn bytes(msg: &str, total: u64) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}

@@ -1,0 +1,194 @@
+//! Elementwise and small-vector building blocks of the forward pass (model.md §3.1), on f32
+//! slices. These are the CPU definitions of the ops every backend must reproduce.
+
+/// `x / sqrt(mean(x²) + eps) · w` (unweighted when `w` is None). Sum of squares in f64, as the
+/// ds4 CPU reference does (model.md §7.19).
+pub fn rms_norm(x: &mut [f32], w: Option<&[f32]>, eps: f32) {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = (1.0 / ((ss / x.len() as f64) + eps as f64).sqrt()) as f32;
+    match w {
+        Some(w) => x.iter_mut().zip(w).for_each(|(v, w)| *v = *v * scale * w),
+        None => x.iter_mut().for_each(|v| *v *= scale),
+    }
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// `ln(1 + e^x)` without overflow.
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// In-place softmax.
+pub fn softmax(x: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    x.iter_mut().for_each(|v| *v /= s);
+}
+
+/// Round to the nearest f16 and back (cache storage precision, model.md §3.1).
+pub fn f16_round(x: &mut [f32]) {
+    for v in x {
+        *v = half::f16::from_f32(*v).to_f32();
+    }
+}
+
+/// Nearest E4M3FN value (bias 7, 3 mantissa bits, subnormals m·2⁻⁹, max 448), ties to even.
+/// `x` must already be clamped to ±448.
+pub fn e4m3(x: f32) -> f32 {
+    let a = x.abs();
+    if a == 0.0 || a.is_nan() {
+        return x;
+    }
+    // Quantum of the binade (or the subnormal step below 2⁻⁶).
+    let e = a.log2().floor().max(-6.0);
+    let quantum = (e - 3.0).exp2();
+    let q = (a / quantum).round_ties_even() * quantum;
+    q.min(448.0).copysign(x)
+}
+
+/// FP8 (E4M3FN) round trip with a power-of-two scale per block of 64, applied to the first
+/// `n_nope` elements (the RoPE tail is untouched): `fp8sim` of model.md §3.1.
+pub fn fp8_sim(v: &mut [f32], n_nope: usize) {
+    for blk in v[..n_nope].chunks_mut(64) {
+        let amax = blk.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-4);
+        let s = ((amax as f64 / 448.0).log2().ceil()).exp2() as f32;
+        for x in blk {
+            *x = e4m3((*x / s).clamp(-448.0, 448.0)) * s;
+        }
+    }
+}
+
+/// E2M1 magnitudes, indexed by code.
+const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// Nearest E2M1 value, ties to the even code. `x` clamped to ±6.
+pub fn e2m1(x: f32) -> f32 {
+    let a = x.abs();
+    let mut best = 0;
+    for (c, &v) in E2M1.iter().enumerate().skip(1) {
+        let d = (v - a).abs();
+        let db = (E2M1[best] - a).abs();
+        if d < db || (d == db && c % 2 == 0) {
+            best = c;
+        }
+    }
+    E2M1[best].copysign(x)
+}
+
+/// Sylvester-ordered fast Walsh–Hadamard transform scaled by 1/√n (n a power of two).
+pub fn hadamard(v: &mut [f32]) {
+    let n = v.len();
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (v[j], v[j + h]);
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let s = 1.0 / (n as f32).sqrt();
+    v.iter_mut().for_each(|x| *x *= s);
+}
+
+/// `fp4sim(H(v))` of model.md §3.1: Hadamard, then FP4 (E2M1) with a power-of-two scale per
+/// block of 32.
+pub fn fp4_hadamard_sim(v: &mut [f32]) {
+    hadamard(v);
+    for blk in v.chunks_mut(32) {
+        let amax = blk
+            .iter()
+            .fold(0f32, |m, x| m.max(x.abs()))
+            .max(6.0 * f32::MIN_POSITIVE);
+        let s = ((amax as f64 / 6.0).log2().ceil()).exp2() as f32;
+        for x in blk {
+            *x = e2m1((*x / s).clamp(-6.0, 6.0)) * s;
+        }
+    }
+}
+
+/// Plain dot product in f32.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight partial sums: vectorisable, and a fixed order (deterministic).
+    let mut acc = [0f32; 8];
+    let n8 = a.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        for k in 0..8 {
+            acc[k] += a[i + k] * b[i + k];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in n8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_grid() {
+        assert_eq!(e4m3(448.0), 448.0);
+        assert_eq!(e4m3(1.0), 1.0);
+        assert_eq!(e4m3(1.0625), 1.0); // tie between 1.0 (even) and 1.125
+        assert_eq!(e4m3(1.1875), 1.25); // tie between 1.125 and 1.25 (even)
+        assert_eq!(e4m3(-0.3), -0.3125);
+        assert_eq!(e4m3(2f32.powi(-9)), 2f32.powi(-9)); // smallest subnormal
+        assert_eq!(e4m3(1.4 * 2f32.powi(-10)), 2f32.powi(-9));
+        assert_eq!(e4m3(0.4 * 2f32.powi(-9)), 0.0);
+        assert_eq!(e4m3(15.5), 16.0);
+    }
+
+    #[test]
+    fn e2m1_grid() {
+        assert_eq!(e2m1(0.25), 0.0); // tie 0 / 0.5 → code 0
+        assert_eq!(e2m1(0.75), 1.0); // tie 0.5 / 1 → code 2
+        assert_eq!(e2m1(2.5), 2.0); // tie 2 / 3 → code 4
+        assert_eq!(e2m1(5.0), 4.0); // tie 4 / 6 → code 6 (even)
+        assert_eq!(e2m1(-5.5), -6.0);
+    }
+
+    #[test]
+    fn hadamard_is_orthonormal() {
+        let mut v: Vec<f32> = (0..128).map(|i| ((i * 37 % 11) as f32) - 5.0).collect();
+        let n0: f32 = v.iter().map(|x| x * x).sum();
+        let orig = v.clone();
+        hadamard(&mut v);
+        let n1: f32 = v.iter().map(|x| x * x).sum();
+        assert!((n0 - n1).abs() < 1e-3 * n0);
+        hadamard(&mut v); // H is its own inverse
+        for (a, b) in v.iter().zip(&orig) {
+            assert!((a - b).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    fn fp8_sim_keeps_rope_tail_and_scales_blocks() {
+        let mut v: Vec<f32> = (0..192).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
+        let orig = v.clone();
+        fp8_sim(&mut v, 128);
+        assert_eq!(&v[128..], &orig[128..]);
+        for (a, b) in v[..128].iter().zip(&orig[..128]) {
+            assert!((a - b).abs() <= b.abs() * 0.07 + 1e-3, "{a} vs {b}");
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! Weight access for the CPU reference: matrices are read straight from the mmap through the
+//! `ds4-quant` exact dot products; small F32 vectors (norms, scales, biases) are copied once.
+
+use ds4_gguf::{GgmlType, GgufFile};
+use ds4_model::{WeightDir, WeightRef};
+use std::sync::Arc;
+
+/// A bound matrix: `rows` rows of `cols` elements (GGUF `[cols, rows, experts]`).
+#[derive(Clone, Debug)]
+pub struct Mat {
+    pub ty: GgmlType,
+    pub cols: usize,
+    pub rows: usize,
+    pub offset: usize,
+    pub n_bytes: usize,
+    kernel: ds4_quant::DotKernel,
+}
+
+impl Mat {
+    fn new(w: &WeightRef) -> Mat {
+        let cols = w.dims[0] as usize;
+        let rows = w.dims.get(1).copied().unwrap_or(1) as usize;
+        Mat {
+            ty: w.ty,
+            cols,
+            rows,
+            offset: w.offset as usize,
+            n_bytes: w.n_bytes as usize,
+            // Binding only admits types ds4-quant supports.
+            kernel: ds4_quant::dot_kernel(w.ty).expect("bound weight types are supported"),
+        }
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols as u64).unwrap_or(0) as usize
+    }
+}
+
+pub struct Weights {
+    pub file: Arc<GgufFile>,
+    pub dir: WeightDir,
+}
+
+impl Weights {
+    pub fn new(file: Arc<GgufFile>, dir: WeightDir) -> Weights {
+        Weights { file, dir }
+    }
+
+    fn get(&self, name: &str) -> &WeightRef {
+        self.dir
+            .get(name)
+            .unwrap_or_else(|| panic!("weight {name} was not bound"))
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.dir.get(name).is_some()
+    }
+
+    pub fn mat(&self, name: &str) -> Mat {
+        Mat::new(self.get(name))
+    }
+
+    fn bytes(&self, m: &Mat) -> &[u8] {
+        &self.file.bytes()[m.offset..m.offset + m.n_bytes]
+    }
+
+    /// `y = M·x` (or of expert `e`'s slab for a 3-D stack).
+    pub fn matvec(&self, m: &Mat, expert: Option<usize>, x: &[f32], y: &mut [f32]) {
+        debug_assert_eq!(x.len(), m.cols);
+        debug_assert_eq!(y.len(), m.rows);
+        let slab = m.rows * m.row_bytes();
+        let all = self.bytes(m);
+        let w = match expert {
+            Some(e) => &all[e * slab..(e + 1) * slab],
+            None => &all[..slab],
+        };
+        m.kernel.matvec_unchecked(w, x, y);
+    }
+
+    /// `y = rows r0 .. r0+y.len() of M · x` (one output group of `attn_output_a`).
+    pub fn matvec_rows(&self, m: &Mat, r0: usize, x: &[f32], y: &mut [f32]) {
+        let rb = m.row_bytes();
+        let w = &self.bytes(m)[r0 * rb..(r0 + y.len()) * rb];
+        m.kernel.matvec_unchecked(w, x, y);
+    }
+
+    /// One row of a matrix, dequantised (embedding lookup, `ape` rows).
+    pub fn row(&self, m: &Mat, r: usize, out: &mut [f32]) {
+        let rb = m.row_bytes();
+        let b = &self.bytes(m)[r * rb..(r + 1) * rb];
+        ds4_quant::dequantize_row(m.ty, b, out).expect("bound rows dequantise");
+    }
+
+    /// A whole F32 tensor as a vector.
+    pub fn vec(&self, name: &str) -> Vec<f32> {
+        let w = self.get(name);
+        let b = &self.file.bytes()[w.offset as usize..(w.offset + w.n_bytes) as usize];
+        let mut out = vec![0f32; w.dims.iter().product::<u64>() as usize];
+        ds4_quant::dequantize_row(w.ty, b, &mut out).expect("bound vectors dequantise");
+        out
+    }
+
+    /// An I32 table (`ffn_gate_tid2eid`).
+    pub fn i32s(&self, name: &str) -> Vec<i32> {
+        let w = self.get(name);
+        let b = &self.file.bytes()[w.offset as usize..(w.offset + w.n_bytes) as usize];
+        b.chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+}
