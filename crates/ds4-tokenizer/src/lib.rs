@@ -64,7 +64,7 @@ pub struct SpecialIds {
 }
 
 /// Pieces longer than this (bytes) are not cached.
-const CACHE_MAX_PIECE: usize = 48;
+const CACHE_MAX_PIECE: usize = 256;
 /// Entries in the piece cache before it is cleared.
 const CACHE_CAP: usize = 200_000;
 /// Pieces with more symbols than this use the heap-based merge loop.
@@ -136,6 +136,9 @@ pub struct Tokenizer {
     /// Added (non-BPE) tokens, for `encode_with_specials`.
     added: Option<AhoCorasick>,
     added_ids: Vec<u32>,
+    /// Only the seven chat specials, for `encode_with_chat_specials`.
+    chat: AhoCorasick,
+    chat_ids: [u32; 7],
     is_added: Vec<bool>,
     specials: SpecialIds,
     classes: pretok::Classes,
@@ -261,7 +264,22 @@ impl Tokenizer {
                     .expect("aho-corasick over non-empty patterns"),
             )
         };
+        let chat_ids = [
+            specials.bos,
+            specials.eos,
+            specials.user,
+            specials.assistant,
+            specials.think_open,
+            specials.think_close,
+            specials.dsml,
+        ];
+        let chat = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(CHAT_SPECIALS)
+            .expect("aho-corasick over the chat specials");
         Ok(Tokenizer {
+            chat,
+            chat_ids,
             tokens,
             bytes: tok_bytes,
             offs,
@@ -361,17 +379,26 @@ impl Tokenizer {
     /// specials; also the other added tokens, as HF does) becomes its id, scanning
     /// leftmost-longest; the text between them is BPE-encoded.
     pub fn encode_with_specials(&self, text: &str) -> Vec<u32> {
+        match &self.added {
+            Some(ac) => self.encode_split(text, ac, &self.added_ids),
+            None => self.encode(text),
+        }
+    }
+
+    /// Like `encode_with_specials` but recognising only the seven chat specials of
+    /// `CHAT_SPECIALS` (what C ds4 does); other added-token strings stay plain text.
+    pub fn encode_with_chat_specials(&self, text: &str) -> Vec<u32> {
+        self.encode_split(text, &self.chat, &self.chat_ids)
+    }
+
+    fn encode_split(&self, text: &str, ac: &AhoCorasick, ids: &[u32]) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
-        let Some(ac) = &self.added else {
-            self.encode_into(text, &mut out);
-            return out;
-        };
         let mut last = 0;
         for m in ac.find_iter(text) {
             if m.start() > last {
                 self.encode_into(&text[last..m.start()], &mut out);
             }
-            out.push(self.added_ids[m.pattern().as_usize()]);
+            out.push(ids[m.pattern().as_usize()]);
             last = m.end();
         }
         if last < text.len() {

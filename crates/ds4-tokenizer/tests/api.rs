@@ -246,3 +246,27 @@ fn tokenizer_is_shareable_across_threads() {
         }
     });
 }
+
+#[test]
+fn chat_specials_only_mode() {
+    let t = v4();
+    let text = "<｜User｜>say <dsml: and <｜tool▁sep｜></think>";
+    let all = t.encode_with_specials(text);
+    let chat = t.encode_with_chat_specials(text);
+    let dsml_colon = t.token_id("<dsml:").unwrap();
+    let tool_sep = t.token_id("<｜tool▁sep｜>").unwrap();
+    assert!(
+        all.contains(&dsml_colon) && all.contains(&tool_sep),
+        "{all:?}"
+    );
+    assert!(
+        !chat.contains(&dsml_colon) && !chat.contains(&tool_sep),
+        "{chat:?}"
+    );
+    assert_eq!(chat[0], t.specials().user);
+    assert_eq!(*chat.last().unwrap(), t.specials().think_close);
+    assert_eq!(t.decode(&chat).unwrap(), text.as_bytes());
+    // Between chat specials the text is plain BPE.
+    let mid = "say <dsml: and <｜tool▁sep｜>";
+    assert_eq!(&chat[1..chat.len() - 1], t.encode(mid).as_slice());
+}
