@@ -374,16 +374,14 @@ pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
 pub(crate) fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h & 0x8000) as u32) << 16;
     let me = (h & 0x7fff) as u32;
-    // Written as selects (no branches) so loops over it vectorise.
-    let normal = (me << 13) + (112 << 23); // rebias exponent 15 → 127
-    let inf_nan = (me << 13) | 0x7f80_0000;
-    let sub = ((me as i32) as f32 * (1.0 / 16_777_216.0)).to_bits(); // zero/subnormal: man·2⁻²⁴
-    let bits = if me < 0x400 {
-        sub
-    } else if me >= 0x7c00 {
-        inf_nan
+    // Exponent and mantissa moved into f32 position, then rescaled by 2^112 (= 2^(127−15)):
+    // exact for normals and for subnormals (an f32 subnormal times 2^112 is an exact normal).
+    // Inf/NaN take a select instead, so loops over this vectorise.
+    let scaled = (f32::from_bits(me << 13) * f32::from_bits((127 + 112) << 23)).to_bits();
+    let bits = if me >= 0x7c00 {
+        (me << 13) | 0x7f80_0000
     } else {
-        normal
+        scaled
     };
     f32::from_bits(sign | bits)
 }

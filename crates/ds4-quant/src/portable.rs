@@ -136,8 +136,9 @@ pub(crate) fn deq_iq2_xxs(b: &[u8], o: &mut [f32; QK_K]) {
             let signs = KSIGNS_IQ2XS[((aux >> (7 * c)) & 127) as usize];
             let out = &mut o[32 * g + 8 * c..][..8];
             for j in 0..8 {
-                let s = if signs >> j & 1 != 0 { -1.0f32 } else { 1.0 };
-                out[j] = db * grid[j] as f32 * s;
+                // Sign applied by flipping the sign bit: exact, same as gguf-py's `· ±1`.
+                let neg = ((signs >> j) as u32 & 1) << 31;
+                out[j] = f32::from_bits((db * grid[j] as f32).to_bits() ^ neg);
             }
         }
     }
