@@ -54,13 +54,13 @@ enum Phase {
 enum Value {
     /// No `string` attribute: plain string or nested parameters?
     Undecided(ParamHead),
-    Nested(ParamHead),
+    /// Nested parameters, re-parsed from the start (held until complete); `tried` is the
+    /// text length at the last attempt.
+    Nested(ParamHead, usize),
     /// A JSON value (held until complete); `scan` tracks JSON strings for [`SamplingState`].
     Json(ParamHead, JsonScan),
     /// A string value emitted up to byte `from`.
-    Str {
-        from: usize,
-    },
+    Str { from: usize },
 }
 
 /// Incremental scan of a JSON value: are we inside a JSON string?
@@ -167,6 +167,16 @@ fn escape_fragment(s: &str) -> String {
     q[1..q.len() - 1].to_string()
 }
 
+/// First `pat` in `text[start..]`, knowing that `text[start..start + scanned]` held none
+/// (only the last `pat.len() - 1` scanned bytes are searched again).
+fn find_from(text: &str, start: usize, scanned: usize, pat: &str) -> Option<usize> {
+    let mut from = start + scanned.saturating_sub(pat.len() - 1);
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    text[from..].find(pat).map(|i| from + i)
+}
+
 /// Outcome of advancing the block parser.
 enum BlockStep {
     NeedMore,
@@ -175,7 +185,7 @@ enum BlockStep {
 }
 
 /// Advances the tool block as far as `text` allows, emitting call events.
-fn step_block(text: &str, b: &mut Block, out: &mut Vec<StreamEvent>) -> BlockStep {
+fn step_block(text: &str, eof: bool, b: &mut Block, out: &mut Vec<StreamEvent>) -> BlockStep {
     let t = b.dialect.tags();
     loop {
         let Some(inv) = b.cur.as_mut() else {
@@ -249,7 +259,7 @@ fn step_block(text: &str, b: &mut Block, out: &mut Vec<StreamEvent>) -> BlockSte
                 }
             }
             Some(Value::Undecided(h)) => match starts_nested(text, h.value_start, t) {
-                Step::Ok(true) => inv.value = Some(Value::Nested(h)),
+                Step::Ok(true) => inv.value = Some(Value::Nested(h, 0)),
                 Step::Ok(false) => {
                     delta(inv, "\"");
                     inv.value = Some(Value::Str {
@@ -262,34 +272,43 @@ fn step_block(text: &str, b: &mut Block, out: &mut Vec<StreamEvent>) -> BlockSte
                 }
                 Step::Fail(e) => return BlockStep::Fail(e),
             },
-            Some(Value::Nested(h)) => match parse_nested(text, h.value_start, &h.name, t) {
+            // Progress inside nested parameters needs a new `>` (or the end of input):
+            // skip the re-parse otherwise, so long nested values stay linear.
+            Some(Value::Nested(h, tried))
+                if !eof && tried > 0 && !text.as_bytes()[tried..].contains(&b'>') =>
+            {
+                inv.value = Some(Value::Nested(h, text.len()));
+                return BlockStep::NeedMore;
+            }
+            Some(Value::Nested(h, _)) => match parse_nested(text, h.value_start, &h.name, t) {
                 Step::Ok(n) => {
                     delta(inv, &n.json);
                     inv.invalid.extend(n.invalid);
                     b.pos = n.next;
                 }
                 Step::NeedMore => {
-                    inv.value = Some(Value::Nested(h));
+                    inv.value = Some(Value::Nested(h, text.len()));
                     return BlockStep::NeedMore;
                 }
                 Step::Fail(e) => return BlockStep::Fail(e),
             },
-            Some(Value::Json(h, mut scan)) => match text[h.value_start..].find(t.param_close) {
-                Some(i) => {
-                    let end = h.value_start + i;
-                    let (v, ok) = value_json(&text[h.value_start..end], false);
-                    if !ok {
-                        inv.invalid.push(h.name.clone());
+            Some(Value::Json(h, mut scan)) => {
+                match find_from(text, h.value_start, scan.done, t.param_close) {
+                    Some(end) => {
+                        let (v, ok) = value_json(&text[h.value_start..end], false);
+                        if !ok {
+                            inv.invalid.push(h.name.clone());
+                        }
+                        delta(inv, &v);
+                        b.pos = end + t.param_close.len();
                     }
-                    delta(inv, &v);
-                    b.pos = end + t.param_close.len();
+                    None => {
+                        scan.advance(text, h.value_start);
+                        inv.value = Some(Value::Json(h, scan));
+                        return BlockStep::NeedMore;
+                    }
                 }
-                None => {
-                    scan.advance(text, h.value_start);
-                    inv.value = Some(Value::Json(h, scan));
-                    return BlockStep::NeedMore;
-                }
-            },
+            }
             Some(Value::Str { from }) => match text[from..].find(t.param_close) {
                 Some(i) => {
                     let end = from + i;
@@ -509,7 +528,7 @@ impl StreamParser {
                 }
                 Phase::Block => {
                     let b = self.block.as_mut().expect("block state");
-                    match step_block(&self.text, b, out) {
+                    match step_block(&self.text, eof, b, out) {
                         BlockStep::Closed => {
                             self.phase = Phase::Done;
                             return;
