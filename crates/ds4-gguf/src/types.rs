@@ -37,10 +37,15 @@ pub enum GgmlType {
     F64 = 28,
     IQ1_M = 29,
     BF16 = 30,
+    TQ1_0 = 34,
+    TQ2_0 = 35,
+    MXFP4 = 39,
+    NVFP4 = 40,
+    Q1_0 = 41,
 }
 
 impl GgmlType {
-    pub const ALL: [GgmlType; 29] = [
+    pub const ALL: [GgmlType; 34] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -70,6 +75,11 @@ impl GgmlType {
         GgmlType::F64,
         GgmlType::IQ1_M,
         GgmlType::BF16,
+        GgmlType::TQ1_0,
+        GgmlType::TQ2_0,
+        GgmlType::MXFP4,
+        GgmlType::NVFP4,
+        GgmlType::Q1_0,
     ];
 
     /// The type with GGUF id `id`, if ggml defines one.
@@ -86,7 +96,9 @@ impl GgmlType {
         use GgmlType::*;
         match self {
             F32 | F16 | BF16 | I8 | I16 | I32 | I64 | F64 => 1,
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4_NL => 32,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4_NL | MXFP4 => 32,
+            NVFP4 => 64,
+            Q1_0 => 128,
             _ => 256,
         }
     }
@@ -104,7 +116,7 @@ impl GgmlType {
             Q5_0 => 22,
             Q5_1 => 24,
             Q8_0 => 34,
-            Q8_1 => 36,
+            Q8_1 => 36, // ggml: two f16 (d, s) + 32 i8; pip gguf still lists 40 (old f32 layout)
             Q2_K => 84,
             Q3_K => 110,
             Q4_K => 144,
@@ -119,6 +131,11 @@ impl GgmlType {
             IQ2_S => 82,
             IQ4_XS => 136,
             IQ1_M => 56,
+            TQ1_0 => 54,
+            TQ2_0 => 66,
+            MXFP4 => 17,
+            NVFP4 => 36,
+            Q1_0 => 18,
         }
     }
 
@@ -163,6 +180,11 @@ impl GgmlType {
             F64 => "F64",
             IQ1_M => "IQ1_M",
             BF16 => "BF16",
+            TQ1_0 => "TQ1_0",
+            TQ2_0 => "TQ2_0",
+            MXFP4 => "MXFP4",
+            NVFP4 => "NVFP4",
+            Q1_0 => "Q1_0",
         }
     }
 }
@@ -183,7 +205,8 @@ mod tests {
             assert_eq!(GgmlType::from_id(t.id()), Some(t));
         }
         assert_eq!(GgmlType::from_id(4), None); // Q4_2, removed from ggml
-        assert_eq!(GgmlType::from_id(31), None);
+        assert_eq!(GgmlType::from_id(31), None); // Q4_0_4_4, removed
+        assert_eq!(GgmlType::from_id(42), None);
     }
 
     #[test]
