@@ -1,0 +1,148 @@
+//! The `ds4` binary end to end: synth → inspect → tokenize, and clear errors on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn ds4(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ds4"))
+        .args(args)
+        .output()
+        .expect("run ds4")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ds4-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn full_size_sparse_files_match_the_published_totals() {
+    let d = tmpdir("full");
+    let q2 = d.join("q2.gguf");
+    let o = ds4(&[
+        "synth",
+        "--preset",
+        "full-q2",
+        "--sparse",
+        "--mtp",
+        "-o",
+        s(&q2),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = ds4(&["inspect", s(&q2)]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("1328 tensors, 284.3 B parameters, 80.76 GiB of tensor data"),
+        "{out}"
+    );
+    assert!(out.contains("weights       OK: 1328 tensors"), "{out}");
+    assert!(out.contains("tokenizer     129280 tokens"), "{out}");
+    let o = ds4(&["inspect", s(&d.join("q2-mtp.gguf"))]);
+    assert!(
+        stdout(&o).contains("OK: 32 tensors match the DeepSeek V4 MTP layout"),
+        "{}",
+        stdout(&o)
+    );
+
+    let q4 = d.join("q4.gguf");
+    assert!(
+        ds4(&["synth", "--preset", "full-q4", "--sparse", "-o", s(&q4)])
+            .status
+            .success()
+    );
+    let out = stdout(&ds4(&["inspect", s(&q4)]));
+    assert!(out.contains("(153.33 GiB)"), "{out}"); // the published file size
+    assert!(
+        out.contains("1328 tensors, 284.3 B parameters, 153.32 GiB of tensor data"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn tiny_model_round_trips_text_through_the_tokenizer() {
+    let d = tmpdir("tiny");
+    let m = d.join("tiny.gguf");
+    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
+        .status
+        .success());
+    let out = stdout(&ds4(&["inspect", s(&m)]));
+    assert!(
+        out.contains("layers      6 (2 SWA, 2 CSA, 2 HCA; hash-routed 0-2)"),
+        "{out}"
+    );
+    let text = "Hello <｜User｜> wörld 👋\n\tfn main() {}";
+    let o = ds4(&["tokenize", "-m", s(&m), text]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ids: Vec<u32> = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(
+        ids.contains(&2),
+        "<｜User｜> is special id 2 in the tiny vocabulary: {ids:?}"
+    );
+    let json = serde_json::to_string(&ids).unwrap();
+    let o = ds4(&["tokenize", "-m", s(&m), "--decode", &json]);
+    assert_eq!(stdout(&o), text);
+    // --no-specials encodes the marker as plain text.
+    let plain: Vec<u32> = serde_json::from_str(
+        stdout(&ds4(&["tokenize", "-m", s(&m), "--no-specials", text])).trim(),
+    )
+    .unwrap();
+    assert!(!plain.contains(&2));
+    // Same seed, same bytes.
+    let m2 = d.join("tiny2.gguf");
+    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m2)])
+        .status
+        .success());
+    assert_eq!(std::fs::read(&m).unwrap(), std::fs::read(&m2).unwrap());
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn bad_input_gives_one_clear_error_and_no_panic() {
+    let d = tmpdir("bad");
+    let m = d.join("tiny.gguf");
+    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
+        .status
+        .success());
+    let bytes = std::fs::read(&m).unwrap();
+
+    let trunc = d.join("trunc.gguf");
+    std::fs::write(&trunc, &bytes[..bytes.len() - 1000]).unwrap();
+    let o = ds4(&["inspect", s(&trunc)]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("trunc.gguf") && e.contains("truncated"), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+
+    let not = d.join("not.gguf");
+    std::fs::write(&not, b"hello world, not a gguf file at all").unwrap();
+    let e = stderr(&ds4(&["inspect", s(&not)]));
+    assert!(
+        e.contains("not.gguf") && e.contains("not a GGUF file"),
+        "{e}"
+    );
+
+    let e = stderr(&ds4(&["inspect", s(&d.join("missing.gguf"))]));
+    assert!(e.contains("missing.gguf"), "{e}");
+
+    let o = ds4(&["tokenize", "-m", s(&m), "--decode", "[1, 99999]"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("99999"), "{}", stderr(&o));
+    let o = ds4(&["tokenize", "-m", s(&m), "--decode", "not json"]);
+    assert!(stderr(&o).contains("JSON array"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&d).ok();
+}
