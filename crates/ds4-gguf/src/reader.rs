@@ -675,10 +675,13 @@ impl<'a> Parser<'a> {
             offset: rec,
             dims: dims.clone(),
         };
-        // ggml stores dims and sizes as int64: keep everything below 2^63.
+        // ggml stores dims and sizes as int64: keep each dim, the product and the byte count
+        // below 2^63 (a zero dim must not hide a huge one).
         let n_elements = dims
             .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .try_fold(1u64, |acc, &d| {
+                acc.checked_mul(d).filter(|_| d <= i64::MAX as u64)
+            })
             .filter(|&n| n <= i64::MAX as u64)
             .ok_or_else(overflow)?;
         let block = ty.block_elems();

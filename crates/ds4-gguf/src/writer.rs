@@ -99,7 +99,9 @@ impl GgufWriter {
         }
         let n_bytes = dims
             .iter()
-            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .try_fold(1u64, |a, &d| {
+                a.checked_mul(d).filter(|_| d <= i64::MAX as u64)
+            })
             .filter(|&n| n <= i64::MAX as u64)
             .and_then(|n| (n / ty.block_elems()).checked_mul(ty.block_bytes()))
             .filter(|&n| n <= i64::MAX as u64)

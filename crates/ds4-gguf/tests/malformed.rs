@@ -291,6 +291,12 @@ fn bad_tensor_infos() {
         "tensor w (info at byte 24): dims [4611686018427387904] overflow",
     );
     let mut r = Raw::header(3, 1, 0);
+    r.tensor("w", &[0, 1 << 63], F32, 0); // ggml would read a negative ne1
+    assert_err(
+        &r,
+        "tensor w (info at byte 24): dims [0, 9223372036854775808] overflow",
+    );
+    let mut r = Raw::header(3, 1, 0);
     r.tensor("blk.7.attn_q_b.weight", &[33, 2], Q8_0, 0);
     assert_err(&r, "tensor blk.7.attn_q_b.weight (info at byte 24): row length ne0 = 33 is not a multiple of the Q8_0 block size 32");
 }

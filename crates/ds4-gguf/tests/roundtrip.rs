@@ -197,6 +197,13 @@ fn typed_access_widens_losslessly() {
 }
 
 #[test]
+fn file_is_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<GgufFile>();
+    send_sync::<GgufError>();
+}
+
+#[test]
 fn value_accessors() {
     assert_eq!(Value::I64(-1).as_u64(), None);
     assert_eq!(Value::U64(u64::MAX).as_i64(), None);
@@ -238,6 +245,7 @@ fn writer_rejects_bad_tensors_and_alignment() {
         .to_string()
         .contains("overflow"));
     assert!(w.add_tensor("", GgmlType::F32, &[1]).is_err());
+    assert!(w.add_tensor("x", GgmlType::F32, &[0, 1 << 63]).is_err());
     assert!(w.add_tensor("n".repeat(64), GgmlType::F32, &[1]).is_err());
     assert_eq!(w.add_tensor("x", GgmlType::F32, &[1]).unwrap(), 0);
     assert!(w
