@@ -90,15 +90,17 @@ pub struct ThinkResolution {
 
 impl ThinkControls {
     /// `thinking` (chat/completions/messages): `true`/`false`, or an object whose `type` is
-    /// `enabled`/`disabled` (any other type, e.g. `adaptive`, leaves it enabled;
-    /// `budget_tokens` is ignored). Any value, even `null`, counts as explicit.
+    /// `enabled`/`disabled` (other types, e.g. `adaptive`, and `budget_tokens` change
+    /// nothing). Any value, even `null`, counts as explicit; other JSON types are ignored
+    /// as in ds4. A non-string `type` is an error.
     pub fn apply_thinking(&mut self, v: &Value) -> Result<(), ThinkError> {
         self.explicit = true;
         match v {
             Value::Bool(b) => self.enabled = *b,
             Value::Object(o) => match o.get("type") {
+                Some(Value::String(t)) if t == "enabled" => self.enabled = true,
                 Some(Value::String(t)) if t == "disabled" => self.enabled = false,
-                Some(Value::String(_)) | None | Some(Value::Null) => self.enabled = true,
+                Some(Value::String(_)) | None => {}
                 Some(_) => {
                     return Err(ThinkError {
                         field: "thinking.type".into(),
@@ -106,13 +108,7 @@ impl ThinkControls {
                     });
                 }
             },
-            Value::Null => {}
-            _ => {
-                return Err(ThinkError {
-                    field: "thinking".into(),
-                    message: "must be a bool or an object".into(),
-                })
-            }
+            _ => {}
         }
         Ok(())
     }
@@ -228,7 +224,12 @@ mod tests {
             );
         }
         let mut c = ThinkControls::default();
-        assert!(c.apply_thinking(&json!(3)).is_err());
+        assert!(c.apply_thinking(&json!({"type": 3})).is_err());
+        // Unknown types leave an earlier choice alone.
+        let mut c = ThinkControls::default();
+        c.apply_think(false);
+        c.apply_thinking(&json!({"type":"adaptive"})).unwrap();
+        assert!(!c.enabled);
     }
 
     #[test]

@@ -445,3 +445,205 @@ fn sampling_state_tracks_structure_and_payload() {
         r#"{"path":"conf/app <b>","flags":{"raw\"":true}}"#
     );
 }
+
+/// Random soups of DSML fragments: no panics, and streaming always equals the whole-text parse.
+#[test]
+fn random_dsml_soup_streams_like_whole_text() {
+    const PIECES: &[&str] = &[
+        "<｜DSML｜tool_calls>",
+        "</｜DSML｜tool_calls>",
+        "<｜DSML｜invoke name=\"f\">",
+        "<｜DSML｜invoke>",
+        "</｜DSML｜invoke>",
+        "<｜DSML｜parameter name=\"p\" string=\"true\">",
+        "<｜DSML｜parameter name=\"q\" string=\"false\">",
+        "<｜DSML｜parameter name=\"n\">",
+        "</｜DSML｜parameter>",
+        "<DSML｜tool_calls>",
+        "<DSML｜invoke name=\"s\">",
+        "<DSML｜parameter name=\"x\" string=\"true\">",
+        "</DSML｜parameter>",
+        "</DSML｜invoke>",
+        "</DSML｜tool_calls>",
+        "<tool_calls>",
+        "<invoke name=\"x\">",
+        "<parameter name=\"y\">",
+        "</parameter>",
+        "</invoke>",
+        "</tool_calls>",
+        "<think>",
+        "</think>",
+        "&amp;",
+        "&lt;",
+        "&",
+        "&quo",
+        "\n\n",
+        " ",
+        "\t",
+        "hello",
+        "{\"a\": [1, 2]}",
+        "\"s\\\"",
+        "42",
+        "ü😀",
+        "<",
+        ">",
+        "</",
+        "<｜",
+    ];
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for round in 0..3000 {
+        let n = 1 + (rng.next() % 24) as usize;
+        let text: String = (0..n)
+            .map(|_| PIECES[(rng.next() % PIECES.len() as u64) as usize])
+            .collect();
+        let opts = ParseOptions {
+            thinking: rng.next() % 2 == 0,
+            detect_tools: rng.next() % 5 != 0,
+        };
+        let expected = parse_output_with(&text, opts);
+        let bytes = text.as_bytes();
+        let (ev0, out0) = run_chunks(bytes, &[], opts);
+        assert_eq!(out0, expected, "round {round}: {text:?}");
+        check_events("soup", &text, &ev0, &out0, opts);
+        for _ in 0..4 {
+            let mut cuts = Vec::new();
+            let mut p = 0;
+            loop {
+                p += 1 + (rng.next() % 7) as usize;
+                if p >= bytes.len() {
+                    break;
+                }
+                cuts.push(p);
+            }
+            let (ev, out) = run_chunks(bytes, &cuts, opts);
+            assert_eq!(out, expected, "round {round}: {text:?} cuts {cuts:?}");
+            assert_eq!(ev, ev0, "round {round}: {text:?} cuts {cuts:?}");
+        }
+    }
+}
+
+/// Generates a well-formed turn (random dialect, calls, parameter kinds, values), then
+/// sometimes corrupts it (drop, duplicate or truncate a piece).
+fn random_turn(rng: &mut Rng) -> (String, bool) {
+    let pick = |rng: &mut Rng, xs: &[&'static str]| xs[(rng.next() % xs.len() as u64) as usize];
+    let values = [
+        "ls -la",
+        "a &lt;b&gt; &amp;&amp; c",
+        "",
+        " x \n y ",
+        "ü😀 日本",
+        "&quo",
+        "</think>",
+        "{\"k\": [1, \"v\"]}",
+        "1.5e3",
+        "{bad",
+    ];
+    let thinking = rng.next() % 2 == 0;
+    let mut parts: Vec<String> = Vec::new();
+    if thinking {
+        parts.push(pick(rng, &["", "<think>"]).into());
+        parts.push(
+            pick(
+                rng,
+                &["hmm", "plan & act", "", "quote <｜DSML｜tool_calls> here"],
+            )
+            .into(),
+        );
+        parts.push("</think>".into());
+    }
+    parts.push(pick(rng, &["", "Sure.", "Text with <b>tags</b> & more", "ok "]).into());
+    parts.push(pick(rng, &["\n\n", "", " \n", "\n\n\n"]).into());
+    let d = pick(rng, &["｜DSML｜", "DSML｜", ""]);
+    parts.push(format!("<{d}tool_calls>\n"));
+    for i in 0..rng.next() % 4 {
+        parts.push(format!("<{d}invoke name=\"tool{i}\">\n"));
+        for j in 0..rng.next() % 4 {
+            let v = pick(rng, &values);
+            match rng.next() % 4 {
+                0 => parts.push(format!(
+                    "<{d}parameter name=\"p{j}\" string=\"true\">{v}</{d}parameter>\n"
+                )),
+                1 => parts.push(format!(
+                    "<{d}parameter name=\"p{j}\" string=\"false\">{v}</{d}parameter>\n"
+                )),
+                2 => parts.push(format!("<{d}parameter name=\"p{j}\">{v}</{d}parameter>\n")),
+                _ => {
+                    parts.push(format!("<{d}parameter name=\"p{j}\">\n"));
+                    parts.push(format!(
+                        "<{d}parameter name=\"in\" string=\"true\">{v}</{d}parameter>\n"
+                    ));
+                    if rng.next() % 2 == 0 {
+                        parts.push(format!("</{d}parameter>\n"));
+                    }
+                }
+            }
+        }
+        parts.push(format!("</{d}invoke>\n"));
+    }
+    parts.push(format!("</{d}tool_calls>"));
+    match rng.next() % 6 {
+        0 => {
+            let i = (rng.next() % parts.len() as u64) as usize;
+            parts.remove(i);
+        }
+        1 => {
+            let i = (rng.next() % parts.len() as u64) as usize;
+            let p = parts[i].clone();
+            parts.insert(i, p);
+        }
+        2 => {
+            let t: String = parts.concat();
+            let mut cut = (rng.next() % (t.len() as u64 + 1)) as usize;
+            while !t.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            return (t[..cut].to_string(), thinking);
+        }
+        _ => {}
+    }
+    (parts.concat(), thinking)
+}
+
+#[test]
+fn random_turns_stream_like_whole_text() {
+    let mut rng = Rng(0x0bad_cafe_f00d_d00d);
+    let mut parsed_with_calls = 0;
+    for round in 0..3000 {
+        let (text, thinking) = random_turn(&mut rng);
+        let opts = ParseOptions {
+            thinking,
+            detect_tools: true,
+        };
+        let expected = parse_output_with(&text, opts);
+        if matches!(expected.status, DsmlStatus::Parsed(_)) && !expected.tool_calls.is_empty() {
+            parsed_with_calls += 1;
+            for c in &expected.tool_calls {
+                // Arguments are always valid JSON objects (invalid values become strings).
+                let v: serde_json::Value = serde_json::from_str(&c.arguments_json).unwrap();
+                assert!(v.is_object(), "{}", c.arguments_json);
+            }
+        }
+        let bytes = text.as_bytes();
+        let (ev0, out0) = run_chunks(bytes, &[], opts);
+        assert_eq!(out0, expected, "round {round}: {text:?}");
+        check_events("turn", &text, &ev0, &out0, opts);
+        for _ in 0..4 {
+            let mut cuts = Vec::new();
+            let mut p = 0;
+            loop {
+                p += 1 + (rng.next() % 11) as usize;
+                if p >= bytes.len() {
+                    break;
+                }
+                cuts.push(p);
+            }
+            let (ev, out) = run_chunks(bytes, &cuts, opts);
+            assert_eq!(out, expected, "round {round}: {text:?} cuts {cuts:?}");
+            assert_eq!(ev, ev0, "round {round}: {text:?} cuts {cuts:?}");
+        }
+    }
+    assert!(
+        parsed_with_calls > 500,
+        "generator too weak: {parsed_with_calls}"
+    );
+}
