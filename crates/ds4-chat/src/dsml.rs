@@ -158,6 +158,19 @@ pub struct ParsedOutput {
     pub orphan_end: bool,
 }
 
+impl ParsedOutput {
+    /// §2.2 policy for a thinking turn that never closed `</think>`: when the model stopped
+    /// on its own (EOS, not a token limit), return the text as content so the answer is not
+    /// empty. Call for finish `stop` only; no-op if reasoning was closed.
+    pub fn unclosed_reasoning_as_content(&mut self) {
+        if !self.reasoning_closed {
+            if let Some(r) = self.reasoning.take() {
+                self.content = r;
+            }
+        }
+    }
+}
+
 /// Parser switches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParseOptions {

@@ -19,6 +19,19 @@ pub enum Role {
 }
 
 impl Role {
+    /// Maps an API role name: `function` is a tool result; unknown roles give `None`
+    /// (the message is ignored).
+    pub fn from_api(name: &str) -> Option<Role> {
+        match name {
+            "system" => Some(Role::System),
+            "developer" => Some(Role::Developer),
+            "user" => Some(Role::User),
+            "assistant" => Some(Role::Assistant),
+            "tool" | "function" => Some(Role::Tool),
+            _ => None,
+        }
+    }
+
     fn is_system(self) -> bool {
         matches!(self, Role::System | Role::Developer)
     }

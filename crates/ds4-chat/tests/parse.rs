@@ -647,3 +647,20 @@ fn random_turns_stream_like_whole_text() {
         "generator too weak: {parsed_with_calls}"
     );
 }
+
+#[test]
+fn unclosed_reasoning_policy() {
+    let mut p = parse_output("<think>partial thought", true);
+    assert_eq!(
+        (p.reasoning.as_deref(), p.reasoning_closed),
+        (Some("partial thought"), false)
+    );
+    p.unclosed_reasoning_as_content();
+    assert_eq!((p.reasoning, p.content.as_str()), (None, "partial thought"));
+    let mut q = parse_output("r</think>answer", true);
+    q.unclosed_reasoning_as_content();
+    assert_eq!(
+        (q.reasoning.as_deref(), q.content.as_str()),
+        (Some("r"), "answer")
+    );
+}

@@ -290,3 +290,10 @@ fn openai_tool_wrapper_is_unwrapped_to_raw_bytes() {
     assert_eq!(tool_schema_line(anthropic), anthropic);
     assert_eq!(tool_schema_line("not json"), "not json");
 }
+
+#[test]
+fn api_role_names() {
+    assert_eq!(Role::from_api("function"), Some(Role::Tool));
+    assert_eq!(Role::from_api("developer"), Some(Role::Developer));
+    assert_eq!(Role::from_api("critic"), None);
+}
