@@ -47,6 +47,16 @@ def main():
     t = json.loads(raw)
     m = t["model"]
     assert m["type"] == "BPE" and not m.get("byte_fallback"), "expected byte-level BPE"
+    # The Rust tokenizer hard-codes this pipeline; refuse a file that differs.
+    assert t["normalizer"] in (None, {"type": "Sequence", "normalizers": []}), t["normalizer"]
+    pre = [p.get("pattern", {}).get("Regex", p["type"]) for p in t["pre_tokenizer"]["pretokenizers"]]
+    assert pre == [
+        "\\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+        "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+        "ByteLevel"], pre
+    for at in t["added_tokens"]:
+        assert not (at["lstrip"] or at["rstrip"] or at["single_word"]), f"unsupported flags on {at}"
     tokens = [None] * N_VOCAB
     for s, i in m["vocab"].items():
         assert tokens[i] is None, f"duplicate id {i}"

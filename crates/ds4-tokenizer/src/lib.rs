@@ -460,8 +460,14 @@ impl Tokenizer {
     /// Merge loop: repeatedly merge the adjacent pair of lowest rank (leftmost on ties).
     fn bpe(&self, piece: &[u8], scratch: &mut Scratch, out: &mut Vec<u32>) {
         if piece.len() > SMALL_PIECE {
-            return self.bpe_heap(piece, out);
+            self.bpe_heap(piece, out)
+        } else {
+            self.bpe_small(piece, scratch, out)
         }
+    }
+
+    /// O(n²) merge loop, fastest for short pieces.
+    fn bpe_small(&self, piece: &[u8], scratch: &mut Scratch, out: &mut Vec<u32>) {
         let syms = &mut scratch.syms;
         let ranks = &mut scratch.ranks;
         syms.clear();
@@ -544,6 +550,70 @@ impl Tokenizer {
         while i < n {
             out.push(sym[i]);
             i = next[i];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// xorshift64*: deterministic test input without extra dependencies.
+    fn rng(seed: &mut u64) -> u64 {
+        *seed ^= *seed >> 12;
+        *seed ^= *seed << 25;
+        *seed ^= *seed >> 27;
+        seed.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    #[test]
+    fn heap_and_quadratic_merge_loops_agree() {
+        let t = Tokenizer::from_builtin(builtin::deepseek_v4()).unwrap();
+        let alphabets: [&[u8]; 4] = [b"ab", b"the quick", b"aaaaab", "éß深🙂x".as_bytes()];
+        let mut seed = 0x1234_5678_9ABC_DEF1u64;
+        let mut scratch = Scratch::default();
+        for round in 0..400 {
+            let alpha = alphabets[round % alphabets.len()];
+            let len = 2 + (rng(&mut seed) % 120) as usize;
+            let piece: Vec<u8> = (0..len)
+                .map(|_| alpha[(rng(&mut seed) % alpha.len() as u64) as usize])
+                .collect();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            // Both loops directly, whatever the length.
+            t.bpe_small(&piece, &mut scratch, &mut a);
+            t.bpe_heap(&piece, &mut b);
+            assert_eq!(a, b, "piece {:?}", String::from_utf8_lossy(&piece));
+            let back: Vec<u8> = a
+                .iter()
+                .flat_map(|&i| t.token_bytes(i).unwrap().to_vec())
+                .collect();
+            assert_eq!(back, piece);
+        }
+    }
+
+    #[test]
+    fn random_text_roundtrips() {
+        let t = Tokenizer::from_builtin(builtin::deepseek_v4()).unwrap();
+        let pool: Vec<char> = " \t\n\r!.,;'\"<>|/_-0123456789aZé深ア한ب\u{301}\u{200D}🙂｜▁"
+            .chars()
+            .chain(CHAT_SPECIALS.iter().flat_map(|s| s.chars()))
+            .collect();
+        let mut seed = 42u64;
+        for _ in 0..2000 {
+            let len = (rng(&mut seed) % 40) as usize;
+            let mut s: String = (0..len)
+                .map(|_| pool[(rng(&mut seed) % pool.len() as u64) as usize])
+                .collect();
+            if rng(&mut seed) % 3 < 1 {
+                s.push_str(CHAT_SPECIALS[(rng(&mut seed) % 7) as usize]);
+            }
+            for ids in [
+                t.encode(&s),
+                t.encode_with_specials(&s),
+                t.encode_with_chat_specials(&s),
+            ] {
+                assert_eq!(t.decode(&ids).unwrap(), s.as_bytes(), "{s:?}");
+            }
         }
     }
 }
