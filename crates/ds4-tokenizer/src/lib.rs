@@ -516,7 +516,7 @@ impl Tokenizer {
         let mut alive = vec![true; n];
         // (rank, position of left symbol, left id, right id)
         let mut heap = BinaryHeap::new();
-        for i in 0..n - 1 {
+        for i in 0..n.saturating_sub(1) {
             if let Some((r, _)) = self.pair(sym[i], sym[i + 1]) {
                 heap.push(Reverse((r, i, sym[i], sym[i + 1])));
             }
