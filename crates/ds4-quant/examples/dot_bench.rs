@@ -5,11 +5,16 @@
 //! Two working sets: "L2" (≈192 KiB of weights, re-read from cache) and "DRAM" (≈64 MiB, streamed
 //! from memory). Rows are 4096 elements (the model's hidden size), random valid codes. Each
 //! measurement is the best of 5 repetitions of ≥ 0.1 s (0.02 s with --quick).
+//!
+//! Then the optional activation-quantised path (`ds4_quant::act`, Q8_0/Q8_K activations as in
+//! ds4's CPU code): the same throughput, and its difference from exact mode on a matvec of
+//! quantised Gaussian weights with a Gaussian input.
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use ds4_quant::{dot_kernel_for, GgmlType, Isa, SUPPORTED};
+use ds4_quant::act::{dot_act_isa, QuantizedAct};
+use ds4_quant::{dot_kernel_for, quantize_row, GgmlType, Isa, SUPPORTED};
 
 /// Deterministic xorshift bytes (no dependency on rand in an example).
 fn fill(buf: &mut [u8], mut s: u64) {
@@ -112,6 +117,118 @@ fn main() {
                 rates[0].1,
                 rates[1].0,
                 rates[1].1
+            );
+        }
+    }
+
+    println!();
+    println!("# activation-quantised path (x quantised once per matvec, not counted in the time)");
+    println!(
+        "{:<8} {:<9} {:>10} {:>10} {:>10} {:>10}   {:>12} {:>12}",
+        "type",
+        "path",
+        "L2 GB/s",
+        "L2 Gel/s",
+        "DRAM GB/s",
+        "DRAM Gel/s",
+        "rel.RMS diff",
+        "speed/exact"
+    );
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q4_K,
+        GgmlType::IQ2_XXS,
+    ] {
+        let rb = ty.row_bytes(n as u64).unwrap() as usize;
+        let rows_l2 = (192 << 10) / rb;
+        let rows_dram = ((64 << 20) / rb).max(1);
+        let w_dram = weights(ty, n, rows_dram);
+        let w_l2 = &w_dram[..rows_l2.max(1) * rb];
+        let xa = QuantizedAct::for_weight(ty, &x).unwrap();
+        // Accuracy: 256 rows of quantised pseudo-Gaussian weights (sum of 4 uniforms).
+        let acc_rows = 256;
+        let mut s = 0x1234_5678_9abc_def0u64;
+        let mut unif = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let wf: Vec<f32> = (0..acc_rows * n)
+            .map(|_| (unif() + unif() + unif() + unif()) * 1.7)
+            .collect();
+        let xg: Vec<f32> = (0..n)
+            .map(|_| (unif() + unif() + unif() + unif()) * 1.7)
+            .collect();
+        let mut wq = vec![0u8; acc_rows * rb];
+        for (src, dst) in wf.chunks_exact(n).zip(wq.chunks_exact_mut(rb)) {
+            quantize_row(ty, src, dst).unwrap();
+        }
+        let xga = QuantizedAct::for_weight(ty, &xg).unwrap();
+        let ke = dot_kernel_for(ty, Isa::best()).unwrap();
+        let (mut num, mut den) = (0f64, 0f64);
+        for r in 0..acc_rows {
+            let row = &wq[r * rb..(r + 1) * rb];
+            let e = ke.dot(row, &xg) as f64;
+            let f = dot_act_isa(ty, row, &xga, Isa::best()) as f64;
+            num += (f - e) * (f - e);
+            den += e * e;
+        }
+        let rel = (num / den).sqrt();
+        for isa in Isa::available().into_iter().filter(|i| *i != Isa::Avx512) {
+            let mut rates = Vec::new();
+            for w in [w_l2, &w_dram[..]] {
+                let rows = w.len() / rb;
+                let mut best = f64::INFINITY;
+                for _ in 0..5 {
+                    let t0 = Instant::now();
+                    let mut passes = 0usize;
+                    let mut acc = 0f32;
+                    while t0.elapsed().as_secs_f64() < min_t {
+                        for r in 0..rows {
+                            acc += dot_act_isa(
+                                ty,
+                                black_box(&w[r * rb..(r + 1) * rb]),
+                                black_box(&xa),
+                                isa,
+                            );
+                        }
+                        passes += 1;
+                    }
+                    black_box(acc);
+                    best = best.min(t0.elapsed().as_secs_f64() / passes as f64);
+                }
+                rates.push((w.len() as f64 / best / 1e9, (rows * n) as f64 / best / 1e9));
+            }
+            // Exact-mode DRAM throughput of the same path family for comparison.
+            let k = dot_kernel_for(
+                ty,
+                if isa == Isa::Portable {
+                    Isa::Portable
+                } else {
+                    Isa::best()
+                },
+            )
+            .unwrap();
+            let rows = w_dram.len() / rb;
+            let t0 = Instant::now();
+            let mut acc = 0f32;
+            for r in 0..rows {
+                acc += k.dot(black_box(&w_dram[r * rb..(r + 1) * rb]), black_box(&x));
+            }
+            black_box(acc);
+            let exact_rate = w_dram.len() as f64 / t0.elapsed().as_secs_f64() / 1e9;
+            println!(
+                "{:<8} {:<9} {:>10.2} {:>10.2} {:>10.2} {:>10.2}   {:>12.2e} {:>11.2}x",
+                ty.name(),
+                format!("{isa}-act"),
+                rates[0].0,
+                rates[0].1,
+                rates[1].0,
+                rates[1].1,
+                rel,
+                rates[1].0 / exact_rate
             );
         }
     }

@@ -8,6 +8,7 @@
 //! ISA paths (x86-64): AVX2+FMA+F16C and AVX-512F, detected once at first use. Set
 //! `DS4_QUANT_PORTABLE=1` (read once) or call [`set_force_portable`] to force the portable path.
 
+pub mod act;
 mod iq2_tables;
 mod portable;
 mod quantize;

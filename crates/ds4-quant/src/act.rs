@@ -1,0 +1,432 @@
+//! Optional activation-quantised fast path (ds4's CPU semantics, model.md §5): the activation is
+//! quantised once — to Q8_0 blocks of 32 for Q8_0 weights, to Q8_K blocks of 256 for Q2_K, Q4_K
+//! and IQ2_XXS weights — and each weight row is dotted with integer arithmetic, one f32
+//! combination per block. This is *not* exact mode: the result differs from [`crate::dot_row`] by
+//! the activation rounding (measured in `examples/dot_bench.rs`).
+//!
+//! Integer sums are exact, and the per-block f32 combination runs in block order on every path,
+//! so the AVX2 integer kernels give results bit-identical to the portable ones.
+
+use crate::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+use crate::portable::{q4k_scale_min, QK_K};
+use crate::{check_row, f16_at, row_bytes, GgmlType, Isa, QuantError};
+
+/// Activation block format.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActFormat {
+    /// 32 values: `d: f32` (= amax/127, not rounded to f16), `q: i8[32]`.
+    Q8_0,
+    /// 256 values: `d: f32` (may be negative), `q: i8[256]`, 16 sums of 16 `q`.
+    Q8_K,
+}
+
+impl ActFormat {
+    pub fn block_elems(self) -> usize {
+        match self {
+            ActFormat::Q8_0 => 32,
+            ActFormat::Q8_K => QK_K,
+        }
+    }
+
+    /// The format ds4 pairs with weights of `ty`, if this path supports `ty`.
+    pub fn for_weight(ty: GgmlType) -> Option<ActFormat> {
+        match ty {
+            GgmlType::Q8_0 => Some(ActFormat::Q8_0),
+            GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS => Some(ActFormat::Q8_K),
+            _ => None,
+        }
+    }
+}
+
+/// A quantised activation vector.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedAct {
+    format: ActFormat,
+    /// One scale per block.
+    d: Vec<f32>,
+    /// One code per element.
+    q: Vec<i8>,
+    /// Q8_K only: sums of each 16 consecutive codes.
+    bsums: Vec<i16>,
+}
+
+impl QuantizedAct {
+    /// Quantise `x` (a whole number of blocks) to `format`.
+    pub fn new(format: ActFormat, x: &[f32]) -> Result<Self, QuantError> {
+        let be = format.block_elems();
+        if !x.len().is_multiple_of(be) {
+            let ty = match format {
+                ActFormat::Q8_0 => GgmlType::Q8_0,
+                ActFormat::Q8_K => GgmlType::Q8_K,
+            };
+            return Err(QuantError::PartialBlock {
+                ty,
+                n: x.len(),
+                block: be,
+            });
+        }
+        let mut a = QuantizedAct {
+            format,
+            d: Vec::with_capacity(x.len() / be),
+            q: vec![0; x.len()],
+            bsums: Vec::new(),
+        };
+        match format {
+            ActFormat::Q8_0 => {
+                for (xb, qb) in x.chunks_exact(32).zip(a.q.chunks_exact_mut(32)) {
+                    // d = amax/127, q = round_half_even(x·(1/d)) (ds4 CPU). |x·(1/d)| ≤ 127 up to
+                    // one rounding, so ds4's clamp to −128 never acts; −127 keeps codes symmetric.
+                    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let d = amax / 127.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    for (q, v) in qb.iter_mut().zip(xb) {
+                        *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+                    }
+                    a.d.push(d);
+                }
+            }
+            ActFormat::Q8_K => {
+                a.bsums = vec![0; x.len() / 16];
+                for ((xb, qb), sb) in x
+                    .chunks_exact(QK_K)
+                    .zip(a.q.chunks_exact_mut(QK_K))
+                    .zip(a.bsums.chunks_exact_mut(16))
+                {
+                    // The first element of largest magnitude, sign kept.
+                    let (mut amax, mut max) = (0f32, 0f32);
+                    for &v in xb {
+                        if v.abs() > amax {
+                            amax = v.abs();
+                            max = v;
+                        }
+                    }
+                    if amax == 0.0 {
+                        a.d.push(0.0);
+                        continue; // codes and sums stay 0
+                    }
+                    let iscale = -127.0 / max;
+                    for (q, v) in qb.iter_mut().zip(xb) {
+                        *q = (iscale * v).round_ties_even().clamp(-127.0, 127.0) as i8;
+                    }
+                    for (s, qc) in sb.iter_mut().zip(qb.chunks_exact(16)) {
+                        *s = qc.iter().map(|&q| q as i16).sum();
+                    }
+                    a.d.push(1.0 / iscale);
+                }
+            }
+        }
+        Ok(a)
+    }
+
+    /// Quantise `x` in the format ds4 pairs with weights of `ty`.
+    pub fn for_weight(ty: GgmlType, x: &[f32]) -> Result<Self, QuantError> {
+        let f = ActFormat::for_weight(ty).ok_or(QuantError::Unsupported {
+            ty,
+            op: "activation-quantised dot product",
+        })?;
+        Self::new(f, x)
+    }
+
+    pub fn format(&self) -> ActFormat {
+        self.format
+    }
+
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+
+    /// Per-block scales.
+    pub fn scales(&self) -> &[f32] {
+        &self.d
+    }
+
+    /// Per-element codes.
+    pub fn codes(&self) -> &[i8] {
+        &self.q
+    }
+
+    /// The values the codes stand for, `d_block · q`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let be = self.format.block_elems();
+        self.q
+            .chunks_exact(be)
+            .zip(&self.d)
+            .flat_map(|(qb, &d)| qb.iter().map(move |&q| d * q as f32))
+            .collect()
+    }
+}
+
+/// `Σ_k w_k · x̂_k` for one weight row of `ty` and a quantised activation, on the active path.
+pub fn dot_row_act(ty: GgmlType, row: &[u8], x: &QuantizedAct) -> Result<f32, QuantError> {
+    check_act(ty, x)?;
+    check_row(ty, "weight row", row.len(), x.len())?;
+    Ok(dot_act_isa(ty, row, x, crate::active_isa()))
+}
+
+/// `y = W·x̂` for `rows` rows (rayon over rows when large), activation quantised once.
+pub fn matvec_act(
+    ty: GgmlType,
+    weight: &[u8],
+    rows: usize,
+    x: &QuantizedAct,
+    y: &mut [f32],
+) -> Result<(), QuantError> {
+    use rayon::prelude::*;
+    check_act(ty, x)?;
+    let rb = row_bytes(ty, x.len())?;
+    if y.len() != rows {
+        return Err(QuantError::Length {
+            ty,
+            what: "output vector y",
+            expected: rows,
+            got: y.len(),
+        });
+    }
+    if Some(weight.len()) != rb.checked_mul(rows) {
+        return Err(QuantError::Length {
+            ty,
+            what: "weight matrix",
+            expected: rb.saturating_mul(rows),
+            got: weight.len(),
+        });
+    }
+    let isa = crate::active_isa();
+    let one = |r: usize| dot_act_isa(ty, &weight[r * rb..(r + 1) * rb], x, isa);
+    if rows * rb < crate::PAR_MIN_BYTES || rows < 2 {
+        for (r, o) in y.iter_mut().enumerate() {
+            *o = one(r);
+        }
+    } else {
+        let min_len = (crate::PAR_TASK_BYTES / rb.max(1)).max(1);
+        y.par_iter_mut()
+            .enumerate()
+            .with_min_len(min_len)
+            .for_each(|(r, o)| *o = one(r));
+    }
+    Ok(())
+}
+
+fn check_act(ty: GgmlType, x: &QuantizedAct) -> Result<(), QuantError> {
+    let want = ActFormat::for_weight(ty).ok_or(QuantError::Unsupported {
+        ty,
+        op: "activation-quantised dot product",
+    })?;
+    if want != x.format {
+        return Err(QuantError::Unsupported {
+            ty,
+            op: match want {
+                ActFormat::Q8_0 => "activation-quantised dot with a non-Q8_0 activation",
+                ActFormat::Q8_K => "activation-quantised dot with a non-Q8_K activation",
+            },
+        });
+    }
+    Ok(())
+}
+
+/// Dot on a given path (tests and benchmarks); lengths already checked. Falls back to the
+/// portable path when `isa` is not available.
+pub fn dot_act_isa(ty: GgmlType, row: &[u8], x: &QuantizedAct, isa: Isa) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable && Isa::Avx2.is_available() {
+        return dot_act_blocks(ty, row, x, &Avx2Ints);
+    }
+    let _ = isa;
+    dot_act_blocks(ty, row, x, &PortableInts)
+}
+
+/// The integer work. Invariant: activation codes lie in −127..=127 (the quantisers never produce
+/// −128), which the AVX2 sign trick relies on.
+trait IntDots {
+    /// Σ w_i·x_i over 32 codes.
+    fn dot32(&self, w: &[i8; 32], x: &[i8; 32]) -> i32;
+    /// Sums over each run of 16 of `Σ w_i·x_i`, for 256 codes.
+    fn sums16(&self, w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16];
+}
+
+struct PortableInts;
+
+impl IntDots for PortableInts {
+    #[inline(always)]
+    fn dot32(&self, w: &[i8; 32], x: &[i8; 32]) -> i32 {
+        w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum()
+    }
+
+    #[inline(always)]
+    fn sums16(&self, w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16] {
+        let mut out = [0i32; 16];
+        for (o, (a, b)) in out
+            .iter_mut()
+            .zip(w.chunks_exact(16).zip(x.chunks_exact(16)))
+        {
+            *o = a.iter().zip(b).map(|(&p, &q)| p as i32 * q as i32).sum();
+        }
+        out
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2Ints;
+
+#[cfg(target_arch = "x86_64")]
+impl IntDots for Avx2Ints {
+    #[inline(always)]
+    fn dot32(&self, w: &[i8; 32], x: &[i8; 32]) -> i32 {
+        // SAFETY: `Avx2Ints` is only used after AVX2 detection (`dot_act_isa`).
+        unsafe { avx2::dot32(w, x) }
+    }
+
+    #[inline(always)]
+    fn sums16(&self, w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16] {
+        // SAFETY: as above.
+        unsafe { avx2::sums16(w, x) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::QK_K;
+    use std::arch::x86_64::*;
+
+    /// 16 i16 pair sums → 8 i32 lanes: lanes 0–3 cover bytes 0–15, lanes 4–7 bytes 16–31.
+    /// maddubs wants unsigned × signed, so it gets |w| × (x with w's sign); |−128| = 128 as u8
+    /// is right, and x ≠ −128 keeps `sign` exact. Pair sums stay within ±2·128·127 (no
+    /// saturation).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn mul32(w: *const i8, x: *const i8) -> __m256i {
+        let vw = _mm256_loadu_si256(w as *const __m256i);
+        let vx = _mm256_loadu_si256(x as *const __m256i);
+        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(vw), _mm256_sign_epi8(vx, vw));
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum4(v: __m128i) -> i32 {
+        let s = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dot32(w: &[i8; 32], x: &[i8; 32]) -> i32 {
+        let v = mul32(w.as_ptr(), x.as_ptr());
+        hsum4(_mm_add_epi32(
+            _mm256_castsi256_si128(v),
+            _mm256_extracti128_si256::<1>(v),
+        ))
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn sums16(w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16] {
+        let mut out = [0i32; 16];
+        for k in 0..8 {
+            let v = mul32(w.as_ptr().add(32 * k), x.as_ptr().add(32 * k));
+            out[2 * k] = hsum4(_mm256_castsi256_si128(v));
+            out[2 * k + 1] = hsum4(_mm256_extracti128_si256::<1>(v));
+        }
+        out
+    }
+}
+
+/// The block loop shared by all paths; the per-block f32 combination is in block order.
+#[inline(always)]
+fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct, ints: &impl IntDots) -> f32 {
+    let mut sumf = 0f32;
+    let mut codes = [0i8; QK_K];
+    let xblock = |ib: usize| -> &[i8; QK_K] { x.q[QK_K * ib..QK_K * (ib + 1)].try_into().unwrap() };
+    match ty {
+        GgmlType::Q8_0 => {
+            for ((b, xq), &dx) in row.chunks_exact(34).zip(x.q.chunks_exact(32)).zip(&x.d) {
+                let w = as_i8_32(&b[2..34]);
+                let isum = ints.dot32(w, xq.try_into().unwrap());
+                sumf += f16_at(b, 0) * dx * isum as f32;
+            }
+        }
+        GgmlType::Q2_K => {
+            for (ib, b) in row.chunks_exact(84).enumerate().take(x.d.len()) {
+                let (sc, qs) = (&b[0..16], &b[16..80]);
+                // Codes in element order: weight 128·half + 32j + l is (qs[32·half + l] >> 2j) & 3,
+                // so run s of 16 weights has scale byte s.
+                for half in 0..2 {
+                    for j in 0..4 {
+                        for l in 0..32 {
+                            codes[128 * half + 32 * j + l] =
+                                ((qs[32 * half + l] >> (2 * j)) & 3) as i8;
+                        }
+                    }
+                }
+                let s16 = ints.sums16(&codes, xblock(ib));
+                let bs = &x.bsums[16 * ib..16 * ib + 16];
+                let summs: i32 = bs
+                    .iter()
+                    .zip(sc)
+                    .map(|(&s, &c)| s as i32 * (c >> 4) as i32)
+                    .sum();
+                let isum: i32 = s16.iter().zip(sc).map(|(&v, &c)| v * (c & 15) as i32).sum();
+                let dall = x.d[ib] * f16_at(b, 80);
+                let dmin = x.d[ib] * f16_at(b, 82);
+                sumf += dall * isum as f32 - dmin * summs as f32;
+            }
+        }
+        GgmlType::Q4_K => {
+            for (ib, b) in row.chunks_exact(144).enumerate().take(x.d.len()) {
+                let (scales, qs) = (&b[4..16], &b[16..144]);
+                for c in 0..4 {
+                    for l in 0..32 {
+                        codes[64 * c + l] = (qs[32 * c + l] & 15) as i8;
+                        codes[64 * c + 32 + l] = (qs[32 * c + l] >> 4) as i8;
+                    }
+                }
+                let s16 = ints.sums16(&codes, xblock(ib));
+                let bs = &x.bsums[16 * ib..16 * ib + 16];
+                let (mut isum, mut summs) = (0i32, 0i32);
+                for sb in 0..8 {
+                    let (sc, m) = q4k_scale_min(scales, sb);
+                    isum += sc as i32 * (s16[2 * sb] + s16[2 * sb + 1]);
+                    summs += m as i32 * (bs[2 * sb] as i32 + bs[2 * sb + 1] as i32);
+                }
+                let d = x.d[ib] * f16_at(b, 0);
+                let dmin = x.d[ib] * f16_at(b, 2);
+                sumf += d * isum as f32 - dmin * summs as f32;
+            }
+        }
+        GgmlType::IQ2_XXS => {
+            for (ib, b) in row.chunks_exact(66).enumerate().take(x.d.len()) {
+                let mut ls = [0i32; 8];
+                for g in 0..8 {
+                    let grp = &b[2 + 8 * g..10 + 8 * g];
+                    let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
+                    ls[g] = 2 * (aux >> 28) as i32 + 1;
+                    for c in 0..4 {
+                        let grid = IQ2XXS_GRID[grp[c] as usize].to_le_bytes();
+                        let signs = KSIGNS_IQ2XS[((aux >> (7 * c)) & 127) as usize];
+                        for j in 0..8 {
+                            let v = grid[j] as i8;
+                            codes[32 * g + 8 * c + j] = if signs >> j & 1 != 0 { -v } else { v };
+                        }
+                    }
+                }
+                let s16 = ints.sums16(&codes, xblock(ib));
+                // w = d·(0.5 + ls)·0.25·g·s = d·(2·ls + 1)·g·s / 8
+                let bsum: i32 = (0..8).map(|g| ls[g] * (s16[2 * g] + s16[2 * g + 1])).sum();
+                sumf += f16_at(b, 0) * x.d[ib] * bsum as f32;
+            }
+            sumf *= 0.125;
+        }
+        _ => {}
+    }
+    sumf
+}
+
+#[inline(always)]
+fn as_i8_32(b: &[u8]) -> &[i8; 32] {
+    assert_eq!(b.len(), 32);
+    // SAFETY: u8 and i8 have the same size and alignment; the slice is exactly 32 bytes.
+    unsafe { &*(b.as_ptr() as *const [i8; 32]) }
+}
