@@ -180,7 +180,12 @@ def corpus(added):
                "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">"
                "config.toml</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜><｜User｜>"
                "<tool_result>port = 80</tool_result><｜Assistant｜><think>")
-    while len(out) < 3300:
+    # short strings over an adversarial alphabet: every kind of whitespace, marks, ZWJ,
+    # non-ASCII digits/punct, kana punctuation, specials and their fragments
+    tricky = list(" \t\r\n\u000b\u000c\u0085\u00a0\u3000\u2028\u2029\u200d\u200b\ufeff\x00\x01.,;!?'\"-_()[]{}<>|/\\"
+                  "aZzé\u0301\u0308ß1٣５Ⅻ²🙂👍🏽❤\ufe0fア・ー々〆゠深한ب\ue000") + CHAT + ["<｜", "｜>", "▁"]
+    out += ["".join(r.choice(tricky) for _ in range(r.randint(1, 25))) for _ in range(1000)]
+    while len(out) < 4300:
         out.append(rand_mix(r))
     # long documents (for the benchmark mix too)
     for _ in range(40):
