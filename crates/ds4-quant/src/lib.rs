@@ -289,6 +289,103 @@ impl DotKernel {
                 .for_each(|(r, o)| *o = self.dot(&weight[r * rb..(r + 1) * rb], x));
         }
     }
+
+    /// Several inputs at once (prefill): `xs` holds `n_tok` vectors of `cols` elements and `ys`
+    /// receives `n_tok` vectors of `ys.len() / n_tok` outputs (token-major, like `xs`). Every
+    /// output is bit-identical to [`DotKernel::matvec_unchecked`] of the same token — each row
+    /// is read once per token block while it is still in cache, not re-summed differently.
+    /// No validation beyond memory safety (mismatched sizes give zeros/truncation, see
+    /// [`matmul`] for the checked form).
+    pub fn matmul_unchecked(&self, weight: &[u8], xs: &[f32], cols: usize, ys: &mut [f32]) {
+        let rb = match row_bytes(self.ty, cols) {
+            Ok(rb) if rb > 0 => rb,
+            _ => {
+                ys.fill(0.0);
+                return;
+            }
+        };
+        let n_tok = xs.len() / cols;
+        if n_tok == 0 {
+            ys.fill(0.0);
+            return;
+        }
+        let out_rows = ys.len() / n_tok;
+        let rows = out_rows.min(weight.len() / rb);
+        ys.fill(0.0);
+        // Rows in tasks of ≥ PAR_TASK_BYTES; each task fills a rows×tokens tile, scattered after.
+        let per_task = (PAR_TASK_BYTES / rb).clamp(1, rows.max(1));
+        let tile = |r0: usize, r1: usize| -> Vec<f32> {
+            let mut t = vec![0f32; (r1 - r0) * n_tok];
+            for r in r0..r1 {
+                let row = &weight[r * rb..(r + 1) * rb];
+                for (k, x) in xs.chunks_exact(cols).enumerate() {
+                    t[(r - r0) * n_tok + k] = self.dot(row, x);
+                }
+            }
+            t
+        };
+        let starts: Vec<usize> = (0..rows).step_by(per_task).collect();
+        let tiles: Vec<Vec<f32>> = if rows * rb * n_tok < PAR_MIN_BYTES || starts.len() < 2 {
+            starts
+                .iter()
+                .map(|&r0| tile(r0, (r0 + per_task).min(rows)))
+                .collect()
+        } else {
+            starts
+                .par_iter()
+                .map(|&r0| tile(r0, (r0 + per_task).min(rows)))
+                .collect()
+        };
+        for (&r0, t) in starts.iter().zip(&tiles) {
+            for (i, vals) in t.chunks_exact(n_tok).enumerate() {
+                for (k, &v) in vals.iter().enumerate() {
+                    ys[k * out_rows + r0 + i] = v;
+                }
+            }
+        }
+    }
+}
+
+/// `Y = X·Wᵀ` for `n_tok` inputs: `xs` is `n_tok × cols` (token-major), `weight` is `rows` rows
+/// of `cols` elements of `ty`, `ys` is `n_tok × rows`. Each output equals [`matvec`] of its
+/// token bit for bit.
+pub fn matmul(
+    ty: GgmlType,
+    weight: &[u8],
+    rows: usize,
+    xs: &[f32],
+    cols: usize,
+    ys: &mut [f32],
+) -> Result<(), QuantError> {
+    require_supported(ty, "matmul")?;
+    let rb = row_bytes(ty, cols)?;
+    if cols == 0 || !xs.len().is_multiple_of(cols) {
+        return Err(QuantError::Length {
+            ty,
+            what: "input matrix xs (not a whole number of rows of `cols`)",
+            expected: cols * (xs.len() / cols.max(1)),
+            got: xs.len(),
+        });
+    }
+    let n_tok = xs.len() / cols;
+    if ys.len() != n_tok * rows {
+        return Err(QuantError::Length {
+            ty,
+            what: "output matrix ys",
+            expected: n_tok * rows,
+            got: ys.len(),
+        });
+    }
+    if Some(weight.len()) != rb.checked_mul(rows) {
+        return Err(QuantError::Length {
+            ty,
+            what: "weight matrix",
+            expected: rb.saturating_mul(rows),
+            got: weight.len(),
+        });
+    }
+    dot_kernel(ty)?.matmul_unchecked(weight, xs, cols, ys);
+    Ok(())
 }
 
 /// Matrices with fewer weight bytes than this run on the calling thread.

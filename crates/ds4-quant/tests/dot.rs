@@ -160,3 +160,42 @@ fn forcing_portable_changes_the_path() {
     set_force_portable(false);
     assert_eq!(k.isa(), Isa::Portable);
 }
+
+#[test]
+fn matmul_equals_matvec_per_token_bit_for_bit() {
+    let mut r = rng(5);
+    for (ty, cols, rows, n_tok) in [
+        (GgmlType::Q8_0, 1024, 700, 5), // > 1 MiB of work: the rayon path
+        (GgmlType::Q2_K, 512, 33, 3),
+        (GgmlType::F16, 100, 7, 4),
+        (GgmlType::IQ2_XXS, 256, 9, 1),
+    ] {
+        let w: Vec<u8> = (0..rows)
+            .flat_map(|_| random_row(&mut r, ty, cols))
+            .collect();
+        let xs = gaussian(&mut r, cols * n_tok);
+        let mut ys = vec![f32::NAN; rows * n_tok];
+        ds4_quant::matmul(ty, &w, rows, &xs, cols, &mut ys).unwrap();
+        for t in 0..n_tok {
+            let mut y = vec![0f32; rows];
+            matvec(ty, &w, rows, &xs[t * cols..(t + 1) * cols], &mut y).unwrap();
+            for i in 0..rows {
+                assert_eq!(
+                    ys[t * rows + i].to_bits(),
+                    y[i].to_bits(),
+                    "{ty} token {t} row {i}"
+                );
+            }
+        }
+    }
+    let e = ds4_quant::matmul(GgmlType::F32, &[0u8; 32], 2, &[0.0; 8], 4, &mut [0.0; 5]);
+    assert!(matches!(
+        e,
+        Err(ds4_quant::QuantError::Length {
+            what: "output matrix ys",
+            ..
+        })
+    ));
+    let e = ds4_quant::matmul(GgmlType::F32, &[0u8; 32], 2, &[0.0; 9], 4, &mut [0.0; 4]);
+    assert!(e.is_err());
+}
