@@ -199,3 +199,40 @@ fn matmul_equals_matvec_per_token_bit_for_bit() {
     let e = ds4_quant::matmul(GgmlType::F32, &[0u8; 32], 2, &[0.0; 9], 4, &mut [0.0; 4]);
     assert!(e.is_err());
 }
+
+/// Run by `env_var_forces_portable` in a child process with `DS4_QUANT_PORTABLE=1`.
+#[test]
+#[ignore = "run by env_var_forces_portable in a child process"]
+fn child_reports_active_isa() {
+    if std::env::var("DS4_QUANT_PORTABLE").as_deref() == Ok("1") {
+        assert_eq!(ds4_quant::active_isa(), Isa::Portable);
+        assert_eq!(
+            ds4_quant::dot_kernel(GgmlType::Q8_0).unwrap().isa(),
+            Isa::Portable
+        );
+    }
+}
+
+#[test]
+fn env_var_forces_portable() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_reports_active_isa",
+            "--nocapture",
+        ])
+        .env("DS4_QUANT_PORTABLE", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("1 passed"),
+        "child did not run the test:\n{text}"
+    );
+}
