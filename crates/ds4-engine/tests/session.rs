@@ -1,0 +1,113 @@
+//! Sessions on the tiny synthetic model: sync semantics, snapshot/restore with a bit-identical
+//! continuation, corrupt snapshots rejected, several sessions at once.
+
+use ds4_engine::{Engine, EngineOptions};
+
+/// One tiny model per test process, written once (tests run in parallel threads).
+fn engine() -> Engine {
+    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    let out = PATH.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ds4-engine-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("tiny.gguf");
+        let (hparams, mix) = ds4_synth::Preset::Tiny.params();
+        let o = ds4_synth::SynthOptions {
+            hparams,
+            mix,
+            out: out.clone(),
+            seed: 5,
+            sparse: false,
+            mtp: false,
+        };
+        ds4_synth::synth(&o, &|_, _| {}).unwrap();
+        out
+    });
+    Engine::open(&EngineOptions::new(out)).unwrap()
+}
+
+fn toks(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 131 + salt * 7 + 11) % 512)
+        .collect()
+}
+
+#[test]
+fn snapshot_restore_continues_bit_identically() {
+    let e = engine();
+    let prompt = toks(37, 1); // mid-window for both the CSA (4) and HCA (8) compressors
+    let mut a = e.new_session(256);
+    a.sync(&prompt, &mut |_, _| {}).unwrap();
+    let snap = a.snapshot();
+    let mut b = e.new_session(256);
+    b.restore(&snap).unwrap();
+    assert_eq!(a.tokens(), b.tokens());
+    assert_eq!(a.logits(), b.logits());
+    for t in toks(30, 2) {
+        let la = a.eval(t).unwrap().to_vec();
+        let lb = b.eval(t).unwrap().to_vec();
+        assert_eq!(la, lb);
+    }
+    // A snapshot of the restored session is byte-identical to the original's.
+    assert_eq!(a.snapshot(), b.snapshot());
+}
+
+#[test]
+fn corrupt_or_truncated_snapshots_are_rejected() {
+    let e = engine();
+    let mut a = e.new_session(64);
+    a.sync(&toks(20, 3), &mut |_, _| {}).unwrap();
+    let snap = a.snapshot();
+    let mut b = e.new_session(64);
+    let mut bad = snap.clone();
+    bad[200] ^= 1;
+    assert!(b
+        .restore(&bad)
+        .unwrap_err()
+        .to_string()
+        .contains("checksum"));
+    assert!(b.restore(&snap[..snap.len() / 2]).is_err());
+    assert!(b
+        .restore(b"garbage")
+        .unwrap_err()
+        .to_string()
+        .contains("magic"));
+    let mut small = e.new_session(10);
+    assert!(small
+        .restore(&snap)
+        .unwrap_err()
+        .to_string()
+        .contains("context"));
+    assert!(
+        b.tokens().is_empty(),
+        "a failed restore leaves the session untouched"
+    );
+}
+
+#[test]
+fn sync_extends_prefixes_and_rebuilds_otherwise() {
+    let e = engine();
+    let p = toks(25, 4);
+    let mut s = e.new_session(128);
+    assert_eq!(s.sync(&p[..10], &mut |_, _| {}).unwrap(), 0);
+    assert_eq!(s.sync(&p, &mut |_, _| {}).unwrap(), 10);
+    let mut fresh = e.new_session(128);
+    fresh.sync(&p, &mut |_, _| {}).unwrap();
+    assert_eq!(
+        s.logits(),
+        fresh.logits(),
+        "extending equals evaluating in one go"
+    );
+    let mut q = p.clone();
+    q[5] = (q[5] + 1) % 512;
+    assert_eq!(
+        s.sync(&q, &mut |_, _| {}).unwrap(),
+        0,
+        "a changed token forces a rebuild"
+    );
+    assert!(s
+        .sync(&toks(200, 5), &mut |_, _| {})
+        .unwrap_err()
+        .to_string()
+        .contains("context full"));
+    assert!(s.eval(9999).is_err());
+}
