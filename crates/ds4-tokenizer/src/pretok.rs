@@ -116,7 +116,6 @@ fn char_at(s: &str, i: usize) -> (char, usize) {
 
 /// Splits `text` into pre-tokenizer pieces, calling `emit` for each non-empty piece in order.
 pub fn split(text: &str, cls: &Classes, emit: &mut impl FnMut(&str)) {
-    // Fast path for pure ASCII text containing no digits is not needed: stage 1/2 are cheap.
     stage1(text, cls, emit);
 }
 
