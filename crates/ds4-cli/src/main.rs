@@ -16,7 +16,8 @@ use std::process::ExitCode;
         Quick start without the real weights:\n  \
         ds4 synth --preset tiny -o models/tiny.gguf\n  \
         ds4 inspect models/tiny.gguf\n  \
-        ds4 tokenize -m models/tiny.gguf 'Hello, world'"
+        ds4 tokenize -m models/tiny.gguf 'Hello, world'\n  \
+        ds4 run -m models/tiny.gguf -p 'Hello' -n 16"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -31,6 +32,10 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Print the token ids of a text as a JSON array (or decode ids with --decode).
     Tokenize(cmd::tokenize::Args),
+    /// Generate a reply to one prompt, streamed to stdout.
+    Run(cmd::run::Args),
+    /// Write the logits after every position of a token sequence to a .npy file.
+    Logits(cmd::logits::Args),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +44,8 @@ fn main() -> ExitCode {
         Command::Synth(a) => cmd::synth::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Tokenize(a) => cmd::tokenize::run(a),
+        Command::Run(a) => cmd::run::run(a),
+        Command::Logits(a) => cmd::logits::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -146,3 +146,82 @@ fn bad_input_gives_one_clear_error_and_no_panic() {
     assert!(stderr(&o).contains("JSON array"), "{}", stderr(&o));
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn run_and_logits_on_the_tiny_model() {
+    let d = tmpdir("run");
+    let m = d.join("tiny.gguf");
+    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
+        .status
+        .success());
+    // Greedy generation is deterministic; EOS is respected; logprobs are written per token.
+    let lp = d.join("lp.jsonl");
+    let args = [
+        "run",
+        "-m",
+        s(&m),
+        "-p",
+        "Hello",
+        "-n",
+        "12",
+        "--dump-logprobs",
+        s(&lp),
+        "--logprobs-top-k",
+        "3",
+    ];
+    let a = ds4(&args);
+    assert!(a.status.success(), "{}", stderr(&a));
+    let b = ds4(&args);
+    assert_eq!(a.stdout, b.stdout);
+    let lines = std::fs::read_to_string(&lp).unwrap();
+    let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    assert_eq!(first["top"].as_array().unwrap().len(), 3);
+    assert_eq!(
+        first["token"], first["top"][0]["id"],
+        "greedy picks the top logprob"
+    );
+
+    // logits: decode and --prefill paths give the same [T, vocab] float32 array.
+    let ids = d.join("ids.txt");
+    std::fs::write(&ids, "0, 17 300\n42,7 99 511 3 3 3 64 65 66").unwrap();
+    let (o1, o2) = (d.join("a.npy"), d.join("b.npy"));
+    let r = ds4(&["logits", "-m", s(&m), "--tokens", s(&ids), "--out", s(&o1)]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(ds4(&[
+        "logits",
+        "-m",
+        s(&m),
+        "--tokens",
+        s(&ids),
+        "--out",
+        s(&o2),
+        "--prefill"
+    ])
+    .status
+    .success());
+    let (a, b) = (std::fs::read(&o1).unwrap(), std::fs::read(&o2).unwrap());
+    assert_eq!(a, b);
+    let hlen = u16::from_le_bytes([a[8], a[9]]) as usize;
+    let header = std::str::from_utf8(&a[10..10 + hlen]).unwrap();
+    assert!(
+        header.contains("'descr': '<f4'") && header.contains("'shape': (13, 512)"),
+        "{header}"
+    );
+    assert_eq!((10 + hlen) % 64, 0);
+    assert_eq!(a.len(), 10 + hlen + 13 * 512 * 4);
+
+    std::fs::write(&ids, "1 2 x").unwrap();
+    let e = stderr(&ds4(&[
+        "logits",
+        "-m",
+        s(&m),
+        "--tokens",
+        s(&ids),
+        "--out",
+        s(&o1),
+    ]));
+    assert!(e.contains("entry 3") && e.contains("\"x\""), "{e}");
+    let e = stderr(&ds4(&["run", "-m", s(&m), "-p", "hi", "--backend", "cuda"]));
+    assert!(e.contains("cuda") && e.contains("--backend cpu"), "{e}");
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -1,3 +1,6 @@
+pub mod common;
 pub mod inspect;
+pub mod logits;
+pub mod run;
 pub mod synth;
 pub mod tokenize;

@@ -1,0 +1,95 @@
+//! Options shared by the commands that run the model.
+
+use crate::progress;
+use anyhow::{anyhow, Context, Result};
+use ds4_chat::{Piece, ThinkMode};
+use ds4_engine::{BackendChoice, Engine, EngineOptions, SamplerConfig};
+use ds4_tokenizer::Tokenizer;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Clone)]
+pub struct ModelArgs {
+    /// Model GGUF (e.g. one written by `ds4 synth`).
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// Compute backend: auto picks the best available (today: cpu).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda", "rocm", "metal"])]
+    pub backend: String,
+    /// CPU worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Context size in tokens for the session.
+    #[arg(long, default_value_t = 32768)]
+    pub ctx: usize,
+}
+
+impl ModelArgs {
+    pub fn open(&self) -> Result<Engine> {
+        let mut o = EngineOptions::new(&self.model);
+        o.backend = BackendChoice::parse(&self.backend)
+            .ok_or_else(|| anyhow!("unknown backend {}", self.backend))?;
+        o.threads = self.threads;
+        let spinner = progress::spinner(&format!("loading {}", self.model.display()));
+        let e = Engine::open(&o).with_context(|| format!("opening {}", self.model.display()));
+        spinner.finish_and_clear();
+        e
+    }
+}
+
+#[derive(clap::Args, Clone)]
+pub struct SampleArgs {
+    /// Temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temp: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens below min-p × the best token's probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SampleArgs {
+    pub fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+        }
+    }
+}
+
+pub fn think_mode(s: &str) -> ThinkMode {
+    match s {
+        "high" => ThinkMode::High,
+        "max" => ThinkMode::Max,
+        _ => ThinkMode::None,
+    }
+}
+
+/// Token ids of rendered pieces: specials by id, text BPE-encoded without special detection —
+/// except an already-rendered prompt (starts with BOS), tokenized with special detection.
+pub fn encode_pieces(tok: &Tokenizer, pieces: &[Piece]) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for p in pieces {
+        match p {
+            Piece::Special(s) => ids.push(
+                tok.token_id(s)
+                    .ok_or_else(|| anyhow!("the vocabulary has no {s} token"))?,
+            ),
+            Piece::Text(t) if ds4_chat::is_prerendered(t) => {
+                ids.extend(tok.encode_with_specials(t))
+            }
+            Piece::Text(t) => ids.extend(tok.encode(t)),
+        }
+    }
+    Ok(ids)
+}
