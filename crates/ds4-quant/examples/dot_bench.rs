@@ -171,7 +171,7 @@ fn main() {
         for r in 0..acc_rows {
             let row = &wq[r * rb..(r + 1) * rb];
             let e = ke.dot(row, &xg) as f64;
-            let f = dot_act_isa(ty, row, &xga, Isa::best()) as f64;
+            let f = dot_act_isa(ty, row, &xga, Isa::best()).unwrap() as f64;
             num += (f - e) * (f - e);
             den += e * e;
         }
@@ -192,7 +192,8 @@ fn main() {
                                 black_box(&w[r * rb..(r + 1) * rb]),
                                 black_box(&xa),
                                 isa,
-                            );
+                            )
+                            .unwrap();
                         }
                         passes += 1;
                     }

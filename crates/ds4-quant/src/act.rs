@@ -165,7 +165,7 @@ impl QuantizedAct {
 pub fn dot_row_act(ty: GgmlType, row: &[u8], x: &QuantizedAct) -> Result<f32, QuantError> {
     check_act(ty, x)?;
     check_row(ty, "weight row", row.len(), x.len())?;
-    Ok(dot_act_isa(ty, row, x, crate::active_isa()))
+    Ok(dot_act_unchecked(ty, row, x, crate::active_isa()))
 }
 
 /// `y = W·x̂` for `rows` rows (rayon over rows when large), activation quantised once.
@@ -196,7 +196,7 @@ pub fn matvec_act(
         });
     }
     let isa = crate::active_isa();
-    let one = |r: usize| dot_act_isa(ty, &weight[r * rb..(r + 1) * rb], x, isa);
+    let one = |r: usize| dot_act_unchecked(ty, &weight[r * rb..(r + 1) * rb], x, isa);
     if rows * rb < crate::PAR_MIN_BYTES || rows < 2 {
         for (r, o) in y.iter_mut().enumerate() {
             *o = one(r);
@@ -228,68 +228,66 @@ fn check_act(ty: GgmlType, x: &QuantizedAct) -> Result<(), QuantError> {
     Ok(())
 }
 
-/// Dot on a given path (tests and benchmarks); lengths already checked. Falls back to the
-/// portable path when `isa` is not available.
-pub fn dot_act_isa(ty: GgmlType, row: &[u8], x: &QuantizedAct, isa: Isa) -> f32 {
+/// Dot on a given path (tests and benchmarks), checked like [`dot_row_act`].
+pub fn dot_act_isa(
+    ty: GgmlType,
+    row: &[u8],
+    x: &QuantizedAct,
+    isa: Isa,
+) -> Result<f32, QuantError> {
+    check_act(ty, x)?;
+    check_row(ty, "weight row", row.len(), x.len())?;
+    if !isa.is_available() {
+        return Err(QuantError::IsaUnavailable(isa));
+    }
+    Ok(dot_act_unchecked(ty, row, x, isa))
+}
+
+/// Callers guarantee: `x.format` is the format for `ty` (the kernels index `x` by the block
+/// size of that format) and `isa` is available; row length mismatches only truncate.
+fn dot_act_unchecked(ty: GgmlType, row: &[u8], x: &QuantizedAct, isa: Isa) -> f32 {
+    debug_assert_eq!(ActFormat::for_weight(ty), Some(x.format));
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable && Isa::Avx2.is_available() {
-        return dot_act_blocks(ty, row, x, &Avx2Ints);
+        // SAFETY: AVX2 was detected; the format matches `ty` (see above).
+        return unsafe {
+            match ty {
+                GgmlType::Q2_K => avx2::q2_k(row, x),
+                GgmlType::Q4_K => avx2::q4_k(row, x),
+                GgmlType::IQ2_XXS => avx2::iq2_xxs(row, x),
+                GgmlType::Q8_0 => avx2::q8_0(row, x),
+                _ => 0.0, // unreachable: callers checked the type
+            }
+        };
     }
     let _ = isa;
-    dot_act_blocks(ty, row, x, &PortableInts)
+    dot_act_blocks(ty, row, x)
 }
 
-/// The integer work. Invariant: activation codes lie in −127..=127 (the quantisers never produce
-/// −128), which the AVX2 sign trick relies on.
-trait IntDots {
-    /// Σ w_i·x_i over 32 codes.
-    fn dot32(&self, w: &[i8; 32], x: &[i8; 32]) -> i32;
-    /// Sums over each run of 16 of `Σ w_i·x_i`, for 256 codes.
-    fn sums16(&self, w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16];
+/// Integer parts: Σ w_i·x_i over 32 codes.
+#[inline(always)]
+fn idot32(w: &[i8; 32], x: &[i8; 32]) -> i32 {
+    w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum()
 }
 
-struct PortableInts;
-
-impl IntDots for PortableInts {
-    #[inline(always)]
-    fn dot32(&self, w: &[i8; 32], x: &[i8; 32]) -> i32 {
-        w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum()
+/// Sums over each run of 16 of `Σ w_i·x_i`, for 256 codes.
+#[inline(always)]
+fn isums16(w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16] {
+    let mut out = [0i32; 16];
+    for (o, (a, b)) in out
+        .iter_mut()
+        .zip(w.chunks_exact(16).zip(x.chunks_exact(16)))
+    {
+        *o = a.iter().zip(b).map(|(&p, &q)| p as i32 * q as i32).sum();
     }
-
-    #[inline(always)]
-    fn sums16(&self, w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16] {
-        let mut out = [0i32; 16];
-        for (o, (a, b)) in out
-            .iter_mut()
-            .zip(w.chunks_exact(16).zip(x.chunks_exact(16)))
-        {
-            *o = a.iter().zip(b).map(|(&p, &q)| p as i32 * q as i32).sum();
-        }
-        out
-    }
+    out
 }
 
-#[cfg(target_arch = "x86_64")]
-struct Avx2Ints;
-
-#[cfg(target_arch = "x86_64")]
-impl IntDots for Avx2Ints {
-    #[inline(always)]
-    fn dot32(&self, w: &[i8; 32], x: &[i8; 32]) -> i32 {
-        // SAFETY: `Avx2Ints` is only used after AVX2 detection (`dot_act_isa`).
-        unsafe { avx2::dot32(w, x) }
-    }
-
-    #[inline(always)]
-    fn sums16(&self, w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16] {
-        // SAFETY: as above.
-        unsafe { avx2::sums16(w, x) }
-    }
-}
-
+/// AVX2 kernels. Invariant: activation codes lie in −127..=127 (the quantisers never produce
+/// −128), which the `sign_epi8` trick relies on.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::QK_K;
+    use super::*;
     use std::arch::x86_64::*;
 
     /// 16 i16 pair sums → 8 i32 lanes: lanes 0–3 cover bytes 0–15, lanes 4–7 bytes 16–31.
@@ -313,30 +311,198 @@ mod avx2 {
         _mm_cvtsi128_si32(s)
     }
 
+    /// Horizontal sum of 8 i32 lanes.
+    #[inline]
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn dot32(w: &[i8; 32], x: &[i8; 32]) -> i32 {
-        let v = mul32(w.as_ptr(), x.as_ptr());
+    unsafe fn hsum8(v: __m256i) -> i32 {
         hsum4(_mm_add_epi32(
             _mm256_castsi256_si128(v),
             _mm256_extracti128_si256::<1>(v),
         ))
     }
 
+    /// Q8_0 × Q8_0, four blocks at a time: the four integer sums are reduced together
+    /// (`hadd`), the four products `(dw·dx)·isum` formed in one vector (one rounding each, as the
+    /// scalar code), then added to `sumf` one by one in block order.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn sums16(w: &[i8; QK_K], x: &[i8; QK_K]) -> [i32; 16] {
-        let mut out = [0i32; 16];
-        for k in 0..8 {
-            let v = mul32(w.as_ptr().add(32 * k), x.as_ptr().add(32 * k));
-            out[2 * k] = hsum4(_mm256_castsi256_si128(v));
-            out[2 * k + 1] = hsum4(_mm256_extracti128_si256::<1>(v));
+    pub(super) unsafe fn q8_0(row: &[u8], x: &QuantizedAct) -> f32 {
+        let nb = (row.len() / 34).min(x.d.len());
+        let rp = row.as_ptr() as *const i8;
+        let xp = x.q.as_ptr();
+        let mut sumf = 0f32;
+        let mut ib = 0;
+        while ib + 4 <= nb {
+            let v: [__m256i; 4] =
+                std::array::from_fn(|k| mul32(rp.add(34 * (ib + k) + 2), xp.add(32 * (ib + k))));
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            let isums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            let scales = _mm_setr_ps(
+                f16_at(row, 34 * ib) * x.d[ib],
+                f16_at(row, 34 * (ib + 1)) * x.d[ib + 1],
+                f16_at(row, 34 * (ib + 2)) * x.d[ib + 2],
+                f16_at(row, 34 * (ib + 3)) * x.d[ib + 3],
+            );
+            let mut t = [0f32; 4];
+            _mm_storeu_ps(t.as_mut_ptr(), _mm_mul_ps(scales, _mm_cvtepi32_ps(isums)));
+            sumf += t[0];
+            sumf += t[1];
+            sumf += t[2];
+            sumf += t[3];
+            ib += 4;
         }
-        out
+        while ib < nb {
+            let isum = hsum8(mul32(rp.add(34 * ib + 2), xp.add(32 * ib)));
+            sumf += f16_at(row, 34 * ib) * x.d[ib] * isum as f32;
+            ib += 1;
+        }
+        sumf
+    }
+
+    /// Q2_K × Q8_K. Codes are unsigned (0..3), so maddubs takes them directly; each 32-code run
+    /// (half, j) covers two scale sub-blocks, applied by `madd` with [s_a ×8, s_b ×8].
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn q2_k(row: &[u8], x: &QuantizedAct) -> f32 {
+        let m3 = _mm256_set1_epi8(3);
+        let mut sumf = 0f32;
+        for (ib, b) in row.chunks_exact(84).enumerate().take(x.d.len()) {
+            let sc = &b[0..16];
+            let xq = x.q.as_ptr().add(QK_K * ib);
+            let mut acc = _mm256_setzero_si256();
+            for half in 0..2 {
+                let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * half) as *const __m256i);
+                for j in 0..4 {
+                    let sh = _mm_cvtsi32_si128(2 * j as i32);
+                    let codes = _mm256_and_si256(_mm256_srl_epi16(v, sh), m3);
+                    let xv = _mm256_loadu_si256(xq.add(128 * half + 32 * j) as *const __m256i);
+                    let p = _mm256_maddubs_epi16(codes, xv);
+                    let s = 8 * half + 2 * j;
+                    let scales = _mm256_set_m128i(
+                        _mm_set1_epi16((sc[s + 1] & 15) as i16),
+                        _mm_set1_epi16((sc[s] & 15) as i16),
+                    );
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales));
+                }
+            }
+            let summs = q2k_summs(sc, &x.bsums[16 * ib..16 * ib + 16]);
+            sumf = combine_affine(
+                sumf,
+                x.d[ib],
+                f16_at(b, 80),
+                f16_at(b, 82),
+                hsum8(acc),
+                summs,
+            );
+        }
+        sumf
+    }
+
+    /// Q4_K × Q8_K: low nibbles of qs[32c..] are sub-block 2c, high nibbles 2c+1.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn q4_k(row: &[u8], x: &QuantizedAct) -> f32 {
+        let m15 = _mm256_set1_epi8(15);
+        let mut sumf = 0f32;
+        for (ib, b) in row.chunks_exact(144).enumerate().take(x.d.len()) {
+            let scales = &b[4..16];
+            let xq = x.q.as_ptr().add(QK_K * ib);
+            let mut acc = _mm256_setzero_si256();
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * c) as *const __m256i);
+                let lo = _mm256_and_si256(v, m15);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m15);
+                let x0 = _mm256_loadu_si256(xq.add(64 * c) as *const __m256i);
+                let x1 = _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i);
+                let s0 = _mm256_set1_epi16(q4k_scale_min(scales, 2 * c).0 as i16);
+                let s1 = _mm256_set1_epi16(q4k_scale_min(scales, 2 * c + 1).0 as i16);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
+            }
+            let summs = q4k_summs(scales, &x.bsums[16 * ib..16 * ib + 16]);
+            sumf = combine_affine(sumf, x.d[ib], f16_at(b, 0), f16_at(b, 2), hsum8(acc), summs);
+        }
+        sumf
+    }
+
+    /// IQ2_XXS × Q8_K: grid magnitudes (unsigned) × activation with the weight signs applied
+    /// (`sign_epi8`, exact because activation codes are never −128), group scale via `madd`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn iq2_xxs(row: &[u8], x: &QuantizedAct) -> f32 {
+        // Byte i of a 32-byte run takes sign byte i/8 (shuffle is per 128-bit lane: the
+        // broadcast u32 sits in each lane's bytes 0..4).
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let one = _mm256_set1_epi8(1);
+        let mut sumf = 0f32;
+        for (ib, b) in row.chunks_exact(66).enumerate().take(x.d.len()) {
+            let xq = x.q.as_ptr().add(QK_K * ib);
+            let mut acc = _mm256_setzero_si256();
+            for g in 0..8 {
+                let grp = &b[2 + 8 * g..10 + 8 * g];
+                let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
+                let grid = _mm256_set_epi64x(
+                    IQ2XXS_GRID[grp[3] as usize] as i64,
+                    IQ2XXS_GRID[grp[2] as usize] as i64,
+                    IQ2XXS_GRID[grp[1] as usize] as i64,
+                    IQ2XXS_GRID[grp[0] as usize] as i64,
+                );
+                let signs = u32::from_le_bytes([
+                    KSIGNS_IQ2XS[(aux & 127) as usize],
+                    KSIGNS_IQ2XS[((aux >> 7) & 127) as usize],
+                    KSIGNS_IQ2XS[((aux >> 14) & 127) as usize],
+                    KSIGNS_IQ2XS[((aux >> 21) & 127) as usize],
+                ]);
+                let sb = _mm256_shuffle_epi8(_mm256_set1_epi32(signs as i32), spread);
+                let neg = _mm256_cmpeq_epi8(_mm256_and_si256(sb, bit), bit); // 0xFF = negative
+                let xv = _mm256_loadu_si256(xq.add(32 * g) as *const __m256i);
+                let xs = _mm256_sign_epi8(xv, _mm256_or_si256(neg, one));
+                let p = _mm256_maddubs_epi16(grid, xs);
+                let ls = _mm256_set1_epi16((2 * (aux >> 28) + 1) as i16);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ls));
+            }
+            sumf = combine_iq2(sumf, f16_at(b, 0), x.d[ib], hsum8(acc));
+        }
+        0.125 * sumf
     }
 }
 
-/// The block loop shared by all paths; the per-block f32 combination is in block order.
+/// Per-block f32 combination for the affine K-quants, shared by every path so results agree
+/// bit for bit: `sumf + (dx·d·isum − dx·dmin·summs)` (ds4's `dall·isum − dmin·summs`).
 #[inline(always)]
-fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct, ints: &impl IntDots) -> f32 {
+fn combine_affine(sumf: f32, dx: f32, d: f32, dmin: f32, isum: i32, summs: i32) -> f32 {
+    let dall = dx * d;
+    let dm = dx * dmin;
+    sumf + (dall * isum as f32 - dm * summs as f32)
+}
+
+/// Per-block f32 combination for IQ2_XXS: `sumf + (d·dx)·bsum` (the final ·0.125 is applied
+/// once after the loop).
+#[inline(always)]
+fn combine_iq2(sumf: f32, d: f32, dx: f32, bsum: i32) -> f32 {
+    sumf + d * dx * bsum as f32
+}
+
+/// Q2_K `Σ_s bsums[s]·(sc[s] >> 4)` (the min term's integer part).
+#[inline(always)]
+fn q2k_summs(sc: &[u8], bs: &[i16]) -> i32 {
+    bs.iter()
+        .zip(sc)
+        .map(|(&s, &c)| s as i32 * (c >> 4) as i32)
+        .sum()
+}
+
+/// Q4_K `Σ_b m_b·(bsums[2b] + bsums[2b+1])`.
+#[inline(always)]
+fn q4k_summs(scales: &[u8], bs: &[i16]) -> i32 {
+    (0..8)
+        .map(|b| q4k_scale_min(scales, b).1 as i32 * (bs[2 * b] as i32 + bs[2 * b + 1] as i32))
+        .sum()
+}
+
+/// The portable block loop; the per-block f32 combination is in block order (as on AVX2).
+#[inline(always)]
+fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct) -> f32 {
     let mut sumf = 0f32;
     let mut codes = [0i8; QK_K];
     let xblock = |ib: usize| -> &[i8; QK_K] { x.q[QK_K * ib..QK_K * (ib + 1)].try_into().unwrap() };
@@ -344,7 +510,7 @@ fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct, ints: &impl IntDot
         GgmlType::Q8_0 => {
             for ((b, xq), &dx) in row.chunks_exact(34).zip(x.q.chunks_exact(32)).zip(&x.d) {
                 let w = as_i8_32(&b[2..34]);
-                let isum = ints.dot32(w, xq.try_into().unwrap());
+                let isum = idot32(w, xq.try_into().unwrap());
                 sumf += f16_at(b, 0) * dx * isum as f32;
             }
         }
@@ -361,7 +527,7 @@ fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct, ints: &impl IntDot
                         }
                     }
                 }
-                let s16 = ints.sums16(&codes, xblock(ib));
+                let s16 = isums16(&codes, xblock(ib));
                 let bs = &x.bsums[16 * ib..16 * ib + 16];
                 let summs: i32 = bs
                     .iter()
@@ -383,17 +549,12 @@ fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct, ints: &impl IntDot
                         codes[64 * c + 32 + l] = (qs[32 * c + l] >> 4) as i8;
                     }
                 }
-                let s16 = ints.sums16(&codes, xblock(ib));
-                let bs = &x.bsums[16 * ib..16 * ib + 16];
-                let (mut isum, mut summs) = (0i32, 0i32);
-                for sb in 0..8 {
-                    let (sc, m) = q4k_scale_min(scales, sb);
-                    isum += sc as i32 * (s16[2 * sb] + s16[2 * sb + 1]);
-                    summs += m as i32 * (bs[2 * sb] as i32 + bs[2 * sb + 1] as i32);
-                }
-                let d = x.d[ib] * f16_at(b, 0);
-                let dmin = x.d[ib] * f16_at(b, 2);
-                sumf += d * isum as f32 - dmin * summs as f32;
+                let s16 = isums16(&codes, xblock(ib));
+                let summs = q4k_summs(scales, &x.bsums[16 * ib..16 * ib + 16]);
+                let isum: i32 = (0..8)
+                    .map(|sb| q4k_scale_min(scales, sb).0 as i32 * (s16[2 * sb] + s16[2 * sb + 1]))
+                    .sum();
+                sumf = combine_affine(sumf, x.d[ib], f16_at(b, 0), f16_at(b, 2), isum, summs);
             }
         }
         GgmlType::IQ2_XXS => {
@@ -412,10 +573,10 @@ fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct, ints: &impl IntDot
                         }
                     }
                 }
-                let s16 = ints.sums16(&codes, xblock(ib));
+                let s16 = isums16(&codes, xblock(ib));
                 // w = d·(0.5 + ls)·0.25·g·s = d·(2·ls + 1)·g·s / 8
                 let bsum: i32 = (0..8).map(|g| ls[g] * (s16[2 * g] + s16[2 * g + 1])).sum();
-                sumf += f16_at(b, 0) * x.d[ib] * bsum as f32;
+                sumf = combine_iq2(sumf, f16_at(b, 0), x.d[ib], bsum);
             }
             sumf *= 0.125;
         }

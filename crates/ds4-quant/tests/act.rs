@@ -53,13 +53,13 @@ fn check(ty: GgmlType, row: &[u8], x: &[f32]) {
     let nb = n / a.format().block_elems();
     let tol = 4.0 * (nb + 8) as f64 * U * b + 1e-30;
 
-    let port = dot_act_isa(ty, row, &a, Isa::Portable);
+    let port = dot_act_isa(ty, row, &a, Isa::Portable).unwrap();
     assert!(
         (port as f64 - reference).abs() <= tol,
         "{ty} n={n}: act dot {port:e} vs reference {reference:e}, tol {tol:e}"
     );
     for isa in Isa::available() {
-        let v = dot_act_isa(ty, row, &a, isa);
+        let v = dot_act_isa(ty, row, &a, isa).unwrap();
         assert_eq!(
             v.to_bits(),
             port.to_bits(),
@@ -89,7 +89,12 @@ fn check(ty: GgmlType, row: &[u8], x: &[f32]) {
 fn act_dots_match_reference_and_exact_mode() {
     let mut r = rng(11);
     for ty in TYPES {
-        for n in [256usize, 512, 2048, 4096] {
+        let lengths: &[usize] = if ty == GgmlType::Q8_0 {
+            &[32, 96, 160, 256, 4096 + 96] // block counts that are not multiples of 4 too
+        } else {
+            &[256, 512, 2048, 4096]
+        };
+        for &n in lengths {
             for _ in 0..3 {
                 let row = random_row(&mut r, ty, n);
                 let x: Vec<f32> = gaussian(&mut r, n).iter().map(|v| v * 3.0).collect();
@@ -160,6 +165,11 @@ fn act_errors() {
     assert!(dot_row_act(GgmlType::Q2_K, &[0u8; 84], &a8).is_err());
     assert!(dot_row_act(GgmlType::Q8_0, &[0u8; 8 * 34], &ak).is_err());
     assert!(dot_row_act(GgmlType::Q2_K, &[0u8; 83], &ak).is_err());
+    // A Q8_0 activation of 256 values has 8 blocks; the Q2_K kernel must never see it.
+    for isa in Isa::available() {
+        assert!(dot_act_isa(GgmlType::Q2_K, &[0u8; 84], &a8, isa).is_err());
+        assert!(dot_act_isa(GgmlType::IQ2_XXS, &[0u8; 66], &a8, isa).is_err());
+    }
     let mut y = [0f32; 2];
     assert!(matvec_act(GgmlType::Q2_K, &[0u8; 84 * 3], 2, &ak, &mut y).is_err());
     matvec_act(GgmlType::Q2_K, &[0u8; 84 * 2], 2, &ak, &mut y).unwrap();
