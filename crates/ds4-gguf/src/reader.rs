@@ -108,7 +108,14 @@ impl GgufFile {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file",
+            )));
+        }
+        let len = meta.len();
         let storage = if len == 0 {
             Storage::Owned(Vec::new())
         } else {

@@ -126,6 +126,8 @@ fn write_to_path_then_mmap_open() {
 
     let missing = GgufFile::open(dir.join("nope.gguf")).unwrap_err();
     assert!(missing.to_string().contains("nope.gguf"), "{missing}");
+    let not_file = GgufFile::open(&dir).unwrap_err().to_string();
+    assert!(not_file.ends_with(": not a regular file"), "{not_file}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
