@@ -36,6 +36,8 @@ enum Command {
     Run(cmd::run::Args),
     /// Write the logits after every position of a token sequence to a .npy file.
     Logits(cmd::logits::Args),
+    /// Prefill and decode speed at growing context frontiers, as CSV.
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => cmd::tokenize::run(a),
         Command::Run(a) => cmd::run::run(a),
         Command::Logits(a) => cmd::logits::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -245,6 +245,22 @@ impl Session {
         Ok(reuse)
     }
 
+    /// Bytes of KV state held now: raw window rows, compressed and indexer rows, frontiers.
+    pub fn kv_bytes(&self) -> u64 {
+        let f = |v: &[f32]| v.len() as u64 * 4;
+        self.state
+            .layers
+            .iter()
+            .map(|l| {
+                let c = |c: &Option<ds4_cpu::forward::CompState>| {
+                    c.as_ref()
+                        .map_or(0, |c| f(&c.rows) + f(&c.front_kv) + f(&c.front_score))
+                };
+                f(&l.raw) + c(&l.comp) + c(&l.index)
+            })
+            .sum()
+    }
+
     /// Drop all state.
     pub fn reset(&mut self) {
         self.state = self.model.new_state();

@@ -1,3 +1,4 @@
+pub mod bench;
 pub mod common;
 pub mod inspect;
 pub mod logits;

@@ -1,0 +1,107 @@
+use super::common::ModelArgs;
+use anyhow::{bail, Context, Result};
+use ds4_engine::argmax;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "For each context frontier the prompt is extended (incremental prefill) to that \
+    length, then --gen-tokens tokens are generated greedily (EOS ignored) from a snapshot, which is \
+    restored afterwards. CSV on stdout (or --csv FILE):\n  \
+    ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n\n\
+    Example:\n  ds4 bench -m models/tiny.gguf --ctx-start 256 --ctx-max 4096 --step-mul 2 --gen-tokens 32"
+)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// First frontier (tokens of context).
+    #[arg(long, default_value_t = 2048)]
+    ctx_start: usize,
+    /// Last frontier.
+    #[arg(long, default_value_t = 32768)]
+    ctx_max: usize,
+    /// Add this many tokens per frontier (default: double with --step-mul 2).
+    #[arg(long, conflicts_with = "step_mul")]
+    step_incr: Option<usize>,
+    /// Multiply the frontier by this factor each step.
+    #[arg(long)]
+    step_mul: Option<f64>,
+    /// Tokens generated at each frontier.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Text to tokenize for the prompt (repeated as needed); default: built-in English and code.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Also write the CSV to this file.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+}
+
+const DEFAULT_TEXT: &str =
+    "The quick brown fox jumps over the lazy dog. fn main() { println!(\"hello\"); } \
+    Numbers 1234567890 and a CSV row: a,b,c\n";
+
+pub fn run(mut a: Args) -> Result<()> {
+    if a.ctx_start == 0 || a.ctx_start > a.ctx_max {
+        bail!("--ctx-start must be between 1 and --ctx-max");
+    }
+    a.model.ctx = a.model.ctx.max(a.ctx_max + a.gen_tokens);
+    let engine = a.model.open()?;
+    let tok = engine.tokenizer().clone();
+    let text = match &a.prompt_file {
+        Some(p) => {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
+        }
+        None => DEFAULT_TEXT.to_string(),
+    };
+    let unit = tok.encode(&text);
+    if unit.is_empty() {
+        bail!("the prompt text encodes to no tokens");
+    }
+    let prompt: Vec<u32> = unit.iter().copied().cycle().take(a.ctx_max).collect();
+    let mut frontiers = vec![a.ctx_start];
+    loop {
+        let last = *frontiers.last().unwrap_or(&a.ctx_start);
+        let next = match (a.step_incr, a.step_mul) {
+            (Some(i), _) => last + i.max(1),
+            (None, m) => ((last as f64) * m.unwrap_or(2.0)).ceil() as usize,
+        };
+        if next > a.ctx_max || next <= last {
+            break;
+        }
+        frontiers.push(next);
+    }
+    let mut out =
+        String::from("ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n");
+    print!("{out}");
+    let mut s = engine.new_session(a.model.ctx);
+    for &f in &frontiers {
+        let before = s.tokens().len();
+        let t0 = Instant::now();
+        s.sync(&prompt[..f], &mut |_, _| {})?;
+        let pre = (f - before) as f64 / t0.elapsed().as_secs_f64();
+        let kv = s.kv_bytes();
+        let snap = s.snapshot();
+        let t1 = Instant::now();
+        for _ in 0..a.gen_tokens {
+            let next = argmax(s.logits().context("no logits")?);
+            s.eval(next)?;
+        }
+        let gen = a.gen_tokens as f64 / t1.elapsed().as_secs_f64();
+        s.restore(&snap)?;
+        let line = format!(
+            "{f},{},{pre:.2},{},{gen:.2},{kv}\n",
+            f - before,
+            a.gen_tokens
+        );
+        print!("{line}");
+        std::io::stdout().flush()?;
+        out.push_str(&line);
+    }
+    if let Some(p) = &a.csv {
+        std::fs::write(p, out).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
