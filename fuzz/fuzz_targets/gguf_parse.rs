@@ -12,7 +12,9 @@ fn walk_array(a: &Array, acc: &mut u64) {
     let _ = a.to_u32_vec();
     match a {
         Array::Array(v) => v.iter().for_each(|x| walk_array(x, acc)),
-        Array::String(s) => s.iter().for_each(|x| *acc = acc.wrapping_add(x.len() as u64)),
+        Array::String(s) => s
+            .iter()
+            .for_each(|x| *acc = acc.wrapping_add(x.len() as u64)),
         _ => {
             for i in 0..a.len() {
                 let v = a.get(i).expect("index in range");
