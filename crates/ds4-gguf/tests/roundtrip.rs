@@ -331,3 +331,79 @@ fn large_string_arrays_open_fast() {
     // Generous bound for a loaded 2-core CI machine; the target is < 100 ms.
     assert!(best < 0.5, "open took {best} s");
 }
+
+/// Full-size shapes: offsets past 4 GiB, and the header alone reports the first missing tensor.
+#[test]
+fn full_size_layout_without_data() {
+    let mut w = GgufWriter::new();
+    w.set("general.architecture", "deepseek4");
+    let mut expect = 0u64;
+    for l in 0..43 {
+        for (n, ty, dims) in [
+            ("attn_q_b.weight", GgmlType::Q8_0, [1024u64, 32768, 1]),
+            ("ffn_gate_exps.weight", GgmlType::IQ2_XXS, [4096, 2048, 256]),
+            ("ffn_up_exps.weight", GgmlType::IQ2_XXS, [4096, 2048, 256]),
+            ("ffn_down_exps.weight", GgmlType::Q2_K, [2048, 4096, 256]),
+        ] {
+            w.add_tensor(format!("blk.{l}.{n}"), ty, &dims).unwrap();
+            expect += ty.row_bytes(dims[0]).unwrap() * dims[1] * dims[2];
+        }
+    }
+    let l = w.layout().unwrap();
+    assert_eq!(l.sizes.iter().sum::<u64>(), expect);
+    assert!(l.total_len > 64 << 30, "{}", l.total_len); // far past u32 offsets
+    assert!(l.offsets.windows(2).all(|o| o[0] < o[1] && o[1] % 32 == 0));
+    let last = l.offsets.len() - 1;
+    assert_eq!(
+        l.total_len,
+        (l.offsets[last] + l.sizes[last]).div_ceil(32) * 32
+    );
+    let e = GgufFile::from_bytes("big.gguf", l.header.clone()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "big.gguf: tensor blk.0.attn_q_b.weight (info at byte {}): data ends at byte {} but the file has {} bytes (truncated?)",
+            // The first tensor info follows the two metadata records.
+            24 + (8 + 20 + 4 + 8 + 9) + (8 + 17 + 4 + 4),
+            l.offsets[0] + l.sizes[0],
+            l.header.len()
+        )
+    );
+}
+
+/// A sparse full-size file: mmap, offsets past 4 GiB, zero-copy view of the last tensor.
+/// Skipped where the filesystem does not make sparse files (it would really write 74 GB).
+#[cfg(unix)]
+#[test]
+fn sparse_full_size_file_opens() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let mut w = GgufWriter::new();
+    for l in 0..43 {
+        w.add_tensor(
+            format!("blk.{l}.ffn_gate_exps.weight"),
+            GgmlType::IQ2_XXS,
+            &[4096, 2048, 256],
+        )
+        .unwrap();
+    }
+    let l = w.layout().unwrap();
+    let path = std::env::temp_dir().join(format!("ds4-gguf-sparse-{}.gguf", std::process::id()));
+    let file = std::fs::File::create(&path).unwrap();
+    file.set_len(l.total_len).unwrap();
+    file.write_all_at(&l.header, 0).unwrap();
+    let last = l.offsets.len() - 1;
+    file.write_all_at(b"last", l.offsets[last]).unwrap();
+    let sparse = file.metadata().unwrap().blocks() * 512 < 1 << 30;
+    drop(file);
+    if sparse {
+        let f = GgufFile::open(&path).unwrap();
+        let t = &f.tensors()[last];
+        assert!(t.offset > 1 << 32);
+        assert_eq!(t.offset, l.offsets[last]);
+        assert_eq!(&f.tensor_data(t)[..4], b"last");
+        assert_eq!(f.tensor_data(t).len() as u64, 2048 * 256 * 16 * 66);
+    } else {
+        println!("skipped: {} is not sparse here", path.display());
+    }
+    std::fs::remove_file(&path).unwrap();
+}
