@@ -122,7 +122,11 @@ fn main() {
     }
 
     println!();
-    println!("# activation-quantised path (x quantised once per matvec, not counted in the time)");
+    println!("# activation-quantised path (x quantised once per matvec, not counted in the time);");
+    println!("# rel.RMS diff = ‖y_act − y_exact‖/‖y_exact‖ over 256 quantised Gaussian rows;");
+    println!(
+        "# vs exact = DRAM speed over exact mode's best path (portable-act: over portable exact)"
+    );
     println!(
         "{:<8} {:<9} {:>10} {:>10} {:>10} {:>10}   {:>12} {:>12}",
         "type",
@@ -213,13 +217,17 @@ fn main() {
             )
             .unwrap();
             let rows = w_dram.len() / rb;
-            let t0 = Instant::now();
-            let mut acc = 0f32;
-            for r in 0..rows {
-                acc += k.dot(black_box(&w_dram[r * rb..(r + 1) * rb]), black_box(&x));
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let t0 = Instant::now();
+                let mut acc = 0f32;
+                for r in 0..rows {
+                    acc += k.dot(black_box(&w_dram[r * rb..(r + 1) * rb]), black_box(&x));
+                }
+                black_box(acc);
+                best = best.min(t0.elapsed().as_secs_f64());
             }
-            black_box(acc);
-            let exact_rate = w_dram.len() as f64 / t0.elapsed().as_secs_f64() / 1e9;
+            let exact_rate = w_dram.len() as f64 / best / 1e9;
             println!(
                 "{:<8} {:<9} {:>10.2} {:>10.2} {:>10.2} {:>10.2}   {:>12.2e} {:>11.2}x",
                 ty.name(),

@@ -135,7 +135,7 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 + FMA + F16C, 256-bit.
     Avx2,
-    /// x86-64 AVX-512F, 512-bit.
+    /// x86-64 AVX-512F (+F16C), 512-bit.
     Avx512,
 }
 
@@ -163,7 +163,7 @@ fn detected() -> &'static Detected {
             is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c"),
-            is_x86_feature_detected!("avx512f"),
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("f16c"),
         );
         #[cfg(not(target_arch = "x86_64"))]
         let (avx2, avx512) = (false, false);

@@ -32,7 +32,7 @@ pub(crate) fn avx2_dot_fn(ty: GgmlType) -> RawDot {
 }
 
 pub(crate) fn avx512_dot_fn(ty: GgmlType) -> RawDot {
-    // SAFETY (all closures): handed out only when AVX-512F was detected.
+    // SAFETY (all closures): handed out only when AVX-512F and F16C were detected.
     match ty {
         GgmlType::F32 => |r, x| unsafe { avx512::dot_f32(r, x) },
         GgmlType::F16 => |r, x| unsafe { avx512::dot_f16(r, x) },
@@ -182,7 +182,12 @@ mod avx2 {
         for ib in 0..nb {
             let b = row.as_ptr().add(34 * ib);
             let xp = x.as_ptr().add(32 * ib);
-            let d = _mm256_set1_ps(f16_at(row, 34 * ib));
+            // F16C conversion of the scale (exact; the scale is finite in valid data, and a NaN
+            // scale gives NaN either way).
+            let d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
+                row[34 * ib],
+                row[34 * ib + 1],
+            ]) as i32)));
             let q = |k: usize| {
                 let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(2 + 8 * k) as *const __m128i));
                 _mm256_cvtepi32_ps(v)
@@ -324,12 +329,12 @@ mod avx512 {
 
     /// 16 unsigned bytes at `p` widened to 16 i32 lanes.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     unsafe fn u8x16(p: *const u8) -> __m512i {
         _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
     }
 
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 4);
         let (w, xp) = (row.as_ptr() as *const f32, x.as_ptr());
@@ -359,7 +364,7 @@ mod avx512 {
         ))
     }
 
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 2);
         let (w, xp) = (row.as_ptr(), x.as_ptr());
@@ -388,7 +393,7 @@ mod avx512 {
         s
     }
 
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 2);
         let (w, xp) = (row.as_ptr(), x.as_ptr());
@@ -420,14 +425,17 @@ mod avx512 {
         s
     }
 
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 34, 32);
         let mut total = [_mm512_setzero_ps(); 2];
         for ib in 0..nb {
             let b = row.as_ptr().add(34 * ib);
             let xp = x.as_ptr().add(32 * ib);
-            let d = _mm512_set1_ps(f16_at(row, 34 * ib));
+            let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
+                row[34 * ib],
+                row[34 * ib + 1],
+            ]) as i32)));
             let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                 b.add(2) as *const __m128i
             )));
@@ -444,7 +452,7 @@ mod avx512 {
         _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]))
     }
 
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 84, QK_K);
         let three = _mm512_set1_epi32(3);
@@ -485,7 +493,7 @@ mod avx512 {
         _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
     }
 
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 144, QK_K);
         let fifteen = _mm512_set1_epi32(15);
@@ -519,7 +527,7 @@ mod avx512 {
         _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
     }
 
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_iq2_xxs(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 66, QK_K);
         let zero = _mm512_setzero_ps();
