@@ -38,7 +38,10 @@ fn npy<T: Copy>(path: &Path, descr: &str, conv: fn([u8; 4]) -> T) -> (Vec<usize>
         .filter(|s| !s.trim().is_empty())
         .map(|s| s.trim().parse().unwrap())
         .collect();
-    let data = b[start + hlen..].chunks_exact(4).map(|c| conv([c[0], c[1], c[2], c[3]])).collect();
+    let data = b[start + hlen..]
+        .chunks_exact(4)
+        .map(|c| conv([c[0], c[1], c[2], c[3]]))
+        .collect();
     (shape, data)
 }
 
@@ -68,12 +71,27 @@ fn compare(model: &str, rounding: Rounding, expected: &str) -> Stats {
     for (t, &tok) in tokens.iter().enumerate() {
         let got = m.eval(&mut st, tok as u32);
         let w = &want[t * v..(t + 1) * v];
-        let d = got.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let d = got
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
         per_pos.push(d);
-        let am = |x: &[f32]| x.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+        let am = |x: &[f32]| {
+            x.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0
+        };
         agree += (am(&got) == am(w)) as usize;
     }
-    let worst_pos = per_pos.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    let worst_pos = per_pos
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap()
+        .0;
     let mut sorted = per_pos.clone();
     sorted.sort_by(f32::total_cmp);
     let s = Stats {
@@ -92,7 +110,10 @@ fn compare(model: &str, rounding: Rounding, expected: &str) -> Stats {
 fn have_fixtures() -> bool {
     let ok = fixtures().join("manifest.json").exists();
     if !ok {
-        eprintln!("SKIP: oracle fixtures missing under {}", fixtures().display());
+        eprintln!(
+            "SKIP: oracle fixtures missing under {}",
+            fixtures().display()
+        );
     }
     ok
 }
@@ -122,7 +143,10 @@ fn rounding_steps_match_hf_with_rounding_patched_in() {
     if !have_fixtures() {
         return;
     }
-    for (model, exp) in [("tiny-f32.gguf", "logits-f32-round.npy"), ("tiny-q.gguf", "logits-q-round.npy")] {
+    for (model, exp) in [
+        ("tiny-f32.gguf", "logits-f32-round.npy"),
+        ("tiny-q.gguf", "logits-q-round.npy"),
+    ] {
         let s = compare(model, Rounding::MODEL, exp);
         assert!(s.median_of_max < 1e-3, "median {}", s.median_of_max);
         assert!(s.top1 > 0.99, "top-1 {}", s.top1);
