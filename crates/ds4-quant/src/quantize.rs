@@ -36,23 +36,32 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Qua
             }
         }
         GgmlType::Q2_K => {
-            for (x, o) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(84)) {
-                quantize_q2_k(x, o);
-            }
+            blocks_parallel(src, dst, 84, quantize_q2_k);
         }
         GgmlType::Q4_K => {
-            for (x, o) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(144)) {
-                quantize_q4_k(x, o);
-            }
+            blocks_parallel(src, dst, 144, quantize_q4_k);
         }
         GgmlType::IQ2_XXS => {
-            for (x, o) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(66)) {
-                quantize_iq2_xxs(x, o);
-            }
+            blocks_parallel(src, dst, 66, quantize_iq2_xxs);
         }
         _ => unreachable!("checked above"),
     }
     Ok(())
+}
+
+/// Quantise the 256-element blocks of a row independently, in parallel when there are several
+/// (the searching quantisers are slow: ~1–3 M weights/s per core).
+fn blocks_parallel(src: &[f32], dst: &mut [u8], bb: usize, f: fn(&[f32], &mut [u8])) {
+    use rayon::prelude::*;
+    if src.len() >= 4 * QK_K {
+        src.par_chunks_exact(QK_K)
+            .zip(dst.par_chunks_exact_mut(bb))
+            .for_each(|(x, o)| f(x, o));
+    } else {
+        for (x, o) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(bb)) {
+            f(x, o);
+        }
+    }
 }
 
 /// ggml's `fp32_to_bf16`: NaN forced quiet, otherwise round to nearest even.
@@ -218,34 +227,76 @@ fn quantize_q4_k(x: &[f32], o: &mut [u8]) {
     }
 }
 
-/// Best grid entry for 8 magnitudes `y` (already divided by the scale), given that the sign
-/// pattern `neg` (bit j = x_j < 0) has odd parity when `odd`: then the cheapest element is
-/// flipped, costing `4·y_j·g_j`. Returns (entry, flip mask, squared error).
-fn iq2_best_entry(y: &[f32; 8], odd: bool) -> (u8, u8, f32) {
-    let mut best = (0u8, 0u8, f32::INFINITY);
-    for (e, &packed) in IQ2XXS_GRID.iter().enumerate() {
-        let g = packed.to_le_bytes();
-        let mut err = 0f32;
-        let (mut flip_cost, mut flip_j) = (f32::INFINITY, 0);
-        for j in 0..8 {
-            let gj = g[j] as f32;
-            err += (y[j] - gj) * (y[j] - gj);
-            let c = 4.0 * y[j] * gj;
-            if c < flip_cost {
-                flip_cost = c;
-                flip_j = j;
+/// The grid transposed to `[j][entry]` as f32 plus `Σ_j g_j²` per entry, so the search below
+/// runs over entries in vectorisable loops.
+struct Iq2Search {
+    g: [[f32; 256]; 8],
+    gg: [f32; 256],
+}
+
+fn iq2_search() -> &'static Iq2Search {
+    static T: std::sync::OnceLock<Box<Iq2Search>> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut t = Box::new(Iq2Search {
+            g: [[0.0; 256]; 8],
+            gg: [0.0; 256],
+        });
+        for (e, &packed) in IQ2XXS_GRID.iter().enumerate() {
+            for (j, &b) in packed.to_le_bytes().iter().enumerate() {
+                t.g[j][e] = b as f32;
+                t.gg[e] += (b as f32) * (b as f32);
             }
         }
-        let (err, flip) = if odd {
-            (err + flip_cost, 1u8 << flip_j)
-        } else {
-            (err, 0)
-        };
-        if err < best.2 {
-            best = (e as u8, flip, err);
+        t
+    })
+}
+
+/// Best grid entry for 8 magnitudes `y` (already divided by the scale), given that the sign
+/// pattern (bit j = x_j < 0) has odd parity when `odd`: then the cheapest element is flipped,
+/// costing `4·y_j·g_j`. Returns (entry, flip mask, squared error).
+fn iq2_best_entry(y: &[f32; 8], odd: bool) -> (u8, u8, f32) {
+    let t = iq2_search();
+    // err(e) = Σy² − 2·Σ y_j·g_ej + Σ g_ej²  (+ the flip cost when odd).
+    let yy: f32 = y.iter().map(|v| v * v).sum();
+    let mut err = t.gg;
+    for (yj, gj) in y.iter().zip(&t.g) {
+        let m = -2.0 * yj;
+        for (e, g) in err.iter_mut().zip(gj) {
+            *e += m * g;
         }
     }
-    best
+    if odd {
+        let mut flip = [f32::INFINITY; 256];
+        for (yj, gj) in y.iter().zip(&t.g) {
+            let m = 4.0 * yj;
+            for (f, g) in flip.iter_mut().zip(gj) {
+                *f = f.min(m * g);
+            }
+        }
+        for (e, f) in err.iter_mut().zip(&flip) {
+            *e += f;
+        }
+    }
+    let (mut be, mut bv) = (0usize, f32::INFINITY);
+    for (e, &v) in err.iter().enumerate() {
+        if v < bv {
+            bv = v;
+            be = e;
+        }
+    }
+    let flip = if odd {
+        // The element whose flip is cheapest for the chosen entry (lowest index on ties).
+        let mut bj = 0;
+        for j in 1..8 {
+            if y[j] * t.g[j][be] < y[bj] * t.g[bj][be] {
+                bj = j;
+            }
+        }
+        1u8 << bj
+    } else {
+        0
+    };
+    (be as u8, flip, (bv + yy).max(0.0))
 }
 
 /// Quantise 8 values with the given scale (`w = s·grid·sign`). Returns (entry, 7-bit sign
@@ -273,7 +324,7 @@ fn iq2_group_scale(x: &[f32]) -> f32 {
     }
     let group_err = |s: f32| -> f32 { x.chunks_exact(8).map(|c| iq2_chunk(c, s).2).sum() };
     let mut best = (amax / 43.0, f32::INFINITY);
-    for t in [43.0f32, 36.0, 30.0, 25.0, 21.0, 17.0, 14.0, 11.0, 8.0] {
+    for t in [43.0f32, 32.0, 24.0, 17.0, 11.0, 8.0] {
         let s = amax / t;
         let e = group_err(s);
         if e < best.1 {
