@@ -42,6 +42,7 @@ def main() -> None:
         f"{version} (gguf/quants.py, IQ2_XXS). Do not edit.",
         "",
         "/// `iq2xxs_grid`: 256 entries of 8 magnitudes (8, 25 or 43), element `j` in byte `j`.",
+        "#[rustfmt::skip]",
         "pub const IQ2XXS_GRID: [u64; 256] = [",
     ]
     for i in range(0, 256, 4):
@@ -49,6 +50,7 @@ def main() -> None:
     lines.append("];")
     lines.append("")
     lines.append("/// `ksigns_iq2xs`: 7-bit sign index -> 8 sign bits with even parity (bit j set = negative).")
+    lines.append("#[rustfmt::skip]")
     lines.append("pub const KSIGNS_IQ2XS: [u8; 128] = [")
     for i in range(0, 128, 16):
         lines.append("    " + " ".join(f"0x{v:02x}," for v in ksigns[i:i + 16]))
