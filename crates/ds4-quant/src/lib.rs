@@ -181,7 +181,8 @@ fn detected() -> &'static Detected {
 static FORCE_PORTABLE: AtomicBool = AtomicBool::new(false);
 
 /// Force (or stop forcing) the portable path for [`dot_row`], [`dot_kernel`] and [`matvec`].
-/// `DS4_QUANT_PORTABLE=1` in the environment forces it regardless of this switch.
+/// `DS4_QUANT_PORTABLE=1` in the environment forces it regardless of this switch. Kernels
+/// already resolved with [`dot_kernel`] keep the path they were resolved for.
 pub fn set_force_portable(on: bool) {
     FORCE_PORTABLE.store(on, Ordering::Relaxed);
 }

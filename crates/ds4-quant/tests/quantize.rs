@@ -115,3 +115,17 @@ fn quantise_rejects_bad_lengths() {
     assert!(quantize_row(GgmlType::Q8_0, &[0.0; 31], &mut [0u8; 34]).is_err());
     assert!(quantize_row(GgmlType::Q6_K, &[0.0; 256], &mut [0u8; 210]).is_err());
 }
+
+#[test]
+fn non_finite_inputs_do_not_panic() {
+    let mut x = vec![0.25f32; 512];
+    x[3] = f32::NAN;
+    x[300] = f32::INFINITY;
+    x[301] = f32::NEG_INFINITY;
+    for ty in ds4_quant::SUPPORTED {
+        let mut q = vec![0u8; ty.row_bytes(512).unwrap() as usize];
+        quantize_row(ty, &x, &mut q).unwrap();
+        let mut out = vec![0f32; 512];
+        dequantize_row(ty, &q, &mut out).unwrap();
+    }
+}
