@@ -6,6 +6,11 @@
 //!
 //! Integer sums are exact, and the per-block f32 combination runs in block order on every path,
 //! so the AVX2 integer kernels give results bit-identical to the portable ones.
+//!
+//! Relation to ds4: the activation quantisers and per-block formulas follow ds4.c's scalar CPU
+//! code (Q8_0: `Σ (f16(d_w)·d_x)·isum`; Q2_K: `dall·isum − dmin·summs`; IQ2_XXS:
+//! `0.125·Σ d·bsum`); Q4_K, which ds4's CPU path lacks, uses the same affine form. ds4 is built
+//! with `-ffast-math`, so its sums are not bit-reproducible and no bit-equality is claimed.
 
 use crate::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
 use crate::portable::{q4k_scale_min, QK_K};
