@@ -4,11 +4,12 @@
 //! Fixtures come from `tools/fixtures/make_oracle.py` (committed under tests/fixtures/oracle).
 //!
 //! Tolerances: we compute in f32 with weights read through the exact dot products, the oracle in
-//! float64 (with float32 islands: RoPE tables, compressor softmax). Over 6 layers that leaves
-//! ~1e-5 relative error. Discrete decisions (router top-6, indexer top-4; FP8/FP4 rounding
+//! float64. Over 6 layers that leaves a few 1e-6 absolute on logits of magnitude ~1 (measured:
+//! max 4.1e-6 f32 file, 5.3e-6 q file); the plain-math tests allow 2e-5. Discrete decisions (router top-6, indexer top-4; FP8/FP4 rounding
 //! when the rounding steps are on) can flip where the oracle's margin is within that error;
 //! a flip moves logits by up to ~1e-1 from that position on. The fixtures record the margins,
-//! and the checks below allow deviations only at positions that follow a near-tie.
+//! so with the rounding steps on we check the median per-position error (measured 3.8e-4 and
+//! 9.2e-5) and top-1 agreement (measured 99.5 % and 100 %) instead of the maximum.
 
 use ds4_cpu::{CpuModel, Rounding, Weights};
 use ds4_gguf::GgufFile;
@@ -124,7 +125,7 @@ fn f32_weights_plain_math_matches_hf() {
         return;
     }
     let s = compare("tiny-f32.gguf", Rounding::NONE, "logits-f32.npy");
-    assert!(s.max < 1e-3, "max |Δ| {}", s.max);
+    assert!(s.max < 2e-5, "max |Δ| {}", s.max);
     assert_eq!(s.top1, 1.0);
 }
 
@@ -134,7 +135,7 @@ fn quantised_weights_plain_math_matches_hf() {
         return;
     }
     let s = compare("tiny-q.gguf", Rounding::NONE, "logits-q.npy");
-    assert!(s.max < 1e-3, "max |Δ| {}", s.max);
+    assert!(s.max < 2e-5, "max |Δ| {}", s.max);
     assert_eq!(s.top1, 1.0);
 }
 
