@@ -474,14 +474,12 @@ pub(crate) fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h & 0x8000) as u32) << 16;
     let me = (h & 0x7fff) as u32;
     // Exponent and mantissa moved into f32 position, then rescaled by 2^112 (= 2^(127−15)):
-    // exact for normals and for subnormals (an f32 subnormal times 2^112 is an exact normal).
-    // Inf/NaN take a select instead, so loops over this vectorise.
+    // exact for normals and for subnormals (an f32 subnormal times 2^112 is an exact normal);
+    // the scaling keeps the mantissa bits, so Inf/NaN only need the exponent forced to 255
+    // (mask computed without branches so loops over this vectorise).
     let scaled = (f32::from_bits(me << 13) * f32::from_bits((127 + 112) << 23)).to_bits();
-    let bits = if me >= 0x7c00 {
-        (me << 13) | 0x7f80_0000
-    } else {
-        scaled
-    };
+    let inf_nan = (((0x7bff - me as i32) >> 31) as u32) & 0x7f80_0000;
+    let bits = scaled | inf_nan;
     f32::from_bits(sign | bits)
 }
 

@@ -174,16 +174,23 @@ pub(crate) fn dot_fn(ty: GgmlType) -> fn(&[u8], &[f32]) -> f32 {
     }
 }
 
-/// Scalar element types: convert in chunks of 64 into a stack buffer, then dot.
+/// Scalar element types: 8 partial sums over groups of 8 converted elements, then the tail.
+#[inline(always)]
 fn dot_scalar<const ES: usize>(row: &[u8], x: &[f32], conv: impl Fn(&[u8]) -> f32) -> f32 {
     let n = (row.len() / ES).min(x.len());
-    let mut buf = [0f32; 64];
-    let mut s = 0f32;
-    for (rc, xc) in row[..n * ES].chunks(64 * ES).zip(x[..n].chunks(64)) {
-        for (o, e) in buf.iter_mut().zip(rc.chunks_exact(ES)) {
-            *o = conv(e);
+    let n8 = n / 8 * 8;
+    let mut acc = [0f32; 8];
+    for (w8, x8) in row[..n8 * ES]
+        .chunks_exact(8 * ES)
+        .zip(x[..n8].chunks_exact(8))
+    {
+        for l in 0..8 {
+            acc[l] += conv(&w8[l * ES..l * ES + ES]) * x8[l];
         }
-        s += dot_f32s(&buf[..xc.len()], xc);
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (e, xv) in row[n8 * ES..n * ES].chunks_exact(ES).zip(&x[n8..n]) {
+        s += conv(e) * xv;
     }
     s
 }
