@@ -275,215 +275,325 @@ impl CpuModel {
 
     /// Process one token at the next position; returns the logits after it.
     pub fn eval(&self, st: &mut State, token: u32) -> Vec<f32> {
-        let hp = &self.hp;
-        let d = hp.n_embd as usize;
-        let n = hp.hc_count as usize;
-        let t = st.tokens.len();
-        let mut e = vec![0f32; d];
-        self.w.row(&self.embd, token as usize, &mut e);
-        // Hyper-connection streams X[i], stream-major: x[i·D .. (i+1)·D].
-        let mut x: Vec<f32> = (0..n).flat_map(|_| e.iter().copied()).collect();
-        for (l, layer) in self.layers.iter().enumerate() {
-            let (a, post, comb) = self.hc_pre(&layer.hc_attn, &x);
-            let mut z = a;
-            rms_norm(&mut z, Some(&layer.attn_norm), hp.rms_eps);
-            let o = self.attention(layer, &mut st.layers[l], &z, t);
-            hc_post(&mut x, &o, &post, &comb, n);
-            let (f, post, comb) = self.hc_pre(&layer.hc_ffn, &x);
-            let mut z = f;
-            rms_norm(&mut z, Some(&layer.ffn_norm), hp.rms_eps);
-            let y = self.moe(layer, &z, token);
-            hc_post(&mut x, &y, &post, &comb, n);
-        }
-        st.tokens.push(token);
-        self.head(&x)
+        self.eval_batch(st, &[token], false)
+            .pop()
+            .unwrap_or_default()
     }
 
-    /// HC split + collapse (model.md §3.1): returns `Σ pre_i X[i]`, `post`, and the Sinkhorn-
-    /// normalised `comb` (row-major `A[a][b]`).
-    fn hc_pre(&self, h: &Hc, x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    /// Process `tokens` at the next positions as one batch (layer-major: every projection is a
+    /// matrix product over the batch, the causal parts run token by token in order). Returns
+    /// the logits after every position (`all`) or after the last one. Every number is
+    /// bit-identical to evaluating the tokens one at a time: the matrix products give each
+    /// token exactly its matvec, and the per-token arithmetic is the same code.
+    pub fn eval_batch(&self, st: &mut State, tokens: &[u32], all: bool) -> Vec<Vec<f32>> {
         let hp = &self.hp;
-        let n = hp.hc_count as usize;
+        let d = hp.n_embd as usize;
+        let nhc = hp.hc_count as usize;
+        let n = tokens.len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let t0 = st.tokens.len();
+        // Hyper-connection streams of token i: x[i·N·D ..], stream-major inside.
+        let mut x = vec![0f32; n * nhc * d];
+        let mut e = vec![0f32; d];
+        for (i, &tok) in tokens.iter().enumerate() {
+            self.w.row(&self.embd, tok as usize, &mut e);
+            for k in 0..nhc {
+                x[(i * nhc + k) * d..(i * nhc + k + 1) * d].copy_from_slice(&e);
+            }
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (mut z, post, comb) = self.hc_pre(&layer.hc_attn, &x, n);
+            z.chunks_mut(d)
+                .for_each(|z| rms_norm(z, Some(&layer.attn_norm), hp.rms_eps));
+            let o = self.attention(layer, &mut st.layers[l], &z, t0);
+            for i in 0..n {
+                let xs = &mut x[i * nhc * d..(i + 1) * nhc * d];
+                hc_post(
+                    xs,
+                    &o[i * d..(i + 1) * d],
+                    &post[i * nhc..(i + 1) * nhc],
+                    &comb[i * nhc * nhc..(i + 1) * nhc * nhc],
+                    nhc,
+                );
+            }
+            let (mut z, post, comb) = self.hc_pre(&layer.hc_ffn, &x, n);
+            z.chunks_mut(d)
+                .for_each(|z| rms_norm(z, Some(&layer.ffn_norm), hp.rms_eps));
+            let y = self.moe(layer, &z, tokens);
+            for i in 0..n {
+                let xs = &mut x[i * nhc * d..(i + 1) * nhc * d];
+                hc_post(
+                    xs,
+                    &y[i * d..(i + 1) * d],
+                    &post[i * nhc..(i + 1) * nhc],
+                    &comb[i * nhc * nhc..(i + 1) * nhc * nhc],
+                    nhc,
+                );
+            }
+        }
+        st.tokens.extend_from_slice(tokens);
+        let first = if all { 0 } else { n - 1 };
+        (first..n)
+            .map(|i| self.head(&x[i * nhc * d..(i + 1) * nhc * d]))
+            .collect()
+    }
+
+    /// HC split + collapse for `n` tokens (model.md §3.1): returns `Σ pre_i X[i]` (n × D),
+    /// `post` (n × N) and the Sinkhorn-normalised `comb` (n × N·N, row-major `A[a][b]`).
+    fn hc_pre(&self, h: &Hc, x: &[f32], n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let hp = &self.hp;
+        let nhc = hp.hc_count as usize;
         let d = hp.n_embd as usize;
         let eps = hp.hc_eps;
+        let mix = (2 + nhc) * nhc;
         let mut s = x.to_vec();
-        rms_norm(&mut s, None, hp.rms_eps);
-        let mut m = vec![0f32; (2 + n) * n];
-        self.w.matvec(&h.mixer, None, &s, &mut m);
-        let pre: Vec<f32> = (0..n)
-            .map(|i| sigmoid(m[i] * h.scale[0] + h.base[i]) + eps)
-            .collect();
-        let post: Vec<f32> = (0..n)
-            .map(|i| 2.0 * sigmoid(m[n + i] * h.scale[1] + h.base[n + i]))
-            .collect();
-        let mut a: Vec<f32> = (0..n * n)
-            .map(|k| m[2 * n + k] * h.scale[2] + h.base[2 * n + k])
-            .collect();
-        for row in a.chunks_mut(n) {
-            softmax(row);
-            row.iter_mut().for_each(|v| *v += eps);
-        }
-        let norm_cols = |a: &mut [f32]| {
-            for b in 0..n {
-                let s: f32 = (0..n).map(|r| a[r * n + b]).sum::<f32>() + eps;
-                (0..n).for_each(|r| a[r * n + b] /= s);
+        s.chunks_mut(nhc * d)
+            .for_each(|s| rms_norm(s, None, hp.rms_eps));
+        let mut ms = vec![0f32; n * mix];
+        self.w.matmul(&h.mixer, None, &s, &mut ms);
+        let mut y = vec![0f32; n * d];
+        let mut posts = Vec::with_capacity(n * nhc);
+        let mut combs = Vec::with_capacity(n * nhc * nhc);
+        for (t, m) in ms.chunks(mix).enumerate() {
+            let pre: Vec<f32> = (0..nhc)
+                .map(|i| sigmoid(m[i] * h.scale[0] + h.base[i]) + eps)
+                .collect();
+            posts
+                .extend((0..nhc).map(|i| 2.0 * sigmoid(m[nhc + i] * h.scale[1] + h.base[nhc + i])));
+            let mut a: Vec<f32> = (0..nhc * nhc)
+                .map(|k| m[2 * nhc + k] * h.scale[2] + h.base[2 * nhc + k])
+                .collect();
+            for row in a.chunks_mut(nhc) {
+                softmax(row);
+                row.iter_mut().for_each(|v| *v += eps);
             }
-        };
-        norm_cols(&mut a);
-        for _ in 1..hp.hc_sinkhorn_iters {
-            for row in a.chunks_mut(n) {
-                let s: f32 = row.iter().sum::<f32>() + eps;
-                row.iter_mut().for_each(|v| *v /= s);
-            }
+            let norm_cols = |a: &mut [f32]| {
+                for b in 0..nhc {
+                    let s: f32 = (0..nhc).map(|r| a[r * nhc + b]).sum::<f32>() + eps;
+                    (0..nhc).for_each(|r| a[r * nhc + b] /= s);
+                }
+            };
             norm_cols(&mut a);
-        }
-        let mut y = vec![0f32; d];
-        for i in 0..n {
-            for k in 0..d {
-                y[k] += pre[i] * x[i * d + k];
+            for _ in 1..hp.hc_sinkhorn_iters {
+                for row in a.chunks_mut(nhc) {
+                    let s: f32 = row.iter().sum::<f32>() + eps;
+                    row.iter_mut().for_each(|v| *v /= s);
+                }
+                norm_cols(&mut a);
+            }
+            combs.extend_from_slice(&a);
+            let xt = &x[t * nhc * d..(t + 1) * nhc * d];
+            let yt = &mut y[t * d..(t + 1) * d];
+            for i in 0..nhc {
+                for k in 0..d {
+                    yt[k] += pre[i] * xt[i * d + k];
+                }
             }
         }
-        (y, post, a)
+        (y, posts, combs)
     }
 
-    fn attention(&self, l: &Layer, st: &mut LayerState, z: &[f32], t: usize) -> Vec<f32> {
+    /// Attention sublayer for `n = z.len() / D` tokens at positions `t0 ..` (model.md §3.3).
+    fn attention(&self, l: &Layer, st: &mut LayerState, z: &[f32], t0: usize) -> Vec<f32> {
         let hp = &self.hp;
         let rnd = self.rounding;
+        let d = hp.n_embd as usize;
+        let n = z.len() / d;
         let hd = hp.head_dim as usize;
         let nh = hp.n_head as usize;
         let n_rot = hp.n_rot as usize;
+        let rank = hp.q_lora_rank as usize;
         let rope = self.rope(&l.kind);
         // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
-        let mut cq = vec![0f32; hp.q_lora_rank as usize];
-        self.w.matvec(&l.q_a, None, z, &mut cq);
-        rms_norm(&mut cq, Some(&l.q_a_norm), hp.rms_eps);
-        let mut q = vec![0f32; nh * hd];
-        self.w.matvec(&l.q_b, None, &cq, &mut q);
-        for h in q.chunks_mut(hd) {
-            rms_norm(h, None, hp.rms_eps);
-            rope.apply(h, t as u64, false);
-        }
-        // The shared KV row of this position into the raw window ring.
-        let mut k = vec![0f32; hd];
-        self.w.matvec(&l.kv, None, z, &mut k);
-        rms_norm(&mut k, Some(&l.kv_norm), hp.rms_eps);
-        rope.apply(&mut k, t as u64, false);
-        if rnd.fp8_kv {
-            math::fp8_sim(&mut k, hd - n_rot);
-        }
-        if rnd.f16_cache {
-            math::f16_round(&mut k);
-        }
-        let win = hp.sliding_window as usize;
-        st.raw[(t % win) * hd..(t % win + 1) * hd].copy_from_slice(&k);
-
-        // Compressors run before attention: a row closed by this token is already visible.
-        if let (Some(c), Some(cs)) = (&l.comp, st.comp.as_mut()) {
-            if let Some(mut row) = self.compress(c, cs, z, t) {
-                let n = cs.rows.len() / c.d;
-                rope.apply(&mut row, (c.ratio * n) as u64, false);
-                if rnd.fp8_kv {
-                    math::fp8_sim(&mut row, hd - n_rot);
-                }
-                if rnd.f16_cache {
-                    math::f16_round(&mut row);
-                }
-                cs.rows.extend_from_slice(&row);
+        let mut cq = vec![0f32; n * rank];
+        self.w.matmul(&l.q_a, None, z, &mut cq);
+        cq.chunks_mut(rank)
+            .for_each(|c| rms_norm(c, Some(&l.q_a_norm), hp.rms_eps));
+        let mut q = vec![0f32; n * nh * hd];
+        self.w.matmul(&l.q_b, None, &cq, &mut q);
+        for (i, qt) in q.chunks_mut(nh * hd).enumerate() {
+            for h in qt.chunks_mut(hd) {
+                rms_norm(h, None, hp.rms_eps);
+                rope.apply(h, (t0 + i) as u64, false);
             }
         }
-        if let (Some(ix), Some(is)) = (&l.indexer, st.index.as_mut()) {
-            if let Some(mut row) = self.compress(&ix.comp, is, z, t) {
-                let n = is.rows.len() / ix.comp.d;
-                rope.apply(&mut row, (4 * n) as u64, false);
-                if rnd.fp4_indexer {
-                    math::fp4_hadamard_sim(&mut row);
-                }
-                if rnd.f16_cache {
-                    math::f16_round(&mut row);
-                }
-                is.rows.extend_from_slice(&row);
+        // The shared KV row of each position.
+        let mut kv = vec![0f32; n * hd];
+        self.w.matmul(&l.kv, None, z, &mut kv);
+        for (i, k) in kv.chunks_mut(hd).enumerate() {
+            rms_norm(k, Some(&l.kv_norm), hp.rms_eps);
+            rope.apply(k, (t0 + i) as u64, false);
+            if rnd.fp8_kv {
+                math::fp8_sim(k, hd - n_rot);
+            }
+            if rnd.f16_cache {
+                math::f16_round(k);
             }
         }
-
-        // Visible compressed rows: all for HCA; for CSA all up to top-k, else the indexer's pick.
-        let comp_rows: &[f32] = st.comp.as_ref().map_or(&[], |c| &c.rows);
-        let n_comp = comp_rows.len() / hd;
-        let selected: Vec<usize> = match (&l.indexer, &st.index) {
-            (Some(ix), Some(is)) if n_comp > hp.indexer_top_k as usize => {
-                self.index_select(ix, &is.rows, z, &cq, t, rope)
-            }
-            _ => (0..n_comp).collect(),
+        // Compressor and indexer projections for the whole batch.
+        let proj = |c: &Compressor| {
+            let w = c.coff * c.d;
+            let (mut a, mut g) = (vec![0f32; n * w], vec![0f32; n * w]);
+            self.w.matmul(&c.kv, None, z, &mut a);
+            self.w.matmul(&c.gate, None, z, &mut g);
+            (a, g)
         };
+        let comp_proj = l.comp.as_ref().map(proj);
+        let idx_proj = l.indexer.as_ref().map(|ix| {
+            let ihd = hp.indexer_head_dim as usize;
+            let inh = hp.indexer_heads as usize;
+            let (a, g) = proj(&ix.comp);
+            let mut iq = vec![0f32; n * inh * ihd];
+            self.w.matmul(&ix.q_b, None, &cq, &mut iq);
+            let mut iw = vec![0f32; n * inh];
+            self.w.matmul(&ix.proj, None, z, &mut iw);
+            (a, g, iq, iw)
+        });
 
-        // Attention with sinks over raw rows (positions max(0, t−W+1) ..= t) + selected rows.
-        let first = (t + 1).saturating_sub(win);
+        let win = hp.sliding_window as usize;
         let scale = 1.0 / (hd as f32).sqrt();
-        let rows: Vec<&[f32]> = (first..=t)
-            .map(|p| &st.raw[(p % win) * hd..(p % win + 1) * hd])
-            .chain(selected.iter().map(|&r| &comp_rows[r * hd..(r + 1) * hd]))
-            .collect();
-        let mut o = vec![0f32; nh * hd];
-        let mut scores = vec![0f32; rows.len()];
-        for h in 0..nh {
-            let qh = &q[h * hd..(h + 1) * hd];
-            for (s, r) in scores.iter_mut().zip(&rows) {
-                *s = dot(qh, r) * scale;
+        let mut o = vec![0f32; n * nh * hd];
+        for i in 0..n {
+            let t = t0 + i;
+            // Raw row into the ring. Later tokens of the batch have not been written yet, so
+            // the ring still holds every row token t can see.
+            st.raw[(t % win) * hd..(t % win + 1) * hd].copy_from_slice(&kv[i * hd..(i + 1) * hd]);
+            // Compressors before attention: a row closed by this token is already visible.
+            if let (Some(c), Some(cs), Some((a, g))) = (&l.comp, st.comp.as_mut(), &comp_proj) {
+                let w = c.coff * c.d;
+                if let Some(mut row) =
+                    self.compress(c, cs, &a[i * w..(i + 1) * w], &g[i * w..(i + 1) * w], t)
+                {
+                    let nrow = cs.rows.len() / c.d;
+                    rope.apply(&mut row, (c.ratio * nrow) as u64, false);
+                    if rnd.fp8_kv {
+                        math::fp8_sim(&mut row, hd - n_rot);
+                    }
+                    if rnd.f16_cache {
+                        math::f16_round(&mut row);
+                    }
+                    cs.rows.extend_from_slice(&row);
+                }
             }
-            let sink = l.sinks[h];
-            let m = scores.iter().copied().fold(sink, f32::max);
-            let mut zsum = (sink - m).exp();
-            for s in scores.iter_mut() {
-                *s = (*s - m).exp();
-                zsum += *s;
+            if let (Some(ix), Some(is), Some((a, g, _, _))) =
+                (&l.indexer, st.index.as_mut(), &idx_proj)
+            {
+                let w = ix.comp.coff * ix.comp.d;
+                if let Some(mut row) = self.compress(
+                    &ix.comp,
+                    is,
+                    &a[i * w..(i + 1) * w],
+                    &g[i * w..(i + 1) * w],
+                    t,
+                ) {
+                    let nrow = is.rows.len() / ix.comp.d;
+                    rope.apply(&mut row, (4 * nrow) as u64, false);
+                    if rnd.fp4_indexer {
+                        math::fp4_hadamard_sim(&mut row);
+                    }
+                    if rnd.f16_cache {
+                        math::f16_round(&mut row);
+                    }
+                    is.rows.extend_from_slice(&row);
+                }
             }
-            let oh = &mut o[h * hd..(h + 1) * hd];
-            for (s, r) in scores.iter().zip(&rows) {
-                let p = s / zsum;
-                oh.iter_mut().zip(r.iter()).for_each(|(o, v)| *o += p * v);
+            // Visible compressed rows: all for HCA; for CSA all up to top-k, else the indexer's.
+            let comp_rows: &[f32] = st.comp.as_ref().map_or(&[], |c| &c.rows);
+            let n_comp = comp_rows.len() / hd;
+            let selected: Vec<usize> = match (&st.index, &idx_proj) {
+                (Some(is), Some((_, _, iq, iw))) if n_comp > hp.indexer_top_k as usize => {
+                    let inh = hp.indexer_heads as usize;
+                    let ihd = hp.indexer_head_dim as usize;
+                    self.index_select(
+                        &is.rows,
+                        &iq[i * inh * ihd..(i + 1) * inh * ihd],
+                        &iw[i * inh..(i + 1) * inh],
+                        t,
+                        rope,
+                    )
+                }
+                _ => (0..n_comp).collect(),
+            };
+            // Attention with sinks over raw rows (positions max(0, t−W+1) ..= t) + selected.
+            let first = (t + 1).saturating_sub(win);
+            let rows: Vec<&[f32]> = (first..=t)
+                .map(|p| &st.raw[(p % win) * hd..(p % win + 1) * hd])
+                .chain(selected.iter().map(|&r| &comp_rows[r * hd..(r + 1) * hd]))
+                .collect();
+            let mut scores = vec![0f32; rows.len()];
+            let qi = &q[i * nh * hd..(i + 1) * nh * hd];
+            let oi = &mut o[i * nh * hd..(i + 1) * nh * hd];
+            for h in 0..nh {
+                let qh = &qi[h * hd..(h + 1) * hd];
+                for (s, r) in scores.iter_mut().zip(&rows) {
+                    *s = dot(qh, r) * scale;
+                }
+                let sink = l.sinks[h];
+                let m = scores.iter().copied().fold(sink, f32::max);
+                let mut zsum = (sink - m).exp();
+                for s in scores.iter_mut() {
+                    *s = (*s - m).exp();
+                    zsum += *s;
+                }
+                let oh = &mut oi[h * hd..(h + 1) * hd];
+                for (s, r) in scores.iter().zip(&rows) {
+                    let p = s / zsum;
+                    oh.iter_mut().zip(r.iter()).for_each(|(o, v)| *o += p * v);
+                }
+                // Values are the rotated keys: undo the rotation at the query position.
+                rope.apply(oh, t as u64, true);
             }
-            // Values are the rotated keys: undo the rotation at the query position.
-            rope.apply(oh, t as u64, true);
         }
 
-        // Grouped low-rank output projection.
+        // Grouped low-rank output projection: group g maps heads g·H/G .. to rank values.
         let groups = hp.o_groups as usize;
-        let rank = hp.o_lora_rank as usize;
+        let orank = hp.o_lora_rank as usize;
         let gin = hp.o_group_in() as usize;
-        let mut u = vec![0f32; groups * rank];
+        let mut u = vec![0f32; n * groups * orank];
+        let mut og = vec![0f32; n * gin];
+        let mut ug = vec![0f32; n * orank];
         for g in 0..groups {
-            self.w.matvec_rows(
-                &l.out_a,
-                g * rank,
-                &o[g * gin..(g + 1) * gin],
-                &mut u[g * rank..(g + 1) * rank],
-            );
+            for i in 0..n {
+                og[i * gin..(i + 1) * gin]
+                    .copy_from_slice(&o[i * nh * hd + g * gin..i * nh * hd + (g + 1) * gin]);
+            }
+            self.w.matmul_rows(&l.out_a, g * orank, &og, &mut ug);
+            for i in 0..n {
+                u[i * groups * orank + g * orank..i * groups * orank + (g + 1) * orank]
+                    .copy_from_slice(&ug[i * orank..(i + 1) * orank]);
+            }
         }
-        let mut out = vec![0f32; hp.n_embd as usize];
-        self.w.matvec(&l.out_b, None, &u, &mut out);
+        let mut out = vec![0f32; n * d];
+        self.w.matmul(&l.out_b, None, &u, &mut out);
         out
     }
 
-    /// One compressor step (model.md §3.3, frontier rule of §4.1). Returns the pooled row
-    /// (normalised, not yet rotated or rounded) when this token closes a window.
+    /// One compressor step (model.md §3.3, frontier rule of §4.1) with this token's projections
+    /// `a` and gate `g` (before `ape`). Returns the pooled, normalised row when this token closes
+    /// a window (not yet rotated or rounded).
     fn compress(
         &self,
         c: &Compressor,
         cs: &mut CompState,
-        z: &[f32],
+        a: &[f32],
+        g: &[f32],
         t: usize,
     ) -> Option<Vec<f32>> {
         let w = c.coff * c.d;
         let r = c.ratio;
-        let mut a = vec![0f32; w];
-        let mut g = vec![0f32; w];
-        self.w.matvec(&c.kv, None, z, &mut a);
-        self.w.matvec(&c.gate, None, z, &mut g);
         let mut ape = vec![0f32; w];
         self.w.row(&c.ape, t % r, &mut ape);
-        g.iter_mut().zip(&ape).for_each(|(g, b)| *g += b);
         let slot = if c.coff == 2 { r + t % r } else { t % r };
-        cs.front_kv[slot * w..(slot + 1) * w].copy_from_slice(&a);
-        cs.front_score[slot * w..(slot + 1) * w].copy_from_slice(&g);
+        cs.front_kv[slot * w..(slot + 1) * w].copy_from_slice(a);
+        for ((s, g), b) in cs.front_score[slot * w..(slot + 1) * w]
+            .iter_mut()
+            .zip(g)
+            .zip(&ape)
+        {
+            *s = g + b;
+        }
         if !(t + 1).is_multiple_of(r) {
             return None;
         }
@@ -519,29 +629,26 @@ impl CpuModel {
     }
 
     /// Lightning indexer: the `top_k` compressed rows with the largest scores (ties: lower
-    /// index first), in ascending order.
+    /// index first), ascending. `q` is this token's indexer query (heads × head dim, before
+    /// RoPE), `wts` its head weights (before scaling).
     fn index_select(
         &self,
-        ix: &Indexer,
         rows: &[f32],
-        z: &[f32],
-        cq: &[f32],
+        q: &[f32],
+        wts: &[f32],
         t: usize,
         rope: &Rope,
     ) -> Vec<usize> {
         let hp = &self.hp;
         let ihd = hp.indexer_head_dim as usize;
         let nh = hp.indexer_heads as usize;
-        let mut q = vec![0f32; nh * ihd];
-        self.w.matvec(&ix.q_b, None, cq, &mut q);
+        let mut q = q.to_vec();
         for h in q.chunks_mut(ihd) {
             rope.apply(h, t as u64, false);
             if self.rounding.fp4_indexer {
                 math::fp4_hadamard_sim(h);
             }
         }
-        let mut wts = vec![0f32; nh];
-        self.w.matvec(&ix.proj, None, z, &mut wts);
         let ws = 1.0 / ((ihd * nh) as f32).sqrt();
         let n = rows.len() / ihd;
         let scores: Vec<f32> = (0..n)
@@ -559,60 +666,113 @@ impl CpuModel {
         order
     }
 
-    fn moe(&self, l: &Layer, z: &[f32], token: u32) -> Vec<f32> {
+    /// MoE sublayer for the batch (model.md §3.4): experts run as matrix products over the
+    /// tokens routed to them; each token sums its experts in selection order, then the shared
+    /// expert (the same order as one-token evaluation).
+    fn moe(&self, l: &Layer, z: &[f32], tokens: &[u32]) -> Vec<f32> {
         let hp = &self.hp;
         let ne = hp.n_expert as usize;
         let k = hp.n_expert_used as usize;
         let ff = hp.n_ff_exp as usize;
         let d = hp.n_embd as usize;
-        let mut logits = vec![0f32; ne];
-        self.w.matvec(&l.router, None, z, &mut logits);
-        let p: Vec<f32> = logits.iter().map(|&v| softplus(v).sqrt()).collect();
-        let sel: Vec<usize> = match (&l.tid2eid, &l.bias) {
-            (Some(tab), _) => tab[token as usize * k..(token as usize + 1) * k]
-                .iter()
-                .map(|&e| e as usize)
-                .collect(),
-            (None, Some(b)) => {
-                let mut order: Vec<usize> = (0..ne).collect();
-                let key = |e: usize| p[e] + b[e];
-                order.sort_by(|&x, &y| key(y).total_cmp(&key(x)).then(x.cmp(&y)));
-                order.truncate(k);
-                order
-            }
-            (None, None) => unreachable!("a non-hash layer has a bias"),
-        };
-        let sum: f32 = sel.iter().map(|&e| p[e]).sum();
-        let denom = sum.max(2f32.powi(-14)); // ds4's guard; p_e > 0 so it never binds
-        let mut out = vec![0f32; d];
-        let mut g = vec![0f32; ff];
-        let mut u = vec![0f32; ff];
-        let mut y = vec![0f32; d];
-        let mut ffn =
-            |gm: &Mat, um: &Mat, dm: &Mat, e: Option<usize>, wgt: f32, c: f32, out: &mut [f32]| {
-                self.w.matvec(gm, e, z, &mut g);
-                self.w.matvec(um, e, z, &mut u);
-                for (gv, uv) in g.iter_mut().zip(&u) {
-                    *gv = silu(gv.min(c)) * uv.clamp(-c, c) * wgt;
+        let n = tokens.len();
+        let mut logits = vec![0f32; n * ne];
+        self.w.matmul(&l.router, None, z, &mut logits);
+        // Selection and weights per token.
+        let mut sel = Vec::with_capacity(n * k);
+        let mut wgt = Vec::with_capacity(n * k);
+        for (i, lg) in logits.chunks(ne).enumerate() {
+            let p: Vec<f32> = lg.iter().map(|&v| softplus(v).sqrt()).collect();
+            let s: Vec<usize> = match (&l.tid2eid, &l.bias) {
+                (Some(tab), _) => {
+                    let tok = tokens[i] as usize;
+                    tab[tok * k..(tok + 1) * k]
+                        .iter()
+                        .map(|&e| e as usize)
+                        .collect()
                 }
-                self.w.matvec(dm, e, &g, &mut y);
-                out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+                (None, Some(b)) => {
+                    let mut order: Vec<usize> = (0..ne).collect();
+                    let key = |e: usize| p[e] + b[e];
+                    order.sort_by(|&x, &y| key(y).total_cmp(&key(x)).then(x.cmp(&y)));
+                    order.truncate(k);
+                    order
+                }
+                (None, None) => unreachable!("a non-hash layer has a bias"),
             };
-        for &e in &sel {
-            let wgt = p[e] / denom * hp.expert_weights_scale;
-            ffn(
+            let sum: f32 = s.iter().map(|&e| p[e]).sum();
+            let denom = sum.max(2f32.powi(-14)); // ds4's guard; p_e > 0 so it never binds
+            wgt.extend(s.iter().map(|&e| p[e] / denom * hp.expert_weights_scale));
+            sel.extend(s);
+        }
+        // SwiGLU expert on a set of token rows: gate/up, clamp, weight, down.
+        let ffn = |gm: &Mat,
+                   um: &Mat,
+                   dm: &Mat,
+                   e: Option<usize>,
+                   xs: &[f32],
+                   w: &[f32],
+                   c: f32|
+         -> Vec<f32> {
+            let m = w.len();
+            let (mut g, mut u) = (vec![0f32; m * ff], vec![0f32; m * ff]);
+            self.w.matmul(gm, e, xs, &mut g);
+            self.w.matmul(um, e, xs, &mut u);
+            for (r, (gr, ur)) in g.chunks_mut(ff).zip(u.chunks(ff)).enumerate() {
+                for (gv, uv) in gr.iter_mut().zip(ur) {
+                    *gv = silu(gv.min(c)) * uv.clamp(-c, c) * w[r];
+                }
+            }
+            let mut y = vec![0f32; m * d];
+            self.w.matmul(dm, e, &g, &mut y);
+            y
+        };
+        // Per (token, slot) expert outputs, computed expert by expert.
+        let mut slot_out = vec![0f32; n * k * d];
+        for e in 0..ne {
+            let users: Vec<usize> = (0..n * k).filter(|&s| sel[s] == e).collect();
+            if users.is_empty() {
+                continue;
+            }
+            let xs: Vec<f32> = users
+                .iter()
+                .flat_map(|&s| z[(s / k) * d..(s / k + 1) * d].iter().copied())
+                .collect();
+            let w: Vec<f32> = users.iter().map(|&s| wgt[s]).collect();
+            let y = ffn(
                 &l.gate_exps,
                 &l.up_exps,
                 &l.down_exps,
                 Some(e),
-                wgt,
+                &xs,
+                &w,
                 l.clamp,
-                &mut out,
             );
+            for (r, &s) in users.iter().enumerate() {
+                slot_out[s * d..(s + 1) * d].copy_from_slice(&y[r * d..(r + 1) * d]);
+            }
         }
-        ffn(
-            &l.gate_sh, &l.up_sh, &l.down_sh, None, 1.0, l.clamp_sh, &mut out,
+        let shared = ffn(
+            &l.gate_sh,
+            &l.up_sh,
+            &l.down_sh,
+            None,
+            z,
+            &vec![1.0; n],
+            l.clamp_sh,
         );
+        let mut out = vec![0f32; n * d];
+        for i in 0..n {
+            let o = &mut out[i * d..(i + 1) * d];
+            for s in 0..k {
+                o.iter_mut()
+                    .zip(&slot_out[(i * k + s) * d..(i * k + s + 1) * d])
+                    .for_each(|(o, v)| *o += v);
+            }
+            o.iter_mut()
+                .zip(&shared[i * d..(i + 1) * d])
+                .for_each(|(o, v)| *o += v);
+        }
         out
     }
 

@@ -77,6 +77,27 @@ impl Weights {
         m.kernel.matvec_unchecked(w, x, y);
     }
 
+    /// Several tokens at once: `xs` is `n × cols`, `ys` is `n × rows` (token-major). Each output
+    /// row is bit-identical to [`Weights::matvec`] of that token.
+    pub fn matmul(&self, m: &Mat, expert: Option<usize>, xs: &[f32], ys: &mut [f32]) {
+        let slab = m.rows * m.row_bytes();
+        let all = self.bytes(m);
+        let w = match expert {
+            Some(e) => &all[e * slab..(e + 1) * slab],
+            None => &all[..slab],
+        };
+        m.kernel.matmul_unchecked(w, xs, m.cols, ys);
+    }
+
+    /// `matmul` restricted to rows `r0 .. r0 + ys.len()/n` (one output group).
+    pub fn matmul_rows(&self, m: &Mat, r0: usize, xs: &[f32], ys: &mut [f32]) {
+        let n = xs.len() / m.cols;
+        let rb = m.row_bytes();
+        let rows = ys.len() / n.max(1);
+        let w = &self.bytes(m)[r0 * rb..(r0 + rows) * rb];
+        m.kernel.matmul_unchecked(w, xs, m.cols, ys);
+    }
+
     /// `y = rows r0 .. r0+y.len() of M · x` (one output group of `attn_output_a`).
     pub fn matvec_rows(&self, m: &Mat, r0: usize, x: &[f32], y: &mut [f32]) {
         let rb = m.row_bytes();

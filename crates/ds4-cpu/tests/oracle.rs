@@ -61,7 +61,9 @@ struct Stats {
     worst_pos: usize,
 }
 
-fn compare(model: &str, rounding: Rounding, expected: &str) -> Stats {
+/// `chunk`: evaluate through the batched prompt path in chunks of this many tokens
+/// (logits of every position), instead of one-token decode.
+fn compare(model: &str, rounding: Rounding, expected: &str, chunk: Option<usize>) -> Stats {
     let (_, tokens) = npy(&fixtures().join("tokens.npy"), "<i4", i32::from_le_bytes);
     let (shape, want) = npy(&fixtures().join(expected), "<f4", f32::from_le_bytes);
     let m = load(model, rounding);
@@ -70,8 +72,15 @@ fn compare(model: &str, rounding: Rounding, expected: &str) -> Stats {
     let mut st = m.new_state();
     let mut per_pos = Vec::new();
     let mut agree = 0;
-    for (t, &tok) in tokens.iter().enumerate() {
-        let got = m.eval(&mut st, tok as u32);
+    let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+    let all: Vec<Vec<f32>> = match chunk {
+        None => ids.iter().map(|&t| m.eval(&mut st, t)).collect(),
+        Some(c) => ids
+            .chunks(c)
+            .flat_map(|ch| m.eval_batch(&mut st, ch, true))
+            .collect(),
+    };
+    for (t, got) in all.iter().enumerate() {
         let w = &want[t * v..(t + 1) * v];
         let d = got
             .iter()
@@ -86,7 +95,7 @@ fn compare(model: &str, rounding: Rounding, expected: &str) -> Stats {
                 .unwrap()
                 .0
         };
-        agree += (am(&got) == am(w)) as usize;
+        agree += (am(got) == am(w)) as usize;
     }
     let worst_pos = per_pos
         .iter()
@@ -125,7 +134,7 @@ fn f32_weights_plain_math_matches_hf() {
     if !have_fixtures() {
         return;
     }
-    let s = compare("tiny-f32.gguf", Rounding::NONE, "logits-f32.npy");
+    let s = compare("tiny-f32.gguf", Rounding::NONE, "logits-f32.npy", None);
     assert!(s.max < 2e-5, "max |Δ| {}", s.max);
     assert_eq!(s.top1, 1.0);
 }
@@ -135,7 +144,7 @@ fn quantised_weights_plain_math_matches_hf() {
     if !have_fixtures() {
         return;
     }
-    let s = compare("tiny-q.gguf", Rounding::NONE, "logits-q.npy");
+    let s = compare("tiny-q.gguf", Rounding::NONE, "logits-q.npy", None);
     assert!(s.max < 2e-5, "max |Δ| {}", s.max);
     assert_eq!(s.top1, 1.0);
 }
@@ -149,8 +158,31 @@ fn rounding_steps_match_hf_with_rounding_patched_in() {
         ("tiny-f32.gguf", "logits-f32-round.npy"),
         ("tiny-q.gguf", "logits-q-round.npy"),
     ] {
-        let s = compare(model, Rounding::MODEL, exp);
+        let s = compare(model, Rounding::MODEL, exp, None);
         assert!(s.median_of_max < 1e-3, "median {}", s.median_of_max);
         assert!(s.top1 > 0.99, "top-1 {}", s.top1);
     }
+}
+
+#[test]
+fn chunked_prefill_path_matches_hf() {
+    if !have_fixtures() {
+        return;
+    }
+    // Chunks of 37 end inside CSA/HCA windows and straddle the window wrap.
+    let s = compare("tiny-q.gguf", Rounding::NONE, "logits-q.npy", Some(37));
+    assert!(s.max < 2e-5, "max |Δ| {}", s.max);
+    assert_eq!(s.top1, 1.0);
+    let s = compare(
+        "tiny-q.gguf",
+        Rounding::MODEL,
+        "logits-q-round.npy",
+        Some(64),
+    );
+    assert!(
+        s.median_of_max < 1e-3 && s.top1 > 0.99,
+        "median {} top-1 {}",
+        s.median_of_max,
+        s.top1
+    );
 }

@@ -50,13 +50,12 @@ pub fn run(a: Args) -> Result<()> {
     let mut session = engine.new_session(a.model.ctx.max(ids.len()));
     let mut rows: Vec<f32> = Vec::with_capacity(ids.len() * v);
     let pb = progress::count("logits", ids.len() as u64);
-    // One-token decode and the prompt path are the same computation on the CPU reference
-    // today (prefill evaluates token by token); --prefill selects the prompt path.
     if a.prefill {
-        for i in 0..ids.len() {
-            session.sync(&ids[..=i], &mut |_, _| {})?;
-            rows.extend_from_slice(session.logits().unwrap_or_default());
-            pb.inc(1);
+        for chunk in ids.chunks(ds4_engine::PREFILL_CHUNK) {
+            for l in session.eval_all(chunk)? {
+                rows.extend_from_slice(&l);
+            }
+            pb.inc(chunk.len() as u64);
         }
     } else {
         for &id in &ids {
