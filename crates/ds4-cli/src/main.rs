@@ -34,6 +34,8 @@ enum Command {
     Tokenize(cmd::tokenize::Args),
     /// Generate a reply to one prompt, streamed to stdout.
     Run(cmd::run::Args),
+    /// Interactive chat (REPL) with history, /commands and Ctrl-C to stop a reply.
+    Chat(cmd::chat::Args),
     /// Write the logits after every position of a token sequence to a .npy file.
     Logits(cmd::logits::Args),
     /// Prefill and decode speed at growing context frontiers, as CSV.
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Tokenize(a) => cmd::tokenize::run(a),
         Command::Run(a) => cmd::run::run(a),
+        Command::Chat(a) => cmd::chat::run(a),
         Command::Logits(a) => cmd::logits::run(a),
         Command::Bench(a) => cmd::bench::run(a),
     };

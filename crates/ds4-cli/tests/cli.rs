@@ -225,3 +225,49 @@ fn run_and_logits_on_the_tiny_model() {
     assert!(e.contains("cuda") && e.contains("--backend cpu"), "{e}");
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn chat_repl_commands_and_ctrl_c_stops_only_the_reply() {
+    use std::io::{Read, Write};
+    use std::process::Stdio;
+    let d = tmpdir("chat");
+    let m = d.join("tiny.gguf");
+    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
+        .status
+        .success());
+    let snap = d.join("s.bin");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
+        .args(["chat", "-m", s(&m), "-n", "1000000", "--ctx", "100000000"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "first\\\nline two").unwrap();
+    stdin.flush().unwrap();
+    // Let it generate, then Ctrl-C: the reply stops, the REPL goes on.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut buf = [0u8; 64];
+    let _ = stdout.read(&mut buf).unwrap();
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    writeln!(
+        stdin,
+        "/save {}\n/reset\n/load {}\n/quit",
+        s(&snap),
+        s(&snap)
+    )
+    .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("(stopped)"), "{err}");
+    assert!(err.contains("(conversation cleared)"), "{err}");
+    assert!(err.contains("(saved ") && err.contains("(loaded "), "{err}");
+    std::fs::remove_dir_all(&d).ok();
+}
