@@ -45,6 +45,39 @@ pub(crate) fn avx512_dot_fn(ty: GgmlType) -> RawDot {
     }
 }
 
+/// `iq2xxs_grid` as f32 vectors of 8 (derived from the generated table at compile time).
+static GRID_F32: [[f32; 8]; 256] = {
+    let mut t = [[0f32; 8]; 256];
+    let mut e = 0;
+    while e < 256 {
+        let mut j = 0;
+        while j < 8 {
+            t[e][j] = ((IQ2XXS_GRID[e] >> (8 * j)) & 0xff) as f32;
+            j += 1;
+        }
+        e += 1;
+    }
+    t
+};
+
+/// `ksigns_iq2xs` expanded to per-lane f32 sign-bit masks (0x8000_0000 where negative), to be
+/// XORed onto the grid magnitudes.
+static SIGN_MASKS: [[u32; 8]; 128] = {
+    let mut t = [[0u32; 8]; 128];
+    let mut s = 0;
+    while s < 128 {
+        let mut j = 0;
+        while j < 8 {
+            if (KSIGNS_IQ2XS[s] >> j) & 1 != 0 {
+                t[s][j] = 0x8000_0000;
+            }
+            j += 1;
+        }
+        s += 1;
+    }
+    t
+};
+
 #[inline(always)]
 fn f16_bits_to_f32(b: u16) -> f32 {
     crate::f16_to_f32(b)
@@ -289,8 +322,6 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_iq2_xxs(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 66, QK_K);
-        let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        let neg = _mm256_set1_ps(-0.0);
         let mut total = [_mm256_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[66 * ib..66 * ib + 66];
@@ -301,18 +332,10 @@ mod avx2 {
                 let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
                 let mut sg = [_mm256_setzero_ps(); 2];
                 for c in 0..4 {
-                    let grid = IQ2XXS_GRID[grp[c] as usize];
-                    let gv = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(grid as i64));
-                    let signs = KSIGNS_IQ2XS[((aux >> (7 * c)) & 127) as usize];
-                    // Lane j negative when bit j of `signs` is set: flip the f32 sign bit.
-                    let m = _mm256_cmpeq_epi32(
-                        _mm256_and_si256(_mm256_set1_epi32(signs as i32), bits),
-                        bits,
-                    );
-                    let w = _mm256_xor_ps(
-                        _mm256_cvtepi32_ps(gv),
-                        _mm256_and_ps(_mm256_castsi256_ps(m), neg),
-                    );
+                    // Magnitudes from the f32 grid, signs by XOR with the expanded sign mask.
+                    let gv = _mm256_loadu_ps(GRID_F32[grp[c] as usize].as_ptr());
+                    let m = SIGN_MASKS[((aux >> (7 * c)) & 127) as usize].as_ptr();
+                    let w = _mm256_xor_ps(gv, _mm256_loadu_ps(m as *const f32));
                     let xv = _mm256_loadu_ps(xb.add(32 * g + 8 * c));
                     sg[c & 1] = _mm256_fmadd_ps(w, xv, sg[c & 1]);
                 }
@@ -542,11 +565,12 @@ mod avx512 {
                 let mut sg = [_mm512_setzero_ps(); 2];
                 for h in 0..2 {
                     // Two sub-chunks of 8 weights per 16-lane vector.
-                    let g0 = IQ2XXS_GRID[grp[2 * h] as usize];
-                    let g1 = IQ2XXS_GRID[grp[2 * h + 1] as usize];
-                    let gv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(
-                        g1 as i64, g0 as i64,
-                    )));
+                    let g0 = _mm256_loadu_ps(GRID_F32[grp[2 * h] as usize].as_ptr());
+                    let g1 = _mm256_loadu_ps(GRID_F32[grp[2 * h + 1] as usize].as_ptr());
+                    let gv = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                        _mm512_castpd256_pd512(_mm256_castps_pd(g0)),
+                        _mm256_castps_pd(g1),
+                    ));
                     let s0 = KSIGNS_IQ2XS[((aux >> (14 * h)) & 127) as usize] as u16;
                     let s1 = KSIGNS_IQ2XS[((aux >> (14 * h + 7)) & 127) as usize] as u16;
                     let w = _mm512_mask_sub_ps(gv, s0 | (s1 << 8), zero, gv);
