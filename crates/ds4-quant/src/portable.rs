@@ -9,6 +9,39 @@ use crate::{f16_at, f16_to_f32, GgmlType};
 
 pub(crate) const QK_K: usize = 256;
 
+/// `iq2xxs_grid` as f32 vectors of 8 (derived from the generated table at compile time).
+pub(crate) static GRID_F32: [[f32; 8]; 256] = {
+    let mut t = [[0f32; 8]; 256];
+    let mut e = 0;
+    while e < 256 {
+        let mut j = 0;
+        while j < 8 {
+            t[e][j] = ((IQ2XXS_GRID[e] >> (8 * j)) & 0xff) as f32;
+            j += 1;
+        }
+        e += 1;
+    }
+    t
+};
+
+/// `ksigns_iq2xs` expanded to per-lane f32 sign-bit masks (0x8000_0000 where negative), to be
+/// XORed onto the grid magnitudes.
+pub(crate) static SIGN_MASKS: [[u32; 8]; 128] = {
+    let mut t = [[0u32; 8]; 128];
+    let mut s = 0;
+    while s < 128 {
+        let mut j = 0;
+        while j < 8 {
+            if (KSIGNS_IQ2XS[s] >> j) & 1 != 0 {
+                t[s][j] = 0x8000_0000;
+            }
+            j += 1;
+        }
+        s += 1;
+    }
+    t
+};
+
 /// Dequantise whole blocks; `src`/`dst` lengths were validated by the caller.
 pub(crate) fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     match ty {
@@ -132,13 +165,12 @@ pub(crate) fn deq_iq2_xxs(b: &[u8], o: &mut [f32; QK_K]) {
         let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
         let db = iq2_db(d, aux);
         for c in 0..4 {
-            let grid = IQ2XXS_GRID[grp[c] as usize].to_le_bytes();
-            let signs = KSIGNS_IQ2XS[((aux >> (7 * c)) & 127) as usize];
+            let grid = &GRID_F32[grp[c] as usize];
+            let signs = &SIGN_MASKS[((aux >> (7 * c)) & 127) as usize];
             let out = &mut o[32 * g + 8 * c..][..8];
             for j in 0..8 {
                 // Sign applied by flipping the sign bit: exact, same as gguf-py's `· ±1`.
-                let neg = ((signs >> j) as u32 & 1) << 31;
-                out[j] = f32::from_bits((db * grid[j] as f32).to_bits() ^ neg);
+                out[j] = f32::from_bits((db * grid[j]).to_bits() ^ signs[j]);
             }
         }
     }

@@ -11,8 +11,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
-use crate::portable::{iq2_db, q4k_scale_min, QK_K};
+use crate::iq2_tables::KSIGNS_IQ2XS;
+use crate::portable::{iq2_db, q4k_scale_min, GRID_F32, QK_K, SIGN_MASKS};
 use crate::{f16_at, GgmlType};
 
 type RawDot = fn(&[u8], &[f32]) -> f32;
@@ -44,39 +44,6 @@ pub(crate) fn avx512_dot_fn(ty: GgmlType) -> RawDot {
         _ => unreachable!("caller checked the type is supported"),
     }
 }
-
-/// `iq2xxs_grid` as f32 vectors of 8 (derived from the generated table at compile time).
-static GRID_F32: [[f32; 8]; 256] = {
-    let mut t = [[0f32; 8]; 256];
-    let mut e = 0;
-    while e < 256 {
-        let mut j = 0;
-        while j < 8 {
-            t[e][j] = ((IQ2XXS_GRID[e] >> (8 * j)) & 0xff) as f32;
-            j += 1;
-        }
-        e += 1;
-    }
-    t
-};
-
-/// `ksigns_iq2xs` expanded to per-lane f32 sign-bit masks (0x8000_0000 where negative), to be
-/// XORed onto the grid magnitudes.
-static SIGN_MASKS: [[u32; 8]; 128] = {
-    let mut t = [[0u32; 8]; 128];
-    let mut s = 0;
-    while s < 128 {
-        let mut j = 0;
-        while j < 8 {
-            if (KSIGNS_IQ2XS[s] >> j) & 1 != 0 {
-                t[s][j] = 0x8000_0000;
-            }
-            j += 1;
-        }
-        s += 1;
-    }
-    t
-};
 
 #[inline(always)]
 fn f16_bits_to_f32(b: u16) -> f32 {
