@@ -56,6 +56,17 @@ struct Indexer {
     comp: Compressor,
 }
 
+/// The MTP speculative head's weights (model.md §2.5, §3.7).
+struct Mtp {
+    block: Layer,
+    e_proj: Mat,
+    h_proj: Mat,
+    enorm: Vec<f32>,
+    hnorm: Vec<f32>,
+    norm: Vec<f32>,
+    head: Hc,
+}
+
 struct Layer {
     kind: LayerKind,
     hc_attn: Hc,
@@ -94,6 +105,7 @@ pub struct CpuModel {
     out_norm: Vec<f32>,
     output: Mat,
     layers: Vec<Layer>,
+    mtp: Option<Mtp>,
     rope_swa: Rope,
     rope_comp: Rope,
 }
@@ -112,6 +124,9 @@ pub struct CompState {
 pub struct LayerState {
     /// Ring of raw KV rows: position p lives in slot p mod window.
     pub raw: Vec<f32>,
+    /// Position held by each ring slot (−1: empty). Main layers see every position; the MTP
+    /// block only the ones it ran at, so attention reads a slot only if it holds position p.
+    pub raw_pos: Vec<i64>,
     pub comp: Option<CompState>,
     pub index: Option<CompState>,
 }
@@ -127,6 +142,54 @@ impl State {
     pub fn n_tokens(&self) -> usize {
         self.tokens.len()
     }
+
+    /// What speculative verification may change: the raw rings, the compressor frontiers and
+    /// the row counts (model.md §4.4). Rows are append-only, so they are truncated, not copied.
+    pub fn checkpoint(&self) -> Checkpoint {
+        let comp = |c: &Option<CompState>| {
+            c.as_ref()
+                .map(|c| (c.front_kv.clone(), c.front_score.clone(), c.rows.len()))
+        };
+        Checkpoint {
+            n_tokens: self.tokens.len(),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| {
+                    (
+                        l.raw.clone(),
+                        l.raw_pos.clone(),
+                        comp(&l.comp),
+                        comp(&l.index),
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// Return to a checkpoint taken on this state.
+    pub fn rollback(&mut self, cp: Checkpoint) {
+        self.tokens.truncate(cp.n_tokens);
+        for (l, (raw, pos, comp, index)) in self.layers.iter_mut().zip(cp.layers) {
+            l.raw = raw;
+            l.raw_pos = pos;
+            for (dst, src) in [(&mut l.comp, comp), (&mut l.index, index)] {
+                if let (Some(c), Some((kv, score, rows))) = (dst.as_mut(), src) {
+                    c.front_kv = kv;
+                    c.front_score = score;
+                    c.rows.truncate(rows);
+                }
+            }
+        }
+    }
+}
+
+type CompCheckpoint = Option<(Vec<f32>, Vec<f32>, usize)>;
+
+/// A point to return to after rejected speculative tokens ([`State::checkpoint`]).
+pub struct Checkpoint {
+    n_tokens: usize,
+    layers: Vec<(Vec<f32>, Vec<i64>, CompCheckpoint, CompCheckpoint)>,
 }
 
 fn hc(w: &Weights, prefix: &str, which: &str) -> Hc {
@@ -149,70 +212,92 @@ fn compressor(w: &Weights, p: &str, ratio: usize, coff: usize, d: usize) -> Comp
     }
 }
 
+/// Weights of one transformer block with name prefix `p` (`blk.7.` or `mtp.0.`).
+fn build_layer(w: &Weights, hp: &HParams, p: &str, kind: LayerKind) -> Layer {
+    let m = |n: &str| w.mat(&format!("{p}{n}.weight"));
+    let v = |n: &str| w.vec(&format!("{p}{n}.weight"));
+    // The MTP block uses the last layer's clamp (every published layer has the same one).
+    let l = (kind.index as usize).min(hp.swiglu_clamp.len() - 1);
+    let hd = hp.head_dim as usize;
+    let comp = kind.compressed().then(|| {
+        compressor(
+            w,
+            &format!("{p}attn_compressor"),
+            kind.ratio as usize,
+            kind.coff() as usize,
+            hd,
+        )
+    });
+    let indexer = kind.has_indexer().then(|| Indexer {
+        q_b: m("indexer.attn_q_b"),
+        proj: m("indexer.proj"),
+        comp: compressor(
+            w,
+            &format!("{p}indexer_compressor"),
+            4,
+            2,
+            hp.indexer_head_dim as usize,
+        ),
+    });
+    Layer {
+        kind,
+        hc_attn: hc(w, p, "hc_attn"),
+        attn_norm: v("attn_norm"),
+        q_a: m("attn_q_a"),
+        q_a_norm: v("attn_q_a_norm"),
+        q_b: m("attn_q_b"),
+        kv: m("attn_kv"),
+        kv_norm: v("attn_kv_a_norm"),
+        sinks: v("attn_sinks"),
+        out_a: m("attn_output_a"),
+        out_b: m("attn_output_b"),
+        comp,
+        indexer,
+        hc_ffn: hc(w, p, "hc_ffn"),
+        ffn_norm: v("ffn_norm"),
+        router: m("ffn_gate_inp"),
+        bias: (!kind.hash_routed).then(|| w.vec(&format!("{p}exp_probs_b.bias"))),
+        tid2eid: kind
+            .hash_routed
+            .then(|| w.i32s(&format!("{p}ffn_gate_tid2eid.weight"))),
+        gate_exps: m("ffn_gate_exps"),
+        up_exps: m("ffn_up_exps"),
+        down_exps: m("ffn_down_exps"),
+        gate_sh: m("ffn_gate_shexp"),
+        up_sh: m("ffn_up_shexp"),
+        down_sh: m("ffn_down_shexp"),
+        clamp: hp.swiglu_clamp[l],
+        clamp_sh: hp
+            .swiglu_clamp_shexp
+            .as_ref()
+            .map_or(hp.swiglu_clamp[l], |s| s[l.min(s.len() - 1)]),
+    }
+}
+
 impl CpuModel {
     pub fn new(hp: HParams, w: Weights, rounding: Rounding) -> CpuModel {
         let layers = hp
             .layers()
-            .map(|kind| {
-                let p = format!("blk.{}.", kind.index);
-                let m = |n: &str| w.mat(&format!("{p}{n}.weight"));
-                let v = |n: &str| w.vec(&format!("{p}{n}.weight"));
-                let l = kind.index as usize;
-                let comp = kind.compressed().then(|| {
-                    compressor(
-                        &w,
-                        &format!("{p}attn_compressor"),
-                        kind.ratio as usize,
-                        kind.coff() as usize,
-                        hp.head_dim as usize,
-                    )
-                });
-                let indexer = kind.has_indexer().then(|| Indexer {
-                    q_b: m("indexer.attn_q_b"),
-                    proj: m("indexer.proj"),
-                    comp: compressor(
-                        &w,
-                        &format!("{p}indexer_compressor"),
-                        4,
-                        2,
-                        hp.indexer_head_dim as usize,
-                    ),
-                });
-                Layer {
-                    kind,
-                    hc_attn: hc(&w, &p, "hc_attn"),
-                    attn_norm: v("attn_norm"),
-                    q_a: m("attn_q_a"),
-                    q_a_norm: v("attn_q_a_norm"),
-                    q_b: m("attn_q_b"),
-                    kv: m("attn_kv"),
-                    kv_norm: v("attn_kv_a_norm"),
-                    sinks: v("attn_sinks"),
-                    out_a: m("attn_output_a"),
-                    out_b: m("attn_output_b"),
-                    comp,
-                    indexer,
-                    hc_ffn: hc(&w, &p, "hc_ffn"),
-                    ffn_norm: v("ffn_norm"),
-                    router: m("ffn_gate_inp"),
-                    bias: (!kind.hash_routed).then(|| w.vec(&format!("{p}exp_probs_b.bias"))),
-                    tid2eid: kind
-                        .hash_routed
-                        .then(|| w.i32s(&format!("{p}ffn_gate_tid2eid.weight"))),
-                    gate_exps: m("ffn_gate_exps"),
-                    up_exps: m("ffn_up_exps"),
-                    down_exps: m("ffn_down_exps"),
-                    gate_sh: m("ffn_gate_shexp"),
-                    up_sh: m("ffn_up_shexp"),
-                    down_sh: m("ffn_down_shexp"),
-                    clamp: hp.swiglu_clamp[l],
-                    clamp_sh: hp
-                        .swiglu_clamp_shexp
-                        .as_ref()
-                        .map_or(hp.swiglu_clamp[l], |s| s[l]),
-                }
-            })
+            .map(|kind| build_layer(&w, &hp, &format!("blk.{}.", kind.index), kind))
             .collect();
+        // The MTP block (model.md §3.7): an SWA-only, bias-routed layer with its own head.
+        let mtp = w.has("mtp.0.e_proj.weight").then(|| {
+            let kind = LayerKind {
+                index: hp.n_layer,
+                ratio: 0,
+                attn: AttnKind::Swa,
+                hash_routed: false,
+            };
+            Mtp {
+                block: build_layer(&w, &hp, "mtp.0.", kind),
+                e_proj: w.mat("mtp.0.e_proj.weight"),
+                h_proj: w.mat("mtp.0.h_proj.weight"),
+                enorm: w.vec("mtp.0.enorm.weight"),
+                hnorm: w.vec("mtp.0.hnorm.weight"),
+                norm: w.vec("mtp.0.norm.weight"),
+                head: hc(&w, "mtp.0.", "hc_head"),
+            }
+        });
         let n_rot = hp.n_rot as usize;
         CpuModel {
             rope_swa: Rope::plain(hp.rope_base, n_rot),
@@ -233,6 +318,7 @@ impl CpuModel {
             out_norm: w.vec("output_norm.weight"),
             output: w.mat("output.weight"),
             layers,
+            mtp,
             hp,
             rounding,
             w,
@@ -258,6 +344,7 @@ impl CpuModel {
                 .iter()
                 .map(|l| LayerState {
                     raw: vec![0.0; win * hd],
+                    raw_pos: vec![-1; win],
                     comp: l.comp.as_ref().map(front),
                     index: l.indexer.as_ref().map(|i| front(&i.comp)),
                 })
@@ -286,12 +373,23 @@ impl CpuModel {
     /// bit-identical to evaluating the tokens one at a time: the matrix products give each
     /// token exactly its matvec, and the per-token arithmetic is the same code.
     pub fn eval_batch(&self, st: &mut State, tokens: &[u32], all: bool) -> Vec<Vec<f32>> {
+        self.eval_batch_streams(st, tokens, all).0
+    }
+
+    /// [`CpuModel::eval_batch`] that also returns the final hyper-connection streams (N·D
+    /// values, before the head) of the same positions — the MTP block's input.
+    pub fn eval_batch_streams(
+        &self,
+        st: &mut State,
+        tokens: &[u32],
+        all: bool,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
         let hp = &self.hp;
         let d = hp.n_embd as usize;
         let nhc = hp.hc_count as usize;
         let n = tokens.len();
         if n == 0 {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         let t0 = st.tokens.len();
         // Hyper-connection streams of token i: x[i·N·D ..], stream-major inside.
@@ -304,40 +402,102 @@ impl CpuModel {
             }
         }
         for (l, layer) in self.layers.iter().enumerate() {
-            let (mut z, post, comb) = self.hc_pre(&layer.hc_attn, &x, n);
-            z.chunks_mut(d)
-                .for_each(|z| rms_norm(z, Some(&layer.attn_norm), hp.rms_eps));
-            let o = self.attention(layer, &mut st.layers[l], &z, t0);
-            for i in 0..n {
-                let xs = &mut x[i * nhc * d..(i + 1) * nhc * d];
-                hc_post(
-                    xs,
-                    &o[i * d..(i + 1) * d],
-                    &post[i * nhc..(i + 1) * nhc],
-                    &comb[i * nhc * nhc..(i + 1) * nhc * nhc],
-                    nhc,
-                );
-            }
-            let (mut z, post, comb) = self.hc_pre(&layer.hc_ffn, &x, n);
-            z.chunks_mut(d)
-                .for_each(|z| rms_norm(z, Some(&layer.ffn_norm), hp.rms_eps));
-            let y = self.moe(layer, &z, tokens);
-            for i in 0..n {
-                let xs = &mut x[i * nhc * d..(i + 1) * nhc * d];
-                hc_post(
-                    xs,
-                    &y[i * d..(i + 1) * d],
-                    &post[i * nhc..(i + 1) * nhc],
-                    &comb[i * nhc * nhc..(i + 1) * nhc * nhc],
-                    nhc,
-                );
-            }
+            self.layer_forward(layer, &mut st.layers[l], &mut x, tokens, t0);
         }
         st.tokens.extend_from_slice(tokens);
         let first = if all { 0 } else { n - 1 };
-        (first..n)
-            .map(|i| self.head(&x[i * nhc * d..(i + 1) * nhc * d]))
-            .collect()
+        let streams: Vec<Vec<f32>> = (first..n)
+            .map(|i| x[i * nhc * d..(i + 1) * nhc * d].to_vec())
+            .collect();
+        let logits = streams
+            .iter()
+            .map(|xs| self.head(&self.out_hc, &self.out_norm, xs))
+            .collect();
+        (logits, streams)
+    }
+
+    /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE, HC post.
+    fn layer_forward(
+        &self,
+        layer: &Layer,
+        st: &mut LayerState,
+        x: &mut [f32],
+        tokens: &[u32],
+        t0: usize,
+    ) {
+        let hp = &self.hp;
+        let d = hp.n_embd as usize;
+        let nhc = hp.hc_count as usize;
+        let n = tokens.len();
+        let post_all = |x: &mut [f32], o: &[f32], post: &[f32], comb: &[f32]| {
+            for i in 0..n {
+                let xs = &mut x[i * nhc * d..(i + 1) * nhc * d];
+                let (p, c) = (
+                    &post[i * nhc..(i + 1) * nhc],
+                    &comb[i * nhc * nhc..(i + 1) * nhc * nhc],
+                );
+                hc_post(xs, &o[i * d..(i + 1) * d], p, c, nhc);
+            }
+        };
+        let (mut z, post, comb) = self.hc_pre(&layer.hc_attn, x, n);
+        z.chunks_mut(d)
+            .for_each(|z| rms_norm(z, Some(&layer.attn_norm), hp.rms_eps));
+        let o = self.attention(layer, st, &z, t0);
+        post_all(x, &o, &post, &comb);
+        let (mut z, post, comb) = self.hc_pre(&layer.hc_ffn, x, n);
+        z.chunks_mut(d)
+            .for_each(|z| rms_norm(z, Some(&layer.ffn_norm), hp.rms_eps));
+        let y = self.moe(layer, &z, tokens);
+        post_all(x, &y, &post, &comb);
+    }
+
+    /// Whether an MTP block is loaded.
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// A fresh state for the MTP block: its own raw window ring (model.md §3.7).
+    pub fn new_mtp_state(&self) -> LayerState {
+        let hd = self.hp.head_dim as usize;
+        let win = self.hp.sliding_window as usize;
+        LayerState {
+            raw: vec![0.0; win * hd],
+            raw_pos: vec![-1; win],
+            comp: None,
+            index: None,
+        }
+    }
+
+    /// The MTP block at position `pos` on token `tok` and hidden streams `hs` (N·D): returns its
+    /// logits (a guess for the token after `tok`) and its output streams. Panics without MTP
+    /// weights ([`CpuModel::has_mtp`]).
+    pub fn mtp_eval(
+        &self,
+        st: &mut LayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mtp = self.mtp.as_ref().expect("MTP weights loaded");
+        let hp = &self.hp;
+        let d = hp.n_embd as usize;
+        let nhc = hp.hc_count as usize;
+        let mut e = vec![0f32; d];
+        self.w.row(&self.embd, tok as usize, &mut e);
+        rms_norm(&mut e, Some(&mtp.enorm), hp.rms_eps);
+        let mut ep = vec![0f32; d];
+        self.w.matvec(&mtp.e_proj, None, &e, &mut ep);
+        let mut x = vec![0f32; nhc * d];
+        let mut h = vec![0f32; d];
+        for i in 0..nhc {
+            h.copy_from_slice(&hs[i * d..(i + 1) * d]);
+            rms_norm(&mut h, Some(&mtp.hnorm), hp.rms_eps);
+            let xi = &mut x[i * d..(i + 1) * d];
+            self.w.matvec(&mtp.h_proj, None, &h, xi);
+            xi.iter_mut().zip(&ep).for_each(|(x, e)| *x += e);
+        }
+        self.layer_forward(&mtp.block, st, &mut x, &[tok], pos);
+        (self.head(&mtp.head, &mtp.norm, &x), x)
     }
 
     /// HC split + collapse for `n` tokens (model.md §3.1): returns `Σ pre_i X[i]` (n × D),
@@ -460,6 +620,7 @@ impl CpuModel {
             // Raw row into the ring. Later tokens of the batch have not been written yet, so
             // the ring still holds every row token t can see.
             st.raw[(t % win) * hd..(t % win + 1) * hd].copy_from_slice(&kv[i * hd..(i + 1) * hd]);
+            st.raw_pos[t % win] = t as i64;
             // Compressors before attention: a row closed by this token is already visible.
             if let (Some(c), Some(cs), Some((a, g))) = (&l.comp, st.comp.as_mut(), &comp_proj) {
                 let w = c.coff * c.d;
@@ -519,6 +680,7 @@ impl CpuModel {
             // Attention with sinks over raw rows (positions max(0, t−W+1) ..= t) + selected.
             let first = (t + 1).saturating_sub(win);
             let rows: Vec<&[f32]> = (first..=t)
+                .filter(|&p| st.raw_pos[p % win] == p as i64)
                 .map(|p| &st.raw[(p % win) * hd..(p % win + 1) * hd])
                 .chain(selected.iter().map(|&r| &comp_rows[r * hd..(r + 1) * hd]))
                 .collect();
@@ -776,22 +938,23 @@ impl CpuModel {
         out
     }
 
-    fn head(&self, x: &[f32]) -> Vec<f32> {
+    /// Output head (model.md §3.5) with a given HC head and final norm.
+    fn head(&self, hc: &Hc, norm: &[f32], x: &[f32]) -> Vec<f32> {
         let hp = &self.hp;
         let n = hp.hc_count as usize;
         let d = hp.n_embd as usize;
         let mut s = x.to_vec();
         rms_norm(&mut s, None, hp.rms_eps);
         let mut m = vec![0f32; n];
-        self.w.matvec(&self.out_hc.mixer, None, &s, &mut m);
+        self.w.matvec(&hc.mixer, None, &s, &mut m);
         let mut y = vec![0f32; d];
         for i in 0..n {
-            let pre = sigmoid(m[i] * self.out_hc.scale[0] + self.out_hc.base[i]) + hp.hc_eps;
+            let pre = sigmoid(m[i] * hc.scale[0] + hc.base[i]) + hp.hc_eps;
             y.iter_mut()
                 .zip(&x[i * d..(i + 1) * d])
                 .for_each(|(y, v)| *y += pre * v);
         }
-        rms_norm(&mut y, Some(&self.out_norm), hp.rms_eps);
+        rms_norm(&mut y, Some(norm), hp.rms_eps);
         let mut logits = vec![0f32; hp.n_vocab as usize];
         self.w.matvec(&self.output, None, &y, &mut logits);
         logits

@@ -8,6 +8,8 @@ use std::sync::Arc;
 /// A bound matrix: `rows` rows of `cols` elements (GGUF `[cols, rows, experts]`).
 #[derive(Clone, Debug)]
 pub struct Mat {
+    /// Index of the file holding it (main model 0, MTP 1).
+    pub file: usize,
     pub ty: GgmlType,
     pub cols: usize,
     pub rows: usize,
@@ -17,10 +19,11 @@ pub struct Mat {
 }
 
 impl Mat {
-    fn new(w: &WeightRef) -> Mat {
+    fn new(file: usize, w: &WeightRef) -> Mat {
         let cols = w.dims[0] as usize;
         let rows = w.dims.get(1).copied().unwrap_or(1) as usize;
         Mat {
+            file,
             ty: w.ty,
             cols,
             rows,
@@ -36,32 +39,50 @@ impl Mat {
     }
 }
 
+/// The bound weight files of a model: the main GGUF and optionally the MTP GGUF.
 pub struct Weights {
-    pub file: Arc<GgufFile>,
-    pub dir: WeightDir,
+    files: Vec<(Arc<GgufFile>, WeightDir)>,
 }
 
 impl Weights {
     pub fn new(file: Arc<GgufFile>, dir: WeightDir) -> Weights {
-        Weights { file, dir }
+        Weights {
+            files: vec![(file, dir)],
+        }
     }
 
-    fn get(&self, name: &str) -> &WeightRef {
-        self.dir
-            .get(name)
+    /// Add a second bound file (the MTP GGUF); its names must not clash with the main file's.
+    pub fn add_file(&mut self, file: Arc<GgufFile>, dir: WeightDir) {
+        self.files.push((file, dir));
+    }
+
+    fn get(&self, name: &str) -> (usize, &WeightRef) {
+        self.files
+            .iter()
+            .enumerate()
+            .find_map(|(i, (_, d))| d.get(name).map(|w| (i, w)))
             .unwrap_or_else(|| panic!("weight {name} was not bound"))
     }
 
     pub fn has(&self, name: &str) -> bool {
-        self.dir.get(name).is_some()
+        self.files.iter().any(|(_, d)| d.get(name).is_some())
     }
 
     pub fn mat(&self, name: &str) -> Mat {
-        Mat::new(self.get(name))
+        let (i, w) = self.get(name);
+        Mat::new(i, w)
     }
 
     fn bytes(&self, m: &Mat) -> &[u8] {
-        &self.file.bytes()[m.offset..m.offset + m.n_bytes]
+        &self.files[m.file].0.bytes()[m.offset..m.offset + m.n_bytes]
+    }
+
+    fn raw(&self, name: &str) -> (&WeightRef, &[u8]) {
+        let (i, w) = self.get(name);
+        (
+            w,
+            &self.files[i].0.bytes()[w.offset as usize..(w.offset + w.n_bytes) as usize],
+        )
     }
 
     /// `y = M·x` (or of expert `e`'s slab for a 3-D stack).
@@ -114,8 +135,7 @@ impl Weights {
 
     /// A whole F32 tensor as a vector.
     pub fn vec(&self, name: &str) -> Vec<f32> {
-        let w = self.get(name);
-        let b = &self.file.bytes()[w.offset as usize..(w.offset + w.n_bytes) as usize];
+        let (w, b) = self.raw(name);
         let mut out = vec![0f32; w.dims.iter().product::<u64>() as usize];
         ds4_quant::dequantize_row(w.ty, b, &mut out).expect("bound vectors dequantise");
         out
@@ -123,8 +143,7 @@ impl Weights {
 
     /// An I32 table (`ffn_gate_tid2eid`).
     pub fn i32s(&self, name: &str) -> Vec<i32> {
-        let w = self.get(name);
-        let b = &self.file.bytes()[w.offset as usize..(w.offset + w.n_bytes) as usize];
+        let (_, b) = self.raw(name);
         b.chunks_exact(4)
             .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()

@@ -60,6 +60,8 @@ impl BackendChoice {
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
     pub model: PathBuf,
+    /// MTP GGUF for speculative decoding (model.md §2.5).
+    pub mtp: Option<PathBuf>,
     pub backend: BackendChoice,
     /// CPU worker threads (None: all cores).
     pub threads: Option<usize>,
@@ -70,6 +72,7 @@ impl EngineOptions {
     pub fn new(model: impl Into<PathBuf>) -> EngineOptions {
         EngineOptions {
             model: model.into(),
+            mtp: None,
             backend: BackendChoice::Auto,
             threads: None,
             rounding: Rounding::MODEL,
@@ -111,7 +114,13 @@ impl Engine {
             .map_err(|e| EngineError::Tokenizer(name.clone(), e))?;
         let model_id: [u8; 32] =
             Sha256::digest(&file.bytes()[..file.data_offset() as usize]).into();
-        let model = CpuModel::new(hp, Weights::new(file, dir), opts.rounding);
+        let mut weights = Weights::new(file, dir);
+        if let Some(p) = &opts.mtp {
+            let mf = Arc::new(GgufFile::open(p)?);
+            let mdir = ds4_model::bind_mtp(&mf, &hp)?;
+            weights.add_file(mf, mdir);
+        }
+        let model = CpuModel::new(hp, weights, opts.rounding);
         Ok(Engine {
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
@@ -143,6 +152,8 @@ impl Engine {
             model_id: self.model_id,
             state: self.model.new_state(),
             logits: None,
+            streams: None,
+            mtp: self.model.has_mtp().then(|| self.model.new_mtp_state()),
             ctx,
         }
     }
@@ -170,6 +181,23 @@ impl Engine {
     }
 }
 
+/// Speculative decoding counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl SpecStats {
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+}
+
 /// Tokens per batched prefill step: bounds activation memory (≈ chunk × 200 KB at full size).
 pub const PREFILL_CHUNK: usize = 128;
 
@@ -191,6 +219,7 @@ impl Session {
             out.extend(self.model.eval_batch(&mut self.state, chunk, true));
         }
         self.logits = out.last().cloned();
+        self.streams = None;
         Ok(out)
     }
 }
@@ -201,6 +230,10 @@ pub struct Session {
     model_id: [u8; 32],
     state: State,
     logits: Option<Vec<f32>>,
+    /// Final hyper-connection streams of the last position (the MTP block's input).
+    streams: Option<Vec<f32>>,
+    /// The MTP block's own raw window (drafts only; rebuilt, never snapshotted).
+    mtp: Option<ds4_cpu::forward::LayerState>,
     ctx: usize,
 }
 
@@ -230,7 +263,7 @@ impl Session {
                 ctx: self.ctx,
             });
         }
-        self.logits = Some(self.model.eval(&mut self.state, token));
+        self.step(&[token]);
         Ok(self.logits.as_deref().unwrap_or_default())
     }
 
@@ -259,18 +292,114 @@ impl Session {
             0
         };
         if reuse == 0 && !live.is_empty() {
-            self.state = self.model.new_state();
-            self.logits = None;
+            self.reset();
         }
         let todo = &tokens[reuse..];
         let mut done = 0;
         for chunk in todo.chunks(PREFILL_CHUNK) {
             // Bit-identical to evaluating one token at a time (see ds4-cpu's prefill test).
-            self.logits = self.model.eval_batch(&mut self.state, chunk, false).pop();
+            self.step(chunk);
             done += chunk.len();
             progress(done, todo.len());
         }
         Ok(reuse)
+    }
+
+    /// Evaluate a batch; keep the last position's logits and streams.
+    fn step(&mut self, tokens: &[u32]) {
+        let (mut l, mut s) = self
+            .model
+            .eval_batch_streams(&mut self.state, tokens, false);
+        self.logits = l.pop();
+        self.streams = s.pop();
+    }
+
+    /// Whether MTP drafting is available (an MTP file was loaded).
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// Greedy generation of up to `n` tokens. Each token is passed to `on_token`, which returns
+    /// false to stop (that token is then not evaluated, e.g. EOS). With `speculative` and an
+    /// MTP file, the MTP block drafts one token per step and the main model verifies it in the
+    /// same batch; the output is identical to plain greedy decoding either way.
+    pub fn generate_greedy(
+        &mut self,
+        n: usize,
+        speculative: bool,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<SpecStats, EngineError> {
+        if speculative && self.mtp.is_some() {
+            let model = self.model.clone();
+            let mut mtp = self.mtp.take();
+            let mut draft = |hs: &[f32], tok: u32, pos: usize| {
+                let st = mtp.as_mut().expect("MTP state present");
+                argmax(&model.mtp_eval(st, hs, tok, pos).0)
+            };
+            let r = self.generate_with_drafter(n, &mut draft, on_token);
+            self.mtp = mtp;
+            r
+        } else {
+            self.generate_with_drafter(n, &mut |_, _, _| u32::MAX, on_token)
+        }
+    }
+
+    /// Greedy generation with an arbitrary drafter. With positions 0..t−1 consumed and `next`
+    /// the certain token for position t, `draft(streams of position t−1, next, t)` guesses the
+    /// token at t+1 (`u32::MAX`: no draft). Public so tests can drive the accept and reject
+    /// paths with perfect and adversarial drafters.
+    pub fn generate_with_drafter(
+        &mut self,
+        n: usize,
+        draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<SpecStats, EngineError> {
+        let mut stats = SpecStats::default();
+        let v = self.model.hp.n_vocab as usize;
+        let mut produced = 0;
+        while produced < n {
+            let Some(logits) = self.logits.as_deref() else {
+                break;
+            };
+            let next = argmax(logits);
+            if !on_token(next) {
+                break;
+            }
+            produced += 1;
+            let t = self.state.tokens.len(); // position of `next`
+            if t + 1 >= self.ctx {
+                self.eval(next)?;
+                break;
+            }
+            let d = match (&self.streams, produced < n && t + 2 <= self.ctx) {
+                (Some(hs), true) => draft(hs, next, t),
+                _ => u32::MAX,
+            };
+            if (d as usize) >= v {
+                self.eval(next)?;
+                continue;
+            }
+            stats.drafted += 1;
+            let cp = self.state.checkpoint();
+            let (logits2, streams2) =
+                self.model
+                    .eval_batch_streams(&mut self.state, &[next, d], true);
+            if argmax(&logits2[0]) == d {
+                stats.accepted += 1;
+                self.logits = logits2.into_iter().nth(1);
+                self.streams = streams2.into_iter().nth(1);
+                if !on_token(d) {
+                    break;
+                }
+                produced += 1;
+            } else {
+                // Rejected: back to before the batch, then the certain token alone (bit-identical
+                // to its row of the batch).
+                self.state.rollback(cp);
+                self.step(&[next]);
+            }
+        }
+        Ok(stats)
     }
 
     /// Bytes of KV state held now: raw window rows, compressed and indexer rows, frontiers.
@@ -293,6 +422,8 @@ impl Session {
     pub fn reset(&mut self) {
         self.state = self.model.new_state();
         self.logits = None;
+        self.streams = None;
+        self.mtp = self.model.has_mtp().then(|| self.model.new_mtp_state());
     }
 
     /// Serialise the full state (versioned, checksummed; see `snapshot.rs`).
@@ -315,6 +446,7 @@ impl Session {
                 ctx: self.ctx,
             });
         }
+        self.reset();
         self.state = state;
         self.logits = logits;
         Ok(())

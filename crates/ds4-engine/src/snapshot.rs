@@ -176,6 +176,7 @@ pub fn read(
                 &mut ls.raw[(p % win) * hd..(p % win + 1) * hd],
                 "raw window rows",
             )?;
+            ls.raw_pos[p % win] = p as i64;
         }
         let ratio = hp.compress_ratios[l].max(1) as usize;
         if let Some(c) = ls.comp.as_mut() {

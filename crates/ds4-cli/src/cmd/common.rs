@@ -12,6 +12,10 @@ pub struct ModelArgs {
     /// Model GGUF (e.g. one written by `ds4 synth`).
     #[arg(short, long)]
     pub model: PathBuf,
+    /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): greedy generation then
+    /// drafts one token per step with it and verifies it in the same batch (same output).
+    #[arg(long)]
+    pub mtp: Option<PathBuf>,
     /// Compute backend: auto picks the best available (today: cpu).
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda", "rocm", "metal"])]
     pub backend: String,
@@ -29,6 +33,7 @@ impl ModelArgs {
         o.backend = BackendChoice::parse(&self.backend)
             .ok_or_else(|| anyhow!("unknown backend {}", self.backend))?;
         o.threads = self.threads;
+        o.mtp = self.mtp.clone();
         let spinner = progress::spinner(&format!("loading {}", self.model.display()));
         let e = Engine::open(&o).with_context(|| format!("opening {}", self.model.display()));
         spinner.finish_and_clear();

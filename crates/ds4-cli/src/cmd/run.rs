@@ -75,6 +75,42 @@ pub fn run(a: Args) -> Result<()> {
     let eos = tok.specials().eos;
     let mut dec = StreamDecoder::new();
     let mut out = std::io::stdout().lock();
+    if session.has_mtp() && a.sample.temp <= 0.0 && logprobs.is_none() {
+        // Speculative greedy decoding: identical output, fewer sequential steps.
+        let mut err = None;
+        let stats = session.generate_greedy(a.max_tokens, true, &mut |t| {
+            if a.dump_tokens {
+                eprintln!("token {t}");
+            }
+            if t == eos {
+                return false;
+            }
+            let r = dec
+                .push(&tok, t)
+                .map_err(anyhow::Error::from)
+                .and_then(|s| {
+                    out.write_all(s.as_bytes())?;
+                    out.flush().map_err(anyhow::Error::from)
+                });
+            if let Err(e) = r {
+                err = Some(e);
+                return false;
+            }
+            true
+        })?;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        out.write_all(dec.flush().as_bytes())?;
+        writeln!(out)?;
+        eprintln!(
+            "mtp: {} drafts, {} accepted ({:.1} %)",
+            stats.drafted,
+            stats.accepted,
+            100.0 * stats.acceptance()
+        );
+        return Ok(());
+    }
     for _ in 0..a.max_tokens {
         let logits = session.logits().context("no logits after the prompt")?;
         let next = sampler.sample(logits);
