@@ -40,6 +40,8 @@ enum Command {
     Logits(cmd::logits::Args),
     /// Prefill and decode speed at growing context frontiers, as CSV.
     Bench(cmd::bench::Args),
+    /// OpenAI- and Anthropic-compatible HTTP server (chat, completions, responses, messages).
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +54,7 @@ fn main() -> ExitCode {
         Command::Chat(a) => cmd::chat::run(a),
         Command::Logits(a) => cmd::logits::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

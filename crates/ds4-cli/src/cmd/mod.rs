@@ -4,5 +4,6 @@ pub mod common;
 pub mod inspect;
 pub mod logits;
 pub mod run;
+pub mod serve;
 pub mod synth;
 pub mod tokenize;

@@ -1,0 +1,805 @@
+//! `ds4 serve`: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`) and
+//! Anthropic (`/v1/messages`, `/v1/messages/count_tokens`) compatible HTTP server, plus
+//! `/v1/models`, `/health` and Prometheus `/metrics` (interfaces.md §1).
+//!
+//! Shape: axum handlers parse, render and tokenise on the tokio pool; generation runs on one
+//! worker thread ([`worker`]) fed by a FIFO queue; events come back over a channel and are
+//! written as JSON or SSE by [`output`]. A dropped response (client gone) sets the job's
+//! cancel flag, which the worker checks every token and every prefill step.
+
+pub mod error;
+pub mod metrics;
+pub mod output;
+pub mod request;
+pub mod worker;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use ds4_chat::{DsmlReplay, ParseOptions, ThinkMode};
+use ds4_engine::{Engine, SamplerConfig};
+use ds4_tokenizer::Tokenizer;
+use error::{ApiError, Proto};
+use futures_util::StreamExt;
+use http_body_util::BodyExt;
+use output::{Ctx, Writer};
+use request::{Kind, Prepared};
+use serde_json::{json, Value};
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use subtle::ConstantTimeEq;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use worker::{ForceOutput, GenEvent, GenJob, GenResult, Scheduler};
+
+pub use metrics::Metrics;
+
+/// Server settings (the `ds4 serve` flags).
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Session context in tokens.
+    pub ctx: usize,
+    /// Default max output tokens when a request gives none.
+    pub default_max_tokens: usize,
+    /// Required key (Bearer or `x-api-key`); `None` = no auth.
+    pub api_key: Option<String>,
+    pub cors: bool,
+    /// Largest accepted request body.
+    pub max_body: usize,
+    /// Largest accepted JSON nesting depth.
+    pub max_json_depth: usize,
+    /// Time allowed for reading a request body.
+    pub read_timeout: Duration,
+    /// Interval of `: keep-alive` SSE comments while a stream is otherwise silent.
+    pub keepalive: Duration,
+    /// Exact-replay map size (tool-call ids).
+    pub tool_memory_max_ids: usize,
+    /// Test-only forced output file (hidden flag).
+    pub force_output: ForceOutput,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            ctx: 32768,
+            default_max_tokens: 393_216,
+            api_key: None,
+            cors: false,
+            max_body: 16 << 20,
+            max_json_depth: 128,
+            read_timeout: Duration::from_secs(30),
+            keepalive: Duration::from_secs(5),
+            tool_memory_max_ids: 100_000,
+            force_output: ForceOutput::default(),
+        }
+    }
+}
+
+/// Bounded exact-replay map (interfaces.md §3.5): tool-call id → the raw DSML block the
+/// model sampled for it; oldest ids are forgotten first.
+#[derive(Default)]
+pub struct ReplayStore {
+    ids: HashMap<String, Arc<str>>,
+    order: VecDeque<String>,
+    max: usize,
+}
+
+impl ReplayStore {
+    pub fn new(max: usize) -> Self {
+        ReplayStore {
+            max,
+            ..Default::default()
+        }
+    }
+    pub fn remember(&mut self, ids: &[String], block: &str) {
+        let b: Arc<str> = Arc::from(block);
+        for id in ids {
+            if self.ids.insert(id.clone(), b.clone()).is_none() {
+                self.order.push_back(id.clone());
+            }
+        }
+        while self.ids.len() > self.max {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.ids.remove(&old);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+impl DsmlReplay for ReplayStore {
+    fn replay_block(&self, ids: &[&str]) -> Option<Arc<str>> {
+        let (first, rest) = ids.split_first()?;
+        let b = self.ids.get(*first)?;
+        rest.iter()
+            .all(|id| self.ids.get(*id).is_some_and(|x| **x == **b))
+            .then(|| b.clone())
+    }
+}
+
+/// What exists once the model is loaded.
+pub struct Ready {
+    pub tokenizer: Arc<Tokenizer>,
+    pub scheduler: Scheduler,
+}
+
+pub struct AppState {
+    pub cfg: ServerConfig,
+    pub metrics: Arc<Metrics>,
+    ready: OnceLock<Ready>,
+    load_error: OnceLock<String>,
+    started: Instant,
+    replay: Mutex<ReplayStore>,
+    counter: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(cfg: ServerConfig) -> Arc<AppState> {
+        Arc::new(AppState {
+            replay: Mutex::new(ReplayStore::new(cfg.tool_memory_max_ids)),
+            cfg,
+            metrics: Arc::new(Metrics::default()),
+            ready: OnceLock::new(),
+            load_error: OnceLock::new(),
+            started: Instant::now(),
+            counter: AtomicU64::new(0),
+        })
+    }
+
+    /// Installs an opened engine: starts the worker; requests are served from now on.
+    pub fn set_engine(&self, engine: Engine) {
+        let tokenizer = engine.tokenizer().clone();
+        let scheduler = worker::spawn_worker(
+            engine,
+            self.cfg.ctx,
+            self.cfg.force_output.clone(),
+            self.metrics.clone(),
+        );
+        let _ = self.ready.set(Ready {
+            tokenizer,
+            scheduler,
+        });
+    }
+
+    /// Records that loading failed (`/health` reports it).
+    pub fn set_load_error(&self, e: String) {
+        let _ = self.load_error.set(e);
+    }
+
+    fn ready(&self, proto: Proto) -> Result<&Ready, ApiError> {
+        self.ready.get().ok_or_else(|| {
+            let msg = match self.load_error.get() {
+                Some(e) => format!("model failed to load: {e}"),
+                None => "model is loading; retry shortly".into(),
+            };
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg).proto(proto)
+        })
+    }
+
+    fn replay(&self) -> std::sync::MutexGuard<'_, ReplayStore> {
+        self.replay.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Opens the engine on a blocking thread and installs it (the server answers `/health`
+/// with `loading` meanwhile).
+pub fn load_in_background(
+    state: Arc<AppState>,
+    open: impl FnOnce() -> Result<Engine, String> + Send + 'static,
+) {
+    std::thread::spawn(move || match open() {
+        Ok(e) => state.set_engine(e),
+        Err(e) => state.set_load_error(e),
+    });
+}
+
+pub fn json_response(status: StatusCode, v: &Value) -> Response {
+    let mut body = v.to_string();
+    body.push('\n');
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The router with every endpoint and the security layers.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_one))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_handler))
+        .fallback(|req: Request| async move {
+            let p = proto_of(req.uri().path());
+            ApiError::new(StatusCode::NOT_FOUND, "unknown endpoint")
+                .proto(p)
+                .into_response()
+        })
+        .method_not_allowed_fallback(|req: Request| async move {
+            let p = proto_of(req.uri().path());
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+                .proto(p)
+                .into_response()
+        })
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .with_state(state)
+}
+
+fn proto_of(path: &str) -> Proto {
+    if path.starts_with("/v1/messages") {
+        Proto::Anthropic
+    } else {
+        Proto::OpenAi
+    }
+}
+
+/// Outer layer: OPTIONS, API key, CORS headers, error/in-flight metrics.
+async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let mut resp = if req.method() == Method::OPTIONS {
+        StatusCode::NO_CONTENT.into_response()
+    } else if let Some(e) = check_key(&st, &req) {
+        e.into_response()
+    } else {
+        st.metrics.in_flight.inc();
+        let r = next.run(req).await;
+        st.metrics.in_flight.dec();
+        r
+    };
+    if resp.status().is_client_error() || resp.status().is_server_error() {
+        st.metrics.errors.inc();
+    }
+    if st.cfg.cors {
+        let h = resp.headers_mut();
+        h.insert("access-control-allow-origin", HeaderValue::from_static("*"));
+        h.insert(
+            "access-control-allow-methods",
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            "access-control-allow-headers",
+            HeaderValue::from_static("*"),
+        );
+    }
+    resp
+}
+
+/// `--api-key`: `Authorization: Bearer KEY` or `x-api-key: KEY`, constant-time compare.
+/// `/health` stays open for probes.
+fn check_key(st: &AppState, req: &Request) -> Option<ApiError> {
+    let key = st.cfg.api_key.as_ref()?;
+    if req.uri().path() == "/health" {
+        return None;
+    }
+    let h = req.headers();
+    let given = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()));
+    let ok = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
+    (!ok).then(|| {
+        ApiError::new(StatusCode::UNAUTHORIZED, "invalid or missing API key")
+            .proto(proto_of(req.uri().path()))
+    })
+}
+
+/// Reads the body with the size limit and read timeout; a declared length over the limit
+/// is refused before reading anything (413).
+async fn read_body(st: &AppState, req: Request, proto: Proto) -> Result<Bytes, ApiError> {
+    let max = st.cfg.max_body;
+    let too_big = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body exceeds the limit of {max} bytes"),
+        )
+        .proto(proto)
+    };
+    if let Some(n) = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if n > max as u64 {
+            return Err(too_big());
+        }
+    }
+    let body = http_body_util::Limited::new(req.into_body(), max);
+    match tokio::time::timeout(st.cfg.read_timeout, body.collect()).await {
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "timed out reading the request body",
+        )
+        .proto(proto)),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_big()),
+        Ok(Err(e)) => Err(ApiError::bad(format!("bad HTTP request: {e}")).proto(proto)),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+    }
+}
+
+/// Nesting depth of a JSON text (arrays/objects outside strings), stopping past `max`.
+fn json_depth_exceeds(b: &[u8], max: usize) -> bool {
+    let (mut d, mut in_str, mut esc) = (0usize, false, false);
+    for &c in b {
+        if in_str {
+            if esc {
+                esc = false;
+            } else if c == b'\\' {
+                esc = true;
+            } else if c == b'"' {
+                in_str = false;
+            }
+            continue;
+        }
+        match c {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                d += 1;
+                if d > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => d = d.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+fn parse_json(st: &AppState, b: &[u8], proto: Proto) -> Result<Value, ApiError> {
+    if json_depth_exceeds(b, st.cfg.max_json_depth) {
+        return Err(ApiError::bad(format!(
+            "invalid JSON request: nesting deeper than {} levels",
+            st.cfg.max_json_depth
+        ))
+        .proto(proto));
+    }
+    serde_json::from_slice(b).map_err(|e| {
+        ApiError::bad(format!(
+            "invalid JSON request: {e} (line {}, column {})",
+            e.line(),
+            e.column()
+        ))
+        .proto(proto)
+    })
+}
+
+/// Cancels the job when dropped (the response finished or the client went away).
+struct CancelOnDrop(Arc<AtomicBool>);
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+struct Running {
+    rx: UnboundedReceiver<GenEvent>,
+    cancel: CancelOnDrop,
+}
+
+fn sampler_for(p: &Prepared) -> SamplerConfig {
+    let seed = match p.params.seed {
+        Some(s) if s > 0 => s as u64,
+        _ => rand::random(),
+    };
+    if p.think != ThinkMode::None {
+        // Thinking overrides the client's sampling knobs (§1.3); the seed is kept.
+        return SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.05,
+            seed,
+        };
+    }
+    SamplerConfig {
+        temperature: p.params.temperature.unwrap_or(1.0),
+        top_k: p.params.top_k.unwrap_or(0).min(1024),
+        top_p: p.params.top_p.unwrap_or(1.0),
+        min_p: p.params.min_p.unwrap_or(0.05),
+        seed,
+    }
+}
+
+/// Tokenises, checks the context, queues the job.
+async fn start(st: &Arc<AppState>, p: &Prepared) -> Result<Running, ApiError> {
+    let proto = p.kind.proto();
+    let ready = st.ready(proto)?;
+    let tok = ready.tokenizer.clone();
+    let text = p.prompt_text.clone();
+    let tokens = tokio::task::spawn_blocking(move || tok.encode_with_chat_specials(&text))
+        .await
+        .map_err(|e| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).proto(proto)
+        })?;
+    let ctx = st.cfg.ctx;
+    if tokens.len() >= ctx {
+        return Err(
+            ApiError::context_length(tokens.len(), ctx, p.kind.prompt_param()).proto(proto),
+        );
+    }
+    let room = ctx - tokens.len();
+    let max_tokens = p
+        .params
+        .max_tokens
+        .unwrap_or(st.cfg.default_max_tokens)
+        .min(room);
+    let (tx, rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = GenJob {
+        prompt_text: p.prompt_text.clone(),
+        prompt_tokens: tokens,
+        max_tokens,
+        sampler: sampler_for(p),
+        stop: p.params.stop.clone(),
+        parse: ParseOptions {
+            thinking: p.kind != Kind::Completion && p.think.thinking(),
+            detect_tools: p.detect_tools,
+        },
+        cancel: cancel.clone(),
+        events: tx,
+        enqueued: Instant::now(),
+    };
+    ready
+        .scheduler
+        .submit(job)
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e).proto(proto))?;
+    Ok(Running {
+        rx,
+        cancel: CancelOnDrop(cancel),
+    })
+}
+
+fn ctx_for(st: &AppState, p: &Prepared) -> Ctx {
+    let n = st.counter.fetch_add(1, Ordering::Relaxed) + 1;
+    let id = match p.kind {
+        Kind::Completion => format!("cmpl-{n}"),
+        Kind::Responses => output::rand_id("resp_", 12),
+        _ => format!("chatcmpl-{n}"),
+    };
+    Ctx {
+        id,
+        model: p.model.clone(),
+        created: now(),
+        include_usage: p.params.include_usage,
+        summary: p.summary,
+        call_prefix: if p.kind == Kind::Messages {
+            "toolu_"
+        } else {
+            "call_"
+        },
+    }
+}
+
+fn remember(st: &AppState, ids: &[String], r: &GenResult) {
+    if let Some(block) = &r.parsed.raw_dsml {
+        let n = r.parsed.tool_calls.len().min(ids.len());
+        if n > 0 {
+            st.replay().remember(&ids[..n], block);
+        }
+    }
+}
+
+/// Parses and renders on a blocking thread (rendering is linear but prompts can be large).
+async fn prepare(st: &Arc<AppState>, req: Request, kind: Kind) -> Result<Prepared, ApiError> {
+    let proto = kind.proto();
+    let body = read_body(st, req, proto).await?;
+    let st2 = st.clone();
+    tokio::task::spawn_blocking(move || {
+        let v = parse_json(&st2, &body, proto)?;
+        let ctx = st2.cfg.ctx;
+        let replay = st2.replay();
+        let p = match kind {
+            Kind::Chat => request::chat(&v, &body, ctx, &*replay),
+            Kind::Completion => request::completion(&v, ctx),
+            Kind::Messages => request::messages(&v, &body, ctx, &*replay),
+            Kind::Responses => request::responses(&v, &body, ctx, &*replay),
+        };
+        p.map_err(|e| e.proto(proto))
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).proto(proto))?
+}
+
+async fn generate(st: Arc<AppState>, req: Request, kind: Kind, endpoint: &str) -> Response {
+    st.metrics.request(endpoint);
+    let proto = kind.proto();
+    let p = match prepare(&st, req, kind).await {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let run = match start(&st, &p).await {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let c = ctx_for(&st, &p);
+    if p.params.stream {
+        let w: Box<dyn Writer> = match kind {
+            Kind::Chat => Box::new(output::ChatWriter::new(c)),
+            Kind::Completion => Box::new(output::CompletionWriter { c }),
+            Kind::Messages => Box::new(output::MessagesWriter::new(c)),
+            Kind::Responses => Box::new(output::ResponsesWriter::new(c)),
+        };
+        return sse_response(st, run, w);
+    }
+    let mut run = run;
+    let r = loop {
+        match run.rx.recv().await {
+            Some(GenEvent::Done(r)) => break r,
+            Some(GenEvent::Failed(m)) => {
+                return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m)
+                    .proto(proto)
+                    .into_response()
+            }
+            Some(_) => {}
+            None => {
+                return ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "generation worker stopped",
+                )
+                .proto(proto)
+                .into_response()
+            }
+        }
+    };
+    let mut ids = output::Ids::default();
+    let body = match kind {
+        Kind::Chat => output::chat_body(&c, &r, &mut ids),
+        Kind::Completion => output::completion_body(&c, &r),
+        Kind::Messages => output::messages_body(&c, &r, &mut ids),
+        Kind::Responses => {
+            output::responses_body(&c, &r, &mut ids, &mut output::RespIds::default())
+        }
+    };
+    remember(&st, &ids.0, &r);
+    drop(run.cancel);
+    json_response(StatusCode::OK, &body)
+}
+
+/// Streams worker events as SSE. Comments (`: keep-alive`) go out whenever nothing else was
+/// sent for `keepalive` (wall clock, so long prefills and silent decodes never hit client
+/// idle timeouts). Dropping the body (client gone) drops the cancel guard.
+fn sse_response(st: Arc<AppState>, run: Running, w: Box<dyn Writer>) -> Response {
+    struct S {
+        st: Arc<AppState>,
+        run: Running,
+        w: Box<dyn Writer>,
+        queue: VecDeque<Bytes>,
+        finished: bool,
+    }
+    let ka = st.cfg.keepalive;
+    let s = S {
+        st,
+        run,
+        w,
+        queue: VecDeque::new(),
+        finished: false,
+    };
+    let stream = futures_util::stream::unfold(s, move |mut s| async move {
+        loop {
+            if let Some(b) = s.queue.pop_front() {
+                return Some((Ok::<Bytes, std::io::Error>(b), s));
+            }
+            if s.finished {
+                return None;
+            }
+            match tokio::time::timeout(ka, s.run.rx.recv()).await {
+                Err(_) => return Some((Ok(Bytes::from_static(b": keep-alive\n\n")), s)),
+                Ok(None) => {
+                    s.queue.extend(s.w.failed("generation worker stopped"));
+                    s.finished = true;
+                }
+                Ok(Some(ev)) => match ev {
+                    GenEvent::Prefill { .. } => {}
+                    GenEvent::Started {
+                        prompt_tokens,
+                        cached_tokens,
+                    } => s.queue.extend(s.w.started(prompt_tokens, cached_tokens)),
+                    GenEvent::Stream(evs) => s.queue.extend(s.w.events(&evs)),
+                    GenEvent::Done(r) => {
+                        s.queue.extend(s.w.done(&r));
+                        remember(&s.st, s.w.ids(), &r);
+                        s.finished = true;
+                    }
+                    GenEvent::Failed(m) => {
+                        s.queue.extend(s.w.failed(&m));
+                        s.finished = true;
+                    }
+                },
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream.boxed()))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn chat(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    generate(st, req, Kind::Chat, "chat_completions").await
+}
+async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    generate(st, req, Kind::Completion, "completions").await
+}
+async fn responses(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    generate(st, req, Kind::Responses, "responses").await
+}
+async fn messages(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    generate(st, req, Kind::Messages, "messages").await
+}
+
+/// Anthropic `count_tokens`: the rendered prompt's token count.
+async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    st.metrics.request("count_tokens");
+    let r = async {
+        let p = prepare(&st, req, Kind::Messages).await?;
+        let tok = st.ready(Proto::Anthropic)?.tokenizer.clone();
+        let n = tokio::task::spawn_blocking(move || {
+            tok.encode_with_chat_specials(&p.prompt_text).len()
+        })
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        Ok::<_, ApiError>(json!({ "input_tokens": n }))
+    }
+    .await;
+    match r {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => e.proto(Proto::Anthropic).into_response(),
+    }
+}
+
+fn model_object(st: &AppState) -> Value {
+    let ctx = st.cfg.ctx;
+    json!({"id": request::DEFAULT_MODEL, "object": "model", "created": 1767225600u64,
+        "owned_by": "ds4", "name": "DeepSeek V4 Flash", "context_length": ctx,
+        "top_provider": {"context_length": ctx,
+            "max_completion_tokens": st.cfg.default_max_tokens.min(ctx), "is_moderated": false},
+        "supported_parameters": ["tools", "tool_choice", "max_tokens", "temperature", "top_p",
+            "top_k", "min_p", "stop", "seed", "stream", "reasoning_effort"]})
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.request("models");
+    json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [model_object(&st)]}),
+    )
+}
+
+async fn model_one(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    st.metrics.request("models");
+    if id == request::DEFAULT_MODEL {
+        json_response(StatusCode::OK, &model_object(&st))
+    } else {
+        ApiError::new(StatusCode::NOT_FOUND, format!("unknown model {id:?}")).into_response()
+    }
+}
+
+/// `GET /health`: 200 `ready`, or 503 `loading` (with seconds elapsed) / `error`.
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.request("health");
+    let m = &st.metrics;
+    if st.ready.get().is_some() {
+        json_response(
+            StatusCode::OK,
+            &json!({"status": "ready", "progress": 1.0, "queue_depth": m.queue_depth.get(),
+                    "busy": m.busy.get() == 1, "ctx": st.cfg.ctx}),
+        )
+    } else if let Some(e) = st.load_error.get() {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "error", "error": e}),
+        )
+    } else {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "loading", "progress": 0.0,
+                    "elapsed_seconds": st.started.elapsed().as_secs_f64()}),
+        )
+    }
+}
+
+async fn metrics_handler(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.request("metrics");
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        st.metrics.render(st.ready.get().is_some()),
+    )
+        .into_response()
+}
+
+/// Largest request header block (bytes).
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+
+/// Accept loop: HTTP/1.1 with a header size limit and a header read timeout. Runs until
+/// `shutdown` resolves; then stops accepting (in-flight connections finish on their own).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let app = router(state.clone());
+    let header_timeout = state.cfg.read_timeout;
+    tokio::pin!(shutdown);
+    loop {
+        let (sock, _peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(_) => { tokio::time::sleep(Duration::from_millis(50)).await; continue; }
+            },
+            _ = &mut shutdown => return Ok(()),
+        };
+        let _ = sock.set_nodelay(true);
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let io = hyper_util::rt::TokioIo::new(sock);
+            let _ = hyper::server::conn::http1::Builder::new()
+                .max_buf_size(MAX_HEADER_BYTES)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(io, svc)
+                .await;
+        });
+    }
+}
+
+/// Binds `addr`, loads the model in the background (`open`), and serves until Ctrl-C /
+/// SIGTERM. Blocks; builds its own tokio runtime.
+pub fn run_blocking(
+    cfg: ServerConfig,
+    addr: SocketAddr,
+    open: impl FnOnce() -> Result<Engine, String> + Send + 'static,
+) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        eprintln!(
+            "ds4 serve: listening on http://{} (loading the model; GET /health reports readiness)",
+            listener.local_addr()?
+        );
+        let state = AppState::new(cfg);
+        let st = state.clone();
+        load_in_background(state.clone(), move || {
+            let t = Instant::now();
+            let r = open();
+            match &r {
+                Ok(_) => eprintln!(
+                    "ds4 serve: model ready in {:.1} s",
+                    t.elapsed().as_secs_f64()
+                ),
+                Err(e) => eprintln!("ds4 serve: error: {e}"),
+            }
+            r
+        });
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("ds4 serve: shutting down");
+        };
+        serve(listener, st, shutdown).await
+    })
+}

@@ -1,0 +1,434 @@
+//! The generation worker: one OS thread owns the engine and its live session and runs
+//! queued jobs in FIFO order (interfaces.md §7.1). HTTP handlers talk to it over channels:
+//! a job goes in through [`Scheduler::submit`], [`GenEvent`]s come back.
+//!
+//! The job/event interface knows nothing of one-session-at-a-time: a batching scheduler with
+//! several live sessions can replace [`run_worker`] behind the same [`Scheduler`].
+
+use crate::metrics::Metrics;
+use ds4_chat::{ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser};
+use ds4_engine::{argmax, Engine, Sampler, SamplerConfig, Session};
+use ds4_tokenizer::{StreamDecoder, Tokenizer};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Tokens prefilled between two cancellation checks (and progress events).
+const PREFILL_STEP: usize = 128;
+
+/// Why generation ended (interfaces.md §1.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// EOS, a stop sequence, or the end of the forced text.
+    Stop,
+    /// `max_tokens` or the context is full.
+    Length,
+    /// A complete tool block was generated.
+    ToolCalls,
+    /// Decode failure, an unterminated tool block, cancellation or shutdown.
+    Error,
+}
+
+/// One generation request, ready to run: rendered text plus its full tokenization.
+pub struct GenJob {
+    pub prompt_text: String,
+    pub prompt_tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Stop sequences (non-empty strings).
+    pub stop: Vec<String>,
+    /// How to split the output (thinking, DSML detection). Completions use
+    /// `{thinking:false, detect_tools:false}`: everything is raw content.
+    pub parse: ParseOptions,
+    /// Set when the client is gone: the worker stops within one token / prefill step.
+    pub cancel: Arc<AtomicBool>,
+    pub events: UnboundedSender<GenEvent>,
+    pub enqueued: Instant,
+}
+
+/// What the worker reports back, in order: `Prefill`*, `Started`, `Stream`*, then `Done`
+/// or `Failed`.
+#[derive(Debug)]
+pub enum GenEvent {
+    Prefill {
+        done: usize,
+        total: usize,
+    },
+    Started {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Stream(Vec<StreamEvent>),
+    Done(Box<GenResult>),
+    /// Nothing was generated (prefill failed or the job was cancelled before decoding).
+    Failed(String),
+}
+
+#[derive(Debug)]
+pub struct GenResult {
+    pub finish: Finish,
+    pub parsed: ParsedOutput,
+    /// The generated text as emitted (after stop-sequence cuts).
+    pub text: String,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    /// Why generation failed, for `Finish::Error`.
+    pub error: Option<String>,
+}
+
+/// The handle handlers submit jobs through. Cloneable; FIFO.
+#[derive(Clone)]
+pub struct Scheduler {
+    tx: mpsc::Sender<GenJob>,
+    metrics: Arc<Metrics>,
+}
+
+impl Scheduler {
+    /// Queues a job. Fails only when the worker is gone.
+    pub fn submit(&self, job: GenJob) -> Result<(), String> {
+        self.metrics.queue_depth.inc();
+        self.tx.send(job).map_err(|_| {
+            self.metrics.queue_depth.dec();
+            "the generation worker has stopped".to_string()
+        })
+    }
+}
+
+/// Test-only forced output (hidden `--test-force-output FILE`): when the file exists and is
+/// non-empty at the start of a request, its text is tokenised and emitted instead of sampled
+/// tokens — through the same decode, stop, DSML and protocol path. Re-read per request so a
+/// test can change it between requests.
+#[derive(Clone, Debug, Default)]
+pub struct ForceOutput(pub Option<PathBuf>);
+
+impl ForceOutput {
+    fn tokens(&self, tok: &Tokenizer) -> Option<Vec<u32>> {
+        let text = std::fs::read_to_string(self.0.as_ref()?).ok()?;
+        (!text.is_empty()).then(|| tok.encode_with_chat_specials(&text))
+    }
+}
+
+/// Starts the worker thread for an opened engine; returns the scheduler that feeds it.
+pub fn spawn_worker(
+    engine: Engine,
+    ctx: usize,
+    force: ForceOutput,
+    metrics: Arc<Metrics>,
+) -> Scheduler {
+    let (tx, rx) = mpsc::channel::<GenJob>();
+    let m = metrics.clone();
+    std::thread::Builder::new()
+        .name("ds4-worker".into())
+        .spawn(move || run_worker(engine, ctx, force, rx, m))
+        .expect("spawning the worker thread");
+    Scheduler { tx, metrics }
+}
+
+/// The live session plus the decoded bytes of its tokens (for rendered-text prefix reuse).
+struct Live {
+    session: Session,
+    bytes: Vec<u8>,
+}
+
+fn run_worker(
+    engine: Engine,
+    ctx: usize,
+    force: ForceOutput,
+    rx: mpsc::Receiver<GenJob>,
+    metrics: Arc<Metrics>,
+) {
+    let tok = engine.tokenizer().clone();
+    let mut live = Live {
+        session: engine.new_session(ctx),
+        bytes: Vec::new(),
+    };
+    while let Ok(job) = rx.recv() {
+        metrics.queue_depth.dec();
+        if job.cancel.load(Ordering::Relaxed) {
+            metrics.cancelled.inc();
+            continue; // the client left while queued
+        }
+        metrics.busy.set(1);
+        let forced = force.tokens(&tok);
+        run_job(&tok, &mut live, job, forced, &metrics);
+        live.bytes = tok.decode(live.session.tokens()).unwrap_or_default();
+        metrics.kv_bytes.set(live.session.kv_bytes());
+        metrics.busy.set(0);
+    }
+}
+
+/// Effective prompt tokens (interfaces.md §5.2, "memory-text" and §4.4): when the live
+/// session's decoded text is a byte prefix of the rendered prompt, keep the live tokens and
+/// tokenise only the text after that boundary (BPE could merge across it otherwise; and the
+/// live tokens may hold sampled tokenisations the full-prompt encoding would not reproduce).
+/// Otherwise the full tokenisation (whose token prefix [`Session::sync`] still reuses).
+fn effective_tokens(tok: &Tokenizer, live: &Live, job: &GenJob) -> Vec<u32> {
+    let lt = live.session.tokens();
+    let p = job.prompt_text.as_bytes();
+    if !lt.is_empty()
+        && live.bytes.len() <= p.len()
+        && p.starts_with(&live.bytes)
+        && job.prompt_text.is_char_boundary(live.bytes.len())
+        && !job.prompt_tokens.starts_with(lt)
+    {
+        let mut t = lt.to_vec();
+        t.extend(tok.encode_with_chat_specials(&job.prompt_text[live.bytes.len()..]));
+        return t;
+    }
+    job.prompt_tokens.clone()
+}
+
+fn send(job: &GenJob, ev: GenEvent) {
+    // A closed receiver is noticed through the cancel flag.
+    let _ = job.events.send(ev);
+}
+
+fn run_job(
+    tok: &Tokenizer,
+    live: &mut Live,
+    job: GenJob,
+    forced: Option<Vec<u32>>,
+    metrics: &Metrics,
+) {
+    let tokens = effective_tokens(tok, live, &job);
+    let ctx = live.session.ctx();
+    if tokens.len() >= ctx {
+        send(
+            &job,
+            GenEvent::Failed(format!(
+                "prompt has {} tokens, but the context size is {ctx} tokens",
+                tokens.len()
+            )),
+        );
+        return;
+    }
+    // Prefill in steps so a departed client stops it; a partial prefill stays a valid prefix.
+    let t0 = Instant::now();
+    let mut cached = None;
+    let total = tokens.len();
+    let mut end = live.session.tokens().len().min(total);
+    if !tokens.starts_with(live.session.tokens()) {
+        end = 0;
+    }
+    loop {
+        end = (end + PREFILL_STEP).min(total);
+        match live.session.sync(&tokens[..end], &mut |_, _| {}) {
+            Ok(reused) => {
+                cached.get_or_insert(reused);
+            }
+            Err(e) => {
+                send(&job, GenEvent::Failed(format!("prefill failed: {e}")));
+                return;
+            }
+        }
+        send(&job, GenEvent::Prefill { done: end, total });
+        if end == total {
+            break;
+        }
+        if job.cancel.load(Ordering::Relaxed) {
+            metrics.cancelled.inc();
+            send(&job, GenEvent::Failed("cancelled".into()));
+            return;
+        }
+    }
+    let cached = cached.unwrap_or(0);
+    metrics.record_prefill(total - cached, t0.elapsed(), cached);
+    send(
+        &job,
+        GenEvent::Started {
+            prompt_tokens: total,
+            cached_tokens: cached,
+        },
+    );
+    let (finish, text, n, error, parsed) = decode(tok, live, &job, forced, metrics, ctx);
+    let result = GenResult {
+        finish,
+        parsed,
+        text,
+        prompt_tokens: total,
+        cached_tokens: cached,
+        completion_tokens: n,
+        error,
+    };
+    send(&job, GenEvent::Done(Box::new(result)));
+}
+
+/// Holds back the tail that could be the start of a stop sequence (§1.3).
+struct StopFilter {
+    stops: Vec<String>,
+    keep: usize,
+    held: String,
+}
+
+impl StopFilter {
+    fn new(stops: Vec<String>) -> Self {
+        let keep = stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
+        StopFilter {
+            stops,
+            keep,
+            held: String::new(),
+        }
+    }
+
+    /// Adds text; returns what may be emitted and whether a stop sequence was hit (the text
+    /// is cut before it).
+    fn push(&mut self, s: &str) -> (String, bool) {
+        self.held.push_str(s);
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|st| self.held.find(st.as_str()))
+            .min();
+        if let Some(p) = hit {
+            let out = self.held[..p].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        let mut cut = self.held.len().saturating_sub(self.keep);
+        while !self.held.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+
+    fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+type DecodeOut = (Finish, String, usize, Option<String>, ParsedOutput);
+
+fn decode(
+    tok: &Tokenizer,
+    live: &mut Live,
+    job: &GenJob,
+    forced: Option<Vec<u32>>,
+    metrics: &Metrics,
+    ctx: usize,
+) -> DecodeOut {
+    let eos = tok.specials().eos;
+    let mut sampler = Sampler::new(job.sampler.clone());
+    let mut parser = StreamParser::new(job.parse);
+    let mut dec = StreamDecoder::new();
+    let mut stop = StopFilter::new(job.stop.clone());
+    let mut text = String::new();
+    let mut n = 0usize;
+    let mut finish = Finish::Length;
+    let mut error = None;
+    let t0 = Instant::now();
+    let mut first = true;
+    let mut hit_stop = false;
+    let mut forced = forced.map(|v| v.into_iter());
+    let emit = |s: &str, parser: &mut StreamParser, text: &mut String| {
+        if s.is_empty() {
+            return;
+        }
+        text.push_str(s);
+        let ev = parser.push(s);
+        if !ev.is_empty() {
+            send(job, GenEvent::Stream(ev));
+        }
+    };
+    while n < job.max_tokens {
+        if job.cancel.load(Ordering::Relaxed) {
+            metrics.cancelled.inc();
+            finish = Finish::Error;
+            error = Some("cancelled: the client disconnected".into());
+            break;
+        }
+        if live.session.tokens().len() >= ctx {
+            break; // context full: length
+        }
+        let Some(logits) = live.session.logits() else {
+            finish = Finish::Error;
+            error = Some("no logits after prefill".into());
+            break;
+        };
+        let t = match forced.as_mut() {
+            Some(it) => it.next().unwrap_or(eos),
+            // Tool-block structure is sampled greedily, payload with the request's settings.
+            None if parser.sampling_state() == SamplingState::Structure => argmax(logits),
+            None => sampler.sample(logits),
+        };
+        if t == eos {
+            finish = Finish::Stop;
+            break;
+        }
+        n += 1;
+        if first {
+            metrics.ttft.observe(job.enqueued.elapsed().as_secs_f64());
+            first = false;
+        }
+        let piece = dec.push(tok, t).unwrap_or_default();
+        let (out, hit) = stop.push(&piece);
+        emit(&out, &mut parser, &mut text);
+        if hit {
+            finish = Finish::Stop;
+            hit_stop = true;
+            break;
+        }
+        if parser.block_closed() {
+            finish = Finish::ToolCalls;
+            break;
+        }
+        if n == job.max_tokens {
+            break; // not evaluated: the next request re-renders from text anyway
+        }
+        if let Err(e) = live.session.eval(t) {
+            finish = Finish::Error;
+            error = Some(format!("decode failed: {e}"));
+            break;
+        }
+    }
+    if !hit_stop && !parser.block_closed() {
+        let tail = dec.flush();
+        let (out, hit) = stop.push(&tail);
+        emit(&out, &mut parser, &mut text);
+        if hit {
+            finish = Finish::Stop;
+        } else {
+            let rest = stop.flush();
+            emit(&rest, &mut parser, &mut text);
+        }
+    }
+    metrics.record_decode(n, t0.elapsed());
+    let (ev, parsed) = parser.finish();
+    if !ev.is_empty() {
+        send(job, GenEvent::Stream(ev));
+    }
+    if finish != Finish::Error {
+        match parsed.status {
+            ds4_chat::DsmlStatus::Parsed(_) if !parsed.tool_calls.is_empty() => {
+                finish = Finish::ToolCalls
+            }
+            ds4_chat::DsmlStatus::Unterminated { .. } => {
+                finish = Finish::Error;
+                error = Some("unterminated tool call".into());
+            }
+            _ => {}
+        }
+    }
+    (finish, text, n, error, parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopFilter;
+
+    #[test]
+    fn stop_filter_holds_back_split_sequences_and_cuts_before_the_match() {
+        let mut f = StopFilter::new(vec!["END".into(), "xy".into()]);
+        assert_eq!(f.push("abcE"), ("ab".into(), false)); // "cE" could start "END"
+        assert_eq!(f.push("N"), ("".into(), false));
+        assert_eq!(f.push("Dzz"), ("c".into(), true));
+        let mut f = StopFilter::new(vec!["é!".into()]);
+        // never splits a character when holding back
+        assert_eq!(f.push("aéé"), ("aé".into(), false));
+        assert_eq!(f.flush(), "é");
+    }
+}
