@@ -1,0 +1,373 @@
+//! Run-time kernel compilers: NVRTC (CUDA) and hipRTC (ROCm), loaded with `dlopen`. Neither
+//! needs a GPU: both compile for a named arch, which is what the CI portability test uses.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::PathBuf;
+
+use ds4_kernels::{Module, HEADERS};
+
+use crate::error::{GpuError, Result};
+use crate::loader::{self, Lib};
+
+/// A kernel compiler for one vendor.
+pub trait Compiler: Send + Sync {
+    /// `"nvrtc"` or `"hiprtc"`.
+    fn name(&self) -> &'static str;
+    /// Version string, part of the kernel cache key.
+    fn version(&self) -> String;
+    /// Where the library was loaded from.
+    fn path(&self) -> PathBuf;
+    /// Compile `module` for `arch` (`sm_90a`, `gfx90a`) with `-D` defines; returns the code
+    /// object (CUBIN for NVRTC, a HIP code object for hipRTC) that the runtime loads.
+    fn compile(&self, module: &Module, arch: &str, defines: &[(String, String)])
+        -> Result<Vec<u8>>;
+}
+
+type Prog = *mut c_void;
+type CreateFn = unsafe extern "C" fn(
+    *mut Prog,
+    *const c_char,
+    *const c_char,
+    c_int,
+    *const *const c_char,
+    *const *const c_char,
+) -> c_int;
+type CompileFn = unsafe extern "C" fn(Prog, c_int, *const *const c_char) -> c_int;
+type SizeFn = unsafe extern "C" fn(Prog, *mut usize) -> c_int;
+type GetFn = unsafe extern "C" fn(Prog, *mut c_char) -> c_int;
+type DestroyFn = unsafe extern "C" fn(*mut Prog) -> c_int;
+type VersionFn = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
+type ErrStrFn = unsafe extern "C" fn(c_int) -> *const c_char;
+
+/// The common shape of NVRTC and hipRTC (same signatures, different prefixes).
+struct RtcApi {
+    lib: Lib,
+    name: &'static str,
+    create: CreateFn,
+    compile: CompileFn,
+    log_size: SizeFn,
+    log: GetFn,
+    code_size: SizeFn,
+    code: GetFn,
+    destroy: DestroyFn,
+    version: VersionFn,
+    err: ErrStrFn,
+    /// How the arch option is spelled.
+    arch_flag: &'static str,
+    extra_flags: &'static [&'static str],
+}
+
+unsafe impl Send for RtcApi {}
+unsafe impl Sync for RtcApi {}
+
+impl RtcApi {
+    unsafe fn load(lib: Lib, p: &str, code_size: &str, code: &str) -> Result<RtcApiParts> {
+        Ok(RtcApiParts {
+            create: lib.sym(&format!("{p}CreateProgram"))?,
+            compile: lib.sym(&format!("{p}CompileProgram"))?,
+            log_size: lib.sym(&format!("{p}GetProgramLogSize"))?,
+            log: lib.sym(&format!("{p}GetProgramLog"))?,
+            code_size: lib.sym(code_size)?,
+            code: lib.sym(code)?,
+            destroy: lib.sym(&format!("{p}DestroyProgram"))?,
+            version: lib.sym(&format!("{p}Version"))?,
+            err: lib.sym(&format!("{p}GetErrorString"))?,
+            lib,
+        })
+    }
+
+    fn status(&self, code: c_int) -> String {
+        let s = unsafe { (self.err)(code) };
+        if s.is_null() {
+            format!("status {code}")
+        } else {
+            format!(
+                "{} ({code})",
+                unsafe { CStr::from_ptr(s) }.to_string_lossy()
+            )
+        }
+    }
+
+    fn check(&self, call: &'static str, code: c_int) -> Result<()> {
+        if code == 0 {
+            return Ok(());
+        }
+        Err(GpuError::Api {
+            api: self.name,
+            call,
+            code: code as i64,
+            name: self.status(code),
+            message: String::new(),
+        })
+    }
+
+    fn version_string(&self) -> String {
+        let (mut a, mut b) = (0, 0);
+        let r = unsafe { (self.version)(&mut a, &mut b) };
+        if r == 0 {
+            format!("{} {a}.{b}", self.name)
+        } else {
+            format!("{} (version unknown: {})", self.name, self.status(r))
+        }
+    }
+
+    fn compile(
+        &self,
+        module: &Module,
+        arch: &str,
+        defines: &[(String, String)],
+    ) -> Result<Vec<u8>> {
+        let cstr =
+            |s: &str| CString::new(s).map_err(|_| GpuError::Invalid(format!("NUL byte in {s:?}")));
+        let src = cstr(module.source)?;
+        let file = cstr(&format!("{}.cu", module.name))?;
+        let hdr_src: Vec<CString> = HEADERS.iter().map(|h| cstr(h.1)).collect::<Result<_>>()?;
+        let hdr_name: Vec<CString> = HEADERS.iter().map(|h| cstr(h.0)).collect::<Result<_>>()?;
+        let hs: Vec<*const c_char> = hdr_src.iter().map(|c| c.as_ptr()).collect();
+        let hn: Vec<*const c_char> = hdr_name.iter().map(|c| c.as_ptr()).collect();
+        let mut opts: Vec<CString> = vec![cstr(&format!("{}{arch}", self.arch_flag))?];
+        for f in self.extra_flags {
+            opts.push(cstr(f)?);
+        }
+        for (k, v) in defines {
+            opts.push(cstr(&format!("-D{k}={v}"))?);
+        }
+        let op: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
+        let mut prog: Prog = std::ptr::null_mut();
+        unsafe {
+            self.check(
+                "CreateProgram",
+                (self.create)(
+                    &mut prog,
+                    src.as_ptr(),
+                    file.as_ptr(),
+                    hs.len() as c_int,
+                    hs.as_ptr(),
+                    hn.as_ptr(),
+                ),
+            )?;
+            let st = (self.compile)(prog, op.len() as c_int, op.as_ptr());
+            let mut n = 0usize;
+            let mut log = String::new();
+            if (self.log_size)(prog, &mut n) == 0 && n > 1 {
+                let mut buf = vec![0u8; n];
+                if (self.log)(prog, buf.as_mut_ptr() as *mut c_char) == 0 {
+                    log = String::from_utf8_lossy(&buf[..n - 1]).into_owned();
+                }
+            }
+            if st != 0 {
+                (self.destroy)(&mut prog);
+                return Err(GpuError::Compile {
+                    compiler: self.version_string(),
+                    module: module.name.to_string(),
+                    arch: arch.to_string(),
+                    status: format!("{} with options {:?}", self.status(st), opts),
+                    log,
+                });
+            }
+            let mut sz = 0usize;
+            let r = (self.code_size)(prog, &mut sz);
+            if r != 0 {
+                (self.destroy)(&mut prog);
+                return self.check("GetCodeSize", r).map(|_| Vec::new());
+            }
+            let mut code = vec![0u8; sz];
+            let r = (self.code)(prog, code.as_mut_ptr() as *mut c_char);
+            (self.destroy)(&mut prog);
+            self.check("GetCode", r)?;
+            if code.is_empty() {
+                return Err(GpuError::Compile {
+                    compiler: self.version_string(),
+                    module: module.name.to_string(),
+                    arch: arch.to_string(),
+                    status: "empty code object".into(),
+                    log,
+                });
+            }
+            Ok(code)
+        }
+    }
+}
+
+struct RtcApiParts {
+    lib: Lib,
+    create: CreateFn,
+    compile: CompileFn,
+    log_size: SizeFn,
+    log: GetFn,
+    code_size: SizeFn,
+    code: GetFn,
+    destroy: DestroyFn,
+    version: VersionFn,
+    err: ErrStrFn,
+}
+
+impl RtcApiParts {
+    fn finish(
+        self,
+        name: &'static str,
+        arch_flag: &'static str,
+        extra_flags: &'static [&'static str],
+    ) -> RtcApi {
+        RtcApi {
+            lib: self.lib,
+            name,
+            create: self.create,
+            compile: self.compile,
+            log_size: self.log_size,
+            log: self.log,
+            code_size: self.code_size,
+            code: self.code,
+            destroy: self.destroy,
+            version: self.version,
+            err: self.err,
+            arch_flag,
+            extra_flags,
+        }
+    }
+}
+
+/// NVRTC, compiling to CUBIN for a real arch (`sm_80`, `sm_90a`, `sm_100`).
+pub struct Nvrtc(RtcApi);
+
+impl Nvrtc {
+    /// Load libnvrtc: `$DS4_NVRTC_LIB`, `$CUDA_HOME`, /usr/local/cuda, pip wheels
+    /// (`nvidia-cuda-nvrtc`), then the system paths; CUDA 13 before 12.
+    pub fn load() -> Result<Nvrtc> {
+        let mut names: Vec<String> = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+            .map(String::from)
+            .to_vec();
+        let dirs = loader::with_override("DS4_NVRTC_LIB", loader::cuda_dirs(), &mut names);
+        let n: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        let lib = loader::open(
+            "NVRTC (pip nvidia-cuda-nvrtc or the CUDA toolkit)",
+            &n,
+            &dirs,
+            false,
+        )?;
+        let parts = unsafe { RtcApi::load(lib, "nvrtc", "nvrtcGetCUBINSize", "nvrtcGetCUBIN")? };
+        Ok(Nvrtc(parts.finish(
+            "nvrtc",
+            "--gpu-architecture=",
+            &["--std=c++17", "-lineinfo"],
+        )))
+    }
+}
+
+impl Compiler for Nvrtc {
+    fn name(&self) -> &'static str {
+        "nvrtc"
+    }
+    fn version(&self) -> String {
+        self.0.version_string()
+    }
+    fn path(&self) -> PathBuf {
+        self.0.lib.path.clone()
+    }
+    fn compile(
+        &self,
+        module: &Module,
+        arch: &str,
+        defines: &[(String, String)],
+    ) -> Result<Vec<u8>> {
+        self.0.compile(module, arch, defines)
+    }
+}
+
+/// hipRTC, compiling to a HIP code object for one `gfx` target.
+pub struct Hiprtc(RtcApi);
+
+impl Hiprtc {
+    /// Load hipRTC: `$DS4_HIPRTC_LIB`, `$ROCM_PATH`, /opt/rocm, then the system paths. ROCm 6
+    /// ships it as libhiprtc.so.6; ROCm 5 (Debian's libamdhip64-5) inside libamdhip64.so.5.
+    pub fn load() -> Result<Hiprtc> {
+        let mut names: Vec<String> = [
+            "libhiprtc.so.6",
+            "libhiprtc.so",
+            "libamdhip64.so.6",
+            "libamdhip64.so.5",
+            "libamdhip64.so",
+        ]
+        .map(String::from)
+        .to_vec();
+        let dirs = loader::with_override("DS4_HIPRTC_LIB", loader::rocm_dirs(), &mut names);
+        let n: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        let lib = loader::open(
+            "hipRTC (ROCm, or Debian libamdhip64-5 + libhiprtc-builtins5)",
+            &n,
+            &dirs,
+            false,
+        )?;
+        let parts = unsafe { RtcApi::load(lib, "hiprtc", "hiprtcGetCodeSize", "hiprtcGetCode")? };
+        Ok(Hiprtc(parts.finish(
+            "hiprtc",
+            "--offload-arch=",
+            &["-O3", "-std=c++17"],
+        )))
+    }
+}
+
+impl Compiler for Hiprtc {
+    fn name(&self) -> &'static str {
+        "hiprtc"
+    }
+    fn version(&self) -> String {
+        self.0.version_string()
+    }
+    fn path(&self) -> PathBuf {
+        self.0.lib.path.clone()
+    }
+    fn compile(
+        &self,
+        module: &Module,
+        arch: &str,
+        defines: &[(String, String)],
+    ) -> Result<Vec<u8>> {
+        self.0.compile(module, arch, defines)
+    }
+}
+
+/// The defines every module gets on an NVIDIA device of compute capability `major.minor`.
+pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> {
+    vec![
+        ("DS4_CUDA".into(), "1".into()),
+        ("DS4_WARP".into(), warp.to_string()),
+        ("DS4_ARCH".into(), (100 * major + 10 * minor).to_string()),
+    ]
+}
+
+/// The NVRTC arch for compute capability `major.minor`: the arch-specific `a` variant from 9.0
+/// on (wgmma and friends; the CUBIN runs only on that exact major.minor, which is the device).
+pub fn cuda_arch(major: u32, minor: u32) -> String {
+    if major >= 9 {
+        format!("sm_{major}{minor}a")
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+/// The defines every module gets on an AMD device `gfx` (e.g. `gfx90a`, `gfx1030`).
+pub fn hip_defines(gfx: &str, warp: u32) -> Vec<(String, String)> {
+    let digits = gfx
+        .trim_start_matches("gfx")
+        .split(':')
+        .next()
+        .unwrap_or("");
+    vec![
+        ("DS4_HIP".into(), "1".into()),
+        ("DS4_WARP".into(), warp.to_string()),
+        ("DS4_ARCH".into(), "0".into()),
+        ("DS4_GFX".into(), format!("0x{digits}")),
+    ]
+}
+
+/// Default wavefront width of HIP code for a `gfx` target: 64 on GCN/CDNA (gfx9xx and older),
+/// 32 on RDNA (gfx10xx and newer).
+pub fn hip_default_warp(gfx: &str) -> u32 {
+    let d = gfx.trim_start_matches("gfx");
+    if d.len() >= 4 {
+        32
+    } else {
+        64
+    }
+}

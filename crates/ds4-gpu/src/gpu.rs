@@ -1,0 +1,540 @@
+//! The host side the engine uses: a device ([`Gpu`]), its buffers, kernels compiled and loaded
+//! on first use (through the disk cache), staged copies, and the ops over `ds4-kernels`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use ds4_kernels::Module;
+use ds4_quant::GgmlType;
+
+use crate::cache::{cache_dir, compile_cached, Origin};
+use crate::cuda::CudaRuntime;
+use crate::error::{GpuError, Result};
+use crate::hip::HipRuntime;
+use crate::runtime::*;
+
+/// Which vendor runtime to open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// CUDA if a visible NVIDIA device exists, else ROCm.
+    Auto,
+    Cuda,
+    Rocm,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = GpuError;
+    fn from_str(s: &str) -> Result<Backend> {
+        match s {
+            "auto" => Ok(Backend::Auto),
+            "cuda" => Ok(Backend::Cuda),
+            "rocm" | "hip" => Ok(Backend::Rocm),
+            _ => Err(GpuError::Invalid(format!(
+                "backend {s:?}: expected auto, cuda or rocm"
+            ))),
+        }
+    }
+}
+
+/// A device allocation, freed on drop.
+pub struct DeviceBuffer {
+    rt: Arc<dyn Runtime>,
+    ptr: DevPtr,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.rt.free(self.ptr);
+    }
+}
+
+struct Loaded {
+    handle: ModuleHandle,
+    funcs: HashMap<String, Function>,
+}
+
+/// Bytes of each of the two pinned staging buffers used by [`Gpu::upload`].
+const STAGING_BYTES: usize = 16 << 20;
+
+struct Staging {
+    bufs: [*mut u8; 2],
+    done: [Event; 2],
+    stream: Stream,
+}
+unsafe impl Send for Staging {}
+
+/// One GPU: runtime, loaded kernel modules, staging buffers.
+pub struct Gpu {
+    rt: Arc<dyn Runtime>,
+    modules: Mutex<HashMap<&'static str, Loaded>>,
+    staging: Mutex<Option<Staging>>,
+    cache: Option<PathBuf>,
+    /// How each module was obtained the first time (for logs and tests).
+    origins: Mutex<Vec<(&'static str, Origin)>>,
+}
+
+/// How a matrix-vector product is cut: `splits` CTAs along K, each over `cps` chunks of 32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatvecPlan {
+    pub splits: u32,
+    pub cps: u32,
+}
+
+impl MatvecPlan {
+    /// f32 scratch elements the split form needs (`splits * rows`; 0 when not split).
+    pub fn scratch_elems(&self, rows: usize) -> usize {
+        if self.splits > 1 {
+            self.splits as usize * rows
+        } else {
+            0
+        }
+    }
+}
+
+fn quant_suffix(ty: GgmlType) -> Result<&'static str> {
+    Ok(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::IQ2_XXS => "iq2_xxs",
+        _ => {
+            return Err(GpuError::Invalid(format!(
+                "no GPU matvec for ggml type {ty}"
+            )))
+        }
+    })
+}
+
+fn i32_arg(what: &str, v: usize) -> Result<Arg> {
+    i32::try_from(v)
+        .map(Arg::I32)
+        .map_err(|_| GpuError::Invalid(format!("{what} = {v} exceeds i32")))
+}
+
+impl Gpu {
+    /// Open visible device `device` of `backend`. With [`Backend::Auto`], CUDA is tried first;
+    /// if neither works the error carries both reasons.
+    pub fn open(backend: Backend, device: usize) -> Result<Gpu> {
+        let rt: Arc<dyn Runtime> = match backend {
+            Backend::Cuda => Arc::new(CudaRuntime::new(device)?),
+            Backend::Rocm => Arc::new(HipRuntime::new(device)?),
+            Backend::Auto => match CudaRuntime::new(device) {
+                Ok(c) => Arc::new(c),
+                Err(ec) => match HipRuntime::new(device) {
+                    Ok(h) => Arc::new(h),
+                    Err(eh) => {
+                        return Err(GpuError::NoBackend {
+                            cuda: Box::new(ec),
+                            rocm: Box::new(eh),
+                        })
+                    }
+                },
+            },
+        };
+        Ok(Gpu::from_runtime(rt))
+    }
+
+    pub fn from_runtime(rt: Arc<dyn Runtime>) -> Gpu {
+        Gpu {
+            rt,
+            modules: Mutex::new(HashMap::new()),
+            staging: Mutex::new(None),
+            cache: cache_dir(),
+            origins: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn runtime(&self) -> &Arc<dyn Runtime> {
+        &self.rt
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        self.rt.info()
+    }
+
+    /// Which modules were compiled and which came from the disk cache, in load order.
+    pub fn module_origins(&self) -> Vec<(&'static str, Origin)> {
+        self.origins.lock().unwrap().clone()
+    }
+
+    /// Compile (or fetch from the cache) and load `module`; resolve all its kernels.
+    pub fn load(&self, module: &Module) -> Result<()> {
+        let mut mods = self.modules.lock().unwrap();
+        if mods.contains_key(module.name) {
+            return Ok(());
+        }
+        let info = self.rt.info();
+        let (code, origin) = compile_cached(
+            self.rt.compiler(),
+            module,
+            &info.arch,
+            &self.rt.defines(),
+            self.cache.as_deref(),
+        )?;
+        let handle = self.rt.load_module(&code)?;
+        let mut funcs = HashMap::new();
+        for k in module.kernels {
+            let f = self
+                .rt
+                .function(handle, k)?
+                .ok_or_else(|| GpuError::NoKernel {
+                    module: module.name.to_string(),
+                    kernel: k.to_string(),
+                })?;
+            funcs.insert(k.to_string(), f);
+        }
+        mods.insert(module.name, Loaded { handle, funcs });
+        self.origins.lock().unwrap().push((module.name, origin));
+        Ok(())
+    }
+
+    /// A kernel of `module`, loading the module on first use.
+    pub fn kernel(&self, module: &Module, name: &str) -> Result<Function> {
+        self.load(module)?;
+        let mods = self.modules.lock().unwrap();
+        mods[module.name]
+            .funcs
+            .get(name)
+            .copied()
+            .ok_or_else(|| GpuError::NoKernel {
+                module: module.name.to_string(),
+                kernel: name.to_string(),
+            })
+    }
+
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        Ok(DeviceBuffer {
+            rt: self.rt.clone(),
+            ptr: self.rt.alloc(bytes)?,
+            bytes,
+        })
+    }
+
+    /// Allocate and fill from host bytes.
+    pub fn alloc_from(&self, data: &[u8]) -> Result<DeviceBuffer> {
+        let b = self.alloc(data.len())?;
+        self.upload(b.ptr, data)?;
+        Ok(b)
+    }
+
+    pub fn alloc_f32(&self, data: &[f32]) -> Result<DeviceBuffer> {
+        self.alloc_from(f32_bytes(data))
+    }
+
+    fn with_staging<T>(&self, f: impl FnOnce(&Staging) -> Result<T>) -> Result<T> {
+        let mut st = self.staging.lock().unwrap();
+        if st.is_none() {
+            let s = Staging {
+                bufs: [
+                    self.rt.alloc_pinned(STAGING_BYTES)?,
+                    self.rt.alloc_pinned(STAGING_BYTES)?,
+                ],
+                done: [self.rt.event_create()?, self.rt.event_create()?],
+                stream: self.rt.stream_create()?,
+            };
+            // Mark both buffers free.
+            self.rt.event_record(s.done[0], s.stream)?;
+            self.rt.event_record(s.done[1], s.stream)?;
+            *st = Some(s);
+        }
+        f(st.as_ref().unwrap())
+    }
+
+    /// Copy host bytes to the device through two pinned staging buffers: filling one while the
+    /// other is in flight. Returns when the data is on the device.
+    pub fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        self.with_staging(|s| {
+            for (i, chunk) in src.chunks(STAGING_BYTES).enumerate() {
+                let k = i % 2;
+                self.rt.event_sync(s.done[k])?;
+                unsafe {
+                    std::ptr::copy_nonoverlapping(chunk.as_ptr(), s.bufs[k], chunk.len());
+                    self.rt.copy_h2d_async(
+                        dst.offset((i * STAGING_BYTES) as u64),
+                        s.bufs[k],
+                        chunk.len(),
+                        s.stream,
+                    )?;
+                }
+                self.rt.event_record(s.done[k], s.stream)?;
+            }
+            self.rt.stream_sync(s.stream)
+        })
+    }
+
+    /// Copy device bytes to the host after all queued work on the device (synchronises).
+    pub fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
+        self.rt.synchronize()?;
+        self.with_staging(|s| {
+            for (i, chunk) in dst.chunks_mut(STAGING_BYTES).enumerate() {
+                unsafe {
+                    self.rt.copy_d2h_async(
+                        s.bufs[0],
+                        src.offset((i * STAGING_BYTES) as u64),
+                        chunk.len(),
+                        s.stream,
+                    )?;
+                }
+                self.rt.stream_sync(s.stream)?;
+                unsafe {
+                    std::ptr::copy_nonoverlapping(s.bufs[0], chunk.as_mut_ptr(), chunk.len())
+                };
+            }
+            Ok(())
+        })
+    }
+
+    pub fn download_f32(&self, src: DevPtr, n: usize) -> Result<Vec<f32>> {
+        let mut bytes = vec![0u8; n * 4];
+        self.download(src, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// How [`Gpu::matvec`] cuts `rows × cols`: split K until the grid has about two CTAs per
+    /// SM, keeping at least one warp-width of chunks per split.
+    pub fn matvec_plan(&self, rows: usize, cols: usize) -> MatvecPlan {
+        let info = self.rt.info();
+        let chunks = (cols / ds4_kernels::CHUNK).max(1);
+        let ctas = rows.div_ceil(ds4_kernels::MV_WARPS as usize).max(1);
+        let want = (2 * info.sm_count as usize).div_ceil(ctas);
+        let max_by_k = (chunks / info.warp as usize).max(1);
+        let splits = want.min(max_by_k).clamp(1, 64);
+        let cps = chunks.div_ceil(splits);
+        MatvecPlan {
+            splits: chunks.div_ceil(cps) as u32,
+            cps: cps as u32,
+        }
+    }
+
+    /// `y[r] = Σ_k dequant(W)[r][k] · x[k]` for a `rows × cols` matrix of type `ty` in GGUF row
+    /// layout. With `scratch` (at least [`MatvecPlan::scratch_elems`] f32) K is split per
+    /// [`Gpu::matvec_plan`] and the partial sums are added by a second kernel; without it one
+    /// CTA row covers all of K.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec(
+        &self,
+        ty: GgmlType,
+        w: DevPtr,
+        x: DevPtr,
+        y: DevPtr,
+        rows: usize,
+        cols: usize,
+        scratch: Option<(DevPtr, usize)>,
+        stream: Stream,
+    ) -> Result<()> {
+        let rb = ds4_quant::row_bytes(ty, cols)?;
+        if !cols.is_multiple_of(ds4_kernels::CHUNK) {
+            return Err(GpuError::Invalid(format!(
+                "matvec: cols = {cols} is not a multiple of 32"
+            )));
+        }
+        let mut plan = self.matvec_plan(rows, cols);
+        let part = match scratch {
+            Some((p, n)) if plan.splits > 1 && n >= plan.scratch_elems(rows) => Some(p),
+            _ => None,
+        };
+        if part.is_none() {
+            plan = MatvecPlan {
+                splits: 1,
+                cps: (cols / ds4_kernels::CHUNK) as u32,
+            };
+        }
+        let f = self.kernel(
+            &ds4_kernels::QUANT,
+            &format!("matvec_{}", quant_suffix(ty)?),
+        )?;
+        let warp = self.rt.info().warp;
+        let dims = LaunchDims {
+            grid: [
+                rows.div_ceil(ds4_kernels::MV_WARPS as usize) as u32,
+                plan.splits,
+                1,
+            ],
+            block: [ds4_kernels::MV_WARPS * warp, 1, 1],
+            shared_bytes: 0,
+        };
+        let out = part.unwrap_or(y);
+        let args = [
+            Arg::Ptr(w),
+            Arg::Ptr(x),
+            Arg::Ptr(out),
+            i32_arg("rows", rows)?,
+            i32_arg("cols", cols)?,
+            Arg::I64(rb as i64),
+            Arg::I32(plan.cps as i32),
+        ];
+        self.rt.launch(f, dims, stream, &args)?;
+        if let Some(p) = part {
+            let r = self.kernel(&ds4_kernels::QUANT, "reduce_splits_f32")?;
+            self.rt.launch(
+                r,
+                LaunchDims::linear(rows.div_ceil(256) as u32, 256),
+                stream,
+                &[
+                    Arg::Ptr(p),
+                    Arg::Ptr(y),
+                    i32_arg("rows", rows)?,
+                    Arg::I32(plan.splits as i32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `out` (`rows × cols` f32) = dequantised `W`, bit-identical to `ds4_quant::dequantize_row`.
+    pub fn dequant(
+        &self,
+        ty: GgmlType,
+        w: DevPtr,
+        out: DevPtr,
+        rows: usize,
+        cols: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let rb = ds4_quant::row_bytes(ty, cols)?;
+        if !cols.is_multiple_of(ds4_kernels::CHUNK) {
+            return Err(GpuError::Invalid(format!(
+                "dequant: cols = {cols} is not a multiple of 32"
+            )));
+        }
+        let f = self.kernel(
+            &ds4_kernels::QUANT,
+            &format!("dequant_{}", quant_suffix(ty)?),
+        )?;
+        let total = rows * (cols / ds4_kernels::CHUNK);
+        let blocks = u32::try_from(total.div_ceil(256)).map_err(|_| {
+            GpuError::Invalid(format!(
+                "dequant: {rows} x {cols} is too large for one launch"
+            ))
+        })?;
+        self.rt.launch(
+            f,
+            LaunchDims::linear(blocks.max(1), 256),
+            stream,
+            &[
+                Arg::Ptr(w),
+                Arg::Ptr(out),
+                i32_arg("rows", rows)?,
+                i32_arg("cols", cols)?,
+                Arg::I64(rb as i64),
+            ],
+        )
+    }
+
+    /// RMSNorm of `rows` vectors of `n`: `y = x / sqrt(mean(x²) + eps) · w` (`w` optional).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm(
+        &self,
+        x: DevPtr,
+        w: Option<DevPtr>,
+        y: DevPtr,
+        rows: usize,
+        n: usize,
+        eps: f32,
+        stream: Stream,
+    ) -> Result<()> {
+        let f = self.kernel(&ds4_kernels::ELEMENTWISE, "rmsnorm_f32")?;
+        self.rt.launch(
+            f,
+            LaunchDims::linear(rows as u32, 256),
+            stream,
+            &[
+                Arg::Ptr(x),
+                w.map_or(Arg::Null, Arg::Ptr),
+                Arg::Ptr(y),
+                i32_arg("n", n)?,
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    fn elementwise(
+        &self,
+        name: &str,
+        ptrs: &[DevPtr],
+        scalars: &[f32],
+        n: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let f = self.kernel(&ds4_kernels::ELEMENTWISE, name)?;
+        let mut args: Vec<Arg> = ptrs.iter().map(|p| Arg::Ptr(*p)).collect();
+        args.extend(scalars.iter().map(|s| Arg::F32(*s)));
+        args.push(Arg::I64(n as i64));
+        let blocks = u32::try_from(n.div_ceil(256))
+            .map_err(|_| GpuError::Invalid(format!("{name}: n = {n} too large")))?;
+        self.rt
+            .launch(f, LaunchDims::linear(blocks.max(1), 256), stream, &args)
+    }
+
+    /// `y = a + b` over `n` f32.
+    pub fn add(&self, a: DevPtr, b: DevPtr, y: DevPtr, n: usize, s: Stream) -> Result<()> {
+        self.elementwise("add_f32", &[a, b, y], &[], n, s)
+    }
+    /// `y = a · b` over `n` f32.
+    pub fn mul(&self, a: DevPtr, b: DevPtr, y: DevPtr, n: usize, s: Stream) -> Result<()> {
+        self.elementwise("mul_f32", &[a, b, y], &[], n, s)
+    }
+    /// `y = x · scale`.
+    pub fn scale(&self, x: DevPtr, y: DevPtr, scale: f32, n: usize, s: Stream) -> Result<()> {
+        self.elementwise("scale_f32", &[x, y], &[scale], n, s)
+    }
+    /// `y = silu(min(g, clamp)) · clamp(u, ±clamp) · weight` (the experts' clamped SwiGLU).
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu(
+        &self,
+        g: DevPtr,
+        u: DevPtr,
+        y: DevPtr,
+        clamp: f32,
+        weight: f32,
+        n: usize,
+        s: Stream,
+    ) -> Result<()> {
+        self.elementwise("swiglu_f32", &[g, u, y], &[clamp, weight], n, s)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.rt.synchronize()
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let _ = self.rt.synchronize();
+        if let Some(s) = self.staging.lock().unwrap().take() {
+            unsafe {
+                let _ = self.rt.free_pinned(s.bufs[0]);
+                let _ = self.rt.free_pinned(s.bufs[1]);
+            }
+            let _ = self.rt.event_destroy(s.done[0]);
+            let _ = self.rt.event_destroy(s.done[1]);
+            let _ = self.rt.stream_destroy(s.stream);
+        }
+        for (_, m) in self.modules.lock().unwrap().drain() {
+            let _ = self.rt.unload_module(m.handle);
+        }
+    }
+}
+
+/// View f32s as little-endian bytes.
+pub fn f32_bytes(v: &[f32]) -> &[u8] {
+    // f32 has no padding or invalid bit patterns; x86-64 and aarch64 are little-endian.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}

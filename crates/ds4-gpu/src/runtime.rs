@@ -1,0 +1,177 @@
+//! The vendor trait: the few driver operations the engine needs, implemented by
+//! [`crate::cuda::CudaRuntime`] and [`crate::hip::HipRuntime`]. Handles are opaque integers
+//! (driver pointers); all calls take `&self` and make the device's context current first, so a
+//! runtime may be used from any thread.
+
+use std::fmt;
+
+use crate::compiler::Compiler;
+use crate::error::Result;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Vendor {
+    Nvidia,
+    Amd,
+}
+
+impl fmt::Display for Vendor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Vendor::Nvidia => "cuda",
+            Vendor::Amd => "rocm",
+        })
+    }
+}
+
+/// What the host needs to know about a device to compile and size kernels.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub vendor: Vendor,
+    /// Index among the visible devices (after `CUDA_VISIBLE_DEVICES` / `HIP_VISIBLE_DEVICES`).
+    pub index: usize,
+    pub name: String,
+    /// Compiler target: `sm_90a`, `gfx90a`, ...
+    pub arch: String,
+    /// Warp (wavefront) width: 32 or 64.
+    pub warp: u32,
+    /// Streaming multiprocessors (compute units).
+    pub sm_count: u32,
+    pub total_mem: u64,
+    /// CUDA compute capability (major, minor); (0, 0) on AMD.
+    pub cc: (u32, u32),
+    pub max_threads_per_block: u32,
+    /// Shared memory a block may opt in to, bytes.
+    pub max_shared_per_block: u32,
+    pub l2_bytes: u32,
+    /// Driver/runtime version as the vendor reports it.
+    pub driver: String,
+}
+
+/// A device allocation's address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DevPtr(pub u64);
+
+impl DevPtr {
+    /// The address `bytes` further on.
+    pub fn offset(self, bytes: u64) -> DevPtr {
+        DevPtr(self.0 + bytes)
+    }
+}
+
+/// A stream (queue of device work). `Stream::DEFAULT` is the legacy default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream(pub u64);
+impl Stream {
+    pub const DEFAULT: Stream = Stream(0);
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event(pub u64);
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModuleHandle(pub u64);
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Function(pub u64);
+
+/// One kernel argument, passed by value as the kernel's C signature declares it.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    Ptr(DevPtr),
+    /// A null pointer (optional inputs).
+    Null,
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    /// The value in an 8-byte slot, little-endian from the first byte (what the driver reads
+    /// for a parameter of the kernel's declared size).
+    pub(crate) fn slot(&self) -> u64 {
+        match *self {
+            Arg::Ptr(p) => p.0,
+            Arg::Null => 0,
+            Arg::I32(v) => v as u32 as u64,
+            Arg::U32(v) => v as u64,
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+        }
+    }
+}
+
+/// Grid and block shape of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchDims {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+}
+
+impl LaunchDims {
+    pub fn linear(grid: u32, block: u32) -> LaunchDims {
+        LaunchDims {
+            grid: [grid, 1, 1],
+            block: [block, 1, 1],
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// The vendor runtime: device info, code loading, launches, memory, streams and events.
+pub trait Runtime: Send + Sync {
+    fn info(&self) -> &DeviceInfo;
+    /// The compiler for this device's code objects.
+    fn compiler(&self) -> &dyn Compiler;
+    /// `-D` defines every module gets on this device (vendor, warp width, arch).
+    fn defines(&self) -> Vec<(String, String)>;
+
+    fn load_module(&self, code: &[u8]) -> Result<ModuleHandle>;
+    fn unload_module(&self, m: ModuleHandle) -> Result<()>;
+    /// Look up an `extern "C"` kernel; `None` when the module has no such symbol.
+    fn function(&self, m: ModuleHandle, name: &str) -> Result<Option<Function>>;
+    fn launch(&self, f: Function, dims: LaunchDims, stream: Stream, args: &[Arg]) -> Result<()>;
+
+    fn alloc(&self, bytes: usize) -> Result<DevPtr>;
+    fn free(&self, p: DevPtr) -> Result<()>;
+    /// Page-locked host memory (for staging copies).
+    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8>;
+    /// # Safety
+    /// `p` must come from [`Runtime::alloc_pinned`] of this runtime and not be used afterwards.
+    unsafe fn free_pinned(&self, p: *mut u8) -> Result<()>;
+    /// Queue a copy of `bytes` bytes from host `src` to `dst`.
+    ///
+    /// # Safety
+    /// `src` must stay valid and unchanged until the stream has passed this copy (pinned
+    /// memory for a truly asynchronous copy).
+    unsafe fn copy_h2d_async(
+        &self,
+        dst: DevPtr,
+        src: *const u8,
+        bytes: usize,
+        s: Stream,
+    ) -> Result<()>;
+    /// # Safety
+    /// `dst` must stay valid and unread until the stream has passed this copy.
+    unsafe fn copy_d2h_async(
+        &self,
+        dst: *mut u8,
+        src: DevPtr,
+        bytes: usize,
+        s: Stream,
+    ) -> Result<()>;
+    fn copy_d2d_async(&self, dst: DevPtr, src: DevPtr, bytes: usize, s: Stream) -> Result<()>;
+    /// Fill `count` 32-bit words at `p` with `value`.
+    fn memset_u32_async(&self, p: DevPtr, value: u32, count: usize, s: Stream) -> Result<()>;
+
+    fn stream_create(&self) -> Result<Stream>;
+    fn stream_destroy(&self, s: Stream) -> Result<()>;
+    fn stream_sync(&self, s: Stream) -> Result<()>;
+    fn event_create(&self) -> Result<Event>;
+    fn event_destroy(&self, e: Event) -> Result<()>;
+    fn event_record(&self, e: Event, s: Stream) -> Result<()>;
+    fn event_sync(&self, e: Event) -> Result<()>;
+    /// Milliseconds between two recorded, completed events.
+    fn event_elapsed_ms(&self, start: Event, end: Event) -> Result<f32>;
+    /// Wait for all work on the device.
+    fn synchronize(&self) -> Result<()>;
+}

@@ -1,0 +1,152 @@
+//! Host-side pieces that need no GPU and no compiler: the kernel cache, library search
+//! messages, device-property parsing, launch-argument encoding, split-K planning inputs.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use ds4_gpu::cache::{cache_key, compile_cached, Origin};
+use ds4_gpu::compiler::{cuda_arch, hip_default_warp, hip_defines, Compiler};
+use ds4_gpu::{GpuError, Result};
+use ds4_kernels::Module;
+
+/// A compiler that returns the module name and arch as "code", counting calls.
+struct Fake {
+    calls: AtomicUsize,
+    version: String,
+}
+
+impl Compiler for Fake {
+    fn name(&self) -> &'static str {
+        "nvrtc"
+    }
+    fn version(&self) -> String {
+        self.version.clone()
+    }
+    fn path(&self) -> PathBuf {
+        PathBuf::from("fake")
+    }
+    fn compile(&self, m: &Module, arch: &str, _d: &[(String, String)]) -> Result<Vec<u8>> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Ok(format!("{}@{arch}", m.name).into_bytes())
+    }
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ds4-gpu-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn cache_hits_and_keys() {
+    let dir = tmpdir("cache");
+    let c = Fake {
+        calls: AtomicUsize::new(0),
+        version: "nvrtc 13.0".into(),
+    };
+    let d = vec![("DS4_WARP".to_string(), "32".to_string())];
+    let m = &ds4_kernels::QUANT;
+    let (a, o1) = compile_cached(&c, m, "sm_90a", &d, Some(&dir)).unwrap();
+    let (b, o2) = compile_cached(&c, m, "sm_90a", &d, Some(&dir)).unwrap();
+    assert_eq!((o1, o2), (Origin::Compiled, Origin::Cache));
+    assert_eq!(a, b);
+    assert_eq!(c.calls.load(Ordering::SeqCst), 1);
+    // Another arch, define or compiler version is another entry.
+    compile_cached(&c, m, "sm_80", &d, Some(&dir)).unwrap();
+    let d64 = vec![("DS4_WARP".to_string(), "64".to_string())];
+    compile_cached(&c, m, "sm_90a", &d64, Some(&dir)).unwrap();
+    assert_eq!(c.calls.load(Ordering::SeqCst), 3);
+    let k1 = cache_key(m, "sm_90a", &d, "nvrtc 13.0");
+    assert_ne!(k1, cache_key(m, "sm_90a", &d, "nvrtc 13.1"));
+    assert_ne!(
+        k1,
+        cache_key(&ds4_kernels::ELEMENTWISE, "sm_90a", &d, "nvrtc 13.0")
+    );
+    // Define order does not matter.
+    let two = vec![
+        ("A".to_string(), "1".to_string()),
+        ("B".to_string(), "2".to_string()),
+    ];
+    let rev: Vec<_> = two.iter().rev().cloned().collect();
+    assert_eq!(cache_key(m, "x", &two, "v"), cache_key(m, "x", &rev, "v"));
+    // An empty (truncated) entry is recompiled.
+    for e in std::fs::read_dir(&dir).unwrap() {
+        std::fs::write(e.unwrap().path(), b"").unwrap();
+    }
+    let (_, o) = compile_cached(&c, m, "sm_90a", &d, Some(&dir)).unwrap();
+    assert_eq!(o, Origin::Compiled);
+    // No cache folder: always compiles.
+    let (_, o) = compile_cached(&c, m, "sm_90a", &d, None).unwrap();
+    assert_eq!(o, Origin::Compiled);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn missing_library_lists_what_was_searched() {
+    let dir = tmpdir("lib");
+    std::fs::create_dir_all(&dir).unwrap();
+    // A file that exists but is not a library: its loader error is reported too.
+    std::fs::write(dir.join("libds4bogus.so.1"), b"not an ELF").unwrap();
+    let err = ds4_gpu::loader::open(
+        "bogus",
+        &["libds4bogus.so.1", "libds4none.so"],
+        std::slice::from_ref(&dir),
+        false,
+    )
+    .err()
+    .expect("cannot load");
+    let msg = err.to_string();
+    assert!(matches!(err, GpuError::LibraryNotFound { .. }));
+    assert!(
+        msg.contains(&dir.join("libds4bogus.so.1").display().to_string()),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&format!("{} (absent)", dir.join("libds4none.so").display())),
+        "{msg}"
+    );
+    assert!(msg.contains("system loader"), "{msg}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gcn_arch_is_found_in_properties() {
+    let mut props = vec![0u8; 1472];
+    props[..12].copy_from_slice(b"gfx-ish name"); // inside the name field: ignored
+    props[1160..1160 + 21].copy_from_slice(b"gfx90a:sramecc+:xnack");
+    assert_eq!(
+        ds4_gpu::hip::find_gcn_arch(&props).as_deref(),
+        Some("gfx90a")
+    );
+    let mut p2 = vec![0u8; 900];
+    p2[700..707].copy_from_slice(b"gfx1030");
+    assert_eq!(ds4_gpu::hip::find_gcn_arch(&p2).as_deref(), Some("gfx1030"));
+    assert_eq!(ds4_gpu::hip::find_gcn_arch(&[0u8; 600]), None);
+}
+
+#[test]
+fn arch_names_and_defines() {
+    assert_eq!(cuda_arch(8, 0), "sm_80");
+    assert_eq!(cuda_arch(9, 0), "sm_90a");
+    assert_eq!(cuda_arch(10, 0), "sm_100a");
+    assert_eq!(hip_default_warp("gfx90a"), 64);
+    assert_eq!(hip_default_warp("gfx942"), 64);
+    assert_eq!(hip_default_warp("gfx1030"), 32);
+    assert_eq!(hip_default_warp("gfx1100"), 32);
+    let d = hip_defines("gfx90a:sramecc+", 64);
+    assert!(d.contains(&("DS4_GFX".into(), "0x90a".into())));
+    assert!(d.contains(&("DS4_WARP".into(), "64".into())));
+}
+
+#[test]
+fn backend_names_parse() {
+    use ds4_gpu::Backend;
+    assert_eq!("cuda".parse::<Backend>().unwrap(), Backend::Cuda);
+    assert_eq!("rocm".parse::<Backend>().unwrap(), Backend::Rocm);
+    assert_eq!("auto".parse::<Backend>().unwrap(), Backend::Auto);
+    assert!("metal"
+        .parse::<Backend>()
+        .unwrap_err()
+        .to_string()
+        .contains("metal"));
+}

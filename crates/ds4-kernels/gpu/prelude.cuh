@@ -1,0 +1,70 @@
+// ds4 kernel prelude: the only place where CUDA (NVRTC) and HIP (hipRTC) spellings differ.
+// No toolkit header is included; the host passes these defines:
+//   DS4_CUDA=1 or DS4_HIP=1   which compiler/runtime
+//   DS4_WARP=32|64            the device's warp (wavefront) width; nothing assumes 32
+//   DS4_ARCH=<int>            CUDA: 100*major + 10*minor (900 = sm_90); AMD: 0 (see DS4_GFX)
+//   DS4_GFX=0x<digits>        AMD only: gfx90a -> 0x90a, gfx1030 -> 0x1030
+#pragma once
+#if !defined(DS4_WARP) || (DS4_WARP != 32 && DS4_WARP != 64)
+#error "the host must pass -DDS4_WARP=32 or -DDS4_WARP=64"
+#endif
+#if defined(DS4_CUDA) == defined(DS4_HIP)
+#error "the host must pass exactly one of -DDS4_CUDA=1, -DDS4_HIP=1"
+#endif
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef u64 ds4_mask_t; // lane masks are 64-bit so wave64 fits
+
+#if defined(DS4_HIP)
+// HIP has no *_sync shuffles (ROCm 5); a wavefront executes in lockstep.
+#define ds4_shfl_xor(v, o) __shfl_xor((v), (o), DS4_WARP)
+#define ds4_ballot(p) ((ds4_mask_t)__ballot(p))
+#else
+#define ds4_shfl_xor(v, o) __shfl_xor_sync(0xffffffffu, (v), (o), DS4_WARP)
+#define ds4_ballot(p) ((ds4_mask_t)__ballot_sync(0xffffffffu, (p)))
+#endif
+
+#define DS4_BOUNDS(threads) __launch_bounds__(threads)
+#define DS4_KERNEL extern "C" __global__
+#define DS4_INF __int_as_float(0x7f800000)
+#define DS4_NEG_INF __int_as_float(0xff800000u)
+
+// Uncontracted f32 ops: dequantisation must round exactly like the CPU reference (a*b - c, never
+// an fma). Both compilers provide these intrinsics without headers.
+#define ds4_mul_rn(a, b) __fmul_rn((a), (b))
+#define ds4_sub_rn(a, b) __fsub_rn((a), (b))
+
+// IEEE half -> float by bit manipulation (exact for every input, incl. subnormals, Inf, NaN),
+// so no cuda_fp16.h / hip_fp16.h is needed.
+__device__ __forceinline__ float ds4_h2f(u16 h) {
+    u32 s = (u32)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {
+        float v = (float)m * 5.9604644775390625e-8f; // m * 2^-24, exact
+        return __int_as_float(__float_as_int(v) | s);
+    }
+    if (e == 31) return __int_as_float(s | 0x7f800000u | (m << 13));
+    return __int_as_float(s | ((e + 112u) << 23) | (m << 13));
+}
+
+__device__ __forceinline__ float ds4_bf2f(u16 h) { return __int_as_float((u32)h << 16); }
+
+// Little-endian loads from byte pointers of any alignment.
+__device__ __forceinline__ u16 ds4_ld_u16(const u8* p) { return (u16)(p[0] | (p[1] << 8)); }
+__device__ __forceinline__ u32 ds4_ld_u32(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+// Sum over the lanes of one warp; every lane gets the total.
+__device__ __forceinline__ float ds4_warp_sum(float v) {
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) v += ds4_shfl_xor(v, o);
+    return v;
+}
+__device__ __forceinline__ double ds4_warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) v += ds4_shfl_xor(v, o);
+    return v;
+}

@@ -1,0 +1,149 @@
+//! GPU kernel sources, embedded as text: one CUDA C++ source for NVIDIA (NVRTC) and AMD
+//! (hipRTC). The files under `gpu/` include no toolkit header; `gpu/prelude.cuh` is the only
+//! place where the two spellings differ. The host compiles a [`Module`] by passing its
+//! [`Module::source`] with [`HEADERS`] as in-memory include files, plus the defines the prelude
+//! documents (`DS4_CUDA`/`DS4_HIP`, `DS4_WARP`, `DS4_ARCH`, `DS4_GFX`).
+
+/// One compilation unit and the kernels (`extern "C"` names) it defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Module {
+    /// Short name, also the file name under `gpu/` without `.cu`.
+    pub name: &'static str,
+    /// The `.cu` text.
+    pub source: &'static str,
+    /// Every `extern "C"` kernel the module defines.
+    pub kernels: &'static [&'static str],
+}
+
+/// In-memory include files, `(include name, text)`, given to every compilation.
+pub const HEADERS: &[(&str, &str)] = &[
+    ("prelude.cuh", include_str!("../gpu/prelude.cuh")),
+    ("iq2xxs_grid.cuh", include_str!("../gpu/iq2xxs_grid.cuh")),
+];
+
+/// Weight types with `dequant_<t>` and `matvec_<t>` kernels in [`QUANT`], by kernel suffix.
+pub const QUANT_TYPES: &[&str] = &["f32", "f16", "bf16", "q8_0", "q2_k", "q4_k", "iq2_xxs"];
+
+/// Dequantisation and matrix-vector products (`gpu/quant.cu`).
+pub const QUANT: Module = Module {
+    name: "quant",
+    source: include_str!("../gpu/quant.cu"),
+    kernels: &[
+        "dequant_f32",
+        "matvec_f32",
+        "dequant_f16",
+        "matvec_f16",
+        "dequant_bf16",
+        "matvec_bf16",
+        "dequant_q8_0",
+        "matvec_q8_0",
+        "dequant_q2_k",
+        "matvec_q2_k",
+        "dequant_q4_k",
+        "matvec_q4_k",
+        "dequant_iq2_xxs",
+        "matvec_iq2_xxs",
+        "reduce_splits_f32",
+    ],
+};
+
+/// RMSNorm and elementwise ops (`gpu/elementwise.cu`).
+pub const ELEMENTWISE: Module = Module {
+    name: "elementwise",
+    source: include_str!("../gpu/elementwise.cu"),
+    kernels: &[
+        "rmsnorm_f32",
+        "add_f32",
+        "mul_f32",
+        "scale_f32",
+        "swiglu_f32",
+    ],
+};
+
+/// Every module, for compile checks.
+pub const MODULES: &[Module] = &[QUANT, ELEMENTWISE];
+
+/// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in
+/// `gpu/quant.cu` (checked by a test).
+pub const MV_WARPS: u32 = 4;
+
+/// Elements in one work chunk of the quant kernels (every supported row length is a multiple).
+pub const CHUNK: usize = 32;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defined_kernels(src: &str) -> Vec<String> {
+        // `DS4_KERNEL void ... name(` and the DS4_QUANT_KERNELS(name, T) instantiations.
+        let mut out = Vec::new();
+        for line in src.lines() {
+            let l = line.trim();
+            if let Some(rest) = l.strip_prefix("DS4_KERNEL void DS4_BOUNDS(") {
+                if let Some(after) = rest.split_once(')').map(|x| x.1) {
+                    if let Some(name) = after.trim().split('(').next() {
+                        let name = name.trim();
+                        let ident = name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+                        if !name.is_empty() && ident {
+                            out.push(name.to_string());
+                        }
+                    }
+                }
+            }
+            if let Some(rest) = l.strip_prefix("DS4_QUANT_KERNELS(") {
+                let t = rest.split(',').next().unwrap().trim();
+                out.push(format!("dequant_{t}"));
+                out.push(format!("matvec_{t}"));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn kernel_lists_match_sources() {
+        for m in MODULES {
+            let mut found = defined_kernels(m.source);
+            let mut listed: Vec<String> = m.kernels.iter().map(|s| s.to_string()).collect();
+            found.sort();
+            listed.sort();
+            assert_eq!(found, listed, "module {}", m.name);
+        }
+    }
+
+    #[test]
+    fn quant_types_have_kernels() {
+        for t in QUANT_TYPES {
+            assert!(
+                QUANT.kernels.contains(&format!("matvec_{t}").as_str()),
+                "{t}"
+            );
+            assert!(
+                QUANT.kernels.contains(&format!("dequant_{t}").as_str()),
+                "{t}"
+            );
+        }
+        assert!(QUANT
+            .source
+            .contains(&format!("#define DS4_MV_WARPS {MV_WARPS}\n")));
+    }
+
+    #[test]
+    fn sources_include_no_toolkit_header() {
+        for m in MODULES {
+            for line in m
+                .source
+                .lines()
+                .chain(HEADERS.iter().flat_map(|h| h.1.lines()))
+            {
+                if let Some(inc) = line.trim().strip_prefix("#include") {
+                    let inc = inc.trim().trim_matches('"');
+                    assert!(
+                        HEADERS.iter().any(|h| h.0 == inc),
+                        "module {} includes {inc}, which is not one of ours",
+                        m.name
+                    );
+                }
+            }
+        }
+    }
+}
