@@ -252,7 +252,20 @@ fn proto_of(path: &str) -> Proto {
 
 /// Outer layer: OPTIONS, API key, CORS headers, error/in-flight metrics.
 async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let mut resp = if req.method() == Method::OPTIONS {
+    // hyper bounds its read buffer (~400 KB); this is the documented, tighter limit.
+    let header_bytes: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    let mut resp = if header_bytes > MAX_HEADER_BYTES {
+        ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!("request headers exceed {MAX_HEADER_BYTES} bytes"),
+        )
+        .proto(proto_of(req.uri().path()))
+        .into_response()
+    } else if req.method() == Method::OPTIONS {
         StatusCode::NO_CONTENT.into_response()
     } else if let Some(e) = check_key(&st, &req) {
         e.into_response()
@@ -757,7 +770,6 @@ pub async fn serve(
         tokio::spawn(async move {
             let io = hyper_util::rt::TokioIo::new(sock);
             let _ = hyper::server::conn::http1::Builder::new()
-                .max_buf_size(MAX_HEADER_BYTES)
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .serve_connection(io, svc)
