@@ -37,6 +37,16 @@ impl std::str::FromStr for Backend {
     }
 }
 
+/// What each vendor runtime reports on this machine: the number of visible devices, or why it
+/// cannot be used (library missing, symbol missing, driver error). For `--backend auto`
+/// diagnostics; loads the libraries but opens no device.
+pub fn probe() -> Vec<(Vendor, Result<usize>)> {
+    vec![
+        (Vendor::Nvidia, CudaRuntime::device_count()),
+        (Vendor::Amd, HipRuntime::device_count()),
+    ]
+}
+
 /// A device allocation, freed on drop.
 pub struct DeviceBuffer {
     rt: Arc<dyn Runtime>,

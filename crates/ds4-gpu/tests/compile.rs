@@ -102,3 +102,24 @@ fn prelude_requires_warp_define() {
     d.push(("DS4_WARP".into(), "48".into()));
     assert!(c.compile(&ds4_kernels::ELEMENTWISE, "sm_90a", &d).is_err());
 }
+
+/// Where libamdhip64 is installed (CI: Debian's libamdhip64-5), the HIP runtime's whole
+/// `dlopen` table resolves: without AMD hardware the first failure must be a driver status
+/// (hipInit / hipGetDeviceCount), never a missing library or symbol.
+#[test]
+fn hip_runtime_table_resolves() {
+    if let Err(e) = Hiprtc::load() {
+        return skip_or_fail("libamdhip64 (hipRTC)", e);
+    }
+    match ds4_gpu::hip::HipRuntime::device_count() {
+        Ok(n) => println!("HIP runtime: {n} device(s)"),
+        Err(e @ GpuError::Api { .. }) => println!("HIP runtime loaded, no device: {e}"),
+        Err(e) => panic!("HIP runtime table did not resolve: {e}"),
+    }
+    for (vendor, r) in ds4_gpu::probe() {
+        println!(
+            "probe {vendor}: {}",
+            r.map_or_else(|e| e.to_string(), |n| format!("{n} device(s)"))
+        );
+    }
+}
