@@ -141,6 +141,11 @@ impl Engine {
         &self.path
     }
 
+    /// SHA-256 of the GGUF header: the model identity stored in snapshots and disk caches.
+    pub fn model_id(&self) -> [u8; 32] {
+        self.model_id
+    }
+
     pub fn backend_name(&self) -> &'static str {
         "cpu"
     }
