@@ -12,11 +12,10 @@
 //! on. So those tests check the median per-position error (measured 3.8e-4 and 9.2e-5) and
 //! top-1 agreement (measured 99.5 % and 100 %) instead of the maximum.
 
-use ds4_cpu::{CpuModel, Rounding, Weights};
-use ds4_gguf::GgufFile;
-use ds4_model::{bind_main, HParams};
+mod common;
+
+use ds4_cpu::{CpuModel, Rounding};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle")
@@ -48,10 +47,7 @@ fn npy<T: Copy>(path: &Path, descr: &str, conv: fn([u8; 4]) -> T) -> (Vec<usize>
 }
 
 fn load(name: &str, rounding: Rounding) -> CpuModel {
-    let file = Arc::new(GgufFile::open(fixtures().join(name)).unwrap());
-    let hp = HParams::from_meta(file.as_ref()).unwrap();
-    let dir = bind_main(&file, &hp).unwrap();
-    CpuModel::new(hp, Weights::new(file, dir), rounding)
+    common::load(&fixtures().join(name), rounding)
 }
 
 struct Stats {

@@ -1,34 +1,11 @@
 //! Batched prefill ≡ one-token decode, bit for bit, at prompt lengths around the window (8) and
 //! the compression boundaries (4, 8), and with chunks that end mid-window.
 
-use ds4_cpu::{CpuModel, Rounding, Weights};
-use ds4_gguf::GgufFile;
-use ds4_model::{bind_main, HParams};
-use std::sync::Arc;
-
-fn model() -> CpuModel {
-    let dir = std::env::temp_dir().join(format!("ds4-cpu-prefill-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join("tiny.gguf");
-    let (hparams, mix) = ds4_synth::Preset::Tiny.params();
-    let opts = ds4_synth::SynthOptions {
-        hparams,
-        mix,
-        out: out.clone(),
-        seed: 11,
-        sparse: false,
-        mtp: false,
-    };
-    ds4_synth::synth(&opts, &|_, _| {}).unwrap();
-    let file = Arc::new(GgufFile::open(&out).unwrap());
-    let hp = HParams::from_meta(file.as_ref()).unwrap();
-    let dir = bind_main(&file, &hp).unwrap();
-    CpuModel::new(hp, Weights::new(file, dir), Rounding::MODEL)
-}
+mod common;
 
 #[test]
 fn chunked_prefill_is_bit_identical_to_decode() {
-    let m = model();
+    let m = common::tiny(11);
     let tokens: Vec<u32> = (0..70u32).map(|i| (i * 193 + 5) % 512).collect();
     // Reference: one token at a time, logits after every position.
     let mut st = m.new_state();

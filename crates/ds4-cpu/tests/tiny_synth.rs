@@ -2,34 +2,11 @@
 //! (hash layers, CSA with the indexer selecting a strict subset, HCA, window wrap) and is
 //! deterministic. Correctness against an independent implementation is `oracle.rs`.
 
-use ds4_cpu::{CpuModel, Rounding, Weights};
-use ds4_gguf::GgufFile;
-use ds4_model::{bind_main, HParams};
-use std::sync::Arc;
-
-fn tiny_model(dir: &std::path::Path) -> CpuModel {
-    let (hparams, mix) = ds4_synth::Preset::Tiny.params();
-    let out = dir.join("tiny.gguf");
-    let opts = ds4_synth::SynthOptions {
-        hparams,
-        mix,
-        out: out.clone(),
-        seed: 7,
-        sparse: false,
-        mtp: false,
-    };
-    ds4_synth::synth(&opts, &|_, _| {}).unwrap();
-    let file = Arc::new(GgufFile::open(&out).unwrap());
-    let hp = HParams::from_meta(file.as_ref()).unwrap();
-    let dir = bind_main(&file, &hp).unwrap();
-    CpuModel::new(hp, Weights::new(file, dir), Rounding::MODEL)
-}
+mod common;
 
 #[test]
 fn tiny_synthetic_model_decodes_deterministically() {
-    let tmp = std::env::temp_dir().join(format!("ds4-cpu-tiny-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let m = tiny_model(&tmp);
+    let m = common::tiny(7);
     let tokens: Vec<u32> = (0..40u32).map(|i| (i * 97 + 13) % 512).collect();
     let mut a = m.new_state();
     let mut b = m.new_state();
@@ -47,5 +24,4 @@ fn tiny_synthetic_model_decodes_deterministically() {
     assert_eq!(l2.comp.as_ref().unwrap().rows.len(), 10 * 128);
     assert_eq!(l2.index.as_ref().unwrap().rows.len(), 10 * 128);
     assert_eq!(a.layers[3].comp.as_ref().unwrap().rows.len(), 5 * 128);
-    std::fs::remove_dir_all(&tmp).ok();
 }

@@ -3,26 +3,8 @@
 
 use ds4_engine::{Engine, EngineOptions};
 
-/// One tiny model per test process, written once (tests run in parallel threads).
 fn engine() -> Engine {
-    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    let out = PATH.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ds4-engine-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = dir.join("tiny.gguf");
-        let (hparams, mix) = ds4_synth::Preset::Tiny.params();
-        let o = ds4_synth::SynthOptions {
-            hparams,
-            mix,
-            out: out.clone(),
-            seed: 5,
-            sparse: false,
-            mtp: false,
-        };
-        ds4_synth::synth(&o, &|_, _| {}).unwrap();
-        out
-    });
-    Engine::open(&EngineOptions::new(out)).unwrap()
+    Engine::open(&EngineOptions::new(ds4_synth::tiny_model_for_tests(5, false))).unwrap()
 }
 
 fn toks(n: usize, salt: u32) -> Vec<u32> {

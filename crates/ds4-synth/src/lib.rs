@@ -368,3 +368,24 @@ pub fn synth(opts: &SynthOptions, progress: &(dyn Fn(u64, u64) + Sync)) -> Resul
         seconds: t0.elapsed().as_secs_f64(),
     })
 }
+
+/// A tiny synthetic model (q2 mix, plus its MTP file when `mtp`) written once per process and
+/// seed into the temp directory; for tests and examples across crates.
+pub fn tiny_model_for_tests(seed: u64, mtp: bool) -> PathBuf {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static DONE: Mutex<Option<HashMap<(u64, bool), PathBuf>>> = Mutex::new(None);
+    let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
+    let map = done.get_or_insert_with(HashMap::new);
+    if let Some(p) = map.get(&(seed, mtp)) {
+        return p.clone();
+    }
+    let dir = std::env::temp_dir().join(format!("ds4-tiny-{}-{seed}-{mtp}", std::process::id()));
+    fs::create_dir_all(&dir).expect("creating a temp dir");
+    let out = dir.join("tiny.gguf");
+    let (hparams, mix) = Preset::Tiny.params();
+    let opts = SynthOptions { hparams, mix, out: out.clone(), seed, sparse: false, mtp };
+    synth(&opts, &|_, _| {}).expect("writing the tiny model");
+    map.insert((seed, mtp), out.clone());
+    out
+}
