@@ -275,7 +275,52 @@ impl Compiler for Nvrtc {
 }
 
 /// hipRTC, compiling to a HIP code object for one `gfx` target.
-pub struct Hiprtc(RtcApi);
+pub struct Hiprtc {
+    api: RtcApi,
+    /// The `gfx` targets the code-object manager (libamd_comgr, which hipRTC compiles through)
+    /// knows, when it could be asked. ROCm 5.2's hipRTC aborts the process (a bad free in
+    /// comgr) on an unknown target, so targets are checked against this list first.
+    targets: Option<Vec<String>>,
+}
+
+/// Ask libamd_comgr for its ISA names (`amdgcn-amd-amdhsa--gfx90a[:features]`) and return the
+/// distinct `gfx` targets; `None` when comgr cannot be loaded or queried. Asked once per
+/// process, and comgr stays loaded: unloading it and letting hipRTC load it again re-runs its
+/// LLVM option registrations, which aborts ("Option ... registered more than once").
+fn comgr_targets() -> Option<Vec<String>> {
+    static TARGETS: std::sync::OnceLock<Option<Vec<String>>> = std::sync::OnceLock::new();
+    TARGETS.get_or_init(query_comgr_targets).clone()
+}
+
+fn query_comgr_targets() -> Option<Vec<String>> {
+    type CountFn = unsafe extern "C" fn(*mut usize) -> c_int;
+    type NameFn = unsafe extern "C" fn(usize, *mut *const c_char) -> c_int;
+    let names = ["libamd_comgr.so.3", "libamd_comgr.so.2", "libamd_comgr.so"];
+    let lib = loader::open("libamd_comgr", &names, &loader::rocm_dirs(), false).ok()?;
+    let lib: &'static Lib = Box::leak(Box::new(lib)); // never unloaded, see above
+    unsafe {
+        let count: CountFn = lib.sym("amd_comgr_get_isa_count").ok()?;
+        let name: NameFn = lib.sym("amd_comgr_get_isa_name").ok()?;
+        let mut n = 0usize;
+        if count(&mut n) != 0 {
+            return None;
+        }
+        let mut out: Vec<String> = Vec::new();
+        for i in 0..n {
+            let mut p: *const c_char = std::ptr::null();
+            if name(i, &mut p) != 0 || p.is_null() {
+                return None;
+            }
+            let full = CStr::from_ptr(p).to_string_lossy();
+            let isa = full.rsplit("--").next().unwrap_or("");
+            let base = isa.split(':').next().unwrap_or("").to_string();
+            if base.starts_with("gfx") && !out.contains(&base) {
+                out.push(base);
+            }
+        }
+        Some(out)
+    }
+}
 
 impl Hiprtc {
     /// Load hipRTC: `$DS4_HIPRTC_LIB`, `$ROCM_PATH`, /opt/rocm, then the system paths. ROCm 6
@@ -299,11 +344,23 @@ impl Hiprtc {
             false,
         )?;
         let parts = unsafe { RtcApi::load(lib, "hiprtc", "hiprtcGetCodeSize", "hiprtcGetCode")? };
-        Ok(Hiprtc(parts.finish(
-            "hiprtc",
-            "--offload-arch=",
-            &["-O3", "-std=c++17"],
-        )))
+        Ok(Hiprtc {
+            api: parts.finish("hiprtc", "--offload-arch=", &["-O3", "-std=c++17"]),
+            targets: comgr_targets(),
+        })
+    }
+
+    /// The `gfx` targets this hipRTC can compile for, when known.
+    pub fn targets(&self) -> Option<&[String]> {
+        self.targets.as_deref()
+    }
+
+    /// Whether `arch` (e.g. `gfx90a`, `gfx90a:xnack-`) is a known target; `true` when unknown.
+    pub fn supports(&self, arch: &str) -> bool {
+        let base = arch.split(':').next().unwrap_or(arch);
+        self.targets
+            .as_ref()
+            .is_none_or(|t| t.iter().any(|x| x == base))
     }
 }
 
@@ -312,10 +369,20 @@ impl Compiler for Hiprtc {
         "hiprtc"
     }
     fn version(&self) -> String {
-        self.0.version_string()
+        // ROCm 5's hiprtcVersion does not follow the ROCm release; add the HIP runtime's
+        // version when the same library exports it, so the cache key changes with ROCm.
+        type RtVer = unsafe extern "C" fn(*mut c_int) -> c_int;
+        let mut v = self.api.version_string();
+        if let Ok(f) = unsafe { self.api.lib.sym::<RtVer>("hipRuntimeGetVersion") } {
+            let mut n = 0;
+            if unsafe { f(&mut n) } == 0 {
+                v.push_str(&format!(" (HIP runtime {n})"));
+            }
+        }
+        v
     }
     fn path(&self) -> PathBuf {
-        self.0.lib.path.clone()
+        self.api.lib.path.clone()
     }
     fn compile(
         &self,
@@ -323,7 +390,20 @@ impl Compiler for Hiprtc {
         arch: &str,
         defines: &[(String, String)],
     ) -> Result<Vec<u8>> {
-        self.0.compile(module, arch, defines)
+        if !self.supports(arch) {
+            return Err(GpuError::Compile {
+                compiler: self.version(),
+                module: module.name.to_string(),
+                arch: arch.to_string(),
+                status: "target not supported by this ROCm's code-object manager (libamd_comgr)"
+                    .into(),
+                log: format!(
+                    "supported targets: {}",
+                    self.targets.as_deref().unwrap_or(&[]).join(" ")
+                ),
+            });
+        }
+        self.api.compile(module, arch, defines)
     }
 }
 

@@ -84,6 +84,19 @@ fn hiprtc_compiles_every_module() {
         ("gfx1030", hip_defines("gfx1030", 32)),
     ];
     check_all(&c, &targets);
+    // Newer targets where this hipRTC knows them (Debian's ROCm 5.2 does not know gfx942 or
+    // gfx1100); an unknown target must be a clear error, not the abort ROCm 5.2 gives.
+    println!("  targets known to comgr: {:?}", c.targets());
+    for (arch, warp) in [("gfx942", 64), ("gfx1100", 32)] {
+        match c.compile(&ds4_kernels::QUANT, arch, &hip_defines(arch, warp)) {
+            Ok(code) => println!("  {arch} quant: {} bytes", code.len()),
+            Err(e) => {
+                assert!(!c.supports(arch), "{arch}: {e}");
+                assert!(e.to_string().contains("not supported"), "{e}");
+                println!("  {arch}: not supported by this hipRTC (skipped)");
+            }
+        }
+    }
 }
 
 /// The prelude rejects a missing or odd warp width, so no kernel silently assumes one.
