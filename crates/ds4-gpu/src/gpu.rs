@@ -267,6 +267,17 @@ impl Gpu {
     /// Copy host bytes to the device through two pinned staging buffers: filling one while the
     /// other is in flight. Returns when the data is on the device.
     pub fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        self.upload_with_progress(dst, src, &mut |_| {})
+    }
+
+    /// [`Gpu::upload`], calling `progress(bytes queued so far)` after each staging chunk (for a
+    /// progress bar while weights are uploaded).
+    pub fn upload_with_progress(
+        &self,
+        dst: DevPtr,
+        src: &[u8],
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<()> {
         self.with_staging(|s| {
             for (i, chunk) in src.chunks(STAGING_BYTES).enumerate() {
                 let k = i % 2;
@@ -281,6 +292,7 @@ impl Gpu {
                     )?;
                 }
                 self.rt.event_record(s.done[k], s.stream)?;
+                progress(i * STAGING_BYTES + chunk.len());
             }
             self.rt.stream_sync(s.stream)
         })
