@@ -8,26 +8,12 @@ use ds4_kvstore::{list_dir, read_file, KvStore, Reason, SaveMeta, Saved};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// One tiny model per test process, written once (tests run in parallel threads).
+/// The tiny synthetic model (written once per test process).
 fn engine() -> Engine {
-    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    let out = PATH.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ds4-kvstore-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = dir.join("tiny.gguf");
-        let (hparams, mix) = ds4_synth::Preset::Tiny.params();
-        let o = ds4_synth::SynthOptions {
-            hparams,
-            mix,
-            out: out.clone(),
-            seed: 9,
-            sparse: false,
-            mtp: false,
-        };
-        ds4_synth::synth(&o, &|_, _| {}).unwrap();
-        out
-    });
-    Engine::open(&EngineOptions::new(out)).unwrap()
+    Engine::open(&EngineOptions::new(ds4_synth::tiny_model_for_tests(
+        9, false,
+    )))
+    .unwrap()
 }
 
 /// A fresh, empty directory for one test.
