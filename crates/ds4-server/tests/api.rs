@@ -727,28 +727,58 @@ async fn slow_client_times_out_and_headers_are_bounded() {
     .unwrap();
 }
 
+/// Sends a request, reads `read` bytes of the answer (0: none), hangs up; then waits until
+/// the worker is idle and has counted `cancelled` cancellations.
+fn hang_up(
+    addr: std::net::SocketAddr,
+    body: &[u8],
+    read: usize,
+    m: &ds4_server::Metrics,
+    cancelled: u64,
+) {
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.write_all(post_head("/v1/chat/completions", body.len()).as_bytes())
+        .unwrap();
+    c.write_all(body).unwrap();
+    let mut buf = [0u8; 4096];
+    let mut got = 0;
+    while got < read {
+        got += c.read(&mut buf).unwrap();
+    }
+    if read == 0 {
+        let t = Instant::now();
+        while m.busy.get() == 0 {
+            assert!(t.elapsed() < Duration::from_secs(20));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(200)); // decoding by now
+    }
+    drop(c);
+    let t = Instant::now();
+    while m.busy.get() == 1 || m.cancelled.get() < cancelled {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "generation did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_mid_stream_stops_generation() {
-    let s = Srv::new(|c| c.ctx = 4096);
+    let s = Srv::new(|c| c.ctx = 8192);
+    s.force(&"word ".repeat(4000));
     let addr = listen(&s).await;
     let m = s.state.metrics.clone();
     tokio::task::spawn_blocking(move || {
-        let body = br#"{"messages":[{"role":"user","content":"go"}],"max_tokens":3000,"stream":true,"think":false}"#;
-        let mut c = std::net::TcpStream::connect(addr).unwrap();
-        c.write_all(post_head("/v1/chat/completions", body.len()).as_bytes()).unwrap();
-        c.write_all(body).unwrap();
-        let mut buf = [0u8; 4096];
-        let mut got = 0;
-        while got < 2000 {
-            got += c.read(&mut buf).unwrap();
-        }
-        drop(c);
-        let t = Instant::now();
-        while m.busy.get() == 1 || m.cancelled.get() == 0 {
-            assert!(t.elapsed() < Duration::from_secs(20), "generation did not stop");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(m.generated_tokens.get() < 3000, "{}", m.generated_tokens.get());
+        let body = br#"{"messages":[{"role":"user","content":"go"}],"max_tokens":4000,"stream":true,"think":false}"#;
+        hang_up(addr, body, 2000, &m, 1);
+        let after_stream = m.generated_tokens.get();
+        assert!(after_stream < 4000, "{after_stream}");
+        // A non-streaming client that leaves stops its generation too.
+        let body = br#"{"messages":[{"role":"user","content":"go"}],"max_tokens":4000,"think":false}"#;
+        hang_up(addr, body, 0, &m, 2);
+        assert!(m.generated_tokens.get() - after_stream < 4000);
         let body = br#"{"messages":[{"role":"user","content":"x"}],"max_tokens":2}"#;
         let (st, _) = http(addr, &post_head("/v1/chat/completions", body.len()), body);
         assert_eq!(st, 200);
@@ -804,6 +834,7 @@ async fn queued_stream_gets_keepalive_comments() {
         c.keepalive = Duration::from_millis(20);
         c.ctx = 4096;
     });
+    s.force(&"word ".repeat(1000));
     let st = s.state.clone();
     // Occupy the worker.
     let busy = tokio::spawn(async move {
