@@ -6,7 +6,10 @@
 //! several live sessions can replace [`run_worker`] behind the same [`Scheduler`].
 
 use crate::metrics::Metrics;
-use ds4_chat::{ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser};
+use ds4_chat::{
+    ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, EOS, THINK_CLOSE,
+    THINK_OPEN,
+};
 use ds4_engine::{argmax, Engine, Sampler, SamplerConfig, Session};
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
 use std::path::PathBuf;
@@ -131,6 +134,11 @@ pub fn spawn_worker(
 struct Live {
     session: Session,
     bytes: Vec<u8>,
+    /// "thinking-visible" (interfaces.md §5.2 step 6): after a tool-less thinking answer, the
+    /// transcript as the client will replay it (reasoning dropped, `</think>` + content),
+    /// up to but excluding the EOS. A prompt that extends it continues from the live KV,
+    /// which still holds the hidden reasoning.
+    visible: Option<String>,
 }
 
 fn run_worker(
@@ -144,6 +152,7 @@ fn run_worker(
     let mut live = Live {
         session: engine.new_session(ctx),
         bytes: Vec::new(),
+        visible: None,
     };
     while let Ok(job) = rx.recv() {
         metrics.queue_depth.dec();
@@ -168,6 +177,15 @@ fn run_worker(
 fn effective_tokens(tok: &Tokenizer, live: &Live, job: &GenJob) -> Vec<u32> {
     let lt = live.session.tokens();
     let p = job.prompt_text.as_bytes();
+    if let Some(v) = &live.visible {
+        // Only when the text after it starts a new turn (the EOS the KV never saw).
+        let rest = job.prompt_text.strip_prefix(v.as_str());
+        if rest.is_some_and(|r| r.starts_with(EOS)) && !lt.is_empty() {
+            let mut t = lt.to_vec();
+            t.extend(tok.encode_with_chat_specials(rest.unwrap_or_default()));
+            return t;
+        }
+    }
     if !lt.is_empty()
         && live.bytes.len() <= p.len()
         && p.starts_with(&live.bytes)
@@ -194,6 +212,7 @@ fn run_job(
     metrics: &Metrics,
 ) {
     let tokens = effective_tokens(tok, live, &job);
+    live.visible = None;
     let ctx = live.session.ctx();
     if tokens.len() >= ctx {
         send(
@@ -243,7 +262,16 @@ fn run_job(
             cached_tokens: cached,
         },
     );
-    let (finish, text, n, error, parsed) = decode(tok, live, &job, forced, metrics, ctx);
+    let (finish, text, n, error, parsed, natural) = decode(tok, live, &job, forced, metrics, ctx);
+    if natural
+        && job.parse.thinking
+        && parsed.reasoning_closed
+        && parsed.tool_calls.is_empty()
+        && job.prompt_text.ends_with(THINK_OPEN)
+    {
+        let base = &job.prompt_text[..job.prompt_text.len() - THINK_OPEN.len()];
+        live.visible = Some(format!("{base}{THINK_CLOSE}{}", parsed.content));
+    }
     let result = GenResult {
         finish,
         parsed,
@@ -301,7 +329,8 @@ impl StopFilter {
     }
 }
 
-type DecodeOut = (Finish, String, usize, Option<String>, ParsedOutput);
+/// (finish, text, generated tokens, error, parsed, ended on EOS / end of forced text).
+type DecodeOut = (Finish, String, usize, Option<String>, ParsedOutput, bool);
 
 fn decode(
     tok: &Tokenizer,
@@ -323,6 +352,7 @@ fn decode(
     let t0 = Instant::now();
     let mut first = true;
     let mut hit_stop = false;
+    let mut natural = false;
     let mut forced = forced.map(|v| v.into_iter());
     let emit = |s: &str, parser: &mut StreamParser, text: &mut String| {
         if s.is_empty() {
@@ -357,6 +387,7 @@ fn decode(
         };
         if t == eos {
             finish = Finish::Stop;
+            natural = true;
             break;
         }
         n += 1;
@@ -413,7 +444,7 @@ fn decode(
             _ => {}
         }
     }
-    (finish, text, n, error, parsed)
+    (finish, text, n, error, parsed, natural)
 }
 
 #[cfg(test)]

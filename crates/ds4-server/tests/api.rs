@@ -870,3 +870,50 @@ async fn queued_stream_gets_keepalive_comments() {
     assert!(b.ends_with("data: [DONE]\n\n"));
     busy.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn next_turn_reuses_the_live_session_with_hidden_reasoning() {
+    let s = Srv::new(|_| {});
+    s.force("Let me think it over.</think>Answer one.");
+    let first = json!({"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Question?"}]});
+    let (_, a) = s.post("/v1/chat/completions", first).await;
+    assert_eq!(a["choices"][0]["message"]["content"], "Answer one.");
+    let p1 = a["usage"]["prompt_tokens"].as_u64().unwrap();
+    let g1 = a["usage"]["completion_tokens"].as_u64().unwrap();
+    // The client replays the answer without its reasoning (as chat clients do): the prompt
+    // differs from the KV text, yet the live session (which holds the reasoning) continues.
+    s.force("Sure.</think>Answer two.");
+    let second = json!({"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Question?"},
+        {"role":"assistant","content":"Answer one."},{"role":"user","content":"And then?"}]});
+    let (_, b) = s.post("/v1/chat/completions", second.clone()).await;
+    assert_eq!(b["choices"][0]["message"]["content"], "Answer two.");
+    assert_eq!(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"],
+        p1 + g1
+    );
+    // A different history cannot continue: cold prefill.
+    let (_, c) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages":[{"role":"user","content":"Other"}]}),
+        )
+        .await;
+    assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Same prompt again after a cold one: its own tokens are a prefix of nothing live (the
+    // KV holds the generated answer too), so it is also cold; but a continuation is warm.
+    let (_, d) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages":[{"role":"user","content":"Other"},
+            {"role":"assistant","content":"Answer two."},{"role":"user","content":"x"}]}),
+        )
+        .await;
+    assert!(
+        d["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let (_, m) = s.call("GET", "/metrics", None, &[]).await;
+    assert!(m.contains("ds4_cache_hits_total 2"), "{m}");
+}
