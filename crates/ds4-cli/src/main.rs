@@ -42,6 +42,8 @@ enum Command {
     Bench(cmd::bench::Args),
     /// OpenAI- and Anthropic-compatible HTTP server (chat, completions, responses, messages).
     Serve(cmd::serve::Args),
+    /// Disk KV cache directory: list entries, show one file, remove entries.
+    Kv(cmd::kv::Args),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
         Command::Logits(a) => cmd::logits::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::Kv(a) => cmd::kv::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
