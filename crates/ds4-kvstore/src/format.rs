@@ -24,7 +24,7 @@
 //! end-32  32    SHA-256 of every byte before it
 //! ```
 //!
-//! The file is named `<lowercase hex SHA-256 of the key>.kv`; a file whose name does not match
+//! The file is named `<lowercase hex SHA-256 of (model id ‖ key)>.kv`; a file whose name does not match
 //! its key is invalid. Its length must be exactly `H + 32 + P + E + 32`, so a truncated file
 //! is rejected from its header alone. The last-use time is the file's mtime (set explicitly on
 //! write and on every lookup hit), so nothing covered by a checksum ever changes in place.
@@ -219,9 +219,14 @@ pub struct Entry {
     pub extra: Vec<u8>,
 }
 
-/// Lowercase hex SHA-256 of a key: the file stem.
-pub fn key_name(key: &[u8]) -> String {
-    hex(&Sha256::digest(key))
+/// The file stem of an entry: lowercase hex SHA-256 of the model id followed by the key, so
+/// two models sharing a directory never replace each other's entries.
+pub fn key_name(model_id: &[u8; 32], key: &[u8]) -> String {
+    sha256_hex(&[&model_id[..], key].concat())
+}
+
+pub fn sha256_hex(b: &[u8]) -> String {
+    hex(&Sha256::digest(b))
 }
 
 pub fn hex(b: &[u8]) -> String {
@@ -305,7 +310,7 @@ pub fn read_meta<R: Read>(
     }
     all.update(sum);
     if let Some(name) = name {
-        if key_name(&key) != name {
+        if key_name(&header.model_id, &key) != name {
             return Err(FormatError::Name { name: name.into() });
         }
     }
@@ -388,7 +393,7 @@ mod tests {
     fn round_trip_and_exact_length() {
         let (h, bytes) = sample();
         assert_eq!(bytes.len() as u64, h.file_len());
-        let name = key_name(b"<sys>hello");
+        let name = key_name(&[3; 32], b"<sys>hello");
         let e = read_entry(&mut &bytes[..], bytes.len() as u64, Some(&name)).unwrap();
         assert_eq!(e.meta.header, h);
         assert_eq!(e.meta.key, b"<sys>hello");
@@ -420,7 +425,7 @@ mod tests {
             assert!(r.unwrap_err().is_corrupt(), "truncation to {len} accepted");
         }
         // A wrong name is caught even when the bytes are intact.
-        let r = read_entry(&mut &bytes[..], n, Some(&key_name(b"other")));
+        let r = read_entry(&mut &bytes[..], n, Some(&key_name(&[3; 32], b"other")));
         assert!(matches!(r, Err(FormatError::Name { .. })));
     }
 }

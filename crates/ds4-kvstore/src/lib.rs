@@ -105,7 +105,7 @@ pub struct Hit {
 #[derive(Debug)]
 pub struct EntryInfo {
     pub path: PathBuf,
-    /// File stem: hex SHA-256 of the key.
+    /// File stem: hex SHA-256 of (model id ‖ key).
     pub name: String,
     pub file_len: u64,
     /// The file's mtime.
@@ -315,7 +315,8 @@ impl KvStore {
 
     /// Path of the entry for a key (whether or not it exists).
     pub fn path_for(&self, key: &[u8]) -> PathBuf {
-        self.dir.join(format!("{}.kv", format::key_name(key)))
+        self.dir
+            .join(format!("{}.kv", format::key_name(&self.model_id, key)))
     }
 
     fn log_once(&self, e: &EntryInfo, why: &str) {
@@ -326,7 +327,8 @@ impl KvStore {
     }
 
     /// Remove `*.kv.tmp.<pid>.*` files whose process is gone (or, where that cannot be
-    /// told, that are over an hour old). Another live process's file is left alone.
+    /// told, that are over an hour old). Another live process's file is left alone (a
+    /// writer in another PID namespace may look dead: its rename then fails cleanly).
     fn clean_tmp(&self) {
         let Ok(rd) = fs::read_dir(&self.dir) else {
             return;
@@ -489,7 +491,7 @@ impl KvStore {
                 budget: self.budget,
             });
         }
-        let name = format::key_name(key);
+        let name = format::key_name(&self.model_id, key);
         let path = self.dir.join(format!("{name}.kv"));
         if meta.extra.is_empty() {
             if let Ok(info) = read_info(&path, &name) {
@@ -553,12 +555,15 @@ impl KvStore {
                 continue;
             }
             match fs::remove_file(&e.path) {
-                Ok(()) => {}
+                Ok(()) => evicted.push(e.name.clone()),
                 Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-                Err(err) => return Err(io_err(&e.path)(err)),
+                Err(err) => {
+                    // Still counts toward the total; try the next one.
+                    eprintln!("ds4 kv: cannot evict {}: {err}", e.path.display());
+                    continue;
+                }
             }
             total -= e.file_len;
-            evicted.push(e.name.clone());
         }
         Ok(evicted)
     }
@@ -584,12 +589,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_store_can_be_shared_between_threads() {
+        fn sync<T: Send + Sync>() {}
+        sync::<KvStore>();
+    }
+
+    #[test]
     fn names() {
-        let stem = format::key_name(b"abc");
+        // FIPS 180-2 test vector.
         assert_eq!(
-            stem,
+            format::sha256_hex(b"abc"),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
+        let stem = format::key_name(&[1; 32], b"abc");
+        assert_eq!(
+            stem,
+            format::sha256_hex(&[[1u8; 32].as_slice(), b"abc"].concat())
+        );
+        assert_ne!(stem, format::key_name(&[2; 32], b"abc"));
         assert_eq!(entry_stem(&format!("{stem}.kv")), Some(stem.as_str()));
         assert_eq!(entry_stem("abc.kv"), None);
         assert_eq!(entry_stem(&format!("{}.kv", stem.to_uppercase())), None);

@@ -86,7 +86,7 @@ fn real_snapshot_round_trip_continues_bit_identically() {
 
 /// A synthetic snapshot whose bytes depend on the key only.
 fn fake_snapshot(key: &[u8], len: usize) -> Vec<u8> {
-    let seed = format::key_name(key).into_bytes();
+    let seed = format::sha256_hex(key).into_bytes();
     (0..len).map(|i| seed[i % seed.len()] ^ (i as u8)).collect()
 }
 
@@ -158,7 +158,7 @@ fn names(dir: &Path) -> Vec<String> {
 }
 
 fn name(key: &str) -> String {
-    format::key_name(key.as_bytes())
+    format::key_name(&MODEL, key.as_bytes())
 }
 
 #[test]
@@ -259,7 +259,7 @@ fn corrupt_truncated_foreign_and_old_files_are_skipped() {
         std::fs::write(&path, &good).unwrap();
         read_file(&path).unwrap()
     };
-    let rewrite = |h: &Header| {
+    let rewrite = |h: &Header, path: &Path| {
         let b = format::write_entry(
             Vec::new(),
             h,
@@ -269,19 +269,26 @@ fn corrupt_truncated_foreign_and_old_files_are_skipped() {
             &entry.extra,
         )
         .unwrap();
-        std::fs::write(&path, b).unwrap();
+        std::fs::write(path, b).unwrap();
     };
+    // Another model's id, checksums valid: under its own name (as that model would write
+    // it) the file is well formed but not ours; under our entry's name the name check fails.
     let mut foreign = entry.meta.header.clone();
     foreign.model_id[0] ^= 1;
-    rewrite(&foreign);
+    let foreign_path = dir.join(format!("{}.kv", format::key_name(&foreign.model_id, &key)));
+    rewrite(&foreign, &foreign_path);
+    std::fs::remove_file(&path).unwrap();
     assert!(
-        read_file(&path).is_ok(),
+        read_file(&foreign_path).is_ok(),
         "the foreign file itself is well formed"
     );
     assert!(hit().is_none(), "foreign model accepted");
+    rewrite(&foreign, &path);
+    assert!(hit().is_none(), "foreign model under our name accepted");
+    std::fs::remove_file(&foreign_path).unwrap();
     let mut newer = entry.meta.header.clone();
     newer.version = 2;
-    rewrite(&newer);
+    rewrite(&newer, &path);
     assert!(hit().is_none(), "version 2 accepted");
     assert!(
         path.exists(),
@@ -290,7 +297,10 @@ fn corrupt_truncated_foreign_and_old_files_are_skipped() {
     // A renamed file (name no longer the key's hash) is skipped; a corrupt payload, caught by
     // the store's checksum, is deleted on lookup.
     std::fs::write(&path, &good).unwrap();
-    let renamed = dir.join(format!("{}.kv", format::key_name(b"<system>corrupt")));
+    let renamed = dir.join(format!(
+        "{}.kv",
+        format::key_name(&e.model_id(), b"<system>corrupt")
+    ));
     std::fs::rename(&path, &renamed).unwrap();
     assert!(store
         .lookup_longest_prefix(b"<system>corrupt me", 1, 64)
@@ -337,6 +347,40 @@ fn the_directory_can_be_deleted_while_in_use() {
     std::fs::write(&file, b"").unwrap();
     assert!(KvStore::open(&file, 1 << 20, MODEL).is_err());
     let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn concurrent_writers_and_readers_share_a_directory() {
+    let dir = tmpdir("threads");
+    let store = KvStore::open(&dir, 40_000, MODEL).unwrap();
+    std::thread::scope(|sc| {
+        for t in 0..4 {
+            let store = &store;
+            sc.spawn(move || {
+                for i in 0..25 {
+                    // Shared keys (rewritten by several threads) and private ones.
+                    let key = if i % 2 == 0 {
+                        format!("shared-{}", i % 6)
+                    } else {
+                        format!("t{t}-{i}")
+                    };
+                    save(store, &key, 3, 2000);
+                    if let Some(h) = store.lookup_longest_prefix(format!("{key}!").as_bytes(), 1, 9)
+                    {
+                        assert_eq!(
+                            h.snapshot,
+                            fake_snapshot(&key.as_bytes()[..h.key_len], 2000)
+                        );
+                    }
+                }
+            });
+        }
+    });
+    for e in list_dir(&dir).unwrap() {
+        read_file(&e.path).unwrap();
+    }
+    assert!(store.total_bytes() <= store.budget());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

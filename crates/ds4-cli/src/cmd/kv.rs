@@ -173,7 +173,7 @@ fn show(out: &mut dyn Write, path: &Path, full_key: bool, all_tokens: bool) -> R
         }
     };
     let h = &meta.header;
-    let name_ok = stem == Some(format::key_name(&meta.key).as_str());
+    let name_ok = stem == Some(format::key_name(&h.model_id, &meta.key).as_str());
     writeln!(out, "format       DS4KVC version {}", h.version)?;
     writeln!(out, "model id     {}", hex(&h.model_id))?;
     writeln!(out, "reason       {}", h.reason.name())?;
@@ -313,7 +313,7 @@ mod tests {
         assert!(o.contains("2 entries (0 invalid)"), "{o}");
 
         // rm by prefix, then --all.
-        let stem = format::key_name(b"<sys>beta");
+        let stem = format::key_name(&[0xab; 32], b"<sys>beta");
         let (o, r) = text(|w| rm(w, &d, Some(&stem[..10]), false));
         r.unwrap();
         assert!(o.contains("removed"), "{o}");
