@@ -16,7 +16,7 @@ fn main() {
     let mib: usize = args
         .next()
         .map_or(256, |s| s.parse().expect("MIB: a number"));
-    let snap: Vec<u8> = (0..mib << 20).map(|i| (i * 31 >> 7) as u8).collect();
+    let snap: Vec<u8> = (0..mib << 20).map(|i| ((i * 31) >> 7) as u8).collect();
     let tokens: Vec<u32> = (0..(mib << 20) as u32 / 14336).collect();
     let key = vec![b'k'; tokens.len() * 4];
     let store = KvStore::open(&dir, 1 << 40, [5; 32]).unwrap();
