@@ -254,6 +254,7 @@ fn run_job(
         }
     }
     let cached = cached.unwrap_or(0);
+    let prefill_s = t0.elapsed().as_secs_f64();
     metrics.record_prefill(total - cached, t0.elapsed(), cached);
     send(
         &job,
@@ -262,7 +263,17 @@ fn run_job(
             cached_tokens: cached,
         },
     );
+    let t1 = Instant::now();
     let (finish, text, n, error, parsed, natural) = decode(tok, live, &job, forced, metrics, ctx);
+    let decode_s = t1.elapsed().as_secs_f64();
+    // One line per request on stderr: the cache decision and speeds.
+    eprintln!(
+        "ds4 serve: prompt={total} cached={cached} prefill={:.1} t/s generated={n} decode={:.1} t/s finish={finish:?} tools={}{}",
+        (total - cached) as f64 / prefill_s.max(1e-9),
+        n as f64 / decode_s.max(1e-9),
+        parsed.tool_calls.len(),
+        error.as_deref().map(|e| format!(" error={e}")).unwrap_or_default(),
+    );
     if natural
         && job.parse.thinking
         && parsed.reasoning_closed

@@ -27,7 +27,8 @@ force="$work/force.txt"
 pid=$!
 trap 'kill $pid 2>/dev/null || true' EXIT
 for _ in $(seq 1 100); do
-  if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then break; fi
+  if "$work/venv/bin/python" -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+    "http://127.0.0.1:$port/health" >/dev/null 2>&1; then break; fi
   if ! kill -0 $pid 2>/dev/null; then cat "$work/server.log"; exit 1; fi
   sleep 0.2
 done
