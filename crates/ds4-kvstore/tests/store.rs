@@ -385,7 +385,7 @@ fn concurrent_writers_and_readers_share_a_directory() {
 }
 
 const CRASH_ENV: &str = "DS4_KVSTORE_CRASH_DIR";
-const CRASH_SNAP: usize = 300_000;
+const CRASH_SNAP: usize = 2_000_000;
 
 /// The child of `writers_killed_mid_write_never_leave_a_corrupt_entry`: writes distinct
 /// entries forever (evicting as it goes) until it is killed. Ignored in a normal run.
@@ -409,7 +409,7 @@ fn writers_killed_mid_write_never_leave_a_corrupt_entry() {
     let exe = std::env::current_exe().unwrap();
     let mut seen_tmp = 0;
     let mut seen_entries = 0;
-    for round in 0..12u64 {
+    for round in 0..20u64 {
         let mut child = std::process::Command::new(&exe)
             .args([
                 "crash_child_writer",
@@ -422,8 +422,19 @@ fn writers_killed_mid_write_never_leave_a_corrupt_entry() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        // Kill after a varying delay (also before the first write completes).
-        std::thread::sleep(Duration::from_millis(20 + (round * 37) % 90));
+        // Round 0 kills at start-up; later rounds wait until an entry exists (a slow
+        // machine still gets writes done), then kill after a varying delay.
+        if round > 0 {
+            let t = std::time::Instant::now();
+            while list_dir(&dir).map_or(true, |v| v.is_empty()) {
+                assert!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "the child wrote nothing"
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5 + (round * 37) % 90));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         let tmps = || {
