@@ -7,8 +7,7 @@
 
 use crate::metrics::Metrics;
 use ds4_chat::{
-    ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, EOS, THINK_CLOSE,
-    THINK_OPEN,
+    ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, THINK_CLOSE, THINK_OPEN,
 };
 use ds4_engine::{argmax, Engine, Sampler, SamplerConfig, Session};
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
@@ -134,11 +133,13 @@ pub fn spawn_worker(
 struct Live {
     session: Session,
     bytes: Vec<u8>,
-    /// "thinking-visible" (interfaces.md §5.2 step 6): after a tool-less thinking answer, the
-    /// transcript as the client will replay it (reasoning dropped, `</think>` + content),
-    /// up to but excluding the EOS. A prompt that extends it continues from the live KV,
-    /// which still holds the hidden reasoning.
-    visible: Option<String>,
+    /// "thinking-visible" (interfaces.md §5.2 step 6, and ds4's Responses analogue): after a
+    /// thinking turn, the live text as a client replays it *without* the reasoning — either
+    /// `…<｜Assistant｜></think>` + rest (plain chat drops earlier reasoning) or
+    /// `…<｜Assistant｜><think></think>` + rest (tool context, reasoning not echoed), where
+    /// rest is what the KV holds after `</think>` (content, DSML). A prompt extending one
+    /// of them continues from the live KV, which still holds the hidden reasoning.
+    visible: Vec<String>,
 }
 
 fn run_worker(
@@ -152,7 +153,7 @@ fn run_worker(
     let mut live = Live {
         session: engine.new_session(ctx),
         bytes: Vec::new(),
-        visible: None,
+        visible: Vec::new(),
     };
     while let Ok(job) = rx.recv() {
         metrics.queue_depth.dec();
@@ -162,8 +163,11 @@ fn run_worker(
         }
         metrics.busy.set(1);
         let forced = force.tokens(&tok);
-        run_job(&tok, &mut live, job, forced, &metrics);
+        let thinking_prompt = run_job(&tok, &mut live, job, forced, &metrics);
         live.bytes = tok.decode(live.session.tokens()).unwrap_or_default();
+        if let Some(p) = thinking_prompt {
+            live.visible = visible_keys(&p, &live.bytes);
+        }
         metrics.kv_bytes.set(live.session.kv_bytes());
         metrics.busy.set(0);
     }
@@ -177,12 +181,10 @@ fn run_worker(
 fn effective_tokens(tok: &Tokenizer, live: &Live, job: &GenJob) -> Vec<u32> {
     let lt = live.session.tokens();
     let p = job.prompt_text.as_bytes();
-    if let Some(v) = &live.visible {
-        // Only when the text after it starts a new turn (the EOS the KV never saw).
-        let rest = job.prompt_text.strip_prefix(v.as_str());
-        if rest.is_some_and(|r| r.starts_with(EOS)) && !lt.is_empty() {
+    for v in &live.visible {
+        if let Some(rest) = job.prompt_text.strip_prefix(v.as_str()) {
             let mut t = lt.to_vec();
-            t.extend(tok.encode_with_chat_specials(rest.unwrap_or_default()));
+            t.extend(tok.encode_with_chat_specials(rest));
             return t;
         }
     }
@@ -210,9 +212,9 @@ fn run_job(
     job: GenJob,
     forced: Option<Vec<u32>>,
     metrics: &Metrics,
-) {
+) -> Option<String> {
     let tokens = effective_tokens(tok, live, &job);
-    live.visible = None;
+    live.visible.clear();
     let ctx = live.session.ctx();
     if tokens.len() >= ctx {
         send(
@@ -222,7 +224,7 @@ fn run_job(
                 tokens.len()
             )),
         );
-        return;
+        return None;
     }
     // Prefill in steps so a departed client stops it; a partial prefill stays a valid prefix.
     let t0 = Instant::now();
@@ -240,7 +242,7 @@ fn run_job(
             }
             Err(e) => {
                 send(&job, GenEvent::Failed(format!("prefill failed: {e}")));
-                return;
+                return None;
             }
         }
         send(&job, GenEvent::Prefill { done: end, total });
@@ -250,7 +252,7 @@ fn run_job(
         if job.cancel.load(Ordering::Relaxed) {
             metrics.cancelled.inc();
             send(&job, GenEvent::Failed("cancelled".into()));
-            return;
+            return None;
         }
     }
     let cached = cached.unwrap_or(0);
@@ -264,7 +266,7 @@ fn run_job(
         },
     );
     let t1 = Instant::now();
-    let (finish, text, n, error, parsed, natural) = decode(tok, live, &job, forced, metrics, ctx);
+    let (finish, text, n, error, parsed) = decode(tok, live, &job, forced, metrics, ctx);
     let decode_s = t1.elapsed().as_secs_f64();
     // One line per request on stderr: the cache decision and speeds.
     eprintln!(
@@ -274,15 +276,9 @@ fn run_job(
         parsed.tool_calls.len(),
         error.as_deref().map(|e| format!(" error={e}")).unwrap_or_default(),
     );
-    if natural
-        && job.parse.thinking
-        && parsed.reasoning_closed
-        && parsed.tool_calls.is_empty()
-        && job.prompt_text.ends_with(THINK_OPEN)
-    {
-        let base = &job.prompt_text[..job.prompt_text.len() - THINK_OPEN.len()];
-        live.visible = Some(format!("{base}{THINK_CLOSE}{}", parsed.content));
-    }
+    let thinking_prompt =
+        (job.parse.thinking && parsed.reasoning_closed && job.prompt_text.ends_with(THINK_OPEN))
+            .then(|| job.prompt_text.clone());
     let result = GenResult {
         finish,
         parsed,
@@ -293,6 +289,23 @@ fn run_job(
         error,
     };
     send(&job, GenEvent::Done(Box::new(result)));
+    thinking_prompt
+}
+
+/// The thinking-visible keys of a live text that starts with `prompt` (see [`Live`]).
+fn visible_keys(prompt: &str, live: &[u8]) -> Vec<String> {
+    let Some(generated) = live.strip_prefix(prompt.as_bytes()) else {
+        return vec![];
+    };
+    let Ok(generated) = std::str::from_utf8(generated) else {
+        return vec![];
+    };
+    let Some(p) = generated.find(THINK_CLOSE) else {
+        return vec![];
+    };
+    let rest = &generated[p..]; // `</think>` + what follows
+    let base = &prompt[..prompt.len() - THINK_OPEN.len()];
+    vec![format!("{base}{rest}"), format!("{prompt}{rest}")]
 }
 
 /// Holds back the tail that could be the start of a stop sequence (§1.3).
@@ -340,8 +353,8 @@ impl StopFilter {
     }
 }
 
-/// (finish, text, generated tokens, error, parsed, ended on EOS / end of forced text).
-type DecodeOut = (Finish, String, usize, Option<String>, ParsedOutput, bool);
+/// (finish, text, generated tokens, error, parsed).
+type DecodeOut = (Finish, String, usize, Option<String>, ParsedOutput);
 
 fn decode(
     tok: &Tokenizer,
@@ -363,7 +376,6 @@ fn decode(
     let t0 = Instant::now();
     let mut first = true;
     let mut hit_stop = false;
-    let mut natural = false;
     let mut forced = forced.map(|v| v.into_iter());
     let emit = |s: &str, parser: &mut StreamParser, text: &mut String| {
         if s.is_empty() {
@@ -398,7 +410,6 @@ fn decode(
         };
         if t == eos {
             finish = Finish::Stop;
-            natural = true;
             break;
         }
         n += 1;
@@ -455,7 +466,7 @@ fn decode(
             _ => {}
         }
     }
-    (finish, text, n, error, parsed, natural)
+    (finish, text, n, error, parsed)
 }
 
 #[cfg(test)]

@@ -917,3 +917,39 @@ async fn next_turn_reuses_the_live_session_with_hidden_reasoning() {
     let (_, m) = s.call("GET", "/metrics", None, &[]).await;
     assert!(m.contains("ds4_cache_hits_total 2"), "{m}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_turn_replayed_without_reasoning_still_continues_live() {
+    let s = Srv::new(|_| {});
+    s.force(TOOL_OUT);
+    let (_, v) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages":[{"role":"user","content":"go"}],"tools":tools_openai()}),
+        )
+        .await;
+    let id = v["choices"][0]["message"]["tool_calls"][0]["id"]
+        .as_str()
+        .unwrap();
+    let p1 = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let g1 = v["usage"]["completion_tokens"].as_u64().unwrap();
+    // No reasoning_content echoed (as Responses clients without summaries do): the KV's
+    // reasoning is kept and the rest of the turn continues from it.
+    s.force("ok</think>Done.");
+    let (_, w) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages":[{"role":"user","content":"go"},
+            {"role":"assistant","content":"Reading.","tool_calls":[{"id":id,"type":"function",
+             "function":{"name":"read_file","arguments":"{}"}}]},
+            {"role":"tool","tool_call_id":id,"content":"data"}],"tools":tools_openai()}),
+        )
+        .await;
+    assert_eq!(w["choices"][0]["message"]["content"], "Done.");
+    // The closing tag's last token was never evaluated (generation stops there), so one
+    // generated token is re-encoded with the new text.
+    let cached = w["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, p1 + g1 - 1);
+}
