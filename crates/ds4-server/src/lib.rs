@@ -493,6 +493,7 @@ fn ctx_for(st: &AppState, p: &Prepared) -> Ctx {
         created: now(),
         include_usage: p.params.include_usage,
         summary: p.summary,
+        namespaces: p.namespaces.clone(),
         call_prefix: if p.kind == Kind::Messages {
             "toolu_"
         } else {

@@ -28,6 +28,8 @@ pub struct Ctx {
     pub summary: bool,
     /// Tool-call id prefix (`call_` or `toolu_`).
     pub call_prefix: &'static str,
+    /// Responses namespaced tools: (prompt name, namespace, wire name).
+    pub namespaces: Vec<(String, String, String)>,
 }
 
 /// Tool-call ids, created on first use so streamed and final calls share them.
@@ -210,9 +212,14 @@ fn call_items(c: &Ctx, r: &GenResult, ids: &mut Ids, ri: &mut RespIds) -> Vec<Va
             while ri.fc.len() <= i {
                 ri.fc.push(rand_id("fc_", 12));
             }
-            json!({"id": ri.fc[i], "type": "function_call", "status": "completed",
-                   "name": tc.name, "call_id": ids.get(i, c.call_prefix),
-                   "arguments": tc.arguments_json})
+            let ns = c.namespaces.iter().find(|(p, _, _)| *p == tc.name);
+            let mut item = json!({"id": ri.fc[i], "type": "function_call", "status": "completed",
+                   "name": ns.map_or(tc.name.as_str(), |n| n.2.as_str()),
+                   "call_id": ids.get(i, c.call_prefix), "arguments": tc.arguments_json});
+            if let Some((_, n, _)) = ns {
+                item["namespace"] = json!(n);
+            }
+            item
         })
         .collect()
 }

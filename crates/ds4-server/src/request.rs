@@ -66,6 +66,8 @@ pub struct Prepared {
     pub params: GenParams,
     /// Responses: `reasoning.summary` was requested (reasoning is returned).
     pub summary: bool,
+    /// Responses namespaced tools: (prompt name, namespace, wire name).
+    pub namespaces: Vec<(String, String, String)>,
 }
 
 fn bad(field: &str, what: &str) -> ApiError {
@@ -332,6 +334,7 @@ pub fn chat(
         detect_tools: !tool_choice_none,
         params: params_common(&f, Kind::Chat)?,
         summary: false,
+        namespaces: vec![],
     })
 }
 
@@ -368,6 +371,7 @@ pub fn completion(v: &Value, ctx: usize) -> Result<Prepared, ApiError> {
         detect_tools: false,
         params: params_common(&f, Kind::Completion)?,
         summary: false,
+        namespaces: vec![],
     })
 }
 
@@ -518,6 +522,7 @@ pub fn messages(
         detect_tools: !tool_choice_none,
         params: params_common(&f, Kind::Messages).map_err(an)?,
         summary: false,
+        namespaces: vec![],
     })
 }
 
@@ -605,13 +610,14 @@ pub fn responses(
         summary = matches!(r.str("summary")?, Some("auto" | "concise" | "detailed"));
     }
     let think = tc.resolve(Some(&model), ctx as u64).mode;
+    let mut namespaces = Vec::new();
+    let tools = match f.array("tools")? {
+        Some(list) => responses_tools(list, raw_tools(body), &mut namespaces),
+        None => vec![],
+    };
     let req = ChatRequest {
         messages,
-        tools: if f.get("tools").is_some() {
-            raw_tools(body)
-        } else {
-            vec![]
-        },
+        tools,
         tool_choice_none,
         think,
     };
@@ -623,7 +629,57 @@ pub fn responses(
         detect_tools: !tool_choice_none,
         params: params_common(&f, Kind::Responses)?,
         summary,
+        namespaces,
     })
+}
+
+/// Responses tools (§1.4): raw bytes as sent, except `{"type":"namespace","name":N,
+/// "tools":[…]}`, flattened to one schema per inner function named `N + name` (recorded in
+/// `ns` so the output can map it back), and the hosted `tool_search`, rendered as a
+/// function of that name.
+fn responses_tools(
+    list: &[Value],
+    raw: Vec<String>,
+    ns: &mut Vec<(String, String, String)>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, t) in list.iter().enumerate() {
+        match t.get("type").and_then(Value::as_str) {
+            Some("namespace") => {
+                let n = t.get("name").and_then(Value::as_str).unwrap_or("");
+                for inner in t
+                    .get("tools")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    let mut f = inner
+                        .get("function")
+                        .cloned()
+                        .unwrap_or_else(|| inner.clone());
+                    let Some(name) = f.get("name").and_then(Value::as_str).map(str::to_string)
+                    else {
+                        continue;
+                    };
+                    let prompt_name = format!("{n}{name}");
+                    f["name"] = Value::String(prompt_name.clone());
+                    out.push(f.to_string());
+                    ns.push((prompt_name, n.to_string(), name));
+                }
+            }
+            Some("tool_search") => {
+                let mut f = t.clone();
+                f["name"] = Value::String("tool_search".into());
+                out.push(f.to_string());
+            }
+            _ => {
+                if let Some(r) = raw.get(i) {
+                    out.push(r.clone());
+                }
+            }
+        }
+    }
+    out
 }
 
 fn responses_items(items: &[Value], out: &mut Vec<Message>) -> Result<(), ApiError> {

@@ -953,3 +953,28 @@ async fn tool_turn_replayed_without_reasoning_still_continues_live() {
         .unwrap();
     assert_eq!(cached, p1 + g1 - 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_namespaced_tools_are_flattened_and_mapped_back() {
+    let s = Srv::new(|_| {});
+    s.force("x</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"fs.read\">\n<｜DSML｜parameter name=\"p\" string=\"true\">a</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>");
+    let tools = json!([{"type":"namespace","name":"fs.","tools":[{"type":"function","name":"read","parameters":{}}]}]);
+    let (_, v) = s
+        .post("/v1/responses", json!({"input":"go","tools":tools}))
+        .await;
+    let call = &v["output"][0];
+    assert_eq!(call["type"], "function_call", "{v}");
+    assert_eq!(call["name"], "read");
+    assert_eq!(call["namespace"], "fs.");
+    assert_eq!(call["arguments"], r#"{"p":"a"}"#);
+    // The prompt carries the flattened schema.
+    let (_, c) = s
+        .post(
+            "/v1/messages/count_tokens",
+            json!({"messages":[{"role":"user","content":"go"}]}),
+        )
+        .await;
+    assert!(
+        v["usage"]["input_tokens"].as_u64().unwrap() > c["input_tokens"].as_u64().unwrap() + 100
+    );
+}
