@@ -30,8 +30,10 @@ if [ -z "$missing" ]; then
 else
   echo "ci-install: hiprtc: apt-get install$missing"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO="sudo -E"; fi
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 echo "ci-install: hiprtc: libraries: $(ls /usr/lib/x86_64-linux-gnu/libamdhip64.so* 2>/dev/null | tr '\n' ' ')"
 echo "ci-install: done in $(( $(date +%s) - t0 )) s"
