@@ -65,6 +65,8 @@ pub struct EngineOptions {
     pub backend: BackendChoice,
     /// CPU worker threads (None: all cores).
     pub threads: Option<usize>,
+    /// GPU index among the visible devices (`--device`).
+    pub device: usize,
     pub rounding: Rounding,
 }
 
@@ -75,6 +77,7 @@ impl EngineOptions {
             mtp: None,
             backend: BackendChoice::Auto,
             threads: None,
+            device: 0,
             rounding: Rounding::MODEL,
         }
     }
@@ -92,11 +95,28 @@ impl Engine {
     pub fn open(opts: &EngineOptions) -> Result<Engine, EngineError> {
         match opts.backend {
             BackendChoice::Auto | BackendChoice::Cpu => {}
-            other => {
+            BackendChoice::Metal => {
                 return Err(EngineError::Backend(
-                    format!("{other:?}").to_lowercase(),
-                    "not available in this build yet: the GPU backends are being written (use --backend cpu)".into(),
+                    "metal".into(),
+                    "not available in this build yet (use --backend cpu)".into(),
                 ))
+            }
+            gpu => {
+                // Probe the driver so the user learns what is there (or what was searched).
+                let (name, which) = match gpu {
+                    BackendChoice::Cuda => ("cuda", ds4_gpu::Backend::Cuda),
+                    _ => ("rocm", ds4_gpu::Backend::Rocm),
+                };
+                let msg = match ds4_gpu::Gpu::open(which, opts.device) {
+                    Ok(g) => format!(
+                        "found device {} ({} {}), but the GPU forward pass is not written yet: use --backend cpu",
+                        g.info().index,
+                        g.info().name,
+                        g.info().arch
+                    ),
+                    Err(e) => format!("{e}\nno usable GPU: use --backend cpu"),
+                };
+                return Err(EngineError::Backend(name.into(), msg));
             }
         }
         if let Some(t) = opts.threads {

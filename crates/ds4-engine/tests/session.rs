@@ -4,7 +4,10 @@
 use ds4_engine::{Engine, EngineOptions};
 
 fn engine() -> Engine {
-    Engine::open(&EngineOptions::new(ds4_synth::tiny_model_for_tests(5, false))).unwrap()
+    Engine::open(&EngineOptions::new(ds4_synth::tiny_model_for_tests(
+        5, false,
+    )))
+    .unwrap()
 }
 
 fn toks(n: usize, salt: u32) -> Vec<u32> {

@@ -22,6 +22,9 @@ pub struct ModelArgs {
     /// CPU worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// GPU index among the visible devices (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES apply).
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
     /// Context size in tokens for the session.
     #[arg(long, default_value_t = 32768)]
     pub ctx: usize,
@@ -33,6 +36,7 @@ impl ModelArgs {
         o.backend = BackendChoice::parse(&self.backend)
             .ok_or_else(|| anyhow!("unknown backend {}", self.backend))?;
         o.threads = self.threads;
+        o.device = self.device;
         o.mtp = self.mtp.clone();
         let spinner = progress::spinner(&format!("loading {}", self.model.display()));
         let e = Engine::open(&o).with_context(|| format!("opening {}", self.model.display()));
