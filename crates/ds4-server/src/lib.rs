@@ -462,6 +462,7 @@ async fn start(st: &Arc<AppState>, p: &Prepared) -> Result<Running, ApiError> {
         max_tokens,
         sampler: sampler_for(p),
         stop: p.params.stop.clone(),
+        logprobs: p.params.logprobs,
         parse: ParseOptions {
             thinking: p.kind != Kind::Completion && p.think.thinking(),
             detect_tools: p.detect_tools,
@@ -547,16 +548,18 @@ async fn generate(st: Arc<AppState>, req: Request, kind: Kind, endpoint: &str) -
     if p.params.stream {
         let w: Box<dyn Writer> = match kind {
             Kind::Chat => Box::new(output::ChatWriter::new(c)),
-            Kind::Completion => Box::new(output::CompletionWriter { c }),
+            Kind::Completion => Box::new(output::CompletionWriter { c, lp_offset: 0 }),
             Kind::Messages => Box::new(output::MessagesWriter::new(c)),
             Kind::Responses => Box::new(output::ResponsesWriter::new(c)),
         };
         return sse_response(st, run, w);
     }
     let mut run = run;
+    let mut logprobs = Vec::new();
     let r = loop {
         match run.rx.recv().await {
             Some(GenEvent::Done(r)) => break r,
+            Some(GenEvent::Logprob(lp)) => logprobs.push(lp),
             Some(GenEvent::Failed(m)) => {
                 return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m)
                     .proto(proto)
@@ -574,9 +577,10 @@ async fn generate(st: Arc<AppState>, req: Request, kind: Kind, endpoint: &str) -
         }
     };
     let mut ids = output::Ids::default();
+    let lp = p.params.logprobs.is_some().then_some(&logprobs[..]);
     let body = match kind {
-        Kind::Chat => output::chat_body(&c, &r, &mut ids),
-        Kind::Completion => output::completion_body(&c, &r),
+        Kind::Chat => output::chat_body(&c, &r, &mut ids, lp),
+        Kind::Completion => output::completion_body(&c, &r, lp),
         Kind::Messages => output::messages_body(&c, &r, &mut ids),
         Kind::Responses => {
             output::responses_body(&c, &r, &mut ids, &mut output::RespIds::default())
@@ -622,6 +626,7 @@ fn sse_response(st: Arc<AppState>, run: Running, w: Box<dyn Writer>) -> Response
                 }
                 Ok(Some(ev)) => match ev {
                     GenEvent::Prefill { .. } => {}
+                    GenEvent::Logprob(lp) => s.queue.extend(s.w.logprob(&lp)),
                     GenEvent::Started {
                         prompt_tokens,
                         cached_tokens,

@@ -1,6 +1,6 @@
 //! Response bodies and SSE event sequences per protocol (interfaces.md §1.5–1.8).
 
-use crate::worker::{Finish, GenResult};
+use crate::worker::{Finish, GenResult, TokenLogprob};
 use bytes::Bytes;
 use ds4_chat::StreamEvent;
 use rand::RngCore;
@@ -112,9 +112,53 @@ fn args_value(a: &str) -> Value {
 }
 
 // ------------------------------------------------------------------------------------------
+// Log-probabilities.
+
+fn lp_token(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// OpenAI chat `logprobs.content` entries.
+fn chat_logprobs(lps: &[TokenLogprob]) -> Value {
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|t| {
+            let top: Vec<Value> = t
+                .top
+                .iter()
+                .map(|(b, lp)| json!({"token": lp_token(b), "logprob": lp, "bytes": b}))
+                .collect();
+            json!({"token": lp_token(&t.bytes), "logprob": t.logprob, "bytes": t.bytes,
+                   "top_logprobs": top})
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Legacy completions `logprobs` object.
+fn completion_logprobs(lps: &[TokenLogprob], offset: usize) -> Value {
+    let mut off = offset;
+    let mut offsets = Vec::new();
+    for t in lps {
+        offsets.push(off);
+        off += t.bytes.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|t| lp_token(&t.bytes)).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|t| {
+            let m: serde_json::Map<String, Value> =
+                t.top.iter().map(|(b, lp)| (lp_token(b), json!(lp))).collect();
+            Value::Object(m)
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+// ------------------------------------------------------------------------------------------
 // Non-streaming bodies.
 
-pub fn chat_body(c: &Ctx, r: &GenResult, ids: &mut Ids) -> Value {
+pub fn chat_body(c: &Ctx, r: &GenResult, ids: &mut Ids, lp: Option<&[TokenLogprob]>) -> Value {
     let mut msg = json!({"role": "assistant", "content": r.parsed.content});
     if !reasoning(r).is_empty() {
         msg["reasoning_content"] = json!(reasoning(r));
@@ -132,18 +176,24 @@ pub fn chat_body(c: &Ctx, r: &GenResult, ids: &mut Ids) -> Value {
             .collect();
         msg["tool_calls"] = json!(calls);
     }
+    let mut choice = json!({"index": 0, "message": msg, "finish_reason": openai_finish(r.finish)});
+    if let Some(lp) = lp {
+        choice["logprobs"] = chat_logprobs(lp);
+    }
     json!({
         "id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
-        "choices": [{"index": 0, "message": msg, "finish_reason": openai_finish(r.finish)}],
-        "usage": openai_usage(r),
+        "choices": [choice], "usage": openai_usage(r),
     })
 }
 
-pub fn completion_body(c: &Ctx, r: &GenResult) -> Value {
+pub fn completion_body(c: &Ctx, r: &GenResult, lp: Option<&[TokenLogprob]>) -> Value {
+    let mut choice = json!({"text": r.text, "index": 0, "finish_reason": openai_finish(r.finish)});
+    if let Some(lp) = lp {
+        choice["logprobs"] = completion_logprobs(lp, 0);
+    }
     json!({
         "id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
-        "choices": [{"text": r.text, "index": 0, "finish_reason": openai_finish(r.finish)}],
-        "usage": openai_usage(r),
+        "choices": [choice], "usage": openai_usage(r),
     })
 }
 
@@ -256,6 +306,10 @@ pub fn responses_body(c: &Ctx, r: &GenResult, ids: &mut Ids, ri: &mut RespIds) -
 pub trait Writer: Send {
     fn started(&mut self, prompt_tokens: usize, cached: usize) -> Vec<Bytes>;
     fn events(&mut self, ev: &[StreamEvent]) -> Vec<Bytes>;
+    /// A generated token's log-probabilities (sent only when requested).
+    fn logprob(&mut self, _lp: &TokenLogprob) -> Vec<Bytes> {
+        vec![]
+    }
     fn done(&mut self, r: &GenResult) -> Vec<Bytes>;
     /// Prefill failed after the SSE headers went out.
     fn failed(&mut self, msg: &str) -> Vec<Bytes>;
@@ -292,6 +346,16 @@ impl ChatWriter {
 impl Writer for ChatWriter {
     fn started(&mut self, _: usize, _: usize) -> Vec<Bytes> {
         vec![self.chunk(json!({"role": "assistant"}), None)]
+    }
+    fn logprob(&mut self, lp: &TokenLogprob) -> Vec<Bytes> {
+        // Text deltas are decoupled from tokens (tags, UTF-8 and stop sequences are held
+        // back), so log-probabilities travel in their own chunks with an empty delta.
+        vec![sse_data(
+            &json!({"id": self.c.id, "object": "chat.completion.chunk",
+            "created": self.c.created, "model": self.c.model,
+            "choices": [{"index": 0, "delta": {}, "logprobs": chat_logprobs(std::slice::from_ref(lp)),
+                         "finish_reason": null}]}),
+        )]
     }
     fn events(&mut self, ev: &[StreamEvent]) -> Vec<Bytes> {
         let mut out = Vec::new();
@@ -359,6 +423,8 @@ impl Writer for ChatWriter {
 
 pub struct CompletionWriter {
     pub c: Ctx,
+    /// Byte offset of the next token (logprobs `text_offset`).
+    pub lp_offset: usize,
 }
 impl CompletionWriter {
     fn chunk(&self, text: &str, finish: Option<&str>) -> Bytes {
@@ -370,6 +436,17 @@ impl CompletionWriter {
 impl Writer for CompletionWriter {
     fn started(&mut self, _: usize, _: usize) -> Vec<Bytes> {
         vec![]
+    }
+    fn logprob(&mut self, lp: &TokenLogprob) -> Vec<Bytes> {
+        let off = self.lp_offset;
+        self.lp_offset += lp.bytes.len();
+        vec![sse_data(
+            &json!({"id": self.c.id, "object": "text_completion",
+            "created": self.c.created, "model": self.c.model,
+            "choices": [{"text": "", "index": 0,
+                         "logprobs": completion_logprobs(std::slice::from_ref(lp), off),
+                         "finish_reason": null}]}),
+        )]
     }
     fn events(&mut self, ev: &[StreamEvent]) -> Vec<Bytes> {
         ev.iter()

@@ -52,6 +52,9 @@ pub struct GenParams {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// `logprobs` / `top_logprobs` (an *Opportunity* over ds4, which ignored them): report
+    /// the sampled token's log-probability and this many alternatives (≤ 20).
+    pub logprobs: Option<usize>,
 }
 
 /// A parsed, rendered request.
@@ -235,6 +238,16 @@ fn params_common(f: &Fields, kind: Kind) -> Result<GenParams, ApiError> {
             if let Some(o) = f.object("stream_options")? {
                 p.include_usage = o.bool("include_usage")?.unwrap_or(false);
             }
+            p.logprobs = if kind == Kind::Chat {
+                f.bool("logprobs")?
+                    .filter(|b| *b)
+                    .map(|_| f.usize("top_logprobs"))
+                    .transpose()?
+                    .map(|k| k.unwrap_or(0).min(20))
+            } else {
+                // Legacy completions: `logprobs` is the number of alternatives.
+                f.usize("logprobs")?.map(|k| k.min(20))
+            };
             // Every spelling; the later one in the body wins.
             for (k, _) in f.map.iter() {
                 if k == "max_tokens" || k == "max_completion_tokens" {

@@ -9,7 +9,7 @@ use crate::metrics::Metrics;
 use ds4_chat::{
     ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, THINK_CLOSE, THINK_OPEN,
 };
-use ds4_engine::{argmax, Engine, Sampler, SamplerConfig, Session};
+use ds4_engine::{argmax, top_logprobs, Engine, Sampler, SamplerConfig, Session};
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,6 +44,8 @@ pub struct GenJob {
     /// How to split the output (thinking, DSML detection). Completions use
     /// `{thinking:false, detect_tools:false}`: everything is raw content.
     pub parse: ParseOptions,
+    /// Report each generated token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
     /// Set when the client is gone: the worker stops within one token / prefill step.
     pub cancel: Arc<AtomicBool>,
     pub events: UnboundedSender<GenEvent>,
@@ -63,9 +65,38 @@ pub enum GenEvent {
         cached_tokens: usize,
     },
     Stream(Vec<StreamEvent>),
+    /// The next generated token's log-probabilities (only when the job asked for them).
+    Logprob(TokenLogprob),
     Done(Box<GenResult>),
     /// Nothing was generated (prefill failed or the job was cancelled before decoding).
     Failed(String),
+}
+
+/// One generated token with its log-probability and the most likely alternatives.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// (bytes, logprob), best first.
+    pub top: Vec<(Vec<u8>, f32)>,
+}
+
+fn token_logprob(tok: &Tokenizer, logits: &[f32], t: u32, k: usize) -> TokenLogprob {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + logits
+        .iter()
+        .map(|v| ((v - m) as f64).exp())
+        .sum::<f64>()
+        .ln() as f32;
+    let bytes = |id: u32| tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
+    TokenLogprob {
+        bytes: bytes(t),
+        logprob: logits[t as usize] - lse,
+        top: top_logprobs(logits, k)
+            .into_iter()
+            .map(|(id, lp)| (bytes(id), lp))
+            .collect(),
+    }
 }
 
 #[derive(Debug)]
@@ -413,6 +444,9 @@ fn decode(
             break;
         }
         n += 1;
+        if let Some(k) = job.logprobs {
+            send(job, GenEvent::Logprob(token_logprob(tok, logits, t, k)));
+        }
         if first {
             metrics.ttft.observe(job.enqueued.elapsed().as_secs_f64());
             first = false;

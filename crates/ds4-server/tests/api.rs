@@ -978,3 +978,66 @@ async fn responses_namespaced_tools_are_flattened_and_mapped_back() {
         v["usage"]["input_tokens"].as_u64().unwrap() > c["input_tokens"].as_u64().unwrap() + 100
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_for_chat_and_completions() {
+    let s = Srv::new(|_| {});
+    let req = json!({"messages":[{"role":"user","content":"Hi"}],"think":false,"temperature":0,
+        "max_tokens":4,"logprobs":true,"top_logprobs":3});
+    let (_, v) = s.post("/v1/chat/completions", req.clone()).await;
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    let mut text = Vec::new();
+    for t in content {
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the best alternative; log-probs are sorted and ≤ 0.
+        assert_eq!(t["bytes"], top[0]["bytes"]);
+        assert_eq!(t["logprob"], top[0]["logprob"]);
+        let lps: Vec<f64> = top.iter().map(|x| x["logprob"].as_f64().unwrap()).collect();
+        assert!(
+            lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0,
+            "{lps:?}"
+        );
+        text.extend(
+            t["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&text),
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    // Streamed: the same tokens in logprobs chunks.
+    let mut sreq = req.clone();
+    sreq["stream"] = json!(true);
+    let d = datas(&s.stream("/v1/chat/completions", sreq).await);
+    let streamed: Vec<&Value> = d
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].get(0))
+        .collect();
+    assert_eq!(streamed.len(), 4);
+    assert_eq!(streamed[0]["logprob"], content[0]["logprob"]);
+    // Not requested: absent.
+    let (_, v) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages":[{"role":"user","content":"Hi"}],"max_tokens":1}),
+        )
+        .await;
+    assert!(v["choices"][0].get("logprobs").is_none());
+    // Legacy completions.
+    let (_, v) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt":"Hi","max_tokens":3,"logprobs":2,"think":false,"temperature":0}),
+        )
+        .await;
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(lp["text_offset"][0], 0);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+}
