@@ -66,6 +66,11 @@ def openai_chat_sampled():
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content, (text, r.choices[0].message.content)
     assert chunks[-1].usage.completion_tokens == 5
+    r = oa.chat.completions.create(model="deepseek-chat", messages=USER, max_tokens=3, temperature=0,
+                                   logprobs=True, top_logprobs=2)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp), lp
+    assert lp[0].logprob == lp[0].top_logprobs[0].logprob  # greedy picks the best
 
 
 @test
