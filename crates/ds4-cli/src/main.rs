@@ -40,6 +40,8 @@ enum Command {
     Logits(cmd::logits::Args),
     /// Prefill and decode speed at growing context frontiers, as CSV.
     Bench(cmd::bench::Args),
+    /// List compute devices, GPU drivers and kernel compilers found on this machine.
+    Devices,
     /// OpenAI- and Anthropic-compatible HTTP server (chat, completions, responses, messages).
     Serve(cmd::serve::Args),
     /// Disk KV cache directory: list entries, show one file, remove entries.
@@ -47,6 +49,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Like other Unix tools, end quietly when the reader of stdout goes away (`ds4 … | head`)
+    // instead of failing a write.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let r = match cli.cmd {
         Command::Synth(a) => cmd::synth::run(a),
@@ -56,13 +64,30 @@ fn main() -> ExitCode {
         Command::Chat(a) => cmd::chat::run(a),
         Command::Logits(a) => cmd::logits::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Devices => {
+            ds4_engine::device_report()
+                .iter()
+                .for_each(|l| println!("{l}"));
+            Ok(())
+        }
         Command::Serve(a) => cmd::serve::run(a),
         Command::Kv(a) => cmd::kv::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ds4: error: {e:#}");
+            // The context chain, without repeating a cause its wrapper already quotes.
+            let mut msg = String::new();
+            for cause in e.chain() {
+                let c = cause.to_string();
+                if !msg.contains(&c) {
+                    if !msg.is_empty() {
+                        msg.push_str(": ");
+                    }
+                    msg.push_str(&c);
+                }
+            }
+            eprintln!("ds4: error: {msg}");
             ExitCode::FAILURE
         }
     }

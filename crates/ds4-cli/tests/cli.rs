@@ -271,3 +271,32 @@ fn chat_repl_commands_and_ctrl_c_stops_only_the_reply() {
     assert!(err.contains("(saved ") && err.contains("(loaded "), "{err}");
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn devices_report_and_closed_pipes_do_not_panic() {
+    let o = ds4(&["devices"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.starts_with("cpu: "), "{out}");
+    assert!(
+        out.contains("cuda") && out.contains("rocm") && out.contains("nvrtc"),
+        "{out}"
+    );
+    // A reader that goes away early (`ds4 … | head -1`) ends the process quietly.
+    let d = tmpdir("pipe");
+    let m = d.join("q2.gguf");
+    assert!(
+        ds4(&["synth", "--preset", "full-q2", "--sparse", "-o", s(&m)])
+            .status
+            .success()
+    );
+    let sh = format!(
+        "{} inspect --tensors {} | head -1",
+        env!("CARGO_BIN_EXE_ds4"),
+        s(&m)
+    );
+    let o = Command::new("sh").args(["-c", &sh]).output().unwrap();
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    assert_eq!(stdout(&o).lines().count(), 1);
+    std::fs::remove_dir_all(&d).ok();
+}

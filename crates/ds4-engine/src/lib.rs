@@ -83,6 +83,70 @@ impl EngineOptions {
     }
 }
 
+/// A human-readable report of the compute devices and kernel compilers this machine offers
+/// (`ds4 devices`): one line per item, each saying what was found or why not.
+pub fn device_report() -> Vec<String> {
+    use ds4_gpu::Compiler;
+    let mut out = vec![format!(
+        "cpu: {} threads available (the reference backend; always present)",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    )];
+    for (vendor, r) in ds4_gpu::probe() {
+        let backend = match vendor {
+            ds4_gpu::Vendor::Nvidia => ds4_gpu::Backend::Cuda,
+            ds4_gpu::Vendor::Amd => ds4_gpu::Backend::Rocm,
+        };
+        match r {
+            Ok(0) => out.push(format!("{vendor}: driver loaded, no visible device")),
+            Ok(n) => {
+                for i in 0..n {
+                    match ds4_gpu::Gpu::open(backend, i) {
+                        Ok(g) => {
+                            let d = g.info();
+                            out.push(format!(
+                                "{vendor} device {i}: {} ({}, warp {}, {} SMs/CUs, {:.1} GiB)",
+                                d.name,
+                                d.arch,
+                                d.warp,
+                                d.sm_count,
+                                d.total_mem as f64 / (1u64 << 30) as f64
+                            ))
+                        }
+                        Err(e) => out.push(format!("{vendor} device {i}: cannot open: {e}")),
+                    }
+                }
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                let first = msg
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .trim_end_matches("; searched:");
+                out.push(format!("{vendor}: not usable: {first}"));
+            }
+        }
+    }
+    match ds4_gpu::Nvrtc::load() {
+        Ok(c) => out.push(format!("nvrtc: {} ({})", c.version(), c.path().display())),
+        Err(e) => out.push(format!(
+            "nvrtc: not found: {}",
+            e.to_string().lines().next().unwrap_or("")
+        )),
+    }
+    match ds4_gpu::Hiprtc::load() {
+        Ok(c) => out.push(format!("hiprtc: {} ({})", c.version(), c.path().display())),
+        Err(e) => out.push(format!(
+            "hiprtc: not found: {}",
+            e.to_string().lines().next().unwrap_or("")
+        )),
+    }
+    if let Some(d) = ds4_gpu::cache::cache_dir() {
+        out.push(format!("kernel cache: {}", d.display()));
+    }
+    out
+}
+
 pub struct Engine {
     model: Arc<CpuModel>,
     tokenizer: Arc<Tokenizer>,

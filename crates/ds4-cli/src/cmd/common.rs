@@ -39,7 +39,7 @@ impl ModelArgs {
         o.device = self.device;
         o.mtp = self.mtp.clone();
         let spinner = progress::spinner(&format!("loading {}", self.model.display()));
-        let e = Engine::open(&o).with_context(|| format!("opening {}", self.model.display()));
+        let e = Engine::open(&o).context("loading the model");
         spinner.finish_and_clear();
         e
     }
