@@ -62,6 +62,8 @@ pub struct ServerConfig {
     pub tool_memory_max_ids: usize,
     /// Test-only forced output file (hidden flag).
     pub force_output: ForceOutput,
+    /// `--trace FILE`: log every request in full.
+    pub trace: Option<Arc<worker::Trace>>,
 }
 
 impl Default for ServerConfig {
@@ -77,6 +79,7 @@ impl Default for ServerConfig {
             keepalive: Duration::from_secs(5),
             tool_memory_max_ids: 100_000,
             force_output: ForceOutput::default(),
+            trace: None,
         }
     }
 }
@@ -432,7 +435,20 @@ fn sampler_for(p: &Prepared) -> SamplerConfig {
 }
 
 /// Tokenises, checks the context, queues the job.
-async fn start(st: &Arc<AppState>, p: &Prepared) -> Result<Running, ApiError> {
+fn endpoint_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Chat => "chat_completions",
+        Kind::Completion => "completions",
+        Kind::Messages => "messages",
+        Kind::Responses => "responses",
+    }
+}
+
+async fn start(
+    st: &Arc<AppState>,
+    p: &Prepared,
+    trace: Option<worker::TraceJob>,
+) -> Result<Running, ApiError> {
     let proto = p.kind.proto();
     let ready = st.ready(proto)?;
     let tok = ready.tokenizer.clone();
@@ -470,6 +486,7 @@ async fn start(st: &Arc<AppState>, p: &Prepared) -> Result<Running, ApiError> {
         cancel: cancel.clone(),
         events: tx,
         enqueued: Instant::now(),
+        trace,
     };
     ready
         .scheduler
@@ -513,10 +530,15 @@ fn remember(st: &AppState, ids: &[String], r: &GenResult) {
 }
 
 /// Parses and renders on a blocking thread (rendering is linear but prompts can be large).
-async fn prepare(st: &Arc<AppState>, req: Request, kind: Kind) -> Result<Prepared, ApiError> {
+async fn prepare(
+    st: &Arc<AppState>,
+    req: Request,
+    kind: Kind,
+) -> Result<(Prepared, Bytes), ApiError> {
     let proto = kind.proto();
     let body = read_body(st, req, proto).await?;
     let st2 = st.clone();
+    let body2 = body.clone();
     tokio::task::spawn_blocking(move || {
         let v = parse_json(&st2, &body, proto)?;
         let ctx = st2.cfg.ctx;
@@ -531,16 +553,22 @@ async fn prepare(st: &Arc<AppState>, req: Request, kind: Kind) -> Result<Prepare
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).proto(proto))?
+    .map(|p| (p, body2))
 }
 
 async fn generate(st: Arc<AppState>, req: Request, kind: Kind, endpoint: &str) -> Response {
     st.metrics.request(endpoint);
     let proto = kind.proto();
-    let p = match prepare(&st, req, kind).await {
+    let (p, body) = match prepare(&st, req, kind).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    let run = match start(&st, &p).await {
+    let trace = st.cfg.trace.as_ref().map(|t| worker::TraceJob {
+        trace: t.clone(),
+        kind: endpoint_name(kind),
+        raw_json: String::from_utf8_lossy(&body).into_owned(),
+    });
+    let run = match start(&st, &p, trace).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -670,7 +698,7 @@ async fn messages(State(st): State<Arc<AppState>>, req: Request) -> Response {
 async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) -> Response {
     st.metrics.request("count_tokens");
     let r = async {
-        let p = prepare(&st, req, Kind::Messages).await?;
+        let (p, _) = prepare(&st, req, Kind::Messages).await?;
         let tok = st.ready(Proto::Anthropic)?.tokenizer.clone();
         let n = tokio::task::spawn_blocking(move || {
             tok.encode_with_chat_specials(&p.prompt_text).len()

@@ -50,6 +50,74 @@ pub struct GenJob {
     pub cancel: Arc<AtomicBool>,
     pub events: UnboundedSender<GenEvent>,
     pub enqueued: Instant,
+    /// `--trace`: where to log this request, with its raw JSON.
+    pub trace: Option<TraceJob>,
+}
+
+/// `--trace FILE` (interfaces.md §7.5): a human-readable log of every request — raw JSON,
+/// rendered prompt, cache decision, generated text, parsed message. It holds full prompts:
+/// treat it as sensitive.
+#[derive(Debug)]
+pub struct Trace {
+    file: std::sync::Mutex<std::fs::File>,
+    n: std::sync::atomic::AtomicU64,
+}
+
+impl Trace {
+    /// Creates (truncates) the file.
+    pub fn create(path: &std::path::Path) -> std::io::Result<Trace> {
+        Ok(Trace {
+            file: std::sync::Mutex::new(std::fs::File::create(path)?),
+            n: Default::default(),
+        })
+    }
+}
+
+/// One traced request.
+pub struct TraceJob {
+    pub trace: Arc<Trace>,
+    pub kind: &'static str,
+    pub raw_json: String,
+}
+
+impl TraceJob {
+    fn write(
+        &self,
+        job: &GenJob,
+        fields: &[(&str, String)],
+        text: &str,
+        parsed: &ParsedOutput,
+        error: Option<&str>,
+    ) {
+        use std::fmt::Write as _;
+        use std::io::Write as _;
+        let n = self.trace.n.fetch_add(1, Ordering::Relaxed) + 1;
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let mut o = format!("===== request {n} t={secs} =====\nkind: {}\n", self.kind);
+        for (k, v) in fields {
+            let _ = writeln!(o, "{k}: {v}");
+        }
+        if let Some(e) = error {
+            let _ = writeln!(o, "error: {e}");
+        }
+        let _ = write!(
+            o,
+            "--- raw request json ---\n{}\n--- rendered prompt ---\n{}\n--- generated text ---\n{text}\n--- parsed message ---\nstatus: {:?}\nreasoning: {}\ncontent: {}\n",
+            self.raw_json,
+            job.prompt_text,
+            parsed.status,
+            parsed.reasoning.as_deref().unwrap_or(""),
+            parsed.content
+        );
+        for (i, c) in parsed.tool_calls.iter().enumerate() {
+            let _ = writeln!(o, "tool_call[{i}]: {} {}", c.name, c.arguments_json);
+        }
+        let _ = writeln!(o, "===== end request {n} =====");
+        let mut f = self.trace.file.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = f.write_all(o.as_bytes());
+    }
 }
 
 /// What the worker reports back, in order: `Prefill`*, `Started`, `Stream`*, then `Done`
@@ -209,14 +277,14 @@ fn run_worker(
 /// tokenise only the text after that boundary (BPE could merge across it otherwise; and the
 /// live tokens may hold sampled tokenisations the full-prompt encoding would not reproduce).
 /// Otherwise the full tokenisation (whose token prefix [`Session::sync`] still reuses).
-fn effective_tokens(tok: &Tokenizer, live: &Live, job: &GenJob) -> Vec<u32> {
+fn effective_tokens(tok: &Tokenizer, live: &Live, job: &GenJob) -> (Vec<u32>, &'static str) {
     let lt = live.session.tokens();
     let p = job.prompt_text.as_bytes();
     for v in &live.visible {
         if let Some(rest) = job.prompt_text.strip_prefix(v.as_str()) {
             let mut t = lt.to_vec();
             t.extend(tok.encode_with_chat_specials(rest));
-            return t;
+            return (t, "thinking-visible");
         }
     }
     if !lt.is_empty()
@@ -227,9 +295,9 @@ fn effective_tokens(tok: &Tokenizer, live: &Live, job: &GenJob) -> Vec<u32> {
     {
         let mut t = lt.to_vec();
         t.extend(tok.encode_with_chat_specials(&job.prompt_text[live.bytes.len()..]));
-        return t;
+        return (t, "memory-text");
     }
-    job.prompt_tokens.clone()
+    (job.prompt_tokens.clone(), "memory-token")
 }
 
 fn send(job: &GenJob, ev: GenEvent) {
@@ -244,7 +312,8 @@ fn run_job(
     forced: Option<Vec<u32>>,
     metrics: &Metrics,
 ) -> Option<String> {
-    let tokens = effective_tokens(tok, live, &job);
+    let live_before = live.session.tokens().len();
+    let (tokens, mut source) = effective_tokens(tok, live, &job);
     live.visible.clear();
     let ctx = live.session.ctx();
     if tokens.len() >= ctx {
@@ -287,6 +356,9 @@ fn run_job(
         }
     }
     let cached = cached.unwrap_or(0);
+    if cached == 0 {
+        source = "none";
+    }
     let prefill_s = t0.elapsed().as_secs_f64();
     metrics.record_prefill(total - cached, t0.elapsed(), cached);
     send(
@@ -307,6 +379,28 @@ fn run_job(
         parsed.tool_calls.len(),
         error.as_deref().map(|e| format!(" error={e}")).unwrap_or_default(),
     );
+    if let Some(tr) = &job.trace {
+        tr.write(
+            &job,
+            &[
+                ("live_tokens_before", live_before.to_string()),
+                ("prompt_tokens", total.to_string()),
+                ("cache_source", source.to_string()),
+                ("cached_tokens", cached.to_string()),
+                ("max_tokens", job.max_tokens.to_string()),
+                ("sampler", format!("{:?}", job.sampler)),
+                ("finish", format!("{finish:?}")),
+                ("generated_tokens", n.to_string()),
+                (
+                    "elapsed_sec",
+                    format!("{:.3}", job.enqueued.elapsed().as_secs_f64()),
+                ),
+            ],
+            &text,
+            &parsed,
+            error.as_deref(),
+        );
+    }
     let thinking_prompt =
         (job.parse.thinking && parsed.reasoning_closed && job.prompt_text.ends_with(THINK_OPEN))
             .then(|| job.prompt_text.clone());

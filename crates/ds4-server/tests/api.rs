@@ -1041,3 +1041,32 @@ async fn logprobs_for_chat_and_completions() {
     assert_eq!(lp["text_offset"][0], 0);
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_file_logs_each_request() {
+    let path = model().with_file_name("trace-test.txt");
+    let trace = Arc::new(ds4_server::worker::Trace::create(&path).unwrap());
+    let s = Srv::new(|c| c.trace = Some(trace));
+    s.force("hm</think>Traced answer.");
+    s.post(
+        "/v1/chat/completions",
+        json!({"messages":[{"role":"user","content":"trace me"}]}),
+    )
+    .await;
+    s.post(
+        "/v1/chat/completions",
+        json!({"messages":[{"role":"user","content":"trace me"},
+        {"role":"assistant","content":"Traced answer."},{"role":"user","content":"again"}]}),
+    )
+    .await;
+    let t = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        t.contains("===== request 1 ") && t.contains("===== end request 2 ====="),
+        "{t}"
+    );
+    assert!(t.contains("\"content\":\"trace me\"")); // raw JSON
+    assert!(t.contains("<｜User｜>trace me<｜Assistant｜><think>")); // rendered prompt
+    assert!(t.contains("content: Traced answer."));
+    assert!(t.contains("cache_source: none"));
+    assert!(t.contains("cache_source: thinking-visible"));
+}

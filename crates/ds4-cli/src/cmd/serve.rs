@@ -2,9 +2,11 @@
 
 use super::common::ModelArgs;
 use anyhow::{anyhow, Context, Result};
-use ds4_server::{worker::ForceOutput, ServerConfig};
+use ds4_server::worker::{ForceOutput, Trace};
+use ds4_server::ServerConfig;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(clap::Args)]
@@ -61,6 +63,10 @@ pub struct Args {
     /// Tool-call ids remembered for exact DSML replay (keeps agent loops cached).
     #[arg(long, default_value_t = 100_000)]
     tool_memory_max_ids: usize,
+    /// Log every request in full to FILE (truncated at start): raw JSON, rendered prompt,
+    /// cache decision, generated text, parsed calls. Contains prompts: treat as sensitive.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Testing only: when FILE exists and is non-empty at the start of a request, its text
     /// is emitted as the model's output instead of sampling (re-read per request).
     #[arg(long, hide = true)]
@@ -93,6 +99,12 @@ pub fn run(a: Args) -> Result<()> {
         keepalive: Duration::from_secs(a.keepalive.max(1)),
         tool_memory_max_ids: a.tool_memory_max_ids,
         force_output: ForceOutput(a.test_force_output),
+        trace: match &a.trace {
+            Some(p) => Some(Arc::new(
+                Trace::create(p).with_context(|| format!("--trace {}", p.display()))?,
+            )),
+            None => None,
+        },
     };
     let model = a.model.clone();
     ds4_server::run_blocking(cfg, SocketAddr::new(ip, a.port), move || {
