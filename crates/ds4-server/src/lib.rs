@@ -64,6 +64,8 @@ pub struct ServerConfig {
     pub force_output: ForceOutput,
     /// `--trace FILE`: log every request in full.
     pub trace: Option<Arc<worker::Trace>>,
+    /// Open connections at most; further ones wait in the listen backlog.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -80,6 +82,7 @@ impl Default for ServerConfig {
             tool_memory_max_ids: 100_000,
             force_output: ForceOutput::default(),
             trace: None,
+            max_connections: 512,
         }
     }
 }
@@ -790,8 +793,18 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let app = router(state.clone());
     let header_timeout = state.cfg.read_timeout;
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        state.cfg.max_connections.max(1),
+    ));
     tokio::pin!(shutdown);
     loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return Ok(()),
+            },
+            _ = &mut shutdown => return Ok(()),
+        };
         let (sock, _peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(x) => x,
@@ -808,6 +821,7 @@ pub async fn serve(
                 .header_read_timeout(header_timeout)
                 .serve_connection(io, svc)
                 .await;
+            drop(permit);
         });
     }
 }

@@ -60,6 +60,9 @@ pub struct Args {
     /// prefills, hidden reasoning).
     #[arg(long, default_value_t = 5)]
     keepalive: u64,
+    /// Open client connections at most (more wait in the listen backlog).
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
     /// Tool-call ids remembered for exact DSML replay (keeps agent loops cached).
     #[arg(long, default_value_t = 100_000)]
     tool_memory_max_ids: usize,
@@ -82,6 +85,9 @@ pub fn run(a: Args) -> Result<()> {
     let ip: IpAddr = host
         .parse()
         .map_err(|_| anyhow!("--host {:?}: not an IP address", a.host))?;
+    if a.model.mtp.is_some() {
+        eprintln!("ds4 serve: note: --mtp is not used by the server yet (plain decoding)");
+    }
     if a.model.ctx < 16 {
         return Err(anyhow!("--ctx {}: too small", a.model.ctx));
     }
@@ -98,6 +104,7 @@ pub fn run(a: Args) -> Result<()> {
         read_timeout: Duration::from_secs(a.read_timeout.max(1)),
         keepalive: Duration::from_secs(a.keepalive.max(1)),
         tool_memory_max_ids: a.tool_memory_max_ids,
+        max_connections: a.max_connections.max(1),
         force_output: ForceOutput(a.test_force_output),
         trace: match &a.trace {
             Some(p) => Some(Arc::new(
