@@ -707,7 +707,7 @@ async fn oversized_bodies_get_413_without_being_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_client_times_out_and_headers_are_bounded() {
-    let s = Srv::new(|c| c.read_timeout = Duration::from_millis(300));
+    let s = Srv::new(|c| c.read_timeout = Duration::from_millis(1000));
     let addr = listen(&s).await;
     tokio::task::spawn_blocking(move || {
         // Body promised but never sent.
@@ -852,7 +852,11 @@ async fn queued_stream_gets_keepalive_comments() {
             .await
             .unwrap();
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t = Instant::now();
+    while s.state.metrics.busy.get() == 0 {
+        assert!(t.elapsed() < Duration::from_secs(20));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let (st, b) = s
         .call(
             "POST",
