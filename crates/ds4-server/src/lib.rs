@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use subtle::ConstantTimeEq;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{channel, Receiver};
 use worker::{ForceOutput, GenEvent, GenJob, GenResult, Scheduler};
 
 pub use metrics::Metrics;
@@ -66,7 +66,13 @@ pub struct ServerConfig {
     pub trace: Option<Arc<worker::Trace>>,
     /// Open connections at most; further ones wait in the listen backlog.
     pub max_connections: usize,
+    /// A streaming client that reads nothing for this long (its event queue full) has its
+    /// generation cancelled.
+    pub stall_timeout: Duration,
 }
+
+/// Worker → handler events buffered per request (memory bound for clients that stall).
+pub const EVENT_QUEUE: usize = 512;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -83,6 +89,7 @@ impl Default for ServerConfig {
             force_output: ForceOutput::default(),
             trace: None,
             max_connections: 512,
+            stall_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -409,7 +416,7 @@ impl Drop for CancelOnDrop {
 }
 
 struct Running {
-    rx: UnboundedReceiver<GenEvent>,
+    rx: Receiver<GenEvent>,
     cancel: CancelOnDrop,
 }
 
@@ -473,7 +480,7 @@ async fn start(
         .max_tokens
         .unwrap_or(st.cfg.default_max_tokens)
         .min(room);
-    let (tx, rx) = unbounded_channel();
+    let (tx, rx) = channel(EVENT_QUEUE);
     let cancel = Arc::new(AtomicBool::new(false));
     let job = GenJob {
         prompt_text: p.prompt_text.clone(),
@@ -489,6 +496,7 @@ async fn start(
         cancel: cancel.clone(),
         events: tx,
         enqueued: Instant::now(),
+        stall: st.cfg.stall_timeout,
         trace,
     };
     ready

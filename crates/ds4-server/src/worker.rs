@@ -15,7 +15,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::mpsc::Sender;
 
 /// Tokens prefilled between two cancellation checks (and progress events).
 const PREFILL_STEP: usize = 128;
@@ -48,7 +49,11 @@ pub struct GenJob {
     pub logprobs: Option<usize>,
     /// Set when the client is gone: the worker stops within one token / prefill step.
     pub cancel: Arc<AtomicBool>,
-    pub events: UnboundedSender<GenEvent>,
+    /// Bounded: a client that stops reading fills it (see `stall`).
+    pub events: Sender<GenEvent>,
+    /// How long the worker waits on a full event channel (a client that connected but does
+    /// not read) before cancelling the job, so one stuck client cannot hold the queue.
+    pub stall: std::time::Duration,
     pub enqueued: Instant,
     /// `--trace`: where to log this request, with its raw JSON.
     pub trace: Option<TraceJob>,
@@ -300,9 +305,22 @@ fn effective_tokens(tok: &Tokenizer, live: &Live, job: &GenJob) -> (Vec<u32>, &'
     (job.prompt_tokens.clone(), "memory-token")
 }
 
-fn send(job: &GenJob, ev: GenEvent) {
-    // A closed receiver is noticed through the cancel flag.
-    let _ = job.events.send(ev);
+fn send(job: &GenJob, mut ev: GenEvent) {
+    let t = Instant::now();
+    loop {
+        match job.events.try_send(ev) {
+            // A closed receiver (client gone) is noticed through the cancel flag.
+            Ok(()) | Err(TrySendError::Closed(_)) => return,
+            Err(TrySendError::Full(e)) => {
+                if t.elapsed() >= job.stall {
+                    job.cancel.store(true, Ordering::Relaxed);
+                    return;
+                }
+                ev = e;
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+    }
 }
 
 fn run_job(

@@ -1074,3 +1074,55 @@ async fn trace_file_logs_each_request() {
     assert!(t.contains("cache_source: none"));
     assert!(t.contains("cache_source: thinking-visible"));
 }
+
+#[test]
+fn a_client_that_stops_reading_is_cancelled_after_the_stall_timeout() {
+    use ds4_server::worker::{spawn_worker, GenEvent, GenJob};
+    let engine = Engine::open(&EngineOptions::new(model())).unwrap();
+    let force = model().with_file_name("force-stall.txt");
+    let text = "word ".repeat(3000);
+    std::fs::write(&force, &text).unwrap();
+    let tok = engine.tokenizer().clone();
+    let forced_len = tok.encode_with_chat_specials(&text).len();
+    let metrics = Arc::new(ds4_server::Metrics::default());
+    let sched = spawn_worker(engine, 8192, ForceOutput(Some(force)), metrics.clone());
+    let job = |tx, cancel, max_tokens| GenJob {
+        prompt_text: "<｜begin▁of▁sentence｜>hi".into(),
+        prompt_tokens: tok.encode_with_chat_specials("<｜begin▁of▁sentence｜>hi"),
+        max_tokens,
+        sampler: Default::default(),
+        stop: vec![],
+        parse: ds4_chat::ParseOptions {
+            thinking: false,
+            detect_tools: false,
+        },
+        logprobs: None,
+        cancel,
+        events: tx,
+        enqueued: Instant::now(),
+        stall: Duration::from_millis(100),
+        trace: None,
+    };
+    // Nobody reads `_rx`: the queue fills, the worker waits 100 ms, then gives up.
+    let (tx, _rx) = tokio::sync::mpsc::channel(16);
+    let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t = Instant::now();
+    sched.submit(job(tx, cancel.clone(), 6000)).unwrap();
+    // A second job queued behind it still runs.
+    let (tx2, mut rx2) = tokio::sync::mpsc::channel(100_000);
+    sched
+        .submit(job(tx2, Arc::new(Default::default()), 50))
+        .unwrap();
+    let mut done = false;
+    while let Some(ev) = rx2.blocking_recv() {
+        if let GenEvent::Done(r) = ev {
+            assert_eq!(r.completion_tokens, forced_len.min(50));
+            done = true;
+            break;
+        }
+    }
+    assert!(done);
+    assert!(cancel.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!(metrics.cancelled.get(), 1);
+    assert!(t.elapsed() < Duration::from_secs(60));
+}

@@ -60,6 +60,10 @@ pub struct Args {
     /// prefills, hidden reasoning).
     #[arg(long, default_value_t = 5)]
     keepalive: u64,
+    /// Seconds a streaming client may stop reading before its generation is cancelled (so a
+    /// stuck client cannot hold the queue).
+    #[arg(long, default_value_t = 20)]
+    stall_timeout: u64,
     /// Open client connections at most (more wait in the listen backlog).
     #[arg(long, default_value_t = 512)]
     max_connections: usize,
@@ -105,6 +109,7 @@ pub fn run(a: Args) -> Result<()> {
         keepalive: Duration::from_secs(a.keepalive.max(1)),
         tool_memory_max_ids: a.tool_memory_max_ids,
         max_connections: a.max_connections.max(1),
+        stall_timeout: Duration::from_secs(a.stall_timeout.max(1)),
         force_output: ForceOutput(a.test_force_output),
         trace: match &a.trace {
             Some(p) => Some(Arc::new(
