@@ -384,7 +384,14 @@ pub fn tiny_model_for_tests(seed: u64, mtp: bool) -> PathBuf {
     fs::create_dir_all(&dir).expect("creating a temp dir");
     let out = dir.join("tiny.gguf");
     let (hparams, mix) = Preset::Tiny.params();
-    let opts = SynthOptions { hparams, mix, out: out.clone(), seed, sparse: false, mtp };
+    let opts = SynthOptions {
+        hparams,
+        mix,
+        out: out.clone(),
+        seed,
+        sparse: false,
+        mtp,
+    };
     synth(&opts, &|_, _| {}).expect("writing the tiny model");
     map.insert((seed, mtp), out.clone());
     out

@@ -16,5 +16,8 @@ pub fn load(path: &Path, rounding: Rounding) -> CpuModel {
 
 /// The tiny synthetic model (q2 mix) for `seed`, rounding steps on.
 pub fn tiny(seed: u64) -> CpuModel {
-    load(&ds4_synth::tiny_model_for_tests(seed, false), Rounding::MODEL)
+    load(
+        &ds4_synth::tiny_model_for_tests(seed, false),
+        Rounding::MODEL,
+    )
 }
