@@ -6,4 +6,4 @@ pub mod rope;
 pub mod weights;
 
 pub use forward::{CpuModel, Rounding, State};
-pub use weights::Weights;
+pub use weights::{MatAccel, Weights};

@@ -42,12 +42,30 @@ impl Mat {
 /// The bound weight files of a model: the main GGUF and optionally the MTP GGUF.
 pub struct Weights {
     files: Vec<(Arc<GgufFile>, WeightDir)>,
+    accel: Option<Arc<dyn MatAccel>>,
+}
+
+/// Runs the weight products somewhere else (the engine plugs a GPU in here); everything else
+/// stays on the CPU. `w` is a contiguous block of whole rows of type `ty` (`cols` elements
+/// each) that always has the same bytes for the same `key` (file index, absolute byte offset),
+/// so an implementation may upload it once and reuse it. `xs` is `n × cols`, `ys` `n × rows`.
+pub trait MatAccel: Send + Sync {
+    fn matmul(
+        &self,
+        key: (usize, usize),
+        ty: GgmlType,
+        w: &[u8],
+        cols: usize,
+        xs: &[f32],
+        ys: &mut [f32],
+    );
 }
 
 impl Weights {
     pub fn new(file: Arc<GgufFile>, dir: WeightDir) -> Weights {
         Weights {
             files: vec![(file, dir)],
+            accel: None,
         }
     }
 
@@ -89,25 +107,21 @@ impl Weights {
     pub fn matvec(&self, m: &Mat, expert: Option<usize>, x: &[f32], y: &mut [f32]) {
         debug_assert_eq!(x.len(), m.cols);
         debug_assert_eq!(y.len(), m.rows);
-        let slab = m.rows * m.row_bytes();
-        let all = self.bytes(m);
-        let w = match expert {
-            Some(e) => &all[e * slab..(e + 1) * slab],
-            None => &all[..slab],
-        };
-        m.kernel.matvec_unchecked(w, x, y);
+        self.matmul(m, expert, x, y);
     }
 
-    /// Several tokens at once: `xs` is `n × cols`, `ys` is `n × rows` (token-major). Each output
-    /// row is bit-identical to [`Weights::matvec`] of that token.
+    /// Several tokens at once: `xs` is `n × cols`, `ys` is `n × rows` (token-major). On the CPU
+    /// each output row is bit-identical to the one-token product.
     pub fn matmul(&self, m: &Mat, expert: Option<usize>, xs: &[f32], ys: &mut [f32]) {
         let slab = m.rows * m.row_bytes();
-        let all = self.bytes(m);
-        let w = match expert {
-            Some(e) => &all[e * slab..(e + 1) * slab],
-            None => &all[..slab],
+        let (w, start) = match expert {
+            Some(e) => (
+                &self.bytes(m)[e * slab..(e + 1) * slab],
+                m.offset + e * slab,
+            ),
+            None => (&self.bytes(m)[..slab], m.offset),
         };
-        m.kernel.matmul_unchecked(w, xs, m.cols, ys);
+        self.product(m, (m.file, start), w, xs, ys);
     }
 
     /// `matmul` restricted to rows `r0 .. r0 + ys.len()/n` (one output group).
@@ -116,14 +130,20 @@ impl Weights {
         let rb = m.row_bytes();
         let rows = ys.len() / n.max(1);
         let w = &self.bytes(m)[r0 * rb..(r0 + rows) * rb];
-        m.kernel.matmul_unchecked(w, xs, m.cols, ys);
+        self.product(m, (m.file, m.offset + r0 * rb), w, xs, ys);
     }
 
-    /// `y = rows r0 .. r0+y.len() of M · x` (one output group of `attn_output_a`).
-    pub fn matvec_rows(&self, m: &Mat, r0: usize, x: &[f32], y: &mut [f32]) {
-        let rb = m.row_bytes();
-        let w = &self.bytes(m)[r0 * rb..(r0 + y.len()) * rb];
-        m.kernel.matvec_unchecked(w, x, y);
+    /// Run a weight product on the accelerator when one is attached, else on the CPU.
+    fn product(&self, m: &Mat, key: (usize, usize), w: &[u8], xs: &[f32], ys: &mut [f32]) {
+        match &self.accel {
+            Some(a) => a.matmul(key, m.ty, w, m.cols, xs, ys),
+            None => m.kernel.matmul_unchecked(w, xs, m.cols, ys),
+        }
+    }
+
+    /// Attach an accelerator for the weight products (see [`MatAccel`]).
+    pub fn set_accel(&mut self, accel: Arc<dyn MatAccel>) {
+        self.accel = Some(accel);
     }
 
     /// One row of a matrix, dequantised (embedding lookup, `ape` rows).

@@ -1,6 +1,7 @@
 //! The engine: opens a model on a backend, hands out sessions. This is the only API the CLI
 //! and the server use — tokens in, logits/tokens out, snapshots as bytes; never a tensor.
 
+mod gpu_accel;
 pub mod sampler;
 mod snapshot;
 
@@ -153,12 +154,16 @@ pub struct Engine {
     /// SHA-256 of the GGUF header (metadata + tensor table): identifies the model in snapshots.
     model_id: [u8; 32],
     path: PathBuf,
+    /// Human-readable backend line (`cpu`, or the GPU and what runs on it).
+    backend: String,
 }
 
 impl Engine {
     pub fn open(opts: &EngineOptions) -> Result<Engine, EngineError> {
-        match opts.backend {
-            BackendChoice::Auto | BackendChoice::Cpu => {}
+        // GPU backends: the weight products run on the device (gpu_accel.rs), the rest on
+        // the CPU reference, until the resident GPU forward pass lands.
+        let accel = match opts.backend {
+            BackendChoice::Auto | BackendChoice::Cpu => None,
             BackendChoice::Metal => {
                 return Err(EngineError::Backend(
                     "metal".into(),
@@ -166,23 +171,21 @@ impl Engine {
                 ))
             }
             gpu => {
-                // Probe the driver so the user learns what is there (or what was searched).
                 let (name, which) = match gpu {
                     BackendChoice::Cuda => ("cuda", ds4_gpu::Backend::Cuda),
                     _ => ("rocm", ds4_gpu::Backend::Rocm),
                 };
-                let msg = match ds4_gpu::Gpu::open(which, opts.device) {
-                    Ok(g) => format!(
-                        "found device {} ({} {}), but the GPU forward pass is not written yet: use --backend cpu",
-                        g.info().index,
-                        g.info().name,
-                        g.info().arch
-                    ),
-                    Err(e) => format!("{e}\nno usable GPU: use --backend cpu"),
-                };
-                return Err(EngineError::Backend(name.into(), msg));
+                match ds4_gpu::Gpu::open(which, opts.device) {
+                    Ok(g) => Some((name, Arc::new(gpu_accel::GpuAccel::new(g)))),
+                    Err(e) => {
+                        return Err(EngineError::Backend(
+                            name.into(),
+                            format!("{e}\nno usable GPU: use --backend cpu"),
+                        ))
+                    }
+                }
             }
-        }
+        };
         if let Some(t) = opts.threads {
             // Only the first engine of a process sets the pool size; later calls keep it.
             let _ = rayon::ThreadPoolBuilder::new()
@@ -204,12 +207,24 @@ impl Engine {
             let mdir = ds4_model::bind_mtp(&mf, &hp)?;
             weights.add_file(mf, mdir);
         }
+        let backend = match &accel {
+            Some((name, a)) => {
+                let i = a.gpu().info();
+                weights.set_accel(a.clone());
+                format!(
+                    "{name} ({} {}; weight products on the GPU, the rest on the CPU)",
+                    i.name, i.arch
+                )
+            }
+            None => "cpu".to_string(),
+        };
         let model = CpuModel::new(hp, weights, opts.rounding);
         Ok(Engine {
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
             model_id,
             path: opts.model.clone(),
+            backend,
         })
     }
 
@@ -230,8 +245,9 @@ impl Engine {
         self.model_id
     }
 
-    pub fn backend_name(&self) -> &'static str {
-        "cpu"
+    /// The backend in use, as a human-readable line.
+    pub fn backend_name(&self) -> &str {
+        &self.backend
     }
 
     /// A new session able to hold `ctx` tokens.
