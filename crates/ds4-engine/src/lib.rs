@@ -5,7 +5,8 @@ mod gpu_accel;
 pub mod sampler;
 mod snapshot;
 
-use ds4_cpu::{CpuModel, Rounding, State, Weights};
+pub use ds4_cpu::Rounding;
+use ds4_cpu::{CpuModel, State, Weights};
 use ds4_gguf::GgufFile;
 use ds4_model::{bind_main, HParams};
 use ds4_tokenizer::Tokenizer;

@@ -25,6 +25,11 @@ pub struct ModelArgs {
     /// GPU index among the visible devices (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES apply).
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Rounding steps of the model's semantics (FP8 KV rows, Hadamard+FP4 indexer, f16 cache
+    /// rows): `model` (default) or `none` — plain float math, as HF transformers computes; for
+    /// comparisons against such references.
+    #[arg(long, default_value = "model", value_parser = ["model", "none"])]
+    pub rounding: String,
     /// Context size in tokens for the session.
     #[arg(long, default_value_t = 32768)]
     pub ctx: usize,
@@ -37,6 +42,9 @@ impl ModelArgs {
             .ok_or_else(|| anyhow!("unknown backend {}", self.backend))?;
         o.threads = self.threads;
         o.device = self.device;
+        if self.rounding == "none" {
+            o.rounding = ds4_engine::Rounding::NONE;
+        }
         o.mtp = self.mtp.clone();
         let spinner = progress::spinner(&format!("loading {}", self.model.display()));
         let e = Engine::open(&o).context("loading the model");
