@@ -268,22 +268,7 @@ impl Engine {
     /// compressor frontiers, and the compressed/indexer rows at full context (f32, as the CPU
     /// backend stores them).
     pub fn memory_estimate(&self, ctx: usize) -> u64 {
-        let hp = self.hparams();
-        let hd = hp.head_dim as u64;
-        let ihd = hp.indexer_head_dim as u64;
-        let mut b = 0u64;
-        for l in hp.layers() {
-            b += hp.sliding_window as u64 * hd * 4;
-            if l.compressed() {
-                let c = l.coff() as u64;
-                b += 2 * (c * l.ratio as u64) * (c * hd) * 4
-                    + (ctx as u64 / l.ratio as u64) * hd * 4;
-            }
-            if l.has_indexer() {
-                b += 2 * 8 * (2 * ihd) * 4 + (ctx as u64 / 4) * ihd * 4;
-            }
-        }
-        b + hp.n_vocab as u64 * 4 + ctx as u64 * 4
+        self.hparams().session_bytes(ctx, 4)
     }
 }
 

@@ -557,6 +557,29 @@ impl HParams {
         (0..self.n_layer).map(|l| self.layer(l))
     }
 
+    /// Bytes of one session's state at a context of `ctx` tokens with cache rows of
+    /// `row_bytes_per_value` bytes per value (4 = f32 as the CPU stores them, 2 = f16, exact):
+    /// every layer's raw window, the compressor frontiers (always f32), the compressed and
+    /// indexer rows at full context (model.md §4.2), the token ids and one logits vector.
+    pub fn session_bytes(&self, ctx: usize, row_bytes_per_value: u64) -> u64 {
+        let hd = self.head_dim as u64;
+        let ihd = self.indexer_head_dim as u64;
+        let v = row_bytes_per_value;
+        let ctx = ctx as u64;
+        let mut b = 0u64;
+        for l in self.layers() {
+            b += self.sliding_window as u64 * hd * v;
+            if l.compressed() {
+                let c = l.coff() as u64;
+                b += 2 * (c * l.ratio as u64) * (c * hd) * 4 + ctx / l.ratio as u64 * hd * v;
+            }
+            if l.has_indexer() {
+                b += 2 * 8 * (2 * ihd) * 4 + ctx / 4 * ihd * v;
+            }
+        }
+        b + self.n_vocab as u64 * 4 + ctx * 4
+    }
+
     /// `H · d_h`: width of the full query.
     pub fn q_dim(&self) -> u32 {
         self.n_head * self.head_dim
