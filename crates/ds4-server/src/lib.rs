@@ -69,6 +69,24 @@ pub struct ServerConfig {
     /// A streaming client that reads nothing for this long (its event queue full) has its
     /// generation cancelled.
     pub stall_timeout: Duration,
+    /// `--kv-disk-dir` and friends: the disk KV cache; `None` = off.
+    pub kv_disk: Option<KvDiskConfig>,
+    /// `--kv-mem-mb`: memory for live sessions, each counted at
+    /// `Engine::memory_estimate(ctx)` (its size at a full context). `None`: room for
+    /// [`DEFAULT_LIVE_SESSIONS`]. At least one session is always kept.
+    pub kv_mem_bytes: Option<u64>,
+}
+
+/// Live sessions kept when `--kv-mem-mb` is not given.
+pub const DEFAULT_LIVE_SESSIONS: usize = 4;
+
+/// The disk KV cache settings (interfaces.md §5.3).
+#[derive(Clone, Debug)]
+pub struct KvDiskConfig {
+    pub dir: std::path::PathBuf,
+    /// Budget for the `*.kv` files.
+    pub space_bytes: u64,
+    pub policy: ds4_kvstore::Policy,
 }
 
 /// Worker → handler events buffered per request (memory bound for clients that stall).
@@ -90,6 +108,8 @@ impl Default for ServerConfig {
             trace: None,
             max_connections: 512,
             stall_timeout: Duration::from_secs(20),
+            kv_disk: None,
+            kv_mem_bytes: None,
         }
     }
 }
@@ -167,15 +187,49 @@ impl AppState {
         })
     }
 
-    /// Installs an opened engine: starts the worker; requests are served from now on.
+    /// Installs an opened engine: opens the disk KV cache (if configured), starts the
+    /// worker; requests are served from now on. A disk cache that cannot be opened is a load
+    /// error (`/health` reports it).
     pub fn set_engine(&self, engine: Engine) {
         let tokenizer = engine.tokenizer().clone();
-        let scheduler = worker::spawn_worker(
-            engine,
-            self.cfg.ctx,
-            self.cfg.force_output.clone(),
-            self.metrics.clone(),
+        let disk = match &self.cfg.kv_disk {
+            None => None,
+            Some(k) => match ds4_kvstore::KvStore::open(&k.dir, k.space_bytes, engine.model_id()) {
+                Ok(store) => Some(worker::DiskCache {
+                    store,
+                    policy: k.policy.clone(),
+                }),
+                Err(e) => {
+                    eprintln!("ds4 serve: error: --kv-disk-dir: {e}");
+                    self.set_load_error(format!("--kv-disk-dir: {e}"));
+                    return;
+                }
+            },
+        };
+        let per = engine.memory_estimate(self.cfg.ctx).max(1);
+        let max_sessions = match self.cfg.kv_mem_bytes {
+            Some(b) => (b / per).max(1) as usize,
+            None => DEFAULT_LIVE_SESSIONS,
+        };
+        eprintln!(
+            "ds4 serve: up to {max_sessions} live sessions of {:.1} MiB each (--kv-mem-mb){}",
+            per as f64 / (1 << 20) as f64,
+            match &self.cfg.kv_disk {
+                Some(k) => format!(
+                    "; disk KV cache in {} ({} MiB)",
+                    k.dir.display(),
+                    k.space_bytes >> 20
+                ),
+                None => String::new(),
+            }
         );
+        let wc = worker::WorkerConfig {
+            ctx: self.cfg.ctx,
+            force: self.cfg.force_output.clone(),
+            max_sessions,
+            disk,
+        };
+        let scheduler = worker::spawn_worker_with(engine, wc, self.metrics.clone());
         let _ = self.ready.set(Ready {
             tokenizer,
             scheduler,
@@ -195,6 +249,14 @@ impl AppState {
             };
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg).proto(proto)
         })
+    }
+
+    /// Clean shutdown of the worker: stops generation and writes the live sessions to the
+    /// disk cache (reason `shutdown`). Returns when done; a no-op before the model loaded.
+    pub fn shutdown(&self) {
+        if let Some(r) = self.ready.get() {
+            r.scheduler.shutdown();
+        }
     }
 
     fn replay(&self) -> std::sync::MutexGuard<'_, ReplayStore> {
@@ -835,7 +897,8 @@ pub async fn serve(
 }
 
 /// Binds `addr`, loads the model in the background (`open`), and serves until Ctrl-C /
-/// SIGTERM. Blocks; builds its own tokio runtime.
+/// SIGTERM; then stops generation and writes the live sessions to the disk KV cache before
+/// returning. Blocks; builds its own tokio runtime.
 pub fn run_blocking(
     cfg: ServerConfig,
     addr: SocketAddr,
@@ -844,15 +907,15 @@ pub fn run_blocking(
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    let state = AppState::new(cfg);
+    let st = state.clone();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         eprintln!(
             "ds4 serve: listening on http://{} (loading the model; GET /health reports readiness)",
             listener.local_addr()?
         );
-        let state = AppState::new(cfg);
-        let st = state.clone();
-        load_in_background(state.clone(), move || {
+        load_in_background(st.clone(), move || {
             let t = Instant::now();
             let r = open();
             match &r {
@@ -885,5 +948,8 @@ pub fn run_blocking(
             eprintln!("ds4 serve: shutting down");
         };
         serve(listener, st, shutdown).await
-    })
+    })?;
+    state.shutdown();
+    eprintln!("ds4 serve: stopped");
+    Ok(())
 }

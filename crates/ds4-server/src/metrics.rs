@@ -105,6 +105,19 @@ pub struct Metrics {
     pub kv_bytes: Gauge,
     /// Seconds from queueing to the first generated token.
     pub ttft: Histogram,
+    /// Live sessions held in memory, and how many were evicted to make room.
+    pub live_sessions: Gauge,
+    pub live_evictions: Counter,
+    /// Disk KV cache (`--kv-disk-dir`): lookups that restored a checkpoint / found none,
+    /// prompt tokens restored from disk, checkpoints written and their bytes, files evicted
+    /// to keep the space budget, and failures (bad entries rejected, writes that failed).
+    pub kv_disk_hits: Counter,
+    pub kv_disk_misses: Counter,
+    pub kv_disk_reused_tokens: Counter,
+    pub kv_disk_saves: Counter,
+    pub kv_disk_written_bytes: Counter,
+    pub kv_disk_evictions: Counter,
+    pub kv_disk_errors: Counter,
 }
 
 impl Metrics {
@@ -238,8 +251,62 @@ impl Metrics {
         one(
             "ds4_kv_cache_bytes",
             "gauge",
-            "Bytes of KV state held by the live session (device memory on GPU backends).",
+            "Bytes of KV state held by the live sessions (device memory on GPU backends).",
             g(&self.kv_bytes),
+        );
+        one(
+            "ds4_live_sessions",
+            "gauge",
+            "Live sessions held in memory.",
+            g(&self.live_sessions),
+        );
+        one(
+            "ds4_live_session_evictions_total",
+            "counter",
+            "Live sessions evicted (least recently used) to make room for another conversation.",
+            c(&self.live_evictions),
+        );
+        one(
+            "ds4_kv_disk_hits_total",
+            "counter",
+            "Disk KV cache lookups that restored a checkpoint.",
+            c(&self.kv_disk_hits),
+        );
+        one(
+            "ds4_kv_disk_misses_total",
+            "counter",
+            "Disk KV cache lookups that found no usable checkpoint.",
+            c(&self.kv_disk_misses),
+        );
+        one(
+            "ds4_kv_disk_reused_tokens_total",
+            "counter",
+            "Prompt tokens restored from the disk KV cache.",
+            c(&self.kv_disk_reused_tokens),
+        );
+        one(
+            "ds4_kv_disk_saves_total",
+            "counter",
+            "Checkpoints written to the disk KV cache.",
+            c(&self.kv_disk_saves),
+        );
+        one(
+            "ds4_kv_disk_written_bytes_total",
+            "counter",
+            "Bytes of checkpoints written to the disk KV cache.",
+            c(&self.kv_disk_written_bytes),
+        );
+        one(
+            "ds4_kv_disk_evictions_total",
+            "counter",
+            "Disk KV cache files removed to respect --kv-disk-space-mb.",
+            c(&self.kv_disk_evictions),
+        );
+        one(
+            "ds4_kv_disk_errors_total",
+            "counter",
+            "Disk KV cache entries rejected when loading, and writes that failed.",
+            c(&self.kv_disk_errors),
         );
         let _ = writeln!(o, "# HELP ds4_requests_total HTTP requests by endpoint.\n# TYPE ds4_requests_total counter");
         for (i, e) in ENDPOINTS.iter().enumerate() {

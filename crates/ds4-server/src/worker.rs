@@ -185,21 +185,57 @@ pub struct GenResult {
     pub error: Option<String>,
 }
 
+/// The disk KV cache as the worker uses it: the store and when to write checkpoints.
+pub struct DiskCache {
+    pub store: ds4_kvstore::KvStore,
+    pub policy: ds4_kvstore::Policy,
+}
+
+/// Everything the worker needs besides the engine.
+pub struct WorkerConfig {
+    /// Context of every live session.
+    pub ctx: usize,
+    pub force: ForceOutput,
+    /// Live sessions kept in memory at most (≥ 1); the least recently used one is evicted
+    /// (saved to the disk cache first, when enabled) to make room for a new conversation.
+    pub max_sessions: usize,
+    pub disk: Option<DiskCache>,
+}
+
+enum Msg {
+    Job(Box<GenJob>),
+    /// Save every live session to the disk cache, then acknowledge.
+    Shutdown(mpsc::Sender<()>),
+}
+
 /// The handle handlers submit jobs through. Cloneable; FIFO.
 #[derive(Clone)]
 pub struct Scheduler {
-    tx: mpsc::Sender<GenJob>,
+    tx: mpsc::Sender<Msg>,
     metrics: Arc<Metrics>,
+    /// Set by [`Scheduler::shutdown`]: running and queued jobs stop.
+    stopping: Arc<AtomicBool>,
 }
 
 impl Scheduler {
     /// Queues a job. Fails only when the worker is gone.
     pub fn submit(&self, job: GenJob) -> Result<(), String> {
         self.metrics.queue_depth.inc();
-        self.tx.send(job).map_err(|_| {
+        self.tx.send(Msg::Job(Box::new(job))).map_err(|_| {
             self.metrics.queue_depth.dec();
             "the generation worker has stopped".to_string()
         })
+    }
+
+    /// Clean shutdown: the running job stops at its next token, queued jobs fail, then every
+    /// live session worth keeping is written to the disk cache (reason `shutdown`). Returns
+    /// when that is done (or the worker is gone).
+    pub fn shutdown(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel();
+        if self.tx.send(Msg::Shutdown(tx)).is_ok() {
+            let _ = rx.recv();
+        }
     }
 }
 
@@ -217,23 +253,40 @@ impl ForceOutput {
     }
 }
 
-/// Starts the worker thread for an opened engine; returns the scheduler that feeds it.
+/// Starts the worker thread with one live session and no disk cache.
 pub fn spawn_worker(
     engine: Engine,
     ctx: usize,
     force: ForceOutput,
     metrics: Arc<Metrics>,
 ) -> Scheduler {
-    let (tx, rx) = mpsc::channel::<GenJob>();
-    let m = metrics.clone();
-    std::thread::Builder::new()
-        .name("ds4-worker".into())
-        .spawn(move || run_worker(engine, ctx, force, rx, m))
-        .expect("spawning the worker thread");
-    Scheduler { tx, metrics }
+    let cfg = WorkerConfig {
+        ctx,
+        force,
+        max_sessions: 1,
+        disk: None,
+    };
+    spawn_worker_with(engine, cfg, metrics)
 }
 
-/// The live session plus the decoded bytes of its tokens (for rendered-text prefix reuse).
+/// Starts the worker thread for an opened engine; returns the scheduler that feeds it.
+pub fn spawn_worker_with(engine: Engine, cfg: WorkerConfig, metrics: Arc<Metrics>) -> Scheduler {
+    let (tx, rx) = mpsc::channel::<Msg>();
+    let m = metrics.clone();
+    let stopping = Arc::new(AtomicBool::new(false));
+    let st = stopping.clone();
+    std::thread::Builder::new()
+        .name("ds4-worker".into())
+        .spawn(move || run_worker(engine, cfg, rx, m, st))
+        .expect("spawning the worker thread");
+    Scheduler {
+        tx,
+        metrics,
+        stopping,
+    }
+}
+
+/// One live session plus the decoded bytes of its tokens (for rendered-text prefix reuse).
 struct Live {
     session: Session,
     bytes: Vec<u8>,
@@ -244,37 +297,299 @@ struct Live {
     /// rest is what the KV holds after `</think>` (content, DSML). A prompt extending one
     /// of them continues from the live KV, which still holds the hidden reasoning.
     visible: Vec<String>,
+    /// Token count of the last checkpoint written from this session (0: none): continued
+    /// checkpoints go beyond it, and a session already on disk is not written again.
+    stored: usize,
+    /// Worker tick of the last job (least recently used = smallest).
+    used: u64,
+}
+
+impl Live {
+    fn new(session: Session) -> Live {
+        Live {
+            session,
+            bytes: Vec::new(),
+            visible: Vec::new(),
+            stored: 0,
+            used: 0,
+        }
+    }
+}
+
+/// Header flag of a checkpoint keyed by a thinking-visible transcript (interfaces.md §5.5).
+const FLAG_THINKING_VISIBLE: u8 = 4;
+
+/// Writes the session's whole state as a checkpoint: keyed by its decoded text, or, right
+/// after a thinking turn, by the visible transcripts a client will replay.
+fn store(
+    disk: &DiskCache,
+    tok: &Tokenizer,
+    live: &mut Live,
+    reason: ds4_kvstore::Reason,
+    metrics: &Metrics,
+) {
+    let s = &live.session;
+    let n = s.tokens().len();
+    if n == 0 {
+        return;
+    }
+    let keys: Vec<(Vec<u8>, u8)> = if live.visible.is_empty() {
+        match tok.decode(s.tokens()) {
+            Ok(b) => vec![(b, 0)],
+            Err(e) => {
+                eprintln!("ds4 serve: kv cache: not storing a session: {e}");
+                return;
+            }
+        }
+    } else {
+        live.visible
+            .iter()
+            .map(|v| (v.as_bytes().to_vec(), FLAG_THINKING_VISIBLE))
+            .collect()
+    };
+    let t = Instant::now();
+    let snap = s.snapshot();
+    for (key, flags) in keys {
+        let mut meta = ds4_kvstore::SaveMeta::new(reason, s.ctx());
+        meta.flags = flags;
+        match disk.store.save(&key, s.tokens(), &snap, &meta) {
+            Ok(ds4_kvstore::Saved::Written { bytes, evicted, .. }) => {
+                metrics.kv_disk_saves.inc();
+                metrics.kv_disk_written_bytes.add(bytes);
+                metrics.kv_disk_evictions.add(evicted.len() as u64);
+                eprintln!(
+                    "ds4 serve: kv cache: stored {n} tokens ({reason:?}, {:.1} MiB, {:.0} ms){}",
+                    bytes as f64 / (1 << 20) as f64,
+                    t.elapsed().as_secs_f64() * 1e3,
+                    if evicted.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", evicted {} old entries", evicted.len())
+                    }
+                );
+            }
+            Ok(ds4_kvstore::Saved::Unchanged { .. }) => {}
+            Ok(ds4_kvstore::Saved::TooLarge { bytes, budget }) => eprintln!(
+                "ds4 serve: kv cache: not storing {n} tokens: {bytes} bytes exceed --kv-disk-space-mb ({budget} bytes)"
+            ),
+            Err(e) => {
+                metrics.kv_disk_errors.inc();
+                eprintln!("ds4 serve: {e}");
+            }
+        }
+    }
+    live.stored = n;
+}
+
+/// Stores a whole live session (reasons `evict` / `shutdown`) when it is long enough and not
+/// already on disk as it stands.
+fn store_whole(
+    disk: Option<&DiskCache>,
+    tok: &Tokenizer,
+    live: &mut Live,
+    reason: ds4_kvstore::Reason,
+    metrics: &Metrics,
+) {
+    let Some(d) = disk else { return };
+    let n = live.session.tokens().len();
+    if d.policy.store_whole(n) && (live.stored != n || !live.visible.is_empty()) {
+        store(d, tok, live, reason, metrics);
+    }
 }
 
 fn run_worker(
     engine: Engine,
-    ctx: usize,
-    force: ForceOutput,
-    rx: mpsc::Receiver<GenJob>,
+    cfg: WorkerConfig,
+    rx: mpsc::Receiver<Msg>,
     metrics: Arc<Metrics>,
+    stopping: Arc<AtomicBool>,
 ) {
     let tok = engine.tokenizer().clone();
-    let mut live = Live {
-        session: engine.new_session(ctx),
-        bytes: Vec::new(),
-        visible: Vec::new(),
-    };
-    while let Ok(job) = rx.recv() {
+    let disk = cfg.disk.as_ref();
+    let max_sessions = cfg.max_sessions.max(1);
+    let mut pool: Vec<Live> = Vec::new();
+    let mut tick = 0u64;
+    while let Ok(msg) = rx.recv() {
+        let job = match msg {
+            Msg::Job(job) => *job,
+            Msg::Shutdown(ack) => {
+                for live in &mut pool {
+                    store_whole(disk, &tok, live, ds4_kvstore::Reason::Shutdown, &metrics);
+                }
+                let _ = ack.send(());
+                // Later jobs (there should be none) fail below.
+                continue;
+            }
+        };
         metrics.queue_depth.dec();
         if job.cancel.load(Ordering::Relaxed) {
             metrics.cancelled.inc();
             continue; // the client left while queued
         }
+        if stopping.load(Ordering::Relaxed) {
+            send(&job, GenEvent::Failed("the server is shutting down".into()));
+            continue;
+        }
         metrics.busy.set(1);
-        let forced = force.tokens(&tok);
-        let thinking_prompt = run_job(&tok, &mut live, job, forced, &metrics);
+        tick += 1;
+        let forced = cfg.force.tokens(&tok);
+        let (idx, plan) = pick(
+            &engine,
+            cfg.ctx,
+            &tok,
+            &mut pool,
+            max_sessions,
+            disk,
+            &job,
+            &metrics,
+        );
+        let live = &mut pool[idx];
+        live.used = tick;
+        let thinking_prompt = run_job(&tok, live, plan, job, forced, &metrics, disk, &stopping);
         live.bytes = tok.decode(live.session.tokens()).unwrap_or_default();
         if let Some(p) = thinking_prompt {
             live.visible = visible_keys(&p, &live.bytes);
         }
-        metrics.kv_bytes.set(live.session.kv_bytes());
+        metrics
+            .kv_bytes
+            .set(pool.iter().map(|l| l.session.kv_bytes()).sum());
+        metrics.live_sessions.set(pool.len() as u64);
         metrics.busy.set(0);
     }
+}
+
+/// How a job starts: the effective prompt tokens and where the reused prefix came from.
+struct Plan {
+    tokens: Vec<u32>,
+    source: &'static str,
+}
+
+/// Chooses the live session for a job (interfaces.md §5.2, extended to several sessions):
+/// the one whose tokens are the longest prefix of the job's effective prompt (ties: most
+/// recent). On a miss, a new session is made — evicting the least recently used one to the
+/// disk cache when `max_sessions` are live — and the disk cache is searched for the longest
+/// stored prefix of the rendered prompt.
+#[allow(clippy::too_many_arguments)]
+fn pick(
+    engine: &Engine,
+    ctx: usize,
+    tok: &Tokenizer,
+    pool: &mut Vec<Live>,
+    max_sessions: usize,
+    disk: Option<&DiskCache>,
+    job: &GenJob,
+    metrics: &Metrics,
+) -> (usize, Plan) {
+    let mut best: Option<(usize, usize, u64, Plan)> = None;
+    for (i, live) in pool.iter().enumerate() {
+        let n = live.session.tokens().len();
+        if n == 0 {
+            continue;
+        }
+        let (tokens, source) = effective_tokens(tok, live, job);
+        if !tokens.starts_with(live.session.tokens()) {
+            continue;
+        }
+        if best.as_ref().is_none_or(|b| (n, live.used) > (b.1, b.2)) {
+            best = Some((i, n, live.used, Plan { tokens, source }));
+        }
+    }
+    if let Some((i, _, _, plan)) = best {
+        return (i, plan);
+    }
+    // Miss: a fresh session, in an empty slot, a new one, or the least recently used one's.
+    let idx = if let Some(i) = pool.iter().position(|l| l.session.tokens().is_empty()) {
+        i
+    } else if pool.len() < max_sessions {
+        pool.push(Live::new(engine.new_session(ctx)));
+        pool.len() - 1
+    } else {
+        let i = (0..pool.len()).min_by_key(|&i| pool[i].used).unwrap_or(0);
+        let live = &mut pool[i];
+        eprintln!(
+            "ds4 serve: live kv cache miss: evicting the least recently used session ({} tokens)",
+            live.session.tokens().len()
+        );
+        metrics.live_evictions.inc();
+        store_whole(disk, tok, live, ds4_kvstore::Reason::Evict, metrics);
+        live.session.reset();
+        live.bytes.clear();
+        live.visible.clear();
+        live.stored = 0;
+        i
+    };
+    let live = &mut pool[idx];
+    if let Some(plan) = disk.and_then(|d| load_from_disk(d, tok, live, job, metrics)) {
+        return (idx, plan);
+    }
+    (
+        idx,
+        Plan {
+            tokens: job.prompt_tokens.clone(),
+            source: "none",
+        },
+    )
+}
+
+/// Disk lookup (interfaces.md §5.4): restore the longest stored prefix of the rendered
+/// prompt into `live` (which is empty); the effective prompt is its tokens plus the
+/// tokenisation of the remaining text (§4.4). `None` on a miss or a bad entry (which is
+/// deleted: the caller then prefills from scratch).
+fn load_from_disk(
+    disk: &DiskCache,
+    tok: &Tokenizer,
+    live: &mut Live,
+    job: &GenJob,
+    metrics: &Metrics,
+) -> Option<Plan> {
+    let ctx = live.session.ctx();
+    let p = job.prompt_text.as_bytes();
+    let Some(hit) =
+        disk.store
+            .lookup_longest_prefix(p, disk.policy.min_tokens, ctx.saturating_sub(1))
+    else {
+        metrics.kv_disk_misses.inc();
+        return None;
+    };
+    let bad = |why: String| {
+        eprintln!(
+            "ds4 serve: kv cache: rejecting {}: {why}",
+            hit.path.display()
+        );
+        metrics.kv_disk_errors.inc();
+        metrics.kv_disk_misses.inc();
+        let _ = std::fs::remove_file(&hit.path);
+    };
+    if !job.prompt_text.is_char_boundary(hit.key_len) {
+        // A key ending inside a character cannot be a rendered-text boundary.
+        metrics.kv_disk_misses.inc();
+        return None;
+    }
+    if let Err(e) = live.session.restore(&hit.snapshot) {
+        bad(e.to_string());
+        live.session.reset();
+        return None;
+    }
+    if live.session.tokens() != hit.tokens.as_slice() {
+        bad("the snapshot's tokens differ from the entry's token list".into());
+        live.session.reset();
+        return None;
+    }
+    metrics.kv_disk_hits.inc();
+    metrics.kv_disk_reused_tokens.add(hit.tokens.len() as u64);
+    live.stored = hit.tokens.len();
+    eprintln!(
+        "ds4 serve: kv cache: disk hit, {} tokens ({} bytes of the prompt) from {}",
+        hit.tokens.len(),
+        hit.key_len,
+        hit.path.display()
+    );
+    let mut tokens = hit.tokens;
+    tokens.extend(tok.encode_with_chat_specials(&job.prompt_text[hit.key_len..]));
+    Some(Plan {
+        tokens,
+        source: "disk",
+    })
 }
 
 /// Effective prompt tokens (interfaces.md §5.2, "memory-text" and §4.4): when the live
@@ -323,15 +638,19 @@ fn send(job: &GenJob, mut ev: GenEvent) {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_job(
     tok: &Tokenizer,
     live: &mut Live,
+    plan: Plan,
     job: GenJob,
     forced: Option<Vec<u32>>,
     metrics: &Metrics,
+    disk: Option<&DiskCache>,
+    stopping: &AtomicBool,
 ) -> Option<String> {
     let live_before = live.session.tokens().len();
-    let (tokens, mut source) = effective_tokens(tok, live, &job);
+    let Plan { tokens, mut source } = plan;
     live.visible.clear();
     let ctx = live.session.ctx();
     if tokens.len() >= ctx {
@@ -352,8 +671,25 @@ fn run_job(
     if !tokens.starts_with(live.session.tokens()) {
         end = 0;
     }
+    // Checkpoint frontiers (interfaces.md §5.3): the cold length when nothing is reused,
+    // and the continued frontiers; the prefill stops exactly there to write them.
+    let mut cold = None;
+    let mut stops = Vec::new();
+    if let Some(d) = disk {
+        if end == 0 {
+            let sp = tok.specials();
+            cold = d.policy.cold_store_len(&tokens, sp.user, sp.assistant);
+        }
+        stops = d.policy.continued_frontiers(end, total);
+        stops.extend(cold);
+        stops.sort_unstable();
+    }
     loop {
-        end = (end + PREFILL_STEP).min(total);
+        let mut next = (end + PREFILL_STEP).min(total);
+        if let Some(&s) = stops.iter().find(|&&s| s > end && s < next) {
+            next = s;
+        }
+        end = next;
         match live.session.sync(&tokens[..end], &mut |_, _| {}) {
             Ok(reused) => {
                 cached.get_or_insert(reused);
@@ -363,11 +699,18 @@ fn run_job(
                 return None;
             }
         }
+        if let Some(d) = disk {
+            if cold == Some(end) {
+                store(d, tok, live, ds4_kvstore::Reason::Cold, metrics);
+            } else if d.policy.continued_due(end, live.stored) {
+                store(d, tok, live, ds4_kvstore::Reason::Continued, metrics);
+            }
+        }
         send(&job, GenEvent::Prefill { done: end, total });
         if end == total {
             break;
         }
-        if job.cancel.load(Ordering::Relaxed) {
+        if job.cancel.load(Ordering::Relaxed) || stopping.load(Ordering::Relaxed) {
             metrics.cancelled.inc();
             send(&job, GenEvent::Failed("cancelled".into()));
             return None;
@@ -387,11 +730,12 @@ fn run_job(
         },
     );
     let t1 = Instant::now();
-    let (finish, text, n, error, parsed) = decode(tok, live, &job, forced, metrics, ctx);
+    let (finish, text, n, error, parsed) =
+        decode(tok, live, &job, forced, metrics, ctx, disk, stopping);
     let decode_s = t1.elapsed().as_secs_f64();
     // One line per request on stderr: the cache decision and speeds.
     eprintln!(
-        "ds4 serve: prompt={total} cached={cached} prefill={:.1} t/s generated={n} decode={:.1} t/s finish={finish:?} tools={}{}",
+        "ds4 serve: prompt={total} cached={cached} source={source} prefill={:.1} t/s generated={n} decode={:.1} t/s finish={finish:?} tools={}{}",
         (total - cached) as f64 / prefill_s.max(1e-9),
         n as f64 / decode_s.max(1e-9),
         parsed.tool_calls.len(),
@@ -499,6 +843,7 @@ impl StopFilter {
 /// (finish, text, generated tokens, error, parsed).
 type DecodeOut = (Finish, String, usize, Option<String>, ParsedOutput);
 
+#[allow(clippy::too_many_arguments)]
 fn decode(
     tok: &Tokenizer,
     live: &mut Live,
@@ -506,6 +851,8 @@ fn decode(
     forced: Option<Vec<u32>>,
     metrics: &Metrics,
     ctx: usize,
+    disk: Option<&DiskCache>,
+    stopping: &AtomicBool,
 ) -> DecodeOut {
     let eos = tok.specials().eos;
     let mut sampler = Sampler::new(job.sampler.clone());
@@ -535,6 +882,11 @@ fn decode(
             metrics.cancelled.inc();
             finish = Finish::Error;
             error = Some("cancelled: the client disconnected".into());
+            break;
+        }
+        if stopping.load(Ordering::Relaxed) {
+            finish = Finish::Error;
+            error = Some("the server is shutting down".into());
             break;
         }
         if live.session.tokens().len() >= ctx {
@@ -582,6 +934,15 @@ fn decode(
             finish = Finish::Error;
             error = Some(format!("decode failed: {e}"));
             break;
+        }
+        // Continued checkpoints during long generations, never inside a tool block.
+        if let Some(d) = disk {
+            if parser.sampling_state() == SamplingState::Outside
+                && d.policy
+                    .continued_due(live.session.tokens().len(), live.stored)
+            {
+                store(d, tok, live, ds4_kvstore::Reason::Continued, metrics);
+            }
         }
     }
     if !hit_stop && !parser.block_closed() {

@@ -24,7 +24,15 @@ opencode (opencode.json):\n  \
     {\"provider\": {\"ds4\": {\"npm\": \"@ai-sdk/openai-compatible\", \"name\": \"ds4\",\n    \
     \"options\": {\"baseURL\": \"http://127.0.0.1:8000/v1\", \"apiKey\": \"KEY\"},\n    \
     \"models\": {\"deepseek-v4-flash\": {\"name\": \"DeepSeek V4 Flash\"}}}}}\n\n\
-OpenAI SDKs / Codex CLI: base URL http://127.0.0.1:8000/v1, key KEY (or any string).")]
+OpenAI SDKs / Codex CLI: base URL http://127.0.0.1:8000/v1, key KEY (or any string).\n\n\
+KV cache: several conversations stay live in memory (--kv-mem-mb); a request continues the\n\
+one whose tokens are the longest prefix of its prompt. With --kv-disk-dir, checkpoints of\n\
+long prompts are written to disk (the system+tools prefix of a new prompt, every ~10k tokens\n\
+of prefill or generation, a live session before it is evicted, every live session on\n\
+SIGINT/SIGTERM) and a prompt that misses the live sessions restores the longest stored\n\
+prefix of its rendered text, even after a restart. Usage reports the reused tokens\n\
+(cached_tokens / cache_read_input_tokens); /metrics counts disk hits, misses, saves and\n\
+evictions. Inspect with `ds4 kv ls DIR`.")]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
@@ -74,6 +82,33 @@ pub struct Args {
     /// cache decision, generated text, parsed calls. Contains prompts: treat as sensitive.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Memory for live sessions in MiB; each is counted at its full-context size (so the
+    /// number kept is MiB / per-session size, at least 1; printed at start). Default: room
+    /// for 4 sessions. The least recently used one is evicted (to the disk cache, if on).
+    #[arg(long)]
+    kv_mem_mb: Option<u64>,
+    /// Directory of the disk KV cache (created with mode 0700). Off when not given.
+    #[arg(long)]
+    kv_disk_dir: Option<PathBuf>,
+    /// Space budget of the disk KV cache in MiB; least recently used entries are evicted.
+    #[arg(long, default_value_t = ds4_kvstore::policy::DEFAULT_DISK_SPACE_MB)]
+    kv_disk_space_mb: u64,
+    /// Never store or load checkpoints shorter than this (tokens).
+    #[arg(long, default_value_t = 512)]
+    kv_cache_min_tokens: usize,
+    /// Store the system+tools prefix of prompts only up to this length (tokens); 0 = never.
+    #[arg(long, default_value_t = 30000)]
+    kv_cache_cold_max_tokens: usize,
+    /// Checkpoint long prefills and generations every N tokens (rounded up to the
+    /// alignment); 0 = never.
+    #[arg(long, default_value_t = 10000)]
+    kv_cache_continued_interval_tokens: usize,
+    /// Tokens trimmed from the end of a prompt without a system prefix before storing it.
+    #[arg(long, default_value_t = 32)]
+    kv_cache_boundary_trim_tokens: usize,
+    /// Round stored prompt lengths down to a multiple of N tokens; 0 = no alignment.
+    #[arg(long, default_value_t = 2048)]
+    kv_cache_boundary_align_tokens: usize,
     /// Testing only: when FILE exists and is non-empty at the start of a request, its text
     /// is emitted as the model's output instead of sampling (re-read per request).
     #[arg(long, hide = true)]
@@ -95,7 +130,24 @@ pub fn run(a: Args) -> Result<()> {
     if a.model.ctx < 16 {
         return Err(anyhow!("--ctx {}: too small", a.model.ctx));
     }
+    let policy = ds4_kvstore::Policy {
+        min_tokens: a.kv_cache_min_tokens,
+        cold_max_tokens: a.kv_cache_cold_max_tokens,
+        continued_interval_tokens: a.kv_cache_continued_interval_tokens,
+        boundary_trim_tokens: a.kv_cache_boundary_trim_tokens,
+        boundary_align_tokens: a.kv_cache_boundary_align_tokens,
+    };
+    policy.validate().map_err(|e| anyhow!(e))?;
+    if a.kv_disk_space_mb == 0 {
+        return Err(anyhow!("--kv-disk-space-mb must be at least 1"));
+    }
     let cfg = ServerConfig {
+        kv_disk: a.kv_disk_dir.map(|dir| ds4_server::KvDiskConfig {
+            dir,
+            space_bytes: a.kv_disk_space_mb << 20,
+            policy,
+        }),
+        kv_mem_bytes: a.kv_mem_mb.map(|m| m << 20),
         ctx: a.model.ctx,
         default_max_tokens: a.tokens.max(1),
         api_key: a
