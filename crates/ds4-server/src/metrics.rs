@@ -118,6 +118,8 @@ pub struct Metrics {
     pub kv_disk_written_bytes: Counter,
     pub kv_disk_evictions: Counter,
     pub kv_disk_errors: Counter,
+    /// Bytes of `*.kv` files in the cache directory after the last write.
+    pub kv_disk_bytes: Gauge,
 }
 
 impl Metrics {
@@ -301,6 +303,12 @@ impl Metrics {
             "counter",
             "Disk KV cache files removed to respect --kv-disk-space-mb.",
             c(&self.kv_disk_evictions),
+        );
+        one(
+            "ds4_kv_disk_bytes",
+            "gauge",
+            "Bytes of checkpoint files in the disk KV cache directory (as of the last write).",
+            g(&self.kv_disk_bytes),
         );
         one(
             "ds4_kv_disk_errors_total",

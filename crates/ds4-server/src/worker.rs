@@ -379,6 +379,7 @@ fn store(
         }
     }
     live.stored = n;
+    metrics.kv_disk_bytes.set(disk.store.total_bytes());
 }
 
 /// Stores a whole live session (reasons `evict` / `shutdown`) when it is long enough and not
@@ -409,6 +410,9 @@ fn run_worker(
     let max_sessions = cfg.max_sessions.max(1);
     let mut pool: Vec<Live> = Vec::new();
     let mut tick = 0u64;
+    if let Some(d) = disk {
+        metrics.kv_disk_bytes.set(d.store.total_bytes());
+    }
     while let Ok(msg) = rx.recv() {
         let job = match msg {
             Msg::Job(job) => *job,

@@ -67,6 +67,10 @@ struct Srv {
 impl Srv {
     /// `sessions`: live sessions kept; `disk`: (dir, space budget in bytes).
     fn new(sessions: u64, disk: Option<(&Path, u64)>) -> Srv {
+        Srv::with_policy(sessions, disk, policy())
+    }
+
+    fn with_policy(sessions: u64, disk: Option<(&Path, u64)>, policy: Policy) -> Srv {
         static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let force = tmp().join(format!("force-{n}.txt"));
@@ -79,7 +83,7 @@ impl Srv {
             kv_disk: disk.map(|(d, b)| KvDiskConfig {
                 dir: d.to_path_buf(),
                 space_bytes: b,
-                policy: policy(),
+                policy,
             }),
             ..Default::default()
         };
@@ -102,8 +106,18 @@ impl Srv {
         serde_json::from_str(&s).unwrap()
     }
 
-    /// One chat turn (thinking off, greedy): (reply, prompt tokens, cached tokens).
+    /// One chat turn (thinking off, greedy, ≤ 16 tokens): (reply, prompt tokens, cached
+    /// tokens).
     async fn chat(&self, msgs: &[(&str, &str)], forced: Option<&str>) -> (String, u64, u64) {
+        self.chat_model("deepseek-chat", msgs, forced).await
+    }
+
+    async fn chat_model(
+        &self,
+        model: &str,
+        msgs: &[(&str, &str)],
+        forced: Option<&str>,
+    ) -> (String, u64, u64) {
         match forced {
             Some(f) => std::fs::write(&self.force, f).unwrap(),
             None => {
@@ -117,7 +131,7 @@ impl Srv {
         let v = self
             .post(
                 "/v1/chat/completions",
-                json!({"model": "deepseek-chat", "messages": m, "max_tokens": 6, "temperature": 0}),
+                json!({"model": model, "messages": m, "max_tokens": 16, "temperature": 0}),
             )
             .await;
         let u = &v["usage"];
@@ -435,4 +449,100 @@ async fn the_disk_budget_is_kept_by_evicting_the_least_recently_used_entries() {
         .collect();
     keys.sort();
     assert_eq!(keys, ["three", "two"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_system_prompt_is_stored_cold_and_reused_by_another_conversation() {
+    let system = format!("You are a fox expert. {}", long_user("rules"));
+    let conv = |who: &str| {
+        vec![
+            ("system".to_string(), system.clone()),
+            ("user".to_string(), format!("Hello from {who}")),
+        ]
+    };
+    let (a, b) = (conv("ann"), conv("bob"));
+    let want = Srv::new(1, None).chat(&refs(&b), None).await;
+    let dir = fresh_dir("cold");
+    let pol = Policy {
+        cold_max_tokens: 2000,
+        ..policy()
+    };
+    let s = Srv::with_policy(1, Some((&dir, 1 << 30)), pol);
+    s.chat(&refs(&a), None).await;
+    // The cold checkpoint is the system prefix: its key ends just before the user turn.
+    assert_eq!(s.metric("ds4_kv_disk_saves_total"), 1);
+    let files = kv_files(&dir);
+    let key = ds4_kvstore::read_file(&files[0]).unwrap().meta.key;
+    let key = String::from_utf8(key).unwrap();
+    assert!(key.ends_with(&system), "{key:?}");
+    // Bob's conversation evicts Ann's session (to disk) and restores the shared prefix.
+    let got = s.chat(&refs(&b), None).await;
+    assert_eq!((&got.0, got.1), (&want.0, want.1));
+    assert_eq!(
+        got.2,
+        ds4_kvstore::read_file(&files[0]).unwrap().meta.tokens.len() as u64
+    );
+    assert_eq!(s.metric("ds4_kv_disk_hits_total"), 1);
+    assert_eq!(s.metric("ds4_live_session_evictions_total"), 1);
+    assert_eq!(kv_files(&dir).len(), 2);
+}
+
+fn refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
+    v.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn continued_checkpoints_are_written_at_aligned_frontiers_of_a_long_prefill() {
+    let dir = fresh_dir("continued");
+    let pol = Policy {
+        continued_interval_tokens: 50, // rounded up to the alignment: 64
+        ..policy()
+    };
+    let s = Srv::with_policy(1, Some((&dir, 1 << 30)), pol);
+    let (_, p, _) = s.chat(&[("user", &long_user("cont"))], Some("Ok.")).await;
+    let mut lens: Vec<usize> = kv_files(&dir)
+        .iter()
+        .map(|f| ds4_kvstore::read_file(f).unwrap().meta.tokens.len())
+        .collect();
+    lens.sort_unstable();
+    // Every frontier of the prompt (and maybe of the reply), none missing.
+    let want: Vec<usize> = (1..=lens.len()).map(|k| 64 * k).collect();
+    assert_eq!(lens, want);
+    assert!(lens.len() >= 2 && *lens.last().unwrap() + 64 > p as usize);
+    assert_eq!(s.metric("ds4_kv_disk_saves_total"), want.len() as u64);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_thinking_turn_the_session_is_stored_under_the_visible_transcript() {
+    let u = long_user("think");
+    let turn2 = [
+        ("user", u.as_str()),
+        ("assistant", "The answer."),
+        ("user", "More?"),
+    ];
+    let forced = "Hm.</think>The answer.";
+    // Reference: one server, the live session continues from the visible transcript.
+    let r = Srv::new(1, None);
+    r.chat_model("deepseek-v4-flash", &[("user", &u)], Some(forced))
+        .await;
+    let want = r.chat_model("deepseek-v4-flash", &turn2, None).await;
+    assert!(want.2 > 64, "{want:?}");
+    let dir = fresh_dir("visible");
+    let s = Srv::new(1, Some((&dir, 1 << 30)));
+    s.chat_model("deepseek-v4-flash", &[("user", &u)], Some(forced))
+        .await;
+    s.state.shutdown();
+    // Two keys (reasoning dropped: `</think>answer`, or kept empty: `<think></think>answer`),
+    // flagged as thinking-visible transcripts.
+    let files = kv_files(&dir);
+    assert_eq!(files.len(), 2);
+    for f in &files {
+        let m = ds4_kvstore::read_file(f).unwrap().meta;
+        assert_eq!(m.header.flags, 4);
+        assert!(!String::from_utf8(m.key).unwrap().contains("Hm."));
+    }
+    let s = Srv::new(1, Some((&dir, 1 << 30)));
+    let got = s.chat_model("deepseek-v4-flash", &turn2, None).await;
+    assert_eq!(got, want);
+    assert_eq!(s.metric("ds4_kv_disk_hits_total"), 1);
 }
