@@ -77,8 +77,30 @@ pub struct ServerConfig {
     pub kv_mem_bytes: Option<u64>,
 }
 
-/// Live sessions kept when `--kv-mem-mb` is not given.
+/// Live sessions kept at most when `--kv-mem-mb` is not given.
 pub const DEFAULT_LIVE_SESSIONS: usize = 4;
+
+/// Live sessions kept without `--kv-mem-mb`: [`DEFAULT_LIVE_SESSIONS`], fewer when they would
+/// take more than a quarter of the memory available at start (`available`, when known);
+/// always at least one.
+pub fn default_live_sessions(per_session: u64, available: Option<u64>) -> usize {
+    let fit = available.map_or(u64::MAX, |a| a / 4 / per_session.max(1));
+    fit.clamp(1, DEFAULT_LIVE_SESSIONS as u64) as usize
+}
+
+/// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
 
 /// The disk KV cache settings (interfaces.md §5.3).
 #[derive(Clone, Debug)]
@@ -209,7 +231,7 @@ impl AppState {
         let per = engine.memory_estimate(self.cfg.ctx).max(1);
         let max_sessions = match self.cfg.kv_mem_bytes {
             Some(b) => (b / per).max(1) as usize,
-            None => DEFAULT_LIVE_SESSIONS,
+            None => default_live_sessions(per, mem_available()),
         };
         eprintln!(
             "ds4 serve: up to {max_sessions} live sessions of {:.1} MiB each (--kv-mem-mb){}",
@@ -952,4 +974,20 @@ pub fn run_blocking(
     state.shutdown();
     eprintln!("ds4 serve: stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_live_sessions_fit_a_quarter_of_the_available_memory() {
+        let gib = 1u64 << 30;
+        assert_eq!(default_live_sessions(gib, None), DEFAULT_LIVE_SESSIONS);
+        assert_eq!(default_live_sessions(gib, Some(64 * gib)), 4);
+        assert_eq!(default_live_sessions(gib, Some(8 * gib)), 2);
+        assert_eq!(default_live_sessions(gib, Some(gib)), 1);
+        assert_eq!(default_live_sessions(0, Some(0)), 1);
+        assert!(mem_available().is_none_or(|b| b > 0));
+    }
 }

@@ -216,13 +216,13 @@ impl Metrics {
         one(
             "ds4_cache_hits_total",
             "counter",
-            "Requests that reused a prefix of the live session.",
+            "Requests that reused cached prompt tokens (a live session or the disk KV cache).",
             c(&self.cache_hits),
         );
         one(
             "ds4_cache_reused_tokens_total",
             "counter",
-            "Prompt tokens reused from the live session.",
+            "Prompt tokens reused (live sessions and disk KV cache).",
             c(&self.cache_reused_tokens),
         );
         one(
