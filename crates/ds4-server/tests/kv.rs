@@ -546,3 +546,20 @@ async fn after_a_thinking_turn_the_session_is_stored_under_the_visible_transcrip
     assert_eq!(got, want);
     assert_eq!(s.metric("ds4_kv_disk_hits_total"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cache_directory_may_be_deleted_while_the_server_runs() {
+    let dir = fresh_dir("deleted");
+    let s = Srv::new(1, Some((&dir, 1 << 30)));
+    let (mut a, mut b) = (vec![], vec![]);
+    next_turn(&s, &mut a, "alpha").await;
+    std::fs::remove_dir_all(&dir).unwrap();
+    // A miss looks up a missing directory, then evicting alpha recreates it.
+    let (_, cached) = next_turn(&s, &mut b, "beta").await;
+    assert_eq!(cached, 0);
+    assert_eq!(kv_files(&dir).len(), 1);
+    let (p, cached) = next_turn(&s, &mut a, "alpha").await;
+    assert!(cached > 64 && cached < p);
+    assert_eq!(s.metric("ds4_kv_disk_hits_total"), 1);
+    assert_eq!(s.metric("ds4_kv_disk_errors_total"), 0);
+}
