@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use sampler::{argmax, top_logprobs, Sampler, SamplerConfig};
+pub use sampler::{argmax, log_sum_exp, top_logprobs, Sampler, SamplerConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

@@ -44,14 +44,20 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// The `k` most likely tokens with their log-probabilities, best first.
-pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+/// `ln Σ exp(logits)`, max-subtracted and summed in f64: `logits[t] − log_sum_exp` is the
+/// log-probability of token `t`.
+pub fn log_sum_exp(logits: &[f32]) -> f32 {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m + logits
+    m + logits
         .iter()
         .map(|v| ((v - m) as f64).exp())
         .sum::<f64>()
-        .ln() as f32;
+        .ln() as f32
+}
+
+/// The `k` most likely tokens with their log-probabilities, best first.
+pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let lse = log_sum_exp(logits);
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     let k = k.min(idx.len());
     if k == 0 {

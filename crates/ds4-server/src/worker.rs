@@ -9,7 +9,7 @@ use crate::metrics::Metrics;
 use ds4_chat::{
     ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, THINK_CLOSE, THINK_OPEN,
 };
-use ds4_engine::{argmax, top_logprobs, Engine, Sampler, SamplerConfig, Session};
+use ds4_engine::{argmax, log_sum_exp, top_logprobs, Engine, Sampler, SamplerConfig, Session};
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -155,12 +155,7 @@ pub struct TokenLogprob {
 }
 
 fn token_logprob(tok: &Tokenizer, logits: &[f32], t: u32, k: usize) -> TokenLogprob {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m + logits
-        .iter()
-        .map(|v| ((v - m) as f64).exp())
-        .sum::<f64>()
-        .ln() as f32;
+    let lse = log_sum_exp(logits);
     let bytes = |id: u32| tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
     TokenLogprob {
         bytes: bytes(t),
