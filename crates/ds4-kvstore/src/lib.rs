@@ -24,7 +24,7 @@ pub use policy::Policy;
 
 use std::collections::HashSet;
 use std::fs::{self, File};
-use std::io::{self, BufReader, BufWriter, Write};
+use std::io::{self, BufReader, BufWriter, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -79,7 +79,7 @@ pub enum Saved {
         bytes: u64,
         evicted: Vec<String>,
     },
-    /// An entry with the same key, model, tokens and flags already existed; its last-use
+    /// An entry with the same key, model, tokens, flags and extra bytes already existed; its last-use
     /// time was refreshed instead.
     Unchanged { path: PathBuf },
     /// The file alone would exceed the space budget; nothing was written.
@@ -176,6 +176,16 @@ pub fn list_dir(dir: &Path) -> io::Result<Vec<EntryInfo>> {
     }
     out.sort_by(|a, b| (a.last_used, &a.name).cmp(&(b.last_used, &b.name)));
     Ok(out)
+}
+
+/// The extra bytes of a file with this (verified) header, read without the snapshot and
+/// not checked against the file checksum.
+fn read_extra(path: &Path, h: &Header) -> io::Result<Vec<u8>> {
+    let mut f = File::open(path)?;
+    f.seek(io::SeekFrom::Start(h.snapshot_offset() + h.snapshot_len))?;
+    let mut extra = vec![0u8; h.extra_len as usize];
+    f.read_exact(&mut extra)?;
+    Ok(extra)
 }
 
 /// Read and fully verify one file (any name; `kv show`).
@@ -452,6 +462,32 @@ impl KvStore {
         None
     }
 
+    /// The extra bytes of every valid entry of this model that has some, with its key:
+    /// `(key, extra)`, least recently used first. Only the verified head and the extra bytes
+    /// are read (not the snapshot), so the extra bytes are **not** checked against the
+    /// file checksum: callers must validate them (e.g. against the verified key).
+    pub fn extras(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let mut out = Vec::new();
+        for e in self.list() {
+            if !self.usable(&e) {
+                continue;
+            }
+            let Ok(m) = e.meta.as_ref() else { continue };
+            if m.header.extra_len == 0 {
+                continue;
+            }
+            let at = m.header.snapshot_offset() + m.header.snapshot_len;
+            match read_extra(&e.path, &m.header) {
+                Ok(extra) => out.push((m.key.clone(), extra)),
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(err) => {
+                    self.log_once(&e, &format!("reading extra bytes at offset {at}: {err}"))
+                }
+            }
+        }
+        out
+    }
+
     /// Store a checkpoint: `key` is the rendered prompt prefix covered by `tokens`, whose
     /// session state is `snapshot`. Written atomically (temporary file, fsync, rename, fsync
     /// of the directory, which is recreated if it was deleted), then the budget is enforced.
@@ -493,19 +529,19 @@ impl KvStore {
         }
         let name = format::key_name(&self.model_id, key);
         let path = self.dir.join(format!("{name}.kv"));
-        if meta.extra.is_empty() {
-            if let Ok(info) = read_info(&path, &name) {
-                if let Ok(m) = &info.meta {
-                    let h = &m.header;
-                    if h.model_id == self.model_id
-                        && h.flags == meta.flags
-                        && h.extra_len == 0
-                        && m.tokens == tokens
-                        && h.snapshot_len == snapshot.len() as u64
-                    {
-                        touch(&path).map_err(io_err(&path))?;
-                        return Ok(Saved::Unchanged { path });
-                    }
+        if let Ok(info) = read_info(&path, &name) {
+            if let Ok(m) = &info.meta {
+                let h = &m.header;
+                if h.model_id == self.model_id
+                    && h.flags == meta.flags
+                    && h.extra_len as usize == meta.extra.len()
+                    && m.tokens == tokens
+                    && h.snapshot_len == snapshot.len() as u64
+                    && (meta.extra.is_empty()
+                        || read_extra(&path, h).is_ok_and(|x| x == meta.extra))
+                {
+                    touch(&path).map_err(io_err(&path))?;
+                    return Ok(Saved::Unchanged { path });
                 }
             }
         }

@@ -465,3 +465,46 @@ fn writers_killed_mid_write_never_leave_a_corrupt_entry() {
     assert!(seen_entries > 0, "the child never completed a write");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn extras_returns_each_entrys_key_and_extra_bytes_without_reading_the_snapshot() {
+    let dir = tmpdir("extras");
+    let store = KvStore::open(&dir, 1 << 20, MODEL).unwrap();
+    let mut m = meta();
+    m.extra = b"map-a".to_vec();
+    store
+        .save(b"key a", &toks(3, 1), &fake_snapshot(b"key a", 1000), &m)
+        .unwrap();
+    // The same state and extra bytes again: only refreshed; other extra bytes: rewritten.
+    let snap = fake_snapshot(b"key a", 1000);
+    let again = store.save(b"key a", &toks(3, 1), &snap, &m).unwrap();
+    assert!(matches!(again, Saved::Unchanged { .. }), "{again:?}");
+    m.extra = b"map-b".to_vec();
+    let other_map = store.save(b"key a", &toks(3, 1), &snap, &m).unwrap();
+    assert!(matches!(other_map, Saved::Written { .. }), "{other_map:?}");
+    m.extra = b"map-a".to_vec();
+    let back = store.save(b"key a", &toks(3, 1), &snap, &m).unwrap();
+    assert!(matches!(back, Saved::Written { .. }), "{back:?}");
+    // No extra bytes: not listed.
+    save(&store, "key b", 3, 500);
+    // Another model's entry: not listed.
+    let other = KvStore::open(&dir, 1 << 20, [9; 32]).unwrap();
+    let mut m2 = meta();
+    m2.extra = b"foreign".to_vec();
+    other
+        .save(b"key c", &toks(3, 1), &fake_snapshot(b"key c", 10), &m2)
+        .unwrap();
+    assert_eq!(store.extras(), vec![(b"key a".to_vec(), b"map-a".to_vec())]);
+    // The extra bytes are the file's bytes before the trailing checksum.
+    let path = store.path_for(b"key a");
+    let mut raw = std::fs::read(&path).unwrap();
+    let at = raw.len() - 32 - 5;
+    raw[at] = b'M';
+    std::fs::write(&path, &raw).unwrap();
+    assert_eq!(store.extras()[0].1, b"Map-a");
+    // A truncated file is invalid from its header: skipped, no panic.
+    raw.truncate(raw.len() - 10);
+    std::fs::write(&path, &raw).unwrap();
+    assert!(store.extras().is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

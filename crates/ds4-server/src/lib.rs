@@ -159,6 +159,10 @@ impl ReplayStore {
                 self.order.push_back(id.clone());
             }
         }
+        self.trim();
+    }
+
+    fn trim(&mut self) {
         while self.ids.len() > self.max {
             match self.order.pop_front() {
                 Some(old) => {
@@ -167,6 +171,132 @@ impl ReplayStore {
                 None => break,
             }
         }
+    }
+}
+
+/// Tool-id map stored in a disk checkpoint's extra bytes (interfaces.md §5.5): `"KTM"`,
+/// version 1, u32 entry count, then per entry u32 id length (1–256), u32 DSML length, id
+/// bytes, DSML bytes (all little-endian). Only blocks that occur in the checkpoint's key.
+const TOOL_MAP_MAGIC: &[u8; 3] = b"KTM";
+const TOOL_MAP_VERSION: u8 = 1;
+const TOOL_ID_MAX: usize = 256;
+/// Bounds of one checkpoint's map when written: entries and id+DSML bytes.
+const TOOL_MAP_MAX_ENTRIES: usize = 4096;
+const TOOL_MAP_MAX_BYTES: usize = 16 << 20;
+
+impl ReplayStore {
+    /// The encoded tool-id map of the remembered blocks that occur in `key` (a checkpoint's
+    /// rendered key), newest ids first, bounded by [`TOOL_MAP_MAX_ENTRIES`] /
+    /// [`TOOL_MAP_MAX_BYTES`]; empty when none occurs. Each distinct block is searched
+    /// for once (blocks are shared by the ids of one turn).
+    pub fn encode_for(&self, key: &[u8]) -> Vec<u8> {
+        let key = String::from_utf8_lossy(key);
+        let mut found: HashMap<*const u8, bool> = HashMap::new();
+        let (mut body, mut n, mut bytes) = (Vec::new(), 0u32, 0usize);
+        for id in self.order.iter().rev() {
+            let Some(b) = self.ids.get(id) else { continue };
+            if id.is_empty() || id.len() > TOOL_ID_MAX {
+                continue;
+            }
+            let hit = *found
+                .entry(b.as_ptr())
+                .or_insert_with(|| key.contains(&**b));
+            if !hit {
+                continue;
+            }
+            if n as usize == TOOL_MAP_MAX_ENTRIES || bytes + id.len() + b.len() > TOOL_MAP_MAX_BYTES
+            {
+                break;
+            }
+            body.extend_from_slice(&(id.len() as u32).to_le_bytes());
+            body.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            body.extend_from_slice(id.as_bytes());
+            body.extend_from_slice(b.as_bytes());
+            n += 1;
+            bytes += id.len() + b.len();
+        }
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(8 + body.len());
+        out.extend_from_slice(TOOL_MAP_MAGIC);
+        out.push(TOOL_MAP_VERSION);
+        out.extend_from_slice(&n.to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// Loads a checkpoint's tool-id map (from [`ReplayStore::encode_for`]) whose file key is
+    /// `key`. The extra bytes are not covered by a checksum the loader verifies, so each
+    /// block must occur verbatim in the (verified) key; the whole map is rejected otherwise.
+    /// Ids already known keep their block. Returns how many ids were added.
+    pub fn load_map(&mut self, key: &[u8], map: &[u8]) -> Result<usize, String> {
+        let u32_at = |at: usize, what: &str| -> Result<usize, String> {
+            map.get(at..at + 4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
+                .ok_or_else(|| format!("tool map truncated in the {what} at byte {at}"))
+        };
+        if map.len() < 8 || &map[..3] != TOOL_MAP_MAGIC {
+            return Err("not a tool map (no \"KTM\" magic)".into());
+        }
+        if map[3] != TOOL_MAP_VERSION {
+            return Err(format!(
+                "tool map version {} (expected {TOOL_MAP_VERSION})",
+                map[3]
+            ));
+        }
+        let n = u32_at(4, "entry count")?;
+        let limit = 4 * self.max.max(1);
+        if n > limit {
+            return Err(format!("tool map of {n} entries exceeds {limit}"));
+        }
+        let key = String::from_utf8_lossy(key);
+        let mut entries = Vec::with_capacity(n.min(TOOL_MAP_MAX_ENTRIES));
+        let mut at = 8;
+        for i in 0..n {
+            let il = u32_at(at, "id length")?;
+            let bl = u32_at(at + 4, "DSML length")?;
+            if il == 0 || il > TOOL_ID_MAX {
+                return Err(format!("tool map entry {i}: id length {il} at byte {at}"));
+            }
+            let (s, e) = (at + 8, at + 8 + il + bl);
+            let (Some(id), Some(block)) = (map.get(s..s + il), map.get(s + il..e)) else {
+                return Err(format!("tool map entry {i} truncated at byte {at}"));
+            };
+            let (Ok(id), Ok(block)) = (std::str::from_utf8(id), std::str::from_utf8(block)) else {
+                return Err(format!("tool map entry {i} at byte {at} is not UTF-8"));
+            };
+            if block.is_empty() || !key.contains(block) {
+                return Err(format!(
+                    "tool map entry {i}: its DSML block is not in the entry's key"
+                ));
+            }
+            entries.push((id.to_string(), block));
+            at = e;
+        }
+        if at != map.len() {
+            return Err(format!(
+                "tool map has {} trailing bytes at byte {at}",
+                map.len() - at
+            ));
+        }
+        // Oldest first so that the newest ids are the last forgotten.
+        // Ids of one turn share one stored block.
+        let mut shared: HashMap<&str, Arc<str>> = HashMap::new();
+        let mut added = 0;
+        for (id, block) in entries.into_iter().rev() {
+            if !self.ids.contains_key(&id) {
+                let b = shared
+                    .entry(block)
+                    .or_insert_with(|| Arc::from(block))
+                    .clone();
+                self.ids.insert(id.clone(), b);
+                self.order.push_back(id);
+                added += 1;
+            }
+        }
+        self.trim();
+        Ok(added)
     }
 }
 
@@ -192,14 +322,15 @@ pub struct AppState {
     ready: OnceLock<Ready>,
     load_error: OnceLock<String>,
     started: Instant,
-    replay: Mutex<ReplayStore>,
+    /// Shared with the worker, which writes it into disk checkpoints.
+    replay: Arc<Mutex<ReplayStore>>,
     counter: AtomicU64,
 }
 
 impl AppState {
     pub fn new(cfg: ServerConfig) -> Arc<AppState> {
         Arc::new(AppState {
-            replay: Mutex::new(ReplayStore::new(cfg.tool_memory_max_ids)),
+            replay: Arc::new(Mutex::new(ReplayStore::new(cfg.tool_memory_max_ids))),
             cfg,
             metrics: Arc::new(Metrics::default()),
             ready: OnceLock::new(),
@@ -217,10 +348,14 @@ impl AppState {
         let disk = match &self.cfg.kv_disk {
             None => None,
             Some(k) => match ds4_kvstore::KvStore::open(&k.dir, k.space_bytes, engine.model_id()) {
-                Ok(store) => Some(worker::DiskCache {
-                    store,
-                    policy: k.policy.clone(),
-                }),
+                Ok(store) => {
+                    self.load_tool_maps(&store);
+                    Some(worker::DiskCache {
+                        store,
+                        policy: k.policy.clone(),
+                        replay: self.replay.clone(),
+                    })
+                }
                 Err(e) => {
                     eprintln!("ds4 serve: error: --kv-disk-dir: {e}");
                     self.set_load_error(format!("--kv-disk-dir: {e}"));
@@ -278,6 +413,28 @@ impl AppState {
     pub fn shutdown(&self) {
         if let Some(r) = self.ready.get() {
             r.scheduler.shutdown();
+        }
+    }
+
+    /// Restores the exact-replay map from the tool-id maps of the cache's entries (once, at
+    /// startup: later checkpoints are written from this process's map). A map that does not
+    /// decode is ignored with one log line.
+    fn load_tool_maps(&self, store: &ds4_kvstore::KvStore) {
+        let (mut files, mut ids) = (0, 0);
+        for (key, extra) in store.extras() {
+            match self.replay().load_map(&key, &extra) {
+                Ok(n) => {
+                    files += 1;
+                    ids += n;
+                }
+                Err(e) => eprintln!(
+                    "ds4 serve: kv cache: ignoring the tool map of {}: {e}",
+                    store.path_for(&key).display()
+                ),
+            }
+        }
+        if files > 0 {
+            eprintln!("ds4 serve: kv cache: restored {ids} tool-call ids from {files} entries");
         }
     }
 
@@ -979,6 +1136,59 @@ pub fn run_blocking(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_maps_hold_the_blocks_in_the_key_and_reject_corrupt_bytes() {
+        let (a, b) = (
+            "<｜DSML｜tool_calls>A</｜DSML｜tool_calls>",
+            "<｜DSML｜tool_calls>B</｜DSML｜tool_calls>",
+        );
+        let mut r = ReplayStore::new(10);
+        r.remember(&["call_1".into(), "call_2".into()], a);
+        r.remember(&["call_3".into()], b);
+        let key = format!("<｜User｜>x<｜Assistant｜>{a}<｜tool▁output｜>y");
+        let map = r.encode_for(key.as_bytes());
+        // Header, count 2 (the ids of `a`, newest first), then (4+4+6+len a) per entry.
+        assert_eq!(&map[..8], b"KTM\x01\x02\0\0\0");
+        assert_eq!(map.len(), 8 + 2 * (14 + a.len()));
+        assert!(r.encode_for(b"no blocks here").is_empty());
+
+        let mut fresh = ReplayStore::new(10);
+        assert_eq!(fresh.load_map(key.as_bytes(), &map), Ok(2));
+        assert_eq!(
+            fresh.replay_block(&["call_1", "call_2"]).as_deref(),
+            Some(a)
+        );
+        assert!(fresh.replay_block(&["call_3"]).is_none());
+        // Loading again adds nothing.
+        assert_eq!(fresh.load_map(key.as_bytes(), &map), Ok(0));
+
+        // Corrupt or foreign bytes are errors, never panics.
+        let mut e = ReplayStore::new(10);
+        for bad in [&b"junk"[..], b"KTM\x02\x01\0\0\0", &map[..map.len() - 1]] {
+            assert!(e.load_map(key.as_bytes(), bad).is_err());
+        }
+        let mut flipped = map.clone();
+        *flipped.last_mut().unwrap() ^= 1; // the block no longer occurs in the key
+        let err = e.load_map(key.as_bytes(), &flipped).unwrap_err();
+        assert!(err.contains("not in the entry's key"), "{err}");
+        let mut long = map.clone();
+        long.push(0);
+        assert!(e
+            .load_map(key.as_bytes(), &long)
+            .unwrap_err()
+            .contains("trailing"));
+        let mut huge = map.clone();
+        huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(e
+            .load_map(key.as_bytes(), &huge)
+            .unwrap_err()
+            .contains("exceeds"));
+        for cut in 0..map.len() {
+            let _ = e.load_map(key.as_bytes(), &map[..cut]);
+        }
+        assert!(e.replay_block(&["call_1"]).is_none());
+    }
 
     #[test]
     fn default_live_sessions_fit_a_quarter_of_the_available_memory() {

@@ -13,7 +13,7 @@ use ds4_engine::{argmax, log_sum_exp, top_logprobs, Engine, Sampler, SamplerConf
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
@@ -184,6 +184,8 @@ pub struct GenResult {
 pub struct DiskCache {
     pub store: ds4_kvstore::KvStore,
     pub policy: ds4_kvstore::Policy,
+    /// The exact-replay map: each checkpoint stores the entries whose DSML occurs in its key.
+    pub replay: Arc<Mutex<crate::ReplayStore>>,
 }
 
 /// Everything the worker needs besides the engine.
@@ -347,6 +349,11 @@ fn store(
     for (key, flags) in keys {
         let mut meta = ds4_kvstore::SaveMeta::new(reason, s.ctx());
         meta.flags = flags;
+        meta.extra = disk
+            .replay
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .encode_for(&key);
         match disk.store.save(&key, s.tokens(), &snap, &meta) {
             Ok(ds4_kvstore::Saved::Written { bytes, evicted, .. }) => {
                 metrics.kv_disk_saves.inc();

@@ -71,6 +71,15 @@ impl Srv {
     }
 
     fn with_policy(sessions: u64, disk: Option<(&Path, u64)>, policy: Policy) -> Srv {
+        Srv::build(sessions, disk, policy, None)
+    }
+
+    fn build(
+        sessions: u64,
+        disk: Option<(&Path, u64)>,
+        policy: Policy,
+        trace: Option<Arc<ds4_server::worker::Trace>>,
+    ) -> Srv {
         static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let force = tmp().join(format!("force-{n}.txt"));
@@ -85,6 +94,7 @@ impl Srv {
                 space_bytes: b,
                 policy,
             }),
+            trace,
             ..Default::default()
         };
         let state = AppState::new(cfg);
@@ -562,4 +572,85 @@ async fn the_cache_directory_may_be_deleted_while_the_server_runs() {
     assert!(cached > 64 && cached < p);
     assert_eq!(s.metric("ds4_kv_disk_hits_total"), 1);
     assert_eq!(s.metric("ds4_kv_disk_errors_total"), 0);
+}
+
+/// Sampled with `limit` before `path`: the canonical rendering of the JSON the client sends
+/// back (`path` first) differs, so only exact replay reproduces these bytes.
+const SAMPLED_DSML: &str = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"limit\" string=\"false\">25</｜DSML｜parameter>\n<｜DSML｜parameter name=\"path\" string=\"true\">notes.txt</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exact_tool_replay_survives_a_restart_through_the_checkpoint_tool_map() {
+    let dir = fresh_dir("toolmap");
+    let tools = json!([{"type":"function","function":{"name":"read_file","description":"Read a file",
+        "parameters":{"type":"object","properties":{"path":{"type":"string"},"limit":{"type":"integer"}}}}}]);
+    let user = long_user("tools");
+    let chat = |msgs: Value| {
+        json!({"model": "deepseek-chat", "messages": msgs, "tools": tools,
+        "max_tokens": 400, "temperature": 0})
+    };
+    let s = Srv::new(1, Some((&dir, 1 << 30)));
+    std::fs::write(&s.force, format!("Reading.\n\n{SAMPLED_DSML}")).unwrap();
+    let v = s
+        .post(
+            "/v1/chat/completions",
+            chat(json!([{"role": "user", "content": user}])),
+        )
+        .await;
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let id = v["choices"][0]["message"]["tool_calls"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // The client sends the call back re-serialised: other key order and spacing.
+    let call = json!({"role": "assistant", "content": "Reading.", "tool_calls": [{"id": id,
+        "type": "function", "function": {"name": "read_file",
+        "arguments": "{ \"path\": \"notes.txt\",  \"limit\": 25 }"}}]});
+    let result = json!({"role": "tool", "tool_call_id": id, "content": "25 lines of notes"});
+    std::fs::write(&s.force, "The file has 25 lines.").unwrap();
+    let w = s
+        .post(
+            "/v1/chat/completions",
+            chat(json!([{"role": "user", "content": user}, call, result])),
+        )
+        .await;
+    let prompt2 = w["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        w["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 32,
+        "exact replay continued the live session: {w}"
+    );
+    s.state.shutdown();
+    assert_eq!(s.metric("ds4_kv_disk_saves_total"), 1);
+    drop(s);
+
+    // "Restart" with an empty in-memory map; the rendered prompt goes to the trace.
+    let trace_path = dir.with_file_name("toolmap-trace.txt");
+    let trace = Arc::new(ds4_server::worker::Trace::create(&trace_path).unwrap());
+    let s = Srv::build(1, Some((&dir, 1 << 30)), policy(), Some(trace));
+    std::fs::write(&s.force, "Nothing more.").unwrap();
+    let answer = json!({"role": "assistant", "content": "The file has 25 lines."});
+    let next = json!({"role": "user", "content": "Thanks. And then?"});
+    let x = s
+        .post(
+            "/v1/chat/completions",
+            chat(json!([{"role": "user", "content": user}, call, result, answer, next])),
+        )
+        .await;
+    let cached = x["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // The whole previous prompt (past the tool block and its result) came from disk.
+    assert!(
+        cached >= prompt2,
+        "cached {cached}, previous prompt {prompt2}: {x}"
+    );
+    assert_eq!(s.metric("ds4_kv_disk_hits_total"), 1);
+    let t = std::fs::read_to_string(&trace_path).unwrap();
+    assert!(
+        t.contains(SAMPLED_DSML),
+        "the exact sampled DSML is rendered: {t}"
+    );
+    let _ = std::fs::remove_file(&trace_path);
 }
