@@ -24,6 +24,14 @@ fn tmpdir(name: &str) -> PathBuf {
     d
 }
 
+/// `ds4 synth --preset tiny` into `dir`; returns the model path.
+fn synth_tiny(dir: &Path) -> PathBuf {
+    let m = dir.join("tiny.gguf");
+    let o = ds4(&["synth", "--preset", "tiny", "-o", s(&m)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    m
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -76,10 +84,7 @@ fn full_size_sparse_files_match_the_published_totals() {
 #[test]
 fn tiny_model_round_trips_text_through_the_tokenizer() {
     let d = tmpdir("tiny");
-    let m = d.join("tiny.gguf");
-    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
-        .status
-        .success());
+    let m = synth_tiny(&d);
     let out = stdout(&ds4(&["inspect", s(&m)]));
     assert!(
         out.contains("layers      6 (2 SWA, 2 CSA, 2 HCA; hash-routed 0-2)"),
@@ -114,10 +119,7 @@ fn tiny_model_round_trips_text_through_the_tokenizer() {
 #[test]
 fn bad_input_gives_one_clear_error_and_no_panic() {
     let d = tmpdir("bad");
-    let m = d.join("tiny.gguf");
-    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
-        .status
-        .success());
+    let m = synth_tiny(&d);
     let bytes = std::fs::read(&m).unwrap();
 
     let trunc = d.join("trunc.gguf");
@@ -150,10 +152,7 @@ fn bad_input_gives_one_clear_error_and_no_panic() {
 #[test]
 fn run_and_logits_on_the_tiny_model() {
     let d = tmpdir("run");
-    let m = d.join("tiny.gguf");
-    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
-        .status
-        .success());
+    let m = synth_tiny(&d);
     // Greedy generation is deterministic; EOS is respected; logprobs are written per token.
     let lp = d.join("lp.jsonl");
     let args = [
@@ -231,10 +230,7 @@ fn chat_repl_commands_and_ctrl_c_stops_only_the_reply() {
     use std::io::{Read, Write};
     use std::process::Stdio;
     let d = tmpdir("chat");
-    let m = d.join("tiny.gguf");
-    assert!(ds4(&["synth", "--preset", "tiny", "-o", s(&m)])
-        .status
-        .success());
+    let m = synth_tiny(&d);
     let snap = d.join("s.bin");
     let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
         .args(["chat", "-m", s(&m), "-n", "1000000", "--ctx", "100000000"])

@@ -292,29 +292,6 @@ impl SpecStats {
 /// Tokens per batched prefill step: bounds activation memory (≈ chunk × 200 KB at full size).
 pub const PREFILL_CHUNK: usize = 128;
 
-impl Session {
-    /// Evaluate `tokens` through the batched prompt path; logits after every position.
-    pub fn eval_all(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
-        if self.state.tokens.len() + tokens.len() > self.ctx {
-            return Err(EngineError::ContextFull {
-                needed: self.state.tokens.len() + tokens.len(),
-                ctx: self.ctx,
-            });
-        }
-        let v = self.model.hp.n_vocab as usize;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
-            return Err(EngineError::BadToken(bad, v));
-        }
-        let mut out = Vec::with_capacity(tokens.len());
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
-            out.extend(self.model.eval_batch(&mut self.state, chunk, true));
-        }
-        self.logits = out.last().cloned();
-        self.streams = None;
-        Ok(out)
-    }
-}
-
 /// One conversation's model state. Sessions are independent; several may exist at once.
 pub struct Session {
     model: Arc<CpuModel>,
@@ -342,20 +319,38 @@ impl Session {
         self.logits.as_deref()
     }
 
-    /// Evaluate one token at the next position.
-    pub fn eval(&mut self, token: u32) -> Result<&[f32], EngineError> {
+    /// `tokens` are valid ids and a session of `needed` tokens fits the context.
+    fn check(&self, needed: usize, tokens: &[u32]) -> Result<(), EngineError> {
         let v = self.model.hp.n_vocab as usize;
-        if token as usize >= v {
-            return Err(EngineError::BadToken(token, v));
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
+            return Err(EngineError::BadToken(bad, v));
         }
-        if self.state.tokens.len() >= self.ctx {
+        if needed > self.ctx {
             return Err(EngineError::ContextFull {
-                needed: self.state.tokens.len() + 1,
+                needed,
                 ctx: self.ctx,
             });
         }
+        Ok(())
+    }
+
+    /// Evaluate one token at the next position.
+    pub fn eval(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        self.check(self.state.tokens.len() + 1, &[token])?;
         self.step(&[token]);
         Ok(self.logits.as_deref().unwrap_or_default())
+    }
+
+    /// Evaluate `tokens` through the batched prompt path; logits after every position.
+    pub fn eval_all(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.check(self.state.tokens.len() + tokens.len(), tokens)?;
+        let mut out = Vec::with_capacity(tokens.len());
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            out.extend(self.model.eval_batch(&mut self.state, chunk, true));
+        }
+        self.logits = out.last().cloned();
+        self.streams = None;
+        Ok(out)
     }
 
     /// Bring the session to exactly `tokens`: extend when the live state is a prefix, rebuild
@@ -366,16 +361,7 @@ impl Session {
         tokens: &[u32],
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<usize, EngineError> {
-        if tokens.len() > self.ctx {
-            return Err(EngineError::ContextFull {
-                needed: tokens.len(),
-                ctx: self.ctx,
-            });
-        }
-        let v = self.model.hp.n_vocab as usize;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
-            return Err(EngineError::BadToken(bad, v));
-        }
+        self.check(tokens.len(), tokens)?;
         let live = &self.state.tokens;
         let reuse = if live.len() <= tokens.len() && tokens[..live.len()] == live[..] {
             live.len()
