@@ -5,9 +5,10 @@ mod gpu_accel;
 pub mod sampler;
 mod snapshot;
 
+use ds4_cpu::CpuBackend;
 pub use ds4_cpu::Rounding;
-use ds4_cpu::{CpuModel, State, Weights};
 use ds4_gguf::GgufFile;
+use ds4_model::forward::{rope_tables, AnyLayerState, AnyState, Forward, Model};
 use ds4_model::{bind_main, HParams};
 use ds4_tokenizer::Tokenizer;
 use sha2::{Digest, Sha256};
@@ -150,7 +151,7 @@ pub fn device_report() -> Vec<String> {
 }
 
 pub struct Engine {
-    model: Arc<CpuModel>,
+    model: Arc<dyn Forward>,
     tokenizer: Arc<Tokenizer>,
     /// SHA-256 of the GGUF header (metadata + tensor table): identifies the model in snapshots.
     model_id: [u8; 32],
@@ -202,24 +203,27 @@ impl Engine {
             .map_err(|e| EngineError::Tokenizer(name.clone(), e))?;
         let model_id: [u8; 32] =
             Sha256::digest(&file.bytes()[..file.data_offset() as usize]).into();
-        let mut weights = Weights::new(file, dir);
+        let mut files = vec![(file, dir)];
         if let Some(p) = &opts.mtp {
             let mf = Arc::new(GgufFile::open(p)?);
             let mdir = ds4_model::bind_mtp(&mf, &hp)?;
-            weights.add_file(mf, mdir);
+            files.push((mf, mdir));
         }
-        let backend = match &accel {
+        let mut cpu = CpuBackend::new(rope_tables(&hp));
+        let backend = match accel {
             Some((name, a)) => {
                 let i = a.gpu().info();
-                weights.set_accel(a.clone());
-                format!(
+                let line = format!(
                     "{name} ({} {}; weight products on the GPU, the rest on the CPU)",
                     i.name, i.arch
-                )
+                );
+                cpu = cpu.with_accel(a);
+                line
             }
             None => "cpu".to_string(),
         };
-        let model = CpuModel::new(hp, weights, opts.rounding);
+        let model = Model::load(cpu, hp, &files, opts.rounding, &mut |_, _| {})
+            .map_err(|e| EngineError::Backend("cpu".into(), e))?;
         Ok(Engine {
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
@@ -230,7 +234,7 @@ impl Engine {
     }
 
     pub fn hparams(&self) -> &HParams {
-        &self.model.hp
+        self.model.hp()
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -294,14 +298,14 @@ pub const PREFILL_CHUNK: usize = 128;
 
 /// One conversation's model state. Sessions are independent; several may exist at once.
 pub struct Session {
-    model: Arc<CpuModel>,
+    model: Arc<dyn Forward>,
     model_id: [u8; 32],
-    state: State,
+    state: AnyState,
     logits: Option<Vec<f32>>,
     /// Final hyper-connection streams of the last position (the MTP block's input).
     streams: Option<Vec<f32>>,
     /// The MTP block's own raw window (drafts only; rebuilt, never snapshotted).
-    mtp: Option<ds4_cpu::forward::LayerState>,
+    mtp: Option<AnyLayerState>,
     ctx: usize,
 }
 
@@ -321,7 +325,7 @@ impl Session {
 
     /// `tokens` are valid ids and a session of `needed` tokens fits the context.
     fn check(&self, needed: usize, tokens: &[u32]) -> Result<(), EngineError> {
-        let v = self.model.hp.n_vocab as usize;
+        let v = self.model.hp().n_vocab as usize;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
             return Err(EngineError::BadToken(bad, v));
         }
@@ -346,7 +350,7 @@ impl Session {
         self.check(self.state.tokens.len() + tokens.len(), tokens)?;
         let mut out = Vec::with_capacity(tokens.len());
         for chunk in tokens.chunks(PREFILL_CHUNK) {
-            out.extend(self.model.eval_batch(&mut self.state, chunk, true));
+            out.extend(self.model.eval_batch(&mut self.state, chunk, true, false).0);
         }
         self.logits = out.last().cloned();
         self.streams = None;
@@ -384,9 +388,8 @@ impl Session {
 
     /// Evaluate a batch; keep the last position's logits and streams.
     fn step(&mut self, tokens: &[u32]) {
-        let (mut l, mut s) = self
-            .model
-            .eval_batch_streams(&mut self.state, tokens, false);
+        let want = self.mtp.is_some();
+        let (mut l, mut s) = self.model.eval_batch(&mut self.state, tokens, false, want);
         self.logits = l.pop();
         self.streams = s.pop();
     }
@@ -432,7 +435,7 @@ impl Session {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<SpecStats, EngineError> {
         let mut stats = SpecStats::default();
-        let v = self.model.hp.n_vocab as usize;
+        let v = self.model.hp().n_vocab as usize;
         let mut produced = 0;
         while produced < n {
             let Some(logits) = self.logits.as_deref() else {
@@ -457,10 +460,10 @@ impl Session {
                 continue;
             }
             stats.drafted += 1;
-            let cp = self.state.checkpoint();
+            let cp = self.model.checkpoint(&self.state);
             let (logits2, streams2) =
                 self.model
-                    .eval_batch_streams(&mut self.state, &[next, d], true);
+                    .eval_batch(&mut self.state, &[next, d], true, true);
             if argmax(&logits2[0]) == d {
                 stats.accepted += 1;
                 self.logits = logits2.into_iter().nth(1);
@@ -472,7 +475,7 @@ impl Session {
             } else {
                 // Rejected: back to before the batch, then the certain token alone (bit-identical
                 // to its row of the batch).
-                self.state.rollback(cp);
+                self.model.rollback(&mut self.state, cp);
                 self.step(&[next]);
             }
         }
@@ -481,16 +484,18 @@ impl Session {
 
     /// Bytes of KV state held now: raw window rows, compressed and indexer rows, frontiers.
     pub fn kv_bytes(&self) -> u64 {
-        let f = |v: &[f32]| v.len() as u64 * 4;
-        self.state
-            .layers
+        // f32 values, as the host form of the state holds them (the same on every backend).
+        let n = self.state.tokens.len() as u64;
+        self.model
+            .layer_dims()
             .iter()
             .map(|l| {
-                let c = |c: &Option<ds4_cpu::forward::CompState>| {
-                    c.as_ref()
-                        .map_or(0, |c| f(&c.rows) + f(&c.front_kv) + f(&c.front_score))
+                let c = |c: &Option<ds4_backend::CompDims>| {
+                    c.as_ref().map_or(0, |c| {
+                        (n / c.ratio as u64) * c.d as u64 + 2 * (c.slots() * c.width()) as u64
+                    })
                 };
-                f(&l.raw) + c(&l.comp) + c(&l.index)
+                4 * ((l.window * l.head_dim) as u64 + c(&l.comp) + c(&l.index))
             })
             .sum()
     }
@@ -506,17 +511,22 @@ impl Session {
     /// Serialise the full state (versioned, checksummed; see `snapshot.rs`).
     pub fn snapshot(&self) -> Vec<u8> {
         snapshot::write(
-            &self.model,
+            self.model.hp(),
             &self.model_id,
-            &self.state,
+            &self.model.to_host(&self.state),
             self.logits.as_deref(),
         )
     }
 
     /// Replace the state with a snapshot of the same model.
     pub fn restore(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
-        let (state, logits) =
-            snapshot::read(&self.model, &self.model_id, bytes).map_err(EngineError::Snapshot)?;
+        let (state, logits) = snapshot::read(
+            self.model.hp(),
+            &self.model.layer_dims(),
+            &self.model_id,
+            bytes,
+        )
+        .map_err(EngineError::Snapshot)?;
         if state.tokens.len() > self.ctx {
             return Err(EngineError::ContextFull {
                 needed: state.tokens.len(),
@@ -524,7 +534,7 @@ impl Session {
             });
         }
         self.reset();
-        self.state = state;
+        self.state = self.model.from_host(&state);
         self.logits = logits;
         Ok(())
     }

@@ -12,8 +12,9 @@
 //! Frontier sizes are fixed by the model, so they are not stored. Raw rows are written in
 //! position order (not ring order), so the format does not depend on a backend's ring layout.
 
-use ds4_cpu::forward::CompState;
-use ds4_cpu::{CpuModel, State};
+use ds4_backend::{HostCompState as CompState, HostLayerState, LayerDims};
+use ds4_model::forward::HostState as State;
+use ds4_model::HParams;
 use sha2::{Digest, Sha256};
 
 const MAGIC: &[u8; 8] = b"DS4SNAP\0";
@@ -30,8 +31,7 @@ fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
     }
 }
 
-pub fn write(model: &CpuModel, id: &[u8; 32], st: &State, logits: Option<&[f32]>) -> Vec<u8> {
-    let hp = &model.hp;
+pub fn write(hp: &HParams, id: &[u8; 32], st: &State, logits: Option<&[f32]>) -> Vec<u8> {
     let hd = hp.head_dim as usize;
     let win = hp.sliding_window as usize;
     let n = st.tokens.len();
@@ -108,11 +108,11 @@ impl Reader<'_> {
 }
 
 pub fn read(
-    model: &CpuModel,
+    hp: &HParams,
+    dims: &[LayerDims],
     id: &[u8; 32],
     bytes: &[u8],
 ) -> Result<(State, Option<Vec<f32>>), String> {
-    let hp = &model.hp;
     if bytes.len() < MAGIC.len() + 4 + 32 + 32 || &bytes[..8] != MAGIC {
         return Err("not a ds4 session snapshot (bad magic)".into());
     }
@@ -144,7 +144,10 @@ pub fn read(
         }
     }
     let has_logits = r.u32("logits flag")? != 0;
-    let mut st = model.new_state();
+    let mut st = State {
+        tokens: Vec::new(),
+        layers: dims.iter().map(HostLayerState::new).collect(),
+    };
     if n > body.len() / 4 {
         return Err(format!("token count {n} exceeds the snapshot size"));
     }

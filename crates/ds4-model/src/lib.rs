@@ -1,7 +1,9 @@
 //! DS4 model description: hyper-parameters and their invariants, the per-layer schedule, the
-//! tensor list, and weight binding. No arithmetic lives here; the forward pass will.
+//! tensor list, weight binding, and the forward-pass schedule over the backend boundary (no
+//! arithmetic: backends own it).
 
 pub mod bind;
+pub mod forward;
 pub mod gguf_meta;
 pub mod hparams;
 pub mod schedule;

@@ -89,3 +89,19 @@ mod tests {
         }
     }
 }
+
+/// The two frequency tables of a model (plain and YaRN), built once from its parameters.
+#[derive(Clone, Debug)]
+pub struct RopeTables {
+    pub swa: Rope,
+    pub comp: Rope,
+}
+
+impl RopeTables {
+    pub fn get(&self, kind: crate::RopeKind) -> &Rope {
+        match kind {
+            crate::RopeKind::Swa => &self.swa,
+            crate::RopeKind::Comp => &self.comp,
+        }
+    }
+}

@@ -1,0 +1,418 @@
+//! The backend boundary. The forward-pass schedule (`ds4_model::forward`) is written once
+//! against [`Backend`]; the CPU reference (`ds4-cpu`) and the GPU backends (`ds4-gpu`)
+//! implement it. Ops are batch-level: every op covers the `n` tokens of one step at positions
+//! `t0 .. t0 + n` (decode: `n = 1`), and buffers are token-major (`[n, …]`, row-major).
+//!
+//! The vocabulary is the model's, not a general tensor library's: the causal parts
+//! (compressor, indexer, sink attention) are single ops over a whole chunk, so a GPU can run a
+//! chunk in parallel while the CPU loops token by token — with identical visible state. What a
+//! token `t` may see is a formula, not an order of evaluation: raw rows of positions
+//! `max(0, t−W+1) ..= t`, compressed rows `< (t+1) / ratio`.
+
+pub mod rope;
+pub mod state;
+
+pub use ds4_gguf::GgmlType;
+use ds4_gguf::GgufFile;
+pub use state::{HostCompState, HostLayerState};
+use std::sync::Arc;
+
+/// The rounding steps the published model was validated with (design.md "Semantics to keep
+/// exact"); each can be switched off to compare against plain HF transformers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rounding {
+    /// FP8 (E4M3) round trip of raw and compressed KV rows (non-RoPE part).
+    pub fp8_kv: bool,
+    /// Hadamard + FP4 (E2M1) round trip of indexer queries and rows.
+    pub fp4_indexer: bool,
+    /// Cache rows stored at f16 precision.
+    pub f16_cache: bool,
+}
+
+impl Rounding {
+    /// The model's semantics (default).
+    pub const MODEL: Rounding = Rounding {
+        fp8_kv: true,
+        fp4_indexer: true,
+        f16_cache: true,
+    };
+    /// No rounding: plain float math, as HF transformers computes.
+    pub const NONE: Rounding = Rounding {
+        fp8_kv: false,
+        fp4_indexer: false,
+        f16_cache: false,
+    };
+}
+
+/// Rounding applied to rows by [`Backend::round_rows`], in this order: FP8 of the first
+/// `fp8_nope` columns (blocks of 64, 0 = off), Hadamard + FP4 of the whole row, f16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct RowRounding {
+    pub fp8_nope: usize,
+    pub fp4_hadamard: bool,
+    pub f16: bool,
+}
+
+/// Which RoPE frequency table (model.md §3.1): plain for SWA-only layers and MTP, YaRN for
+/// the compressed layers. Backends build both from [`rope::Rope`] at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeKind {
+    Swa,
+    Comp,
+}
+
+/// A tensor handed to [`Backend::matrix`] / [`Backend::vector`] / [`Backend::table`]: bytes
+/// `offset .. offset + n_bytes` of a mapped GGUF, GGUF dims `[cols, rows, experts]`.
+pub struct WeightSrc<'a> {
+    pub name: &'a str,
+    pub file: &'a Arc<GgufFile>,
+    pub ty: GgmlType,
+    pub dims: &'a [u64],
+    pub offset: usize,
+    pub n_bytes: usize,
+}
+
+impl WeightSrc<'_> {
+    pub fn bytes(&self) -> &[u8] {
+        &self.file.bytes()[self.offset..self.offset + self.n_bytes]
+    }
+    pub fn cols(&self) -> usize {
+        self.dims[0] as usize
+    }
+    pub fn rows(&self) -> usize {
+        self.dims.get(1).copied().unwrap_or(1) as usize
+    }
+    pub fn elems(&self) -> usize {
+        self.dims.iter().product::<u64>() as usize
+    }
+}
+
+/// The part of a weight matrix a product uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// A 2-D matrix (or the first slab of a stack).
+    All,
+    /// Expert `e`'s slab of a 3-D stack.
+    Expert(usize),
+}
+
+/// Hyper-connection shape (model.md §3.1).
+#[derive(Clone, Copy, Debug)]
+pub struct HcDims {
+    /// Streams N.
+    pub n: usize,
+    /// Embedding width D.
+    pub d: usize,
+    pub sinkhorn_iters: usize,
+    pub eps: f32,
+}
+
+/// A compressor (model.md §3.3, §4.1): `ratio` positions pool into one row of width `d`;
+/// `coff = 2` for the overlapping CSA/indexer compressors, 1 for HCA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompDims {
+    pub ratio: usize,
+    pub coff: usize,
+    pub d: usize,
+}
+
+impl CompDims {
+    /// Projection width per position (`coff · d`).
+    pub fn width(&self) -> usize {
+        self.coff * self.d
+    }
+    /// Frontier slots (`coff · ratio`).
+    pub fn slots(&self) -> usize {
+        self.coff * self.ratio
+    }
+}
+
+/// Which compressor of a layer an op works on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Which {
+    Attn,
+    Index,
+}
+
+/// Static shape of one layer's attention state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerDims {
+    pub window: usize,
+    pub head_dim: usize,
+    pub comp: Option<CompDims>,
+    pub index: Option<CompDims>,
+}
+
+/// One compressor step over a chunk ([`Backend::compress`]).
+#[derive(Clone, Copy, Debug)]
+pub struct CompressSpec {
+    pub dims: CompDims,
+    pub rope: RopeKind,
+    /// Rows are rotated at position `ratio · row` over their last `n_rot` values.
+    pub n_rot: usize,
+    pub round: RowRounding,
+    pub eps: f32,
+}
+
+/// Lightning-indexer selection ([`Backend::index_select`]).
+#[derive(Clone, Copy, Debug)]
+pub struct IndexSpec {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub top_k: usize,
+    /// Ratio of the attention compressor whose rows are selected (CSA: 4).
+    pub ratio: usize,
+    pub n_rot: usize,
+    pub rope: RopeKind,
+    /// Hadamard + FP4 round trip of the query (after RoPE).
+    pub fp4: bool,
+}
+
+/// Sink attention ([`Backend::attend`]).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSpec {
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub n_rot: usize,
+    pub window: usize,
+    /// Compression ratio of the layer's attention rows (0: SWA only).
+    pub ratio: usize,
+    /// Width of a selection row when the indexer selects (CSA), else 0.
+    pub top_k: usize,
+    pub rope: RopeKind,
+}
+
+/// MoE shape ([`Backend::moe_route`], [`Backend::moe_experts`]).
+#[derive(Clone, Copy, Debug)]
+pub struct MoeSpec {
+    pub n_expert: usize,
+    pub n_used: usize,
+    pub d: usize,
+    pub ff: usize,
+    pub weight_scale: f32,
+    pub clamp: f32,
+}
+
+/// What a backend must provide. Every op's reference semantics is the CPU backend's
+/// implementation (`ds4-cpu`); other backends are tested against it op by op.
+pub trait Backend: Send + Sync + Sized {
+    /// f32 activations.
+    type Buf: Send;
+    /// i32 values (token ids, expert and row selections).
+    type IBuf: Send;
+    /// A bound weight (matrix, f32 vector or i32 table).
+    type Weight: Send + Sync;
+    /// One layer's attention state: raw window ring, compressor frontiers and rows.
+    type LayerState: Send;
+    /// A rollback point of a [`Backend::LayerState`].
+    type Mark: Send;
+
+    fn name(&self) -> String;
+
+    // ---- binding ----
+    /// A matrix used by [`Backend::matmul`] / [`Backend::embed`] (any supported quant type).
+    fn matrix(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
+    /// A small tensor used as f32 values (norm weights, scales, biases, sinks).
+    fn vector(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
+    /// An I32 table (hash routing `tid2eid`).
+    fn table(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
+
+    // ---- memory ----
+    /// `len` zeros.
+    fn alloc(&self, len: usize) -> Self::Buf;
+    fn upload(&self, data: &[f32]) -> Self::Buf;
+    fn upload_i32(&self, data: &[i32]) -> Self::IBuf;
+    fn alloc_i32(&self, len: usize) -> Self::IBuf;
+    /// The first `len` values.
+    fn download(&self, b: &Self::Buf, len: usize) -> Vec<f32>;
+    fn download_i32(&self, b: &Self::IBuf, len: usize) -> Vec<i32>;
+    /// `dst[dst_off ..][.. len] = src[src_off ..][.. len]`.
+    fn copy(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        len: usize,
+    );
+
+    // ---- state ----
+    fn new_layer_state(&self, dims: &LayerDims) -> Self::LayerState;
+    fn state_to_host(&self, st: &Self::LayerState) -> HostLayerState;
+    /// `h` has the shapes of `dims` (callers validate first).
+    fn state_from_host(&self, dims: &LayerDims, h: &HostLayerState) -> Self::LayerState;
+    fn mark(&self, st: &Self::LayerState) -> Self::Mark;
+    fn rollback(&self, st: &mut Self::LayerState, m: Self::Mark);
+
+    // ---- ops ----
+    /// `out[i·copies + c] = table row tokens[i]` (width `d`): the embedding into N streams.
+    fn embed(
+        &self,
+        table: &Self::Weight,
+        tokens: &Self::IBuf,
+        n: usize,
+        copies: usize,
+        d: usize,
+        out: &mut Self::Buf,
+    );
+    /// `y[i] = W · x[i]` for `n` rows of `x` (`[n, cols]` → `[n, rows]`).
+    fn matmul(&self, w: &Self::Weight, part: Part, x: &Self::Buf, n: usize, y: &mut Self::Buf);
+    /// Grouped low-rank product (model.md §3.3 output): group `g` of `groups` maps input
+    /// columns `g·cols .. (g+1)·cols` of each row through weight rows `g·r .. (g+1)·r`, where
+    /// `r = rows / groups`; `x` is `[n, groups·cols]`, `y` is `[n, rows]`.
+    fn matmul_grouped(
+        &self,
+        w: &Self::Weight,
+        groups: usize,
+        x: &Self::Buf,
+        n: usize,
+        y: &mut Self::Buf,
+    );
+    /// `y[..len] += x[..len]`.
+    fn add(&self, y: &mut Self::Buf, x: &Self::Buf, len: usize);
+    /// RMSNorm of `rows` rows of `width` in place, weighted when `w` is given.
+    fn rms_norm(
+        &self,
+        x: &mut Self::Buf,
+        rows: usize,
+        width: usize,
+        w: Option<&Self::Weight>,
+        eps: f32,
+    );
+    /// RoPE on the last `n_rot` values of each of `heads` rows of width `width` per token;
+    /// token `i` at position `t0 + i` (inverse: rotate by −position).
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        n: usize,
+        heads: usize,
+        width: usize,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+        inverse: bool,
+    );
+    /// Rounding steps on `rows` rows of `width` (see [`RowRounding`]).
+    fn round_rows(&self, x: &mut Self::Buf, rows: usize, width: usize, r: RowRounding);
+    /// HC pre (model.md §3.1) from the mixer output `m` (`[n, (2+N)·N]`): writes the collapsed
+    /// input `z = Σ pre_i X[i]` (`[n, D]`), `post` (`[n, N]`) and the Sinkhorn-normalised
+    /// `comb` (`[n, N·N]`, row-major `A[a][b]`). `x` is `[n, N, D]`.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_split(
+        &self,
+        hc: HcDims,
+        m: &Self::Buf,
+        scale: &Self::Weight,
+        base: &Self::Weight,
+        x: &Self::Buf,
+        n: usize,
+        z: &mut Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+    );
+    /// The head's collapse (model.md §3.5): `y = Σ (sigmoid(m_i·scale₀ + base_i) + eps) X[i]`
+    /// with `m` `[n, N]`.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_collapse(
+        &self,
+        hc: HcDims,
+        m: &Self::Buf,
+        scale: &Self::Weight,
+        base: &Self::Weight,
+        x: &Self::Buf,
+        n: usize,
+        y: &mut Self::Buf,
+    );
+    /// HC post (expand): `X'[j] = post_j·o + Σ_i A[i][j]·X[i]` for each token.
+    fn hc_post(
+        &self,
+        hc: HcDims,
+        x: &mut Self::Buf,
+        o: &Self::Buf,
+        post: &Self::Buf,
+        comb: &Self::Buf,
+        n: usize,
+    );
+    /// Compressor over a chunk (model.md §3.3, frontier rule §4.1): token `i` at `t0 + i`
+    /// stores its projection `a[i]` and score `g[i] + ape[(t0+i) mod ratio]` in the frontier;
+    /// every token that closes a window appends the pooled row (softmax over candidates per
+    /// channel, RMSNorm with `norm`, RoPE at `ratio · row`, rounding) to the rows.
+    #[allow(clippy::too_many_arguments)]
+    fn compress(
+        &self,
+        st: &mut Self::LayerState,
+        which: Which,
+        spec: &CompressSpec,
+        ape: &Self::Weight,
+        norm: &Self::Weight,
+        a: &Self::Buf,
+        g: &Self::Buf,
+        n: usize,
+        t0: usize,
+    );
+    /// Lightning indexer: for token `i`, when more than `top_k` attention rows are visible
+    /// (`(t+1)/ratio`), the `top_k` visible rows with the largest scores (ties: lower index
+    /// first), else all visible rows; ascending, padded with −1. `q` is `[n, heads, head_dim]`
+    /// before RoPE, `w` `[n, heads]`; `sel` is `[n, top_k]`.
+    #[allow(clippy::too_many_arguments)]
+    fn index_select(
+        &self,
+        st: &Self::LayerState,
+        spec: &IndexSpec,
+        q: &Self::Buf,
+        w: &Self::Buf,
+        n: usize,
+        t0: usize,
+        sel: &mut Self::IBuf,
+    );
+    /// Sink attention for the chunk: token `i` writes its raw row `kv[i]` to the ring, then
+    /// attends (one shared KV head, keys = values) over raw rows of positions
+    /// `max(0, t−W+1) ..= t` and compressed rows — `sel[i]` when given, else all visible ones
+    /// — with per-head sinks; the output is rotated back by −t. `q` `[n, heads, head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        st: &mut Self::LayerState,
+        spec: &AttnSpec,
+        q: &Self::Buf,
+        kv: &Self::Buf,
+        sinks: &Self::Weight,
+        sel: Option<&Self::IBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut Self::Buf,
+    );
+    /// Router (model.md §3.4): scores `sqrt(softplus(logit))`; experts from `tid2eid[token]`
+    /// (hash layers) or the top `n_used` of score + bias (ties: lower id); weights = score /
+    /// Σ selected scores · `weight_scale`. `sel`, `wgt` are `[n, n_used]`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_route(
+        &self,
+        spec: &MoeSpec,
+        logits: &Self::Buf,
+        bias: Option<&Self::Weight>,
+        tid2eid: Option<&Self::Weight>,
+        tokens: &Self::IBuf,
+        n: usize,
+        sel: &mut Self::IBuf,
+        wgt: &mut Self::Buf,
+    );
+    /// Routed experts: `out[i] = Σ_s down_e(swiglu_c(gate_e·z, up_e·z) · wgt[i,s])` over the
+    /// selected experts `e = sel[i,s]`, summed in selection order into zeros.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts(
+        &self,
+        spec: &MoeSpec,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        z: &Self::Buf,
+        sel: &Self::IBuf,
+        wgt: &Self::Buf,
+        n: usize,
+        out: &mut Self::Buf,
+    );
+    /// `g = silu(min(g, c)) · clamp(u, −c, c)` over `len` values (the shared expert).
+    fn swiglu(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize, clamp: f32);
+}

@@ -1,0 +1,753 @@
+//! The CPU reference backend: every op of [`ds4_backend::Backend`] in f32, weights read
+//! straight from the mmap through `ds4-quant`'s exact dot products. Causal ops loop token by
+//! token, so a batch gives bit-identical numbers to one-token decode. These are the
+//! definitions other backends are tested against.
+
+use crate::math::{self, dot, rms_norm, sigmoid, silu, softmax, softplus};
+use ds4_backend::rope::RopeTables;
+use ds4_backend::{
+    AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
+    IndexSpec, LayerDims, MoeSpec, Part, RopeKind, RowRounding, WeightSrc, Which,
+};
+use ds4_gguf::GgufFile;
+use std::sync::Arc;
+
+/// A bound matrix: `rows` rows of `cols` elements (GGUF `[cols, rows, experts]`).
+#[derive(Clone)]
+pub struct Mat {
+    file: Arc<GgufFile>,
+    pub ty: GgmlType,
+    pub cols: usize,
+    pub rows: usize,
+    offset: usize,
+    n_bytes: usize,
+    kernel: ds4_quant::DotKernel,
+}
+
+impl Mat {
+    fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols as u64).unwrap_or(0) as usize
+    }
+    fn bytes(&self) -> &[u8] {
+        &self.file.bytes()[self.offset..self.offset + self.n_bytes]
+    }
+}
+
+/// A weight on the CPU: a matrix in the mmap, or small values copied once.
+pub enum CpuWeight {
+    Mat(Mat),
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+}
+
+impl CpuWeight {
+    fn mat(&self) -> &Mat {
+        match self {
+            CpuWeight::Mat(m) => m,
+            _ => panic!("a matrix op on a vector weight"),
+        }
+    }
+    fn f32s(&self) -> &[f32] {
+        match self {
+            CpuWeight::F32(v) => v,
+            _ => panic!("a vector op on a non-f32 weight"),
+        }
+    }
+    fn i32s(&self) -> &[i32] {
+        match self {
+            CpuWeight::I32(v) => v,
+            _ => panic!("a table op on a non-i32 weight"),
+        }
+    }
+}
+
+/// Runs the weight products somewhere else (the hybrid GPU bridge plugs in here); everything
+/// else stays on the CPU. `w` is a contiguous block of whole rows of type `ty` (`cols`
+/// elements each) that always has the same bytes for the same `key` (mapping address,
+/// absolute byte offset), so an implementation may upload it once and reuse it. `xs` is
+/// `n × cols`, `ys` `n × rows`.
+pub trait MatAccel: Send + Sync {
+    fn matmul(
+        &self,
+        key: (usize, usize),
+        ty: GgmlType,
+        w: &[u8],
+        cols: usize,
+        xs: &[f32],
+        ys: &mut [f32],
+    );
+}
+
+pub struct CpuBackend {
+    ropes: RopeTables,
+    accel: Option<Arc<dyn MatAccel>>,
+}
+
+impl CpuBackend {
+    pub fn new(ropes: RopeTables) -> CpuBackend {
+        CpuBackend { ropes, accel: None }
+    }
+
+    /// Run the weight products on an accelerator (see [`MatAccel`]).
+    pub fn with_accel(mut self, accel: Arc<dyn MatAccel>) -> CpuBackend {
+        self.accel = Some(accel);
+        self
+    }
+
+    /// `ys = W[rows r0 ..] · xs` over whole rows `r0 .. r0 + ys.len()/n`.
+    fn product(&self, m: &Mat, byte0: usize, xs: &[f32], ys: &mut [f32]) {
+        let n = xs.len() / m.cols;
+        let rows = ys.len() / n.max(1);
+        let w = &m.bytes()[byte0..byte0 + rows * m.row_bytes()];
+        match &self.accel {
+            Some(a) => a.matmul(
+                (m.file.bytes().as_ptr() as usize, m.offset + byte0),
+                m.ty,
+                w,
+                m.cols,
+                xs,
+                ys,
+            ),
+            None => m.kernel.matmul_unchecked(w, xs, m.cols, ys),
+        }
+    }
+
+    /// One row of a matrix, dequantised (embedding lookup, `ape` rows).
+    fn row(m: &Mat, r: usize, out: &mut [f32]) {
+        let rb = m.row_bytes();
+        let b = &m.bytes()[r * rb..(r + 1) * rb];
+        ds4_quant::dequantize_row(m.ty, b, out).expect("bound rows dequantise");
+    }
+
+    fn dequant_all(src: &WeightSrc) -> Result<Vec<f32>, String> {
+        let mut out = vec![0f32; src.elems()];
+        ds4_quant::dequantize_row(src.ty, src.bytes(), &mut out).map_err(|e| e.to_string())?;
+        Ok(out)
+    }
+
+    /// One compressor step (model.md §3.3, frontier rule of §4.1) with token `t`'s projection
+    /// `a` and gate `g`. Returns the pooled, normalised row when `t` closes a window (not yet
+    /// rotated or rounded).
+    fn compress_one(
+        c: &CompDims,
+        cs: &mut HostCompState,
+        ape: &Mat,
+        norm: &[f32],
+        eps: f32,
+        a: &[f32],
+        g: &[f32],
+        t: usize,
+    ) -> Option<Vec<f32>> {
+        let w = c.width();
+        let r = c.ratio;
+        let mut ape_row = vec![0f32; w];
+        Self::row(ape, t % r, &mut ape_row);
+        let slot = if c.coff == 2 { r + t % r } else { t % r };
+        cs.front_kv[slot * w..(slot + 1) * w].copy_from_slice(a);
+        for ((s, g), b) in cs.front_score[slot * w..(slot + 1) * w]
+            .iter_mut()
+            .zip(g)
+            .zip(&ape_row)
+        {
+            *s = g + b;
+        }
+        if !(t + 1).is_multiple_of(r) {
+            return None;
+        }
+        let mut p = vec![0f32; c.d];
+        let mut sc = vec![0f32; c.coff * r];
+        for (j, pj) in p.iter_mut().enumerate() {
+            // Candidates per channel: HCA the r tokens of this window; CSA the A-half (columns
+            // 0..d) of the previous window (slots 0..r) and the B-half (columns d..2d) of this.
+            let cand = |i: usize| {
+                if c.coff == 2 && i >= r {
+                    i * w + c.d + j
+                } else {
+                    i * w + j
+                }
+            };
+            for (i, s) in sc.iter_mut().enumerate() {
+                *s = cs.front_score[cand(i)];
+            }
+            softmax(&mut sc);
+            *pj = sc
+                .iter()
+                .enumerate()
+                .map(|(i, s)| s * cs.front_kv[cand(i)])
+                .sum();
+        }
+        if c.coff == 2 {
+            // This window becomes the previous one.
+            cs.front_kv.copy_within(r * w..2 * r * w, 0);
+            cs.front_score.copy_within(r * w..2 * r * w, 0);
+        }
+        rms_norm(&mut p, Some(norm), eps);
+        Some(p)
+    }
+}
+
+fn round_row(v: &mut [f32], r: RowRounding) {
+    if r.fp8_nope > 0 {
+        math::fp8_sim(v, r.fp8_nope);
+    }
+    if r.fp4_hadamard {
+        math::fp4_hadamard_sim(v);
+    }
+    if r.f16 {
+        math::f16_round(v);
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type IBuf = Vec<i32>;
+    type Weight = CpuWeight;
+    type LayerState = HostLayerState;
+    type Mark = ds4_backend::state::HostMark;
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn matrix(&self, src: &WeightSrc) -> Result<CpuWeight, String> {
+        let kernel =
+            ds4_quant::dot_kernel(src.ty).map_err(|e| format!("no CPU dot product: {e}"))?;
+        Ok(CpuWeight::Mat(Mat {
+            file: src.file.clone(),
+            ty: src.ty,
+            cols: src.cols(),
+            rows: src.rows(),
+            offset: src.offset,
+            n_bytes: src.n_bytes,
+            kernel,
+        }))
+    }
+
+    fn vector(&self, src: &WeightSrc) -> Result<CpuWeight, String> {
+        Ok(CpuWeight::F32(Self::dequant_all(src)?))
+    }
+
+    fn table(&self, src: &WeightSrc) -> Result<CpuWeight, String> {
+        if src.ty != GgmlType::I32 {
+            return Err(format!("expected I32, found {:?}", src.ty));
+        }
+        Ok(CpuWeight::I32(
+            src.bytes()
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ))
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+    fn upload_i32(&self, data: &[i32]) -> Vec<i32> {
+        data.to_vec()
+    }
+    fn alloc_i32(&self, len: usize) -> Vec<i32> {
+        vec![0; len]
+    }
+    fn download(&self, b: &Vec<f32>, len: usize) -> Vec<f32> {
+        b[..len].to_vec()
+    }
+    fn download_i32(&self, b: &Vec<i32>, len: usize) -> Vec<i32> {
+        b[..len].to_vec()
+    }
+    fn copy(&self, src: &Vec<f32>, so: usize, dst: &mut Vec<f32>, d0: usize, len: usize) {
+        dst[d0..d0 + len].copy_from_slice(&src[so..so + len]);
+    }
+
+    fn new_layer_state(&self, dims: &LayerDims) -> HostLayerState {
+        HostLayerState::new(dims)
+    }
+    fn state_to_host(&self, st: &HostLayerState) -> HostLayerState {
+        st.clone()
+    }
+    fn state_from_host(&self, _dims: &LayerDims, h: &HostLayerState) -> HostLayerState {
+        h.clone()
+    }
+    fn mark(&self, st: &HostLayerState) -> Self::Mark {
+        st.mark()
+    }
+    fn rollback(&self, st: &mut HostLayerState, m: Self::Mark) {
+        st.rollback(m)
+    }
+
+    fn embed(
+        &self,
+        table: &CpuWeight,
+        tokens: &Vec<i32>,
+        n: usize,
+        copies: usize,
+        d: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let m = table.mat();
+        let mut e = vec![0f32; d];
+        for (i, &tok) in tokens[..n].iter().enumerate() {
+            Self::row(m, tok as usize, &mut e);
+            for k in 0..copies {
+                out[(i * copies + k) * d..(i * copies + k + 1) * d].copy_from_slice(&e);
+            }
+        }
+    }
+
+    fn matmul(&self, w: &CpuWeight, part: Part, x: &Vec<f32>, n: usize, y: &mut Vec<f32>) {
+        let m = w.mat();
+        let byte0 = match part {
+            Part::All => 0,
+            Part::Expert(e) => e * m.rows * m.row_bytes(),
+        };
+        self.product(m, byte0, &x[..n * m.cols], &mut y[..n * m.rows]);
+    }
+
+    fn matmul_grouped(
+        &self,
+        w: &CpuWeight,
+        groups: usize,
+        x: &Vec<f32>,
+        n: usize,
+        y: &mut Vec<f32>,
+    ) {
+        let m = w.mat();
+        let gin = m.cols;
+        let r = m.rows / groups;
+        let mut og = vec![0f32; n * gin];
+        let mut ug = vec![0f32; n * r];
+        for g in 0..groups {
+            for i in 0..n {
+                og[i * gin..(i + 1) * gin].copy_from_slice(
+                    &x[i * groups * gin + g * gin..i * groups * gin + (g + 1) * gin],
+                );
+            }
+            self.product(m, g * r * m.row_bytes(), &og, &mut ug);
+            for i in 0..n {
+                y[i * m.rows + g * r..i * m.rows + (g + 1) * r]
+                    .copy_from_slice(&ug[i * r..(i + 1) * r]);
+            }
+        }
+    }
+
+    fn add(&self, y: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        y[..len]
+            .iter_mut()
+            .zip(&x[..len])
+            .for_each(|(y, x)| *y += x);
+    }
+
+    fn rms_norm(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        width: usize,
+        w: Option<&CpuWeight>,
+        eps: f32,
+    ) {
+        let w = w.map(|w| w.f32s());
+        x[..rows * width]
+            .chunks_mut(width)
+            .for_each(|r| rms_norm(r, w, eps));
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        n: usize,
+        heads: usize,
+        width: usize,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+        inverse: bool,
+    ) {
+        let rope = self.ropes.get(kind);
+        debug_assert_eq!(2 * rope.freqs.len(), n_rot);
+        for (i, tok) in x[..n * heads * width].chunks_mut(heads * width).enumerate() {
+            for h in tok.chunks_mut(width) {
+                rope.apply(h, (t0 + i) as u64, inverse);
+            }
+        }
+    }
+
+    fn round_rows(&self, x: &mut Vec<f32>, rows: usize, width: usize, r: RowRounding) {
+        x[..rows * width]
+            .chunks_mut(width)
+            .for_each(|v| round_row(v, r));
+    }
+
+    fn hc_split(
+        &self,
+        hc: HcDims,
+        m: &Vec<f32>,
+        scale: &CpuWeight,
+        base: &CpuWeight,
+        x: &Vec<f32>,
+        n: usize,
+        z: &mut Vec<f32>,
+        post: &mut Vec<f32>,
+        comb: &mut Vec<f32>,
+    ) {
+        let (nhc, d, eps) = (hc.n, hc.d, hc.eps);
+        let (scale, base) = (scale.f32s(), base.f32s());
+        let mix = (2 + nhc) * nhc;
+        for (t, m) in m[..n * mix].chunks(mix).enumerate() {
+            let pre: Vec<f32> = (0..nhc)
+                .map(|i| sigmoid(m[i] * scale[0] + base[i]) + eps)
+                .collect();
+            for i in 0..nhc {
+                post[t * nhc + i] = 2.0 * sigmoid(m[nhc + i] * scale[1] + base[nhc + i]);
+            }
+            let a = &mut comb[t * nhc * nhc..(t + 1) * nhc * nhc];
+            for k in 0..nhc * nhc {
+                a[k] = m[2 * nhc + k] * scale[2] + base[2 * nhc + k];
+            }
+            for row in a.chunks_mut(nhc) {
+                softmax(row);
+                row.iter_mut().for_each(|v| *v += eps);
+            }
+            let norm_cols = |a: &mut [f32]| {
+                for b in 0..nhc {
+                    let s: f32 = (0..nhc).map(|r| a[r * nhc + b]).sum::<f32>() + eps;
+                    (0..nhc).for_each(|r| a[r * nhc + b] /= s);
+                }
+            };
+            norm_cols(a);
+            for _ in 1..hc.sinkhorn_iters {
+                for row in a.chunks_mut(nhc) {
+                    let s: f32 = row.iter().sum::<f32>() + eps;
+                    row.iter_mut().for_each(|v| *v /= s);
+                }
+                norm_cols(a);
+            }
+            let xt = &x[t * nhc * d..(t + 1) * nhc * d];
+            let yt = &mut z[t * d..(t + 1) * d];
+            yt.iter_mut().for_each(|v| *v = 0.0);
+            for i in 0..nhc {
+                for k in 0..d {
+                    yt[k] += pre[i] * xt[i * d + k];
+                }
+            }
+        }
+    }
+
+    fn hc_collapse(
+        &self,
+        hc: HcDims,
+        m: &Vec<f32>,
+        scale: &CpuWeight,
+        base: &CpuWeight,
+        x: &Vec<f32>,
+        n: usize,
+        y: &mut Vec<f32>,
+    ) {
+        let (nhc, d) = (hc.n, hc.d);
+        let (scale, base) = (scale.f32s(), base.f32s());
+        for t in 0..n {
+            let yt = &mut y[t * d..(t + 1) * d];
+            yt.iter_mut().for_each(|v| *v = 0.0);
+            for i in 0..nhc {
+                let pre = sigmoid(m[t * nhc + i] * scale[0] + base[i]) + hc.eps;
+                yt.iter_mut()
+                    .zip(&x[(t * nhc + i) * d..(t * nhc + i + 1) * d])
+                    .for_each(|(y, v)| *y += pre * v);
+            }
+        }
+    }
+
+    fn hc_post(
+        &self,
+        hc: HcDims,
+        x: &mut Vec<f32>,
+        o: &Vec<f32>,
+        post: &Vec<f32>,
+        comb: &Vec<f32>,
+        n: usize,
+    ) {
+        let (nhc, d) = (hc.n, hc.d);
+        for t in 0..n {
+            let xs = &mut x[t * nhc * d..(t + 1) * nhc * d];
+            let old = xs.to_vec();
+            let (p, c) = (
+                &post[t * nhc..(t + 1) * nhc],
+                &comb[t * nhc * nhc..(t + 1) * nhc * nhc],
+            );
+            let ot = &o[t * d..(t + 1) * d];
+            // X'[j] = post_j·o + Σ_i A[i][j]·X[i] — column j of the comb (model.md §7.6).
+            for j in 0..nhc {
+                let xj = &mut xs[j * d..(j + 1) * d];
+                for k in 0..d {
+                    let mut v = p[j] * ot[k];
+                    for i in 0..nhc {
+                        v += c[i * nhc + j] * old[i * d + k];
+                    }
+                    xj[k] = v;
+                }
+            }
+        }
+    }
+
+    fn compress(
+        &self,
+        st: &mut HostLayerState,
+        which: Which,
+        spec: &CompressSpec,
+        ape: &CpuWeight,
+        norm: &CpuWeight,
+        a: &Vec<f32>,
+        g: &Vec<f32>,
+        n: usize,
+        t0: usize,
+    ) {
+        let cs = match which {
+            Which::Attn => st.comp.as_mut(),
+            Which::Index => st.index.as_mut(),
+        }
+        .expect("compress on a layer with that compressor");
+        let c = &spec.dims;
+        let w = c.width();
+        let rope = self.ropes.get(spec.rope);
+        for i in 0..n {
+            let t = t0 + i;
+            let row = Self::compress_one(
+                c,
+                cs,
+                ape.mat(),
+                norm.f32s(),
+                spec.eps,
+                &a[i * w..(i + 1) * w],
+                &g[i * w..(i + 1) * w],
+                t,
+            );
+            if let Some(mut row) = row {
+                let nrow = cs.rows.len() / c.d;
+                rope.apply(&mut row, (c.ratio * nrow) as u64, false);
+                round_row(&mut row, spec.round);
+                cs.rows.extend_from_slice(&row);
+            }
+        }
+    }
+
+    fn index_select(
+        &self,
+        st: &HostLayerState,
+        spec: &IndexSpec,
+        q: &Vec<f32>,
+        w: &Vec<f32>,
+        n: usize,
+        t0: usize,
+        sel: &mut Vec<i32>,
+    ) {
+        let (ihd, nh, k) = (spec.head_dim, spec.heads, spec.top_k);
+        let rows = &st.index.as_ref().expect("indexer state").rows;
+        let rope = self.ropes.get(spec.rope);
+        let ws = 1.0 / ((ihd * nh) as f32).sqrt();
+        for i in 0..n {
+            let t = t0 + i;
+            // The indexer compressor has the attention compressor's ratio: one index row per
+            // attention row, the same visible count.
+            let visible = (t + 1) / spec.ratio;
+            let out = &mut sel[i * k..(i + 1) * k];
+            out.fill(-1);
+            if visible <= k {
+                for (r, o) in out.iter_mut().take(visible).enumerate() {
+                    *o = r as i32;
+                }
+                continue;
+            }
+            let mut qi = q[i * nh * ihd..(i + 1) * nh * ihd].to_vec();
+            for h in qi.chunks_mut(ihd) {
+                rope.apply(h, t as u64, false);
+                if spec.fp4 {
+                    math::fp4_hadamard_sim(h);
+                }
+            }
+            let wi = &w[i * nh..(i + 1) * nh];
+            let scores: Vec<f32> = (0..visible)
+                .map(|r| {
+                    let key = &rows[r * ihd..(r + 1) * ihd];
+                    (0..nh)
+                        .map(|h| wi[h] * ws * dot(&qi[h * ihd..(h + 1) * ihd], key).max(0.0))
+                        .sum()
+                })
+                .collect();
+            let mut order: Vec<usize> = (0..visible).collect();
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            order.truncate(k);
+            order.sort_unstable();
+            for (o, r) in out.iter_mut().zip(order) {
+                *o = r as i32;
+            }
+        }
+    }
+
+    fn attend(
+        &self,
+        st: &mut HostLayerState,
+        spec: &AttnSpec,
+        q: &Vec<f32>,
+        kv: &Vec<f32>,
+        sinks: &CpuWeight,
+        sel: Option<&Vec<i32>>,
+        n: usize,
+        t0: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
+        let sinks = sinks.f32s();
+        let rope = self.ropes.get(spec.rope);
+        let scale = 1.0 / (hd as f32).sqrt();
+        out[..n * nh * hd].fill(0.0);
+        for i in 0..n {
+            let t = t0 + i;
+            // Raw row into the ring. Later tokens of the batch have not been written yet, so
+            // the ring still holds every row token t can see.
+            st.raw[(t % win) * hd..(t % win + 1) * hd].copy_from_slice(&kv[i * hd..(i + 1) * hd]);
+            st.raw_pos[t % win] = t as i64;
+            let comp_rows: &[f32] = st.comp.as_ref().map_or(&[], |c| &c.rows);
+            let selected: Vec<usize> = match sel {
+                Some(s) => s[i * spec.top_k..(i + 1) * spec.top_k]
+                    .iter()
+                    .filter(|&&r| r >= 0)
+                    .map(|&r| r as usize)
+                    .collect(),
+                None if spec.ratio > 0 => (0..(t + 1) / spec.ratio).collect(),
+                None => Vec::new(),
+            };
+            // Raw rows (positions max(0, t−W+1) ..= t) then the selected compressed rows.
+            let first = (t + 1).saturating_sub(win);
+            let rows: Vec<&[f32]> = (first..=t)
+                .filter(|&p| st.raw_pos[p % win] == p as i64)
+                .map(|p| &st.raw[(p % win) * hd..(p % win + 1) * hd])
+                .chain(selected.iter().map(|&r| &comp_rows[r * hd..(r + 1) * hd]))
+                .collect();
+            let mut scores = vec![0f32; rows.len()];
+            let qi = &q[i * nh * hd..(i + 1) * nh * hd];
+            let oi = &mut out[i * nh * hd..(i + 1) * nh * hd];
+            for h in 0..nh {
+                let qh = &qi[h * hd..(h + 1) * hd];
+                for (s, r) in scores.iter_mut().zip(&rows) {
+                    *s = dot(qh, r) * scale;
+                }
+                let sink = sinks[h];
+                let m = scores.iter().copied().fold(sink, f32::max);
+                let mut zsum = (sink - m).exp();
+                for s in scores.iter_mut() {
+                    *s = (*s - m).exp();
+                    zsum += *s;
+                }
+                let oh = &mut oi[h * hd..(h + 1) * hd];
+                for (s, r) in scores.iter().zip(&rows) {
+                    let p = s / zsum;
+                    oh.iter_mut().zip(r.iter()).for_each(|(o, v)| *o += p * v);
+                }
+                // Values are the rotated keys: undo the rotation at the query position.
+                rope.apply(oh, t as u64, true);
+            }
+        }
+    }
+
+    fn moe_route(
+        &self,
+        spec: &MoeSpec,
+        logits: &Vec<f32>,
+        bias: Option<&CpuWeight>,
+        tid2eid: Option<&CpuWeight>,
+        tokens: &Vec<i32>,
+        n: usize,
+        sel: &mut Vec<i32>,
+        wgt: &mut Vec<f32>,
+    ) {
+        let (ne, k) = (spec.n_expert, spec.n_used);
+        for (i, lg) in logits[..n * ne].chunks(ne).enumerate() {
+            let p: Vec<f32> = lg.iter().map(|&v| softplus(v).sqrt()).collect();
+            let s: Vec<usize> = match (tid2eid, bias) {
+                (Some(tab), _) => {
+                    let tok = tokens[i] as usize;
+                    tab.i32s()[tok * k..(tok + 1) * k]
+                        .iter()
+                        .map(|&e| e as usize)
+                        .collect()
+                }
+                (None, Some(b)) => {
+                    let b = b.f32s();
+                    let mut order: Vec<usize> = (0..ne).collect();
+                    let key = |e: usize| p[e] + b[e];
+                    order.sort_by(|&x, &y| key(y).total_cmp(&key(x)).then(x.cmp(&y)));
+                    order.truncate(k);
+                    order
+                }
+                (None, None) => panic!("a router needs a bias or a hash table"),
+            };
+            let sum: f32 = s.iter().map(|&e| p[e]).sum();
+            let denom = sum.max(2f32.powi(-14)); // ds4's guard; p_e > 0 so it never binds
+            for (j, &e) in s.iter().enumerate() {
+                sel[i * k + j] = e as i32;
+                wgt[i * k + j] = p[e] / denom * spec.weight_scale;
+            }
+        }
+    }
+
+    fn moe_experts(
+        &self,
+        spec: &MoeSpec,
+        gate: &CpuWeight,
+        up: &CpuWeight,
+        down: &CpuWeight,
+        z: &Vec<f32>,
+        sel: &Vec<i32>,
+        wgt: &Vec<f32>,
+        n: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let (k, ff, d, c) = (spec.n_used, spec.ff, spec.d, spec.clamp);
+        let (gm, um, dm) = (gate.mat(), up.mat(), down.mat());
+        let slab = |m: &Mat, e: usize| e * m.rows * m.row_bytes();
+        // Per (token, slot) expert outputs, computed expert by expert as matrix products over
+        // the tokens routed to it (each row bit-identical to its one-token product).
+        let mut slot_out = vec![0f32; n * k * d];
+        for e in 0..spec.n_expert {
+            let users: Vec<usize> = (0..n * k).filter(|&s| sel[s] == e as i32).collect();
+            if users.is_empty() {
+                continue;
+            }
+            let xs: Vec<f32> = users
+                .iter()
+                .flat_map(|&s| z[(s / k) * d..(s / k + 1) * d].iter().copied())
+                .collect();
+            let m = users.len();
+            let (mut g, mut u) = (vec![0f32; m * ff], vec![0f32; m * ff]);
+            self.product(gm, slab(gm, e), &xs, &mut g);
+            self.product(um, slab(um, e), &xs, &mut u);
+            for (r, (gr, ur)) in g.chunks_mut(ff).zip(u.chunks(ff)).enumerate() {
+                let w = wgt[users[r]];
+                for (gv, uv) in gr.iter_mut().zip(ur) {
+                    *gv = silu(gv.min(c)) * uv.clamp(-c, c) * w;
+                }
+            }
+            let mut y = vec![0f32; m * d];
+            self.product(dm, slab(dm, e), &g, &mut y);
+            for (r, &s) in users.iter().enumerate() {
+                slot_out[s * d..(s + 1) * d].copy_from_slice(&y[r * d..(r + 1) * d]);
+            }
+        }
+        for i in 0..n {
+            let o = &mut out[i * d..(i + 1) * d];
+            o.fill(0.0);
+            for s in 0..k {
+                o.iter_mut()
+                    .zip(&slot_out[(i * k + s) * d..(i * k + s + 1) * d])
+                    .for_each(|(o, v)| *o += v);
+            }
+        }
+    }
+
+    fn swiglu(&self, g: &mut Vec<f32>, u: &Vec<f32>, len: usize, c: f32) {
+        for (gv, uv) in g[..len].iter_mut().zip(&u[..len]) {
+            *gv = silu(gv.min(c)) * uv.clamp(-c, c);
+        }
+    }
+}

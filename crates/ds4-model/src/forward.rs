@@ -1,0 +1,919 @@
+//! The DS4 forward-pass schedule (model.md §3), written once against the backend boundary
+//! ([`ds4_backend::Backend`]). It owns the weight handles and the order of ops; backends own
+//! the arithmetic. Buffers are token-major: `x` is `[n, N, D]` (stream-major inside a token).
+
+use crate::{AttnKind, HParams, LayerKind, WeightDir};
+use ds4_backend::rope::{Rope, RopeTables};
+use ds4_backend::{
+    AttnSpec, Backend, CompDims, CompressSpec, HcDims, HostLayerState, IndexSpec, LayerDims,
+    MoeSpec, Part, RopeKind, Rounding, RowRounding, WeightSrc, Which,
+};
+use ds4_gguf::GgufFile;
+use std::any::Any;
+use std::sync::Arc;
+
+/// The model's two RoPE tables (plain for SWA layers and MTP, YaRN for compressed layers).
+pub fn rope_tables(hp: &HParams) -> RopeTables {
+    let n_rot = hp.n_rot as usize;
+    RopeTables {
+        swa: Rope::plain(hp.rope_base, n_rot),
+        comp: Rope::yarn(
+            hp.compress_rope_base,
+            n_rot,
+            hp.rope_scale_factor,
+            hp.rope_orig_ctx,
+            hp.yarn_beta_fast,
+            hp.yarn_beta_slow,
+        ),
+    }
+}
+
+struct Hc<W> {
+    mixer: W, // [N·D → (2+N)·N] (head: → N)
+    scale: W,
+    base: W,
+}
+
+struct Comp<W> {
+    ape: W, // ratio rows of width coff·d
+    kv: W,
+    gate: W,
+    norm: W,
+    dims: CompDims,
+}
+
+struct Indexer<W> {
+    q_b: W,
+    proj: W,
+    comp: Comp<W>,
+}
+
+struct Layer<W> {
+    kind: LayerKind,
+    dims: LayerDims,
+    hc_attn: Hc<W>,
+    attn_norm: W,
+    q_a: W,
+    q_a_norm: W,
+    q_b: W,
+    kv: W,
+    kv_norm: W,
+    sinks: W,
+    out_a: W,
+    out_b: W,
+    comp: Option<Comp<W>>,
+    indexer: Option<Indexer<W>>,
+    hc_ffn: Hc<W>,
+    ffn_norm: W,
+    router: W,
+    bias: Option<W>,
+    tid2eid: Option<W>,
+    gate_exps: W,
+    up_exps: W,
+    down_exps: W,
+    gate_sh: W,
+    up_sh: W,
+    down_sh: W,
+    clamp: f32,
+    clamp_sh: f32,
+}
+
+/// The MTP speculative head's weights (model.md §2.5, §3.7).
+struct Mtp<W> {
+    block: Layer<W>,
+    e_proj: W,
+    h_proj: W,
+    enorm: W,
+    hnorm: W,
+    norm: W,
+    head: Hc<W>,
+}
+
+/// A loaded model on backend `B`.
+pub struct Model<B: Backend> {
+    pub hp: HParams,
+    pub rounding: Rounding,
+    pub backend: B,
+    embd: B::Weight,
+    out_hc: Hc<B::Weight>,
+    out_norm: B::Weight,
+    output: B::Weight,
+    layers: Vec<Layer<B::Weight>>,
+    mtp: Option<Mtp<B::Weight>>,
+}
+
+/// A session's state on backend `B`.
+pub struct State<B: Backend> {
+    pub tokens: Vec<u32>,
+    pub layers: Vec<B::LayerState>,
+}
+
+impl<B: Backend> PartialEq for State<B>
+where
+    B::LayerState: PartialEq,
+{
+    fn eq(&self, o: &Self) -> bool {
+        self.tokens == o.tokens && self.layers == o.layers
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for State<B>
+where
+    B::LayerState: std::fmt::Debug,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("tokens", &self.tokens)
+            .field("layers", &self.layers)
+            .finish()
+    }
+}
+
+/// A rollback point of a [`State`] (speculative verification, model.md §4.4).
+pub struct Checkpoint<B: Backend> {
+    n_tokens: usize,
+    marks: Vec<B::Mark>,
+}
+
+/// A session's state in host memory (snapshots).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostState {
+    pub tokens: Vec<u32>,
+    pub layers: Vec<HostLayerState>,
+}
+
+/// Looks tensors up in the bound files (main model, then MTP).
+struct Binder<'a, B: Backend> {
+    files: &'a [(Arc<GgufFile>, WeightDir)],
+    b: &'a B,
+    loaded: usize,
+    total: usize,
+    progress: &'a mut dyn FnMut(usize, usize),
+}
+
+impl<B: Backend> Binder<'_, B> {
+    fn get(
+        &mut self,
+        name: &str,
+        how: fn(&B, &WeightSrc) -> Result<B::Weight, String>,
+    ) -> Result<B::Weight, String> {
+        let (file, w) = self
+            .files
+            .iter()
+            .find_map(|(f, d)| d.get(name).map(|w| (f, w)))
+            .ok_or_else(|| format!("weight {name} was not bound"))?;
+        let src = WeightSrc {
+            name,
+            file,
+            ty: w.ty,
+            dims: &w.dims,
+            offset: w.offset as usize,
+            n_bytes: w.n_bytes as usize,
+        };
+        let r = how(self.b, &src).map_err(|e| format!("tensor {name}: {e}"))?;
+        self.loaded += w.n_bytes as usize;
+        (self.progress)(self.loaded, self.total);
+        Ok(r)
+    }
+    fn m(&mut self, name: &str) -> Result<B::Weight, String> {
+        self.get(name, B::matrix)
+    }
+    fn v(&mut self, name: &str) -> Result<B::Weight, String> {
+        self.get(name, B::vector)
+    }
+    fn t(&mut self, name: &str) -> Result<B::Weight, String> {
+        self.get(name, B::table)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.files.iter().any(|(_, d)| d.get(name).is_some())
+    }
+    fn hc(&mut self, p: &str, which: &str) -> Result<Hc<B::Weight>, String> {
+        Ok(Hc {
+            mixer: self.m(&format!("{p}{which}_fn.weight"))?,
+            scale: self.v(&format!("{p}{which}_scale.weight"))?,
+            base: self.v(&format!("{p}{which}_base.weight"))?,
+        })
+    }
+    fn comp(&mut self, p: &str, dims: CompDims) -> Result<Comp<B::Weight>, String> {
+        Ok(Comp {
+            ape: self.m(&format!("{p}_ape.weight"))?,
+            kv: self.m(&format!("{p}_kv.weight"))?,
+            gate: self.m(&format!("{p}_gate.weight"))?,
+            norm: self.v(&format!("{p}_norm.weight"))?,
+            dims,
+        })
+    }
+
+    /// One transformer block with name prefix `p` (`blk.7.` or `mtp.0.`).
+    fn layer(
+        &mut self,
+        hp: &HParams,
+        p: &str,
+        kind: LayerKind,
+    ) -> Result<Layer<B::Weight>, String> {
+        let dims = layer_dims(hp, &kind);
+        // The MTP block uses the last layer's clamp (every published layer has the same one).
+        let l = (kind.index as usize).min(hp.swiglu_clamp.len() - 1);
+        let comp = match dims.comp {
+            Some(c) => Some(self.comp(&format!("{p}attn_compressor"), c)?),
+            None => None,
+        };
+        let indexer = match dims.index {
+            Some(c) => Some(Indexer {
+                q_b: self.m(&format!("{p}indexer.attn_q_b.weight"))?,
+                proj: self.m(&format!("{p}indexer.proj.weight"))?,
+                comp: self.comp(&format!("{p}indexer_compressor"), c)?,
+            }),
+            None => None,
+        };
+        Ok(Layer {
+            kind,
+            dims,
+            hc_attn: self.hc(p, "hc_attn")?,
+            attn_norm: self.v(&format!("{p}attn_norm.weight"))?,
+            q_a: self.m(&format!("{p}attn_q_a.weight"))?,
+            q_a_norm: self.v(&format!("{p}attn_q_a_norm.weight"))?,
+            q_b: self.m(&format!("{p}attn_q_b.weight"))?,
+            kv: self.m(&format!("{p}attn_kv.weight"))?,
+            kv_norm: self.v(&format!("{p}attn_kv_a_norm.weight"))?,
+            sinks: self.v(&format!("{p}attn_sinks.weight"))?,
+            out_a: self.m(&format!("{p}attn_output_a.weight"))?,
+            out_b: self.m(&format!("{p}attn_output_b.weight"))?,
+            comp,
+            indexer,
+            hc_ffn: self.hc(p, "hc_ffn")?,
+            ffn_norm: self.v(&format!("{p}ffn_norm.weight"))?,
+            router: self.m(&format!("{p}ffn_gate_inp.weight"))?,
+            bias: if kind.hash_routed {
+                None
+            } else {
+                Some(self.v(&format!("{p}exp_probs_b.bias"))?)
+            },
+            tid2eid: if kind.hash_routed {
+                Some(self.t(&format!("{p}ffn_gate_tid2eid.weight"))?)
+            } else {
+                None
+            },
+            gate_exps: self.m(&format!("{p}ffn_gate_exps.weight"))?,
+            up_exps: self.m(&format!("{p}ffn_up_exps.weight"))?,
+            down_exps: self.m(&format!("{p}ffn_down_exps.weight"))?,
+            gate_sh: self.m(&format!("{p}ffn_gate_shexp.weight"))?,
+            up_sh: self.m(&format!("{p}ffn_up_shexp.weight"))?,
+            down_sh: self.m(&format!("{p}ffn_down_shexp.weight"))?,
+            clamp: hp.swiglu_clamp[l],
+            clamp_sh: hp
+                .swiglu_clamp_shexp
+                .as_ref()
+                .map_or(hp.swiglu_clamp[l], |s| s[l.min(s.len() - 1)]),
+        })
+    }
+}
+
+/// The attention-state shape of a layer.
+pub fn layer_dims(hp: &HParams, kind: &LayerKind) -> LayerDims {
+    let hd = hp.head_dim as usize;
+    LayerDims {
+        window: hp.sliding_window as usize,
+        head_dim: hd,
+        comp: kind.compressed().then(|| CompDims {
+            ratio: kind.ratio as usize,
+            coff: kind.coff() as usize,
+            d: hd,
+        }),
+        index: kind.has_indexer().then(|| CompDims {
+            ratio: 4,
+            coff: 2,
+            d: hp.indexer_head_dim as usize,
+        }),
+    }
+}
+
+/// The MTP block's layer kind: SWA only, bias-routed (model.md §3.7).
+fn mtp_kind(hp: &HParams) -> LayerKind {
+    LayerKind {
+        index: hp.n_layer,
+        ratio: 0,
+        attn: AttnKind::Swa,
+        hash_routed: false,
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Bind every tensor of `files` (main model first, then an optional MTP file) on `backend`.
+    /// `progress(bytes_done, bytes_total)` is called after each tensor.
+    pub fn load(
+        backend: B,
+        hp: HParams,
+        files: &[(Arc<GgufFile>, WeightDir)],
+        rounding: Rounding,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model<B>, String> {
+        let total = files
+            .iter()
+            .map(|(f, _)| f.bytes().len() - f.data_offset() as usize)
+            .sum();
+        let mut b = Binder {
+            files,
+            b: &backend,
+            loaded: 0,
+            total,
+            progress,
+        };
+        let mut layers = Vec::with_capacity(hp.n_layer as usize);
+        for kind in hp.layers() {
+            layers.push(b.layer(&hp, &format!("blk.{}.", kind.index), kind)?);
+        }
+        let mtp = if b.has("mtp.0.e_proj.weight") {
+            Some(Mtp {
+                block: b.layer(&hp, "mtp.0.", mtp_kind(&hp))?,
+                e_proj: b.m("mtp.0.e_proj.weight")?,
+                h_proj: b.m("mtp.0.h_proj.weight")?,
+                enorm: b.v("mtp.0.enorm.weight")?,
+                hnorm: b.v("mtp.0.hnorm.weight")?,
+                norm: b.v("mtp.0.norm.weight")?,
+                head: b.hc("mtp.0.", "hc_head")?,
+            })
+        } else {
+            None
+        };
+        let embd = b.m("token_embd.weight")?;
+        let out_hc = Hc {
+            mixer: b.m("output_hc_fn.weight")?,
+            scale: b.v("output_hc_scale.weight")?,
+            base: b.v("output_hc_base.weight")?,
+        };
+        let out_norm = b.v("output_norm.weight")?;
+        let output = b.m("output.weight")?;
+        Ok(Model {
+            hp,
+            rounding,
+            backend,
+            embd,
+            out_hc,
+            out_norm,
+            output,
+            layers,
+            mtp,
+        })
+    }
+
+    fn hc_dims(&self) -> HcDims {
+        HcDims {
+            n: self.hp.hc_count as usize,
+            d: self.hp.n_embd as usize,
+            sinkhorn_iters: self.hp.hc_sinkhorn_iters as usize,
+            eps: self.hp.hc_eps,
+        }
+    }
+
+    /// Attention-state shape of every main layer.
+    pub fn layer_dims(&self) -> Vec<LayerDims> {
+        self.layers.iter().map(|l| l.dims).collect()
+    }
+
+    /// Attention-state shape of the MTP block.
+    pub fn mtp_dims(&self) -> LayerDims {
+        layer_dims(&self.hp, &mtp_kind(&self.hp))
+    }
+
+    /// A fresh session state.
+    pub fn new_state(&self) -> State<B> {
+        State {
+            tokens: Vec::new(),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| self.backend.new_layer_state(&l.dims))
+                .collect(),
+        }
+    }
+
+    pub fn checkpoint(&self, st: &State<B>) -> Checkpoint<B> {
+        Checkpoint {
+            n_tokens: st.tokens.len(),
+            marks: st.layers.iter().map(|l| self.backend.mark(l)).collect(),
+        }
+    }
+
+    pub fn rollback(&self, st: &mut State<B>, cp: Checkpoint<B>) {
+        st.tokens.truncate(cp.n_tokens);
+        for (l, m) in st.layers.iter_mut().zip(cp.marks) {
+            self.backend.rollback(l, m);
+        }
+    }
+
+    pub fn to_host(&self, st: &State<B>) -> HostState {
+        HostState {
+            tokens: st.tokens.clone(),
+            layers: st
+                .layers
+                .iter()
+                .map(|l| self.backend.state_to_host(l))
+                .collect(),
+        }
+    }
+
+    /// `h` must have this model's shapes (snapshot readers validate before).
+    pub fn from_host(&self, h: &HostState) -> State<B> {
+        State {
+            tokens: h.tokens.clone(),
+            layers: self
+                .layers
+                .iter()
+                .zip(&h.layers)
+                .map(|(l, hl)| self.backend.state_from_host(&l.dims, hl))
+                .collect(),
+        }
+    }
+
+    /// Process one token at the next position; returns the logits after it.
+    pub fn eval(&self, st: &mut State<B>, token: u32) -> Vec<f32> {
+        self.eval_batch(st, &[token], false)
+            .pop()
+            .unwrap_or_default()
+    }
+
+    /// Process `tokens` at the next positions as one batch; the logits after every position
+    /// (`all`) or after the last one. On the CPU every number is bit-identical to evaluating
+    /// the tokens one at a time.
+    pub fn eval_batch(&self, st: &mut State<B>, tokens: &[u32], all: bool) -> Vec<Vec<f32>> {
+        self.eval_batch_streams(st, tokens, all, false).0
+    }
+
+    /// [`Model::eval_batch`] that also returns (when `streams`) the final hyper-connection
+    /// streams (N·D values, before the head) of the same positions — the MTP block's input.
+    pub fn eval_batch_streams(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        all: bool,
+        streams: bool,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let b = &self.backend;
+        let hc = self.hc_dims();
+        let w = hc.n * hc.d;
+        let n = tokens.len();
+        if n == 0 {
+            return (Vec::new(), Vec::new());
+        }
+        let t0 = st.tokens.len();
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let tok = b.upload_i32(&ids);
+        let mut x = b.alloc(n * w);
+        b.embed(&self.embd, &tok, n, hc.n, hc.d, &mut x);
+        for (layer, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
+            self.layer_forward(layer, ls, &mut x, &tok, n, t0);
+        }
+        st.tokens.extend_from_slice(tokens);
+        let first = if all { 0 } else { n - 1 };
+        let m = n - first;
+        let mut xs = b.alloc(m * w);
+        b.copy(&x, first * w, &mut xs, 0, m * w);
+        let logits = self.head(&self.out_hc, &self.out_norm, &xs, m);
+        let streams = if streams {
+            let v = b.download(&xs, m * w);
+            v.chunks(w).map(|c| c.to_vec()).collect()
+        } else {
+            Vec::new()
+        };
+        (logits, streams)
+    }
+
+    /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE, HC post.
+    fn layer_forward(
+        &self,
+        l: &Layer<B::Weight>,
+        st: &mut B::LayerState,
+        x: &mut B::Buf,
+        tok: &B::IBuf,
+        n: usize,
+        t0: usize,
+    ) {
+        let b = &self.backend;
+        let hc = self.hc_dims();
+        let eps = self.hp.rms_eps;
+        let (mut z, post, comb) = self.hc_pre(&l.hc_attn, x, n);
+        b.rms_norm(&mut z, n, hc.d, Some(&l.attn_norm), eps);
+        let o = self.attention(l, st, &z, n, t0);
+        b.hc_post(hc, x, &o, &post, &comb, n);
+        let (mut z, post, comb) = self.hc_pre(&l.hc_ffn, x, n);
+        b.rms_norm(&mut z, n, hc.d, Some(&l.ffn_norm), eps);
+        let y = self.moe(l, &z, tok, n);
+        b.hc_post(hc, x, &y, &post, &comb, n);
+    }
+
+    /// HC split + collapse (model.md §3.1): `(z [n, D], post [n, N], comb [n, N·N])`.
+    fn hc_pre(&self, h: &Hc<B::Weight>, x: &B::Buf, n: usize) -> (B::Buf, B::Buf, B::Buf) {
+        let b = &self.backend;
+        let hc = self.hc_dims();
+        let w = hc.n * hc.d;
+        let mix = (2 + hc.n) * hc.n;
+        let mut s = b.alloc(n * w);
+        b.copy(x, 0, &mut s, 0, n * w);
+        b.rms_norm(&mut s, n, w, None, self.hp.rms_eps);
+        let mut m = b.alloc(n * mix);
+        b.matmul(&h.mixer, Part::All, &s, n, &mut m);
+        let mut z = b.alloc(n * hc.d);
+        let mut post = b.alloc(n * hc.n);
+        let mut comb = b.alloc(n * hc.n * hc.n);
+        b.hc_split(
+            hc, &m, &h.scale, &h.base, x, n, &mut z, &mut post, &mut comb,
+        );
+        (z, post, comb)
+    }
+
+    fn rope_kind(kind: &LayerKind) -> RopeKind {
+        if kind.attn == AttnKind::Swa {
+            RopeKind::Swa
+        } else {
+            RopeKind::Comp
+        }
+    }
+
+    /// Attention sublayer for `n` tokens at positions `t0 ..` (model.md §3.3).
+    fn attention(
+        &self,
+        l: &Layer<B::Weight>,
+        st: &mut B::LayerState,
+        z: &B::Buf,
+        n: usize,
+        t0: usize,
+    ) -> B::Buf {
+        let b = &self.backend;
+        let hp = &self.hp;
+        let rnd = self.rounding;
+        let eps = hp.rms_eps;
+        let d = hp.n_embd as usize;
+        let hd = hp.head_dim as usize;
+        let nh = hp.n_head as usize;
+        let n_rot = hp.n_rot as usize;
+        let rank = hp.q_lora_rank as usize;
+        let rope = Self::rope_kind(&l.kind);
+        // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
+        let mut cq = b.alloc(n * rank);
+        b.matmul(&l.q_a, Part::All, z, n, &mut cq);
+        b.rms_norm(&mut cq, n, rank, Some(&l.q_a_norm), eps);
+        let mut q = b.alloc(n * nh * hd);
+        b.matmul(&l.q_b, Part::All, &cq, n, &mut q);
+        b.rms_norm(&mut q, n * nh, hd, None, eps);
+        b.rope(&mut q, n, nh, hd, n_rot, t0, rope, false);
+        // The shared KV row of each position, rounded as the cache stores it.
+        let kv_round = RowRounding {
+            fp8_nope: if rnd.fp8_kv { hd - n_rot } else { 0 },
+            fp4_hadamard: false,
+            f16: rnd.f16_cache,
+        };
+        let mut kv = b.alloc(n * hd);
+        b.matmul(&l.kv, Part::All, z, n, &mut kv);
+        b.rms_norm(&mut kv, n, hd, Some(&l.kv_norm), eps);
+        b.rope(&mut kv, n, 1, hd, n_rot, t0, rope, false);
+        b.round_rows(&mut kv, n, hd, kv_round);
+        // Compressors first: a row closed by token t is visible to t.
+        let project = |c: &Comp<B::Weight>| {
+            let w = c.dims.width();
+            let (mut a, mut g) = (b.alloc(n * w), b.alloc(n * w));
+            b.matmul(&c.kv, Part::All, z, n, &mut a);
+            b.matmul(&c.gate, Part::All, z, n, &mut g);
+            (a, g)
+        };
+        if let Some(c) = &l.comp {
+            let (a, g) = project(c);
+            let spec = CompressSpec {
+                dims: c.dims,
+                rope,
+                n_rot,
+                round: kv_round,
+                eps,
+            };
+            b.compress(st, Which::Attn, &spec, &c.ape, &c.norm, &a, &g, n, t0);
+        }
+        let sel = l.indexer.as_ref().map(|ix| {
+            let (a, g) = project(&ix.comp);
+            let spec = CompressSpec {
+                dims: ix.comp.dims,
+                rope,
+                n_rot,
+                round: RowRounding {
+                    fp8_nope: 0,
+                    fp4_hadamard: rnd.fp4_indexer,
+                    f16: rnd.f16_cache,
+                },
+                eps,
+            };
+            b.compress(
+                st,
+                Which::Index,
+                &spec,
+                &ix.comp.ape,
+                &ix.comp.norm,
+                &a,
+                &g,
+                n,
+                t0,
+            );
+            let inh = hp.indexer_heads as usize;
+            let ihd = hp.indexer_head_dim as usize;
+            let mut iq = b.alloc(n * inh * ihd);
+            b.matmul(&ix.q_b, Part::All, &cq, n, &mut iq);
+            let mut iw = b.alloc(n * inh);
+            b.matmul(&ix.proj, Part::All, z, n, &mut iw);
+            let spec = IndexSpec {
+                heads: inh,
+                head_dim: ihd,
+                top_k: hp.indexer_top_k as usize,
+                ratio: l.kind.ratio as usize,
+                n_rot,
+                rope,
+                fp4: rnd.fp4_indexer,
+            };
+            let mut sel = b.alloc_i32(n * spec.top_k);
+            b.index_select(st, &spec, &iq, &iw, n, t0, &mut sel);
+            sel
+        });
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot,
+            window: hp.sliding_window as usize,
+            ratio: l.dims.comp.map_or(0, |c| c.ratio),
+            top_k: if sel.is_some() {
+                hp.indexer_top_k as usize
+            } else {
+                0
+            },
+            rope,
+        };
+        let mut o = b.alloc(n * nh * hd);
+        b.attend(st, &spec, &q, &kv, &l.sinks, sel.as_ref(), n, t0, &mut o);
+        // Grouped low-rank output projection, then the dense one.
+        let groups = hp.o_groups as usize;
+        let mut u = b.alloc(n * groups * hp.o_lora_rank as usize);
+        b.matmul_grouped(&l.out_a, groups, &o, n, &mut u);
+        let mut out = b.alloc(n * d);
+        b.matmul(&l.out_b, Part::All, &u, n, &mut out);
+        out
+    }
+
+    /// MoE sublayer (model.md §3.4): routed experts summed in selection order, then the shared
+    /// expert.
+    fn moe(&self, l: &Layer<B::Weight>, z: &B::Buf, tok: &B::IBuf, n: usize) -> B::Buf {
+        let b = &self.backend;
+        let hp = &self.hp;
+        let spec = MoeSpec {
+            n_expert: hp.n_expert as usize,
+            n_used: hp.n_expert_used as usize,
+            d: hp.n_embd as usize,
+            ff: hp.n_ff_exp as usize,
+            weight_scale: hp.expert_weights_scale,
+            clamp: l.clamp,
+        };
+        let mut logits = b.alloc(n * spec.n_expert);
+        b.matmul(&l.router, Part::All, z, n, &mut logits);
+        let mut sel = b.alloc_i32(n * spec.n_used);
+        let mut wgt = b.alloc(n * spec.n_used);
+        b.moe_route(
+            &spec,
+            &logits,
+            l.bias.as_ref(),
+            l.tid2eid.as_ref(),
+            tok,
+            n,
+            &mut sel,
+            &mut wgt,
+        );
+        let mut out = b.alloc(n * spec.d);
+        b.moe_experts(
+            &spec,
+            &l.gate_exps,
+            &l.up_exps,
+            &l.down_exps,
+            z,
+            &sel,
+            &wgt,
+            n,
+            &mut out,
+        );
+        let (mut g, mut u) = (b.alloc(n * spec.ff), b.alloc(n * spec.ff));
+        b.matmul(&l.gate_sh, Part::All, z, n, &mut g);
+        b.matmul(&l.up_sh, Part::All, z, n, &mut u);
+        b.swiglu(&mut g, &u, n * spec.ff, l.clamp_sh);
+        let mut y = b.alloc(n * spec.d);
+        b.matmul(&l.down_sh, Part::All, &g, n, &mut y);
+        b.add(&mut out, &y, n * spec.d);
+        out
+    }
+
+    /// Output head (model.md §3.5) for `m` rows of streams `xs` (`[m, N, D]`).
+    fn head(&self, h: &Hc<B::Weight>, norm: &B::Weight, xs: &B::Buf, m: usize) -> Vec<Vec<f32>> {
+        let b = &self.backend;
+        let hc = self.hc_dims();
+        let w = hc.n * hc.d;
+        let vocab = self.hp.n_vocab as usize;
+        let mut s = b.alloc(m * w);
+        b.copy(xs, 0, &mut s, 0, m * w);
+        b.rms_norm(&mut s, m, w, None, self.hp.rms_eps);
+        let mut mm = b.alloc(m * hc.n);
+        b.matmul(&h.mixer, Part::All, &s, m, &mut mm);
+        let mut y = b.alloc(m * hc.d);
+        b.hc_collapse(hc, &mm, &h.scale, &h.base, xs, m, &mut y);
+        b.rms_norm(&mut y, m, hc.d, Some(norm), self.hp.rms_eps);
+        let mut logits = b.alloc(m * vocab);
+        b.matmul(&self.output, Part::All, &y, m, &mut logits);
+        b.download(&logits, m * vocab)
+            .chunks(vocab)
+            .map(|c| c.to_vec())
+            .collect()
+    }
+
+    /// Whether an MTP block is loaded.
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// A fresh state for the MTP block: its own raw window ring (model.md §3.7).
+    pub fn new_mtp_state(&self) -> B::LayerState {
+        self.backend.new_layer_state(&self.mtp_dims())
+    }
+
+    /// The MTP block at position `pos` on token `tok` and hidden streams `hs` (N·D): returns
+    /// its logits (a guess for the token after `tok`) and its output streams. Panics without
+    /// MTP weights ([`Model::has_mtp`]).
+    pub fn mtp_eval(
+        &self,
+        st: &mut B::LayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mtp = self.mtp.as_ref().expect("MTP weights loaded");
+        let b = &self.backend;
+        let hc = self.hc_dims();
+        let eps = self.hp.rms_eps;
+        let ids = b.upload_i32(&[tok as i32]);
+        let mut e = b.alloc(hc.d);
+        b.embed(&self.embd, &ids, 1, 1, hc.d, &mut e);
+        b.rms_norm(&mut e, 1, hc.d, Some(&mtp.enorm), eps);
+        let mut ep = b.alloc(hc.d);
+        b.matmul(&mtp.e_proj, Part::All, &e, 1, &mut ep);
+        // Each stream: norm, project, add the projected embedding.
+        let mut h = b.upload(hs);
+        b.rms_norm(&mut h, hc.n, hc.d, Some(&mtp.hnorm), eps);
+        let mut x = b.alloc(hc.n * hc.d);
+        b.matmul(&mtp.h_proj, Part::All, &h, hc.n, &mut x);
+        let mut epn = b.alloc(hc.n * hc.d);
+        for i in 0..hc.n {
+            b.copy(&ep, 0, &mut epn, i * hc.d, hc.d);
+        }
+        b.add(&mut x, &epn, hc.n * hc.d);
+        self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos);
+        let logits = self
+            .head(&mtp.head, &mtp.norm, &x, 1)
+            .pop()
+            .unwrap_or_default();
+        (logits, b.download(&x, hc.n * hc.d))
+    }
+}
+
+/// A model behind a trait object: the engine picks the backend at run time.
+pub trait Forward: Send + Sync {
+    fn hp(&self) -> &HParams;
+    fn backend_name(&self) -> String;
+    fn new_state(&self) -> AnyState;
+    /// See [`Model::eval_batch_streams`].
+    fn eval_batch(
+        &self,
+        st: &mut AnyState,
+        tokens: &[u32],
+        all: bool,
+        streams: bool,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>);
+    fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
+    fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint);
+    fn to_host(&self, st: &AnyState) -> HostState;
+    fn from_host(&self, h: &HostState) -> AnyState;
+    fn layer_dims(&self) -> Vec<LayerDims>;
+    fn has_mtp(&self) -> bool;
+    fn new_mtp_state(&self) -> AnyLayerState;
+    fn mtp_eval(
+        &self,
+        st: &mut AnyLayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> (Vec<f32>, Vec<f32>);
+}
+
+/// A session state of some backend ([`Forward`]).
+pub struct AnyState {
+    /// The tokens the state holds, in order.
+    pub tokens: Vec<u32>,
+    layers: Box<dyn Any + Send>,
+}
+
+/// A rollback point of an [`AnyState`].
+pub struct AnyCheckpoint(Box<dyn Any + Send>);
+
+/// One layer state of some backend (the MTP block's).
+pub struct AnyLayerState(Box<dyn Any + Send>);
+
+impl<B: Backend + 'static> Model<B> {
+    fn unwrap_state(st: &mut AnyState) -> State<B> {
+        let layers = std::mem::replace(&mut st.layers, Box::new(()));
+        State {
+            tokens: std::mem::take(&mut st.tokens),
+            layers: *layers
+                .downcast::<Vec<B::LayerState>>()
+                .expect("state from this model"),
+        }
+    }
+    fn wrap_state(st: State<B>) -> AnyState {
+        AnyState {
+            tokens: st.tokens,
+            layers: Box::new(st.layers),
+        }
+    }
+}
+
+impl<B: Backend + 'static> Forward for Model<B>
+where
+    B::LayerState: 'static,
+    B::Mark: 'static,
+{
+    fn hp(&self) -> &HParams {
+        &self.hp
+    }
+    fn backend_name(&self) -> String {
+        self.backend.name()
+    }
+    fn new_state(&self) -> AnyState {
+        Self::wrap_state(Model::new_state(self))
+    }
+    fn eval_batch(
+        &self,
+        st: &mut AnyState,
+        tokens: &[u32],
+        all: bool,
+        streams: bool,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let mut s = Self::unwrap_state(st);
+        let r = self.eval_batch_streams(&mut s, tokens, all, streams);
+        *st = Self::wrap_state(s);
+        r
+    }
+    fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint {
+        let layers = st
+            .layers
+            .downcast_ref::<Vec<B::LayerState>>()
+            .expect("state from this model");
+        AnyCheckpoint(Box::new(Checkpoint::<B> {
+            n_tokens: st.tokens.len(),
+            marks: layers.iter().map(|l| self.backend.mark(l)).collect(),
+        }))
+    }
+    fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint) {
+        let cp = *cp
+            .0
+            .downcast::<Checkpoint<B>>()
+            .expect("checkpoint of this model");
+        let mut s = Self::unwrap_state(st);
+        Model::rollback(self, &mut s, cp);
+        *st = Self::wrap_state(s);
+    }
+    fn to_host(&self, st: &AnyState) -> HostState {
+        let layers = st
+            .layers
+            .downcast_ref::<Vec<B::LayerState>>()
+            .expect("state from this model");
+        HostState {
+            tokens: st.tokens.clone(),
+            layers: layers
+                .iter()
+                .map(|l| self.backend.state_to_host(l))
+                .collect(),
+        }
+    }
+    fn from_host(&self, h: &HostState) -> AnyState {
+        Self::wrap_state(Model::from_host(self, h))
+    }
+    fn layer_dims(&self) -> Vec<LayerDims> {
+        Model::layer_dims(self)
+    }
+    fn has_mtp(&self) -> bool {
+        Model::has_mtp(self)
+    }
+    fn new_mtp_state(&self) -> AnyLayerState {
+        AnyLayerState(Box::new(Model::new_mtp_state(self)))
+    }
+    fn mtp_eval(
+        &self,
+        st: &mut AnyLayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let s =
+            st.0.downcast_mut::<B::LayerState>()
+                .expect("MTP state from this model");
+        Model::mtp_eval(self, s, hs, tok, pos)
+    }
+}
