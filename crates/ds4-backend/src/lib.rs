@@ -209,6 +209,13 @@ pub trait Backend: Send + Sync + Sized {
 
     fn name(&self) -> String;
 
+    /// The first error since the last check (a device backend records failures — out of
+    /// memory, a failed launch — and turns later ops into no-ops; the schedule calls this at
+    /// the end of every step). The CPU backend never fails.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     // ---- binding ----
     /// A matrix used by [`Backend::matmul`] / [`Backend::embed`] (any supported quant type).
     fn matrix(&self, src: &WeightSrc) -> Result<Self::Weight, String>;

@@ -70,10 +70,10 @@ fn compare(model: &str, rounding: Rounding, expected: &str, chunk: Option<usize>
     let mut agree = 0;
     let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
     let all: Vec<Vec<f32>> = match chunk {
-        None => ids.iter().map(|&t| m.eval(&mut st, t)).collect(),
+        None => ids.iter().map(|&t| m.eval(&mut st, t).unwrap()).collect(),
         Some(c) => ids
             .chunks(c)
-            .flat_map(|ch| m.eval_batch(&mut st, ch, true))
+            .flat_map(|ch| m.eval_batch(&mut st, ch, true).unwrap())
             .collect(),
     };
     for (t, got) in all.iter().enumerate() {

@@ -9,10 +9,13 @@ fn chunked_prefill_is_bit_identical_to_decode() {
     let tokens: Vec<u32> = (0..70u32).map(|i| (i * 193 + 5) % 512).collect();
     // Reference: one token at a time, logits after every position.
     let mut st = m.new_state();
-    let decode: Vec<Vec<f32>> = tokens.iter().map(|&t| m.eval(&mut st, t)).collect();
+    let decode: Vec<Vec<f32>> = tokens
+        .iter()
+        .map(|&t| m.eval(&mut st, t).unwrap())
+        .collect();
     // Whole sequence as one batch, all positions.
     let mut sb = m.new_state();
-    assert_eq!(m.eval_batch(&mut sb, &tokens, true), decode);
+    assert_eq!(m.eval_batch(&mut sb, &tokens, true).unwrap(), decode);
     assert_eq!(sb, st, "same state after the batch");
     // Chunkings ending inside CSA and HCA windows and across the window wrap.
     for chunks in [
@@ -24,7 +27,7 @@ fn chunked_prefill_is_bit_identical_to_decode() {
         let mut s = m.new_state();
         let mut pos = 0;
         for &c in chunks {
-            let got = m.eval_batch(&mut s, &tokens[pos..pos + c], true);
+            let got = m.eval_batch(&mut s, &tokens[pos..pos + c], true).unwrap();
             assert_eq!(
                 got,
                 decode[pos..pos + c].to_vec(),
@@ -37,7 +40,7 @@ fn chunked_prefill_is_bit_identical_to_decode() {
     // Last-position-only output equals the last row.
     for len in [1usize, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64] {
         let mut s = m.new_state();
-        let last = m.eval_batch(&mut s, &tokens[..len], false);
+        let last = m.eval_batch(&mut s, &tokens[..len], false).unwrap();
         assert_eq!(last.len(), 1);
         assert_eq!(last[0], decode[len - 1], "prompt length {len}");
     }

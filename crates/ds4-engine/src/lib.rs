@@ -341,7 +341,7 @@ impl Session {
     /// Evaluate one token at the next position.
     pub fn eval(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.check(self.state.tokens.len() + 1, &[token])?;
-        self.step(&[token]);
+        self.step(&[token])?;
         Ok(self.logits.as_deref().unwrap_or_default())
     }
 
@@ -350,7 +350,8 @@ impl Session {
         self.check(self.state.tokens.len() + tokens.len(), tokens)?;
         let mut out = Vec::with_capacity(tokens.len());
         for chunk in tokens.chunks(PREFILL_CHUNK) {
-            out.extend(self.model.eval_batch(&mut self.state, chunk, true, false).0);
+            let r = self.model.eval_batch(&mut self.state, chunk, true, false);
+            out.extend(self.backend_result(r)?.0);
         }
         self.logits = out.last().cloned();
         self.streams = None;
@@ -379,7 +380,7 @@ impl Session {
         let mut done = 0;
         for chunk in todo.chunks(PREFILL_CHUNK) {
             // Bit-identical to evaluating one token at a time (see ds4-cpu's prefill test).
-            self.step(chunk);
+            self.step(chunk)?;
             done += chunk.len();
             progress(done, todo.len());
         }
@@ -387,11 +388,21 @@ impl Session {
     }
 
     /// Evaluate a batch; keep the last position's logits and streams.
-    fn step(&mut self, tokens: &[u32]) {
+    fn step(&mut self, tokens: &[u32]) -> Result<(), EngineError> {
         let want = self.mtp.is_some();
-        let (mut l, mut s) = self.model.eval_batch(&mut self.state, tokens, false, want);
+        let r = self.model.eval_batch(&mut self.state, tokens, false, want);
+        let (mut l, mut s) = self.backend_result(r)?;
         self.logits = l.pop();
         self.streams = s.pop();
+        Ok(())
+    }
+
+    /// A backend failure leaves the state undefined: drop it, report the error.
+    fn backend_result<T>(&mut self, r: Result<T, String>) -> Result<T, EngineError> {
+        r.map_err(|e| {
+            self.reset();
+            EngineError::Backend(self.model.backend_name(), e)
+        })
     }
 
     /// Whether MTP drafting is available (an MTP file was loaded).
@@ -414,7 +425,10 @@ impl Session {
             let mut mtp = self.mtp.take();
             let mut draft = |hs: &[f32], tok: u32, pos: usize| {
                 let st = mtp.as_mut().expect("MTP state present");
-                argmax(&model.mtp_eval(st, hs, tok, pos).0)
+                // A failed draft is no draft: the main model decides alone.
+                model
+                    .mtp_eval(st, hs, tok, pos)
+                    .map_or(u32::MAX, |(l, _)| argmax(&l))
             };
             let r = self.generate_with_drafter(n, &mut draft, on_token);
             self.mtp = mtp;
@@ -461,9 +475,10 @@ impl Session {
             }
             stats.drafted += 1;
             let cp = self.model.checkpoint(&self.state);
-            let (logits2, streams2) =
-                self.model
-                    .eval_batch(&mut self.state, &[next, d], true, true);
+            let r = self
+                .model
+                .eval_batch(&mut self.state, &[next, d], true, true);
+            let (logits2, streams2) = self.backend_result(r)?;
             if argmax(&logits2[0]) == d {
                 stats.accepted += 1;
                 self.logits = logits2.into_iter().nth(1);
@@ -476,7 +491,7 @@ impl Session {
                 // Rejected: back to before the batch, then the certain token alone (bit-identical
                 // to its row of the batch).
                 self.model.rollback(&mut self.state, cp);
-                self.step(&[next]);
+                self.step(&[next])?;
             }
         }
         Ok(stats)

@@ -63,9 +63,22 @@ impl DeviceBuffer {
     }
 }
 
+impl DeviceBuffer {
+    /// An empty stand-in (address 0, no bytes) after a failed allocation.
+    pub fn null(gpu: &Gpu) -> DeviceBuffer {
+        DeviceBuffer {
+            rt: gpu.rt.clone(),
+            ptr: DevPtr(0),
+            bytes: 0,
+        }
+    }
+}
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        let _ = self.rt.free(self.ptr);
+        if self.ptr.0 != 0 {
+            let _ = self.rt.free(self.ptr);
+        }
     }
 }
 

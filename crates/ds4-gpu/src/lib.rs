@@ -13,11 +13,13 @@ pub mod error;
 pub mod gpu;
 pub mod hip;
 pub mod loader;
+pub mod model;
 pub mod runtime;
 
 pub use compiler::{Compiler, Hiprtc, Nvrtc};
 pub use error::{GpuError, Result};
 pub use gpu::{probe, Backend, DeviceBuffer, Gpu, MatvecPlan};
+pub use model::GpuBackend;
 pub use runtime::{
     Arg, DevPtr, DeviceInfo, Event, Function, LaunchDims, ModuleHandle, Runtime, Stream, Vendor,
 };

@@ -60,8 +60,15 @@ pub const ELEMENTWISE: Module = Module {
     ],
 };
 
+mod attention;
+mod matmul;
+mod model;
+pub use attention::ATTENTION;
+pub use matmul::MATMUL;
+pub use model::MODEL;
+
 /// Every module, for compile checks.
-pub const MODULES: &[Module] = &[QUANT, ELEMENTWISE];
+pub const MODULES: &[Module] = &[QUANT, ELEMENTWISE, ATTENTION, MODEL, MATMUL];
 
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in
 /// `gpu/quant.cu` (checked by a test).

@@ -427,34 +427,42 @@ impl<B: Backend> Model<B> {
     }
 
     /// Process one token at the next position; returns the logits after it.
-    pub fn eval(&self, st: &mut State<B>, token: u32) -> Vec<f32> {
-        self.eval_batch(st, &[token], false)
+    pub fn eval(&self, st: &mut State<B>, token: u32) -> Result<Vec<f32>, String> {
+        Ok(self
+            .eval_batch(st, &[token], false)?
             .pop()
-            .unwrap_or_default()
+            .unwrap_or_default())
     }
 
     /// Process `tokens` at the next positions as one batch; the logits after every position
     /// (`all`) or after the last one. On the CPU every number is bit-identical to evaluating
     /// the tokens one at a time.
-    pub fn eval_batch(&self, st: &mut State<B>, tokens: &[u32], all: bool) -> Vec<Vec<f32>> {
-        self.eval_batch_streams(st, tokens, all, false).0
+    pub fn eval_batch(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        all: bool,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        Ok(self.eval_batch_streams(st, tokens, all, false)?.0)
     }
 
     /// [`Model::eval_batch`] that also returns (when `streams`) the final hyper-connection
     /// streams (N·D values, before the head) of the same positions — the MTP block's input.
+    /// An error is the backend's (device out of memory, a failed launch); the state is then
+    /// undefined and must be rebuilt.
     pub fn eval_batch_streams(
         &self,
         st: &mut State<B>,
         tokens: &[u32],
         all: bool,
         streams: bool,
-    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String> {
         let b = &self.backend;
         let hc = self.hc_dims();
         let w = hc.n * hc.d;
         let n = tokens.len();
         if n == 0 {
-            return (Vec::new(), Vec::new());
+            return Ok((Vec::new(), Vec::new()));
         }
         let t0 = st.tokens.len();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
@@ -476,7 +484,8 @@ impl<B: Backend> Model<B> {
         } else {
             Vec::new()
         };
-        (logits, streams)
+        b.check()?;
+        Ok((logits, streams))
     }
 
     /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE, HC post.
@@ -744,8 +753,8 @@ impl<B: Backend> Model<B> {
         hs: &[f32],
         tok: u32,
         pos: usize,
-    ) -> (Vec<f32>, Vec<f32>) {
-        let mtp = self.mtp.as_ref().expect("MTP weights loaded");
+    ) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let mtp = self.mtp.as_ref().ok_or("no MTP weights loaded")?;
         let b = &self.backend;
         let hc = self.hc_dims();
         let eps = self.hp.rms_eps;
@@ -770,7 +779,9 @@ impl<B: Backend> Model<B> {
             .head(&mtp.head, &mtp.norm, &x, 1)
             .pop()
             .unwrap_or_default();
-        (logits, b.download(&x, hc.n * hc.d))
+        let streams = b.download(&x, hc.n * hc.d);
+        b.check()?;
+        Ok((logits, streams))
     }
 }
 
@@ -786,7 +797,7 @@ pub trait Forward: Send + Sync {
         tokens: &[u32],
         all: bool,
         streams: bool,
-    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>);
+    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String>;
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint);
     fn to_host(&self, st: &AnyState) -> HostState;
@@ -800,7 +811,7 @@ pub trait Forward: Send + Sync {
         hs: &[f32],
         tok: u32,
         pos: usize,
-    ) -> (Vec<f32>, Vec<f32>);
+    ) -> Result<(Vec<f32>, Vec<f32>), String>;
 }
 
 /// A session state of some backend ([`Forward`]).
@@ -854,7 +865,7 @@ where
         tokens: &[u32],
         all: bool,
         streams: bool,
-    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String> {
         let mut s = Self::unwrap_state(st);
         let r = self.eval_batch_streams(&mut s, tokens, all, streams);
         *st = Self::wrap_state(s);
@@ -910,7 +921,7 @@ where
         hs: &[f32],
         tok: u32,
         pos: usize,
-    ) -> (Vec<f32>, Vec<f32>) {
+    ) -> Result<(Vec<f32>, Vec<f32>), String> {
         let s =
             st.0.downcast_mut::<B::LayerState>()
                 .expect("MTP state from this model");

@@ -1,0 +1,773 @@
+//! The resident GPU backend: every op of [`ds4_backend::Backend`] as kernels on one device
+//! (CUDA or ROCm — the same code, the runtime decides). Weights are uploaded once; session
+//! state (raw ring, compressor frontiers and rows) lives on the device; activations come from
+//! a stream-ordered pool, so nothing waits for the device inside a step except reading the
+//! logits (and, for now, the MoE selection in `matmul.rs`).
+//!
+//! Errors are sticky, as in the CUDA model: the first failing call is recorded, later ops
+//! become no-ops, and [`Backend::check`] hands the error to the schedule at the end of a step.
+//!
+//! Files: `mod.rs` memory, weights, state and the trait; `attn.rs` RoPE, rounding,
+//! compressors, indexer, attention; `mix.rs` embedding, hyper-connections, router,
+//! elementwise; `matmul.rs` weight products.
+
+#![allow(dead_code)] // until every op is on the device
+
+mod attn;
+mod matmul;
+mod mix;
+
+use crate::error::Result;
+use crate::gpu::{DeviceBuffer, Gpu};
+use crate::runtime::{Arg, DevPtr, LaunchDims, Runtime, Stream};
+use ds4_backend::rope::RopeTables;
+use ds4_backend::{
+    AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
+    IndexSpec, LayerDims, MoeSpec, Part, RopeKind, RowRounding, WeightSrc, Which,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Device memory for activations, reused by size class (powers of two from 256 bytes). All
+/// work runs on one stream, so a block freed by a dropped buffer is safe to hand out again:
+/// its next user is ordered after its last.
+pub(crate) struct Pool {
+    rt: Arc<dyn Runtime>,
+    free: Mutex<HashMap<usize, Vec<DevPtr>>>,
+    /// Sticky error shared with the backend (an allocation can fail inside an op).
+    err: Arc<Mutex<Option<String>>>,
+}
+
+impl Pool {
+    fn class(bytes: usize) -> usize {
+        bytes.max(256).next_power_of_two()
+    }
+
+    fn get(&self, bytes: usize) -> DevPtr {
+        let c = Self::class(bytes);
+        if let Some(p) = self.free.lock().unwrap().get_mut(&c).and_then(|v| v.pop()) {
+            return p;
+        }
+        match self.rt.alloc(c) {
+            Ok(p) => p,
+            Err(e) => {
+                // Return everything cached to the device and try once more.
+                self.trim();
+                self.rt.alloc(c).unwrap_or_else(|_| {
+                    let mut err = self.err.lock().unwrap();
+                    err.get_or_insert_with(|| format!("device memory: {bytes} bytes: {e}"));
+                    DevPtr(0)
+                })
+            }
+        }
+    }
+
+    fn put(&self, bytes: usize, p: DevPtr) {
+        if p.0 != 0 {
+            self.free
+                .lock()
+                .unwrap()
+                .entry(Self::class(bytes))
+                .or_default()
+                .push(p);
+        }
+    }
+
+    fn trim(&self) {
+        let _ = self.rt.synchronize();
+        for (_, v) in self.free.lock().unwrap().drain() {
+            for p in v {
+                let _ = self.rt.free(p);
+            }
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.trim();
+    }
+}
+
+/// An activation buffer of `len` 4-byte values (f32 for [`GpuBuf`], i32 for the index form).
+pub struct GpuBuf {
+    pub(crate) ptr: DevPtr,
+    pub(crate) len: usize,
+    pool: Arc<Pool>,
+}
+
+impl Drop for GpuBuf {
+    fn drop(&mut self) {
+        self.pool.put(self.len * 4, self.ptr);
+    }
+}
+
+/// i32 values on the device (token ids, selections).
+pub struct GpuIBuf(pub(crate) GpuBuf);
+
+/// A weight on the device. Matrices keep their GGUF block bytes (`rows` rows of `row_bytes`
+/// per expert slab); vectors are f32; tables i32.
+pub enum GpuWeight {
+    Mat {
+        buf: DeviceBuffer,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        experts: usize,
+        row_bytes: usize,
+    },
+    F32 {
+        buf: DeviceBuffer,
+        len: usize,
+    },
+    I32 {
+        buf: DeviceBuffer,
+        len: usize,
+    },
+}
+
+impl GpuWeight {
+    pub(crate) fn ptr(&self) -> DevPtr {
+        match self {
+            GpuWeight::Mat { buf, .. }
+            | GpuWeight::F32 { buf, .. }
+            | GpuWeight::I32 { buf, .. } => buf.ptr(),
+        }
+    }
+}
+
+/// A compressor's device state: frontier (`slots × width` values and scores) and the emitted
+/// rows (`n_rows` of `d`, capacity `cap`, grown by doubling).
+pub struct GpuComp {
+    pub(crate) dims: CompDims,
+    pub(crate) front_kv: DeviceBuffer,
+    pub(crate) front_score: DeviceBuffer,
+    pub(crate) rows: DeviceBuffer,
+    pub(crate) cap: usize,
+    pub(crate) n_rows: usize,
+}
+
+/// One layer's device state. `raw` is the ring (`window × head_dim` f32, position p in slot
+/// p mod window); `raw_pos` the position each slot holds (i32, −1 empty).
+pub struct GpuLayerState {
+    pub(crate) dims: LayerDims,
+    pub(crate) raw: DeviceBuffer,
+    pub(crate) raw_pos: DeviceBuffer,
+    pub(crate) comp: Option<GpuComp>,
+    pub(crate) index: Option<GpuComp>,
+}
+
+impl GpuLayerState {
+    pub(crate) fn comp_mut(&mut self, w: Which) -> Option<&mut GpuComp> {
+        match w {
+            Which::Attn => self.comp.as_mut(),
+            Which::Index => self.index.as_mut(),
+        }
+    }
+}
+
+/// A rollback point: copies of the ring and frontiers, and the row counts (rows are
+/// append-only, so only their count is kept).
+pub struct GpuMark {
+    raw: DeviceBuffer,
+    raw_pos: DeviceBuffer,
+    comps: Vec<(DeviceBuffer, DeviceBuffer, usize)>,
+}
+
+pub struct GpuBackend {
+    pub(crate) gpu: Gpu,
+    pub(crate) stream: Stream,
+    pub(crate) pool: Arc<Pool>,
+    err: Arc<Mutex<Option<String>>>,
+    /// Pair frequencies ω_p (f64) of the two RoPE tables: [Swa, Comp].
+    pub(crate) rope_freqs: [DeviceBuffer; 2],
+    /// Bytes of weights uploaded so far.
+    weight_bytes: Mutex<u64>,
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    crate::gpu::f32_bytes(v)
+}
+
+impl GpuBackend {
+    /// A backend on `gpu` for a model with these RoPE tables.
+    pub fn new(gpu: Gpu, ropes: &RopeTables) -> Result<GpuBackend> {
+        let err = Arc::new(Mutex::new(None));
+        let pool = Arc::new(Pool {
+            rt: gpu.runtime().clone(),
+            free: Mutex::new(HashMap::new()),
+            err: err.clone(),
+        });
+        let f64s = |v: &[f64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let rope_freqs = [
+            gpu.alloc_from(&f64s(&ropes.swa.freqs))?,
+            gpu.alloc_from(&f64s(&ropes.comp.freqs))?,
+        ];
+        Ok(GpuBackend {
+            stream: Stream::DEFAULT,
+            gpu,
+            pool,
+            err,
+            rope_freqs,
+            weight_bytes: Mutex::new(0),
+        })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Device bytes held by weights.
+    pub fn weight_bytes(&self) -> u64 {
+        *self.weight_bytes.lock().unwrap()
+    }
+
+    pub(crate) fn rope_ptr(&self, k: RopeKind) -> DevPtr {
+        match k {
+            RopeKind::Swa => self.rope_freqs[0].ptr(),
+            RopeKind::Comp => self.rope_freqs[1].ptr(),
+        }
+    }
+
+    /// Record `r`'s error if it is the first one.
+    pub(crate) fn note<T>(&self, r: Result<T>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.err
+                    .lock()
+                    .unwrap()
+                    .get_or_insert_with(|| e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Whether an error has been recorded (ops then do nothing).
+    pub(crate) fn failed(&self) -> bool {
+        self.err.lock().unwrap().is_some()
+    }
+
+    /// A scratch buffer of `len` values (contents undefined).
+    pub(crate) fn scratch(&self, len: usize) -> GpuBuf {
+        GpuBuf {
+            ptr: self.pool.get(len.max(1) * 4),
+            len,
+            pool: self.pool.clone(),
+        }
+    }
+
+    /// Launch kernel `name` of `module` on the backend's stream.
+    pub(crate) fn launch(
+        &self,
+        module: &ds4_kernels::Module,
+        name: &str,
+        dims: LaunchDims,
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = self.gpu.kernel(module, name)?;
+        self.gpu.runtime().launch(f, dims, self.stream, args)
+    }
+
+    /// Launch and record any error (the form ops use).
+    pub(crate) fn run(
+        &self,
+        module: &ds4_kernels::Module,
+        name: &str,
+        dims: LaunchDims,
+        args: &[Arg],
+    ) {
+        if !self.failed() {
+            let r = self.launch(module, name, dims, args);
+            self.note(r);
+        }
+    }
+
+    pub(crate) fn warp(&self) -> u32 {
+        self.gpu.info().warp
+    }
+
+    fn zero(&self, p: DevPtr, words: usize) {
+        if words > 0 && p.0 != 0 {
+            let r = self
+                .gpu
+                .runtime()
+                .memset_u32_async(p, 0, words, self.stream);
+            self.note(r);
+        }
+    }
+
+    fn fill(&self, p: DevPtr, value: u32, words: usize) {
+        if words > 0 {
+            let r = self
+                .gpu
+                .runtime()
+                .memset_u32_async(p, value, words, self.stream);
+            self.note(r);
+        }
+    }
+
+    pub(crate) fn d2d(&self, dst: DevPtr, src: DevPtr, bytes: usize) {
+        if bytes > 0 && !self.failed() {
+            let r = self
+                .gpu
+                .runtime()
+                .copy_d2d_async(dst, src, bytes, self.stream);
+            self.note(r);
+        }
+    }
+
+    fn dev(&self, bytes: usize) -> Option<DeviceBuffer> {
+        self.note(self.gpu.alloc(bytes.max(4)))
+    }
+
+    fn upload_bytes(&self, data: &[u8]) -> Option<DeviceBuffer> {
+        self.note(self.gpu.alloc_from(data))
+    }
+
+    fn download_bytes(&self, p: DevPtr, bytes: usize) -> Vec<u8> {
+        let mut out = vec![0u8; bytes];
+        if bytes > 0 && !self.failed() {
+            let r = self.gpu.download(p, &mut out);
+            self.note(r);
+        }
+        out
+    }
+
+    fn new_comp(&self, c: &CompDims) -> Option<GpuComp> {
+        let n = c.slots() * c.width();
+        let front_kv = self.dev(n * 4)?;
+        let front_score = self.dev(n * 4)?;
+        self.zero(front_kv.ptr(), n);
+        self.fill(front_score.ptr(), f32::NEG_INFINITY.to_bits(), n);
+        let cap = 64;
+        Some(GpuComp {
+            dims: *c,
+            front_kv,
+            front_score,
+            rows: self.dev(cap * c.d * 4)?,
+            cap,
+            n_rows: 0,
+        })
+    }
+
+    /// Make room for `rows` rows in `c` (doubling; the old rows are copied).
+    pub(crate) fn reserve_rows(&self, c: &mut GpuComp, rows: usize) {
+        if rows <= c.cap {
+            return;
+        }
+        let cap = rows.next_power_of_two();
+        if let Some(nb) = self.dev(cap * c.dims.d * 4) {
+            self.d2d(nb.ptr(), c.rows.ptr(), c.n_rows * c.dims.d * 4);
+            c.rows = nb;
+            c.cap = cap;
+        }
+    }
+
+    fn upload_comp(&self, c: &CompDims, h: &HostCompState) -> Option<GpuComp> {
+        let n_rows = h.rows.len() / c.d;
+        let mut g = self.new_comp(c)?;
+        self.reserve_rows(&mut g, n_rows);
+        self.note(self.gpu.upload(g.front_kv.ptr(), f32_bytes(&h.front_kv)));
+        self.note(
+            self.gpu
+                .upload(g.front_score.ptr(), f32_bytes(&h.front_score)),
+        );
+        self.note(self.gpu.upload(g.rows.ptr(), f32_bytes(&h.rows)));
+        g.n_rows = n_rows;
+        Some(g)
+    }
+
+    fn download_comp(&self, c: &GpuComp) -> HostCompState {
+        let f = |p: DevPtr, n: usize| -> Vec<f32> {
+            self.download_bytes(p, n * 4)
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        };
+        let n = c.dims.slots() * c.dims.width();
+        HostCompState {
+            front_kv: f(c.front_kv.ptr(), n),
+            front_score: f(c.front_score.ptr(), n),
+            rows: f(c.rows.ptr(), c.n_rows * c.dims.d),
+        }
+    }
+
+    fn copy_buf(&self, src: &DeviceBuffer) -> Option<DeviceBuffer> {
+        let b = self.dev(src.bytes())?;
+        self.d2d(b.ptr(), src.ptr(), src.bytes());
+        Some(b)
+    }
+
+    fn weight_src(&self, src: &WeightSrc) -> Option<DeviceBuffer> {
+        *self.weight_bytes.lock().unwrap() += src.n_bytes as u64;
+        self.upload_bytes(src.bytes())
+    }
+}
+
+impl Backend for GpuBackend {
+    type Buf = GpuBuf;
+    type IBuf = GpuIBuf;
+    type Weight = GpuWeight;
+    type LayerState = GpuLayerState;
+    type Mark = GpuMark;
+
+    fn name(&self) -> String {
+        let i = self.gpu.info();
+        format!("{} ({} {})", i.vendor, i.name, i.arch)
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        match self.err.lock().unwrap().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn matrix(&self, src: &WeightSrc) -> std::result::Result<GpuWeight, String> {
+        let row_bytes = src.ty.row_bytes(src.cols() as u64).ok_or_else(|| {
+            format!(
+                "{} columns do not fill whole {:?} blocks",
+                src.cols(),
+                src.ty
+            )
+        })? as usize;
+        let buf = self
+            .weight_src(src)
+            .ok_or_else(|| self.check().unwrap_err())?;
+        Ok(GpuWeight::Mat {
+            buf,
+            ty: src.ty,
+            cols: src.cols(),
+            rows: src.rows(),
+            experts: src.dims.get(2).copied().unwrap_or(1) as usize,
+            row_bytes,
+        })
+    }
+
+    fn vector(&self, src: &WeightSrc) -> std::result::Result<GpuWeight, String> {
+        let mut v = vec![0f32; src.elems()];
+        ds4_quant::dequantize_row(src.ty, src.bytes(), &mut v).map_err(|e| e.to_string())?;
+        let buf = self
+            .upload_bytes(f32_bytes(&v))
+            .ok_or_else(|| self.check().unwrap_err())?;
+        Ok(GpuWeight::F32 { buf, len: v.len() })
+    }
+
+    fn table(&self, src: &WeightSrc) -> std::result::Result<GpuWeight, String> {
+        if src.ty != GgmlType::I32 {
+            return Err(format!("expected I32, found {:?}", src.ty));
+        }
+        let buf = self
+            .weight_src(src)
+            .ok_or_else(|| self.check().unwrap_err())?;
+        Ok(GpuWeight::I32 {
+            buf,
+            len: src.elems(),
+        })
+    }
+
+    fn alloc(&self, len: usize) -> GpuBuf {
+        let b = self.scratch(len);
+        self.zero(b.ptr, len);
+        b
+    }
+
+    fn upload(&self, data: &[f32]) -> GpuBuf {
+        let b = self.scratch(data.len());
+        if b.ptr.0 != 0 {
+            self.note(self.gpu.upload(b.ptr, f32_bytes(data)));
+        }
+        b
+    }
+
+    fn upload_i32(&self, data: &[i32]) -> GpuIBuf {
+        let b = self.scratch(data.len());
+        if b.ptr.0 != 0 {
+            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            self.note(self.gpu.upload(b.ptr, &bytes));
+        }
+        GpuIBuf(b)
+    }
+
+    fn alloc_i32(&self, len: usize) -> GpuIBuf {
+        GpuIBuf(self.alloc(len))
+    }
+
+    fn download(&self, b: &GpuBuf, len: usize) -> Vec<f32> {
+        self.download_bytes(b.ptr, len * 4)
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    fn download_i32(&self, b: &GpuIBuf, len: usize) -> Vec<i32> {
+        self.download_bytes(b.0.ptr, len * 4)
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    fn copy(&self, src: &GpuBuf, so: usize, dst: &mut GpuBuf, d0: usize, len: usize) {
+        self.d2d(
+            dst.ptr.offset(d0 as u64 * 4),
+            src.ptr.offset(so as u64 * 4),
+            len * 4,
+        );
+    }
+
+    fn new_layer_state(&self, dims: &LayerDims) -> GpuLayerState {
+        let w = dims.window;
+        let raw = self.dev(w * dims.head_dim * 4);
+        let raw_pos = self.dev(w * 4);
+        if let (Some(r), Some(p)) = (&raw, &raw_pos) {
+            self.zero(r.ptr(), w * dims.head_dim);
+            self.fill(p.ptr(), u32::MAX, w); // −1
+        }
+        let nb = |b: Option<DeviceBuffer>| b.unwrap_or_else(|| DeviceBuffer::null(&self.gpu));
+        GpuLayerState {
+            dims: *dims,
+            raw: nb(raw),
+            raw_pos: nb(raw_pos),
+            comp: dims.comp.as_ref().and_then(|c| self.new_comp(c)),
+            index: dims.index.as_ref().and_then(|c| self.new_comp(c)),
+        }
+    }
+
+    fn state_to_host(&self, st: &GpuLayerState) -> HostLayerState {
+        let d = &st.dims;
+        let raw = self
+            .download_bytes(st.raw.ptr(), d.window * d.head_dim * 4)
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let raw_pos = self
+            .download_bytes(st.raw_pos.ptr(), d.window * 4)
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect();
+        HostLayerState {
+            raw,
+            raw_pos,
+            comp: st.comp.as_ref().map(|c| self.download_comp(c)),
+            index: st.index.as_ref().map(|c| self.download_comp(c)),
+        }
+    }
+
+    fn state_from_host(&self, dims: &LayerDims, h: &HostLayerState) -> GpuLayerState {
+        let st = self.new_layer_state(dims);
+        self.note(self.gpu.upload(st.raw.ptr(), f32_bytes(&h.raw)));
+        let pos: Vec<u8> = h
+            .raw_pos
+            .iter()
+            .flat_map(|&p| (p as i32).to_le_bytes())
+            .collect();
+        self.note(self.gpu.upload(st.raw_pos.ptr(), &pos));
+        GpuLayerState {
+            comp: match (&dims.comp, &h.comp) {
+                (Some(c), Some(hc)) => self.upload_comp(c, hc),
+                _ => None,
+            },
+            index: match (&dims.index, &h.index) {
+                (Some(c), Some(hc)) => self.upload_comp(c, hc),
+                _ => None,
+            },
+            ..st
+        }
+    }
+
+    fn mark(&self, st: &GpuLayerState) -> GpuMark {
+        let nb = |b: Option<DeviceBuffer>| b.unwrap_or_else(|| DeviceBuffer::null(&self.gpu));
+        let comps = [&st.comp, &st.index]
+            .iter()
+            .filter_map(|c| c.as_ref())
+            .map(|c| {
+                (
+                    nb(self.copy_buf(&c.front_kv)),
+                    nb(self.copy_buf(&c.front_score)),
+                    c.n_rows,
+                )
+            })
+            .collect();
+        GpuMark {
+            raw: nb(self.copy_buf(&st.raw)),
+            raw_pos: nb(self.copy_buf(&st.raw_pos)),
+            comps,
+        }
+    }
+
+    fn rollback(&self, st: &mut GpuLayerState, m: GpuMark) {
+        self.d2d(st.raw.ptr(), m.raw.ptr(), st.raw.bytes());
+        self.d2d(st.raw_pos.ptr(), m.raw_pos.ptr(), st.raw_pos.bytes());
+        let mut comps = m.comps.into_iter();
+        for c in [&mut st.comp, &mut st.index].into_iter().flatten() {
+            if let Some((kv, sc, n)) = comps.next() {
+                self.d2d(c.front_kv.ptr(), kv.ptr(), c.front_kv.bytes());
+                self.d2d(c.front_score.ptr(), sc.ptr(), c.front_score.bytes());
+                c.n_rows = n;
+            }
+        }
+    }
+
+    fn embed(
+        &self,
+        table: &GpuWeight,
+        tokens: &GpuIBuf,
+        n: usize,
+        copies: usize,
+        d: usize,
+        out: &mut GpuBuf,
+    ) {
+        self.op_embed(table, tokens, n, copies, d, out)
+    }
+
+    fn matmul(&self, w: &GpuWeight, part: Part, x: &GpuBuf, n: usize, y: &mut GpuBuf) {
+        self.op_matmul(w, part, x, n, y)
+    }
+
+    fn matmul_grouped(&self, w: &GpuWeight, groups: usize, x: &GpuBuf, n: usize, y: &mut GpuBuf) {
+        self.op_matmul_grouped(w, groups, x, n, y)
+    }
+
+    fn add(&self, y: &mut GpuBuf, x: &GpuBuf, len: usize) {
+        self.op_add(y, x, len)
+    }
+
+    fn rms_norm(&self, x: &mut GpuBuf, rows: usize, width: usize, w: Option<&GpuWeight>, eps: f32) {
+        self.op_rms_norm(x, rows, width, w, eps)
+    }
+
+    fn rope(
+        &self,
+        x: &mut GpuBuf,
+        n: usize,
+        heads: usize,
+        width: usize,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+        inverse: bool,
+    ) {
+        self.op_rope(x, n, heads, width, n_rot, t0, kind, inverse)
+    }
+
+    fn round_rows(&self, x: &mut GpuBuf, rows: usize, width: usize, r: RowRounding) {
+        self.op_round_rows(x, rows, width, r)
+    }
+
+    fn hc_split(
+        &self,
+        hc: HcDims,
+        m: &GpuBuf,
+        scale: &GpuWeight,
+        base: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        z: &mut GpuBuf,
+        post: &mut GpuBuf,
+        comb: &mut GpuBuf,
+    ) {
+        self.op_hc_split(hc, m, scale, base, x, n, z, post, comb)
+    }
+
+    fn hc_collapse(
+        &self,
+        hc: HcDims,
+        m: &GpuBuf,
+        scale: &GpuWeight,
+        base: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+    ) {
+        self.op_hc_collapse(hc, m, scale, base, x, n, y)
+    }
+
+    fn hc_post(
+        &self,
+        hc: HcDims,
+        x: &mut GpuBuf,
+        o: &GpuBuf,
+        post: &GpuBuf,
+        comb: &GpuBuf,
+        n: usize,
+    ) {
+        self.op_hc_post(hc, x, o, post, comb, n)
+    }
+
+    fn compress(
+        &self,
+        st: &mut GpuLayerState,
+        which: Which,
+        spec: &CompressSpec,
+        ape: &GpuWeight,
+        norm: &GpuWeight,
+        a: &GpuBuf,
+        g: &GpuBuf,
+        n: usize,
+        t0: usize,
+    ) {
+        self.op_compress(st, which, spec, ape, norm, a, g, n, t0)
+    }
+
+    fn index_select(
+        &self,
+        st: &GpuLayerState,
+        spec: &IndexSpec,
+        q: &GpuBuf,
+        w: &GpuBuf,
+        n: usize,
+        t0: usize,
+        sel: &mut GpuIBuf,
+    ) {
+        self.op_index_select(st, spec, q, w, n, t0, sel)
+    }
+
+    fn attend(
+        &self,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut GpuBuf,
+    ) {
+        self.op_attend(st, spec, q, kv, sinks, sel, n, t0, out)
+    }
+
+    fn moe_route(
+        &self,
+        spec: &MoeSpec,
+        logits: &GpuBuf,
+        bias: Option<&GpuWeight>,
+        tid2eid: Option<&GpuWeight>,
+        tokens: &GpuIBuf,
+        n: usize,
+        sel: &mut GpuIBuf,
+        wgt: &mut GpuBuf,
+    ) {
+        self.op_moe_route(spec, logits, bias, tid2eid, tokens, n, sel, wgt)
+    }
+
+    fn moe_experts(
+        &self,
+        spec: &MoeSpec,
+        gate: &GpuWeight,
+        up: &GpuWeight,
+        down: &GpuWeight,
+        z: &GpuBuf,
+        sel: &GpuIBuf,
+        wgt: &GpuBuf,
+        n: usize,
+        out: &mut GpuBuf,
+    ) {
+        self.op_moe_experts(spec, gate, up, down, z, sel, wgt, n, out)
+    }
+
+    fn swiglu(&self, g: &mut GpuBuf, u: &GpuBuf, len: usize, clamp: f32) {
+        self.op_swiglu(g, u, len, clamp)
+    }
+}

@@ -1,0 +1,115 @@
+//! Shared by the GPU backend tests: open the device (or say why not), build weights from
+//! bytes for both backends, random data, comparisons.
+#![allow(dead_code)] // each test binary uses a subset
+
+use ds4_backend::{GgmlType, WeightSrc};
+use ds4_cpu::CpuBackend;
+use ds4_gguf::{GgufFile, GgufWriter};
+use ds4_gpu::{Backend as Vendor, Gpu, GpuBackend};
+use ds4_model::forward::rope_tables;
+use ds4_model::HParams;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+
+/// The device named by `DS4_GPU_BACKEND` / `DS4_GPU_DEVICE` (auto / 0), or None with the
+/// reason printed. `DS4_REQUIRE_GPU=1` turns a missing device into a failure.
+pub fn open_gpu() -> Option<Gpu> {
+    let vendor: Vendor = std::env::var("DS4_GPU_BACKEND")
+        .unwrap_or_else(|_| "auto".into())
+        .parse()
+        .unwrap();
+    let device = std::env::var("DS4_GPU_DEVICE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    match Gpu::open(vendor, device) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("DS4_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("DS4_REQUIRE_GPU=1 but no GPU: {e}");
+            }
+            println!("skipped: no GPU available: {e}");
+            None
+        }
+    }
+}
+
+/// The CPU reference and the GPU backend with the RoPE tables of `hp`.
+pub fn backends(hp: &HParams) -> Option<(CpuBackend, GpuBackend)> {
+    let gpu = open_gpu()?;
+    let ropes = rope_tables(hp);
+    Some((
+        CpuBackend::new(ropes.clone()),
+        GpuBackend::new(gpu, &ropes).expect("GPU backend"),
+    ))
+}
+
+/// A GGUF in memory holding `tensors` (name, type, GGUF dims, bytes).
+pub fn file(tensors: &[(&str, GgmlType, Vec<u64>, Vec<u8>)]) -> Arc<GgufFile> {
+    let mut w = GgufWriter::new();
+    for (name, ty, dims, _) in tensors {
+        w.add_tensor(*name, *ty, dims).unwrap();
+    }
+    let bytes = w
+        .to_bytes(|i, out: &mut [u8]| -> Result<(), ds4_gguf::GgufError> {
+            out.copy_from_slice(&tensors[i].3);
+            Ok(())
+        })
+        .unwrap();
+    Arc::new(GgufFile::from_bytes("test.gguf", bytes).unwrap())
+}
+
+/// The view of tensor `name` of `f` that backends bind.
+pub fn src<'a>(f: &'a Arc<GgufFile>, name: &'a str) -> WeightSrc<'a> {
+    let t = f.tensor(name).unwrap();
+    WeightSrc {
+        name,
+        file: f,
+        ty: t.ty,
+        dims: &t.dims,
+        offset: t.offset as usize,
+        n_bytes: t.n_bytes as usize,
+    }
+}
+
+/// f32 values as GGUF bytes.
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn rng(seed: u64) -> rand_xoshiro::Xoshiro256PlusPlus {
+    rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed)
+}
+
+/// `n` values uniform in ±`scale`.
+pub fn randn(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| r.gen_range(-scale..scale)).collect()
+}
+
+/// Largest |a − b| / (1 + |b|) over two equal-length slices; panics on a length mismatch.
+pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            if x.is_nan() || y.is_nan() {
+                f32::INFINITY
+            } else {
+                (x - y).abs() / (1.0 + y.abs())
+            }
+        })
+        .fold(0.0, f32::max)
+}
+
+/// Assert `gpu` ≈ `cpu` within `tol` (relative to 1 + |cpu|), naming the op.
+pub fn assert_close(op: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
+    let e = max_rel(gpu, cpu);
+    println!(
+        "{op}: max rel error {e:.3e} (tolerance {tol:.1e}) over {} values",
+        cpu.len()
+    );
+    assert!(
+        e <= tol,
+        "{op}: GPU differs from the CPU reference by {e:.3e} > {tol:.1e}"
+    );
+}

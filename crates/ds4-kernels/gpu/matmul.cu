@@ -1,0 +1,2 @@
+// Weight products beyond one vector: batched matmul, expert-indexed products.
+#include "prelude.cuh"

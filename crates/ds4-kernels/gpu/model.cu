@@ -1,0 +1,2 @@
+// Model glue ops: embedding, hyper-connections (split/collapse/post), router, elementwise.
+#include "prelude.cuh"

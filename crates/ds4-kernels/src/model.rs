@@ -1,0 +1,8 @@
+use crate::Module;
+
+/// Model glue ops: embedding, hyper-connections (split/collapse/post), router, elementwise (`gpu/model.cu`).
+pub const MODEL: Module = Module {
+    name: "model",
+    source: include_str!("../gpu/model.cu"),
+    kernels: &[],
+};
