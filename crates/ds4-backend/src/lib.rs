@@ -87,6 +87,24 @@ impl WeightSrc<'_> {
     }
 }
 
+/// How the schedule uses a tensor: matrix (weight products, embedding, `ape` rows), f32
+/// vector (norms, scales, biases, sinks), or i32 table (hash routing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightKind {
+    Matrix,
+    Vector,
+    Table,
+}
+
+/// Values of a generated weight ([`Backend::random`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fill {
+    /// `center + U(−spread, spread)`, then quantised to the weight's type.
+    Uniform { center: f32, spread: f32 },
+    /// Rows of distinct expert ids in `0 .. n_expert` (hash-routing tables).
+    ExpertIds { n_expert: u32 },
+}
+
 /// The part of a weight matrix a product uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Part {
@@ -223,6 +241,20 @@ pub trait Backend: Send + Sync + Sized {
     fn vector(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
     /// An I32 table (hash routing `tid2eid`).
     fn table(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
+
+    /// A weight of type `ty` and GGUF dims `dims` filled on the backend itself from `seed`
+    /// (full-size benchmarks with no file). Backends that cannot say so.
+    fn random(
+        &self,
+        kind: WeightKind,
+        ty: GgmlType,
+        dims: &[u64],
+        fill: Fill,
+        seed: u64,
+    ) -> Result<Self::Weight, String> {
+        let _ = (kind, ty, dims, fill, seed);
+        Err(format!("backend {} cannot generate weights", self.name()))
+    }
 
     // ---- memory ----
     /// `len` zeros.

@@ -6,7 +6,7 @@ use crate::{AttnKind, HParams, LayerKind, WeightDir};
 use ds4_backend::rope::{Rope, RopeTables};
 use ds4_backend::{
     AttnSpec, Backend, CompDims, CompressSpec, HcDims, HostLayerState, IndexSpec, LayerDims,
-    MoeSpec, Part, RopeKind, Rounding, RowRounding, WeightSrc, Which,
+    MoeSpec, Part, RopeKind, Rounding, RowRounding, WeightKind, WeightSrc, Which,
 };
 use ds4_gguf::GgufFile;
 use std::any::Any;
@@ -142,21 +142,43 @@ pub struct HostState {
     pub layers: Vec<HostLayerState>,
 }
 
-/// Looks tensors up in the bound files (main model, then MTP).
-struct Binder<'a, B: Backend> {
-    files: &'a [(Arc<GgufFile>, WeightDir)],
-    b: &'a B,
-    loaded: usize,
-    total: usize,
-    progress: &'a mut dyn FnMut(usize, usize),
+/// Where a model's tensors come from: bound GGUF files ([`FileSource`]) or a generator
+/// (`synthetic.rs`). `kind` says how the schedule uses the tensor.
+pub trait WeightSource<B: Backend> {
+    fn weight(&mut self, b: &B, name: &str, kind: WeightKind) -> Result<B::Weight, String>;
+    /// Whether the source has a tensor (optional parts: the MTP block).
+    fn has(&self, name: &str) -> bool;
 }
 
-impl<B: Backend> Binder<'_, B> {
-    fn get(
-        &mut self,
-        name: &str,
-        how: fn(&B, &WeightSrc) -> Result<B::Weight, String>,
-    ) -> Result<B::Weight, String> {
+/// Bound GGUF files (main model, then an optional MTP file); `progress(bytes_done,
+/// bytes_total)` after each tensor.
+pub struct FileSource<'a> {
+    pub files: &'a [(Arc<GgufFile>, WeightDir)],
+    pub progress: &'a mut dyn FnMut(usize, usize),
+    loaded: usize,
+    total: usize,
+}
+
+impl<'a> FileSource<'a> {
+    pub fn new(
+        files: &'a [(Arc<GgufFile>, WeightDir)],
+        progress: &'a mut dyn FnMut(usize, usize),
+    ) -> FileSource<'a> {
+        let total = files
+            .iter()
+            .map(|(f, _)| f.bytes().len() - f.data_offset() as usize)
+            .sum();
+        FileSource {
+            files,
+            progress,
+            loaded: 0,
+            total,
+        }
+    }
+}
+
+impl<B: Backend> WeightSource<B> for FileSource<'_> {
+    fn weight(&mut self, b: &B, name: &str, kind: WeightKind) -> Result<B::Weight, String> {
         let (file, w) = self
             .files
             .iter()
@@ -170,22 +192,39 @@ impl<B: Backend> Binder<'_, B> {
             offset: w.offset as usize,
             n_bytes: w.n_bytes as usize,
         };
-        let r = how(self.b, &src).map_err(|e| format!("tensor {name}: {e}"))?;
+        let r = match kind {
+            WeightKind::Matrix => b.matrix(&src),
+            WeightKind::Vector => b.vector(&src),
+            WeightKind::Table => b.table(&src),
+        }
+        .map_err(|e| format!("tensor {name}: {e}"))?;
         self.loaded += w.n_bytes as usize;
         (self.progress)(self.loaded, self.total);
         Ok(r)
     }
-    fn m(&mut self, name: &str) -> Result<B::Weight, String> {
-        self.get(name, B::matrix)
-    }
-    fn v(&mut self, name: &str) -> Result<B::Weight, String> {
-        self.get(name, B::vector)
-    }
-    fn t(&mut self, name: &str) -> Result<B::Weight, String> {
-        self.get(name, B::table)
-    }
     fn has(&self, name: &str) -> bool {
         self.files.iter().any(|(_, d)| d.get(name).is_some())
+    }
+}
+
+/// Builds the model's weight structs from a [`WeightSource`].
+struct Binder<'a, B: Backend> {
+    src: &'a mut dyn WeightSource<B>,
+    b: &'a B,
+}
+
+impl<B: Backend> Binder<'_, B> {
+    fn m(&mut self, name: &str) -> Result<B::Weight, String> {
+        self.src.weight(self.b, name, WeightKind::Matrix)
+    }
+    fn v(&mut self, name: &str) -> Result<B::Weight, String> {
+        self.src.weight(self.b, name, WeightKind::Vector)
+    }
+    fn t(&mut self, name: &str) -> Result<B::Weight, String> {
+        self.src.weight(self.b, name, WeightKind::Table)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.src.has(name)
     }
     fn hc(&mut self, p: &str, which: &str) -> Result<Hc<B::Weight>, String> {
         Ok(Hc {
@@ -308,17 +347,18 @@ impl<B: Backend> Model<B> {
         rounding: Rounding,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model<B>, String> {
-        let total = files
-            .iter()
-            .map(|(f, _)| f.bytes().len() - f.data_offset() as usize)
-            .sum();
-        let mut b = Binder {
-            files,
-            b: &backend,
-            loaded: 0,
-            total,
-            progress,
-        };
+        let mut src = FileSource::new(files, progress);
+        Model::load_from(backend, hp, &mut src, rounding)
+    }
+
+    /// Build the model from any [`WeightSource`] (files, or a generator for benchmarks).
+    pub fn load_from(
+        backend: B,
+        hp: HParams,
+        src: &mut dyn WeightSource<B>,
+        rounding: Rounding,
+    ) -> Result<Model<B>, String> {
+        let mut b = Binder { src, b: &backend };
         let mut layers = Vec::with_capacity(hp.n_layer as usize);
         for kind in hp.layers() {
             layers.push(b.layer(&hp, &format!("blk.{}.", kind.index), kind)?);
