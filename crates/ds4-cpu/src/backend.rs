@@ -128,6 +128,7 @@ impl CpuBackend {
     /// One compressor step (model.md §3.3, frontier rule of §4.1) with token `t`'s projection
     /// `a` and gate `g`. Returns the pooled, normalised row when `t` closes a window (not yet
     /// rotated or rounded).
+    #[allow(clippy::too_many_arguments)]
     fn compress_one(
         c: &CompDims,
         cs: &mut HostCompState,

@@ -528,7 +528,7 @@ impl Session {
         snapshot::write(
             self.model.hp(),
             &self.model_id,
-            &self.model.to_host(&self.state),
+            &self.model.state_to_host(&self.state),
             self.logits.as_deref(),
         )
     }
@@ -549,7 +549,7 @@ impl Session {
             });
         }
         self.reset();
-        self.state = self.model.from_host(&state);
+        self.state = self.model.state_from_host(&state);
         self.logits = logits;
         Ok(())
     }

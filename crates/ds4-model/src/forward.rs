@@ -102,6 +102,10 @@ pub struct Model<B: Backend> {
     mtp: Option<Mtp<B::Weight>>,
 }
 
+/// Logits per evaluated position, and (when asked) the final HC streams of the same
+/// positions.
+pub type Evaluated = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
 /// A session's state on backend `B`.
 pub struct State<B: Backend> {
     pub tokens: Vec<u32>,
@@ -319,7 +323,7 @@ pub fn layer_dims(hp: &HParams, kind: &LayerKind) -> LayerDims {
             coff: kind.coff() as usize,
             d: hd,
         }),
-        index: kind.has_indexer().then(|| CompDims {
+        index: kind.has_indexer().then_some(CompDims {
             ratio: 4,
             coff: 2,
             d: hp.indexer_head_dim as usize,
@@ -496,7 +500,7 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         all: bool,
         streams: bool,
-    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String> {
+    ) -> Result<Evaluated, String> {
         let b = &self.backend;
         let hc = self.hc_dims();
         let w = hc.n * hc.d;
@@ -837,11 +841,11 @@ pub trait Forward: Send + Sync {
         tokens: &[u32],
         all: bool,
         streams: bool,
-    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String>;
+    ) -> Result<Evaluated, String>;
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint);
-    fn to_host(&self, st: &AnyState) -> HostState;
-    fn from_host(&self, h: &HostState) -> AnyState;
+    fn state_to_host(&self, st: &AnyState) -> HostState;
+    fn state_from_host(&self, h: &HostState) -> AnyState;
     fn layer_dims(&self) -> Vec<LayerDims>;
     fn has_mtp(&self) -> bool;
     fn new_mtp_state(&self) -> AnyLayerState;
@@ -905,7 +909,7 @@ where
         tokens: &[u32],
         all: bool,
         streams: bool,
-    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String> {
+    ) -> Result<Evaluated, String> {
         let mut s = Self::unwrap_state(st);
         let r = self.eval_batch_streams(&mut s, tokens, all, streams);
         *st = Self::wrap_state(s);
@@ -930,7 +934,7 @@ where
         Model::rollback(self, &mut s, cp);
         *st = Self::wrap_state(s);
     }
-    fn to_host(&self, st: &AnyState) -> HostState {
+    fn state_to_host(&self, st: &AnyState) -> HostState {
         let layers = st
             .layers
             .downcast_ref::<Vec<B::LayerState>>()
@@ -943,7 +947,7 @@ where
                 .collect(),
         }
     }
-    fn from_host(&self, h: &HostState) -> AnyState {
+    fn state_from_host(&self, h: &HostState) -> AnyState {
         Self::wrap_state(Model::from_host(self, h))
     }
     fn layer_dims(&self) -> Vec<LayerDims> {
