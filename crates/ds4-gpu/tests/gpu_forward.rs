@@ -17,8 +17,14 @@ use ds4_model::{bind_main, HParams};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// The oracle fixtures; `DS4_ORACLE_DIR` overrides (test binaries carried to a GPU machine run
+/// from another checkout path).
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle")
+    std::env::var_os("DS4_ORACLE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle")
+        })
 }
 
 fn tokens() -> Vec<u32> {

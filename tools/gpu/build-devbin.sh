@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds, in a clean clone of HEAD, what a GPU machine without cargo needs to run the GPU tests
+# and benchmarks: the `ds4` binary and the ds4-gpu test executables, stripped, into .devbin/
+# (ignored by git; carried to the device with `carry: [".devbin"]`).
+# Usage: tools/gpu/build-devbin.sh [extra cargo test -p args...]
+set -euo pipefail
+repo=$(git rev-parse --show-toplevel)
+src=${DEVBIN_CLONE:-/tmp/devbuild}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/target-dev}
+rm -rf "$src" && git clone -q "$repo" "$src"
+cd "$src"
+cargo build --release -p ds4-cli
+out="$repo/.devbin"
+rm -rf "$out" && mkdir -p "$out"
+cp "$CARGO_TARGET_DIR/release/ds4" "$out/ds4"
+cargo test --release -p ds4-gpu --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys, shutil, os
+out = sys.argv[1]
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"]:
+        name = m["target"]["name"]
+        shutil.copy(m["executable"], os.path.join(out, "t-" + name))
+        print("test binary:", name)
+' "$out"
+strip "$out"/* || true
+grep -qx '/.devbin/' "$repo/.git/info/exclude" || echo '/.devbin/' >> "$repo/.git/info/exclude"
+du -sh "$out"; ls "$out"
+echo "commit: $(git rev-parse --short HEAD)"
