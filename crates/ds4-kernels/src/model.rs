@@ -4,5 +4,11 @@ use crate::Module;
 pub const MODEL: Module = Module {
     name: "model",
     source: include_str!("../gpu/model.cu"),
-    kernels: &[],
+    kernels: &[
+        "embed_rows",
+        "hc_split",
+        "hc_collapse",
+        "hc_post",
+        "moe_route",
+    ],
 };

@@ -1,0 +1,279 @@
+//! The model glue ops (embed, hc_split, hc_collapse, hc_post, moe_route) on the GPU against the
+//! CPU reference, op by op on random inputs at tiny (D 256, 16 experts) and full (D 4096, 256
+//! experts) shapes. Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1: fail).
+//!
+//! The kernels do the CPU's f32 operations in the CPU's order, so differences come only from
+//! exp/log1p (libm vs device, at most an ulp): embed is exact, the rest held to 1e-5 relative,
+//! router selections exactly.
+
+mod common;
+
+use common::{assert_close, backends, f32_bytes, file, randn, rng, src};
+use ds4_backend::{Backend, GgmlType, HcDims, MoeSpec};
+use ds4_cpu::CpuBackend;
+use ds4_gpu::GpuBackend;
+use ds4_model::HParams;
+use rand::Rng;
+
+const TOL: f32 = 1e-5;
+
+fn setup() -> Option<(CpuBackend, GpuBackend)> {
+    backends(&HParams::tiny())
+}
+
+/// Both backends' bindings of one f32 vector.
+fn vectors(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    v: &[f32],
+) -> (
+    <CpuBackend as Backend>::Weight,
+    <GpuBackend as Backend>::Weight,
+) {
+    let f = file(&[("v", GgmlType::F32, vec![v.len() as u64], f32_bytes(v))]);
+    (
+        cpu.vector(&src(&f, "v")).unwrap(),
+        gpu.vector(&src(&f, "v")).unwrap(),
+    )
+}
+
+fn gpu_ok(gpu: &GpuBackend, op: &str) {
+    if let Err(e) = gpu.check() {
+        panic!("{op}: GPU error: {e}");
+    }
+}
+
+fn hc(d: usize) -> HcDims {
+    let hp = HParams::tiny();
+    HcDims {
+        n: 4,
+        d,
+        sinkhorn_iters: hp.hc_sinkhorn_iters as usize,
+        eps: hp.hc_eps,
+    }
+}
+
+/// Table bytes of `rows × cols` values of type `ty` (random) for the GGUF.
+fn table_bytes(r: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let vals = randn(r, rows * cols, 2.0);
+    match ty {
+        GgmlType::F32 => f32_bytes(&vals),
+        GgmlType::F16 => vals
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => vals
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        GgmlType::Q8_0 => {
+            let mut out = Vec::new();
+            for _ in 0..rows * cols / 32 {
+                let d = half::f16::from_f32(r.gen_range(1e-3f32..0.05));
+                out.extend_from_slice(&d.to_le_bytes());
+                out.extend((0..32).map(|_| r.gen_range(-127i32..=127) as i8 as u8));
+            }
+            out
+        }
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn embed_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(1);
+    for (d, vocab) in [(256usize, 512usize), (4096, 64)] {
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
+            let bytes = table_bytes(&mut r, ty, vocab, d);
+            let f = file(&[("embd", ty, vec![d as u64, vocab as u64], bytes)]);
+            let (tc, tg) = (
+                cpu.matrix(&src(&f, "embd")).unwrap(),
+                gpu.matrix(&src(&f, "embd")).unwrap(),
+            );
+            let n = 7;
+            let mut toks: Vec<i32> = (0..n).map(|_| r.gen_range(0..vocab as i32)).collect();
+            toks[3] = toks[1]; // a repeated id
+            toks[5] = vocab as i32 - 1;
+            for copies in [1usize, 4] {
+                let len = n * copies * d;
+                let mut oc = cpu.alloc(len);
+                cpu.embed(&tc, &cpu.upload_i32(&toks), n, copies, d, &mut oc);
+                let mut og = gpu.alloc(len);
+                gpu.embed(&tg, &gpu.upload_i32(&toks), n, copies, d, &mut og);
+                let og = gpu.download(&og, len);
+                gpu_ok(&gpu, "embed");
+                assert_close(&format!("embed {ty:?} d {d} ×{copies}"), &og, &oc, 0.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn hc_split_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(2);
+    for d in [256usize, 4096] {
+        let h = hc(d);
+        let (nh, n) = (h.n, 5);
+        let mix = (2 + nh) * nh;
+        let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 3, 0.5));
+        let (bc, bg) = vectors(&cpu, &gpu, &randn(&mut r, mix, 1.0));
+        let m = randn(&mut r, n * mix, 3.0);
+        let x = randn(&mut r, n * nh * d, 1.0);
+
+        let (mut zc, mut pc, mut cc) =
+            (cpu.alloc(n * d), cpu.alloc(n * nh), cpu.alloc(n * nh * nh));
+        cpu.hc_split(h, &m, &sc, &bc, &x, n, &mut zc, &mut pc, &mut cc);
+        let (mut zg, mut pg, mut cg) =
+            (gpu.alloc(n * d), gpu.alloc(n * nh), gpu.alloc(n * nh * nh));
+        gpu.hc_split(
+            h,
+            &gpu.upload(&m),
+            &sg,
+            &bg,
+            &gpu.upload(&x),
+            n,
+            &mut zg,
+            &mut pg,
+            &mut cg,
+        );
+        let (zg, pg, cg) = (
+            gpu.download(&zg, n * d),
+            gpu.download(&pg, n * nh),
+            gpu.download(&cg, n * nh * nh),
+        );
+        gpu_ok(&gpu, "hc_split");
+        assert_close(&format!("hc_split post d {d}"), &pg, &pc, TOL);
+        assert_close(&format!("hc_split comb d {d}"), &cg, &cc, TOL);
+        assert_close(&format!("hc_split z d {d}"), &zg, &zc, TOL);
+    }
+}
+
+#[test]
+fn hc_collapse_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(3);
+    for d in [256usize, 4096] {
+        let h = hc(d);
+        let (nh, n) = (h.n, 6);
+        let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 1, 0.5));
+        let (bc, bg) = vectors(&cpu, &gpu, &randn(&mut r, nh, 1.0));
+        let m = randn(&mut r, n * nh, 3.0);
+        let x = randn(&mut r, n * nh * d, 1.0);
+        let mut yc = cpu.alloc(n * d);
+        cpu.hc_collapse(h, &m, &sc, &bc, &x, n, &mut yc);
+        let mut yg = gpu.alloc(n * d);
+        gpu.hc_collapse(h, &gpu.upload(&m), &sg, &bg, &gpu.upload(&x), n, &mut yg);
+        let yg = gpu.download(&yg, n * d);
+        gpu_ok(&gpu, "hc_collapse");
+        assert_close(&format!("hc_collapse d {d}"), &yg, &yc, TOL);
+    }
+}
+
+#[test]
+fn hc_post_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(4);
+    for d in [256usize, 4096] {
+        let h = hc(d);
+        let (nh, n) = (h.n, 5);
+        let x = randn(&mut r, n * nh * d, 1.0);
+        let o = randn(&mut r, n * d, 1.0);
+        let post: Vec<f32> = (0..n * nh).map(|_| r.gen_range(0.0..2.0)).collect();
+        let comb: Vec<f32> = (0..n * nh * nh).map(|_| r.gen_range(0.0..1.0)).collect();
+        let mut xc = x.clone();
+        cpu.hc_post(h, &mut xc, &o, &post, &comb, n);
+        let mut xg = gpu.upload(&x);
+        gpu.hc_post(
+            h,
+            &mut xg,
+            &gpu.upload(&o),
+            &gpu.upload(&post),
+            &gpu.upload(&comb),
+            n,
+        );
+        let xg = gpu.download(&xg, n * nh * d);
+        gpu_ok(&gpu, "hc_post");
+        assert_close(&format!("hc_post d {d}"), &xg, &xc, TOL);
+    }
+}
+
+/// Router logits and bias for `n` tokens over `ne` experts, with ties and extremes: token 0 all
+/// logits equal (with `flat` bias every key ties), token 1 a tied group {3, 7, 9, 12} inside the
+/// top k, token 2 logits past the softplus cut (> 20) and far below it (p = 0), the rest random.
+fn router_inputs(r: &mut impl Rng, n: usize, ne: usize, flat: bool) -> (Vec<f32>, Vec<f32>) {
+    let mut lg = randn(r, n * ne, 4.0);
+    let mut bias = if flat {
+        vec![0.05; ne]
+    } else {
+        randn(r, ne, 0.1)
+    };
+    lg[..ne].iter_mut().for_each(|v| *v = 0.5);
+    for e in [9usize, 3, 12, 7] {
+        lg[ne + e] = 8.0;
+        if !flat {
+            bias[e] = 0.25;
+        }
+    }
+    for (j, v) in lg[2 * ne..3 * ne].iter_mut().enumerate() {
+        match j % 4 {
+            0 => *v = 25.0 + j as f32 * 0.01,
+            1 => *v = -100.0,
+            _ => {}
+        }
+    }
+    (lg, bias)
+}
+
+#[test]
+fn moe_route_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(5);
+    for ne in [16usize, 256] {
+        let spec = MoeSpec {
+            n_expert: ne,
+            n_used: 6,
+            d: 256,
+            ff: 256,
+            weight_scale: 1.5,
+            clamp: 10.0,
+        };
+        let (n, k, vocab) = (9, spec.n_used, 64);
+        let toks: Vec<i32> = (0..n).map(|_| r.gen_range(0..vocab as i32)).collect();
+        let tab: Vec<i32> = (0..vocab * k).map(|_| r.gen_range(0..ne as i32)).collect();
+        let tab_bytes: Vec<u8> = tab.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f = file(&[(
+            "tid2eid",
+            GgmlType::I32,
+            vec![k as u64, vocab as u64],
+            tab_bytes,
+        )]);
+        let (tc, tg) = (
+            cpu.table(&src(&f, "tid2eid")).unwrap(),
+            gpu.table(&src(&f, "tid2eid")).unwrap(),
+        );
+        for (hash, flat) in [(false, false), (false, true), (true, false)] {
+            let (lg, bias) = router_inputs(&mut r, n, ne, flat);
+            let (bc, bg) = vectors(&cpu, &gpu, &bias);
+            let (mut sc, mut wc) = (cpu.alloc_i32(n * k), cpu.alloc(n * k));
+            let tcs = hash.then_some(&tc);
+            cpu.moe_route(&spec, &lg, Some(&bc), tcs, &toks, n, &mut sc, &mut wc);
+            let (mut sg, mut wg) = (gpu.alloc_i32(n * k), gpu.alloc(n * k));
+            let tgs = hash.then_some(&tg);
+            let (lgg, tokg) = (gpu.upload(&lg), gpu.upload_i32(&toks));
+            gpu.moe_route(&spec, &lgg, Some(&bg), tgs, &tokg, n, &mut sg, &mut wg);
+            let (sg, wg) = (gpu.download_i32(&sg, n * k), gpu.download(&wg, n * k));
+            gpu_ok(&gpu, "moe_route");
+            let what = format!("moe_route {ne} experts, hash {hash}, flat bias {flat}");
+            assert_eq!(sg, sc, "{what}: selections differ");
+            if flat {
+                assert_eq!(&sc[..k], &[0, 1, 2, 3, 4, 5], "{what}: full tie");
+            }
+            if !hash {
+                assert_eq!(&sc[k..k + 4], &[3, 7, 9, 12], "{what}: tied group");
+            }
+            assert_close(&format!("{what}: weights"), &wg, &wc, TOL);
+        }
+    }
+}
