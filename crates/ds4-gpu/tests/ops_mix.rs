@@ -277,3 +277,43 @@ fn moe_route_matches_cpu() {
         }
     }
 }
+
+#[test]
+fn elementwise_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(6);
+    for d in [256usize, 4096] {
+        let rows = 5;
+        let len = rows * d;
+        let (a, b) = (randn(&mut r, len, 3.0), randn(&mut r, len, 3.0));
+
+        let mut yc = a.clone();
+        cpu.add(&mut yc, &b, len);
+        let mut yg = gpu.upload(&a);
+        gpu.add(&mut yg, &gpu.upload(&b), len);
+        assert_close(&format!("add d {d}"), &gpu.download(&yg, len), &yc, 0.0);
+
+        let (wc, wg) = vectors(&cpu, &gpu, &randn(&mut r, d, 1.5));
+        for weighted in [false, true] {
+            let mut xc = a.clone();
+            cpu.rms_norm(&mut xc, rows, d, weighted.then_some(&wc), 1e-6);
+            let mut xg = gpu.upload(&a);
+            gpu.rms_norm(&mut xg, rows, d, weighted.then_some(&wg), 1e-6);
+            let xg = gpu.download(&xg, len);
+            assert_close(
+                &format!("rms_norm d {d} weighted {weighted}"),
+                &xg,
+                &xc,
+                TOL,
+            );
+        }
+
+        let mut gc = a.clone();
+        cpu.swiglu(&mut gc, &b, len, 1.0);
+        let mut gg = gpu.upload(&a);
+        gpu.swiglu(&mut gg, &gpu.upload(&b), len, 1.0);
+        let gg = gpu.download(&gg, len);
+        gpu_ok(&gpu, "elementwise");
+        assert_close(&format!("swiglu d {d}"), &gg, &gc, TOL);
+    }
+}
