@@ -63,12 +63,14 @@ pub const ELEMENTWISE: Module = Module {
 mod attention;
 mod matmul;
 mod model;
+mod synth;
 pub use attention::ATTENTION;
 pub use matmul::MATMUL;
 pub use model::MODEL;
+pub use synth::SYNTH;
 
 /// Every module, for compile checks.
-pub const MODULES: &[Module] = &[QUANT, ELEMENTWISE, ATTENTION, MODEL, MATMUL];
+pub const MODULES: &[Module] = &[QUANT, ELEMENTWISE, ATTENTION, MODEL, MATMUL, SYNTH];
 
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in
 /// `gpu/quant.cu` (checked by a test).

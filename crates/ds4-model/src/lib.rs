@@ -7,6 +7,7 @@ pub mod forward;
 pub mod gguf_meta;
 pub mod hparams;
 pub mod schedule;
+pub mod synthetic;
 pub mod tensors;
 
 pub use bind::{bind_main, bind_mtp, BindError, WeightDir, WeightRef};

@@ -16,6 +16,7 @@
 mod attn;
 mod matmul;
 mod mix;
+mod synth;
 
 use crate::error::Result;
 use crate::gpu::{DeviceBuffer, Gpu};
@@ -452,6 +453,17 @@ impl Backend for GpuBackend {
             .upload_bytes(f32_bytes(&v))
             .ok_or_else(|| self.check().unwrap_err())?;
         Ok(GpuWeight::F32 { buf, len: v.len() })
+    }
+
+    fn random(
+        &self,
+        kind: ds4_backend::WeightKind,
+        ty: GgmlType,
+        dims: &[u64],
+        fill: ds4_backend::Fill,
+        seed: u64,
+    ) -> std::result::Result<GpuWeight, String> {
+        self.op_random(kind, ty, dims, fill, seed)
     }
 
     fn table(&self, src: &WeightSrc) -> std::result::Result<GpuWeight, String> {

@@ -1,0 +1,171 @@
+//! File-less models: a [`WeightSource`] that asks the backend to generate every tensor of the
+//! main GGUF ([`main_tensors`]) with the real names, dims and types of a quantisation mix, and
+//! the value scales `ds4 synth` writes to files (norms ≈ 1, matrices of RMS 1/√fan_in, …), so
+//! activations stay sane through every layer. For speed benchmarks at full size with no file.
+
+use crate::forward::WeightSource;
+use crate::hparams::HParams;
+use crate::tensors::{main_tensors, tensor_bytes, Family, Mix, TensorSpec};
+use ds4_backend::{Backend, Fill, WeightKind};
+use std::collections::HashMap;
+
+/// A synthetic model shape (`--synthetic`), as `ds4 synth`'s presets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthPreset {
+    /// model.md §6.1: 6 layers, every code path, q2 types, a reduced vocabulary.
+    Tiny,
+    /// Real shapes, q2 mix (≈ 81 GB).
+    FullQ2,
+    /// Real shapes, q4 mix (≈ 153 GB).
+    FullQ4,
+}
+
+impl SynthPreset {
+    pub fn parse(s: &str) -> Option<SynthPreset> {
+        match s {
+            "tiny" => Some(SynthPreset::Tiny),
+            "full-q2" => Some(SynthPreset::FullQ2),
+            "full-q4" => Some(SynthPreset::FullQ4),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SynthPreset::Tiny => "tiny",
+            SynthPreset::FullQ2 => "full-q2",
+            SynthPreset::FullQ4 => "full-q4",
+        }
+    }
+
+    pub fn params(self) -> (HParams, Mix) {
+        match self {
+            SynthPreset::Tiny => (HParams::tiny(), Mix::Q2),
+            SynthPreset::FullQ2 => (HParams::flash(), Mix::Q2),
+            SynthPreset::FullQ4 => (HParams::flash(), Mix::Q4),
+        }
+    }
+}
+
+/// The fill of a tensor of `family` with fan-in `fan_in` (same scales as crates/ds4-synth).
+pub fn fill_for(family: Family, fan_in: u64, hp: &HParams) -> Fill {
+    let u = |center: f32, spread: f32| Fill::Uniform { center, spread };
+    match family {
+        Family::Norm => u(1.0, 0.1),
+        Family::HcScale => u(1.0, 0.5),
+        Family::HcBase | Family::Sinks => u(0.0, 0.8),
+        Family::Bias => u(0.0, 0.1),
+        Family::Tid2Eid => Fill::ExpertIds {
+            n_expert: hp.n_expert,
+        },
+        // Uniform ±√3·σ has RMS σ = 1/√fan_in.
+        _ => u(0.0, 3f32.sqrt() / (fan_in as f32).sqrt()),
+    }
+}
+
+/// Generates the main model's tensors on the backend; `progress(bytes_done, bytes_total)`
+/// after each tensor (bytes as the mix stores them).
+pub struct SynthSource<'a> {
+    hp: HParams,
+    mix: Mix,
+    seed: u64,
+    specs: HashMap<String, (usize, TensorSpec)>,
+    progress: &'a mut dyn FnMut(usize, usize),
+    done: usize,
+    total: usize,
+}
+
+impl<'a> SynthSource<'a> {
+    pub fn new(
+        hp: &HParams,
+        mix: Mix,
+        seed: u64,
+        progress: &'a mut dyn FnMut(usize, usize),
+    ) -> SynthSource<'a> {
+        let list = main_tensors(hp);
+        let total = list
+            .iter()
+            .map(|s| tensor_bytes(s, s.family.type_in(mix)).unwrap_or(0) as usize)
+            .sum();
+        let specs = list
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.clone(), (i, s)))
+            .collect();
+        SynthSource {
+            hp: hp.clone(),
+            mix,
+            seed,
+            specs,
+            progress,
+            done: 0,
+            total,
+        }
+    }
+
+    /// Bytes of every tensor as the mix stores them.
+    pub fn total_bytes(&self) -> usize {
+        self.total
+    }
+}
+
+impl<B: Backend> WeightSource<B> for SynthSource<'_> {
+    fn weight(&mut self, b: &B, name: &str, kind: WeightKind) -> Result<B::Weight, String> {
+        let (i, spec) = self
+            .specs
+            .get(name)
+            .ok_or_else(|| format!("synthetic model has no tensor {name}"))?;
+        let ty = spec.family.type_in(self.mix);
+        let fill = fill_for(spec.family, spec.fan_in(), &self.hp);
+        // One independent stream per tensor.
+        let seed = self
+            .seed
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(*i as u64 + 1);
+        let w = b
+            .random(kind, ty, &spec.dims, fill, seed)
+            .map_err(|e| format!("tensor {name}: {e}"))?;
+        self.done += tensor_bytes(spec, ty).unwrap_or(0) as usize;
+        (self.progress)(self.done, self.total);
+        Ok(w)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.specs.contains_key(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_q2_is_about_81_gb_and_names_are_known() {
+        let (hp, mix) = SynthPreset::FullQ2.params();
+        let mut p = |_: usize, _: usize| {};
+        let s = SynthSource::new(&hp, mix, 1, &mut p);
+        let gib = s.total_bytes() as f64 / (1u64 << 30) as f64;
+        assert!((79.0..83.0).contains(&gib), "{gib}");
+        assert!(!s.specs.contains_key("mtp.0.e_proj.weight"));
+        assert!(s.specs.contains_key("blk.0.ffn_gate_tid2eid.weight"));
+    }
+
+    #[test]
+    fn fills_follow_ds4_synth_scales() {
+        let hp = HParams::tiny();
+        assert_eq!(
+            fill_for(Family::Norm, 64, &hp),
+            Fill::Uniform {
+                center: 1.0,
+                spread: 0.1
+            }
+        );
+        match fill_for(Family::Proj, 4096, &hp) {
+            Fill::Uniform { center, spread } => {
+                assert_eq!(center, 0.0);
+                assert!((spread / 3f32.sqrt() - 1.0 / 64.0).abs() < 1e-6);
+            }
+            f => panic!("{f:?}"),
+        }
+    }
+}
