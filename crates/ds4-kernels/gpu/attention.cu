@@ -1,2 +1,518 @@
 // Attention-state ops: RoPE, row rounding (FP8/FP4/f16), compressors, lightning indexer, sink attention.
+// The CPU definitions are ds4-cpu's backend.rs and math.rs; rounding steps here are bit-exact copies
+// (uncontracted f32 ops), the rest is bit-near (libm exp/sin differ by an ulp).
 #include "prelude.cuh"
+
+#define ds4_add_rn(a, b) __fadd_rn((a), (b))
+#define ds4_div_rn(a, b) __fdiv_rn((a), (b))
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+
+// Rotate pair p of v (tail offset) by pos·w (mod 2π, in f64); inverse uses −sin.
+__device__ __forceinline__ void ds4_rope_pair(float* v, double w, long long pos, int inverse) {
+    double theta = fmod((double)pos * w, 6.283185307179586);
+    float s = (float)sin(theta), c = (float)cos(theta);
+    if (inverse) s = -s;
+    float a = v[0], b = v[1];
+    v[0] = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, s));
+    v[1] = ds4_add_rn(ds4_mul_rn(a, s), ds4_mul_rn(b, c));
+}
+
+// x: [rows, width] with rows = tokens × heads; token i = row / heads sits at position
+// pos0 + i·step. One thread per (row, pair) over the last n_rot values.
+DS4_KERNEL void DS4_BOUNDS(256) rope_f32(float* __restrict__ x, const double* __restrict__ freqs, long long rows, int heads,
+                                         int width, int n_rot, long long pos0, long long step, int inverse) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int half = n_rot / 2;
+    if (k >= rows * half) return;
+    long long row = k / half;
+    int p = (int)(k % half);
+    long long pos = pos0 + (row / heads) * step;
+    ds4_rope_pair(x + row * width + (width - n_rot) + 2 * p, freqs[p], pos, inverse);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row rounding (math.rs: fp8_sim, fp4_hadamard_sim, f16_round)
+
+// Nearest E4M3FN value of x (already clamped to ±448), ties to even. The binade comes from the
+// exponent bits: equal to the CPU's floor(log2) wherever the result can differ.
+__device__ __forceinline__ float ds4_e4m3(float x) {
+    float a = fabsf(x);
+    if (a == 0.0f || a != a) return x;
+    int e = (int)((__float_as_uint(a) >> 23) & 0xff) - 127;
+    if (e < -6) e = -6;
+    float quantum = __uint_as_float((u32)(e - 3 + 127) << 23);
+    float q = ds4_mul_rn(rintf(ds4_div_rn(a, quantum)), quantum);
+    q = fminf(q, 448.0f);
+    return copysignf(q, x);
+}
+
+__device__ __constant__ float ds4_e2m1_tab[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+// Nearest E2M1 value, ties to the even code (x clamped to ±6).
+__device__ __forceinline__ float ds4_e2m1(float x) {
+    float a = fabsf(x);
+    int best = 0;
+    for (int c = 1; c < 8; c++) {
+        float d = fabsf(ds4_sub_rn(ds4_e2m1_tab[c], a));
+        float db = fabsf(ds4_sub_rn(ds4_e2m1_tab[best], a));
+        if (d < db || (d == db && (c & 1) == 0)) best = c;
+    }
+    return copysignf(ds4_e2m1_tab[best], x);
+}
+
+// f32 -> f16 (round to nearest even, subnormals, overflow to Inf) -> f32.
+__device__ __forceinline__ float ds4_f16_round(float f) {
+    u32 x = __float_as_uint(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    u32 ax = x & 0x7fffffffu;
+    u16 h;
+    if (ax >= 0x7f800000u) {
+        h = (u16)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
+    } else if (ax >= 0x477ff000u) { // rounds to >= 65536: Inf
+        h = (u16)(sign | 0x7c00u);
+    } else if (ax >= 0x38800000u) { // normal f16
+        u32 m = ax + 0xfffu + ((ax >> 13) & 1u); // RNE on the 13 dropped bits
+        h = (u16)(sign | ((m - 0x38000000u) >> 13));
+    } else if (ax > 0x33000000u) { // subnormal f16 (> 2^-25)
+        u32 e = ax >> 23;
+        u32 m = (ax & 0x7fffffu) | 0x800000u;
+        u32 shift = 126u - e; // 14..24
+        u32 q = m >> shift, rem = m & ((1u << shift) - 1u), halfw = 1u << (shift - 1u);
+        if (rem > halfw || (rem == halfw && (q & 1u))) q++;
+        h = (u16)(sign | q);
+    } else {
+        h = (u16)sign; // |f| <= 2^-25 rounds to zero (2^-25 itself is a tie to even 0)
+    }
+    return ds4_h2f(h);
+}
+
+// Power-of-two scale 2^ceil(log2(amax / lim)) computed in f64 as the CPU does.
+__device__ __forceinline__ float ds4_pow2_scale(float amax, double lim) {
+    return (float)exp2(ceil(log2((double)amax / lim)));
+}
+
+// One CTA per row of x [rows, width]; the row is staged in dynamic shared memory (width floats).
+// fp8_nope > 0: FP8 of the first fp8_nope values (blocks of 64); fp4: Hadamard (width a power of
+// two) + FP4 (blocks of 32); f16: round to f16.
+DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width, int fp8_nope, int fp4, int f16) {
+    extern __shared__ float row_s[];
+    __shared__ float scale_s[256];
+    float* xr = x + (size_t)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) row_s[i] = xr[i];
+    __syncthreads();
+    if (fp8_nope > 0) {
+        int nb = (fp8_nope + 63) / 64;
+        for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+            int e = min(b * 64 + 64, fp8_nope);
+            float m = 0.0f;
+            for (int i = b * 64; i < e; i++) m = fmaxf(m, fabsf(row_s[i]));
+            m = fmaxf(m, 1e-4f);
+            float s = ds4_pow2_scale(m, 448.0);
+            for (int i = b * 64; i < e; i++) {
+                float v = fminf(fmaxf(ds4_div_rn(row_s[i], s), -448.0f), 448.0f);
+                row_s[i] = ds4_mul_rn(ds4_e4m3(v), s);
+            }
+        }
+        __syncthreads();
+    }
+    if (fp4) {
+        for (int h = 1; h < width; h *= 2) {
+            for (int k = threadIdx.x; k < width / 2; k += blockDim.x) {
+                int j = (k / h) * 2 * h + (k % h);
+                float a = row_s[j], b = row_s[j + h];
+                row_s[j] = ds4_add_rn(a, b);
+                row_s[j + h] = ds4_sub_rn(a, b);
+            }
+            __syncthreads();
+        }
+        float hs = ds4_div_rn(1.0f, __fsqrt_rn((float)width));
+        for (int i = threadIdx.x; i < width; i += blockDim.x) row_s[i] = ds4_mul_rn(row_s[i], hs);
+        __syncthreads();
+        int nb = (width + 31) / 32;
+        for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+            int e = min(b * 32 + 32, width);
+            float m = 0.0f;
+            for (int i = b * 32; i < e; i++) m = fmaxf(m, fabsf(row_s[i]));
+            m = fmaxf(m, 6.0f * 1.17549435e-38f);
+            scale_s[b % 256] = ds4_pow2_scale(m, 6.0);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < width; i += blockDim.x) {
+            float s = scale_s[(i / 32) % 256];
+            float v = fminf(fmaxf(ds4_div_rn(row_s[i], s), -6.0f), 6.0f);
+            row_s[i] = ds4_mul_rn(ds4_e2m1(v), s);
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float v = row_s[i];
+        xr[i] = f16 ? ds4_f16_round(v) : v;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compressor over a chunk (positions t0 .. t0+n). Frontier: slots × w values and scores.
+
+struct ds4_comp {
+    const float* a;      // [n, w] projections of the chunk
+    const float* g;      // [n, w] gates of the chunk
+    const u8* ape;       // [r rows of w], type ape_ty (0 f32, 1 f16, 2 bf16), row_bytes per row
+    const float* fkv;    // old frontier values [slots, w]
+    const float* fsc;    // old frontier scores [slots, w]
+    long long t0;
+    int n, r, coff, w, ape_ty, ape_row_bytes;
+};
+
+__device__ __forceinline__ float ds4_ape(const ds4_comp& c, int row, int col) {
+    const u8* p = c.ape + (size_t)row * c.ape_row_bytes;
+    if (c.ape_ty == 0) return __uint_as_float(ds4_ld_u32(p + 4 * col));
+    if (c.ape_ty == 1) return ds4_h2f(ds4_ld_u16(p + 2 * col));
+    return ds4_bf2f(ds4_ld_u16(p + 2 * col));
+}
+
+// Value and score of position q (>= (t0/r − 1)·r) at column col: from the chunk, else the old
+// frontier (window t0/r in its B slots for CSA, window t0/r − 1 in the A slots).
+__device__ __forceinline__ void ds4_fetch(const ds4_comp& c, long long q, int col, float* kv, float* sc) {
+    if (q >= c.t0) {
+        long long i = q - c.t0;
+        *kv = c.a[i * c.w + col];
+        *sc = ds4_add_rn(c.g[i * c.w + col], ds4_ape(c, (int)(q % c.r), col));
+        return;
+    }
+    long long cw0 = c.t0 / c.r;
+    int slot = (int)(q % c.r);
+    if (c.coff == 2 && q / c.r == cw0) slot += c.r;
+    *kv = c.fkv[(size_t)slot * c.w + col];
+    *sc = c.fsc[(size_t)slot * c.w + col];
+}
+
+// Candidate i of window wi at channel j (CPU compress_one order: A half slots 0..r, B half r..2r).
+__device__ __forceinline__ void ds4_cand(const ds4_comp& c, long long wi, int i, int j, float* kv, float* sc) {
+    int d = c.w / c.coff;
+    if (c.coff == 2 && i < c.r) {
+        if (wi == 0) { // no previous window: whatever the A slots hold
+            *kv = c.fkv[(size_t)i * c.w + j];
+            *sc = c.fsc[(size_t)i * c.w + j];
+        } else {
+            ds4_fetch(c, (wi - 1) * c.r + i, j, kv, sc);
+        }
+    } else if (c.coff == 2) {
+        ds4_fetch(c, wi * c.r + (i - c.r), d + j, kv, sc);
+    } else {
+        ds4_fetch(c, wi * c.r + i, j, kv, sc);
+    }
+}
+
+// Pooled rows of the windows closed in the chunk: out [rows, d], row k = window t0/r + k.
+// grid (rows, ceil(d / blockDim)); one thread per channel, candidates in CPU order.
+// Kernel parameters of the compressor (flattened: launches pass scalars and pointers only).
+#define DS4_COMP_PARAMS                                                                               \
+    const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0, int n, \
+        int r, int coff, int w, int ape_ty, int ape_row_bytes
+#define DS4_COMP_MAKE ds4_comp c = {a, g, ape, fkv, fsc, t0, n, r, coff, w, ape_ty, ape_row_bytes}
+
+DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __restrict__ out) {
+    DS4_COMP_MAKE;
+    int d = c.w / c.coff;
+    int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    long long wi = c.t0 / c.r + blockIdx.x;
+    int nc = c.coff * c.r;
+    float kv, sc, m = DS4_NEG_INF;
+    for (int i = 0; i < nc; i++) {
+        ds4_cand(c, wi, i, j, &kv, &sc);
+        m = fmaxf(m, sc);
+    }
+    float s = 0.0f;
+    for (int i = 0; i < nc; i++) {
+        ds4_cand(c, wi, i, j, &kv, &sc);
+        s = ds4_add_rn(s, expf(ds4_sub_rn(sc, m)));
+    }
+    float acc = -0.0f;
+    for (int i = 0; i < nc; i++) {
+        ds4_cand(c, wi, i, j, &kv, &sc);
+        float p = ds4_div_rn(expf(ds4_sub_rn(sc, m)), s);
+        acc = ds4_add_rn(acc, ds4_mul_rn(p, kv));
+    }
+    out[(size_t)blockIdx.x * d + j] = acc;
+}
+
+// The frontier after the chunk, into nkv/nsc [slots, w] (never the old frontier itself).
+DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_f32(DS4_COMP_PARAMS, float* __restrict__ nkv, float* __restrict__ nsc) {
+    DS4_COMP_MAKE;
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int slots = c.coff * c.r;
+    if (k >= (long long)slots * c.w) return;
+    int slot = (int)(k / c.w), col = (int)(k % c.w);
+    long long T = c.t0 + c.n, cw = T / c.r;
+    int o = (int)(T % c.r);
+    long long q = -1;
+    if (c.coff == 2 && slot >= c.r) {
+        int j = slot - c.r;
+        q = j < o ? cw * c.r + j : (cw >= 1 ? (cw - 1) * c.r + j : -1);
+    } else if (c.coff == 2) {
+        q = cw >= 1 ? (cw - 1) * c.r + slot : -1;
+    } else {
+        q = slot < o ? cw * c.r + slot : (cw >= 1 ? (cw - 1) * c.r + slot : -1);
+    }
+    float kv, sc;
+    if (q < 0) { // unchanged
+        kv = c.fkv[k];
+        sc = c.fsc[k];
+    } else { // A slots: the window copied at the last close (fetch finds it in the chunk or old slots)
+        ds4_fetch(c, q, col, &kv, &sc);
+    }
+    nkv[k] = kv;
+    nsc[k] = sc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lightning indexer
+
+// scores[i][r] = Σ_h (w[i,h]·ws)·max(0, q_ih·row_r) for r < visible(i) (exactly the CPU's order:
+// dot with eight partial sums). grid (ceil(max_vis / blockDim), tokens); q already rotated/rounded.
+DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, const float* __restrict__ w,
+                                                 const float* __restrict__ rows, float* __restrict__ scores,
+                                                 long long tb, long long max_vis, int heads, int ihd, int ratio,
+                                                 float ws) {
+    long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int i = blockIdx.y;
+    long long t = tb + i;
+    long long vis = (t + 1) / ratio;
+    if (r >= vis) return;
+    const float* key = rows + r * ihd;
+    const float* qi = q + (size_t)i * heads * ihd;
+    float total = -0.0f;
+    int n8 = ihd / 8 * 8;
+    for (int h = 0; h < heads; h++) {
+        const float* qh = qi + (size_t)h * ihd;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int e = 0; e < n8; e += 8) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[k] = ds4_add_rn(acc[k], ds4_mul_rn(qh[e + k], key[e + k]));
+        }
+        float s = -0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) s = ds4_add_rn(s, acc[k]);
+        for (int e = n8; e < ihd; e++) s = ds4_add_rn(s, ds4_mul_rn(qh[e], key[e]));
+        float dm = s > 0.0f ? s : 0.0f;
+        total = ds4_add_rn(total, ds4_mul_rn(ds4_mul_rn(w[(size_t)i * heads + h], ws), dm));
+    }
+    scores[(size_t)i * max_vis + r] = total;
+}
+
+// Order-preserving key of a float (total order, as f32::total_cmp).
+__device__ __forceinline__ u32 ds4_fkey(float f) {
+    u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Top-k of each token's scores (largest, ties to the lower index), written ascending into
+// sel[i] (top_k i32, −1 padded). Tokens with visible <= top_k get 0..visible. One CTA per token,
+// blockDim 1024 (a multiple of the warp); radix select on the keys, then an ordered compaction.
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, int* __restrict__ sel, long long tb,
+                                            long long max_vis, int ratio, int top_k) {
+    __shared__ u32 hist[256];
+    __shared__ u32 prefix_s, want_s;
+    __shared__ u32 warp_gt[1024 / 32], warp_eq[1024 / 32];
+    __shared__ u32 base_gt, base_eq;
+    int i = blockIdx.x;
+    long long t = tb + i;
+    long long vis = (t + 1) / ratio;
+    int* out = sel + (size_t)i * top_k;
+    if (vis <= top_k) {
+        for (int k = threadIdx.x; k < top_k; k += blockDim.x) out[k] = k < vis ? k : -1;
+        return;
+    }
+    const float* sc = scores + (size_t)i * max_vis;
+    // Radix select: the key of the top_k-th largest, 8 bits at a time from the top.
+    u32 prefix = 0, mask = 0, want = (u32)top_k; // want: rank among keys matching the prefix
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (long long r = threadIdx.x; r < vis; r += blockDim.x) {
+            u32 kk = ds4_fkey(sc[r]);
+            if ((kk & mask) == prefix) atomicAdd(&hist[(kk >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 acc = 0;
+            int b = 255;
+            for (; b > 0; b--) {
+                if (acc + hist[b] >= want) break;
+                acc += hist[b];
+            }
+            prefix_s = prefix | ((u32)b << shift);
+            want_s = want - acc;
+        }
+        __syncthreads();
+        prefix = prefix_s;
+        want = want_s;
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    // prefix: the threshold key; take all keys > it and the first `want` equal ones by index.
+    u32 thr = prefix, need_eq = want;
+    if (threadIdx.x == 0) {
+        base_gt = 0;
+        base_eq = 0;
+    }
+    __syncthreads();
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP, nw = blockDim.x / DS4_WARP;
+    ds4_mask_t below = lane == 0 ? 0 : ((~(ds4_mask_t)0) >> (64 - lane));
+    for (long long r0 = 0; r0 < vis; r0 += blockDim.x) {
+        long long r = r0 + threadIdx.x;
+        u32 kk = r < vis ? ds4_fkey(sc[r]) : 0;
+        bool gt = r < vis && kk > thr, eq = r < vis && kk == thr;
+        ds4_mask_t bg = ds4_ballot(gt), be = ds4_ballot(eq);
+        if (lane == 0) {
+            warp_gt[warp] = (u32)__popcll(bg);
+            warp_eq[warp] = (u32)__popcll(be);
+        }
+        __syncthreads();
+        u32 pg = base_gt, pe = base_eq; // counts of earlier rows taken
+        for (int k = 0; k < warp; k++) {
+            pg += warp_gt[k];
+            pe += warp_eq[k];
+        }
+        pe += (u32)__popcll(be & below);
+        pg += (u32)__popcll(bg & below);
+        bool take = gt || (eq && pe < need_eq);
+        if (take) {
+            u32 pos = pg + (pe < need_eq ? pe : need_eq); // rows taken before r
+            out[pos] = (int)r;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int k = 0; k < nw; k++) {
+                base_gt += warp_gt[k];
+                base_eq += warp_eq[k];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sink attention
+
+#define DS4_ATT_THREADS 256
+#define DS4_ATT_MAXLIST 2048
+#define DS4_ATT_MAXHD 1024
+
+// out[i, h] = Σ softmax(q·row/√hd with the sink) · row over token t = t0+i's rows: raw positions
+// max(0,t−W+1)..=t present in the ring (or this chunk), then the selected compressed rows (sel) or
+// all rows < (t+1)/ratio. grid (heads, n), blockDim 256. The ring is read, not written.
+DS4_KERNEL void DS4_BOUNDS(256) attend_f32(const float* __restrict__ q, const float* __restrict__ kv,
+                                           const float* __restrict__ raw, const int* __restrict__ raw_pos,
+                                           const float* __restrict__ comp, const int* __restrict__ sel,
+                                           const float* __restrict__ sinks, float* __restrict__ out, long long t0,
+                                           int heads, int hd, int win, int ratio, int top_k, float scale) {
+    __shared__ int list[DS4_ATT_MAXLIST]; // >= 0: compressed row; < 0: raw position −(p+1)
+    __shared__ int flag[DS4_ATT_MAXLIST];
+    __shared__ float q_s[DS4_ATT_MAXHD];
+    __shared__ float tile_s[DS4_ATT_THREADS / 32];
+    __shared__ int n_list_s;
+    int h = blockIdx.x, i = blockIdx.y;
+    long long t = t0 + i;
+    long long first = t + 1 > win ? t + 1 - win : 0;
+    int nwin = (int)(t - first + 1);
+    const float* qh = q + ((size_t)i * heads + h) * hd;
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) q_s[e] = qh[e];
+    // Raw rows present, in position order.
+    for (int k = threadIdx.x; k < nwin; k += blockDim.x) {
+        long long p = first + k;
+        flag[k] = p >= t0 || raw_pos[p % win] == (int)p;
+    }
+    int nsel = sel ? top_k : 0;
+    for (int k = threadIdx.x; k < nsel; k += blockDim.x) flag[nwin + k] = sel[(size_t)i * top_k + k];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int m = 0;
+        for (int k = 0; k < nwin; k++)
+            if (flag[k]) list[m++] = -(int)(first + k) - 1;
+        for (int k = 0; k < nsel; k++)
+            if (flag[nwin + k] >= 0) list[m++] = flag[nwin + k];
+        n_list_s = m;
+    }
+    __syncthreads();
+    int n_list = n_list_s;
+    long long n_all = n_list + ((sel == 0 && ratio > 0) ? (t + 1) / ratio : 0);
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP, nw = blockDim.x / DS4_WARP;
+    float m = sinks[h], z = 1.0f;
+    float acc[DS4_ATT_MAXHD / DS4_ATT_THREADS] = {0, 0, 0, 0};
+    for (long long j0 = 0; j0 < n_all; j0 += nw) {
+        // One warp per row: its score.
+        long long j = j0 + warp;
+        if (j < n_all) {
+            const float* row;
+            if (j < n_list) {
+                int c = list[j];
+                if (c < 0) {
+                    long long p = -(long long)c - 1;
+                    row = p >= t0 ? kv + (p - t0) * hd : raw + (p % win) * hd;
+                } else {
+                    row = comp + (size_t)c * hd;
+                }
+            } else {
+                row = comp + (j - n_list) * hd;
+            }
+            float s = 0.0f;
+            for (int e = lane; e < hd; e += DS4_WARP) s += q_s[e] * row[e];
+            s = ds4_warp_sum(s);
+            if (lane == 0) tile_s[warp] = s * scale;
+        }
+        __syncthreads();
+        int nt = (int)(n_all - j0 < nw ? n_all - j0 : nw);
+        float mn = m;
+        for (int k = 0; k < nt; k++) mn = fmaxf(mn, tile_s[k]);
+        float cf = expf(m - mn);
+        z *= cf;
+#pragma unroll
+        for (int u = 0; u < DS4_ATT_MAXHD / DS4_ATT_THREADS; u++) acc[u] *= cf;
+        for (int k = 0; k < nt; k++) {
+            long long jj = j0 + k;
+            const float* row;
+            if (jj < n_list) {
+                int c = list[jj];
+                if (c < 0) {
+                    long long p = -(long long)c - 1;
+                    row = p >= t0 ? kv + (p - t0) * hd : raw + (p % win) * hd;
+                } else {
+                    row = comp + (size_t)c * hd;
+                }
+            } else {
+                row = comp + (jj - n_list) * hd;
+            }
+            float e_ = expf(tile_s[k] - mn);
+            z += e_;
+#pragma unroll
+            for (int u = 0; u < DS4_ATT_MAXHD / DS4_ATT_THREADS; u++) {
+                int e = threadIdx.x + u * DS4_ATT_THREADS;
+                if (e < hd) acc[u] += e_ * row[e];
+            }
+        }
+        m = mn;
+        __syncthreads();
+    }
+    float* oh = out + ((size_t)i * heads + h) * hd;
+#pragma unroll
+    for (int u = 0; u < DS4_ATT_MAXHD / DS4_ATT_THREADS; u++) {
+        int e = threadIdx.x + u * DS4_ATT_THREADS;
+        if (e < hd) oh[e] = acc[u] / z;
+    }
+}
+
+// After the chunk: ring slots of the last min(n, W) tokens get their rows and positions.
+DS4_KERNEL void DS4_BOUNDS(256) ring_store_f32(const float* __restrict__ kv, float* __restrict__ raw,
+                                               int* __restrict__ raw_pos, long long t0, int n, int hd, int win) {
+    int keep = n < win ? n : win;
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (long long)keep * hd) return;
+    int i = n - keep + (int)(k / hd), e = (int)(k % hd);
+    long long t = t0 + i;
+    raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
+    if (e == 0) raw_pos[t % win] = (int)t;
+}

@@ -4,5 +4,14 @@ use crate::Module;
 pub const ATTENTION: Module = Module {
     name: "attention",
     source: include_str!("../gpu/attention.cu"),
-    kernels: &[],
+    kernels: &[
+        "rope_f32",
+        "round_rows_f32",
+        "compress_pool_f32",
+        "compress_frontier_f32",
+        "index_scores_f32",
+        "index_topk",
+        "attend_f32",
+        "ring_store_f32",
+    ],
 };

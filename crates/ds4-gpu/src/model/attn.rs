@@ -3,83 +3,380 @@
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuLayerState, GpuWeight};
 use crate::error::GpuError;
-use ds4_backend::{AttnSpec, CompressSpec, IndexSpec, RopeKind, RowRounding, Which};
+use crate::runtime::{Arg, DevPtr, LaunchDims};
+use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
+use ds4_kernels::ATTENTION;
+
+/// Most score values the indexer keeps at once (tokens are batched under this).
+const INDEX_SCORE_BUDGET: usize = 1 << 26;
+/// Raw window + selected rows one attention CTA can list (`DS4_ATT_MAXLIST`).
+const ATT_MAXLIST: usize = 2048;
+/// Largest head width of `attend_f32` (`DS4_ATT_MAXHD`).
+const ATT_MAXHD: usize = 1024;
 
 impl GpuBackend {
-    fn todo(&self, op: &str) {
-        self.note::<()>(Err(GpuError::Invalid(format!(
-            "GPU op {op} is not implemented yet"
-        ))));
+    fn attn_invalid(&self, msg: String) {
+        self.note::<()>(Err(GpuError::Invalid(msg)));
+    }
+
+    /// RoPE over `rows` rows of `width` (token = row / heads at position pos0 + token·step).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_rows(
+        &self,
+        x: DevPtr,
+        rows: usize,
+        heads: usize,
+        width: usize,
+        n_rot: usize,
+        pos0: usize,
+        step: usize,
+        kind: RopeKind,
+        inverse: bool,
+    ) {
+        let work = rows * (n_rot / 2);
+        if work == 0 {
+            return;
+        }
+        if n_rot > width || n_rot % 2 != 0 {
+            return self.attn_invalid(format!("rope: n_rot {n_rot} over width {width}"));
+        }
+        self.run(
+            &ATTENTION,
+            "rope_f32",
+            LaunchDims::linear(work.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(self.rope_ptr(kind)),
+                Arg::I64(rows as i64),
+                Arg::I32(heads as i32),
+                Arg::I32(width as i32),
+                Arg::I32(n_rot as i32),
+                Arg::I64(pos0 as i64),
+                Arg::I64(step as i64),
+                Arg::I32(inverse as i32),
+            ],
+        );
+    }
+
+    fn round_ptr(&self, x: DevPtr, rows: usize, width: usize, r: RowRounding) {
+        if rows == 0 || (r.fp8_nope == 0 && !r.fp4_hadamard && !r.f16) {
+            return;
+        }
+        if r.fp4_hadamard && (!width.is_power_of_two() || width > 8192) {
+            return self.attn_invalid(format!("round_rows: Hadamard over width {width}"));
+        }
+        if width > 12288 || r.fp8_nope > width {
+            return self.attn_invalid(format!("round_rows: width {width}"));
+        }
+        let mut dims = LaunchDims::linear(rows as u32, 256);
+        dims.shared_bytes = (width * 4) as u32;
+        self.run(
+            &ATTENTION,
+            "round_rows_f32",
+            dims,
+            &[
+                Arg::Ptr(x),
+                Arg::I32(width as i32),
+                Arg::I32(r.fp8_nope as i32),
+                Arg::I32(r.fp4_hadamard as i32),
+                Arg::I32(r.f16 as i32),
+            ],
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_rope(
         &self,
-        _x: &mut GpuBuf,
-        _n: usize,
-        _heads: usize,
-        _width: usize,
-        _n_rot: usize,
-        _t0: usize,
-        _kind: RopeKind,
-        _inverse: bool,
+        x: &mut GpuBuf,
+        n: usize,
+        heads: usize,
+        width: usize,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+        inverse: bool,
     ) {
-        self.todo("rope")
+        self.rope_rows(x.ptr, n * heads, heads, width, n_rot, t0, 1, kind, inverse)
     }
 
-    pub(crate) fn op_round_rows(
-        &self,
-        _x: &mut GpuBuf,
-        _rows: usize,
-        _width: usize,
-        _r: RowRounding,
-    ) {
-        self.todo("round_rows")
+    pub(crate) fn op_round_rows(&self, x: &mut GpuBuf, rows: usize, width: usize, r: RowRounding) {
+        self.round_ptr(x.ptr, rows, width, r)
     }
 
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_compress(
         &self,
-        _st: &mut GpuLayerState,
-        _which: Which,
-        _spec: &CompressSpec,
-        _ape: &GpuWeight,
-        _norm: &GpuWeight,
-        _a: &GpuBuf,
-        _g: &GpuBuf,
-        _n: usize,
-        _t0: usize,
+        st: &mut GpuLayerState,
+        which: Which,
+        spec: &CompressSpec,
+        ape: &GpuWeight,
+        norm: &GpuWeight,
+        a: &GpuBuf,
+        g: &GpuBuf,
+        n: usize,
+        t0: usize,
     ) {
-        self.todo("compress")
+        if n == 0 || self.failed() {
+            return;
+        }
+        let (ape_ptr, ape_ty, ape_rb) = match ape {
+            GpuWeight::Mat {
+                buf, ty, row_bytes, ..
+            } => {
+                let code = match ty {
+                    GgmlType::F32 => 0,
+                    GgmlType::F16 => 1,
+                    GgmlType::BF16 => 2,
+                    t => return self.attn_invalid(format!("compress: ape of type {t:?}")),
+                };
+                (buf.ptr(), code, *row_bytes)
+            }
+            _ => return self.attn_invalid("compress: ape is not a matrix".into()),
+        };
+        let Some(c) = st.comp_mut(which) else {
+            return self.attn_invalid(format!("compress: layer has no {which:?} compressor"));
+        };
+        let dims = spec.dims;
+        let (r, w, d) = (dims.ratio, dims.width(), dims.d);
+        let slots = dims.slots();
+        let (cw0, cw) = (t0 / r, (t0 + n) / r);
+        let closed = cw - cw0;
+        let n_rows = c.n_rows;
+        if closed > 0 {
+            self.reserve_rows(c, n_rows + closed);
+        }
+        let common = |fkv: DevPtr, fsc: DevPtr| -> Vec<Arg> {
+            vec![
+                Arg::Ptr(a.ptr),
+                Arg::Ptr(g.ptr),
+                Arg::Ptr(ape_ptr),
+                Arg::Ptr(fkv),
+                Arg::Ptr(fsc),
+                Arg::I64(t0 as i64),
+                Arg::I32(n as i32),
+                Arg::I32(r as i32),
+                Arg::I32(dims.coff as i32),
+                Arg::I32(w as i32),
+                Arg::I32(ape_ty),
+                Arg::I32(ape_rb as i32),
+            ]
+        };
+        // Rows first: they read the old frontier.
+        if closed > 0 && !self.failed() {
+            let out = c.rows.ptr().offset((n_rows * d * 4) as u64);
+            let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
+            args.push(Arg::Ptr(out));
+            let dims_l = LaunchDims {
+                grid: [closed as u32, d.div_ceil(128) as u32, 1],
+                block: [128, 1, 1],
+                shared_bytes: 0,
+            };
+            self.run(&ATTENTION, "compress_pool_f32", dims_l, &args);
+            self.run(
+                &ds4_kernels::ELEMENTWISE,
+                "rmsnorm_f32",
+                LaunchDims::linear(closed as u32, 256),
+                &[
+                    Arg::Ptr(out),
+                    Arg::Ptr(norm.ptr()),
+                    Arg::Ptr(out),
+                    Arg::I32(d as i32),
+                    Arg::F32(spec.eps),
+                ],
+            );
+            self.rope_rows(
+                out,
+                closed,
+                1,
+                d,
+                spec.n_rot,
+                r * n_rows,
+                r,
+                spec.rope,
+                false,
+            );
+            self.round_ptr(out, closed, d, spec.round);
+        }
+        // New frontier into scratch, then over the old one.
+        let total = slots * w;
+        let nkv = self.scratch(total);
+        let nsc = self.scratch(total);
+        let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
+        args.push(Arg::Ptr(nkv.ptr));
+        args.push(Arg::Ptr(nsc.ptr));
+        self.run(
+            &ATTENTION,
+            "compress_frontier_f32",
+            LaunchDims::linear(total.div_ceil(256) as u32, 256),
+            &args,
+        );
+        self.d2d(c.front_kv.ptr(), nkv.ptr, total * 4);
+        self.d2d(c.front_score.ptr(), nsc.ptr, total * 4);
+        if !self.failed() {
+            c.n_rows = n_rows + closed;
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_index_select(
         &self,
-        _st: &GpuLayerState,
-        _spec: &IndexSpec,
-        _q: &GpuBuf,
-        _w: &GpuBuf,
-        _n: usize,
-        _t0: usize,
-        _sel: &mut GpuIBuf,
+        st: &GpuLayerState,
+        spec: &IndexSpec,
+        q: &GpuBuf,
+        w: &GpuBuf,
+        n: usize,
+        t0: usize,
+        sel: &mut GpuIBuf,
     ) {
-        self.todo("index_select")
+        if n == 0 || self.failed() {
+            return;
+        }
+        let Some(ix) = st.index.as_ref() else {
+            return self.attn_invalid("index_select: layer has no indexer state".into());
+        };
+        let (nh, ihd, k) = (spec.heads, spec.head_dim, spec.top_k);
+        let max_vis = (t0 + n) / spec.ratio;
+        // Only tokens that see more than top_k rows score; the query is rotated and rounded
+        // in a copy.
+        let need_scores = max_vis > k;
+        let qr = self.scratch(if need_scores { n * nh * ihd } else { 1 });
+        if need_scores {
+            self.d2d(qr.ptr, q.ptr, n * nh * ihd * 4);
+            self.rope_rows(qr.ptr, n * nh, nh, ihd, spec.n_rot, t0, 1, spec.rope, false);
+            if spec.fp4 {
+                let rr = RowRounding {
+                    fp8_nope: 0,
+                    fp4_hadamard: true,
+                    f16: false,
+                };
+                self.round_ptr(qr.ptr, n * nh, ihd, rr);
+            }
+        }
+        let ws = 1.0 / ((ihd * nh) as f32).sqrt();
+        let batch = if need_scores {
+            (INDEX_SCORE_BUDGET / max_vis).clamp(1, n)
+        } else {
+            n
+        };
+        let scores = self.scratch(if need_scores { batch * max_vis } else { 1 });
+        let mut i0 = 0;
+        while i0 < n {
+            let nb = batch.min(n - i0);
+            let tb = t0 + i0;
+            if need_scores {
+                let dims = LaunchDims {
+                    grid: [max_vis.div_ceil(128) as u32, nb as u32, 1],
+                    block: [128, 1, 1],
+                    shared_bytes: 0,
+                };
+                self.run(
+                    &ATTENTION,
+                    "index_scores_f32",
+                    dims,
+                    &[
+                        Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                        Arg::Ptr(ix.rows.ptr()),
+                        Arg::Ptr(scores.ptr),
+                        Arg::I64(tb as i64),
+                        Arg::I64(max_vis as i64),
+                        Arg::I32(nh as i32),
+                        Arg::I32(ihd as i32),
+                        Arg::I32(spec.ratio as i32),
+                        Arg::F32(ws),
+                    ],
+                );
+            }
+            self.run(
+                &ATTENTION,
+                "index_topk",
+                LaunchDims::linear(nb as u32, 1024),
+                &[
+                    Arg::Ptr(scores.ptr),
+                    Arg::Ptr(sel.0.ptr.offset((i0 * k * 4) as u64)),
+                    Arg::I64(tb as i64),
+                    Arg::I64(max_vis as i64),
+                    Arg::I32(spec.ratio as i32),
+                    Arg::I32(k as i32),
+                ],
+            );
+            i0 += nb;
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_attend(
         &self,
-        _st: &mut GpuLayerState,
-        _spec: &AttnSpec,
-        _q: &GpuBuf,
-        _kv: &GpuBuf,
-        _sinks: &GpuWeight,
-        _sel: Option<&GpuIBuf>,
-        _n: usize,
-        _t0: usize,
-        _out: &mut GpuBuf,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut GpuBuf,
     ) {
-        self.todo("attend")
+        if n == 0 || self.failed() {
+            return;
+        }
+        let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
+        let top_k = if sel.is_some() { spec.top_k } else { 0 };
+        if win + top_k > ATT_MAXLIST || hd > ATT_MAXHD {
+            return self.attn_invalid(format!(
+                "attend: window {win} + top_k {top_k} or head_dim {hd} too large"
+            ));
+        }
+        let comp = st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let dims = LaunchDims {
+            grid: [nh as u32, n as u32, 1],
+            block: [256, 1, 1],
+            shared_bytes: 0,
+        };
+        self.run(
+            &ATTENTION,
+            "attend_f32",
+            dims,
+            &[
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                if comp.0 == 0 {
+                    Arg::Null
+                } else {
+                    Arg::Ptr(comp)
+                },
+                sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
+                Arg::Ptr(sinks.ptr()),
+                Arg::Ptr(out.ptr),
+                Arg::I64(t0 as i64),
+                Arg::I32(nh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(win as i32),
+                Arg::I32(spec.ratio as i32),
+                Arg::I32(top_k as i32),
+                Arg::F32(scale),
+            ],
+        );
+        // Values are the rotated keys: undo the rotation at each query position.
+        self.rope_rows(out.ptr, n * nh, nh, hd, spec.n_rot, t0, 1, spec.rope, true);
+        // The ring after the chunk (after every token attended).
+        let keep = n.min(win);
+        self.run(
+            &ATTENTION,
+            "ring_store_f32",
+            LaunchDims::linear((keep * hd).div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                Arg::I64(t0 as i64),
+                Arg::I32(n as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(win as i32),
+            ],
+        );
     }
 }
