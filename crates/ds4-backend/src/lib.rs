@@ -257,10 +257,12 @@ pub trait Backend: Send + Sync + Sized {
     }
 
     // ---- memory ----
-    /// `len` zeros.
+    /// A buffer of `len` values with unspecified contents: every op writes the whole of its
+    /// output (the CPU backend happens to give zeros; a GPU backend gives recycled memory).
     fn alloc(&self, len: usize) -> Self::Buf;
     fn upload(&self, data: &[f32]) -> Self::Buf;
     fn upload_i32(&self, data: &[i32]) -> Self::IBuf;
+    /// Like [`Backend::alloc`], for i32 values.
     fn alloc_i32(&self, len: usize) -> Self::IBuf;
     /// The first `len` values.
     fn download(&self, b: &Self::Buf, len: usize) -> Vec<f32>;

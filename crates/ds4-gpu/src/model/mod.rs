@@ -184,6 +184,9 @@ pub struct GpuBackend {
     pub(crate) rope_freqs: [DeviceBuffer; 2],
     /// Bytes of weights uploaded so far.
     weight_bytes: Mutex<u64>,
+    /// `DS4_GPU_POISON=1`: new activation buffers are filled with NaN instead of left as they
+    /// are (tests use it to prove every op writes its whole output).
+    poison: bool,
 }
 
 fn f32_bytes(v: &[f32]) -> &[u8] {
@@ -211,6 +214,7 @@ impl GpuBackend {
             err,
             rope_freqs,
             weight_bytes: Mutex::new(0),
+            poison: std::env::var("DS4_GPU_POISON").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -481,7 +485,9 @@ impl Backend for GpuBackend {
 
     fn alloc(&self, len: usize) -> GpuBuf {
         let b = self.scratch(len);
-        self.zero(b.ptr, len);
+        if self.poison {
+            self.fill(b.ptr, 0x7fc0_0000, len); // NaN: catches an op that reads before writing
+        }
         b
     }
 
