@@ -37,7 +37,7 @@ impl GpuBackend {
         if work == 0 {
             return;
         }
-        if n_rot > width || n_rot % 2 != 0 {
+        if n_rot > width || !n_rot.is_multiple_of(2) {
             return self.attn_invalid(format!("rope: n_rot {n_rot} over width {width}"));
         }
         self.run(

@@ -1,0 +1,678 @@
+//! The attention-state ops (rope, round_rows, compress, index_select, attend) on the GPU against
+//! the CPU reference on random inputs, at tiny shapes and the real ones (64 heads, head 512,
+//! window 128, top-k 512). Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1: fail).
+//!
+//! Exact: row rounding (bits), compressor frontiers (bits), ring state, indexer selections.
+//! Near: RoPE (device sin/cos in f64, then cast), pooled rows and attention (exp, sum order).
+
+mod common;
+
+use common::{assert_close, backends, f32_bytes, file, randn, rng, src};
+use ds4_backend::{
+    AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HostLayerState, IndexSpec, LayerDims,
+    RopeKind, RowRounding, Which,
+};
+use ds4_cpu::CpuBackend;
+use ds4_gpu::GpuBackend;
+use ds4_model::HParams;
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+type CpuW = <CpuBackend as Backend>::Weight;
+type GpuW = <GpuBackend as Backend>::Weight;
+
+fn setup() -> Option<(CpuBackend, GpuBackend)> {
+    backends(&HParams::tiny())
+}
+
+fn gpu_ok(gpu: &GpuBackend, op: &str) {
+    if let Err(e) = gpu.check() {
+        panic!("{op}: GPU error: {e}");
+    }
+}
+
+fn vectors(cpu: &CpuBackend, gpu: &GpuBackend, v: &[f32]) -> (CpuW, GpuW) {
+    let f = file(&[("v", GgmlType::F32, vec![v.len() as u64], f32_bytes(v))]);
+    (
+        cpu.vector(&src(&f, "v")).unwrap(),
+        gpu.vector(&src(&f, "v")).unwrap(),
+    )
+}
+
+/// A `rows × cols` matrix of type F32 or F16 on both backends.
+fn matrices(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    ty: GgmlType,
+    vals: &[f32],
+    rows: usize,
+    cols: usize,
+) -> (CpuW, GpuW) {
+    let bytes = match ty {
+        GgmlType::F32 => f32_bytes(vals),
+        GgmlType::F16 => vals
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => unreachable!(),
+    };
+    let f = file(&[("m", ty, vec![cols as u64, rows as u64], bytes)]);
+    (
+        cpu.matrix(&src(&f, "m")).unwrap(),
+        gpu.matrix(&src(&f, "m")).unwrap(),
+    )
+}
+
+fn assert_bits(op: &str, gpu: &[f32], cpu: &[f32]) {
+    assert_eq!(gpu.len(), cpu.len(), "{op}: lengths");
+    let bad: Vec<usize> = (0..cpu.len())
+        .filter(|&i| gpu[i].to_bits() != cpu[i].to_bits())
+        .collect();
+    println!("{op}: {} of {} values differ in bits", bad.len(), cpu.len());
+    if let Some(&i) = bad.first() {
+        panic!(
+            "{op}: value {i}: GPU {} ({:#x}) vs CPU {} ({:#x})",
+            gpu[i],
+            gpu[i].to_bits(),
+            cpu[i],
+            cpu[i].to_bits()
+        );
+    }
+}
+
+/// Rounded values: a device exp an ulp away can move a value to the neighbouring grid point,
+/// so allow a few flips (≤ `frac` of the values, each within `tol`), the rest within 1e-5.
+fn assert_mostly_close(op: &str, gpu: &[f32], cpu: &[f32], frac: f64, tol: f32) {
+    assert_close(op, gpu, cpu, tol);
+    let far = gpu
+        .iter()
+        .zip(cpu)
+        .filter(|(g, c)| (*g - *c).abs() > 1e-5 * (1.0 + c.abs()))
+        .count();
+    assert!(
+        far as f64 <= frac * cpu.len() as f64 + 1.0,
+        "{op}: {far} of {} values off by more than 1e-5",
+        cpu.len()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn rope_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(1);
+    for &(n, heads, width) in &[(3usize, 4usize, 128usize), (2, 1, 64), (5, 64, 512)] {
+        for kind in [RopeKind::Swa, RopeKind::Comp] {
+            for inverse in [false, true] {
+                for t0 in [0usize, 7, 1_000_000] {
+                    let x = randn(&mut r, n * heads * width, 2.0);
+                    let mut c = x.clone();
+                    cpu.rope(&mut c, n, heads, width, 64, t0, kind, inverse);
+                    let mut g = gpu.upload(&x);
+                    gpu.rope(&mut g, n, heads, width, 64, t0, kind, inverse);
+                    let op = format!("rope {kind:?} inv {inverse} t0 {t0} {n}x{heads}x{width}");
+                    let gv = gpu.download(&g, x.len());
+                    gpu_ok(&gpu, &op);
+                    assert_close(&op, &gv, &c, 2e-6);
+                }
+            }
+        }
+    }
+}
+
+/// Rows built to hit rounding ties: integers on the FP8 grid scale, f16 half-steps.
+fn tie_rows(r: &mut impl Rng, rows: usize, width: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(rows * width);
+    for row in 0..rows {
+        let e = r.gen_range(-12i32..6);
+        for c in 0..width {
+            let x = match row % 4 {
+                // FP8: block amax 448·2^e (scale exactly 2^e), integers between.
+                0 if c % 64 == 0 => 448.0 * 2f32.powi(e),
+                0 => r.gen_range(-448i32..=448) as f32 * 2f32.powi(e),
+                // FP8 subnormal ties: multiples of 2^-10 of the scale.
+                1 if c % 64 == 0 => 448.0 * 2f32.powi(e),
+                1 => r.gen_range(-64i32..=64) as f32 * 2f32.powi(e - 10),
+                // f16 ties: multiples of 2^-12 near 1..4, and near the f16 subnormal range.
+                2 => r.gen_range(-16384i32..16384) as f32 * 2f32.powi(-12),
+                _ => r.gen_range(-4096i32..4096) as f32 * 2f32.powi(-26),
+            };
+            v.push(x);
+        }
+    }
+    v
+}
+
+#[test]
+fn round_rows_is_exact() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let mut r = rng(2);
+    let cases = [
+        (
+            512,
+            RowRounding {
+                fp8_nope: 448,
+                fp4_hadamard: false,
+                f16: true,
+            },
+        ),
+        (
+            512,
+            RowRounding {
+                fp8_nope: 448,
+                fp4_hadamard: false,
+                f16: false,
+            },
+        ),
+        (
+            512,
+            RowRounding {
+                fp8_nope: 0,
+                fp4_hadamard: false,
+                f16: true,
+            },
+        ),
+        (
+            128,
+            RowRounding {
+                fp8_nope: 0,
+                fp4_hadamard: true,
+                f16: true,
+            },
+        ),
+        (
+            128,
+            RowRounding {
+                fp8_nope: 0,
+                fp4_hadamard: true,
+                f16: false,
+            },
+        ),
+        (
+            512,
+            RowRounding {
+                fp8_nope: 448,
+                fp4_hadamard: true,
+                f16: true,
+            },
+        ),
+        (
+            64,
+            RowRounding {
+                fp8_nope: 0,
+                fp4_hadamard: true,
+                f16: true,
+            },
+        ),
+        (
+            128,
+            RowRounding {
+                fp8_nope: 64,
+                fp4_hadamard: false,
+                f16: true,
+            },
+        ),
+    ];
+    for (width, rr) in cases {
+        let rows = 1500;
+        let mut x = randn(&mut r, rows * width, 3.0);
+        // Scaled rows (tiny and large magnitudes) and tie rows.
+        for (i, v) in x.iter_mut().enumerate() {
+            match (i / width) % 5 {
+                0 => *v *= 1e-6,
+                1 => *v *= 3e3,
+                _ => {}
+            }
+        }
+        x.extend(tie_rows(&mut r, 800, width));
+        let rows = x.len() / width;
+        let mut c = x.clone();
+        cpu.round_rows(&mut c, rows, width, rr);
+        let mut g = gpu.upload(&x);
+        gpu.round_rows(&mut g, rows, width, rr);
+        let op = format!("round_rows {width} {rr:?}");
+        let gv = gpu.download(&g, x.len());
+        gpu_ok(&gpu, &op);
+        assert_bits(&op, &gv, &c);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct CompCase {
+    dims: CompDims,
+    which: Which,
+    ape_ty: GgmlType,
+    round: RowRounding,
+    chunks: &'static [usize],
+}
+
+fn run_compress(cpu: &CpuBackend, gpu: &GpuBackend, case: &CompCase, seed: u64) {
+    let mut r = rng(seed);
+    let c = case.dims;
+    let (w, d, ratio) = (c.width(), c.d, c.ratio);
+    let ld = LayerDims {
+        window: 8,
+        head_dim: d,
+        comp: if case.which == Which::Attn {
+            Some(c)
+        } else {
+            None
+        },
+        index: if case.which == Which::Index {
+            Some(c)
+        } else {
+            None
+        },
+    };
+    let ape_v = randn(&mut r, ratio * w, 1.0);
+    let (ape_c, ape_g) = matrices(cpu, gpu, case.ape_ty, &ape_v, ratio, w);
+    let norm_v: Vec<f32> = (0..d).map(|_| r.gen_range(0.5f32..1.5)).collect();
+    let (norm_c, norm_g) = vectors(cpu, gpu, &norm_v);
+    let spec = CompressSpec {
+        dims: c,
+        rope: RopeKind::Comp,
+        n_rot: 64,
+        round: case.round,
+        eps: 1e-6,
+    };
+    let mut cs = cpu.new_layer_state(&ld);
+    let mut gs = gpu.new_layer_state(&ld);
+    let mut t0 = 0;
+    let exact_rows = case.round == RowRounding::default();
+    for (k, &n) in case.chunks.iter().enumerate() {
+        let a = randn(&mut r, n * w, 2.0);
+        let g = randn(&mut r, n * w, 3.0);
+        cpu.compress(&mut cs, case.which, &spec, &ape_c, &norm_c, &a, &g, n, t0);
+        let (ag, gg) = (gpu.upload(&a), gpu.upload(&g));
+        gpu.compress(&mut gs, case.which, &spec, &ape_g, &norm_g, &ag, &gg, n, t0);
+        t0 += n;
+        let op = format!(
+            "compress r {ratio} coff {} d {d} {:?} chunk {k} (n {n}, now t {t0})",
+            c.coff, case.ape_ty
+        );
+        let hs = gpu.state_to_host(&gs);
+        gpu_ok(gpu, &op);
+        let pick = |h: &HostLayerState| match case.which {
+            Which::Attn => h.comp.clone().unwrap(),
+            Which::Index => h.index.clone().unwrap(),
+        };
+        let (hc, hg) = (pick(&cs), pick(&hs));
+        assert_bits(&format!("{op} front_kv"), &hg.front_kv, &hc.front_kv);
+        assert_bits(
+            &format!("{op} front_score"),
+            &hg.front_score,
+            &hc.front_score,
+        );
+        assert_eq!(hg.rows.len(), hc.rows.len(), "{op}: row count");
+        if exact_rows {
+            assert_close(&format!("{op} rows"), &hg.rows, &hc.rows, 1e-5);
+        } else {
+            assert_mostly_close(&format!("{op} rows"), &hg.rows, &hc.rows, 0.002, 0.3);
+        }
+    }
+}
+
+#[test]
+fn compress_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let none = RowRounding::default();
+    let kv_round = RowRounding {
+        fp8_nope: 448,
+        fp4_hadamard: false,
+        f16: true,
+    };
+    let ix_round = RowRounding {
+        fp8_nope: 0,
+        fp4_hadamard: true,
+        f16: true,
+    };
+    let small: &[usize] = &[1, 3, 4, 9, 130, 1, 1, 2, 5, 3, 1, 8, 17, 1];
+    let hca: &[usize] = &[1, 3, 8, 17, 130, 1, 1, 5, 7, 1, 64];
+    let cases = [
+        CompCase {
+            dims: CompDims {
+                ratio: 8,
+                coff: 1,
+                d: 128,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::F32,
+            round: none,
+            chunks: hca,
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 8,
+                coff: 1,
+                d: 128,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::F16,
+            round: none,
+            chunks: hca,
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 4,
+                coff: 2,
+                d: 128,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::F32,
+            round: none,
+            chunks: small,
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 4,
+                coff: 2,
+                d: 128,
+            },
+            which: Which::Index,
+            ape_ty: GgmlType::F16,
+            round: ix_round,
+            chunks: small,
+        },
+        // Real shapes: HCA (128, d 512), CSA (4, d 512), indexer (4, d 128).
+        CompCase {
+            dims: CompDims {
+                ratio: 128,
+                coff: 1,
+                d: 512,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::F16,
+            round: kv_round,
+            chunks: &[1, 3, 128, 257, 130, 1, 1, 40, 300],
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 4,
+                coff: 2,
+                d: 512,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::F16,
+            round: kv_round,
+            chunks: &[1, 3, 4, 9, 130, 1, 2, 1, 70],
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 4,
+                coff: 2,
+                d: 128,
+            },
+            which: Which::Index,
+            ape_ty: GgmlType::F16,
+            round: ix_round,
+            chunks: &[2, 3, 4, 9, 130, 1, 1, 1, 70],
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        run_compress(&cpu, &gpu, case, 100 + i as u64);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Index rows for a state: random, with runs of duplicated rows (tied scores) and zero rows.
+fn index_rows(r: &mut impl Rng, rows: usize, ihd: usize) -> Vec<f32> {
+    let mut v = randn(r, rows * ihd, 1.0);
+    for k in 1..rows {
+        match k % 7 {
+            1 | 2 => {
+                let (a, b) = v.split_at_mut(k * ihd);
+                b[..ihd].copy_from_slice(&a[(k - 1) * ihd..k * ihd]);
+            }
+            5 => v[k * ihd..(k + 1) * ihd].fill(0.0),
+            _ => {}
+        }
+    }
+    v
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_index(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    heads: usize,
+    top_k: usize,
+    fp4: bool,
+    n: usize,
+    t0: usize,
+    seed: u64,
+) {
+    let mut r = rng(seed);
+    let (ihd, ratio) = (128, 4);
+    let c = CompDims {
+        ratio,
+        coff: 2,
+        d: ihd,
+    };
+    let ld = LayerDims {
+        window: 8,
+        head_dim: 128,
+        comp: None,
+        index: Some(c),
+    };
+    let rows = (t0 + n) / ratio;
+    let mut h = HostLayerState::new(&ld);
+    h.index.as_mut().unwrap().rows = index_rows(&mut r, rows, ihd);
+    let cs = cpu.state_from_host(&ld, &h);
+    let gs = gpu.state_from_host(&ld, &h);
+    let spec = IndexSpec {
+        heads,
+        head_dim: ihd,
+        top_k,
+        ratio,
+        n_rot: 64,
+        rope: RopeKind::Comp,
+        fp4,
+    };
+    let q = randn(&mut r, n * heads * ihd, 1.0);
+    // Mixed-sign head weights, one token with all weights positive.
+    let mut w = randn(&mut r, n * heads, 1.0);
+    w[..heads].iter_mut().for_each(|v| *v = v.abs());
+    let mut sc = vec![0i32; n * top_k];
+    cpu.index_select(&cs, &spec, &q, &w, n, t0, &mut sc);
+    let (qg, wg) = (gpu.upload(&q), gpu.upload(&w));
+    let mut sg = gpu.alloc_i32(n * top_k);
+    gpu.index_select(&gs, &spec, &qg, &wg, n, t0, &mut sg);
+    let op = format!("index_select heads {heads} top_k {top_k} fp4 {fp4} n {n} t0 {t0}");
+    let got = gpu.download_i32(&sg, n * top_k);
+    gpu_ok(gpu, &op);
+    for i in 0..n {
+        assert_eq!(
+            &got[i * top_k..(i + 1) * top_k],
+            &sc[i * top_k..(i + 1) * top_k],
+            "{op}: token {i} (t {}, visible {})",
+            t0 + i,
+            (t0 + i + 1) / ratio
+        );
+    }
+    println!("{op}: selections equal");
+}
+
+#[test]
+fn index_select_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
+    run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
+    run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
+    run_index(&cpu, &gpu, 4, 8, false, 1, 35, 3);
+    run_index(&cpu, &gpu, 4, 8, true, 70, 0, 4);
+    run_index(&cpu, &gpu, 16, 8, true, 40, 300, 5);
+    run_index(&cpu, &gpu, 16, 8, false, 3, 5000, 6);
+    // Real: 64 heads, top_k 512.
+    run_index(&cpu, &gpu, 64, 512, true, 1, 2047, 7);
+    run_index(&cpu, &gpu, 64, 512, true, 9, 2040, 8);
+    run_index(&cpu, &gpu, 64, 512, true, 1, 40_000, 9);
+    run_index(&cpu, &gpu, 64, 512, true, 4, 20_000, 10);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct AttCase {
+    heads: usize,
+    hd: usize,
+    win: usize,
+    ratio: usize,
+    top_k: usize,
+    with_sel: bool,
+    n: usize,
+    t0: usize,
+    holes: bool,
+}
+
+fn run_attend(cpu: &CpuBackend, gpu: &GpuBackend, a: &AttCase, seed: u64) {
+    let mut r = rng(seed);
+    let (nh, hd, win) = (a.heads, a.hd, a.win);
+    let comp = (a.ratio > 0).then_some(CompDims {
+        ratio: a.ratio,
+        coff: 1,
+        d: hd,
+    });
+    let ld = LayerDims {
+        window: win,
+        head_dim: hd,
+        comp,
+        index: None,
+    };
+    let mut h = HostLayerState::new(&ld);
+    // Ring before t0: the last W positions, some slots empty or stale (MTP-style holes).
+    h.raw = randn(&mut r, win * hd, 1.0);
+    for s in 0..win {
+        let p = (0..a.t0).rev().find(|p| p % win == s);
+        h.raw_pos[s] = match p {
+            Some(p) if a.holes && r.gen_bool(0.25) => {
+                if r.gen_bool(0.5) || p < win {
+                    -1
+                } else {
+                    (p - win) as i64
+                }
+            }
+            Some(p) => p as i64,
+            None => -1,
+        };
+    }
+    let n_rows = (a.t0 + a.n).checked_div(a.ratio).unwrap_or(0);
+    if let Some(c) = h.comp.as_mut() {
+        c.rows = randn(&mut r, n_rows * hd, 1.0);
+    }
+    let mut cs = cpu.state_from_host(&ld, &h);
+    let mut gs = gpu.state_from_host(&ld, &h);
+    let spec = AttnSpec {
+        n_head: nh,
+        head_dim: hd,
+        n_rot: 64,
+        window: win,
+        ratio: a.ratio,
+        top_k: if a.with_sel { a.top_k } else { 0 },
+        rope: RopeKind::Comp,
+    };
+    let q = randn(&mut r, a.n * nh * hd, 0.3);
+    let kv = randn(&mut r, a.n * hd, 1.0);
+    let sinks_v = randn(&mut r, nh, 2.0);
+    let (sk_c, sk_g) = vectors(cpu, gpu, &sinks_v);
+    let sel: Option<Vec<i32>> = a.with_sel.then(|| {
+        let mut s = vec![-1i32; a.n * a.top_k];
+        for i in 0..a.n {
+            let vis = (a.t0 + i + 1) / a.ratio;
+            let mut rows: Vec<i32> = (0..vis as i32).collect();
+            rows.shuffle(&mut r);
+            rows.truncate(a.top_k);
+            if i % 2 == 0 {
+                rows.sort_unstable();
+            }
+            for (k, v) in rows.into_iter().enumerate() {
+                // Leave some holes (−1) inside the row as well.
+                s[i * a.top_k + k] = if k % 5 == 3 { -1 } else { v };
+            }
+        }
+        s
+    });
+    let mut oc = vec![0f32; a.n * nh * hd];
+    cpu.attend(
+        &mut cs,
+        &spec,
+        &q,
+        &kv,
+        &sk_c,
+        sel.as_ref(),
+        a.n,
+        a.t0,
+        &mut oc,
+    );
+    let (qg, kvg) = (gpu.upload(&q), gpu.upload(&kv));
+    let selg = sel.as_ref().map(|s| gpu.upload_i32(s));
+    let mut og = gpu.alloc(a.n * nh * hd);
+    gpu.attend(
+        &mut gs,
+        &spec,
+        &qg,
+        &kvg,
+        &sk_g,
+        selg.as_ref(),
+        a.n,
+        a.t0,
+        &mut og,
+    );
+    let op = format!(
+        "attend heads {nh} hd {hd} W {win} ratio {} sel {} n {} t0 {} holes {}",
+        a.ratio, a.with_sel, a.n, a.t0, a.holes
+    );
+    let got = gpu.download(&og, a.n * nh * hd);
+    let hs = gpu.state_to_host(&gs);
+    gpu_ok(gpu, &op);
+    assert_close(&op, &got, &oc, 2e-5);
+    assert_bits(&format!("{op} ring"), &hs.raw, &cs.raw);
+    assert_eq!(hs.raw_pos, cs.raw_pos, "{op}: raw_pos");
+}
+
+#[test]
+fn attend_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let tiny = |ratio, with_sel, n, t0, holes| AttCase {
+        heads: 4,
+        hd: 64,
+        win: 16,
+        ratio,
+        top_k: 8,
+        with_sel,
+        n,
+        t0,
+        holes,
+    };
+    let real = |ratio, with_sel, n, t0, holes| AttCase {
+        heads: 64,
+        hd: 512,
+        win: 128,
+        ratio,
+        top_k: 512,
+        with_sel,
+        n,
+        t0,
+        holes,
+    };
+    let cases = [
+        tiny(0, false, 1, 0, false),
+        tiny(0, false, 1, 37, true),
+        tiny(4, false, 1, 37, true),
+        tiny(4, true, 1, 100, true),
+        tiny(4, true, 70, 100, true),
+        tiny(4, false, 70, 3, false),
+        tiny(8, false, 40, 50, true),
+        tiny(0, false, 70, 20, true),
+        real(4, true, 1, 5000, false),
+        real(4, true, 1, 5000, true),
+        real(128, false, 1, 70_000, false),
+        real(0, false, 1, 300, true),
+        real(4, true, 70, 3000, true),
+        real(128, false, 200, 1000, false),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        run_attend(&cpu, &gpu, c, 300 + i as u64);
+    }
+}
