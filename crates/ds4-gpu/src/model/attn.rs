@@ -254,9 +254,9 @@ impl GpuBackend {
         }
         let ws = 1.0 / ((ihd * nh) as f32).sqrt();
         let batch = if need_scores {
-            (INDEX_SCORE_BUDGET / max_vis).clamp(1, n)
+            (INDEX_SCORE_BUDGET / max_vis).clamp(1, n.min(65535))
         } else {
-            n
+            n.min(65535)
         };
         let scores = self.scratch(if need_scores { batch * max_vis } else { 1 });
         let mut i0 = 0;
@@ -322,9 +322,9 @@ impl GpuBackend {
         }
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        if win + top_k > ATT_MAXLIST || hd > ATT_MAXHD {
+        if win + top_k > ATT_MAXLIST || hd > ATT_MAXHD || n > 65535 {
             return self.attn_invalid(format!(
-                "attend: window {win} + top_k {top_k} or head_dim {hd} too large"
+                "attend: window {win} + top_k {top_k}, head_dim {hd} or chunk {n} too large"
             ));
         }
         let comp = st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr());
