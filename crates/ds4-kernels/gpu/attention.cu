@@ -272,18 +272,22 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_f32(DS4_COMP_PARAMS, float* __
 // Lightning indexer
 
 // scores[i][r] = Σ_h (w[i,h]·ws)·max(0, q_ih·row_r) for r < visible(i) (exactly the CPU's order:
-// dot with eight partial sums). grid (ceil(max_vis / blockDim), tokens); q already rotated/rounded.
+// dot with eight partial sums). grid (ceil(max_vis / blockDim), tokens), dynamic shared heads·ihd
+// floats; q already rotated/rounded.
 DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, const float* __restrict__ w,
                                                  const float* __restrict__ rows, float* __restrict__ scores,
                                                  long long tb, long long max_vis, int heads, int ihd, int ratio,
                                                  float ws) {
+    extern __shared__ float qi[]; // token i's query, heads × ihd
     long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
     long long t = tb + i;
     long long vis = (t + 1) / ratio;
+    if ((long long)blockIdx.x * blockDim.x >= vis) return; // whole CTA past the visible rows
+    for (int e = threadIdx.x; e < heads * ihd; e += blockDim.x) qi[e] = q[(size_t)i * heads * ihd + e];
+    __syncthreads();
     if (r >= vis) return;
     const float* key = rows + r * ihd;
-    const float* qi = q + (size_t)i * heads * ihd;
     float total = -0.0f;
     int n8 = ihd / 8 * 8;
     for (int h = 0; h < heads; h++) {

@@ -236,6 +236,9 @@ impl GpuBackend {
         };
         let (nh, ihd, k) = (spec.heads, spec.head_dim, spec.top_k);
         let max_vis = (t0 + n) / spec.ratio;
+        if nh * ihd * 4 > 48 * 1024 {
+            return self.attn_invalid(format!("index_select: query {nh}×{ihd} over 48 KiB"));
+        }
         // Only tokens that see more than top_k rows score; the query is rotated and rounded
         // in a copy.
         let need_scores = max_vis > k;
@@ -267,7 +270,7 @@ impl GpuBackend {
                 let dims = LaunchDims {
                     grid: [max_vis.div_ceil(128) as u32, nb as u32, 1],
                     block: [128, 1, 1],
-                    shared_bytes: 0,
+                    shared_bytes: (nh * ihd * 4) as u32,
                 };
                 self.run(
                     &ATTENTION,
