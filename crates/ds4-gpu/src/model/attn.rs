@@ -331,6 +331,9 @@ impl GpuBackend {
             ));
         }
         let comp = st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr());
+        if comp.0 == 0 && (sel.is_some() || spec.ratio > 0) {
+            return self.attn_invalid("attend: compressed rows wanted, layer has none".into());
+        }
         let scale = 1.0 / (hd as f32).sqrt();
         let dims = LaunchDims {
             grid: [nh as u32, n as u32, 1],
