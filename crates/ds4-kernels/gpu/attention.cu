@@ -405,6 +405,19 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, in
 #define DS4_ATT_THREADS 256
 #define DS4_ATT_MAXLIST 2048
 #define DS4_ATT_MAXHD 1024
+#define DS4_ATT_RPW 4 // rows per warp in one tile
+
+// Row j of a token's attention list: listed raw position (−(p+1)) or compressed row, then the
+// contiguous compressed rows after the list.
+__device__ __forceinline__ const float* ds4_att_row(long long j, const int* list, int n_list, const float* kv,
+                                                    const float* raw, const float* comp, long long t0, int hd,
+                                                    int win) {
+    if (j >= n_list) return comp + (j - n_list) * hd;
+    int c = list[j];
+    if (c >= 0) return comp + (size_t)c * hd;
+    long long p = -(long long)c - 1;
+    return p >= t0 ? kv + (p - t0) * hd : raw + (p % win) * hd;
+}
 
 // out[i, h] = Σ softmax(q·row/√hd with the sink) · row over token t = t0+i's rows: raw positions
 // max(0,t−W+1)..=t present in the ring (or this chunk), then the selected compressed rows (sel) or
@@ -417,7 +430,7 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_f32(const float* __restrict__ q, const fl
     __shared__ int list[DS4_ATT_MAXLIST]; // >= 0: compressed row; < 0: raw position −(p+1)
     __shared__ int flag[DS4_ATT_MAXLIST];
     __shared__ float q_s[DS4_ATT_MAXHD];
-    __shared__ float tile_s[DS4_ATT_THREADS / 32];
+    __shared__ float tile_s[DS4_ATT_THREADS / 32 * DS4_ATT_RPW];
     __shared__ int n_list_s;
     int h = blockIdx.x, i = blockIdx.y;
     long long t = t0 + i;
@@ -447,29 +460,22 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_f32(const float* __restrict__ q, const fl
     int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP, nw = blockDim.x / DS4_WARP;
     float m = sinks[h], z = 1.0f;
     float acc[DS4_ATT_MAXHD / DS4_ATT_THREADS] = {0, 0, 0, 0};
-    for (long long j0 = 0; j0 < n_all; j0 += nw) {
-        // One warp per row: its score.
-        long long j = j0 + warp;
-        if (j < n_all) {
-            const float* row;
-            if (j < n_list) {
-                int c = list[j];
-                if (c < 0) {
-                    long long p = -(long long)c - 1;
-                    row = p >= t0 ? kv + (p - t0) * hd : raw + (p % win) * hd;
-                } else {
-                    row = comp + (size_t)c * hd;
-                }
-            } else {
-                row = comp + (j - n_list) * hd;
+    int tile = nw * DS4_ATT_RPW;
+    for (long long j0 = 0; j0 < n_all; j0 += tile) {
+        // Scores of the tile's rows, DS4_ATT_RPW rows per warp.
+        for (int rr = 0; rr < DS4_ATT_RPW; rr++) {
+            int k = warp + rr * nw;
+            long long j = j0 + k;
+            if (j < n_all) {
+                const float* row = ds4_att_row(j, list, n_list, kv, raw, comp, t0, hd, win);
+                float s = 0.0f;
+                for (int e = lane; e < hd; e += DS4_WARP) s += q_s[e] * row[e];
+                s = ds4_warp_sum(s);
+                if (lane == 0) tile_s[k] = s * scale;
             }
-            float s = 0.0f;
-            for (int e = lane; e < hd; e += DS4_WARP) s += q_s[e] * row[e];
-            s = ds4_warp_sum(s);
-            if (lane == 0) tile_s[warp] = s * scale;
         }
         __syncthreads();
-        int nt = (int)(n_all - j0 < nw ? n_all - j0 : nw);
+        int nt = (int)(n_all - j0 < tile ? n_all - j0 : tile);
         float mn = m;
         for (int k = 0; k < nt; k++) mn = fmaxf(mn, tile_s[k]);
         float cf = expf(m - mn);
@@ -477,19 +483,7 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_f32(const float* __restrict__ q, const fl
 #pragma unroll
         for (int u = 0; u < DS4_ATT_MAXHD / DS4_ATT_THREADS; u++) acc[u] *= cf;
         for (int k = 0; k < nt; k++) {
-            long long jj = j0 + k;
-            const float* row;
-            if (jj < n_list) {
-                int c = list[jj];
-                if (c < 0) {
-                    long long p = -(long long)c - 1;
-                    row = p >= t0 ? kv + (p - t0) * hd : raw + (p % win) * hd;
-                } else {
-                    row = comp + (size_t)c * hd;
-                }
-            } else {
-                row = comp + (jj - n_list) * hd;
-            }
+            const float* row = ds4_att_row(j0 + k, list, n_list, kv, raw, comp, t0, hd, win);
             float e_ = expf(tile_s[k] - mn);
             z += e_;
 #pragma unroll
