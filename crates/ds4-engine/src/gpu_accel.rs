@@ -1,5 +1,6 @@
-//! First GPU step: the weight products (≈ all of the bytes and FLOPs of a token) run on a CUDA
-//! or ROCm device through `ds4-gpu`'s matvec kernels; everything else stays on the CPU
+//! The hybrid GPU path, only with `DS4_GPU_HYBRID=1` (the default is the resident
+//! `ds4_gpu::GpuBackend`): the weight products (≈ all of the bytes and FLOPs of a token) run
+//! on a CUDA or ROCm device through `ds4-gpu`'s matvec kernels; everything else stays on the CPU
 //! reference. Each weight block is uploaded on first use and kept. Activations cross the bus
 //! per product, so this is a correctness bridge, not the fast path (that keeps everything
 //! resident and replays a captured graph).
@@ -22,10 +23,6 @@ impl GpuAccel {
             gpu,
             weights: Mutex::new(HashMap::new()),
         }
-    }
-
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
     }
 }
 

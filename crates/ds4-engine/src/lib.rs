@@ -9,12 +9,14 @@ use ds4_cpu::CpuBackend;
 pub use ds4_cpu::Rounding;
 use ds4_gguf::GgufFile;
 use ds4_model::forward::{rope_tables, AnyLayerState, AnyState, Forward, Model};
+use ds4_model::synthetic::SynthSource;
 use ds4_model::{bind_main, HParams};
 use ds4_tokenizer::Tokenizer;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use ds4_model::synthetic::SynthPreset;
 pub use sampler::{argmax, log_sum_exp, top_logprobs, Sampler, SamplerConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -144,10 +146,33 @@ pub fn device_report() -> Vec<String> {
             e.to_string().lines().next().unwrap_or("")
         )),
     }
+    out.push(full_size_line());
     if let Some(d) = ds4_gpu::cache::cache_dir() {
         out.push(format!("kernel cache: {}", d.display()));
     }
     out
+}
+
+/// Memory a full-size model needs: weights of the two published mixes and one session's
+/// state at 32k and 1M tokens (`ds4 devices`).
+fn full_size_line() -> String {
+    use ds4_model::tensors::{main_tensors, tensor_bytes, Mix};
+    let hp = HParams::flash();
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let weights = |mix: Mix| -> u64 {
+        main_tensors(&hp)
+            .iter()
+            .map(|t| tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0))
+            .sum()
+    };
+    format!(
+        "full-size model: weights {:.1} GiB (q2) / {:.1} GiB (q4); session state {:.2} GiB at 32k \
+         context, {:.2} GiB at 1M",
+        gib(weights(Mix::Q2)),
+        gib(weights(Mix::Q4)),
+        gib(hp.session_bytes(32 << 10, 4)),
+        gib(hp.session_bytes(1 << 20, 4))
+    )
 }
 
 pub struct Engine {
@@ -158,36 +183,78 @@ pub struct Engine {
     path: PathBuf,
     /// Human-readable backend line (`cpu`, or the GPU and what runs on it).
     backend: String,
+    /// Device bytes of the weights on a GPU backend.
+    weight_bytes: Option<u64>,
+}
+
+/// The device a GPU choice resolved to.
+struct GpuPick {
+    /// `cuda` or `rocm`.
+    name: &'static str,
+    gpu: ds4_gpu::Gpu,
+}
+
+/// Resolve `--backend`: `Ok(None)` runs on the CPU (`cpu`, or `auto` with no usable GPU —
+/// silently); a GPU that was asked for and cannot be opened is an error.
+fn pick_gpu(choice: BackendChoice, device: usize) -> Result<Option<GpuPick>, EngineError> {
+    let open = |name: &'static str, which| {
+        ds4_gpu::Gpu::open(which, device).map(|gpu| GpuPick { name, gpu })
+    };
+    match choice {
+        BackendChoice::Cpu => Ok(None),
+        BackendChoice::Metal => Err(EngineError::Backend(
+            "metal".into(),
+            "not available in this build yet (use --backend cpu)".into(),
+        )),
+        BackendChoice::Auto => Ok(open("cuda", ds4_gpu::Backend::Cuda)
+            .or_else(|_| open("rocm", ds4_gpu::Backend::Rocm))
+            .ok()),
+        BackendChoice::Cuda | BackendChoice::Rocm => {
+            let (name, which) = match choice {
+                BackendChoice::Cuda => ("cuda", ds4_gpu::Backend::Cuda),
+                _ => ("rocm", ds4_gpu::Backend::Rocm),
+            };
+            open(name, which).map(Some).map_err(|e| {
+                EngineError::Backend(
+                    name.into(),
+                    format!("{e}\nno usable GPU: use --backend cpu"),
+                )
+            })
+        }
+    }
+}
+
+/// Whether `DS4_GPU_HYBRID=1` asks for the hybrid path (weight products on the GPU, the rest
+/// on the CPU reference; gpu_accel.rs) instead of the resident GPU backend.
+fn hybrid_requested() -> bool {
+    std::env::var("DS4_GPU_HYBRID").is_ok_and(|v| v == "1")
+}
+
+/// `cuda (NVIDIA H200 sm_90a)`.
+fn gpu_line(name: &str, gpu: &ds4_gpu::Gpu) -> String {
+    let i = gpu.info();
+    format!("{name} ({} {})", i.name, i.arch)
+}
+
+/// The resident GPU backend on `pick`, for a model with `hp`, and its backend line.
+fn gpu_backend(pick: GpuPick, hp: &HParams) -> Result<(ds4_gpu::GpuBackend, String), EngineError> {
+    let line = gpu_line(pick.name, &pick.gpu);
+    let b = ds4_gpu::GpuBackend::new(pick.gpu, &rope_tables(hp))
+        .map_err(|e| EngineError::Backend(pick.name.into(), e.to_string()))?;
+    Ok((b, line))
 }
 
 impl Engine {
     pub fn open(opts: &EngineOptions) -> Result<Engine, EngineError> {
-        // GPU backends: the weight products run on the device (gpu_accel.rs), the rest on
-        // the CPU reference, until the resident GPU forward pass lands.
-        let accel = match opts.backend {
-            BackendChoice::Auto | BackendChoice::Cpu => None,
-            BackendChoice::Metal => {
-                return Err(EngineError::Backend(
-                    "metal".into(),
-                    "not available in this build yet (use --backend cpu)".into(),
-                ))
-            }
-            gpu => {
-                let (name, which) = match gpu {
-                    BackendChoice::Cuda => ("cuda", ds4_gpu::Backend::Cuda),
-                    _ => ("rocm", ds4_gpu::Backend::Rocm),
-                };
-                match ds4_gpu::Gpu::open(which, opts.device) {
-                    Ok(g) => Some((name, Arc::new(gpu_accel::GpuAccel::new(g)))),
-                    Err(e) => {
-                        return Err(EngineError::Backend(
-                            name.into(),
-                            format!("{e}\nno usable GPU: use --backend cpu"),
-                        ))
-                    }
-                }
-            }
-        };
+        Engine::open_with_progress(opts, &mut |_, _| {})
+    }
+
+    /// [`Engine::open`], calling `progress(bytes_done, bytes_total)` while weights load.
+    pub fn open_with_progress(
+        opts: &EngineOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Engine, EngineError> {
+        let pick = pick_gpu(opts.backend, opts.device)?;
         if let Some(t) = opts.threads {
             // Only the first engine of a process sets the pool size; later calls keep it.
             let _ = rayon::ThreadPoolBuilder::new()
@@ -209,28 +276,89 @@ impl Engine {
             let mdir = ds4_model::bind_mtp(&mf, &hp)?;
             files.push((mf, mdir));
         }
-        let mut cpu = CpuBackend::new(rope_tables(&hp));
-        let backend = match accel {
-            Some((name, a)) => {
-                let i = a.gpu().info();
-                let line = format!(
-                    "{name} ({} {}; weight products on the GPU, the rest on the CPU)",
-                    i.name, i.arch
-                );
-                cpu = cpu.with_accel(a);
-                line
+        let (model, backend, weight_bytes): (Arc<dyn Forward>, String, Option<u64>) = match pick {
+            Some(pick) if !hybrid_requested() => {
+                let name = pick.name;
+                let (b, line) = gpu_backend(pick, &hp)?;
+                let m = Model::load(b, hp, &files, opts.rounding, progress)
+                    .map_err(|e| EngineError::Backend(name.into(), e))?;
+                let wb = m.backend.weight_bytes();
+                (Arc::new(m), line, Some(wb))
             }
-            None => "cpu".to_string(),
+            pick => {
+                let mut cpu = CpuBackend::new(rope_tables(&hp));
+                let line = match pick {
+                    Some(p) => {
+                        let line = format!(
+                            "{}; weight products on the GPU, the rest on the CPU",
+                            gpu_line(p.name, &p.gpu)
+                        );
+                        cpu = cpu.with_accel(Arc::new(gpu_accel::GpuAccel::new(p.gpu)));
+                        line
+                    }
+                    None => "cpu".to_string(),
+                };
+                let m = Model::load(cpu, hp, &files, opts.rounding, progress)
+                    .map_err(|e| EngineError::Backend("cpu".into(), e))?;
+                (Arc::new(m), line, None)
+            }
         };
-        let model = Model::load(cpu, hp, &files, opts.rounding, &mut |_, _| {})
-            .map_err(|e| EngineError::Backend("cpu".into(), e))?;
         Ok(Engine {
-            model: Arc::new(model),
+            model,
             tokenizer: Arc::new(tokenizer),
             model_id,
             path: opts.model.clone(),
             backend,
+            weight_bytes,
         })
+    }
+
+    /// A file-less model of `preset` shape with random weights generated on the GPU from
+    /// `seed` (benchmarks). The full presets use the real DeepSeek V4 tokenizer. The CPU
+    /// backend cannot generate weights: that is an error (write a file with `ds4 synth`).
+    pub fn open_synthetic(
+        preset: SynthPreset,
+        opts: &EngineOptions,
+        seed: u64,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Engine, EngineError> {
+        let (hp, mix) = preset.params();
+        let Some(pick) = pick_gpu(opts.backend, opts.device)? else {
+            return Err(EngineError::Backend(
+                "cpu".into(),
+                "synthetic models are generated on a GPU (--backend cuda or rocm); for the CPU \
+                 write one with `ds4 synth` and pass it with -m"
+                    .into(),
+            ));
+        };
+        let vocab = if hp.n_vocab as usize == ds4_tokenizer::builtin::DEEPSEEK_V4_VOCAB_SIZE {
+            ds4_tokenizer::builtin::deepseek_v4()
+        } else {
+            ds4_tokenizer::builtin::tiny(hp.n_vocab as usize)
+        };
+        let label = format!("<synthetic {} seed {seed}>", preset.name());
+        let tokenizer = Tokenizer::from_vocab(vocab.tokens, vocab.merges)
+            .map_err(|e| EngineError::Tokenizer(label.clone(), e))?;
+        let model_id: [u8; 32] = Sha256::digest(label.as_bytes()).into();
+        let name = pick.name;
+        let (b, line) = gpu_backend(pick, &hp)?;
+        let mut src = SynthSource::new(&hp, mix, seed, progress);
+        let m = Model::load_from(b, hp, &mut src, opts.rounding)
+            .map_err(|e| EngineError::Backend(name.into(), e))?;
+        let wb = m.backend.weight_bytes();
+        Ok(Engine {
+            model: Arc::new(m),
+            tokenizer: Arc::new(tokenizer),
+            model_id,
+            path: PathBuf::from(label),
+            backend: line,
+            weight_bytes: Some(wb),
+        })
+    }
+
+    /// Device bytes held by the model's weights (GPU backends), None on the CPU.
+    pub fn gpu_weight_bytes(&self) -> Option<u64> {
+        self.weight_bytes
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -552,5 +680,38 @@ impl Session {
         self.state = self.model.state_from_host(&state);
         self.logits = logits;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_backends_without_a_gpu_fail_with_a_clear_message() {
+        for (choice, name) in [(BackendChoice::Cuda, "cuda"), (BackendChoice::Rocm, "rocm")] {
+            let mut o = EngineOptions::new("/nonexistent/model.gguf");
+            o.backend = choice;
+            match Engine::open(&o) {
+                Err(EngineError::Backend(n, msg)) => {
+                    assert_eq!(n, name);
+                    assert!(msg.ends_with("no usable GPU: use --backend cpu"), "{msg}");
+                }
+                // A device is present: the missing file is reported instead.
+                Err(EngineError::Gguf(_)) => println!("skipped: a {name} device is present"),
+                Err(e) => panic!("{name}: {e}"),
+                Ok(_) => panic!("{name}: opened a missing file"),
+            }
+        }
+    }
+
+    #[test]
+    fn synthetic_models_need_a_gpu() {
+        let mut o = EngineOptions::new("");
+        o.backend = BackendChoice::Cpu;
+        let e = Engine::open_synthetic(SynthPreset::Tiny, &o, 1, &mut |_, _| {})
+            .err()
+            .expect("the CPU cannot generate weights");
+        assert!(e.to_string().contains("generated on a GPU"), "{e}");
     }
 }

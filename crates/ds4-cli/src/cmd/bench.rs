@@ -11,7 +11,11 @@ use std::time::Instant;
     length, then --gen-tokens tokens are generated greedily (EOS ignored) from a snapshot, which is \
     restored afterwards. CSV on stdout (or --csv FILE):\n  \
     ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n\n\
-    Example:\n  ds4 bench -m models/tiny.gguf --ctx-start 256 --ctx-max 4096 --step-mul 2 --gen-tokens 32"
+    A header on stderr (lines starting with #) gives the backend, the device memory held by the \
+    weights and the session state at 32k and 1M tokens of context.\n\n\
+    Examples:\n  ds4 bench -m models/tiny.gguf --ctx-start 256 --ctx-max 4096 --step-mul 2 --gen-tokens 32\n  \
+    ds4 bench --backend cuda --synthetic full-q2 --ctx-start 2048 --ctx-max 32768   (no file: random \
+    weights of the real shapes generated on the GPU)"
 )]
 pub struct Args {
     #[command(flatten)]
@@ -49,6 +53,20 @@ pub fn run(mut a: Args) -> Result<()> {
     }
     a.model.ctx = a.model.ctx.max(a.ctx_max + a.gen_tokens);
     let engine = a.model.open()?;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    eprintln!(
+        "# model: {}  backend: {}",
+        engine.path().display(),
+        engine.backend_name()
+    );
+    if let Some(w) = engine.gpu_weight_bytes() {
+        eprintln!("# weights on the device: {:.2} GiB", gib(w));
+    }
+    eprintln!(
+        "# session state: {:.2} GiB at 32k context, {:.2} GiB at 1M (f32 rows)",
+        gib(engine.memory_estimate(32 << 10)),
+        gib(engine.memory_estimate(1 << 20))
+    );
     let tok = engine.tokenizer().clone();
     let text = match &a.prompt_file {
         Some(p) => {

@@ -1,22 +1,29 @@
 //! Options shared by the commands that run the model.
 
 use crate::progress;
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use ds4_chat::{Piece, ThinkMode};
-use ds4_engine::{BackendChoice, Engine, EngineOptions, SamplerConfig};
+use ds4_engine::{BackendChoice, Engine, EngineOptions, SamplerConfig, SynthPreset};
 use ds4_tokenizer::Tokenizer;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Clone)]
 pub struct ModelArgs {
     /// Model GGUF (e.g. one written by `ds4 synth`).
-    #[arg(short, long)]
-    pub model: PathBuf,
+    #[arg(short, long, required_unless_present = "synthetic")]
+    pub model: Option<PathBuf>,
+    /// Instead of -m: a file-less model with random weights generated on the GPU, of the real
+    /// shapes (`full-q2` ≈ 81 GB, `full-q4` ≈ 153 GB) or the 6-layer `tiny` (benchmarks).
+    #[arg(long, value_parser = ["full-q2", "full-q4", "tiny"], conflicts_with_all = ["model", "mtp"])]
+    pub synthetic: Option<String>,
+    /// Seed of the --synthetic weights.
+    #[arg(long, default_value_t = 1)]
+    pub synthetic_seed: u64,
     /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): greedy generation then
     /// drafts one token per step with it and verifies it in the same batch (same output).
     #[arg(long)]
     pub mtp: Option<PathBuf>,
-    /// Compute backend: auto picks the best available (today: cpu).
+    /// Compute backend: auto picks a CUDA or ROCm GPU when one is usable, else the CPU.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda", "rocm", "metal"])]
     pub backend: String,
     /// CPU worker threads (default: all cores).
@@ -37,7 +44,7 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn open(&self) -> Result<Engine> {
-        let mut o = EngineOptions::new(&self.model);
+        let mut o = EngineOptions::new(self.model.clone().unwrap_or_default());
         o.backend = BackendChoice::parse(&self.backend)
             .ok_or_else(|| anyhow!("unknown backend {}", self.backend))?;
         o.threads = self.threads;
@@ -46,10 +53,33 @@ impl ModelArgs {
             o.rounding = ds4_engine::Rounding::NONE;
         }
         o.mtp = self.mtp.clone();
-        let spinner = progress::spinner(&format!("loading {}", self.model.display()));
-        let e = Engine::open(&o).context("loading the model");
+        // A byte bar with the rate (GB/s) on a terminal; nothing when stderr is piped.
+        let (what, msg) = match (&self.synthetic, &self.model) {
+            (Some(p), _) => (p.clone(), "generating weights"),
+            (None, Some(m)) => (m.display().to_string(), "loading weights"),
+            (None, None) => bail!("no model: pass -m FILE or --synthetic PRESET"),
+        };
+        // A spinner while the file is opened and bound, then the byte bar.
+        let spinner = progress::spinner(&format!("opening {what}"));
+        let bar = progress::bytes(msg, 0);
+        let mut cb = |done: usize, total: usize| {
+            if !spinner.is_finished() {
+                spinner.finish_and_clear();
+            }
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        };
+        let e = match &self.synthetic {
+            Some(p) => {
+                let preset =
+                    SynthPreset::parse(p).ok_or_else(|| anyhow!("unknown synthetic model {p}"))?;
+                Engine::open_synthetic(preset, &o, self.synthetic_seed, &mut cb)
+            }
+            None => Engine::open_with_progress(&o, &mut cb),
+        };
         spinner.finish_and_clear();
-        e
+        bar.finish_and_clear();
+        e.with_context(|| format!("loading the model {what}"))
     }
 }
 

@@ -16,7 +16,7 @@
 mod attn;
 mod matmul;
 mod mix;
-mod synth;
+pub mod synth;
 
 use crate::error::Result;
 use crate::gpu::{DeviceBuffer, Gpu};
