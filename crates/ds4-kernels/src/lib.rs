@@ -19,6 +19,7 @@ pub struct Module {
 pub const HEADERS: &[(&str, &str)] = &[
     ("prelude.cuh", include_str!("../gpu/prelude.cuh")),
     ("iq2xxs_grid.cuh", include_str!("../gpu/iq2xxs_grid.cuh")),
+    ("dequant.cuh", include_str!("../gpu/dequant.cuh")),
 ];
 
 /// Weight types with `dequant_<t>` and `matvec_<t>` kernels in [`QUANT`], by kernel suffix.

@@ -1,14 +1,167 @@
 //! Weight products on the GPU: dense matmul over `n` rows, grouped output projection, and the
-//! routed experts. Baseline: one matvec launch per row (`Gpu::matvec`); the MoE reads the
-//! selection back to the host (one sync per MoE layer).
+//! routed experts, all through the `mm<NT>_<type>` kernels of `gpu/matmul.cu` (one launch per
+//! product; each weight chunk is read once per group of NT token rows). The MoE reads the
+//! expert ids on the device: no host sync.
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
-use crate::runtime::DevPtr;
-use ds4_backend::{Backend, MoeSpec, Part};
+use crate::runtime::{Arg, DevPtr, LaunchDims};
+use crate::GpuError;
+use ds4_backend::{GgmlType, MoeSpec, Part};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Whether products may use the shared-memory tile kernels (`mmt*`, `gateupt_*`) when the
+/// weight is 16-byte aligned; process-wide, for tests and benchmarks comparing the two forms.
+static TILES: AtomicBool = AtomicBool::new(true);
+
+/// Warps per CTA of the `mm*`/`gateup_*` kernels (`MM_WARPS` in `gpu/matmul.cu`).
+pub(crate) const MM_WARPS: usize = 8;
+
+/// One `mm*` launch; for item t < n and batch z < zs (byte/element strides, see matmul.cu):
+/// `y[t*y_tok + z*y_z + r] = (W + z*w_z + sel[t]*slab)[r] · x[(t/xdiv)*x_tok + z*x_z ..]`.
+pub(crate) struct Mm {
+    pub w: DevPtr,
+    pub ty: GgmlType,
+    pub w_z: usize,
+    pub sel: Option<DevPtr>,
+    pub slab: usize,
+    pub x: DevPtr,
+    pub x_tok: usize,
+    pub x_z: usize,
+    pub xdiv: usize,
+    pub y: DevPtr,
+    pub y_tok: usize,
+    pub y_z: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+    pub n: usize,
+    pub zs: usize,
+    /// By-expert groups from `moe_group_i32` (`[ngroups, starts[gmax], perm[n]]`, gmax).
+    pub grp: Option<(DevPtr, usize)>,
+}
+
+/// Items per CTA of the grouped (by expert) products; `moe_group_i32` cuts runs to this.
+const GROUP_NT: usize = 8;
+
+/// Chunks per shared-memory tile of the `mmt*` kernels (`mm_tile_chunks` in matmul.cu).
+fn tile_chunks(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::F32 => 16,
+        GgmlType::F16 | GgmlType::BF16 => 32,
+        _ => 64,
+    }
+}
+
+fn suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::IQ2_XXS => "iq2_xxs",
+        _ => return None,
+    })
+}
+
+/// 16-byte loads are safe: base, per-row, per-batch and per-expert strides all multiples of 16.
+fn tiled(base: DevPtr, strides: &[usize]) -> bool {
+    TILES.load(Ordering::Relaxed)
+        && base.0.is_multiple_of(16)
+        && strides.iter().all(|s| s.is_multiple_of(16))
+}
 
 impl GpuBackend {
-    /// `y[i] = W[rows r0 .. r0+rows] · x[i]` for one product, row pointers given.
-    #[allow(clippy::too_many_arguments)]
+    /// Use (true, the default) or avoid the shared-memory tile kernels for aligned weights.
+    /// Process-wide; for tests and benchmarks of both forms.
+    pub fn set_matmul_tiles(on: bool) {
+        TILES.store(on, Ordering::Relaxed);
+    }
+
+    /// Warps per row (1, 2, 4, 8): the fewest that give the grid about four CTAs per SM, while
+    /// each warp keeps at least one step of chunks (a warp width, or a tile of `tile` chunks).
+    fn kspl(&self, rows: usize, other_ctas: usize, cols: usize, tile: Option<usize>) -> usize {
+        let info = self.gpu.info();
+        let want = 4 * info.sm_count as usize;
+        let step = tile.unwrap_or(info.warp as usize);
+        let max_k = (cols / 32).div_ceil(step).clamp(1, MM_WARPS);
+        let mut k = 1;
+        while k < max_k && rows.div_ceil(MM_WARPS / k) * other_ctas < want {
+            k *= 2;
+        }
+        k
+    }
+
+    fn kernel_suffix(&self, ty: GgmlType) -> Option<&'static str> {
+        let s = suffix(ty);
+        if s.is_none() {
+            self.note::<()>(Err(GpuError::Invalid(format!(
+                "no GPU weight product for {ty:?}"
+            ))));
+        }
+        s
+    }
+
+    /// Launch one [`Mm`] product.
+    pub(crate) fn mm(&self, m: &Mm) {
+        if m.n == 0 || m.rows == 0 || m.zs == 0 || self.failed() {
+            return;
+        }
+        let Some(sfx) = self.kernel_suffix(m.ty) else {
+            return;
+        };
+        // Items per CTA: NT consecutive rows, runs of one expert (grp), or single expert items.
+        let (nt, groups) = match (m.grp, m.sel, m.n) {
+            (Some((_, gmax)), _, _) => (GROUP_NT, gmax),
+            (None, Some(_), _) | (None, None, 1) => (1, m.n),
+            (None, None, 2..=4) => (4, 1),
+            _ => (8, m.n.div_ceil(8)),
+        };
+        let tiles = tiled(m.w, &[m.row_bytes, m.w_z, m.slab]);
+        let k = self.kspl(
+            m.rows,
+            groups * m.zs,
+            m.cols,
+            tiles.then(|| tile_chunks(m.ty)),
+        );
+        let dims = LaunchDims {
+            grid: [
+                m.rows.div_ceil(MM_WARPS / k) as u32,
+                groups as u32,
+                m.zs as u32,
+            ],
+            block: [MM_WARPS as u32 * self.warp(), 1, 1],
+            shared_bytes: 0,
+        };
+        self.run(
+            &ds4_kernels::MATMUL,
+            &format!("mm{}{nt}_{sfx}", if tiles { "t" } else { "" }),
+            dims,
+            &[
+                Arg::Ptr(m.w),
+                Arg::I64(m.w_z as i64),
+                m.sel.map_or(Arg::Null, Arg::Ptr),
+                Arg::I64(m.slab as i64),
+                Arg::Ptr(m.x),
+                Arg::I64(m.x_tok as i64),
+                Arg::I64(m.x_z as i64),
+                Arg::I32(m.xdiv.max(1) as i32),
+                Arg::Ptr(m.y),
+                Arg::I64(m.y_tok as i64),
+                Arg::I64(m.y_z as i64),
+                Arg::I32(m.rows as i32),
+                Arg::I32(m.cols as i32),
+                Arg::I64(m.row_bytes as i64),
+                Arg::I32(m.n as i32),
+                Arg::I32(k as i32),
+                m.grp.map_or(Arg::Null, |g| Arg::Ptr(g.0)),
+                Arg::I32(m.grp.map_or(0, |g| g.1) as i32),
+            ],
+        );
+    }
+
+    /// `y[i] = W[rows r0 .. r0+rows] · x` for one vector, weight bytes from `byte0`.
     pub(crate) fn matvec_rows(
         &self,
         w: &GpuWeight,
@@ -17,28 +170,54 @@ impl GpuBackend {
         x: DevPtr,
         y: DevPtr,
     ) {
-        let GpuWeight::Mat { buf, ty, cols, .. } = w else {
-            self.note::<()>(Err(crate::GpuError::Invalid(
-                "matmul on a vector weight".into(),
-            )));
-            return;
-        };
-        if self.failed() {
-            return;
-        }
-        let plan = self.gpu.matvec_plan(rows, *cols);
-        let scratch = self.scratch(plan.scratch_elems(rows));
-        let r = self.gpu.matvec(
-            *ty,
-            buf.ptr().offset(byte0 as u64),
+        let Some(m) = self.mat(w) else { return };
+        self.mm(&Mm {
+            w: m.0.offset(byte0 as u64),
+            rows,
             x,
             y,
+            n: 1,
+            ..m.1
+        });
+    }
+
+    /// The weight's pointer and an [`Mm`] over all its rows for one item (or an error noted).
+    fn mat(&self, w: &GpuWeight) -> Option<(DevPtr, Mm)> {
+        let GpuWeight::Mat {
+            buf,
+            ty,
+            cols,
             rows,
-            *cols,
-            Some((scratch.ptr, scratch.len)),
-            self.stream,
-        );
-        self.note(r);
+            row_bytes,
+            ..
+        } = w
+        else {
+            self.note::<()>(Err(GpuError::Invalid("matmul on a vector weight".into())));
+            return None;
+        };
+        Some((
+            buf.ptr(),
+            Mm {
+                w: buf.ptr(),
+                ty: *ty,
+                w_z: 0,
+                sel: None,
+                slab: rows * row_bytes,
+                x: DevPtr(0),
+                x_tok: *cols,
+                x_z: 0,
+                xdiv: 1,
+                y: DevPtr(0),
+                y_tok: *rows,
+                y_z: 0,
+                rows: *rows,
+                cols: *cols,
+                row_bytes: *row_bytes,
+                n: 1,
+                zs: 1,
+                grp: None,
+            },
+        ))
     }
 
     pub(crate) fn op_matmul(
@@ -49,30 +228,22 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) {
-        let GpuWeight::Mat {
-            cols,
-            rows,
-            row_bytes,
-            ..
-        } = *w
-        else {
-            return self.matvec_rows(w, 0, 0, x.ptr, y.ptr);
-        };
+        let Some((p, m)) = self.mat(w) else { return };
         let byte0 = match part {
             Part::All => 0,
-            Part::Expert(e) => e * rows * row_bytes,
+            Part::Expert(e) => e * m.slab,
         };
-        for i in 0..n {
-            self.matvec_rows(
-                w,
-                byte0,
-                rows,
-                x.ptr.offset((i * cols * 4) as u64),
-                y.ptr.offset((i * rows * 4) as u64),
-            );
-        }
+        self.mm(&Mm {
+            w: p.offset(byte0 as u64),
+            x: x.ptr,
+            y: y.ptr,
+            n,
+            ..m
+        });
     }
 
+    /// Group g of every row: `y[i][g*r ..] = W[g*r .. (g+1)*r] · x[i][g*cols ..]`, one launch
+    /// (blockIdx.z = g).
     pub(crate) fn op_matmul_grouped(
         &self,
         w: &GpuWeight,
@@ -81,29 +252,29 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) {
-        let GpuWeight::Mat {
-            cols,
-            rows,
-            row_bytes,
-            ..
-        } = *w
-        else {
-            return self.matvec_rows(w, 0, 0, x.ptr, y.ptr);
-        };
-        let r = rows / groups;
-        for i in 0..n {
-            for g in 0..groups {
-                self.matvec_rows(
-                    w,
-                    g * r * row_bytes,
-                    r,
-                    x.ptr.offset(((i * groups + g) * cols * 4) as u64),
-                    y.ptr.offset(((i * rows + g * r) * 4) as u64),
-                );
-            }
+        let Some((_, m)) = self.mat(w) else { return };
+        if groups == 0 {
+            return;
         }
+        let r = m.rows / groups;
+        self.mm(&Mm {
+            w_z: r * m.row_bytes,
+            x: x.ptr,
+            x_tok: groups * m.cols,
+            x_z: m.cols,
+            y: y.ptr,
+            y_tok: m.rows,
+            y_z: r,
+            rows: r,
+            n,
+            zs: groups,
+            ..m
+        });
     }
 
+    /// Routed experts for `n` tokens × `k` slots without leaving the device: gate+up+SwiGLU
+    /// (fused when gate and up share a type) into `h` (pairs × ff), down per pair into `part`
+    /// (pairs × d), then the per-token sum over slots in selection order.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_moe_experts(
         &self,
@@ -118,51 +289,130 @@ impl GpuBackend {
         out: &mut GpuBuf,
     ) {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
-        let sel = self.download_i32(sel, n * k);
-        let wgt = self.download(wgt, n * k);
-        let g = self.scratch(ff);
-        let u = self.scratch(ff);
-        let y = self.scratch(d);
-        self.zero(out.ptr, n * d);
-        let slab = |w: &GpuWeight| match *w {
-            GpuWeight::Mat {
-                rows, row_bytes, ..
-            } => rows * row_bytes,
-            _ => 0,
-        };
-        for i in 0..n {
-            for s in 0..k {
-                let e = sel[i * k + s].max(0) as usize;
-                let x = z.ptr.offset((i * d * 4) as u64);
-                self.matvec_rows(gate, e * slab(gate), ff, x, g.ptr);
-                self.matvec_rows(up, e * slab(up), ff, x, u.ptr);
-                self.run(
-                    &ds4_kernels::ELEMENTWISE,
-                    "swiglu_f32",
-                    crate::LaunchDims::linear(ff.div_ceil(256) as u32, 256),
-                    &[
-                        crate::Arg::Ptr(g.ptr),
-                        crate::Arg::Ptr(u.ptr),
-                        crate::Arg::Ptr(g.ptr),
-                        crate::Arg::F32(spec.clamp),
-                        crate::Arg::F32(wgt[i * k + s]),
-                        crate::Arg::I64(ff as i64),
-                    ],
-                );
-                self.matvec_rows(down, e * slab(down), d, g.ptr, y.ptr);
-                let o = out.ptr.offset((i * d * 4) as u64);
-                self.run(
-                    &ds4_kernels::ELEMENTWISE,
-                    "add_f32",
-                    crate::LaunchDims::linear(d.div_ceil(256) as u32, 256),
-                    &[
-                        crate::Arg::Ptr(o),
-                        crate::Arg::Ptr(y.ptr),
-                        crate::Arg::Ptr(o),
-                        crate::Arg::I64(d as i64),
-                    ],
-                );
-            }
+        let pairs = n * k;
+        if pairs == 0 {
+            return;
         }
+        let (Some((gp, gm)), Some((up_p, um)), Some((dp, dm))) =
+            (self.mat(gate), self.mat(up), self.mat(down))
+        else {
+            return;
+        };
+        let sel = sel.0.ptr;
+        let h = self.scratch(pairs * ff);
+        // Prefill: pairs grouped by expert (each slab read once per run of GROUP_NT pairs);
+        // the grouping kernel is quadratic in pairs, so only up to a few thousand.
+        let grp = if pairs >= 2 * spec.n_expert && pairs <= 4096 {
+            let gmax = pairs.div_ceil(GROUP_NT) + spec.n_expert.min(pairs);
+            let g = self.scratch(1 + gmax + pairs);
+            let flag = self.scratch(pairs);
+            self.run(
+                &ds4_kernels::MATMUL,
+                "moe_group_i32",
+                LaunchDims::linear(1, 256),
+                &[
+                    Arg::Ptr(sel),
+                    Arg::I32(pairs as i32),
+                    Arg::I32(GROUP_NT as i32),
+                    Arg::I32(gmax as i32),
+                    Arg::Ptr(g.ptr),
+                    Arg::Ptr(flag.ptr),
+                ],
+            );
+            Some((g, gmax, flag))
+        } else {
+            None
+        };
+        let grp_arg = grp.as_ref().map(|(g, gmax, _)| (g.ptr, *gmax));
+        let same = gm.ty == um.ty && gm.row_bytes == um.row_bytes && gm.cols == um.cols;
+        if same && grp.is_none() {
+            let Some(sfx) = self.kernel_suffix(gm.ty) else {
+                return;
+            };
+            let tiles = tiled(gp, &[gm.row_bytes, gm.slab]) && tiled(up_p, &[]);
+            let kk = self.kspl(ff, pairs, d, tiles.then(|| tile_chunks(gm.ty)));
+            self.run(
+                &ds4_kernels::MATMUL,
+                &format!("gateup{}_{sfx}", if tiles { "t" } else { "" }),
+                LaunchDims {
+                    grid: [ff.div_ceil(MM_WARPS / kk) as u32, pairs as u32, 1],
+                    block: [MM_WARPS as u32 * self.warp(), 1, 1],
+                    shared_bytes: 0,
+                },
+                &[
+                    Arg::Ptr(gp),
+                    Arg::Ptr(up_p),
+                    Arg::Ptr(sel),
+                    Arg::I64(gm.slab as i64),
+                    Arg::Ptr(z.ptr),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(wgt.ptr),
+                    Arg::F32(spec.clamp),
+                    Arg::Ptr(h.ptr),
+                    Arg::I32(ff as i32),
+                    Arg::I32(d as i32),
+                    Arg::I64(gm.row_bytes as i64),
+                    Arg::I32(kk as i32),
+                ],
+            );
+        } else {
+            let g = self.scratch(pairs * ff);
+            let u = self.scratch(pairs * ff);
+            for (m, dst) in [(gm, &g), (um, &u)] {
+                self.mm(&Mm {
+                    sel: Some(sel),
+                    x: z.ptr,
+                    x_tok: d,
+                    xdiv: k,
+                    y: dst.ptr,
+                    y_tok: ff,
+                    rows: ff,
+                    n: pairs,
+                    grp: grp_arg,
+                    ..m
+                });
+            }
+            let total = pairs * ff;
+            self.run(
+                &ds4_kernels::MATMUL,
+                "moe_swiglu_f32",
+                LaunchDims::linear(total.div_ceil(256) as u32, 256),
+                &[
+                    Arg::Ptr(g.ptr),
+                    Arg::Ptr(u.ptr),
+                    Arg::Ptr(h.ptr),
+                    Arg::Ptr(wgt.ptr),
+                    Arg::F32(spec.clamp),
+                    Arg::I32(ff as i32),
+                    Arg::I64(total as i64),
+                ],
+            );
+        }
+        let part = self.scratch(pairs * d);
+        self.mm(&Mm {
+            w: dp,
+            sel: Some(sel),
+            x: h.ptr,
+            x_tok: ff,
+            y: part.ptr,
+            y_tok: d,
+            rows: d,
+            n: pairs,
+            grp: grp_arg,
+            ..dm
+        });
+        let total = n * d;
+        self.run(
+            &ds4_kernels::MATMUL,
+            "moe_sum_f32",
+            LaunchDims::linear(total.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(part.ptr),
+                Arg::Ptr(out.ptr),
+                Arg::I32(k as i32),
+                Arg::I32(d as i32),
+                Arg::I64(total as i64),
+            ],
+        );
     }
 }
