@@ -336,10 +336,21 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, in
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
+        // Runs of one bin are counted locally first (scores crowd into a few top bins, so
+        // this saves most of the same-address shared atomics).
+        u32 run_bin = 0, run_n = 0;
         for (long long r = threadIdx.x; r < vis; r += blockDim.x) {
             u32 kk = ds4_fkey(sc[r]);
-            if ((kk & mask) == prefix) atomicAdd(&hist[(kk >> shift) & 255u], 1u);
+            if ((kk & mask) != prefix) continue;
+            u32 b = (kk >> shift) & 255u;
+            if (b != run_bin && run_n > 0) {
+                atomicAdd(&hist[run_bin], run_n);
+                run_n = 0;
+            }
+            run_bin = b;
+            run_n++;
         }
+        if (run_n > 0) atomicAdd(&hist[run_bin], run_n);
         __syncthreads();
         if (threadIdx.x == 0) {
             u32 acc = 0;
