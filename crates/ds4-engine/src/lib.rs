@@ -706,6 +706,28 @@ mod tests {
     }
 
     #[test]
+    fn synthetic_tiny_loads_on_a_gpu() {
+        let mut o = EngineOptions::new("");
+        o.backend = BackendChoice::Auto;
+        if pick_gpu(o.backend, 0).ok().flatten().is_none() {
+            println!("skipped: no GPU");
+            return;
+        }
+        let mut last = (0, 0);
+        let e = Engine::open_synthetic(SynthPreset::Tiny, &o, 1, &mut |d, t| last = (d, t))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(last.0 > 0 && last.0 == last.1, "{last:?}");
+        assert!(e.backend_name().starts_with("cuda (") || e.backend_name().starts_with("rocm ("));
+        // Matrices as the mix stores them, vectors as f32: at least the file's bytes.
+        assert!(e.gpu_weight_bytes().unwrap() >= last.1 as u64);
+        println!(
+            "{}: {} weight bytes",
+            e.backend_name(),
+            e.gpu_weight_bytes().unwrap()
+        );
+    }
+
+    #[test]
     fn synthetic_models_need_a_gpu() {
         let mut o = EngineOptions::new("");
         o.backend = BackendChoice::Cpu;
