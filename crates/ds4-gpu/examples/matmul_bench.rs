@@ -131,7 +131,8 @@ fn main() {
         }
     }
 
-    println!("-- model shapes (q2 mix), n = 1 and 128 --");
+    GpuBackend::set_matmul_tiles(false);
+    println!("-- model shapes (q2 mix), n = 1 and 128, default (direct) form --");
     for (name, ty, cols, rows, groups) in [
         ("attn q_a", GgmlType::Q8_0, 4096, 1024, 1),
         ("attn q_b", GgmlType::Q8_0, 1024, 32768, 1),

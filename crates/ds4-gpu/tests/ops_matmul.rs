@@ -7,7 +7,9 @@
 //! this binary with --test-threads=1 on a GPU so the tests do not flip it under each other).
 //!
 //! Summation order differs from the CPU (warp-interleaved chunks), so results agree to f32
-//! rounding of the dot products: held to TOL relative to 1 + |cpu|.
+//! rounding of the dot products: held to TOL relative to 1 + |cpu|, TOL_Q4K where a Q4_K weight
+//! is involved (random 6-bit scales and mins make large terms that cancel; measured on an H200:
+//! worst 7.8e-5 with Q4_K, 2.0e-5 otherwise).
 
 mod common;
 
@@ -20,6 +22,7 @@ use ds4_model::HParams;
 use rand::Rng;
 
 const TOL: f32 = 5e-5;
+const TOL_Q4K: f32 = 2e-4;
 
 const TYPES: &[GgmlType] = &[
     GgmlType::F32,
@@ -79,14 +82,18 @@ impl Cases {
         }
         let e = max_rel(g, c);
         self.worst = self.worst.max(e);
+        let tol = if name.contains("Q4_K") { TOL_Q4K } else { TOL };
         println!("{name}: max rel {e:.3e}");
-        if e > TOL {
+        if e > tol {
             self.bad.push(format!("{name}: {e:.3e}"));
         }
     }
 
     fn finish(self) {
-        println!("worst {:.3e} (tolerance {TOL:.0e})", self.worst);
+        println!(
+            "worst {:.3e} (tolerance {TOL:.0e}, {TOL_Q4K:.0e} with Q4_K)",
+            self.worst
+        );
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
     }
 }

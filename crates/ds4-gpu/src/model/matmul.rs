@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Whether products may use the shared-memory tile kernels (`mmt*`, `gateupt_*`) when the
 /// weight is 16-byte aligned; process-wide, for tests and benchmarks comparing the two forms.
-static TILES: AtomicBool = AtomicBool::new(true);
+/// Off by default: on an H200 they measured within ±5% of the direct form, mostly slower
+/// (bench/results/gpu-matmul-h200.txt).
+static TILES: AtomicBool = AtomicBool::new(false);
 
 /// Warps per CTA of the `mm*`/`gateup_*` kernels (`MM_WARPS` in `gpu/matmul.cu`).
 pub(crate) const MM_WARPS: usize = 8;
@@ -73,7 +75,7 @@ fn tiled(base: DevPtr, strides: &[usize]) -> bool {
 }
 
 impl GpuBackend {
-    /// Use (true, the default) or avoid the shared-memory tile kernels for aligned weights.
+    /// Use or avoid (false, the default) the shared-memory tile kernels for aligned weights.
     /// Process-wide; for tests and benchmarks of both forms.
     pub fn set_matmul_tiles(on: bool) {
         TILES.store(on, Ordering::Relaxed);
