@@ -205,14 +205,14 @@ __device__ __forceinline__ void ds4_cand(const ds4_comp& c, long long wi, int i,
     }
 }
 
-// Pooled rows of the windows closed in the chunk: out [rows, d], row k = window t0/r + k.
-// grid (rows, ceil(d / blockDim)); one thread per channel, candidates in CPU order.
 // Kernel parameters of the compressor (flattened: launches pass scalars and pointers only).
 #define DS4_COMP_PARAMS                                                                               \
     const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0, int n, \
         int r, int coff, int w, int ape_ty, int ape_row_bytes
 #define DS4_COMP_MAKE ds4_comp c = {a, g, ape, fkv, fsc, t0, n, r, coff, w, ape_ty, ape_row_bytes}
 
+// Pooled rows of the windows closed in the chunk: out [rows, d], row k = window t0/r + k.
+// grid (rows, ceil(d / blockDim)); one thread per channel, candidates in CPU order.
 DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __restrict__ out) {
     DS4_COMP_MAKE;
     int d = c.w / c.coff;
