@@ -53,21 +53,23 @@ impl ModelArgs {
             o.rounding = ds4_engine::Rounding::NONE;
         }
         o.mtp = self.mtp.clone();
-        // A byte bar with the rate (GB/s) on a terminal; nothing when stderr is piped.
         let (what, msg) = match (&self.synthetic, &self.model) {
-            (Some(p), _) => (p.clone(), "generating weights"),
+            (Some(p), _) => (format!("synthetic {p}"), "generating weights"),
             (None, Some(m)) => (m.display().to_string(), "loading weights"),
             (None, None) => bail!("no model: pass -m FILE or --synthetic PRESET"),
         };
-        // A spinner while the file is opened and bound, then the byte bar.
+        // On a terminal (nothing when stderr is piped): a spinner while the file is opened and
+        // bound, then a byte bar with the rate, made on the first report so the two never draw
+        // at once.
         let spinner = progress::spinner(&format!("opening {what}"));
-        let bar = progress::bytes(msg, 0);
+        let mut bar: Option<indicatif::ProgressBar> = None;
         let mut cb = |done: usize, total: usize| {
-            if !spinner.is_finished() {
+            let b = bar.get_or_insert_with(|| {
                 spinner.finish_and_clear();
-            }
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
+                progress::bytes(msg, total as u64)
+            });
+            b.set_length(total as u64);
+            b.set_position(done as u64);
         };
         let e = match &self.synthetic {
             Some(p) => {
@@ -78,7 +80,9 @@ impl ModelArgs {
             None => Engine::open_with_progress(&o, &mut cb),
         };
         spinner.finish_and_clear();
-        bar.finish_and_clear();
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
         e.with_context(|| format!("loading the model {what}"))
     }
 }
