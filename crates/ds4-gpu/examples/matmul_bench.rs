@@ -1,7 +1,7 @@
 //! `matmul_bench [reps]`: weight-product throughput of the GPU backend (`mm*`, `gateup_*` in
 //! gpu/matmul.cu) per type and shape, as GB/s of weight bytes read (each distinct weight byte
 //! counted once per call). Timing: `reps` calls queued back to back between two syncs (wall
-//! clock), so small products include launch overhead. Also `Gpu::matvec` (quant.cu) for n = 1.
+//! clock), so small products include launch overhead. form: 0 direct, 1 tiles, 2 coalesced. Also `Gpu::matvec` (quant.cu) for n = 1.
 
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part, WeightSrc};
 use ds4_gguf::{GgufFile, GgufWriter};
@@ -111,11 +111,13 @@ fn main() {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
-            for tiles in [false, true] {
+            for form in 0..3 {
+                let tiles = form == 1;
                 GpuBackend::set_matmul_tiles(tiles);
+                GpuBackend::set_matmul_coalesced(form == 2);
                 let s = time(&gpu, &x, reps, || gpu.matmul(&w, Part::All, &x, n, &mut y));
                 line(
-                    &format!("mm {ty:?} {cols}->{rows} n={n} tiles={tiles}"),
+                    &format!("mm {ty:?} {cols}->{rows} n={n} form={form}"),
                     bytes,
                     s,
                 );
@@ -132,6 +134,7 @@ fn main() {
     }
 
     GpuBackend::set_matmul_tiles(false);
+    GpuBackend::set_matmul_coalesced(false);
     println!("-- model shapes (q2 mix), n = 1 and 128, default (direct) form --");
     for (name, ty, cols, rows, groups) in [
         ("attn q_a", GgmlType::Q8_0, 4096, 1024, 1),
@@ -207,14 +210,16 @@ fn main() {
             let wgt: Vec<f32> = (0..n * k).map(|_| rng.gen_range(0.0..0.3)).collect();
             let (z, s_, wgt) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
             let mut out = gpu.alloc(n * d);
-            for tiles in [false, true] {
+            for form in 0..3 {
+                let tiles = form == 1;
                 GpuBackend::set_matmul_tiles(tiles);
+                GpuBackend::set_matmul_coalesced(form == 2);
                 let s = time(&gpu, &z, reps.min(20), || {
                     gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &s_, &wgt, n, &mut out)
                 });
                 line(
                     &format!(
-                        "moe {mix} n={n} ({} distinct experts) tiles={tiles}",
+                        "moe {mix} n={n} ({} distinct experts) form={form}",
                         distinct.len()
                     ),
                     slab * distinct.len() as f64,

@@ -3,8 +3,9 @@
 //! Part::Expert, grouped products, and routed experts with experts repeated across tokens
 //! (fused gate/up path and the separate-type fallback). Skips with the reason when no GPU is
 //! present (DS4_REQUIRE_GPU=1: fail). Every case is run and printed before the assertion.
-//! Each case runs with the shared-memory tile kernels off and on (a process-wide switch: run
-//! this binary with --test-threads=1 on a GPU so the tests do not flip it under each other).
+//! Each case runs in the three kernel forms (form 0 direct, 1 shared-memory tiles, 2 coalesced;
+//! process-wide switches: run this binary with --test-threads=1 on a GPU so the tests do not
+//! flip them under each other).
 //!
 //! Summation order differs from the CPU (warp-interleaved chunks), so results agree to f32
 //! rounding of the dot products: held to TOL relative to 1 + |cpu|, TOL_Q4K where a Q4_K weight
@@ -104,8 +105,10 @@ fn matmul_every_type_and_n() {
         return;
     };
     let mut cases = Cases::default();
-    for tiles in [false, true] {
+    for form in 0..3 {
+        let tiles = form == 1;
         GpuBackend::set_matmul_tiles(tiles);
+        GpuBackend::set_matmul_coalesced(form == 2);
         for (ti, &ty) in TYPES.iter().enumerate() {
             // 3 experts of 72 rows × 1024 columns; Part::All uses the first slab.
             let (cols, rows) = (1024, 72);
@@ -119,7 +122,7 @@ fn matmul_every_type_and_n() {
                     cpu.matmul(&cw, part, &cx, n, &mut cy);
                     gpu.matmul(&gw, part, &gx, n, &mut gy);
                     cases.check(
-                        format!("matmul {ty:?} n={n} {part:?} tiles={tiles}"),
+                        format!("matmul {ty:?} n={n} {part:?} form={form}"),
                         &gpu.download(&gy, n * rows),
                         &cpu.download(&cy, n * rows),
                         &gpu,
@@ -138,7 +141,7 @@ fn matmul_every_type_and_n() {
                 cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
                 gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
                 cases.check(
-                    format!("matmul {ty:?} 4096x{rows} n={n} tiles={tiles}"),
+                    format!("matmul {ty:?} 4096x{rows} n={n} form={form}"),
                     &gpu.download(&gy, n * rows),
                     &cpu.download(&cy, n * rows),
                     &gpu,
@@ -156,8 +159,10 @@ fn matmul_grouped_every_type() {
     };
     let mut cases = Cases::default();
     let (groups, cols, rows) = (4, 512, 64); // 16 rows per group
-    for tiles in [false, true] {
+    for form in 0..3 {
+        let tiles = form == 1;
         GpuBackend::set_matmul_tiles(tiles);
+        GpuBackend::set_matmul_coalesced(form == 2);
         for (ti, &ty) in TYPES.iter().enumerate() {
             let (cw, gw) = weight(&cpu, &gpu, ty, cols, rows, 1, 300 + ti as u64);
             for &n in NS {
@@ -167,7 +172,7 @@ fn matmul_grouped_every_type() {
                 cpu.matmul_grouped(&cw, groups, &cx, n, &mut cy);
                 gpu.matmul_grouped(&gw, groups, &gx, n, &mut gy);
                 cases.check(
-                    format!("grouped {ty:?} n={n} tiles={tiles}"),
+                    format!("grouped {ty:?} n={n} form={form}"),
                     &gpu.download(&gy, n * rows),
                     &cpu.download(&cy, n * rows),
                     &gpu,
@@ -184,8 +189,10 @@ fn moe_experts_repeated_experts() {
         return;
     };
     let mut cases = Cases::default();
-    for tiles in [false, true] {
+    for form in 0..3 {
+        let tiles = form == 1;
         GpuBackend::set_matmul_tiles(tiles);
+        GpuBackend::set_matmul_coalesced(form == 2);
         // d 2048: IQ2_XXS rows are 528 bytes (16-byte aligned, tile kernels); d 256: 66 (direct).
         for d in [256, 2048] {
             let spec = MoeSpec {
@@ -239,7 +246,7 @@ fn moe_experts_repeated_experts() {
                         outs.push(gpu.download(&go, n * spec.d));
                     }
                     cases.check(
-                        format!("moe {tg:?}/{tu:?}/{td:?} d={d} n={n} tiles={tiles}"),
+                        format!("moe {tg:?}/{tu:?}/{td:?} d={d} n={n} form={form}"),
                         &outs[1],
                         &outs[0],
                         &gpu,

@@ -112,6 +112,69 @@ template <int T, int NT> __device__ __forceinline__ void mm_body(MM_PARAMS) {
     }
 }
 
+// Coalesced form: four lanes share a chunk (8 elements each), so a warp reads DS4_WARP/4
+// consecutive chunks of weights and x per step (x loads are contiguous across lanes).
+template <int T, int NT> __device__ __forceinline__ void mmc_body(MM_PARAMS) {
+    __shared__ float red[MM_WARPS][NT];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int rpc = MM_WARPS / kspl, ks = warp % kspl;
+    int r = blockIdx.x * rpc + warp / kspl, z = blockIdx.z;
+    int it[NT], nt;
+    if (!mm_items<NT>(grp, gmax, sel, n, it, nt)) return;
+    bool live = r < rows;
+    float acc[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j] = 0.0f;
+    if (live) {
+        long long wo = (long long)z * w_z;
+        if (sel) wo += (long long)max(sel[it[0]], 0) * slab;
+        const u8* row = W + wo + (long long)r * row_bytes;
+        const float* xb = x + (long long)z * x_z;
+        int chunks = cols / 32;
+        constexpr int CPW = DS4_WARP / 4; // chunks per warp step: 4 lanes per chunk, 8 elements each
+        int q = lane & 3;
+        for (int c = ks * CPW + lane / 4; c < chunks; c += kspl * CPW) {
+            float w[8];
+            deq_slice<T>(row, c, q, w);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (j < nt) {
+                    const float4* xv = (const float4*)(xb + (long long)(it[j] / xdiv) * x_tok + (long long)c * 32 + 8 * q);
+                    float4 v0 = xv[0], v1 = xv[1];
+                    acc[j] += w[0] * v0.x + w[1] * v0.y + w[2] * v0.z + w[3] * v0.w + w[4] * v1.x + w[5] * v1.y +
+                              w[6] * v1.z + w[7] * v1.w;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j] = ds4_warp_sum(acc[j]);
+    int tl = it[0]; // this lane's item (lane < nt) for the output
+#pragma unroll
+    for (int j = 1; j < NT; j++)
+        if (lane == j) tl = it[j];
+    if (kspl == 1) {
+        if (live && lane < nt) {
+            float v = acc[0];
+#pragma unroll
+            for (int j = 1; j < NT; j++)
+                if (lane == j) v = acc[j];
+            y[(long long)tl * y_tok + (long long)z * y_z + r] = v;
+        }
+        return;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) red[warp][j] = acc[j];
+    }
+    __syncthreads();
+    if (live && ks == 0 && lane < nt) {
+        float v = 0.0f;
+        for (int s = 0; s < kspl; s++) v += red[warp + s][lane];
+        y[(long long)tl * y_tok + (long long)z * y_z + r] = v;
+    }
+}
+
 // Routed experts, gate and up fused: for pair p (token p / k, slot p % k) and row r < ff,
 //   h[p*ff + r] = silu(min(g, c)) * clamp(u, -c, c) * wgt[p],  g/u = gate/up row r of expert sel[p] · z[p/k].
 // Same CTA shape as mm_body with NT = 1; blockIdx.y = p.
@@ -381,6 +444,28 @@ DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q8_0(GU_PARAMS) { gateup_tile_bod
 DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q2_k(GU_PARAMS) { gateup_tile_body<T_Q2_K>(GU_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q4_k(GU_PARAMS) { gateup_tile_body<T_Q4_K>(GU_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_iq2_xxs(GU_PARAMS) { gateup_tile_body<T_IQ2_XXS>(GU_ARGS); }
+
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_f32(MM_PARAMS) { mmc_body<T_F32, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_f32(MM_PARAMS) { mmc_body<T_F32, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_f32(MM_PARAMS) { mmc_body<T_F32, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_f16(MM_PARAMS) { mmc_body<T_F16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_f16(MM_PARAMS) { mmc_body<T_F16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_f16(MM_PARAMS) { mmc_body<T_F16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_bf16(MM_PARAMS) { mmc_body<T_BF16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_bf16(MM_PARAMS) { mmc_body<T_BF16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_bf16(MM_PARAMS) { mmc_body<T_BF16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q8_0(MM_PARAMS) { mmc_body<T_Q8_0, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q8_0(MM_PARAMS) { mmc_body<T_Q8_0, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q8_0(MM_PARAMS) { mmc_body<T_Q8_0, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q2_k(MM_PARAMS) { mmc_body<T_Q2_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q2_k(MM_PARAMS) { mmc_body<T_Q2_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q2_k(MM_PARAMS) { mmc_body<T_Q2_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q4_k(MM_PARAMS) { mmc_body<T_Q4_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q4_k(MM_PARAMS) { mmc_body<T_Q4_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q4_k(MM_PARAMS) { mmc_body<T_Q4_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 8>(MM_ARGS); }
 
 // Separate-type fallback of gateup: h[p*ff + r] = silu(min(g, c)) * clamp(u, -c, c) * wgt[p].
 DS4_KERNEL void DS4_BOUNDS(256) moe_swiglu_f32(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h, const float* __restrict__ wgt, float clamp, int ff, long long total) {

@@ -2,7 +2,7 @@ use crate::Module;
 
 /// Weight products beyond one vector (`gpu/matmul.cu`): `mm<NT>_<type>` batched/grouped/expert
 /// products over groups of NT item rows (`mmt*`/`gateupt_*`: the same through shared-memory tiles
-/// loaded 16 bytes at a time, for 16-byte aligned weights), `gateup_<type>` the fused expert gate/up + SwiGLU,
+/// loaded 16 bytes at a time, for 16-byte aligned weights; `mmc*`: four lanes per chunk, coalesced), `gateup_<type>` the fused expert gate/up + SwiGLU,
 /// `moe_swiglu_f32` its separate-type form, `moe_sum_f32` the per-token slot sum and
 /// `moe_group_i32` the by-expert grouping of (token, slot) pairs for prefill.
 pub const MATMUL: Module = Module {
@@ -65,6 +65,27 @@ pub const MATMUL: Module = Module {
         "gateupt_q2_k",
         "gateupt_q4_k",
         "gateupt_iq2_xxs",
+        "mmc1_f32",
+        "mmc4_f32",
+        "mmc8_f32",
+        "mmc1_f16",
+        "mmc4_f16",
+        "mmc8_f16",
+        "mmc1_bf16",
+        "mmc4_bf16",
+        "mmc8_bf16",
+        "mmc1_q8_0",
+        "mmc4_q8_0",
+        "mmc8_q8_0",
+        "mmc1_q2_k",
+        "mmc4_q2_k",
+        "mmc8_q2_k",
+        "mmc1_q4_k",
+        "mmc4_q4_k",
+        "mmc8_q4_k",
+        "mmc1_iq2_xxs",
+        "mmc4_iq2_xxs",
+        "mmc8_iq2_xxs",
         "moe_swiglu_f32",
         "moe_sum_f32",
         "moe_group_i32",

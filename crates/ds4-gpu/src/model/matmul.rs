@@ -15,6 +15,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// (bench/results/gpu-matmul-h200.txt).
 static TILES: AtomicBool = AtomicBool::new(false);
 
+/// Whether products use the coalesced kernels (`mmc*`: four lanes per 32-element chunk), before
+/// tiles; off by default until measured (not yet run on a GPU when written).
+static COALESCED: AtomicBool = AtomicBool::new(false);
+
 /// Warps per CTA of the `mm*`/`gateup_*` kernels (`MM_WARPS` in `gpu/matmul.cu`).
 pub(crate) const MM_WARPS: usize = 8;
 
@@ -81,6 +85,12 @@ impl GpuBackend {
         TILES.store(on, Ordering::Relaxed);
     }
 
+    /// Use or avoid (false, the default) the coalesced `mmc*` kernels (precede tiles).
+    /// Process-wide; for tests and benchmarks.
+    pub fn set_matmul_coalesced(on: bool) {
+        COALESCED.store(on, Ordering::Relaxed);
+    }
+
     /// Warps per row (1, 2, 4, 8): the fewest that give the grid about four CTAs per SM, while
     /// each warp keeps at least one step of chunks (a warp width, or a tile of `tile` chunks).
     fn kspl(&self, rows: usize, other_ctas: usize, cols: usize, tile: Option<usize>) -> usize {
@@ -120,13 +130,14 @@ impl GpuBackend {
             (None, None, 2..=4) => (4, 1),
             _ => (8, m.n.div_ceil(8)),
         };
-        let tiles = tiled(m.w, &[m.row_bytes, m.w_z, m.slab]);
-        let k = self.kspl(
-            m.rows,
-            groups * m.zs,
-            m.cols,
-            tiles.then(|| tile_chunks(m.ty)),
-        );
+        let coalesced = COALESCED.load(Ordering::Relaxed);
+        let tiles = !coalesced && tiled(m.w, &[m.row_bytes, m.w_z, m.slab]);
+        let step = if coalesced {
+            Some(self.warp() as usize / 4)
+        } else {
+            tiles.then(|| tile_chunks(m.ty))
+        };
+        let k = self.kspl(m.rows, groups * m.zs, m.cols, step);
         let dims = LaunchDims {
             grid: [
                 m.rows.div_ceil(MM_WARPS / k) as u32,
@@ -138,7 +149,16 @@ impl GpuBackend {
         };
         self.run(
             &ds4_kernels::MATMUL,
-            &format!("mm{}{nt}_{sfx}", if tiles { "t" } else { "" }),
+            &format!(
+                "mm{}{nt}_{sfx}",
+                if coalesced {
+                    "c"
+                } else if tiles {
+                    "t"
+                } else {
+                    ""
+                }
+            ),
             dims,
             &[
                 Arg::Ptr(m.w),
