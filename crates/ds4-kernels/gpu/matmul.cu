@@ -229,6 +229,54 @@ template <int T> __device__ __forceinline__ void gateup_body(GU_PARAMS) {
 // 16-byte loads, all issued before any use, then each lane dequantises its chunks from there.
 // Same arithmetic as the direct form; only the order of the partial sums differs.
 
+// Coalesced form of gateup_body (see mmc_body).
+template <int T> __device__ __forceinline__ void gateupc_body(GU_PARAMS) {
+    __shared__ float red[MM_WARPS][2];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int rpc = MM_WARPS / kspl, ks = warp % kspl;
+    int r = blockIdx.x * rpc + warp / kspl, p = blockIdx.y;
+    bool live = r < rows;
+    float ag = 0.0f, au = 0.0f;
+    if (live) {
+        long long wo = (long long)max(sel[p], 0) * slab + (long long)r * row_bytes;
+        const u8 *rg = Wg + wo, *ru = Wu + wo;
+        const float* xb = x + (long long)(p / k) * cols;
+        int chunks = cols / 32;
+        constexpr int CPW = DS4_WARP / 4; // as mmc_body: 4 lanes per chunk, 8 elements each
+        int q = lane & 3;
+        for (int c = ks * CPW + lane / 4; c < chunks; c += kspl * CPW) {
+            float wg[8], wu[8];
+            deq_slice<T>(rg, c, q, wg);
+            deq_slice<T>(ru, c, q, wu);
+            const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float4 v = xv[i];
+                ag += wg[4 * i] * v.x + wg[4 * i + 1] * v.y + wg[4 * i + 2] * v.z + wg[4 * i + 3] * v.w;
+                au += wu[4 * i] * v.x + wu[4 * i + 1] * v.y + wu[4 * i + 2] * v.z + wu[4 * i + 3] * v.w;
+            }
+        }
+    }
+    ag = ds4_warp_sum(ag);
+    au = ds4_warp_sum(au);
+    if (kspl > 1) {
+        if (lane == 0) red[warp][0] = ag, red[warp][1] = au;
+        __syncthreads();
+        if (ks != 0) return;
+        ag = 0.0f, au = 0.0f;
+        for (int s = 0; s < kspl; s++) ag += red[warp + s][0], au += red[warp + s][1];
+    }
+    if (live && lane == 0) {
+        float gv = fminf(ag, clamp), uv = fminf(fmaxf(au, -clamp), clamp);
+        h[(long long)p * rows + r] = gv * (1.0f / (1.0f + expf(-gv))) * uv * wgt[p];
+    }
+}
+
+// ---- Tiled form (weights whose row, slab and base offsets are 16-byte multiples): each warp
+// copies a tile of its row (TCH chunks, contiguous bytes) into shared memory with coalesced
+// 16-byte loads, all issued before any use, then each lane dequantises its chunks from there.
+// Same arithmetic as the direct form; only the order of the partial sums differs.
+
 #if defined(DS4_HIP)
 #define mm_syncwarp()                                                                                          \
     do {                                                                                                       \
@@ -466,6 +514,14 @@ DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q4_k(MM_PARAMS) { mmc_body<T_Q4_K, 8
 DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 1>(MM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 4>(MM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 8>(MM_ARGS); }
+
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_f32(GU_PARAMS) { gateupc_body<T_F32>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_f16(GU_PARAMS) { gateupc_body<T_F16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_bf16(GU_PARAMS) { gateupc_body<T_BF16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q8_0(GU_PARAMS) { gateupc_body<T_Q8_0>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q2_k(GU_PARAMS) { gateupc_body<T_Q2_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q4_k(GU_PARAMS) { gateupc_body<T_Q4_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_iq2_xxs(GU_PARAMS) { gateupc_body<T_IQ2_XXS>(GU_ARGS); }
 
 // Separate-type fallback of gateup: h[p*ff + r] = silu(min(g, c)) * clamp(u, -c, c) * wgt[p].
 DS4_KERNEL void DS4_BOUNDS(256) moe_swiglu_f32(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h, const float* __restrict__ wgt, float clamp, int ff, long long total) {

@@ -2,7 +2,7 @@ use crate::Module;
 
 /// Weight products beyond one vector (`gpu/matmul.cu`): `mm<NT>_<type>` batched/grouped/expert
 /// products over groups of NT item rows (`mmt*`/`gateupt_*`: the same through shared-memory tiles
-/// loaded 16 bytes at a time, for 16-byte aligned weights; `mmc*`: four lanes per chunk, coalesced), `gateup_<type>` the fused expert gate/up + SwiGLU,
+/// loaded 16 bytes at a time, for 16-byte aligned weights; `mmc*`/`gateupc_*`: four lanes per chunk, coalesced), `gateup_<type>` the fused expert gate/up + SwiGLU,
 /// `moe_swiglu_f32` its separate-type form, `moe_sum_f32` the per-token slot sum and
 /// `moe_group_i32` the by-expert grouping of (token, slot) pairs for prefill.
 pub const MATMUL: Module = Module {
@@ -86,6 +86,13 @@ pub const MATMUL: Module = Module {
         "mmc1_iq2_xxs",
         "mmc4_iq2_xxs",
         "mmc8_iq2_xxs",
+        "gateupc_f32",
+        "gateupc_f16",
+        "gateupc_bf16",
+        "gateupc_q8_0",
+        "gateupc_q2_k",
+        "gateupc_q4_k",
+        "gateupc_iq2_xxs",
         "moe_swiglu_f32",
         "moe_sum_f32",
         "moe_group_i32",

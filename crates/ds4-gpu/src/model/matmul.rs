@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// (bench/results/gpu-matmul-h200.txt).
 static TILES: AtomicBool = AtomicBool::new(false);
 
-/// Whether products use the coalesced kernels (`mmc*`: four lanes per 32-element chunk), before
+/// Whether products use the coalesced kernels (`mmc*`, `gateupc_*`: four lanes per chunk), before
 /// tiles; off by default until measured (not yet run on a GPU when written).
 static COALESCED: AtomicBool = AtomicBool::new(false);
 
@@ -351,11 +351,24 @@ impl GpuBackend {
             let Some(sfx) = self.kernel_suffix(gm.ty) else {
                 return;
             };
-            let tiles = tiled(gp, &[gm.row_bytes, gm.slab]) && tiled(up_p, &[]);
-            let kk = self.kspl(ff, pairs, d, tiles.then(|| tile_chunks(gm.ty)));
+            let coalesced = COALESCED.load(Ordering::Relaxed);
+            let tiles = !coalesced && tiled(gp, &[gm.row_bytes, gm.slab]) && tiled(up_p, &[]);
+            let step = if coalesced {
+                Some(self.warp() as usize / 4)
+            } else {
+                tiles.then(|| tile_chunks(gm.ty))
+            };
+            let kk = self.kspl(ff, pairs, d, step);
+            let form = if coalesced {
+                "c"
+            } else if tiles {
+                "t"
+            } else {
+                ""
+            };
             self.run(
                 &ds4_kernels::MATMUL,
-                &format!("gateup{}_{sfx}", if tiles { "t" } else { "" }),
+                &format!("gateup{form}_{sfx}"),
                 LaunchDims {
                     grid: [ff.div_ceil(MM_WARPS / kk) as u32, pairs as u32, 1],
                     block: [MM_WARPS as u32 * self.warp(), 1, 1],
