@@ -16,6 +16,7 @@
 mod attn;
 mod matmul;
 mod mix;
+mod prof;
 pub mod synth;
 
 use crate::error::Result;
@@ -187,6 +188,15 @@ pub struct GpuBackend {
     /// `DS4_GPU_POISON=1`: new activation buffers are filled with NaN instead of left as they
     /// are (tests use it to prove every op writes its whole output).
     poison: bool,
+    /// `DS4_GPU_PROFILE=1`: per-op device time (prof.rs).
+    prof: Option<prof::Prof>,
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        self.prof_collect();
+        self.prof_report();
+    }
 }
 
 fn f32_bytes(v: &[f32]) -> &[u8] {
@@ -202,6 +212,16 @@ impl GpuBackend {
             free: Mutex::new(HashMap::new()),
             err: err.clone(),
         });
+        // DS4_GPU_MATMUL=direct|tiles|coalesced picks the weight-product kernel form (matmul.rs).
+        match std::env::var("DS4_GPU_MATMUL").as_deref() {
+            Ok("tiles") => GpuBackend::set_matmul_tiles(true),
+            Ok("coalesced") => GpuBackend::set_matmul_coalesced(true),
+            Ok("direct") => {
+                GpuBackend::set_matmul_tiles(false);
+                GpuBackend::set_matmul_coalesced(false);
+            }
+            _ => {}
+        }
         let f64s = |v: &[f64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
         let rope_freqs = [
             gpu.alloc_from(&f64s(&ropes.swa.freqs))?,
@@ -215,6 +235,9 @@ impl GpuBackend {
             rope_freqs,
             weight_bytes: Mutex::new(0),
             poison: std::env::var("DS4_GPU_POISON").is_ok_and(|v| v == "1"),
+            prof: std::env::var("DS4_GPU_PROFILE")
+                .is_ok_and(|v| v == "1")
+                .then(prof::Prof::default),
         })
     }
 
@@ -423,6 +446,7 @@ impl Backend for GpuBackend {
     }
 
     fn check(&self) -> std::result::Result<(), String> {
+        self.prof_collect();
         match self.err.lock().unwrap().take() {
             Some(e) => Err(e),
             None => Ok(()),
@@ -636,22 +660,43 @@ impl Backend for GpuBackend {
         d: usize,
         out: &mut GpuBuf,
     ) {
+        let _p = self.prof(|| "embed".to_string());
+
         self.op_embed(table, tokens, n, copies, d, out)
     }
 
     fn matmul(&self, w: &GpuWeight, part: Part, x: &GpuBuf, n: usize, y: &mut GpuBuf) {
+        let _p = self.prof(|| match w {
+            GpuWeight::Mat { ty, rows, cols, .. } => format!(
+                "matmul {ty:?} {cols}->{rows}{} n{}",
+                if matches!(part, Part::Expert(_)) {
+                    " expert"
+                } else {
+                    ""
+                },
+                if n == 1 { "=1" } else { ">1" }
+            ),
+            _ => "matmul".into(),
+        });
+
         self.op_matmul(w, part, x, n, y)
     }
 
     fn matmul_grouped(&self, w: &GpuWeight, groups: usize, x: &GpuBuf, n: usize, y: &mut GpuBuf) {
+        let _p = self.prof(|| "matmul_grouped".to_string());
+
         self.op_matmul_grouped(w, groups, x, n, y)
     }
 
     fn add(&self, y: &mut GpuBuf, x: &GpuBuf, len: usize) {
+        let _p = self.prof(|| "add".to_string());
+
         self.op_add(y, x, len)
     }
 
     fn rms_norm(&self, x: &mut GpuBuf, rows: usize, width: usize, w: Option<&GpuWeight>, eps: f32) {
+        let _p = self.prof(|| "rms_norm".to_string());
+
         self.op_rms_norm(x, rows, width, w, eps)
     }
 
@@ -666,10 +711,14 @@ impl Backend for GpuBackend {
         kind: RopeKind,
         inverse: bool,
     ) {
+        let _p = self.prof(|| "rope".to_string());
+
         self.op_rope(x, n, heads, width, n_rot, t0, kind, inverse)
     }
 
     fn round_rows(&self, x: &mut GpuBuf, rows: usize, width: usize, r: RowRounding) {
+        let _p = self.prof(|| "round_rows".to_string());
+
         self.op_round_rows(x, rows, width, r)
     }
 
@@ -685,6 +734,8 @@ impl Backend for GpuBackend {
         post: &mut GpuBuf,
         comb: &mut GpuBuf,
     ) {
+        let _p = self.prof(|| "hc_split".to_string());
+
         self.op_hc_split(hc, m, scale, base, x, n, z, post, comb)
     }
 
@@ -698,6 +749,8 @@ impl Backend for GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) {
+        let _p = self.prof(|| "hc_collapse".to_string());
+
         self.op_hc_collapse(hc, m, scale, base, x, n, y)
     }
 
@@ -710,6 +763,8 @@ impl Backend for GpuBackend {
         comb: &GpuBuf,
         n: usize,
     ) {
+        let _p = self.prof(|| "hc_post".to_string());
+
         self.op_hc_post(hc, x, o, post, comb, n)
     }
 
@@ -725,6 +780,8 @@ impl Backend for GpuBackend {
         n: usize,
         t0: usize,
     ) {
+        let _p = self.prof(|| "compress".to_string());
+
         self.op_compress(st, which, spec, ape, norm, a, g, n, t0)
     }
 
@@ -738,6 +795,8 @@ impl Backend for GpuBackend {
         t0: usize,
         sel: &mut GpuIBuf,
     ) {
+        let _p = self.prof(|| "index_select".to_string());
+
         self.op_index_select(st, spec, q, w, n, t0, sel)
     }
 
@@ -753,6 +812,14 @@ impl Backend for GpuBackend {
         t0: usize,
         out: &mut GpuBuf,
     ) {
+        let _p = self.prof(|| {
+            format!(
+                "attend ratio {} n{}",
+                spec.ratio,
+                if n == 1 { "=1" } else { ">1" }
+            )
+        });
+
         self.op_attend(st, spec, q, kv, sinks, sel, n, t0, out)
     }
 
@@ -767,6 +834,8 @@ impl Backend for GpuBackend {
         sel: &mut GpuIBuf,
         wgt: &mut GpuBuf,
     ) {
+        let _p = self.prof(|| "moe_route".to_string());
+
         self.op_moe_route(spec, logits, bias, tid2eid, tokens, n, sel, wgt)
     }
 
@@ -782,10 +851,14 @@ impl Backend for GpuBackend {
         n: usize,
         out: &mut GpuBuf,
     ) {
+        let _p = self.prof(|| format!("moe_experts n{}", if n == 1 { "=1" } else { ">1" }));
+
         self.op_moe_experts(spec, gate, up, down, z, sel, wgt, n, out)
     }
 
     fn swiglu(&self, g: &mut GpuBuf, u: &GpuBuf, len: usize, clamp: f32) {
+        let _p = self.prof(|| "swiglu".to_string());
+
         self.op_swiglu(g, u, len, clamp)
     }
 }
