@@ -62,16 +62,29 @@ pub const ELEMENTWISE: Module = Module {
 };
 
 mod attention;
+mod gemm;
 mod matmul;
+mod matvec;
 mod model;
 mod synth;
 pub use attention::ATTENTION;
+pub use gemm::GEMM;
 pub use matmul::MATMUL;
+pub use matvec::MATVEC;
 pub use model::MODEL;
 pub use synth::SYNTH;
 
 /// Every module, for compile checks.
-pub const MODULES: &[Module] = &[QUANT, ELEMENTWISE, ATTENTION, MODEL, MATMUL, SYNTH];
+pub const MODULES: &[Module] = &[
+    QUANT,
+    ELEMENTWISE,
+    ATTENTION,
+    MODEL,
+    MATMUL,
+    SYNTH,
+    MATVEC,
+    GEMM,
+];
 
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in
 /// `gpu/quant.cu` (checked by a test).

@@ -250,6 +250,11 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) {
+        // Fast paths first (decode: matvec.rs, prefill: gemm.rs); they decline what they
+        // do not cover and this general form runs.
+        if self.failed() || self.mv_matmul(w, part, x, n, y) || self.gemm_matmul(w, part, x, n, y) {
+            return;
+        }
         let Some((p, m)) = self.mat(w) else { return };
         let byte0 = match part {
             Part::All => 0,
@@ -274,6 +279,12 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) {
+        if self.failed()
+            || self.mv_grouped(w, groups, x, n, y)
+            || self.gemm_grouped(w, groups, x, n, y)
+        {
+            return;
+        }
         let Some((_, m)) = self.mat(w) else { return };
         if groups == 0 {
             return;
@@ -310,6 +321,12 @@ impl GpuBackend {
         n: usize,
         out: &mut GpuBuf,
     ) {
+        if self.failed()
+            || self.mv_moe(spec, gate, up, down, z, sel, wgt, n, out)
+            || self.gemm_moe(spec, gate, up, down, z, sel, wgt, n, out)
+        {
+            return;
+        }
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
         if pairs == 0 {

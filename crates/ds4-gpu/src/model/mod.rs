@@ -14,7 +14,9 @@
 #![allow(dead_code)] // until every op is on the device
 
 mod attn;
+mod gemm;
 mod matmul;
+mod matvec;
 mod mix;
 mod prof;
 pub mod synth;

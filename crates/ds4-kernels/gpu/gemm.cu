@@ -1,0 +1,2 @@
+// Prefill weight products: tensor-core GEMM (mma) with a portable fallback.
+#include "prelude.cuh"
