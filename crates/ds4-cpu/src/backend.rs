@@ -61,37 +61,13 @@ impl CpuWeight {
     }
 }
 
-/// Runs the weight products somewhere else (the hybrid GPU bridge plugs in here); everything
-/// else stays on the CPU. `w` is a contiguous block of whole rows of type `ty` (`cols`
-/// elements each) that always has the same bytes for the same `key` (mapping address,
-/// absolute byte offset), so an implementation may upload it once and reuse it. `xs` is
-/// `n × cols`, `ys` `n × rows`.
-pub trait MatAccel: Send + Sync {
-    fn matmul(
-        &self,
-        key: (usize, usize),
-        ty: GgmlType,
-        w: &[u8],
-        cols: usize,
-        xs: &[f32],
-        ys: &mut [f32],
-    );
-}
-
 pub struct CpuBackend {
     ropes: RopeTables,
-    accel: Option<Arc<dyn MatAccel>>,
 }
 
 impl CpuBackend {
     pub fn new(ropes: RopeTables) -> CpuBackend {
-        CpuBackend { ropes, accel: None }
-    }
-
-    /// Run the weight products on an accelerator (see [`MatAccel`]).
-    pub fn with_accel(mut self, accel: Arc<dyn MatAccel>) -> CpuBackend {
-        self.accel = Some(accel);
-        self
+        CpuBackend { ropes }
     }
 
     /// `ys = W[rows r0 ..] · xs` over whole rows `r0 .. r0 + ys.len()/n`.
@@ -99,17 +75,7 @@ impl CpuBackend {
         let n = xs.len() / m.cols;
         let rows = ys.len() / n.max(1);
         let w = &m.bytes()[byte0..byte0 + rows * m.row_bytes()];
-        match &self.accel {
-            Some(a) => a.matmul(
-                (m.file.bytes().as_ptr() as usize, m.offset + byte0),
-                m.ty,
-                w,
-                m.cols,
-                xs,
-                ys,
-            ),
-            None => m.kernel.matmul_unchecked(w, xs, m.cols, ys),
-        }
+        m.kernel.matmul_unchecked(w, xs, m.cols, ys);
     }
 
     /// One row of a matrix, dequantised (embedding lookup, `ape` rows).

@@ -4,7 +4,7 @@
 pub mod backend;
 pub mod math;
 
-pub use backend::{CpuBackend, CpuWeight, MatAccel};
+pub use backend::{CpuBackend, CpuWeight};
 pub use ds4_backend::Rounding;
 use ds4_gguf::GgufFile;
 use ds4_model::forward::{rope_tables, Model};

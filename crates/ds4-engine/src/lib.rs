@@ -1,7 +1,6 @@
 //! The engine: opens a model on a backend, hands out sessions. This is the only API the CLI
 //! and the server use — tokens in, logits/tokens out, snapshots as bytes; never a tensor.
 
-mod gpu_accel;
 pub mod sampler;
 mod snapshot;
 
@@ -224,12 +223,6 @@ fn pick_gpu(choice: BackendChoice, device: usize) -> Result<Option<GpuPick>, Eng
     }
 }
 
-/// Whether `DS4_GPU_HYBRID=1` asks for the hybrid path (weight products on the GPU, the rest
-/// on the CPU reference; gpu_accel.rs) instead of the resident GPU backend.
-fn hybrid_requested() -> bool {
-    std::env::var("DS4_GPU_HYBRID").is_ok_and(|v| v == "1")
-}
-
 /// `cuda (NVIDIA H200 sm_90a)`.
 fn gpu_line(name: &str, gpu: &ds4_gpu::Gpu) -> String {
     let i = gpu.info();
@@ -277,7 +270,7 @@ impl Engine {
             files.push((mf, mdir));
         }
         let (model, backend, weight_bytes): (Arc<dyn Forward>, String, Option<u64>) = match pick {
-            Some(pick) if !hybrid_requested() => {
+            Some(pick) => {
                 let name = pick.name;
                 let (b, line) = gpu_backend(pick, &hp)?;
                 let m = Model::load(b, hp, &files, opts.rounding, progress)
@@ -285,22 +278,11 @@ impl Engine {
                 let wb = m.backend.weight_bytes();
                 (Arc::new(m), line, Some(wb))
             }
-            pick => {
-                let mut cpu = CpuBackend::new(rope_tables(&hp));
-                let line = match pick {
-                    Some(p) => {
-                        let line = format!(
-                            "{}; weight products on the GPU, the rest on the CPU",
-                            gpu_line(p.name, &p.gpu)
-                        );
-                        cpu = cpu.with_accel(Arc::new(gpu_accel::GpuAccel::new(p.gpu)));
-                        line
-                    }
-                    None => "cpu".to_string(),
-                };
+            None => {
+                let cpu = CpuBackend::new(rope_tables(&hp));
                 let m = Model::load(cpu, hp, &files, opts.rounding, progress)
                     .map_err(|e| EngineError::Backend("cpu".into(), e))?;
-                (Arc::new(m), line, None)
+                (Arc::new(m), "cpu".to_string(), None)
             }
         };
         Ok(Engine {
