@@ -1,2 +1,368 @@
-// Decode-time weight products (a few token rows): bandwidth-bound matvec kernels.
+// Decode-time weight products (n <= 4 token rows), bound by weight bandwidth.
+//
+// Layout: a lane owns one 8-element slice (chunk c = 32 elements, quarter q = lane & 3), so a warp
+// step covers MV_CPW = DS4_WARP / 4 consecutive chunks: x loads are contiguous across lanes (two
+// float4 per token) and weight loads of one warp instruction fall in one short span of the row.
+// The x slice stays in registers while the warp runs its MV_R rows (x read once per MV_R rows);
+// `kspl` warps of a CTA split the column steps of the same rows (partials added in a fixed order
+// through shared memory: deterministic, no second pass). A CTA is MV_WARPS warps and covers
+// (MV_WARPS / kspl) * MV_R rows.
+//
+// Products (semantics: ds4-cpu backend.rs):
+//   mv<NT>_<t>:    y[t*y_tok + z*y_z + r] = W_z[r] . x[t*x_tok + z*x_z ..], t < n <= NT, z = blockIdx.z
+//   mvgu_<t>:      routed gate+up+SwiGLU for pair p = blockIdx.y (token p / k):
+//                  h[p*ff + r] = silu(min(g, c)) * clamp(u, -c, c) * wgt[p]
+//   mvdown_<t>:    routed down + slot sum for token t = blockIdx.y:
+//                  out[t*d + r] = sum over slots s in order of down_{sel[t*k+s]}[r] . h[(t*k+s)*ff ..]
+// Quantised slices are decoded with exact small-int -> float conversions (0x4B000000 | b is
+// 2^23 + b) and the block scale is applied once per slice (sum(q*x) * d): the same function as
+// the CPU up to f32 rounding of the sums.
 #include "prelude.cuh"
+#include "dequant.cuh"
+
+#define MV_WARPS 8
+#define MV_THREADS (MV_WARPS * DS4_WARP)
+#define MV_R 4             // rows per warp
+#define MV_CPW (DS4_WARP / 4) // chunks per warp step
+#define MV_MAXK 8          // slots per token in mvdown
+
+// Byte b (0..3) of v minus `off`, exact: the float with bits 0x4B0000bb is 2^23 + bb.
+__device__ __forceinline__ float mv_byte(u32 v, int b, float off = 0.0f) {
+#if defined(DS4_CUDA)
+    u32 f = __byte_perm(v, 0x4B000000u, 0x7440u | b); // one PRMT: bytes [v_b, 0, 0, 0x4B]
+#else
+    u32 f = 0x4B000000u | ((v >> (8 * b)) & 0xffu);
+#endif
+    return __int_as_float(f) - (8388608.0f + off);
+}
+
+// acc[t] += W_row[chunk c, slice q] . xs[t][0..8] for t < NT; sx[t] = sum of xs[t]; gs: the
+// IQ2_XXS grid in shared memory (other types ignore it).
+template <int T, int NT> struct MvSlice {
+    static __device__ __forceinline__ void dot(const u8* __restrict__ row, int c, int q, const float (&xs)[NT][8],
+                                               const float (&sx)[NT], const u64* gs, float (&acc)[NT]) {
+        float w[8];
+        deq_slice<T>(row, c, q, w);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float a = acc[t];
+#pragma unroll
+            for (int i = 0; i < 8; i++) a = fmaf(w[i], xs[t][i], a);
+            acc[t] = a;
+        }
+    }
+};
+
+// Q8_0 (34-byte blocks: d f16, qs i8[32]): the slice's 8 quants are bytes 2 + 8q .. of block c,
+// read as two words (+ a halfword when they start 2 bytes past a word: rows are 2-byte aligned).
+template <int NT> struct MvSlice<T_Q8_0, NT> {
+    static __device__ __forceinline__ void dot(const u8* __restrict__ row, int c, int q, const float (&xs)[NT][8],
+                                               const float (&sx)[NT], const u64* gs, float (&acc)[NT]) {
+        const u8* b = row + (size_t)c * 34;
+        float d = ds4_h2f(*(const u16*)b);
+        const u8* a = b + 2 + 8 * q;
+        bool odd = ((size_t)a & 2) != 0; // a = 4k + 2: bytes straddle three words
+        const u32* p = (const u32*)(a - (odd ? 2 : 0));
+        u32 w0 = p[0], w1 = p[1];
+        u32 e = *(const u16*)(odd ? (const u8*)p + 8 : (const u8*)p + 4); // in bounds either way
+        u32 lo = odd ? (w0 >> 16) | (w1 << 16) : w0;
+        u32 hi = odd ? (w1 >> 16) | (e << 16) : w1;
+        lo ^= 0x80808080u, hi ^= 0x80808080u; // i8 -> u8 + 128
+        float g[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) g[i] = mv_byte(lo, i, 128.0f), g[4 + i] = mv_byte(hi, i, 128.0f);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) s = fmaf(g[i], xs[t][i], s);
+            acc[t] = fmaf(d, s, acc[t]);
+        }
+    }
+};
+
+// Q2_K (84-byte blocks per 256): slice q of chunk p = c & 7 (h = p/4, j = p%4) is elements
+// 16i + l0 .. +8 (i = q/2, l0 = 8(q&1)): 2-bit fields (qs[32h + 16i + l0 + l] >> 2j) & 3, one
+// scale byte 8h + 2j + i. Sum (dl*v - ml) * x = dl * sum(v*x) - ml * sum(x).
+template <int NT> struct MvSlice<T_Q2_K, NT> {
+    static __device__ __forceinline__ void dot(const u8* __restrict__ row, int c, int q, const float (&xs)[NT][8],
+                                               const float (&sx)[NT], const u64* gs, float (&acc)[NT]) {
+        const u8* b = row + (size_t)(c >> 3) * 84;
+        int p = c & 7, h = p >> 2, j = p & 3, i = q >> 1;
+        u32 dd = *(const u32*)(b + 80);
+        float d = ds4_h2f((u16)dd), dmin = ds4_h2f((u16)(dd >> 16));
+        u32 s = b[8 * h + 2 * j + i];
+        float dl = ds4_mul_rn(d, (float)(s & 15)), ml = ds4_mul_rn(dmin, (float)(s >> 4));
+        const u32* qs = (const u32*)(b + 16 + 32 * h + 8 * q);
+        u32 v0 = (qs[0] >> (2 * j)) & 0x03030303u, v1 = (qs[1] >> (2 * j)) & 0x03030303u;
+        float g[8];
+#pragma unroll
+        for (int l = 0; l < 4; l++) g[l] = mv_byte(v0, l), g[4 + l] = mv_byte(v1, l);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float a = 0.0f;
+#pragma unroll
+            for (int l = 0; l < 8; l++) a = fmaf(g[l], xs[t][l], a);
+            acc[t] = fmaf(dl, a, fmaf(-ml, sx[t], acc[t]));
+        }
+    }
+};
+
+// IQ2_XXS (66-byte blocks per 256): slice q of chunk c is run q of group c & 7: 8 grid
+// magnitudes (entry g[q], from shared memory) with 7 sign bits (aux >> 7q) + parity, times db.
+template <int NT> struct MvSlice<T_IQ2_XXS, NT> {
+    static __device__ __forceinline__ void dot(const u8* __restrict__ row, int c, int q, const float (&xs)[NT][8],
+                                               const float (&sx)[NT], const u64* gs, float (&acc)[NT]) {
+        const u8* b = row + (size_t)(c >> 3) * 66;
+        const u16* g2 = (const u16*)(b + 2 + 8 * (c & 7));
+        float d = ds4_h2f(*(const u16*)b);
+        u32 idx = g2[q >> 1];
+        u32 aux = (u32)g2[2] | ((u32)g2[3] << 16);
+        float db = ds4_mul_rn(ds4_mul_rn(d, 0.5f + (float)(aux >> 28)), 0.25f);
+        u64 grid = gs[(idx >> (8 * (q & 1))) & 0xff];
+        u32 s7 = (aux >> (7 * q)) & 127;
+        u32 signs = s7 | ((__popc(s7) & 1) << 7);
+        u32 lo = (u32)grid, hi = (u32)(grid >> 32);
+        float g[8];
+#pragma unroll
+        for (int l = 0; l < 8; l++) {
+            float m = mv_byte(l < 4 ? lo : hi, l & 3);
+            g[l] = __int_as_float(__float_as_int(m) ^ (((signs >> l) & 1u) << 31));
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float a = 0.0f;
+#pragma unroll
+            for (int l = 0; l < 8; l++) a = fmaf(g[l], xs[t][l], a);
+            acc[t] = fmaf(db, a, acc[t]);
+        }
+    }
+};
+
+// The IQ2_XXS grid copied into shared memory (other types: nothing); all threads must call it.
+template <int T> __device__ __forceinline__ const u64* mv_grid(u64* sg) {
+    if (T != T_IQ2_XXS) return sg;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sg[i] = ds4_iq2xxs_grid[i];
+    __syncthreads();
+    return sg;
+}
+
+// x slice of chunk c, quarter q for NT tokens (t >= n repeats token n - 1) and its sums.
+template <int NT>
+__device__ __forceinline__ void mv_x(const float* __restrict__ xb, long long x_tok, int n, int c, int q, float (&xs)[NT][8],
+                                     float (&sx)[NT]) {
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        const float4* xv = (const float4*)(xb + (long long)min(t, n - 1) * x_tok + (long long)c * 32 + 8 * q);
+        float4 a = xv[0], b = xv[1];
+        xs[t][0] = a.x, xs[t][1] = a.y, xs[t][2] = a.z, xs[t][3] = a.w;
+        xs[t][4] = b.x, xs[t][5] = b.y, xs[t][6] = b.z, xs[t][7] = b.w;
+        sx[t] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+    }
+}
+
+// Adds this warp's columns of rows rp[0..MV_R] times x (chunks c0 = ks*MV_CPW, step kspl*MV_CPW).
+template <int T, int NT>
+__device__ __forceinline__ void mv_rows(const u8* const (&rp)[MV_R], const float* __restrict__ xb, long long x_tok, int n,
+                                        int chunks, int ks, int kspl, const u64* gs, float (&acc)[MV_R][NT]) {
+    int lane = threadIdx.x % DS4_WARP, q = lane & 3;
+    for (int c0 = ks * MV_CPW; c0 < chunks; c0 += kspl * MV_CPW) {
+        int c = c0 + lane / 4;
+        if (c < chunks) {
+            float xs[NT][8], sx[NT];
+            mv_x<NT>(xb, x_tok, n, c, q, xs, sx);
+#pragma unroll
+            for (int i = 0; i < MV_R; i++) MvSlice<T, NT>::dot(rp[i], c, q, xs, sx, gs, acc[i]);
+        }
+    }
+}
+
+// Warp sums of acc; then the first warp of each kspl group holds, in lane j < MV_R*NT, the total
+// of value j = (row j / NT, token j % NT) over its kspl warps (returned; other lanes/warps: junk).
+// red: MV_WARPS * MV_R * NT floats. Every thread of the CTA must call it.
+template <int NT> __device__ __forceinline__ float mv_reduce(float (&acc)[MV_R][NT], int kspl, float* red) {
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    float v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MV_R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float s = ds4_warp_sum(acc[i][t]);
+            if (lane == i * NT + t) v = s;
+        }
+    if (kspl == 1) return v;
+    if (lane < MV_R * NT) red[warp * MV_R * NT + lane] = v;
+    __syncthreads();
+    if (warp % kspl == 0 && lane < MV_R * NT) {
+        v = 0.0f;
+        for (int s = 0; s < kspl; s++) v += red[(warp + s) * MV_R * NT + lane];
+    }
+    return v;
+}
+
+template <int T, int NT>
+__device__ __forceinline__ void mv_body(const u8* __restrict__ W, long long w_z, const float* __restrict__ x, long long x_tok,
+                                        long long x_z, float* __restrict__ y, long long y_tok, long long y_z, int rows, int cols,
+                                        long long row_bytes, int n, int kspl) {
+    __shared__ u64 sg[T == T_IQ2_XXS ? 256 : 1];
+    __shared__ float red[MV_WARPS * MV_R * NT];
+    const u64* gs = mv_grid<T>(sg);
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, z = blockIdx.z;
+    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * MV_R;
+    float acc[MV_R][NT];
+#pragma unroll
+    for (int i = 0; i < MV_R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+    if (r0 < rows) { // warp-uniform
+        const u8* rp[MV_R];
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) rp[i] = W + (long long)z * w_z + (long long)min(r0 + i, rows - 1) * row_bytes;
+        mv_rows<T, NT>(rp, x + (long long)z * x_z, x_tok, n, cols / 32, warp % kspl, kspl, gs, acc);
+    }
+    float v = mv_reduce<NT>(acc, kspl, red);
+    int r = r0 + lane / NT, t = lane % NT;
+    if (warp % kspl == 0 && lane < MV_R * NT && r < rows && t < n) y[(long long)t * y_tok + (long long)z * y_z + r] = v;
+}
+
+template <int T>
+__device__ __forceinline__ void mvgu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
+                                          long long slab, const float* __restrict__ x, int k, const float* __restrict__ wgt,
+                                          float clamp, float* __restrict__ h, int rows, int cols, long long row_bytes, int kspl) {
+    __shared__ u64 sg[T == T_IQ2_XXS ? 256 : 1];
+    __shared__ float red[MV_WARPS * MV_R * 2];
+    const u64* gs = mv_grid<T>(sg);
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, p = blockIdx.y;
+    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * MV_R;
+    // acc[i][0]: gate row r0 + i, acc[i][1]: up row r0 + i (one token each).
+    float acc[MV_R][2];
+#pragma unroll
+    for (int i = 0; i < MV_R; i++) acc[i][0] = 0.0f, acc[i][1] = 0.0f;
+    if (r0 < rows) {
+        long long wo = (long long)max(sel[p], 0) * slab;
+        const float* xb = x + (long long)(p / k) * cols;
+        int chunks = cols / 32, q = lane & 3;
+        const u8 *rg[MV_R], *ru[MV_R];
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) {
+            long long o = wo + (long long)min(r0 + i, rows - 1) * row_bytes;
+            rg[i] = Wg + o, ru[i] = Wu + o;
+        }
+        for (int c0 = (warp % kspl) * MV_CPW; c0 < chunks; c0 += kspl * MV_CPW) {
+            int c = c0 + lane / 4;
+            if (c < chunks) {
+                float xs[1][8], sx[1];
+                mv_x<1>(xb, cols, 1, c, q, xs, sx);
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) {
+                    float ag[1] = {acc[i][0]}, au[1] = {acc[i][1]};
+                    MvSlice<T, 1>::dot(rg[i], c, q, xs, sx, gs, ag);
+                    MvSlice<T, 1>::dot(ru[i], c, q, xs, sx, gs, au);
+                    acc[i][0] = ag[0], acc[i][1] = au[0];
+                }
+            }
+        }
+    }
+    float v = mv_reduce<2>(acc, kspl, red); // lane 2i: gate row r0+i, lane 2i+1: up
+    float u = ds4_shfl_xor(v, 1);
+    int r = r0 + lane / 2;
+    if (warp % kspl == 0 && lane < 2 * MV_R && (lane & 1) == 0 && r < rows) {
+        float gv = fminf(v, clamp), uv = fminf(fmaxf(u, -clamp), clamp);
+        h[(long long)p * rows + r] = gv * (1.0f / (1.0f + expf(-gv))) * uv * wgt[p];
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void mvdown_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
+                                            const float* __restrict__ hx, int k, float* __restrict__ out, int rows, int cols,
+                                            long long row_bytes, int kspl) {
+    __shared__ u64 sg[T == T_IQ2_XXS ? 256 : 1];
+    __shared__ float red[MV_MAXK][MV_WARPS * MV_R];
+    const u64* gs = mv_grid<T>(sg);
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, tok = blockIdx.y;
+    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * MV_R;
+    for (int s = 0; s < k; s++) {
+        float acc[MV_R][1];
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) acc[i][0] = 0.0f;
+        int pr = tok * k + s;
+        if (r0 < rows) {
+            const u8* rp[MV_R];
+#pragma unroll
+            for (int i = 0; i < MV_R; i++)
+                rp[i] = W + (long long)max(sel[pr], 0) * slab + (long long)min(r0 + i, rows - 1) * row_bytes;
+            mv_rows<T, 1>(rp, hx + (long long)pr * cols, cols, 1, cols / 32, warp % kspl, kspl, gs, acc);
+        }
+        float v = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) {
+            float t = ds4_warp_sum(acc[i][0]);
+            if (lane == i) v = t;
+        }
+        if (lane < MV_R) red[s][warp * MV_R + lane] = v;
+    }
+    __syncthreads();
+    int r = r0 + lane;
+    if (warp % kspl == 0 && lane < MV_R && r < rows) {
+        float o = 0.0f; // slots in selection order, each the sum of its kspl partials
+        for (int s = 0; s < k; s++) {
+            float v = 0.0f;
+            for (int j = 0; j < kspl; j++) v += red[s][(warp + j) * MV_R + lane];
+            o += v;
+        }
+        out[(long long)tok * rows + r] = o;
+    }
+}
+
+#define MV_PARAMS                                                                                                      \
+    const u8 *__restrict__ W, long long w_z, const float *__restrict__ x, long long x_tok, long long x_z,              \
+        float *__restrict__ y, long long y_tok, long long y_z, int rows, int cols, long long row_bytes, int n, int kspl
+#define MV_ARGS W, w_z, x, x_tok, x_z, y, y_tok, y_z, rows, cols, row_bytes, n, kspl
+#define MVGU_PARAMS                                                                                                    \
+    const u8 *__restrict__ Wg, const u8 *__restrict__ Wu, const int *__restrict__ sel, long long slab,                \
+        const float *__restrict__ x, int k, const float *__restrict__ wgt, float clamp, float *__restrict__ h, int rows, \
+        int cols, long long row_bytes, int kspl
+#define MVGU_ARGS Wg, Wu, sel, slab, x, k, wgt, clamp, h, rows, cols, row_bytes, kspl
+#define MVDOWN_PARAMS                                                                                                  \
+    const u8 *__restrict__ W, const int *__restrict__ sel, long long slab, const float *__restrict__ hx, int k,       \
+        float *__restrict__ out, int rows, int cols, long long row_bytes, int kspl
+#define MVDOWN_ARGS W, sel, slab, hx, k, out, rows, cols, row_bytes, kspl
+
+// NT = 1 serves n = 1; NT = 2 serves n = 2; NT = 4 serves n = 3, 4.
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_f32(MV_PARAMS) { mv_body<T_F32, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_f32(MV_PARAMS) { mv_body<T_F32, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_f32(MV_PARAMS) { mv_body<T_F32, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_f16(MV_PARAMS) { mv_body<T_F16, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_f16(MV_PARAMS) { mv_body<T_F16, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_f16(MV_PARAMS) { mv_body<T_F16, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_bf16(MV_PARAMS) { mv_body<T_BF16, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_bf16(MV_PARAMS) { mv_body<T_BF16, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_bf16(MV_PARAMS) { mv_body<T_BF16, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 4>(MV_ARGS); }
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f32(MVGU_PARAMS) { mvgu_body<T_F32>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f16(MVGU_PARAMS) { mvgu_body<T_F16>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_bf16(MVGU_PARAMS) { mvgu_body<T_BF16>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q8_0(MVGU_PARAMS) { mvgu_body<T_Q8_0>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q2_k(MVGU_PARAMS) { mvgu_body<T_Q2_K>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q4_k(MVGU_PARAMS) { mvgu_body<T_Q4_K>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_iq2_xxs(MVGU_PARAMS) { mvgu_body<T_IQ2_XXS>(MVGU_ARGS); }
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_f32(MVDOWN_PARAMS) { mvdown_body<T_F32>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_f16(MVDOWN_PARAMS) { mvdown_body<T_F16>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_bf16(MVDOWN_PARAMS) { mvdown_body<T_BF16>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q8_0(MVDOWN_PARAMS) { mvdown_body<T_Q8_0>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q2_k(MVDOWN_PARAMS) { mvdown_body<T_Q2_K>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q4_k(MVDOWN_PARAMS) { mvdown_body<T_Q4_K>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_iq2_xxs(MVDOWN_PARAMS) { mvdown_body<T_IQ2_XXS>(MVDOWN_ARGS); }
