@@ -1,2 +1,241 @@
 // Prefill weight products: tensor-core GEMM (mma) with a portable fallback.
+//   Y[item, r] = W[r] · X[item]   for items (token rows, or (token, slot) pairs of one expert),
+// W rows dequantised chunk by chunk (dequant.cuh) into shared memory.
+//
+// CTA: 128 threads, tile GM_BM = 32 items × GM_BN = 128 weight rows, K step = one 32-element chunk.
+// Thread t dequantises chunk c of tile row t (its own row); the X tile (32 items × 32 floats) is
+// staged in shared memory by all threads (float4 loads; host checks 16-byte alignment).
+//
+// Tensor-core form (CUDA, DS4_ARCH >= 800): mma.sync m16n8k16 bf16 with f32 accumulation. Accuracy:
+// each operand v is split into hi = bf16_rn(v) and lo = bf16_rn(v - hi) (~16 significant bits), and
+// each tile takes three products Xhi·Whi + Xlo·Whi + Xhi·Wlo (the dropped Xlo·Wlo is < 2^-16 |x w|);
+// BF16 weights are exact in hi, so two. Per-term error ~2^-16, i.e. ~1e-5 relative on the dot products,
+// well inside the 1e-3 asked for (plain bf16 would give ~2e-3). Measured error: bench/results/gpu-gemm-h200.txt.
+// Warp w owns tile rows 32w..32w+32 (4 n-tiles of 8) for all 32 items (2 m-tiles of 16).
+//
+// Portable form (gemmf_*, and gemm_* where no mma): thread t keeps its dequantised chunk in registers
+// and accumulates its row for the 32 items (X read from shared memory as broadcasts), plain FMA.
+//
+// Split K: blockIdx.z = z * ks + s; slice s takes chunks [s*kc, min((s+1)*kc, cols/32)) and writes at
+// Y + s*y_s (partials, summed by gemm_sum_f32), z is the batch (grouped products: group z).
+// Items: grp == null: items by*32 .. (dense, sel null). grp from moe_group_i32 (nt = 32):
+// [ngroups, starts[gmax], perm[n]]; CTA by takes the run of up to 32 pairs of one expert at
+// starts[by], expert max(sel, 0), weight W + expert*slab.
 #include "prelude.cuh"
+#include "dequant.cuh"
+
+#define GM_BM 32
+#define GM_BN 128
+#define GM_LD 20 // u32 per shared row (16 used): conflict-free fragment loads and 16-byte stores
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+#define GM_HAVE_MMA 1
+#else
+#define GM_HAVE_MMA 0
+#endif
+
+// bf16 round-to-nearest-even of a finite f32 (weights and activations are finite).
+__device__ __forceinline__ u32 gm_bf16_rn(float v) {
+    u32 u = __float_as_int(v);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// Split a pair (v0 at the even k, low half) into packed bf16 hi and lo words.
+__device__ __forceinline__ void gm_split2(float v0, float v1, u32& hi, u32& lo) {
+    u32 h0 = gm_bf16_rn(v0), h1 = gm_bf16_rn(v1);
+    float r0 = v0 - __int_as_float(h0 << 16), r1 = v1 - __int_as_float(h1 << 16); // exact
+    hi = h0 | (h1 << 16);
+    lo = gm_bf16_rn(r0) | (gm_bf16_rn(r1) << 16);
+}
+
+#if GM_HAVE_MMA
+__device__ __forceinline__ void gm_mma(float* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+struct alignas(16) GmSmemMma { // 16-byte vector stores
+    u32 xh[GM_BM][GM_LD], xl[GM_BM][GM_LD];
+    u32 wh[GM_BN][GM_LD], wl[GM_BN][GM_LD];
+};
+struct alignas(16) GmSmemFma {
+    float x[GM_BM][32];
+};
+
+#define GM_PARAMS                                                                                                 \
+    const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const float *__restrict__ X, \
+        long long x_tok, long long x_z, int xdiv, float *__restrict__ Y, long long y_tok, long long y_z, long long y_s, \
+        int rows, int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax
+#define GM_ARGS W, w_z, sel, slab, X, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax
+
+template <int T, bool MMA> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
+    __shared__ int items[GM_BM];
+    __shared__ int expert;
+    __shared__ union {
+        GmSmemMma m;
+        GmSmemFma f;
+    } sm;
+    const int tid = threadIdx.x;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GM_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    if (tid < GM_BM) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * GM_BM + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) expert = e;
+        }
+        items[tid] = it;
+    }
+    __syncthreads();
+    long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const int row = r0 + tid;
+    const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes;
+    const bool live = row < rows;
+    // X staging: thread -> item tid/4, floats 8(tid%4) .. +8 of the chunk.
+    const int xi = tid >> 2, xq = tid & 3;
+    const int xit = items[xi];
+    const float* xrow = xit >= 0 ? X + (long long)(xit / xdiv) * x_tok + (long long)z * x_z : X;
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
+
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+
+    for (int c = c0; c < c1; c++) {
+        float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
+        if (xit >= 0) {
+            const float4* p = (const float4*)(xrow + 32 * c + 8 * xq);
+            xa = p[0], xb = p[1];
+        }
+        float w[32];
+        if (live) {
+            deq_chunk<T>(wrow, c, w);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; i++) w[i] = 0.0f;
+        }
+        if (MMA) {
+            uint4 h, l;
+            gm_split2(xa.x, xa.y, h.x, l.x);
+            gm_split2(xa.z, xa.w, h.y, l.y);
+            gm_split2(xb.x, xb.y, h.z, l.z);
+            gm_split2(xb.z, xb.w, h.w, l.w);
+            *(uint4*)&sm.m.xh[xi][4 * xq] = h;
+            *(uint4*)&sm.m.xl[xi][4 * xq] = l;
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                gm_split2(w[8 * v], w[8 * v + 1], h.x, l.x);
+                gm_split2(w[8 * v + 2], w[8 * v + 3], h.y, l.y);
+                gm_split2(w[8 * v + 4], w[8 * v + 5], h.z, l.z);
+                gm_split2(w[8 * v + 6], w[8 * v + 7], h.w, l.w);
+                *(uint4*)&sm.m.wh[tid][4 * v] = h;
+                *(uint4*)&sm.m.wl[tid][4 * v] = l;
+            }
+            __syncthreads();
+#if GM_HAVE_MMA
+            const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                const int k0 = 8 * kk + t; // u32 column of this lane's first pair
+                u32 ah[2][4], al[2][4], bh[4][2], bl[4][2];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    int m = 16 * mt + g;
+                    ah[mt][0] = sm.m.xh[m][k0], ah[mt][1] = sm.m.xh[m + 8][k0];
+                    ah[mt][2] = sm.m.xh[m][k0 + 4], ah[mt][3] = sm.m.xh[m + 8][k0 + 4];
+                    al[mt][0] = sm.m.xl[m][k0], al[mt][1] = sm.m.xl[m + 8][k0];
+                    al[mt][2] = sm.m.xl[m][k0 + 4], al[mt][3] = sm.m.xl[m + 8][k0 + 4];
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    int r = 32 * warp + 8 * nt + g;
+                    bh[nt][0] = sm.m.wh[r][k0], bh[nt][1] = sm.m.wh[r][k0 + 4];
+                    bl[nt][0] = sm.m.wl[r][k0], bl[nt][1] = sm.m.wl[r][k0 + 4];
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++) {
+                        float* cc = acc + 4 * (4 * mt + nt);
+                        gm_mma(cc, ah[mt], bh[nt]);
+                        gm_mma(cc, al[mt], bh[nt]);
+                        if (T != T_BF16) gm_mma(cc, ah[mt], bl[nt]); // bf16 weights: lo = 0
+                    }
+            }
+#endif
+            __syncthreads();
+        } else {
+            *(float4*)&sm.f.x[xi][8 * xq] = xa;
+            *(float4*)&sm.f.x[xi][8 * xq + 4] = xb;
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < GM_BM; j++) { // acc stays in registers: full unroll
+                float a = acc[j];
+#pragma unroll
+                for (int k = 0; k < 32; k++) a = fmaf(w[k], sm.f.x[j][k], a);
+                acc[j] = a;
+            }
+            __syncthreads();
+        }
+    }
+
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+    if (MMA) {
+        // acc[4*(4*mt+nt) + e]: item 16mt + g + 8(e/2), tile row 32w + 8nt + 2t + e%2.
+        const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; e2++) {
+                int it = items[16 * mt + g + 8 * e2];
+                if (it < 0) continue;
+                float* yr = yb + (long long)it * y_tok;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; e1++) {
+                        int r = r0 + 32 * warp + 8 * nt + 2 * t + e1;
+                        if (r < rows) yr[r] = acc[4 * (4 * mt + nt) + 2 * e2 + e1];
+                    }
+            }
+    } else if (live) {
+#pragma unroll
+        for (int j = 0; j < GM_BM; j++) {
+            int it = items[j];
+            if (it >= 0) yb[(long long)it * y_tok + row] = acc[j];
+        }
+    }
+}
+
+// gemm_<t>: tensor cores where compiled in, else the portable form; gemmf_<t>: always portable.
+DS4_KERNEL void DS4_BOUNDS(128) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA != 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA != 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA != 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA != 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA != 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA != 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA != 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, false>(GM_ARGS); }
+
+// Split-K partials: y[i] = sum over s < ks (in order) of part[s*total + i].
+DS4_KERNEL void DS4_BOUNDS(256) gemm_sum_f32(const float* __restrict__ part, float* __restrict__ y, int ks, long long total) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    float a = 0.0f;
+    for (int s = 0; s < ks; s++) a += part[(long long)s * total + i];
+    y[i] = a;
+}

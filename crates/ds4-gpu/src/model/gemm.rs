@@ -1,48 +1,421 @@
 //! Prefill weight products (n > 4 token rows). Each entry returns true when it ran the product, false to leave it to the general
 //! kernels of matmul.rs (unsupported type or shape). Semantics: ds4-cpu backend.rs.
+//!
+//! Kernels: `gemm_<t>` / `gemmf_<t>` of `gpu/gemm.cu` (tiles of 32 items × 128 weight rows,
+//! tensor-core mma with a bf16 hi/lo split, or the portable FMA form), split K when the grid
+//! would be small (partials summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by
+//! expert on the device (`moe_group_i32`, runs cut at 32), then gate, up (GEMM each), SwiGLU
+//! and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
-use ds4_backend::{MoeSpec, Part};
+use crate::runtime::{Arg, DevPtr, LaunchDims};
+use ds4_backend::{GgmlType, MoeSpec, Part};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+
+/// Items (token rows or pairs) and weight rows per CTA (`GM_BM`, `GM_BN` in gemm.cu).
+const BM: usize = 32;
+const BN: usize = 128;
+/// Fewest token rows the GEMM takes (decode, n ≤ 4, belongs to matvec.rs).
+const MIN_N: usize = 5;
+/// Most (token, slot) pairs grouped on the device (the grouping kernel is quadratic).
+const MAX_PAIRS: usize = 4096;
+
+/// 0: auto (tensor cores where compiled), 1: portable FMA kernels, 2: off (decline all).
+static MODE: AtomicU8 = AtomicU8::new(0);
+
+/// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+fn suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::IQ2_XXS => "iq2_xxs",
+        _ => return None,
+    })
+}
+
+/// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
+/// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
+struct Gm {
+    w: DevPtr,
+    ty: GgmlType,
+    w_z: usize,
+    slab: usize,
+    x: DevPtr,
+    x_tok: usize,
+    x_z: usize,
+    xdiv: usize,
+    y: DevPtr,
+    y_tok: usize,
+    y_z: usize,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    n: usize,
+    zs: usize,
+    /// Pairs grouped by expert: (sel, grp from moe_group_i32, gmax).
+    grp: Option<(DevPtr, DevPtr, usize)>,
+}
 
 impl GpuBackend {
+    /// Prefill GEMM kernels: `on` false declines every product (general matmul.rs kernels run);
+    /// `fma` true takes the portable `gemmf_*` form even where tensor cores exist. Default
+    /// (true, false). Process-wide, for tests and benchmarks.
+    pub fn set_gemm(on: bool, fma: bool) {
+        MODE.store(
+            if !on {
+                2
+            } else if fma {
+                1
+            } else {
+                0
+            },
+            Ordering::Relaxed,
+        );
+    }
+
+    /// GEMM kernel launches so far in this process (tests: the product did not fall back).
+    pub fn gemm_launches() -> u64 {
+        LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// Whether the GEMM takes a product of `n` rows of weight type `ty` with `cols` columns and
+    /// these f32 pointers/strides (float4 loads of x need 16-byte alignment).
+    fn gemm_ok(&self, ty: GgmlType, n: usize, cols: usize, x: DevPtr, x_strides: &[usize]) -> bool {
+        MODE.load(Ordering::Relaxed) != 2
+            && n >= MIN_N
+            && suffix(ty).is_some()
+            && cols.is_multiple_of(32)
+            && x.0.is_multiple_of(16)
+            && x_strides.iter().all(|s| s.is_multiple_of(4))
+    }
+
+    /// Launch one [`Gm`] (split K when the grid would leave SMs idle; never with groups).
+    fn gemm(&self, m: &Gm) {
+        if m.n == 0 || m.rows == 0 || m.zs == 0 || self.failed() {
+            return;
+        }
+        let Some(sfx) = suffix(m.ty) else { return };
+        let form = if MODE.load(Ordering::Relaxed) == 1 {
+            "gemmf"
+        } else {
+            "gemm"
+        };
+        let ytiles = match m.grp {
+            Some((_, _, gmax)) => gmax,
+            None => m.n.div_ceil(BM),
+        };
+        let ctas = m.rows.div_ceil(BN) * ytiles * m.zs;
+        let nch = m.cols / 32;
+        // Split K: up to 8 slices of at least 16 chunks while the grid is under 2 CTAs per SM.
+        let want = 2 * self.gpu.info().sm_count as usize;
+        let mut ks = 1;
+        if m.grp.is_none() {
+            while ks < 8 && ctas * ks < want && nch / (2 * ks) >= 16 {
+                ks *= 2;
+            }
+        }
+        let kc = nch.div_ceil(ks);
+        let ks = nch.div_ceil(kc); // no empty slice
+        let total = m.n * m.y_tok; // y spans n rows of y_tok values (every batch inside)
+        let part = (ks > 1).then(|| self.scratch(ks * total));
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        let (sel, grp, gmax) = match m.grp {
+            Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
+            None => (Arg::Null, Arg::Null, 0),
+        };
+        self.run(
+            &ds4_kernels::GEMM,
+            &format!("{form}_{sfx}"),
+            LaunchDims {
+                grid: [
+                    m.rows.div_ceil(BN) as u32,
+                    ytiles as u32,
+                    (m.zs * ks) as u32,
+                ],
+                block: [128, 1, 1],
+                shared_bytes: 0,
+            },
+            &[
+                Arg::Ptr(m.w),
+                Arg::I64(m.w_z as i64),
+                sel,
+                Arg::I64(m.slab as i64),
+                Arg::Ptr(m.x),
+                Arg::I64(m.x_tok as i64),
+                Arg::I64(m.x_z as i64),
+                Arg::I32(m.xdiv.max(1) as i32),
+                Arg::Ptr(part.as_ref().map_or(m.y, |p| p.ptr)),
+                Arg::I64(m.y_tok as i64),
+                Arg::I64(m.y_z as i64),
+                Arg::I64(if ks > 1 { total as i64 } else { 0 }),
+                Arg::I32(m.rows as i32),
+                Arg::I32(m.cols as i32),
+                Arg::I64(m.row_bytes as i64),
+                Arg::I32(m.n as i32),
+                Arg::I32(ks as i32),
+                Arg::I32(kc as i32),
+                grp,
+                Arg::I32(gmax as i32),
+            ],
+        );
+        if let Some(p) = part {
+            self.run(
+                &ds4_kernels::GEMM,
+                "gemm_sum_f32",
+                LaunchDims::linear(total.div_ceil(256) as u32, 256),
+                &[
+                    Arg::Ptr(p.ptr),
+                    Arg::Ptr(m.y),
+                    Arg::I32(ks as i32),
+                    Arg::I64(total as i64),
+                ],
+            );
+        }
+    }
+
     /// `y[i] = W·x[i]` (`Part` as in Backend::matmul).
     pub(crate) fn gemm_matmul(
         &self,
-        _w: &GpuWeight,
-        _part: Part,
-        _x: &GpuBuf,
-        _n: usize,
-        _y: &mut GpuBuf,
+        w: &GpuWeight,
+        part: Part,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
     ) -> bool {
-        false
+        let GpuWeight::Mat {
+            buf,
+            ty,
+            cols,
+            rows,
+            row_bytes,
+            ..
+        } = w
+        else {
+            return false;
+        };
+        if !self.gemm_ok(*ty, n, *cols, x.ptr, &[*cols]) {
+            return false;
+        }
+        let slab = rows * row_bytes;
+        let byte0 = match part {
+            Part::All => 0,
+            Part::Expert(e) => e * slab,
+        };
+        self.gemm(&Gm {
+            w: buf.ptr().offset(byte0 as u64),
+            ty: *ty,
+            w_z: 0,
+            slab,
+            x: x.ptr,
+            x_tok: *cols,
+            x_z: 0,
+            xdiv: 1,
+            y: y.ptr,
+            y_tok: *rows,
+            y_z: 0,
+            rows: *rows,
+            cols: *cols,
+            row_bytes: *row_bytes,
+            n,
+            zs: 1,
+            grp: None,
+        });
+        true
     }
 
-    /// Backend::matmul_grouped.
+    /// Backend::matmul_grouped: group g of every row, `y[i][g*r ..] = W[g*r ..][..r] · x[i][g*cols ..]`.
     pub(crate) fn gemm_grouped(
         &self,
-        _w: &GpuWeight,
-        _groups: usize,
-        _x: &GpuBuf,
-        _n: usize,
-        _y: &mut GpuBuf,
+        w: &GpuWeight,
+        groups: usize,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
     ) -> bool {
-        false
+        let GpuWeight::Mat {
+            buf,
+            ty,
+            cols,
+            rows,
+            row_bytes,
+            ..
+        } = w
+        else {
+            return false;
+        };
+        if groups == 0
+            || !rows.is_multiple_of(groups)
+            || !self.gemm_ok(*ty, n, *cols, x.ptr, &[groups * cols, *cols])
+        {
+            return false;
+        }
+        let r = rows / groups;
+        self.gemm(&Gm {
+            w: buf.ptr(),
+            ty: *ty,
+            w_z: r * row_bytes,
+            slab: 0,
+            x: x.ptr,
+            x_tok: groups * cols,
+            x_z: *cols,
+            xdiv: 1,
+            y: y.ptr,
+            y_tok: *rows,
+            y_z: r,
+            rows: r,
+            cols: *cols,
+            row_bytes: *row_bytes,
+            n,
+            zs: groups,
+            grp: None,
+        });
+        true
     }
 
-    /// Backend::moe_experts.
+    /// Backend::moe_experts: pairs (token, slot) grouped by expert, gate and up GEMMs per run of
+    /// one expert, SwiGLU (clamp, weight wgt[pair]), down GEMM per pair, per-token sum over slots
+    /// in selection order.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_moe(
         &self,
-        _spec: &MoeSpec,
-        _gate: &GpuWeight,
-        _up: &GpuWeight,
-        _down: &GpuWeight,
-        _z: &GpuBuf,
-        _sel: &GpuIBuf,
-        _wgt: &GpuBuf,
-        _n: usize,
-        _out: &mut GpuBuf,
+        spec: &MoeSpec,
+        gate: &GpuWeight,
+        up: &GpuWeight,
+        down: &GpuWeight,
+        z: &GpuBuf,
+        sel: &GpuIBuf,
+        wgt: &GpuBuf,
+        n: usize,
+        out: &mut GpuBuf,
     ) -> bool {
-        false
+        let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
+        let pairs = n * k;
+        let mats = [gate, up, down].map(|w| match w {
+            GpuWeight::Mat {
+                buf,
+                ty,
+                cols,
+                rows,
+                row_bytes,
+                ..
+            } => Some((buf.ptr(), *ty, *cols, *rows, *row_bytes)),
+            _ => None,
+        });
+        let [Some(g), Some(u), Some(dn)] = mats else {
+            return false;
+        };
+        if pairs == 0
+            || pairs > MAX_PAIRS
+            || g.2 != d
+            || u.2 != d
+            || dn.2 != ff
+            || g.3 != ff
+            || u.3 != ff
+            || dn.3 != d
+            || !self.gemm_ok(g.1, n, d, z.ptr, &[d])
+            || !self.gemm_ok(u.1, n, d, z.ptr, &[d])
+            || !self.gemm_ok(dn.1, n, ff, DevPtr(0), &[ff])
+        {
+            return false;
+        }
+        let sel = sel.0.ptr;
+        // Runs of one expert cut every BM pairs: at most pairs/BM + one partial run per expert.
+        let gmax = pairs.div_ceil(BM) + spec.n_expert.min(pairs);
+        let grp = self.scratch(1 + gmax + pairs);
+        let flag = self.scratch(pairs);
+        self.run(
+            &ds4_kernels::MATMUL,
+            "moe_group_i32",
+            LaunchDims::linear(1, 256),
+            &[
+                Arg::Ptr(sel),
+                Arg::I32(pairs as i32),
+                Arg::I32(BM as i32),
+                Arg::I32(gmax as i32),
+                Arg::Ptr(grp.ptr),
+                Arg::Ptr(flag.ptr),
+            ],
+        );
+        let grouped = Some((sel, grp.ptr, gmax));
+        let gb = self.scratch(pairs * ff);
+        let ub = self.scratch(pairs * ff);
+        for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
+            // Pair i reads token i / k of z.
+            self.gemm(&Gm {
+                w: p,
+                ty,
+                w_z: 0,
+                slab: ff * rb,
+                x: z.ptr,
+                x_tok: d,
+                x_z: 0,
+                xdiv: k,
+                y: dst.ptr,
+                y_tok: ff,
+                y_z: 0,
+                rows: ff,
+                cols: d,
+                row_bytes: rb,
+                n: pairs,
+                zs: 1,
+                grp: grouped,
+            });
+        }
+        let h = self.scratch(pairs * ff);
+        let total = pairs * ff;
+        self.run(
+            &ds4_kernels::MATMUL,
+            "moe_swiglu_f32",
+            LaunchDims::linear(total.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(gb.ptr),
+                Arg::Ptr(ub.ptr),
+                Arg::Ptr(h.ptr),
+                Arg::Ptr(wgt.ptr),
+                Arg::F32(spec.clamp),
+                Arg::I32(ff as i32),
+                Arg::I64(total as i64),
+            ],
+        );
+        let part = self.scratch(pairs * d);
+        self.gemm(&Gm {
+            w: dn.0,
+            ty: dn.1,
+            w_z: 0,
+            slab: d * dn.4,
+            x: h.ptr,
+            x_tok: ff,
+            x_z: 0,
+            xdiv: 1,
+            y: part.ptr,
+            y_tok: d,
+            y_z: 0,
+            rows: d,
+            cols: ff,
+            row_bytes: dn.4,
+            n: pairs,
+            zs: 1,
+            grp: grouped,
+        });
+        let total = n * d;
+        self.run(
+            &ds4_kernels::MATMUL,
+            "moe_sum_f32",
+            LaunchDims::linear(total.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(part.ptr),
+                Arg::Ptr(out.ptr),
+                Arg::I32(k as i32),
+                Arg::I32(d as i32),
+                Arg::I64(total as i64),
+            ],
+        );
+        true
     }
 }

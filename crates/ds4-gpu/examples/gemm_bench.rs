@@ -1,0 +1,237 @@
+//! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) at n = 128 token rows,
+//! as TFLOP/s (2·n·rows·cols per product) and GB/s of weight bytes, per type and model shape.
+//! form: tc = tensor cores (default), fma = portable kernels, old = general matmul.rs kernels.
+//! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
+//! Ends with an estimate of prefill tokens/s from the products of one layer × 43 layers
+//! (attention, shared expert, routed experts; compressor/indexer projections not included).
+
+use ds4_backend::{Backend, GgmlType, MoeSpec, Part, WeightSrc};
+use ds4_gguf::{GgufFile, GgufWriter};
+use ds4_gpu::conformance::random_row;
+use ds4_gpu::{Gpu, GpuBackend};
+use ds4_model::forward::rope_tables;
+use ds4_model::HParams;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A GGUF in memory with one tensor `w` of `experts × rows × cols` (64 random rows tiled).
+fn weight_file(ty: GgmlType, cols: usize, rows: usize, experts: usize) -> Arc<GgufFile> {
+    let mut r = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cols as u64 ^ rows as u64);
+    let uniq: Vec<Vec<u8>> = (0..64).map(|_| random_row(ty, cols, &mut r)).collect();
+    let mut dims = vec![cols as u64, rows as u64];
+    if experts > 1 {
+        dims.push(experts as u64);
+    }
+    let mut w = GgufWriter::new();
+    w.add_tensor("w", ty, &dims).unwrap();
+    let bytes = w
+        .to_bytes(|_, out: &mut [u8]| -> Result<(), ds4_gguf::GgufError> {
+            let rb = uniq[0].len();
+            for (i, c) in out.chunks_mut(rb).enumerate() {
+                c.copy_from_slice(&uniq[(i * 7 + i / 64) % 64]);
+            }
+            Ok(())
+        })
+        .unwrap();
+    Arc::new(GgufFile::from_bytes("bench.gguf", bytes).unwrap())
+}
+
+fn bind(gpu: &GpuBackend, f: &Arc<GgufFile>) -> <GpuBackend as Backend>::Weight {
+    let t = f.tensor("w").unwrap();
+    let src = WeightSrc {
+        name: "w",
+        file: f,
+        ty: t.ty,
+        dims: &t.dims,
+        offset: t.offset as usize,
+        n_bytes: t.n_bytes as usize,
+    };
+    gpu.matrix(&src).unwrap()
+}
+
+/// Seconds per call of `f`, `reps` calls queued between two syncs (after 2 warm-up calls).
+fn time(
+    gpu: &GpuBackend,
+    probe: &<GpuBackend as Backend>::Buf,
+    reps: usize,
+    mut f: impl FnMut(),
+) -> f64 {
+    f();
+    f();
+    gpu.download(probe, 1);
+    let t = Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    gpu.download(probe, 1);
+    if let Err(e) = gpu.check() {
+        panic!("GPU error: {e}");
+    }
+    t.elapsed().as_secs_f64() / reps as f64
+}
+
+const FORMS: &[(&str, bool, bool)] = &[
+    ("tc", true, false),
+    ("fma", true, true),
+    ("old", false, false),
+];
+
+fn main() {
+    let reps: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let g = match Gpu::open(ds4_gpu::Backend::Auto, 0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("no GPU: {e}");
+            std::process::exit(2)
+        }
+    };
+    let info = g.info().clone();
+    println!(
+        "device: {} {} ({} SMs, warp {})",
+        info.name, info.arch, info.sm_count, info.warp
+    );
+    let gpu = GpuBackend::new(g, &rope_tables(&HParams::tiny())).expect("backend");
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
+    let n = 128;
+    let line = |what: &str, flops: f64, bytes: f64, s: f64| {
+        println!(
+            "{what:56} {:9.1} us {:7.2} TFLOP/s {:8.1} GB/s",
+            s * 1e6,
+            flops / s / 1e12,
+            bytes / s / 1e9
+        );
+    };
+
+    println!("-- per type, 4096 -> 16384, n = {n} --");
+    for ty in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q4_K,
+        GgmlType::IQ2_XXS,
+    ] {
+        let (cols, rows) = (4096, 16384);
+        let f = weight_file(ty, cols, rows, 1);
+        let w = bind(&gpu, &f);
+        drop(f);
+        let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;
+        let flops = 2.0 * (n * rows * cols) as f64;
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let x = gpu.upload(&x);
+        let mut y = gpu.alloc(n * rows);
+        for &(form, on, fma) in FORMS {
+            // The general kernels take ~9 ms here: a few calls suffice.
+            let r = if on { reps } else { 3 };
+            GpuBackend::set_gemm(on, fma);
+            let s = time(&gpu, &x, r, || gpu.matmul(&w, Part::All, &x, n, &mut y));
+            line(&format!("{ty:?} {cols}->{rows} {form}"), flops, bytes, s);
+        }
+    }
+    GpuBackend::set_gemm(true, false);
+
+    println!("-- model shapes (q2 mix), n = {n}, tensor cores --");
+    let mut layer_s = 0.0;
+    for (name, ty, cols, rows, groups, per_layer) in [
+        ("attn q_a", GgmlType::Q8_0, 4096, 1024, 1, 1),
+        ("attn q_b", GgmlType::Q8_0, 1024, 32768, 1, 1),
+        ("attn kv", GgmlType::Q8_0, 4096, 512, 1, 1),
+        ("attn out_a (8 groups)", GgmlType::Q8_0, 4096, 8192, 8, 1),
+        ("attn out_b", GgmlType::Q8_0, 8192, 4096, 1, 1),
+        ("shared expert gate/up", GgmlType::Q8_0, 4096, 2048, 1, 2),
+        ("shared expert down", GgmlType::Q8_0, 2048, 4096, 1, 1),
+    ] {
+        let f = weight_file(ty, cols, rows, 1);
+        let w = bind(&gpu, &f);
+        drop(f);
+        let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;
+        let flops = 2.0 * (n * rows * cols) as f64;
+        let x: Vec<f32> = (0..n * cols * groups)
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
+        let x = gpu.upload(&x);
+        let mut y = gpu.alloc(n * rows);
+        let s = if groups > 1 {
+            time(&gpu, &x, reps, || {
+                gpu.matmul_grouped(&w, groups, &x, n, &mut y)
+            })
+        } else {
+            time(&gpu, &x, reps, || gpu.matmul(&w, Part::All, &x, n, &mut y))
+        };
+        layer_s += s * per_layer as f64;
+        line(
+            &format!("{name} {ty:?} {}->{rows}", cols * groups),
+            flops,
+            bytes,
+            s,
+        );
+    }
+
+    println!("-- routed experts: 256 experts, 6 used, D 4096, ff 2048, n = {n} --");
+    let (d, ff, ne, k) = (4096usize, 2048usize, 256usize, 6usize);
+    let fg = weight_file(GgmlType::IQ2_XXS, d, ff, ne);
+    let wg = bind(&gpu, &fg);
+    drop(fg);
+    let fu = weight_file(GgmlType::IQ2_XXS, d, ff, ne);
+    let wu = bind(&gpu, &fu);
+    drop(fu);
+    let fd = weight_file(GgmlType::Q2_K, ff, d, ne);
+    let wd = bind(&gpu, &fd);
+    drop(fd);
+    let slab = (ff * GgmlType::IQ2_XXS.row_bytes(d as u64).unwrap() as usize * 2
+        + d * GgmlType::Q2_K.row_bytes(ff as u64).unwrap() as usize) as f64;
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d,
+        ff,
+        weight_scale: 1.0,
+        clamp: 10.0,
+    };
+    let mut sel = Vec::new();
+    for _ in 0..n {
+        let mut e: Vec<i32> = (0..ne as i32).collect();
+        for i in 0..k {
+            let j = rng.gen_range(i..ne);
+            e.swap(i, j);
+        }
+        sel.extend_from_slice(&e[..k]);
+    }
+    let mut distinct = sel.clone();
+    distinct.sort();
+    distinct.dedup();
+    let z: Vec<f32> = (0..n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let wgt: Vec<f32> = (0..n * k).map(|_| rng.gen_range(0.0..0.3)).collect();
+    let (z, s_, wgt) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
+    let mut out = gpu.alloc(n * d);
+    let flops = 2.0 * (n * k * 3 * d * ff) as f64;
+    for &(form, on, fma) in FORMS {
+        GpuBackend::set_gemm(on, fma);
+        let s = time(&gpu, &z, reps.min(10), || {
+            gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &s_, &wgt, n, &mut out)
+        });
+        if form == "tc" {
+            layer_s += s;
+        }
+        line(
+            &format!(
+                "moe q2 IQ2_XXS/Q2_K ({} distinct experts) {form}",
+                distinct.len()
+            ),
+            flops,
+            slab * distinct.len() as f64,
+            s,
+        );
+    }
+    GpuBackend::set_gemm(true, false);
+    println!(
+        "one layer's products at n = {n}: {:.1} us; x 43 layers: {:.0} tok/s (products only)",
+        layer_s * 1e6,
+        n as f64 / (43.0 * layer_s)
+    );
+}
