@@ -13,7 +13,7 @@ cargo build --release -p ds4-cli
 out="$repo/.devbin"
 rm -rf "$out" && mkdir -p "$out"
 cp "$CARGO_TARGET_DIR/release/ds4" "$out/ds4"
-cargo test --release -p ds4-gpu --no-run --message-format=json 2>/dev/null \
+cargo test --release -p ds4-gpu -p ds4-engine --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys, shutil, os
 out = sys.argv[1]

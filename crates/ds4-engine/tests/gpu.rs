@@ -1,0 +1,122 @@
+//! The engine on the GPU backend against the CPU reference, on the tiny model with an MTP file
+//! (skips, saying so, when no GPU is usable; `DS4_REQUIRE_GPU=1` makes that a failure):
+//! greedy decoding agrees for 48 steps; snapshot/restore continues with identical logits; a GPU
+//! snapshot restores on the CPU (the host form is the same on every backend); MTP speculative
+//! decoding gives exactly the GPU's plain greedy output.
+
+use ds4_engine::{argmax, BackendChoice, Engine, EngineOptions};
+
+const PROMPT: [u32; 13] = [0, 5, 77, 300, 12, 9, 411, 250, 3, 3, 90, 128, 7];
+const N: usize = 48; // crosses the window and several CSA/HCA windows of the tiny model
+
+fn open(backend: BackendChoice) -> Option<Engine> {
+    let path = ds4_synth::tiny_model_for_tests(21, true);
+    let mut o = EngineOptions::new(&path);
+    o.mtp = Some(ds4_synth::mtp_path(&path));
+    o.backend = backend;
+    let e = Engine::open(&o).ok()?;
+    (backend == BackendChoice::Cpu || e.backend_name() != "cpu").then_some(e)
+}
+
+fn gpu() -> Option<Engine> {
+    let e = open(BackendChoice::Auto);
+    if e.is_none() {
+        if std::env::var("DS4_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            panic!("DS4_REQUIRE_GPU=1 but no GPU backend opened");
+        }
+        println!("skipped: no GPU backend available (auto picked the CPU)");
+    }
+    e
+}
+
+/// Greedy tokens and the logits before each.
+fn greedy(e: &Engine) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut s = e.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let (mut toks, mut logits) = (Vec::new(), Vec::new());
+    for _ in 0..N {
+        let l = s.logits().unwrap().to_vec();
+        let t = argmax(&l);
+        toks.push(t);
+        logits.push(l);
+        s.eval(t).unwrap();
+    }
+    (toks, logits)
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn gpu_engine_matches_cpu_reference() {
+    let Some(g) = gpu() else { return };
+    let c = open(BackendChoice::Cpu).unwrap();
+    println!("GPU backend: {}", g.backend_name());
+    let (gt, gl) = greedy(&g);
+    let (ct, cl) = greedy(&c);
+    let worst = gl
+        .iter()
+        .zip(&cl)
+        .map(|(a, b)| max_abs(a, b))
+        .fold(0.0, f32::max);
+    println!(
+        "greedy: {} of {N} tokens agree, max |Δ logit| {worst:.3e}",
+        gt.iter().zip(&ct).filter(|(a, b)| a == b).count()
+    );
+    assert_eq!(gt, ct, "greedy tokens differ");
+    assert!(worst < 1e-3, "logits differ by {worst}");
+}
+
+#[test]
+fn gpu_snapshot_restores_on_gpu_and_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = open(BackendChoice::Cpu).unwrap();
+    let mut s = g.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    for _ in 0..20 {
+        let t = argmax(s.logits().unwrap());
+        s.eval(t).unwrap();
+    }
+    let snap = s.snapshot();
+    // Continue on the GPU, then from the snapshot on the GPU and on the CPU.
+    let next = argmax(s.logits().unwrap());
+    let want = s.eval(next).unwrap().to_vec();
+    let mut r = g.new_session(512);
+    r.restore(&snap).unwrap();
+    assert_eq!(r.eval(next).unwrap(), &want[..], "GPU restore is not exact");
+    let mut rc = c.new_session(512);
+    rc.restore(&snap).unwrap();
+    let got = rc.eval(next).unwrap();
+    let d = max_abs(got, &want);
+    println!("GPU snapshot continued on the CPU: max |Δ logit| {d:.3e}");
+    assert!(d < 1e-3, "{d}");
+}
+
+#[test]
+fn gpu_speculative_equals_greedy() {
+    let Some(g) = gpu() else { return };
+    let mut plain = Vec::new();
+    let mut s = g.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    s.generate_greedy(N, false, &mut |t| {
+        plain.push(t);
+        true
+    })
+    .unwrap();
+    let mut spec = Vec::new();
+    let mut s = g.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let st = s
+        .generate_greedy(N, true, &mut |t| {
+            spec.push(t);
+            true
+        })
+        .unwrap();
+    println!("speculative on the GPU: {st:?}");
+    assert!(st.drafted > 0);
+    assert_eq!(spec, plain);
+}
