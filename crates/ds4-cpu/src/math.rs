@@ -181,6 +181,35 @@ mod tests {
         }
     }
 
+    /// The scale is exactly 2^ceil(log2(amax/448)) when amax/448 is a power of two (the GPU once
+    /// took device log2(2^-6) = -5.999…, ceil → 2^-5). Input: block 0 of row 1509 of ds4-gpu
+    /// ops_attn `round_rows_is_exact` (width 512, FP8 448 + f16), values k·2^-16, amax 7 = 448·2^-6.
+    #[test]
+    fn fp8_sim_power_of_two_amax() {
+        let k: [i32; 64] = [
+            458752, 32, -47, 3, 37, -6, 27, -63, -21, 47, 1, 5, -38, 37, -16, 3, 31, 3, 30, -45,
+            27, 20, 58, -36, 32, -35, -31, 50, -15, 47, 46, 8, -2, -51, 24, 5, 43, -56, 50, 31,
+            -39, -28, 54, 1, 60, 11, -43, 17, -24, 29, 22, 22, -40, 25, 48, 51, -64, -8, 38, -53,
+            -14, 64, -46, 8,
+        ];
+        let mut v: Vec<f32> = k.iter().map(|&k| k as f32 * 2f32.powi(-16)).collect();
+        fp8_sim(&mut v, 64);
+        f16_round(&mut v);
+        // -3·2^-9 at scale 2^-6 is on the E4M3 subnormal grid; at 2^-5 it would tie to -2^-13.
+        assert_eq!(v[5].to_bits(), 0xb8c0_0000);
+        assert_eq!(v[0], 7.0);
+        // Every binade (amax >= 1e-4): amax 448·2^e gives scale 2^e, so 3·2^(e-9) stays.
+        for e in -22..=40 {
+            let s = 2f32.powi(e);
+            let mut b = vec![0f32; 64];
+            b[0] = 448.0 * s;
+            b[1] = 3.0 * 2f32.powi(-9) * s;
+            let orig = b.clone();
+            fp8_sim(&mut b, 64);
+            assert_eq!(b, orig, "amax 448·2^{e}");
+        }
+    }
+
     #[test]
     fn fp8_sim_keeps_rope_tail_and_scales_blocks() {
         let mut v: Vec<f32> = (0..192).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();

@@ -88,9 +88,19 @@ __device__ __forceinline__ float ds4_f16_round(float f) {
     return ds4_h2f(h);
 }
 
-// Power-of-two scale 2^ceil(log2(amax / lim)) computed in f64 as the CPU does.
+// Power-of-two scale 2^ceil(log2(r)), r = amax / lim in f64 as on the CPU, read off r's bits:
+// device log2 is not exact at powers of two (CUDA: log2(2^-6) = -5.999999999999999, so ceil gave
+// 2^-5 for amax = 448·2^-6). r is normal here (amax >= 1e-4 or 6·FLT_MIN); r = Inf gives Inf.
 __device__ __forceinline__ float ds4_pow2_scale(float amax, double lim) {
-    return (float)exp2(ceil(log2((double)amax / lim)));
+    long long b = __double_as_longlong((double)amax / lim);
+    long long e = (b >> 52) & 0x7ff;              // biased exponent of r (sign is +)
+    if ((b & 0xfffffffffffffLL) && e < 0x7ff) e++; // not a power of two: next one up
+    return (float)__longlong_as_double(e << 52);  // 2^(e-1023), exact; e = 0x7ff: Inf
+}
+
+// Rust's f32::clamp: NaN stays NaN (fminf/fmaxf would turn it into a bound).
+__device__ __forceinline__ float ds4_clamp(float v, float lim) {
+    return v != v ? v : fminf(fmaxf(v, -lim), lim);
 }
 
 // One CTA per row of x [rows, width]; the row is staged in dynamic shared memory (width floats).
@@ -111,7 +121,7 @@ DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width,
             m = fmaxf(m, 1e-4f);
             float s = ds4_pow2_scale(m, 448.0);
             for (int i = b * 64; i < e; i++) {
-                float v = fminf(fmaxf(ds4_div_rn(row_s[i], s), -448.0f), 448.0f);
+                float v = ds4_clamp(ds4_div_rn(row_s[i], s), 448.0f);
                 row_s[i] = ds4_mul_rn(ds4_e4m3(v), s);
             }
         }
@@ -141,7 +151,7 @@ DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width,
         __syncthreads();
         for (int i = threadIdx.x; i < width; i += blockDim.x) {
             float s = scale_s[(i / 32) % 256];
-            float v = fminf(fmaxf(ds4_div_rn(row_s[i], s), -6.0f), 6.0f);
+            float v = ds4_clamp(ds4_div_rn(row_s[i], s), 6.0f);
             row_s[i] = ds4_mul_rn(ds4_e2m1(v), s);
         }
         __syncthreads();
