@@ -7,7 +7,10 @@
 //!
 //! Sums are f32 in another order than the CPU and block scales are applied per 8-element slice
 //! (sum(q·x)·d), so results agree to f32 rounding of the dot products: TOL relative to
-//! 1 + |cpu|, TOL_K for the K-quants (scale·sum − min·sum(x) cancels).
+//! 1 + |cpu|, TOL_K for the K-quants (random 6-bit scales and mins: large terms that cancel),
+//! both times sqrt(cols / 2048) past 2048 columns (the rounding of a sum of `cols` products grows
+//! with its length). Measured on an H200 (commit 8cdd45f): worst 6.3e-5 for Q8_0 8192->4096,
+//! 5.2e-5 at 4096 columns, 1.6e-4 for Q4_K, 7.4e-5 for the MoE with Q4_K down.
 
 mod common;
 
@@ -76,7 +79,8 @@ struct Cases {
 }
 
 impl Cases {
-    fn check(&mut self, name: String, g: &[f32], c: &[f32], gpu: &GpuBackend) {
+    /// `cols`: the longest dot product in the case.
+    fn check(&mut self, name: String, cols: usize, g: &[f32], c: &[f32], gpu: &GpuBackend) {
         self.n += 1;
         if let Err(e) = gpu.check() {
             println!("{name}: GPU error: {e}");
@@ -85,8 +89,9 @@ impl Cases {
         }
         let e = max_rel(g, c);
         self.worst = self.worst.max(e);
-        let tol = if name.contains("_K") { TOL_K } else { TOL };
-        println!("{name}: max rel {e:.3e}");
+        let base = if name.contains("_K") { TOL_K } else { TOL };
+        let tol = base * (cols as f32 / 2048.0).sqrt().max(1.0);
+        println!("{name}: max rel {e:.3e} (tolerance {tol:.1e})");
         if e > tol {
             self.bad.push(format!("{name}: {e:.3e}"));
         }
@@ -94,7 +99,7 @@ impl Cases {
 
     fn finish(self) {
         println!(
-            "{} cases, worst {:.3e} (tolerance {TOL:.0e}, {TOL_K:.0e} with K-quants)",
+            "{} cases, worst {:.3e} (tolerance {TOL:.0e}, {TOL_K:.0e} with K-quants, × sqrt(cols/2048) past 2048)",
             self.n, self.worst
         );
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
@@ -123,6 +128,7 @@ fn matmul_case(
     gpu.matmul(&w.1, part, &gx, n, &mut gy);
     cases.check(
         format!("{name} {cols}->{rows} n={n} {part:?}"),
+        cols,
         &gpu.download(&gy, n * rows),
         &cpu.download(&cy, n * rows),
         gpu,
@@ -238,6 +244,7 @@ fn matvec_grouped() {
             gpu.matmul_grouped(&w.1, groups, &gx, n, &mut gy);
             cases.check(
                 format!("grouped {ty:?} {groups}x({cols}->{}) n={n}", rows / groups),
+                cols,
                 &gpu.download(&gy, n * rows),
                 &cpu.download(&cy, n * rows),
                 &gpu,
@@ -304,6 +311,7 @@ fn matvec_moe() {
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 cases.check(
                     format!("moe {tg:?}/{tu:?}/{td:?} d={d} ff={ff} k={k} n={n}"),
+                    d.max(ff),
                     &gpu.download(&go, n * d),
                     &cpu.download(&co, n * d),
                     &gpu,
