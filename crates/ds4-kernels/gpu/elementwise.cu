@@ -29,6 +29,50 @@ DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32(const float* __restrict__ x, const 
     }
 }
 
+// rmsnorm_f32 for latency (decode: one long row, e.g. the HC norm's N*D = 16384): float4 loads held
+// in registers between the two passes (no second read), one CTA per row. The host guarantees
+// n % 4 == 0, 16-byte aligned x, y, w, and n <= 4 * 4 * blockDim.x (at most 4 float4 per thread).
+// blockDim.x is a multiple of DS4_WARP, at most 1024. Same f64 sum of squares and f32 scaling.
+DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32x4(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int n, float eps) {
+    __shared__ double part[1024 / 32]; // one per warp (16 used when DS4_WARP is 64)
+    __shared__ float scale_s;
+    const int n4 = n >> 2, tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP;
+    const float4* xr = (const float4*)(x + (size_t)blockIdx.x * n);
+    float4* yr = (float4*)(y + (size_t)blockIdx.x * n);
+    const float4* wr = (const float4*)w;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 v[4], g[4];
+    double ss = 0.0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) { // all loads (x and w) issued before any use
+        const int i = tid + j * blockDim.x;
+        v[j] = i < n4 ? xr[i] : zero;
+        g[j] = (w && i < n4) ? wr[i] : zero;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        ss += (double)v[j].x * (double)v[j].x + (double)v[j].y * (double)v[j].y + (double)v[j].z * (double)v[j].z + (double)v[j].w * (double)v[j].w;
+    ss = ds4_warp_sum_f64(ss);
+    if (lane == 0) part[warp] = ss;
+    __syncthreads();
+    if (warp == 0) { // the first warp sums the per-warp parts
+        const int nwarps = blockDim.x / DS4_WARP;
+        double t = lane < nwarps ? part[lane] : 0.0;
+        t = ds4_warp_sum_f64(t);
+        if (lane == 0) scale_s = (float)(1.0 / sqrt(t / (double)n + (double)eps));
+    }
+    __syncthreads();
+    const float s = scale_s;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = tid + j * blockDim.x;
+        if (i >= n4) break;
+        float4 o = make_float4(v[j].x * s, v[j].y * s, v[j].z * s, v[j].w * s); // x * scale, then * w
+        if (w) o.x *= g[j].x, o.y *= g[j].y, o.z *= g[j].z, o.w *= g[j].w;
+        yr[i] = o;
+    }
+}
+
 DS4_KERNEL void DS4_BOUNDS(256) add_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y,
                                        long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

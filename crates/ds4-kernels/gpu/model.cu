@@ -175,3 +175,227 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_route(const float* __restrict__ logits, cons
         }
     }
 }
+
+// ---- Latency forms for decode (the kernels above stay as the DS4_GPU_MIX=simple fallback). ----
+
+// v from lane src of this warp: an indexed shuffle spelled as a butterfly whose mask differs per
+// lane (lane ^ (lane ^ src) = src). src < DS4_WARP; every lane of the warp must call it.
+__device__ __forceinline__ float ds4_shfl_from(float v, int src) {
+    return ds4_shfl_xor(v, (int)(threadIdx.x % DS4_WARP) ^ src);
+}
+
+// Columns part of hc_split_fast: z[k4] (float4) = sum_i pre_i X[i][k4] for one token, NM >= N.
+// Every lane of the warp must enter (pre is computed on lanes < N and broadcast by shuffles).
+template <int NM>
+__device__ __forceinline__ void hc_split_cols(const float* __restrict__ mt, const float* __restrict__ scale, const float* __restrict__ base, const float4* __restrict__ xt, float4* __restrict__ zt, int N, int D4, int k4, float eps) {
+    const int lane = threadIdx.x % DS4_WARP;
+    const bool live = k4 < D4;
+    float4 xv[NM];
+#pragma unroll
+    for (int i = 0; i < NM; i++) // loads first: in flight while pre is computed
+        if (i < N) xv[i] = live ? xt[(size_t)i * D4 + k4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float mine = lane < N ? ds4_sigmoid(ds4_mul_rn(mt[lane], scale[0]) + base[lane]) + eps : 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < NM; i++) {
+        if (i < N) { // serial in i from 0 like the CPU; products rounded before the add
+            const float p = ds4_shfl_from(mine, i);
+            acc.x = acc.x + ds4_mul_rn(p, xv[i].x);
+            acc.y = acc.y + ds4_mul_rn(p, xv[i].y);
+            acc.z = acc.z + ds4_mul_rn(p, xv[i].z);
+            acc.w = acc.w + ds4_mul_rn(p, xv[i].w);
+        }
+    }
+    if (live) zt[k4] = acc;
+}
+
+// Column normalisation of the N x N matrix held as rows a[] on lanes r < N (other lanes hold
+// junk but join the shuffles): a[r][c] /= (serial sum over r of a[r][c]) + eps.
+template <int NM>
+__device__ __forceinline__ void hc_norm_cols(float (&a)[NM], int N, float eps) {
+#pragma unroll
+    for (int c = 0; c < NM; c++) {
+        if (c < N) {
+            float s = 0.0f;
+#pragma unroll
+            for (int r = 0; r < NM; r++)
+                if (r < N) s += ds4_shfl_from(a[c], r);
+            a[c] = a[c] / (s + eps);
+        }
+    }
+}
+
+// Sinkhorn part of hc_split_fast on one warp (no block barriers): lane r < N holds row r in
+// registers. Writes post [N] and comb [N*N] of one token. Every lane of the warp must enter.
+template <int NM>
+__device__ __forceinline__ void hc_sinkhorn_warp(const float* __restrict__ mt, const float* __restrict__ scale, const float* __restrict__ base, float* __restrict__ post_t, float* __restrict__ comb_t, int N, int iters, float eps) {
+    const int lane = threadIdx.x % DS4_WARP;
+    const bool row = lane < N;
+    if (row) post_t[lane] = 2.0f * ds4_sigmoid(ds4_mul_rn(mt[N + lane], scale[1]) + base[N + lane]);
+    float a[NM];
+    float mx = DS4_NEG_INF;
+#pragma unroll
+    for (int b = 0; b < NM; b++) {
+        if (b < N) { // logits of row `lane`
+            const int q = 2 * N + lane * N + b;
+            a[b] = row ? ds4_mul_rn(mt[q], scale[2]) + base[q] : 0.0f;
+            mx = fmaxf(mx, a[b]);
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int b = 0; b < NM; b++)
+        if (b < N) {
+            a[b] = ds4_expf_cr(a[b] - mx);
+            s += a[b];
+        }
+#pragma unroll
+    for (int b = 0; b < NM; b++)
+        if (b < N) a[b] = a[b] / s + eps;
+    hc_norm_cols<NM>(a, N, eps);
+    for (int it = 1; it < iters; it++) {
+        float rs = 0.0f; // row normalise: local to the lane
+#pragma unroll
+        for (int b = 0; b < NM; b++)
+            if (b < N) rs += a[b];
+        rs += eps;
+#pragma unroll
+        for (int b = 0; b < NM; b++)
+            if (b < N) a[b] /= rs;
+        hc_norm_cols<NM>(a, N, eps);
+    }
+    if (row) {
+#pragma unroll
+        for (int b = 0; b < NM; b++)
+            if (b < N) comb_t[lane * N + b] = a[b];
+    }
+}
+
+// HC pre, latency form; same outputs as hc_split. Host guarantees D % 4 == 0 and 16-byte aligned
+// x, z. Grid: n*cc column CTAs (token t = b / cc, float4 columns ((b % cc)*blockDim + tid)), then
+// ceil(n / warps per CTA) Sinkhorn CTAs with one warp per token; the two run concurrently.
+DS4_KERNEL void DS4_BOUNDS(256) hc_split_fast(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int iters, float eps, int n, int cc) {
+    const int b = blockIdx.x, mix = (2 + N) * N, D4 = D >> 2;
+    if (b < n * cc) {
+        const int t = b / cc, k4 = (b - t * cc) * blockDim.x + threadIdx.x;
+        const float* mt = m + (size_t)t * mix;
+        const float4* xt = (const float4*)(x + (size_t)t * N * D);
+        float4* zt = (float4*)(z + (size_t)t * D);
+        if (N <= 4) hc_split_cols<4>(mt, scale, base, xt, zt, N, D4, k4, eps);
+        else hc_split_cols<DS4_HC_MAX>(mt, scale, base, xt, zt, N, D4, k4, eps);
+    } else {
+        const int t = (b - n * cc) * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
+        if (t >= n) return; // whole warps
+        const float* mt = m + (size_t)t * mix;
+        float* pt = post + (size_t)t * N;
+        float* ct = comb + (size_t)t * N * N;
+        if (N <= 4) hc_sinkhorn_warp<4>(mt, scale, base, pt, ct, N, iters, eps);
+        else hc_sinkhorn_warp<DS4_HC_MAX>(mt, scale, base, pt, ct, N, iters, eps);
+    }
+}
+
+// HC post in place, latency form for N <= 4 (host checks, with D % 4 == 0 and 16-byte aligned
+// x, o): one thread per (token, float4 column), every load issued before any store. total4 = n*D/4.
+DS4_KERNEL void DS4_BOUNDS(256) hc_post_fast(float* __restrict__ x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, int N, int D, long long total4) {
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= total4) return;
+    const int D4 = D >> 2;
+    const long long t = g / D4;
+    const int k4 = (int)(g - t * D4);
+    float4* xt = (float4*)(x + (size_t)t * N * D);
+    const float* pt = post + (size_t)t * N;
+    const float* ctk = comb + (size_t)t * N * N;
+    const float4 ok = ((const float4*)(o + (size_t)t * D))[k4];
+    float4 old[4];
+    float p[4], c[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (i < N) {
+            old[i] = xt[(size_t)i * D4 + k4];
+            p[i] = pt[i];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (j < N) c[i][j] = ctk[i * N + j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (j < N) { // X'[j] = post_j o + sum_i A[i][j] X[i], serial in i like the CPU
+            float4 v = make_float4(ds4_mul_rn(p[j], ok.x), ds4_mul_rn(p[j], ok.y), ds4_mul_rn(p[j], ok.z), ds4_mul_rn(p[j], ok.w));
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (i < N) {
+                    v.x = v.x + ds4_mul_rn(c[i][j], old[i].x);
+                    v.y = v.y + ds4_mul_rn(c[i][j], old[i].y);
+                    v.z = v.z + ds4_mul_rn(c[i][j], old[i].z);
+                    v.w = v.w + ds4_mul_rn(c[i][j], old[i].w);
+                }
+            }
+            xt[(size_t)j * D4 + k4] = v;
+        }
+    }
+}
+
+// sqrt(softplus(v)), as moe_route computes p_e.
+__device__ __forceinline__ float ds4_route_p(float v) {
+    float sp = v > 20.0f ? v : ds4_log1pf_cr(ds4_expf_cr(v));
+    return sqrtf(sp);
+}
+
+// Weights of one token's k experts: lane j < k holds expert e and its p_e (slot j). Every lane
+// of the warp must enter. Sum serial in slot order like the CPU.
+__device__ __forceinline__ void ds4_route_finish(float pe, int e, int* __restrict__ sel_t, float* __restrict__ wgt_t, int k, float weight_scale) {
+    const int lane = threadIdx.x % DS4_WARP;
+    float s = 0.0f;
+    for (int j = 0; j < k; j++) s += ds4_shfl_from(pe, j);
+    const float denom = fmaxf(s, 6.103515625e-05f); // 2^-14
+    if (lane < k) {
+        sel_t[lane] = e;
+        wgt_t[lane] = pe / denom * weight_scale;
+    }
+}
+
+// Router, latency form; same outputs as moe_route. One CTA per token: all threads compute p_e and
+// the packed key (total-order key, then ~e so that ties go to the lower id) into shared memory,
+// then warp 0 takes the k largest in k rounds of a warp max (round j: the largest key below the
+// previous round's). Hash layers use warp 0 only. k <= DS4_ROUTE_MAX_K <= DS4_WARP.
+DS4_KERNEL void DS4_BOUNDS(256) moe_route_fast(const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ tid2eid, const int* __restrict__ tokens, int* __restrict__ sel, float* __restrict__ wgt, int ne, int k, float weight_scale) {
+    __shared__ float p[DS4_ROUTE_MAX_E];
+    __shared__ u64 key[DS4_ROUTE_MAX_E];
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % DS4_WARP;
+    const float* lg = logits + (size_t)t * ne;
+    int* sel_t = sel + (size_t)t * k;
+    float* wgt_t = wgt + (size_t)t * k;
+    if (tid2eid) { // hash layer: slot j = tid2eid[tok][j], on lane j
+        if (tid >= DS4_WARP) return;
+        const int e = lane < k ? tid2eid[(size_t)tokens[t] * k + lane] : 0;
+        const float pe = lane < k ? ds4_route_p(lg[e]) : 0.0f;
+        ds4_route_finish(pe, e, sel_t, wgt_t, k, weight_scale);
+        return;
+    }
+    for (int e = tid; e < ne; e += blockDim.x) {
+        const float pe = ds4_route_p(lg[e]);
+        p[e] = pe;
+        const u32 hi = (u32)ds4_total_key(pe + bias[e]) ^ 0x80000000u; // signed -> unsigned order
+        key[e] = ((u64)hi << 32) | (u64)(~(u32)e);                      // never 0: ~e != 0
+    }
+    __syncthreads();
+    if (tid >= DS4_WARP) return;
+    u64 prev = 0;
+    int mine = 0;
+    for (int j = 0; j < k; j++) {
+        u64 best = 0; // keys are distinct, so "below the previous" skips exactly the taken ones
+        for (int e = lane; e < ne; e += DS4_WARP) {
+            const u64 v = key[e];
+            if ((j == 0 || v < prev) && v > best) best = v;
+        }
+#pragma unroll
+        for (int o = DS4_WARP / 2; o > 0; o >>= 1) {
+            const u64 other = ds4_shfl_xor(best, o);
+            best = other > best ? other : best;
+        }
+        prev = best;
+        if (lane == j) mine = (int)~(u32)best;
+    }
+    ds4_route_finish(lane < k ? p[mine] : 0.0f, mine, sel_t, wgt_t, k, weight_scale);
+}

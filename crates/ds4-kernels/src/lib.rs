@@ -54,6 +54,7 @@ pub const ELEMENTWISE: Module = Module {
     source: include_str!("../gpu/elementwise.cu"),
     kernels: &[
         "rmsnorm_f32",
+        "rmsnorm_f32x4",
         "add_f32",
         "mul_f32",
         "scale_f32",

@@ -10,5 +10,8 @@ pub const MODEL: Module = Module {
         "hc_collapse",
         "hc_post",
         "moe_route",
+        "hc_split_fast",
+        "hc_post_fast",
+        "moe_route_fast",
     ],
 };

@@ -1,18 +1,56 @@
 //! Model glue ops on the GPU: embedding, hyper-connections, router, elementwise (kernels in
 //! `ds4-kernels/gpu/model.cu` and `elementwise.cu`). Reference: ds4-cpu backend.rs.
+//!
+//! rms_norm, hc_split, hc_post and moe_route have latency forms for decode (`*_fast`, `*x4`:
+//! float4 loads in flight at once, warp-synchronous Sinkhorn and top-k); `DS4_GPU_MIX=simple`
+//! (or [`GpuBackend::set_mix_simple`]) keeps the first kernels, one CTA per row or token.
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::error::GpuError;
-use crate::runtime::{Arg, LaunchDims};
+use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, HcDims, MoeSpec};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Most hyper-connection streams the `hc_*` kernels take (`DS4_HC_MAX` in model.cu).
 const HC_MAX: usize = 16;
 /// Most experts, and experts per token, `moe_route` takes (`DS4_ROUTE_MAX_E`, `_K`).
 const ROUTE_MAX_E: usize = 1024;
 const ROUTE_MAX_K: usize = 32;
+/// Longest row `rmsnorm_f32x4` takes: 4 float4 per thread of a 1024-thread CTA.
+const NORM_X4_MAX: usize = 4 * 4 * 1024;
+
+/// Kernel forms: 0 not yet read from `DS4_GPU_MIX`, 1 latency forms, 2 simple (process-wide).
+static MODE: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the simple kernels are in use (`DS4_GPU_MIX=simple`, read once, or the setter).
+fn mix_simple() -> bool {
+    let mut m = MODE.load(Ordering::Relaxed);
+    if m == 0 {
+        let env = if std::env::var("DS4_GPU_MIX").is_ok_and(|v| v == "simple") {
+            2
+        } else {
+            1
+        };
+        m = match MODE.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => env,
+            Err(cur) => cur,
+        };
+    }
+    m == 2
+}
+
+/// float4 loads are safe at this address.
+fn al16(p: DevPtr) -> bool {
+    p.0.is_multiple_of(16)
+}
 
 impl GpuBackend {
+    /// Use the simple glue kernels (true) or the latency forms (false, the default unless
+    /// `DS4_GPU_MIX=simple`). Process-wide; for tests and benchmarks of both forms.
+    pub fn set_mix_simple(on: bool) {
+        MODE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+
     fn invalid(&self, msg: &str) {
         self.note::<()>(Err(GpuError::Invalid(msg.to_string())));
     }
@@ -93,10 +131,25 @@ impl GpuBackend {
         if rows == 0 {
             return;
         }
+        let fast = !mix_simple()
+            && width.is_multiple_of(4)
+            && width <= NORM_X4_MAX
+            && al16(x.ptr)
+            && w.is_none_or(|w| al16(w.ptr()));
+        // x4: one float4 per thread up to 1024 threads (a 16384 row: 4 each), whole warps.
+        let warp = self.warp() as usize;
+        let (name, threads) = if fast {
+            (
+                "rmsnorm_f32x4",
+                (width / 4).next_multiple_of(warp).clamp(warp, 1024),
+            )
+        } else {
+            ("rmsnorm_f32", 256)
+        };
         self.run(
             &ds4_kernels::ELEMENTWISE,
-            "rmsnorm_f32",
-            LaunchDims::linear(rows as u32, 256),
+            name,
+            LaunchDims::linear(rows as u32, threads as u32),
             &[
                 Arg::Ptr(x.ptr),
                 w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
@@ -124,7 +177,8 @@ impl GpuBackend {
         );
     }
 
-    /// HC pre: one CTA per token (Sinkhorn on N threads, the collapse over D).
+    /// HC pre: simple form one CTA per token (Sinkhorn on N threads, the collapse over D); fast
+    /// form column CTAs plus one warp per token for the Sinkhorn, concurrently.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_hc_split(
         &self,
@@ -139,6 +193,32 @@ impl GpuBackend {
         comb: &mut GpuBuf,
     ) {
         if !self.hc_ok(&hc) || n == 0 {
+            return;
+        }
+        if !mix_simple() && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(z.ptr) {
+            // n·cc column CTAs (256 float4 columns each), then the Sinkhorn CTAs (a warp a token).
+            let cc = (hc.d / 4).div_ceil(256);
+            let sink = n.div_ceil(256 / self.warp() as usize);
+            self.run(
+                &ds4_kernels::MODEL,
+                "hc_split_fast",
+                LaunchDims::linear((n * cc + sink) as u32, 256),
+                &[
+                    Arg::Ptr(m.ptr),
+                    Arg::Ptr(scale.ptr()),
+                    Arg::Ptr(base.ptr()),
+                    Arg::Ptr(x.ptr),
+                    Arg::Ptr(z.ptr),
+                    Arg::Ptr(post.ptr),
+                    Arg::Ptr(comb.ptr),
+                    Arg::I32(hc.n as i32),
+                    Arg::I32(hc.d as i32),
+                    Arg::I32(hc.sinkhorn_iters as i32),
+                    Arg::F32(hc.eps),
+                    Arg::I32(n as i32),
+                    Arg::I32(cc as i32),
+                ],
+            );
             return;
         }
         self.run(
@@ -207,6 +287,24 @@ impl GpuBackend {
         if !self.hc_ok(&hc) || total == 0 {
             return;
         }
+        if !mix_simple() && hc.n <= 4 && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(o.ptr) {
+            let total4 = total / 4; // one thread per float4 column
+            self.run(
+                &ds4_kernels::MODEL,
+                "hc_post_fast",
+                LaunchDims::linear(total4.div_ceil(256) as u32, 256),
+                &[
+                    Arg::Ptr(x.ptr),
+                    Arg::Ptr(o.ptr),
+                    Arg::Ptr(post.ptr),
+                    Arg::Ptr(comb.ptr),
+                    Arg::I32(hc.n as i32),
+                    Arg::I32(hc.d as i32),
+                    Arg::I64(total4 as i64),
+                ],
+            );
+            return;
+        }
         self.run(
             &ds4_kernels::MODEL,
             "hc_post",
@@ -223,7 +321,7 @@ impl GpuBackend {
         );
     }
 
-    /// Router, one CTA per token: hash table (`tid2eid`, an I32 table) or biased top-k.
+    /// Router, one CTA per token (fast form: top-k by warp 0): hash table (`tid2eid`, an I32 table) or biased top-k.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_moe_route(
         &self,
@@ -252,9 +350,15 @@ impl GpuBackend {
             Some(t) => (Arg::Null, Arg::Ptr(t.ptr())),
             None => (Arg::Ptr(bias.map(|b| b.ptr()).unwrap()), Arg::Null),
         };
+        // The fast form keeps the k selected experts on the lanes of one warp.
+        let route = if !mix_simple() && k <= self.warp() as usize {
+            "moe_route_fast"
+        } else {
+            "moe_route"
+        };
         self.run(
             &ds4_kernels::MODEL,
-            "moe_route",
+            route,
             LaunchDims::linear(n as u32, 256),
             &[
                 Arg::Ptr(logits.ptr),
