@@ -88,7 +88,18 @@ struct Loaded {
 }
 
 /// Bytes of each of the two pinned staging buffers used by [`Gpu::upload`].
-const STAGING_BYTES: usize = 16 << 20;
+const STAGING_BYTES: usize = 64 << 20;
+
+/// Copy `src` into `dst` with all CPU threads (host → pinned staging is the slow half of an
+/// upload when done by one thread: ~10 GB/s against the bus's ~50).
+fn par_copy(src: &[u8], dst: *mut u8) {
+    use rayon::prelude::*;
+    const PIECE: usize = 2 << 20;
+    let dst = dst as usize;
+    src.par_chunks(PIECE).enumerate().for_each(|(i, c)| unsafe {
+        std::ptr::copy_nonoverlapping(c.as_ptr(), (dst + i * PIECE) as *mut u8, c.len())
+    });
+}
 
 struct Staging {
     bufs: [*mut u8; 2],
@@ -295,8 +306,8 @@ impl Gpu {
             for (i, chunk) in src.chunks(STAGING_BYTES).enumerate() {
                 let k = i % 2;
                 self.rt.event_sync(s.done[k])?;
+                par_copy(chunk, s.bufs[k]);
                 unsafe {
-                    std::ptr::copy_nonoverlapping(chunk.as_ptr(), s.bufs[k], chunk.len());
                     self.rt.copy_h2d_async(
                         dst.offset((i * STAGING_BYTES) as u64),
                         s.bufs[k],
