@@ -86,6 +86,35 @@ fn set_form(form: usize) {
 
 const FORMS: [&str; 3] = ["matvec", "mm direct", "mm coalesced"];
 
+/// The opt-in n = 1 variants (GpuBackend::set_matvec_variant 1..=3) of the types that have them.
+fn variants(
+    gpu: &GpuBackend,
+    reps: usize,
+    ty: GgmlType,
+    what: &str,
+    bytes: f64,
+    mut f: impl FnMut(usize),
+) {
+    if !matches!(
+        ty,
+        GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
+    ) {
+        return;
+    }
+    set_form(0);
+    for v in 1..=3 {
+        GpuBackend::set_matvec_variant(v);
+        let s = time(gpu, &gpu.upload(&[0.0]), reps, &mut f);
+        println!(
+            "{:60} {:9.2} us {:8.1} GB/s",
+            format!("{what} matvec v{v}"),
+            s * 1e6,
+            bytes / s / 1e9
+        );
+    }
+    GpuBackend::set_matvec_variant(0);
+}
+
 fn main() {
     let reps: usize = std::env::args()
         .nth(1)
@@ -135,6 +164,16 @@ fn main() {
                 });
                 line(&format!("{ty:?} {cols}->{rows} n={n} {fname}"), bytes, s);
             }
+            if n == 1 {
+                variants(
+                    &gpu,
+                    reps,
+                    ty,
+                    &format!("{ty:?} {cols}->{rows} n=1"),
+                    bytes,
+                    |i| gpu.matmul(&ws[i % ws.len()], Part::All, &x, 1, &mut y),
+                );
+            }
         }
     }
 
@@ -172,6 +211,15 @@ fn main() {
                 s,
             );
         }
+        let what = format!("{name} {ty:?} {}->{rows}", cols * groups);
+        variants(&gpu, reps, ty, &what, bytes, |i| {
+            let w = &ws[i % ws.len()];
+            if groups > 1 {
+                gpu.matmul_grouped(w, groups, &x, 1, &mut y)
+            } else {
+                gpu.matmul(w, Part::All, &x, 1, &mut y)
+            }
+        });
     }
 
     println!("-- routed experts: 256 experts, 6 used, D 4096, ff 2048 (selections rotated) --");

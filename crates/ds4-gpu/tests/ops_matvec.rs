@@ -185,6 +185,62 @@ fn matvec_every_type_and_n() {
     cases.finish();
 }
 
+/// The opt-in n = 1 variants (process-wide switch: run this binary with --test-threads=1 on a
+/// GPU so other tests keep the default while this one runs).
+#[test]
+fn matvec_variants() {
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    for (ti, ty) in [
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q4_K,
+        GgmlType::IQ2_XXS,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Whole 4-step groups only, groups plus a remainder, a ragged last step (Q8_0), K split.
+        let shapes: &[(usize, usize)] = if ty == GgmlType::Q8_0 {
+            &[(4096, 2050), (1536, 1030), (1056, 70), (4096, 40)]
+        } else {
+            &[(4096, 2050), (1536, 1030), (4096, 40)]
+        };
+        for (si, &(cols, rows)) in shapes.iter().enumerate() {
+            let w = weight(
+                &cpu,
+                &gpu,
+                ty,
+                cols,
+                rows,
+                2,
+                700 + 10 * ti as u64 + si as u64,
+            );
+            for v in 1..=3 {
+                GpuBackend::set_matvec_variant(v);
+                for part in [Part::All, Part::Expert(1)] {
+                    matmul_case(
+                        &mut cases,
+                        &cpu,
+                        &gpu,
+                        &w,
+                        &format!("variant {v} {ty:?}"),
+                        cols,
+                        rows,
+                        1,
+                        part,
+                        v as u64 + si as u64,
+                    );
+                }
+            }
+        }
+    }
+    GpuBackend::set_matvec_variant(0);
+    cases.finish();
+}
+
 #[test]
 fn matvec_real_shapes() {
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {

@@ -161,68 +161,82 @@ __device__ __forceinline__ void mv_x(const float* __restrict__ xb, long long x_t
     }
 }
 
-// Adds this warp's columns of rows rp[0..MV_R] times x (chunks c0 = ks*MV_CPW, step kspl*MV_CPW).
-template <int T, int NT>
-__device__ __forceinline__ void mv_rows(const u8* const (&rp)[MV_R], const float* __restrict__ xb, long long x_tok, int n,
-                                        int chunks, int ks, int kspl, const u64* gs, float (&acc)[MV_R][NT]) {
-    int lane = threadIdx.x % DS4_WARP, q = lane & 3;
-    for (int c0 = ks * MV_CPW; c0 < chunks; c0 += kspl * MV_CPW) {
+// Adds this warp's columns of rows rp[0..R] times x (chunks c0 = ks*MV_CPW, step kspl*MV_CPW).
+// U > 1: U column steps per iteration while all of them are whole (every load of the U steps
+// issued before the first use), then single guarded steps; same per-lane order of the sums.
+template <int T, int NT, int R, int U = 1>
+__device__ __forceinline__ void mv_rows(const u8* const (&rp)[R], const float* __restrict__ xb, long long x_tok, int n,
+                                        int chunks, int ks, int kspl, const u64* gs, float (&acc)[R][NT]) {
+    int lane = threadIdx.x % DS4_WARP, q = lane & 3, stride = kspl * MV_CPW;
+    int c0 = ks * MV_CPW;
+    if (U > 1) {
+        for (; c0 + (U - 1) * stride + MV_CPW <= chunks; c0 += U * stride) { // warp-uniform
+            float xs[U][NT][8], sx[U][NT];
+#pragma unroll
+            for (int u = 0; u < U; u++) mv_x<NT>(xb, x_tok, n, c0 + u * stride + lane / 4, q, xs[u], sx[u]);
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int i = 0; i < R; i++) MvSlice<T, NT>::dot(rp[i], c0 + u * stride + lane / 4, q, xs[u], sx[u], gs, acc[i]);
+        }
+    }
+    for (; c0 < chunks; c0 += stride) {
         int c = c0 + lane / 4;
         if (c < chunks) {
             float xs[NT][8], sx[NT];
             mv_x<NT>(xb, x_tok, n, c, q, xs, sx);
 #pragma unroll
-            for (int i = 0; i < MV_R; i++) MvSlice<T, NT>::dot(rp[i], c, q, xs, sx, gs, acc[i]);
+            for (int i = 0; i < R; i++) MvSlice<T, NT>::dot(rp[i], c, q, xs, sx, gs, acc[i]);
         }
     }
 }
 
-// Warp sums of acc; then the first warp of each kspl group holds, in lane j < MV_R*NT, the total
+// Warp sums of acc; then the first warp of each kspl group holds, in lane j < R*NT, the total
 // of value j = (row j / NT, token j % NT) over its kspl warps (returned; other lanes/warps: junk).
-// red: MV_WARPS * MV_R * NT floats. Every thread of the CTA must call it.
-template <int NT> __device__ __forceinline__ float mv_reduce(float (&acc)[MV_R][NT], int kspl, float* red) {
+// red: MV_WARPS * R * NT floats. Every thread of the CTA must call it.
+template <int NT, int R = MV_R> __device__ __forceinline__ float mv_reduce(float (&acc)[R][NT], int kspl, float* red) {
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     float v = 0.0f;
 #pragma unroll
-    for (int i = 0; i < MV_R; i++)
+    for (int i = 0; i < R; i++)
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             float s = ds4_warp_sum(acc[i][t]);
             if (lane == i * NT + t) v = s;
         }
     if (kspl == 1) return v;
-    if (lane < MV_R * NT) red[warp * MV_R * NT + lane] = v;
+    if (lane < R * NT) red[warp * R * NT + lane] = v;
     __syncthreads();
-    if (warp % kspl == 0 && lane < MV_R * NT) {
+    if (warp % kspl == 0 && lane < R * NT) {
         v = 0.0f;
-        for (int s = 0; s < kspl; s++) v += red[(warp + s) * MV_R * NT + lane];
+        for (int s = 0; s < kspl; s++) v += red[(warp + s) * R * NT + lane];
     }
     return v;
 }
 
-template <int T, int NT>
+template <int T, int NT, int R = MV_R, int U = 1>
 __device__ __forceinline__ void mv_body(const u8* __restrict__ W, long long w_z, const float* __restrict__ x, long long x_tok,
                                         long long x_z, float* __restrict__ y, long long y_tok, long long y_z, int rows, int cols,
                                         long long row_bytes, int n, int kspl) {
     __shared__ u64 sg[T == T_IQ2_XXS ? 256 : 1];
-    __shared__ float red[MV_WARPS * MV_R * NT];
+    __shared__ float red[MV_WARPS * R * NT];
     const u64* gs = mv_grid<T>(sg);
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, z = blockIdx.z;
-    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * MV_R;
-    float acc[MV_R][NT];
+    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * R;
+    float acc[R][NT];
 #pragma unroll
-    for (int i = 0; i < MV_R; i++)
+    for (int i = 0; i < R; i++)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
     if (r0 < rows) { // warp-uniform
-        const u8* rp[MV_R];
+        const u8* rp[R];
 #pragma unroll
-        for (int i = 0; i < MV_R; i++) rp[i] = W + (long long)z * w_z + (long long)min(r0 + i, rows - 1) * row_bytes;
-        mv_rows<T, NT>(rp, x + (long long)z * x_z, x_tok, n, cols / 32, warp % kspl, kspl, gs, acc);
+        for (int i = 0; i < R; i++) rp[i] = W + (long long)z * w_z + (long long)min(r0 + i, rows - 1) * row_bytes;
+        mv_rows<T, NT, R, U>(rp, x + (long long)z * x_z, x_tok, n, cols / 32, warp % kspl, kspl, gs, acc);
     }
-    float v = mv_reduce<NT>(acc, kspl, red);
+    float v = mv_reduce<NT, R>(acc, kspl, red);
     int r = r0 + lane / NT, t = lane % NT;
-    if (warp % kspl == 0 && lane < MV_R * NT && r < rows && t < n) y[(long long)t * y_tok + (long long)z * y_z + r] = v;
+    if (warp % kspl == 0 && lane < R * NT && r < rows && t < n) y[(long long)t * y_tok + (long long)z * y_z + r] = v;
 }
 
 template <int T>
@@ -291,7 +305,7 @@ __device__ __forceinline__ void mvdown_body(const u8* __restrict__ W, const int*
 #pragma unroll
             for (int i = 0; i < MV_R; i++)
                 rp[i] = W + (long long)max(sel[pr], 0) * slab + (long long)min(r0 + i, rows - 1) * row_bytes;
-            mv_rows<T, 1>(rp, hx + (long long)pr * cols, cols, 1, cols / 32, warp % kspl, kspl, gs, acc);
+            mv_rows<T, 1, MV_R>(rp, hx + (long long)pr * cols, cols, 1, cols / 32, warp % kspl, kspl, gs, acc);
         }
         float v = 0.0f;
 #pragma unroll
@@ -350,6 +364,23 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 4>(
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1>(MV_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 2>(MV_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 4>(MV_ARGS); }
+
+// Opt-in n = 1 variants (GpuBackend::set_matvec_variant; not yet measured): v1 one row per warp,
+// 4 column steps per iteration; v2 two rows, 2 steps; v3 the default shape (4 rows, 1 step) held
+// to 4 CTAs per SM (at most 64 registers with warp 32: one wave for 16384 rows).
+#define MV_LB4 MV_THREADS, 4
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1, 4, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1, 4, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1, 4, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1, 4, 1>(MV_ARGS); }
 
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f32(MVGU_PARAMS) { mvgu_body<T_F32>(MVGU_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f16(MVGU_PARAMS) { mvgu_body<T_F16>(MVGU_ARGS); }

@@ -8,7 +8,7 @@
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec, Part};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 /// Warps per CTA (`MV_WARPS` in matvec.cu).
 const MV_WARPS: usize = 8;
@@ -19,6 +19,13 @@ const MV_MAXK: usize = 8;
 
 /// Process-wide switch (on by default) so tests and benchmarks can compare with matmul.rs.
 static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Opt-in n = 1 kernel variant (0: default `mv1_*`; 1..=3: `mv1v<v>_*` for Q8_0, Q2_K, Q4_K,
+/// IQ2_XXS, see matvec.cu); process-wide, for tests and benchmarks. Not yet measured.
+static VARIANT: AtomicU8 = AtomicU8::new(0);
+
+/// Rows per warp of each variant.
+const VARIANT_ROWS: [usize; 4] = [MV_R, 1, 2, 4];
 
 fn suffix(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
@@ -65,6 +72,11 @@ impl GpuBackend {
         ENABLED.store(on, Ordering::Relaxed);
     }
 
+    /// Select the n = 1 kernel variant (0 default, 1..=3 opt-in; others read as 0).
+    pub fn set_matvec_variant(v: u8) {
+        VARIANT.store(if v <= 3 { v } else { 0 }, Ordering::Relaxed);
+    }
+
     /// Warps per row group (1, 2, 4, 8): the fewest that give about 16 working warps per SM,
     /// each keeping at least one column step (MV_CPW chunks).
     fn mv_kspl(&self, row_groups: usize, cols: usize) -> usize {
@@ -78,11 +90,18 @@ impl GpuBackend {
         k
     }
 
-    /// Launch dims for `rows` rows (per y item) × `items` × `zs`, and kspl.
-    fn mv_dims(&self, rows: usize, items: usize, zs: usize, cols: usize) -> (LaunchDims, usize) {
-        let groups = rows.div_ceil(MV_R);
+    /// Launch dims for `rows` rows (per y item, `r` per warp) × `items` × `zs`, and kspl.
+    fn mv_dims(
+        &self,
+        rows: usize,
+        r: usize,
+        items: usize,
+        zs: usize,
+        cols: usize,
+    ) -> (LaunchDims, usize) {
+        let groups = rows.div_ceil(r);
         let k = self.mv_kspl(groups * items * zs, cols);
-        let per_cta = MV_WARPS / k * MV_R;
+        let per_cta = MV_WARPS / k * r;
         (
             LaunchDims {
                 grid: [rows.div_ceil(per_cta) as u32, items as u32, zs as u32],
@@ -123,10 +142,21 @@ impl GpuBackend {
             2 => 2,
             _ => 4,
         };
-        let (dims, k) = self.mv_dims(rows, 1, zs, cols);
+        let v = VARIANT.load(Ordering::Relaxed) as usize;
+        let v = if n == 1 && matches!(sfx, "q8_0" | "q2_k" | "q4_k" | "iq2_xxs") {
+            v
+        } else {
+            0
+        };
+        let (dims, k) = self.mv_dims(rows, VARIANT_ROWS[v], 1, zs, cols);
+        let name = if v == 0 {
+            format!("mv{nt}_{sfx}")
+        } else {
+            format!("mv1v{v}_{sfx}")
+        };
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mv{nt}_{sfx}"),
+            &name,
             dims,
             &[
                 Arg::Ptr(w),
@@ -254,7 +284,7 @@ impl GpuBackend {
         }
         let pairs = n * k;
         let h = self.scratch(pairs * ff);
-        let (dims, kk) = self.mv_dims(ff, pairs, 1, d);
+        let (dims, kk) = self.mv_dims(ff, MV_R, pairs, 1, d);
         self.run(
             &ds4_kernels::MATVEC,
             &format!("mvgu_{}", g.1),
@@ -275,7 +305,7 @@ impl GpuBackend {
                 Arg::I32(kk as i32),
             ],
         );
-        let (dims, kk) = self.mv_dims(d, n, 1, ff);
+        let (dims, kk) = self.mv_dims(d, MV_R, n, 1, ff);
         self.run(
             &ds4_kernels::MATVEC,
             &format!("mvdown_{}", dn.1),
