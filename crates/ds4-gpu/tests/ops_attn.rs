@@ -4,6 +4,8 @@
 //!
 //! Exact: row rounding (bits), compressor frontiers (bits), ring state, indexer selections.
 //! Near: RoPE (device sin/cos in f64, then cast), pooled rows and attention (exp, sum order).
+//! attend and index_select run every case with both kernel forms (split/fast and simple) through
+//! a process-wide switch: run with `--test-threads=1` so the two tests do not flip it for each other.
 
 mod common;
 
@@ -498,18 +500,23 @@ fn run_index(
 #[test]
 fn index_select_matches_cpu() {
     let Some((cpu, gpu)) = setup() else { return };
-    // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
-    run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
-    run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
-    run_index(&cpu, &gpu, 4, 8, false, 1, 35, 3);
-    run_index(&cpu, &gpu, 4, 8, true, 70, 0, 4);
-    run_index(&cpu, &gpu, 16, 8, true, 40, 300, 5);
-    run_index(&cpu, &gpu, 16, 8, false, 3, 5000, 6);
-    // Real: 64 heads, top_k 512.
-    run_index(&cpu, &gpu, 64, 512, true, 1, 2047, 7);
-    run_index(&cpu, &gpu, 64, 512, true, 9, 2040, 8);
-    run_index(&cpu, &gpu, 64, 512, true, 1, 40_000, 9);
-    run_index(&cpu, &gpu, 64, 512, true, 4, 20_000, 10);
+    // Both indexer kernel forms (index_scores128_f32 by default, index_scores_f32 when simple).
+    for simple in [false, true] {
+        GpuBackend::set_attn_simple(simple);
+        // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
+        run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
+        run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
+        run_index(&cpu, &gpu, 4, 8, false, 1, 35, 3);
+        run_index(&cpu, &gpu, 4, 8, true, 70, 0, 4);
+        run_index(&cpu, &gpu, 16, 8, true, 40, 300, 5);
+        run_index(&cpu, &gpu, 16, 8, false, 3, 5000, 6);
+        // Real: 64 heads, top_k 512.
+        run_index(&cpu, &gpu, 64, 512, true, 1, 2047, 7);
+        run_index(&cpu, &gpu, 64, 512, true, 9, 2040, 8);
+        run_index(&cpu, &gpu, 64, 512, true, 1, 40_000, 9);
+        run_index(&cpu, &gpu, 64, 512, true, 4, 20_000, 10);
+    }
+    GpuBackend::set_attn_simple(false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -672,7 +679,158 @@ fn attend_matches_cpu() {
         real(4, true, 70, 3000, true),
         real(128, false, 200, 1000, false),
     ];
-    for (i, c) in cases.iter().enumerate() {
-        run_attend(&cpu, &gpu, c, 300 + i as u64);
+    // Both kernel forms: the split one (default) and the simple fallback (DS4_GPU_ATTN=simple).
+    // The switch is process-wide; only this test attends.
+    for simple in [false, true] {
+        GpuBackend::set_attn_simple(simple);
+        println!(
+            "attend: {} kernels",
+            if simple { "simple" } else { "split" }
+        );
+        for (i, c) in cases.iter().enumerate() {
+            run_attend(&cpu, &gpu, c, 300 + i as u64);
+        }
     }
+    GpuBackend::set_attn_simple(false);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Wall time per call of `f` (after a warm-up call), device synchronised around the loop.
+fn time_us(gpu: &GpuBackend, iters: u32, mut f: impl FnMut()) -> f64 {
+    f();
+    gpu.gpu().synchronize().unwrap();
+    let t = std::time::Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    gpu.gpu().synchronize().unwrap();
+    t.elapsed().as_secs_f64() * 1e6 / iters as f64
+}
+
+/// Timing of attend (split and simple kernels) and index_select at the real shapes; not a check.
+/// `cargo test --release -p ds4-gpu --test ops_attn -- --ignored --nocapture --test-threads=1`
+#[test]
+#[ignore]
+fn attend_bench() {
+    let Some((_cpu, gpu)) = setup() else { return };
+    let mut r = rng(7);
+    let (nh, hd, win, top_k) = (64usize, 512usize, 128usize, 512usize);
+    // (ratio, with_sel, n, t0)
+    let cases = [
+        (4usize, true, 1usize, 2048usize),
+        (4, true, 1, 32_768),
+        (128, false, 1, 2048),
+        (128, false, 1, 32_768),
+        (128, false, 1, 1_000_000),
+        (4, true, 128, 2048),
+        (128, false, 128, 32_768),
+    ];
+    for &(ratio, with_sel, n, t0) in &cases {
+        let ld = LayerDims {
+            window: win,
+            head_dim: hd,
+            comp: Some(CompDims {
+                ratio,
+                coff: 1,
+                d: hd,
+            }),
+            index: None,
+        };
+        let mut h = HostLayerState::new(&ld);
+        h.raw = randn(&mut r, win * hd, 1.0);
+        for s in 0..win {
+            h.raw_pos[s] = (0..t0)
+                .rev()
+                .find(|p| p % win == s)
+                .map_or(-1, |p| p as i64);
+        }
+        let n_rows = (t0 + n) / ratio;
+        h.comp.as_mut().unwrap().rows = randn(&mut r, n_rows * hd, 1.0);
+        let mut gs = gpu.state_from_host(&ld, &h);
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot: 64,
+            window: win,
+            ratio,
+            top_k: if with_sel { top_k } else { 0 },
+            rope: RopeKind::Comp,
+        };
+        let qg = gpu.upload(&randn(&mut r, n * nh * hd, 0.3));
+        let kvg = gpu.upload(&randn(&mut r, n * hd, 1.0));
+        let sinks_v = randn(&mut r, nh, 2.0);
+        let f = file(&[("v", GgmlType::F32, vec![nh as u64], f32_bytes(&sinks_v))]);
+        let sk = gpu.vector(&src(&f, "v")).unwrap();
+        let selg = with_sel.then(|| {
+            let s: Vec<i32> = (0..n * top_k)
+                .map(|_| r.gen_range(0..n_rows.max(1)) as i32)
+                .collect();
+            gpu.upload_i32(&s)
+        });
+        let mut og = gpu.alloc(n * nh * hd);
+        for simple in [false, true] {
+            GpuBackend::set_attn_simple(simple);
+            let us = time_us(&gpu, 20, || {
+                gpu.attend(
+                    &mut gs,
+                    &spec,
+                    &qg,
+                    &kvg,
+                    &sk,
+                    selg.as_ref(),
+                    n,
+                    t0,
+                    &mut og,
+                )
+            });
+            gpu_ok(&gpu, "attend bench");
+            println!(
+                "attend {} ratio {ratio} sel {with_sel} n {n} t0 {t0}: {us:.1} µs",
+                if simple { "simple" } else { "split " }
+            );
+        }
+    }
+    // Indexer: 64 heads × 128, top-k 512, ratio 4.
+    for &(n, t0) in &[(1usize, 32_768usize), (1, 1_000_000), (128, 32_768)] {
+        let (ih, ihd, ratio) = (64usize, 128usize, 4usize);
+        let c = CompDims {
+            ratio,
+            coff: 2,
+            d: ihd,
+        };
+        let ld = LayerDims {
+            window: 8,
+            head_dim: 128,
+            comp: None,
+            index: Some(c),
+        };
+        let mut h = HostLayerState::new(&ld);
+        h.index.as_mut().unwrap().rows = randn(&mut r, (t0 + n) / ratio * ihd, 1.0);
+        let gs = gpu.state_from_host(&ld, &h);
+        let spec = IndexSpec {
+            heads: ih,
+            head_dim: ihd,
+            top_k: 512,
+            ratio,
+            n_rot: 64,
+            rope: RopeKind::Comp,
+            fp4: true,
+        };
+        let qg = gpu.upload(&randn(&mut r, n * ih * ihd, 1.0));
+        let wg = gpu.upload(&randn(&mut r, n * ih, 1.0));
+        let mut sg = gpu.alloc_i32(n * 512);
+        for simple in [false, true] {
+            GpuBackend::set_attn_simple(simple);
+            let us = time_us(&gpu, 10, || {
+                gpu.index_select(&gs, &spec, &qg, &wg, n, t0, &mut sg)
+            });
+            gpu_ok(&gpu, "index bench");
+            println!(
+                "index_select {} n {n} t0 {t0}: {us:.1} µs",
+                if simple { "simple" } else { "fast  " }
+            );
+        }
+    }
+    GpuBackend::set_attn_simple(false);
 }

@@ -317,6 +317,57 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, co
     scores[(size_t)i * max_vis + r] = total;
 }
 
+// index_scores_f32 for ihd == 128 (the model's): the thread's row is held in registers (read
+// once) instead of re-read from memory for every head; identical operations and order, so the
+// same bits. Same grid, block (128) and dynamic shared memory (heads × 128 floats).
+#define DS4_IX_HD 128
+DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tb, long long max_vis, int heads, int ihd, int ratio, float ws) {
+    extern __shared__ float4 qi4[]; // token i's query, heads × DS4_IX_HD floats
+    long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int i = blockIdx.y;
+    long long t = tb + i;
+    long long vis = (t + 1) / ratio;
+    if ((long long)blockIdx.x * blockDim.x >= vis) return; // whole CTA past the visible rows
+    const float4* qg = (const float4*)(q + (size_t)i * heads * DS4_IX_HD);
+    for (int e = threadIdx.x; e < heads * DS4_IX_HD / 4; e += blockDim.x) qi4[e] = qg[e];
+    __syncthreads();
+    if (r >= vis) return;
+    float key[DS4_IX_HD];
+    const float4* k4 = (const float4*)(rows + r * DS4_IX_HD);
+#pragma unroll
+    for (int e = 0; e < DS4_IX_HD / 4; e++) {
+        float4 v = k4[e];
+        key[4 * e] = v.x;
+        key[4 * e + 1] = v.y;
+        key[4 * e + 2] = v.z;
+        key[4 * e + 3] = v.w;
+    }
+    const float* wi = w + (size_t)i * heads;
+    float total = -0.0f;
+    for (int h = 0; h < heads; h++) {
+        const float4* qh = qi4 + h * (DS4_IX_HD / 4);
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int e = 0; e < DS4_IX_HD; e += 8) {
+            float4 a = qh[e / 4], b = qh[e / 4 + 1];
+            acc[0] = ds4_add_rn(acc[0], ds4_mul_rn(a.x, key[e]));
+            acc[1] = ds4_add_rn(acc[1], ds4_mul_rn(a.y, key[e + 1]));
+            acc[2] = ds4_add_rn(acc[2], ds4_mul_rn(a.z, key[e + 2]));
+            acc[3] = ds4_add_rn(acc[3], ds4_mul_rn(a.w, key[e + 3]));
+            acc[4] = ds4_add_rn(acc[4], ds4_mul_rn(b.x, key[e + 4]));
+            acc[5] = ds4_add_rn(acc[5], ds4_mul_rn(b.y, key[e + 5]));
+            acc[6] = ds4_add_rn(acc[6], ds4_mul_rn(b.z, key[e + 6]));
+            acc[7] = ds4_add_rn(acc[7], ds4_mul_rn(b.w, key[e + 7]));
+        }
+        float s = -0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) s = ds4_add_rn(s, acc[k]);
+        float dm = s > 0.0f ? s : 0.0f;
+        total = ds4_add_rn(total, ds4_mul_rn(ds4_mul_rn(wi[h], ws), dm));
+    }
+    scores[(size_t)i * max_vis + r] = total;
+}
+
 // Order-preserving key of a float (total order, as f32::total_cmp).
 __device__ __forceinline__ u32 ds4_fkey(float f) {
     u32 u = __float_as_uint(f);
@@ -521,6 +572,233 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_f32(const float* __restrict__ q, const fl
     for (int u = 0; u < DS4_ATT_MAXHD / DS4_ATT_THREADS; u++) {
         int e = threadIdx.x + u * DS4_ATT_THREADS;
         if (e < hd) oh[e] = acc[u] / z;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sink attention, split over rows (flash-decoding). DS4 attention is multi-query: every head of a
+// token reads the same rows, so one CTA takes DS4_AP_HG heads of one token and a range of its
+// candidate rows; each row is loaded once (a tile of DS4_AP_R rows in shared memory) and used by
+// all its heads. Candidates of token t (no compaction; absent ones are skipped):
+//   j <  nwin:              raw position first + j (this chunk's kv, else the ring if present)
+//   j <  nwin + nsel:       compressed row sel[i][j − nwin] (skipped when −1)
+//   j <  nwin + nsel + nc:  compressed row j − nwin − nsel (all rows < (t+1)/ratio, no sel)
+// attend_part_f32 writes per (token, split, head) the running max m, sum z and unnormalised
+// accumulator; attend_combine_f32 merges the splits with the sink, undoes the RoPE and stores the
+// ring (the part kernel has finished reading it by then).
+
+#define DS4_AP_THREADS 256
+#define DS4_AP_HG 16                                  // heads per CTA
+#define DS4_AP_R 4                                    // rows per tile
+#define DS4_AP_MAXHD 512                              // largest head width (host checks)
+#define DS4_AP_COLS (DS4_AP_MAXHD / DS4_AP_THREADS)   // accumulator columns per thread
+#define DS4_AP_MAXSPLIT 256                           // most splits per token (host checks)
+
+// Row of candidate j of token t (see above), or 0 when absent.
+__device__ __forceinline__ const float* ds4_ap_row(long long j, long long t0, long long first, int nwin, int nsel,
+                                                   const int* seli, const float* kv, const float* raw,
+                                                   const int* raw_pos, const float* comp, int hd, int win) {
+    if (j < nwin) {
+        long long p = first + j;
+        if (p >= t0) return kv + (p - t0) * hd;
+        int slot = (int)(p % win);
+        return raw_pos[slot] == (int)p ? raw + (size_t)slot * hd : (const float*)0;
+    }
+    j -= nwin;
+    if (j < nsel) {
+        int c = seli[j];
+        return c >= 0 ? comp + (size_t)c * hd : (const float*)0;
+    }
+    return comp + (j - nsel) * hd;
+}
+
+// grid (splits, ceil(heads / HG), n), blockDim DS4_AP_THREADS; hd <= 512, hd % 4 == 0 (float4
+// loads). Split s covers candidates [s·chunk, min((s+1)·chunk, ncand)) (chunk a multiple of R).
+// part_o [n, splits, heads, hd]; part_mz [n, splits, heads, 2] = (max of scaled scores, Σ exp).
+DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ raw, const int* __restrict__ raw_pos, const float* __restrict__ comp, const int* __restrict__ sel, float* __restrict__ part_o, float* __restrict__ part_mz, long long t0, int heads, int hd, int win, int ratio, int top_k, int chunk, int splits, float scale) {
+    // float4 arrays for 16-byte alignment.
+    __shared__ float4 q_s4[DS4_AP_HG * DS4_AP_MAXHD / 4];   // 32 KiB: the CTA's heads [HG][hd]
+    __shared__ float4 rows_s4[DS4_AP_R * DS4_AP_MAXHD / 4]; // 8 KiB: the tile's rows [R][hd]
+    __shared__ float4 p_s4[DS4_AP_HG * DS4_AP_R / 4];       // [HG][R] scores, then exp weights
+    float* q_s = (float*)q_s4;
+    float* rows_s = (float*)rows_s4;
+    float* p_s = (float*)p_s4;
+    __shared__ float m_s[DS4_AP_HG], z_s[DS4_AP_HG], cf_s[DS4_AP_HG];
+    __shared__ int ok_s[DS4_AP_R];
+    int s = blockIdx.x, h0 = blockIdx.y * DS4_AP_HG, i = blockIdx.z;
+    int nhg = min(DS4_AP_HG, heads - h0);
+    int tid = threadIdx.x;
+    long long t = t0 + i;
+    long long first = t + 1 > win ? t + 1 - win : 0;
+    int nwin = (int)(t - first + 1);
+    int nsel = sel ? top_k : 0;
+    long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
+    long long ncand = nwin + nsel + ncomp;
+    long long jb = (long long)s * chunk;
+    long long je = jb + chunk < ncand ? jb + chunk : ncand;
+    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    int hd4 = hd / 4;
+    // Queries of heads h0 .. h0+nhg (zeros past them).
+    const float4* q4 = (const float4*)(q + ((size_t)i * heads + h0) * hd);
+    for (int k = tid; k < DS4_AP_HG * hd4; k += blockDim.x) {
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (k / hd4 < nhg) v = q4[k];
+        q_s4[k] = v;
+    }
+    if (tid < DS4_AP_HG) {
+        m_s[tid] = DS4_NEG_INF;
+        z_s[tid] = 0.0f;
+    }
+    float acc[DS4_AP_HG][DS4_AP_COLS];
+#pragma unroll
+    for (int hh = 0; hh < DS4_AP_HG; hh++)
+#pragma unroll
+        for (int c = 0; c < DS4_AP_COLS; c++) acc[hh][c] = 0.0f;
+    int lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = blockDim.x / DS4_WARP;
+    for (long long j0 = jb; j0 < je; j0 += DS4_AP_R) {
+        // Tile rows (zeros for absent ones or past the range).
+        for (int k = tid; k < DS4_AP_R * hd4; k += blockDim.x) {
+            int r = k / hd4, e4 = k % hd4;
+            long long j = j0 + r;
+            const float* row = j < je ? ds4_ap_row(j, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win)
+                                      : (const float*)0;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (row) v = ((const float4*)row)[e4];
+            rows_s4[k] = v;
+            if (e4 == 0) ok_s[r] = row != 0;
+        }
+        __syncthreads();
+        // Scores: one warp job = 2 heads × the R rows, lanes over the width.
+        for (int job = warp; job < DS4_AP_HG / 2; job += nw) {
+            const float* qa = q_s + (2 * job) * hd;
+            const float* qb = qa + hd;
+            float sa[DS4_AP_R], sb[DS4_AP_R];
+#pragma unroll
+            for (int r = 0; r < DS4_AP_R; r++) sa[r] = sb[r] = 0.0f;
+            for (int e = lane; e < hd; e += DS4_WARP) {
+                float a = qa[e], b = qb[e];
+#pragma unroll
+                for (int r = 0; r < DS4_AP_R; r++) {
+                    float x = rows_s[r * hd + e];
+                    sa[r] += a * x;
+                    sb[r] += b * x;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < DS4_AP_R; r++) {
+                float va = ds4_warp_sum(sa[r]), vb = ds4_warp_sum(sb[r]);
+                if (lane == 0) {
+                    p_s[(2 * job) * DS4_AP_R + r] = ok_s[r] ? va * scale : DS4_NEG_INF;
+                    p_s[(2 * job + 1) * DS4_AP_R + r] = ok_s[r] ? vb * scale : DS4_NEG_INF;
+                }
+            }
+        }
+        __syncthreads();
+        // Online softmax per head: new max, rescale factor, weights.
+        if (tid < DS4_AP_HG) {
+            float m = m_s[tid], mn = m;
+#pragma unroll
+            for (int r = 0; r < DS4_AP_R; r++) mn = fmaxf(mn, p_s[tid * DS4_AP_R + r]);
+            float cf = m == mn ? 1.0f : expf(m - mn); // m == mn also covers −inf == −inf
+            float z = z_s[tid] * cf;
+#pragma unroll
+            for (int r = 0; r < DS4_AP_R; r++) {
+                float sc = p_s[tid * DS4_AP_R + r];
+                float p = sc == DS4_NEG_INF ? 0.0f : expf(sc - mn);
+                p_s[tid * DS4_AP_R + r] = p;
+                z += p;
+            }
+            m_s[tid] = mn;
+            z_s[tid] = z;
+            cf_s[tid] = cf;
+        }
+        __syncthreads();
+        // acc[h][e] = acc[h][e]·cf[h] + Σ_r p[h][r]·row_r[e]; thread owns columns tid + c·THREADS.
+#pragma unroll
+        for (int c = 0; c < DS4_AP_COLS; c++) {
+            int e = tid + c * DS4_AP_THREADS;
+            if (e < hd) {
+                float x[DS4_AP_R];
+#pragma unroll
+                for (int r = 0; r < DS4_AP_R; r++) x[r] = rows_s[r * hd + e];
+#pragma unroll
+                for (int hh = 0; hh < DS4_AP_HG; hh++) {
+#if DS4_AP_R != 4
+#error "the weight loads below read DS4_AP_R == 4 values as one float4"
+#endif
+                    float4 p = p_s4[hh];
+                    float a = acc[hh][c] * cf_s[hh];
+                    a += p.x * x[0];
+                    a += p.y * x[1];
+                    a += p.z * x[2];
+                    a += p.w * x[3];
+                    acc[hh][c] = a;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    size_t base = ((size_t)i * splits + s) * heads + h0;
+#pragma unroll
+    for (int hh = 0; hh < DS4_AP_HG; hh++) {
+        if (hh < nhg) {
+#pragma unroll
+            for (int c = 0; c < DS4_AP_COLS; c++) {
+                int e = tid + c * DS4_AP_THREADS;
+                if (e < hd) part_o[(base + hh) * hd + e] = acc[hh][c];
+            }
+        }
+    }
+    if (tid < nhg) {
+        part_mz[(base + tid) * 2] = m_s[tid];
+        part_mz[(base + tid) * 2 + 1] = z_s[tid];
+    }
+}
+
+// out[i, h] = (Σ_s e^{m_s − M}·o_s) / (e^{sink − M} + Σ_s e^{m_s − M}·z_s), M = max(sink, m_s),
+// then the inverse RoPE of the last n_rot values at position t0 + i. CTAs of head 0 also store
+// token i's row in the ring when it is among the chunk's last min(n, W). grid (heads, n),
+// blockDim DS4_AP_THREADS; hd <= 512, splits <= DS4_AP_MAXSPLIT.
+DS4_KERNEL void DS4_BOUNDS(256) attend_combine_f32(const float* __restrict__ part_o, const float* __restrict__ part_mz, const float* __restrict__ sinks, const double* __restrict__ freqs, float* __restrict__ out, const float* __restrict__ kv, float* __restrict__ raw, int* __restrict__ raw_pos, long long t0, int n, int heads, int hd, int win, int splits, int n_rot) {
+    __shared__ float w_s[DS4_AP_MAXSPLIT];
+    __shared__ float o_s[DS4_AP_MAXHD];
+    __shared__ float zt_s;
+    int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
+    long long t = t0 + i;
+    const float* mz = part_mz + ((size_t)i * splits * heads + h) * 2; // split s at + s·heads·2
+    float sink = sinks[h];
+    float M = sink;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, mz[(size_t)s * heads * 2]);
+    for (int s = tid; s < splits; s += blockDim.x) {
+        float m = mz[(size_t)s * heads * 2];
+        w_s[s] = m == DS4_NEG_INF ? 0.0f : expf(m - M);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float z = expf(sink - M);
+        for (int s = 0; s < splits; s++) z += w_s[s] * mz[(size_t)s * heads * 2 + 1];
+        zt_s = z;
+    }
+    __syncthreads();
+    float zt = zt_s;
+    for (int e = tid; e < hd; e += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float w = w_s[s];
+            if (w != 0.0f) a += w * part_o[(((size_t)i * splits + s) * heads + h) * hd + e];
+        }
+        o_s[e] = a / zt;
+    }
+    __syncthreads();
+    for (int p = tid; p < n_rot / 2; p += blockDim.x)
+        ds4_rope_pair(o_s + (hd - n_rot) + 2 * p, freqs[p], t, 1);
+    __syncthreads();
+    float* oh = out + ((size_t)i * heads + h) * hd;
+    for (int e = tid; e < hd; e += blockDim.x) oh[e] = o_s[e];
+    int keep = n < win ? n : win;
+    if (h == 0 && i >= n - keep) {
+        for (int e = tid; e < hd; e += blockDim.x) raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
+        if (tid == 0) raw_pos[t % win] = (int)t;
     }
 }
 

@@ -10,8 +10,11 @@ pub const ATTENTION: Module = Module {
         "compress_pool_f32",
         "compress_frontier_f32",
         "index_scores_f32",
+        "index_scores128_f32",
         "index_topk",
         "attend_f32",
+        "attend_part_f32",
+        "attend_combine_f32",
         "ring_store_f32",
     ],
 };

@@ -6,6 +6,7 @@ use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
 use ds4_kernels::ATTENTION;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Most score values the indexer keeps at once (tokens are batched under this).
 const INDEX_SCORE_BUDGET: usize = 1 << 26;
@@ -13,8 +14,40 @@ const INDEX_SCORE_BUDGET: usize = 1 << 26;
 const ATT_MAXLIST: usize = 2048;
 /// Largest head width of `attend_f32` (`DS4_ATT_MAXHD`).
 const ATT_MAXHD: usize = 1024;
+/// Split attention (`attend_part_f32`): heads per CTA, rows per tile, largest head width, most
+/// splits per token (`DS4_AP_*`), and the fewest candidate rows worth a split of their own.
+const AP_HG: usize = 16;
+const AP_R: usize = 4;
+const AP_MAXHD: usize = 512;
+const AP_MAXSPLIT: usize = 256;
+const AP_MIN_ROWS: usize = 16;
+
+/// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
+/// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`, the default).
+static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
+
+fn attn_simple() -> bool {
+    let mut m = ATTN_MODE.load(Ordering::Relaxed);
+    if m == 0 {
+        m = if std::env::var("DS4_GPU_ATTN").is_ok_and(|v| v == "simple") {
+            1
+        } else {
+            2
+        };
+        // A racing set_attn_simple wins.
+        let _ = ATTN_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+        m = ATTN_MODE.load(Ordering::Relaxed);
+    }
+    m == 1
+}
 
 impl GpuBackend {
+    /// Use the simple attention kernel (one CTA per head and token) instead of the split one;
+    /// process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
+    pub fn set_attn_simple(on: bool) {
+        ATTN_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
     fn attn_invalid(&self, msg: String) {
         self.note::<()>(Err(GpuError::Invalid(msg)));
     }
@@ -272,9 +305,18 @@ impl GpuBackend {
                     block: [128, 1, 1],
                     shared_bytes: (nh * ihd * 4) as u32,
                 };
+                // Rows held in registers when ihd is 128 (same bits as the general kernel).
+                let fast = !attn_simple()
+                    && ihd == 128
+                    && qr.ptr.0.is_multiple_of(16)
+                    && ix.rows.ptr().0.is_multiple_of(16);
                 self.run(
                     &ATTENTION,
-                    "index_scores_f32",
+                    if fast {
+                        "index_scores128_f32"
+                    } else {
+                        "index_scores_f32"
+                    },
                     dims,
                     &[
                         Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
@@ -335,6 +377,17 @@ impl GpuBackend {
             return self.attn_invalid("attend: compressed rows wanted, layer has none".into());
         }
         let scale = 1.0 / (hd as f32).sqrt();
+        let aligned = [q.ptr, kv.ptr, st.raw.ptr(), comp]
+            .iter()
+            .all(|p| p.0.is_multiple_of(16));
+        let split_ok = hd <= AP_MAXHD
+            && hd.is_multiple_of(4)
+            && spec.n_rot <= hd
+            && spec.n_rot.is_multiple_of(2)
+            && aligned;
+        if !attn_simple() && split_ok {
+            return self.attend_split(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
+        }
         let dims = LaunchDims {
             grid: [nh as u32, n as u32, 1],
             block: [256, 1, 1],
@@ -382,6 +435,108 @@ impl GpuBackend {
                 Arg::I32(n as i32),
                 Arg::I32(hd as i32),
                 Arg::I32(win as i32),
+            ],
+        );
+    }
+
+    /// Split attention: `attend_part_f32` over (row splits, head groups, tokens), then
+    /// `attend_combine_f32` (sink, inverse RoPE, ring store) over (heads, tokens).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_split(
+        &self,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut GpuBuf,
+        comp: DevPtr,
+        scale: f32,
+    ) {
+        let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
+        let top_k = if sel.is_some() { spec.top_k } else { 0 };
+        // Candidates of the last token (the most of any token in the chunk).
+        let t_last = t0 + n - 1;
+        let ncomp = if sel.is_none() && spec.ratio > 0 {
+            (t_last + 1) / spec.ratio
+        } else {
+            0
+        };
+        let max_cand = win.min(t_last + 1) + top_k + ncomp;
+        let groups = nh.div_ceil(AP_HG);
+        // Splits: about four CTAs per SM in all (two or three fit at once), each split at least
+        // AP_MIN_ROWS candidates.
+        let want = 4 * self.gpu.info().sm_count as usize;
+        let splits = want
+            .div_ceil(n * groups)
+            .min(max_cand.div_ceil(AP_MIN_ROWS))
+            .clamp(1, AP_MAXSPLIT);
+        let chunk = max_cand.div_ceil(splits).next_multiple_of(AP_R).max(AP_R);
+        let splits = max_cand.div_ceil(chunk).max(1);
+        if chunk > i32::MAX as usize {
+            return self.attn_invalid(format!("attend: {max_cand} candidate rows"));
+        }
+        let part_o = self.scratch(n * splits * nh * hd);
+        let part_mz = self.scratch(n * splits * nh * 2);
+        self.run(
+            &ATTENTION,
+            "attend_part_f32",
+            LaunchDims {
+                grid: [splits as u32, groups as u32, n as u32],
+                block: [256, 1, 1],
+                shared_bytes: 0,
+            },
+            &[
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                if comp.0 == 0 {
+                    Arg::Null
+                } else {
+                    Arg::Ptr(comp)
+                },
+                sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
+                Arg::Ptr(part_o.ptr),
+                Arg::Ptr(part_mz.ptr),
+                Arg::I64(t0 as i64),
+                Arg::I32(nh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(win as i32),
+                Arg::I32(spec.ratio as i32),
+                Arg::I32(top_k as i32),
+                Arg::I32(chunk as i32),
+                Arg::I32(splits as i32),
+                Arg::F32(scale),
+            ],
+        );
+        self.run(
+            &ATTENTION,
+            "attend_combine_f32",
+            LaunchDims {
+                grid: [nh as u32, n as u32, 1],
+                block: [256, 1, 1],
+                shared_bytes: 0,
+            },
+            &[
+                Arg::Ptr(part_o.ptr),
+                Arg::Ptr(part_mz.ptr),
+                Arg::Ptr(sinks.ptr()),
+                Arg::Ptr(self.rope_ptr(spec.rope)),
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                Arg::I64(t0 as i64),
+                Arg::I32(n as i32),
+                Arg::I32(nh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(win as i32),
+                Arg::I32(splits as i32),
+                Arg::I32(spec.n_rot as i32),
             ],
         );
     }
