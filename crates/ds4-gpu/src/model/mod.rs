@@ -214,6 +214,14 @@ impl GpuBackend {
             free: Mutex::new(HashMap::new()),
             err: err.clone(),
         });
+        // DS4_GPU_MATVEC=off|v1|v2|v3: the decode products of matvec.rs off, or a variant.
+        match std::env::var("DS4_GPU_MATVEC").as_deref() {
+            Ok("off") => GpuBackend::set_matvec(false),
+            Ok(v) if v.len() == 2 && v.starts_with('v') => {
+                GpuBackend::set_matvec_variant(v[1..].parse().unwrap_or(0))
+            }
+            _ => {}
+        }
         // DS4_GPU_MATMUL=direct|tiles|coalesced picks the weight-product kernel form (matmul.rs).
         match std::env::var("DS4_GPU_MATMUL").as_deref() {
             Ok("tiles") => GpuBackend::set_matmul_tiles(true),
