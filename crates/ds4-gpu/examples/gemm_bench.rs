@@ -1,6 +1,7 @@
 //! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) at n = 128 token rows,
 //! as TFLOP/s (2·n·rows·cols per product) and GB/s of weight bytes, per type and model shape.
-//! form: tc = tensor cores (default), fma = portable kernels, old = general matmul.rs kernels.
+//! form: tc = bf16 tensor cores (default), tf32 = 3xTF32 tensor cores, fma = portable kernels,
+//! old = general matmul.rs kernels.
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
@@ -71,11 +72,20 @@ fn time(
     t.elapsed().as_secs_f64() / reps as f64
 }
 
-const FORMS: &[(&str, bool, bool)] = &[
-    ("tc", true, false),
-    ("fma", true, true),
-    ("old", false, false),
+/// (name, on, fma, tf32): see `GpuBackend::set_gemm`, `set_gemm_tf32`.
+const FORMS: &[(&str, bool, bool, bool)] = &[
+    ("tc", true, false, false),
+    ("tf32", true, false, true),
+    ("fma", true, true, false),
+    ("old", false, false, false),
 ];
+
+fn set_form(on: bool, fma: bool, tf32: bool) {
+    GpuBackend::set_gemm(on, fma);
+    if tf32 {
+        GpuBackend::set_gemm_tf32();
+    }
+}
 
 fn main() {
     let reps: usize = std::env::args()
@@ -125,10 +135,10 @@ fn main() {
         let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(n * rows);
-        for &(form, on, fma) in FORMS {
+        for &(form, on, fma, tf32) in FORMS {
             // The general kernels take ~9 ms here: a few calls suffice.
             let r = if on { reps } else { 3 };
-            GpuBackend::set_gemm(on, fma);
+            set_form(on, fma, tf32);
             let s = time(&gpu, &x, r, || gpu.matmul(&w, Part::All, &x, n, &mut y));
             line(&format!("{ty:?} {cols}->{rows} {form}"), flops, bytes, s);
         }
@@ -210,8 +220,8 @@ fn main() {
     let (z, s_, wgt) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
     let mut out = gpu.alloc(n * d);
     let flops = 2.0 * (n * k * 3 * d * ff) as f64;
-    for &(form, on, fma) in FORMS {
-        GpuBackend::set_gemm(on, fma);
+    for &(form, on, fma, tf32) in FORMS {
+        set_form(on, fma, tf32);
         let s = time(&gpu, &z, reps.min(10), || {
             gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &s_, &wgt, n, &mut out)
         });

@@ -1,7 +1,8 @@
 //! Prefill GEMM (gemm.rs / gpu/gemm.cu) against the CPU reference: every weight type,
 //! n ∈ {5, 16, 33, 128, 300}, Part::All and Part::Expert, grouped products, real model shapes
 //! (Q8_0 4096→1024, 8 groups of 4096→1024), and routed experts with 128 tokens × 6 slots.
-//! Each case runs in both kernel forms (form 0: tensor cores where compiled, 1: portable FMA;
+//! Each case runs in three kernel forms (form 0: bf16 tensor cores where compiled, 1: portable
+//! FMA, 2: 3xTF32 tensor cores, held to the FMA tolerance (not yet run on a GPU when written);
 //! process-wide switch: run with --test-threads=1 on a GPU). Each case also checks that the
 //! GEMM took the product (launch counter). Skips with the reason when no GPU is present.
 //!
@@ -72,7 +73,7 @@ fn weight(
 #[derive(Default)]
 struct Cases {
     bad: Vec<String>,
-    worst: [f32; 2],
+    worst: [f32; 3],
 }
 
 impl Cases {
@@ -108,8 +109,8 @@ impl Cases {
 
     fn finish(self) {
         println!(
-            "worst: tensor-core form {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA form {:.3e} ({TOL_FMA:.0e})",
-            self.worst[0], self.worst[1]
+            "worst: bf16 tensor cores {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA {:.3e}, 3xTF32 {:.3e} ({TOL_FMA:.0e})",
+            self.worst[0], self.worst[1], self.worst[2]
         );
         GpuBackend::set_gemm(true, false);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
@@ -118,6 +119,9 @@ impl Cases {
 
 fn set_form(form: usize) {
     GpuBackend::set_gemm(true, form == 1);
+    if form == 2 {
+        GpuBackend::set_gemm_tf32();
+    }
 }
 
 #[test]
@@ -126,7 +130,7 @@ fn gemm_every_type_and_n() {
         return;
     };
     let mut cases = Cases::default();
-    for form in 0..2 {
+    for form in 0..3 {
         set_form(form);
         for (ti, &ty) in TYPES.iter().enumerate() {
             // 3 experts of 200 rows (a partial 128-row tile) × 1024 columns (split K in 2).
@@ -180,7 +184,7 @@ fn gemm_grouped_every_type() {
         return;
     };
     let mut cases = Cases::default();
-    for form in 0..2 {
+    for form in 0..3 {
         set_form(form);
         // (groups, cols, rows): small with a partial tile per group, and the model's out_a.
         let mut shapes: Vec<(GgmlType, usize, usize, usize)> =
@@ -217,7 +221,7 @@ fn gemm_moe_128_tokens_6_slots() {
         return;
     };
     let mut cases = Cases::default();
-    for form in 0..2 {
+    for form in 0..3 {
         set_form(form);
         let spec = MoeSpec {
             n_expert: 16,

@@ -9,11 +9,13 @@
 // Tensor-core form (CUDA, DS4_ARCH >= 800): mma.sync m16n8k16 bf16 with f32 accumulation. Accuracy:
 // each operand v is split into hi = bf16_rn(v) and lo = bf16_rn(v - hi) (~16 significant bits), and
 // each tile takes three products Xhi·Whi + Xlo·Whi + Xhi·Wlo (the dropped Xlo·Wlo is < 2^-16 |x w|);
-// BF16 weights are exact in hi, so two. Per-term error ~2^-16, i.e. ~1e-5 relative on the dot products,
-// well inside the 1e-3 asked for (plain bf16 would give ~2e-3). Measured error: bench/results/gpu-gemm-h200.txt.
+// BF16 weights are exact in hi, so two. Per-term error ~2^-16 (plain bf16: 2^-9). bench/results/gpu-gemm-h200.txt.
+// Measured on an H200 (random weights, error |gpu-cpu|/(1+|cpu|)): 1.1e-3 (Q8_0 4096 columns), 2.7e-3 with
+// Q4_K, ~10x the FMA form's f32 error. gemmp_<t> (opt-in): 3xTF32, mma.sync m16n8k8 on hi = tf32(v),
+// lo = v - hi (~21 bits per operand; expected near f32; not yet run on a GPU when written).
 // Warp w owns tile rows 32w..32w+32 (4 n-tiles of 8) for all 32 items (2 m-tiles of 16).
 //
-// Portable form (gemmf_*, and gemm_* where no mma): thread t keeps its dequantised chunk in registers
+// Portable form (gemmf_*, and gemm_*/gemmp_* where no mma): thread t keeps its dequantised chunk in registers
 // and accumulates its row for the 32 items (X read from shared memory as broadcasts), plain FMA.
 //
 // Split K: blockIdx.z = z * ks + s; slice s takes chunks [s*kc, min((s+1)*kc, cols/32)) and writes at
@@ -26,7 +28,8 @@
 
 #define GM_BM 32
 #define GM_BN 128
-#define GM_LD 20 // u32 per shared row (16 used): conflict-free fragment loads and 16-byte stores
+#define GM_LD 20  // u32 per shared row (16 used): conflict-free fragment loads and 16-byte stores
+#define GM_LDF 36 // f32 per shared row (32 used), same property for the TF32 form
 
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
 #define GM_HAVE_MMA 1
@@ -48,7 +51,21 @@ __device__ __forceinline__ void gm_split2(float v0, float v1, u32& hi, u32& lo) 
     lo = gm_bf16_rn(r0) | (gm_bf16_rn(r1) << 16);
 }
 
+// 3xTF32 split: hi = v rounded to TF32 (10 explicit bits, ties away), lo = v - hi (exact; the
+// tensor core reads its top 19 bits, so ~2^-21 |v| is lost).
+__device__ __forceinline__ void gm_tf_split(float v, u32& hi, u32& lo) {
+    u32 h = (__float_as_int(v) + 0x1000u) & 0xffffe000u;
+    hi = h;
+    lo = __float_as_int(v - __int_as_float(h));
+}
+
 #if GM_HAVE_MMA
+__device__ __forceinline__ void gm_mma_tf(float* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 __device__ __forceinline__ void gm_mma(float* c, const u32* a, const u32* b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -63,6 +80,9 @@ struct alignas(16) GmSmemMma { // 16-byte vector stores
 struct alignas(16) GmSmemFma {
     float x[GM_BM][32];
 };
+struct alignas(16) GmSmemTf { // f32 values; hi/lo split at fragment load
+    float x[GM_BM][GM_LDF], w[GM_BN][GM_LDF];
+};
 
 #define GM_PARAMS                                                                                                 \
     const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const float *__restrict__ X, \
@@ -70,12 +90,14 @@ struct alignas(16) GmSmemFma {
         int rows, int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax
 #define GM_ARGS W, w_z, sel, slab, X, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax
 
-template <int T, bool MMA> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
+// F: 0 portable FMA, 1 bf16 hi/lo mma (m16n8k16), 2 3xTF32 mma (m16n8k8); 1 and 2 need GM_HAVE_MMA.
+template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
     __shared__ int items[GM_BM];
     __shared__ int expert;
     __shared__ union {
         GmSmemMma m;
         GmSmemFma f;
+        GmSmemTf t;
     } sm;
     const int tid = threadIdx.x;
     const int z = blockIdx.z / ks, s = blockIdx.z % ks;
@@ -122,7 +144,7 @@ template <int T, bool MMA> __device__ __forceinline__ void gemm_body(GM_PARAMS) 
 #pragma unroll
             for (int i = 0; i < 32; i++) w[i] = 0.0f;
         }
-        if (MMA) {
+        if (F == 1) {
             uint4 h, l;
             gm_split2(xa.x, xa.y, h.x, l.x);
             gm_split2(xa.z, xa.w, h.y, l.y);
@@ -172,6 +194,44 @@ template <int T, bool MMA> __device__ __forceinline__ void gemm_body(GM_PARAMS) 
             }
 #endif
             __syncthreads();
+        } else if (F == 2) {
+            *(float4*)&sm.t.x[xi][8 * xq] = xa;
+            *(float4*)&sm.t.x[xi][8 * xq + 4] = xb;
+#pragma unroll
+            for (int v = 0; v < 8; v++) *(float4*)&sm.t.w[tid][4 * v] = make_float4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
+            __syncthreads();
+#if GM_HAVE_MMA
+            const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const int k0 = 8 * kk + t; // m16n8k8 tf32: A (g|g+8, t|t+4), B (k t|t+4, n g)
+                u32 ah[2][4], al[2][4], bh[4][2], bl[4][2];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    int m = 16 * mt + g;
+                    gm_tf_split(sm.t.x[m][k0], ah[mt][0], al[mt][0]);
+                    gm_tf_split(sm.t.x[m + 8][k0], ah[mt][1], al[mt][1]);
+                    gm_tf_split(sm.t.x[m][k0 + 4], ah[mt][2], al[mt][2]);
+                    gm_tf_split(sm.t.x[m + 8][k0 + 4], ah[mt][3], al[mt][3]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    int r = 32 * warp + 8 * nt + g;
+                    gm_tf_split(sm.t.w[r][k0], bh[nt][0], bl[nt][0]);
+                    gm_tf_split(sm.t.w[r][k0 + 4], bh[nt][1], bl[nt][1]);
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++) {
+                        float* cc = acc + 4 * (4 * mt + nt);
+                        gm_mma_tf(cc, ah[mt], bh[nt]);
+                        gm_mma_tf(cc, al[mt], bh[nt]);
+                        gm_mma_tf(cc, ah[mt], bl[nt]);
+                    }
+            }
+#endif
+            __syncthreads();
         } else {
             *(float4*)&sm.f.x[xi][8 * xq] = xa;
             *(float4*)&sm.f.x[xi][8 * xq + 4] = xb;
@@ -188,7 +248,7 @@ template <int T, bool MMA> __device__ __forceinline__ void gemm_body(GM_PARAMS) 
     }
 
     float* yb = Y + (long long)z * y_z + (long long)s * y_s;
-    if (MMA) {
+    if (F != 0) {
         // acc[4*(4*mt+nt) + e]: item 16mt + g + 8(e/2), tile row 32w + 8nt + 2t + e%2.
         const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -215,21 +275,29 @@ template <int T, bool MMA> __device__ __forceinline__ void gemm_body(GM_PARAMS) 
     }
 }
 
-// gemm_<t>: tensor cores where compiled in, else the portable form; gemmf_<t>: always portable.
-DS4_KERNEL void DS4_BOUNDS(128) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA != 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA != 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA != 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA != 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA != 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA != 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA != 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, false>(GM_ARGS); }
+// gemm_<t>: bf16 tensor cores where compiled in, else the portable form; gemmp_<t>: 3xTF32 tensor
+// cores (more precise, opt-in); gemmf_<t>: always portable.
+DS4_KERNEL void DS4_BOUNDS(128) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 0>(GM_ARGS); }
 
 // Split-K partials: y[i] = sum over s < ks (in order) of part[s*total + i].
 DS4_KERNEL void DS4_BOUNDS(256) gemm_sum_f32(const float* __restrict__ part, float* __restrict__ y, int ks, long long total) {

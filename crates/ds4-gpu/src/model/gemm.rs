@@ -1,8 +1,9 @@
 //! Prefill weight products (n > 4 token rows). Each entry returns true when it ran the product, false to leave it to the general
 //! kernels of matmul.rs (unsupported type or shape). Semantics: ds4-cpu backend.rs.
 //!
-//! Kernels: `gemm_<t>` / `gemmf_<t>` of `gpu/gemm.cu` (tiles of 32 items × 128 weight rows,
-//! tensor-core mma with a bf16 hi/lo split, or the portable FMA form), split K when the grid
+//! Kernels: `gemm_<t>` / `gemmp_<t>` / `gemmf_<t>` of `gpu/gemm.cu` (tiles of 32 items × 128
+//! weight rows; tensor-core mma with a bf16 hi/lo split (default), 3xTF32 (opt-in:
+//! `set_gemm_tf32`, `DS4_GPU_GEMM=tf32`), or the portable FMA form), split K when the grid
 //! would be small (partials summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by
 //! expert on the device (`moe_group_i32`, runs cut at 32), then gate, up (GEMM each), SwiGLU
 //! and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
@@ -20,8 +21,26 @@ const MIN_N: usize = 5;
 /// Most (token, slot) pairs grouped on the device (the grouping kernel is quadratic).
 const MAX_PAIRS: usize = 4096;
 
-/// 0: auto (tensor cores where compiled), 1: portable FMA kernels, 2: off (decline all).
-static MODE: AtomicU8 = AtomicU8::new(0);
+/// Kernel form: 0 `gemm_<t>` (bf16 hi/lo tensor cores where compiled, else FMA), 1 `gemmf_<t>`
+/// (portable FMA), 2 off (decline all), 3 `gemmp_<t>` (3xTF32 tensor cores); UNSET: read
+/// `DS4_GPU_GEMM` (bf16 | fma | off | tf32) on first use.
+static MODE: AtomicU8 = AtomicU8::new(UNSET);
+const UNSET: u8 = 255;
+
+fn mode() -> u8 {
+    let m = MODE.load(Ordering::Relaxed);
+    if m != UNSET {
+        return m;
+    }
+    let m = match std::env::var("DS4_GPU_GEMM").as_deref() {
+        Ok("fma") => 1,
+        Ok("off") => 2,
+        Ok("tf32") => 3,
+        _ => 0,
+    };
+    MODE.store(m, Ordering::Relaxed);
+    m
+}
 
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
@@ -65,7 +84,7 @@ struct Gm {
 impl GpuBackend {
     /// Prefill GEMM kernels: `on` false declines every product (general matmul.rs kernels run);
     /// `fma` true takes the portable `gemmf_*` form even where tensor cores exist. Default
-    /// (true, false). Process-wide, for tests and benchmarks.
+    /// (true, false), or `DS4_GPU_GEMM`. Process-wide, for tests and benchmarks.
     pub fn set_gemm(on: bool, fma: bool) {
         MODE.store(
             if !on {
@@ -79,6 +98,12 @@ impl GpuBackend {
         );
     }
 
+    /// Take the 3xTF32 tensor-core kernels `gemmp_*` (near-f32 accuracy; FMA where no mma).
+    /// Process-wide; `set_gemm` switches back.
+    pub fn set_gemm_tf32() {
+        MODE.store(3, Ordering::Relaxed);
+    }
+
     /// GEMM kernel launches so far in this process (tests: the product did not fall back).
     pub fn gemm_launches() -> u64 {
         LAUNCHES.load(Ordering::Relaxed)
@@ -87,7 +112,7 @@ impl GpuBackend {
     /// Whether the GEMM takes a product of `n` rows of weight type `ty` with `cols` columns and
     /// these f32 pointers/strides (float4 loads of x need 16-byte alignment).
     fn gemm_ok(&self, ty: GgmlType, n: usize, cols: usize, x: DevPtr, x_strides: &[usize]) -> bool {
-        MODE.load(Ordering::Relaxed) != 2
+        mode() != 2
             && n >= MIN_N
             && suffix(ty).is_some()
             && cols.is_multiple_of(32)
@@ -101,10 +126,10 @@ impl GpuBackend {
             return;
         }
         let Some(sfx) = suffix(m.ty) else { return };
-        let form = if MODE.load(Ordering::Relaxed) == 1 {
-            "gemmf"
-        } else {
-            "gemm"
+        let form = match mode() {
+            1 => "gemmf",
+            3 => "gemmp",
+            _ => "gemm",
         };
         let ytiles = match m.grp {
             Some((_, _, gmax)) => gmax,
