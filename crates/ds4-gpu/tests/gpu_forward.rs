@@ -89,31 +89,68 @@ fn compare(what: &str, gpu: &[Vec<f32>], cpu: &[Vec<f32>]) -> (f32, f32, f64) {
     (max, med, top1)
 }
 
+/// The prefill GEMM forms (process-wide switch) and the logit tolerance each is held to: the
+/// bf16 hi/lo tensor-core form keeps ~16 significant bits per product term (~1e-3 relative per
+/// product, measured in bench/results/gpu-gemm-h200.txt), which through 6 layers gives logit
+/// differences of a few 1e-3; the 3xTF32 and FMA forms are near f32.
+#[derive(Clone, Copy, Debug)]
+enum Gemm {
+    Bf16,
+    Tf32,
+    Fma,
+}
+
+impl Gemm {
+    fn set(self) {
+        match self {
+            Gemm::Bf16 => ds4_gpu::GpuBackend::set_gemm(true, false),
+            Gemm::Tf32 => ds4_gpu::GpuBackend::set_gemm_tf32(),
+            Gemm::Fma => ds4_gpu::GpuBackend::set_gemm(true, true),
+        }
+    }
+    fn tol_max(self) -> f32 {
+        match self {
+            Gemm::Bf16 => 3e-2,
+            Gemm::Tf32 | Gemm::Fma => 1e-3,
+        }
+    }
+}
+
 #[test]
 fn gpu_forward_matches_cpu_reference() {
     let hp = HParams::tiny();
     let Some(_) = common::open_gpu() else { return };
     let ids = tokens();
-    for (file, rounding, tol_max) in [
-        ("tiny-f32.gguf", Rounding::NONE, 1e-3),
-        ("tiny-q.gguf", Rounding::NONE, 1e-3),
-        ("tiny-q.gguf", Rounding::MODEL, f32::INFINITY),
+    let mut failures = Vec::new();
+    for (file, rounding, plain) in [
+        ("tiny-f32.gguf", Rounding::NONE, true),
+        ("tiny-q.gguf", Rounding::NONE, true),
+        ("tiny-q.gguf", Rounding::MODEL, false),
     ] {
         let (cpu_b, gpu_b) = common::backends(&hp).unwrap();
         let _ = rope_tables(&hp);
         let cpu = load(cpu_b, file, rounding);
         let gpu = load(gpu_b, file, rounding);
         let want = run(&cpu, &ids, None);
-        for (what, chunk) in [
-            ("decode", None),
-            ("prefill 128", Some(128)),
-            ("prefill 37", Some(37)),
-        ] {
+        let mut cases = vec![("decode".to_string(), None, Gemm::Fma)];
+        for g in [Gemm::Bf16, Gemm::Tf32, Gemm::Fma] {
+            cases.push((format!("prefill 128 {g:?}"), Some(128), g));
+            cases.push((format!("prefill 37 {g:?}"), Some(37), g));
+        }
+        for (what, chunk, g) in cases {
+            g.set();
             let got = run(&gpu, &ids, chunk);
             let (max, med, top1) = compare(&format!("{file} {rounding:?} {what}"), &got, &want);
-            assert!(max <= tol_max, "{file} {what}: max |Δ| {max}");
-            assert!(med <= 2e-3, "{file} {what}: median {med}");
-            assert!(top1 >= 0.98, "{file} {what}: top-1 {top1}");
+            // With FP8/FP4 rounding on, a value near a grid tie can land on the other side on
+            // one backend: only the median and top-1 are held there.
+            let tol = if plain { g.tol_max() } else { f32::INFINITY };
+            if max > tol || med > 5e-3 || top1 < 0.98 {
+                failures.push(format!(
+                    "{file} {what}: max {max:.3e} (tol {tol:.0e}), median {med:.3e}, top-1 {top1}"
+                ));
+            }
         }
     }
+    Gemm::Bf16.set();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
