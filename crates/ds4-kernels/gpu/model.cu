@@ -272,19 +272,21 @@ __device__ __forceinline__ void hc_sinkhorn_warp(const float* __restrict__ mt, c
 }
 
 // HC pre, latency form; same outputs as hc_split. Host guarantees D % 4 == 0 and 16-byte aligned
-// x, z. Grid: n*cc column CTAs (token t = b / cc, float4 columns ((b % cc)*blockDim + tid)), then
-// ceil(n / warps per CTA) Sinkhorn CTAs with one warp per token; the two run concurrently.
+// x, z. Grid: first ns = ceil(n / warps per CTA) Sinkhorn CTAs with one warp per token (first, so
+// that in long grids they start early), then n*cc column CTAs (token t = c / cc, float4 columns
+// ((c % cc)*blockDim + tid) with c = b - ns); the two kinds run concurrently.
 DS4_KERNEL void DS4_BOUNDS(256) hc_split_fast(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int iters, float eps, int n, int cc) {
+    const int wpb = blockDim.x / DS4_WARP, ns = (n + wpb - 1) / wpb;
     const int b = blockIdx.x, mix = (2 + N) * N, D4 = D >> 2;
-    if (b < n * cc) {
-        const int t = b / cc, k4 = (b - t * cc) * blockDim.x + threadIdx.x;
+    if (b >= ns) {
+        const int c = b - ns, t = c / cc, k4 = (c - t * cc) * blockDim.x + threadIdx.x;
         const float* mt = m + (size_t)t * mix;
         const float4* xt = (const float4*)(x + (size_t)t * N * D);
         float4* zt = (float4*)(z + (size_t)t * D);
         if (N <= 4) hc_split_cols<4>(mt, scale, base, xt, zt, N, D4, k4, eps);
         else hc_split_cols<DS4_HC_MAX>(mt, scale, base, xt, zt, N, D4, k4, eps);
     } else {
-        const int t = (b - n * cc) * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
+        const int t = b * wpb + threadIdx.x / DS4_WARP;
         if (t >= n) return; // whole warps
         const float* mt = m + (size_t)t * mix;
         float* pt = post + (size_t)t * N;

@@ -196,13 +196,13 @@ impl GpuBackend {
             return;
         }
         if !mix_simple() && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(z.ptr) {
-            // n·cc column CTAs (256 float4 columns each), then the Sinkhorn CTAs (a warp a token).
+            // The Sinkhorn CTAs (a warp a token), then n·cc column CTAs (256 float4 columns each).
             let cc = (hc.d / 4).div_ceil(256);
             let sink = n.div_ceil(256 / self.warp() as usize);
             self.run(
                 &ds4_kernels::MODEL,
                 "hc_split_fast",
-                LaunchDims::linear((n * cc + sink) as u32, 256),
+                LaunchDims::linear((sink + n * cc) as u32, 256),
                 &[
                     Arg::Ptr(m.ptr),
                     Arg::Ptr(scale.ptr()),
