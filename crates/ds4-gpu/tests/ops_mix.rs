@@ -189,9 +189,13 @@ fn hc_collapse_matches_cpu() {
     let Some((cpu, gpu)) = setup() else { return };
     both_forms(|form| {
         let mut r = rng(3);
-        for d in [256usize, 4096] {
-            let h = hc(4, d);
-            let (nh, n) = (h.n, 6);
+        for (nh, d, n) in [
+            (4usize, 256usize, 6usize),
+            (4, 4096, 1),
+            (4, 4096, 6),
+            (8, 256, 3),
+        ] {
+            let h = hc(nh, d);
             let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 1, 0.5));
             let (bc, bg) = vectors(&cpu, &gpu, &randn(&mut r, nh, 1.0));
             let m = randn(&mut r, n * nh, 3.0);
@@ -202,7 +206,12 @@ fn hc_collapse_matches_cpu() {
             gpu.hc_collapse(h, &gpu.upload(&m), &sg, &bg, &gpu.upload(&x), n, &mut yg);
             let yg = gpu.download(&yg, n * d);
             gpu_ok(&gpu, "hc_collapse");
-            assert_close(&format!("hc_collapse {form} d {d}"), &yg, &yc, TOL);
+            assert_close(
+                &format!("hc_collapse {form} N {nh} d {d} n {n}"),
+                &yg,
+                &yc,
+                TOL,
+            );
         }
     });
 }

@@ -296,6 +296,17 @@ DS4_KERNEL void DS4_BOUNDS(256) hc_split_fast(const float* __restrict__ m, const
     }
 }
 
+// Head collapse, latency form; same output as hc_collapse (m [n, N]). Host guarantees D % 4 == 0
+// and 16-byte aligned x, y. Grid: n*cc CTAs, token t = b / cc, float4 columns as hc_split_fast.
+DS4_KERNEL void DS4_BOUNDS(256) hc_collapse_fast(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ y, int N, int D, float eps, int cc) {
+    const int b = blockIdx.x, t = b / cc, k4 = (b - t * cc) * blockDim.x + threadIdx.x, D4 = D >> 2;
+    const float* mt = m + (size_t)t * N;
+    const float4* xt = (const float4*)(x + (size_t)t * N * D);
+    float4* yt = (float4*)(y + (size_t)t * D);
+    if (N <= 4) hc_split_cols<4>(mt, scale, base, xt, yt, N, D4, k4, eps);
+    else hc_split_cols<DS4_HC_MAX>(mt, scale, base, xt, yt, N, D4, k4, eps);
+}
+
 // HC post in place, latency form for N <= 4 (host checks, with D % 4 == 0 and 16-byte aligned
 // x, o): one thread per (token, float4 column), every load issued before any store. total4 = n*D/4.
 DS4_KERNEL void DS4_BOUNDS(256) hc_post_fast(float* __restrict__ x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, int N, int D, long long total4) {

@@ -11,6 +11,7 @@ pub const MODEL: Module = Module {
         "hc_post",
         "moe_route",
         "hc_split_fast",
+        "hc_collapse_fast",
         "hc_post_fast",
         "moe_route_fast",
     ],

@@ -1,9 +1,10 @@
 //! Model glue ops on the GPU: embedding, hyper-connections, router, elementwise (kernels in
 //! `ds4-kernels/gpu/model.cu` and `elementwise.cu`). Reference: ds4-cpu backend.rs.
 //!
-//! rms_norm, hc_split, hc_post and moe_route have latency forms for decode (`*_fast`, `*x4`:
-//! float4 loads in flight at once, warp-synchronous Sinkhorn and top-k); `DS4_GPU_MIX=simple`
-//! (or [`GpuBackend::set_mix_simple`]) keeps the first kernels, one CTA per row or token.
+//! rms_norm, hc_split, hc_collapse, hc_post and moe_route have latency forms for decode
+//! (`*_fast`, `*x4`: float4 loads in flight at once, warp-synchronous Sinkhorn and top-k);
+//! `DS4_GPU_MIX=simple` (or [`GpuBackend::set_mix_simple`]) keeps the first kernels, one CTA per
+//! row or token.
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::error::GpuError;
@@ -241,7 +242,7 @@ impl GpuBackend {
         );
     }
 
-    /// Head collapse, one CTA per token.
+    /// Head collapse: one CTA per token (simple), or CTAs of 256 float4 columns (fast).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_hc_collapse(
         &self,
@@ -254,6 +255,26 @@ impl GpuBackend {
         y: &mut GpuBuf,
     ) {
         if !self.hc_ok(&hc) || n == 0 {
+            return;
+        }
+        if !mix_simple() && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(y.ptr) {
+            let cc = (hc.d / 4).div_ceil(256); // CTAs per token, 256 float4 columns each
+            self.run(
+                &ds4_kernels::MODEL,
+                "hc_collapse_fast",
+                LaunchDims::linear((n * cc) as u32, 256),
+                &[
+                    Arg::Ptr(m.ptr),
+                    Arg::Ptr(scale.ptr()),
+                    Arg::Ptr(base.ptr()),
+                    Arg::Ptr(x.ptr),
+                    Arg::Ptr(y.ptr),
+                    Arg::I32(hc.n as i32),
+                    Arg::I32(hc.d as i32),
+                    Arg::F32(hc.eps),
+                    Arg::I32(cc as i32),
+                ],
+            );
             return;
         }
         self.run(
