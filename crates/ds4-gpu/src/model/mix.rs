@@ -257,7 +257,7 @@ impl GpuBackend {
         if !self.hc_ok(&hc) || n == 0 {
             return;
         }
-        if !mix_simple() && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(y.ptr) {
+        if !mix_simple() && hc.d > 0 && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(y.ptr) {
             let cc = (hc.d / 4).div_ceil(256); // CTAs per token, 256 float4 columns each
             self.run(
                 &ds4_kernels::MODEL,
