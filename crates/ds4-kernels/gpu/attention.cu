@@ -714,26 +714,28 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
         }
         __syncthreads();
         // acc[h][e] = acc[h][e]·cf[h] + Σ_r p[h][r]·row_r[e]; thread owns columns tid + c·THREADS.
-#pragma unroll
-        for (int c = 0; c < DS4_AP_COLS; c++) {
-            int e = tid + c * DS4_AP_THREADS;
-            if (e < hd) {
-                float x[DS4_AP_R];
-#pragma unroll
-                for (int r = 0; r < DS4_AP_R; r++) x[r] = rows_s[r * hd + e];
-#pragma unroll
-                for (int hh = 0; hh < DS4_AP_HG; hh++) {
 #if DS4_AP_R != 4
 #error "the weight loads below read DS4_AP_R == 4 values as one float4"
 #endif
-                    float4 p = p_s4[hh];
-                    float a = acc[hh][c] * cf_s[hh];
-                    a += p.x * x[0];
-                    a += p.y * x[1];
-                    a += p.z * x[2];
-                    a += p.w * x[3];
-                    acc[hh][c] = a;
-                }
+        float x[DS4_AP_COLS][DS4_AP_R];
+#pragma unroll
+        for (int c = 0; c < DS4_AP_COLS; c++) {
+            int e = tid + c * DS4_AP_THREADS;
+#pragma unroll
+            for (int r = 0; r < DS4_AP_R; r++) x[c][r] = e < hd ? rows_s[r * hd + e] : 0.0f;
+        }
+#pragma unroll
+        for (int hh = 0; hh < DS4_AP_HG; hh++) {
+            float4 p = p_s4[hh];
+            float cf = cf_s[hh];
+#pragma unroll
+            for (int c = 0; c < DS4_AP_COLS; c++) {
+                float a = acc[hh][c] * cf;
+                a += p.x * x[c][0];
+                a += p.y * x[c][1];
+                a += p.z * x[c][2];
+                a += p.w * x[c][3];
+                acc[hh][c] = a; // columns past hd stay 0 and are never written
             }
         }
         __syncthreads();
