@@ -686,31 +686,34 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
             }
 #pragma unroll
             for (int r = 0; r < DS4_AP_R; r++) {
-                float va = ds4_warp_sum(sa[r]), vb = ds4_warp_sum(sb[r]);
-                if (lane == 0) {
-                    p_s[(2 * job) * DS4_AP_R + r] = ok_s[r] ? va * scale : DS4_NEG_INF;
-                    p_s[(2 * job + 1) * DS4_AP_R + r] = ok_s[r] ? vb * scale : DS4_NEG_INF;
+                sa[r] = ds4_warp_sum(sa[r]);
+                sb[r] = ds4_warp_sum(sb[r]);
+            }
+            // Online softmax of the job's two heads (each head belongs to one job): new max,
+            // rescale factor, weights.
+            if (lane == 0) {
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    int hh = 2 * job + u;
+                    float sc[DS4_AP_R];
+#pragma unroll
+                    for (int r = 0; r < DS4_AP_R; r++) sc[r] = ok_s[r] ? (u ? sb[r] : sa[r]) * scale : DS4_NEG_INF;
+                    float m = m_s[hh], mn = m;
+#pragma unroll
+                    for (int r = 0; r < DS4_AP_R; r++) mn = fmaxf(mn, sc[r]);
+                    float cf = m == mn ? 1.0f : expf(m - mn); // m == mn also covers −inf == −inf
+                    float z = z_s[hh] * cf;
+#pragma unroll
+                    for (int r = 0; r < DS4_AP_R; r++) {
+                        float p = sc[r] == DS4_NEG_INF ? 0.0f : expf(sc[r] - mn);
+                        p_s[hh * DS4_AP_R + r] = p;
+                        z += p;
+                    }
+                    m_s[hh] = mn;
+                    z_s[hh] = z;
+                    cf_s[hh] = cf;
                 }
             }
-        }
-        __syncthreads();
-        // Online softmax per head: new max, rescale factor, weights.
-        if (tid < DS4_AP_HG) {
-            float m = m_s[tid], mn = m;
-#pragma unroll
-            for (int r = 0; r < DS4_AP_R; r++) mn = fmaxf(mn, p_s[tid * DS4_AP_R + r]);
-            float cf = m == mn ? 1.0f : expf(m - mn); // m == mn also covers −inf == −inf
-            float z = z_s[tid] * cf;
-#pragma unroll
-            for (int r = 0; r < DS4_AP_R; r++) {
-                float sc = p_s[tid * DS4_AP_R + r];
-                float p = sc == DS4_NEG_INF ? 0.0f : expf(sc - mn);
-                p_s[tid * DS4_AP_R + r] = p;
-                z += p;
-            }
-            m_s[tid] = mn;
-            z_s[tid] = z;
-            cf_s[tid] = cf;
         }
         __syncthreads();
         // acc[h][e] = acc[h][e]·cf[h] + Σ_r p[h][r]·row_r[e]; thread owns columns tid + c·THREADS.
