@@ -499,7 +499,8 @@ impl Session {
 
     /// Evaluate a batch; keep the last position's logits and streams.
     fn step(&mut self, tokens: &[u32]) -> Result<(), EngineError> {
-        let want = self.mtp.is_some();
+        // Streams feed the MTP drafter (its state may be lent out during generation).
+        let want = self.model.has_mtp();
         let r = self.model.eval_batch(&mut self.state, tokens, false, want);
         let (mut l, mut s) = self.backend_result(r)?;
         self.logits = l.pop();

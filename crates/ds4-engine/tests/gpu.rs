@@ -1,5 +1,6 @@
 //! The engine on the GPU backend against the CPU reference, on the tiny model with an MTP file
-//! (skips, saying so, when no GPU is usable; `DS4_REQUIRE_GPU=1` makes that a failure):
+//! (rounding steps off; skips, saying so, when no GPU is usable; `DS4_REQUIRE_GPU=1` makes
+//! that a failure):
 //! greedy decoding agrees for 48 steps; snapshot/restore continues with identical logits; a GPU
 //! snapshot restores on the CPU (the host form is the same on every backend); MTP speculative
 //! decoding gives exactly the GPU's plain greedy output.
@@ -14,6 +15,9 @@ fn open(backend: BackendChoice) -> Option<Engine> {
     let mut o = EngineOptions::new(&path);
     o.mtp = Some(ds4_synth::mtp_path(&path));
     o.backend = backend;
+    // Plain float math on both sides: with the FP8/FP4 rounding steps on, a value next to a grid
+    // tie may round differently on the two backends (gpu_forward covers that case).
+    o.rounding = ds4_engine::Rounding::NONE;
     let e = Engine::open(&o).ok()?;
     (backend == BackendChoice::Cpu || e.backend_name() != "cpu").then_some(e)
 }
@@ -117,6 +121,6 @@ fn gpu_speculative_equals_greedy() {
         })
         .unwrap();
     println!("speculative on the GPU: {st:?}");
-    assert!(st.drafted > 0);
+    assert!(st.drafted >= N / 2, "{st:?}");
     assert_eq!(spec, plain);
 }

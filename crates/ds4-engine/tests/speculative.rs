@@ -83,7 +83,8 @@ fn speculative_output_equals_greedy() {
         })
         .unwrap();
     assert_eq!(out, reference);
-    assert!(st.drafted > 0, "{st:?}");
+    // A draft at every step that follows a rejection or a plain step: drafting never stops.
+    assert!(st.drafted >= N / 2, "{st:?}");
     eprintln!(
         "MTP on random weights: {} drafted, {} accepted",
         st.drafted, st.accepted

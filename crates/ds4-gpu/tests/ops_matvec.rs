@@ -137,6 +137,7 @@ fn matmul_case(
 
 #[test]
 fn matvec_every_type_and_n() {
+    ds4_gpu::GpuBackend::set_matvec(true); // one-row products are opt-in
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };
@@ -189,6 +190,7 @@ fn matvec_every_type_and_n() {
 /// GPU so other tests keep the default while this one runs).
 #[test]
 fn matvec_variants() {
+    ds4_gpu::GpuBackend::set_matvec(true); // one-row products are opt-in
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };
@@ -243,6 +245,7 @@ fn matvec_variants() {
 
 #[test]
 fn matvec_real_shapes() {
+    ds4_gpu::GpuBackend::set_matvec(true); // one-row products are opt-in
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };
@@ -281,6 +284,7 @@ fn matvec_real_shapes() {
 
 #[test]
 fn matvec_grouped() {
+    ds4_gpu::GpuBackend::set_matvec(true); // one-row products are opt-in
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };
@@ -312,6 +316,7 @@ fn matvec_grouped() {
 
 #[test]
 fn matvec_moe() {
+    ds4_gpu::GpuBackend::set_matvec(true); // one-row products are opt-in
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };

@@ -20,6 +20,12 @@ const MV_MAXK: usize = 8;
 /// Process-wide switch (on by default) so tests and benchmarks can compare with matmul.rs.
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
+/// Whether one-row products (decode, n = 1) take these kernels too. Off by default: on the
+/// full-size q2 model on an H200 the coalesced kernels of matmul.rs decode faster (51.9 against
+/// 37–45 tok/s, bench/results/gpu-resident-full-q2.txt); n = 2..4 (speculative verification)
+/// stay here, where one read of the weights serves every row.
+static ONE: AtomicBool = AtomicBool::new(false);
+
 /// Opt-in n = 1 kernel variant (0: default `mv1_*`; 1..=3: `mv1v<v>_*` for Q8_0, Q2_K, Q4_K,
 /// IQ2_XXS, see matvec.cu); process-wide, for tests and benchmarks. Not yet measured.
 static VARIANT: AtomicU8 = AtomicU8::new(0);
@@ -70,6 +76,7 @@ impl GpuBackend {
     /// Use (true, the default) or skip the decode kernels; process-wide, for tests and benches.
     pub fn set_matvec(on: bool) {
         ENABLED.store(on, Ordering::Relaxed);
+        ONE.store(on, Ordering::Relaxed);
     }
 
     /// Select the n = 1 kernel variant (0 default, 1..=3 opt-in; others read as 0).
@@ -115,6 +122,7 @@ impl GpuBackend {
     fn mv_ok(&self, n: usize, x: &GpuBuf) -> bool {
         ENABLED.load(Ordering::Relaxed)
             && (1..=4).contains(&n)
+            && (n > 1 || ONE.load(Ordering::Relaxed))
             && x.ptr.0.is_multiple_of(16)
             && !self.failed()
     }

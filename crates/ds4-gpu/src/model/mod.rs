@@ -214,10 +214,13 @@ impl GpuBackend {
             free: Mutex::new(HashMap::new()),
             err: err.clone(),
         });
-        // DS4_GPU_MATVEC=off|v1|v2|v3: the decode products of matvec.rs off, or a variant.
+        // DS4_GPU_MATVEC=off|on|v1|v2|v3: matvec.rs off, on for one-row products too (default:
+        // only 2..4 rows), or an n = 1 variant.
         match std::env::var("DS4_GPU_MATVEC").as_deref() {
             Ok("off") => GpuBackend::set_matvec(false),
+            Ok("on") => GpuBackend::set_matvec(true),
             Ok(v) if v.len() == 2 && v.starts_with('v') => {
+                GpuBackend::set_matvec(true);
                 GpuBackend::set_matvec_variant(v[1..].parse().unwrap_or(0))
             }
             _ => {}
