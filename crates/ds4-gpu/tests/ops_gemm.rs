@@ -15,10 +15,8 @@
 
 mod common;
 
-use common::{backends, file, max_rel, randn, rng, src};
+use common::{backends, max_rel, randn, rng, weight};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
-use ds4_cpu::CpuBackend;
-use ds4_gpu::conformance::random_row;
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
 use rand::Rng;
@@ -39,36 +37,6 @@ const TYPES: &[GgmlType] = &[
 ];
 
 const NS: &[usize] = &[5, 16, 33, 128, 300];
-
-type Pair = (
-    <CpuBackend as Backend>::Weight,
-    <GpuBackend as Backend>::Weight,
-);
-
-/// A `[experts, rows, cols]` weight of random valid rows bound on both backends.
-fn weight(
-    cpu: &CpuBackend,
-    gpu: &GpuBackend,
-    ty: GgmlType,
-    cols: usize,
-    rows: usize,
-    experts: usize,
-    seed: u64,
-) -> Pair {
-    let mut r = rng(seed);
-    let bytes: Vec<u8> = (0..rows * experts)
-        .flat_map(|_| random_row(ty, cols, &mut r))
-        .collect();
-    let mut dims = vec![cols as u64, rows as u64];
-    if experts > 1 {
-        dims.push(experts as u64);
-    }
-    let f = file(&[("w", ty, dims, bytes)]);
-    (
-        cpu.matrix(&src(&f, "w")).unwrap(),
-        gpu.matrix(&src(&f, "w")).unwrap(),
-    )
-}
 
 /// Records every case (worst error per form), asserts once at the end.
 #[derive(Default)]

@@ -113,3 +113,35 @@ pub fn assert_close(op: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
         "{op}: GPU differs from the CPU reference by {e:.3e} > {tol:.1e}"
     );
 }
+
+/// A weight on both backends: (CPU, GPU).
+pub type Pair = (
+    <ds4_cpu::CpuBackend as ds4_backend::Backend>::Weight,
+    <ds4_gpu::GpuBackend as ds4_backend::Backend>::Weight,
+);
+
+/// A `[experts, rows, cols]` weight of random valid rows of `ty`, bound on both backends.
+pub fn weight(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    ty: GgmlType,
+    cols: usize,
+    rows: usize,
+    experts: usize,
+    seed: u64,
+) -> Pair {
+    use ds4_backend::Backend;
+    let mut r = rng(seed);
+    let bytes: Vec<u8> = (0..rows * experts)
+        .flat_map(|_| ds4_gpu::conformance::random_row(ty, cols, &mut r))
+        .collect();
+    let mut dims = vec![cols as u64, rows as u64];
+    if experts > 1 {
+        dims.push(experts as u64);
+    }
+    let f = file(&[("w", ty, dims, bytes)]);
+    (
+        cpu.matrix(&src(&f, "w")).unwrap(),
+        gpu.matrix(&src(&f, "w")).unwrap(),
+    )
+}
