@@ -205,20 +205,56 @@ impl Gpu {
         self.origins.lock().unwrap().clone()
     }
 
+    /// Compile (or fetch from the cache) and load every module of `modules` not loaded yet:
+    /// the compilations run in parallel (a first start compiles every kernel of the model —
+    /// tens of seconds one by one), then the code objects are loaded in order.
+    pub fn load_all(&self, modules: &[Module]) -> Result<()> {
+        use rayon::prelude::*;
+        let todo: Vec<&Module> = {
+            let mods = self.modules.lock().unwrap();
+            modules.iter().filter(|m| !mods.contains_key(m.name)).collect()
+        };
+        let info = self.rt.info();
+        let defines = self.rt.defines();
+        let codes: Vec<Result<(Vec<u8>, Origin)>> = todo
+            .par_iter()
+            .map(|m| {
+                compile_cached(
+                    self.rt.compiler(),
+                    m,
+                    &info.arch,
+                    &defines,
+                    self.cache.as_deref(),
+                )
+            })
+            .collect();
+        for (m, code) in todo.into_iter().zip(codes) {
+            self.load_code(m, code?)?;
+        }
+        Ok(())
+    }
+
     /// Compile (or fetch from the cache) and load `module`; resolve all its kernels.
     pub fn load(&self, module: &Module) -> Result<()> {
-        let mut mods = self.modules.lock().unwrap();
-        if mods.contains_key(module.name) {
+        if self.modules.lock().unwrap().contains_key(module.name) {
             return Ok(());
         }
         let info = self.rt.info();
-        let (code, origin) = compile_cached(
+        let code = compile_cached(
             self.rt.compiler(),
             module,
             &info.arch,
             &self.rt.defines(),
             self.cache.as_deref(),
         )?;
+        self.load_code(module, code)
+    }
+
+    fn load_code(&self, module: &Module, (code, origin): (Vec<u8>, Origin)) -> Result<()> {
+        let mut mods = self.modules.lock().unwrap();
+        if mods.contains_key(module.name) {
+            return Ok(());
+        }
         let handle = self.rt.load_module(&code)?;
         let mut funcs = HashMap::new();
         for k in module.kernels {

@@ -235,6 +235,9 @@ impl GpuBackend {
             }
             _ => {}
         }
+        // Every kernel now, in parallel (cached on disk after the first start), so the first
+        // request does not wait for the compiler.
+        gpu.load_all(ds4_kernels::MODULES)?;
         let f64s = |v: &[f64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
         let rope_freqs = [
             gpu.alloc_from(&f64s(&ropes.swa.freqs))?,
