@@ -212,7 +212,10 @@ impl Gpu {
         use rayon::prelude::*;
         let todo: Vec<&Module> = {
             let mods = self.modules.lock().unwrap();
-            modules.iter().filter(|m| !mods.contains_key(m.name)).collect()
+            modules
+                .iter()
+                .filter(|m| !mods.contains_key(m.name))
+                .collect()
         };
         let info = self.rt.info();
         let defines = self.rt.defines();
