@@ -136,8 +136,10 @@ impl MatvecPlan {
     }
 }
 
-fn quant_suffix(ty: GgmlType) -> Result<&'static str> {
-    Ok(match ty {
+/// The kernel-name suffix of a weight type (`matvec_q8_0`, `mm1_q2_k`, …); None for a type
+/// no kernel reads. Every GPU module names its per-type kernels this way.
+pub(crate) fn type_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
         GgmlType::F32 => "f32",
         GgmlType::F16 => "f16",
         GgmlType::BF16 => "bf16",
@@ -145,12 +147,12 @@ fn quant_suffix(ty: GgmlType) -> Result<&'static str> {
         GgmlType::Q2_K => "q2_k",
         GgmlType::Q4_K => "q4_k",
         GgmlType::IQ2_XXS => "iq2_xxs",
-        _ => {
-            return Err(GpuError::Invalid(format!(
-                "no GPU matvec for ggml type {ty}"
-            )))
-        }
+        _ => return None,
     })
+}
+
+fn quant_suffix(ty: GgmlType) -> Result<&'static str> {
+    type_suffix(ty).ok_or_else(|| GpuError::Invalid(format!("no GPU matvec for ggml type {ty}")))
 }
 
 fn i32_arg(what: &str, v: usize) -> Result<Arg> {

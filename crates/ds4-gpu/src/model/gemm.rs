@@ -8,7 +8,7 @@
 //! expert on the device (`moe_group_i32`, runs cut at 32), then gate, up (GEMM each), SwiGLU
 //! and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 
-use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
+use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec, Part};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -44,19 +44,6 @@ fn mode() -> u8 {
 
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
-
-fn suffix(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q2_K => "q2_k",
-        GgmlType::Q4_K => "q4_k",
-        GgmlType::IQ2_XXS => "iq2_xxs",
-        _ => return None,
-    })
-}
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -392,22 +379,8 @@ impl GpuBackend {
                 grp: grouped,
             });
         }
-        let h = self.scratch(pairs * ff);
-        let total = pairs * ff;
-        self.run(
-            &ds4_kernels::MATMUL,
-            "moe_swiglu_f32",
-            LaunchDims::linear(total.div_ceil(256) as u32, 256),
-            &[
-                Arg::Ptr(gb.ptr),
-                Arg::Ptr(ub.ptr),
-                Arg::Ptr(h.ptr),
-                Arg::Ptr(wgt.ptr),
-                Arg::F32(spec.clamp),
-                Arg::I32(ff as i32),
-                Arg::I64(total as i64),
-            ],
-        );
+        let mut h = self.scratch(pairs * ff);
+        self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
         self.gemm(&Gm {
             w: dn.0,

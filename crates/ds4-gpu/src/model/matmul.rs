@@ -3,7 +3,7 @@
 //! product; each weight chunk is read once per group of NT token rows). The MoE reads the
 //! expert ids on the device: no host sync.
 
-use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
+use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use crate::GpuError;
 use ds4_backend::{GgmlType, MoeSpec, Part};
@@ -59,19 +59,6 @@ fn tile_chunks(ty: GgmlType) -> usize {
     }
 }
 
-fn suffix(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q2_K => "q2_k",
-        GgmlType::Q4_K => "q4_k",
-        GgmlType::IQ2_XXS => "iq2_xxs",
-        _ => return None,
-    })
-}
-
 /// 16-byte loads are safe: base, per-row, per-batch and per-expert strides all multiples of 16.
 fn tiled(base: DevPtr, strides: &[usize]) -> bool {
     TILES.load(Ordering::Relaxed)
@@ -80,6 +67,36 @@ fn tiled(base: DevPtr, strides: &[usize]) -> bool {
 }
 
 impl GpuBackend {
+    /// `h[p] = silu(min(g[p], c)) · clamp(u[p], ±c) · wgt[p / ff]` over `pairs` rows of `ff`:
+    /// the routed experts' SwiGLU with each (token, slot) pair's routing weight.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn moe_swiglu(
+        &self,
+        g: &GpuBuf,
+        u: &GpuBuf,
+        h: &mut GpuBuf,
+        wgt: &GpuBuf,
+        clamp: f32,
+        ff: usize,
+        pairs: usize,
+    ) {
+        let total = pairs * ff;
+        self.run(
+            &ds4_kernels::MATMUL,
+            "moe_swiglu_f32",
+            LaunchDims::linear(total.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(g.ptr),
+                Arg::Ptr(u.ptr),
+                Arg::Ptr(h.ptr),
+                Arg::Ptr(wgt.ptr),
+                Arg::F32(clamp),
+                Arg::I32(ff as i32),
+                Arg::I64(total as i64),
+            ],
+        );
+    }
+
     /// Use or avoid (false, the default) the shared-memory tile kernels for aligned weights.
     /// Process-wide; for tests and benchmarks of both forms.
     pub fn set_matmul_tiles(on: bool) {
@@ -182,26 +199,6 @@ impl GpuBackend {
                 Arg::I32(m.grp.map_or(0, |g| g.1) as i32),
             ],
         );
-    }
-
-    /// `y[i] = W[rows r0 .. r0+rows] · x` for one vector, weight bytes from `byte0`.
-    pub(crate) fn matvec_rows(
-        &self,
-        w: &GpuWeight,
-        byte0: usize,
-        rows: usize,
-        x: DevPtr,
-        y: DevPtr,
-    ) {
-        let Some(m) = self.mat(w) else { return };
-        self.mm(&Mm {
-            w: m.0.offset(byte0 as u64),
-            rows,
-            x,
-            y,
-            n: 1,
-            ..m.1
-        });
     }
 
     /// The weight's pointer and an [`Mm`] over all its rows for one item (or an error noted).
@@ -339,7 +336,7 @@ impl GpuBackend {
             return;
         };
         let sel = sel.0.ptr;
-        let h = self.scratch(pairs * ff);
+        let mut h = self.scratch(pairs * ff);
         // Prefill: pairs grouped by expert (each slab read once per run of GROUP_NT pairs);
         // the grouping kernel is quadratic in pairs, so only up to a few thousand.
         let grp = if pairs >= 2 * spec.n_expert && pairs <= 4096 {
@@ -425,21 +422,7 @@ impl GpuBackend {
                     ..m
                 });
             }
-            let total = pairs * ff;
-            self.run(
-                &ds4_kernels::MATMUL,
-                "moe_swiglu_f32",
-                LaunchDims::linear(total.div_ceil(256) as u32, 256),
-                &[
-                    Arg::Ptr(g.ptr),
-                    Arg::Ptr(u.ptr),
-                    Arg::Ptr(h.ptr),
-                    Arg::Ptr(wgt.ptr),
-                    Arg::F32(spec.clamp),
-                    Arg::I32(ff as i32),
-                    Arg::I64(total as i64),
-                ],
-            );
+            self.moe_swiglu(&g, &u, &mut h, wgt, spec.clamp, ff, pairs);
         }
         let part = self.scratch(pairs * d);
         self.mm(&Mm {

@@ -5,7 +5,7 @@
 //! 8-element slices (coalesced x and weight loads), x kept in registers across the MV_R rows of a
 //! warp, `kspl` warps of a CTA splitting the columns of the same rows only when rows are few.
 
-use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
+use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec, Part};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -32,19 +32,6 @@ static VARIANT: AtomicU8 = AtomicU8::new(0);
 
 /// Rows per warp of each variant.
 const VARIANT_ROWS: [usize; 4] = [MV_R, 1, 2, 4];
-
-fn suffix(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q2_K => "q2_k",
-        GgmlType::Q4_K => "q4_k",
-        GgmlType::IQ2_XXS => "iq2_xxs",
-        _ => return None,
-    })
-}
 
 /// A matrix weight the kernels take: (pointer, type suffix, cols, rows, row_bytes). Needs
 /// whole 32-element chunks and 16-byte aligned rows for the float types (16-byte slice loads).

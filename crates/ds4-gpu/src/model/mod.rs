@@ -11,8 +11,6 @@
 //! compressors, indexer, attention; `mix.rs` embedding, hyper-connections, router,
 //! elementwise; `matmul.rs` weight products.
 
-#![allow(dead_code)] // until every op is on the device
-
 mod attn;
 mod gemm;
 mod matmul;
@@ -22,6 +20,7 @@ mod prof;
 pub mod synth;
 
 use crate::error::Result;
+pub(crate) use crate::gpu::type_suffix;
 use crate::gpu::{DeviceBuffer, Gpu};
 use crate::runtime::{Arg, DevPtr, LaunchDims, Runtime, Stream};
 use ds4_backend::rope::RopeTables;
