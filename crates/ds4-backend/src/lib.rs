@@ -234,6 +234,13 @@ pub trait Backend: Send + Sync + Sized {
         Ok(())
     }
 
+    /// Tokens per prompt step the engine should batch (activation memory grows with it: about
+    /// 200 KB per token at full size, plus the MoE's per-pair scratch). The CPU gains nothing
+    /// past 128; a GPU reads each expert's weights once per step, so it wants more.
+    fn prefill_chunk(&self) -> usize {
+        128
+    }
+
     // ---- binding ----
     /// A matrix used by [`Backend::matmul`] / [`Backend::embed`] (any supported quant type).
     fn matrix(&self, src: &WeightSrc) -> Result<Self::Weight, String>;

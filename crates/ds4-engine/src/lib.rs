@@ -403,7 +403,8 @@ impl SpecStats {
     }
 }
 
-/// Tokens per batched prefill step: bounds activation memory (≈ chunk × 200 KB at full size).
+/// Tokens per batched step when logits of every position are wanted (`eval_all`: chunk × vocab
+/// floats). Prompt sync batches by the backend's own `Forward::prefill_chunk` instead.
 pub const PREFILL_CHUNK: usize = 128;
 
 /// One conversation's model state. Sessions are independent; several may exist at once.
@@ -488,7 +489,7 @@ impl Session {
         }
         let todo = &tokens[reuse..];
         let mut done = 0;
-        for chunk in todo.chunks(PREFILL_CHUNK) {
+        for chunk in todo.chunks(self.model.prefill_chunk()) {
             // Bit-identical to evaluating one token at a time (see ds4-cpu's prefill test).
             self.step(chunk)?;
             done += chunk.len();

@@ -833,6 +833,8 @@ impl<B: Backend> Model<B> {
 pub trait Forward: Send + Sync {
     fn hp(&self) -> &HParams;
     fn backend_name(&self) -> String;
+    /// See [`Backend::prefill_chunk`].
+    fn prefill_chunk(&self) -> usize;
     fn new_state(&self) -> AnyState;
     /// See [`Model::eval_batch_streams`].
     fn eval_batch(
@@ -899,6 +901,9 @@ where
     }
     fn backend_name(&self) -> String {
         self.backend.name()
+    }
+    fn prefill_chunk(&self) -> usize {
+        self.backend.prefill_chunk().max(1)
     }
     fn new_state(&self) -> AnyState {
         Self::wrap_state(Model::new_state(self))

@@ -18,6 +18,16 @@ const BM: usize = 32;
 const BN: usize = 128;
 /// Fewest token rows the GEMM takes (decode, n ≤ 4, belongs to matvec.rs).
 const MIN_N: usize = 5;
+/// Tokens per prompt step on the GPU (`Backend::prefill_chunk`); `DS4_GPU_PREFILL_CHUNK`
+/// overrides it.
+pub(crate) fn prefill_chunk() -> usize {
+    std::env::var("DS4_GPU_PREFILL_CHUNK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&c: &usize| c > 0)
+        .unwrap_or(128)
+}
+
 /// Most (token, slot) pairs grouped on the device (the grouping kernel is quadratic).
 const MAX_PAIRS: usize = 4096;
 

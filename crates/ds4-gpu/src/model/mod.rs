@@ -16,6 +16,7 @@ mod gemm;
 mod matmul;
 mod matvec;
 mod mix;
+mod moe;
 mod prof;
 pub mod synth;
 
@@ -458,6 +459,10 @@ impl Backend for GpuBackend {
     fn name(&self) -> String {
         let i = self.gpu.info();
         format!("{} ({} {})", i.vendor, i.name, i.arch)
+    }
+
+    fn prefill_chunk(&self) -> usize {
+        gemm::prefill_chunk()
     }
 
     fn check(&self) -> std::result::Result<(), String> {
