@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../../.devbin"
 export DS4_REQUIRE_GPU=1 DS4_ORACLE_DIR=$PWD/../tests/fixtures/oracle PATH=$PWD:$PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L 2>/dev/null
-for t in conformance ops_mix ops_attn ops_matmul ops_matvec ops_gemm synth gpu_forward gpu; do
+for t in conformance ops_mix ops_attn ops_matmul ops_matvec ops_gemm ops_moe synth graph gpu_forward gpu; do
   [ -x "./t-$t" ] || { echo "$t: missing"; continue; }
   echo "===== $t" >> "$OUT/tests.log"
   DS4_GPU_POISON=1 timeout 180 "./t-$t" --nocapture --test-threads=1 >> "$OUT/tests.log" 2>&1
