@@ -1,10 +1,10 @@
-//! `matvec_bench [reps]`: decode weight products (model/matvec.rs, gpu/matvec.cu) against the
+//! `matvec_bench [reps]`: decode dense weight products (model/matvec.rs, gpu/matvec.cu) against the
 //! general kernels of matmul.rs (matvec off: direct form, and the coalesced mmc form), as GB/s of
 //! weight bytes read per call. Timing: `reps` calls queued back to back between two syncs (wall
 //! clock, so products of a few MB include launch overhead); small weights are bound several
 //! times and rotated so that the working set (≥ 256 MB) is far larger than the L2.
 
-use ds4_backend::{Backend, GgmlType, MoeSpec, Part, WeightSrc};
+use ds4_backend::{Backend, GgmlType, Part, WeightSrc};
 use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_gpu::conformance::random_row;
 use ds4_gpu::{Gpu, GpuBackend};
@@ -77,43 +77,17 @@ fn time(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)) -> f
     t.elapsed().as_secs_f64() / reps as f64
 }
 
-/// The three forms: 0 matvec.rs, 1 matmul.rs direct, 2 matmul.rs coalesced.
+/// The forms: 0 matvec.rs staged (the default), 1 matmul.rs direct, 2 matmul.rs coalesced (the
+/// general form, what n = 1 used before), 3 matvec.rs before the staged kernels (variant 4:
+/// `mv<NT>_*`, n = 2..4 only).
 fn set_form(form: usize) {
-    GpuBackend::set_matvec(form == 0);
+    GpuBackend::set_matvec(form == 0 || form == 3);
+    GpuBackend::set_matvec_variant(if form == 3 { 4 } else { 0 });
     GpuBackend::set_matmul_tiles(false);
     GpuBackend::set_matmul_coalesced(form == 2);
 }
 
-const FORMS: [&str; 3] = ["matvec", "mm direct", "mm coalesced"];
-
-/// The opt-in n = 1 variants (GpuBackend::set_matvec_variant 1..=3) of the types that have them.
-fn variants(
-    gpu: &GpuBackend,
-    reps: usize,
-    ty: GgmlType,
-    what: &str,
-    bytes: f64,
-    mut f: impl FnMut(usize),
-) {
-    if !matches!(
-        ty,
-        GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
-    ) {
-        return;
-    }
-    set_form(0);
-    for v in 1..=3 {
-        GpuBackend::set_matvec_variant(v);
-        let s = time(gpu, &gpu.upload(&[0.0]), reps, &mut f);
-        println!(
-            "{:60} {:9.2} us {:8.1} GB/s",
-            format!("{what} matvec v{v}"),
-            s * 1e6,
-            bytes / s / 1e9
-        );
-    }
-    GpuBackend::set_matvec_variant(0);
-}
+const FORMS: [&str; 4] = ["staged", "mm direct", "mm coalesced", "mv old"];
 
 fn main() {
     let reps: usize = std::env::args()
@@ -154,30 +128,19 @@ fn main() {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
-            for (form, fname) in FORMS.iter().enumerate() {
-                if n > 1 && form == 2 {
-                    continue;
-                }
+            let forms: &[usize] = if n == 1 { &[0, 2] } else { &[0, 3] };
+            for &form in forms {
                 set_form(form);
                 let s = time(&gpu, &x, reps, |i| {
                     gpu.matmul(&ws[i % ws.len()], Part::All, &x, n, &mut y)
                 });
+                let fname = FORMS[form];
                 line(&format!("{ty:?} {cols}->{rows} n={n} {fname}"), bytes, s);
-            }
-            if n == 1 {
-                variants(
-                    &gpu,
-                    reps,
-                    ty,
-                    &format!("{ty:?} {cols}->{rows} n=1"),
-                    bytes,
-                    |i| gpu.matmul(&ws[i % ws.len()], Part::All, &x, 1, &mut y),
-                );
             }
         }
     }
 
-    println!("-- model shapes (q2 mix), n = 1 --");
+    println!("-- model shapes (q2 mix): n = 1 staged vs mm coalesced, n = 2 staged vs mv old --");
     for (name, ty, cols, rows, groups) in [
         ("attn q_a", GgmlType::Q8_0, 4096, 1024, 1),
         ("attn q_b", GgmlType::Q8_0, 1024, 32768, 1),
@@ -186,93 +149,36 @@ fn main() {
         ("attn out_b", GgmlType::Q8_0, 8192, 4096, 1),
         ("shared expert up", GgmlType::Q8_0, 4096, 2048, 1),
         ("shared expert down", GgmlType::Q8_0, 2048, 4096, 1),
+        ("hc mix", GgmlType::F16, 16384, 24, 1),
         ("router", GgmlType::F16, 4096, 256, 1),
+        ("F16 4096->512", GgmlType::F16, 4096, 512, 1),
+        ("F16 4096->1024", GgmlType::F16, 4096, 1024, 1),
+        ("F16 1024->8192", GgmlType::F16, 1024, 8192, 1),
+        ("F16 4096->64", GgmlType::F16, 4096, 64, 1),
         ("head", GgmlType::Q8_0, 4096, 129280, 1),
     ] {
         let (ws, bytes) = copies(&gpu, ty, cols, rows);
-        let x: Vec<f32> = (0..cols * groups)
-            .map(|_| rng.gen_range(-1.0..1.0))
-            .collect();
-        let x = gpu.upload(&x);
-        let mut y = gpu.alloc(rows);
-        for (form, fname) in FORMS.iter().enumerate().take(2) {
-            set_form(form);
-            let s = time(&gpu, &x, reps, |i| {
-                let w = &ws[i % ws.len()];
-                if groups > 1 {
-                    gpu.matmul_grouped(w, groups, &x, 1, &mut y)
-                } else {
-                    gpu.matmul(w, Part::All, &x, 1, &mut y)
-                }
-            });
-            line(
-                &format!("{name} {ty:?} {}->{rows} {fname}", cols * groups),
-                bytes,
-                s,
-            );
-        }
-        let what = format!("{name} {ty:?} {}->{rows}", cols * groups);
-        variants(&gpu, reps, ty, &what, bytes, |i| {
-            let w = &ws[i % ws.len()];
-            if groups > 1 {
-                gpu.matmul_grouped(w, groups, &x, 1, &mut y)
-            } else {
-                gpu.matmul(w, Part::All, &x, 1, &mut y)
-            }
-        });
-    }
-
-    println!("-- routed experts: 256 experts, 6 used, D 4096, ff 2048 (selections rotated) --");
-    for (mix, down_ty) in [("q2", GgmlType::Q2_K), ("q4", GgmlType::Q4_K)] {
-        let (d, ff, ne, k) = (4096usize, 2048usize, 256usize, 6usize);
-        let wg = bind(&gpu, &weight_file(GgmlType::IQ2_XXS, d, ff, ne));
-        let wu = bind(&gpu, &weight_file(GgmlType::IQ2_XXS, d, ff, ne));
-        let wd = bind(&gpu, &weight_file(down_ty, ff, d, ne));
-        let slab = (ff * GgmlType::IQ2_XXS.row_bytes(d as u64).unwrap() as usize * 2
-            + d * down_ty.row_bytes(ff as u64).unwrap() as usize) as f64;
-        let spec = MoeSpec {
-            n_expert: ne,
-            n_used: k,
-            d,
-            ff,
-            weight_scale: 1.0,
-            clamp: 10.0,
-        };
-        for n in [1, 2, 4] {
-            // 16 selections to rotate through; bytes = mean distinct experts × slab.
-            let mut sels = Vec::new();
-            let mut distinct = 0usize;
-            for _ in 0..16 {
-                let mut sel = Vec::new();
-                for _ in 0..n {
-                    let mut e: Vec<i32> = (0..ne as i32).collect();
-                    for i in 0..k {
-                        let j = rng.gen_range(i..ne);
-                        e.swap(i, j);
-                    }
-                    sel.extend_from_slice(&e[..k]);
-                }
-                let mut u = sel.clone();
-                u.sort();
-                u.dedup();
-                distinct += u.len();
-                sels.push(gpu.upload_i32(&sel));
-            }
-            let z: Vec<f32> = (0..n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let wgt: Vec<f32> = (0..n * k).map(|_| rng.gen_range(0.0..0.3)).collect();
-            let (z, wgt) = (gpu.upload(&z), gpu.upload(&wgt));
-            let mut out = gpu.alloc(n * d);
-            for (form, fname) in FORMS.iter().enumerate() {
+        for n in [1, 2] {
+            let x: Vec<f32> = (0..n * cols * groups)
+                .map(|_| rng.gen_range(-1.0..1.0))
+                .collect();
+            let x = gpu.upload(&x);
+            let mut y = gpu.alloc(n * rows);
+            let forms: &[usize] = if n == 1 { &[0, 2] } else { &[0, 3] };
+            for &form in forms {
                 set_form(form);
-                let s = time(&gpu, &z, reps, |i| {
-                    gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &sels[i % 16], &wgt, n, &mut out)
+                let s = time(&gpu, &x, reps, |i| {
+                    let w = &ws[i % ws.len()];
+                    if groups > 1 {
+                        gpu.matmul_grouped(w, groups, &x, n, &mut y)
+                    } else {
+                        gpu.matmul(w, Part::All, &x, n, &mut y)
+                    }
                 });
+                let fname = FORMS[form];
                 line(
-                    &format!(
-                        "moe {mix} n={n} ({:.1} distinct experts) {fname}",
-                        distinct as f64 / 16.0
-                    ),
-                    slab * distinct as f64 / 16.0,
+                    &format!("{name} {ty:?} {}->{rows} n={n} {fname}", cols * groups),
+                    bytes,
                     s,
                 );
             }

@@ -1,4 +1,5 @@
-//! Decode weight products (model/matvec.rs, gpu/matvec.cu: n ≤ 4) against the CPU reference:
+//! Decode weight products (model/matvec.rs, gpu/matvec.cu: n ≤ 4) against the CPU reference
+//! (default: the staged `mvs*` kernels where the shape allows, the older forms otherwise):
 //! every weight type on random valid blocks, n = 1..4, Part::All and Part::Expert, row counts
 //! that are not multiples of the rows per warp, column counts that end mid warp-step, K split
 //! across warps (few rows), grouped products, the model's real shapes, and routed experts with
@@ -212,6 +213,90 @@ fn matvec_variants() {
     cases.finish();
 }
 
+/// The staged kernels' own shapes: split K across CTAs (few rows: the hyper-connection mixes
+/// 16384->24 and ->4, 4096->64), whole-row tiles of 1..16 rows, odd row counts (1, 3, 17), a
+/// ragged last column tile, Part::Expert past a split product; then the same products twice
+/// (bitwise equal: no atomics), and the older form (variant 4, n = 2..4) on a few of them.
+#[test]
+fn matvec_staged() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    let shapes: &[(GgmlType, usize, usize, usize)] = &[
+        (GgmlType::F16, 16384, 24, 1),
+        (GgmlType::F16, 16384, 4, 1),
+        (GgmlType::F16, 4096, 64, 1),
+        (GgmlType::F16, 4096, 256, 1),
+        (GgmlType::F16, 1024, 8192, 1),
+        (GgmlType::F16, 4096, 17, 2),
+        (GgmlType::F32, 4064, 3, 2),
+        (GgmlType::BF16, 2048, 1, 1),
+        (GgmlType::Q8_0, 256, 1, 1),
+        (GgmlType::Q8_0, 2304, 3, 2),
+        (GgmlType::Q8_0, 1024, 4099, 1),
+        (GgmlType::Q8_0, 8192, 17, 1),
+        (GgmlType::Q2_K, 3072, 5, 2),
+        (GgmlType::Q4_K, 2304, 33, 1),
+        (GgmlType::IQ2_XXS, 4096, 19, 2),
+    ];
+    for (si, &(ty, cols, rows, experts)) in shapes.iter().enumerate() {
+        let w = weight(&cpu, &gpu, ty, cols, rows, experts, 900 + si as u64);
+        for n in 1..=4 {
+            let part = if experts > 1 {
+                Part::Expert(experts - 1)
+            } else {
+                Part::All
+            };
+            let seed = 5000 + n as u64 + 11 * si as u64;
+            matmul_case(
+                &mut cases,
+                &cpu,
+                &gpu,
+                &w,
+                &format!("staged {ty:?}"),
+                cols,
+                rows,
+                n,
+                part,
+                seed,
+            );
+            // Deterministic: a second run gives the same bits.
+            let x = randn(&mut rng(seed), n * cols, 1.0);
+            let gx = gpu.upload(&x);
+            let mut a = gpu.alloc(n * rows);
+            let mut b = gpu.alloc(n * rows);
+            gpu.matmul(&w.1, part, &gx, n, &mut a);
+            gpu.matmul(&w.1, part, &gx, n, &mut b);
+            let (a, b) = (gpu.download(&a, n * rows), gpu.download(&b, n * rows));
+            let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+            println!("staged {ty:?} {cols}->{rows} n={n}: repeat bitwise equal {same}");
+            assert!(
+                same,
+                "staged {ty:?} {cols}->{rows} n={n}: results differ between runs"
+            );
+            if n > 1 && si % 3 == 0 {
+                GpuBackend::set_matvec_variant(4);
+                matmul_case(
+                    &mut cases,
+                    &cpu,
+                    &gpu,
+                    &w,
+                    &format!("old form {ty:?}"),
+                    cols,
+                    rows,
+                    n,
+                    part,
+                    seed,
+                );
+                GpuBackend::set_matvec_variant(0);
+            }
+        }
+    }
+    cases.finish();
+}
+
 #[test]
 fn matvec_real_shapes() {
     ds4_gpu::GpuBackend::set_matvec(true); // one-row products are opt-in
@@ -227,6 +312,12 @@ fn matvec_real_shapes() {
         ("shared up", GgmlType::Q8_0, 4096, 2048),
         ("shared down", GgmlType::Q8_0, 2048, 4096),
         ("router", GgmlType::F16, 4096, 256),
+        ("hc mix", GgmlType::F16, 16384, 24),
+        ("hc head mix", GgmlType::F16, 16384, 4),
+        ("index proj", GgmlType::F16, 4096, 64),
+        ("F16 4096->512", GgmlType::F16, 4096, 512),
+        ("F16 4096->1024", GgmlType::F16, 4096, 1024),
+        ("F16 1024->8192", GgmlType::F16, 1024, 8192),
         ("head (rows cut)", GgmlType::Q8_0, 4096, 12928),
         ("expert gate", GgmlType::IQ2_XXS, 4096, 2048),
         ("expert down", GgmlType::Q2_K, 2048, 4096),

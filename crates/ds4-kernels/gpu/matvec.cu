@@ -53,6 +53,36 @@ template <int T, int NT> struct MvSlice {
     }
 };
 
+// half -> float: the conversion instruction on CUDA (exact, as ds4_h2f), bit manipulation on HIP.
+__device__ __forceinline__ float mv_h2f(u32 h) {
+#if defined(DS4_CUDA)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
+#else
+    return ds4_h2f((u16)h);
+#endif
+}
+
+// F16: one 16-byte load, 8 conversions (ds4_h2f's branches made F16 ALU-bound).
+template <int NT> struct MvSlice<T_F16, NT> {
+    static __device__ __forceinline__ void dot(const u8* __restrict__ row, int c, int q, const float (&xs)[NT][8],
+                                               const float (&sx)[NT], const u64* gs, float (&acc)[NT]) {
+        uint4 v = *(const uint4*)(row + (size_t)c * 64 + q * 16);
+        u32 u[4] = {v.x, v.y, v.z, v.w};
+        float w[8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[2 * j] = mv_h2f(u[j] & 0xffffu), w[2 * j + 1] = mv_h2f(u[j] >> 16);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float a = acc[t];
+#pragma unroll
+            for (int i = 0; i < 8; i++) a = fmaf(w[i], xs[t][i], a);
+            acc[t] = a;
+        }
+    }
+};
+
 // Q8_0 (34-byte blocks: d f16, qs i8[32]): the slice's 8 quants are bytes 2 + 8q .. of block c,
 // read as two words (+ a halfword when they start 2 bytes past a word: rows are 2-byte aligned).
 template <int NT> struct MvSlice<T_Q8_0, NT> {
@@ -239,6 +269,95 @@ __device__ __forceinline__ void mv_body(const u8* __restrict__ W, long long w_z,
     if (warp % kspl == 0 && lane < R * NT && r < rows && t < n) y[(long long)t * y_tok + (long long)z * y_z + r] = v;
 }
 
+// Staged form (mvs<NT>_<t>, the default for n = 1..4): a CTA owns a tile of `rc` consecutive rows
+// × the byte range [kb0, kb0 + kbytes) of each (the whole row when ks = gridDim.y = 1). It first
+// copies the tile into shared memory with coalesced 16-byte loads, all issued before the first
+// store (up to MVS_STAGE bytes in flight per CTA, several CTAs per SM), then computes from shared
+// memory in the slice layout above: warp w takes row group g = w / ksi (rows g, g + wg, ..., wg =
+// MV_WARPS / ksi) and column steps w % ksi, w % ksi + ksi, ..., its x slices in registers across
+// its rows. Partials of the ksi warps of a row are added in warp order; with ks > 1 the CTA
+// writes part[((kz * n + t) * zs + z) * rows + r] and mvs_sum_f32 adds the ks tiles in order.
+// Needs: row_bytes and tile_bytes multiples of 16, tiles of whole blocks (host: matvec.rs).
+#define MVS_STAGE 17408 // 16 rows of Q8_0 x 1024, 4 of 4096, 2 of 8192; 8 rows of F16 x 1024
+#define MVS_V4 (MVS_STAGE / 16)
+#define MVS_LD ((MVS_V4 + MV_THREADS - 1) / MV_THREADS)
+
+template <int T, int NT>
+__device__ __forceinline__ void mvs_body(const u8* __restrict__ W, long long w_z, const float* __restrict__ x,
+                                         long long x_tok, long long x_z, float* __restrict__ y, long long y_tok,
+                                         long long y_z, float* __restrict__ part, int rows, int chunks,
+                                         long long row_bytes, int tile_bytes, int tile_chunks, int n, int rc, int ksi) {
+    constexpr int R = 16 / NT; // rows per warp at most (R * NT accumulators)
+    __shared__ uint4 stage[MVS_V4];
+    __shared__ float red[MV_WARPS * 16];
+    __shared__ u64 sg[T == T_IQ2_XXS ? 256 : 1];
+    const u64* gs = mv_grid<T>(sg);
+    int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    int kz = blockIdx.y, z = blockIdx.z;
+    int r0 = blockIdx.x * rc, nr = min(rc, rows - r0);
+    long long kb0 = (long long)kz * tile_bytes;
+    int kbytes = (int)min((long long)tile_bytes, row_bytes - kb0);
+    int w16 = kbytes >> 4, total = nr * w16;
+    const u8* base = W + (long long)z * w_z + (long long)r0 * row_bytes + kb0;
+    uint4 v[MVS_LD];
+#pragma unroll
+    for (int j = 0; j < MVS_LD; j++) {
+        int i = tid + j * MV_THREADS;
+        if (i < total) {
+            int rr = i / w16;
+            v[j] = *(const uint4*)(base + (long long)rr * row_bytes + 16 * (i - rr * w16));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < MVS_LD; j++) {
+        int i = tid + j * MV_THREADS;
+        if (i < total) stage[i] = v[j];
+    }
+    __syncthreads();
+    int wg = MV_WARPS / ksi, g = warp / ksi, q = lane & 3;
+    int kc0 = kz * tile_chunks, tc = min(tile_chunks, chunks - kc0);
+    const u8* sm = (const u8*)stage;
+    const float* xb = x + (long long)z * x_z + (long long)kc0 * 32;
+    float acc[R][NT];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+    for (int c0 = (warp % ksi) * MV_CPW; c0 < tc; c0 += ksi * MV_CPW) { // warp-uniform
+        int c = c0 + lane / 4;
+        if (c < tc) {
+            float xs[NT][8], sx[NT];
+            mv_x<NT>(xb, x_tok, n, c, q, xs, sx);
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (g + wg * i < nr) MvSlice<T, NT>::dot(sm + (g + wg * i) * kbytes, c, q, xs, sx, gs, acc[i]);
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < R; i++)
+        if (g + wg * i < nr) // warp-uniform
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float a = ds4_warp_sum(acc[i][t]);
+                if (lane == i * NT + t) s = a;
+            }
+    if (lane < R * NT) red[warp * 16 + lane] = s;
+    __syncthreads();
+    if (tid < rc * NT) {
+        int lr = tid / NT, t = tid % NT, gg = lr % wg, i = lr / wg;
+        if (lr < nr && t < n && i < R) {
+            float o = 0.0f;
+            for (int k = 0; k < ksi; k++) o += red[(gg * ksi + k) * 16 + i * NT + t];
+            int r = r0 + lr;
+            if (gridDim.y == 1)
+                y[(long long)t * y_tok + (long long)z * y_z + r] = o;
+            else
+                part[(((long long)kz * n + t) * gridDim.z + z) * rows + r] = o;
+        }
+    }
+}
+
 template <int T>
 __device__ __forceinline__ void mvgu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int k, const float* __restrict__ wgt,
@@ -364,6 +483,46 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 4>(
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1>(MV_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 2>(MV_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 4>(MV_ARGS); }
+
+#define MVS_PARAMS                                                                                                     \
+    const u8 *__restrict__ W, long long w_z, const float *__restrict__ x, long long x_tok, long long x_z,              \
+        float *__restrict__ y, long long y_tok, long long y_z, float *__restrict__ part, int rows, int chunks,        \
+        long long row_bytes, int tile_bytes, int tile_chunks, int n, int rc, int ksi
+#define MVS_ARGS W, w_z, x, x_tok, x_z, y, y_tok, y_z, part, rows, chunks, row_bytes, tile_bytes, tile_chunks, n, rc, ksi
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_f32(MVS_PARAMS) { mvs_body<T_F32, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_f32(MVS_PARAMS) { mvs_body<T_F32, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_f32(MVS_PARAMS) { mvs_body<T_F32, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_f16(MVS_PARAMS) { mvs_body<T_F16, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_f16(MVS_PARAMS) { mvs_body<T_F16, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_f16(MVS_PARAMS) { mvs_body<T_F16, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_bf16(MVS_PARAMS) { mvs_body<T_BF16, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_bf16(MVS_PARAMS) { mvs_body<T_BF16, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_bf16(MVS_PARAMS) { mvs_body<T_BF16, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q8_0(MVS_PARAMS) { mvs_body<T_Q8_0, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q8_0(MVS_PARAMS) { mvs_body<T_Q8_0, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q8_0(MVS_PARAMS) { mvs_body<T_Q8_0, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q2_k(MVS_PARAMS) { mvs_body<T_Q2_K, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q2_k(MVS_PARAMS) { mvs_body<T_Q2_K, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q2_k(MVS_PARAMS) { mvs_body<T_Q2_K, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q4_k(MVS_PARAMS) { mvs_body<T_Q4_K, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q4_k(MVS_PARAMS) { mvs_body<T_Q4_K, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q4_k(MVS_PARAMS) { mvs_body<T_Q4_K, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_iq2_xxs(MVS_PARAMS) { mvs_body<T_IQ2_XXS, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_iq2_xxs(MVS_PARAMS) { mvs_body<T_IQ2_XXS, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_iq2_xxs(MVS_PARAMS) { mvs_body<T_IQ2_XXS, 4>(MVS_ARGS); }
+
+// ks > 1 tiles of mvs*: y[t*y_tok + z*y_z + r] = sum over k < ks in order of part[k][t][z][r];
+// i = (t * zs + z) * rows + r < total = n * zs * rows.
+DS4_KERNEL void DS4_BOUNDS(256) mvs_sum_f32(const float* __restrict__ part, int ks, long long total, int zs, int rows,
+                                            float* __restrict__ y, long long y_tok, long long y_z) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    float o = 0.0f;
+    for (int k = 0; k < ks; k++) o += part[(long long)k * total + i];
+    long long r = i % rows, tz = i / rows;
+    y[(tz / zs) * y_tok + (tz % zs) * y_z + r] = o;
+}
 
 // Opt-in n = 1 variants (GpuBackend::set_matvec_variant; not yet measured): v1 one row per warp,
 // 4 column steps per iteration; v2 two rows, 2 steps; v3 the default shape (4 rows, 1 step) held

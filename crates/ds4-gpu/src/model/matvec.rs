@@ -1,9 +1,12 @@
 //! Decode-time weight products (n ≤ 4 token rows). Each entry returns true when it ran the product, false to leave it to the general
 //! kernels of matmul.rs (unsupported type or shape). Semantics: ds4-cpu backend.rs.
 //!
-//! Kernels: `gpu/matvec.cu` (`mv<NT>_<t>`, `mvgu_<t>`, `mvdown_<t>`): lanes over consecutive
-//! 8-element slices (coalesced x and weight loads), x kept in registers across the MV_R rows of a
-//! warp, `kspl` warps of a CTA splitting the columns of the same rows only when rows are few.
+//! Default form (`mvs<NT>_<t>` in gpu/matvec.cu): a CTA copies a tile of whole rows (or, when rows
+//! are few, a column range of one row: split K across CTAs, tiles added in order by `mvs_sum_f32`)
+//! into shared memory with coalesced 16-byte loads, then computes from there (`mvs_plan` sizes it).
+//! Older forms, kept for comparison (`set_matvec_variant`): `mv<NT>_<t>` (lanes over consecutive
+//! 8-element slices, x kept in registers across the MV_R rows of a warp) and the n = 1 variants
+//! `mv1v<v>_<t>`; `mvgu_<t>`/`mvdown_<t>` for the routed experts.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
@@ -26,9 +29,96 @@ static ENABLED: AtomicBool = AtomicBool::new(true);
 /// stay here, where one read of the weights serves every row.
 static ONE: AtomicBool = AtomicBool::new(false);
 
-/// Opt-in n = 1 kernel variant (0: default `mv1_*`; 1..=3: `mv1v<v>_*` for Q8_0, Q2_K, Q4_K,
-/// IQ2_XXS, see matvec.cu); process-wide, for tests and benchmarks. Not yet measured.
+/// Kernel form of `mv_matmul`/`mv_grouped`: 0 (default) staged `mvs*` for n = 1..4 (shapes it
+/// declines: the forms below); 1..=3 the n = 1 variants `mv1v<v>_*` (Q8_0, Q2_K, Q4_K, IQ2_XXS)
+/// and `mv<NT>_*` otherwise; 4 the form before the staged kernels (`mv<NT>_*` for n = 2..4 only).
+/// Process-wide, for tests and benchmarks (`DS4_GPU_MATVEC=v<k>`).
 static VARIANT: AtomicU8 = AtomicU8::new(0);
+
+/// Bytes of weights one `mvs*` CTA stages (`MVS_STAGE` in matvec.cu).
+const MVS_STAGE: usize = 17408;
+
+/// The smallest run of whole blocks that is a multiple of 16 bytes: (bytes, 32-element chunks).
+/// Split-K tiles of `mvs*` are whole units.
+fn unit(ty: GgmlType) -> Option<(usize, usize)> {
+    Some(match ty {
+        GgmlType::F32 => (128, 1),
+        GgmlType::F16 | GgmlType::BF16 => (64, 1),
+        GgmlType::Q8_0 => (272, 8),
+        GgmlType::Q2_K => (336, 32),
+        GgmlType::Q4_K => (144, 8),
+        GgmlType::IQ2_XXS => (528, 64),
+        _ => return None,
+    })
+}
+
+/// Launch shape of one `mvs*` product.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct MvsPlan {
+    /// Rows per CTA.
+    pub rc: usize,
+    /// Column tiles per row (CTAs along y; > 1: partials + `mvs_sum_f32`).
+    pub ks: usize,
+    /// Bytes and 32-element chunks per column tile (the whole row when ks = 1).
+    pub tile_bytes: usize,
+    pub tile_chunks: usize,
+    /// Warps of a CTA splitting the column steps of the same rows.
+    pub ksi: usize,
+}
+
+/// `mvs*` launch shape for `rows` rows (per each of `zs` groups) of `cols` columns and `rb` bytes,
+/// NT tokens per kernel, on `sm` multiprocessors with warp `warp`. None: rows not 16-byte
+/// multiples (or too long to stage and not whole units).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mvs_plan(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    rb: usize,
+    zs: usize,
+    nt: usize,
+    sm: usize,
+    warp: usize,
+) -> Option<MvsPlan> {
+    let (ub, uc) = unit(ty)?;
+    if rows == 0 || zs == 0 || !rb.is_multiple_of(16) || !cols.is_multiple_of(32) {
+        return None;
+    }
+    let chunks = cols / 32;
+    let items = rows * zs;
+    // Bytes per CTA: about 4 CTAs per SM over the product, 2 KB .. the stage.
+    let target = (items * rb / (4 * sm)).clamp(2048, MVS_STAGE);
+    let whole = rb.is_multiple_of(ub) && chunks == rb / ub * uc;
+    let (ks, tile_bytes, tile_chunks) = if whole && (items < sm || rb > MVS_STAGE) {
+        // Few rows (or rows too long to stage): split each row into about 2 CTAs per SM.
+        let upr = rb / ub;
+        let want = (2 * sm).div_ceil(items).max(rb.div_ceil(MVS_STAGE));
+        let upt = upr.div_ceil(want).clamp(1, MVS_STAGE / ub);
+        (upr.div_ceil(upt), upt * ub, upt * uc)
+    } else if rb <= MVS_STAGE {
+        (1, rb, chunks)
+    } else {
+        return None;
+    };
+    let steps = tile_chunks.div_ceil(warp / 4);
+    let mut ksi = 1;
+    while ksi < 8 && 2 * ksi <= steps {
+        ksi *= 2;
+    }
+    let rmax = 16 / nt * (8 / ksi);
+    let rc = if ks == 1 {
+        (target / rb).clamp(1, rmax).min(rows)
+    } else {
+        1
+    };
+    Some(MvsPlan {
+        rc,
+        ks,
+        tile_bytes,
+        tile_chunks,
+        ksi,
+    })
+}
 
 /// Rows per warp of each variant.
 const VARIANT_ROWS: [usize; 4] = [MV_R, 1, 2, 4];
@@ -66,9 +156,10 @@ impl GpuBackend {
         ONE.store(on, Ordering::Relaxed);
     }
 
-    /// Select the n = 1 kernel variant (0 default, 1..=3 opt-in; others read as 0).
+    /// Select the kernel form (0 default staged, 1..=3 old n = 1 variants, 4 the form before
+    /// the staged kernels; others read as 0). See `VARIANT`.
     pub fn set_matvec_variant(v: u8) {
-        VARIANT.store(if v <= 3 { v } else { 0 }, Ordering::Relaxed);
+        VARIANT.store(if v <= 4 { v } else { 0 }, Ordering::Relaxed);
     }
 
     /// Warps per row group (1, 2, 4, 8): the fewest that give about 16 working warps per SM,
@@ -109,9 +200,110 @@ impl GpuBackend {
     fn mv_ok(&self, n: usize, x: &GpuBuf) -> bool {
         ENABLED.load(Ordering::Relaxed)
             && (1..=4).contains(&n)
-            && (n > 1 || ONE.load(Ordering::Relaxed))
+            && (n > 1 || (ONE.load(Ordering::Relaxed) && VARIANT.load(Ordering::Relaxed) < 4))
             && x.ptr.0.is_multiple_of(16)
             && !self.failed()
+    }
+
+    /// One staged product (`mvs<NT>_<sfx>`, plus `mvs_sum_f32` when rows are split), or false
+    /// when off or the shape is declined. Strides as in `mv_launch`.
+    #[allow(clippy::too_many_arguments)]
+    fn mvs(
+        &self,
+        ty: GgmlType,
+        w: DevPtr,
+        w_z: usize,
+        x: &GpuBuf,
+        x_tok: usize,
+        x_z: usize,
+        y: DevPtr,
+        y_tok: usize,
+        y_z: usize,
+        rows: usize,
+        cols: usize,
+        rb: usize,
+        n: usize,
+        zs: usize,
+    ) -> bool {
+        if !ENABLED.load(Ordering::Relaxed)
+            || VARIANT.load(Ordering::Relaxed) != 0
+            || !(1..=4).contains(&n)
+            || !x.ptr.0.is_multiple_of(16)
+            || !w.0.is_multiple_of(16)
+            || !w_z.is_multiple_of(16)
+            || self.failed()
+        {
+            return false;
+        }
+        let Some(sfx) = suffix(ty) else {
+            return false;
+        };
+        let nt = match n {
+            1 => 1,
+            2 => 2,
+            _ => 4,
+        };
+        let info = self.gpu.info();
+        let Some(p) = mvs_plan(
+            ty,
+            rows,
+            cols,
+            rb,
+            zs,
+            nt,
+            info.sm_count as usize,
+            info.warp as usize,
+        ) else {
+            return false;
+        };
+        let part = (p.ks > 1).then(|| self.scratch(p.ks * n * zs * rows));
+        self.run(
+            &ds4_kernels::MATVEC,
+            &format!("mvs{nt}_{sfx}"),
+            LaunchDims {
+                grid: [rows.div_ceil(p.rc) as u32, p.ks as u32, zs as u32],
+                block: [MV_WARPS as u32 * self.warp(), 1, 1],
+                shared_bytes: 0,
+            },
+            &[
+                Arg::Ptr(w),
+                Arg::I64(w_z as i64),
+                Arg::Ptr(x.ptr),
+                Arg::I64(x_tok as i64),
+                Arg::I64(x_z as i64),
+                Arg::Ptr(y),
+                Arg::I64(y_tok as i64),
+                Arg::I64(y_z as i64),
+                part.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
+                Arg::I32(rows as i32),
+                Arg::I32((cols / 32) as i32),
+                Arg::I64(rb as i64),
+                Arg::I32(p.tile_bytes as i32),
+                Arg::I32(p.tile_chunks as i32),
+                Arg::I32(n as i32),
+                Arg::I32(p.rc as i32),
+                Arg::I32(p.ksi as i32),
+            ],
+        );
+        if let Some(part) = part {
+            let total = n * zs * rows;
+            self.run(
+                &ds4_kernels::MATVEC,
+                "mvs_sum_f32",
+                LaunchDims::linear(total.div_ceil(256) as u32, 256),
+                &[
+                    Arg::Ptr(part.ptr),
+                    Arg::I32(p.ks as i32),
+                    Arg::I64(total as i64),
+                    Arg::I32(zs as i32),
+                    Arg::I32(rows as i32),
+                    Arg::Ptr(y),
+                    Arg::I64(y_tok as i64),
+                    Arg::I64(y_z as i64),
+                ],
+            );
+        }
+        true
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -138,7 +330,7 @@ impl GpuBackend {
             _ => 4,
         };
         let v = VARIANT.load(Ordering::Relaxed) as usize;
-        let v = if n == 1 && matches!(sfx, "q8_0" | "q2_k" | "q4_k" | "iq2_xxs") {
+        let v = if n == 1 && v <= 3 && matches!(sfx, "q8_0" | "q2_k" | "q4_k" | "iq2_xxs") {
             v
         } else {
             0
@@ -180,9 +372,6 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) -> bool {
-        if !self.mv_ok(n, x) {
-            return false;
-        }
         let Some((p, sfx, cols, rows, rb)) = mat(w) else {
             return false;
         };
@@ -190,6 +379,16 @@ impl GpuBackend {
             Part::All => 0,
             Part::Expert(e) => e * rows * rb,
         };
+        let GpuWeight::Mat { ty, .. } = w else {
+            return false;
+        };
+        let w0 = p.offset(byte0 as u64);
+        if self.mvs(*ty, w0, 0, x, cols, 0, y.ptr, rows, 0, rows, cols, rb, n, 1) {
+            return true;
+        }
+        if !self.mv_ok(n, x) {
+            return false;
+        }
         self.mv_launch(
             sfx,
             p.offset(byte0 as u64),
@@ -218,7 +417,7 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) -> bool {
-        if !self.mv_ok(n, x) || groups == 0 {
+        if groups == 0 {
             return false;
         }
         let Some((p, sfx, cols, rows, rb)) = mat(w) else {
@@ -229,6 +428,31 @@ impl GpuBackend {
         }
         // Group g: rows g*r .. (g+1)*r of W times columns g*cols .. of each x row.
         let r = rows / groups;
+        let GpuWeight::Mat { ty, .. } = w else {
+            return false;
+        };
+        let (x_tok, x_z) = (groups * cols, cols);
+        if self.mvs(
+            *ty,
+            p,
+            r * rb,
+            x,
+            x_tok,
+            x_z,
+            y.ptr,
+            rows,
+            r,
+            r,
+            cols,
+            rb,
+            n,
+            groups,
+        ) {
+            return true;
+        }
+        if !self.mv_ok(n, x) {
+            return false;
+        }
         self.mv_launch(
             sfx,
             p,
@@ -319,5 +543,74 @@ impl GpuBackend {
             ],
         );
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every plan stages at most MVS_STAGE bytes, covers each row with whole-unit tiles, keeps
+    /// the rows of a warp within its accumulators, and gives the big products enough CTAs.
+    #[test]
+    fn mvs_plans_fit() {
+        let types = [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q8_0,
+            GgmlType::Q2_K,
+            GgmlType::Q4_K,
+            GgmlType::IQ2_XXS,
+        ];
+        let shapes = [
+            (1024, 32768, 1),
+            (8192, 4096, 1),
+            (4096, 1024, 8),
+            (4096, 129280, 1),
+            (16384, 24, 1),
+            (16384, 4, 1),
+            (4096, 64, 1),
+            (1024, 8192, 1),
+            (256, 1, 1),
+            (512, 3, 4),
+            (1056, 2050, 1),
+            (1536, 70, 1),
+        ];
+        for ty in types {
+            for &(cols, rows, zs) in &shapes {
+                let Some(rb) = ty.row_bytes(cols as u64).map(|b| b as usize) else {
+                    continue;
+                };
+                for nt in [1, 2, 4] {
+                    for (sm, warp) in [(132, 32), (104, 64)] {
+                        let Some(p) = mvs_plan(ty, rows, cols, rb, zs, nt, sm, warp) else {
+                            assert!(!rb.is_multiple_of(16) || !cols.is_multiple_of(32));
+                            continue;
+                        };
+                        let what = format!("{ty:?} {cols}->{rows}x{zs} nt {nt}: {p:?}");
+                        assert!(p.rc >= 1 && p.rc <= rows, "{what}");
+                        assert!(p.rc * p.tile_bytes.min(rb) <= MVS_STAGE, "{what}");
+                        assert!(p.tile_bytes.is_multiple_of(16), "{what}");
+                        assert!(p.rc.div_ceil(8 / p.ksi) <= 16 / nt, "{what}");
+                        assert!(p.tile_chunks * p.ks >= cols / 32, "{what}");
+                        assert!(p.tile_chunks * (p.ks - 1) < cols / 32, "{what}");
+                        if p.ks > 1 {
+                            let (ub, uc) = unit(ty).unwrap();
+                            assert_eq!(p.tile_bytes / ub * uc, p.tile_chunks, "{what}");
+                            assert_eq!(p.rc, 1, "{what}");
+                        } else {
+                            assert_eq!(p.tile_bytes, rb, "{what}");
+                        }
+                        if rows * zs * rb >= 8 << 20 && sm == 132 {
+                            assert!(rows.div_ceil(p.rc) * p.ks * zs >= 2 * sm, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        // The few-row F16 products split K across CTAs.
+        let p = mvs_plan(GgmlType::F16, 24, 16384, 32768, 1, 1, 132, 32).unwrap();
+        assert!(p.ks * 24 >= 132, "{p:?}");
     }
 }
