@@ -59,6 +59,8 @@ pub const ELEMENTWISE: Module = Module {
         "mul_f32",
         "scale_f32",
         "swiglu_f32",
+        "copy_u32",
+        "fill_u32",
     ],
 };
 
@@ -67,12 +69,14 @@ mod gemm;
 mod matmul;
 mod matvec;
 mod model;
+mod moe;
 mod synth;
 pub use attention::ATTENTION;
 pub use gemm::GEMM;
 pub use matmul::MATMUL;
 pub use matvec::MATVEC;
 pub use model::MODEL;
+pub use moe::MOE;
 pub use synth::SYNTH;
 
 /// Every module, for compile checks.
@@ -85,6 +89,7 @@ pub const MODULES: &[Module] = &[
     SYNTH,
     MATVEC,
     GEMM,
+    MOE,
 ];
 
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in

@@ -1,23 +1,184 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
+//!
+//! Two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
+//! scratch `h`, pairs × ff; one CTA per row block and pair, the first pair of each distinct
+//! expert doing the work for every token routed to it) and `moedn_<t>` (down for every pair, each
+//! distinct expert's rows read once, then the sum over slots in selection order). Expert ids and
+//! weights stay on the device. Covers IQ2_XXS, Q2_K and Q4_K experts with 16-byte multiple rows.
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
-use ds4_backend::MoeSpec;
+use crate::runtime::{Arg, DevPtr, LaunchDims};
+use ds4_backend::{GgmlType, MoeSpec};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// Process-wide switch (on by default) so tests and benchmarks can compare with the older paths.
+static ENABLED: AtomicBool = AtomicBool::new(true);
+/// Gate/up rows per CTA (a multiple of MOE_G, shrunk to fit shared memory); for benchmarks.
+static GU_ROWS: AtomicUsize = AtomicUsize::new(16);
+/// Products run here (for tests: proof the kernels were taken).
+static RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// Threads per CTA, row-dots per reduction group, most pairs, table bytes (`MOE_*` in moe.cu).
+const THREADS: usize = 256;
+const G: usize = 8;
+const MAXP: usize = 32;
+const TAB: usize = 3072;
+/// Dynamic shared memory per CTA we allow ourselves (the static limit is 48 KiB).
+const SMEM: usize = 46 * 1024;
+
+fn suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::IQ2_XXS => "iq2_xxs",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q4_K => "q4_k",
+        _ => return None,
+    })
+}
+
+/// (pointer, suffix, cols, rows, row_bytes) of an expert stack the kernels take.
+fn mat(w: &GpuWeight) -> Option<(DevPtr, &'static str, usize, usize, usize)> {
+    let GpuWeight::Mat {
+        buf,
+        ty,
+        cols,
+        rows,
+        row_bytes,
+        ..
+    } = w
+    else {
+        return None;
+    };
+    let p = buf.ptr();
+    if *rows == 0
+        || !cols.is_multiple_of(256)
+        || !row_bytes.is_multiple_of(16)
+        || !p.0.is_multiple_of(16)
+    {
+        return None;
+    }
+    Some((p, suffix(*ty)?, *cols, *rows, *row_bytes))
+}
 
 impl GpuBackend {
+    /// Use (true, the default) or skip the decode MoE kernels; process-wide, for tests and benches.
+    pub fn set_moe_decode(on: bool) {
+        ENABLED.store(on, Ordering::Relaxed);
+    }
+
+    /// Gate/up rows per CTA (8, 16, 24, 32; default 16); process-wide, for benchmarks.
+    pub fn set_moe_gu_rows(rb: usize) {
+        GU_ROWS.store(rb.clamp(G, 4 * G) / G * G, Ordering::Relaxed);
+    }
+
+    /// How many products these kernels have run (process-wide).
+    pub fn moe_decode_runs() -> usize {
+        RUNS.load(Ordering::Relaxed)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn dec_moe(
         &self,
-        _spec: &MoeSpec,
-        _gate: &GpuWeight,
-        _up: &GpuWeight,
-        _down: &GpuWeight,
-        _z: &GpuBuf,
-        _sel: &GpuIBuf,
-        _wgt: &GpuBuf,
-        _n: usize,
-        _out: &mut GpuBuf,
+        spec: &MoeSpec,
+        gate: &GpuWeight,
+        up: &GpuWeight,
+        down: &GpuWeight,
+        z: &GpuBuf,
+        sel: &GpuIBuf,
+        wgt: &GpuBuf,
+        n: usize,
+        out: &mut GpuBuf,
     ) -> bool {
-        false
+        let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
+        let pairs = n * k;
+        if !ENABLED.load(Ordering::Relaxed)
+            || !(1..=4).contains(&n)
+            || k == 0
+            || pairs > MAXP
+            || !z.ptr.0.is_multiple_of(16)
+            || self.failed()
+        {
+            return false;
+        }
+        let (Some(g), Some(u), Some(dn)) = (mat(gate), mat(up), mat(down)) else {
+            return false;
+        };
+        // Gate and up: one type, [ff, d] per expert; down [d, ff].
+        if g.1 != u.1 || (g.2, g.3, g.4) != (d, ff, u.4) || (u.2, u.3) != (d, ff) {
+            return false;
+        }
+        if (dn.2, dn.3) != (ff, d) {
+            return false;
+        }
+        let warps = THREADS / self.warp() as usize;
+        let nt = match n {
+            1 => 1,
+            2 => 2,
+            _ => 4,
+        };
+        // Gate/up rows per CTA: the preferred count, halved until tables + partials + rows fit.
+        let gu_smem = |rb: usize| TAB + 4 * warps * 2 * rb * nt + 2 * rb * g.4;
+        let mut rb = GU_ROWS.load(Ordering::Relaxed);
+        while rb > G && gu_smem(rb) > SMEM {
+            rb -= G;
+        }
+        // Down: MOE_G rows per CTA, as many experts per staging batch as fit.
+        let red = warps * (pairs * G).next_multiple_of(4) * 4;
+        let fixed = TAB + 2 * MAXP * 4 + red;
+        let slot = G * dn.4;
+        if gu_smem(rb) > SMEM || fixed + slot > SMEM {
+            return false;
+        }
+        let ub = ((SMEM - fixed) / slot).min(pairs);
+        let h = self.scratch(pairs * ff);
+        self.run(
+            &ds4_kernels::MOE,
+            &format!("moegu{nt}_{}", g.1),
+            LaunchDims {
+                grid: [ff.div_ceil(rb) as u32, pairs as u32, 1],
+                block: [THREADS as u32, 1, 1],
+                shared_bytes: gu_smem(rb) as u32,
+            },
+            &[
+                Arg::Ptr(g.0),
+                Arg::Ptr(u.0),
+                Arg::Ptr(sel.0.ptr),
+                Arg::I64((ff * g.4) as i64),
+                Arg::Ptr(z.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::Ptr(wgt.ptr),
+                Arg::F32(spec.clamp),
+                Arg::Ptr(h.ptr),
+                Arg::I32(ff as i32),
+                Arg::I32(d as i32),
+                Arg::I64(g.4 as i64),
+                Arg::I32(rb as i32),
+            ],
+        );
+        self.run(
+            &ds4_kernels::MOE,
+            &format!("moedn_{}", dn.1),
+            LaunchDims {
+                grid: [d.div_ceil(G) as u32, 1, 1],
+                block: [THREADS as u32, 1, 1],
+                shared_bytes: (fixed + ub * slot) as u32,
+            },
+            &[
+                Arg::Ptr(dn.0),
+                Arg::Ptr(sel.0.ptr),
+                Arg::I64((d * dn.4) as i64),
+                Arg::Ptr(h.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::Ptr(out.ptr),
+                Arg::I32(d as i32),
+                Arg::I32(ff as i32),
+                Arg::I64(dn.4 as i64),
+                Arg::I32(ub as i32),
+            ],
+        );
+        RUNS.fetch_add(1, Ordering::Relaxed);
+        true
     }
 }

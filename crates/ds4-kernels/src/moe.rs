@@ -1,0 +1,22 @@
+use crate::Module;
+
+/// Decode MoE (n ≤ 4 tokens): fused gate+up+SwiGLU and down+slot sum over the routed experts,
+/// each distinct expert read once, rows staged in shared memory (`gpu/moe.cu`).
+pub const MOE: Module = Module {
+    name: "moe",
+    source: include_str!("../gpu/moe.cu"),
+    kernels: &[
+        "moegu1_iq2_xxs",
+        "moegu2_iq2_xxs",
+        "moegu4_iq2_xxs",
+        "moegu1_q2_k",
+        "moegu2_q2_k",
+        "moegu4_q2_k",
+        "moegu1_q4_k",
+        "moegu2_q4_k",
+        "moegu4_q4_k",
+        "moedn_iq2_xxs",
+        "moedn_q2_k",
+        "moedn_q4_k",
+    ],
+};
