@@ -234,6 +234,15 @@ pub trait Backend: Send + Sync + Sized {
         Ok(())
     }
 
+    /// The ops from here to [`Backend::graph_end`] are one step over `n` tokens that a device
+    /// backend may record and replay as one graph (GPU decode: one driver call instead of a
+    /// launch per op). Results are the same; a host read (download) ends the step early. The
+    /// CPU backend does nothing.
+    fn graph_begin(&self, _n: usize) {}
+
+    /// End of the step begun by [`Backend::graph_begin`]: run whatever is still recorded.
+    fn graph_end(&self) {}
+
     /// Tokens per prompt step the engine should batch (activation memory grows with it: about
     /// 200 KB per token at full size, plus the MoE's per-pair scratch). The CPU gains nothing
     /// past 128; a GPU reads each expert's weights once per step, so it wants more.

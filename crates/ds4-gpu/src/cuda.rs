@@ -2,8 +2,10 @@
 //! by NVRTC. The device index is among the devices `CUDA_VISIBLE_DEVICES` leaves visible (the
 //! driver applies it; nothing here overrides it).
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::compiler::{cuda_arch, cuda_defines, Compiler, Nvrtc};
 use crate::error::{GpuError, Result};
@@ -63,6 +65,60 @@ struct Api {
     cuEventElapsedTime: unsafe extern "C" fn(*mut f32, Ptr, Ptr) -> R,
     cuGetErrorName: unsafe extern "C" fn(R, *mut *const c_char) -> R,
     cuGetErrorString: unsafe extern "C" fn(R, *mut *const c_char) -> R,
+    /// Graph entry points (None on a driver without them: graphs off).
+    graph: Option<GraphApi>,
+}
+
+/// `CUDA_KERNEL_NODE_PARAMS_v2` (cuda.h, CUDA 12); the v1 entry points read its first 56 bytes,
+/// which are the v1 struct.
+#[repr(C)]
+struct KernelNodeParams {
+    func: Ptr,
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared: c_uint,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    kern: Ptr,
+    ctx: Ptr,
+}
+
+#[allow(non_snake_case)]
+struct GraphApi {
+    cuStreamBeginCapture: unsafe extern "C" fn(Ptr, c_int) -> R,
+    cuStreamEndCapture: unsafe extern "C" fn(Ptr, *mut Ptr) -> R,
+    cuGraphInstantiateWithFlags: unsafe extern "C" fn(*mut Ptr, Ptr, u64) -> R,
+    cuGraphGetRootNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
+    cuGraphGetNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
+    cuGraphNodeGetDependentNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
+    cuGraphNodeGetType: unsafe extern "C" fn(Ptr, *mut c_int) -> R,
+    cuGraphExecKernelNodeSetParams: unsafe extern "C" fn(Ptr, Ptr, *const KernelNodeParams) -> R,
+    cuGraphLaunch: unsafe extern "C" fn(Ptr, Ptr) -> R,
+    cuGraphExecDestroy: unsafe extern "C" fn(Ptr) -> R,
+    cuGraphDestroy: unsafe extern "C" fn(Ptr) -> R,
+}
+
+impl GraphApi {
+    fn load(lib: &Lib) -> Result<GraphApi> {
+        unsafe {
+            Ok(GraphApi {
+                cuStreamBeginCapture: lib.sym("cuStreamBeginCapture_v2")?,
+                cuStreamEndCapture: lib.sym("cuStreamEndCapture")?,
+                cuGraphInstantiateWithFlags: lib.sym("cuGraphInstantiateWithFlags")?,
+                cuGraphGetRootNodes: lib.sym("cuGraphGetRootNodes")?,
+                cuGraphGetNodes: lib.sym("cuGraphGetNodes")?,
+                cuGraphNodeGetDependentNodes: lib.sym("cuGraphNodeGetDependentNodes")?,
+                cuGraphNodeGetType: lib.sym("cuGraphNodeGetType")?,
+                cuGraphExecKernelNodeSetParams: lib.sym_any(&[
+                    "cuGraphExecKernelNodeSetParams_v2",
+                    "cuGraphExecKernelNodeSetParams",
+                ])?,
+                cuGraphLaunch: lib.sym("cuGraphLaunch")?,
+                cuGraphExecDestroy: lib.sym("cuGraphExecDestroy")?,
+                cuGraphDestroy: lib.sym("cuGraphDestroy")?,
+            })
+        }
+    }
 }
 
 // CUdevice_attribute values (cuda.h).
@@ -76,6 +132,15 @@ const ATTR_MAX_SHARED_PER_BLOCK_OPTIN: c_int = 97;
 const CUDA_ERROR_NOT_FOUND: c_int = 500;
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
 const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
+const CU_GRAPH_NODE_TYPE_KERNEL: c_int = 0;
+
+/// Ids of runtimes, so a thread can tell whether its current context is already this one's.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+thread_local! {
+    /// Id of the runtime whose context this thread made current last (0: none).
+    static CURRENT: Cell<u64> = const { Cell::new(0) };
+}
 
 impl Api {
     fn load() -> Result<Api> {
@@ -138,6 +203,7 @@ impl Api {
                     .sym_any(&["cuEventElapsedTime_v2", "cuEventElapsedTime"])?,
                 cuGetErrorName: lib.sym("cuGetErrorName")?,
                 cuGetErrorString: lib.sym("cuGetErrorString")?,
+                graph: GraphApi::load(&lib).ok(),
                 _lib: lib,
             })
         }
@@ -176,6 +242,8 @@ pub struct CudaRuntime {
     dev: c_int,
     ctx: Ptr,
     info: DeviceInfo,
+    /// Unique per runtime (see [`CURRENT`]).
+    id: u64,
 }
 
 // The driver API is thread-safe; every call first makes `ctx` current on the calling thread.
@@ -267,16 +335,69 @@ impl CudaRuntime {
             dev,
             ctx,
             info,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
 
+    /// Make the context current on this thread unless this runtime already did (one
+    /// thread-local compare on the launch path instead of a driver call).
     fn cur(&self) -> Result<()> {
-        call!(self, cuCtxSetCurrent(self.ctx))
+        if CURRENT.with(|c| c.get()) == self.id {
+            return Ok(());
+        }
+        call!(self, cuCtxSetCurrent(self.ctx))?;
+        CURRENT.with(|c| c.set(self.id));
+        Ok(())
+    }
+
+    fn gapi(&self) -> Result<&GraphApi> {
+        self.api
+            .graph
+            .as_ref()
+            .ok_or_else(|| GpuError::Invalid("this CUDA driver has no graph API".into()))
+    }
+
+    fn launch_slots(&self, f: Function, d: LaunchDims, s: Stream, slots: &[u64]) -> Result<()> {
+        self.cur()?;
+        // Fixed arrays: no allocation per launch.
+        let mut vals = [0u64; MAX_ARGS];
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        if slots.len() > MAX_ARGS {
+            return Err(GpuError::Invalid(format!(
+                "{} kernel arguments",
+                slots.len()
+            )));
+        }
+        vals[..slots.len()].copy_from_slice(slots);
+        for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()) {
+            *p = v as *mut u64 as *mut c_void;
+        }
+        call!(
+            self,
+            cuLaunchKernel(
+                p(f.0),
+                d.grid[0],
+                d.grid[1],
+                d.grid[2],
+                d.block[0],
+                d.block[1],
+                d.block[2],
+                d.shared_bytes,
+                p(s.0),
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        )
     }
 }
 
 impl Drop for CudaRuntime {
     fn drop(&mut self) {
+        CURRENT.with(|c| {
+            if c.get() == self.id {
+                c.set(0)
+            }
+        });
         unsafe {
             (self.api.cuDevicePrimaryCtxRelease)(self.dev);
         }
@@ -324,28 +445,134 @@ impl Runtime for CudaRuntime {
         Ok(Some(Function(f as usize as u64)))
     }
     fn launch(&self, f: Function, d: LaunchDims, s: Stream, args: &[Arg]) -> Result<()> {
+        if args.len() > MAX_ARGS {
+            return Err(GpuError::Invalid(format!(
+                "{} kernel arguments",
+                args.len()
+            )));
+        }
+        let mut slots = [0u64; MAX_ARGS];
+        for (v, a) in slots.iter_mut().zip(args) {
+            *v = a.slot();
+        }
+        self.launch_slots(f, d, s, &slots[..args.len()])
+    }
+    fn launch_call(&self, c: &KernelCall, s: Stream) -> Result<()> {
+        self.launch_slots(c.f, c.dims, s, c.args())
+    }
+
+    fn graphs_supported(&self) -> bool {
+        self.api.graph.is_some()
+    }
+    fn capture_begin(&self, s: Stream) -> Result<()> {
+        let g = self.gapi()?;
         self.cur()?;
-        let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
-        let mut ptrs: Vec<*mut c_void> = slots
-            .iter_mut()
-            .map(|v| v as *mut u64 as *mut c_void)
-            .collect();
-        call!(
-            self,
-            cuLaunchKernel(
-                p(f.0),
-                d.grid[0],
-                d.grid[1],
-                d.grid[2],
-                d.block[0],
-                d.block[1],
-                d.block[2],
-                d.shared_bytes,
-                p(s.0),
-                ptrs.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        )
+        self.api.check("cuStreamBeginCapture_v2", unsafe {
+            (g.cuStreamBeginCapture)(p(s.0), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        })
+    }
+    fn capture_end(&self, s: Stream) -> Result<GraphExec> {
+        let g = self.gapi()?;
+        self.cur()?;
+        let mut graph: Ptr = std::ptr::null_mut();
+        self.api.check("cuStreamEndCapture", unsafe {
+            (g.cuStreamEndCapture)(p(s.0), &mut graph)
+        })?;
+        let destroy = |e: GpuError| {
+            unsafe { (g.cuGraphDestroy)(graph) };
+            e
+        };
+        // The nodes in order: the capture of one stream is a chain from its one root.
+        let mut total = 0usize;
+        self.api
+            .check("cuGraphGetNodes", unsafe {
+                (g.cuGraphGetNodes)(graph, std::ptr::null_mut(), &mut total)
+            })
+            .map_err(destroy)?;
+        let mut nodes: Vec<u64> = Vec::with_capacity(total);
+        let mut next: Ptr = std::ptr::null_mut();
+        let mut cnt = 1usize;
+        self.api
+            .check("cuGraphGetRootNodes", unsafe {
+                (g.cuGraphGetRootNodes)(graph, &mut next, &mut cnt)
+            })
+            .map_err(destroy)?;
+        let mut have = cnt;
+        while have == 1 && nodes.len() < total {
+            let mut ty = -1;
+            self.api
+                .check("cuGraphNodeGetType", unsafe {
+                    (g.cuGraphNodeGetType)(next, &mut ty)
+                })
+                .map_err(destroy)?;
+            if ty != CU_GRAPH_NODE_TYPE_KERNEL {
+                break;
+            }
+            nodes.push(next as usize as u64);
+            let cur = next;
+            let mut c = 1usize;
+            self.api
+                .check("cuGraphNodeGetDependentNodes", unsafe {
+                    (g.cuGraphNodeGetDependentNodes)(cur, &mut next, &mut c)
+                })
+                .map_err(destroy)?;
+            have = c;
+        }
+        if nodes.len() != total || have != 0 {
+            return Err(destroy(GpuError::Invalid(format!(
+                "captured graph is not a chain of {total} kernel nodes"
+            ))));
+        }
+        let mut exec: Ptr = std::ptr::null_mut();
+        self.api
+            .check("cuGraphInstantiateWithFlags", unsafe {
+                (g.cuGraphInstantiateWithFlags)(&mut exec, graph, 0)
+            })
+            .map_err(destroy)?;
+        Ok(GraphExec {
+            exec: exec as usize as u64,
+            graph: graph as usize as u64,
+            nodes,
+        })
+    }
+    fn graph_set(&self, ge: &GraphExec, i: usize, c: &KernelCall) -> Result<()> {
+        let g = self.gapi()?;
+        self.cur()?;
+        let mut vals = c.slots;
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()) {
+            *p = v as *mut u64 as *mut c_void;
+        }
+        let prm = KernelNodeParams {
+            func: p(c.f.0),
+            grid: c.dims.grid,
+            block: c.dims.block,
+            shared: c.dims.shared_bytes,
+            params: ptrs.as_mut_ptr(),
+            extra: std::ptr::null_mut(),
+            kern: std::ptr::null_mut(),
+            ctx: std::ptr::null_mut(),
+        };
+        self.api.check("cuGraphExecKernelNodeSetParams", unsafe {
+            (g.cuGraphExecKernelNodeSetParams)(p(ge.exec), p(ge.nodes[i]), &prm)
+        })
+    }
+    fn graph_launch(&self, ge: &GraphExec, s: Stream) -> Result<()> {
+        let g = self.gapi()?;
+        self.cur()?;
+        self.api.check("cuGraphLaunch", unsafe {
+            (g.cuGraphLaunch)(p(ge.exec), p(s.0))
+        })
+    }
+    fn graph_destroy(&self, ge: &GraphExec) {
+        if let Ok(g) = self.gapi() {
+            if self.cur().is_ok() {
+                unsafe {
+                    (g.cuGraphExecDestroy)(p(ge.exec));
+                    (g.cuGraphDestroy)(p(ge.graph));
+                }
+            }
+        }
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {

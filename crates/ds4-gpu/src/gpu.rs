@@ -82,9 +82,31 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// FNV-1a: the kernel-name maps are read on every launch; names are short and trusted, so
+/// a cheap hash beats the default SipHash.
+#[derive(Default, Clone, Copy)]
+struct Fnv(u64);
+impl std::hash::Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = if self.0 == 0 {
+            0xcbf2_9ce4_8422_2325
+        } else {
+            self.0
+        };
+        for b in bytes {
+            h = (h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        self.0 = h;
+    }
+}
+type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<Fnv>>;
+
 struct Loaded {
     handle: ModuleHandle,
-    funcs: HashMap<String, Function>,
+    funcs: FastMap<String, Function>,
 }
 
 /// Bytes of each of the two pinned staging buffers used by [`Gpu::upload`].
@@ -111,7 +133,7 @@ unsafe impl Send for Staging {}
 /// One GPU: runtime, loaded kernel modules, staging buffers.
 pub struct Gpu {
     rt: Arc<dyn Runtime>,
-    modules: Mutex<HashMap<&'static str, Loaded>>,
+    modules: Mutex<FastMap<&'static str, Loaded>>,
     staging: Mutex<Option<Staging>>,
     cache: Option<PathBuf>,
     /// How each module was obtained the first time (for logs and tests).
@@ -187,7 +209,7 @@ impl Gpu {
     pub fn from_runtime(rt: Arc<dyn Runtime>) -> Gpu {
         Gpu {
             rt,
-            modules: Mutex::new(HashMap::new()),
+            modules: Mutex::new(FastMap::default()),
             staging: Mutex::new(None),
             cache: cache_dir(),
             origins: Mutex::new(Vec::new()),
@@ -261,7 +283,7 @@ impl Gpu {
             return Ok(());
         }
         let handle = self.rt.load_module(&code)?;
-        let mut funcs = HashMap::new();
+        let mut funcs = FastMap::default();
         for k in module.kernels {
             let f = self
                 .rt
@@ -277,18 +299,24 @@ impl Gpu {
         Ok(())
     }
 
-    /// A kernel of `module`, loading the module on first use.
+    /// A kernel of `module`, loading the module on first use (one lock and one lookup once
+    /// the module is loaded: this is on every launch's path).
     pub fn kernel(&self, module: &Module, name: &str) -> Result<Function> {
+        {
+            let mods = self.modules.lock().unwrap();
+            if let Some(m) = mods.get(module.name) {
+                return m
+                    .funcs
+                    .get(name)
+                    .copied()
+                    .ok_or_else(|| GpuError::NoKernel {
+                        module: module.name.to_string(),
+                        kernel: name.to_string(),
+                    });
+            }
+        }
         self.load(module)?;
-        let mods = self.modules.lock().unwrap();
-        mods[module.name]
-            .funcs
-            .get(name)
-            .copied()
-            .ok_or_else(|| GpuError::NoKernel {
-                module: module.name.to_string(),
-                kernel: name.to_string(),
-            })
+        self.kernel(module, name)
     }
 
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
@@ -616,6 +644,152 @@ impl Drop for Gpu {
         }
         for (_, m) in self.modules.lock().unwrap().drain() {
             let _ = self.rt.unload_module(m.handle);
+        }
+    }
+}
+
+/// How decode steps ran as graphs ([`StepGraphs`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs captured and instantiated (a new sequence of kernels).
+    pub captures: u64,
+    /// Steps run by launching a graph (captures included).
+    pub replays: u64,
+    /// Kernel nodes whose arguments or shape were updated before a replay.
+    pub patched: u64,
+    /// Recorded steps run launch by launch instead (interrupted, or graphs failed).
+    pub eager: u64,
+    /// Kernel launches recorded in all steps.
+    pub calls: u64,
+    /// Host µs in replays (compare, updates, graph launch) and in captures (with instantiation).
+    pub replay_us: u64,
+    pub capture_us: u64,
+}
+
+struct CachedGraph {
+    key: u64,
+    /// The calls the executable graph holds now.
+    calls: Vec<KernelCall>,
+    exec: GraphExec,
+}
+
+/// Most graphs kept (least recently used dropped first): decode cycles through a few kernel
+/// sequences (which compressors emit a row at this position).
+const GRAPH_CACHE: usize = 16;
+
+/// Runs recorded steps as device graphs. A step is a list of [`KernelCall`]s; a cached graph
+/// with the same kernels in the same order is updated where this step differs (positions,
+/// grids, pool addresses: a few nodes per layer) and launched; otherwise the step is captured
+/// on a side stream, instantiated and launched. Same kernels, same arguments, same order as
+/// launching one by one, so the results are bit-identical.
+#[derive(Default)]
+pub struct StepGraphs {
+    cap: Option<Stream>,
+    graphs: Vec<CachedGraph>,
+    pub stats: GraphStats,
+}
+
+impl StepGraphs {
+    fn key(calls: &[KernelCall]) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        calls.len().hash(&mut h);
+        for c in calls {
+            c.f.0.hash(&mut h);
+        }
+        h.finish()
+    }
+
+    /// Run `calls` on `stream` as a graph. On an error nothing of this step has run (the
+    /// caller launches the calls one by one).
+    pub fn run(&mut self, rt: &dyn Runtime, calls: &[KernelCall], stream: Stream) -> Result<()> {
+        self.stats.calls += calls.len() as u64;
+        let key = Self::key(calls);
+        let hit = self.graphs.iter().position(|g| {
+            g.key == key
+                && g.calls.len() == calls.len()
+                && g.calls.iter().zip(calls).all(|(a, b)| a.f == b.f)
+        });
+        let t = std::time::Instant::now();
+        if let Some(i) = hit {
+            let mut g = self.graphs.remove(i);
+            let mut patched = 0;
+            let mut ok = true;
+            for (j, (old, new)) in g.calls.iter_mut().zip(calls).enumerate() {
+                if old != new {
+                    if rt.graph_set(&g.exec, j, new).is_err() {
+                        ok = false;
+                        break;
+                    }
+                    *old = *new;
+                    patched += 1;
+                }
+            }
+            if ok {
+                self.stats.patched += patched;
+                rt.graph_launch(&g.exec, stream)?;
+                self.stats.replays += 1;
+                self.stats.replay_us += t.elapsed().as_micros() as u64;
+                self.graphs.push(g);
+                return Ok(());
+            }
+            // The driver refused an update: capture afresh.
+            rt.graph_destroy(&g.exec);
+        }
+        let cap = match self.cap {
+            Some(s) => s,
+            None => {
+                let s = rt.stream_create()?;
+                self.cap = Some(s);
+                s
+            }
+        };
+        rt.capture_begin(cap)?;
+        let mut r = Ok(());
+        for c in calls {
+            r = rt.launch_call(c, cap);
+            if r.is_err() {
+                break;
+            }
+        }
+        let exec = rt.capture_end(cap);
+        r?;
+        let exec = exec?;
+        if exec.nodes.len() != calls.len() {
+            rt.graph_destroy(&exec);
+            return Err(GpuError::Invalid(format!(
+                "graph capture: {} nodes for {} launches",
+                exec.nodes.len(),
+                calls.len()
+            )));
+        }
+        if let Err(e) = rt.graph_launch(&exec, stream) {
+            rt.graph_destroy(&exec);
+            return Err(e);
+        }
+        self.stats.captures += 1;
+        self.stats.replays += 1;
+        self.stats.capture_us += t.elapsed().as_micros() as u64;
+        if self.graphs.len() >= GRAPH_CACHE {
+            let old = self.graphs.remove(0);
+            rt.graph_destroy(&old.exec);
+        }
+        self.graphs.push(CachedGraph {
+            key,
+            calls: calls.to_vec(),
+            exec,
+        });
+        Ok(())
+    }
+
+    /// Destroy every graph and the capture stream (the device must be idle or the graphs'
+    /// launches finished).
+    pub fn clear(&mut self, rt: &dyn Runtime) {
+        for g in self.graphs.drain(..) {
+            rt.graph_destroy(&g.exec);
+        }
+        if let Some(s) = self.cap.take() {
+            let _ = rt.stream_destroy(s);
         }
     }
 }

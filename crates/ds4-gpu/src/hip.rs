@@ -4,7 +4,9 @@
 //! Never run on AMD hardware here: loading, symbol resolution and hipRTC compilation are
 //! exercised without a GPU; device calls are written against the ROCm 5/6 API and unverified.
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::compiler::{hip_default_warp, hip_defines, Compiler, Hiprtc};
 use crate::error::{GpuError, Result};
@@ -61,6 +63,54 @@ struct Api {
     hipEventElapsedTime: unsafe extern "C" fn(*mut f32, Ptr, Ptr) -> R,
     hipGetErrorName: unsafe extern "C" fn(R) -> *const c_char,
     hipGetErrorString: unsafe extern "C" fn(R) -> *const c_char,
+    /// Graph entry points (None on a runtime without them: graphs off).
+    graph: Option<GraphApi>,
+}
+
+/// `hipKernelNodeParams` (hip_runtime_api.h).
+#[repr(C)]
+struct KernelNodeParams {
+    block: [c_uint; 3],
+    extra: *mut *mut c_void,
+    func: Ptr,
+    grid: [c_uint; 3],
+    params: *mut *mut c_void,
+    shared: c_uint,
+}
+
+#[allow(non_snake_case)]
+struct GraphApi {
+    hipStreamBeginCapture: unsafe extern "C" fn(Ptr, c_int) -> R,
+    hipStreamEndCapture: unsafe extern "C" fn(Ptr, *mut Ptr) -> R,
+    hipGraphInstantiateWithFlags: unsafe extern "C" fn(*mut Ptr, Ptr, u64) -> R,
+    hipGraphGetRootNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
+    hipGraphGetNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
+    hipGraphNodeGetDependentNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
+    hipGraphNodeGetType: unsafe extern "C" fn(Ptr, *mut c_int) -> R,
+    hipGraphExecKernelNodeSetParams: unsafe extern "C" fn(Ptr, Ptr, *const KernelNodeParams) -> R,
+    hipGraphLaunch: unsafe extern "C" fn(Ptr, Ptr) -> R,
+    hipGraphExecDestroy: unsafe extern "C" fn(Ptr) -> R,
+    hipGraphDestroy: unsafe extern "C" fn(Ptr) -> R,
+}
+
+impl GraphApi {
+    fn load(lib: &Lib) -> Result<GraphApi> {
+        unsafe {
+            Ok(GraphApi {
+                hipStreamBeginCapture: lib.sym("hipStreamBeginCapture")?,
+                hipStreamEndCapture: lib.sym("hipStreamEndCapture")?,
+                hipGraphInstantiateWithFlags: lib.sym("hipGraphInstantiateWithFlags")?,
+                hipGraphGetRootNodes: lib.sym("hipGraphGetRootNodes")?,
+                hipGraphGetNodes: lib.sym("hipGraphGetNodes")?,
+                hipGraphNodeGetDependentNodes: lib.sym("hipGraphNodeGetDependentNodes")?,
+                hipGraphNodeGetType: lib.sym("hipGraphNodeGetType")?,
+                hipGraphExecKernelNodeSetParams: lib.sym("hipGraphExecKernelNodeSetParams")?,
+                hipGraphLaunch: lib.sym("hipGraphLaunch")?,
+                hipGraphExecDestroy: lib.sym("hipGraphExecDestroy")?,
+                hipGraphDestroy: lib.sym("hipGraphDestroy")?,
+            })
+        }
+    }
 }
 
 // hipDeviceAttribute_t values (hip_runtime_api.h, ROCm 5.x and 6.x numbering).
@@ -72,6 +122,15 @@ const ATTR_WARP_SIZE: c_int = 87;
 const HIP_ERROR_NOT_FOUND: c_int = 500;
 const HIP_STREAM_NON_BLOCKING: c_uint = 1;
 const HIP_HOST_MALLOC_PORTABLE: c_uint = 1;
+const HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
+const HIP_GRAPH_NODE_TYPE_KERNEL: c_int = 0;
+
+/// Ids of runtimes, so a thread can tell whether its current device is already this one's.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+thread_local! {
+    /// Id of the runtime that set this thread's device last (0: none).
+    static CURRENT: Cell<u64> = const { Cell::new(0) };
+}
 
 impl Api {
     fn load() -> Result<Api> {
@@ -117,6 +176,7 @@ impl Api {
                 hipEventElapsedTime: lib.sym("hipEventElapsedTime")?,
                 hipGetErrorName: lib.sym("hipGetErrorName")?,
                 hipGetErrorString: lib.sym("hipGetErrorString")?,
+                graph: GraphApi::load(&lib).ok(),
                 _lib: lib,
             })
         }
@@ -168,6 +228,8 @@ pub struct HipRuntime {
     hiprtc: Hiprtc,
     dev: c_int,
     info: DeviceInfo,
+    /// Unique per runtime (see [`CURRENT`]).
+    id: u64,
 }
 
 unsafe impl Send for HipRuntime {}
@@ -270,11 +332,57 @@ impl HipRuntime {
             hiprtc,
             dev,
             info,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
 
+    /// Set the device on this thread unless this runtime already did.
     fn cur(&self) -> Result<()> {
-        call!(self, hipSetDevice(self.dev))
+        if CURRENT.with(|c| c.get()) == self.id {
+            return Ok(());
+        }
+        call!(self, hipSetDevice(self.dev))?;
+        CURRENT.with(|c| c.set(self.id));
+        Ok(())
+    }
+
+    fn gapi(&self) -> Result<&GraphApi> {
+        self.api
+            .graph
+            .as_ref()
+            .ok_or_else(|| GpuError::Invalid("this HIP runtime has no graph API".into()))
+    }
+
+    fn launch_slots(&self, f: Function, d: LaunchDims, s: Stream, slots: &[u64]) -> Result<()> {
+        self.cur()?;
+        if slots.len() > MAX_ARGS {
+            return Err(GpuError::Invalid(format!(
+                "{} kernel arguments",
+                slots.len()
+            )));
+        }
+        let mut vals = [0u64; MAX_ARGS];
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        vals[..slots.len()].copy_from_slice(slots);
+        for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()) {
+            *p = v as *mut u64 as *mut c_void;
+        }
+        call!(
+            self,
+            hipModuleLaunchKernel(
+                p(f.0),
+                d.grid[0],
+                d.grid[1],
+                d.grid[2],
+                d.block[0],
+                d.block[1],
+                d.block[2],
+                d.shared_bytes,
+                p(s.0),
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        )
     }
 }
 
@@ -318,29 +426,134 @@ impl Runtime for HipRuntime {
         Ok(Some(Function(f as usize as u64)))
     }
     fn launch(&self, f: Function, d: LaunchDims, s: Stream, args: &[Arg]) -> Result<()> {
-        self.cur()?;
-        let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
-        let mut ptrs: Vec<*mut c_void> = slots
-            .iter_mut()
-            .map(|v| v as *mut u64 as *mut c_void)
-            .collect();
-        call!(
-            self,
-            hipModuleLaunchKernel(
-                p(f.0),
-                d.grid[0],
-                d.grid[1],
-                d.grid[2],
-                d.block[0],
-                d.block[1],
-                d.block[2],
-                d.shared_bytes,
-                p(s.0),
-                ptrs.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        )
+        if args.len() > MAX_ARGS {
+            return Err(GpuError::Invalid(format!(
+                "{} kernel arguments",
+                args.len()
+            )));
+        }
+        let mut slots = [0u64; MAX_ARGS];
+        for (v, a) in slots.iter_mut().zip(args) {
+            *v = a.slot();
+        }
+        self.launch_slots(f, d, s, &slots[..args.len()])
     }
+    fn launch_call(&self, c: &KernelCall, s: Stream) -> Result<()> {
+        self.launch_slots(c.f, c.dims, s, c.args())
+    }
+
+    // Graphs: the same chain-of-kernels scheme as cuda.rs; compiled, never run on AMD.
+    fn graphs_supported(&self) -> bool {
+        self.api.graph.is_some()
+    }
+    fn capture_begin(&self, s: Stream) -> Result<()> {
+        let g = self.gapi()?;
+        self.cur()?;
+        self.api.check("hipStreamBeginCapture", unsafe {
+            (g.hipStreamBeginCapture)(p(s.0), HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        })
+    }
+    fn capture_end(&self, s: Stream) -> Result<GraphExec> {
+        let g = self.gapi()?;
+        self.cur()?;
+        let mut graph: Ptr = std::ptr::null_mut();
+        self.api.check("hipStreamEndCapture", unsafe {
+            (g.hipStreamEndCapture)(p(s.0), &mut graph)
+        })?;
+        let destroy = |e: GpuError| {
+            unsafe { (g.hipGraphDestroy)(graph) };
+            e
+        };
+        let mut total = 0usize;
+        self.api
+            .check("hipGraphGetNodes", unsafe {
+                (g.hipGraphGetNodes)(graph, std::ptr::null_mut(), &mut total)
+            })
+            .map_err(destroy)?;
+        let mut nodes: Vec<u64> = Vec::with_capacity(total);
+        let mut next: Ptr = std::ptr::null_mut();
+        let mut cnt = 1usize;
+        self.api
+            .check("hipGraphGetRootNodes", unsafe {
+                (g.hipGraphGetRootNodes)(graph, &mut next, &mut cnt)
+            })
+            .map_err(destroy)?;
+        let mut have = cnt;
+        while have == 1 && nodes.len() < total {
+            let mut ty = -1;
+            self.api
+                .check("hipGraphNodeGetType", unsafe {
+                    (g.hipGraphNodeGetType)(next, &mut ty)
+                })
+                .map_err(destroy)?;
+            if ty != HIP_GRAPH_NODE_TYPE_KERNEL {
+                break;
+            }
+            nodes.push(next as usize as u64);
+            let cur = next;
+            let mut c = 1usize;
+            self.api
+                .check("hipGraphNodeGetDependentNodes", unsafe {
+                    (g.hipGraphNodeGetDependentNodes)(cur, &mut next, &mut c)
+                })
+                .map_err(destroy)?;
+            have = c;
+        }
+        if nodes.len() != total || have != 0 {
+            return Err(destroy(GpuError::Invalid(format!(
+                "captured graph is not a chain of {total} kernel nodes"
+            ))));
+        }
+        let mut exec: Ptr = std::ptr::null_mut();
+        self.api
+            .check("hipGraphInstantiateWithFlags", unsafe {
+                (g.hipGraphInstantiateWithFlags)(&mut exec, graph, 0)
+            })
+            .map_err(destroy)?;
+        Ok(GraphExec {
+            exec: exec as usize as u64,
+            graph: graph as usize as u64,
+            nodes,
+        })
+    }
+    fn graph_set(&self, ge: &GraphExec, i: usize, c: &KernelCall) -> Result<()> {
+        let g = self.gapi()?;
+        self.cur()?;
+        let mut vals = c.slots;
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()) {
+            *p = v as *mut u64 as *mut c_void;
+        }
+        let prm = KernelNodeParams {
+            block: c.dims.block,
+            extra: std::ptr::null_mut(),
+            func: p(c.f.0),
+            grid: c.dims.grid,
+            params: ptrs.as_mut_ptr(),
+            shared: c.dims.shared_bytes,
+        };
+        self.api.check("hipGraphExecKernelNodeSetParams", unsafe {
+            (g.hipGraphExecKernelNodeSetParams)(p(ge.exec), p(ge.nodes[i]), &prm)
+        })
+    }
+    fn graph_launch(&self, ge: &GraphExec, s: Stream) -> Result<()> {
+        let g = self.gapi()?;
+        self.cur()?;
+        self.api.check("hipGraphLaunch", unsafe {
+            (g.hipGraphLaunch)(p(ge.exec), p(s.0))
+        })
+    }
+    fn graph_destroy(&self, ge: &GraphExec) {
+        if let Ok(g) = self.gapi() {
+            if self.cur().is_ok() {
+                unsafe {
+                    (g.hipGraphExecDestroy)(p(ge.exec));
+                    (g.hipGraphDestroy)(p(ge.graph));
+                }
+            }
+        }
+    }
+
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {
         self.cur()?;
         let mut d: Ptr = std::ptr::null_mut();

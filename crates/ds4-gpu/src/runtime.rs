@@ -117,6 +117,51 @@ impl LaunchDims {
     }
 }
 
+/// Most arguments a [`KernelCall`] holds (the widest kernel takes 17).
+pub const MAX_ARGS: usize = 24;
+
+/// One launch as plain data: the kernel, its shape and its argument slots (each argument in an
+/// 8-byte slot, see [`Arg`]). What the graph recorder stores and compares between steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelCall {
+    pub f: Function,
+    pub dims: LaunchDims,
+    pub n: u8,
+    pub slots: [u64; MAX_ARGS],
+}
+
+impl KernelCall {
+    /// None when `args` has more than [`MAX_ARGS`] entries.
+    pub fn new(f: Function, dims: LaunchDims, args: &[Arg]) -> Option<KernelCall> {
+        if args.len() > MAX_ARGS {
+            return None;
+        }
+        let mut slots = [0u64; MAX_ARGS];
+        for (s, a) in slots.iter_mut().zip(args) {
+            *s = a.slot();
+        }
+        Some(KernelCall {
+            f,
+            dims,
+            n: args.len() as u8,
+            slots,
+        })
+    }
+    pub fn args(&self) -> &[u64] {
+        &self.slots[..self.n as usize]
+    }
+}
+
+/// An instantiated graph: driver handles of the executable and of the graph it came from
+/// (kept alive: its node handles address the executable's nodes), and its kernel nodes in
+/// capture order.
+#[derive(Debug)]
+pub struct GraphExec {
+    pub exec: u64,
+    pub graph: u64,
+    pub nodes: Vec<u64>,
+}
+
 /// The vendor runtime: device info, code loading, launches, memory, streams and events.
 pub trait Runtime: Send + Sync {
     fn info(&self) -> &DeviceInfo;
@@ -130,6 +175,41 @@ pub trait Runtime: Send + Sync {
     /// Look up an `extern "C"` kernel; `None` when the module has no such symbol.
     fn function(&self, m: ModuleHandle, name: &str) -> Result<Option<Function>>;
     fn launch(&self, f: Function, dims: LaunchDims, stream: Stream, args: &[Arg]) -> Result<()>;
+    /// [`Runtime::launch`] of a recorded call.
+    fn launch_call(&self, c: &KernelCall, stream: Stream) -> Result<()>;
+
+    /// Whether the graph calls below work here (driver entry points present).
+    fn graphs_supported(&self) -> bool {
+        false
+    }
+    /// Start capturing the work queued on `s` (a created stream, not [`Stream::DEFAULT`]) into
+    /// a graph instead of running it (capture mode: this thread only).
+    fn capture_begin(&self, _s: Stream) -> Result<()> {
+        Err(crate::error::GpuError::Invalid(
+            "graphs are not supported here".into(),
+        ))
+    }
+    /// End the capture on `s`, instantiate it, and list its nodes in order (the capture must
+    /// be a chain of kernel nodes: one stream, kernels only).
+    fn capture_end(&self, _s: Stream) -> Result<GraphExec> {
+        Err(crate::error::GpuError::Invalid(
+            "graphs are not supported here".into(),
+        ))
+    }
+    /// Replace node `i`'s kernel, shape and arguments in the executable graph (later launches
+    /// see them; launches already queued do not).
+    fn graph_set(&self, _g: &GraphExec, _i: usize, _c: &KernelCall) -> Result<()> {
+        Err(crate::error::GpuError::Invalid(
+            "graphs are not supported here".into(),
+        ))
+    }
+    /// Queue one run of the graph on `s`.
+    fn graph_launch(&self, _g: &GraphExec, _s: Stream) -> Result<()> {
+        Err(crate::error::GpuError::Invalid(
+            "graphs are not supported here".into(),
+        ))
+    }
+    fn graph_destroy(&self, _g: &GraphExec) {}
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr>;
     fn free(&self, p: DevPtr) -> Result<()>;

@@ -100,3 +100,16 @@ DS4_KERNEL void DS4_BOUNDS(256) swiglu_f32(const float* __restrict__ g, const fl
     float silu = gv * (1.0f / (1.0f + expf(-gv)));
     y[i] = silu * uv * weight;
 }
+
+// dst[i] = src[i] over n 32-bit words, grid-stride (device copies inside a recorded step, so
+// that every node of its graph is a kernel node).
+DS4_KERNEL void DS4_BOUNDS(256) copy_u32(unsigned int* __restrict__ dst, const unsigned int* __restrict__ src, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+// dst[i] = v over n 32-bit words, grid-stride (fills inside a recorded step).
+DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigned int v, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = v;
+}

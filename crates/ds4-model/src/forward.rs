@@ -510,6 +510,8 @@ impl<B: Backend> Model<B> {
         }
         let t0 = st.tokens.len();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        // Decode steps may run as one device graph (ends at the logits' download).
+        b.graph_begin(n);
         let tok = b.upload_i32(&ids);
         let mut x = b.alloc(n * w);
         b.embed(&self.embd, &tok, n, hc.n, hc.d, &mut x);
@@ -528,6 +530,7 @@ impl<B: Backend> Model<B> {
         } else {
             Vec::new()
         };
+        b.graph_end();
         b.check()?;
         Ok((logits, streams))
     }

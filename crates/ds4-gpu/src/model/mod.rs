@@ -22,15 +22,33 @@ pub mod synth;
 
 use crate::error::Result;
 pub(crate) use crate::gpu::type_suffix;
-use crate::gpu::{DeviceBuffer, Gpu};
-use crate::runtime::{Arg, DevPtr, LaunchDims, Runtime, Stream};
+use crate::gpu::{DeviceBuffer, Gpu, GraphStats, StepGraphs};
+use crate::runtime::{Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream};
 use ds4_backend::rope::RopeTables;
 use ds4_backend::{
     AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
     IndexSpec, LayerDims, MoeSpec, Part, RopeKind, RowRounding, WeightSrc, Which,
 };
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// Most tokens per step recorded as a graph (decode and short verify batches; prefill chunks
+/// are long enough that launches cost little).
+const GRAPH_MAX_N: usize = 4;
+
+/// Graph replay of decode steps (`DS4_GPU_GRAPH=off` disables): between
+/// [`Backend::graph_begin`] and the first host read (or [`Backend::graph_end`]) launches are
+/// recorded instead of issued, then run as one graph ([`StepGraphs`]). The schedule still runs
+/// on the host every step, so host bookkeeping (row counts, ring positions) is unchanged; only
+/// the driver calls are batched. Anything else that touches memory outside the stream
+/// (uploads, allocations that free, snapshots, marks) first runs what was recorded.
+#[derive(Default)]
+struct GraphState {
+    enabled: bool,
+    calls: Vec<KernelCall>,
+    graphs: StepGraphs,
+}
 
 /// Device memory for activations, reused by size class (powers of two from 256 bytes). All
 /// work runs on one stream, so a block freed by a dropped buffer is safe to hand out again:
@@ -74,6 +92,15 @@ impl Pool {
                 .entry(Self::class(bytes))
                 .or_default()
                 .push(p);
+        }
+    }
+
+    /// Put every free list in address order (lowest handed out first). Called at the start of
+    /// a recorded step: the same schedule then gets the same addresses every step, so a graph
+    /// replays with few updates (drop order would otherwise permute the lists).
+    fn canonical(&self) {
+        for v in self.free.lock().unwrap().values_mut() {
+            v.sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
         }
     }
 
@@ -192,12 +219,23 @@ pub struct GpuBackend {
     poison: bool,
     /// `DS4_GPU_PROFILE=1`: per-op device time (prof.rs).
     prof: Option<prof::Prof>,
+    /// Launches are being recorded (see [`GraphState`]).
+    recording: AtomicBool,
+    graph: Mutex<GraphState>,
 }
 
 impl Drop for GpuBackend {
     fn drop(&mut self) {
+        self.flush(false);
         self.prof_collect();
         self.prof_report();
+        let _ = self.gpu.synchronize();
+        let rt = self.gpu.runtime().clone();
+        let mut g = self.graph.lock().unwrap();
+        if std::env::var("DS4_GPU_GRAPH_STATS").is_ok_and(|v| v == "1") {
+            eprintln!("# GPU graphs (DS4_GPU_GRAPH_STATS=1): {:?}", g.graphs.stats);
+        }
+        g.graphs.clear(rt.as_ref());
     }
 }
 
@@ -254,7 +292,92 @@ impl GpuBackend {
             prof: std::env::var("DS4_GPU_PROFILE")
                 .is_ok_and(|v| v == "1")
                 .then(prof::Prof::default),
+            recording: AtomicBool::new(false),
+            graph: Mutex::new(GraphState {
+                enabled: !std::env::var("DS4_GPU_GRAPH").is_ok_and(|v| v == "off" || v == "0"),
+                ..GraphState::default()
+            }),
         })
+    }
+
+    /// Turn graph replay of decode steps on or off for this backend (default on unless
+    /// `DS4_GPU_GRAPH=off`; profiling turns it off).
+    pub fn set_graph(&self, on: bool) {
+        self.flush(false);
+        self.graph.lock().unwrap().enabled = on;
+    }
+
+    /// Whether decode steps run as graphs.
+    pub fn graph_on(&self) -> bool {
+        self.prof.is_none()
+            && self.graph.lock().unwrap().enabled
+            && self.gpu.runtime().graphs_supported()
+    }
+
+    /// Counts of graph captures, replays and node updates so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graph.lock().unwrap().graphs.stats
+    }
+
+    /// Stop recording and run what was recorded: as a graph (`as_graph`, the end of a step),
+    /// or launch by launch (the step was interrupted by something outside the stream).
+    pub(crate) fn flush(&self, as_graph: bool) {
+        if !self.recording.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let mut g = self.graph.lock().unwrap();
+        let calls = std::mem::take(&mut g.calls);
+        if calls.is_empty() || self.failed() {
+            return;
+        }
+        let rt = self.gpu.runtime().clone();
+        if as_graph {
+            match g.graphs.run(rt.as_ref(), &calls, self.stream) {
+                Ok(()) => {
+                    g.calls = calls; // keep the allocation
+                    g.calls.clear();
+                    return;
+                }
+                Err(e) => {
+                    eprintln!("ds4: GPU graph replay turned off: {e}");
+                    g.enabled = false;
+                }
+            }
+        }
+        g.graphs.stats.eager += 1;
+        g.graphs.stats.calls += calls.len() as u64;
+        drop(g);
+        for c in &calls {
+            if let Err(e) = rt.launch_call(c, self.stream) {
+                self.note::<()>(Err(e));
+                break;
+            }
+        }
+    }
+
+    /// Before an action outside the stream: run what was recorded so far, launch by launch,
+    /// and stop recording this step (nothing recorded yet: keep recording).
+    pub(crate) fn interrupt(&self) {
+        if self.recording.load(Ordering::Acquire) && !self.graph.lock().unwrap().calls.is_empty() {
+            self.flush(false);
+        }
+    }
+
+    /// Record `f` (true) when recording, else false (launch it now).
+    fn record(&self, f: crate::runtime::Function, dims: LaunchDims, args: &[Arg]) -> bool {
+        if !self.recording.load(Ordering::Acquire) {
+            return false;
+        }
+        match KernelCall::new(f, dims, args) {
+            Some(c) => {
+                self.graph.lock().unwrap().calls.push(c);
+                true
+            }
+            None => {
+                self.flush(false);
+                false
+            }
+        }
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -301,7 +424,8 @@ impl GpuBackend {
         }
     }
 
-    /// Launch kernel `name` of `module` on the backend's stream.
+    /// Launch kernel `name` of `module` on the backend's stream (or record it, see
+    /// [`GraphState`]).
     pub(crate) fn launch(
         &self,
         module: &ds4_kernels::Module,
@@ -310,6 +434,9 @@ impl GpuBackend {
         args: &[Arg],
     ) -> Result<()> {
         let f = self.gpu.kernel(module, name)?;
+        if self.record(f, dims, args) {
+            return Ok(());
+        }
         self.gpu.runtime().launch(f, dims, self.stream, args)
     }
 
@@ -327,12 +454,35 @@ impl GpuBackend {
         }
     }
 
+    /// `n` 32-bit words as a kernel launch (copy_u32 / fill_u32) while recording, so that
+    /// every node of a step's graph is a kernel node the replay can update.
+    fn words_kernel(&self, name: &str, args: &[Arg], n: usize) -> bool {
+        if !self.recording.load(Ordering::Acquire) {
+            return false;
+        }
+        let blocks = n.div_ceil(256).min(65535) as u32; // grid-stride loop in the kernel
+        self.run(
+            &ds4_kernels::ELEMENTWISE,
+            name,
+            LaunchDims::linear(blocks.max(1), 256),
+            args,
+        );
+        true
+    }
+
     pub(crate) fn warp(&self) -> u32 {
         self.gpu.info().warp
     }
 
     fn zero(&self, p: DevPtr, words: usize) {
         if words > 0 && p.0 != 0 {
+            if self.words_kernel(
+                "fill_u32",
+                &[Arg::Ptr(p), Arg::U32(0), Arg::I64(words as i64)],
+                words,
+            ) {
+                return;
+            }
             let r = self
                 .gpu
                 .runtime()
@@ -343,6 +493,13 @@ impl GpuBackend {
 
     fn fill(&self, p: DevPtr, value: u32, words: usize) {
         if words > 0 {
+            if self.words_kernel(
+                "fill_u32",
+                &[Arg::Ptr(p), Arg::U32(value), Arg::I64(words as i64)],
+                words,
+            ) {
+                return;
+            }
             let r = self
                 .gpu
                 .runtime()
@@ -353,6 +510,16 @@ impl GpuBackend {
 
     pub(crate) fn d2d(&self, dst: DevPtr, src: DevPtr, bytes: usize) {
         if bytes > 0 && !self.failed() {
+            if bytes.is_multiple_of(4)
+                && self.words_kernel(
+                    "copy_u32",
+                    &[Arg::Ptr(dst), Arg::Ptr(src), Arg::I64((bytes / 4) as i64)],
+                    bytes / 4,
+                )
+            {
+                return;
+            }
+            self.interrupt();
             let r = self
                 .gpu
                 .runtime()
@@ -366,10 +533,12 @@ impl GpuBackend {
     }
 
     fn upload_bytes(&self, data: &[u8]) -> Option<DeviceBuffer> {
+        self.interrupt();
         self.note(self.gpu.alloc_from(data))
     }
 
     fn download_bytes(&self, p: DevPtr, bytes: usize) -> Vec<u8> {
+        self.flush(true); // a host read ends a recorded step
         let mut out = vec![0u8; bytes];
         if bytes > 0 && !self.failed() {
             let r = self.gpu.download(p, &mut out);
@@ -400,6 +569,8 @@ impl GpuBackend {
         if rows <= c.cap {
             return;
         }
+        // The old rows are freed below: what was recorded must run first.
+        self.interrupt();
         let cap = rows.next_power_of_two();
         if let Some(nb) = self.dev(cap * c.dims.d * 4) {
             self.d2d(nb.ptr(), c.rows.ptr(), c.n_rows * c.dims.d * 4);
@@ -409,6 +580,7 @@ impl GpuBackend {
     }
 
     fn upload_comp(&self, c: &CompDims, h: &HostCompState) -> Option<GpuComp> {
+        self.interrupt();
         let n_rows = h.rows.len() / c.d;
         let mut g = self.new_comp(c)?;
         self.reserve_rows(&mut g, n_rows);
@@ -465,7 +637,26 @@ impl Backend for GpuBackend {
         gemm::prefill_chunk()
     }
 
+    fn graph_begin(&self, n: usize) {
+        if n == 0 || n > GRAPH_MAX_N || self.prof.is_some() || self.failed() {
+            return;
+        }
+        self.flush(true);
+        let mut g = self.graph.lock().unwrap();
+        if !g.enabled || !self.gpu.runtime().graphs_supported() {
+            return;
+        }
+        g.calls.clear();
+        self.pool.canonical();
+        self.recording.store(true, Ordering::Release);
+    }
+
+    fn graph_end(&self) {
+        self.flush(true);
+    }
+
     fn check(&self) -> std::result::Result<(), String> {
+        self.flush(true);
         self.prof_collect();
         match self.err.lock().unwrap().take() {
             Some(e) => Err(e),
@@ -511,6 +702,7 @@ impl Backend for GpuBackend {
         fill: ds4_backend::Fill,
         seed: u64,
     ) -> std::result::Result<GpuWeight, String> {
+        self.interrupt();
         self.op_random(kind, ty, dims, fill, seed)
     }
 
@@ -536,6 +728,7 @@ impl Backend for GpuBackend {
     }
 
     fn upload(&self, data: &[f32]) -> GpuBuf {
+        self.interrupt();
         let b = self.scratch(data.len());
         if b.ptr.0 != 0 {
             self.note(self.gpu.upload(b.ptr, f32_bytes(data)));
@@ -544,6 +737,7 @@ impl Backend for GpuBackend {
     }
 
     fn upload_i32(&self, data: &[i32]) -> GpuIBuf {
+        self.interrupt();
         let b = self.scratch(data.len());
         if b.ptr.0 != 0 {
             let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -579,6 +773,7 @@ impl Backend for GpuBackend {
     }
 
     fn new_layer_state(&self, dims: &LayerDims) -> GpuLayerState {
+        self.interrupt();
         let w = dims.window;
         let raw = self.dev(w * dims.head_dim * 4);
         let raw_pos = self.dev(w * 4);
@@ -597,6 +792,7 @@ impl Backend for GpuBackend {
     }
 
     fn state_to_host(&self, st: &GpuLayerState) -> HostLayerState {
+        self.interrupt();
         let d = &st.dims;
         let raw = self
             .download_bytes(st.raw.ptr(), d.window * d.head_dim * 4)
@@ -617,6 +813,7 @@ impl Backend for GpuBackend {
     }
 
     fn state_from_host(&self, dims: &LayerDims, h: &HostLayerState) -> GpuLayerState {
+        self.interrupt();
         let st = self.new_layer_state(dims);
         self.note(self.gpu.upload(st.raw.ptr(), f32_bytes(&h.raw)));
         let pos: Vec<u8> = h
@@ -639,6 +836,7 @@ impl Backend for GpuBackend {
     }
 
     fn mark(&self, st: &GpuLayerState) -> GpuMark {
+        self.interrupt();
         let nb = |b: Option<DeviceBuffer>| b.unwrap_or_else(|| DeviceBuffer::null(&self.gpu));
         let comps = [&st.comp, &st.index]
             .iter()
@@ -659,6 +857,7 @@ impl Backend for GpuBackend {
     }
 
     fn rollback(&self, st: &mut GpuLayerState, m: GpuMark) {
+        self.interrupt();
         self.d2d(st.raw.ptr(), m.raw.ptr(), st.raw.bytes());
         self.d2d(st.raw_pos.ptr(), m.raw_pos.ptr(), st.raw_pos.bytes());
         let mut comps = m.comps.into_iter();
