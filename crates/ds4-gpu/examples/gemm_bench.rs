@@ -1,9 +1,9 @@
-//! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) at n = 128 token rows,
-//! as TFLOP/s (2·n·rows·cols per product) and GB/s of weight bytes, per type and model shape.
-//! form: tc = bf16 tensor cores (default), tf32 = 3xTF32 tensor cores, fma = portable kernels,
-//! old = general matmul.rs kernels.
+//! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) at n = 128, 512, 2048
+//! token rows, as TFLOP/s (2·n·rows·cols per product) and GB/s of weight bytes, per type (n = 2048)
+//! and model shape (full-size routed experts included).
+//! form: tc = bf16 tensor cores (default), tf32 = 3xTF32 tensor cores, fma = portable kernels.
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
-//! Ends with an estimate of prefill tokens/s from the products of one layer × 43 layers
+//! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
 
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part, WeightSrc};
@@ -77,7 +77,6 @@ const FORMS: &[(&str, bool, bool, bool)] = &[
     ("tc", true, false, false),
     ("tf32", true, false, true),
     ("fma", true, true, false),
-    ("old", false, false, false),
 ];
 
 fn set_form(on: bool, fma: bool, tf32: bool) {
@@ -106,7 +105,6 @@ fn main() {
     );
     let gpu = GpuBackend::new(g, &rope_tables(&HParams::tiny())).expect("backend");
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
-    let n = 128;
     let line = |what: &str, flops: f64, bytes: f64, s: f64| {
         println!(
             "{what:56} {:9.1} us {:7.2} TFLOP/s {:8.1} GB/s",
@@ -116,6 +114,7 @@ fn main() {
         );
     };
 
+    let n = 2048;
     println!("-- per type, 4096 -> 16384, n = {n} --");
     for ty in [
         GgmlType::F32,
@@ -136,53 +135,16 @@ fn main() {
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(n * rows);
         for &(form, on, fma, tf32) in FORMS {
-            // The general kernels take ~9 ms here: a few calls suffice.
-            let r = if on { reps } else { 3 };
             set_form(on, fma, tf32);
-            let s = time(&gpu, &x, r, || gpu.matmul(&w, Part::All, &x, n, &mut y));
+            let s = time(&gpu, &x, reps.min(5), || {
+                gpu.matmul(&w, Part::All, &x, n, &mut y)
+            });
             line(&format!("{ty:?} {cols}->{rows} {form}"), flops, bytes, s);
         }
     }
     GpuBackend::set_gemm(true, false);
 
-    println!("-- model shapes (q2 mix), n = {n}, tensor cores --");
-    let mut layer_s = 0.0;
-    for (name, ty, cols, rows, groups, per_layer) in [
-        ("attn q_a", GgmlType::Q8_0, 4096, 1024, 1, 1),
-        ("attn q_b", GgmlType::Q8_0, 1024, 32768, 1, 1),
-        ("attn kv", GgmlType::Q8_0, 4096, 512, 1, 1),
-        ("attn out_a (8 groups)", GgmlType::Q8_0, 4096, 8192, 8, 1),
-        ("attn out_b", GgmlType::Q8_0, 8192, 4096, 1, 1),
-        ("shared expert gate/up", GgmlType::Q8_0, 4096, 2048, 1, 2),
-        ("shared expert down", GgmlType::Q8_0, 2048, 4096, 1, 1),
-    ] {
-        let f = weight_file(ty, cols, rows, 1);
-        let w = bind(&gpu, &f);
-        drop(f);
-        let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;
-        let flops = 2.0 * (n * rows * cols) as f64;
-        let x: Vec<f32> = (0..n * cols * groups)
-            .map(|_| rng.gen_range(-1.0..1.0))
-            .collect();
-        let x = gpu.upload(&x);
-        let mut y = gpu.alloc(n * rows);
-        let s = if groups > 1 {
-            time(&gpu, &x, reps, || {
-                gpu.matmul_grouped(&w, groups, &x, n, &mut y)
-            })
-        } else {
-            time(&gpu, &x, reps, || gpu.matmul(&w, Part::All, &x, n, &mut y))
-        };
-        layer_s += s * per_layer as f64;
-        line(
-            &format!("{name} {ty:?} {}->{rows}", cols * groups),
-            flops,
-            bytes,
-            s,
-        );
-    }
-
-    println!("-- routed experts: 256 experts, 6 used, D 4096, ff 2048, n = {n} --");
+    // Routed experts at full size (weights shared by every n).
     let (d, ff, ne, k) = (4096usize, 2048usize, 256usize, 6usize);
     let fg = weight_file(GgmlType::IQ2_XXS, d, ff, ne);
     let wg = bind(&gpu, &fg);
@@ -203,45 +165,80 @@ fn main() {
         weight_scale: 1.0,
         clamp: 10.0,
     };
-    let mut sel = Vec::new();
-    for _ in 0..n {
-        let mut e: Vec<i32> = (0..ne as i32).collect();
-        for i in 0..k {
-            let j = rng.gen_range(i..ne);
-            e.swap(i, j);
-        }
-        sel.extend_from_slice(&e[..k]);
+    let shapes = [
+        ("attn q_a", GgmlType::Q8_0, 4096, 1024, 1, 1),
+        ("attn q_b", GgmlType::Q8_0, 1024, 32768, 1, 1),
+        ("attn kv", GgmlType::Q8_0, 4096, 512, 1, 1),
+        ("attn out_a (8 groups)", GgmlType::Q8_0, 4096, 8192, 8, 1),
+        ("attn out_b", GgmlType::Q8_0, 8192, 4096, 1, 1),
+        ("shared expert gate/up", GgmlType::Q8_0, 4096, 2048, 1, 2),
+        ("shared expert down", GgmlType::Q8_0, 2048, 4096, 1, 1),
+    ];
+    let mut ws = Vec::new();
+    for &(_, ty, cols, rows, _, _) in &shapes {
+        let f = weight_file(ty, cols, rows, 1);
+        ws.push(bind(&gpu, &f));
     }
-    let mut distinct = sel.clone();
-    distinct.sort();
-    distinct.dedup();
-    let z: Vec<f32> = (0..n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let wgt: Vec<f32> = (0..n * k).map(|_| rng.gen_range(0.0..0.3)).collect();
-    let (z, s_, wgt) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
-    let mut out = gpu.alloc(n * d);
-    let flops = 2.0 * (n * k * 3 * d * ff) as f64;
-    for &(form, on, fma, tf32) in FORMS {
-        set_form(on, fma, tf32);
+
+    for n in [128usize, 512, 2048] {
+        println!("-- model shapes (q2 mix), n = {n}, bf16 tensor cores --");
+        let mut layer_s = 0.0;
+        for (&(name, ty, cols, rows, groups, per_layer), w) in shapes.iter().zip(&ws) {
+            let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;
+            let flops = 2.0 * (n * rows * cols) as f64;
+            let x: Vec<f32> = (0..n * cols * groups)
+                .map(|_| rng.gen_range(-1.0..1.0))
+                .collect();
+            let x = gpu.upload(&x);
+            let mut y = gpu.alloc(n * rows);
+            let s = if groups > 1 {
+                time(&gpu, &x, reps, || gpu.matmul_grouped(w, groups, &x, n, &mut y))
+            } else {
+                time(&gpu, &x, reps, || gpu.matmul(w, Part::All, &x, n, &mut y))
+            };
+            layer_s += s * per_layer as f64;
+            line(
+                &format!("{name} {ty:?} {}->{rows}", cols * groups),
+                flops,
+                bytes,
+                s,
+            );
+        }
+        // Routed experts: uniform random distinct choices per token.
+        let mut sel = Vec::new();
+        for _ in 0..n {
+            let mut e: Vec<i32> = (0..ne as i32).collect();
+            for i in 0..k {
+                let j = rng.gen_range(i..ne);
+                e.swap(i, j);
+            }
+            sel.extend_from_slice(&e[..k]);
+        }
+        let mut distinct = sel.clone();
+        distinct.sort();
+        distinct.dedup();
+        let z: Vec<f32> = (0..n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let wgt: Vec<f32> = (0..n * k).map(|_| rng.gen_range(0.0..0.3)).collect();
+        let (z, s_, wgt) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
+        let mut out = gpu.alloc(n * d);
+        let flops = 2.0 * (n * k * 3 * d * ff) as f64;
         let s = time(&gpu, &z, reps.min(10), || {
             gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &s_, &wgt, n, &mut out)
         });
-        if form == "tc" {
-            layer_s += s;
-        }
+        layer_s += s;
         line(
             &format!(
-                "moe q2 IQ2_XXS/Q2_K ({} distinct experts) {form}",
+                "moe q2 IQ2_XXS/Q2_K 256x6, n={n} ({} distinct experts)",
                 distinct.len()
             ),
             flops,
             slab * distinct.len() as f64,
             s,
         );
+        println!(
+            "one layer's products at n = {n}: {:.1} us; x 43 layers: {:.0} tok/s (products only)",
+            layer_s * 1e6,
+            n as f64 / (43.0 * layer_s)
+        );
     }
-    GpuBackend::set_gemm(true, false);
-    println!(
-        "one layer's products at n = {n}: {:.1} us; x 43 layers: {:.0} tok/s (products only)",
-        layer_s * 1e6,
-        n as f64 / (43.0 * layer_s)
-    );
 }

@@ -1,6 +1,7 @@
 //! Prefill GEMM (gemm.rs / gpu/gemm.cu) against the CPU reference: every weight type,
 //! n ∈ {5, 16, 33, 128, 300}, Part::All and Part::Expert, grouped products, real model shapes
-//! (Q8_0 4096→1024, 8 groups of 4096→1024), and routed experts with 128 tokens × 6 slots.
+//! (Q8_0 4096→1024, 8 groups of 4096→1024), routed experts with 128 tokens × 6 slots, the O(n)
+//! pair grouping (12288 skewed pairs) against a stable sort, and n = 2048 dense and MoE products.
 //! Each case runs in three kernel forms (form 0: bf16 tensor cores where compiled, 1: portable
 //! FMA, 2: 3xTF32 tensor cores, held to the tensor-core tolerances (measured on the H200 at
 //! 5b38cfb: worst 1.4e-3 with Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
@@ -245,6 +246,158 @@ fn gemm_moe_128_tokens_6_slots() {
                 );
             }
         }
+    }
+    cases.finish();
+}
+
+/// The O(n) device grouping (gm_group_*_i32) against a stable sort by expert, far past the old
+/// 4096-pair cap: 2048 tokens × 6 slots, skewed (expert 3 takes ~70 % of the pairs, a few
+/// out-of-range choices clamp), runs cut at 64 and at 7.
+#[test]
+fn gemm_group_pairs_skewed() {
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut bad = Vec::new();
+    for (pairs, ne, nt, seed) in [(2048 * 6, 256, 64, 1u64), (12345, 16, 7, 2), (5, 256, 64, 3)] {
+        let mut r = rng(seed);
+        let sel: Vec<i32> = (0..pairs)
+            .map(|_| match r.gen_range(0..100) {
+                0..=69 => 3,
+                70 => -1,
+                71 => ne as i32 + 5,
+                _ => r.gen_range(0..ne as i32),
+            })
+            .collect();
+        let gs = gpu.upload_i32(&sel);
+        let got = gpu.gemm_group_pairs(&gs, pairs, ne, nt);
+        if let Err(e) = gpu.check() {
+            bad.push(format!("pairs={pairs}: GPU error {e}"));
+            continue;
+        }
+        // Reference: stable sort of pair indices by clamped expert; runs cut every nt.
+        let ex = |p: usize| sel[p].clamp(0, ne as i32 - 1);
+        let mut perm: Vec<usize> = (0..pairs).collect();
+        perm.sort_by_key(|&p| ex(p));
+        let mut starts = Vec::new();
+        let mut i = 0;
+        while i < pairs {
+            let e = ex(perm[i]);
+            let mut j = i;
+            while j < pairs && ex(perm[j]) == e {
+                if (j - i) % nt == 0 {
+                    starts.push(j as i32);
+                }
+                j += 1;
+            }
+            i = j;
+        }
+        let gmax = pairs.div_ceil(nt) + ne.min(pairs);
+        let ok_n = got[0] as usize == starts.len();
+        let ok_s = got[1..1 + starts.len()] == starts[..];
+        let ok_p = got[1 + gmax..]
+            .iter()
+            .zip(&perm)
+            .all(|(&g, &p)| g as usize == p);
+        println!(
+            "group pairs={pairs} experts={ne} nt={nt}: groups {} (want {}), starts {ok_s}, perm {ok_p}",
+            got[0],
+            starts.len()
+        );
+        if !(ok_n && ok_s && ok_p) {
+            bad.push(format!("pairs={pairs} ne={ne} nt={nt}"));
+        }
+    }
+    assert!(bad.is_empty(), "grouping mismatches: {bad:?}");
+}
+
+/// Prefill-sized products: dense n = 2048 (Q8_0 4096→512, BF16 1024→512) and the routed
+/// experts at 2048 tokens × 6 slots (12288 pairs, skewed toward one expert), bf16 tensor-core
+/// and FMA forms.
+#[test]
+fn gemm_big_n() {
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    let n = 2048;
+    // Dense: CPU reference once, then each form.
+    for (i, &(ty, cols, rows)) in [(GgmlType::Q8_0, 4096, 512), (GgmlType::BF16, 1024, 512)]
+        .iter()
+        .enumerate()
+    {
+        let (cw, gw) = weight(&cpu, &gpu, ty, cols, rows, 1, 900 + i as u64);
+        let x = randn(&mut rng(901 + i as u64), n * cols, 1.0);
+        let (cx, gx) = (cpu.upload(&x), gpu.upload(&x));
+        let mut cy = cpu.alloc(n * rows);
+        cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
+        let want = cpu.download(&cy, n * rows);
+        for form in 0..2 {
+            set_form(form);
+            let mut gy = gpu.alloc(n * rows);
+            let l0 = GpuBackend::gemm_launches();
+            gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
+            let launched = GpuBackend::gemm_launches() > l0;
+            cases.check(
+                format!("matmul {ty:?} {cols}x{rows} n={n} form={form}"),
+                form,
+                launched,
+                &gpu.download(&gy, n * rows),
+                &want,
+                &gpu,
+            );
+        }
+    }
+    let spec = MoeSpec {
+        n_expert: 16,
+        n_used: 6,
+        d: 512,
+        ff: 256,
+        weight_scale: 1.0,
+        clamp: 0.05,
+    };
+    let (tg, tu, td) = (GgmlType::IQ2_XXS, GgmlType::IQ2_XXS, GgmlType::Q2_K);
+    let (cg, gg) = weight(&cpu, &gpu, tg, spec.d, spec.ff, spec.n_expert, 950);
+    let (cu, gu) = weight(&cpu, &gpu, tu, spec.d, spec.ff, spec.n_expert, 951);
+    let (cd, gd) = weight(&cpu, &gpu, td, spec.ff, spec.d, spec.n_expert, 952);
+    let mut r = rng(953);
+    let z = randn(&mut r, n * spec.d, 1.0);
+    // Distinct experts per token; expert 5 in slot 0 of ~3/4 of the tokens.
+    let mut sel = Vec::new();
+    for _ in 0..n {
+        let mut e: Vec<i32> = (0..spec.n_expert as i32).collect();
+        if r.gen_range(0..4) != 0 {
+            e.swap(0, 5);
+        }
+        let first = usize::from(e[0] == 5);
+        for i in first..spec.n_used {
+            let j = r.gen_range(i..e.len());
+            e.swap(i, j);
+        }
+        sel.extend_from_slice(&e[..spec.n_used]);
+    }
+    let wgt: Vec<f32> = (0..n * spec.n_used)
+        .map(|_| r.gen_range(0.1..1.0))
+        .collect();
+    let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
+    let mut co = cpu.alloc(n * spec.d);
+    cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
+    let want = cpu.download(&co, n * spec.d);
+    let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
+    for form in 0..2 {
+        set_form(form);
+        let mut go = gpu.alloc(n * spec.d);
+        let l0 = GpuBackend::gemm_launches();
+        gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
+        let launched = GpuBackend::gemm_launches() > l0;
+        cases.check(
+            format!("moe {tg:?}/{tu:?}/{td:?} n={n} k=6 skewed form={form}"),
+            form,
+            launched,
+            &gpu.download(&go, n * spec.d),
+            &want,
+            &gpu,
+        );
     }
     cases.finish();
 }

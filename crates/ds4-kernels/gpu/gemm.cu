@@ -2,9 +2,12 @@
 //   Y[item, r] = W[r] · X[item]   for items (token rows, or (token, slot) pairs of one expert),
 // W rows dequantised chunk by chunk (dequant.cuh) into shared memory.
 //
-// CTA: 128 threads, tile GM_BM = 32 items × GM_BN = 128 weight rows, K step = one 32-element chunk.
-// Thread t dequantises chunk c of tile row t (its own row); the X tile (32 items × 32 floats) is
-// staged in shared memory by all threads (float4 loads; host checks 16-byte alignment).
+// CTA: 128 threads, tile 64 items × GM_BN = 128 weight rows (gemm_/gemmp_/gemmf_), or 256 threads,
+// 128 items × 128 rows (gemmw_, bf16 form: twice the items per dequantised weight), K step = one
+// 32-element chunk. Thread t dequantises chunk c of tile row t%128 (gemmw: half of it); the X tile
+// (items × 32 floats) is staged in shared memory by all threads (float4 loads; host checks 16-byte
+// alignment). Register pipeline: chunk c+1's X and weights are loaded after chunk c is in shared
+// memory, before its mma, so the loads overlap the tensor-core work.
 //
 // Tensor-core form (CUDA, DS4_ARCH >= 800): mma.sync m16n8k16 bf16 with f32 accumulation. Accuracy:
 // each operand v is split into hi = bf16_rn(v) and lo = bf16_rn(v - hi) (~16 significant bits), and
@@ -13,20 +16,20 @@
 // Measured on an H200 (random weights, error |gpu-cpu|/(1+|cpu|)): 1.1e-3 (Q8_0 4096 columns), 2.7e-3 with
 // Q4_K, ~10x the FMA form's f32 error. gemmp_<t> (opt-in): 3xTF32, mma.sync m16n8k8 on hi = tf32(v),
 // lo = v - hi (~21 bits per operand; expected near f32; not yet run on a GPU when written).
-// Warp w owns tile rows 32w..32w+32 (4 n-tiles of 8) for all 32 items (2 m-tiles of 16).
+// Warp w owns tile rows 32(w%4).. (4 n-tiles of 8) for items 64(w/4).. (4 m-tiles of 16).
 //
 // Portable form (gemmf_*, and gemm_*/gemmp_* where no mma): thread t keeps its dequantised chunk in registers
-// and accumulates its row for the 32 items (X read from shared memory as broadcasts), plain FMA.
+// and accumulates its row for 64 items (X read from shared memory as broadcasts), plain FMA.
 //
 // Split K: blockIdx.z = z * ks + s; slice s takes chunks [s*kc, min((s+1)*kc, cols/32)) and writes at
 // Y + s*y_s (partials, summed by gemm_sum_f32), z is the batch (grouped products: group z).
-// Items: grp == null: items by*32 .. (dense, sel null). grp from moe_group_i32 (nt = 32):
-// [ngroups, starts[gmax], perm[n]]; CTA by takes the run of up to 32 pairs of one expert at
+// Items: grp == null: items by*BM .. (dense, sel null). grp from gm_group_*_i32 (nt = BM):
+// [ngroups, starts[gmax], perm[n]]; CTA by takes the run of up to BM pairs of one expert at
 // starts[by], expert max(sel, 0), weight W + expert*slab.
 #include "prelude.cuh"
 #include "dequant.cuh"
 
-#define GM_BM 32
+#define GM_MT 4 // m-tiles of 16 items per warp (a warp: 32 weight rows × 64 items)
 #define GM_BN 128
 #define GM_LD 20  // u32 per shared row (16 used): conflict-free fragment loads and 16-byte stores
 #define GM_LDF 36 // f32 per shared row (32 used), same property for the TF32 form
@@ -73,15 +76,15 @@ __device__ __forceinline__ void gm_mma(float* c, const u32* a, const u32* b) {
 }
 #endif
 
-struct alignas(16) GmSmemMma { // 16-byte vector stores
-    u32 xh[GM_BM][GM_LD], xl[GM_BM][GM_LD];
+template <int BM> struct alignas(16) GmSmemMma { // 16-byte vector stores
+    u32 xh[BM][GM_LD], xl[BM][GM_LD];
     u32 wh[GM_BN][GM_LD], wl[GM_BN][GM_LD];
 };
-struct alignas(16) GmSmemFma {
-    float x[GM_BM][32];
+template <int BM> struct alignas(16) GmSmemFma {
+    float x[BM][32];
 };
-struct alignas(16) GmSmemTf { // f32 values; hi/lo split at fragment load
-    float x[GM_BM][GM_LDF], w[GM_BN][GM_LDF];
+template <int BM> struct alignas(16) GmSmemTf { // f32 values; hi/lo split at fragment load
+    float x[BM][GM_LDF], w[GM_BN][GM_LDF];
 };
 
 #define GM_PARAMS                                                                                                 \
@@ -91,22 +94,28 @@ struct alignas(16) GmSmemTf { // f32 values; hi/lo split at fragment load
 #define GM_ARGS W, w_z, sel, slab, X, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax
 
 // F: 0 portable FMA, 1 bf16 hi/lo mma (m16n8k16), 2 3xTF32 mma (m16n8k8); 1 and 2 need GM_HAVE_MMA.
-template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
-    __shared__ int items[GM_BM];
+// NW warps (of 32 lanes; the mma forms are CUDA-only): 4 -> 64 items per CTA, 8 -> 128 items
+// (bf16 or FMA form only). Warp w: weight rows 32(w%4).., items 64(w/4)... Thread t dequantises
+// tile row t%128: all 32 elements of the chunk (NW 4, FMA), or half t/128 (NW 8, mma).
+template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
+    constexpr int BM = 16 * NW;
+    static_assert(NW == 4 || (NW == 8 && F != 2), "128-item tiles: bf16 or FMA form");
+    constexpr bool HALF = NW == 8 && F == 1; // each thread dequantises half a row chunk
+    __shared__ int items[BM];
     __shared__ int expert;
     __shared__ union {
-        GmSmemMma m;
-        GmSmemFma f;
-        GmSmemTf t;
+        GmSmemMma<BM> m;
+        GmSmemFma<BM> f;
+        GmSmemTf<BM> t;
     } sm;
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, trow = tid & (GM_BN - 1), part = tid >> 7;
     const int z = blockIdx.z / ks, s = blockIdx.z % ks;
     const int r0 = blockIdx.x * GM_BN;
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    if (tid < GM_BM) {
+    if (tid < BM) {
         int it;
         if (!grp) {
-            it = blockIdx.y * GM_BM + tid;
+            it = blockIdx.y * BM + tid;
             it = it < n ? it : -1;
         } else {
             const int* perm = grp + 1 + gmax;
@@ -118,59 +127,76 @@ template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
     }
     __syncthreads();
     long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
-    const int row = r0 + tid;
+    const int row = r0 + trow;
     const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes;
     const bool live = row < rows;
-    // X staging: thread -> item tid/4, floats 8(tid%4) .. +8 of the chunk.
-    const int xi = tid >> 2, xq = tid & 3;
+    // X staging: thread -> item tid/2, floats 16(tid%2) .. +16 of the chunk.
+    const int xi = tid >> 1, xq = tid & 1;
     const int xit = items[xi];
     const float* xrow = xit >= 0 ? X + (long long)(xit / xdiv) * x_tok + (long long)z * x_z : X;
     const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
 
-    float acc[32];
+    float acc[64]; // mma: 4 per (m-tile, n-tile); FMA: one per item 64*part + j
 #pragma unroll
-    for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
 
-    for (int c = c0; c < c1; c++) {
-        float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
+    // Register pipeline: chunk c's X and dequantised W are in registers when the loop body
+    // starts; after the stores to shared memory the next chunk's loads are issued before the mma.
+    float4 xv[4];
+    float w[32];
+    auto load = [&](int c) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) xv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (xit >= 0) {
-            const float4* p = (const float4*)(xrow + 32 * c + 8 * xq);
-            xa = p[0], xb = p[1];
+            const float4* p = (const float4*)(xrow + 32 * c + 16 * xq);
+#pragma unroll
+            for (int i = 0; i < 4; i++) xv[i] = p[i];
         }
-        float w[32];
-        if (live) {
+        if (live && HALF) {
+            deq_slice<T>(wrow, c, 2 * part, w);
+            deq_slice<T>(wrow, c, 2 * part + 1, w + 8);
+        } else if (live) {
             deq_chunk<T>(wrow, c, w);
         } else {
 #pragma unroll
             for (int i = 0; i < 32; i++) w[i] = 0.0f;
         }
+    };
+    if (c0 < c1) load(c0);
+    for (int c = c0; c < c1; c++) {
         if (F == 1) {
             uint4 h, l;
-            gm_split2(xa.x, xa.y, h.x, l.x);
-            gm_split2(xa.z, xa.w, h.y, l.y);
-            gm_split2(xb.x, xb.y, h.z, l.z);
-            gm_split2(xb.z, xb.w, h.w, l.w);
-            *(uint4*)&sm.m.xh[xi][4 * xq] = h;
-            *(uint4*)&sm.m.xl[xi][4 * xq] = l;
 #pragma unroll
-            for (int v = 0; v < 4; v++) {
+            for (int i = 0; i < 2; i++) {
+                float4 xa = xv[2 * i], xb = xv[2 * i + 1];
+                gm_split2(xa.x, xa.y, h.x, l.x);
+                gm_split2(xa.z, xa.w, h.y, l.y);
+                gm_split2(xb.x, xb.y, h.z, l.z);
+                gm_split2(xb.z, xb.w, h.w, l.w);
+                *(uint4*)&sm.m.xh[xi][8 * xq + 4 * i] = h;
+                *(uint4*)&sm.m.xl[xi][8 * xq + 4 * i] = l;
+            }
+#pragma unroll
+            for (int v = 0; v < (HALF ? 2 : 4); v++) {
                 gm_split2(w[8 * v], w[8 * v + 1], h.x, l.x);
                 gm_split2(w[8 * v + 2], w[8 * v + 3], h.y, l.y);
                 gm_split2(w[8 * v + 4], w[8 * v + 5], h.z, l.z);
                 gm_split2(w[8 * v + 6], w[8 * v + 7], h.w, l.w);
-                *(uint4*)&sm.m.wh[tid][4 * v] = h;
-                *(uint4*)&sm.m.wl[tid][4 * v] = l;
+                const int col = (HALF ? 8 * part : 0) + 4 * v;
+                *(uint4*)&sm.m.wh[trow][col] = h;
+                *(uint4*)&sm.m.wl[trow][col] = l;
             }
             __syncthreads();
+            if (c + 1 < c1) load(c + 1);
 #if GM_HAVE_MMA
             const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
             for (int kk = 0; kk < 2; kk++) {
                 const int k0 = 8 * kk + t; // u32 column of this lane's first pair
-                u32 ah[2][4], al[2][4], bh[4][2], bl[4][2];
+                u32 ah[GM_MT][4], al[GM_MT][4], bh[4][2], bl[4][2];
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    int m = 16 * mt + g;
+                for (int mt = 0; mt < GM_MT; mt++) {
+                    int m = 64 * (warp >> 2) + 16 * mt + g;
                     ah[mt][0] = sm.m.xh[m][k0], ah[mt][1] = sm.m.xh[m + 8][k0];
                     ah[mt][2] = sm.m.xh[m][k0 + 4], ah[mt][3] = sm.m.xh[m + 8][k0 + 4];
                     al[mt][0] = sm.m.xl[m][k0], al[mt][1] = sm.m.xl[m + 8][k0];
@@ -178,12 +204,12 @@ template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
                 }
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
-                    int r = 32 * warp + 8 * nt + g;
+                    int r = 32 * (warp & 3) + 8 * nt + g;
                     bh[nt][0] = sm.m.wh[r][k0], bh[nt][1] = sm.m.wh[r][k0 + 4];
                     bl[nt][0] = sm.m.wl[r][k0], bl[nt][1] = sm.m.wl[r][k0 + 4];
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++)
+                for (int mt = 0; mt < GM_MT; mt++)
 #pragma unroll
                     for (int nt = 0; nt < 4; nt++) {
                         float* cc = acc + 4 * (4 * mt + nt);
@@ -195,20 +221,21 @@ template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
 #endif
             __syncthreads();
         } else if (F == 2) {
-            *(float4*)&sm.t.x[xi][8 * xq] = xa;
-            *(float4*)&sm.t.x[xi][8 * xq + 4] = xb;
 #pragma unroll
-            for (int v = 0; v < 8; v++) *(float4*)&sm.t.w[tid][4 * v] = make_float4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
+            for (int i = 0; i < 4; i++) *(float4*)&sm.t.x[xi][16 * xq + 4 * i] = xv[i];
+#pragma unroll
+            for (int v = 0; v < 8; v++) *(float4*)&sm.t.w[trow][4 * v] = make_float4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
             __syncthreads();
+            if (c + 1 < c1) load(c + 1);
 #if GM_HAVE_MMA
             const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 const int k0 = 8 * kk + t; // m16n8k8 tf32: A (g|g+8, t|t+4), B (k t|t+4, n g)
-                u32 ah[2][4], al[2][4], bh[4][2], bl[4][2];
+                u32 ah[GM_MT][4], al[GM_MT][4], bh[4][2], bl[4][2];
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    int m = 16 * mt + g;
+                for (int mt = 0; mt < GM_MT; mt++) {
+                    int m = 64 * (warp >> 2) + 16 * mt + g;
                     gm_tf_split(sm.t.x[m][k0], ah[mt][0], al[mt][0]);
                     gm_tf_split(sm.t.x[m + 8][k0], ah[mt][1], al[mt][1]);
                     gm_tf_split(sm.t.x[m][k0 + 4], ah[mt][2], al[mt][2]);
@@ -216,12 +243,12 @@ template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
                 }
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
-                    int r = 32 * warp + 8 * nt + g;
+                    int r = 32 * (warp & 3) + 8 * nt + g;
                     gm_tf_split(sm.t.w[r][k0], bh[nt][0], bl[nt][0]);
                     gm_tf_split(sm.t.w[r][k0 + 4], bh[nt][1], bl[nt][1]);
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++)
+                for (int mt = 0; mt < GM_MT; mt++)
 #pragma unroll
                     for (int nt = 0; nt < 4; nt++) {
                         float* cc = acc + 4 * (4 * mt + nt);
@@ -233,43 +260,44 @@ template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
 #endif
             __syncthreads();
         } else {
-            *(float4*)&sm.f.x[xi][8 * xq] = xa;
-            *(float4*)&sm.f.x[xi][8 * xq + 4] = xb;
+#pragma unroll
+            for (int i = 0; i < 4; i++) *(float4*)&sm.f.x[xi][16 * xq + 4 * i] = xv[i];
             __syncthreads();
 #pragma unroll
-            for (int j = 0; j < GM_BM; j++) { // acc stays in registers: full unroll
+            for (int j = 0; j < 64; j++) { // acc stays in registers: full unroll
                 float a = acc[j];
 #pragma unroll
-                for (int k = 0; k < 32; k++) a = fmaf(w[k], sm.f.x[j][k], a);
+                for (int k = 0; k < 32; k++) a = fmaf(w[k], sm.f.x[64 * part + j][k], a);
                 acc[j] = a;
             }
             __syncthreads();
+            if (c + 1 < c1) load(c + 1); // w is live in the FMAs above: load after them
         }
     }
 
     float* yb = Y + (long long)z * y_z + (long long)s * y_s;
     if (F != 0) {
-        // acc[4*(4*mt+nt) + e]: item 16mt + g + 8(e/2), tile row 32w + 8nt + 2t + e%2.
+        // acc[4*(4*mt+nt) + e]: item 64(w/4) + 16mt + g + 8(e/2), tile row 32(w%4) + 8nt + 2t + e%2.
         const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int mt = 0; mt < GM_MT; mt++)
 #pragma unroll
             for (int e2 = 0; e2 < 2; e2++) {
-                int it = items[16 * mt + g + 8 * e2];
+                int it = items[64 * (warp >> 2) + 16 * mt + g + 8 * e2];
                 if (it < 0) continue;
                 float* yr = yb + (long long)it * y_tok;
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++)
 #pragma unroll
                     for (int e1 = 0; e1 < 2; e1++) {
-                        int r = r0 + 32 * warp + 8 * nt + 2 * t + e1;
+                        int r = r0 + 32 * (warp & 3) + 8 * nt + 2 * t + e1;
                         if (r < rows) yr[r] = acc[4 * (4 * mt + nt) + 2 * e2 + e1];
                     }
             }
     } else if (live) {
 #pragma unroll
-        for (int j = 0; j < GM_BM; j++) {
-            int it = items[j];
+        for (int j = 0; j < 64; j++) {
+            int it = items[64 * part + j];
             if (it >= 0) yb[(long long)it * y_tok + row] = acc[j];
         }
     }
@@ -277,27 +305,36 @@ template <int T, int F> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
 
 // gemm_<t>: bf16 tensor cores where compiled in, else the portable form; gemmp_<t>: 3xTF32 tensor
 // cores (more precise, opt-in); gemmf_<t>: always portable.
-DS4_KERNEL void DS4_BOUNDS(128) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 2 : 0>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 0>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 0, 4>(GM_ARGS); }
+
+// gemmw_<t>: 128-item tiles (256 threads), bf16 tensor cores where compiled in, else portable.
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
 
 // Split-K partials: y[i] = sum over s < ks (in order) of part[s*total + i].
 DS4_KERNEL void DS4_BOUNDS(256) gemm_sum_f32(const float* __restrict__ part, float* __restrict__ y, int ks, long long total) {
@@ -306,4 +343,66 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_sum_f32(const float* __restrict__ part, flo
     float a = 0.0f;
     for (int s = 0; s < ks; s++) a += part[(long long)s * total + i];
     y[i] = a;
+}
+
+// ---- MoE pair grouping, O(pairs), deterministic (same order as a stable sort by expert) ----
+// Output grp = [ngroups, starts[gmax], perm[pairs]]: perm lists the pairs by expert, ascending pair
+// index within an expert; each expert's run is cut every nt pairs, starts[g] = first position of
+// group g. Expert of pair p: clamp(sel[p], 0, ne-1). Three launches over blocks of 256 pairs:
+//   gm_group_count_i32  (nb CTAs): cnt[b*ne + e] = pairs of block b with expert e
+//   gm_group_scan_i32   (1 CTA):   cnt[b*ne + e] -> first perm position of those pairs; starts
+//   gm_group_scatter_i32 (nb CTAs): perm[cnt[b*ne + e] + rank of the pair within its block's e]
+#define GM_MAXE 1024 // most experts (host checks)
+
+__device__ __forceinline__ int gm_expert(int v, int ne) { return min(max(v, 0), ne - 1); }
+
+DS4_KERNEL void DS4_BOUNDS(256) gm_group_count_i32(const int* __restrict__ sel, int pairs, int ne, int* __restrict__ cnt) {
+    __shared__ int h[GM_MAXE];
+    for (int e = threadIdx.x; e < ne; e += blockDim.x) h[e] = 0;
+    __syncthreads();
+    int p = blockIdx.x * 256 + threadIdx.x;
+    if (p < pairs) atomicAdd(&h[gm_expert(sel[p], ne)], 1); // counts only: order-free
+    __syncthreads();
+    for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[(long long)blockIdx.x * ne + e] = h[e];
+}
+
+DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb, int ne, int nt, int gmax, int* __restrict__ grp) {
+    __shared__ int tot[GM_MAXE], base[GM_MAXE], gb[GM_MAXE];
+    for (int e = threadIdx.x; e < ne; e += blockDim.x) { // per expert: offsets of each block's pairs
+        int t = 0;
+        for (int b = 0; b < nb; b++) {
+            int c = cnt[(long long)b * ne + e];
+            cnt[(long long)b * ne + e] = t;
+            t += c;
+        }
+        tot[e] = t;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) { // exclusive scans over experts: pair positions and group indices
+        int s = 0, g = 0;
+        for (int e = 0; e < ne; e++) {
+            base[e] = s, gb[e] = g;
+            s += tot[e];
+            g += (tot[e] + nt - 1) / nt;
+        }
+        grp[0] = g;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+        for (int b = 0; b < nb; b++) cnt[(long long)b * ne + e] += base[e];
+        int ng = (tot[e] + nt - 1) / nt;
+        for (int j = 0; j < ng && gb[e] + j < gmax; j++) grp[1 + gb[e] + j] = base[e] + j * nt;
+    }
+}
+
+DS4_KERNEL void DS4_BOUNDS(256) gm_group_scatter_i32(const int* __restrict__ sel, int pairs, int ne, const int* __restrict__ off, int gmax, int* __restrict__ grp) {
+    __shared__ int se[256];
+    int t = threadIdx.x, p = blockIdx.x * 256 + t;
+    int e = p < pairs ? gm_expert(sel[p], ne) : -1;
+    se[t] = e;
+    __syncthreads();
+    if (p >= pairs) return;
+    int r = 0; // earlier pairs of this block with the same expert (broadcast reads)
+    for (int j = 0; j < 256; j++) r += (j < t) & (se[j] == e);
+    grp[1 + gmax + off[(long long)blockIdx.x * ne + e] + r] = p;
 }

@@ -2,7 +2,9 @@ use crate::Module;
 
 /// Prefill weight products: tensor-core GEMM (mma) with a portable fallback (`gpu/gemm.cu`).
 /// `gemm_<t>`: mma.sync bf16 hi/lo split where compiled for sm_80+, else plain FMA tiles;
-/// `gemmp_<t>`: 3xTF32 mma (more precise; FMA where no mma); `gemmf_<t>`: always the FMA tiles; `gemm_sum_f32`: split-K partial sums.
+/// `gemmw_<t>`: the bf16 form with 128-item tiles (256 threads) for long prompts;
+/// `gemmp_<t>`: 3xTF32 mma (more precise; FMA where no mma); `gemmf_<t>`: always the FMA tiles; `gemm_sum_f32`: split-K partial sums;
+/// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
 pub const GEMM: Module = Module {
     name: "gemm",
     source: include_str!("../gpu/gemm.cu"),
@@ -28,6 +30,16 @@ pub const GEMM: Module = Module {
         "gemm_iq2_xxs",
         "gemmp_iq2_xxs",
         "gemmf_iq2_xxs",
+        "gemmw_f32",
+        "gemmw_f16",
+        "gemmw_bf16",
+        "gemmw_q8_0",
+        "gemmw_q2_k",
+        "gemmw_q4_k",
+        "gemmw_iq2_xxs",
         "gemm_sum_f32",
+        "gm_group_count_i32",
+        "gm_group_scan_i32",
+        "gm_group_scatter_i32",
     ],
 };

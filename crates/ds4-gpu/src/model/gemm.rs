@@ -1,20 +1,23 @@
 //! Prefill weight products (n > 4 token rows). Each entry returns true when it ran the product, false to leave it to the general
 //! kernels of matmul.rs (unsupported type or shape). Semantics: ds4-cpu backend.rs.
 //!
-//! Kernels: `gemm_<t>` / `gemmp_<t>` / `gemmf_<t>` of `gpu/gemm.cu` (tiles of 32 items × 128
+//! Kernels: `gemm_<t>` / `gemmp_<t>` / `gemmf_<t>` of `gpu/gemm.cu` (tiles of 64 items × 128
 //! weight rows; tensor-core mma with a bf16 hi/lo split (default), 3xTF32 (opt-in:
 //! `set_gemm_tf32`, `DS4_GPU_GEMM=tf32`), or the portable FMA form), split K when the grid
 //! would be small (partials summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by
-//! expert on the device (`moe_group_i32`, runs cut at 32), then gate, up (GEMM each), SwiGLU
+//! expert on the device (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at 64), then
+//! gate, up (GEMM each), SwiGLU
 //! and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
-use ds4_backend::{GgmlType, MoeSpec, Part};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
-/// Items (token rows or pairs) and weight rows per CTA (`GM_BM`, `GM_BN` in gemm.cu).
-const BM: usize = 32;
+/// Items (token rows or pairs) per CTA: `gemm_*` tiles and the wide `gemmw_*` tiles (bf16 form);
+/// weight rows per CTA (`GM_BN` in gemm.cu).
+const BM: usize = 64;
+const BM_WIDE: usize = 128;
 const BN: usize = 128;
 /// Fewest token rows the GEMM takes (decode, n ≤ 4, belongs to matvec.rs).
 const MIN_N: usize = 5;
@@ -25,11 +28,16 @@ pub(crate) fn prefill_chunk() -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .filter(|&c: &usize| c > 0)
-        .unwrap_or(128)
+        .unwrap_or(DEFAULT_CHUNK)
 }
 
-/// Most (token, slot) pairs grouped on the device (the grouping kernel is quadratic).
-const MAX_PAIRS: usize = 4096;
+/// Default prompt step (tokens); see bench/results/gpu-prefill-h200.txt.
+const DEFAULT_CHUNK: usize = 2048;
+
+/// Most experts the grouping kernels take (`GM_MAXE` in gemm.cu).
+const MAX_EXPERTS: usize = 1024;
+/// Pairs per block of the grouping kernels.
+const GROUP_BLOCK: usize = 256;
 
 /// Kernel form: 0 `gemm_<t>` (bf16 hi/lo tensor cores where compiled, else FMA), 1 `gemmf_<t>`
 /// (portable FMA), 2 off (decline all), 3 `gemmp_<t>` (3xTF32 tensor cores); UNSET: read
@@ -50,6 +58,40 @@ fn mode() -> u8 {
     };
     MODE.store(m, Ordering::Relaxed);
     m
+}
+
+/// Fewest token rows for the wide tiles (dense; MoE: an average of WIDE_MIN / 2 pairs per
+/// expert); `DS4_GPU_GEMM_WIDE` or `set_gemm_wide` override (0: not read yet).
+static WIDE_MIN: AtomicUsize = AtomicUsize::new(0);
+const DEFAULT_WIDE_MIN: usize = 256;
+
+fn wide_min() -> usize {
+    let w = WIDE_MIN.load(Ordering::Relaxed);
+    if w != 0 {
+        return w;
+    }
+    let w = std::env::var("DS4_GPU_GEMM_WIDE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&w: &usize| w > 0)
+        .unwrap_or(DEFAULT_WIDE_MIN);
+    WIDE_MIN.store(w, Ordering::Relaxed);
+    w
+}
+
+/// Item tile for `n` dense rows (`experts` 0) or `n` pairs over `experts` experts, in the
+/// current form.
+fn tile_items(n: usize, experts: usize) -> usize {
+    let need = if experts == 0 {
+        wide_min()
+    } else {
+        (wide_min() / 2).saturating_mul(experts)
+    };
+    if mode() == 0 && n >= need {
+        BM_WIDE
+    } else {
+        BM
+    }
 }
 
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
@@ -74,8 +116,10 @@ struct Gm {
     row_bytes: usize,
     n: usize,
     zs: usize,
-    /// Pairs grouped by expert: (sel, grp from moe_group_i32, gmax).
+    /// Pairs grouped by expert: (sel, grp from gm_group_*_i32, gmax).
     grp: Option<(DevPtr, DevPtr, usize)>,
+    /// Items per CTA: BM, or BM_WIDE (`gemmw_*`, bf16 form only).
+    bm: usize,
 }
 
 impl GpuBackend {
@@ -101,6 +145,77 @@ impl GpuBackend {
         MODE.store(3, Ordering::Relaxed);
     }
 
+    /// Group `pairs` (token, slot) expert choices `sel` by expert on the device, runs cut every
+    /// `nt` pairs, and download `[ngroups, starts[gmax], perm[pairs]]` with `gmax` as
+    /// `moe_experts` sizes it (tests: compare with a stable sort).
+    #[doc(hidden)]
+    pub fn gemm_group_pairs(
+        &self,
+        sel: &GpuIBuf,
+        pairs: usize,
+        n_expert: usize,
+        nt: usize,
+    ) -> Vec<i32> {
+        let gmax = pairs.div_ceil(nt) + n_expert.min(pairs);
+        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, nt, gmax);
+        self.download_i32(&GpuIBuf(grp), 1 + gmax + pairs)
+    }
+
+    /// Device grouping (gm_group_*_i32) into a new scratch `[ngroups, starts[gmax], perm[pairs]]`.
+    fn group_pairs(
+        &self,
+        sel: DevPtr,
+        pairs: usize,
+        n_expert: usize,
+        nt: usize,
+        gmax: usize,
+    ) -> GpuBuf {
+        let grp = self.scratch(1 + gmax + pairs);
+        let nb = pairs.div_ceil(GROUP_BLOCK);
+        let cnt = self.scratch(nb * n_expert);
+        let (p, ne) = (Arg::I32(pairs as i32), Arg::I32(n_expert as i32));
+        let blocks = LaunchDims::linear(nb as u32, GROUP_BLOCK as u32);
+        self.run(
+            &ds4_kernels::GEMM,
+            "gm_group_count_i32",
+            blocks,
+            &[Arg::Ptr(sel), p, ne, Arg::Ptr(cnt.ptr)],
+        );
+        self.run(
+            &ds4_kernels::GEMM,
+            "gm_group_scan_i32",
+            LaunchDims::linear(1, 256),
+            &[
+                Arg::Ptr(cnt.ptr),
+                Arg::I32(nb as i32),
+                ne,
+                Arg::I32(nt as i32),
+                Arg::I32(gmax as i32),
+                Arg::Ptr(grp.ptr),
+            ],
+        );
+        self.run(
+            &ds4_kernels::GEMM,
+            "gm_group_scatter_i32",
+            blocks,
+            &[
+                Arg::Ptr(sel),
+                p,
+                ne,
+                Arg::Ptr(cnt.ptr),
+                Arg::I32(gmax as i32),
+                Arg::Ptr(grp.ptr),
+            ],
+        );
+        grp
+    }
+
+    /// Wide (128-item, `gemmw_*`) tiles from `min_n` token rows on (dense), or an average of
+    /// `min_n / 2` pairs per expert (MoE); `usize::MAX` turns them off. Process-wide (tests, benchmarks).
+    pub fn set_gemm_wide(min_n: usize) {
+        WIDE_MIN.store(min_n.max(1), Ordering::Relaxed);
+    }
+
     /// GEMM kernel launches so far in this process (tests: the product did not fall back).
     pub fn gemm_launches() -> u64 {
         LAUNCHES.load(Ordering::Relaxed)
@@ -123,14 +238,16 @@ impl GpuBackend {
             return;
         }
         let Some(sfx) = suffix(m.ty) else { return };
+        let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
             1 => "gemmf",
             3 => "gemmp",
+            _ if wide => "gemmw",
             _ => "gemm",
         };
         let ytiles = match m.grp {
             Some((_, _, gmax)) => gmax,
-            None => m.n.div_ceil(BM),
+            None => m.n.div_ceil(if wide { BM_WIDE } else { BM }),
         };
         let ctas = m.rows.div_ceil(BN) * ytiles * m.zs;
         let nch = m.cols / 32;
@@ -160,7 +277,7 @@ impl GpuBackend {
                     ytiles as u32,
                     (m.zs * ks) as u32,
                 ],
-                block: [128, 1, 1],
+                block: [if wide { 256 } else { 128 }, 1, 1],
                 shared_bytes: 0,
             },
             &[
@@ -247,6 +364,7 @@ impl GpuBackend {
             n,
             zs: 1,
             grp: None,
+            bm: tile_items(n, 0),
         });
         true
     }
@@ -296,6 +414,7 @@ impl GpuBackend {
             n,
             zs: groups,
             grp: None,
+            bm: tile_items(n, 0),
         });
         true
     }
@@ -333,7 +452,11 @@ impl GpuBackend {
             return false;
         };
         if pairs == 0
-            || pairs > MAX_PAIRS
+            || spec.n_expert == 0
+            || spec.n_expert > MAX_EXPERTS
+            || pairs
+                .checked_mul(ff.max(d))
+                .is_none_or(|v| v > i32::MAX as usize)
             || g.2 != d
             || u.2 != d
             || dn.2 != ff
@@ -347,23 +470,10 @@ impl GpuBackend {
             return false;
         }
         let sel = sel.0.ptr;
-        // Runs of one expert cut every BM pairs: at most pairs/BM + one partial run per expert.
-        let gmax = pairs.div_ceil(BM) + spec.n_expert.min(pairs);
-        let grp = self.scratch(1 + gmax + pairs);
-        let flag = self.scratch(pairs);
-        self.run(
-            &ds4_kernels::MATMUL,
-            "moe_group_i32",
-            LaunchDims::linear(1, 256),
-            &[
-                Arg::Ptr(sel),
-                Arg::I32(pairs as i32),
-                Arg::I32(BM as i32),
-                Arg::I32(gmax as i32),
-                Arg::Ptr(grp.ptr),
-                Arg::Ptr(flag.ptr),
-            ],
-        );
+        // Runs of one expert cut every bm pairs: at most pairs/bm + one partial run per expert.
+        let bm = tile_items(pairs, spec.n_expert);
+        let gmax = pairs.div_ceil(bm) + spec.n_expert.min(pairs);
+        let grp = self.group_pairs(sel, pairs, spec.n_expert, bm, gmax);
         let grouped = Some((sel, grp.ptr, gmax));
         let gb = self.scratch(pairs * ff);
         let ub = self.scratch(pairs * ff);
@@ -387,6 +497,7 @@ impl GpuBackend {
                 n: pairs,
                 zs: 1,
                 grp: grouped,
+                bm,
             });
         }
         let mut h = self.scratch(pairs * ff);
@@ -410,6 +521,7 @@ impl GpuBackend {
             n: pairs,
             zs: 1,
             grp: grouped,
+            bm,
         });
         let total = n * d;
         self.run(
