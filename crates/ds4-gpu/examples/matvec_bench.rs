@@ -77,12 +77,16 @@ fn time(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)) -> f
     t.elapsed().as_secs_f64() / reps as f64
 }
 
-/// The forms: 0 matvec.rs staged (the default), 1 matmul.rs direct, 2 matmul.rs coalesced (the
-/// general form, what n = 1 used before), 3 matvec.rs before the staged kernels (variant 4:
-/// `mv<NT>_*`, n = 2..4 only).
+/// The forms: 0 matvec.rs staged for every type (variant 5), 1 matmul.rs direct, 2 matmul.rs
+/// coalesced (the general form, n = 1 for the types where staging loses), 3 matvec.rs before the
+/// staged kernels (variant 4: `mv<NT>_*`, n = 2..4 only).
 fn set_form(form: usize) {
     GpuBackend::set_matvec(form == 0 || form == 3);
-    GpuBackend::set_matvec_variant(if form == 3 { 4 } else { 0 });
+    GpuBackend::set_matvec_variant(match form {
+        0 => 5,
+        3 => 4,
+        _ => 0,
+    });
     GpuBackend::set_matmul_tiles(false);
     GpuBackend::set_matmul_coalesced(form == 2);
 }
@@ -184,5 +188,5 @@ fn main() {
             }
         }
     }
-    set_form(0);
+    GpuBackend::set_matvec_variant(0);
 }

@@ -1,12 +1,14 @@
 //! Decode-time weight products (n ≤ 4 token rows). Each entry returns true when it ran the product, false to leave it to the general
 //! kernels of matmul.rs (unsupported type or shape). Semantics: ds4-cpu backend.rs.
 //!
-//! Default form (`mvs<NT>_<t>` in gpu/matvec.cu): a CTA copies a tile of whole rows (or, when rows
+//! Staged form (`mvs<NT>_<t>` in gpu/matvec.cu): a CTA copies a tile of whole rows (or, when rows
 //! are few, a column range of one row: split K across CTAs, tiles added in order by `mvs_sum_f32`)
 //! into shared memory with coalesced 16-byte loads, then computes from there (`mvs_plan` sizes it).
-//! Older forms, kept for comparison (`set_matvec_variant`): `mv<NT>_<t>` (lanes over consecutive
-//! 8-element slices, x kept in registers across the MV_R rows of a warp) and the n = 1 variants
-//! `mv1v<v>_<t>`; `mvgu_<t>`/`mvdown_<t>` for the routed experts.
+//! It is the default only where it measured faster (`staged_wins`: 2-bit types, Q8_0/Q4_K at
+//! n = 2..4, the 16384-column F16 mixes); otherwise `mv<NT>_<t>` (lanes over consecutive 8-element
+//! slices, x kept in registers across the MV_R rows of a warp) for n = 2..4 and matmul.rs's
+//! coalesced kernels for n = 1. Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and
+//! `mvgu_<t>`/`mvdown_<t>` for the routed experts.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
@@ -23,17 +25,36 @@ const MV_MAXK: usize = 8;
 /// Process-wide switch (on by default) so tests and benchmarks can compare with matmul.rs.
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
-/// Whether one-row products (decode, n = 1) take these kernels too. Off by default: on the
+/// Whether one-row products (decode, n = 1) take the `mv1*` kernels where the staged form is not
+/// used. Off by default: on the
 /// full-size q2 model on an H200 the coalesced kernels of matmul.rs decode faster (51.9 against
 /// 37–45 tok/s, bench/results/gpu-resident-full-q2.txt); n = 2..4 (speculative verification)
 /// stay here, where one read of the weights serves every row.
 static ONE: AtomicBool = AtomicBool::new(false);
 
-/// Kernel form of `mv_matmul`/`mv_grouped`: 0 (default) staged `mvs*` for n = 1..4 (shapes it
-/// declines: the forms below); 1..=3 the n = 1 variants `mv1v<v>_*` (Q8_0, Q2_K, Q4_K, IQ2_XXS)
-/// and `mv<NT>_*` otherwise; 4 the form before the staged kernels (`mv<NT>_*` for n = 2..4 only).
-/// Process-wide, for tests and benchmarks (`DS4_GPU_MATVEC=v<k>`).
+/// Kernel form of `mv_matmul`/`mv_grouped`: 0 (default) staged `mvs*` where it measured faster
+/// (`staged_wins`), else `mv<NT>_*` for n = 2..4 and matmul.rs for n = 1; 1..=3 the n = 1 variants
+/// `mv1v<v>_*` (Q8_0, Q2_K, Q4_K, IQ2_XXS) and `mv<NT>_*` otherwise; 4 no staged kernels (the form
+/// before them); 5 staged for every type and n it takes. Process-wide, for tests and benchmarks
+/// (`DS4_GPU_MATVEC=v<k>`).
 static VARIANT: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the default form stages `ty` at `n` rows. H200, 2026-11-30
+/// (bench/results/gpu-matvec-h200.txt): staged beats the other forms for Q2_K and IQ2_XXS at every
+/// n (1.1-1.5x) and for Q8_0 at n = 2..4 (1.1-1.4x on the model's shapes, except 4096->1024), ties
+/// Q4_K; at n = 1 the coalesced `mmc*` kernels win for Q8_0 (1.77 against 1.30 TB/s) and the
+/// float types, and `mv<NT>_*` wins for the float types at n = 2..4 (the staged form stops near
+/// 2.1 TB/s for every type: one load phase, then one compute phase per CTA). One exception: the
+/// few-row F16 mixes with 16384 columns (split K across CTAs) at n = 1: 16384->24 10.2 against
+/// 12.4 us device time per call, 16384->4 8.6 against 11.2 (4096->64: 9.2 against 6.4, not taken).
+fn staged_wins(ty: GgmlType, n: usize, rows: usize, cols: usize, sm: usize) -> bool {
+    match ty {
+        GgmlType::Q2_K | GgmlType::IQ2_XXS => true,
+        GgmlType::Q8_0 | GgmlType::Q4_K => n >= 2,
+        GgmlType::F16 => n == 1 && cols >= 16384 && rows < sm,
+        _ => false,
+    }
+}
 
 /// Bytes of weights one `mvs*` CTA stages (`MVS_STAGE` in matvec.cu).
 const MVS_STAGE: usize = 17408;
@@ -156,10 +177,10 @@ impl GpuBackend {
         ONE.store(on, Ordering::Relaxed);
     }
 
-    /// Select the kernel form (0 default staged, 1..=3 old n = 1 variants, 4 the form before
-    /// the staged kernels; others read as 0). See `VARIANT`.
+    /// Select the kernel form (0 default, 1..=3 old n = 1 variants, 4 the form before the
+    /// staged kernels, 5 staged wherever possible; others read as 0). See `VARIANT`.
     pub fn set_matvec_variant(v: u8) {
-        VARIANT.store(if v <= 4 { v } else { 0 }, Ordering::Relaxed);
+        VARIANT.store(if v <= 5 { v } else { 0 }, Ordering::Relaxed);
     }
 
     /// Warps per row group (1, 2, 4, 8): the fewest that give about 16 working warps per SM,
@@ -225,8 +246,10 @@ impl GpuBackend {
         n: usize,
         zs: usize,
     ) -> bool {
+        let v = VARIANT.load(Ordering::Relaxed);
+        let sm = self.gpu.info().sm_count as usize;
         if !ENABLED.load(Ordering::Relaxed)
-            || VARIANT.load(Ordering::Relaxed) != 0
+            || !(v == 5 || (v == 0 && staged_wins(ty, n, rows * zs, cols, sm)))
             || !(1..=4).contains(&n)
             || !x.ptr.0.is_multiple_of(16)
             || !w.0.is_multiple_of(16)
@@ -243,17 +266,7 @@ impl GpuBackend {
             2 => 2,
             _ => 4,
         };
-        let info = self.gpu.info();
-        let Some(p) = mvs_plan(
-            ty,
-            rows,
-            cols,
-            rb,
-            zs,
-            nt,
-            info.sm_count as usize,
-            info.warp as usize,
-        ) else {
+        let Some(p) = mvs_plan(ty, rows, cols, rb, zs, nt, sm, self.warp() as usize) else {
             return false;
         };
         let part = (p.ks > 1).then(|| self.scratch(p.ks * n * zs * rows));
