@@ -168,9 +168,16 @@ fn main() {
                 .collect();
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
-            let forms: &[usize] = if n == 1 { &[0, 2] } else { &[0, 3] };
+            // n = 1: also the opt-in mv1v<v> variants (v1 one row x 4 steps unrolled, v2 two
+            // rows x 2 steps, v3 four rows held to 4 CTAs/SM; F16: mv1_f16), forms 4..=6.
+            let forms: &[usize] = if n == 1 { &[0, 2, 4, 5, 6] } else { &[0, 3] };
             for &form in forms {
-                set_form(form);
+                if form >= 4 {
+                    GpuBackend::set_matvec(true);
+                    GpuBackend::set_matvec_variant(form as u8 - 3);
+                } else {
+                    set_form(form);
+                }
                 let s = time(&gpu, &x, reps, |i| {
                     let w = &ws[i % ws.len()];
                     if groups > 1 {
@@ -179,7 +186,11 @@ fn main() {
                         gpu.matmul(w, Part::All, &x, n, &mut y)
                     }
                 });
-                let fname = FORMS[form];
+                let fname = if form >= 4 {
+                    format!("mv1 v{}", form - 3)
+                } else {
+                    FORMS[form].to_string()
+                };
                 line(
                     &format!("{name} {ty:?} {}->{rows} n={n} {fname}", cols * groups),
                     bytes,
