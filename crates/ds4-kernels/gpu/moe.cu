@@ -67,7 +67,8 @@ __device__ __forceinline__ float moe_su(u32 m, u32 s, int b) {
 #endif
 }
 
-// acc[t] += row (unit u: slices uV .. uV+V) . x[t] for t < m. xs: x slices prescaled by MOE_XS,
+// acc[t] += row (unit u: slices uV .. uV+V) . x[t] for t < NT (x rows past the tokens in use are
+// zeros: no guards, so the compiler interleaves the row-dots of a group). xs: x slices prescaled by MOE_XS,
 // sx: their plain sums (for the K-quant mins). gs, ss: IQ2_XXS grid and sign masks in shared memory.
 template <int T, int V, int NT> struct MoeDot;
 
@@ -93,11 +94,10 @@ template <int V, int NT> struct MoeDot<T_IQ2_XXS, V, NT> {
 #pragma unroll
             for (int l = 0; l < 4; l++) w[l] = moe_su(ml, sl, l), w[4 + l] = moe_su(mh, sh, l);
 #pragma unroll
-            for (int t = 0; t < NT; t++)
-                if (t < m) {
+            for (int t = 0; t < NT; t++) {
 #pragma unroll
-                    for (int l = 0; l < 8; l++) a[t] = fmaf(w[l], xs[v][t][l], a[t]);
-                }
+                for (int l = 0; l < 8; l++) a[t] = fmaf(w[l], xs[v][t][l], a[t]);
+            }
         }
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] = fmaf(db, a[t], acc[t]);
@@ -125,13 +125,12 @@ template <int V, int NT> struct MoeDot<T_Q2_K, V, NT> {
 #pragma unroll
             for (int l = 0; l < 4; l++) w[l] = moe_u(v0, l), w[4 + l] = moe_u(v1, l);
 #pragma unroll
-            for (int t = 0; t < NT; t++)
-                if (t < m) {
-                    float a = 0.0f;
+            for (int t = 0; t < NT; t++) {
+                float a = 0.0f;
 #pragma unroll
-                    for (int l = 0; l < 8; l++) a = fmaf(w[l], xs[v][t][l], a);
-                    acc[t] = fmaf(dl, a, fmaf(-ml, sx[v][t], acc[t]));
-                }
+                for (int l = 0; l < 8; l++) a = fmaf(w[l], xs[v][t][l], a);
+                acc[t] = fmaf(dl, a, fmaf(-ml, sx[v][t], acc[t]));
+            }
         }
     }
 };
@@ -168,12 +167,11 @@ template <int V, int NT> struct MoeDot<T_Q4_K, V, NT> {
 #pragma unroll
             for (int l = 0; l < 4; l++) w[l] = moe_u(v0, l), w[4 + l] = moe_u(v1, l);
 #pragma unroll
-            for (int t = 0; t < NT; t++)
-                if (t < m) {
+            for (int t = 0; t < NT; t++) {
 #pragma unroll
-                    for (int l = 0; l < 8; l++) a[t] = fmaf(w[l], xs[v][t][l], a[t]);
-                    sxs[t] += sx[v][t];
-                }
+                for (int l = 0; l < 8; l++) a[t] = fmaf(w[l], xs[v][t][l], a[t]);
+                sxs[t] += sx[v][t];
+            }
         }
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] = fmaf(dl, a[t], fmaf(-ml, sxs[t], acc[t]));
@@ -263,6 +261,37 @@ template <int G, int NT> __device__ __forceinline__ float moe_bfly(float (&v)[G]
     return r;
 }
 
+// The 2 rb row-dots (gate rows, then up rows) of the staged rows with MT token rows (MT <= NT, a
+// power of two; rows past m are zeros), MOE_G at a time; warp totals into red[warp][rd][t < MT].
+// FULL: all rb rows present (no guards).
+template <int T, int NT, int MT, int V, bool FULL>
+__device__ __forceinline__ void moegu_rows(const u8* wsm, int rb, int nr, long long row_bytes, const float* const (&xr)[NT],
+                                           int m, int units, const u64* gs, const u64* ss, float* red) {
+    int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    const float* xm[MT];
+#pragma unroll
+    for (int t = 0; t < MT; t++) xm[t] = xr[t];
+    for (int g0 = 0; g0 < 2 * rb; g0 += MOE_G) {
+        float acc[MOE_G][MT];
+#pragma unroll
+        for (int i = 0; i < MOE_G; i++)
+#pragma unroll
+            for (int t = 0; t < MT; t++) acc[i][t] = 0.0f;
+        for (int u = tid; u < units; u += MOE_THREADS) {
+            float xs[V][MT][8], sx[V][MT];
+            moe_x<V, MT>(xm, m, u, xs, sx);
+#pragma unroll
+            for (int i = 0; i < MOE_G; i++) {
+                int rd = g0 + i, up = rd >= rb, lr = up ? rd - rb : rd;
+                if (FULL || lr < nr) MoeDot<T, V, MT>::dot(wsm + (up ? rb : 0) * row_bytes + lr * row_bytes, u, xs, sx, gs, ss, acc[i], m);
+            }
+        }
+        float v = moe_bfly<MOE_G, MT>(acc);
+        int idx = lane / (DS4_WARP / (MOE_G * MT));
+        if (lane % (DS4_WARP / (MOE_G * MT)) == 0) red[(warp * 2 * rb + g0 + idx / MT) * NT + idx % MT] = v;
+    }
+}
+
 extern __shared__ uint4 moe_smem[];
 
 // Shared memory: tables (MOE_TAB bytes), red[MOE_WARPS][2 rb][NT] floats, gate rows [rb], up rows [rb].
@@ -310,24 +339,15 @@ __device__ __forceinline__ void moegu_body(const u8* __restrict__ Wg, const u8* 
 #pragma unroll
     for (int j = 0; j < NT; j++) xr[j] = x + (long long)tok[j] * cols;
     int units = cols / (8 * V);
-    for (int g0 = 0; g0 < 2 * rb; g0 += MOE_G) {
-        float acc[MOE_G][NT];
-#pragma unroll
-        for (int i = 0; i < MOE_G; i++)
-#pragma unroll
-            for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
-        for (int u = tid; u < units; u += MOE_THREADS) {
-            float xs[V][NT][8], sx[V][NT];
-            moe_x<V, NT>(xr, m, u, xs, sx);
-#pragma unroll
-            for (int i = 0; i < MOE_G; i++) {
-                int rd = g0 + i, up = rd >= rb, lr = up ? rd - rb : rd;
-                if (lr < nr) MoeDot<T, V, NT>::dot(wsm + (up ? rb : 0) * row_bytes + lr * row_bytes, u, xs, sx, gs, ss, acc[i], m);
-            }
-        }
-        float v = moe_bfly<MOE_G, NT>(acc);
-        int idx = lane / (DS4_WARP / (MOE_G * NT));
-        if (lane % (DS4_WARP / (MOE_G * NT)) == 0) red[(warp * 2 * rb + g0) * NT + idx] = v;
+    if (nr == rb) {
+        if (m <= 1)
+            moegu_rows<T, NT, 1, V, true>(wsm, rb, nr, row_bytes, xr, m, units, gs, ss, red);
+        else if (m == 2)
+            moegu_rows<T, NT, (NT >= 2 ? 2 : NT), V, true>(wsm, rb, nr, row_bytes, xr, m, units, gs, ss, red);
+        else
+            moegu_rows<T, NT, NT, V, true>(wsm, rb, nr, row_bytes, xr, m, units, gs, ss, red);
+    } else {
+        moegu_rows<T, NT, NT, V, false>(wsm, rb, nr, row_bytes, xr, m, units, gs, ss, red);
     }
     __syncthreads();
     for (int i = tid; i < nr * pairs; i += MOE_THREADS) {
@@ -402,9 +422,14 @@ __device__ __forceinline__ void moedn_body(const u8* __restrict__ W, const int* 
             for (int u = tid; u < units; u += MOE_THREADS) {
                 float xs[1][1][8], sx[1][1];
                 moe_x<1, 1>(xr, 1, u, xs, sx);
+                if (nr == rb) { // no guards: the row-dots interleave
 #pragma unroll
-                for (int i = 0; i < MOE_G; i++)
-                    if (i < nr) MoeDot<T, 1, 1>::dot(rows0 + i * row_bytes, u, xs, sx, gs, ss, acc[i], 1);
+                    for (int i = 0; i < MOE_G; i++) MoeDot<T, 1, 1>::dot(rows0 + i * row_bytes, u, xs, sx, gs, ss, acc[i], 1);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < MOE_G; i++)
+                        if (i < nr) MoeDot<T, 1, 1>::dot(rows0 + i * row_bytes, u, xs, sx, gs, ss, acc[i], 1);
+                }
             }
             float v = moe_bfly<MOE_G, 1>(acc);
             int idx = lane / (DS4_WARP / MOE_G);

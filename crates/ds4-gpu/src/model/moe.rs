@@ -11,9 +11,12 @@ use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// Process-wide switch (on by default) so tests and benchmarks can compare with the older paths.
 static ENABLED: AtomicBool = AtomicBool::new(true);
+/// `DS4_GPU_MOE_DECODE=off` turns the kernels off for the whole process (A/B of `ds4 bench`).
+static ENV_OFF: OnceLock<bool> = OnceLock::new();
 /// Gate/up rows per CTA (a multiple of MOE_G, shrunk to fit shared memory); for benchmarks.
 static GU_ROWS: AtomicUsize = AtomicUsize::new(16);
 /// Products run here (for tests: proof the kernels were taken).
@@ -91,7 +94,11 @@ impl GpuBackend {
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
-        if !ENABLED.load(Ordering::Relaxed)
+        let env_off = *ENV_OFF.get_or_init(|| {
+            std::env::var("DS4_GPU_MOE_DECODE").is_ok_and(|v| v == "off" || v == "0")
+        });
+        if env_off
+            || !ENABLED.load(Ordering::Relaxed)
             || !(1..=4).contains(&n)
             || k == 0
             || pairs > MAXP
