@@ -59,12 +59,12 @@ fn main() {
     // (2) graph replay, no updates
     let mut g = StepGraphs::default();
     let calls: Vec<KernelCall> = (0..n).map(|i| call(i, 7)).collect();
-    g.run(rt.as_ref(), &calls, s).expect("capture");
+    g.run(rt.as_ref(), &calls, s, 0).expect("capture");
     gpu.synchronize().unwrap();
     let mut best = (f64::MAX, f64::MAX);
     for _ in 0..rounds {
         let t = Instant::now();
-        g.run(rt.as_ref(), &calls, s).unwrap();
+        g.run(rt.as_ref(), &calls, s, 0).unwrap();
         let host = t.elapsed().as_secs_f64();
         gpu.synchronize().unwrap();
         let all = t.elapsed().as_secs_f64();
@@ -82,7 +82,7 @@ fn main() {
             .map(|i| call(i, if i % 8 == 0 { 100 + r as u32 } else { 7 }))
             .collect();
         let t = Instant::now();
-        g.run(rt.as_ref(), &calls, s).unwrap();
+        g.run(rt.as_ref(), &calls, s, 0).unwrap();
         let host = t.elapsed().as_secs_f64();
         gpu.synchronize().unwrap();
         let all = t.elapsed().as_secs_f64();

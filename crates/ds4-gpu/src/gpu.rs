@@ -668,6 +668,8 @@ pub struct GraphStats {
 
 struct CachedGraph {
     key: u64,
+    /// Which piece of a step (see [`StepGraphs::run`]).
+    tag: u64,
     /// The calls the executable graph holds now.
     calls: Vec<KernelCall>,
     exec: GraphExec,
@@ -675,7 +677,7 @@ struct CachedGraph {
 
 /// Most graphs kept (least recently used dropped first): decode cycles through a few kernel
 /// sequences (which compressors emit a row at this position).
-const GRAPH_CACHE: usize = 16;
+const GRAPH_CACHE: usize = 64;
 
 /// Runs recorded steps as device graphs. A step is a list of [`KernelCall`]s; a cached graph
 /// with the same kernels in the same order is updated where this step differs (positions,
@@ -700,13 +702,21 @@ impl StepGraphs {
         h.finish()
     }
 
-    /// Run `calls` on `stream` as a graph. On an error nothing of this step has run (the
-    /// caller launches the calls one by one).
-    pub fn run(&mut self, rt: &dyn Runtime, calls: &[KernelCall], stream: Stream) -> Result<()> {
+    /// Run `calls` on `stream` as a graph. `tag` tells pieces of a step apart (piece i of a
+    /// step split in pieces is only matched with piece i of another). On an error nothing of
+    /// these calls has run (the caller launches them one by one).
+    pub fn run(
+        &mut self,
+        rt: &dyn Runtime,
+        calls: &[KernelCall],
+        stream: Stream,
+        tag: u64,
+    ) -> Result<()> {
         self.stats.calls += calls.len() as u64;
         let key = Self::key(calls);
         let hit = self.graphs.iter().position(|g| {
             g.key == key
+                && g.tag == tag
                 && g.calls.len() == calls.len()
                 && g.calls.iter().zip(calls).all(|(a, b)| a.f == b.f)
         });
@@ -753,6 +763,10 @@ impl StepGraphs {
             }
         }
         let exec = rt.capture_end(cap);
+        if let (Err(e), Ok(x)) = (&r, &exec) {
+            rt.graph_destroy(x);
+            return Err(GpuError::Invalid(format!("graph capture: {e}")));
+        }
         r?;
         let exec = exec?;
         if exec.nodes.len() != calls.len() {
@@ -776,6 +790,7 @@ impl StepGraphs {
         }
         self.graphs.push(CachedGraph {
             key,
+            tag,
             calls: calls.to_vec(),
             exec,
         });

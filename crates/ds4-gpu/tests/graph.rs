@@ -78,6 +78,19 @@ fn graph_replay_is_bit_identical() {
         .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())));
     let s2 = m.backend.graph_stats();
     println!("graph stats after a second pass: {s2:?}");
+    // Steps in pieces of 64 launches (the device runs one while the host records the next).
+    m.backend.set_graph_split(64);
+    let split = decode(&m, &toks);
+    m.backend.set_graph_split(0);
+    for (i, (a, b)) in off.iter().zip(&split).enumerate() {
+        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same,
+            "evaluation {i}: logits of steps in pieces differ from launches"
+        );
+    }
+    let s3 = m.backend.graph_stats();
+    println!("graph stats after a pass in pieces of 64: {s3:?}");
     if m.backend.graph_on() {
         assert_eq!(before.replays, 0, "graphs ran while turned off");
         assert!(s.replays >= 600, "{s:?}");

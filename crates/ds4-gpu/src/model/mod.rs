@@ -48,6 +48,11 @@ struct GraphState {
     enabled: bool,
     calls: Vec<KernelCall>,
     graphs: StepGraphs,
+    /// Run a step as graphs of this many launches each (0: one graph per step), so that the
+    /// device runs piece i while the host records piece i + 1 (`DS4_GPU_GRAPH_SPLIT`).
+    split: usize,
+    /// Pieces of this step run so far.
+    piece: u64,
 }
 
 /// Device memory for activations, reused by size class (powers of two from 256 bytes). All
@@ -295,6 +300,10 @@ impl GpuBackend {
             recording: AtomicBool::new(false),
             graph: Mutex::new(GraphState {
                 enabled: !std::env::var("DS4_GPU_GRAPH").is_ok_and(|v| v == "off" || v == "0"),
+                split: std::env::var("DS4_GPU_GRAPH_SPLIT")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
                 ..GraphState::default()
             }),
         })
@@ -305,6 +314,12 @@ impl GpuBackend {
     pub fn set_graph(&self, on: bool) {
         self.flush(false);
         self.graph.lock().unwrap().enabled = on;
+    }
+
+    /// Run a recorded step as graphs of `calls` launches each (0: one graph per step).
+    pub fn set_graph_split(&self, calls: usize) {
+        self.flush(false);
+        self.graph.lock().unwrap().split = calls;
     }
 
     /// Whether decode steps run as graphs.
@@ -331,8 +346,9 @@ impl GpuBackend {
             return;
         }
         let rt = self.gpu.runtime().clone();
-        if as_graph {
-            match g.graphs.run(rt.as_ref(), &calls, self.stream) {
+        if as_graph && g.enabled {
+            let piece = g.piece;
+            match g.graphs.run(rt.as_ref(), &calls, self.stream, piece) {
                 Ok(()) => {
                     g.calls = calls; // keep the allocation
                     g.calls.clear();
@@ -355,11 +371,24 @@ impl GpuBackend {
         }
     }
 
-    /// Before an action outside the stream: run what was recorded so far, launch by launch,
-    /// and stop recording this step (nothing recorded yet: keep recording).
+    /// Before an action outside the stream (allocations that free, snapshots, marks): run
+    /// what was recorded so far, launch by launch, and stop recording this step.
     pub(crate) fn interrupt(&self) {
-        if self.recording.load(Ordering::Acquire) && !self.graph.lock().unwrap().calls.is_empty() {
+        if self.recording.load(Ordering::Acquire) {
             self.flush(false);
+        }
+    }
+
+    /// Before an upload: as [`GpuBackend::interrupt`], except that at the very start of a
+    /// recorded step (nothing recorded yet: the token ids) recording goes on.
+    fn before_upload(&self) {
+        if self.recording.load(Ordering::Acquire) {
+            let g = self.graph.lock().unwrap();
+            let started = !g.calls.is_empty() || g.piece > 0;
+            drop(g);
+            if started {
+                self.flush(false);
+            }
         }
     }
 
@@ -370,7 +399,28 @@ impl GpuBackend {
         }
         match KernelCall::new(f, dims, args) {
             Some(c) => {
-                self.graph.lock().unwrap().calls.push(c);
+                let mut g = self.graph.lock().unwrap();
+                g.calls.push(c);
+                if g.split > 0 && g.calls.len() >= g.split {
+                    // This piece now, as a graph; keep recording the next.
+                    let calls = std::mem::take(&mut g.calls);
+                    let piece = g.piece;
+                    let rt = self.gpu.runtime().clone();
+                    match g.graphs.run(rt.as_ref(), &calls, self.stream, piece) {
+                        Ok(()) => {
+                            g.piece += 1;
+                            g.calls = calls;
+                            g.calls.clear();
+                        }
+                        Err(e) => {
+                            eprintln!("ds4: GPU graph replay turned off: {e}");
+                            g.enabled = false;
+                            g.calls = calls;
+                            drop(g);
+                            self.flush(false);
+                        }
+                    }
+                }
                 true
             }
             None => {
@@ -647,6 +697,7 @@ impl Backend for GpuBackend {
             return;
         }
         g.calls.clear();
+        g.piece = 0;
         self.pool.canonical();
         self.recording.store(true, Ordering::Release);
     }
@@ -728,7 +779,7 @@ impl Backend for GpuBackend {
     }
 
     fn upload(&self, data: &[f32]) -> GpuBuf {
-        self.interrupt();
+        self.before_upload();
         let b = self.scratch(data.len());
         if b.ptr.0 != 0 {
             self.note(self.gpu.upload(b.ptr, f32_bytes(data)));
@@ -737,7 +788,7 @@ impl Backend for GpuBackend {
     }
 
     fn upload_i32(&self, data: &[i32]) -> GpuIBuf {
-        self.interrupt();
+        self.before_upload();
         let b = self.scratch(data.len());
         if b.ptr.0 != 0 {
             let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
