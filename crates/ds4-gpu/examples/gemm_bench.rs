@@ -1,7 +1,8 @@
 //! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) at n = 128, 512, 2048
 //! token rows, as TFLOP/s (2·n·rows·cols per product) and GB/s of weight bytes, per type (n = 2048)
 //! and model shape (full-size routed experts included).
-//! form: tc = bf16 tensor cores (default), tf32 = 3xTF32 tensor cores, fma = portable kernels.
+//! form: tc = bf16 tensor cores (default; 128-item tiles from n = 256), tc64 = the same with
+//! 64-item tiles, tf32 = 3xTF32 tensor cores, fma = portable kernels.
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
@@ -141,6 +142,14 @@ fn main() {
             });
             line(&format!("{ty:?} {cols}->{rows} {form}"), flops, bytes, s);
         }
+        // A/B: the bf16 form with 64-item tiles instead of the wide 128-item ones.
+        GpuBackend::set_gemm(true, false);
+        GpuBackend::set_gemm_wide(usize::MAX);
+        let s = time(&gpu, &x, reps.min(5), || {
+            gpu.matmul(&w, Part::All, &x, n, &mut y)
+        });
+        GpuBackend::set_gemm_wide(256);
+        line(&format!("{ty:?} {cols}->{rows} tc64"), flops, bytes, s);
     }
     GpuBackend::set_gemm(true, false);
 
@@ -192,7 +201,9 @@ fn main() {
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
             let s = if groups > 1 {
-                time(&gpu, &x, reps, || gpu.matmul_grouped(w, groups, &x, n, &mut y))
+                time(&gpu, &x, reps, || {
+                    gpu.matmul_grouped(w, groups, &x, n, &mut y)
+                })
             } else {
                 time(&gpu, &x, reps, || gpu.matmul(w, Part::All, &x, n, &mut y))
             };
@@ -235,6 +246,20 @@ fn main() {
             slab * distinct.len() as f64,
             s,
         );
+        if n >= 512 {
+            // A/B: 128-pair runs (wide tiles) for the experts.
+            GpuBackend::set_gemm_wide(2);
+            let s = time(&gpu, &z, reps.min(10), || {
+                gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &s_, &wgt, n, &mut out)
+            });
+            GpuBackend::set_gemm_wide(256);
+            line(
+                &format!("moe n={n}, 128-pair tiles"),
+                flops,
+                slab * distinct.len() as f64,
+                s,
+            );
+        }
         println!(
             "one layer's products at n = {n}: {:.1} us; x 43 layers: {:.0} tok/s (products only)",
             layer_s * 1e6,

@@ -259,7 +259,11 @@ fn gemm_group_pairs_skewed() {
         return;
     };
     let mut bad = Vec::new();
-    for (pairs, ne, nt, seed) in [(2048 * 6, 256, 64, 1u64), (12345, 16, 7, 2), (5, 256, 64, 3)] {
+    for (pairs, ne, nt, seed) in [
+        (2048 * 6, 256, 64, 1u64),
+        (12345, 16, 7, 2),
+        (5, 256, 64, 3),
+    ] {
         let mut r = rng(seed);
         let sel: Vec<i32> = (0..pairs)
             .map(|_| match r.gen_range(0..100) {
@@ -311,9 +315,10 @@ fn gemm_group_pairs_skewed() {
     assert!(bad.is_empty(), "grouping mismatches: {bad:?}");
 }
 
-/// Prefill-sized products: dense n = 2048 (Q8_0 4096→512, BF16 1024→512) and the routed
-/// experts at 2048 tokens × 6 slots (12288 pairs, skewed toward one expert), bf16 tensor-core
-/// and FMA forms.
+/// Prefill-sized products (128-item `gemmw_*` tiles in the bf16 form): dense n = 2048
+/// (Q8_0 1024→384, BF16 512→256) and the routed experts at 2048 tokens × 6 slots (12288 pairs
+/// over 16 experts, skewed toward one), bf16 tensor-core and FMA forms. Sizes kept small: the
+/// CPU reference dominates the run time.
 #[test]
 fn gemm_big_n() {
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
@@ -322,7 +327,7 @@ fn gemm_big_n() {
     let mut cases = Cases::default();
     let n = 2048;
     // Dense: CPU reference once, then each form.
-    for (i, &(ty, cols, rows)) in [(GgmlType::Q8_0, 4096, 512), (GgmlType::BF16, 1024, 512)]
+    for (i, &(ty, cols, rows)) in [(GgmlType::Q8_0, 1024, 384), (GgmlType::BF16, 512, 256)]
         .iter()
         .enumerate()
     {
@@ -351,7 +356,7 @@ fn gemm_big_n() {
     let spec = MoeSpec {
         n_expert: 16,
         n_used: 6,
-        d: 512,
+        d: 256,
         ff: 256,
         weight_scale: 1.0,
         clamp: 0.05,

@@ -48,10 +48,18 @@ __device__ __forceinline__ u32 gm_bf16_rn(float v) {
 
 // Split a pair (v0 at the even k, low half) into packed bf16 hi and lo words.
 __device__ __forceinline__ void gm_split2(float v0, float v1, u32& hi, u32& lo) {
+#if GM_HAVE_MMA
+    // sm_80+: one cvt.rn.bf16x2 per word (same round-to-nearest-even as gm_bf16_rn; the first
+    // source goes to the upper half).
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(v1), "f"(v0));
+    float r0 = v0 - __int_as_float(hi << 16), r1 = v1 - __int_as_float(hi & 0xffff0000u); // exact
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
+#else
     u32 h0 = gm_bf16_rn(v0), h1 = gm_bf16_rn(v1);
     float r0 = v0 - __int_as_float(h0 << 16), r1 = v1 - __int_as_float(h1 << 16); // exact
     hi = h0 | (h1 << 16);
     lo = gm_bf16_rn(r0) | (gm_bf16_rn(r1) << 16);
+#endif
 }
 
 // 3xTF32 split: hi = v rounded to TF32 (10 explicit bits, ties away), lo = v - hi (exact; the
@@ -67,6 +75,15 @@ __device__ __forceinline__ void gm_mma_tf(float* c, const u32* a, const u32* b) 
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four 8x8 b16 matrices from shared memory (row addresses from lanes 8i..8i+7 for matrix i).
+__device__ __forceinline__ void gm_ldm4(u32* r, const u32* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
 }
 
 __device__ __forceinline__ void gm_mma(float* c, const u32* a, const u32* b) {
@@ -189,24 +206,30 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
             __syncthreads();
             if (c + 1 < c1) load(c + 1);
 #if GM_HAVE_MMA
-            const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+            const int warp = tid >> 5, lane = tid & 31;
 #pragma unroll
             for (int kk = 0; kk < 2; kk++) {
-                const int k0 = 8 * kk + t; // u32 column of this lane's first pair
+                // Fragments by ldmatrix.x4 (8x8 b16 matrices; lane L gives the row address of matrix
+                // L/8). A (items m0.., k 16kk..): matrices (rows +0|+8) x (k +0|+8) = a0..a3.
+                // B (weight rows n.., k): matrices (n-tile nt|nt+1) x (k +0|+8) = b[nt][0..1], b[nt+1][0..1].
                 u32 ah[GM_MT][4], al[GM_MT][4], bh[4][2], bl[4][2];
+                const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
                 for (int mt = 0; mt < GM_MT; mt++) {
-                    int m = 64 * (warp >> 2) + 16 * mt + g;
-                    ah[mt][0] = sm.m.xh[m][k0], ah[mt][1] = sm.m.xh[m + 8][k0];
-                    ah[mt][2] = sm.m.xh[m][k0 + 4], ah[mt][3] = sm.m.xh[m + 8][k0 + 4];
-                    al[mt][0] = sm.m.xl[m][k0], al[mt][1] = sm.m.xl[m + 8][k0];
-                    al[mt][2] = sm.m.xl[m][k0 + 4], al[mt][3] = sm.m.xl[m + 8][k0 + 4];
+                    int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
+                    gm_ldm4(ah[mt], &sm.m.xh[m][k]);
+                    gm_ldm4(al[mt], &sm.m.xl[m][k]);
                 }
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
-                    int r = 32 * (warp & 3) + 8 * nt + g;
-                    bh[nt][0] = sm.m.wh[r][k0], bh[nt][1] = sm.m.wh[r][k0 + 4];
-                    bl[nt][0] = sm.m.wl[r][k0], bl[nt][1] = sm.m.wl[r][k0 + 4];
+                for (int np = 0; np < 2; np++) {
+                    int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
+                    u32 q[4];
+                    gm_ldm4(q, &sm.m.wh[r][k]);
+                    bh[2 * np][0] = q[0], bh[2 * np][1] = q[1], bh[2 * np + 1][0] = q[2], bh[2 * np + 1][1] = q[3];
+                    if (T != T_BF16) {
+                        gm_ldm4(q, &sm.m.wl[r][k]);
+                        bl[2 * np][0] = q[0], bl[2 * np][1] = q[1], bl[2 * np + 1][0] = q[2], bl[2 * np + 1][1] = q[3];
+                    }
                 }
 #pragma unroll
                 for (int mt = 0; mt < GM_MT; mt++)
