@@ -689,9 +689,19 @@ pub struct StepGraphs {
     cap: Option<Stream>,
     graphs: Vec<CachedGraph>,
     pub stats: GraphStats,
+    /// Print the first captures and replays to stderr (`DS4_GPU_GRAPH_TRACE=1`).
+    pub trace: bool,
 }
 
 impl StepGraphs {
+    /// Empty; `DS4_GPU_GRAPH_TRACE=1` turns tracing on.
+    pub fn new() -> StepGraphs {
+        StepGraphs {
+            trace: std::env::var("DS4_GPU_GRAPH_TRACE").is_ok_and(|v| v == "1"),
+            ..StepGraphs::default()
+        }
+    }
+
     fn key(calls: &[KernelCall]) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -740,6 +750,13 @@ impl StepGraphs {
                 rt.graph_launch(&g.exec, stream)?;
                 self.stats.replays += 1;
                 self.stats.replay_us += t.elapsed().as_micros() as u64;
+                if self.trace && self.stats.replays <= 40 {
+                    eprintln!(
+                        "ds4 graph: replay tag {tag}: {} nodes, {patched} updated, {} us",
+                        calls.len(),
+                        t.elapsed().as_micros()
+                    );
+                }
                 self.graphs.push(g);
                 return Ok(());
             }
@@ -754,6 +771,9 @@ impl StepGraphs {
                 s
             }
         };
+        if self.trace && self.stats.captures < 40 {
+            eprintln!("ds4 graph: capturing tag {tag}: {} launches", calls.len());
+        }
         rt.capture_begin(cap)?;
         let mut r = Ok(());
         for c in calls {
@@ -784,6 +804,13 @@ impl StepGraphs {
         self.stats.captures += 1;
         self.stats.replays += 1;
         self.stats.capture_us += t.elapsed().as_micros() as u64;
+        if self.trace && self.stats.captures <= 40 {
+            eprintln!(
+                "ds4 graph: captured tag {tag}: {} nodes in {} us",
+                calls.len(),
+                t.elapsed().as_micros()
+            );
+        }
         if self.graphs.len() >= GRAPH_CACHE {
             let old = self.graphs.remove(0);
             rt.graph_destroy(&old.exec);

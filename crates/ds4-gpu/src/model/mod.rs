@@ -300,6 +300,7 @@ impl GpuBackend {
             recording: AtomicBool::new(false),
             graph: Mutex::new(GraphState {
                 enabled: !std::env::var("DS4_GPU_GRAPH").is_ok_and(|v| v == "off" || v == "0"),
+                graphs: StepGraphs::new(),
                 split: std::env::var("DS4_GPU_GRAPH_SPLIT")
                     .ok()
                     .and_then(|v| v.parse().ok())
@@ -361,6 +362,12 @@ impl GpuBackend {
             }
         }
         g.graphs.stats.eager += 1;
+        if g.graphs.trace && g.graphs.stats.eager <= 40 {
+            eprintln!(
+                "ds4 graph: {} recorded launches run one by one",
+                calls.len()
+            );
+        }
         g.graphs.stats.calls += calls.len() as u64;
         drop(g);
         for c in &calls {
