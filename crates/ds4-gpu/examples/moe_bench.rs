@@ -124,5 +124,5 @@ fn main() {
         }
     }
     GpuBackend::set_moe_decode(true);
-    GpuBackend::set_moe_gu_rows(16);
+    GpuBackend::set_moe_gu_rows(0);
 }

@@ -17,8 +17,9 @@ use std::sync::OnceLock;
 static ENABLED: AtomicBool = AtomicBool::new(true);
 /// `DS4_GPU_MOE_DECODE=off` turns the kernels off for the whole process (A/B of `ds4 bench`).
 static ENV_OFF: OnceLock<bool> = OnceLock::new();
-/// Gate/up rows per CTA (a multiple of MOE_G, shrunk to fit shared memory); for benchmarks.
-static GU_ROWS: AtomicUsize = AtomicUsize::new(16);
+/// Gate/up rows per CTA (a multiple of MOE_G, shrunk to fit shared memory); 0: 8 for n = 1, 16
+/// for n = 2..4 (the faster of each on an H200, bench/results/gpu-moe-decode-h200.txt).
+static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 /// Products run here (for tests: proof the kernels were taken).
 static RUNS: AtomicUsize = AtomicUsize::new(0);
 
@@ -69,9 +70,14 @@ impl GpuBackend {
         ENABLED.store(on, Ordering::Relaxed);
     }
 
-    /// Gate/up rows per CTA (8, 16, 24, 32; default 16); process-wide, for benchmarks.
+    /// Gate/up rows per CTA (8, 16, 24, 32; 0: the default choice); process-wide, for benchmarks.
     pub fn set_moe_gu_rows(rb: usize) {
-        GU_ROWS.store(rb.clamp(G, 4 * G) / G * G, Ordering::Relaxed);
+        let rb = if rb == 0 {
+            0
+        } else {
+            rb.clamp(G, 4 * G) / G * G
+        };
+        GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
     /// How many products these kernels have run (process-wide).
@@ -125,7 +131,11 @@ impl GpuBackend {
         };
         // Gate/up rows per CTA: the preferred count, halved until tables + partials + rows fit.
         let gu_smem = |rb: usize| TAB + 4 * warps * 2 * rb * nt + 2 * rb * g.4;
-        let mut rb = GU_ROWS.load(Ordering::Relaxed);
+        let mut rb = match GU_ROWS.load(Ordering::Relaxed) {
+            0 if n == 1 => G,
+            0 => 2 * G,
+            r => r,
+        };
         while rb > G && gu_smem(rb) > SMEM {
             rb -= G;
         }
