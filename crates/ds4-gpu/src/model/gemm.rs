@@ -32,7 +32,7 @@ pub(crate) fn prefill_chunk() -> usize {
 }
 
 /// Default prompt step (tokens); see bench/results/gpu-prefill-h200.txt.
-const DEFAULT_CHUNK: usize = 2048;
+const DEFAULT_CHUNK: usize = 4096;
 
 /// Most experts the grouping kernels take (`GM_MAXE` in gemm.cu).
 const MAX_EXPERTS: usize = 1024;
@@ -79,10 +79,15 @@ fn wide_min() -> usize {
     w
 }
 
-/// Item tile for `n` dense rows (`experts` 0) or `n` pairs over `experts` experts, in the
-/// current form.
-fn tile_items(n: usize, experts: usize) -> usize {
+/// Item tile for `n` dense rows (`experts` 0) or `n` pairs over `experts` experts of weight
+/// type `ty`, in the current form. Dense: wide only for the types it measured faster on
+/// (H200, n = 2048, 4096->16384: Q8_0 47 vs 37 TFLOP/s, F32 70 vs 61, Q2_K 68 vs 63; F16, BF16,
+/// Q4_K, IQ2_XXS 5-15 % slower: bench/results/gpu-prefill-h200.txt).
+fn tile_items(n: usize, experts: usize, ty: GgmlType) -> usize {
     let need = if experts == 0 {
+        if !matches!(ty, GgmlType::Q8_0 | GgmlType::F32 | GgmlType::Q2_K) {
+            return BM;
+        }
         wide_min()
     } else {
         (wide_min() / 2).saturating_mul(experts)
@@ -364,7 +369,7 @@ impl GpuBackend {
             n,
             zs: 1,
             grp: None,
-            bm: tile_items(n, 0),
+            bm: tile_items(n, 0, *ty),
         });
         true
     }
@@ -414,7 +419,7 @@ impl GpuBackend {
             n,
             zs: groups,
             grp: None,
-            bm: tile_items(n, 0),
+            bm: tile_items(n, 0, *ty),
         });
         true
     }
@@ -471,7 +476,7 @@ impl GpuBackend {
         }
         let sel = sel.0.ptr;
         // Runs of one expert cut every bm pairs: at most pairs/bm + one partial run per expert.
-        let bm = tile_items(pairs, spec.n_expert);
+        let bm = tile_items(pairs, spec.n_expert, g.1);
         let gmax = pairs.div_ceil(bm) + spec.n_expert.min(pairs);
         let grp = self.group_pairs(sel, pairs, spec.n_expert, bm, gmax);
         let grouped = Some((sel, grp.ptr, gmax));
