@@ -3,11 +3,12 @@
 //!
 //! Kernels: `gemm_<t>` / `gemmp_<t>` / `gemmf_<t>` of `gpu/gemm.cu` (tiles of 64 items × 128
 //! weight rows; tensor-core mma with a bf16 hi/lo split (default), 3xTF32 (opt-in:
-//! `set_gemm_tf32`, `DS4_GPU_GEMM=tf32`), or the portable FMA form), split K when the grid
-//! would be small (partials summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by
-//! expert on the device (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at 64), then
-//! gate, up (GEMM each), SwiGLU
-//! and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
+//! `set_gemm_tf32`, `DS4_GPU_GEMM=tf32`), or the portable FMA form), `gemmw_<t>` (128-item
+//! tiles, bf16 form, long prompts: `tile_items`), split K when the grid would be small (partials
+//! summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by expert on the device
+//! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
+//! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
+//! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
@@ -31,7 +32,8 @@ pub(crate) fn prefill_chunk() -> usize {
         .unwrap_or(DEFAULT_CHUNK)
 }
 
-/// Default prompt step (tokens); see bench/results/gpu-prefill-h200.txt.
+/// Default prompt step (tokens). H200: 512 -> 747 tok/s, 2048 -> 990-1096, 4096 -> 1105-1311
+/// (bench/results/gpu-prefill-h200.txt); scratch at 4096 ~2 GB (MoE: 3 × pairs × ff + pairs × d f32).
 const DEFAULT_CHUNK: usize = 4096;
 
 /// Most experts the grouping kernels take (`GM_MAXE` in gemm.cu).
