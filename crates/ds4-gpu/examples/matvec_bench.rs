@@ -79,19 +79,37 @@ fn time(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)) -> f
 
 /// The forms: 0 matvec.rs staged for every type (variant 5), 1 matmul.rs direct, 2 matmul.rs
 /// coalesced (the general form, n = 1 for the types where staging loses), 3 matvec.rs before the
-/// staged kernels (variant 4: `mv<NT>_*`, n = 2..4 only).
+/// staged kernels (variant 4: `mv<NT>_*`, n = 2..4 only), 4..=7 the n = 1 `mvq_*` forms r1u8,
+/// r2u4, r4u2, r1u4 (Q8_0, F16), 8 the default (`mvq` where it measured faster).
 fn set_form(form: usize) {
-    GpuBackend::set_matvec(form == 0 || form == 3);
+    GpuBackend::set_matvec(matches!(form, 0 | 3..=7));
     GpuBackend::set_matvec_variant(match form {
         0 => 5,
         3 => 4,
         _ => 0,
     });
+    GpuBackend::set_matvec_one(match form {
+        4..=7 => form as u8 - 3,
+        8 => 255,
+        _ => 0,
+    });
     GpuBackend::set_matmul_tiles(false);
-    GpuBackend::set_matmul_coalesced(form == 2);
+    GpuBackend::set_matmul_coalesced(form == 2 || form == 8);
+    if form == 8 {
+        GpuBackend::set_matvec_defaults();
+    }
 }
-
-const FORMS: [&str; 4] = ["staged", "mm direct", "mm coalesced", "mv old"];
+const FORMS: [&str; 9] = [
+    "staged",
+    "mm direct",
+    "mm coalesced",
+    "mv old",
+    "mvq r1u8",
+    "mvq r2u4",
+    "mvq r4u2",
+    "mvq r1u4",
+    "default",
+];
 
 fn main() {
     let reps: usize = std::env::args()
@@ -132,7 +150,11 @@ fn main() {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
-            let forms: &[usize] = if n == 1 { &[0, 2] } else { &[0, 3] };
+            let forms: &[usize] = match (n, ty) {
+                (1, GgmlType::Q8_0 | GgmlType::F16) => &[2, 4, 5, 6, 7],
+                (1, _) => &[0, 2],
+                _ => &[0, 3],
+            };
             for &form in forms {
                 set_form(form);
                 let s = time(&gpu, &x, reps, |i| {
@@ -144,7 +166,7 @@ fn main() {
         }
     }
 
-    println!("-- model shapes (q2 mix): n = 1 staged vs mm coalesced, n = 2 staged vs mv old --");
+    println!("-- model shapes (q2 mix): n = 1 old forms vs mvq, n = 2 staged vs mv old --");
     for (name, ty, cols, rows, groups) in [
         ("attn q_a", GgmlType::Q8_0, 4096, 1024, 1),
         ("attn q_b", GgmlType::Q8_0, 1024, 32768, 1),
@@ -168,16 +190,15 @@ fn main() {
                 .collect();
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
-            // n = 1: also the opt-in mv1v<v> variants (v1 one row x 4 steps unrolled, v2 two
-            // rows x 2 steps, v3 four rows held to 4 CTAs/SM; F16: mv1_f16), forms 4..=6.
-            let forms: &[usize] = if n == 1 { &[0, 2, 4, 5, 6] } else { &[0, 3] };
+            // n = 1: the old default (mm coalesced; staged for the F16 16384-column mixes), the
+            // four mvq forms and the new default.
+            let forms: &[usize] = if n == 1 {
+                &[2, 0, 4, 5, 6, 7, 8]
+            } else {
+                &[0, 3]
+            };
             for &form in forms {
-                if form >= 4 {
-                    GpuBackend::set_matvec(true);
-                    GpuBackend::set_matvec_variant(form as u8 - 3);
-                } else {
-                    set_form(form);
-                }
+                set_form(form);
                 let s = time(&gpu, &x, reps, |i| {
                     let w = &ws[i % ws.len()];
                     if groups > 1 {
@@ -186,11 +207,7 @@ fn main() {
                         gpu.matmul(w, Part::All, &x, n, &mut y)
                     }
                 });
-                let fname = if form >= 4 {
-                    format!("mv1 v{}", form - 3)
-                } else {
-                    FORMS[form].to_string()
-                };
+                let fname = FORMS[form];
                 line(
                     &format!("{name} {ty:?} {}->{rows} n={n} {fname}", cols * groups),
                     bytes,
@@ -199,5 +216,5 @@ fn main() {
             }
         }
     }
-    GpuBackend::set_matvec_variant(0);
+    set_form(8);
 }

@@ -445,3 +445,81 @@ fn matvec_moe() {
     }
     cases.finish();
 }
+
+/// The n = 1 `mvq_*` forms (Q8_0, F16; `set_matvec_one(1..=4)`, then the default mix): the
+/// model's shapes (head rows cut), odd row counts (1, 3, 4099), 32 and 96 columns (ragged and
+/// 2-byte aligned Q8_0 rows), Part::Expert, grouped attn out_a; every product run twice (bitwise
+/// equal). Process-wide switch: run with --test-threads=1 on a GPU.
+#[test]
+fn matvec_one_row() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    // (type, cols, rows, experts, groups)
+    let shapes: &[(GgmlType, usize, usize, usize, usize)] = &[
+        (GgmlType::Q8_0, 4096, 1024, 1, 1),
+        (GgmlType::Q8_0, 1024, 32768, 1, 1),
+        (GgmlType::Q8_0, 4096, 512, 1, 1),
+        (GgmlType::Q8_0, 8192, 4096, 1, 1),
+        (GgmlType::Q8_0, 4096, 2048, 1, 1),
+        (GgmlType::Q8_0, 2048, 4096, 1, 1),
+        (GgmlType::Q8_0, 4096, 12928, 1, 1),
+        (GgmlType::Q8_0, 4096, 8192, 1, 8),
+        (GgmlType::Q8_0, 4096, 1, 1, 1),
+        (GgmlType::Q8_0, 4096, 3, 2, 1),
+        (GgmlType::Q8_0, 4096, 4099, 1, 1),
+        (GgmlType::Q8_0, 32, 70, 2, 1),
+        (GgmlType::Q8_0, 96, 33, 1, 1),
+        (GgmlType::Q8_0, 1056, 70, 1, 1),
+        (GgmlType::F16, 4096, 256, 1, 1),
+        (GgmlType::F16, 4096, 1024, 1, 1),
+        (GgmlType::F16, 1024, 8192, 1, 1),
+        (GgmlType::F16, 16384, 24, 1, 1),
+        (GgmlType::F16, 4096, 3, 2, 1),
+        (GgmlType::F16, 32, 70, 1, 1),
+        (GgmlType::F16, 96, 4099, 1, 1),
+        (GgmlType::F16, 512, 72, 1, 4),
+    ];
+    for (si, &(ty, cols, rows, experts, groups)) in shapes.iter().enumerate() {
+        let w = weight(&cpu, &gpu, ty, cols, rows, experts, 1300 + si as u64);
+        let part = if experts > 1 {
+            Part::Expert(experts - 1)
+        } else {
+            Part::All
+        };
+        let xs = randn(&mut rng(77 + si as u64), groups * cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cy = cpu.alloc(rows);
+        if groups > 1 {
+            cpu.matmul_grouped(&w.0, groups, &cx, 1, &mut cy);
+        } else {
+            cpu.matmul(&w.0, part, &cx, 1, &mut cy);
+        }
+        let want = cpu.download(&cy, rows);
+        for form in [1u8, 2, 3, 4, 255] {
+            GpuBackend::set_matvec_one(form);
+            let mut outs = Vec::new();
+            for _ in 0..2 {
+                let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+                if groups > 1 {
+                    gpu.matmul_grouped(&w.1, groups, &gx, 1, &mut gy);
+                } else {
+                    gpu.matmul(&w.1, part, &gx, 1, &mut gy);
+                }
+                outs.push(gpu.download(&gy, rows));
+            }
+            let name = format!("mvq form {form} {ty:?} {groups}x{cols}->{rows} {part:?}");
+            cases.check(name.clone(), cols, &outs[0], &want, &gpu);
+            let same = outs[0]
+                .iter()
+                .zip(&outs[1])
+                .all(|(p, q)| p.to_bits() == q.to_bits());
+            println!("{name}: repeat bitwise equal {same}");
+            assert!(same, "{name}: results differ between runs");
+        }
+    }
+    GpuBackend::set_matvec_one(255);
+    cases.finish();
+}

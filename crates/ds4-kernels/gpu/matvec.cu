@@ -556,3 +556,125 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q8_0(MVDOWN_PARAMS) { mvdown_body<
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q2_k(MVDOWN_PARAMS) { mvdown_body<T_Q2_K>(MVDOWN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q4_k(MVDOWN_PARAMS) { mvdown_body<T_Q4_K>(MVDOWN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_iq2_xxs(MVDOWN_PARAMS) { mvdown_body<T_IQ2_XXS>(MVDOWN_ARGS); }
+
+// ---- One-row products with every load of U column steps × R rows issued before any math
+// (mvq_r<R>u<U>_<t>, n = 1; Q8_0 and F16). Lanes as in mv_body (chunk c = step + lane / 4,
+// 8-element slice q = lane & 3); the raw words of U steps × R rows stay in registers (Q8_0:
+// U * R * 272 bytes per warp in flight, F16: U * R * 512) and are decoded only after all were
+// asked for; the x slice of a step (read through L1) serves its R rows. Each lane adds its slices
+// in step order, then warp sums and the kspl partials in warp order (deterministic).
+// y[z*y_z + r] = W_z[r] . x[z*x_z ..] for r < rows, z = blockIdx.z.
+template <int T> struct MvqRaw;
+
+// Q8_0: the scale halfword and the slice's 8 quants (2 words, + a halfword when they start 2 bytes
+// past a word); decoded as MvSlice<T_Q8_0>, the scale by cvt.
+template <> struct MvqRaw<T_Q8_0> {
+    u32 d, w0, w1, e;
+    bool odd;
+    __device__ __forceinline__ void load(const u8* __restrict__ row, int c, int q) {
+        const u8* b = row + (size_t)c * 34;
+        const u8* a = b + 2 + 8 * q;
+        odd = ((size_t)a & 2) != 0;
+        const u32* p = (const u32*)(a - (odd ? 2 : 0));
+        d = *(const u16*)b;
+        w0 = p[0];
+        w1 = p[1];
+        e = odd ? (u32)(*(const u16*)((const u8*)p + 8)) : 0u; // in bounds: the slice's last 2 bytes
+    }
+    __device__ __forceinline__ float dot(const float4& xa, const float4& xb, float acc) const {
+        u32 lo = odd ? (w0 >> 16) | (w1 << 16) : w0;
+        u32 hi = odd ? (w1 >> 16) | (e << 16) : w1;
+        lo ^= 0x80808080u, hi ^= 0x80808080u; // i8 -> u8 + 128
+        float s = mv_byte(lo, 0, 128.0f) * xa.x;
+        s = fmaf(mv_byte(lo, 1, 128.0f), xa.y, s);
+        s = fmaf(mv_byte(lo, 2, 128.0f), xa.z, s);
+        s = fmaf(mv_byte(lo, 3, 128.0f), xa.w, s);
+        s = fmaf(mv_byte(hi, 0, 128.0f), xb.x, s);
+        s = fmaf(mv_byte(hi, 1, 128.0f), xb.y, s);
+        s = fmaf(mv_byte(hi, 2, 128.0f), xb.z, s);
+        s = fmaf(mv_byte(hi, 3, 128.0f), xb.w, s);
+        return fmaf(mv_h2f(d), s, acc);
+    }
+};
+
+// F16: one 16-byte load per slice, 8 conversions by cvt.
+template <> struct MvqRaw<T_F16> {
+    uint4 v;
+    __device__ __forceinline__ void load(const u8* __restrict__ row, int c, int q) {
+        v = *(const uint4*)(row + (size_t)c * 64 + q * 16);
+    }
+    __device__ __forceinline__ float dot(const float4& xa, const float4& xb, float acc) const {
+        acc = fmaf(mv_h2f(v.x & 0xffffu), xa.x, acc);
+        acc = fmaf(mv_h2f(v.x >> 16), xa.y, acc);
+        acc = fmaf(mv_h2f(v.y & 0xffffu), xa.z, acc);
+        acc = fmaf(mv_h2f(v.y >> 16), xa.w, acc);
+        acc = fmaf(mv_h2f(v.z & 0xffffu), xb.x, acc);
+        acc = fmaf(mv_h2f(v.z >> 16), xb.y, acc);
+        acc = fmaf(mv_h2f(v.w & 0xffffu), xb.z, acc);
+        acc = fmaf(mv_h2f(v.w >> 16), xb.w, acc);
+        return acc;
+    }
+};
+
+template <int T, int R, int U>
+__device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
+                                         long long row_bytes, int kspl) {
+    __shared__ float red[MV_WARPS * R];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, z = blockIdx.z;
+    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * R;
+    float acc[R][1];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i][0] = 0.0f;
+    if (r0 < rows) { // warp-uniform
+        const u8* rp[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) rp[i] = W + (long long)z * w_z + (long long)min(r0 + i, rows - 1) * row_bytes;
+        const float* xb = x + (long long)z * x_z;
+        int q = lane & 3, stride = kspl * MV_CPW, chunks = cols / 32;
+        int c0 = (warp % kspl) * MV_CPW;
+        for (; c0 + (U - 1) * stride + MV_CPW <= chunks; c0 += U * stride) { // U whole steps
+            MvqRaw<T> raw[U][R];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int i = 0; i < R; i++) raw[u][i].load(rp[i], c0 + u * stride + lane / 4, q);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const float4* xv = (const float4*)(xb + (long long)(c0 + u * stride + lane / 4) * 32 + 8 * q);
+                float4 xa = xv[0], xc = xv[1];
+#pragma unroll
+                for (int i = 0; i < R; i++) acc[i][0] = raw[u][i].dot(xa, xc, acc[i][0]);
+            }
+        }
+        for (; c0 < chunks; c0 += stride) { // the rest, one guarded step at a time
+            int c = c0 + lane / 4;
+            if (c < chunks) {
+                MvqRaw<T> raw[R];
+#pragma unroll
+                for (int i = 0; i < R; i++) raw[i].load(rp[i], c, q);
+                const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
+                float4 xa = xv[0], xc = xv[1];
+#pragma unroll
+                for (int i = 0; i < R; i++) acc[i][0] = raw[i].dot(xa, xc, acc[i][0]);
+            }
+        }
+    }
+    float v = mv_reduce<1, R>(acc, kspl, red);
+    int r = r0 + lane;
+    if (warp % kspl == 0 && lane < R && r < rows) y[(long long)z * y_z + r] = v;
+}
+
+#define MVQ_PARAMS                                                                                                     \
+    const u8 *__restrict__ W, long long w_z, const float *__restrict__ x, long long x_z, float *__restrict__ y,       \
+        long long y_z, int rows, int cols, long long row_bytes, int kspl
+#define MVQ_ARGS W, w_z, x, x_z, y, y_z, rows, cols, row_bytes, kspl
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 1, 8>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 2, 4>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 4, 2>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 1, 4>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_f16(MVQ_PARAMS) { mvq_body<T_F16, 1, 8>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16(MVQ_PARAMS) { mvq_body<T_F16, 2, 4>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_f16(MVQ_PARAMS) { mvq_body<T_F16, 4, 2>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { mvq_body<T_F16, 1, 4>(MVQ_ARGS); }

@@ -74,5 +74,13 @@ pub const MATVEC: Module = Module {
         "mvdown_q2_k",
         "mvdown_q4_k",
         "mvdown_iq2_xxs",
+        "mvq_r1u8_q8_0",
+        "mvq_r2u4_q8_0",
+        "mvq_r4u2_q8_0",
+        "mvq_r1u4_q8_0",
+        "mvq_r1u8_f16",
+        "mvq_r2u4_f16",
+        "mvq_r4u2_f16",
+        "mvq_r1u4_f16",
     ],
 };

@@ -39,6 +39,24 @@ static ONE: AtomicBool = AtomicBool::new(false);
 /// (`DS4_GPU_MATVEC=v<k>`).
 static VARIANT: AtomicU8 = AtomicU8::new(0);
 
+/// n = 1 products of Q8_0 and F16 by `mvq_<form>_<t>` (all loads of U column steps × R rows
+/// issued before the math): MVQ_AUTO (default) where `mvq_auto` says it measured faster, 0 never,
+/// 1..=4 always the form MVQ_FORMS[k - 1]. `DS4_GPU_MVQ=off|auto|r1u8|r2u4|r4u2|r1u4`.
+static MVQ: AtomicU8 = AtomicU8::new(MVQ_AUTO);
+const MVQ_AUTO: u8 = 255;
+static MVQ_ENV: std::sync::Once = std::sync::Once::new();
+/// (name, rows per warp R); U = 8 / R column steps except r1u4.
+const MVQ_FORMS: [(&str, usize); 4] = [("r1u8", 1), ("r2u4", 2), ("r4u2", 4), ("r1u4", 1)];
+
+/// The `mvq` form (1..=4) the default takes for `ty` with `rows` rows (all groups) of `cols`, or 0.
+fn mvq_auto(ty: GgmlType, rows: usize, _cols: usize, sm: usize) -> u8 {
+    match ty {
+        GgmlType::Q8_0 => 2,
+        GgmlType::F16 if rows >= 2 * sm => 4,
+        _ => 0,
+    }
+}
+
 /// Whether the default form stages `ty` at `n` rows. H200, 2026-11-30
 /// (bench/results/gpu-matvec-h200.txt): staged beats the other forms for Q2_K and IQ2_XXS at every
 /// n (1.1-1.5x) and for Q8_0 at n = 2..4 (1.1-1.4x on the model's shapes, except 4096->1024), ties
@@ -181,6 +199,93 @@ impl GpuBackend {
     /// staged kernels, 5 staged wherever possible; others read as 0). See `VARIANT`.
     pub fn set_matvec_variant(v: u8) {
         VARIANT.store(if v <= 5 { v } else { 0 }, Ordering::Relaxed);
+    }
+
+    /// The switches of this file as at open (on; n = 1 only by `mvq_*` and the staged form).
+    pub fn set_matvec_defaults() {
+        ENABLED.store(true, Ordering::Relaxed);
+        ONE.store(false, Ordering::Relaxed);
+        VARIANT.store(0, Ordering::Relaxed);
+        Self::set_matvec_one(MVQ_AUTO);
+    }
+
+    /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=4 a fixed form, anything else auto.
+    pub fn set_matvec_one(form: u8) {
+        MVQ_ENV.call_once(|| {});
+        MVQ.store(if form <= 4 { form } else { MVQ_AUTO }, Ordering::Relaxed);
+    }
+
+    /// One n = 1 product by `mvq_*` (Q8_0, F16), or false when off, declined or another type.
+    /// Strides as in `mv_launch` (bytes for w_z, elements for x_z and y_z).
+    #[allow(clippy::too_many_arguments)]
+    fn mvq(
+        &self,
+        ty: GgmlType,
+        w: DevPtr,
+        w_z: usize,
+        x: &GpuBuf,
+        x_z: usize,
+        y: DevPtr,
+        y_z: usize,
+        rows: usize,
+        cols: usize,
+        rb: usize,
+        zs: usize,
+    ) -> bool {
+        MVQ_ENV.call_once(|| {
+            if let Ok(v) = std::env::var("DS4_GPU_MVQ") {
+                let f = match v.as_str() {
+                    "off" => 0,
+                    _ => MVQ_FORMS
+                        .iter()
+                        .position(|f| f.0 == v)
+                        .map_or(MVQ_AUTO, |i| i as u8 + 1),
+                };
+                MVQ.store(f, Ordering::Relaxed);
+            }
+        });
+        let sfx = match ty {
+            GgmlType::Q8_0 => "q8_0",
+            GgmlType::F16 => "f16",
+            _ => return false,
+        };
+        let sm = self.gpu.info().sm_count as usize;
+        let form = match MVQ.load(Ordering::Relaxed) {
+            MVQ_AUTO => mvq_auto(ty, rows * zs, cols, sm),
+            f => f,
+        };
+        // F16 slices are 16-byte loads; Q8_0 needs 2-byte aligned rows (word loads of the slices).
+        let align: usize = if ty == GgmlType::F16 { 16 } else { 2 };
+        if form == 0
+            || !ENABLED.load(Ordering::Relaxed)
+            || !x.ptr.0.is_multiple_of(16)
+            || !w.0.is_multiple_of(align as u64)
+            || !rb.is_multiple_of(align)
+            || !w_z.is_multiple_of(align)
+            || self.failed()
+        {
+            return false;
+        }
+        let (name, r) = MVQ_FORMS[form as usize - 1];
+        let (dims, k) = self.mv_dims(rows, r, 1, zs, cols);
+        self.run(
+            &ds4_kernels::MATVEC,
+            &format!("mvq_{name}_{sfx}"),
+            dims,
+            &[
+                Arg::Ptr(w),
+                Arg::I64(w_z as i64),
+                Arg::Ptr(x.ptr),
+                Arg::I64(x_z as i64),
+                Arg::Ptr(y),
+                Arg::I64(y_z as i64),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I64(rb as i64),
+                Arg::I32(k as i32),
+            ],
+        );
+        true
     }
 
     /// Warps per row group (1, 2, 4, 8): the fewest that give about 16 working warps per SM,
@@ -396,6 +501,9 @@ impl GpuBackend {
             return false;
         };
         let w0 = p.offset(byte0 as u64);
+        if n == 1 && self.mvq(*ty, w0, 0, x, 0, y.ptr, 0, rows, cols, rb, 1) {
+            return true;
+        }
         if self.mvs(*ty, w0, 0, x, cols, 0, y.ptr, rows, 0, rows, cols, rb, n, 1) {
             return true;
         }
@@ -445,6 +553,9 @@ impl GpuBackend {
             return false;
         };
         let (x_tok, x_z) = (groups * cols, cols);
+        if n == 1 && self.mvq(*ty, p, r * rb, x, x_z, y.ptr, r, r, cols, rb, groups) {
+            return true;
+        }
         if self.mvs(
             *ty,
             p,
