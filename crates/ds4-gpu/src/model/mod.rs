@@ -37,6 +37,11 @@ use std::sync::{Arc, Mutex};
 /// are long enough that launches cost little).
 const GRAPH_MAX_N: usize = 4;
 
+/// Launches per graph piece by default. H200, full-q2 decode at 2k context: one graph per step
+/// 58.4 tok/s, pieces of 256 61.1 (launches one by one 54.7); tiny model: 994 vs 1184 with
+/// pieces of 64 (bench/results/gpu-graph-h200.txt).
+const GRAPH_SPLIT: usize = 256;
+
 /// Graph replay of decode steps (`DS4_GPU_GRAPH=off` disables): between
 /// [`Backend::graph_begin`] and the first host read (or [`Backend::graph_end`]) launches are
 /// recorded instead of issued, then run as one graph ([`StepGraphs`]). The schedule still runs
@@ -49,7 +54,8 @@ struct GraphState {
     calls: Vec<KernelCall>,
     graphs: StepGraphs,
     /// Run a step as graphs of this many launches each (0: one graph per step), so that the
-    /// device runs piece i while the host records piece i + 1 (`DS4_GPU_GRAPH_SPLIT`).
+    /// device runs piece i while the host records piece i + 1 (`DS4_GPU_GRAPH_SPLIT`, default
+    /// [`GRAPH_SPLIT`]).
     split: usize,
     /// Pieces of this step run so far.
     piece: u64,
@@ -304,7 +310,7 @@ impl GpuBackend {
                 split: std::env::var("DS4_GPU_GRAPH_SPLIT")
                     .ok()
                     .and_then(|v| v.parse().ok())
-                    .unwrap_or(0),
+                    .unwrap_or(GRAPH_SPLIT),
                 ..GraphState::default()
             }),
         })
