@@ -7,8 +7,10 @@
 //! It is the default only where it measured faster (`staged_wins`: 2-bit types, Q8_0/Q4_K at
 //! n = 2..4, the 16384-column F16 mixes); otherwise `mv<NT>_<t>` (lanes over consecutive 8-element
 //! slices, x kept in registers across the MV_R rows of a warp) for n = 2..4 and matmul.rs's
-//! coalesced kernels for n = 1. Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and
-//! `mvgu_<t>`/`mvdown_<t>` for the routed experts.
+//! coalesced kernels for n = 1. For n = 1 Q8_0/F16 the `mvq_<form>_<t>` kernels come first
+//! (`mvq_auto`: all loads of U column steps × R rows of a warp issued before the math, 2.9 TB/s on
+//! the Q8_0 head). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
+//! for the routed experts.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
@@ -49,10 +51,17 @@ static MVQ_ENV: std::sync::Once = std::sync::Once::new();
 const MVQ_FORMS: [(&str, usize); 4] = [("r1u8", 1), ("r2u4", 2), ("r4u2", 4), ("r1u4", 1)];
 
 /// The `mvq` form (1..=4) the default takes for `ty` with `rows` rows (all groups) of `cols`, or 0.
-fn mvq_auto(ty: GgmlType, rows: usize, _cols: usize, sm: usize) -> u8 {
+/// H200, 2026-11-30 (bench/results/gpu-matvec-h200.txt, helper N): r2u4 is the fastest form on
+/// every Q8_0 shape of the model (head 191 against 272 us for mmc, out_b 16.6 against 22.2,
+/// grouped out_a 16.7 against 22.8, q_b 18.2 against 25.3, q_a 5.4 against 7.0) and on F16
+/// products of 256 rows or more (router 4.6 against 5.5, 1024->8192 7.8 against 11.8); r1u4 on
+/// the few-row 16384-column F16 mixes (24 rows: 5.7 against 9.3 staged; 4 rows not measured);
+/// F16 4096->64 ties mmc (4.5 us) and stays there.
+fn mvq_auto(ty: GgmlType, rows: usize, cols: usize, _sm: usize) -> u8 {
     match ty {
         GgmlType::Q8_0 => 2,
-        GgmlType::F16 if rows >= 2 * sm => 4,
+        GgmlType::F16 if rows >= 128 => 2,
+        GgmlType::F16 if cols >= 16384 => 4,
         _ => 0,
     }
 }
@@ -64,7 +73,8 @@ fn mvq_auto(ty: GgmlType, rows: usize, _cols: usize, sm: usize) -> u8 {
 /// float types, and `mv<NT>_*` wins for the float types at n = 2..4 (the staged form stops near
 /// 2.1 TB/s for every type: one load phase, then one compute phase per CTA). One exception: the
 /// few-row F16 mixes with 16384 columns (split K across CTAs) at n = 1: 16384->24 10.2 against
-/// 12.4 us device time per call, 16384->4 8.6 against 11.2 (4096->64: 9.2 against 6.4, not taken).
+/// 12.4 us device time per call, 16384->4 8.6 against 11.2 (4096->64: 9.2 against 6.4, not taken);
+/// n = 1 Q8_0/F16 now go to `mvq_*` first where `mvq_auto` takes them (the hc mixes included).
 fn staged_wins(ty: GgmlType, n: usize, rows: usize, cols: usize, sm: usize) -> bool {
     match ty {
         GgmlType::Q2_K | GgmlType::IQ2_XXS => true,
@@ -673,6 +683,20 @@ impl GpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default n = 1 routing of `mvq_*`: every Q8_0 product, F16 with >= 128 rows or the
+    /// 16384-column mixes; other types and the small F16 4096->64 stay elsewhere.
+    #[test]
+    fn mvq_routing() {
+        assert_eq!(mvq_auto(GgmlType::Q8_0, 129280, 4096, 132), 2);
+        assert_eq!(mvq_auto(GgmlType::Q8_0, 1, 32, 132), 2);
+        assert_eq!(mvq_auto(GgmlType::F16, 256, 4096, 132), 2);
+        assert_eq!(mvq_auto(GgmlType::F16, 24, 16384, 132), 4);
+        assert_eq!(mvq_auto(GgmlType::F16, 64, 4096, 132), 0);
+        assert_eq!(mvq_auto(GgmlType::F32, 4096, 4096, 132), 0);
+        assert_eq!(mvq_auto(GgmlType::Q2_K, 4096, 4096, 132), 0);
+        assert!(MVQ_FORMS.iter().all(|f| f.1 <= MV_WARPS));
+    }
 
     /// Every plan stages at most MVS_STAGE bytes, covers each row with whole-unit tiles, keeps
     /// the rows of a warp within its accumulators, and gives the big products enough CTAs.
