@@ -6,9 +6,9 @@
 //! exp/log1p (libm vs device, at most an ulp): embed is exact, the rest held to 1e-5 relative,
 //! router selections exactly.
 //!
-//! Every case runs on both kernel forms: the latency forms (default) and the simple ones
-//! (`DS4_GPU_MIX=simple`, switched here process-wide through `GpuBackend::set_mix_simple`, so the
-//! tests take a lock and run one at a time).
+//! Every case runs on all three kernel forms: the glue forms (default), the latency forms
+//! (`DS4_GPU_MIX=fast`) and the simple ones (`DS4_GPU_MIX=simple`), switched here process-wide
+//! through `GpuBackend::set_mix_form`, so the tests take a lock and run one at a time.
 
 mod common;
 
@@ -25,14 +25,14 @@ const TOL: f32 = 1e-5;
 /// Serialises the tests: the kernel form is a process-wide switch.
 static FORM: Mutex<()> = Mutex::new(());
 
-/// Run `f(form)` on the latency forms, then on the simple ones; leaves the default (fast) set.
+/// Run `f(form)` on the glue, latency and simple forms; leaves the default (glue) set.
 fn both_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
-    for (simple, form) in [(false, "fast"), (true, "simple")] {
-        GpuBackend::set_mix_simple(simple);
+    for form in ["glue", "fast", "simple"] {
+        GpuBackend::set_mix_form(form);
         f(form);
     }
-    GpuBackend::set_mix_simple(false);
+    GpuBackend::set_mix_form("glue");
 }
 
 fn setup() -> Option<(CpuBackend, GpuBackend)> {
@@ -139,13 +139,19 @@ fn hc_split_matches_cpu() {
     let Some((cpu, gpu)) = setup() else { return };
     both_forms(|form| {
         let mut r = rng(2);
-        // Decode (1 token) and batches; N 4 (the model) and 8; 70 tokens span several Sinkhorn CTAs.
+        // Decode (1 token) and batches; N 4 (the model), 1..3 and 8; 70 and 130 tokens span several
+        // Sinkhorn CTAs; d 260 a partial column CTA, d 4098 (not float4) the simple kernel.
         for (nh, d, n) in [
             (4usize, 256usize, 5usize),
             (4, 4096, 1),
             (4, 4096, 5),
             (8, 256, 3),
             (4, 256, 70),
+            (4, 260, 130),
+            (1, 256, 2),
+            (2, 128, 3),
+            (3, 4096, 1),
+            (4, 4098, 2),
         ] {
             let h = hc(nh, d);
             let mix = (2 + nh) * nh;
@@ -194,6 +200,8 @@ fn hc_collapse_matches_cpu() {
             (4, 4096, 1),
             (4, 4096, 6),
             (8, 256, 3),
+            (4, 260, 3),
+            (3, 4096, 1),
         ] {
             let h = hc(nh, d);
             let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 1, 0.5));
@@ -228,6 +236,8 @@ fn hc_post_matches_cpu() {
             (4, 4096, 5),
             (8, 256, 3),
             (4, 4098, 2),
+            (3, 260, 3),
+            (4, 4096, 70),
         ] {
             let h = hc(nh, d);
             let x = randn(&mut r, n * nh * d, 1.0);
@@ -348,6 +358,10 @@ fn elementwise_matches_cpu() {
             (16384, 1),
             (16384, 3),
             (128, 40),
+            (512, 64),
+            (1024, 1),
+            (8192, 2),
+            (12, 3),
             (250, 3),
             (20000, 2),
         ] {

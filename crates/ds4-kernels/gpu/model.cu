@@ -412,3 +412,88 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_route_fast(const float* __restrict__ logits,
     }
     ds4_route_finish(lane < k ? p[mine] : 0.0f, mine, sel_t, wgt_t, k, weight_scale);
 }
+
+// ---- Glue forms (default; DS4_GPU_MIX=fast keeps the latency forms above): N <= 4 Sinkhorn in
+// one thread's registers per token, no shuffles, no barriers. ----
+
+// Sinkhorn of one token for exactly NN streams on this thread: post [NN], comb [NN*NN]. Same
+// operations in the same order as hc_split (the CPU's), all NN*NN values in registers.
+template <int NN>
+__device__ __forceinline__ void hc_sinkhorn_thread(const float* __restrict__ mt, const float* __restrict__ scale, const float* __restrict__ base, float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
+    float pl[NN], a[NN][NN];
+    const float s1 = scale[1], s2 = scale[2];
+#pragma unroll
+    for (int i = 0; i < NN; i++) pl[i] = ds4_mul_rn(mt[NN + i], s1) + base[NN + i];
+#pragma unroll
+    for (int r = 0; r < NN; r++)
+#pragma unroll
+        for (int b = 0; b < NN; b++) a[r][b] = ds4_mul_rn(mt[2 * NN + r * NN + b], s2) + base[2 * NN + r * NN + b];
+#pragma unroll
+    for (int i = 0; i < NN; i++) post_t[i] = 2.0f * ds4_sigmoid(pl[i]);
+#pragma unroll
+    for (int r = 0; r < NN; r++) { // row softmax + eps (the rows are independent chains)
+        float mx = DS4_NEG_INF;
+#pragma unroll
+        for (int b = 0; b < NN; b++) mx = fmaxf(mx, a[r][b]);
+        float s = 0.0f;
+#pragma unroll
+        for (int b = 0; b < NN; b++) {
+            a[r][b] = ds4_expf_cr(a[r][b] - mx);
+            s += a[r][b];
+        }
+#pragma unroll
+        for (int b = 0; b < NN; b++) a[r][b] = a[r][b] / s + eps;
+    }
+    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
+        if (it > 0) { // row normalise (the first pass only normalises columns)
+#pragma unroll
+            for (int r = 0; r < NN; r++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int b = 0; b < NN; b++) s += a[r][b];
+                s += eps;
+#pragma unroll
+                for (int b = 0; b < NN; b++) a[r][b] /= s;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NN; c++) { // column normalise
+            float s = 0.0f;
+#pragma unroll
+            for (int r = 0; r < NN; r++) s += a[r][c];
+            s += eps;
+#pragma unroll
+            for (int r = 0; r < NN; r++) a[r][c] /= s;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NN; r++)
+#pragma unroll
+        for (int b = 0; b < NN; b++) comb_t[r * NN + b] = a[r][b];
+}
+
+// HC pre, glue form for N <= 4 (host checks, with D % 4 == 0 and 16-byte aligned x, z); same
+// outputs as hc_split. Grid: ns = ceil(n / blockDim) Sinkhorn CTAs (one thread per token), then
+// n*cc column CTAs as hc_split_fast (cc = ceil(D/4 / blockDim)); the two kinds run concurrently.
+DS4_KERNEL void DS4_BOUNDS(256) hc_split_glue(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int iters, float eps, int n, int cc) {
+    const int ns = (n + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int b = blockIdx.x, mix = (2 + N) * N;
+    if (b >= ns) {
+        const int c = b - ns, t = c / cc, k4 = (c - t * cc) * blockDim.x + threadIdx.x;
+        const float4* xt = (const float4*)(x + (size_t)t * N * D);
+        float4* zt = (float4*)(z + (size_t)t * D);
+        hc_split_cols<4>(m + (size_t)t * mix, scale, base, xt, zt, N, D >> 2, k4, eps);
+        return;
+    }
+    const int t = b * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float* mt = m + (size_t)t * mix;
+    float* pt = post + (size_t)t * N;
+    float* ct = comb + (size_t)t * N * N;
+    switch (N) {
+    case 1: hc_sinkhorn_thread<1>(mt, scale, base, pt, ct, iters, eps); break;
+    case 2: hc_sinkhorn_thread<2>(mt, scale, base, pt, ct, iters, eps); break;
+    case 3: hc_sinkhorn_thread<3>(mt, scale, base, pt, ct, iters, eps); break;
+    default: hc_sinkhorn_thread<4>(mt, scale, base, pt, ct, iters, eps); break;
+    }
+}

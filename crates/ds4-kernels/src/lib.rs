@@ -55,6 +55,7 @@ pub const ELEMENTWISE: Module = Module {
     kernels: &[
         "rmsnorm_f32",
         "rmsnorm_f32x4",
+        "rmsnorm_f32g",
         "add_f32",
         "mul_f32",
         "scale_f32",

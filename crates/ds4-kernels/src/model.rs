@@ -14,5 +14,6 @@ pub const MODEL: Module = Module {
         "hc_collapse_fast",
         "hc_post_fast",
         "moe_route_fast",
+        "hc_split_glue",
     ],
 };

@@ -2,9 +2,11 @@
 //! `ds4-kernels/gpu/model.cu` and `elementwise.cu`). Reference: ds4-cpu backend.rs.
 //!
 //! rms_norm, hc_split, hc_collapse, hc_post and moe_route have latency forms for decode
-//! (`*_fast`, `*x4`: float4 loads in flight at once, warp-synchronous Sinkhorn and top-k);
-//! `DS4_GPU_MIX=simple` (or [`GpuBackend::set_mix_simple`]) keeps the first kernels, one CTA per
-//! row or token.
+//! (`*_fast`, `*x4`: float4 loads in flight at once, warp-synchronous Sinkhorn and top-k), and
+//! glue forms on top (the default, `DS4_GPU_MIX=glue`: Sinkhorn in one thread's registers per
+//! token, 64-thread column CTAs, rms_norm with one barrier). `DS4_GPU_MIX=fast` keeps the latency
+//! forms, `DS4_GPU_MIX=simple` the first kernels, one CTA per row or token (or
+//! [`GpuBackend::set_mix_form`]).
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::error::GpuError;
@@ -20,25 +22,55 @@ const ROUTE_MAX_K: usize = 32;
 /// Longest row `rmsnorm_f32x4` takes: 4 float4 per thread of a 1024-thread CTA.
 const NORM_X4_MAX: usize = 4 * 4 * 1024;
 
-/// Kernel forms: 0 not yet read from `DS4_GPU_MIX`, 1 latency forms, 2 simple (process-wide).
+/// Kernel forms: 0 not yet read from `DS4_GPU_MIX`, 1 glue (default), 2 simple, 3 fast
+/// (process-wide).
 static MODE: AtomicU8 = AtomicU8::new(0);
 
-/// Whether the simple kernels are in use (`DS4_GPU_MIX=simple`, read once, or the setter).
-fn mix_simple() -> bool {
+/// Which glue kernels run: `DS4_GPU_MIX=simple|fast`, read once (anything else: glue), or
+/// [`GpuBackend::set_mix_form`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MixForm {
+    /// One CTA per row or token (the first kernels).
+    Simple,
+    /// The round-2 latency forms (float4, warp-synchronous Sinkhorn and top-k).
+    Fast,
+    /// The default: fast plus a Sinkhorn in one thread's registers per token (N <= 4), 64-thread
+    /// column CTAs for hc_split/collapse/post, rms_norm with one block barrier.
+    Glue,
+}
+
+fn mix_form() -> MixForm {
     let mut m = MODE.load(Ordering::Relaxed);
     if m == 0 {
-        let env = if std::env::var("DS4_GPU_MIX").is_ok_and(|v| v == "simple") {
-            2
-        } else {
-            1
+        let env = match std::env::var("DS4_GPU_MIX").as_deref() {
+            Ok("simple") => 2,
+            Ok("fast") => 3,
+            _ => 1,
         };
         m = match MODE.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
             Ok(_) => env,
             Err(cur) => cur,
         };
     }
-    m == 2
+    match m {
+        2 => MixForm::Simple,
+        3 => MixForm::Fast,
+        _ => MixForm::Glue,
+    }
 }
+
+/// Whether the simple kernels are in use.
+fn mix_simple() -> bool {
+    mix_form() == MixForm::Simple
+}
+
+/// Whether the glue forms are in use.
+fn mix_glue() -> bool {
+    mix_form() == MixForm::Glue
+}
+
+/// Threads of the glue forms' column CTAs (float4 columns each): more, smaller CTAs at decode.
+const GLUE_COLS: usize = 64;
 
 /// float4 loads are safe at this address.
 fn al16(p: DevPtr) -> bool {
@@ -46,10 +78,21 @@ fn al16(p: DevPtr) -> bool {
 }
 
 impl GpuBackend {
-    /// Use the simple glue kernels (true) or the latency forms (false, the default unless
-    /// `DS4_GPU_MIX=simple`). Process-wide; for tests and benchmarks of both forms.
+    /// Use the simple glue kernels (true) or the default glue forms (false). Process-wide.
     pub fn set_mix_simple(on: bool) {
-        MODE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+        Self::set_mix_form(if on { "simple" } else { "glue" });
+    }
+
+    /// Select the glue kernel form by its `DS4_GPU_MIX` name: "glue" (the default), "fast" or
+    /// "simple" (overrides the variable). Process-wide; for tests and benchmarks of every form.
+    pub fn set_mix_form(form: &str) {
+        let m = match form {
+            "glue" => 1,
+            "simple" => 2,
+            "fast" => 3,
+            _ => panic!("set_mix_form: unknown form {form:?} (glue, fast, simple)"),
+        };
+        MODE.store(m, Ordering::Relaxed);
     }
 
     fn invalid(&self, msg: &str) {
@@ -139,7 +182,17 @@ impl GpuBackend {
             && w.is_none_or(|w| al16(w.ptr()));
         // x4: one float4 per thread up to 1024 threads (a 16384 row: 4 each), whole warps.
         let warp = self.warp() as usize;
-        let (name, threads) = if fast {
+        let (name, threads) = if fast && mix_glue() {
+            // Two float4 per thread (four past 2048 float4): fewer warp partials to add.
+            let per = if width / 4 <= 2048 { 2 } else { 4 };
+            (
+                "rmsnorm_f32g",
+                (width / 4)
+                    .div_ceil(per)
+                    .next_multiple_of(warp)
+                    .clamp(warp, 1024),
+            )
+        } else if fast {
             (
                 "rmsnorm_f32x4",
                 (width / 4).next_multiple_of(warp).clamp(warp, 1024),
@@ -196,7 +249,34 @@ impl GpuBackend {
         if !self.hc_ok(&hc) || n == 0 {
             return;
         }
-        if !mix_simple() && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(z.ptr) {
+        let cols_ok = hc.d.is_multiple_of(4) && al16(x.ptr) && al16(z.ptr);
+        if mix_glue() && hc.n <= 4 && cols_ok {
+            // ceil(n / 64) Sinkhorn CTAs (a thread a token), then n·cc 64-thread column CTAs.
+            let cc = (hc.d / 4).div_ceil(GLUE_COLS);
+            let sink = n.div_ceil(GLUE_COLS);
+            self.run(
+                &ds4_kernels::MODEL,
+                "hc_split_glue",
+                LaunchDims::linear((sink + n * cc) as u32, GLUE_COLS as u32),
+                &[
+                    Arg::Ptr(m.ptr),
+                    Arg::Ptr(scale.ptr()),
+                    Arg::Ptr(base.ptr()),
+                    Arg::Ptr(x.ptr),
+                    Arg::Ptr(z.ptr),
+                    Arg::Ptr(post.ptr),
+                    Arg::Ptr(comb.ptr),
+                    Arg::I32(hc.n as i32),
+                    Arg::I32(hc.d as i32),
+                    Arg::I32(hc.sinkhorn_iters as i32),
+                    Arg::F32(hc.eps),
+                    Arg::I32(n as i32),
+                    Arg::I32(cc as i32),
+                ],
+            );
+            return;
+        }
+        if !mix_simple() && cols_ok {
             // The Sinkhorn CTAs (a warp a token), then n·cc column CTAs (256 float4 columns each).
             let cc = (hc.d / 4).div_ceil(256);
             let sink = n.div_ceil(256 / self.warp() as usize);
@@ -258,11 +338,13 @@ impl GpuBackend {
             return;
         }
         if !mix_simple() && hc.d > 0 && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(y.ptr) {
-            let cc = (hc.d / 4).div_ceil(256); // CTAs per token, 256 float4 columns each
+            // CTAs per token, `w` float4 columns each (the kernel reads blockDim).
+            let w = if mix_glue() { GLUE_COLS } else { 256 };
+            let cc = (hc.d / 4).div_ceil(w);
             self.run(
                 &ds4_kernels::MODEL,
                 "hc_collapse_fast",
-                LaunchDims::linear((n * cc) as u32, 256),
+                LaunchDims::linear((n * cc) as u32, w as u32),
                 &[
                     Arg::Ptr(m.ptr),
                     Arg::Ptr(scale.ptr()),
@@ -310,10 +392,16 @@ impl GpuBackend {
         }
         if !mix_simple() && hc.n <= 4 && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(o.ptr) {
             let total4 = total / 4; // one thread per float4 column
+                                    // Glue: 64-thread CTAs while that still fits the SMs in one wave (decode).
+            let w = if mix_glue() && total4 <= 64 * 256 {
+                64
+            } else {
+                256
+            };
             self.run(
                 &ds4_kernels::MODEL,
                 "hc_post_fast",
-                LaunchDims::linear(total4.div_ceil(256) as u32, 256),
+                LaunchDims::linear(total4.div_ceil(w) as u32, w as u32),
                 &[
                     Arg::Ptr(x.ptr),
                     Arg::Ptr(o.ptr),
