@@ -152,6 +152,7 @@ fn hc_split_matches_cpu() {
             (2, 128, 3),
             (3, 4096, 1),
             (4, 4098, 2),
+            (4, 4096, 20), // past one wave of 64-thread column CTAs: 256-thread CTAs
         ] {
             let h = hc(nh, d);
             let mix = (2 + nh) * nh;
@@ -202,6 +203,7 @@ fn hc_collapse_matches_cpu() {
             (8, 256, 3),
             (4, 260, 3),
             (3, 4096, 1),
+            (4, 4096, 20),
         ] {
             let h = hc(nh, d);
             let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 1, 0.5));

@@ -69,8 +69,16 @@ fn mix_glue() -> bool {
     mix_form() == MixForm::Glue
 }
 
-/// Threads of the glue forms' column CTAs (float4 columns each): more, smaller CTAs at decode.
-const GLUE_COLS: usize = 64;
+/// Threads of the glue forms' column CTAs (float4 columns each): 64 (more, smaller CTAs) while
+/// the columns of all `n` tokens fit in 16384 threads (one wave of the SMs; decode), else 256
+/// (prefill, as the latency forms).
+fn glue_cols(n: usize, d: usize) -> usize {
+    if n * (d / 4) <= 64 * 256 {
+        64
+    } else {
+        256
+    }
+}
 
 /// float4 loads are safe at this address.
 fn al16(p: DevPtr) -> bool {
@@ -251,13 +259,14 @@ impl GpuBackend {
         }
         let cols_ok = hc.d.is_multiple_of(4) && al16(x.ptr) && al16(z.ptr);
         if mix_glue() && hc.n <= 4 && cols_ok {
-            // ceil(n / 64) Sinkhorn CTAs (a thread a token), then n·cc 64-thread column CTAs.
-            let cc = (hc.d / 4).div_ceil(GLUE_COLS);
-            let sink = n.div_ceil(GLUE_COLS);
+            // ceil(n / w) Sinkhorn CTAs (a thread a token), then n·cc column CTAs of w threads.
+            let w = glue_cols(n, hc.d);
+            let cc = (hc.d / 4).div_ceil(w);
+            let sink = n.div_ceil(w);
             self.run(
                 &ds4_kernels::MODEL,
                 "hc_split_glue",
-                LaunchDims::linear((sink + n * cc) as u32, GLUE_COLS as u32),
+                LaunchDims::linear((sink + n * cc) as u32, w as u32),
                 &[
                     Arg::Ptr(m.ptr),
                     Arg::Ptr(scale.ptr()),
@@ -339,7 +348,7 @@ impl GpuBackend {
         }
         if !mix_simple() && hc.d > 0 && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(y.ptr) {
             // CTAs per token, `w` float4 columns each (the kernel reads blockDim).
-            let w = if mix_glue() { GLUE_COLS } else { 256 };
+            let w = if mix_glue() { glue_cols(n, hc.d) } else { 256 };
             let cc = (hc.d / 4).div_ceil(w);
             self.run(
                 &ds4_kernels::MODEL,
@@ -392,12 +401,7 @@ impl GpuBackend {
         }
         if !mix_simple() && hc.n <= 4 && hc.d.is_multiple_of(4) && al16(x.ptr) && al16(o.ptr) {
             let total4 = total / 4; // one thread per float4 column
-                                    // Glue: 64-thread CTAs while that still fits the SMs in one wave (decode).
-            let w = if mix_glue() && total4 <= 64 * 256 {
-                64
-            } else {
-                256
-            };
+            let w = if mix_glue() { glue_cols(n, hc.d) } else { 256 };
             self.run(
                 &ds4_kernels::MODEL,
                 "hc_post_fast",
