@@ -412,9 +412,62 @@ fn compress_matches_cpu() {
             chunks: &[2, 3, 4, 9, 130, 1, 1, 1, 70],
         },
     ];
-    for (i, case) in cases.iter().enumerate() {
-        run_compress(&cpu, &gpu, case, 100 + i as u64);
+    // Decode runs (n = 1 steps across several closes) and an odd width.
+    let ones: &[usize] = &[1; 19];
+    let decode = [
+        CompCase {
+            dims: CompDims {
+                ratio: 4,
+                coff: 2,
+                d: 512,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::F16,
+            round: kv_round,
+            chunks: ones,
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 4,
+                coff: 2,
+                d: 128,
+            },
+            which: Which::Index,
+            ape_ty: GgmlType::F16,
+            round: ix_round,
+            chunks: ones,
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 8,
+                coff: 1,
+                d: 512,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::BF16,
+            round: kv_round,
+            chunks: ones,
+        },
+        CompCase {
+            dims: CompDims {
+                ratio: 3,
+                coff: 2,
+                d: 72,
+            },
+            which: Which::Attn,
+            ape_ty: GgmlType::F32,
+            round: none,
+            chunks: &[1, 1, 2, 1, 1, 1, 5, 1, 1, 1, 1],
+        },
+    ];
+    // Both glue forms: new (default) and old (DS4_GPU_ATTN_GLUE=old).
+    for old in [false, true] {
+        GpuBackend::set_attn_glue_old(old);
+        for (i, case) in cases.iter().chain(decode.iter()).enumerate() {
+            run_compress(&cpu, &gpu, case, 100 + i as u64);
+        }
     }
+    GpuBackend::set_attn_glue_old(false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -501,8 +554,11 @@ fn run_index(
 fn index_select_matches_cpu() {
     let Some((cpu, gpu)) = setup() else { return };
     // Both indexer kernel forms (index_scores128_f32 by default, index_scores_f32 when simple).
-    for simple in [false, true] {
+    // Glue forms: new (default), old (DS4_GPU_ATTN_GLUE=old); index_scores128h/index_topk_ps
+    // run only with the new one.
+    for (simple, old) in [(false, false), (false, true), (true, false)] {
         GpuBackend::set_attn_simple(simple);
+        GpuBackend::set_attn_glue_old(old);
         // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
         run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
         run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
@@ -515,8 +571,12 @@ fn index_select_matches_cpu() {
         run_index(&cpu, &gpu, 64, 512, true, 9, 2040, 8);
         run_index(&cpu, &gpu, 64, 512, true, 1, 40_000, 9);
         run_index(&cpu, &gpu, 64, 512, true, 4, 20_000, 10);
+        // Decode: one token just past top_k rows, 64 heads; odd head count.
+        run_index(&cpu, &gpu, 64, 512, true, 1, 2600, 11);
+        run_index(&cpu, &gpu, 7, 8, true, 1, 301, 12);
     }
     GpuBackend::set_attn_simple(false);
+    GpuBackend::set_attn_glue_old(false);
 }
 
 // ---------------------------------------------------------------------------------------------

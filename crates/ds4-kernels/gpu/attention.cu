@@ -103,15 +103,9 @@ __device__ __forceinline__ float ds4_clamp(float v, float lim) {
     return v != v ? v : fminf(fmaxf(v, -lim), lim);
 }
 
-// One CTA per row of x [rows, width]; the row is staged in dynamic shared memory (width floats).
-// fp8_nope > 0: FP8 of the first fp8_nope values (blocks of 64); fp4: Hadamard (width a power of
-// two) + FP4 (blocks of 32); f16: round to f16.
-DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width, int fp8_nope, int fp4, int f16) {
-    extern __shared__ float row_s[];
-    __shared__ float scale_s[256];
-    float* xr = x + (size_t)blockIdx.x * width;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) row_s[i] = xr[i];
-    __syncthreads();
+// FP8 / Hadamard+FP4 rounding of a row staged in shared memory, by the whole CTA (any blockDim;
+// scale_s holds 256 block scales). Ends synchronised.
+__device__ __forceinline__ void ds4_round_shared(float* row_s, float* scale_s, int width, int fp8_nope, int fp4) {
     if (fp8_nope > 0) {
         int nb = (fp8_nope + 63) / 64;
         for (int b = threadIdx.x; b < nb; b += blockDim.x) {
@@ -156,6 +150,18 @@ DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width,
         }
         __syncthreads();
     }
+}
+
+// One CTA per row of x [rows, width]; the row is staged in dynamic shared memory (width floats).
+// fp8_nope > 0: FP8 of the first fp8_nope values (blocks of 64); fp4: Hadamard (width a power of
+// two) + FP4 (blocks of 32); f16: round to f16.
+DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width, int fp8_nope, int fp4, int f16) {
+    extern __shared__ float row_s[];
+    __shared__ float scale_s[256];
+    float* xr = x + (size_t)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) row_s[i] = xr[i];
+    __syncthreads();
+    ds4_round_shared(row_s, scale_s, width, fp8_nope, fp4);
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         float v = row_s[i];
         xr[i] = f16 ? ds4_f16_round(v) : v;
@@ -249,6 +255,67 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __rest
     out[(size_t)blockIdx.x * d + j] = acc;
 }
 
+// compress_pool_f32 + rmsnorm_f32 (weights norm) + RoPE (row k at position pos0 + k·r) +
+// rounding in one launch: one CTA per closed row (grid rows, blockDim 256), the row in dynamic
+// shared memory (d floats). Pooling as compress_pool_f32 (same order); the norm's f64 sum of
+// squares is reduced in another order than rmsnorm_f32's (bit-near).
+DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, float* __restrict__ out, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos0, int fp8_nope, int fp4, int f16) {
+    DS4_COMP_MAKE;
+    extern __shared__ float row_s[];
+    __shared__ float scale_s[256];
+    __shared__ double part[256 / 32];
+    __shared__ float nscale_s;
+    int d = c.w / c.coff, tid = threadIdx.x;
+    long long wi = c.t0 / c.r + blockIdx.x;
+    int nc = c.coff * c.r;
+    double ss = 0.0;
+    for (int j = tid; j < d; j += blockDim.x) {
+        float kv, sc, m = DS4_NEG_INF;
+        for (int i = 0; i < nc; i++) {
+            ds4_cand(c, wi, i, j, &kv, &sc);
+            m = fmaxf(m, sc);
+        }
+        float s = 0.0f;
+        for (int i = 0; i < nc; i++) {
+            ds4_cand(c, wi, i, j, &kv, &sc);
+            s = ds4_add_rn(s, expf(ds4_sub_rn(sc, m)));
+        }
+        float acc = -0.0f;
+        for (int i = 0; i < nc; i++) {
+            ds4_cand(c, wi, i, j, &kv, &sc);
+            float p = ds4_div_rn(expf(ds4_sub_rn(sc, m)), s);
+            acc = ds4_add_rn(acc, ds4_mul_rn(p, kv));
+        }
+        row_s[j] = acc;
+        ss += (double)acc * (double)acc;
+    }
+    ss = ds4_warp_sum_f64(ss);
+    int warp = tid / DS4_WARP, nwarps = blockDim.x / DS4_WARP;
+    if (tid % DS4_WARP == 0) part[warp] = ss;
+    __syncthreads();
+    if (tid == 0) {
+        double t = 0.0;
+        for (int k = 0; k < nwarps; k++) t += part[k];
+        nscale_s = (float)(1.0 / sqrt(t / (double)d + (double)eps));
+    }
+    __syncthreads();
+    float nsc = nscale_s;
+    for (int j = tid; j < d; j += blockDim.x) {
+        float v = ds4_mul_rn(row_s[j], nsc);
+        row_s[j] = ds4_mul_rn(v, norm[j]);
+    }
+    __syncthreads();
+    long long pos = pos0 + (long long)blockIdx.x * c.r;
+    for (int p = tid; p < n_rot / 2; p += blockDim.x) ds4_rope_pair(row_s + (d - n_rot) + 2 * p, freqs[p], pos, 0);
+    __syncthreads();
+    ds4_round_shared(row_s, scale_s, d, fp8_nope, fp4);
+    float* o = out + (size_t)blockIdx.x * d;
+    for (int j = tid; j < d; j += blockDim.x) {
+        float v = row_s[j];
+        o[j] = f16 ? ds4_f16_round(v) : v;
+    }
+}
+
 // The frontier after the chunk, into nkv/nsc [slots, w] (never the old frontier itself).
 DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_f32(DS4_COMP_PARAMS, float* __restrict__ nkv, float* __restrict__ nsc) {
     DS4_COMP_MAKE;
@@ -276,6 +343,34 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_f32(DS4_COMP_PARAMS, float* __
     }
     nkv[k] = kv;
     nsc[k] = sc;
+}
+
+// compress_frontier_f32 in place (one launch, no copy back). The new value of slot pair j (A slot j
+// and B slot r+j for CSA, slot j otherwise) at column col depends only on the chunk and the old
+// values of that same pair and column (sources sit at slot q % r == j), so the thread owning
+// (j, col) reads them all, then writes. grid over r·w threads. Same bits as the copy form.
+DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const float *g, const u8 *ape, float *fkv, float *fsc, long long t0, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes) {
+    ds4_comp c = {a, g, ape, fkv, fsc, t0, n, r, coff, w, ape_ty, ape_row_bytes};
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (long long)r * w) return;
+    int j = (int)(k / w), col = (int)(k % w);
+    long long T = c.t0 + c.n, cw = T / c.r;
+    int o = (int)(T % c.r);
+    // Source position of slot j (the single / B slot) and, for CSA, of A slot j; −1: unchanged.
+    long long qb = j < o ? cw * c.r + j : (cw >= 1 ? (cw - 1) * c.r + j : -1);
+    long long qa = (coff == 2 && cw >= 1) ? (cw - 1) * c.r + j : -1;
+    size_t ib = (size_t)(coff == 2 ? r + j : j) * w + col, ia = (size_t)j * w + col;
+    float bkv = fkv[ib], bsc = fsc[ib], akv = 0.0f, asc = 0.0f;
+    if (qb >= 0) ds4_fetch(c, qb, col, &bkv, &bsc);
+    if (qa >= 0) ds4_fetch(c, qa, col, &akv, &asc);
+    if (qb >= 0) {
+        fkv[ib] = bkv;
+        fsc[ib] = bsc;
+    }
+    if (qa >= 0) {
+        fkv[ia] = akv;
+        fsc[ia] = asc;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -368,6 +463,65 @@ DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q,
     scores[(size_t)i * max_vis + r] = total;
 }
 
+// index_scores128_f32 split over heads for latency: a CTA (256 threads) takes DS4_IXH_R rows;
+// thread (g = tid / R, row tid % R) computes the terms of heads g, g + G, ... (G = 256 / R) with the
+// same operations, into shared [heads][R]; then one thread per row adds them in head order (the
+// same bits). grid (ceil(max_vis / R), tokens); dynamic shared heads × (128 + R) floats.
+#define DS4_IXH_R 32
+DS4_KERNEL void DS4_BOUNDS(256) index_scores128h_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tb, long long max_vis, int heads, int ihd, int ratio, float ws) {
+    extern __shared__ float4 qh4[];                             // heads × DS4_IX_HD floats
+    float* term = (float*)(qh4 + heads * (DS4_IX_HD / 4));      // [heads][DS4_IXH_R]
+    int i = blockIdx.y, tid = threadIdx.x;
+    long long t = tb + i, vis = (t + 1) / ratio;
+    long long r0 = (long long)blockIdx.x * DS4_IXH_R;
+    if (r0 >= vis) return; // whole CTA past the visible rows
+    const float4* qg = (const float4*)(q + (size_t)i * heads * DS4_IX_HD);
+    for (int e = tid; e < heads * DS4_IX_HD / 4; e += blockDim.x) qh4[e] = qg[e];
+    __syncthreads();
+    int rr = tid % DS4_IXH_R, g = tid / DS4_IXH_R, ng = blockDim.x / DS4_IXH_R;
+    long long r = r0 + rr;
+    const float* wi = w + (size_t)i * heads;
+    if (r < vis) {
+        float key[DS4_IX_HD];
+        const float4* k4 = (const float4*)(rows + r * DS4_IX_HD);
+#pragma unroll
+        for (int e = 0; e < DS4_IX_HD / 4; e++) {
+            float4 v = k4[e];
+            key[4 * e] = v.x;
+            key[4 * e + 1] = v.y;
+            key[4 * e + 2] = v.z;
+            key[4 * e + 3] = v.w;
+        }
+        for (int h = g; h < heads; h += ng) {
+            const float4* qh = qh4 + h * (DS4_IX_HD / 4);
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int e = 0; e < DS4_IX_HD; e += 8) {
+                float4 a = qh[e / 4], b = qh[e / 4 + 1];
+                acc[0] = ds4_add_rn(acc[0], ds4_mul_rn(a.x, key[e]));
+                acc[1] = ds4_add_rn(acc[1], ds4_mul_rn(a.y, key[e + 1]));
+                acc[2] = ds4_add_rn(acc[2], ds4_mul_rn(a.z, key[e + 2]));
+                acc[3] = ds4_add_rn(acc[3], ds4_mul_rn(a.w, key[e + 3]));
+                acc[4] = ds4_add_rn(acc[4], ds4_mul_rn(b.x, key[e + 4]));
+                acc[5] = ds4_add_rn(acc[5], ds4_mul_rn(b.y, key[e + 5]));
+                acc[6] = ds4_add_rn(acc[6], ds4_mul_rn(b.z, key[e + 6]));
+                acc[7] = ds4_add_rn(acc[7], ds4_mul_rn(b.w, key[e + 7]));
+            }
+            float s = -0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++) s = ds4_add_rn(s, acc[k]);
+            float dm = s > 0.0f ? s : 0.0f;
+            term[h * DS4_IXH_R + rr] = ds4_mul_rn(ds4_mul_rn(wi[h], ws), dm);
+        }
+    }
+    __syncthreads();
+    if (tid < DS4_IXH_R && r < vis) {
+        float total = -0.0f;
+        for (int h = 0; h < heads; h++) total = ds4_add_rn(total, term[h * DS4_IXH_R + tid]);
+        scores[(size_t)i * max_vis + r] = total;
+    }
+}
+
 // Order-preserving key of a float (total order, as f32::total_cmp).
 __device__ __forceinline__ u32 ds4_fkey(float f) {
     u32 u = __float_as_uint(f);
@@ -422,6 +576,111 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, in
             }
             prefix_s = prefix | ((u32)b << shift);
             want_s = want - acc;
+        }
+        __syncthreads();
+        prefix = prefix_s;
+        want = want_s;
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    // prefix: the threshold key; take all keys > it and the first `want` equal ones by index.
+    u32 thr = prefix, need_eq = want;
+    if (threadIdx.x == 0) {
+        base_gt = 0;
+        base_eq = 0;
+    }
+    __syncthreads();
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP, nw = blockDim.x / DS4_WARP;
+    ds4_mask_t below = lane == 0 ? 0 : ((~(ds4_mask_t)0) >> (64 - lane));
+    for (long long r0 = 0; r0 < vis; r0 += blockDim.x) {
+        long long r = r0 + threadIdx.x;
+        u32 kk = r < vis ? ds4_fkey(sc[r]) : 0;
+        bool gt = r < vis && kk > thr, eq = r < vis && kk == thr;
+        ds4_mask_t bg = ds4_ballot(gt), be = ds4_ballot(eq);
+        if (lane == 0) {
+            warp_gt[warp] = (u32)__popcll(bg);
+            warp_eq[warp] = (u32)__popcll(be);
+        }
+        __syncthreads();
+        u32 pg = base_gt, pe = base_eq; // counts of earlier rows taken
+        for (int k = 0; k < warp; k++) {
+            pg += warp_gt[k];
+            pe += warp_eq[k];
+        }
+        pe += (u32)__popcll(be & below);
+        pg += (u32)__popcll(bg & below);
+        bool take = gt || (eq && pe < need_eq);
+        if (take) {
+            u32 pos = pg + (pe < need_eq ? pe : need_eq); // rows taken before r
+            out[pos] = (int)r;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int k = 0; k < nw; k++) {
+                base_gt += warp_gt[k];
+                base_eq += warp_eq[k];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// index_topk with the bin choice of each radix pass as a parallel suffix scan (no serial
+// 256-step pass by one thread); same selection. Same launch.
+// Top-k of each token's scores (largest, ties to the lower index), written ascending into
+// sel[i] (top_k i32, −1 padded). Tokens with visible <= top_k get 0..visible. One CTA per token,
+// blockDim 1024 (a multiple of the warp); radix select on the keys, then an ordered compaction.
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_ps(const float* __restrict__ scores, int* __restrict__ sel, long long tb, long long max_vis, int ratio, int top_k) {
+    __shared__ u32 hist[256];
+    __shared__ u32 prefix_s, want_s;
+    __shared__ u32 warp_gt[1024 / 32], warp_eq[1024 / 32];
+    __shared__ u32 base_gt, base_eq;
+    int i = blockIdx.x;
+    long long t = tb + i;
+    long long vis = (t + 1) / ratio;
+    int* out = sel + (size_t)i * top_k;
+    if (vis <= top_k) {
+        for (int k = threadIdx.x; k < top_k; k += blockDim.x) out[k] = k < vis ? k : -1;
+        return;
+    }
+    const float* sc = scores + (size_t)i * max_vis;
+    // Radix select: the key of the top_k-th largest, 8 bits at a time from the top.
+    u32 prefix = 0, mask = 0, want = (u32)top_k; // want: rank among keys matching the prefix
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        // Runs of one bin are counted locally first (scores crowd into a few top bins, so
+        // this saves most of the same-address shared atomics).
+        u32 run_bin = 0, run_n = 0;
+        for (long long r = threadIdx.x; r < vis; r += blockDim.x) {
+            u32 kk = ds4_fkey(sc[r]);
+            if ((kk & mask) != prefix) continue;
+            u32 b = (kk >> shift) & 255u;
+            if (b != run_bin && run_n > 0) {
+                atomicAdd(&hist[run_bin], run_n);
+                run_n = 0;
+            }
+            run_bin = b;
+            run_n++;
+        }
+        if (run_n > 0) atomicAdd(&hist[run_bin], run_n);
+        __syncthreads();
+        // Suffix sums suf[b] = Σ hist[b..256) (Hillis-Steele, 8 steps); the chosen bin is the
+        // largest b with suf[b] >= want (0 if none), the rank left is want − suf[b + 1].
+        u32 v = threadIdx.x < 256 ? hist[threadIdx.x] : 0u;
+        for (int o = 1; o < 256; o *= 2) {
+            u32 add = (threadIdx.x < 256 && threadIdx.x + o < 256) ? hist[threadIdx.x + o] : 0u;
+            __syncthreads();
+            if (threadIdx.x < 256) hist[threadIdx.x] = v += add;
+            __syncthreads();
+        }
+        if (threadIdx.x < 256) {
+            int b = threadIdx.x;
+            u32 next = b < 255 ? hist[b + 1] : 0u;
+            if (next < want && (b == 0 || v >= want)) {
+                prefix_s = prefix | ((u32)b << shift);
+                want_s = want - next;
+            }
         }
         __syncthreads();
         prefix = prefix_s;

@@ -21,6 +21,8 @@ const AP_R: usize = 4;
 const AP_MAXHD: usize = 512;
 const AP_MAXSPLIT: usize = 256;
 const AP_MIN_ROWS: usize = 16;
+/// Rows per CTA of `index_scores128h_f32` (`DS4_IXH_R`).
+const IXH_R: usize = 32;
 
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
 /// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`, the default).
@@ -41,7 +43,33 @@ fn attn_simple() -> bool {
     m == 1
 }
 
+/// Decode glue kernels: 0 not yet read from `DS4_GPU_ATTN_GLUE`, 1 old (`compress_frontier_f32`
+/// and copies back, pool/norm/rope/round launches, `index_scores128_f32`, `index_topk`), 2 new
+/// (in-place frontier, fused `compress_row_f32`, head-split indexer scores, top-k with a parallel
+/// bin scan; the default).
+static GLUE_MODE: AtomicU8 = AtomicU8::new(0);
+
+fn glue_old() -> bool {
+    let mut m = GLUE_MODE.load(Ordering::Relaxed);
+    if m == 0 {
+        m = if std::env::var("DS4_GPU_ATTN_GLUE").is_ok_and(|v| v == "old") {
+            1
+        } else {
+            2
+        };
+        let _ = GLUE_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+        m = GLUE_MODE.load(Ordering::Relaxed);
+    }
+    m == 1
+}
+
 impl GpuBackend {
+    /// Use the old decode glue kernels (compressor frontier with copies back, one-thread-per-row
+    /// indexer scores, serial top-k bin scan); process-wide, overrides `DS4_GPU_ATTN_GLUE=old`.
+    pub fn set_attn_glue_old(on: bool) {
+        GLUE_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
     /// Use the simple attention kernel (one CTA per head and token) instead of the split one;
     /// process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
     pub fn set_attn_simple(on: bool) {
@@ -194,8 +222,32 @@ impl GpuBackend {
                 Arg::I32(ape_rb as i32),
             ]
         };
-        // Rows first: they read the old frontier.
-        if closed > 0 && !self.failed() {
+        // Rows first: they read the old frontier. New form: one fused launch per chunk.
+        let rr = spec.round;
+        let fused = !glue_old()
+            && d <= 12288
+            && rr.fp8_nope <= d
+            && (!rr.fp4_hadamard || (d.is_power_of_two() && d <= 8192))
+            && spec.n_rot <= d
+            && spec.n_rot.is_multiple_of(2);
+        if closed > 0 && !self.failed() && fused {
+            let out = c.rows.ptr().offset((n_rows * d * 4) as u64);
+            let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
+            args.extend([
+                Arg::Ptr(out),
+                Arg::Ptr(norm.ptr()),
+                Arg::F32(spec.eps),
+                Arg::Ptr(self.rope_ptr(spec.rope)),
+                Arg::I32(spec.n_rot as i32),
+                Arg::I64((r * n_rows) as i64),
+                Arg::I32(rr.fp8_nope as i32),
+                Arg::I32(rr.fp4_hadamard as i32),
+                Arg::I32(rr.f16 as i32),
+            ]);
+            let mut dims_r = LaunchDims::linear(closed as u32, 256);
+            dims_r.shared_bytes = (d * 4) as u32;
+            self.run(&ATTENTION, "compress_row_f32", dims_r, &args);
+        } else if closed > 0 && !self.failed() {
             let out = c.rows.ptr().offset((n_rows * d * 4) as u64);
             let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
             args.push(Arg::Ptr(out));
@@ -229,6 +281,20 @@ impl GpuBackend {
                 false,
             );
             self.round_ptr(out, closed, d, spec.round);
+        }
+        if !glue_old() {
+            // In place: each thread owns one slot pair and column.
+            let args = common(c.front_kv.ptr(), c.front_score.ptr());
+            self.run(
+                &ATTENTION,
+                "compress_frontier_ip_f32",
+                LaunchDims::linear((r * w).div_ceil(256) as u32, 256),
+                &args,
+            );
+            if !self.failed() {
+                c.n_rows = n_rows + closed;
+            }
+            return;
         }
         // New frontier into scratch, then over the old one.
         let total = slots * w;
@@ -310,9 +376,19 @@ impl GpuBackend {
                     && ihd == 128
                     && qr.ptr.0.is_multiple_of(16)
                     && ix.rows.ptr().0.is_multiple_of(16);
+                // Heads split over threads: 32 rows per CTA, term buffer beside the query.
+                let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
+                let mut dims = dims;
+                if split {
+                    dims.grid[0] = max_vis.div_ceil(IXH_R) as u32;
+                    dims.block[0] = 256;
+                    dims.shared_bytes = (nh * (ihd + IXH_R) * 4) as u32;
+                }
                 self.run(
                     &ATTENTION,
-                    if fast {
+                    if split {
+                        "index_scores128h_f32"
+                    } else if fast {
                         "index_scores128_f32"
                     } else {
                         "index_scores_f32"
@@ -334,7 +410,11 @@ impl GpuBackend {
             }
             self.run(
                 &ATTENTION,
-                "index_topk",
+                if glue_old() {
+                    "index_topk"
+                } else {
+                    "index_topk_ps"
+                },
                 LaunchDims::linear(nb as u32, 1024),
                 &[
                     Arg::Ptr(scores.ptr),
