@@ -41,7 +41,7 @@ fn vectors(cpu: &CpuBackend, gpu: &GpuBackend, v: &[f32]) -> (CpuW, GpuW) {
     )
 }
 
-/// A `rows × cols` matrix of type F32 or F16 on both backends.
+/// A `rows × cols` matrix of type F32, F16 or BF16 on both backends.
 fn matrices(
     cpu: &CpuBackend,
     gpu: &GpuBackend,
@@ -56,7 +56,11 @@ fn matrices(
             .iter()
             .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
             .collect(),
-        _ => unreachable!(),
+        GgmlType::BF16 => vals
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => panic!("matrices: {ty:?} is not a float type"),
     };
     let f = file(&[("m", ty, vec![cols as u64, rows as u64], bytes)]);
     (

@@ -25,14 +25,14 @@ const TOL: f32 = 1e-5;
 /// Serialises the tests: the kernel form is a process-wide switch.
 static FORM: Mutex<()> = Mutex::new(());
 
-/// Run `f(form)` on the glue, latency and simple forms; leaves the default (glue) set.
+/// Run `f(form)` on the glue, latency and simple forms; leaves the default (fast) set.
 fn both_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
     for form in ["glue", "fast", "simple"] {
         GpuBackend::set_mix_form(form);
         f(form);
     }
-    GpuBackend::set_mix_form("glue");
+    GpuBackend::set_mix_form("fast");
 }
 
 fn setup() -> Option<(CpuBackend, GpuBackend)> {

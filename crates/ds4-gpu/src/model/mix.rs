@@ -2,10 +2,11 @@
 //! `ds4-kernels/gpu/model.cu` and `elementwise.cu`). Reference: ds4-cpu backend.rs.
 //!
 //! rms_norm, hc_split, hc_collapse, hc_post and moe_route have latency forms for decode
-//! (`*_fast`, `*x4`: float4 loads in flight at once, warp-synchronous Sinkhorn and top-k), and
-//! glue forms on top (the default, `DS4_GPU_MIX=glue`: Sinkhorn in one thread's registers per
-//! token, 64-thread column CTAs, rms_norm with one barrier). `DS4_GPU_MIX=fast` keeps the latency
-//! forms, `DS4_GPU_MIX=simple` the first kernels, one CTA per row or token (or
+//! (`*_fast`, `*x4`: float4 loads in flight at once, warp-synchronous Sinkhorn and top-k; the
+//! default, `DS4_GPU_MIX=fast`), and glue forms on top (opt-in, `DS4_GPU_MIX=glue`: Sinkhorn in
+//! one thread's registers per token, 64-thread column CTAs, rms_norm with one barrier; on the H200
+//! they decoded full-size q2 at 67.3 tok/s against 70.9 for the fast forms, so they are not the
+//! default). `DS4_GPU_MIX=simple` runs the first kernels, one CTA per row or token (or
 //! [`GpuBackend::set_mix_form`]).
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
@@ -22,11 +23,11 @@ const ROUTE_MAX_K: usize = 32;
 /// Longest row `rmsnorm_f32x4` takes: 4 float4 per thread of a 1024-thread CTA.
 const NORM_X4_MAX: usize = 4 * 4 * 1024;
 
-/// Kernel forms: 0 not yet read from `DS4_GPU_MIX`, 1 glue (default), 2 simple, 3 fast
+/// Kernel forms: 0 not yet read from `DS4_GPU_MIX`, 1 glue, 2 simple, 3 fast (default)
 /// (process-wide).
 static MODE: AtomicU8 = AtomicU8::new(0);
 
-/// Which glue kernels run: `DS4_GPU_MIX=simple|fast`, read once (anything else: glue), or
+/// Which glue kernels run: `DS4_GPU_MIX=simple|glue`, read once (anything else: fast), or
 /// [`GpuBackend::set_mix_form`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum MixForm {
@@ -44,8 +45,8 @@ fn mix_form() -> MixForm {
     if m == 0 {
         let env = match std::env::var("DS4_GPU_MIX").as_deref() {
             Ok("simple") => 2,
-            Ok("fast") => 3,
-            _ => 1,
+            Ok("glue") => 1,
+            _ => 3,
         };
         m = match MODE.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
             Ok(_) => env,
@@ -86,12 +87,12 @@ fn al16(p: DevPtr) -> bool {
 }
 
 impl GpuBackend {
-    /// Use the simple glue kernels (true) or the default glue forms (false). Process-wide.
+    /// Use the simple glue kernels (true) or the default (fast) forms (false). Process-wide.
     pub fn set_mix_simple(on: bool) {
-        Self::set_mix_form(if on { "simple" } else { "glue" });
+        Self::set_mix_form(if on { "simple" } else { "fast" });
     }
 
-    /// Select the glue kernel form by its `DS4_GPU_MIX` name: "glue" (the default), "fast" or
+    /// Select the glue kernel form by its `DS4_GPU_MIX` name: "fast" (the default), "glue" or
     /// "simple" (overrides the variable). Process-wide; for tests and benchmarks of every form.
     pub fn set_mix_form(form: &str) {
         let m = match form {
