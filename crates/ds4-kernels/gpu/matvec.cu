@@ -53,17 +53,6 @@ template <int T, int NT> struct MvSlice {
     }
 };
 
-// half -> float: the conversion instruction on CUDA (exact, as ds4_h2f), bit manipulation on HIP.
-__device__ __forceinline__ float mv_h2f(u32 h) {
-#if defined(DS4_CUDA)
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
-    return f;
-#else
-    return ds4_h2f((u16)h);
-#endif
-}
-
 // F16: one 16-byte load, 8 conversions (ds4_h2f's branches made F16 ALU-bound).
 template <int NT> struct MvSlice<T_F16, NT> {
     static __device__ __forceinline__ void dot(const u8* __restrict__ row, int c, int q, const float (&xs)[NT][8],
@@ -72,7 +61,7 @@ template <int NT> struct MvSlice<T_F16, NT> {
         u32 u[4] = {v.x, v.y, v.z, v.w};
         float w[8];
 #pragma unroll
-        for (int j = 0; j < 4; j++) w[2 * j] = mv_h2f(u[j] & 0xffffu), w[2 * j + 1] = mv_h2f(u[j] >> 16);
+        for (int j = 0; j < 4; j++) w[2 * j] = ds4_h2f_fast(u[j] & 0xffffu), w[2 * j + 1] = ds4_h2f_fast(u[j] >> 16);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             float a = acc[t];
@@ -595,7 +584,7 @@ template <> struct MvqRaw<T_Q8_0> {
         s = fmaf(mv_byte(hi, 1, 128.0f), xb.y, s);
         s = fmaf(mv_byte(hi, 2, 128.0f), xb.z, s);
         s = fmaf(mv_byte(hi, 3, 128.0f), xb.w, s);
-        return fmaf(mv_h2f(d), s, acc);
+        return fmaf(ds4_h2f_fast(d), s, acc);
     }
 };
 
@@ -606,14 +595,14 @@ template <> struct MvqRaw<T_F16> {
         v = *(const uint4*)(row + (size_t)c * 64 + q * 16);
     }
     __device__ __forceinline__ float dot(const float4& xa, const float4& xb, float acc) const {
-        acc = fmaf(mv_h2f(v.x & 0xffffu), xa.x, acc);
-        acc = fmaf(mv_h2f(v.x >> 16), xa.y, acc);
-        acc = fmaf(mv_h2f(v.y & 0xffffu), xa.z, acc);
-        acc = fmaf(mv_h2f(v.y >> 16), xa.w, acc);
-        acc = fmaf(mv_h2f(v.z & 0xffffu), xb.x, acc);
-        acc = fmaf(mv_h2f(v.z >> 16), xb.y, acc);
-        acc = fmaf(mv_h2f(v.w & 0xffffu), xb.z, acc);
-        acc = fmaf(mv_h2f(v.w >> 16), xb.w, acc);
+        acc = fmaf(ds4_h2f_fast(v.x & 0xffffu), xa.x, acc);
+        acc = fmaf(ds4_h2f_fast(v.x >> 16), xa.y, acc);
+        acc = fmaf(ds4_h2f_fast(v.y & 0xffffu), xa.z, acc);
+        acc = fmaf(ds4_h2f_fast(v.y >> 16), xa.w, acc);
+        acc = fmaf(ds4_h2f_fast(v.z & 0xffffu), xb.x, acc);
+        acc = fmaf(ds4_h2f_fast(v.z >> 16), xb.y, acc);
+        acc = fmaf(ds4_h2f_fast(v.w & 0xffffu), xb.z, acc);
+        acc = fmaf(ds4_h2f_fast(v.w >> 16), xb.w, acc);
         return acc;
     }
 };

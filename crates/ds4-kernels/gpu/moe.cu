@@ -35,16 +35,6 @@
 #define MOE_UN 1.0f
 #endif
 
-__device__ __forceinline__ float moe_h2f(u32 h) {
-#if defined(DS4_CUDA)
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
-    return f;
-#else
-    return ds4_h2f((u16)h);
-#endif
-}
-
 // Byte b of v (< 128) as a weight in units (see top).
 __device__ __forceinline__ float moe_u(u32 v, int b) {
 #if defined(DS4_CUDA)
@@ -81,7 +71,7 @@ template <int V, int NT> struct MoeDot<T_IQ2_XXS, V, NT> {
         const u16* g2 = (const u16*)(b + 2 + 8 * (c & 7));
         u32 idx4 = (u32)g2[0] | ((u32)g2[1] << 16);
         u32 aux = (u32)g2[2] | ((u32)g2[3] << 16);
-        float db = ds4_mul_rn(ds4_mul_rn(moe_h2f(*(const u16*)b), 0.5f + (float)(aux >> 28)), 0.25f) * MOE_UN;
+        float db = ds4_mul_rn(ds4_mul_rn(ds4_h2f_fast(*(const u16*)b), 0.5f + (float)(aux >> 28)), 0.25f) * MOE_UN;
         float a[NT];
 #pragma unroll
         for (int t = 0; t < NT; t++) a[t] = 0.0f;
@@ -113,7 +103,7 @@ template <int V, int NT> struct MoeDot<T_Q2_K, V, NT> {
         const u8* b = row + (c >> 3) * 84;
         int p = c & 7, h = p >> 2, j = p & 3;
         u32 dd = *(const u32*)(b + 80);
-        float d = moe_h2f(dd & 0xffff), dmin = moe_h2f(dd >> 16);
+        float d = ds4_h2f_fast(dd & 0xffff), dmin = ds4_h2f_fast(dd >> 16);
 #pragma unroll
         for (int v = 0; v < V; v++) {
             int q = q0 + v;
@@ -144,7 +134,7 @@ template <int V, int NT> struct MoeDot<T_Q4_K, V, NT> {
         const u8* b = row + (c >> 3) * 144;
         int p = c & 7;
         u32 dd = *(const u32*)b;
-        float d = moe_h2f(dd & 0xffff), dmin = moe_h2f(dd >> 16);
+        float d = ds4_h2f_fast(dd & 0xffff), dmin = ds4_h2f_fast(dd >> 16);
         const u8* sc = b + 4;
         u32 s, mn;
         if (p < 4) {
