@@ -29,18 +29,21 @@ const IXH_R: usize = 32;
 static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
 
 fn attn_simple() -> bool {
-    let mut m = ATTN_MODE.load(Ordering::Relaxed);
-    if m == 0 {
-        m = if std::env::var("DS4_GPU_ATTN").is_ok_and(|v| v == "simple") {
+    env_form(&ATTN_MODE, "DS4_GPU_ATTN", "simple")
+}
+
+/// A process-wide two-way switch: 1 when `var` equals `alt`, else 2, read on first use unless a
+/// setter stored a value first (a racing setter wins).
+fn env_form(cell: &AtomicU8, var: &str, alt: &str) -> bool {
+    if cell.load(Ordering::Relaxed) == 0 {
+        let m = if std::env::var(var).is_ok_and(|v| v == alt) {
             1
         } else {
             2
         };
-        // A racing set_attn_simple wins.
-        let _ = ATTN_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-        m = ATTN_MODE.load(Ordering::Relaxed);
+        let _ = cell.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
     }
-    m == 1
+    cell.load(Ordering::Relaxed) == 1
 }
 
 /// Decode glue kernels: 0 not yet read from `DS4_GPU_ATTN_GLUE`, 1 old (`compress_frontier_f32`
@@ -50,17 +53,7 @@ fn attn_simple() -> bool {
 static GLUE_MODE: AtomicU8 = AtomicU8::new(0);
 
 fn glue_old() -> bool {
-    let mut m = GLUE_MODE.load(Ordering::Relaxed);
-    if m == 0 {
-        m = if std::env::var("DS4_GPU_ATTN_GLUE").is_ok_and(|v| v == "old") {
-            1
-        } else {
-            2
-        };
-        let _ = GLUE_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-        m = GLUE_MODE.load(Ordering::Relaxed);
-    }
-    m == 1
+    env_form(&GLUE_MODE, "DS4_GPU_ATTN_GLUE", "old")
 }
 
 impl GpuBackend {

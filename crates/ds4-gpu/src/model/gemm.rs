@@ -444,17 +444,7 @@ impl GpuBackend {
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
-        let mats = [gate, up, down].map(|w| match w {
-            GpuWeight::Mat {
-                buf,
-                ty,
-                cols,
-                rows,
-                row_bytes,
-                ..
-            } => Some((buf.ptr(), *ty, *cols, *rows, *row_bytes)),
-            _ => None,
-        });
+        let mats = [gate, up, down].map(GpuWeight::mat_parts);
         let [Some(g), Some(u), Some(dn)] = mats else {
             return false;
         };

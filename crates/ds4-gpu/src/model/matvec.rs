@@ -175,27 +175,16 @@ const VARIANT_ROWS: [usize; 4] = [MV_R, 1, 2, 4];
 /// A matrix weight the kernels take: (pointer, type suffix, cols, rows, row_bytes). Needs
 /// whole 32-element chunks and 16-byte aligned rows for the float types (16-byte slice loads).
 fn mat(w: &GpuWeight) -> Option<(DevPtr, &'static str, usize, usize, usize)> {
-    let GpuWeight::Mat {
-        buf,
-        ty,
-        cols,
-        rows,
-        row_bytes,
-        ..
-    } = w
-    else {
-        return None;
-    };
-    let sfx = suffix(*ty)?;
-    let p = buf.ptr();
+    let (p, ty, cols, rows, row_bytes) = w.mat_parts()?;
+    let sfx = suffix(ty)?;
     let wide = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-    if *cols == 0 || *rows == 0 || !cols.is_multiple_of(32) || !p.0.is_multiple_of(16) {
+    if cols == 0 || rows == 0 || !cols.is_multiple_of(32) || !p.0.is_multiple_of(16) {
         return None;
     }
     if wide && !row_bytes.is_multiple_of(16) {
         return None;
     }
-    Some((p, sfx, *cols, *rows, *row_bytes))
+    Some((p, sfx, cols, rows, row_bytes))
 }
 
 impl GpuBackend {

@@ -176,6 +176,21 @@ impl GpuWeight {
             | GpuWeight::I32 { buf, .. } => buf.ptr(),
         }
     }
+
+    /// A matrix's (pointer, type, cols, rows, row_bytes); None for vectors and tables.
+    pub(crate) fn mat_parts(&self) -> Option<(DevPtr, GgmlType, usize, usize, usize)> {
+        match self {
+            GpuWeight::Mat {
+                buf,
+                ty,
+                cols,
+                rows,
+                row_bytes,
+                ..
+            } => Some((buf.ptr(), *ty, *cols, *rows, *row_bytes)),
+            _ => None,
+        }
+    }
 }
 
 /// A compressor's device state: frontier (`slots × width` values and scores) and the emitted

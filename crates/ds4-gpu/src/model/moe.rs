@@ -42,26 +42,15 @@ fn suffix(ty: GgmlType) -> Option<&'static str> {
 
 /// (pointer, suffix, cols, rows, row_bytes) of an expert stack the kernels take.
 fn mat(w: &GpuWeight) -> Option<(DevPtr, &'static str, usize, usize, usize)> {
-    let GpuWeight::Mat {
-        buf,
-        ty,
-        cols,
-        rows,
-        row_bytes,
-        ..
-    } = w
-    else {
-        return None;
-    };
-    let p = buf.ptr();
-    if *rows == 0
+    let (p, ty, cols, rows, row_bytes) = w.mat_parts()?;
+    if rows == 0
         || !cols.is_multiple_of(256)
         || !row_bytes.is_multiple_of(16)
         || !p.0.is_multiple_of(16)
     {
         return None;
     }
-    Some((p, suffix(*ty)?, *cols, *rows, *row_bytes))
+    Some((p, suffix(ty)?, cols, rows, row_bytes))
 }
 
 impl GpuBackend {
