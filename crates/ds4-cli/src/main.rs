@@ -46,6 +46,8 @@ enum Command {
     Serve(cmd::serve::Args),
     /// Disk KV cache directory: list entries, show one file, remove entries.
     Kv(cmd::kv::Args),
+    /// Compile the GPU kernels for a target into the disk cache ahead of time (no GPU needed).
+    Kernels(cmd::kernels::Args),
 }
 
 fn main() -> ExitCode {
@@ -72,6 +74,7 @@ fn main() -> ExitCode {
         }
         Command::Serve(a) => cmd::serve::run(a),
         Command::Kv(a) => cmd::kv::run(a),
+        Command::Kernels(a) => cmd::kernels::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

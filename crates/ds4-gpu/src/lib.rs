@@ -14,6 +14,7 @@ pub mod gpu;
 pub mod hip;
 pub mod loader;
 pub mod model;
+pub mod precompile;
 pub mod runtime;
 
 pub use compiler::{Compiler, Hiprtc, Nvrtc};

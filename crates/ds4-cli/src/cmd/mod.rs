@@ -2,6 +2,7 @@ pub mod bench;
 pub mod chat;
 pub mod common;
 pub mod inspect;
+pub mod kernels;
 pub mod kv;
 pub mod logits;
 pub mod run;
