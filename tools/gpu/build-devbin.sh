@@ -2,11 +2,8 @@
 # Builds, in a clean clone of HEAD, what a GPU machine without cargo needs to run the GPU tests
 # and benchmarks: the `ds4` binary and the ds4-gpu test executables, stripped, into .devbin/
 # (ignored by git; carried to the device with `carry: [".devbin"]`).
-# The kernels are compiled here too (`ds4 kernels --target sm_90a`) with NVRTC 13.0, the H200
-# machine's version (the cache key holds it), so the GPU machine loads them instead of spending
-# ~60 s of device time compiling; then everything is packed into .devbin/pack.tar.xz (~4x
-# smaller; tools/gpu/device-suite.sh unpacks it). NVRTC 13.0: `pip download
-# nvidia-cuda-nvrtc==13.0.48 --no-deps` and unzip; DEVBIN_NVRTC names its lib folder.
+# Then tools/gpu/pack-devbin.sh adds the kernels precompiled for the H200 and packs everything
+# into .devbin/pack.tar.xz (tools/gpu/device-suite.sh unpacks it).
 # DEVBIN_TESTS="gpu_forward ops_attn" keeps only those test binaries (default: all).
 # Usage: tools/gpu/build-devbin.sh
 set -euo pipefail
@@ -36,17 +33,7 @@ if [ -n "${DEVBIN_TESTS:-}" ]; then
     n=${f##*/t-}; case " $DEVBIN_TESTS " in *" $n "*) ;; *) rm -f "$f" ;; esac
   done
 fi
-strip "$out"/* || true
-nv=${DEVBIN_NVRTC:-/work/nvrtc130/nvidia/cu13/lib}
-if [ -f "$nv/libnvrtc.so.13" ]; then
-  kc=${DEVBIN_KCACHE:-/work/kcache}   # kept between builds: unchanged modules are not recompiled
-  LD_LIBRARY_PATH="$nv" DS4_NVRTC_LIB="$nv/libnvrtc.so.13" "$out/ds4" kernels --target sm_90a \
-    --cache "$kc" --prune
-  mkdir -p "$out/kcache" && cp "$kc"/*-sm_90a-*.cubin "$out/kcache/"
-else
-  echo "no NVRTC 13.0 at $nv: kernels will compile on the GPU machine"
-fi
-(cd "$out" && tar cf - --remove-files -- * | xz -T2 -6 > ../pack.tar.xz && mv ../pack.tar.xz .)
+"$repo/tools/gpu/pack-devbin.sh" "$out.tmp" "$out"/* && rm -rf "$out" && mv "$out.tmp" "$out"
 grep -qx '/.devbin/' "$repo/.git/info/exclude" || echo '/.devbin/' >> "$repo/.git/info/exclude"
 du -sh "$out"; ls "$out"
 echo "commit: $(git rev-parse --short HEAD)"

@@ -12,8 +12,7 @@ cd "$(dirname "$0")/../../.devbin"
 export DS4_REQUIRE_GPU=1 DS4_ORACLE_DIR=$PWD/../tests/fixtures/oracle PATH=$PWD:$PATH
 export DS4_KERNEL_CACHE=${DS4_KERNEL_CACHE:-/tmp/ds4-kernels}   # one compilation for every process
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -f pack.tar.xz ] && tar xJf pack.tar.xz                       # tools/gpu/build-devbin.sh
-[ -d kcache ] && mkdir -p "$DS4_KERNEL_CACHE" && cp -n kcache/* "$DS4_KERNEL_CACHE/"
+. ../tools/gpu/unpack.sh .                                      # tools/gpu/build-devbin.sh
 nvidia-smi -L 2>/dev/null
 B="ds4 bench --backend cuda --synthetic full-q2"
 s=$(date +%s); timeout 120 $B --ctx-start 128 --ctx-max 128 --gen-tokens 4 > "$OUT/compile.log" 2>&1; rc=$?
