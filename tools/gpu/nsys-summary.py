@@ -5,7 +5,8 @@ from `nsys stats --report cuda_gpu_trace --format csv` output (stdin or a file).
 Decode = every kernel after the last prefill GEMM kernel (names starting `gemm`/`gm_`); the
 first decode step therefore carries the head of the prefill chunk (a few launches). Prints
 kernel time, idle gaps between consecutive kernels, and a per-kernel table sorted by time.
-Usage: nsys-summary.py trace.csv [steps]"""
+With a third argument `prefill`, summarises the kernels up to the last prefill GEMM instead.
+Usage: nsys-summary.py trace.csv [steps] [prefill]"""
 import csv, sys, collections
 
 src = open(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "-" else sys.stdin
@@ -37,7 +38,7 @@ for r in rows:
     ks.append((t0, dur, name))
 ks.sort()
 last = max((i for i, k in enumerate(ks) if k[2].startswith(("gemm", "gm_"))), default=-1)
-dec = ks[last + 1:]
+dec = ks[:last + 1] if sys.argv[3:4] == ["prefill"] else ks[last + 1:]
 if not dec:
     sys.exit("no decode kernels found")
 span = dec[-1][0] + dec[-1][1] - dec[0][0]
