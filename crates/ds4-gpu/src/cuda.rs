@@ -67,6 +67,8 @@ struct Api {
     cuGetErrorString: unsafe extern "C" fn(R, *mut *const c_char) -> R,
     /// Graph entry points (None on a driver without them: graphs off).
     graph: Option<GraphApi>,
+    /// `cuProfilerStart` / `cuProfilerStop` (profiler capture ranges, `DS4_GPU_CUPROFILE`).
+    profiler: Option<(unsafe extern "C" fn() -> R, unsafe extern "C" fn() -> R)>,
 }
 
 /// `CUDA_KERNEL_NODE_PARAMS_v2` (cuda.h, CUDA 12); the v1 entry points read its first 56 bytes,
@@ -204,6 +206,10 @@ impl Api {
                 cuGetErrorName: lib.sym("cuGetErrorName")?,
                 cuGetErrorString: lib.sym("cuGetErrorString")?,
                 graph: GraphApi::load(&lib).ok(),
+                profiler: lib
+                    .sym("cuProfilerStart")
+                    .and_then(|a| Ok((a, lib.sym("cuProfilerStop")?)))
+                    .ok(),
                 _lib: lib,
             })
         }
@@ -564,6 +570,18 @@ impl Runtime for CudaRuntime {
             (g.cuGraphLaunch)(p(ge.exec), p(s.0))
         })
     }
+    fn profiler(&self, on: bool) {
+        if let (Some((start, stop)), Ok(())) = (self.api.profiler, self.cur()) {
+            unsafe {
+                if on {
+                    start()
+                } else {
+                    stop()
+                }
+            };
+        }
+    }
+
     fn graph_destroy(&self, ge: &GraphExec) {
         if let Ok(g) = self.gapi() {
             if self.cur().is_ok() {

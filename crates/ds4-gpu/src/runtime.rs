@@ -210,6 +210,9 @@ pub trait Runtime: Send + Sync {
         ))
     }
     fn graph_destroy(&self, _g: &GraphExec) {}
+    /// Open (`true`) or close a profiler capture range (`cuProfilerStart/Stop`: ncu
+    /// `--profile-from-start off`, nsys `--capture-range=cudaProfilerApi`). No-op elsewhere.
+    fn profiler(&self, _on: bool) {}
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr>;
     fn free(&self, p: DevPtr) -> Result<()>;

@@ -30,7 +30,7 @@ use ds4_backend::{
     IndexSpec, LayerDims, MoeSpec, Part, RopeKind, RowRounding, WeightSrc, Which,
 };
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Most tokens per step recorded as a graph (decode and short verify batches; prefill chunks
@@ -401,6 +401,28 @@ impl GpuBackend {
 
     /// Before an action outside the stream (allocations that free, snapshots, marks): run
     /// what was recorded so far, launch by launch, and stop recording this step.
+    /// `DS4_GPU_CUPROFILE=K`: a profiler capture range around the K-th decode step (n = 1,
+    /// counted from 1) of this process, for `ncu --profile-from-start off` or
+    /// `nsys --capture-range=cudaProfilerApi`: one step's kernels, not the load and prefill.
+    fn profiler_range(&self, n: usize) {
+        static STEP: AtomicU64 = AtomicU64::new(0);
+        static TARGET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let k = *TARGET.get_or_init(|| {
+            std::env::var("DS4_GPU_CUPROFILE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        });
+        if k == 0 || n != 1 {
+            return;
+        }
+        let step = STEP.fetch_add(1, Ordering::Relaxed) + 1;
+        if step == k || step == k + 1 {
+            self.flush(true);
+            self.gpu.runtime().profiler(step == k);
+        }
+    }
+
     pub(crate) fn interrupt(&self) {
         if self.recording.load(Ordering::Acquire) {
             self.flush(false);
@@ -716,6 +738,7 @@ impl Backend for GpuBackend {
     }
 
     fn graph_begin(&self, n: usize) {
+        self.profiler_range(n);
         if n == 0 || n > GRAPH_MAX_N || self.prof.is_some() || self.failed() {
             return;
         }
