@@ -1,12 +1,12 @@
-//! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) at n = 128, 512, 2048
-//! token rows, as TFLOP/s (2·n·rows·cols per product) and GB/s of weight bytes, per type (n = 2048)
-//! and model shape (full-size routed experts included).
-//! form: tc = bf16 tensor cores (default; 128-item tiles from n = 256), tc64 = the same with
-//! 64-item tiles, tf32 = 3xTF32 tensor cores, fma = portable kernels.
+//! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) as TFLOP/s (2·n·rows·cols
+//! per product) and GB/s of weight bytes: per type (4096 -> 16384, n = 2048), then the model's
+//! dense shapes and the full-size routed experts at n = 2048 and 4096 token rows
+//! (`GEMM_BENCH_N=512,2048` other n), each in every form: f16 = the default single f16 product
+//! (automatic item tile, double-buffered), f16/1buf = single-buffered, f16/64|128|256 = fixed tiles, bf16 = the previous default (hi/lo split,
+//! three products; `DS4_GPU_GEMM_PRECISE=1`); `GEMM_BENCH_ALL=1` adds tf32 and fma per type.
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
-
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part, WeightSrc};
 use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_gpu::conformance::random_row;
@@ -73,18 +73,29 @@ fn time(
     t.elapsed().as_secs_f64() / reps as f64
 }
 
-/// (name, on, fma, tf32): see `GpuBackend::set_gemm`, `set_gemm_tf32`.
-const FORMS: &[(&str, bool, bool, bool)] = &[
-    ("tc", true, false, false),
-    ("tf32", true, false, true),
-    ("fma", true, true, false),
-];
+/// (name, on, fma, tf32, precise, f16 item tile, f16 double buffer): see `GpuBackend::set_gemm`,
+/// `set_gemm_tf32`, `set_gemm_precise`, `set_gemm_tile`, `set_gemm_dbuf`. "f16" is the default
+/// form (automatic tile, double-buffered), "bf16" the previous default (hi/lo split, three
+/// products), "f16/64" .. fixed f16 tiles, "f16/1buf" two barriers per K step.
+type Form = (&'static str, bool, bool, bool, bool, usize, bool);
+const F16: Form = ("f16", true, false, false, false, 0, true);
+const F16_1BUF: Form = ("f16/1buf", true, false, false, false, 0, false);
+const BF16: Form = ("bf16", true, false, false, true, 0, true);
+const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
+const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
+const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
+const TF32: Form = ("tf32", true, false, true, false, 0, true);
+const FMA: Form = ("fma", true, true, false, false, 0, true);
 
-fn set_form(on: bool, fma: bool, tf32: bool) {
+fn set_form(f: Form) {
+    let (_, on, fma, tf32, precise, tile, dbuf) = f;
+    GpuBackend::set_gemm_dbuf(dbuf);
     GpuBackend::set_gemm(on, fma);
     if tf32 {
         GpuBackend::set_gemm_tf32();
     }
+    GpuBackend::set_gemm_precise(precise);
+    GpuBackend::set_gemm_tile(tile);
 }
 
 fn main() {
@@ -115,6 +126,7 @@ fn main() {
         );
     };
 
+    let all = std::env::var("GEMM_BENCH_ALL").is_ok(); // also tf32 and fma per type
     let n = 2048;
     println!("-- per type, 4096 -> 16384, n = {n} --");
     for ty in [
@@ -135,23 +147,24 @@ fn main() {
         let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(n * rows);
-        for &(form, on, fma, tf32) in FORMS {
-            set_form(on, fma, tf32);
+        let mut forms = vec![BF16, F16, F16_1BUF, F16_64, F16_128, F16_256];
+        if all {
+            forms.extend([TF32, FMA]);
+        }
+        for form in forms {
+            set_form(form);
             let s = time(&gpu, &x, reps.min(5), || {
                 gpu.matmul(&w, Part::All, &x, n, &mut y)
             });
-            line(&format!("{ty:?} {cols}->{rows} {form}"), flops, bytes, s);
+            line(
+                &format!("{ty:?} {cols}->{rows} {}", form.0),
+                flops,
+                bytes,
+                s,
+            );
         }
-        // A/B: the bf16 form with 64-item tiles instead of the wide 128-item ones.
-        GpuBackend::set_gemm(true, false);
-        GpuBackend::set_gemm_wide(usize::MAX);
-        let s = time(&gpu, &x, reps.min(5), || {
-            gpu.matmul(&w, Part::All, &x, n, &mut y)
-        });
-        GpuBackend::set_gemm_wide(256);
-        line(&format!("{ty:?} {cols}->{rows} tc64"), flops, bytes, s);
     }
-    GpuBackend::set_gemm(true, false);
+    set_form(F16);
 
     // Routed experts at full size (weights shared by every n).
     let (d, ff, ne, k) = (4096usize, 2048usize, 256usize, 6usize);
@@ -182,6 +195,8 @@ fn main() {
         ("attn out_b", GgmlType::Q8_0, 8192, 4096, 1, 1),
         ("shared expert gate/up", GgmlType::Q8_0, 4096, 2048, 1, 2),
         ("shared expert down", GgmlType::Q8_0, 2048, 4096, 1, 1),
+        ("F16 4096->1024", GgmlType::F16, 4096, 1024, 1, 1),
+        ("F16 1024->8192", GgmlType::F16, 1024, 8192, 1, 1),
     ];
     let mut ws = Vec::new();
     for &(_, ty, cols, rows, _, _) in &shapes {
@@ -189,9 +204,16 @@ fn main() {
         ws.push(bind(&gpu, &f));
     }
 
-    for n in [128usize, 512, 2048] {
-        println!("-- model shapes (q2 mix), n = {n}, bf16 tensor cores --");
-        let mut layer_s = 0.0;
+    let ns: Vec<usize> = std::env::var("GEMM_BENCH_N")
+        .ok()
+        .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
+        .unwrap_or_else(|| vec![2048, 4096]);
+    for n in ns {
+        // One layer's products (attention, shared expert, routed experts; F16 rows not in the layer
+        // sum: compressor/indexer shapes) per form.
+        let forms = [BF16, F16, F16_1BUF, F16_64, F16_128, F16_256];
+        let mut layer = [0.0f64; 6];
+        println!("-- model shapes (q2 mix), n = {n} --");
         for (&(name, ty, cols, rows, groups, per_layer), w) in shapes.iter().zip(&ws) {
             let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;
             let flops = 2.0 * (n * rows * cols) as f64;
@@ -200,20 +222,25 @@ fn main() {
                 .collect();
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
-            let s = if groups > 1 {
-                time(&gpu, &x, reps, || {
-                    gpu.matmul_grouped(w, groups, &x, n, &mut y)
-                })
-            } else {
-                time(&gpu, &x, reps, || gpu.matmul(w, Part::All, &x, n, &mut y))
-            };
-            layer_s += s * per_layer as f64;
-            line(
-                &format!("{name} {ty:?} {}->{rows}", cols * groups),
-                flops,
-                bytes,
-                s,
-            );
+            for (fi, &form) in forms.iter().enumerate() {
+                set_form(form);
+                let s = if groups > 1 {
+                    time(&gpu, &x, reps, || {
+                        gpu.matmul_grouped(w, groups, &x, n, &mut y)
+                    })
+                } else {
+                    time(&gpu, &x, reps, || gpu.matmul(w, Part::All, &x, n, &mut y))
+                };
+                if ty != GgmlType::F16 {
+                    layer[fi] += s * per_layer as f64;
+                }
+                line(
+                    &format!("{name} {ty:?} {}->{rows} {}", cols * groups, form.0),
+                    flops,
+                    bytes,
+                    s,
+                );
+            }
         }
         // Routed experts: uniform random distinct choices per token.
         let mut sel = Vec::new();
@@ -233,37 +260,31 @@ fn main() {
         let (z, s_, wgt) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
         let mut out = gpu.alloc(n * d);
         let flops = 2.0 * (n * k * 3 * d * ff) as f64;
-        let s = time(&gpu, &z, reps.min(10), || {
-            gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &s_, &wgt, n, &mut out)
-        });
-        layer_s += s;
-        line(
-            &format!(
-                "moe q2 IQ2_XXS/Q2_K 256x6, n={n} ({} distinct experts)",
-                distinct.len()
-            ),
-            flops,
-            slab * distinct.len() as f64,
-            s,
-        );
-        if n >= 512 {
-            // A/B: 128-pair runs (wide tiles) for the experts.
-            GpuBackend::set_gemm_wide(2);
+        for (fi, &form) in forms.iter().enumerate() {
+            set_form(form);
             let s = time(&gpu, &z, reps.min(10), || {
                 gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &s_, &wgt, n, &mut out)
             });
-            GpuBackend::set_gemm_wide(256);
+            layer[fi] += s;
             line(
-                &format!("moe n={n}, 128-pair tiles"),
+                &format!(
+                    "moe q2 IQ2_XXS/Q2_K 256x6 n={n} ({} experts) {}",
+                    distinct.len(),
+                    form.0
+                ),
                 flops,
                 slab * distinct.len() as f64,
                 s,
             );
         }
-        println!(
-            "one layer's products at n = {n}: {:.1} us; x 43 layers: {:.0} tok/s (products only)",
-            layer_s * 1e6,
-            n as f64 / (43.0 * layer_s)
-        );
+        for (fi, form) in forms.iter().enumerate() {
+            println!(
+                "one layer's products at n = {n}, {}: {:.1} us; x 43 layers: {:.0} tok/s (products only)",
+                form.0,
+                layer[fi] * 1e6,
+                n as f64 / (43.0 * layer[fi])
+            );
+        }
     }
+    set_form(F16);
 }

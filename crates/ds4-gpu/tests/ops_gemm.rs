@@ -2,10 +2,14 @@
 //! n ∈ {5, 16, 33, 128, 300}, Part::All and Part::Expert, grouped products, real model shapes
 //! (Q8_0 4096→1024, 8 groups of 4096→1024), routed experts with 128 tokens × 6 slots, the O(n)
 //! pair grouping (12288 skewed pairs) against a stable sort, and n = 2048 dense and MoE products.
-//! Each case runs in three kernel forms (form 0: bf16 tensor cores where compiled, 1: portable
-//! FMA, 2: 3xTF32 tensor cores, held to the tensor-core tolerances (measured on the H200 at
-//! 5b38cfb: worst 1.4e-3 with Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
-//! process-wide switch: run with --test-threads=1 on a GPU). Each case also checks that the
+//! Each case runs in five kernel forms (0: bf16 hi/lo tensor cores where compiled
+//! (`set_gemm_precise(true)`), 1: portable FMA, 2: 3xTF32 tensor cores, 3: the default f16
+//! single-product form `gemmh*` (automatic item tile, double-buffered), 4: f16 with 256-item
+//! tiles (MoE 128) and one buffer; forms 3-4 fall back to form 0 for F32/BF16 weights and off
+//! CUDA sm_80+), each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
+//! are held to the tensor-core tolerances (measured on the H200 at 5b38cfb: worst 1.4e-3 with
+//! Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
+//! forms are process-wide switches: run with --test-threads=1 on a GPU. Each case also checks that the
 //! GEMM took the product (launch counter). Skips with the reason when no GPU is present.
 //!
 //! Tolerances relative to 1 + |cpu|, per form, from the H200 run of 78a6d1b
@@ -22,10 +26,14 @@ use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
 use rand::Rng;
 
-/// Tensor-core form, without / with a Q4_K weight; FMA form.
+/// Tensor-core form, without / with a Q4_K weight; FMA form; f16 form (both operands rounded to
+/// f16 once: ~2^-11 per term; expected a few times the bf16 hi/lo error), without / with Q4_K.
 const TOL_TC: f32 = 2e-3;
 const TOL_TC_Q4K: f32 = 4e-3;
 const TOL_FMA: f32 = 5e-4;
+const TOL_H: f32 = 8e-3;
+const TOL_H_Q4K: f32 = 1.6e-2;
+const FORMS: usize = 5;
 
 const TYPES: &[GgmlType] = &[
     GgmlType::F32,
@@ -39,14 +47,22 @@ const TYPES: &[GgmlType] = &[
 
 const NS: &[usize] = &[5, 16, 33, 128, 300];
 
-/// Records every case (worst error per form), asserts once at the end.
+/// Records every case (worst error per form), asserts once at the end; caches the CPU results.
 #[derive(Default)]
 struct Cases {
     bad: Vec<String>,
-    worst: [f32; 3],
+    worst: [f32; FORMS],
+    want: std::collections::HashMap<String, Vec<f32>>,
+    /// f16-form launches seen per form (forms 3-4 must take it).
+    half: [u64; FORMS],
 }
 
 impl Cases {
+    /// CPU result of case `key` (computed by `f` on first use).
+    fn want(&mut self, key: &str, f: impl FnOnce() -> Vec<f32>) -> Vec<f32> {
+        self.want.entry(key.to_string()).or_insert_with(f).clone()
+    }
+
     fn check(
         &mut self,
         name: String,
@@ -63,6 +79,7 @@ impl Cases {
         }
         let e = max_rel(g, c);
         self.worst[form] = self.worst[form].max(e);
+        self.half[form] = GpuBackend::gemm_half_launches();
         println!(
             "{name}: max rel {e:.3e}{}",
             if launched { "" } else { " (GEMM NOT USED)" }
@@ -70,6 +87,8 @@ impl Cases {
         let tol = match (form, name.contains("Q4_K")) {
             (0 | 2, false) => TOL_TC,
             (0 | 2, true) => TOL_TC_Q4K,
+            (3 | 4, false) => TOL_H,
+            (3 | 4, true) => TOL_H_Q4K,
             _ => TOL_FMA,
         };
         if e > tol || !launched {
@@ -79,19 +98,24 @@ impl Cases {
 
     fn finish(self) {
         println!(
-            "worst: bf16 tensor cores {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA {:.3e}, 3xTF32 {:.3e} ({TOL_FMA:.0e})",
-            self.worst[0], self.worst[1], self.worst[2]
+            "worst: bf16 tensor cores {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA {:.3e}, 3xTF32 {:.3e} ({TOL_FMA:.0e}), \
+             f16 {:.3e}, f16 256-item tiles {:.3e} ({TOL_H:.0e}, {TOL_H_Q4K:.0e} with Q4_K); f16 launches after each form {:?}",
+            self.worst[0], self.worst[1], self.worst[2], self.worst[3], self.worst[4], self.half
         );
-        GpuBackend::set_gemm(true, false);
+        set_form(3);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
     }
 }
 
+/// Forms as in the module doc (process-wide switches).
 fn set_form(form: usize) {
     GpuBackend::set_gemm(true, form == 1);
     if form == 2 {
         GpuBackend::set_gemm_tf32();
     }
+    GpuBackend::set_gemm_precise(form == 0);
+    GpuBackend::set_gemm_tile(if form == 4 { 256 } else { 0 });
+    GpuBackend::set_gemm_dbuf(form != 4);
 }
 
 #[test]
@@ -100,7 +124,7 @@ fn gemm_every_type_and_n() {
         return;
     };
     let mut cases = Cases::default();
-    for form in 0..3 {
+    for form in 0..FORMS {
         set_form(form);
         for (ti, &ty) in TYPES.iter().enumerate() {
             // 3 experts of 200 rows (a partial 128-row tile) × 1024 columns (split K in 2).
@@ -109,18 +133,24 @@ fn gemm_every_type_and_n() {
             for &n in NS {
                 let x = randn(&mut rng(1000 + n as u64), n * cols, 1.0);
                 for part in [Part::All, Part::Expert(2)] {
-                    let (cx, gx) = (cpu.upload(&x), gpu.upload(&x));
-                    let (mut cy, mut gy) = (cpu.alloc(n * rows), gpu.alloc(n * rows));
-                    cpu.matmul(&cw, part, &cx, n, &mut cy);
+                    let key = format!("matmul {ty:?} n={n} {part:?}");
+                    let want = cases.want(&key, || {
+                        let cx = cpu.upload(&x);
+                        let mut cy = cpu.alloc(n * rows);
+                        cpu.matmul(&cw, part, &cx, n, &mut cy);
+                        cpu.download(&cy, n * rows)
+                    });
+                    let gx = gpu.upload(&x);
+                    let mut gy = gpu.alloc(n * rows);
                     let l0 = GpuBackend::gemm_launches();
                     gpu.matmul(&gw, part, &gx, n, &mut gy);
                     let launched = GpuBackend::gemm_launches() > l0;
                     cases.check(
-                        format!("matmul {ty:?} n={n} {part:?} form={form}"),
+                        format!("{key} form={form}"),
                         form,
                         launched,
                         &gpu.download(&gy, n * rows),
-                        &cpu.download(&cy, n * rows),
+                        &want,
                         &gpu,
                     );
                 }
@@ -130,9 +160,14 @@ fn gemm_every_type_and_n() {
         let (cw, gw) = weight(&cpu, &gpu, GgmlType::Q8_0, 4096, 1024, 1, 7);
         let n = 128;
         let x = randn(&mut rng(8), n * 4096, 1.0);
-        let (cx, gx) = (cpu.upload(&x), gpu.upload(&x));
-        let (mut cy, mut gy) = (cpu.alloc(n * 1024), gpu.alloc(n * 1024));
-        cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
+        let want = cases.want("q_a", || {
+            let cx = cpu.upload(&x);
+            let mut cy = cpu.alloc(n * 1024);
+            cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
+            cpu.download(&cy, n * 1024)
+        });
+        let gx = gpu.upload(&x);
+        let mut gy = gpu.alloc(n * 1024);
         let l0 = GpuBackend::gemm_launches();
         gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
         let launched = GpuBackend::gemm_launches() > l0;
@@ -141,7 +176,7 @@ fn gemm_every_type_and_n() {
             form,
             launched,
             &gpu.download(&gy, n * 1024),
-            &cpu.download(&cy, n * 1024),
+            &want,
             &gpu,
         );
     }
@@ -154,7 +189,7 @@ fn gemm_grouped_every_type() {
         return;
     };
     let mut cases = Cases::default();
-    for form in 0..3 {
+    for form in 0..FORMS {
         set_form(form);
         // (groups, cols, rows): small with a partial tile per group, and the model's out_a.
         let mut shapes: Vec<(GgmlType, usize, usize, usize)> =
@@ -165,18 +200,24 @@ fn gemm_grouped_every_type() {
             let ns: &[usize] = if cols == 4096 { &[33] } else { NS };
             for &n in ns {
                 let x = randn(&mut rng(n as u64), n * groups * cols, 1.0);
-                let (cx, gx) = (cpu.upload(&x), gpu.upload(&x));
-                let (mut cy, mut gy) = (cpu.alloc(n * rows), gpu.alloc(n * rows));
-                cpu.matmul_grouped(&cw, groups, &cx, n, &mut cy);
+                let key = format!("grouped {ty:?} {groups}x{cols}->{rows} n={n}");
+                let want = cases.want(&key, || {
+                    let cx = cpu.upload(&x);
+                    let mut cy = cpu.alloc(n * rows);
+                    cpu.matmul_grouped(&cw, groups, &cx, n, &mut cy);
+                    cpu.download(&cy, n * rows)
+                });
+                let gx = gpu.upload(&x);
+                let mut gy = gpu.alloc(n * rows);
                 let l0 = GpuBackend::gemm_launches();
                 gpu.matmul_grouped(&gw, groups, &gx, n, &mut gy);
                 let launched = GpuBackend::gemm_launches() > l0;
                 cases.check(
-                    format!("grouped {ty:?} {groups}x{cols}->{rows} n={n} form={form}"),
+                    format!("{key} form={form}"),
                     form,
                     launched,
                     &gpu.download(&gy, n * rows),
-                    &cpu.download(&cy, n * rows),
+                    &want,
                     &gpu,
                 );
             }
@@ -191,7 +232,7 @@ fn gemm_moe_128_tokens_6_slots() {
         return;
     };
     let mut cases = Cases::default();
-    for form in 0..3 {
+    for form in 0..FORMS {
         set_form(form);
         let spec = MoeSpec {
             n_expert: 16,
@@ -228,20 +269,24 @@ fn gemm_moe_128_tokens_6_slots() {
                 let wgt: Vec<f32> = (0..n * spec.n_used)
                     .map(|_| r.gen_range(0.1..1.0))
                     .collect();
-                let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
-                let mut co = cpu.alloc(n * spec.d);
-                cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
+                let key = format!("moe {tg:?}/{tu:?}/{td:?} n={n} k=6");
+                let want = cases.want(&key, || {
+                    let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
+                    let mut co = cpu.alloc(n * spec.d);
+                    cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
+                    cpu.download(&co, n * spec.d)
+                });
                 let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
                 let mut go = gpu.alloc(n * spec.d);
                 let l0 = GpuBackend::gemm_launches();
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 let launched = GpuBackend::gemm_launches() > l0;
                 cases.check(
-                    format!("moe {tg:?}/{tu:?}/{td:?} n={n} k=6 form={form}"),
+                    format!("{key} form={form}"),
                     form,
                     launched,
                     &gpu.download(&go, n * spec.d),
-                    &cpu.download(&co, n * spec.d),
+                    &want,
                     &gpu,
                 );
             }
@@ -315,7 +360,8 @@ fn gemm_group_pairs_skewed() {
     assert!(bad.is_empty(), "grouping mismatches: {bad:?}");
 }
 
-/// Prefill-sized products (128-item `gemmw_*` tiles in the bf16 form): dense n = 2048
+/// Prefill-sized products (128-item `gemmw_*` tiles in the bf16 form; the f16 form with
+/// automatic and 256-item tiles): dense n = 2048
 /// (Q8_0 1024→384, BF16 512→256) and the routed experts at 2048 tokens × 6 slots (12288 pairs
 /// over 16 experts, skewed toward one), bf16 tensor-core and FMA forms. Sizes kept small: the
 /// CPU reference dominates the run time.
@@ -337,7 +383,7 @@ fn gemm_big_n() {
         let mut cy = cpu.alloc(n * rows);
         cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
         let want = cpu.download(&cy, n * rows);
-        for form in 0..2 {
+        for form in [0, 1, 3, 4] {
             set_form(form);
             let mut gy = gpu.alloc(n * rows);
             let l0 = GpuBackend::gemm_launches();
@@ -389,7 +435,7 @@ fn gemm_big_n() {
     cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
     let want = cpu.download(&co, n * spec.d);
     let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
-    for form in 0..2 {
+    for form in [0, 1, 3, 4] {
         set_form(form);
         let mut go = gpu.alloc(n * spec.d);
         let l0 = GpuBackend::gemm_launches();

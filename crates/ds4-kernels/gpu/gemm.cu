@@ -359,6 +359,211 @@ DS4_KERNEL void DS4_BOUNDS(256) gemmw_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAV
 DS4_KERNEL void DS4_BOUNDS(256) gemmw_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(256) gemmw_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
 
+// ---- f16 single-product form (gemmh<BM>_<t>, default for quantised/F16 weights on sm_80+) ----
+// X is first converted once per product by gemm_xh_f32: each token row t scaled by an exact power
+// of two 2^s_t (max |x| * 2^s_t < 2^15, so no f16 overflow and small rows keep 11 bits) and rounded
+// to f16; xinv[t] = 2^-s_t. Weights are dequantised (same f32 values as deq_chunk) and rounded to
+// f16 once; one mma.sync m16n8k16 f16 (f32 accumulate) per tile instead of three, f16 X read with
+// 16-byte loads (half the bytes, no split). Per-term error ~2^-11 relative (both operands rounded).
+// CTA: NW warps (NW = 4, 8, 16 -> BM = 64, 128, 256 items) × GM_BN = 128 weight rows, 2·BM threads;
+// db != 0 (BM 64/128): shared tiles double-buffered, one barrier per 32-element K step instead of two;
+// thread t stages X of item t/2 (16 halves), dequantises 32/NP elements of tile row t%128
+// (NP = 2·BM/128 parts per row chunk). Warp w: rows 32(w%4).., items 64(w/4)...
+// Without mma (HIP, sm < 80) the kernels write NaN: the host never launches them there.
+#define GMH_PARAMS                                                                                                \
+    const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const u16 *__restrict__ X,  \
+        const float *__restrict__ xinv, long long x_tok, long long x_z, int xdiv, float *__restrict__ Y, long long y_tok, \
+        long long y_z, long long y_s, int rows, int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax, int db
+#define GMH_ARGS W, w_z, sel, slab, X, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, db
+
+// Pack (v0 low half, v1 high half) as f16x2, round to nearest even.
+__device__ __forceinline__ u32 gm_h2(float v0, float v1) {
+#if GM_HAVE_MMA
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
+    return r;
+#else
+    (void)v0, (void)v1; // never launched without mma
+    return 0u;
+#endif
+}
+
+#if GM_HAVE_MMA
+__device__ __forceinline__ void gm_mma_h(float* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+template <int BM, int NB> struct alignas(16) GmSmemH { // NB buffers
+    u32 x[NB][BM][GM_LD], w[NB][GM_BN][GM_LD];
+};
+
+template <int T, int NW> __device__ __forceinline__ void gemmh_body(GMH_PARAMS) {
+    constexpr int BM = 16 * NW, NT = 32 * NW, NP = NT / GM_BN, WE = 32 / NP; // WE: weight elements per thread
+    static_assert(NP == 1 || NP == 2 || NP == 4, "NW: 4, 8 or 16");
+    __shared__ int items[BM];
+    __shared__ int expert;
+    constexpr int NB = NW == 16 ? 1 : 2; // 256 items: one buffer (static shared memory < 48 KB)
+    __shared__ GmSmemH<BM, NB> sm;       // f16x2: 16 used per row (32 k)
+    const int tid = threadIdx.x, trow = tid & (GM_BN - 1), part = tid / GM_BN;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GM_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    if (tid < BM) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * BM + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) expert = e;
+        }
+        items[tid] = it;
+    }
+    __syncthreads();
+    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const int row = r0 + trow;
+    const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes;
+    const bool live = row < rows;
+    const int xi = tid >> 1, xq = tid & 1; // X staging: item xi, halves 16xq.. of the chunk
+    const int xit = items[xi];
+    const u16* xrow = xit >= 0 ? X + (long long)(xit / xdiv) * x_tok + (long long)z * x_z : X;
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
+
+    float acc[64]; // 4 per (m-tile, n-tile)
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+
+    uint4 xv[2];
+    u32 wp[WE / 2]; // dequantised weights, f16x2
+    auto load = [&](int c) {
+        xv[0] = xv[1] = make_uint4(0u, 0u, 0u, 0u);
+        if (xit >= 0) {
+            const uint4* p = (const uint4*)(xrow + 32 * c + 16 * xq);
+            xv[0] = p[0], xv[1] = p[1];
+        }
+        float w[32]; // WE used (deq_chunk's 32 only when NP == 1)
+        if (!live) {
+#pragma unroll
+            for (int i = 0; i < WE; i++) w[i] = 0.0f;
+        } else if (NP == 1) {
+            deq_chunk<T>(wrow, c, w);
+        } else {
+#pragma unroll
+            for (int q = 0; q < WE / 8; q++) deq_slice<T>(wrow, c, (WE / 8) * part + q, w + 8 * q);
+        }
+#pragma unroll
+        for (int i = 0; i < WE / 2; i++) wp[i] = gm_h2(w[2 * i], w[2 * i + 1]);
+    };
+    if (c0 < c1) load(c0);
+    const bool dbuf = NB == 2 && db; // double buffer: one barrier per chunk (see the end of the loop)
+    for (int c = c0; c < c1; c++) {
+        const int bi = dbuf ? (c - c0) & 1 : 0;
+        auto& sx = sm.x[bi];
+        auto& sw = sm.w[bi];
+        *(uint4*)&sx[xi][8 * xq] = xv[0];
+        *(uint4*)&sx[xi][8 * xq + 4] = xv[1];
+#pragma unroll
+        for (int v = 0; v < WE / 8; v++)
+            *(uint4*)&sw[trow][(WE / 2) * part + 4 * v] = make_uint4(wp[4 * v], wp[4 * v + 1], wp[4 * v + 2], wp[4 * v + 3]);
+        __syncthreads();
+        if (c + 1 < c1) load(c + 1);
+#if GM_HAVE_MMA
+        const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            // ldmatrix.x4 fragments as in gemm_body (A: rows +0|+8 x k +0|+8; B: n-tiles x k halves).
+            u32 a[GM_MT][4], b[4][2];
+            const int lr = lane & 7, lm = lane >> 3;
+#pragma unroll
+            for (int mt = 0; mt < GM_MT; mt++) {
+                int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
+                gm_ldm4(a[mt], &sx[m][k]);
+            }
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
+                u32 q[4];
+                gm_ldm4(q, &sw[r][k]);
+                b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
+            }
+#pragma unroll
+            for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) gm_mma_h(acc + 4 * (4 * mt + nt), a[mt], b[nt]);
+        }
+#endif
+        // Double buffer: the next store goes to the other buffer, and the one after it (to this
+        // buffer) follows the next barrier, which every thread reaches after this mma.
+        if (!dbuf) __syncthreads();
+    }
+
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+    // acc[4*(4*mt+nt) + e]: item 64(w/4) + 16mt + g + 8(e/2), tile row 32(w%4) + 8nt + 2t + e%2.
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = items[64 * (warp >> 2) + 16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+            const float sc = GM_HAVE_MMA ? xinv[it / xdiv] : __int_as_float(0x7fc00000); // NaN: no mma here
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + 32 * (warp & 3) + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[4 * (4 * mt + nt) + 2 * e2 + e1] * sc;
+                }
+        }
+}
+
+#define GMH_KERNELS(t, T)                                                                                          \
+    DS4_KERNEL void DS4_BOUNDS(128) gemmh64_##t(GMH_PARAMS) { gemmh_body<T, 4>(GMH_ARGS); }                        \
+    DS4_KERNEL void DS4_BOUNDS(256) gemmh128_##t(GMH_PARAMS) { gemmh_body<T, 8>(GMH_ARGS); }                       \
+    DS4_KERNEL void DS4_BOUNDS(512) gemmh256_##t(GMH_PARAMS) { gemmh_body<T, 16>(GMH_ARGS); }
+GMH_KERNELS(f16, T_F16)
+GMH_KERNELS(q8_0, T_Q8_0)
+GMH_KERNELS(q2_k, T_Q2_K)
+GMH_KERNELS(q4_k, T_Q4_K)
+GMH_KERNELS(iq2_xxs, T_IQ2_XXS)
+
+// X rows to scaled f16 for gemmh: one CTA per token row t < gridDim.x; elements j < width
+// (multiple of 4; X 16-byte aligned, x_tok multiple of 4): xh[t*x_tok + j] = f16_rn(x * 2^s_t),
+// xinv[t] = 2^-s_t, s_t = 15 - e_t where max |x| < 2^e_t (clamped to [-126, 126]).
+// Without mma (never launched there) the row is zeroed.
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xh_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xh, float* __restrict__ xinv) {
+    __shared__ float red[256 / DS4_WARP];
+    const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < width / 4; i += 256) {
+        float4 v = p[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < 256 / DS4_WARP; i++) m = fmaxf(m, red[i]);
+    // m = f * 2^e, f in [0.5, 1) for normal m: e = biased exponent - 126 (subnormal/zero: -126).
+    int e = (int)((__float_as_int(m) >> 23) & 0xff) - 126;
+    int sh = min(max(15 - e, -126), 126);
+    float sc = __int_as_float((sh + 127) << 23);
+    if (threadIdx.x == 0) xinv[blockIdx.x] = __int_as_float((127 - sh) << 23);
+    u32* o = xh + ((long long)blockIdx.x * x_tok >> 1);
+    for (int i = threadIdx.x; i < width / 4; i += 256) {
+        float4 v = p[i];
+        o[2 * i] = gm_h2(v.x * sc, v.y * sc);
+        o[2 * i + 1] = gm_h2(v.z * sc, v.w * sc);
+    }
+}
+
 // Split-K partials: y[i] = sum over s < ks (in order) of part[s*total + i].
 DS4_KERNEL void DS4_BOUNDS(256) gemm_sum_f32(const float* __restrict__ part, float* __restrict__ y, int ks, long long total) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -4,6 +4,7 @@ use crate::Module;
 /// `gemm_<t>`: mma.sync bf16 hi/lo split where compiled for sm_80+, else plain FMA tiles;
 /// `gemmw_<t>`: the bf16 form with 128-item tiles (256 threads) for long prompts;
 /// `gemmp_<t>`: 3xTF32 mma (more precise; FMA where no mma); `gemmf_<t>`: always the FMA tiles; `gemm_sum_f32`: split-K partial sums;
+/// `gemmh<BM>_<t>`: one f16 mma per tile on X pre-scaled and rounded by `gemm_xh_f32` (default on sm_80+);
 /// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
 pub const GEMM: Module = Module {
     name: "gemm",
@@ -41,5 +42,21 @@ pub const GEMM: Module = Module {
         "gm_group_count_i32",
         "gm_group_scan_i32",
         "gm_group_scatter_i32",
+        "gemmh64_f16",
+        "gemmh128_f16",
+        "gemmh256_f16",
+        "gemmh64_q8_0",
+        "gemmh128_q8_0",
+        "gemmh256_q8_0",
+        "gemmh64_q2_k",
+        "gemmh128_q2_k",
+        "gemmh256_q2_k",
+        "gemmh64_q4_k",
+        "gemmh128_q4_k",
+        "gemmh256_q4_k",
+        "gemmh64_iq2_xxs",
+        "gemmh128_iq2_xxs",
+        "gemmh256_iq2_xxs",
+        "gemm_xh_f32",
     ],
 };

@@ -9,6 +9,12 @@
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 //! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
+//!
+//! Default tensor-core form on CUDA sm_80+ for F16/Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
+//! one f16 mma per tile (instead of the three bf16 hi/lo products) on X converted once per
+//! product by `gemm_xh_f32` (rows scaled by a power of two, rounded to f16; the kernel undoes
+//! the scale). `DS4_GPU_GEMM_PRECISE=1` (or `set_gemm_precise(true)`) keeps the bf16 hi/lo form;
+//! `DS4_GPU_GEMM_TILE=64|128|256` fixes its item tile (MoE: at most 128).
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
@@ -101,8 +107,68 @@ fn tile_items(n: usize, experts: usize, ty: GgmlType) -> usize {
     }
 }
 
+/// Precise form (bf16 hi/lo) instead of the f16 one: 0 no, 1 yes, UNSET: read
+/// `DS4_GPU_GEMM_PRECISE` (1 = yes; `DS4_GPU_GEMM=bf16` also) on first use.
+static PRECISE: AtomicU8 = AtomicU8::new(UNSET);
+
+fn precise() -> bool {
+    let p = PRECISE.load(Ordering::Relaxed);
+    if p != UNSET {
+        return p == 1;
+    }
+    let p = std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "1")
+        || std::env::var("DS4_GPU_GEMM").is_ok_and(|v| v == "bf16");
+    PRECISE.store(p as u8, Ordering::Relaxed);
+    p
+}
+
+/// f16 form with 64/128-item tiles: shared tiles double-buffered (one barrier per K step):
+/// 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_DB` (0 = no; default yes) on first use.
+static DBUF: AtomicU8 = AtomicU8::new(UNSET);
+
+fn dbuf() -> bool {
+    let d = DBUF.load(Ordering::Relaxed);
+    if d != UNSET {
+        return d == 1;
+    }
+    let d = std::env::var("DS4_GPU_GEMM_DB").map_or(true, |v| v != "0");
+    DBUF.store(d as u8, Ordering::Relaxed);
+    d
+}
+
+/// Item tile of the f16 form: 0 automatic, else 64, 128 or 256; usize::MAX: read
+/// `DS4_GPU_GEMM_TILE` on first use.
+static HTILE: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+fn half_tile(n: usize, experts: usize) -> usize {
+    let mut t = HTILE.load(Ordering::Relaxed);
+    if t == usize::MAX {
+        t = std::env::var("DS4_GPU_GEMM_TILE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|t| [64, 128, 256].contains(t))
+            .unwrap_or(0);
+        HTILE.store(t, Ordering::Relaxed);
+    }
+    if experts > 0 {
+        // MoE: the down product may take the bf16 form (64/128-item tiles) with the same groups.
+        return match t {
+            0 if n >= 64 * experts => 128,
+            0 => 64,
+            t => t.min(128),
+        };
+    }
+    match t {
+        0 if n >= 256 => 128,
+        0 => 64,
+        t => t,
+    }
+}
+
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Of those, f16-form (`gemmh*`) launches.
+static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -125,8 +191,17 @@ struct Gm {
     zs: usize,
     /// Pairs grouped by expert: (sel, grp from gm_group_*_i32, gmax).
     grp: Option<(DevPtr, DevPtr, usize)>,
-    /// Items per CTA: BM, or BM_WIDE (`gemmw_*`, bf16 form only).
+    /// Items per CTA: BM, or BM_WIDE (`gemmw_*`, bf16 form only); f16 form: 64, 128, 256.
     bm: usize,
+    /// f16 form: inverse row scales from `gemm_xh_f32` (x then holds f16 values, strides in halves).
+    xs: Option<DevPtr>,
+}
+
+/// X converted for the f16 form: f16 values (same strides as the f32 source) and per-token-row
+/// inverse scales; kept alive until the products are queued.
+struct HalfX {
+    x: GpuBuf,
+    inv: GpuBuf,
 }
 
 impl GpuBackend {
@@ -144,6 +219,69 @@ impl GpuBackend {
             },
             Ordering::Relaxed,
         );
+    }
+
+    /// Tensor-core form (mode of `set_gemm(true, false)`): `true` the bf16 hi/lo products
+    /// (`gemm_*`/`gemmw_*`), `false` the f16 single product (`gemmh*`, default) where it applies.
+    /// Process-wide (tests, benchmarks).
+    pub fn set_gemm_precise(precise: bool) {
+        PRECISE.store(precise as u8, Ordering::Relaxed);
+    }
+
+    /// f16 form: double-buffered shared tiles (default true; 256-item tiles never).
+    pub fn set_gemm_dbuf(on: bool) {
+        DBUF.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Item tile of the f16 form: 64, 128 or 256 (MoE: at most 128), 0 automatic.
+    pub fn set_gemm_tile(items: usize) {
+        HTILE.store(
+            if [64, 128, 256].contains(&items) {
+                items
+            } else {
+                0
+            },
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Whether weight type `ty` takes the f16 form with X strides `x_strides` (elements).
+    fn half_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
+        let info = self.gpu.info();
+        mode() == 0
+            && !precise()
+            && matches!(
+                ty,
+                GgmlType::F16
+                    | GgmlType::Q8_0
+                    | GgmlType::Q2_K
+                    | GgmlType::Q4_K
+                    | GgmlType::IQ2_XXS
+            )
+            && info.vendor == crate::runtime::Vendor::Nvidia
+            && info.cc.0 >= 8
+            && x_strides.iter().all(|s| s.is_multiple_of(8)) // 16-byte f16 loads
+    }
+
+    /// `gemm_xh_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to scaled f16.
+    fn half_x(&self, x: DevPtr, ntok: usize, x_tok: usize, width: usize) -> HalfX {
+        let h = HalfX {
+            x: self.scratch((ntok * x_tok).div_ceil(2)),
+            inv: self.scratch(ntok),
+        };
+        self.run(
+            &ds4_kernels::GEMM,
+            "gemm_xh_f32",
+            LaunchDims::linear(ntok as u32, 256),
+            &[
+                Arg::Ptr(x),
+                Arg::I64(x_tok as i64),
+                Arg::I32(width as i32),
+                Arg::Ptr(h.x.ptr),
+                Arg::Ptr(h.inv.ptr),
+            ],
+        );
+        h
     }
 
     /// Take the 3xTF32 tensor-core kernels `gemmp_*` (near-f32 accuracy; FMA where no mma).
@@ -228,6 +366,11 @@ impl GpuBackend {
         LAUNCHES.load(Ordering::Relaxed)
     }
 
+    /// f16-form (`gemmh*`) GEMM launches so far in this process.
+    pub fn gemm_half_launches() -> u64 {
+        HLAUNCHES.load(Ordering::Relaxed)
+    }
+
     /// Whether the GEMM takes a product of `n` rows of weight type `ty` with `cols` columns and
     /// these f32 pointers/strides (float4 loads of x need 16-byte alignment).
     fn gemm_ok(&self, ty: GgmlType, n: usize, cols: usize, x: DevPtr, x_strides: &[usize]) -> bool {
@@ -245,16 +388,19 @@ impl GpuBackend {
             return;
         }
         let Some(sfx) = suffix(m.ty) else { return };
+        let half = m.xs.is_some();
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
-            1 => "gemmf",
-            3 => "gemmp",
-            _ if wide => "gemmw",
-            _ => "gemm",
+            _ if half => format!("gemmh{}", m.bm),
+            1 => "gemmf".into(),
+            3 => "gemmp".into(),
+            _ if wide => "gemmw".into(),
+            _ => "gemm".into(),
         };
+        let bm = if half || wide { m.bm } else { BM };
         let ytiles = match m.grp {
             Some((_, _, gmax)) => gmax,
-            None => m.n.div_ceil(if wide { BM_WIDE } else { BM }),
+            None => m.n.div_ceil(bm),
         };
         let ctas = m.rows.div_ceil(BN) * ytiles * m.zs;
         let nch = m.cols / 32;
@@ -271,6 +417,9 @@ impl GpuBackend {
         let total = m.n * m.y_tok; // y spans n rows of y_tok values (every batch inside)
         let part = (ks > 1).then(|| self.scratch(ks * total));
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        if half {
+            HLAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
         let (sel, grp, gmax) = match m.grp {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
             None => (Arg::Null, Arg::Null, 0),
@@ -284,7 +433,7 @@ impl GpuBackend {
                     ytiles as u32,
                     (m.zs * ks) as u32,
                 ],
-                block: [if wide { 256 } else { 128 }, 1, 1],
+                block: [2 * bm as u32, 1, 1],
                 shared_bytes: 0,
             },
             &[
@@ -293,6 +442,10 @@ impl GpuBackend {
                 sel,
                 Arg::I64(m.slab as i64),
                 Arg::Ptr(m.x),
+            ]
+            .into_iter()
+            .chain(m.xs.map(Arg::Ptr)) // gemmh: inverse row scales after X
+            .chain([
                 Arg::I64(m.x_tok as i64),
                 Arg::I64(m.x_z as i64),
                 Arg::I32(m.xdiv.max(1) as i32),
@@ -308,7 +461,9 @@ impl GpuBackend {
                 Arg::I32(kc as i32),
                 grp,
                 Arg::I32(gmax as i32),
-            ],
+            ])
+            .chain(half.then(|| Arg::I32(dbuf() as i32))) // gemmh: db
+            .collect::<Vec<_>>(),
         );
         if let Some(p) = part {
             self.run(
@@ -353,12 +508,15 @@ impl GpuBackend {
             Part::All => 0,
             Part::Expert(e) => e * slab,
         };
+        let hx = self
+            .half_ok(*ty, &[*cols])
+            .then(|| self.half_x(x.ptr, n, *cols, *cols));
         self.gemm(&Gm {
             w: buf.ptr().offset(byte0 as u64),
             ty: *ty,
             w_z: 0,
             slab,
-            x: x.ptr,
+            x: hx.as_ref().map_or(x.ptr, |h| h.x.ptr),
             x_tok: *cols,
             x_z: 0,
             xdiv: 1,
@@ -371,7 +529,12 @@ impl GpuBackend {
             n,
             zs: 1,
             grp: None,
-            bm: tile_items(n, 0, *ty),
+            bm: if hx.is_some() {
+                half_tile(n, 0)
+            } else {
+                tile_items(n, 0, *ty)
+            },
+            xs: hx.as_ref().map(|h| h.inv.ptr),
         });
         true
     }
@@ -403,12 +566,15 @@ impl GpuBackend {
             return false;
         }
         let r = rows / groups;
+        let hx = self
+            .half_ok(*ty, &[groups * cols, *cols])
+            .then(|| self.half_x(x.ptr, n, groups * cols, groups * cols));
         self.gemm(&Gm {
             w: buf.ptr(),
             ty: *ty,
             w_z: r * row_bytes,
             slab: 0,
-            x: x.ptr,
+            x: hx.as_ref().map_or(x.ptr, |h| h.x.ptr),
             x_tok: groups * cols,
             x_z: *cols,
             xdiv: 1,
@@ -421,7 +587,12 @@ impl GpuBackend {
             n,
             zs: groups,
             grp: None,
-            bm: tile_items(n, 0, *ty),
+            bm: if hx.is_some() {
+                half_tile(n, 0)
+            } else {
+                tile_items(n, 0, *ty)
+            },
+            xs: hx.as_ref().map(|h| h.inv.ptr),
         });
         true
     }
@@ -467,13 +638,22 @@ impl GpuBackend {
             return false;
         }
         let sel = sel.0.ptr;
+        // f16 form per product; gate and up share one converted z.
+        let h_gu = self.half_ok(g.1, &[d]) && self.half_ok(u.1, &[d]);
+        let h_dn = self.half_ok(dn.1, &[ff]);
         // Runs of one expert cut every bm pairs: at most pairs/bm + one partial run per expert.
-        let bm = tile_items(pairs, spec.n_expert, g.1);
+        // bm (64 or 128) suits both forms: a bf16-form product takes it as gemm_/gemmw_ tiles.
+        let bm = if h_gu || h_dn {
+            half_tile(pairs, spec.n_expert)
+        } else {
+            tile_items(pairs, spec.n_expert, g.1)
+        };
         let gmax = pairs.div_ceil(bm) + spec.n_expert.min(pairs);
         let grp = self.group_pairs(sel, pairs, spec.n_expert, bm, gmax);
         let grouped = Some((sel, grp.ptr, gmax));
         let gb = self.scratch(pairs * ff);
         let ub = self.scratch(pairs * ff);
+        let hz = h_gu.then(|| self.half_x(z.ptr, n, d, d));
         for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
             // Pair i reads token i / k of z.
             self.gemm(&Gm {
@@ -481,7 +661,7 @@ impl GpuBackend {
                 ty,
                 w_z: 0,
                 slab: ff * rb,
-                x: z.ptr,
+                x: hz.as_ref().map_or(z.ptr, |h| h.x.ptr),
                 x_tok: d,
                 x_z: 0,
                 xdiv: k,
@@ -495,17 +675,20 @@ impl GpuBackend {
                 zs: 1,
                 grp: grouped,
                 bm,
+                xs: hz.as_ref().map(|h| h.inv.ptr),
             });
         }
+        drop(hz);
         let mut h = self.scratch(pairs * ff);
         self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
+        let hh = h_dn.then(|| self.half_x(h.ptr, pairs, ff, ff));
         self.gemm(&Gm {
             w: dn.0,
             ty: dn.1,
             w_z: 0,
             slab: d * dn.4,
-            x: h.ptr,
+            x: hh.as_ref().map_or(h.ptr, |h| h.x.ptr),
             x_tok: ff,
             x_z: 0,
             xdiv: 1,
@@ -519,6 +702,7 @@ impl GpuBackend {
             zs: 1,
             grp: grouped,
             bm,
+            xs: hh.as_ref().map(|h| h.inv.ptr),
         });
         let total = n * d;
         self.run(
