@@ -74,10 +74,10 @@ pub struct Report {
     pub pruned: Vec<PathBuf>,
 }
 
-/// Compile every module of `ds4_kernels::MODULES` for `target` into `dir` (modules already
-/// cached are left as they are), in parallel. With `prune`, also delete this target's entries
-/// in `dir` that the current sources no longer produce.
-pub fn precompile(target: &Target, dir: &Path, prune: bool) -> Result<Report> {
+/// Compile every module of `ds4_kernels::MODULES` (or those named in `only`) for `target` into
+/// `dir` (modules already cached are left as they are), in parallel. With `prune`, also delete
+/// this target's entries in `dir` that the current sources no longer produce.
+pub fn precompile(target: &Target, dir: &Path, prune: bool, only: &[String]) -> Result<Report> {
     use rayon::prelude::*;
     let compiler: Box<dyn Compiler> = if target.nvidia {
         Box::new(Nvrtc::load()?)
@@ -89,8 +89,19 @@ pub fn precompile(target: &Target, dir: &Path, prune: bool) -> Result<Report> {
         path: dir.to_path_buf(),
         source,
     })?;
+    if let Some(bad) = only
+        .iter()
+        .find(|o| !ds4_kernels::MODULES.iter().any(|m| m.name == o.as_str()))
+    {
+        let names: Vec<&str> = ds4_kernels::MODULES.iter().map(|m| m.name).collect();
+        return Err(GpuError::Invalid(format!(
+            "no kernel module `{bad}` (modules: {})",
+            names.join(", ")
+        )));
+    }
     let results: Vec<Result<Compiled>> = ds4_kernels::MODULES
         .par_iter()
+        .filter(|m| only.is_empty() || only.iter().any(|o| o == m.name))
         .map(|m| {
             let t = Instant::now();
             let (code, origin) = compile_cached(c, m, &target.arch, &target.defines, Some(dir))?;

@@ -105,16 +105,26 @@ __device__ __forceinline__ float ds4_clamp(float v, float lim) {
 
 // FP8 / Hadamard+FP4 rounding of a row staged in shared memory, by the whole CTA (any blockDim;
 // scale_s holds 256 block scales). Ends synchronised.
+__device__ __forceinline__ float ds4_warp_absmax(float m) {
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+    return m;
+}
+
+// One warp per scale block (its lanes over the block's values; max is order-free, so the result
+// is the same as a serial scan): a decode row is one CTA, so a thread per block would leave most
+// of it idle behind long serial loops of correctly rounded operations.
 __device__ __forceinline__ void ds4_round_shared(float* row_s, float* scale_s, int width, int fp8_nope, int fp4) {
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP, nw = blockDim.x / DS4_WARP;
     if (fp8_nope > 0) {
         int nb = (fp8_nope + 63) / 64;
-        for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        for (int b = warp; b < nb; b += nw) {
             int e = min(b * 64 + 64, fp8_nope);
             float m = 0.0f;
-            for (int i = b * 64; i < e; i++) m = fmaxf(m, fabsf(row_s[i]));
-            m = fmaxf(m, 1e-4f);
+            for (int i = b * 64 + lane; i < e; i += DS4_WARP) m = fmaxf(m, fabsf(row_s[i]));
+            m = fmaxf(ds4_warp_absmax(m), 1e-4f);
             float s = ds4_pow2_scale(m, 448.0);
-            for (int i = b * 64; i < e; i++) {
+            for (int i = b * 64 + lane; i < e; i += DS4_WARP) {
                 float v = ds4_clamp(ds4_div_rn(row_s[i], s), 448.0f);
                 row_s[i] = ds4_mul_rn(ds4_e4m3(v), s);
             }
@@ -135,12 +145,12 @@ __device__ __forceinline__ void ds4_round_shared(float* row_s, float* scale_s, i
         for (int i = threadIdx.x; i < width; i += blockDim.x) row_s[i] = ds4_mul_rn(row_s[i], hs);
         __syncthreads();
         int nb = (width + 31) / 32;
-        for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        for (int b = warp; b < nb; b += nw) {
             int e = min(b * 32 + 32, width);
             float m = 0.0f;
-            for (int i = b * 32; i < e; i++) m = fmaxf(m, fabsf(row_s[i]));
-            m = fmaxf(m, 6.0f * 1.17549435e-38f);
-            scale_s[b % 256] = ds4_pow2_scale(m, 6.0);
+            for (int i = b * 32 + lane; i < e; i += DS4_WARP) m = fmaxf(m, fabsf(row_s[i]));
+            m = fmaxf(ds4_warp_absmax(m), 6.0f * 1.17549435e-38f);
+            if (lane == 0) scale_s[b % 256] = ds4_pow2_scale(m, 6.0);
         }
         __syncthreads();
         for (int i = threadIdx.x; i < width; i += blockDim.x) {
@@ -874,11 +884,14 @@ __device__ __forceinline__ const float* ds4_ap_row(long long j, long long t0, lo
 // grid (splits, ceil(heads / HG), n), blockDim DS4_AP_THREADS; hd <= 512, hd % 4 == 0 (float4
 // loads). Split s covers candidates [s·chunk, min((s+1)·chunk, ncand)) (chunk a multiple of R).
 // part_o [n, splits, heads, hd]; part_mz [n, splits, heads, 2] = (max of scaled scores, Σ exp).
+// Latency is what matters at decode (a split is a few tiles): the next tile's rows are loaded
+// into registers while this one is used, and each warp's 2 heads × R row scores are reduced by a
+// reduce-scatter (9 shuffles instead of 40) whose lanes then run the online softmax in parallel.
 DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ raw, const int* __restrict__ raw_pos, const float* __restrict__ comp, const int* __restrict__ sel, float* __restrict__ part_o, float* __restrict__ part_mz, long long t0, int heads, int hd, int win, int ratio, int top_k, int chunk, int splits, float scale) {
     // float4 arrays for 16-byte alignment.
     __shared__ float4 q_s4[DS4_AP_HG * DS4_AP_MAXHD / 4];   // 32 KiB: the CTA's heads [HG][hd]
     __shared__ float4 rows_s4[DS4_AP_R * DS4_AP_MAXHD / 4]; // 8 KiB: the tile's rows [R][hd]
-    __shared__ float4 p_s4[DS4_AP_HG * DS4_AP_R / 4];       // [HG][R] scores, then exp weights
+    __shared__ float4 p_s4[DS4_AP_HG * DS4_AP_R / 4];       // [HG][R] exp weights
     float* q_s = (float*)q_s4;
     float* rows_s = (float*)rows_s4;
     float* p_s = (float*)p_s4;
@@ -914,71 +927,105 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
 #pragma unroll
         for (int c = 0; c < DS4_AP_COLS; c++) acc[hh][c] = 0.0f;
     int lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = blockDim.x / DS4_WARP;
+    // This thread's share of a tile: float4 k = tid + u·THREADS of the R × hd4 tile.
+#define DS4_AP_LD ((DS4_AP_R * DS4_AP_MAXHD / 4 + DS4_AP_THREADS - 1) / DS4_AP_THREADS)
+    float4 nxt[DS4_AP_LD];
+    int nok[DS4_AP_LD];
+    // Issue the loads of the tile at j0 into registers (zeros for absent rows or past the range).
+#define DS4_AP_FETCH(j0)                                                                           \
+    _Pragma("unroll") for (int u = 0; u < DS4_AP_LD; u++) {                                        \
+        int k = tid + u * DS4_AP_THREADS;                                                          \
+        nxt[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);                                              \
+        nok[u] = 0;                                                                                \
+        if (k < DS4_AP_R * hd4) {                                                                  \
+            long long j = (j0) + k / hd4;                                                          \
+            const float* row = j < je ? ds4_ap_row(j, t0, first, nwin, nsel, seli, kv, raw,        \
+                                                   raw_pos, comp, hd, win)                         \
+                                      : (const float*)0;                                           \
+            if (row) {                                                                             \
+                nxt[u] = ((const float4*)row)[k % hd4];                                            \
+                nok[u] = 1;                                                                        \
+            }                                                                                      \
+        }                                                                                          \
+    }
+    DS4_AP_FETCH(jb)
     for (long long j0 = jb; j0 < je; j0 += DS4_AP_R) {
-        // Tile rows (zeros for absent ones or past the range).
-        for (int k = tid; k < DS4_AP_R * hd4; k += blockDim.x) {
-            int r = k / hd4, e4 = k % hd4;
-            long long j = j0 + r;
-            const float* row = j < je ? ds4_ap_row(j, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win)
-                                      : (const float*)0;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (row) v = ((const float4*)row)[e4];
-            rows_s4[k] = v;
-            if (e4 == 0) ok_s[r] = row != 0;
+        // The prefetched tile into shared memory, then the next tile's loads are issued.
+#pragma unroll
+        for (int u = 0; u < DS4_AP_LD; u++) {
+            int k = tid + u * DS4_AP_THREADS;
+            if (k < DS4_AP_R * hd4) {
+                rows_s4[k] = nxt[u];
+                if (k % hd4 == 0) ok_s[k / hd4] = nok[u];
+            }
         }
         __syncthreads();
+        if (j0 + DS4_AP_R < je) {
+            DS4_AP_FETCH(j0 + DS4_AP_R)
+        }
         // Scores: one warp job = 2 heads × the R rows, lanes over the width.
         for (int job = warp; job < DS4_AP_HG / 2; job += nw) {
             const float* qa = q_s + (2 * job) * hd;
             const float* qb = qa + hd;
-            float sa[DS4_AP_R], sb[DS4_AP_R];
+            float v[2 * DS4_AP_R]; // v[u·R + r]: head 2·job + u, row r
 #pragma unroll
-            for (int r = 0; r < DS4_AP_R; r++) sa[r] = sb[r] = 0.0f;
+            for (int r = 0; r < 2 * DS4_AP_R; r++) v[r] = 0.0f;
             for (int e = lane; e < hd; e += DS4_WARP) {
                 float a = qa[e], b = qb[e];
 #pragma unroll
                 for (int r = 0; r < DS4_AP_R; r++) {
                     float x = rows_s[r * hd + e];
-                    sa[r] += a * x;
-                    sb[r] += b * x;
+                    v[r] += a * x;
+                    v[DS4_AP_R + r] += b * x;
                 }
             }
+#if DS4_AP_R != 4
+#error "the reduce-scatter below splits 8 = 2 heads x 4 rows over lane bits 4, 3, 2"
+#endif
+#if DS4_WARP > 32
 #pragma unroll
-            for (int r = 0; r < DS4_AP_R; r++) {
-                sa[r] = ds4_warp_sum(sa[r]);
-                sb[r] = ds4_warp_sum(sb[r]);
+            for (int r = 0; r < 8; r++) v[r] += ds4_shfl_xor(v[r], 32);
+#endif
+            // Reduce-scatter: after xor 16/8/4 each lane keeps one of the 8 sums (index
+            // 4·bit4 + 2·bit3 + bit2 of its lane id), then xor 2/1 finish it.
+            int b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1, b2 = (lane >> 2) & 1;
+            float k4[4], k2[2];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                float keep = b4 ? v[4 + x] : v[x], send = b4 ? v[x] : v[4 + x];
+                k4[x] = keep + ds4_shfl_xor(send, 16);
             }
-            // Online softmax of the job's two heads (each head belongs to one job): new max,
-            // rescale factor, weights.
-            if (lane == 0) {
 #pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    int hh = 2 * job + u;
-                    float sc[DS4_AP_R];
-#pragma unroll
-                    for (int r = 0; r < DS4_AP_R; r++) sc[r] = ok_s[r] ? (u ? sb[r] : sa[r]) * scale : DS4_NEG_INF;
-                    float m = m_s[hh], mn = m;
-#pragma unroll
-                    for (int r = 0; r < DS4_AP_R; r++) mn = fmaxf(mn, sc[r]);
-                    float cf = m == mn ? 1.0f : expf(m - mn); // m == mn also covers −inf == −inf
-                    float z = z_s[hh] * cf;
-#pragma unroll
-                    for (int r = 0; r < DS4_AP_R; r++) {
-                        float p = sc[r] == DS4_NEG_INF ? 0.0f : expf(sc[r] - mn);
-                        p_s[hh * DS4_AP_R + r] = p;
-                        z += p;
-                    }
+            for (int x = 0; x < 2; x++) {
+                float keep = b3 ? k4[2 + x] : k4[x], send = b3 ? k4[x] : k4[2 + x];
+                k2[x] = keep + ds4_shfl_xor(send, 8);
+            }
+            float sc = (b2 ? k2[1] : k2[0]) + ds4_shfl_xor(b2 ? k2[0] : k2[1], 4);
+            sc += ds4_shfl_xor(sc, 2);
+            sc += ds4_shfl_xor(sc, 1);
+            // Lane holds head hh = 2·job + b4, row r = 2·b3 + b2. Online softmax of each head
+            // over its 4 rows: the lanes of one head differ in bits 3 and 2.
+            int hh = 2 * job + b4, r = 2 * b3 + b2;
+            float m = m_s[hh], zo = z_s[hh];
+            sc = ok_s[r] ? sc * scale : DS4_NEG_INF;
+            float mn = fmaxf(m, sc);
+            mn = fmaxf(mn, ds4_shfl_xor(mn, 8));
+            mn = fmaxf(mn, ds4_shfl_xor(mn, 4));
+            float cf = m == mn ? 1.0f : expf(m - mn); // m == mn also covers −inf == −inf
+            float p = sc == DS4_NEG_INF ? 0.0f : expf(sc - mn);
+            float zs = p + ds4_shfl_xor(p, 8);
+            zs += ds4_shfl_xor(zs, 4);
+            if ((lane & 3) == 0) {
+                p_s[hh * DS4_AP_R + r] = p;
+                if (r == 0) {
                     m_s[hh] = mn;
-                    z_s[hh] = z;
+                    z_s[hh] = zo * cf + zs;
                     cf_s[hh] = cf;
                 }
             }
         }
         __syncthreads();
         // acc[h][e] = acc[h][e]·cf[h] + Σ_r p[h][r]·row_r[e]; thread owns columns tid + c·THREADS.
-#if DS4_AP_R != 4
-#error "the weight loads below read DS4_AP_R == 4 values as one float4"
-#endif
         float x[DS4_AP_COLS][DS4_AP_R];
 #pragma unroll
         for (int c = 0; c < DS4_AP_COLS; c++) {
@@ -1002,6 +1049,8 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
         }
         __syncthreads();
     }
+#undef DS4_AP_FETCH
+#undef DS4_AP_LD
     size_t base = ((size_t)i * splits + s) * heads + h0;
 #pragma unroll
     for (int hh = 0; hh < DS4_AP_HG; hh++) {
@@ -1022,36 +1071,55 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
 // out[i, h] = (Σ_s e^{m_s − M}·o_s) / (e^{sink − M} + Σ_s e^{m_s − M}·z_s), M = max(sink, m_s),
 // then the inverse RoPE of the last n_rot values at position t0 + i. CTAs of head 0 also store
 // token i's row in the ring when it is among the chunk's last min(n, W). grid (heads, n),
-// blockDim DS4_AP_THREADS; hd <= 512, splits <= DS4_AP_MAXSPLIT.
+// blockDim DS4_AP_THREADS; hd <= 512, splits <= DS4_AP_MAXSPLIT. Every loop over the splits
+// issues its loads independently (no loop-carried load chain: this kernel is latency-bound).
 DS4_KERNEL void DS4_BOUNDS(256) attend_combine_f32(const float* __restrict__ part_o, const float* __restrict__ part_mz, const float* __restrict__ sinks, const double* __restrict__ freqs, float* __restrict__ out, const float* __restrict__ kv, float* __restrict__ raw, int* __restrict__ raw_pos, long long t0, int n, int heads, int hd, int win, int splits, int n_rot) {
     __shared__ float w_s[DS4_AP_MAXSPLIT];
     __shared__ float o_s[DS4_AP_MAXHD];
+    __shared__ float red_s[DS4_AP_THREADS / 32];
     __shared__ float zt_s;
     int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
+    int lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = blockDim.x / DS4_WARP;
     long long t = t0 + i;
     const float* mz = part_mz + ((size_t)i * splits * heads + h) * 2; // split s at + s·heads·2
     float sink = sinks[h];
-    float M = sink;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, mz[(size_t)s * heads * 2]);
-    for (int s = tid; s < splits; s += blockDim.x) {
-        float m = mz[(size_t)s * heads * 2];
-        w_s[s] = m == DS4_NEG_INF ? 0.0f : expf(m - M);
-    }
+    // Each thread owns splits tid, tid + THREADS (splits <= 256 = THREADS: one at most).
+    float m = tid < splits ? mz[(size_t)tid * heads * 2] : DS4_NEG_INF;
+    float zp = tid < splits ? mz[(size_t)tid * heads * 2 + 1] : 0.0f;
+    float M = m;
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) M = fmaxf(M, ds4_shfl_xor(M, o));
+    if (lane == 0) red_s[warp] = M;
+    __syncthreads();
+    M = sink;
+    for (int w = 0; w < nw; w++) M = fmaxf(M, red_s[w]);
+    float wt = m == DS4_NEG_INF ? 0.0f : expf(m - M);
+    if (tid < splits) w_s[tid] = wt;
+    float z = ds4_warp_sum(wt * zp);
+    __syncthreads(); // red_s is reused
+    if (lane == 0) red_s[warp] = z;
     __syncthreads();
     if (tid == 0) {
-        float z = expf(sink - M);
-        for (int s = 0; s < splits; s++) z += w_s[s] * mz[(size_t)s * heads * 2 + 1];
-        zt_s = z;
+        float zt = expf(sink - M);
+        for (int w = 0; w < nw; w++) zt += red_s[w];
+        zt_s = zt;
     }
     __syncthreads();
     float zt = zt_s;
+    const float* po = part_o + ((size_t)i * splits * heads + h) * hd; // split s at + s·heads·hd
+    size_t sstride = (size_t)heads * hd;
     for (int e = tid; e < hd; e += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float w = w_s[s];
-            if (w != 0.0f) a += w * part_o[(((size_t)i * splits + s) * heads + h) * hd + e];
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        int s = 0;
+        for (; s + 4 <= splits; s += 4) {
+            float v0 = po[(size_t)s * sstride + e], v1 = po[(size_t)(s + 1) * sstride + e];
+            float v2 = po[(size_t)(s + 2) * sstride + e], v3 = po[(size_t)(s + 3) * sstride + e];
+            a0 += w_s[s] * v0;
+            a1 += w_s[s + 1] * v1;
+            a2 += w_s[s + 2] * v2;
+            a3 += w_s[s + 3] * v3;
         }
-        o_s[e] = a / zt;
+        for (; s < splits; s++) a0 += w_s[s] * po[(size_t)s * sstride + e];
+        o_s[e] = ((a0 + a1) + (a2 + a3)) / zt;
     }
     __syncthreads();
     for (int p = tid; p < n_rot / 2; p += blockDim.x)

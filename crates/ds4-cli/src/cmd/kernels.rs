@@ -26,6 +26,9 @@ pub struct Args {
     /// Also delete this target's entries that the current kernel sources no longer produce.
     #[arg(long)]
     prune: bool,
+    /// Only these modules (e.g. `--module attention gemm`; default: all).
+    #[arg(long = "module", num_args = 1..)]
+    modules: Vec<String>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -35,7 +38,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     for t in &a.targets {
         let target = Target::parse(t, a.warp)?;
-        let r = precompile(&target, &dir, a.prune)
+        let r = precompile(&target, &dir, a.prune, &a.modules)
             .with_context(|| format!("compiling kernels for {t} into {}", dir.display()))?;
         println!(
             "{t} ({}) with {} from {} into {}",
