@@ -597,7 +597,69 @@ struct AttCase {
     holes: bool,
 }
 
-fn run_attend(cpu: &CpuBackend, gpu: &GpuBackend, a: &AttCase, seed: u64) {
+/// A GPU attention form: tensor cores (hi/lo split or one f16 product), split or simple f32
+/// kernels, and its tolerance against the CPU.
+#[derive(Clone, Copy)]
+struct Form {
+    name: &'static str,
+    tc: bool,
+    fast: bool,
+    simple: bool,
+    tol: f32,
+}
+
+const TC: Form = Form {
+    name: "tc",
+    tc: true,
+    fast: false,
+    simple: false,
+    tol: 2e-5,
+};
+const TC_FAST: Form = Form {
+    name: "tc-fast",
+    tc: true,
+    fast: true,
+    simple: false,
+    tol: 3e-3,
+};
+const SPLIT: Form = Form {
+    name: "split",
+    tc: false,
+    fast: false,
+    simple: false,
+    tol: 2e-5,
+};
+const SIMPLE: Form = Form {
+    name: "simple",
+    tc: false,
+    fast: false,
+    simple: true,
+    tol: 2e-5,
+};
+
+fn set_form(f: Form) {
+    GpuBackend::set_attn_tc(f.tc, f.fast);
+    GpuBackend::set_attn_simple(f.simple);
+}
+
+/// f16-rounded values as the KV cache stores them (the model's default rounding).
+fn f16_vals(v: &mut [f32]) {
+    for x in v {
+        *x = half::f16::from_f32(*x).to_f32();
+    }
+}
+
+/// One case: the CPU reference once, then every form on a fresh GPU state (output, ring and
+/// ring positions compared). `f16_rows`: raw, compressed and new rows f16-rounded (tensor-core
+/// forms read rows as f16, exact then). Returns the outputs of the forms.
+fn run_attend(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    a: &AttCase,
+    seed: u64,
+    f16_rows: bool,
+    forms: &[Form],
+) -> Vec<Vec<f32>> {
     let mut r = rng(seed);
     let (nh, hd, win) = (a.heads, a.hd, a.win);
     let comp = (a.ratio > 0).then_some(CompDims {
@@ -632,8 +694,6 @@ fn run_attend(cpu: &CpuBackend, gpu: &GpuBackend, a: &AttCase, seed: u64) {
     if let Some(c) = h.comp.as_mut() {
         c.rows = randn(&mut r, n_rows * hd, 1.0);
     }
-    let mut cs = cpu.state_from_host(&ld, &h);
-    let mut gs = gpu.state_from_host(&ld, &h);
     let spec = AttnSpec {
         n_head: nh,
         head_dim: hd,
@@ -644,7 +704,15 @@ fn run_attend(cpu: &CpuBackend, gpu: &GpuBackend, a: &AttCase, seed: u64) {
         rope: RopeKind::Comp,
     };
     let q = randn(&mut r, a.n * nh * hd, 0.3);
-    let kv = randn(&mut r, a.n * hd, 1.0);
+    let mut kv = randn(&mut r, a.n * hd, 1.0);
+    if f16_rows {
+        f16_vals(&mut h.raw);
+        f16_vals(&mut kv);
+        if let Some(c) = h.comp.as_mut() {
+            f16_vals(&mut c.rows);
+        }
+    }
+    let mut cs = cpu.state_from_host(&ld, &h);
     let sinks_v = randn(&mut r, nh, 2.0);
     let (sk_c, sk_g) = vectors(cpu, gpu, &sinks_v);
     let sel: Option<Vec<i32>> = a.with_sel.then(|| {
@@ -676,30 +744,39 @@ fn run_attend(cpu: &CpuBackend, gpu: &GpuBackend, a: &AttCase, seed: u64) {
         a.t0,
         &mut oc,
     );
+    let cs = cpu.state_to_host(&cs);
     let (qg, kvg) = (gpu.upload(&q), gpu.upload(&kv));
     let selg = sel.as_ref().map(|s| gpu.upload_i32(s));
-    let mut og = gpu.alloc(a.n * nh * hd);
-    gpu.attend(
-        &mut gs,
-        &spec,
-        &qg,
-        &kvg,
-        &sk_g,
-        selg.as_ref(),
-        a.n,
-        a.t0,
-        &mut og,
-    );
-    let op = format!(
-        "attend heads {nh} hd {hd} W {win} ratio {} sel {} n {} t0 {} holes {}",
-        a.ratio, a.with_sel, a.n, a.t0, a.holes
-    );
-    let got = gpu.download(&og, a.n * nh * hd);
-    let hs = gpu.state_to_host(&gs);
-    gpu_ok(gpu, &op);
-    assert_close(&op, &got, &oc, 2e-5);
-    assert_bits(&format!("{op} ring"), &hs.raw, &cs.raw);
-    assert_eq!(hs.raw_pos, cs.raw_pos, "{op}: raw_pos");
+    let mut outs = Vec::new();
+    for &f in forms {
+        set_form(f);
+        let mut gs = gpu.state_from_host(&ld, &h);
+        let mut og = gpu.alloc(a.n * nh * hd);
+        gpu.attend(
+            &mut gs,
+            &spec,
+            &qg,
+            &kvg,
+            &sk_g,
+            selg.as_ref(),
+            a.n,
+            a.t0,
+            &mut og,
+        );
+        let op = format!(
+            "attend {} heads {nh} hd {hd} W {win} ratio {} sel {} n {} t0 {} holes {} f16 {f16_rows}",
+            f.name, a.ratio, a.with_sel, a.n, a.t0, a.holes
+        );
+        let got = gpu.download(&og, a.n * nh * hd);
+        let hs = gpu.state_to_host(&gs);
+        gpu_ok(gpu, &op);
+        assert_close(&op, &got, &oc, f.tol);
+        assert_bits(&format!("{op} ring"), &hs.raw, &cs.raw);
+        assert_eq!(hs.raw_pos, cs.raw_pos, "{op}: raw_pos");
+        outs.push(got);
+    }
+    set_form(TC);
+    outs
 }
 
 #[test]
@@ -743,19 +820,62 @@ fn attend_matches_cpu() {
         real(4, true, 70, 3000, true),
         real(128, false, 200, 1000, false),
     ];
-    // Both kernel forms: the split one (default) and the simple fallback (DS4_GPU_ATTN=simple).
-    // The switch is process-wide; only this test attends.
-    for simple in [false, true] {
-        GpuBackend::set_attn_simple(simple);
-        println!(
-            "attend: {} kernels",
-            if simple { "simple" } else { "split" }
-        );
-        for (i, c) in cases.iter().enumerate() {
-            run_attend(&cpu, &gpu, c, 300 + i as u64);
-        }
+    // Every form on every case; the switches are process-wide and only this test attends.
+    let forms = [TC, TC_FAST, SPLIT, SIMPLE];
+    for (i, c) in cases.iter().enumerate() {
+        run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
+        run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
     }
-    GpuBackend::set_attn_simple(false);
+}
+
+/// Prefill chunks (n = 1..300, odd sizes) of every layer kind: window only, ratio 4 with
+/// selected rows, ratio 128 (and ratio 4 / 8 without a selection); the tensor-core forms
+/// against the f32 kernels and the CPU. Rows f16-rounded as the model stores them, plus a few
+/// unrounded cases where the tensor-core form reads rows rounded to f16 (looser tolerance).
+#[test]
+fn attend_prefill_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let case = |heads, hd, win, ratio, with_sel, n, t0, holes| AttCase {
+        heads,
+        hd,
+        win,
+        ratio,
+        top_k: if hd == 512 { 512 } else { 8 },
+        with_sel,
+        n,
+        t0,
+        holes,
+    };
+    let cases = [
+        case(64, 512, 128, 0, false, 2, 0, false),
+        case(64, 512, 128, 0, false, 300, 7, true),
+        case(64, 512, 128, 0, false, 129, 5000, false),
+        case(64, 512, 128, 4, true, 3, 0, false),
+        case(64, 512, 128, 4, true, 257, 1000, true),
+        case(64, 512, 128, 4, true, 300, 4093, false),
+        case(64, 512, 128, 4, false, 65, 200, true),
+        case(64, 512, 128, 128, false, 255, 127, true),
+        case(64, 512, 128, 128, false, 33, 9000, false),
+        case(64, 512, 128, 128, false, 300, 0, false),
+        case(40, 512, 128, 4, true, 17, 2100, true),
+        case(4, 64, 16, 0, false, 300, 5, true),
+        case(4, 64, 16, 4, true, 129, 100, true),
+        case(20, 64, 16, 8, false, 31, 50, false),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let outs = run_attend(&cpu, &gpu, c, 900 + i as u64, true, &[TC, TC_FAST, SPLIT]);
+        // The tensor-core form next to the split f32 kernels.
+        assert_close(
+            &format!("attend case {i}: tc vs split"),
+            &outs[0],
+            &outs[2],
+            2e-5,
+        );
+    }
+    let loose = Form { tol: 1e-3, ..TC };
+    for (i, c) in cases.iter().enumerate().step_by(3) {
+        run_attend(&cpu, &gpu, c, 950 + i as u64, false, &[loose]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -789,12 +909,18 @@ fn attend_bench() {
         (128, false, 1, 1_000_000),
         (4, true, 128, 2048),
         (128, false, 128, 32_768),
+        // Prefill chunks (the bench's 2k and 8k prompts): ratio 4, ratio 128, window only.
+        (4, true, 2048, 0),
+        (128, false, 2048, 0),
+        (0, false, 2048, 0),
+        (4, true, 2048, 6144),
+        (128, false, 2048, 6144),
     ];
     for &(ratio, with_sel, n, t0) in &cases {
         let ld = LayerDims {
             window: win,
             head_dim: hd,
-            comp: Some(CompDims {
+            comp: (ratio > 0).then_some(CompDims {
                 ratio,
                 coff: 1,
                 d: hd,
@@ -809,8 +935,10 @@ fn attend_bench() {
                 .find(|p| p % win == s)
                 .map_or(-1, |p| p as i64);
         }
-        let n_rows = (t0 + n) / ratio;
-        h.comp.as_mut().unwrap().rows = randn(&mut r, n_rows * hd, 1.0);
+        let n_rows = (t0 + n).checked_div(ratio).unwrap_or(0);
+        if let Some(c) = h.comp.as_mut() {
+            c.rows = randn(&mut r, n_rows * hd, 1.0);
+        }
         let mut gs = gpu.state_from_host(&ld, &h);
         let spec = AttnSpec {
             n_head: nh,
@@ -833,9 +961,13 @@ fn attend_bench() {
             gpu.upload_i32(&s)
         });
         let mut og = gpu.alloc(n * nh * hd);
-        for simple in [false, true] {
-            GpuBackend::set_attn_simple(simple);
-            let us = time_us(&gpu, 20, || {
+        let iters = if n >= 1024 { 5 } else { 20 };
+        for f in [TC, TC_FAST, SPLIT, SIMPLE] {
+            if f.tc && n == 1 {
+                continue; // decode keeps the f32 kernels
+            }
+            set_form(f);
+            let us = time_us(&gpu, iters, || {
                 gpu.attend(
                     &mut gs,
                     &spec,
@@ -850,11 +982,12 @@ fn attend_bench() {
             });
             gpu_ok(&gpu, "attend bench");
             println!(
-                "attend {} ratio {ratio} sel {with_sel} n {n} t0 {t0}: {us:.1} µs",
-                if simple { "simple" } else { "split " }
+                "attend {:7} ratio {ratio} sel {with_sel} n {n} t0 {t0}: {us:.1} µs",
+                f.name
             );
         }
     }
+    set_form(TC);
     // Indexer: 64 heads × 128, top-k 512, ratio 4.
     for &(n, t0) in &[(1usize, 32_768usize), (1, 1_000_000), (128, 32_768)] {
         let (ih, ihd, ratio) = (64usize, 128usize, 4usize);

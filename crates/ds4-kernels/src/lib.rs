@@ -66,6 +66,7 @@ pub const ELEMENTWISE: Module = Module {
 };
 
 mod attention;
+mod attn_tc;
 mod gemm;
 mod matmul;
 mod matvec;
@@ -73,6 +74,7 @@ mod model;
 mod moe;
 mod synth;
 pub use attention::ATTENTION;
+pub use attn_tc::ATTN_TC;
 pub use gemm::GEMM;
 pub use matmul::MATMUL;
 pub use matvec::MATVEC;
@@ -85,6 +87,7 @@ pub const MODULES: &[Module] = &[
     QUANT,
     ELEMENTWISE,
     ATTENTION,
+    ATTN_TC,
     MODEL,
     MATMUL,
     SYNTH,

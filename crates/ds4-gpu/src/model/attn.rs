@@ -5,7 +5,7 @@ use super::{GpuBackend, GpuBuf, GpuIBuf, GpuLayerState, GpuWeight};
 use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
-use ds4_kernels::ATTENTION;
+use ds4_kernels::{ATTENTION, ATTN_TC};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Most score values the indexer keeps at once (tokens are batched under this).
@@ -56,6 +56,26 @@ fn glue_old() -> bool {
     env_form(&GLUE_MODE, "DS4_GPU_ATTN_GLUE", "old")
 }
 
+/// Prefill attention (n > 1) on tensor cores (`attn_tc.cu`): 0 not yet read from
+/// `DS4_GPU_ATTN_TC`, 1 off (the f32 kernels), 2 on with the hi/lo split of Q and P (default),
+/// 3 on with one f16 product (`DS4_GPU_ATTN_TC=fast`).
+static TC_MODE: AtomicU8 = AtomicU8::new(0);
+/// Heads per CTA and largest RoPE width of `attn_tc*` (`ATC_HG`, 2·`ATC_MAXROT`).
+const ATC_HG: usize = 16;
+const ATC_MAXROT: usize = 128;
+
+fn tc_mode() -> u8 {
+    if TC_MODE.load(Ordering::Relaxed) == 0 {
+        let m = match std::env::var("DS4_GPU_ATTN_TC").as_deref() {
+            Ok("off") => 1,
+            Ok("fast") => 3,
+            _ => 2,
+        };
+        let _ = TC_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    TC_MODE.load(Ordering::Relaxed)
+}
+
 impl GpuBackend {
     /// Use the old decode glue kernels (compressor frontier with copies back, one-thread-per-row
     /// indexer scores, serial top-k bin scan); process-wide, overrides `DS4_GPU_ATTN_GLUE=old`.
@@ -67,6 +87,20 @@ impl GpuBackend {
     /// process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
     pub fn set_attn_simple(on: bool) {
         ATTN_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// Prefill attention on tensor cores where the device has them (CUDA sm_80+), else the f32
+    /// kernels; process-wide, overrides `DS4_GPU_ATTN_TC=off`. `fast` takes one f16 product
+    /// for S and for O instead of the hi/lo split (`DS4_GPU_ATTN_TC=fast`).
+    pub fn set_attn_tc(on: bool, fast: bool) {
+        TC_MODE.store(
+            match (on, fast) {
+                (false, _) => 1,
+                (true, false) => 2,
+                (true, true) => 3,
+            },
+            Ordering::Relaxed,
+        );
     }
 
     fn attn_invalid(&self, msg: String) {
@@ -458,6 +492,18 @@ impl GpuBackend {
             && spec.n_rot <= hd
             && spec.n_rot.is_multiple_of(2)
             && aligned;
+        let info = self.gpu.info();
+        let tc_ok = n > 1
+            && tc_mode() != 1
+            && info.cc.0 >= 8
+            && info.warp == 32
+            && (hd == 512 || hd == 64)
+            && spec.n_rot <= hd.min(ATC_MAXROT)
+            && spec.n_rot.is_multiple_of(2)
+            && aligned;
+        if tc_ok {
+            return self.attend_tc(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
+        }
         if !attn_simple() && split_ok {
             return self.attend_split(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
         }
@@ -495,6 +541,79 @@ impl GpuBackend {
         // Values are the rotated keys: undo the rotation at each query position.
         self.rope_rows(out.ptr, n * nh, nh, hd, spec.n_rot, t0, 1, spec.rope, true);
         // The ring after the chunk (after every token attended).
+        let keep = n.min(win);
+        self.run(
+            &ATTENTION,
+            "ring_store_f32",
+            LaunchDims::linear((keep * hd).div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                Arg::I64(t0 as i64),
+                Arg::I32(n as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(win as i32),
+            ],
+        );
+    }
+
+    /// Prefill attention on tensor cores: `attn_tc<hd>[h]_f32` over (head groups of 16, tokens)
+    /// (sink and inverse RoPE included), then `ring_store_f32`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_tc(
+        &self,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut GpuBuf,
+        comp: DevPtr,
+        scale: f32,
+    ) {
+        let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
+        let top_k = if sel.is_some() { spec.top_k } else { 0 };
+        let name = match (hd, tc_mode() == 3) {
+            (512, false) => "attn_tc512_f32",
+            (512, true) => "attn_tc512h_f32",
+            (_, false) => "attn_tc64_f32",
+            (_, true) => "attn_tc64h_f32",
+        };
+        self.run(
+            &ATTN_TC,
+            name,
+            LaunchDims {
+                grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
+                block: [128, 1, 1],
+                shared_bytes: 0,
+            },
+            &[
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                if comp.0 == 0 {
+                    Arg::Null
+                } else {
+                    Arg::Ptr(comp)
+                },
+                sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
+                Arg::Ptr(sinks.ptr()),
+                Arg::Ptr(self.rope_ptr(spec.rope)),
+                Arg::Ptr(out.ptr),
+                Arg::I64(t0 as i64),
+                Arg::I32(nh as i32),
+                Arg::I32(win as i32),
+                Arg::I32(spec.ratio as i32),
+                Arg::I32(top_k as i32),
+                Arg::I32(spec.n_rot as i32),
+                Arg::F32(scale),
+            ],
+        );
         let keep = n.min(win);
         self.run(
             &ATTENTION,

@@ -1,0 +1,322 @@
+// Prefill sink attention on tensor cores (CUDA sm_80+: mma.sync m16n8k16 f16, f32 accumulate).
+// Same result as attend_part_f32 + attend_combine_f32 (attention.cu) for chunks of n > 1 tokens.
+//
+// DS4 attention is multi-query with K = V: the heads of token t share one list of candidate rows
+//   j <  nwin:              raw position first + j (this chunk's kv, else the ring if present)
+//   j <  nwin + nsel:       compressed row sel[i][j − nwin] (absent when −1)
+//   j <  nwin + nsel + nc:  compressed row j − nwin − nsel (all rows < (t+1)/ratio, no sel)
+// so per token S = Q (heads × hd) · Kᵀ and O = P · V are small GEMMs.
+//
+// CTA = one token × 16 heads, 4 warps; warp w owns head-dim columns [w·hd/4, (w+1)·hd/4): it
+// loads that quarter of each 32-row tile (f32 -> f16 in shared memory), computes its partial
+// S (16 heads × 32 rows over its columns), the four partials are summed through shared memory
+// (every warp sums them in the same order, so all hold the same S), each warp runs the same online
+// softmax and accumulates O (16 heads × its columns) in registers. Epilogue: the sink, the
+// inverse RoPE of the last n_rot columns, f32 stores. The ring is written afterwards by
+// ring_store_f32 (other CTAs still read it here).
+//
+// Rounding: K/V rows are taken as f16 (exact for rows stored f16-rounded, the model's default;
+// otherwise 2^-11 relative per element). Q and P are split into f16 hi + lo (hi = f16_rn(v),
+// lo = f16_rn(v − hi)), two mma each (S = Qhi·K + Qlo·K, O = Phi·V + Plo·V): ~2^-22 relative,
+// so with f16 rows the result matches the f32 kernels to rounding. The `h` forms use hi only
+// (one mma each, P sums of the rounded weights; ~1e-3 relative).
+#include "prelude.cuh"
+
+#define ATC_HG 16     // heads per CTA
+#define ATC_R 32      // rows per tile
+#define ATC_MAXROT 64 // most RoPE pairs (n_rot / 2)
+
+#define ATC_PARAMS                                                                                                  \
+    const float *__restrict__ q, const float *__restrict__ kv, const float *__restrict__ raw,                      \
+        const int *__restrict__ raw_pos, const float *__restrict__ comp, const int *__restrict__ sel,             \
+        const float *__restrict__ sinks, const double *__restrict__ freqs, float *__restrict__ out, long long t0, \
+        int heads, int win, int ratio, int top_k, int n_rot, float scale
+#define ATC_ARGS q, kv, raw, raw_pos, comp, sel, sinks, freqs, out, t0, heads, win, ratio, top_k, n_rot, scale
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+#define ATC_HAVE_MMA 1
+#else
+#define ATC_HAVE_MMA 0
+#endif
+
+#if ATC_HAVE_MMA
+// Pack (v0 low half, v1 high half) as f16x2, round to nearest even.
+__device__ __forceinline__ u32 atc_pack(float v0, float v1) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
+    return r;
+}
+
+// hi = f16(v), lo = f16(v − hi) for a pair (the difference is exact in f32).
+__device__ __forceinline__ void atc_split(float v0, float v1, u32& hi, u32& lo) {
+    hi = atc_pack(v0, v1);
+    lo = atc_pack(v0 - ds4_h2f_fast(hi & 0xffffu), v1 - ds4_h2f_fast(hi >> 16));
+}
+
+__device__ __forceinline__ void atc_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void atc_ldm4(u32* r, const u16* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+__device__ __forceinline__ void atc_ldm4t(u32* r, const u16* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+// Candidate j of token t (list above), or 0 when absent.
+__device__ __forceinline__ const float* atc_row(long long j, long long t0, long long first, int nwin, int nsel,
+                                                const int* seli, const float* kv, const float* raw,
+                                                const int* raw_pos, const float* comp, int hd, int win) {
+    if (j < nwin) {
+        long long p = first + j;
+        if (p >= t0) return kv + (p - t0) * hd;
+        int slot = (int)(p % win);
+        return raw_pos[slot] == (int)p ? raw + (size_t)slot * hd : (const float*)0;
+    }
+    j -= nwin;
+    if (j < nsel) {
+        int c = seli[j];
+        return c >= 0 ? comp + (size_t)c * hd : (const float*)0;
+    }
+    return comp + (j - nsel) * hd;
+}
+
+// Fragment layouts (PTX m16n8k16, g = lane/4, t = lane%4): A a0 (row g, k 2t..2t+1), a1 (g+8, 2t),
+// a2 (g, 2t+8), a3 (g+8, 2t+8); B b0 (k 2t..2t+1, col g), b1 (k 2t+8..); C c0,c1 (row g, cols
+// 2t, 2t+1), c2,c3 (row g+8). Rows of A / C here are heads.
+template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_PARAMS) {
+    constexpr int QW = HD / 4;      // columns per warp
+    constexpr int KS = QW / 16;     // k-steps of the S product
+    constexpr int NT = QW / 8;      // n-tiles of O
+    constexpr int LD = QW + 8;      // halves per shared row (16-byte pad: conflict-free ldmatrix)
+    constexpr int F4 = QW / 4;      // float4 per row quarter
+    constexpr int ITEMS = ATC_R * F4 / 32;
+    constexpr int BATCH = ITEMS < 16 ? ITEMS : 16;
+    static_assert(QW % 16 == 0 && ITEMS % BATCH == 0, "head width a multiple of 64");
+    __shared__ __align__(16) u16 kv_s[4][ATC_R * LD]; // per warp: the tile's rows, its columns, f16
+    __shared__ float sp_s[4][16][32];                  // per warp: partial S fragments [value][lane]
+    __shared__ float rot_s[ATC_MAXROT][2];             // cos, sin of the RoPE pairs at t
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int h0 = blockIdx.x * ATC_HG, i = blockIdx.y;
+    const long long t = t0 + i;
+    const long long first = t + 1 > win ? t + 1 - win : 0;
+    const int nwin = (int)(t - first + 1);
+    const int nsel = sel ? top_k : 0;
+    const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
+    const long long ncand = nwin + nsel + ncomp;
+    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    const int c0 = w * QW;
+    // Inverse RoPE factors (as ds4_rope_pair: f64 angle mod 2π, f32 sin/cos, negated sin).
+    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
+        double theta = fmod((double)t * freqs[p], 6.283185307179586);
+        rot_s[p][0] = (float)cos(theta);
+        rot_s[p][1] = -(float)sin(theta);
+    }
+    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the heads).
+    u32 qh[KS][4], ql[KS][4];
+    {
+        const int ha = h0 + g, hb = h0 + g + 8;
+        const float* qa = q + ((size_t)i * heads + ha) * HD + c0 + 2 * tq;
+        const float* qb = q + ((size_t)i * heads + hb) * HD + c0 + 2 * tq;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            float2 z2 = make_float2(0.0f, 0.0f);
+            float2 a0 = ha < heads ? *(const float2*)(qa + 16 * ks) : z2;
+            float2 a1 = hb < heads ? *(const float2*)(qb + 16 * ks) : z2;
+            float2 a2 = ha < heads ? *(const float2*)(qa + 16 * ks + 8) : z2;
+            float2 a3 = hb < heads ? *(const float2*)(qb + 16 * ks + 8) : z2;
+            atc_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
+            atc_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
+            atc_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
+            atc_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
+        }
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float m[2] = {DS4_NEG_INF, DS4_NEG_INF}, z[2] = {0.0f, 0.0f}; // heads g, g+8; z: this lane's part
+    u16* kw = kv_s[w];
+    for (long long j0 = 0; j0 < ncand; j0 += ATC_R) {
+        // Lane r: candidate j0 + r (pointer halves for the loaders), valid bits of the tile.
+        const float* myrow = j0 + lane < ncand
+                                 ? atc_row(j0 + lane, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, HD, win)
+                                 : (const float*)0;
+        const u32 valid = __ballot_sync(0xffffffffu, myrow != 0);
+        const unsigned long long pr = (unsigned long long)myrow;
+        const u32 plo = (u32)pr, phi = (u32)(pr >> 32);
+        // This warp's quarter of the 32 rows, f32 -> f16 (zeros for absent rows).
+#pragma unroll
+        for (int b0 = 0; b0 < ITEMS; b0 += BATCH) {
+            float4 v[BATCH];
+#pragma unroll
+            for (int b = 0; b < BATCH; b++) {
+                const int k = (b0 + b) * 32 + lane, r = k / F4, e4 = k % F4;
+                const u32 lo = __shfl_sync(0xffffffffu, plo, r), hi = __shfl_sync(0xffffffffu, phi, r);
+                const float* row = (const float*)(((unsigned long long)hi << 32) | lo);
+                v[b] = row ? ((const float4*)(row + c0))[e4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int b = 0; b < BATCH; b++) {
+                const int k = (b0 + b) * 32 + lane, r = k / F4, e4 = k % F4;
+                uint2 h2 = make_uint2(atc_pack(v[b].x, v[b].y), atc_pack(v[b].z, v[b].w));
+                *(uint2*)(kw + r * LD + 4 * e4) = h2;
+            }
+        }
+        __syncwarp();
+        // Partial S: 4 n-tiles of 8 rows; ldmatrix.x4 gives b0,b1 of two n-tiles for one k-step.
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                u32 b[4];
+                const int mi = lane >> 3, rr = lane & 7;
+                atc_ldm4(b, kw + (16 * np + rr + 8 * (mi >> 1)) * LD + 16 * ks + 8 * (mi & 1));
+                atc_mma(s[2 * np], qh[ks], b[0], b[1]);
+                atc_mma(s[2 * np + 1], qh[ks], b[2], b[3]);
+                if (SPLIT) {
+                    atc_mma(s[2 * np], ql[ks], b[0], b[1]);
+                    atc_mma(s[2 * np + 1], ql[ks], b[2], b[3]);
+                }
+            }
+        }
+        // Sum of the four warps' partials (the buffer is free: every warp passed the read of the
+        // previous tile before this barrier).
+        __syncthreads();
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) sp_s[w][n * 4 + c][lane] = s[n][c];
+        __syncthreads();
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int v = n * 4 + c;
+                float a = sp_s[0][v][lane] + sp_s[1][v][lane];
+                a += sp_s[2][v][lane];
+                a += sp_s[3][v][lane];
+                const int row = 8 * n + 2 * tq + (c & 1);
+                s[n][c] = (valid >> row) & 1u ? a * scale : DS4_NEG_INF;
+            }
+        // Online softmax per head (a head's 32 scores sit in the 4 lanes of a quad).
+        float cf[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            float mx = m[u];
+#pragma unroll
+            for (int n = 0; n < 4; n++) mx = fmaxf(mx, fmaxf(s[n][2 * u], s[n][2 * u + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            cf[u] = m[u] == mx ? 1.0f : expf(m[u] - mx); // also −inf == −inf
+            m[u] = mx;
+        }
+        u32 ph[2][4], pl[2][4]; // A fragments of P for the two k-steps (rows 0..15, 16..31)
+        float zs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            float p[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) p[c] = s[n][c] == DS4_NEG_INF ? 0.0f : expf(s[n][c] - m[c >> 1]);
+            u32 h01, l01, h23, l23;
+            atc_split(p[0], p[1], h01, l01);
+            atc_split(p[2], p[3], h23, l23);
+            if (SPLIT) {
+                zs[0] += p[0] + p[1];
+                zs[1] += p[2] + p[3];
+            } else { // the weights the product uses
+                zs[0] += ds4_h2f_fast(h01 & 0xffffu) + ds4_h2f_fast(h01 >> 16);
+                zs[1] += ds4_h2f_fast(h23 & 0xffffu) + ds4_h2f_fast(h23 >> 16);
+            }
+            // n-tile n covers k (tile rows) 8n..8n+7: k-step n/2, low (a0,a1) or high (a2,a3) half.
+            ph[n >> 1][2 * (n & 1)] = h01;
+            ph[n >> 1][2 * (n & 1) + 1] = h23;
+            pl[n >> 1][2 * (n & 1)] = l01;
+            pl[n >> 1][2 * (n & 1) + 1] = l23;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) z[u] = z[u] * cf[u] + zs[u];
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            acc[n][0] *= cf[0];
+            acc[n][1] *= cf[0];
+            acc[n][2] *= cf[1];
+            acc[n][3] *= cf[1];
+        }
+        // O += P · V: ldmatrix.x4.trans gives b0,b1 of two n-tiles (16 columns) for one k-step.
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+#pragma unroll
+            for (int np = 0; np < NT / 2; np++) {
+                u32 b[4];
+                const int mi = lane >> 3, rr = lane & 7;
+                atc_ldm4t(b, kw + (16 * kk + rr + 8 * (mi & 1)) * LD + 16 * np + 8 * (mi >> 1));
+                atc_mma(acc[2 * np], ph[kk], b[0], b[1]);
+                atc_mma(acc[2 * np + 1], ph[kk], b[2], b[3]);
+                if (SPLIT) {
+                    atc_mma(acc[2 * np], pl[kk], b[0], b[1]);
+                    atc_mma(acc[2 * np + 1], pl[kk], b[2], b[3]);
+                }
+            }
+        }
+        __syncwarp(); // the next tile's stores overwrite kw
+    }
+    __syncthreads(); // rot_s
+    // out = acc·e^{m−M} / (e^{sink−M} + z·e^{m−M}), M = max(sink, m); then the inverse RoPE.
+    float f[2];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        float zz = z[u];
+        zz += __shfl_xor_sync(0xffffffffu, zz, 1);
+        zz += __shfl_xor_sync(0xffffffffu, zz, 2);
+        const int h = h0 + g + 8 * u;
+        const float sink = h < heads ? sinks[h] : 0.0f;
+        const float M = fmaxf(sink, m[u]);
+        const float wm = m[u] == DS4_NEG_INF ? 0.0f : expf(m[u] - M);
+        f[u] = wm / (expf(sink - M) + zz * wm);
+    }
+    const int rot0 = HD - n_rot;
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        const int col = c0 + 8 * n + 2 * tq;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int h = h0 + g + 8 * u;
+            float a = acc[n][2 * u] * f[u], b = acc[n][2 * u + 1] * f[u];
+            if (col >= rot0) {
+                const int p = (col - rot0) >> 1;
+                const float c = rot_s[p][0], sn = rot_s[p][1];
+                const float a2 = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, sn));
+                b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, c));
+                a = a2;
+            }
+            if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * HD + col) = make_float2(a, b);
+        }
+    }
+}
+#define ATC_BODY(HD, SPLIT) attn_tc_body<HD, SPLIT>(ATC_ARGS);
+#else
+#define ATC_BODY(HD, SPLIT)
+#endif
+
+// grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], kv [n, hd], out [n, heads, hd];
+// host checks: CUDA sm_80+, 16-byte aligned rows, n_rot even and <= min(hd, 128).
+// attn_tc<hd>_f32: hi/lo split of Q and P; attn_tc<hd>h_f32: hi only.
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS) { ATC_BODY(512, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS) { ATC_BODY(512, false) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS) { ATC_BODY(64, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ATC_BODY(64, false) }

@@ -1,0 +1,16 @@
+use crate::Module;
+
+/// Prefill sink attention on tensor cores (`gpu/attn_tc.cu`): one CTA per (16 heads, token),
+/// S = Q·Kᵀ and O = P·V by mma.sync f16 (CUDA sm_80+; elsewhere the kernels are empty and the
+/// host keeps `attend_part_f32`). `attn_tc<hd>_f32`: hi/lo split of Q and P (near f32);
+/// `attn_tc<hd>h_f32`: one f16 product each.
+pub const ATTN_TC: Module = Module {
+    name: "attn_tc",
+    source: include_str!("../gpu/attn_tc.cu"),
+    kernels: &[
+        "attn_tc512_f32",
+        "attn_tc512h_f32",
+        "attn_tc64_f32",
+        "attn_tc64h_f32",
+    ],
+};
