@@ -4,7 +4,7 @@
 # every GPU test (fast kernels and their fallbacks, the whole forward pass against the CPU and the
 # oracle, decode graphs, the engine on the GPU), then a per-op profile. The benchmark comes first
 # so that a run cut short by its time limit still returns numbers.
-# Logs go to $OUT (compile.log, bench.csv, bench.log, ab.log, tests.log, prof.log).
+# Logs go to $OUT (compile.log, bench.csv, bench.log, ab.log, tests.log, prof.log, ncu-decode.txt).
 # Usage: device-suite.sh [quick]   (quick: skip the slow CPU-reference op tests)
 # A/B switches to compare against the default: DS4_SUITE_AB="DS4_GPU_GRAPH=off DS4_GPU_MIX=fast ..."
 set -u
@@ -33,3 +33,11 @@ for t in $tests; do
   echo "$t rc=$rc $(( $(date +%s) - s ))s $(grep -E '^test result' "$OUT/tests.log" | tail -1)"
 done
 DS4_GPU_PROFILE=1 timeout 60 $B --ctx-start 2048 --ctx-max 2048 --gen-tokens 32 > /dev/null 2> "$OUT/prof.log"; echo "prof rc=$?"
+# One decode step kernel by kernel (Nsight Compute, when the machine has it): ncu-decode.txt.
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+if [ -n "$NCU" ]; then
+  DS4_GPU_CUPROFILE=3 DS4_GPU_GRAPH=off timeout 120 "$NCU" --profile-from-start off --cache-control none \
+    --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size --csv \
+    --page raw --print-units base $B --ctx-start 2048 --ctx-max 2048 --gen-tokens 4 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+  echo "ncu rc=$?"; python3 ../tools/gpu/ncu-summary.py "$OUT/ncu.csv" > "$OUT/ncu-decode.txt" 2>&1; head -25 "$OUT/ncu-decode.txt"
+fi
