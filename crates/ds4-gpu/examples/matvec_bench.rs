@@ -111,11 +111,122 @@ const FORMS: [&str; 9] = [
     "default",
 ];
 
+/// Seconds per call of `f(i)` as the decode runs them: `reps` calls recorded as one graph step
+/// (after two recorded warm-up rounds), timed from the graph launch to the sync (device time
+/// plus the graph update, no per-launch host time).
+fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)) -> f64 {
+    let mut s = 0.0;
+    for _ in 0..3 {
+        gpu.download(probe, 1);
+        gpu.graph_begin(1);
+        for i in 0..reps {
+            f(i);
+        }
+        let t = Instant::now();
+        gpu.graph_end();
+        gpu.download(probe, 1);
+        s = t.elapsed().as_secs_f64();
+    }
+    if let Err(e) = gpu.check() {
+        panic!("GPU error: {e}");
+    }
+    s / reps as f64
+}
+
+/// `matvec_bench reps q8`: the n = 1 Q8_0 products of the model, `mvq` r2u4 on the GGUF blocks
+/// (the previous default) against the `mvr_*` forms on the decode-layout copy; eager (wall clock
+/// of queued launches) and graph-recorded (about device time) per call.
+fn q8_only(gpu: &GpuBackend, reps: usize) {
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
+    println!("-- Q8_0 n = 1, model shapes: mvq r2u4 (GGUF blocks) vs mvr forms (decode copy) --");
+    let forms: [(&str, u8); 5] = [
+        ("mvq r2u4", 0),
+        ("mvr r1u8", 1),
+        ("mvr r2u4", 2),
+        ("mvr r4u2", 3),
+        ("mvr r2u2", 4),
+    ];
+    for (name, cols, rows, groups) in [
+        ("attn q_a", 4096, 1024, 1),
+        ("attn q_b", 1024, 32768, 1),
+        ("attn kv", 4096, 512, 1),
+        ("attn out_a (8 groups)", 4096, 8192, 8),
+        ("attn out_b", 8192, 4096, 1),
+        ("shared expert up", 4096, 2048, 1),
+        ("shared expert down", 2048, 4096, 1),
+        ("head", 4096, 129280, 1),
+    ] {
+        let (ws, bytes) = copies(gpu, GgmlType::Q8_0, cols, rows);
+        let x: Vec<f32> = (0..cols * groups)
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
+        let x = gpu.upload(&x);
+        let mut y = gpu.alloc(rows);
+        for (fname, form) in forms {
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_one(2);
+            GpuBackend::set_matvec_repacked(form);
+            let mut call = |i: usize| {
+                let w = &ws[i % ws.len()];
+                if groups > 1 {
+                    gpu.matmul_grouped(w, groups, &x, 1, &mut y)
+                } else {
+                    gpu.matmul(w, Part::All, &x, 1, &mut y)
+                }
+            };
+            let e = time(gpu, &x, reps, &mut call);
+            let g = time_graph(gpu, &x, reps, &mut call);
+            println!(
+                "{:60} eager {:8.2} us {:7.1} GB/s | graph {:8.2} us {:7.1} GB/s",
+                format!("{name} Q8_0 {}->{rows} n=1 {fname}", cols * groups),
+                e * 1e6,
+                bytes / e / 1e9,
+                g * 1e6,
+                bytes / g / 1e9
+            );
+        }
+    }
+    println!(
+        "-- F16 n = 1: products whole vs split across CTAs (DS4_GPU_MVQ_SPLIT=on: few rows) --"
+    );
+    for (name, cols, rows) in [
+        ("hc mix", 16384, 24),
+        ("hc head mix", 16384, 4),
+        ("index proj", 4096, 64),
+        ("router", 4096, 256),
+        ("F16 4096->512", 4096, 512),
+        ("F16 4096->1024", 4096, 1024),
+        ("F16 1024->8192", 1024, 8192),
+    ] {
+        let (ws, bytes) = copies(gpu, GgmlType::F16, cols, rows);
+        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let x = gpu.upload(&x);
+        let mut y = gpu.alloc(rows);
+        for (fname, split) in [("whole", false), ("split", true)] {
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_split(split);
+            let mut call = |i: usize| gpu.matmul(&ws[i % ws.len()], Part::All, &x, 1, &mut y);
+            let e = time(gpu, &x, reps, &mut call);
+            let g = time_graph(gpu, &x, reps, &mut call);
+            println!(
+                "{:60} eager {:8.2} us {:7.1} GB/s | graph {:8.2} us {:7.1} GB/s",
+                format!("{name} F16 {cols}->{rows} n=1 {fname}"),
+                e * 1e6,
+                bytes / e / 1e9,
+                g * 1e6,
+                bytes / g / 1e9
+            );
+        }
+    }
+    GpuBackend::set_matvec_defaults();
+}
+
 fn main() {
     let reps: usize = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(100);
+    let only_q8 = std::env::args().nth(2).as_deref() == Some("q8");
     let g = match Gpu::open(ds4_gpu::Backend::Auto, 0) {
         Ok(g) => g,
         Err(e) => {
@@ -129,6 +240,10 @@ fn main() {
         info.name, info.arch, info.sm_count, info.warp
     );
     let gpu = GpuBackend::new(g, &rope_tables(&HParams::tiny())).expect("backend");
+    if only_q8 {
+        q8_only(&gpu, reps);
+        return;
+    }
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
     let line = |what: &str, bytes: f64, s: f64| {
         println!("{what:60} {:9.2} us {:8.1} GB/s", s * 1e6, bytes / s / 1e9);

@@ -523,3 +523,156 @@ fn matvec_one_row() {
     GpuBackend::set_matvec_one(255);
     cases.finish();
 }
+
+/// The n = 1 Q8_0 products from the decode-layout copy (`mvr_*`, `set_matvec_repacked(1..=4)`,
+/// then off (`mvq` on the GGUF blocks) and the default): the model's shapes (head rows cut),
+/// odd row counts (1, 3, 4099), columns that end mid warp-step (32, 96, 1056, 1568),
+/// Part::Expert(0) of a one-slab matrix, grouped attn out_a, and a weight generated on the GPU
+/// (`random`, the synthetic benchmarks' path: copied on the device); every product run twice
+/// (bitwise equal). Process-wide switch: run with --test-threads=1 on a GPU.
+#[test]
+fn matvec_repacked() {
+    use ds4_backend::{Fill, WeightKind};
+    use ds4_gpu::model::GpuWeight;
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let repack = std::env::var("DS4_GPU_Q8_REPACK").map_or(true, |v| v != "off");
+    let mut cases = Cases::default();
+    // (cols, rows, groups, generated on the GPU)
+    let shapes: &[(usize, usize, usize, bool)] = &[
+        (4096, 1024, 1, false),
+        (1024, 32768, 1, false),
+        (4096, 512, 1, false),
+        (8192, 4096, 1, false),
+        (4096, 2048, 1, false),
+        (2048, 4096, 1, false),
+        (4096, 12928, 1, false),
+        (4096, 8192, 8, false),
+        (4096, 1, 1, false),
+        (4096, 3, 1, false),
+        (4096, 4099, 1, false),
+        (32, 70, 1, false),
+        (96, 33, 1, false),
+        (1056, 70, 1, false),
+        (1568, 5, 1, false),
+        (512, 72, 4, false),
+        (4096, 2048, 1, true),
+        (1056, 37, 1, true),
+    ];
+    for (si, &(cols, rows, groups, synth)) in shapes.iter().enumerate() {
+        let seed = 1500 + si as u64;
+        let w = if synth {
+            let g = gpu
+                .random(
+                    WeightKind::Matrix,
+                    GgmlType::Q8_0,
+                    &[cols as u64, rows as u64],
+                    Fill::Uniform {
+                        center: 0.0,
+                        spread: 0.05,
+                    },
+                    seed,
+                )
+                .expect("random Q8_0");
+            let GpuWeight::Mat { buf, .. } = &g else {
+                panic!("random matrix is not a Mat")
+            };
+            gpu.gpu().synchronize().unwrap();
+            let mut raw = vec![0u8; buf.bytes()];
+            gpu.gpu().download(buf.ptr(), &mut raw).unwrap();
+            let f = common::file(&[("w", GgmlType::Q8_0, vec![cols as u64, rows as u64], raw)]);
+            (cpu.matrix(&common::src(&f, "w")).unwrap(), g)
+        } else {
+            weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, seed)
+        };
+        if repack {
+            assert!(
+                matches!(w.1, GpuWeight::Mat { dec: Some(_), .. }),
+                "{cols}->{rows}: no decode-layout copy"
+            );
+        }
+        let xs = randn(&mut rng(91 + si as u64), groups * cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cy = cpu.alloc(rows);
+        let part = if si % 2 == 1 {
+            Part::Expert(0)
+        } else {
+            Part::All
+        };
+        if groups > 1 {
+            cpu.matmul_grouped(&w.0, groups, &cx, 1, &mut cy);
+        } else {
+            cpu.matmul(&w.0, part, &cx, 1, &mut cy);
+        }
+        let want = cpu.download(&cy, rows);
+        for form in [1u8, 2, 3, 4, 0, 255] {
+            GpuBackend::set_matvec_repacked(form);
+            let mut outs = Vec::new();
+            for _ in 0..2 {
+                let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+                if groups > 1 {
+                    gpu.matmul_grouped(&w.1, groups, &gx, 1, &mut gy);
+                } else {
+                    gpu.matmul(&w.1, part, &gx, 1, &mut gy);
+                }
+                outs.push(gpu.download(&gy, rows));
+            }
+            let name =
+                format!("mvr form {form} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}");
+            cases.check(name.clone(), cols, &outs[0], &want, &gpu);
+            let same = outs[0]
+                .iter()
+                .zip(&outs[1])
+                .all(|(p, q)| p.to_bits() == q.to_bits());
+            println!("{name}: repeat bitwise equal {same}");
+            assert!(same, "{name}: results differ between runs");
+        }
+    }
+    GpuBackend::set_matvec_repacked(255);
+    cases.finish();
+}
+
+/// Few-row F16 products with their columns split across CTAs (`set_matvec_split`, opt-in)
+/// and whole: the HC mixers, the indexer projection, 3 rows, and ranges that end mid warp-step
+/// (5120 columns: 4 ranges of 1280); every form of `set_matvec_one`.
+#[test]
+fn matvec_split() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    for (si, &(cols, rows)) in [
+        (16384, 24),
+        (16384, 4),
+        (4096, 64),
+        (4096, 3),
+        (5120, 7),
+        (2048, 100),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let w = weight(&cpu, &gpu, GgmlType::F16, cols, rows, 1, 1700 + si as u64);
+        let xs = randn(&mut rng(31 + si as u64), cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cy = cpu.alloc(rows);
+        cpu.matmul(&w.0, Part::All, &cx, 1, &mut cy);
+        let want = cpu.download(&cy, rows);
+        for split in [true, false] {
+            GpuBackend::set_matvec_split(split);
+            for form in [1u8, 2, 3, 4, 255] {
+                GpuBackend::set_matvec_one(form);
+                let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+                gpu.matmul(&w.1, Part::All, &gx, 1, &mut gy);
+                let name = format!("F16 {cols}->{rows} split {split} form {form}");
+                cases.check(name, cols, &gpu.download(&gy, rows), &want, &gpu);
+            }
+        }
+    }
+    GpuBackend::set_matvec_split(false);
+    GpuBackend::set_matvec_one(255);
+    cases.finish();
+}

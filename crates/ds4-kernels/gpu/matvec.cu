@@ -623,31 +623,26 @@ __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z
         for (int i = 0; i < R; i++) rp[i] = W + (long long)z * w_z + (long long)min(r0 + i, rows - 1) * row_bytes;
         const float* xb = x + (long long)z * x_z;
         int q = lane & 3, stride = kspl * MV_CPW, chunks = cols / 32;
-        int c0 = (warp % kspl) * MV_CPW;
-        for (; c0 + (U - 1) * stride + MV_CPW <= chunks; c0 += U * stride) { // U whole steps
+        // U steps per round (the last one guarded per lane): every load of a round is issued
+        // before its math, so a warp with s steps waits ceil(s / U) memory latencies.
+        for (int c0 = (warp % kspl) * MV_CPW; c0 < chunks; c0 += U * stride) {
             MvqRaw<T> raw[U][R];
 #pragma unroll
-            for (int u = 0; u < U; u++)
+            for (int u = 0; u < U; u++) {
+                int c = c0 + u * stride + lane / 4;
+                if (c < chunks)
 #pragma unroll
-                for (int i = 0; i < R; i++) raw[u][i].load(rp[i], c0 + u * stride + lane / 4, q);
+                    for (int i = 0; i < R; i++) raw[u][i].load(rp[i], c, q);
+            }
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                const float4* xv = (const float4*)(xb + (long long)(c0 + u * stride + lane / 4) * 32 + 8 * q);
-                float4 xa = xv[0], xc = xv[1];
+                int c = c0 + u * stride + lane / 4;
+                if (c < chunks) {
+                    const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
+                    float4 xa = xv[0], xc = xv[1];
 #pragma unroll
-                for (int i = 0; i < R; i++) acc[i][0] = raw[u][i].dot(xa, xc, acc[i][0]);
-            }
-        }
-        for (; c0 < chunks; c0 += stride) { // the rest, one guarded step at a time
-            int c = c0 + lane / 4;
-            if (c < chunks) {
-                MvqRaw<T> raw[R];
-#pragma unroll
-                for (int i = 0; i < R; i++) raw[i].load(rp[i], c, q);
-                const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
-                float4 xa = xv[0], xc = xv[1];
-#pragma unroll
-                for (int i = 0; i < R; i++) acc[i][0] = raw[i].dot(xa, xc, acc[i][0]);
+                    for (int i = 0; i < R; i++) acc[i][0] = raw[u][i].dot(xa, xc, acc[i][0]);
+                }
             }
         }
     }
@@ -669,3 +664,108 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_f16(MVQ_PARAMS) { mvq_body<T_F16
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16(MVQ_PARAMS) { mvq_body<T_F16, 2, 4>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_f16(MVQ_PARAMS) { mvq_body<T_F16, 4, 2>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { mvq_body<T_F16, 1, 4>(MVQ_ARGS); }
+
+// ---- Q8_0 in the decode layout (GpuWeight::Mat `dec`, written at upload by q8_repack from the
+// GGUF blocks, which stay for the GEMM): quants Q[g * cols + k] (i8, g = global row: rows are
+// cols bytes, 16-byte aligned) then scales D[g * (cols / 32) + b] (f16). One row product
+// (mvr_r<R>u<U>_q8_0, n = 1): a lane owns a half block (16 quants: one 16-byte load + its
+// scale halfword), a warp step covers DS4_WARP half blocks of a row (512 columns with warp 32),
+// the warps of a row group split its steps (kspl, as mvq_body); U steps × R rows of loads are
+// issued before any math. Each lane adds d * sum(16 q·x) per half block in step order, then warp
+// sums and the kspl partials in warp order (deterministic).
+// y[z*y_z + r] = W[z*rows + r] . x[z*x_z ..] for r < rows, z = blockIdx.z (groups of rows).
+
+// q8_repack: block b (34 bytes at src + 34b) -> Q[32b .. 32b + 32], D[b]; b < nb.
+DS4_KERNEL void DS4_BOUNDS(256) q8_repack(const u8* __restrict__ src, long long nb, u8* __restrict__ Q, u16* __restrict__ D) {
+    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nb) return;
+    const u16* s = (const u16*)(src + b * 34); // 2-byte aligned: 34b is even
+    D[b] = s[0];
+    u32 w[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) w[i] = (u32)s[1 + 2 * i] | ((u32)s[2 + 2 * i] << 16);
+    uint4* o = (uint4*)(Q + b * 32);
+    o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// acc + d * sum over 16 quants of v (i8) times xa..xd (16 floats).
+__device__ __forceinline__ float mvr_dot(uint4 v, u32 d, const float4& xa, const float4& xb, const float4& xc,
+                                         const float4& xd, float acc) {
+    u32 a = v.x ^ 0x80808080u, b = v.y ^ 0x80808080u, c = v.z ^ 0x80808080u, e = v.w ^ 0x80808080u; // u8 + 128
+    float s = mv_byte(a, 0, 128.0f) * xa.x;
+    s = fmaf(mv_byte(a, 1, 128.0f), xa.y, s);
+    s = fmaf(mv_byte(a, 2, 128.0f), xa.z, s);
+    s = fmaf(mv_byte(a, 3, 128.0f), xa.w, s);
+    s = fmaf(mv_byte(b, 0, 128.0f), xb.x, s);
+    s = fmaf(mv_byte(b, 1, 128.0f), xb.y, s);
+    s = fmaf(mv_byte(b, 2, 128.0f), xb.z, s);
+    s = fmaf(mv_byte(b, 3, 128.0f), xb.w, s);
+    s = fmaf(mv_byte(c, 0, 128.0f), xc.x, s);
+    s = fmaf(mv_byte(c, 1, 128.0f), xc.y, s);
+    s = fmaf(mv_byte(c, 2, 128.0f), xc.z, s);
+    s = fmaf(mv_byte(c, 3, 128.0f), xc.w, s);
+    s = fmaf(mv_byte(e, 0, 128.0f), xd.x, s);
+    s = fmaf(mv_byte(e, 1, 128.0f), xd.y, s);
+    s = fmaf(mv_byte(e, 2, 128.0f), xd.z, s);
+    s = fmaf(mv_byte(e, 3, 128.0f), xd.w, s);
+    return fmaf(ds4_h2f_fast(d), s, acc);
+}
+
+template <int R, int U>
+__device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
+                                         int kspl) {
+    __shared__ float red[MV_WARPS * R];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, z = blockIdx.z;
+    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * R;
+    float acc[R][1];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i][0] = 0.0f;
+    if (r0 < rows) { // warp-uniform
+        const uint4* qp[R];
+        const u16* dp[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            long long g = (long long)z * rows + min(r0 + i, rows - 1);
+            qp[i] = (const uint4*)(Q + g * cols);
+            dp[i] = D + g * (cols / 32);
+        }
+        const float4* xv = (const float4*)(x + (long long)z * x_z);
+        int hb = cols / 16, stride = kspl * DS4_WARP;
+        int h0 = (warp % kspl) * DS4_WARP;
+        for (; h0 < hb; h0 += U * stride) { // U steps per round, the loads first (guarded per lane)
+            uint4 v[U][R];
+            u32 d[U][R];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int h = h0 + u * stride + lane;
+                if (h < hb)
+#pragma unroll
+                    for (int i = 0; i < R; i++) v[u][i] = qp[i][h], d[u][i] = dp[i][h >> 1];
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int h = h0 + u * stride + lane;
+                if (h < hb) {
+                    float4 xa = xv[4 * h], xb = xv[4 * h + 1], xc = xv[4 * h + 2], xd = xv[4 * h + 3];
+#pragma unroll
+                    for (int i = 0; i < R; i++) acc[i][0] = mvr_dot(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][0]);
+                }
+            }
+        }
+    }
+    float v = mv_reduce<1, R>(acc, kspl, red);
+    int r = r0 + lane;
+    if (warp % kspl == 0 && lane < R && r < rows) y[(long long)z * y_z + r] = v;
+}
+
+#define MVR_PARAMS                                                                                                     \
+    const u8 *__restrict__ Q, const u16 *__restrict__ D, const float *__restrict__ x, long long x_z,                  \
+        float *__restrict__ y, long long y_z, int rows, int cols, int kspl
+#define MVR_ARGS Q, D, x, x_z, y, y_z, rows, cols, kspl
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r1u8_q8_0(MVR_PARAMS) { mvr_body<1, 8>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u4_q8_0(MVR_PARAMS) { mvr_body<2, 4>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { mvr_body<4, 2>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { mvr_body<2, 2>(MVR_ARGS); }

@@ -82,5 +82,10 @@ pub const MATVEC: Module = Module {
         "mvq_r2u4_f16",
         "mvq_r4u2_f16",
         "mvq_r1u4_f16",
+        "q8_repack",
+        "mvr_r1u8_q8_0",
+        "mvr_r2u4_q8_0",
+        "mvr_r4u2_q8_0",
+        "mvr_r2u2_q8_0",
     ],
 };

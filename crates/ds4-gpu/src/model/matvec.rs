@@ -9,10 +9,14 @@
 //! slices, x kept in registers across the MV_R rows of a warp) for n = 2..4 and matmul.rs's
 //! coalesced kernels for n = 1. For n = 1 Q8_0/F16 the `mvq_<form>_<t>` kernels come first
 //! (`mvq_auto`: all loads of U column steps × R rows of a warp issued before the math, 2.9 TB/s on
-//! the Q8_0 head). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
+//! the Q8_0 head). Q8_0 matrices of one slab also get a decode-layout copy at upload
+//! (`q8_decode_copy`: 16-byte aligned quant rows + a separate f16 scale array; the GGUF blocks
+//! stay for the GEMM), and their n = 1 products run `mvr_<form>_q8_0` from it (16-byte loads).
+//! Few-row F16 products can split their columns across CTAs (`mvq_splits`, opt-in). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
 //! for the routed experts.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
+use crate::gpu::DeviceBuffer;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec, Part};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -49,6 +53,67 @@ const MVQ_AUTO: u8 = 255;
 static MVQ_ENV: std::sync::Once = std::sync::Once::new();
 /// (name, rows per warp R); U = 8 / R column steps except r1u4.
 const MVQ_FORMS: [(&str, usize); 4] = [("r1u8", 1), ("r2u4", 2), ("r4u2", 4), ("r1u4", 1)];
+
+/// n = 1 products of Q8_0 matrices that have a decode-layout copy (`GpuWeight::Mat::dec`, made
+/// at upload by `q8_decode_copy`) by `mvr_<form>_q8_0` (16-byte quant loads, one halfword scale
+/// per half block): MVQ_AUTO (default) the form `mvr_auto` picks, 0 never (the `mvq` path on the
+/// GGUF blocks), 1..=4 always MVR_FORMS[k - 1]. `DS4_GPU_Q8_REPACK=off` makes no copies at all
+/// (the memory of the previous form); `=r1u8|r2u4|r4u2|r2u2` fixes the form.
+static MVR: AtomicU8 = AtomicU8::new(MVQ_AUTO);
+static MVR_ENV: std::sync::Once = std::sync::Once::new();
+/// Whether uploads make decode-layout copies (false: `DS4_GPU_Q8_REPACK=off`).
+static REPACK: AtomicBool = AtomicBool::new(true);
+/// (name, rows per warp R, column steps U in flight).
+const MVR_FORMS: [(&str, usize); 4] = [("r1u8", 1), ("r2u4", 2), ("r4u2", 4), ("r2u2", 2)];
+
+/// Reads `DS4_GPU_Q8_REPACK` once (before the first copy or product).
+fn mvr_env() {
+    MVR_ENV.call_once(|| {
+        if let Ok(v) = std::env::var("DS4_GPU_Q8_REPACK") {
+            if v == "off" {
+                REPACK.store(false, Ordering::Relaxed);
+                MVR.store(0, Ordering::Relaxed);
+            } else if let Some(i) = MVR_FORMS.iter().position(|f| f.0 == v) {
+                MVR.store(i as u8 + 1, Ordering::Relaxed);
+            }
+        }
+    });
+}
+
+/// The `mvr` form (1..=4) the default takes for `rows` rows (all groups) of `cols`. H200,
+/// 2026-11-30 (bench/results/gpu-matvec-s4-h200.txt, graph-timed us per call, `mvq` r2u4 on the
+/// GGUF blocks in brackets): r4u2 on the head (147.6 [194.9], 3.8 TB/s), r2u2 elsewhere: out_a
+/// 13.6 [20.8], out_b 13.7 [20.0], q_b 14.6 [17.0], shared up/down 6.3/6.2 [7.3/7.3], q_a 4.1
+/// [5.4], kv 3.3 [3.3]; r2u4 (72 registers) and r1u8 lose to both.
+fn mvr_auto(rows: usize, _cols: usize) -> u8 {
+    if rows >= 65536 {
+        3
+    } else {
+        4
+    }
+}
+
+/// Few-row F16 products (fewer rows than SMs: the HC mixers 16384->24 and ->4, the indexer's
+/// 4096->64) can split their columns into `mvq_splits` ranges run as the z groups of one `mvq_*`
+/// launch (same rows, columns shifted), partials added in range order by `mvs_sum_f32`. Opt-in
+/// (`DS4_GPU_MVQ_SPLIT=on`, `set_matvec_split(true)`): on the H200 it tied the whole form once
+/// `mvq_*` issued a warp's last partial round of loads together (hc mix 3.8 against 3.9 us per
+/// call, head mix 3.45 against 3.40) and lost on 4096->64 (3.6 against 3.1 by mmc).
+static SPLIT: AtomicBool = AtomicBool::new(false);
+static SPLIT_ENV: std::sync::Once = std::sync::Once::new();
+
+/// Column ranges for an F16 `rows × cols` product, or 1 (no split): ranges of at least 1024
+/// columns (4 warp steps of 256), at most 16, a power of two dividing the 32-column chunks.
+fn mvq_splits(ty: GgmlType, rows: usize, cols: usize, zs: usize, sm: usize) -> usize {
+    if ty != GgmlType::F16 || zs != 1 || rows >= sm || !cols.is_multiple_of(32) {
+        return 1;
+    }
+    let mut s = 1;
+    while 2 * s <= 16 && cols / (2 * s) >= 1024 && (cols / 32).is_multiple_of(2 * s) {
+        s *= 2;
+    }
+    s
+}
 
 /// The `mvq` form (1..=4) the default takes for `ty` with `rows` rows (all groups) of `cols`, or 0.
 /// H200, 2026-11-30 (bench/results/gpu-matvec-h200.txt, helper N): r2u4 is the fastest form on
@@ -206,12 +271,124 @@ impl GpuBackend {
         ONE.store(false, Ordering::Relaxed);
         VARIANT.store(0, Ordering::Relaxed);
         Self::set_matvec_one(MVQ_AUTO);
+        Self::set_matvec_repacked(MVQ_AUTO);
+        Self::set_matvec_split(false);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=4 a fixed form, anything else auto.
     pub fn set_matvec_one(form: u8) {
         MVQ_ENV.call_once(|| {});
         MVQ.store(if form <= 4 { form } else { MVQ_AUTO }, Ordering::Relaxed);
+    }
+
+    /// Split the columns of few-row F16 products across CTAs (`SPLIT`; default off).
+    pub fn set_matvec_split(on: bool) {
+        SPLIT_ENV.call_once(|| {});
+        SPLIT.store(on, Ordering::Relaxed);
+    }
+
+    /// n = 1 form for Q8_0 matrices with a decode-layout copy (`MVR`): 0 off (the `mvq` path),
+    /// 1..=4 a fixed form, anything else auto. Copies are still made at upload.
+    pub fn set_matvec_repacked(form: u8) {
+        mvr_env();
+        MVR.store(if form <= 4 { form } else { MVQ_AUTO }, Ordering::Relaxed);
+    }
+
+    /// The decode-layout copy of a Q8_0 matrix with one slab (None: another type, expert slabs,
+    /// `DS4_GPU_Q8_REPACK=off`, or no memory for it, which is not an error): the buffer holds
+    /// Q (rows × cols i8, row g at byte g·cols) then D (rows × cols/32 f16 scales), written by
+    /// `q8_repack` on the stream from the GGUF blocks in `buf`.
+    pub(crate) fn q8_decode_copy(
+        &self,
+        buf: &DeviceBuffer,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        experts: usize,
+    ) -> Option<DeviceBuffer> {
+        mvr_env();
+        if ty != GgmlType::Q8_0
+            || experts != 1
+            || !REPACK.load(Ordering::Relaxed)
+            || cols == 0
+            || rows == 0
+            || !cols.is_multiple_of(32)
+            || self.failed()
+        {
+            return None;
+        }
+        let nb = rows * cols / 32;
+        if buf.bytes() < nb * 34 {
+            return None;
+        }
+        self.interrupt();
+        let dec = self.gpu.alloc(nb * 34).ok()?; // Q: 32·nb bytes, then D: 2·nb
+        let q = dec.ptr();
+        self.run(
+            &ds4_kernels::MATVEC,
+            "q8_repack",
+            LaunchDims::linear(nb.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(buf.ptr()),
+                Arg::I64(nb as i64),
+                Arg::Ptr(q),
+                Arg::Ptr(q.offset((nb * 32) as u64)),
+            ],
+        );
+        Some(dec)
+    }
+
+    /// One n = 1 product by `mvr_*` from a decode-layout copy `dec` (rows per group `rows`, `zs`
+    /// groups of consecutive rows, x of group z at element z·x_z, y at z·y_z), or false when off.
+    #[allow(clippy::too_many_arguments)]
+    fn mvr(
+        &self,
+        dec: &DeviceBuffer,
+        x: &GpuBuf,
+        x_z: usize,
+        y: DevPtr,
+        y_z: usize,
+        rows: usize,
+        cols: usize,
+        zs: usize,
+    ) -> bool {
+        mvr_env();
+        let form = match MVR.load(Ordering::Relaxed) {
+            MVQ_AUTO => mvr_auto(rows * zs, cols),
+            f => f,
+        };
+        let nb = rows * zs * cols / 32;
+        if form == 0
+            || !ENABLED.load(Ordering::Relaxed)
+            || !x.ptr.0.is_multiple_of(16)
+            || !cols.is_multiple_of(32)
+            || dec.bytes() < nb * 34
+            || self.failed()
+        {
+            return false;
+        }
+        let (name, r) = MVR_FORMS[form as usize - 1];
+        // A warp step is DS4_WARP half blocks (16 columns each): mv_kspl counts steps of
+        // warp/4 chunks of 32 columns, so it is asked about cols / 2.
+        let (dims, k) = self.mv_dims(rows, r, 1, zs, cols / 2);
+        let q = dec.ptr();
+        self.run(
+            &ds4_kernels::MATVEC,
+            &format!("mvr_{name}_q8_0"),
+            dims,
+            &[
+                Arg::Ptr(q),
+                Arg::Ptr(q.offset((nb * 32) as u64)),
+                Arg::Ptr(x.ptr),
+                Arg::I64(x_z as i64),
+                Arg::Ptr(y),
+                Arg::I64(y_z as i64),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I32(k as i32),
+            ],
+        );
+        true
     }
 
     /// One n = 1 product by `mvq_*` (Q8_0, F16), or false when off, declined or another type.
@@ -243,15 +420,26 @@ impl GpuBackend {
                 MVQ.store(f, Ordering::Relaxed);
             }
         });
+        SPLIT_ENV.call_once(|| {
+            if let Ok(v) = std::env::var("DS4_GPU_MVQ_SPLIT") {
+                SPLIT.store(v == "on", Ordering::Relaxed);
+            }
+        });
         let sfx = match ty {
             GgmlType::Q8_0 => "q8_0",
             GgmlType::F16 => "f16",
             _ => return false,
         };
         let sm = self.gpu.info().sm_count as usize;
-        let form = match MVQ.load(Ordering::Relaxed) {
-            MVQ_AUTO => mvq_auto(ty, rows * zs, cols, sm),
-            f => f,
+        let splits = if SPLIT.load(Ordering::Relaxed) {
+            mvq_splits(ty, rows, cols, zs, sm)
+        } else {
+            1
+        };
+        let form = match (MVQ.load(Ordering::Relaxed), splits) {
+            (MVQ_AUTO, 1) => mvq_auto(ty, rows * zs, cols, sm),
+            (MVQ_AUTO, _) => 4, // r1u4: one round of loads per warp on 1024-column ranges
+            (f, _) => f,
         };
         // F16 slices are 16-byte loads; Q8_0 needs 2-byte aligned rows (word loads of the slices).
         let align: usize = if ty == GgmlType::F16 { 16 } else { 2 };
@@ -266,6 +454,46 @@ impl GpuBackend {
             return false;
         }
         let (name, r) = MVQ_FORMS[form as usize - 1];
+        if splits > 1 {
+            // Range j: columns j·cs.. of every row (w_z = cs·2 bytes, x_z = cs), partial j at
+            // part[j·rows..]; then y[r] = sum over j in order.
+            let cs = cols / splits;
+            let part = self.scratch(splits * rows);
+            let (dims, k) = self.mv_dims(rows, r, 1, splits, cs);
+            self.run(
+                &ds4_kernels::MATVEC,
+                &format!("mvq_{name}_{sfx}"),
+                dims,
+                &[
+                    Arg::Ptr(w),
+                    Arg::I64((cs * 2) as i64),
+                    Arg::Ptr(x.ptr),
+                    Arg::I64(cs as i64),
+                    Arg::Ptr(part.ptr),
+                    Arg::I64(rows as i64),
+                    Arg::I32(rows as i32),
+                    Arg::I32(cs as i32),
+                    Arg::I64(rb as i64),
+                    Arg::I32(k as i32),
+                ],
+            );
+            self.run(
+                &ds4_kernels::MATVEC,
+                "mvs_sum_f32",
+                LaunchDims::linear(rows.div_ceil(256) as u32, 256),
+                &[
+                    Arg::Ptr(part.ptr),
+                    Arg::I32(splits as i32),
+                    Arg::I64(rows as i64),
+                    Arg::I32(1),
+                    Arg::I32(rows as i32),
+                    Arg::Ptr(y),
+                    Arg::I64(rows as i64),
+                    Arg::I64(0),
+                ],
+            );
+            return true;
+        }
         let (dims, k) = self.mv_dims(rows, r, 1, zs, cols);
         self.run(
             &ds4_kernels::MATVEC,
@@ -496,9 +724,14 @@ impl GpuBackend {
             Part::All => 0,
             Part::Expert(e) => e * rows * rb,
         };
-        let GpuWeight::Mat { ty, .. } = w else {
+        let GpuWeight::Mat { ty, dec, .. } = w else {
             return false;
         };
+        if let (1, Some(dec), 0) = (n, dec, byte0) {
+            if self.mvr(dec, x, 0, y.ptr, 0, rows, cols, 1) {
+                return true;
+            }
+        }
         let w0 = p.offset(byte0 as u64);
         if n == 1 && self.mvq(*ty, w0, 0, x, 0, y.ptr, 0, rows, cols, rb, 1) {
             return true;
@@ -548,10 +781,15 @@ impl GpuBackend {
         }
         // Group g: rows g*r .. (g+1)*r of W times columns g*cols .. of each x row.
         let r = rows / groups;
-        let GpuWeight::Mat { ty, .. } = w else {
+        let GpuWeight::Mat { ty, dec, .. } = w else {
             return false;
         };
         let (x_tok, x_z) = (groups * cols, cols);
+        if let (1, Some(dec)) = (n, dec) {
+            if self.mvr(dec, x, x_z, y.ptr, r, r, cols, groups) {
+                return true;
+            }
+        }
         if n == 1 && self.mvq(*ty, p, r * rb, x, x_z, y.ptr, r, r, cols, rb, groups) {
             return true;
         }
@@ -685,6 +923,14 @@ mod tests {
         assert_eq!(mvq_auto(GgmlType::F32, 4096, 4096, 132), 0);
         assert_eq!(mvq_auto(GgmlType::Q2_K, 4096, 4096, 132), 0);
         assert!(MVQ_FORMS.iter().all(|f| f.1 <= MV_WARPS));
+        assert_eq!(mvr_auto(129280, 4096), 3);
+        assert_eq!(mvr_auto(8192, 4096), 4);
+        assert_eq!(mvr_auto(1, 32), 4);
+        assert!(MVR_FORMS.iter().all(|f| f.1 <= MV_WARPS));
+        assert_eq!(mvq_splits(GgmlType::F16, 24, 16384, 1, 132), 16);
+        assert_eq!(mvq_splits(GgmlType::F16, 7, 5120, 1, 132), 4);
+        assert_eq!(mvq_splits(GgmlType::F16, 256, 4096, 1, 132), 1);
+        assert_eq!(mvq_splits(GgmlType::Q8_0, 24, 16384, 1, 132), 1);
     }
 
     /// Every plan stages at most MVS_STAGE bytes, covers each row with whole-unit tiles, keeps

@@ -157,6 +157,11 @@ pub enum GpuWeight {
         rows: usize,
         experts: usize,
         row_bytes: usize,
+        /// A second copy in the decode layout (matvec.rs `q8_decode_copy`: Q8_0 single-slab
+        /// matrices; None otherwise or with `DS4_GPU_Q8_REPACK=off`). `buf` stays the GGUF blocks
+        /// for the GEMM and everything else (`mat_parts`); the copy costs the same bytes again
+        /// (~5 GB for the q2 mix: its attention, shared-expert and head matrices).
+        dec: Option<DeviceBuffer>,
     },
     F32 {
         buf: DeviceBuffer,
@@ -777,13 +782,16 @@ impl Backend for GpuBackend {
         let buf = self
             .weight_src(src)
             .ok_or_else(|| self.check().unwrap_err())?;
+        let experts = src.dims.get(2).copied().unwrap_or(1) as usize;
+        let dec = self.q8_decode_copy(&buf, src.ty, src.cols(), src.rows(), experts);
         Ok(GpuWeight::Mat {
             buf,
             ty: src.ty,
             cols: src.cols(),
             rows: src.rows(),
-            experts: src.dims.get(2).copied().unwrap_or(1) as usize,
+            experts,
             row_bytes,
+            dec,
         })
     }
 

@@ -216,6 +216,13 @@ impl GpuBackend {
                     }
                 }
                 GpuWeight::Mat {
+                    dec: self.q8_decode_copy(
+                        &buf,
+                        ty,
+                        cols as usize,
+                        rows as usize,
+                        experts as usize,
+                    ),
                     buf,
                     ty,
                     cols: cols as usize,
