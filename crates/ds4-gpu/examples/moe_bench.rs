@@ -4,7 +4,8 @@
 //! down) and the q4 mix (Q4_K), n = 1..4. Weights are generated on the device. µs per call
 //! (one layer's routed experts: `reps` calls queued between two syncs, wall clock, each with
 //! another random selection so the experts come from memory, not L2) and GB/s of the distinct
-//! experts' bytes.
+//! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA) and v2
+//! (direct loads; nbA/B = gate/up and down row batches per CTA).
 
 use ds4_backend::{Backend, Fill, GgmlType, MoeSpec, WeightKind};
 use ds4_gpu::{Gpu, GpuBackend};
@@ -88,16 +89,26 @@ fn main() {
                 sels.push(gpu.upload_i32(&s));
             }
             let mut out = gpu.alloc(n * d);
-            let forms: [(&str, bool, usize); 5] = [
-                ("old", false, 16),
-                ("new rb8", true, 8),
-                ("new rb16", true, 16),
-                ("new rb24", true, 24),
-                ("new rb32", true, 32),
+            // (name, decode kernels on, form, v1 rows, v2 tiles)
+            type Form = (&'static str, bool, usize, usize, (usize, usize));
+            let forms: [Form; 11] = [
+                ("old", false, 1, 16, (0, 0)),
+                ("v1 rb8", true, 1, 8, (0, 0)),
+                ("v1 rb16", true, 1, 16, (0, 0)),
+                ("v2 nb2/2", true, 2, 0, (2, 2)),
+                ("v2 nb1/2", true, 2, 0, (1, 2)),
+                ("v2 nb4/2", true, 2, 0, (4, 2)),
+                ("v2 nb2/1", true, 2, 0, (2, 1)),
+                ("v2 nb2/4", true, 2, 0, (2, 4)),
+                ("v2 nb1/1", true, 2, 0, (1, 1)),
+                ("v2 nb4/4", true, 2, 0, (4, 4)),
+                ("v2 nb8/8", true, 2, 0, (8, 8)),
             ];
-            for (form, on, rb) in forms {
+            for (form, on, f, rb, (nb, nbr)) in forms {
                 GpuBackend::set_moe_decode(on);
+                GpuBackend::set_moe_form(f);
                 GpuBackend::set_moe_gu_rows(rb);
+                GpuBackend::set_moe_v2_tiles(nb, nbr);
                 let call = |i: usize, out: &mut B| {
                     gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &sels[i % 64], &wgt, n, out)
                 };
@@ -125,4 +136,6 @@ fn main() {
     }
     GpuBackend::set_moe_decode(true);
     GpuBackend::set_moe_gu_rows(0);
+    GpuBackend::set_moe_form(0);
+    GpuBackend::set_moe_v2_tiles(0, 0);
 }

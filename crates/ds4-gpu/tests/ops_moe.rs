@@ -4,7 +4,9 @@
 //! full-size shape (d 4096, ff 2048, 6 of 8 experts) and small odd ones, with several gate/up
 //! row blocks (partial last blocks included). Checks that the decode kernels ran where they
 //! cover the rows (16-byte multiples) and were declined elsewhere, and that two runs give
-//! identical bits. Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1:
+//! identical bits. Both forms: v1 (rows staged in shared memory) and v2 (direct loads, h in
+//! the down kernel's lane order; n = 3, 4 through its two-token loop), v2 with several tile
+//! sizes. Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1:
 //! fail). Run with --test-threads=1 on a GPU (process-wide switches).
 
 mod common;
@@ -43,17 +45,18 @@ fn moe_decode_matches_cpu() {
         (GgmlType::Q4_K, GgmlType::Q4_K),
         (GgmlType::IQ2_XXS, GgmlType::Q4_K),
     ];
-    // (d, ff, experts, slots, gate/up rows per CTA)
+    // (d, ff, experts, slots, v1 gate/up rows per CTA, v2 row batches per CTA gate/up, down)
     let shapes = [
-        (4096, 2048, 8, 6, 16),
-        (256, 256, 5, 3, 8),
-        (512, 768, 7, 2, 24),
-        (768, 512, 6, 4, 24), // ff 512: a partial last block
+        (4096, 2048, 8, 6, 16, (2, 2)),
+        (256, 256, 5, 3, 8, (1, 1)),
+        (512, 768, 7, 2, 24, (3, 3)),
+        (768, 512, 6, 4, 24, (4, 1)), // ff 512: a partial last block
     ];
     let mut bad = Vec::new();
-    let mut worst = 0f32;
-    for (si, &(d, ff, ne, k, rb)) in shapes.iter().enumerate() {
+    let mut worst = [0f32; 2];
+    for (si, &(d, ff, ne, k, rb, (nb, nbr))) in shapes.iter().enumerate() {
         GpuBackend::set_moe_gu_rows(rb);
+        GpuBackend::set_moe_v2_tiles(nb, nbr);
         for (mi, &(tgu, td)) in mixes.iter().enumerate() {
             if si == 0 && mi == 2 {
                 continue; // full size: the two model mixes
@@ -94,46 +97,61 @@ fn moe_decode_matches_cpu() {
                     cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
                     let want = cpu.download(&co, n * d);
                     let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
-                    let mut got = Vec::new();
-                    let runs = GpuBackend::moe_decode_runs();
-                    for _ in 0..2 {
-                        let mut go = gpu.upload(&vec![f32::NAN; n * d]);
-                        gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
-                        got.push(gpu.download(&go, n * d));
-                    }
-                    let name = format!(
-                        "moe {tgu:?}/{td:?} d={d} ff={ff} k={k} n={n} clamp={clamp} rb={rb}"
+                    for form in [1usize, 2] {
+                        GpuBackend::set_moe_form(form);
+                        let mut got = Vec::new();
+                        let runs = GpuBackend::moe_decode_runs();
+                        let runs2 = GpuBackend::moe_v2_runs();
+                        for _ in 0..2 {
+                            let mut go = gpu.upload(&vec![f32::NAN; n * d]);
+                            gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
+                            got.push(gpu.download(&go, n * d));
+                        }
+                        let name = format!(
+                        "moe v{form} {tgu:?}/{td:?} d={d} ff={ff} k={k} n={n} clamp={clamp} rb={rb} nb={nb} nbr={nbr}"
                     );
-                    if let Err(e) = gpu.check() {
-                        println!("{name}: GPU error: {e}");
-                        bad.push(format!("{name}: {e}"));
-                        continue;
-                    }
-                    let ran = GpuBackend::moe_decode_runs() - runs;
-                    // IQ2_XXS rows of d < 2048 are not 16-byte multiples: declined (general path).
-                    let covered = [(tgu, d), (td, ff)]
-                        .iter()
-                        .all(|&(t, c)| t.row_bytes(c as u64).unwrap() % 16 == 0);
-                    let want_runs = if covered { 2 } else { 0 };
-                    let l2 = rel_l2(&got[0], &want);
-                    let e = max_rel(&got[0], &want);
-                    let same = got[0]
-                        .iter()
-                        .zip(&got[1])
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    worst = worst.max(l2);
-                    println!(
-                        "{name}: rel L2 {l2:.3e}, max rel {e:.3e}, decode runs {ran}, repeat identical {same}"
+                        if let Err(e) = gpu.check() {
+                            println!("{name}: GPU error: {e}");
+                            bad.push(format!("{name}: {e}"));
+                            continue;
+                        }
+                        let ran = GpuBackend::moe_decode_runs() - runs;
+                        let ran2 = GpuBackend::moe_v2_runs() - runs2;
+                        // IQ2_XXS rows of d < 2048 are not 16-byte multiples: declined (general path).
+                        let covered = [(tgu, d), (td, ff)]
+                            .iter()
+                            .all(|&(t, c)| t.row_bytes(c as u64).unwrap() % 16 == 0);
+                        let want_runs = if covered { 2 } else { 0 };
+                        let want_v2 = if form == 2 { want_runs } else { 0 };
+                        let l2 = rel_l2(&got[0], &want);
+                        let e = max_rel(&got[0], &want);
+                        let same = got[0]
+                            .iter()
+                            .zip(&got[1])
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        worst[form - 1] = worst[form - 1].max(l2);
+                        println!(
+                        "{name}: rel L2 {l2:.3e}, max rel {e:.3e}, decode runs {ran} (v2 {ran2}), repeat identical {same}"
                     );
-                    if l2.is_nan() || l2 > TOL_L2 || ran != want_runs || !same {
-                        bad.push(format!("{name}: L2 {l2:.3e} ran {ran} same {same}"));
+                        if l2.is_nan()
+                            || l2 > TOL_L2
+                            || ran != want_runs
+                            || ran2 != want_v2
+                            || !same
+                        {
+                            bad.push(format!(
+                                "{name}: L2 {l2:.3e} ran {ran} v2 {ran2} same {same}"
+                            ));
+                        }
                     }
                 }
             }
         }
     }
     GpuBackend::set_moe_gu_rows(0);
-    println!("worst rel L2 {worst:.3e}");
+    GpuBackend::set_moe_v2_tiles(0, 0);
+    GpuBackend::set_moe_form(0);
+    println!("worst rel L2: v1 {:.3e}, v2 {:.3e}", worst[0], worst[1]);
     assert!(bad.is_empty(), "failing cases: {bad:#?}");
 }
 

@@ -463,3 +463,479 @@ DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu4_q4_k(MOEGU_PARAMS) { moegu_body<T
 DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_iq2_xxs(MOEDN_PARAMS) { moedn_body<T_IQ2_XXS>(MOEDN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_q2_k(MOEDN_PARAMS) { moedn_body<T_Q2_K>(MOEDN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_q4_k(MOEDN_PARAMS) { moedn_body<T_Q4_K>(MOEDN_ARGS); }
+
+// ===================================================================================================
+// Form 2 (m2*): no staging of weights. A lane owns one "unit" of 32 columns (4 slices of 8; which
+// columns depends on the block format, m2_col) of every row, keeps x of those columns in
+// registers and loads its bytes of M2 rows straight from global memory (all loads of a batch
+// before any math). A row group of wpg = ceil(units / DS4_WARP) warps covers a row; a CTA has
+// rg = warps / wpg groups. IQ2_XXS: grid from shared memory (u64), signs expanded by ALU.
+// Gate/up writes h in the order the down kernel's lanes read it (m2_hidx: one coalesced
+// 16-byte load per lane and slice half), so the down kernel reads h straight from global memory.
+// ===================================================================================================
+#define M2_THREADS 256
+#define M2_WARPS (M2_THREADS / DS4_WARP)
+#define M2_LB2 M2_THREADS, 2 // at most 128 registers: 2 CTAs per SM
+#if defined(DS4_CUDA)
+#define M2_XSI __int_as_float(0x0d800000) // 2^-100 (undoes MOE_XS exactly)
+#else
+#define M2_XSI 1.0f
+#endif
+
+// Gate/up output rows per batch (2x row-dots) and down rows per batch, per weight type (more
+// spill at 128 registers).
+template <int T> struct M2Rb {
+    static constexpr int GU = (T == T_Q4_K) ? 2 : 4;
+    static constexpr int DN = 4;
+};
+
+// First column of slice j (8 columns) of unit u.
+template <int T> __device__ __forceinline__ int m2_col(int u, int j) {
+    if (T == T_Q2_K) return 256 * (u >> 3) + 128 * ((u >> 2) & 1) + 32 * j + 8 * (u & 3);
+    if (T == T_Q4_K) return 256 * (u >> 3) + 64 * ((u >> 1) & 3) + 32 * (j >> 1) + 16 * (u & 1) + 8 * (j & 1);
+    return 32 * u + 8 * j;
+}
+
+// Inverse of m2_col for layout kind lk (1: Q2_K, 2: Q4_K, else 32 consecutive): column c is
+// element e of slice j of unit u.
+__device__ __forceinline__ void m2_inv(int lk, int c, int& u, int& j, int& e) {
+    int b = c >> 8, r = c & 255;
+    e = c & 7;
+    if (lk == 1) {
+        u = 8 * b + 4 * (r >> 7) + ((r & 31) >> 3);
+        j = (r >> 5) & 3;
+    } else if (lk == 2) {
+        u = 8 * b + 2 * (r >> 6) + ((r >> 4) & 1);
+        j = 2 * ((r >> 5) & 1) + ((r >> 3) & 1);
+    } else {
+        u = c >> 5;
+        j = (c >> 3) & 3;
+    }
+}
+
+// h of one pair in down-lane order: [unit / W][slice j][half][unit % W][4].
+__device__ __forceinline__ int m2_hidx(int u, int j, int e) {
+    return (((u / DS4_WARP) * 8 + 2 * j + (e >> 2)) * DS4_WARP + (u % DS4_WARP)) * 4 + (e & 3);
+}
+
+// Sign bytes (0x80 where negative) of the 8 elements of an IQ2_XXS run with 7-bit field s7
+// (element 7: parity of s7): bit l moves to bit 8l + 7 by one multiply.
+__device__ __forceinline__ void m2_signs(u32 s7, u32& lo, u32& hi) {
+    lo = (s7 * 0x10204080u) & 0x80808080u; // bits 4..6 land on no sign bit and carry nowhere
+    hi = (((s7 >> 4) * 0x10204080u) & 0x80808080u) | ((u32)__popc(s7) << 31); // element 7: parity
+}
+
+template <int T> struct M2;
+
+// IQ2_XXS unit u = chunk u (group g = u & 7 of block u >> 3): its 8 bytes (4 grid indices, aux)
+// at 66b + 2 + 8g (2-byte aligned), read as aligned words and funnel-shifted.
+template <> struct M2<T_IQ2_XXS> {
+    struct Raw {
+        u32 a, b, c, d;
+    };
+    struct Off {
+        int o, od;
+        u32 sh;
+    };
+    static __device__ __forceinline__ Off off(int u) {
+        int b = u >> 3, o = 66 * b + 2 + 8 * (u & 7);
+        return {o & ~3, 66 * b, (u32)(o & 2) * 8};
+    }
+    static __device__ __forceinline__ Raw load(const u8* __restrict__ row, const Off& f) {
+        const u32* p = (const u32*)(row + f.o);
+        Raw r;
+        r.a = p[0], r.b = p[1];
+        r.c = f.sh ? p[2] : 0u; // not past the row's end when aligned
+        r.d = *((const u16*)(row + f.od));
+        return r;
+    }
+    template <int NT>
+    static __device__ __forceinline__ void dot(const Raw& r, const Off& f, const float (&x)[NT][32], const float (&sx)[NT][4],
+                                               const u64* gs, float (&acc)[NT]) {
+        u32 idx4 = (u32)((((u64)r.b << 32) | r.a) >> f.sh), aux = (u32)((((u64)r.c << 32) | r.b) >> f.sh);
+        float db = ds4_mul_rn(ds4_mul_rn(ds4_h2f_fast(r.d), 0.5f + (float)(aux >> 28)), 0.25f) * MOE_UN;
+        float a[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) a[t] = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            u64 gr = gs[(idx4 >> (8 * q)) & 0xffu];
+            u32 sl, sh;
+            m2_signs((aux >> (7 * q)) & 127u, sl, sh);
+            u32 ml = (u32)gr, mh = (u32)(gr >> 32);
+            float w[8];
+#pragma unroll
+            for (int l = 0; l < 4; l++) w[l] = moe_su(ml, sl, l), w[4 + l] = moe_su(mh, sh, l);
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+#pragma unroll
+                for (int l = 0; l < 8; l++) a[t] = fmaf(w[l], x[t][8 * q + l], a[t]);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = fmaf(db, a[t], acc[t]);
+    }
+};
+
+// Q2_K unit u = (block b, half h, quarter q): elements 128h + 32j + 8q + l of slice j are
+// (qs[32h + 8q + l] >> 2j) & 3 with scale byte 8h + 2j + q/2. 5 aligned words.
+template <> struct M2<T_Q2_K> {
+    struct Raw {
+        u32 q0, q1, s0, s1, dd;
+    };
+    struct Off {
+        int oq, os, od;
+        u32 i8;
+    };
+    static __device__ __forceinline__ Off off(int u) {
+        int b = u >> 3, h = (u >> 2) & 1, q = u & 3;
+        return {84 * b + 16 + 32 * h + 8 * q, 84 * b + 8 * h, 84 * b + 80, (u32)(8 * (q >> 1))};
+    }
+    static __device__ __forceinline__ Raw load(const u8* __restrict__ row, const Off& f) {
+        Raw r;
+        const u32 *q = (const u32*)(row + f.oq), *s = (const u32*)(row + f.os);
+        r.q0 = q[0], r.q1 = q[1], r.s0 = s[0], r.s1 = s[1];
+        r.dd = *((const u32*)(row + f.od));
+        return r;
+    }
+    template <int NT>
+    static __device__ __forceinline__ void dot(const Raw& r, const Off& f, const float (&x)[NT][32], const float (&sx)[NT][4],
+                                               const u64* gs, float (&acc)[NT]) {
+        // d * 2^49 (exact) times the scale rounds as (d * scale) * 2^49.
+        float d = ds4_h2f_fast(r.dd & 0xffffu) * MOE_UN, dmin = ds4_h2f_fast(r.dd >> 16);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 sc = ((j < 2 ? r.s0 : r.s1) >> (16 * (j & 1) + f.i8)) & 0xffu;
+            float dl = ds4_mul_rn(d, (float)(sc & 15u)), ml = ds4_mul_rn(dmin, (float)(sc >> 4));
+            u32 v0 = (r.q0 >> (2 * j)) & 0x03030303u, v1 = (r.q1 >> (2 * j)) & 0x03030303u;
+            float w[8];
+#pragma unroll
+            for (int l = 0; l < 4; l++) w[l] = moe_u(v0, l), w[4 + l] = moe_u(v1, l);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int l = 0; l < 8; l++) a = fmaf(w[l], x[t][8 * j + l], a);
+                acc[t] = fmaf(dl, a, fmaf(-ml, sx[t][j], acc[t]));
+            }
+        }
+    }
+};
+
+// Scale byte i (0..11) of a K-quant header (x: d, dmin; y, z, w: the 12 scale bytes).
+__device__ __forceinline__ u32 m2_sb(const uint4& hd, int i) {
+    u32 w = i < 4 ? hd.y : (i < 8 ? hd.z : hd.w);
+    return (w >> (8 * (i & 3))) & 0xffu;
+}
+
+// Q4_K unit u = (block b, pair k, half hh): the 16 bytes qs[32k + 16hh ..]; low nibbles are
+// sub-block 2k (slices 0, 1), high nibbles sub-block 2k + 1 (slices 2, 3). Two 16-byte loads.
+template <> struct M2<T_Q4_K> {
+    struct Raw {
+        uint4 hd, q;
+    };
+    struct Off {
+        int oh, oq, p;
+    };
+    static __device__ __forceinline__ Off off(int u) {
+        int b = u >> 3, k = (u >> 1) & 3;
+        return {144 * b, 144 * b + 16 + 32 * k + 16 * (u & 1), 2 * k};
+    }
+    static __device__ __forceinline__ Raw load(const u8* __restrict__ row, const Off& f) {
+        Raw r;
+        r.hd = *((const uint4*)(row + f.oh));
+        r.q = *((const uint4*)(row + f.oq));
+        return r;
+    }
+    template <int NT>
+    static __device__ __forceinline__ void dot(const Raw& r, const Off& f, const float (&x)[NT][32], const float (&sx)[NT][4],
+                                               const u64* gs, float (&acc)[NT]) {
+        float d = ds4_h2f_fast(r.hd.x & 0xffffu), dmin = ds4_h2f_fast(r.hd.x >> 16);
+        u32 qw[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            int p = f.p + hi;
+            u32 s, mn;
+            if (p < 4) {
+                s = m2_sb(r.hd, p) & 63u;
+                mn = m2_sb(r.hd, p + 4) & 63u;
+            } else {
+                s = (m2_sb(r.hd, p + 4) & 15u) | ((m2_sb(r.hd, p - 4) >> 6) << 4);
+                mn = (m2_sb(r.hd, p + 4) >> 4) | ((m2_sb(r.hd, p) >> 6) << 4);
+            }
+            float dl = ds4_mul_rn(d, (float)s) * MOE_UN, ml = ds4_mul_rn(dmin, (float)mn);
+            float a[NT];
+#pragma unroll
+            for (int t = 0; t < NT; t++) a[t] = 0.0f;
+#pragma unroll
+            for (int wi = 0; wi < 4; wi++) {
+                u32 v = (qw[wi] >> (4 * hi)) & 0x0f0f0f0fu;
+#pragma unroll
+                for (int l = 0; l < 4; l++) {
+                    float w = moe_u(v, l);
+#pragma unroll
+                    for (int t = 0; t < NT; t++) a[t] = fmaf(w, x[t][16 * hi + 4 * wi + l], a[t]);
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[t] = fmaf(dl, a[t], fmaf(-ml, sx[t][2 * hi] + sx[t][2 * hi + 1], acc[t]));
+        }
+    }
+};
+
+template <int T> __device__ __forceinline__ void m2_grid(u64* gs) {
+    if (T != T_IQ2_XXS) return;
+    for (int i = threadIdx.x; i < 256; i += M2_THREADS) gs[i] = ds4_iq2xxs_grid[i];
+}
+
+// Gate + up + SwiGLU. CTA (row tile of tr = rg * RB * nb rows, pair p = blockIdx.y); as moegu,
+// the first pair holding expert e works for every token routed to e, NT tokens at a time (x of
+// those tokens staged once per CTA in shared memory, [NT][8 slice halves][upp units], upp odd:
+// no bank conflicts either way). Writes h[pp * hs + m2_hidx(column r in down layout lk)].
+// Shared memory: grid (2 KB), red[warps][nb][2 RB][NT], x.
+template <int T, int NT>
+__device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
+                                          long long slab, const float* __restrict__ x, int n, int k,
+                                          const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
+                                          int cols, long long row_bytes, int nb, int lk, int hs) {
+    constexpr int RB = M2Rb<T>::GU, G = 2 * RB;
+    u64* gs = (u64*)moe_smem;
+    float* red = (float*)(gs + 256);
+    float4* xsm = (float4*)(red + ((M2_WARPS * nb * G * NT + 3) & ~3));
+    int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    int p = blockIdx.y, e = sel[p];
+    for (int q = 0; q < p; q++)
+        if (sel[q] == e) return; // an earlier pair computes expert e (uniform over the CTA)
+    int tok[4], m = 0;           // tokens routed to e (n <= 4)
+    for (int t = 0; t < n; t++) {
+        bool use = false;
+        for (int s = 0; s < k; s++) use |= sel[t * k + s] == e;
+        if (use) {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (j == m) tok[j] = t;
+            m++;
+        }
+    }
+    int units = cols / 32, wpg = (units + DS4_WARP - 1) / DS4_WARP, rg = M2_WARPS / wpg, upp = units | 1;
+    int g = warp / wpg, wig = warp % wpg, u = wig * DS4_WARP + lane;
+    bool valid = g < rg && u < units;
+    int tr = rg * RB * nb, r0 = blockIdx.x * tr;
+    m2_grid<T>(gs);
+    typename M2<T>::Off f = M2<T>::off(min(u, units - 1));
+    const u8* gb = Wg + (long long)max(e, 0) * slab;
+    const u8* ub = Wu + (long long)max(e, 0) * slab;
+    typename M2<T>::Raw raw[G];
+    auto load_batch = [&](int bi) {
+        int rb0 = r0 + (bi * rg + g) * RB;
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            int r = min(rb0 + (i % RB), rows - 1);
+            raw[i] = M2<T>::load((i < RB ? gb : ub) + (long long)r * row_bytes, f);
+        }
+    };
+    if (g < rg) load_batch(0); // in flight while x is staged
+    for (int t0 = 0; t0 < m; t0 += NT) {
+        if (t0 > 0) __syncthreads(); // the previous group's x and partials are no longer read
+        for (int i = tid; i < NT * (cols / 4); i += M2_THREADS) {
+            int tt = i / (cols / 4), c = 4 * (i % (cols / 4)), uu, jj, ee;
+            m2_inv(T == T_Q2_K ? 1 : (T == T_Q4_K ? 2 : 0), c, uu, jj, ee);
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t0 + tt < m) {
+                int t = 0;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (j == t0 + tt) t = tok[j];
+                v = *(const float4*)(x + (long long)t * cols + c);
+                v.x *= MOE_XS, v.y *= MOE_XS, v.z *= MOE_XS, v.w *= MOE_XS;
+            }
+            xsm[(tt * 8 + 2 * jj + (ee >> 2)) * upp + uu] = v;
+        }
+        __syncthreads();
+        float xs[NT][32], sx[NT][4];
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+                if (valid) a = xsm[(t * 8 + 2 * j) * upp + u], b = xsm[(t * 8 + 2 * j + 1) * upp + u];
+                float* o = &xs[t][8 * j];
+                o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+                sx[t][j] = (((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w))) * M2_XSI;
+            }
+        if (g < rg) {
+            for (int bi = 0; bi < nb; bi++) {
+                float acc[G][NT];
+#pragma unroll
+                for (int i = 0; i < G; i++) {
+#pragma unroll
+                    for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+                    M2<T>::template dot<NT>(raw[i], f, xs, sx, gs, acc[i]);
+                }
+                // The next batch's rows (or the first batch again for the next token group)
+                // into the registers just used: their latency overlaps the reduction and x.
+                if (bi + 1 < nb || t0 + NT < m) load_batch(bi + 1 < nb ? bi + 1 : 0);
+                float v = moe_bfly<G, NT>(acc);
+                int per = DS4_WARP / (G * NT);
+                if (lane % per == 0) red[(warp * nb + bi) * G * NT + lane / per] = v;
+            }
+        }
+        __syncthreads();
+        for (int i = tid; i < tr * NT; i += M2_THREADS) {
+            int lr = i % tr, j = i / tr, r = r0 + lr;
+            if (t0 + j >= m || r >= rows) continue;
+            int bi = lr / (rg * RB), gg = (lr / RB) % rg, ri = lr % RB;
+            float gv = 0.0f, uv = 0.0f; // warps of the group in order
+            for (int w = 0; w < wpg; w++) {
+                const float* rw = red + ((gg * wpg + w) * nb + bi) * G * NT;
+                gv += rw[ri * NT + j];
+                uv += rw[(RB + ri) * NT + j];
+            }
+            gv = fminf(gv, clamp);
+            uv = fminf(fmaxf(uv, -clamp), clamp);
+            float base = gv * (1.0f / (1.0f + expf(-gv))) * uv;
+            int t = 0;
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++)
+                if (jj == t0 + j) t = tok[jj];
+            int uu, sj, ee;
+            m2_inv(lk, r, uu, sj, ee);
+            int hi = m2_hidx(uu, sj, ee);
+            for (int pp = t * k; pp < t * k + k; pp++)
+                if (sel[pp] == e) h[(long long)pp * hs + hi] = base * wgt[pp];
+        }
+    }
+}
+
+// Down + slot sum. CTA: tr = RB * nbr output rows of every distinct expert; items (distinct
+// expert, batch of RB rows) are split among the row groups; for each item, the pairs using the expert,
+// NT at a time (x = their h, read straight from global memory). Warp totals into
+// red[wig][pair][tr]; then out = sum over slots in selection order of the sum over the warps of
+// the group in order (deterministic). Shared memory: grid, uq/pu/plist/pst (4 MAXP + 1 ints), red.
+template <int T, int NT>
+__device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
+                                          const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
+                                          int cols, long long row_bytes, int nbr, int hs) {
+    constexpr int RB = M2Rb<T>::DN;
+    u64* gs = (u64*)moe_smem;
+    int* uq = (int*)(gs + 256); // distinct experts, first-use order
+    int* pu = uq + MOE_MAXP;     // pair -> distinct index
+    int* pl = pu + MOE_MAXP;     // pairs grouped by distinct expert (stable)
+    int* pst = pl + MOE_MAXP;    // [MOE_MAXP + 1] group starts
+    float* red = (float*)(pst + MOE_MAXP + 4);
+    int pairs = n * k, tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    __shared__ int nu_s;
+    if (tid == 0) {
+        int nu = 0;
+        for (int p = 0; p < pairs; p++) {
+            int e = sel[p], fi = -1;
+            for (int i = 0; i < nu; i++)
+                if (uq[i] == e) fi = i;
+            if (fi < 0) uq[nu] = e, fi = nu++;
+            pu[p] = fi;
+        }
+        int c = 0;
+        for (int i = 0; i < nu; i++) {
+            pst[i] = c;
+            for (int p = 0; p < pairs; p++)
+                if (pu[p] == i) pl[c++] = p;
+        }
+        pst[nu] = c;
+        nu_s = nu;
+    }
+    m2_grid<T>(gs);
+    __syncthreads();
+    int nu = nu_s;
+    int units = cols / 32, wpg = (units + DS4_WARP - 1) / DS4_WARP, rg = M2_WARPS / wpg;
+    int g = warp / wpg, wig = warp % wpg, u = wig * DS4_WARP + lane;
+    bool valid = u < units;
+    int tr = RB * nbr, r0 = blockIdx.x * tr;
+    typename M2<T>::Off f = M2<T>::off(min(u, units - 1));
+    // Each group takes a contiguous range of items, so x (h of the expert's pairs) mostly stays
+    // in registers from one item to the next; the next item's rows load into the registers the
+    // dots just freed.
+    int items = nu * nbr, per = (items + rg - 1) / rg, it0 = g * per, it1 = min(it0 + per, items);
+    typename M2<T>::Raw raw[RB];
+    auto load_item = [&](int it) {
+        const u8* wb = W + (long long)max(uq[it / nbr], 0) * slab;
+        int rb0 = r0 + (it % nbr) * RB;
+#pragma unroll
+        for (int ri = 0; ri < RB; ri++) raw[ri] = M2<T>::load(wb + (long long)min(rb0 + ri, rows - 1) * row_bytes, f);
+    };
+    if (g < rg && it0 < it1) {
+        load_item(it0);
+        float xs[NT][32], sx[NT][4];
+        int xi = -1, xq = -1;
+        for (int it = it0; it < it1; it++) {
+            int i = it / nbr, bi = it % nbr;
+            for (int q0 = pst[i]; q0 < pst[i + 1]; q0 += NT) {
+                if (i != xi || q0 != xq) {
+                    xi = i, xq = q0;
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        bool ok = valid && q0 + t < pst[i + 1];
+                        const float4* hp = (const float4*)(hx + (long long)pl[min(q0 + t, pst[i + 1] - 1)] * hs) + wig * 8 * DS4_WARP + lane;
+#pragma unroll
+                        for (int j = 0; j < 4; j++) {
+                            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+                            if (ok) a = hp[(2 * j) * DS4_WARP], b = hp[(2 * j + 1) * DS4_WARP];
+                            sx[t][j] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+                            float* o = &xs[t][8 * j];
+                            o[0] = a.x * MOE_XS, o[1] = a.y * MOE_XS, o[2] = a.z * MOE_XS, o[3] = a.w * MOE_XS;
+                            o[4] = b.x * MOE_XS, o[5] = b.y * MOE_XS, o[6] = b.z * MOE_XS, o[7] = b.w * MOE_XS;
+                        }
+                    }
+                }
+                float acc[RB][NT];
+#pragma unroll
+                for (int ri = 0; ri < RB; ri++) {
+#pragma unroll
+                    for (int t = 0; t < NT; t++) acc[ri][t] = 0.0f;
+                    M2<T>::template dot<NT>(raw[ri], f, xs, sx, gs, acc[ri]);
+                }
+                if (q0 + NT < pst[i + 1])
+                    ; // the same rows again for the expert's next pairs
+                else if (it + 1 < it1)
+                    load_item(it + 1);
+                float v = moe_bfly<RB, NT>(acc);
+                int pr = DS4_WARP / (RB * NT), vi = lane / pr, t = vi % NT;
+                if (lane % pr == 0 && q0 + t < pst[i + 1]) red[(wig * pairs + pl[q0 + t]) * tr + bi * RB + vi / NT] = v;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < n * tr; i += M2_THREADS) {
+        int t = i / tr, lr = i % tr;
+        if (r0 + lr >= rows) continue;
+        float o = 0.0f; // slots in selection order, each the sum of its group's warps in order
+        for (int s = 0; s < k; s++) {
+            float v = 0.0f;
+            for (int w = 0; w < wpg; w++) v += red[(w * pairs + t * k + s) * tr + lr];
+            o += v;
+        }
+        out[(long long)t * rows + r0 + lr] = o;
+    }
+}
+
+#define M2GU_PARAMS                                                                                                    \
+    const u8 *__restrict__ Wg, const u8 *__restrict__ Wu, const int *__restrict__ sel, long long slab,                \
+        const float *__restrict__ x, int n, int k, const float *__restrict__ wgt, float clamp, float *__restrict__ h,   \
+        int rows, int cols, long long row_bytes, int nb, int lk, int hs
+#define M2GU_ARGS Wg, Wu, sel, slab, x, n, k, wgt, clamp, h, rows, cols, row_bytes, nb, lk, hs
+#define M2DN_PARAMS                                                                                                    \
+    const u8 *__restrict__ W, const int *__restrict__ sel, long long slab, const float *__restrict__ hx, int n, int k, \
+        float *__restrict__ out, int rows, int cols, long long row_bytes, int nbr, int hs
+#define M2DN_ARGS W, sel, slab, hx, n, k, out, rows, cols, row_bytes, nbr, hs
+
+// <1>: one token per expert at a time (x in 32 registers), <2>: two.
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 1>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 2>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 1>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 2>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 1>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 2>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 1>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 2>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 1>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 2>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 1>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 2>(M2DN_ARGS); }

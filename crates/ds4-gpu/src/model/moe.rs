@@ -1,7 +1,13 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
 //!
-//! Two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
+//! Two forms (`DS4_GPU_MOE_FORM=v1|v2`, `set_moe_form`): v2 (the default for n = 1;
+//! `m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight from global
+//! memory, x in registers, and passes h to the down kernel in that kernel's lane order; v1 (the
+//! default for n = 2..4, where it measured faster) stages rows in shared memory. H200 numbers:
+//! bench/results/gpu-moe-s4-h200.txt.
+//!
+//! v1: two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
 //! scratch `h`, pairs × ff; one CTA per row block and pair, the first pair of each distinct
 //! expert doing the work for every token routed to it) and `moedn_<t>` (down for every pair, each
 //! distinct expert's rows read once, then the sum over slots in selection order). Expert ids and
@@ -22,6 +28,34 @@ static ENV_OFF: OnceLock<bool> = OnceLock::new();
 static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 /// Products run here (for tests: proof the kernels were taken).
 static RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Of those, the v2 ones.
+static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Form: 0 default (v2 for n = 1, else v1), 1 v1, 2 v2 for every n; `DS4_GPU_MOE_FORM`.
+static FORM: AtomicUsize = AtomicUsize::new(0);
+static ENV_FORM: OnceLock<usize> = OnceLock::new();
+/// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 4), down row batches
+/// per CTA (0: that or 4). H200, n = 1: fewer, larger CTAs were faster in both kernels (x / h
+/// are re-read per CTA); 4/4 from the per-kernel differences of the measured pairs.
+static V2_NB: AtomicUsize = AtomicUsize::new(0);
+static V2_NBR: AtomicUsize = AtomicUsize::new(0);
+/// v2 rows per batch (`M2Rb` in moe.cu): gate/up output rows (2x row-dots), down rows.
+fn v2_rb(ty: &str) -> (usize, usize) {
+    if ty == "q4_k" {
+        (2, 4)
+    } else {
+        (4, 4)
+    }
+}
+/// `DS4_GPU_MOE_V2_TILES=nb,nbr`: v2 tiles for the whole process (A/B of `ds4 bench`).
+static ENV_TILES: OnceLock<(usize, usize)> = OnceLock::new();
+/// v2 layout kind of h for the down type (`m2_inv` in moe.cu).
+fn v2_layout(ty: &str) -> i32 {
+    match ty {
+        "q2_k" => 1,
+        "q4_k" => 2,
+        _ => 0,
+    }
+}
 
 /// Threads per CTA, row-dots per reduction group, most pairs, table bytes (`MOE_*` in moe.cu).
 const THREADS: usize = 256;
@@ -40,8 +74,11 @@ fn suffix(ty: GgmlType) -> Option<&'static str> {
     })
 }
 
-/// (pointer, suffix, cols, rows, row_bytes) of an expert stack the kernels take.
-fn mat(w: &GpuWeight) -> Option<(DevPtr, &'static str, usize, usize, usize)> {
+/// (pointer, suffix, cols, rows, row_bytes) of an expert stack.
+type Mat = (DevPtr, &'static str, usize, usize, usize);
+
+/// The expert stack as the kernels take it (16-byte rows and base).
+fn mat(w: &GpuWeight) -> Option<Mat> {
     let (p, ty, cols, rows, row_bytes) = w.mat_parts()?;
     if rows == 0
         || !cols.is_multiple_of(256)
@@ -69,9 +106,26 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
+    /// Form of the decode MoE: 0 the default (v2 for n = 1, v1 above), 1 v1, 2 v2 for every n;
+    /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2` when 0).
+    pub fn set_moe_form(form: usize) {
+        FORM.store(form.min(2), Ordering::Relaxed);
+    }
+
+    /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
+    pub fn set_moe_v2_tiles(nb: usize, nbr: usize) {
+        V2_NB.store(nb.min(16), Ordering::Relaxed);
+        V2_NBR.store(nbr.min(16), Ordering::Relaxed);
+    }
+
     /// How many products these kernels have run (process-wide).
     pub fn moe_decode_runs() -> usize {
         RUNS.load(Ordering::Relaxed)
+    }
+
+    /// How many of those were the v2 form (process-wide).
+    pub fn moe_v2_runs() -> usize {
+        V2_RUNS.load(Ordering::Relaxed)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -111,6 +165,21 @@ impl GpuBackend {
         }
         if (dn.2, dn.3) != (ff, d) {
             return false;
+        }
+        let form = match FORM.load(Ordering::Relaxed) {
+            0 => *ENV_FORM.get_or_init(|| match std::env::var("DS4_GPU_MOE_FORM").as_deref() {
+                Ok("v1") => 1,
+                Ok("v2") => 2,
+                _ => 0,
+            }),
+            f => f,
+        };
+        if (form == 2 || (form == 0 && n == 1))
+            && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out)
+        {
+            RUNS.fetch_add(1, Ordering::Relaxed);
+            V2_RUNS.fetch_add(1, Ordering::Relaxed);
+            return true;
         }
         let warps = THREADS / self.warp() as usize;
         let nt = match n {
@@ -185,6 +254,109 @@ impl GpuBackend {
             ],
         );
         RUNS.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// The v2 launches (false: the shape does not fit them; nothing was queued).
+    #[allow(clippy::too_many_arguments)]
+    fn dec_moe_v2(
+        &self,
+        spec: &MoeSpec,
+        (g, u, dn): (Mat, Mat, Mat),
+        z: &GpuBuf,
+        sel: &GpuIBuf,
+        wgt: &GpuBuf,
+        n: usize,
+        out: &mut GpuBuf,
+    ) -> bool {
+        let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
+        let pairs = n * k;
+        let w = self.warp() as usize;
+        let warps = THREADS / w;
+        // A row group: the warps whose lanes cover the 32-column units of one row.
+        let wpg = |cols: usize| (cols / 32).div_ceil(w);
+        if wpg(d) > warps || wpg(ff) > warps {
+            return false;
+        }
+        let nt = if n == 1 { 1 } else { 2 };
+        let (rb_gu, _) = v2_rb(g.1);
+        let (_, rb_dn) = v2_rb(dn.1);
+        let env = *ENV_TILES.get_or_init(|| {
+            let v = std::env::var("DS4_GPU_MOE_V2_TILES").unwrap_or_default();
+            let mut it = v
+                .split(',')
+                .map(|x| x.trim().parse::<usize>().unwrap_or(0).min(16));
+            (it.next().unwrap_or(0), it.next().unwrap_or(0))
+        });
+        let pick = |set: usize, env: usize, default: usize| match (set, env) {
+            (0, 0) => default,
+            (0, e) => e,
+            (s, _) => s,
+        };
+        let nb = pick(V2_NB.load(Ordering::Relaxed), env.0, 4);
+        let nbr = pick(V2_NBR.load(Ordering::Relaxed), env.1, 4);
+        let tr_gu = warps / wpg(d) * rb_gu * nb;
+        let tr_dn = rb_dn * nbr;
+        let upp = (d / 32) | 1;
+        let red_gu = (warps * nb * 2 * rb_gu * nt).next_multiple_of(4);
+        let smem_gu = 2048 + 4 * red_gu + 16 * nt * 8 * upp;
+        let smem_dn = 2048 + 4 * (4 * MAXP + 4) + 4 * wpg(ff) * pairs * tr_dn;
+        if smem_gu > SMEM || smem_dn > SMEM {
+            return false;
+        }
+        // h in the down kernel's lane order: per pair, whole warps of 32-column units.
+        let hs = wpg(ff) * w * 32;
+        let h = self.scratch(pairs * hs);
+        self.run(
+            &ds4_kernels::MOE,
+            &format!("m2gu{nt}_{}", g.1),
+            LaunchDims {
+                grid: [ff.div_ceil(tr_gu) as u32, pairs as u32, 1],
+                block: [THREADS as u32, 1, 1],
+                shared_bytes: smem_gu as u32,
+            },
+            &[
+                Arg::Ptr(g.0),
+                Arg::Ptr(u.0),
+                Arg::Ptr(sel.0.ptr),
+                Arg::I64((ff * g.4) as i64),
+                Arg::Ptr(z.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::Ptr(wgt.ptr),
+                Arg::F32(spec.clamp),
+                Arg::Ptr(h.ptr),
+                Arg::I32(ff as i32),
+                Arg::I32(d as i32),
+                Arg::I64(g.4 as i64),
+                Arg::I32(nb as i32),
+                Arg::I32(v2_layout(dn.1)),
+                Arg::I32(hs as i32),
+            ],
+        );
+        self.run(
+            &ds4_kernels::MOE,
+            &format!("m2dn{nt}_{}", dn.1),
+            LaunchDims {
+                grid: [d.div_ceil(tr_dn) as u32, 1, 1],
+                block: [THREADS as u32, 1, 1],
+                shared_bytes: smem_dn as u32,
+            },
+            &[
+                Arg::Ptr(dn.0),
+                Arg::Ptr(sel.0.ptr),
+                Arg::I64((d * dn.4) as i64),
+                Arg::Ptr(h.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::Ptr(out.ptr),
+                Arg::I32(d as i32),
+                Arg::I32(ff as i32),
+                Arg::I64(dn.4 as i64),
+                Arg::I32(nbr as i32),
+                Arg::I32(hs as i32),
+            ],
+        );
         true
     }
 }
