@@ -892,7 +892,6 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
     __shared__ float4 q_s4[DS4_AP_HG * DS4_AP_MAXHD / 4];   // 32 KiB: the CTA's heads [HG][hd]
     __shared__ float4 rows_s4[DS4_AP_R * DS4_AP_MAXHD / 4]; // 8 KiB: the tile's rows [R][hd]
     __shared__ float4 p_s4[DS4_AP_HG * DS4_AP_R / 4];       // [HG][R] exp weights
-    float* q_s = (float*)q_s4;
     float* rows_s = (float*)rows_s4;
     float* p_s = (float*)p_s4;
     __shared__ float m_s[DS4_AP_HG], z_s[DS4_AP_HG], cf_s[DS4_AP_HG];
@@ -927,56 +926,70 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
 #pragma unroll
         for (int c = 0; c < DS4_AP_COLS; c++) acc[hh][c] = 0.0f;
     int lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = blockDim.x / DS4_WARP;
-    // This thread's share of a tile: float4 k = tid + u·THREADS of the R × hd4 tile.
+    // This thread's share of a tile: float4 k = tid + u·THREADS of the R × hd4 tile. Row
+    // addresses are resolved up front for up to DS4_AP_PTRS rows (one dependent load each, all
+    // in parallel), so a tile is a single round of loads; two tiles are kept in flight in
+    // registers (the next and the one after) while a third is used from shared memory.
 #define DS4_AP_LD ((DS4_AP_R * DS4_AP_MAXHD / 4 + DS4_AP_THREADS - 1) / DS4_AP_THREADS)
-    float4 nxt[DS4_AP_LD];
-    int nok[DS4_AP_LD];
-    // Issue the loads of the tile at j0 into registers (zeros for absent rows or past the range).
-#define DS4_AP_FETCH(j0)                                                                           \
+#define DS4_AP_PTRS 64
+    __shared__ const float* ptr_s[DS4_AP_PTRS];
+    float4 na[DS4_AP_LD], nb[DS4_AP_LD];
+    int oka[DS4_AP_LD], okb[DS4_AP_LD];
+    // Loads of the tile whose first row is ptr_s[r0] (rows past cn are absent).
+#define DS4_AP_FETCH(dst, okd, r0)                                                                 \
     _Pragma("unroll") for (int u = 0; u < DS4_AP_LD; u++) {                                        \
         int k = tid + u * DS4_AP_THREADS;                                                          \
-        nxt[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);                                              \
-        nok[u] = 0;                                                                                \
-        if (k < DS4_AP_R * hd4) {                                                                  \
-            long long j = (j0) + k / hd4;                                                          \
-            const float* row = j < je ? ds4_ap_row(j, t0, first, nwin, nsel, seli, kv, raw,        \
-                                                   raw_pos, comp, hd, win)                         \
-                                      : (const float*)0;                                           \
+        dst[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);                                              \
+        okd[u] = 0;                                                                                \
+        int rr = (r0) + k / hd4;                                                                   \
+        if (k < DS4_AP_R * hd4 && rr < cn) {                                                       \
+            const float* row = ptr_s[rr];                                                          \
             if (row) {                                                                             \
-                nxt[u] = ((const float4*)row)[k % hd4];                                            \
-                nok[u] = 1;                                                                        \
+                dst[u] = ((const float4*)row)[k % hd4];                                            \
+                okd[u] = 1;                                                                        \
             }                                                                                      \
         }                                                                                          \
     }
-    DS4_AP_FETCH(jb)
-    for (long long j0 = jb; j0 < je; j0 += DS4_AP_R) {
-        // The prefetched tile into shared memory, then the next tile's loads are issued.
+    for (long long c0 = jb; c0 < je; c0 += DS4_AP_PTRS) {
+    int cn = (int)(je - c0 < DS4_AP_PTRS ? je - c0 : DS4_AP_PTRS);
+    __syncthreads(); // the previous block of rows is no longer read
+    if (tid < DS4_AP_PTRS)
+        ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win)
+                              : (const float*)0;
+    __syncthreads();
+    DS4_AP_FETCH(na, oka, 0)
+    DS4_AP_FETCH(nb, okb, DS4_AP_R)
+    for (int r0 = 0; r0 < cn; r0 += DS4_AP_R) {
+        // The oldest prefetched tile into shared memory, then the loads of the tile after next.
 #pragma unroll
         for (int u = 0; u < DS4_AP_LD; u++) {
             int k = tid + u * DS4_AP_THREADS;
             if (k < DS4_AP_R * hd4) {
-                rows_s4[k] = nxt[u];
-                if (k % hd4 == 0) ok_s[k / hd4] = nok[u];
+                rows_s4[k] = na[u];
+                if (k % hd4 == 0) ok_s[k / hd4] = oka[u];
             }
+            na[u] = nb[u];
+            oka[u] = okb[u];
         }
         __syncthreads();
-        if (j0 + DS4_AP_R < je) {
-            DS4_AP_FETCH(j0 + DS4_AP_R)
+        if (r0 + 2 * DS4_AP_R < cn) {
+            DS4_AP_FETCH(nb, okb, r0 + 2 * DS4_AP_R)
         }
         // Scores: one warp job = 2 heads × the R rows, lanes over the width.
         for (int job = warp; job < DS4_AP_HG / 2; job += nw) {
-            const float* qa = q_s + (2 * job) * hd;
-            const float* qb = qa + hd;
+            // float4 lanes: 6 shared loads per 32 FMAs (the kernel is issue-bound).
+            const float4* qa = q_s4 + (2 * job) * hd4;
+            const float4* qb = qa + hd4;
             float v[2 * DS4_AP_R]; // v[u·R + r]: head 2·job + u, row r
 #pragma unroll
             for (int r = 0; r < 2 * DS4_AP_R; r++) v[r] = 0.0f;
-            for (int e = lane; e < hd; e += DS4_WARP) {
-                float a = qa[e], b = qb[e];
+            for (int e4 = lane; e4 < hd4; e4 += DS4_WARP) {
+                float4 a = qa[e4], b = qb[e4];
 #pragma unroll
                 for (int r = 0; r < DS4_AP_R; r++) {
-                    float x = rows_s[r * hd + e];
-                    v[r] += a * x;
-                    v[DS4_AP_R + r] += b * x;
+                    float4 x = rows_s4[r * hd4 + e4];
+                    v[r] += a.x * x.x + a.y * x.y + a.z * x.z + a.w * x.w;
+                    v[DS4_AP_R + r] += b.x * x.x + b.y * x.y + b.z * x.z + b.w * x.w;
                 }
             }
 #if DS4_AP_R != 4
@@ -1049,8 +1062,10 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
         }
         __syncthreads();
     }
+    }
 #undef DS4_AP_FETCH
 #undef DS4_AP_LD
+#undef DS4_AP_PTRS
     size_t base = ((size_t)i * splits + s) * heads + h0;
 #pragma unroll
     for (int hh = 0; hh < DS4_AP_HG; hh++) {
