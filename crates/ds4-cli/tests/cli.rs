@@ -296,3 +296,70 @@ fn devices_report_and_closed_pipes_do_not_panic() {
     assert_eq!(stdout(&o).lines().count(), 1);
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// `ds4 kernels`: bad targets and module names are clear errors; with NVRTC present (CI
+/// installs the pip wheel) one module compiles into the cache, a second run finds it cached,
+/// and `--prune` removes a stale entry of the same target and keeps other files.
+#[test]
+fn kernels_precompiles_into_the_cache() {
+    let d = tmpdir("kernels");
+    let o = ds4(&["kernels", "--target", "sm_9x", "--cache", s(&d)]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("kernel target `sm_9x`"),
+        "{}",
+        stderr(&o)
+    );
+    let o = ds4(&[
+        "kernels",
+        "--target",
+        "sm_90a",
+        "--module",
+        "nope",
+        "--cache",
+        s(&d),
+    ]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    if e.contains("NVRTC") && !e.contains("no kernel module") {
+        println!("skipped: NVRTC unavailable here: {e}");
+        return;
+    }
+    assert!(
+        e.contains("no kernel module `nope`") && e.contains("attention"),
+        "{e}"
+    );
+    let stale = d.join("quant-sm_90a-0000.cubin");
+    let other = d.join("notes.txt");
+    std::fs::write(&stale, b"old").unwrap();
+    std::fs::write(&other, b"keep").unwrap();
+    let args = [
+        "kernels",
+        "--target",
+        "sm_90a",
+        "--module",
+        "quant",
+        "--cache",
+        s(&d),
+    ];
+    let o = ds4(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("quant") && stdout(&o).contains("compiled"),
+        "{}",
+        stdout(&o)
+    );
+    let mut again = args.to_vec();
+    again.push("--prune");
+    let o = ds4(&again);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("cached"), "{}", stdout(&o));
+    assert!(!stale.exists() && other.exists());
+    let cubins = std::fs::read_dir(&d)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".cubin"))
+        .count();
+    assert_eq!(cubins, 1);
+    std::fs::remove_dir_all(&d).ok();
+}
