@@ -22,5 +22,5 @@ if [ -f "$nv/libnvrtc.so.13" ] && [ -x "$out/ds4" ]; then
 else
   echo "pack-devbin: no NVRTC 13.0 at $nv (or no ds4 binary): kernels compile on the GPU machine"
 fi
-(cd "$out" && tar cf - --remove-files -- * | xz -T2 -6 > ../.pack.tmp && mv ../.pack.tmp pack.tar.xz)
+(cd "$out" && tar cf - --remove-files -- * | xz -T2 -6 > .pack.tmp && mv .pack.tmp pack.tar.xz)
 du -sh "$out"
