@@ -523,15 +523,22 @@ template <int T, int NW> __device__ __forceinline__ void gemmh_body(GMH_PARAMS) 
         }
 }
 
-#define GMH_KERNELS(t, T)                                                                                          \
-    DS4_KERNEL void DS4_BOUNDS(128) gemmh64_##t(GMH_PARAMS) { gemmh_body<T, 4>(GMH_ARGS); }                        \
-    DS4_KERNEL void DS4_BOUNDS(256) gemmh128_##t(GMH_PARAMS) { gemmh_body<T, 8>(GMH_ARGS); }                       \
-    DS4_KERNEL void DS4_BOUNDS(512) gemmh256_##t(GMH_PARAMS) { gemmh_body<T, 16>(GMH_ARGS); }
-GMH_KERNELS(f16, T_F16)
-GMH_KERNELS(q8_0, T_Q8_0)
-GMH_KERNELS(q2_k, T_Q2_K)
-GMH_KERNELS(q4_k, T_Q4_K)
-GMH_KERNELS(iq2_xxs, T_IQ2_XXS)
+// gemmh<BM>_<t>: BM = 64, 128, 256 items (128, 256, 512 threads).
+DS4_KERNEL void DS4_BOUNDS(128) gemmh64_f16(GMH_PARAMS) { gemmh_body<T_F16, 4>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmh128_f16(GMH_PARAMS) { gemmh_body<T_F16, 8>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(512) gemmh256_f16(GMH_PARAMS) { gemmh_body<T_F16, 16>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmh64_q8_0(GMH_PARAMS) { gemmh_body<T_Q8_0, 4>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmh128_q8_0(GMH_PARAMS) { gemmh_body<T_Q8_0, 8>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(512) gemmh256_q8_0(GMH_PARAMS) { gemmh_body<T_Q8_0, 16>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmh64_q2_k(GMH_PARAMS) { gemmh_body<T_Q2_K, 4>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmh128_q2_k(GMH_PARAMS) { gemmh_body<T_Q2_K, 8>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(512) gemmh256_q2_k(GMH_PARAMS) { gemmh_body<T_Q2_K, 16>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmh64_q4_k(GMH_PARAMS) { gemmh_body<T_Q4_K, 4>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmh128_q4_k(GMH_PARAMS) { gemmh_body<T_Q4_K, 8>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(512) gemmh256_q4_k(GMH_PARAMS) { gemmh_body<T_Q4_K, 16>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmh64_iq2_xxs(GMH_PARAMS) { gemmh_body<T_IQ2_XXS, 4>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmh128_iq2_xxs(GMH_PARAMS) { gemmh_body<T_IQ2_XXS, 8>(GMH_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(512) gemmh256_iq2_xxs(GMH_PARAMS) { gemmh_body<T_IQ2_XXS, 16>(GMH_ARGS); }
 
 // X rows to scaled f16 for gemmh: one CTA per token row t < gridDim.x; elements j < width
 // (multiple of 4; X 16-byte aligned, x_tok multiple of 4): xh[t*x_tok + j] = f16_rn(x * 2^s_t),
