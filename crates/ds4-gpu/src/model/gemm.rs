@@ -10,7 +10,7 @@
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 //! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
 //!
-//! Default tensor-core form on CUDA sm_80+ for F16/Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
+//! Default tensor-core form on CUDA sm_80+ for Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
 //! one f16 mma per tile (instead of the three bf16 hi/lo products) on X converted once per
 //! product by `gemm_xh_f32` (rows scaled by a power of two, rounded to f16; the kernel undoes
 //! the scale). `DS4_GPU_GEMM_PRECISE=1` (or `set_gemm_precise(true)`) keeps the bf16 hi/lo form;
@@ -261,11 +261,11 @@ impl GpuBackend {
             && !precise()
             && matches!(
                 ty,
-                GgmlType::F16
-                    | GgmlType::Q8_0
-                    | GgmlType::Q2_K
-                    | GgmlType::Q4_K
-                    | GgmlType::IQ2_XXS
+                // Not F16: those are the compressor/indexer/HC side weights (a few % of prefill
+                // time) whose outputs feed discrete choices (the indexer's top-k): in f16 the
+                // tiny model's prefill logits moved 0.13 from the CPU's (top-1 0.93 with the
+                // model's FP8/FP4 rounding), so they keep the bf16 hi/lo form.
+                GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
             )
             && info.vendor == crate::runtime::Vendor::Nvidia
             && info.cc.0 >= 8
