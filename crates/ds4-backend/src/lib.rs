@@ -472,4 +472,119 @@ pub trait Backend: Send + Sync + Sized {
     );
     /// `g = silu(min(g, c)) · clamp(u, −c, c)` over `len` values (the shared expert).
     fn swiglu(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize, clamp: f32);
+
+    // ---- fused ops (defaults: the composition; devices may fuse) ----
+    /// HC pre with the sublayer's input norm (model.md §3.1): `m = mixer · rms_norm(X)` (no
+    /// weight, over N·D per token), [`Backend::hc_split`] into `z`, `post`, `comb`, then
+    /// `rms_norm(z, norm)` over D. `x` is `[n, N, D]`. Default: [`hc_pre_norm_composed`].
+    #[allow(clippy::too_many_arguments)]
+    fn hc_pre_norm(
+        &self,
+        hc: HcDims,
+        mixer: &Self::Weight,
+        scale: &Self::Weight,
+        base: &Self::Weight,
+        norm: &Self::Weight,
+        x: &Self::Buf,
+        n: usize,
+        eps: f32,
+        z: &mut Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+    ) {
+        hc_pre_norm_composed(self, hc, mixer, scale, base, norm, x, n, eps, z, post, comb)
+    }
+
+    /// [`Backend::hc_post`] of a sublayer's output `o` (with its `post_in`, `comb_in`) into `x`,
+    /// then [`Backend::hc_pre_norm`] of the next sublayer on the new `x`. Default: the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_post_pre_norm(
+        &self,
+        hc: HcDims,
+        x: &mut Self::Buf,
+        o: &Self::Buf,
+        post_in: &Self::Buf,
+        comb_in: &Self::Buf,
+        mixer: &Self::Weight,
+        scale: &Self::Weight,
+        base: &Self::Weight,
+        norm: &Self::Weight,
+        n: usize,
+        eps: f32,
+        z: &mut Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+    ) {
+        self.hc_post(hc, x, o, post_in, comb_in, n);
+        self.hc_pre_norm(hc, mixer, scale, base, norm, x, n, eps, z, post, comb);
+    }
+
+    /// RMSNorm of the `n·heads` rows of `width` (weighted when `w` is given), then RoPE of
+    /// token `i` at `t0 + i` (forward), then [`Backend::round_rows`] when `round` is given.
+    /// Default: [`norm_rope_composed`].
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope(
+        &self,
+        x: &mut Self::Buf,
+        n: usize,
+        heads: usize,
+        width: usize,
+        w: Option<&Self::Weight>,
+        eps: f32,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+        round: Option<RowRounding>,
+    ) {
+        norm_rope_composed(self, x, n, heads, width, w, eps, n_rot, t0, kind, round)
+    }
+}
+
+/// [`Backend::hc_pre_norm`] as separate ops: copy, rms_norm, matmul, hc_split, rms_norm.
+#[allow(clippy::too_many_arguments)]
+pub fn hc_pre_norm_composed<B: Backend>(
+    b: &B,
+    hc: HcDims,
+    mixer: &B::Weight,
+    scale: &B::Weight,
+    base: &B::Weight,
+    norm: &B::Weight,
+    x: &B::Buf,
+    n: usize,
+    eps: f32,
+    z: &mut B::Buf,
+    post: &mut B::Buf,
+    comb: &mut B::Buf,
+) {
+    let w = hc.n * hc.d;
+    let mix = (2 + hc.n) * hc.n;
+    let mut s = b.alloc(n * w);
+    b.copy(x, 0, &mut s, 0, n * w);
+    b.rms_norm(&mut s, n, w, None, eps);
+    let mut m = b.alloc(n * mix);
+    b.matmul(mixer, Part::All, &s, n, &mut m);
+    b.hc_split(hc, &m, scale, base, x, n, z, post, comb);
+    b.rms_norm(z, n, hc.d, Some(norm), eps);
+}
+
+/// [`Backend::norm_rope`] as separate ops: rms_norm, rope, round_rows.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_rope_composed<B: Backend>(
+    b: &B,
+    x: &mut B::Buf,
+    n: usize,
+    heads: usize,
+    width: usize,
+    w: Option<&B::Weight>,
+    eps: f32,
+    n_rot: usize,
+    t0: usize,
+    kind: RopeKind,
+    round: Option<RowRounding>,
+) {
+    b.rms_norm(x, n * heads, width, w, eps);
+    b.rope(x, n, heads, width, n_rot, t0, kind, false);
+    if let Some(r) = round {
+        b.round_rows(x, n * heads, width, r);
+    }
 }

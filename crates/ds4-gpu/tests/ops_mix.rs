@@ -4,7 +4,8 @@
 //!
 //! The kernels do the CPU's f32 operations in the CPU's order, so differences come only from
 //! exp/log1p (libm vs device, at most an ulp): embed is exact, the rest held to 1e-5 relative,
-//! router selections exactly.
+//! router selections exactly. The fused ops (hc_pre_norm, hc_post_pre_norm, norm_rope) run
+//! fused, without the post fusion and unfused (`GpuBackend::set_fuse`).
 //!
 //! Every case runs on all three kernel forms: the glue forms (default), the latency forms
 //! (`DS4_GPU_MIX=fast`) and the simple ones (`DS4_GPU_MIX=simple`), switched here process-wide
@@ -403,6 +404,176 @@ fn elementwise_matches_cpu() {
             let gg = gpu.download(&gg, len);
             gpu_ok(&gpu, "elementwise");
             assert_close(&format!("swiglu {form} d {d}"), &gg, &gc, TOL);
+        }
+    });
+}
+
+/// Run `f(form)` with the fused glue on, without the post fusion, and off
+/// (`DS4_GPU_FUSE=off`: the separate ops); leaves it on.
+fn fuse_forms(mut f: impl FnMut(&str)) {
+    let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
+    for form in ["on", "nopost", "off"] {
+        GpuBackend::set_fuse(form);
+        f(form);
+    }
+    GpuBackend::set_fuse("on");
+}
+
+/// The fused HC pre + norm differs from the CPU in the order of the mixer dot products (and
+/// scales them after the sum): close, not equal (H200: <= 1e-6 at n <= 4). The unfused form's
+/// 16384-column mixer product at n = 5 (the GPU matmul) differed by 3.5e-4 in z.
+const TOL_FUSED: f32 = 1e-3;
+
+#[test]
+fn hc_pre_norm_matches_cpu() {
+    let Some((cpu, gpu)) = setup() else { return };
+    fuse_forms(|fused| {
+        let mut r = rng(7);
+        // Decode n 1..4 fused (N 1..4, f16/f32/bf16 mixers); n 5, 17, 300 (prefill) and d 258
+        // (not float4) take the separate ops.
+        let mut cases = Vec::new();
+        for n in [1usize, 2, 3, 4, 5, 17] {
+            cases.push((4usize, 4096usize, n, GgmlType::F16));
+        }
+        cases.extend([
+            (4, 4096, 300, GgmlType::F16),
+            (4, 256, 1, GgmlType::F32),
+            (4, 256, 3, GgmlType::BF16),
+            (4, 256, 17, GgmlType::F32),
+            (1, 256, 2, GgmlType::F16),
+            (2, 128, 3, GgmlType::F16),
+            (3, 4096, 1, GgmlType::F16),
+            (4, 258, 1, GgmlType::F32),
+        ]);
+        for (nh, d, n, ty) in cases {
+            let h = hc(nh, d);
+            let (mix, w) = ((2 + nh) * nh, nh * d);
+            let f = file(&[(
+                "mx",
+                ty,
+                vec![w as u64, mix as u64],
+                table_bytes(&mut r, ty, mix, w),
+            )]);
+            let (mc, mg) = (
+                cpu.matrix(&src(&f, "mx")).unwrap(),
+                gpu.matrix(&src(&f, "mx")).unwrap(),
+            );
+            let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 3, 0.02));
+            let (bc, bg) = vectors(&cpu, &gpu, &randn(&mut r, mix, 1.0));
+            let (nc, ng) = vectors(&cpu, &gpu, &randn(&mut r, d, 1.5));
+            let x = randn(&mut r, n * w, 2.0);
+            let eps = 1e-6;
+
+            let (mut zc, mut pc, mut cc) =
+                (cpu.alloc(n * d), cpu.alloc(n * nh), cpu.alloc(n * nh * nh));
+            cpu.hc_pre_norm(h, &mc, &sc, &bc, &nc, &x, n, eps, &mut zc, &mut pc, &mut cc);
+            let (mut zg, mut pg, mut cg) =
+                (gpu.alloc(n * d), gpu.alloc(n * nh), gpu.alloc(n * nh * nh));
+            let xg = gpu.upload(&x);
+            // Twice: the fused kernel's arrival counters must be back at zero.
+            for _ in 0..2 {
+                gpu.hc_pre_norm(
+                    h, &mg, &sg, &bg, &ng, &xg, n, eps, &mut zg, &mut pg, &mut cg,
+                );
+            }
+            let (zg, pg, cg) = (
+                gpu.download(&zg, n * d),
+                gpu.download(&pg, n * nh),
+                gpu.download(&cg, n * nh * nh),
+            );
+            gpu_ok(&gpu, "hc_pre_norm");
+            let what = format!("hc_pre_norm fused {fused} N {nh} d {d} n {n} {ty:?}");
+            assert_close(&format!("{what} post"), &pg, &pc, TOL_FUSED);
+            assert_close(&format!("{what} comb"), &cg, &cc, TOL_FUSED);
+            assert_close(&format!("{what} z"), &zg, &zc, TOL_FUSED);
+
+            // HC post of a sublayer output o into x, then this HC pre (fused at decode).
+            let o = randn(&mut r, n * d, 2.0);
+            let pin = randn(&mut r, n * nh, 1.0);
+            let cin: Vec<f32> = randn(&mut r, n * nh * nh, 0.5)
+                .iter()
+                .map(|v| (v + 0.5) / nh as f32)
+                .collect();
+            let mut xc = x.clone();
+            cpu.hc_post_pre_norm(
+                h, &mut xc, &o, &pin, &cin, &mc, &sc, &bc, &nc, n, eps, &mut zc, &mut pc, &mut cc,
+            );
+            let mut xg = gpu.upload(&x);
+            let (og, ping, cing) = (gpu.upload(&o), gpu.upload(&pin), gpu.upload(&cin));
+            let (mut zg, mut pg, mut cg) =
+                (gpu.alloc(n * d), gpu.alloc(n * nh), gpu.alloc(n * nh * nh));
+            gpu.hc_post_pre_norm(
+                h, &mut xg, &og, &ping, &cing, &mg, &sg, &bg, &ng, n, eps, &mut zg, &mut pg,
+                &mut cg,
+            );
+            let (xg, zg, pg, cg) = (
+                gpu.download(&xg, n * w),
+                gpu.download(&zg, n * d),
+                gpu.download(&pg, n * nh),
+                gpu.download(&cg, n * nh * nh),
+            );
+            gpu_ok(&gpu, "hc_post_pre_norm");
+            let what = format!("hc_post_pre_norm fused {fused} N {nh} d {d} n {n} {ty:?}");
+            assert_close(&format!("{what} x"), &xg, &xc, TOL);
+            assert_close(&format!("{what} post"), &pg, &pc, TOL_FUSED);
+            assert_close(&format!("{what} comb"), &cg, &cc, TOL_FUSED);
+            assert_close(&format!("{what} z"), &zg, &zc, TOL_FUSED);
+        }
+    });
+}
+
+#[test]
+fn norm_rope_matches_cpu() {
+    use ds4_backend::{RopeKind, RowRounding};
+    let Some((cpu, gpu)) = setup() else { return };
+    let n_rot = HParams::tiny().n_rot as usize;
+    fuse_forms(|fused| {
+        let mut r = rng(8);
+        // q (64 heads of 512, no weight), kv (1 head, weighted, FP8 + f16), decode and prefill;
+        // Hadamard/FP4 rounding takes the separate ops.
+        let kv = |w: usize| RowRounding {
+            fp8_nope: w - n_rot,
+            fp4_hadamard: false,
+            f16: true,
+        };
+        let fp4 = RowRounding {
+            fp8_nope: 0,
+            fp4_hadamard: true,
+            f16: true,
+        };
+        for (n, heads, width, weighted, round, t0) in [
+            (1usize, 64usize, 512usize, false, None, 7usize),
+            (3, 64, 512, false, None, 100_000),
+            (1, 1, 512, true, Some(kv(512)), 5),
+            (5, 1, 512, true, Some(kv(512)), 4095),
+            (300, 1, 512, true, Some(kv(512)), 0),
+            (17, 4, 128, false, None, 33),
+            (2, 1, 128, true, Some(kv(128)), 9),
+            (2, 1, 256, true, Some(fp4), 9),
+            (4, 2, 200, true, Some(kv(200)), 1),
+        ] {
+            for kind in [RopeKind::Swa, RopeKind::Comp] {
+                let len = n * heads * width;
+                let a = randn(&mut r, len, 3.0);
+                let (wc, wg) = vectors(&cpu, &gpu, &randn(&mut r, width, 1.5));
+                let mut xc = a.clone();
+                let wcr = weighted.then_some(&wc);
+                cpu.norm_rope(&mut xc, n, heads, width, wcr, 1e-6, n_rot, t0, kind, round);
+                let mut xg = gpu.upload(&a);
+                let wgr = weighted.then_some(&wg);
+                gpu.norm_rope(&mut xg, n, heads, width, wgr, 1e-6, n_rot, t0, kind, round);
+                let xg = gpu.download(&xg, len);
+                gpu_ok(&gpu, "norm_rope");
+                // f16 rounding of the RoPE tail can flip on an ulp of sin/cos (2^-11 relative);
+                // the FP8 part sees the same normalised values as the CPU.
+                let tol = if round.is_some() { 1e-3 } else { TOL };
+                assert_close(
+                    &format!("norm_rope fused {fused} n {n} heads {heads} width {width} {kind:?} {round:?}"),
+                    &xg,
+                    &xc,
+                    tol,
+                );
+            }
         }
     });
 }

@@ -67,6 +67,7 @@ pub const ELEMENTWISE: Module = Module {
 
 mod attention;
 mod attn_tc;
+mod fused;
 mod gemm;
 mod matmul;
 mod matvec;
@@ -75,6 +76,7 @@ mod moe;
 mod synth;
 pub use attention::ATTENTION;
 pub use attn_tc::ATTN_TC;
+pub use fused::FUSED;
 pub use gemm::GEMM;
 pub use matmul::MATMUL;
 pub use matvec::MATVEC;
@@ -94,6 +96,7 @@ pub const MODULES: &[Module] = &[
     MATVEC,
     GEMM,
     MOE,
+    FUSED,
 ];
 
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in

@@ -106,6 +106,13 @@ pub struct Model<B: Backend> {
 /// positions.
 pub type Evaluated = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// A block's MoE output with its HC post still to apply: `(y, post, comb)`.
+type Pending<B> = (
+    <B as Backend>::Buf,
+    <B as Backend>::Buf,
+    <B as Backend>::Buf,
+);
+
 /// A session's state on backend `B`.
 pub struct State<B: Backend> {
     pub tokens: Vec<u32>,
@@ -515,8 +522,12 @@ impl<B: Backend> Model<B> {
         let tok = b.upload_i32(&ids);
         let mut x = b.alloc(n * w);
         b.embed(&self.embd, &tok, n, hc.n, hc.d, &mut x);
+        let mut pending = None;
         for (layer, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
-            self.layer_forward(layer, ls, &mut x, &tok, n, t0);
+            pending = Some(self.layer_forward(layer, ls, &mut x, &tok, n, t0, pending));
+        }
+        if let Some((y, post, comb)) = pending {
+            b.hc_post(hc, &mut x, &y, &post, &comb, n);
         }
         st.tokens.extend_from_slice(tokens);
         let first = if all { 0 } else { n - 1 };
@@ -535,7 +546,10 @@ impl<B: Backend> Model<B> {
         Ok((logits, streams))
     }
 
-    /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE, HC post.
+    /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE. The MoE
+    /// output's HC post is returned as `(y, post, comb)` for the caller to apply — fused with the
+    /// next block's HC pre when `pending` hands it to that block, else by [`Backend::hc_post`].
+    #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
         l: &Layer<B::Weight>,
@@ -544,36 +558,80 @@ impl<B: Backend> Model<B> {
         tok: &B::IBuf,
         n: usize,
         t0: usize,
-    ) {
-        let b = &self.backend;
-        let hc = self.hc_dims();
-        let eps = self.hp.rms_eps;
-        let (mut z, post, comb) = self.hc_pre(&l.hc_attn, x, n);
-        b.rms_norm(&mut z, n, hc.d, Some(&l.attn_norm), eps);
+        pending: Option<Pending<B>>,
+    ) -> Pending<B> {
+        let (z, post, comb) = match pending {
+            Some((y, p, c)) => self.hc_post_pre(&l.hc_attn, &l.attn_norm, x, &y, &p, &c, n),
+            None => self.hc_pre(&l.hc_attn, &l.attn_norm, x, n),
+        };
         let o = self.attention(l, st, &z, n, t0);
-        b.hc_post(hc, x, &o, &post, &comb, n);
-        let (mut z, post, comb) = self.hc_pre(&l.hc_ffn, x, n);
-        b.rms_norm(&mut z, n, hc.d, Some(&l.ffn_norm), eps);
+        let (z, post, comb) = self.hc_post_pre(&l.hc_ffn, &l.ffn_norm, x, &o, &post, &comb, n);
         let y = self.moe(l, &z, tok, n);
-        b.hc_post(hc, x, &y, &post, &comb, n);
+        (y, post, comb)
     }
 
-    /// HC split + collapse (model.md §3.1): `(z [n, D], post [n, N], comb [n, N·N])`.
-    fn hc_pre(&self, h: &Hc<B::Weight>, x: &B::Buf, n: usize) -> (B::Buf, B::Buf, B::Buf) {
+    /// [`Backend::hc_post`] of `o` into `x`, then the HC pre of the next sublayer (`hc_pre`).
+    #[allow(clippy::too_many_arguments)]
+    fn hc_post_pre(
+        &self,
+        h: &Hc<B::Weight>,
+        norm: &B::Weight,
+        x: &mut B::Buf,
+        o: &B::Buf,
+        post_in: &B::Buf,
+        comb_in: &B::Buf,
+        n: usize,
+    ) -> (B::Buf, B::Buf, B::Buf) {
         let b = &self.backend;
         let hc = self.hc_dims();
-        let w = hc.n * hc.d;
-        let mix = (2 + hc.n) * hc.n;
-        let mut s = b.alloc(n * w);
-        b.copy(x, 0, &mut s, 0, n * w);
-        b.rms_norm(&mut s, n, w, None, self.hp.rms_eps);
-        let mut m = b.alloc(n * mix);
-        b.matmul(&h.mixer, Part::All, &s, n, &mut m);
         let mut z = b.alloc(n * hc.d);
         let mut post = b.alloc(n * hc.n);
         let mut comb = b.alloc(n * hc.n * hc.n);
-        b.hc_split(
-            hc, &m, &h.scale, &h.base, x, n, &mut z, &mut post, &mut comb,
+        b.hc_post_pre_norm(
+            hc,
+            x,
+            o,
+            post_in,
+            comb_in,
+            &h.mixer,
+            &h.scale,
+            &h.base,
+            norm,
+            n,
+            self.hp.rms_eps,
+            &mut z,
+            &mut post,
+            &mut comb,
+        );
+        (z, post, comb)
+    }
+
+    /// HC split + collapse + the sublayer's input norm (model.md §3.1):
+    /// `(z [n, D], post [n, N], comb [n, N·N])`.
+    fn hc_pre(
+        &self,
+        h: &Hc<B::Weight>,
+        norm: &B::Weight,
+        x: &B::Buf,
+        n: usize,
+    ) -> (B::Buf, B::Buf, B::Buf) {
+        let b = &self.backend;
+        let hc = self.hc_dims();
+        let mut z = b.alloc(n * hc.d);
+        let mut post = b.alloc(n * hc.n);
+        let mut comb = b.alloc(n * hc.n * hc.n);
+        b.hc_pre_norm(
+            hc,
+            &h.mixer,
+            &h.scale,
+            &h.base,
+            norm,
+            x,
+            n,
+            self.hp.rms_eps,
+            &mut z,
+            &mut post,
+            &mut comb,
         );
         (z, post, comb)
     }
@@ -611,8 +669,7 @@ impl<B: Backend> Model<B> {
         b.rms_norm(&mut cq, n, rank, Some(&l.q_a_norm), eps);
         let mut q = b.alloc(n * nh * hd);
         b.matmul(&l.q_b, Part::All, &cq, n, &mut q);
-        b.rms_norm(&mut q, n * nh, hd, None, eps);
-        b.rope(&mut q, n, nh, hd, n_rot, t0, rope, false);
+        b.norm_rope(&mut q, n, nh, hd, None, eps, n_rot, t0, rope, None);
         // The shared KV row of each position, rounded as the cache stores it.
         let kv_round = RowRounding {
             fp8_nope: if rnd.fp8_kv { hd - n_rot } else { 0 },
@@ -621,9 +678,8 @@ impl<B: Backend> Model<B> {
         };
         let mut kv = b.alloc(n * hd);
         b.matmul(&l.kv, Part::All, z, n, &mut kv);
-        b.rms_norm(&mut kv, n, hd, Some(&l.kv_norm), eps);
-        b.rope(&mut kv, n, 1, hd, n_rot, t0, rope, false);
-        b.round_rows(&mut kv, n, hd, kv_round);
+        let kvn = Some(&l.kv_norm);
+        b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
         // Compressors first: a row closed by token t is visible to t.
         let project = |c: &Comp<B::Weight>| {
             let w = c.dims.width();
@@ -821,7 +877,8 @@ impl<B: Backend> Model<B> {
             b.copy(&ep, 0, &mut epn, i * hc.d, hc.d);
         }
         b.add(&mut x, &epn, hc.n * hc.d);
-        self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos);
+        let (y, post, comb) = self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos, None);
+        b.hc_post(hc, &mut x, &y, &post, &comb, 1);
         let logits = self
             .head(&mtp.head, &mtp.norm, &x, 1)
             .pop()

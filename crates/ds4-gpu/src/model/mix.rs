@@ -12,7 +12,7 @@
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
-use ds4_backend::{GgmlType, HcDims, MoeSpec};
+use ds4_backend::{GgmlType, HcDims, MoeSpec, RopeKind, RowRounding};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Most hyper-connection streams the `hc_*` kernels take (`DS4_HC_MAX` in model.cu).
@@ -81,6 +81,58 @@ fn glue_cols(n: usize, d: usize) -> usize {
     }
 }
 
+/// Fused glue (fused.cu): 0 not yet read from `DS4_GPU_FUSE`, 1 on (default), 2 off, 3 on
+/// but the HC post unfused (`nopost`) (process-wide).
+static FUSE: AtomicU8 = AtomicU8::new(0);
+
+/// Most tokens the fused HC pre takes (decode): each token's split CTAs read the whole mixer,
+/// so prefill keeps the separate ops (one GEMM reads it once per step).
+const FUSE_HC_MAX_N: usize = 4;
+/// Most splits of a token's row in the fused HC pre.
+const FUSE_HC_SPLITS: usize = 64;
+/// Doubles per (token, split) partial (`FU_PART` in fused.cu).
+const FUSE_PART: usize = 32;
+/// Tokens with an arrival counter in `GpuBackend::tickets` (>= FUSE_HC_MAX_N).
+pub(crate) const FUSE_TICKETS: usize = 64;
+
+/// Whether the fused glue runs: `DS4_GPU_FUSE=off` (or `0`) turns it off, `nopost` keeps the
+/// HC post separate; read once, or [`GpuBackend::set_fuse`].
+fn fuse_on() -> bool {
+    let mut m = FUSE.load(Ordering::Relaxed);
+    if m == 0 {
+        let env = match std::env::var("DS4_GPU_FUSE").as_deref() {
+            Ok("off") | Ok("0") => 2,
+            Ok("nopost") => 3,
+            _ => 1,
+        };
+        m = match FUSE.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => env,
+            Err(cur) => cur,
+        };
+    }
+    m == 1 || m == 3
+}
+
+/// Threads of a fused HC pre CTA (`DS4_GPU_FUSE_THREADS`, default 256, read once): a split
+/// takes that many float4 columns of the N·D row (post + pre: that many / N of each stream);
+/// the epilogue's collapse runs on all warps but one (which runs the Sinkhorn).
+fn fuse_threads(warp: usize) -> usize {
+    static T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let t = *T.get_or_init(|| {
+        std::env::var("DS4_GPU_FUSE_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(256)
+    });
+    t.next_multiple_of(warp).clamp(2 * warp, 1024)
+}
+
+/// Whether the HC post is fused with the next HC pre (`DS4_GPU_FUSE=nopost`: the other fusions
+/// only).
+fn fuse_post() -> bool {
+    fuse_on() && FUSE.load(Ordering::Relaxed) == 1
+}
+
 /// float4 loads are safe at this address.
 fn al16(p: DevPtr) -> bool {
     p.0.is_multiple_of(16)
@@ -102,6 +154,230 @@ impl GpuBackend {
             _ => panic!("set_mix_form: unknown form {form:?} (glue, fast, simple)"),
         };
         MODE.store(m, Ordering::Relaxed);
+    }
+
+    /// Select the fused glue by its `DS4_GPU_FUSE` name: "on" (the default), "off" (the
+    /// separate ops) or "nopost" (the HC post unfused). Process-wide; for tests and benchmarks.
+    pub fn set_fuse(form: &str) {
+        let m = match form {
+            "on" => 1,
+            "off" => 2,
+            "nopost" => 3,
+            _ => panic!("set_fuse: unknown form {form:?} (on, off, nopost)"),
+        };
+        FUSE.store(m, Ordering::Relaxed);
+    }
+
+    /// HC pre + the sublayer norm. Fused at decode (n <= 4, N <= 4): one launch of n·S CTAs;
+    /// CTA (t, s) takes split s of token t's N·D row for the (2+N)·N mixer dot products and
+    /// Σx², and the token's last CTA to arrive (atomic ticket) scales them by the RMS, runs
+    /// split + Sinkhorn, collapses z and RMS-normalises it. Else the separate ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn op_hc_pre_norm(
+        &self,
+        hc: HcDims,
+        mixer: &GpuWeight,
+        scale: &GpuWeight,
+        base: &GpuWeight,
+        norm: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        eps: f32,
+        z: &mut GpuBuf,
+        post: &mut GpuBuf,
+        comb: &mut GpuBuf,
+    ) {
+        let fused = al16(x.ptr) && al16(z.ptr) && (1..=FUSE_HC_MAX_N).contains(&n);
+        let Some((wp, code, rb)) = fused.then(|| self.hc_fusable(&hc, mixer, norm)).flatten()
+        else {
+            return ds4_backend::hc_pre_norm_composed(
+                self, hc, mixer, scale, base, norm, x, n, eps, z, post, comb,
+            );
+        };
+        let w = hc.n * hc.d;
+        // Splits of `threads` float4 columns (N·D = 16384, 256 threads: 16 splits a token).
+        let threads = fuse_threads(self.warp() as usize);
+        let splits = (w / 4).div_ceil(threads).clamp(1, FUSE_HC_SPLITS);
+        let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
+        self.run(
+            &ds4_kernels::FUSED,
+            "hc_pre_norm_f32",
+            LaunchDims::linear((n * splits) as u32, threads as u32),
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(wp),
+                Arg::I64(rb as i64),
+                Arg::I32(code),
+                Arg::Ptr(scale.ptr()),
+                Arg::Ptr(base.ptr()),
+                Arg::Ptr(norm.ptr()),
+                Arg::Ptr(z.ptr),
+                Arg::Ptr(post.ptr),
+                Arg::Ptr(comb.ptr),
+                Arg::Ptr(part.ptr),
+                Arg::Ptr(self.tickets.ptr()),
+                Arg::I32(hc.n as i32),
+                Arg::I32(hc.d as i32),
+                Arg::I32(splits as i32),
+                Arg::I32(hc.sinkhorn_iters as i32),
+                Arg::F32(hc.eps),
+                Arg::F32(eps),
+            ],
+        );
+    }
+
+    /// Whether the fused HC kernels take these shapes (N <= 4, D % 4 == 0, an F32/F16/BF16
+    /// mixer of (2+N)·N rows of N·D, an aligned f32 norm) and the glue is fused: the mixer's
+    /// (pointer, type code, row bytes).
+    fn hc_fusable(
+        &self,
+        hc: &HcDims,
+        mixer: &GpuWeight,
+        norm: &GpuWeight,
+    ) -> Option<(DevPtr, i32, usize)> {
+        let (p, ty, cols, rows, rb) = mixer.mat_parts()?;
+        let (code, align) = match ty {
+            GgmlType::F32 => (0, 16u64),
+            GgmlType::F16 => (1, 8),
+            GgmlType::BF16 => (2, 8),
+            _ => return None,
+        };
+        let norm_ok =
+            matches!(norm, GpuWeight::F32 { len, .. } if *len >= hc.d) && al16(norm.ptr());
+        let ok = fuse_on()
+            && (1..=4).contains(&hc.n)
+            && hc.d > 0
+            && hc.d.is_multiple_of(4)
+            && cols == hc.n * hc.d
+            && rows >= (2 + hc.n) * hc.n
+            && p.0.is_multiple_of(align)
+            && (rb as u64).is_multiple_of(align)
+            && norm_ok;
+        ok.then_some((p, code, rb))
+    }
+
+    /// HC post + the next HC pre + norm. Fused at decode as [`GpuBackend::op_hc_pre_norm`]: CTA
+    /// (t, s) first applies the HC post to its float4 columns of all N streams of x in place
+    /// (a thread a (stream, column)), then takes the mixer products of the new values; the last
+    /// CTA reads the new x back through L2 for the collapse. Else the separate ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn op_hc_post_pre_norm(
+        &self,
+        hc: HcDims,
+        x: &mut GpuBuf,
+        o: &GpuBuf,
+        post_in: &GpuBuf,
+        comb_in: &GpuBuf,
+        mixer: &GpuWeight,
+        scale: &GpuWeight,
+        base: &GpuWeight,
+        norm: &GpuWeight,
+        n: usize,
+        eps: f32,
+        z: &mut GpuBuf,
+        post: &mut GpuBuf,
+        comb: &mut GpuBuf,
+    ) {
+        let fused = fuse_post()
+            && al16(x.ptr)
+            && al16(o.ptr)
+            && al16(z.ptr)
+            && (1..=FUSE_HC_MAX_N).contains(&n);
+        let Some((wp, code, rb)) = fused.then(|| self.hc_fusable(&hc, mixer, norm)).flatten()
+        else {
+            self.op_hc_post(hc, x, o, post_in, comb_in, n);
+            return self.op_hc_pre_norm(hc, mixer, scale, base, norm, x, n, eps, z, post, comb);
+        };
+        // Columns per CTA: threads / N (D 4096, N 4, 256 threads: 16 splits a token).
+        let threads = fuse_threads(self.warp() as usize);
+        let splits = (hc.d / 4).div_ceil(threads / hc.n);
+        let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
+        self.run(
+            &ds4_kernels::FUSED,
+            "hc_post_pre_norm_f32",
+            LaunchDims::linear((n * splits) as u32, threads as u32),
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(o.ptr),
+                Arg::Ptr(post_in.ptr),
+                Arg::Ptr(comb_in.ptr),
+                Arg::Ptr(wp),
+                Arg::I64(rb as i64),
+                Arg::I32(code),
+                Arg::Ptr(scale.ptr()),
+                Arg::Ptr(base.ptr()),
+                Arg::Ptr(norm.ptr()),
+                Arg::Ptr(z.ptr),
+                Arg::Ptr(post.ptr),
+                Arg::Ptr(comb.ptr),
+                Arg::Ptr(part.ptr),
+                Arg::Ptr(self.tickets.ptr()),
+                Arg::I32(hc.n as i32),
+                Arg::I32(hc.d as i32),
+                Arg::I32(splits as i32),
+                Arg::I32(hc.sinkhorn_iters as i32),
+                Arg::F32(hc.eps),
+                Arg::F32(eps),
+            ],
+        );
+    }
+
+    /// RMSNorm + RoPE (+ FP8/f16 rounding) in one launch, one CTA per row; Hadamard/FP4
+    /// rounding and `DS4_GPU_FUSE=off` take the separate ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn op_norm_rope(
+        &self,
+        x: &mut GpuBuf,
+        n: usize,
+        heads: usize,
+        width: usize,
+        w: Option<&GpuWeight>,
+        eps: f32,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+        round: Option<RowRounding>,
+    ) {
+        let r = round.unwrap_or_default();
+        let w_ok = w.is_none_or(|w| matches!(w, GpuWeight::F32 { len, .. } if *len >= width));
+        let fused = fuse_on()
+            && w_ok
+            && !r.fp4_hadamard
+            && r.fp8_nope <= width
+            && n_rot <= width
+            && n_rot.is_multiple_of(2)
+            && width > 0
+            && width <= 12288;
+        if !fused {
+            return ds4_backend::norm_rope_composed(
+                self, x, n, heads, width, w, eps, n_rot, t0, kind, round,
+            );
+        }
+        let rows = n * heads;
+        if rows == 0 {
+            return;
+        }
+        let warp = self.warp() as usize;
+        let threads = (width / 4).next_multiple_of(warp).clamp(warp, 256);
+        let mut dims = LaunchDims::linear(rows as u32, threads as u32);
+        dims.shared_bytes = (width * 4) as u32; // the staged row
+        self.run(
+            &ds4_kernels::FUSED,
+            "norm_rope_f32",
+            dims,
+            &[
+                Arg::Ptr(x.ptr),
+                w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
+                Arg::Ptr(self.rope_ptr(kind)),
+                Arg::I32(heads as i32),
+                Arg::I32(width as i32),
+                Arg::I32(n_rot as i32),
+                Arg::I64(t0 as i64),
+                Arg::F32(eps),
+                Arg::I32(r.fp8_nope as i32),
+                Arg::I32(r.f16 as i32),
+            ],
+        );
     }
 
     fn invalid(&self, msg: &str) {

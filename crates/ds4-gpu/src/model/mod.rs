@@ -253,6 +253,8 @@ pub struct GpuBackend {
     /// Launches are being recorded (see [`GraphState`]).
     recording: AtomicBool,
     graph: Mutex<GraphState>,
+    /// Per-token arrival counters of the fused HC pre (mix.rs), zero between launches.
+    pub(crate) tickets: DeviceBuffer,
 }
 
 impl Drop for GpuBackend {
@@ -312,7 +314,9 @@ impl GpuBackend {
             gpu.alloc_from(&f64s(&ropes.swa.freqs))?,
             gpu.alloc_from(&f64s(&ropes.comp.freqs))?,
         ];
+        let tickets = gpu.alloc_from(&[0u8; 4 * mix::FUSE_TICKETS])?;
         Ok(GpuBackend {
+            tickets,
             stream: Stream::DEFAULT,
             gpu,
             pool,
@@ -1183,6 +1187,64 @@ impl Backend for GpuBackend {
         let _p = self.prof(|| format!("moe_experts n{}", if n == 1 { "=1" } else { ">1" }));
 
         self.op_moe_experts(spec, gate, up, down, z, sel, wgt, n, out)
+    }
+
+    fn hc_pre_norm(
+        &self,
+        hc: HcDims,
+        mixer: &GpuWeight,
+        scale: &GpuWeight,
+        base: &GpuWeight,
+        norm: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        eps: f32,
+        z: &mut GpuBuf,
+        post: &mut GpuBuf,
+        comb: &mut GpuBuf,
+    ) {
+        let _p = self.prof(|| "hc_pre_norm".to_string());
+        self.op_hc_pre_norm(hc, mixer, scale, base, norm, x, n, eps, z, post, comb)
+    }
+
+    fn hc_post_pre_norm(
+        &self,
+        hc: HcDims,
+        x: &mut GpuBuf,
+        o: &GpuBuf,
+        post_in: &GpuBuf,
+        comb_in: &GpuBuf,
+        mixer: &GpuWeight,
+        scale: &GpuWeight,
+        base: &GpuWeight,
+        norm: &GpuWeight,
+        n: usize,
+        eps: f32,
+        z: &mut GpuBuf,
+        post: &mut GpuBuf,
+        comb: &mut GpuBuf,
+    ) {
+        let _p = self.prof(|| "hc_post_pre_norm".to_string());
+        self.op_hc_post_pre_norm(
+            hc, x, o, post_in, comb_in, mixer, scale, base, norm, n, eps, z, post, comb,
+        )
+    }
+
+    fn norm_rope(
+        &self,
+        x: &mut GpuBuf,
+        n: usize,
+        heads: usize,
+        width: usize,
+        w: Option<&GpuWeight>,
+        eps: f32,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+        round: Option<RowRounding>,
+    ) {
+        let _p = self.prof(|| "norm_rope".to_string());
+        self.op_norm_rope(x, n, heads, width, w, eps, n_rot, t0, kind, round)
     }
 
     fn swiglu(&self, g: &mut GpuBuf, u: &GpuBuf, len: usize, clamp: f32) {

@@ -1,0 +1,461 @@
+// Fused decode glue: HC pre + the sublayer norm in one launch (split-K mixer products with a
+// last-CTA epilogue), and RMSNorm + RoPE (+ FP8/f16 rounding) of attention rows in one launch.
+// References: ds4-cpu backend.rs (rms_norm, hc_split, rope, round_rows) and math.rs. The order of
+// the f32 operations follows the CPU where it is cheap to; the mixer dot products are summed in
+// another order (and scaled after the sum), so results are close, not bit-equal.
+#include "prelude.cuh"
+
+#define FU_PART 32 // doubles per (token, split) partial: the (2+N)·N dots, then the sum of squares
+
+__device__ __forceinline__ float fu_expf(float x) { return (float)exp((double)x); }
+__device__ __forceinline__ float fu_sigmoid(float x) { return 1.0f / (1.0f + fu_expf(-x)); }
+
+// Four mixer weights at float4 column c4 of a row (ty: 0 f32, 1 f16, 2 bf16).
+__device__ __forceinline__ float4 fu_w4(const u8* __restrict__ row, int c4, int ty) {
+    if (ty == 0) return ((const float4*)row)[c4];
+    const uint2 u = ((const uint2*)row)[c4];
+    if (ty == 1)
+        return make_float4(ds4_h2f_fast(u.x & 0xffffu), ds4_h2f_fast(u.x >> 16), ds4_h2f_fast(u.y & 0xffffu),
+                           ds4_h2f_fast(u.y >> 16));
+    return make_float4(ds4_bf2f((u16)(u.x & 0xffffu)), ds4_bf2f((u16)(u.x >> 16)), ds4_bf2f((u16)(u.y & 0xffffu)),
+                       ds4_bf2f((u16)(u.y >> 16)));
+}
+
+// Sum of a double over the CTA (any blockDim multiple of DS4_WARP, <= 1024); every thread gets
+// it. red: DS4-sized shared scratch of 32 doubles. Starts and ends with a barrier.
+__device__ __forceinline__ double fu_block_sum(double v, double* red) {
+    const int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP, nw = blockDim.x / DS4_WARP;
+    v = ds4_warp_sum_f64(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (int i = 0; i < nw; i++) t += red[i]; // fixed order: the same value everywhere
+    return t;
+}
+
+// post and the Sinkhorn comb of one token's mixer row m ((2+NN)·NN) as hc_split (the CPU's
+// order), by one thread.
+template <int NN>
+__device__ __forceinline__ void fu_sinkhorn(const float* m, const float* __restrict__ scale, const float* __restrict__ base,
+                                            float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
+    float a[NN][NN];
+#pragma unroll
+    for (int i = 0; i < NN; i++) post_t[i] = 2.0f * fu_sigmoid(ds4_mul_rn(m[NN + i], scale[1]) + base[NN + i]);
+#pragma unroll
+    for (int r = 0; r < NN; r++) {
+        float mx = DS4_NEG_INF;
+#pragma unroll
+        for (int b = 0; b < NN; b++) {
+            a[r][b] = ds4_mul_rn(m[2 * NN + r * NN + b], scale[2]) + base[2 * NN + r * NN + b];
+            mx = fmaxf(mx, a[r][b]);
+        }
+        float s = 0.0f;
+#pragma unroll
+        for (int b = 0; b < NN; b++) {
+            a[r][b] = fu_expf(a[r][b] - mx);
+            s += a[r][b];
+        }
+#pragma unroll
+        for (int b = 0; b < NN; b++) a[r][b] = a[r][b] / s + eps;
+    }
+    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
+        if (it > 0) { // rows (the first pass normalises columns only)
+#pragma unroll
+            for (int r = 0; r < NN; r++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int b = 0; b < NN; b++) s += a[r][b];
+                s += eps;
+#pragma unroll
+                for (int b = 0; b < NN; b++) a[r][b] /= s;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NN; c++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int r = 0; r < NN; r++) s += a[r][c];
+            s += eps;
+#pragma unroll
+            for (int r = 0; r < NN; r++) a[r][c] /= s;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NN; r++)
+#pragma unroll
+        for (int b = 0; b < NN; b++) comb_t[r * NN + b] = a[r][b];
+}
+
+// fu_sinkhorn for N = 4 by the 16 first lanes of a warp (the whole warp calls it): lane e holds
+// A[e / 4][e % 4]; its row and column mates come by xor shuffles and are summed in index order,
+// as the CPU sums. m in shared memory.
+__device__ __forceinline__ void fu_sinkhorn4_warp(const float* m, const float* __restrict__ scale, const float* __restrict__ base,
+                                                  float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
+    const int l = threadIdx.x % DS4_WARP, e = l & 15, r = e >> 2, b = e & 3;
+    if (l < 4) post_t[l] = 2.0f * fu_sigmoid(ds4_mul_rn(m[4 + l], scale[1]) + base[4 + l]);
+    float a = ds4_mul_rn(m[8 + e], scale[2]) + base[8 + e];
+    // Value of index k of the row: lane xor (b ^ k); of row k of the column: lane xor 4·(r ^ k).
+#define FU_PICK(o, v0, v1, v2, v3) ((o) == 0 ? (v0) : (o) == 1 ? (v1) : (o) == 2 ? (v2) : (v3))
+#define FU_SUM4(s, i, v0, v1, v2, v3)                                        \
+    {                                                                        \
+        s = FU_PICK(i, v0, v1, v2, v3) + FU_PICK((i) ^ 1, v0, v1, v2, v3);   \
+        s = s + FU_PICK((i) ^ 2, v0, v1, v2, v3);                            \
+        s = s + FU_PICK((i) ^ 3, v0, v1, v2, v3);                            \
+    }
+    { // row softmax + eps
+        const float x1 = ds4_shfl_xor(a, 1), x2 = ds4_shfl_xor(a, 2), x3 = ds4_shfl_xor(a, 3);
+        const float mx = fmaxf(fmaxf(a, x1), fmaxf(x2, x3));
+        a = fu_expf(a - mx);
+        const float y1 = ds4_shfl_xor(a, 1), y2 = ds4_shfl_xor(a, 2), y3 = ds4_shfl_xor(a, 3);
+        float s;
+        FU_SUM4(s, b, a, y1, y2, y3);
+        a = a / s + eps;
+    }
+    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
+        float s;
+        if (it > 0) { // rows (the first pass normalises columns only)
+            const float x1 = ds4_shfl_xor(a, 1), x2 = ds4_shfl_xor(a, 2), x3 = ds4_shfl_xor(a, 3);
+            FU_SUM4(s, b, a, x1, x2, x3);
+            a /= s + eps;
+        }
+        const float c1 = ds4_shfl_xor(a, 4), c2 = ds4_shfl_xor(a, 8), c3 = ds4_shfl_xor(a, 12);
+        FU_SUM4(s, r, a, c1, c2, c3);
+        a /= s + eps;
+    }
+#undef FU_SUM4
+#undef FU_PICK
+    if (l < 16) comb_t[e] = a;
+}
+
+// float4 load that sees other CTAs' stores of this launch (after their fence and our ticket):
+// CUDA ld.global.cg (L2, not the SM's L1); HIP volatile loads.
+__device__ __forceinline__ float4 fu_ld_cg(const float4* p) {
+#if defined(DS4_CUDA)
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+#else
+    const volatile float* q = (const volatile float*)p;
+    return make_float4(q[0], q[1], q[2], q[3]);
+#endif
+}
+
+// The CTA's MIX dot products and Σx² (this split's columns) to part[t, s], then the token's
+// arrival ticket. True in the token's last CTA, which then holds the sums over all splits in
+// dsum[0 .. MIX] (dot products) and dsum[MIX] (Σx²), and has reset the ticket.
+template <int MIX>
+__device__ __forceinline__ bool fu_arrive(const float* acc, double ss, double* part, u32* tickets, int t, int s, int S,
+                                          double* dsum) {
+    __shared__ double wred[32][MIX + 1];
+    __shared__ int last_s;
+    const int tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = blockDim.x / DS4_WARP;
+#pragma unroll
+    for (int r = 0; r < MIX; r++) {
+        const float v = ds4_warp_sum(acc[r]);
+        if (lane == 0) wred[warp][r] = (double)v;
+    }
+    ss = ds4_warp_sum_f64(ss);
+    if (lane == 0) wred[warp][MIX] = ss;
+    __syncthreads();
+    if (tid <= MIX) {
+        double v = 0.0;
+        for (int w = 0; w < nw; w++) v += wred[w][tid];
+        part[((size_t)t * S + s) * FU_PART + tid] = v;
+        __threadfence(); // the partial is visible device-wide before the ticket
+    }
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(&tickets[t], 1u) == (u32)(S - 1);
+    __syncthreads();
+    if (!last_s) return false;
+    __threadfence();
+    if (tid <= MIX) { // the splits' partials in split order
+        const volatile double* pv = part + (size_t)t * S * FU_PART;
+        double v = 0.0;
+        for (int j = 0; j < S; j++) v += pv[(size_t)j * FU_PART + tid];
+        dsum[tid] = v;
+    }
+    __syncthreads();
+    if (tid == 0) tickets[t] = 0u; // ready for the next launch (graph replays too)
+    return true;
+}
+
+// Epilogue of the token's last CTA: m = dots · rms scale of the N·D row, pre; then warp 0
+// runs split + Sinkhorn (post, comb) while the other warps collapse z = Σ pre_i X[i] (CPU
+// order, uncontracted); then rms_norm(z, norm) over D by all. CG: X was written by other CTAs
+// of this launch (read through L2). blockDim >= 2 warps.
+template <int NN, bool CG>
+__device__ __forceinline__ void fu_finish(const double* dsum, const float4* xt, const float* __restrict__ scale,
+                                          const float* __restrict__ base, const float* __restrict__ norm,
+                                          float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int t,
+                                          int D, int iters, float hc_eps, float eps) {
+    constexpr int MIX = (2 + NN) * NN;
+    __shared__ double red[32];
+    __shared__ float m_s[MIX], pre_s[NN];
+    const int tid = threadIdx.x;
+    if (tid < MIX) {
+        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
+        m_s[tid] = (float)dsum[tid] * sc;
+    }
+    __syncthreads();
+    if (tid < NN) pre_s[tid] = fu_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
+    __syncthreads();
+    const int D4 = D / 4;
+    float4* zt = (float4*)(z + (size_t)t * D);
+    double zz = 0.0;
+    if (tid < DS4_WARP) {
+        if (NN == 4) {
+            fu_sinkhorn4_warp(m_s, scale, base, post + (size_t)t * 4, comb + (size_t)t * 16, iters, hc_eps);
+        } else if (tid == 0) {
+            fu_sinkhorn<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
+        }
+    } else {
+        const int step = blockDim.x - DS4_WARP;
+        for (int c0 = tid - DS4_WARP; c0 < D4; c0 += 2 * step) { // two columns in flight
+            const int c1 = c0 + step;
+            float4 v[2][NN];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int c = u ? c1 : c0;
+                if (c < D4) {
+#pragma unroll
+                    for (int i = 0; i < NN; i++) v[u][i] = CG ? fu_ld_cg(xt + i * D4 + c) : xt[i * D4 + c];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int c = u ? c1 : c0;
+                if (c >= D4) break;
+                float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int i = 0; i < NN; i++) {
+                    const float p = pre_s[i];
+                    o.x += ds4_mul_rn(p, v[u][i].x), o.y += ds4_mul_rn(p, v[u][i].y);
+                    o.z += ds4_mul_rn(p, v[u][i].z), o.w += ds4_mul_rn(p, v[u][i].w);
+                }
+                zz += (double)o.x * (double)o.x + (double)o.y * (double)o.y + (double)o.z * (double)o.z +
+                      (double)o.w * (double)o.w;
+                zt[c] = o;
+            }
+        }
+    }
+    zz = fu_block_sum(zz, red); // also orders the z stores before the reads below
+    const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
+    const float4* nr = (const float4*)norm;
+    for (int c4 = tid; c4 < D4; c4 += blockDim.x) {
+        const float4 o = zt[c4], g = nr[c4];
+        zt[c4] = make_float4(o.x * zs * g.x, o.y * zs * g.y, o.z * zs * g.z, o.w * zs * g.w);
+    }
+}
+
+// One (token t, split s) CTA of hc_pre_norm_f32 (NN streams, MIX = (2+NN)·NN mixer rows).
+template <int NN>
+__device__ __forceinline__ void fu_hc_pre(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty,
+                                          const float* __restrict__ scale, const float* __restrict__ base,
+                                          const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
+                                          float* __restrict__ comb, double* part, u32* tickets, int D, int S, int iters,
+                                          float hc_eps, float eps) {
+    constexpr int MIX = (2 + NN) * NN;
+    __shared__ double dsum[MIX + 1];
+    const int t = blockIdx.x / S, s = blockIdx.x % S;
+    const int W4 = NN * D / 4, per = (W4 + S - 1) / S;
+    const int lo = s * per, hi = min(W4, lo + per);
+    const float4* xt = (const float4*)(x + (size_t)t * NN * D);
+    // This split's columns of the N·D row: the MIX dot products with the raw streams, Σx² (f64).
+    float acc[MIX];
+#pragma unroll
+    for (int r = 0; r < MIX; r++) acc[r] = 0.0f;
+    double ss = 0.0;
+    for (int c4 = lo + (int)threadIdx.x; c4 < hi; c4 += blockDim.x) {
+        const float4 v = xt[c4];
+        ss += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z + (double)v.w * (double)v.w;
+#pragma unroll
+        for (int r = 0; r < MIX; r++) {
+            const float4 w = fu_w4(mixer + (size_t)r * row_bytes, c4, wty);
+            acc[r] += w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w;
+        }
+    }
+    if (!fu_arrive<MIX>(acc, ss, part, tickets, t, s, S, dsum)) return;
+    fu_finish<NN, false>(dsum, xt, scale, base, norm, z, post, comb, t, D, iters, hc_eps, eps);
+}
+
+// HC pre + norm for n tokens (decode): grid n·S CTAs (token-major), split s takes float4
+// columns [s·per, (s+1)·per) of the N·D row, per = ceil(N·D/4 / S). The host guarantees
+// 1 <= N <= 4, D % 4 == 0, 16-byte aligned x, z, norm; mixer rows (2+N)·N of row_bytes
+// (8-byte aligned for f16/bf16, 16 for f32); part holds n·S·FU_PART doubles; tickets[t] is 0 on
+// entry and is left 0. blockDim a multiple of DS4_WARP, <= 1024.
+DS4_KERNEL void DS4_BOUNDS(1024) hc_pre_norm_f32(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    switch (N) {
+    case 1: fu_hc_pre<1>(x, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 2: fu_hc_pre<2>(x, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 3: fu_hc_pre<3>(x, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    default: fu_hc_pre<4>(x, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    }
+}
+
+// One (token t, split s) CTA of hc_post_pre_norm_f32: HC post of this split's columns in
+// place (X'[j] = post_j·o + Σ_i A[i][j]·X[i], the CPU's order), then as fu_hc_pre on X'.
+// Thread (j, c) = (tid / cpc, tid % cpc), cpc = blockDim / NN, takes stream j of float4 column
+// s·cpc + c (the host sets S = ceil(D/4 / cpc): one column each).
+template <int NN>
+__device__ __forceinline__ void fu_hc_post_pre(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
+                                               const float* __restrict__ comb_in, const u8* __restrict__ mixer,
+                                               long long row_bytes, int wty, const float* __restrict__ scale,
+                                               const float* __restrict__ base, const float* __restrict__ norm,
+                                               float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb,
+                                               double* part, u32* tickets, int D, int S, int iters, float hc_eps, float eps) {
+    constexpr int MIX = (2 + NN) * NN;
+    __shared__ double dsum[MIX + 1];
+    const int t = blockIdx.x / S, s = blockIdx.x % S, tid = threadIdx.x;
+    const int cpc = blockDim.x / NN, j = tid / cpc, D4 = D / 4, c4 = s * cpc + tid % cpc;
+    float4* xt = (float4*)(x + (size_t)t * NN * D);
+    const float4* ot = (const float4*)(o + (size_t)t * D);
+    float acc[MIX];
+#pragma unroll
+    for (int r = 0; r < MIX; r++) acc[r] = 0.0f;
+    double ss = 0.0;
+    const bool mine = j < NN && c4 < D4;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (mine) {
+        const float pj = post_in[(size_t)t * NN + j];
+        float4 old[NN];
+#pragma unroll
+        for (int i = 0; i < NN; i++) old[i] = xt[i * D4 + c4];
+        const float4 ov = ot[c4];
+        v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
+#pragma unroll
+        for (int i = 0; i < NN; i++) {
+            const float a = comb_in[(size_t)t * NN * NN + i * NN + j]; // A[i][j]: column j of the comb
+            v.x += ds4_mul_rn(a, old[i].x), v.y += ds4_mul_rn(a, old[i].y);
+            v.z += ds4_mul_rn(a, old[i].z), v.w += ds4_mul_rn(a, old[i].w);
+        }
+        ss = (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z + (double)v.w * (double)v.w;
+#pragma unroll
+        for (int r = 0; r < MIX; r++) {
+            const float4 w = fu_w4(mixer + (size_t)r * row_bytes, j * D4 + c4, wty);
+            acc[r] = w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w;
+        }
+    }
+    __syncthreads(); // every old value of this split is read before any is overwritten
+    if (mine) {
+        xt[j * D4 + c4] = v;
+        __threadfence(); // X' visible device-wide before this CTA's ticket
+    }
+    if (!fu_arrive<MIX>(acc, ss, part, tickets, t, s, S, dsum)) return;
+    fu_finish<NN, true>(dsum, xt, scale, base, norm, z, post, comb, t, D, iters, hc_eps, eps);
+}
+
+// HC post of a sublayer's output o ([n, D], with its post [n, N] and comb [n, N·N]) into x in
+// place, then HC pre + norm of the next sublayer on the new x (outputs z, post, comb as
+// hc_pre_norm_f32). Grid n·S CTAs, S = ceil(D/4 / (blockDim / N)). Host: as hc_pre_norm_f32,
+// plus 16-byte aligned o.
+DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    switch (N) {
+    case 1: fu_hc_post_pre<1>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 2: fu_hc_post_pre<2>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 3: fu_hc_post_pre<3>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    default: fu_hc_post_pre<4>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm + RoPE (+ FP8 of the first fp8_nope values, + f16) of attention rows.
+
+// RoPE of one pair by pos·w (mod 2π in f64), as attention.cu's rope_f32 (uncontracted).
+__device__ __forceinline__ void fu_rope_pair(float* v, double w, long long pos) {
+    const double theta = fmod((double)pos * w, 6.283185307179586);
+    const float s = (float)sin(theta), c = (float)cos(theta);
+    const float a = v[0], b = v[1];
+    v[0] = __fsub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, s));
+    v[1] = __fadd_rn(ds4_mul_rn(a, s), ds4_mul_rn(b, c));
+}
+
+// Nearest E4M3FN value of x (|x| <= 448), ties to even, as math.rs fp8_sim (and attention.cu).
+__device__ __forceinline__ float fu_e4m3(float x) {
+    const float ax = fabsf(x);
+    if (ax == 0.0f || ax != ax) return x;
+    int e = (int)((__float_as_uint(ax) >> 23) & 0xffu) - 127; // floor(log2|x|) for normal x
+    if (e < -6) e = -6;                                      // subnormal E4M3 step 2^-9
+    const float step = __int_as_float((u32)(e - 3 + 127) << 23);
+    const float q = rintf(__fdiv_rn(ax, step));
+    return copysignf(fminf(ds4_mul_rn(q, step), 448.0f), x);
+}
+
+// 2^ceil(log2(amax / lim)) from the bits of the f64 ratio (exact at powers of two).
+__device__ __forceinline__ float fu_pow2_scale(float amax, double lim) {
+    const long long b = __double_as_longlong((double)amax / lim);
+    long long e = (b >> 52) & 0x7ff;
+    if ((b & 0xfffffffffffffLL) && e < 0x7ff) e++;
+    return (float)__longlong_as_double(e << 52);
+}
+
+// f32 -> f16 (nearest even, subnormals, Inf) -> f32.
+__device__ __forceinline__ float fu_f16_round(float f) {
+    const u32 x = __float_as_uint(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    u16 h;
+    if (ax >= 0x7f800000u) {
+        h = (u16)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
+    } else if (ax >= 0x477ff000u) {
+        h = (u16)(sign | 0x7c00u);
+    } else if (ax >= 0x38800000u) {
+        const u32 m = ax + 0xfffu + ((ax >> 13) & 1u);
+        h = (u16)(sign | ((m - 0x38000000u) >> 13));
+    } else if (ax > 0x33000000u) {
+        const u32 e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126u - e;
+        u32 q = m >> shift;
+        const u32 rem = m & ((1u << shift) - 1u), halfw = 1u << (shift - 1u);
+        if (rem > halfw || (rem == halfw && (q & 1u))) q++;
+        h = (u16)(sign | q);
+    } else {
+        h = (u16)sign;
+    }
+    return ds4_h2f(h);
+}
+
+// One CTA per row of x [rows, width] (rows = tokens × heads; token i = row / heads at position
+// pos0 + i): rms_norm (w optional), RoPE of the last n_rot values, FP8 round trip of the first
+// fp8_nope values (blocks of 64), f16 rounding when f16. The row is staged in dynamic shared
+// memory (width floats). Host: n_rot even, n_rot <= width, fp8_nope <= width.
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
+    extern __shared__ float row_s[];
+    __shared__ double red[32];
+    const int tid = threadIdx.x;
+    float* xr = x + (size_t)blockIdx.x * width;
+    double ss = 0.0;
+    for (int i = tid; i < width; i += blockDim.x) {
+        const float v = xr[i];
+        row_s[i] = v;
+        ss += (double)v * (double)v;
+    }
+    ss = fu_block_sum(ss, red); // ends after a barrier: row_s is complete
+    const float sc = (float)(1.0 / sqrt(ss / (double)width + (double)eps));
+    for (int i = tid; i < width; i += blockDim.x) {
+        const float v = row_s[i] * sc;
+        row_s[i] = w ? v * w[i] : v;
+    }
+    __syncthreads();
+    const long long pos = pos0 + blockIdx.x / heads;
+    for (int p = tid; p < n_rot / 2; p += blockDim.x) fu_rope_pair(row_s + (width - n_rot) + 2 * p, freqs[p], pos);
+    __syncthreads();
+    // FP8 of blocks of 64: a warp per block, amax by shuffles (max is order-free).
+    const int nb = (fp8_nope + 63) / 64, lane = tid % DS4_WARP, nw = blockDim.x / DS4_WARP;
+    for (int b = tid / DS4_WARP; b < nb; b += nw) {
+        const int e = min(b * 64 + 64, fp8_nope);
+        float m = 0.0f;
+        for (int i = b * 64 + lane; i < e; i += DS4_WARP) m = fmaxf(m, fabsf(row_s[i]));
+#pragma unroll
+        for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+        m = fmaxf(m, 1e-4f);
+        const float s = fu_pow2_scale(m, 448.0);
+        for (int i = b * 64 + lane; i < e; i += DS4_WARP) {
+            const float v = __fdiv_rn(row_s[i], s);
+            const float c = v != v ? v : fminf(fmaxf(v, -448.0f), 448.0f);
+            row_s[i] = ds4_mul_rn(fu_e4m3(c), s);
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < width; i += blockDim.x) {
+        const float v = row_s[i];
+        xr[i] = f16 ? fu_f16_round(v) : v;
+    }
+}

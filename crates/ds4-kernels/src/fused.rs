@@ -1,0 +1,10 @@
+use crate::Module;
+
+/// Fused decode glue (`gpu/fused.cu`): HC pre with the sublayer norm in one launch (split-K
+/// mixer products, last-CTA epilogue), the same after an in-place HC post, and RMSNorm + RoPE
+/// (+ FP8/f16 rounding) of attention rows.
+pub const FUSED: Module = Module {
+    name: "fused",
+    source: include_str!("../gpu/fused.cu"),
+    kernels: &["hc_pre_norm_f32", "hc_post_pre_norm_f32", "norm_rope_f32"],
+};
