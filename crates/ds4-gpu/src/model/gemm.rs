@@ -10,10 +10,11 @@
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 //! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
 //!
-//! Default tensor-core form on CUDA sm_80+ for Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
+//! Opt-in tensor-core form on CUDA sm_80+ (`DS4_GPU_GEMM_PRECISE=0`, default off: see `PRECISE`)
+//! for Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
 //! one f16 mma per tile (instead of the three bf16 hi/lo products) on X converted once per
 //! product by `gemm_xh_f32` (rows scaled by a power of two, rounded to f16; the kernel undoes
-//! the scale). `DS4_GPU_GEMM_PRECISE=1` (or `set_gemm_precise(true)`) keeps the bf16 hi/lo form;
+//! the scale). The bf16 hi/lo form stays the default (`set_gemm_precise`);
 //! `DS4_GPU_GEMM_TILE=64|128|256` fixes its item tile (MoE: at most 128).
 //! H200 (bench/results/gpu-gemm-s4-h200.txt): 1.5-2.6x the bf16 form per product (Q8_0 4096->16384
 //! n = 2048: 47 -> 97 TFLOP/s, IQ2_XXS 78 -> 147, routed experts n = 4096: 59 -> 107), prefill
@@ -111,7 +112,10 @@ fn tile_items(n: usize, experts: usize, ty: GgmlType) -> usize {
 }
 
 /// Precise form (bf16 hi/lo) instead of the f16 one: 0 no, 1 yes, UNSET: read
-/// `DS4_GPU_GEMM_PRECISE` (1 = yes; `DS4_GPU_GEMM=bf16` also) on first use.
+/// `DS4_GPU_GEMM_PRECISE` on first use (default yes; `0` selects the f16 form, ~1.4x prefill).
+/// The f16 form is opt-in: on the H200 the tiny model's prefill logits with the model's FP8/FP4
+/// rounding moved by up to 0.30 from the CPU's (median 2.4e-2, top-1 agreement 0.93, against
+/// 2.6e-5 / 0.997 for the precise form; bench/results/gpu-session4-h200.txt).
 static PRECISE: AtomicU8 = AtomicU8::new(UNSET);
 
 fn precise() -> bool {
@@ -119,7 +123,7 @@ fn precise() -> bool {
     if p != UNSET {
         return p == 1;
     }
-    let p = std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "1")
+    let p = !std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "0")
         || std::env::var("DS4_GPU_GEMM").is_ok_and(|v| v == "bf16");
     PRECISE.store(p as u8, Ordering::Relaxed);
     p
