@@ -76,6 +76,30 @@ fn tc_mode() -> u8 {
     TC_MODE.load(Ordering::Relaxed)
 }
 
+/// The arguments every attention kernel starts with: queries, this chunk's KV rows, the raw ring
+/// and its positions, the compressed rows (null when the layer has none) and the indexer's
+/// selection (null without one).
+fn attn_inputs(
+    q: &GpuBuf,
+    kv: &GpuBuf,
+    st: &GpuLayerState,
+    comp: DevPtr,
+    sel: Option<&GpuIBuf>,
+) -> [Arg; 6] {
+    [
+        Arg::Ptr(q.ptr),
+        Arg::Ptr(kv.ptr),
+        Arg::Ptr(st.raw.ptr()),
+        Arg::Ptr(st.raw_pos.ptr()),
+        if comp.0 == 0 {
+            Arg::Null
+        } else {
+            Arg::Ptr(comp)
+        },
+        sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
+    ]
+}
+
 impl GpuBackend {
     /// Use the old decode glue kernels (compressor frontier with copies back, one-thread-per-row
     /// indexer scores, serial top-k bin scan); process-wide, overrides `DS4_GPU_ATTN_GLUE=old`.
@@ -87,6 +111,34 @@ impl GpuBackend {
     /// process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
     pub fn set_attn_simple(on: bool) {
         ATTN_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// The ring after a chunk of `n` rows at `t0` (its last `min(n, win)` rows), once every token
+    /// of the chunk has attended.
+    fn ring_store(
+        &self,
+        st: &GpuLayerState,
+        kv: &GpuBuf,
+        n: usize,
+        t0: usize,
+        hd: usize,
+        win: usize,
+    ) {
+        let keep = n.min(win);
+        self.run(
+            &ATTENTION,
+            "ring_store_f32",
+            LaunchDims::linear((keep * hd).div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                Arg::I64(t0 as i64),
+                Arg::I32(n as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(win as i32),
+            ],
+        );
     }
 
     /// Prefill attention on tensor cores where the device has them (CUDA sm_80+), else the f32
@@ -517,45 +569,25 @@ impl GpuBackend {
             "attend_f32",
             dims,
             &[
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(kv.ptr),
-                Arg::Ptr(st.raw.ptr()),
-                Arg::Ptr(st.raw_pos.ptr()),
-                if comp.0 == 0 {
-                    Arg::Null
-                } else {
-                    Arg::Ptr(comp)
-                },
-                sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
-                Arg::Ptr(sinks.ptr()),
-                Arg::Ptr(out.ptr),
-                Arg::I64(t0 as i64),
-                Arg::I32(nh as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(win as i32),
-                Arg::I32(spec.ratio as i32),
-                Arg::I32(top_k as i32),
-                Arg::F32(scale),
-            ],
+                &attn_inputs(q, kv, st, comp, sel)[..],
+                &[
+                    Arg::Ptr(sinks.ptr()),
+                    Arg::Ptr(out.ptr),
+                    Arg::I64(t0 as i64),
+                    Arg::I32(nh as i32),
+                    Arg::I32(hd as i32),
+                    Arg::I32(win as i32),
+                    Arg::I32(spec.ratio as i32),
+                    Arg::I32(top_k as i32),
+                    Arg::F32(scale),
+                ],
+            ]
+            .concat(),
         );
         // Values are the rotated keys: undo the rotation at each query position.
         self.rope_rows(out.ptr, n * nh, nh, hd, spec.n_rot, t0, 1, spec.rope, true);
         // The ring after the chunk (after every token attended).
-        let keep = n.min(win);
-        self.run(
-            &ATTENTION,
-            "ring_store_f32",
-            LaunchDims::linear((keep * hd).div_ceil(256) as u32, 256),
-            &[
-                Arg::Ptr(kv.ptr),
-                Arg::Ptr(st.raw.ptr()),
-                Arg::Ptr(st.raw_pos.ptr()),
-                Arg::I64(t0 as i64),
-                Arg::I32(n as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(win as i32),
-            ],
-        );
+        self.ring_store(st, kv, n, t0, hd, win);
     }
 
     /// Prefill attention on tensor cores: `attn_tc<hd>[h]_f32` over (head groups of 16, tokens)
@@ -592,43 +624,23 @@ impl GpuBackend {
                 shared_bytes: 0,
             },
             &[
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(kv.ptr),
-                Arg::Ptr(st.raw.ptr()),
-                Arg::Ptr(st.raw_pos.ptr()),
-                if comp.0 == 0 {
-                    Arg::Null
-                } else {
-                    Arg::Ptr(comp)
-                },
-                sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
-                Arg::Ptr(sinks.ptr()),
-                Arg::Ptr(self.rope_ptr(spec.rope)),
-                Arg::Ptr(out.ptr),
-                Arg::I64(t0 as i64),
-                Arg::I32(nh as i32),
-                Arg::I32(win as i32),
-                Arg::I32(spec.ratio as i32),
-                Arg::I32(top_k as i32),
-                Arg::I32(spec.n_rot as i32),
-                Arg::F32(scale),
-            ],
+                &attn_inputs(q, kv, st, comp, sel)[..],
+                &[
+                    Arg::Ptr(sinks.ptr()),
+                    Arg::Ptr(self.rope_ptr(spec.rope)),
+                    Arg::Ptr(out.ptr),
+                    Arg::I64(t0 as i64),
+                    Arg::I32(nh as i32),
+                    Arg::I32(win as i32),
+                    Arg::I32(spec.ratio as i32),
+                    Arg::I32(top_k as i32),
+                    Arg::I32(spec.n_rot as i32),
+                    Arg::F32(scale),
+                ],
+            ]
+            .concat(),
         );
-        let keep = n.min(win);
-        self.run(
-            &ATTENTION,
-            "ring_store_f32",
-            LaunchDims::linear((keep * hd).div_ceil(256) as u32, 256),
-            &[
-                Arg::Ptr(kv.ptr),
-                Arg::Ptr(st.raw.ptr()),
-                Arg::Ptr(st.raw_pos.ptr()),
-                Arg::I64(t0 as i64),
-                Arg::I32(n as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(win as i32),
-            ],
-        );
+        self.ring_store(st, kv, n, t0, hd, win);
     }
 
     /// Split attention: `attend_part_f32` over (row splits, head groups, tokens), then
@@ -682,28 +694,22 @@ impl GpuBackend {
                 shared_bytes: 0,
             },
             &[
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(kv.ptr),
-                Arg::Ptr(st.raw.ptr()),
-                Arg::Ptr(st.raw_pos.ptr()),
-                if comp.0 == 0 {
-                    Arg::Null
-                } else {
-                    Arg::Ptr(comp)
-                },
-                sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
-                Arg::Ptr(part_o.ptr),
-                Arg::Ptr(part_mz.ptr),
-                Arg::I64(t0 as i64),
-                Arg::I32(nh as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(win as i32),
-                Arg::I32(spec.ratio as i32),
-                Arg::I32(top_k as i32),
-                Arg::I32(chunk as i32),
-                Arg::I32(splits as i32),
-                Arg::F32(scale),
-            ],
+                &attn_inputs(q, kv, st, comp, sel)[..],
+                &[
+                    Arg::Ptr(part_o.ptr),
+                    Arg::Ptr(part_mz.ptr),
+                    Arg::I64(t0 as i64),
+                    Arg::I32(nh as i32),
+                    Arg::I32(hd as i32),
+                    Arg::I32(win as i32),
+                    Arg::I32(spec.ratio as i32),
+                    Arg::I32(top_k as i32),
+                    Arg::I32(chunk as i32),
+                    Arg::I32(splits as i32),
+                    Arg::F32(scale),
+                ],
+            ]
+            .concat(),
         );
         self.run(
             &ATTENTION,
