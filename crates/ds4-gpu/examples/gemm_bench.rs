@@ -3,7 +3,8 @@
 //! dense shapes and the full-size routed experts at n = 2048 and 4096 token rows
 //! (`GEMM_BENCH_N=512,2048` other n), each in every form: f16 = the default single f16 product
 //! (automatic item tile, double-buffered), f16/1buf = single-buffered, f16/64|128|256 = fixed tiles, bf16 = the previous default (hi/lo split,
-//! three products; `DS4_GPU_GEMM_PRECISE=1`); `GEMM_BENCH_ALL=1` adds tf32 and fma per type.
+//! three products; `DS4_GPU_GEMM_PRECISE=1`), exact = the exact-weight form `gemmq*` (automatic
+//! tile; exact/64 fixed 64 items); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32 and fma.
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
@@ -86,6 +87,8 @@ const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
 const TF32: Form = ("tf32", true, false, true, false, 0, true);
 const FMA: Form = ("fma", true, true, false, false, 0, true);
+const EXACT: Form = ("exact", true, false, false, true, 0, true);
+const EXACT_64: Form = ("exact/64", true, false, false, true, 64, true);
 
 fn set_form(f: Form) {
     let (_, on, fma, tf32, precise, tile, dbuf) = f;
@@ -96,6 +99,7 @@ fn set_form(f: Form) {
     }
     GpuBackend::set_gemm_precise(precise);
     GpuBackend::set_gemm_tile(tile);
+    GpuBackend::set_gemm_exact(f.0.starts_with("exact"));
 }
 
 fn main() {
@@ -147,9 +151,9 @@ fn main() {
         let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(n * rows);
-        let mut forms = vec![BF16, F16, F16_1BUF, F16_64, F16_128, F16_256];
+        let mut forms = vec![BF16, F16, EXACT];
         if all {
-            forms.extend([TF32, FMA]);
+            forms.extend([F16_1BUF, F16_64, F16_128, F16_256, TF32, FMA]);
         }
         for form in forms {
             set_form(form);
@@ -164,7 +168,7 @@ fn main() {
             );
         }
     }
-    set_form(F16);
+    set_form(EXACT);
 
     // Routed experts at full size (weights shared by every n).
     let (d, ff, ne, k) = (4096usize, 2048usize, 256usize, 6usize);
@@ -211,8 +215,8 @@ fn main() {
     for n in ns {
         // One layer's products (attention, shared expert, routed experts; F16 rows not in the layer
         // sum: compressor/indexer shapes) per form.
-        let forms = [BF16, F16, F16_1BUF, F16_64, F16_128, F16_256];
-        let mut layer = [0.0f64; 6];
+        let forms = [BF16, F16, EXACT, EXACT_64];
+        let mut layer = [0.0f64; 4];
         println!("-- model shapes (q2 mix), n = {n} --");
         for (&(name, ty, cols, rows, groups, per_layer), w) in shapes.iter().zip(&ws) {
             let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;
@@ -286,5 +290,5 @@ fn main() {
             );
         }
     }
-    set_form(F16);
+    set_form(EXACT);
 }

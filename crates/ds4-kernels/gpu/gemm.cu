@@ -641,3 +641,355 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_scatter_i32(const int* __restrict__ sel
     for (int j = 0; j < 256; j++) r += (j < t) & (se[j] == e);
     grp[1 + gmax + off[(long long)blockIdx.x * ne + e] + r] = p;
 }
+
+// ---- Exact-weight form (gemmq<BM>_<t>, CUDA sm_80+): integer weights, two-plane f16 activations ----
+// Weights stay as their integer quants, exact in f16 (Q8_0 q; IQ2_XXS grid x sign, |v| <= 43;
+// Q2_K s*q <= 45; Q4_K s*q <= 945), with one f32 scale per 32-element chunk (Q8_0 d, IQ2_XXS
+// d*(0.5+s)*0.25, K-quants the super-block d) and, for the K-quants, the min term
+// -(dmin*m_h) * S_h per 16-element half h (S_h: activation sums, from gemm_xq_f32).
+// Activations: gemm_xq_f32 scales each token row by 2^s (as gemm_xh_f32) and splits it into
+// hi = f16(v), lo = f16(v - hi) (~22 significant bits). Per chunk two m16n8k16 f16 mma per
+// k half (hi and lo plane, exact products, f32 accumulation) into a per-chunk C, then
+// acc += d_w * C (- mins). Weight error: none; activation error ~2^-22 relative.
+// Why f16 mma and not int8 IMMA: the per-32 scales need a per-chunk int32 -> f32 conversion of
+// every accumulator (a quarter-rate cvt, or 4-5 ALU ops via magic numbers since 254*i_hi + i_lo
+// exceeds 2^22) which costs more issue slots than the second f16 mma it saves.
+// CTA: NW warps (4: 64 items, two shared buffers; 8: 128 items, one buffer), GM_BN = 128 rows;
+// thread t stages item t/2 (16 f16 of each plane), decodes 32/NP elements of tile row t%128.
+#define GMQ_PARAMS                                                                                                  \
+    const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const u16 *__restrict__ XH, \
+        const u16 *__restrict__ XL, const float *__restrict__ xinv, const float *__restrict__ S16, long long x_tok,    \
+        long long x_z, int xdiv, float *__restrict__ Y, long long y_tok, long long y_z, long long y_s, int rows,       \
+        int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax
+#define GMQ_ARGS W, w_z, sel, slab, XH, XL, xinv, S16, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax
+
+// f16x2 of the two signed bytes in the low 16 bits of v (exact: 1024 + (q+128) - 1152).
+__device__ __forceinline__ u32 gq_i8x2(u32 v) {
+#if GM_HAVE_MMA
+    u32 r = __byte_perm(v ^ 0x8080u, 0x64646464u, 0x4140), o;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(o) : "r"(r), "r"(0x64806480u));
+    return o;
+#else
+    (void)v;
+    return 0u;
+#endif
+}
+
+// f16x2 of two integers in [0, 1024) given as (a | b << 16) (exact: (1024 + a) - 1024).
+__device__ __forceinline__ u32 gq_u10x2(u32 ab) {
+#if GM_HAVE_MMA
+    u32 o;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(o) : "r"(ab | 0x64006400u), "r"(0x64006400u));
+    return o;
+#else
+    (void)ab;
+    return 0u;
+#endif
+}
+
+// Slice q (elements 8q..8q+8) of chunk c as 4 f16x2 integer words; sc = chunk scale; mn = the
+// min coefficient of the slice's half (K-quants; 0 otherwise).
+template <int T> __device__ __forceinline__ void gq_slice(const u8* __restrict__ row, int c, int q, u32* o, float& sc, float& mn);
+
+template <> __device__ __forceinline__ void gq_slice<T_Q8_0>(const u8* __restrict__ row, int c, int q, u32* o, float& sc, float& mn) {
+    const u16* b = (const u16*)(row + (size_t)c * 34);
+    sc = ds4_h2f(b[0]), mn = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) o[i] = gq_i8x2(b[1 + 4 * q + i]);
+}
+
+template <> __device__ __forceinline__ void gq_slice<T_IQ2_XXS>(const u8* __restrict__ row, int c, int q, u32* o, float& sc, float& mn) {
+    const u8* b = row + (size_t)(c >> 3) * 66;
+    const u16* g2 = (const u16*)(b + 2 + 8 * (c & 7));
+    float d = ds4_h2f(*(const u16*)b);
+    u32 idx = g2[q >> 1];
+    u32 aux = (u32)g2[2] | ((u32)g2[3] << 16);
+    sc = ds4_mul_rn(ds4_mul_rn(d, 0.5f + (float)(aux >> 28)), 0.25f), mn = 0.0f;
+    u64 grid = ds4_iq2xxs_grid[(idx >> (8 * (q & 1))) & 0xff];
+    u32 s7 = (aux >> (7 * q)) & 127;
+    u32 signs = s7 | ((__popc(s7) & 1) << 7);
+    u32 lo = (u32)grid, hi = (u32)(grid >> 32);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        u32 w = j < 2 ? lo : hi;
+        u32 ab = __byte_perm(w, 0u, (j & 1) ? 0x7372 : 0x7170); // bytes 2j', 2j'+1 -> low halves
+        u32 sg = (((signs >> (2 * j)) & 1u) << 15) | (((signs >> (2 * j + 1)) & 1u) << 31);
+        o[j] = gq_u10x2(ab) ^ sg;
+    }
+}
+
+template <> __device__ __forceinline__ void gq_slice<T_Q2_K>(const u8* __restrict__ row, int c, int q, u32* o, float& sc, float& mn) {
+    const u8* b = row + (size_t)(c >> 3) * 84;
+    int p = c & 7, h = p >> 2, j = p & 3, i = q >> 1, l0 = 8 * (q & 1);
+    u32 dd = *(const u32*)(b + 80);
+    float d = ds4_h2f((u16)dd), dmin = ds4_h2f((u16)(dd >> 16));
+    u32 s = b[8 * h + 2 * j + i];
+    sc = d, mn = ds4_mul_rn(dmin, (float)(s >> 4));
+    u32 sl = s & 15;
+    const u32* qs = (const u32*)(b + 16 + 32 * h + 16 * i + l0);
+#pragma unroll
+    for (int l4 = 0; l4 < 2; l4++) {
+        u32 v = (qs[l4] >> (2 * j)) & 0x03030303u;
+        // bytes b0..b3 -> (b0 | b1 << 16), (b2 | b3 << 16), times the 4-bit scale
+        o[2 * l4] = gq_u10x2(__byte_perm(v, 0u, 0x7170) * sl);
+        o[2 * l4 + 1] = gq_u10x2(__byte_perm(v, 0u, 0x7372) * sl);
+    }
+}
+
+template <> __device__ __forceinline__ void gq_slice<T_Q4_K>(const u8* __restrict__ row, int c, int q, u32* o, float& sc, float& mn) {
+    const u8* b = row + (size_t)(c >> 3) * 144;
+    int p = c & 7;
+    u32 dd = *(const u32*)b;
+    float d = ds4_h2f((u16)dd), dmin = ds4_h2f((u16)(dd >> 16));
+    const u8* scb = b + 4;
+    u32 s, m;
+    if (p < 4) {
+        s = scb[p] & 63;
+        m = scb[p + 4] & 63;
+    } else {
+        s = (scb[p + 4] & 15) | ((scb[p - 4] >> 6) << 4);
+        m = (scb[p + 4] >> 4) | ((scb[p] >> 6) << 4);
+    }
+    sc = d, mn = ds4_mul_rn(dmin, (float)m);
+    const u32* qs = (const u32*)(b + 16 + 32 * (p >> 1) + 8 * q);
+    int shift = 4 * (p & 1);
+#pragma unroll
+    for (int l4 = 0; l4 < 2; l4++) {
+        u32 v = (qs[l4] >> shift) & 0x0f0f0f0fu;
+        o[2 * l4] = gq_u10x2(__byte_perm(v, 0u, 0x7170) * s); // s*q <= 945 < 1024
+        o[2 * l4 + 1] = gq_u10x2(__byte_perm(v, 0u, 0x7372) * s);
+    }
+}
+
+template <int BM, int NB> struct alignas(16) GmSmemQ {
+    u32 xh[NB][BM][GM_LD], xl[NB][BM][GM_LD], w[NB][GM_BN][GM_LD];
+    float ws[NB][GM_BN];
+    float2 mm[NB][GM_BN]; // min coefficients of the two halves (K-quants)
+    float2 xs[NB][BM];    // activation sums of the two halves (K-quants)
+};
+
+template <int T, int NW> __device__ __forceinline__ void gemmq_body(GMQ_PARAMS) {
+    constexpr int BM = 16 * NW, NT = 32 * NW, NP = NT / GM_BN, WE = 32 / NP;
+    static_assert(NP == 1 || NP == 2, "NW: 4 or 8");
+    constexpr bool MIN = T == T_Q2_K || T == T_Q4_K;
+    constexpr int NB = NW == 4 ? 2 : 1; // 128 items: one buffer (static shared memory < 48 KB)
+    __shared__ int items[BM];
+    __shared__ int expert;
+    __shared__ GmSmemQ<BM, NB> sm;
+    const int tid = threadIdx.x, trow = tid & (GM_BN - 1), part = tid / GM_BN;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GM_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    if (tid < BM) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * BM + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) expert = e;
+        }
+        items[tid] = it;
+    }
+    __syncthreads();
+    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const int row = r0 + trow;
+    const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes;
+    const bool live = row < rows;
+    const int xi = tid >> 1, xq = tid & 1; // X staging: item xi, halves 16xq.. of the chunk
+    const int xit = items[xi];
+    const long long xo = xit >= 0 ? (long long)(xit / xdiv) * x_tok + (long long)z * x_z : 0;
+    const u16* xhr = XH + xo;
+    const u16* xlr = XL + xo;
+    const float* s16r = MIN ? S16 + xo / 16 : S16;
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
+
+    float acc[64]; // 4 per (m-tile, n-tile)
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+
+    uint4 xv[4]; // hi 0-1, lo 2-3
+    float xsv = 0.0f;
+    u32 wp[WE / 2];
+    float wsc = 0.0f, wmn[WE / 16 > 0 ? WE / 16 : 1];
+    auto load = [&](int c) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) xv[i] = make_uint4(0u, 0u, 0u, 0u);
+        xsv = 0.0f;
+        if (xit >= 0) {
+            const uint4* ph = (const uint4*)(xhr + 32 * c + 16 * xq);
+            const uint4* pl = (const uint4*)(xlr + 32 * c + 16 * xq);
+            xv[0] = ph[0], xv[1] = ph[1], xv[2] = pl[0], xv[3] = pl[1];
+            if (MIN) xsv = s16r[2 * c + xq];
+        }
+#pragma unroll
+        for (int q = 0; q < WE / 8; q++) {
+            float sc = 0.0f, mn = 0.0f;
+            if (live) {
+                gq_slice<T>(wrow, c, (WE / 8) * part + q, wp + 4 * q, sc, mn);
+            } else {
+                wp[4 * q] = wp[4 * q + 1] = wp[4 * q + 2] = wp[4 * q + 3] = 0u;
+            }
+            wsc = sc;
+            if (q % 2 == 0) wmn[q / 2] = mn; // half of slice q: (WE/8)*part + q over 2
+        }
+    };
+    if (c0 < c1) load(c0);
+    for (int c = c0; c < c1; c++) {
+        const int bi = NB == 2 ? (c - c0) & 1 : 0;
+        auto& sxh = sm.xh[bi];
+        auto& sxl = sm.xl[bi];
+        auto& sw = sm.w[bi];
+        *(uint4*)&sxh[xi][8 * xq] = xv[0];
+        *(uint4*)&sxh[xi][8 * xq + 4] = xv[1];
+        *(uint4*)&sxl[xi][8 * xq] = xv[2];
+        *(uint4*)&sxl[xi][8 * xq + 4] = xv[3];
+#pragma unroll
+        for (int v = 0; v < WE / 8; v++)
+            *(uint4*)&sw[trow][(WE / 2) * part + 4 * v] = make_uint4(wp[4 * v], wp[4 * v + 1], wp[4 * v + 2], wp[4 * v + 3]);
+        if (part == 0) sm.ws[bi][trow] = wsc;
+        if (MIN) {
+            if (NP == 1) sm.mm[bi][trow] = make_float2(wmn[0], wmn[WE / 16 - 1]);
+            else if (part == 0) sm.mm[bi][trow].x = wmn[0];
+            else sm.mm[bi][trow].y = wmn[0];
+            if (xq == 0) sm.xs[bi][xi].x = xsv;
+            else sm.xs[bi][xi].y = xsv;
+        }
+        __syncthreads();
+        if (c + 1 < c1) load(c + 1);
+#if GM_HAVE_MMA
+        const int warp = tid >> 5, lane = tid & 31;
+        float cc[64]; // this chunk's integer-weight products
+#pragma unroll
+        for (int i = 0; i < 64; i++) cc[i] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            u32 ah[GM_MT][4], al[GM_MT][4], b[4][2];
+            const int lr = lane & 7, lm = lane >> 3;
+#pragma unroll
+            for (int mt = 0; mt < GM_MT; mt++) {
+                int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
+                gm_ldm4(ah[mt], &sxh[m][k]);
+                gm_ldm4(al[mt], &sxl[m][k]);
+            }
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
+                u32 q[4];
+                gm_ldm4(q, &sw[r][k]);
+                b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
+            }
+#pragma unroll
+            for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    gm_mma_h(cc + 4 * (4 * mt + nt), ah[mt], b[nt]);
+                    gm_mma_h(cc + 4 * (4 * mt + nt), al[mt], b[nt]);
+                }
+        }
+        // acc += d_w[row] * cc (- mins): element e of tile (mt, nt): item 16mt + g + 8(e/2), row 8nt + 2t + e%2.
+        const int g = lane >> 2, t = lane & 3;
+        float wsr[4][2];
+        float2 mmr[4][2];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; e1++) {
+                int r = 32 * (warp & 3) + 8 * nt + 2 * t + e1;
+                wsr[nt][e1] = sm.ws[bi][r];
+                if (MIN) mmr[nt][e1] = sm.mm[bi][r];
+            }
+#pragma unroll
+        for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; e2++) {
+                float2 xs2 = MIN ? sm.xs[bi][64 * (warp >> 2) + 16 * mt + g + 8 * e2] : make_float2(0.f, 0.f);
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; e1++) {
+                        int i = 4 * (4 * mt + nt) + 2 * e2 + e1;
+                        float a = fmaf(wsr[nt][e1], cc[i], acc[i]);
+                        if (MIN) a = fmaf(-mmr[nt][e1].x, xs2.x, fmaf(-mmr[nt][e1].y, xs2.y, a));
+                        acc[i] = a;
+                    }
+            }
+#endif
+        // One buffer: wait before the next chunk's stores (two buffers: the next barrier orders them).
+        if (NB == 1) __syncthreads();
+    }
+
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = items[64 * (warp >> 2) + 16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+            const float sc = GM_HAVE_MMA ? xinv[it / xdiv] : __int_as_float(0x7fc00000); // NaN: no mma here
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + 32 * (warp & 3) + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[4 * (4 * mt + nt) + 2 * e2 + e1] * sc;
+                }
+        }
+}
+
+// gemmq<BM>_<t>: BM = 64 (128 threads, two buffers), 128 (256 threads, one buffer).
+DS4_KERNEL void DS4_BOUNDS(128) gemmq64_q8_0(GMQ_PARAMS) { gemmq_body<T_Q8_0, 4>(GMQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmq128_q8_0(GMQ_PARAMS) { gemmq_body<T_Q8_0, 8>(GMQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmq64_q2_k(GMQ_PARAMS) { gemmq_body<T_Q2_K, 4>(GMQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmq128_q2_k(GMQ_PARAMS) { gemmq_body<T_Q2_K, 8>(GMQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmq64_q4_k(GMQ_PARAMS) { gemmq_body<T_Q4_K, 4>(GMQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmq128_q4_k(GMQ_PARAMS) { gemmq_body<T_Q4_K, 8>(GMQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmq64_iq2_xxs(GMQ_PARAMS) { gemmq_body<T_IQ2_XXS, 4>(GMQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmq128_iq2_xxs(GMQ_PARAMS) { gemmq_body<T_IQ2_XXS, 8>(GMQ_ARGS); }
+
+// X rows to two f16 planes for gemmq: one CTA per token row t; elements j < width (multiple of
+// 16; X 16-byte aligned, x_tok multiple of 16): v = x * 2^s_t (s_t as gemm_xh_f32),
+// xh = f16_rn(v), xl = f16_rn(v - xh), xinv[t] = 2^-s_t; s16 (may be null): per 16 elements
+// the f32 sum of v (s16[t*x_tok/16 + j/16]). Without mma (never launched there) zeros.
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xq_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xh, u32* __restrict__ xl, float* __restrict__ xinv, float* __restrict__ s16) {
+    __shared__ float red[256 / DS4_WARP];
+    const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < width / 4; i += 256) {
+        float4 v = p[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < 256 / DS4_WARP; i++) m = fmaxf(m, red[i]);
+    int e = (int)((__float_as_int(m) >> 23) & 0xff) - 126;
+    int sh = min(max(15 - e, -126), 126);
+    float sc = __int_as_float((sh + 127) << 23);
+    if (threadIdx.x == 0) xinv[blockIdx.x] = __int_as_float((127 - sh) << 23);
+    const long long ob = (long long)blockIdx.x * x_tok >> 1;
+    for (int g = threadIdx.x; g < width / 16; g += 256) { // 16 elements per step
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float4 v = p[4 * g + i];
+            float a = v.x * sc, b = v.y * sc, c = v.z * sc, d = v.w * sc; // exact (power of two)
+            u32 h0 = gm_h2(a, b), h1 = gm_h2(c, d);
+            u32 l0 = 0u, l1 = 0u;
+#if GM_HAVE_MMA
+            float ah = ds4_h2f_fast(h0), bh = ds4_h2f_fast(h0 >> 16), ch = ds4_h2f_fast(h1), dh = ds4_h2f_fast(h1 >> 16);
+            l0 = gm_h2(a - ah, b - bh), l1 = gm_h2(c - ch, d - dh); // differences exact in f32
+#endif
+            xh[ob + 8 * g + 2 * i] = h0, xh[ob + 8 * g + 2 * i + 1] = h1;
+            xl[ob + 8 * g + 2 * i] = l0, xl[ob + 8 * g + 2 * i + 1] = l1;
+            sum += (a + b) + (c + d);
+        }
+        if (s16) s16[(long long)blockIdx.x * (x_tok / 16) + g] = sum;
+    }
+}

@@ -123,10 +123,30 @@ fn precise() -> bool {
     if p != UNSET {
         return p == 1;
     }
-    let p = !std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "0")
+    let p = !(std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "0")
+        || std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "f16"))
         || std::env::var("DS4_GPU_GEMM").is_ok_and(|v| v == "bf16");
     PRECISE.store(p as u8, Ordering::Relaxed);
     p
+}
+
+/// Exact-weight form `gemmq<BM>_<t>` (integer quants as f16, activations as two f16 planes)
+/// for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+: 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_FORM`
+/// on first use (`exact` on, `bf16`/`f16`/anything else off; `f16` also selects the f16 form;
+/// default on). Takes precedence over the bf16 and f16 forms for those types.
+static EXACT: AtomicU8 = AtomicU8::new(UNSET);
+
+fn exact() -> bool {
+    let e = EXACT.load(Ordering::Relaxed);
+    if e != UNSET {
+        return e == 1;
+    }
+    let e = match std::env::var("DS4_GPU_GEMM_FORM").as_deref() {
+        Ok("exact") | Err(_) => !std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "0"),
+        Ok(_) => false,
+    };
+    EXACT.store(e as u8, Ordering::Relaxed);
+    e
 }
 
 /// f16 form with 64/128-item tiles: shared tiles double-buffered (one barrier per K step):
@@ -182,6 +202,8 @@ fn half_tile(n: usize, experts: usize, ty: GgmlType) -> usize {
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Of those, exact-form (`gemmq*`) launches.
+static QLAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -207,7 +229,10 @@ struct Gm {
     /// Items per CTA: BM, or BM_WIDE (`gemmw_*`, bf16 form only); f16 form: 64, 128, 256.
     bm: usize,
     /// f16 form: inverse row scales from `gemm_xh_f32` (x then holds f16 values, strides in halves).
+    /// Exact form: from `gemm_xq_f32` (x the hi plane).
     xs: Option<DevPtr>,
+    /// Exact form: (lo plane, 16-element sums or null).
+    xq: Option<(DevPtr, DevPtr)>,
 }
 
 /// X converted for the f16 form: f16 values (same strides as the f32 source) and per-token-row
@@ -215,6 +240,58 @@ struct Gm {
 struct HalfX {
     x: GpuBuf,
     inv: GpuBuf,
+}
+
+/// X converted for the exact form: hi and lo f16 planes (strides of the f32 source), per-token
+/// inverse scales, 16-element sums (K-quants only).
+struct QuantX {
+    hi: GpuBuf,
+    lo: GpuBuf,
+    inv: GpuBuf,
+    s16: Option<GpuBuf>,
+}
+
+impl QuantX {
+    /// (x, xs, xq) fields of a [`Gm`].
+    fn parts(&self) -> (DevPtr, Option<DevPtr>, Option<(DevPtr, DevPtr)>) {
+        (
+            self.hi.ptr,
+            Some(self.inv.ptr),
+            Some((self.lo.ptr, self.s16.as_ref().map_or(DevPtr(0), |b| b.ptr))),
+        )
+    }
+}
+
+/// X as a product reads it: the f32 source, or converted for the f16 or the exact form.
+enum Xc {
+    F32,
+    Half(HalfX),
+    Quant(QuantX),
+}
+
+impl Xc {
+    /// (x, xs, xq) fields of a [`Gm`] for source `x`.
+    fn parts(&self, x: DevPtr) -> (DevPtr, Option<DevPtr>, Option<(DevPtr, DevPtr)>) {
+        match self {
+            Xc::F32 => (x, None, None),
+            Xc::Half(h) => (h.x.ptr, Some(h.inv.ptr), None),
+            Xc::Quant(q) => q.parts(),
+        }
+    }
+
+    /// Item tile for `n` items over `experts` experts (0: dense) of weight type `ty`.
+    fn tile(&self, n: usize, experts: usize, ty: GgmlType) -> usize {
+        match self {
+            Xc::F32 => tile_items(n, experts, ty),
+            Xc::Half(_) => half_tile(n, experts, ty),
+            Xc::Quant(_) => half_tile(n, experts, ty).min(BM_WIDE),
+        }
+    }
+}
+
+/// Whether the exact form needs the 16-element activation sums (min terms) for `ty`.
+fn needs_sums(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K)
 }
 
 impl GpuBackend {
@@ -239,6 +316,78 @@ impl GpuBackend {
     /// Process-wide (tests, benchmarks).
     pub fn set_gemm_precise(precise: bool) {
         PRECISE.store(precise as u8, Ordering::Relaxed);
+    }
+
+    /// Exact-weight form (`gemmq*`) for quantised weights on CUDA sm_80+ (default true).
+    pub fn set_gemm_exact(on: bool) {
+        EXACT.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Exact-form (`gemmq*`) GEMM launches so far in this process.
+    pub fn gemm_exact_launches() -> u64 {
+        QLAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// Whether weight type `ty` takes the exact form with X strides `x_strides` (elements).
+    fn exact_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
+        let info = self.gpu.info();
+        mode() == 0
+            && exact()
+            && matches!(
+                ty,
+                GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
+            )
+            && info.vendor == crate::runtime::Vendor::Nvidia
+            && info.cc.0 >= 8
+            && x_strides.iter().all(|s| s.is_multiple_of(16)) // 16-byte f16 loads, 16-sums
+    }
+
+    /// `gemm_xq_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to two f16
+    /// planes (+ 16-element sums when `sums`).
+    fn quant_x(&self, x: DevPtr, ntok: usize, x_tok: usize, width: usize, sums: bool) -> QuantX {
+        let half = (ntok * x_tok).div_ceil(2);
+        let q = QuantX {
+            hi: self.scratch(half),
+            lo: self.scratch(half),
+            inv: self.scratch(ntok),
+            s16: sums.then(|| self.scratch(ntok * x_tok / 16)),
+        };
+        self.run(
+            &ds4_kernels::GEMM,
+            "gemm_xq_f32",
+            LaunchDims::linear(ntok as u32, 256),
+            &[
+                Arg::Ptr(x),
+                Arg::I64(x_tok as i64),
+                Arg::I32(width as i32),
+                Arg::Ptr(q.hi.ptr),
+                Arg::Ptr(q.lo.ptr),
+                Arg::Ptr(q.inv.ptr),
+                q.s16.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
+            ],
+        );
+        q
+    }
+
+    /// Convert x (rows t < ntok, stride x_tok, `width` elements) for products with weight types
+    /// `tys` (all must take the same form) and X strides `strides`.
+    fn convert_x(
+        &self,
+        tys: &[GgmlType],
+        strides: &[usize],
+        x: DevPtr,
+        ntok: usize,
+        x_tok: usize,
+        width: usize,
+    ) -> Xc {
+        if tys.iter().all(|&t| self.exact_ok(t, strides)) {
+            let sums = tys.iter().any(|&t| needs_sums(t));
+            Xc::Quant(self.quant_x(x, ntok, x_tok, width, sums))
+        } else if tys.iter().all(|&t| self.half_ok(t, strides)) {
+            Xc::Half(self.half_x(x, ntok, x_tok, width))
+        } else {
+            Xc::F32
+        }
     }
 
     /// f16 form: double-buffered shared tiles (default true; 256-item tiles never).
@@ -401,16 +550,18 @@ impl GpuBackend {
             return;
         }
         let Some(sfx) = suffix(m.ty) else { return };
-        let half = m.xs.is_some();
+        let quant = m.xq.is_some();
+        let half = m.xs.is_some() && !quant;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
+            _ if quant => format!("gemmq{}", m.bm),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
             3 => "gemmp".into(),
             _ if wide => "gemmw".into(),
             _ => "gemm".into(),
         };
-        let bm = if half || wide { m.bm } else { BM };
+        let bm = if half || wide || quant { m.bm } else { BM };
         let ytiles = match m.grp {
             Some((_, _, gmax)) => gmax,
             None => m.n.div_ceil(bm),
@@ -432,6 +583,9 @@ impl GpuBackend {
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
         if half {
             HLAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
+        if quant {
+            QLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
@@ -457,7 +611,15 @@ impl GpuBackend {
                 Arg::Ptr(m.x),
             ]
             .into_iter()
-            .chain(m.xs.map(Arg::Ptr)) // gemmh: inverse row scales after X
+            .chain(m.xq.map(|(lo, _)| Arg::Ptr(lo))) // gemmq: lo plane after the hi plane
+            .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmq: inverse row scales
+            .chain(m.xq.map(|(_, s)| {
+                if s.0 == 0 {
+                    Arg::Null
+                } else {
+                    Arg::Ptr(s)
+                }
+            })) // gemmq: 16-element sums
             .chain([
                 Arg::I64(m.x_tok as i64),
                 Arg::I64(m.x_z as i64),
@@ -521,15 +683,14 @@ impl GpuBackend {
             Part::All => 0,
             Part::Expert(e) => e * slab,
         };
-        let hx = self
-            .half_ok(*ty, &[*cols])
-            .then(|| self.half_x(x.ptr, n, *cols, *cols));
+        let xc = self.convert_x(&[*ty], &[*cols], x.ptr, n, *cols, *cols);
+        let (gx, xs, xq) = xc.parts(x.ptr);
         self.gemm(&Gm {
             w: buf.ptr().offset(byte0 as u64),
             ty: *ty,
             w_z: 0,
             slab,
-            x: hx.as_ref().map_or(x.ptr, |h| h.x.ptr),
+            x: gx,
             x_tok: *cols,
             x_z: 0,
             xdiv: 1,
@@ -542,12 +703,9 @@ impl GpuBackend {
             n,
             zs: 1,
             grp: None,
-            bm: if hx.is_some() {
-                half_tile(n, 0, *ty)
-            } else {
-                tile_items(n, 0, *ty)
-            },
-            xs: hx.as_ref().map(|h| h.inv.ptr),
+            bm: xc.tile(n, 0, *ty),
+            xs,
+            xq,
         });
         true
     }
@@ -579,15 +737,15 @@ impl GpuBackend {
             return false;
         }
         let r = rows / groups;
-        let hx = self
-            .half_ok(*ty, &[groups * cols, *cols])
-            .then(|| self.half_x(x.ptr, n, groups * cols, groups * cols));
+        let strides = [groups * cols, *cols];
+        let xc = self.convert_x(&[*ty], &strides, x.ptr, n, groups * cols, groups * cols);
+        let (gx, xs, xq) = xc.parts(x.ptr);
         self.gemm(&Gm {
             w: buf.ptr(),
             ty: *ty,
             w_z: r * row_bytes,
             slab: 0,
-            x: hx.as_ref().map_or(x.ptr, |h| h.x.ptr),
+            x: gx,
             x_tok: groups * cols,
             x_z: *cols,
             xdiv: 1,
@@ -600,12 +758,9 @@ impl GpuBackend {
             n,
             zs: groups,
             grp: None,
-            bm: if hx.is_some() {
-                half_tile(n, 0, *ty)
-            } else {
-                tile_items(n, 0, *ty)
-            },
-            xs: hx.as_ref().map(|h| h.inv.ptr),
+            bm: xc.tile(n, 0, *ty),
+            xs,
+            xq,
         });
         true
     }
@@ -651,9 +806,11 @@ impl GpuBackend {
             return false;
         }
         let sel = sel.0.ptr;
-        // f16 form per product; gate and up share one converted z.
-        let h_gu = self.half_ok(g.1, &[d]) && self.half_ok(u.1, &[d]);
-        let h_dn = self.half_ok(dn.1, &[ff]);
+        // Exact or f16 form per product; gate and up share one converted z.
+        let q_gu = self.exact_ok(g.1, &[d]) && self.exact_ok(u.1, &[d]);
+        let q_dn = self.exact_ok(dn.1, &[ff]);
+        let h_gu = q_gu || (self.half_ok(g.1, &[d]) && self.half_ok(u.1, &[d]));
+        let h_dn = q_dn || self.half_ok(dn.1, &[ff]);
         // Runs of one expert cut every bm pairs: at most pairs/bm + one partial run per expert.
         // bm (64 or 128) suits both forms: a bf16-form product takes it as gemm_/gemmw_ tiles.
         let bm = if h_gu || h_dn {
@@ -666,7 +823,12 @@ impl GpuBackend {
         let grouped = Some((sel, grp.ptr, gmax));
         let gb = self.scratch(pairs * ff);
         let ub = self.scratch(pairs * ff);
-        let hz = h_gu.then(|| self.half_x(z.ptr, n, d, d));
+        let hz = if h_gu {
+            self.convert_x(&[g.1, u.1], &[d], z.ptr, n, d, d)
+        } else {
+            Xc::F32
+        };
+        let (zx, zs, zq) = hz.parts(z.ptr);
         for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
             // Pair i reads token i / k of z.
             self.gemm(&Gm {
@@ -674,7 +836,7 @@ impl GpuBackend {
                 ty,
                 w_z: 0,
                 slab: ff * rb,
-                x: hz.as_ref().map_or(z.ptr, |h| h.x.ptr),
+                x: zx,
                 x_tok: d,
                 x_z: 0,
                 xdiv: k,
@@ -688,20 +850,26 @@ impl GpuBackend {
                 zs: 1,
                 grp: grouped,
                 bm,
-                xs: hz.as_ref().map(|h| h.inv.ptr),
+                xs: zs,
+                xq: zq,
             });
         }
         drop(hz);
         let mut h = self.scratch(pairs * ff);
         self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
-        let hh = h_dn.then(|| self.half_x(h.ptr, pairs, ff, ff));
+        let hh = if h_dn {
+            self.convert_x(&[dn.1], &[ff], h.ptr, pairs, ff, ff)
+        } else {
+            Xc::F32
+        };
+        let (hx, hs, hq) = hh.parts(h.ptr);
         self.gemm(&Gm {
             w: dn.0,
             ty: dn.1,
             w_z: 0,
             slab: d * dn.4,
-            x: hh.as_ref().map_or(h.ptr, |h| h.x.ptr),
+            x: hx,
             x_tok: ff,
             x_z: 0,
             xdiv: 1,
@@ -715,7 +883,8 @@ impl GpuBackend {
             zs: 1,
             grp: grouped,
             bm,
-            xs: hh.as_ref().map(|h| h.inv.ptr),
+            xs: hs,
+            xq: hq,
         });
         let total = n * d;
         self.run(
