@@ -10,10 +10,12 @@
 //! `max(0, t−W+1) ..= t`, compressed rows `< (t+1) / ratio`.
 
 pub mod rope;
+pub mod sample;
 pub mod state;
 
 pub use ds4_gguf::GgmlType;
 use ds4_gguf::GgufFile;
+pub use sample::SampleParams;
 pub use state::{HostCompState, HostLayerState};
 use std::sync::Arc;
 
@@ -283,6 +285,12 @@ pub trait Backend: Send + Sync + Sized {
     /// The first `len` values.
     fn download(&self, b: &Self::Buf, len: usize) -> Vec<f32>;
     fn download_i32(&self, b: &Self::IBuf, len: usize) -> Vec<i32>;
+    /// The token [`sample::select`] picks from the first `vocab` values of `logits` for draw
+    /// `u` ∈ [0, 1) (unused when greedy). Default: download and pick on the host; a device
+    /// backend picks in place and returns only the id (the end of a recorded step).
+    fn sample(&self, logits: &Self::Buf, vocab: usize, p: &SampleParams, u: f64) -> u32 {
+        sample::select(&self.download(logits, vocab), p, u)
+    }
     /// `dst[dst_off ..][.. len] = src[src_off ..][.. len]`.
     fn copy(
         &self,
@@ -474,6 +482,37 @@ pub trait Backend: Send + Sync + Sized {
     fn swiglu(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize, clamp: f32);
 
     // ---- fused ops (defaults: the composition; devices may fuse) ----
+    /// `ys[i] = ws[i]·x` for every i ([`Backend::matmul`] with `Part::All`, `n` rows of `x`):
+    /// products of one input that a device may run as one launch. Default: the products in order.
+    fn matmul_multi(
+        &self,
+        ws: &[&Self::Weight],
+        x: &Self::Buf,
+        n: usize,
+        ys: &mut [&mut Self::Buf],
+    ) {
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul(w, Part::All, x, n, y);
+        }
+    }
+    /// Shared-expert gate/up with the clamped SwiGLU: `h = g·x`, then [`Backend::swiglu`] of
+    /// `h` with `u·x` over `n·ff` values (`ff` = rows of `g` and `u`). Default: that composition.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_gateup(
+        &self,
+        g: &Self::Weight,
+        u: &Self::Weight,
+        x: &Self::Buf,
+        n: usize,
+        ff: usize,
+        h: &mut Self::Buf,
+        clamp: f32,
+    ) {
+        let mut t = self.alloc(n * ff);
+        self.matmul(g, Part::All, x, n, h);
+        self.matmul(u, Part::All, x, n, &mut t);
+        self.swiglu(h, &t, n * ff, clamp);
+    }
     /// HC pre with the sublayer's input norm (model.md §3.1): `m = mixer · rms_norm(X)` (no
     /// weight, over N·D per token), [`Backend::hc_split`] into `z`, `post`, `comb`, then
     /// `rms_norm(z, norm)` over D. `x` is `[n, N, D]`. Default: [`hc_pre_norm_composed`].

@@ -139,12 +139,17 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
 fn q8_only(gpu: &GpuBackend, reps: usize) {
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
     println!("-- Q8_0 n = 1, model shapes: mvq r2u4 (GGUF blocks) vs mvr forms (decode copy) --");
-    let forms: [(&str, u8); 5] = [
-        ("mvq r2u4", 0),
-        ("mvr r1u8", 1),
-        ("mvr r2u4", 2),
-        ("mvr r4u2", 3),
-        ("mvr r2u2", 4),
+    // (name, mvr form, mvp form, mvp CTAs per SM)
+    let forms: [(&str, u8, u8, u8); 9] = [
+        ("mvq r2u4", 0, 0, 4),
+        ("mvr r4u2", 3, 0, 4),
+        ("mvr r2u2", 4, 0, 4),
+        ("mvr default", 255, 0, 4),
+        ("mvp p1u2 x4", 255, 1, 4),
+        ("mvp p1u4 x4", 255, 2, 4),
+        ("mvp p2u2 x4", 255, 3, 4),
+        ("mvp p1u2 x2", 255, 1, 2),
+        ("mvp p2u2 x3", 255, 3, 3),
     ];
     for (name, cols, rows, groups) in [
         ("attn q_a", 4096, 1024, 1),
@@ -162,10 +167,11 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
             .collect();
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(rows);
-        for (fname, form) in forms {
+        for (fname, form, pf, ctas) in forms {
             GpuBackend::set_matvec_defaults();
             GpuBackend::set_matvec_one(2);
             GpuBackend::set_matvec_repacked(form);
+            GpuBackend::set_matvec_q8_form(pf, ctas);
             let mut call = |i: usize| {
                 let w = &ws[i % ws.len()];
                 if groups > 1 {
@@ -221,6 +227,75 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
     GpuBackend::set_matvec_defaults();
 }
 
+/// Copies of a set of matrices of one x (`rows` each, one type and cols): m sets whose bytes
+/// together reach 256 MB (at most 64), and the bytes of one set.
+fn set_copies(gpu: &GpuBackend, ty: GgmlType, cols: usize, rows: &[usize]) -> (Vec<Vec<W>>, f64) {
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    let bytes = rows.iter().map(|r| r * rb).sum::<usize>() as f64;
+    let m = ((256e6 / bytes).ceil() as usize).clamp(1, 64);
+    let fs: Vec<_> = rows.iter().map(|&r| weight_file(ty, cols, r, 1)).collect();
+    let sets = (0..m)
+        .map(|_| fs.iter().map(|f| bind(gpu, f)).collect())
+        .collect();
+    (sets, bytes)
+}
+
+/// `matvec_bench reps merged`: n = 1 products of one x merged into one launch (`matmul_multi`,
+/// `matmul_gateup`) against one by one (`set_matvec_merge(false)`), eager and graph-timed per
+/// call of the whole set.
+fn merged(gpu: &GpuBackend, reps: usize) {
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(3);
+    println!("-- merged n = 1 products: one launch vs one by one --");
+    let sets: [(&str, GgmlType, usize, &[usize]); 4] = [
+        ("attn q_a + kv", GgmlType::Q8_0, 4096, &[1024, 512]),
+        (
+            "CSA compressor + indexer",
+            GgmlType::F16,
+            4096,
+            &[1024, 1024, 256, 256, 64],
+        ),
+        ("HCA compressor", GgmlType::F16, 4096, &[512, 512]),
+        (
+            "shared gate/up + swiglu",
+            GgmlType::Q8_0,
+            4096,
+            &[2048, 2048],
+        ),
+    ];
+    for (name, ty, cols, rows) in sets {
+        let (sets, bytes) = set_copies(gpu, ty, cols, rows);
+        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let x = gpu.upload(&x);
+        let mut ys: Vec<B> = rows.iter().map(|&r| gpu.alloc(r)).collect();
+        let gateup = name.starts_with("shared");
+        for merge in [false, true] {
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_merge(merge);
+            let mut call = |i: usize| {
+                let s = &sets[i % sets.len()];
+                if gateup {
+                    gpu.matmul_gateup(&s[0], &s[1], &x, 1, rows[0], &mut ys[0], 10.0);
+                } else {
+                    let ws: Vec<&W> = s.iter().collect();
+                    let mut refs: Vec<&mut B> = ys.iter_mut().collect();
+                    gpu.matmul_multi(&ws, &x, 1, &mut refs);
+                }
+            };
+            let e = time(gpu, &x, reps, &mut call);
+            let g = time_graph(gpu, &x, reps, &mut call);
+            println!(
+                "{:60} eager {:8.2} us {:7.1} GB/s | graph {:8.2} us {:7.1} GB/s",
+                format!("{name} {ty:?} {cols}->{rows:?} merge {merge}"),
+                e * 1e6,
+                bytes / e / 1e9,
+                g * 1e6,
+                bytes / g / 1e9
+            );
+        }
+    }
+    GpuBackend::set_matvec_defaults();
+}
+
 fn main() {
     let reps: usize = std::env::args()
         .nth(1)
@@ -242,6 +317,10 @@ fn main() {
     let gpu = GpuBackend::new(g, &rope_tables(&HParams::tiny())).expect("backend");
     if only_q8 {
         q8_only(&gpu, reps);
+        return;
+    }
+    if std::env::args().nth(2).as_deref() == Some("merged") {
+        merged(&gpu, reps);
         return;
     }
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);

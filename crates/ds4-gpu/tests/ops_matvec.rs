@@ -607,8 +607,24 @@ fn matvec_repacked() {
             cpu.matmul(&w.0, part, &cx, 1, &mut cy);
         }
         let want = cpu.download(&cy, rows);
-        for form in [1u8, 2, 3, 4, 0, 255] {
+        // (mvr form, mvp form, mvp CTAs per SM): the mvr forms, then the pipelined mvp forms
+        // (persistent grids of 4, 1 and 2 CTAs per SM: warps with many row groups).
+        let forms = [
+            (1u8, 0u8, 4u8),
+            (2, 0, 4),
+            (3, 0, 4),
+            (4, 0, 4),
+            (0, 0, 4),
+            (255, 0, 4),
+            (255, 1, 4),
+            (255, 2, 4),
+            (255, 3, 4),
+            (255, 1, 1),
+            (255, 3, 2),
+        ];
+        for (form, pf, ctas) in forms {
             GpuBackend::set_matvec_repacked(form);
+            GpuBackend::set_matvec_q8_form(pf, ctas);
             let mut outs = Vec::new();
             for _ in 0..2 {
                 let mut gy = gpu.upload(&vec![f32::NAN; rows]);
@@ -619,8 +635,9 @@ fn matvec_repacked() {
                 }
                 outs.push(gpu.download(&gy, rows));
             }
-            let name =
-                format!("mvr form {form} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}");
+            let name = format!(
+                "mvr form {form} mvp {pf}/{ctas} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}"
+            );
             cases.check(name.clone(), cols, &outs[0], &want, &gpu);
             let same = outs[0]
                 .iter()
@@ -631,6 +648,7 @@ fn matvec_repacked() {
         }
     }
     GpuBackend::set_matvec_repacked(255);
+    GpuBackend::set_matvec_q8_form(0, 4);
     cases.finish();
 }
 
@@ -674,5 +692,92 @@ fn matvec_split() {
     }
     GpuBackend::set_matvec_split(false);
     GpuBackend::set_matvec_one(255);
+    cases.finish();
+}
+
+/// Merged n = 1 products (`matmul_multi`: `mvrm_*` on decode copies, `mvqm_*` on F16/Q8_0
+/// rows; `matmul_gateup`: `mvrgu_*`) against the CPU's default composition, merged and with
+/// `set_matvec_merge(false)`: the model's sets (q_a + kv; compressor + indexer projections),
+/// odd row counts (CTAs of a matrix partly empty), one-row matrices, column counts ending mid
+/// warp-step, more matrices than one launch takes (falls back), n = 2 (falls back), and the
+/// shared expert's gate/up with a clamp that cuts (0.5) and one that does not.
+#[test]
+fn matvec_merged() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    // (type, cols, rows of each matrix, n)
+    let sets: &[(GgmlType, usize, &[usize], usize)] = &[
+        (GgmlType::Q8_0, 4096, &[1024, 512], 1),
+        (GgmlType::Q8_0, 1056, &[37, 70, 1, 5, 33, 2], 1),
+        (GgmlType::Q8_0, 4096, &[3, 4099], 1),
+        (GgmlType::F16, 4096, &[1024, 1024, 256, 256, 64], 1),
+        (GgmlType::F16, 4096, &[512, 512], 1),
+        (GgmlType::F16, 1056, &[7, 1, 70], 1),
+        (GgmlType::F16, 96, &[3, 5, 7, 9, 11, 13], 1),
+        (GgmlType::F16, 96, &[3, 5, 7, 9, 11, 13, 15], 1),
+        (GgmlType::Q8_0, 1024, &[64, 32], 2),
+    ];
+    for (si, &(ty, cols, rows, n)) in sets.iter().enumerate() {
+        let ws: Vec<Pair> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| weight(&cpu, &gpu, ty, cols, r, 1, 1900 + 10 * si as u64 + i as u64))
+            .collect();
+        let xs = randn(&mut rng(77 + si as u64), n * cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cys: Vec<_> = rows.iter().map(|&r| cpu.alloc(n * r)).collect();
+        let cws: Vec<_> = ws.iter().map(|w| &w.0).collect();
+        let mut crefs: Vec<_> = cys.iter_mut().collect();
+        cpu.matmul_multi(&cws, &cx, n, &mut crefs);
+        let want: Vec<Vec<f32>> = cys
+            .iter()
+            .zip(rows)
+            .map(|(y, &r)| cpu.download(y, n * r))
+            .collect();
+        for merge in [true, false] {
+            GpuBackend::set_matvec_merge(merge);
+            let mut gys: Vec<_> = rows
+                .iter()
+                .map(|&r| gpu.upload(&vec![f32::NAN; n * r]))
+                .collect();
+            let gws: Vec<_> = ws.iter().map(|w| &w.1).collect();
+            let mut grefs: Vec<_> = gys.iter_mut().collect();
+            gpu.matmul_multi(&gws, &gx, n, &mut grefs);
+            for (i, (&r, y)) in rows.iter().zip(&gys).enumerate() {
+                let name = format!("multi {ty:?} {cols}->{rows:?}[{i}] n={n} merge {merge}");
+                cases.check(name, cols, &gpu.download(y, n * r), &want[i], &gpu);
+            }
+        }
+    }
+    // Shared expert gate/up + SwiGLU: (cols, ff, clamp, n)
+    for (si, &(cols, ff, clamp, n)) in [
+        (4096usize, 2048usize, 10.0f32, 1usize),
+        (4096, 2048, 0.5, 1),
+        (1056, 37, 1.0, 1),
+        (96, 1, 3.0, 1),
+        (1024, 64, 1.0, 2),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let g = weight(&cpu, &gpu, GgmlType::Q8_0, cols, ff, 1, 2100 + si as u64);
+        let u = weight(&cpu, &gpu, GgmlType::Q8_0, cols, ff, 1, 2200 + si as u64);
+        let xs = randn(&mut rng(177 + si as u64), n * cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut ch = cpu.alloc(n * ff);
+        cpu.matmul_gateup(&g.0, &u.0, &cx, n, ff, &mut ch, clamp);
+        let want = cpu.download(&ch, n * ff);
+        for merge in [true, false] {
+            GpuBackend::set_matvec_merge(merge);
+            let mut gh = gpu.upload(&vec![f32::NAN; n * ff]);
+            gpu.matmul_gateup(&g.1, &u.1, &gx, n, ff, &mut gh, clamp);
+            let name = format!("gateup Q8_0 {cols}->{ff} clamp {clamp} n={n} merge {merge}");
+            cases.check(name, cols, &gpu.download(&gh, n * ff), &want, &gpu);
+        }
+    }
+    GpuBackend::set_matvec_merge(true);
     cases.finish();
 }

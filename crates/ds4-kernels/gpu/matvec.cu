@@ -769,3 +769,275 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r1u8_q8_0(MVR_PARAMS) { mvr_body<1, 8
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u4_q8_0(MVR_PARAMS) { mvr_body<2, 4>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { mvr_body<4, 2>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { mvr_body<2, 2>(MVR_ARGS); }
+
+// ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
+// indexer projections): matrices m < 6 of the same cols, matrix m takes CTAs c_m .. c_{m+1} - 1
+// (c_0 = 0; c_m = 0x7fffffff for absent m), each CTA as one CTA of the single-matrix form at
+// blockIdx.x - c_m (rows per CTA (MV_WARPS / kspl) * R). Per-lane order of the sums as there.
+//   mvrm_r2u2_q8_0: Q8_0 decode layout (Q_m, D_m: q8_repack) as mvr_r2u2_q8_0;
+//   mvqm_r2u4_<t>:  rows of W_m (row_bytes rb) as mvq_r2u4_<t>.
+//   mvrgu_r2u2_q8_0: the shared expert's gate and up (decode layout) with the clamped SwiGLU:
+//   h[r] = silu(min(g, c)) * clamp(u, -c, c), g = Wg[r] . x, u = Wu[r] . x; a warp (or kspl
+//   warps) per row pair r, as swiglu_f32 with weight 1.
+
+// Matrix of this CTA: the number of c_1..c_5 at or below blockIdx.x.
+__device__ __forceinline__ int mvm_pick(int c1, int c2, int c3, int c4, int c5) {
+    int b = blockIdx.x;
+    return (b >= c1) + (b >= c2) + (b >= c3) + (b >= c4) + (b >= c5);
+}
+
+// acc[i] += lane's half blocks of decode-layout rows qp[i]/dp[i] times x (xv: x as float4),
+// steps ks*DS4_WARP, + kspl*DS4_WARP, ... of hb half blocks; U steps of loads before the math.
+template <int R, int U>
+__device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* const (&dp)[R],
+                                        const float4* __restrict__ xv, int hb, int ks, int kspl, float (&acc)[R][1]) {
+    int lane = threadIdx.x % DS4_WARP, stride = kspl * DS4_WARP;
+    for (int h0 = ks * DS4_WARP; h0 < hb; h0 += U * stride) {
+        uint4 v[U][R];
+        u32 d[U][R];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int h = h0 + u * stride + lane;
+            if (h < hb)
+#pragma unroll
+                for (int i = 0; i < R; i++) v[u][i] = qp[i][h], d[u][i] = dp[i][h >> 1];
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int h = h0 + u * stride + lane;
+            if (h < hb) {
+                float4 xa = xv[4 * h], xb = xv[4 * h + 1], xc = xv[4 * h + 2], xd = xv[4 * h + 3];
+#pragma unroll
+                for (int i = 0; i < R; i++) acc[i][0] = mvr_dot(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][0]);
+            }
+        }
+    }
+}
+
+// One CTA (index bx) of y[r] = W[r] . x, W in the decode layout (Q, D), r < rows.
+template <int R, int U>
+__device__ __forceinline__ void mvr_cta(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                        float* __restrict__ y, int rows, int cols, int kspl, int bx) {
+    __shared__ float red[MV_WARPS * R];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int r0 = (bx * (MV_WARPS / kspl) + warp / kspl) * R;
+    float acc[R][1];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i][0] = 0.0f;
+    if (r0 < rows) { // warp-uniform
+        const uint4* qp[R];
+        const u16* dp[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            long long g = min(r0 + i, rows - 1);
+            qp[i] = (const uint4*)(Q + g * cols);
+            dp[i] = D + g * (cols / 32);
+        }
+        mvr_acc<R, U>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
+    }
+    float v = mv_reduce<1, R>(acc, kspl, red);
+    int r = r0 + lane;
+    if (warp % kspl == 0 && lane < R && r < rows) y[r] = v;
+}
+
+// One CTA (index bx) of y[r] = W[r] . x, W rows of row_bytes (GGUF blocks or F16), r < rows.
+template <int T, int R, int U>
+__device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
+                                        int rows, int cols, long long row_bytes, int kspl, int bx) {
+    __shared__ float red[MV_WARPS * R];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int r0 = (bx * (MV_WARPS / kspl) + warp / kspl) * R;
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    if (r0 < rows) { // warp-uniform
+        const u8* rp[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) rp[i] = W + (long long)min(r0 + i, rows - 1) * row_bytes;
+        int q = lane & 3, stride = kspl * MV_CPW, chunks = cols / 32;
+        for (int c0 = (warp % kspl) * MV_CPW; c0 < chunks; c0 += U * stride) {
+            MvqRaw<T> raw[U][R];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int c = c0 + u * stride + lane / 4;
+                if (c < chunks)
+#pragma unroll
+                    for (int i = 0; i < R; i++) raw[u][i].load(rp[i], c, q);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int c = c0 + u * stride + lane / 4;
+                if (c < chunks) {
+                    const float4* xv = (const float4*)(x + (long long)c * 32 + 8 * q);
+                    float4 xa = xv[0], xc = xv[1];
+#pragma unroll
+                    for (int i = 0; i < R; i++) acc[i] = raw[u][i].dot(xa, xc, acc[i]);
+                }
+            }
+        }
+    }
+    float a2[R][1];
+#pragma unroll
+    for (int i = 0; i < R; i++) a2[i][0] = acc[i];
+    float v = mv_reduce<1, R>(a2, kspl, red);
+    int r = r0 + lane;
+    if (warp % kspl == 0 && lane < R && r < rows) y[r] = v;
+}
+
+#define MVM_SEL(a0, a1, a2, a3, a4, a5)                                                                               \
+    (m == 0 ? (a0) : m == 1 ? (a1) : m == 2 ? (a2) : m == 3 ? (a3) : m == 4 ? (a4) : (a5))
+#define MVM_OFF (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c4, c5)
+
+#define MVRM_ONE(i) const u8 *__restrict__ Q##i, const u16 *__restrict__ D##i, float *__restrict__ y##i, int rows##i
+#define MVRM_PARAMS                                                                                                    \
+    MVRM_ONE(0), MVRM_ONE(1), MVRM_ONE(2), MVRM_ONE(3), MVRM_ONE(4), MVRM_ONE(5), const float *__restrict__ x, int cols, \
+        int kspl, int c1, int c2, int c3, int c4, int c5
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) {
+    int m = mvm_pick(c1, c2, c3, c4, c5);
+    mvr_cta<2, 2>(MVM_SEL(Q0, Q1, Q2, Q3, Q4, Q5), MVM_SEL(D0, D1, D2, D3, D4, D5), x, MVM_SEL(y0, y1, y2, y3, y4, y5),
+                  MVM_SEL(rows0, rows1, rows2, rows3, rows4, rows5), cols, kspl, MVM_OFF);
+}
+
+#define MVQM_ONE(i) const u8 *__restrict__ W##i, float *__restrict__ y##i, int rows##i
+#define MVQM_PARAMS                                                                                                    \
+    MVQM_ONE(0), MVQM_ONE(1), MVQM_ONE(2), MVQM_ONE(3), MVQM_ONE(4), MVQM_ONE(5), const float *__restrict__ x, int cols, \
+        long long row_bytes, int kspl, int c1, int c2, int c3, int c4, int c5
+#define MVQM_BODY(T)                                                                                                   \
+    int m = mvm_pick(c1, c2, c3, c4, c5);                                                                              \
+    mvq_cta<T, 2, 4>(MVM_SEL(W0, W1, W2, W3, W4, W5), x, MVM_SEL(y0, y1, y2, y3, y4, y5),                              \
+                     MVM_SEL(rows0, rows1, rows2, rows3, rows4, rows5), cols, row_bytes, kspl, MVM_OFF);
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { MVQM_BODY(T_F16) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { MVQM_BODY(T_Q8_0) }
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu, const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h, int rows, int cols, float clamp, int kspl) {
+    __shared__ float red[MV_WARPS * 2];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int r = blockIdx.x * (MV_WARPS / kspl) + warp / kspl;
+    float acc[2][1] = {{0.0f}, {0.0f}}; // gate row r, up row r
+    if (r < rows) { // warp-uniform
+        long long o = (long long)r * cols, od = (long long)r * (cols / 32);
+        const uint4* qp[2] = {(const uint4*)(Qg + o), (const uint4*)(Qu + o)};
+        const u16* dp[2] = {Dg + od, Du + od};
+        mvr_acc<2, 2>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
+    }
+    float v = mv_reduce<1, 2>(acc, kspl, red); // lane 0: gate, lane 1: up (first warp of a group)
+    float u = ds4_shfl_xor(v, 1);
+    if (warp % kspl == 0 && lane == 0 && r < rows) {
+        float gv = fminf(v, clamp), uv = fminf(fmaxf(u, -clamp), clamp);
+        float silu = gv * (1.0f / (1.0f + expf(-gv)));
+        h[r] = silu * uv;
+    }
+}
+
+// ---- Persistent, software-pipelined one-row products from the decode layout (mvp_r<R>u<U>_q8_0,
+// n = 1; opt-in form `DS4_GPU_Q8_FORM=p<R>u<U>`): a fixed grid of warps (a few CTAs per SM), warp
+// w takes row groups w, w + W, ... (W = all warps; R rows each, global rows g of all zs groups;
+// row g reads x + (g / rz) * x_z, R divides rz) and walks each group in rounds of U half-block
+// steps (DS4_WARP half blocks a step, as mvr). The loads of round j + 1 are issued before the math
+// of round j (two register buffers), also across row groups, so a warp always has one round in
+// flight and no CTA is launched or retired per row group. Per lane the sums run in step order,
+// then warp sums (kspl = 1): deterministic, as mvr with kspl = 1.
+template <int R, int U> struct MvpBuf {
+    uint4 v[U][R];
+    u32 d[U][R];
+};
+
+template <int R, int U>
+__device__ __forceinline__ void mvp_load(MvpBuf<R, U>& b, const u8* __restrict__ Q, const u16* __restrict__ D, int g0,
+                                         int rows, int cols, int h0) {
+    int lane = threadIdx.x % DS4_WARP, hb = cols / 16;
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        long long g = min(g0 + i, rows - 1);
+        const uint4* qp = (const uint4*)(Q + g * cols);
+        const u16* dp = D + g * (cols / 32);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int h = h0 + u * DS4_WARP + lane;
+            if (h < hb) b.v[u][i] = qp[h], b.d[u][i] = dp[h >> 1];
+        }
+    }
+}
+
+template <int R, int U>
+__device__ __forceinline__ void mvp_math(const MvpBuf<R, U>& b, const float* __restrict__ xb, int cols, int h0,
+                                         float (&acc)[R]) {
+    int lane = threadIdx.x % DS4_WARP, hb = cols / 16;
+    const float4* xv = (const float4*)xb;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int h = h0 + u * DS4_WARP + lane;
+        if (h < hb) {
+            float4 xa = xv[4 * h], xc = xv[4 * h + 1], xd = xv[4 * h + 2], xe = xv[4 * h + 3];
+#pragma unroll
+            for (int i = 0; i < R; i++) acc[i] = mvr_dot(b.v[u][i], b.d[u][i], xa, xc, xd, xe, acc[i]);
+        }
+    }
+}
+
+// Round j of this warp: row group g0 (first row) and first half block h0; spr rounds per group.
+template <int R, int U>
+__device__ __forceinline__ void mvp_round(int j, int spr, int gw, int nw, int& g0, int& h0) {
+    int gi = j / spr;
+    g0 = (gw + gi * nw) * R;
+    h0 = (j - gi * spr) * U * DS4_WARP;
+}
+
+// Math of round j from buffer c, then the row group's sums when it was its last round.
+template <int R, int U>
+__device__ __forceinline__ void mvp_step(const MvpBuf<R, U>& c, int j, int spr, int gw, int nw, const float* __restrict__ x,
+                                         long long x_z, int rz, float* __restrict__ y, int rows, int cols, float (&acc)[R]) {
+    int lane = threadIdx.x % DS4_WARP, g, h;
+    mvp_round<R, U>(j, spr, gw, nw, g, h);
+    mvp_math<R, U>(c, x + (long long)(g / rz) * x_z, cols, h, acc);
+    if (h / (U * DS4_WARP) == spr - 1) { // warp-uniform
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            float s = ds4_warp_sum(acc[i]);
+            if (lane == i && g + i < rows) y[g + i] = s;
+            acc[i] = 0.0f;
+        }
+    }
+}
+
+template <int R, int U>
+__device__ __forceinline__ void mvp_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, int rz, float* __restrict__ y, int rows, int cols) {
+    int warp = threadIdx.x / DS4_WARP;
+    int gw = blockIdx.x * MV_WARPS + warp, nw = gridDim.x * MV_WARPS;
+    int groups = (rows + R - 1) / R, spr = (cols / 16 + U * DS4_WARP - 1) / (U * DS4_WARP);
+    int mine = gw < groups ? (groups - gw + nw - 1) / nw : 0; // row groups of this warp
+    int total = mine * spr;                                  // rounds (warp-uniform)
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    MvpBuf<R, U> a, b;
+    int g0, h0;
+    if (total > 0) {
+        mvp_round<R, U>(0, spr, gw, nw, g0, h0);
+        mvp_load<R, U>(a, Q, D, g0, rows, cols, h0);
+    }
+    for (int j = 0; j < total; j += 2) {
+        if (j + 1 < total) {
+            mvp_round<R, U>(j + 1, spr, gw, nw, g0, h0);
+            mvp_load<R, U>(b, Q, D, g0, rows, cols, h0);
+        }
+        mvp_step<R, U>(a, j, spr, gw, nw, x, x_z, rz, y, rows, cols, acc);
+        if (j + 2 < total) {
+            mvp_round<R, U>(j + 2, spr, gw, nw, g0, h0);
+            mvp_load<R, U>(a, Q, D, g0, rows, cols, h0);
+        }
+        if (j + 1 < total) mvp_step<R, U>(b, j + 1, spr, gw, nw, x, x_z, rz, y, rows, cols, acc);
+    }
+}
+
+#define MVP_PARAMS                                                                                                     \
+    const u8 *__restrict__ Q, const u16 *__restrict__ D, const float *__restrict__ x, long long x_z, int rz,          \
+        float *__restrict__ y, int rows, int cols
+#define MVP_ARGS Q, D, x, x_z, rz, y, rows, cols
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_r1u2_q8_0(MVP_PARAMS) { mvp_body<1, 2>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_r1u4_q8_0(MVP_PARAMS) { mvp_body<1, 4>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_r2u2_q8_0(MVP_PARAMS) { mvp_body<2, 2>(MVP_ARGS); }

@@ -87,5 +87,12 @@ pub const MATVEC: Module = Module {
         "mvr_r2u4_q8_0",
         "mvr_r4u2_q8_0",
         "mvr_r2u2_q8_0",
+        "mvrm_r2u2_q8_0",
+        "mvqm_r2u4_f16",
+        "mvqm_r2u4_q8_0",
+        "mvrgu_r2u2_q8_0",
+        "mvp_r1u2_q8_0",
+        "mvp_r1u4_q8_0",
+        "mvp_r2u2_q8_0",
     ],
 };

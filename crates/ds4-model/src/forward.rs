@@ -663,9 +663,11 @@ impl<B: Backend> Model<B> {
         let n_rot = hp.n_rot as usize;
         let rank = hp.q_lora_rank as usize;
         let rope = Self::rope_kind(&l.kind);
-        // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
+        // Query: low rank, norm, expand, per-head unweighted norm, RoPE. The query's low-rank
+        // product and the KV row's product both read z: one multi-product.
         let mut cq = b.alloc(n * rank);
-        b.matmul(&l.q_a, Part::All, z, n, &mut cq);
+        let mut kv = b.alloc(n * hd);
+        b.matmul_multi(&[&l.q_a, &l.kv], z, n, &mut [&mut cq, &mut kv]);
         b.rms_norm(&mut cq, n, rank, Some(&l.q_a_norm), eps);
         let mut q = b.alloc(n * nh * hd);
         b.matmul(&l.q_b, Part::All, &cq, n, &mut q);
@@ -676,20 +678,28 @@ impl<B: Backend> Model<B> {
             fp4_hadamard: false,
             f16: rnd.f16_cache,
         };
-        let mut kv = b.alloc(n * hd);
-        b.matmul(&l.kv, Part::All, z, n, &mut kv);
         let kvn = Some(&l.kv_norm);
         b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
-        // Compressors first: a row closed by token t is visible to t.
-        let project = |c: &Comp<B::Weight>| {
+        // Compressors first: a row closed by token t is visible to t. Their projections (kv,
+        // gate) and the indexer's weights projection all read z: one multi-product.
+        let mut ws: Vec<&B::Weight> = Vec::new();
+        let mut outs: Vec<B::Buf> = Vec::new();
+        for c in l.comp.iter().chain(l.indexer.as_ref().map(|ix| &ix.comp)) {
             let w = c.dims.width();
-            let (mut a, mut g) = (b.alloc(n * w), b.alloc(n * w));
-            b.matmul(&c.kv, Part::All, z, n, &mut a);
-            b.matmul(&c.gate, Part::All, z, n, &mut g);
-            (a, g)
-        };
+            ws.extend([&c.kv, &c.gate]);
+            outs.extend([b.alloc(n * w), b.alloc(n * w)]);
+        }
+        if let Some(ix) = &l.indexer {
+            ws.push(&ix.proj);
+            outs.push(b.alloc(n * hp.indexer_heads as usize));
+        }
+        if !ws.is_empty() {
+            let mut refs: Vec<&mut B::Buf> = outs.iter_mut().collect();
+            b.matmul_multi(&ws, z, n, &mut refs);
+        }
+        let mut outs = outs.into_iter(); // in push order: (kv, gate) per compressor, then proj
         if let Some(c) = &l.comp {
-            let (a, g) = project(c);
+            let (a, g) = (outs.next().unwrap(), outs.next().unwrap());
             let spec = CompressSpec {
                 dims: c.dims,
                 rope,
@@ -700,7 +710,7 @@ impl<B: Backend> Model<B> {
             b.compress(st, Which::Attn, &spec, &c.ape, &c.norm, &a, &g, n, t0);
         }
         let sel = l.indexer.as_ref().map(|ix| {
-            let (a, g) = project(&ix.comp);
+            let (a, g) = (outs.next().unwrap(), outs.next().unwrap());
             let spec = CompressSpec {
                 dims: ix.comp.dims,
                 rope,
@@ -727,8 +737,7 @@ impl<B: Backend> Model<B> {
             let ihd = hp.indexer_head_dim as usize;
             let mut iq = b.alloc(n * inh * ihd);
             b.matmul(&ix.q_b, Part::All, &cq, n, &mut iq);
-            let mut iw = b.alloc(n * inh);
-            b.matmul(&ix.proj, Part::All, z, n, &mut iw);
+            let iw = outs.next().unwrap();
             let spec = IndexSpec {
                 heads: inh,
                 head_dim: ihd,
@@ -805,10 +814,8 @@ impl<B: Backend> Model<B> {
             n,
             &mut out,
         );
-        let (mut g, mut u) = (b.alloc(n * spec.ff), b.alloc(n * spec.ff));
-        b.matmul(&l.gate_sh, Part::All, z, n, &mut g);
-        b.matmul(&l.up_sh, Part::All, z, n, &mut u);
-        b.swiglu(&mut g, &u, n * spec.ff, l.clamp_sh);
+        let mut g = b.alloc(n * spec.ff);
+        b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut g, l.clamp_sh);
         let mut y = b.alloc(n * spec.d);
         b.matmul(&l.down_sh, Part::All, &g, n, &mut y);
         b.add(&mut out, &y, n * spec.d);

@@ -93,6 +93,70 @@ fn mvr_auto(rows: usize, _cols: usize) -> u8 {
     }
 }
 
+/// n = 1 Q8_0 products from the decode copy: 0 (default) the `mvr` forms above (`v1`), 1..=3
+/// the persistent pipelined `mvp_<form>_q8_0` MVP_FORMS[k - 1] (opt-in while unmeasured):
+/// `DS4_GPU_Q8_FORM=v1|p1u2|p1u4|p2u2`. MVP_CTAS: CTAs per SM of its grid (`DS4_GPU_MVP_CTAS`,
+/// default 4).
+static Q8_FORM: AtomicU8 = AtomicU8::new(0);
+static MVP_CTAS: AtomicU8 = AtomicU8::new(4);
+static Q8_FORM_ENV: std::sync::Once = std::sync::Once::new();
+/// (name, rows per warp R).
+const MVP_FORMS: [(&str, usize); 3] = [("p1u2", 1), ("p1u4", 1), ("p2u2", 2)];
+
+fn q8_form() -> (u8, usize) {
+    Q8_FORM_ENV.call_once(|| {
+        if let Ok(v) = std::env::var("DS4_GPU_Q8_FORM") {
+            let f = MVP_FORMS
+                .iter()
+                .position(|f| f.0 == v)
+                .map_or(0, |i| i as u8 + 1);
+            Q8_FORM.store(f, Ordering::Relaxed);
+        }
+        if let Some(c) = std::env::var("DS4_GPU_MVP_CTAS")
+            .ok()
+            .and_then(|v| v.parse::<u8>().ok())
+        {
+            MVP_CTAS.store(c.clamp(1, 8), Ordering::Relaxed);
+        }
+    });
+    (
+        Q8_FORM.load(Ordering::Relaxed),
+        MVP_CTAS.load(Ordering::Relaxed) as usize,
+    )
+}
+
+/// Merged n = 1 products (`mv_multi`: several matrices of one x in one launch, `mvrm_*`/`mvqm_*`;
+/// `mv_gateup`: the shared expert's gate, up and SwiGLU in one, `mvrgu_*`): on by default,
+/// `DS4_GPU_MERGE=off` (or `set_matvec_merge(false)`) runs the products one by one as before.
+static MERGE: AtomicBool = AtomicBool::new(true);
+static MERGE_ENV: std::sync::Once = std::sync::Once::new();
+/// Most matrices of one merged launch (the kernels' argument sets).
+const MVM_MAX: usize = 6;
+
+fn merge_on() -> bool {
+    MERGE_ENV.call_once(|| {
+        if let Ok(v) = std::env::var("DS4_GPU_MERGE") {
+            MERGE.store(v != "off", Ordering::Relaxed);
+        }
+    });
+    MERGE.load(Ordering::Relaxed)
+}
+
+/// CTA offsets c_1..c_5 of a merged launch (`mvm_pick`): matrix m of `rows[m]` rows takes
+/// ceil(rows[m] / per_cta) CTAs after those of the matrices before it; absent m: i32::MAX.
+/// Returns (offsets, total CTAs).
+fn mvm_offsets(rows: &[usize], per_cta: usize) -> ([i32; MVM_MAX - 1], usize) {
+    let mut c = [i32::MAX; MVM_MAX - 1];
+    let mut total = 0;
+    for (m, &r) in rows.iter().enumerate() {
+        if m > 0 {
+            c[m - 1] = total as i32;
+        }
+        total += r.div_ceil(per_cta);
+    }
+    (c, total)
+}
+
 /// Few-row F16 products (fewer rows than SMs: the HC mixers 16384->24 and ->4, the indexer's
 /// 4096->64) can split their columns into `mvq_splits` ranges run as the z groups of one `mvq_*`
 /// launch (same rows, columns shifted), partials added in range order by `mvs_sum_f32`. Opt-in
@@ -273,6 +337,8 @@ impl GpuBackend {
         Self::set_matvec_one(MVQ_AUTO);
         Self::set_matvec_repacked(MVQ_AUTO);
         Self::set_matvec_split(false);
+        Self::set_matvec_q8_form(0, 4);
+        Self::set_matvec_merge(true);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=4 a fixed form, anything else auto.
@@ -292,6 +358,20 @@ impl GpuBackend {
     pub fn set_matvec_repacked(form: u8) {
         mvr_env();
         MVR.store(if form <= 4 { form } else { MVQ_AUTO }, Ordering::Relaxed);
+    }
+
+    /// n = 1 Q8_0 form from the decode copy (`Q8_FORM`: 0 the `mvr` forms, 1..=3 `mvp`
+    /// MVP_FORMS[k - 1]) and the CTAs per SM of the `mvp` grid (1..=8).
+    pub fn set_matvec_q8_form(form: u8, ctas: u8) {
+        Q8_FORM_ENV.call_once(|| {});
+        Q8_FORM.store(if form <= 3 { form } else { 0 }, Ordering::Relaxed);
+        MVP_CTAS.store(ctas.clamp(1, 8), Ordering::Relaxed);
+    }
+
+    /// Merged n = 1 products on or off (`MERGE`; default on).
+    pub fn set_matvec_merge(on: bool) {
+        MERGE_ENV.call_once(|| {});
+        MERGE.store(on, Ordering::Relaxed);
     }
 
     /// The decode-layout copy of a Q8_0 matrix with one slab (None: another type, expert slabs,
@@ -366,6 +446,38 @@ impl GpuBackend {
             || self.failed()
         {
             return false;
+        }
+        let (pf, ctas) = q8_form();
+        if pf > 0 {
+            let (name, r) = MVP_FORMS[pf as usize - 1];
+            // Global rows g of all groups (y[g]: y_z = rows), row groups of r within a z group.
+            // x of row g at (g / rows)·x_z.
+            if zs == 1 || (y_z == rows && rows.is_multiple_of(r)) {
+                let groups = (rows * zs).div_ceil(r);
+                let sm = self.gpu.info().sm_count as usize;
+                let grid = groups.div_ceil(MV_WARPS).min(ctas * sm).max(1);
+                let q = dec.ptr();
+                self.run(
+                    &ds4_kernels::MATVEC,
+                    &format!("mvp_{name}_q8_0"),
+                    LaunchDims {
+                        grid: [grid as u32, 1, 1],
+                        block: [MV_WARPS as u32 * self.warp(), 1, 1],
+                        shared_bytes: 0,
+                    },
+                    &[
+                        Arg::Ptr(q),
+                        Arg::Ptr(q.offset((nb * 32) as u64)),
+                        Arg::Ptr(x.ptr),
+                        Arg::I64(x_z as i64),
+                        Arg::I32(rows as i32),
+                        Arg::Ptr(y),
+                        Arg::I32((rows * zs) as i32),
+                        Arg::I32(cols as i32),
+                    ],
+                );
+                return true;
+            }
         }
         let (name, r) = MVR_FORMS[form as usize - 1];
         // A warp step is DS4_WARP half blocks (16 columns each): mv_kspl counts steps of
@@ -829,6 +941,218 @@ impl GpuBackend {
             rb,
             n,
             groups,
+        );
+        true
+    }
+
+    /// Backend::matmul_multi at n = 1 in one launch, or false (the caller runs the products one
+    /// by one): 2..=6 matrices of equal cols, all Q8_0 with decode copies (`mvrm_r2u2_q8_0`,
+    /// unless the `mvr` path is off) or all of one type F16 / Q8_0 (`mvqm_r2u4_<t>`, unless `mvq`
+    /// is off).
+    pub(crate) fn mv_multi(
+        &self,
+        ws: &[&GpuWeight],
+        x: &GpuBuf,
+        n: usize,
+        ys: &mut [&mut GpuBuf],
+    ) -> bool {
+        if n != 1
+            || ws.len() < 2
+            || ws.len() > MVM_MAX
+            || ws.len() != ys.len()
+            || !merge_on()
+            || !ENABLED.load(Ordering::Relaxed)
+            || !x.ptr.0.is_multiple_of(16)
+            || self.failed()
+        {
+            return false;
+        }
+        mvr_env();
+        let mut parts = Vec::with_capacity(ws.len());
+        for w in ws {
+            let GpuWeight::Mat {
+                buf,
+                ty,
+                cols,
+                rows,
+                experts: 1,
+                row_bytes,
+                dec,
+            } = w
+            else {
+                return false;
+            };
+            parts.push((buf.ptr(), *ty, *cols, *rows, *row_bytes, dec.as_ref()));
+        }
+        let (ty, cols, rb) = (parts[0].1, parts[0].2, parts[0].4);
+        if cols == 0
+            || !cols.is_multiple_of(32)
+            || parts
+                .iter()
+                .any(|p| p.1 != ty || p.2 != cols || p.4 != rb || p.3 == 0)
+        {
+            return false;
+        }
+        let rows: Vec<usize> = parts.iter().map(|p| p.3).collect();
+        let block = [MV_WARPS as u32 * self.warp(), 1, 1];
+        let decoded = ty == GgmlType::Q8_0
+            && MVR.load(Ordering::Relaxed) != 0
+            && parts
+                .iter()
+                .all(|p| p.5.is_some_and(|d| d.bytes() >= p.3 * cols / 32 * 34));
+        if decoded {
+            // mvr r2u2 per matrix: R = 2, kspl from all row groups, steps of cols / 2 (see mvr).
+            let groups: usize = rows.iter().map(|r| r.div_ceil(2)).sum();
+            let k = self.mv_kspl(groups, cols / 2);
+            let (c, total) = mvm_offsets(&rows, MV_WARPS / k * 2);
+            let mut args = Vec::with_capacity(4 * MVM_MAX + 6);
+            for m in 0..MVM_MAX {
+                match (parts.get(m), ys.get(m)) {
+                    (Some(p), Some(y)) => {
+                        let q = p.5.unwrap().ptr();
+                        let nb = p.3 * cols / 32;
+                        args.extend([
+                            Arg::Ptr(q),
+                            Arg::Ptr(q.offset((nb * 32) as u64)),
+                            Arg::Ptr(y.ptr),
+                            Arg::I32(p.3 as i32),
+                        ]);
+                    }
+                    _ => args.extend([
+                        Arg::Ptr(DevPtr(0)),
+                        Arg::Ptr(DevPtr(0)),
+                        Arg::Ptr(DevPtr(0)),
+                        Arg::I32(0),
+                    ]),
+                }
+            }
+            args.extend([Arg::Ptr(x.ptr), Arg::I32(cols as i32), Arg::I32(k as i32)]);
+            args.extend(c.iter().map(|&o| Arg::I32(o)));
+            let dims = LaunchDims {
+                grid: [total as u32, 1, 1],
+                block,
+                shared_bytes: 0,
+            };
+            self.run(&ds4_kernels::MATVEC, "mvrm_r2u2_q8_0", dims, &args);
+            return true;
+        }
+        let sfx = match ty {
+            GgmlType::F16 => "f16",
+            GgmlType::Q8_0 => "q8_0",
+            _ => return false,
+        };
+        // As mvq: F16 slices are 16-byte loads, Q8_0 slices word loads of 2-byte aligned rows.
+        let align: usize = if ty == GgmlType::F16 { 16 } else { 2 };
+        if MVQ.load(Ordering::Relaxed) == 0
+            || !rb.is_multiple_of(align)
+            || parts.iter().any(|p| !p.0 .0.is_multiple_of(align as u64))
+        {
+            return false;
+        }
+        let groups: usize = rows.iter().map(|r| r.div_ceil(2)).sum();
+        let k = self.mv_kspl(groups, cols);
+        let (c, total) = mvm_offsets(&rows, MV_WARPS / k * 2);
+        let mut args = Vec::with_capacity(3 * MVM_MAX + 7);
+        for m in 0..MVM_MAX {
+            match (parts.get(m), ys.get(m)) {
+                (Some(p), Some(y)) => {
+                    args.extend([Arg::Ptr(p.0), Arg::Ptr(y.ptr), Arg::I32(p.3 as i32)])
+                }
+                _ => args.extend([Arg::Ptr(DevPtr(0)), Arg::Ptr(DevPtr(0)), Arg::I32(0)]),
+            }
+        }
+        args.extend([
+            Arg::Ptr(x.ptr),
+            Arg::I32(cols as i32),
+            Arg::I64(rb as i64),
+            Arg::I32(k as i32),
+        ]);
+        args.extend(c.iter().map(|&o| Arg::I32(o)));
+        let dims = LaunchDims {
+            grid: [total as u32, 1, 1],
+            block,
+            shared_bytes: 0,
+        };
+        self.run(
+            &ds4_kernels::MATVEC,
+            &format!("mvqm_r2u4_{sfx}"),
+            dims,
+            &args,
+        );
+        true
+    }
+
+    /// Backend::matmul_gateup at n = 1 in one launch (`mvrgu_r2u2_q8_0`: gate and up Q8_0 with
+    /// decode copies, equal shapes, `h` gets the SwiGLU of `ff` rows), or false.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn mv_gateup(
+        &self,
+        g: &GpuWeight,
+        u: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        ff: usize,
+        h: &mut GpuBuf,
+        clamp: f32,
+    ) -> bool {
+        if n != 1 || !merge_on() || !ENABLED.load(Ordering::Relaxed) || self.failed() {
+            return false;
+        }
+        mvr_env();
+        let (
+            GpuWeight::Mat {
+                ty: GgmlType::Q8_0,
+                cols,
+                rows,
+                experts: 1,
+                dec: Some(dg),
+                ..
+            },
+            GpuWeight::Mat {
+                ty: GgmlType::Q8_0,
+                cols: cu,
+                rows: ru,
+                experts: 1,
+                dec: Some(du),
+                ..
+            },
+        ) = (g, u)
+        else {
+            return false;
+        };
+        let (cols, rows) = (*cols, *rows);
+        let nb = rows * cols / 32;
+        if MVR.load(Ordering::Relaxed) == 0
+            || cols != *cu
+            || rows != *ru
+            || rows != ff
+            || cols == 0
+            || !cols.is_multiple_of(32)
+            || !x.ptr.0.is_multiple_of(16)
+            || dg.bytes() < nb * 34
+            || du.bytes() < nb * 34
+        {
+            return false;
+        }
+        // One row pair per warp (R = 1 in mv_dims' terms), steps of cols / 2 (see mvr).
+        let (dims, k) = self.mv_dims(rows, 1, 1, 1, cols / 2);
+        let (qg, qu) = (dg.ptr(), du.ptr());
+        self.run(
+            &ds4_kernels::MATVEC,
+            "mvrgu_r2u2_q8_0",
+            dims,
+            &[
+                Arg::Ptr(qg),
+                Arg::Ptr(qg.offset((nb * 32) as u64)),
+                Arg::Ptr(qu),
+                Arg::Ptr(qu.offset((nb * 32) as u64)),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(h.ptr),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::F32(clamp),
+                Arg::I32(k as i32),
+            ],
         );
         true
     }

@@ -1015,6 +1015,42 @@ impl Backend for GpuBackend {
         self.op_matmul(w, part, x, n, y)
     }
 
+    fn matmul_multi(&self, ws: &[&GpuWeight], x: &GpuBuf, n: usize, ys: &mut [&mut GpuBuf]) {
+        // One launch at n = 1 where matvec.rs takes it, else the products in order.
+        if n == 1 && !self.failed() {
+            let _p = self.prof(|| format!("matmul_multi x{} n=1", ws.len()));
+            if self.mv_multi(ws, x, n, ys) {
+                return;
+            }
+        }
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul(w, Part::All, x, n, y);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_gateup(
+        &self,
+        g: &GpuWeight,
+        u: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        ff: usize,
+        h: &mut GpuBuf,
+        clamp: f32,
+    ) {
+        if n == 1 && !self.failed() {
+            let _p = self.prof(|| "matmul_gateup n=1".to_string());
+            if self.mv_gateup(g, u, x, n, ff, h, clamp) {
+                return;
+            }
+        }
+        let mut t = self.alloc(n * ff);
+        self.matmul(g, Part::All, x, n, h);
+        self.matmul(u, Part::All, x, n, &mut t);
+        self.swiglu(h, &t, n * ff, clamp);
+    }
+
     fn matmul_grouped(&self, w: &GpuWeight, groups: usize, x: &GpuBuf, n: usize, y: &mut GpuBuf) {
         let _p = self.prof(|| "matmul_grouped".to_string());
 
