@@ -4,8 +4,9 @@
 //! down) and the q4 mix (Q4_K), n = 1..4. Weights are generated on the device. µs per call
 //! (one layer's routed experts: `reps` calls queued between two syncs, wall clock, each with
 //! another random selection so the experts come from memory, not L2) and GB/s of the distinct
-//! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA) and v2
-//! (direct loads; nbA/B = gate/up and down row batches per CTA).
+//! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA), v2
+//! (direct loads; nbA/B = gate/up and down row batches per CTA) and v3 (v2 with integer inner
+//! loops, the same tiles). `moe_bench [reps] [n_max]`.
 
 use ds4_backend::{Backend, Fill, GgmlType, MoeSpec, WeightKind};
 use ds4_gpu::{Gpu, GpuBackend};
@@ -21,6 +22,10 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(200);
+    let n_max: usize = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
     let gpu = match Gpu::open(ds4_gpu::Backend::Auto, 0) {
         Ok(g) => g,
         Err(e) => {
@@ -61,7 +66,7 @@ fn main() {
             weight_scale: 1.0,
             clamp: 10.0,
         };
-        for n in 1..=4 {
+        for n in 1..=n_max {
             let mut r = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(n as u64);
             let z = gpu.upload(
                 &(0..n * d)
@@ -93,16 +98,16 @@ fn main() {
             type Form = (&'static str, bool, usize, usize, (usize, usize));
             let forms: [Form; 11] = [
                 ("old", false, 1, 16, (0, 0)),
-                ("v1 rb8", true, 1, 8, (0, 0)),
                 ("v1 rb16", true, 1, 16, (0, 0)),
-                ("v2 nb2/2", true, 2, 0, (2, 2)),
-                ("v2 nb1/2", true, 2, 0, (1, 2)),
-                ("v2 nb4/2", true, 2, 0, (4, 2)),
-                ("v2 nb2/1", true, 2, 0, (2, 1)),
-                ("v2 nb2/4", true, 2, 0, (2, 4)),
-                ("v2 nb1/1", true, 2, 0, (1, 1)),
                 ("v2 nb4/4", true, 2, 0, (4, 4)),
-                ("v2 nb8/8", true, 2, 0, (8, 8)),
+                ("v3 nb4/4", true, 3, 0, (4, 4)),
+                ("v3 nb2/2", true, 3, 0, (2, 2)),
+                ("v3 nb1/1", true, 3, 0, (1, 1)),
+                ("v3 nb2/4", true, 3, 0, (2, 4)),
+                ("v3 nb4/2", true, 3, 0, (4, 2)),
+                ("v3 nb8/4", true, 3, 0, (8, 4)),
+                ("v3 nb4/8", true, 3, 0, (4, 8)),
+                ("v3 nb8/8", true, 3, 0, (8, 8)),
             ];
             for (form, on, f, rb, (nb, nbr)) in forms {
                 GpuBackend::set_moe_decode(on);

@@ -4,9 +4,9 @@
 //! full-size shape (d 4096, ff 2048, 6 of 8 experts) and small odd ones, with several gate/up
 //! row blocks (partial last blocks included). Checks that the decode kernels ran where they
 //! cover the rows (16-byte multiples) and were declined elsewhere, and that two runs give
-//! identical bits. Both forms: v1 (rows staged in shared memory) and v2 (direct loads, h in
-//! the down kernel's lane order; n = 3, 4 through its two-token loop), v2 with several tile
-//! sizes. Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1:
+//! identical bits. The three forms: v1 (rows staged in shared memory), v2 (direct loads, h in
+//! the down kernel's lane order; n = 3, 4 through its two-token loop) and v3 (v2 with x as
+//! hi/lo int8 pairs and dp4a; the same tolerance), v2 and v3 with several tile sizes. Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1:
 //! fail). Run with --test-threads=1 on a GPU (process-wide switches).
 
 mod common;
@@ -53,7 +53,7 @@ fn moe_decode_matches_cpu() {
         (768, 512, 6, 4, 24, (4, 1)), // ff 512: a partial last block
     ];
     let mut bad = Vec::new();
-    let mut worst = [0f32; 2];
+    let mut worst = [0f32; 3];
     for (si, &(d, ff, ne, k, rb, (nb, nbr))) in shapes.iter().enumerate() {
         GpuBackend::set_moe_gu_rows(rb);
         GpuBackend::set_moe_v2_tiles(nb, nbr);
@@ -97,11 +97,12 @@ fn moe_decode_matches_cpu() {
                     cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
                     let want = cpu.download(&co, n * d);
                     let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
-                    for form in [1usize, 2] {
+                    for form in [1usize, 2, 3] {
                         GpuBackend::set_moe_form(form);
                         let mut got = Vec::new();
                         let runs = GpuBackend::moe_decode_runs();
                         let runs2 = GpuBackend::moe_v2_runs();
+                        let runs3 = GpuBackend::moe_v3_runs();
                         for _ in 0..2 {
                             let mut go = gpu.upload(&vec![f32::NAN; n * d]);
                             gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
@@ -117,12 +118,14 @@ fn moe_decode_matches_cpu() {
                         }
                         let ran = GpuBackend::moe_decode_runs() - runs;
                         let ran2 = GpuBackend::moe_v2_runs() - runs2;
+                        let ran3 = GpuBackend::moe_v3_runs() - runs3;
                         // IQ2_XXS rows of d < 2048 are not 16-byte multiples: declined (general path).
                         let covered = [(tgu, d), (td, ff)]
                             .iter()
                             .all(|&(t, c)| t.row_bytes(c as u64).unwrap() % 16 == 0);
                         let want_runs = if covered { 2 } else { 0 };
-                        let want_v2 = if form == 2 { want_runs } else { 0 };
+                        let want_v2 = if form >= 2 { want_runs } else { 0 };
+                        let want_v3 = if form == 3 { want_runs } else { 0 };
                         let l2 = rel_l2(&got[0], &want);
                         let e = max_rel(&got[0], &want);
                         let same = got[0]
@@ -137,6 +140,7 @@ fn moe_decode_matches_cpu() {
                             || l2 > TOL_L2
                             || ran != want_runs
                             || ran2 != want_v2
+                            || ran3 != want_v3
                             || !same
                         {
                             bad.push(format!(
@@ -151,7 +155,10 @@ fn moe_decode_matches_cpu() {
     GpuBackend::set_moe_gu_rows(0);
     GpuBackend::set_moe_v2_tiles(0, 0);
     GpuBackend::set_moe_form(0);
-    println!("worst rel L2: v1 {:.3e}, v2 {:.3e}", worst[0], worst[1]);
+    println!(
+        "worst rel L2: v1 {:.3e}, v2 {:.3e}, v3 {:.3e}",
+        worst[0], worst[1], worst[2]
+    );
     assert!(bad.is_empty(), "failing cases: {bad:#?}");
 }
 

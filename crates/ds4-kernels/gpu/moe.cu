@@ -476,11 +476,6 @@ DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_q4_k(MOEDN_PARAMS) { moedn_body<T_Q4_K
 #define M2_THREADS 256
 #define M2_WARPS (M2_THREADS / DS4_WARP)
 #define M2_LB2 M2_THREADS, 2 // at most 128 registers: 2 CTAs per SM
-#if defined(DS4_CUDA)
-#define M2_XSI __int_as_float(0x0d800000) // 2^-100 (undoes MOE_XS exactly)
-#else
-#define M2_XSI 1.0f
-#endif
 
 // Gate/up output rows per batch (2x row-dots) and down rows per batch, per weight type (more
 // spill at 128 registers).
@@ -682,6 +677,182 @@ template <> struct M2<T_Q4_K> {
     }
 };
 
+// ===================================================================================================
+// Form 3 (m3*): form 2's loads and tiles with integer inner loops. Each lane quantises its 32
+// x values (its unit's columns, any grouping works) once per token to a hi/lo int8 pair:
+// x ~ s * (qh + ql / 254), s = max|x| / 127, error <= max|x| / 64516 per element. Per 4 weights
+// two dp4a (hi, lo) into int32; 254 * hi + lo, the K-quant sub-block scales and mins are applied
+// in integers too (bounds beside each), then one int -> float and one FMA per row and unit.
+// ===================================================================================================
+
+// Signed 4 x int8 dot product plus c.
+__device__ __forceinline__ int moe_dp4a(u32 a, u32 b, int c) {
+#if defined(DS4_CUDA)
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+#else
+    return __builtin_amdgcn_sdot4((int)a, (int)b, c, false);
+#endif
+}
+
+// x of a lane's unit for NT tokens. Float (forms 2): xs prescaled by MOE_XS, sx slice sums.
+// Integer (form 3): h, l the packed hi/lo int8 of the 32 values (word w: values 4w .. 4w+3),
+// s = scale / 254, sq the slice sums of 254 qh + ql (<= 8 * 32385).
+template <bool I, int NT> struct MX;
+
+template <int NT> struct MX<false, NT> {
+    float xs[NT][32], sx[NT][4];
+    __device__ __forceinline__ void set(int t, const float (&v)[32]) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float* a = &v[8 * j];
+            sx[t][j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+#pragma unroll
+            for (int l = 0; l < 8; l++) xs[t][8 * j + l] = a[l] * MOE_XS;
+        }
+    }
+    template <int T>
+    __device__ __forceinline__ void dot(const typename M2<T>::Raw& r, const typename M2<T>::Off& f, const u64* gs,
+                                        float (&acc)[NT]) const {
+        M2<T>::template dot<NT>(r, f, xs, sx, gs, acc);
+    }
+};
+
+template <int T> struct M3;
+
+template <int NT> struct MX<true, NT> {
+    u32 h[NT][8], l[NT][8];
+    float s[NT];
+    int sq[NT][4];
+    __device__ __forceinline__ void set(int t, const float (&v)[32]) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        float sc = amax * (1.0f / 127.0f), inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv254 = inv * 254.0f;
+        s[t] = sc * (1.0f / 254.0f);
+#pragma unroll
+        for (int j = 0; j < 4; j++) sq[t][j] = 0;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            u32 ph = 0, pl = 0;
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                float x = v[4 * w + b];
+                int qh = (int)rintf(x * inv);                       // |qh| <= 127
+                int ql = (int)rintf(fmaf(-(float)qh, sc, x) * inv254); // residual, |ql| <= 127
+                ql = min(max(ql, -127), 127);
+                ph |= ((u32)qh & 0xffu) << (8 * b);
+                pl |= ((u32)ql & 0xffu) << (8 * b);
+                sq[t][w >> 1] += 254 * qh + ql;
+            }
+            h[t][w] = ph, l[t][w] = pl;
+        }
+    }
+    template <int T>
+    __device__ __forceinline__ void dot(const typename M2<T>::Raw& r, const typename M2<T>::Off& f, const u64* gs,
+                                        float (&acc)[NT]) const {
+        M3<T>::template dot<NT>(r, f, *this, gs, acc);
+    }
+};
+
+// IQ2_XXS: signed weight bytes from the grid magnitudes (8, 25, 43) and the sign bytes:
+// negative bytes become ~m + 1 (no carry out of a byte since m > 0).
+template <> struct M3<T_IQ2_XXS> {
+    template <int NT>
+    static __device__ __forceinline__ void dot(const M2<T_IQ2_XXS>::Raw& r, const M2<T_IQ2_XXS>::Off& f,
+                                               const MX<true, NT>& x, const u64* gs, float (&acc)[NT]) {
+        u32 idx4 = (u32)((((u64)r.b << 32) | r.a) >> f.sh), aux = (u32)((((u64)r.c << 32) | r.b) >> f.sh);
+        float db = ds4_h2f_fast(r.d) * (0.5f + (float)(aux >> 28)) * 0.25f;
+        int ih[NT], il[NT]; // |.| <= 32 * 43 * 127
+#pragma unroll
+        for (int t = 0; t < NT; t++) ih[t] = 0, il[t] = 0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            u64 gr = gs[(idx4 >> (8 * q)) & 0xffu];
+            // 1 in each negative byte: bit l of s7 to bit 8l by one multiply (no carries);
+            // element 7: parity of s7.
+            u32 s7 = (aux >> (7 * q)) & 127u;
+            u32 nl = (s7 * 0x00204081u) & 0x01010101u;
+            u32 nh = (((s7 >> 4) * 0x00204081u) & 0x00010101u) | ((u32)(__popc(s7) & 1) << 24);
+            u32 wl = ((u32)gr ^ (nl * 255u)) + nl, wh = ((u32)(gr >> 32) ^ (nh * 255u)) + nh;
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                ih[t] = moe_dp4a(wl, x.h[t][2 * q], moe_dp4a(wh, x.h[t][2 * q + 1], ih[t]));
+                il[t] = moe_dp4a(wl, x.l[t][2 * q], moe_dp4a(wh, x.l[t][2 * q + 1], il[t]));
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = fmaf(db * x.s[t], (float)(254 * ih[t] + il[t]), acc[t]);
+    }
+};
+
+// Q2_K: sum_j sc_j (254 hi_j + lo_j) (<= 4 * 15 * 8 * 3 * 32385) and sum_j m_j sq_j (<= 4 * 15 *
+// 8 * 32385) in integers.
+template <> struct M3<T_Q2_K> {
+    template <int NT>
+    static __device__ __forceinline__ void dot(const M2<T_Q2_K>::Raw& r, const M2<T_Q2_K>::Off& f, const MX<true, NT>& x,
+                                               const u64* gs, float (&acc)[NT]) {
+        float d = ds4_h2f_fast(r.dd & 0xffffu), dmin = ds4_h2f_fast(r.dd >> 16);
+        int it[NT], im[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) it[t] = 0, im[t] = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 sc = ((j < 2 ? r.s0 : r.s1) >> (16 * (j & 1) + f.i8)) & 0xffu;
+            u32 v0 = (r.q0 >> (2 * j)) & 0x03030303u, v1 = (r.q1 >> (2 * j)) & 0x03030303u;
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                int a = moe_dp4a(v0, x.h[t][2 * j], moe_dp4a(v1, x.h[t][2 * j + 1], 0));
+                int b = moe_dp4a(v0, x.l[t][2 * j], moe_dp4a(v1, x.l[t][2 * j + 1], 0));
+                it[t] += (int)(sc & 15u) * (254 * a + b);
+                im[t] += (int)(sc >> 4) * x.sq[t][j];
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = fmaf(x.s[t], fmaf(d, (float)it[t], -dmin * (float)im[t]), acc[t]);
+    }
+};
+
+// Q4_K: per nibble half (16 weights, 6-bit scale and min): it <= 2 * 63 * 16 * 15 * 32385.
+template <> struct M3<T_Q4_K> {
+    template <int NT>
+    static __device__ __forceinline__ void dot(const M2<T_Q4_K>::Raw& r, const M2<T_Q4_K>::Off& f, const MX<true, NT>& x,
+                                               const u64* gs, float (&acc)[NT]) {
+        float d = ds4_h2f_fast(r.hd.x & 0xffffu), dmin = ds4_h2f_fast(r.hd.x >> 16);
+        u32 qw[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        int it[NT], im[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) it[t] = 0, im[t] = 0;
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            int p = f.p + hi;
+            u32 s, mn;
+            if (p < 4) {
+                s = m2_sb(r.hd, p) & 63u;
+                mn = m2_sb(r.hd, p + 4) & 63u;
+            } else {
+                s = (m2_sb(r.hd, p + 4) & 15u) | ((m2_sb(r.hd, p - 4) >> 6) << 4);
+                mn = (m2_sb(r.hd, p + 4) >> 4) | ((m2_sb(r.hd, p) >> 6) << 4);
+            }
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                int a = 0, b = 0;
+#pragma unroll
+                for (int wi = 0; wi < 4; wi++) {
+                    u32 v = (qw[wi] >> (4 * hi)) & 0x0f0f0f0fu;
+                    a = moe_dp4a(v, x.h[t][4 * hi + wi], a);
+                    b = moe_dp4a(v, x.l[t][4 * hi + wi], b);
+                }
+                it[t] += (int)s * (254 * a + b);
+                im[t] += (int)mn * (x.sq[t][2 * hi] + x.sq[t][2 * hi + 1]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = fmaf(x.s[t], fmaf(d, (float)it[t], -dmin * (float)im[t]), acc[t]);
+    }
+};
+
 template <int T> __device__ __forceinline__ void m2_grid(u64* gs) {
     if (T != T_IQ2_XXS) return;
     for (int i = threadIdx.x; i < 256; i += M2_THREADS) gs[i] = ds4_iq2xxs_grid[i];
@@ -692,7 +863,7 @@ template <int T> __device__ __forceinline__ void m2_grid(u64* gs) {
 // those tokens staged once per CTA in shared memory, [NT][8 slice halves][upp units], upp odd:
 // no bank conflicts either way). Writes h[pp * hs + m2_hidx(column r in down layout lk)].
 // Shared memory: grid (2 KB), red[warps][nb][2 RB][NT], x.
-template <int T, int NT>
+template <int T, int NT, bool I>
 __device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int n, int k,
                                           const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
@@ -746,22 +917,22 @@ __device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* _
                 for (int j = 0; j < 4; j++)
                     if (j == t0 + tt) t = tok[j];
                 v = *(const float4*)(x + (long long)t * cols + c);
-                v.x *= MOE_XS, v.y *= MOE_XS, v.z *= MOE_XS, v.w *= MOE_XS;
             }
             xsm[(tt * 8 + 2 * jj + (ee >> 2)) * upp + uu] = v;
         }
         __syncthreads();
-        float xs[NT][32], sx[NT][4];
+        MX<I, NT> xv;
 #pragma unroll
-        for (int t = 0; t < NT; t++)
+        for (int t = 0; t < NT; t++) {
+            float v[32];
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-                if (valid) a = xsm[(t * 8 + 2 * j) * upp + u], b = xsm[(t * 8 + 2 * j + 1) * upp + u];
-                float* o = &xs[t][8 * j];
-                o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
-                sx[t][j] = (((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w))) * M2_XSI;
+            for (int j = 0; j < 8; j++) {
+                float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (valid) a = xsm[(t * 8 + j) * upp + u];
+                v[4 * j] = a.x, v[4 * j + 1] = a.y, v[4 * j + 2] = a.z, v[4 * j + 3] = a.w;
             }
+            xv.set(t, v);
+        }
         if (g < rg) {
             for (int bi = 0; bi < nb; bi++) {
                 float acc[G][NT];
@@ -769,7 +940,7 @@ __device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* _
                 for (int i = 0; i < G; i++) {
 #pragma unroll
                     for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
-                    M2<T>::template dot<NT>(raw[i], f, xs, sx, gs, acc[i]);
+                    xv.template dot<T>(raw[i], f, gs, acc[i]);
                 }
                 // The next batch's rows (or the first batch again for the next token group)
                 // into the registers just used: their latency overlaps the reduction and x.
@@ -811,7 +982,7 @@ __device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* _
 // NT at a time (x = their h, read straight from global memory). Warp totals into
 // red[wig][pair][tr]; then out = sum over slots in selection order of the sum over the warps of
 // the group in order (deterministic). Shared memory: grid, uq/pu/plist/pst (4 MAXP + 1 ints), red.
-template <int T, int NT>
+template <int T, int NT, bool I>
 __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
                                           int cols, long long row_bytes, int nbr, int hs) {
@@ -863,7 +1034,7 @@ __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* _
     };
     if (g < rg && it0 < it1) {
         load_item(it0);
-        float xs[NT][32], sx[NT][4];
+        MX<I, NT> xv;
         int xi = -1, xq = -1;
         for (int it = it0; it < it1; it++) {
             int i = it / nbr, bi = it % nbr;
@@ -874,15 +1045,14 @@ __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* _
                     for (int t = 0; t < NT; t++) {
                         bool ok = valid && q0 + t < pst[i + 1];
                         const float4* hp = (const float4*)(hx + (long long)pl[min(q0 + t, pst[i + 1] - 1)] * hs) + wig * 8 * DS4_WARP + lane;
+                        float v[32];
 #pragma unroll
-                        for (int j = 0; j < 4; j++) {
-                            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-                            if (ok) a = hp[(2 * j) * DS4_WARP], b = hp[(2 * j + 1) * DS4_WARP];
-                            sx[t][j] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-                            float* o = &xs[t][8 * j];
-                            o[0] = a.x * MOE_XS, o[1] = a.y * MOE_XS, o[2] = a.z * MOE_XS, o[3] = a.w * MOE_XS;
-                            o[4] = b.x * MOE_XS, o[5] = b.y * MOE_XS, o[6] = b.z * MOE_XS, o[7] = b.w * MOE_XS;
+                        for (int j = 0; j < 8; j++) {
+                            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+                            if (ok) a = hp[j * DS4_WARP];
+                            v[4 * j] = a.x, v[4 * j + 1] = a.y, v[4 * j + 2] = a.z, v[4 * j + 3] = a.w;
                         }
+                        xv.set(t, v);
                     }
                 }
                 float acc[RB][NT];
@@ -890,7 +1060,7 @@ __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* _
                 for (int ri = 0; ri < RB; ri++) {
 #pragma unroll
                     for (int t = 0; t < NT; t++) acc[ri][t] = 0.0f;
-                    M2<T>::template dot<NT>(raw[ri], f, xs, sx, gs, acc[ri]);
+                    xv.template dot<T>(raw[ri], f, gs, acc[ri]);
                 }
                 if (q0 + NT < pst[i + 1])
                     ; // the same rows again for the expert's next pairs
@@ -927,15 +1097,28 @@ __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* _
 #define M2DN_ARGS W, sel, slab, hx, n, k, out, rows, cols, row_bytes, nbr, hs
 
 // <1>: one token per expert at a time (x in 32 registers), <2>: two.
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 1>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 2>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 1>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 2>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 1>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 2>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 1>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 2>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 1>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 2>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 1>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 2>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 1, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 2, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 1, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 2, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 1, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 2, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 1, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 2, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 1, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 2, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 1, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 2, false>(M2DN_ARGS); }
+// Form 3: the same tiles, integer inner loops.
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 1, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 2, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 1, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 2, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 1, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 2, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 1, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 2, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 1, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 2, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 1, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 2, true>(M2DN_ARGS); }

@@ -1,11 +1,13 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
 //!
-//! Two forms (`DS4_GPU_MOE_FORM=v1|v2`, `set_moe_form`): v2 (the default for n = 1;
-//! `m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight from global
-//! memory, x in registers, and passes h to the down kernel in that kernel's lane order; v1 (the
-//! default for n = 2..4, where it measured faster) stages rows in shared memory. H200 numbers:
-//! bench/results/gpu-moe-s4-h200.txt.
+//! Three forms (`DS4_GPU_MOE_FORM=v1|v2|v3`, `set_moe_form`): v2 (`m2gu<NT>_<t>` +
+//! `m2dn<NT>_<t>`) loads each lane's bytes of every row straight from global memory, x in
+//! registers, and passes h to the down kernel in that kernel's lane order; v3 (the default for
+//! n = 1; `m3*`) is v2 with integer inner loops (x as hi/lo int8 pairs per lane and 32 columns,
+//! dp4a; error <= 2^-16 of the 32-block max per element); v1 (the default for n = 2..4, where
+//! it measured faster than v2) stages rows in shared memory. H200 numbers:
+//! bench/results/gpu-moe-s4-h200.txt, bench/results/gpu-moe-x-h200.txt.
 //!
 //! v1: two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
 //! scratch `h`, pairs × ff; one CTA per row block and pair, the first pair of each distinct
@@ -28,9 +30,10 @@ static ENV_OFF: OnceLock<bool> = OnceLock::new();
 static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 /// Products run here (for tests: proof the kernels were taken).
 static RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v2 ones.
+/// Of those, the v2 and v3 ones (direct loads), and the v3 ones.
 static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Form: 0 default (v2 for n = 1, else v1), 1 v1, 2 v2 for every n; `DS4_GPU_MOE_FORM`.
+static V3_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Form: 0 default (v3 for n = 1, else v1), 1 v1, 2 v2, 3 v3 for every n; `DS4_GPU_MOE_FORM`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
 static ENV_FORM: OnceLock<usize> = OnceLock::new();
 /// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 4), down row batches
@@ -106,10 +109,10 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
-    /// Form of the decode MoE: 0 the default (v2 for n = 1, v1 above), 1 v1, 2 v2 for every n;
-    /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2` when 0).
+    /// Form of the decode MoE: 0 the default (v3 for n = 1, v1 above), 1 v1, 2 v2, 3 v3 for
+    /// every n; process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v3` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(2), Ordering::Relaxed);
+        FORM.store(form.min(3), Ordering::Relaxed);
     }
 
     /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
@@ -123,9 +126,14 @@ impl GpuBackend {
         RUNS.load(Ordering::Relaxed)
     }
 
-    /// How many of those were the v2 form (process-wide).
+    /// How many of those were the v2 or v3 form (process-wide).
     pub fn moe_v2_runs() -> usize {
         V2_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// How many of those were the v3 form (process-wide).
+    pub fn moe_v3_runs() -> usize {
+        V3_RUNS.load(Ordering::Relaxed)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -170,15 +178,18 @@ impl GpuBackend {
             0 => *ENV_FORM.get_or_init(|| match std::env::var("DS4_GPU_MOE_FORM").as_deref() {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
+                Ok("v3") => 3,
                 _ => 0,
             }),
             f => f,
         };
-        if (form == 2 || (form == 0 && n == 1))
-            && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out)
-        {
+        let form = if form == 0 && n == 1 { 3 } else { form };
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, form == 3) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
+            if form == 3 {
+                V3_RUNS.fetch_add(1, Ordering::Relaxed);
+            }
             return true;
         }
         let warps = THREADS / self.warp() as usize;
@@ -214,22 +225,7 @@ impl GpuBackend {
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: gu_smem(rb) as u32,
             },
-            &[
-                Arg::Ptr(g.0),
-                Arg::Ptr(u.0),
-                Arg::Ptr(sel.0.ptr),
-                Arg::I64((ff * g.4) as i64),
-                Arg::Ptr(z.ptr),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::Ptr(wgt.ptr),
-                Arg::F32(spec.clamp),
-                Arg::Ptr(h.ptr),
-                Arg::I32(ff as i32),
-                Arg::I32(d as i32),
-                Arg::I64(g.4 as i64),
-                Arg::I32(rb as i32),
-            ],
+            &gu_args(spec, (g, u), z, sel, wgt, n, &h, &[Arg::I32(rb as i32)]),
         );
         self.run(
             &ds4_kernels::MOE,
@@ -239,25 +235,14 @@ impl GpuBackend {
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: (fixed + ub * slot) as u32,
             },
-            &[
-                Arg::Ptr(dn.0),
-                Arg::Ptr(sel.0.ptr),
-                Arg::I64((d * dn.4) as i64),
-                Arg::Ptr(h.ptr),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::Ptr(out.ptr),
-                Arg::I32(d as i32),
-                Arg::I32(ff as i32),
-                Arg::I64(dn.4 as i64),
-                Arg::I32(ub as i32),
-            ],
+            &dn_args(spec, dn, sel, &h, n, out, &[Arg::I32(ub as i32)]),
         );
         RUNS.fetch_add(1, Ordering::Relaxed);
         true
     }
 
-    /// The v2 launches (false: the shape does not fit them; nothing was queued).
+    /// The v2 launches, or v3 (`int`: integer inner loops, same tiles); false: the shape does
+    /// not fit them; nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -268,6 +253,7 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
+        int: bool,
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
@@ -307,56 +293,106 @@ impl GpuBackend {
         // h in the down kernel's lane order: per pair, whole warps of 32-column units.
         let hs = wpg(ff) * w * 32;
         let h = self.scratch(pairs * hs);
+        let pre = if int { "m3" } else { "m2" };
         self.run(
             &ds4_kernels::MOE,
-            &format!("m2gu{nt}_{}", g.1),
+            &format!("{pre}gu{nt}_{}", g.1),
             LaunchDims {
                 grid: [ff.div_ceil(tr_gu) as u32, pairs as u32, 1],
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: smem_gu as u32,
             },
-            &[
-                Arg::Ptr(g.0),
-                Arg::Ptr(u.0),
-                Arg::Ptr(sel.0.ptr),
-                Arg::I64((ff * g.4) as i64),
-                Arg::Ptr(z.ptr),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::Ptr(wgt.ptr),
-                Arg::F32(spec.clamp),
-                Arg::Ptr(h.ptr),
-                Arg::I32(ff as i32),
-                Arg::I32(d as i32),
-                Arg::I64(g.4 as i64),
-                Arg::I32(nb as i32),
-                Arg::I32(v2_layout(dn.1)),
-                Arg::I32(hs as i32),
-            ],
+            &gu_args(
+                spec,
+                (g, u),
+                z,
+                sel,
+                wgt,
+                n,
+                &h,
+                &[
+                    Arg::I32(nb as i32),
+                    Arg::I32(v2_layout(dn.1)),
+                    Arg::I32(hs as i32),
+                ],
+            ),
         );
         self.run(
             &ds4_kernels::MOE,
-            &format!("m2dn{nt}_{}", dn.1),
+            &format!("{pre}dn{nt}_{}", dn.1),
             LaunchDims {
                 grid: [d.div_ceil(tr_dn) as u32, 1, 1],
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: smem_dn as u32,
             },
-            &[
-                Arg::Ptr(dn.0),
-                Arg::Ptr(sel.0.ptr),
-                Arg::I64((d * dn.4) as i64),
-                Arg::Ptr(h.ptr),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::Ptr(out.ptr),
-                Arg::I32(d as i32),
-                Arg::I32(ff as i32),
-                Arg::I64(dn.4 as i64),
-                Arg::I32(nbr as i32),
-                Arg::I32(hs as i32),
-            ],
+            &dn_args(
+                spec,
+                dn,
+                sel,
+                &h,
+                n,
+                out,
+                &[Arg::I32(nbr as i32), Arg::I32(hs as i32)],
+            ),
         );
         true
     }
+}
+
+/// The arguments every gate/up kernel takes (`MOEGU_PARAMS` / `M2GU_PARAMS` in moe.cu up to
+/// row_bytes), then the form's own.
+#[allow(clippy::too_many_arguments)]
+fn gu_args(
+    spec: &MoeSpec,
+    (g, u): (Mat, Mat),
+    z: &GpuBuf,
+    sel: &GpuIBuf,
+    wgt: &GpuBuf,
+    n: usize,
+    h: &GpuBuf,
+    tail: &[Arg],
+) -> Vec<Arg> {
+    let mut a = vec![
+        Arg::Ptr(g.0),
+        Arg::Ptr(u.0),
+        Arg::Ptr(sel.0.ptr),
+        Arg::I64((spec.ff * g.4) as i64),
+        Arg::Ptr(z.ptr),
+        Arg::I32(n as i32),
+        Arg::I32(spec.n_used as i32),
+        Arg::Ptr(wgt.ptr),
+        Arg::F32(spec.clamp),
+        Arg::Ptr(h.ptr),
+        Arg::I32(spec.ff as i32),
+        Arg::I32(spec.d as i32),
+        Arg::I64(g.4 as i64),
+    ];
+    a.extend_from_slice(tail);
+    a
+}
+
+/// The arguments every down kernel takes (up to row_bytes), then the form's own.
+fn dn_args(
+    spec: &MoeSpec,
+    dn: Mat,
+    sel: &GpuIBuf,
+    h: &GpuBuf,
+    n: usize,
+    out: &GpuBuf,
+    tail: &[Arg],
+) -> Vec<Arg> {
+    let mut a = vec![
+        Arg::Ptr(dn.0),
+        Arg::Ptr(sel.0.ptr),
+        Arg::I64((spec.d * dn.4) as i64),
+        Arg::Ptr(h.ptr),
+        Arg::I32(n as i32),
+        Arg::I32(spec.n_used as i32),
+        Arg::Ptr(out.ptr),
+        Arg::I32(spec.d as i32),
+        Arg::I32(spec.ff as i32),
+        Arg::I64(dn.4 as i64),
+    ];
+    a.extend_from_slice(tail);
+    a
 }
