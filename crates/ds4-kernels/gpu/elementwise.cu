@@ -117,6 +117,40 @@ DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32g(const float* __restrict__ x, const
     }
 }
 
+// rmsnorm_f32x4 for short rows (decode, e.g. the 1024-wide query norm): one warp per row, the row
+// in registers (float4 q = k·DS4_WARP + lane, up to 8 per lane), no shared memory or block
+// barrier. blockDim a multiple of DS4_WARP (a row each); host: n % 4 == 0, n / 4 <= 8·DS4_WARP,
+// 16-byte aligned x, y, w. Same f64 sum of squares and f32 scaling (x · scale, then · w).
+DS4_KERNEL void DS4_BOUNDS(256) rmsnorm_f32w(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int n, float eps, int rows) {
+    const int lane = threadIdx.x % DS4_WARP, row = blockIdx.x * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
+    if (row >= rows) return; // whole warps
+    const int n4 = n >> 2;
+    const float4* xr = (const float4*)(x + (size_t)row * n);
+    float4* yr = (float4*)(y + (size_t)row * n);
+    const float4* wr = (const float4*)w;
+    float4 v[8], g[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) { // every load first
+        const int q = k * DS4_WARP + lane;
+        v[k] = q < n4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        g[k] = (w && q < n4) ? wr[q] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        ss += (double)v[k].x * (double)v[k].x + (double)v[k].y * (double)v[k].y + (double)v[k].z * (double)v[k].z + (double)v[k].w * (double)v[k].w;
+    ss = ds4_warp_sum_f64(ss);
+    const float s = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int q = k * DS4_WARP + lane;
+        if (q >= n4) break;
+        float4 o = make_float4(v[k].x * s, v[k].y * s, v[k].z * s, v[k].w * s);
+        if (w) o.x *= g[k].x, o.y *= g[k].y, o.z *= g[k].z, o.w *= g[k].w;
+        yr[q] = o;
+    }
+}
+
 DS4_KERNEL void DS4_BOUNDS(256) add_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y,
                                        long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -4,11 +4,10 @@
 // the f32 operations follows the CPU where it is cheap to; the mixer dot products are summed in
 // another order (and scaled after the sum), so results are close, not bit-equal.
 #include "prelude.cuh"
+// hc.cuh: ds4_sigmoid and the Sinkhorn (hc_sinkhorn_by_warp), shared with model.cu
+#include "hc.cuh"
 
 #define FU_PART 32 // doubles per (token, split) partial: the (2+N)·N dots, then the sum of squares
-
-__device__ __forceinline__ float fu_expf(float x) { return (float)exp((double)x); }
-__device__ __forceinline__ float fu_sigmoid(float x) { return 1.0f / (1.0f + fu_expf(-x)); }
 
 // Four mixer weights at float4 column c4 of a row (ty: 0 f32, 1 f16, 2 bf16).
 __device__ __forceinline__ float4 fu_w4(const u8* __restrict__ row, int c4, int ty) {
@@ -32,100 +31,6 @@ __device__ __forceinline__ double fu_block_sum(double v, double* red) {
     double t = 0.0;
     for (int i = 0; i < nw; i++) t += red[i]; // fixed order: the same value everywhere
     return t;
-}
-
-// post and the Sinkhorn comb of one token's mixer row m ((2+NN)·NN) as hc_split (the CPU's
-// order), by one thread.
-template <int NN>
-__device__ __forceinline__ void fu_sinkhorn(const float* m, const float* __restrict__ scale, const float* __restrict__ base,
-                                            float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
-    float a[NN][NN];
-#pragma unroll
-    for (int i = 0; i < NN; i++) post_t[i] = 2.0f * fu_sigmoid(ds4_mul_rn(m[NN + i], scale[1]) + base[NN + i]);
-#pragma unroll
-    for (int r = 0; r < NN; r++) {
-        float mx = DS4_NEG_INF;
-#pragma unroll
-        for (int b = 0; b < NN; b++) {
-            a[r][b] = ds4_mul_rn(m[2 * NN + r * NN + b], scale[2]) + base[2 * NN + r * NN + b];
-            mx = fmaxf(mx, a[r][b]);
-        }
-        float s = 0.0f;
-#pragma unroll
-        for (int b = 0; b < NN; b++) {
-            a[r][b] = fu_expf(a[r][b] - mx);
-            s += a[r][b];
-        }
-#pragma unroll
-        for (int b = 0; b < NN; b++) a[r][b] = a[r][b] / s + eps;
-    }
-    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
-        if (it > 0) { // rows (the first pass normalises columns only)
-#pragma unroll
-            for (int r = 0; r < NN; r++) {
-                float s = 0.0f;
-#pragma unroll
-                for (int b = 0; b < NN; b++) s += a[r][b];
-                s += eps;
-#pragma unroll
-                for (int b = 0; b < NN; b++) a[r][b] /= s;
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < NN; c++) {
-            float s = 0.0f;
-#pragma unroll
-            for (int r = 0; r < NN; r++) s += a[r][c];
-            s += eps;
-#pragma unroll
-            for (int r = 0; r < NN; r++) a[r][c] /= s;
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < NN; r++)
-#pragma unroll
-        for (int b = 0; b < NN; b++) comb_t[r * NN + b] = a[r][b];
-}
-
-// fu_sinkhorn for N = 4 by the 16 first lanes of a warp (the whole warp calls it): lane e holds
-// A[e / 4][e % 4]; its row and column mates come by xor shuffles and are summed in index order,
-// as the CPU sums. m in shared memory.
-__device__ __forceinline__ void fu_sinkhorn4_warp(const float* m, const float* __restrict__ scale, const float* __restrict__ base,
-                                                  float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
-    const int l = threadIdx.x % DS4_WARP, e = l & 15, r = e >> 2, b = e & 3;
-    if (l < 4) post_t[l] = 2.0f * fu_sigmoid(ds4_mul_rn(m[4 + l], scale[1]) + base[4 + l]);
-    float a = ds4_mul_rn(m[8 + e], scale[2]) + base[8 + e];
-    // Value of index k of the row: lane xor (b ^ k); of row k of the column: lane xor 4·(r ^ k).
-#define FU_PICK(o, v0, v1, v2, v3) ((o) == 0 ? (v0) : (o) == 1 ? (v1) : (o) == 2 ? (v2) : (v3))
-#define FU_SUM4(s, i, v0, v1, v2, v3)                                        \
-    {                                                                        \
-        s = FU_PICK(i, v0, v1, v2, v3) + FU_PICK((i) ^ 1, v0, v1, v2, v3);   \
-        s = s + FU_PICK((i) ^ 2, v0, v1, v2, v3);                            \
-        s = s + FU_PICK((i) ^ 3, v0, v1, v2, v3);                            \
-    }
-    { // row softmax + eps
-        const float x1 = ds4_shfl_xor(a, 1), x2 = ds4_shfl_xor(a, 2), x3 = ds4_shfl_xor(a, 3);
-        const float mx = fmaxf(fmaxf(a, x1), fmaxf(x2, x3));
-        a = fu_expf(a - mx);
-        const float y1 = ds4_shfl_xor(a, 1), y2 = ds4_shfl_xor(a, 2), y3 = ds4_shfl_xor(a, 3);
-        float s;
-        FU_SUM4(s, b, a, y1, y2, y3);
-        a = a / s + eps;
-    }
-    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
-        float s;
-        if (it > 0) { // rows (the first pass normalises columns only)
-            const float x1 = ds4_shfl_xor(a, 1), x2 = ds4_shfl_xor(a, 2), x3 = ds4_shfl_xor(a, 3);
-            FU_SUM4(s, b, a, x1, x2, x3);
-            a /= s + eps;
-        }
-        const float c1 = ds4_shfl_xor(a, 4), c2 = ds4_shfl_xor(a, 8), c3 = ds4_shfl_xor(a, 12);
-        FU_SUM4(s, r, a, c1, c2, c3);
-        a /= s + eps;
-    }
-#undef FU_SUM4
-#undef FU_PICK
-    if (l < 16) comb_t[e] = a;
 }
 
 // float4 load that sees other CTAs' stores of this launch (after their fence and our ticket):
@@ -198,17 +103,13 @@ __device__ __forceinline__ void fu_finish(const double* dsum, const float4* xt, 
         m_s[tid] = (float)dsum[tid] * sc;
     }
     __syncthreads();
-    if (tid < NN) pre_s[tid] = fu_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
+    if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
     __syncthreads();
     const int D4 = D / 4;
     float4* zt = (float4*)(z + (size_t)t * D);
     double zz = 0.0;
     if (tid < DS4_WARP) {
-        if (NN == 4) {
-            fu_sinkhorn4_warp(m_s, scale, base, post + (size_t)t * 4, comb + (size_t)t * 16, iters, hc_eps);
-        } else if (tid == 0) {
-            fu_sinkhorn<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
-        }
+        hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
     } else {
         const int step = blockDim.x - DS4_WARP;
         for (int c0 = tid - DS4_WARP; c0 < D4; c0 += 2 * step) { // two columns in flight
@@ -359,6 +260,201 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 }
 
 // ---------------------------------------------------------------------------------------------
+// Wide forms of the two HC kernels above (the default; DS4_GPU_FUSE_FORM=v1 keeps those): many
+// small splits so that a token's mixer is read by ~one CTA per SM. Split s of token t takes
+// FW_C = DS4_WARP / NN float4 columns of d; lane p of every warp is the pair (stream j = p / FW_C,
+// column s·FW_C + p % FW_C); warp g takes mixer rows g, g + nw, ... of all its pairs (one warp
+// sum per row, no cross-warp sums). Partials are stored row-major (part[(t·FU_PART + r)·S + s])
+// so that the last CTA reads each row's splits contiguously.
+
+#define FW_ZR 8    // most float4 columns of z per collapse thread in the epilogue
+#define FW_T 256   // threads of a CTA (the host launches exactly this many)
+#define FW_NW (FW_T / DS4_WARP)
+
+// One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place).
+template <int NN, bool POST>
+__device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
+                                      const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
+                                      int wty, const float* __restrict__ scale, const float* __restrict__ base,
+                                      const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
+                                      float* __restrict__ comb, double* part, u32* tickets, int D, int S, int iters,
+                                      float hc_eps, float eps) {
+    constexpr int MIX = (2 + NN) * NN, C = DS4_WARP / NN, RW = (MIX + FW_NW - 1) / FW_NW; // rows a warp
+    __shared__ float4 v_s[DS4_WARP];
+    __shared__ double dsum[MIX + 1];
+    __shared__ int last_s;
+    const int t = blockIdx.x / S, s = blockIdx.x % S, tid = threadIdx.x;
+    const int lane = tid % DS4_WARP, g = tid / DS4_WARP, nw = FW_NW;
+    const int D4 = D >> 2, j = lane / C, c4 = s * C + lane % C, col = j * D4 + c4; // float4 of the N·D row
+    const bool mine = j < NN && c4 < D4;
+    float4* xt = (float4*)(x + (size_t)t * NN * D);
+    // This warp's mixer rows at this pair's column, loaded first (independent of X').
+    uint4 raw[RW];
+#pragma unroll
+    for (int k = 0; k < RW; k++) {
+        const int r = g + k * nw;
+        raw[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (r < MIX && mine) {
+            const u8* row = mixer + (size_t)r * row_bytes;
+            if (wty == 0) raw[k] = ((const uint4*)row)[col];
+            else {
+                const uint2 u = ((const uint2*)row)[col];
+                raw[k] = make_uint4(u.x, u.y, 0u, 0u);
+            }
+        }
+    }
+    // Warp 0: the pair's value (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X) and Σv².
+    double ss = 0.0;
+    if (g == 0) {
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (mine && POST) {
+            const float pj = post_in[(size_t)t * NN + j];
+            float4 old[NN];
+            float a[NN];
+#pragma unroll
+            for (int i = 0; i < NN; i++) {
+                old[i] = xt[i * D4 + c4];
+                a[i] = comb_in[(size_t)t * NN * NN + i * NN + j]; // A[i][j]: column j of the comb
+            }
+            const float4 ov = ((const float4*)(o + (size_t)t * D))[c4];
+            v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
+#pragma unroll
+            for (int i = 0; i < NN; i++) {
+                v.x += ds4_mul_rn(a[i], old[i].x), v.y += ds4_mul_rn(a[i], old[i].y);
+                v.z += ds4_mul_rn(a[i], old[i].z), v.w += ds4_mul_rn(a[i], old[i].w);
+            }
+        } else if (mine) {
+            v = xt[col];
+        }
+        ss = (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z + (double)v.w * (double)v.w;
+        v_s[lane] = v;
+    }
+    __syncthreads(); // v_s complete; every old X of this split is read (warp 0) before the stores
+    if (POST && g == 0 && mine) {
+        xt[col] = v_s[lane];
+        __threadfence(); // X' visible device-wide before this CTA's ticket
+    }
+    const float4 v = v_s[lane];
+    double* pt = part + (size_t)t * FU_PART * S + s;
+#pragma unroll
+    for (int k = 0; k < RW; k++) {
+        const int r = g + k * nw;
+        if (r >= MIX) break; // warp-uniform
+        float4 w;
+        if (wty == 0) w = make_float4(__uint_as_float(raw[k].x), __uint_as_float(raw[k].y), __uint_as_float(raw[k].z), __uint_as_float(raw[k].w));
+        else if (wty == 1) w = make_float4(ds4_h2f_fast(raw[k].x & 0xffffu), ds4_h2f_fast(raw[k].x >> 16), ds4_h2f_fast(raw[k].y & 0xffffu), ds4_h2f_fast(raw[k].y >> 16));
+        else w = make_float4(ds4_bf2f((u16)(raw[k].x & 0xffffu)), ds4_bf2f((u16)(raw[k].x >> 16)), ds4_bf2f((u16)(raw[k].y & 0xffffu)), ds4_bf2f((u16)(raw[k].y >> 16)));
+        const float d = ds4_warp_sum(w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w); // idle pairs: w = 0
+        if (lane == 0) pt[(size_t)r * S] = (double)d;
+    }
+    if (g == 0) {
+        ss = ds4_warp_sum_f64(ss);
+        if (lane == 0) pt[(size_t)MIX * S] = ss;
+    }
+    if (lane == 0) __threadfence(); // the partials are visible before the ticket
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(&tickets[t], 1u) == (u32)(S - 1);
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    // Last CTA: warp g sums rows g, g + nw, ... over the S splits (lanes stride the splits; a fixed
+    // order whichever CTA is last).
+    for (int r = g; r <= MIX; r += nw) {
+        const volatile double* pv = part + ((size_t)t * FU_PART + r) * S;
+        double a = 0.0;
+        for (int q = lane; q < S; q += DS4_WARP) a += pv[q];
+        a = ds4_warp_sum_f64(a);
+        if (lane == 0) dsum[r] = a;
+    }
+    __syncthreads();
+    if (tid == 0) tickets[t] = 0u; // ready for the next launch (graph replays too)
+    // m = dots · rms scale of the N·D row; pre; then warp 0 runs the Sinkhorn while the other
+    // warps collapse z = Σ pre_i X[i] (CPU order, uncontracted) into registers; rms_norm(z).
+    __shared__ float m_s[MIX], pre_s[NN];
+    __shared__ double red[32];
+    if (tid < MIX) {
+        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
+        m_s[tid] = (float)dsum[tid] * sc;
+    }
+    __syncthreads();
+    if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
+    __syncthreads();
+    float4* zt = (float4*)(z + (size_t)t * D);
+    const float4* nr = (const float4*)norm;
+    float4 zr[FW_ZR], gr[FW_ZR];
+    double zz = 0.0;
+    const int step = FW_T - DS4_WARP, c0 = tid - DS4_WARP;
+    if (g == 0) {
+        hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
+    } else {
+#pragma unroll
+        for (int h = 0; h < FW_ZR; h += 4) { // 4 columns (4·NN loads) in flight at a time
+            float4 xv[4][NN];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int c = c0 + (h + u) * step;
+                if (c < D4) {
+                    gr[h + u] = nr[c];
+#pragma unroll
+                    for (int i = 0; i < NN; i++) xv[u][i] = POST ? fu_ld_cg(xt + i * D4 + c) : xt[i * D4 + c];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int c = c0 + (h + u) * step;
+                float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (c < D4) {
+#pragma unroll
+                    for (int i = 0; i < NN; i++) {
+                        const float p = pre_s[i];
+                        q.x += ds4_mul_rn(p, xv[u][i].x), q.y += ds4_mul_rn(p, xv[u][i].y);
+                        q.z += ds4_mul_rn(p, xv[u][i].z), q.w += ds4_mul_rn(p, xv[u][i].w);
+                    }
+                    zz += (double)q.x * (double)q.x + (double)q.y * (double)q.y + (double)q.z * (double)q.z +
+                          (double)q.w * (double)q.w;
+                }
+                zr[h + u] = q;
+            }
+        }
+    }
+    zz = fu_block_sum(zz, red);
+    const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
+    if (g != 0) {
+#pragma unroll
+        for (int k = 0; k < FW_ZR; k++) {
+            const int c = c0 + k * step;
+            if (c < D4) {
+                const float4 q = zr[k], w = gr[k];
+                zt[c] = make_float4(q.x * zs * w.x, q.y * zs * w.y, q.z * zs * w.z, q.w * zs * w.w);
+            }
+        }
+    }
+}
+
+// Wide hc_pre_norm_f32: same arguments, outputs and host guarantees, except: grid n·S CTAs with
+// S = ceil(D/4 / (DS4_WARP / N)); part holds n·FU_PART·S doubles; blockDim = FW_T with
+// D/4 <= FW_ZR·(FW_T - DS4_WARP).
+DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_w(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    float* xm = (float*)x; // not written (POST = false)
+    switch (N) {
+    case 1: fw_hc<1, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 2: fw_hc<2, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 3: fw_hc<3, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    default: fw_hc<4, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    }
+}
+
+// Wide hc_post_pre_norm_f32: same arguments and outputs; grid and part as hc_pre_norm_w.
+DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_w(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    switch (N) {
+    case 1: fw_hc<1, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 2: fw_hc<2, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 3: fw_hc<3, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    default: fw_hc<4, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // RMSNorm + RoPE (+ FP8 of the first fp8_nope values, + f16) of attention rows.
 
 // RoPE of one pair by pos·w (mod 2π in f64), as attention.cu's rope_f32 (uncontracted).
@@ -457,5 +553,87 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
     for (int i = tid; i < width; i += blockDim.x) {
         const float v = row_s[i];
         xr[i] = f16 ? fu_f16_round(v) : v;
+    }
+}
+
+// Wide form of norm_rope_f32 (the default; DS4_GPU_FUSE_FORM=v1 keeps the one above): one warp
+// per row, the row in registers (float4 q = k·DS4_WARP + lane), no shared memory or block
+// barriers. Same operations as norm_rope_f32: rms_norm (f64 sum of squares), RoPE of the last
+// n_rot values (a pair never straddles a float4: width - n_rot is even), FP8 of 64-value blocks
+// (a block is 16 float4 = 16 aligned lanes: amax by xor shuffles within them), f16 rounding.
+// rows = tokens × heads; blockDim a multiple of DS4_WARP (a row each). Host: width % 4 == 0,
+// width / 4 <= NR_K·DS4_WARP, 16-byte aligned x and w, n_rot even, n_rot and fp8_nope <= width.
+#define NR_K 8
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_w(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int rows, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
+    const int lane = threadIdx.x % DS4_WARP, row = blockIdx.x * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
+    if (row >= rows) return; // whole warps
+    float4* xr = (float4*)(x + (size_t)row * width);
+    const float4* wr = (const float4*)w;
+    const int w4 = width >> 2, r0 = width - n_rot;
+    float e[NR_K][4], gw[NR_K][4];
+#pragma unroll
+    for (int k = 0; k < NR_K; k++) { // every load first
+        const int q = k * DS4_WARP + lane;
+        const float4 a = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float4 b = (w && q < w4) ? wr[q] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        e[k][0] = a.x, e[k][1] = a.y, e[k][2] = a.z, e[k][3] = a.w;
+        gw[k][0] = b.x, gw[k][1] = b.y, gw[k][2] = b.z, gw[k][3] = b.w;
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int k = 0; k < NR_K; k++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) ss += (double)e[k][i] * (double)e[k][i];
+    ss = ds4_warp_sum_f64(ss);
+    const float sc = (float)(1.0 / sqrt(ss / (double)width + (double)eps));
+    const long long pos = pos0 + row / heads;
+#pragma unroll
+    for (int k = 0; k < NR_K; k++) {
+        const int q = k * DS4_WARP + lane;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            e[k][i] = e[k][i] * sc;
+            if (w) e[k][i] = e[k][i] * gw[k][i];
+        }
+        if (q < w4) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) { // the pair at columns 4q + 2h, 4q + 2h + 1
+                const int c = 4 * q + 2 * h;
+                if (c >= r0) fu_rope_pair(&e[k][2 * h], freqs[(c - r0) >> 1], pos);
+            }
+        }
+    }
+    if (fp8_nope > 0) {
+#pragma unroll
+        for (int k = 0; k < NR_K; k++) {
+            if (k * DS4_WARP * 4 >= fp8_nope) break; // warp-uniform
+            const int q = k * DS4_WARP + lane;
+            float m = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (4 * q + i < fp8_nope) m = fmaxf(m, fabsf(e[k][i]));
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, ds4_shfl_xor(m, o)); // over the 64-value block
+            m = fmaxf(m, 1e-4f);
+            const float s = fu_pow2_scale(m, 448.0);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (4 * q + i < fp8_nope) {
+                    const float d = __fdiv_rn(e[k][i], s);
+                    const float c = d != d ? d : fminf(fmaxf(d, -448.0f), 448.0f);
+                    e[k][i] = ds4_mul_rn(fu_e4m3(c), s);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NR_K; k++) {
+        const int q = k * DS4_WARP + lane;
+        if (q >= w4) break;
+        if (f16) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) e[k][i] = fu_f16_round(e[k][i]);
+        }
+        xr[q] = make_float4(e[k][0], e[k][1], e[k][2], e[k][3]);
     }
 }

@@ -3,17 +3,12 @@
 // (no fma contraction: products go through ds4_mul_rn), so results match bit for bit except where
 // libm's exp/log1p and the device's differ by an ulp (exp/log1p are taken in f64 and rounded once).
 #include "prelude.cuh"
+// hc.cuh: ds4_expf_cr, ds4_log1pf_cr, ds4_sigmoid, hc_sinkhorn_thread (shared with fused.cu)
+#include "hc.cuh"
 
 #define DS4_HC_MAX 16        // most hyper-connection streams N supported
 #define DS4_ROUTE_MAX_E 1024 // most experts the router supports
 #define DS4_ROUTE_MAX_K 32   // most experts used per token
-
-// f32 exp / log1p rounded once from f64: correctly rounded in nearly every case, like glibc.
-__device__ __forceinline__ float ds4_expf_cr(float x) { return (float)exp((double)x); }
-__device__ __forceinline__ float ds4_log1pf_cr(float x) { return (float)log1p((double)x); }
-
-// 1 / (1 + e^-x), as math.rs sigmoid.
-__device__ __forceinline__ float ds4_sigmoid(float x) { return 1.0f / (1.0f + ds4_expf_cr(-x)); }
 
 // Element k of a weight row of type ty (0 f32, 1 f16, 2 bf16, 3 q8_0), as ds4-quant dequantises it.
 __device__ __forceinline__ float ds4_row_elem(const u8* __restrict__ row, int k, int ty) {
@@ -416,61 +411,7 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_route_fast(const float* __restrict__ logits,
 // ---- Glue forms (default; DS4_GPU_MIX=fast keeps the latency forms above): N <= 4 Sinkhorn in
 // one thread's registers per token, no shuffles, no barriers. ----
 
-// Sinkhorn of one token for exactly NN streams on this thread: post [NN], comb [NN*NN]. Same
-// operations in the same order as hc_split (the CPU's), all NN*NN values in registers.
-template <int NN>
-__device__ __forceinline__ void hc_sinkhorn_thread(const float* __restrict__ mt, const float* __restrict__ scale, const float* __restrict__ base, float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
-    float pl[NN], a[NN][NN];
-    const float s1 = scale[1], s2 = scale[2];
-#pragma unroll
-    for (int i = 0; i < NN; i++) pl[i] = ds4_mul_rn(mt[NN + i], s1) + base[NN + i];
-#pragma unroll
-    for (int r = 0; r < NN; r++)
-#pragma unroll
-        for (int b = 0; b < NN; b++) a[r][b] = ds4_mul_rn(mt[2 * NN + r * NN + b], s2) + base[2 * NN + r * NN + b];
-#pragma unroll
-    for (int i = 0; i < NN; i++) post_t[i] = 2.0f * ds4_sigmoid(pl[i]);
-#pragma unroll
-    for (int r = 0; r < NN; r++) { // row softmax + eps (the rows are independent chains)
-        float mx = DS4_NEG_INF;
-#pragma unroll
-        for (int b = 0; b < NN; b++) mx = fmaxf(mx, a[r][b]);
-        float s = 0.0f;
-#pragma unroll
-        for (int b = 0; b < NN; b++) {
-            a[r][b] = ds4_expf_cr(a[r][b] - mx);
-            s += a[r][b];
-        }
-#pragma unroll
-        for (int b = 0; b < NN; b++) a[r][b] = a[r][b] / s + eps;
-    }
-    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
-        if (it > 0) { // row normalise (the first pass only normalises columns)
-#pragma unroll
-            for (int r = 0; r < NN; r++) {
-                float s = 0.0f;
-#pragma unroll
-                for (int b = 0; b < NN; b++) s += a[r][b];
-                s += eps;
-#pragma unroll
-                for (int b = 0; b < NN; b++) a[r][b] /= s;
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < NN; c++) { // column normalise
-            float s = 0.0f;
-#pragma unroll
-            for (int r = 0; r < NN; r++) s += a[r][c];
-            s += eps;
-#pragma unroll
-            for (int r = 0; r < NN; r++) a[r][c] /= s;
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < NN; r++)
-#pragma unroll
-        for (int b = 0; b < NN; b++) comb_t[r * NN + b] = a[r][b];
-}
+// (hc_sinkhorn_thread<NN>, the Sinkhorn of one token on one thread, is in hc.cuh.)
 
 // HC pre, glue form for N <= 4 (host checks, with D % 4 == 0 and 16-byte aligned x, z); same
 // outputs as hc_split. Grid: ns = ceil(n / blockDim) Sinkhorn CTAs (one thread per token), then

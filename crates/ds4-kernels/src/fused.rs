@@ -6,5 +6,12 @@ use crate::Module;
 pub const FUSED: Module = Module {
     name: "fused",
     source: include_str!("../gpu/fused.cu"),
-    kernels: &["hc_pre_norm_f32", "hc_post_pre_norm_f32", "norm_rope_f32"],
+    kernels: &[
+        "hc_pre_norm_f32",
+        "hc_post_pre_norm_f32",
+        "norm_rope_f32",
+        "hc_pre_norm_w",
+        "hc_post_pre_norm_w",
+        "norm_rope_w",
+    ],
 };

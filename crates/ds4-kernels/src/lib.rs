@@ -20,6 +20,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("prelude.cuh", include_str!("../gpu/prelude.cuh")),
     ("iq2xxs_grid.cuh", include_str!("../gpu/iq2xxs_grid.cuh")),
     ("dequant.cuh", include_str!("../gpu/dequant.cuh")),
+    ("hc.cuh", include_str!("../gpu/hc.cuh")),
 ];
 
 /// Weight types with `dequant_<t>` and `matvec_<t>` kernels in [`QUANT`], by kernel suffix.
@@ -56,6 +57,7 @@ pub const ELEMENTWISE: Module = Module {
         "rmsnorm_f32",
         "rmsnorm_f32x4",
         "rmsnorm_f32g",
+        "rmsnorm_f32w",
         "add_f32",
         "mul_f32",
         "scale_f32",

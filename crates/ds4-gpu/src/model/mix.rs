@@ -133,6 +133,38 @@ fn fuse_post() -> bool {
     fuse_on() && FUSE.load(Ordering::Relaxed) == 1
 }
 
+/// Fused-kernel forms: 0 not yet read from `DS4_GPU_FUSE_FORM`, 1 `v1` (the session-4 kernels:
+/// HC splits of 256 float4 columns, a CTA per norm_rope row, rmsnorm_f32x4), 2 wide (default:
+/// `*_w` kernels, ~one HC split CTA per SM, a warp per norm_rope / short rms_norm row).
+static FORM: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the wide forms run (`DS4_GPU_FUSE_FORM=v1` turns them off), read once, or
+/// [`GpuBackend::set_fuse_form`].
+fn fuse_wide() -> bool {
+    let mut m = FORM.load(Ordering::Relaxed);
+    if m == 0 {
+        let env = match std::env::var("DS4_GPU_FUSE_FORM").as_deref() {
+            Ok("v1") => 1,
+            _ => 2,
+        };
+        m = match FORM.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => env,
+            Err(cur) => cur,
+        };
+    }
+    m == 2
+}
+
+/// Threads of a wide HC CTA (`FW_T` in fused.cu) and float4 columns of z per epilogue thread
+/// (`FW_ZR`).
+const FW_T: usize = 256;
+const FW_ZR: usize = 8;
+/// float4 columns per lane of the warp-per-row forms (`NR_K`, rmsnorm_f32w).
+const ROW_K: usize = 8;
+
+/// The HC post's inputs (o, post, comb) of a fused hc_post_pre_norm.
+type PostIn = (DevPtr, DevPtr, DevPtr);
+
 /// float4 loads are safe at this address.
 fn al16(p: DevPtr) -> bool {
     p.0.is_multiple_of(16)
@@ -168,6 +200,17 @@ impl GpuBackend {
         FUSE.store(m, Ordering::Relaxed);
     }
 
+    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "wide" (the default) or
+    /// "v1". Process-wide; for tests and A/B benchmarks.
+    pub fn set_fuse_form(form: &str) {
+        let m = match form {
+            "v1" => 1,
+            "wide" => 2,
+            _ => panic!("set_fuse_form: unknown form {form:?} (wide, v1)"),
+        };
+        FORM.store(m, Ordering::Relaxed);
+    }
+
     /// HC pre + the sublayer norm. Fused at decode (n <= 4, N <= 4): one launch of n·S CTAs;
     /// CTA (t, s) takes split s of token t's N·D row for the (2+N)·N mixer dot products and
     /// Σx², and the token's last CTA to arrive (atomic ticket) scales them by the RMS, runs
@@ -194,35 +237,19 @@ impl GpuBackend {
                 self, hc, mixer, scale, base, norm, x, n, eps, z, post, comb,
             );
         };
-        let w = hc.n * hc.d;
-        // Splits of `threads` float4 columns (N·D = 16384, 256 threads: 16 splits a token).
-        let threads = fuse_threads(self.warp() as usize);
-        let splits = (w / 4).div_ceil(threads).clamp(1, FUSE_HC_SPLITS);
-        let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
-        self.run(
-            &ds4_kernels::FUSED,
-            "hc_pre_norm_f32",
-            LaunchDims::linear((n * splits) as u32, threads as u32),
-            &[
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(wp),
-                Arg::I64(rb as i64),
-                Arg::I32(code),
-                Arg::Ptr(scale.ptr()),
-                Arg::Ptr(base.ptr()),
-                Arg::Ptr(norm.ptr()),
-                Arg::Ptr(z.ptr),
-                Arg::Ptr(post.ptr),
-                Arg::Ptr(comb.ptr),
-                Arg::Ptr(part.ptr),
-                Arg::Ptr(self.tickets.ptr()),
-                Arg::I32(hc.n as i32),
-                Arg::I32(hc.d as i32),
-                Arg::I32(splits as i32),
-                Arg::I32(hc.sinkhorn_iters as i32),
-                Arg::F32(hc.eps),
-                Arg::F32(eps),
-            ],
+        self.hc_fused(
+            &hc,
+            x.ptr,
+            None,
+            (wp, code, rb),
+            scale,
+            base,
+            norm,
+            n,
+            eps,
+            z,
+            post,
+            comb,
         );
     }
 
@@ -288,37 +315,95 @@ impl GpuBackend {
             self.op_hc_post(hc, x, o, post_in, comb_in, n);
             return self.op_hc_pre_norm(hc, mixer, scale, base, norm, x, n, eps, z, post, comb);
         };
-        // Columns per CTA: threads / N (D 4096, N 4, 256 threads: 16 splits a token).
-        let threads = fuse_threads(self.warp() as usize);
-        let splits = (hc.d / 4).div_ceil(threads / hc.n);
+        let pin = Some((o.ptr, post_in.ptr, comb_in.ptr));
+        self.hc_fused(
+            &hc,
+            x.ptr,
+            pin,
+            (wp, code, rb),
+            scale,
+            base,
+            norm,
+            n,
+            eps,
+            z,
+            post,
+            comb,
+        );
+    }
+
+    /// One launch of the fused HC pre + norm (after the HC post when `pin` is given): the wide
+    /// kernels (`*_w`: N·D/4 pairs in splits of a warp's lanes, 1024 / (32 / 4) = 128 CTAs a
+    /// token at D 4096) or, `DS4_GPU_FUSE_FORM=v1` or shapes they decline, the first ones (256
+    /// float4 columns of the N·D row a split, or 256 / N of each stream with the post). Both
+    /// take the same arguments.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_fused(
+        &self,
+        hc: &HcDims,
+        x: DevPtr,
+        pin: Option<PostIn>,
+        (wp, code, rb): (DevPtr, i32, usize),
+        scale: &GpuWeight,
+        base: &GpuWeight,
+        norm: &GpuWeight,
+        n: usize,
+        eps: f32,
+        z: &mut GpuBuf,
+        post: &mut GpuBuf,
+        comb: &mut GpuBuf,
+    ) {
+        let warp = self.warp() as usize;
+        let d4 = hc.d / 4;
+        let wide = fuse_wide() && hc.n <= warp && d4 <= FW_ZR * (FW_T - warp);
+        let (name, threads, splits) = if wide {
+            let cols = warp / hc.n; // float4 columns of d a split
+            let name = if pin.is_some() {
+                "hc_post_pre_norm_w"
+            } else {
+                "hc_pre_norm_w"
+            };
+            (name, FW_T, d4.div_ceil(cols))
+        } else {
+            let t = fuse_threads(warp);
+            match pin {
+                Some(_) => ("hc_post_pre_norm_f32", t, d4.div_ceil(t / hc.n)),
+                None => (
+                    "hc_pre_norm_f32",
+                    t,
+                    (hc.n * d4).div_ceil(t).clamp(1, FUSE_HC_SPLITS),
+                ),
+            }
+        };
         let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
+        let mut args = vec![Arg::Ptr(x)];
+        if let Some((o, pi, ci)) = pin {
+            args.extend([Arg::Ptr(o), Arg::Ptr(pi), Arg::Ptr(ci)]);
+        }
+        args.extend([
+            Arg::Ptr(wp),
+            Arg::I64(rb as i64),
+            Arg::I32(code),
+            Arg::Ptr(scale.ptr()),
+            Arg::Ptr(base.ptr()),
+            Arg::Ptr(norm.ptr()),
+            Arg::Ptr(z.ptr),
+            Arg::Ptr(post.ptr),
+            Arg::Ptr(comb.ptr),
+            Arg::Ptr(part.ptr),
+            Arg::Ptr(self.tickets.ptr()),
+            Arg::I32(hc.n as i32),
+            Arg::I32(hc.d as i32),
+            Arg::I32(splits as i32),
+            Arg::I32(hc.sinkhorn_iters as i32),
+            Arg::F32(hc.eps),
+            Arg::F32(eps),
+        ]);
         self.run(
             &ds4_kernels::FUSED,
-            "hc_post_pre_norm_f32",
+            name,
             LaunchDims::linear((n * splits) as u32, threads as u32),
-            &[
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(o.ptr),
-                Arg::Ptr(post_in.ptr),
-                Arg::Ptr(comb_in.ptr),
-                Arg::Ptr(wp),
-                Arg::I64(rb as i64),
-                Arg::I32(code),
-                Arg::Ptr(scale.ptr()),
-                Arg::Ptr(base.ptr()),
-                Arg::Ptr(norm.ptr()),
-                Arg::Ptr(z.ptr),
-                Arg::Ptr(post.ptr),
-                Arg::Ptr(comb.ptr),
-                Arg::Ptr(part.ptr),
-                Arg::Ptr(self.tickets.ptr()),
-                Arg::I32(hc.n as i32),
-                Arg::I32(hc.d as i32),
-                Arg::I32(splits as i32),
-                Arg::I32(hc.sinkhorn_iters as i32),
-                Arg::F32(hc.eps),
-                Arg::F32(eps),
-            ],
+            &args,
         );
     }
 
@@ -358,6 +443,34 @@ impl GpuBackend {
             return;
         }
         let warp = self.warp() as usize;
+        let wide = fuse_wide()
+            && width.is_multiple_of(4)
+            && width / 4 <= ROW_K * warp
+            && al16(x.ptr)
+            && w.is_none_or(|w| al16(w.ptr()));
+        if wide {
+            // A warp per row, one row per CTA at decode (q: 64 CTAs), 4 in prefill.
+            let wpb = if rows >= 1024 { 4 } else { 1 };
+            self.run(
+                &ds4_kernels::FUSED,
+                "norm_rope_w",
+                LaunchDims::linear(rows.div_ceil(wpb) as u32, (wpb * warp) as u32),
+                &[
+                    Arg::Ptr(x.ptr),
+                    w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
+                    Arg::Ptr(self.rope_ptr(kind)),
+                    Arg::I32(rows as i32),
+                    Arg::I32(heads as i32),
+                    Arg::I32(width as i32),
+                    Arg::I32(n_rot as i32),
+                    Arg::I64(t0 as i64),
+                    Arg::F32(eps),
+                    Arg::I32(r.fp8_nope as i32),
+                    Arg::I32(r.f16 as i32),
+                ],
+            );
+            return;
+        }
         let threads = (width / 4).next_multiple_of(warp).clamp(warp, 256);
         let mut dims = LaunchDims::linear(rows as u32, threads as u32);
         dims.shared_bytes = (width * 4) as u32; // the staged row
@@ -467,6 +580,24 @@ impl GpuBackend {
             && w.is_none_or(|w| al16(w.ptr()));
         // x4: one float4 per thread up to 1024 threads (a 16384 row: 4 each), whole warps.
         let warp = self.warp() as usize;
+        if fast && fuse_wide() && width / 4 <= ROW_K * warp {
+            // Short rows (the 1024-wide query norm): a warp per row, 4 rows a CTA when many.
+            let wpb = if rows >= 256 { 4 } else { 1 };
+            self.run(
+                &ds4_kernels::ELEMENTWISE,
+                "rmsnorm_f32w",
+                LaunchDims::linear(rows.div_ceil(wpb) as u32, (wpb * warp) as u32),
+                &[
+                    Arg::Ptr(x.ptr),
+                    w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
+                    Arg::Ptr(x.ptr),
+                    Arg::I32(width as i32),
+                    Arg::F32(eps),
+                    Arg::I32(rows as i32),
+                ],
+            );
+            return;
+        }
         let (name, threads) = if fast && mix_glue() {
             // Two float4 per thread (four past 2048 float4): fewer warp partials to add.
             let per = if width / 4 <= 2048 { 2 } else { 4 };
