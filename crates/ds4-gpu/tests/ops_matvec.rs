@@ -699,7 +699,8 @@ fn matvec_split() {
 /// rows; `matmul_gateup`: `mvrgu_*`) against the CPU's default composition, merged and with
 /// `set_matvec_merge(false)`: the model's sets (q_a + kv; compressor + indexer projections),
 /// odd row counts (CTAs of a matrix partly empty), one-row matrices, column counts ending mid
-/// warp-step, more matrices than one launch takes (falls back), n = 2 (falls back), and the
+/// warp-step, 5 Q8_0 matrices (`mvqm_*_q8_0` on the GGUF blocks), more matrices than one launch
+/// takes (falls back), n = 2 (falls back), and the
 /// shared expert's gate/up with a clamp that cuts (0.5) and one that does not.
 #[test]
 fn matvec_merged() {
@@ -711,12 +712,14 @@ fn matvec_merged() {
     // (type, cols, rows of each matrix, n)
     let sets: &[(GgmlType, usize, &[usize], usize)] = &[
         (GgmlType::Q8_0, 4096, &[1024, 512], 1),
+        (GgmlType::Q8_0, 1056, &[37, 70, 1, 5], 1),
+        (GgmlType::Q8_0, 1056, &[37, 70, 1, 5, 33], 1),
         (GgmlType::Q8_0, 1056, &[37, 70, 1, 5, 33, 2], 1),
         (GgmlType::Q8_0, 4096, &[3, 4099], 1),
         (GgmlType::F16, 4096, &[1024, 1024, 256, 256, 64], 1),
         (GgmlType::F16, 4096, &[512, 512], 1),
         (GgmlType::F16, 1056, &[7, 1, 70], 1),
-        (GgmlType::F16, 96, &[3, 5, 7, 9, 11, 13], 1),
+        (GgmlType::F16, 96, &[3, 5, 7, 9, 11], 1),
         (GgmlType::F16, 96, &[3, 5, 7, 9, 11, 13, 15], 1),
         (GgmlType::Q8_0, 1024, &[64, 32], 2),
     ];

@@ -771,8 +771,8 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { mvr_body<4, 2
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { mvr_body<2, 2>(MVR_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
-// indexer projections): matrices m < 6 of the same cols, matrix m takes CTAs c_m .. c_{m+1} - 1
-// (c_0 = 0; c_m = 0x7fffffff for absent m), each CTA as one CTA of the single-matrix form at
+// indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
+// the same cols, matrix m takes CTAs c_m .. c_{m+1} - 1 (c_0 = 0; c_m = 0x7fffffff for absent m), each CTA as one CTA of the single-matrix form at
 // blockIdx.x - c_m (rows per CTA (MV_WARPS / kspl) * R). Per-lane order of the sums as there.
 //   mvrm_r2u2_q8_0: Q8_0 decode layout (Q_m, D_m: q8_repack) as mvr_r2u2_q8_0;
 //   mvqm_r2u4_<t>:  rows of W_m (row_bytes rb) as mvq_r2u4_<t>.
@@ -780,10 +780,10 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { mvr_body<2, 2
 //   h[r] = silu(min(g, c)) * clamp(u, -c, c), g = Wg[r] . x, u = Wu[r] . x; a warp (or kspl
 //   warps) per row pair r, as swiglu_f32 with weight 1.
 
-// Matrix of this CTA: the number of c_1..c_5 at or below blockIdx.x.
-__device__ __forceinline__ int mvm_pick(int c1, int c2, int c3, int c4, int c5) {
+// Matrix of this CTA: the number of c_1..c_4 at or below blockIdx.x (c4 = INT_MAX for mvrm).
+__device__ __forceinline__ int mvm_pick(int c1, int c2, int c3, int c4) {
     int b = blockIdx.x;
-    return (b >= c1) + (b >= c2) + (b >= c3) + (b >= c4) + (b >= c5);
+    return (b >= c1) + (b >= c2) + (b >= c3) + (b >= c4);
 }
 
 // acc[i] += lane's half blocks of decode-layout rows qp[i]/dp[i] times x (xv: x as float4),
@@ -884,29 +884,29 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
     if (warp % kspl == 0 && lane < R && r < rows) y[r] = v;
 }
 
-#define MVM_SEL(a0, a1, a2, a3, a4, a5)                                                                               \
-    (m == 0 ? (a0) : m == 1 ? (a1) : m == 2 ? (a2) : m == 3 ? (a3) : m == 4 ? (a4) : (a5))
-#define MVM_OFF (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c4, c5)
+#define MVM_SEL(a0, a1, a2, a3, a4) (m == 0 ? (a0) : m == 1 ? (a1) : m == 2 ? (a2) : m == 3 ? (a3) : (a4))
 
 #define MVRM_ONE(i) const u8 *__restrict__ Q##i, const u16 *__restrict__ D##i, float *__restrict__ y##i, int rows##i
 #define MVRM_PARAMS                                                                                                    \
-    MVRM_ONE(0), MVRM_ONE(1), MVRM_ONE(2), MVRM_ONE(3), MVRM_ONE(4), MVRM_ONE(5), const float *__restrict__ x, int cols, \
-        int kspl, int c1, int c2, int c3, int c4, int c5
+    MVRM_ONE(0), MVRM_ONE(1), MVRM_ONE(2), MVRM_ONE(3), const float *__restrict__ x, int cols, int kspl, int c1, int c2, \
+        int c3
 
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) {
-    int m = mvm_pick(c1, c2, c3, c4, c5);
-    mvr_cta<2, 2>(MVM_SEL(Q0, Q1, Q2, Q3, Q4, Q5), MVM_SEL(D0, D1, D2, D3, D4, D5), x, MVM_SEL(y0, y1, y2, y3, y4, y5),
-                  MVM_SEL(rows0, rows1, rows2, rows3, rows4, rows5), cols, kspl, MVM_OFF);
+    int m = mvm_pick(c1, c2, c3, 0x7fffffff);
+    mvr_cta<2, 2>(MVM_SEL(Q0, Q1, Q2, Q3, Q3), MVM_SEL(D0, D1, D2, D3, D3), x, MVM_SEL(y0, y1, y2, y3, y3),
+                  MVM_SEL(rows0, rows1, rows2, rows3, rows3), cols, kspl,
+                  (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c3));
 }
 
 #define MVQM_ONE(i) const u8 *__restrict__ W##i, float *__restrict__ y##i, int rows##i
 #define MVQM_PARAMS                                                                                                    \
-    MVQM_ONE(0), MVQM_ONE(1), MVQM_ONE(2), MVQM_ONE(3), MVQM_ONE(4), MVQM_ONE(5), const float *__restrict__ x, int cols, \
-        long long row_bytes, int kspl, int c1, int c2, int c3, int c4, int c5
+    MVQM_ONE(0), MVQM_ONE(1), MVQM_ONE(2), MVQM_ONE(3), MVQM_ONE(4), const float *__restrict__ x, int cols,            \
+        long long row_bytes, int kspl, int c1, int c2, int c3, int c4
 #define MVQM_BODY(T)                                                                                                   \
-    int m = mvm_pick(c1, c2, c3, c4, c5);                                                                              \
-    mvq_cta<T, 2, 4>(MVM_SEL(W0, W1, W2, W3, W4, W5), x, MVM_SEL(y0, y1, y2, y3, y4, y5),                              \
-                     MVM_SEL(rows0, rows1, rows2, rows3, rows4, rows5), cols, row_bytes, kspl, MVM_OFF);
+    int m = mvm_pick(c1, c2, c3, c4);                                                                                  \
+    mvq_cta<T, 2, 4>(MVM_SEL(W0, W1, W2, W3, W4), x, MVM_SEL(y0, y1, y2, y3, y4),                                      \
+                     MVM_SEL(rows0, rows1, rows2, rows3, rows4), cols, row_bytes, kspl,                                \
+                     (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c4));
 
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { MVQM_BODY(T_F16) }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { MVQM_BODY(T_Q8_0) }
@@ -931,7 +931,7 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(const u8* __restrict__ Qg
     }
 }
 
-// ---- Persistent, software-pipelined one-row products from the decode layout (mvp_r<R>u<U>_q8_0,
+// ---- Persistent, software-pipelined one-row products from the decode layout (mvp_p<R>u<U>_q8_0,
 // n = 1; opt-in form `DS4_GPU_Q8_FORM=p<R>u<U>`): a fixed grid of warps (a few CTAs per SM), warp
 // w takes row groups w, w + W, ... (W = all warps; R rows each, global rows g of all zs groups;
 // row g reads x + (g / rz) * x_z, R divides rz) and walks each group in rounds of U half-block
@@ -1038,6 +1038,6 @@ __device__ __forceinline__ void mvp_body(const u8* __restrict__ Q, const u16* __
         float *__restrict__ y, int rows, int cols
 #define MVP_ARGS Q, D, x, x_z, rz, y, rows, cols
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_r1u2_q8_0(MVP_PARAMS) { mvp_body<1, 2>(MVP_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_r1u4_q8_0(MVP_PARAMS) { mvp_body<1, 4>(MVP_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_r2u2_q8_0(MVP_PARAMS) { mvp_body<2, 2>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u2_q8_0(MVP_PARAMS) { mvp_body<1, 2>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u4_q8_0(MVP_PARAMS) { mvp_body<1, 4>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p2u2_q8_0(MVP_PARAMS) { mvp_body<2, 2>(MVP_ARGS); }

@@ -91,8 +91,8 @@ pub const MATVEC: Module = Module {
         "mvqm_r2u4_f16",
         "mvqm_r2u4_q8_0",
         "mvrgu_r2u2_q8_0",
-        "mvp_r1u2_q8_0",
-        "mvp_r1u4_q8_0",
-        "mvp_r2u2_q8_0",
+        "mvp_p1u2_q8_0",
+        "mvp_p1u4_q8_0",
+        "mvp_p2u2_q8_0",
     ],
 };

@@ -130,8 +130,10 @@ fn q8_form() -> (u8, usize) {
 /// `DS4_GPU_MERGE=off` (or `set_matvec_merge(false)`) runs the products one by one as before.
 static MERGE: AtomicBool = AtomicBool::new(true);
 static MERGE_ENV: std::sync::Once = std::sync::Once::new();
-/// Most matrices of one merged launch (the kernels' argument sets).
-const MVM_MAX: usize = 6;
+/// Most matrices of one merged launch: `mvrm_*` (4 argument sets of 4) and `mvqm_*` (5 of 3);
+/// a launch takes at most 24 arguments (runtime.rs MAX_ARGS).
+const MVRM_MAX: usize = 4;
+const MVQM_MAX: usize = 5;
 
 fn merge_on() -> bool {
     MERGE_ENV.call_once(|| {
@@ -142,11 +144,11 @@ fn merge_on() -> bool {
     MERGE.load(Ordering::Relaxed)
 }
 
-/// CTA offsets c_1..c_5 of a merged launch (`mvm_pick`): matrix m of `rows[m]` rows takes
+/// CTA offsets c_1..c_{max-1} of a merged launch (`mvm_pick`): matrix m of `rows[m]` rows takes
 /// ceil(rows[m] / per_cta) CTAs after those of the matrices before it; absent m: i32::MAX.
 /// Returns (offsets, total CTAs).
-fn mvm_offsets(rows: &[usize], per_cta: usize) -> ([i32; MVM_MAX - 1], usize) {
-    let mut c = [i32::MAX; MVM_MAX - 1];
+fn mvm_offsets(rows: &[usize], per_cta: usize, max: usize) -> (Vec<i32>, usize) {
+    let mut c = vec![i32::MAX; max - 1];
     let mut total = 0;
     for (m, &r) in rows.iter().enumerate() {
         if m > 0 {
@@ -946,9 +948,9 @@ impl GpuBackend {
     }
 
     /// Backend::matmul_multi at n = 1 in one launch, or false (the caller runs the products one
-    /// by one): 2..=6 matrices of equal cols, all Q8_0 with decode copies (`mvrm_r2u2_q8_0`,
-    /// unless the `mvr` path is off) or all of one type F16 / Q8_0 (`mvqm_r2u4_<t>`, unless `mvq`
-    /// is off).
+    /// by one): 2..=5 matrices of equal cols, up to 4 Q8_0 with decode copies (`mvrm_r2u2_q8_0`,
+    /// unless the `mvr` path is off), else all of one type F16 / Q8_0 (`mvqm_r2u4_<t>`, unless
+    /// `mvq` is off).
     pub(crate) fn mv_multi(
         &self,
         ws: &[&GpuWeight],
@@ -958,7 +960,7 @@ impl GpuBackend {
     ) -> bool {
         if n != 1
             || ws.len() < 2
-            || ws.len() > MVM_MAX
+            || ws.len() > MVQM_MAX
             || ws.len() != ys.len()
             || !merge_on()
             || !ENABLED.load(Ordering::Relaxed)
@@ -996,6 +998,7 @@ impl GpuBackend {
         let rows: Vec<usize> = parts.iter().map(|p| p.3).collect();
         let block = [MV_WARPS as u32 * self.warp(), 1, 1];
         let decoded = ty == GgmlType::Q8_0
+            && ws.len() <= MVRM_MAX
             && MVR.load(Ordering::Relaxed) != 0
             && parts
                 .iter()
@@ -1004,9 +1007,9 @@ impl GpuBackend {
             // mvr r2u2 per matrix: R = 2, kspl from all row groups, steps of cols / 2 (see mvr).
             let groups: usize = rows.iter().map(|r| r.div_ceil(2)).sum();
             let k = self.mv_kspl(groups, cols / 2);
-            let (c, total) = mvm_offsets(&rows, MV_WARPS / k * 2);
-            let mut args = Vec::with_capacity(4 * MVM_MAX + 6);
-            for m in 0..MVM_MAX {
+            let (c, total) = mvm_offsets(&rows, MV_WARPS / k * 2, MVRM_MAX);
+            let mut args = Vec::with_capacity(4 * MVRM_MAX + 6);
+            for m in 0..MVRM_MAX {
                 match (parts.get(m), ys.get(m)) {
                     (Some(p), Some(y)) => {
                         let q = p.5.unwrap().ptr();
@@ -1051,9 +1054,9 @@ impl GpuBackend {
         }
         let groups: usize = rows.iter().map(|r| r.div_ceil(2)).sum();
         let k = self.mv_kspl(groups, cols);
-        let (c, total) = mvm_offsets(&rows, MV_WARPS / k * 2);
-        let mut args = Vec::with_capacity(3 * MVM_MAX + 7);
-        for m in 0..MVM_MAX {
+        let (c, total) = mvm_offsets(&rows, MV_WARPS / k * 2, MVQM_MAX);
+        let mut args = Vec::with_capacity(3 * MVQM_MAX + 8);
+        for m in 0..MVQM_MAX {
             match (parts.get(m), ys.get(m)) {
                 (Some(p), Some(y)) => {
                     args.extend([Arg::Ptr(p.0), Arg::Ptr(y.ptr), Arg::I32(p.3 as i32)])
