@@ -5,8 +5,9 @@
 //! row blocks (partial last blocks included). Checks that the decode kernels ran where they
 //! cover the rows (16-byte multiples) and were declined elsewhere, and that two runs give
 //! identical bits. The three forms: v1 (rows staged in shared memory), v2 (direct loads, h in
-//! the down kernel's lane order; n = 3, 4 through its two-token loop) and v3 (v2 with x as
-//! hi/lo int8 pairs and dp4a; the same tolerance), v2 and v3 with several tile sizes. Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1:
+//! the down kernel's lane order; n = 3, 4 through its two-token loop) and the opt-in v3 (v2 with
+//! x as hi/lo int8 pairs and dp4a; its own looser bound, TOL_L2_V3), v2 and v3 with several tile
+//! sizes. Skips with the reason when no GPU is present (DS4_REQUIRE_GPU=1:
 //! fail). Run with --test-threads=1 on a GPU (process-wide switches).
 
 mod common;
@@ -22,6 +23,10 @@ use rand::Rng;
 /// clamp, full-size outputs are large sums that cancel to near zero in places, where it reached
 /// 1e-2 on an H200 (the older GPU paths show the same on the same data).
 const TOL_L2: f32 = 1e-4;
+/// The opt-in v3 form (x quantised to hi/lo int8 pairs, 2^-16 of the 32-block max): H200, rel
+/// L2 up to 5.0e-5 without the clamp and 1.03e-3 with clamp 0.3 (full size; the gate's absolute
+/// error where silu is steep); not a default form for that reason.
+const TOL_L2_V3: f32 = 2e-3;
 
 /// ‖a − b‖ / ‖b‖ in f64.
 fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
@@ -137,7 +142,7 @@ fn moe_decode_matches_cpu() {
                         "{name}: rel L2 {l2:.3e}, max rel {e:.3e}, decode runs {ran} (v2 {ran2}), repeat identical {same}"
                     );
                         if l2.is_nan()
-                            || l2 > TOL_L2
+                            || l2 > if form == 3 { TOL_L2_V3 } else { TOL_L2 }
                             || ran != want_runs
                             || ran2 != want_v2
                             || ran3 != want_v3
