@@ -10,10 +10,12 @@
 //! `max(0, t−W+1) ..= t`, compressed rows `< (t+1) / ratio`.
 
 pub mod rope;
+pub mod sample;
 pub mod state;
 
 pub use ds4_gguf::GgmlType;
 use ds4_gguf::GgufFile;
+pub use sample::SampleParams;
 pub use state::{HostCompState, HostLayerState};
 use std::sync::Arc;
 
@@ -283,6 +285,12 @@ pub trait Backend: Send + Sync + Sized {
     /// The first `len` values.
     fn download(&self, b: &Self::Buf, len: usize) -> Vec<f32>;
     fn download_i32(&self, b: &Self::IBuf, len: usize) -> Vec<i32>;
+    /// The token [`sample::select`] picks from the first `vocab` values of `logits` for draw
+    /// `u` ∈ [0, 1) (unused when greedy). Default: download and pick on the host; a device
+    /// backend picks in place and returns only the id (the end of a recorded step).
+    fn sample(&self, logits: &Self::Buf, vocab: usize, p: &SampleParams, u: f64) -> u32 {
+        sample::select(&self.download(logits, vocab), p, u)
+    }
     /// `dst[dst_off ..][.. len] = src[src_off ..][.. len]`.
     fn copy(
         &self,

@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use ds4_model::synthetic::SynthPreset;
-pub use sampler::{argmax, log_sum_exp, top_logprobs, Sampler, SamplerConfig};
+pub use sampler::{
+    argmax, log_sum_exp, select, top_logprobs, SampleParams, Sampler, SamplerConfig,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -456,6 +458,22 @@ impl Session {
         Ok(self.logits.as_deref().unwrap_or_default())
     }
 
+    /// Evaluate one token at the next position and return the token `sampler` picks after it,
+    /// chosen on the backend (a GPU hands back only the id; `DS4_GPU_SAMPLE=off`: on the host).
+    /// The same token as `sampler.sample(self.eval(token)?)` for the same sampler state; the
+    /// session keeps no logits afterwards (use [`Session::eval`] where logprobs are wanted).
+    pub fn eval_sampled(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, EngineError> {
+        self.check(self.state.tokens.len() + 1, &[token])?;
+        let u = sampler.draw();
+        let r = self
+            .model
+            .eval_sample(&mut self.state, token, &sampler.params(), u);
+        let id = self.backend_result(r)?;
+        self.logits = None;
+        self.streams = None;
+        Ok(id)
+    }
+
     /// Evaluate `tokens` through the batched prompt path; logits after every position.
     pub fn eval_all(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
         self.check(self.state.tokens.len() + tokens.len(), tokens)?;
@@ -687,6 +705,39 @@ mod tests {
                 Ok(_) => panic!("{name}: opened a missing file"),
             }
         }
+    }
+
+    #[test]
+    fn eval_sampled_is_eval_then_sample_on_the_cpu() {
+        let path = ds4_synth::tiny_model_for_tests(21, false);
+        let mut o = EngineOptions::new(&path);
+        o.backend = BackendChoice::Cpu;
+        let e = Engine::open(&o).unwrap();
+        let cfg = SamplerConfig {
+            temperature: 1.2,
+            top_k: 30,
+            top_p: 0.9,
+            min_p: 0.02,
+            seed: 7,
+        };
+        let prompt = [0u32, 5, 77, 300, 12];
+        let run = |device: bool| {
+            let mut s = e.new_session(128);
+            s.sync(&prompt, &mut |_, _| {}).unwrap();
+            let mut sm = Sampler::new(cfg.clone());
+            let mut t = sm.sample(s.logits().unwrap());
+            let mut out = vec![t];
+            for _ in 0..12 {
+                t = if device {
+                    s.eval_sampled(t, &mut sm).unwrap()
+                } else {
+                    sm.sample(s.eval(t).unwrap())
+                };
+                out.push(t);
+            }
+            out
+        };
+        assert_eq!(run(true), run(false));
     }
 
     #[test]

@@ -33,16 +33,7 @@ pub struct Sampler {
     rng: Xoshiro256PlusPlus,
 }
 
-/// Index of the largest value, lowest index on ties.
-pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use ds4_backend::sample::{argmax, select, SampleParams};
 
 /// `ln Σ exp(logits)`, max-subtracted and summed in f64: `logits[t] − log_sum_exp` is the
 /// log-probability of token `t`.
@@ -89,61 +80,28 @@ impl Sampler {
         &self.cfg
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let c = &self.cfg;
-        if c.temperature <= 0.0 || c.top_k == 1 {
-            return argmax(logits);
+    /// The settings without the seed (what [`select`] and `Backend::sample` take).
+    pub fn params(&self) -> SampleParams {
+        SampleParams {
+            temperature: self.cfg.temperature,
+            top_k: self.cfg.top_k,
+            top_p: self.cfg.top_p,
+            min_p: self.cfg.min_p,
         }
-        // Candidates sorted by logit (ties: lower id first), then the filters in order.
-        let mut cand: Vec<u32> = (0..logits.len() as u32).collect();
-        let keep = if c.top_k > 0 {
-            c.top_k.min(cand.len())
+    }
+
+    /// The uniform draw for the next pick: one per non-greedy pick, none when greedy (0).
+    pub fn draw(&mut self) -> f64 {
+        if self.params().greedy() {
+            0.0
         } else {
-            cand.len()
-        };
-        let by_logit = |a: &u32, b: &u32| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        };
-        if keep < cand.len() {
-            cand.select_nth_unstable_by(keep - 1, by_logit);
-            cand.truncate(keep);
+            self.rng.gen::<f64>()
         }
-        cand.sort_by(by_logit);
-        let m = logits[cand[0] as usize];
-        let mut p: Vec<f64> = cand
-            .iter()
-            .map(|&i| (((logits[i as usize] - m) / c.temperature) as f64).exp())
-            .collect();
-        let total: f64 = p.iter().sum();
-        p.iter_mut().for_each(|x| *x /= total);
-        let mut n = p.len();
-        if c.min_p > 0.0 {
-            let floor = p[0] * c.min_p as f64;
-            n = p.iter().take_while(|&&x| x >= floor).count().max(1);
-        }
-        if c.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut k = 0;
-            while k < n {
-                acc += p[k];
-                k += 1;
-                if acc >= c.top_p as f64 {
-                    break;
-                }
-            }
-            n = k.max(1);
-        }
-        let total: f64 = p[..n].iter().sum();
-        let mut r = self.rng.gen::<f64>() * total;
-        for (i, &pi) in p[..n].iter().enumerate() {
-            r -= pi;
-            if r <= 0.0 {
-                return cand[i];
-            }
-        }
-        cand[n - 1]
+    }
+
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let u = self.draw();
+        select(logits, &self.params(), u)
     }
 }
 
@@ -204,5 +162,92 @@ mod tests {
         assert_eq!(lp.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2, 0]);
         let s: f32 = lp.iter().map(|x| x.1.exp()).sum();
         assert!((s - 1.0).abs() < 1e-6);
+    }
+
+    fn temp1() -> SampleParams {
+        SampleParams {
+            temperature: 1.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn select_walks_the_cumulative_in_logit_order_with_ties_by_id() {
+        // Order 1, 2 (tie, lower id first), 3, 0; p ≈ 0.3995, 0.3995, 0.147, 0.054.
+        let l = [1.0, 3.0, 3.0, 2.0];
+        let pick = |u: f64| select(&l, &temp1(), u);
+        assert_eq!(
+            [pick(0.0), pick(0.3), pick(0.5), pick(0.9), pick(0.99)],
+            [1, 1, 2, 3, 0]
+        );
+        let k2 = SampleParams {
+            top_k: 2,
+            ..temp1()
+        };
+        assert_eq!(select(&l, &k2, 0.99), 2);
+        assert_eq!(select(&l, &k2, 0.1), 1);
+        // top_k 1 and temperature 0 are greedy (u ignored).
+        let k1 = SampleParams {
+            top_k: 1,
+            ..temp1()
+        };
+        assert_eq!(select(&l, &k1, 0.99), 1);
+        assert_eq!(select(&l, &SampleParams::default(), 0.99), 1);
+    }
+
+    #[test]
+    fn select_filters() {
+        let l = [0.0, 1.0, 2.0, 3.0, 4.0];
+        // top-p 0.5: only the best (p ≈ 0.64).
+        let tp = SampleParams {
+            top_p: 0.5,
+            ..temp1()
+        };
+        assert!([0.0, 0.5, 0.999].iter().all(|&u| select(&l, &tp, u) == 4));
+        // top-p 0.8: 4 and 3 (0.64 + 0.24).
+        let tp = SampleParams {
+            top_p: 0.8,
+            ..temp1()
+        };
+        assert_eq!(select(&l, &tp, 0.999), 3);
+        // min-p 0.3 keeps 4 and 3; min-p above 1 keeps the best only.
+        let mp = SampleParams {
+            min_p: 0.3,
+            ..temp1()
+        };
+        assert_eq!(select(&l, &mp, 0.999), 3);
+        let mp = SampleParams {
+            min_p: 2.0,
+            ..temp1()
+        };
+        assert_eq!(select(&l, &mp, 0.999), 4);
+        // Low temperature sharpens: u = 0.9 still picks the best.
+        let cold = SampleParams {
+            temperature: 0.1,
+            ..Default::default()
+        };
+        assert_eq!(select(&l, &cold, 0.9), 4);
+        assert_eq!(select(&l, &temp1(), 0.999), 0);
+    }
+
+    #[test]
+    fn sampler_is_select_with_its_seeded_draws() {
+        let l: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let cfg = SamplerConfig {
+            temperature: 0.8,
+            top_k: 20,
+            top_p: 0.9,
+            min_p: 0.05,
+            seed: 42,
+        };
+        let mut a = Sampler::new(cfg.clone());
+        let mut b = Sampler::new(cfg);
+        for _ in 0..200 {
+            let u = b.draw();
+            assert_eq!(a.sample(&l), select(&l, &b.params(), u));
+        }
+        // Greedy consumes no draws.
+        let mut g = Sampler::new(SamplerConfig::default());
+        assert_eq!(g.draw(), 0.0);
     }
 }

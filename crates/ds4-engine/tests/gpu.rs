@@ -124,3 +124,61 @@ fn gpu_speculative_equals_greedy() {
     assert!(st.drafted >= N / 2, "{st:?}");
     assert_eq!(spec, plain);
 }
+
+/// Tokens from `Session::eval_sampled` (the pick on the backend) after the prompt's first
+/// host pick.
+fn sampled(e: &Engine, cfg: ds4_engine::SamplerConfig) -> Vec<u32> {
+    let mut s = e.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let mut sm = ds4_engine::Sampler::new(cfg);
+    let mut t = sm.sample(s.logits().unwrap());
+    let mut out = vec![t];
+    for _ in 1..N {
+        t = s.eval_sampled(t, &mut sm).unwrap();
+        out.push(t);
+    }
+    out
+}
+
+/// Tokens from the logits path: `Session::eval`, then the sampler on the host.
+fn host_sampled(e: &Engine, cfg: ds4_engine::SamplerConfig) -> Vec<u32> {
+    let mut s = e.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let mut sm = ds4_engine::Sampler::new(cfg);
+    let mut out = Vec::new();
+    for i in 0..N {
+        out.push(sm.sample(s.logits().unwrap()));
+        if i + 1 < N {
+            s.eval(out[i]).unwrap();
+        }
+    }
+    out
+}
+
+#[test]
+fn gpu_sampling_in_the_step_matches_the_host() {
+    let Some(g) = gpu() else { return };
+    let c = open(BackendChoice::Cpu).unwrap();
+    let argmax_cfg = ds4_engine::SamplerConfig::default();
+    let (ct, _) = greedy(&c);
+    assert_eq!(
+        sampled(&g, argmax_cfg.clone()),
+        ct,
+        "GPU-picked greedy != CPU greedy"
+    );
+    assert_eq!(
+        sampled(&c, argmax_cfg),
+        ct,
+        "CPU eval_sampled != CPU greedy"
+    );
+    let warm = ds4_engine::SamplerConfig {
+        temperature: 0.9,
+        top_k: 50,
+        top_p: 0.95,
+        min_p: 0.01,
+        seed: 3,
+    };
+    let (gs, gh) = (sampled(&g, warm.clone()), host_sampled(&g, warm));
+    println!("seeded sampling on the GPU: {gs:?}");
+    assert_eq!(gs, gh, "device pick != host pick on the same logits");
+}

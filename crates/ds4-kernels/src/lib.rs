@@ -75,6 +75,7 @@ mod matmul;
 mod matvec;
 mod model;
 mod moe;
+mod sample;
 mod synth;
 pub use attention::ATTENTION;
 pub use attn_tc::ATTN_TC;
@@ -84,6 +85,7 @@ pub use matmul::MATMUL;
 pub use matvec::MATVEC;
 pub use model::MODEL;
 pub use moe::MOE;
+pub use sample::SAMPLE;
 pub use synth::SYNTH;
 
 /// Every module, for compile checks.
@@ -99,6 +101,7 @@ pub const MODULES: &[Module] = &[
     GEMM,
     MOE,
     FUSED,
+    SAMPLE,
 ];
 
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in

@@ -515,6 +515,46 @@ impl<B: Backend> Model<B> {
         if n == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
+        let (xs, m) = self.layers_forward(st, tokens, all);
+        let logits = self.head(&self.out_hc, &self.out_norm, &xs, m);
+        let streams = if streams {
+            let v = b.download(&xs, m * w);
+            v.chunks(w).map(|c| c.to_vec()).collect()
+        } else {
+            Vec::new()
+        };
+        b.graph_end();
+        b.check()?;
+        Ok((logits, streams))
+    }
+
+    /// Process one token at the next position and pick the token after it with
+    /// [`Backend::sample`] (draw `u`): only the id leaves the device, inside the step's graph.
+    /// The same pick as [`ds4_backend::sample::select`] on [`Model::eval`]'s logits.
+    pub fn eval_sample(
+        &self,
+        st: &mut State<B>,
+        token: u32,
+        p: &ds4_backend::SampleParams,
+        u: f64,
+    ) -> Result<u32, String> {
+        let b = &self.backend;
+        let (xs, _) = self.layers_forward(st, &[token], false);
+        let logits = self.head_logits(&self.out_hc, &self.out_norm, &xs, 1);
+        let id = b.sample(&logits, self.hp.n_vocab as usize, p, u);
+        b.graph_end();
+        b.check()?;
+        Ok(id)
+    }
+
+    /// Embedding and every layer over `tokens` (n ≥ 1) at the next positions, as one step that
+    /// a device may record (ends at the first host read): the final streams `[m, N, D]` of every
+    /// position (`all`, m = n) or of the last (m = 1).
+    fn layers_forward(&self, st: &mut State<B>, tokens: &[u32], all: bool) -> (B::Buf, usize) {
+        let b = &self.backend;
+        let hc = self.hc_dims();
+        let w = hc.n * hc.d;
+        let n = tokens.len();
         let t0 = st.tokens.len();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         // Decode steps may run as one device graph (ends at the logits' download).
@@ -534,16 +574,7 @@ impl<B: Backend> Model<B> {
         let m = n - first;
         let mut xs = b.alloc(m * w);
         b.copy(&x, first * w, &mut xs, 0, m * w);
-        let logits = self.head(&self.out_hc, &self.out_norm, &xs, m);
-        let streams = if streams {
-            let v = b.download(&xs, m * w);
-            v.chunks(w).map(|c| c.to_vec()).collect()
-        } else {
-            Vec::new()
-        };
-        b.graph_end();
-        b.check()?;
-        Ok((logits, streams))
+        (xs, m)
     }
 
     /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE. The MoE
@@ -824,6 +855,16 @@ impl<B: Backend> Model<B> {
 
     /// Output head (model.md §3.5) for `m` rows of streams `xs` (`[m, N, D]`).
     fn head(&self, h: &Hc<B::Weight>, norm: &B::Weight, xs: &B::Buf, m: usize) -> Vec<Vec<f32>> {
+        let vocab = self.hp.n_vocab as usize;
+        self.backend
+            .download(&self.head_logits(h, norm, xs, m), m * vocab)
+            .chunks(vocab)
+            .map(|c| c.to_vec())
+            .collect()
+    }
+
+    /// [`Model::head`]'s logits `[m, vocab]`, left on the backend.
+    fn head_logits(&self, h: &Hc<B::Weight>, norm: &B::Weight, xs: &B::Buf, m: usize) -> B::Buf {
         let b = &self.backend;
         let hc = self.hc_dims();
         let w = hc.n * hc.d;
@@ -838,10 +879,7 @@ impl<B: Backend> Model<B> {
         b.rms_norm(&mut y, m, hc.d, Some(norm), self.hp.rms_eps);
         let mut logits = b.alloc(m * vocab);
         b.matmul(&self.output, Part::All, &y, m, &mut logits);
-        b.download(&logits, m * vocab)
-            .chunks(vocab)
-            .map(|c| c.to_vec())
-            .collect()
+        logits
     }
 
     /// Whether an MTP block is loaded.
@@ -911,6 +949,14 @@ pub trait Forward: Send + Sync {
         all: bool,
         streams: bool,
     ) -> Result<Evaluated, String>;
+    /// See [`Model::eval_sample`].
+    fn eval_sample(
+        &self,
+        st: &mut AnyState,
+        token: u32,
+        p: &ds4_backend::SampleParams,
+        u: f64,
+    ) -> Result<u32, String>;
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint);
     fn state_to_host(&self, st: &AnyState) -> HostState;
@@ -984,6 +1030,18 @@ where
     ) -> Result<Evaluated, String> {
         let mut s = Self::unwrap_state(st);
         let r = self.eval_batch_streams(&mut s, tokens, all, streams);
+        *st = Self::wrap_state(s);
+        r
+    }
+    fn eval_sample(
+        &self,
+        st: &mut AnyState,
+        token: u32,
+        p: &ds4_backend::SampleParams,
+        u: f64,
+    ) -> Result<u32, String> {
+        let mut s = Self::unwrap_state(st);
+        let r = Model::eval_sample(self, &mut s, token, p, u);
         *st = Self::wrap_state(s);
         r
     }

@@ -1,6 +1,6 @@
 use super::common::ModelArgs;
 use anyhow::{bail, Context, Result};
-use ds4_engine::argmax;
+use ds4_engine::{argmax, Sampler, SamplerConfig};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -103,9 +103,11 @@ pub fn run(mut a: Args) -> Result<()> {
         let kv = s.kv_bytes();
         let snap = s.snapshot();
         let t1 = Instant::now();
+        // Greedy, picked on the backend (DS4_GPU_SAMPLE=off: logits to the host).
+        let mut greedy = Sampler::new(SamplerConfig::default());
+        let mut next = argmax(s.logits().context("no logits")?);
         for _ in 0..a.gen_tokens {
-            let next = argmax(s.logits().context("no logits")?);
-            s.eval(next)?;
+            next = s.eval_sampled(next, &mut greedy)?;
         }
         let gen = a.gen_tokens as f64 / t1.elapsed().as_secs_f64();
         s.restore(&snap)?;

@@ -143,22 +143,29 @@ pub fn run(a: Args) -> Result<()> {
         pb.finish_and_clear();
         let mut dec = StreamDecoder::new();
         let mut out = std::io::stdout().lock();
+        let mut picked: Option<u32> = None;
         for _ in 0..a.max_tokens {
             if stop.load(Ordering::SeqCst) {
                 eprint!("\n(stopped)");
                 break;
             }
-            let Some(logits) = session.logits() else {
-                break;
+            // The first token from the prompt's logits, then sampled on the backend.
+            let next = match picked.take() {
+                Some(t) => t,
+                None => {
+                    let Some(logits) = session.logits() else {
+                        break;
+                    };
+                    sampler.sample(logits)
+                }
             };
-            let next = sampler.sample(logits);
             transcript.push(next);
             if next == eos || transcript.len() >= session.ctx() {
                 break;
             }
             out.write_all(dec.push(&tok, next)?.as_bytes())?;
             out.flush()?;
-            session.eval(next)?;
+            picked = Some(session.eval_sampled(next, &mut sampler)?);
         }
         out.write_all(dec.flush().as_bytes())?;
         writeln!(out)?;

@@ -111,16 +111,24 @@ pub fn run(a: Args) -> Result<()> {
         );
         return Ok(());
     }
+    // Without logprobs each step samples on the backend (only the id comes back).
+    let mut picked: Option<u32> = None;
     for _ in 0..a.max_tokens {
-        let logits = session.logits().context("no logits after the prompt")?;
-        let next = sampler.sample(logits);
-        if let Some(w) = logprobs.as_mut() {
-            let top: Vec<serde_json::Value> = top_logprobs(logits, a.logprobs_top_k)
-                .into_iter()
-                .map(|(id, lp)| serde_json::json!({"id": id, "logprob": lp}))
-                .collect();
-            writeln!(w, "{}", serde_json::json!({"token": next, "top": top}))?;
-        }
+        let next = match picked.take() {
+            Some(t) => t,
+            None => {
+                let logits = session.logits().context("no logits after the prompt")?;
+                let next = sampler.sample(logits);
+                if let Some(w) = logprobs.as_mut() {
+                    let top: Vec<serde_json::Value> = top_logprobs(logits, a.logprobs_top_k)
+                        .into_iter()
+                        .map(|(id, lp)| serde_json::json!({"id": id, "logprob": lp}))
+                        .collect();
+                    writeln!(w, "{}", serde_json::json!({"token": next, "top": top}))?;
+                }
+                next
+            }
+        };
         if a.dump_tokens {
             eprintln!("token {next}");
         }
@@ -129,7 +137,11 @@ pub fn run(a: Args) -> Result<()> {
         }
         out.write_all(dec.push(&tok, next)?.as_bytes())?;
         out.flush()?;
-        session.eval(next)?;
+        if logprobs.is_some() {
+            session.eval(next)?;
+        } else {
+            picked = Some(session.eval_sampled(next, &mut sampler)?);
+        }
     }
     out.write_all(dec.flush().as_bytes())?;
     writeln!(out)?;

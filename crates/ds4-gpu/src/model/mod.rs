@@ -18,6 +18,7 @@ mod matvec;
 mod mix;
 mod moe;
 mod prof;
+mod sample;
 pub mod synth;
 
 use crate::error::Result;
@@ -869,6 +870,10 @@ impl Backend for GpuBackend {
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
+    }
+
+    fn sample(&self, logits: &GpuBuf, vocab: usize, p: &ds4_backend::SampleParams, u: f64) -> u32 {
+        self.op_sample(logits, vocab, p, u)
     }
 
     fn download_i32(&self, b: &GpuIBuf, len: usize) -> Vec<i32> {
