@@ -51,6 +51,19 @@ struct Cases {
 impl Cases {
     /// `cols`: the longest dot product in the case.
     fn check(&mut self, name: String, cols: usize, g: &[f32], c: &[f32], gpu: &GpuBackend) {
+        self.check_scaled(name, cols, g, c, gpu, 1.0);
+    }
+
+    /// As `check` with the tolerance times `scale`.
+    fn check_scaled(
+        &mut self,
+        name: String,
+        cols: usize,
+        g: &[f32],
+        c: &[f32],
+        gpu: &GpuBackend,
+        scale: f32,
+    ) {
         self.n += 1;
         if let Err(e) = gpu.check() {
             println!("{name}: GPU error: {e}");
@@ -60,7 +73,7 @@ impl Cases {
         let e = max_rel(g, c);
         self.worst = self.worst.max(e);
         let base = if name.contains("_K") { TOL_K } else { TOL };
-        let tol = base * (cols as f32 / 2048.0).sqrt().max(1.0);
+        let tol = scale * base * (cols as f32 / 2048.0).sqrt().max(1.0);
         println!("{name}: max rel {e:.3e} (tolerance {tol:.1e})");
         if e > tol {
             self.bad.push(format!("{name}: {e:.3e}"));
@@ -777,8 +790,10 @@ fn matvec_merged() {
             GpuBackend::set_matvec_merge(merge);
             let mut gh = gpu.upload(&vec![f32::NAN; n * ff]);
             gpu.matmul_gateup(&g.1, &u.1, &gx, n, ff, &mut gh, clamp);
+            // silu(g)·u carries the rounding of both sums, each scaled by the other factor
+            // (H200: 2.3e-4 merged, 2.0e-4 by the separate products at 4096 columns): 4x TOL.
             let name = format!("gateup Q8_0 {cols}->{ff} clamp {clamp} n={n} merge {merge}");
-            cases.check(name, cols, &gpu.download(&gh, n * ff), &want, &gpu);
+            cases.check_scaled(name, cols, &gpu.download(&gh, n * ff), &want, &gpu, 4.0);
         }
     }
     GpuBackend::set_matvec_merge(true);
