@@ -94,9 +94,12 @@ fn mvr_auto(rows: usize, _cols: usize) -> u8 {
 }
 
 /// n = 1 Q8_0 products from the decode copy: 0 (default) the `mvr` forms above (`v1`), 1..=3
-/// the persistent pipelined `mvp_<form>_q8_0` MVP_FORMS[k - 1] (opt-in while unmeasured):
+/// the persistent pipelined `mvp_<form>_q8_0` MVP_FORMS[k - 1] (opt-in):
 /// `DS4_GPU_Q8_FORM=v1|p1u2|p1u4|p2u2`. MVP_CTAS: CTAs per SM of its grid (`DS4_GPU_MVP_CTAS`,
-/// default 4).
+/// default 4). H200 (bench/results/gpu-q8-y-h200.txt): every mvp form loses to mvr on the
+/// model's shapes (p2u2, the best: q_b 17.3 against 15.4 us, out_b 16.7 against 14.8, head 185
+/// against 151; only shared down 6.3 against 6.7); decode 91.8 (p2u2) / 83.9 (p1u2) against
+/// 92.9 tok/s. Fewer, longer-lived warps keep fewer bytes in flight than many short CTAs.
 static Q8_FORM: AtomicU8 = AtomicU8::new(0);
 static MVP_CTAS: AtomicU8 = AtomicU8::new(4);
 static Q8_FORM_ENV: std::sync::Once = std::sync::Once::new();
@@ -128,6 +131,9 @@ fn q8_form() -> (u8, usize) {
 /// Merged n = 1 products (`mv_multi`: several matrices of one x in one launch, `mvrm_*`/`mvqm_*`;
 /// `mv_gateup`: the shared expert's gate, up and SwiGLU in one, `mvrgu_*`): on by default,
 /// `DS4_GPU_MERGE=off` (or `set_matvec_merge(false)`) runs the products one by one as before.
+/// H200, graph-timed per set (bench/results/gpu-q8-y-h200.txt): q_a + kv 5.7 against 7.9 us,
+/// CSA compressor + indexer (5 F16) 9.2 against 18.7, HCA compressor 4.9 against 7.2, shared
+/// gate/up + SwiGLU 9.9 against 14.0; decode at 2k 92.9 against 90.1 tok/s.
 static MERGE: AtomicBool = AtomicBool::new(true);
 static MERGE_ENV: std::sync::Once = std::sync::Once::new();
 /// Most matrices of one merged launch: `mvrm_*` (4 argument sets of 4) and `mvqm_*` (5 of 3);
