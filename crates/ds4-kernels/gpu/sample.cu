@@ -111,13 +111,30 @@ __device__ void sp_select(const float* __restrict__ x, const double* p, int n, u
             s.mass[b] = 0;
         }
         __syncthreads();
+        // Runs of one bin are summed in registers first: most logits share the high bytes,
+        // and a shared atomic per element on one address serialises the CTA.
+        u32 rb = 0xffffffffu, rc = 0;
+        u64 rm = 0;
         for (int i = t; i < n; i += blockDim.x) {
             const u32 k = sm_key(x[i]);
             if ((k & mask) == prefix && sp_in(k, (u32)i, K0, I0)) {
                 const u32 d = (k >> shift) & 255u;
-                atomicAdd(&s.cnt[d], 1u);
-                atomicAdd(&s.mass[d], p ? sp_q(p[i]) : 1ull);
+                if (d != rb) {
+                    if (rc) {
+                        atomicAdd(&s.cnt[rb], rc);
+                        atomicAdd(&s.mass[rb], rm);
+                    }
+                    rb = d;
+                    rc = 0;
+                    rm = 0;
+                }
+                rc++;
+                rm += p ? sp_q(p[i]) : 1ull;
             }
+        }
+        if (rc) {
+            atomicAdd(&s.cnt[rb], rc);
+            atomicAdd(&s.mass[rb], rm);
         }
         __syncthreads();
         if (t == 0) {
@@ -159,10 +176,16 @@ __device__ void sp_select(const float* __restrict__ x, const double* p, int n, u
     if (j == c) { // the last tie (the only one, usually): the largest id
         if (t == 0) s.u32v = 0;
         __syncthreads();
+        u32 hi = 0;
+        bool any = false;
         for (int i = t; i < n; i += blockDim.x) {
             const u32 k = sm_key(x[i]);
-            if (k == K && sp_in(k, (u32)i, K0, I0)) atomicMax(&s.u32v, (u32)i);
+            if (k == K && sp_in(k, (u32)i, K0, I0)) {
+                hi = (u32)i; // ascending in this thread
+                any = true;
+            }
         }
+        if (any) atomicMax(&s.u32v, hi);
         __syncthreads();
         I = s.u32v;
         __syncthreads();
@@ -174,10 +197,20 @@ __device__ void sp_select(const float* __restrict__ x, const double* p, int n, u
     for (int shift = 16; shift >= 0; shift -= 8) {
         for (int b = t; b < 256; b += blockDim.x) s.cnt[b] = 0;
         __syncthreads();
+        u32 rb = 0xffffffffu, rc = 0; // runs, as above (all-equal logits: every id is a tie)
         for (int i = t; i < n; i += blockDim.x) {
             const u32 k = sm_key(x[i]);
-            if (k == K && ((u32)i & im) == ip && sp_in(k, (u32)i, K0, I0)) atomicAdd(&s.cnt[((u32)i >> shift) & 255u], 1u);
+            if (k == K && ((u32)i & im) == ip && sp_in(k, (u32)i, K0, I0)) {
+                const u32 d = ((u32)i >> shift) & 255u;
+                if (d != rb) {
+                    if (rc) atomicAdd(&s.cnt[rb], rc);
+                    rb = d;
+                    rc = 0;
+                }
+                rc++;
+            }
         }
+        if (rc) atomicAdd(&s.cnt[rb], rc);
         __syncthreads();
         if (t == 0) {
             u32 acc = 0;
