@@ -168,7 +168,7 @@ fn main() {
             );
         }
     }
-    set_form(EXACT);
+    set_form(BF16);
 
     // Routed experts at full size (weights shared by every n).
     let (d, ff, ne, k) = (4096usize, 2048usize, 256usize, 6usize);
@@ -290,5 +290,5 @@ fn main() {
             );
         }
     }
-    set_form(EXACT);
+    set_form(BF16);
 }

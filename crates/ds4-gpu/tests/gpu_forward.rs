@@ -108,8 +108,6 @@ enum Gemm {
 impl Gemm {
     fn set(self) {
         ds4_gpu::GpuBackend::set_gemm_precise(self == Gemm::Bf16);
-        // The default: the exact-weight form for quantised weights, bf16 hi/lo for the rest.
-        ds4_gpu::GpuBackend::set_gemm_exact(self == Gemm::Bf16);
         match self {
             Gemm::Half | Gemm::Bf16 => ds4_gpu::GpuBackend::set_gemm(true, false),
             Gemm::Tf32 => ds4_gpu::GpuBackend::set_gemm_tf32(),

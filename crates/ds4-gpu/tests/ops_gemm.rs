@@ -115,9 +115,11 @@ impl Cases {
         self.half[form] = GpuBackend::gemm_half_launches();
         let q = GpuBackend::gemm_exact_launches();
         // Form 5 on a CUDA sm_80+ device must take the exact form for quantised weights.
+        // (every weight of the case quantised: a MoE with an F16 up falls back as a whole)
         let quant = ["Q8_0", "Q2_K", "Q4_K", "IQ2_XXS"]
             .iter()
-            .any(|t| name.contains(t));
+            .any(|t| name.contains(t))
+            && !["F32", "F16"].iter().any(|t| name.contains(t));
         if form == 5 && quant && q == self.exact.iter().copied().max().unwrap_or(0) && {
             let i = gpu.gpu().info();
             i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
@@ -153,7 +155,7 @@ impl Cases {
              f16 launches after each form {:?}, exact launches {:?}",
             self.worst[0], self.worst[1], self.worst[2], self.worst[3], self.worst[4], self.worst[5], self.half, self.exact
         );
-        set_form(5);
+        set_form(3);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
     }
 }

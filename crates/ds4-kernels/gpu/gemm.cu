@@ -654,6 +654,8 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_scatter_i32(const int* __restrict__ sel
 // Why f16 mma and not int8 IMMA: the per-32 scales need a per-chunk int32 -> f32 conversion of
 // every accumulator (a quarter-rate cvt, or 4-5 ALU ops via magic numbers since 254*i_hi + i_lo
 // exceeds 2^22) which costs more issue slots than the second f16 mma it saves.
+// H200 (bench/results/gpu-gemm-z-h200.txt): errors ~18x below the bf16 hi/lo form, speed about
+// the same for Q8_0/IQ2_XXS (49/74 TFLOP/s), slower for the K-quants (min terms): opt-in.
 // CTA: NW warps (4: 64 items, two shared buffers; 8: 128 items, one buffer), GM_BN = 128 rows;
 // thread t stages item t/2 (16 f16 of each plane), decodes 32/NP elements of tile row t%128.
 #define GMQ_PARAMS                                                                                                  \

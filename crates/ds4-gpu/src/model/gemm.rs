@@ -132,8 +132,10 @@ fn precise() -> bool {
 
 /// Exact-weight form `gemmq<BM>_<t>` (integer quants as f16, activations as two f16 planes)
 /// for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+: 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_FORM`
-/// on first use (`exact` on, `bf16`/`f16`/anything else off; `f16` also selects the f16 form;
-/// default on). Takes precedence over the bf16 and f16 forms for those types.
+/// on first use (`exact` on, anything else off; `f16` also selects the f16 form). Default off:
+/// on the H200 (bench/results/gpu-gemm-z-h200.txt) it is ~18x more accurate than the bf16 hi/lo
+/// form (ops_gemm worst 1.5e-4 vs 2.7e-3) but no faster (Q8_0 49 vs 47 TFLOP/s, MoE q2 45 vs 57;
+/// prefill 1316 vs 1472 tok/s at 2k). Takes precedence over the bf16 and f16 forms for those types.
 static EXACT: AtomicU8 = AtomicU8::new(UNSET);
 
 fn exact() -> bool {
@@ -142,8 +144,8 @@ fn exact() -> bool {
         return e == 1;
     }
     let e = match std::env::var("DS4_GPU_GEMM_FORM").as_deref() {
-        Ok("exact") | Err(_) => !std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "0"),
-        Ok(_) => false,
+        Ok("exact") => true,
+        _ => false,
     };
     EXACT.store(e as u8, Ordering::Relaxed);
     e
@@ -318,7 +320,7 @@ impl GpuBackend {
         PRECISE.store(precise as u8, Ordering::Relaxed);
     }
 
-    /// Exact-weight form (`gemmq*`) for quantised weights on CUDA sm_80+ (default true).
+    /// Exact-weight form (`gemmq*`) for quantised weights on CUDA sm_80+ (default false).
     pub fn set_gemm_exact(on: bool) {
         EXACT.store(on as u8, Ordering::Relaxed);
     }
@@ -613,13 +615,7 @@ impl GpuBackend {
             .into_iter()
             .chain(m.xq.map(|(lo, _)| Arg::Ptr(lo))) // gemmq: lo plane after the hi plane
             .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmq: inverse row scales
-            .chain(m.xq.map(|(_, s)| {
-                if s.0 == 0 {
-                    Arg::Null
-                } else {
-                    Arg::Ptr(s)
-                }
-            })) // gemmq: 16-element sums
+            .chain(m.xq.map(|(_, s)| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmq: 16-element sums
             .chain([
                 Arg::I64(m.x_tok as i64),
                 Arg::I64(m.x_z as i64),
