@@ -143,10 +143,7 @@ fn exact() -> bool {
     if e != UNSET {
         return e == 1;
     }
-    let e = match std::env::var("DS4_GPU_GEMM_FORM").as_deref() {
-        Ok("exact") => true,
-        _ => false,
-    };
+    let e = std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "exact");
     EXACT.store(e as u8, Ordering::Relaxed);
     e
 }
