@@ -784,6 +784,15 @@ impl Backend for GpuBackend {
                 src.ty
             )
         })? as usize;
+        // Every GPU weight product walks rows in chunks of 32 columns (one Q8_0 block, an eighth
+        // of a K/IQ super-block); float tensors of other widths would lose their tail.
+        if !src.cols().is_multiple_of(32) {
+            return Err(format!(
+                "tensor {}: {} columns; the GPU backend needs a multiple of 32 (use --backend cpu)",
+                src.name,
+                src.cols()
+            ));
+        }
         let buf = self
             .weight_src(src)
             .ok_or_else(|| self.check().unwrap_err())?;
