@@ -416,7 +416,7 @@ fn elementwise_matches_cpu() {
 /// fusion, and off (`DS4_GPU_FUSE=off`: the separate ops); leaves it on and wide.
 fn fuse_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
-    for form in ["on", "on-v1", "nopost", "off"] {
+    for form in ["on", "on-v1", "on-all", "nopost", "off"] {
         let (fuse, kind) = form.split_once('-').unwrap_or((form, "wide"));
         GpuBackend::set_fuse(fuse);
         GpuBackend::set_fuse_form(kind);

@@ -135,7 +135,9 @@ fn fuse_post() -> bool {
 
 /// Fused-kernel forms: 0 not yet read from `DS4_GPU_FUSE_FORM`, 1 `v1` (the session-4 kernels:
 /// HC splits of 256 float4 columns, a CTA per norm_rope row, rmsnorm_f32x4), 2 wide (default:
-/// `*_w` kernels, ~one HC split CTA per SM, a warp per norm_rope / short rms_norm row).
+/// `*_w` kernels, ~one HC split CTA per SM, a warp per short rms_norm row), 3 `all`: wide and
+/// also a warp per norm_rope row (opt-in: on the H200 norm_rope_w took 14.3 us a call at decode
+/// against 6.6 for the CTA-per-row kernel, bench/results/gpu-session5-h200.txt).
 static FORM: AtomicU8 = AtomicU8::new(0);
 
 /// Whether the wide forms run (`DS4_GPU_FUSE_FORM=v1` turns them off), read once, or
@@ -145,6 +147,7 @@ fn fuse_wide() -> bool {
     if m == 0 {
         let env = match std::env::var("DS4_GPU_FUSE_FORM").as_deref() {
             Ok("v1") => 1,
+            Ok("all") => 3,
             _ => 2,
         };
         m = match FORM.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
@@ -152,7 +155,12 @@ fn fuse_wide() -> bool {
             Err(cur) => cur,
         };
     }
-    m == 2
+    m >= 2
+}
+
+/// Whether norm_rope runs a warp per row (`DS4_GPU_FUSE_FORM=all`).
+fn norm_rope_wide() -> bool {
+    fuse_wide() && FORM.load(Ordering::Relaxed) == 3
 }
 
 /// Threads of a wide HC CTA (`FW_T` in fused.cu) and float4 columns of z per epilogue thread
@@ -200,13 +208,14 @@ impl GpuBackend {
         FUSE.store(m, Ordering::Relaxed);
     }
 
-    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "wide" (the default) or
-    /// "v1". Process-wide; for tests and A/B benchmarks.
+    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "wide" (the default),
+    /// "all" (wide norm_rope too) or "v1". Process-wide; for tests and A/B benchmarks.
     pub fn set_fuse_form(form: &str) {
         let m = match form {
             "v1" => 1,
             "wide" => 2,
-            _ => panic!("set_fuse_form: unknown form {form:?} (wide, v1)"),
+            "all" => 3,
+            _ => panic!("set_fuse_form: unknown form {form:?} (wide, all, v1)"),
         };
         FORM.store(m, Ordering::Relaxed);
     }
@@ -443,7 +452,7 @@ impl GpuBackend {
             return;
         }
         let warp = self.warp() as usize;
-        let wide = fuse_wide()
+        let wide = norm_rope_wide()
             && width.is_multiple_of(4)
             && width / 4 <= ROW_K * warp
             && al16(x.ptr)
