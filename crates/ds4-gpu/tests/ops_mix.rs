@@ -14,7 +14,7 @@
 mod common;
 
 use common::{assert_close, backends, f32_bytes, file, randn, rng, src};
-use ds4_backend::{Backend, GgmlType, HcDims, MoeSpec};
+use ds4_backend::{Backend, GgmlType, HcDims, MoeSpec, Part};
 use ds4_cpu::CpuBackend;
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
@@ -451,13 +451,13 @@ fn hc_pre_norm_matches_cpu() {
     hc_pre_norm_cases(&cases);
 }
 
-/// D = 258: the mixer's width N·D = 1032 is not a multiple of 32. The GPU weight products walk
-/// rows in 32-column chunks (they once dropped the tail here: `post` off by 3.7e-2 on the H200),
-/// so the GPU refuses such a matrix at upload with an error naming the tensor. The model's widths
-/// are multiples of 32.
+/// D = 258: the HC mixer's width N·D = 1032 is not a multiple of 32. The GPU weight products
+/// walk rows in 32-column chunks (they once dropped the tail here: `post` off by 3.7e-2 on the
+/// H200), so a product over such a matrix is refused with an error that names the width; the
+/// model's widths are multiples of 32.
 #[test]
-fn unaligned_matrix_width_is_refused_by_name() {
-    let Some((cpu, gpu)) = setup() else { return };
+fn unaligned_product_width_is_refused() {
+    let Some((_cpu, gpu)) = setup() else { return };
     let (nh, d) = (4, 258);
     let (mix, w) = ((2 + nh) * nh, nh * d);
     let f = file(&[(
@@ -466,12 +466,14 @@ fn unaligned_matrix_width_is_refused_by_name() {
         vec![w as u64, mix as u64],
         table_bytes(&mut rng(7), GgmlType::F32, mix, w),
     )]);
-    assert!(cpu.matrix(&src(&f, "mx")).is_ok());
-    let e = gpu
-        .matrix(&src(&f, "mx"))
-        .err()
-        .expect("1032 columns refused");
-    assert!(e.contains("tensor mx") && e.contains("1032 columns"), "{e}");
+    let m = gpu.matrix(&src(&f, "mx")).unwrap();
+    for n in [1, 5, 300] {
+        let x = gpu.upload(&randn(&mut rng(8), n * w, 1.0));
+        let mut y = gpu.alloc(n * mix);
+        gpu.matmul(&m, Part::All, &x, n, &mut y);
+        let e = gpu.check().expect_err("a 1032-column product is refused");
+        assert!(e.contains("1032 columns"), "n {n}: {e}");
+    }
 }
 
 fn hc_pre_norm_cases(cases: &[(usize, usize, usize, GgmlType)]) {

@@ -240,6 +240,22 @@ impl GpuBackend {
         ))
     }
 
+    /// Every weight product (matvec, GEMM and `mm` kernels) walks rows in chunks of 32 columns
+    /// (one Q8_0 block, an eighth of a K/IQ super-block). A float matrix of another width is
+    /// refused with an error instead of losing its tail; the model's widths are multiples of 32.
+    pub(crate) fn product_width_ok(&self, w: &GpuWeight) -> bool {
+        match w {
+            GpuWeight::Mat { cols, .. } if !cols.is_multiple_of(32) => {
+                self.note::<()>(Err(GpuError::Invalid(format!(
+                    "weight product over {cols} columns: the GPU backend needs a multiple of 32 \
+                     (--backend cpu runs it)"
+                ))));
+                false
+            }
+            _ => true,
+        }
+    }
+
     pub(crate) fn op_matmul(
         &self,
         w: &GpuWeight,
@@ -250,7 +266,11 @@ impl GpuBackend {
     ) {
         // Fast paths first (decode: matvec.rs, prefill: gemm.rs); they decline what they
         // do not cover and this general form runs.
-        if self.failed() || self.mv_matmul(w, part, x, n, y) || self.gemm_matmul(w, part, x, n, y) {
+        if self.failed()
+            || !self.product_width_ok(w)
+            || self.mv_matmul(w, part, x, n, y)
+            || self.gemm_matmul(w, part, x, n, y)
+        {
             return;
         }
         let Some((p, m)) = self.mat(w) else { return };
@@ -278,6 +298,7 @@ impl GpuBackend {
         y: &mut GpuBuf,
     ) {
         if self.failed()
+            || !self.product_width_ok(w)
             || self.mv_grouped(w, groups, x, n, y)
             || self.gemm_grouped(w, groups, x, n, y)
         {

@@ -784,15 +784,6 @@ impl Backend for GpuBackend {
                 src.ty
             )
         })? as usize;
-        // Every GPU weight product walks rows in chunks of 32 columns (one Q8_0 block, an eighth
-        // of a K/IQ super-block); float tensors of other widths would lose their tail.
-        if !src.cols().is_multiple_of(32) {
-            return Err(format!(
-                "tensor {}: {} columns; the GPU backend needs a multiple of 32 (use --backend cpu)",
-                src.name,
-                src.cols()
-            ));
-        }
         let buf = self
             .weight_src(src)
             .ok_or_else(|| self.check().unwrap_err())?;
@@ -1031,6 +1022,9 @@ impl Backend for GpuBackend {
 
     fn matmul_multi(&self, ws: &[&GpuWeight], x: &GpuBuf, n: usize, ys: &mut [&mut GpuBuf]) {
         // One launch at n = 1 where matvec.rs takes it, else the products in order.
+        if !ws.iter().all(|w| self.product_width_ok(w)) {
+            return;
+        }
         if n == 1 && !self.failed() {
             let _p = self.prof(|| format!("matmul_multi x{} n=1", ws.len()));
             if self.mv_multi(ws, x, n, ys) {
@@ -1053,6 +1047,9 @@ impl Backend for GpuBackend {
         h: &mut GpuBuf,
         clamp: f32,
     ) {
+        if !self.product_width_ok(g) || !self.product_width_ok(u) {
+            return;
+        }
         if n == 1 && !self.failed() {
             let _p = self.prof(|| "matmul_gateup n=1".to_string());
             if self.mv_gateup(g, u, x, n, ff, h, clamp) {
