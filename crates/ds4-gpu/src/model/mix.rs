@@ -457,6 +457,21 @@ impl GpuBackend {
             && width / 4 <= ROW_K * warp
             && al16(x.ptr)
             && w.is_none_or(|w| al16(w.ptr()));
+        // Both kernels take (x, w, rope), the wide one then `rows`, then the same tail.
+        let head = [
+            Arg::Ptr(x.ptr),
+            w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
+            Arg::Ptr(self.rope_ptr(kind)),
+        ];
+        let tail = [
+            Arg::I32(heads as i32),
+            Arg::I32(width as i32),
+            Arg::I32(n_rot as i32),
+            Arg::I64(t0 as i64),
+            Arg::F32(eps),
+            Arg::I32(r.fp8_nope as i32),
+            Arg::I32(r.f16 as i32),
+        ];
         if wide {
             // A warp per row, one row per CTA at decode (q: 64 CTAs), 4 in prefill.
             let wpb = if rows >= 1024 { 4 } else { 1 };
@@ -464,19 +479,7 @@ impl GpuBackend {
                 &ds4_kernels::FUSED,
                 "norm_rope_w",
                 LaunchDims::linear(rows.div_ceil(wpb) as u32, (wpb * warp) as u32),
-                &[
-                    Arg::Ptr(x.ptr),
-                    w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
-                    Arg::Ptr(self.rope_ptr(kind)),
-                    Arg::I32(rows as i32),
-                    Arg::I32(heads as i32),
-                    Arg::I32(width as i32),
-                    Arg::I32(n_rot as i32),
-                    Arg::I64(t0 as i64),
-                    Arg::F32(eps),
-                    Arg::I32(r.fp8_nope as i32),
-                    Arg::I32(r.f16 as i32),
-                ],
+                &[&head[..], &[Arg::I32(rows as i32)], &tail[..]].concat(),
             );
             return;
         }
@@ -487,18 +490,7 @@ impl GpuBackend {
             &ds4_kernels::FUSED,
             "norm_rope_f32",
             dims,
-            &[
-                Arg::Ptr(x.ptr),
-                w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
-                Arg::Ptr(self.rope_ptr(kind)),
-                Arg::I32(heads as i32),
-                Arg::I32(width as i32),
-                Arg::I32(n_rot as i32),
-                Arg::I64(t0 as i64),
-                Arg::F32(eps),
-                Arg::I32(r.fp8_nope as i32),
-                Arg::I32(r.f16 as i32),
-            ],
+            &[&head[..], &tail[..]].concat(),
         );
     }
 
