@@ -141,7 +141,9 @@ impl Srv {
         let v = self
             .post(
                 "/v1/chat/completions",
-                json!({"model": model, "messages": m, "max_tokens": 16, "temperature": 0}),
+                // A fixed seed: thinking models sample at temperature 1 whatever is asked, and
+                // replies are compared across servers.
+                json!({"model": model, "messages": m, "max_tokens": 16, "temperature": 0, "seed": 1}),
             )
             .await;
         let u = &v["usage"];
