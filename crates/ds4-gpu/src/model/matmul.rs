@@ -269,6 +269,7 @@ impl GpuBackend {
         if self.failed()
             || !self.product_width_ok(w)
             || self.mv_matmul(w, part, x, n, y)
+            || self.blas_matmul(w, part, x, n, y)
             || self.gemm_matmul(w, part, x, n, y)
         {
             return;
@@ -300,6 +301,7 @@ impl GpuBackend {
         if self.failed()
             || !self.product_width_ok(w)
             || self.mv_grouped(w, groups, x, n, y)
+            || self.blas_grouped(w, groups, x, n, y)
             || self.gemm_grouped(w, groups, x, n, y)
         {
             return;

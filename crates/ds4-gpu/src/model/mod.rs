@@ -12,6 +12,7 @@
 //! elementwise; `matmul.rs` weight products.
 
 mod attn;
+mod blas;
 mod gemm;
 mod matmul;
 mod matvec;
@@ -256,6 +257,9 @@ pub struct GpuBackend {
     graph: Mutex<GraphState>,
     /// Per-token arrival counters of the fused HC pre (mix.rs), zero between launches.
     pub(crate) tickets: DeviceBuffer,
+    /// Vendor BLAS-Lt state for dense prefill products (blas.rs), opened on first use.
+    #[allow(dead_code)] // read once blas.rs opens a handle
+    pub(crate) blas: blas::BlasSlot,
 }
 
 impl Drop for GpuBackend {
@@ -318,6 +322,7 @@ impl GpuBackend {
         let tickets = gpu.alloc_from(&[0u8; 4 * mix::FUSE_TICKETS])?;
         Ok(GpuBackend {
             tickets,
+            blas: Default::default(),
             stream: Stream::DEFAULT,
             gpu,
             pool,
