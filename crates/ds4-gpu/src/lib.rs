@@ -5,6 +5,7 @@
 //! side the engine calls: buffers, staged copies, ops; [`conformance`] checks every op against
 //! the CPU reference (`ds4-quant`).
 
+pub mod blas;
 pub mod cache;
 pub mod compiler;
 pub mod conformance;

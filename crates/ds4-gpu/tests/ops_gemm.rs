@@ -162,6 +162,7 @@ impl Cases {
 
 /// Forms as in the module doc (process-wide switches).
 fn set_form(form: usize) {
+    GpuBackend::set_blas(false, false); // the GEMM itself, not the vendor BLAS (ops_blas)
     GpuBackend::set_gemm(true, form == 1);
     if form == 2 {
         GpuBackend::set_gemm_tf32();

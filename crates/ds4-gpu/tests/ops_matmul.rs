@@ -81,6 +81,7 @@ fn matmul_every_type_and_n() {
         // (gemm.rs) fast paths, which would take these products first, have their own tests.
         GpuBackend::set_matvec(false);
         GpuBackend::set_gemm(false, false);
+        GpuBackend::set_blas(false, false);
         for (ti, &ty) in TYPES.iter().enumerate() {
             // 3 experts of 72 rows × 1024 columns; Part::All uses the first slab.
             let (cols, rows) = (1024, 72);
@@ -139,6 +140,7 @@ fn matmul_grouped_every_type() {
         // (gemm.rs) fast paths, which would take these products first, have their own tests.
         GpuBackend::set_matvec(false);
         GpuBackend::set_gemm(false, false);
+        GpuBackend::set_blas(false, false);
         for (ti, &ty) in TYPES.iter().enumerate() {
             let (cw, gw) = weight(&cpu, &gpu, ty, cols, rows, 1, 300 + ti as u64);
             for &n in NS {
@@ -173,6 +175,7 @@ fn moe_experts_repeated_experts() {
         // (gemm.rs) fast paths, which would take these products first, have their own tests.
         GpuBackend::set_matvec(false);
         GpuBackend::set_gemm(false, false);
+        GpuBackend::set_blas(false, false);
         // d 2048: IQ2_XXS rows are 528 bytes (16-byte aligned, tile kernels); d 256: 66 (direct).
         for d in [256, 2048] {
             let spec = MoeSpec {

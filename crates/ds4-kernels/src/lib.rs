@@ -69,6 +69,7 @@ pub const ELEMENTWISE: Module = Module {
 
 mod attention;
 mod attn_tc;
+mod blas_prep;
 mod fused;
 mod gemm;
 mod matmul;
@@ -79,6 +80,7 @@ mod sample;
 mod synth;
 pub use attention::ATTENTION;
 pub use attn_tc::ATTN_TC;
+pub use blas_prep::BLAS_PREP;
 pub use fused::FUSED;
 pub use gemm::GEMM;
 pub use matmul::MATMUL;
@@ -102,6 +104,7 @@ pub const MODULES: &[Module] = &[
     MOE,
     FUSED,
     SAMPLE,
+    BLAS_PREP,
 ];
 
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in

@@ -1,35 +1,350 @@
-//! Dense prefill products through the vendor's BLAS-Lt (cuBLASLt / hipBLASLt): not yet
-//! implemented; every entry declines, so gemm.rs runs the product.
+//! Dense prefill products (n > 4 token rows) through the vendor's BLAS-Lt (cuBLASLt on CUDA,
+//! hipBLASLt on ROCm; library table in `crate::blas`), tried before the built-in GEMM (gemm.rs)
+//! by the hooks in matmul.rs. Covered: F32, F16, BF16 and Q8_0 weights (the attention
+//! projections, shared expert, compressor/indexer/HC projections), Part::All and
+//! Part::Expert(e), and the grouped output product (strided batch, one batch per group).
+//! Anything else declines (false) and the GEMM runs; so does everything when the library is
+//! missing (one line says what was searched).
+//!
+//! Precision: the same three terms as the GEMM's default bf16 hi/lo form (gemm.cu), in ONE
+//! product: `blas_prep.cu` writes W' = [W_hi | W_hi | W_lo] (rows × 3K bf16, dequantised from
+//! the GGUF blocks each call into pooled scratch) and X' = [X_hi | X_lo | X_hi] (n × 3K), and
+//! the library sums along 3K with f32 compute and accumulation into y (f32, y's strides).
+//! BF16 weights (lo = 0) take 2K. `DS4_GPU_BLAS=fast` (opt-in) takes a single bf16 product
+//! over K (X_hi · W_hi: ~2^-9 per term; error measured in tests/ops_blas.rs).
+//!
+//! Switch: `DS4_GPU_BLAS=off|on|fast` (default on where the library loads) or
+//! [`GpuBackend::set_blas`]. The library gets a 32 MiB workspace allocated once, so the call
+//! neither allocates nor synchronises; it runs on the backend's stream (the legacy default
+//! stream of the primary context, which the library's runtime shares). Never recorded in a
+//! decode graph (n ≤ 4 goes to matvec.rs; a recording backend declines anyway).
+//! ROCm: the same path with hipBLASLt's enum values; not run here (no AMD GPU was available).
 
-use super::{GpuBackend, GpuBuf, GpuWeight};
-use ds4_backend::Part;
+use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuWeight};
+use crate::blas::{BlasLt, Handle, Plan, Shape};
+use crate::gpu::DeviceBuffer;
+use crate::runtime::{Arg, DevPtr, LaunchDims};
+use ds4_backend::{GgmlType, Part};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
 
-/// Per-backend BLAS-Lt state (handle, workspace), opened on first use.
+/// Workspace given to the library (and the most an algorithm may ask for).
+const WORKSPACE: usize = 32 << 20;
+/// Fewest token rows taken (fewer: matvec.rs).
+const MIN_N: usize = 5;
+/// Plans kept per backend before the cache is cleared (prefill sees a handful of shapes).
+const MAX_PLANS: usize = 256;
+
+/// 0 off, 1 on (three-term hi/lo), 2 fast (one bf16 term); UNSET: read `DS4_GPU_BLAS`.
+static MODE: AtomicU8 = AtomicU8::new(UNSET);
+const UNSET: u8 = 255;
+const OFF: u8 = 0;
+const ON: u8 = 1;
+const FAST: u8 = 2;
+/// Library products queued so far (process-wide), so tests can see the path took a product.
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+fn mode() -> u8 {
+    let m = MODE.load(Ordering::Relaxed);
+    if m != UNSET {
+        return m;
+    }
+    let m = match std::env::var("DS4_GPU_BLAS").as_deref() {
+        Ok("off") | Ok("0") => OFF,
+        Ok("fast") => FAST,
+        _ => ON,
+    };
+    MODE.store(m, Ordering::Relaxed);
+    m
+}
+
+/// Per-backend BLAS-Lt state (handle, workspace, plans), opened on first use; None inside:
+/// the library is missing or could not start (said once).
 #[derive(Default)]
-pub(crate) struct BlasSlot;
+pub(crate) struct BlasSlot {
+    st: OnceLock<Option<BlasState>>,
+}
+
+/// Field order is drop order: plans and handle before the workspace (and the runtime it holds).
+struct BlasState {
+    lt: &'static BlasLt,
+    /// Descriptors and algorithm per shape; None: the library has no algorithm (declined).
+    plans: Mutex<HashMap<Shape, Option<Plan>>>,
+    handle: Handle,
+    ws: DeviceBuffer,
+    /// A call failed: decline from now on (said once).
+    broken: AtomicBool,
+}
+
+/// One product: for batch (group) z < groups, token row t < n, row j < rows / groups:
+/// `y[t*y_tok + z*y_z + j] = W[z*rows/groups + j] · x[t*x_tok + z*cols ..][..cols]`.
+struct Job {
+    w: DevPtr,
+    ty: GgmlType,
+    row_bytes: usize,
+    rows: usize,
+    cols: usize,
+    groups: usize,
+    x: DevPtr,
+    x_tok: usize,
+    n: usize,
+    y: DevPtr,
+    y_tok: usize,
+    y_z: usize,
+}
 
 impl GpuBackend {
+    /// BLAS-Lt products: `on` false declines every product (the GEMM runs); `fast` takes one
+    /// bf16 product instead of the three hi/lo terms. Default (true, false), or `DS4_GPU_BLAS`.
+    /// Process-wide, for tests and benchmarks.
+    pub fn set_blas(on: bool, fast: bool) {
+        MODE.store(
+            match (on, fast) {
+                (false, _) => OFF,
+                (true, false) => ON,
+                (true, true) => FAST,
+            },
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Library products queued so far in this process.
+    pub fn blas_launches() -> u64 {
+        LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// Whether this backend's BLAS-Lt library loaded and started (opens it on first call).
+    pub fn blas_available(&self) -> bool {
+        self.blas_state().is_some()
+    }
+
+    fn blas_state(&self) -> Option<&BlasState> {
+        self.blas
+            .st
+            .get_or_init(|| self.open_blas())
+            .as_ref()
+            .filter(|s| !s.broken.load(Ordering::Relaxed))
+    }
+
+    fn open_blas(&self) -> Option<BlasState> {
+        let lt = match BlasLt::get(self.gpu.info().vendor) {
+            Ok(lt) => lt,
+            Err(line) => {
+                eprintln!("{line}");
+                return None;
+            }
+        };
+        // The allocation makes the device's context current on this thread first.
+        let started = self
+            .gpu
+            .alloc(WORKSPACE)
+            .and_then(|ws| Ok((ws, lt.handle()?)));
+        match started {
+            Ok((ws, handle)) => Some(BlasState {
+                lt,
+                plans: Mutex::new(HashMap::new()),
+                handle,
+                ws,
+                broken: AtomicBool::new(false),
+            }),
+            Err(e) => {
+                eprintln!(
+                    "ds4: {} ({}) could not start: {e}: dense prefill products use the built-in GEMM",
+                    lt.name,
+                    lt.lib.path.display()
+                );
+                None
+            }
+        }
+    }
+
     /// `y[i] = W·x[i]` (`Part` as in Backend::matmul) for n > 4 rows; false: declined.
     pub(crate) fn blas_matmul(
         &self,
-        _w: &GpuWeight,
-        _part: Part,
-        _x: &GpuBuf,
-        _n: usize,
-        _y: &mut GpuBuf,
+        w: &GpuWeight,
+        part: Part,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
     ) -> bool {
-        false
+        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
+            return false;
+        };
+        let slab = match part {
+            Part::All => 0,
+            Part::Expert(e) => e * rows * row_bytes,
+        };
+        self.blas_job(&Job {
+            w: p.offset(slab as u64),
+            ty,
+            row_bytes,
+            rows,
+            cols,
+            groups: 1,
+            x: x.ptr,
+            x_tok: cols,
+            n,
+            y: y.ptr,
+            y_tok: rows,
+            y_z: 0,
+        })
     }
 
-    /// Backend::matmul_grouped for n > 4 rows; false: declined.
+    /// Backend::matmul_grouped for n > 4 rows (one strided batch per group); false: declined.
     pub(crate) fn blas_grouped(
         &self,
-        _w: &GpuWeight,
-        _groups: usize,
-        _x: &GpuBuf,
-        _n: usize,
-        _y: &mut GpuBuf,
+        w: &GpuWeight,
+        groups: usize,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
     ) -> bool {
-        false
+        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
+            return false;
+        };
+        if groups == 0 || !rows.is_multiple_of(groups) {
+            return false;
+        }
+        self.blas_job(&Job {
+            w: p,
+            ty,
+            row_bytes,
+            rows,
+            cols,
+            groups,
+            x: x.ptr,
+            x_tok: groups * cols,
+            n,
+            y: y.ptr,
+            y_tok: rows,
+            y_z: rows / groups,
+        })
+    }
+
+    fn blas_job(&self, j: &Job) -> bool {
+        let m = mode();
+        if m == OFF
+            || j.n < MIN_N
+            || self.failed()
+            || self.recording.load(Ordering::Acquire)
+            || !matches!(
+                j.ty,
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
+            )
+            || j.cols == 0
+            || !j.cols.is_multiple_of(32)
+            || !j.x.0.is_multiple_of(16)
+            || !j.x_tok.is_multiple_of(4)
+        {
+            return false;
+        }
+        let Some(sfx) = suffix(j.ty) else {
+            return false;
+        };
+        let Some(st) = self.blas_state() else {
+            return false;
+        };
+        // Parts along K: hi/lo terms (see the module doc); BF16 weights have no lo part.
+        let parts = if m == FAST {
+            1
+        } else if j.ty == GgmlType::BF16 {
+            2
+        } else {
+            3
+        };
+        let (g, r, kk) = (j.groups, j.rows / j.groups, parts * j.cols);
+        let shape = Shape {
+            m: r as u64,
+            n: j.n as u64,
+            k: kk as u64,
+            lda: kk as i64,
+            ldb: (g * kk) as i64,
+            ldd: j.y_tok as i64,
+            batch: g as i32,
+            a_stride: (r * kk) as i64,
+            b_stride: kk as i64,
+            d_stride: j.y_z as i64,
+        };
+        let mut plans = st.plans.lock().unwrap();
+        if !plans.contains_key(&shape) {
+            if plans.len() >= MAX_PLANS {
+                plans.clear();
+            }
+            match st.handle.plan(&shape, WORKSPACE) {
+                Ok(p) => {
+                    plans.insert(shape, p);
+                }
+                Err(e) => {
+                    self.blas_broken(st, &e);
+                    return false;
+                }
+            }
+        }
+        let Some(plan) = plans.get(&shape).and_then(|p| p.as_ref()) else {
+            return false; // no algorithm for this shape
+        };
+        // W' (rows × kk bf16) and X' (n × g × kk bf16); scratch counts 4-byte words.
+        let wp = self.scratch(j.rows * kk / 2);
+        let xp = self.scratch(j.n * g * kk / 2);
+        let wslices = j.rows * j.cols / 8;
+        self.run(
+            &ds4_kernels::BLAS_PREP,
+            &format!("blas_w_{sfx}"),
+            LaunchDims::linear(wslices.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(j.w),
+                Arg::I64(j.row_bytes as i64),
+                Arg::I32(j.cols as i32),
+                Arg::I64(j.rows as i64),
+                Arg::I32(parts as i32),
+                Arg::Ptr(wp.ptr),
+            ],
+        );
+        let xslices = j.n * g * j.cols / 8;
+        self.run(
+            &ds4_kernels::BLAS_PREP,
+            "blas_x_f32",
+            LaunchDims::linear(xslices.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(j.x),
+                Arg::I64(j.x_tok as i64),
+                Arg::I32(j.cols as i32),
+                Arg::I32(g as i32),
+                Arg::I64(j.n as i64),
+                Arg::I32(parts as i32),
+                Arg::Ptr(xp.ptr),
+            ],
+        );
+        if self.failed() {
+            return true; // the error is recorded; the step fails at its check
+        }
+        match st.handle.matmul(
+            plan,
+            wp.ptr,
+            xp.ptr,
+            j.y,
+            st.ws.ptr(),
+            WORKSPACE,
+            self.stream,
+        ) {
+            Ok(()) => {
+                LAUNCHES.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                self.blas_broken(st, &e);
+                false
+            }
+        }
+    }
+
+    fn blas_broken(&self, st: &BlasState, e: &crate::GpuError) {
+        if !st.broken.swap(true, Ordering::Relaxed) {
+            eprintln!(
+                "ds4: {} failed ({e}): dense prefill products use the built-in GEMM",
+                st.lt.name
+            );
+        }
     }
 }

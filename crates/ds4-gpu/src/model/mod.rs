@@ -258,7 +258,6 @@ pub struct GpuBackend {
     /// Per-token arrival counters of the fused HC pre (mix.rs), zero between launches.
     pub(crate) tickets: DeviceBuffer,
     /// Vendor BLAS-Lt state for dense prefill products (blas.rs), opened on first use.
-    #[allow(dead_code)] // read once blas.rs opens a handle
     pub(crate) blas: blas::BlasSlot,
 }
 
