@@ -65,6 +65,10 @@ struct Api {
     cuEventElapsedTime: unsafe extern "C" fn(*mut f32, Ptr, Ptr) -> R,
     cuGetErrorName: unsafe extern "C" fn(R, *mut *const c_char) -> R,
     cuGetErrorString: unsafe extern "C" fn(R, *mut *const c_char) -> R,
+    /// `cuLaunchKernelEx` (CUDA 12+; None: no programmatic dependent launch).
+    cuLaunchKernelEx: Option<
+        unsafe extern "C" fn(*const LaunchConfig, Ptr, *mut *mut c_void, *mut *mut c_void) -> R,
+    >,
     /// Graph entry points (None on a driver without them: graphs off).
     graph: Option<GraphApi>,
     /// `cuProfilerStart` / `cuProfilerStop` (profiler capture ranges, `DS4_GPU_CUPROFILE`).
@@ -85,6 +89,33 @@ struct KernelNodeParams {
     ctx: Ptr,
 }
 
+/// `CUlaunchAttribute` (cuda.h): id, 4 bytes of padding, a 64-byte value union.
+#[repr(C)]
+struct LaunchAttr {
+    id: c_uint,
+    pad: [u8; 4],
+    value: [u8; 64],
+}
+
+/// `CUlaunchConfig` (cuda.h).
+#[repr(C)]
+struct LaunchConfig {
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared: c_uint,
+    stream: Ptr,
+    attrs: *const LaunchAttr,
+    num_attrs: c_uint,
+}
+
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` (value: int programmaticStreamSerializationAllowed).
+const CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: c_uint = 6;
+
+/// `CUgraphEdgeData` (cuda.h, CUDA 12.3): from_port, to_port, type, 5 reserved bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct EdgeData([u8; 8]);
+
 #[allow(non_snake_case)]
 struct GraphApi {
     cuStreamBeginCapture: unsafe extern "C" fn(Ptr, c_int) -> R,
@@ -93,6 +124,10 @@ struct GraphApi {
     cuGraphGetRootNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
     cuGraphGetNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
     cuGraphNodeGetDependentNodes: unsafe extern "C" fn(Ptr, *mut Ptr, *mut usize) -> R,
+    /// With edge data (CUDA 12.3+): the v1 query refuses (CUDA_ERROR_LOSSY_QUERY) the
+    /// programmatic edges that PDL launches leave in a captured graph.
+    cuGraphNodeGetDependentNodes_v2:
+        Option<unsafe extern "C" fn(Ptr, *mut Ptr, *mut EdgeData, *mut usize) -> R>,
     cuGraphNodeGetType: unsafe extern "C" fn(Ptr, *mut c_int) -> R,
     cuGraphExecKernelNodeSetParams: unsafe extern "C" fn(Ptr, Ptr, *const KernelNodeParams) -> R,
     cuGraphLaunch: unsafe extern "C" fn(Ptr, Ptr) -> R,
@@ -110,6 +145,7 @@ impl GraphApi {
                 cuGraphGetRootNodes: lib.sym("cuGraphGetRootNodes")?,
                 cuGraphGetNodes: lib.sym("cuGraphGetNodes")?,
                 cuGraphNodeGetDependentNodes: lib.sym("cuGraphNodeGetDependentNodes")?,
+                cuGraphNodeGetDependentNodes_v2: lib.sym("cuGraphNodeGetDependentNodes_v2").ok(),
                 cuGraphNodeGetType: lib.sym("cuGraphNodeGetType")?,
                 cuGraphExecKernelNodeSetParams: lib.sym_any(&[
                     "cuGraphExecKernelNodeSetParams_v2",
@@ -205,6 +241,7 @@ impl Api {
                     .sym_any(&["cuEventElapsedTime_v2", "cuEventElapsedTime"])?,
                 cuGetErrorName: lib.sym("cuGetErrorName")?,
                 cuGetErrorString: lib.sym("cuGetErrorString")?,
+                cuLaunchKernelEx: lib.sym("cuLaunchKernelEx").ok(),
                 graph: GraphApi::load(&lib).ok(),
                 profiler: lib
                     .sym("cuProfilerStart")
@@ -250,6 +287,10 @@ pub struct CudaRuntime {
     info: DeviceInfo,
     /// Unique per runtime (see [`CURRENT`]).
     id: u64,
+    /// Kernels launched with programmatic dependent launch ([`Runtime::set_pdl`]).
+    pdl: std::sync::RwLock<std::collections::HashSet<u64>>,
+    /// `pdl` is not empty (skips the lookup on every launch otherwise).
+    pdl_any: std::sync::atomic::AtomicBool,
 }
 
 // The driver API is thread-safe; every call first makes `ctx` current on the calling thread.
@@ -342,6 +383,8 @@ impl CudaRuntime {
             ctx,
             info,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            pdl: Default::default(),
+            pdl_any: Default::default(),
         })
     }
 
@@ -377,6 +420,27 @@ impl CudaRuntime {
         vals[..slots.len()].copy_from_slice(slots);
         for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()) {
             *p = v as *mut u64 as *mut c_void;
+        }
+        if self.pdl_any.load(Ordering::Relaxed) && self.pdl.read().unwrap().contains(&f.0) {
+            if let Some(ex) = self.api.cuLaunchKernelEx {
+                let mut attr = LaunchAttr {
+                    id: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                    pad: [0; 4],
+                    value: [0; 64],
+                };
+                attr.value[..4].copy_from_slice(&1i32.to_ne_bytes());
+                let cfg = LaunchConfig {
+                    grid: d.grid,
+                    block: d.block,
+                    shared: d.shared_bytes,
+                    stream: p(s.0),
+                    attrs: &attr,
+                    num_attrs: 1,
+                };
+                return self.api.check("cuLaunchKernelEx", unsafe {
+                    ex(&cfg, p(f.0), ptrs.as_mut_ptr(), std::ptr::null_mut())
+                });
+            }
         }
         call!(
             self,
@@ -517,9 +581,13 @@ impl Runtime for CudaRuntime {
             nodes.push(next as usize as u64);
             let cur = next;
             let mut c = 1usize;
+            let mut edge = EdgeData::default();
             self.api
                 .check("cuGraphNodeGetDependentNodes", unsafe {
-                    (g.cuGraphNodeGetDependentNodes)(cur, &mut next, &mut c)
+                    match g.cuGraphNodeGetDependentNodes_v2 {
+                        Some(v2) => v2(cur, &mut next, &mut edge, &mut c),
+                        None => (g.cuGraphNodeGetDependentNodes)(cur, &mut next, &mut c),
+                    }
                 })
                 .map_err(destroy)?;
             have = c;
@@ -580,6 +648,15 @@ impl Runtime for CudaRuntime {
                 }
             };
         }
+    }
+
+    fn set_pdl(&self, f: Function) -> bool {
+        if self.api.cuLaunchKernelEx.is_none() || self.info.cc.0 < 9 {
+            return false;
+        }
+        self.pdl.write().unwrap().insert(f.0);
+        self.pdl_any.store(true, Ordering::Relaxed);
+        true
     }
 
     fn graph_destroy(&self, ge: &GraphExec) {

@@ -284,6 +284,11 @@ impl Gpu {
         }
         let handle = self.rt.load_module(&code)?;
         let mut funcs = FastMap::default();
+        let pdl = if pdl_wanted() {
+            ds4_kernels::pdl_kernels(module)
+        } else {
+            Vec::new()
+        };
         for k in module.kernels {
             let f = self
                 .rt
@@ -292,6 +297,9 @@ impl Gpu {
                     module: module.name.to_string(),
                     kernel: k.to_string(),
                 })?;
+            if pdl.contains(k) {
+                self.rt.set_pdl(f);
+            }
             funcs.insert(k.to_string(), f);
         }
         mods.insert(module.name, Loaded { handle, funcs });
@@ -646,6 +654,12 @@ impl Drop for Gpu {
             let _ = self.rt.unload_module(m.handle);
         }
     }
+}
+
+/// Programmatic dependent launch for the kernels that wait first (`ds4_kernels::pdl_kernels`):
+/// `DS4_GPU_PDL=on` (opt-in until measured; CUDA sm_90+ only, elsewhere nothing changes).
+fn pdl_wanted() -> bool {
+    std::env::var("DS4_GPU_PDL").is_ok_and(|v| v == "on" || v == "1")
 }
 
 /// How decode steps ran as graphs ([`StepGraphs`]).

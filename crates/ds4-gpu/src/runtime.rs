@@ -213,6 +213,12 @@ pub trait Runtime: Send + Sync {
     /// Open (`true`) or close a profiler capture range (`cuProfilerStart/Stop`: ncu
     /// `--profile-from-start off`, nsys `--capture-range=cudaProfilerApi`). No-op elsewhere.
     fn profiler(&self, _on: bool) {}
+    /// Launch `f` from now on with programmatic dependent launch (it may be scheduled while
+    /// the previous kernel runs; `f` must wait first: prelude.cuh `ds4_pdl_enter`). False where
+    /// the runtime or device has no PDL (HIP, CUDA before sm_90): launches stay as they were.
+    fn set_pdl(&self, _f: Function) -> bool {
+        false
+    }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr>;
     fn free(&self, p: DevPtr) -> Result<()>;

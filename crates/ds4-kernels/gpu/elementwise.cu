@@ -6,6 +6,7 @@
 // at most 1024.
 DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                              float* __restrict__ y, int n, float eps) {
+    ds4_pdl_enter();
     __shared__ double part[1024 / 32];
     __shared__ float scale_s;
     const float* xr = x + (size_t)blockIdx.x * n;
@@ -34,6 +35,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32(const float* __restrict__ x, const 
 // n % 4 == 0, 16-byte aligned x, y, w, and n <= 4 * 4 * blockDim.x (at most 4 float4 per thread).
 // blockDim.x is a multiple of DS4_WARP, at most 1024. Same f64 sum of squares and f32 scaling.
 DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32x4(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int n, float eps) {
+    ds4_pdl_enter();
     __shared__ double part[1024 / 32]; // one per warp (16 used when DS4_WARP is 64)
     __shared__ float scale_s;
     const int n4 = n >> 2, tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP;
@@ -78,6 +80,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32x4(const float* __restrict__ x, cons
 // all threads get the same value) instead of a second warp stage and barrier. Same host
 // guarantees as rmsnorm_f32x4 (n % 4 == 0, 16-byte aligned x, y, w, n <= 16 * blockDim.x).
 DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32g(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int n, float eps) {
+    ds4_pdl_enter();
     __shared__ double part[1024 / 32];
     const int n4 = n >> 2, tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP;
     const float4* xr = (const float4*)(x + (size_t)blockIdx.x * n);
@@ -122,6 +125,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) rmsnorm_f32g(const float* __restrict__ x, const
 // barrier. blockDim a multiple of DS4_WARP (a row each); host: n % 4 == 0, n / 4 <= 8·DS4_WARP,
 // 16-byte aligned x, y, w. Same f64 sum of squares and f32 scaling (x · scale, then · w).
 DS4_KERNEL void DS4_BOUNDS(256) rmsnorm_f32w(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int n, float eps, int rows) {
+    ds4_pdl_enter();
     const int lane = threadIdx.x % DS4_WARP, row = blockIdx.x * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
     if (row >= rows) return; // whole warps
     const int n4 = n >> 2;
@@ -153,17 +157,20 @@ DS4_KERNEL void DS4_BOUNDS(256) rmsnorm_f32w(const float* __restrict__ x, const 
 
 DS4_KERNEL void DS4_BOUNDS(256) add_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y,
                                        long long n) {
+    ds4_pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a[i] + b[i];
 }
 
 DS4_KERNEL void DS4_BOUNDS(256) mul_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y,
                                        long long n) {
+    ds4_pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a[i] * b[i];
 }
 
 DS4_KERNEL void DS4_BOUNDS(256) scale_f32(const float* __restrict__ x, float* __restrict__ y, float s, long long n) {
+    ds4_pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = x[i] * s;
 }
@@ -171,6 +178,7 @@ DS4_KERNEL void DS4_BOUNDS(256) scale_f32(const float* __restrict__ x, float* __
 // y = silu(min(g, c)) * clamp(u, -c, c) * weight: the clamped SwiGLU of the experts.
 DS4_KERNEL void DS4_BOUNDS(256) swiglu_f32(const float* __restrict__ g, const float* __restrict__ u,
                                           float* __restrict__ y, float c, float weight, long long n) {
+    ds4_pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float gv = fminf(g[i], c);
@@ -182,12 +190,14 @@ DS4_KERNEL void DS4_BOUNDS(256) swiglu_f32(const float* __restrict__ g, const fl
 // dst[i] = src[i] over n 32-bit words, grid-stride (device copies inside a recorded step, so
 // that every node of its graph is a kernel node).
 DS4_KERNEL void DS4_BOUNDS(256) copy_u32(unsigned int* __restrict__ dst, const unsigned int* __restrict__ src, long long n) {
+    ds4_pdl_enter();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = src[i];
 }
 
 // dst[i] = v over n 32-bit words, grid-stride (fills inside a recorded step).
 DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigned int v, long long n) {
+    ds4_pdl_enter();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = v;
 }

@@ -451,27 +451,27 @@ __device__ __forceinline__ void mvdown_body(const u8* __restrict__ W, const int*
 #define MVDOWN_ARGS W, sel, slab, hx, k, out, rows, cols, row_bytes, kspl
 
 // NT = 1 serves n = 1; NT = 2 serves n = 2; NT = 4 serves n = 3, 4.
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_f32(MV_PARAMS) { mv_body<T_F32, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_f32(MV_PARAMS) { mv_body<T_F32, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_f32(MV_PARAMS) { mv_body<T_F32, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_f16(MV_PARAMS) { mv_body<T_F16, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_f16(MV_PARAMS) { mv_body<T_F16, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_f16(MV_PARAMS) { mv_body<T_F16, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_bf16(MV_PARAMS) { mv_body<T_BF16, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_bf16(MV_PARAMS) { mv_body<T_BF16, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_bf16(MV_PARAMS) { mv_body<T_BF16, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_f32(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_F32, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_f32(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_F32, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_f32(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_F32, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_f16(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_F16, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_f16(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_F16, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_f16(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_F16, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_bf16(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_BF16, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_bf16(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_BF16, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_bf16(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_BF16, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q8_0(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q8_0, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q8_0(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q8_0, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q8_0(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q8_0, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q2_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q2_K, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q2_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q2_K, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q2_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q2_K, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_q4_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q4_K, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_q4_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q4_K, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_q4_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q4_K, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1_iq2_xxs(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_IQ2_XXS, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv2_iq2_xxs(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_IQ2_XXS, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_iq2_xxs(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_IQ2_XXS, 4>(MV_ARGS); }
 
 #define MVS_PARAMS                                                                                                     \
     const u8 *__restrict__ W, long long w_z, const float *__restrict__ x, long long x_tok, long long x_z,              \
@@ -479,32 +479,33 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv4_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XX
         long long row_bytes, int tile_bytes, int tile_chunks, int n, int rc, int ksi
 #define MVS_ARGS W, w_z, x, x_tok, x_z, y, y_tok, y_z, part, rows, chunks, row_bytes, tile_bytes, tile_chunks, n, rc, ksi
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_f32(MVS_PARAMS) { mvs_body<T_F32, 1>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_f32(MVS_PARAMS) { mvs_body<T_F32, 2>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_f32(MVS_PARAMS) { mvs_body<T_F32, 4>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_f16(MVS_PARAMS) { mvs_body<T_F16, 1>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_f16(MVS_PARAMS) { mvs_body<T_F16, 2>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_f16(MVS_PARAMS) { mvs_body<T_F16, 4>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_bf16(MVS_PARAMS) { mvs_body<T_BF16, 1>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_bf16(MVS_PARAMS) { mvs_body<T_BF16, 2>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_bf16(MVS_PARAMS) { mvs_body<T_BF16, 4>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q8_0(MVS_PARAMS) { mvs_body<T_Q8_0, 1>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q8_0(MVS_PARAMS) { mvs_body<T_Q8_0, 2>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q8_0(MVS_PARAMS) { mvs_body<T_Q8_0, 4>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q2_k(MVS_PARAMS) { mvs_body<T_Q2_K, 1>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q2_k(MVS_PARAMS) { mvs_body<T_Q2_K, 2>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q2_k(MVS_PARAMS) { mvs_body<T_Q2_K, 4>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q4_k(MVS_PARAMS) { mvs_body<T_Q4_K, 1>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q4_k(MVS_PARAMS) { mvs_body<T_Q4_K, 2>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q4_k(MVS_PARAMS) { mvs_body<T_Q4_K, 4>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_iq2_xxs(MVS_PARAMS) { mvs_body<T_IQ2_XXS, 1>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_iq2_xxs(MVS_PARAMS) { mvs_body<T_IQ2_XXS, 2>(MVS_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_iq2_xxs(MVS_PARAMS) { mvs_body<T_IQ2_XXS, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_f32(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_F32, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_f32(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_F32, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_f32(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_F32, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_f16(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_F16, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_f16(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_F16, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_f16(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_F16, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_bf16(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_BF16, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_bf16(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_BF16, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_bf16(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_BF16, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q8_0(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q8_0, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q8_0(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q8_0, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q8_0(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q8_0, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q2_k(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q2_K, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q2_k(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q2_K, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q2_k(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q2_K, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_q4_k(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q4_K, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_q4_k(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q4_K, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_q4_k(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_Q4_K, 4>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs1_iq2_xxs(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_IQ2_XXS, 1>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs2_iq2_xxs(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_IQ2_XXS, 2>(MVS_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvs4_iq2_xxs(MVS_PARAMS) { ds4_pdl_enter(); mvs_body<T_IQ2_XXS, 4>(MVS_ARGS); }
 
 // ks > 1 tiles of mvs*: y[t*y_tok + z*y_z + r] = sum over k < ks in order of part[k][t][z][r];
 // i = (t * zs + z) * rows + r < total = n * zs * rows.
 DS4_KERNEL void DS4_BOUNDS(256) mvs_sum_f32(const float* __restrict__ part, int ks, long long total, int zs, int rows,
                                             float* __restrict__ y, long long y_tok, long long y_z) {
+    ds4_pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
     float o = 0.0f;
@@ -517,34 +518,34 @@ DS4_KERNEL void DS4_BOUNDS(256) mvs_sum_f32(const float* __restrict__ part, int 
 // 4 column steps per iteration; v2 two rows, 2 steps; v3 the default shape (4 rows, 1 step) held
 // to 4 CTAs per SM (at most 64 registers with warp 32: one wave for 16384 rows).
 #define MV_LB4 MV_THREADS, 4
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1, 1, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1, 2, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q8_0(MV_PARAMS) { mv_body<T_Q8_0, 1, 4, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1, 1, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1, 2, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q2_k(MV_PARAMS) { mv_body<T_Q2_K, 1, 4, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1, 1, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1, 2, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q4_k(MV_PARAMS) { mv_body<T_Q4_K, 1, 4, 1>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1, 1, 4>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1, 2, 2>(MV_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_iq2_xxs(MV_PARAMS) { mv_body<T_IQ2_XXS, 1, 4, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q8_0(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q8_0, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q8_0(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q8_0, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q8_0(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q8_0, 1, 4, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q2_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q2_K, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q2_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q2_K, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q2_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q2_K, 1, 4, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_q4_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q4_K, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_q4_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q4_K, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_q4_k(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_Q4_K, 1, 4, 1>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v1_iq2_xxs(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_IQ2_XXS, 1, 1, 4>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mv1v2_iq2_xxs(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_IQ2_XXS, 1, 2, 2>(MV_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_LB4) mv1v3_iq2_xxs(MV_PARAMS) { ds4_pdl_enter(); mv_body<T_IQ2_XXS, 1, 4, 1>(MV_ARGS); }
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f32(MVGU_PARAMS) { mvgu_body<T_F32>(MVGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f16(MVGU_PARAMS) { mvgu_body<T_F16>(MVGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_bf16(MVGU_PARAMS) { mvgu_body<T_BF16>(MVGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q8_0(MVGU_PARAMS) { mvgu_body<T_Q8_0>(MVGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q2_k(MVGU_PARAMS) { mvgu_body<T_Q2_K>(MVGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q4_k(MVGU_PARAMS) { mvgu_body<T_Q4_K>(MVGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_iq2_xxs(MVGU_PARAMS) { mvgu_body<T_IQ2_XXS>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f32(MVGU_PARAMS) { ds4_pdl_enter(); mvgu_body<T_F32>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_f16(MVGU_PARAMS) { ds4_pdl_enter(); mvgu_body<T_F16>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_bf16(MVGU_PARAMS) { ds4_pdl_enter(); mvgu_body<T_BF16>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q8_0(MVGU_PARAMS) { ds4_pdl_enter(); mvgu_body<T_Q8_0>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q2_k(MVGU_PARAMS) { ds4_pdl_enter(); mvgu_body<T_Q2_K>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_q4_k(MVGU_PARAMS) { ds4_pdl_enter(); mvgu_body<T_Q4_K>(MVGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvgu_iq2_xxs(MVGU_PARAMS) { ds4_pdl_enter(); mvgu_body<T_IQ2_XXS>(MVGU_ARGS); }
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_f32(MVDOWN_PARAMS) { mvdown_body<T_F32>(MVDOWN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_f16(MVDOWN_PARAMS) { mvdown_body<T_F16>(MVDOWN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_bf16(MVDOWN_PARAMS) { mvdown_body<T_BF16>(MVDOWN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q8_0(MVDOWN_PARAMS) { mvdown_body<T_Q8_0>(MVDOWN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q2_k(MVDOWN_PARAMS) { mvdown_body<T_Q2_K>(MVDOWN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q4_k(MVDOWN_PARAMS) { mvdown_body<T_Q4_K>(MVDOWN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_iq2_xxs(MVDOWN_PARAMS) { mvdown_body<T_IQ2_XXS>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_f32(MVDOWN_PARAMS) { ds4_pdl_enter(); mvdown_body<T_F32>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_f16(MVDOWN_PARAMS) { ds4_pdl_enter(); mvdown_body<T_F16>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_bf16(MVDOWN_PARAMS) { ds4_pdl_enter(); mvdown_body<T_BF16>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q8_0(MVDOWN_PARAMS) { ds4_pdl_enter(); mvdown_body<T_Q8_0>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q2_k(MVDOWN_PARAMS) { ds4_pdl_enter(); mvdown_body<T_Q2_K>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_q4_k(MVDOWN_PARAMS) { ds4_pdl_enter(); mvdown_body<T_Q4_K>(MVDOWN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvdown_iq2_xxs(MVDOWN_PARAMS) { ds4_pdl_enter(); mvdown_body<T_IQ2_XXS>(MVDOWN_ARGS); }
 
 // ---- One-row products with every load of U column steps × R rows issued before any math
 // (mvq_r<R>u<U>_<t>, n = 1; Q8_0 and F16). Lanes as in mv_body (chunk c = step + lane / 4,
@@ -656,14 +657,14 @@ __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z
         long long y_z, int rows, int cols, long long row_bytes, int kspl
 #define MVQ_ARGS W, w_z, x, x_z, y, y_z, rows, cols, row_bytes, kspl
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 1, 8>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 2, 4>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 4, 2>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_q8_0(MVQ_PARAMS) { mvq_body<T_Q8_0, 1, 4>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_f16(MVQ_PARAMS) { mvq_body<T_F16, 1, 8>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16(MVQ_PARAMS) { mvq_body<T_F16, 2, 4>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_f16(MVQ_PARAMS) { mvq_body<T_F16, 4, 2>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { mvq_body<T_F16, 1, 4>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 1, 8>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 2, 4>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 4, 2>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 1, 4>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 1, 8>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 2, 4>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 4, 2>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 1, 4>(MVQ_ARGS); }
 
 // ---- Q8_0 in the decode layout (GpuWeight::Mat `dec`, written at upload by q8_repack from the
 // GGUF blocks, which stay for the GEMM): quants Q[g * cols + k] (i8, g = global row: rows are
@@ -677,6 +678,7 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { mvq_body<T_F16
 
 // q8_repack: block b (34 bytes at src + 34b) -> Q[32b .. 32b + 32], D[b]; b < nb.
 DS4_KERNEL void DS4_BOUNDS(256) q8_repack(const u8* __restrict__ src, long long nb, u8* __restrict__ Q, u16* __restrict__ D) {
+    ds4_pdl_enter();
     long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nb) return;
     const u16* s = (const u16*)(src + b * 34); // 2-byte aligned: 34b is even
@@ -765,10 +767,10 @@ __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __
         float *__restrict__ y, long long y_z, int rows, int cols, int kspl
 #define MVR_ARGS Q, D, x, x_z, y, y_z, rows, cols, kspl
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r1u8_q8_0(MVR_PARAMS) { mvr_body<1, 8>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u4_q8_0(MVR_PARAMS) { mvr_body<2, 4>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { mvr_body<4, 2>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { mvr_body<2, 2>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r1u8_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<1, 8>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u4_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<2, 4>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<4, 2>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<2, 2>(MVR_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
@@ -892,6 +894,7 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
         int c3
 
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) {
+    ds4_pdl_enter();
     int m = mvm_pick(c1, c2, c3, 0x7fffffff);
     mvr_cta<2, 2>(MVM_SEL(Q0, Q1, Q2, Q3, Q3), MVM_SEL(D0, D1, D2, D3, D3), x, MVM_SEL(y0, y1, y2, y3, y3),
                   MVM_SEL(rows0, rows1, rows2, rows3, rows3), cols, kspl,
@@ -908,10 +911,11 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) {
                      MVM_SEL(rows0, rows1, rows2, rows3, rows4), cols, row_bytes, kspl,                                \
                      (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c4));
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { MVQM_BODY(T_F16) }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { MVQM_BODY(T_Q8_0) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_F16) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_Q8_0) }
 
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu, const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h, int rows, int cols, float clamp, int kspl) {
+    ds4_pdl_enter();
     __shared__ float red[MV_WARPS * 2];
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int r = blockIdx.x * (MV_WARPS / kspl) + warp / kspl;
@@ -1038,6 +1042,6 @@ __device__ __forceinline__ void mvp_body(const u8* __restrict__ Q, const u16* __
         float *__restrict__ y, int rows, int cols
 #define MVP_ARGS Q, D, x, x_z, rz, y, rows, cols
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u2_q8_0(MVP_PARAMS) { mvp_body<1, 2>(MVP_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u4_q8_0(MVP_PARAMS) { mvp_body<1, 4>(MVP_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p2u2_q8_0(MVP_PARAMS) { mvp_body<2, 2>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u2_q8_0(MVP_PARAMS) { ds4_pdl_enter(); mvp_body<1, 2>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u4_q8_0(MVP_PARAMS) { ds4_pdl_enter(); mvp_body<1, 4>(MVP_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p2u2_q8_0(MVP_PARAMS) { ds4_pdl_enter(); mvp_body<2, 2>(MVP_ARGS); }

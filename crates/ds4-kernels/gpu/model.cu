@@ -25,6 +25,7 @@ __device__ __forceinline__ float ds4_row_elem(const u8* __restrict__ row, int k,
 
 // out[(i*copies + c)*d + k] = W[tok[i]][k]. Grid: n CTAs (one per token).
 DS4_KERNEL void DS4_BOUNDS(256) embed_rows(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ out, int copies, int d, long long row_bytes, int ty) {
+    ds4_pdl_enter();
     const int i = blockIdx.x;
     const u8* row = W + (size_t)tok[i] * (size_t)row_bytes;
     float* o = out + (size_t)i * copies * d;
@@ -37,6 +38,7 @@ DS4_KERNEL void DS4_BOUNDS(256) embed_rows(const u8* __restrict__ W, const int* 
 // HC pre for one token per CTA. m [n, (2+N)N], x [n, N, D] -> z [n, D], post [n, N], comb [n, N*N].
 // The N x N Sinkhorn runs on N threads (a row or a column each, serial sums like the CPU).
 DS4_KERNEL void DS4_BOUNDS(256) hc_split(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int iters, float eps) {
+    ds4_pdl_enter();
     __shared__ float A[DS4_HC_MAX * DS4_HC_MAX];
     __shared__ float pre[DS4_HC_MAX];
     const int t = blockIdx.x, tid = threadIdx.x, mix = (2 + N) * N;
@@ -90,6 +92,7 @@ DS4_KERNEL void DS4_BOUNDS(256) hc_split(const float* __restrict__ m, const floa
 
 // Head collapse, one token per CTA: y[t] = sum_i (sigmoid(m[t,i]*scale0 + base_i) + eps) X[t,i].
 DS4_KERNEL void DS4_BOUNDS(256) hc_collapse(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ y, int N, int D, float eps) {
+    ds4_pdl_enter();
     __shared__ float pre[DS4_HC_MAX];
     const int t = blockIdx.x, tid = threadIdx.x;
     if (tid < N) pre[tid] = ds4_sigmoid(ds4_mul_rn(m[(size_t)t * N + tid], scale[0]) + base[tid]) + eps;
@@ -105,6 +108,7 @@ DS4_KERNEL void DS4_BOUNDS(256) hc_collapse(const float* __restrict__ m, const f
 // HC post in place: X'[j] = post_j o + sum_i A[i][j] X[i]. One thread per (token, k) column reads
 // all N old values before writing any. total = n*D.
 DS4_KERNEL void DS4_BOUNDS(256) hc_post(float* __restrict__ x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, int N, int D, long long total) {
+    ds4_pdl_enter();
     long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= total) return;
     const long long t = g / D;
@@ -132,6 +136,7 @@ __device__ __forceinline__ int ds4_total_key(float f) {
 // when given (hash layers), else the top k of p_e + bias_e by total order, ties to the lower id,
 // in descending order (each expert's rank = how many experts beat it). sel [n, k] i32, wgt [n, k].
 DS4_KERNEL void DS4_BOUNDS(256) moe_route(const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ tid2eid, const int* __restrict__ tokens, int* __restrict__ sel, float* __restrict__ wgt, int ne, int k, float weight_scale) {
+    ds4_pdl_enter();
     __shared__ float p[DS4_ROUTE_MAX_E];
     __shared__ int key[DS4_ROUTE_MAX_E];
     __shared__ int s_sel[DS4_ROUTE_MAX_K];
@@ -271,6 +276,7 @@ __device__ __forceinline__ void hc_sinkhorn_warp(const float* __restrict__ mt, c
 // that in long grids they start early), then n*cc column CTAs (token t = c / cc, float4 columns
 // ((c % cc)*blockDim + tid) with c = b - ns); the two kinds run concurrently.
 DS4_KERNEL void DS4_BOUNDS(256) hc_split_fast(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int iters, float eps, int n, int cc) {
+    ds4_pdl_enter();
     const int wpb = blockDim.x / DS4_WARP, ns = (n + wpb - 1) / wpb;
     const int b = blockIdx.x, mix = (2 + N) * N, D4 = D >> 2;
     if (b >= ns) {
@@ -294,6 +300,7 @@ DS4_KERNEL void DS4_BOUNDS(256) hc_split_fast(const float* __restrict__ m, const
 // Head collapse, latency form; same output as hc_collapse (m [n, N]). Host guarantees D % 4 == 0
 // and 16-byte aligned x, y. Grid: n*cc CTAs, token t = b / cc, float4 columns as hc_split_fast.
 DS4_KERNEL void DS4_BOUNDS(256) hc_collapse_fast(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ y, int N, int D, float eps, int cc) {
+    ds4_pdl_enter();
     const int b = blockIdx.x, t = b / cc, k4 = (b - t * cc) * blockDim.x + threadIdx.x, D4 = D >> 2;
     const float* mt = m + (size_t)t * N;
     const float4* xt = (const float4*)(x + (size_t)t * N * D);
@@ -305,6 +312,7 @@ DS4_KERNEL void DS4_BOUNDS(256) hc_collapse_fast(const float* __restrict__ m, co
 // HC post in place, latency form for N <= 4 (host checks, with D % 4 == 0 and 16-byte aligned
 // x, o): one thread per (token, float4 column), every load issued before any store. total4 = n*D/4.
 DS4_KERNEL void DS4_BOUNDS(256) hc_post_fast(float* __restrict__ x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, int N, int D, long long total4) {
+    ds4_pdl_enter();
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= total4) return;
     const int D4 = D >> 2;
@@ -368,6 +376,7 @@ __device__ __forceinline__ void ds4_route_finish(float pe, int e, int* __restric
 // then warp 0 takes the k largest in k rounds of a warp max (round j: the largest key below the
 // previous round's). Hash layers use warp 0 only. k <= DS4_ROUTE_MAX_K <= DS4_WARP.
 DS4_KERNEL void DS4_BOUNDS(256) moe_route_fast(const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ tid2eid, const int* __restrict__ tokens, int* __restrict__ sel, float* __restrict__ wgt, int ne, int k, float weight_scale) {
+    ds4_pdl_enter();
     __shared__ float p[DS4_ROUTE_MAX_E];
     __shared__ u64 key[DS4_ROUTE_MAX_E];
     const int t = blockIdx.x, tid = threadIdx.x, lane = tid % DS4_WARP;
@@ -417,6 +426,7 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_route_fast(const float* __restrict__ logits,
 // outputs as hc_split. Grid: ns = ceil(n / blockDim) Sinkhorn CTAs (one thread per token), then
 // n*cc column CTAs as hc_split_fast (cc = ceil(D/4 / blockDim)); the two kinds run concurrently.
 DS4_KERNEL void DS4_BOUNDS(256) hc_split_glue(const float* __restrict__ m, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ x, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int iters, float eps, int n, int cc) {
+    ds4_pdl_enter();
     const int ns = (n + (int)blockDim.x - 1) / (int)blockDim.x;
     const int b = blockIdx.x, mix = (2 + N) * N;
     if (b >= ns) {

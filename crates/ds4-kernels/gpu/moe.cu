@@ -451,18 +451,18 @@ __device__ __forceinline__ void moedn_body(const u8* __restrict__ W, const int* 
 #define MOEDN_ARGS W, sel, slab, hx, n, k, out, rows, cols, row_bytes, ub
 
 // NT = 1 serves n = 1, NT = 2 n = 2, NT = 4 n = 3, 4 (one slice per unit: fewer x registers).
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu1_iq2_xxs(MOEGU_PARAMS) { moegu_body<T_IQ2_XXS, 1, 2>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu2_iq2_xxs(MOEGU_PARAMS) { moegu_body<T_IQ2_XXS, 2, 2>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu4_iq2_xxs(MOEGU_PARAMS) { moegu_body<T_IQ2_XXS, 4, 1>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu1_q2_k(MOEGU_PARAMS) { moegu_body<T_Q2_K, 1, 2>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu2_q2_k(MOEGU_PARAMS) { moegu_body<T_Q2_K, 2, 2>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu4_q2_k(MOEGU_PARAMS) { moegu_body<T_Q2_K, 4, 1>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu1_q4_k(MOEGU_PARAMS) { moegu_body<T_Q4_K, 1, 2>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu2_q4_k(MOEGU_PARAMS) { moegu_body<T_Q4_K, 2, 2>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu4_q4_k(MOEGU_PARAMS) { moegu_body<T_Q4_K, 4, 1>(MOEGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_iq2_xxs(MOEDN_PARAMS) { moedn_body<T_IQ2_XXS>(MOEDN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_q2_k(MOEDN_PARAMS) { moedn_body<T_Q2_K>(MOEDN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_q4_k(MOEDN_PARAMS) { moedn_body<T_Q4_K>(MOEDN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu1_iq2_xxs(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_IQ2_XXS, 1, 2>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu2_iq2_xxs(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_IQ2_XXS, 2, 2>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu4_iq2_xxs(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_IQ2_XXS, 4, 1>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu1_q2_k(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_Q2_K, 1, 2>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu2_q2_k(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_Q2_K, 2, 2>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu4_q2_k(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_Q2_K, 4, 1>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu1_q4_k(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_Q4_K, 1, 2>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu2_q4_k(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_Q4_K, 2, 2>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_THREADS) moegu4_q4_k(MOEGU_PARAMS) { ds4_pdl_enter(); moegu_body<T_Q4_K, 4, 1>(MOEGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_iq2_xxs(MOEDN_PARAMS) { ds4_pdl_enter(); moedn_body<T_IQ2_XXS>(MOEDN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_q2_k(MOEDN_PARAMS) { ds4_pdl_enter(); moedn_body<T_Q2_K>(MOEDN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MOE_LB4) moedn_q4_k(MOEDN_PARAMS) { ds4_pdl_enter(); moedn_body<T_Q4_K>(MOEDN_ARGS); }
 
 // ===================================================================================================
 // Form 2 (m2*): no staging of weights. A lane owns one "unit" of 32 columns (4 slices of 8; which
@@ -1097,28 +1097,28 @@ __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* _
 #define M2DN_ARGS W, sel, slab, hx, n, k, out, rows, cols, row_bytes, nbr, hs
 
 // <1>: one token per expert at a time (x in 32 registers), <2>: two.
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 1, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 2, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 1, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 2, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 1, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 2, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 1, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 2, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 1, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 2, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 1, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 2, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 1, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 2, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 1, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 2, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 1, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 2, false>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 1, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 2, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 1, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 2, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 1, false>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2, false>(M2DN_ARGS); }
 // Form 3: the same tiles, integer inner loops.
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 1, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_iq2_xxs(M2GU_PARAMS) { m2gu_body<T_IQ2_XXS, 2, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 1, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q2_k(M2GU_PARAMS) { m2gu_body<T_Q2_K, 2, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 1, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q4_k(M2GU_PARAMS) { m2gu_body<T_Q4_K, 2, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 1, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_iq2_xxs(M2DN_PARAMS) { m2dn_body<T_IQ2_XXS, 2, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 1, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q2_k(M2DN_PARAMS) { m2dn_body<T_Q2_K, 2, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 1, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q4_k(M2DN_PARAMS) { m2dn_body<T_Q4_K, 2, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 1, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 2, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 1, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 2, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 1, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 2, true>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 1, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 2, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 1, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 2, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 1, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2, true>(M2DN_ARGS); }

@@ -80,3 +80,16 @@ __device__ __forceinline__ double ds4_warp_sum_f64(double v) {
     for (int o = DS4_WARP / 2; o > 0; o >>= 1) v += ds4_shfl_xor(v, o);
     return v;
 }
+
+// Programmatic dependent launch (CUDA, sm_90+). A kernel whose body STARTS with
+// `ds4_pdl_enter();` may be launched with the PDL attribute (the host finds these kernels by
+// that text: ds4_kernels::pdl_kernels): it is then scheduled while the previous kernel still
+// runs, and the wait holds it, before any memory access, until every earlier kernel of the
+// stream has finished and its writes are visible. The trigger then lets the next PDL kernel be
+// scheduled while this one runs. Without the attribute, and on HIP or older GPUs, a no-op.
+__device__ __forceinline__ void ds4_pdl_enter() {
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

@@ -107,6 +107,31 @@ pub const MODULES: &[Module] = &[
     BLAS_PREP,
 ];
 
+/// The kernels of `m` that may be launched with programmatic dependent launch (PDL): those whose
+/// body starts with `ds4_pdl_enter();` (prelude.cuh), i.e. that wait for the previous kernels
+/// before touching memory. Read from the source text, so the list cannot drift from the code.
+pub fn pdl_kernels(m: &Module) -> Vec<&'static str> {
+    let src = m.source;
+    m.kernels
+        .iter()
+        .copied()
+        .filter(|k| {
+            // The definition: `DS4_KERNEL void DS4_BOUNDS(..) <k>(`, then its body's first '{'.
+            src.match_indices("DS4_KERNEL void DS4_BOUNDS(")
+                .any(|(i, _)| {
+                    let rest = &src[i..];
+                    let Some(after) = rest.split_once(')').map(|x| x.1.trim_start()) else {
+                        return false;
+                    };
+                    after.strip_prefix(k).is_some_and(|a| a.starts_with('('))
+                        && after.split_once('{').is_some_and(|(_, body)| {
+                            body.trim_start().starts_with("ds4_pdl_enter();")
+                        })
+                })
+        })
+        .collect()
+}
+
 /// Rows handled by one CTA of `matvec_*` (one warp per row); must match `DS4_MV_WARPS` in
 /// `gpu/quant.cu` (checked by a test).
 pub const MV_WARPS: u32 = 4;
@@ -151,6 +176,22 @@ mod tests {
             found.sort();
             listed.sort();
             assert_eq!(found, listed, "module {}", m.name);
+        }
+    }
+
+    #[test]
+    fn pdl_kernels_are_read_from_the_bodies() {
+        let m = Module {
+            name: "t",
+            source: "DS4_KERNEL void DS4_BOUNDS(64) a(int x) { ds4_pdl_enter(); f(x); }\n\
+                     DS4_KERNEL void DS4_BOUNDS(64) ab(int x) { f(x); ds4_pdl_enter(); }\n\
+                     DS4_KERNEL void DS4_BOUNDS(64) c(const float* p,\n    int n) {\n    ds4_pdl_enter();\n}\n",
+            kernels: &["a", "ab", "c"],
+        };
+        assert_eq!(pdl_kernels(&m), ["a", "c"]);
+        // The decode products wait first in every kernel of their modules.
+        for m in [MATVEC, MOE, ELEMENTWISE, MODEL] {
+            assert_eq!(pdl_kernels(&m), m.kernels, "module {}", m.name);
         }
     }
 
