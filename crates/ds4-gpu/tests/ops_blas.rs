@@ -21,8 +21,9 @@ use ds4_model::HParams;
 
 /// Default form: the GEMM's bf16 hi/lo tolerance (ops_gemm TOL_TC).
 const TOL: f32 = 2e-3;
-/// Fast form (one bf16 product), relative to 1 + rms(cpu).
-const TOL_FAST: f32 = 1e-2;
+/// Fast form (one bf16 product), relative to 1 + rms(cpu): measured up to 1.5e-2 on the H200
+/// (bench/results/gpu-blas-b-h200.txt).
+const TOL_FAST: f32 = 3e-2;
 
 const TYPES: &[GgmlType] = &[GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0];
 const NS: &[usize] = &[5, 37, 64, 2048];
@@ -47,12 +48,23 @@ fn max_rel_rms(a: &[f32], b: &[f32]) -> f32 {
 #[derive(Default)]
 struct Cases {
     bad: Vec<String>,
-    /// Worst error: default form, fast form.
-    worst: [f32; 2],
+    /// Worst error: default form, fast form, the built-in GEMM on the default form's cases.
+    worst: [f32; 3],
 }
 
 impl Cases {
-    fn check(&mut self, name: String, fast: bool, l0: u64, g: &[f32], c: &[f32], gpu: &GpuBackend) {
+    /// `gemm`: the built-in GEMM's result for the same case (default form), for comparison.
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        &mut self,
+        name: String,
+        fast: bool,
+        l0: u64,
+        g: &[f32],
+        gemm: Option<Vec<f32>>,
+        c: &[f32],
+        gpu: &GpuBackend,
+    ) {
         if let Err(e) = gpu.check() {
             println!("{name}: GPU error: {e}");
             self.bad.push(format!("{name}: {e}"));
@@ -65,9 +77,14 @@ impl Cases {
             (max_rel(g, c), TOL)
         };
         self.worst[fast as usize] = self.worst[fast as usize].max(e);
+        let ge = gemm.map(|v| max_rel(&v, c));
+        if let Some(ge) = ge {
+            self.worst[2] = self.worst[2].max(ge);
+        }
         println!(
-            "{name}: max rel {e:.3e}{}{}",
+            "{name}: max rel {e:.3e}{}{}{}",
             if fast { " (rms-relative)" } else { "" },
+            ge.map_or(String::new(), |ge| format!(" (built-in GEMM {ge:.3e})")),
             if took { "" } else { " (BLAS NOT USED)" }
         );
         if e > tol || !took {
@@ -77,8 +94,9 @@ impl Cases {
 
     fn finish(self) {
         println!(
-            "worst: default {:.3e} (tolerance {TOL:.0e}), fast {:.3e} (rms-relative, {TOL_FAST:.0e})",
-            self.worst[0], self.worst[1]
+            "worst: default {:.3e} (tolerance {TOL:.0e}), fast {:.3e} (rms-relative, {TOL_FAST:.0e}); \
+             built-in GEMM on the default form's cases {:.3e}",
+            self.worst[0], self.worst[1], self.worst[2]
         );
         GpuBackend::set_blas(true, false);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
@@ -123,7 +141,13 @@ fn blas_dense_every_type_and_n() {
                     let l0 = GpuBackend::blas_launches();
                     gpu.matmul(&gw, part, &gx, n, &mut gy);
                     let g = gpu.download(&gy, n * rows);
-                    cases.check(format!("{key} fast={fast}"), fast, l0, &g, c, &gpu);
+                    let gemm = (!fast).then(|| {
+                        GpuBackend::set_blas(false, false);
+                        gpu.matmul(&gw, part, &gx, n, &mut gy);
+                        GpuBackend::set_blas(true, false);
+                        gpu.download(&gy, n * rows)
+                    });
+                    cases.check(format!("{key} fast={fast}"), fast, l0, &g, gemm, c, &gpu);
                 }
             }
         }
@@ -142,11 +166,18 @@ fn blas_dense_every_type_and_n() {
         let l0 = GpuBackend::blas_launches();
         gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
         let g = gpu.download(&gy, n * 1024);
+        let gemm = (!fast).then(|| {
+            GpuBackend::set_blas(false, false);
+            gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
+            GpuBackend::set_blas(true, false);
+            gpu.download(&gy, n * 1024)
+        });
         cases.check(
             format!("matmul Q8_0 4096x1024 n={n} fast={fast}"),
             fast,
             l0,
             &g,
+            gemm,
             c,
             &gpu,
         );
@@ -197,7 +228,13 @@ fn blas_grouped_every_type() {
                 let l0 = GpuBackend::blas_launches();
                 gpu.matmul_grouped(&gw, groups, &gx, n, &mut gy);
                 let g = gpu.download(&gy, n * rows);
-                cases.check(format!("{key} fast={fast}"), fast, l0, &g, c, &gpu);
+                let gemm = (!fast).then(|| {
+                    GpuBackend::set_blas(false, false);
+                    gpu.matmul_grouped(&gw, groups, &gx, n, &mut gy);
+                    GpuBackend::set_blas(true, false);
+                    gpu.download(&gy, n * rows)
+                });
+                cases.check(format!("{key} fast={fast}"), fast, l0, &g, gemm, c, &gpu);
             }
         }
     }
