@@ -2,13 +2,15 @@
 //! n ∈ {5, 16, 33, 128, 300}, Part::All and Part::Expert, grouped products, real model shapes
 //! (Q8_0 4096→1024, 8 groups of 4096→1024), routed experts with 128 tokens × 6 slots, the O(n)
 //! pair grouping (12288 skewed pairs) against a stable sort, and n = 2048 dense and MoE products.
-//! Each case runs in five kernel forms (0: bf16 hi/lo tensor cores where compiled
+//! Each case runs in seven kernel forms (0: the default: the tiled integer-weight form `gemmt_*`
+//! for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+, else bf16 hi/lo tensor cores where compiled
 //! (`set_gemm_precise(true)`), 1: portable FMA, 2: 3xTF32 tensor cores, 3: the default f16
 //! single-product form `gemmh*` (automatic item tile, double-buffered), 4: f16 with 256-item
 //! tiles (MoE 128) and one buffer; forms 3-4 fall back to form 0 for F32/BF16 weights and off
 //! CUDA sm_80+), 5: the exact-weight form `gemmq*` (integer quants as f16, activations as two
 //! f16 planes; falls back like 3-4 for F32/F16/BF16 weights), held to the bf16 tensor-core
-//! tolerance relative to 1 + |cpu| (its errors are ~2^-22 per term); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
+//! tolerance relative to 1 + |cpu| (its errors are ~2^-22 per term), 6: the bf16 hi/lo form with
+//! the tiled form off (`set_gemm_tiled(false)`, the previous default); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
 //! are held to the tensor-core tolerances (measured on the H200 at 5b38cfb: worst 1.4e-3 with
 //! Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
 //! forms are process-wide switches: run with --test-threads=1 on a GPU. Each case also checks that the
@@ -60,7 +62,7 @@ fn max_rel_rms(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
         / (1.0 + rms)
 }
-const FORMS: usize = 6;
+const FORMS: usize = 7;
 
 const TYPES: &[GgmlType] = &[
     GgmlType::F32,
@@ -84,6 +86,8 @@ struct Cases {
     half: [u64; FORMS],
     /// Exact-form launches seen per form (form 5 must take it for quantised weights).
     exact: [u64; FORMS],
+    /// Tiled-form launches seen per form (form 0 must take it for quantised weights).
+    tiled: [u64; FORMS],
 }
 
 impl Cases {
@@ -127,6 +131,16 @@ impl Cases {
             self.bad.push(format!("{name}: exact form not taken"));
         }
         self.exact[form] = q;
+        // Form 0 likewise takes the tiled form (every product of the case quantised, columns
+        // whole super-blocks: all shapes here).
+        let tl = GpuBackend::gemm_tiled_launches();
+        if form == 0 && quant && tl == self.tiled.iter().copied().max().unwrap_or(0) && {
+            let i = gpu.gpu().info();
+            i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
+        } {
+            self.bad.push(format!("{name}: tiled form not taken"));
+        }
+        self.tiled[form] = tl;
         println!(
             "{name}: max rel {e:.3e}{}{}",
             if form == 3 || form == 4 {
@@ -137,8 +151,8 @@ impl Cases {
             if launched { "" } else { " (GEMM NOT USED)" }
         );
         let tol = match (form, name.contains("Q4_K")) {
-            (0 | 2 | 5, false) => TOL_TC,
-            (0 | 2 | 5, true) => TOL_TC_Q4K,
+            (0 | 2 | 5 | 6, false) => TOL_TC,
+            (0 | 2 | 5 | 6, true) => TOL_TC_Q4K,
             (3 | 4, _) if name.starts_with("moe") => TOL_H_MOE,
             (3 | 4, _) => TOL_H,
             _ => TOL_FMA,
@@ -151,11 +165,12 @@ impl Cases {
     fn finish(self) {
         println!(
             "worst: bf16 tensor cores {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA {:.3e}, 3xTF32 {:.3e} ({TOL_FMA:.0e}), \
-             f16 {:.3e}, f16 256-item tiles {:.3e} (rms-relative, {TOL_H:.0e}, MoE {TOL_H_MOE:.0e}), exact {:.3e}; \
-             f16 launches after each form {:?}, exact launches {:?}",
-            self.worst[0], self.worst[1], self.worst[2], self.worst[3], self.worst[4], self.worst[5], self.half, self.exact
+             f16 {:.3e}, f16 256-item tiles {:.3e} (rms-relative, {TOL_H:.0e}, MoE {TOL_H_MOE:.0e}), exact {:.3e}, \
+             bf16 hi/lo without the tiled form {:.3e}; f16 launches after each form {:?}, exact launches {:?}, tiled launches {:?}",
+            self.worst[0], self.worst[1], self.worst[2], self.worst[3], self.worst[4], self.worst[5], self.worst[6],
+            self.half, self.exact, self.tiled
         );
-        set_form(3);
+        set_form(0);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
     }
 }
@@ -171,6 +186,7 @@ fn set_form(form: usize) {
     GpuBackend::set_gemm_exact(form == 5);
     GpuBackend::set_gemm_tile(if form == 4 { 256 } else { 0 });
     GpuBackend::set_gemm_dbuf(form != 4);
+    GpuBackend::set_gemm_tiled(form != 6);
 }
 
 #[test]
@@ -438,7 +454,7 @@ fn gemm_big_n() {
         let mut cy = cpu.alloc(n * rows);
         cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
         let want = cpu.download(&cy, n * rows);
-        for form in [0, 1, 3, 4, 5] {
+        for form in [0, 1, 3, 4, 5, 6] {
             set_form(form);
             let mut gy = gpu.alloc(n * rows);
             let l0 = GpuBackend::gemm_launches();
@@ -490,7 +506,7 @@ fn gemm_big_n() {
     cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
     let want = cpu.download(&co, n * spec.d);
     let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
-    for form in [0, 1, 3, 4, 5] {
+    for form in [0, 1, 3, 4, 5, 6] {
         set_form(form);
         let mut go = gpu.alloc(n * spec.d);
         let l0 = GpuBackend::gemm_launches();

@@ -995,3 +995,432 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xq_f32(const float* __restrict__ X, long lo
         if (s16) s16[(long long)blockIdx.x * (x_tok / 16) + g] = sum;
     }
 }
+
+// ---- Tiled integer-weight form (gemmt_<t>, default for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+) ----
+// Same arithmetic as gemmq (weights as exact integers in f16, activations as two f16 planes hi/lo,
+// two m16n8k16 f16 mma per tile, f32 accumulation), but the scales are taken per scale group:
+// the super-block (256 elements) for the K-quants and IQ2_XXS, the chunk for Q8_0:
+//   IQ2_XXS  w = (d/8) * [(1 + 2s) * grid * sign]   (integer <= 31 * 43 = 1333, exact in f16)
+//   Q2_K     w = d * [sl * q] - dmin * m            (sl * q <= 45; m per 16 elements)
+//   Q4_K     w = d * [s * q] - dmin * m             (s * q <= 945; m per 32 elements)
+//   Q8_0     w = d * [q]                            (per 32 elements)
+// The min terms are one more (pair of) mma per super-block: A' = the 16 sums of 16 activations
+// (hi/lo f16, scaled by 1/16), B' = the integer mins. Per scale group: acc += D * cc - Dm * cm.
+// Staging: X converted once per product by gemm_xt_f32 (per token row: scaled by 2^s like gemm_xq_f32,
+// each 4 elements as one 16-byte group {hi01, hi23, lo01, lo23}, 16-element sums per super-block),
+// copied by cp.async 16-byte (NXS chunk slots, X of the next chunks in flight); raw weight blocks of
+// the tile (64 rows x one stage: a super-block, or 4 Q8_0 chunks) by cp.async 4-byte into a 2-stage
+// ring, a stage ahead. Each warp decodes its B fragments straight from the raw blocks (no dequantised
+// tile, no ldmatrix): K is permuted inside each 16-wide mma step so that lane t of a fragment row holds
+// elements 8t..8t+7 of the 32-element chunk (one IQ2_XXS grid entry, two Q2_K/Q4_K words), and the X
+// groups are stored in the same order. One barrier per 32-element chunk.
+// CTA: 128 threads, 64 items x GT_BN = 64 weight rows; warp w: items 32(w/2).., rows 32(w%2)...
+// Error: weights exact; activations ~2^-22 relative (as gemmq); products exact, f32 sums.
+#define GT_BM 64
+#define GT_BN 64
+
+#if GM_HAVE_MMA
+__device__ __forceinline__ void gt_cp16(void* dst, const void* src, bool ok) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void gt_cp4(void* dst, const void* src) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void gt_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void gt_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ u32 gt_hmul2(u32 a, u32 b) {
+    u32 o;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
+    return o;
+}
+#endif
+
+// Per type: SB raw bytes per row and stage, SC chunks per stage, GC chunks per scale group,
+// NXS X chunk slots, MIN: K-quant min terms.
+template <int T> struct Gt;
+template <> struct Gt<T_IQ2_XXS> {
+    static constexpr int SB = 66, SC = 8, GC = 8, NXS = 3;
+    static constexpr bool MIN = false;
+};
+template <> struct Gt<T_Q2_K> {
+    static constexpr int SB = 84, SC = 8, GC = 8, NXS = 3;
+    static constexpr bool MIN = true;
+};
+template <> struct Gt<T_Q4_K> {
+    static constexpr int SB = 144, SC = 8, GC = 8, NXS = 2;
+    static constexpr bool MIN = true;
+};
+template <> struct Gt<T_Q8_0> {
+    static constexpr int SB = 4 * 34, SC = 4, GC = 1, NXS = 3;
+    static constexpr bool MIN = false;
+};
+
+template <int T> struct alignas(16) GtSmem {
+    static constexpr int NWM = (Gt<T>::SB + 6) / 4, RW = NWM | 1; // words per row copy (odd stride)
+    uint4 x[Gt<T>::NXS][GT_BM][8];                                  // X chunk slots, groups swizzled
+    u32 s[Gt<T>::MIN ? 2 : 1][Gt<T>::MIN ? GT_BM : 1][16];          // sums: hi 8 words, lo 8 words
+    uint4 grid[T == T_IQ2_XXS ? 256 : 1];                           // IQ2_XXS grid as f16x2
+    uint4 sign[T == T_IQ2_XXS ? 128 : 1];                           // IQ2_XXS sign masks per 7-bit field
+    u32 raw[2][GT_BN][RW];                                          // raw blocks of a stage, per row
+    int rlo[GT_BN];                                                 // row base address & 3
+};
+
+// Integer weights of elements 8t..8t+7 of chunk p of the stage at blk, as four f16x2 words.
+template <int T> __device__ __forceinline__ void gt_deq(const u8* blk, int p, int t, u32* w, const GtSmem<T>& sm);
+
+#if GM_HAVE_MMA
+template <> __device__ __forceinline__ void gt_deq<T_IQ2_XXS>(const u8* blk, int p, int t, u32* w, const GtSmem<T_IQ2_XXS>& sm) {
+    const u16* g2 = (const u16*)(blk + 2 + 8 * p);
+    u32 idx = (g2[t >> 1] >> (8 * (t & 1))) & 0xff;
+    u32 aux = (u32)g2[2] | ((u32)g2[3] << 16);
+    u32 m = 1 + 2 * (aux >> 28);
+    u32 m2 = gq_u10x2(m | (m << 16));
+    uint4 gv = sm.grid[idx], sg = sm.sign[(aux >> (7 * t)) & 127];
+    w[0] = gt_hmul2(gv.x, m2) ^ sg.x;
+    w[1] = gt_hmul2(gv.y, m2) ^ sg.y;
+    w[2] = gt_hmul2(gv.z, m2) ^ sg.z;
+    w[3] = gt_hmul2(gv.w, m2) ^ sg.w;
+}
+
+template <> __device__ __forceinline__ void gt_deq<T_Q2_K>(const u8* blk, int p, int t, u32* w, const GtSmem<T_Q2_K>&) {
+    int h = p >> 2, j = p & 3, i = t >> 1, l0 = 8 * (t & 1);
+    u32 sl = blk[8 * h + 2 * j + i] & 15;
+    const u32* qs = (const u32*)(blk + 16 + 32 * h + 16 * i + l0);
+#pragma unroll
+    for (int l4 = 0; l4 < 2; l4++) {
+        u32 v = (qs[l4] >> (2 * j)) & 0x03030303u;
+        w[2 * l4] = gq_u10x2(__byte_perm(v, 0u, 0x7170) * sl);
+        w[2 * l4 + 1] = gq_u10x2(__byte_perm(v, 0u, 0x7372) * sl);
+    }
+}
+
+// Q4_K 6-bit scale and min of sub-block p (scale bytes at sc).
+__device__ __forceinline__ void gt_q4k_sm(const u8* sc, int p, u32& s, u32& m) {
+    if (p < 4) {
+        s = sc[p] & 63;
+        m = sc[p + 4] & 63;
+    } else {
+        s = (sc[p + 4] & 15) | ((sc[p - 4] >> 6) << 4);
+        m = (sc[p + 4] >> 4) | ((sc[p] >> 6) << 4);
+    }
+}
+
+template <> __device__ __forceinline__ void gt_deq<T_Q4_K>(const u8* blk, int p, int t, u32* w, const GtSmem<T_Q4_K>&) {
+    u32 s, m;
+    gt_q4k_sm(blk + 4, p, s, m);
+    const u32* qs = (const u32*)(blk + 16 + 32 * (p >> 1) + 8 * t);
+    int shift = 4 * (p & 1);
+#pragma unroll
+    for (int l4 = 0; l4 < 2; l4++) {
+        u32 v = (qs[l4] >> shift) & 0x0f0f0f0fu;
+        w[2 * l4] = gq_u10x2(__byte_perm(v, 0u, 0x7170) * s); // s*q <= 945 < 1024
+        w[2 * l4 + 1] = gq_u10x2(__byte_perm(v, 0u, 0x7372) * s);
+    }
+}
+
+template <> __device__ __forceinline__ void gt_deq<T_Q8_0>(const u8* blk, int p, int t, u32* w, const GtSmem<T_Q8_0>&) {
+    const u16* b = (const u16*)(blk + 34 * p);
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = gq_i8x2(b[1 + 4 * t + i]);
+}
+
+// Scale-group factors of one row: D (main term) and Dm (min term, times 16: the sums are /16).
+template <int T> __device__ __forceinline__ void gt_scale(const u8* blk, int p, float& D, float& Dm) {
+    if (T == T_IQ2_XXS) {
+        D = ds4_h2f(*(const u16*)blk) * 0.125f, Dm = 0.0f;
+    } else if (T == T_Q8_0) {
+        D = ds4_h2f(*(const u16*)(blk + 34 * p)), Dm = 0.0f;
+    } else {
+        const u16* dd = (const u16*)(blk + (T == T_Q2_K ? 80 : 0));
+        D = ds4_h2f(dd[0]), Dm = ds4_h2f(dd[1]) * 16.0f;
+    }
+}
+
+// Min-term B' fragment of one row (k' = 2t, 2t+1 | 2t+8, 2t+9: the super-block's 16-element sub-blocks).
+template <int T> __device__ __forceinline__ void gt_minb(const u8* blk, int t, u32* b) {
+    if (T == T_Q2_K) {
+        u32 v0 = *(const u16*)(blk + 2 * t), v1 = *(const u16*)(blk + 2 * t + 8);
+        b[0] = gq_u10x2(((v0 >> 4) & 15) | ((v0 >> 12) << 16));
+        b[1] = gq_u10x2(((v1 >> 4) & 15) | ((v1 >> 12) << 16));
+    } else { // Q4_K: sub-blocks 2t, 2t+1 are chunk t (min m_t), 2t+8, 2t+9 chunk t+4
+        u32 s, m0, m1;
+        gt_q4k_sm(blk + 4, t, s, m0);
+        gt_q4k_sm(blk + 4, t + 4, s, m1);
+        b[0] = gq_u10x2(m0 | (m0 << 16));
+        b[1] = gq_u10x2(m1 | (m1 << 16));
+    }
+}
+#endif
+
+#define GMT_PARAMS                                                                                                  \
+    const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const u32 *__restrict__ XT, \
+        const u32 *__restrict__ XS, const float *__restrict__ xinv, long long x_tok, long long x_z, int xdiv,          \
+        float *__restrict__ Y, long long y_tok, long long y_z, long long y_s, int rows, int cols, long long row_bytes, \
+        int n, int ks, int kc, const int *__restrict__ grp, int gmax
+#define GMT_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax
+
+// Host contract: cols % 256 == 0, kc % 8 == 0, x_tok and x_z multiples of 16 (XT words = elements,
+// XS: x_tok/16 words per token row), K-quant rows 4-byte aligned.
+template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
+#if GM_HAVE_MMA
+    using C = Gt<T>;
+    constexpr int NXS = C::NXS, SC = C::SC, NWM = GtSmem<T>::NWM;
+    __shared__ int items[GT_BM];
+    __shared__ int expert;
+    __shared__ GtSmem<T> sm;
+    const int tid = threadIdx.x;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GT_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    if (tid < GT_BM) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * GT_BM + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) expert = e;
+        }
+        items[tid] = it;
+    }
+    if (T == T_IQ2_XXS) {
+        for (int e = tid; e < 256; e += 128) {
+            u64 gv = ds4_iq2xxs_grid[e];
+            u32 lo = (u32)gv, hi = (u32)(gv >> 32);
+            sm.grid[e] = make_uint4(gq_u10x2(__byte_perm(lo, 0u, 0x7170)), gq_u10x2(__byte_perm(lo, 0u, 0x7372)),
+                                    gq_u10x2(__byte_perm(hi, 0u, 0x7170)), gq_u10x2(__byte_perm(hi, 0u, 0x7372)));
+        }
+        if (tid < 128) {
+            u32 sg = tid | ((__popc(tid) & 1) << 7), m[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) m[k] = (((sg >> (2 * k)) & 1u) << 15) | (((sg >> (2 * k + 1)) & 1u) << 31);
+            sm.sign[tid] = make_uint4(m[0], m[1], m[2], m[3]);
+        }
+    }
+    __syncthreads();
+    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const u8* wbase = W + wo;
+    if (tid < GT_BN) sm.rlo[tid] = (int)((size_t)(wbase + (long long)min(r0 + tid, rows - 1) * row_bytes) & 3);
+    // X staging: item xi, groups 4(tid&1)..+4 of each chunk; sums: words 8(tid&1)..+8 of each super-block.
+    const int xi = tid >> 1, xh = tid & 1;
+    const int xit = items[xi];
+    const long long xtok = xit >= 0 ? (long long)(xit / xdiv) : 0;
+    const u32* xsrc = XT + xtok * x_tok + (long long)z * x_z;
+    const u32* ssrc = C::MIN ? XS + xtok * (x_tok / 16) + (long long)z * (x_z / 16) : XS;
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc), nl = max(c1 - c0, 0);
+    auto stage_off = [&](int cs) -> long long { return T == T_Q8_0 ? (long long)cs * 34 : (long long)(cs / 8) * C::SB; };
+    auto issue_x = [&](int i) {
+        if (i < nl) {
+            uint4* dst = sm.x[i % NXS][xi];
+            const u32* src = xsrc + 32LL * (c0 + i);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                int j = 4 * xh + q;
+                gt_cp16(&dst[j ^ (xi & 1)], xit >= 0 ? src + 4 * j : XT, xit >= 0);
+            }
+        }
+    };
+    auto issue_raw = [&](int S) {
+        if (SC * S < nl) {
+            const int buf = S & 1, cs = c0 + SC * S;
+            const long long boff = stage_off(cs);
+            for (int idx = tid; idx < GT_BN * NWM; idx += 128) {
+                int r = idx / NWM, w = idx - r * NWM;
+                const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + boff;
+                int sh = (int)((size_t)a & 3), nw = (sh + C::SB + 3) >> 2;
+                if (w < nw) gt_cp4(&sm.raw[buf][r][w], (const u32*)(a - sh) + w);
+            }
+            if (C::MIN) {
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    int j = 2 * xh + q; // 16-byte quarter j of the item's 64 sum bytes
+                    gt_cp16(&sm.s[buf][xi][4 * j], xit >= 0 ? ssrc + 16LL * (cs / 8) + 4 * j : XT, xit >= 0);
+                }
+            }
+        }
+    };
+    issue_raw(0);
+    issue_x(0);
+    gt_commit();
+#pragma unroll
+    for (int j = 1; j < NXS - 1; j++) {
+        issue_x(j);
+        gt_commit();
+    }
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp >> 1, wn = warp & 1;
+    float acc[2][4][4], cc[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f, cc[mt][nt][e] = 0.0f;
+
+    for (int i = 0; i < nl; i++) {
+        gt_wait<NXS - 2>();
+        __syncthreads();
+        issue_x(i + NXS - 1);
+        if (i % SC == 0) issue_raw(i / SC + 1);
+        gt_commit();
+        const int S = i / SC, p = i % SC, buf = S & 1;
+        const int bsh = (int)(stage_off(c0 + SC * S) & 3);
+        const uint4(*xs)[8] = sm.x[i % NXS];
+        u32 bq[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            int r = 32 * wn + 8 * nt + g;
+            const u8* blk = (const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3);
+            gt_deq<T>(blk, p, t, bq[nt], sm);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const int m0 = 32 * wm + 16 * mt + g, j = (2 * t + kk) ^ (g & 1);
+                uint4 v0 = xs[m0][j], v1 = xs[m0 + 8][j];
+                u32 ah[4] = {v0.x, v1.x, v0.y, v1.y}, al[4] = {v0.z, v1.z, v0.w, v1.w};
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    u32 b[2] = {bq[nt][2 * kk], bq[nt][2 * kk + 1]};
+                    gm_mma_h(cc[mt][nt], ah, b);
+                    gm_mma_h(cc[mt][nt], al, b);
+                }
+            }
+        if ((p + 1) % C::GC == 0) {
+            float D[4][2], Dm[4][2];
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = 32 * wn + 8 * nt + 2 * t + e1;
+                    gt_scale<T>((const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3), p, D[nt][e1], Dm[nt][e1]);
+                }
+            if (C::MIN) {
+                float cm[2][4][4];
+                u32 bm[4][2];
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    int r = 32 * wn + 8 * nt + g;
+                    gt_minb<T>((const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3), t, bm[nt]);
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    const int m0 = 32 * wm + 16 * mt + g;
+                    const u32* s0 = sm.s[buf][m0];
+                    const u32* s1 = sm.s[buf][m0 + 8];
+                    u32 ah[4] = {s0[t], s1[t], s0[t + 4], s1[t + 4]}, al[4] = {s0[8 + t], s1[8 + t], s0[12 + t], s1[12 + t]};
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) cm[mt][nt][e] = 0.0f;
+                        gm_mma_h(cm[mt][nt], ah, bm[nt]);
+                        gm_mma_h(cm[mt][nt], al, bm[nt]);
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            float a = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
+                            acc[mt][nt][e] = fmaf(-Dm[nt][e & 1], cm[mt][nt][e], a);
+                            cc[mt][nt][e] = 0.0f;
+                        }
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            acc[mt][nt][e] = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
+                            cc[mt][nt][e] = 0.0f;
+                        }
+            }
+        }
+    }
+    gt_wait<0>();
+
+    // acc[mt][nt][e]: item 32wm + 16mt + g + 8(e/2), tile row 32wn + 8nt + 2t + e%2.
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = items[32 * wm + 16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+            const float sc = xinv[it / xdiv];
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + 32 * wn + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
+                }
+        }
+#endif
+}
+
+// gemmt_<t>: 64 items x 64 rows, 128 threads (CUDA sm_80+; elsewhere empty: never launched there).
+DS4_KERNEL void DS4_BOUNDS(128) gemmt_q8_0(GMT_PARAMS) { gemmt_body<T_Q8_0>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmt_q2_k(GMT_PARAMS) { gemmt_body<T_Q2_K>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmt_q4_k(GMT_PARAMS) { gemmt_body<T_Q4_K>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmt_iq2_xxs(GMT_PARAMS) { gemmt_body<T_IQ2_XXS>(GMT_ARGS); }
+
+// X rows for gemmt: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
+// x_tok multiple of 16). v = x * 2^s_t (s_t as gemm_xh_f32), xinv[t] = 2^-s_t; each 4 elements
+// 4q..4q+3 as words xt[t*x_tok + 4q ..+4] = {f16x2 hi(v0,v1), hi(v2,v3), lo(v0,v1), lo(v2,v3)}
+// (lo = f16(v - hi)); xs (may be null): per super-block b (256 elements) 16 words at
+// t*x_tok/16 + 16b: halves 0..15 = hi of S_k/16, halves 16..31 = lo, S_k the f32 sum of v over
+// elements 16k..16k+15 of the super-block. Without mma (never launched there) nothing.
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xt, u32* __restrict__ xs, float* __restrict__ xinv) {
+#if GM_HAVE_MMA
+    __shared__ float red[256 / DS4_WARP];
+    const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < width / 4; i += 256) {
+        float4 v = p[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < 256 / DS4_WARP; i++) m = fmaxf(m, red[i]);
+    int e = (int)((__float_as_int(m) >> 23) & 0xff) - 126;
+    int sh = min(max(15 - e, -126), 126);
+    float sc = __int_as_float((sh + 127) << 23);
+    if (threadIdx.x == 0) xinv[blockIdx.x] = __int_as_float((127 - sh) << 23);
+    uint4* o = (uint4*)(xt + (long long)blockIdx.x * x_tok);
+    u16* so = xs ? (u16*)(xs + (long long)blockIdx.x * (x_tok / 16)) : nullptr;
+    for (int g = threadIdx.x; g < width / 16; g += 256) { // 16 elements per step
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float4 v = p[4 * g + i];
+            float a = v.x * sc, b = v.y * sc, c = v.z * sc, d = v.w * sc; // exact (power of two)
+            u32 h0 = gm_h2(a, b), h1 = gm_h2(c, d);
+            float ah = ds4_h2f_fast(h0), bh = ds4_h2f_fast(h0 >> 16), ch = ds4_h2f_fast(h1), dh = ds4_h2f_fast(h1 >> 16);
+            o[4 * g + i] = make_uint4(h0, h1, gm_h2(a - ah, b - bh), gm_h2(c - ch, d - dh));
+            sum += (a + b) + (c + d);
+        }
+        if (so) {
+            float v = sum * 0.0625f; // exact
+            u32 hv = gm_h2(v, 0.0f);
+            float lv = v - ds4_h2f_fast(hv);
+            int b = g >> 4, k = g & 15;
+            so[32 * b + k] = (u16)hv;
+            so[32 * b + 16 + k] = (u16)gm_h2(lv, 0.0f);
+        }
+    }
+#endif
+}

@@ -7,6 +7,9 @@ use crate::Module;
 /// `gemmh<BM>_<t>`: one f16 mma per tile on X pre-scaled and rounded by `gemm_xh_f32` (default on sm_80+);
 /// `gemmq<BM>_<t>`: exact-weight form (integer quants as f16, activations as two f16 planes from
 /// `gemm_xq_f32`, per-chunk scales and K-quant mins applied in f32; CUDA sm_80+);
+/// `gemmt_<t>`: tiled integer-weight form (default for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+:
+/// raw blocks and X staged by cp.async, scales per super-block, two f16 mma per tile on X from
+/// `gemm_xt_f32`);
 /// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
 pub const GEMM: Module = Module {
     name: "gemm",
@@ -69,5 +72,10 @@ pub const GEMM: Module = Module {
         "gemmq64_iq2_xxs",
         "gemmq128_iq2_xxs",
         "gemm_xq_f32",
+        "gemmt_q8_0",
+        "gemmt_q2_k",
+        "gemmt_q4_k",
+        "gemmt_iq2_xxs",
+        "gemm_xt_f32",
     ],
 };

@@ -10,6 +10,14 @@
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 //! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
 //!
+//! Default for Q8_0/Q2_K/Q4_K/IQ2_XXS weights on CUDA sm_80+: the tiled integer-weight form
+//! `gemmt_<t>` (64 items × 64 rows, 128 threads): weights as exact integers in f16 with their
+//! scales applied per super-block (Q8_0: per chunk; K-quant mins as one more mma on 16-element
+//! activation sums), X converted once per product by `gemm_xt_f32` into hi/lo f16 groups, raw
+//! weight blocks and X tiles staged by cp.async, two f16 mma per tile. More precise than the bf16
+//! hi/lo form (weights exact, activations ~22 bits). `DS4_GPU_GEMM_TILED=0` (`set_gemm_tiled`)
+//! falls back to the bf16 hi/lo form for A/B.
+//!
 //! Opt-in tensor-core form on CUDA sm_80+ (`DS4_GPU_GEMM_PRECISE=0`, default off: see `PRECISE`)
 //! for Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
 //! one f16 mma per tile (instead of the three bf16 hi/lo products) on X converted once per
@@ -148,6 +156,25 @@ fn exact() -> bool {
     e
 }
 
+/// Tiled integer-weight form `gemmt_<t>` (Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+, the default
+/// for those types): 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_TILED` on first use (`0` = off: the
+/// bf16 hi/lo form, for A/B). The exact and f16 opt-ins take precedence.
+static TILED: AtomicU8 = AtomicU8::new(UNSET);
+
+fn tiled() -> bool {
+    let t = TILED.load(Ordering::Relaxed);
+    if t != UNSET {
+        return t == 1;
+    }
+    let t = std::env::var("DS4_GPU_GEMM_TILED").map_or(true, |v| v != "0");
+    TILED.store(t as u8, Ordering::Relaxed);
+    t
+}
+
+/// Items and weight rows per CTA of the tiled form (`GT_BM`, `GT_BN` in gemm.cu).
+const T_BM: usize = 64;
+const T_BN: usize = 64;
+
 /// f16 form with 64/128-item tiles: shared tiles double-buffered (one barrier per K step):
 /// 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_DB` (0 = no; default yes) on first use.
 static DBUF: AtomicU8 = AtomicU8::new(UNSET);
@@ -203,6 +230,8 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, exact-form (`gemmq*`) launches.
 static QLAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Of those, tiled-form (`gemmt_*`) launches.
+static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -232,6 +261,9 @@ struct Gm {
     xs: Option<DevPtr>,
     /// Exact form: (lo plane, 16-element sums or null).
     xq: Option<(DevPtr, DevPtr)>,
+    /// Tiled form: super-block sums from `gemm_xt_f32` (null for types without mins); x then
+    /// holds the hi/lo groups and xs the inverse row scales.
+    xt: Option<DevPtr>,
 }
 
 /// X converted for the f16 form: f16 values (same strides as the f32 source) and per-token-row
@@ -261,11 +293,20 @@ impl QuantX {
     }
 }
 
-/// X as a product reads it: the f32 source, or converted for the f16 or the exact form.
+/// X converted for the tiled form (`gemm_xt_f32`): hi/lo f16 groups (strides of the f32
+/// source), per-token inverse scales, super-block sums (K-quants only).
+struct TileX {
+    x: GpuBuf,
+    inv: GpuBuf,
+    sums: Option<GpuBuf>,
+}
+
+/// X as a product reads it: the f32 source, or converted for the f16, exact or tiled form.
 enum Xc {
     F32,
     Half(HalfX),
     Quant(QuantX),
+    Tiled(TileX),
 }
 
 impl Xc {
@@ -275,6 +316,15 @@ impl Xc {
             Xc::F32 => (x, None, None),
             Xc::Half(h) => (h.x.ptr, Some(h.inv.ptr), None),
             Xc::Quant(q) => q.parts(),
+            Xc::Tiled(t) => (t.x.ptr, Some(t.inv.ptr), None),
+        }
+    }
+
+    /// The `xt` field of a [`Gm`]: Some(sums or null) for the tiled form.
+    fn sums(&self) -> Option<DevPtr> {
+        match self {
+            Xc::Tiled(t) => Some(t.sums.as_ref().map_or(DevPtr(0), |b| b.ptr)),
+            _ => None,
         }
     }
 
@@ -284,6 +334,7 @@ impl Xc {
             Xc::F32 => tile_items(n, experts, ty),
             Xc::Half(_) => half_tile(n, experts, ty),
             Xc::Quant(_) => half_tile(n, experts, ty).min(BM_WIDE),
+            Xc::Tiled(_) => T_BM,
         }
     }
 }
@@ -384,9 +435,61 @@ impl GpuBackend {
             Xc::Quant(self.quant_x(x, ntok, x_tok, width, sums))
         } else if tys.iter().all(|&t| self.half_ok(t, strides)) {
             Xc::Half(self.half_x(x, ntok, x_tok, width))
+        } else if tys.iter().all(|&t| self.tiled_ok(t, strides)) {
+            let sums = tys.iter().any(|&t| needs_sums(t));
+            Xc::Tiled(self.tile_x(x, ntok, x_tok, width, sums))
         } else {
             Xc::F32
         }
+    }
+
+    /// Whether weight type `ty` takes the tiled form with X strides `x_strides` (elements; every
+    /// product's column count is among them: whole super-blocks, 16-element sums).
+    fn tiled_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
+        let info = self.gpu.info();
+        mode() == 0
+            && tiled()
+            && matches!(
+                ty,
+                GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
+            )
+            && info.vendor == crate::runtime::Vendor::Nvidia
+            && info.cc.0 >= 8
+            && x_strides.iter().all(|s| s.is_multiple_of(256))
+    }
+
+    /// `gemm_xt_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to hi/lo f16
+    /// groups (+ super-block sums when `sums`).
+    fn tile_x(&self, x: DevPtr, ntok: usize, x_tok: usize, width: usize, sums: bool) -> TileX {
+        let t = TileX {
+            x: self.scratch(ntok * x_tok),
+            inv: self.scratch(ntok),
+            sums: sums.then(|| self.scratch(ntok * x_tok / 16)),
+        };
+        self.run(
+            &ds4_kernels::GEMM,
+            "gemm_xt_f32",
+            LaunchDims::linear(ntok as u32, 256),
+            &[
+                Arg::Ptr(x),
+                Arg::I64(x_tok as i64),
+                Arg::I32(width as i32),
+                Arg::Ptr(t.x.ptr),
+                t.sums.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
+                Arg::Ptr(t.inv.ptr),
+            ],
+        );
+        t
+    }
+
+    /// Tiled form (`gemmt_*`, default true where it applies). Process-wide (tests, benchmarks).
+    pub fn set_gemm_tiled(on: bool) {
+        TILED.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Tiled-form (`gemmt_*`) GEMM launches so far in this process.
+    pub fn gemm_tiled_launches() -> u64 {
+        TLAUNCHES.load(Ordering::Relaxed)
     }
 
     /// f16 form: double-buffered shared tiles (default true; 256-item tiles never).
@@ -550,9 +653,11 @@ impl GpuBackend {
         }
         let Some(sfx) = suffix(m.ty) else { return };
         let quant = m.xq.is_some();
-        let half = m.xs.is_some() && !quant;
+        let til = m.xt.is_some();
+        let half = m.xs.is_some() && !quant && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
+            _ if til => "gemmt".into(),
             _ if quant => format!("gemmq{}", m.bm),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
@@ -560,12 +665,19 @@ impl GpuBackend {
             _ if wide => "gemmw".into(),
             _ => "gemm".into(),
         };
-        let bm = if half || wide || quant { m.bm } else { BM };
+        let bm = if til {
+            T_BM
+        } else if half || wide || quant {
+            m.bm
+        } else {
+            BM
+        };
+        let bn = if til { T_BN } else { BN };
         let ytiles = match m.grp {
             Some((_, _, gmax)) => gmax,
             None => m.n.div_ceil(bm),
         };
-        let ctas = m.rows.div_ceil(BN) * ytiles * m.zs;
+        let ctas = m.rows.div_ceil(bn) * ytiles * m.zs;
         let nch = m.cols / 32;
         // Split K: up to 8 slices of at least 16 chunks while the grid is under 2 CTAs per SM.
         let want = 2 * self.gpu.info().sm_count as usize;
@@ -575,7 +687,10 @@ impl GpuBackend {
                 ks *= 2;
             }
         }
-        let kc = nch.div_ceil(ks);
+        let mut kc = nch.div_ceil(ks);
+        if til {
+            kc = kc.next_multiple_of(8); // whole super-blocks per slice
+        }
         let ks = nch.div_ceil(kc); // no empty slice
         let total = m.n * m.y_tok; // y spans n rows of y_tok values (every batch inside)
         let part = (ks > 1).then(|| self.scratch(ks * total));
@@ -586,6 +701,9 @@ impl GpuBackend {
         if quant {
             QLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
+        if til {
+            TLAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
         let (sel, grp, gmax) = match m.grp {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
             None => (Arg::Null, Arg::Null, 0),
@@ -595,11 +713,11 @@ impl GpuBackend {
             &format!("{form}_{sfx}"),
             LaunchDims {
                 grid: [
-                    m.rows.div_ceil(BN) as u32,
+                    m.rows.div_ceil(bn) as u32,
                     ytiles as u32,
                     (m.zs * ks) as u32,
                 ],
-                block: [2 * bm as u32, 1, 1],
+                block: [if til { 128 } else { 2 * bm as u32 }, 1, 1],
                 shared_bytes: 0,
             },
             &[
@@ -610,6 +728,7 @@ impl GpuBackend {
                 Arg::Ptr(m.x),
             ]
             .into_iter()
+            .chain(m.xt.map(|s| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmt: sums
             .chain(m.xq.map(|(lo, _)| Arg::Ptr(lo))) // gemmq: lo plane after the hi plane
             .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmq: inverse row scales
             .chain(m.xq.map(|(_, s)| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmq: 16-element sums
@@ -699,6 +818,7 @@ impl GpuBackend {
             bm: xc.tile(n, 0, *ty),
             xs,
             xq,
+            xt: xc.sums(),
         });
         true
     }
@@ -754,6 +874,7 @@ impl GpuBackend {
             bm: xc.tile(n, 0, *ty),
             xs,
             xq,
+            xt: xc.sums(),
         });
         true
     }
@@ -804,9 +925,13 @@ impl GpuBackend {
         let q_dn = self.exact_ok(dn.1, &[ff]);
         let h_gu = q_gu || (self.half_ok(g.1, &[d]) && self.half_ok(u.1, &[d]));
         let h_dn = q_dn || self.half_ok(dn.1, &[ff]);
+        let t_gu = !h_gu && self.tiled_ok(g.1, &[d]) && self.tiled_ok(u.1, &[d]);
+        let t_dn = !h_dn && self.tiled_ok(dn.1, &[ff]);
         // Runs of one expert cut every bm pairs: at most pairs/bm + one partial run per expert.
         // bm (64 or 128) suits both forms: a bf16-form product takes it as gemm_/gemmw_ tiles.
-        let bm = if h_gu || h_dn {
+        let bm = if t_gu || t_dn {
+            T_BM // the other products take 64-item tiles too
+        } else if h_gu || h_dn {
             half_tile(pairs, spec.n_expert, g.1)
         } else {
             tile_items(pairs, spec.n_expert, g.1)
@@ -816,12 +941,13 @@ impl GpuBackend {
         let grouped = Some((sel, grp.ptr, gmax));
         let gb = self.scratch(pairs * ff);
         let ub = self.scratch(pairs * ff);
-        let hz = if h_gu {
+        let hz = if h_gu || t_gu {
             self.convert_x(&[g.1, u.1], &[d], z.ptr, n, d, d)
         } else {
             Xc::F32
         };
         let (zx, zs, zq) = hz.parts(z.ptr);
+        let zt = hz.sums();
         for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
             // Pair i reads token i / k of z.
             self.gemm(&Gm {
@@ -845,18 +971,20 @@ impl GpuBackend {
                 bm,
                 xs: zs,
                 xq: zq,
+                xt: zt,
             });
         }
         drop(hz);
         let mut h = self.scratch(pairs * ff);
         self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
-        let hh = if h_dn {
+        let hh = if h_dn || t_dn {
             self.convert_x(&[dn.1], &[ff], h.ptr, pairs, ff, ff)
         } else {
             Xc::F32
         };
         let (hx, hs, hq) = hh.parts(h.ptr);
+        let ht = hh.sums();
         self.gemm(&Gm {
             w: dn.0,
             ty: dn.1,
@@ -878,6 +1006,7 @@ impl GpuBackend {
             bm,
             xs: hs,
             xq: hq,
+            xt: ht,
         });
         let total = n * d;
         self.run(
