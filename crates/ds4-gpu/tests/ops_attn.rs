@@ -597,14 +597,15 @@ struct AttCase {
     holes: bool,
 }
 
-/// A GPU attention form: tensor cores (hi/lo split or one f16 product), split or simple f32
-/// kernels, and its tolerance against the CPU.
+/// A GPU attention form: tensor cores (hi/lo split or one f16 product) for prefill, the f32
+/// kernels by their `DS4_GPU_ATTN` name (`one`: one launch at decode, `split`, `simple`), and
+/// its tolerance against the CPU.
 #[derive(Clone, Copy)]
 struct Form {
     name: &'static str,
     tc: bool,
     fast: bool,
-    simple: bool,
+    attn: &'static str,
     tol: f32,
 }
 
@@ -612,34 +613,41 @@ const TC: Form = Form {
     name: "tc",
     tc: true,
     fast: false,
-    simple: false,
+    attn: "one",
     tol: 2e-5,
 };
 const TC_FAST: Form = Form {
     name: "tc-fast",
     tc: true,
     fast: true,
-    simple: false,
+    attn: "one",
     tol: 3e-3,
+};
+const ONE: Form = Form {
+    name: "one",
+    tc: false,
+    fast: false,
+    attn: "one",
+    tol: 2e-5,
 };
 const SPLIT: Form = Form {
     name: "split",
     tc: false,
     fast: false,
-    simple: false,
+    attn: "split",
     tol: 2e-5,
 };
 const SIMPLE: Form = Form {
     name: "simple",
     tc: false,
     fast: false,
-    simple: true,
+    attn: "simple",
     tol: 2e-5,
 };
 
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
-    GpuBackend::set_attn_simple(f.simple);
+    GpuBackend::set_attn_form(f.attn);
 }
 
 /// f16-rounded values as the KV cache stores them (the model's default rounding).
@@ -819,9 +827,21 @@ fn attend_matches_cpu() {
         real(0, false, 1, 300, true),
         real(4, true, 70, 3000, true),
         real(128, false, 200, 1000, false),
+        // Decode chunks of a few tokens (one launch): early positions, every layer kind, a head
+        // count that is not a multiple of 16, many splits.
+        real(0, false, 2, 10, false),
+        real(4, true, 3, 5000, true),
+        real(128, false, 8, 2000, true),
+        real(128, false, 1, 400_000, false),
+        tiny(4, false, 5, 37, true),
+        tiny(8, false, 8, 0, false),
+        AttCase {
+            heads: 40,
+            ..real(4, true, 2, 2100, true)
+        },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    let forms = [TC, TC_FAST, SPLIT, SIMPLE];
+    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE];
     for (i, c) in cases.iter().enumerate() {
         run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
         run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
@@ -962,7 +982,7 @@ fn attend_bench() {
         });
         let mut og = gpu.alloc(n * nh * hd);
         let iters = if n >= 1024 { 5 } else { 20 };
-        for f in [TC, TC_FAST, SPLIT, SIMPLE] {
+        for f in [TC, TC_FAST, ONE, SPLIT, SIMPLE] {
             if f.tc && n == 1 {
                 continue; // decode keeps the f32 kernels
             }

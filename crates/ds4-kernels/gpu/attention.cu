@@ -1160,3 +1160,340 @@ DS4_KERNEL void DS4_BOUNDS(256) ring_store_f32(const float* __restrict__ kv, flo
     raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
     if (e == 0) raw_pos[t % win] = (int)t;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention in one launch (attend_one_f32): the split over rows of attend_part_f32, then a
+// grid-wide barrier, then the merge of the splits (attend_combine_f32's arithmetic), the inverse
+// RoPE and the ring store, all in the same kernel. The grid is at most one CTA per SM (the host
+// checks), so every CTA is resident at once and the barrier cannot wait on an unscheduled CTA.
+//
+// Part phase: CTA = (token i, group of HG heads, split s of the candidates). 32-lane group vw
+// (8 of them) owns heads 4·(vw/2) .. +4 of the group and half vw%2 of the head width: lane vl
+// holds float4 columns f = half·64 + vl + 32k (k = 0, 1) of its 4 queries in registers. A tile of
+// R rows sits in shared memory; each lane computes 4 heads × R rows of partial dots over its 8
+// columns (32 values), a 5-step reduce-scatter leaves lane vl with value vl, the two halves are
+// added in shared memory, 128 threads run the online softmax (8 lanes per head), and each group
+// accumulates p·row for its 4 heads × its columns (the same layout as its queries).
+//
+// Combine phase: one 32-lane group per (token, head, 128 columns): weights e^{m_s − M} over the
+// splits (M includes the sink), Σ w_s·o_s / (e^{sink − M} + Σ w_s·z_s), inverse RoPE of the
+// pairs in its float4s, store. CTAs b < min(n, W) then store token n − keep + b in the ring.
+// tk[0], tk[1]: arrival counters, 0 on entry and 0 again on exit (graph replays).
+
+#define DS4_AO_THREADS 256
+#define DS4_AO_HG 16 // heads per CTA
+#define DS4_AO_R 8   // rows per tile
+#define DS4_AO_PTRS 64
+#define DS4_AO_LD (DS4_AO_R * DS4_AP_MAXHD / 4 / DS4_AO_THREADS) // float4 loads per thread per tile
+
+#if defined(DS4_HIP)
+#define ds4_ao_syncwarp()                                                                                      \
+    do {                                                                                                       \
+        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");                                                 \
+        __builtin_amdgcn_wave_barrier();                                                                       \
+        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");                                                 \
+    } while (0)
+#else
+#define ds4_ao_syncwarp() __syncwarp()
+#endif
+
+// Loads from L2 (not L1): values other CTAs of this launch wrote.
+__device__ __forceinline__ float4 ds4_ld_l2_f4(const float4* p) {
+#if defined(DS4_CUDA)
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+#else
+    const volatile float* f = (const volatile float*)p;
+    return make_float4(f[0], f[1], f[2], f[3]);
+#endif
+}
+
+__device__ __forceinline__ float ds4_dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
+// Every CTA arrives, then waits until all `total` have.
+__device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
+    __threadfence(); // this thread's partials before the CTA's arrival
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(tk, 1u);
+        while (*(volatile u32*)tk < total) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 700
+            __nanosleep(64);
+#endif
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// One reduce-scatter step over lane bit o: keep one half of the nv values, add the partner's.
+#define DS4_AO_RS(o, nv)                                                                           \
+    {                                                                                              \
+        bool up = (vl & (o)) != 0;                                                                 \
+        _Pragma("unroll") for (int x = 0; x < (nv) / 2; x++) {                                     \
+            float keep = up ? v[x + (nv) / 2] : v[x], send = up ? v[x] : v[x + (nv) / 2];          \
+            v[x] = keep + ds4_shfl_xor(send, (o));                                                 \
+        }                                                                                          \
+    }
+
+// grid (n · ceil(heads / HG) · splits) ≤ SMs, blockDim 256; hd ≤ 512, hd % 4 == 0 (float4 rows),
+// splits ≤ 256, chunk a multiple of R. part_o [n, splits, heads, hd], part_mz [n, splits, heads, 2].
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(const float* __restrict__ q, const float* __restrict__ kv, float* raw, int* raw_pos, const float* __restrict__ comp, const int* __restrict__ sel, const float* __restrict__ sinks, const double* __restrict__ freqs, float* __restrict__ out, float* part_o, float* part_mz, u32* tk, long long t0, int n, int heads, int hd, int win, int ratio, int top_k, int chunk, int splits, int n_rot, float scale) {
+    __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
+    __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
+    __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
+    __shared__ float m_s[DS4_AO_HG], z_s[DS4_AO_HG], cf_s[DS4_AO_HG];
+    __shared__ const float* ptr_s[DS4_AO_PTRS];
+    __shared__ float w_s[DS4_AO_THREADS / 32][DS4_AP_MAXSPLIT]; // combine weights per group
+    const int tid = threadIdx.x, vl = tid % 32, vw = tid / 32;
+    const int hd4 = hd / 4;
+    const int groups = (heads + DS4_AO_HG - 1) / DS4_AO_HG;
+    {
+        const int b = blockIdx.x;
+        const int s = b % splits, g = (b / splits) % groups, i = b / (splits * groups);
+        const int h0 = g * DS4_AO_HG, nhg = min(DS4_AO_HG, heads - h0);
+        const long long t = t0 + i;
+        const long long first = t + 1 > win ? t + 1 - win : 0;
+        const int nwin = (int)(t - first + 1);
+        const int nsel = sel ? top_k : 0;
+        const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
+        const long long ncand = nwin + nsel + ncomp;
+        const long long jb = (long long)s * chunk;
+        const long long je = jb + chunk < ncand ? jb + chunk : ncand;
+        const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+        const int hq = vw >> 1, half = vw & 1;
+        int f[2];
+        bool fv[2];
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            f[k] = half * 64 + vl + 32 * k;
+            fv[k] = f[k] < hd4;
+        }
+        // This group's 4 queries at its columns (zeros past the heads or the width).
+        float4 qv[4][2], acc[4][2];
+        const float4* q4 = (const float4*)q;
+#pragma unroll
+        for (int hh = 0; hh < 4; hh++) {
+            int h = hq * 4 + hh;
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                qv[hh][k] = (h < nhg && fv[k]) ? q4[((size_t)i * heads + h0 + h) * hd4 + f[k]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                acc[hh][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+        if (tid < DS4_AO_HG) {
+            m_s[tid] = DS4_NEG_INF;
+            z_s[tid] = 0.0f;
+        }
+        float4 nx[DS4_AO_LD];
+        for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
+            const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
+            __syncthreads(); // the previous block's rows are no longer read
+            if (tid < DS4_AO_PTRS)
+                ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
+            __syncthreads();
+            // Loads of the tile starting at ptr_s[r0] (absent rows: zeros).
+#define DS4_AO_FETCH(r0)                                                                                   \
+    _Pragma("unroll") for (int u = 0; u < DS4_AO_LD; u++) {                                                \
+        int k = tid + u * DS4_AO_THREADS, rr = (r0) + k / hd4;                                             \
+        nx[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);                                                       \
+        if (k < DS4_AO_R * hd4 && rr < cn) {                                                               \
+            const float* row = ptr_s[rr];                                                                  \
+            if (row) nx[u] = ((const float4*)row)[k % hd4];                                                \
+        }                                                                                                  \
+    }
+            DS4_AO_FETCH(0)
+            for (int r0 = 0; r0 < cn; r0 += DS4_AO_R) {
+                __syncthreads(); // the last tile's products are done
+#pragma unroll
+                for (int u = 0; u < DS4_AO_LD; u++) {
+                    int k = tid + u * DS4_AO_THREADS;
+                    if (k < DS4_AO_R * hd4) rows_s4[k] = nx[u];
+                }
+                __syncthreads();
+                if (r0 + DS4_AO_R < cn) {
+                    DS4_AO_FETCH(r0 + DS4_AO_R)
+                }
+                // Partial scores: v[hh·R + r] over this lane's columns.
+                float v[4 * DS4_AO_R];
+#pragma unroll
+                for (int r = 0; r < DS4_AO_R; r++) {
+                    float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                    for (int hh = 0; hh < 4; hh++) v[hh * DS4_AO_R + r] = ds4_dot4(qv[hh][0], x0) + ds4_dot4(qv[hh][1], x1);
+                }
+#if DS4_AO_R != 8
+#error "the reduce-scatter below spreads 4 heads x 8 rows = 32 values over 32 lanes"
+#endif
+                DS4_AO_RS(16, 32)
+                DS4_AO_RS(8, 16)
+                DS4_AO_RS(4, 8)
+                DS4_AO_RS(2, 4)
+                DS4_AO_RS(1, 2)
+                sp_s[half][hq * 4 + (vl >> 3)][vl & 7] = v[0]; // lane vl holds value vl
+                __syncthreads();
+                // Online softmax: thread (head tid / 8, row tid % 8).
+                if (tid < DS4_AO_HG * DS4_AO_R) {
+                    int h = tid >> 3, r = tid & 7;
+                    bool ok = r0 + r < cn && ptr_s[r0 + r] != 0;
+                    float sc = ok ? (sp_s[0][h][r] + sp_s[1][h][r]) * scale : DS4_NEG_INF;
+                    float tm = fmaxf(sc, ds4_shfl_xor(sc, 4));
+                    tm = fmaxf(tm, ds4_shfl_xor(tm, 2));
+                    tm = fmaxf(tm, ds4_shfl_xor(tm, 1));
+                    float mo = m_s[h], mn = fmaxf(mo, tm);
+                    float cf = mo == mn ? 1.0f : expf(mo - mn); // also −inf == −inf
+                    float p = ok ? expf(sc - mn) : 0.0f;
+                    float zs = p + ds4_shfl_xor(p, 4);
+                    zs += ds4_shfl_xor(zs, 2);
+                    zs += ds4_shfl_xor(zs, 1);
+                    ((float*)p_s4)[h * DS4_AO_R + r] = p;
+                    if (r == 0) {
+                        m_s[h] = mn;
+                        z_s[h] = z_s[h] * cf + zs;
+                        cf_s[h] = cf;
+                    }
+                }
+                __syncthreads();
+                // acc = acc·cf + Σ_r p_r·row_r for the group's 4 heads at its columns.
+#pragma unroll
+                for (int hh = 0; hh < 4; hh++) {
+                    float cf = cf_s[hq * 4 + hh];
+#pragma unroll
+                    for (int k = 0; k < 2; k++) {
+                        acc[hh][k].x *= cf;
+                        acc[hh][k].y *= cf;
+                        acc[hh][k].z *= cf;
+                        acc[hh][k].w *= cf;
+                    }
+                }
+#pragma unroll
+                for (int r4 = 0; r4 < DS4_AO_R / 4; r4++) {
+                    float4 pr[4];
+#pragma unroll
+                    for (int hh = 0; hh < 4; hh++) pr[hh] = p_s4[hq * 4 + hh][r4];
+#pragma unroll
+                    for (int rq = 0; rq < 4; rq++) {
+                        int r = r4 * 4 + rq;
+                        float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                        for (int hh = 0; hh < 4; hh++) {
+                            float p = rq == 0 ? pr[hh].x : rq == 1 ? pr[hh].y : rq == 2 ? pr[hh].z : pr[hh].w;
+                            acc[hh][0].x += p * x0.x;
+                            acc[hh][0].y += p * x0.y;
+                            acc[hh][0].z += p * x0.z;
+                            acc[hh][0].w += p * x0.w;
+                            acc[hh][1].x += p * x1.x;
+                            acc[hh][1].y += p * x1.y;
+                            acc[hh][1].z += p * x1.z;
+                            acc[hh][1].w += p * x1.w;
+                        }
+                    }
+                }
+            }
+#undef DS4_AO_FETCH
+        }
+        __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
+        const size_t base = ((size_t)i * splits + s) * heads + h0;
+        float4* po4 = (float4*)part_o;
+#pragma unroll
+        for (int hh = 0; hh < 4; hh++) {
+            int h = hq * 4 + hh;
+#pragma unroll
+            for (int k = 0; k < 2; k++)
+                if (h < nhg && fv[k]) po4[(base + h) * hd4 + f[k]] = acc[hh][k];
+        }
+        if (tid < nhg) {
+            part_mz[(base + tid) * 2] = m_s[tid];
+            part_mz[(base + tid) * 2 + 1] = z_s[tid];
+        }
+    }
+    const u32 total = gridDim.x;
+    ds4_ao_grid_sync(tk, total);
+    // Combine: 32-lane group per (token, head, 128-column block).
+    {
+        const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
+        const long long units = (long long)n * heads * nblk;
+        const size_t hstride = (size_t)heads * 2; // part_mz: split s of (i, h) at + s·heads·2
+        for (long long u = (long long)blockIdx.x * ngrp + vw; u < units; u += (long long)gridDim.x * ngrp) {
+            const int blk = (int)(u % nblk);
+            const long long ih = u / nblk;
+            const int h = (int)(ih % heads), i = (int)(ih / heads);
+            const long long t = t0 + i;
+            const float* mz = part_mz + ((size_t)i * splits * heads + h) * 2;
+            const float sink = sinks[h];
+            float M = sink;
+            for (int s = vl; s < splits; s += 32) M = fmaxf(M, *(const volatile float*)(mz + s * hstride));
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, ds4_shfl_xor(M, o));
+            float zp = 0.0f;
+            for (int s = vl; s < splits; s += 32) {
+                float m = *(const volatile float*)(mz + s * hstride);
+                float z = *(const volatile float*)(mz + s * hstride + 1);
+                float w = m == DS4_NEG_INF ? 0.0f : expf(m - M);
+                w_s[vw][s] = w;
+                zp += w * z;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) zp += ds4_shfl_xor(zp, o);
+            const float zt = expf(sink - M) + zp;
+            ds4_ao_syncwarp();
+            const int fc = blk * 32 + vl;
+            if (fc < hd4) {
+                const float4* po = (const float4*)part_o + ((size_t)i * splits * heads + h) * hd4 + fc;
+                const size_t sstride = (size_t)heads * hd4;
+                float4 a[4];
+#pragma unroll
+                for (int x = 0; x < 4; x++) a[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                int s = 0;
+                for (; s + 4 <= splits; s += 4) {
+                    float4 o4[4];
+#pragma unroll
+                    for (int x = 0; x < 4; x++) o4[x] = ds4_ld_l2_f4(po + (size_t)(s + x) * sstride);
+#pragma unroll
+                    for (int x = 0; x < 4; x++) {
+                        float w = w_s[vw][s + x];
+                        a[x].x += w * o4[x].x;
+                        a[x].y += w * o4[x].y;
+                        a[x].z += w * o4[x].z;
+                        a[x].w += w * o4[x].w;
+                    }
+                }
+                for (; s < splits; s++) {
+                    float4 o4 = ds4_ld_l2_f4(po + (size_t)s * sstride);
+                    float w = w_s[vw][s];
+                    a[0].x += w * o4.x;
+                    a[0].y += w * o4.y;
+                    a[0].z += w * o4.z;
+                    a[0].w += w * o4.w;
+                }
+                float ov[4] = {((a[0].x + a[1].x) + (a[2].x + a[3].x)) / zt, ((a[0].y + a[1].y) + (a[2].y + a[3].y)) / zt,
+                               ((a[0].z + a[1].z) + (a[2].z + a[3].z)) / zt, ((a[0].w + a[1].w) + (a[2].w + a[3].w)) / zt};
+                const int rot0 = hd - n_rot;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    int e = 4 * fc + 2 * j;
+                    if (e >= rot0) ds4_rope_pair(ov + 2 * j, freqs[(e - rot0) / 2], t, 1);
+                }
+                ((float4*)out)[((size_t)i * heads + h) * hd4 + fc] = make_float4(ov[0], ov[1], ov[2], ov[3]);
+            }
+            ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
+        }
+    }
+    // The ring after the chunk (every CTA has read it by now).
+    const int keep = n < win ? n : win;
+    for (int b = blockIdx.x; b < keep; b += gridDim.x) {
+        int i = n - keep + b;
+        long long t = t0 + i;
+        for (int e = tid; e < hd; e += blockDim.x) raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
+        if (tid == 0) raw_pos[t % win] = (int)t;
+    }
+    // Counters back to 0 once every CTA is past the barrier.
+    if (tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
+        tk[0] = 0u;
+        tk[1] = 0u;
+        __threadfence();
+    }
+}

@@ -19,6 +19,7 @@ pub const ATTENTION: Module = Module {
         "attend_f32",
         "attend_part_f32",
         "attend_combine_f32",
+        "attend_one_f32",
         "ring_store_f32",
     ],
 };

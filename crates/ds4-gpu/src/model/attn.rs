@@ -24,12 +24,34 @@ const AP_MIN_ROWS: usize = 16;
 /// Rows per CTA of `index_scores128h_f32` (`DS4_IXH_R`).
 const IXH_R: usize = 32;
 
+/// Decode attention in one launch (`attend_one_f32`): heads per CTA, rows per tile, most tokens
+/// per launch, and the first of its two arrival counters in `GpuBackend::tickets` (32-bit words;
+/// the fused HC kernels of mix.rs count in words 0..32 too, by token: every user of those words
+/// leaves them 0 between launches, and launches on the stream do not overlap).
+const AO_HG: usize = 16;
+const AO_R: usize = 8;
+const AO_MAX_N: usize = 8;
+const AO_TICKET: usize = 28;
+
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
-/// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`, the default).
+/// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`), 3 one launch for decode
+/// (`attend_one_f32` for chunks of up to `AO_MAX_N` tokens, else split; the default).
 static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
 
+fn attn_mode() -> u8 {
+    if ATTN_MODE.load(Ordering::Relaxed) == 0 {
+        let m = match std::env::var("DS4_GPU_ATTN").as_deref() {
+            Ok("simple") => 1,
+            Ok("split") => 2,
+            _ => 3,
+        };
+        let _ = ATTN_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    ATTN_MODE.load(Ordering::Relaxed)
+}
+
 fn attn_simple() -> bool {
-    env_form(&ATTN_MODE, "DS4_GPU_ATTN", "simple")
+    attn_mode() == 1
 }
 
 /// A process-wide two-way switch: 1 when `var` equals `alt`, else 2, read on first use unless a
@@ -107,10 +129,21 @@ impl GpuBackend {
         GLUE_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
-    /// Use the simple attention kernel (one CTA per head and token) instead of the split one;
-    /// process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
+    /// Use the simple attention kernel (one CTA per head and token) instead of the default
+    /// forms; process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
     pub fn set_attn_simple(on: bool) {
-        ATTN_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+        ATTN_MODE.store(if on { 1 } else { 3 }, Ordering::Relaxed);
+    }
+
+    /// Attention form by name, as `DS4_GPU_ATTN`: `simple`, `split` (two launches at decode)
+    /// or `one` (one launch at decode, the default); process-wide. For tests and benchmarks.
+    pub fn set_attn_form(form: &str) {
+        let m = match form {
+            "simple" => 1,
+            "split" => 2,
+            _ => 3,
+        };
+        ATTN_MODE.store(m, Ordering::Relaxed);
     }
 
     /// The ring after a chunk of `n` rows at `t0` (its last `min(n, win)` rows), once every token
@@ -556,6 +589,12 @@ impl GpuBackend {
         if tc_ok {
             return self.attend_tc(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
         }
+        if attn_mode() == 3 && split_ok && n <= AO_MAX_N {
+            let groups = nh.div_ceil(AO_HG);
+            if n * groups <= info.sm_count as usize {
+                return self.attend_one(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
+            }
+        }
         if !attn_simple() && split_ok {
             return self.attend_split(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
         }
@@ -641,6 +680,80 @@ impl GpuBackend {
             .concat(),
         );
         self.ring_store(st, kv, n, t0, hd, win);
+    }
+
+    /// Decode attention in one launch: `attend_one_f32` over (tokens × head groups × row
+    /// splits) CTAs, at most one per SM (all resident: the kernel has a grid-wide barrier
+    /// between its split and merge phases); sink, inverse RoPE and ring store included.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_one(
+        &self,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut GpuBuf,
+        comp: DevPtr,
+        scale: f32,
+    ) {
+        let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
+        let top_k = if sel.is_some() { spec.top_k } else { 0 };
+        let t_last = t0 + n - 1;
+        let ncomp = if sel.is_none() && spec.ratio > 0 {
+            (t_last + 1) / spec.ratio
+        } else {
+            0
+        };
+        let max_cand = win.min(t_last + 1) + top_k + ncomp;
+        let per_split = n * nh.div_ceil(AO_HG);
+        // As many splits as fit one CTA per SM, each a whole number of tiles.
+        let most = (self.gpu.info().sm_count as usize / per_split).clamp(1, AP_MAXSPLIT);
+        let splits = most.min(max_cand.div_ceil(AO_R)).max(1);
+        let chunk = max_cand.div_ceil(splits).next_multiple_of(AO_R).max(AO_R);
+        let splits = max_cand.div_ceil(chunk).max(1);
+        if chunk > i32::MAX as usize {
+            return self.attn_invalid(format!("attend: {max_cand} candidate rows"));
+        }
+        let part_o = self.scratch(n * splits * nh * hd);
+        let part_mz = self.scratch(n * splits * nh * 2);
+        self.run(
+            &ATTENTION,
+            "attend_one_f32",
+            LaunchDims::linear((per_split * splits) as u32, 256),
+            &[
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(st.raw_pos.ptr()),
+                if comp.0 == 0 {
+                    Arg::Null
+                } else {
+                    Arg::Ptr(comp)
+                },
+                sel.map_or(Arg::Null, |s| Arg::Ptr(s.0.ptr)),
+                Arg::Ptr(sinks.ptr()),
+                Arg::Ptr(self.rope_ptr(spec.rope)),
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(part_o.ptr),
+                Arg::Ptr(part_mz.ptr),
+                Arg::Ptr(self.tickets.ptr().offset((AO_TICKET * 4) as u64)),
+                Arg::I64(t0 as i64),
+                Arg::I32(n as i32),
+                Arg::I32(nh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(win as i32),
+                Arg::I32(spec.ratio as i32),
+                Arg::I32(top_k as i32),
+                Arg::I32(chunk as i32),
+                Arg::I32(splits as i32),
+                Arg::I32(spec.n_rot as i32),
+                Arg::F32(scale),
+            ],
+        );
     }
 
     /// Split attention: `attend_part_f32` over (row splits, head groups, tokens), then
