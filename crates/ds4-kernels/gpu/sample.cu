@@ -248,9 +248,10 @@ __device__ __forceinline__ double sp_sum(double v, SpShared& s) {
     return v;
 }
 
-// Temperature sampling (temp > 0, top_k != 1) of x[0..n) with the host's draw u (f64 bits):
-// one CTA of SP_THREADS; p: n f64 of scratch. Writes the token id to out[0].
-DS4_KERNEL void DS4_BOUNDS(1024) sample_pick(const float* __restrict__ x, int n, double* p, float temp, int top_k, float top_p, float min_p, long long u_bits, u32* out) {
+// Temperature sampling (temp > 0, top_k != 1) of x[0..n) with the host's draw u (f64 bits)
+// in one CTA of SP_THREADS (the whole block calls); p: n f64 of scratch. Writes the token id
+// to out[0]. The fallback of sample_finish (a needed bin over SQ_CAP: many equal logits).
+__device__ void sp_pick(const float* __restrict__ x, int n, double* p, float temp, int top_k, float top_p, float min_p, long long u_bits, u32* out) {
     __shared__ SpShared s;
     const int t = threadIdx.x;
     // The first candidate: the largest key (lowest id among equals); m = its logit.
@@ -321,4 +322,357 @@ DS4_KERNEL void DS4_BOUNDS(1024) sample_pick(const float* __restrict__ x, int n,
     u32 K, I;
     sp_select(x, p, n, K0, I0, target, s, K, I);
     if (t == 0) out[0] = I;
+}
+
+// The single-CTA form as a kernel (DS4_GPU_SAMPLE=onecta: the A/B baseline).
+DS4_KERNEL void DS4_BOUNDS(1024) sample_pick(const float* __restrict__ x, int n, double* p, float temp, int top_k, float top_p, float min_p, long long u_bits, u32* out) {
+    sp_pick(x, n, p, temp, top_k, top_p, min_p, u_bits, out);
+}
+
+// ---- Multi-CTA temperature sampling: the same pick as sp_pick (and the host's select). ----
+// Every element gets d = (l - m) / T (f32, as the host), its weight w = exp(f64(d)) and, in
+// fixed point, q = w · 2^qshift (qshift = 63 - ceil(log2 n): any sum fits a u64, so sums are
+// exact and order-free). Bins of d (SQ_SCALE per unit, the last bin takes d < -48.7, where q
+// is 0) follow the candidates' order: bin b holds the b-th slice of the order, so counting
+// and mass sums over bins locate every "first n" and "first whose cumulative mass reaches t"
+// to one bin; only that bin's elements (typically tens) are ordered, by one CTA.
+//   sample_top:     max key → m (grid + last CTA)
+//   sample_hist:    per-bin count and mass, count of w ≥ min_p; last CTA: prefix sums
+//   sample_scatter: element ids grouped by bin
+//   sample_finish:  one CTA: top-k, min-p, top-p, the pick; a needed bin of more than SQ_CAP
+//                   elements (many equal logits) falls back to sp_pick.
+// Workspace ws (u32 words; the host zeroes [0, SQ_ZERO) before each pick):
+#define SQ_NB 2048
+#define SQ_CAP 2048
+#define SQ_SCALE 42.0f
+#define SQ_TICK1 0
+#define SQ_TICK2 1
+#define SQ_KMAX 2
+#define SQ_CALL 3
+#define SQ_CNT 4                          // NB u32
+#define SQ_MASS (SQ_CNT + SQ_NB)          // NB u64 (even word offset)
+#define SQ_ZERO (SQ_MASS + 2 * SQ_NB)     // 6148
+#define SQ_START SQ_ZERO                  // NB u32: exclusive prefix of counts
+#define SQ_CURSOR (SQ_START + SQ_NB)      // NB u32: scatter cursors
+#define SQ_CMASS (SQ_CURSOR + SQ_NB)      // NB u64: exclusive prefix of masses (even offset)
+#define SQ_PART (SQ_CMASS + 2 * SQ_NB)    // 1024 u32: per-CTA max keys
+#define SQ_IDS (SQ_PART + 1024)           // n u32: ids by bin (15364)
+
+__device__ __forceinline__ float sq_d(float xi, float m, float temp) { return __fdiv_rn(__fsub_rn(xi, m), temp); }
+// Non-decreasing as d falls; NaN: the last bin.
+__device__ __forceinline__ int sq_bin(float d) {
+    const float f = -d * SQ_SCALE;
+    return f < (float)(SQ_NB - 1) ? (int)f : SQ_NB - 1;
+}
+__device__ __forceinline__ u64 sq_q(float d, int qshift) {
+    const double w = exp((double)d);
+    return w >= 0.0 ? (u64)(w * (double)(1ull << qshift)) : 0ull; // NaN: 0
+}
+
+// Max order key of x over the grid (256 threads a CTA, gridDim ≤ 1024) → ws[SQ_KMAX].
+DS4_KERNEL void DS4_BOUNDS(256) sample_top(const float* __restrict__ x, int n, u32* ws) {
+    ds4_pdl_enter();
+    __shared__ u32 best;
+    __shared__ int last;
+    if (threadIdx.x == 0) best = 0;
+    __syncthreads();
+    u32 k = 0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const u32 v = sm_key(x[i]);
+        k = v > k ? v : k;
+    }
+    atomicMax(&best, k);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ws[SQ_PART + blockIdx.x] = best;
+        __threadfence();
+        last = atomicAdd(&ws[SQ_TICK1], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) best = 0;
+    __syncthreads();
+    k = 0;
+    for (int j = threadIdx.x; j < (int)gridDim.x; j += blockDim.x) {
+        const u32 v = ((volatile u32*)ws)[SQ_PART + j];
+        k = v > k ? v : k;
+    }
+    atomicMax(&best, k);
+    __syncthreads();
+    if (threadIdx.x == 0) ws[SQ_KMAX] = best;
+}
+
+// Per-bin counts and masses, and how many have w ≥ min_p (256 threads a CTA). The last CTA
+// writes the exclusive prefix sums (start = cursor, cmass).
+DS4_KERNEL void DS4_BOUNDS(256) sample_hist(const float* __restrict__ x, int n, float temp, float min_p, int qshift, u32* ws) {
+    ds4_pdl_enter();
+    __shared__ u32 hc[SQ_NB];
+    __shared__ u64 hm[SQ_NB];
+    __shared__ u32 tc[256];
+    __shared__ u64 tm[256];
+    __shared__ u32 kept;
+    __shared__ int last;
+    const int t = threadIdx.x;
+    for (int b = t; b < SQ_NB; b += blockDim.x) {
+        hc[b] = 0;
+        hm[b] = 0;
+    }
+    if (t == 0) kept = 0;
+    __syncthreads();
+    const float m = sm_unkey(ws[SQ_KMAX]);
+    const double mp = (double)min_p;
+    u32 kc = 0;
+    for (int i = blockIdx.x * blockDim.x + t; i < n; i += gridDim.x * blockDim.x) {
+        const float d = sq_d(x[i], m, temp);
+        const int b = sq_bin(d);
+        const u64 q = sq_q(d, qshift);
+        atomicAdd(&hc[b], 1u);
+        if (q) atomicAdd(&hm[b], q);
+        if (exp((double)d) >= mp) kc++;
+    }
+    if (kc) atomicAdd(&kept, kc);
+    __syncthreads();
+    u32* gc = ws + SQ_CNT;
+    u64* gm = (u64*)(ws + SQ_MASS);
+    for (int b = t; b < SQ_NB; b += blockDim.x) {
+        if (hc[b]) atomicAdd(&gc[b], hc[b]);
+        if (hm[b]) atomicAdd(&gm[b], hm[b]);
+    }
+    if (t == 0 && kept) atomicAdd(&ws[SQ_CALL], kept);
+    __threadfence(); // every thread's atomics are done device-wide before the ticket
+    __syncthreads();
+    if (t == 0) last = atomicAdd(&ws[SQ_TICK2], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Thread t owns bins [t·per, (t+1)·per); a scan of the 256 owners' totals.
+    const int per = SQ_NB / 256;
+    u32 sc = 0;
+    u64 sw = 0;
+    for (int b = t * per; b < (t + 1) * per; b++) {
+        hc[b] = ((volatile u32*)gc)[b];
+        hm[b] = ((volatile u64*)gm)[b];
+        sc += hc[b];
+        sw += hm[b];
+    }
+    tc[t] = sc;
+    tm[t] = sw;
+    __syncthreads();
+    for (int o = 1; o < 256; o <<= 1) {
+        const u32 ac = t >= o ? tc[t - o] : 0u;
+        const u64 aw = t >= o ? tm[t - o] : 0ull;
+        __syncthreads();
+        tc[t] += ac;
+        tm[t] += aw;
+        __syncthreads();
+    }
+    u32 c = tc[t] - sc;
+    u64 w = tm[t] - sw;
+    u64* cm = (u64*)(ws + SQ_CMASS);
+    for (int b = t * per; b < (t + 1) * per; b++) {
+        ws[SQ_START + b] = c;
+        ws[SQ_CURSOR + b] = c;
+        cm[b] = w;
+        c += hc[b];
+        w += hm[b];
+    }
+}
+
+// Element ids grouped by bin (order inside a bin arbitrary: the finish orders it).
+DS4_KERNEL void DS4_BOUNDS(256) sample_scatter(const float* __restrict__ x, int n, float temp, u32* ws) {
+    ds4_pdl_enter();
+    const float m = sm_unkey(ws[SQ_KMAX]);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int b = sq_bin(sq_d(x[i], m, temp));
+        const u32 pos = atomicAdd(&ws[SQ_CURSOR + b], 1u);
+        ws[SQ_IDS + pos] = (u32)i;
+    }
+}
+
+// One CTA of 1024: the finish over the bins. Positions are 1-based ranks in the candidates'
+// order; cum(j) = mass of the first j.
+struct SqFin {
+    u64 ck[SQ_CAP]; // the resolved bin: (key << 32) | ~id, larger = earlier
+    u64 cq[SQ_CAP];
+    int rbin;
+    u64 r64;
+    u32 r32;
+};
+
+struct SqCtx {
+    const float* x;
+    float m, temp;
+    int qshift;
+    const u32 *cnt, *start, *ids;
+    const u64 *mass, *cmass;
+    u32 rank[SQ_CAP / 1024]; // owned elements t, t + 1024 of the resolved bin
+    u64 pm[SQ_CAP / 1024];   // their mass before them inside the bin
+};
+
+// Orders bin b (count ≤ SQ_CAP) into f / c's registers; all threads call.
+__device__ void sq_resolve(int b, SqFin& f, SqCtx& c) {
+    if (f.rbin == b) return;
+    const u32 nb = c.cnt[b], s0 = c.start[b];
+    for (u32 e = threadIdx.x; e < nb; e += blockDim.x) {
+        const u32 i = c.ids[s0 + e];
+        const float xi = c.x[i];
+        f.ck[e] = ((u64)sm_key(xi) << 32) | (u64)(0xffffffffu - i);
+        f.cq[e] = sq_q(sq_d(xi, c.m, c.temp), c.qshift);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < SQ_CAP / 1024; s++) {
+        const u32 e = threadIdx.x + s * 1024;
+        u32 r = 0;
+        u64 acc = 0;
+        if (e < nb) {
+            const u64 me = f.ck[e];
+            for (u32 g = 0; g < nb; g++) {
+                const bool before = f.ck[g] > me;
+                r += before;
+                acc += before ? f.cq[g] : 0ull;
+            }
+        }
+        c.rank[s] = r;
+        c.pm[s] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) f.rbin = b;
+    __syncthreads();
+}
+
+// The bin holding position j (first b with start + cnt ≥ j).
+__device__ __forceinline__ int sq_bin_of_pos(u32 j, const SqCtx& c) {
+    int lo = 0, hi = SQ_NB - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (c.start[mid] + c.cnt[mid] >= j) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+// cum(j), j ≥ 1; false: the bin is too large.
+__device__ bool sq_mass_at(u32 j, SqFin& f, SqCtx& c, u64& out) {
+    const int b = sq_bin_of_pos(j, c);
+    const u32 r = j - c.start[b];
+    if (r >= c.cnt[b] || c.mass[b] == 0) {
+        out = c.cmass[b] + (r >= c.cnt[b] ? c.mass[b] : 0ull);
+        return true;
+    }
+    if (c.cnt[b] > SQ_CAP) return false;
+    sq_resolve(b, f, c);
+#pragma unroll
+    for (int s = 0; s < SQ_CAP / 1024; s++) {
+        const u32 e = threadIdx.x + s * 1024;
+        if (e < c.cnt[b] && c.rank[s] == r - 1) f.r64 = c.pm[s] + f.cq[e];
+    }
+    __syncthreads();
+    out = c.cmass[b] + f.r64;
+    __syncthreads();
+    return true;
+}
+
+// The first position whose cum reaches tg (tg ≤ the total mass); false: the bin is too large.
+__device__ bool sq_pos_of_mass(u64 tg, SqFin& f, SqCtx& c, u32& out) {
+    int lo = 0, hi = SQ_NB - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (c.cmass[mid] + c.mass[mid] >= tg) hi = mid;
+        else lo = mid + 1;
+    }
+    const int b = lo;
+    if (c.cnt[b] == 1) {
+        out = c.start[b] + 1;
+        return true;
+    }
+    if (c.cnt[b] > SQ_CAP) return false;
+    sq_resolve(b, f, c);
+    const u64 tr = tg - c.cmass[b];
+#pragma unroll
+    for (int s = 0; s < SQ_CAP / 1024; s++) {
+        const u32 e = threadIdx.x + s * 1024;
+        if (e < c.cnt[b] && (c.pm[s] < tr || c.rank[s] == 0) && c.pm[s] + f.cq[e] >= tr) f.r32 = c.rank[s];
+    }
+    __syncthreads();
+    out = c.start[b] + f.r32 + 1;
+    __syncthreads();
+    return true;
+}
+
+// The id at position j; false: the bin is too large.
+__device__ bool sq_id_at(u32 j, SqFin& f, SqCtx& c, u32& out) {
+    const int b = sq_bin_of_pos(j, c);
+    if (c.cnt[b] == 1) {
+        out = c.ids[c.start[b]];
+        return true;
+    }
+    if (c.cnt[b] > SQ_CAP) return false;
+    sq_resolve(b, f, c);
+    const u32 r = j - c.start[b];
+#pragma unroll
+    for (int s = 0; s < SQ_CAP / 1024; s++) {
+        const u32 e = threadIdx.x + s * 1024;
+        if (e < c.cnt[b] && c.rank[s] == r - 1) f.r32 = 0xffffffffu - (u32)f.ck[e];
+    }
+    __syncthreads();
+    out = f.r32;
+    __syncthreads();
+    return true;
+}
+
+// The pick (host select's steps on positions and cum): W = cum(k) over the top-k set; min-p
+// keeps the first max(1, min(k, #w ≥ min_p)); top-p the first whose cum reaches top_p · W
+// (within those); the pick is the first whose cum reaches u · cum(n2).
+DS4_KERNEL void DS4_BOUNDS(1024) sample_finish(const float* __restrict__ x, int n, double* p, float temp, int top_k, float top_p, float min_p, long long u_bits, int qshift, const u32* __restrict__ ws, u32* out) {
+    ds4_pdl_enter();
+    __shared__ SqFin f;
+    const u32 kmax = ws[SQ_KMAX];
+    const float m = sm_unkey(kmax);
+    bool ok = ((u32)__float_as_int(m) & 0x7f800000u) != 0x7f800000u; // m finite
+    SqCtx c;
+    c.x = x;
+    c.m = m;
+    c.temp = temp;
+    c.qshift = qshift;
+    c.cnt = ws + SQ_CNT;
+    c.start = ws + SQ_START;
+    c.ids = ws + SQ_IDS;
+    c.mass = (const u64*)(ws + SQ_MASS);
+    c.cmass = (const u64*)(ws + SQ_CMASS);
+    if (threadIdx.x == 0) f.rbin = -1;
+    __syncthreads();
+    const u32 nn = (u32)n;
+    const u32 k = top_k > 0 && (u32)top_k < nn ? (u32)top_k : nn;
+    u64 wk = 0, w2 = 0;
+    u32 n1 = k, n2 = k, j = 1, id = 0;
+    if (ok) ok = sq_mass_at(k, f, c, wk);
+    if (min_p > 0.0f) {
+        const u32 ca = ws[SQ_CALL];
+        n1 = ca < k ? ca : k;
+        n1 = n1 < 1 ? 1 : n1;
+    }
+    n2 = n1;
+    if (ok) ok = sq_mass_at(n1, f, c, w2);
+    if (ok && top_p < 1.0f) {
+        const u64 tp = top_p > 0.0f ? (u64)((double)top_p * (double)wk) : 0ull;
+        if (tp <= w2) {
+            ok = sq_pos_of_mass(tp, f, c, n2);
+            if (ok) ok = sq_mass_at(n2, f, c, w2);
+        }
+    }
+    if (ok) {
+        const double u = __longlong_as_double(u_bits);
+        u64 tg = (u64)(u * (double)w2);
+        tg = tg > w2 ? w2 : tg;
+        ok = sq_pos_of_mass(tg, f, c, j);
+        j = j > n2 ? n2 : j;
+    }
+    if (ok) ok = sq_id_at(j, f, c, id);
+    if (!ok) {
+        sp_pick(x, n, p, temp, top_k, top_p, min_p, u_bits, out);
+        return;
+    }
+    if (threadIdx.x == 0) out[0] = id;
 }

@@ -176,6 +176,9 @@ pub struct GenResult {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// How many of them the backend picked after its decode step ([`Session::eval_sampled`]:
+    /// no logits read back); the others were picked on the host from the logits.
+    pub sampled_tokens: usize,
     /// Why generation failed, for `Finish::Error`.
     pub error: Option<String>,
 }
@@ -673,6 +676,11 @@ fn run_job(
     let t0 = Instant::now();
     let mut cached = None;
     let total = tokens.len();
+    if live.session.logits().is_none() && !tokens.is_empty() && live.session.tokens() == tokens {
+        // Nothing left to evaluate, and the last decode step handed back a token instead of
+        // logits (or a checkpoint of such a state was restored): rebuild to get them.
+        live.session.reset();
+    }
     let mut end = live.session.tokens().len().min(total);
     if !tokens.starts_with(live.session.tokens()) {
         end = 0;
@@ -736,7 +744,7 @@ fn run_job(
         },
     );
     let t1 = Instant::now();
-    let (finish, text, n, error, parsed) =
+    let (finish, text, n, sampled, error, parsed) =
         decode(tok, live, &job, forced, metrics, ctx, disk, stopping);
     let decode_s = t1.elapsed().as_secs_f64();
     // One line per request on stderr: the cache decision and speeds.
@@ -759,6 +767,7 @@ fn run_job(
                 ("sampler", format!("{:?}", job.sampler)),
                 ("finish", format!("{finish:?}")),
                 ("generated_tokens", n.to_string()),
+                ("backend_sampled_tokens", sampled.to_string()),
                 (
                     "elapsed_sec",
                     format!("{:.3}", job.enqueued.elapsed().as_secs_f64()),
@@ -779,6 +788,7 @@ fn run_job(
         prompt_tokens: total,
         cached_tokens: cached,
         completion_tokens: n,
+        sampled_tokens: sampled,
         error,
     };
     send(&job, GenEvent::Done(Box::new(result)));
@@ -846,8 +856,15 @@ impl StopFilter {
     }
 }
 
-/// (finish, text, generated tokens, error, parsed).
-type DecodeOut = (Finish, String, usize, Option<String>, ParsedOutput);
+/// (finish, text, generated tokens, tokens picked by the backend, error, parsed).
+type DecodeOut = (Finish, String, usize, usize, Option<String>, ParsedOutput);
+
+/// `DS4_SERVER_SAMPLE=logits`: every decode step reads the logits back and the host picks
+/// (the A/B switch for the backend-sampled steps).
+fn backend_sampling_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DS4_SERVER_SAMPLE").map_or(true, |v| v != "logits"))
+}
 
 #[allow(clippy::too_many_arguments)]
 fn decode(
@@ -862,6 +879,13 @@ fn decode(
 ) -> DecodeOut {
     let eos = tok.specials().eos;
     let mut sampler = Sampler::new(job.sampler.clone());
+    // Tool-block structure is picked greedily (no draw, as `argmax`).
+    let mut greedy = Sampler::new(SamplerConfig::default());
+    // Decode steps hand back the next token (picked on the backend: a GPU reads back 4 bytes
+    // instead of the vocabulary's logits) unless logprobs need the logits. `next`: that token.
+    let backend_picks = job.logprobs.is_none() && forced.is_none() && backend_sampling_on();
+    let mut next: Option<u32> = None;
+    let mut sampled = 0usize;
     let mut parser = StreamParser::new(job.parse);
     let mut dec = StreamDecoder::new();
     let mut stop = StopFilter::new(job.stop.clone());
@@ -898,24 +922,31 @@ fn decode(
         if live.session.tokens().len() >= ctx {
             break; // context full: length
         }
-        let Some(logits) = live.session.logits() else {
+        let logits = live.session.logits();
+        if next.is_none() && logits.is_none() {
             finish = Finish::Error;
             error = Some("no logits after prefill".into());
             break;
-        };
-        let t = match forced.as_mut() {
-            Some(it) => it.next().unwrap_or(eos),
+        }
+        let from_backend = next.is_some();
+        let t = match (forced.as_mut(), next.take(), logits) {
+            (Some(it), _, _) => it.next().unwrap_or(eos),
+            (None, Some(t), _) => t,
             // Tool-block structure is sampled greedily, payload with the request's settings.
-            None if parser.sampling_state() == SamplingState::Structure => argmax(logits),
-            None => sampler.sample(logits),
+            (None, None, Some(l)) if parser.sampling_state() == SamplingState::Structure => {
+                argmax(l)
+            }
+            (None, None, Some(l)) => sampler.sample(l),
+            (None, None, None) => unreachable!("checked above"),
         };
         if t == eos {
             finish = Finish::Stop;
             break;
         }
         n += 1;
-        if let Some(k) = job.logprobs {
-            send(job, GenEvent::Logprob(token_logprob(tok, logits, t, k)));
+        sampled += from_backend as usize;
+        if let (Some(k), Some(l)) = (job.logprobs, logits) {
+            send(job, GenEvent::Logprob(token_logprob(tok, l, t, k)));
         }
         if first {
             metrics.ttft.observe(job.enqueued.elapsed().as_secs_f64());
@@ -936,17 +967,31 @@ fn decode(
         if n == job.max_tokens {
             break; // not evaluated: the next request re-renders from text anyway
         }
-        if let Err(e) = live.session.eval(t) {
+        // Continued checkpoints during long generations, never inside a tool block; the
+        // step before one keeps its logits (the checkpoint stores them, as after a prefill).
+        let checkpoint = disk.is_some_and(|d| {
+            parser.sampling_state() == SamplingState::Outside
+                && d.policy
+                    .continued_due(live.session.tokens().len() + 1, live.stored)
+        });
+        let r = if backend_picks && !checkpoint {
+            // The same pick the host would make from this step's logits at the loop's top.
+            let s = if parser.sampling_state() == SamplingState::Structure {
+                &mut greedy
+            } else {
+                &mut sampler
+            };
+            live.session.eval_sampled(t, s).map(|id| next = Some(id))
+        } else {
+            live.session.eval(t).map(|_| ())
+        };
+        if let Err(e) = r {
             finish = Finish::Error;
             error = Some(format!("decode failed: {e}"));
             break;
         }
-        // Continued checkpoints during long generations, never inside a tool block.
-        if let Some(d) = disk {
-            if parser.sampling_state() == SamplingState::Outside
-                && d.policy
-                    .continued_due(live.session.tokens().len(), live.stored)
-            {
+        if checkpoint {
+            if let Some(d) = disk {
                 store(d, tok, live, ds4_kvstore::Reason::Continued, metrics);
             }
         }
@@ -979,12 +1024,94 @@ fn decode(
             _ => {}
         }
     }
-    (finish, text, n, error, parsed)
+    (finish, text, n, sampled, error, parsed)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::StopFilter;
+    use super::*;
+
+    /// Runs one job on a CPU worker; returns (result, the Logprob events' count).
+    fn run_one(
+        sched: &Scheduler,
+        tok: &Tokenizer,
+        cfg: SamplerConfig,
+        lp: Option<usize>,
+    ) -> (GenResult, usize) {
+        let text = "<｜begin▁of▁sentence｜><｜User｜>tell me a story<｜Assistant｜><think>";
+        let (tx, mut rx) = tokio::sync::mpsc::channel(100_000);
+        sched
+            .submit(GenJob {
+                prompt_text: text.into(),
+                prompt_tokens: tok.encode_with_chat_specials(text),
+                max_tokens: 40,
+                sampler: cfg,
+                stop: vec![],
+                parse: ParseOptions {
+                    thinking: true,
+                    detect_tools: true,
+                },
+                logprobs: lp,
+                cancel: Arc::new(AtomicBool::new(false)),
+                events: tx,
+                stall: std::time::Duration::from_secs(60),
+                enqueued: Instant::now(),
+                trace: None,
+            })
+            .unwrap();
+        let mut lps = 0;
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                GenEvent::Logprob(_) => lps += 1,
+                GenEvent::Done(r) => return (*r, lps),
+                GenEvent::Failed(e) => panic!("{e}"),
+                _ => {}
+            }
+        }
+        panic!("no result");
+    }
+
+    #[test]
+    fn backend_sampled_steps_pick_what_the_logits_path_picks() {
+        let path = ds4_synth::tiny_model_for_tests(31, false);
+        let mut o = ds4_engine::EngineOptions::new(&path);
+        o.backend = ds4_engine::BackendChoice::Cpu;
+        let engine = Engine::open(&o).unwrap();
+        let tok = engine.tokenizer().clone();
+        let sched = spawn_worker(engine, 512, ForceOutput(None), Arc::new(Metrics::default()));
+        let cfgs = [
+            SamplerConfig {
+                temperature: 1.0,
+                seed: 11,
+                ..Default::default()
+            },
+            SamplerConfig {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.02,
+                seed: 12,
+            },
+            SamplerConfig::default(),
+        ];
+        for cfg in cfgs {
+            // No logprobs: every step after the first returns the backend's pick.
+            let (a, lp_a) = run_one(&sched, &tok, cfg.clone(), None);
+            // Logprobs: every step reads the logits (the host picks).
+            let (b, lp_b) = run_one(&sched, &tok, cfg.clone(), Some(0));
+            assert!(a.completion_tokens > 1, "{cfg:?}: {a:?}");
+            assert_eq!(lp_a, 0);
+            assert_eq!(lp_b, b.completion_tokens);
+            assert_eq!(b.sampled_tokens, 0, "{cfg:?}");
+            // The first token comes from the prefill's logits.
+            assert_eq!(a.sampled_tokens, a.completion_tokens - 1, "{cfg:?}");
+            assert_eq!(
+                (a.text.as_str(), a.completion_tokens, a.finish),
+                (b.text.as_str(), b.completion_tokens, b.finish),
+                "{cfg:?}"
+            );
+        }
+    }
 
     #[test]
     fn stop_filter_holds_back_split_sequences_and_cuts_before_the_match() {
