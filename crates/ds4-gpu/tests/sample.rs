@@ -1,7 +1,8 @@
 //! Token sampling on the GPU (`Backend::sample`, gpu/sample.cu) against the host reference
 //! `ds4_backend::sample::select`: random logits (normal, coarse with many ties, all equal) at
 //! vocab 1,000 and 129,280, every combination of the filters, many draws u; then the same
-//! inside a recorded step (graph replays with new arguments each step). Greedy must match
+//! inside a recorded step (graph replays with new arguments each step), timing each pick
+//! (`DS4_GPU_SAMPLE=onecta`: the single-CTA temperature form, for A/B). Greedy must match
 //! exactly; a temperature pick may differ only within rounding of a boundary (the host gives
 //! the GPU's pick for u ± 3e-5 or top-p/min-p × (1 ± 1e-6): with all-equal logits the top-p
 //! set's edge is a sum of 64,640 equal terms). Skips with the reason without a GPU.
@@ -113,17 +114,21 @@ fn gpu_sampling_inside_recorded_steps() {
     let n = 129_280;
     let mut r = common::rng(9);
     let l = logits(0, n, 77);
+    let t1 = SampleParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
     let cases = [
         SampleParams::default(),
+        t1,
+        SampleParams { top_k: 40, ..t1 },
+        SampleParams { top_p: 0.95, ..t1 },
+        SampleParams { min_p: 0.05, ..t1 },
         SampleParams {
             temperature: 0.8,
             top_k: 40,
             top_p: 0.95,
             min_p: 0.02,
-        },
-        SampleParams {
-            temperature: 1.0,
-            ..Default::default()
         },
     ];
     for p in cases {
