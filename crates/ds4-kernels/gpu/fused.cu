@@ -260,7 +260,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 }
 
 // ---------------------------------------------------------------------------------------------
-// Wide forms of the two HC kernels above (the default; DS4_GPU_FUSE_FORM=v1 keeps those): many
+// Wide forms of the two HC kernels above (DS4_GPU_FUSE_FORM=wide; v1 keeps those): many
 // small splits so that a token's mixer is read by ~one CTA per SM. Split s of token t takes
 // FW_C = DS4_WARP / NN float4 columns of d; lane p of every warp is the pair (stream j = p / FW_C,
 // column s·FW_C + p % FW_C); warp g takes mixer rows g, g + nw, ... of all its pairs (one warp
@@ -453,6 +453,244 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_w(float* x, const float* __res
     default: fw_hc<4, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
     }
 }
+// ---------------------------------------------------------------------------------------------
+// Grid forms of the two HC kernels (the default; DS4_GPU_FUSE_FORM=wide keeps the `_w` ones): no
+// serial epilogue. Every CTA of a token arrives at a grid-wide barrier (all of the launch's CTAs
+// are co-resident: the host keeps n·S <= the SM count), then sums the partials itself (the same
+// fixed order in every CTA: the same values), and collapses and normalises its own columns from
+// the values it holds. The RMSNorm's Σz² needs no second barrier: z = Σ_i pre_i X_i, so
+// Σz² = Σ_ik pre_i pre_k G_ik with the streams' Gram matrix G (f64 partials beside the mixer
+// dots; its trace is the N·D row's Σx²). Split s of token t takes G groups of FG_C = DS4_WARP / NN
+// float4 columns: lane p of warp k < G is the pair (stream p / FG_C, column (s·G + k)·FG_C +
+// p % FG_C); warp w takes mixer rows w, w + nw, ... of all its groups. Partials:
+// part[(t·FG_PART + r)·S + s] (rows: MIX dots, then the NN(NN+1)/2 Gram entries). The barrier:
+// tickets[t] counts arrivals (the last resets it), tickets[32 + t] is a generation the others
+// wait on (it only ever grows: graph replays need no reset).
+
+#define FG_PART 40 // partial rows per token (MIX + NN(NN+1)/2 <= 34)
+#define FG_GMAX 4  // most column groups a CTA
+#define FG_GEN 32  // tickets[FG_GEN + t]: token t's barrier generation
+
+// Grid-wide barrier of token t's S CTAs (thread 0 of each CTA calls it after the CTA's partials
+// are stored and fenced): returns once every CTA has arrived.
+__device__ __forceinline__ void fg_barrier(u32* tickets, int t, int S) {
+    volatile u32* gen = tickets + FG_GEN + t;
+    const u32 g0 = *gen; // read before arriving: it cannot move until this CTA arrives
+    __threadfence();
+    if (atomicAdd(&tickets[t], 1u) == (u32)(S - 1)) {
+        tickets[t] = 0u; // the next launch's count (ordered before the release below)
+        __threadfence();
+        atomicAdd(tickets + FG_GEN + t, 1u); // release
+    } else {
+        while (*gen == g0) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 700
+            __nanosleep(64);
+#endif
+        }
+    }
+    __threadfence(); // the others' partials are read after the release
+}
+
+// One (token t, split s) CTA of the grid forms; POST: apply the HC post to the pairs first.
+template <int NN, bool POST>
+__device__ __forceinline__ void fg_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
+                                      const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
+                                      int wty, const float* __restrict__ scale, const float* __restrict__ base,
+                                      const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
+                                      float* __restrict__ comb, double* part, u32* tickets, int D, int S, int G, int iters,
+                                      float hc_eps, float eps) {
+    constexpr int MIX = (2 + NN) * NN, C = DS4_WARP / NN, NG = NN * (NN + 1) / 2, ROWS = MIX + NG;
+    constexpr int RW = (MIX + FW_NW - 1) / FW_NW; // mixer rows a warp
+    __shared__ float4 v_s[FG_GMAX][DS4_WARP];
+    __shared__ double gram_s[FG_GMAX][NG];
+    __shared__ double dsum[ROWS];
+    __shared__ float m_s[MIX], pre_s[NN], zs_s;
+    const int t = blockIdx.x / S, s = blockIdx.x % S, tid = threadIdx.x;
+    const int lane = tid % DS4_WARP, g = tid / DS4_WARP, nw = FW_NW;
+    const int D4 = D >> 2, j = lane / C, cl = lane % C;
+    float4* xt = (float4*)(x + (size_t)t * NN * D);
+    // This warp's mixer rows at its pairs' columns in every group, loaded first.
+    uint4 raw[RW][FG_GMAX];
+#pragma unroll
+    for (int k = 0; k < FG_GMAX; k++) {
+        const int c4 = (s * G + k) * C + cl;
+        const bool mine = k < G && j < NN && c4 < D4;
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            const int r = g + i * nw;
+            raw[i][k] = make_uint4(0u, 0u, 0u, 0u);
+            if (r < MIX && mine) {
+                const u8* row = mixer + (size_t)r * row_bytes;
+                if (wty == 0) raw[i][k] = ((const uint4*)row)[j * D4 + c4];
+                else {
+                    const uint2 u = ((const uint2*)row)[j * D4 + c4];
+                    raw[i][k] = make_uint4(u.x, u.y, 0u, 0u);
+                }
+            }
+        }
+    }
+    // Warp k < G: its group's pair values (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X).
+    const int c4w = (s * G + g) * C + cl; // this warp's group's column
+    const bool minew = g < G && j < NN && c4w < D4;
+    if (g < G) {
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (minew && POST) {
+            const float pj = post_in[(size_t)t * NN + j];
+            float4 old[NN];
+            float a[NN];
+#pragma unroll
+            for (int i = 0; i < NN; i++) {
+                old[i] = xt[i * D4 + c4w];
+                a[i] = comb_in[(size_t)t * NN * NN + i * NN + j]; // A[i][j]: column j of the comb
+            }
+            const float4 ov = ((const float4*)(o + (size_t)t * D))[c4w];
+            v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
+#pragma unroll
+            for (int i = 0; i < NN; i++) {
+                v.x += ds4_mul_rn(a[i], old[i].x), v.y += ds4_mul_rn(a[i], old[i].y);
+                v.z += ds4_mul_rn(a[i], old[i].z), v.w += ds4_mul_rn(a[i], old[i].w);
+            }
+        } else if (minew) {
+            v = xt[j * D4 + c4w];
+        }
+        v_s[g][lane] = v;
+    }
+    __syncthreads(); // v_s complete; every old X of this split is read before the stores
+    if (POST && minew) xt[j * D4 + c4w] = v_s[g][lane]; // read by the next kernels only
+    // Warp k < G: its group's Gram entries (lane cl < C holds column cl's NN streams), f64.
+    if (g < G) {
+        double gr[NG];
+        float4 xv[NN];
+#pragma unroll
+        for (int i = 0; i < NN; i++) xv[i] = lane < C ? v_s[g][i * C + lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        int e = 0;
+#pragma unroll
+        for (int i = 0; i < NN; i++)
+#pragma unroll
+            for (int k = i; k < NN; k++, e++)
+                gr[e] = (double)xv[i].x * (double)xv[k].x + (double)xv[i].y * (double)xv[k].y +
+                        (double)xv[i].z * (double)xv[k].z + (double)xv[i].w * (double)xv[k].w;
+#pragma unroll
+        for (int q = 0; q < NG; q++) {
+            const double a = ds4_warp_sum_f64(gr[q]);
+            if (lane == 0) gram_s[g][q] = a;
+        }
+    }
+    // The mixer dots: rows g, g + nw, ... summed over the groups, one warp sum per row.
+    double* pt = part + (size_t)t * FG_PART * S + s;
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        const int r = g + i * nw;
+        if (r >= MIX) break; // warp-uniform
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < FG_GMAX; k++) {
+            if (k >= G) break;
+            const uint4 q = raw[i][k];
+            float4 w;
+            if (wty == 0) w = make_float4(__uint_as_float(q.x), __uint_as_float(q.y), __uint_as_float(q.z), __uint_as_float(q.w));
+            else if (wty == 1) w = make_float4(ds4_h2f_fast(q.x & 0xffffu), ds4_h2f_fast(q.x >> 16), ds4_h2f_fast(q.y & 0xffffu), ds4_h2f_fast(q.y >> 16));
+            else w = make_float4(ds4_bf2f((u16)(q.x & 0xffffu)), ds4_bf2f((u16)(q.x >> 16)), ds4_bf2f((u16)(q.y & 0xffffu)), ds4_bf2f((u16)(q.y >> 16)));
+            const float4 v = v_s[k][lane];
+            acc += w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w; // idle pairs: w = 0
+        }
+        acc = ds4_warp_sum(acc);
+        if (lane == 0) {
+            pt[(size_t)r * S] = (double)acc;
+            __threadfence(); // visible before this CTA's arrival
+        }
+    }
+    __syncthreads(); // gram_s complete
+    if (tid < NG) {
+        double a = gram_s[0][tid];
+        for (int k = 1; k < G; k++) a += gram_s[k][tid];
+        pt[(size_t)(MIX + tid) * S] = a;
+        __threadfence();
+    }
+    __syncthreads();
+    if (tid == 0) fg_barrier(tickets, t, S);
+    __syncthreads();
+    // Every CTA: the sums of the rows it needs over the S splits (warp w: rows w, w + nw, ...;
+    // lanes stride the splits; a fixed order): the pre rows and the Gram; split 0 all rows.
+    const bool sink = s == 0; // runs the Sinkhorn (post, comb)
+    for (int r = g; r < ROWS; r += nw) {
+        if (!sink && r >= NN && r < MIX) continue; // warp-uniform
+        const volatile double* pv = part + ((size_t)t * FG_PART + r) * S;
+        double a = 0.0;
+        for (int q = lane; q < S; q += DS4_WARP) a += pv[q];
+        a = ds4_warp_sum_f64(a);
+        if (lane == 0) dsum[r] = a;
+    }
+    __syncthreads();
+    if (tid < MIX && (sink || tid < NN)) {
+        double tr = 0.0; // Σx² of the N·D row: the Gram's trace
+        int e = MIX;
+#pragma unroll
+        for (int i = 0; i < NN; i++) {
+            tr += dsum[e];
+            e += NN - i;
+        }
+        const float sc = (float)(1.0 / sqrt(tr / (double)(NN * D) + (double)eps));
+        m_s[tid] = (float)dsum[tid] * sc;
+        if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
+    }
+    __syncthreads();
+    if (tid == 0) { // Σz² = Σ_i pre_i² G_ii + 2 Σ_{i<k} pre_i pre_k G_ik
+        double zz = 0.0;
+        int e = MIX;
+#pragma unroll
+        for (int i = 0; i < NN; i++)
+#pragma unroll
+            for (int k = i; k < NN; k++, e++)
+                zz += (k == i ? 1.0 : 2.0) * (double)pre_s[i] * (double)pre_s[k] * dsum[e];
+        zs_s = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
+    }
+    __syncthreads();
+    if (sink && g == nw - 1) // the last warp (whole): split + Sinkhorn
+        hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
+    // This CTA's columns of z: z = Σ_i pre_i X[i] (CPU order, uncontracted), rms-normalised.
+    for (int q = tid; q < G * C; q += FW_T) {
+        const int k = q / C, c = q % C, c4 = (s * G + k) * C + c;
+        if (c4 >= D4) continue;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int i = 0; i < NN; i++) {
+            const float p = pre_s[i];
+            const float4 v = v_s[k][i * C + c];
+            a.x += ds4_mul_rn(p, v.x), a.y += ds4_mul_rn(p, v.y);
+            a.z += ds4_mul_rn(p, v.z), a.w += ds4_mul_rn(p, v.w);
+        }
+        const float zs = zs_s;
+        const float4 w = ((const float4*)norm)[c4];
+        ((float4*)(z + (size_t)t * D))[c4] = make_float4(a.x * zs * w.x, a.y * zs * w.y, a.z * zs * w.z, a.w * zs * w.w);
+    }
+}
+
+// Grid hc_pre_norm_f32: arguments, outputs and host guarantees as hc_pre_norm_w, plus G (column
+// groups a CTA, 1..FG_GMAX); grid n·S CTAs, S = ceil(D/4 / (G·DS4_WARP / N)), n·S <= the SM
+// count (co-resident: the CTAs wait for each other), n <= 32; part holds n·FG_PART·S doubles;
+// tickets[t] is 0 on entry and left 0. blockDim = FW_T.
+DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_g(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int G, int iters, float hc_eps, float eps) {
+    float* xm = (float*)x; // not written (POST = false)
+    switch (N) {
+    case 1: fg_hc<1, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    case 2: fg_hc<2, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    case 3: fg_hc<3, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    default: fg_hc<4, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    }
+}
+
+// Grid hc_post_pre_norm_f32: arguments and outputs as hc_post_pre_norm_w plus G; grid and part as
+// hc_pre_norm_g.
+DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_g(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int G, int iters, float hc_eps, float eps) {
+    switch (N) {
+    case 1: fg_hc<1, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    case 2: fg_hc<2, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    case 3: fg_hc<3, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    default: fg_hc<4, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    }
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm + RoPE (+ FP8 of the first fp8_nope values, + f16) of attention rows.
@@ -556,62 +794,63 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
     }
 }
 
-// Wide form of norm_rope_f32 (the default; DS4_GPU_FUSE_FORM=v1 keeps the one above): one warp
-// per row, the row in registers (float4 q = k·DS4_WARP + lane), no shared memory or block
-// barriers. Same operations as norm_rope_f32: rms_norm (f64 sum of squares), RoPE of the last
-// n_rot values (a pair never straddles a float4: width - n_rot is even), FP8 of 64-value blocks
-// (a block is 16 float4 = 16 aligned lanes: amax by xor shuffles within them), f16 rounding.
-// rows = tokens × heads; blockDim a multiple of DS4_WARP (a row each). Host: width % 4 == 0,
-// width / 4 <= NR_K·DS4_WARP, 16-byte aligned x and w, n_rot even, n_rot and fp8_nope <= width.
-#define NR_K 8
-DS4_KERNEL void DS4_BOUNDS(256) norm_rope_w(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int rows, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
-    const int lane = threadIdx.x % DS4_WARP, row = blockIdx.x * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
-    if (row >= rows) return; // whole warps
-    float4* xr = (float4*)(x + (size_t)row * width);
+// Grid-form norm_rope (the default; DS4_GPU_FUSE_FORM=wide keeps norm_rope_f32): a CTA per row,
+// the row in registers (float4 q = k·blockDim + tid, k < NG_K). The RoPE angles do not depend on
+// the row: each thread starts its pairs' f64 sin/cos (into shared memory) while its loads are in
+// flight, so only the sum of squares and the rounding remain on the critical path. FP8 blocks of
+// 64 values are 16 float4 = 16 aligned lanes (amax by xor shuffles within them). Same operations
+// as norm_rope_f32. Host: width % 4 == 0, width / 4 <= NG_K·blockDim, blockDim a multiple of
+// DS4_WARP, 16-byte aligned x and w, n_rot even, n_rot and fp8_nope <= width; dynamic shared
+// memory n_rot / 2 float2.
+#define NG_K 4
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
+    extern __shared__ float2 sc_s[]; // (sin, cos) of pair p
+    __shared__ double red[32];
+    const int tid = threadIdx.x, T = blockDim.x, w4 = width >> 2, r0 = width - n_rot;
+    float4* xr = (float4*)(x + (size_t)blockIdx.x * width);
     const float4* wr = (const float4*)w;
-    const int w4 = width >> 2, r0 = width - n_rot;
-    float e[NR_K][4], gw[NR_K][4];
+    float4 e[NG_K], gw[NG_K];
 #pragma unroll
-    for (int k = 0; k < NR_K; k++) { // every load first
-        const int q = k * DS4_WARP + lane;
-        const float4 a = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        const float4 b = (w && q < w4) ? wr[q] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-        e[k][0] = a.x, e[k][1] = a.y, e[k][2] = a.z, e[k][3] = a.w;
-        gw[k][0] = b.x, gw[k][1] = b.y, gw[k][2] = b.z, gw[k][3] = b.w;
+    for (int k = 0; k < NG_K; k++) { // every load first
+        const int q = k * T + tid;
+        e[k] = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        gw[k] = (w && q < w4) ? wr[q] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+    }
+    const long long pos = pos0 + blockIdx.x / heads;
+    for (int p = tid; p < n_rot / 2; p += T) { // pos·ω mod 2π in f64, as fu_rope_pair
+        const double theta = fmod((double)pos * freqs[p], 6.283185307179586);
+        double sn, cs;
+        sincos(theta, &sn, &cs);
+        sc_s[p] = make_float2((float)sn, (float)cs);
     }
     double ss = 0.0;
 #pragma unroll
-    for (int k = 0; k < NR_K; k++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) ss += (double)e[k][i] * (double)e[k][i];
-    ss = ds4_warp_sum_f64(ss);
+    for (int k = 0; k < NG_K; k++)
+        ss += (double)e[k].x * (double)e[k].x + (double)e[k].y * (double)e[k].y + (double)e[k].z * (double)e[k].z +
+              (double)e[k].w * (double)e[k].w;
+    ss = fu_block_sum(ss, red); // its barriers also publish sc_s
     const float sc = (float)(1.0 / sqrt(ss / (double)width + (double)eps));
-    const long long pos = pos0 + row / heads;
 #pragma unroll
-    for (int k = 0; k < NR_K; k++) {
-        const int q = k * DS4_WARP + lane;
+    for (int k = 0; k < NG_K; k++) {
+        const int q = k * T + tid;
+        if (k * T >= w4) break; // block-uniform
+        float v[4] = {e[k].x * sc, e[k].y * sc, e[k].z * sc, e[k].w * sc};
+        if (w) v[0] = v[0] * gw[k].x, v[1] = v[1] * gw[k].y, v[2] = v[2] * gw[k].z, v[3] = v[3] * gw[k].w;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            e[k][i] = e[k][i] * sc;
-            if (w) e[k][i] = e[k][i] * gw[k][i];
-        }
-        if (q < w4) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) { // the pair at columns 4q + 2h, 4q + 2h + 1
-                const int c = 4 * q + 2 * h;
-                if (c >= r0) fu_rope_pair(&e[k][2 * h], freqs[(c - r0) >> 1], pos);
+        for (int h = 0; h < 2; h++) { // the pair at columns 4q + 2h, 4q + 2h + 1 (r0 is even)
+            const int c = 4 * q + 2 * h;
+            if (q < w4 && c >= r0) {
+                const float2 t = sc_s[(c - r0) >> 1];
+                const float a = v[2 * h], b = v[2 * h + 1];
+                v[2 * h] = __fsub_rn(ds4_mul_rn(a, t.y), ds4_mul_rn(b, t.x));
+                v[2 * h + 1] = __fadd_rn(ds4_mul_rn(a, t.x), ds4_mul_rn(b, t.y));
             }
         }
-    }
-    if (fp8_nope > 0) {
-#pragma unroll
-        for (int k = 0; k < NR_K; k++) {
-            if (k * DS4_WARP * 4 >= fp8_nope) break; // warp-uniform
-            const int q = k * DS4_WARP + lane;
+        if (k * T * 4 < fp8_nope) { // block-uniform: FP8 of this k's 64-value blocks
             float m = 0.0f;
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                if (4 * q + i < fp8_nope) m = fmaxf(m, fabsf(e[k][i]));
+                if (4 * q + i < fp8_nope) m = fmaxf(m, fabsf(v[i]));
 #pragma unroll
             for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, ds4_shfl_xor(m, o)); // over the 64-value block
             m = fmaxf(m, 1e-4f);
@@ -619,21 +858,18 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_w(float* __restrict__ x, const float* 
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 if (4 * q + i < fp8_nope) {
-                    const float d = __fdiv_rn(e[k][i], s);
+                    const float d = __fdiv_rn(v[i], s);
                     const float c = d != d ? d : fminf(fmaxf(d, -448.0f), 448.0f);
-                    e[k][i] = ds4_mul_rn(fu_e4m3(c), s);
+                    v[i] = ds4_mul_rn(fu_e4m3(c), s);
                 }
             }
         }
-    }
+        if (q < w4) {
+            if (f16) {
 #pragma unroll
-    for (int k = 0; k < NR_K; k++) {
-        const int q = k * DS4_WARP + lane;
-        if (q >= w4) break;
-        if (f16) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) e[k][i] = fu_f16_round(e[k][i]);
+                for (int i = 0; i < 4; i++) v[i] = fu_f16_round(v[i]);
+            }
+            xr[q] = make_float4(v[0], v[1], v[2], v[3]);
         }
-        xr[q] = make_float4(e[k][0], e[k][1], e[k][2], e[k][3]);
     }
 }

@@ -1,7 +1,8 @@
 use crate::Module;
 
 /// Fused decode glue (`gpu/fused.cu`): HC pre with the sublayer norm in one launch (split-K
-/// mixer products, last-CTA epilogue), the same after an in-place HC post, and RMSNorm + RoPE
+/// mixer products, then a last-CTA epilogue or, the grid forms, a grid barrier after which every
+/// CTA finishes its own columns), the same after an in-place HC post, and RMSNorm + RoPE
 /// (+ FP8/f16 rounding) of attention rows.
 pub const FUSED: Module = Module {
     name: "fused",
@@ -12,6 +13,8 @@ pub const FUSED: Module = Module {
         "norm_rope_f32",
         "hc_pre_norm_w",
         "hc_post_pre_norm_w",
-        "norm_rope_w",
+        "hc_pre_norm_g",
+        "hc_post_pre_norm_g",
+        "norm_rope_g",
     ],
 };

@@ -134,41 +134,53 @@ fn fuse_post() -> bool {
 }
 
 /// Fused-kernel forms: 0 not yet read from `DS4_GPU_FUSE_FORM`, 1 `v1` (the session-4 kernels:
-/// HC splits of 256 float4 columns, a CTA per norm_rope row, rmsnorm_f32x4), 2 wide (default:
-/// `*_w` kernels, ~one HC split CTA per SM, a warp per short rms_norm row), 3 `all`: wide and
-/// also a warp per norm_rope row (opt-in: on the H200 norm_rope_w took 14.3 us a call at decode
-/// against 6.6 for the CTA-per-row kernel, bench/results/gpu-session5-h200.txt).
+/// HC splits of 256 float4 columns, rmsnorm_f32x4), 2 `wide` (the session-5 default: `*_w` HC
+/// kernels, ~one split CTA per SM, whose last CTA runs a serial epilogue), 3 `grid` (default:
+/// `*_g` HC kernels, whose CTAs all wait at a grid barrier and finish their own columns, and
+/// norm_rope_g). 1 and 2 run norm_rope_f32; 2 and 3 a warp per short rms_norm row.
 static FORM: AtomicU8 = AtomicU8::new(0);
 
-/// Whether the wide forms run (`DS4_GPU_FUSE_FORM=v1` turns them off), read once, or
+/// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1|wide`, else grid), read once, or
 /// [`GpuBackend::set_fuse_form`].
-fn fuse_wide() -> bool {
+fn fuse_form() -> u8 {
     let mut m = FORM.load(Ordering::Relaxed);
     if m == 0 {
         let env = match std::env::var("DS4_GPU_FUSE_FORM").as_deref() {
             Ok("v1") => 1,
-            Ok("all") => 3,
-            _ => 2,
+            Ok("wide") => 2,
+            _ => 3,
         };
         m = match FORM.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
             Ok(_) => env,
             Err(cur) => cur,
         };
     }
-    m >= 2
+    m
 }
 
-/// Whether norm_rope runs a warp per row (`DS4_GPU_FUSE_FORM=all`).
-fn norm_rope_wide() -> bool {
-    fuse_wide() && FORM.load(Ordering::Relaxed) == 3
+/// Whether the wide forms run (wide and grid; `DS4_GPU_FUSE_FORM=v1` turns them off).
+fn fuse_wide() -> bool {
+    fuse_form() >= 2
+}
+
+/// Whether the grid forms run (the default).
+fn fuse_grid() -> bool {
+    fuse_form() == 3
 }
 
 /// Threads of a wide HC CTA (`FW_T` in fused.cu) and float4 columns of z per epilogue thread
 /// (`FW_ZR`).
 const FW_T: usize = 256;
 const FW_ZR: usize = 8;
-/// float4 columns per lane of the warp-per-row forms (`NR_K`, rmsnorm_f32w).
+/// float4 columns per lane of the warp-per-row rmsnorm_f32w.
 const ROW_K: usize = 8;
+/// Partial rows per token of the grid HC kernels (`FG_PART`), most column groups a CTA
+/// (`FG_GMAX`), and the first barrier generation slot in `tickets` (`FG_GEN`).
+const FG_PART: usize = 40;
+const FG_GMAX: usize = 4;
+const FG_GEN: usize = 32;
+/// float4 columns per thread of norm_rope_g (`NG_K`).
+const NG_K: usize = 4;
 
 /// The HC post's inputs (o, post, comb) of a fused hc_post_pre_norm.
 type PostIn = (DevPtr, DevPtr, DevPtr);
@@ -208,14 +220,14 @@ impl GpuBackend {
         FUSE.store(m, Ordering::Relaxed);
     }
 
-    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "wide" (the default),
-    /// "all" (wide norm_rope too) or "v1". Process-wide; for tests and A/B benchmarks.
+    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "grid" (the default),
+    /// "wide" or "v1". Process-wide; for tests and A/B benchmarks.
     pub fn set_fuse_form(form: &str) {
         let m = match form {
             "v1" => 1,
             "wide" => 2,
-            "all" => 3,
-            _ => panic!("set_fuse_form: unknown form {form:?} (wide, all, v1)"),
+            "grid" => 3,
+            _ => panic!("set_fuse_form: unknown form {form:?} (grid, wide, v1)"),
         };
         FORM.store(m, Ordering::Relaxed);
     }
@@ -364,27 +376,47 @@ impl GpuBackend {
     ) {
         let warp = self.warp() as usize;
         let d4 = hc.d / 4;
+        // Grid: the fewest column groups a CTA (warp / N float4 columns each) that keep all n·S
+        // CTAs co-resident at one a SM (they wait for each other).
+        let sms = self.gpu.info().sm_count as usize;
+        let grid =
+            (fuse_grid() && hc.n <= warp && n + FG_GEN <= FUSE_TICKETS && FW_T / warp >= FG_GMAX)
+                .then(|| {
+                    (1..=FG_GMAX)
+                        .map(|g| (g, d4.div_ceil(g * (warp / hc.n))))
+                        .find(|&(_, s)| n * s <= sms)
+                })
+                .flatten();
         let wide = fuse_wide() && hc.n <= warp && d4 <= FW_ZR * (FW_T - warp);
-        let (name, threads, splits) = if wide {
+        let (name, threads, splits, groups) = if let Some((g, s)) = grid {
+            let name = if pin.is_some() {
+                "hc_post_pre_norm_g"
+            } else {
+                "hc_pre_norm_g"
+            };
+            (name, FW_T, s, Some(g))
+        } else if wide {
             let cols = warp / hc.n; // float4 columns of d a split
             let name = if pin.is_some() {
                 "hc_post_pre_norm_w"
             } else {
                 "hc_pre_norm_w"
             };
-            (name, FW_T, d4.div_ceil(cols))
+            (name, FW_T, d4.div_ceil(cols), None)
         } else {
             let t = fuse_threads(warp);
             match pin {
-                Some(_) => ("hc_post_pre_norm_f32", t, d4.div_ceil(t / hc.n)),
+                Some(_) => ("hc_post_pre_norm_f32", t, d4.div_ceil(t / hc.n), None),
                 None => (
                     "hc_pre_norm_f32",
                     t,
                     (hc.n * d4).div_ceil(t).clamp(1, FUSE_HC_SPLITS),
+                    None,
                 ),
             }
         };
-        let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
+        let rows = if groups.is_some() { FG_PART } else { FUSE_PART };
+        let part = self.scratch(n * splits * rows * 2); // f64 partials
         let mut args = vec![Arg::Ptr(x)];
         if let Some((o, pi, ci)) = pin {
             args.extend([Arg::Ptr(o), Arg::Ptr(pi), Arg::Ptr(ci)]);
@@ -404,6 +436,11 @@ impl GpuBackend {
             Arg::I32(hc.n as i32),
             Arg::I32(hc.d as i32),
             Arg::I32(splits as i32),
+        ]);
+        if let Some(g) = groups {
+            args.push(Arg::I32(g as i32));
+        }
+        args.extend([
             Arg::I32(hc.sinkhorn_iters as i32),
             Arg::F32(hc.eps),
             Arg::F32(eps),
@@ -452,18 +489,17 @@ impl GpuBackend {
             return;
         }
         let warp = self.warp() as usize;
-        let wide = norm_rope_wide()
+        // Grid form: the row in registers, NG_K float4 a thread of up to 256.
+        let threads = (width / 4).next_multiple_of(warp).clamp(warp, 256);
+        let grid = fuse_grid()
             && width.is_multiple_of(4)
-            && width / 4 <= ROW_K * warp
+            && width / 4 <= NG_K * threads
             && al16(x.ptr)
             && w.is_none_or(|w| al16(w.ptr()));
-        // Both kernels take (x, w, rope), the wide one then `rows`, then the same tail.
-        let head = [
+        let args = [
             Arg::Ptr(x.ptr),
             w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
             Arg::Ptr(self.rope_ptr(kind)),
-        ];
-        let tail = [
             Arg::I32(heads as i32),
             Arg::I32(width as i32),
             Arg::I32(n_rot as i32),
@@ -472,26 +508,14 @@ impl GpuBackend {
             Arg::I32(r.fp8_nope as i32),
             Arg::I32(r.f16 as i32),
         ];
-        if wide {
-            // A warp per row, one row per CTA at decode (q: 64 CTAs), 4 in prefill.
-            let wpb = if rows >= 1024 { 4 } else { 1 };
-            self.run(
-                &ds4_kernels::FUSED,
-                "norm_rope_w",
-                LaunchDims::linear(rows.div_ceil(wpb) as u32, (wpb * warp) as u32),
-                &[&head[..], &[Arg::I32(rows as i32)], &tail[..]].concat(),
-            );
+        let mut dims = LaunchDims::linear(rows as u32, threads as u32);
+        if grid {
+            dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
+            self.run(&ds4_kernels::FUSED, "norm_rope_g", dims, &args);
             return;
         }
-        let threads = (width / 4).next_multiple_of(warp).clamp(warp, 256);
-        let mut dims = LaunchDims::linear(rows as u32, threads as u32);
         dims.shared_bytes = (width * 4) as u32; // the staged row
-        self.run(
-            &ds4_kernels::FUSED,
-            "norm_rope_f32",
-            dims,
-            &[&head[..], &tail[..]].concat(),
-        );
+        self.run(&ds4_kernels::FUSED, "norm_rope_f32", dims, &args);
     }
 
     fn invalid(&self, msg: &str) {
