@@ -1,11 +1,11 @@
 //! `gemm_bench [reps]`: prefill GEMM throughput (gemm.rs, gpu/gemm.cu) as TFLOP/s (2·n·rows·cols
 //! per product) and GB/s of weight bytes: per type (4096 -> 16384, n = 2048), then the model's
 //! dense shapes and the full-size routed experts at n = 2048 and 4096 token rows
-//! (`GEMM_BENCH_N=512,2048` other n), each in every form: tiled = the default for quantised weights
-//! (`gemmt_*`: integer weights, raw blocks and X staged by cp.async), f16 = the opt-in single f16 product
+//! (`GEMM_BENCH_N=512,2048` other n), each in every form: tiled = the tiled form for every quantised type
+//! (`gemmt_*`: integer weights, raw blocks and X staged by cp.async; default for Q2_K/Q4_K), f16 = the opt-in single f16 product
 //! (automatic item tile, double-buffered), f16/1buf = single-buffered, f16/64|128|256 = fixed tiles, bf16 = the previous default (hi/lo split,
-//! three products; `DS4_GPU_GEMM_TILED=0`), exact = the exact-weight form `gemmq*`;
-//! `GEMM_BENCH_ALL=1` adds exact, the f16 tile variants, tf32 and fma (per type).
+//! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
+//! and fma (per type).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
@@ -89,7 +89,6 @@ const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
 const TF32: Form = ("tf32", true, false, true, false, 0, true);
 const FMA: Form = ("fma", true, true, false, false, 0, true);
-const EXACT: Form = ("exact", true, false, false, true, 0, true);
 
 fn set_form(f: Form) {
     let (_, on, fma, tf32, precise, tile, dbuf) = f;
@@ -100,8 +99,8 @@ fn set_form(f: Form) {
     }
     GpuBackend::set_gemm_precise(precise);
     GpuBackend::set_gemm_tile(tile);
-    GpuBackend::set_gemm_exact(f.0.starts_with("exact"));
-    GpuBackend::set_gemm_tiled(f.0 != "bf16"); // bf16: the hi/lo form everywhere
+    // bf16: the hi/lo form everywhere; tiled: the tiled form for every quantised type.
+    GpuBackend::set_gemm_tiled(f.0 != "bf16", f.0 == "tiled");
 }
 
 fn main() {
@@ -155,7 +154,7 @@ fn main() {
         let mut y = gpu.alloc(n * rows);
         let mut forms = vec![BF16, TILED, F16];
         if all {
-            forms.extend([EXACT, F16_1BUF, F16_64, F16_128, F16_256, TF32, FMA]);
+            forms.extend([F16_1BUF, F16_64, F16_128, F16_256, TF32, FMA]);
         }
         for form in forms {
             set_form(form);

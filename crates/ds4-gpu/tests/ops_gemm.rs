@@ -3,14 +3,14 @@
 //! (Q8_0 4096→1024, 8 groups of 4096→1024), routed experts with 128 tokens × 6 slots, the O(n)
 //! pair grouping (12288 skewed pairs) against a stable sort, and n = 2048 dense and MoE products.
 //! Each case runs in seven kernel forms (0: the default: the tiled integer-weight form `gemmt_*`
-//! for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+, else bf16 hi/lo tensor cores where compiled
-//! (`set_gemm_precise(true)`), 1: portable FMA, 2: 3xTF32 tensor cores, 3: the default f16
+//! for Q2_K/Q4_K on CUDA sm_80+, else bf16 hi/lo tensor cores where compiled
+//! (`set_gemm_precise(true)`), 1: portable FMA, 2: 3xTF32 tensor cores, 3: the opt-in f16
 //! single-product form `gemmh*` (automatic item tile, double-buffered), 4: f16 with 256-item
 //! tiles (MoE 128) and one buffer; forms 3-4 fall back to form 0 for F32/BF16 weights and off
-//! CUDA sm_80+), 5: the exact-weight form `gemmq*` (integer quants as f16, activations as two
-//! f16 planes; falls back like 3-4 for F32/F16/BF16 weights), held to the bf16 tensor-core
-//! tolerance relative to 1 + |cpu| (its errors are ~2^-22 per term), 6: the bf16 hi/lo form with
-//! the tiled form off (`set_gemm_tiled(false)`, the previous default); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
+//! CUDA sm_80+), 5: the tiled form for every quantised type (`set_gemm_tiled(true, true)`: also
+//! Q8_0 and IQ2_XXS; integer quants as f16, activations as two f16 planes) held to the bf16
+//! tensor-core tolerance relative to 1 + |cpu| (its errors are ~2^-22 per term), 6: the bf16 hi/lo
+//! form with the tiled form off (the previous default); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
 //! are held to the tensor-core tolerances (measured on the H200 at 5b38cfb: worst 1.4e-3 with
 //! Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
 //! forms are process-wide switches: run with --test-threads=1 on a GPU. Each case also checks that the
@@ -84,9 +84,7 @@ struct Cases {
     want: std::collections::HashMap<String, Vec<f32>>,
     /// f16-form launches seen per form (forms 3-4 must take it).
     half: [u64; FORMS],
-    /// Exact-form launches seen per form (form 5 must take it for quantised weights).
-    exact: [u64; FORMS],
-    /// Tiled-form launches seen per form (form 0 must take it for quantised weights).
+    /// Tiled-form launches seen per form (forms 0 and 5 must take it for quantised weights).
     tiled: [u64; FORMS],
 }
 
@@ -117,27 +115,23 @@ impl Cases {
         };
         self.worst[form] = self.worst[form].max(e);
         self.half[form] = GpuBackend::gemm_half_launches();
-        let q = GpuBackend::gemm_exact_launches();
-        // Form 5 on a CUDA sm_80+ device must take the exact form for quantised weights.
-        // (every weight of the case quantised: a MoE with an F16 up falls back as a whole)
+        // Form 5 on a CUDA sm_80+ device must take the tiled form for quantised weights
+        // (every weight of the case quantised: a MoE with an F16 up falls back as a whole),
+        // form 0 where a Q2_K or Q4_K weight is in the case.
         let quant = ["Q8_0", "Q2_K", "Q4_K", "IQ2_XXS"]
             .iter()
             .any(|t| name.contains(t))
             && !["F32", "F16"].iter().any(|t| name.contains(t));
-        if form == 5 && quant && q == self.exact.iter().copied().max().unwrap_or(0) && {
-            let i = gpu.gpu().info();
-            i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
-        } {
-            self.bad.push(format!("{name}: exact form not taken"));
-        }
-        self.exact[form] = q;
-        // Form 0 likewise takes the tiled form (every product of the case quantised, columns
-        // whole super-blocks: all shapes here).
+        let kq = quant && ["Q2_K", "Q4_K"].iter().any(|t| name.contains(t));
         let tl = GpuBackend::gemm_tiled_launches();
-        if form == 0 && quant && tl == self.tiled.iter().copied().max().unwrap_or(0) && {
+        let sm80 = {
             let i = gpu.gpu().info();
             i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
-        } {
+        };
+        if ((form == 5 && quant) || (form == 0 && kq))
+            && sm80
+            && tl == self.tiled.iter().copied().max().unwrap_or(0)
+        {
             self.bad.push(format!("{name}: tiled form not taken"));
         }
         self.tiled[form] = tl;
@@ -164,11 +158,11 @@ impl Cases {
 
     fn finish(self) {
         println!(
-            "worst: bf16 tensor cores {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA {:.3e}, 3xTF32 {:.3e} ({TOL_FMA:.0e}), \
-             f16 {:.3e}, f16 256-item tiles {:.3e} (rms-relative, {TOL_H:.0e}, MoE {TOL_H_MOE:.0e}), exact {:.3e}, \
-             bf16 hi/lo without the tiled form {:.3e}; f16 launches after each form {:?}, exact launches {:?}, tiled launches {:?}",
+            "worst: bf16 tensor cores (default) {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA {:.3e}, 3xTF32 {:.3e} ({TOL_FMA:.0e}), \
+             f16 {:.3e}, f16 256-item tiles {:.3e} (rms-relative, {TOL_H:.0e}, MoE {TOL_H_MOE:.0e}), tiled (all types) {:.3e}, \
+             bf16 hi/lo without the tiled form {:.3e}; f16 launches after each form {:?}, tiled launches {:?}",
             self.worst[0], self.worst[1], self.worst[2], self.worst[3], self.worst[4], self.worst[5], self.worst[6],
-            self.half, self.exact, self.tiled
+            self.half, self.tiled
         );
         set_form(0);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
@@ -182,11 +176,10 @@ fn set_form(form: usize) {
     if form == 2 {
         GpuBackend::set_gemm_tf32();
     }
-    GpuBackend::set_gemm_precise(form == 0);
-    GpuBackend::set_gemm_exact(form == 5);
+    GpuBackend::set_gemm_precise(form == 0 || form == 5 || form == 6);
     GpuBackend::set_gemm_tile(if form == 4 { 256 } else { 0 });
     GpuBackend::set_gemm_dbuf(form != 4);
-    GpuBackend::set_gemm_tiled(form != 6);
+    GpuBackend::set_gemm_tiled(form != 6, form == 5);
 }
 
 #[test]

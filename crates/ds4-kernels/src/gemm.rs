@@ -4,10 +4,8 @@ use crate::Module;
 /// `gemm_<t>`: mma.sync bf16 hi/lo split where compiled for sm_80+, else plain FMA tiles;
 /// `gemmw_<t>`: the bf16 form with 128-item tiles (256 threads) for long prompts;
 /// `gemmp_<t>`: 3xTF32 mma (more precise; FMA where no mma); `gemmf_<t>`: always the FMA tiles; `gemm_sum_f32`: split-K partial sums;
-/// `gemmh<BM>_<t>`: one f16 mma per tile on X pre-scaled and rounded by `gemm_xh_f32` (default on sm_80+);
-/// `gemmq<BM>_<t>`: exact-weight form (integer quants as f16, activations as two f16 planes from
-/// `gemm_xq_f32`, per-chunk scales and K-quant mins applied in f32; CUDA sm_80+);
-/// `gemmt_<t>`: tiled integer-weight form (default for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+:
+/// `gemmh<BM>_<t>`: one f16 mma per tile on X pre-scaled and rounded by `gemm_xh_f32` (opt-in, sm_80+);
+/// `gemmt_<t>`: tiled integer-weight form (CUDA sm_80+; default for Q2_K/Q4_K, opt-in Q8_0/IQ2_XXS:
 /// raw blocks and X staged by cp.async, scales per super-block, two f16 mma per tile on X from
 /// `gemm_xt_f32`);
 /// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
@@ -63,15 +61,6 @@ pub const GEMM: Module = Module {
         "gemmh128_iq2_xxs",
         "gemmh256_iq2_xxs",
         "gemm_xh_f32",
-        "gemmq64_q8_0",
-        "gemmq128_q8_0",
-        "gemmq64_q2_k",
-        "gemmq128_q2_k",
-        "gemmq64_q4_k",
-        "gemmq128_q4_k",
-        "gemmq64_iq2_xxs",
-        "gemmq128_iq2_xxs",
-        "gemm_xq_f32",
         "gemmt_q8_0",
         "gemmt_q2_k",
         "gemmt_q4_k",

@@ -10,13 +10,13 @@
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 //! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
 //!
-//! Default for Q8_0/Q2_K/Q4_K/IQ2_XXS weights on CUDA sm_80+: the tiled integer-weight form
-//! `gemmt_<t>` (64 items × 64 rows, 128 threads): weights as exact integers in f16 with their
-//! scales applied per super-block (Q8_0: per chunk; K-quant mins as one more mma on 16-element
-//! activation sums), X converted once per product by `gemm_xt_f32` into hi/lo f16 groups, raw
-//! weight blocks and X tiles staged by cp.async, two f16 mma per tile. More precise than the bf16
-//! hi/lo form (weights exact, activations ~22 bits). `DS4_GPU_GEMM_TILED=0` (`set_gemm_tiled`)
-//! falls back to the bf16 hi/lo form for A/B.
+//! Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+; default for Q2_K/Q4_K weights,
+//! `DS4_GPU_GEMM_TILED=all` adds Q8_0/IQ2_XXS, `=0` turns it off: see `TILED`): 64 items × 64
+//! rows, 128 threads; weights as exact integers in f16 with their scales applied per super-block
+//! (Q8_0: per chunk; K-quant mins as one more mma on 16-element activation sums), X converted
+//! once per product by `gemm_xt_f32` into hi/lo f16 groups, raw weight blocks and X tiles staged
+//! by cp.async, two f16 mma per tile. More precise than the bf16 hi/lo form (weights exact,
+//! activations ~22 bits; it replaces the exact-weight form `gemmq*`, same arithmetic).
 //!
 //! Opt-in tensor-core form on CUDA sm_80+ (`DS4_GPU_GEMM_PRECISE=0`, default off: see `PRECISE`)
 //! for Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
@@ -138,36 +138,27 @@ fn precise() -> bool {
     p
 }
 
-/// Exact-weight form `gemmq<BM>_<t>` (integer quants as f16, activations as two f16 planes)
-/// for Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+: 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_FORM`
-/// on first use (`exact` on, anything else off; `f16` also selects the f16 form). Default off:
-/// on the H200 (bench/results/gpu-gemm-z-h200.txt) it is ~18x more accurate than the bf16 hi/lo
-/// form (ops_gemm worst 1.5e-4 vs 2.7e-3) but no faster (Q8_0 49 vs 47 TFLOP/s, MoE q2 45 vs 57;
-/// prefill 1316 vs 1472 tok/s at 2k). Takes precedence over the bf16 and f16 forms for those types.
-static EXACT: AtomicU8 = AtomicU8::new(UNSET);
-
-fn exact() -> bool {
-    let e = EXACT.load(Ordering::Relaxed);
-    if e != UNSET {
-        return e == 1;
-    }
-    let e = std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "exact");
-    EXACT.store(e as u8, Ordering::Relaxed);
-    e
-}
-
-/// Tiled integer-weight form `gemmt_<t>` (Q8_0/Q2_K/Q4_K/IQ2_XXS on CUDA sm_80+, the default
-/// for those types): 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_TILED` on first use (`0` = off: the
-/// bf16 hi/lo form, for A/B). The exact and f16 opt-ins take precedence.
+/// Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+): 0 off (the bf16 hi/lo form), 1 Q2_K and
+/// Q4_K (default), 2 also Q8_0 and IQ2_XXS; UNSET: read `DS4_GPU_GEMM_TILED` (`0`, `all`) or
+/// `DS4_GPU_GEMM_FORM=exact` (= all: the exact-weight form it replaces) on first use. The f16
+/// opt-in takes precedence. H200, 4096->16384 at n = 2048 (bench/results/gpu-gemm-p-h200.txt):
+/// Q2_K 76 vs 68 TFLOP/s for the bf16 hi/lo form, Q4_K 74 vs 55, but IQ2_XXS 65 vs 78 and the
+/// q2 routed experts (IQ2_XXS gate/up) 51.5 vs 57.4: IQ2_XXS stays on the bf16 form by default.
+/// (Q8_0 was not measured: the BLAS-Lt hooks took those products.)
 static TILED: AtomicU8 = AtomicU8::new(UNSET);
 
-fn tiled() -> bool {
+fn tiled() -> u8 {
     let t = TILED.load(Ordering::Relaxed);
     if t != UNSET {
-        return t == 1;
+        return t;
     }
-    let t = std::env::var("DS4_GPU_GEMM_TILED").map_or(true, |v| v != "0");
-    TILED.store(t as u8, Ordering::Relaxed);
+    let t = match std::env::var("DS4_GPU_GEMM_TILED").as_deref() {
+        Ok("0") => 0,
+        Ok("all") => 2,
+        _ if std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "exact") => 2,
+        _ => 1,
+    };
+    TILED.store(t, Ordering::Relaxed);
     t
 }
 
@@ -228,8 +219,6 @@ fn half_tile(n: usize, experts: usize, ty: GgmlType) -> usize {
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Of those, exact-form (`gemmq*`) launches.
-static QLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, tiled-form (`gemmt_*`) launches.
 static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
 
@@ -257,10 +246,8 @@ struct Gm {
     /// Items per CTA: BM, or BM_WIDE (`gemmw_*`, bf16 form only); f16 form: 64, 128, 256.
     bm: usize,
     /// f16 form: inverse row scales from `gemm_xh_f32` (x then holds f16 values, strides in halves).
-    /// Exact form: from `gemm_xq_f32` (x the hi plane).
+    /// Tiled form: from `gemm_xt_f32`.
     xs: Option<DevPtr>,
-    /// Exact form: (lo plane, 16-element sums or null).
-    xq: Option<(DevPtr, DevPtr)>,
     /// Tiled form: super-block sums from `gemm_xt_f32` (null for types without mins); x then
     /// holds the hi/lo groups and xs the inverse row scales.
     xt: Option<DevPtr>,
@@ -273,26 +260,6 @@ struct HalfX {
     inv: GpuBuf,
 }
 
-/// X converted for the exact form: hi and lo f16 planes (strides of the f32 source), per-token
-/// inverse scales, 16-element sums (K-quants only).
-struct QuantX {
-    hi: GpuBuf,
-    lo: GpuBuf,
-    inv: GpuBuf,
-    s16: Option<GpuBuf>,
-}
-
-impl QuantX {
-    /// (x, xs, xq) fields of a [`Gm`].
-    fn parts(&self) -> (DevPtr, Option<DevPtr>, Option<(DevPtr, DevPtr)>) {
-        (
-            self.hi.ptr,
-            Some(self.inv.ptr),
-            Some((self.lo.ptr, self.s16.as_ref().map_or(DevPtr(0), |b| b.ptr))),
-        )
-    }
-}
-
 /// X converted for the tiled form (`gemm_xt_f32`): hi/lo f16 groups (strides of the f32
 /// source), per-token inverse scales, super-block sums (K-quants only).
 struct TileX {
@@ -301,22 +268,20 @@ struct TileX {
     sums: Option<GpuBuf>,
 }
 
-/// X as a product reads it: the f32 source, or converted for the f16, exact or tiled form.
+/// X as a product reads it: the f32 source, or converted for the f16 or the tiled form.
 enum Xc {
     F32,
     Half(HalfX),
-    Quant(QuantX),
     Tiled(TileX),
 }
 
 impl Xc {
-    /// (x, xs, xq) fields of a [`Gm`] for source `x`.
-    fn parts(&self, x: DevPtr) -> (DevPtr, Option<DevPtr>, Option<(DevPtr, DevPtr)>) {
+    /// (x, xs) fields of a [`Gm`] for source `x`.
+    fn parts(&self, x: DevPtr) -> (DevPtr, Option<DevPtr>) {
         match self {
-            Xc::F32 => (x, None, None),
-            Xc::Half(h) => (h.x.ptr, Some(h.inv.ptr), None),
-            Xc::Quant(q) => q.parts(),
-            Xc::Tiled(t) => (t.x.ptr, Some(t.inv.ptr), None),
+            Xc::F32 => (x, None),
+            Xc::Half(h) => (h.x.ptr, Some(h.inv.ptr)),
+            Xc::Tiled(t) => (t.x.ptr, Some(t.inv.ptr)),
         }
     }
 
@@ -333,13 +298,12 @@ impl Xc {
         match self {
             Xc::F32 => tile_items(n, experts, ty),
             Xc::Half(_) => half_tile(n, experts, ty),
-            Xc::Quant(_) => half_tile(n, experts, ty).min(BM_WIDE),
             Xc::Tiled(_) => T_BM,
         }
     }
 }
 
-/// Whether the exact form needs the 16-element activation sums (min terms) for `ty`.
+/// Whether the tiled form needs the 16-element activation sums (min terms) for `ty`.
 fn needs_sums(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K)
 }
@@ -368,57 +332,6 @@ impl GpuBackend {
         PRECISE.store(precise as u8, Ordering::Relaxed);
     }
 
-    /// Exact-weight form (`gemmq*`) for quantised weights on CUDA sm_80+ (default false).
-    pub fn set_gemm_exact(on: bool) {
-        EXACT.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// Exact-form (`gemmq*`) GEMM launches so far in this process.
-    pub fn gemm_exact_launches() -> u64 {
-        QLAUNCHES.load(Ordering::Relaxed)
-    }
-
-    /// Whether weight type `ty` takes the exact form with X strides `x_strides` (elements).
-    fn exact_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
-        let info = self.gpu.info();
-        mode() == 0
-            && exact()
-            && matches!(
-                ty,
-                GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
-            )
-            && info.vendor == crate::runtime::Vendor::Nvidia
-            && info.cc.0 >= 8
-            && x_strides.iter().all(|s| s.is_multiple_of(16)) // 16-byte f16 loads, 16-sums
-    }
-
-    /// `gemm_xq_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to two f16
-    /// planes (+ 16-element sums when `sums`).
-    fn quant_x(&self, x: DevPtr, ntok: usize, x_tok: usize, width: usize, sums: bool) -> QuantX {
-        let half = (ntok * x_tok).div_ceil(2);
-        let q = QuantX {
-            hi: self.scratch(half),
-            lo: self.scratch(half),
-            inv: self.scratch(ntok),
-            s16: sums.then(|| self.scratch(ntok * x_tok / 16)),
-        };
-        self.run(
-            &ds4_kernels::GEMM,
-            "gemm_xq_f32",
-            LaunchDims::linear(ntok as u32, 256),
-            &[
-                Arg::Ptr(x),
-                Arg::I64(x_tok as i64),
-                Arg::I32(width as i32),
-                Arg::Ptr(q.hi.ptr),
-                Arg::Ptr(q.lo.ptr),
-                Arg::Ptr(q.inv.ptr),
-                q.s16.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
-            ],
-        );
-        q
-    }
-
     /// Convert x (rows t < ntok, stride x_tok, `width` elements) for products with weight types
     /// `tys` (all must take the same form) and X strides `strides`.
     fn convert_x(
@@ -430,10 +343,7 @@ impl GpuBackend {
         x_tok: usize,
         width: usize,
     ) -> Xc {
-        if tys.iter().all(|&t| self.exact_ok(t, strides)) {
-            let sums = tys.iter().any(|&t| needs_sums(t));
-            Xc::Quant(self.quant_x(x, ntok, x_tok, width, sums))
-        } else if tys.iter().all(|&t| self.half_ok(t, strides)) {
+        if tys.iter().all(|&t| self.half_ok(t, strides)) {
             Xc::Half(self.half_x(x, ntok, x_tok, width))
         } else if tys.iter().all(|&t| self.tiled_ok(t, strides)) {
             let sums = tys.iter().any(|&t| needs_sums(t));
@@ -447,12 +357,13 @@ impl GpuBackend {
     /// product's column count is among them: whole super-blocks, 16-element sums).
     fn tiled_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
         let info = self.gpu.info();
+        let t = tiled();
         mode() == 0
-            && tiled()
-            && matches!(
-                ty,
-                GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
-            )
+            && match ty {
+                GgmlType::Q2_K | GgmlType::Q4_K => t >= 1,
+                GgmlType::Q8_0 | GgmlType::IQ2_XXS => t >= 2,
+                _ => false,
+            }
             && info.vendor == crate::runtime::Vendor::Nvidia
             && info.cc.0 >= 8
             && x_strides.iter().all(|s| s.is_multiple_of(256))
@@ -482,9 +393,19 @@ impl GpuBackend {
         t
     }
 
-    /// Tiled form (`gemmt_*`, default true where it applies). Process-wide (tests, benchmarks).
-    pub fn set_gemm_tiled(on: bool) {
-        TILED.store(on as u8, Ordering::Relaxed);
+    /// Tiled form (`gemmt_*`): `on` false the bf16 hi/lo form instead; `all` also for Q8_0 and
+    /// IQ2_XXS weights (default: on, Q2_K/Q4_K only). Process-wide (tests, benchmarks).
+    pub fn set_gemm_tiled(on: bool, all: bool) {
+        TILED.store(
+            if !on {
+                0
+            } else if all {
+                2
+            } else {
+                1
+            },
+            Ordering::Relaxed,
+        );
     }
 
     /// Tiled-form (`gemmt_*`) GEMM launches so far in this process.
@@ -652,13 +573,11 @@ impl GpuBackend {
             return;
         }
         let Some(sfx) = suffix(m.ty) else { return };
-        let quant = m.xq.is_some();
         let til = m.xt.is_some();
-        let half = m.xs.is_some() && !quant && !til;
+        let half = m.xs.is_some() && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
             _ if til => "gemmt".into(),
-            _ if quant => format!("gemmq{}", m.bm),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
             3 => "gemmp".into(),
@@ -667,7 +586,7 @@ impl GpuBackend {
         };
         let bm = if til {
             T_BM
-        } else if half || wide || quant {
+        } else if half || wide {
             m.bm
         } else {
             BM
@@ -698,9 +617,6 @@ impl GpuBackend {
         if half {
             HLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if quant {
-            QLAUNCHES.fetch_add(1, Ordering::Relaxed);
-        }
         if til {
             TLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
@@ -729,9 +645,7 @@ impl GpuBackend {
             ]
             .into_iter()
             .chain(m.xt.map(|s| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmt: sums
-            .chain(m.xq.map(|(lo, _)| Arg::Ptr(lo))) // gemmq: lo plane after the hi plane
-            .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmq: inverse row scales
-            .chain(m.xq.map(|(_, s)| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmq: 16-element sums
+            .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmt: inverse row scales
             .chain([
                 Arg::I64(m.x_tok as i64),
                 Arg::I64(m.x_z as i64),
@@ -796,7 +710,7 @@ impl GpuBackend {
             Part::Expert(e) => e * slab,
         };
         let xc = self.convert_x(&[*ty], &[*cols], x.ptr, n, *cols, *cols);
-        let (gx, xs, xq) = xc.parts(x.ptr);
+        let (gx, xs) = xc.parts(x.ptr);
         self.gemm(&Gm {
             w: buf.ptr().offset(byte0 as u64),
             ty: *ty,
@@ -817,7 +731,6 @@ impl GpuBackend {
             grp: None,
             bm: xc.tile(n, 0, *ty),
             xs,
-            xq,
             xt: xc.sums(),
         });
         true
@@ -852,7 +765,7 @@ impl GpuBackend {
         let r = rows / groups;
         let strides = [groups * cols, *cols];
         let xc = self.convert_x(&[*ty], &strides, x.ptr, n, groups * cols, groups * cols);
-        let (gx, xs, xq) = xc.parts(x.ptr);
+        let (gx, xs) = xc.parts(x.ptr);
         self.gemm(&Gm {
             w: buf.ptr(),
             ty: *ty,
@@ -873,7 +786,6 @@ impl GpuBackend {
             grp: None,
             bm: xc.tile(n, 0, *ty),
             xs,
-            xq,
             xt: xc.sums(),
         });
         true
@@ -920,11 +832,9 @@ impl GpuBackend {
             return false;
         }
         let sel = sel.0.ptr;
-        // Exact or f16 form per product; gate and up share one converted z.
-        let q_gu = self.exact_ok(g.1, &[d]) && self.exact_ok(u.1, &[d]);
-        let q_dn = self.exact_ok(dn.1, &[ff]);
-        let h_gu = q_gu || (self.half_ok(g.1, &[d]) && self.half_ok(u.1, &[d]));
-        let h_dn = q_dn || self.half_ok(dn.1, &[ff]);
+        // f16 or tiled form per product; gate and up share one converted z.
+        let h_gu = self.half_ok(g.1, &[d]) && self.half_ok(u.1, &[d]);
+        let h_dn = self.half_ok(dn.1, &[ff]);
         let t_gu = !h_gu && self.tiled_ok(g.1, &[d]) && self.tiled_ok(u.1, &[d]);
         let t_dn = !h_dn && self.tiled_ok(dn.1, &[ff]);
         // Runs of one expert cut every bm pairs: at most pairs/bm + one partial run per expert.
@@ -946,7 +856,7 @@ impl GpuBackend {
         } else {
             Xc::F32
         };
-        let (zx, zs, zq) = hz.parts(z.ptr);
+        let (zx, zs) = hz.parts(z.ptr);
         let zt = hz.sums();
         for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
             // Pair i reads token i / k of z.
@@ -970,7 +880,6 @@ impl GpuBackend {
                 grp: grouped,
                 bm,
                 xs: zs,
-                xq: zq,
                 xt: zt,
             });
         }
@@ -983,7 +892,7 @@ impl GpuBackend {
         } else {
             Xc::F32
         };
-        let (hx, hs, hq) = hh.parts(h.ptr);
+        let (hx, hs) = hh.parts(h.ptr);
         let ht = hh.sums();
         self.gemm(&Gm {
             w: dn.0,
@@ -1005,7 +914,6 @@ impl GpuBackend {
             grp: grouped,
             bm,
             xs: hs,
-            xq: hq,
             xt: ht,
         });
         let total = n * d;
