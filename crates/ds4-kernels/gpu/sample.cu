@@ -450,11 +450,21 @@ DS4_KERNEL void DS4_BOUNDS(256) sample_hist(const float* __restrict__ x, int n, 
     const int per = SQ_NB / 256;
     u32 sc = 0;
     u64 sw = 0;
-    for (int b = t * per; b < (t + 1) * per; b++) {
-        hc[b] = ((volatile u32*)gc)[b];
-        hm[b] = ((volatile u64*)gm)[b];
-        sc += hc[b];
-        sw += hm[b];
+    {
+        u32 cv[SQ_NB / 256];
+        u64 mv[SQ_NB / 256];
+#pragma unroll
+        for (int i = 0; i < SQ_NB / 256; i++) { // all loads in flight at once
+            cv[i] = ((volatile u32*)gc)[t * per + i];
+            mv[i] = ((volatile u64*)gm)[t * per + i];
+        }
+#pragma unroll
+        for (int i = 0; i < SQ_NB / 256; i++) {
+            hc[t * per + i] = cv[i];
+            hm[t * per + i] = mv[i];
+            sc += cv[i];
+            sw += mv[i];
+        }
     }
     tc[t] = sc;
     tm[t] = sw;
@@ -496,6 +506,7 @@ struct SqFin {
     u64 ck[SQ_CAP]; // the resolved bin: (key << 32) | ~id, larger = earlier
     u64 cq[SQ_CAP];
     int rbin;
+    int rb; // a located bin
     u64 r64;
     u32 r32;
 };
@@ -542,20 +553,40 @@ __device__ void sq_resolve(int b, SqFin& f, SqCtx& c) {
     __syncthreads();
 }
 
-// The bin holding position j (first b with start + cnt ≥ j).
-__device__ __forceinline__ int sq_bin_of_pos(u32 j, const SqCtx& c) {
-    int lo = 0, hi = SQ_NB - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (c.start[mid] + c.cnt[mid] >= j) hi = mid;
-        else lo = mid + 1;
+// The bin holding position j ∈ [1, n]: the one nonempty b with start < j ≤ start + cnt. Each
+// thread tests SQ_NB / 1024 bins (one round of loads, not a chain of dependent ones).
+__device__ int sq_bin_of_pos(u32 j, SqFin& f, const SqCtx& c) {
+#pragma unroll
+    for (int s = 0; s < SQ_NB / 1024; s++) {
+        const int b = threadIdx.x + s * 1024;
+        const u32 st = c.start[b];
+        if (st < j && st + c.cnt[b] >= j) f.rb = b;
     }
-    return lo;
+    __syncthreads();
+    const int b = f.rb;
+    __syncthreads();
+    return b;
+}
+
+// The bin where cum first reaches tg ∈ [0, total]: 0 for tg = 0, else the one b with
+// cmass < tg ≤ cmass + mass (it has mass).
+__device__ int sq_bin_of_mass(u64 tg, SqFin& f, const SqCtx& c) {
+    if (tg == 0) return 0;
+#pragma unroll
+    for (int s = 0; s < SQ_NB / 1024; s++) {
+        const int b = threadIdx.x + s * 1024;
+        const u64 cm = c.cmass[b];
+        if (cm < tg && cm + c.mass[b] >= tg) f.rb = b;
+    }
+    __syncthreads();
+    const int b = f.rb;
+    __syncthreads();
+    return b;
 }
 
 // cum(j), j ≥ 1; false: the bin is too large.
 __device__ bool sq_mass_at(u32 j, SqFin& f, SqCtx& c, u64& out) {
-    const int b = sq_bin_of_pos(j, c);
+    const int b = sq_bin_of_pos(j, f, c);
     const u32 r = j - c.start[b];
     if (r >= c.cnt[b] || c.mass[b] == 0) {
         out = c.cmass[b] + (r >= c.cnt[b] ? c.mass[b] : 0ull);
@@ -574,17 +605,13 @@ __device__ bool sq_mass_at(u32 j, SqFin& f, SqCtx& c, u64& out) {
     return true;
 }
 
-// The first position whose cum reaches tg (tg ≤ the total mass); false: the bin is too large.
-__device__ bool sq_pos_of_mass(u64 tg, SqFin& f, SqCtx& c, u32& out) {
-    int lo = 0, hi = SQ_NB - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (c.cmass[mid] + c.mass[mid] >= tg) hi = mid;
-        else lo = mid + 1;
-    }
-    const int b = lo;
+// The first position whose cum reaches tg (tg ≤ the total mass) and its id; false: the bin
+// is too large.
+__device__ bool sq_pos_of_mass(u64 tg, SqFin& f, SqCtx& c, u32& out, u32& id) {
+    const int b = sq_bin_of_mass(tg, f, c);
     if (c.cnt[b] == 1) {
         out = c.start[b] + 1;
+        id = c.ids[c.start[b]];
         return true;
     }
     if (c.cnt[b] > SQ_CAP) return false;
@@ -593,17 +620,21 @@ __device__ bool sq_pos_of_mass(u64 tg, SqFin& f, SqCtx& c, u32& out) {
 #pragma unroll
     for (int s = 0; s < SQ_CAP / 1024; s++) {
         const u32 e = threadIdx.x + s * 1024;
-        if (e < c.cnt[b] && (c.pm[s] < tr || c.rank[s] == 0) && c.pm[s] + f.cq[e] >= tr) f.r32 = c.rank[s];
+        if (e < c.cnt[b] && (c.pm[s] < tr || c.rank[s] == 0) && c.pm[s] + f.cq[e] >= tr) {
+            f.r32 = c.rank[s];
+            f.r64 = 0xffffffffu - (u32)f.ck[e];
+        }
     }
     __syncthreads();
     out = c.start[b] + f.r32 + 1;
+    id = (u32)f.r64;
     __syncthreads();
     return true;
 }
 
 // The id at position j; false: the bin is too large.
 __device__ bool sq_id_at(u32 j, SqFin& f, SqCtx& c, u32& out) {
-    const int b = sq_bin_of_pos(j, c);
+    const int b = sq_bin_of_pos(j, f, c);
     if (c.cnt[b] == 1) {
         out = c.ids[c.start[b]];
         return true;
@@ -654,11 +685,12 @@ DS4_KERNEL void DS4_BOUNDS(1024) sample_finish(const float* __restrict__ x, int 
         n1 = n1 < 1 ? 1 : n1;
     }
     n2 = n1;
-    if (ok) ok = sq_mass_at(n1, f, c, w2);
+    w2 = wk;
+    if (ok && n1 != k) ok = sq_mass_at(n1, f, c, w2);
     if (ok && top_p < 1.0f) {
         const u64 tp = top_p > 0.0f ? (u64)((double)top_p * (double)wk) : 0ull;
         if (tp <= w2) {
-            ok = sq_pos_of_mass(tp, f, c, n2);
+            ok = sq_pos_of_mass(tp, f, c, n2, id);
             if (ok) ok = sq_mass_at(n2, f, c, w2);
         }
     }
@@ -666,10 +698,9 @@ DS4_KERNEL void DS4_BOUNDS(1024) sample_finish(const float* __restrict__ x, int 
         const double u = __longlong_as_double(u_bits);
         u64 tg = (u64)(u * (double)w2);
         tg = tg > w2 ? w2 : tg;
-        ok = sq_pos_of_mass(tg, f, c, j);
-        j = j > n2 ? n2 : j;
+        ok = sq_pos_of_mass(tg, f, c, j, id);
+        if (ok && j > n2) ok = sq_id_at(n2, f, c, id); // never: tg ≤ cum(n2)
     }
-    if (ok) ok = sq_id_at(j, f, c, id);
     if (!ok) {
         sp_pick(x, n, p, temp, top_k, top_p, min_p, u_bits, out);
         return;
