@@ -26,18 +26,18 @@ const TOL: f32 = 1e-5;
 /// Serialises the tests: the kernel form is a process-wide switch.
 static FORM: Mutex<()> = Mutex::new(());
 
-/// Run `f(form)` on the glue, latency (with the grid and the v1 fused forms: rms_norm differs)
-/// and simple forms; leaves the defaults (fast, grid) set.
+/// Run `f(form)` on the glue, latency (with the wide and the v1 fused forms: rms_norm differs)
+/// and simple forms; leaves the defaults (fast, wide) set.
 fn both_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
     for form in ["glue", "fast", "fast-v1", "simple"] {
-        let (mix, fuse) = form.split_once('-').unwrap_or((form, "grid"));
+        let (mix, fuse) = form.split_once('-').unwrap_or((form, "wide"));
         GpuBackend::set_mix_form(mix);
         GpuBackend::set_fuse_form(fuse);
         f(form);
     }
     GpuBackend::set_mix_form("fast");
-    GpuBackend::set_fuse_form("grid");
+    GpuBackend::set_fuse_form("wide");
 }
 
 fn setup() -> Option<(CpuBackend, GpuBackend)> {
@@ -412,18 +412,18 @@ fn elementwise_matches_cpu() {
     });
 }
 
-/// Run `f(form)` with the fused glue on (grid kernels, then the wide and the v1 ones), without
-/// the post fusion, and off (`DS4_GPU_FUSE=off`: the separate ops); leaves it on and grid.
+/// Run `f(form)` with the fused glue on (wide kernels, then the grid and the v1 ones), without
+/// the post fusion, and off (`DS4_GPU_FUSE=off`: the separate ops); leaves it on and wide.
 fn fuse_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
-    for form in ["on", "on-wide", "on-v1", "nopost", "off"] {
-        let (fuse, kind) = form.split_once('-').unwrap_or((form, "grid"));
+    for form in ["on", "on-grid", "on-v1", "nopost", "off"] {
+        let (fuse, kind) = form.split_once('-').unwrap_or((form, "wide"));
         GpuBackend::set_fuse(fuse);
         GpuBackend::set_fuse_form(kind);
         f(form);
     }
     GpuBackend::set_fuse("on");
-    GpuBackend::set_fuse_form("grid");
+    GpuBackend::set_fuse_form("wide");
 }
 
 /// The fused HC pre + norm differs from the CPU in the order of the mixer dot products (and
@@ -588,7 +588,7 @@ fn norm_rope_matches_cpu() {
             (4, 2, 200, true, Some(kv(200)), 1),
             (1, 2, 1024, true, Some(kv(1024)), 77),
             (1, 1, 2048, true, Some(kv(2048)), 3),
-            (1, 1, 8192, true, Some(kv(8192)), 3), // past the grid form's 1024 float4: staged
+            (1, 1, 8192, true, Some(kv(8192)), 3), // past norm_rope_g's 1024 float4: staged
         ] {
             for kind in [RopeKind::Swa, RopeKind::Comp] {
                 let len = n * heads * width;

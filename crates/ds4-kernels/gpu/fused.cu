@@ -260,7 +260,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 }
 
 // ---------------------------------------------------------------------------------------------
-// Wide forms of the two HC kernels above (DS4_GPU_FUSE_FORM=wide; v1 keeps those): many
+// Wide forms of the two HC kernels above (the default; DS4_GPU_FUSE_FORM=v1 keeps those): many
 // small splits so that a token's mixer is read by ~one CTA per SM. Split s of token t takes
 // FW_C = DS4_WARP / NN float4 columns of d; lane p of every warp is the pair (stream j = p / FW_C,
 // column s·FW_C + p % FW_C); warp g takes mixer rows g, g + nw, ... of all its pairs (one warp
@@ -454,7 +454,8 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_w(float* x, const float* __res
     }
 }
 // ---------------------------------------------------------------------------------------------
-// Grid forms of the two HC kernels (the default; DS4_GPU_FUSE_FORM=wide keeps the `_w` ones): no
+// Grid forms of the two HC kernels (opt-in, DS4_GPU_FUSE_FORM=grid: on the H200 18.6 us a decode
+// call against 17.3 for the `_w` ones, so their serial epilogue is not what dominates): no
 // serial epilogue. Every CTA of a token arrives at a grid-wide barrier (all of the launch's CTAs
 // are co-resident: the host keeps n·S <= the SM count), then sums the partials itself (the same
 // fixed order in every CTA: the same values), and collapses and normalises its own columns from
@@ -794,8 +795,9 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
     }
 }
 
-// Grid-form norm_rope (the default; DS4_GPU_FUSE_FORM=wide keeps norm_rope_f32): a CTA per row,
-// the row in registers (float4 q = k·blockDim + tid, k < NG_K). The RoPE angles do not depend on
+// norm_rope in registers (the wide and grid forms; v1, and rows past NG_K·256 float4, take
+// norm_rope_f32; H200 decode: 4.4 us a call against 6.6): a CTA per row, the row in registers
+// (float4 q = k·blockDim + tid, k < NG_K). The RoPE angles do not depend on
 // the row: each thread starts its pairs' f64 sin/cos (into shared memory) while its loads are in
 // flight, so only the sum of squares and the rounding remain on the critical path. FP8 blocks of
 // 64 values are 16 float4 = 16 aligned lanes (amax by xor shuffles within them). Same operations

@@ -134,21 +134,22 @@ fn fuse_post() -> bool {
 }
 
 /// Fused-kernel forms: 0 not yet read from `DS4_GPU_FUSE_FORM`, 1 `v1` (the session-4 kernels:
-/// HC splits of 256 float4 columns, rmsnorm_f32x4), 2 `wide` (the session-5 default: `*_w` HC
-/// kernels, ~one split CTA per SM, whose last CTA runs a serial epilogue), 3 `grid` (default:
-/// `*_g` HC kernels, whose CTAs all wait at a grid barrier and finish their own columns, and
-/// norm_rope_g). 1 and 2 run norm_rope_f32; 2 and 3 a warp per short rms_norm row.
+/// HC splits of 256 float4 columns, norm_rope_f32 staging the row, rmsnorm_f32x4), 2 `wide`
+/// (default: `*_w` HC kernels, ~one split CTA per SM and a last-CTA epilogue; norm_rope_g, the
+/// row in registers; a warp per short rms_norm row), 3 `grid`: as wide but the `*_g` HC kernels,
+/// whose CTAs meet at a grid barrier and each finish their own columns (opt-in: on the H200 18.6
+/// us a call against 17.3 for `*_w`, bench/results/gpu-glue-h-h200.txt).
 static FORM: AtomicU8 = AtomicU8::new(0);
 
-/// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1|wide`, else grid), read once, or
+/// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1|grid`, else wide), read once, or
 /// [`GpuBackend::set_fuse_form`].
 fn fuse_form() -> u8 {
     let mut m = FORM.load(Ordering::Relaxed);
     if m == 0 {
         let env = match std::env::var("DS4_GPU_FUSE_FORM").as_deref() {
             Ok("v1") => 1,
-            Ok("wide") => 2,
-            _ => 3,
+            Ok("grid") => 3,
+            _ => 2,
         };
         m = match FORM.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
             Ok(_) => env,
@@ -163,7 +164,7 @@ fn fuse_wide() -> bool {
     fuse_form() >= 2
 }
 
-/// Whether the grid forms run (the default).
+/// Whether the grid HC kernels run (`DS4_GPU_FUSE_FORM=grid`).
 fn fuse_grid() -> bool {
     fuse_form() == 3
 }
@@ -220,14 +221,14 @@ impl GpuBackend {
         FUSE.store(m, Ordering::Relaxed);
     }
 
-    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "grid" (the default),
-    /// "wide" or "v1". Process-wide; for tests and A/B benchmarks.
+    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "wide" (the default),
+    /// "grid" or "v1". Process-wide; for tests and A/B benchmarks.
     pub fn set_fuse_form(form: &str) {
         let m = match form {
             "v1" => 1,
             "wide" => 2,
             "grid" => 3,
-            _ => panic!("set_fuse_form: unknown form {form:?} (grid, wide, v1)"),
+            _ => panic!("set_fuse_form: unknown form {form:?} (wide, grid, v1)"),
         };
         FORM.store(m, Ordering::Relaxed);
     }
@@ -355,9 +356,10 @@ impl GpuBackend {
 
     /// One launch of the fused HC pre + norm (after the HC post when `pin` is given): the wide
     /// kernels (`*_w`: N·D/4 pairs in splits of a warp's lanes, 1024 / (32 / 4) = 128 CTAs a
-    /// token at D 4096) or, `DS4_GPU_FUSE_FORM=v1` or shapes they decline, the first ones (256
-    /// float4 columns of the N·D row a split, or 256 / N of each stream with the post). Both
-    /// take the same arguments.
+    /// token at D 4096), `DS4_GPU_FUSE_FORM=grid` the grid ones (`*_g`: the same splits, all
+    /// CTAs co-resident, plus the column groups a CTA), or, `v1` or shapes they decline, the
+    /// first ones (256 float4 columns of the N·D row a split, or 256 / N of each stream with the
+    /// post). All take the same arguments (the grid ones one more).
     #[allow(clippy::too_many_arguments)]
     fn hc_fused(
         &self,
@@ -453,8 +455,9 @@ impl GpuBackend {
         );
     }
 
-    /// RMSNorm + RoPE (+ FP8/f16 rounding) in one launch, one CTA per row; Hadamard/FP4
-    /// rounding and `DS4_GPU_FUSE=off` take the separate ops.
+    /// RMSNorm + RoPE (+ FP8/f16 rounding) in one launch, one CTA per row (the RoPE angles
+    /// computed while the row loads); Hadamard/FP4 rounding and `DS4_GPU_FUSE=off` take the
+    /// separate ops.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_norm_rope(
         &self,
@@ -489,9 +492,10 @@ impl GpuBackend {
             return;
         }
         let warp = self.warp() as usize;
-        // Grid form: the row in registers, NG_K float4 a thread of up to 256.
+        // norm_rope_g (wide and grid forms): the row in registers, NG_K float4 a thread of up
+        // to 256 (H200 decode: 4.4 us a call against 6.6 for norm_rope_f32, which stages it).
         let threads = (width / 4).next_multiple_of(warp).clamp(warp, 256);
-        let grid = fuse_grid()
+        let in_regs = fuse_wide()
             && width.is_multiple_of(4)
             && width / 4 <= NG_K * threads
             && al16(x.ptr)
@@ -509,7 +513,7 @@ impl GpuBackend {
             Arg::I32(r.f16 as i32),
         ];
         let mut dims = LaunchDims::linear(rows as u32, threads as u32);
-        if grid {
+        if in_regs {
             dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
             self.run(&ds4_kernels::FUSED, "norm_rope_g", dims, &args);
             return;
