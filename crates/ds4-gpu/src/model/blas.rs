@@ -14,7 +14,9 @@
 //! over K (X_hi · W_hi: ~2^-9 per term; error measured in tests/ops_blas.rs).
 //!
 //! Switch: `DS4_GPU_BLAS=off|on|fast` (default on where the library loads) or
-//! [`GpuBackend::set_blas`]. The library gets a 32 MiB workspace allocated once, so the call
+//! [`GpuBackend::set_blas`]. H200, full-size q2, 2048-token prompt: prefill 1,478 -> 1,901 tok/s
+//! (fast: 2,124); per product 3-5.5x the GEMM (bench/results/gpu-blas-b-h200.txt). The library
+//! is opened when the backend is made and gets a 32 MiB workspace allocated once, so the call
 //! neither allocates nor synchronises; it runs on the backend's stream (the legacy default
 //! stream of the primary context, which the library's runtime shares). Never recorded in a
 //! decode graph (n ≤ 4 goes to matvec.rs; a recording backend declines anyway).
@@ -59,7 +61,8 @@ fn mode() -> u8 {
     m
 }
 
-/// Per-backend BLAS-Lt state (handle, workspace, plans), opened on first use; None inside:
+/// Per-backend BLAS-Lt state (handle, workspace, plans), opened with the backend (or on first
+/// use when the path was off then); None inside:
 /// the library is missing or could not start (said once).
 #[derive(Default)]
 pub(crate) struct BlasSlot {
@@ -112,6 +115,16 @@ impl GpuBackend {
     /// Library products queued so far in this process.
     pub fn blas_launches() -> u64 {
         LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// Open the library when the backend is made (GpuBackend::new), unless the path is off: on
+    /// the H200 a cold first open of libcublasLt (hundreds of MB) inside the first prompt cost
+    /// ~0.2 s of a 2048-token prefill (bench/results/gpu-blas-b-h200.txt).
+    pub(crate) fn blas_started(self) -> GpuBackend {
+        if mode() != OFF {
+            self.blas_state();
+        }
+        self
     }
 
     /// Whether this backend's BLAS-Lt library loaded and started (opens it on first call).

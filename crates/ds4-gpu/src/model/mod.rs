@@ -342,7 +342,8 @@ impl GpuBackend {
                     .unwrap_or(GRAPH_SPLIT),
                 ..GraphState::default()
             }),
-        })
+        }
+        .blas_started()) // the BLAS-Lt library now, not inside the first prompt (blas.rs)
     }
 
     /// Turn graph replay of decode steps on or off for this backend (default on unless
