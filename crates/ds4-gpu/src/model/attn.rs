@@ -25,13 +25,13 @@ const AP_MIN_ROWS: usize = 16;
 const IXH_R: usize = 32;
 
 /// Decode attention in one launch (`attend_one_f32`): heads per CTA, rows per tile, most tokens
-/// per launch, and the first of its two arrival counters in `GpuBackend::tickets` (32-bit words;
-/// the fused HC kernels of mix.rs count in words 0..32 too, by token: every user of those words
-/// leaves them 0 between launches, and launches on the stream do not overlap).
+/// per launch, and the first of its two arrival counters in `GpuBackend::tickets` (32-bit words
+/// of its own, above the fused HC's; the kernel leaves them 0).
 const AO_HG: usize = 16;
 const AO_R: usize = 8;
 const AO_MAX_N: usize = 8;
-const AO_TICKET: usize = 28;
+pub(crate) const AO_TICKET: usize = 64;
+const _: () = assert!(super::mix::FUSE_TICKETS <= AO_TICKET && AO_TICKET + 2 <= super::TICKET_WORDS);
 
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
 /// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`), 3 one launch for decode

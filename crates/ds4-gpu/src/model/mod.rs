@@ -255,11 +255,16 @@ pub struct GpuBackend {
     /// Launches are being recorded (see [`GraphState`]).
     recording: AtomicBool,
     graph: Mutex<GraphState>,
-    /// Per-token arrival counters of the fused HC pre (mix.rs), zero between launches.
+    /// Arrival counters of the kernels that finish in their last CTA, zero between launches
+    /// (`TICKET_WORDS` u32 words): words below `mix::FUSE_TICKETS` the fused HC (by token and
+    /// barrier generation), `attn::AO_TICKET` and the next word decode attention.
     pub(crate) tickets: DeviceBuffer,
     /// Vendor BLAS-Lt state for dense prefill products (blas.rs), opened on first use.
     pub(crate) blas: blas::BlasSlot,
 }
+
+/// Words of [`GpuBackend::tickets`].
+pub(crate) const TICKET_WORDS: usize = 128;
 
 impl Drop for GpuBackend {
     fn drop(&mut self) {
@@ -318,7 +323,7 @@ impl GpuBackend {
             gpu.alloc_from(&f64s(&ropes.swa.freqs))?,
             gpu.alloc_from(&f64s(&ropes.comp.freqs))?,
         ];
-        let tickets = gpu.alloc_from(&[0u8; 4 * mix::FUSE_TICKETS])?;
+        let tickets = gpu.alloc_from(&[0u8; 4 * TICKET_WORDS])?;
         Ok(GpuBackend {
             tickets,
             blas: Default::default(),
