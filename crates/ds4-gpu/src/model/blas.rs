@@ -14,7 +14,7 @@
 //! over K (X_hi · W_hi: ~2^-9 per term; error measured in tests/ops_blas.rs).
 //!
 //! Switch: `DS4_GPU_BLAS=off|on|fast` (default on where the library loads) or
-//! [`GpuBackend::set_blas`]. H200, full-size q2, 2048-token prompt: prefill 1,478 -> 1,901 tok/s
+//! [`GpuBackend::set_blas`]. H200, full-size q2, 2048-token prompt: prefill 1,473 -> 1,901 tok/s
 //! (fast: 2,124); per product 3-5.5x the GEMM (bench/results/gpu-blas-b-h200.txt). The library
 //! is opened when the backend is made and gets a 32 MiB workspace allocated once, so the call
 //! neither allocates nor synchronises; it runs on the backend's stream (the legacy default
