@@ -23,6 +23,7 @@ __device__ __forceinline__ void ds4_rope_pair(float* v, double w, long long pos,
 // pos0 + i·step. One thread per (row, pair) over the last n_rot values.
 DS4_KERNEL void DS4_BOUNDS(256) rope_f32(float* __restrict__ x, const double* __restrict__ freqs, long long rows, int heads,
                                          int width, int n_rot, long long pos0, long long step, int inverse) {
+    ds4_pdl_enter();
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int half = n_rot / 2;
     if (k >= rows * half) return;
@@ -166,6 +167,7 @@ __device__ __forceinline__ void ds4_round_shared(float* row_s, float* scale_s, i
 // fp8_nope > 0: FP8 of the first fp8_nope values (blocks of 64); fp4: Hadamard (width a power of
 // two) + FP4 (blocks of 32); f16: round to f16.
 DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width, int fp8_nope, int fp4, int f16) {
+    ds4_pdl_enter();
     extern __shared__ float row_s[];
     __shared__ float scale_s[256];
     float* xr = x + (size_t)blockIdx.x * width;
@@ -240,6 +242,7 @@ __device__ __forceinline__ void ds4_cand(const ds4_comp& c, long long wi, int i,
 // Pooled rows of the windows closed in the chunk: out [rows, d], row k = window t0/r + k.
 // grid (rows, ceil(d / blockDim)); one thread per channel, candidates in CPU order.
 DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __restrict__ out) {
+    ds4_pdl_enter();
     DS4_COMP_MAKE;
     int d = c.w / c.coff;
     int j = blockIdx.y * blockDim.x + threadIdx.x;
@@ -270,6 +273,7 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __rest
 // shared memory (d floats). Pooling as compress_pool_f32 (same order); the norm's f64 sum of
 // squares is reduced in another order than rmsnorm_f32's (bit-near).
 DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, float* __restrict__ out, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos0, int fp8_nope, int fp4, int f16) {
+    ds4_pdl_enter();
     DS4_COMP_MAKE;
     extern __shared__ float row_s[];
     __shared__ float scale_s[256];
@@ -328,6 +332,7 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g,
 
 // The frontier after the chunk, into nkv/nsc [slots, w] (never the old frontier itself).
 DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_f32(DS4_COMP_PARAMS, float* __restrict__ nkv, float* __restrict__ nsc) {
+    ds4_pdl_enter();
     DS4_COMP_MAKE;
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int slots = c.coff * c.r;
@@ -360,6 +365,7 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_f32(DS4_COMP_PARAMS, float* __
 // values of that same pair and column (sources sit at slot q % r == j), so the thread owning
 // (j, col) reads them all, then writes. grid over r·w threads. Same bits as the copy form.
 DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const float *g, const u8 *ape, float *fkv, float *fsc, long long t0, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes) {
+    ds4_pdl_enter();
     ds4_comp c = {a, g, ape, fkv, fsc, t0, n, r, coff, w, ape_ty, ape_row_bytes};
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= (long long)r * w) return;
@@ -393,6 +399,7 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, co
                                                  const float* __restrict__ rows, float* __restrict__ scores,
                                                  long long tb, long long max_vis, int heads, int ihd, int ratio,
                                                  float ws) {
+    ds4_pdl_enter();
     extern __shared__ float qi[]; // token i's query, heads × ihd
     long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
@@ -427,6 +434,7 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, co
 // same bits. Same grid, block (128) and dynamic shared memory (heads × 128 floats).
 #define DS4_IX_HD 128
 DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tb, long long max_vis, int heads, int ihd, int ratio, float ws) {
+    ds4_pdl_enter();
     extern __shared__ float4 qi4[]; // token i's query, heads × DS4_IX_HD floats
     long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
@@ -479,6 +487,7 @@ DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q,
 // same bits). grid (ceil(max_vis / R), tokens); dynamic shared heads × (128 + R) floats.
 #define DS4_IXH_R 32
 DS4_KERNEL void DS4_BOUNDS(256) index_scores128h_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tb, long long max_vis, int heads, int ihd, int ratio, float ws) {
+    ds4_pdl_enter();
     extern __shared__ float4 qh4[];                             // heads × DS4_IX_HD floats
     float* term = (float*)(qh4 + heads * (DS4_IX_HD / 4));      // [heads][DS4_IXH_R]
     int i = blockIdx.y, tid = threadIdx.x;
@@ -543,6 +552,7 @@ __device__ __forceinline__ u32 ds4_fkey(float f) {
 // blockDim 1024 (a multiple of the warp); radix select on the keys, then an ordered compaction.
 DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, int* __restrict__ sel, long long tb,
                                             long long max_vis, int ratio, int top_k) {
+    ds4_pdl_enter();
     __shared__ u32 hist[256];
     __shared__ u32 prefix_s, want_s;
     __shared__ u32 warp_gt[1024 / 32], warp_eq[1024 / 32];
@@ -641,6 +651,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, in
 // sel[i] (top_k i32, −1 padded). Tokens with visible <= top_k get 0..visible. One CTA per token,
 // blockDim 1024 (a multiple of the warp); radix select on the keys, then an ordered compaction.
 DS4_KERNEL void DS4_BOUNDS(1024) index_topk_ps(const float* __restrict__ scores, int* __restrict__ sel, long long tb, long long max_vis, int ratio, int top_k) {
+    ds4_pdl_enter();
     __shared__ u32 hist[256];
     __shared__ u32 prefix_s, want_s;
     __shared__ u32 warp_gt[1024 / 32], warp_eq[1024 / 32];
@@ -768,6 +779,7 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_f32(const float* __restrict__ q, const fl
                                            const float* __restrict__ comp, const int* __restrict__ sel,
                                            const float* __restrict__ sinks, float* __restrict__ out, long long t0,
                                            int heads, int hd, int win, int ratio, int top_k, float scale) {
+    ds4_pdl_enter();
     __shared__ int list[DS4_ATT_MAXLIST]; // >= 0: compressed row; < 0: raw position −(p+1)
     __shared__ int flag[DS4_ATT_MAXLIST];
     __shared__ float q_s[DS4_ATT_MAXHD];
@@ -888,6 +900,7 @@ __device__ __forceinline__ const float* ds4_ap_row(long long j, long long t0, lo
 // into registers while this one is used, and each warp's 2 heads × R row scores are reduced by a
 // reduce-scatter (9 shuffles instead of 40) whose lanes then run the online softmax in parallel.
 DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ raw, const int* __restrict__ raw_pos, const float* __restrict__ comp, const int* __restrict__ sel, float* __restrict__ part_o, float* __restrict__ part_mz, long long t0, int heads, int hd, int win, int ratio, int top_k, int chunk, int splits, float scale) {
+    ds4_pdl_enter();
     // float4 arrays for 16-byte alignment.
     __shared__ float4 q_s4[DS4_AP_HG * DS4_AP_MAXHD / 4];   // 32 KiB: the CTA's heads [HG][hd]
     __shared__ float4 rows_s4[DS4_AP_R * DS4_AP_MAXHD / 4]; // 8 KiB: the tile's rows [R][hd]
@@ -1089,6 +1102,7 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_part_f32(const float* __restrict__ q, con
 // blockDim DS4_AP_THREADS; hd <= 512, splits <= DS4_AP_MAXSPLIT. Every loop over the splits
 // issues its loads independently (no loop-carried load chain: this kernel is latency-bound).
 DS4_KERNEL void DS4_BOUNDS(256) attend_combine_f32(const float* __restrict__ part_o, const float* __restrict__ part_mz, const float* __restrict__ sinks, const double* __restrict__ freqs, float* __restrict__ out, const float* __restrict__ kv, float* __restrict__ raw, int* __restrict__ raw_pos, long long t0, int n, int heads, int hd, int win, int splits, int n_rot) {
+    ds4_pdl_enter();
     __shared__ float w_s[DS4_AP_MAXSPLIT];
     __shared__ float o_s[DS4_AP_MAXHD];
     __shared__ float red_s[DS4_AP_THREADS / 32];
@@ -1152,6 +1166,7 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_combine_f32(const float* __restrict__ par
 // After the chunk: ring slots of the last min(n, W) tokens get their rows and positions.
 DS4_KERNEL void DS4_BOUNDS(256) ring_store_f32(const float* __restrict__ kv, float* __restrict__ raw,
                                                int* __restrict__ raw_pos, long long t0, int n, int hd, int win) {
+    ds4_pdl_enter();
     int keep = n < win ? n : win;
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= (long long)keep * hd) return;
@@ -1611,5 +1626,5 @@ template <bool V2> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS)
     }
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_attend_one<false>(DS4_AO_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one2_f32(DS4_AO_PARAMS) { ds4_attend_one<true>(DS4_AO_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false>(DS4_AO_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one2_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<true>(DS4_AO_ARGS); }

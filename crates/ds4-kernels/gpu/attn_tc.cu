@@ -316,7 +316,7 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], kv [n, hd], out [n, heads, hd];
 // host checks: CUDA sm_80+, 16-byte aligned rows, n_rot even and <= min(hd, 128).
 // attn_tc<hd>_f32: hi/lo split of Q and P; attn_tc<hd>h_f32: hi only.
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS) { ATC_BODY(512, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS) { ATC_BODY(512, false) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS) { ATC_BODY(64, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ATC_BODY(64, false) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(512, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(512, false) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, false) }

@@ -434,97 +434,98 @@ template <int T> __device__ __forceinline__ void gateup_tile_body(GU_PARAMS) {
     }
 }
 
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_f32(MM_PARAMS) { mm_body<T_F32, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_f32(MM_PARAMS) { mm_body<T_F32, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_f32(MM_PARAMS) { mm_body<T_F32, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_f16(MM_PARAMS) { mm_body<T_F16, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_f16(MM_PARAMS) { mm_body<T_F16, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_f16(MM_PARAMS) { mm_body<T_F16, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_bf16(MM_PARAMS) { mm_body<T_BF16, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_bf16(MM_PARAMS) { mm_body<T_BF16, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_bf16(MM_PARAMS) { mm_body<T_BF16, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_q8_0(MM_PARAMS) { mm_body<T_Q8_0, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_q8_0(MM_PARAMS) { mm_body<T_Q8_0, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_q8_0(MM_PARAMS) { mm_body<T_Q8_0, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_q2_k(MM_PARAMS) { mm_body<T_Q2_K, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_q2_k(MM_PARAMS) { mm_body<T_Q2_K, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_q2_k(MM_PARAMS) { mm_body<T_Q2_K, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_q4_k(MM_PARAMS) { mm_body<T_Q4_K, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_q4_k(MM_PARAMS) { mm_body<T_Q4_K, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_q4_k(MM_PARAMS) { mm_body<T_Q4_K, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_iq2_xxs(MM_PARAMS) { mm_body<T_IQ2_XXS, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_iq2_xxs(MM_PARAMS) { mm_body<T_IQ2_XXS, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_iq2_xxs(MM_PARAMS) { mm_body<T_IQ2_XXS, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_f32(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_F32, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_f32(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_F32, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_f32(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_F32, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_f16(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_F16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_f16(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_F16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_f16(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_F16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_bf16(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_BF16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_bf16(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_BF16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_bf16(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_BF16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_q8_0(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q8_0, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_q8_0(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q8_0, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_q8_0(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q8_0, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_q2_k(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q2_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_q2_k(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q2_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_q2_k(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q2_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_q4_k(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q4_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_q4_k(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q4_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_q4_k(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_Q4_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm1_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_IQ2_XXS, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm4_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_IQ2_XXS, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mm8_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mm_body<T_IQ2_XXS, 8>(MM_ARGS); }
 
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_f32(GU_PARAMS) { gateup_body<T_F32>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_f16(GU_PARAMS) { gateup_body<T_F16>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_bf16(GU_PARAMS) { gateup_body<T_BF16>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_q8_0(GU_PARAMS) { gateup_body<T_Q8_0>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_q2_k(GU_PARAMS) { gateup_body<T_Q2_K>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_q4_k(GU_PARAMS) { gateup_body<T_Q4_K>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_iq2_xxs(GU_PARAMS) { gateup_body<T_IQ2_XXS>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_f32(GU_PARAMS) { ds4_pdl_enter(); gateup_body<T_F32>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_f16(GU_PARAMS) { ds4_pdl_enter(); gateup_body<T_F16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_bf16(GU_PARAMS) { ds4_pdl_enter(); gateup_body<T_BF16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_q8_0(GU_PARAMS) { ds4_pdl_enter(); gateup_body<T_Q8_0>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_q2_k(GU_PARAMS) { ds4_pdl_enter(); gateup_body<T_Q2_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_q4_k(GU_PARAMS) { ds4_pdl_enter(); gateup_body<T_Q4_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateup_iq2_xxs(GU_PARAMS) { ds4_pdl_enter(); gateup_body<T_IQ2_XXS>(GU_ARGS); }
 
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_f32(MM_PARAMS) { mm_tile_body<T_F32, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_f32(MM_PARAMS) { mm_tile_body<T_F32, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_f32(MM_PARAMS) { mm_tile_body<T_F32, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_f16(MM_PARAMS) { mm_tile_body<T_F16, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_f16(MM_PARAMS) { mm_tile_body<T_F16, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_f16(MM_PARAMS) { mm_tile_body<T_F16, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_bf16(MM_PARAMS) { mm_tile_body<T_BF16, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_bf16(MM_PARAMS) { mm_tile_body<T_BF16, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_bf16(MM_PARAMS) { mm_tile_body<T_BF16, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_q8_0(MM_PARAMS) { mm_tile_body<T_Q8_0, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_q8_0(MM_PARAMS) { mm_tile_body<T_Q8_0, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_q8_0(MM_PARAMS) { mm_tile_body<T_Q8_0, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_q2_k(MM_PARAMS) { mm_tile_body<T_Q2_K, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_q2_k(MM_PARAMS) { mm_tile_body<T_Q2_K, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_q2_k(MM_PARAMS) { mm_tile_body<T_Q2_K, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_q4_k(MM_PARAMS) { mm_tile_body<T_Q4_K, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_q4_k(MM_PARAMS) { mm_tile_body<T_Q4_K, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_q4_k(MM_PARAMS) { mm_tile_body<T_Q4_K, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_iq2_xxs(MM_PARAMS) { mm_tile_body<T_IQ2_XXS, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_iq2_xxs(MM_PARAMS) { mm_tile_body<T_IQ2_XXS, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_iq2_xxs(MM_PARAMS) { mm_tile_body<T_IQ2_XXS, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_f32(GU_PARAMS) { gateup_tile_body<T_F32>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_f16(GU_PARAMS) { gateup_tile_body<T_F16>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_bf16(GU_PARAMS) { gateup_tile_body<T_BF16>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q8_0(GU_PARAMS) { gateup_tile_body<T_Q8_0>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q2_k(GU_PARAMS) { gateup_tile_body<T_Q2_K>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q4_k(GU_PARAMS) { gateup_tile_body<T_Q4_K>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_iq2_xxs(GU_PARAMS) { gateup_tile_body<T_IQ2_XXS>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_f32(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_F32, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_f32(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_F32, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_f32(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_F32, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_f16(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_F16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_f16(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_F16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_f16(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_F16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_bf16(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_BF16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_bf16(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_BF16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_bf16(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_BF16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_q8_0(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q8_0, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_q8_0(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q8_0, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_q8_0(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q8_0, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_q2_k(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q2_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_q2_k(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q2_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_q2_k(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q2_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_q4_k(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q4_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_q4_k(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q4_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_q4_k(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_Q4_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt1_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_IQ2_XXS, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt4_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_IQ2_XXS, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmt8_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mm_tile_body<T_IQ2_XXS, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_f32(GU_PARAMS) { ds4_pdl_enter(); gateup_tile_body<T_F32>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_f16(GU_PARAMS) { ds4_pdl_enter(); gateup_tile_body<T_F16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_bf16(GU_PARAMS) { ds4_pdl_enter(); gateup_tile_body<T_BF16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q8_0(GU_PARAMS) { ds4_pdl_enter(); gateup_tile_body<T_Q8_0>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q2_k(GU_PARAMS) { ds4_pdl_enter(); gateup_tile_body<T_Q2_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_q4_k(GU_PARAMS) { ds4_pdl_enter(); gateup_tile_body<T_Q4_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupt_iq2_xxs(GU_PARAMS) { ds4_pdl_enter(); gateup_tile_body<T_IQ2_XXS>(GU_ARGS); }
 
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_f32(MM_PARAMS) { mmc_body<T_F32, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_f32(MM_PARAMS) { mmc_body<T_F32, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_f32(MM_PARAMS) { mmc_body<T_F32, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_f16(MM_PARAMS) { mmc_body<T_F16, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_f16(MM_PARAMS) { mmc_body<T_F16, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_f16(MM_PARAMS) { mmc_body<T_F16, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_bf16(MM_PARAMS) { mmc_body<T_BF16, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_bf16(MM_PARAMS) { mmc_body<T_BF16, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_bf16(MM_PARAMS) { mmc_body<T_BF16, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q8_0(MM_PARAMS) { mmc_body<T_Q8_0, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q8_0(MM_PARAMS) { mmc_body<T_Q8_0, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q8_0(MM_PARAMS) { mmc_body<T_Q8_0, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q2_k(MM_PARAMS) { mmc_body<T_Q2_K, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q2_k(MM_PARAMS) { mmc_body<T_Q2_K, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q2_k(MM_PARAMS) { mmc_body<T_Q2_K, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q4_k(MM_PARAMS) { mmc_body<T_Q4_K, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q4_k(MM_PARAMS) { mmc_body<T_Q4_K, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q4_k(MM_PARAMS) { mmc_body<T_Q4_K, 8>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 1>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 4>(MM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_iq2_xxs(MM_PARAMS) { mmc_body<T_IQ2_XXS, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_f32(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_F32, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_f32(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_F32, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_f32(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_F32, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_f16(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_F16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_f16(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_F16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_f16(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_F16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_bf16(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_BF16, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_bf16(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_BF16, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_bf16(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_BF16, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q8_0(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q8_0, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q8_0(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q8_0, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q8_0(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q8_0, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q2_k(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q2_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q2_k(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q2_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q2_k(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q2_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_q4_k(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q4_K, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_q4_k(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q4_K, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_q4_k(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_Q4_K, 8>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc1_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_IQ2_XXS, 1>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc4_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_IQ2_XXS, 4>(MM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) mmc8_iq2_xxs(MM_PARAMS) { ds4_pdl_enter(); mmc_body<T_IQ2_XXS, 8>(MM_ARGS); }
 
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_f32(GU_PARAMS) { gateupc_body<T_F32>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_f16(GU_PARAMS) { gateupc_body<T_F16>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_bf16(GU_PARAMS) { gateupc_body<T_BF16>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q8_0(GU_PARAMS) { gateupc_body<T_Q8_0>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q2_k(GU_PARAMS) { gateupc_body<T_Q2_K>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q4_k(GU_PARAMS) { gateupc_body<T_Q4_K>(GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_iq2_xxs(GU_PARAMS) { gateupc_body<T_IQ2_XXS>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_f32(GU_PARAMS) { ds4_pdl_enter(); gateupc_body<T_F32>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_f16(GU_PARAMS) { ds4_pdl_enter(); gateupc_body<T_F16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_bf16(GU_PARAMS) { ds4_pdl_enter(); gateupc_body<T_BF16>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q8_0(GU_PARAMS) { ds4_pdl_enter(); gateupc_body<T_Q8_0>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q2_k(GU_PARAMS) { ds4_pdl_enter(); gateupc_body<T_Q2_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_q4_k(GU_PARAMS) { ds4_pdl_enter(); gateupc_body<T_Q4_K>(GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MM_THREADS) gateupc_iq2_xxs(GU_PARAMS) { ds4_pdl_enter(); gateupc_body<T_IQ2_XXS>(GU_ARGS); }
 
 // Separate-type fallback of gateup: h[p*ff + r] = silu(min(g, c)) * clamp(u, -c, c) * wgt[p].
 DS4_KERNEL void DS4_BOUNDS(256) moe_swiglu_f32(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h, const float* __restrict__ wgt, float clamp, int ff, long long total) {
+    ds4_pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
     float gv = fminf(g[i], clamp), uv = fminf(fmaxf(u[i], -clamp), clamp);
@@ -533,6 +534,7 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_swiglu_f32(const float* __restrict__ g, cons
 
 // out[i*d + j] = sum over slots s = 0..k-1 (in order) of part[(i*k + s)*d + j].
 DS4_KERNEL void DS4_BOUNDS(256) moe_sum_f32(const float* __restrict__ part, float* __restrict__ out, int k, int d, long long total) {
+    ds4_pdl_enter();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= total) return;
     long long i = idx / d, j = idx % d;
@@ -545,6 +547,7 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_sum_f32(const float* __restrict__ part, floa
 // meant for prefill-sized pairs): perm = pairs stably sorted by expert max(sel, 0); runs of one
 // expert cut every nt items; grp = [ngroups, starts[gmax], perm[pairs]]; flag: pairs ints scratch.
 DS4_KERNEL void DS4_BOUNDS(256) moe_group_i32(const int* __restrict__ sel, int pairs, int nt, int gmax, int* __restrict__ grp, int* __restrict__ flag) {
+    ds4_pdl_enter();
     int* starts = grp + 1;
     int* perm = grp + 1 + gmax;
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {

@@ -49,12 +49,12 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ W, const floa
 
 #define DS4_QUANT_KERNELS(name, T)                                                                         \
     DS4_KERNEL void DS4_BOUNDS(256) dequant_##name(const u8* __restrict__ W, float* __restrict__ out, int rows, \
-                                                    int cols, long long row_bytes) {                        \
+                                                    int cols, long long row_bytes) { ds4_pdl_enter();                        \
         dequant_rows<T>(W, out, rows, cols, row_bytes);                                                    \
     }                                                                                                      \
     DS4_KERNEL void DS4_BOUNDS(DS4_MV_WARPS* DS4_WARP)                                                     \
         matvec_##name(const u8* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int rows, \
-                      int cols, long long row_bytes, int cps) {                                            \
+                      int cols, long long row_bytes, int cps) { ds4_pdl_enter();                                            \
         matvec_rows<T>(W, x, y, rows, cols, row_bytes, cps);                                               \
     }
 
@@ -69,6 +69,7 @@ DS4_QUANT_KERNELS(iq2_xxs, T_IQ2_XXS)
 // y[r] = sum over s of part[s * rows + r], in split order.
 DS4_KERNEL void DS4_BOUNDS(256) reduce_splits_f32(const float* __restrict__ part, float* __restrict__ y, int rows,
                                                  int nsplit) {
+    ds4_pdl_enter();
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     float s = 0.0f;

@@ -52,6 +52,7 @@ __device__ __forceinline__ void sm_block_best(float& v, u32& i, float* sv, u32* 
 // the per-CTA results (part_v/part_i, gridDim entries) and writes out[0]. ticket: 0 on entry,
 // 0 again on exit.
 DS4_KERNEL void DS4_BOUNDS(256) sample_argmax(const float* __restrict__ x, int n, float* part_v, u32* part_i, u32* ticket, u32* out) {
+    ds4_pdl_enter();
     __shared__ float sv[256 / 32];
     __shared__ u32 si[256 / 32];
     __shared__ int last;
@@ -326,6 +327,7 @@ __device__ void sp_pick(const float* __restrict__ x, int n, double* p, float tem
 
 // The single-CTA form as a kernel (DS4_GPU_SAMPLE=onecta: the A/B baseline).
 DS4_KERNEL void DS4_BOUNDS(1024) sample_pick(const float* __restrict__ x, int n, double* p, float temp, int top_k, float top_p, float min_p, long long u_bits, u32* out) {
+    ds4_pdl_enter();
     sp_pick(x, n, p, temp, top_k, top_p, min_p, u_bits, out);
 }
 
@@ -372,6 +374,7 @@ __device__ __forceinline__ u64 sq_q(float d, int qshift) {
 // Max order key of x over the grid (256 threads a CTA, gridDim ≤ 1024) → ws[SQ_KMAX].
 DS4_KERNEL void DS4_BOUNDS(256) sample_top(const float* __restrict__ x, int n, u32* ws) {
     ds4_pdl_enter();
+    ds4_pdl_enter();
     __shared__ u32 best;
     __shared__ int last;
     if (threadIdx.x == 0) best = 0;
@@ -406,6 +409,7 @@ DS4_KERNEL void DS4_BOUNDS(256) sample_top(const float* __restrict__ x, int n, u
 // Per-bin counts and masses, and how many have w ≥ min_p (256 threads a CTA). The last CTA
 // writes the exclusive prefix sums (start = cursor, cmass).
 DS4_KERNEL void DS4_BOUNDS(256) sample_hist(const float* __restrict__ x, int n, float temp, float min_p, int qshift, u32* ws) {
+    ds4_pdl_enter();
     ds4_pdl_enter();
     __shared__ u32 hc[SQ_NB];
     __shared__ u64 hm[SQ_NB];
@@ -491,6 +495,7 @@ DS4_KERNEL void DS4_BOUNDS(256) sample_hist(const float* __restrict__ x, int n, 
 
 // Element ids grouped by bin (order inside a bin arbitrary: the finish orders it).
 DS4_KERNEL void DS4_BOUNDS(256) sample_scatter(const float* __restrict__ x, int n, float temp, u32* ws) {
+    ds4_pdl_enter();
     ds4_pdl_enter();
     const float m = sm_unkey(ws[SQ_KMAX]);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -657,6 +662,7 @@ __device__ bool sq_id_at(u32 j, SqFin& f, SqCtx& c, u32& out) {
 // keeps the first max(1, min(k, #w ≥ min_p)); top-p the first whose cum reaches top_p · W
 // (within those); the pick is the first whose cum reaches u · cum(n2).
 DS4_KERNEL void DS4_BOUNDS(1024) sample_finish(const float* __restrict__ x, int n, double* p, float temp, int top_k, float top_p, float min_p, long long u_bits, int qshift, const u32* __restrict__ ws, u32* out) {
+    ds4_pdl_enter();
     ds4_pdl_enter();
     __shared__ SqFin f;
     const u32 kmax = ws[SQ_KMAX];

@@ -91,6 +91,7 @@ __device__ __forceinline__ u32 ds4_synth_byte(int ty, u64 seed, u32 dbits, u64 i
 
 // out: n_bytes of blocks of type `ty` (whole blocks). One thread per byte, grid-stride.
 DS4_KERNEL void DS4_BOUNDS(256) synth_quant(u8* __restrict__ out, long long n_bytes, int ty, long long seed, u32 dbits) {
+    ds4_pdl_enter();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)n_bytes; i += stride)
         out[i] = (u8)ds4_synth_byte(ty, (u64)seed, dbits, i);
@@ -98,6 +99,7 @@ DS4_KERNEL void DS4_BOUNDS(256) synth_quant(u8* __restrict__ out, long long n_by
 
 // out[e] = center + U(-spread, spread), f32.
 DS4_KERNEL void DS4_BOUNDS(256) synth_f32(float* __restrict__ out, long long n, long long seed, float center, float spread) {
+    ds4_pdl_enter();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < (u64)n; e += stride)
         out[e] = center + (2.0f * ds4_unif((u64)seed, e) - 1.0f) * spread;
@@ -105,6 +107,7 @@ DS4_KERNEL void DS4_BOUNDS(256) synth_f32(float* __restrict__ out, long long n, 
 
 // The same values stored as f16.
 DS4_KERNEL void DS4_BOUNDS(256) synth_f16(u16* __restrict__ out, long long n, long long seed, float center, float spread) {
+    ds4_pdl_enter();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < (u64)n; e += stride)
         out[e] = ds4_f2h(center + (2.0f * ds4_unif((u64)seed, e) - 1.0f) * spread);
@@ -112,6 +115,7 @@ DS4_KERNEL void DS4_BOUNDS(256) synth_f16(u16* __restrict__ out, long long n, lo
 
 // rows × k i32 expert ids, each row k distinct ids in [0, n_expert) (k <= 32; rejection draws).
 DS4_KERNEL void DS4_BOUNDS(256) synth_expert_ids(int* __restrict__ out, long long rows, int k, int n_expert, long long seed) {
+    ds4_pdl_enter();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x; t < (u64)rows; t += stride) {
         int ids[32];
