@@ -23,7 +23,7 @@ echo "default: $(timeout 60 $B --ctx-start 2048 --ctx-max 2048 --gen-tokens 64 2
 for v in ${DS4_SUITE_AB:-}; do
   echo "$v: $(env "$v" timeout 60 $B --ctx-start 2048 --ctx-max 2048 --gen-tokens 64 2>>"$OUT/ab.log" | tail -1)"
 done
-tests="gpu_forward graph ops_mix ops_attn ops_moe gpu sample ops_matvec ops_matmul synth conformance"
+tests="gpu_forward graph ops_mix ops_attn ops_moe gpu sample ops_blas ops_matvec ops_matmul synth conformance"
 [ "${1:-}" = quick ] || tests="$tests ops_gemm"
 for t in $tests; do
   [ -x "./t-$t" ] || { echo "$t: not carried"; continue; }
