@@ -186,6 +186,7 @@ __device__ __forceinline__ void fu_hc_pre(const float* __restrict__ x, const u8*
 // (8-byte aligned for f16/bf16, 16 for f32); part holds n·S·FU_PART doubles; tickets[t] is 0 on
 // entry and is left 0. blockDim a multiple of DS4_WARP, <= 1024.
 DS4_KERNEL void DS4_BOUNDS(1024) hc_pre_norm_f32(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    ds4_pdl_enter();
     switch (N) {
     case 1: fu_hc_pre<1>(x, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
     case 2: fu_hc_pre<2>(x, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
@@ -251,6 +252,7 @@ __device__ __forceinline__ void fu_hc_post_pre(float* x, const float* __restrict
 // hc_pre_norm_f32). Grid n·S CTAs, S = ceil(D/4 / (blockDim / N)). Host: as hc_pre_norm_f32,
 // plus 16-byte aligned o.
 DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    ds4_pdl_enter();
     switch (N) {
     case 1: fu_hc_post_pre<1>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
     case 2: fu_hc_post_pre<2>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
@@ -435,6 +437,7 @@ __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, con
 // S = ceil(D/4 / (DS4_WARP / N)); part holds n·FU_PART·S doubles; blockDim = FW_T with
 // D/4 <= FW_ZR·(FW_T - DS4_WARP).
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_w(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    ds4_pdl_enter();
     float* xm = (float*)x; // not written (POST = false)
     switch (N) {
     case 1: fw_hc<1, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
@@ -446,6 +449,7 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_w(const float* __restrict__ x, cons
 
 // Wide hc_post_pre_norm_f32: same arguments and outputs; grid and part as hc_pre_norm_w.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_w(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
+    ds4_pdl_enter();
     switch (N) {
     case 1: fw_hc<1, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
     case 2: fw_hc<2, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
@@ -672,6 +676,7 @@ __device__ __forceinline__ void fg_hc(float* x, const float* __restrict__ o, con
 // count (co-resident: the CTAs wait for each other), n <= 32; part holds n·FG_PART·S doubles;
 // tickets[t] is 0 on entry and left 0. blockDim = FW_T.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_g(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int G, int iters, float hc_eps, float eps) {
+    ds4_pdl_enter();
     float* xm = (float*)x; // not written (POST = false)
     switch (N) {
     case 1: fg_hc<1, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
@@ -684,6 +689,7 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_g(const float* __restrict__ x, cons
 // Grid hc_post_pre_norm_f32: arguments and outputs as hc_post_pre_norm_w plus G; grid and part as
 // hc_pre_norm_g.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_g(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int G, int iters, float hc_eps, float eps) {
+    ds4_pdl_enter();
     switch (N) {
     case 1: fg_hc<1, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
     case 2: fg_hc<2, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
@@ -752,6 +758,7 @@ __device__ __forceinline__ float fu_f16_round(float f) {
 // fp8_nope values (blocks of 64), f16 rounding when f16. The row is staged in dynamic shared
 // memory (width floats). Host: n_rot even, n_rot <= width, fp8_nope <= width.
 DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
+    ds4_pdl_enter();
     extern __shared__ float row_s[];
     __shared__ double red[32];
     const int tid = threadIdx.x;
@@ -806,6 +813,7 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
 // memory n_rot / 2 float2.
 #define NG_K 4
 DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
+    ds4_pdl_enter();
     extern __shared__ float2 sc_s[]; // (sin, cos) of pair p
     __shared__ double red[32];
     const int tid = threadIdx.x, T = blockDim.x, w4 = width >> 2, r0 = width - n_rot;
