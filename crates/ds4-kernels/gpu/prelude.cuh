@@ -87,6 +87,8 @@ __device__ __forceinline__ double ds4_warp_sum_f64(double v) {
 // runs, and the wait holds it, before any memory access, until every earlier kernel of the
 // stream has finished and its writes are visible. The trigger then lets the next PDL kernel be
 // scheduled while this one runs. Without the attribute, and on HIP or older GPUs, a no-op.
+// (Kernels with a grid barrier stay safe: a dependent launches only after every CTA of its
+// predecessor has passed this point, so all of them are resident.)
 __device__ __forceinline__ void ds4_pdl_enter() {
 #if defined(DS4_CUDA) && DS4_ARCH >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
