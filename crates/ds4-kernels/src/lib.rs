@@ -190,7 +190,18 @@ mod tests {
         };
         assert_eq!(pdl_kernels(&m), ["a", "c"]);
         // The decode products wait first in every kernel of their modules.
-        for m in [MATVEC, MOE, ELEMENTWISE, MODEL, ATTENTION, ATTN_TC, MATMUL, SAMPLE, SYNTH, FUSED] {
+        for m in [
+            MATVEC,
+            MOE,
+            ELEMENTWISE,
+            MODEL,
+            ATTENTION,
+            ATTN_TC,
+            MATMUL,
+            SAMPLE,
+            SYNTH,
+            FUSED,
+        ] {
             assert_eq!(pdl_kernels(&m), m.kernels, "module {}", m.name);
         }
     }

@@ -31,7 +31,8 @@ const AO_HG: usize = 16;
 const AO_R: usize = 8;
 const AO_MAX_N: usize = 8;
 pub(crate) const AO_TICKET: usize = 64;
-const _: () = assert!(super::mix::FUSE_TICKETS <= AO_TICKET && AO_TICKET + 2 <= super::TICKET_WORDS);
+const _: () =
+    assert!(super::mix::FUSE_TICKETS <= AO_TICKET && AO_TICKET + 2 <= super::TICKET_WORDS);
 
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
 /// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`), 3 one launch for decode
