@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{backends, max_rel, randn, rng, weight};
+use common::{backends, max_rel, max_rel_rms, randn, rng, weight};
 use ds4_backend::{Backend, GgmlType, Part};
 use ds4_gpu::blas::{decline_line, BlasLt};
 use ds4_gpu::runtime::Vendor;
@@ -27,23 +27,6 @@ const TOL_FAST: f32 = 3e-2;
 
 const TYPES: &[GgmlType] = &[GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0];
 const NS: &[usize] = &[5, 37, 64, 2048];
-
-/// max |a - b| / (1 + rms(b)) (NaN: infinite).
-fn max_rel_rms(a: &[f32], b: &[f32]) -> f32 {
-    let rms = (b.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / b.len().max(1) as f64)
-        .sqrt() as f32;
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            if x.is_nan() || y.is_nan() {
-                f32::INFINITY
-            } else {
-                (x - y).abs()
-            }
-        })
-        .fold(0.0, f32::max)
-        / (1.0 + rms)
-}
 
 #[derive(Default)]
 struct Cases {

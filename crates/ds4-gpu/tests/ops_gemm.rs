@@ -24,7 +24,7 @@
 
 mod common;
 
-use common::{backends, max_rel, randn, rng, weight};
+use common::{backends, max_rel, max_rel_rms, randn, rng, weight};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
@@ -46,22 +46,6 @@ const TOL_H: f32 = 3e-3;
 /// O(1) gate/up values are far from that regime. Gross errors (a wrong tile or expert) are ~1.
 const TOL_H_MOE: f32 = 0.1;
 
-/// max |a - b| / (1 + rms(b)) (NaN: infinite).
-fn max_rel_rms(a: &[f32], b: &[f32]) -> f32 {
-    let rms = (b.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / b.len().max(1) as f64)
-        .sqrt() as f32;
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            if x.is_nan() || y.is_nan() {
-                f32::INFINITY
-            } else {
-                (x - y).abs()
-            }
-        })
-        .fold(0.0, f32::max)
-        / (1.0 + rms)
-}
 const FORMS: usize = 7;
 
 const TYPES: &[GgmlType] = &[

@@ -126,6 +126,20 @@ fn attn_inputs(
     ]
 }
 
+/// Attention rows read per token of a chunk of `n` at `t0`: (selected compressed rows, the
+/// candidates of the last token, the most of any token in the chunk: window + selected rows, or
+/// window + every compressed row when nothing selects).
+fn candidates(spec: &AttnSpec, selected: bool, n: usize, t0: usize) -> (usize, usize) {
+    let top_k = if selected { spec.top_k } else { 0 };
+    let t_last = t0 + n - 1;
+    let ncomp = if !selected && spec.ratio > 0 {
+        (t_last + 1) / spec.ratio
+    } else {
+        0
+    };
+    (top_k, spec.window.min(t_last + 1) + top_k + ncomp)
+}
+
 impl GpuBackend {
     /// Use the old decode glue kernels (compressor frontier with copies back, one-thread-per-row
     /// indexer scores, serial top-k bin scan); process-wide, overrides `DS4_GPU_ATTN_GLUE=old`.
@@ -707,14 +721,7 @@ impl GpuBackend {
         scale: f32,
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
-        let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        let t_last = t0 + n - 1;
-        let ncomp = if sel.is_none() && spec.ratio > 0 {
-            (t_last + 1) / spec.ratio
-        } else {
-            0
-        };
-        let max_cand = win.min(t_last + 1) + top_k + ncomp;
+        let (top_k, max_cand) = candidates(spec, sel.is_some(), n, t0);
         let per_split = n * nh.div_ceil(AO_HG);
         // As many splits as fit one CTA per SM, each a whole number of tiles.
         let most = (self.gpu.info().sm_count as usize / per_split).clamp(1, AP_MAXSPLIT);
@@ -784,15 +791,7 @@ impl GpuBackend {
         scale: f32,
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
-        let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        // Candidates of the last token (the most of any token in the chunk).
-        let t_last = t0 + n - 1;
-        let ncomp = if sel.is_none() && spec.ratio > 0 {
-            (t_last + 1) / spec.ratio
-        } else {
-            0
-        };
-        let max_cand = win.min(t_last + 1) + top_k + ncomp;
+        let (top_k, max_cand) = candidates(spec, sel.is_some(), n, t0);
         let groups = nh.div_ceil(AP_HG);
         // Splits: about four CTAs per SM in all (two or three fit at once), each split at least
         // AP_MIN_ROWS candidates.

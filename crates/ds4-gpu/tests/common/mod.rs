@@ -145,3 +145,20 @@ pub fn weight(
         gpu.matrix(&src(&f, "w")).unwrap(),
     )
 }
+
+/// max |a - b| / (1 + rms(b)) (NaN: infinite).
+pub fn max_rel_rms(a: &[f32], b: &[f32]) -> f32 {
+    let rms = (b.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / b.len().max(1) as f64)
+        .sqrt() as f32;
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            if x.is_nan() || y.is_nan() {
+                f32::INFINITY
+            } else {
+                (x - y).abs()
+            }
+        })
+        .fold(0.0, f32::max)
+        / (1.0 + rms)
+}
