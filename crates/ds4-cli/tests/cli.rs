@@ -278,6 +278,10 @@ fn devices_report_and_closed_pipes_do_not_panic() {
         out.contains("cuda") && out.contains("rocm") && out.contains("nvrtc"),
         "{out}"
     );
+    // Whether the vendor BLAS (dense prefill products) loads, found or not.
+    for l in ["cublaslt: ", "hipblaslt: "] {
+        assert!(out.lines().any(|x| x.starts_with(l)), "{l} {out}");
+    }
     // A reader that goes away early (`ds4 … | head -1`) ends the process quietly.
     let d = tmpdir("pipe");
     let m = d.join("q2.gguf");
