@@ -598,7 +598,7 @@ struct AttCase {
 }
 
 /// A GPU attention form: tensor cores (hi/lo split or one f16 product) for prefill, the f32
-/// kernels by their `DS4_GPU_ATTN` name (`one`/`one2`: one launch at decode, `split`, `simple`), and
+/// kernels by their `DS4_GPU_ATTN` name (`one`: one launch at decode, `split`, `simple`), and
 /// its tolerance against the CPU.
 #[derive(Clone, Copy)]
 struct Form {
@@ -628,13 +628,6 @@ const ONE: Form = Form {
     tc: false,
     fast: false,
     attn: "one",
-    tol: 2e-5,
-};
-const ONE2: Form = Form {
-    name: "one2",
-    tc: false,
-    fast: false,
-    attn: "one2",
     tol: 2e-5,
 };
 const SPLIT: Form = Form {
@@ -848,7 +841,7 @@ fn attend_matches_cpu() {
         },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    let forms = [TC, TC_FAST, ONE, ONE2, SPLIT, SIMPLE];
+    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE];
     for (i, c) in cases.iter().enumerate() {
         run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
         run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
@@ -989,7 +982,7 @@ fn attend_bench() {
         });
         let mut og = gpu.alloc(n * nh * hd);
         let iters = if n >= 1024 { 5 } else { 20 };
-        for f in [TC, TC_FAST, ONE, ONE2, SPLIT, SIMPLE] {
+        for f in [TC, TC_FAST, ONE, SPLIT, SIMPLE] {
             if f.tc && n == 1 {
                 continue; // decode keeps the f32 kernels
             }

@@ -1262,12 +1262,9 @@ __device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
     q, kv, raw, raw_pos, comp, sel, sinks, freqs, out, part_o, part_mz, tk, t0, n, heads, hd, win, ratio, top_k, \
         chunk, splits, n_rot, scale
 
-// V2 (attend_one2_f32, opt-in): two tiles of rows in flight instead of one (a tile's loads are
-// issued two tiles ahead), and a merge whose lanes split the splits four ways (8 loads issued
-// together, then summed across the classes), reading m and z once.
 // grid (n · ceil(heads / HG) · splits) ≤ SMs, blockDim 256; hd ≤ 512, hd % 4 == 0 (float4 rows),
 // splits ≤ 256, chunk a multiple of R. part_o [n, splits, heads, hd], part_mz [n, splits, heads, 2].
-template <bool V2> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
+__device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
     __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
     __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
     __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
@@ -1314,7 +1311,7 @@ template <bool V2> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS)
             m_s[tid] = DS4_NEG_INF;
             z_s[tid] = 0.0f;
         }
-        float4 nx[DS4_AO_LD], nx2[DS4_AO_LD];
+        float4 nx[DS4_AO_LD];
         for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
             const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
             __syncthreads(); // the previous block's rows are no longer read
@@ -1332,37 +1329,15 @@ template <bool V2> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS)
         }                                                                                                  \
     }
             DS4_AO_FETCH(nx, 0)
-            if (V2) {
-                DS4_AO_FETCH(nx2, DS4_AO_R)
-            }
             for (int r0 = 0; r0 < cn; r0 += DS4_AO_R) {
                 __syncthreads(); // the last tile's products are done
-                // V2: odd tiles live in nx2 (branches, not selects or copies: either would wait
-                // for both buffers' loads).
-                const bool odd = V2 && ((r0 / DS4_AO_R) & 1);
-#define DS4_AO_STORE(src)                                                                                  \
-    _Pragma("unroll") for (int u = 0; u < DS4_AO_LD; u++) {                                                \
-        int k = tid + u * DS4_AO_THREADS;                                                                  \
-        if (k < DS4_AO_R * hd4) rows_s4[k] = src[u];                                                       \
-    }
-                if (odd) {
-                    DS4_AO_STORE(nx2)
-                } else {
-                    DS4_AO_STORE(nx)
+#pragma unroll
+                for (int u = 0; u < DS4_AO_LD; u++) {
+                    int k = tid + u * DS4_AO_THREADS;
+                    if (k < DS4_AO_R * hd4) rows_s4[k] = nx[u];
                 }
-#undef DS4_AO_STORE
                 __syncthreads();
-                if (V2) {
-                    if (r0 + 2 * DS4_AO_R < cn) {
-                        if (odd) {
-                            DS4_AO_FETCH(nx2, r0 + 2 * DS4_AO_R)
-                        } else {
-                            DS4_AO_FETCH(nx, r0 + 2 * DS4_AO_R)
-                        }
-                    }
-                } else if (r0 + DS4_AO_R < cn) {
-                    DS4_AO_FETCH(nx, r0 + DS4_AO_R)
-                }
+                if (r0 + DS4_AO_R < cn) DS4_AO_FETCH(nx, r0 + DS4_AO_R)
                 // Partial scores: v[hh·R + r] over this lane's columns.
                 float v[4 * DS4_AO_R];
 #pragma unroll
@@ -1461,7 +1436,7 @@ template <bool V2> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS)
     const u32 total = gridDim.x;
     ds4_ao_grid_sync(tk, total);
     // Combine: 32-lane group per (token, head, 128-column block).
-    if (!V2) {
+    {
         const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
         const long long units = (long long)n * heads * nblk;
         const size_t hstride = (size_t)heads * 2; // part_mz: split s of (i, h) at + s·heads·2
@@ -1530,86 +1505,6 @@ template <bool V2> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS)
             ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
         }
     }
-    // V2 combine: 32-lane group per (token, head, 32 columns); lane = split class vl / 8 (splits
-    // s ≡ class mod 4) × float4 column vl % 8; m and z read once.
-    if (V2) {
-        const int nblk = (hd4 + 7) / 8, ngrp = blockDim.x / 32;
-        const long long units = (long long)n * heads * nblk;
-        const size_t hstride = (size_t)heads * 2;
-        for (long long u = (long long)blockIdx.x * ngrp + vw; u < units; u += (long long)gridDim.x * ngrp) {
-            const int blk = (int)(u % nblk);
-            const long long ih = u / nblk;
-            const int h = (int)(ih % heads), i = (int)(ih / heads);
-            const long long t = t0 + i;
-            const float* mz = part_mz + ((size_t)i * splits * heads + h) * 2;
-            const float sink = sinks[h];
-            float mr[DS4_AP_MAXSPLIT / 32], zr[DS4_AP_MAXSPLIT / 32];
-#pragma unroll
-            for (int x = 0; x < DS4_AP_MAXSPLIT / 32; x++) {
-                int s = vl + 32 * x;
-                mr[x] = s < splits ? *(const volatile float*)(mz + s * hstride) : DS4_NEG_INF;
-                zr[x] = s < splits ? *(const volatile float*)(mz + s * hstride + 1) : 0.0f;
-            }
-            float M = sink;
-#pragma unroll
-            for (int x = 0; x < DS4_AP_MAXSPLIT / 32; x++) M = fmaxf(M, mr[x]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, ds4_shfl_xor(M, o));
-            float zp = 0.0f;
-#pragma unroll
-            for (int x = 0; x < DS4_AP_MAXSPLIT / 32; x++) {
-                int s = vl + 32 * x;
-                float w = mr[x] == DS4_NEG_INF ? 0.0f : expf(mr[x] - M);
-                if (s < splits) w_s[vw][s] = w;
-                zp += w * zr[x];
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) zp += ds4_shfl_xor(zp, o);
-            const float zt = expf(sink - M) + zp;
-            ds4_ao_syncwarp();
-            const int c = vl & 7, sg = vl >> 3, fc = blk * 8 + c;
-            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (fc < hd4) {
-                const float4* po = (const float4*)part_o + ((size_t)i * splits * heads + h) * hd4 + fc;
-                const size_t sstride = (size_t)heads * hd4;
-                for (int s0 = sg; s0 < splits; s0 += 32) {
-                    float4 o4[8];
-#pragma unroll
-                    for (int x = 0; x < 8; x++) {
-                        int s = s0 + 4 * x;
-                        o4[x] = s < splits ? ds4_ld_l2_f4(po + (size_t)s * sstride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    }
-#pragma unroll
-                    for (int x = 0; x < 8; x++) {
-                        int s = s0 + 4 * x;
-                        float w = s < splits ? w_s[vw][s] : 0.0f;
-                        a.x += w * o4[x].x;
-                        a.y += w * o4[x].y;
-                        a.z += w * o4[x].z;
-                        a.w += w * o4[x].w;
-                    }
-                }
-            }
-#pragma unroll
-            for (int o = 8; o <= 16; o <<= 1) {
-                a.x += ds4_shfl_xor(a.x, o);
-                a.y += ds4_shfl_xor(a.y, o);
-                a.z += ds4_shfl_xor(a.z, o);
-                a.w += ds4_shfl_xor(a.w, o);
-            }
-            if (sg == 0 && fc < hd4) {
-                float ov[4] = {a.x / zt, a.y / zt, a.z / zt, a.w / zt};
-                const int rot0 = hd - n_rot;
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    int e = 4 * fc + 2 * j;
-                    if (e >= rot0) ds4_rope_pair(ov + 2 * j, freqs[(e - rot0) / 2], t, 1);
-                }
-                ((float4*)out)[((size_t)i * heads + h) * hd4 + fc] = make_float4(ov[0], ov[1], ov[2], ov[3]);
-            }
-            ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
-        }
-    }
     // The ring after the chunk (every CTA has read it by now).
     const int keep = n < win ? n : win;
     for (int b = blockIdx.x; b < keep; b += gridDim.x) {
@@ -1626,5 +1521,4 @@ template <bool V2> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS)
     }
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false>(DS4_AO_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one2_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<true>(DS4_AO_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one(DS4_AO_ARGS); }

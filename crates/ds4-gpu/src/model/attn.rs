@@ -36,9 +36,7 @@ const _: () =
 
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
 /// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`), 3 one launch for decode
-/// (`attend_one_f32` for chunks of up to `AO_MAX_N` tokens, else split; the default), 4 the same
-/// with deeper row prefetch and a merge that splits the splits over lanes (`attend_one2_f32`,
-/// `DS4_GPU_ATTN=one2`, opt-in until measured).
+/// (`attend_one_f32` for chunks of up to `AO_MAX_N` tokens, else split; the default).
 static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
 
 fn attn_mode() -> u8 {
@@ -46,7 +44,6 @@ fn attn_mode() -> u8 {
         let m = match std::env::var("DS4_GPU_ATTN").as_deref() {
             Ok("simple") => 1,
             Ok("split") => 2,
-            Ok("one2") => 4,
             _ => 3,
         };
         let _ = ATTN_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
@@ -154,13 +151,12 @@ impl GpuBackend {
     }
 
     /// Attention form by name, as `DS4_GPU_ATTN`: `simple`, `split` (two launches at decode),
-    /// `one` (one launch at decode, the default) or `one2`; process-wide. For tests and
+    /// `one` (one launch at decode, the default); process-wide. For tests and
     /// benchmarks.
     pub fn set_attn_form(form: &str) {
         let m = match form {
             "simple" => 1,
             "split" => 2,
-            "one2" => 4,
             _ => 3,
         };
         ATTN_MODE.store(m, Ordering::Relaxed);
@@ -735,11 +731,7 @@ impl GpuBackend {
         let part_mz = self.scratch(n * splits * nh * 2);
         self.run(
             &ATTENTION,
-            if attn_mode() == 4 {
-                "attend_one2_f32"
-            } else {
-                "attend_one_f32"
-            },
+            "attend_one_f32",
             LaunchDims::linear((per_split * splits) as u32, 256),
             &[
                 Arg::Ptr(q.ptr),

@@ -61,6 +61,8 @@ struct GraphState {
     split: usize,
     /// Pieces of this step run so far.
     piece: u64,
+    /// When this step's recording began (for [`GraphStats::step_host_us`]).
+    began: Option<std::time::Instant>,
 }
 
 /// Device memory for activations, reused by size class (powers of two from 256 bytes). All
@@ -769,12 +771,18 @@ impl Backend for GpuBackend {
         }
         g.calls.clear();
         g.piece = 0;
+        g.began = Some(std::time::Instant::now());
         self.pool.canonical();
         self.recording.store(true, Ordering::Release);
     }
 
     fn graph_end(&self) {
         self.flush(true);
+        let mut g = self.graph.lock().unwrap();
+        if let Some(t) = g.began.take() {
+            g.graphs.stats.steps += 1;
+            g.graphs.stats.step_host_us += t.elapsed().as_micros() as u64;
+        }
     }
 
     fn check(&self) -> std::result::Result<(), String> {

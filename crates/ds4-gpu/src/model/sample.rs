@@ -129,9 +129,9 @@ impl GpuBackend {
     }
 }
 
-/// Smallest b with n ≤ 2^b (n ≥ 1).
+/// Smallest b with n ≤ 2^b.
 fn ceil_log2(n: usize) -> u32 {
-    usize::BITS - (n.max(1) - 1).leading_zeros()
+    n.next_power_of_two().trailing_zeros()
 }
 
 #[cfg(test)]
