@@ -133,32 +133,39 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
     s / reps as f64
 }
 
-/// `matvec_bench reps q8`: the n = 1 Q8_0 products of the model, `mvq` r2u4 on the GGUF blocks
-/// (the previous default) against the `mvr_*` forms on the decode-layout copy; eager (wall clock
+/// `matvec_bench reps q8`: the n = 1 decode products of the model (Q8_0 on the decode-layout
+/// copy, F16 rows, the merged sets), the previous forms (`mvr`/`mvrm`/`mvrgu`, `mvq`/`mvqm`:
+/// q8 form 0) against the `mvx*` forms (x staged in shared memory) and grids; eager (wall clock
 /// of queued launches) and graph-recorded (about device time) per call.
 fn q8_only(gpu: &GpuBackend, reps: usize) {
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
-    println!("-- Q8_0 n = 1, model shapes: mvq r2u4 (GGUF blocks) vs mvr forms (decode copy) --");
-    // (name, mvr form, mvp form, mvp CTAs per SM)
-    let forms: [(&str, u8, u8, u8); 9] = [
-        ("mvq r2u4", 0, 0, 4),
-        ("mvr r4u2", 3, 0, 4),
-        ("mvr r2u2", 4, 0, 4),
-        ("mvr default", 255, 0, 4),
-        ("mvp p1u2 x4", 255, 1, 4),
-        ("mvp p1u4 x4", 255, 2, 4),
-        ("mvp p2u2 x4", 255, 3, 4),
-        ("mvp p1u2 x2", 255, 1, 2),
-        ("mvp p2u2 x3", 255, 3, 3),
+    let line = |what: String, bytes: f64, e: f64, g: f64| {
+        println!(
+            "{what:60} eager {:8.2} us {:7.1} GB/s | graph {:8.2} us {:7.1} GB/s",
+            e * 1e6,
+            bytes / e / 1e9,
+            g * 1e6,
+            bytes / g / 1e9
+        );
+    };
+    println!("-- Q8_0 n = 1, model shapes: mvr (old default) vs mvx forms (decode copy) --");
+    // (name, q8 form, mvx CTAs per SM, mvx batches per SM)
+    let forms: [(&str, u8, u8, u8); 8] = [
+        ("mvr old", 0, 3, 6),
+        ("mvx r4u2 c3 s6", 1, 3, 6),
+        ("mvx r4u2 c3 s3", 1, 3, 3),
+        ("mvx r4u2 c2 s6", 1, 2, 6),
+        ("mvx r4u2 c0 s6", 1, 0, 6),
+        ("mvx r4u2 c0 s3", 1, 0, 3),
+        ("mvx r8u1 c3 s6", 2, 3, 6),
+        ("mvx r2u4 c3 s6", 3, 3, 6),
     ];
     for (name, cols, rows, groups) in [
-        ("attn q_a", 4096, 1024, 1),
         ("attn q_b", 1024, 32768, 1),
-        ("attn kv", 4096, 512, 1),
         ("attn out_a (8 groups)", 4096, 8192, 8),
         ("attn out_b", 8192, 4096, 1),
-        ("shared expert up", 4096, 2048, 1),
         ("shared expert down", 2048, 4096, 1),
+        ("attn q_a", 4096, 1024, 1),
         ("head", 4096, 129280, 1),
     ] {
         let (ws, bytes) = copies(gpu, GgmlType::Q8_0, cols, rows);
@@ -167,11 +174,10 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
             .collect();
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(rows);
-        for (fname, form, pf, ctas) in forms {
+        for (fname, form, ctas, spread) in forms {
             GpuBackend::set_matvec_defaults();
-            GpuBackend::set_matvec_one(2);
-            GpuBackend::set_matvec_repacked(form);
-            GpuBackend::set_matvec_q8_form(pf, ctas);
+            GpuBackend::set_matvec_q8_form(form, ctas);
+            GpuBackend::set_matvec_mvx_spread(spread);
             let mut call = |i: usize| {
                 let w = &ws[i % ws.len()];
                 if groups > 1 {
@@ -182,45 +188,85 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
             };
             let e = time(gpu, &x, reps, &mut call);
             let g = time_graph(gpu, &x, reps, &mut call);
-            println!(
-                "{:60} eager {:8.2} us {:7.1} GB/s | graph {:8.2} us {:7.1} GB/s",
-                format!("{name} Q8_0 {}->{rows} n=1 {fname}", cols * groups),
-                e * 1e6,
-                bytes / e / 1e9,
-                g * 1e6,
-                bytes / g / 1e9
-            );
+            let what = format!("{name} Q8_0 {}->{rows} n=1 {fname}", cols * groups);
+            line(what, bytes, e, g);
         }
     }
-    println!(
-        "-- F16 n = 1: products whole vs split across CTAs (DS4_GPU_MVQ_SPLIT=on: few rows) --"
-    );
+    println!("-- F16 n = 1: mvq (old) vs mvx_r4u2_f16 --");
+    let fforms: [(&str, u8, u8, u8); 4] = [
+        ("old", 0, 3, 6),
+        ("mvx c3 s6", 1, 3, 6),
+        ("mvx c3 s3", 1, 3, 3),
+        ("mvx c0 s6", 1, 0, 6),
+    ];
     for (name, cols, rows) in [
-        ("hc mix", 16384, 24),
-        ("hc head mix", 16384, 4),
-        ("index proj", 4096, 64),
         ("router", 4096, 256),
-        ("F16 4096->512", 4096, 512),
-        ("F16 4096->1024", 4096, 1024),
         ("F16 1024->8192", 1024, 8192),
+        ("F16 4096->1024", 4096, 1024),
     ] {
         let (ws, bytes) = copies(gpu, GgmlType::F16, cols, rows);
         let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(rows);
-        for (fname, split) in [("whole", false), ("split", true)] {
+        for (fname, form, ctas, spread) in fforms {
             GpuBackend::set_matvec_defaults();
-            GpuBackend::set_matvec_split(split);
+            GpuBackend::set_matvec_q8_form(form, ctas);
+            GpuBackend::set_matvec_mvx_spread(spread);
             let mut call = |i: usize| gpu.matmul(&ws[i % ws.len()], Part::All, &x, 1, &mut y);
             let e = time(gpu, &x, reps, &mut call);
             let g = time_graph(gpu, &x, reps, &mut call);
-            println!(
-                "{:60} eager {:8.2} us {:7.1} GB/s | graph {:8.2} us {:7.1} GB/s",
+            line(
                 format!("{name} F16 {cols}->{rows} n=1 {fname}"),
-                e * 1e6,
-                bytes / e / 1e9,
-                g * 1e6,
-                bytes / g / 1e9
+                bytes,
+                e,
+                g,
+            );
+        }
+    }
+    println!("-- merged n = 1 sets: mvrm/mvqm/mvrgu (old) vs mvxm/mvxgu --");
+    let sets: [(&str, GgmlType, usize, &[usize]); 4] = [
+        ("attn q_a + kv", GgmlType::Q8_0, 4096, &[1024, 512]),
+        (
+            "CSA compressor + indexer",
+            GgmlType::F16,
+            4096,
+            &[1024, 1024, 256, 256, 64],
+        ),
+        ("HCA compressor", GgmlType::F16, 4096, &[512, 512]),
+        (
+            "shared gate/up + swiglu",
+            GgmlType::Q8_0,
+            4096,
+            &[2048, 2048],
+        ),
+    ];
+    for (name, ty, cols, rows) in sets {
+        let (sets, bytes) = set_copies(gpu, ty, cols, rows);
+        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let x = gpu.upload(&x);
+        let mut ys: Vec<B> = rows.iter().map(|&r| gpu.alloc(r)).collect();
+        let gateup = name.starts_with("shared");
+        for (fname, form, ctas, spread) in fforms {
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_q8_form(form, ctas);
+            GpuBackend::set_matvec_mvx_spread(spread);
+            let mut call = |i: usize| {
+                let s = &sets[i % sets.len()];
+                if gateup {
+                    gpu.matmul_gateup(&s[0], &s[1], &x, 1, rows[0], &mut ys[0], 10.0);
+                } else {
+                    let ws: Vec<&W> = s.iter().collect();
+                    let mut refs: Vec<&mut B> = ys.iter_mut().collect();
+                    gpu.matmul_multi(&ws, &x, 1, &mut refs);
+                }
+            };
+            let e = time(gpu, &x, reps, &mut call);
+            let g = time_graph(gpu, &x, reps, &mut call);
+            line(
+                format!("{name} {ty:?} {cols}->{rows:?} {fname}"),
+                bytes,
+                e,
+                g,
             );
         }
     }

@@ -511,8 +511,20 @@ fn matvec_one_row() {
             cpu.matmul(&w.0, part, &cx, 1, &mut cy);
         }
         let want = cpu.download(&cy, rows);
-        for form in [1u8, 2, 3, 4, 255] {
+        // mvq forms 1..=4, then the default: `mvx_r4u2_f16` for F16 (one batch per CTA, a
+        // persistent grid of 1 CTA per SM) and the old `mvq` choice (q8 form 0).
+        for (form, xf, ctas) in [
+            (1u8, 1u8, 3u8),
+            (2, 1, 3),
+            (3, 1, 3),
+            (4, 1, 3),
+            (255, 1, 3),
+            (255, 1, 0),
+            (255, 1, 1),
+            (255, 0, 3),
+        ] {
             GpuBackend::set_matvec_one(form);
+            GpuBackend::set_matvec_q8_form(xf, ctas);
             let mut outs = Vec::new();
             for _ in 0..2 {
                 let mut gy = gpu.upload(&vec![f32::NAN; rows]);
@@ -523,7 +535,8 @@ fn matvec_one_row() {
                 }
                 outs.push(gpu.download(&gy, rows));
             }
-            let name = format!("mvq form {form} {ty:?} {groups}x{cols}->{rows} {part:?}");
+            let name =
+                format!("mvq form {form} x {xf}/{ctas} {ty:?} {groups}x{cols}->{rows} {part:?}");
             cases.check(name.clone(), cols, &outs[0], &want, &gpu);
             let same = outs[0]
                 .iter()
@@ -534,11 +547,12 @@ fn matvec_one_row() {
         }
     }
     GpuBackend::set_matvec_one(255);
+    GpuBackend::set_matvec_q8_form(1, 3);
     cases.finish();
 }
 
 /// The n = 1 Q8_0 products from the decode-layout copy (`mvr_*`, `set_matvec_repacked(1..=4)`,
-/// then off (`mvq` on the GGUF blocks) and the default): the model's shapes (head rows cut),
+/// then off (`mvq` on the GGUF blocks), the old default and the `mvx_*` forms with several grids): the model's shapes (head rows cut),
 /// odd row counts (1, 3, 4099), columns that end mid warp-step (32, 96, 1056, 1568),
 /// Part::Expert(0) of a one-slab matrix, grouped attn out_a, and a weight generated on the GPU
 /// (`random`, the synthetic benchmarks' path: copied on the device); every product run twice
@@ -570,6 +584,7 @@ fn matvec_repacked() {
         (96, 33, 1, false),
         (1056, 70, 1, false),
         (1568, 5, 1, false),
+        (16384, 40, 1, false),
         (512, 72, 4, false),
         (4096, 2048, 1, true),
         (1056, 37, 1, true),
@@ -620,24 +635,30 @@ fn matvec_repacked() {
             cpu.matmul(&w.0, part, &cx, 1, &mut cy);
         }
         let want = cpu.download(&cy, rows);
-        // (mvr form, mvp form, mvp CTAs per SM): the mvr forms, then the pipelined mvp forms
-        // (persistent grids of 4, 1 and 2 CTAs per SM: warps with many row groups).
+        // (mvr form, q8 form, mvx CTAs per SM): the fixed mvr forms, off (mvq), the old auto
+        // form, then the mvx forms (x4u2, x8u1, x2u4; persistent grids of 3, 1 and 2 CTAs per
+        // SM: CTAs with many batches; no cap: one batch per CTA).
+        // (spread: CTA batches per SM the plan aims at; 1 and 64: the fewest and most k-slices)
         let forms = [
-            (1u8, 0u8, 4u8),
-            (2, 0, 4),
-            (3, 0, 4),
-            (4, 0, 4),
-            (0, 0, 4),
-            (255, 0, 4),
-            (255, 1, 4),
-            (255, 2, 4),
-            (255, 3, 4),
-            (255, 1, 1),
-            (255, 3, 2),
+            (1u8, 1u8, 3u8, 6u8),
+            (2, 1, 3, 6),
+            (3, 1, 3, 6),
+            (4, 1, 3, 6),
+            (0, 1, 3, 6),
+            (255, 0, 3, 6),
+            (255, 1, 3, 6),
+            (255, 2, 3, 6),
+            (255, 3, 3, 6),
+            (255, 1, 1, 6),
+            (255, 1, 0, 6),
+            (255, 3, 2, 6),
+            (255, 1, 3, 1),
+            (255, 1, 1, 64),
         ];
-        for (form, pf, ctas) in forms {
+        for (form, pf, ctas, spread) in forms {
             GpuBackend::set_matvec_repacked(form);
             GpuBackend::set_matvec_q8_form(pf, ctas);
+            GpuBackend::set_matvec_mvx_spread(spread);
             let mut outs = Vec::new();
             for _ in 0..2 {
                 let mut gy = gpu.upload(&vec![f32::NAN; rows]);
@@ -649,7 +670,7 @@ fn matvec_repacked() {
                 outs.push(gpu.download(&gy, rows));
             }
             let name = format!(
-                "mvr form {form} mvp {pf}/{ctas} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}"
+                "mvr form {form} q8 form {pf}/{ctas}/{spread} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}"
             );
             cases.check(name.clone(), cols, &outs[0], &want, &gpu);
             let same = outs[0]
@@ -661,7 +682,8 @@ fn matvec_repacked() {
         }
     }
     GpuBackend::set_matvec_repacked(255);
-    GpuBackend::set_matvec_q8_form(0, 4);
+    GpuBackend::set_matvec_q8_form(1, 3);
+    GpuBackend::set_matvec_mvx_spread(6);
     cases.finish();
 }
 
@@ -753,8 +775,12 @@ fn matvec_merged() {
             .zip(rows)
             .map(|(y, &r)| cpu.download(y, n * r))
             .collect();
-        for merge in [true, false] {
+        // merged by mvxm (grids of 3 and 1 CTAs per SM), by the old mvrm/mvqm, one by one
+        for (merge, xf, ctas) in [(true, 1u8, 3u8), (true, 1, 1), (true, 0, 3), (false, 1, 3)] {
             GpuBackend::set_matvec_merge(merge);
+            GpuBackend::set_matvec_q8_form(xf, ctas);
+            // most k-slices with one CTA per SM (persistent), else the default plan
+            GpuBackend::set_matvec_mvx_spread(if ctas == 1 { 64 } else { 6 });
             let mut gys: Vec<_> = rows
                 .iter()
                 .map(|&r| gpu.upload(&vec![f32::NAN; n * r]))
@@ -763,7 +789,8 @@ fn matvec_merged() {
             let mut grefs: Vec<_> = gys.iter_mut().collect();
             gpu.matmul_multi(&gws, &gx, n, &mut grefs);
             for (i, (&r, y)) in rows.iter().zip(&gys).enumerate() {
-                let name = format!("multi {ty:?} {cols}->{rows:?}[{i}] n={n} merge {merge}");
+                let name =
+                    format!("multi {ty:?} {cols}->{rows:?}[{i}] n={n} merge {merge} x {xf}/{ctas}");
                 cases.check(name, cols, &gpu.download(y, n * r), &want[i], &gpu);
             }
         }
@@ -786,16 +813,21 @@ fn matvec_merged() {
         let mut ch = cpu.alloc(n * ff);
         cpu.matmul_gateup(&g.0, &u.0, &cx, n, ff, &mut ch, clamp);
         let want = cpu.download(&ch, n * ff);
-        for merge in [true, false] {
+        for (merge, xf, ctas) in [(true, 1u8, 3u8), (true, 1, 1), (true, 0, 3), (false, 1, 3)] {
             GpuBackend::set_matvec_merge(merge);
+            GpuBackend::set_matvec_q8_form(xf, ctas);
+            GpuBackend::set_matvec_mvx_spread(if ctas == 1 { 64 } else { 6 });
             let mut gh = gpu.upload(&vec![f32::NAN; n * ff]);
             gpu.matmul_gateup(&g.1, &u.1, &gx, n, ff, &mut gh, clamp);
             // silu(g)·u carries the rounding of both sums, each scaled by the other factor
             // (H200: 2.3e-4 merged, 2.0e-4 by the separate products at 4096 columns): 4x TOL.
-            let name = format!("gateup Q8_0 {cols}->{ff} clamp {clamp} n={n} merge {merge}");
+            let name =
+                format!("gateup Q8_0 {cols}->{ff} clamp {clamp} n={n} merge {merge} x {xf}/{ctas}");
             cases.check_scaled(name, cols, &gpu.download(&gh, n * ff), &want, &gpu, 4.0);
         }
     }
     GpuBackend::set_matvec_merge(true);
+    GpuBackend::set_matvec_q8_form(1, 3);
+    GpuBackend::set_matvec_mvx_spread(6);
     cases.finish();
 }

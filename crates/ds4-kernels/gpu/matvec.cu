@@ -935,113 +935,270 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(const u8* __restrict__ Qg
     }
 }
 
-// ---- Persistent, software-pipelined one-row products from the decode layout (mvp_p<R>u<U>_q8_0,
-// n = 1; opt-in form `DS4_GPU_Q8_FORM=p<R>u<U>`): a fixed grid of warps (a few CTAs per SM), warp
-// w takes row groups w, w + W, ... (W = all warps; R rows each, global rows g of all zs groups;
-// row g reads x + (g / rz) * x_z, R divides rz) and walks each group in rounds of U half-block
-// steps (DS4_WARP half blocks a step, as mvr). The loads of round j + 1 are issued before the math
-// of round j (two register buffers), also across row groups, so a warp always has one round in
-// flight and no CTA is launched or retired per row group. Per lane the sums run in step order,
-// then warp sums (kspl = 1): deterministic, as mvr with kspl = 1.
-template <int R, int U> struct MvpBuf {
-    uint4 v[U][R];
-    u32 d[U][R];
+// ---- One-row products with x staged once per CTA in shared memory (mvx*_r<R>u<U>_<t>, n = 1;
+// the default n = 1 form of the Q8_0 decode layout and of F16 rows). The CTA first copies x
+// (cols <= MVX_MAXC floats) into shared memory, float4 slot i at mvx_sw(i) so that the 16-byte x
+// reads of a quarter warp (lane stride 64 bytes: Q8_0, 32: F16) hit distinct banks; each lane
+// then reads x from there once per slot for R rows (before: 64 bytes of x through L1 per 16
+// weight bytes of each row pair, L1 81-87% busy). A slot is one 16-byte load of a row: a Q8_0
+// half block (16 quants + its scale halfword) or 8 F16 values. Warp w of a CTA takes k-slice
+// w % ks of the slots (ks = 1, 2, 4, 8, whole warp steps) of row group w / ks (R rows); a CTA
+// batch is (MV_WARPS / ks) * R rows, CTA c takes batches c, c + gridDim.x, ... (a persistent
+// grid when the host caps it). Rounds of U warp steps × R rows: the loads of round j + 1 (the
+// next batch's rows when j ends one) are issued slot by slot as round j's math frees the
+// registers, and round 0's before x is staged. Per lane the sums run in slot order, then the
+// warp sum, then the ks partials in k order (deterministic; a double-buffered partial array,
+// one barrier per batch when ks > 1).
+#define MVX_MAXC 8192
+#define MVX_LB MV_THREADS, 3
+
+__device__ __forceinline__ int mvx_sw(int i) { return i ^ ((i >> 3) & 3); }
+
+// Row i of a batch: its 16-byte slots at q + qo, (Q8_0) its scales at d + dof (32-bit offsets:
+// fewer registers than pointers; q in 16-byte units).
+struct MvxRow {
+    const uint4* q;
+    const u16* d;
+    u32 qo, dof;
 };
 
-template <int R, int U>
-__device__ __forceinline__ void mvp_load(MvpBuf<R, U>& b, const u8* __restrict__ Q, const u16* __restrict__ D, int g0,
-                                         int rows, int cols, int h0) {
-    int lane = threadIdx.x % DS4_WARP, hb = cols / 16;
+template <int T> struct MvxT;
+template <> struct MvxT<T_Q8_0> {
+    static constexpr int C = 16; // columns per slot
+    static __device__ __forceinline__ void load(const MvxRow& r, int h, uint4& v, u32& d) {
+        v = r.q[r.qo + h];
+        d = r.d[r.dof + (h >> 1)];
+    }
+    static __device__ __forceinline__ void xload(const float4* xs, int h, float4 (&xv)[4]) {
 #pragma unroll
-    for (int i = 0; i < R; i++) {
-        long long g = min(g0 + i, rows - 1);
-        const uint4* qp = (const uint4*)(Q + g * cols);
-        const u16* dp = D + g * (cols / 32);
+        for (int j = 0; j < 4; j++) xv[j] = xs[mvx_sw(4 * h + j)];
+    }
+    static __device__ __forceinline__ float dot(uint4 v, u32 d, const float4 (&xv)[4], float acc) {
+        return mvr_dot(v, d, xv[0], xv[1], xv[2], xv[3], acc);
+    }
+};
+template <> struct MvxT<T_F16> {
+    static constexpr int C = 8;
+    static __device__ __forceinline__ void load(const MvxRow& r, int h, uint4& v, u32& d) {
+        v = r.q[r.qo + h];
+        d = 0u;
+    }
+    static __device__ __forceinline__ void xload(const float4* xs, int h, float4 (&xv)[4]) {
+        xv[0] = xs[mvx_sw(2 * h)];
+        xv[1] = xs[mvx_sw(2 * h + 1)];
+    }
+    static __device__ __forceinline__ float dot(uint4 v, u32 d, const float4 (&xv)[4], float acc) {
+        acc = fmaf(ds4_h2f_fast(v.x & 0xffffu), xv[0].x, acc);
+        acc = fmaf(ds4_h2f_fast(v.x >> 16), xv[0].y, acc);
+        acc = fmaf(ds4_h2f_fast(v.y & 0xffffu), xv[0].z, acc);
+        acc = fmaf(ds4_h2f_fast(v.y >> 16), xv[0].w, acc);
+        acc = fmaf(ds4_h2f_fast(v.z & 0xffffu), xv[1].x, acc);
+        acc = fmaf(ds4_h2f_fast(v.z >> 16), xv[1].y, acc);
+        acc = fmaf(ds4_h2f_fast(v.w & 0xffffu), xv[1].z, acc);
+        acc = fmaf(ds4_h2f_fast(v.w >> 16), xv[1].w, acc);
+        return acc;
+    }
+};
+
+// The loads of one slot column (slot h of rows 0..R-1 of batch cb, group gi); none when h >= he.
+template <int T, int R, class Src>
+__device__ __forceinline__ void mvx_fetch(const Src& src, int cb, int gi, int h, int he, uint4 (&v)[R], u32 (&d)[R]) {
+    if (h < he) {
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            int h = h0 + u * DS4_WARP + lane;
-            if (h < hb) b.v[u][i] = qp[h], b.d[u][i] = dp[h >> 1];
-        }
+        for (int i = 0; i < R; i++) MvxT<T>::load(src.row(cb, gi, i), h, v[i], d[i]);
     }
 }
 
-template <int R, int U>
-__device__ __forceinline__ void mvp_math(const MvpBuf<R, U>& b, const float* __restrict__ xb, int cols, int h0,
-                                         float (&acc)[R]) {
-    int lane = threadIdx.x % DS4_WARP, hb = cols / 16;
-    const float4* xv = (const float4*)xb;
+// src.row(cb, gi, i): row i (< R) of row group gi of CTA batch cb (rows past the end clamped to
+// a real one); snk.put(cb, gi, v): called by every lane of the first warp of each group, lane
+// i < R holding the total of row i. x: cols floats (cols a multiple of 16 for Q8_0, 8 for F16,
+// <= MVX_MAXC). ncb: CTA batches of this z.
+template <int T, int R, int U, class Src, class Snk>
+__device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, int ks_n, int ncb, const Src& src,
+                                        const Snk& snk) {
+    __shared__ float4 xs[MVX_MAXC / 4];
+    __shared__ float part[2][MV_WARPS][R];
+    constexpr int W = DS4_WARP, C = MvxT<T>::C;
+    int warp = threadIdx.x / W, lane = threadIdx.x % W;
+    int ks = warp % ks_n, gi = warp / ks_n;
+    int hb = cols / C;
+    int hw = ((hb + ks_n - 1) / ks_n + W - 1) / W * W; // slots of a k-slice: whole warp steps
+    int hs = ks * hw, he = min(hs + hw, hb);
+    int spr = (hw + U * W - 1) / (U * W); // rounds per batch
+    int nmine = (int)blockIdx.x < ncb ? (ncb - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+    int total = nmine * spr; // CTA-uniform
+    uint4 v[U][R];
+    u32 d[U][R];
+    if (total > 0) {
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-        int h = h0 + u * DS4_WARP + lane;
-        if (h < hb) {
-            float4 xa = xv[4 * h], xc = xv[4 * h + 1], xd = xv[4 * h + 2], xe = xv[4 * h + 3];
-#pragma unroll
-            for (int i = 0; i < R; i++) acc[i] = mvr_dot(b.v[u][i], b.d[u][i], xa, xc, xd, xe, acc[i]);
-        }
+        for (int u = 0; u < U; u++) mvx_fetch<T, R>(src, blockIdx.x, gi, hs + u * W + lane, he, v[u], d[u]);
     }
-}
-
-// Round j of this warp: row group g0 (first row) and first half block h0; spr rounds per group.
-template <int R, int U>
-__device__ __forceinline__ void mvp_round(int j, int spr, int gw, int nw, int& g0, int& h0) {
-    int gi = j / spr;
-    g0 = (gw + gi * nw) * R;
-    h0 = (j - gi * spr) * U * DS4_WARP;
-}
-
-// Math of round j from buffer c, then the row group's sums when it was its last round.
-template <int R, int U>
-__device__ __forceinline__ void mvp_step(const MvpBuf<R, U>& c, int j, int spr, int gw, int nw, const float* __restrict__ x,
-                                         long long x_z, int rz, float* __restrict__ y, int rows, int cols, float (&acc)[R]) {
-    int lane = threadIdx.x % DS4_WARP, g, h;
-    mvp_round<R, U>(j, spr, gw, nw, g, h);
-    mvp_math<R, U>(c, x + (long long)(g / rz) * x_z, cols, h, acc);
-    if (h / (U * DS4_WARP) == spr - 1) { // warp-uniform
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            float s = ds4_warp_sum(acc[i]);
-            if (lane == i && g + i < rows) y[g + i] = s;
-            acc[i] = 0.0f;
-        }
-    }
-}
-
-template <int R, int U>
-__device__ __forceinline__ void mvp_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
-                                         long long x_z, int rz, float* __restrict__ y, int rows, int cols) {
-    int warp = threadIdx.x / DS4_WARP;
-    int gw = blockIdx.x * MV_WARPS + warp, nw = gridDim.x * MV_WARPS;
-    int groups = (rows + R - 1) / R, spr = (cols / 16 + U * DS4_WARP - 1) / (U * DS4_WARP);
-    int mine = gw < groups ? (groups - gw + nw - 1) / nw : 0; // row groups of this warp
-    int total = mine * spr;                                  // rounds (warp-uniform)
+    const float4* xg = (const float4*)x;
+    for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) xs[mvx_sw(i)] = xg[i];
+    __syncthreads();
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; i++) acc[i] = 0.0f;
-    MvpBuf<R, U> a, b;
-    int g0, h0;
-    if (total > 0) {
-        mvp_round<R, U>(0, spr, gw, nw, g0, h0);
-        mvp_load<R, U>(a, Q, D, g0, rows, cols, h0);
-    }
-    for (int j = 0; j < total; j += 2) {
-        if (j + 1 < total) {
-            mvp_round<R, U>(j + 1, spr, gw, nw, g0, h0);
-            mvp_load<R, U>(b, Q, D, g0, rows, cols, h0);
+    int cb = blockIdx.x, s = 0, p = 0;
+    for (int j = 0; j < total; j++) {
+        // Round j + 1: step s + 1 of batch cb, or step 0 of the next batch.
+        int s1 = s + 1 == spr ? 0 : s + 1, cb1 = s + 1 == spr ? cb + (int)gridDim.x : cb;
+        bool more = j + 1 < total;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int h = hs + (s * U + u) * W + lane;
+            if (h < he) {
+                float4 xv[4];
+                MvxT<T>::xload(xs, h, xv);
+#pragma unroll
+                for (int i = 0; i < R; i++) acc[i] = MvxT<T>::dot(v[u][i], d[u][i], xv, acc[i]);
+            }
+            if (more) mvx_fetch<T, R>(src, cb1, gi, hs + (s1 * U + u) * W + lane, he, v[u], d[u]);
         }
-        mvp_step<R, U>(a, j, spr, gw, nw, x, x_z, rz, y, rows, cols, acc);
-        if (j + 2 < total) {
-            mvp_round<R, U>(j + 2, spr, gw, nw, g0, h0);
-            mvp_load<R, U>(a, Q, D, g0, rows, cols, h0);
+        if (s1 == 0) { // batch cb done (CTA-uniform)
+            float t = 0.0f;
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                float a = ds4_warp_sum(acc[i]);
+                if (lane == i) t = a;
+                acc[i] = 0.0f;
+            }
+            if (ks_n > 1) {
+                if (lane < R) part[p][warp][lane] = t;
+                __syncthreads();
+                if (ks == 0) {
+                    t = 0.0f;
+                    if (lane < R)
+                        for (int k = 0; k < ks_n; k++) t += part[p][warp + k][lane];
+                }
+                p ^= 1;
+            }
+            if (ks == 0) snk.put(cb, gi, t);
         }
-        if (j + 1 < total) mvp_step<R, U>(b, j + 1, spr, gw, nw, x, x_z, rz, y, rows, cols, acc);
+        s = s1, cb = cb1;
     }
 }
 
-#define MVP_PARAMS                                                                                                     \
-    const u8 *__restrict__ Q, const u16 *__restrict__ D, const float *__restrict__ x, long long x_z, int rz,          \
-        float *__restrict__ y, int rows, int cols
-#define MVP_ARGS Q, D, x, x_z, rz, y, rows, cols
+// Single matrix (z groups of `rows` consecutive rows, x of group z at z*x_z, y at z*y_z).
+template <int T, int R> struct MvxOne {
+    const u8* W;
+    const u16* D;
+    long long g0; // first row of group z
+    int rows, cols, groups;
+    __device__ __forceinline__ MvxRow row(int cb, int gi, int i) const {
+        u32 g = (u32)g0 + min((cb * groups + gi) * R + i, rows - 1);
+        if (T == T_Q8_0) return MvxRow{(const uint4*)W, D, g * (u32)(cols / 16), g * (u32)(cols / 32)};
+        return MvxRow{(const uint4*)W, D, g * (u32)(cols / 8), 0u};
+    }
+};
+template <int R> struct MvxPut {
+    float* y;
+    int rows, groups;
+    __device__ __forceinline__ void put(int cb, int gi, float v) const {
+        int lane = threadIdx.x % DS4_WARP, r = (cb * groups + gi) * R + lane;
+        if (lane < R && r < rows) y[r] = v;
+    }
+};
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u2_q8_0(MVP_PARAMS) { ds4_pdl_enter(); mvp_body<1, 2>(MVP_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p1u4_q8_0(MVP_PARAMS) { ds4_pdl_enter(); mvp_body<1, 4>(MVP_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvp_p2u2_q8_0(MVP_PARAMS) { ds4_pdl_enter(); mvp_body<2, 2>(MVP_ARGS); }
+// y[z*y_z + r] = W[z*rows + r] . x[z*x_z ..], r < rows; Q8_0: W = Q (decode layout), D its scales;
+// F16: W rows of cols halfs (D unused). ks: k-slices per row group.
+template <int T, int R, int U>
+__device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
+                                         int ks) {
+    int groups = MV_WARPS / ks, z = blockIdx.z;
+    int ncb = (rows + groups * R - 1) / (groups * R);
+    MvxOne<T, R> src{W, D, (long long)z * rows, rows, cols, groups};
+    MvxPut<R> snk{y + (long long)z * y_z, rows, groups};
+    mvx_run<T, R, U>(x + (long long)z * x_z, cols, ks, ncb, src, snk);
+}
+
+#define MVX_PARAMS                                                                                                     \
+    const u8 *__restrict__ W, const u16 *__restrict__ D, const float *__restrict__ x, long long x_z,                  \
+        float *__restrict__ y, long long y_z, int rows, int cols, int ks
+#define MVX_ARGS W, D, x, x_z, y, y_z, rows, cols, ks
+
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_q8_0(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_Q8_0, 4, 2>(MVX_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r8u1_q8_0(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_Q8_0, 8, 1>(MVX_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r2u4_q8_0(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_Q8_0, 2, 4>(MVX_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_f16(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_F16, 4, 2>(MVX_ARGS); }
+
+// Several matrices of one x (equal cols; q_a + kv, the compressor and indexer projections):
+// matrix m takes CTA batches c_m .. c_{m+1} - 1 (c_0 = 0, absent m: INT_MAX), its rows in batch
+// order as mvx_body's. Q8_0: W_m/D_m the decode layout (m < 4: a launch takes at most 24
+// arguments); F16: W_m rows (m < 5, no D_m).
+template <class X> __device__ __forceinline__ X mvx_at(int m, const X (&a)[5]) {
+    return m == 0 ? a[0] : m == 1 ? a[1] : m == 2 ? a[2] : m == 3 ? a[3] : a[4];
+}
+template <int T, int R> struct MvxMulti {
+    const u8* W[5];
+    const u16* D[5];
+    float* y[5];
+    int rows[5];
+    int c[5]; // c[0] = 0
+    int cols, groups;
+    __device__ __forceinline__ int pick(int cb) const {
+        return (cb >= c[1]) + (cb >= c[2]) + (cb >= c[3]) + (cb >= c[4]);
+    }
+    __device__ __forceinline__ MvxRow row(int cb, int gi, int i) const {
+        int m = pick(cb);
+        u32 g = min(((cb - mvx_at(m, c)) * groups + gi) * R + i, mvx_at(m, rows) - 1);
+        return MvxRow{(const uint4*)mvx_at(m, W), mvx_at(m, D), g * (u32)(cols / MvxT<T>::C), g * (u32)(cols / 32)};
+    }
+    __device__ __forceinline__ void put(int cb, int gi, float v) const {
+        int m = pick(cb), lane = threadIdx.x % DS4_WARP, r = ((cb - mvx_at(m, c)) * groups + gi) * R + lane;
+        if (lane < R && r < mvx_at(m, rows)) mvx_at(m, y)[r] = v;
+    }
+};
+
+#define MVXM_ONE(i) const u8 *__restrict__ W##i, const u16 *__restrict__ D##i, float *__restrict__ y##i, int rows##i
+#define MVXM_PARAMS                                                                                                    \
+    MVXM_ONE(0), MVXM_ONE(1), MVXM_ONE(2), MVXM_ONE(3), const float *__restrict__ x, int cols, int ks, int c1, int c2,  \
+        int c3, int ncb
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_q8_0(MVXM_PARAMS) {
+    ds4_pdl_enter();
+    MvxMulti<T_Q8_0, 4> mm{{W0, W1, W2, W3, W3}, {D0, D1, D2, D3, D3}, {y0, y1, y2, y3, y3}, {rows0, rows1, rows2, rows3, rows3},
+                           {0, c1, c2, c3, 0x7fffffff}, cols, MV_WARPS / ks};
+    mvx_run<T_Q8_0, 4, 2>(x, cols, ks, ncb, mm, mm);
+}
+
+#define MVXMF_ONE(i) const u8 *__restrict__ W##i, float *__restrict__ y##i, int rows##i
+#define MVXMF_PARAMS                                                                                                   \
+    MVXMF_ONE(0), MVXMF_ONE(1), MVXMF_ONE(2), MVXMF_ONE(3), MVXMF_ONE(4), const float *__restrict__ x, int cols, int ks, \
+        int c1, int c2, int c3, int c4, int ncb
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) {
+    ds4_pdl_enter();
+    MvxMulti<T_F16, 4> mm{{W0, W1, W2, W3, W4}, {nullptr, nullptr, nullptr, nullptr, nullptr}, {y0, y1, y2, y3, y4},
+                          {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};
+    mvx_run<T_F16, 4, 2>(x, cols, ks, ncb, mm, mm);
+}
+
+// The shared expert's gate and up (decode layout) with the clamped SwiGLU: rows i < R/2 of a
+// batch are gate rows, R/2.. the same up rows; h[r] = silu(min(g, c)) * clamp(u, -c, c).
+template <int R> struct MvxGu {
+    const u8 *Qg, *Qu;
+    const u16 *Dg, *Du;
+    float* h;
+    int rows, cols, groups;
+    float clamp;
+    __device__ __forceinline__ MvxRow row(int cb, int gi, int i) const {
+        u32 g = min((cb * groups + gi) * (R / 2) + i % (R / 2), rows - 1);
+        bool up = i >= R / 2;
+        return MvxRow{(const uint4*)(up ? Qu : Qg), up ? Du : Dg, g * (u32)(cols / 16), g * (u32)(cols / 32)};
+    }
+    __device__ __forceinline__ void put(int cb, int gi, float v) const {
+        int lane = threadIdx.x % DS4_WARP, r = (cb * groups + gi) * (R / 2) + lane;
+        float u = ds4_shfl_xor(v, R / 2);
+        if (lane < R / 2 && r < rows) {
+            float gv = fminf(v, clamp), uv = fminf(fmaxf(u, -clamp), clamp);
+            h[r] = gv * (1.0f / (1.0f + expf(-gv))) * uv;
+        }
+    }
+};
+
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxgu_r4u2_q8_0(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu, const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h, int rows, int cols, float clamp, int ks) {
+    ds4_pdl_enter();
+    int groups = MV_WARPS / ks;
+    MvxGu<4> gu{Qg, Qu, Dg, Du, h, rows, cols, groups, clamp};
+    mvx_run<T_Q8_0, 4, 2>(x, cols, ks, (rows + groups * 2 - 1) / (groups * 2), gu, gu);
+}

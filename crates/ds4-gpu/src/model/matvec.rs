@@ -11,7 +11,9 @@
 //! (`mvq_auto`: all loads of U column steps × R rows of a warp issued before the math, 2.9 TB/s on
 //! the Q8_0 head). Q8_0 matrices of one slab also get a decode-layout copy at upload
 //! (`q8_decode_copy`: 16-byte aligned quant rows + a separate f16 scale array; the GGUF blocks
-//! stay for the GEMM), and their n = 1 products run `mvr_<form>_q8_0` from it (16-byte loads).
+//! stay for the GEMM), and their n = 1 products run `mvx_<form>_q8_0` from it (x staged once per
+//! CTA in shared memory, 16-byte loads; `mvr_<form>_q8_0` before, `Q8_FORM`); F16 products of
+//! 128 rows or more and the merged sets take the same `mvx*` kernels.
 //! Few-row F16 products can split their columns across CTAs (`mvq_splits`, opt-in). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
 //! for the routed experts.
 
@@ -93,39 +95,94 @@ fn mvr_auto(rows: usize, _cols: usize) -> u8 {
     }
 }
 
-/// n = 1 Q8_0 products from the decode copy: 0 (default) the `mvr` forms above (`v1`), 1..=3
-/// the persistent pipelined `mvp_<form>_q8_0` MVP_FORMS[k - 1] (opt-in):
-/// `DS4_GPU_Q8_FORM=v1|p1u2|p1u4|p2u2`. MVP_CTAS: CTAs per SM of its grid (`DS4_GPU_MVP_CTAS`,
-/// default 4). H200 (bench/results/gpu-q8-y-h200.txt): every mvp form loses to mvr on the
-/// model's shapes (p2u2, the best: q_b 17.3 against 15.4 us, out_b 16.7 against 14.8, head 185
-/// against 151; only shared down 6.3 against 6.7); decode 91.8 (p2u2) / 83.9 (p1u2) against
-/// 92.9 tok/s. Fewer, longer-lived warps keep fewer bytes in flight than many short CTAs.
-static Q8_FORM: AtomicU8 = AtomicU8::new(0);
-static MVP_CTAS: AtomicU8 = AtomicU8::new(4);
+/// n = 1 products by `mvx*` (x staged once per CTA in shared memory, rows in batches of R
+/// rows × U warp steps, loads of the next round issued as the current one's math frees their
+/// registers; gpu/matvec.cu): Q8_0 from the decode copy (`mvx_*`, merged `mvxm_*`, shared
+/// gate/up `mvxgu_*`) and F16 rows (`mvx_r4u2_f16`, `mvxm_r4u2_f16`), cols <= MVX_MAXC.
+/// Q8_FORM: 0 the previous forms (`mvr`/`mvrm`/`mvrgu` and `mvq`/`mvqm` for F16), 1..=3 the
+/// single-matrix Q8_0 form MVX_FORMS[k - 1] (the merged and F16 kernels are r4u2);
+/// `DS4_GPU_Q8_FORM=r|x4u2|x8u1|x2u4`. MVX_CTAS: CTAs per SM of a persistent grid
+/// (`DS4_GPU_MVX_CTAS`, 0: one batch per CTA).
+static Q8_FORM: AtomicU8 = AtomicU8::new(1);
+static MVX_CTAS: AtomicU8 = AtomicU8::new(3);
 static Q8_FORM_ENV: std::sync::Once = std::sync::Once::new();
 /// (name, rows per warp R).
-const MVP_FORMS: [(&str, usize); 3] = [("p1u2", 1), ("p1u4", 1), ("p2u2", 2)];
+const MVX_FORMS: [(&str, usize); 3] = [("r4u2", 4), ("r8u1", 8), ("r2u4", 2)];
+/// Most columns of an `mvx*` product (x in 32 KB of shared memory: `MVX_MAXC`).
+const MVX_MAXC: usize = 8192;
 
 fn q8_form() -> (u8, usize) {
     Q8_FORM_ENV.call_once(|| {
         if let Ok(v) = std::env::var("DS4_GPU_Q8_FORM") {
-            let f = MVP_FORMS
-                .iter()
-                .position(|f| f.0 == v)
-                .map_or(0, |i| i as u8 + 1);
-            Q8_FORM.store(f, Ordering::Relaxed);
+            let f = if v == "r" {
+                Some(0)
+            } else {
+                MVX_FORMS
+                    .iter()
+                    .position(|f| v.strip_prefix('x') == f.0.strip_prefix('r'))
+                    .map(|i| i as u8 + 1)
+            };
+            if let Some(f) = f {
+                Q8_FORM.store(f, Ordering::Relaxed);
+            }
         }
-        if let Some(c) = std::env::var("DS4_GPU_MVP_CTAS")
+        if let Some(c) = std::env::var("DS4_GPU_MVX_CTAS")
             .ok()
             .and_then(|v| v.parse::<u8>().ok())
         {
-            MVP_CTAS.store(c.clamp(1, 8), Ordering::Relaxed);
+            MVX_CTAS.store(c.min(8), Ordering::Relaxed);
         }
     });
     (
         Q8_FORM.load(Ordering::Relaxed),
-        MVP_CTAS.load(Ordering::Relaxed) as usize,
+        MVX_CTAS.load(Ordering::Relaxed) as usize,
     )
+}
+
+/// CTA batches per SM the `mvx*` plan aims at when it picks the k-slices (`DS4_GPU_MVX_SPREAD`).
+static MVX_SPREAD: AtomicU8 = AtomicU8::new(6);
+static MVX_SPREAD_ENV: std::sync::Once = std::sync::Once::new();
+
+fn mvx_spread() -> usize {
+    MVX_SPREAD_ENV.call_once(|| {
+        if let Some(c) = std::env::var("DS4_GPU_MVX_SPREAD")
+            .ok()
+            .and_then(|v| v.parse::<u8>().ok())
+        {
+            MVX_SPREAD.store(c.max(1), Ordering::Relaxed);
+        }
+    });
+    MVX_SPREAD.load(Ordering::Relaxed) as usize
+}
+
+/// `mvx*` launch shape: k-slices per row group `ks` (1, 2, 4, 8: the fewest giving
+/// `mvx_spread()` CTA batches per SM over all `zs` groups, each slice at least two warp steps of
+/// the `hb` slots),
+/// CTA batches per group `ncb` ((MV_WARPS / ks) * `r` rows each, `rows_of(per_cta)`), and the
+/// grid's CTAs per group (capped at `ctas` per SM, 0: no cap, with the batches spread evenly).
+fn mvx_plan(
+    rows_of: impl Fn(usize) -> usize,
+    r: usize,
+    hb: usize,
+    zs: usize,
+    sm: usize,
+    warp: usize,
+    ctas: usize,
+) -> (usize, usize, usize) {
+    let kmax = (hb / (2 * warp)).clamp(1, MV_WARPS);
+    let want = mvx_spread() * sm;
+    let mut ks = 1;
+    while 2 * ks <= kmax && rows_of(MV_WARPS / ks * r) * zs < want {
+        ks *= 2;
+    }
+    let ncb = rows_of(MV_WARPS / ks * r).max(1);
+    let gx = if ctas == 0 {
+        ncb
+    } else {
+        let cap = (ctas * sm).div_ceil(zs).max(1);
+        ncb.div_ceil(ncb.div_ceil(cap))
+    };
+    (ks, ncb, gx)
 }
 
 /// Merged n = 1 products (`mv_multi`: several matrices of one x in one launch, `mvrm_*`/`mvqm_*`;
@@ -345,7 +402,8 @@ impl GpuBackend {
         Self::set_matvec_one(MVQ_AUTO);
         Self::set_matvec_repacked(MVQ_AUTO);
         Self::set_matvec_split(false);
-        Self::set_matvec_q8_form(0, 4);
+        Self::set_matvec_q8_form(1, 3);
+        Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
     }
 
@@ -368,12 +426,18 @@ impl GpuBackend {
         MVR.store(if form <= 4 { form } else { MVQ_AUTO }, Ordering::Relaxed);
     }
 
-    /// n = 1 Q8_0 form from the decode copy (`Q8_FORM`: 0 the `mvr` forms, 1..=3 `mvp`
-    /// MVP_FORMS[k - 1]) and the CTAs per SM of the `mvp` grid (1..=8).
+    /// n = 1 form (`Q8_FORM`: 0 the `mvr`/`mvq` forms, 1..=3 `mvx` MVX_FORMS[k - 1], others
+    /// read as 1) and the CTAs per SM of the `mvx` grid (0: no cap; at most 8).
     pub fn set_matvec_q8_form(form: u8, ctas: u8) {
         Q8_FORM_ENV.call_once(|| {});
-        Q8_FORM.store(if form <= 3 { form } else { 0 }, Ordering::Relaxed);
-        MVP_CTAS.store(ctas.clamp(1, 8), Ordering::Relaxed);
+        Q8_FORM.store(if form <= 3 { form } else { 1 }, Ordering::Relaxed);
+        MVX_CTAS.store(ctas.min(8), Ordering::Relaxed);
+    }
+
+    /// CTA batches per SM the `mvx*` plans aim at (1..; default 6; see `mvx_plan`).
+    pub fn set_matvec_mvx_spread(m: u8) {
+        MVX_SPREAD_ENV.call_once(|| {});
+        MVX_SPREAD.store(m.max(1), Ordering::Relaxed);
     }
 
     /// Merged n = 1 products on or off (`MERGE`; default on).
@@ -455,37 +519,26 @@ impl GpuBackend {
         {
             return false;
         }
-        let (pf, ctas) = q8_form();
-        if pf > 0 {
-            let (name, r) = MVP_FORMS[pf as usize - 1];
-            // Global rows g of all groups (y[g]: y_z = rows), row groups of r within a z group.
-            // x of row g at (g / rows)·x_z.
-            if zs == 1 || (y_z == rows && rows.is_multiple_of(r)) {
-                let groups = (rows * zs).div_ceil(r);
-                let sm = self.gpu.info().sm_count as usize;
-                let grid = groups.div_ceil(MV_WARPS).min(ctas * sm).max(1);
-                let q = dec.ptr();
-                self.run(
-                    &ds4_kernels::MATVEC,
-                    &format!("mvp_{name}_q8_0"),
-                    LaunchDims {
-                        grid: [grid as u32, 1, 1],
-                        block: [MV_WARPS as u32 * self.warp(), 1, 1],
-                        shared_bytes: 0,
-                    },
-                    &[
-                        Arg::Ptr(q),
-                        Arg::Ptr(q.offset((nb * 32) as u64)),
-                        Arg::Ptr(x.ptr),
-                        Arg::I64(x_z as i64),
-                        Arg::I32(rows as i32),
-                        Arg::Ptr(y),
-                        Arg::I32((rows * zs) as i32),
-                        Arg::I32(cols as i32),
-                    ],
-                );
-                return true;
-            }
+        let (xf, ctas) = q8_form();
+        if xf > 0 && cols <= MVX_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO {
+            let (name, r) = MVX_FORMS[xf as usize - 1];
+            let q = dec.ptr();
+            self.mvx(
+                &format!("mvx_{name}_q8_0"),
+                q,
+                q.offset((nb * 32) as u64),
+                x,
+                x_z,
+                y,
+                y_z,
+                rows,
+                cols,
+                zs,
+                r,
+                16,
+                ctas,
+            );
+            return true;
         }
         let (name, r) = MVR_FORMS[form as usize - 1];
         // A warp step is DS4_WARP half blocks (16 columns each): mv_kspl counts steps of
@@ -509,6 +562,58 @@ impl GpuBackend {
             ],
         );
         true
+    }
+
+    /// One `mvx_<form>_<t>` launch (see Q8_FORM): `rows` rows per group × `zs` groups (W rows
+    /// of group z from z·rows, x at z·x_z, y at z·y_z), R = `r` rows a warp, `c` columns per
+    /// 16-byte slot (Q8_0 16, F16 8); d: the Q8_0 scales (F16: null).
+    #[allow(clippy::too_many_arguments)]
+    fn mvx(
+        &self,
+        name: &str,
+        w: DevPtr,
+        d: DevPtr,
+        x: &GpuBuf,
+        x_z: usize,
+        y: DevPtr,
+        y_z: usize,
+        rows: usize,
+        cols: usize,
+        zs: usize,
+        r: usize,
+        c: usize,
+        ctas: usize,
+    ) {
+        let sm = self.gpu.info().sm_count as usize;
+        let (ks, _, gx) = mvx_plan(
+            |per| rows.div_ceil(per),
+            r,
+            cols / c,
+            zs,
+            sm,
+            self.warp() as usize,
+            ctas,
+        );
+        self.run(
+            &ds4_kernels::MATVEC,
+            name,
+            LaunchDims {
+                grid: [gx as u32, 1, zs as u32],
+                block: [MV_WARPS as u32 * self.warp(), 1, 1],
+                shared_bytes: 0,
+            },
+            &[
+                Arg::Ptr(w),
+                Arg::Ptr(d),
+                Arg::Ptr(x.ptr),
+                Arg::I64(x_z as i64),
+                Arg::Ptr(y),
+                Arg::I64(y_z as i64),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I32(ks as i32),
+            ],
+        );
     }
 
     /// One n = 1 product by `mvq_*` (Q8_0, F16), or false when off, declined or another type.
@@ -572,6 +677,33 @@ impl GpuBackend {
             || self.failed()
         {
             return false;
+        }
+        let (xf, ctas) = q8_form();
+        if ty == GgmlType::F16
+            && xf > 0
+            && splits == 1
+            && MVQ.load(Ordering::Relaxed) == MVQ_AUTO
+            && form == 2
+            && cols <= MVX_MAXC
+            && rb == cols * 2
+            && (zs == 1 || w_z == rows * rb)
+        {
+            self.mvx(
+                "mvx_r4u2_f16",
+                w,
+                DevPtr(0),
+                x,
+                x_z,
+                y,
+                y_z,
+                rows,
+                cols,
+                zs,
+                4,
+                8,
+                ctas,
+            );
+            return true;
         }
         let (name, r) = MVQ_FORMS[form as usize - 1];
         if splits > 1 {
@@ -1009,6 +1141,54 @@ impl GpuBackend {
             && parts
                 .iter()
                 .all(|p| p.5.is_some_and(|d| d.bytes() >= p.3 * cols / 32 * 34));
+        let (xf, ctas) = q8_form();
+        let f16 = ty == GgmlType::F16
+            && MVQ.load(Ordering::Relaxed) != 0
+            && rb == cols * 2
+            && parts.iter().all(|p| p.0 .0.is_multiple_of(16));
+        if xf > 0 && cols <= MVX_MAXC && (decoded || f16) {
+            // mvxm_r4u2_<t>: R = 4, batches of (MV_WARPS / ks)·4 rows per matrix.
+            let (max, c) = if decoded {
+                (MVRM_MAX, 16)
+            } else {
+                (MVQM_MAX, 8)
+            };
+            let sm = self.gpu.info().sm_count as usize;
+            let rows_of = |per: usize| rows.iter().map(|r| r.div_ceil(per)).sum::<usize>();
+            let (ks, ncb, gx) = mvx_plan(rows_of, 4, cols / c, 1, sm, self.warp() as usize, ctas);
+            let (offs, _) = mvm_offsets(&rows, MV_WARPS / ks * 4, max);
+            let mut args = Vec::with_capacity(24);
+            for m in 0..max {
+                let (w, dp, y, r) = match (parts.get(m), ys.get(m)) {
+                    (Some(p), Some(y)) if decoded => {
+                        let q = p.5.unwrap().ptr();
+                        (q, q.offset((p.3 * cols / 32 * 32) as u64), y.ptr, p.3)
+                    }
+                    (Some(p), Some(y)) => (p.0, DevPtr(0), y.ptr, p.3),
+                    _ => (DevPtr(0), DevPtr(0), DevPtr(0), 0),
+                };
+                args.push(Arg::Ptr(w));
+                if decoded {
+                    args.push(Arg::Ptr(dp));
+                }
+                args.extend([Arg::Ptr(y), Arg::I32(r as i32)]);
+            }
+            args.extend([Arg::Ptr(x.ptr), Arg::I32(cols as i32), Arg::I32(ks as i32)]);
+            args.extend(offs.iter().map(|&o| Arg::I32(o)));
+            args.push(Arg::I32(ncb as i32));
+            let name = if decoded {
+                "mvxm_r4u2_q8_0"
+            } else {
+                "mvxm_r4u2_f16"
+            };
+            let dims = LaunchDims {
+                grid: [gx as u32, 1, 1],
+                block,
+                shared_bytes: 0,
+            };
+            self.run(&ds4_kernels::MATVEC, name, dims, &args);
+            return true;
+        }
         if decoded {
             // mvr r2u2 per matrix: R = 2, kspl from all row groups, steps of cols / 2 (see mvr).
             let groups: usize = rows.iter().map(|r| r.div_ceil(2)).sum();
@@ -1142,6 +1322,43 @@ impl GpuBackend {
             || du.bytes() < nb * 34
         {
             return false;
+        }
+        let (xf, ctas) = q8_form();
+        if xf > 0 && cols <= MVX_MAXC {
+            // mvxgu_r4u2_q8_0: batches of (MV_WARPS / ks)·2 gate rows (and the same up rows).
+            let sm = self.gpu.info().sm_count as usize;
+            let (ks, _, gx) = mvx_plan(
+                |per| (2 * rows).div_ceil(per),
+                4,
+                cols / 16,
+                1,
+                sm,
+                self.warp() as usize,
+                ctas,
+            );
+            let (qg, qu) = (dg.ptr(), du.ptr());
+            self.run(
+                &ds4_kernels::MATVEC,
+                "mvxgu_r4u2_q8_0",
+                LaunchDims {
+                    grid: [gx as u32, 1, 1],
+                    block: [MV_WARPS as u32 * self.warp(), 1, 1],
+                    shared_bytes: 0,
+                },
+                &[
+                    Arg::Ptr(qg),
+                    Arg::Ptr(qg.offset((nb * 32) as u64)),
+                    Arg::Ptr(qu),
+                    Arg::Ptr(qu.offset((nb * 32) as u64)),
+                    Arg::Ptr(x.ptr),
+                    Arg::Ptr(h.ptr),
+                    Arg::I32(rows as i32),
+                    Arg::I32(cols as i32),
+                    Arg::F32(clamp),
+                    Arg::I32(ks as i32),
+                ],
+            );
+            return true;
         }
         // One row pair per warp (R = 1 in mv_dims' terms), steps of cols / 2 (see mvr).
         let (dims, k) = self.mv_dims(rows, 1, 1, 1, cols / 2);
