@@ -27,17 +27,17 @@ const TOL: f32 = 1e-5;
 static FORM: Mutex<()> = Mutex::new(());
 
 /// Run `f(form)` on the glue, latency (with the wide and the v1 fused forms: rms_norm differs)
-/// and simple forms; leaves the defaults (fast, wide) set.
+/// and simple forms; leaves the defaults (fast, lat) set.
 fn both_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
     for form in ["glue", "fast", "fast-v1", "simple"] {
-        let (mix, fuse) = form.split_once('-').unwrap_or((form, "wide"));
+        let (mix, fuse) = form.split_once('-').unwrap_or((form, "lat"));
         GpuBackend::set_mix_form(mix);
         GpuBackend::set_fuse_form(fuse);
         f(form);
     }
     GpuBackend::set_mix_form("fast");
-    GpuBackend::set_fuse_form("wide");
+    GpuBackend::set_fuse_form("lat");
 }
 
 fn setup() -> Option<(CpuBackend, GpuBackend)> {
@@ -412,18 +412,18 @@ fn elementwise_matches_cpu() {
     });
 }
 
-/// Run `f(form)` with the fused glue on (wide kernels, then the grid and the v1 ones), without
-/// the post fusion, and off (`DS4_GPU_FUSE=off`: the separate ops); leaves it on and wide.
+/// Run `f(form)` with the fused glue on (latency kernels, then the wide and the v1 ones),
+/// without the post fusion, and off (`DS4_GPU_FUSE=off`: the separate ops); leaves it on and lat.
 fn fuse_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
-    for form in ["on", "on-grid", "on-v1", "nopost", "off"] {
-        let (fuse, kind) = form.split_once('-').unwrap_or((form, "wide"));
+    for form in ["on", "on-wide", "on-v1", "nopost", "off"] {
+        let (fuse, kind) = form.split_once('-').unwrap_or((form, "lat"));
         GpuBackend::set_fuse(fuse);
         GpuBackend::set_fuse_form(kind);
         f(form);
     }
     GpuBackend::set_fuse("on");
-    GpuBackend::set_fuse_form("wide");
+    GpuBackend::set_fuse_form("lat");
 }
 
 /// The fused HC pre + norm differs from the CPU in the order of the mixer dot products (and

@@ -273,14 +273,32 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 #define FW_T 256   // threads of a CTA (the host launches exactly this many)
 #define FW_NW (FW_T / DS4_WARP)
 
-// One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place).
-template <int NN, bool POST>
+// Probe stamps (hc_post_pre_norm_p only; compiled out of the other kernels): thread 0 of each CTA
+// writes the time at phase k to stamps[blockIdx.x·FP_NST + k] (CUDA %globaltimer, ns).
+#define FP_NST 12
+__device__ __forceinline__ u64 fp_now() {
+#if defined(DS4_CUDA)
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#else
+    return (u64)clock64();
+#endif
+}
+#define FP_STAMP(k)                                                                            \
+    do {                                                                                       \
+        if (PROBE && threadIdx.x == 0) stamps[(size_t)blockIdx.x * FP_NST + (k)] = fp_now();  \
+    } while (0)
+
+// One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). PROBE:
+// stamps, and return early at `stop` (hc_post_pre_norm_p).
+template <int NN, bool POST, bool PROBE>
 __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
                                       int wty, const float* __restrict__ scale, const float* __restrict__ base,
                                       const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
                                       float* __restrict__ comb, double* part, u32* tickets, int D, int S, int iters,
-                                      float hc_eps, float eps) {
+                                      float hc_eps, float eps, int stop, u64* stamps) {
     constexpr int MIX = (2 + NN) * NN, C = DS4_WARP / NN, RW = (MIX + FW_NW - 1) / FW_NW; // rows a warp
     __shared__ float4 v_s[DS4_WARP];
     __shared__ double dsum[MIX + 1];
@@ -290,6 +308,7 @@ __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, con
     const int D4 = D >> 2, j = lane / C, c4 = s * C + lane % C, col = j * D4 + c4; // float4 of the N·D row
     const bool mine = j < NN && c4 < D4;
     float4* xt = (float4*)(x + (size_t)t * NN * D);
+    FP_STAMP(0);
     // This warp's mixer rows at this pair's column, loaded first (independent of X').
     uint4 raw[RW];
 #pragma unroll
@@ -332,6 +351,8 @@ __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, con
         v_s[lane] = v;
     }
     __syncthreads(); // v_s complete; every old X of this split is read (warp 0) before the stores
+    FP_STAMP(1);
+    if (PROBE && stop == 1) return;
     if (POST && g == 0 && mine) {
         xt[col] = v_s[lane];
         __threadfence(); // X' visible device-wide before this CTA's ticket
@@ -355,9 +376,16 @@ __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, con
     }
     if (lane == 0) __threadfence(); // the partials are visible before the ticket
     __syncthreads();
+    FP_STAMP(2);
+    if (PROBE && stop == 2) return;
     if (tid == 0) last_s = atomicAdd(&tickets[t], 1u) == (u32)(S - 1);
     __syncthreads();
+    FP_STAMP(3);
     if (!last_s) return;
+    if (PROBE && stop == 3) {
+        if (tid == 0) tickets[t] = 0u;
+        return;
+    }
     __threadfence();
     // Last CTA: warp g sums rows g, g + nw, ... over the S splits (lanes stride the splits; a fixed
     // order whichever CTA is last).
@@ -370,6 +398,8 @@ __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, con
     }
     __syncthreads();
     if (tid == 0) tickets[t] = 0u; // ready for the next launch (graph replays too)
+    FP_STAMP(4);
+    if (PROBE && stop == 4) return;
     // m = dots · rms scale of the N·D row; pre; then warp 0 runs the Sinkhorn while the other
     // warps collapse z = Σ pre_i X[i] (CPU order, uncontracted) into registers; rms_norm(z).
     __shared__ float m_s[MIX], pre_s[NN];
@@ -381,14 +411,22 @@ __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, con
     __syncthreads();
     if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
     __syncthreads();
+    FP_STAMP(5);
     float4* zt = (float4*)(z + (size_t)t * D);
     const float4* nr = (const float4*)norm;
     float4 zr[FW_ZR], gr[FW_ZR];
     double zz = 0.0;
     const int step = FW_T - DS4_WARP, c0 = tid - DS4_WARP;
     if (g == 0) {
-        hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
-    } else {
+        const long long c_0 = PROBE ? clock64() : 0;
+        if (!(PROBE && stop == 5))
+            hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
+        if (PROBE && lane == 0) {
+            stamps[(size_t)blockIdx.x * FP_NST + 6] = fp_now();
+            stamps[(size_t)blockIdx.x * FP_NST + 10] = (u64)(clock64() - c_0);
+        }
+    } else if (!(PROBE && stop == 6)) {
+        const long long c_0 = PROBE ? clock64() : 0;
 #pragma unroll
         for (int h = 0; h < FW_ZR; h += 4) { // 4 columns (4·NN loads) in flight at a time
             float4 xv[4][NN];
@@ -418,10 +456,15 @@ __device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, con
                 zr[h + u] = q;
             }
         }
+        if (PROBE && tid == DS4_WARP) {
+            stamps[(size_t)blockIdx.x * FP_NST + 7] = fp_now();
+            stamps[(size_t)blockIdx.x * FP_NST + 11] = (u64)(clock64() - c_0);
+        }
     }
     zz = fu_block_sum(zz, red);
+    FP_STAMP(8);
     const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
-    if (g != 0) {
+    if (g != 0 && !(PROBE && stop == 6)) {
 #pragma unroll
         for (int k = 0; k < FW_ZR; k++) {
             const int c = c0 + k * step;
@@ -440,10 +483,10 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_w(const float* __restrict__ x, cons
     ds4_pdl_enter();
     float* xm = (float*)x; // not written (POST = false)
     switch (N) {
-    case 1: fw_hc<1, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    case 2: fw_hc<2, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    case 3: fw_hc<3, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    default: fw_hc<4, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 1: fw_hc<1, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fw_hc<2, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fw_hc<3, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fw_hc<4, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
     }
 }
 
@@ -451,253 +494,280 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_w(const float* __restrict__ x, cons
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_w(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
     ds4_pdl_enter();
     switch (N) {
-    case 1: fw_hc<1, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    case 2: fw_hc<2, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    case 3: fw_hc<3, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    default: fw_hc<4, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 1: fw_hc<1, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fw_hc<2, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fw_hc<3, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fw_hc<4, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
     }
 }
 // ---------------------------------------------------------------------------------------------
-// Grid forms of the two HC kernels (opt-in, DS4_GPU_FUSE_FORM=grid: on the H200 18.6 us a decode
-// call against 17.3 for the `_w` ones, so their serial epilogue is not what dominates): no
-// serial epilogue. Every CTA of a token arrives at a grid-wide barrier (all of the launch's CTAs
-// are co-resident: the host keeps n·S <= the SM count), then sums the partials itself (the same
-// fixed order in every CTA: the same values), and collapses and normalises its own columns from
-// the values it holds. The RMSNorm's Σz² needs no second barrier: z = Σ_i pre_i X_i, so
-// Σz² = Σ_ik pre_i pre_k G_ik with the streams' Gram matrix G (f64 partials beside the mixer
-// dots; its trace is the N·D row's Σx²). Split s of token t takes G groups of FG_C = DS4_WARP / NN
-// float4 columns: lane p of warp k < G is the pair (stream p / FG_C, column (s·G + k)·FG_C +
-// p % FG_C); warp w takes mixer rows w, w + nw, ... of all its groups. Partials:
-// part[(t·FG_PART + r)·S + s] (rows: MIX dots, then the NN(NN+1)/2 Gram entries). The barrier:
-// tickets[t] counts arrivals (the last resets it), tickets[32 + t] is a generation the others
-// wait on (it only ever grows: graph replays need no reset).
+// Latency forms of the two HC kernels (the default, `_l`; DS4_GPU_FUSE_FORM=wide keeps `_w`):
+// the splits of the wide forms, with the serial path after the mixer loads cut down:
+// - one fence and one ticket per CTA (the CTA's stores, a barrier, then thread 0 fences and takes
+//   the ticket: the cooperative-groups grid-sync pattern) instead of a fence per stored row;
+// - the epilogue's parameters (scale, base) loaded by every CTA before it arrives, and the last
+//   CTA's first columns of X' for the collapse loaded before it sums the partials;
+// - the partial sums with every load in flight at once (8 threads a row, 16 splits each, then
+//   8-lane xor sums: the same value on every lane, whichever CTA is last);
+// - the Sinkhorn on one warp with the 16 exp on 16 lanes, then every lane iterating on all N·N
+//   values in registers with pairwise sums and reciprocal multiplies (no shuffles, no divisions
+//   in the 20 dependent iterations); results within ~1e-6 of the CPU's, not bit-equal.
 
-#define FG_PART 40 // partial rows per token (MIX + NN(NN+1)/2 <= 34)
-#define FG_GMAX 4  // most column groups a CTA
-#define FG_GEN 32  // tickets[FG_GEN + t]: token t's barrier generation
+#define FL_SUB 8 // threads summing one partial row
+#define FL_PF 5  // collapse columns a thread loads before the partial sums (D/4 <= 5·224: one round)
 
-// Grid-wide barrier of token t's S CTAs (thread 0 of each CTA calls it after the CTA's partials
-// are stored and fenced): returns once every CTA has arrived.
-__device__ __forceinline__ void fg_barrier(u32* tickets, int t, int S) {
-    volatile u32* gen = tickets + FG_GEN + t;
-    const u32 g0 = *gen; // read before arriving: it cannot move until this CTA arrives
-    __threadfence();
-    if (atomicAdd(&tickets[t], 1u) == (u32)(S - 1)) {
-        tickets[t] = 0u; // the next launch's count (ordered before the release below)
-        __threadfence();
-        atomicAdd(tickets + FG_GEN + t, 1u); // release
-    } else {
-        while (*gen == g0) {
-#if defined(DS4_CUDA) && DS4_ARCH >= 700
-            __nanosleep(64);
+// f64 load through L2 (other CTAs' partials of this launch; CUDA ld.global.cg, HIP volatile).
+__device__ __forceinline__ double fu_ld_cg_f64(const double* p) {
+#if defined(DS4_CUDA)
+    double r;
+    asm volatile("ld.global.cg.f64 %0, [%1];" : "=d"(r) : "l"(p));
+    return r;
+#else
+    return *(const volatile double*)p;
 #endif
-        }
-    }
-    __threadfence(); // the others' partials are read after the release
 }
 
-// One (token t, split s) CTA of the grid forms; POST: apply the HC post to the pairs first.
-template <int NN, bool POST>
-__device__ __forceinline__ void fg_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
+// One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). Splits,
+// lanes, rows and partial layout as fw_hc. PROBE (hc_post_pre_norm_p): stamps and stop as fw_hc.
+template <int NN, bool POST, bool PROBE>
+__device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
                                       int wty, const float* __restrict__ scale, const float* __restrict__ base,
                                       const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
-                                      float* __restrict__ comb, double* part, u32* tickets, int D, int S, int G, int iters,
-                                      float hc_eps, float eps) {
-    constexpr int MIX = (2 + NN) * NN, C = DS4_WARP / NN, NG = NN * (NN + 1) / 2, ROWS = MIX + NG;
-    constexpr int RW = (MIX + FW_NW - 1) / FW_NW; // mixer rows a warp
-    __shared__ float4 v_s[FG_GMAX][DS4_WARP];
-    __shared__ double gram_s[FG_GMAX][NG];
-    __shared__ double dsum[ROWS];
-    __shared__ float m_s[MIX], pre_s[NN], zs_s;
+                                      float* __restrict__ comb, double* part, u32* tickets, int D, int S, int iters,
+                                      float hc_eps, float eps, int stop, u64* stamps) {
+    constexpr int MIX = (2 + NN) * NN, C = DS4_WARP / NN, RW = (MIX + FW_NW - 1) / FW_NW, ROWS = MIX + 1;
+    static_assert(ROWS * FL_SUB <= FW_T, "one pass of partial rows");
+    __shared__ float4 v_s[DS4_WARP];
+    __shared__ double dsum[ROWS], red[32];
+    __shared__ float m_s[MIX], pre_s[NN], prm_s[MIX + 3]; // prm_s: base [MIX], then scale [3]
+    __shared__ int last_s;
     const int t = blockIdx.x / S, s = blockIdx.x % S, tid = threadIdx.x;
     const int lane = tid % DS4_WARP, g = tid / DS4_WARP, nw = FW_NW;
-    const int D4 = D >> 2, j = lane / C, cl = lane % C;
+    const int D4 = D >> 2, j = lane / C, c4 = s * C + lane % C, col = j * D4 + c4; // float4 of the N·D row
+    const bool mine = j < NN && c4 < D4;
     float4* xt = (float4*)(x + (size_t)t * NN * D);
-    // This warp's mixer rows at its pairs' columns in every group, loaded first.
-    uint4 raw[RW][FG_GMAX];
+    FP_STAMP(0);
+    // This warp's mixer rows at this pair's column, and the epilogue's parameters, loaded first.
+    uint4 raw[RW];
 #pragma unroll
-    for (int k = 0; k < FG_GMAX; k++) {
-        const int c4 = (s * G + k) * C + cl;
-        const bool mine = k < G && j < NN && c4 < D4;
-#pragma unroll
-        for (int i = 0; i < RW; i++) {
-            const int r = g + i * nw;
-            raw[i][k] = make_uint4(0u, 0u, 0u, 0u);
-            if (r < MIX && mine) {
-                const u8* row = mixer + (size_t)r * row_bytes;
-                if (wty == 0) raw[i][k] = ((const uint4*)row)[j * D4 + c4];
-                else {
-                    const uint2 u = ((const uint2*)row)[j * D4 + c4];
-                    raw[i][k] = make_uint4(u.x, u.y, 0u, 0u);
-                }
+    for (int k = 0; k < RW; k++) {
+        const int r = g + k * nw;
+        raw[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (r < MIX && mine) {
+            const u8* row = mixer + (size_t)r * row_bytes;
+            if (wty == 0) raw[k] = ((const uint4*)row)[col];
+            else {
+                const uint2 u = ((const uint2*)row)[col];
+                raw[k] = make_uint4(u.x, u.y, 0u, 0u);
             }
         }
     }
-    // Warp k < G: its group's pair values (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X).
-    const int c4w = (s * G + g) * C + cl; // this warp's group's column
-    const bool minew = g < G && j < NN && c4w < D4;
-    if (g < G) {
+    const float prm = tid < MIX ? base[tid] : tid < MIX + 3 ? scale[tid - MIX] : 0.0f;
+    // Warp 0: the pair's value (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X) and Σv².
+    double ss = 0.0;
+    if (g == 0) {
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (minew && POST) {
+        if (mine && POST) {
             const float pj = post_in[(size_t)t * NN + j];
             float4 old[NN];
             float a[NN];
 #pragma unroll
             for (int i = 0; i < NN; i++) {
-                old[i] = xt[i * D4 + c4w];
+                old[i] = xt[i * D4 + c4];
                 a[i] = comb_in[(size_t)t * NN * NN + i * NN + j]; // A[i][j]: column j of the comb
             }
-            const float4 ov = ((const float4*)(o + (size_t)t * D))[c4w];
+            const float4 ov = ((const float4*)(o + (size_t)t * D))[c4];
             v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
 #pragma unroll
             for (int i = 0; i < NN; i++) {
                 v.x += ds4_mul_rn(a[i], old[i].x), v.y += ds4_mul_rn(a[i], old[i].y);
                 v.z += ds4_mul_rn(a[i], old[i].z), v.w += ds4_mul_rn(a[i], old[i].w);
             }
-        } else if (minew) {
-            v = xt[j * D4 + c4w];
+        } else if (mine) {
+            v = xt[col];
         }
-        v_s[g][lane] = v;
+        ss = (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z + (double)v.w * (double)v.w;
+        v_s[lane] = v;
     }
-    __syncthreads(); // v_s complete; every old X of this split is read before the stores
-    if (POST && minew) xt[j * D4 + c4w] = v_s[g][lane]; // read by the next kernels only
-    // Warp k < G: its group's Gram entries (lane cl < C holds column cl's NN streams), f64.
-    if (g < G) {
-        double gr[NG];
-        float4 xv[NN];
+    __syncthreads(); // v_s complete; every old X of this split is read (warp 0) before the stores
+    FP_STAMP(1);
+    if (PROBE && stop == 1) return;
+    if (POST && g == 0 && mine) xt[col] = v_s[lane];
+    const float4 v = v_s[lane];
+    double* pt = part + (size_t)t * FU_PART * S + s;
 #pragma unroll
-        for (int i = 0; i < NN; i++) xv[i] = lane < C ? v_s[g][i * C + lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        int e = 0;
-#pragma unroll
-        for (int i = 0; i < NN; i++)
-#pragma unroll
-            for (int k = i; k < NN; k++, e++)
-                gr[e] = (double)xv[i].x * (double)xv[k].x + (double)xv[i].y * (double)xv[k].y +
-                        (double)xv[i].z * (double)xv[k].z + (double)xv[i].w * (double)xv[k].w;
-#pragma unroll
-        for (int q = 0; q < NG; q++) {
-            const double a = ds4_warp_sum_f64(gr[q]);
-            if (lane == 0) gram_s[g][q] = a;
-        }
-    }
-    // The mixer dots: rows g, g + nw, ... summed over the groups, one warp sum per row.
-    double* pt = part + (size_t)t * FG_PART * S + s;
-#pragma unroll
-    for (int i = 0; i < RW; i++) {
-        const int r = g + i * nw;
+    for (int k = 0; k < RW; k++) {
+        const int r = g + k * nw;
         if (r >= MIX) break; // warp-uniform
-        float acc = 0.0f;
+        float4 w;
+        if (wty == 0) w = make_float4(__uint_as_float(raw[k].x), __uint_as_float(raw[k].y), __uint_as_float(raw[k].z), __uint_as_float(raw[k].w));
+        else if (wty == 1) w = make_float4(ds4_h2f_fast(raw[k].x & 0xffffu), ds4_h2f_fast(raw[k].x >> 16), ds4_h2f_fast(raw[k].y & 0xffffu), ds4_h2f_fast(raw[k].y >> 16));
+        else w = make_float4(ds4_bf2f((u16)(raw[k].x & 0xffffu)), ds4_bf2f((u16)(raw[k].x >> 16)), ds4_bf2f((u16)(raw[k].y & 0xffffu)), ds4_bf2f((u16)(raw[k].y >> 16)));
+        const float d = ds4_warp_sum(w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w); // idle pairs: w = 0
+        if (lane == 0) pt[(size_t)r * S] = (double)d;
+    }
+    if (g == 0) {
+        ss = ds4_warp_sum_f64(ss);
+        if (lane == 0) pt[(size_t)MIX * S] = ss;
+    }
+    __syncthreads(); // every store of this CTA (X', partials) precedes thread 0's fence
+    FP_STAMP(2);
+    if (PROBE && stop == 2) return;
+    if (tid == 0) {
+        __threadfence(); // release: the CTA's stores are visible device-wide before the ticket
+        const bool l = atomicAdd(&tickets[t], 1u) == (u32)(S - 1);
+        if (l) __threadfence(); // acquire: the other CTAs' stores are read after it
+        last_s = l;
+    }
+    __syncthreads();
+    FP_STAMP(3);
+    if (!last_s) return;
+    if (PROBE && stop == 3) {
+        if (tid == 0) tickets[t] = 0u;
+        return;
+    }
+    // Last CTA. Warps 1..: the collapse columns c0 + k·step, the first FL_PF loaded now (X' of
+    // other CTAs through L2), in flight while the partials are summed.
+    const int step = FW_T - DS4_WARP, c0 = tid - DS4_WARP;
+    float4 xv[FW_ZR][NN], gr[FW_ZR];
+    const float4* nr = (const float4*)norm;
+    if (g != 0) {
 #pragma unroll
-        for (int k = 0; k < FG_GMAX; k++) {
-            if (k >= G) break;
-            const uint4 q = raw[i][k];
-            float4 w;
-            if (wty == 0) w = make_float4(__uint_as_float(q.x), __uint_as_float(q.y), __uint_as_float(q.z), __uint_as_float(q.w));
-            else if (wty == 1) w = make_float4(ds4_h2f_fast(q.x & 0xffffu), ds4_h2f_fast(q.x >> 16), ds4_h2f_fast(q.y & 0xffffu), ds4_h2f_fast(q.y >> 16));
-            else w = make_float4(ds4_bf2f((u16)(q.x & 0xffffu)), ds4_bf2f((u16)(q.x >> 16)), ds4_bf2f((u16)(q.y & 0xffffu)), ds4_bf2f((u16)(q.y >> 16)));
-            const float4 v = v_s[k][lane];
-            acc += w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w; // idle pairs: w = 0
-        }
-        acc = ds4_warp_sum(acc);
-        if (lane == 0) {
-            pt[(size_t)r * S] = (double)acc;
-            __threadfence(); // visible before this CTA's arrival
+        for (int k = 0; k < FL_PF; k++) {
+            const int c = c0 + k * step;
+            if (c < D4) {
+                gr[k] = nr[c];
+#pragma unroll
+                for (int i = 0; i < NN; i++) xv[k][i] = POST ? fu_ld_cg(xt + i * D4 + c) : xt[i * D4 + c];
+            }
         }
     }
-    __syncthreads(); // gram_s complete
-    if (tid < NG) {
-        double a = gram_s[0][tid];
-        for (int k = 1; k < G; k++) a += gram_s[k][tid];
-        pt[(size_t)(MIX + tid) * S] = a;
-        __threadfence();
-    }
-    __syncthreads();
-    if (tid == 0) fg_barrier(tickets, t, S);
-    __syncthreads();
-    // Every CTA: the sums of the rows it needs over the S splits (warp w: rows w, w + nw, ...;
-    // lanes stride the splits; a fixed order): the pre rows and the Gram; split 0 all rows.
-    const bool sink = s == 0; // runs the Sinkhorn (post, comb)
-    for (int r = g; r < ROWS; r += nw) {
-        if (!sink && r >= NN && r < MIX) continue; // warp-uniform
-        const volatile double* pv = part + ((size_t)t * FG_PART + r) * S;
+    { // row r = tid / FL_SUB over the S splits: FL_SUB threads, 16 loads each in flight, fixed order
+        const int r = tid / FL_SUB, q0 = tid % FL_SUB;
         double a = 0.0;
-        for (int q = lane; q < S; q += DS4_WARP) a += pv[q];
-        a = ds4_warp_sum_f64(a);
-        if (lane == 0) dsum[r] = a;
-    }
-    __syncthreads();
-    if (tid < MIX && (sink || tid < NN)) {
-        double tr = 0.0; // Σx² of the N·D row: the Gram's trace
-        int e = MIX;
+        if (r < ROWS) {
+            const double* pr = part + ((size_t)t * FU_PART + r) * S;
+            for (int q = q0; q < S; q += 16 * FL_SUB) {
+                double u[16];
 #pragma unroll
-        for (int i = 0; i < NN; i++) {
-            tr += dsum[e];
-            e += NN - i;
+                for (int k = 0; k < 16; k++) u[k] = q + k * FL_SUB < S ? fu_ld_cg_f64(pr + q + k * FL_SUB) : 0.0;
+#pragma unroll
+                for (int k = 0; k < 16; k++) a += u[k];
+            }
         }
-        const float sc = (float)(1.0 / sqrt(tr / (double)(NN * D) + (double)eps));
-        m_s[tid] = (float)dsum[tid] * sc;
-        if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
+#pragma unroll
+        for (int o = 1; o < FL_SUB; o <<= 1) a += ds4_shfl_xor(a, o); // the same sum on every lane
+        if (r < ROWS && q0 == 0) dsum[r] = a;
+        if (tid < MIX + 3) prm_s[tid] = prm;
     }
     __syncthreads();
-    if (tid == 0) { // Σz² = Σ_i pre_i² G_ii + 2 Σ_{i<k} pre_i pre_k G_ik
-        double zz = 0.0;
-        int e = MIX;
-#pragma unroll
-        for (int i = 0; i < NN; i++)
-#pragma unroll
-            for (int k = i; k < NN; k++, e++)
-                zz += (k == i ? 1.0 : 2.0) * (double)pre_s[i] * (double)pre_s[k] * dsum[e];
-        zs_s = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
+    if (tid == 0) tickets[t] = 0u; // ready for the next launch (graph replays too)
+    FP_STAMP(4);
+    if (PROBE && stop == 4) return;
+    // m = dots · rms scale of the N·D row; pre.
+    if (tid < MIX) {
+        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
+        const float mv = (float)dsum[tid] * sc;
+        m_s[tid] = mv;
+        if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(mv, prm_s[MIX]) + prm_s[tid]) + hc_eps;
     }
     __syncthreads();
-    if (sink && g == nw - 1) // the last warp (whole): split + Sinkhorn
-        hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
-    // This CTA's columns of z: z = Σ_i pre_i X[i] (CPU order, uncontracted), rms-normalised.
-    for (int q = tid; q < G * C; q += FW_T) {
-        const int k = q / C, c = q % C, c4 = (s * G + k) * C + c;
-        if (c4 >= D4) continue;
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int i = 0; i < NN; i++) {
-            const float p = pre_s[i];
-            const float4 v = v_s[k][i * C + c];
-            a.x += ds4_mul_rn(p, v.x), a.y += ds4_mul_rn(p, v.y);
-            a.z += ds4_mul_rn(p, v.z), a.w += ds4_mul_rn(p, v.w);
+    FP_STAMP(5);
+    // Warp 0: split + Sinkhorn (post, comb); warps 1..: z = Σ pre_i X[i] (CPU order,
+    // uncontracted) into registers; then rms_norm(z).
+    double zz = 0.0;
+    if (g == 0) {
+        const long long c_0 = PROBE ? clock64() : 0;
+        if (!(PROBE && stop == 5))
+            hc_sinkhorn_fast<NN>(m_s, prm_s, prm_s + MIX, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
+        if (PROBE && lane == 0) {
+            stamps[(size_t)blockIdx.x * FP_NST + 6] = fp_now();
+            stamps[(size_t)blockIdx.x * FP_NST + 10] = (u64)(clock64() - c_0);
         }
-        const float zs = zs_s;
-        const float4 w = ((const float4*)norm)[c4];
-        ((float4*)(z + (size_t)t * D))[c4] = make_float4(a.x * zs * w.x, a.y * zs * w.y, a.z * zs * w.z, a.w * zs * w.w);
+    } else if (!(PROBE && stop == 6)) {
+        const long long c_0 = PROBE ? clock64() : 0;
+#pragma unroll
+        for (int k = FL_PF; k < FW_ZR; k++) { // columns past the prefetched ones (D/4 > 5·224)
+            const int c = c0 + k * step;
+            if (c < D4) {
+                gr[k] = nr[c];
+#pragma unroll
+                for (int i = 0; i < NN; i++) xv[k][i] = POST ? fu_ld_cg(xt + i * D4 + c) : xt[i * D4 + c];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < FW_ZR; k++) {
+            const int c = c0 + k * step;
+            float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (c < D4) {
+#pragma unroll
+                for (int i = 0; i < NN; i++) {
+                    const float p = pre_s[i];
+                    q.x += ds4_mul_rn(p, xv[k][i].x), q.y += ds4_mul_rn(p, xv[k][i].y);
+                    q.z += ds4_mul_rn(p, xv[k][i].z), q.w += ds4_mul_rn(p, xv[k][i].w);
+                }
+                zz += (double)q.x * (double)q.x + (double)q.y * (double)q.y + (double)q.z * (double)q.z +
+                      (double)q.w * (double)q.w;
+            }
+            xv[k][0] = q;
+        }
+        if (PROBE && tid == DS4_WARP) {
+            stamps[(size_t)blockIdx.x * FP_NST + 7] = fp_now();
+            stamps[(size_t)blockIdx.x * FP_NST + 11] = (u64)(clock64() - c_0);
+        }
     }
+    zz = fu_block_sum(zz, red);
+    FP_STAMP(8);
+    const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
+    if (g != 0 && !(PROBE && stop == 6)) {
+        float4* zt = (float4*)(z + (size_t)t * D);
+#pragma unroll
+        for (int k = 0; k < FW_ZR; k++) {
+            const int c = c0 + k * step;
+            if (c < D4) {
+                const float4 q = xv[k][0], w = gr[k];
+                zt[c] = make_float4(q.x * zs * w.x, q.y * zs * w.y, q.z * zs * w.z, q.w * zs * w.w);
+            }
+        }
+    }
+    FP_STAMP(9);
 }
 
-// Grid hc_pre_norm_f32: arguments, outputs and host guarantees as hc_pre_norm_w, plus G (column
-// groups a CTA, 1..FG_GMAX); grid n·S CTAs, S = ceil(D/4 / (G·DS4_WARP / N)), n·S <= the SM
-// count (co-resident: the CTAs wait for each other), n <= 32; part holds n·FG_PART·S doubles;
-// tickets[t] is 0 on entry and left 0. blockDim = FW_T.
-DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_g(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int G, int iters, float hc_eps, float eps) {
+// Latency hc_pre_norm_f32: arguments, outputs, grid, part and host guarantees as hc_pre_norm_w.
+DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_l(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
     ds4_pdl_enter();
     float* xm = (float*)x; // not written (POST = false)
     switch (N) {
-    case 1: fg_hc<1, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
-    case 2: fg_hc<2, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
-    case 3: fg_hc<3, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
-    default: fg_hc<4, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    case 1: fl_hc<1, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fl_hc<2, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fl_hc<3, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fl_hc<4, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
     }
 }
 
-// Grid hc_post_pre_norm_f32: arguments and outputs as hc_post_pre_norm_w plus G; grid and part as
-// hc_pre_norm_g.
-DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_g(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int G, int iters, float hc_eps, float eps) {
+// Latency hc_post_pre_norm_f32: arguments, outputs, grid and part as hc_post_pre_norm_w.
+DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
     ds4_pdl_enter();
     switch (N) {
-    case 1: fg_hc<1, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
-    case 2: fg_hc<2, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
-    case 3: fg_hc<3, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
-    default: fg_hc<4, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, G, iters, hc_eps, eps); break;
+    case 1: fl_hc<1, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fl_hc<2, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fl_hc<3, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fl_hc<4, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
     }
 }
 
+// Probe of hc_post_pre_norm at N = 4 (crates/ds4-gpu/examples/hc_bench.rs): form 0 the wide
+// kernel's code, 1 the latency one, with %globaltimer stamps per CTA in stamps[CTA·FP_NST + k]
+// (0 entry, 1 pair values, 2 partials stored, 3 ticket; last CTA: 4 partial sums, 5 m/pre,
+// 6 Sinkhorn end, 7 collapse end, 8 Σz², 9 end; 10 and 11 the Sinkhorn's and the collapse's
+// clock64 cycles) and a stop: 1..4 return after that phase (the ticket left right), 5 skips
+// the Sinkhorn, 6 the collapse. Arguments as hc_post_pre_norm_w plus form, stop, stamps.
+DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_p(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps, int form, int stop, u64* stamps) {
+    ds4_pdl_enter();
+    if (form == 0) fw_hc<4, true, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+    else fl_hc<4, true, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+}
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm + RoPE (+ FP8 of the first fp8_nope values, + f16) of attention rows.

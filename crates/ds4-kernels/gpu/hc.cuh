@@ -115,3 +115,72 @@ __device__ __forceinline__ void hc_sinkhorn_by_warp(const float* m, const float*
     if (NN == 4) hc_sinkhorn4_warp(m, scale, base, post_t, comb_t, iters, eps);
     else if (threadIdx.x % DS4_WARP == 0) hc_sinkhorn_thread<NN>(m, scale, base, post_t, comb_t, iters, eps);
 }
+
+// Sum of the first NN of four values, pairwise for NN = 4 (a shorter dependent chain than the
+// CPU's serial order; ~1 ulp apart).
+template <int NN>
+__device__ __forceinline__ float hc_sum4(float v0, float v1, float v2, float v3) {
+    return NN == 4 ? (v0 + v1) + (v2 + v3) : NN == 3 ? (v0 + v1) + v2 : NN == 2 ? v0 + v1 : v0;
+}
+
+// 1 / x to ~1 ulp (one MUFU op on CUDA), for the Sinkhorn's normalisations.
+__device__ __forceinline__ float hc_rcp(float x) { return __fdividef(1.0f, x); }
+
+// Sinkhorn of one token (NN <= 4) for latency, by a whole warp: lanes e < NN·NN take exp of
+// logit e (its row's max from shared memory), then every lane gathers the NN·NN values by
+// shuffles and runs the iterations on all of them in registers with pairwise sums and
+// reciprocal multiplies (no shuffle, no division in the dependent chain); lane 0 stores comb,
+// lanes < NN post. m, base [(2+NN)·NN] and scale [3]: shared (or global) memory. The CPU's
+// operations (hc_split) up to the sums' order and the reciprocals: within ~1e-6, not bit-equal.
+template <int NN>
+__device__ __forceinline__ void hc_sinkhorn_fast(const float* m, const float* base, const float* scale, float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
+    constexpr int Q = NN * NN;
+    const int l = threadIdx.x % DS4_WARP;
+    const float s2 = scale[2];
+    if (l < NN) post_t[l] = 2.0f * ds4_sigmoid(ds4_mul_rn(m[NN + l], scale[1]) + base[NN + l]);
+    float ex = 0.0f;
+    if (l < Q) { // exp(logit - row max) of entry l, as the CPU's row softmax
+        const int r0 = 2 * NN + (l / NN) * NN;
+        float mx = DS4_NEG_INF;
+#pragma unroll
+        for (int b = 0; b < NN; b++) mx = fmaxf(mx, ds4_mul_rn(m[r0 + b], s2) + base[r0 + b]);
+        ex = ds4_expf_cr(ds4_mul_rn(m[2 * NN + l], s2) + base[2 * NN + l] - mx);
+    }
+    float a[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) a[r][b] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < NN; r++)
+#pragma unroll
+        for (int b = 0; b < NN; b++) a[r][b] = ds4_shfl_xor(ex, l ^ (r * NN + b)); // lane r·NN + b's value
+#pragma unroll
+    for (int r = 0; r < NN; r++) { // row softmax + eps
+        const float i = hc_rcp(hc_sum4<NN>(a[r][0], a[r][1], a[r][2], a[r][3]));
+#pragma unroll
+        for (int b = 0; b < NN; b++) a[r][b] = a[r][b] * i + eps;
+    }
+    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
+        if (it > 0) { // rows (the first pass normalises columns only)
+#pragma unroll
+            for (int r = 0; r < NN; r++) {
+                const float i = hc_rcp(hc_sum4<NN>(a[r][0], a[r][1], a[r][2], a[r][3]) + eps);
+#pragma unroll
+                for (int b = 0; b < NN; b++) a[r][b] *= i;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NN; c++) {
+            const float i = hc_rcp(hc_sum4<NN>(a[0][c], a[1][c], a[2][c], a[3][c]) + eps);
+#pragma unroll
+            for (int r = 0; r < NN; r++) a[r][c] *= i;
+        }
+    }
+    if (l == 0) {
+#pragma unroll
+        for (int r = 0; r < NN; r++)
+#pragma unroll
+            for (int b = 0; b < NN; b++) comb_t[r * NN + b] = a[r][b];
+    }
+}

@@ -135,21 +135,21 @@ fn fuse_post() -> bool {
 
 /// Fused-kernel forms: 0 not yet read from `DS4_GPU_FUSE_FORM`, 1 `v1` (the session-4 kernels:
 /// HC splits of 256 float4 columns, norm_rope_f32 staging the row, rmsnorm_f32x4), 2 `wide`
-/// (default: `*_w` HC kernels, ~one split CTA per SM and a last-CTA epilogue; norm_rope_g, the
-/// row in registers; a warp per short rms_norm row), 3 `grid`: as wide but the `*_g` HC kernels,
-/// whose CTAs meet at a grid barrier and each finish their own columns (opt-in: on the H200 18.6
-/// us a call against 17.3 for `*_w`, bench/results/gpu-glue-h-h200.txt).
+/// (`*_w` HC kernels, ~one split CTA per SM and a last-CTA epilogue; norm_rope_g, the row in
+/// registers; a warp per short rms_norm row), 3 `lat` (default): as wide but the `*_l` HC
+/// kernels (the same splits, a shorter serial path: one fence a CTA, loads in flight at once,
+/// a Sinkhorn without divisions or shuffles in its iterations).
 static FORM: AtomicU8 = AtomicU8::new(0);
 
-/// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1|grid`, else wide), read once, or
+/// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1|wide`, else lat), read once, or
 /// [`GpuBackend::set_fuse_form`].
 fn fuse_form() -> u8 {
     let mut m = FORM.load(Ordering::Relaxed);
     if m == 0 {
         let env = match std::env::var("DS4_GPU_FUSE_FORM").as_deref() {
             Ok("v1") => 1,
-            Ok("grid") => 3,
-            _ => 2,
+            Ok("wide") => 2,
+            _ => 3,
         };
         m = match FORM.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
             Ok(_) => env,
@@ -159,14 +159,9 @@ fn fuse_form() -> u8 {
     m
 }
 
-/// Whether the wide forms run (wide and grid; `DS4_GPU_FUSE_FORM=v1` turns them off).
+/// Whether the wide forms run (wide and lat; `DS4_GPU_FUSE_FORM=v1` turns them off).
 fn fuse_wide() -> bool {
     fuse_form() >= 2
-}
-
-/// Whether the grid HC kernels run (`DS4_GPU_FUSE_FORM=grid`).
-fn fuse_grid() -> bool {
-    fuse_form() == 3
 }
 
 /// Threads of a wide HC CTA (`FW_T` in fused.cu) and float4 columns of z per epilogue thread
@@ -175,11 +170,6 @@ const FW_T: usize = 256;
 const FW_ZR: usize = 8;
 /// float4 columns per lane of the warp-per-row rmsnorm_f32w.
 const ROW_K: usize = 8;
-/// Partial rows per token of the grid HC kernels (`FG_PART`), most column groups a CTA
-/// (`FG_GMAX`), and the first barrier generation slot in `tickets` (`FG_GEN`).
-const FG_PART: usize = 40;
-const FG_GMAX: usize = 4;
-const FG_GEN: usize = 32;
 /// float4 columns per thread of norm_rope_g (`NG_K`).
 const NG_K: usize = 4;
 
@@ -221,14 +211,14 @@ impl GpuBackend {
         FUSE.store(m, Ordering::Relaxed);
     }
 
-    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "wide" (the default),
-    /// "grid" or "v1". Process-wide; for tests and A/B benchmarks.
+    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "lat" (the default),
+    /// "wide" or "v1". Process-wide; for tests and A/B benchmarks.
     pub fn set_fuse_form(form: &str) {
         let m = match form {
             "v1" => 1,
             "wide" => 2,
-            "grid" => 3,
-            _ => panic!("set_fuse_form: unknown form {form:?} (wide, grid, v1)"),
+            "lat" => 3,
+            _ => panic!("set_fuse_form: unknown form {form:?} (lat, wide, v1)"),
         };
         FORM.store(m, Ordering::Relaxed);
     }
@@ -354,12 +344,11 @@ impl GpuBackend {
         );
     }
 
-    /// One launch of the fused HC pre + norm (after the HC post when `pin` is given): the wide
-    /// kernels (`*_w`: N·D/4 pairs in splits of a warp's lanes, 1024 / (32 / 4) = 128 CTAs a
-    /// token at D 4096), `DS4_GPU_FUSE_FORM=grid` the grid ones (`*_g`: the same splits, all
-    /// CTAs co-resident, plus the column groups a CTA), or, `v1` or shapes they decline, the
-    /// first ones (256 float4 columns of the N·D row a split, or 256 / N of each stream with the
-    /// post). All take the same arguments (the grid ones one more).
+    /// One launch of the fused HC pre + norm (after the HC post when `pin` is given): the
+    /// latency kernels (`*_l`: N·D/4 pairs in splits of a warp's lanes, 1024 / (32 / 4) = 128
+    /// CTAs a token at D 4096), `DS4_GPU_FUSE_FORM=wide` the wide ones (`*_w`, the same splits),
+    /// or, `v1` or shapes they decline, the first ones (256 float4 columns of the N·D row a
+    /// split, or 256 / N of each stream with the post). All take the same arguments.
     #[allow(clippy::too_many_arguments)]
     fn hc_fused(
         &self,
@@ -378,47 +367,28 @@ impl GpuBackend {
     ) {
         let warp = self.warp() as usize;
         let d4 = hc.d / 4;
-        // Grid: the fewest column groups a CTA (warp / N float4 columns each) that keep all n·S
-        // CTAs co-resident at one a SM (they wait for each other).
-        let sms = self.gpu.info().sm_count as usize;
-        let grid =
-            (fuse_grid() && hc.n <= warp && n + FG_GEN <= FUSE_TICKETS && FW_T / warp >= FG_GMAX)
-                .then(|| {
-                    (1..=FG_GMAX)
-                        .map(|g| (g, d4.div_ceil(g * (warp / hc.n))))
-                        .find(|&(_, s)| n * s <= sms)
-                })
-                .flatten();
         let wide = fuse_wide() && hc.n <= warp && d4 <= FW_ZR * (FW_T - warp);
-        let (name, threads, splits, groups) = if let Some((g, s)) = grid {
-            let name = if pin.is_some() {
-                "hc_post_pre_norm_g"
-            } else {
-                "hc_pre_norm_g"
-            };
-            (name, FW_T, s, Some(g))
-        } else if wide {
+        let (name, threads, splits) = if wide {
             let cols = warp / hc.n; // float4 columns of d a split
-            let name = if pin.is_some() {
-                "hc_post_pre_norm_w"
-            } else {
-                "hc_pre_norm_w"
+            let name = match (pin.is_some(), fuse_form() == 3) {
+                (true, true) => "hc_post_pre_norm_l",
+                (false, true) => "hc_pre_norm_l",
+                (true, false) => "hc_post_pre_norm_w",
+                (false, false) => "hc_pre_norm_w",
             };
-            (name, FW_T, d4.div_ceil(cols), None)
+            (name, FW_T, d4.div_ceil(cols))
         } else {
             let t = fuse_threads(warp);
             match pin {
-                Some(_) => ("hc_post_pre_norm_f32", t, d4.div_ceil(t / hc.n), None),
+                Some(_) => ("hc_post_pre_norm_f32", t, d4.div_ceil(t / hc.n)),
                 None => (
                     "hc_pre_norm_f32",
                     t,
                     (hc.n * d4).div_ceil(t).clamp(1, FUSE_HC_SPLITS),
-                    None,
                 ),
             }
         };
-        let rows = if groups.is_some() { FG_PART } else { FUSE_PART };
-        let part = self.scratch(n * splits * rows * 2); // f64 partials
+        let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
         let mut args = vec![Arg::Ptr(x)];
         if let Some((o, pi, ci)) = pin {
             args.extend([Arg::Ptr(o), Arg::Ptr(pi), Arg::Ptr(ci)]);
@@ -438,11 +408,6 @@ impl GpuBackend {
             Arg::I32(hc.n as i32),
             Arg::I32(hc.d as i32),
             Arg::I32(splits as i32),
-        ]);
-        if let Some(g) = groups {
-            args.push(Arg::I32(g as i32));
-        }
-        args.extend([
             Arg::I32(hc.sinkhorn_iters as i32),
             Arg::F32(hc.eps),
             Arg::F32(eps),
