@@ -1,4 +1,6 @@
 // Decode MoE (n <= 4 tokens, k slots each): the routed experts at weight bandwidth, two launches.
+// Three forms: v1 (moegu/moedn, below: rows staged in shared memory), v2 (m2*: direct loads) and
+// v4 (m4*, m4i*: one token, v2's loads pipelined on a grid of resident CTAs; m4i: int8 x, dp4a).
 //
 //   moegu<NT>_<t>: CTA (row block of rb rows, pair p = blockIdx.y). The first pair holding expert
 //                  e = sel[p] computes gate and up rows r0..r0+rb of e for every token routed to e
@@ -677,14 +679,6 @@ template <> struct M2<T_Q4_K> {
     }
 };
 
-// ===================================================================================================
-// Form 3 (m3*): form 2's loads and tiles with integer inner loops. Each lane quantises its 32
-// x values (its unit's columns, any grouping works) once per token to a hi/lo int8 pair:
-// x ~ s * (qh + ql / 254), s = max|x| / 127, error <= max|x| / 64516 per element. Per 4 weights
-// two dp4a (hi, lo) into int32; 254 * hi + lo, the K-quant sub-block scales and mins are applied
-// in integers too (bounds beside each), then one int -> float and one FMA per row and unit.
-// ===================================================================================================
-
 // Signed 4 x int8 dot product plus c.
 __device__ __forceinline__ int moe_dp4a(u32 a, u32 b, int c) {
 #if defined(DS4_CUDA)
@@ -696,12 +690,8 @@ __device__ __forceinline__ int moe_dp4a(u32 a, u32 b, int c) {
 #endif
 }
 
-// x of a lane's unit for NT tokens. Float (forms 2): xs prescaled by MOE_XS, sx slice sums.
-// Integer (form 3): h, l the packed hi/lo int8 of the 32 values (word w: values 4w .. 4w+3),
-// s = scale / 254, sq the slice sums of 254 qh + ql (<= 8 * 32385).
-template <bool I, int NT> struct MX;
-
-template <int NT> struct MX<false, NT> {
+// x of a lane's unit for NT tokens (forms 2 and 4): xs prescaled by MOE_XS, sx slice sums.
+template <int NT> struct MX {
     float xs[NT][32], sx[NT][4];
     __device__ __forceinline__ void set(int t, const float (&v)[32]) {
 #pragma unroll
@@ -719,140 +709,6 @@ template <int NT> struct MX<false, NT> {
     }
 };
 
-template <int T> struct M3;
-
-template <int NT> struct MX<true, NT> {
-    u32 h[NT][8], l[NT][8];
-    float s[NT];
-    int sq[NT][4];
-    __device__ __forceinline__ void set(int t, const float (&v)[32]) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-        float sc = amax * (1.0f / 127.0f), inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv254 = inv * 254.0f;
-        s[t] = sc * (1.0f / 254.0f);
-#pragma unroll
-        for (int j = 0; j < 4; j++) sq[t][j] = 0;
-#pragma unroll
-        for (int w = 0; w < 8; w++) {
-            u32 ph = 0, pl = 0;
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                float x = v[4 * w + b];
-                int qh = (int)rintf(x * inv);                       // |qh| <= 127
-                int ql = (int)rintf(fmaf(-(float)qh, sc, x) * inv254); // residual, |ql| <= 127
-                ql = min(max(ql, -127), 127);
-                ph |= ((u32)qh & 0xffu) << (8 * b);
-                pl |= ((u32)ql & 0xffu) << (8 * b);
-                sq[t][w >> 1] += 254 * qh + ql;
-            }
-            h[t][w] = ph, l[t][w] = pl;
-        }
-    }
-    template <int T>
-    __device__ __forceinline__ void dot(const typename M2<T>::Raw& r, const typename M2<T>::Off& f, const u64* gs,
-                                        float (&acc)[NT]) const {
-        M3<T>::template dot<NT>(r, f, *this, gs, acc);
-    }
-};
-
-// IQ2_XXS: signed weight bytes from the grid magnitudes (8, 25, 43) and the sign bytes:
-// negative bytes become ~m + 1 (no carry out of a byte since m > 0).
-template <> struct M3<T_IQ2_XXS> {
-    template <int NT>
-    static __device__ __forceinline__ void dot(const M2<T_IQ2_XXS>::Raw& r, const M2<T_IQ2_XXS>::Off& f,
-                                               const MX<true, NT>& x, const u64* gs, float (&acc)[NT]) {
-        u32 idx4 = (u32)((((u64)r.b << 32) | r.a) >> f.sh), aux = (u32)((((u64)r.c << 32) | r.b) >> f.sh);
-        float db = ds4_h2f_fast(r.d) * (0.5f + (float)(aux >> 28)) * 0.25f;
-        int ih[NT], il[NT]; // |.| <= 32 * 43 * 127
-#pragma unroll
-        for (int t = 0; t < NT; t++) ih[t] = 0, il[t] = 0;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            u64 gr = gs[(idx4 >> (8 * q)) & 0xffu];
-            // 1 in each negative byte: bit l of s7 to bit 8l by one multiply (no carries);
-            // element 7: parity of s7.
-            u32 s7 = (aux >> (7 * q)) & 127u;
-            u32 nl = (s7 * 0x00204081u) & 0x01010101u;
-            u32 nh = (((s7 >> 4) * 0x00204081u) & 0x00010101u) | ((u32)(__popc(s7) & 1) << 24);
-            u32 wl = ((u32)gr ^ (nl * 255u)) + nl, wh = ((u32)(gr >> 32) ^ (nh * 255u)) + nh;
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                ih[t] = moe_dp4a(wl, x.h[t][2 * q], moe_dp4a(wh, x.h[t][2 * q + 1], ih[t]));
-                il[t] = moe_dp4a(wl, x.l[t][2 * q], moe_dp4a(wh, x.l[t][2 * q + 1], il[t]));
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[t] = fmaf(db * x.s[t], (float)(254 * ih[t] + il[t]), acc[t]);
-    }
-};
-
-// Q2_K: sum_j sc_j (254 hi_j + lo_j) (<= 4 * 15 * 8 * 3 * 32385) and sum_j m_j sq_j (<= 4 * 15 *
-// 8 * 32385) in integers.
-template <> struct M3<T_Q2_K> {
-    template <int NT>
-    static __device__ __forceinline__ void dot(const M2<T_Q2_K>::Raw& r, const M2<T_Q2_K>::Off& f, const MX<true, NT>& x,
-                                               const u64* gs, float (&acc)[NT]) {
-        float d = ds4_h2f_fast(r.dd & 0xffffu), dmin = ds4_h2f_fast(r.dd >> 16);
-        int it[NT], im[NT];
-#pragma unroll
-        for (int t = 0; t < NT; t++) it[t] = 0, im[t] = 0;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            u32 sc = ((j < 2 ? r.s0 : r.s1) >> (16 * (j & 1) + f.i8)) & 0xffu;
-            u32 v0 = (r.q0 >> (2 * j)) & 0x03030303u, v1 = (r.q1 >> (2 * j)) & 0x03030303u;
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                int a = moe_dp4a(v0, x.h[t][2 * j], moe_dp4a(v1, x.h[t][2 * j + 1], 0));
-                int b = moe_dp4a(v0, x.l[t][2 * j], moe_dp4a(v1, x.l[t][2 * j + 1], 0));
-                it[t] += (int)(sc & 15u) * (254 * a + b);
-                im[t] += (int)(sc >> 4) * x.sq[t][j];
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[t] = fmaf(x.s[t], fmaf(d, (float)it[t], -dmin * (float)im[t]), acc[t]);
-    }
-};
-
-// Q4_K: per nibble half (16 weights, 6-bit scale and min): it <= 2 * 63 * 16 * 15 * 32385.
-template <> struct M3<T_Q4_K> {
-    template <int NT>
-    static __device__ __forceinline__ void dot(const M2<T_Q4_K>::Raw& r, const M2<T_Q4_K>::Off& f, const MX<true, NT>& x,
-                                               const u64* gs, float (&acc)[NT]) {
-        float d = ds4_h2f_fast(r.hd.x & 0xffffu), dmin = ds4_h2f_fast(r.hd.x >> 16);
-        u32 qw[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
-        int it[NT], im[NT];
-#pragma unroll
-        for (int t = 0; t < NT; t++) it[t] = 0, im[t] = 0;
-#pragma unroll
-        for (int hi = 0; hi < 2; hi++) {
-            int p = f.p + hi;
-            u32 s, mn;
-            if (p < 4) {
-                s = m2_sb(r.hd, p) & 63u;
-                mn = m2_sb(r.hd, p + 4) & 63u;
-            } else {
-                s = (m2_sb(r.hd, p + 4) & 15u) | ((m2_sb(r.hd, p - 4) >> 6) << 4);
-                mn = (m2_sb(r.hd, p + 4) >> 4) | ((m2_sb(r.hd, p) >> 6) << 4);
-            }
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                int a = 0, b = 0;
-#pragma unroll
-                for (int wi = 0; wi < 4; wi++) {
-                    u32 v = (qw[wi] >> (4 * hi)) & 0x0f0f0f0fu;
-                    a = moe_dp4a(v, x.h[t][4 * hi + wi], a);
-                    b = moe_dp4a(v, x.l[t][4 * hi + wi], b);
-                }
-                it[t] += (int)s * (254 * a + b);
-                im[t] += (int)mn * (x.sq[t][2 * hi] + x.sq[t][2 * hi + 1]);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[t] = fmaf(x.s[t], fmaf(d, (float)it[t], -dmin * (float)im[t]), acc[t]);
-    }
-};
-
 template <int T> __device__ __forceinline__ void m2_grid(u64* gs) {
     if (T != T_IQ2_XXS) return;
     for (int i = threadIdx.x; i < 256; i += M2_THREADS) gs[i] = ds4_iq2xxs_grid[i];
@@ -863,7 +719,7 @@ template <int T> __device__ __forceinline__ void m2_grid(u64* gs) {
 // those tokens staged once per CTA in shared memory, [NT][8 slice halves][upp units], upp odd:
 // no bank conflicts either way). Writes h[pp * hs + m2_hidx(column r in down layout lk)].
 // Shared memory: grid (2 KB), red[warps][nb][2 RB][NT], x.
-template <int T, int NT, bool I>
+template <int T, int NT>
 __device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int n, int k,
                                           const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
@@ -921,7 +777,7 @@ __device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* _
             xsm[(tt * 8 + 2 * jj + (ee >> 2)) * upp + uu] = v;
         }
         __syncthreads();
-        MX<I, NT> xv;
+        MX<NT> xv;
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             float v[32];
@@ -982,7 +838,7 @@ __device__ __forceinline__ void m2gu_body(const u8* __restrict__ Wg, const u8* _
 // NT at a time (x = their h, read straight from global memory). Warp totals into
 // red[wig][pair][tr]; then out = sum over slots in selection order of the sum over the warps of
 // the group in order (deterministic). Shared memory: grid, uq/pu/plist/pst (4 MAXP + 1 ints), red.
-template <int T, int NT, bool I>
+template <int T, int NT>
 __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
                                           int cols, long long row_bytes, int nbr, int hs) {
@@ -1034,7 +890,7 @@ __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* _
     };
     if (g < rg && it0 < it1) {
         load_item(it0);
-        MX<I, NT> xv;
+        MX<NT> xv;
         int xi = -1, xq = -1;
         for (int it = it0; it < it1; it++) {
             int i = it / nbr, bi = it % nbr;
@@ -1097,28 +953,366 @@ __device__ __forceinline__ void m2dn_body(const u8* __restrict__ W, const int* _
 #define M2DN_ARGS W, sel, slab, hx, n, k, out, rows, cols, row_bytes, nbr, hs
 
 // <1>: one token per expert at a time (x in 32 registers), <2>: two.
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 1, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 2, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 1, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 2, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 1, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 2, false>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 1, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 2, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 1, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 2, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 1, false>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2, false>(M2DN_ARGS); }
-// Form 3: the same tiles, integer inner loops.
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 1, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 2, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 1, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 2, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3gu1_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 1, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3gu2_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 2, true>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 1, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 2, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 1, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 2, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m3dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 1, true>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m3dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2, true>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 1>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_IQ2_XXS, 2>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 1>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q2_K, 2>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2gu1_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 1>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2gu2_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m2gu_body<T_Q4_K, 2>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 1>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_IQ2_XXS, 2>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 1>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 2>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 1>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2>(M2DN_ARGS); }
+// ===================================================================================================
+// Form 4 (m4*, one token): form 2's lane mapping and loads (M2<T>), reorganised for the memory
+// system. A fixed grid sized to the resident CTAs (no partial second wave); each row group takes a
+// contiguous range of work items and loads item i + 1 into a second register set before the dots
+// of item i, so loads overlap math. Gate/up item: RB rows of gate and up of one pair's expert;
+// down item: RB output rows of one distinct expert within the CTA's tr rows. x straight from
+// global memory (L2), no staging. Two inner loops: X4F (form 2's float dots: exact up to order)
+// and X4I (each lane quantises its 32 values to int8 with one f32 scale, max|x| / 127, and uses
+// dp4a: ~1/254 of the 32-value max per element; opt-in, `m4i*`).
+// ===================================================================================================
+
+// Grid (as m2_grid) and IQ2_XXS sign masks: ss[s7] byte l = 0xff when element l of a run with sign
+// field s7 is negative (element 7: parity of s7).
+template <int T> __device__ __forceinline__ void m4_tables(u64* gs, u64* ss) {
+    if (T != T_IQ2_XXS) return;
+    for (int i = threadIdx.x; i < 256; i += M2_THREADS) gs[i] = ds4_iq2xxs_grid[i];
+    for (int i = threadIdx.x; i < 128; i += M2_THREADS) {
+        u32 s8 = (u32)i | ((__popc(i) & 1u) << 7);
+        u64 v = 0;
+        for (int l = 0; l < 8; l++)
+            if ((s8 >> l) & 1u) v |= 0xffull << (8 * l);
+        ss[i] = v;
+    }
+}
+
+// Float x of one token: form 2's dots.
+struct X4F {
+    MX<1> m;
+    __device__ __forceinline__ void set(const float (&v)[32]) { m.set(0, v); }
+    template <int T>
+    __device__ __forceinline__ float dot(const typename M2<T>::Raw& r, const typename M2<T>::Off& f, const u64* gs,
+                                         const u64* ss) const {
+        float a[1] = {0.0f};
+        M2<T>::template dot<1>(r, f, m.xs, m.sx, gs, a);
+        return a[0];
+    }
+};
+
+struct X4I;
+template <int T> struct M4I;
+
+// int8 x of one token: q word w packs values 4w .. 4w+3 (x ~ s q), sx the float slice sums (the
+// K-quant mins use exact sums).
+struct X4I {
+    u32 q[8];
+    float s, sx[4];
+    __device__ __forceinline__ void set(const float (&v)[32]) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        s = amax * (1.0f / 127.0f);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float* a = &v[8 * j];
+            sx[j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        }
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            u32 pk = 0;
+#pragma unroll
+            for (int b = 0; b < 4; b++) pk |= ((u32)(int)rintf(v[4 * w + b] * inv) & 0xffu) << (8 * b); // |.| <= 127
+            q[w] = pk;
+        }
+    }
+    template <int T>
+    __device__ __forceinline__ float dot(const typename M2<T>::Raw& r, const typename M2<T>::Off& f, const u64* gs,
+                                         const u64* ss) const {
+        return M4I<T>::dot(r, f, *this, gs, ss);
+    }
+};
+
+// IQ2_XXS: signed weight bytes (g ^ m) + (m & 1) (no carries: g in 8..43); |a| <= 32 * 43 * 127.
+template <> struct M4I<T_IQ2_XXS> {
+    static __device__ __forceinline__ float dot(const M2<T_IQ2_XXS>::Raw& r, const M2<T_IQ2_XXS>::Off& f, const X4I& x,
+                                                const u64* gs, const u64* ss) {
+        u32 idx4 = (u32)((((u64)r.b << 32) | r.a) >> f.sh), aux = (u32)((((u64)r.c << 32) | r.b) >> f.sh);
+        float db = ds4_h2f_fast(r.d) * (0.5f + (float)(aux >> 28)) * 0.25f;
+        int a = 0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            u64 gr = gs[(idx4 >> (8 * q)) & 0xffu], sg = ss[(aux >> (7 * q)) & 127u];
+            u32 ml = (u32)sg, mh = (u32)(sg >> 32);
+            u32 wl = ((u32)gr ^ ml) + (ml & 0x01010101u), wh = ((u32)(gr >> 32) ^ mh) + (mh & 0x01010101u);
+            a = moe_dp4a(wl, x.q[2 * q], moe_dp4a(wh, x.q[2 * q + 1], a));
+        }
+        return db * x.s * (float)a;
+    }
+};
+
+// Q2_K: sum_j sc_j dot_j in int32 (<= 4 * 15 * 8 * 3 * 127); mins from the float sums.
+template <> struct M4I<T_Q2_K> {
+    static __device__ __forceinline__ float dot(const M2<T_Q2_K>::Raw& r, const M2<T_Q2_K>::Off& f, const X4I& x,
+                                                const u64* gs, const u64* ss) {
+        float d = ds4_h2f_fast(r.dd & 0xffffu), dmin = ds4_h2f_fast(r.dd >> 16);
+        int it = 0;
+        float mf = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 sc = ((j < 2 ? r.s0 : r.s1) >> (16 * (j & 1) + f.i8)) & 0xffu;
+            u32 v0 = (r.q0 >> (2 * j)) & 0x03030303u, v1 = (r.q1 >> (2 * j)) & 0x03030303u;
+            int a = moe_dp4a(v0, x.q[2 * j], moe_dp4a(v1, x.q[2 * j + 1], 0));
+            it += (int)(sc & 15u) * a;
+            mf = fmaf((float)(sc >> 4), x.sx[j], mf);
+        }
+        return fmaf(d * x.s, (float)it, -dmin * mf);
+    }
+};
+
+// Q4_K: per nibble half (16 weights, 6-bit scale and min), it <= 2 * 63 * 16 * 15 * 127.
+template <> struct M4I<T_Q4_K> {
+    static __device__ __forceinline__ float dot(const M2<T_Q4_K>::Raw& r, const M2<T_Q4_K>::Off& f, const X4I& x,
+                                                const u64* gs, const u64* ss) {
+        float d = ds4_h2f_fast(r.hd.x & 0xffffu), dmin = ds4_h2f_fast(r.hd.x >> 16);
+        u32 qw[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        int it = 0;
+        float mf = 0.0f;
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            int p = f.p + hi;
+            u32 s, mn;
+            if (p < 4) {
+                s = m2_sb(r.hd, p) & 63u;
+                mn = m2_sb(r.hd, p + 4) & 63u;
+            } else {
+                s = (m2_sb(r.hd, p + 4) & 15u) | ((m2_sb(r.hd, p - 4) >> 6) << 4);
+                mn = (m2_sb(r.hd, p + 4) >> 4) | ((m2_sb(r.hd, p) >> 6) << 4);
+            }
+            int a = 0;
+#pragma unroll
+            for (int wi = 0; wi < 4; wi++) a = moe_dp4a((qw[wi] >> (4 * hi)) & 0x0f0f0f0fu, x.q[4 * hi + wi], a);
+            it += (int)s * a;
+            mf = fmaf((float)mn, x.sx[2 * hi] + x.sx[2 * hi + 1], mf);
+        }
+        return fmaf(d * x.s, (float)it, -dmin * mf);
+    }
+};
+
+// Form 4 rows per item: gate/up as form 2; down 2 for Q4_K (two register sets of 4 rows spill).
+template <int T> struct M4Rb {
+    static constexpr int GU = M2Rb<T>::GU;
+    static constexpr int DN = (T == T_Q4_K) ? 2 : 4;
+};
+
+// The 32 values of unit u (columns m2_col) of a row of x; zeros when !ok.
+template <int T> __device__ __forceinline__ void m4_x(const float* __restrict__ xr, int u, bool ok, float (&v)[32]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+        if (ok) {
+            const float4* p = (const float4*)(xr + m2_col<T>(u, j));
+            a = p[0], b = p[1];
+        }
+        v[8 * j] = a.x, v[8 * j + 1] = a.y, v[8 * j + 2] = a.z, v[8 * j + 3] = a.w;
+        v[8 * j + 4] = b.x, v[8 * j + 5] = b.y, v[8 * j + 6] = b.z, v[8 * j + 7] = b.w;
+    }
+}
+
+// Gate + up + SwiGLU, one token (pairs = k). Items it = p * nbat + b (RB rows b RB .. of gate and
+// up of expert sel[p]); row group g of CTA c takes items [(c rg + g) per, + per). Pairs repeating
+// an earlier pair's expert are computed but not written (the first writes every such pair).
+// Shared memory: grid, signs (3 KB), red[rg * per][wpg][2 RB] (warp totals). Writes h as m2gu.
+template <int T, typename X>
+__device__ __forceinline__ void m4gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
+                                          long long slab, const float* __restrict__ x, int n, int k,
+                                          const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
+                                          int cols, long long row_bytes, int per, int lk, int hs) {
+    constexpr int RB = M4Rb<T>::GU, G = 2 * RB;
+    u64* gs = (u64*)moe_smem;
+    u64* ss = gs + 256;
+    float* red = (float*)(ss + 128);
+    int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    int units = cols / 32, wpg = (units + DS4_WARP - 1) / DS4_WARP, rg = M2_WARPS / wpg;
+    int g = warp / wpg, wig = warp % wpg, u = wig * DS4_WARP + lane;
+    int nbat = (rows + RB - 1) / RB, items = k * nbat;
+    int ci0 = blockIdx.x * rg * per, i0 = ci0 + g * per, i1 = min(i0 + per, items);
+    m4_tables<T>(gs, ss);
+    typename M2<T>::Off f = M2<T>::off(min(u, units - 1));
+    X xv;
+    {
+        float v[32];
+        m4_x<T>(x, u, g < rg && u < units, v);
+        xv.set(v);
+    }
+    __syncthreads();
+    typename M2<T>::Raw ra[G], rb[G];
+    auto load = [&](typename M2<T>::Raw(&raw)[G], int it) {
+        int p = it / nbat, r0 = (it - p * nbat) * RB;
+        long long eo = (long long)max(sel[p], 0) * slab;
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            int r = min(r0 + (i % RB), rows - 1);
+            raw[i] = M2<T>::load((i < RB ? Wg : Wu) + eo + (long long)r * row_bytes, f);
+        }
+    };
+    auto dots = [&](const typename M2<T>::Raw(&raw)[G], int it) {
+        float acc[G][1];
+#pragma unroll
+        for (int i = 0; i < G; i++) acc[i][0] = xv.template dot<T>(raw[i], f, gs, ss);
+        float v = moe_bfly<G, 1>(acc);
+        int pl = DS4_WARP / G;
+        if (lane % pl == 0) red[((it - ci0) * wpg + wig) * G + lane / pl] = v;
+    };
+    if (g < rg && i0 < i1) { // uniform over the warp
+        load(ra, i0);
+        for (int it = i0; it < i1; it += 2) {
+            if (it + 1 < i1) load(rb, it + 1);
+            dots(ra, it);
+            if (it + 1 >= i1) break;
+            if (it + 2 < i1) load(ra, it + 2);
+            dots(rb, it + 1);
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < rg * per * RB; i += M2_THREADS) {
+        int li = i / RB, ri = i % RB, it = ci0 + li;
+        if (it >= items) continue;
+        int p = it / nbat, r = (it - p * nbat) * RB + ri, e = sel[p];
+        if (r >= rows) continue;
+        bool first = true;
+        for (int q = 0; q < p; q++) first &= sel[q] != e;
+        if (!first) continue;
+        const float* rw = red + li * wpg * G;
+        float gv = 0.0f, uv = 0.0f; // warps of the group in order
+        for (int w = 0; w < wpg; w++) gv += rw[w * G + ri], uv += rw[w * G + RB + ri];
+        gv = fminf(gv, clamp);
+        uv = fminf(fmaxf(uv, -clamp), clamp);
+        float base = gv * (1.0f / (1.0f + expf(-gv))) * uv;
+        int uu, sj, ee;
+        m2_inv(lk, r, uu, sj, ee);
+        int hi = m2_hidx(uu, sj, ee);
+        for (int pp = p; pp < k; pp++)
+            if (sel[pp] == e) h[(long long)pp * hs + hi] = base * wgt[pp];
+    }
+}
+
+// Down + slot sum, one token. CTA: tr = RB nbr output rows; items (distinct expert i, batch bi)
+// split in contiguous ranges among the row groups, pipelined as m4gu. Then as m2dn: out = sum over
+// slots in selection order of the sum over the group's warps in order. Shared memory: grid, signs,
+// uq/pu/pl/pst (4 MAXP + 4 ints), red[wpg][pairs][tr].
+template <int T, typename X>
+__device__ __forceinline__ void m4dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
+                                          const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
+                                          int cols, long long row_bytes, int nbr, int hs) {
+    constexpr int RB = M4Rb<T>::DN;
+    u64* gs = (u64*)moe_smem;
+    u64* ss = gs + 256;
+    int* uq = (int*)(ss + 128);
+    int* pu = uq + MOE_MAXP;
+    int* pl = pu + MOE_MAXP;
+    int* pst = pl + MOE_MAXP;
+    float* red = (float*)(pst + MOE_MAXP + 4);
+    int pairs = k, tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    __shared__ int nu_s;
+    if (tid == 0) {
+        int nu = 0;
+        for (int p = 0; p < pairs; p++) {
+            int e = sel[p], fi = -1;
+            for (int i = 0; i < nu; i++)
+                if (uq[i] == e) fi = i;
+            if (fi < 0) uq[nu] = e, fi = nu++;
+            pu[p] = fi;
+        }
+        int c = 0;
+        for (int i = 0; i < nu; i++) {
+            pst[i] = c;
+            for (int p = 0; p < pairs; p++)
+                if (pu[p] == i) pl[c++] = p;
+        }
+        pst[nu] = c;
+        nu_s = nu;
+    }
+    m4_tables<T>(gs, ss);
+    __syncthreads();
+    int nu = nu_s;
+    int units = cols / 32, wpg = (units + DS4_WARP - 1) / DS4_WARP, rg = M2_WARPS / wpg;
+    int g = warp / wpg, wig = warp % wpg, u = wig * DS4_WARP + lane;
+    bool valid = u < units;
+    int tr = RB * nbr, r0 = blockIdx.x * tr;
+    typename M2<T>::Off f = M2<T>::off(min(u, units - 1));
+    int items = nu * nbr, per = (items + rg - 1) / rg, it0 = g * per, it1 = min(it0 + per, items);
+    typename M2<T>::Raw ra[RB], rb[RB];
+    auto load = [&](typename M2<T>::Raw(&raw)[RB], int it) {
+        const u8* wb = W + (long long)max(uq[it / nbr], 0) * slab;
+        int rb0 = r0 + (it % nbr) * RB;
+#pragma unroll
+        for (int ri = 0; ri < RB; ri++) raw[ri] = M2<T>::load(wb + (long long)min(rb0 + ri, rows - 1) * row_bytes, f);
+    };
+    X xv;
+    int xp = -1; // pair whose h is in xv
+    auto dots = [&](const typename M2<T>::Raw(&raw)[RB], int it) {
+        int i = it / nbr, bi = it % nbr;
+        for (int q = pst[i]; q < pst[i + 1]; q++) {
+            int p = pl[q];
+            if (p != xp) {
+                xp = p;
+                // h of pair p in this lane's order: float4 j at [wig][j][lane].
+                const float4* hp = (const float4*)(hx + (long long)p * hs) + wig * 8 * DS4_WARP + lane;
+                float v[32];
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (valid) a = hp[j * DS4_WARP];
+                    v[4 * j] = a.x, v[4 * j + 1] = a.y, v[4 * j + 2] = a.z, v[4 * j + 3] = a.w;
+                }
+                xv.set(v);
+            }
+            float acc[RB][1];
+#pragma unroll
+            for (int ri = 0; ri < RB; ri++) acc[ri][0] = xv.template dot<T>(raw[ri], f, gs, ss);
+            float v = moe_bfly<RB, 1>(acc);
+            int pr = DS4_WARP / RB;
+            if (lane % pr == 0) red[(wig * pairs + p) * tr + bi * RB + lane / pr] = v;
+        }
+    };
+    if (g < rg && it0 < it1) { // uniform over the warp
+        load(ra, it0);
+        for (int it = it0; it < it1; it += 2) {
+            if (it + 1 < it1) load(rb, it + 1);
+            dots(ra, it);
+            if (it + 1 >= it1) break;
+            if (it + 2 < it1) load(ra, it + 2);
+            dots(rb, it + 1);
+        }
+    }
+    __syncthreads();
+    for (int lr = tid; lr < tr; lr += M2_THREADS) {
+        if (r0 + lr >= rows) continue;
+        float o = 0.0f; // slots in selection order, each the sum of its group's warps in order
+        for (int s = 0; s < k; s++) {
+            float v = 0.0f;
+            for (int w = 0; w < wpg; w++) v += red[(w * pairs + s) * tr + lr];
+            o += v;
+        }
+        out[r0 + lr] = o;
+    }
+}
+
+// Form 4 kernels take form 2's parameters; nb is `per` (gate/up items per row group).
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4gu_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_IQ2_XXS, X4F>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4gu_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q2_K, X4F>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4gu_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q4_K, X4F>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4dn_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_IQ2_XXS, X4F>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4dn_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_Q2_K, X4F>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4dn_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_Q4_K, X4F>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4igu_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_IQ2_XXS, X4I>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4igu_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q2_K, X4I>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4igu_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q4_K, X4I>(M2GU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4idn_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_IQ2_XXS, X4I>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4idn_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_Q2_K, X4I>(M2DN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4idn_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_Q4_K, X4I>(M2DN_ARGS); }
