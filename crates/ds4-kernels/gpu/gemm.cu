@@ -1098,3 +1098,378 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
     }
 #endif
 }
+
+// ---- Integer tensor-core form (gemmi_<t>, CUDA sm_80+; IQ2_XXS and Q2_K, the q2 routed experts) ----
+// Weights as EXACT int8 straight from their blocks, activations as two int8 planes, m16n8k32 s8
+// mma (int32 accumulation), scales applied to the int32 accumulators:
+//   X (gemm_xi_f32, per token row t): s_t = amax_t / 127, hi = rn(x/s_t) in [-127, 127],
+//     lo = rn((x/s_t - hi) * 256) in [-127, 127] (clamped: +-128 only at exact halves), so
+//     x = s_t/256 * X' + e with X' = 256 hi + lo, |e| <= s_t/512 (~2^-16 of amax_t).
+//   IQ2_XXS  w = d/8 * (2s+1) * gs, gs = grid byte (8, 25, 43) with its sign: an int8.
+//     Per 32-k chunk: hc = hi.gs, lc = lo.gs (two mma, |hc| <= 32*43*127 = 174752); the block
+//     accumulators take H += (2s+1) hc, L += (2s+1) lc (integer mad; over 8 chunks
+//     |H| <= 8*31*174752 = 43.3M < 2^31).
+//   Q2_K     w = d * (sl*q) - dmin * m_j, sl*q in 0..45 an int8; H, L accumulate straight in the mma
+//     (|H| <= 256*127*45 = 1.5M). Min term: M = sum_j m_j S_j over the 16 sub-blocks, S_j = sum of X'
+//     over the sub-block (|S_j| <= 16*32640 = 522240: three byte planes b0, b1 (u8), b2 (s8) from
+//     gemm_xi_f32), three m16n8k16 mma (b2, then b1 and b0 with the accumulator shifted by 8 bits:
+//     exact, |M| <= 16*15*522240 = 125M).
+//   Per 256-k block in f32: acc += D (256 H + L) [- Dm M], D = d/8 (IQ2_XXS) or d, Dm = dmin;
+//   y = acc * s_t/256. Error: the activations' ~2^-16 of amax per element; weights and products exact.
+// K permuted inside each 32-k chunk (same for A and B): lane t of a fragment row holds physical
+// elements 8t..8t+7 (one IQ2_XXS grid entry, two Q2_K qs words), as a0/a2 (hi) of A and b0/b1 of B.
+// X in global: per token row 2*x_tok bytes, each 8 elements as 16 bytes {hi[8], lo[8]}; Q2_K sums per
+// row x_tok*3/16 bytes (48 per super-block: b0[16], b1[16], b2[16]).
+// CTA: 256 (512) threads, 64 items x GI_BN = 128 weight rows; warp: 32 items x 32 (16) rows.
+// Staging by cp.async: X 64 k per stage (8 KB, GI_NXS slots, 16-byte units swizzled by item
+// parity), raw weight blocks of a super-block per row (2 stages, one ahead). One barrier per 64 k.
+#define GI_BM 64
+#define GI_BN 128
+#define GI_NXS 3
+
+template <int T> struct Gi;
+template <> struct Gi<T_IQ2_XXS> {
+    static constexpr int SB = 66;
+};
+template <> struct Gi<T_Q2_K> {
+    static constexpr int SB = 84;
+};
+
+template <int T> struct alignas(16) GiSmem {
+    static constexpr int NWM = (Gi<T>::SB + 6) / 4, RW = NWM | 1; // words per row copy (odd stride)
+    uint4 x[GI_NXS][GI_BM][8];                                      // X: 64 items x 64 k (hi/lo units)
+    u32 raw[2][GI_BN][RW];                                          // raw super-blocks per row
+    uint2 grid[T == T_IQ2_XXS ? 256 : 1];                           // IQ2_XXS grid bytes
+    uint2 sign[T == T_IQ2_XXS ? 128 : 1];                           // byte masks 0xff where negative
+    int rlo[GI_BN];                                                 // row base address & 3
+    int items[GI_BM];
+    int expert;
+};
+
+#if GM_HAVE_MMA
+__device__ __forceinline__ void gi_mma(int* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// m16n8k16, A u8 (U = true) or s8, B s8.
+template <bool U> __device__ __forceinline__ void gi_mma16(int* c, u32 a0, u32 a1, u32 b) {
+    if (U)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                     : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                     : "r"(a0), "r"(a1), "r"(b));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                     : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                     : "r"(a0), "r"(a1), "r"(b));
+}
+
+// Exact int8 weights of physical elements 8t..8t+7 of chunk p of the super-block at blk (b[0], b[1]).
+template <int T> __device__ __forceinline__ void gi_deq(const u8* blk, int p, int t, u32* b, const GiSmem<T>& sm);
+template <> __device__ __forceinline__ void gi_deq<T_IQ2_XXS>(const u8* blk, int p, int t, u32* b, const GiSmem<T_IQ2_XXS>& sm) {
+    const u16* g2 = (const u16*)(blk + 2 + 8 * p);
+    u32 idx = (g2[t >> 1] >> (8 * (t & 1))) & 0xff;
+    u32 aux = (u32)g2[2] | ((u32)g2[3] << 16);
+    uint2 gv = sm.grid[idx], m = sm.sign[(aux >> (7 * t)) & 127];
+    // Per byte (g ^ 0xff) + 1 = -g (g >= 8: no carry between bytes).
+    b[0] = (gv.x ^ m.x) + (m.x & 0x01010101u);
+    b[1] = (gv.y ^ m.y) + (m.y & 0x01010101u);
+}
+template <> __device__ __forceinline__ void gi_deq<T_Q2_K>(const u8* blk, int p, int t, u32* b, const GiSmem<T_Q2_K>&) {
+    int h = p >> 2, j = p & 3;
+    u32 sl = blk[8 * h + 2 * j + (t >> 1)] & 15;
+    const u32* qs = (const u32*)(blk + 16 + 32 * h + 8 * t);
+    b[0] = ((qs[0] >> (2 * j)) & 0x03030303u) * sl; // per byte q*sl <= 45: no carry
+    b[1] = ((qs[1] >> (2 * j)) & 0x03030303u) * sl;
+}
+#endif
+
+// Host contract: cols % 256 == 0, kc % 8 == 0, x_tok and x_z multiples of 256; XI from gemm_xi_f32
+// (XS: Q2_K sums, else null; xsc: s_t/256 per token row).
+// NT n-tiles of 8 rows per warp: 4 (8 warps, 256 threads) or 2 (16 warps, 512 threads); warp w:
+// items 32(w/NWN).., rows 8NT(w%NWN).. with NWN = 16/NT warps along the rows.
+template <int T, int NT> __device__ __forceinline__ void gemmi_body(GMT_PARAMS) {
+#if GM_HAVE_MMA
+    constexpr int NWM = GiSmem<T>::NWM, SB = Gi<T>::SB;
+    constexpr bool Q2K = T == T_Q2_K;
+    constexpr int NTH = 64 * 16 / NT, NWN = 16 / NT; // threads; warps along the rows
+    __shared__ GiSmem<T> sm;
+    static_assert(sizeof(GiSmem<T>) <= 48 * 1024, "static shared memory");
+    const int tid = threadIdx.x;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GI_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    if (tid < GI_BM) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * GI_BM + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) sm.expert = e;
+        }
+        sm.items[tid] = it;
+    }
+    if (T == T_IQ2_XXS) {
+        for (int e = tid; e < 256; e += NTH) {
+            u64 gv = ds4_iq2xxs_grid[e];
+            sm.grid[e] = make_uint2((u32)gv, (u32)(gv >> 32));
+        }
+        if (tid < 128) {
+            u32 sg = tid | ((__popc(tid) & 1) << 7), m[2] = {0u, 0u};
+#pragma unroll
+            for (int k = 0; k < 8; k++) m[k >> 2] |= ((sg >> k) & 1u) * (0xffu << (8 * (k & 3)));
+            sm.sign[tid] = make_uint2(m[0], m[1]);
+        }
+    }
+    __syncthreads();
+    const long long wo = (long long)z * w_z + (grp ? (long long)sm.expert * slab : 0);
+    const u8* wbase = W + wo;
+    if (tid < GI_BN) sm.rlo[tid] = (int)((size_t)(wbase + (long long)min(r0 + tid, rows - 1) * row_bytes) & 3);
+    // X staging: item xi, 16-byte units XU*xq.. of the 64-k stage (128 bytes per item).
+    constexpr int XU = 512 / NTH; // units per thread
+    const int xi = tid / (8 / XU), xq = tid % (8 / XU);
+    const int xit = sm.items[xi];
+    const u8* xsrc = (const u8*)XT + (xit >= 0 ? (long long)(xit / xdiv) * 2 * x_tok : 0) + (long long)z * 2 * x_z;
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc), nst = max(c1 - c0, 0) / 2; // 64-k stages
+    auto issue_x = [&](int i) {
+        if (i < nst) {
+            const u8* src = xsrc + 64LL * (c0 + 2 * i);
+#pragma unroll
+            for (int q = 0; q < XU; q++) {
+                int u = XU * xq + q;
+                gt_cp16(&sm.x[i % GI_NXS][xi][u ^ (4 * (xi & 1))], xit >= 0 ? (const void*)(src + 16 * u) : (const void*)XT, xit >= 0);
+            }
+        }
+    };
+    auto issue_raw = [&](int S) {
+        if (8 * S < c1 - c0) {
+            const long long boff = (long long)((c0 >> 3) + S) * SB;
+            for (int idx = tid; idx < GI_BN * NWM; idx += NTH) {
+                int r = idx / NWM, w = idx - r * NWM;
+                const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + boff;
+                int sh = (int)((size_t)a & 3), nw = (sh + SB + 3) >> 2;
+                if (w < nw) gt_cp4(&sm.raw[S & 1][r][w], (const u32*)(a - sh) + w);
+            }
+        }
+    };
+    issue_raw(0);
+    issue_x(0);
+    gt_commit();
+#pragma unroll
+    for (int j = 1; j < GI_NXS - 1; j++) {
+        issue_x(j);
+        gt_commit();
+    }
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp / NWN, wn = warp % NWN;
+    float acc[2][NT][4];
+    int H[2][NT][4], L[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f, H[mt][nt][e] = 0, L[mt][nt][e] = 0;
+    // Q2_K sums: byte rows of the lane's A' fragments (items 32wm + 16mt + g + 8h).
+    const u32* srow[2][2];
+    if (Q2K) {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int it = sm.items[32 * wm + 16 * mt + g + 8 * h];
+                srow[mt][h] = it >= 0 ? XS + ((long long)(it / xdiv) * x_tok * 3 + (long long)z * x_z * 3) / 64 : nullptr;
+            }
+    }
+    u32 sa[2][3][2]; // A' (sums) fragments of the current super-block: [mt][plane][row half]
+
+    for (int i = 0; i < nst; i++) {
+        gt_wait<GI_NXS - 2>();
+        __syncthreads();
+        issue_x(i + GI_NXS - 1);
+        if ((i & 3) == 0) issue_raw(i / 4 + 1);
+        gt_commit();
+        const int S = i >> 2, buf = S & 1;
+        const int bsh = (int)((((long long)((c0 >> 3) + S)) * SB) & 3);
+        if (Q2K && (i & 3) == 0) { // sums of this super-block: used at its end (loads in flight meanwhile)
+            const int sbo = 12 * ((c0 >> 3) + S); // words
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int pl = 0; pl < 3; pl++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) sa[mt][pl][h] = srow[mt][h] ? srow[mt][h][sbo + 4 * pl + t] : 0u;
+        }
+        const uint4(*xs)[8] = sm.x[i % GI_NXS];
+#pragma unroll
+        for (int cc = 0; cc < 2; cc++) {
+            const int p = 2 * (i & 3) + cc; // chunk within the super-block
+            u32 bq[NT][2];
+            int ms[NT][2]; // IQ2_XXS: 2s+1 of the lane's C columns (rows 2t, 2t+1 of each n-tile)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                int r = 8 * NT * wn + 8 * nt + g;
+                gi_deq<T>((const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3), p, t, bq[nt], sm);
+                if (T == T_IQ2_XXS) {
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; e1++) {
+                        int r2 = 8 * NT * wn + 8 * nt + 2 * t + e1;
+                        const u8* b2 = (const u8*)sm.raw[buf][r2] + ((sm.rlo[r2] + bsh) & 3);
+                        ms[nt][e1] = 2 * (int)(*(const u16*)(b2 + 2 + 8 * p + 6) >> 12) + 1;
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const int m0 = 32 * wm + 16 * mt + g, u = (4 * cc + t) ^ (4 * (g & 1));
+                uint4 v0 = xs[m0][u], v1 = xs[m0 + 8][u];
+                u32 ah[4] = {v0.x, v1.x, v0.y, v1.y}, al[4] = {v0.z, v1.z, v0.w, v1.w};
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    if (Q2K) {
+                        gi_mma(H[mt][nt], ah, bq[nt]);
+                        gi_mma(L[mt][nt], al, bq[nt]);
+                    } else {
+                        int hc[4] = {0, 0, 0, 0}, lc[4] = {0, 0, 0, 0};
+                        gi_mma(hc, ah, bq[nt]);
+                        gi_mma(lc, al, bq[nt]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            H[mt][nt][e] += ms[nt][e & 1] * hc[e];
+                            L[mt][nt][e] += ms[nt][e & 1] * lc[e];
+                        }
+                    }
+                }
+            }
+        }
+        if ((i & 3) == 3) { // end of the super-block: scales in f32
+            float D[NT][2], Dm[NT][2];
+            u32 bm[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r2 = 8 * NT * wn + 8 * nt + 2 * t + e1;
+                    const u8* b2 = (const u8*)sm.raw[buf][r2] + ((sm.rlo[r2] + bsh) & 3);
+                    if (Q2K) {
+                        u32 dd = *(const u32*)(b2 + 80);
+                        D[nt][e1] = ds4_h2f((u16)dd), Dm[nt][e1] = ds4_h2f((u16)(dd >> 16));
+                    } else {
+                        D[nt][e1] = ds4_h2f(*(const u16*)b2) * 0.125f, Dm[nt][e1] = 0.0f;
+                    }
+                }
+                if (Q2K) {
+                    int r = 8 * NT * wn + 8 * nt + g;
+                    const u8* b1 = (const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3);
+                    bm[nt] = (*(const u32*)(b1 + 4 * t) >> 4) & 0x0f0f0f0fu; // mins of sub-blocks 4t..4t+3
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    int M[4] = {0, 0, 0, 0};
+                    if (Q2K) {
+                        gi_mma16<false>(M, sa[mt][2][0], sa[mt][2][1], bm[nt]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) M[e] <<= 8;
+                        gi_mma16<true>(M, sa[mt][1][0], sa[mt][1][1], bm[nt]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) M[e] <<= 8;
+                        gi_mma16<true>(M, sa[mt][0][0], sa[mt][0][1], bm[nt]);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float v = fmaf(256.0f, (float)H[mt][nt][e], (float)L[mt][nt][e]);
+                        float a = fmaf(D[nt][e & 1], v, acc[mt][nt][e]);
+                        acc[mt][nt][e] = Q2K ? fmaf(-Dm[nt][e & 1], (float)M[e], a) : a;
+                        H[mt][nt][e] = 0, L[mt][nt][e] = 0;
+                    }
+                }
+        }
+    }
+    gt_wait<0>();
+
+    // acc[mt][nt][e]: item 32wm + 16mt + g + 8(e/2), tile row 32wn + 8nt + 2t + e%2.
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = sm.items[32 * wm + 16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+            const float sc = xinv[it / xdiv];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + 8 * NT * wn + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
+                }
+        }
+#endif
+}
+
+// gemmi_<t>: 64 items x 128 rows, 256 threads; gemmi16_<t>: 512 threads (16 warps of 32x16).
+// CUDA sm_80+; elsewhere empty: never launched there.
+DS4_KERNEL void DS4_BOUNDS(256) gemmi_q2_k(GMT_PARAMS) { gemmi_body<T_Q2_K, 4>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmi_iq2_xxs(GMT_PARAMS) { gemmi_body<T_IQ2_XXS, 4>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(512) gemmi16_q2_k(GMT_PARAMS) { gemmi_body<T_Q2_K, 2>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(512) gemmi16_iq2_xxs(GMT_PARAMS) { gemmi_body<T_IQ2_XXS, 2>(GMT_ARGS); }
+
+// X rows for gemmi: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
+// x_tok multiple of 256). s = amax/127; per 8 elements 16 bytes {hi[8], lo[8]} at xi + t*2*x_tok
+// (hi = rn(x/s), lo = rn((x/s - hi)*256) clamped to [-127, 127]); xsc[t] = s/256; xs (may be null):
+// per super-block b 48 bytes at t*x_tok*3/16 + 48b: bytes k, 16+k, 32+k = S_k & 255, (S_k >> 8) & 255,
+// S_k >> 16 (signed) of S_k = sum of 256 hi + lo over elements 16k..16k+15 of the super-block.
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xi_f32(const float* __restrict__ X, long long x_tok, int width, u8* __restrict__ xi, u8* __restrict__ xs, float* __restrict__ xsc) {
+    __shared__ float red[256 / DS4_WARP];
+    const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < width / 4; i += 256) {
+        float4 v = p[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < 256 / DS4_WARP; i++) m = fmaxf(m, red[i]);
+    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    if (threadIdx.x == 0) xsc[blockIdx.x] = m / (127.0f * 256.0f);
+    uint4* o = (uint4*)(xi + (long long)blockIdx.x * 2 * x_tok);
+    u8* so = xs ? xs + (long long)blockIdx.x * x_tok * 3 / 16 : nullptr;
+    for (int q = threadIdx.x; q < width / 16; q += 256) { // 16 elements (a sub-block) per step
+        int sum = 0;
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            u32 hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float4 v = p[4 * q + 2 * hf + i];
+                float a[4] = {v.x * inv, v.y * inv, v.z * inv, v.w * inv};
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int h = __float2int_rn(a[k]);
+                    int l = min(max(__float2int_rn((a[k] - (float)h) * 256.0f), -127), 127);
+                    sum += 256 * h + l;
+                    hw[i] |= (u32)(h & 0xff) << (8 * k);
+                    lw[i] |= (u32)(l & 0xff) << (8 * k);
+                }
+            }
+            o[2 * q + hf] = make_uint4(hw[0], hw[1], lw[0], lw[1]);
+        }
+        if (so) {
+            int b = q >> 4, k = q & 15;
+            so[48 * b + k] = (u8)(sum & 0xff);
+            so[48 * b + 16 + k] = (u8)((sum >> 8) & 0xff);
+            so[48 * b + 32 + k] = (u8)((sum >> 16) & 0xff);
+        }
+    }
+}
