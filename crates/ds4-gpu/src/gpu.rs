@@ -679,8 +679,9 @@ pub struct GraphStats {
     /// Host µs in replays (compare, updates, graph launch) and in captures (with instantiation).
     pub replay_us: u64,
     pub capture_us: u64,
-    /// Recorded steps, and host µs from each step's first recorded launch to its last graph
-    /// launch (schedule walk, recording, replays; the device runs earlier pieces meanwhile).
+    /// Recorded steps run as graphs, and host µs from each one's start to its last piece's
+    /// graph launch (schedule walk, recording, replays; the device runs earlier pieces
+    /// meanwhile), before the host waits for the step's result.
     pub steps: u64,
     pub step_host_us: u64,
 }

@@ -51,19 +51,6 @@ fn attn_mode() -> u8 {
     ATTN_MODE.load(Ordering::Relaxed)
 }
 
-/// Most row splits of the one-launch decode attention (`DS4_GPU_ATTN_SPLITS`, for A/B runs;
-/// default: no cap beyond one CTA per SM).
-fn ao_splits_max() -> usize {
-    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| {
-        std::env::var("DS4_GPU_ATTN_SPLITS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&v| v > 0)
-            .unwrap_or(usize::MAX)
-    })
-}
-
 fn attn_simple() -> bool {
     attn_mode() == 1
 }
@@ -732,11 +719,8 @@ impl GpuBackend {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let (top_k, max_cand) = candidates(spec, sel.is_some(), n, t0);
         let per_split = n * nh.div_ceil(AO_HG);
-        // As many splits as fit one CTA per SM, each a whole number of tiles (at most
-        // `DS4_GPU_ATTN_SPLITS` when set: fewer splits, less partial output to merge).
-        let most = (self.gpu.info().sm_count as usize / per_split)
-            .min(ao_splits_max())
-            .clamp(1, AP_MAXSPLIT);
+        // As many splits as fit one CTA per SM, each a whole number of tiles.
+        let most = (self.gpu.info().sm_count as usize / per_split).clamp(1, AP_MAXSPLIT);
         let splits = most.min(max_cand.div_ceil(AO_R)).max(1);
         let chunk = max_cand.div_ceil(splits).next_multiple_of(AO_R).max(AO_R);
         let splits = max_cand.div_ceil(chunk).max(1);

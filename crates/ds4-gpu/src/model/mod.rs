@@ -59,6 +59,9 @@ struct GraphState {
     /// device runs piece i while the host records piece i + 1 (`DS4_GPU_GRAPH_SPLIT`, default
     /// [`GRAPH_SPLIT`]).
     split: usize,
+    /// Launches in a step's first piece (`DS4_GPU_GRAPH_FIRST`, default `split`): the device
+    /// idles from the previous step's result until that piece is recorded and launched.
+    first: usize,
     /// Pieces of this step run so far.
     piece: u64,
     /// When this step's recording began (for [`GraphStats::step_host_us`]).
@@ -283,6 +286,10 @@ impl Drop for GpuBackend {
     }
 }
 
+fn env_usize(key: &str) -> Option<usize> {
+    std::env::var(key).ok().and_then(|v| v.parse().ok())
+}
+
 fn f32_bytes(v: &[f32]) -> &[u8] {
     crate::gpu::f32_bytes(v)
 }
@@ -343,9 +350,9 @@ impl GpuBackend {
             graph: Mutex::new(GraphState {
                 enabled: !std::env::var("DS4_GPU_GRAPH").is_ok_and(|v| v == "off" || v == "0"),
                 graphs: StepGraphs::new(),
-                split: std::env::var("DS4_GPU_GRAPH_SPLIT")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
+                split: env_usize("DS4_GPU_GRAPH_SPLIT").unwrap_or(GRAPH_SPLIT),
+                first: env_usize("DS4_GPU_GRAPH_FIRST")
+                    .or(env_usize("DS4_GPU_GRAPH_SPLIT"))
                     .unwrap_or(GRAPH_SPLIT),
                 ..GraphState::default()
             }),
@@ -363,7 +370,9 @@ impl GpuBackend {
     /// Run a recorded step as graphs of `calls` launches each (0: one graph per step).
     pub fn set_graph_split(&self, calls: usize) {
         self.flush(false);
-        self.graph.lock().unwrap().split = calls;
+        let mut g = self.graph.lock().unwrap();
+        g.split = calls;
+        g.first = calls;
     }
 
     /// Whether decode steps run as graphs.
@@ -396,6 +405,11 @@ impl GpuBackend {
                 Ok(()) => {
                     g.calls = calls; // keep the allocation
                     g.calls.clear();
+                    // The step's last piece is queued: the host's share of the step ends here.
+                    if let Some(t) = g.began.take() {
+                        g.graphs.stats.steps += 1;
+                        g.graphs.stats.step_host_us += t.elapsed().as_micros() as u64;
+                    }
                     return;
                 }
                 Err(e) => {
@@ -473,7 +487,12 @@ impl GpuBackend {
             Some(c) => {
                 let mut g = self.graph.lock().unwrap();
                 g.calls.push(c);
-                if g.split > 0 && g.calls.len() >= g.split {
+                let piece_len = if g.piece == 0 && g.first > 0 {
+                    g.first
+                } else {
+                    g.split
+                };
+                if g.split > 0 && g.calls.len() >= piece_len {
                     // This piece now, as a graph; keep recording the next.
                     let calls = std::mem::take(&mut g.calls);
                     let piece = g.piece;
@@ -778,11 +797,6 @@ impl Backend for GpuBackend {
 
     fn graph_end(&self) {
         self.flush(true);
-        let mut g = self.graph.lock().unwrap();
-        if let Some(t) = g.began.take() {
-            g.graphs.stats.steps += 1;
-            g.graphs.stats.step_host_us += t.elapsed().as_micros() as u64;
-        }
     }
 
     fn check(&self) -> std::result::Result<(), String> {
