@@ -148,17 +148,16 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
             bytes / g / 1e9
         );
     };
-    println!("-- Q8_0 n = 1, model shapes: mvr (old default) vs mvx forms (decode copy) --");
-    // (name, q8 form, mvx CTAs per SM, mvx batches per SM)
-    let forms: [(&str, u8, u8, u8); 8] = [
-        ("mvr old", 0, 3, 6),
-        ("mvx r4u2 c3 s6", 1, 3, 6),
-        ("mvx r4u2 c3 s3", 1, 3, 3),
-        ("mvx r4u2 c2 s6", 1, 2, 6),
-        ("mvx r4u2 c0 s6", 1, 0, 6),
-        ("mvx r4u2 c0 s3", 1, 0, 3),
-        ("mvx r8u1 c3 s6", 2, 3, 6),
-        ("mvx r2u4 c3 s6", 3, 3, 6),
+    println!(
+        "-- Q8_0 n = 1, model shapes: mvr (old default) vs the default (mvx up to 1024 columns) --"
+    );
+    // (name, q8 form, mvx CTAs per SM (255: default), mvx batches per SM): mvx_r4u2_q8_0 is
+    // the default up to 1024 columns only (the rest: mvr either way).
+    let forms: [(&str, u8, u8, u8); 4] = [
+        ("mvr old", 0, 255, 6),
+        ("default", 1, 255, 6),
+        ("mvx c3", 1, 3, 6),
+        ("default", 1, 255, 6),
     ];
     for (name, cols, rows, groups) in [
         ("attn q_b", 1024, 32768, 1),
@@ -192,38 +191,12 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
             line(what, bytes, e, g);
         }
     }
-    println!("-- F16 n = 1: mvq (old) vs mvx_r4u2_f16 --");
-    let fforms: [(&str, u8, u8, u8); 4] = [
-        ("old", 0, 3, 6),
-        ("mvx c3 s6", 1, 3, 6),
-        ("mvx c3 s3", 1, 3, 3),
-        ("mvx c0 s6", 1, 0, 6),
+    let fforms: [(&str, u8, u8, u8); 3] = [
+        ("old", 0, 255, 6),
+        ("default", 1, 255, 6),
+        ("mvx c0", 1, 0, 6),
     ];
-    for (name, cols, rows) in [
-        ("router", 4096, 256),
-        ("F16 1024->8192", 1024, 8192),
-        ("F16 4096->1024", 4096, 1024),
-    ] {
-        let (ws, bytes) = copies(gpu, GgmlType::F16, cols, rows);
-        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
-        let x = gpu.upload(&x);
-        let mut y = gpu.alloc(rows);
-        for (fname, form, ctas, spread) in fforms {
-            GpuBackend::set_matvec_defaults();
-            GpuBackend::set_matvec_q8_form(form, ctas);
-            GpuBackend::set_matvec_mvx_spread(spread);
-            let mut call = |i: usize| gpu.matmul(&ws[i % ws.len()], Part::All, &x, 1, &mut y);
-            let e = time(gpu, &x, reps, &mut call);
-            let g = time_graph(gpu, &x, reps, &mut call);
-            line(
-                format!("{name} F16 {cols}->{rows} n=1 {fname}"),
-                bytes,
-                e,
-                g,
-            );
-        }
-    }
-    println!("-- merged n = 1 sets: mvrm/mvqm/mvrgu (old) vs mvxm/mvxgu --");
+    println!("-- merged n = 1 sets: mvrm/mvqm/mvrgu (old) vs the default (mvxm_r4u2_f16 from 2048 rows) --");
     let sets: [(&str, GgmlType, usize, &[usize]); 4] = [
         ("attn q_a + kv", GgmlType::Q8_0, 4096, &[1024, 512]),
         (

@@ -511,8 +511,7 @@ fn matvec_one_row() {
             cpu.matmul(&w.0, part, &cx, 1, &mut cy);
         }
         let want = cpu.download(&cy, rows);
-        // mvq forms 1..=4, then the default: `mvx_r4u2_f16` for F16 (one batch per CTA, a
-        // persistent grid of 1 CTA per SM) and the old `mvq` choice (q8 form 0).
+        // mvq forms 1..=4, then the default under several `mvx` settings (q8 form 0: none).
         for (form, xf, ctas) in [
             (1u8, 1u8, 3u8),
             (2, 1, 3),
@@ -547,12 +546,12 @@ fn matvec_one_row() {
         }
     }
     GpuBackend::set_matvec_one(255);
-    GpuBackend::set_matvec_q8_form(1, 3);
+    GpuBackend::set_matvec_q8_form(1, 255);
     cases.finish();
 }
 
 /// The n = 1 Q8_0 products from the decode-layout copy (`mvr_*`, `set_matvec_repacked(1..=4)`,
-/// then off (`mvq` on the GGUF blocks), the old default and the `mvx_*` forms with several grids): the model's shapes (head rows cut),
+/// then off (`mvq` on the GGUF blocks), the old default and `mvx_r4u2_q8_0` with several grids): the model's shapes (head rows cut),
 /// odd row counts (1, 3, 4099), columns that end mid warp-step (32, 96, 1056, 1568),
 /// Part::Expert(0) of a one-slab matrix, grouped attn out_a, and a weight generated on the GPU
 /// (`random`, the synthetic benchmarks' path: copied on the device); every product run twice
@@ -635,24 +634,19 @@ fn matvec_repacked() {
             cpu.matmul(&w.0, part, &cx, 1, &mut cy);
         }
         let want = cpu.download(&cy, rows);
-        // (mvr form, q8 form, mvx CTAs per SM): the fixed mvr forms, off (mvq), the old auto
-        // form, then the mvx forms (x4u2, x8u1, x2u4; persistent grids of 3, 1 and 2 CTAs per
-        // SM: CTAs with many batches; no cap: one batch per CTA).
-        // (spread: CTA batches per SM the plan aims at; 1 and 64: the fewest and most k-slices)
+        // (mvr form, q8 form, mvx CTAs per SM, spread): the fixed mvr forms (r4u2, r2u2), off
+        // (mvq), the old auto form (q8 form 0), the default (mvx_r4u2_q8_0 up to 1024 columns:
+        // one batch per CTA), persistent mvx grids of 1 and 3 CTAs per SM (CTAs with several
+        // batches), and spreads 1 and 64 (the fewest and most k-slices).
         let forms = [
-            (1u8, 1u8, 3u8, 6u8),
-            (2, 1, 3, 6),
-            (3, 1, 3, 6),
-            (4, 1, 3, 6),
-            (0, 1, 3, 6),
-            (255, 0, 3, 6),
-            (255, 1, 3, 6),
-            (255, 2, 3, 6),
-            (255, 3, 3, 6),
+            (1u8, 1u8, 255u8, 6u8),
+            (2, 1, 255, 6),
+            (0, 1, 255, 6),
+            (255, 0, 255, 6),
+            (255, 1, 255, 6),
             (255, 1, 1, 6),
-            (255, 1, 0, 6),
-            (255, 3, 2, 6),
-            (255, 1, 3, 1),
+            (255, 1, 3, 6),
+            (255, 1, 255, 1),
             (255, 1, 1, 64),
         ];
         for (form, pf, ctas, spread) in forms {
@@ -682,7 +676,7 @@ fn matvec_repacked() {
         }
     }
     GpuBackend::set_matvec_repacked(255);
-    GpuBackend::set_matvec_q8_form(1, 3);
+    GpuBackend::set_matvec_q8_form(1, 255);
     GpuBackend::set_matvec_mvx_spread(6);
     cases.finish();
 }
@@ -827,7 +821,7 @@ fn matvec_merged() {
         }
     }
     GpuBackend::set_matvec_merge(true);
-    GpuBackend::set_matvec_q8_form(1, 3);
+    GpuBackend::set_matvec_q8_form(1, 255);
     GpuBackend::set_matvec_mvx_spread(6);
     cases.finish();
 }

@@ -767,8 +767,6 @@ __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __
         float *__restrict__ y, long long y_z, int rows, int cols, int kspl
 #define MVR_ARGS Q, D, x, x_z, y, y_z, rows, cols, kspl
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r1u8_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<1, 8>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u4_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<2, 4>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<4, 2>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<2, 2>(MVR_ARGS); }
 
@@ -935,8 +933,11 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(const u8* __restrict__ Qg
     }
 }
 
-// ---- One-row products with x staged once per CTA in shared memory (mvx*_r<R>u<U>_<t>, n = 1;
-// the default n = 1 form of the Q8_0 decode layout and of F16 rows). The CTA first copies x
+// ---- One-row products with x staged once per CTA in shared memory (mvx*_r4u2_<t>, n = 1): the
+// default for Q8_0 decode-layout products of <= 1024 columns (attn q_b: 12.9 against 15.0 us by
+// mvr_r2u2 on the H200) and merged F16 sets of >= 2048 rows (CSA compressor + indexer: 8.9
+// against 10.6 us by mvqm); elsewhere the x staging (cols * 4 bytes per CTA batch) and the
+// k-slice barriers cost more than they save (bench/results/gpu-q8-q-h200.txt). The CTA copies x
 // (cols <= MVX_MAXC floats) into shared memory, float4 slot i at mvx_sw(i) so that the 16-byte x
 // reads of a quarter warp (lane stride 64 bytes: Q8_0, 32: F16) hit distinct banks; each lane
 // then reads x from there once per slot for R rows (before: 64 bytes of x through L1 per 16
@@ -1119,14 +1120,11 @@ __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __
 #define MVX_ARGS W, D, x, x_z, y, y_z, rows, cols, ks
 
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_q8_0(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_Q8_0, 4, 2>(MVX_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r8u1_q8_0(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_Q8_0, 8, 1>(MVX_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r2u4_q8_0(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_Q8_0, 2, 4>(MVX_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_f16(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_F16, 4, 2>(MVX_ARGS); }
 
-// Several matrices of one x (equal cols; q_a + kv, the compressor and indexer projections):
-// matrix m takes CTA batches c_m .. c_{m+1} - 1 (c_0 = 0, absent m: INT_MAX), its rows in batch
-// order as mvx_body's. Q8_0: W_m/D_m the decode layout (m < 4: a launch takes at most 24
-// arguments); F16: W_m rows (m < 5, no D_m).
+// Several matrices of one x (equal cols; the CSA compressor and indexer projections): matrix m
+// takes CTA batches c_m .. c_{m+1} - 1 (c_0 = 0, absent m: INT_MAX), its rows in batch order as
+// mvx_body's. Q8_0: W_m/D_m the decode layout; F16: W_m rows (no D_m; m < 5: a launch takes
+// at most 24 arguments).
 template <class X> __device__ __forceinline__ X mvx_at(int m, const X (&a)[5]) {
     return m == 0 ? a[0] : m == 1 ? a[1] : m == 2 ? a[2] : m == 3 ? a[3] : a[4];
 }
@@ -1151,17 +1149,6 @@ template <int T, int R> struct MvxMulti {
     }
 };
 
-#define MVXM_ONE(i) const u8 *__restrict__ W##i, const u16 *__restrict__ D##i, float *__restrict__ y##i, int rows##i
-#define MVXM_PARAMS                                                                                                    \
-    MVXM_ONE(0), MVXM_ONE(1), MVXM_ONE(2), MVXM_ONE(3), const float *__restrict__ x, int cols, int ks, int c1, int c2,  \
-        int c3, int ncb
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_q8_0(MVXM_PARAMS) {
-    ds4_pdl_enter();
-    MvxMulti<T_Q8_0, 4> mm{{W0, W1, W2, W3, W3}, {D0, D1, D2, D3, D3}, {y0, y1, y2, y3, y3}, {rows0, rows1, rows2, rows3, rows3},
-                           {0, c1, c2, c3, 0x7fffffff}, cols, MV_WARPS / ks};
-    mvx_run<T_Q8_0, 4, 2>(x, cols, ks, ncb, mm, mm);
-}
-
 #define MVXMF_ONE(i) const u8 *__restrict__ W##i, float *__restrict__ y##i, int rows##i
 #define MVXMF_PARAMS                                                                                                   \
     MVXMF_ONE(0), MVXMF_ONE(1), MVXMF_ONE(2), MVXMF_ONE(3), MVXMF_ONE(4), const float *__restrict__ x, int cols, int ks, \
@@ -1171,34 +1158,4 @@ DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) {
     MvxMulti<T_F16, 4> mm{{W0, W1, W2, W3, W4}, {nullptr, nullptr, nullptr, nullptr, nullptr}, {y0, y1, y2, y3, y4},
                           {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};
     mvx_run<T_F16, 4, 2>(x, cols, ks, ncb, mm, mm);
-}
-
-// The shared expert's gate and up (decode layout) with the clamped SwiGLU: rows i < R/2 of a
-// batch are gate rows, R/2.. the same up rows; h[r] = silu(min(g, c)) * clamp(u, -c, c).
-template <int R> struct MvxGu {
-    const u8 *Qg, *Qu;
-    const u16 *Dg, *Du;
-    float* h;
-    int rows, cols, groups;
-    float clamp;
-    __device__ __forceinline__ MvxRow row(int cb, int gi, int i) const {
-        u32 g = min((cb * groups + gi) * (R / 2) + i % (R / 2), rows - 1);
-        bool up = i >= R / 2;
-        return MvxRow{(const uint4*)(up ? Qu : Qg), up ? Du : Dg, g * (u32)(cols / 16), g * (u32)(cols / 32)};
-    }
-    __device__ __forceinline__ void put(int cb, int gi, float v) const {
-        int lane = threadIdx.x % DS4_WARP, r = (cb * groups + gi) * (R / 2) + lane;
-        float u = ds4_shfl_xor(v, R / 2);
-        if (lane < R / 2 && r < rows) {
-            float gv = fminf(v, clamp), uv = fminf(fmaxf(u, -clamp), clamp);
-            h[r] = gv * (1.0f / (1.0f + expf(-gv))) * uv;
-        }
-    }
-};
-
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxgu_r4u2_q8_0(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu, const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h, int rows, int cols, float clamp, int ks) {
-    ds4_pdl_enter();
-    int groups = MV_WARPS / ks;
-    MvxGu<4> gu{Qg, Qu, Dg, Du, h, rows, cols, groups, clamp};
-    mvx_run<T_Q8_0, 4, 2>(x, cols, ks, (rows + groups * 2 - 1) / (groups * 2), gu, gu);
 }

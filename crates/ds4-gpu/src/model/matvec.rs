@@ -59,14 +59,15 @@ const MVQ_FORMS: [(&str, usize); 4] = [("r1u8", 1), ("r2u4", 2), ("r4u2", 4), ("
 /// n = 1 products of Q8_0 matrices that have a decode-layout copy (`GpuWeight::Mat::dec`, made
 /// at upload by `q8_decode_copy`) by `mvr_<form>_q8_0` (16-byte quant loads, one halfword scale
 /// per half block): MVQ_AUTO (default) the form `mvr_auto` picks, 0 never (the `mvq` path on the
-/// GGUF blocks), 1..=4 always MVR_FORMS[k - 1]. `DS4_GPU_Q8_REPACK=off` makes no copies at all
-/// (the memory of the previous form); `=r1u8|r2u4|r4u2|r2u2` fixes the form.
+/// GGUF blocks), 1..=2 always MVR_FORMS[k - 1]. `DS4_GPU_Q8_REPACK=off` makes no copies at all
+/// (the memory of the previous form); `=r4u2|r2u2` fixes the form (r1u8 and r2u4 lost
+/// everywhere: deleted).
 static MVR: AtomicU8 = AtomicU8::new(MVQ_AUTO);
 static MVR_ENV: std::sync::Once = std::sync::Once::new();
 /// Whether uploads make decode-layout copies (false: `DS4_GPU_Q8_REPACK=off`).
 static REPACK: AtomicBool = AtomicBool::new(true);
 /// (name, rows per warp R, column steps U in flight).
-const MVR_FORMS: [(&str, usize); 4] = [("r1u8", 1), ("r2u4", 2), ("r4u2", 4), ("r2u2", 2)];
+const MVR_FORMS: [(&str, usize); 2] = [("r4u2", 4), ("r2u2", 2)];
 
 /// Reads `DS4_GPU_Q8_REPACK` once (before the first copy or product).
 fn mvr_env() {
@@ -82,48 +83,49 @@ fn mvr_env() {
     });
 }
 
-/// The `mvr` form (1..=4) the default takes for `rows` rows (all groups) of `cols`. H200,
+/// The `mvr` form (1..=2) the default takes for `rows` rows (all groups) of `cols`. H200,
 /// 2026-11-30 (bench/results/gpu-matvec-s4-h200.txt, graph-timed us per call, `mvq` r2u4 on the
 /// GGUF blocks in brackets): r4u2 on the head (147.6 [194.9], 3.8 TB/s), r2u2 elsewhere: out_a
 /// 13.6 [20.8], out_b 13.7 [20.0], q_b 14.6 [17.0], shared up/down 6.3/6.2 [7.3/7.3], q_a 4.1
 /// [5.4], kv 3.3 [3.3]; r2u4 (72 registers) and r1u8 lose to both.
 fn mvr_auto(rows: usize, _cols: usize) -> u8 {
     if rows >= 65536 {
-        3
+        1
     } else {
-        4
+        2
     }
 }
 
-/// n = 1 products by `mvx*` (x staged once per CTA in shared memory, rows in batches of R
-/// rows × U warp steps, loads of the next round issued as the current one's math frees their
-/// registers; gpu/matvec.cu): Q8_0 from the decode copy (`mvx_*`, merged `mvxm_*`, shared
-/// gate/up `mvxgu_*`) and F16 rows (`mvx_r4u2_f16`, `mvxm_r4u2_f16`), cols <= MVX_MAXC.
-/// Q8_FORM: 0 the previous forms (`mvr`/`mvrm`/`mvrgu` and `mvq`/`mvqm` for F16), 1..=3 the
-/// single-matrix Q8_0 form MVX_FORMS[k - 1] (the merged and F16 kernels are r4u2);
-/// `DS4_GPU_Q8_FORM=r|x4u2|x8u1|x2u4`. MVX_CTAS: CTAs per SM of a persistent grid
-/// (`DS4_GPU_MVX_CTAS`, 0: one batch per CTA).
+/// n = 1 products by `mvx*` (x staged once per CTA in shared memory, rows in batches of 4 rows
+/// × 2 warp steps, the next round's loads issued as the current one's math frees their
+/// registers; gpu/matvec.cu) where they measured faster (H200, bench/results/gpu-q8-q-h200.txt):
+/// Q8_0 decode-copy products of at most MVX_Q8_MAXC columns (`mvx_r4u2_q8_0`, one batch per
+/// CTA: attn q_b 12.9 against 15.0 us) and merged F16 sets of at least MVXM_MIN_ROWS rows
+/// (`mvxm_r4u2_f16`, 3 CTAs per SM: CSA compressor + indexer 8.9 against 10.6 us). They lost
+/// on the longer rows (out_a 14.7 against 13.1, out_b 15.7 against 13.6, shared down 7.0
+/// against 6.0, head 147.6 against 146.2: x staged per CTA and the k-slice barriers), on F16
+/// single products and the small sets, and as merged Q8_0 (q_a + kv: a tie) or gate/up
+/// (11.2 against 9.1) kernels: those forms were deleted. Q8_FORM: 1 (default) as above, 0 the
+/// previous forms everywhere (`DS4_GPU_Q8_FORM=r`, `=x` the default). MVX_CTAS: CTAs per SM of
+/// the grid (`DS4_GPU_MVX_CTAS`, 0: one batch per CTA; 255: per kind as above).
 static Q8_FORM: AtomicU8 = AtomicU8::new(1);
-static MVX_CTAS: AtomicU8 = AtomicU8::new(3);
+static MVX_CTAS: AtomicU8 = AtomicU8::new(255);
 static Q8_FORM_ENV: std::sync::Once = std::sync::Once::new();
-/// (name, rows per warp R).
-const MVX_FORMS: [(&str, usize); 3] = [("r4u2", 4), ("r8u1", 8), ("r2u4", 2)];
+/// Most columns of the `mvx_r4u2_q8_0` default.
+const MVX_Q8_MAXC: usize = 1024;
+/// Fewest rows of a merged F16 set on `mvxm_r4u2_f16` (HCA compressor, 2 × 512: 6.1 against 4.4 us).
+const MVXM_MIN_ROWS: usize = 2048;
 /// Most columns of an `mvx*` product (x in 32 KB of shared memory: `MVX_MAXC`).
 const MVX_MAXC: usize = 8192;
 
-fn q8_form() -> (u8, usize) {
+/// (Q8_FORM, CTAs per SM for a kind whose default is `dflt`).
+fn q8_form(dflt: usize) -> (u8, usize) {
     Q8_FORM_ENV.call_once(|| {
         if let Ok(v) = std::env::var("DS4_GPU_Q8_FORM") {
-            let f = if v == "r" {
-                Some(0)
-            } else {
-                MVX_FORMS
-                    .iter()
-                    .position(|f| v.strip_prefix('x') == f.0.strip_prefix('r'))
-                    .map(|i| i as u8 + 1)
-            };
-            if let Some(f) = f {
-                Q8_FORM.store(f, Ordering::Relaxed);
+            match v.as_str() {
+                "r" => Q8_FORM.store(0, Ordering::Relaxed),
+                "x" => Q8_FORM.store(1, Ordering::Relaxed),
+                _ => {}
             }
         }
         if let Some(c) = std::env::var("DS4_GPU_MVX_CTAS")
@@ -133,9 +135,10 @@ fn q8_form() -> (u8, usize) {
             MVX_CTAS.store(c.min(8), Ordering::Relaxed);
         }
     });
+    let c = MVX_CTAS.load(Ordering::Relaxed);
     (
         Q8_FORM.load(Ordering::Relaxed),
-        MVX_CTAS.load(Ordering::Relaxed) as usize,
+        if c == 255 { dflt } else { c as usize },
     )
 }
 
@@ -402,7 +405,7 @@ impl GpuBackend {
         Self::set_matvec_one(MVQ_AUTO);
         Self::set_matvec_repacked(MVQ_AUTO);
         Self::set_matvec_split(false);
-        Self::set_matvec_q8_form(1, 3);
+        Self::set_matvec_q8_form(1, 255);
         Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
     }
@@ -420,18 +423,20 @@ impl GpuBackend {
     }
 
     /// n = 1 form for Q8_0 matrices with a decode-layout copy (`MVR`): 0 off (the `mvq` path),
-    /// 1..=4 a fixed form, anything else auto. Copies are still made at upload.
+    /// 1..=2 a fixed `mvr` form, anything else auto (`mvx`/`mvr`). Copies are still made at
+    /// upload.
     pub fn set_matvec_repacked(form: u8) {
         mvr_env();
-        MVR.store(if form <= 4 { form } else { MVQ_AUTO }, Ordering::Relaxed);
+        MVR.store(if form <= 2 { form } else { MVQ_AUTO }, Ordering::Relaxed);
     }
 
-    /// n = 1 form (`Q8_FORM`: 0 the `mvr`/`mvq` forms, 1..=3 `mvx` MVX_FORMS[k - 1], others
-    /// read as 1) and the CTAs per SM of the `mvx` grid (0: no cap; at most 8).
+    /// n = 1 form (`Q8_FORM`: 0 the `mvr`/`mvq` forms everywhere, else `mvx*` where it
+    /// measured faster) and the CTAs per SM of the `mvx*` grids (0: no cap; 1..=8; 255 or
+    /// more: the defaults per kind).
     pub fn set_matvec_q8_form(form: u8, ctas: u8) {
         Q8_FORM_ENV.call_once(|| {});
-        Q8_FORM.store(if form <= 3 { form } else { 1 }, Ordering::Relaxed);
-        MVX_CTAS.store(ctas.min(8), Ordering::Relaxed);
+        Q8_FORM.store(form.min(1), Ordering::Relaxed);
+        MVX_CTAS.store(if ctas <= 8 { ctas } else { 255 }, Ordering::Relaxed);
     }
 
     /// CTA batches per SM the `mvx*` plans aim at (1..; default 6; see `mvx_plan`).
@@ -519,12 +524,11 @@ impl GpuBackend {
         {
             return false;
         }
-        let (xf, ctas) = q8_form();
-        if xf > 0 && cols <= MVX_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO {
-            let (name, r) = MVX_FORMS[xf as usize - 1];
+        let (xf, ctas) = q8_form(0);
+        if xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO {
             let q = dec.ptr();
             self.mvx(
-                &format!("mvx_{name}_q8_0"),
+                "mvx_r4u2_q8_0",
                 q,
                 q.offset((nb * 32) as u64),
                 x,
@@ -534,7 +538,7 @@ impl GpuBackend {
                 rows,
                 cols,
                 zs,
-                r,
+                4,
                 16,
                 ctas,
             );
@@ -677,33 +681,6 @@ impl GpuBackend {
             || self.failed()
         {
             return false;
-        }
-        let (xf, ctas) = q8_form();
-        if ty == GgmlType::F16
-            && xf > 0
-            && splits == 1
-            && MVQ.load(Ordering::Relaxed) == MVQ_AUTO
-            && form == 2
-            && cols <= MVX_MAXC
-            && rb == cols * 2
-            && (zs == 1 || w_z == rows * rb)
-        {
-            self.mvx(
-                "mvx_r4u2_f16",
-                w,
-                DevPtr(0),
-                x,
-                x_z,
-                y,
-                y_z,
-                rows,
-                cols,
-                zs,
-                4,
-                8,
-                ctas,
-            );
-            return true;
         }
         let (name, r) = MVQ_FORMS[form as usize - 1];
         if splits > 1 {
@@ -1141,52 +1118,35 @@ impl GpuBackend {
             && parts
                 .iter()
                 .all(|p| p.5.is_some_and(|d| d.bytes() >= p.3 * cols / 32 * 34));
-        let (xf, ctas) = q8_form();
+        let (xf, ctas) = q8_form(3);
         let f16 = ty == GgmlType::F16
             && MVQ.load(Ordering::Relaxed) != 0
+            && rows.iter().sum::<usize>() >= MVXM_MIN_ROWS
             && rb == cols * 2
             && parts.iter().all(|p| p.0 .0.is_multiple_of(16));
-        if xf > 0 && cols <= MVX_MAXC && (decoded || f16) {
-            // mvxm_r4u2_<t>: R = 4, batches of (MV_WARPS / ks)·4 rows per matrix.
-            let (max, c) = if decoded {
-                (MVRM_MAX, 16)
-            } else {
-                (MVQM_MAX, 8)
-            };
+        if xf > 0 && cols <= MVX_MAXC && f16 {
+            // mvxm_r4u2_f16: R = 4, batches of (MV_WARPS / ks)·4 rows per matrix.
             let sm = self.gpu.info().sm_count as usize;
             let rows_of = |per: usize| rows.iter().map(|r| r.div_ceil(per)).sum::<usize>();
-            let (ks, ncb, gx) = mvx_plan(rows_of, 4, cols / c, 1, sm, self.warp() as usize, ctas);
-            let (offs, _) = mvm_offsets(&rows, MV_WARPS / ks * 4, max);
+            let (ks, ncb, gx) = mvx_plan(rows_of, 4, cols / 8, 1, sm, self.warp() as usize, ctas);
+            let (offs, _) = mvm_offsets(&rows, MV_WARPS / ks * 4, MVQM_MAX);
             let mut args = Vec::with_capacity(24);
-            for m in 0..max {
-                let (w, dp, y, r) = match (parts.get(m), ys.get(m)) {
-                    (Some(p), Some(y)) if decoded => {
-                        let q = p.5.unwrap().ptr();
-                        (q, q.offset((p.3 * cols / 32 * 32) as u64), y.ptr, p.3)
-                    }
-                    (Some(p), Some(y)) => (p.0, DevPtr(0), y.ptr, p.3),
-                    _ => (DevPtr(0), DevPtr(0), DevPtr(0), 0),
+            for m in 0..MVQM_MAX {
+                let (w, y, r) = match (parts.get(m), ys.get(m)) {
+                    (Some(p), Some(y)) => (p.0, y.ptr, p.3),
+                    _ => (DevPtr(0), DevPtr(0), 0),
                 };
-                args.push(Arg::Ptr(w));
-                if decoded {
-                    args.push(Arg::Ptr(dp));
-                }
-                args.extend([Arg::Ptr(y), Arg::I32(r as i32)]);
+                args.extend([Arg::Ptr(w), Arg::Ptr(y), Arg::I32(r as i32)]);
             }
             args.extend([Arg::Ptr(x.ptr), Arg::I32(cols as i32), Arg::I32(ks as i32)]);
             args.extend(offs.iter().map(|&o| Arg::I32(o)));
             args.push(Arg::I32(ncb as i32));
-            let name = if decoded {
-                "mvxm_r4u2_q8_0"
-            } else {
-                "mvxm_r4u2_f16"
-            };
             let dims = LaunchDims {
                 grid: [gx as u32, 1, 1],
                 block,
                 shared_bytes: 0,
             };
-            self.run(&ds4_kernels::MATVEC, name, dims, &args);
+            self.run(&ds4_kernels::MATVEC, "mvxm_r4u2_f16", dims, &args);
             return true;
         }
         if decoded {
@@ -1323,43 +1283,6 @@ impl GpuBackend {
         {
             return false;
         }
-        let (xf, ctas) = q8_form();
-        if xf > 0 && cols <= MVX_MAXC {
-            // mvxgu_r4u2_q8_0: batches of (MV_WARPS / ks)·2 gate rows (and the same up rows).
-            let sm = self.gpu.info().sm_count as usize;
-            let (ks, _, gx) = mvx_plan(
-                |per| (2 * rows).div_ceil(per),
-                4,
-                cols / 16,
-                1,
-                sm,
-                self.warp() as usize,
-                ctas,
-            );
-            let (qg, qu) = (dg.ptr(), du.ptr());
-            self.run(
-                &ds4_kernels::MATVEC,
-                "mvxgu_r4u2_q8_0",
-                LaunchDims {
-                    grid: [gx as u32, 1, 1],
-                    block: [MV_WARPS as u32 * self.warp(), 1, 1],
-                    shared_bytes: 0,
-                },
-                &[
-                    Arg::Ptr(qg),
-                    Arg::Ptr(qg.offset((nb * 32) as u64)),
-                    Arg::Ptr(qu),
-                    Arg::Ptr(qu.offset((nb * 32) as u64)),
-                    Arg::Ptr(x.ptr),
-                    Arg::Ptr(h.ptr),
-                    Arg::I32(rows as i32),
-                    Arg::I32(cols as i32),
-                    Arg::F32(clamp),
-                    Arg::I32(ks as i32),
-                ],
-            );
-            return true;
-        }
         // One row pair per warp (R = 1 in mv_dims' terms), steps of cols / 2 (see mvr).
         let (dims, k) = self.mv_dims(rows, 1, 1, 1, cols / 2);
         let (qg, qu) = (dg.ptr(), du.ptr());
@@ -1473,9 +1396,9 @@ mod tests {
         assert_eq!(mvq_auto(GgmlType::F32, 4096, 4096, 132), 0);
         assert_eq!(mvq_auto(GgmlType::Q2_K, 4096, 4096, 132), 0);
         assert!(MVQ_FORMS.iter().all(|f| f.1 <= MV_WARPS));
-        assert_eq!(mvr_auto(129280, 4096), 3);
-        assert_eq!(mvr_auto(8192, 4096), 4);
-        assert_eq!(mvr_auto(1, 32), 4);
+        assert_eq!(mvr_auto(129280, 4096), 1);
+        assert_eq!(mvr_auto(8192, 4096), 2);
+        assert_eq!(mvr_auto(1, 32), 2);
         assert!(MVR_FORMS.iter().all(|f| f.1 <= MV_WARPS));
         assert_eq!(mvq_splits(GgmlType::F16, 24, 16384, 1, 132), 16);
         assert_eq!(mvq_splits(GgmlType::F16, 7, 5120, 1, 132), 4);
