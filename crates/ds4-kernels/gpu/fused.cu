@@ -509,12 +509,29 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_w(float* x, const float* __res
 //   CTA's first columns of X' for the collapse loaded before it sums the partials;
 // - the partial sums with every load in flight at once (8 threads a row, 16 splits each, then
 //   8-lane xor sums: the same value on every lane, whichever CTA is last);
-// - the Sinkhorn on one warp with the 16 exp on 16 lanes, then every lane iterating on all N·N
-//   values in registers with pairwise sums and reciprocal multiplies (no shuffles, no divisions
-//   in the 20 dependent iterations); results within ~1e-6 of the CPU's, not bit-equal.
+// - pre, post and the comb's exps by one thread each at once (f32 expf), then the Sinkhorn on one
+//   warp, every lane iterating on all N·N values in registers with pairwise sums and reciprocal
+//   multiplies (no shuffles, no divisions in the 2·20 dependent steps); results ~1e-6 from the
+//   CPU's, not bit-equal.
 
 #define FL_SUB 8 // threads summing one partial row
 #define FL_PF 5  // collapse columns a thread loads before the partial sums (D/4 <= 5·224: one round)
+
+// A kernel body starting `DS4_PDL_LATE;` is launched with PDL (ds4_kernels::pdl_kernels) but
+// calls ds4_pdl_enter() itself, after loads of weights only (nothing an earlier kernel writes).
+#define DS4_PDL_LATE \
+    do {             \
+    } while (0)
+
+// Release / acquire fence at device scope for the arrival ticket (CUDA fence.acq_rel.gpu,
+// lighter than __threadfence's fence.sc; HIP __threadfence).
+__device__ __forceinline__ void fl_fence() {
+#if defined(DS4_CUDA) && DS4_ARCH >= 700
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+    __threadfence();
+#endif
+}
 
 // f64 load through L2 (other CTAs' partials of this launch; CUDA ld.global.cg, HIP volatile).
 __device__ __forceinline__ double fu_ld_cg_f64(const double* p) {
@@ -529,7 +546,9 @@ __device__ __forceinline__ double fu_ld_cg_f64(const double* p) {
 
 // One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). Splits,
 // lanes, rows and partial layout as fw_hc. PROBE (hc_post_pre_norm_p): stamps and stop as fw_hc.
-template <int NN, bool POST, bool PROBE>
+// LATE: the kernel started with DS4_PDL_LATE; wait for the previous kernels after the weights'
+// loads (mixer, scale, base) are issued.
+template <int NN, bool POST, bool PROBE, bool LATE>
 __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
                                       int wty, const float* __restrict__ scale, const float* __restrict__ base,
@@ -540,7 +559,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     static_assert(ROWS * FL_SUB <= FW_T, "one pass of partial rows");
     __shared__ float4 v_s[DS4_WARP];
     __shared__ double dsum[ROWS], red[32];
-    __shared__ float m_s[MIX], pre_s[NN], prm_s[MIX + 3]; // prm_s: base [MIX], then scale [3]
+    __shared__ float e_s[NN * NN], pre_s[NN], prm_s[MIX + 3]; // prm_s: base [MIX], then scale [3]
     __shared__ int last_s;
     const int t = blockIdx.x / S, s = blockIdx.x % S, tid = threadIdx.x;
     const int lane = tid % DS4_WARP, g = tid / DS4_WARP, nw = FW_NW;
@@ -564,6 +583,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
         }
     }
     const float prm = tid < MIX ? base[tid] : tid < MIX + 3 ? scale[tid - MIX] : 0.0f;
+    if (LATE) ds4_pdl_enter(); // x, o, post_in, comb_in and part are read after it
     // Warp 0: the pair's value (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X) and Σv².
     double ss = 0.0;
     if (g == 0) {
@@ -615,9 +635,9 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     FP_STAMP(2);
     if (PROBE && stop == 2) return;
     if (tid == 0) {
-        __threadfence(); // release: the CTA's stores are visible device-wide before the ticket
+        fl_fence(); // release: the CTA's stores are visible device-wide before the ticket
         const bool l = atomicAdd(&tickets[t], 1u) == (u32)(S - 1);
-        if (l) __threadfence(); // acquire: the other CTAs' stores are read after it
+        if (l) fl_fence(); // acquire: the other CTAs' stores are read after it
         last_s = l;
     }
     __syncthreads();
@@ -627,8 +647,15 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
         if (tid == 0) tickets[t] = 0u;
         return;
     }
-    // Last CTA. Warps 1..: the collapse columns c0 + k·step, the first FL_PF loaded now (X' of
-    // other CTAs through L2), in flight while the partials are summed.
+    // Last CTA. Row pr_r = tid / FL_SUB of the partials over the S splits: FL_SUB threads, the
+    // first 16 splits each loaded now (before the collapse's loads, which queue behind them).
+    const int pr_r = tid / FL_SUB, q0 = tid % FL_SUB;
+    const double* pr = part + ((size_t)t * FU_PART + pr_r) * S;
+    double u[16];
+#pragma unroll
+    for (int k = 0; k < 16; k++) u[k] = pr_r < ROWS && q0 + k * FL_SUB < S ? fu_ld_cg_f64(pr + q0 + k * FL_SUB) : 0.0;
+    // Warps 1..: the collapse columns c0 + k·step, the first FL_PF loaded now (X' of other CTAs
+    // through L2), in flight while the partials are summed.
     const int step = FW_T - DS4_WARP, c0 = tid - DS4_WARP;
     float4 xv[FW_ZR][NN], gr[FW_ZR];
     const float4* nr = (const float4*)norm;
@@ -643,34 +670,40 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
             }
         }
     }
-    { // row r = tid / FL_SUB over the S splits: FL_SUB threads, 16 loads each in flight, fixed order
-        const int r = tid / FL_SUB, q0 = tid % FL_SUB;
+    { // the partial sums in a fixed order (16 splits at a time, then xor sums over the FL_SUB)
         double a = 0.0;
-        if (r < ROWS) {
-            const double* pr = part + ((size_t)t * FU_PART + r) * S;
-            for (int q = q0; q < S; q += 16 * FL_SUB) {
-                double u[16];
 #pragma unroll
-                for (int k = 0; k < 16; k++) u[k] = q + k * FL_SUB < S ? fu_ld_cg_f64(pr + q + k * FL_SUB) : 0.0;
+        for (int k = 0; k < 16; k++) a += u[k];
+        for (int q = q0 + 16 * FL_SUB; pr_r < ROWS && q < S; q += 16 * FL_SUB) { // S > 16·FL_SUB
 #pragma unroll
-                for (int k = 0; k < 16; k++) a += u[k];
-            }
+            for (int k = 0; k < 16; k++) u[k] = q + k * FL_SUB < S ? fu_ld_cg_f64(pr + q + k * FL_SUB) : 0.0;
+#pragma unroll
+            for (int k = 0; k < 16; k++) a += u[k];
         }
 #pragma unroll
         for (int o = 1; o < FL_SUB; o <<= 1) a += ds4_shfl_xor(a, o); // the same sum on every lane
-        if (r < ROWS && q0 == 0) dsum[r] = a;
+        if (pr_r < ROWS && q0 == 0) dsum[pr_r] = a;
         if (tid < MIX + 3) prm_s[tid] = prm;
     }
     __syncthreads();
     if (tid == 0) tickets[t] = 0u; // ready for the next launch (graph replays too)
     FP_STAMP(4);
     if (PROBE && stop == 4) return;
-    // m = dots · rms scale of the N·D row; pre.
+    // Thread e < MIX: m_e = dot_e · rms scale of the N·D row, its logit m_e·scale[k] + base[e],
+    // then (all at once) pre (e < N), post (e < 2N) or the exp of a comb logit less its row's max.
     if (tid < MIX) {
-        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
-        const float mv = (float)dsum[tid] * sc;
-        m_s[tid] = mv;
-        if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(mv, prm_s[MIX]) + prm_s[tid]) + hc_eps;
+        const float sc = (float)rsqrt(dsum[MIX] / (double)(NN * D) + (double)eps);
+        const float sk = prm_s[MIX + (tid < NN ? 0 : tid < 2 * NN ? 1 : 2)];
+        const float lg = ds4_mul_rn((float)dsum[tid] * sc, sk) + prm_s[tid];
+        if (tid < NN) pre_s[tid] = hc_sigmoid_f(lg) + hc_eps;
+        else if (tid < 2 * NN) post[(size_t)t * NN + tid - NN] = 2.0f * hc_sigmoid_f(lg);
+        else {
+            const int r0 = 2 * NN + (tid - 2 * NN) / NN * NN; // the row's first logit
+            float mx = DS4_NEG_INF;
+#pragma unroll
+            for (int b = 0; b < NN; b++) mx = fmaxf(mx, ds4_mul_rn((float)dsum[r0 + b] * sc, sk) + prm_s[r0 + b]);
+            e_s[tid - 2 * NN] = expf(lg - mx);
+        }
     }
     __syncthreads();
     FP_STAMP(5);
@@ -680,7 +713,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     if (g == 0) {
         const long long c_0 = PROBE ? clock64() : 0;
         if (!(PROBE && stop == 5))
-            hc_sinkhorn_fast<NN>(m_s, prm_s, prm_s + MIX, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
+            hc_sinkhorn_regs<NN>(e_s, comb + (size_t)t * NN * NN, iters, hc_eps);
         if (PROBE && lane == 0) {
             stamps[(size_t)blockIdx.x * FP_NST + 6] = fp_now();
             stamps[(size_t)blockIdx.x * FP_NST + 10] = (u64)(clock64() - c_0);
@@ -736,29 +769,29 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
 
 // Latency hc_pre_norm_f32: arguments, outputs, grid, part and host guarantees as hc_pre_norm_w.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_l(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    ds4_pdl_enter();
+    DS4_PDL_LATE; // fl_hc waits after the mixer loads
     float* xm = (float*)x; // not written (POST = false)
     switch (N) {
-    case 1: fl_hc<1, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 2: fl_hc<2, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 3: fl_hc<3, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    default: fl_hc<4, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 1: fl_hc<1, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fl_hc<2, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fl_hc<3, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fl_hc<4, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
     }
 }
 
 // Latency hc_post_pre_norm_f32: arguments, outputs, grid and part as hc_post_pre_norm_w.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    ds4_pdl_enter();
+    DS4_PDL_LATE; // fl_hc waits after the mixer loads
     switch (N) {
-    case 1: fl_hc<1, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 2: fl_hc<2, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 3: fl_hc<3, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    default: fl_hc<4, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 1: fl_hc<1, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fl_hc<2, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fl_hc<3, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fl_hc<4, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
     }
 }
 
 // Probe of hc_post_pre_norm at N = 4 (crates/ds4-gpu/examples/hc_bench.rs): form 0 the wide
-// kernel's code, 1 the latency one, with %globaltimer stamps per CTA in stamps[CTA·FP_NST + k]
+// kernel's code, 1 the latency one (waiting first, not after the mixer loads), with %globaltimer stamps per CTA in stamps[CTA·FP_NST + k]
 // (0 entry, 1 pair values, 2 partials stored, 3 ticket; last CTA: 4 partial sums, 5 m/pre,
 // 6 Sinkhorn end, 7 collapse end, 8 Σz², 9 end; 10 and 11 the Sinkhorn's and the collapse's
 // clock64 cycles) and a stop: 1..4 return after that phase (the ticket left right), 5 skips
@@ -766,7 +799,7 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __res
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_p(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps, int form, int stop, u64* stamps) {
     ds4_pdl_enter();
     if (form == 0) fw_hc<4, true, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
-    else fl_hc<4, true, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+    else fl_hc<4, true, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
 }
 
 // ---------------------------------------------------------------------------------------------

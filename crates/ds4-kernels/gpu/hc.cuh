@@ -123,61 +123,60 @@ __device__ __forceinline__ float hc_sum4(float v0, float v1, float v2, float v3)
     return NN == 4 ? (v0 + v1) + (v2 + v3) : NN == 3 ? (v0 + v1) + v2 : NN == 2 ? v0 + v1 : v0;
 }
 
-// 1 / x to ~1 ulp (one MUFU op on CUDA), for the Sinkhorn's normalisations.
-__device__ __forceinline__ float hc_rcp(float x) { return __fdividef(1.0f, x); }
+// 1 / x to ~1 ulp in one MUFU op (CUDA), for the Sinkhorn's normalisations (sums near 1).
+__device__ __forceinline__ float hc_rcp(float x) {
+#if defined(DS4_CUDA)
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+#else
+    return __fdividef(1.0f, x);
+#endif
+}
 
-// Sinkhorn of one token (NN <= 4) for latency, by a whole warp: lanes e < NN·NN take exp of
-// logit e (its row's max from shared memory), then every lane gathers the NN·NN values by
-// shuffles and runs the iterations on all of them in registers with pairwise sums and
-// reciprocal multiplies (no shuffle, no division in the dependent chain); lane 0 stores comb,
-// lanes < NN post. m, base [(2+NN)·NN] and scale [3]: shared (or global) memory. The CPU's
-// operations (hc_split) up to the sums' order and the reciprocals: within ~1e-6, not bit-equal.
+// σ(x) with the f32 expf (~1 ulp; ds4_sigmoid rounds an f64 exp: ~10x the latency).
+__device__ __forceinline__ float hc_sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// a[·][c] *= 1 / (Σ_r a[r][c] + eps) for the NN columns.
 template <int NN>
-__device__ __forceinline__ void hc_sinkhorn_fast(const float* m, const float* base, const float* scale, float* __restrict__ post_t, float* __restrict__ comb_t, int iters, float eps) {
-    constexpr int Q = NN * NN;
-    const int l = threadIdx.x % DS4_WARP;
-    const float s2 = scale[2];
-    if (l < NN) post_t[l] = 2.0f * ds4_sigmoid(ds4_mul_rn(m[NN + l], scale[1]) + base[NN + l]);
-    float ex = 0.0f;
-    if (l < Q) { // exp(logit - row max) of entry l, as the CPU's row softmax
-        const int r0 = 2 * NN + (l / NN) * NN;
-        float mx = DS4_NEG_INF;
+__device__ __forceinline__ void hc_cols_rcp(float (&a)[4][4], float eps) {
 #pragma unroll
-        for (int b = 0; b < NN; b++) mx = fmaxf(mx, ds4_mul_rn(m[r0 + b], s2) + base[r0 + b]);
-        ex = ds4_expf_cr(ds4_mul_rn(m[2 * NN + l], s2) + base[2 * NN + l] - mx);
+    for (int c = 0; c < NN; c++) {
+        const float i = hc_rcp(hc_sum4<NN>(a[0][c], a[1][c], a[2][c], a[3][c]) + eps);
+#pragma unroll
+        for (int r = 0; r < NN; r++) a[r][c] *= i;
     }
+}
+
+// Sinkhorn iterations of one token (NN <= 4) for latency, by a whole warp (lane 0 stores):
+// e [NN·NN] (shared memory) holds exp(logit - its row's max); every lane loads all of them and
+// runs the row softmax + eps and the iterations in registers, with pairwise sums and
+// reciprocal multiplies (no shuffle, no division in the 2·iters dependent steps). The CPU's
+// operations (hc_split) up to the sums' order and the reciprocals: ~1e-6 apart, not bit-equal.
+template <int NN>
+__device__ __forceinline__ void hc_sinkhorn_regs(const float* e, float* __restrict__ comb_t, int iters, float eps) {
     float a[4][4];
 #pragma unroll
     for (int r = 0; r < 4; r++)
 #pragma unroll
-        for (int b = 0; b < 4; b++) a[r][b] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < NN; r++)
-#pragma unroll
-        for (int b = 0; b < NN; b++) a[r][b] = ds4_shfl_xor(ex, l ^ (r * NN + b)); // lane r·NN + b's value
+        for (int b = 0; b < 4; b++) a[r][b] = r < NN && b < NN ? e[r * NN + b] : 0.0f;
 #pragma unroll
     for (int r = 0; r < NN; r++) { // row softmax + eps
         const float i = hc_rcp(hc_sum4<NN>(a[r][0], a[r][1], a[r][2], a[r][3]));
 #pragma unroll
         for (int b = 0; b < NN; b++) a[r][b] = a[r][b] * i + eps;
     }
-    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
-        if (it > 0) { // rows (the first pass normalises columns only)
+    hc_cols_rcp<NN>(a, eps); // the first pass normalises columns only
+    for (int it = 1; it < iters; it++) {
 #pragma unroll
-            for (int r = 0; r < NN; r++) {
-                const float i = hc_rcp(hc_sum4<NN>(a[r][0], a[r][1], a[r][2], a[r][3]) + eps);
+        for (int r = 0; r < NN; r++) { // rows
+            const float i = hc_rcp(hc_sum4<NN>(a[r][0], a[r][1], a[r][2], a[r][3]) + eps);
 #pragma unroll
-                for (int b = 0; b < NN; b++) a[r][b] *= i;
-            }
+            for (int b = 0; b < NN; b++) a[r][b] *= i;
         }
-#pragma unroll
-        for (int c = 0; c < NN; c++) {
-            const float i = hc_rcp(hc_sum4<NN>(a[0][c], a[1][c], a[2][c], a[3][c]) + eps);
-#pragma unroll
-            for (int r = 0; r < NN; r++) a[r][c] *= i;
-        }
+        hc_cols_rcp<NN>(a, eps);
     }
-    if (l == 0) {
+    if (threadIdx.x % DS4_WARP == 0) {
 #pragma unroll
         for (int r = 0; r < NN; r++)
 #pragma unroll

@@ -109,7 +109,8 @@ pub const MODULES: &[Module] = &[
 
 /// The kernels of `m` that may be launched with programmatic dependent launch (PDL): those whose
 /// body starts with `ds4_pdl_enter();` (prelude.cuh), i.e. that wait for the previous kernels
-/// before touching memory. Read from the source text, so the list cannot drift from the code.
+/// before touching memory, or with `DS4_PDL_LATE;` (fused.cu: only weights are read before its
+/// own `ds4_pdl_enter()`). Read from the source text, so the list cannot drift from the code.
 pub fn pdl_kernels(m: &Module) -> Vec<&'static str> {
     let src = m.source;
     m.kernels
@@ -125,7 +126,8 @@ pub fn pdl_kernels(m: &Module) -> Vec<&'static str> {
                     };
                     after.strip_prefix(k).is_some_and(|a| a.starts_with('('))
                         && after.split_once('{').is_some_and(|(_, body)| {
-                            body.trim_start().starts_with("ds4_pdl_enter();")
+                            let b = body.trim_start();
+                            b.starts_with("ds4_pdl_enter();") || b.starts_with("DS4_PDL_LATE;")
                         })
                 })
         })
