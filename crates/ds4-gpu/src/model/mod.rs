@@ -44,6 +44,12 @@ const GRAPH_MAX_N: usize = 4;
 /// pieces of 64 (bench/results/gpu-graph-h200.txt).
 const GRAPH_SPLIT: usize = 256;
 
+/// Launches in a step's first piece by default: the device is idle from the previous step's
+/// result until the first piece is recorded (~1 µs a launch on the host). H200, full-q2 decode
+/// at 2k: 32 gave 112.6 / 112.0 tok/s against 109.9 / 110.5 with 256 (64: 111.3 / 110.6;
+/// bench/results/gpu-lead-s7-h200.txt).
+const GRAPH_FIRST: usize = 32;
+
 /// Graph replay of decode steps (`DS4_GPU_GRAPH=off` disables): between
 /// [`Backend::graph_begin`] and the first host read (or [`Backend::graph_end`]) launches are
 /// recorded instead of issued, then run as one graph ([`StepGraphs`]). The schedule still runs
@@ -59,8 +65,8 @@ struct GraphState {
     /// device runs piece i while the host records piece i + 1 (`DS4_GPU_GRAPH_SPLIT`, default
     /// [`GRAPH_SPLIT`]).
     split: usize,
-    /// Launches in a step's first piece (`DS4_GPU_GRAPH_FIRST`, default `split`): the device
-    /// idles from the previous step's result until that piece is recorded and launched.
+    /// Launches in a step's first piece (`DS4_GPU_GRAPH_FIRST`, default [`GRAPH_FIRST`]): the
+    /// device idles from the previous step's result until that piece is recorded and launched.
     first: usize,
     /// Pieces of this step run so far.
     piece: u64,
@@ -351,9 +357,7 @@ impl GpuBackend {
                 enabled: !std::env::var("DS4_GPU_GRAPH").is_ok_and(|v| v == "off" || v == "0"),
                 graphs: StepGraphs::new(),
                 split: env_usize("DS4_GPU_GRAPH_SPLIT").unwrap_or(GRAPH_SPLIT),
-                first: env_usize("DS4_GPU_GRAPH_FIRST")
-                    .or(env_usize("DS4_GPU_GRAPH_SPLIT"))
-                    .unwrap_or(GRAPH_SPLIT),
+                first: env_usize("DS4_GPU_GRAPH_FIRST").unwrap_or(GRAPH_FIRST),
                 ..GraphState::default()
             }),
         }
