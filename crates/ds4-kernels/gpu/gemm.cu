@@ -1102,9 +1102,9 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
 // ---- Integer tensor-core form (gemmi_<t>, CUDA sm_80+; IQ2_XXS and Q2_K, the q2 routed experts) ----
 // Weights as EXACT int8 straight from their blocks, activations as two int8 planes, m16n8k32 s8
 // mma (int32 accumulation), scales applied to the int32 accumulators:
-//   X (gemm_xi_f32, per token row t): s_t = amax_t / 127, hi = rn(x/s_t) in [-127, 127],
-//     lo = rn((x/s_t - hi) * 256) in [-127, 127] (clamped: +-128 only at exact halves), so
-//     x = s_t/256 * X' + e with X' = 256 hi + lo, |e| <= s_t/512 (~2^-16 of amax_t).
+//   X (gemm_xi_f32, per token row t and super-block b of 256 k): s = amax_tb / 127, hi = rn(x/s) in
+//     [-127, 127], lo = rn((x/s - hi) * 256) in [-127, 127] (clamped: +-128 only at exact halves),
+//     so x = s/256 * X' + e with X' = 256 hi + lo, |e| <= s/512 (~2^-16 of the block's amax).
 //   IQ2_XXS  w = d/8 * (2s+1) * gs, gs = grid byte (8, 25, 43) with its sign: an int8.
 //     Per 32-k chunk: hc = hi.gs, lc = lo.gs (two mma, |hc| <= 32*43*127 = 174752); the block
 //     accumulators take H += (2s+1) hc, L += (2s+1) lc (integer mad; over 8 chunks
@@ -1114,8 +1114,10 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
 //     over the sub-block (|S_j| <= 16*32640 = 522240: three byte planes b0, b1 (u8), b2 (s8) from
 //     gemm_xi_f32), three m16n8k16 mma (b2, then b1 and b0 with the accumulator shifted by 8 bits:
 //     exact, |M| <= 16*15*522240 = 125M).
-//   Per 256-k block in f32: acc += D (256 H + L) [- Dm M], D = d/8 (IQ2_XXS) or d, Dm = dmin;
-//   y = acc * s_t/256. Error: the activations' ~2^-16 of amax per element; weights and products exact.
+//   Per 256-k block in f32: acc += s_tb/256 * (D (256 H + L) [- Dm M]), D = d/8 (IQ2_XXS) or d,
+//   Dm = dmin. Error: the activations' ~2^-16 of the block's amax per element; weights and products
+//   exact (H200 ops_gemm with per-row scales: worst 2.3e-3 relative to 1 + |cpu| for IQ2_XXS K = 1024,
+//   ~4x the bf16 hi/lo form's, whose 16 bits are relative to each element).
 // K permuted inside each 32-k chunk (same for A and B): lane t of a fragment row holds physical
 // elements 8t..8t+7 (one IQ2_XXS grid entry, two Q2_K qs words), as a0/a2 (hi) of A and b0/b1 of B.
 // X in global: per token row 2*x_tok bytes, each 8 elements as 16 bytes {hi[8], lo[8]}; Q2_K sums per
@@ -1185,7 +1187,7 @@ template <> __device__ __forceinline__ void gi_deq<T_Q2_K>(const u8* blk, int p,
 #endif
 
 // Host contract: cols % 256 == 0, kc % 8 == 0, x_tok and x_z multiples of 256; XI from gemm_xi_f32
-// (XS: Q2_K sums, else null; xsc: s_t/256 per token row).
+// (XS: Q2_K sums, else null; xinv: s/256 per token row and super-block).
 // NT n-tiles of 8 rows per warp: 4 (8 warps, 256 threads) or 2 (16 warps, 512 threads); warp w:
 // items 32(w/NWN).., rows 8NT(w%NWN).. with NWN = 16/NT warps along the rows.
 template <int T, int NT> __device__ __forceinline__ void gemmi_body(GMT_PARAMS) {
@@ -1286,6 +1288,8 @@ template <int T, int NT> __device__ __forceinline__ void gemmi_body(GMT_PARAMS) 
             }
     }
     u32 sa[2][3][2]; // A' (sums) fragments of the current super-block: [mt][plane][row half]
+    float sxb[2][2]; // activation scales s/256 of the current super-block: [mt][row half]
+    const long long nsb = x_tok / 256;
 
     for (int i = 0; i < nst; i++) {
         gt_wait<GI_NXS - 2>();
@@ -1303,6 +1307,15 @@ template <int T, int NT> __device__ __forceinline__ void gemmi_body(GMT_PARAMS) 
                 for (int pl = 0; pl < 3; pl++)
 #pragma unroll
                     for (int h = 0; h < 2; h++) sa[mt][pl][h] = srow[mt][h] ? srow[mt][h][sbo + 4 * pl + t] : 0u;
+        }
+        if ((i & 3) == 0) { // per-(token, super-block) activation scales, used at its end
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int it = sm.items[32 * wm + 16 * mt + g + 8 * h];
+                    sxb[mt][h] = it >= 0 ? xinv[(long long)(it / xdiv) * nsb + (long long)z * (x_z / 256) + (c0 >> 3) + S] : 0.0f;
+                }
         }
         const uint4(*xs)[8] = sm.x[i % GI_NXS];
 #pragma unroll
@@ -1384,9 +1397,9 @@ template <int T, int NT> __device__ __forceinline__ void gemmi_body(GMT_PARAMS) 
                     }
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        float v = fmaf(256.0f, (float)H[mt][nt][e], (float)L[mt][nt][e]);
-                        float a = fmaf(D[nt][e & 1], v, acc[mt][nt][e]);
-                        acc[mt][nt][e] = Q2K ? fmaf(-Dm[nt][e & 1], (float)M[e], a) : a;
+                        float v = D[nt][e & 1] * fmaf(256.0f, (float)H[mt][nt][e], (float)L[mt][nt][e]);
+                        if (Q2K) v = fmaf(-Dm[nt][e & 1], (float)M[e], v);
+                        acc[mt][nt][e] = fmaf(sxb[mt][e >> 1], v, acc[mt][nt][e]);
                         H[mt][nt][e] = 0, L[mt][nt][e] = 0;
                     }
                 }
@@ -1403,13 +1416,12 @@ template <int T, int NT> __device__ __forceinline__ void gemmi_body(GMT_PARAMS) 
             int it = sm.items[32 * wm + 16 * mt + g + 8 * e2];
             if (it < 0) continue;
             float* yr = yb + (long long)it * y_tok;
-            const float sc = xinv[it / xdiv];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e1 = 0; e1 < 2; e1++) {
                     int r = r0 + 8 * NT * wn + 8 * nt + 2 * t + e1;
-                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
+                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1];
                 }
         }
 #endif
@@ -1423,37 +1435,40 @@ DS4_KERNEL void DS4_BOUNDS(512) gemmi16_q2_k(GMT_PARAMS) { gemmi_body<T_Q2_K, 2>
 DS4_KERNEL void DS4_BOUNDS(512) gemmi16_iq2_xxs(GMT_PARAMS) { gemmi_body<T_IQ2_XXS, 2>(GMT_ARGS); }
 
 // X rows for gemmi: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
-// x_tok multiple of 256). s = amax/127; per 8 elements 16 bytes {hi[8], lo[8]} at xi + t*2*x_tok
-// (hi = rn(x/s), lo = rn((x/s - hi)*256) clamped to [-127, 127]); xsc[t] = s/256; xs (may be null):
-// per super-block b 48 bytes at t*x_tok*3/16 + 48b: bytes k, 16+k, 32+k = S_k & 255, (S_k >> 8) & 255,
-// S_k >> 16 (signed) of S_k = sum of 256 hi + lo over elements 16k..16k+15 of the super-block.
+// x_tok multiple of 256). Per super-block b (256 elements) s = amax/127 over the block; per 8 elements
+// 16 bytes {hi[8], lo[8]} at xi + t*2*x_tok (hi = rn(x/s), lo = rn((x/s - hi)*256) clamped to
+// [-127, 127]); xsc[t*x_tok/256 + b] = s/256; xs (may be null): per super-block 48 bytes at
+// t*x_tok*3/16 + 48b: bytes k, 16+k, 32+k = S_k & 255, (S_k >> 8) & 255, S_k >> 16 (signed) of
+// S_k = sum of 256 hi + lo over elements 16k..16k+15 of the block. Thread: one 16-element sub-block
+// per step; the 16 lanes of a super-block reduce its amax by shuffles (uniform loop).
 DS4_KERNEL void DS4_BOUNDS(256) gemm_xi_f32(const float* __restrict__ X, long long x_tok, int width, u8* __restrict__ xi, u8* __restrict__ xs, float* __restrict__ xsc) {
-    __shared__ float red[256 / DS4_WARP];
     const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
-    float m = 0.0f;
-    for (int i = threadIdx.x; i < width / 4; i += 256) {
-        float4 v = p[i];
-        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    }
-#pragma unroll
-    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
-    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = m;
-    __syncthreads();
-    m = red[0];
-    for (int i = 1; i < 256 / DS4_WARP; i++) m = fmaxf(m, red[i]);
-    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
-    if (threadIdx.x == 0) xsc[blockIdx.x] = m / (127.0f * 256.0f);
     uint4* o = (uint4*)(xi + (long long)blockIdx.x * 2 * x_tok);
     u8* so = xs ? xs + (long long)blockIdx.x * x_tok * 3 / 16 : nullptr;
-    for (int q = threadIdx.x; q < width / 16; q += 256) { // 16 elements (a sub-block) per step
+    const int nq = width / 16;
+    for (int q0 = 0; q0 < nq; q0 += 256) {
+        const int q = q0 + threadIdx.x;
+        const bool ok = q < nq; // whole super-blocks: uniform over each 16 lanes
+        float4 v[4];
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = ok ? p[4 * q + i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w))));
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) m = fmaxf(m, ds4_shfl_xor(m, off));
+        if (!ok) continue;
+        const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+        if ((q & 15) == 0) xsc[(long long)blockIdx.x * (x_tok / 256) + (q >> 4)] = m / (127.0f * 256.0f);
         int sum = 0;
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             u32 hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                float4 v = p[4 * q + 2 * hf + i];
-                float a[4] = {v.x * inv, v.y * inv, v.z * inv, v.w * inv};
+                float4 w = v[2 * hf + i];
+                float a[4] = {w.x * inv, w.y * inv, w.z * inv, w.w * inv};
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
                     int h = __float2int_rn(a[k]);

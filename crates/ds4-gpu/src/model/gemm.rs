@@ -302,7 +302,7 @@ struct TileX {
 }
 
 /// X converted for the integer form (`gemm_xi_f32`): int8 hi/lo planes (2 bytes per element),
-/// per-token scales s/256, sub-block sum byte planes (Q2_K only); `warps` of the form.
+/// scales s/256 per token row and 256-element block, sub-block sum byte planes (Q2_K only); `warps` of the form.
 struct IntX {
     x: GpuBuf,
     inv: GpuBuf,
@@ -442,7 +442,7 @@ impl GpuBackend {
     fn int_x(&self, x: DevPtr, ntok: usize, x_tok: usize, width: usize, sums: bool) -> IntX {
         let t = IntX {
             x: self.scratch((ntok * x_tok).div_ceil(2)), // 2 bytes per element
-            inv: self.scratch(ntok),
+            inv: self.scratch(ntok * x_tok.div_ceil(256)), // per token row and super-block
             sums: sums.then(|| self.scratch((ntok * x_tok * 3 / 16).div_ceil(4))),
             warps: int_form(),
         };
