@@ -79,34 +79,32 @@ fn time(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)) -> f
 
 /// The forms: 0 matvec.rs staged for every type (variant 5), 1 matmul.rs direct, 2 matmul.rs
 /// coalesced (the general form, n = 1 for the types where staging loses), 3 matvec.rs before the
-/// staged kernels (variant 4: `mv<NT>_*`, n = 2..4 only), 4..=7 the n = 1 `mvq_*` forms r1u8,
-/// r2u4, r4u2, r1u4 (Q8_0, F16), 8 the default (`mvq` where it measured faster).
+/// staged kernels (variant 4: `mv<NT>_*`, n = 2..4 only), 4..=5 the n = 1 `mvq_*` forms r2u4,
+/// r1u4 (Q8_0, F16), 6 the default.
 fn set_form(form: usize) {
-    GpuBackend::set_matvec(matches!(form, 0 | 3..=7));
+    GpuBackend::set_matvec(matches!(form, 0 | 3..=5));
     GpuBackend::set_matvec_variant(match form {
         0 => 5,
         3 => 4,
         _ => 0,
     });
     GpuBackend::set_matvec_one(match form {
-        4..=7 => form as u8 - 3,
-        8 => 255,
+        4..=5 => form as u8 - 3,
+        6 => 255,
         _ => 0,
     });
     GpuBackend::set_matmul_tiles(false);
-    GpuBackend::set_matmul_coalesced(form == 2 || form == 8);
-    if form == 8 {
+    GpuBackend::set_matmul_coalesced(form == 2 || form == 6);
+    if form == 6 {
         GpuBackend::set_matvec_defaults();
     }
 }
-const FORMS: [&str; 9] = [
+const FORMS: [&str; 7] = [
     "staged",
     "mm direct",
     "mm coalesced",
     "mv old",
-    "mvq r1u8",
     "mvq r2u4",
-    "mvq r4u2",
     "mvq r1u4",
     "default",
 ];
@@ -364,7 +362,7 @@ fn main() {
             let x = gpu.upload(&x);
             let mut y = gpu.alloc(n * rows);
             let forms: &[usize] = match (n, ty) {
-                (1, GgmlType::Q8_0 | GgmlType::F16) => &[2, 4, 5, 6, 7],
+                (1, GgmlType::Q8_0 | GgmlType::F16) => &[2, 4, 5],
                 (1, _) => &[0, 2],
                 _ => &[0, 3],
             };
@@ -405,11 +403,7 @@ fn main() {
             let mut y = gpu.alloc(n * rows);
             // n = 1: the old default (mm coalesced; staged for the F16 16384-column mixes), the
             // four mvq forms and the new default.
-            let forms: &[usize] = if n == 1 {
-                &[2, 0, 4, 5, 6, 7, 8]
-            } else {
-                &[0, 3]
-            };
+            let forms: &[usize] = if n == 1 { &[2, 0, 4, 5, 6] } else { &[0, 3] };
             for &form in forms {
                 set_form(form);
                 let s = time(&gpu, &x, reps, |i| {
@@ -429,5 +423,5 @@ fn main() {
             }
         }
     }
-    set_form(8);
+    set_form(6);
 }

@@ -657,13 +657,9 @@ __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z
         long long y_z, int rows, int cols, long long row_bytes, int kspl
 #define MVQ_ARGS W, w_z, x, x_z, y, y_z, rows, cols, row_bytes, kspl
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 1, 8>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 2, 4>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 4, 2>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 1, 4>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u8_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 1, 8>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 2, 4>(MVQ_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r4u2_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 4, 2>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 1, 4>(MVQ_ARGS); }
 
 // ---- Q8_0 in the decode layout (GpuWeight::Mat `dec`, written at upload by q8_repack from the

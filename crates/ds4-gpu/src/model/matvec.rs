@@ -11,9 +11,9 @@
 //! (`mvq_auto`: all loads of U column steps × R rows of a warp issued before the math, 2.9 TB/s on
 //! the Q8_0 head). Q8_0 matrices of one slab also get a decode-layout copy at upload
 //! (`q8_decode_copy`: 16-byte aligned quant rows + a separate f16 scale array; the GGUF blocks
-//! stay for the GEMM), and their n = 1 products run `mvx_<form>_q8_0` from it (x staged once per
-//! CTA in shared memory, 16-byte loads; `mvr_<form>_q8_0` before, `Q8_FORM`); F16 products of
-//! 128 rows or more and the merged sets take the same `mvx*` kernels.
+//! stay for the GEMM), and their n = 1 products run `mvr_<form>_q8_0` from it (16-byte loads),
+//! or `mvx_r4u2_q8_0` (x staged once per CTA in shared memory) for rows of <= 1024 columns;
+//! merged F16 sets of >= 2048 rows take `mvxm_r4u2_f16` (`Q8_FORM`).
 //! Few-row F16 products can split their columns across CTAs (`mvq_splits`, opt-in). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
 //! for the routed experts.
 
@@ -49,12 +49,13 @@ static VARIANT: AtomicU8 = AtomicU8::new(0);
 
 /// n = 1 products of Q8_0 and F16 by `mvq_<form>_<t>` (all loads of U column steps × R rows
 /// issued before the math): MVQ_AUTO (default) where `mvq_auto` says it measured faster, 0 never,
-/// 1..=4 always the form MVQ_FORMS[k - 1]. `DS4_GPU_MVQ=off|auto|r1u8|r2u4|r4u2|r1u4`.
+/// 1..=2 always the form MVQ_FORMS[k - 1]. `DS4_GPU_MVQ=off|auto|r2u4|r1u4` (r1u8 and r4u2,
+/// never the fastest, were deleted).
 static MVQ: AtomicU8 = AtomicU8::new(MVQ_AUTO);
 const MVQ_AUTO: u8 = 255;
 static MVQ_ENV: std::sync::Once = std::sync::Once::new();
 /// (name, rows per warp R); U = 8 / R column steps except r1u4.
-const MVQ_FORMS: [(&str, usize); 4] = [("r1u8", 1), ("r2u4", 2), ("r4u2", 4), ("r1u4", 1)];
+const MVQ_FORMS: [(&str, usize); 2] = [("r2u4", 2), ("r1u4", 1)];
 
 /// n = 1 products of Q8_0 matrices that have a decode-layout copy (`GpuWeight::Mat::dec`, made
 /// at upload by `q8_decode_copy`) by `mvr_<form>_q8_0` (16-byte quant loads, one halfword scale
@@ -247,7 +248,7 @@ fn mvq_splits(ty: GgmlType, rows: usize, cols: usize, zs: usize, sm: usize) -> u
     s
 }
 
-/// The `mvq` form (1..=4) the default takes for `ty` with `rows` rows (all groups) of `cols`, or 0.
+/// The `mvq` form (1..=2) the default takes for `ty` with `rows` rows (all groups) of `cols`, or 0.
 /// H200, 2026-11-30 (bench/results/gpu-matvec-h200.txt, helper N): r2u4 is the fastest form on
 /// every Q8_0 shape of the model (head 191 against 272 us for mmc, out_b 16.6 against 22.2,
 /// grouped out_a 16.7 against 22.8, q_b 18.2 against 25.3, q_a 5.4 against 7.0) and on F16
@@ -256,9 +257,9 @@ fn mvq_splits(ty: GgmlType, rows: usize, cols: usize, zs: usize, sm: usize) -> u
 /// F16 4096->64 ties mmc (4.5 us) and stays there.
 fn mvq_auto(ty: GgmlType, rows: usize, cols: usize, _sm: usize) -> u8 {
     match ty {
-        GgmlType::Q8_0 => 2,
-        GgmlType::F16 if rows >= 128 => 2,
-        GgmlType::F16 if cols >= 16384 => 4,
+        GgmlType::Q8_0 => 1,
+        GgmlType::F16 if rows >= 128 => 1,
+        GgmlType::F16 if cols >= 16384 => 2,
         _ => 0,
     }
 }
@@ -410,10 +411,10 @@ impl GpuBackend {
         Self::set_matvec_merge(true);
     }
 
-    /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=4 a fixed form, anything else auto.
+    /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=2 a fixed form, anything else auto.
     pub fn set_matvec_one(form: u8) {
         MVQ_ENV.call_once(|| {});
-        MVQ.store(if form <= 4 { form } else { MVQ_AUTO }, Ordering::Relaxed);
+        MVQ.store(if form <= 2 { form } else { MVQ_AUTO }, Ordering::Relaxed);
     }
 
     /// Split the columns of few-row F16 products across CTAs (`SPLIT`; default off).
@@ -667,7 +668,7 @@ impl GpuBackend {
         };
         let form = match (MVQ.load(Ordering::Relaxed), splits) {
             (MVQ_AUTO, 1) => mvq_auto(ty, rows * zs, cols, sm),
-            (MVQ_AUTO, _) => 4, // r1u4: one round of loads per warp on 1024-column ranges
+            (MVQ_AUTO, _) => 2, // r1u4: one round of loads per warp on 1024-column ranges
             (f, _) => f,
         };
         // F16 slices are 16-byte loads; Q8_0 needs 2-byte aligned rows (word loads of the slices).
@@ -1388,10 +1389,10 @@ mod tests {
     /// 16384-column mixes; other types and the small F16 4096->64 stay elsewhere.
     #[test]
     fn mvq_routing() {
-        assert_eq!(mvq_auto(GgmlType::Q8_0, 129280, 4096, 132), 2);
-        assert_eq!(mvq_auto(GgmlType::Q8_0, 1, 32, 132), 2);
-        assert_eq!(mvq_auto(GgmlType::F16, 256, 4096, 132), 2);
-        assert_eq!(mvq_auto(GgmlType::F16, 24, 16384, 132), 4);
+        assert_eq!(mvq_auto(GgmlType::Q8_0, 129280, 4096, 132), 1);
+        assert_eq!(mvq_auto(GgmlType::Q8_0, 1, 32, 132), 1);
+        assert_eq!(mvq_auto(GgmlType::F16, 256, 4096, 132), 1);
+        assert_eq!(mvq_auto(GgmlType::F16, 24, 16384, 132), 2);
         assert_eq!(mvq_auto(GgmlType::F16, 64, 4096, 132), 0);
         assert_eq!(mvq_auto(GgmlType::F32, 4096, 4096, 132), 0);
         assert_eq!(mvq_auto(GgmlType::Q2_K, 4096, 4096, 132), 0);
