@@ -1,8 +1,8 @@
 //! `hc_bench [reps]`: the fused HC post + pre + norm of one decode token (N 4, D 4096, an F16
 //! mixer of 24 rows × 16384, 20 Sinkhorn iterations; `gpu/fused.cu`), where its time goes.
-//! (1) µs per call of the wide (`_w`) and latency (`_l`) kernels and of the probe
-//! (`hc_post_pre_norm_p`, either form's code) stopped after each phase: `reps` launches back
-//! to back between two events (PDL launches as in the engine). (2) The probe's %globaltimer
+//! (1) µs per call of the kernel (`hc_post_pre_norm_l`) and of its probe (`hc_post_pre_norm_p`,
+//! waiting for the previous kernel first or, as `_l`, after the mixer loads) stopped after each
+//! phase: `reps` launches back to back between two events (PDL launches as in the engine). (2) The probe's %globaltimer
 //! stamps (one launch at a time): when each phase ends, after the first CTA starts (max over
 //! the CTAs for the per-CTA phases; the last CTA's for the epilogue), and the Sinkhorn's and
 //! the collapse's clock64 cycles.
@@ -117,12 +117,11 @@ fn main() {
     };
     println!("# (1) us per call, {reps} back-to-back launches (PDL as the engine)");
     for round in 0..2 {
-        for name in ["hc_post_pre_norm_w", "hc_post_pre_norm_l"] {
-            println!(
-                "{name:<34} {:7.2}  (round {round})",
-                time(name, &args(None))
-            );
-        }
+        let name = "hc_post_pre_norm_l";
+        println!(
+            "{name:<34} {:7.2}  (round {round})",
+            time(name, &args(None))
+        );
     }
     let stops = [
         (1, "after the pair values"),
@@ -133,7 +132,7 @@ fn main() {
         (5, "full but the Sinkhorn"),
         (0, "full"),
     ];
-    for (form, fname) in [(0, "wide"), (1, "lat")] {
+    for (form, fname) in [(0, "wait"), (1, "late")] {
         for &(stop, what) in &stops {
             let us = time("hc_post_pre_norm_p", &args(Some((form, stop))));
             println!("probe {fname:<4} stop {stop} {what:<26} {us:7.2}");
@@ -154,7 +153,7 @@ fn main() {
         "last CTA: end",
     ];
     println!("# (2) probe stamps, us after the first CTA's start (median of {runs} launches)");
-    for (form, fname) in [(0, "wide"), (1, "lat")] {
+    for (form, fname) in [(0, "wait"), (1, "late")] {
         let mut rows: Vec<Vec<f64>> = vec![Vec::new(); labels.len() + 4];
         for _ in 0..runs {
             rt.memset_u32_async(stamps.ptr(), 0, splits * FP_NST * 2, s)

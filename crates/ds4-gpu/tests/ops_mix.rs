@@ -412,11 +412,11 @@ fn elementwise_matches_cpu() {
     });
 }
 
-/// Run `f(form)` with the fused glue on (latency kernels, then the wide and the v1 ones),
-/// without the post fusion, and off (`DS4_GPU_FUSE=off`: the separate ops); leaves it on and lat.
+/// Run `f(form)` with the fused glue on (latency kernels, then the v1 ones), without the post
+/// fusion, and off (`DS4_GPU_FUSE=off`: the separate ops); leaves it on and lat.
 fn fuse_forms(mut f: impl FnMut(&str)) {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
-    for form in ["on", "on-wide", "on-v1", "nopost", "off"] {
+    for form in ["on", "on-v1", "nopost", "off"] {
         let (fuse, kind) = form.split_once('-').unwrap_or((form, "lat"));
         GpuBackend::set_fuse(fuse);
         GpuBackend::set_fuse_form(kind);

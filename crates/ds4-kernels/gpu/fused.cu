@@ -262,12 +262,24 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 }
 
 // ---------------------------------------------------------------------------------------------
-// Wide forms of the two HC kernels above (the default; DS4_GPU_FUSE_FORM=v1 keeps those): many
+// Latency forms of the two HC kernels above (the default; DS4_GPU_FUSE_FORM=v1 keeps those): many
 // small splits so that a token's mixer is read by ~one CTA per SM. Split s of token t takes
-// FW_C = DS4_WARP / NN float4 columns of d; lane p of every warp is the pair (stream j = p / FW_C,
-// column s·FW_C + p % FW_C); warp g takes mixer rows g, g + nw, ... of all its pairs (one warp
-// sum per row, no cross-warp sums). Partials are stored row-major (part[(t·FU_PART + r)·S + s])
-// so that the last CTA reads each row's splits contiguously.
+// C = DS4_WARP / NN float4 columns of d; lane p of every warp is the pair (stream j = p / C,
+// column s·C + p % C); warp g takes mixer rows g, g + nw, ... of all its pairs (one warp sum per
+// row, no cross-warp sums). Partials are stored row-major (part[(t·FU_PART + r)·S + s]) so that
+// the last CTA reads each row's splits contiguously. The serial path after the mixer loads is
+// kept short (H200: 11.1 -> 8.8 us a call against the session-6 `_w` kernels, now deleted;
+// bench/results/gpu-hc-h-h200.txt):
+// - the mixer (and scale, base) loaded before the PDL wait (DS4_PDL_LATE);
+// - one fence and one ticket per CTA (the CTA's stores, a barrier, then thread 0 fences and takes
+//   the ticket: the cooperative-groups grid-sync pattern), acq_rel fences;
+// - the last CTA's partial loads all in flight at once (8 threads a row, 16 splits each, then
+//   8-lane xor sums: the same value on every lane, whichever CTA is last), then its first columns
+//   of X' for the collapse;
+// - pre, post and the comb's exps by one thread each at once (f32 expf), then the Sinkhorn on one
+//   warp, every lane iterating on all N·N values in registers with pairwise sums and reciprocal
+//   multiplies (no shuffles, no divisions in the 2·20 dependent steps); results ~1e-6 from the
+//   CPU's, not bit-equal.
 
 #define FW_ZR 8    // most float4 columns of z per collapse thread in the epilogue
 #define FW_T 256   // threads of a CTA (the host launches exactly this many)
@@ -289,230 +301,6 @@ __device__ __forceinline__ u64 fp_now() {
     do {                                                                                       \
         if (PROBE && threadIdx.x == 0) stamps[(size_t)blockIdx.x * FP_NST + (k)] = fp_now();  \
     } while (0)
-
-// One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). PROBE:
-// stamps, and return early at `stop` (hc_post_pre_norm_p).
-template <int NN, bool POST, bool PROBE>
-__device__ __forceinline__ void fw_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
-                                      const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
-                                      int wty, const float* __restrict__ scale, const float* __restrict__ base,
-                                      const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
-                                      float* __restrict__ comb, double* part, u32* tickets, int D, int S, int iters,
-                                      float hc_eps, float eps, int stop, u64* stamps) {
-    constexpr int MIX = (2 + NN) * NN, C = DS4_WARP / NN, RW = (MIX + FW_NW - 1) / FW_NW; // rows a warp
-    __shared__ float4 v_s[DS4_WARP];
-    __shared__ double dsum[MIX + 1];
-    __shared__ int last_s;
-    const int t = blockIdx.x / S, s = blockIdx.x % S, tid = threadIdx.x;
-    const int lane = tid % DS4_WARP, g = tid / DS4_WARP, nw = FW_NW;
-    const int D4 = D >> 2, j = lane / C, c4 = s * C + lane % C, col = j * D4 + c4; // float4 of the N·D row
-    const bool mine = j < NN && c4 < D4;
-    float4* xt = (float4*)(x + (size_t)t * NN * D);
-    FP_STAMP(0);
-    // This warp's mixer rows at this pair's column, loaded first (independent of X').
-    uint4 raw[RW];
-#pragma unroll
-    for (int k = 0; k < RW; k++) {
-        const int r = g + k * nw;
-        raw[k] = make_uint4(0u, 0u, 0u, 0u);
-        if (r < MIX && mine) {
-            const u8* row = mixer + (size_t)r * row_bytes;
-            if (wty == 0) raw[k] = ((const uint4*)row)[col];
-            else {
-                const uint2 u = ((const uint2*)row)[col];
-                raw[k] = make_uint4(u.x, u.y, 0u, 0u);
-            }
-        }
-    }
-    // Warp 0: the pair's value (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X) and Σv².
-    double ss = 0.0;
-    if (g == 0) {
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (mine && POST) {
-            const float pj = post_in[(size_t)t * NN + j];
-            float4 old[NN];
-            float a[NN];
-#pragma unroll
-            for (int i = 0; i < NN; i++) {
-                old[i] = xt[i * D4 + c4];
-                a[i] = comb_in[(size_t)t * NN * NN + i * NN + j]; // A[i][j]: column j of the comb
-            }
-            const float4 ov = ((const float4*)(o + (size_t)t * D))[c4];
-            v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
-#pragma unroll
-            for (int i = 0; i < NN; i++) {
-                v.x += ds4_mul_rn(a[i], old[i].x), v.y += ds4_mul_rn(a[i], old[i].y);
-                v.z += ds4_mul_rn(a[i], old[i].z), v.w += ds4_mul_rn(a[i], old[i].w);
-            }
-        } else if (mine) {
-            v = xt[col];
-        }
-        ss = (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z + (double)v.w * (double)v.w;
-        v_s[lane] = v;
-    }
-    __syncthreads(); // v_s complete; every old X of this split is read (warp 0) before the stores
-    FP_STAMP(1);
-    if (PROBE && stop == 1) return;
-    if (POST && g == 0 && mine) {
-        xt[col] = v_s[lane];
-        __threadfence(); // X' visible device-wide before this CTA's ticket
-    }
-    const float4 v = v_s[lane];
-    double* pt = part + (size_t)t * FU_PART * S + s;
-#pragma unroll
-    for (int k = 0; k < RW; k++) {
-        const int r = g + k * nw;
-        if (r >= MIX) break; // warp-uniform
-        float4 w;
-        if (wty == 0) w = make_float4(__uint_as_float(raw[k].x), __uint_as_float(raw[k].y), __uint_as_float(raw[k].z), __uint_as_float(raw[k].w));
-        else if (wty == 1) w = make_float4(ds4_h2f_fast(raw[k].x & 0xffffu), ds4_h2f_fast(raw[k].x >> 16), ds4_h2f_fast(raw[k].y & 0xffffu), ds4_h2f_fast(raw[k].y >> 16));
-        else w = make_float4(ds4_bf2f((u16)(raw[k].x & 0xffffu)), ds4_bf2f((u16)(raw[k].x >> 16)), ds4_bf2f((u16)(raw[k].y & 0xffffu)), ds4_bf2f((u16)(raw[k].y >> 16)));
-        const float d = ds4_warp_sum(w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w); // idle pairs: w = 0
-        if (lane == 0) pt[(size_t)r * S] = (double)d;
-    }
-    if (g == 0) {
-        ss = ds4_warp_sum_f64(ss);
-        if (lane == 0) pt[(size_t)MIX * S] = ss;
-    }
-    if (lane == 0) __threadfence(); // the partials are visible before the ticket
-    __syncthreads();
-    FP_STAMP(2);
-    if (PROBE && stop == 2) return;
-    if (tid == 0) last_s = atomicAdd(&tickets[t], 1u) == (u32)(S - 1);
-    __syncthreads();
-    FP_STAMP(3);
-    if (!last_s) return;
-    if (PROBE && stop == 3) {
-        if (tid == 0) tickets[t] = 0u;
-        return;
-    }
-    __threadfence();
-    // Last CTA: warp g sums rows g, g + nw, ... over the S splits (lanes stride the splits; a fixed
-    // order whichever CTA is last).
-    for (int r = g; r <= MIX; r += nw) {
-        const volatile double* pv = part + ((size_t)t * FU_PART + r) * S;
-        double a = 0.0;
-        for (int q = lane; q < S; q += DS4_WARP) a += pv[q];
-        a = ds4_warp_sum_f64(a);
-        if (lane == 0) dsum[r] = a;
-    }
-    __syncthreads();
-    if (tid == 0) tickets[t] = 0u; // ready for the next launch (graph replays too)
-    FP_STAMP(4);
-    if (PROBE && stop == 4) return;
-    // m = dots · rms scale of the N·D row; pre; then warp 0 runs the Sinkhorn while the other
-    // warps collapse z = Σ pre_i X[i] (CPU order, uncontracted) into registers; rms_norm(z).
-    __shared__ float m_s[MIX], pre_s[NN];
-    __shared__ double red[32];
-    if (tid < MIX) {
-        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
-        m_s[tid] = (float)dsum[tid] * sc;
-    }
-    __syncthreads();
-    if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
-    __syncthreads();
-    FP_STAMP(5);
-    float4* zt = (float4*)(z + (size_t)t * D);
-    const float4* nr = (const float4*)norm;
-    float4 zr[FW_ZR], gr[FW_ZR];
-    double zz = 0.0;
-    const int step = FW_T - DS4_WARP, c0 = tid - DS4_WARP;
-    if (g == 0) {
-        const long long c_0 = PROBE ? clock64() : 0;
-        if (!(PROBE && stop == 5))
-            hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
-        if (PROBE && lane == 0) {
-            stamps[(size_t)blockIdx.x * FP_NST + 6] = fp_now();
-            stamps[(size_t)blockIdx.x * FP_NST + 10] = (u64)(clock64() - c_0);
-        }
-    } else if (!(PROBE && stop == 6)) {
-        const long long c_0 = PROBE ? clock64() : 0;
-#pragma unroll
-        for (int h = 0; h < FW_ZR; h += 4) { // 4 columns (4·NN loads) in flight at a time
-            float4 xv[4][NN];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int c = c0 + (h + u) * step;
-                if (c < D4) {
-                    gr[h + u] = nr[c];
-#pragma unroll
-                    for (int i = 0; i < NN; i++) xv[u][i] = POST ? fu_ld_cg(xt + i * D4 + c) : xt[i * D4 + c];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int c = c0 + (h + u) * step;
-                float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (c < D4) {
-#pragma unroll
-                    for (int i = 0; i < NN; i++) {
-                        const float p = pre_s[i];
-                        q.x += ds4_mul_rn(p, xv[u][i].x), q.y += ds4_mul_rn(p, xv[u][i].y);
-                        q.z += ds4_mul_rn(p, xv[u][i].z), q.w += ds4_mul_rn(p, xv[u][i].w);
-                    }
-                    zz += (double)q.x * (double)q.x + (double)q.y * (double)q.y + (double)q.z * (double)q.z +
-                          (double)q.w * (double)q.w;
-                }
-                zr[h + u] = q;
-            }
-        }
-        if (PROBE && tid == DS4_WARP) {
-            stamps[(size_t)blockIdx.x * FP_NST + 7] = fp_now();
-            stamps[(size_t)blockIdx.x * FP_NST + 11] = (u64)(clock64() - c_0);
-        }
-    }
-    zz = fu_block_sum(zz, red);
-    FP_STAMP(8);
-    const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
-    if (g != 0 && !(PROBE && stop == 6)) {
-#pragma unroll
-        for (int k = 0; k < FW_ZR; k++) {
-            const int c = c0 + k * step;
-            if (c < D4) {
-                const float4 q = zr[k], w = gr[k];
-                zt[c] = make_float4(q.x * zs * w.x, q.y * zs * w.y, q.z * zs * w.z, q.w * zs * w.w);
-            }
-        }
-    }
-}
-
-// Wide hc_pre_norm_f32: same arguments, outputs and host guarantees, except: grid n·S CTAs with
-// S = ceil(D/4 / (DS4_WARP / N)); part holds n·FU_PART·S doubles; blockDim = FW_T with
-// D/4 <= FW_ZR·(FW_T - DS4_WARP).
-DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_w(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    ds4_pdl_enter();
-    float* xm = (float*)x; // not written (POST = false)
-    switch (N) {
-    case 1: fw_hc<1, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 2: fw_hc<2, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 3: fw_hc<3, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    default: fw_hc<4, false, false>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    }
-}
-
-// Wide hc_post_pre_norm_f32: same arguments and outputs; grid and part as hc_pre_norm_w.
-DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_w(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    ds4_pdl_enter();
-    switch (N) {
-    case 1: fw_hc<1, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 2: fw_hc<2, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 3: fw_hc<3, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    default: fw_hc<4, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    }
-}
-// ---------------------------------------------------------------------------------------------
-// Latency forms of the two HC kernels (the default, `_l`; DS4_GPU_FUSE_FORM=wide keeps `_w`):
-// the splits of the wide forms, with the serial path after the mixer loads cut down:
-// - one fence and one ticket per CTA (the CTA's stores, a barrier, then thread 0 fences and takes
-//   the ticket: the cooperative-groups grid-sync pattern) instead of a fence per stored row;
-// - the epilogue's parameters (scale, base) loaded by every CTA before it arrives, and the last
-//   CTA's first columns of X' for the collapse loaded before it sums the partials;
-// - the partial sums with every load in flight at once (8 threads a row, 16 splits each, then
-//   8-lane xor sums: the same value on every lane, whichever CTA is last);
-// - pre, post and the comb's exps by one thread each at once (f32 expf), then the Sinkhorn on one
-//   warp, every lane iterating on all N·N values in registers with pairwise sums and reciprocal
-//   multiplies (no shuffles, no divisions in the 2·20 dependent steps); results ~1e-6 from the
-//   CPU's, not bit-equal.
 
 #define FL_SUB 8 // threads summing one partial row
 #define FL_PF 5  // collapse columns a thread loads before the partial sums (D/4 <= 5·224: one round)
@@ -544,9 +332,8 @@ __device__ __forceinline__ double fu_ld_cg_f64(const double* p) {
 #endif
 }
 
-// One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). Splits,
-// lanes, rows and partial layout as fw_hc. PROBE (hc_post_pre_norm_p): stamps and stop as fw_hc.
-// LATE: the kernel started with DS4_PDL_LATE; wait for the previous kernels after the weights'
+// One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). PROBE
+// (hc_post_pre_norm_p): stamps, and a return at `stop`. LATE: the kernel started with DS4_PDL_LATE; wait for the previous kernels after the weights'
 // loads (mixer, scale, base) are issued.
 template <int NN, bool POST, bool PROBE, bool LATE>
 __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
@@ -767,7 +554,9 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     FP_STAMP(9);
 }
 
-// Latency hc_pre_norm_f32: arguments, outputs, grid, part and host guarantees as hc_pre_norm_w.
+// Latency hc_pre_norm_f32: same arguments, outputs and host guarantees, except: grid n·S CTAs with
+// S = ceil(D/4 / (DS4_WARP / N)); part holds n·FU_PART·S doubles; blockDim = FW_T with
+// D/4 <= FW_ZR·(FW_T - DS4_WARP).
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_l(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
     DS4_PDL_LATE; // fl_hc waits after the mixer loads
     float* xm = (float*)x; // not written (POST = false)
@@ -779,7 +568,7 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_l(const float* __restrict__ x, cons
     }
 }
 
-// Latency hc_post_pre_norm_f32: arguments, outputs, grid and part as hc_post_pre_norm_w.
+// Latency hc_post_pre_norm_f32: same arguments and outputs; grid and part as hc_pre_norm_l.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
     DS4_PDL_LATE; // fl_hc waits after the mixer loads
     switch (N) {
@@ -790,16 +579,20 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __res
     }
 }
 
-// Probe of hc_post_pre_norm at N = 4 (crates/ds4-gpu/examples/hc_bench.rs): form 0 the wide
-// kernel's code, 1 the latency one (waiting first, not after the mixer loads), with %globaltimer stamps per CTA in stamps[CTA·FP_NST + k]
-// (0 entry, 1 pair values, 2 partials stored, 3 ticket; last CTA: 4 partial sums, 5 m/pre,
+// Probe of hc_post_pre_norm_l at N = 4 (crates/ds4-gpu/examples/hc_bench.rs): form 0 waits for
+// the previous kernel first, 1 after the mixer loads (as _l); %globaltimer stamps per CTA in
+// stamps[CTA·FP_NST + k] (0 entry, 1 pair values, 2 partials stored, 3 ticket; last CTA: 4 partial sums, 5 m/pre,
 // 6 Sinkhorn end, 7 collapse end, 8 Σz², 9 end; 10 and 11 the Sinkhorn's and the collapse's
 // clock64 cycles) and a stop: 1..4 return after that phase (the ticket left right), 5 skips
-// the Sinkhorn, 6 the collapse. Arguments as hc_post_pre_norm_w plus form, stop, stamps.
+// the Sinkhorn, 6 the collapse. Arguments as hc_post_pre_norm_l plus form, stop, stamps.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_p(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps, int form, int stop, u64* stamps) {
-    ds4_pdl_enter();
-    if (form == 0) fw_hc<4, true, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
-    else fl_hc<4, true, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+    DS4_PDL_LATE; // form 0 waits here, 1 in fl_hc
+    if (form == 0) {
+        ds4_pdl_enter();
+        fl_hc<4, true, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+    } else {
+        fl_hc<4, true, true, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -905,7 +698,7 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
     }
 }
 
-// norm_rope in registers (the wide and grid forms; v1, and rows past NG_K·256 float4, take
+// norm_rope in registers (the default form; v1, and rows past NG_K·256 float4, take
 // norm_rope_f32; H200 decode: 4.4 us a call against 6.6): a CTA per row, the row in registers
 // (float4 q = k·blockDim + tid, k < NG_K). The RoPE angles do not depend on
 // the row: each thread starts its pairs' f64 sin/cos (into shared memory) while its loads are in

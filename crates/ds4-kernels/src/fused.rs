@@ -11,8 +11,6 @@ pub const FUSED: Module = Module {
         "hc_pre_norm_f32",
         "hc_post_pre_norm_f32",
         "norm_rope_f32",
-        "hc_pre_norm_w",
-        "hc_post_pre_norm_w",
         "hc_pre_norm_l",
         "hc_post_pre_norm_l",
         "hc_post_pre_norm_p",

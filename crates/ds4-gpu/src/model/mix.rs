@@ -134,22 +134,20 @@ fn fuse_post() -> bool {
 }
 
 /// Fused-kernel forms: 0 not yet read from `DS4_GPU_FUSE_FORM`, 1 `v1` (the session-4 kernels:
-/// HC splits of 256 float4 columns, norm_rope_f32 staging the row, rmsnorm_f32x4), 2 `wide`
-/// (`*_w` HC kernels, ~one split CTA per SM and a last-CTA epilogue; norm_rope_g, the row in
-/// registers; a warp per short rms_norm row), 3 `lat` (default): as wide but the `*_l` HC
-/// kernels (the same splits, a shorter serial path: one fence a CTA, loads in flight at once,
-/// a Sinkhorn without divisions or shuffles in its iterations).
+/// HC splits of 256 float4 columns, norm_rope_f32 staging the row, rmsnorm_f32x4), 2 `lat`
+/// (default: `*_l` HC kernels, ~one split CTA per SM, a last-CTA epilogue with a short serial
+/// path; norm_rope_g, the row in registers; a warp per short rms_norm row). The session-6 `wide`
+/// HC kernels (`*_w`, 11.1 us a call against 8.8 on the H200) are deleted.
 static FORM: AtomicU8 = AtomicU8::new(0);
 
-/// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1|wide`, else lat), read once, or
+/// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1`, else lat), read once, or
 /// [`GpuBackend::set_fuse_form`].
 fn fuse_form() -> u8 {
     let mut m = FORM.load(Ordering::Relaxed);
     if m == 0 {
         let env = match std::env::var("DS4_GPU_FUSE_FORM").as_deref() {
             Ok("v1") => 1,
-            Ok("wide") => 2,
-            _ => 3,
+            _ => 2,
         };
         m = match FORM.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
             Ok(_) => env,
@@ -159,7 +157,7 @@ fn fuse_form() -> u8 {
     m
 }
 
-/// Whether the wide forms run (wide and lat; `DS4_GPU_FUSE_FORM=v1` turns them off).
+/// Whether the wide-split forms run (lat; `DS4_GPU_FUSE_FORM=v1` turns them off).
 fn fuse_wide() -> bool {
     fuse_form() >= 2
 }
@@ -211,14 +209,13 @@ impl GpuBackend {
         FUSE.store(m, Ordering::Relaxed);
     }
 
-    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "lat" (the default),
-    /// "wide" or "v1". Process-wide; for tests and A/B benchmarks.
+    /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "lat" (the default) or
+    /// "v1". Process-wide; for tests and A/B benchmarks.
     pub fn set_fuse_form(form: &str) {
         let m = match form {
             "v1" => 1,
-            "wide" => 2,
-            "lat" => 3,
-            _ => panic!("set_fuse_form: unknown form {form:?} (lat, wide, v1)"),
+            "lat" => 2,
+            _ => panic!("set_fuse_form: unknown form {form:?} (lat, v1)"),
         };
         FORM.store(m, Ordering::Relaxed);
     }
@@ -346,8 +343,7 @@ impl GpuBackend {
 
     /// One launch of the fused HC pre + norm (after the HC post when `pin` is given): the
     /// latency kernels (`*_l`: N·D/4 pairs in splits of a warp's lanes, 1024 / (32 / 4) = 128
-    /// CTAs a token at D 4096), `DS4_GPU_FUSE_FORM=wide` the wide ones (`*_w`, the same splits),
-    /// or, `v1` or shapes they decline, the first ones (256 float4 columns of the N·D row a
+    /// CTAs a token at D 4096), or, `v1` or shapes they decline, the first ones (256 float4 columns of the N·D row a
     /// split, or 256 / N of each stream with the post). All take the same arguments.
     #[allow(clippy::too_many_arguments)]
     fn hc_fused(
@@ -370,11 +366,10 @@ impl GpuBackend {
         let wide = fuse_wide() && hc.n <= warp && d4 <= FW_ZR * (FW_T - warp);
         let (name, threads, splits) = if wide {
             let cols = warp / hc.n; // float4 columns of d a split
-            let name = match (pin.is_some(), fuse_form() == 3) {
-                (true, true) => "hc_post_pre_norm_l",
-                (false, true) => "hc_pre_norm_l",
-                (true, false) => "hc_post_pre_norm_w",
-                (false, false) => "hc_pre_norm_w",
+            let name = if pin.is_some() {
+                "hc_post_pre_norm_l"
+            } else {
+                "hc_pre_norm_l"
             };
             (name, FW_T, d4.div_ceil(cols))
         } else {
