@@ -268,8 +268,8 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 // column s·C + p % C); warp g takes mixer rows g, g + nw, ... of all its pairs (one warp sum per
 // row, no cross-warp sums). Partials are stored row-major (part[(t·FU_PART + r)·S + s]) so that
 // the last CTA reads each row's splits contiguously. The serial path after the mixer loads is
-// kept short (H200: 11.1 -> 8.8 us a call against the session-6 `_w` kernels, now deleted;
-// bench/results/gpu-hc-h-h200.txt):
+// kept short (H200: 6.6 us a call back to back against 11.1 for the session-6 `_w` kernels,
+// now deleted; bench/results/gpu-hc-h-h200.txt):
 // - the mixer (and scale, base) loaded before the PDL wait (DS4_PDL_LATE);
 // - one fence and one ticket per CTA (the CTA's stores, a barrier, then thread 0 fences and takes
 //   the ticket: the cooperative-groups grid-sync pattern), acq_rel fences;
@@ -333,8 +333,8 @@ __device__ __forceinline__ double fu_ld_cg_f64(const double* p) {
 }
 
 // One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). PROBE
-// (hc_post_pre_norm_p): stamps, and a return at `stop`. LATE: the kernel started with DS4_PDL_LATE; wait for the previous kernels after the weights'
-// loads (mixer, scale, base) are issued.
+// (hc_post_pre_norm_p): stamps, and a return at `stop`. LATE: the kernel started with
+// DS4_PDL_LATE; wait for the previous kernels after the weights' loads (mixer, scale, base).
 template <int NN, bool POST, bool PROBE, bool LATE>
 __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
@@ -581,10 +581,11 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __res
 
 // Probe of hc_post_pre_norm_l at N = 4 (crates/ds4-gpu/examples/hc_bench.rs): form 0 waits for
 // the previous kernel first, 1 after the mixer loads (as _l); %globaltimer stamps per CTA in
-// stamps[CTA·FP_NST + k] (0 entry, 1 pair values, 2 partials stored, 3 ticket; last CTA: 4 partial sums, 5 m/pre,
-// 6 Sinkhorn end, 7 collapse end, 8 Σz², 9 end; 10 and 11 the Sinkhorn's and the collapse's
-// clock64 cycles) and a stop: 1..4 return after that phase (the ticket left right), 5 skips
-// the Sinkhorn, 6 the collapse. Arguments as hc_post_pre_norm_l plus form, stop, stamps.
+// stamps[CTA·FP_NST + k] (0 entry, 1 pair values, 2 partials stored, 3 ticket; last CTA:
+// 4 partial sums, 5 m/pre, 6 Sinkhorn end, 7 collapse end, 8 Σz², 9 end; 10 and 11 the
+// Sinkhorn's and the collapse's clock64 cycles) and a stop: 1..4 return after that phase (the
+// ticket left right), 5 skips the Sinkhorn, 6 the collapse. Arguments as hc_post_pre_norm_l
+// plus form, stop, stamps.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_p(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps, int form, int stop, u64* stamps) {
     DS4_PDL_LATE; // form 0 waits here, 1 in fl_hc
     if (form == 0) {
