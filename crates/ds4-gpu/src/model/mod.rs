@@ -267,8 +267,8 @@ pub struct GpuBackend {
     recording: AtomicBool,
     graph: Mutex<GraphState>,
     /// Arrival counters of the kernels that finish in their last CTA, zero between launches
-    /// (`TICKET_WORDS` u32 words): words below `mix::FUSE_TICKETS` the fused HC (by token and
-    /// barrier generation), `attn::AO_TICKET` and the next word decode attention.
+    /// (`TICKET_WORDS` u32 words): words below `mix::FUSE_TICKETS` the fused HC (by token),
+    /// `attn::AO_TICKET` and the next word decode attention.
     pub(crate) tickets: DeviceBuffer,
     /// Vendor BLAS-Lt state for dense prefill products (blas.rs), opened on first use.
     pub(crate) blas: blas::BlasSlot,
