@@ -1,6 +1,6 @@
 // Decode MoE (n <= 4 tokens, k slots each): the routed experts at weight bandwidth, two launches.
 // Three forms: v1 (moegu/moedn, below: rows staged in shared memory), v2 (m2*: direct loads) and
-// v4 (m4*, m4i*: one token, v2's loads pipelined on a grid of resident CTAs; m4i: int8 x, dp4a).
+// the opt-in v4i (m4i*: one token, v2's loads pipelined on a grid of resident CTAs, int8 x, dp4a).
 //
 //   moegu<NT>_<t>: CTA (row block of rb rows, pair p = blockIdx.y). The first pair holding expert
 //                  e = sel[p] computes gate and up rows r0..r0+rb of e for every token routed to e
@@ -690,7 +690,7 @@ __device__ __forceinline__ int moe_dp4a(u32 a, u32 b, int c) {
 #endif
 }
 
-// x of a lane's unit for NT tokens (forms 2 and 4): xs prescaled by MOE_XS, sx slice sums.
+// x of a lane's unit for NT tokens (form 2): xs prescaled by MOE_XS, sx slice sums.
 template <int NT> struct MX {
     float xs[NT][32], sx[NT][4];
     __device__ __forceinline__ void set(int t, const float (&v)[32]) {
@@ -966,14 +966,15 @@ DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { ds4_pdl_enter()
 DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 1>(M2DN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2>(M2DN_ARGS); }
 // ===================================================================================================
-// Form 4 (m4*, one token): form 2's lane mapping and loads (M2<T>), reorganised for the memory
-// system. A fixed grid sized to the resident CTAs (no partial second wave); each row group takes a
-// contiguous range of work items and loads item i + 1 into a second register set before the dots
-// of item i, so loads overlap math. Gate/up item: RB rows of gate and up of one pair's expert;
-// down item: RB output rows of one distinct expert within the CTA's tr rows. x straight from
-// global memory (L2), no staging. Two inner loops: X4F (form 2's float dots: exact up to order)
-// and X4I (each lane quantises its 32 values to int8 with one f32 scale, max|x| / 127, and uses
-// dp4a: ~1/254 of the 32-value max per element; opt-in, `m4i*`).
+// Form 4i (m4i*, one token, opt-in): form 2's lane mapping and loads (M2<T>), reorganised for the
+// memory system. A fixed grid sized to the resident CTAs (no partial second wave); each row group
+// takes a contiguous range of work items and loads item i + 1 into a second register set before
+// the dots of item i, so loads overlap math. Gate/up item: RB rows of gate and up of one pair's
+// expert; down item: RB output rows of one distinct expert within the CTA's tr rows. x straight
+// from global memory (L2), no staging. Inner loop X4I: each lane quantises its 32 values to int8
+// with one f32 scale (max|x| / 127; ~1/254 of the 32-value max per element) and uses dp4a.
+// (The same structure with form 2's float dots measured no faster than form 2 on an H200:
+// bench/results/gpu-moe-m-h200.txt; deleted.)
 // ===================================================================================================
 
 // Grid (as m2_grid) and IQ2_XXS sign masks: ss[s7] byte l = 0xff when element l of a run with sign
@@ -989,19 +990,6 @@ template <int T> __device__ __forceinline__ void m4_tables(u64* gs, u64* ss) {
         ss[i] = v;
     }
 }
-
-// Float x of one token: form 2's dots.
-struct X4F {
-    MX<1> m;
-    __device__ __forceinline__ void set(const float (&v)[32]) { m.set(0, v); }
-    template <int T>
-    __device__ __forceinline__ float dot(const typename M2<T>::Raw& r, const typename M2<T>::Off& f, const u64* gs,
-                                         const u64* ss) const {
-        float a[1] = {0.0f};
-        M2<T>::template dot<1>(r, f, m.xs, m.sx, gs, a);
-        return a[0];
-    }
-};
 
 struct X4I;
 template <int T> struct M4I;
@@ -1303,13 +1291,7 @@ __device__ __forceinline__ void m4dn_body(const u8* __restrict__ W, const int* _
     }
 }
 
-// Form 4 kernels take form 2's parameters; nb is `per` (gate/up items per row group).
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4gu_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_IQ2_XXS, X4F>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4gu_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q2_K, X4F>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4gu_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q4_K, X4F>(M2GU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4dn_iq2_xxs(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_IQ2_XXS, X4F>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4dn_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_Q2_K, X4F>(M2DN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4dn_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m4dn_body<T_Q4_K, X4F>(M2DN_ARGS); }
+// Form 4i kernels take form 2's parameters; nb is `per` (gate/up items per row group).
 DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4igu_iq2_xxs(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_IQ2_XXS, X4I>(M2GU_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4igu_q2_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q2_K, X4I>(M2GU_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(M2_LB2) m4igu_q4_k(M2GU_PARAMS) { ds4_pdl_enter(); m4gu_body<T_Q4_K, X4I>(M2GU_ARGS); }

@@ -1,15 +1,17 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
 //!
-//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v4|v4i`, `set_moe_form`): v4 (the default for n = 1;
-//! `m4gu_<t>` + `m4dn_<t>`) is v2's lane mapping and loads on a grid sized to the resident CTAs,
-//! each row group pipelining its items (the next item's rows load before the current dots);
-//! v4i (opt-in, `m4i*`) is v4 with x quantised per lane to int8 (32 values, one f32 scale) and
-//! dp4a: looser error (ops_moe TOL_L2_V4I). v2 (`m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each
-//! lane's bytes of every row straight from global memory, x in registers, and passes h to the
-//! down kernel in that kernel's lane order; v1 (the default for n = 2..4, where it measured
-//! faster than v2) stages rows in shared memory. v4 and v4i run for n = 1 only (else v1).
-//! Numbers: bench/results/gpu-moe-s4-h200.txt, gpu-moe-x-h200.txt, gpu-moe-m-h200.txt.
+//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v4i`, `set_moe_form`): v2 (the default for n = 1;
+//! `m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight from global
+//! memory, x in registers, and passes h to the down kernel in that kernel's lane order; v1 (the
+//! default for n = 2..4, where it measured faster than v2) stages rows in shared memory; v4i
+//! (opt-in, n = 1 only, else v1; `m4i*`) is v2's lane mapping and loads on a grid sized to the
+//! resident CTAs, each row group pipelining its items (the next item's rows load before the
+//! current dots), with x quantised per lane to int8 (32 values, one f32 scale) and dp4a: on an
+//! H200 no faster in the 2k decode bench (q2 mix; its down kernel 17.4 against 20.3 us, gate/up
+//! 30.1 against 29.1) and rel L2 ~1e-2 (~9e-2 with clamp 0.3) from the CPU reference (ops_moe
+//! TOL_L2_V4I). Numbers: bench/results/gpu-moe-s4-h200.txt, gpu-moe-x-h200.txt,
+//! gpu-moe-m-h200.txt.
 //!
 //! v1: two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
 //! scratch `h`, pairs × ff; one CTA per row block and pair, the first pair of each distinct
@@ -32,16 +34,17 @@ static ENV_OFF: OnceLock<bool> = OnceLock::new();
 static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 /// Products run here (for tests: proof the kernels were taken).
 static RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v2 and v4 ones (direct loads), and the v4 / v4i ones.
+/// Of those, the v2 and v4i ones (direct loads), and the v4i ones.
 static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
 static V4_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Form: 0 default (v4 for n = 1, else v1), 1 v1, 2 v2, 3 v4, 4 v4i (v4 / v4i: n = 1 only, else
-/// v1); `DS4_GPU_MOE_FORM`.
+/// Form: 0 default (v2 for n = 1, else v1), 1 v1, 2 v2, 3 v4i (n = 1 only, else v1);
+/// `DS4_GPU_MOE_FORM`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
 static ENV_FORM: OnceLock<usize> = OnceLock::new();
-/// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 4), down row batches
+/// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 6), down row batches
 /// per CTA (0: that or 4). H200, n = 1: fewer, larger CTAs were faster in both kernels (x / h
-/// are re-read per CTA); 4/4 from the per-kernel differences of the measured pairs.
+/// are re-read per CTA); gate/up 6 makes 258 CTAs at the model shape, one wave at 2 per SM
+/// (4 made 384: gate/up 30.8 -> 29.1 us a call, bench/results/gpu-moe-m-h200.txt).
 static V2_NB: AtomicUsize = AtomicUsize::new(0);
 static V2_NBR: AtomicUsize = AtomicUsize::new(0);
 /// v2 rows per batch (`M2Rb` in moe.cu): gate/up output rows (2x row-dots), down rows.
@@ -112,14 +115,13 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
-    /// Form of the decode MoE: 0 the default (v4 for n = 1, v1 above), 1 v1, 2 v2, 3 v4, 4 v4i
-    /// (v4 / v4i for n = 1, else v1); process-wide, for tests and benches
-    /// (`DS4_GPU_MOE_FORM=v1|v2|v4|v4i` when 0).
+    /// Form of the decode MoE: 0 the default (v2 for n = 1, v1 above), 1 v1, 2 v2, 3 v4i (n = 1,
+    /// else v1); process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v4i` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(4), Ordering::Relaxed);
+        FORM.store(form.min(3), Ordering::Relaxed);
     }
 
-    /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults). v4:
+    /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults). v4i:
     /// gate/up items per row group (0: sized to the resident CTAs), down row batches per CTA.
     pub fn set_moe_v2_tiles(nb: usize, nbr: usize) {
         V2_NB.store(nb.min(16), Ordering::Relaxed);
@@ -131,12 +133,12 @@ impl GpuBackend {
         RUNS.load(Ordering::Relaxed)
     }
 
-    /// How many of those were the v2, v4 or v4i form (process-wide).
+    /// How many of those were the v2 or v4i form (process-wide).
     pub fn moe_v2_runs() -> usize {
         V2_RUNS.load(Ordering::Relaxed)
     }
 
-    /// How many of those were the v4 or v4i form (process-wide).
+    /// How many of those were the v4i form (process-wide).
     pub fn moe_v4_runs() -> usize {
         V4_RUNS.load(Ordering::Relaxed)
     }
@@ -183,14 +185,13 @@ impl GpuBackend {
             0 => *ENV_FORM.get_or_init(|| match std::env::var("DS4_GPU_MOE_FORM").as_deref() {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
-                Ok("v4") => 3,
-                Ok("v4i") => 4,
+                Ok("v4i") => 3,
                 _ => 0,
             }),
             f => f,
         };
-        let form = if form == 0 && n == 1 { 3 } else { form };
-        if form >= 3 && n == 1 && self.dec_moe_v4(spec, (g, u, dn), z, sel, wgt, out, form == 4) {
+        let form = if form == 0 && n == 1 { 2 } else { form };
+        if form == 3 && n == 1 && self.dec_moe_v4i(spec, (g, u, dn), z, sel, wgt, out) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             V4_RUNS.fetch_add(1, Ordering::Relaxed);
@@ -286,7 +287,7 @@ impl GpuBackend {
             (0, e) => e,
             (s, _) => s,
         };
-        let nb = pick(V2_NB.load(Ordering::Relaxed), env.0, 4);
+        let nb = pick(V2_NB.load(Ordering::Relaxed), env.0, 6);
         let nbr = pick(V2_NBR.load(Ordering::Relaxed), env.1, 4);
         let tr_gu = warps / wpg(d) * rb_gu * nb;
         let tr_dn = rb_dn * nbr;
@@ -345,10 +346,9 @@ impl GpuBackend {
         true
     }
 
-    /// The v4 launches for one token (`int`: v4i, int8 x); false: the shape does not fit them;
-    /// nothing was queued.
+    /// The v4i launches for one token; false: the shape does not fit them; nothing was queued.
     #[allow(clippy::too_many_arguments)]
-    fn dec_moe_v4(
+    fn dec_moe_v4i(
         &self,
         spec: &MoeSpec,
         (g, u, dn): (Mat, Mat, Mat),
@@ -356,7 +356,6 @@ impl GpuBackend {
         sel: &GpuIBuf,
         wgt: &GpuBuf,
         out: &mut GpuBuf,
-        int: bool,
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let w = self.warp() as usize;
@@ -400,7 +399,7 @@ impl GpuBackend {
         }
         let hs = wpg(ff) * w * 32;
         let h = self.scratch(k * hs);
-        let pre = if int { "m4i" } else { "m4" };
+        let pre = "m4i";
         self.run(
             &ds4_kernels::MOE,
             &format!("{pre}gu_{}", g.1),
