@@ -1122,7 +1122,10 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
 // elements 8t..8t+7 (one IQ2_XXS grid entry, two Q2_K qs words), as a0/a2 (hi) of A and b0/b1 of B.
 // X in global: per token row 2*x_tok bytes, each 8 elements as 16 bytes {hi[8], lo[8]}; Q2_K sums per
 // row x_tok*3/16 bytes (48 per super-block: b0[16], b1[16], b2[16]).
-// CTA: 256 (512) threads, 64 items x GI_BN = 128 weight rows; warp: 32 items x 32 (16) rows.
+// CTA: 256 threads, 64 items x GI_BN = 128 weight rows; warp: 32 items x 32 rows.
+// H200 (bench/results/gpu-gemm-g-h200.txt, n = 2048): Q2_K 4096->16384 86-92 TFLOP/s (tiled 76,
+// bf16 hi/lo 67), IQ2_XXS 74 (bf16 hi/lo 77), routed experts q2 10.64 ms vs 10.69-10.84 for the
+// default: far from the 2x aimed at, so opt-in (DS4_GPU_GEMM_INT=1).
 // Staging by cp.async: X 64 k per stage (8 KB, GI_NXS slots, 16-byte units swizzled by item
 // parity), raw weight blocks of a super-block per row (2 stages, one ahead). One barrier per 64 k.
 #define GI_BM 64
@@ -1427,12 +1430,12 @@ template <int T, int NT> __device__ __forceinline__ void gemmi_body(GMT_PARAMS) 
 #endif
 }
 
-// gemmi_<t>: 64 items x 128 rows, 256 threads; gemmi16_<t>: 512 threads (16 warps of 32x16).
+// gemmi_<t>: 64 items x 128 rows, 256 threads (ptxas sm_90a: 217-232 registers, one CTA per SM).
+// The 16-warp variant (NT = 2, 512 threads, 128 registers) measured slower on the H200 (MoE q2
+// n = 2048: 11.78 vs 10.65 ms; bench/results/gpu-gemm-g-h200.txt) and was removed.
 // CUDA sm_80+; elsewhere empty: never launched there.
 DS4_KERNEL void DS4_BOUNDS(256) gemmi_q2_k(GMT_PARAMS) { gemmi_body<T_Q2_K, 4>(GMT_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(256) gemmi_iq2_xxs(GMT_PARAMS) { gemmi_body<T_IQ2_XXS, 4>(GMT_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(512) gemmi16_q2_k(GMT_PARAMS) { gemmi_body<T_Q2_K, 2>(GMT_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(512) gemmi16_iq2_xxs(GMT_PARAMS) { gemmi_body<T_IQ2_XXS, 2>(GMT_ARGS); }
 
 // X rows for gemmi: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
 // x_tok multiple of 256). Per super-block b (256 elements) s = amax/127 over the block; per 8 elements

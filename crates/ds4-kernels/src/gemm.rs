@@ -71,8 +71,6 @@ pub const GEMM: Module = Module {
         "gemm_xt_f32",
         "gemmi_q2_k",
         "gemmi_iq2_xxs",
-        "gemmi16_q2_k",
-        "gemmi16_iq2_xxs",
         "gemm_xi_f32",
     ],
 };

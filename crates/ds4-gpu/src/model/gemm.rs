@@ -18,6 +18,10 @@
 //! by cp.async, two f16 mma per tile. More precise than the bf16 hi/lo form (weights exact,
 //! activations ~22 bits; it replaces the exact-weight form `gemmq*`, same arithmetic).
 //!
+//! Opt-in integer form `gemmi_<t>` (CUDA sm_80+, IQ2_XXS/Q2_K; `DS4_GPU_GEMM_INT=1`, see `INT`):
+//! exact int8 weights, X as int8 hi/lo planes from `gemm_xi_f32`, m16n8k32 s8 mma, 64 items ×
+//! 128 rows, 8 warps; on the H200 no faster than the default for the q2 routed experts.
+//!
 //! Opt-in tensor-core form on CUDA sm_80+ (`DS4_GPU_GEMM_PRECISE=0`, default off: see `PRECISE`)
 //! for Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
 //! one f16 mma per tile (instead of the three bf16 hi/lo products) on X converted once per
@@ -163,11 +167,13 @@ fn tiled() -> u8 {
 }
 
 /// Integer tensor-core form `gemmi_<t>` (CUDA sm_80+; IQ2_XXS and Q2_K: the q2 routed experts):
-/// 0 off, 8 `gemmi_*` (8 warps, 256 threads), 16 `gemmi16_*` (16 warps, 512 threads); UNSET: read
-/// `DS4_GPU_GEMM_INT` (`0`, `8`, `16`) or `DS4_GPU_GEMM_FORM=int8` (= 8) on first use. Weights as
-/// exact int8 from their blocks, activations as int8 hi/lo planes (`gemm_xi_f32`: ~2^-16 of the
-/// row's amax per element), m16n8k32 s8 mma, scales on the int32 accumulators (gemm.cu).
-/// Takes precedence over the tiled form; the f16 opt-in over both.
+/// 0 off (default), 1 on; UNSET: read `DS4_GPU_GEMM_INT` (`1`, `0`) or `DS4_GPU_GEMM_FORM=int8`
+/// on first use. Weights as exact int8 from their blocks, activations as int8 hi/lo planes
+/// (`gemm_xi_f32`: ~2^-16 of each 256-element block's amax per element), m16n8k32 s8 mma, scales
+/// on the int32 accumulators (gemm.cu). Takes precedence over the tiled form; the f16 opt-in over
+/// both. Opt-in: on the H200 (bench/results/gpu-gemm-g-h200.txt) the q2 routed experts at n = 2048
+/// took 10.64 ms vs 10.69-10.84 for the default, prefill 2039 vs 2041 tok/s at 2k, and its error
+/// is ~5x the bf16 hi/lo form's (ops_gemm IQ2_XXS K = 1024: 2.3e-3 vs 4.7e-4).
 static INT: AtomicU8 = AtomicU8::new(UNSET);
 const DEFAULT_INT: u8 = 0;
 
@@ -178,9 +184,8 @@ fn int_form() -> u8 {
     }
     let t = match std::env::var("DS4_GPU_GEMM_INT").as_deref() {
         Ok("0") => 0,
-        Ok("8") => 8,
-        Ok("16") => 16,
-        _ if std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "int8") => 8,
+        Ok("1") => 1,
+        _ if std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "int8") => 1,
         _ => DEFAULT_INT,
     };
     INT.store(t, Ordering::Relaxed);
@@ -282,7 +287,7 @@ struct Gm {
     /// Tiled form: super-block sums from `gemm_xt_f32` (null for types without mins); x then
     /// holds the hi/lo groups and xs the inverse row scales. Integer form: the same from `gemm_xi_f32`.
     xt: Option<DevPtr>,
-    /// Integer form (`gemmi*`): its warps per CTA (8 or 16), else 0.
+    /// Integer form (`gemmi_*`): its warps per CTA (8), else 0.
     int: u8,
 }
 
@@ -444,7 +449,7 @@ impl GpuBackend {
             x: self.scratch((ntok * x_tok).div_ceil(2)), // 2 bytes per element
             inv: self.scratch(ntok * x_tok.div_ceil(256)), // per token row and super-block
             sums: sums.then(|| self.scratch((ntok * x_tok * 3 / 16).div_ceil(4))),
-            warps: int_form(),
+            warps: 8,
         };
         self.run(
             &ds4_kernels::GEMM,
@@ -462,17 +467,9 @@ impl GpuBackend {
         t
     }
 
-    /// Integer form: 0 off, 8 or 16 warps per CTA (`gemmi_*` / `gemmi16_*`); any other value
-    /// restores the default. Process-wide (tests, benchmarks).
-    pub fn set_gemm_int(warps: u8) {
-        INT.store(
-            if [0, 8, 16].contains(&warps) {
-                warps
-            } else {
-                DEFAULT_INT
-            },
-            Ordering::Relaxed,
-        );
+    /// Integer form (`gemmi_*`) on or off. Process-wide (tests, benchmarks).
+    pub fn set_gemm_int(on: bool) {
+        INT.store(on as u8, Ordering::Relaxed);
     }
 
     /// Integer-form (`gemmi*`) GEMM launches so far in this process.
@@ -689,7 +686,6 @@ impl GpuBackend {
         let half = m.xs.is_some() && m.xt.is_none();
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
-            _ if int && m.int == 16 => "gemmi16".into(),
             _ if int => "gemmi".into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
@@ -761,7 +757,6 @@ impl GpuBackend {
                 block: [
                     match m.int {
                         8 => 256,
-                        16 => 512,
                         _ if til => 128,
                         _ => 2 * bm as u32,
                     },
