@@ -4,8 +4,8 @@
 //! (`GEMM_BENCH_N=512,2048` other n), each in every form: tiled = the tiled form for every quantised type
 //! (`gemmt_*`: integer weights, raw blocks and X staged by cp.async; default for Q2_K/Q4_K), f16 = the opt-in single f16 product
 //! (automatic item tile, double-buffered), f16/1buf = single-buffered, f16/64|128|256 = fixed tiles, bf16 = the previous default (hi/lo split,
-//! three products; `DS4_GPU_GEMM_TILED=0`), default = the default (tiled for Q2_K/Q4_K, else
-//! bf16 hi/lo), int8 = the opt-in integer form `gemmi_*` for IQ2_XXS/Q2_K (the default elsewhere); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32 and fma (per type).
+//! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
+//! and fma (per type).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
@@ -84,8 +84,6 @@ const F16: Form = ("f16", true, false, false, false, 0, true);
 const F16_1BUF: Form = ("f16/1buf", true, false, false, false, 0, false);
 const BF16: Form = ("bf16", true, false, false, true, 0, true);
 const TILED: Form = ("tiled", true, false, false, true, 0, true);
-const DEFAULT: Form = ("default", true, false, false, true, 0, true);
-const INT8: Form = ("int8", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -103,7 +101,6 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_tile(tile);
     // bf16: the hi/lo form everywhere; tiled: the tiled form for every quantised type.
     GpuBackend::set_gemm_tiled(f.0 != "bf16", f.0 == "tiled");
-    GpuBackend::set_gemm_int(f.0 == "int8");
 }
 
 fn main() {
@@ -156,9 +153,6 @@ fn main() {
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(n * rows);
         let mut forms = vec![BF16, TILED, F16];
-        if matches!(ty, GgmlType::Q2_K | GgmlType::IQ2_XXS) {
-            forms.push(INT8);
-        }
         if all {
             forms.extend([F16_1BUF, F16_64, F16_128, F16_256, TF32, FMA]);
         }
@@ -222,8 +216,8 @@ fn main() {
     for n in ns {
         // One layer's products (attention, shared expert, routed experts; F16 rows not in the layer
         // sum: compressor/indexer shapes) per form.
-        let forms = [DEFAULT, BF16, TILED, F16, INT8, DEFAULT, INT8];
-        let mut layer = [0.0f64; 7];
+        let forms = [BF16, TILED, F16];
+        let mut layer = [0.0f64; 3];
         println!("-- model shapes (q2 mix), n = {n} --");
         for (&(name, ty, cols, rows, groups, per_layer), w) in shapes.iter().zip(&ws) {
             let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;

@@ -10,9 +10,7 @@
 //! CUDA sm_80+), 5: the tiled form for every quantised type (`set_gemm_tiled(true, true)`: also
 //! Q8_0 and IQ2_XXS; integer quants as f16, activations as two f16 planes) held to the bf16
 //! tensor-core tolerance relative to 1 + |cpu| (its errors are ~2^-22 per term), 6: the bf16 hi/lo
-//! form with the tiled form off (the previous default), 7: the opt-in integer form `gemmi_*` for
-//! IQ2_XXS/Q2_K (exact int8 weights, int8 hi/lo activations; forms 0-6 run with it off); each
-//! held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
+//! form with the tiled form off (the previous default); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
 //! are held to the tensor-core tolerances (measured on the H200 at 5b38cfb: worst 1.4e-3 with
 //! Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
 //! forms are process-wide switches: run with --test-threads=1 on a GPU. Each case also checks that the
@@ -47,14 +45,8 @@ const TOL_H: f32 = 3e-3;
 /// 1.5e-2 for the q2 mix, while the dense products stay at ~2e-3. The model's clamp (10) and
 /// O(1) gate/up values are far from that regime. Gross errors (a wrong tile or expert) are ~1.
 const TOL_H_MOE: f32 = 0.1;
-/// Integer form: activations to ~2^-16 of each 256-element block's amax (the bf16 hi/lo split
-/// keeps 16 bits of every element), ~5x the bf16 form's error on these Gaussian inputs; H200
-/// (bench/results/gpu-gemm-g-h200.txt): worst 2.33e-3 (IQ2_XXS K = 1024), q2 MoE 8.4e-4, the
-/// IQ2_XXS/Q4_K MoE 8.9e-3 (the tests' tiny SwiGLU clamp amplifies gate/up errors, see TOL_H_MOE).
-const TOL_I: f32 = 4e-3;
-const TOL_I_MOE: f32 = 2e-2;
 
-const FORMS: usize = 8;
+const FORMS: usize = 7;
 
 const TYPES: &[GgmlType] = &[
     GgmlType::F32,
@@ -78,8 +70,6 @@ struct Cases {
     half: [u64; FORMS],
     /// Tiled-form launches seen per form (forms 0 and 5 must take it for quantised weights).
     tiled: [u64; FORMS],
-    /// Integer-form launches seen per form (form 7 must take it for the q2 routed experts).
-    int: [u64; FORMS],
 }
 
 impl Cases {
@@ -129,15 +119,6 @@ impl Cases {
             self.bad.push(format!("{name}: tiled form not taken"));
         }
         self.tiled[form] = tl;
-        let il = GpuBackend::gemm_int_launches();
-        if form == 7
-            && sm80
-            && name.starts_with("moe IQ2_XXS/IQ2_XXS")
-            && il == self.int.iter().copied().max().unwrap_or(0)
-        {
-            self.bad.push(format!("{name}: integer form not taken"));
-        }
-        self.int[form] = il;
         println!(
             "{name}: max rel {e:.3e}{}{}",
             if form == 3 || form == 4 {
@@ -148,8 +129,6 @@ impl Cases {
             if launched { "" } else { " (GEMM NOT USED)" }
         );
         let tol = match (form, name.contains("Q4_K")) {
-            (7, _) if name.starts_with("moe") => TOL_I_MOE,
-            (7, _) => TOL_I,
             (0 | 2 | 5 | 6, false) => TOL_TC,
             (0 | 2 | 5 | 6, true) => TOL_TC_Q4K,
             (3 | 4, _) if name.starts_with("moe") => TOL_H_MOE,
@@ -165,10 +144,9 @@ impl Cases {
         println!(
             "worst: bf16 tensor cores (default) {:.3e} (tolerance {TOL_TC:.0e}, {TOL_TC_Q4K:.0e} with Q4_K), FMA {:.3e}, 3xTF32 {:.3e} ({TOL_FMA:.0e}), \
              f16 {:.3e}, f16 256-item tiles {:.3e} (rms-relative, {TOL_H:.0e}, MoE {TOL_H_MOE:.0e}), tiled (all types) {:.3e}, \
-             bf16 hi/lo without the tiled form {:.3e}, integer {:.3e} ({TOL_I:.0e}, MoE {TOL_I_MOE:.0e}); f16 launches after each form {:?}, \
-             tiled launches {:?}, integer launches {:?}",
+             bf16 hi/lo without the tiled form {:.3e}; f16 launches after each form {:?}, tiled launches {:?}",
             self.worst[0], self.worst[1], self.worst[2], self.worst[3], self.worst[4], self.worst[5], self.worst[6],
-            self.worst[7], self.half, self.tiled, self.int
+            self.half, self.tiled
         );
         set_form(0);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
@@ -182,11 +160,10 @@ fn set_form(form: usize) {
     if form == 2 {
         GpuBackend::set_gemm_tf32();
     }
-    GpuBackend::set_gemm_precise(form == 0 || form >= 5);
+    GpuBackend::set_gemm_precise(form == 0 || form == 5 || form == 6);
     GpuBackend::set_gemm_tile(if form == 4 { 256 } else { 0 });
     GpuBackend::set_gemm_dbuf(form != 4);
     GpuBackend::set_gemm_tiled(form != 6, form == 5);
-    GpuBackend::set_gemm_int(form == 7);
 }
 
 #[test]
@@ -454,7 +431,7 @@ fn gemm_big_n() {
         let mut cy = cpu.alloc(n * rows);
         cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
         let want = cpu.download(&cy, n * rows);
-        for form in [0, 1, 3, 4, 5, 6, 7] {
+        for form in [0, 1, 3, 4, 5, 6] {
             set_form(form);
             let mut gy = gpu.alloc(n * rows);
             let l0 = GpuBackend::gemm_launches();
@@ -506,7 +483,7 @@ fn gemm_big_n() {
     cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
     let want = cpu.download(&co, n * spec.d);
     let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
-    for form in [0, 1, 3, 4, 5, 6, 7] {
+    for form in [0, 1, 3, 4, 5, 6] {
         set_form(form);
         let mut go = gpu.alloc(n * spec.d);
         let l0 = GpuBackend::gemm_launches();

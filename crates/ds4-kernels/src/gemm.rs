@@ -8,9 +8,6 @@ use crate::Module;
 /// `gemmt_<t>`: tiled integer-weight form (CUDA sm_80+; default for Q2_K/Q4_K, opt-in Q8_0/IQ2_XXS:
 /// raw blocks and X staged by cp.async, scales per super-block, two f16 mma per tile on X from
 /// `gemm_xt_f32`);
-/// `gemmi_<t>`: integer tensor-core form (CUDA sm_80+; IQ2_XXS, Q2_K): exact int8 weights from the
-/// blocks, activations as int8 hi/lo planes from `gemm_xi_f32`, m16n8k32 s8 mma, scales on the
-/// int32 accumulators;
 /// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
 pub const GEMM: Module = Module {
     name: "gemm",
@@ -69,8 +66,5 @@ pub const GEMM: Module = Module {
         "gemmt_q4_k",
         "gemmt_iq2_xxs",
         "gemm_xt_f32",
-        "gemmi_q2_k",
-        "gemmi_iq2_xxs",
-        "gemm_xi_f32",
     ],
 };

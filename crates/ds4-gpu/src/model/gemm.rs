@@ -18,10 +18,6 @@
 //! by cp.async, two f16 mma per tile. More precise than the bf16 hi/lo form (weights exact,
 //! activations ~22 bits; it replaces the exact-weight form `gemmq*`, same arithmetic).
 //!
-//! Opt-in integer form `gemmi_<t>` (CUDA sm_80+, IQ2_XXS/Q2_K; `DS4_GPU_GEMM_INT=1`, see `INT`):
-//! exact int8 weights, X as int8 hi/lo planes from `gemm_xi_f32`, m16n8k32 s8 mma, 64 items ×
-//! 128 rows, 8 warps; on the H200 no faster than the default for the q2 routed experts.
-//!
 //! Opt-in tensor-core form on CUDA sm_80+ (`DS4_GPU_GEMM_PRECISE=0`, default off: see `PRECISE`)
 //! for Q8_0/Q2_K/Q4_K/IQ2_XXS weights: `gemmh<BM>_<t>`,
 //! one f16 mma per tile (instead of the three bf16 hi/lo products) on X converted once per
@@ -166,36 +162,6 @@ fn tiled() -> u8 {
     t
 }
 
-/// Integer tensor-core form `gemmi_<t>` (CUDA sm_80+; IQ2_XXS and Q2_K: the q2 routed experts):
-/// 0 off (default), 1 on; UNSET: read `DS4_GPU_GEMM_INT` (`1`, `0`) or `DS4_GPU_GEMM_FORM=int8`
-/// on first use. Weights as exact int8 from their blocks, activations as int8 hi/lo planes
-/// (`gemm_xi_f32`: ~2^-16 of each 256-element block's amax per element), m16n8k32 s8 mma, scales
-/// on the int32 accumulators (gemm.cu). Takes precedence over the tiled form; the f16 opt-in over
-/// both. Opt-in: on the H200 (bench/results/gpu-gemm-g-h200.txt) the q2 routed experts at n = 2048
-/// took 10.64 ms vs 10.69-10.84 for the default, prefill 2039 vs 2041 tok/s at 2k, and its error
-/// is ~5x the bf16 hi/lo form's (ops_gemm IQ2_XXS K = 1024: 2.3e-3 vs 4.7e-4).
-static INT: AtomicU8 = AtomicU8::new(UNSET);
-const DEFAULT_INT: u8 = 0;
-
-fn int_form() -> u8 {
-    let t = INT.load(Ordering::Relaxed);
-    if t != UNSET {
-        return t;
-    }
-    let t = match std::env::var("DS4_GPU_GEMM_INT").as_deref() {
-        Ok("0") => 0,
-        Ok("1") => 1,
-        _ if std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "int8") => 1,
-        _ => DEFAULT_INT,
-    };
-    INT.store(t, Ordering::Relaxed);
-    t
-}
-
-/// Items and weight rows per CTA of the integer form (`GI_BM`, `GI_BN` in gemm.cu).
-const I_BM: usize = 64;
-const I_BN: usize = 128;
-
 /// Items and weight rows per CTA of the tiled form (`GT_BM`, `GT_BN` in gemm.cu).
 const T_BM: usize = 64;
 const T_BN: usize = 64;
@@ -255,8 +221,6 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, tiled-form (`gemmt_*`) launches.
 static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Of those, integer-form (`gemmi*`) launches.
-static ILAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -285,10 +249,8 @@ struct Gm {
     /// Tiled form: from `gemm_xt_f32`.
     xs: Option<DevPtr>,
     /// Tiled form: super-block sums from `gemm_xt_f32` (null for types without mins); x then
-    /// holds the hi/lo groups and xs the inverse row scales. Integer form: the same from `gemm_xi_f32`.
+    /// holds the hi/lo groups and xs the inverse row scales.
     xt: Option<DevPtr>,
-    /// Integer form (`gemmi_*`): its warps per CTA (8), else 0.
-    int: u8,
 }
 
 /// X converted for the f16 form: f16 values (same strides as the f32 source) and per-token-row
@@ -306,21 +268,11 @@ struct TileX {
     sums: Option<GpuBuf>,
 }
 
-/// X converted for the integer form (`gemm_xi_f32`): int8 hi/lo planes (2 bytes per element),
-/// scales s/256 per token row and 256-element block, sub-block sum byte planes (Q2_K only); `warps` of the form.
-struct IntX {
-    x: GpuBuf,
-    inv: GpuBuf,
-    sums: Option<GpuBuf>,
-    warps: u8,
-}
-
-/// X as a product reads it: the f32 source, or converted for the f16, tiled or integer form.
+/// X as a product reads it: the f32 source, or converted for the f16 or the tiled form.
 enum Xc {
     F32,
     Half(HalfX),
     Tiled(TileX),
-    Int(IntX),
 }
 
 impl Xc {
@@ -330,7 +282,6 @@ impl Xc {
             Xc::F32 => (x, None),
             Xc::Half(h) => (h.x.ptr, Some(h.inv.ptr)),
             Xc::Tiled(t) => (t.x.ptr, Some(t.inv.ptr)),
-            Xc::Int(t) => (t.x.ptr, Some(t.inv.ptr)),
         }
     }
 
@@ -338,16 +289,7 @@ impl Xc {
     fn sums(&self) -> Option<DevPtr> {
         match self {
             Xc::Tiled(t) => Some(t.sums.as_ref().map_or(DevPtr(0), |b| b.ptr)),
-            Xc::Int(t) => Some(t.sums.as_ref().map_or(DevPtr(0), |b| b.ptr)),
             _ => None,
-        }
-    }
-
-    /// The `int` field of a [`Gm`].
-    fn int(&self) -> u8 {
-        match self {
-            Xc::Int(t) => t.warps,
-            _ => 0,
         }
     }
 
@@ -357,7 +299,6 @@ impl Xc {
             Xc::F32 => tile_items(n, experts, ty),
             Xc::Half(_) => half_tile(n, experts, ty),
             Xc::Tiled(_) => T_BM,
-            Xc::Int(_) => I_BM,
         }
     }
 }
@@ -404,9 +345,6 @@ impl GpuBackend {
     ) -> Xc {
         if tys.iter().all(|&t| self.half_ok(t, strides)) {
             Xc::Half(self.half_x(x, ntok, x_tok, width))
-        } else if tys.iter().all(|&t| self.int_ok(t, strides)) {
-            let sums = tys.contains(&GgmlType::Q2_K);
-            Xc::Int(self.int_x(x, ntok, x_tok, width, sums))
         } else if tys.iter().all(|&t| self.tiled_ok(t, strides)) {
             let sums = tys.iter().any(|&t| needs_sums(t));
             Xc::Tiled(self.tile_x(x, ntok, x_tok, width, sums))
@@ -429,52 +367,6 @@ impl GpuBackend {
             && info.vendor == crate::runtime::Vendor::Nvidia
             && info.cc.0 >= 8
             && x_strides.iter().all(|s| s.is_multiple_of(256))
-    }
-
-    /// Whether weight type `ty` takes the integer form with X strides `x_strides` (elements).
-    fn int_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
-        let info = self.gpu.info();
-        mode() == 0
-            && int_form() != 0
-            && matches!(ty, GgmlType::Q2_K | GgmlType::IQ2_XXS)
-            && info.vendor == crate::runtime::Vendor::Nvidia
-            && info.cc.0 >= 8
-            && x_strides.iter().all(|s| s.is_multiple_of(256))
-    }
-
-    /// `gemm_xi_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to int8 hi/lo
-    /// planes (+ sub-block sums when `sums`).
-    fn int_x(&self, x: DevPtr, ntok: usize, x_tok: usize, width: usize, sums: bool) -> IntX {
-        let t = IntX {
-            x: self.scratch((ntok * x_tok).div_ceil(2)), // 2 bytes per element
-            inv: self.scratch(ntok * x_tok.div_ceil(256)), // per token row and super-block
-            sums: sums.then(|| self.scratch((ntok * x_tok * 3 / 16).div_ceil(4))),
-            warps: 8,
-        };
-        self.run(
-            &ds4_kernels::GEMM,
-            "gemm_xi_f32",
-            LaunchDims::linear(ntok as u32, 256),
-            &[
-                Arg::Ptr(x),
-                Arg::I64(x_tok as i64),
-                Arg::I32(width as i32),
-                Arg::Ptr(t.x.ptr),
-                t.sums.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
-                Arg::Ptr(t.inv.ptr),
-            ],
-        );
-        t
-    }
-
-    /// Integer form (`gemmi_*`) on or off. Process-wide (tests, benchmarks).
-    pub fn set_gemm_int(on: bool) {
-        INT.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// Integer-form (`gemmi*`) GEMM launches so far in this process.
-    pub fn gemm_int_launches() -> u64 {
-        ILAUNCHES.load(Ordering::Relaxed)
     }
 
     /// `gemm_xt_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to hi/lo f16
@@ -681,12 +573,10 @@ impl GpuBackend {
             return;
         }
         let Some(sfx) = suffix(m.ty) else { return };
-        let int = m.int != 0;
-        let til = m.xt.is_some() && !int;
-        let half = m.xs.is_some() && m.xt.is_none();
+        let til = m.xt.is_some();
+        let half = m.xs.is_some() && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
-            _ if int => "gemmi".into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
@@ -694,22 +584,14 @@ impl GpuBackend {
             _ if wide => "gemmw".into(),
             _ => "gemm".into(),
         };
-        let bm = if int {
-            I_BM
-        } else if til {
+        let bm = if til {
             T_BM
         } else if half || wide {
             m.bm
         } else {
             BM
         };
-        let bn = if int {
-            I_BN
-        } else if til {
-            T_BN
-        } else {
-            BN
-        };
+        let bn = if til { T_BN } else { BN };
         let ytiles = match m.grp {
             Some((_, _, gmax)) => gmax,
             None => m.n.div_ceil(bm),
@@ -725,7 +607,7 @@ impl GpuBackend {
             }
         }
         let mut kc = nch.div_ceil(ks);
-        if til || int {
+        if til {
             kc = kc.next_multiple_of(8); // whole super-blocks per slice
         }
         let ks = nch.div_ceil(kc); // no empty slice
@@ -737,9 +619,6 @@ impl GpuBackend {
         }
         if til {
             TLAUNCHES.fetch_add(1, Ordering::Relaxed);
-        }
-        if int {
-            ILAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
@@ -754,15 +633,7 @@ impl GpuBackend {
                     ytiles as u32,
                     (m.zs * ks) as u32,
                 ],
-                block: [
-                    match m.int {
-                        8 => 256,
-                        _ if til => 128,
-                        _ => 2 * bm as u32,
-                    },
-                    1,
-                    1,
-                ],
+                block: [if til { 128 } else { 2 * bm as u32 }, 1, 1],
                 shared_bytes: 0,
             },
             &[
@@ -773,8 +644,8 @@ impl GpuBackend {
                 Arg::Ptr(m.x),
             ]
             .into_iter()
-            .chain(m.xt.map(|s| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmt/gemmi: sums
-            .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmt/gemmi: row scales
+            .chain(m.xt.map(|s| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmt: sums
+            .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmt: inverse row scales
             .chain([
                 Arg::I64(m.x_tok as i64),
                 Arg::I64(m.x_z as i64),
@@ -861,7 +732,6 @@ impl GpuBackend {
             bm: xc.tile(n, 0, *ty),
             xs,
             xt: xc.sums(),
-            int: xc.int(),
         });
         true
     }
@@ -917,7 +787,6 @@ impl GpuBackend {
             bm: xc.tile(n, 0, *ty),
             xs,
             xt: xc.sums(),
-            int: xc.int(),
         });
         true
     }
@@ -966,14 +835,12 @@ impl GpuBackend {
         // f16 or tiled form per product; gate and up share one converted z.
         let h_gu = self.half_ok(g.1, &[d]) && self.half_ok(u.1, &[d]);
         let h_dn = self.half_ok(dn.1, &[ff]);
-        let i_gu = !h_gu && self.int_ok(g.1, &[d]) && self.int_ok(u.1, &[d]);
-        let i_dn = !h_dn && self.int_ok(dn.1, &[ff]);
-        let t_gu = !h_gu && !i_gu && self.tiled_ok(g.1, &[d]) && self.tiled_ok(u.1, &[d]);
-        let t_dn = !h_dn && !i_dn && self.tiled_ok(dn.1, &[ff]);
+        let t_gu = !h_gu && self.tiled_ok(g.1, &[d]) && self.tiled_ok(u.1, &[d]);
+        let t_dn = !h_dn && self.tiled_ok(dn.1, &[ff]);
         // Runs of one expert cut every bm pairs: at most pairs/bm + one partial run per expert.
         // bm (64 or 128) suits both forms: a bf16-form product takes it as gemm_/gemmw_ tiles.
-        let bm = if i_gu || i_dn || t_gu || t_dn {
-            T_BM // = I_BM; the other products take 64-item tiles too
+        let bm = if t_gu || t_dn {
+            T_BM // the other products take 64-item tiles too
         } else if h_gu || h_dn {
             half_tile(pairs, spec.n_expert, g.1)
         } else {
@@ -984,7 +851,7 @@ impl GpuBackend {
         let grouped = Some((sel, grp.ptr, gmax));
         let gb = self.scratch(pairs * ff);
         let ub = self.scratch(pairs * ff);
-        let hz = if h_gu || i_gu || t_gu {
+        let hz = if h_gu || t_gu {
             self.convert_x(&[g.1, u.1], &[d], z.ptr, n, d, d)
         } else {
             Xc::F32
@@ -1014,14 +881,13 @@ impl GpuBackend {
                 bm,
                 xs: zs,
                 xt: zt,
-                int: hz.int(),
             });
         }
         drop(hz);
         let mut h = self.scratch(pairs * ff);
         self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
-        let hh = if h_dn || i_dn || t_dn {
+        let hh = if h_dn || t_dn {
             self.convert_x(&[dn.1], &[ff], h.ptr, pairs, ff, ff)
         } else {
             Xc::F32
@@ -1049,7 +915,6 @@ impl GpuBackend {
             bm,
             xs: hs,
             xt: ht,
-            int: hh.int(),
         });
         let total = n * d;
         self.run(
