@@ -51,6 +51,15 @@ fn attn_mode() -> u8 {
     ATTN_MODE.load(Ordering::Relaxed)
 }
 
+/// `attend_one_f32` form: 0 not yet read from `DS4_GPU_ATTN_ONE`, 1 the first form
+/// (`attend_one0_f32`: one tile in flight, 128-column merge units), 2 three tiles in flight and
+/// 32-column merge units (the default).
+static ONE_MODE: AtomicU8 = AtomicU8::new(0);
+
+fn one_old() -> bool {
+    env_form(&ONE_MODE, "DS4_GPU_ATTN_ONE", "old")
+}
+
 fn attn_simple() -> bool {
     attn_mode() == 1
 }
@@ -151,8 +160,8 @@ impl GpuBackend {
     }
 
     /// Attention form by name, as `DS4_GPU_ATTN`: `simple`, `split` (two launches at decode),
-    /// `one` (one launch at decode, the default); process-wide. For tests and
-    /// benchmarks.
+    /// `one` (one launch at decode, the default), `one0` (its first form, as
+    /// `DS4_GPU_ATTN_ONE=old`); process-wide. For tests and benchmarks.
     pub fn set_attn_form(form: &str) {
         let m = match form {
             "simple" => 1,
@@ -160,6 +169,7 @@ impl GpuBackend {
             _ => 3,
         };
         ATTN_MODE.store(m, Ordering::Relaxed);
+        ONE_MODE.store(if form == "one0" { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The ring after a chunk of `n` rows at `t0` (its last `min(n, win)` rows), once every token
@@ -731,7 +741,11 @@ impl GpuBackend {
         let part_mz = self.scratch(n * splits * nh * 2);
         self.run(
             &ATTENTION,
-            "attend_one_f32",
+            if one_old() {
+                "attend_one0_f32"
+            } else {
+                "attend_one_f32"
+            },
             LaunchDims::linear((per_split * splits) as u32, 256),
             &[
                 Arg::Ptr(q.ptr),
