@@ -1242,6 +1242,35 @@ __device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
     __syncthreads();
 }
 
+// The same with one fence a CTA and no reset: CTA 0 adds 2^31 − (total − 1), the others 1, so
+// bit 31 of *tk flips once all have arrived and the low bits are back where they were.
+__device__ __forceinline__ void ds4_ao_grid_flip(u32* tk, u32 total) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 add = blockIdx.x == 0 ? 0x80000000u - (total - 1u) : 1u;
+        __threadfence(); // the CTA's partials (ordered before by the barrier) before the arrival
+        const u32 old = atomicAdd(tk, add);
+        while (((old ^ *(volatile u32*)tk) & 0x80000000u) == 0u) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 700
+            __nanosleep(32);
+#endif
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float2 ds4_ld_l2_f2(const float2* p) {
+#if defined(DS4_CUDA)
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+#else
+    const volatile float* f = (const volatile float*)p;
+    return make_float2(f[0], f[1]);
+#endif
+}
+
 // One reduce-scatter step over lane bit o: keep one half of the nv values, add the partner's.
 #define DS4_AO_RS(o, nv)                                                                           \
     {                                                                                              \
@@ -1269,7 +1298,7 @@ __device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
 // read of rows_s4 (the caller syncs before overwriting it).
 __device__ __forceinline__ void ds4_ao_tile(const float4 (&qv)[4][2], float4 (&acc)[4][2], const float4* rows_s4,
                                             float (*sp_s)[DS4_AO_HG][DS4_AO_R], float4 (*p_s4)[DS4_AO_R / 4], float* m_s,
-                                            float* z_s, float* cf_s, const float* const* ptr_s, const int (&f)[2],
+                                            float* z_s, float* cf_s, const int* ok_s, const int (&f)[2],
                                             const bool (&fv)[2], int rb, int cn, int hd4, int tid, int vl, int hq,
                                             int half, float scale) {
     // Partial scores: v[hh·R + r] over this lane's columns.
@@ -1294,7 +1323,7 @@ __device__ __forceinline__ void ds4_ao_tile(const float4 (&qv)[4][2], float4 (&a
     // Online softmax: thread (head tid / 8, row tid % 8).
     if (tid < DS4_AO_HG * DS4_AO_R) {
         int h = tid >> 3, r = tid & 7;
-        bool ok = rb + r < cn && ptr_s[rb + r] != 0;
+        bool ok = rb + r < cn && ok_s[rb + r] != 0;
         float sc = ok ? (sp_s[0][h][r] + sp_s[1][h][r]) * scale : DS4_NEG_INF;
         float tm = fmaxf(sc, ds4_shfl_xor(sc, 4));
         tm = fmaxf(tm, ds4_shfl_xor(tm, 2));
@@ -1350,14 +1379,18 @@ __device__ __forceinline__ void ds4_ao_tile(const float4 (&qv)[4][2], float4 (&a
     }
 }
 
-// V = 0: the first form (one tile in flight; combine by (token, head, 128 columns)); V = 1:
-// three tiles in flight, combine by (token, head, 32 columns) with the splits over 4 lane quarters.
+// V = 0: the first form (one tile in flight; combine by (token, head, 128 columns)). V = 1 cuts
+// dependent round trips: three tiles in flight, ring rows loaded before their raw_pos check
+// (absent ones zeroed in shared memory), one fence a CTA and a flip barrier on tk[2] (no exit
+// counter), and the combine by (token, head, 32 columns): m/z read once, lanes over 4 split
+// classes x 8 float4 columns, 8 loads a lane in one round (4x the groups of V = 0).
 template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
     __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
     __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
     __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
     __shared__ float m_s[DS4_AO_HG], z_s[DS4_AO_HG], cf_s[DS4_AO_HG];
     __shared__ const float* ptr_s[DS4_AO_PTRS];
+    __shared__ int ok_s[DS4_AO_PTRS + DS4_AO_R]; // row present (V = 1: ring rows loaded before their check)
     __shared__ float w_s[DS4_AO_THREADS / 32][DS4_AP_MAXSPLIT]; // combine weights per group
     const int tid = threadIdx.x, vl = tid % 32, vw = tid / 32;
     const int hd4 = hd / 4;
@@ -1403,8 +1436,28 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
         for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
             const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
             __syncthreads(); // the previous block's rows are no longer read
-            if (tid < DS4_AO_PTRS)
-                ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
+            // V = 1: a ring row's address needs no load; its raw_pos check lands in ok_s after the
+            // tile loads are issued (absent rows are zeroed in shared memory).
+            int want = -1, got = -1;
+            if (tid < DS4_AO_PTRS) {
+                const float* row = (const float*)0;
+                if (V == 0) {
+                    row = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
+                } else if (tid < cn) {
+                    const long long j = c0 + tid;
+                    if (j < nwin && first + j < t0) {
+                        const long long p = first + j;
+                        const int slot = (int)(p % win);
+                        row = raw + (size_t)slot * hd;
+                        want = (int)p;
+                        got = raw_pos[slot];
+                    } else {
+                        row = ds4_ap_row(j, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win);
+                    }
+                }
+                ptr_s[tid] = row;
+                if (V == 0) ok_s[tid] = row != 0;
+            }
             __syncthreads();
             // Loads of the tile starting at ptr_s[r0] (absent rows: zeros).
 #define DS4_AO_FETCH(dst, r0)                                                                              \
@@ -1421,11 +1474,12 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
     __syncthreads(); /* the last tile's products are done */                                               \
     _Pragma("unroll") for (int u = 0; u < DS4_AO_LD; u++) {                                                \
         int k = tid + u * DS4_AO_THREADS;                                                                  \
-        if (k < DS4_AO_R * hd4) rows_s4[k] = buf[u];                                                       \
+        if (k < DS4_AO_R * hd4)                                                                            \
+            rows_s4[k] = (V == 0 || ok_s[(r0) + k / hd4]) ? buf[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  \
     }                                                                                                      \
     __syncthreads();                                                                                       \
     if ((r0) + (ahead) < cn) DS4_AO_FETCH(buf, (r0) + (ahead))
-#define DS4_AO_TILE(rb) ds4_ao_tile(qv, acc, rows_s4, sp_s, p_s4, m_s, z_s, cf_s, ptr_s, f, fv, (rb), cn, hd4, tid, vl, hq, half, scale);
+#define DS4_AO_TILE(rb) ds4_ao_tile(qv, acc, rows_s4, sp_s, p_s4, m_s, z_s, cf_s, ok_s, f, fv, (rb), cn, hd4, tid, vl, hq, half, scale);
             if (V == 0) {
                 DS4_AO_FETCH(na, 0)
                 for (int r0 = 0; r0 < cn; r0 += DS4_AO_R) {
@@ -1437,6 +1491,7 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
                 DS4_AO_FETCH(na, 0)
                 if (DS4_AO_R < cn) DS4_AO_FETCH(nb, DS4_AO_R)
                 if (2 * DS4_AO_R < cn) DS4_AO_FETCH(nc, 2 * DS4_AO_R)
+                if (tid < DS4_AO_PTRS) ok_s[tid] = ptr_s[tid] != 0 && got == want; // read after a barrier
                 for (int r0 = 0; r0 < cn; r0 += 3 * DS4_AO_R) {
                     DS4_AO_STORE(na, r0, 3 * DS4_AO_R)
                     DS4_AO_TILE(r0)
@@ -1470,7 +1525,10 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
         }
     }
     const u32 total = gridDim.x;
-    ds4_ao_grid_sync(tk, total);
+    if (V == 0)
+        ds4_ao_grid_sync(tk, total);
+    else
+        ds4_ao_grid_flip(tk + 2, total);
     // Combine (V = 0): 32-lane group per (token, head, 128-column block).
     if (V == 0) {
         const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
@@ -1554,17 +1612,18 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             const long long t = t0 + i;
             const float* mz = part_mz + ((size_t)i * splits * heads + h) * 2;
             const float sink = sinks[h];
-            float M = sink;
-            for (int s = vl; s < splits; s += 32) M = fmaxf(M, *(const volatile float*)(mz + s * hstride));
+            // (m, z) of splits vl, vl + 32, ... read once (the first 32 kept in registers).
+            float2 mz0 = vl < splits ? ds4_ld_l2_f2((const float2*)(mz + vl * hstride)) : make_float2(DS4_NEG_INF, 0.0f);
+            float M = fmaxf(sink, mz0.x);
+            for (int s = vl + 32; s < splits; s += 32) M = fmaxf(M, ds4_ld_l2_f2((const float2*)(mz + s * hstride)).x);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, ds4_shfl_xor(M, o));
             float zp = 0.0f;
             for (int s = vl; s < splits; s += 32) {
-                float m = *(const volatile float*)(mz + s * hstride);
-                float z = *(const volatile float*)(mz + s * hstride + 1);
-                float w = m == DS4_NEG_INF ? 0.0f : expf(m - M);
+                float2 e = s == vl ? mz0 : ds4_ld_l2_f2((const float2*)(mz + s * hstride));
+                float w = e.x == DS4_NEG_INF ? 0.0f : expf(e.x - M);
                 w_s[vw][s] = w;
-                zp += w * z;
+                zp += w * e.y;
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) zp += ds4_shfl_xor(zp, o);
@@ -1577,30 +1636,22 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             float4 a[4];
 #pragma unroll
             for (int x = 0; x < 4; x++) a[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (fok) {
-                int s = sq;
-                for (; s + 12 < splits; s += 16) {
-                    float4 o4[4];
+            // Splits sq, sq + 4, ...: 8 loads a lane in flight (one round up to 32 splits).
+            if (fok)
+                for (int s0 = sq; s0 < splits; s0 += 32) {
+                    float4 o4[8];
 #pragma unroll
-                    for (int x = 0; x < 4; x++) o4[x] = ds4_ld_l2_f4(po + (size_t)(s + 4 * x) * sstride);
+                    for (int x = 0; x < 8; x++)
+                        o4[x] = s0 + 4 * x < splits ? ds4_ld_l2_f4(po + (size_t)(s0 + 4 * x) * sstride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                    for (int x = 0; x < 4; x++) {
-                        float w = w_s[vw][s + 4 * x];
-                        a[x].x += w * o4[x].x;
-                        a[x].y += w * o4[x].y;
-                        a[x].z += w * o4[x].z;
-                        a[x].w += w * o4[x].w;
+                    for (int x = 0; x < 8; x++) {
+                        float w = s0 + 4 * x < splits ? w_s[vw][s0 + 4 * x] : 0.0f;
+                        a[x & 3].x += w * o4[x].x;
+                        a[x & 3].y += w * o4[x].y;
+                        a[x & 3].z += w * o4[x].z;
+                        a[x & 3].w += w * o4[x].w;
                     }
                 }
-                for (; s < splits; s += 4) {
-                    float4 o4 = ds4_ld_l2_f4(po + (size_t)s * sstride);
-                    float w = w_s[vw][s];
-                    a[0].x += w * o4.x;
-                    a[0].y += w * o4.y;
-                    a[0].z += w * o4.z;
-                    a[0].w += w * o4.w;
-                }
-            }
             float ov[4] = {(a[0].x + a[1].x) + (a[2].x + a[3].x), (a[0].y + a[1].y) + (a[2].y + a[3].y),
                            (a[0].z + a[1].z) + (a[2].z + a[3].z), (a[0].w + a[1].w) + (a[2].w + a[3].w)};
 #pragma unroll
@@ -1629,8 +1680,8 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
         for (int e = tid; e < hd; e += blockDim.x) raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
         if (tid == 0) raw_pos[t % win] = (int)t;
     }
-    // Counters back to 0 once every CTA is past the barrier.
-    if (tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
+    // Counters back to 0 once every CTA is past the barrier (V = 1: nothing to reset).
+    if (V == 0 && tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
         tk[0] = 0u;
         tk[1] = 0u;
         __threadfence();

@@ -25,14 +25,15 @@ const AP_MIN_ROWS: usize = 16;
 const IXH_R: usize = 32;
 
 /// Decode attention in one launch (`attend_one_f32`): heads per CTA, rows per tile, most tokens
-/// per launch, and the first of its two arrival counters in `GpuBackend::tickets` (32-bit words
-/// of its own, above the fused HC's; the kernel leaves them 0).
+/// per launch, and the first of its arrival counters in `GpuBackend::tickets` (32-bit words of
+/// its own, above the fused HC's): `attend_one0_f32` uses words +0 and +1 and leaves them 0,
+/// `attend_one_f32` word +2, whose bit 31 flips once a launch (any start value works).
 const AO_HG: usize = 16;
 const AO_R: usize = 8;
 const AO_MAX_N: usize = 8;
 pub(crate) const AO_TICKET: usize = 64;
 const _: () =
-    assert!(super::mix::FUSE_TICKETS <= AO_TICKET && AO_TICKET + 2 <= super::TICKET_WORDS);
+    assert!(super::mix::FUSE_TICKETS <= AO_TICKET && AO_TICKET + 3 <= super::TICKET_WORDS);
 
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
 /// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`), 3 one launch for decode
@@ -52,8 +53,9 @@ fn attn_mode() -> u8 {
 }
 
 /// `attend_one_f32` form: 0 not yet read from `DS4_GPU_ATTN_ONE`, 1 the first form
-/// (`attend_one0_f32`: one tile in flight, 128-column merge units), 2 three tiles in flight and
-/// 32-column merge units (the default).
+/// (`attend_one0_f32`), 2 the default (three tiles in flight, ring rows loaded before their
+/// raw_pos check, a flip barrier without the exit counter, merge units of 32 columns with every
+/// split's partial loaded in one round).
 static ONE_MODE: AtomicU8 = AtomicU8::new(0);
 
 fn one_old() -> bool {
