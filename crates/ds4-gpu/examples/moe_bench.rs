@@ -5,9 +5,7 @@
 //! (one layer's routed experts: `reps` calls queued between two syncs, wall clock, each with
 //! another random selection so the experts come from memory, not L2) and GB/s of the distinct
 //! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA), v2
-//! (direct loads; nbA/B = gate/up and down row batches per CTA; default 6/4) and v4i (n = 1:
-//! v2's loads pipelined on a grid of resident CTAs, int8 x and dp4a; perA/B = gate/up items per
-//! row group (auto: one wave), down row batches per CTA; default: auto / 16 rows).
+//! (direct loads; nbA/B = gate/up and down row batches per CTA; default 6/4).
 //! `moe_bench [reps] [n_max]`.
 
 use ds4_backend::{Backend, Fill, GgmlType, MoeSpec, WeightKind};
@@ -98,21 +96,14 @@ fn main() {
             let mut out = gpu.alloc(n * d);
             // (name, decode kernels on, form, v1 rows, v2 tiles)
             type Form = (&'static str, bool, usize, usize, (usize, usize));
-            let forms: [Form; 9] = [
+            let forms: [Form; 5] = [
                 ("old", false, 1, 16, (0, 0)),
                 ("v1 rb16", true, 1, 16, (0, 0)),
                 ("v2 nb4/4", true, 2, 0, (4, 4)),
                 ("v2 nb6/4", true, 2, 0, (6, 4)),
                 ("v2 nb5/4", true, 2, 0, (5, 4)),
-                ("v4i default", true, 3, 0, (0, 0)),
-                ("v4i per3/4", true, 3, 0, (3, 4)),
-                ("v4i auto/2", true, 3, 0, (0, 2)),
-                ("v4i auto/8", true, 3, 0, (0, 8)),
             ];
             for (form, on, f, rb, (nb, nbr)) in forms {
-                if f == 3 && n > 1 {
-                    continue; // v4i: one token only
-                }
                 GpuBackend::set_moe_decode(on);
                 GpuBackend::set_moe_form(f);
                 GpuBackend::set_moe_gu_rows(rb);

@@ -2,7 +2,7 @@ use crate::Module;
 
 /// Decode MoE (n ≤ 4 tokens): fused gate+up+SwiGLU and down+slot sum over the routed experts,
 /// each distinct expert read once (`gpu/moe.cu`): v1 `moe*` (rows staged in shared memory), v2
-/// `m2*` (direct loads), v4i `m4i*` (opt-in, one token: pipelined direct loads, int8 x).
+/// `m2*` (direct loads).
 pub const MOE: Module = Module {
     name: "moe",
     source: include_str!("../gpu/moe.cu"),
@@ -31,11 +31,5 @@ pub const MOE: Module = Module {
         "m2dn2_iq2_xxs",
         "m2dn2_q2_k",
         "m2dn2_q4_k",
-        "m4igu_iq2_xxs",
-        "m4igu_q2_k",
-        "m4igu_q4_k",
-        "m4idn_iq2_xxs",
-        "m4idn_q2_k",
-        "m4idn_q4_k",
     ],
 };

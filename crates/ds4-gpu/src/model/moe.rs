@@ -1,17 +1,13 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
 //!
-//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v4i`, `set_moe_form`): v2 (the default for n = 1;
+//! Forms (`DS4_GPU_MOE_FORM=v1|v2`, `set_moe_form`): v2 (the default for n = 1;
 //! `m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight from global
 //! memory, x in registers, and passes h to the down kernel in that kernel's lane order; v1 (the
-//! default for n = 2..4, where it measured faster than v2) stages rows in shared memory; v4i
-//! (opt-in, n = 1 only, else v1; `m4i*`) is v2's lane mapping and loads on a grid sized to the
-//! resident CTAs, each row group pipelining its items (the next item's rows load before the
-//! current dots), with x quantised per lane to int8 (32 values, one f32 scale) and dp4a: on an
-//! H200 no faster in the 2k decode bench (q2 mix; its down kernel 17.4 against 20.3 us, gate/up
-//! 30.1 against 29.1) and rel L2 ~1e-2 (~9e-2 with clamp 0.3) from the CPU reference (ops_moe
-//! TOL_L2_V4I). Numbers: bench/results/gpu-moe-s4-h200.txt, gpu-moe-x-h200.txt,
-//! gpu-moe-m-h200.txt.
+//! default for n = 2..4, where it measured faster than v2) stages rows in shared memory. An int8-x
+//! dp4a form (v4i, session 7) was no faster end to end on the H200 and ~1e-2 off the CPU: deleted
+//! (bench/results/gpu-moe-m-h200.txt). Numbers: bench/results/gpu-moe-s4-h200.txt,
+//! gpu-moe-x-h200.txt, gpu-moe-m-h200.txt.
 //!
 //! v1: two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
 //! scratch `h`, pairs × ff; one CTA per row block and pair, the first pair of each distinct
@@ -34,10 +30,9 @@ static ENV_OFF: OnceLock<bool> = OnceLock::new();
 static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 /// Products run here (for tests: proof the kernels were taken).
 static RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v2 and v4i ones (direct loads), and the v4i ones.
+/// Of those, the v2 ones (direct loads).
 static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
-static V4_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Form: 0 default (v2 for n = 1, else v1), 1 v1, 2 v2, 3 v4i (n = 1 only, else v1);
+/// Form: 0 default (v2 for n = 1, else v1), 1 v1, 2 v2;
 /// `DS4_GPU_MOE_FORM`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
 static ENV_FORM: OnceLock<usize> = OnceLock::new();
@@ -115,14 +110,13 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
-    /// Form of the decode MoE: 0 the default (v2 for n = 1, v1 above), 1 v1, 2 v2, 3 v4i (n = 1,
-    /// else v1); process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v4i` when 0).
+    /// Form of the decode MoE: 0 the default (v2 for n = 1, v1 above), 1 v1, 2 v2;
+    /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(3), Ordering::Relaxed);
+        FORM.store(form.min(2), Ordering::Relaxed);
     }
 
-    /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults). v4i:
-    /// gate/up items per row group (0: sized to the resident CTAs), down row batches per CTA.
+    /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
     pub fn set_moe_v2_tiles(nb: usize, nbr: usize) {
         V2_NB.store(nb.min(16), Ordering::Relaxed);
         V2_NBR.store(nbr.min(16), Ordering::Relaxed);
@@ -133,14 +127,9 @@ impl GpuBackend {
         RUNS.load(Ordering::Relaxed)
     }
 
-    /// How many of those were the v2 or v4i form (process-wide).
+    /// How many of those were the v2 form (process-wide).
     pub fn moe_v2_runs() -> usize {
         V2_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// How many of those were the v4i form (process-wide).
-    pub fn moe_v4_runs() -> usize {
-        V4_RUNS.load(Ordering::Relaxed)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -185,18 +174,11 @@ impl GpuBackend {
             0 => *ENV_FORM.get_or_init(|| match std::env::var("DS4_GPU_MOE_FORM").as_deref() {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
-                Ok("v4i") => 3,
                 _ => 0,
             }),
             f => f,
         };
         let form = if form == 0 && n == 1 { 2 } else { form };
-        if form == 3 && n == 1 && self.dec_moe_v4i(spec, (g, u, dn), z, sel, wgt, out) {
-            RUNS.fetch_add(1, Ordering::Relaxed);
-            V2_RUNS.fetch_add(1, Ordering::Relaxed);
-            V4_RUNS.fetch_add(1, Ordering::Relaxed);
-            return true;
-        }
         if form == 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
@@ -339,104 +321,6 @@ impl GpuBackend {
                 sel,
                 &h,
                 n,
-                out,
-                &[Arg::I32(nbr as i32), Arg::I32(hs as i32)],
-            ),
-        );
-        true
-    }
-
-    /// The v4i launches for one token; false: the shape does not fit them; nothing was queued.
-    #[allow(clippy::too_many_arguments)]
-    fn dec_moe_v4i(
-        &self,
-        spec: &MoeSpec,
-        (g, u, dn): (Mat, Mat, Mat),
-        z: &GpuBuf,
-        sel: &GpuIBuf,
-        wgt: &GpuBuf,
-        out: &mut GpuBuf,
-    ) -> bool {
-        let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
-        let w = self.warp() as usize;
-        let warps = THREADS / w;
-        let wpg = |cols: usize| (cols / 32).div_ceil(w);
-        if wpg(d) > warps || wpg(ff) > warps || k > MAXP {
-            return false;
-        }
-        let (rb_gu, _) = v2_rb(g.1);
-        // Rows per item (`M4Rb` in moe.cu): v2's, but 2 down rows for Q4_K.
-        let rb_dn = if dn.1 == "q4_k" { 2 } else { 4 };
-        let env = *ENV_TILES.get_or_init(|| {
-            let v = std::env::var("DS4_GPU_MOE_V2_TILES").unwrap_or_default();
-            let mut it = v
-                .split(',')
-                .map(|x| x.trim().parse::<usize>().unwrap_or(0).min(16));
-            (it.next().unwrap_or(0), it.next().unwrap_or(0))
-        });
-        let pick = |set: usize, env: usize| if set > 0 { set } else { env };
-        // Gate/up: items of rb_gu rows per pair, per row group; by default as few per group as
-        // fill the resident CTAs (2 per SM at 128 registers) in one wave.
-        let rg = warps / wpg(d);
-        let items = k * ff.div_ceil(rb_gu);
-        let slots = 2 * (self.gpu.info().sm_count as usize).max(1);
-        let per = match pick(V2_NB.load(Ordering::Relaxed), env.0) {
-            0 => items.div_ceil(slots * rg).clamp(1, 16),
-            p => p,
-        };
-        let ctas = items.div_ceil(rg * per);
-        // Down: rb_dn * nbr output rows per CTA (default 16: 256 CTAs at d 4096).
-        let nbr = match pick(V2_NBR.load(Ordering::Relaxed), env.1) {
-            0 => 16 / rb_dn,
-            p => p,
-        };
-        let tr_dn = rb_dn * nbr;
-        let tab = 3072;
-        let smem_gu = tab + 4 * rg * per * wpg(d) * 2 * rb_gu;
-        let smem_dn = tab + 4 * (4 * MAXP + 4) + 4 * wpg(ff) * k * tr_dn;
-        if smem_gu > SMEM || smem_dn > SMEM {
-            return false;
-        }
-        let hs = wpg(ff) * w * 32;
-        let h = self.scratch(k * hs);
-        let pre = "m4i";
-        self.run(
-            &ds4_kernels::MOE,
-            &format!("{pre}gu_{}", g.1),
-            LaunchDims {
-                grid: [ctas as u32, 1, 1],
-                block: [THREADS as u32, 1, 1],
-                shared_bytes: smem_gu as u32,
-            },
-            &gu_args(
-                spec,
-                (g, u),
-                z,
-                sel,
-                wgt,
-                1,
-                &h,
-                &[
-                    Arg::I32(per as i32),
-                    Arg::I32(v2_layout(dn.1)),
-                    Arg::I32(hs as i32),
-                ],
-            ),
-        );
-        self.run(
-            &ds4_kernels::MOE,
-            &format!("{pre}dn_{}", dn.1),
-            LaunchDims {
-                grid: [d.div_ceil(tr_dn) as u32, 1, 1],
-                block: [THREADS as u32, 1, 1],
-                shared_bytes: smem_dn as u32,
-            },
-            &dn_args(
-                spec,
-                dn,
-                sel,
-                &h,
-                1,
                 out,
                 &[Arg::I32(nbr as i32), Arg::I32(hs as i32)],
             ),
