@@ -630,13 +630,6 @@ const ONE: Form = Form {
     attn: "one",
     tol: 2e-5,
 };
-const ONE0: Form = Form {
-    name: "one0",
-    tc: false,
-    fast: false,
-    attn: "one0",
-    tol: 2e-5,
-};
 const SPLIT: Form = Form {
     name: "split",
     tc: false,
@@ -848,7 +841,7 @@ fn attend_matches_cpu() {
         },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    let forms = [TC, TC_FAST, ONE, ONE0, SPLIT, SIMPLE];
+    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE];
     for (i, c) in cases.iter().enumerate() {
         run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
         run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
@@ -988,14 +981,8 @@ fn attend_bench() {
             gpu.upload_i32(&s)
         });
         let mut og = gpu.alloc(n * nh * hd);
-        let iters = if n >= 1024 {
-            5
-        } else if n == 1 {
-            400
-        } else {
-            20
-        };
-        for f in [TC, TC_FAST, ONE, ONE0, ONE, ONE0, SPLIT, SIMPLE] {
+        let iters = if n >= 1024 { 5 } else { 20 };
+        for f in [TC, TC_FAST, ONE, SPLIT, SIMPLE] {
             if f.tc && n == 1 {
                 continue; // decode keeps the f32 kernels
             }

@@ -1242,35 +1242,6 @@ __device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
     __syncthreads();
 }
 
-// The same with one fence a CTA and no reset: CTA 0 adds 2^31 − (total − 1), the others 1, so
-// bit 31 of *tk flips once all have arrived and the low bits are back where they were.
-__device__ __forceinline__ void ds4_ao_grid_flip(u32* tk, u32 total) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 add = blockIdx.x == 0 ? 0x80000000u - (total - 1u) : 1u;
-        __threadfence(); // the CTA's partials (ordered before by the barrier) before the arrival
-        const u32 old = atomicAdd(tk, add);
-        while (((old ^ *(volatile u32*)tk) & 0x80000000u) == 0u) {
-#if defined(DS4_CUDA) && DS4_ARCH >= 700
-            __nanosleep(32);
-#endif
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-__device__ __forceinline__ float2 ds4_ld_l2_f2(const float2* p) {
-#if defined(DS4_CUDA)
-    float2 v;
-    asm volatile("ld.global.cg.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
-    return v;
-#else
-    const volatile float* f = (const volatile float*)p;
-    return make_float2(f[0], f[1]);
-#endif
-}
-
 // One reduce-scatter step over lane bit o: keep one half of the nv values, add the partner's.
 #define DS4_AO_RS(o, nv)                                                                           \
     {                                                                                              \
@@ -1293,104 +1264,12 @@ __device__ __forceinline__ float2 ds4_ld_l2_f2(const float2* p) {
 
 // grid (n · ceil(heads / HG) · splits) ≤ SMs, blockDim 256; hd ≤ 512, hd % 4 == 0 (float4 rows),
 // splits ≤ 256, chunk a multiple of R. part_o [n, splits, heads, hd], part_mz [n, splits, heads, 2].
-// One tile of R rows in rows_s4 (rows rb .. of the pointer block): scores of the group's 4 heads,
-// the online softmax, acc = acc·cf + Σ_r p_r·row_r at the lane's columns. Ends after a barrier-free
-// read of rows_s4 (the caller syncs before overwriting it).
-__device__ __forceinline__ void ds4_ao_tile(const float4 (&qv)[4][2], float4 (&acc)[4][2], const float4* rows_s4,
-                                            float (*sp_s)[DS4_AO_HG][DS4_AO_R], float4 (*p_s4)[DS4_AO_R / 4], float* m_s,
-                                            float* z_s, float* cf_s, const int* ok_s, const int (&f)[2],
-                                            const bool (&fv)[2], int rb, int cn, int hd4, int tid, int vl, int hq,
-                                            int half, float scale) {
-    // Partial scores: v[hh·R + r] over this lane's columns.
-    float v[4 * DS4_AO_R];
-#pragma unroll
-    for (int r = 0; r < DS4_AO_R; r++) {
-        float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int hh = 0; hh < 4; hh++) v[hh * DS4_AO_R + r] = ds4_dot4(qv[hh][0], x0) + ds4_dot4(qv[hh][1], x1);
-    }
-#if DS4_AO_R != 8
-#error "the reduce-scatter below spreads 4 heads x 8 rows = 32 values over 32 lanes"
-#endif
-    DS4_AO_RS(16, 32)
-    DS4_AO_RS(8, 16)
-    DS4_AO_RS(4, 8)
-    DS4_AO_RS(2, 4)
-    DS4_AO_RS(1, 2)
-    sp_s[half][hq * 4 + (vl >> 3)][vl & 7] = v[0]; // lane vl holds value vl
-    __syncthreads();
-    // Online softmax: thread (head tid / 8, row tid % 8).
-    if (tid < DS4_AO_HG * DS4_AO_R) {
-        int h = tid >> 3, r = tid & 7;
-        bool ok = rb + r < cn && ok_s[rb + r] != 0;
-        float sc = ok ? (sp_s[0][h][r] + sp_s[1][h][r]) * scale : DS4_NEG_INF;
-        float tm = fmaxf(sc, ds4_shfl_xor(sc, 4));
-        tm = fmaxf(tm, ds4_shfl_xor(tm, 2));
-        tm = fmaxf(tm, ds4_shfl_xor(tm, 1));
-        float mo = m_s[h], mn = fmaxf(mo, tm);
-        float cf = mo == mn ? 1.0f : expf(mo - mn); // also −inf == −inf
-        float p = ok ? expf(sc - mn) : 0.0f;
-        float zs = p + ds4_shfl_xor(p, 4);
-        zs += ds4_shfl_xor(zs, 2);
-        zs += ds4_shfl_xor(zs, 1);
-        ((float*)p_s4)[h * DS4_AO_R + r] = p;
-        if (r == 0) {
-            m_s[h] = mn;
-            z_s[h] = z_s[h] * cf + zs;
-            cf_s[h] = cf;
-        }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int hh = 0; hh < 4; hh++) {
-        float cf = cf_s[hq * 4 + hh];
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            acc[hh][k].x *= cf;
-            acc[hh][k].y *= cf;
-            acc[hh][k].z *= cf;
-            acc[hh][k].w *= cf;
-        }
-    }
-#pragma unroll
-    for (int r4 = 0; r4 < DS4_AO_R / 4; r4++) {
-        float4 pr[4];
-#pragma unroll
-        for (int hh = 0; hh < 4; hh++) pr[hh] = p_s4[hq * 4 + hh][r4];
-#pragma unroll
-        for (int rq = 0; rq < 4; rq++) {
-            int r = r4 * 4 + rq;
-            float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int hh = 0; hh < 4; hh++) {
-                float p = rq == 0 ? pr[hh].x : rq == 1 ? pr[hh].y : rq == 2 ? pr[hh].z : pr[hh].w;
-                acc[hh][0].x += p * x0.x;
-                acc[hh][0].y += p * x0.y;
-                acc[hh][0].z += p * x0.z;
-                acc[hh][0].w += p * x0.w;
-                acc[hh][1].x += p * x1.x;
-                acc[hh][1].y += p * x1.y;
-                acc[hh][1].z += p * x1.z;
-                acc[hh][1].w += p * x1.w;
-            }
-        }
-    }
-}
-
-// V = 0: the first form (one tile in flight; combine by (token, head, 128 columns)). V = 1 cuts
-// dependent round trips: three tiles in flight, ring rows loaded before their raw_pos check
-// (absent ones zeroed in shared memory), one fence a CTA and a flip barrier on tk[2] (no exit
-// counter), and the combine by (token, head, 32 columns): m/z read once, lanes over 4 split
-// classes x 8 float4 columns, 8 loads a lane in one round (4x the groups of V = 0).
-template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
+__device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
     __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
     __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
     __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
     __shared__ float m_s[DS4_AO_HG], z_s[DS4_AO_HG], cf_s[DS4_AO_HG];
     __shared__ const float* ptr_s[DS4_AO_PTRS];
-    __shared__ int ok_s[DS4_AO_PTRS + DS4_AO_R]; // row present (V = 1: ring rows loaded before their check)
     __shared__ float w_s[DS4_AO_THREADS / 32][DS4_AP_MAXSPLIT]; // combine weights per group
     const int tid = threadIdx.x, vl = tid % 32, vw = tid / 32;
     const int hd4 = hd / 4;
@@ -1432,32 +1311,12 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             m_s[tid] = DS4_NEG_INF;
             z_s[tid] = 0.0f;
         }
-        float4 na[DS4_AO_LD], nb[DS4_AO_LD], nc[DS4_AO_LD];
+        float4 nx[DS4_AO_LD];
         for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
             const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
             __syncthreads(); // the previous block's rows are no longer read
-            // V = 1: a ring row's address needs no load; its raw_pos check lands in ok_s after the
-            // tile loads are issued (absent rows are zeroed in shared memory).
-            int want = -1, got = -1;
-            if (tid < DS4_AO_PTRS) {
-                const float* row = (const float*)0;
-                if (V == 0) {
-                    row = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
-                } else if (tid < cn) {
-                    const long long j = c0 + tid;
-                    if (j < nwin && first + j < t0) {
-                        const long long p = first + j;
-                        const int slot = (int)(p % win);
-                        row = raw + (size_t)slot * hd;
-                        want = (int)p;
-                        got = raw_pos[slot];
-                    } else {
-                        row = ds4_ap_row(j, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win);
-                    }
-                }
-                ptr_s[tid] = row;
-                if (V == 0) ok_s[tid] = row != 0;
-            }
+            if (tid < DS4_AO_PTRS)
+                ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
             __syncthreads();
             // Loads of the tile starting at ptr_s[r0] (absent rows: zeros).
 #define DS4_AO_FETCH(dst, r0)                                                                              \
@@ -1469,45 +1328,95 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             if (row) dst[u] = ((const float4*)row)[k % hd4];                                               \
         }                                                                                                  \
     }
-            // Tile r0 from registers buf into shared memory, then buf refilled with tile r0 + ahead.
-#define DS4_AO_STORE(buf, r0, ahead)                                                                       \
-    __syncthreads(); /* the last tile's products are done */                                               \
-    _Pragma("unroll") for (int u = 0; u < DS4_AO_LD; u++) {                                                \
-        int k = tid + u * DS4_AO_THREADS;                                                                  \
-        if (k < DS4_AO_R * hd4)                                                                            \
-            rows_s4[k] = (V == 0 || ok_s[(r0) + k / hd4]) ? buf[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  \
-    }                                                                                                      \
-    __syncthreads();                                                                                       \
-    if ((r0) + (ahead) < cn) DS4_AO_FETCH(buf, (r0) + (ahead))
-#define DS4_AO_TILE(rb) ds4_ao_tile(qv, acc, rows_s4, sp_s, p_s4, m_s, z_s, cf_s, ok_s, f, fv, (rb), cn, hd4, tid, vl, hq, half, scale);
-            if (V == 0) {
-                DS4_AO_FETCH(na, 0)
-                for (int r0 = 0; r0 < cn; r0 += DS4_AO_R) {
-                    DS4_AO_STORE(na, r0, DS4_AO_R)
-                    DS4_AO_TILE(r0)
+            DS4_AO_FETCH(nx, 0)
+            for (int r0 = 0; r0 < cn; r0 += DS4_AO_R) {
+                __syncthreads(); // the last tile's products are done
+#pragma unroll
+                for (int u = 0; u < DS4_AO_LD; u++) {
+                    int k = tid + u * DS4_AO_THREADS;
+                    if (k < DS4_AO_R * hd4) rows_s4[k] = nx[u];
                 }
-            } else {
-                // Three tiles in flight (a split is ~3 tiles at decode: all its loads at once).
-                DS4_AO_FETCH(na, 0)
-                if (DS4_AO_R < cn) DS4_AO_FETCH(nb, DS4_AO_R)
-                if (2 * DS4_AO_R < cn) DS4_AO_FETCH(nc, 2 * DS4_AO_R)
-                if (tid < DS4_AO_PTRS) ok_s[tid] = ptr_s[tid] != 0 && got == want; // read after a barrier
-                for (int r0 = 0; r0 < cn; r0 += 3 * DS4_AO_R) {
-                    DS4_AO_STORE(na, r0, 3 * DS4_AO_R)
-                    DS4_AO_TILE(r0)
-                    if (r0 + DS4_AO_R < cn) {
-                        DS4_AO_STORE(nb, r0 + DS4_AO_R, 3 * DS4_AO_R)
-                        DS4_AO_TILE(r0 + DS4_AO_R)
+                __syncthreads();
+                if (r0 + DS4_AO_R < cn) DS4_AO_FETCH(nx, r0 + DS4_AO_R)
+                // Partial scores: v[hh·R + r] over this lane's columns.
+                float v[4 * DS4_AO_R];
+#pragma unroll
+                for (int r = 0; r < DS4_AO_R; r++) {
+                    float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                    for (int hh = 0; hh < 4; hh++) v[hh * DS4_AO_R + r] = ds4_dot4(qv[hh][0], x0) + ds4_dot4(qv[hh][1], x1);
+                }
+#if DS4_AO_R != 8
+#error "the reduce-scatter below spreads 4 heads x 8 rows = 32 values over 32 lanes"
+#endif
+                DS4_AO_RS(16, 32)
+                DS4_AO_RS(8, 16)
+                DS4_AO_RS(4, 8)
+                DS4_AO_RS(2, 4)
+                DS4_AO_RS(1, 2)
+                sp_s[half][hq * 4 + (vl >> 3)][vl & 7] = v[0]; // lane vl holds value vl
+                __syncthreads();
+                // Online softmax: thread (head tid / 8, row tid % 8).
+                if (tid < DS4_AO_HG * DS4_AO_R) {
+                    int h = tid >> 3, r = tid & 7;
+                    bool ok = r0 + r < cn && ptr_s[r0 + r] != 0;
+                    float sc = ok ? (sp_s[0][h][r] + sp_s[1][h][r]) * scale : DS4_NEG_INF;
+                    float tm = fmaxf(sc, ds4_shfl_xor(sc, 4));
+                    tm = fmaxf(tm, ds4_shfl_xor(tm, 2));
+                    tm = fmaxf(tm, ds4_shfl_xor(tm, 1));
+                    float mo = m_s[h], mn = fmaxf(mo, tm);
+                    float cf = mo == mn ? 1.0f : expf(mo - mn); // also −inf == −inf
+                    float p = ok ? expf(sc - mn) : 0.0f;
+                    float zs = p + ds4_shfl_xor(p, 4);
+                    zs += ds4_shfl_xor(zs, 2);
+                    zs += ds4_shfl_xor(zs, 1);
+                    ((float*)p_s4)[h * DS4_AO_R + r] = p;
+                    if (r == 0) {
+                        m_s[h] = mn;
+                        z_s[h] = z_s[h] * cf + zs;
+                        cf_s[h] = cf;
                     }
-                    if (r0 + 2 * DS4_AO_R < cn) {
-                        DS4_AO_STORE(nc, r0 + 2 * DS4_AO_R, 3 * DS4_AO_R)
-                        DS4_AO_TILE(r0 + 2 * DS4_AO_R)
+                }
+                __syncthreads();
+                // acc = acc·cf + Σ_r p_r·row_r for the group's 4 heads at its columns.
+#pragma unroll
+                for (int hh = 0; hh < 4; hh++) {
+                    float cf = cf_s[hq * 4 + hh];
+#pragma unroll
+                    for (int k = 0; k < 2; k++) {
+                        acc[hh][k].x *= cf;
+                        acc[hh][k].y *= cf;
+                        acc[hh][k].z *= cf;
+                        acc[hh][k].w *= cf;
+                    }
+                }
+#pragma unroll
+                for (int r4 = 0; r4 < DS4_AO_R / 4; r4++) {
+                    float4 pr[4];
+#pragma unroll
+                    for (int hh = 0; hh < 4; hh++) pr[hh] = p_s4[hq * 4 + hh][r4];
+#pragma unroll
+                    for (int rq = 0; rq < 4; rq++) {
+                        int r = r4 * 4 + rq;
+                        float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                        for (int hh = 0; hh < 4; hh++) {
+                            float p = rq == 0 ? pr[hh].x : rq == 1 ? pr[hh].y : rq == 2 ? pr[hh].z : pr[hh].w;
+                            acc[hh][0].x += p * x0.x;
+                            acc[hh][0].y += p * x0.y;
+                            acc[hh][0].z += p * x0.z;
+                            acc[hh][0].w += p * x0.w;
+                            acc[hh][1].x += p * x1.x;
+                            acc[hh][1].y += p * x1.y;
+                            acc[hh][1].z += p * x1.z;
+                            acc[hh][1].w += p * x1.w;
+                        }
                     }
                 }
             }
 #undef DS4_AO_FETCH
-#undef DS4_AO_STORE
-#undef DS4_AO_TILE
         }
         __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
         const size_t base = ((size_t)i * splits + s) * heads + h0;
@@ -1525,12 +1434,9 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
         }
     }
     const u32 total = gridDim.x;
-    if (V == 0)
-        ds4_ao_grid_sync(tk, total);
-    else
-        ds4_ao_grid_flip(tk + 2, total);
-    // Combine (V = 0): 32-lane group per (token, head, 128-column block).
-    if (V == 0) {
+    ds4_ao_grid_sync(tk, total);
+    // Combine: 32-lane group per (token, head, 128-column block).
+    {
         const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
         const long long units = (long long)n * heads * nblk;
         const size_t hstride = (size_t)heads * 2; // part_mz: split s of (i, h) at + s·heads·2
@@ -1598,79 +1504,6 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             }
             ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
         }
-    } else {
-        // Combine: 32-lane group per (token, head, 8 float4 columns); lane vl: column vl % 8,
-        // splits ≡ vl / 8 (mod 4), the 4 quarters added by shuffles (4x the groups of V = 0,
-        // a quarter of the serial loads each).
-        const int nblk = (hd4 + 7) / 8, ngrp = blockDim.x / 32, cq = vl & 7, sq = vl >> 3;
-        const long long units = (long long)n * heads * nblk;
-        const size_t hstride = (size_t)heads * 2; // part_mz: split s of (i, h) at + s·heads·2
-        for (long long u = (long long)blockIdx.x * ngrp + vw; u < units; u += (long long)gridDim.x * ngrp) {
-            const int blk = (int)(u % nblk);
-            const long long ih = u / nblk;
-            const int h = (int)(ih % heads), i = (int)(ih / heads);
-            const long long t = t0 + i;
-            const float* mz = part_mz + ((size_t)i * splits * heads + h) * 2;
-            const float sink = sinks[h];
-            // (m, z) of splits vl, vl + 32, ... read once (the first 32 kept in registers).
-            float2 mz0 = vl < splits ? ds4_ld_l2_f2((const float2*)(mz + vl * hstride)) : make_float2(DS4_NEG_INF, 0.0f);
-            float M = fmaxf(sink, mz0.x);
-            for (int s = vl + 32; s < splits; s += 32) M = fmaxf(M, ds4_ld_l2_f2((const float2*)(mz + s * hstride)).x);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, ds4_shfl_xor(M, o));
-            float zp = 0.0f;
-            for (int s = vl; s < splits; s += 32) {
-                float2 e = s == vl ? mz0 : ds4_ld_l2_f2((const float2*)(mz + s * hstride));
-                float w = e.x == DS4_NEG_INF ? 0.0f : expf(e.x - M);
-                w_s[vw][s] = w;
-                zp += w * e.y;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) zp += ds4_shfl_xor(zp, o);
-            const float zt = expf(sink - M) + zp;
-            ds4_ao_syncwarp();
-            const int fc = blk * 8 + cq;
-            const bool fok = fc < hd4;
-            const float4* po = (const float4*)part_o + ((size_t)i * splits * heads + h) * hd4 + (fok ? fc : 0);
-            const size_t sstride = (size_t)heads * hd4;
-            float4 a[4];
-#pragma unroll
-            for (int x = 0; x < 4; x++) a[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            // Splits sq, sq + 4, ...: 8 loads a lane in flight (one round up to 32 splits).
-            if (fok)
-                for (int s0 = sq; s0 < splits; s0 += 32) {
-                    float4 o4[8];
-#pragma unroll
-                    for (int x = 0; x < 8; x++)
-                        o4[x] = s0 + 4 * x < splits ? ds4_ld_l2_f4(po + (size_t)(s0 + 4 * x) * sstride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                    for (int x = 0; x < 8; x++) {
-                        float w = s0 + 4 * x < splits ? w_s[vw][s0 + 4 * x] : 0.0f;
-                        a[x & 3].x += w * o4[x].x;
-                        a[x & 3].y += w * o4[x].y;
-                        a[x & 3].z += w * o4[x].z;
-                        a[x & 3].w += w * o4[x].w;
-                    }
-                }
-            float ov[4] = {(a[0].x + a[1].x) + (a[2].x + a[3].x), (a[0].y + a[1].y) + (a[2].y + a[3].y),
-                           (a[0].z + a[1].z) + (a[2].z + a[3].z), (a[0].w + a[1].w) + (a[2].w + a[3].w)};
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                ov[c] += ds4_shfl_xor(ov[c], 8);
-                ov[c] += ds4_shfl_xor(ov[c], 16);
-                ov[c] /= zt;
-            }
-            if (fok && sq == 0) {
-                const int rot0 = hd - n_rot;
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    int e = 4 * fc + 2 * j;
-                    if (e >= rot0) ds4_rope_pair(ov + 2 * j, freqs[(e - rot0) / 2], t, 1);
-                }
-                ((float4*)out)[((size_t)i * heads + h) * hd4 + fc] = make_float4(ov[0], ov[1], ov[2], ov[3]);
-            }
-            ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
-        }
     }
     // The ring after the chunk (every CTA has read it by now).
     const int keep = n < win ? n : win;
@@ -1680,13 +1513,12 @@ template <int V> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
         for (int e = tid; e < hd; e += blockDim.x) raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
         if (tid == 0) raw_pos[t % win] = (int)t;
     }
-    // Counters back to 0 once every CTA is past the barrier (V = 1: nothing to reset).
-    if (V == 0 && tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
+    // Counters back to 0 once every CTA is past the barrier.
+    if (tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
         tk[0] = 0u;
         tk[1] = 0u;
         __threadfence();
     }
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<1>(DS4_AO_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one0_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<0>(DS4_AO_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one(DS4_AO_ARGS); }

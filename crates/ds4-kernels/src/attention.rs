@@ -20,7 +20,6 @@ pub const ATTENTION: Module = Module {
         "attend_part_f32",
         "attend_combine_f32",
         "attend_one_f32",
-        "attend_one0_f32",
         "ring_store_f32",
     ],
 };

@@ -25,15 +25,14 @@ const AP_MIN_ROWS: usize = 16;
 const IXH_R: usize = 32;
 
 /// Decode attention in one launch (`attend_one_f32`): heads per CTA, rows per tile, most tokens
-/// per launch, and the first of its arrival counters in `GpuBackend::tickets` (32-bit words of
-/// its own, above the fused HC's): `attend_one0_f32` uses words +0 and +1 and leaves them 0,
-/// `attend_one_f32` word +2, whose bit 31 flips once a launch (any start value works).
+/// per launch, and the first of its two arrival counters in `GpuBackend::tickets` (32-bit words
+/// of its own, above the fused HC's; the kernel leaves them 0).
 const AO_HG: usize = 16;
 const AO_R: usize = 8;
 const AO_MAX_N: usize = 8;
 pub(crate) const AO_TICKET: usize = 64;
 const _: () =
-    assert!(super::mix::FUSE_TICKETS <= AO_TICKET && AO_TICKET + 3 <= super::TICKET_WORDS);
+    assert!(super::mix::FUSE_TICKETS <= AO_TICKET && AO_TICKET + 2 <= super::TICKET_WORDS);
 
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
 /// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`), 3 one launch for decode
@@ -50,16 +49,6 @@ fn attn_mode() -> u8 {
         let _ = ATTN_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
     }
     ATTN_MODE.load(Ordering::Relaxed)
-}
-
-/// `attend_one_f32` form: 0 not yet read from `DS4_GPU_ATTN_ONE`, 1 the first form
-/// (`attend_one0_f32`), 2 the default (three tiles in flight, ring rows loaded before their
-/// raw_pos check, a flip barrier without the exit counter, merge units of 32 columns with every
-/// split's partial loaded in one round).
-static ONE_MODE: AtomicU8 = AtomicU8::new(0);
-
-fn one_old() -> bool {
-    env_form(&ONE_MODE, "DS4_GPU_ATTN_ONE", "old")
 }
 
 fn attn_simple() -> bool {
@@ -162,8 +151,8 @@ impl GpuBackend {
     }
 
     /// Attention form by name, as `DS4_GPU_ATTN`: `simple`, `split` (two launches at decode),
-    /// `one` (one launch at decode, the default), `one0` (its first form, as
-    /// `DS4_GPU_ATTN_ONE=old`); process-wide. For tests and benchmarks.
+    /// `one` (one launch at decode, the default); process-wide. For tests and
+    /// benchmarks.
     pub fn set_attn_form(form: &str) {
         let m = match form {
             "simple" => 1,
@@ -171,7 +160,6 @@ impl GpuBackend {
             _ => 3,
         };
         ATTN_MODE.store(m, Ordering::Relaxed);
-        ONE_MODE.store(if form == "one0" { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The ring after a chunk of `n` rows at `t0` (its last `min(n, win)` rows), once every token
@@ -743,11 +731,7 @@ impl GpuBackend {
         let part_mz = self.scratch(n * splits * nh * 2);
         self.run(
             &ATTENTION,
-            if one_old() {
-                "attend_one0_f32"
-            } else {
-                "attend_one_f32"
-            },
+            "attend_one_f32",
             LaunchDims::linear((per_split * splits) as u32, 256),
             &[
                 Arg::Ptr(q.ptr),
