@@ -793,12 +793,10 @@ __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __
         float *__restrict__ y, long long y_z, int rows, int cols, int kspl
 #define MVR_ARGS Q, D, x, x_z, y, y_z, rows, cols, kspl
 
-// Default: the first round's weight loads before the PDL wait; *_old: the wait first (the A/B
-// form, DS4_GPU_PREFETCH=off).
+// The first round's weight loads before the PDL wait (H200, 2k decode: 126.0 against 123.7
+// tok/s with the wait first; bench/results/gpu-prefetch-f7-h200.txt).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<4, 2, true>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0_old(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<4, 2>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0_old(MVR_PARAMS) { ds4_pdl_enter(); mvr_body<2, 2>(MVR_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
@@ -900,7 +898,6 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
     mvr_cta<2, 2, LATE>(MVM_SEL(Q0, Q1, Q2, Q3, Q3), MVM_SEL(D0, D1, D2, D3, D3), x, MVM_SEL(y0, y1, y2, y3, y3),      \
                         MVM_SEL(rows0, rows1, rows2, rows3, rows3), cols, kspl, (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c3));
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LATE; MVRM_BODY(true) }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0_old(MVRM_PARAMS) { ds4_pdl_enter(); MVRM_BODY(false) }
 
 #define MVQM_ONE(i) const u8 *__restrict__ W##i, float *__restrict__ y##i, int rows##i
 #define MVQM_PARAMS                                                                                                    \
@@ -944,7 +941,6 @@ __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16*
         const float *__restrict__ x, float *__restrict__ h, int rows, int cols, float clamp, int kspl
 #define MVRGU_ARGS Qg, Dg, Qu, Du, x, h, rows, cols, clamp, kspl
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body<true>(MVRGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0_old(MVRGU_PARAMS) { ds4_pdl_enter(); mvrgu_body<false>(MVRGU_ARGS); }
 
 // ---- One-row products with x staged once per CTA in shared memory (mvx*_r4u2_<t>, n = 1): the
 // default for Q8_0 decode-layout products of <= 1024 columns (attn q_b: 12.9 against 15.0 us by
@@ -1134,7 +1130,6 @@ __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __
 #define MVX_ARGS W, D, x, x_z, y, y_z, rows, cols, ks
 
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_q8_0(MVX_PARAMS) { DS4_PDL_LATE; mvx_body<T_Q8_0, 4, 2, true>(MVX_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_q8_0_old(MVX_PARAMS) { ds4_pdl_enter(); mvx_body<T_Q8_0, 4, 2>(MVX_ARGS); }
 
 // Several matrices of one x (equal cols; the CSA compressor and indexer projections): matrix m
 // takes CTA batches c_m .. c_{m+1} - 1 (c_0 = 0, absent m: INT_MAX), its rows in batch order as
@@ -1173,4 +1168,3 @@ template <int T, int R> struct MvxMulti {
                           {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};             \
     mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>, LATE>(x, cols, ks, ncb, mm, mm);
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) { DS4_PDL_LATE; MVXM_BODY(true) }
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16_old(MVXMF_PARAMS) { ds4_pdl_enter(); MVXM_BODY(false) }

@@ -202,26 +202,6 @@ static MERGE_ENV: std::sync::Once = std::sync::Once::new();
 const MVRM_MAX: usize = 4;
 const MVQM_MAX: usize = 5;
 
-/// Decode products that issue their first round of weight loads before the PDL wait (`mvr_*`,
-/// `mvrm_*`, `mvrgu_*`, `mvx_*`, `mvxm_*`: weights are never written by an earlier kernel), on by
-/// default; `DS4_GPU_PREFETCH=off` launches the `*_old` forms (the wait first).
-static PREFETCH: AtomicBool = AtomicBool::new(true);
-static PREFETCH_ENV: std::sync::Once = std::sync::Once::new();
-
-/// `name` or, with `DS4_GPU_PREFETCH=off`, its `_old` form.
-fn pf_name(name: &str) -> String {
-    PREFETCH_ENV.call_once(|| {
-        if let Ok(v) = std::env::var("DS4_GPU_PREFETCH") {
-            PREFETCH.store(v != "off", Ordering::Relaxed);
-        }
-    });
-    if PREFETCH.load(Ordering::Relaxed) {
-        name.to_string()
-    } else {
-        format!("{name}_old")
-    }
-}
-
 fn merge_on() -> bool {
     MERGE_ENV.call_once(|| {
         if let Ok(v) = std::env::var("DS4_GPU_MERGE") {
@@ -572,7 +552,7 @@ impl GpuBackend {
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
-            &pf_name(&format!("mvr_{name}_q8_0")),
+            &format!("mvr_{name}_q8_0"),
             dims,
             &[
                 Arg::Ptr(q),
@@ -621,7 +601,7 @@ impl GpuBackend {
         );
         self.run(
             &ds4_kernels::MATVEC,
-            &pf_name(name),
+            name,
             LaunchDims {
                 grid: [gx as u32, 1, zs as u32],
                 block: [MV_WARPS as u32 * self.warp(), 1, 1],
@@ -1167,7 +1147,7 @@ impl GpuBackend {
                 block,
                 shared_bytes: 0,
             };
-            self.run(&ds4_kernels::MATVEC, &pf_name("mvxm_r4u2_f16"), dims, &args);
+            self.run(&ds4_kernels::MATVEC, "mvxm_r4u2_f16", dims, &args);
             return true;
         }
         if decoded {
@@ -1203,12 +1183,7 @@ impl GpuBackend {
                 block,
                 shared_bytes: 0,
             };
-            self.run(
-                &ds4_kernels::MATVEC,
-                &pf_name("mvrm_r2u2_q8_0"),
-                dims,
-                &args,
-            );
+            self.run(&ds4_kernels::MATVEC, "mvrm_r2u2_q8_0", dims, &args);
             return true;
         }
         let sfx = match ty {
@@ -1314,7 +1289,7 @@ impl GpuBackend {
         let (qg, qu) = (dg.ptr(), du.ptr());
         self.run(
             &ds4_kernels::MATVEC,
-            &pf_name("mvrgu_r2u2_q8_0"),
+            "mvrgu_r2u2_q8_0",
             dims,
             &[
                 Arg::Ptr(qg),
