@@ -1264,7 +1264,26 @@ __device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
 
 // grid (n · ceil(heads / HG) · splits) ≤ SMs, blockDim 256; hd ≤ 512, hd % 4 == 0 (float4 rows),
 // splits ≤ 256, chunk a multiple of R. part_o [n, splits, heads, hd], part_mz [n, splits, heads, 2].
-__device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
+// Probe stamps (attend_one_p only; compiled out of attend_one_f32): thread 0 of each CTA writes
+// the time at phase k to stamps[blockIdx.x·DS4_AO_NST + k] (CUDA %globaltimer ns, HIP clock64):
+// 0 entry (after the PDL wait), 1 first row pointers listed, 2 first tile in shared memory,
+// 3 tile loop done, 4 partials stored, 5 past the grid barrier, 6 merge done, 7 exit.
+#define DS4_AO_NST 8
+__device__ __forceinline__ u64 ds4_ao_now() {
+#if defined(DS4_CUDA)
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#else
+    return (u64)clock64();
+#endif
+}
+#define DS4_AO_STAMP(k)                                                                                     \
+    do {                                                                                                    \
+        if (PROBE && tid == 0) stamps[(size_t)blockIdx.x * DS4_AO_NST + (k)] = ds4_ao_now();               \
+    } while (0)
+
+template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
     __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
     __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
@@ -1274,6 +1293,7 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
     const int tid = threadIdx.x, vl = tid % 32, vw = tid / 32;
     const int hd4 = hd / 4;
     const int groups = (heads + DS4_AO_HG - 1) / DS4_AO_HG;
+    DS4_AO_STAMP(0);
     {
         const int b = blockIdx.x;
         const int s = b % splits, g = (b / splits) % groups, i = b / (splits * groups);
@@ -1318,6 +1338,7 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             if (tid < DS4_AO_PTRS)
                 ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
             __syncthreads();
+            if (c0 == jb) DS4_AO_STAMP(1);
             // Loads of the tile starting at ptr_s[r0] (absent rows: zeros).
 #define DS4_AO_FETCH(dst, r0)                                                                              \
     _Pragma("unroll") for (int u = 0; u < DS4_AO_LD; u++) {                                                \
@@ -1337,6 +1358,7 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
                     if (k < DS4_AO_R * hd4) rows_s4[k] = nx[u];
                 }
                 __syncthreads();
+                if (c0 == jb && r0 == 0) DS4_AO_STAMP(2);
                 if (r0 + DS4_AO_R < cn) DS4_AO_FETCH(nx, r0 + DS4_AO_R)
                 // Partial scores: v[hh·R + r] over this lane's columns.
                 float v[4 * DS4_AO_R];
@@ -1419,6 +1441,7 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
 #undef DS4_AO_FETCH
         }
         __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
+        DS4_AO_STAMP(3);
         const size_t base = ((size_t)i * splits + s) * heads + h0;
         float4* po4 = (float4*)part_o;
 #pragma unroll
@@ -1433,8 +1456,10 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             part_mz[(base + tid) * 2 + 1] = z_s[tid];
         }
     }
+    DS4_AO_STAMP(4);
     const u32 total = gridDim.x;
     ds4_ao_grid_sync(tk, total);
+    DS4_AO_STAMP(5);
     // Combine: 32-lane group per (token, head, 128-column block).
     {
         const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
@@ -1505,6 +1530,7 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
             ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
         }
     }
+    DS4_AO_STAMP(6);
     // The ring after the chunk (every CTA has read it by now).
     const int keep = n < win ? n : win;
     for (int b = blockIdx.x; b < keep; b += gridDim.x) {
@@ -1519,6 +1545,10 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS) {
         tk[1] = 0u;
         __threadfence();
     }
+    DS4_AO_STAMP(7);
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one(DS4_AO_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false>(DS4_AO_ARGS, (u64*)0); }
+
+// Probe of attend_one_f32 (crates/ds4-gpu/examples/attn_bench.rs): the same plus stamps.
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true>(DS4_AO_ARGS, stamps); }

@@ -20,6 +20,7 @@ pub const ATTENTION: Module = Module {
         "attend_part_f32",
         "attend_combine_f32",
         "attend_one_f32",
+        "attend_one_p",
         "ring_store_f32",
     ],
 };
