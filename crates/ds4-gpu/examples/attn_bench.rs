@@ -6,8 +6,10 @@
 //! phase ends after the first CTA's start (max over CTAs; median of the launches).
 //! Splits and chunk as `GpuBackend::attend_one` (model/attn.rs) picks them.
 
+mod common;
+
 use ds4_gpu::runtime::{Arg, DevPtr, LaunchDims, Stream};
-use ds4_gpu::{Backend, Gpu};
+use ds4_gpu::Gpu;
 use rand::{Rng, SeedableRng};
 
 const NH: usize = 64;
@@ -36,17 +38,8 @@ fn read_u64(gpu: &Gpu, p: DevPtr, n: usize) -> Vec<u64> {
 }
 
 fn main() {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(400);
-    let gpu = match Gpu::open(Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let reps: usize = common::arg(1, 400);
+    let gpu = common::open_gpu();
     let rt = gpu.runtime().clone();
     let sms = gpu.info().sm_count as usize;
     println!(

@@ -4,10 +4,12 @@
 //! layer's products × 43 layers. Forms: gemm (`set_blas(false)`), blas (three hi/lo terms along
 //! K, the default), fast (one bf16 product, opt-in). Timing: `reps` calls queued back to back
 //! between two syncs (wall clock: the operand conversion kernels and launch overhead in).
+
+mod common;
 use ds4_backend::{Backend, GgmlType, Part, WeightSrc};
 use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_gpu::conformance::random_row;
-use ds4_gpu::{Gpu, GpuBackend};
+use ds4_gpu::GpuBackend;
 use ds4_model::forward::rope_tables;
 use ds4_model::HParams;
 use rand::SeedableRng;
@@ -105,17 +107,8 @@ const PRODUCTS: &[Prod] = &[
 ];
 
 fn main() {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10);
-    let g = match Gpu::open(ds4_gpu::Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let reps: usize = common::arg(1, 10);
+    let g = common::open_gpu();
     let info = g.info().clone();
     println!(
         "device: {} {} ({} SMs)",

@@ -9,10 +9,12 @@
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
+
+mod common;
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part, WeightSrc};
 use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_gpu::conformance::random_row;
-use ds4_gpu::{Gpu, GpuBackend};
+use ds4_gpu::GpuBackend;
 use ds4_model::forward::rope_tables;
 use ds4_model::HParams;
 use rand::{Rng, SeedableRng};
@@ -104,17 +106,8 @@ fn set_form(f: Form) {
 }
 
 fn main() {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
-    let g = match Gpu::open(ds4_gpu::Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let reps: usize = common::arg(1, 20);
+    let g = common::open_gpu();
     let info = g.info().clone();
     println!(
         "device: {} {} ({} SMs, warp {})",

@@ -7,8 +7,10 @@
 //! the CTAs for the per-CTA phases; the last CTA's for the epilogue), and the Sinkhorn's and
 //! the collapse's clock64 cycles.
 
+mod common;
+
 use ds4_gpu::runtime::{Arg, DevPtr, LaunchDims, Stream};
-use ds4_gpu::{Backend, Gpu};
+use ds4_gpu::Gpu;
 use half::f16;
 use rand::{Rng, SeedableRng};
 
@@ -29,17 +31,8 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 }
 
 fn main() {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(200);
-    let gpu = match Gpu::open(Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let reps: usize = common::arg(1, 200);
+    let gpu = common::open_gpu();
     let rt = gpu.runtime().clone();
     let warp = gpu.info().warp as usize;
     let splits = (D / 4).div_ceil(warp / NH); // 128 at warp 32

@@ -4,23 +4,15 @@
 //! excluded), (3) a replay after updating every 8th node (what a decode step patches).
 //! Prints µs per launch for each.
 
+mod common;
+
 use ds4_gpu::gpu::StepGraphs;
 use ds4_gpu::runtime::{Arg, KernelCall, LaunchDims, Stream};
-use ds4_gpu::{Backend, Gpu};
 use std::time::Instant;
 
 fn main() {
-    let n: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
-    let gpu = match Gpu::open(Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let n: usize = common::arg(1, 2000);
+    let gpu = common::open_gpu();
     let rt = gpu.runtime().clone();
     let f = gpu
         .kernel(&ds4_kernels::ELEMENTWISE, "fill_u32")

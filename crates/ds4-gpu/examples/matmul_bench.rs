@@ -3,10 +3,12 @@
 //! counted once per call). Timing: `reps` calls queued back to back between two syncs (wall
 //! clock), so small products include launch overhead. form: 0 direct, 1 tiles, 2 coalesced. Also `Gpu::matvec` (quant.cu) for n = 1.
 
+mod common;
+
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part, WeightSrc};
 use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_gpu::conformance::random_row;
-use ds4_gpu::{Gpu, GpuBackend};
+use ds4_gpu::GpuBackend;
 use ds4_model::forward::rope_tables;
 use ds4_model::HParams;
 use rand::{Rng, SeedableRng};
@@ -71,17 +73,8 @@ fn time(
 }
 
 fn main() {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(50);
-    let g = match Gpu::open(ds4_gpu::Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let reps: usize = common::arg(1, 50);
+    let g = common::open_gpu();
     let info = g.info().clone();
     println!(
         "device: {} {} ({} SMs, warp {})",

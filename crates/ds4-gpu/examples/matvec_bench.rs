@@ -4,10 +4,12 @@
 //! clock, so products of a few MB include launch overhead); small weights are bound several
 //! times and rotated so that the working set (≥ 256 MB) is far larger than the L2.
 
+mod common;
+
 use ds4_backend::{Backend, GgmlType, Part, WeightSrc};
 use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_gpu::conformance::random_row;
-use ds4_gpu::{Gpu, GpuBackend};
+use ds4_gpu::GpuBackend;
 use ds4_model::forward::rope_tables;
 use ds4_model::HParams;
 use rand::{Rng, SeedableRng};
@@ -314,18 +316,9 @@ fn merged(gpu: &GpuBackend, reps: usize) {
 }
 
 fn main() {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100);
+    let reps: usize = common::arg(1, 100);
     let only_q8 = std::env::args().nth(2).as_deref() == Some("q8");
-    let g = match Gpu::open(ds4_gpu::Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let g = common::open_gpu();
     let info = g.info().clone();
     println!(
         "device: {} {} ({} SMs, warp {})",

@@ -2,21 +2,13 @@
 //! buffering, parallel staging copies), as model loading uses it: GiB of host memory (default 8,
 //! touched first, like a file in the page cache) uploaded in 512 MiB tensors.
 
-use ds4_gpu::{Backend, Gpu};
+mod common;
+
 use std::time::Instant;
 
 fn main() {
-    let gib: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
-    let gpu = match Gpu::open(Backend::Auto, 0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2)
-        }
-    };
+    let gib: usize = common::arg(1, 8);
+    let gpu = common::open_gpu();
     let total = gib << 30;
     let host: Vec<u8> = (0..total).map(|i| (i * 7 + (i >> 12)) as u8).collect();
     let piece = 512 << 20;
