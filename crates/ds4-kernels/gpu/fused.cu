@@ -305,12 +305,6 @@ __device__ __forceinline__ u64 fp_now() {
 #define FL_SUB 8 // threads summing one partial row
 #define FL_PF 5  // collapse columns a thread loads before the partial sums (D/4 <= 5·224: one round)
 
-// A kernel body starting `DS4_PDL_LATE;` is launched with PDL (ds4_kernels::pdl_kernels) but
-// calls ds4_pdl_enter() itself, after loads of weights only (nothing an earlier kernel writes).
-#define DS4_PDL_LATE \
-    do {             \
-    } while (0)
-
 // Release / acquire fence at device scope for the arrival ticket (CUDA fence.acq_rel.gpu,
 // lighter than __threadfence's fence.sc; HIP __threadfence).
 __device__ __forceinline__ void fl_fence() {

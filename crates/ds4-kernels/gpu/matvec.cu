@@ -710,14 +710,6 @@ __device__ __forceinline__ float mvr_dot(uint4 v, u32 d, const float4& xa, const
     return fmaf(ds4_h2f_fast(d), s, acc);
 }
 
-// DS4_PDL_LATE (as fused.cu): a kernel body starting with it is launched with PDL
-// (ds4_kernels::pdl_kernels) and calls ds4_pdl_enter() itself after loads of weights only.
-#ifndef DS4_PDL_LATE
-#define DS4_PDL_LATE \
-    do {             \
-    } while (0)
-#endif
-
 // The loads of one round (U steps from h0, guarded per lane) of decode-layout rows qp/dp.
 template <int R, int U>
 __device__ __forceinline__ void mvr_ld(const uint4* const (&qp)[R], const u16* const (&dp)[R], int h0, int hb,
@@ -734,10 +726,10 @@ __device__ __forceinline__ void mvr_ld(const uint4* const (&qp)[R], const u16* c
 
 // acc[i] += lane's half blocks of decode-layout rows qp[i]/dp[i] times x (xv: x as float4),
 // steps ks*DS4_WARP, + kspl*DS4_WARP, ... of hb half blocks; U steps of loads before the math.
-// LATE: the first round's loads (weights only: 2 KB a warp for R = U = 2) are issued before
-// the PDL wait (ds4_pdl_enter here; the caller makes warps without rows call it too), so they
-// run while the previous kernel drains; x is read after it.
-template <int R, int U, bool LATE = false>
+// The first round's loads (weights only: 2 KB a warp for R = U = 2) are issued before the PDL
+// wait (ds4_pdl_enter here; the caller makes warps without rows call it too), so they run
+// while the previous kernel drains; x is read after it.
+template <int R, int U>
 __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* const (&dp)[R],
                                         const float4* __restrict__ xv, int hb, int ks, int kspl, float (&acc)[R][1]) {
     int lane = threadIdx.x % DS4_WARP, stride = kspl * DS4_WARP;
@@ -745,7 +737,7 @@ __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* 
     uint4 v[U][R];
     u32 d[U][R];
     mvr_ld<R, U>(qp, dp, h0, hb, stride, v, d);
-    if (LATE) ds4_pdl_enter();
+    ds4_pdl_enter();
     for (; h0 < hb; h0 += U * stride) { // round: the math of its loads, then the next round's loads
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -760,7 +752,7 @@ __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* 
     }
 }
 
-template <int R, int U, bool LATE = false>
+template <int R, int U>
 __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          int kspl) {
@@ -779,8 +771,8 @@ __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __
             qp[i] = (const uint4*)(Q + g * cols);
             dp[i] = D + g * (cols / 32);
         }
-        mvr_acc<R, U, LATE>(qp, dp, (const float4*)(x + (long long)z * x_z), cols / 16, warp % kspl, kspl, acc);
-    } else if (LATE) {
+        mvr_acc<R, U>(qp, dp, (const float4*)(x + (long long)z * x_z), cols / 16, warp % kspl, kspl, acc);
+    } else {
         ds4_pdl_enter();
     }
     float v = mv_reduce<1, R>(acc, kspl, red);
@@ -795,8 +787,8 @@ __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __
 
 // The first round's weight loads before the PDL wait (H200, 2k decode: 126.0 against 123.7
 // tok/s with the wait first; bench/results/gpu-prefetch-f7-h200.txt).
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<4, 2, true>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<4, 2>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2>(MVR_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
@@ -815,7 +807,7 @@ __device__ __forceinline__ int mvm_pick(int c1, int c2, int c3, int c4) {
 }
 
 // One CTA (index bx) of y[r] = W[r] . x, W in the decode layout (Q, D), r < rows.
-template <int R, int U, bool LATE = false>
+template <int R, int U>
 __device__ __forceinline__ void mvr_cta(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
                                         float* __restrict__ y, int rows, int cols, int kspl, int bx) {
     __shared__ float red[MV_WARPS * R];
@@ -833,8 +825,8 @@ __device__ __forceinline__ void mvr_cta(const u8* __restrict__ Q, const u16* __r
             qp[i] = (const uint4*)(Q + g * cols);
             dp[i] = D + g * (cols / 32);
         }
-        mvr_acc<R, U, LATE>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
-    } else if (LATE) {
+        mvr_acc<R, U>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
+    } else {
         ds4_pdl_enter();
     }
     float v = mv_reduce<1, R>(acc, kspl, red);
@@ -893,11 +885,11 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
     MVRM_ONE(0), MVRM_ONE(1), MVRM_ONE(2), MVRM_ONE(3), const float *__restrict__ x, int cols, int kspl, int c1, int c2, \
         int c3
 
-#define MVRM_BODY(LATE)                                                                                                \
+#define MVRM_BODY                                                                                                \
     int m = mvm_pick(c1, c2, c3, 0x7fffffff);                                                                          \
-    mvr_cta<2, 2, LATE>(MVM_SEL(Q0, Q1, Q2, Q3, Q3), MVM_SEL(D0, D1, D2, D3, D3), x, MVM_SEL(y0, y1, y2, y3, y3),      \
+    mvr_cta<2, 2>(MVM_SEL(Q0, Q1, Q2, Q3, Q3), MVM_SEL(D0, D1, D2, D3, D3), x, MVM_SEL(y0, y1, y2, y3, y3),      \
                         MVM_SEL(rows0, rows1, rows2, rows3, rows3), cols, kspl, (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c3));
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LATE; MVRM_BODY(true) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LATE; MVRM_BODY }
 
 #define MVQM_ONE(i) const u8 *__restrict__ W##i, float *__restrict__ y##i, int rows##i
 #define MVQM_PARAMS                                                                                                    \
@@ -912,7 +904,6 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LAT
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_F16) }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_Q8_0) }
 
-template <bool LATE>
 __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu,
                                            const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h,
                                            int rows, int cols, float clamp, int kspl) {
@@ -924,8 +915,8 @@ __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16*
         long long o = (long long)r * cols, od = (long long)r * (cols / 32);
         const uint4* qp[2] = {(const uint4*)(Qg + o), (const uint4*)(Qu + o)};
         const u16* dp[2] = {Dg + od, Du + od};
-        mvr_acc<2, 2, LATE>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
-    } else if (LATE) {
+        mvr_acc<2, 2>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
+    } else {
         ds4_pdl_enter();
     }
     float v = mv_reduce<1, 2>(acc, kspl, red); // lane 0: gate, lane 1: up (first warp of a group)
@@ -940,7 +931,7 @@ __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16*
     const u8 *__restrict__ Qg, const u16 *__restrict__ Dg, const u8 *__restrict__ Qu, const u16 *__restrict__ Du,     \
         const float *__restrict__ x, float *__restrict__ h, int rows, int cols, float clamp, int kspl
 #define MVRGU_ARGS Qg, Dg, Qu, Du, x, h, rows, cols, clamp, kspl
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body<true>(MVRGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body(MVRGU_ARGS); }
 
 // ---- One-row products with x staged once per CTA in shared memory (mvx*_r4u2_<t>, n = 1): the
 // default for Q8_0 decode-layout products of <= 1024 columns (attn q_b: 12.9 against 15.0 us by
@@ -1023,7 +1014,7 @@ __device__ __forceinline__ void mvx_fetch(const Src& src, int cb, int gi, int h,
 // a real one); snk.put(cb, gi, v): called by every lane of the first warp of each group, lane
 // i < R holding the total of row i. x: cols floats (cols a multiple of 16 for Q8_0, 8 for F16,
 // <= MVX_MAXC). ncb: CTA batches of this z.
-template <int T, int R, int U, class Src, class Snk, bool LATE = false>
+template <int T, int R, int U, class Src, class Snk>
 __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, int ks_n, int ncb, const Src& src,
                                         const Snk& snk) {
     __shared__ float4 xs[MVX_MAXC / 4];
@@ -1043,7 +1034,7 @@ __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, i
 #pragma unroll
         for (int u = 0; u < U; u++) mvx_fetch<T, R>(src, blockIdx.x, gi, hs + u * W + lane, he, v[u], d[u]);
     }
-    if (LATE) ds4_pdl_enter(); // round 0's weight loads in flight across the wait; x after it
+    ds4_pdl_enter(); // round 0's weight loads in flight across the wait; x after it
     const float4* xg = (const float4*)x;
     for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) xs[mvx_sw(i)] = xg[i];
     __syncthreads();
@@ -1113,7 +1104,7 @@ template <int R> struct MvxPut {
 
 // y[z*y_z + r] = W[z*rows + r] . x[z*x_z ..], r < rows; Q8_0: W = Q (decode layout), D its scales;
 // F16: W rows of cols halfs (D unused). ks: k-slices per row group.
-template <int T, int R, int U, bool LATE = false>
+template <int T, int R, int U>
 __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          int ks) {
@@ -1121,7 +1112,7 @@ __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __
     int ncb = (rows + groups * R - 1) / (groups * R);
     MvxOne<T, R> src{W, D, (long long)z * rows, rows, cols, groups};
     MvxPut<R> snk{y + (long long)z * y_z, rows, groups};
-    mvx_run<T, R, U, MvxOne<T, R>, MvxPut<R>, LATE>(x + (long long)z * x_z, cols, ks, ncb, src, snk);
+    mvx_run<T, R, U, MvxOne<T, R>, MvxPut<R>>(x + (long long)z * x_z, cols, ks, ncb, src, snk);
 }
 
 #define MVX_PARAMS                                                                                                     \
@@ -1129,7 +1120,7 @@ __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __
         float *__restrict__ y, long long y_z, int rows, int cols, int ks
 #define MVX_ARGS W, D, x, x_z, y, y_z, rows, cols, ks
 
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_q8_0(MVX_PARAMS) { DS4_PDL_LATE; mvx_body<T_Q8_0, 4, 2, true>(MVX_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_q8_0(MVX_PARAMS) { DS4_PDL_LATE; mvx_body<T_Q8_0, 4, 2>(MVX_ARGS); }
 
 // Several matrices of one x (equal cols; the CSA compressor and indexer projections): matrix m
 // takes CTA batches c_m .. c_{m+1} - 1 (c_0 = 0, absent m: INT_MAX), its rows in batch order as
@@ -1163,8 +1154,8 @@ template <int T, int R> struct MvxMulti {
 #define MVXMF_PARAMS                                                                                                   \
     MVXMF_ONE(0), MVXMF_ONE(1), MVXMF_ONE(2), MVXMF_ONE(3), MVXMF_ONE(4), const float *__restrict__ x, int cols, int ks, \
         int c1, int c2, int c3, int c4, int ncb
-#define MVXM_BODY(LATE)                                                                                                \
+#define MVXM_BODY                                                                                                \
     MvxMulti<T_F16, 4> mm{{W0, W1, W2, W3, W4}, {nullptr, nullptr, nullptr, nullptr, nullptr}, {y0, y1, y2, y3, y4},     \
                           {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};             \
-    mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>, LATE>(x, cols, ks, ncb, mm, mm);
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) { DS4_PDL_LATE; MVXM_BODY(true) }
+    mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>>(x, cols, ks, ncb, mm, mm);
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) { DS4_PDL_LATE; MVXM_BODY }

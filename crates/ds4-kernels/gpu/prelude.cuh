@@ -95,3 +95,10 @@ __device__ __forceinline__ void ds4_pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// A kernel body starting `DS4_PDL_LATE;` is also launched with PDL (ds4_kernels::pdl_kernels) but
+// calls ds4_pdl_enter() itself, after loads of weights only (nothing an earlier kernel writes):
+// those loads then overlap the previous kernel's tail.
+#define DS4_PDL_LATE \
+    do {             \
+    } while (0)
