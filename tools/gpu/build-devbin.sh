@@ -4,7 +4,8 @@
 # (ignored by git; carried to the device with `carry: [".devbin"]`).
 # Then tools/gpu/pack-devbin.sh adds the kernels precompiled for the H200 and packs everything
 # into .devbin/pack.tar.xz (tools/gpu/device-suite.sh unpacks it).
-# DEVBIN_TESTS="gpu_forward ops_attn" keeps only those test binaries (default: all).
+# DEVBIN_TESTS="gpu_forward ops_attn" keeps only those test binaries (default: all);
+# DEVBIN_OUT=DIR writes there instead of .devbin (one folder per person sharing the tree).
 # Usage: tools/gpu/build-devbin.sh
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
@@ -13,7 +14,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/target-dev}
 rm -rf "$src" && git clone -q "$repo" "$src"
 cd "$src"
 cargo build --release -p ds4-cli
-out="$repo/.devbin"
+out=${DEVBIN_OUT:-$repo/.devbin}
 rm -rf "$out" && mkdir -p "$out"
 cp "$CARGO_TARGET_DIR/release/ds4" "$out/ds4"
 cargo test --release -p ds4-gpu -p ds4-engine --no-run --message-format=json 2>/dev/null \
@@ -34,6 +35,6 @@ if [ -n "${DEVBIN_TESTS:-}" ]; then
   done
 fi
 "$repo/tools/gpu/pack-devbin.sh" "$out.tmp" "$out"/* && rm -rf "$out" && mv "$out.tmp" "$out"
-grep -qx '/.devbin/' "$repo/.git/info/exclude" || echo '/.devbin/' >> "$repo/.git/info/exclude"
+grep -qx '/.devbin*/' "$repo/.git/info/exclude" || echo '/.devbin*/' >> "$repo/.git/info/exclude"
 du -sh "$out"; ls "$out"
 echo "commit: $(git rev-parse --short HEAD)"
