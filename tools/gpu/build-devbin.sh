@@ -13,6 +13,8 @@ src=${DEVBIN_CLONE:-/tmp/devbuild}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/target-dev}
 rm -rf "$src" && git clone -q "$repo" "$src"
 cd "$src"
+# DEVBIN_PATCH=FILE: a diff (git diff -- your files) applied to the clone, to measure before committing.
+if [ -n "${DEVBIN_PATCH:-}" ]; then git apply "$DEVBIN_PATCH"; echo "applied $DEVBIN_PATCH"; fi
 cargo build --release -p ds4-cli
 out=${DEVBIN_OUT:-$repo/.devbin}
 rm -rf "$out" && mkdir -p "$out"
