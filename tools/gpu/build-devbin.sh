@@ -4,7 +4,7 @@
 # (ignored by git; carried to the device with `carry: [".devbin"]`).
 # Then tools/gpu/pack-devbin.sh adds the kernels precompiled for the H200 and packs everything
 # into .devbin/pack.tar.xz (tools/gpu/device-suite.sh unpacks it).
-# DEVBIN_TESTS="gpu_forward ops_attn" keeps only those test binaries (default: all);
+# DEVBIN_TESTS="gpu_forward ops_attn" keeps only those test binaries (default: all; none: builds none);
 # DEVBIN_OUT=DIR writes there instead of .devbin (one folder per person sharing the tree).
 # Usage: tools/gpu/build-devbin.sh
 set -euo pipefail
@@ -19,7 +19,7 @@ cargo build --release -p ds4-cli
 out=${DEVBIN_OUT:-$repo/.devbin}
 rm -rf "$out" && mkdir -p "$out"
 cp "$CARGO_TARGET_DIR/release/ds4" "$out/ds4"
-cargo test --release -p ds4-gpu -p ds4-engine --no-run --message-format=json 2>/dev/null \
+[ "${DEVBIN_TESTS:-}" = none ] || cargo test --release -p ds4-gpu -p ds4-engine --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys, shutil, os
 out = sys.argv[1]
