@@ -30,9 +30,6 @@ pub struct Enums {
     pub r_16bf: c_int,
     /// cublasComputeType_t / hipblasComputeType_t: f32 compute and accumulation.
     pub compute_32f: c_int,
-    /// f32 operands taken as TF32 on the tensor cores (10 explicit mantissa bits), f32
-    /// accumulation.
-    pub compute_32f_fast_tf32: c_int,
     /// cublasOperation_t / hipblasOperation_t.
     pub op_n: c_int,
     pub op_t: c_int,
@@ -51,7 +48,6 @@ pub const CUBLASLT: Enums = Enums {
     r_32f: 0,
     r_16bf: 14,
     compute_32f: 68,
-    compute_32f_fast_tf32: 77,
     op_n: 0,
     op_t: 1,
     desc_transa: 3,
@@ -66,7 +62,6 @@ pub const HIPBLASLT: Enums = Enums {
     r_32f: 0,
     r_16bf: 14,
     compute_32f: 2,
-    compute_32f_fast_tf32: 6,
     op_n: 111,
     op_t: 112,
     desc_transa: 0,
@@ -291,11 +286,9 @@ impl Drop for Handle {
 /// `D[m × n] = A^T · B` per batch, A `k × m` (bf16, leading dimension `lda`), B `k × n` (bf16,
 /// `ldb`), D `m × n` (f32, `ldd`), batch b at element offsets `b·a_stride`, `b·b_stride`,
 /// `b·d_stride`. A row-major weight `[m][k]` is A with lda = k; row-major activations `[n][k]`
-/// are B; row-major outputs `[n][m]` are D with ldd = m. `tf32`: A and B are f32 (taken as
-/// TF32 by the tensor cores, compute type 32F_FAST_TF32) instead of bf16.
+/// are B; row-major outputs `[n][m]` are D with ldd = m.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Shape {
-    pub tf32: bool,
     pub m: u64,
     pub n: u64,
     pub k: u64,
@@ -367,15 +360,7 @@ impl Handle {
         unsafe {
             lt.check(
                 "MatmulDescCreate",
-                (lt.desc_create)(
-                    &mut p.desc,
-                    if s.tf32 {
-                        e.compute_32f_fast_tf32
-                    } else {
-                        e.compute_32f
-                    },
-                    e.r_32f,
-                ),
+                (lt.desc_create)(&mut p.desc, e.compute_32f, e.r_32f),
             )?;
             let ds = lt.desc_set;
             set(
@@ -407,9 +392,8 @@ impl Handle {
                 }
                 Ok::<(), GpuError>(())
             };
-            let ab = if s.tf32 { e.r_32f } else { e.r_16bf };
-            layout(&mut p.a, ab, s.k, s.m, s.lda, s.a_stride)?;
-            layout(&mut p.b, ab, s.k, s.n, s.ldb, s.b_stride)?;
+            layout(&mut p.a, e.r_16bf, s.k, s.m, s.lda, s.a_stride)?;
+            layout(&mut p.b, e.r_16bf, s.k, s.n, s.ldb, s.b_stride)?;
             layout(&mut p.d, e.r_32f, s.m, s.n, s.ldd, s.d_stride)?;
             let mut pref: H = std::ptr::null_mut();
             lt.check("MatmulPreferenceCreate", (lt.pref_create)(&mut pref))?;

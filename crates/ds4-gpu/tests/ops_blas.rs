@@ -1,13 +1,11 @@
 //! Dense prefill products through the vendor BLAS-Lt (model/blas.rs: cuBLASLt / hipBLASLt)
 //! against the CPU reference: every covered weight type (F32, F16, BF16, Q8_0), Part::All and
 //! Part::Expert, grouped products (4 groups, and the model's out_a: 8 groups of 4096 -> 1024),
-//! a real shape (Q8_0 4096 -> 1024), n ∈ {5, 37, 64, 2048}. Each case in three forms: the default
+//! a real shape (Q8_0 4096 -> 1024), n ∈ {5, 37, 64, 2048}. Each case in two forms: the default
 //! (bf16 hi/lo terms laid along K: one product, three terms) held to ops_gemm's tolerance for
-//! the GEMM's bf16 form (2e-3 relative to 1 + |cpu|), `fast` (one bf16 product) held to
+//! the GEMM's bf16 form (2e-3 relative to 1 + |cpu|), and `fast` (one bf16 product) held to
 //! TOL_FAST relative to 1 + rms(cpu) (both operands rounded to bf16 once: ~2^-9 per term, so
-//! the error scales with rms(y), not with each output), and `tf32` (one TF32 product, f32
-//! activations read as they are: ~2^-11 per term) held to the default's tolerance (its
-//! rms-relative error printed too). Each case checks that the library took
+//! the error scales with rms(y), not with each output). Each case checks that the library took
 //! the product (launch counter). Forms are process-wide: run with --test-threads=1 on a GPU.
 //! Without a GPU the device tests skip with the reason; with a GPU but no library they skip
 //! saying what was searched. The host test (runs anywhere) checks the loader's failure line.
@@ -27,26 +25,14 @@ const TOL: f32 = 2e-3;
 /// (bench/results/gpu-blas-b-h200.txt).
 const TOL_FAST: f32 = 3e-2;
 
-/// The forms: 0 default (three bf16 terms), 1 fast (one bf16 term), 2 tf32.
-const FORMS: [usize; 3] = [0, 1, 2];
-const FORM_NAMES: [&str; 3] = ["default", "fast", "tf32"];
-
-fn set_form(form: usize) {
-    match form {
-        2 => GpuBackend::set_blas_tf32(),
-        f => GpuBackend::set_blas(true, f == 1),
-    }
-}
-
 const TYPES: &[GgmlType] = &[GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0];
 const NS: &[usize] = &[5, 37, 64, 2048];
 
 #[derive(Default)]
 struct Cases {
     bad: Vec<String>,
-    /// Worst error: default form, fast form (rms-relative), tf32 form, tf32 form rms-relative,
-    /// the built-in GEMM on the default form's cases.
-    worst: [f32; 5],
+    /// Worst error: default form, fast form, the built-in GEMM on the default form's cases.
+    worst: [f32; 3],
 }
 
 impl Cases {
@@ -55,7 +41,7 @@ impl Cases {
     fn check(
         &mut self,
         name: String,
-        form: usize,
+        fast: bool,
         l0: u64,
         g: &[f32],
         gemm: Option<Vec<f32>>,
@@ -68,25 +54,19 @@ impl Cases {
             return;
         }
         let took = GpuBackend::blas_launches() > l0;
-        let fast = form == 1;
         let (e, tol) = if fast {
             (max_rel_rms(g, c), TOL_FAST)
         } else {
             (max_rel(g, c), TOL)
         };
-        self.worst[form] = self.worst[form].max(e);
-        let rms = (form == 2).then(|| max_rel_rms(g, c));
-        if let Some(r) = rms {
-            self.worst[3] = self.worst[3].max(r);
-        }
+        self.worst[fast as usize] = self.worst[fast as usize].max(e);
         let ge = gemm.map(|v| max_rel(&v, c));
         if let Some(ge) = ge {
-            self.worst[4] = self.worst[4].max(ge);
+            self.worst[2] = self.worst[2].max(ge);
         }
         println!(
-            "{name}: max rel {e:.3e}{}{}{}{}",
+            "{name}: max rel {e:.3e}{}{}{}",
             if fast { " (rms-relative)" } else { "" },
-            rms.map_or(String::new(), |r| format!(" (rms-relative {r:.3e})")),
             ge.map_or(String::new(), |ge| format!(" (built-in GEMM {ge:.3e})")),
             if took { "" } else { " (BLAS NOT USED)" }
         );
@@ -97,10 +77,9 @@ impl Cases {
 
     fn finish(self) {
         println!(
-            "worst: default {:.3e} (tolerance {TOL:.0e}), fast {:.3e} (rms-relative, {TOL_FAST:.0e}), \
-             tf32 {:.3e} (tolerance {TOL:.0e}; rms-relative {:.3e}); built-in GEMM on the default \
-             form's cases {:.3e}",
-            self.worst[0], self.worst[1], self.worst[2], self.worst[3], self.worst[4]
+            "worst: default {:.3e} (tolerance {TOL:.0e}), fast {:.3e} (rms-relative, {TOL_FAST:.0e}); \
+             built-in GEMM on the default form's cases {:.3e}",
+            self.worst[0], self.worst[1], self.worst[2]
         );
         GpuBackend::set_blas(true, false);
         assert!(self.bad.is_empty(), "failed cases: {:?}", self.bad);
@@ -124,10 +103,8 @@ fn blas_dense_every_type_and_n() {
     };
     let mut cases = Cases::default();
     let mut want = std::collections::HashMap::new();
-    for form in FORMS {
-        set_form(form);
-        // The built-in GEMM beside the default form.
-        let with_gemm = form == 0;
+    for fast in [false, true] {
+        GpuBackend::set_blas(true, fast);
         for (ti, &ty) in TYPES.iter().enumerate() {
             // 3 experts of 200 rows × 1024 columns.
             let (cols, rows) = (1024, 200);
@@ -147,21 +124,13 @@ fn blas_dense_every_type_and_n() {
                     let l0 = GpuBackend::blas_launches();
                     gpu.matmul(&gw, part, &gx, n, &mut gy);
                     let g = gpu.download(&gy, n * rows);
-                    let gemm = with_gemm.then(|| {
+                    let gemm = (!fast).then(|| {
                         GpuBackend::set_blas(false, false);
                         gpu.matmul(&gw, part, &gx, n, &mut gy);
-                        set_form(form);
+                        GpuBackend::set_blas(true, false);
                         gpu.download(&gy, n * rows)
                     });
-                    cases.check(
-                        format!("{key} {}", FORM_NAMES[form]),
-                        form,
-                        l0,
-                        &g,
-                        gemm,
-                        c,
-                        &gpu,
-                    );
+                    cases.check(format!("{key} fast={fast}"), fast, l0, &g, gemm, c, &gpu);
                 }
             }
         }
@@ -180,15 +149,15 @@ fn blas_dense_every_type_and_n() {
         let l0 = GpuBackend::blas_launches();
         gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
         let g = gpu.download(&gy, n * 1024);
-        let gemm = with_gemm.then(|| {
+        let gemm = (!fast).then(|| {
             GpuBackend::set_blas(false, false);
             gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
-            set_form(form);
+            GpuBackend::set_blas(true, false);
             gpu.download(&gy, n * 1024)
         });
         cases.check(
-            format!("matmul Q8_0 4096x1024 n={n} {}", FORM_NAMES[form]),
-            form,
+            format!("matmul Q8_0 4096x1024 n={n} fast={fast}"),
+            fast,
             l0,
             &g,
             gemm,
@@ -219,10 +188,8 @@ fn blas_grouped_every_type() {
     };
     let mut cases = Cases::default();
     let mut want = std::collections::HashMap::new();
-    for form in FORMS {
-        set_form(form);
-        // The built-in GEMM beside the default form.
-        let with_gemm = form == 0;
+    for fast in [false, true] {
+        GpuBackend::set_blas(true, fast);
         // (type, groups, cols, rows): small groups, and the model's out_a.
         let mut shapes: Vec<(GgmlType, usize, usize, usize)> =
             TYPES.iter().map(|&t| (t, 4, 512, 4 * 80)).collect();
@@ -244,21 +211,13 @@ fn blas_grouped_every_type() {
                 let l0 = GpuBackend::blas_launches();
                 gpu.matmul_grouped(&gw, groups, &gx, n, &mut gy);
                 let g = gpu.download(&gy, n * rows);
-                let gemm = with_gemm.then(|| {
+                let gemm = (!fast).then(|| {
                     GpuBackend::set_blas(false, false);
                     gpu.matmul_grouped(&gw, groups, &gx, n, &mut gy);
-                    set_form(form);
+                    GpuBackend::set_blas(true, false);
                     gpu.download(&gy, n * rows)
                 });
-                cases.check(
-                    format!("{key} {}", FORM_NAMES[form]),
-                    form,
-                    l0,
-                    &g,
-                    gemm,
-                    c,
-                    &gpu,
-                );
+                cases.check(format!("{key} fast={fast}"), fast, l0, &g, gemm, c, &gpu);
             }
         }
     }

@@ -71,30 +71,3 @@ DS4_KERNEL void DS4_BOUNDS(256) blas_x_f32(const float* __restrict__ X, long lon
     uint4* o = out + rg * parts * per + s;
     for (int p = 0; p < parts; p++) o[p * per] = p == 1 ? lo : hi;
 }
-
-// The TF32 form (DS4_GPU_BLAS=tf32): W (rows of row_bytes GGUF bytes, K elements) -> W' (rows × K
-// f32, row-major), dequantised as the GEMM reads it and rounded to the nearest TF32 value (10
-// explicit mantissa bits; the tensor cores would otherwise drop the low 13 bits); the library
-// takes X as it is (f32).
-__device__ __forceinline__ float bp_tf32(float v) {
-    return __int_as_float((__float_as_int(v) + 0x1000) & 0xffffe000); // ties away from zero
-}
-
-template <int T>
-__device__ __forceinline__ void bp_wf(const u8* __restrict__ W, long long row_bytes, int K, long long rows, float4* __restrict__ out) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
-    int per = K / 8;
-    if (i >= rows * per) return;
-    long long r = i / per;
-    int s = (int)(i - r * per);
-    float v[8];
-    deq_slice<T>(W + r * row_bytes, s >> 2, s & 3, v);
-    float4* o = out + 2 * i; // row r, slice s: 2 * (r * per + s)
-    o[0] = make_float4(bp_tf32(v[0]), bp_tf32(v[1]), bp_tf32(v[2]), bp_tf32(v[3]));
-    o[1] = make_float4(bp_tf32(v[4]), bp_tf32(v[5]), bp_tf32(v[6]), bp_tf32(v[7]));
-}
-
-DS4_KERNEL void DS4_BOUNDS(256) blas_wf_f32(const u8* __restrict__ W, long long row_bytes, int K, long long rows, float4* __restrict__ out) { bp_wf<T_F32>(W, row_bytes, K, rows, out); }
-DS4_KERNEL void DS4_BOUNDS(256) blas_wf_f16(const u8* __restrict__ W, long long row_bytes, int K, long long rows, float4* __restrict__ out) { bp_wf<T_F16>(W, row_bytes, K, rows, out); }
-DS4_KERNEL void DS4_BOUNDS(256) blas_wf_bf16(const u8* __restrict__ W, long long row_bytes, int K, long long rows, float4* __restrict__ out) { bp_wf<T_BF16>(W, row_bytes, K, rows, out); }
-DS4_KERNEL void DS4_BOUNDS(256) blas_wf_q8_0(const u8* __restrict__ W, long long row_bytes, int K, long long rows, float4* __restrict__ out) { bp_wf<T_Q8_0>(W, row_bytes, K, rows, out); }

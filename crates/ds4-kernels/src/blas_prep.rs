@@ -3,8 +3,7 @@ use crate::Module;
 /// Operands of the vendor BLAS-Lt products (`gpu/blas_prep.cu`, host side ds4-gpu model/blas.rs):
 /// `blas_w_<t>` dequantises a weight to bf16 hi/lo parts laid along K (`[hi | hi | lo]`),
 /// `blas_x_f32` converts activations the same way (`[hi | lo | hi]`), so one bf16 product with
-/// f32 accumulation sums the built-in GEMM's three hi/lo terms; `blas_wf_<t>` dequantises a
-/// weight to f32 (TF32-rounded) for the TF32 form.
+/// f32 accumulation sums the built-in GEMM's three hi/lo terms.
 pub const BLAS_PREP: Module = Module {
     name: "blas_prep",
     source: include_str!("../gpu/blas_prep.cu"),
@@ -14,9 +13,5 @@ pub const BLAS_PREP: Module = Module {
         "blas_w_bf16",
         "blas_w_q8_0",
         "blas_x_f32",
-        "blas_wf_f32",
-        "blas_wf_f16",
-        "blas_wf_bf16",
-        "blas_wf_q8_0",
     ],
 };

@@ -38,14 +38,12 @@ const MIN_N: usize = 5;
 /// Plans kept per backend before the cache is cleared (prefill sees a handful of shapes).
 const MAX_PLANS: usize = 256;
 
-/// 0 off, 1 on (three-term hi/lo), 2 fast (one bf16 term), 3 tf32 (one TF32 product of the
-/// f32 activations as they are and the weights dequantised to f32); UNSET: read `DS4_GPU_BLAS`.
+/// 0 off, 1 on (three-term hi/lo), 2 fast (one bf16 term); UNSET: read `DS4_GPU_BLAS`.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 const OFF: u8 = 0;
 const ON: u8 = 1;
 const FAST: u8 = 2;
-const TF32: u8 = 3;
 /// Library products queued so far (process-wide), so tests can see the path took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
@@ -57,7 +55,6 @@ fn mode() -> u8 {
     let m = match std::env::var("DS4_GPU_BLAS").as_deref() {
         Ok("off") | Ok("0") => OFF,
         Ok("fast") => FAST,
-        Ok("tf32") => TF32,
         _ => ON,
     };
     MODE.store(m, Ordering::Relaxed);
@@ -72,14 +69,11 @@ pub(crate) struct BlasSlot {
     st: OnceLock<Option<BlasState>>,
 }
 
-/// A plan shared out of the cache (the cache may be cleared while a product uses one).
-type PlanRef = std::sync::Arc<Plan>;
-
 /// Field order is drop order: plans and handle before the workspace (and the runtime it holds).
 struct BlasState {
     lt: &'static BlasLt,
     /// Descriptors and algorithm per shape; None: the library has no algorithm (declined).
-    plans: Mutex<HashMap<Shape, Option<PlanRef>>>,
+    plans: Mutex<HashMap<Shape, Option<Plan>>>,
     handle: Handle,
     ws: DeviceBuffer,
     /// A call failed: decline from now on (said once).
@@ -116,11 +110,6 @@ impl GpuBackend {
             },
             Ordering::Relaxed,
         );
-    }
-
-    /// The TF32 form (one product; the activations read as f32, no conversion), process-wide.
-    pub fn set_blas_tf32() {
-        MODE.store(TF32, Ordering::Relaxed);
     }
 
     /// Library products queued so far in this process.
@@ -269,9 +258,6 @@ impl GpuBackend {
         let Some(st) = self.blas_state() else {
             return false;
         };
-        if m == TF32 {
-            return self.blas_tf32(st, j, sfx);
-        }
         // Parts along K: hi/lo terms (see the module doc); BF16 weights have no lo part.
         let parts = if m == FAST {
             1
@@ -282,7 +268,6 @@ impl GpuBackend {
         };
         let (g, r, kk) = (j.groups, j.rows / j.groups, parts * j.cols);
         let shape = Shape {
-            tf32: false,
             m: r as u64,
             n: j.n as u64,
             k: kk as u64,
@@ -294,8 +279,23 @@ impl GpuBackend {
             b_stride: kk as i64,
             d_stride: j.y_z as i64,
         };
-        let Some(plan) = self.blas_plan(st, &shape) else {
-            return false;
+        let mut plans = st.plans.lock().unwrap();
+        if !plans.contains_key(&shape) {
+            if plans.len() >= MAX_PLANS {
+                plans.clear();
+            }
+            match st.handle.plan(&shape, WORKSPACE) {
+                Ok(p) => {
+                    plans.insert(shape, p);
+                }
+                Err(e) => {
+                    self.blas_broken(st, &e);
+                    return false;
+                }
+            }
+        }
+        let Some(plan) = plans.get(&shape).and_then(|p| p.as_ref()) else {
+            return false; // no algorithm for this shape
         };
         // W' (rows × kk bf16) and X' (n × g × kk bf16); scratch counts 4-byte words.
         let wp = self.scratch(j.rows * kk / 2);
@@ -329,76 +329,18 @@ impl GpuBackend {
                 Arg::Ptr(xp.ptr),
             ],
         );
-        self.blas_queue(st, &plan, wp.ptr, xp.ptr, j.y)
-    }
-
-    /// The TF32 form: W dequantised to f32 (rows × K) and X read in place (f32, its own
-    /// strides), one product with compute type 32F_FAST_TF32.
-    fn blas_tf32(&self, st: &BlasState, j: &Job, sfx: &str) -> bool {
-        let (g, r, k) = (j.groups, j.rows / j.groups, j.cols);
-        let shape = Shape {
-            tf32: true,
-            m: r as u64,
-            n: j.n as u64,
-            k: k as u64,
-            lda: k as i64,
-            ldb: j.x_tok as i64,
-            ldd: j.y_tok as i64,
-            batch: g as i32,
-            a_stride: (r * k) as i64,
-            b_stride: k as i64,
-            d_stride: j.y_z as i64,
-        };
-        let Some(plan) = self.blas_plan(st, &shape) else {
-            return false;
-        };
-        let wp = self.scratch(j.rows * k);
-        let wslices = j.rows * k / 8;
-        self.run(
-            &ds4_kernels::BLAS_PREP,
-            &format!("blas_wf_{sfx}"),
-            LaunchDims::linear(wslices.div_ceil(256) as u32, 256),
-            &[
-                Arg::Ptr(j.w),
-                Arg::I64(j.row_bytes as i64),
-                Arg::I32(k as i32),
-                Arg::I64(j.rows as i64),
-                Arg::Ptr(wp.ptr),
-            ],
-        );
-        self.blas_queue(st, &plan, wp.ptr, j.x, j.y)
-    }
-
-    /// The plan for `shape` (made on first use); None: declined (no algorithm, or the library
-    /// failed: said once).
-    fn blas_plan(&self, st: &BlasState, shape: &Shape) -> Option<PlanRef> {
-        let mut plans = st.plans.lock().unwrap();
-        if !plans.contains_key(shape) {
-            if plans.len() >= MAX_PLANS {
-                plans.clear();
-            }
-            match st.handle.plan(shape, WORKSPACE) {
-                Ok(p) => {
-                    plans.insert(*shape, p.map(std::sync::Arc::new));
-                }
-                Err(e) => {
-                    self.blas_broken(st, &e);
-                    return None;
-                }
-            }
-        }
-        plans.get(shape).and_then(|p| p.clone())
-    }
-
-    /// Queue the product of `plan` (operands prepared above it on the stream).
-    fn blas_queue(&self, st: &BlasState, plan: &Plan, a: DevPtr, b: DevPtr, d: DevPtr) -> bool {
         if self.failed() {
             return true; // the error is recorded; the step fails at its check
         }
-        match st
-            .handle
-            .matmul(plan, a, b, d, st.ws.ptr(), WORKSPACE, self.stream)
-        {
+        match st.handle.matmul(
+            plan,
+            wp.ptr,
+            xp.ptr,
+            j.y,
+            st.ws.ptr(),
+            WORKSPACE,
+            self.stream,
+        ) {
             Ok(()) => {
                 LAUNCHES.fetch_add(1, Ordering::Relaxed);
                 true
