@@ -47,6 +47,33 @@ const FAST: u8 = 2;
 /// Library products queued so far (process-wide), so tests can see the path took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
+/// The next product is the first of a new plan (trace only).
+static FIRST: AtomicBool = AtomicBool::new(false);
+
+/// `DS4_GPU_BLAS_TRACE=1`: host time of each new plan (heuristic) and of the first product of
+/// each plan (the library loads that kernel then), and of any product call over 200 us.
+fn trace() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DS4_GPU_BLAS_TRACE").is_ok_and(|v| v == "1"))
+}
+
+/// Token counts prewarmed per weight shape (blas_prewarm): the prompt step and the powers of
+/// two below it down to 256 (the library picks its kernel by n; nearby n take the same ones).
+const PREWARM_N: &[usize] = &[4096, 2048, 1024, 512, 256];
+/// Largest weight prewarmed (elements); the output head (129280 × 4096) is left out.
+const PREWARM_MAX: usize = 1 << 26;
+
+/// `DS4_GPU_BLAS_PREWARM=1`: prewarm the products of each weight shape when it is bound.
+fn prewarm_wanted() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DS4_GPU_BLAS_PREWARM").is_ok_and(|v| v == "1"))
+}
+
+/// `DS4_GPU_BLAS_WARM=0`: no warm product when the library is opened.
+fn warm_wanted() -> bool {
+    std::env::var("DS4_GPU_BLAS_WARM").map_or(true, |v| v != "0")
+}
+
 fn mode() -> u8 {
     let m = MODE.load(Ordering::Relaxed);
     if m != UNSET {
@@ -67,6 +94,8 @@ fn mode() -> u8 {
 #[derive(Default)]
 pub(crate) struct BlasSlot {
     st: OnceLock<Option<BlasState>>,
+    /// Weight shapes already prewarmed (blas_prewarm).
+    warmed: Mutex<std::collections::HashSet<(GgmlType, usize, usize)>>,
 }
 
 /// Field order is drop order: plans and handle before the workspace (and the runtime it holds).
@@ -154,13 +183,19 @@ impl GpuBackend {
             .alloc(WORKSPACE)
             .and_then(|ws| Ok((ws, lt.handle()?)));
         match started {
-            Ok((ws, handle)) => Some(BlasState {
-                lt,
-                plans: Mutex::new(HashMap::new()),
-                handle,
-                ws,
-                broken: AtomicBool::new(false),
-            }),
+            Ok((ws, handle)) => {
+                let st = BlasState {
+                    lt,
+                    plans: Mutex::new(HashMap::new()),
+                    handle,
+                    ws,
+                    broken: AtomicBool::new(false),
+                };
+                if warm_wanted() {
+                    self.blas_warm(&st);
+                }
+                Some(st)
+            }
             Err(e) => {
                 eprintln!(
                     "ds4: {} ({}) could not start: {e}: dense prefill products use the built-in GEMM",
@@ -169,6 +204,108 @@ impl GpuBackend {
                 );
                 None
             }
+        }
+    }
+
+    /// One small product when the library is opened, waited for: the library's one-time
+    /// set-up (first heuristic query, first product) then happens when the backend is made
+    /// instead of inside the first prompt. Errors are ignored (the real products report theirs).
+    fn blas_warm(&self, st: &BlasState) {
+        let t0 = std::time::Instant::now();
+        let (m, n, k) = (512usize, 64usize, 1536usize);
+        let shape = Shape {
+            m: m as u64,
+            n: n as u64,
+            k: k as u64,
+            lda: k as i64,
+            ldb: k as i64,
+            ldd: m as i64,
+            batch: 1,
+            a_stride: 0,
+            b_stride: 0,
+            d_stride: 0,
+        };
+        let Ok(Some(plan)) = st.handle.plan(&shape, WORKSPACE) else {
+            return;
+        };
+        let bufs = (
+            self.gpu.alloc(m * k * 2),
+            self.gpu.alloc(n * k * 2),
+            self.gpu.alloc(m * n * 4),
+        );
+        if let (Ok(a), Ok(b), Ok(d)) = bufs {
+            for buf in [&a, &b] {
+                let _ =
+                    self.gpu
+                        .runtime()
+                        .memset_u32_async(buf.ptr(), 0, buf.bytes() / 4, self.stream);
+            }
+            let _ = st.handle.matmul(
+                &plan,
+                a.ptr(),
+                b.ptr(),
+                d.ptr(),
+                st.ws.ptr(),
+                WORKSPACE,
+                self.stream,
+            );
+            let _ = self.gpu.synchronize();
+        }
+        if trace() {
+            eprintln!(
+                "ds4 blas: warm product at open {:.2} ms",
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
+
+    /// When a weight is bound (Backend::matrix / random), before any prompt: one product of
+    /// its shape (on scratch operands, result unused) for each n in [`PREWARM_N`], once per
+    /// (type, cols, rows) per backend. The library's heuristic query and the loading of the
+    /// kernel it picks (the library loads kernels on first use) then happen while the model
+    /// loads instead of inside the first prompt. Weights over [`PREWARM_MAX`] elements (the
+    /// output head) are left out. `DS4_GPU_BLAS_PREWARM=0|1`.
+    pub(crate) fn blas_prewarm(&self, w: &GpuWeight) {
+        if !prewarm_wanted() || mode() == OFF || self.recording.load(Ordering::Acquire) {
+            return;
+        }
+        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
+            return;
+        };
+        let covered = matches!(
+            ty,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
+        );
+        if !covered || rows * cols > PREWARM_MAX || self.blas_state().is_none() {
+            return;
+        }
+        if !self.blas.warmed.lock().unwrap().insert((ty, cols, rows)) {
+            return;
+        }
+        let t0 = std::time::Instant::now();
+        for &n in PREWARM_N {
+            let x = self.scratch(n * cols);
+            let y = self.scratch(n * rows);
+            self.blas_job(&Job {
+                w: p,
+                ty,
+                row_bytes,
+                rows,
+                cols,
+                groups: 1,
+                x: x.ptr,
+                x_tok: cols,
+                n,
+                y: y.ptr,
+                y_tok: rows,
+                y_z: 0,
+            });
+        }
+        if trace() {
+            eprintln!(
+                "ds4 blas: prewarm {ty:?} {cols}->{rows}: host {:.2} ms",
+                t0.elapsed().as_secs_f64() * 1e3
+            );
         }
     }
 
@@ -284,8 +421,20 @@ impl GpuBackend {
             if plans.len() >= MAX_PLANS {
                 plans.clear();
             }
+            let t0 = std::time::Instant::now();
             match st.handle.plan(&shape, WORKSPACE) {
                 Ok(p) => {
+                    if trace() {
+                        eprintln!(
+                            "ds4 blas: plan m{} n{} k{} b{}: heuristic {:.1} us",
+                            shape.m,
+                            shape.n,
+                            shape.k,
+                            shape.batch,
+                            t0.elapsed().as_secs_f64() * 1e6
+                        );
+                        FIRST.store(true, Ordering::Relaxed);
+                    }
                     plans.insert(shape, p);
                 }
                 Err(e) => {
@@ -332,7 +481,8 @@ impl GpuBackend {
         if self.failed() {
             return true; // the error is recorded; the step fails at its check
         }
-        match st.handle.matmul(
+        let t0 = std::time::Instant::now();
+        let r = st.handle.matmul(
             plan,
             wp.ptr,
             xp.ptr,
@@ -340,7 +490,14 @@ impl GpuBackend {
             st.ws.ptr(),
             WORKSPACE,
             self.stream,
-        ) {
+        );
+        if trace() {
+            let us = t0.elapsed().as_secs_f64() * 1e6;
+            if FIRST.swap(false, Ordering::Relaxed) || us > 200.0 {
+                eprintln!("ds4 blas: product m{} k{} host call {us:.1} us", j.rows, kk);
+            }
+        }
+        match r {
             Ok(()) => {
                 LAUNCHES.fetch_add(1, Ordering::Relaxed);
                 true
