@@ -145,6 +145,7 @@ fn main() {
             Arg::I32(splits as i32),
             Arg::I32(NROT as i32),
             Arg::F32(1.0 / (HD as f32).sqrt()),
+            Arg::Null, // absolute position (no per-step block)
         ];
         let dims = LaunchDims::linear(grid as u32, 256);
         let f = gpu.kernel(m, "attend_one_f32").expect("kernel");

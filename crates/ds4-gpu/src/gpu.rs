@@ -309,6 +309,17 @@ impl Gpu {
 
     /// A kernel of `module`, loading the module on first use (one lock and one lookup once
     /// the module is loaded: this is on every launch's path).
+    /// `module.kernel` of a loaded function (graph traces), None when not found.
+    pub fn kernel_name(&self, f: Function) -> Option<String> {
+        let mods = self.modules.lock().unwrap();
+        mods.iter().find_map(|(m, l)| {
+            l.funcs
+                .iter()
+                .find(|(_, g)| **g == f)
+                .map(|(k, _)| format!("{m}.{k}"))
+        })
+    }
+
     pub fn kernel(&self, module: &Module, name: &str) -> Result<Function> {
         {
             let mods = self.modules.lock().unwrap();
@@ -700,8 +711,9 @@ struct CachedGraph {
 const GRAPH_CACHE: usize = 64;
 
 /// Runs recorded steps as device graphs. A step is a list of [`KernelCall`]s; a cached graph
-/// with the same kernels in the same order is updated where this step differs (positions,
-/// grids, pool addresses: a few nodes per layer) and launched; otherwise the step is captured
+/// with the same kernels in the same order is updated where this step differs (pool addresses
+/// or buffers that moved; positions come from device memory, model/mod.rs `StepPos`, so steady
+/// decode steps update nothing) and launched; otherwise the step is captured
 /// on a side stream, instantiated and launched. Same kernels, same arguments, same order as
 /// launching one by one, so the results are bit-identical.
 #[derive(Default)]
@@ -711,6 +723,23 @@ pub struct StepGraphs {
     pub stats: GraphStats,
     /// Print the first captures and replays to stderr (`DS4_GPU_GRAPH_TRACE=1`).
     pub trace: bool,
+    /// With `trace`: each node updated since the last [`StepGraphs::take_diffs`] (kernel,
+    /// bit i set when argument slot i changed, bit 31 when the grid or block changed).
+    pub diffs: Vec<(Function, u32)>,
+}
+
+/// Which of `new`'s argument slots (bit i) and shape (bit 31) differ from `old`'s.
+pub fn call_diff(old: &KernelCall, new: &KernelCall) -> u32 {
+    let mut m = 0u32;
+    for (i, (a, b)) in old.args().iter().zip(new.args()).enumerate() {
+        if a != b && i < 31 {
+            m |= 1 << i;
+        }
+    }
+    if old.dims != new.dims || old.n != new.n {
+        m |= 1 << 31;
+    }
+    m
 }
 
 impl StepGraphs {
@@ -757,6 +786,9 @@ impl StepGraphs {
             let mut ok = true;
             for (j, (old, new)) in g.calls.iter_mut().zip(calls).enumerate() {
                 if old != new {
+                    if self.trace {
+                        self.diffs.push((new.f, call_diff(old, new)));
+                    }
                     if rt.graph_set(&g.exec, j, new).is_err() {
                         ok = false;
                         break;

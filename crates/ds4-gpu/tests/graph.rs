@@ -101,3 +101,48 @@ fn graph_replay_is_bit_identical() {
         println!("graphs unsupported by this driver: compared launches with launches");
     }
 }
+
+/// The graph statistics after each step of decoding `toks` one at a time.
+fn decode_stats(m: &Model<GpuBackend>, toks: &[u32]) -> Vec<ds4_gpu::gpu::GraphStats> {
+    let mut st = m.new_state();
+    let mut stats = Vec::new();
+    for &t in toks {
+        m.eval(&mut st, t).unwrap();
+        stats.push(m.backend.graph_stats());
+    }
+    stats
+}
+
+/// Positions live in device memory (`GpuBackend::step_pos`): once the few kernel sequences of
+/// a decode step are captured, steady steps replay their graphs with no node updated — tokens
+/// 300..480 of the tiny model, past its raw window (8), across ratio-4 and ratio-8 compressor
+/// rows and indexer selections, between two doublings of the compressed rows' capacity (a new
+/// buffer: its pointers update once). With positions as kernel arguments (the form before; on
+/// the H200 this test then counted 31.3 updates a step) it fails.
+#[test]
+fn steady_decode_steps_update_no_graph_nodes() {
+    let Some(m) = tiny() else { return };
+    if !m.backend.graph_on() {
+        println!("graphs unsupported by this driver: nothing to check");
+        return;
+    }
+    let mut rng = common::rng(9);
+    let vocab = m.hp.n_vocab;
+    let toks: Vec<u32> = (0..480).map(|_| rng.gen_range(0..vocab)).collect();
+    let (a, b) = (300, 479);
+
+    let s = decode_stats(&m, &toks);
+    let (s0, s1) = (s[a], s[b]);
+    println!("positions in device memory, steps {a}..{b}: {s0:?} -> {s1:?}");
+    assert!(s1.replays - s0.replays >= (b - a) as u64, "{s1:?}");
+    assert_eq!(s1.eager, s0.eager, "steps ran launch by launch");
+    assert_eq!(
+        s1.captures, s0.captures,
+        "new kernel sequences in steady decode"
+    );
+    assert_eq!(
+        s1.patched - s0.patched,
+        0,
+        "graph nodes updated in steady decode (DS4_GPU_GRAPH_TRACE=1 names them)"
+    );
+}

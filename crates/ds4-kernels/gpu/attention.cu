@@ -6,6 +6,12 @@
 #define ds4_add_rn(a, b) __fadd_rn((a), (b))
 #define ds4_div_rn(a, b) __fdiv_rn((a), (b))
 
+// Per-step position in device memory (model/mod.rs `GpuBackend::step_pos`): kernels that take a
+// position also take `sp`; null: the position argument is absolute (prefill, tests), else it is an
+// offset from *sp, the step's first position, written before the step's graph runs, so a replayed
+// decode graph keeps the same arguments every step. Read after ds4_pdl_enter.
+#define DS4_POS(sp, v) ((v) + ((sp) ? *(sp) : 0LL))
+
 // ---------------------------------------------------------------------------------------------
 // RoPE
 
@@ -22,14 +28,15 @@ __device__ __forceinline__ void ds4_rope_pair(float* v, double w, long long pos,
 // x: [rows, width] with rows = tokens × heads; token i = row / heads sits at position
 // pos0 + i·step. One thread per (row, pair) over the last n_rot values.
 DS4_KERNEL void DS4_BOUNDS(256) rope_f32(float* __restrict__ x, const double* __restrict__ freqs, long long rows, int heads,
-                                         int width, int n_rot, long long pos0, long long step, int inverse) {
+                                         int width, int n_rot, long long pos0, long long step, int inverse,
+                                         const long long* __restrict__ sp) {
     ds4_pdl_enter();
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int half = n_rot / 2;
     if (k >= rows * half) return;
     long long row = k / half;
     int p = (int)(k % half);
-    long long pos = pos0 + (row / heads) * step;
+    long long pos = DS4_POS(sp, pos0) + (row / heads) * step;
     ds4_rope_pair(x + row * width + (width - n_rot) + 2 * p, freqs[p], pos, inverse);
 }
 
@@ -271,9 +278,15 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __rest
 // compress_pool_f32 + rmsnorm_f32 (weights norm) + RoPE (row k at position pos0 + k·r) +
 // rounding in one launch: one CTA per closed row (grid rows, blockDim 256), the row in dynamic
 // shared memory (d floats). Pooling as compress_pool_f32 (same order); the norm's f64 sum of
-// squares is reduced in another order than rmsnorm_f32's (bit-near).
-DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, float* __restrict__ out, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos0, int fp8_nope, int fp4, int f16) {
+// squares is reduced in another order than rmsnorm_f32's (bit-near). With sp (DS4_POS) the
+// rows start at window t0/r: out is the rows' base and pos0 an offset, both moved by t0/r rows.
+DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0a, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, float* __restrict__ out, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos0, int fp8_nope, int fp4, int f16, const long long* __restrict__ sp) {
     ds4_pdl_enter();
+    const long long t0 = DS4_POS(sp, t0a);
+    if (sp) {
+        out += (size_t)(t0 / r) * (size_t)(w / coff);
+        pos0 += (t0 / r) * r;
+    }
     DS4_COMP_MAKE;
     extern __shared__ float row_s[];
     __shared__ float scale_s[256];
@@ -364,8 +377,9 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_f32(DS4_COMP_PARAMS, float* __
 // and B slot r+j for CSA, slot j otherwise) at column col depends only on the chunk and the old
 // values of that same pair and column (sources sit at slot q % r == j), so the thread owning
 // (j, col) reads them all, then writes. grid over r·w threads. Same bits as the copy form.
-DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const float *g, const u8 *ape, float *fkv, float *fsc, long long t0, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes) {
+DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const float *g, const u8 *ape, float *fkv, float *fsc, long long t0a, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, const long long* __restrict__ sp) {
     ds4_pdl_enter();
+    const long long t0 = DS4_POS(sp, t0a);
     ds4_comp c = {a, g, ape, fkv, fsc, t0, n, r, coff, w, ape_ty, ape_row_bytes};
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= (long long)r * w) return;
@@ -394,12 +408,15 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const f
 
 // scores[i][r] = Σ_h (w[i,h]·ws)·max(0, q_ih·row_r) for r < visible(i) (exactly the CPU's order:
 // dot with eight partial sums). grid (ceil(max_vis / blockDim), tokens), dynamic shared heads·ihd
-// floats; q already rotated/rounded.
+// floats; q already rotated/rounded. max_vis is the row stride of scores: at least every token's
+// visible count (the host passes the rows' capacity with sp, so that the grid stays put; CTAs
+// past the visible rows return).
 DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, const float* __restrict__ w,
                                                  const float* __restrict__ rows, float* __restrict__ scores,
-                                                 long long tb, long long max_vis, int heads, int ihd, int ratio,
-                                                 float ws) {
+                                                 long long tba, long long max_vis, int heads, int ihd, int ratio,
+                                                 float ws, const long long* __restrict__ sp) {
     ds4_pdl_enter();
+    const long long tb = DS4_POS(sp, tba);
     extern __shared__ float qi[]; // token i's query, heads × ihd
     long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
@@ -433,8 +450,9 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, co
 // once) instead of re-read from memory for every head; identical operations and order, so the
 // same bits. Same grid, block (128) and dynamic shared memory (heads × 128 floats).
 #define DS4_IX_HD 128
-DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tb, long long max_vis, int heads, int ihd, int ratio, float ws) {
+DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int heads, int ihd, int ratio, float ws, const long long* __restrict__ sp) {
     ds4_pdl_enter();
+    const long long tb = DS4_POS(sp, tba);
     extern __shared__ float4 qi4[]; // token i's query, heads × DS4_IX_HD floats
     long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int i = blockIdx.y;
@@ -486,8 +504,9 @@ DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q,
 // same operations, into shared [heads][R]; then one thread per row adds them in head order (the
 // same bits). grid (ceil(max_vis / R), tokens); dynamic shared heads × (128 + R) floats.
 #define DS4_IXH_R 32
-DS4_KERNEL void DS4_BOUNDS(256) index_scores128h_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tb, long long max_vis, int heads, int ihd, int ratio, float ws) {
+DS4_KERNEL void DS4_BOUNDS(256) index_scores128h_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int heads, int ihd, int ratio, float ws, const long long* __restrict__ sp) {
     ds4_pdl_enter();
+    const long long tb = DS4_POS(sp, tba);
     extern __shared__ float4 qh4[];                             // heads × DS4_IX_HD floats
     float* term = (float*)(qh4 + heads * (DS4_IX_HD / 4));      // [heads][DS4_IXH_R]
     int i = blockIdx.y, tid = threadIdx.x;
@@ -550,9 +569,10 @@ __device__ __forceinline__ u32 ds4_fkey(float f) {
 // Top-k of each token's scores (largest, ties to the lower index), written ascending into
 // sel[i] (top_k i32, −1 padded). Tokens with visible <= top_k get 0..visible. One CTA per token,
 // blockDim 1024 (a multiple of the warp); radix select on the keys, then an ordered compaction.
-DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, int* __restrict__ sel, long long tb,
-                                            long long max_vis, int ratio, int top_k) {
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, int* __restrict__ sel, long long tba,
+                                            long long max_vis, int ratio, int top_k, const long long* __restrict__ sp) {
     ds4_pdl_enter();
+    const long long tb = DS4_POS(sp, tba);
     __shared__ u32 hist[256];
     __shared__ u32 prefix_s, want_s;
     __shared__ u32 warp_gt[1024 / 32], warp_eq[1024 / 32];
@@ -650,8 +670,9 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk(const float* __restrict__ scores, in
 // Top-k of each token's scores (largest, ties to the lower index), written ascending into
 // sel[i] (top_k i32, −1 padded). Tokens with visible <= top_k get 0..visible. One CTA per token,
 // blockDim 1024 (a multiple of the warp); radix select on the keys, then an ordered compaction.
-DS4_KERNEL void DS4_BOUNDS(1024) index_topk_ps(const float* __restrict__ scores, int* __restrict__ sel, long long tb, long long max_vis, int ratio, int top_k) {
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_ps(const float* __restrict__ scores, int* __restrict__ sel, long long tba, long long max_vis, int ratio, int top_k, const long long* __restrict__ sp) {
     ds4_pdl_enter();
+    const long long tb = DS4_POS(sp, tba);
     __shared__ u32 hist[256];
     __shared__ u32 prefix_s, want_s;
     __shared__ u32 warp_gt[1024 / 32], warp_eq[1024 / 32];
@@ -1257,13 +1278,16 @@ __device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
         const float *__restrict__ comp, const int *__restrict__ sel, const float *__restrict__ sinks,       \
         const double *__restrict__ freqs, float *__restrict__ out, float *part_o, float *part_mz, u32 *tk, \
         long long t0, int n, int heads, int hd, int win, int ratio, int top_k, int chunk, int splits,     \
-        int n_rot, float scale
+        int n_rot, float scale, const long long *__restrict__ sp
 #define DS4_AO_ARGS                                                                                        \
     q, kv, raw, raw_pos, comp, sel, sinks, freqs, out, part_o, part_mz, tk, t0, n, heads, hd, win, ratio, top_k, \
-        chunk, splits, n_rot, scale
+        chunk, splits, n_rot, scale, sp
 
 // grid (n · ceil(heads / HG) · splits) ≤ SMs, blockDim 256; hd ≤ 512, hd % 4 == 0 (float4 rows),
 // splits ≤ 256, chunk a multiple of R. part_o [n, splits, heads, hd], part_mz [n, splits, heads, 2].
+// chunk == 0 (decode graphs, with sp): `splits` is the most the grid holds and the kernel picks
+// chunk and splits from the candidates of the last token as attn.rs `attend_one` does on the host
+// (same values, same bits); CTAs past n · groups · splits only join the barrier and the merge.
 // Probe stamps (attend_one_p only; compiled out of attend_one_f32): thread 0 of each CTA writes
 // the time at phase k to stamps[blockIdx.x·DS4_AO_NST + k] (CUDA %globaltimer ns, HIP clock64):
 // 0 entry (after the PDL wait), 1 first row pointers listed, 2 first tile in shared memory,
@@ -1293,8 +1317,22 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
     const int tid = threadIdx.x, vl = tid % 32, vw = tid / 32;
     const int hd4 = hd / 4;
     const int groups = (heads + DS4_AO_HG - 1) / DS4_AO_HG;
+    t0 = DS4_POS(sp, t0);
+    if (chunk == 0) { // attn.rs `candidates` and `attend_one`, splits = the most
+        const long long tl = t0 + n - 1;
+        const long long mc = (tl + 1 < win ? tl + 1 : win) + (sel ? top_k : 0) + ((sel == 0 && ratio > 0) ? (tl + 1) / ratio : 0);
+        long long sp1 = (mc + DS4_AO_R - 1) / DS4_AO_R;
+        sp1 = sp1 < splits ? sp1 : splits;
+        sp1 = sp1 > 1 ? sp1 : 1;
+        long long ch = (mc + sp1 - 1) / sp1;
+        ch = (ch + DS4_AO_R - 1) / DS4_AO_R * DS4_AO_R;
+        ch = ch > DS4_AO_R ? ch : DS4_AO_R;
+        long long s2 = (mc + ch - 1) / ch;
+        chunk = (int)ch;
+        splits = (int)(s2 > 1 ? s2 : 1);
+    }
     DS4_AO_STAMP(0);
-    {
+    if ((long long)blockIdx.x < (long long)n * groups * splits) {
         const int b = blockIdx.x;
         const int s = b % splits, g = (b / splits) % groups, i = b / (splits * groups);
         const int h0 = g * DS4_AO_HG, nhg = min(DS4_AO_HG, heads - h0);

@@ -647,8 +647,9 @@ __device__ __forceinline__ float fu_f16_round(float f) {
 // One CTA per row of x [rows, width] (rows = tokens × heads; token i = row / heads at position
 // pos0 + i): rms_norm (w optional), RoPE of the last n_rot values, FP8 round trip of the first
 // fp8_nope values (blocks of 64), f16 rounding when f16. The row is staged in dynamic shared
-// memory (width floats). Host: n_rot even, n_rot <= width, fp8_nope <= width.
-DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
+// memory (width floats). Host: n_rot even, n_rot <= width, fp8_nope <= width. sp: the step's
+// position in device memory (attention.cu DS4_POS: pos0 is then an offset from *sp), or null.
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16, const long long* __restrict__ sp) {
     ds4_pdl_enter();
     extern __shared__ float row_s[];
     __shared__ double red[32];
@@ -667,7 +668,7 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
         row_s[i] = w ? v * w[i] : v;
     }
     __syncthreads();
-    const long long pos = pos0 + blockIdx.x / heads;
+    const long long pos = pos0 + (sp ? *sp : 0LL) + blockIdx.x / heads;
     for (int p = tid; p < n_rot / 2; p += blockDim.x) fu_rope_pair(row_s + (width - n_rot) + 2 * p, freqs[p], pos);
     __syncthreads();
     // FP8 of blocks of 64: a warp per block, amax by shuffles (max is order-free).
@@ -703,7 +704,7 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
 // DS4_WARP, 16-byte aligned x and w, n_rot even, n_rot and fp8_nope <= width; dynamic shared
 // memory n_rot / 2 float2.
 #define NG_K 4
-DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16) {
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16, const long long* __restrict__ sp) {
     ds4_pdl_enter();
     extern __shared__ float2 sc_s[]; // (sin, cos) of pair p
     __shared__ double red[32];
@@ -717,7 +718,7 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* 
         e[k] = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         gw[k] = (w && q < w4) ? wr[q] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
     }
-    const long long pos = pos0 + blockIdx.x / heads;
+    const long long pos = pos0 + (sp ? *sp : 0LL) + blockIdx.x / heads; // sp: as norm_rope_f32
     for (int p = tid; p < n_rot / 2; p += T) { // pos·ω mod 2π in f64, as fu_rope_pair
         const double theta = fmod((double)pos * freqs[p], 6.283185307179586);
         double sn, cs;

@@ -208,7 +208,8 @@ impl GpuBackend {
         self.note::<()>(Err(GpuError::Invalid(msg)));
     }
 
-    /// RoPE over `rows` rows of `width` (token = row / heads at position pos0 + token·step).
+    /// RoPE over `rows` rows of `width` (token = row / heads at position pos0 + token·step;
+    /// with `sp`, the step block's position (mod.rs `step_pos`) + pos0).
     #[allow(clippy::too_many_arguments)]
     fn rope_rows(
         &self,
@@ -221,6 +222,7 @@ impl GpuBackend {
         step: usize,
         kind: RopeKind,
         inverse: bool,
+        sp: Option<DevPtr>,
     ) {
         let work = rows * (n_rot / 2);
         if work == 0 {
@@ -243,6 +245,7 @@ impl GpuBackend {
                 Arg::I64(pos0 as i64),
                 Arg::I64(step as i64),
                 Arg::I32(inverse as i32),
+                sp.map_or(Arg::Null, Arg::Ptr),
             ],
         );
     }
@@ -285,7 +288,18 @@ impl GpuBackend {
         kind: RopeKind,
         inverse: bool,
     ) {
-        self.rope_rows(x.ptr, n * heads, heads, width, n_rot, t0, 1, kind, inverse)
+        self.rope_rows(
+            x.ptr,
+            n * heads,
+            heads,
+            width,
+            n_rot,
+            t0,
+            1,
+            kind,
+            inverse,
+            None,
+        )
     }
 
     pub(crate) fn op_round_rows(&self, x: &mut GpuBuf, rows: usize, width: usize, r: RowRounding) {
@@ -334,22 +348,6 @@ impl GpuBackend {
         if closed > 0 {
             self.reserve_rows(c, n_rows + closed);
         }
-        let common = |fkv: DevPtr, fsc: DevPtr| -> Vec<Arg> {
-            vec![
-                Arg::Ptr(a.ptr),
-                Arg::Ptr(g.ptr),
-                Arg::Ptr(ape_ptr),
-                Arg::Ptr(fkv),
-                Arg::Ptr(fsc),
-                Arg::I64(t0 as i64),
-                Arg::I32(n as i32),
-                Arg::I32(r as i32),
-                Arg::I32(dims.coff as i32),
-                Arg::I32(w as i32),
-                Arg::I32(ape_ty),
-                Arg::I32(ape_rb as i32),
-            ]
-        };
         // Rows first: they read the old frontier. New form: one fused launch per chunk.
         let rr = spec.round;
         let fused = !glue_old()
@@ -358,8 +356,37 @@ impl GpuBackend {
             && (!rr.fp4_hadamard || (d.is_power_of_two() && d <= 8192))
             && spec.n_rot <= d
             && spec.n_rot.is_multiple_of(2);
+        // Decode (new glue): the position from the step block (mod.rs `step_pos`); the row
+        // kernel then finds its rows at window t0 / r, so only when the rows are exactly those
+        // (always, unless a state was built otherwise).
+        let sp = if !glue_old() && (closed == 0 || fused) && n_rows == cw0 {
+            self.step_pos(t0, n)
+        } else {
+            None
+        };
+        let t0a = if sp.is_some() { 0 } else { t0 as i64 };
+        let common = |fkv: DevPtr, fsc: DevPtr| -> Vec<Arg> {
+            vec![
+                Arg::Ptr(a.ptr),
+                Arg::Ptr(g.ptr),
+                Arg::Ptr(ape_ptr),
+                Arg::Ptr(fkv),
+                Arg::Ptr(fsc),
+                Arg::I64(t0a),
+                Arg::I32(n as i32),
+                Arg::I32(r as i32),
+                Arg::I32(dims.coff as i32),
+                Arg::I32(w as i32),
+                Arg::I32(ape_ty),
+                Arg::I32(ape_rb as i32),
+            ]
+        };
         if closed > 0 && !self.failed() && fused {
-            let out = c.rows.ptr().offset((n_rows * d * 4) as u64);
+            // With sp the kernel adds the first new row (t0 / r = n_rows) to out and pos0.
+            let (out, pos0) = match sp {
+                Some(_) => (c.rows.ptr(), 0),
+                None => (c.rows.ptr().offset((n_rows * d * 4) as u64), r * n_rows),
+            };
             let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
             args.extend([
                 Arg::Ptr(out),
@@ -367,10 +394,11 @@ impl GpuBackend {
                 Arg::F32(spec.eps),
                 Arg::Ptr(self.rope_ptr(spec.rope)),
                 Arg::I32(spec.n_rot as i32),
-                Arg::I64((r * n_rows) as i64),
+                Arg::I64(pos0 as i64),
                 Arg::I32(rr.fp8_nope as i32),
                 Arg::I32(rr.fp4_hadamard as i32),
                 Arg::I32(rr.f16 as i32),
+                sp.map_or(Arg::Null, Arg::Ptr),
             ]);
             let mut dims_r = LaunchDims::linear(closed as u32, 256);
             dims_r.shared_bytes = (d * 4) as u32;
@@ -407,12 +435,14 @@ impl GpuBackend {
                 r,
                 spec.rope,
                 false,
+                None,
             );
             self.round_ptr(out, closed, d, spec.round);
         }
         if !glue_old() {
             // In place: each thread owns one slot pair and column.
-            let args = common(c.front_kv.ptr(), c.front_score.ptr());
+            let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
+            args.push(sp.map_or(Arg::Null, Arg::Ptr));
             self.run(
                 &ATTENTION,
                 "compress_frontier_ip_f32",
@@ -469,10 +499,34 @@ impl GpuBackend {
         // Only tokens that see more than top_k rows score; the query is rotated and rounded
         // in a copy.
         let need_scores = max_vis > k;
+        // Decode: positions from the step block (mod.rs `step_pos`; arguments are offsets from
+        // it) and the scores' row stride and grid from the rows' capacity, not the visible
+        // count, so that no argument moves from one step to the next (CTAs past the visible
+        // rows return).
+        let sp = if max_vis <= ix.cap {
+            self.step_pos(t0, n)
+        } else {
+            None
+        };
+        let (base, stride) = match sp {
+            Some(_) => (0, ix.cap),
+            None => (t0, max_vis),
+        };
         let qr = self.scratch(if need_scores { n * nh * ihd } else { 1 });
         if need_scores {
             self.d2d(qr.ptr, q.ptr, n * nh * ihd * 4);
-            self.rope_rows(qr.ptr, n * nh, nh, ihd, spec.n_rot, t0, 1, spec.rope, false);
+            self.rope_rows(
+                qr.ptr,
+                n * nh,
+                nh,
+                ihd,
+                spec.n_rot,
+                base,
+                1,
+                spec.rope,
+                false,
+                sp,
+            );
             if spec.fp4 {
                 let rr = RowRounding {
                     fp8_nope: 0,
@@ -484,18 +538,19 @@ impl GpuBackend {
         }
         let ws = 1.0 / ((ihd * nh) as f32).sqrt();
         let batch = if need_scores {
-            (INDEX_SCORE_BUDGET / max_vis).clamp(1, n.min(65535))
+            (INDEX_SCORE_BUDGET / stride).clamp(1, n.min(65535))
         } else {
             n.min(65535)
         };
-        let scores = self.scratch(if need_scores { batch * max_vis } else { 1 });
+        let scores = self.scratch(if need_scores { batch * stride } else { 1 });
+        let sp_arg = sp.map_or(Arg::Null, Arg::Ptr);
         let mut i0 = 0;
         while i0 < n {
             let nb = batch.min(n - i0);
-            let tb = t0 + i0;
+            let tb = base + i0;
             if need_scores {
                 let dims = LaunchDims {
-                    grid: [max_vis.div_ceil(128) as u32, nb as u32, 1],
+                    grid: [stride.div_ceil(128) as u32, nb as u32, 1],
                     block: [128, 1, 1],
                     shared_bytes: (nh * ihd * 4) as u32,
                 };
@@ -508,7 +563,7 @@ impl GpuBackend {
                 let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
                 let mut dims = dims;
                 if split {
-                    dims.grid[0] = max_vis.div_ceil(IXH_R) as u32;
+                    dims.grid[0] = stride.div_ceil(IXH_R) as u32;
                     dims.block[0] = 256;
                     dims.shared_bytes = (nh * (ihd + IXH_R) * 4) as u32;
                 }
@@ -528,11 +583,12 @@ impl GpuBackend {
                         Arg::Ptr(ix.rows.ptr()),
                         Arg::Ptr(scores.ptr),
                         Arg::I64(tb as i64),
-                        Arg::I64(max_vis as i64),
+                        Arg::I64(stride as i64),
                         Arg::I32(nh as i32),
                         Arg::I32(ihd as i32),
                         Arg::I32(spec.ratio as i32),
                         Arg::F32(ws),
+                        sp_arg,
                     ],
                 );
             }
@@ -548,9 +604,10 @@ impl GpuBackend {
                     Arg::Ptr(scores.ptr),
                     Arg::Ptr(sel.0.ptr.offset((i0 * k * 4) as u64)),
                     Arg::I64(tb as i64),
-                    Arg::I64(max_vis as i64),
+                    Arg::I64(stride as i64),
                     Arg::I32(spec.ratio as i32),
                     Arg::I32(k as i32),
+                    sp_arg,
                 ],
             );
             i0 += nb;
@@ -640,7 +697,18 @@ impl GpuBackend {
             .concat(),
         );
         // Values are the rotated keys: undo the rotation at each query position.
-        self.rope_rows(out.ptr, n * nh, nh, hd, spec.n_rot, t0, 1, spec.rope, true);
+        self.rope_rows(
+            out.ptr,
+            n * nh,
+            nh,
+            hd,
+            spec.n_rot,
+            t0,
+            1,
+            spec.rope,
+            true,
+            None,
+        );
         // The ring after the chunk (after every token attended).
         self.ring_store(st, kv, n, t0, hd, win);
     }
@@ -727,12 +795,20 @@ impl GpuBackend {
         if chunk > i32::MAX as usize {
             return self.attn_invalid(format!("attend: {max_cand} candidate rows"));
         }
-        let part_o = self.scratch(n * splits * nh * hd);
-        let part_mz = self.scratch(n * splits * nh * 2);
+        // Decode: the position from the step block (mod.rs `step_pos`) and a grid of the most
+        // splits; chunk 0 tells the kernel to pick chunk and splits itself (the values above),
+        // so that no argument or grid moves as the context grows.
+        let sp = self.step_pos(t0, n);
+        let (t0a, chunk, splits, grid_splits) = match sp {
+            Some(_) => (0, 0, most, most),
+            None => (t0 as i64, chunk, splits, splits),
+        };
+        let part_o = self.scratch(n * grid_splits * nh * hd);
+        let part_mz = self.scratch(n * grid_splits * nh * 2);
         self.run(
             &ATTENTION,
             "attend_one_f32",
-            LaunchDims::linear((per_split * splits) as u32, 256),
+            LaunchDims::linear((per_split * grid_splits) as u32, 256),
             &[
                 Arg::Ptr(q.ptr),
                 Arg::Ptr(kv.ptr),
@@ -750,7 +826,7 @@ impl GpuBackend {
                 Arg::Ptr(part_o.ptr),
                 Arg::Ptr(part_mz.ptr),
                 Arg::Ptr(self.tickets.ptr().offset((AO_TICKET * 4) as u64)),
-                Arg::I64(t0 as i64),
+                Arg::I64(t0a),
                 Arg::I32(n as i32),
                 Arg::I32(nh as i32),
                 Arg::I32(hd as i32),
@@ -761,6 +837,7 @@ impl GpuBackend {
                 Arg::I32(splits as i32),
                 Arg::I32(spec.n_rot as i32),
                 Arg::F32(scale),
+                sp.map_or(Arg::Null, Arg::Ptr),
             ],
         );
     }

@@ -460,6 +460,8 @@ impl GpuBackend {
             && width / 4 <= NG_K * threads
             && al16(x.ptr)
             && w.is_none_or(|w| al16(w.ptr()));
+        // Decode: the position from the step block (mod.rs `step_pos`), the argument 0.
+        let sp = self.step_pos(t0, n);
         let args = [
             Arg::Ptr(x.ptr),
             w.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
@@ -467,10 +469,11 @@ impl GpuBackend {
             Arg::I32(heads as i32),
             Arg::I32(width as i32),
             Arg::I32(n_rot as i32),
-            Arg::I64(t0 as i64),
+            Arg::I64(if sp.is_some() { 0 } else { t0 as i64 }),
             Arg::F32(eps),
             Arg::I32(r.fp8_nope as i32),
             Arg::I32(r.f16 as i32),
+            sp.map_or(Arg::Null, Arg::Ptr),
         ];
         let mut dims = LaunchDims::linear(rows as u32, threads as u32);
         if in_regs {

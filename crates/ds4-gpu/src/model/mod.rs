@@ -54,7 +54,8 @@ const GRAPH_FIRST: usize = 32;
 /// [`Backend::graph_begin`] and the first host read (or [`Backend::graph_end`]) launches are
 /// recorded instead of issued, then run as one graph ([`StepGraphs`]). The schedule still runs
 /// on the host every step, so host bookkeeping (row counts, ring positions) is unchanged; only
-/// the driver calls are batched. Anything else that touches memory outside the stream
+/// the driver calls are batched. What the kernels see of the position comes from device memory
+/// ([`StepPos`]), so a cached graph replays unchanged from one step to the next. Anything else that touches memory outside the stream
 /// (uploads, allocations that free, snapshots, marks) first runs what was recorded.
 #[derive(Default)]
 struct GraphState {
@@ -73,6 +74,36 @@ struct GraphState {
     /// When this step's recording began (for [`GraphStats::step_host_us`]).
     began: Option<std::time::Instant>,
 }
+
+/// Pinned source slots of the step position (a ring, so that the host never rewrites a slot
+/// whose copy may still be queued; see [`StepPos`]).
+const POS_RING: usize = 256;
+
+/// The per-step block in device memory: the first position of the current decode step (one
+/// i64). Kernels of steps of up to [`GRAPH_MAX_N`] tokens read their position from it
+/// (attention.cu `DS4_POS`) instead of taking it as an argument, so a replayed step graph needs
+/// no node updates for the position. The host writes a new value into the next slot of a
+/// pinned ring and queues a copy to `dev` on the stream (outside any graph: between the pieces
+/// already launched and the one being recorded, whose kernels are the first to read it).
+/// H200, full-q2 decode at 2k: 0 node updates per steady step instead of 258 (positions as
+/// arguments), replay host time 34 instead of 215 µs a step, the same tok/s (the device bounds
+/// it); bench/results/gpu-graph-d8-h200.txt.
+struct StepPos {
+    dev: DeviceBuffer,
+    /// [`POS_RING`] pinned i64 slots.
+    host: *mut i64,
+    next: usize,
+    /// The value the last queued copy writes.
+    last: Option<i64>,
+    /// Recorded after the last copy out of each half of the ring; waited on before that half
+    /// is written again (long done in practice: a decode step reads its result).
+    done: [Option<crate::runtime::Event>; 2],
+    /// A copy was queued during the step being recorded now.
+    in_step: bool,
+}
+
+// SAFETY: `host` is pinned memory owned by this struct, only touched under the backend's mutex.
+unsafe impl Send for StepPos {}
 
 /// Device memory for activations, reused by size class (powers of two from 256 bytes). All
 /// work runs on one stream, so a block freed by a dropped buffer is safe to hand out again:
@@ -272,6 +303,9 @@ pub struct GpuBackend {
     pub(crate) tickets: DeviceBuffer,
     /// Vendor BLAS-Lt state for dense prefill products (blas.rs), opened on first use.
     pub(crate) blas: blas::BlasSlot,
+    /// The step position in device memory ([`StepPos`]); None where it could not be set up
+    /// (positions are then kernel arguments).
+    step: Mutex<Option<StepPos>>,
 }
 
 /// Words of [`GpuBackend::tickets`].
@@ -289,6 +323,13 @@ impl Drop for GpuBackend {
             eprintln!("# GPU graphs (DS4_GPU_GRAPH_STATS=1): {:?}", g.graphs.stats);
         }
         g.graphs.clear(rt.as_ref());
+        if let Some(sp) = self.step.lock().unwrap().take() {
+            for e in sp.done.into_iter().flatten() {
+                let _ = rt.event_destroy(e);
+            }
+            // SAFETY: allocated by alloc_pinned in `step_setup`; the device is idle.
+            let _ = unsafe { rt.free_pinned(sp.host as *mut u8) };
+        }
     }
 }
 
@@ -339,7 +380,9 @@ impl GpuBackend {
             gpu.alloc_from(&f64s(&ropes.comp.freqs))?,
         ];
         let tickets = gpu.alloc_from(&[0u8; 4 * TICKET_WORDS])?;
+        let step = Mutex::new(Self::step_setup(&gpu));
         Ok(GpuBackend {
+            step,
             tickets,
             blas: Default::default(),
             stream: Stream::DEFAULT,
@@ -362,6 +405,71 @@ impl GpuBackend {
             }),
         }
         .blas_started()) // the BLAS-Lt library now, not inside the first prompt (blas.rs)
+    }
+
+    /// The step position block ([`StepPos`]), None when pinned memory is refused.
+    fn step_setup(gpu: &Gpu) -> Option<StepPos> {
+        let rt = gpu.runtime();
+        let dev = gpu.alloc_from(&[0u8; 8]).ok()?;
+        let host = rt.alloc_pinned(POS_RING * 8).ok()? as *mut i64;
+        Some(StepPos {
+            dev,
+            host,
+            next: 0,
+            last: None,
+            done: [None, None],
+            in_step: false,
+        })
+    }
+
+    /// The device address holding `t0` for the kernels of a step of `n` tokens at `t0`, or None
+    /// (prefill chunks; no pinned memory): the kernels then take the position as an argument. A new value is queued on the stream here (see [`StepPos`]); kernels given the
+    /// address take positions relative to it (0 for the step's first token).
+    pub(crate) fn step_pos(&self, t0: usize, n: usize) -> Option<DevPtr> {
+        if n == 0 || n > GRAPH_MAX_N || self.failed() {
+            return None;
+        }
+        let v = t0 as i64;
+        let mut guard = self.step.lock().unwrap();
+        let sp = guard.as_mut()?;
+        if sp.last == Some(v) {
+            return Some(sp.dev.ptr());
+        }
+        if sp.in_step && self.recording.load(Ordering::Acquire) {
+            // A second position within one recorded step: launches recorded so far read the
+            // old value, so they run first (does not happen in the model's schedule).
+            drop(guard);
+            self.interrupt();
+            guard = self.step.lock().unwrap();
+        }
+        let sp = guard.as_mut()?;
+        let rt = self.gpu.runtime();
+        let slot = sp.next;
+        let half = slot / (POS_RING / 2);
+        if slot % (POS_RING / 2) == 0 {
+            if let Some(e) = sp.done[half] {
+                self.note(rt.event_sync(e))?;
+            }
+        }
+        // SAFETY: slot < POS_RING inside the pinned allocation; the copies that read this slot
+        // before have completed (the event above).
+        unsafe { sp.host.add(slot).write(v) };
+        let r = unsafe {
+            rt.copy_h2d_async(sp.dev.ptr(), sp.host.add(slot) as *const u8, 8, self.stream)
+        };
+        self.note(r)?;
+        if (slot + 1) % (POS_RING / 2) == 0 {
+            let e = match sp.done[half] {
+                Some(e) => e,
+                None => self.note(rt.event_create())?,
+            };
+            sp.done[half] = Some(e);
+            self.note(rt.event_record(e, self.stream))?;
+        }
+        sp.next = (slot + 1) % POS_RING;
+        sp.last = Some(v);
+        sp.in_step = true;
+        Some(sp.dev.ptr())
     }
 
     /// Turn graph replay of decode steps on or off for this backend (default on unless
@@ -413,6 +521,12 @@ impl GpuBackend {
                     if let Some(t) = g.began.take() {
                         g.graphs.stats.steps += 1;
                         g.graphs.stats.step_host_us += t.elapsed().as_micros() as u64;
+                        if g.graphs.trace {
+                            let diffs = std::mem::take(&mut g.graphs.diffs);
+                            let steps = g.graphs.stats.steps;
+                            drop(g);
+                            self.trace_step(steps, &diffs);
+                        }
                     }
                     return;
                 }
@@ -437,6 +551,31 @@ impl GpuBackend {
                 break;
             }
         }
+    }
+
+    /// `DS4_GPU_GRAPH_TRACE=1`: one line per graphed step naming the kernel nodes updated
+    /// before its replays, grouped by kernel and changed argument slots (`g` = grid/block).
+    fn trace_step(&self, step: u64, diffs: &[(crate::runtime::Function, u32)]) {
+        let mut groups: Vec<((u64, u32), usize)> = Vec::new();
+        for &(f, m) in diffs {
+            match groups.iter_mut().find(|(k, _)| *k == (f.0, m)) {
+                Some((_, c)) => *c += 1,
+                None => groups.push(((f.0, m), 1)),
+            }
+        }
+        let mut line = format!("ds4 graph step {step}: {} updated", diffs.len());
+        for ((f, m), c) in groups {
+            let name = self
+                .gpu
+                .kernel_name(crate::runtime::Function(f))
+                .unwrap_or_else(|| format!("{f:#x}"));
+            let slots: Vec<String> = (0..32)
+                .filter(|i| m & (1 << i) != 0)
+                .map(|i| if i == 31 { "g".into() } else { i.to_string() })
+                .collect();
+            line += &format!(" | {name}[{}]x{c}", slots.join(","));
+        }
+        eprintln!("{line}");
     }
 
     /// Before an action outside the stream (allocations that free, snapshots, marks): run
@@ -795,6 +934,9 @@ impl Backend for GpuBackend {
         g.calls.clear();
         g.piece = 0;
         g.began = Some(std::time::Instant::now());
+        if let Some(sp) = self.step.lock().unwrap().as_mut() {
+            sp.in_step = false;
+        }
         self.pool.canonical();
         self.recording.store(true, Ordering::Release);
     }
