@@ -5,8 +5,9 @@
 //! (bf16 hi/lo terms laid along K: one product, three terms) held to ops_gemm's tolerance for
 //! the GEMM's bf16 form (2e-3 relative to 1 + |cpu|), and `fast` (one bf16 product) held to
 //! TOL_FAST relative to 1 + rms(cpu) (both operands rounded to bf16 once: ~2^-9 per term, so
-//! the error scales with rms(y), not with each output). Each case checks that the library took
-//! the product (launch counter). Forms are process-wide: run with --test-threads=1 on a GPU.
+//! the error scales with rms(y), not with each output). The warm product at open ran. Each case
+//! checks that the library took the product (launch counter). Forms are process-wide: run with
+//! --test-threads=1 on a GPU.
 //! Without a GPU the device tests skip with the reason; with a GPU but no library they skip
 //! saying what was searched. The host test (runs anywhere) checks the loader's failure line.
 
@@ -101,6 +102,11 @@ fn blas_dense_every_type_and_n() {
     let Some((cpu, gpu)) = blas_backends() else {
         return;
     };
+    // The library's one-time set-up ran when the backend was made (model/blas.rs blas_warm).
+    assert!(
+        gpu.blas_warmed(),
+        "no warm product when the library was opened"
+    );
     let mut cases = Cases::default();
     let mut want = std::collections::HashMap::new();
     for fast in [false, true] {

@@ -16,9 +16,13 @@
 //! Switch: `DS4_GPU_BLAS=off|on|fast` (default on where the library loads) or
 //! [`GpuBackend::set_blas`]. H200, full-size q2, 2048-token prompt: prefill 1,473 -> 1,901 tok/s
 //! (fast: 2,124); per product 3-5.5x the GEMM (bench/results/gpu-blas-b-h200.txt). The library
-//! is opened when the backend is made and gets a 32 MiB workspace allocated once, so the call
-//! neither allocates nor synchronises; it runs on the backend's stream (the legacy default
-//! stream of the primary context, which the library's runtime shares). Never recorded in a
+//! is opened when the backend is made and gets a 32 MiB workspace allocated once, and one small
+//! product runs then (the library's one-time set-up: 165 ms of host time in the first prompt
+//! otherwise, see `blas_warm`), so the call neither allocates nor synchronises; it runs on the
+//! backend's stream (the legacy default stream of the primary context, which the library's
+//! runtime shares). `DS4_GPU_BLAS_TRACE=1` prints the host time of each new plan's heuristic
+//! query and first product (the library loads each kernel on first use: 3-22 ms per new shape
+//! in the first prompt on the H200). Never recorded in a
 //! decode graph (n ≤ 4 goes to matvec.rs; a recording backend declines anyway).
 //! ROCm: the same path with hipBLASLt's enum values; not run here (no AMD GPU was available).
 
@@ -57,23 +61,6 @@ fn trace() -> bool {
     *ON.get_or_init(|| std::env::var("DS4_GPU_BLAS_TRACE").is_ok_and(|v| v == "1"))
 }
 
-/// Token counts prewarmed per weight shape (blas_prewarm): the prompt step and the powers of
-/// two below it down to 256 (the library picks its kernel by n; nearby n take the same ones).
-const PREWARM_N: &[usize] = &[4096, 2048, 1024, 512, 256];
-/// Largest weight prewarmed (elements); the output head (129280 × 4096) is left out.
-const PREWARM_MAX: usize = 1 << 26;
-
-/// `DS4_GPU_BLAS_PREWARM=1`: prewarm the products of each weight shape when it is bound.
-fn prewarm_wanted() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DS4_GPU_BLAS_PREWARM").is_ok_and(|v| v == "1"))
-}
-
-/// `DS4_GPU_BLAS_WARM=0`: no warm product when the library is opened.
-fn warm_wanted() -> bool {
-    std::env::var("DS4_GPU_BLAS_WARM").map_or(true, |v| v != "0")
-}
-
 fn mode() -> u8 {
     let m = MODE.load(Ordering::Relaxed);
     if m != UNSET {
@@ -94,8 +81,6 @@ fn mode() -> u8 {
 #[derive(Default)]
 pub(crate) struct BlasSlot {
     st: OnceLock<Option<BlasState>>,
-    /// Weight shapes already prewarmed (blas_prewarm).
-    warmed: Mutex<std::collections::HashSet<(GgmlType, usize, usize)>>,
 }
 
 /// Field order is drop order: plans and handle before the workspace (and the runtime it holds).
@@ -107,6 +92,8 @@ struct BlasState {
     ws: DeviceBuffer,
     /// A call failed: decline from now on (said once).
     broken: AtomicBool,
+    /// The warm product at open ran (blas_warm).
+    warmed: AtomicBool,
 }
 
 /// One product: for batch (group) z < groups, token row t < n, row j < rows / groups:
@@ -190,10 +177,10 @@ impl GpuBackend {
                     handle,
                     ws,
                     broken: AtomicBool::new(false),
+                    warmed: AtomicBool::new(false),
                 };
-                if warm_wanted() {
-                    self.blas_warm(&st);
-                }
+                let warmed = self.blas_warm(&st);
+                st.warmed.store(warmed, Ordering::Relaxed);
                 Some(st)
             }
             Err(e) => {
@@ -208,10 +195,15 @@ impl GpuBackend {
     }
 
     /// One small product when the library is opened, waited for: the library's one-time
-    /// set-up (first heuristic query, first product) then happens when the backend is made
-    /// instead of inside the first prompt. Errors are ignored (the real products report theirs).
-    fn blas_warm(&self, st: &BlasState) {
+    /// set-up then happens when the backend is made instead of inside the first prompt. On the
+    /// H200 (bench/results/gpu-prefill-p8-h200.txt) the first product of a process cost 165 ms
+    /// of host time (heuristic query 55.8 ms, call 109.6 ms: the library loads its kernels on
+    /// first use); after this warm product (46 ms here) the first product of that shape (the HC
+    /// product, m 24, k 3 × 16384) took 13.7 ms (0.3 ms heuristic).
+    /// True when the product ran; errors are otherwise ignored (the real products report theirs).
+    fn blas_warm(&self, st: &BlasState) -> bool {
         let t0 = std::time::Instant::now();
+        // A bf16 product of a prefill-like shape (m rows, n tokens, k = three K-parts).
         let (m, n, k) = (512usize, 64usize, 1536usize);
         let shape = Shape {
             m: m as u64,
@@ -226,87 +218,45 @@ impl GpuBackend {
             d_stride: 0,
         };
         let Ok(Some(plan)) = st.handle.plan(&shape, WORKSPACE) else {
-            return;
+            return false;
         };
-        let bufs = (
+        let (Ok(a), Ok(b), Ok(d)) = (
             self.gpu.alloc(m * k * 2),
             self.gpu.alloc(n * k * 2),
             self.gpu.alloc(m * n * 4),
-        );
-        if let (Ok(a), Ok(b), Ok(d)) = bufs {
-            for buf in [&a, &b] {
-                let _ =
-                    self.gpu
-                        .runtime()
-                        .memset_u32_async(buf.ptr(), 0, buf.bytes() / 4, self.stream);
-            }
-            let _ = st.handle.matmul(
-                &plan,
-                a.ptr(),
-                b.ptr(),
-                d.ptr(),
-                st.ws.ptr(),
-                WORKSPACE,
-                self.stream,
-            );
-            let _ = self.gpu.synchronize();
-        }
+        ) else {
+            return false;
+        };
+        let rt = self.gpu.runtime();
+        let ok = rt
+            .memset_u32_async(a.ptr(), 0, a.bytes() / 4, self.stream)
+            .and_then(|_| rt.memset_u32_async(b.ptr(), 0, b.bytes() / 4, self.stream))
+            .and_then(|_| {
+                st.handle.matmul(
+                    &plan,
+                    a.ptr(),
+                    b.ptr(),
+                    d.ptr(),
+                    st.ws.ptr(),
+                    WORKSPACE,
+                    self.stream,
+                )
+            })
+            .and_then(|_| self.gpu.synchronize())
+            .is_ok();
         if trace() {
             eprintln!(
-                "ds4 blas: warm product at open {:.2} ms",
+                "ds4 blas: warm product at open {:.2} ms (ok: {ok})",
                 t0.elapsed().as_secs_f64() * 1e3
             );
         }
+        ok
     }
 
-    /// When a weight is bound (Backend::matrix / random), before any prompt: one product of
-    /// its shape (on scratch operands, result unused) for each n in [`PREWARM_N`], once per
-    /// (type, cols, rows) per backend. The library's heuristic query and the loading of the
-    /// kernel it picks (the library loads kernels on first use) then happen while the model
-    /// loads instead of inside the first prompt. Weights over [`PREWARM_MAX`] elements (the
-    /// output head) are left out. `DS4_GPU_BLAS_PREWARM=0|1`.
-    pub(crate) fn blas_prewarm(&self, w: &GpuWeight) {
-        if !prewarm_wanted() || mode() == OFF || self.recording.load(Ordering::Acquire) {
-            return;
-        }
-        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
-            return;
-        };
-        let covered = matches!(
-            ty,
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
-        );
-        if !covered || rows * cols > PREWARM_MAX || self.blas_state().is_none() {
-            return;
-        }
-        if !self.blas.warmed.lock().unwrap().insert((ty, cols, rows)) {
-            return;
-        }
-        let t0 = std::time::Instant::now();
-        for &n in PREWARM_N {
-            let x = self.scratch(n * cols);
-            let y = self.scratch(n * rows);
-            self.blas_job(&Job {
-                w: p,
-                ty,
-                row_bytes,
-                rows,
-                cols,
-                groups: 1,
-                x: x.ptr,
-                x_tok: cols,
-                n,
-                y: y.ptr,
-                y_tok: rows,
-                y_z: 0,
-            });
-        }
-        if trace() {
-            eprintln!(
-                "ds4 blas: prewarm {ty:?} {cols}->{rows}: host {:.2} ms",
-                t0.elapsed().as_secs_f64() * 1e3
-            );
-        }
+    /// Whether the warm product ran when the library was opened (opens it on first call).
+    pub fn blas_warmed(&self) -> bool {
+        self.blas_state()
+            .is_some_and(|s| s.warmed.load(Ordering::Relaxed))
     }
 
     /// `y[i] = W·x[i]` (`Part` as in Backend::matmul) for n > 4 rows; false: declined.
