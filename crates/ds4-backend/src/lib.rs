@@ -495,6 +495,39 @@ pub trait Backend: Send + Sync + Sized {
             self.matmul(w, Part::All, x, n, y);
         }
     }
+    /// [`Backend::rms_norm`] of the `n` rows of `x` (`[n, cols]`, in place, weighted when `norm`
+    /// is given), then `y = w·x` ([`Backend::matmul`], `Part::All`): on return `x` holds the
+    /// normed rows either way. A device may fold the norm into the product's staging of `x` (the
+    /// query's low-rank norm before q_b). Default: that composition.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul(
+        &self,
+        x: &mut Self::Buf,
+        n: usize,
+        cols: usize,
+        norm: Option<&Self::Weight>,
+        eps: f32,
+        w: &Self::Weight,
+        y: &mut Self::Buf,
+    ) {
+        self.rms_norm(x, n, cols, norm, eps);
+        self.matmul(w, Part::All, x, n, y);
+    }
+    /// `y[..n·rows] += w·x` for `n` rows of `x` (`rows` = rows of `w`): [`Backend::matmul`] into
+    /// a scratch buffer, then [`Backend::add`] (the default), which a device may fold into the
+    /// product's epilogue (the shared expert's down product added into the routed sum).
+    fn matmul_add(
+        &self,
+        w: &Self::Weight,
+        x: &Self::Buf,
+        n: usize,
+        rows: usize,
+        y: &mut Self::Buf,
+    ) {
+        let mut t = self.alloc(n * rows);
+        self.matmul(w, Part::All, x, n, &mut t);
+        self.add(y, &t, n * rows);
+    }
     /// Shared-expert gate/up with the clamped SwiGLU: `h = g·x`, then [`Backend::swiglu`] of
     /// `h` with `u·x` over `n·ff` values (`ff` = rows of `g` and `u`). Default: that composition.
     #[allow(clippy::too_many_arguments)]

@@ -823,3 +823,145 @@ fn matvec_merged() {
     GpuBackend::set_matvec_mvx_spread(6);
     cases.finish();
 }
+
+/// The decode fusions (`Backend::rms_norm_matmul`: the query's low-rank norm folded into q_b's
+/// `mvxn_r4u2_q8_0` staging; `Backend::matmul_add`: the shared down product added into the
+/// routed sum by `mvra_r2u2_q8_0`) against the CPU reference (the trait defaults: norm then
+/// product, product then add), with shapes the fused kernels take (Q8_0 decode copies, n = 1,
+/// <= 1024 columns for the norm, > 1024 for the add) and shapes that fall back (n = 2, longer or
+/// shorter rows): the product, the normed x left in `x`, and the sum; each GPU run twice,
+/// bitwise equal.
+#[test]
+fn matvec_fused() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    let eps = 1e-6;
+    // (cols, rows, n): the real q_b (1024 -> 32768) and indexer-free shapes, a ragged row
+    // count, short rows, then fallbacks (n = 2, 2048 columns).
+    let norm_shapes: &[(usize, usize, usize)] = &[
+        (1024, 32768, 1),
+        (1024, 4099, 1),
+        (512, 70, 1),
+        (96, 33, 1),
+        (1024, 300, 2),
+        (2048, 64, 1),
+    ];
+    for (si, &(cols, rows, n)) in norm_shapes.iter().enumerate() {
+        let w = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, 2100 + si as u64);
+        let xs = randn(&mut rng(2200 + si as u64), n * cols, 3.0);
+        let nv = randn(&mut rng(2300 + si as u64), cols, 1.0);
+        let f = common::file(&[(
+            "v",
+            GgmlType::F32,
+            vec![cols as u64],
+            common::f32_bytes(&nv),
+        )]);
+        let (nc, ng) = (
+            cpu.vector(&common::src(&f, "v")).unwrap(),
+            gpu.vector(&common::src(&f, "v")).unwrap(),
+        );
+        let mut cx = cpu.upload(&xs);
+        let mut cy = cpu.alloc(n * rows);
+        cpu.rms_norm_matmul(&mut cx, n, cols, Some(&nc), eps, &w.0, &mut cy);
+        let (want_x, want_y) = (cpu.download(&cx, n * cols), cpu.download(&cy, n * rows));
+        let mut outs = Vec::new();
+        for _ in 0..2 {
+            let mut gx = gpu.upload(&xs);
+            let mut gy = gpu.upload(&vec![f32::NAN; n * rows]);
+            gpu.rms_norm_matmul(&mut gx, n, cols, Some(&ng), eps, &w.1, &mut gy);
+            outs.push((gpu.download(&gx, n * cols), gpu.download(&gy, n * rows)));
+        }
+        let name = format!("rms_norm_matmul Q8_0 {cols}->{rows} n={n}");
+        cases.check(format!("{name} x"), cols, &outs[0].0, &want_x, &gpu);
+        cases.check(format!("{name} y"), cols, &outs[0].1, &want_y, &gpu);
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(
+            bits(&outs[0].0, &outs[1].0) && bits(&outs[0].1, &outs[1].1),
+            "{name}: results differ between runs"
+        );
+    }
+    // (cols, rows, n): the real shared down (2048 -> 4096), a ragged row count, 1056 columns
+    // (the mvr form), then fallbacks (<= 1024 columns: mvx; n = 2).
+    let add_shapes: &[(usize, usize, usize)] = &[
+        (2048, 4096, 1),
+        (4096, 1027, 1),
+        (1056, 70, 1),
+        (512, 72, 1),
+        (2048, 300, 2),
+    ];
+    for (si, &(cols, rows, n)) in add_shapes.iter().enumerate() {
+        let w = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, 2400 + si as u64);
+        let xs = randn(&mut rng(2500 + si as u64), n * cols, 1.0);
+        let y0 = randn(&mut rng(2600 + si as u64), n * rows, 2.0);
+        let cx = cpu.upload(&xs);
+        let mut cy = cpu.upload(&y0);
+        cpu.matmul_add(&w.0, &cx, n, rows, &mut cy);
+        let want = cpu.download(&cy, n * rows);
+        let gx = gpu.upload(&xs);
+        let mut outs = Vec::new();
+        for _ in 0..2 {
+            let mut gy = gpu.upload(&y0);
+            gpu.matmul_add(&w.1, &gx, n, rows, &mut gy);
+            outs.push(gpu.download(&gy, n * rows));
+        }
+        let name = format!("matmul_add Q8_0 {cols}->{rows} n={n}");
+        cases.check(name.clone(), cols, &outs[0], &want, &gpu);
+        assert!(
+            outs[0]
+                .iter()
+                .zip(&outs[1])
+                .all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{name}: results differ between runs"
+        );
+    }
+    cases.finish();
+}
+
+/// The trait defaults of the fused ops on the CPU reference (no GPU needed): `rms_norm_matmul`
+/// leaves the normed rows in `x` and equals `rms_norm` then `matmul`; `matmul_add` equals
+/// `matmul` then `add` (bitwise: the same operations).
+#[test]
+fn fused_defaults_cpu() {
+    let hp = HParams::tiny();
+    let cpu = CpuBackend::new(ds4_model::forward::rope_tables(&hp));
+    let (cols, rows, n) = (256, 40, 2);
+    let mut r = rng(2700);
+    let bytes: Vec<u8> = (0..rows)
+        .flat_map(|_| ds4_gpu::conformance::random_row(GgmlType::Q8_0, cols, &mut r))
+        .collect();
+    let nv = randn(&mut r, cols, 1.0);
+    let f = common::file(&[
+        ("w", GgmlType::Q8_0, vec![cols as u64, rows as u64], bytes),
+        (
+            "v",
+            GgmlType::F32,
+            vec![cols as u64],
+            common::f32_bytes(&nv),
+        ),
+    ]);
+    let w = cpu.matrix(&common::src(&f, "w")).unwrap();
+    let v = cpu.vector(&common::src(&f, "v")).unwrap();
+    let xs = randn(&mut r, n * cols, 2.0);
+    let y0 = randn(&mut r, n * rows, 1.0);
+
+    let (mut xa, mut ya) = (cpu.upload(&xs), cpu.alloc(n * rows));
+    cpu.rms_norm_matmul(&mut xa, n, cols, Some(&v), 1e-6, &w, &mut ya);
+    let (mut xb, mut yb) = (cpu.upload(&xs), cpu.alloc(n * rows));
+    cpu.rms_norm(&mut xb, n, cols, Some(&v), 1e-6);
+    cpu.matmul(&w, Part::All, &xb, n, &mut yb);
+    assert_eq!(cpu.download(&xa, n * cols), cpu.download(&xb, n * cols));
+    assert_eq!(cpu.download(&ya, n * rows), cpu.download(&yb, n * rows));
+    assert_ne!(cpu.download(&xa, n * cols), xs, "x is left normed");
+
+    let x = cpu.upload(&xs);
+    let mut ya = cpu.upload(&y0);
+    cpu.matmul_add(&w, &x, n, rows, &mut ya);
+    let (mut yb, mut t) = (cpu.upload(&y0), cpu.alloc(n * rows));
+    cpu.matmul(&w, Part::All, &x, n, &mut t);
+    cpu.add(&mut yb, &t, n * rows);
+    assert_eq!(cpu.download(&ya, n * rows), cpu.download(&yb, n * rows));
+    assert_ne!(cpu.download(&ya, n * rows), y0, "y is added to");
+}

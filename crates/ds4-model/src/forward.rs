@@ -699,9 +699,8 @@ impl<B: Backend> Model<B> {
         let mut cq = b.alloc(n * rank);
         let mut kv = b.alloc(n * hd);
         b.matmul_multi(&[&l.q_a, &l.kv], z, n, &mut [&mut cq, &mut kv]);
-        b.rms_norm(&mut cq, n, rank, Some(&l.q_a_norm), eps);
         let mut q = b.alloc(n * nh * hd);
-        b.matmul(&l.q_b, Part::All, &cq, n, &mut q);
+        b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
         b.norm_rope(&mut q, n, nh, hd, None, eps, n_rot, t0, rope, None);
         // The shared KV row of each position, rounded as the cache stores it.
         let kv_round = RowRounding {
@@ -847,9 +846,7 @@ impl<B: Backend> Model<B> {
         );
         let mut g = b.alloc(n * spec.ff);
         b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut g, l.clamp_sh);
-        let mut y = b.alloc(n * spec.d);
-        b.matmul(&l.down_sh, Part::All, &g, n, &mut y);
-        b.add(&mut out, &y, n * spec.d);
+        b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
         out
     }
 

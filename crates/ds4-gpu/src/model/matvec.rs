@@ -70,6 +70,29 @@ static REPACK: AtomicBool = AtomicBool::new(true);
 /// (name, rows per warp R, column steps U in flight).
 const MVR_FORMS: [(&str, usize); 2] = [("r4u2", 4), ("r2u2", 2)];
 
+/// Decode fusions (on by default; `DS4_GPU_DFUSE=off`: the composed ops, for A/B): the query's
+/// low-rank RMSNorm folded into the q_b product (`mv_norm_matmul`) and the shared expert's down
+/// product added into the routed sum in its epilogue (`mv_matmul_add`).
+fn fuse_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DS4_GPU_DFUSE").map_or(true, |v| v != "off"))
+}
+
+/// One-row Q8_0 decode-copy products that prefetch their CTA's weight slice into L2 before the
+/// PDL wait (gpu/matvec.cu mv_l2_prefetch), per kind: `mvr` (`mvrp_*`, `mvrpa_*`: out_a, out_b,
+/// shared down, head), `mvx` (`mvxp_*`, `mvxnp_*`: q_b), `gu` (`mvrgup_*`: shared gate/up).
+/// `DS4_GPU_L2PF=all` or a list of kinds (`mvr,gu`); off by default (all kinds: 123.0 against
+/// 127.7 tok/s at 2k on the H200, bench/results/gpu-fuse-f8-h200.txt).
+fn pf(kind: &str) -> &'static str {
+    static KINDS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let k = KINDS.get_or_init(|| std::env::var("DS4_GPU_L2PF").unwrap_or_default());
+    if k == "all" || k.split(',').any(|x| x == kind) {
+        "p"
+    } else {
+        ""
+    }
+}
+
 /// Reads `DS4_GPU_Q8_REPACK` once (before the first copy or product).
 fn mvr_env() {
     MVR_ENV.call_once(|| {
@@ -498,6 +521,7 @@ impl GpuBackend {
 
     /// One n = 1 product by `mvr_*` from a decode-layout copy `dec` (rows per group `rows`, `zs`
     /// groups of consecutive rows, x of group z at element z·x_z, y at z·y_z), or false when off.
+    /// `add`: y += W·x by `mvra_r2u2_q8_0`, false (nothing run) where another form would be taken.
     #[allow(clippy::too_many_arguments)]
     fn mvr(
         &self,
@@ -509,6 +533,7 @@ impl GpuBackend {
         rows: usize,
         cols: usize,
         zs: usize,
+        add: bool,
     ) -> bool {
         mvr_env();
         let form = match MVR.load(Ordering::Relaxed) {
@@ -526,10 +551,14 @@ impl GpuBackend {
             return false;
         }
         let (xf, ctas) = q8_form(0);
-        if xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO {
+        let mvx = xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO;
+        if add && (mvx || form != 2) {
+            return false;
+        }
+        if mvx {
             let q = dec.ptr();
             self.mvx(
-                "mvx_r4u2_q8_0",
+                &format!("mvx{}_r4u2_q8_0", pf("mvx")),
                 q,
                 q.offset((nb * 32) as u64),
                 x,
@@ -542,6 +571,7 @@ impl GpuBackend {
                 4,
                 16,
                 ctas,
+                &[],
             );
             return true;
         }
@@ -552,7 +582,7 @@ impl GpuBackend {
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvr_{name}_q8_0"),
+            &format!("mvr{}{}_{name}_q8_0", pf("mvr"), if add { "a" } else { "" }),
             dims,
             &[
                 Arg::Ptr(q),
@@ -588,6 +618,7 @@ impl GpuBackend {
         r: usize,
         c: usize,
         ctas: usize,
+        extra: &[Arg],
     ) {
         let sm = self.gpu.info().sm_count as usize;
         let (ks, _, gx) = mvx_plan(
@@ -617,7 +648,10 @@ impl GpuBackend {
                 Arg::I32(rows as i32),
                 Arg::I32(cols as i32),
                 Arg::I32(ks as i32),
-            ],
+            ]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .collect::<Vec<_>>(),
         );
     }
 
@@ -958,7 +992,7 @@ impl GpuBackend {
             return false;
         };
         if let (1, Some(dec), 0) = (n, dec, byte0) {
-            if self.mvr(dec, x, 0, y.ptr, 0, rows, cols, 1) {
+            if self.mvr(dec, x, 0, y.ptr, 0, rows, cols, 1, false) {
                 return true;
             }
         }
@@ -991,6 +1025,88 @@ impl GpuBackend {
         true
     }
 
+    /// Backend::rms_norm_matmul at n = 1 in one launch (`mvxn_r4u2_q8_0`: every CTA norms the
+    /// row of `cols` as it stages it, CTA 0 also writes the normed row to a new buffer that then
+    /// replaces `x`), or false (nothing run: `DS4_GPU_DFUSE=off`, or the product would not take
+    /// `mvx_r4u2_q8_0`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn mv_norm_matmul(
+        &self,
+        x: &mut GpuBuf,
+        cols: usize,
+        norm: Option<&GpuWeight>,
+        eps: f32,
+        w: &GpuWeight,
+        y: &mut GpuBuf,
+    ) -> bool {
+        mvr_env();
+        let (
+            Some(GpuWeight::F32 { buf: nb, len }),
+            GpuWeight::Mat {
+                ty: GgmlType::Q8_0,
+                dec: Some(dec),
+                rows,
+                cols: wc,
+                ..
+            },
+        ) = (norm, w)
+        else {
+            return false;
+        };
+        let (xf, ctas) = q8_form(0);
+        let nq = rows * cols / 32;
+        if !fuse_on()
+            || !ENABLED.load(Ordering::Relaxed)
+            || MVR.load(Ordering::Relaxed) != MVQ_AUTO
+            || xf == 0
+            || *wc != cols
+            || *len < cols
+            || cols > MVX_Q8_MAXC
+            || !cols.is_multiple_of(32)
+            || !x.ptr.0.is_multiple_of(16)
+            || !nb.ptr().0.is_multiple_of(16)
+            || dec.bytes() < nq * 34
+            || self.failed()
+        {
+            return false;
+        }
+        let xn = self.scratch(cols);
+        let q = dec.ptr();
+        self.mvx(
+            &format!("mvxn{}_r4u2_q8_0", pf("mvx")),
+            q,
+            q.offset((nq * 32) as u64),
+            x,
+            0,
+            y.ptr,
+            0,
+            *rows,
+            cols,
+            1,
+            4,
+            16,
+            ctas,
+            &[Arg::Ptr(nb.ptr()), Arg::F32(eps), Arg::Ptr(xn.ptr)],
+        );
+        *x = xn; // the raw row goes back to the pool (stream-ordered, as every scratch buffer)
+        true
+    }
+
+    /// Backend::matmul_add at n = 1 (`mvra_r2u2_q8_0`: y += W·x in the product's epilogue), or
+    /// false (nothing run: `DS4_GPU_DFUSE=off`, or the product would take another form).
+    pub(crate) fn mv_matmul_add(&self, w: &GpuWeight, x: &GpuBuf, y: &mut GpuBuf) -> bool {
+        let GpuWeight::Mat {
+            dec: Some(dec),
+            rows,
+            cols,
+            ..
+        } = w
+        else {
+            return false;
+        };
+        fuse_on() && self.mvr(dec, x, 0, y.ptr, 0, *rows, *cols, 1, true)
+    }
+
     /// Backend::matmul_grouped.
     pub(crate) fn mv_grouped(
         &self,
@@ -1016,7 +1132,7 @@ impl GpuBackend {
         };
         let (x_tok, x_z) = (groups * cols, cols);
         if let (1, Some(dec)) = (n, dec) {
-            if self.mvr(dec, x, x_z, y.ptr, r, r, cols, groups) {
+            if self.mvr(dec, x, x_z, y.ptr, r, r, cols, groups, false) {
                 return true;
             }
         }
@@ -1289,7 +1405,7 @@ impl GpuBackend {
         let (qg, qu) = (dg.ptr(), du.ptr());
         self.run(
             &ds4_kernels::MATVEC,
-            "mvrgu_r2u2_q8_0",
+            &format!("mvrgu{}_r2u2_q8_0", pf("gu")),
             dims,
             &[
                 Arg::Ptr(qg),

@@ -1215,6 +1215,35 @@ impl Backend for GpuBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul(
+        &self,
+        x: &mut GpuBuf,
+        n: usize,
+        cols: usize,
+        norm: Option<&GpuWeight>,
+        eps: f32,
+        w: &GpuWeight,
+        y: &mut GpuBuf,
+    ) {
+        // n = 1: the norm folded into the product where matvec.rs takes it.
+        if n == 1 && self.product_width_ok(w) && self.mv_norm_matmul(x, cols, norm, eps, w, y) {
+            return;
+        }
+        self.rms_norm(x, n, cols, norm, eps);
+        self.matmul(w, Part::All, x, n, y);
+    }
+
+    fn matmul_add(&self, w: &GpuWeight, x: &GpuBuf, n: usize, rows: usize, y: &mut GpuBuf) {
+        // n = 1: the add in the product's epilogue where matvec.rs takes it.
+        if n == 1 && self.product_width_ok(w) && self.mv_matmul_add(w, x, y) {
+            return;
+        }
+        let mut t = self.alloc(n * rows);
+        self.matmul(w, Part::All, x, n, &mut t);
+        self.add(y, &t, n * rows);
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn matmul_gateup(
         &self,
         g: &GpuWeight,
