@@ -710,30 +710,6 @@ __device__ __forceinline__ float mvr_dot(uint4 v, u32 d, const float4& xa, const
     return fmaf(ds4_h2f_fast(d), s, acc);
 }
 
-// L2 prefetch of bytes [p, p + n) (rounded out to 16 bytes; the decode copies are whole device
-// allocations, so the rounding stays inside them) by the calling thread: cp.async.bulk.prefetch
-// (CUDA sm_90+, chunks of 64 KB); a no-op elsewhere. The `*p*` one-row kernels (PF) issue their
-// CTA's whole weight slice before the PDL wait: the slice streams into L2 while the previous
-// kernel runs (most of them leave DRAM idle), and the loads after the wait hit L2.
-__device__ __forceinline__ void mv_l2_prefetch(const void* p, long long n) {
-#if defined(DS4_CUDA) && DS4_ARCH >= 900
-    unsigned long long a = (unsigned long long)p & ~15ull, e = ((unsigned long long)p + n + 15ull) & ~15ull;
-    for (; a < e; a += 65536ull) {
-        unsigned sz = (unsigned)(e - a < 65536ull ? e - a : 65536ull);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(sz) : "memory");
-    }
-#endif
-}
-
-// Prefetch (one thread) rows g0 .. g0 + nr - 1 of a Q8_0 decode copy (Q: cols bytes a row, D:
-// cols / 32 halfwords a row).
-__device__ __forceinline__ void mv_l2_rows(const u8* Q, const u16* D, long long g0, int nr, int cols) {
-    if (nr > 0) {
-        mv_l2_prefetch(Q + g0 * cols, (long long)nr * cols);
-        mv_l2_prefetch(D + g0 * (cols / 32), (long long)nr * (cols / 16));
-    }
-}
-
 // The loads of one round (U steps from h0, guarded per lane) of decode-layout rows qp/dp.
 template <int R, int U>
 __device__ __forceinline__ void mvr_ld(const uint4* const (&qp)[R], const u16* const (&dp)[R], int h0, int hb,
@@ -777,18 +753,13 @@ __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* 
 }
 
 // ADD (mvra): y[r] += W[r] . x (y read after the PDL wait, one write per row: deterministic).
-// PF (mvrp): the CTA's rows prefetched into L2 first (mv_l2_prefetch).
-template <int R, int U, bool ADD = false, bool PF = false>
+template <int R, int U, bool ADD = false>
 __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          int kspl) {
     __shared__ float red[MV_WARPS * R];
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, z = blockIdx.z;
     int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * R;
-    if (PF && threadIdx.x == 0) {
-        int c0 = blockIdx.x * (MV_WARPS / kspl) * R; // the CTA's first row
-        mv_l2_rows(Q, D, (long long)z * rows + c0, min((MV_WARPS / kspl) * R, rows - c0), cols);
-    }
     float acc[R][1];
 #pragma unroll
     for (int i = 0; i < R; i++) acc[i][0] = 0.0f;
@@ -825,10 +796,6 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE;
 // y += W . x (decode: the shared expert's down product added into the routed experts' sum, which
 // ran as mvr_r2u2_q8_0 into a scratch row + add_f32 before).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true>(MVR_ARGS); }
-// The same with the L2 prefetch (PF; opt-in per kind: DS4_GPU_L2PF, model/matvec.rs pf).
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrp_r4u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<4, 2, false, true>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrp_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true>(MVR_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrpa_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true, true>(MVR_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
@@ -944,17 +911,12 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LAT
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_F16) }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_Q8_0) }
 
-template <bool PF = false>
 __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu,
                                            const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h,
                                            int rows, int cols, float clamp, int kspl) {
     __shared__ float red[MV_WARPS * 2];
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int r = blockIdx.x * (MV_WARPS / kspl) + warp / kspl;
-    if (PF && threadIdx.x < 2) { // thread 0 the gate rows of the CTA, thread 1 the up rows
-        int c0 = blockIdx.x * (MV_WARPS / kspl), nr = min(MV_WARPS / kspl, rows - c0);
-        mv_l2_rows(threadIdx.x ? Qu : Qg, threadIdx.x ? Du : Dg, c0, nr, cols);
-    }
     float acc[2][1] = {{0.0f}, {0.0f}}; // gate row r, up row r
     if (r < rows) { // warp-uniform
         long long o = (long long)r * cols, od = (long long)r * (cols / 32);
@@ -977,7 +939,6 @@ __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16*
         const float *__restrict__ x, float *__restrict__ h, int rows, int cols, float clamp, int kspl
 #define MVRGU_ARGS Qg, Dg, Qu, Du, x, h, rows, cols, clamp, kspl
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body(MVRGU_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgup_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body<true>(MVRGU_ARGS); }
 
 // ---- One-row products with x staged once per CTA in shared memory (mvx*_r4u2_<t>, n = 1): the
 // default for Q8_0 decode-layout products of <= 1024 columns (attn q_b: 12.9 against 15.0 us by
@@ -1180,17 +1141,13 @@ template <int R> struct MvxPut {
 // y[z*y_z + r] = W[z*rows + r] . x[z*x_z ..], r < rows; Q8_0: W = Q (decode layout), D its scales;
 // F16: W rows of cols halfs (D unused). ks: k-slices per row group.
 // NORM: x normed as it is staged (mvx_run; nw the norm weight, xn the normed row or null).
-// PF (Q8_0): the rows of the CTA's batches prefetched into L2 first (mv_l2_prefetch).
-template <int T, int R, int U, bool NORM = false, bool PF = false>
+template <int T, int R, int U, bool NORM = false>
 __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          int ks, const float* __restrict__ nw = nullptr, float eps = 0.0f,
                                          float* __restrict__ xn = nullptr) {
     int groups = MV_WARPS / ks, z = blockIdx.z;
     int ncb = (rows + groups * R - 1) / (groups * R);
-    if (PF && T == T_Q8_0 && threadIdx.x == 0)
-        for (int cb = blockIdx.x; cb < ncb; cb += gridDim.x)
-            mv_l2_rows(W, D, (long long)z * rows + cb * groups * R, min(groups * R, rows - cb * groups * R), cols);
     MvxOne<T, R> src{W, D, (long long)z * rows, rows, cols, groups};
     MvxPut<R> snk{y + (long long)z * y_z, rows, groups};
     mvx_run<T, R, U, MvxOne<T, R>, MvxPut<R>, NORM>(x + (long long)z * x_z, cols, ks, ncb, src, snk, nw, eps, xn);
@@ -1208,15 +1165,6 @@ DS4_KERNEL void DS4_BOUNDS(MVX_LB)
     mvxn_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
     DS4_PDL_LATE;
     mvx_body<T_Q8_0, 4, 2, true>(MVX_ARGS, nw, eps, xn);
-}
-DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxp_r4u2_q8_0(MVX_PARAMS) {
-    DS4_PDL_LATE;
-    mvx_body<T_Q8_0, 4, 2, false, true>(MVX_ARGS);
-}
-DS4_KERNEL void DS4_BOUNDS(MVX_LB)
-    mvxnp_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
-    DS4_PDL_LATE;
-    mvx_body<T_Q8_0, 4, 2, true, true>(MVX_ARGS, nw, eps, xn);
 }
 
 // Several matrices of one x (equal cols; the CSA compressor and indexer projections): matrix m

@@ -70,29 +70,6 @@ static REPACK: AtomicBool = AtomicBool::new(true);
 /// (name, rows per warp R, column steps U in flight).
 const MVR_FORMS: [(&str, usize); 2] = [("r4u2", 4), ("r2u2", 2)];
 
-/// Decode fusions (on by default; `DS4_GPU_DFUSE=off`: the composed ops, for A/B): the query's
-/// low-rank RMSNorm folded into the q_b product (`mv_norm_matmul`) and the shared expert's down
-/// product added into the routed sum in its epilogue (`mv_matmul_add`).
-fn fuse_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DS4_GPU_DFUSE").map_or(true, |v| v != "off"))
-}
-
-/// One-row Q8_0 decode-copy products that prefetch their CTA's weight slice into L2 before the
-/// PDL wait (gpu/matvec.cu mv_l2_prefetch), per kind: `mvr` (`mvrp_*`, `mvrpa_*`: out_a, out_b,
-/// shared down, head), `mvx` (`mvxp_*`, `mvxnp_*`: q_b), `gu` (`mvrgup_*`: shared gate/up).
-/// `DS4_GPU_L2PF=all` or a list of kinds (`mvr,gu`); off by default (all kinds: 123.0 against
-/// 127.7 tok/s at 2k on the H200, bench/results/gpu-fuse-f8-h200.txt).
-fn pf(kind: &str) -> &'static str {
-    static KINDS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    let k = KINDS.get_or_init(|| std::env::var("DS4_GPU_L2PF").unwrap_or_default());
-    if k == "all" || k.split(',').any(|x| x == kind) {
-        "p"
-    } else {
-        ""
-    }
-}
-
 /// Reads `DS4_GPU_Q8_REPACK` once (before the first copy or product).
 fn mvr_env() {
     MVR_ENV.call_once(|| {
@@ -558,7 +535,7 @@ impl GpuBackend {
         if mvx {
             let q = dec.ptr();
             self.mvx(
-                &format!("mvx{}_r4u2_q8_0", pf("mvx")),
+                "mvx_r4u2_q8_0",
                 q,
                 q.offset((nb * 32) as u64),
                 x,
@@ -582,7 +559,7 @@ impl GpuBackend {
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvr{}{}_{name}_q8_0", pf("mvr"), if add { "a" } else { "" }),
+            &format!("mvr{}_{name}_q8_0", if add { "a" } else { "" }),
             dims,
             &[
                 Arg::Ptr(q),
@@ -1027,8 +1004,10 @@ impl GpuBackend {
 
     /// Backend::rms_norm_matmul at n = 1 in one launch (`mvxn_r4u2_q8_0`: every CTA norms the
     /// row of `cols` as it stages it, CTA 0 also writes the normed row to a new buffer that then
-    /// replaces `x`), or false (nothing run: `DS4_GPU_DFUSE=off`, or the product would not take
-    /// `mvx_r4u2_q8_0`).
+    /// replaces `x`), or false (nothing run: the product would not take `mvx_r4u2_q8_0`).
+    /// H200, 2k decode (bench/results/gpu-fuse-f8-h200.txt): with `mv_matmul_add` 127.0 against
+    /// 126.0 tok/s; ncu: 17.6 us a call, the rmsnorm_f32w + mvx_r4u2_q8_0 pair's time (one
+    /// launch fewer a layer).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mv_norm_matmul(
         &self,
@@ -1055,8 +1034,7 @@ impl GpuBackend {
         };
         let (xf, ctas) = q8_form(0);
         let nq = rows * cols / 32;
-        if !fuse_on()
-            || !ENABLED.load(Ordering::Relaxed)
+        if !ENABLED.load(Ordering::Relaxed)
             || MVR.load(Ordering::Relaxed) != MVQ_AUTO
             || xf == 0
             || *wc != cols
@@ -1073,7 +1051,7 @@ impl GpuBackend {
         let xn = self.scratch(cols);
         let q = dec.ptr();
         self.mvx(
-            &format!("mvxn{}_r4u2_q8_0", pf("mvx")),
+            "mvxn_r4u2_q8_0",
             q,
             q.offset((nq * 32) as u64),
             x,
@@ -1093,7 +1071,8 @@ impl GpuBackend {
     }
 
     /// Backend::matmul_add at n = 1 (`mvra_r2u2_q8_0`: y += W·x in the product's epilogue), or
-    /// false (nothing run: `DS4_GPU_DFUSE=off`, or the product would take another form).
+    /// false (nothing run: the product would take another form). ncu: 7.6 us a call, the product
+    /// alone's time (add_f32's 2.1 us a layer gone).
     pub(crate) fn mv_matmul_add(&self, w: &GpuWeight, x: &GpuBuf, y: &mut GpuBuf) -> bool {
         let GpuWeight::Mat {
             dec: Some(dec),
@@ -1104,7 +1083,7 @@ impl GpuBackend {
         else {
             return false;
         };
-        fuse_on() && self.mvr(dec, x, 0, y.ptr, 0, *rows, *cols, 1, true)
+        self.mvr(dec, x, 0, y.ptr, 0, *rows, *cols, 1, true)
     }
 
     /// Backend::matmul_grouped.
@@ -1405,7 +1384,7 @@ impl GpuBackend {
         let (qg, qu) = (dg.ptr(), du.ptr());
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvrgu{}_r2u2_q8_0", pf("gu")),
+            "mvrgu_r2u2_q8_0",
             dims,
             &[
                 Arg::Ptr(qg),
