@@ -236,6 +236,14 @@ pub trait Backend: Send + Sync + Sized {
         Ok(())
     }
 
+    /// Block until every queued operation has run, then [`Backend::check`]. Called at the end of
+    /// a model load: weights generated or uploaded asynchronously are then resident (a benchmark's
+    /// first prompt does not wait for them) and a failure surfaces at the load, not in the first
+    /// step. The CPU backend runs everything at once.
+    fn finish(&self) -> Result<(), String> {
+        self.check()
+    }
+
     /// The ops from here to [`Backend::graph_end`] are one step over `n` tokens that a device
     /// backend may record and replay as one graph (GPU decode: one driver call instead of a
     /// launch per op). Results are the same; a host read (download) ends the step early. The

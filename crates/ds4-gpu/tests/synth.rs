@@ -179,3 +179,33 @@ fn host_mirror_gives_unit_scales() {
         assert!((rms - 1.0).abs() < 0.1, "{ty:?}: {rms}");
     }
 }
+
+/// `Backend::finish` (the end of a model load) waits for queued generation and surfaces a failure
+/// recorded by an earlier op once: here an activation larger than any device's memory.
+#[test]
+fn finish_waits_and_surfaces_a_failed_op() {
+    let Some((_, g)) = common::backends(&HParams::tiny()) else {
+        return;
+    };
+    let w = g
+        .random(
+            WeightKind::Matrix,
+            GgmlType::Q8_0,
+            &[4096, 256],
+            Fill::Uniform {
+                center: 0.0,
+                spread: 0.05,
+            },
+            7,
+        )
+        .unwrap();
+    assert_eq!(g.finish(), Ok(()));
+    assert!(bytes_of(&g, &w).iter().any(|&b| b != 0));
+    let huge = g.alloc(1usize << 46); // 256 TiB of f32: no device has it
+    let e = g
+        .finish()
+        .expect_err("the failed allocation surfaces at finish");
+    assert!(e.contains("device memory"), "{e}");
+    drop(huge);
+    assert_eq!(g.finish(), Ok(()), "reported once");
+}

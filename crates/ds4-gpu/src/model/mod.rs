@@ -945,6 +945,15 @@ impl Backend for GpuBackend {
         self.flush(true);
     }
 
+    fn finish(&self) -> std::result::Result<(), String> {
+        self.flush(false);
+        if let Err(e) = self.gpu.synchronize() {
+            let mut err = self.err.lock().unwrap();
+            err.get_or_insert_with(|| format!("waiting for the device: {e}"));
+        }
+        self.check()
+    }
+
     fn check(&self) -> std::result::Result<(), String> {
         self.flush(true);
         self.prof_collect();
