@@ -953,3 +953,443 @@ DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2
 DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q2_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q2_K, 2>(M2DN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 1>(M2DN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2>(M2DN_ARGS); }
+
+// ===================================================================================================
+// Form 3 (m3*, n = 1, CUDA sm_80+): gate + up of IQ2_XXS experts on tensor cores, exact in the
+// weights. mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows (rows 0-7: gate rows r..r+7,
+// rows 8-15: the same up rows, so one lane ends with gate and up of its row), B column 0 = x_hi,
+// column 1 = x_lo (x * 2^sigma split in two f16: ~22 bits; sigma puts max |x| in [2^14, 2^15)),
+// the other columns zero; C column 0 + column 1 = the dot. K is permuted inside each 128-column
+// chunk (4 sub-blocks of 32, 8 mma steps): lane (gid = lane / 4, tig = lane % 4) holds sub-block
+// tig of the chunk, step j = its elements 4j..4j+3 (grid entry j / 2), and B is stored in the same
+// order. A weight element is sign * grid * (2 ls + 1) (an integer <= 1333), as f16: M3_BIAS = 0,
+// the subnormal value * 2^-24 (one PRMT builds a half2 from grid and sign bytes, one HMUL2 scales
+// it; both exact); M3_BIAS = 1, the normal integer (bias 1024 + HFMA2, sign by XOR). One fresh mma
+// chain per 256-column block, then acc += d * (c0 + c1) (times 2^24 / 8 / 2^sigma at the end).
+// Rows staged by cp.async 16-byte copies: a stage is 16 rows x 2048 columns (528 bytes a row, at a
+// 544-byte stride: fewer bank conflicts), 3 stages in flight; warp w decodes block w of a stage.
+// CTA: nb tiles of 8 output rows of expert e = sel[blockIdx.y] (first pair holding e, as v2);
+// h written in the v2 down kernel's order (m2_hidx). Shared memory: grid (2 KB), x fragments
+// (cols * 4 bytes), red[8 warps][16], 3 stages (3 * 16 * 544 bytes).
+// ===================================================================================================
+#define M3_THREADS 256
+#define M3_SROW 544 // staged row stride (528 used)
+#define M3_STAGE (16 * M3_SROW)
+#define M3_LB4 M3_THREADS, 4 // at most 64 registers: 4 CTAs per SM (shared memory allows 4)
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+__device__ __forceinline__ void m3_cp16(void* dst, const void* src) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void m3_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void m3_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ u32 m3_prmt(u32 a, u32 b, u32 s) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+__device__ __forceinline__ u32 m3_hmul2(u32 a, u32 b) {
+    u32 o;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
+    return o;
+}
+__device__ __forceinline__ u32 m3_hfma2(u32 a, u32 b, u32 c) {
+    u32 o;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o) : "r"(a), "r"(b), "r"(c));
+    return o;
+}
+__device__ __forceinline__ u32 m3_hsub2(u32 a, u32 b) {
+    u32 o;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
+    return o;
+}
+// f16x2 of (v0 low, v1 high), round to nearest even.
+__device__ __forceinline__ u32 m3_f16x2(float v0, float v1) {
+    u32 o;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(o) : "f"(v1), "f"(v0));
+    return o;
+}
+__device__ __forceinline__ void m3_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Half2 words w[0..3] (element pairs 01, 23, 45, 67) of grid entry gr with sign bytes (0x80 where
+// negative) sl (elements 0-3), sh (4-7), times the sub-block factor m2 (f16x2 of 2 ls + 1; BIAS:
+// nm2 = -1024 * m2).
+template <bool BIAS>
+__device__ __forceinline__ void m3_entry(u64 gr, u32 sl, u32 sh, u32 m2, u32 nm2, u32 (&w)[4]) {
+    u32 ml = (u32)gr, mh = (u32)(gr >> 32);
+    if (!BIAS) {
+        // bytes [g0, s0, g1, s1]: the f16 subnormals +-g * 2^-24, then * (2 ls + 1): exact.
+        w[0] = m3_hmul2(m3_prmt(ml, sl, 0x5140), m2);
+        w[1] = m3_hmul2(m3_prmt(ml, sl, 0x7362), m2);
+        w[2] = m3_hmul2(m3_prmt(mh, sh, 0x5140), m2);
+        w[3] = m3_hmul2(m3_prmt(mh, sh, 0x7362), m2);
+    } else {
+        // bytes [g0, 0x64, g1, 0x64] = 1024 + g; (1024 + g) * m2 - 1024 * m2 rounds once: exact.
+        const u32 b = 0x64646464u;
+        w[0] = m3_hfma2(m3_prmt(ml, b, 0x4140), m2, nm2) ^ m3_prmt(sl, 0u, 0x1404);
+        w[1] = m3_hfma2(m3_prmt(ml, b, 0x4342), m2, nm2) ^ m3_prmt(sl, 0u, 0x3424);
+        w[2] = m3_hfma2(m3_prmt(mh, b, 0x4140), m2, nm2) ^ m3_prmt(sh, 0u, 0x1404);
+        w[3] = m3_hfma2(m3_prmt(mh, b, 0x4342), m2, nm2) ^ m3_prmt(sh, 0u, 0x3424);
+    }
+}
+
+// Sub-block words of one staged row (4-byte aligned): the 8 bytes at byte o (even) as idx4 (4 grid
+// indices) and aux (4 x 7 sign bits, 4-bit scale), from aligned words.
+__device__ __forceinline__ void m3_sub(const u8* row, int o, u32& idx4, u32& aux) {
+    const u32* q = (const u32*)(row + (o & ~3));
+    u32 sh = (u32)(o & 2) * 8u, a = q[0], b = q[1], c = q[2];
+    idx4 = __funnelshift_r(a, b, sh);
+    aux = __funnelshift_r(b, c, sh);
+}
+
+// Sign bytes (0x80 where negative) of the 8 elements of a run with 7-bit field s7 (element 7:
+// parity): bit l to bit 8l + 7 by one multiply each half (the shifted copies do not overlap).
+__device__ __forceinline__ void m3_signs(u32 s7, u32& lo, u32& hi) {
+    lo = (s7 * 0x10204080u) & 0x80808080u;                            // bits 0-3 -> 7, 15, 23, 31
+    hi = ((s7 * 0x00020408u) & 0x00808080u) | ((u32)__popc(s7) << 31); // bits 4-6 -> 7, 15, 23
+}
+
+template <bool BIAS>
+__device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
+                                          long long slab, const float* __restrict__ x, int n, int k,
+                                          const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
+                                          int cols, long long row_bytes, int nb, int lk, int hs, float* __restrict__ mx) {
+    u64* gs = (u64*)moe_smem;
+    uint4* xf = (uint4*)(gs + 256);             // [cols / 128 chunks][4 entries][2 parts][4 tig]
+    float* red = (float*)(xf + cols / 4);       // [8 warps][16 rows]
+    float* wmax = red + 8 * 16;                 // [8 warps]
+    u8* stg = (u8*)(wmax + 8);                  // 3 stages (16-byte aligned: see the host)
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    int p = blockIdx.y, e = sel[p];
+    for (int q = 0; q < p; q++)
+        if (sel[q] == e) return; // an earlier pair computes expert e (uniform over the CTA)
+    u32 pmask = 0;               // pairs (n = 1: slots, k <= 32) holding e
+    for (int q = p; q < k; q++)
+        if (sel[q] == e) pmask |= 1u << q;
+    int ks_n = cols / 2048, r0c = blockIdx.x * nb * 8;
+    int ntl = min(nb, (rows - r0c + 7) / 8), S = ntl * ks_n;
+    const u8* gb = Wg + (long long)max(e, 0) * slab;
+    const u8* ub = Wu + (long long)max(e, 0) * slab;
+    // Stages in order (tile, columns 2048 kq ..), counters instead of divisions. Staged row R =
+    // gate (R < 8) or up row r0 + (R & 7) (clamped: rows past the end are computed, not written).
+    // This thread's copies of a stage (item i = tid + 256 m of 16 rows x 33 vectors: item 0 is a
+    // gate row, item 2 an up row; offsets precomputed; rows % 8 == 0: no row past the end).
+    int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;
+    int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * M3_SROW + 16 * (tid - 33 * R0);
+    int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * M3_SROW + 16 * (tid + M3_THREADS - 33 * R1);
+    int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * M3_SROW + 16 * (tid + 2 * M3_THREADS - 33 * 15);
+    int is_t = 0, is_k = 0, is_b = 0; // next stage to issue: tile, kq, buffer
+    auto issue = [&]() {
+        if (is_t < ntl) {
+            long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;
+            u8* dst = stg + is_b * M3_STAGE;
+            m3_cp16(dst + do0, gb + to + so0);
+            m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);
+            if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);
+            if (++is_k == ks_n) is_k = 0, is_t++;
+            is_b = is_b == 2 ? 0 : is_b + 1;
+        }
+        m3_commit();
+    };
+    issue();
+    issue();
+    m2_grid<T_IQ2_XXS>(gs);
+    // sigma from max |x| (exact power of two; max is order-free: deterministic).
+    float am = 0.0f;
+    for (int i = tid; i < cols / 4; i += M3_THREADS) {
+        float4 v = ((const float4*)x)[i];
+        am = fmaxf(am, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    if (lane == 0) wmax[warp] = am;
+    __syncthreads();
+    am = wmax[0];
+    for (int w = 1; w < 8; w++) am = fmaxf(am, wmax[w]);
+    int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+    float xsc = __uint_as_float((u32)(127 + sig) << 23);
+    // Final factor: 2^24 (subnormal unit, not with BIAS) / 8 / 2^sigma.
+    float fin = __uint_as_float((u32)(127 + (BIAS ? -3 : 21) - sig) << 23);
+    // x fragments: entry q = (chunk c, entry jj, tig) = x[128c + 32 tig + 8 jj ..] as hi and lo.
+    for (int q = tid; q < cols / 8; q += M3_THREADS) {
+        int c = q >> 4, jj = (q >> 2) & 3, t = q & 3;
+        const float4* src = (const float4*)(x + 128 * c + 32 * t + 8 * jj);
+        float4 a = src[0], b = src[1];
+        float v[8] = {a.x * xsc, a.y * xsc, a.z * xsc, a.w * xsc, b.x * xsc, b.y * xsc, b.z * xsc, b.w * xsc};
+        u32 hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            hi[i] = m3_f16x2(v[2 * i], v[2 * i + 1]);
+            float h0 = ds4_h2f_fast(hi[i] & 0xffffu), h1 = ds4_h2f_fast(hi[i] >> 16);
+            lo[i] = m3_f16x2(v[2 * i] - h0, v[2 * i + 1] - h1); // exact differences
+        }
+        xf[((c * 4 + jj) * 2 + 0) * 4 + t] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        xf[((c * 4 + jj) * 2 + 1) * 4 + t] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+    float ag = 0.0f, au = 0.0f, hmax = 0.0f;
+    int kq = 0, tl = 0, bs = 0; // this stage: columns 2048 kq .., tile, buffer
+    for (int s = 0; s < S; s++) {
+        m3_wait1();      // this thread's copies of stage s have landed
+        __syncthreads(); // everyone's; stage s - 1 is no longer read
+        issue();
+        int bw = 8 * kq + warp; // this warp's block of the row
+        const u8* rg = stg + bs * M3_STAGE + gid * M3_SROW;
+        const u8* ru = rg + 8 * M3_SROW;
+        float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int sb = 4 * hh + tig, c = 2 * bw + hh, o = 66 * warp + 2 + 8 * sb;
+            u32 ig, xg, iu, xu;
+            m3_sub(rg, o, ig, xg);
+            m3_sub(ru, o, iu, xu);
+            u32 mg = 1u + 2u * (xg >> 28), mu = 1u + 2u * (xu >> 28);
+            const u32 b1k = 0x64006400u;
+            u32 m2g = m3_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = m3_hsub2((mu | (mu << 16)) | b1k, b1k);
+            u32 n2g = 0, n2u = 0;
+            if (BIAS) n2g = m3_hmul2(m2g, 0xe400e400u), n2u = m3_hmul2(m2u, 0xe400e400u); // -1024 m
+            // B: lanes gid 0 / 1 read x_hi / x_lo; the others duplicate them into C columns 2-7,
+            // which are never read (a column of C depends on its column of B only).
+            const uint4* xb = xf + (c * 4) * 8 + (lane & 7);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                uint4 b = xb[q * 8];
+                u32 slg, shg, slu, shu;
+                m3_signs((xg >> (7 * q)) & 127u, slg, shg);
+                m3_signs((xu >> (7 * q)) & 127u, slu, shu);
+                u32 wg[4], wu[4];
+                m3_entry<BIAS>(gs[(ig >> (8 * q)) & 0xffu], slg, shg, m2g, n2g, wg);
+                m3_entry<BIAS>(gs[(iu >> (8 * q)) & 0xffu], slu, shu, m2u, n2u, wu);
+                m3_mma(c4, wg[0], wu[0], wg[1], wu[1], b.x, b.y);
+                m3_mma(c4, wg[2], wu[2], wg[3], wu[3], b.z, b.w);
+            }
+        }
+        float dg = ds4_h2f_fast(*(const u16*)(rg + 66 * warp)), du = ds4_h2f_fast(*(const u16*)(ru + 66 * warp));
+        ag = fmaf(dg, c4[0] + c4[1], ag);
+        au = fmaf(du, c4[2] + c4[3], au);
+        bs = bs == 2 ? 0 : bs + 1;
+        if (++kq == ks_n) { // tile done: warps' partials (lanes tig 0: column 0 + 1) -> h
+            kq = 0;
+            if (tig == 0) red[warp * 16 + gid] = ag, red[warp * 16 + 8 + gid] = au;
+            ag = 0.0f, au = 0.0f;
+            __syncthreads();
+            // Threads < 64: row tid / 8, warp tid % 8; sums over the 8 warps by a fixed tree.
+            int r = r0c + 8 * tl + (tid >> 3);
+            tl++;
+            float gv = 0.0f, uv = 0.0f;
+            if (tid < 64) {
+                gv = red[(tid & 7) * 16 + (tid >> 3)], uv = red[(tid & 7) * 16 + 8 + (tid >> 3)];
+#pragma unroll
+                for (int o = 1; o < 8; o <<= 1)
+                    gv += __shfl_xor_sync(0xffffffffu, gv, o), uv += __shfl_xor_sync(0xffffffffu, uv, o);
+            }
+            if (tid < 64 && (tid & 7) == 0 && r < rows) {
+                gv *= fin, uv *= fin;
+                gv = fminf(gv, clamp);
+                uv = fminf(fmaxf(uv, -clamp), clamp);
+                float base = gv * (1.0f / (1.0f + expf(-gv))) * uv;
+                hmax = fmaxf(hmax, fabsf(base));
+                int hi = r; // lk < 0: plain order (the m3 down kernel)
+                if (lk >= 0) {
+                    int uu, sj, ee;
+                    m2_inv(lk, r, uu, sj, ee);
+                    hi = m2_hidx(uu, sj, ee);
+                }
+                for (u32 m = pmask; m != 0; m &= m - 1) { // n = 1: token 0
+                    int pp = __ffs(m) - 1;
+                    h[(long long)pp * hs + hi] = base * wgt[pp];
+                }
+            }
+        }
+    }
+    // mx[pp][blockIdx.x] = max |h| of the CTA's rows (for the m3 down kernel's x scale).
+    if (mx != nullptr) {
+        if (warp < 2) {
+#pragma unroll
+            for (int o = 16; o >= 1; o >>= 1) hmax = fmaxf(hmax, __shfl_xor_sync(0xffffffffu, hmax, o));
+            if (lane == 0) wmax[warp] = hmax; // wmax last read before the stage loop
+        }
+        __syncthreads();
+        if (tid == 0)
+            for (u32 m = pmask; m != 0; m &= m - 1) {
+                int pp = __ffs(m) - 1;
+                mx[pp * gridDim.x + blockIdx.x] = fmaxf(wmax[0], wmax[1]) * fabsf(wgt[pp]);
+            }
+    }
+}
+#endif
+
+// Down (n = 1, Q2_K, 2048 columns = 8 blocks a row): out[r] = sum over slots s in order of row r
+// of expert sel[s] . h[s]. CTA: 16 output rows (mma rows), 16 warps: warp w = block w / 2,
+// 128-column chunk w % 2 (lane tig: elements 32 j + 8 tig .. + 8 of the chunk's 32-column group
+// j, step 2 j + i: 4 i .. 4 i + 3 of them; weights q * scale <= 45, as f16 bits the subnormal
+// value * 2^-24: PRMT + IMAD a pair, exact). Mins: one more mma a block (warps of chunk 0):
+// A' = the 16 integer mins of the block's 16-column groups, B' = their x sums / 16 (hi / lo).
+// x = h of the slot, scaled by 2^sigma from the gate/up kernel's maxima mx[s][ngu] (converted
+// by the CTA once per slot, double-buffered); one cp.async stage (16 rows x 672 bytes at a
+// 688-byte stride) per slot, one ahead. Sums: per lane over slots in order, then over warps in
+// order (deterministic). Shared memory: xf[2][cols / 4 uint4], sx[2][8 blocks][2][16] u16,
+// red[16][16], scale[2][32], 2 stages.
+#define M3D_THREADS 512
+#define M3D_SROW 688
+#define M3D_LB2 M3D_THREADS, 2 // at most 64 registers: 2 CTAs per SM
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+__device__ __forceinline__ void m3_wait0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
+                                          const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
+                                          int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
+    uint4* xf = (uint4*)moe_smem;                 // [2][cols / 128 chunks][4 groups][2 parts][4 tig]
+    u16* sxh = (u16*)(xf + 2 * 512);              // [2][8 blocks][2 parts][16 groups]
+    float* red = (float*)(sxh + 2 * 8 * 2 * 16); // [16 warps][16 rows]
+    float* scl = red + 16 * 16;                   // [2][32]: x scale, final factor per slot
+    u8* stg = (u8*)(scl + 64);                    // 2 stages
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    int r0 = blockIdx.x * 16;
+    // This thread's copies of a stage (fixed: item i = tid + 512 m of 16 rows x 42 vectors).
+    int ci0 = tid / 42, cj0 = tid - 42 * ci0, ci1 = (tid + M3D_THREADS) / 42, cj1 = tid + M3D_THREADS - 42 * ci1;
+    long long co0 = (long long)min(r0 + ci0, rows - 1) * row_bytes + 16 * cj0;
+    long long co1 = (long long)min(r0 + ci1, rows - 1) * row_bytes + 16 * cj1;
+    auto issue = [&](int s) {
+        if (s < k) {
+            const u8* wb = W + (long long)max(sel[s], 0) * slab;
+            u8* dst = stg + (s & 1) * 16 * M3D_SROW;
+            m3_cp16(dst + ci0 * M3D_SROW + 16 * cj0, wb + co0);
+            if (tid + M3D_THREADS < 16 * 42) m3_cp16(dst + ci1 * M3D_SROW + 16 * cj1, wb + co1);
+        }
+        m3_commit();
+    };
+    issue(0);
+    // sigma per slot from the gate/up maxima (max is order-free: deterministic).
+    for (int s = warp; s < k; s += 16) {
+        float am = 0.0f;
+        for (int i = lane; i < ngu; i += 32) am = fmaxf(am, mx[s * ngu + i]);
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+        if (lane == 0) scl[s] = __uint_as_float((u32)(127 + sig) << 23), scl[32 + s] = __uint_as_float((u32)(127 + 24 - sig) << 23);
+    }
+    __syncthreads();
+    // x of slot s in registers (threads < 256: entry q = (chunk c, group j, tig): h[128c + 32j + 8tig ..]).
+    float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
+    auto xload = [&](int s) {
+        if (tid < 256 && s < k) {
+            int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3;
+            const float4* src = (const float4*)(hx + (long long)s * hs + 128 * c + 32 * jj + 8 * t);
+            xa = src[0], xb = src[1];
+        }
+    };
+    auto xstore = [&](int s) {
+        if (tid < 256 && s < k) {
+            int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3, buf = s & 1;
+            float xsc = scl[s];
+            float v[8] = {xa.x * xsc, xa.y * xsc, xa.z * xsc, xa.w * xsc, xb.x * xsc, xb.y * xsc, xb.z * xsc, xb.w * xsc};
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                hi[i] = m3_f16x2(v[2 * i], v[2 * i + 1]);
+                float h0 = ds4_h2f_fast(hi[i] & 0xffffu), h1 = ds4_h2f_fast(hi[i] >> 16);
+                lo[i] = m3_f16x2(v[2 * i] - h0, v[2 * i + 1] - h1);
+            }
+            uint4* xd = xf + buf * 512 + (c * 4 + jj) * 8 + t;
+            xd[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            xd[4] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            // 16-column group sums (this thread's 8 and its neighbour's, lower tig first) / 16.
+            float sm = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+            float ot = __shfl_xor_sync(0xffffffffu, sm, 1);
+            float g = ((t & 1) ? ot + sm : sm + ot) * 0.0625f;
+            if ((t & 1) == 0) {
+                u16* sd = sxh + ((buf * 8 + (c >> 1)) * 2) * 16 + 8 * (c & 1) + 2 * jj + (t >> 1);
+                u32 gh = m3_f16x2(g, 0.0f) & 0xffffu;
+                sd[0] = (u16)gh;
+                sd[16] = (u16)(m3_f16x2(g - ds4_h2f_fast(gh), 0.0f) & 0xffffu);
+            }
+        }
+    };
+    xload(0);
+    xstore(0);
+    int blk = warp >> 1, hh = warp & 1, c = 2 * blk + hh;
+    float og = 0.0f, ou = 0.0f;
+    for (int s = 0; s < k; s++) {
+        m3_wait0();      // this thread's copies of stage s have landed
+        __syncthreads(); // everyone's, and x of slot s; stage s - 1 and x of slot s - 1 are free
+        issue(s + 1);
+        xload(s + 1); // in flight during the math
+        const u8* bg = stg + (s & 1) * 16 * M3D_SROW + 84 * blk + gid * M3D_SROW;
+        const u8* bu = bg + 8 * M3D_SROW;
+        const u32* qg = (const u32*)(bg + 16 + 32 * hh + 8 * tig);
+        const u32* qu = (const u32*)(bu + 16 + 32 * hh + 8 * tig);
+        const u32* sg = (const u32*)(bg + 8 * hh);
+        const u32* su = (const u32*)(bu + 8 * hh);
+        u32 q0g = qg[0], q1g = qg[1], q0u = qu[0], q1u = qu[1];
+        u32 s0g = sg[0], s1g = sg[1], s0u = su[0], s1u = su[1];
+        // B: lanes gid >= 2 duplicate gid 0 / 1 into C columns that are never read (as m3gu).
+        const uint4* xp = xf + (s & 1) * 512 + (c * 4) * 8 + (lane & 7);
+        float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint4 b = xp[j * 8];
+            int sh = 8 * (2 * (j & 1) + (tig >> 1));
+            u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
+            u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
+            u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
+            // [q0, 0, q1, 0] * scale: two u16 integers <= 45 = the f16 subnormals (exact).
+            m3_mma(cc, m3_prmt(v0g, 0u, 0x7170) * mg, m3_prmt(v0u, 0u, 0x7170) * mu, m3_prmt(v0g, 0u, 0x7372) * mg,
+                   m3_prmt(v0u, 0u, 0x7372) * mu, b.x, b.y);
+            m3_mma(cc, m3_prmt(v1g, 0u, 0x7170) * mg, m3_prmt(v1u, 0u, 0x7170) * mu, m3_prmt(v1g, 0u, 0x7372) * mg,
+                   m3_prmt(v1u, 0u, 0x7372) * mu, b.z, b.w);
+        }
+        u32 ddg = *(const u32*)(bg + 80), ddu = *(const u32*)(bu + 80);
+        float ag = ds4_h2f_fast(ddg & 0xffffu) * (cc[0] + cc[1]), au = ds4_h2f_fast(ddu & 0xffffu) * (cc[2] + cc[3]);
+        if (hh == 0) { // mins: k' = 2 tig, 2 tig + 1 | 2 tig + 8, 2 tig + 9 (the block's groups)
+            u32 m0g = *(const u16*)(bg + 2 * tig), m1g = *(const u16*)(bg + 2 * tig + 8);
+            u32 m0u = *(const u16*)(bu + 2 * tig), m1u = *(const u16*)(bu + 2 * tig + 8);
+            auto mins = [](u32 v) { return ((v >> 4) & 15u) | ((v >> 12) << 16); };
+            const u32* sp = (const u32*)(sxh + (((s & 1) * 8 + blk) * 2 + (gid & 1)) * 16);
+            u32 b0 = sp[tig], b1 = sp[tig + 4];
+            float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            m3_mma(cm, mins(m0g), mins(m0u), mins(m1g), mins(m1u), b0, b1);
+            ag = fmaf(-16.0f * ds4_h2f_fast(ddg >> 16), cm[0] + cm[1], ag);
+            au = fmaf(-16.0f * ds4_h2f_fast(ddu >> 16), cm[2] + cm[3], au);
+        }
+        float fin = scl[32 + s];
+        og = fmaf(fin, ag, og);
+        ou = fmaf(fin, au, ou);
+        xstore(s + 1); // slot s + 1's x into the other buffer (last read in stage s - 1)
+    }
+    if (tig == 0) red[warp * 16 + gid] = og, red[warp * 16 + 8 + gid] = ou;
+    __syncthreads();
+    if (tid < 16 && r0 + tid < rows) {
+        float o = 0.0f; // warps in order
+        for (int w = 0; w < 16; w++) o += red[w * 16 + tid];
+        out[r0 + tid] = o;
+    }
+}
+#endif
+
+#define M3GU_PARAMS M2GU_PARAMS, float *__restrict__ mx
+#define M3GU_ARGS M2GU_ARGS, mx
+DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
+    ds4_pdl_enter();
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m3gu_body<false>(M3GU_ARGS);
+#endif
+}
+DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gub_iq2_xxs(M3GU_PARAMS) {
+    ds4_pdl_enter();
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m3gu_body<true>(M3GU_ARGS);
+#endif
+}
+// n = 1, cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu.
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+    ds4_pdl_enter();
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m3dn_body(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+#endif
+}
