@@ -86,6 +86,15 @@ const F16: Form = ("f16", true, false, false, false, 0, true);
 const F16_1BUF: Form = ("f16/1buf", true, false, false, false, 0, false);
 const BF16: Form = ("bf16", true, false, false, true, 0, true);
 const TILED: Form = ("tiled", true, false, false, true, 0, true);
+const DEFAULT: Form = ("default", true, false, false, true, 0, true);
+const DEFAULT_NOSKIP: Form = ("default/noskip", true, false, false, true, 0, true);
+const BF16_NOSKIP: Form = ("bf16/noskip", true, false, false, true, 0, true);
+const DEFAULT_OCC4: Form = ("default/occ4", true, false, false, true, 0, true);
+const DEFAULT_OLDDQ: Form = ("default/olddq", true, false, false, true, 0, true);
+const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
+const DEFAULT_TW: Form = ("default/tw", true, false, false, true, 0, true);
+/// The default before session 8: IQ2_XXS by deq_chunk (gemmo_iq2_xxs), no m-tile skip.
+const OLD: Form = ("old", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -101,8 +110,14 @@ fn set_form(f: Form) {
     }
     GpuBackend::set_gemm_precise(precise);
     GpuBackend::set_gemm_tile(tile);
-    // bf16: the hi/lo form everywhere; tiled: the tiled form for every quantised type.
-    GpuBackend::set_gemm_tiled(f.0 != "bf16", f.0 == "tiled");
+    // bf16: the hi/lo form everywhere; tiled: the tiled form for every quantised type; default:
+    // the tiled form for Q2_K/Q4_K. "/noskip": empty m-tiles not skipped.
+    GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
+    GpuBackend::set_gemm_skip(!f.0.contains("noskip") && f.0 != "old");
+    GpuBackend::set_gemm_occ4(f.0.ends_with("/occ4"));
+    GpuBackend::set_gemm_tw(f.0.ends_with("/tw"));
+    GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb") && f.0 != "old");
+    GpuBackend::set_gemm_dq(!f.0.ends_with("/olddq") && f.0 != "old");
 }
 
 fn main() {
@@ -125,17 +140,26 @@ fn main() {
     };
 
     let all = std::env::var("GEMM_BENCH_ALL").is_ok(); // also tf32 and fma per type
+                                                       // GEMM_BENCH_MOE=1: the routed experts alone, in more forms.
+    let moe_only = std::env::var("GEMM_BENCH_MOE").is_ok();
     let n = 2048;
-    println!("-- per type, 4096 -> 16384, n = {n} --");
-    for ty in [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q8_0,
-        GgmlType::Q2_K,
-        GgmlType::Q4_K,
-        GgmlType::IQ2_XXS,
-    ] {
+    if !moe_only {
+        println!("-- per type, 4096 -> 16384, n = {n} --");
+    }
+    for ty in if moe_only {
+        &[][..]
+    } else {
+        &[
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q8_0,
+            GgmlType::Q2_K,
+            GgmlType::Q4_K,
+            GgmlType::IQ2_XXS,
+        ][..]
+    } {
+        let ty = *ty;
         let (cols, rows) = (4096, 16384);
         let f = weight_file(ty, cols, rows, 1);
         let w = bind(&gpu, &f);
@@ -209,10 +233,45 @@ fn main() {
     for n in ns {
         // One layer's products (attention, shared expert, routed experts; F16 rows not in the layer
         // sum: compressor/indexer shapes) per form.
-        let forms = [BF16, TILED, F16];
-        let mut layer = [0.0f64; 3];
+        // GEMM_BENCH_FORMS=default,old: only those forms (by name).
+        let pick = std::env::var("GEMM_BENCH_FORMS").ok();
+        let forms: Vec<Form> = if let Some(p) = &pick {
+            let all = [
+                DEFAULT,
+                DEFAULT_NOSKIP,
+                DEFAULT_OCC4,
+                DEFAULT_OLDDQ,
+                DEFAULT_NOXB,
+                DEFAULT_TW,
+                OLD,
+                BF16,
+                BF16_NOSKIP,
+                TILED,
+                F16,
+            ];
+            p.split(',')
+                .filter_map(|n| all.iter().find(|f| f.0 == n).copied())
+                .collect()
+        } else if moe_only {
+            vec![
+                DEFAULT,
+                DEFAULT_NOSKIP,
+                DEFAULT_OCC4,
+                DEFAULT_NOXB,
+                DEFAULT_TW,
+                OLD,
+                BF16,
+                TILED,
+                F16,
+            ]
+        } else {
+            vec![DEFAULT, OLD, BF16, TILED, F16]
+        };
+        let mut layer = vec![0.0f64; forms.len()];
         println!("-- model shapes (q2 mix), n = {n} --");
-        for (&(name, ty, cols, rows, groups, per_layer), w) in shapes.iter().zip(&ws) {
+        for (&(name, ty, cols, rows, groups, per_layer), w) in
+            shapes.iter().zip(&ws).filter(|_| !moe_only)
+        {
             let bytes = (rows * ty.row_bytes(cols as u64).unwrap() as usize) as f64;
             let flops = 2.0 * (n * rows * cols) as f64;
             let x: Vec<f32> = (0..n * cols * groups)

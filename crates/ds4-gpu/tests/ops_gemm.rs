@@ -326,9 +326,28 @@ fn gemm_moe_128_tokens_6_slots() {
                 });
                 let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
                 let mut go = gpu.alloc(n * spec.d);
-                let l0 = GpuBackend::gemm_launches();
+                let (l0, b0) = (
+                    GpuBackend::gemm_launches(),
+                    GpuBackend::gemm_split_launches(),
+                );
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 let launched = GpuBackend::gemm_launches() > l0;
+                // The q2 mix's IQ2_XXS gate/up take the split-X bf16 form (gemmb_*) on CUDA
+                // sm_80+ in the default form and with the tiled form off.
+                let sm80 = {
+                    let i = gpu.gpu().info();
+                    i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
+                };
+                if sm80
+                    && (form == 0 || form == 6)
+                    && tg == GgmlType::IQ2_XXS
+                    && tu == GgmlType::IQ2_XXS
+                    && GpuBackend::gemm_split_launches() != b0 + 2
+                {
+                    cases
+                        .bad
+                        .push(format!("{key} form={form}: split-X form not taken"));
+                }
                 cases.check(
                     format!("{key} form={form}"),
                     form,

@@ -104,22 +104,83 @@ template <int BM> struct alignas(16) GmSmemTf { // f32 values; hi/lo split at fr
     float x[BM][GM_LDF], w[GM_BN][GM_LDF];
 };
 
+// IQ2_XXS chunk c of a row in two steps: gm_raw_iq2 loads its raw fields (kept in registers while
+// the previous chunk's mma run), gm_deq_iq2 turns them into the same f32 values as
+// deq_chunk<T_IQ2_XXS> (dequant.cuh). Fewer L1 requests than deq_chunk (the bf16 form's gate/up
+// were L1-bound on the H200: 85% L1 throughput, one row per lane): d (r[0]) is loaded only when
+// `dnew` (first chunk of a slice or of a super-block), the chunk's 8 bytes (4 grid indices, aux) as
+// two 32-bit words where 4-byte aligned, else 16 + 32 + 16 bits (r[1..3], joined in gm_deq_iq2), and
+// the grid comes from a shared-memory copy `tab`; no int->float conversions (a quarter-rate pipe on
+// sm_80/sm_90): grid byte b becomes float(2^23 + b) - 2^23 (exact) from one byte_perm and one add.
+__device__ __forceinline__ void gm_raw_iq2(const u8* __restrict__ row, int c, bool dnew, u32* r) {
+    const u8* b = row + (size_t)(c >> 3) * 66;
+    if (dnew) r[0] = *(const u16*)b;
+    const u8* g = b + 2 + 8 * (c & 7); // blocks are 66 bytes: 2-byte aligned
+    if (((size_t)g & 3) == 0) {
+        r[1] = ((const u32*)g)[0], r[2] = ((const u32*)g)[1], r[3] = 0xffffffffu; // r[3]: aligned mark
+    } else {
+        r[1] = *(const u16*)g, r[2] = *(const u32*)(g + 2), r[3] = *(const u16*)(g + 6);
+    }
+}
+
+__device__ __forceinline__ void gm_deq_iq2(const u32* r, const u64* tab, float* w) {
+#if GM_HAVE_MMA
+    const bool al = r[3] == 0xffffffffu;
+    const u32 idx = al ? r[1] : r[1] | (r[2] << 16), aux = al ? r[2] : (r[2] >> 16) | (r[3] << 16);
+    float d = ds4_h2f((u16)r[0]);
+    float db = ds4_mul_rn(ds4_mul_rn(d, 0.5f + (float)(aux >> 28)), 0.25f);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        u64 grid = tab[(idx >> (8 * k)) & 0xff];
+        u32 gw[2] = {(u32)grid, (u32)(grid >> 32)};
+        u32 s7 = (aux >> (7 * k)) & 127;
+        u32 signs = s7 | ((__popc(s7) & 1) << 7);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            // bytes (b, 0, 0, 0x4b): the f32 2^23 + b
+            float g = __int_as_float(__byte_perm(gw[j >> 2], 0x4b000000u, 0x7540u | (j & 3))) - 8388608.0f;
+            float v = ds4_mul_rn(db, g);
+            w[8 * k + j] = __int_as_float(__float_as_int(v) ^ ((signs << (31 - j)) & 0x80000000u));
+        }
+    }
+#else
+    (void)r, (void)tab;
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = 0.0f; // never used: RAW needs GM_HAVE_MMA
+#endif
+}
+
+// Items of CTA row by that can be valid (an upper bound; the valid items are a prefix of the tile):
+// dense, rows by*bm .. n-1; grouped, the group's run from starts[by] to the next group's start (n for
+// the last group). m-tiles of 16 items wholly past it are skipped (skip != 0): an expert's ~48 pairs
+// of a 2048-token prompt fill 3 of a 64-item tile's 4 m-tiles.
+__device__ __forceinline__ int gm_tile_valid(const int* grp, int n, int by, int bm) {
+    int v = grp ? (by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by] : n - by * bm;
+    return min(max(v, 0), bm);
+}
+
 #define GM_PARAMS                                                                                                 \
     const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const float *__restrict__ X, \
         long long x_tok, long long x_z, int xdiv, float *__restrict__ Y, long long y_tok, long long y_z, long long y_s, \
-        int rows, int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax
-#define GM_ARGS W, w_z, sel, slab, X, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax
+        int rows, int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax, int skip
+#define GM_ARGS W, w_z, sel, slab, X, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip
 
 // F: 0 portable FMA, 1 bf16 hi/lo mma (m16n8k16), 2 3xTF32 mma (m16n8k8); 1 and 2 need GM_HAVE_MMA.
 // NW warps (of 32 lanes; the mma forms are CUDA-only): 4 -> 64 items per CTA, 8 -> 128 items
 // (bf16 or FMA form only). Warp w: weight rows 32(w%4).., items 64(w/4)... Thread t dequantises
 // tile row t%128: all 32 elements of the chunk (NW 4, FMA), or half t/128 (NW 8, mma).
-template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
+// XB (bf16 form only; gemmb_<t>): X holds the hi/lo bf16 words from gemm_xb_f32 instead of f32
+// (same element strides), copied to shared memory without the per-CTA split.
+template <int T, int F, int NW, bool DQ = true, bool XB = false> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
     constexpr int BM = 16 * NW;
     static_assert(NW == 4 || (NW == 8 && F != 2), "128-item tiles: bf16 or FMA form");
     constexpr bool HALF = NW == 8 && F == 1; // each thread dequantises half a row chunk
+    // RAW (IQ2_XXS, bf16 form, DQ): the raw weight fields are what is in flight across the mma
+    // (4 registers, not 32 floats), dequantised at the top of the next iteration (gm_raw_iq2).
+    constexpr bool RAW = T == T_IQ2_XXS && F == 1 && DQ && !HALF && GM_HAVE_MMA;
     __shared__ int items[BM];
     __shared__ int expert;
+    __shared__ u64 gtab[RAW ? 256 : 1]; // IQ2_XXS grid (RAW)
     __shared__ union {
         GmSmemMma<BM> m;
         GmSmemFma<BM> f;
@@ -129,6 +190,8 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
     const int z = blockIdx.z / ks, s = blockIdx.z % ks;
     const int r0 = blockIdx.x * GM_BN;
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    if (RAW)
+        for (int e = tid; e < 256; e += 32 * NW) gtab[e] = ds4_iq2xxs_grid[e];
     if (tid < BM) {
         int it;
         if (!grp) {
@@ -152,6 +215,8 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
     const int xit = items[xi];
     const float* xrow = xit >= 0 ? X + (long long)(xit / xdiv) * x_tok + (long long)z * x_z : X;
     const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
+    // mma forms: m-tiles of this warp (items 64(w/4) + 16mt ..) holding any valid item.
+    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, BM) - 64 * (tid >> 7) + 15) >> 4, 0), GM_MT) : GM_MT;
 
     float acc[64]; // mma: 4 per (m-tile, n-tile); FMA: one per item 64*part + j
 #pragma unroll
@@ -161,10 +226,24 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
     // starts; after the stores to shared memory the next chunk's loads are issued before the mma.
     float4 xv[4];
     float w[32];
+    u32 wr[4] = {0u, 0u, 0u, 0u};
+    // XB: thread t copies 16-byte piece t%8 of the chunk's 128 bytes (hi words 0..15, lo 16..31) of
+    // items 16i + t/8, i < 4: each warp load covers 4 whole lines. xo: element offsets of those
+    // token rows (-1: no item; host: below 2^31).
+    int xo[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int it = XB ? items[16 * i + (tid >> 3)] : -1;
+        xo[i] = it >= 0 ? (int)((long long)(it / xdiv) * x_tok + (long long)z * x_z) : -1;
+    }
     auto load = [&](int c) {
 #pragma unroll
         for (int i = 0; i < 4; i++) xv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (xit >= 0) {
+        if (XB && F == 1) {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (xo[i] >= 0) xv[i] = ((const float4*)(X + xo[i] + 32 * c))[tid & 7];
+        } else if (xit >= 0) {
             const float4* p = (const float4*)(xrow + 32 * c + 16 * xq);
 #pragma unroll
             for (int i = 0; i < 4; i++) xv[i] = p[i];
@@ -172,6 +251,8 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
         if (live && HALF) {
             deq_slice<T>(wrow, c, 2 * part, w);
             deq_slice<T>(wrow, c, 2 * part + 1, w + 8);
+        } else if (RAW) {
+            if (live) gm_raw_iq2(wrow, c, c == c0 || (c & 7) == 0, wr); // dead rows: d = 0, zeros
         } else if (live) {
             deq_chunk<T>(wrow, c, w);
         } else {
@@ -182,9 +263,16 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
     if (c0 < c1) load(c0);
     for (int c = c0; c < c1; c++) {
         if (F == 1) {
+            if (RAW) gm_deq_iq2(wr, gtab, w);
             uint4 h, l;
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
+            for (int i = 0; i < 4 && XB; i++) {
+                const int m = 16 * i + (tid >> 3), j = tid & 7; // piece j: hi (j < 4) or lo words 4(j%4)..
+                float4 a = xv[i];
+                *(uint4*)((j < 4 ? sm.m.xh[m] : sm.m.xl[m]) + 4 * (j & 3)) = make_uint4(__float_as_int(a.x), __float_as_int(a.y), __float_as_int(a.z), __float_as_int(a.w));
+            }
+#pragma unroll
+            for (int i = 0; i < 2 && !XB; i++) {
                 float4 xa = xv[2 * i], xb = xv[2 * i + 1];
                 gm_split2(xa.x, xa.y, h.x, l.x);
                 gm_split2(xa.z, xa.w, h.y, l.y);
@@ -212,14 +300,41 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
                 // Fragments by ldmatrix.x4 (8x8 b16 matrices; lane L gives the row address of matrix
                 // L/8). A (items m0.., k 16kk..): matrices (rows +0|+8) x (k +0|+8) = a0..a3.
                 // B (weight rows n.., k): matrices (n-tile nt|nt+1) x (k +0|+8) = b[nt][0..1], b[nt+1][0..1].
-                u32 ah[GM_MT][4], al[GM_MT][4], bh[4][2], bl[4][2];
-                const int lr = lane & 7, lm = lane >> 3;
+                if (!DQ) { // gemmo_<t> (experiment baseline): the fragment order before session 8
+                    u32 ah[GM_MT][4], al[GM_MT][4], bh[4][2], bl[4][2];
+                    const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
-                for (int mt = 0; mt < GM_MT; mt++) {
-                    int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
-                    gm_ldm4(ah[mt], &sm.m.xh[m][k]);
-                    gm_ldm4(al[mt], &sm.m.xl[m][k]);
+                    for (int mt = 0; mt < GM_MT; mt++) {
+                        int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
+                        gm_ldm4(ah[mt], &sm.m.xh[m][k]);
+                        gm_ldm4(al[mt], &sm.m.xl[m][k]);
+                    }
+#pragma unroll
+                    for (int np = 0; np < 2; np++) {
+                        int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
+                        u32 q[4];
+                        gm_ldm4(q, &sm.m.wh[r][k]);
+                        bh[2 * np][0] = q[0], bh[2 * np][1] = q[1], bh[2 * np + 1][0] = q[2], bh[2 * np + 1][1] = q[3];
+                        if (T != T_BF16) {
+                            gm_ldm4(q, &sm.m.wl[r][k]);
+                            bl[2 * np][0] = q[0], bl[2 * np][1] = q[1], bl[2 * np + 1][0] = q[2], bl[2 * np + 1][1] = q[3];
+                        }
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+                        for (int nt = 0; nt < 4; nt++) {
+                            float* cc = acc + 4 * (4 * mt + nt);
+                            gm_mma(cc, ah[mt], bh[nt]);
+                            gm_mma(cc, al[mt], bh[nt]);
+                            if (T != T_BF16) gm_mma(cc, ah[mt], bl[nt]);
+                        }
+                    continue;
                 }
+                // B for the whole kk step first, then A one m-tile at a time (24 fragment
+                // registers live instead of 48: room for 3-4 CTAs per SM).
+                u32 bh[4][2], bl[4][2];
+                const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
                 for (int np = 0; np < 2; np++) {
                     int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
@@ -232,14 +347,20 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < GM_MT; mt++)
+                for (int mt = 0; mt < GM_MT; mt++) {
+                    if (mt >= nmt) continue; // warp-uniform
+                    u32 ah[4], al[4];
+                    int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
+                    gm_ldm4(ah, &sm.m.xh[m][k]);
+                    gm_ldm4(al, &sm.m.xl[m][k]);
 #pragma unroll
                     for (int nt = 0; nt < 4; nt++) {
                         float* cc = acc + 4 * (4 * mt + nt);
-                        gm_mma(cc, ah[mt], bh[nt]);
-                        gm_mma(cc, al[mt], bh[nt]);
-                        if (T != T_BF16) gm_mma(cc, ah[mt], bl[nt]); // bf16 weights: lo = 0
+                        gm_mma(cc, ah, bh[nt]);
+                        gm_mma(cc, al, bh[nt]);
+                        if (T != T_BF16) gm_mma(cc, ah, bl[nt]); // bf16 weights: lo = 0
                     }
+                }
             }
 #endif
             __syncthreads();
@@ -328,25 +449,42 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
 
 // gemm_<t>: bf16 tensor cores where compiled in, else the portable form; gemmp_<t>: 3xTF32 tensor
 // cores (more precise, opt-in); gemmf_<t>: always portable.
-DS4_KERNEL void DS4_BOUNDS(128) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+// CUDA: gemm_<t> held to <= 168 registers (3 CTAs of 128 threads per SM; the m-tile skip raised
+// sm_90a ptxas's free choice from 168 to 191, i.e. 2 CTAs per SM); gemm4_iq2_xxs (experiment,
+// DS4_GPU_GEMM_OCC=4; gemm4b_iq2_xxs with X split once): <= 128 registers, 4 CTAs per SM;
+// gemmo_iq2_xxs (experiment, DS4_GPU_GEMM_DQ=0): the kernel before session 8 (deq_chunk, fragment
+// order, free register count; the m-tile skip still switchable).
+#if defined(DS4_CUDA)
+#define GM_BOUNDS3 __launch_bounds__(128, 3)
+#define GM_BOUNDS4 __launch_bounds__(128, 4)
+#else
+#define GM_BOUNDS3 DS4_BOUNDS(128)
+#define GM_BOUNDS4 DS4_BOUNDS(128)
+#endif
+DS4_KERNEL void GM_BOUNDS3 gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS3 gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS3 gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS3 gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS3 gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS3 gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS3 gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS4 gemm4_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmo_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4, false>(GM_ARGS); }
+// gemmb_<t>: X from gemm_xb_f32 (bf16 form; CUDA sm_80+ only: the host never launches it elsewhere).
+DS4_KERNEL void GM_BOUNDS3 gemmb_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4, true, true>(GM_ARGS); }
+DS4_KERNEL void GM_BOUNDS4 gemm4b_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4, true, true>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 0, 4>(GM_ARGS); }
 
@@ -373,8 +511,8 @@ DS4_KERNEL void DS4_BOUNDS(256) gemmw_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 
 #define GMH_PARAMS                                                                                                \
     const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const u16 *__restrict__ X,  \
         const float *__restrict__ xinv, long long x_tok, long long x_z, int xdiv, float *__restrict__ Y, long long y_tok, \
-        long long y_z, long long y_s, int rows, int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax, int db
-#define GMH_ARGS W, w_z, sel, slab, X, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, db
+        long long y_z, long long y_s, int rows, int cols, long long row_bytes, int n, int ks, int kc, const int *__restrict__ grp, int gmax, int skip, int db
+#define GMH_ARGS W, w_z, sel, slab, X, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip, db
 
 // Pack (v0 low half, v1 high half) as f16x2, round to nearest even.
 __device__ __forceinline__ u32 gm_h2(float v0, float v1) {
@@ -568,6 +706,28 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xh_f32(const float* __restrict__ X, long lo
         float4 v = p[i];
         o[2 * i] = gm_h2(v.x * sc, v.y * sc);
         o[2 * i + 1] = gm_h2(v.z * sc, v.w * sc);
+    }
+}
+
+// X rows split once for gemmb_<t>: one CTA per token row t < gridDim.x; elements j < width
+// (multiple of 32; X 16-byte aligned, x_tok multiple of 32). Chunk c (32 elements) of row t becomes
+// words xb[t*x_tok + 32c + i] = bf16x2 hi of elements (2i, 2i+1), xb[.. + 16 + i] = their lo
+// (gm_split2: the words gemm_body's bf16 form would store).
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xb_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xb) {
+    const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
+    u32* o = xb + (long long)blockIdx.x * x_tok;
+    for (int h = threadIdx.x; h < width / 16; h += 256) { // 16 elements: half h&1 of chunk h/2
+        uint4 hi[2], lo[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float4 a = p[4 * h + 2 * i], b = p[4 * h + 2 * i + 1];
+            gm_split2(a.x, a.y, hi[i].x, lo[i].x);
+            gm_split2(a.z, a.w, hi[i].y, lo[i].y);
+            gm_split2(b.x, b.y, hi[i].z, lo[i].z);
+            gm_split2(b.z, b.w, hi[i].w, lo[i].w);
+        }
+        uint4* q = (uint4*)(o + 32 * (h >> 1) + 8 * (h & 1));
+        q[0] = hi[0], q[1] = hi[1], q[4] = lo[0], q[5] = lo[1];
     }
 }
 
@@ -832,12 +992,15 @@ template <int T> __device__ __forceinline__ void gt_minb(const u8* blk, int t, u
     const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const u32 *__restrict__ XT, \
         const u32 *__restrict__ XS, const float *__restrict__ xinv, long long x_tok, long long x_z, int xdiv,          \
         float *__restrict__ Y, long long y_tok, long long y_z, long long y_s, int rows, int cols, long long row_bytes, \
-        int n, int ks, int kc, const int *__restrict__ grp, int gmax
-#define GMT_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax
+        int n, int ks, int kc, const int *__restrict__ grp, int gmax, int skip
+#define GMT_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip
 
 // Host contract: cols % 256 == 0, kc % 8 == 0, x_tok and x_z multiples of 16 (XT words = elements,
 // XS: x_tok/16 words per token row), K-quant rows 4-byte aligned.
-template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
+// WL (warp layout): 0 = warps 2 (items) x 2 (rows), 32 x 32 each (gemmt_<t>); 1 = 1 x 4, 64 items
+// x 16 rows each (gemmt2_<t>, experiment): each B fragment decoded by one warp instead of two
+// (the ALU pipe was gemmt_q2_k's busiest on the H200), A fragments read twice as often.
+template <int T, int WL = 0> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
 #if GM_HAVE_MMA
     using C = Gt<T>;
     constexpr int NXS = C::NXS, SC = C::SC, NWM = GtSmem<T>::NWM;
@@ -927,12 +1090,15 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
     }
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int wm = warp >> 1, wn = warp & 1;
-    float acc[2][4][4], cc[2][4][4];
+    constexpr int MT = WL ? 4 : 2, NT = WL ? 2 : 4, RW = 8 * NT; // m-tiles, n-tiles, rows per warp
+    const int wm = WL ? 0 : warp >> 1, wn = WL ? warp : warp & 1;
+    // m-tiles of this warp (items 32wm + 16mt ..) holding any valid item.
+    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, GT_BM) - 32 * wm + 15) >> 4, 0), MT) : MT;
+    float acc[MT][NT][4], cc[MT][NT][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++)
+        for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f, cc[mt][nt][e] = 0.0f;
 
@@ -945,62 +1111,67 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
         const int S = i / SC, p = i % SC, buf = S & 1;
         const int bsh = (int)(stage_off(c0 + SC * S) & 3);
         const uint4(*xs)[8] = sm.x[i % NXS];
-        u32 bq[4][4];
+        if (nmt == 0) continue; // warp-uniform: no valid item (no flush needed: acc stays 0)
+        u32 bq[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-            int r = 32 * wn + 8 * nt + g;
+        for (int nt = 0; nt < NT; nt++) {
+            int r = RW * wn + 8 * nt + g;
             const u8* blk = (const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3);
             gt_deq<T>(blk, p, t, bq[nt], sm);
         }
 #pragma unroll
         for (int kk = 0; kk < 2; kk++)
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
+            for (int mt = 0; mt < MT; mt++) {
+                if (mt >= nmt) continue;
                 const int m0 = 32 * wm + 16 * mt + g, j = (2 * t + kk) ^ (g & 1);
                 uint4 v0 = xs[m0][j], v1 = xs[m0 + 8][j];
                 u32 ah[4] = {v0.x, v1.x, v0.y, v1.y}, al[4] = {v0.z, v1.z, v0.w, v1.w};
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
+                for (int nt = 0; nt < NT; nt++) {
                     u32 b[2] = {bq[nt][2 * kk], bq[nt][2 * kk + 1]};
                     gm_mma_h(cc[mt][nt], ah, b);
                     gm_mma_h(cc[mt][nt], al, b);
                 }
             }
         if ((p + 1) % C::GC == 0) {
-            float D[4][2], Dm[4][2];
+            float D[NT][2], Dm[NT][2];
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e1 = 0; e1 < 2; e1++) {
-                    int r = 32 * wn + 8 * nt + 2 * t + e1;
+                    int r = RW * wn + 8 * nt + 2 * t + e1;
                     gt_scale<T>((const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3), p, D[nt][e1], Dm[nt][e1]);
                 }
             if (C::MIN) {
-                float cm[2][4][4];
-                u32 bm[4][2];
+                float cm[MT][NT][4];
+                u32 bm[NT][2];
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
-                    int r = 32 * wn + 8 * nt + g;
+                for (int nt = 0; nt < NT; nt++) {
+                    int r = RW * wn + 8 * nt + g;
                     gt_minb<T>((const u8*)sm.raw[buf][r] + ((sm.rlo[r] + bsh) & 3), t, bm[nt]);
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
+                for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) cm[mt][nt][e] = 0.0f;
+                    if (mt >= nmt) continue;
                     const int m0 = 32 * wm + 16 * mt + g;
                     const u32* s0 = sm.s[buf][m0];
                     const u32* s1 = sm.s[buf][m0 + 8];
                     u32 ah[4] = {s0[t], s1[t], s0[t + 4], s1[t + 4]}, al[4] = {s0[8 + t], s1[8 + t], s0[12 + t], s1[12 + t]};
 #pragma unroll
-                    for (int nt = 0; nt < 4; nt++) {
-#pragma unroll
-                        for (int e = 0; e < 4; e++) cm[mt][nt][e] = 0.0f;
+                    for (int nt = 0; nt < NT; nt++) {
                         gm_mma_h(cm[mt][nt], ah, bm[nt]);
                         gm_mma_h(cm[mt][nt], al, bm[nt]);
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++)
+                for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                    for (int nt = 0; nt < 4; nt++)
+                    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
                             float a = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
@@ -1009,9 +1180,9 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
                         }
             } else {
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++)
+                for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                    for (int nt = 0; nt < 4; nt++)
+                    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
                             acc[mt][nt][e] = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
@@ -1022,10 +1193,10 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
     }
     gt_wait<0>();
 
-    // acc[mt][nt][e]: item 32wm + 16mt + g + 8(e/2), tile row 32wn + 8nt + 2t + e%2.
+    // acc[mt][nt][e]: item 32wm + 16mt + g + 8(e/2), tile row RW wn + 8nt + 2t + e%2.
     float* yb = Y + (long long)z * y_z + (long long)s * y_s;
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int e2 = 0; e2 < 2; e2++) {
             int it = items[32 * wm + 16 * mt + g + 8 * e2];
@@ -1033,10 +1204,10 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
             float* yr = yb + (long long)it * y_tok;
             const float sc = xinv[it / xdiv];
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e1 = 0; e1 < 2; e1++) {
-                    int r = r0 + 32 * wn + 8 * nt + 2 * t + e1;
+                    int r = r0 + RW * wn + 8 * nt + 2 * t + e1;
                     if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
                 }
         }
@@ -1048,6 +1219,7 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmt_q8_0(GMT_PARAMS) { gemmt_body<T_Q8_0>(GMT_
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_q2_k(GMT_PARAMS) { gemmt_body<T_Q2_K>(GMT_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_q4_k(GMT_PARAMS) { gemmt_body<T_Q4_K>(GMT_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_iq2_xxs(GMT_PARAMS) { gemmt_body<T_IQ2_XXS>(GMT_ARGS); }
+DS4_KERNEL void GM_BOUNDS4 gemmt2_q2_k(GMT_PARAMS) { gemmt_body<T_Q2_K, 1>(GMT_ARGS); }
 
 // X rows for gemmt: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
 // x_tok multiple of 16). v = x * 2^s_t (s_t as gemm_xh_f32), xinv[t] = 2^-s_t; each 4 elements

@@ -215,12 +215,85 @@ fn half_tile(n: usize, experts: usize, ty: GgmlType) -> usize {
     }
 }
 
+/// Skip the m-tiles (16 items) of a tile that hold no valid item (`gm_tile_valid` in gemm.cu;
+/// bf16 hi/lo and tiled forms): 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_SKIP` (`0` = no) on first use.
+static SKIP: AtomicU8 = AtomicU8::new(UNSET);
+
+fn skip_empty() -> bool {
+    let v = SKIP.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let v = std::env::var("DS4_GPU_GEMM_SKIP").map_or(true, |v| v != "0");
+    SKIP.store(v as u8, Ordering::Relaxed);
+    v
+}
+
+/// Experiment: IQ2_XXS bf16-form products on `gemm4_iq2_xxs` (<= 128 registers, 4 CTAs per SM)
+/// instead of `gemm_iq2_xxs` (<= 168, 3): 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_OCC` (`4`).
+static OCC4: AtomicU8 = AtomicU8::new(UNSET);
+
+fn occ4() -> bool {
+    let v = OCC4.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let v = std::env::var("DS4_GPU_GEMM_OCC").is_ok_and(|v| v == "4");
+    OCC4.store(v as u8, Ordering::Relaxed);
+    v
+}
+
+/// Experiment: IQ2_XXS bf16-form products dequantised without int->float conversions
+/// (`gm_deq_iq2`, default) or by `deq_chunk` (`gemmo_iq2_xxs`): 0 old, 1 new, UNSET: read
+/// `DS4_GPU_GEMM_DQ` (`0` = old).
+static DQ: AtomicU8 = AtomicU8::new(UNSET);
+
+fn new_dq() -> bool {
+    let v = DQ.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let v = std::env::var("DS4_GPU_GEMM_DQ").map_or(true, |v| v != "0");
+    DQ.store(v as u8, Ordering::Relaxed);
+    v
+}
+
+/// bf16-form IQ2_XXS gate/up of the MoE on X split once per product (`gemm_xb_f32`,
+/// `gemmb_iq2_xxs`) instead of per CTA: 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_XB` (`0` = no).
+static XB: AtomicU8 = AtomicU8::new(UNSET);
+
+fn split_x() -> bool {
+    let v = XB.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let v = std::env::var("DS4_GPU_GEMM_XB").map_or(true, |v| v != "0");
+    XB.store(v as u8, Ordering::Relaxed);
+    v
+}
+
+/// Experiment: Q2_K tiled-form products on `gemmt2_q2_k` (warps 1 x 4: each B fragment decoded
+/// once) instead of `gemmt_q2_k` (2 x 2): 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_TW` (`1`).
+static TW: AtomicU8 = AtomicU8::new(UNSET);
+
+fn tw() -> bool {
+    let v = TW.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let v = std::env::var("DS4_GPU_GEMM_TW").is_ok_and(|v| v == "1");
+    TW.store(v as u8, Ordering::Relaxed);
+    v
+}
+
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, tiled-form (`gemmt_*`) launches.
 static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Of those, split-X bf16-form (`gemmb_*`) launches.
+static BLAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -251,6 +324,8 @@ struct Gm {
     /// Tiled form: super-block sums from `gemm_xt_f32` (null for types without mins); x then
     /// holds the hi/lo groups and xs the inverse row scales.
     xt: Option<DevPtr>,
+    /// bf16 form with x split once by `gemm_xb_f32` (`gemmb_<t>`).
+    xb: bool,
 }
 
 /// X converted for the f16 form: f16 values (same strides as the f32 source) and per-token-row
@@ -391,6 +466,56 @@ impl GpuBackend {
             ],
         );
         t
+    }
+
+    /// Skip empty 16-item m-tiles (default on; `DS4_GPU_GEMM_SKIP=0` off). Process-wide (tests,
+    /// benchmarks).
+    pub fn set_gemm_skip(on: bool) {
+        SKIP.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Experiment: IQ2_XXS bf16-form products at 4 CTAs per SM (`gemm4_iq2_xxs`). Process-wide.
+    pub fn set_gemm_occ4(on: bool) {
+        OCC4.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Experiment: Q2_K tiled-form products on `gemmt2_q2_k`. Process-wide.
+    pub fn set_gemm_tw(on: bool) {
+        TW.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// MoE IQ2_XXS gate/up on X split once per product (`gemmb_iq2_xxs`; default true).
+    pub fn set_gemm_xb(on: bool) {
+        XB.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
+    fn mma_ok(&self) -> bool {
+        let info = self.gpu.info();
+        info.vendor == crate::runtime::Vendor::Nvidia && info.cc.0 >= 8
+    }
+
+    /// `gemm_xb_f32`: rows t < ntok of x (stride and width `width`, a multiple of 32) as the bf16
+    /// hi/lo words `gemmb_<t>` reads.
+    fn split_x_buf(&self, x: DevPtr, ntok: usize, width: usize) -> GpuBuf {
+        let b = self.scratch(ntok * width);
+        self.run(
+            &ds4_kernels::GEMM,
+            "gemm_xb_f32",
+            LaunchDims::linear(ntok as u32, 256),
+            &[
+                Arg::Ptr(x),
+                Arg::I64(width as i64),
+                Arg::I32(width as i32),
+                Arg::Ptr(b.ptr),
+            ],
+        );
+        b
+    }
+
+    /// Experiment: IQ2_XXS dequantisation without int->float conversions (default true).
+    pub fn set_gemm_dq(on: bool) {
+        DQ.store(on as u8, Ordering::Relaxed);
     }
 
     /// Tiled form (`gemmt_*`): `on` false the bf16 hi/lo form instead; `all` also for Q8_0 and
@@ -551,6 +676,11 @@ impl GpuBackend {
         LAUNCHES.load(Ordering::Relaxed)
     }
 
+    /// Split-X bf16-form (`gemmb_*`) GEMM launches so far in this process.
+    pub fn gemm_split_launches() -> u64 {
+        BLAUNCHES.load(Ordering::Relaxed)
+    }
+
     /// f16-form (`gemmh*`) GEMM launches so far in this process.
     pub fn gemm_half_launches() -> u64 {
         HLAUNCHES.load(Ordering::Relaxed)
@@ -577,11 +707,16 @@ impl GpuBackend {
         let half = m.xs.is_some() && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
+            _ if til && m.ty == GgmlType::Q2_K && tw() => "gemmt2".into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
             3 => "gemmp".into(),
             _ if wide => "gemmw".into(),
+            _ if m.xb && occ4() => "gemm4b".into(),
+            _ if m.xb => "gemmb".into(),
+            _ if m.ty == GgmlType::IQ2_XXS && occ4() => "gemm4".into(),
+            _ if m.ty == GgmlType::IQ2_XXS && !new_dq() => "gemmo".into(),
             _ => "gemm".into(),
         };
         let bm = if til {
@@ -619,6 +754,9 @@ impl GpuBackend {
         }
         if til {
             TLAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
+        if m.xb {
+            BLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
@@ -662,6 +800,7 @@ impl GpuBackend {
                 Arg::I32(kc as i32),
                 grp,
                 Arg::I32(gmax as i32),
+                Arg::I32(skip_empty() as i32),
             ])
             .chain(half.then(|| Arg::I32(dbuf() as i32))) // gemmh: db
             .collect::<Vec<_>>(),
@@ -732,6 +871,7 @@ impl GpuBackend {
             bm: xc.tile(n, 0, *ty),
             xs,
             xt: xc.sums(),
+            xb: false,
         });
         true
     }
@@ -787,6 +927,7 @@ impl GpuBackend {
             bm: xc.tile(n, 0, *ty),
             xs,
             xt: xc.sums(),
+            xb: false,
         });
         true
     }
@@ -856,7 +997,21 @@ impl GpuBackend {
         } else {
             Xc::F32
         };
-        let (zx, zs) = hz.parts(z.ptr);
+        // bf16 form for IQ2_XXS gate and up (the q2 mix): z split once into hi/lo words.
+        let zb = (!h_gu
+            && !t_gu
+            && split_x()
+            && mode() == 0
+            && bm == BM
+            && g.1 == GgmlType::IQ2_XXS
+            && u.1 == GgmlType::IQ2_XXS
+            && d.is_multiple_of(32)
+            && self.mma_ok())
+        .then(|| self.split_x_buf(z.ptr, n, d));
+        let (zx, zs) = match &zb {
+            Some(b) => (b.ptr, None),
+            None => hz.parts(z.ptr),
+        };
         let zt = hz.sums();
         for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
             // Pair i reads token i / k of z.
@@ -881,9 +1036,11 @@ impl GpuBackend {
                 bm,
                 xs: zs,
                 xt: zt,
+                xb: zb.is_some(),
             });
         }
         drop(hz);
+        drop(zb);
         let mut h = self.scratch(pairs * ff);
         self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
@@ -915,6 +1072,7 @@ impl GpuBackend {
             bm,
             xs: hs,
             xt: ht,
+            xb: false,
         });
         let total = n * d;
         self.run(
