@@ -825,7 +825,7 @@ fn matvec_merged() {
 }
 
 /// The decode fusions (`Backend::rms_norm_matmul`: the query's low-rank norm folded into q_b's
-/// `mvxn_r4u2_q8_0` staging; `Backend::matmul_add`: the shared down product added into the
+/// `mvxn_r4u2_q8_0` (row totals scaled by the norm); `Backend::matmul_add`: the shared down product added into the
 /// routed sum by `mvra_r2u2_q8_0`) against the CPU reference (the trait defaults: norm then
 /// product, product then add), with shapes the fused kernels take (Q8_0 decode copies, n = 1,
 /// <= 1024 columns for the norm, > 1024 for the add) and shapes that fall back (n = 2, longer or

@@ -1020,11 +1020,12 @@ __device__ __forceinline__ void mvx_fetch(const Src& src, int cb, int gi, int h,
 // src.row(cb, gi, i): row i (< R) of row group gi of CTA batch cb (rows past the end clamped to
 // a real one); snk.put(cb, gi, v): called by every lane of the first warp of each group, lane
 // i < R holding the total of row i. x: cols floats (cols a multiple of 16 for Q8_0, 8 for F16,
-// <= MVX_MAXC). ncb: CTA batches of this z. NORM (mvxn): x is staged as the RMSNorm of x weighted
+// <= MVX_MAXC). ncb: CTA batches of this z. NORM (mvxn): the product of the RMSNorm of x weighted
 // by nw (x * s * nw[i], s = 1 / sqrt(mean(x^2) + eps), the sum of squares in double as
-// rmsnorm_f32w), every CTA computing s itself from the cols floats it stages (a 1024 row: 4 KB,
-// cheaper than the rmsnorm launch it replaces); CTA (0, 0) also writes the normed row to xn
-// (when not null) for the later readers of the normed x.
+// rmsnorm_f32w): x * nw is staged, every CTA computes s itself from the cols floats it stages (a
+// 1024 row: 4 KB, cheaper than the rmsnorm launch it replaces) and scales each row total by s
+// (W . (x s nw) = s W . (x nw)); CTA (0, 0) also writes the normed row to xn (when not null) for
+// the later readers of the normed x.
 template <int T, int R, int U, class Src, class Snk, bool NORM = false>
 __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, int ks_n, int ncb, const Src& src,
                                         const Snk& snk, const float* __restrict__ nw = nullptr, float eps = 0.0f,
@@ -1048,32 +1049,34 @@ __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, i
     }
     ds4_pdl_enter(); // round 0's weight loads in flight across the wait; x after it
     const float4* xg = (const float4*)x;
+    float sc = 1.0f; // NORM: the row scale s, applied to each row total
     if (NORM) {
+        // x * nw staged in one load round (x and nw together); the sum of squares rides the
+        // staging barrier.
         __shared__ double nred[MV_WARPS];
+        const float4* wg = (const float4*)nw;
         double ss = 0.0;
         for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-            float4 a = xg[i];
+            float4 a = xg[i], g = wg[i];
             ss += (double)a.x * (double)a.x + (double)a.y * (double)a.y + (double)a.z * (double)a.z +
                   (double)a.w * (double)a.w;
+            xs[mvx_sw(i)] = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
         }
         ss = ds4_warp_sum_f64(ss);
         if (lane == 0) nred[warp] = ss;
         __syncthreads();
         ss = 0.0;
         for (int k = 0; k < (int)blockDim.x / W; k++) ss += nred[k]; // warp order: every CTA the same s
-        const float sc = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
-        const float4* wg = (const float4*)nw;
-        bool put = xn != nullptr && blockIdx.x == 0 && blockIdx.z == 0;
-        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-            float4 a = xg[i], g = wg[i];
-            float4 o = make_float4(a.x * sc * g.x, a.y * sc * g.y, a.z * sc * g.z, a.w * sc * g.w);
-            xs[mvx_sw(i)] = o;
-            if (put) ((float4*)xn)[i] = o;
-        }
+        sc = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
+        if (xn != nullptr && blockIdx.x == 0 && blockIdx.z == 0) // the normed row as rmsnorm_f32w
+            for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+                float4 a = xg[i], g = wg[i];
+                ((float4*)xn)[i] = make_float4(a.x * sc * g.x, a.y * sc * g.y, a.z * sc * g.z, a.w * sc * g.w);
+            }
     } else {
         for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) xs[mvx_sw(i)] = xg[i];
+        __syncthreads();
     }
-    __syncthreads();
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; i++) acc[i] = 0.0f;
@@ -1111,7 +1114,7 @@ __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, i
                 }
                 p ^= 1;
             }
-            if (ks == 0) snk.put(cb, gi, t);
+            if (ks == 0) snk.put(cb, gi, NORM ? t * sc : t);
         }
         s = s1, cb = cb1;
     }
@@ -1140,7 +1143,7 @@ template <int R> struct MvxPut {
 
 // y[z*y_z + r] = W[z*rows + r] . x[z*x_z ..], r < rows; Q8_0: W = Q (decode layout), D its scales;
 // F16: W rows of cols halfs (D unused). ks: k-slices per row group.
-// NORM: x normed as it is staged (mvx_run; nw the norm weight, xn the normed row or null).
+// NORM: the product of x normed (mvx_run; nw the norm weight, xn the normed row or null).
 template <int T, int R, int U, bool NORM = false>
 __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,

@@ -1002,12 +1002,13 @@ impl GpuBackend {
         true
     }
 
-    /// Backend::rms_norm_matmul at n = 1 in one launch (`mvxn_r4u2_q8_0`: every CTA norms the
-    /// row of `cols` as it stages it, CTA 0 also writes the normed row to a new buffer that then
-    /// replaces `x`), or false (nothing run: the product would not take `mvx_r4u2_q8_0`).
-    /// H200, 2k decode (bench/results/gpu-fuse-f8-h200.txt): with `mv_matmul_add` 127.0 against
-    /// 126.0 tok/s; ncu: 17.6 us a call, the rmsnorm_f32w + mvx_r4u2_q8_0 pair's time (one
-    /// launch fewer a layer).
+    /// Backend::rms_norm_matmul at n = 1 in one launch (`mvxn_r4u2_q8_0`: every CTA stages
+    /// x * norm weight, takes the row's sum of squares at the staging barrier and scales each row
+    /// total by the norm's s; CTA 0 also writes the normed row to a new buffer that then replaces
+    /// `x`), or false (nothing run: the product would not take `mvx_r4u2_q8_0`). H200, 2k decode
+    /// (bench/results/gpu-fuse-f8-h200.txt): with `mv_matmul_add` 127.0 against 126.0 tok/s
+    /// unfused; the deferred scale 127.2/126.5 against 125.7/125.9 for x normed before staging
+    /// (17.6 us a call, the rmsnorm + product pair's time; deleted).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mv_norm_matmul(
         &self,
