@@ -5,9 +5,8 @@
 //! (one layer's routed experts: `reps` calls queued between two syncs, wall clock, each with
 //! another random selection so the experts come from memory, not L2) and GB/s of the distinct
 //! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA), v2
-//! (direct loads; nbA/B = gate/up and down row batches per CTA; default 6/4), v3 / v3b (v2 with
-//! the tensor-core gate/up, n = 1 IQ2_XXS: nbA tiles of 8 rows per CTA; elsewhere v2), v3d (v3
-//! and the tensor-core Q2_K down).
+//! (direct loads; nbA/B = gate/up and down row batches per CTA; default 6/4), v3d (n = 1 q2 mix
+//! on tensor cores, nbA gate/up tiles of 8 rows per CTA, default 3; elsewhere v2 with nbA/B).
 //! `moe_bench [reps] [n_max]`; `MOE_BENCH_FORMS=v2,v3d` runs only the forms so named.
 
 use ds4_backend::{Backend, Fill, GgmlType, MoeSpec, WeightKind};
@@ -98,17 +97,13 @@ fn main() {
             let mut out = gpu.alloc(n * d);
             // (name, decode kernels on, form, v1 rows, v2 tiles)
             type Form = (&'static str, bool, usize, usize, (usize, usize));
-            let forms: [Form; 10] = [
+            let forms: [Form; 6] = [
                 ("old", false, 1, 16, (0, 0)),
                 ("v1 rb16", true, 1, 16, (0, 0)),
                 ("v2 nb6/4", true, 2, 0, (6, 4)),
-                ("v3 nb3/4", true, 3, 0, (3, 4)),
-                ("v3b nb3/4", true, 4, 0, (3, 4)),
-                ("v3 nb2/4", true, 3, 0, (2, 4)),
-                ("v3 nb4/4", true, 3, 0, (4, 4)),
-                ("v3d nb3", true, 5, 0, (3, 4)),
-                ("v3d nb2", true, 5, 0, (2, 4)),
-                ("v3d nb4", true, 5, 0, (4, 4)),
+                ("v3d nb3", true, 3, 0, (3, 4)),
+                ("v3d nb2", true, 3, 0, (2, 4)),
+                ("v3d nb4", true, 3, 0, (4, 4)),
             ];
             // MOE_BENCH_FORMS=a,b: only the forms whose names contain one of these (for profilers).
             let only = std::env::var("MOE_BENCH_FORMS").unwrap_or_default();

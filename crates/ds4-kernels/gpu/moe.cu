@@ -955,22 +955,24 @@ DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2
 DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2>(M2DN_ARGS); }
 
 // ===================================================================================================
-// Form 3 (m3*, n = 1, CUDA sm_80+): gate + up of IQ2_XXS experts on tensor cores, exact in the
-// weights. mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows (rows 0-7: gate rows r..r+7,
+// Form 3 (m3*, "v3d", n = 1, CUDA sm_80+): gate + up of IQ2_XXS experts (m3gu1) and the Q2_K
+// down (m3dn1, below) on tensor cores, exact in the weights. Gate / up: mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows (rows 0-7: gate rows r..r+7,
 // rows 8-15: the same up rows, so one lane ends with gate and up of its row), B column 0 = x_hi,
 // column 1 = x_lo (x * 2^sigma split in two f16: ~22 bits; sigma puts max |x| in [2^14, 2^15)),
-// the other columns zero; C column 0 + column 1 = the dot. K is permuted inside each 128-column
+// the other columns unused; C column 0 + column 1 = the dot. K is permuted inside each 128-column
 // chunk (4 sub-blocks of 32, 8 mma steps): lane (gid = lane / 4, tig = lane % 4) holds sub-block
 // tig of the chunk, step j = its elements 4j..4j+3 (grid entry j / 2), and B is stored in the same
-// order. A weight element is sign * grid * (2 ls + 1) (an integer <= 1333), as f16: M3_BIAS = 0,
-// the subnormal value * 2^-24 (one PRMT builds a half2 from grid and sign bytes, one HMUL2 scales
-// it; both exact); M3_BIAS = 1, the normal integer (bias 1024 + HFMA2, sign by XOR). One fresh mma
-// chain per 256-column block, then acc += d * (c0 + c1) (times 2^24 / 8 / 2^sigma at the end).
+// order. A weight element is sign * grid * (2 ls + 1) (an integer <= 1333), as the f16 subnormal
+// value * 2^-24 (one PRMT builds a half2 from grid and sign bytes, one HMUL2 scales it; both exact;
+// HMMA keeps f16 subnormal inputs: ops_moe on the H200). One fresh mma chain per 256-column
+// block, then acc += d * (c0 + c1) (times 2^24 / 8 / 2^sigma at the end). The normal-integer
+// variant (bias 1024 + HFMA2, sign by XOR) was slower (bench/results/gpu-moe-m8-h200.txt).
 // Rows staged by cp.async 16-byte copies: a stage is 16 rows x 2048 columns (528 bytes a row, at a
 // 544-byte stride: fewer bank conflicts), 3 stages in flight; warp w decodes block w of a stage.
 // CTA: nb tiles of 8 output rows of expert e = sel[blockIdx.y] (first pair holding e, as v2);
-// h written in the v2 down kernel's order (m2_hidx). Shared memory: grid (2 KB), x fragments
-// (cols * 4 bytes), red[8 warps][16], 3 stages (3 * 16 * 544 bytes).
+// h in plain order [pair][ff] and mx[pair][CTA] = the CTA's max |h| (the down kernel's x scale).
+// Shared memory: grid (2 KB), x fragments (cols * 4 bytes), red[8 warps][16], 3 stages
+// (3 * 16 * 544 bytes).
 // ===================================================================================================
 #define M3_THREADS 256
 #define M3_SROW 544 // staged row stride (528 used)
@@ -994,11 +996,6 @@ __device__ __forceinline__ u32 m3_hmul2(u32 a, u32 b) {
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
     return o;
 }
-__device__ __forceinline__ u32 m3_hfma2(u32 a, u32 b, u32 c) {
-    u32 o;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o) : "r"(a), "r"(b), "r"(c));
-    return o;
-}
 __device__ __forceinline__ u32 m3_hsub2(u32 a, u32 b) {
     u32 o;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
@@ -1017,25 +1014,14 @@ __device__ __forceinline__ void m3_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u3
 }
 
 // Half2 words w[0..3] (element pairs 01, 23, 45, 67) of grid entry gr with sign bytes (0x80 where
-// negative) sl (elements 0-3), sh (4-7), times the sub-block factor m2 (f16x2 of 2 ls + 1; BIAS:
-// nm2 = -1024 * m2).
-template <bool BIAS>
-__device__ __forceinline__ void m3_entry(u64 gr, u32 sl, u32 sh, u32 m2, u32 nm2, u32 (&w)[4]) {
+// negative) sl (elements 0-3), sh (4-7), times the sub-block factor m2 (f16x2 of 2 ls + 1).
+__device__ __forceinline__ void m3_entry(u64 gr, u32 sl, u32 sh, u32 m2, u32 (&w)[4]) {
     u32 ml = (u32)gr, mh = (u32)(gr >> 32);
-    if (!BIAS) {
-        // bytes [g0, s0, g1, s1]: the f16 subnormals +-g * 2^-24, then * (2 ls + 1): exact.
-        w[0] = m3_hmul2(m3_prmt(ml, sl, 0x5140), m2);
-        w[1] = m3_hmul2(m3_prmt(ml, sl, 0x7362), m2);
-        w[2] = m3_hmul2(m3_prmt(mh, sh, 0x5140), m2);
-        w[3] = m3_hmul2(m3_prmt(mh, sh, 0x7362), m2);
-    } else {
-        // bytes [g0, 0x64, g1, 0x64] = 1024 + g; (1024 + g) * m2 - 1024 * m2 rounds once: exact.
-        const u32 b = 0x64646464u;
-        w[0] = m3_hfma2(m3_prmt(ml, b, 0x4140), m2, nm2) ^ m3_prmt(sl, 0u, 0x1404);
-        w[1] = m3_hfma2(m3_prmt(ml, b, 0x4342), m2, nm2) ^ m3_prmt(sl, 0u, 0x3424);
-        w[2] = m3_hfma2(m3_prmt(mh, b, 0x4140), m2, nm2) ^ m3_prmt(sh, 0u, 0x1404);
-        w[3] = m3_hfma2(m3_prmt(mh, b, 0x4342), m2, nm2) ^ m3_prmt(sh, 0u, 0x3424);
-    }
+    // bytes [g0, s0, g1, s1]: the f16 subnormals +-g * 2^-24, then * (2 ls + 1): exact.
+    w[0] = m3_hmul2(m3_prmt(ml, sl, 0x5140), m2);
+    w[1] = m3_hmul2(m3_prmt(ml, sl, 0x7362), m2);
+    w[2] = m3_hmul2(m3_prmt(mh, sh, 0x5140), m2);
+    w[3] = m3_hmul2(m3_prmt(mh, sh, 0x7362), m2);
 }
 
 // Sub-block words of one staged row (4-byte aligned): the 8 bytes at byte o (even) as idx4 (4 grid
@@ -1054,7 +1040,6 @@ __device__ __forceinline__ void m3_signs(u32 s7, u32& lo, u32& hi) {
     hi = ((s7 * 0x00020408u) & 0x00808080u) | ((u32)__popc(s7) << 31); // bits 4-6 -> 7, 15, 23
 }
 
-template <bool BIAS>
 __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int n, int k,
                                           const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
@@ -1113,8 +1098,8 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     for (int w = 1; w < 8; w++) am = fmaxf(am, wmax[w]);
     int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
     float xsc = __uint_as_float((u32)(127 + sig) << 23);
-    // Final factor: 2^24 (subnormal unit, not with BIAS) / 8 / 2^sigma.
-    float fin = __uint_as_float((u32)(127 + (BIAS ? -3 : 21) - sig) << 23);
+    // Final factor: 2^24 (subnormal unit) / 8 / 2^sigma.
+    float fin = __uint_as_float((u32)(127 + 21 - sig) << 23);
     // x fragments: entry q = (chunk c, entry jj, tig) = x[128c + 32 tig + 8 jj ..] as hi and lo.
     for (int q = tid; q < cols / 8; q += M3_THREADS) {
         int c = q >> 4, jj = (q >> 2) & 3, t = q & 3;
@@ -1150,8 +1135,6 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
             u32 mg = 1u + 2u * (xg >> 28), mu = 1u + 2u * (xu >> 28);
             const u32 b1k = 0x64006400u;
             u32 m2g = m3_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = m3_hsub2((mu | (mu << 16)) | b1k, b1k);
-            u32 n2g = 0, n2u = 0;
-            if (BIAS) n2g = m3_hmul2(m2g, 0xe400e400u), n2u = m3_hmul2(m2u, 0xe400e400u); // -1024 m
             // B: lanes gid 0 / 1 read x_hi / x_lo; the others duplicate them into C columns 2-7,
             // which are never read (a column of C depends on its column of B only).
             const uint4* xb = xf + (c * 4) * 8 + (lane & 7);
@@ -1162,8 +1145,8 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
                 m3_signs((xg >> (7 * q)) & 127u, slg, shg);
                 m3_signs((xu >> (7 * q)) & 127u, slu, shu);
                 u32 wg[4], wu[4];
-                m3_entry<BIAS>(gs[(ig >> (8 * q)) & 0xffu], slg, shg, m2g, n2g, wg);
-                m3_entry<BIAS>(gs[(iu >> (8 * q)) & 0xffu], slu, shu, m2u, n2u, wu);
+                m3_entry(gs[(ig >> (8 * q)) & 0xffu], slg, shg, m2g, wg);
+                m3_entry(gs[(iu >> (8 * q)) & 0xffu], slu, shu, m2u, wu);
                 m3_mma(c4, wg[0], wu[0], wg[1], wu[1], b.x, b.y);
                 m3_mma(c4, wg[2], wu[2], wg[3], wu[3], b.z, b.w);
             }
@@ -1193,33 +1176,25 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
                 uv = fminf(fmaxf(uv, -clamp), clamp);
                 float base = gv * (1.0f / (1.0f + expf(-gv))) * uv;
                 hmax = fmaxf(hmax, fabsf(base));
-                int hi = r; // lk < 0: plain order (the m3 down kernel)
-                if (lk >= 0) {
-                    int uu, sj, ee;
-                    m2_inv(lk, r, uu, sj, ee);
-                    hi = m2_hidx(uu, sj, ee);
-                }
                 for (u32 m = pmask; m != 0; m &= m - 1) { // n = 1: token 0
                     int pp = __ffs(m) - 1;
-                    h[(long long)pp * hs + hi] = base * wgt[pp];
+                    h[(long long)pp * hs + r] = base * wgt[pp];
                 }
             }
         }
     }
     // mx[pp][blockIdx.x] = max |h| of the CTA's rows (for the m3 down kernel's x scale).
-    if (mx != nullptr) {
-        if (warp < 2) {
+    if (warp < 2) {
 #pragma unroll
-            for (int o = 16; o >= 1; o >>= 1) hmax = fmaxf(hmax, __shfl_xor_sync(0xffffffffu, hmax, o));
-            if (lane == 0) wmax[warp] = hmax; // wmax last read before the stage loop
-        }
-        __syncthreads();
-        if (tid == 0)
-            for (u32 m = pmask; m != 0; m &= m - 1) {
-                int pp = __ffs(m) - 1;
-                mx[pp * gridDim.x + blockIdx.x] = fmaxf(wmax[0], wmax[1]) * fabsf(wgt[pp]);
-            }
+        for (int o = 16; o >= 1; o >>= 1) hmax = fmaxf(hmax, __shfl_xor_sync(0xffffffffu, hmax, o));
+        if (lane == 0) wmax[warp] = hmax; // wmax last read before the stage loop
     }
+    __syncthreads();
+    if (tid == 0)
+        for (u32 m = pmask; m != 0; m &= m - 1) {
+            int pp = __ffs(m) - 1;
+            mx[pp * gridDim.x + blockIdx.x] = fmaxf(wmax[0], wmax[1]) * fabsf(wgt[pp]);
+        }
 }
 #endif
 
@@ -1372,18 +1347,14 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
 }
 #endif
 
+// The v2 gate/up parameters (lk unused: h in plain order) and mx. HIP and sm < 80: no body (the
+// host launches these only on CUDA sm_80+).
 #define M3GU_PARAMS M2GU_PARAMS, float *__restrict__ mx
 #define M3GU_ARGS M2GU_ARGS, mx
 DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3gu_body<false>(M3GU_ARGS);
-#endif
-}
-DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gub_iq2_xxs(M3GU_PARAMS) {
-    ds4_pdl_enter();
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3gu_body<true>(M3GU_ARGS);
+    m3gu_body(M3GU_ARGS);
 #endif
 }
 // n = 1, cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu.

@@ -1,11 +1,11 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
 //!
-//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v3|v3b|v3d`, `set_moe_form`): v3d (the default for n = 1 on
-//! CUDA sm_80+, IQ2_XXS gate/up with d % 2048 == 0 and Q2_K down at ff = 2048: the model's q2
-//! mix; `m3gu1_iq2_xxs` + `m3dn1_q2_k`) runs both products on tensor cores, exact in the weights
-//! (gpu/moe.cu, form 3); v3 / v3b: its gate/up with v2's down. Where v3 does not cover the
-//! product, v2 (`m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight
+//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v3d`, `set_moe_form`): v3d (the default for n = 1 on CUDA
+//! sm_80+, IQ2_XXS gate/up with d % 2048 == 0 and Q2_K down at ff = 2048: the model's q2 mix;
+//! `m3gu1_iq2_xxs` + `m3dn1_q2_k`) runs both products on tensor cores, exact in the weights
+//! (gpu/moe.cu, form 3; its gate/up alone with v2's down tied with v2, an f16-normal weight
+//! variant lost: removed, code in git at bba6ee6). Where v3d does not cover the product, v2 (`m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight
 //! from global memory, x in registers, and passes h to the down kernel in that kernel's lane
 //! order; v1 (the default for n = 2..4, where it measured faster than v2) stages rows in shared
 //! memory. Numbers: bench/results/gpu-moe-m8-h200.txt. An int8-x
@@ -34,15 +34,13 @@ static ENV_OFF: OnceLock<bool> = OnceLock::new();
 static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 /// Products run here (for tests: proof the kernels were taken).
 static RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v2 ones (direct loads; v3 included).
+/// Of those, the v2 ones (direct loads; v3d included: it shares v2's host path).
 static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v3 ones (tensor-core gate/up), and those with the tensor-core down too.
-static V3_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Of those, the v3d ones (tensor cores).
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Form: 0 default (v3d for n = 1, else v1), 1 v1, 2 v2, 3 v3 (v2 with the tensor-core gate/up
-/// `m3gu1_iq2_xxs`, n = 1, IQ2_XXS gate/up, CUDA sm_80+), 4 v3b (its f16-normal variant
-/// `m3gub_iq2_xxs`), 5 v3d (v3 and the tensor-core down `m3dn1_q2_k`, Q2_K 2048 columns);
-/// `DS4_GPU_MOE_FORM=v1|v2|v3|v3b|v3d`.
+/// Form: 0 default (v3d for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
+/// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2);
+/// `DS4_GPU_MOE_FORM=v1|v2|v3d`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
 static ENV_FORM: OnceLock<usize> = OnceLock::new();
 /// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 6), down row batches
@@ -70,18 +68,18 @@ fn v2_layout(ty: &str) -> i32 {
     }
 }
 
-/// Shared memory of the v3 gate/up at `cols` columns (`m3gu_body`: grid, x fragments, partials
+/// Shared memory of the v3d gate/up at `cols` columns (`m3gu_body`: grid, x fragments, partials
 /// and maxima, 3 stages of 16 rows at a 544-byte stride).
 fn v3_smem(cols: usize) -> usize {
     2048 + 4 * cols + 4 * (8 * 16 + 8) + 3 * 16 * 544
 }
 
-/// The v3 down (`m3dn1_q2_k`): threads, shared memory (x fragments and group sums of two slots,
+/// The v3d down (`m3dn1_q2_k`): threads, shared memory (x fragments and group sums of two slots,
 /// partials, scales, 2 stages of 16 rows at a 688-byte stride).
 const V3D_THREADS: usize = 512;
 const V3D_SMEM: usize = 2 * 512 * 16 + 2 * 8 * 2 * 16 * 2 + 16 * 16 * 4 + 64 * 4 + 2 * 16 * 688;
 
-/// Whether the v3 down covers dn: n = 1, Q2_K rows of 2048 columns, at most MAXP slots.
+/// Whether the v3d down covers dn: n = 1, Q2_K rows of 2048 columns, at most MAXP slots.
 fn v3d_fits(dn: Mat, n: usize, k: usize) -> bool {
     n == 1 && dn.1 == "q2_k" && dn.2 == 2048 && dn.4 == 672 && k <= MAXP
 }
@@ -135,10 +133,10 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
-    /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3,
-    /// 4 v3b, 5 v3d; process-wide, for tests and benches (`DS4_GPU_MOE_FORM=...` when 0).
+    /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d;
+    /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v3d` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(5), Ordering::Relaxed);
+        FORM.store(form.min(3), Ordering::Relaxed);
     }
 
     /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
@@ -157,12 +155,7 @@ impl GpuBackend {
         V2_RUNS.load(Ordering::Relaxed)
     }
 
-    /// How many of those ran the v3 gate/up (process-wide).
-    pub fn moe_v3_runs() -> usize {
-        V3_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// How many of those ran the v3 down too (process-wide).
+    /// How many of those were the v3d form (process-wide).
     pub fn moe_v3d_runs() -> usize {
         V3D_RUNS.load(Ordering::Relaxed)
     }
@@ -209,28 +202,18 @@ impl GpuBackend {
             0 => *ENV_FORM.get_or_init(|| match std::env::var("DS4_GPU_MOE_FORM").as_deref() {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
-                Ok("v3") => 3,
-                Ok("v3b") => 4,
-                Ok("v3d") => 5,
+                Ok("v3d") => 3,
                 _ => 0,
             }),
             f => f,
         };
-        // n = 1: v3d (falls back to v3 / v2 where its kernels do not cover the product).
-        let form = if form == 0 && n == 1 { 5 } else { form };
-        // v3: the tensor-core gate/up where it covers the product (v3d: and the down), else v2.
-        let v3 = match form {
-            5 if self.v3_fits(g, n) && v3d_fits(dn, n, k) => 3,
-            3..=5 if self.v3_fits(g, n) => [1, 2, 1][form - 3],
-            _ => 0,
-        };
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3) {
+        // n = 1: v3d (v2 where its kernels do not cover the product).
+        let form = if form == 0 && n == 1 { 3 } else { form };
+        let v3d = form == 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
-            if v3 > 0 {
-                V3_RUNS.fetch_add(1, Ordering::Relaxed);
-            }
-            if v3 == 3 {
+            if v3d {
                 V3D_RUNS.fetch_add(1, Ordering::Relaxed);
             }
             return true;
@@ -284,7 +267,7 @@ impl GpuBackend {
         true
     }
 
-    /// Whether the v3 gate/up (`m3gu*`) covers gate/up g at n tokens: n = 1, IQ2_XXS rows of a
+    /// Whether the v3d gate/up (`m3gu1_iq2_xxs`) covers gate/up g at n tokens: n = 1, IQ2_XXS rows of a
     /// multiple of 2048 columns (stages of 8 blocks), x fragments within shared memory, CUDA sm_80+.
     fn v3_fits(&self, g: Mat, n: usize) -> bool {
         let info = self.gpu.info();
@@ -297,8 +280,8 @@ impl GpuBackend {
             && info.cc.0 >= 8
     }
 
-    /// The v2 launches (v3 1|2: the v3 gate/up, subnormal | f16-normal weights; 3: the v3 gate/up
-    /// and down); false: the shape does not fit them; nothing was queued.
+    /// The v2 launches (v3d: the v3d kernels instead); false: the shape does not fit them;
+    /// nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -309,7 +292,7 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
-        v3: usize,
+        v3d: bool,
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
@@ -348,29 +331,33 @@ impl GpuBackend {
         }
         // h in the down kernel's lane order: per pair, whole warps of 32-column units (v3d:
         // plain order).
-        let hs = if v3 == 3 { ff } else { wpg(ff) * w * 32 };
+        let hs = if v3d { ff } else { wpg(ff) * w * 32 };
         let h = self.scratch(pairs * hs);
         let pre = "m2";
-        // v3: tiles of 8 gate/up rows, nb per CTA (3 at the model shape: 516 CTAs, one wave at
+        // v3d: tiles of 8 gate/up rows, nb per CTA (3 at the model shape: 516 CTAs, one wave at
         // 4 per SM).
         let nb3 = pick(V2_NB.load(Ordering::Relaxed), env.0, 3);
         let ngu = ff.div_ceil(8 * nb3);
-        // v3d: max |h| per pair and gate/up CTA (the down's x scale).
-        let mx = self.scratch(if v3 == 3 { pairs * ngu } else { 1 });
-        let (name, grid, smem, tiles) = match v3 {
-            0 => (
+        let (name, grid, smem, tiles) = if v3d {
+            (format!("m3gu1_{}", g.1), ngu, v3_smem(d), nb3)
+        } else {
+            (
                 format!("{pre}gu{nt}_{}", g.1),
                 ff.div_ceil(tr_gu),
                 smem_gu,
                 nb,
-            ),
-            v => (
-                format!("m3gu{}_{}", if v == 2 { "b" } else { "1" }, g.1),
-                ngu,
-                v3_smem(d),
-                nb3,
-            ),
+            )
         };
+        // v3d: max |h| per pair and gate/up CTA (the down's x scale).
+        let mx = v3d.then(|| self.scratch(pairs * ngu));
+        let mut tail = vec![
+            Arg::I32(tiles as i32),
+            Arg::I32(v2_layout(dn.1)),
+            Arg::I32(hs as i32),
+        ];
+        if let Some(mx) = &mx {
+            tail.push(Arg::Ptr(mx.ptr));
+        }
         self.run(
             &ds4_kernels::MOE,
             &name,
@@ -379,23 +366,9 @@ impl GpuBackend {
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: smem as u32,
             },
-            &gu_args(
-                spec,
-                (g, u),
-                z,
-                sel,
-                wgt,
-                n,
-                &h,
-                &[
-                    Arg::I32(tiles as i32),
-                    Arg::I32(if v3 == 3 { -1 } else { v2_layout(dn.1) }),
-                    Arg::I32(hs as i32),
-                    Arg::Ptr(if v3 == 3 { mx.ptr } else { DevPtr(0) }),
-                ][..if v3 > 0 { 4 } else { 3 }],
-            ),
+            &gu_args(spec, (g, u), z, sel, wgt, n, &h, &tail),
         );
-        if v3 == 3 {
+        if let Some(mx) = &mx {
             self.run(
                 &ds4_kernels::MOE,
                 &format!("m3dn1_{}", dn.1),
