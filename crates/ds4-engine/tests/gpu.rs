@@ -6,6 +6,15 @@
 //! decoding gives exactly the GPU's plain greedy output.
 
 use ds4_engine::{argmax, BackendChoice, Engine, EngineOptions};
+use std::sync::{Mutex, MutexGuard};
+
+/// One test at a time (held for the whole test): the engines share the device's context, and
+/// one thread's synchronize fails while another captures a decode graph.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 const PROMPT: [u32; 13] = [0, 5, 77, 300, 12, 9, 411, 250, 3, 3, 90, 128, 7];
 const N: usize = 48; // crosses the window and several CSA/HCA windows of the tiny model
@@ -57,6 +66,7 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn gpu_engine_matches_cpu_reference() {
+    let _serial = serial();
     let Some(g) = gpu() else { return };
     let c = open(BackendChoice::Cpu).unwrap();
     println!("GPU backend: {}", g.backend_name());
@@ -77,6 +87,7 @@ fn gpu_engine_matches_cpu_reference() {
 
 #[test]
 fn gpu_snapshot_restores_on_gpu_and_cpu() {
+    let _serial = serial();
     let Some(g) = gpu() else { return };
     let c = open(BackendChoice::Cpu).unwrap();
     let mut s = g.new_session(512);
@@ -102,6 +113,7 @@ fn gpu_snapshot_restores_on_gpu_and_cpu() {
 
 #[test]
 fn gpu_speculative_equals_greedy() {
+    let _serial = serial();
     let Some(g) = gpu() else { return };
     let mut plain = Vec::new();
     let mut s = g.new_session(512);
@@ -157,6 +169,7 @@ fn host_sampled(e: &Engine, cfg: ds4_engine::SamplerConfig) -> Vec<u32> {
 
 #[test]
 fn gpu_sampling_in_the_step_matches_the_host() {
+    let _serial = serial();
     let Some(g) = gpu() else { return };
     let c = open(BackendChoice::Cpu).unwrap();
     let argmax_cfg = ds4_engine::SamplerConfig::default();

@@ -1164,8 +1164,7 @@ __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvx_r4u2_q8_0(MVX_PARAMS) { DS4_PDL_LATE; mvx_body<T_Q8_0, 4, 2>(MVX_ARGS); }
 // The same with the query's low-rank RMSNorm folded in (decode q_b: rmsnorm_f32w + mvx before):
 // y = W . (x * s * nw) for one row x (zs = 1); xn (or null) receives the normed row.
-DS4_KERNEL void DS4_BOUNDS(MVX_LB)
-    mvxn_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxn_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
     DS4_PDL_LATE;
     mvx_body<T_Q8_0, 4, 2, true>(MVX_ARGS, nw, eps, xn);
 }

@@ -11,9 +11,33 @@ use ds4_model::HParams;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
+/// One GPU test at a time per process: tests flip process-wide kernel forms (`set_*`) and share
+/// the device's context (one thread's synchronize fails while another captures a graph), so a
+/// test holds this lock from opening the device until its thread ends (libtest runs each test
+/// on its own thread). With it, the default parallel `cargo test` gives the results of
+/// `--test-threads=1`.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+thread_local! {
+    static HELD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, ()>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn serialize() {
+    HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        if h.is_none() {
+            // A test that panicked while holding the lock poisons it; the next one goes on.
+            *h = Some(SERIAL.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+    });
+}
+
 /// The device named by `DS4_GPU_BACKEND` / `DS4_GPU_DEVICE` (auto / 0), or None with the
-/// reason printed. `DS4_REQUIRE_GPU=1` turns a missing device into a failure.
+/// reason printed. `DS4_REQUIRE_GPU=1` turns a missing device into a failure. Serializes the
+/// calling test with the other GPU tests of this process (see `SERIAL`).
 pub fn open_gpu() -> Option<Gpu> {
+    serialize();
     let vendor: Vendor = std::env::var("DS4_GPU_BACKEND")
         .unwrap_or_else(|_| "auto".into())
         .parse()
