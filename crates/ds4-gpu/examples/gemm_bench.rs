@@ -5,7 +5,10 @@
 //! (`gemmt_*`: integer weights, raw blocks and X staged by cp.async; default for Q2_K/Q4_K), f16 = the opt-in single f16 product
 //! (automatic item tile, double-buffered), f16/1buf = single-buffered, f16/64|128|256 = fixed tiles, bf16 = the previous default (hi/lo split,
 //! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
-//! and fma (per type).
+//! and fma (per type). default = the default forms (the tiled form for Q2_K/Q4_K, the MoE's
+//! IQ2_XXS gate/up on X split once: `gemmb_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
+//! = X split per CTA. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
+//! `GEMM_BENCH_FORMS=default,bf16`: only those forms (model shapes and routed experts).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
 //! (attention, shared expert, routed experts; compressor/indexer projections not included).
@@ -89,12 +92,7 @@ const TILED: Form = ("tiled", true, false, false, true, 0, true);
 const DEFAULT: Form = ("default", true, false, false, true, 0, true);
 const DEFAULT_NOSKIP: Form = ("default/noskip", true, false, false, true, 0, true);
 const BF16_NOSKIP: Form = ("bf16/noskip", true, false, false, true, 0, true);
-const DEFAULT_OCC4: Form = ("default/occ4", true, false, false, true, 0, true);
-const DEFAULT_OLDDQ: Form = ("default/olddq", true, false, false, true, 0, true);
 const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
-const DEFAULT_TW: Form = ("default/tw", true, false, false, true, 0, true);
-/// The default before session 8: IQ2_XXS by deq_chunk (gemmo_iq2_xxs), no m-tile skip.
-const OLD: Form = ("old", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -111,13 +109,11 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_precise(precise);
     GpuBackend::set_gemm_tile(tile);
     // bf16: the hi/lo form everywhere; tiled: the tiled form for every quantised type; default:
-    // the tiled form for Q2_K/Q4_K. "/noskip": empty m-tiles not skipped.
+    // the tiled form for Q2_K/Q4_K. "/noskip": empty m-tiles not skipped; "/noxb": the MoE's
+    // IQ2_XXS gate/up split X per CTA (gemm_iq2_xxs) instead of once (gemmb_iq2_xxs).
     GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
-    GpuBackend::set_gemm_skip(!f.0.contains("noskip") && f.0 != "old");
-    GpuBackend::set_gemm_occ4(f.0.ends_with("/occ4"));
-    GpuBackend::set_gemm_tw(f.0.ends_with("/tw"));
-    GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb") && f.0 != "old");
-    GpuBackend::set_gemm_dq(!f.0.ends_with("/olddq") && f.0 != "old");
+    GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
+    GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
 }
 
 fn main() {
@@ -233,17 +229,13 @@ fn main() {
     for n in ns {
         // One layer's products (attention, shared expert, routed experts; F16 rows not in the layer
         // sum: compressor/indexer shapes) per form.
-        // GEMM_BENCH_FORMS=default,old: only those forms (by name).
+        // GEMM_BENCH_FORMS=default,bf16: only those forms (by name).
         let pick = std::env::var("GEMM_BENCH_FORMS").ok();
         let forms: Vec<Form> = if let Some(p) = &pick {
             let all = [
                 DEFAULT,
                 DEFAULT_NOSKIP,
-                DEFAULT_OCC4,
-                DEFAULT_OLDDQ,
                 DEFAULT_NOXB,
-                DEFAULT_TW,
-                OLD,
                 BF16,
                 BF16_NOSKIP,
                 TILED,
@@ -253,19 +245,9 @@ fn main() {
                 .filter_map(|n| all.iter().find(|f| f.0 == n).copied())
                 .collect()
         } else if moe_only {
-            vec![
-                DEFAULT,
-                DEFAULT_NOSKIP,
-                DEFAULT_OCC4,
-                DEFAULT_NOXB,
-                DEFAULT_TW,
-                OLD,
-                BF16,
-                TILED,
-                F16,
-            ]
+            vec![DEFAULT, DEFAULT_NOSKIP, DEFAULT_NOXB, BF16, TILED, F16]
         } else {
-            vec![DEFAULT, OLD, BF16, TILED, F16]
+            vec![DEFAULT, BF16, TILED, F16]
         };
         let mut layer = vec![0.0f64; forms.len()];
         println!("-- model shapes (q2 mix), n = {n} --");

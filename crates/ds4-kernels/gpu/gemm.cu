@@ -7,7 +7,9 @@
 // 32-element chunk. Thread t dequantises chunk c of tile row t%128 (gemmw: half of it); the X tile
 // (items × 32 floats) is staged in shared memory by all threads (float4 loads; host checks 16-byte
 // alignment). Register pipeline: chunk c+1's X and weights are loaded after chunk c is in shared
-// memory, before its mma, so the loads overlap the tensor-core work.
+// memory, before its mma, so the loads overlap the tensor-core work (IQ2_XXS, bf16 form: the raw
+// block fields are what is in flight, dequantised after the mma: gm_raw_iq2 / gm_deq_iq2).
+// gemmb_<t>: X pre-split into hi/lo bf16 words by gemm_xb_f32, copied by whole 128-byte lines.
 //
 // Tensor-core form (CUDA, DS4_ARCH >= 800): mma.sync m16n8k16 bf16 with f32 accumulation. Accuracy:
 // each operand v is split into hi = bf16_rn(v) and lo = bf16_rn(v - hi) (~16 significant bits), and
@@ -171,13 +173,13 @@ __device__ __forceinline__ int gm_tile_valid(const int* grp, int n, int by, int 
 // tile row t%128: all 32 elements of the chunk (NW 4, FMA), or half t/128 (NW 8, mma).
 // XB (bf16 form only; gemmb_<t>): X holds the hi/lo bf16 words from gemm_xb_f32 instead of f32
 // (same element strides), copied to shared memory without the per-CTA split.
-template <int T, int F, int NW, bool DQ = true, bool XB = false> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
+template <int T, int F, int NW, bool XB = false> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
     constexpr int BM = 16 * NW;
     static_assert(NW == 4 || (NW == 8 && F != 2), "128-item tiles: bf16 or FMA form");
     constexpr bool HALF = NW == 8 && F == 1; // each thread dequantises half a row chunk
-    // RAW (IQ2_XXS, bf16 form, DQ): the raw weight fields are what is in flight across the mma
+    // RAW (IQ2_XXS, bf16 form): the raw weight fields are what is in flight across the mma
     // (4 registers, not 32 floats), dequantised at the top of the next iteration (gm_raw_iq2).
-    constexpr bool RAW = T == T_IQ2_XXS && F == 1 && DQ && !HALF && GM_HAVE_MMA;
+    constexpr bool RAW = T == T_IQ2_XXS && F == 1 && !HALF && GM_HAVE_MMA;
     __shared__ int items[BM];
     __shared__ int expert;
     __shared__ u64 gtab[RAW ? 256 : 1]; // IQ2_XXS grid (RAW)
@@ -300,39 +302,8 @@ template <int T, int F, int NW, bool DQ = true, bool XB = false> __device__ __fo
                 // Fragments by ldmatrix.x4 (8x8 b16 matrices; lane L gives the row address of matrix
                 // L/8). A (items m0.., k 16kk..): matrices (rows +0|+8) x (k +0|+8) = a0..a3.
                 // B (weight rows n.., k): matrices (n-tile nt|nt+1) x (k +0|+8) = b[nt][0..1], b[nt+1][0..1].
-                if (!DQ) { // gemmo_<t> (experiment baseline): the fragment order before session 8
-                    u32 ah[GM_MT][4], al[GM_MT][4], bh[4][2], bl[4][2];
-                    const int lr = lane & 7, lm = lane >> 3;
-#pragma unroll
-                    for (int mt = 0; mt < GM_MT; mt++) {
-                        int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
-                        gm_ldm4(ah[mt], &sm.m.xh[m][k]);
-                        gm_ldm4(al[mt], &sm.m.xl[m][k]);
-                    }
-#pragma unroll
-                    for (int np = 0; np < 2; np++) {
-                        int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
-                        u32 q[4];
-                        gm_ldm4(q, &sm.m.wh[r][k]);
-                        bh[2 * np][0] = q[0], bh[2 * np][1] = q[1], bh[2 * np + 1][0] = q[2], bh[2 * np + 1][1] = q[3];
-                        if (T != T_BF16) {
-                            gm_ldm4(q, &sm.m.wl[r][k]);
-                            bl[2 * np][0] = q[0], bl[2 * np][1] = q[1], bl[2 * np + 1][0] = q[2], bl[2 * np + 1][1] = q[3];
-                        }
-                    }
-#pragma unroll
-                    for (int mt = 0; mt < GM_MT; mt++)
-#pragma unroll
-                        for (int nt = 0; nt < 4; nt++) {
-                            float* cc = acc + 4 * (4 * mt + nt);
-                            gm_mma(cc, ah[mt], bh[nt]);
-                            gm_mma(cc, al[mt], bh[nt]);
-                            if (T != T_BF16) gm_mma(cc, ah[mt], bl[nt]);
-                        }
-                    continue;
-                }
                 // B for the whole kk step first, then A one m-tile at a time (24 fragment
-                // registers live instead of 48: room for 3-4 CTAs per SM).
+                // registers live instead of 48: 3 CTAs per SM at <= 168 registers).
                 u32 bh[4][2], bl[4][2];
                 const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
@@ -450,41 +421,34 @@ template <int T, int F, int NW, bool DQ = true, bool XB = false> __device__ __fo
 // gemm_<t>: bf16 tensor cores where compiled in, else the portable form; gemmp_<t>: 3xTF32 tensor
 // cores (more precise, opt-in); gemmf_<t>: always portable.
 // CUDA: gemm_<t> held to <= 168 registers (3 CTAs of 128 threads per SM; the m-tile skip raised
-// sm_90a ptxas's free choice from 168 to 191, i.e. 2 CTAs per SM); gemm4_iq2_xxs (experiment,
-// DS4_GPU_GEMM_OCC=4; gemm4b_iq2_xxs with X split once): <= 128 registers, 4 CTAs per SM;
-// gemmo_iq2_xxs (experiment, DS4_GPU_GEMM_DQ=0): the kernel before session 8 (deq_chunk, fragment
-// order, free register count; the m-tile skip still switchable).
+// sm_90a ptxas's free choice from 168 to 191, i.e. 2 CTAs per SM; 4 CTAs at <= 128 registers
+// spilled and lost on the H200: bench/results/gpu-gemm-e8-h200.txt).
 #if defined(DS4_CUDA)
-#define GM_BOUNDS3 __launch_bounds__(128, 3)
-#define GM_BOUNDS4 __launch_bounds__(128, 4)
+#define GM_B3 128, 3 // DS4_BOUNDS(GM_B3) = __launch_bounds__(128, 3)
 #else
-#define GM_BOUNDS3 DS4_BOUNDS(128)
-#define GM_BOUNDS4 DS4_BOUNDS(128)
+#define GM_B3 128 // HIP's second launch-bounds argument means something else
 #endif
-DS4_KERNEL void GM_BOUNDS3 gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, 0, 4>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS3 gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, 0, 4>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS3 gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, 0, 4>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS3 gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 0, 4>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS3 gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 0, 4>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS3 gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 0, 4>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS3 gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS4 gemm4_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmo_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4, false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
 // gemmb_<t>: X from gemm_xb_f32 (bf16 form; CUDA sm_80+ only: the host never launches it elsewhere).
-DS4_KERNEL void GM_BOUNDS3 gemmb_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4, true, true>(GM_ARGS); }
-DS4_KERNEL void GM_BOUNDS4 gemm4b_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4, true, true>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmb_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4, true>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 0, 4>(GM_ARGS); }
 
@@ -997,10 +961,7 @@ template <int T> __device__ __forceinline__ void gt_minb(const u8* blk, int t, u
 
 // Host contract: cols % 256 == 0, kc % 8 == 0, x_tok and x_z multiples of 16 (XT words = elements,
 // XS: x_tok/16 words per token row), K-quant rows 4-byte aligned.
-// WL (warp layout): 0 = warps 2 (items) x 2 (rows), 32 x 32 each (gemmt_<t>); 1 = 1 x 4, 64 items
-// x 16 rows each (gemmt2_<t>, experiment): each B fragment decoded by one warp instead of two
-// (the ALU pipe was gemmt_q2_k's busiest on the H200), A fragments read twice as often.
-template <int T, int WL = 0> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
+template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
 #if GM_HAVE_MMA
     using C = Gt<T>;
     constexpr int NXS = C::NXS, SC = C::SC, NWM = GtSmem<T>::NWM;
@@ -1090,8 +1051,8 @@ template <int T, int WL = 0> __device__ __forceinline__ void gemmt_body(GMT_PARA
     }
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    constexpr int MT = WL ? 4 : 2, NT = WL ? 2 : 4, RW = 8 * NT; // m-tiles, n-tiles, rows per warp
-    const int wm = WL ? 0 : warp >> 1, wn = WL ? warp : warp & 1;
+    constexpr int MT = 2, NT = 4, RW = 8 * NT; // m-tiles, n-tiles, rows per warp
+    const int wm = warp >> 1, wn = warp & 1;
     // m-tiles of this warp (items 32wm + 16mt ..) holding any valid item.
     const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, GT_BM) - 32 * wm + 15) >> 4, 0), MT) : MT;
     float acc[MT][NT][4], cc[MT][NT][4];
@@ -1219,7 +1180,6 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmt_q8_0(GMT_PARAMS) { gemmt_body<T_Q8_0>(GMT_
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_q2_k(GMT_PARAMS) { gemmt_body<T_Q2_K>(GMT_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_q4_k(GMT_PARAMS) { gemmt_body<T_Q4_K>(GMT_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_iq2_xxs(GMT_PARAMS) { gemmt_body<T_IQ2_XXS>(GMT_ARGS); }
-DS4_KERNEL void GM_BOUNDS4 gemmt2_q2_k(GMT_PARAMS) { gemmt_body<T_Q2_K, 1>(GMT_ARGS); }
 
 // X rows for gemmt: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
 // x_tok multiple of 16). v = x * 2^s_t (s_t as gemm_xh_f32), xinv[t] = 2^-s_t; each 4 elements

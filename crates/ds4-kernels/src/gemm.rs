@@ -8,6 +8,8 @@ use crate::Module;
 /// `gemmt_<t>`: tiled integer-weight form (CUDA sm_80+; default for Q2_K/Q4_K, opt-in Q8_0/IQ2_XXS:
 /// raw blocks and X staged by cp.async, scales per super-block, two f16 mma per tile on X from
 /// `gemm_xt_f32`);
+/// `gemmb_<t>`: the bf16 form on X split into hi/lo once per product by `gemm_xb_f32` (the MoE's
+/// IQ2_XXS gate/up, CUDA sm_80+);
 /// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
 pub const GEMM: Module = Module {
     name: "gemm",
@@ -32,10 +34,7 @@ pub const GEMM: Module = Module {
         "gemmp_q4_k",
         "gemmf_q4_k",
         "gemm_iq2_xxs",
-        "gemm4_iq2_xxs",
-        "gemmo_iq2_xxs",
         "gemmb_iq2_xxs",
-        "gemm4b_iq2_xxs",
         "gemm_xb_f32",
         "gemmp_iq2_xxs",
         "gemmf_iq2_xxs",
@@ -70,7 +69,6 @@ pub const GEMM: Module = Module {
         "gemmt_q2_k",
         "gemmt_q4_k",
         "gemmt_iq2_xxs",
-        "gemmt2_q2_k",
         "gemm_xt_f32",
     ],
 };
