@@ -1007,6 +1007,19 @@ __device__ __forceinline__ u32 m3_f16x2(float v0, float v1) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(o) : "f"(v1), "f"(v0));
     return o;
 }
+// Eight floats as f16 pairs hi = f16(v) and lo = f16(v - hi) (the differences are exact): x to
+// ~22 bits as two B columns of one mma.
+__device__ __forceinline__ void m3_split8(const float (&v)[8], uint4& hi, uint4& lo) {
+    u32 h[4], l[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        h[i] = m3_f16x2(v[2 * i], v[2 * i + 1]);
+        float h0 = ds4_h2f_fast(h[i] & 0xffffu), h1 = ds4_h2f_fast(h[i] >> 16);
+        l[i] = m3_f16x2(v[2 * i] - h0, v[2 * i + 1] - h1);
+    }
+    hi = make_uint4(h[0], h[1], h[2], h[3]);
+    lo = make_uint4(l[0], l[1], l[2], l[3]);
+}
 __device__ __forceinline__ void m3_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -1106,15 +1119,10 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
         const float4* src = (const float4*)(x + 128 * c + 32 * t + 8 * jj);
         float4 a = src[0], b = src[1];
         float v[8] = {a.x * xsc, a.y * xsc, a.z * xsc, a.w * xsc, b.x * xsc, b.y * xsc, b.z * xsc, b.w * xsc};
-        u32 hi[4], lo[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            hi[i] = m3_f16x2(v[2 * i], v[2 * i + 1]);
-            float h0 = ds4_h2f_fast(hi[i] & 0xffffu), h1 = ds4_h2f_fast(hi[i] >> 16);
-            lo[i] = m3_f16x2(v[2 * i] - h0, v[2 * i + 1] - h1); // exact differences
-        }
-        xf[((c * 4 + jj) * 2 + 0) * 4 + t] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        xf[((c * 4 + jj) * 2 + 1) * 4 + t] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        uint4 hi, lo;
+        m3_split8(v, hi, lo);
+        xf[((c * 4 + jj) * 2 + 0) * 4 + t] = hi;
+        xf[((c * 4 + jj) * 2 + 1) * 4 + t] = lo;
     }
     float ag = 0.0f, au = 0.0f, hmax = 0.0f;
     int kq = 0, tl = 0, bs = 0; // this stage: columns 2048 kq .., tile, buffer
@@ -1264,16 +1272,8 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3, buf = s & 1;
             float xsc = scl[s];
             float v[8] = {xa.x * xsc, xa.y * xsc, xa.z * xsc, xa.w * xsc, xb.x * xsc, xb.y * xsc, xb.z * xsc, xb.w * xsc};
-            u32 hi[4], lo[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                hi[i] = m3_f16x2(v[2 * i], v[2 * i + 1]);
-                float h0 = ds4_h2f_fast(hi[i] & 0xffffu), h1 = ds4_h2f_fast(hi[i] >> 16);
-                lo[i] = m3_f16x2(v[2 * i] - h0, v[2 * i + 1] - h1);
-            }
             uint4* xd = xf + buf * 512 + (c * 4 + jj) * 8 + t;
-            xd[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            xd[4] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            m3_split8(v, xd[0], xd[4]);
             // 16-column group sums (this thread's 8 and its neighbour's, lower tig first) / 16.
             float sm = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
             float ot = __shfl_xor_sync(0xffffffffu, sm, 1);
