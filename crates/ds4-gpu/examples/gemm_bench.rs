@@ -145,15 +145,7 @@ fn main() {
     for ty in if moe_only {
         &[][..]
     } else {
-        &[
-            GgmlType::F32,
-            GgmlType::F16,
-            GgmlType::BF16,
-            GgmlType::Q8_0,
-            GgmlType::Q2_K,
-            GgmlType::Q4_K,
-            GgmlType::IQ2_XXS,
-        ][..]
+        &ds4_quant::SUPPORTED[..]
     } {
         let ty = *ty;
         let (cols, rows) = (4096, 16384);

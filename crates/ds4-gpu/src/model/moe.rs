@@ -333,7 +333,6 @@ impl GpuBackend {
         // plain order).
         let hs = if v3d { ff } else { wpg(ff) * w * 32 };
         let h = self.scratch(pairs * hs);
-        let pre = "m2";
         // v3d: tiles of 8 gate/up rows, nb per CTA (3 at the model shape: 516 CTAs, one wave at
         // 4 per SM).
         let nb3 = pick(V2_NB.load(Ordering::Relaxed), env.0, 3);
@@ -341,12 +340,7 @@ impl GpuBackend {
         let (name, grid, smem, tiles) = if v3d {
             (format!("m3gu1_{}", g.1), ngu, v3_smem(d), nb3)
         } else {
-            (
-                format!("{pre}gu{nt}_{}", g.1),
-                ff.div_ceil(tr_gu),
-                smem_gu,
-                nb,
-            )
+            (format!("m2gu{nt}_{}", g.1), ff.div_ceil(tr_gu), smem_gu, nb)
         };
         // v3d: max |h| per pair and gate/up CTA (the down's x scale).
         let mx = v3d.then(|| self.scratch(pairs * ngu));
@@ -368,49 +362,34 @@ impl GpuBackend {
             },
             &gu_args(spec, (g, u), z, sel, wgt, n, &h, &tail),
         );
-        if let Some(mx) = &mx {
-            self.run(
-                &ds4_kernels::MOE,
-                &format!("m3dn1_{}", dn.1),
-                LaunchDims {
-                    grid: [d.div_ceil(16) as u32, 1, 1],
-                    block: [V3D_THREADS as u32, 1, 1],
-                    shared_bytes: V3D_SMEM as u32,
-                },
-                &dn_args(
-                    spec,
-                    dn,
-                    sel,
-                    &h,
-                    n,
-                    out,
-                    &[
-                        Arg::I32(nbr as i32),
-                        Arg::I32(hs as i32),
-                        Arg::Ptr(mx.ptr),
-                        Arg::I32(ngu as i32),
-                    ],
-                ),
-            );
-            return true;
-        }
+        // Down + slot sum: v3d also takes the gate/up CTAs' maxima.
+        let mut tail = vec![Arg::I32(nbr as i32), Arg::I32(hs as i32)];
+        let (name, grid, block, smem) = match &mx {
+            Some(mx) => {
+                tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
+                (
+                    format!("m3dn1_{}", dn.1),
+                    d.div_ceil(16),
+                    V3D_THREADS,
+                    V3D_SMEM,
+                )
+            }
+            None => (
+                format!("m2dn{nt}_{}", dn.1),
+                d.div_ceil(tr_dn),
+                THREADS,
+                smem_dn,
+            ),
+        };
         self.run(
             &ds4_kernels::MOE,
-            &format!("{pre}dn{nt}_{}", dn.1),
+            &name,
             LaunchDims {
-                grid: [d.div_ceil(tr_dn) as u32, 1, 1],
-                block: [THREADS as u32, 1, 1],
-                shared_bytes: smem_dn as u32,
+                grid: [grid as u32, 1, 1],
+                block: [block as u32, 1, 1],
+                shared_bytes: smem as u32,
             },
-            &dn_args(
-                spec,
-                dn,
-                sel,
-                &h,
-                n,
-                out,
-                &[Arg::I32(nbr as i32), Arg::I32(hs as i32)],
-            ),
+            &dn_args(spec, dn, sel, &h, n, out, &tail),
         );
         true
     }
