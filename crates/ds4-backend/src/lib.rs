@@ -427,7 +427,9 @@ pub trait Backend: Send + Sync + Sized {
     /// Lightning indexer: for token `i`, when more than `top_k` attention rows are visible
     /// (`(t+1)/ratio`), the `top_k` visible rows with the largest scores (ties: lower index
     /// first), else all visible rows; ascending, padded with −1. `q` is `[n, heads, head_dim]`
-    /// before RoPE, `w` `[n, heads]`; `sel` is `[n, top_k]`.
+    /// before RoPE, `w` `[n, heads]`; `sel` is `[n, top_k]`. With `spec.fp4` the indexer rows
+    /// are FP4-simulated (the compressor rounds them under the same flag); a backend may rely on
+    /// it (the GPU scores prefill chunks on tensor cores, exact for such rows).
     #[allow(clippy::too_many_arguments)]
     fn index_select(
         &self,

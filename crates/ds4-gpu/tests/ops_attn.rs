@@ -518,7 +518,18 @@ fn run_index(
     };
     let rows = (t0 + n) / ratio;
     let mut h = HostLayerState::new(&ld);
-    h.index.as_mut().unwrap().rows = index_rows(&mut r, rows, ihd);
+    let mut rv = index_rows(&mut r, rows, ihd);
+    if fp4 {
+        // The compressor writes FP4-simulated, f16-rounded rows when the indexer is FP4 (the
+        // same flag): index_scores_tc relies on it.
+        let rr = RowRounding {
+            fp8_nope: 0,
+            fp4_hadamard: true,
+            f16: true,
+        };
+        cpu.round_rows(&mut rv, rows, ihd, rr);
+    }
+    h.index.as_mut().unwrap().rows = rv;
     let cs = cpu.state_from_host(&ld, &h);
     let gs = gpu.state_from_host(&ld, &h);
     let spec = IndexSpec {
@@ -559,10 +570,17 @@ fn index_select_matches_cpu() {
     let Some((cpu, gpu)) = setup() else { return };
     // Both indexer kernel forms (index_scores128_f32 by default, index_scores_f32 when simple).
     // Glue forms: new (default), old (DS4_GPU_ATTN_GLUE=old); index_scores128h/index_topk_ps
-    // run only with the new one.
-    for (simple, old) in [(false, false), (false, true), (true, false)] {
+    // run only with the new one, index_scores_tc (prefill, 64 heads, fp4) only with the new one
+    // and tensor cores on (the first form).
+    for (simple, old, tc) in [
+        (false, false, true),
+        (false, false, false),
+        (false, true, true),
+        (true, false, true),
+    ] {
         GpuBackend::set_attn_simple(simple);
         GpuBackend::set_attn_glue_old(old);
+        GpuBackend::set_index_tc(tc);
         // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
         run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
         run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
@@ -575,12 +593,18 @@ fn index_select_matches_cpu() {
         run_index(&cpu, &gpu, 64, 512, true, 9, 2040, 8);
         run_index(&cpu, &gpu, 64, 512, true, 1, 40_000, 9);
         run_index(&cpu, &gpu, 64, 512, true, 4, 20_000, 10);
+        // Prefill chunks (index_scores_tc): tokens crossing top_k rows, a ragged last token
+        // group, several row tiles and CTAs of rows, rows past the last tile.
+        run_index(&cpu, &gpu, 64, 512, true, 37, 2030, 13);
+        run_index(&cpu, &gpu, 64, 512, true, 130, 9001, 14);
+        run_index(&cpu, &gpu, 64, 512, false, 9, 3000, 15);
         // Decode: one token just past top_k rows, 64 heads; odd head count.
         run_index(&cpu, &gpu, 64, 512, true, 1, 2600, 11);
         run_index(&cpu, &gpu, 7, 8, true, 1, 301, 12);
     }
     GpuBackend::set_attn_simple(false);
     GpuBackend::set_attn_glue_old(false);
+    GpuBackend::set_index_tc(true);
 }
 
 // ---------------------------------------------------------------------------------------------

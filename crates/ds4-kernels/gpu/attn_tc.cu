@@ -320,3 +320,146 @@ DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS) { ds4_pdl_enter(); AT
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(512, false) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, false) }
+
+// ---------------------------------------------------------------------------------------------
+// Lightning-indexer scores on tensor cores (prefill): the contract and the bits of
+// index_scores128h_f32 (attention.cu), scores[i][r] = Σ_h (w[i,h]·ws)·max(0, q_ih·row_r) for
+// r < (t+1)/ratio, when queries and rows are FP4-simulated (fp4sim(H(v)), model.md; index_select
+// rounds the queries and the compressor the rows when the indexer's fp4 flag is set, the host
+// takes this kernel only then). Every element is then e2m1·2^k: exact in bf16, each product
+// exact in f32, and (the four block scales of a row lie within a few powers of two) every partial
+// sum of a 128-term dot is exact as well, so the dot does not depend on the order of its
+// additions (mma here, eight partial sums on the CPU). The head terms and their sum in head order
+// are the CPU's f32 operations.
+//
+// CTA = IXT_TOK tokens × 64 heads (M = 256), 8 warps: warp w takes token w/2 and heads
+// (w%2)·32 + [0, 32) as two m16 tiles, its Q fragments (bf16, 64 registers) loaded once. The CTA
+// walks IXT_RB rows from blockIdx.x·IXT_RB in tiles of 32: the tile is converted to bf16 into
+// shared memory (row stride IXT_BS halves: the B fragment reads hit 32 banks), the next tile's
+// loads are in flight during the mma, each warp computes its 32 heads × 32 rows, the terms go to
+// shared [token][head][row], then 128 threads (token, row) add the 64 heads in order.
+// grid (ceil(max_vis / IXT_RB), ceil(ntok / IXT_TOK)), blockDim 256; heads 64, ihd 128;
+// q [ntok, 64, 128], w [ntok, 64], rows [≥ max_vis, 128] 16-byte aligned; scores [ntok, max_vis].
+#define IXT_TOK 4
+#define IXT_RB 256
+#define IXT_BS 136 // bf16 per row of the B tile: 128 + 8 (row g at bank 4g + t)
+#define IXT_TS 36  // floats per head of the term tile: 32 rows + 4
+
+#if ATC_HAVE_MMA
+// bf16x2 of (lo, hi): lo in bits 0..15, round to nearest even (exact for e2m1·2^k).
+__device__ __forceinline__ u32 ixt_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void ixt_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q, const float* __restrict__ w,
+                                                     const float* __restrict__ rows, float* __restrict__ scores,
+                                                     long long tb, long long max_vis, int ntok, int ratio, float ws) {
+    __shared__ __align__(16) u16 bs[32 * IXT_BS];        // B tile: 32 rows × 128 bf16 (8.5 KB)
+    __shared__ __align__(16) float term[IXT_TOK * 64 * IXT_TS]; // [token][head][row] (36 KB)
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+    const int i0 = blockIdx.y * IXT_TOK, ntk = min(IXT_TOK, ntok - i0);
+    const long long vmax = (tb + i0 + ntk) / ratio; // rows the CTA's last token sees
+    const long long r_begin = (long long)blockIdx.x * IXT_RB;
+    if (r_begin >= vmax) return; // whole CTA past the visible rows
+    const long long r_end = min(r_begin + (long long)IXT_RB, vmax);
+    const int tw = warp / 2, hw = (warp % 2) * 32;
+    const int ti = i0 + min(tw, ntk - 1); // a warp of an absent token computes a copy, not stored
+    u32 a[2][8][4];
+    float wh[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        const float* qh = q + ((size_t)ti * 64 + hw + mt * 16 + g) * 128 + 2 * tq;
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++) {
+            const float2 x0 = *(const float2*)(qh + ks * 16), x1 = *(const float2*)(qh + 8 * 128 + ks * 16);
+            const float2 x2 = *(const float2*)(qh + ks * 16 + 8), x3 = *(const float2*)(qh + 8 * 128 + ks * 16 + 8);
+            a[mt][ks][0] = ixt_pack(x0.x, x0.y);
+            a[mt][ks][1] = ixt_pack(x1.x, x1.y);
+            a[mt][ks][2] = ixt_pack(x2.x, x2.y);
+            a[mt][ks][3] = ixt_pack(x3.x, x3.y);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) wh[mt][u] = __fmul_rn(w[(size_t)ti * 64 + hw + mt * 16 + g + 8 * u], ws);
+    }
+    // Thread's share of a tile: 4 float4 (row e/32, column group e%32 for e = tid + 256·j).
+    float4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int e = tid + 256 * j;
+        const long long row = min(r_begin + e / 32, vmax - 1);
+        v[j] = *((const float4*)(rows + row * 128) + e % 32);
+    }
+    for (long long r0 = r_begin; r0 < r_end; r0 += 32) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int e = tid + 256 * j;
+            u32* d = (u32*)(bs + (e / 32) * IXT_BS + (e % 32) * 4);
+            d[0] = ixt_pack(v[j].x, v[j].y);
+            d[1] = ixt_pack(v[j].z, v[j].w);
+        }
+        __syncthreads();
+        if (r0 + 32 < r_end) { // warp-uniform; the next tile's loads overlap the mma
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int e = tid + 256 * j;
+                const long long row = min(r0 + 32 + e / 32, vmax - 1);
+                v[j] = *((const float4*)(rows + row * 128) + e % 32);
+            }
+        }
+        float c[2][4][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) c[mt][nt][k] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++) {
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                const u16* bp = bs + (nt * 8 + g) * IXT_BS + ks * 16 + 2 * tq;
+                const u32 b0 = *(const u32*)bp, b1 = *(const u32*)(bp + 8);
+                ixt_mma(c[0][nt], a[0][ks], b0, b1);
+                ixt_mma(c[1][nt], a[1][ks], b0, b1);
+            }
+        }
+        float* tt = term + tw * 64 * IXT_TS;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const float s0 = c[mt][nt][2 * u], s1 = c[mt][nt][2 * u + 1];
+                    const float d0 = s0 > 0.0f ? s0 : 0.0f, d1 = s1 > 0.0f ? s1 : 0.0f;
+                    *(float2*)(tt + (hw + mt * 16 + g + 8 * u) * IXT_TS + nt * 8 + 2 * tq) =
+                        make_float2(__fmul_rn(wh[mt][u], d0), __fmul_rn(wh[mt][u], d1));
+                }
+        __syncthreads();
+        if (tid < IXT_TOK * 32) {
+            const int tk = tid / 32, rr = tid % 32;
+            const long long row = r0 + rr, t = tb + i0 + tk;
+            if (tk < ntk && row < (t + 1) / ratio) {
+                const float* tp = term + tk * 64 * IXT_TS + rr;
+                float total = -0.0f;
+#pragma unroll 8
+                for (int h = 0; h < 64; h++) total = __fadd_rn(total, tp[h * IXT_TS]);
+                scores[(size_t)(i0 + tk) * max_vis + row] = total;
+            }
+        }
+    }
+}
+#define IXT_BODY index_scores_tc_body(q, w, rows, scores, tba + (sp ? *sp : 0LL), max_vis, ntok, ratio, ws);
+#else
+#define IXT_BODY
+#endif
+
+DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }

@@ -79,6 +79,19 @@ fn glue_old() -> bool {
     env_form(&GLUE_MODE, "DS4_GPU_ATTN_GLUE", "old")
 }
 
+/// Indexer scores of prefill chunks on tensor cores (`index_scores_tc`, attn_tc.cu):
+/// `DS4_GPU_INDEX_TC=off` keeps `index_scores128h_f32`.
+static INDEX_TC: AtomicU8 = AtomicU8::new(0);
+/// `index_scores_tc`: tokens and rows per CTA (`IXT_TOK`, `IXT_RB`), and the fewest tokens of a
+/// batch that take it (decode steps keep the CUDA-core kernel and its graph).
+const IXT_TOK: usize = 4;
+const IXT_RB: usize = 256;
+const IXT_MIN_N: usize = 8;
+
+fn index_tc_ok(info: &crate::runtime::DeviceInfo) -> bool {
+    !env_form(&INDEX_TC, "DS4_GPU_INDEX_TC", "off") && info.cc.0 >= 8 && info.warp == 32
+}
+
 /// Prefill attention (n > 1) on tensor cores (`attn_tc.cu`): 0 not yet read from
 /// `DS4_GPU_ATTN_TC`, 1 off (the f32 kernels), 2 on with the hi/lo split of Q and P (default),
 /// 3 on with one f16 product (`DS4_GPU_ATTN_TC=fast`).
@@ -142,6 +155,12 @@ impl GpuBackend {
     /// indexer scores, serial top-k bin scan); process-wide, overrides `DS4_GPU_ATTN_GLUE=old`.
     pub fn set_attn_glue_old(on: bool) {
         GLUE_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// Score prefill chunks of the FP4 indexer on tensor cores (`index_scores_tc`, default) or
+    /// with `index_scores128h_f32`; process-wide, overrides `DS4_GPU_INDEX_TC=off`.
+    pub fn set_index_tc(on: bool) {
+        INDEX_TC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     /// Use the simple attention kernel (one CTA per head and token) instead of the default
@@ -561,36 +580,68 @@ impl GpuBackend {
                     && ix.rows.ptr().0.is_multiple_of(16);
                 // Heads split over threads: 32 rows per CTA, term buffer beside the query.
                 let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
-                let mut dims = dims;
-                if split {
-                    dims.grid[0] = stride.div_ceil(IXH_R) as u32;
-                    dims.block[0] = 256;
-                    dims.shared_bytes = (nh * (ihd + IXH_R) * 4) as u32;
-                }
-                self.run(
-                    &ATTENTION,
+                // Prefill with FP4-simulated queries and rows (the compressor rounds the rows
+                // under the same flag): tensor cores, the same bits (attn_tc.cu).
+                if split && spec.fp4 && nh == 64 && nb >= IXT_MIN_N && index_tc_ok(&self.gpu.info())
+                {
+                    let dims = LaunchDims {
+                        grid: [
+                            stride.div_ceil(IXT_RB) as u32,
+                            nb.div_ceil(IXT_TOK) as u32,
+                            1,
+                        ],
+                        block: [256, 1, 1],
+                        shared_bytes: 0,
+                    };
+                    self.run(
+                        &ATTN_TC,
+                        "index_scores_tc",
+                        dims,
+                        &[
+                            Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                            Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                            Arg::Ptr(ix.rows.ptr()),
+                            Arg::Ptr(scores.ptr),
+                            Arg::I64(tb as i64),
+                            Arg::I64(stride as i64),
+                            Arg::I32(nb as i32),
+                            Arg::I32(spec.ratio as i32),
+                            Arg::F32(ws),
+                            sp_arg,
+                        ],
+                    );
+                } else {
+                    let mut dims = dims;
                     if split {
-                        "index_scores128h_f32"
-                    } else if fast {
-                        "index_scores128_f32"
-                    } else {
-                        "index_scores_f32"
-                    },
-                    dims,
-                    &[
-                        Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
-                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                        Arg::Ptr(ix.rows.ptr()),
-                        Arg::Ptr(scores.ptr),
-                        Arg::I64(tb as i64),
-                        Arg::I64(stride as i64),
-                        Arg::I32(nh as i32),
-                        Arg::I32(ihd as i32),
-                        Arg::I32(spec.ratio as i32),
-                        Arg::F32(ws),
-                        sp_arg,
-                    ],
-                );
+                        dims.grid[0] = stride.div_ceil(IXH_R) as u32;
+                        dims.block[0] = 256;
+                        dims.shared_bytes = (nh * (ihd + IXH_R) * 4) as u32;
+                    }
+                    self.run(
+                        &ATTENTION,
+                        if split {
+                            "index_scores128h_f32"
+                        } else if fast {
+                            "index_scores128_f32"
+                        } else {
+                            "index_scores_f32"
+                        },
+                        dims,
+                        &[
+                            Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                            Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                            Arg::Ptr(ix.rows.ptr()),
+                            Arg::Ptr(scores.ptr),
+                            Arg::I64(tb as i64),
+                            Arg::I64(stride as i64),
+                            Arg::I32(nh as i32),
+                            Arg::I32(ihd as i32),
+                            Arg::I32(spec.ratio as i32),
+                            Arg::F32(ws),
+                            sp_arg,
+                        ],
+                    );
+                }
             }
             self.run(
                 &ATTENTION,
