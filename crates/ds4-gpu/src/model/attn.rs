@@ -582,7 +582,7 @@ impl GpuBackend {
                 let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
                 // Prefill with FP4-simulated queries and rows (the compressor rounds the rows
                 // under the same flag): tensor cores, the same bits (attn_tc.cu).
-                if split && spec.fp4 && nh == 64 && nb >= IXT_MIN_N && index_tc_ok(&self.gpu.info())
+                if split && spec.fp4 && nh == 64 && nb >= IXT_MIN_N && index_tc_ok(self.gpu.info())
                 {
                     let dims = LaunchDims {
                         grid: [
