@@ -568,6 +568,8 @@ impl GpuBackend {
             let nb = batch.min(n - i0);
             let tb = base + i0;
             if need_scores {
+                // DS4_GPU_PROFILE=1: the two halves of index_select apart.
+                let _ps = self.prof(|| "index_select: scores".to_string());
                 let dims = LaunchDims {
                     grid: [stride.div_ceil(128) as u32, nb as u32, 1],
                     block: [128, 1, 1],
@@ -643,6 +645,7 @@ impl GpuBackend {
                     );
                 }
             }
+            let _pt = self.prof(|| "index_select: top-k".to_string());
             self.run(
                 &ATTENTION,
                 if glue_old() {
