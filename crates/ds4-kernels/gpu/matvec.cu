@@ -1206,3 +1206,173 @@ template <int T, int R> struct MvxMulti {
                           {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};             \
     mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>>(x, cols, ks, ncb, mm, mm);
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) { DS4_PDL_LATE; MVXM_BODY }
+
+// ---- Few-row F16 products of many tokens (prefill HC mixers: 16384 -> 24 and -> 4) ----
+// y[i][r] = W[r] · x[i] for rows <= MVF_MAXR and n > 4 tokens, in f32. A warp takes MVF_TW tokens
+// and every row: lane l takes columns c + 8l .. c + 8l + 7 of each 8·DS4_WARP-column step (x as two
+// float4 a token, each W row as one 16-byte load that the CTA's warps share through L1), one FMA
+// per (token, row, column), then a butterfly sum over the lanes. The mixer (24 × 16384 f16 =
+// 768 KiB) stays in L2 and x is read once (the BLAS path converted x into bf16 parts first and
+// multiplied 3 K-terms: H200 ~350 us at n = 2048). grid ceil(n / (MVF_TW·warps)); host: cols % 8
+// == 0, 16-byte aligned W, row bytes and x.
+#define MVF_MAXR 32
+#define MVF_TW 2
+DS4_KERNEL void DS4_BOUNDS(128) mvfew_f16(const u8* __restrict__ W, long long rb, const float* __restrict__ x, float* __restrict__ y, int n, int rows, int cols) {
+    ds4_pdl_enter();
+    const int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, nw = blockDim.x / DS4_WARP;
+    const int i0 = (blockIdx.x * nw + warp) * MVF_TW;
+    if (i0 >= n) return; // warp-uniform
+    float acc[MVF_TW][MVF_MAXR];
+#pragma unroll
+    for (int t = 0; t < MVF_TW; t++)
+#pragma unroll
+        for (int r = 0; r < MVF_MAXR; r++) acc[t][r] = 0.0f;
+    const float* xr[MVF_TW];
+#pragma unroll
+    for (int t = 0; t < MVF_TW; t++) xr[t] = x + (size_t)min(i0 + t, n - 1) * cols; // a copy past n, not stored
+    for (int c = 8 * lane; c < cols; c += 8 * DS4_WARP) {
+        float xv[MVF_TW][8];
+#pragma unroll
+        for (int t = 0; t < MVF_TW; t++) {
+            const float4 a = *(const float4*)(xr[t] + c), b = *(const float4*)(xr[t] + c + 4);
+            xv[t][0] = a.x, xv[t][1] = a.y, xv[t][2] = a.z, xv[t][3] = a.w;
+            xv[t][4] = b.x, xv[t][5] = b.y, xv[t][6] = b.z, xv[t][7] = b.w;
+        }
+#pragma unroll
+        for (int r = 0; r < MVF_MAXR; r++) {
+            if (r < rows) { // uniform
+                const uint4 h = *(const uint4*)(W + (size_t)r * rb + (size_t)c * 2);
+                const u32 hw[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float w0 = ds4_h2f_fast(hw[e] & 0xffffu), w1 = ds4_h2f_fast(hw[e] >> 16);
+#pragma unroll
+                    for (int t = 0; t < MVF_TW; t++) {
+                        acc[t][r] = fmaf(w0, xv[t][2 * e], acc[t][r]);
+                        acc[t][r] = fmaf(w1, xv[t][2 * e + 1], acc[t][r]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MVF_TW; t++)
+#pragma unroll
+        for (int r = 0; r < MVF_MAXR; r++) {
+            if (r < rows) {
+                float v = acc[t][r];
+#pragma unroll
+                for (int o = DS4_WARP / 2; o > 0; o >>= 1) v += ds4_shfl_xor(v, o);
+                if (lane == r % DS4_WARP && i0 + t < n) y[(size_t)(i0 + t) * rows + r] = v;
+            }
+        }
+}
+
+// ---- One-token Q8_0 products streamed by bulk copies (CUDA sm_90+: cp.async.bulk + mbarrier) ----
+// y[g] (+)= W[g] · x[z] on the decode copy (quants Q [rows·zs, cols] bytes, scales D [rows·zs,
+// cols/32] f16 bits; g = z·rows + r). A task is MVT_RW consecutive rows (one a warp); its stages
+// are the column chunks of MVT_CC quants: MVT_RW bulk copies of MVT_CC bytes and MVT_RW of
+// MVT_CC/16 scale bytes land in one of MVT_S shared-memory buffers and complete on its "full"
+// mbarrier; the warps read the chunk (lane: half blocks lane and lane + 32, as mvr) and arrive on
+// its "empty" mbarrier, and thread 0 refills the buffer with the stage MVT_S ahead. CTAs are
+// persistent over tasks (grid-stride), so the stream of stages runs on across tasks. The first
+// MVT_S stages are issued before the PDL wait (weights only): they load during the previous
+// kernel's tail. Contiguous 1 KB requests from few streams instead of 16-byte loads from every
+// warp of every row (mvr). grid <= tasks; blockDim MVT_RW·DS4_WARP (= 256 on CUDA);
+// host: cc >= 9, (rows·zs) % MVT_RW == 0, rows % MVT_RW == 0, cols % MVT_CC == 0, 16-byte aligned Q, D.
+#define MVT_RW 8
+#define MVT_CC 1024
+#define MVT_S 4
+#define MVT_STAGE (MVT_RW * MVT_CC + MVT_RW * (MVT_CC / 16)) // 8 KB quants + 512 B scales
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+__device__ __forceinline__ u32 mvt_sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mvt_wait(u32 bar, u32 parity) {
+    u32 ok = 0;
+    while (!ok)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(ok)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+}
+
+// Stage s of this CTA's stream (task blockIdx.x + (s / cpt)·gridDim.x, chunk s % cpt) into buffer b.
+__device__ __forceinline__ void mvt_issue(u8* buf, u32 full, const u8* __restrict__ Q, const u16* __restrict__ D,
+                                          long long s, int cpt, int cols) {
+    const long long task = blockIdx.x + (s / cpt) * gridDim.x;
+    const int c0 = (int)(s % cpt) * MVT_CC;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the warps' reads of the buffer first
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"((u32)MVT_STAGE) : "memory");
+    for (int i = 0; i < MVT_RW; i++) {
+        const long long g = task * MVT_RW + i;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(mvt_sa(buf + i * MVT_CC)), "l"(Q + g * cols + c0), "r"((u32)MVT_CC), "r"(full)
+                     : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(mvt_sa(buf + MVT_RW * MVT_CC + i * (MVT_CC / 16))),
+                     "l"((const u8*)(D + g * (cols / 32) + c0 / 32)), "r"((u32)(MVT_CC / 16)), "r"(full)
+                     : "memory");
+    }
+}
+
+template <bool ADD>
+__device__ __forceinline__ void mvt_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols, int tasks) {
+    __shared__ __align__(128) u8 sb[MVT_S][MVT_STAGE];
+    __shared__ __align__(8) u64 bars[2 * MVT_S]; // full[b], empty[b]
+    const int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    const int cpt = cols / MVT_CC;                                              // stages a task
+    const int my_tasks = tasks > (int)blockIdx.x ? (tasks - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const long long total = (long long)my_tasks * cpt;
+    const u32 full0 = mvt_sa(&bars[0]), empty0 = mvt_sa(&bars[MVT_S]);
+    if (tid == 0) {
+        for (int b = 0; b < MVT_S; b++) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full0 + 8 * b) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty0 + 8 * b), "r"(MVT_RW) : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (long long s = 0; s < total && s < MVT_S; s++) mvt_issue(sb[s], full0 + 8 * (u32)s, Q, D, s, cpt, cols);
+    }
+    ds4_pdl_enter(); // x and y after the wait; the first stages are weights only
+    __syncthreads(); // barriers initialised
+    float acc = 0.0f;
+    for (long long s = 0; s < total; s++) {
+        const int b = (int)(s % MVT_S);
+        const u32 par = (u32)((s / MVT_S) & 1);
+        mvt_wait(full0 + 8 * b, par);
+        const long long task = blockIdx.x + (s / cpt) * gridDim.x;
+        const int chunk = (int)(s % cpt);
+        const long long g = task * MVT_RW + warp;
+        const int z = (int)(g / rows);
+        const float4* xv = (const float4*)(x + z * x_z + (long long)chunk * MVT_CC);
+        const uint4* qs = (const uint4*)(sb[b] + warp * MVT_CC);
+        const u16* ds = (const u16*)(sb[b] + MVT_RW * MVT_CC + warp * (MVT_CC / 16));
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int h = lane + 32 * u; // half block: 16 quants, scale ds[h / 2]
+            acc = mvr_dot(qs[h], ds[h >> 1], xv[4 * h], xv[4 * h + 1], xv[4 * h + 2], xv[4 * h + 3], acc);
+        }
+        __syncwarp();
+        if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + 8 * b) : "memory");
+        if (tid == 0 && s + MVT_S < total) {
+            mvt_wait(empty0 + 8 * b, par); // every warp is done with buffer b
+            mvt_issue(sb[b], full0 + 8 * b, Q, D, s + MVT_S, cpt, cols);
+        }
+        if (chunk == cpt - 1) { // the task's last chunk: the row's total
+#pragma unroll
+            for (int o = DS4_WARP / 2; o > 0; o >>= 1) acc += ds4_shfl_xor(acc, o);
+            if (lane == 0) {
+                float* yr = y + z * y_z + (g - (long long)z * rows);
+                *yr = ADD ? *yr + acc : acc;
+            }
+            acc = 0.0f;
+        }
+    }
+}
+#define MVT_BODY(ADD) mvt_body<ADD>(Q, D, x, x_z, y, y_z, rows, cols, tasks);
+#else
+#define MVT_BODY(ADD)
+#endif
+
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvt_q8_0(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x, long long x_z, float* __restrict__ y, long long y_z, int rows, int cols, int tasks) { DS4_PDL_LATE; MVT_BODY(false) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvta_q8_0(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x, long long x_z, float* __restrict__ y, long long y_z, int rows, int cols, int tasks) { DS4_PDL_LATE; MVT_BODY(true) }
