@@ -153,16 +153,11 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
     );
     // (name, q8 form, mvx CTAs per SM (255: default), mvx batches per SM): mvx_r4u2_q8_0 is
     // the default up to 1024 columns only (the rest: mvr either way).
-    // Then (last field: CTAs per SM, 0 off) the bulk-copy form mvt_q8_0 (CUDA sm_90+).
-    let forms: [(&str, u8, u8, u8, u8); 8] = [
-        ("mvr old", 0, 255, 6, 0),
-        ("default", 1, 255, 6, 0),
-        ("mvx c3", 1, 3, 6, 0),
-        ("mvt c1", 1, 255, 6, 1),
-        ("mvt c2", 1, 255, 6, 2),
-        ("mvt c3", 1, 255, 6, 3),
-        ("mvt c4", 1, 255, 6, 4),
-        ("default", 1, 255, 6, 0),
+    let forms: [(&str, u8, u8, u8); 4] = [
+        ("mvr old", 0, 255, 6),
+        ("default", 1, 255, 6),
+        ("mvx c3", 1, 3, 6),
+        ("default", 1, 255, 6),
     ];
     for (name, cols, rows, groups) in [
         ("attn q_b", 1024, 32768, 1),
@@ -178,9 +173,8 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
             .collect();
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(rows);
-        for (fname, form, ctas, spread, mvt) in forms {
+        for (fname, form, ctas, spread) in forms {
             GpuBackend::set_matvec_defaults();
-            GpuBackend::set_mvt(mvt > 0, mvt);
             GpuBackend::set_matvec_q8_form(form, ctas);
             GpuBackend::set_matvec_mvx_spread(spread);
             let mut call = |i: usize| {

@@ -358,46 +358,6 @@ fn matvec_real_shapes() {
     cases.finish();
 }
 
-/// Few-row F16 products of prefill chunks (`mvfew_f16`, n >= 5): the HC mixers and a shorter
-/// row, ragged token counts; then the same products with the kernel off (BLAS-Lt / the GEMM).
-#[test]
-fn matvec_few_rows_prefill() {
-    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
-        return;
-    };
-    let mut cases = Cases::default();
-    for on in [true, false] {
-        GpuBackend::set_mvfew(on);
-        for (cols, rows) in [(16384, 24), (16384, 4), (4096, 24), (256, 32)] {
-            let w = weight(
-                &cpu,
-                &gpu,
-                GgmlType::F16,
-                cols,
-                rows,
-                1,
-                (cols + rows) as u64,
-            );
-            for n in [5, 37, 130] {
-                matmul_case(
-                    &mut cases,
-                    &cpu,
-                    &gpu,
-                    &w,
-                    &format!("few F16 mvfew={on}"),
-                    cols,
-                    rows,
-                    n,
-                    Part::All,
-                    n as u64 + 7,
-                );
-            }
-        }
-    }
-    GpuBackend::set_mvfew(true);
-    cases.finish();
-}
-
 #[test]
 fn matvec_grouped() {
     ds4_gpu::GpuBackend::set_matvec(true); // one-row products are opt-in
@@ -675,24 +635,19 @@ fn matvec_repacked() {
         // (mvr form, q8 form, mvx CTAs per SM, spread): the fixed mvr forms (r4u2, r2u2), off
         // (mvq), the old auto form (q8 form 0), the default (mvx_r4u2_q8_0 up to 1024 columns:
         // one batch per CTA), persistent mvx grids of 1 and 3 CTAs per SM (CTAs with several
-        // batches), and spreads 1 and 64 (the fewest and most k-slices); then the bulk-copy
-        // form (mvt_q8_0 on sm_90+, where the shape allows: else the same forms) at 2 and 1
-        // CTAs per SM (CTAs with many tasks).
+        // batches), and spreads 1 and 64 (the fewest and most k-slices).
         let forms = [
-            (1u8, 1u8, 255u8, 6u8, 0u8),
-            (2, 1, 255, 6, 0),
-            (0, 1, 255, 6, 0),
-            (255, 0, 255, 6, 0),
-            (255, 1, 255, 6, 0),
-            (255, 1, 1, 6, 0),
-            (255, 1, 3, 6, 0),
-            (255, 1, 255, 1, 0),
-            (255, 1, 1, 64, 0),
-            (255, 1, 255, 6, 2),
-            (255, 1, 255, 6, 1),
+            (1u8, 1u8, 255u8, 6u8),
+            (2, 1, 255, 6),
+            (0, 1, 255, 6),
+            (255, 0, 255, 6),
+            (255, 1, 255, 6),
+            (255, 1, 1, 6),
+            (255, 1, 3, 6),
+            (255, 1, 255, 1),
+            (255, 1, 1, 64),
         ];
-        for (form, pf, ctas, spread, mvt) in forms {
-            GpuBackend::set_mvt(mvt > 0, mvt);
+        for (form, pf, ctas, spread) in forms {
             GpuBackend::set_matvec_repacked(form);
             GpuBackend::set_matvec_q8_form(pf, ctas);
             GpuBackend::set_matvec_mvx_spread(spread);
@@ -707,7 +662,7 @@ fn matvec_repacked() {
                 outs.push(gpu.download(&gy, rows));
             }
             let name = format!(
-                "mvr form {form} q8 form {pf}/{ctas}/{spread} mvt {mvt} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}"
+                "mvr form {form} q8 form {pf}/{ctas}/{spread} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}"
             );
             cases.check(name.clone(), cols, &outs[0], &want, &gpu);
             let same = outs[0]
@@ -721,7 +676,6 @@ fn matvec_repacked() {
     GpuBackend::set_matvec_repacked(255);
     GpuBackend::set_matvec_q8_form(1, 255);
     GpuBackend::set_matvec_mvx_spread(6);
-    GpuBackend::set_mvt(true, 2);
     cases.finish();
 }
 

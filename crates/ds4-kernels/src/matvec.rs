@@ -89,8 +89,5 @@ pub const MATVEC: Module = Module {
         "mvx_r4u2_q8_0",
         "mvxn_r4u2_q8_0",
         "mvxm_r4u2_f16",
-        "mvfew_f16",
-        "mvt_q8_0",
-        "mvta_q8_0",
     ],
 };

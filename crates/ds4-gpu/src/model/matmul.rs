@@ -269,7 +269,6 @@ impl GpuBackend {
         if self.failed()
             || !self.product_width_ok(w)
             || self.mv_matmul(w, part, x, n, y)
-            || self.mv_few(w, part, x, n, y)
             || self.blas_matmul(w, part, x, n, y)
             || self.gemm_matmul(w, part, x, n, y)
         {

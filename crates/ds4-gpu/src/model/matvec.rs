@@ -372,54 +372,6 @@ const VARIANT_ROWS: [usize; 4] = [MV_R, 1, 2, 4];
 
 /// A matrix weight the kernels take: (pointer, type suffix, cols, rows, row_bytes). Needs
 /// whole 32-element chunks and 16-byte aligned rows for the float types (16-byte slice loads).
-/// Few-row F16 products of prefill chunks (`mvfew_f16`: the HC mixers 16384 -> 24 and -> 4): the
-/// most rows, the fewest tokens (fewer: the decode kernels above), tokens per CTA (2 a warp, 4
-/// warps on a 32-wide device). `DS4_GPU_MVFEW=off` leaves them to BLAS-Lt / the GEMM.
-const MVF_MAXR: usize = 32;
-const MVF_MIN_N: usize = 5;
-const MVF_THREADS: u32 = 128;
-static MVFEW: AtomicU8 = AtomicU8::new(0);
-
-fn mvfew_on() -> bool {
-    if MVFEW.load(Ordering::Relaxed) == 0 {
-        let off = std::env::var("DS4_GPU_MVFEW").is_ok_and(|v| v == "off" || v == "0");
-        let _ = MVFEW.compare_exchange(
-            0,
-            if off { 1 } else { 2 },
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-    }
-    MVFEW.load(Ordering::Relaxed) == 2
-}
-
-/// One-token Q8_0 products streamed by bulk copies (`mvt_q8_0` / `mvta_q8_0`, CUDA sm_90+): rows
-/// a task (a warp each), quants a stage, CTAs per SM (`DS4_GPU_MVT_CTAS`, persistent over tasks).
-/// `DS4_GPU_MVT=off` keeps `mvr_*`.
-const MVT_RW: usize = 8;
-const MVT_CC: usize = 1024;
-static MVT: AtomicU8 = AtomicU8::new(0);
-static MVT_CTAS: AtomicU8 = AtomicU8::new(0);
-
-fn mvt_on() -> bool {
-    if MVT.load(Ordering::Relaxed) == 0 {
-        let off = std::env::var("DS4_GPU_MVT").is_ok_and(|v| v == "off" || v == "0");
-        let _ = MVT.compare_exchange(
-            0,
-            if off { 1 } else { 2 },
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-        let k = std::env::var("DS4_GPU_MVT_CTAS")
-            .ok()
-            .and_then(|v| v.parse::<u8>().ok())
-            .filter(|k| (1..=8).contains(k))
-            .unwrap_or(2);
-        MVT_CTAS.store(k, Ordering::Relaxed);
-    }
-    MVT.load(Ordering::Relaxed) == 2
-}
-
 fn mat(w: &GpuWeight) -> Option<(DevPtr, &'static str, usize, usize, usize)> {
     let (p, ty, cols, rows, row_bytes) = w.mat_parts()?;
     let sfx = suffix(ty)?;
@@ -574,37 +526,6 @@ impl GpuBackend {
             || self.failed()
         {
             return false;
-        }
-        let info = self.gpu.info();
-        if mvt_on()
-            && MVR.load(Ordering::Relaxed) == MVQ_AUTO
-            && info.cc.0 >= 9
-            && info.warp == 32
-            && rows.is_multiple_of(MVT_RW)
-            && cols.is_multiple_of(MVT_CC)
-            && dec.ptr().0.is_multiple_of(16)
-        {
-            let tasks = rows * zs / MVT_RW;
-            let ctas =
-                tasks.min(info.sm_count as usize * MVT_CTAS.load(Ordering::Relaxed) as usize);
-            let q = dec.ptr();
-            self.run(
-                &ds4_kernels::MATVEC,
-                if add { "mvta_q8_0" } else { "mvt_q8_0" },
-                LaunchDims::linear(ctas as u32, (MVT_RW * 32) as u32),
-                &[
-                    Arg::Ptr(q),
-                    Arg::Ptr(q.offset((nb * 32) as u64)),
-                    Arg::Ptr(x.ptr),
-                    Arg::I64(x_z as i64),
-                    Arg::Ptr(y),
-                    Arg::I64(y_z as i64),
-                    Arg::I32(rows as i32),
-                    Arg::I32(cols as i32),
-                    Arg::I32(tasks as i32),
-                ],
-            );
-            return true;
         }
         let (xf, ctas) = q8_form(0);
         let mvx = xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO;
@@ -1164,72 +1085,6 @@ impl GpuBackend {
             return false;
         };
         self.mvr(dec, x, 0, y.ptr, 0, *rows, *cols, 1, true)
-    }
-
-    /// Few-row F16 product of a prefill chunk (`mvfew_f16`), or false when declined.
-    pub(crate) fn mv_few(
-        &self,
-        w: &GpuWeight,
-        part: Part,
-        x: &GpuBuf,
-        n: usize,
-        y: &mut GpuBuf,
-    ) -> bool {
-        let Some((p, _, cols, rows, rb)) = mat(w) else {
-            return false;
-        };
-        let GpuWeight::Mat {
-            ty: GgmlType::F16, ..
-        } = w
-        else {
-            return false;
-        };
-        let byte0 = match part {
-            Part::All => 0,
-            Part::Expert(e) => e * rows * rb,
-        };
-        if !mvfew_on()
-            || n < MVF_MIN_N
-            || rows > MVF_MAXR
-            || !x.ptr.0.is_multiple_of(16)
-            || self.failed()
-        {
-            return false;
-        }
-        let per_cta = 2 * (MVF_THREADS / self.warp()).max(1) as usize;
-        self.run(
-            &ds4_kernels::MATVEC,
-            "mvfew_f16",
-            LaunchDims::linear(n.div_ceil(per_cta) as u32, MVF_THREADS),
-            &[
-                Arg::Ptr(p.offset(byte0 as u64)),
-                Arg::I64(rb as i64),
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(y.ptr),
-                Arg::I32(n as i32),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-            ],
-        );
-        true
-    }
-
-    /// Switch the bulk-copy one-token Q8_0 products (`mvt_q8_0`, CUDA sm_90+) on (default) or
-    /// off; process-wide, overrides `DS4_GPU_MVT`. For tests and benches.
-    /// `ctas`: CTAs per SM (1..=8; else 2).
-    pub fn set_mvt(on: bool, ctas: u8) {
-        mvt_on();
-        MVT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-        MVT_CTAS.store(
-            if (1..=8).contains(&ctas) { ctas } else { 2 },
-            Ordering::Relaxed,
-        );
-    }
-
-    /// Switch the few-row F16 prefill products (`mvfew_f16`) on (default) or off; process-wide,
-    /// overrides `DS4_GPU_MVFEW`. For tests and benches.
-    pub fn set_mvfew(on: bool) {
-        MVFEW.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     /// Backend::matmul_grouped.
