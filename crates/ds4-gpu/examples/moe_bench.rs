@@ -7,7 +7,8 @@
 //! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA), v2
 //! (direct loads; nbA/B = gate/up and down row batches per CTA; default 6/4), v3d (n = 1 q2 mix
 //! on tensor cores, nbA gate/up tiles of 8 rows per CTA, default 3; elsewhere v2 with nbA/B).
-//! `moe_bench [reps] [n_max]`; `MOE_BENCH_FORMS=v2,v3d` runs only the forms so named.
+//! `moe_bench [reps] [n_max]`; `MOE_BENCH_FORMS=v2,v3d` runs only the forms so named,
+//! `MOE_BENCH_WARM=0` without the 5 warm-up calls (profilers).
 
 use ds4_backend::{Backend, Fill, GgmlType, MoeSpec, WeightKind};
 use ds4_gpu::{Gpu, GpuBackend};
@@ -97,16 +98,31 @@ fn main() {
             let mut out = gpu.alloc(n * d);
             // (name, decode kernels on, form, v1 rows, v2 tiles)
             type Form = (&'static str, bool, usize, usize, (usize, usize));
-            let forms: [Form; 6] = [
+            let forms: [Form; 16] = [
                 ("old", false, 1, 16, (0, 0)),
                 ("v1 rb16", true, 1, 16, (0, 0)),
                 ("v2 nb6/4", true, 2, 0, (6, 4)),
                 ("v3d nb3", true, 3, 0, (3, 4)),
+                ("v3e nb3", true, 4, 0, (3, 4)),
+                ("v3f nb3", true, 5, 0, (3, 4)),
+                ("v3g nb3", true, 6, 0, (3, 4)),
+                ("v3h nb3", true, 7, 0, (3, 4)),
+                ("v3i nb3", true, 8, 0, (3, 4)),
+                ("v3j nb3", true, 9, 0, (3, 4)),
+                ("v3k nb3", true, 10, 0, (3, 4)),
+                ("v3l nb3", true, 11, 0, (3, 4)),
+                ("v3m nb3", true, 12, 0, (3, 4)),
+                ("v3n nb3", true, 13, 0, (3, 4)),
                 ("v3d nb2", true, 3, 0, (2, 4)),
                 ("v3d nb4", true, 3, 0, (4, 4)),
             ];
-            // MOE_BENCH_FORMS=a,b: only the forms whose names contain one of these (for profilers).
+            // MOE_BENCH_FORMS=a,b: only the forms whose names contain one of these (for profilers);
+            // MOE_BENCH_WARM=w: w calls before the timed ones (default 5; 0 for profilers).
             let only = std::env::var("MOE_BENCH_FORMS").unwrap_or_default();
+            let warm: usize = std::env::var("MOE_BENCH_WARM")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(5);
             for (form, on, f, rb, (nb, nbr)) in forms {
                 if !only.is_empty() && !only.split(',').any(|o| form.contains(o)) {
                     continue;
@@ -118,7 +134,7 @@ fn main() {
                 let call = |i: usize, out: &mut B| {
                     gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &sels[i % 64], &wgt, n, out)
                 };
-                for i in 0..5 {
+                for i in 0..warm {
                     call(i, &mut out);
                 }
                 gpu.download(&out, 1);

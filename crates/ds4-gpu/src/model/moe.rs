@@ -68,6 +68,22 @@ fn v2_layout(ty: &str) -> i32 {
     }
 }
 
+/// The v3 forms (form 3 + index): name, gate/up and down kernel suffixes (`m3gu1<s>_`,
+/// `m3dn1<s>_`).
+const V3_FORMS: [(&str, &str, &str); 11] = [
+    ("v3d", "", ""),
+    ("v3e", "e", ""),
+    ("v3f", "f", ""),
+    ("v3g", "g", ""),
+    ("v3h", "", "b"),
+    ("v3i", "g", "b"),
+    ("v3j", "j", ""),
+    ("v3k", "k", ""),
+    ("v3l", "l", ""),
+    ("v3m", "", "c"),
+    ("v3n", "k", "c"),
+];
+
 /// Shared memory of the v3d gate/up at `cols` columns (`m3gu_body`: grid, x fragments, partials
 /// and maxima, 3 stages of 16 rows at a 544-byte stride).
 fn v3_smem(cols: usize) -> usize {
@@ -136,7 +152,7 @@ impl GpuBackend {
     /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d;
     /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v3d` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(3), Ordering::Relaxed);
+        FORM.store(form.min(2 + V3_FORMS.len()), Ordering::Relaxed);
     }
 
     /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
@@ -202,15 +218,16 @@ impl GpuBackend {
             0 => *ENV_FORM.get_or_init(|| match std::env::var("DS4_GPU_MOE_FORM").as_deref() {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
-                Ok("v3d") => 3,
+                Ok(v) => V3_FORMS.iter().position(|f| f.0 == v).map_or(0, |i| 3 + i),
                 _ => 0,
             }),
             f => f,
         };
         // n = 1: v3d (v2 where its kernels do not cover the product).
         let form = if form == 0 && n == 1 { 3 } else { form };
-        let v3d = form == 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d) {
+        let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
+        let v3 = if v3d { form } else { 0 };
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             if v3d {
@@ -280,8 +297,8 @@ impl GpuBackend {
             && info.cc.0 >= 8
     }
 
-    /// The v2 launches (v3d: the v3d kernels instead); false: the shape does not fit them;
-    /// nothing was queued.
+    /// The v2 launches (v3 = 3 / 4: the v3d / v3e kernels instead); false: the shape does not
+    /// fit them; nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -292,8 +309,9 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
-        v3d: bool,
+        v3: usize,
     ) -> bool {
+        let v3d = v3 != 0;
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
         let w = self.warp() as usize;
@@ -338,7 +356,8 @@ impl GpuBackend {
         let nb3 = pick(V2_NB.load(Ordering::Relaxed), env.0, 3);
         let ngu = ff.div_ceil(8 * nb3);
         let (name, grid, smem, tiles) = if v3d {
-            (format!("m3gu1_{}", g.1), ngu, v3_smem(d), nb3)
+            let e = V3_FORMS[v3 - 3].1;
+            (format!("m3gu1{e}_{}", g.1), ngu, v3_smem(d), nb3)
         } else {
             (format!("m2gu{nt}_{}", g.1), ff.div_ceil(tr_gu), smem_gu, nb)
         };
@@ -368,7 +387,7 @@ impl GpuBackend {
             Some(mx) => {
                 tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
                 (
-                    format!("m3dn1_{}", dn.1),
+                    format!("m3dn1{}_{}", V3_FORMS[v3 - 3].2, dn.1),
                     d.div_ceil(16),
                     V3D_THREADS,
                     V3D_SMEM,
