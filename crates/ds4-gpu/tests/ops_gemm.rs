@@ -10,7 +10,9 @@
 //! CUDA sm_80+), 5: the tiled form for every quantised type (`set_gemm_tiled(true, true)`: also
 //! Q8_0 and IQ2_XXS; integer quants as f16, activations as two f16 planes) held to the bf16
 //! tensor-core tolerance relative to 1 + |cpu| (its errors are ~2^-22 per term), 6: the bf16 hi/lo
-//! form with the tiled form off (the previous default); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
+//! form with the tiled form off (the previous default); the MoE's IQ2_XXS gate/up on exact bf16
+//! weights (`gemmc_iq2_xxs`) and tiled Q2_K decoded once per CTA (`gemmu_q2_k`) except in forms
+//! 6 (`gemmb_iq2_xxs`) and 5 (`gemmt_q2_k`); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
 //! are held to the tensor-core tolerances (measured on the H200 at 5b38cfb: worst 1.4e-3 with
 //! Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
 //! forms are process-wide switches: run with --test-threads=1 on a GPU. Each case also checks that the
@@ -164,6 +166,11 @@ fn set_form(form: usize) {
     GpuBackend::set_gemm_tile(if form == 4 { 256 } else { 0 });
     GpuBackend::set_gemm_dbuf(form != 4);
     GpuBackend::set_gemm_tiled(form != 6, form == 5);
+    // Forms 0-4: the MoE's IQ2_XXS gate/up on exact weights (gemmc_iq2_xxs), tiled Q2_K decoded
+    // once per CTA (gemmu_q2_k); form 6 keeps the hi/lo gate/up (gemmb_iq2_xxs), form 5 the
+    // per-warp Q2_K decode (gemmt_q2_k).
+    GpuBackend::set_gemm_exact_gu(if form == 6 { 0 } else { 2 });
+    GpuBackend::set_gemm_shared_q2k(if form == 5 { 0 } else { 2 });
 }
 
 #[test]
@@ -326,9 +333,10 @@ fn gemm_moe_128_tokens_6_slots() {
                 });
                 let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
                 let mut go = gpu.alloc(n * spec.d);
-                let (l0, b0) = (
+                let (l0, b0, e0) = (
                     GpuBackend::gemm_launches(),
                     GpuBackend::gemm_split_launches(),
+                    GpuBackend::gemm_exact_launches(),
                 );
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 let launched = GpuBackend::gemm_launches() > l0;
@@ -347,6 +355,20 @@ fn gemm_moe_128_tokens_6_slots() {
                     cases
                         .bad
                         .push(format!("{key} form={form}: split-X form not taken"));
+                }
+                // Form 0, q2 mix: gate/up on gemmc_iq2_xxs, down on gemmu_q2_k; form 6: gemmb.
+                let e1 = GpuBackend::gemm_exact_launches();
+                let q2 = tg == GgmlType::IQ2_XXS && tu == GgmlType::IQ2_XXS;
+                let want_c = if q2 && form == 0 { 2 } else { 0 };
+                let want_u = u64::from(form == 0 && td == GgmlType::Q2_K);
+                if sm80
+                    && (form == 0 || form == 6)
+                    && (e1.0 - e0.0 != want_c || e1.1 - e0.1 != want_u)
+                {
+                    cases.bad.push(format!(
+                        "{key} form={form}: gemmc/gemmu launches {:?}, want ({want_c}, {want_u})",
+                        (e1.0 - e0.0, e1.1 - e0.1)
+                    ));
                 }
                 cases.check(
                     format!("{key} form={form}"),

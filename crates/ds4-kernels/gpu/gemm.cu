@@ -452,6 +452,214 @@ DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmb_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS
 DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 0, 4>(GM_ARGS); }
 
+// ---- gemmc_iq2_xxs: the MoE's IQ2_XXS gate/up with exact bf16 weights (CUDA sm_80+) ----
+// IQ2_XXS w = db * (g * sign), db = d (0.5 + s) / 4 per row and 32-element chunk, g a grid byte
+// (8, 25 or 43): g * sign is exact in bf16, so the weight needs no lo word and a tile takes two
+// mma (Xhi·G + Xlo·G, X from gemm_xb_f32) instead of three; each warp sums a chunk's two k-steps
+// per m-tile in cc (16 registers) and adds db·cc to acc. Error: weights exact (the bf16 form
+// rounds them to ~16 bits), X ~16 bits, f32 sums. Same CTA shape, X staging, raw-field register
+// pipeline and m-tile skip as gemmb_iq2_xxs (gemm_body); thread t decodes chunk c of tile row t:
+// grid bytes to bf16 128 + g by one PRMT a pair, 128 removed by one bf16x2 FMA, signs by a
+// sign-replicating PRMT of the sign bits spread to byte msbs (one IMAD per 4) and one LOP3.
+#if GM_HAVE_MMA
+__device__ __forceinline__ u32 gm_prmt(u32 a, u32 b, u32 s) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); // selector msb: sign replicate
+    return r;
+}
+__device__ __forceinline__ u32 gm_fma_bf2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+// mma with a zero accumulator in (the first product of a chunk).
+__device__ __forceinline__ void gm_mma0(float* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+                 : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+
+// Chunk of one row from its raw fields (gm_raw_iq2): 16 bf16x2 words g*sign (element pairs in
+// order) and db.
+// tab: the grid, entry e at tab[e * ts] (ts: copies per entry; the caller offsets tab by its copy).
+__device__ __forceinline__ float gm_deq_iq2_exact(const u32* r, const u64* tab, int ts, u32* o) {
+    const bool al = r[3] == 0xffffffffu;
+    const u32 idx = al ? r[1] : r[1] | (r[2] << 16), aux = al ? r[2] : (r[2] >> 16) | (r[3] << 16);
+    const float d = ds4_h2f_fast(r[0]); // exact, as ds4_h2f
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const u64 grid = tab[((idx >> (8 * k)) & 0xff) * ts];
+        const u32 s7 = (aux >> (7 * k)) & 127;
+        // sign bit e of the 8 (bit 7: parity) to the msb of byte e%4 of v[e/4]: (4 bits) * 0x10204080
+        // puts bit e at 7 + 8e and nothing else on a byte msb (partial products never overlap).
+        const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const u32 gw = q < 2 ? (u32)grid : (u32)(grid >> 32);
+            // bytes (b, 0x43): bf16 128 + b (b <= 43 < 128); minus 128 exactly
+            const u32 u = gm_prmt(gw, 0x43434343u, (q & 1) ? 0x4342u : 0x4140u);
+            const u32 g = gm_fma_bf2(u, 0x3f803f80u, 0xc300c300u);
+            // sign-replicated bytes e, e+1 of v into bytes 1, 3: bits 15, 31
+            const u32 m = gm_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
+            o[4 * k + q] = g ^ (m & 0x80008000u);
+        }
+    }
+    return ds4_mul_rn(ds4_mul_rn(d, 0.5f + (float)(aux >> 28)), 0.25f);
+}
+#endif
+
+struct alignas(16) GcSmem { // 16-byte stores, ldmatrix rows
+    u32 xh[64][GM_LD], xl[64][GM_LD], wt[GM_BN][GM_LD];
+    float dbs[GM_BN]; // db of each tile row for the chunk
+};
+
+// REP: the grid in GC_REP copies, entry e copy c at gtab[e * GC_REP + c], lane l reading copy
+// l % GC_REP: the 64-bit lookups of a half-warp fall on bank pairs 8 (e & 1) + l % 8, at most 2
+// lanes per pair (one table: 16 random bank pairs, ~3; the L1/shared pipe is gemmc's busiest).
+#define GC_REP 8
+template <bool REP> __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
+#if GM_HAVE_MMA
+    constexpr int BM = 64, TS = REP ? GC_REP : 1;
+    __shared__ int items[BM];
+    __shared__ int expert;
+    __shared__ u64 gtab[256 * TS];
+    __shared__ GcSmem sm;
+    u32(&xh)[BM][GM_LD] = sm.xh;
+    u32(&xl)[BM][GM_LD] = sm.xl;
+    u32(&wt)[GM_BN][GM_LD] = sm.wt;
+    float* dbs = sm.dbs;
+    const int tid = threadIdx.x, trow = tid;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GM_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    for (int e = tid; e < 256 * TS; e += 128) gtab[e] = ds4_iq2xxs_grid[e / TS];
+    if (tid < BM) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * BM + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) expert = e;
+        }
+        items[tid] = it;
+    }
+    __syncthreads();
+    const u64* mytab = gtab + (REP ? (tid & (GC_REP - 1)) : 0);
+    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const int row = r0 + trow;
+    const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes;
+    const bool live = row < rows;
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
+    const int warp = tid >> 5, lane = tid & 31, lr = lane & 7, lm = lane >> 3;
+    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, BM) + 15) >> 4, 0), GM_MT) : GM_MT;
+
+    float acc[GM_MT][4][4];
+#pragma unroll
+    for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f;
+    // X as gemm_body's XB staging: thread t copies 16-byte piece t%8 of items 16i + t/8.
+    float4 xv[4];
+    u32 wr[4] = {0u, 0u, 0u, 0u};
+    int xo[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int it = items[16 * i + (tid >> 3)];
+        xo[i] = it >= 0 ? (int)((long long)(it / xdiv) * x_tok + (long long)z * x_z) : -1;
+    }
+    auto load = [&](int c) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) xv[i] = xo[i] >= 0 ? ((const float4*)(X + xo[i] + 32 * c))[tid & 7] : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (live) gm_raw_iq2(wrow, c, c == c0 || (c & 7) == 0, wr); // dead rows: d = 0
+    };
+    if (c0 < c1) load(c0);
+    for (int c = c0; c < c1; c++) {
+        {
+            u32 o[16];
+            dbs[trow] = gm_deq_iq2_exact(wr, mytab, TS, o);
+#pragma unroll
+            for (int v = 0; v < 4; v++) *(uint4*)&wt[trow][4 * v] = make_uint4(o[4 * v], o[4 * v + 1], o[4 * v + 2], o[4 * v + 3]);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int m = 16 * i + (tid >> 3), j = tid & 7;
+                float4 a = xv[i];
+                *(uint4*)((j < 4 ? xh[m] : xl[m]) + 4 * (j & 3)) = make_uint4(__float_as_int(a.x), __float_as_int(a.y), __float_as_int(a.z), __float_as_int(a.w));
+            }
+        }
+        __syncthreads();
+        if (c + 1 < c1) load(c + 1);
+        // B (weight rows 32 warp + 8 nt.., both k-steps), then per m-tile: 2 k-steps x (hi, lo) x
+        // 4 n-tiles into cc (hi products of the 4 n-tiles first: independent mma back to back).
+        u32 b[2][4][2];
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                int r = 32 * warp + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
+                u32 q[4];
+                gm_ldm4(q, &wt[r][k]);
+                b[kk][2 * np][0] = q[0], b[kk][2 * np][1] = q[1], b[kk][2 * np + 1][0] = q[2], b[kk][2 * np + 1][1] = q[3];
+            }
+        float2 db[4]; // rows 32 warp + 8 nt + 2t + (0, 1)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) db[nt] = *(const float2*)&dbs[32 * warp + 8 * nt + 2 * (lane & 3)];
+#pragma unroll
+        for (int mt = 0; mt < GM_MT; mt++) {
+            if (mt >= nmt) continue; // uniform
+            float cc[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                u32 ah[4], al[4];
+                int m = 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
+                gm_ldm4(ah, &xh[m][k]);
+                gm_ldm4(al, &xl[m][k]);
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    if (kk == 0) gm_mma0(cc[nt], ah, b[kk][nt]);
+                    else gm_mma(cc[nt], ah, b[kk][nt]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) gm_mma(cc[nt], al, b[kk][nt]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                acc[mt][nt][0] = fmaf(db[nt].x, cc[nt][0], acc[mt][nt][0]);
+                acc[mt][nt][1] = fmaf(db[nt].y, cc[nt][1], acc[mt][nt][1]);
+                acc[mt][nt][2] = fmaf(db[nt].x, cc[nt][2], acc[mt][nt][2]);
+                acc[mt][nt][3] = fmaf(db[nt].y, cc[nt][3], acc[mt][nt][3]);
+            }
+        }
+        __syncthreads();
+    }
+
+    // acc[mt][nt][e]: item 16mt + g + 8(e/2), tile row 32 warp + 8nt + 2t + e%2.
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = items[16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + 32 * warp + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1];
+                }
+        }
+#endif
+}
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc_iq2_xxs(GM_PARAMS) { gemmc_body<true>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc1_iq2_xxs(GM_PARAMS) { gemmc_body<false>(GM_ARGS); }
+
 // gemmw_<t>: 128-item tiles (256 threads), bf16 tensor cores where compiled in, else portable.
 DS4_KERNEL void DS4_BOUNDS(256) gemmw_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(256) gemmw_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
@@ -1181,13 +1389,277 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmt_q2_k(GMT_PARAMS) { gemmt_body<T_Q2_K>(GMT_
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_q4_k(GMT_PARAMS) { gemmt_body<T_Q4_K>(GMT_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_iq2_xxs(GMT_PARAMS) { gemmt_body<T_IQ2_XXS>(GMT_ARGS); }
 
+// ---- gemmu_q2_k: the tiled form for Q2_K with each B element decoded once per CTA ----
+// Same arithmetic and staging as gemmt_q2_k (weights sl*q exact in f16, X hi/lo f16 groups from
+// gemm_xt_f32, d / dmin and the min mma per super-block), but the chunk's 64 x 32 weights are
+// decoded once by the 128 threads into a shared tile (gemmt: each B fragment by the two warps
+// of a row half, in registers) and read by ldmatrix; chunk c + 1 is decoded while chunk c's mma
+// run (two tile buffers, one barrier per chunk). Thread t decodes row t/2, k-step t%2: the
+// 16 elements 8u + 8(t%2) .. +3, u < 4 (4 q words); sl*q as one fused f16x2 FMA a pair:
+// (1024 + q 4^j) * (sl 4^-j) - 1024 sl 4^-j (q's bits in place, j the chunk's shift; exact).
+// Tile row: 4 groups of 16 bytes, group (k-step kk, pair h) = words t = 0..3 of the
+// m16n8k16 B fragment register h of step kk (elements 8t + 4kk + 2h, +1, the gemmt K order),
+// stored at group index (2kk + h) ^ ((row >> 1) & 3) (conflict-free 16-byte stores and
+// ldmatrix rows). Sums single-buffered (issued at the super-block's first chunk; static
+// shared memory < 48 KB). Host contract as gemmt (rows 4-byte aligned: Q2_K rows are 84-byte
+// multiples).
+struct alignas(16) GuSmem {
+    uint4 x[3][GT_BM][8]; // X chunk slots (gemmt's swizzle)
+    u32 s[GT_BM][16];     // sums of the current super-block: hi 8 words, lo 8 words
+    u32 raw[2][GT_BN][23]; // raw super-blocks (84 bytes), odd stride
+    uint4 w[2][GT_BN][4]; // decoded chunk tiles
+};
+
+// U (gemmu_q2_k; gemmu1_q2_k without): X in gemm_xt_f32's unit layout (unit != 0): per 32-element
+// chunk, 16-byte unit 4 kk + c (kk: k-step, c: hi01, hi23, lo01, lo23) holds component c of the
+// groups 2t + kk, t = 0..3 (word t), so the A fragment of an m-tile and k-step is two ldmatrix.x4
+// (rows +0 | +8 x unit c = hi01 | hi23, then lo) instead of 16-byte loads regrouped by register
+// moves (run 1: ~80 moves a warp and chunk); unit u of item m at slot position u ^ (m & 7)
+// (conflict-free ldmatrix rows).
+template <bool U> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
+#if GM_HAVE_MMA
+    constexpr int NXS = 3, SC = 8, SB = 84, NWM = SB / 4; // words per row copy (aligned rows)
+    __shared__ int items[GT_BM];
+    __shared__ int expert;
+    __shared__ GuSmem sm;
+    const int tid = threadIdx.x;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GT_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    if (tid < GT_BM) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * GT_BM + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) expert = e;
+        }
+        items[tid] = it;
+    }
+    __syncthreads();
+    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const u8* wbase = W + wo;
+    const int xi = tid >> 1, xh = tid & 1;
+    const int xit = items[xi];
+    const long long xtok = xit >= 0 ? (long long)(xit / xdiv) : 0;
+    const u32* xsrc = XT + xtok * x_tok + (long long)z * x_z;
+    const u32* ssrc = XS + xtok * (x_tok / 16) + (long long)z * (x_z / 16);
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc), nl = max(c1 - c0, 0);
+    const u32* xq = xit >= 0 ? xsrc + 32LL * c0 + 16 * xh : XT; // this thread's 64 bytes of chunk c0
+    const int xsw = U ? xi & 7 : xi & 1;
+    auto issue_x = [&](int i) {
+        if (i < nl) {
+            uint4* dst = sm.x[i % NXS][xi];
+            const u32* src = xit >= 0 ? xq + 32 * i : XT;
+#pragma unroll
+            for (int q = 0; q < 4; q++) gt_cp16(&dst[(4 * xh + q) ^ xsw], src + (xit >= 0 ? 4 * q : 0), xit >= 0);
+        }
+    };
+    // Raw copies: word idx = 21 r + w of the stage, idx = tid + 128 k; rows past the last clamp
+    // to it. Row offsets in 32 bits (64 rows of one matrix), (r, w) stepped by 128 = 6 * 21 + 2.
+    const u8* wtile = wbase + (long long)r0 * row_bytes;
+    const int rb = (int)row_bytes, rlast = rows - 1 - r0;
+    auto issue_raw = [&](int S) {
+        if (SC * S < nl) {
+            const u8* a = wtile + (long long)((c0 + SC * S) / 8) * SB;
+            u32* dst = &sm.raw[S & 1][0][0];
+            int r = tid / NWM, w = tid - r * NWM;
+#pragma unroll 1
+            for (int k = 0; k < (GT_BN * NWM + 127) / 128; k++) {
+                if (tid + 128 * k < GT_BN * NWM) gt_cp4(dst + 23 * r + w, (const u32*)(a + min(r, rlast) * rb) + w);
+                r += 6, w += 2;
+                if (w >= NWM) w -= NWM, r++;
+            }
+        }
+    };
+    auto issue_sums = [&](int S) {
+        if (SC * S < nl) {
+            const int cs = c0 + SC * S;
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                int j = 2 * xh + q; // 16-byte quarter j of the item's 64 sum bytes
+                gt_cp16(&sm.s[xi][4 * j], xit >= 0 ? ssrc + 16LL * (cs / 8) + 4 * j : XT, xit >= 0);
+            }
+        }
+    };
+    // Decode unit: row dr, k-step dk.
+    const int dr = tid >> 1, dk = tid & 1, dsw = (dr >> 1) & 3;
+    auto decode = [&](int i) { // chunk i (local) of stage i / 8 into tile buffer i & 1
+        const int p = i % SC, h = p >> 2, j = p & 3;
+        const u8* blk = (const u8*)sm.raw[(i / SC) & 1][dr];
+        // f16 4^-j and -1024 * 4^-j (exponents 15 - 2j, 25 - 2j), both halves
+        const u32 e1 = (u32)(15 - 2 * j) << 10, e2 = 0x8000u | ((u32)(25 - 2 * j) << 10);
+        const u32 k1 = e1 | (e1 << 16), k2 = e2 | (e2 << 16);
+        const u32 slp = *(const u16*)(blk + 8 * h + 2 * j) & 0x0f0fu; // sl of sub-blocks 0, 1
+        u32 ss;                                                      // (sl0, sl1) * 4^-j
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(ss) : "r"(__byte_perm(slp, 0x64646464u, 0x4140)), "r"(k1), "r"(k2));
+        const u32 sc[2] = {__byte_perm(ss, 0u, 0x1010), __byte_perm(ss, 0u, 0x3232)};
+        u32 cm[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(cm[u]) : "r"(sc[u]), "r"(0xe400e400u)); // * -1024
+        const u32 msk = 0x03030303u << (2 * j);
+        u32 o[2][4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const u32 v = *(const u32*)(blk + 16 + 32 * h + 8 * u + 4 * dk) & msk;
+            const u32 lo = __byte_perm(v, 0x64646464u, 0x4140), hi = __byte_perm(v, 0x64646464u, 0x4342);
+            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[0][u]) : "r"(lo), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
+            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[1][u]) : "r"(hi), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) sm.w[i & 1][dr][(2 * dk + hh) ^ dsw] = make_uint4(o[hh][0], o[hh][1], o[hh][2], o[hh][3]);
+    };
+    issue_raw(0);
+    issue_sums(0);
+    issue_x(0);
+    gt_commit();
+    issue_x(1);
+    gt_commit();
+    if (nl > 0) {
+        gt_wait<1>(); // stage 0
+        __syncthreads();
+        decode(0);
+    }
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, lr = lane & 7, lm = lane >> 3;
+    constexpr int MT = 2, NT = 4, RW = 8 * NT;
+    const int wm = warp >> 1, wn = warp & 1;
+    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, GT_BM) - 32 * wm + 15) >> 4, 0), MT) : MT;
+    float acc[MT][NT][4], cc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f, cc[mt][nt][e] = 0.0f;
+
+    for (int i = 0; i < nl; i++) {
+        gt_wait<NXS - 2>();
+        __syncthreads();
+        issue_x(i + NXS - 1);
+        if (i % SC == 0) {
+            issue_raw(i / SC + 1);
+            if (i > 0) issue_sums(i / SC);
+        }
+        gt_commit();
+        if (i + 1 < nl) decode(i + 1);
+        const int S = i / SC, p = i % SC, buf = S & 1;
+        const uint4(*xs)[8] = sm.x[i % NXS];
+        if (nmt == 0) continue; // warp-uniform: no valid item (acc stays 0)
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            u32 b[NT][2];
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                // matrices (n-tile 2np | 2np+1) x (register 0 | 1): lane L gives row L%8 of matrix L/8
+                const int r = RW * wn + 8 * (2 * np + (lm >> 1)) + lr;
+                u32 q[4];
+                gm_ldm4(q, (const u32*)&sm.w[i & 1][r][(2 * kk + (lm & 1)) ^ ((r >> 1) & 3)]);
+                b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if (mt >= nmt) continue;
+                u32 ah[4], al[4];
+                if (U) { // matrices (rows +0 | +8) x (hi01 | hi23), then lo
+                    const int m = 32 * wm + 16 * mt + 8 * (lm & 1) + lr;
+                    gm_ldm4(ah, (const u32*)&xs[m][(4 * kk + (lm >> 1)) ^ (m & 7)]);
+                    gm_ldm4(al, (const u32*)&xs[m][(4 * kk + 2 + (lm >> 1)) ^ (m & 7)]);
+                } else {
+                    const int m0 = 32 * wm + 16 * mt + g, jx = (2 * t + kk) ^ (g & 1);
+                    uint4 v0 = xs[m0][jx], v1 = xs[m0 + 8][jx];
+                    ah[0] = v0.x, ah[1] = v1.x, ah[2] = v0.y, ah[3] = v1.y;
+                    al[0] = v0.z, al[1] = v1.z, al[2] = v0.w, al[3] = v1.w;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], ah, b[nt]);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], al, b[nt]);
+            }
+        }
+        if (p == SC - 1) {
+            float D[NT][2], Dm[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    const u16* dd = (const u16*)((const u8*)sm.raw[buf][RW * wn + 8 * nt + 2 * t + e1] + 80);
+                    D[nt][e1] = ds4_h2f_fast(dd[0]), Dm[nt][e1] = ds4_h2f_fast(dd[1]) * 16.0f; // exact
+                }
+            float cm[MT][NT][4];
+            u32 bm[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) gt_minb<T_Q2_K>((const u8*)sm.raw[buf][RW * wn + 8 * nt + g], t, bm[nt]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) cm[mt][nt][e] = 0.0f;
+                if (mt >= nmt) continue;
+                const int m0 = 32 * wm + 16 * mt + g;
+                const u32* s0 = sm.s[m0];
+                const u32* s1 = sm.s[m0 + 8];
+                u32 ah[4] = {s0[t], s1[t], s0[t + 4], s1[t + 4]}, al[4] = {s0[8 + t], s1[8 + t], s0[12 + t], s1[12 + t]};
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[mt][nt], ah, bm[nt]);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[mt][nt], al, bm[nt]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float a = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
+                        acc[mt][nt][e] = fmaf(-Dm[nt][e & 1], cm[mt][nt][e], a);
+                        cc[mt][nt][e] = 0.0f;
+                    }
+        }
+    }
+    gt_wait<0>();
+
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = items[32 * wm + 16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+            const float sc = xinv[it / xdiv];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + RW * wn + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
+                }
+        }
+#endif
+}
+// <= 128 registers: 4 CTAs per SM (also the shared-memory limit).
+#if defined(DS4_CUDA)
+#define GU_B4 128, 4
+#else
+#define GU_B4 128
+#endif
+DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmu_q2_k(GMT_PARAMS) { gemmu_body<true>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmu1_q2_k(GMT_PARAMS) { gemmu_body<false>(GMT_ARGS); }
+
 // X rows for gemmt: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
 // x_tok multiple of 16). v = x * 2^s_t (s_t as gemm_xh_f32), xinv[t] = 2^-s_t; each 4 elements
 // 4q..4q+3 as words xt[t*x_tok + 4q ..+4] = {f16x2 hi(v0,v1), hi(v2,v3), lo(v0,v1), lo(v2,v3)}
 // (lo = f16(v - hi)); xs (may be null): per super-block b (256 elements) 16 words at
 // t*x_tok/16 + 16b: halves 0..15 = hi of S_k/16, halves 16..31 = lo, S_k the f32 sum of v over
 // elements 16k..16k+15 of the super-block. Without mma (never launched there) nothing.
-DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xt, u32* __restrict__ xs, float* __restrict__ xinv) {
+// unit != 0: the unit layout of gemmu_q2_k instead (per 32-element chunk, word 4 (4 kk + c) + t =
+// component c of the group 2t + kk above).
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xt, u32* __restrict__ xs, float* __restrict__ xinv, int unit) {
 #if GM_HAVE_MMA
     __shared__ float red[256 / DS4_WARP];
     const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
@@ -1210,14 +1682,29 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
     u16* so = xs ? (u16*)(xs + (long long)blockIdx.x * (x_tok / 16)) : nullptr;
     for (int g = threadIdx.x; g < width / 16; g += 256) { // 16 elements per step
         float sum = 0.0f;
+        uint4 wq[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float4 v = p[4 * g + i];
             float a = v.x * sc, b = v.y * sc, c = v.z * sc, d = v.w * sc; // exact (power of two)
             u32 h0 = gm_h2(a, b), h1 = gm_h2(c, d);
             float ah = ds4_h2f_fast(h0), bh = ds4_h2f_fast(h0 >> 16), ch = ds4_h2f_fast(h1), dh = ds4_h2f_fast(h1 >> 16);
-            o[4 * g + i] = make_uint4(h0, h1, gm_h2(a - ah, b - bh), gm_h2(c - ch, d - dh));
+            wq[i] = make_uint4(h0, h1, gm_h2(a - ah, b - bh), gm_h2(c - ch, d - dh));
             sum += (a + b) + (c + d);
+        }
+        if (!unit) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) o[4 * g + i] = wq[i];
+        } else { // groups 4(g%2) + i of chunk g/2: words t = 2(g%2), +1 of unit (kk = i%2, c)
+            uint2* u2 = (uint2*)(xt + (long long)blockIdx.x * x_tok + 32 * (g >> 1) + 2 * (g & 1));
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                const uint4 a = wq[kk], b = wq[2 + kk];
+                u2[2 * (4 * kk + 0)] = make_uint2(a.x, b.x);
+                u2[2 * (4 * kk + 1)] = make_uint2(a.y, b.y);
+                u2[2 * (4 * kk + 2)] = make_uint2(a.z, b.z);
+                u2[2 * (4 * kk + 3)] = make_uint2(a.w, b.w);
+            }
         }
         if (so) {
             float v = sum * 0.0625f; // exact

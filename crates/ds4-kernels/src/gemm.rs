@@ -35,6 +35,8 @@ pub const GEMM: Module = Module {
         "gemmf_q4_k",
         "gemm_iq2_xxs",
         "gemmb_iq2_xxs",
+        "gemmc_iq2_xxs",
+        "gemmc1_iq2_xxs",
         "gemm_xb_f32",
         "gemmp_iq2_xxs",
         "gemmf_iq2_xxs",
@@ -69,6 +71,8 @@ pub const GEMM: Module = Module {
         "gemmt_q2_k",
         "gemmt_q4_k",
         "gemmt_iq2_xxs",
+        "gemmu_q2_k",
+        "gemmu1_q2_k",
         "gemm_xt_f32",
     ],
 };

@@ -248,14 +248,56 @@ fn split_x() -> bool {
     v
 }
 
+/// MoE IQ2_XXS gate/up on split X with exact bf16 weights (two mma per tile, the chunk scale on
+/// the accumulators) instead of `gemmb_iq2_xxs` (weights split hi/lo, three mma): 0 gemmb, 1
+/// `gemmc1_iq2_xxs` (one grid table), 2 `gemmc_iq2_xxs` (replicated grid), UNSET: read
+/// `DS4_GPU_GEMM_GU` (0, 1; default 2) on first use.
+static GU: AtomicU8 = AtomicU8::new(UNSET);
+
+fn exact_gu() -> u8 {
+    let v = GU.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v;
+    }
+    let v = match std::env::var("DS4_GPU_GEMM_GU").as_deref() {
+        Ok("0") => 0,
+        Ok("1") => 1,
+        _ => 2,
+    };
+    GU.store(v, Ordering::Relaxed);
+    v
+}
+
+/// Tiled-form Q2_K products with each weight decoded once per CTA into a shared tile: 0 no
+/// (`gemmt_q2_k`), 1 `gemmu1_q2_k` (X in gemmt's layout), 2 `gemmu_q2_k` (X in the unit layout,
+/// A fragments by ldmatrix), UNSET: read `DS4_GPU_GEMM_DN` (0, 1; default 2) on first use.
+static DN: AtomicU8 = AtomicU8::new(UNSET);
+
+fn shared_q2k() -> u8 {
+    let v = DN.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v;
+    }
+    let v = match std::env::var("DS4_GPU_GEMM_DN").as_deref() {
+        Ok("0") => 0,
+        Ok("1") => 1,
+        _ => 2,
+    };
+    DN.store(v, Ordering::Relaxed);
+    v
+}
+
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, tiled-form (`gemmt_*`) launches.
 static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Of those, split-X bf16-form (`gemmb_*`) launches.
+/// Of those, split-X bf16-form (`gemmb_*`, `gemmc_*`) launches.
 static BLAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Of those, `gemmc_iq2_xxs` launches; tiled launches on `gemmu_q2_k`.
+static CLAUNCHES: AtomicU64 = AtomicU64::new(0);
+static ULAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -288,6 +330,8 @@ struct Gm {
     xt: Option<DevPtr>,
     /// bf16 form with x split once by `gemm_xb_f32` (`gemmb_<t>`).
     xb: bool,
+    /// Tiled form: x in the unit layout (`gemm_xt_f32` unit != 0; Q2_K on `gemmu_q2_k`).
+    xu: bool,
 }
 
 /// X converted for the f16 form: f16 values (same strides as the f32 source) and per-token-row
@@ -303,6 +347,8 @@ struct TileX {
     x: GpuBuf,
     inv: GpuBuf,
     sums: Option<GpuBuf>,
+    /// Unit layout (`gemmu_q2_k`).
+    unit: bool,
 }
 
 /// X as a product reads it: the f32 source, or converted for the f16 or the tiled form.
@@ -328,6 +374,11 @@ impl Xc {
             Xc::Tiled(t) => Some(t.sums.as_ref().map_or(DevPtr(0), |b| b.ptr)),
             _ => None,
         }
+    }
+
+    /// The `xu` field of a [`Gm`].
+    fn unit(&self) -> bool {
+        matches!(self, Xc::Tiled(t) if t.unit)
     }
 
     /// Item tile for `n` items over `experts` experts (0: dense) of weight type `ty`.
@@ -384,7 +435,8 @@ impl GpuBackend {
             Xc::Half(self.half_x(x, ntok, x_tok, width))
         } else if tys.iter().all(|&t| self.tiled_ok(t, strides)) {
             let sums = tys.iter().any(|&t| needs_sums(t));
-            Xc::Tiled(self.tile_x(x, ntok, x_tok, width, sums))
+            let unit = shared_q2k() == 2 && tys.iter().all(|&t| t == GgmlType::Q2_K);
+            Xc::Tiled(self.tile_x(x, ntok, x_tok, width, sums, unit))
         } else {
             Xc::F32
         }
@@ -407,12 +459,21 @@ impl GpuBackend {
     }
 
     /// `gemm_xt_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to hi/lo f16
-    /// groups (+ super-block sums when `sums`).
-    fn tile_x(&self, x: DevPtr, ntok: usize, x_tok: usize, width: usize, sums: bool) -> TileX {
+    /// groups (+ super-block sums when `sums`; the unit layout of `gemmu_q2_k` when `unit`).
+    fn tile_x(
+        &self,
+        x: DevPtr,
+        ntok: usize,
+        x_tok: usize,
+        width: usize,
+        sums: bool,
+        unit: bool,
+    ) -> TileX {
         let t = TileX {
             x: self.scratch(ntok * x_tok),
             inv: self.scratch(ntok),
             sums: sums.then(|| self.scratch(ntok * x_tok / 16)),
+            unit,
         };
         self.run(
             &ds4_kernels::GEMM,
@@ -425,6 +486,7 @@ impl GpuBackend {
                 Arg::Ptr(t.x.ptr),
                 t.sums.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
                 Arg::Ptr(t.inv.ptr),
+                Arg::I32(unit as i32),
             ],
         );
         t
@@ -439,6 +501,20 @@ impl GpuBackend {
     /// MoE IQ2_XXS gate/up on X split once per product (`gemmb_iq2_xxs`; default true).
     pub fn set_gemm_xb(on: bool) {
         XB.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// The MoE's split-X IQ2_XXS gate/up: 2 exact bf16 weights (`gemmc_iq2_xxs`, default), 1 the
+    /// same with one grid table (`gemmc1_iq2_xxs`), 0 hi/lo weights (`gemmb_iq2_xxs`).
+    /// Process-wide (tests, benchmarks).
+    pub fn set_gemm_exact_gu(level: u8) {
+        GU.store(level.min(2), Ordering::Relaxed);
+    }
+
+    /// Tiled Q2_K products: 2 weights decoded once per CTA, X in the unit layout (`gemmu_q2_k`,
+    /// default), 1 the same on gemmt's X layout (`gemmu1_q2_k`), 0 decoded per warp
+    /// (`gemmt_q2_k`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_shared_q2k(level: u8) {
+        DN.store(level.min(2), Ordering::Relaxed);
     }
 
     /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
@@ -628,6 +704,14 @@ impl GpuBackend {
         BLAUNCHES.load(Ordering::Relaxed)
     }
 
+    /// (`gemmc_iq2_xxs`, `gemmu_q2_k`) launches so far in this process.
+    pub fn gemm_exact_launches() -> (u64, u64) {
+        (
+            CLAUNCHES.load(Ordering::Relaxed),
+            ULAUNCHES.load(Ordering::Relaxed),
+        )
+    }
+
     /// f16-form (`gemmh*`) GEMM launches so far in this process.
     pub fn gemm_half_launches() -> u64 {
         HLAUNCHES.load(Ordering::Relaxed)
@@ -654,11 +738,15 @@ impl GpuBackend {
         let half = m.xs.is_some() && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
+            _ if til && m.ty == GgmlType::Q2_K && m.xu => "gemmu".into(),
+            _ if til && m.ty == GgmlType::Q2_K && shared_q2k() == 1 => "gemmu1".into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
             3 => "gemmp".into(),
             _ if wide => "gemmw".into(),
+            _ if m.xb && m.ty == GgmlType::IQ2_XXS && exact_gu() == 2 => "gemmc".into(),
+            _ if m.xb && m.ty == GgmlType::IQ2_XXS && exact_gu() == 1 => "gemmc1".into(),
             _ if m.xb => "gemmb".into(),
             _ => "gemm".into(),
         };
@@ -700,6 +788,12 @@ impl GpuBackend {
         }
         if m.xb {
             BLAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
+        if form.starts_with("gemmc") {
+            CLAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
+        if form.starts_with("gemmu") {
+            ULAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
@@ -815,6 +909,7 @@ impl GpuBackend {
             xs,
             xt: xc.sums(),
             xb: false,
+            xu: xc.unit(),
         });
         true
     }
@@ -871,6 +966,7 @@ impl GpuBackend {
             xs,
             xt: xc.sums(),
             xb: false,
+            xu: xc.unit(),
         });
         true
     }
@@ -980,6 +1076,7 @@ impl GpuBackend {
                 xs: zs,
                 xt: zt,
                 xb: zb.is_some(),
+                xu: hz.unit(),
             });
         }
         drop(hz);
@@ -1016,6 +1113,7 @@ impl GpuBackend {
             xs: hs,
             xt: ht,
             xb: false,
+            xu: hh.unit(),
         });
         let total = n * d;
         self.run(
