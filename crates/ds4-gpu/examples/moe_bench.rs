@@ -98,21 +98,11 @@ fn main() {
             let mut out = gpu.alloc(n * d);
             // (name, decode kernels on, form, v1 rows, v2 tiles)
             type Form = (&'static str, bool, usize, usize, (usize, usize));
-            let forms: [Form; 16] = [
+            let forms: [Form; 6] = [
                 ("old", false, 1, 16, (0, 0)),
                 ("v1 rb16", true, 1, 16, (0, 0)),
                 ("v2 nb6/4", true, 2, 0, (6, 4)),
                 ("v3d nb3", true, 3, 0, (3, 4)),
-                ("v3e nb3", true, 4, 0, (3, 4)),
-                ("v3f nb3", true, 5, 0, (3, 4)),
-                ("v3g nb3", true, 6, 0, (3, 4)),
-                ("v3h nb3", true, 7, 0, (3, 4)),
-                ("v3i nb3", true, 8, 0, (3, 4)),
-                ("v3j nb3", true, 9, 0, (3, 4)),
-                ("v3k nb3", true, 10, 0, (3, 4)),
-                ("v3l nb3", true, 11, 0, (3, 4)),
-                ("v3m nb3", true, 12, 0, (3, 4)),
-                ("v3n nb3", true, 13, 0, (3, 4)),
                 ("v3d nb2", true, 3, 0, (2, 4)),
                 ("v3d nb4", true, 3, 0, (4, 4)),
             ];

@@ -8,7 +8,8 @@
 //! down kernel's lane order; n = 3, 4 through its two-token loop), v2 with several tile sizes
 //! and its default ones, v3d (n = 1, IQ2_XXS gate/up and Q2_K down on tensor cores where the
 //! device and shape allow, else v2; checked to have run at d 2048 and 4096, ff 2048, on CUDA
-//! sm_80+; with its default and other tile counts). Skips with the reason when no GPU is present
+//! sm_80+; with its default and other tile counts; its 8 warps cover both raw-word alignments
+//! of `m3_sub`). Skips with the reason when no GPU is present
 //! (DS4_REQUIRE_GPU=1: fail). Run with --test-threads=1 on a GPU (process-wide switches).
 
 mod common;
@@ -58,7 +59,7 @@ fn moe_decode_matches_cpu() {
     let info = gpu.gpu().info();
     let tc = info.cc.0 >= 8 && info.warp == 32; // CUDA sm_80+: v3d runs
     let mut bad = Vec::new();
-    let mut worst = [0f32; 13];
+    let mut worst = [0f32; 3];
     for (si, &(d, ff, ne, k, rb, (nb, nbr))) in shapes.iter().enumerate() {
         GpuBackend::set_moe_gu_rows(rb);
         GpuBackend::set_moe_v2_tiles(nb, nbr);
@@ -109,18 +110,6 @@ fn moe_decode_matches_cpu() {
                         (2, (0, 0)),
                         (3, (nb, nbr)),
                         (3, (0, 0)),
-                        (4, (nb, nbr)),
-                        (4, (0, 0)),
-                        (5, (0, 0)),
-                        (6, (nb, nbr)),
-                        (6, (0, 0)),
-                        (7, (0, 0)),
-                        (8, (nb, nbr)),
-                        (9, (0, 0)),
-                        (10, (nb, nbr)),
-                        (11, (0, 0)),
-                        (12, (0, 0)),
-                        (13, (nb, nbr)),
                     ];
                     for (form, tiles) in forms {
                         GpuBackend::set_moe_form(form);
@@ -156,7 +145,7 @@ fn moe_decode_matches_cpu() {
                             && (tgu, td) == (GgmlType::IQ2_XXS, GgmlType::Q2_K)
                             && d % 2048 == 0
                             && ff == 2048;
-                        let want_v3d = if form >= 3 && v3d_covers {
+                        let want_v3d = if form == 3 && v3d_covers {
                             want_runs
                         } else {
                             0
@@ -167,8 +156,8 @@ fn moe_decode_matches_cpu() {
                             .iter()
                             .zip(&got[1])
                             .all(|(a, b)| a.to_bits() == b.to_bits());
-                        // v3d / v3e where it ran, else v2 (their fallback).
-                        let wi = if form >= 3 && want_v3d == 0 {
+                        // v3d where it ran, else v2 (its fallback).
+                        let wi = if form == 3 && want_v3d == 0 {
                             1
                         } else {
                             form - 1
@@ -196,10 +185,9 @@ fn moe_decode_matches_cpu() {
     GpuBackend::set_moe_gu_rows(0);
     GpuBackend::set_moe_v2_tiles(0, 0);
     GpuBackend::set_moe_form(0);
-    let w: Vec<String> = worst.iter().map(|w| format!("{w:.3e}")).collect();
     println!(
-        "worst rel L2 by form (v1, v2, v3d, v3e .. v3n): {}",
-        w.join(", ")
+        "worst rel L2: v1 {:.3e}, v2 {:.3e}, v3d {:.3e}",
+        worst[0], worst[1], worst[2]
     );
     assert!(bad.is_empty(), "failing cases: {bad:#?}");
 }

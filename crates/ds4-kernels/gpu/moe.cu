@@ -972,7 +972,13 @@ DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter()
 // CTA: nb tiles of 8 output rows of expert e = sel[blockIdx.y] (first pair holding e, as v2);
 // h in plain order [pair][ff] and mx[pair][CTA] = the CTA's max |h| (the down kernel's x scale).
 // Shared memory: grid (2 KB), x fragments (cols * 4 bytes), red[8 warps][16], 3 stages
-// (3 * 16 * 544 bytes).
+// (3 * 16 * 544 bytes). Session 9 (bench/results/gpu-moe-m9-h200.txt): raw words by two aligned
+// loads and B loaded only by the lanes that use it (m3gu_dec) took shared-memory wavefronts from
+// 80% to 69% of peak and the kernel from 35.6 to 34.3 us; the kernel is then latency-bound
+// (stalls: short scoreboard, barrier, math pipe throttle at 58% issue). Lost there (code in
+// 90d531e): the grid as 4-byte nibble codes expanded by PRMT from a register pool (half the
+// lookup wavefronts, but 14% more instructions: 36.9 us), two interleaved mma chains (no faster,
+// another summation order), x staged by all 512 down threads (more instructions).
 // ===================================================================================================
 #define M3_THREADS 256
 #define M3_SROW 544 // staged row stride (528 used)
@@ -1038,22 +1044,14 @@ __device__ __forceinline__ void m3_entry(u64 gr, u32 sl, u32 sh, u32 m2, u32 (&w
 }
 
 // Sub-block words of one staged row (4-byte aligned): the 8 bytes at byte o (even) as idx4 (4 grid
-// indices) and aux (4 x 7 sign bits, 4-bit scale), from aligned words.
-__device__ __forceinline__ void m3_sub(const u8* row, int o, u32& idx4, u32& aux) {
-    const u32* q = (const u32*)(row + (o & ~3));
-    u32 sh = (u32)(o & 2) * 8u, a = q[0], b = q[1], c = q[2];
-    idx4 = __funnelshift_r(a, b, sh);
-    aux = __funnelshift_r(b, c, sh);
-}
-
-// m3_sub with the loads chosen by the alignment of (o & ~3), uniform over a warp (v3f): AL 1: it
-// is 8-byte aligned (LDS.64 + LDS.32), AL 2: 4 mod 8 (LDS.32 + LDS.64); fewer loads and
-// wavefronts than three LDS.32 (2-way bank conflicts: rows at a 544-byte stride).
-template <int AL> __device__ __forceinline__ void m3_sub_al(const u8* row, int o, u32& idx4, u32& aux) {
-    if (AL == 0) return m3_sub(row, o, idx4, aux);
+// indices) and aux (4 x 7 sign bits, 4-bit scale), from the 12 aligned bytes at o & ~3. A8: that
+// address is 8-byte aligned (LDS.64 + LDS.32), else it is 4 mod 8 (LDS.32 + LDS.64); uniform over
+// a warp (o mod 8 depends on the warp's block only). Two loads instead of three LDS.32, which
+// also had 2-way bank conflicts (rows at a 544-byte stride).
+template <bool A8> __device__ __forceinline__ void m3_sub(const u8* row, int o, u32& idx4, u32& aux) {
     const u32* q = (const u32*)(row + (o & ~3));
     u32 a, b, c;
-    if (AL == 1) {
+    if (A8) {
         uint2 v = *(const uint2*)q;
         a = v.x, b = v.y, c = q[2];
     } else {
@@ -1072,91 +1070,39 @@ __device__ __forceinline__ void m3_signs(u32 s7, u32& lo, u32& hi) {
     hi = ((s7 * 0x00020408u) & 0x00808080u) | ((u32)__popc(s7) << 31); // bits 4-6 -> 7, 15, 23
 }
 
-// Form v3e: the grid as one 4-byte word per index (nibble l = element l's magnitude code: 0, 1, 2
-// for 8, 25, 43), expanded to magnitude bytes by PRMT from a register pool (one LDS.32 of a 1 KB
-// table instead of an LDS.64 of 2 KB: about half the shared-memory wavefronts per lookup,
-// bank conflicts included; two PRMT and a shift more per entry).
-#define M3_POOL 0x002b1908u // bytes 8, 25, 43
-__device__ __forceinline__ void m3_nib_grid(u32* gn) {
-    for (int i = threadIdx.x; i < 256; i += M3_THREADS) {
-        u64 g = ds4_iq2xxs_grid[i];
-        u32 e = 0;
-        for (int l = 0; l < 8; l++) {
-            u32 b = (u32)(g >> (8 * l)) & 255u;
-            e |= (b == 8u ? 0u : b == 25u ? 1u : 2u) << (4 * l);
-        }
-        gn[i] = e;
-    }
-}
-// The 8 magnitude bytes of grid index i (as the u64 grid entry).
-template <int GV> __device__ __forceinline__ u64 m3_grid_entry(const void* gs, u32 i) {
-    if (GV == 0) return ((const u64*)gs)[i];
-    u32 e = ((const u32*)gs)[i];
-    return (u64)m3_prmt(M3_POOL, 0u, e) | ((u64)m3_prmt(M3_POOL, 0u, e >> 16) << 32);
-}
-
-// One stage's decode + mma of a warp (block bw of the staged gate rows rg and up rows ru) into c4.
-template <int GV, int AL, bool XP, bool ACC2>
-__device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const void* gs, const uint4* xf, int warp, int tig,
-                                         int lane, int bw, float (&c4)[2][4], uint4 (&bx)[2]) {
-    if (ACC2) { // both halves' raw words first, then entry q of half 0 and half 1 in turn (two chains)
-        u32 ig[2], xg[2], iu[2], xu[2], m2g[2], m2u[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            int o = 66 * warp + 2 + 8 * (4 * hh + tig);
-            m3_sub_al<AL>(rg, o, ig[hh], xg[hh]);
-            m3_sub_al<AL>(ru, o, iu[hh], xu[hh]);
-            u32 mg = 1u + 2u * (xg[hh] >> 28), mu = 1u + 2u * (xu[hh] >> 28);
-            const u32 b1k = 0x64006400u;
-            m2g[hh] = m3_hsub2((mg | (mg << 16)) | b1k, b1k), m2u[hh] = m3_hsub2((mu | (mu << 16)) | b1k, b1k);
-        }
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                if (!XP || lane < 8) bx[hh] = xf[((2 * bw + hh) * 4) * 8 + (lane & 7) + q * 8];
-                u32 slg, shg, slu, shu;
-                m3_signs((xg[hh] >> (7 * q)) & 127u, slg, shg);
-                m3_signs((xu[hh] >> (7 * q)) & 127u, slu, shu);
-                u32 wg[4], wu[4];
-                m3_entry(m3_grid_entry<GV>(gs, (ig[hh] >> (8 * q)) & 0xffu), slg, shg, m2g[hh], wg);
-                m3_entry(m3_grid_entry<GV>(gs, (iu[hh] >> (8 * q)) & 0xffu), slu, shu, m2u[hh], wu);
-                m3_mma(c4[hh], wg[0], wu[0], wg[1], wu[1], bx[hh].x, bx[hh].y);
-                m3_mma(c4[hh], wg[2], wu[2], wg[3], wu[3], bx[hh].z, bx[hh].w);
-            }
-        return;
-    }
+// One stage of a warp: block bw of the staged gate rows rg and up rows ru, times x, into c4. A8: see
+// m3_sub. B: lanes gid 0 / 1 load x_hi / x_lo; the others keep zeros in bx (never loaded: C
+// columns 2-7 are never read, and a column of C depends on its column of B only). A 16-byte LDS
+// costs a wavefront per 8 lanes even where lanes repeat addresses, so the old duplicate loads
+// of lanes 8-31 cost 4 instead of 1 (ncu: L1/TEX 80% -> 69%). bx: two fragments in turn.
+template <bool A8>
+__device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const u64* gs, const uint4* xf, int warp, int tig,
+                                         int lane, int bw, float (&c4)[4], uint4 (&bx)[2]) {
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
         int sb = 4 * hh + tig, c = 2 * bw + hh, o = 66 * warp + 2 + 8 * sb;
         u32 ig, xg, iu, xu;
-        m3_sub_al<AL>(rg, o, ig, xg);
-        m3_sub_al<AL>(ru, o, iu, xu);
+        m3_sub<A8>(rg, o, ig, xg);
+        m3_sub<A8>(ru, o, iu, xu);
         u32 mg = 1u + 2u * (xg >> 28), mu = 1u + 2u * (xu >> 28);
         const u32 b1k = 0x64006400u;
         u32 m2g = m3_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = m3_hsub2((mu | (mu << 16)) | b1k, b1k);
-        // B: lanes gid 0 / 1 read x_hi / x_lo; the others duplicate them into C columns
-        // 2-7, which are never read (a column of C depends on its column of B only);
-        // XP: the others keep zeros.
         const uint4* xb = xf + (c * 4) * 8 + (lane & 7);
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            if (!XP || lane < 8) bx[q & 1] = xb[q * 8];
+            if (lane < 8) bx[q & 1] = xb[q * 8];
             u32 slg, shg, slu, shu;
             m3_signs((xg >> (7 * q)) & 127u, slg, shg);
             m3_signs((xu >> (7 * q)) & 127u, slu, shu);
             u32 wg[4], wu[4];
-            m3_entry(m3_grid_entry<GV>(gs, (ig >> (8 * q)) & 0xffu), slg, shg, m2g, wg);
-            m3_entry(m3_grid_entry<GV>(gs, (iu >> (8 * q)) & 0xffu), slu, shu, m2u, wu);
-            m3_mma(c4[0], wg[0], wu[0], wg[1], wu[1], bx[q & 1].x, bx[q & 1].y);
-            m3_mma(c4[0], wg[2], wu[2], wg[3], wu[3], bx[q & 1].z, bx[q & 1].w);
+            m3_entry(gs[(ig >> (8 * q)) & 0xffu], slg, shg, m2g, wg);
+            m3_entry(gs[(iu >> (8 * q)) & 0xffu], slu, shu, m2u, wu);
+            m3_mma(c4, wg[0], wu[0], wg[1], wu[1], bx[q & 1].x, bx[q & 1].y);
+            m3_mma(c4, wg[2], wu[2], wg[3], wu[3], bx[q & 1].z, bx[q & 1].w);
         }
     }
 }
 
-// GV: grid form (0: u64 entries, v3d; 1: nibble codes, v3e). A64: raw words by m3_sub_al (v3f).
-// XP: only lanes gid < 2 (the ones whose B columns are read) load the x fragments (v3g).
-template <int GV, bool A64, bool XP, bool ACC2>
 __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int n, int k,
                                           const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
@@ -1200,10 +1146,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     };
     issue();
     issue();
-    if (GV == 0)
-        m2_grid<T_IQ2_XXS>(gs);
-    else
-        m3_nib_grid((u32*)gs);
+    m2_grid<T_IQ2_XXS>(gs);
     // sigma from max |x| (exact power of two; max is order-free: deterministic).
     float am = 0.0f;
     for (int i = tid; i < cols / 4; i += M3_THREADS) {
@@ -1233,9 +1176,8 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     }
     float ag = 0.0f, au = 0.0f, hmax = 0.0f;
     int kq = 0, tl = 0, bs = 0; // this stage: columns 2048 kq .., tile, buffer
-    // B fragments, two in turn (XP: zeros in lanes gid >= 2, which never load them).
-    uint4 bx[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
-    const bool al8 = ((66 * warp + 2) & 4) == 0; // (o & ~3) % 8 == 0 for this warp's sub-blocks
+    uint4 bx[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}; // see m3gu_dec
+    const bool al8 = ((66 * warp + 2) & 4) == 0; // this warp's (o & ~3) % 8 == 0 (m3_sub)
     for (int s = 0; s < S; s++) {
         m3_wait1();      // this thread's copies of stage s have landed
         __syncthreads(); // everyone's; stage s - 1 is no longer read
@@ -1243,21 +1185,14 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
         int bw = 8 * kq + warp; // this warp's block of the row
         const u8* rg = stg + bs * M3_STAGE + gid * M3_SROW;
         const u8* ru = rg + 8 * M3_SROW;
-        float c4[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        if (!A64)
-            m3gu_dec<GV, 0, XP, ACC2>(rg, ru, gs, xf, warp, tig, lane, bw, c4, bx);
-        else if (al8)
-            m3gu_dec<GV, 1, XP, ACC2>(rg, ru, gs, xf, warp, tig, lane, bw, c4, bx);
+        float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (al8)
+            m3gu_dec<true>(rg, ru, gs, xf, warp, tig, lane, bw, c4, bx);
         else
-            m3gu_dec<GV, 2, XP, ACC2>(rg, ru, gs, xf, warp, tig, lane, bw, c4, bx);
+            m3gu_dec<false>(rg, ru, gs, xf, warp, tig, lane, bw, c4, bx);
         float dg = ds4_h2f_fast(*(const u16*)(rg + 66 * warp)), du = ds4_h2f_fast(*(const u16*)(ru + 66 * warp));
-        if (ACC2) {
-            ag = fmaf(dg, (c4[0][0] + c4[0][1]) + (c4[1][0] + c4[1][1]), ag);
-            au = fmaf(du, (c4[0][2] + c4[0][3]) + (c4[1][2] + c4[1][3]), au);
-        } else {
-            ag = fmaf(dg, c4[0][0] + c4[0][1], ag);
-            au = fmaf(du, c4[0][2] + c4[0][3], au);
-        }
+        ag = fmaf(dg, c4[0] + c4[1], ag);
+        au = fmaf(du, c4[2] + c4[3], au);
         bs = bs == 2 ? 0 : bs + 1;
         if (++kq == ks_n) { // tile done: warps' partials (lanes tig 0: column 0 + 1) -> h
             kq = 0;
@@ -1312,7 +1247,8 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 // by the CTA once per slot, double-buffered); one cp.async stage (16 rows x 672 bytes at a
 // 688-byte stride) per slot, one ahead. Sums: per lane over slots in order, then over warps in
 // order (deterministic). Shared memory: xf[2][cols / 4 uint4], sx[2][8 blocks][2][16] u16,
-// red[16][16], scale[2][32], 2 stages.
+// red[16][16], scale[2][32], 2 stages. Issue-bound (~300 instructions a warp and slot at IPC
+// 2.4; the largest stall: the slot barrier): bench/results/gpu-moe-m9-h200.txt.
 #define M3D_THREADS 512
 #define M3D_SROW 688
 #define M3D_LB2 M3D_THREADS, 2 // at most 64 registers: 2 CTAs per SM
@@ -1320,11 +1256,6 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
 __device__ __forceinline__ void m3_wait0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
-// XB (v3h): x of a slot loaded and converted by all 512 threads (4 columns each) instead of the
-// first 256 (8 each), so no warp waits at the slot's barrier for the others' conversions.
-// SR (v3m): the slots' expert ids held in lanes (k <= 32) and taken by a shuffle when a stage is
-// issued, instead of a global load right after the slot's barrier.
-template <bool XB, bool SR>
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
                                           int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
@@ -1339,11 +1270,13 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     int ci0 = tid / 42, cj0 = tid - 42 * ci0, ci1 = (tid + M3D_THREADS) / 42, cj1 = tid + M3D_THREADS - 42 * ci1;
     long long co0 = (long long)min(r0 + ci0, rows - 1) * row_bytes + 16 * cj0;
     long long co1 = (long long)min(r0 + ci1, rows - 1) * row_bytes + 16 * cj1;
-    int selr = SR && lane < k ? sel[lane] : 0;
+    // The slots' expert ids in lanes (k <= 32), taken by a shuffle when a stage is issued (a
+    // global load there stalled every warp right after the slot's barrier).
+    int selr = lane < k ? sel[lane] : 0;
     auto issue = [&](int s) {
-        int es = SR ? __shfl_sync(0xffffffffu, selr, s & 31) : 0;
+        int es = __shfl_sync(0xffffffffu, selr, s & 31);
         if (s < k) {
-            const u8* wb = W + (long long)max(SR ? es : sel[s], 0) * slab;
+            const u8* wb = W + (long long)max(es, 0) * slab;
             u8* dst = stg + (s & 1) * 16 * M3D_SROW;
             m3_cp16(dst + ci0 * M3D_SROW + 16 * cj0, wb + co0);
             if (tid + M3D_THREADS < 16 * 42) m3_cp16(dst + ci1 * M3D_SROW + 16 * cj1, wb + co1);
@@ -1364,13 +1297,6 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     // x of slot s in registers (threads < 256: entry q = (chunk c, group j, tig): h[128c + 32j + 8tig ..]).
     float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
     auto xload = [&](int s) {
-        if (XB) {
-            if (s < k) { // thread: half tid & 1 of entry tid / 2
-                int q = tid >> 1, c = q >> 4, jj = (q >> 2) & 3, t = q & 3;
-                xa = ((const float4*)(hx + (long long)s * hs + 128 * c + 32 * jj + 8 * t))[tid & 1];
-            }
-            return;
-        }
         if (tid < 256 && s < k) {
             int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3;
             const float4* src = (const float4*)(hx + (long long)s * hs + 128 * c + 32 * jj + 8 * t);
@@ -1378,32 +1304,6 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
         }
     };
     auto xstore = [&](int s) {
-        if (XB) {
-            if (s < k) {
-                int q = tid >> 1, hf = tid & 1, c = q >> 4, jj = (q >> 2) & 3, t = q & 3, buf = s & 1;
-                float xsc = scl[s];
-                float v0 = xa.x * xsc, v1 = xa.y * xsc, v2 = xa.z * xsc, v3 = xa.w * xsc;
-                u32 h0 = m3_f16x2(v0, v1), h1 = m3_f16x2(v2, v3);
-                u32 l0 = m3_f16x2(v0 - ds4_h2f_fast(h0 & 0xffffu), v1 - ds4_h2f_fast(h0 >> 16));
-                u32 l1 = m3_f16x2(v2 - ds4_h2f_fast(h1 & 0xffffu), v3 - ds4_h2f_fast(h1 >> 16));
-                uint2* xd = (uint2*)(xf + buf * 512 + (c * 4 + jj) * 8 + t); // hi at [hf], lo at [8 + hf]
-                xd[hf] = make_uint2(h0, h1);
-                xd[8 + hf] = make_uint2(l0, l1);
-                // The same sums in the same order as below: halves (lower first), then neighbours.
-                float s4 = (v0 + v1) + (v2 + v3);
-                float o4 = __shfl_xor_sync(0xffffffffu, s4, 1);
-                float sm = hf ? o4 + s4 : s4 + o4;
-                float ot = __shfl_xor_sync(0xffffffffu, sm, 2);
-                float g = ((t & 1) ? ot + sm : sm + ot) * 0.0625f;
-                if (hf == 0 && (t & 1) == 0) {
-                    u16* sd = sxh + ((buf * 8 + (c >> 1)) * 2) * 16 + 8 * (c & 1) + 2 * jj + (t >> 1);
-                    u32 gh = m3_f16x2(g, 0.0f) & 0xffffu;
-                    sd[0] = (u16)gh;
-                    sd[16] = (u16)(m3_f16x2(g - ds4_h2f_fast(gh), 0.0f) & 0xffffu);
-                }
-            }
-            return;
-        }
         if (tid < 256 && s < k) {
             int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3, buf = s & 1;
             float xsc = scl[s];
@@ -1487,39 +1387,16 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
 // host launches these only on CUDA sm_80+).
 #define M3GU_PARAMS M2GU_PARAMS, float *__restrict__ mx
 #define M3GU_ARGS M2GU_ARGS, mx
+DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
+    ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-#define M3GU_KERNEL(name, GV, A64, XP, ACC2)                                                                   \
-    DS4_KERNEL void DS4_BOUNDS(M3_LB4) name(M3GU_PARAMS) {                                                     \
-        ds4_pdl_enter();                                                                                       \
-        m3gu_body<GV, A64, XP, ACC2>(M3GU_ARGS);                                                               \
-    }
-#else
-#define M3GU_KERNEL(name, GV, A64, XP, ACC2)                                                                   \
-    DS4_KERNEL void DS4_BOUNDS(M3_LB4) name(M3GU_PARAMS) { ds4_pdl_enter(); }
+    m3gu_body(M3GU_ARGS);
 #endif
-M3GU_KERNEL(m3gu1_iq2_xxs, 0, false, false, false)
-M3GU_KERNEL(m3gu1e_iq2_xxs, 1, false, false, false)
-M3GU_KERNEL(m3gu1f_iq2_xxs, 1, true, false, false)
-M3GU_KERNEL(m3gu1g_iq2_xxs, 1, true, true, false)
-M3GU_KERNEL(m3gu1j_iq2_xxs, 0, true, true, false)
-M3GU_KERNEL(m3gu1k_iq2_xxs, 0, true, true, true)
-M3GU_KERNEL(m3gu1l_iq2_xxs, 1, true, true, true)
+}
 // n = 1, cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu.
 DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<false, false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
-#endif
-}
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1b_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
-    ds4_pdl_enter();
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<true, false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
-#endif
-}
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1c_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
-    ds4_pdl_enter();
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<false, true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    m3dn_body(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }

@@ -8,7 +8,10 @@
 //! variant lost: removed, code in git at bba6ee6). Where v3d does not cover the product, v2 (`m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight
 //! from global memory, x in registers, and passes h to the down kernel in that kernel's lane
 //! order; v1 (the default for n = 2..4, where it measured faster than v2) stages rows in shared
-//! memory. Numbers: bench/results/gpu-moe-m8-h200.txt. An int8-x
+//! memory. Numbers: bench/results/gpu-moe-m8-h200.txt, gpu-moe-m9-h200.txt (session 9: the v3d
+//! kernels' shared-memory loads and the down's expert-id loads trimmed, gate/up 35.6 -> 34.3 us,
+//! down 20.7 -> 20.5 us under ncu; a nibble-coded grid, two mma chains and a balanced down lost,
+//! code in 90d531e). An int8-x
 //! dp4a form (v4i, session 7) was no faster end to end on the H200 and ~1e-2 off the CPU: deleted
 //! (bench/results/gpu-moe-m-h200.txt). Numbers: bench/results/gpu-moe-s4-h200.txt,
 //! gpu-moe-x-h200.txt, gpu-moe-m-h200.txt.
@@ -67,22 +70,6 @@ fn v2_layout(ty: &str) -> i32 {
         _ => 0,
     }
 }
-
-/// The v3 forms (form 3 + index): name, gate/up and down kernel suffixes (`m3gu1<s>_`,
-/// `m3dn1<s>_`).
-const V3_FORMS: [(&str, &str, &str); 11] = [
-    ("v3d", "", ""),
-    ("v3e", "e", ""),
-    ("v3f", "f", ""),
-    ("v3g", "g", ""),
-    ("v3h", "", "b"),
-    ("v3i", "g", "b"),
-    ("v3j", "j", ""),
-    ("v3k", "k", ""),
-    ("v3l", "l", ""),
-    ("v3m", "", "c"),
-    ("v3n", "k", "c"),
-];
 
 /// Shared memory of the v3d gate/up at `cols` columns (`m3gu_body`: grid, x fragments, partials
 /// and maxima, 3 stages of 16 rows at a 544-byte stride).
@@ -152,7 +139,7 @@ impl GpuBackend {
     /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d;
     /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v3d` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(2 + V3_FORMS.len()), Ordering::Relaxed);
+        FORM.store(form.min(3), Ordering::Relaxed);
     }
 
     /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
@@ -218,16 +205,15 @@ impl GpuBackend {
             0 => *ENV_FORM.get_or_init(|| match std::env::var("DS4_GPU_MOE_FORM").as_deref() {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
-                Ok(v) => V3_FORMS.iter().position(|f| f.0 == v).map_or(0, |i| 3 + i),
+                Ok("v3d") => 3,
                 _ => 0,
             }),
             f => f,
         };
         // n = 1: v3d (v2 where its kernels do not cover the product).
         let form = if form == 0 && n == 1 { 3 } else { form };
-        let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
-        let v3 = if v3d { form } else { 0 };
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3) {
+        let v3d = form == 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             if v3d {
@@ -297,8 +283,8 @@ impl GpuBackend {
             && info.cc.0 >= 8
     }
 
-    /// The v2 launches (v3 = 3 / 4: the v3d / v3e kernels instead); false: the shape does not
-    /// fit them; nothing was queued.
+    /// The v2 launches (v3d: the v3d kernels instead); false: the shape does not fit them;
+    /// nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -309,9 +295,8 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
-        v3: usize,
+        v3d: bool,
     ) -> bool {
-        let v3d = v3 != 0;
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
         let w = self.warp() as usize;
@@ -356,8 +341,7 @@ impl GpuBackend {
         let nb3 = pick(V2_NB.load(Ordering::Relaxed), env.0, 3);
         let ngu = ff.div_ceil(8 * nb3);
         let (name, grid, smem, tiles) = if v3d {
-            let e = V3_FORMS[v3 - 3].1;
-            (format!("m3gu1{e}_{}", g.1), ngu, v3_smem(d), nb3)
+            (format!("m3gu1_{}", g.1), ngu, v3_smem(d), nb3)
         } else {
             (format!("m2gu{nt}_{}", g.1), ff.div_ceil(tr_gu), smem_gu, nb)
         };
@@ -387,7 +371,7 @@ impl GpuBackend {
             Some(mx) => {
                 tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
                 (
-                    format!("m3dn1{}_{}", V3_FORMS[v3 - 3].2, dn.1),
+                    format!("m3dn1_{}", dn.1),
                     d.div_ceil(16),
                     V3D_THREADS,
                     V3D_SMEM,
