@@ -6,10 +6,8 @@
 //! (automatic item tile, double-buffered), f16/1buf = single-buffered, f16/64|128|256 = fixed tiles, bf16 = the previous default (hi/lo split,
 //! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
 //! and fma (per type). default = the default forms (the tiled form for Q2_K/Q4_K, the MoE's
-//! IQ2_XXS gate/up on X split once: `gemmb_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
-//! = X split per CTA, /oldgu = the MoE's IQ2_XXS gate/up with hi/lo weights (`gemmb_iq2_xxs`)
-//! instead of exact ones (`gemmc_iq2_xxs`), /olddn = tiled Q2_K decoded per warp (`gemmt_q2_k`)
-//! instead of once per CTA (`gemmu_q2_k`), /old = both. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
+//! IQ2_XXS gate/up on X split once: `gemmc_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
+//! = X split per CTA. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
 //! `GEMM_BENCH_FORMS=default,bf16`: only those forms (model shapes and routed experts).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
@@ -95,11 +93,6 @@ const DEFAULT: Form = ("default", true, false, false, true, 0, true);
 const DEFAULT_NOSKIP: Form = ("default/noskip", true, false, false, true, 0, true);
 const BF16_NOSKIP: Form = ("bf16/noskip", true, false, false, true, 0, true);
 const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
-const DEFAULT_OLDGU: Form = ("default/oldgu", true, false, false, true, 0, true);
-const DEFAULT_OLDDN: Form = ("default/olddn", true, false, false, true, 0, true);
-const DEFAULT_OLD: Form = ("default/old", true, false, false, true, 0, true);
-const DEFAULT_GU1: Form = ("default/gu1", true, false, false, true, 0, true);
-const DEFAULT_DN1: Form = ("default/dn1", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -117,28 +110,10 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_tile(tile);
     // bf16: the hi/lo form everywhere; tiled: the tiled form for every quantised type; default:
     // the tiled form for Q2_K/Q4_K. "/noskip": empty m-tiles not skipped; "/noxb": the MoE's
-    // IQ2_XXS gate/up split X per CTA (gemm_iq2_xxs) instead of once (gemmb_iq2_xxs).
+    // IQ2_XXS gate/up split X per CTA (gemm_iq2_xxs) instead of once (gemmc_iq2_xxs).
     GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
     GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
     GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
-    // "/oldgu": the MoE's IQ2_XXS gate/up with hi/lo weights (gemmb) instead of exact ones
-    // (gemmc); "/olddn": tiled Q2_K decoded per warp (gemmt) instead of once per CTA (gemmu);
-    // "/old": both; "/gu1": gemmc1_iq2_xxs (one grid table), "/dn1": gemmu1_q2_k (gemmt's X layout).
-    let n = f.0;
-    GpuBackend::set_gemm_exact_gu(if n.ends_with("/oldgu") || n.ends_with("/old") {
-        0
-    } else if n.ends_with("/gu1") {
-        1
-    } else {
-        2
-    });
-    GpuBackend::set_gemm_shared_q2k(if n.ends_with("/olddn") || n.ends_with("/old") {
-        0
-    } else if n.ends_with("/dn1") {
-        1
-    } else {
-        2
-    });
 }
 
 fn main() {
@@ -253,11 +228,6 @@ fn main() {
                 DEFAULT,
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
-                DEFAULT_OLDGU,
-                DEFAULT_OLDDN,
-                DEFAULT_OLD,
-                DEFAULT_GU1,
-                DEFAULT_DN1,
                 BF16,
                 BF16_NOSKIP,
                 TILED,
@@ -267,16 +237,7 @@ fn main() {
                 .filter_map(|n| all.iter().find(|f| f.0 == n).copied())
                 .collect()
         } else if moe_only {
-            vec![
-                DEFAULT,
-                DEFAULT_OLDGU,
-                DEFAULT_OLDDN,
-                DEFAULT_OLD,
-                DEFAULT_NOSKIP,
-                BF16,
-                TILED,
-                F16,
-            ]
+            vec![DEFAULT, DEFAULT_NOSKIP, DEFAULT_NOXB, BF16, TILED, F16]
         } else {
             vec![DEFAULT, BF16, TILED, F16]
         };

@@ -11,8 +11,8 @@
 //! Q8_0 and IQ2_XXS; integer quants as f16, activations as two f16 planes) held to the bf16
 //! tensor-core tolerance relative to 1 + |cpu| (its errors are ~2^-22 per term), 6: the bf16 hi/lo
 //! form with the tiled form off (the previous default); the MoE's IQ2_XXS gate/up on exact bf16
-//! weights (`gemmc_iq2_xxs`) and tiled Q2_K decoded once per CTA (`gemmu_q2_k`) except in forms
-//! 6 (`gemmb_iq2_xxs`) and 5 (`gemmt_q2_k`); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
+//! weights (`gemmc_iq2_xxs`, forms 0 and 6) and tiled Q2_K with X in the unit layout
+//! (`gemmu_q2_k`, forms 0 and 5); each held to its tolerance; the CPU reference runs once per case. Forms 0 and 2
 //! are held to the tensor-core tolerances (measured on the H200 at 5b38cfb: worst 1.4e-3 with
 //! Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
 //! forms are process-wide switches: run with --test-threads=1 on a GPU. Each case also checks that the
@@ -166,11 +166,6 @@ fn set_form(form: usize) {
     GpuBackend::set_gemm_tile(if form == 4 { 256 } else { 0 });
     GpuBackend::set_gemm_dbuf(form != 4);
     GpuBackend::set_gemm_tiled(form != 6, form == 5);
-    // Forms 0-4: the MoE's IQ2_XXS gate/up on exact weights (gemmc_iq2_xxs), tiled Q2_K decoded
-    // once per CTA (gemmu_q2_k); form 6 keeps the hi/lo gate/up (gemmb_iq2_xxs), form 5 the
-    // per-warp Q2_K decode (gemmt_q2_k).
-    GpuBackend::set_gemm_exact_gu(if form == 6 { 0 } else { 2 });
-    GpuBackend::set_gemm_shared_q2k(if form == 5 { 0 } else { 2 });
 }
 
 #[test]
@@ -340,7 +335,7 @@ fn gemm_moe_128_tokens_6_slots() {
                 );
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 let launched = GpuBackend::gemm_launches() > l0;
-                // The q2 mix's IQ2_XXS gate/up take the split-X bf16 form (gemmb_*) on CUDA
+                // The q2 mix's IQ2_XXS gate/up take the split-X form (gemmc_iq2_xxs) on CUDA
                 // sm_80+ in the default form and with the tiled form off.
                 let sm80 = {
                     let i = gpu.gpu().info();
@@ -356,10 +351,11 @@ fn gemm_moe_128_tokens_6_slots() {
                         .bad
                         .push(format!("{key} form={form}: split-X form not taken"));
                 }
-                // Form 0, q2 mix: gate/up on gemmc_iq2_xxs, down on gemmu_q2_k; form 6: gemmb.
+                // Forms 0 and 6, q2 mix: gate/up on gemmc_iq2_xxs; form 0: a Q2_K down on
+                // gemmu_q2_k (form 6: the bf16 form).
                 let e1 = GpuBackend::gemm_exact_launches();
                 let q2 = tg == GgmlType::IQ2_XXS && tu == GgmlType::IQ2_XXS;
-                let want_c = if q2 && form == 0 { 2 } else { 0 };
+                let want_c = if q2 { 2 } else { 0 };
                 let want_u = u64::from(form == 0 && td == GgmlType::Q2_K);
                 if sm80
                     && (form == 0 || form == 6)

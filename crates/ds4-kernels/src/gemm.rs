@@ -5,10 +5,11 @@ use crate::Module;
 /// `gemmw_<t>`: the bf16 form with 128-item tiles (256 threads) for long prompts;
 /// `gemmp_<t>`: 3xTF32 mma (more precise; FMA where no mma); `gemmf_<t>`: always the FMA tiles; `gemm_sum_f32`: split-K partial sums;
 /// `gemmh<BM>_<t>`: one f16 mma per tile on X pre-scaled and rounded by `gemm_xh_f32` (opt-in, sm_80+);
-/// `gemmt_<t>`: tiled integer-weight form (CUDA sm_80+; default for Q2_K/Q4_K, opt-in Q8_0/IQ2_XXS:
+/// `gemmt_<t>`: tiled integer-weight form (CUDA sm_80+; default for Q4_K, opt-in Q8_0/IQ2_XXS:
 /// raw blocks and X staged by cp.async, scales per super-block, two f16 mma per tile on X from
 /// `gemm_xt_f32`);
-/// `gemmb_<t>`: the bf16 form on X split into hi/lo once per product by `gemm_xb_f32` (the MoE's
+/// `gemmu_q2_k`: the tiled form for Q2_K with the weights decoded once per CTA (X in the unit layout);
+/// `gemmc_iq2_xxs`: exact bf16 weights, two mma per tile, on X split into hi/lo once per product by `gemm_xb_f32` (the MoE's
 /// IQ2_XXS gate/up, CUDA sm_80+);
 /// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
 pub const GEMM: Module = Module {
@@ -34,9 +35,7 @@ pub const GEMM: Module = Module {
         "gemmp_q4_k",
         "gemmf_q4_k",
         "gemm_iq2_xxs",
-        "gemmb_iq2_xxs",
         "gemmc_iq2_xxs",
-        "gemmc1_iq2_xxs",
         "gemm_xb_f32",
         "gemmp_iq2_xxs",
         "gemmf_iq2_xxs",
@@ -68,11 +67,9 @@ pub const GEMM: Module = Module {
         "gemmh256_iq2_xxs",
         "gemm_xh_f32",
         "gemmt_q8_0",
-        "gemmt_q2_k",
         "gemmt_q4_k",
         "gemmt_iq2_xxs",
         "gemmu_q2_k",
-        "gemmu1_q2_k",
         "gemm_xt_f32",
     ],
 };

@@ -9,13 +9,16 @@
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 //! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
-//! The MoE's IQ2_XXS gate/up (the q2 mix) take `gemmb_iq2_xxs` on CUDA sm_80+: the bf16 form on
-//! z split into hi/lo once per product (`gemm_xb_f32`; `DS4_GPU_GEMM_XB=0` splits per CTA), raw
-//! IQ2_XXS fields in flight across the mma; m-tiles of 16 items with no valid pair are skipped
-//! (`DS4_GPU_GEMM_SKIP=0` off). H200 (bench/results/gpu-gemm-e8-h200.txt): routed experts q2
-//! n = 2048 10.69 -> 9.45 ms, same results bit for bit.
+//! The MoE's IQ2_XXS gate/up (the q2 mix) take `gemmc_iq2_xxs` on CUDA sm_80+: z split into
+//! bf16 hi/lo once per product (`gemm_xb_f32`; `DS4_GPU_GEMM_XB=0`: the bf16 hi/lo form
+//! `gemm_iq2_xxs`, split per CTA), weights g * sign exact in bf16 (two mma per tile, the chunk
+//! scale on the accumulators), raw IQ2_XXS fields in flight across the mma; m-tiles of 16 items
+//! with no valid pair are skipped (`DS4_GPU_GEMM_SKIP=0` off). Tiled Q2_K products (the q2 mix's
+//! down) take `gemmu_q2_k`: weights decoded once per CTA into a shared tile, X in the unit
+//! layout of `gemm_xt_f32`. H200 (bench/results/gpu-gemm-e9-h200.txt): routed experts q2
+//! n = 2048 9.33 -> 7.98 ms, n = 4096 18.17 -> 15.27 ms against the hi/lo gate/up and `gemmt_q2_k`.
 //!
-//! Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+; default for Q2_K/Q4_K weights,
+//! Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+; default for Q2_K (`gemmu_q2_k`)/Q4_K weights,
 //! `DS4_GPU_GEMM_TILED=all` adds Q8_0/IQ2_XXS, `=0` turns it off: see `TILED`): 64 items × 64
 //! rows, 128 threads; weights as exact integers in f16 with their scales applied per super-block
 //! (Q8_0: per chunk; K-quant mins as one more mma on 16-element activation sums), X converted
@@ -234,8 +237,8 @@ fn skip_empty() -> bool {
     v
 }
 
-/// bf16-form IQ2_XXS gate/up of the MoE on X split once per product (`gemm_xb_f32`,
-/// `gemmb_iq2_xxs`) instead of per CTA: 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_XB` (`0` = no).
+/// IQ2_XXS gate/up of the MoE on X split once per product (`gemm_xb_f32`, `gemmc_iq2_xxs`)
+/// instead of the bf16 form split per CTA: 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_XB` (`0` = no).
 static XB: AtomicU8 = AtomicU8::new(UNSET);
 
 fn split_x() -> bool {
@@ -248,52 +251,13 @@ fn split_x() -> bool {
     v
 }
 
-/// MoE IQ2_XXS gate/up on split X with exact bf16 weights (two mma per tile, the chunk scale on
-/// the accumulators) instead of `gemmb_iq2_xxs` (weights split hi/lo, three mma): 0 gemmb, 1
-/// `gemmc1_iq2_xxs` (one grid table), 2 `gemmc_iq2_xxs` (replicated grid), UNSET: read
-/// `DS4_GPU_GEMM_GU` (0, 1; default 2) on first use.
-static GU: AtomicU8 = AtomicU8::new(UNSET);
-
-fn exact_gu() -> u8 {
-    let v = GU.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v;
-    }
-    let v = match std::env::var("DS4_GPU_GEMM_GU").as_deref() {
-        Ok("0") => 0,
-        Ok("1") => 1,
-        _ => 2,
-    };
-    GU.store(v, Ordering::Relaxed);
-    v
-}
-
-/// Tiled-form Q2_K products with each weight decoded once per CTA into a shared tile: 0 no
-/// (`gemmt_q2_k`), 1 `gemmu1_q2_k` (X in gemmt's layout), 2 `gemmu_q2_k` (X in the unit layout,
-/// A fragments by ldmatrix), UNSET: read `DS4_GPU_GEMM_DN` (0, 1; default 2) on first use.
-static DN: AtomicU8 = AtomicU8::new(UNSET);
-
-fn shared_q2k() -> u8 {
-    let v = DN.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v;
-    }
-    let v = match std::env::var("DS4_GPU_GEMM_DN").as_deref() {
-        Ok("0") => 0,
-        Ok("1") => 1,
-        _ => 2,
-    };
-    DN.store(v, Ordering::Relaxed);
-    v
-}
-
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, tiled-form (`gemmt_*`) launches.
 static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Of those, split-X bf16-form (`gemmb_*`, `gemmc_*`) launches.
+/// Of those, split-X (`gemmc_*`) launches.
 static BLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, `gemmc_iq2_xxs` launches; tiled launches on `gemmu_q2_k`.
 static CLAUNCHES: AtomicU64 = AtomicU64::new(0);
@@ -328,7 +292,7 @@ struct Gm {
     /// Tiled form: super-block sums from `gemm_xt_f32` (null for types without mins); x then
     /// holds the hi/lo groups and xs the inverse row scales.
     xt: Option<DevPtr>,
-    /// bf16 form with x split once by `gemm_xb_f32` (`gemmb_<t>`).
+    /// x split once by `gemm_xb_f32` (`gemmc_iq2_xxs`).
     xb: bool,
     /// Tiled form: x in the unit layout (`gemm_xt_f32` unit != 0; Q2_K on `gemmu_q2_k`).
     xu: bool,
@@ -435,7 +399,11 @@ impl GpuBackend {
             Xc::Half(self.half_x(x, ntok, x_tok, width))
         } else if tys.iter().all(|&t| self.tiled_ok(t, strides)) {
             let sums = tys.iter().any(|&t| needs_sums(t));
-            let unit = shared_q2k() == 2 && tys.iter().all(|&t| t == GgmlType::Q2_K);
+            // Q2_K (gemmu_q2_k) reads X in the unit layout, the other types gemmt's.
+            let unit = tys.iter().all(|&t| t == GgmlType::Q2_K);
+            if !unit && tys.contains(&GgmlType::Q2_K) {
+                return Xc::F32;
+            }
             Xc::Tiled(self.tile_x(x, ntok, x_tok, width, sums, unit))
         } else {
             Xc::F32
@@ -498,23 +466,9 @@ impl GpuBackend {
         SKIP.store(on as u8, Ordering::Relaxed);
     }
 
-    /// MoE IQ2_XXS gate/up on X split once per product (`gemmb_iq2_xxs`; default true).
+    /// MoE IQ2_XXS gate/up on X split once per product (`gemmc_iq2_xxs`; default true).
     pub fn set_gemm_xb(on: bool) {
         XB.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// The MoE's split-X IQ2_XXS gate/up: 2 exact bf16 weights (`gemmc_iq2_xxs`, default), 1 the
-    /// same with one grid table (`gemmc1_iq2_xxs`), 0 hi/lo weights (`gemmb_iq2_xxs`).
-    /// Process-wide (tests, benchmarks).
-    pub fn set_gemm_exact_gu(level: u8) {
-        GU.store(level.min(2), Ordering::Relaxed);
-    }
-
-    /// Tiled Q2_K products: 2 weights decoded once per CTA, X in the unit layout (`gemmu_q2_k`,
-    /// default), 1 the same on gemmt's X layout (`gemmu1_q2_k`), 0 decoded per warp
-    /// (`gemmt_q2_k`). Process-wide (tests, benchmarks).
-    pub fn set_gemm_shared_q2k(level: u8) {
-        DN.store(level.min(2), Ordering::Relaxed);
     }
 
     /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
@@ -524,7 +478,7 @@ impl GpuBackend {
     }
 
     /// `gemm_xb_f32`: rows t < ntok of x (stride and width `width`, a multiple of 32) as the bf16
-    /// hi/lo words `gemmb_<t>` reads.
+    /// hi/lo words `gemmc_iq2_xxs` reads.
     fn split_x_buf(&self, x: DevPtr, ntok: usize, width: usize) -> GpuBuf {
         let b = self.scratch(ntok * width);
         self.run(
@@ -699,7 +653,7 @@ impl GpuBackend {
         LAUNCHES.load(Ordering::Relaxed)
     }
 
-    /// Split-X bf16-form (`gemmb_*`) GEMM launches so far in this process.
+    /// Split-X (`gemmc_iq2_xxs`) GEMM launches so far in this process.
     pub fn gemm_split_launches() -> u64 {
         BLAUNCHES.load(Ordering::Relaxed)
     }
@@ -739,15 +693,12 @@ impl GpuBackend {
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
             _ if til && m.ty == GgmlType::Q2_K && m.xu => "gemmu".into(),
-            _ if til && m.ty == GgmlType::Q2_K && shared_q2k() == 1 => "gemmu1".into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
             3 => "gemmp".into(),
             _ if wide => "gemmw".into(),
-            _ if m.xb && m.ty == GgmlType::IQ2_XXS && exact_gu() == 2 => "gemmc".into(),
-            _ if m.xb && m.ty == GgmlType::IQ2_XXS && exact_gu() == 1 => "gemmc1".into(),
-            _ if m.xb => "gemmb".into(),
+            _ if m.xb => "gemmc".into(),
             _ => "gemm".into(),
         };
         let bm = if til {
@@ -789,10 +740,10 @@ impl GpuBackend {
         if m.xb {
             BLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if form.starts_with("gemmc") {
+        if form == "gemmc" {
             CLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if form.starts_with("gemmu") {
+        if form == "gemmu" {
             ULAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
