@@ -220,7 +220,13 @@ fn round_rows_is_exact() {
             },
         ),
     ];
-    for (width, rr) in cases {
+    // Width-128 FP4 rows take round_fp4h128_f32 (a warp a row) by default and round_rows_f32
+    // in the simple form: both.
+    for (width, rr, simple) in cases
+        .iter()
+        .flat_map(|&(w, rr)| [(w, rr, false), (w, rr, true)])
+    {
+        GpuBackend::set_attn_simple(simple);
         let rows = 1500;
         let mut x = randn(&mut r, rows * width, 3.0);
         // Scaled rows (tiny and large magnitudes) and tie rows.
@@ -237,11 +243,12 @@ fn round_rows_is_exact() {
         cpu.round_rows(&mut c, rows, width, rr);
         let mut g = gpu.upload(&x);
         gpu.round_rows(&mut g, rows, width, rr);
-        let op = format!("round_rows {width} {rr:?}");
+        let op = format!("round_rows {width} {rr:?} simple {simple}");
         let gv = gpu.download(&g, x.len());
         gpu_ok(&gpu, &op);
         assert_bits(&op, &gv, &c);
     }
+    GpuBackend::set_attn_simple(false);
 }
 
 // ---------------------------------------------------------------------------------------------

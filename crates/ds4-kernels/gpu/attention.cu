@@ -187,6 +187,47 @@ DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width,
     }
 }
 
+// round_rows_f32 for width 128, Hadamard + FP4 only (the indexer's rows and queries; DS4_WARP 32):
+// a warp per row instead of a CTA with a barrier per butterfly stage. Lane l holds elements
+// 4l .. 4l+3: strides 1 and 2 within the lane, 4 .. 64 with lane l ^ (stride/4) (the lower index
+// takes a + b, the upper a − b: the same operands as ds4_round_shared), a block of 32 is 8 lanes
+// (amax by xor shuffles), then the same scale and rounding. grid ceil(rows / 8), blockDim 256.
+DS4_KERNEL void DS4_BOUNDS(256) round_fp4h128_f32(float* __restrict__ x, long long rows, int f16) {
+    ds4_pdl_enter();
+    const int lane = threadIdx.x % DS4_WARP;
+    const long long r = (long long)blockIdx.x * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
+    if (r >= rows || DS4_WARP != 32) return;
+    float4* xr = (float4*)(x + r * 128) + lane;
+    const float4 q = *xr;
+    float v[4] = {q.x, q.y, q.z, q.w}, t;
+    t = v[0], v[0] = ds4_add_rn(t, v[1]), v[1] = ds4_sub_rn(t, v[1]); // stride 1
+    t = v[2], v[2] = ds4_add_rn(t, v[3]), v[3] = ds4_sub_rn(t, v[3]);
+    t = v[0], v[0] = ds4_add_rn(t, v[2]), v[2] = ds4_sub_rn(t, v[2]); // stride 2
+    t = v[1], v[1] = ds4_add_rn(t, v[3]), v[3] = ds4_sub_rn(t, v[3]);
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) { // stride 4m
+        const bool hi = lane & m;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const float o = ds4_shfl_xor(v[c], m);
+            v[c] = hi ? ds4_sub_rn(o, v[c]) : ds4_add_rn(v[c], o);
+        }
+    }
+    const float hs = ds4_div_rn(1.0f, __fsqrt_rn(128.0f));
+    float m = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; c++) v[c] = ds4_mul_rn(v[c], hs), m = fmaxf(m, fabsf(v[c]));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, ds4_shfl_xor(m, o)); // the lane's block of 32
+    const float s = ds4_pow2_scale(fmaxf(m, 6.0f * 1.17549435e-38f), 6.0);
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        const float e = ds4_mul_rn(ds4_e2m1(ds4_clamp(ds4_div_rn(v[c], s), 6.0f)), s);
+        v[c] = f16 ? ds4_f16_round(e) : e;
+    }
+    *xr = make_float4(v[0], v[1], v[2], v[3]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Compressor over a chunk (positions t0 .. t0+n). Frontier: slots × w values and scores.
 

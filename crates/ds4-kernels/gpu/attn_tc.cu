@@ -322,7 +322,7 @@ DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, false) }
 
 // ---------------------------------------------------------------------------------------------
-// Lightning-indexer scores on tensor cores (prefill): the contract and the bits of
+// Lightning-indexer scores on tensor cores (prefill and decode): the contract and the bits of
 // index_scores128h_f32 (attention.cu), scores[i][r] = Σ_h (w[i,h]·ws)·max(0, q_ih·row_r) for
 // r < (t+1)/ratio, when queries and rows are FP4-simulated (fp4sim(H(v)), model.md; index_select
 // rounds the queries and the compressor the rows when the indexer's fp4 flag is set, the host
@@ -333,15 +333,15 @@ DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ds4_pdl_enter(); AT
 // are the CPU's f32 operations.
 //
 // CTA = IXT_TOK tokens × 64 heads (M = 256), 8 warps: warp w takes token w/2 and heads
-// (w%2)·32 + [0, 32) as two m16 tiles, its Q fragments (bf16, 64 registers) loaded once. The CTA
-// walks IXT_RB rows from blockIdx.x·IXT_RB in tiles of 32: the tile is converted to bf16 into
+// (w%2)·32 + [0, 32) as two m16 tiles, its Q fragments (bf16, 64 registers) loaded once; warps of
+// absent tokens (decode: 1 token) only help stage the rows. The CTA
+// walks rb rows (a multiple of 32) from blockIdx.x·rb in tiles of 32: the tile is converted to bf16 into
 // shared memory (row stride IXT_BS halves: the B fragment reads hit 32 banks), the next tile's
 // loads are in flight during the mma, each warp computes its 32 heads × 32 rows, the terms go to
 // shared [token][head][row], then 128 threads (token, row) add the 64 heads in order.
-// grid (ceil(max_vis / IXT_RB), ceil(ntok / IXT_TOK)), blockDim 256; heads 64, ihd 128;
+// grid (ceil(max_vis / rb), ceil(ntok / IXT_TOK)), blockDim 256; heads 64, ihd 128;
 // q [ntok, 64, 128], w [ntok, 64], rows [≥ max_vis, 128] 16-byte aligned; scores [ntok, max_vis].
 #define IXT_TOK 4
-#define IXT_RB 256
 #define IXT_BS 136 // bf16 per row of the B tile: 128 + 8 (row g at bank 4g + t)
 #define IXT_TS 36  // floats per head of the term tile: 32 rows + 4
 
@@ -361,21 +361,22 @@ __device__ __forceinline__ void ixt_mma(float* c, const u32* a, u32 b0, u32 b1) 
 
 __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q, const float* __restrict__ w,
                                                      const float* __restrict__ rows, float* __restrict__ scores,
-                                                     long long tb, long long max_vis, int ntok, int ratio, float ws) {
+                                                     long long tb, long long max_vis, int ntok, int ratio, float ws, int rb) {
     __shared__ __align__(16) u16 bs[32 * IXT_BS];        // B tile: 32 rows × 128 bf16 (8.5 KB)
     __shared__ __align__(16) float term[IXT_TOK * 64 * IXT_TS]; // [token][head][row] (36 KB)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
     const int i0 = blockIdx.y * IXT_TOK, ntk = min(IXT_TOK, ntok - i0);
     const long long vmax = (tb + i0 + ntk) / ratio; // rows the CTA's last token sees
-    const long long r_begin = (long long)blockIdx.x * IXT_RB;
+    const long long r_begin = (long long)blockIdx.x * rb;
     if (r_begin >= vmax) return; // whole CTA past the visible rows
-    const long long r_end = min(r_begin + (long long)IXT_RB, vmax);
+    const long long r_end = min(r_begin + (long long)rb, vmax);
     const int tw = warp / 2, hw = (warp % 2) * 32;
-    const int ti = i0 + min(tw, ntk - 1); // a warp of an absent token computes a copy, not stored
+    const bool act = tw < ntk;            // warps of absent tokens (a ragged last group) only stage rows
+    const int ti = i0 + min(tw, ntk - 1); // (their fragments: a copy, never used)
     u32 a[2][8][4];
     float wh[2][2];
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
+    for (int mt = 0; mt < 2 && act; mt++) {
         const float* qh = q + ((size_t)ti * 64 + hw + mt * 16 + g) * 128 + 2 * tq;
 #pragma unroll
         for (int ks = 0; ks < 8; ks++) {
@@ -413,6 +414,10 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
                 const long long row = min(r0 + 32 + e / 32, vmax - 1);
                 v[j] = *((const float4*)(rows + row * 128) + e % 32);
             }
+        }
+        if (!act) { // the same barriers; its summing share below (token = warp >= 2·ntk) is absent too
+            __syncthreads();
+            continue;
         }
         float c[2][4][4];
 #pragma unroll
@@ -457,9 +462,9 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
         }
     }
 }
-#define IXT_BODY index_scores_tc_body(q, w, rows, scores, tba + (sp ? *sp : 0LL), max_vis, ntok, ratio, ws);
+#define IXT_BODY index_scores_tc_body(q, w, rows, scores, tba + (sp ? *sp : 0LL), max_vis, ntok, ratio, ws, rb);
 #else
 #define IXT_BODY
 #endif
 
-DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }
+DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }

@@ -7,6 +7,7 @@ pub const ATTENTION: Module = Module {
     kernels: &[
         "rope_f32",
         "round_rows_f32",
+        "round_fp4h128_f32",
         "compress_pool_f32",
         "compress_row_f32",
         "compress_frontier_f32",

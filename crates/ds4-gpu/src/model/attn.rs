@@ -79,14 +79,16 @@ fn glue_old() -> bool {
     env_form(&GLUE_MODE, "DS4_GPU_ATTN_GLUE", "old")
 }
 
-/// Indexer scores of prefill chunks on tensor cores (`index_scores_tc`, attn_tc.cu):
+/// Indexer scores on tensor cores (`index_scores_tc`, attn_tc.cu):
 /// `DS4_GPU_INDEX_TC=off` keeps `index_scores128h_f32`.
 static INDEX_TC: AtomicU8 = AtomicU8::new(0);
-/// `index_scores_tc`: tokens and rows per CTA (`IXT_TOK`, `IXT_RB`), and the fewest tokens of a
-/// batch that take it (decode steps keep the CUDA-core kernel and its graph).
+/// `index_scores_tc`: tokens per CTA (`IXT_TOK`), rows per CTA for prefill batches (enough to
+/// reuse each CTA's query fragments) and for batches of at most `IXT_FEW` tokens (decode: enough
+/// CTAs to fill the GPU).
 const IXT_TOK: usize = 4;
 const IXT_RB: usize = 256;
-const IXT_MIN_N: usize = 8;
+const IXT_RB_FEW: usize = 64;
+const IXT_FEW: usize = 4;
 
 fn index_tc_ok(info: &crate::runtime::DeviceInfo) -> bool {
     !env_form(&INDEX_TC, "DS4_GPU_INDEX_TC", "off") && info.cc.0 >= 8 && info.warp == 32
@@ -157,7 +159,7 @@ impl GpuBackend {
         GLUE_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
-    /// Score prefill chunks of the FP4 indexer on tensor cores (`index_scores_tc`, default) or
+    /// Score the FP4 indexer on tensor cores (`index_scores_tc`, default) or
     /// with `index_scores128h_f32`; process-wide, overrides `DS4_GPU_INDEX_TC=off`.
     pub fn set_index_tc(on: bool) {
         INDEX_TC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
@@ -278,6 +280,21 @@ impl GpuBackend {
         }
         if width > 12288 || r.fp8_nope > width {
             return self.attn_invalid(format!("round_rows: width {width}"));
+        }
+        if width == 128
+            && r.fp4_hadamard
+            && r.fp8_nope == 0
+            && self.warp() == 32
+            && x.0.is_multiple_of(16)
+            && !attn_simple()
+        {
+            // The indexer's rows and queries: a warp per row (the same bits).
+            return self.run(
+                &ATTENTION,
+                "round_fp4h128_f32",
+                LaunchDims::linear(rows.div_ceil(8) as u32, 256),
+                &[Arg::Ptr(x), Arg::I64(rows as i64), Arg::I32(r.f16 as i32)],
+            );
         }
         let mut dims = LaunchDims::linear(rows as u32, 256);
         dims.shared_bytes = (width * 4) as u32;
@@ -582,68 +599,50 @@ impl GpuBackend {
                     && ix.rows.ptr().0.is_multiple_of(16);
                 // Heads split over threads: 32 rows per CTA, term buffer beside the query.
                 let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
-                // Prefill with FP4-simulated queries and rows (the compressor rounds the rows
-                // under the same flag): tensor cores, the same bits (attn_tc.cu).
-                if split && spec.fp4 && nh == 64 && nb >= IXT_MIN_N && index_tc_ok(self.gpu.info())
-                {
+                // FP4-simulated queries and rows (the compressor rounds the rows under the same
+                // flag): tensor cores, the same bits (attn_tc.cu); decode too (grid and
+                // arguments fixed by the capacity, as above).
+                let tc = split && spec.fp4 && nh == 64 && index_tc_ok(self.gpu.info());
+                // (kernel, grid, the two arguments after the rows' stride): the same
+                // arguments otherwise (attention.cu / attn_tc.cu signatures).
+                let (module, name, dims, mid) = if tc {
+                    let rb = if nb <= IXT_FEW { IXT_RB_FEW } else { IXT_RB };
                     let dims = LaunchDims {
-                        grid: [
-                            stride.div_ceil(IXT_RB) as u32,
-                            nb.div_ceil(IXT_TOK) as u32,
-                            1,
-                        ],
+                        grid: [stride.div_ceil(rb) as u32, nb.div_ceil(IXT_TOK) as u32, 1],
                         block: [256, 1, 1],
                         shared_bytes: 0,
                     };
-                    self.run(
-                        &ATTN_TC,
-                        "index_scores_tc",
-                        dims,
-                        &[
-                            Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
-                            Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                            Arg::Ptr(ix.rows.ptr()),
-                            Arg::Ptr(scores.ptr),
-                            Arg::I64(tb as i64),
-                            Arg::I64(stride as i64),
-                            Arg::I32(nb as i32),
-                            Arg::I32(spec.ratio as i32),
-                            Arg::F32(ws),
-                            sp_arg,
-                        ],
-                    );
+                    (&ATTN_TC, "index_scores_tc", dims, [nb, rb])
+                } else if split {
+                    let dims = LaunchDims {
+                        grid: [stride.div_ceil(IXH_R) as u32, nb as u32, 1],
+                        block: [256, 1, 1],
+                        shared_bytes: (nh * (ihd + IXH_R) * 4) as u32,
+                    };
+                    (&ATTENTION, "index_scores128h_f32", dims, [nh, ihd])
+                } else if fast {
+                    (&ATTENTION, "index_scores128_f32", dims, [nh, ihd])
                 } else {
-                    let mut dims = dims;
-                    if split {
-                        dims.grid[0] = stride.div_ceil(IXH_R) as u32;
-                        dims.block[0] = 256;
-                        dims.shared_bytes = (nh * (ihd + IXH_R) * 4) as u32;
-                    }
-                    self.run(
-                        &ATTENTION,
-                        if split {
-                            "index_scores128h_f32"
-                        } else if fast {
-                            "index_scores128_f32"
-                        } else {
-                            "index_scores_f32"
-                        },
-                        dims,
-                        &[
-                            Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
-                            Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                            Arg::Ptr(ix.rows.ptr()),
-                            Arg::Ptr(scores.ptr),
-                            Arg::I64(tb as i64),
-                            Arg::I64(stride as i64),
-                            Arg::I32(nh as i32),
-                            Arg::I32(ihd as i32),
-                            Arg::I32(spec.ratio as i32),
-                            Arg::F32(ws),
-                            sp_arg,
-                        ],
-                    );
-                }
+                    (&ATTENTION, "index_scores_f32", dims, [nh, ihd])
+                };
+                self.run(
+                    module,
+                    name,
+                    dims,
+                    &[
+                        Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                        Arg::Ptr(ix.rows.ptr()),
+                        Arg::Ptr(scores.ptr),
+                        Arg::I64(tb as i64),
+                        Arg::I64(stride as i64),
+                        Arg::I32(mid[0] as i32),
+                        Arg::I32(mid[1] as i32),
+                        Arg::I32(spec.ratio as i32),
+                        Arg::F32(ws),
+                        sp_arg,
+                    ],
+                );
             }
             let _pt = self.prof(|| "index_select: top-k".to_string());
             self.run(
