@@ -172,6 +172,27 @@ __device__ __forceinline__ int gm_tile_valid(const int* grp, int n, int by, int 
 // NW warps (of 32 lanes; the mma forms are CUDA-only): 4 -> 64 items per CTA, 8 -> 128 items
 // (bf16 or FMA form only). Warp w: weight rows 32(w%4).., items 64(w/4)... Thread t dequantises
 // tile row t%128: all 32 elements of the chunk (NW 4, FMA), or half t/128 (NW 8, mma).
+// The CTA's item tile blockIdx.y: items[i] (i < bm) = dense item y·bm + i (−1 past n), or with
+// groups (grp: tile count, tile starts, then the pair permutation past gmax + 1) the pairs of
+// one expert, its id in *expert. Threads tid < bm set one each; the caller synchronises.
+__device__ __forceinline__ void gm_items(int* items, int* expert, int bm, int n, const int* grp, const int* sel,
+                                         int gmax) {
+    const int tid = threadIdx.x;
+    if (tid < bm) {
+        int it;
+        if (!grp) {
+            it = blockIdx.y * bm + tid;
+            it = it < n ? it : -1;
+        } else {
+            const int* perm = grp + 1 + gmax;
+            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
+            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
+            if (tid == 0) *expert = e;
+        }
+        items[tid] = it;
+    }
+}
+
 template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PARAMS) {
     constexpr int BM = 16 * NW;
     static_assert(NW == 4 || (NW == 8 && F != 2), "128-item tiles: bf16 or FMA form");
@@ -193,19 +214,7 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
     if (RAW)
         for (int e = tid; e < 256; e += 32 * NW) gtab[e] = ds4_iq2xxs_grid[e];
-    if (tid < BM) {
-        int it;
-        if (!grp) {
-            it = blockIdx.y * BM + tid;
-            it = it < n ? it : -1;
-        } else {
-            const int* perm = grp + 1 + gmax;
-            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
-            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
-            if (tid == 0) expert = e;
-        }
-        items[tid] = it;
-    }
+    gm_items(items, &expert, BM, n, grp, sel, gmax);
     __syncthreads();
     long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
     const int row = r0 + trow;
@@ -509,19 +518,7 @@ __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
     const int r0 = blockIdx.x * GM_BN;
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
     for (int e = tid; e < 256; e += 128) gtab[e] = ds4_iq2xxs_grid[e];
-    if (tid < BM) {
-        int it;
-        if (!grp) {
-            it = blockIdx.y * BM + tid;
-            it = it < n ? it : -1;
-        } else {
-            const int* perm = grp + 1 + gmax;
-            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
-            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
-            if (tid == 0) expert = e;
-        }
-        items[tid] = it;
-    }
+    gm_items(items, &expert, BM, n, grp, sel, gmax);
     __syncthreads();
     const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
     const int row = r0 + trow;
@@ -696,19 +693,7 @@ template <int T, int NW> __device__ __forceinline__ void gemmh_body(GMH_PARAMS) 
     const int z = blockIdx.z / ks, s = blockIdx.z % ks;
     const int r0 = blockIdx.x * GM_BN;
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    if (tid < BM) {
-        int it;
-        if (!grp) {
-            it = blockIdx.y * BM + tid;
-            it = it < n ? it : -1;
-        } else {
-            const int* perm = grp + 1 + gmax;
-            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
-            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
-            if (tid == 0) expert = e;
-        }
-        items[tid] = it;
-    }
+    gm_items(items, &expert, BM, n, grp, sel, gmax);
     __syncthreads();
     const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
     const int row = r0 + trow;
@@ -1011,6 +996,29 @@ __device__ __forceinline__ void gt_cp4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void gt_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Tiled forms' epilogue: acc[mt][nt][e] is item items[32 wm + 16 mt + g + 8 (e/2)], row
+// r0 + RW wn + 8 nt + 2 t + e%2; y[item][row] = acc times the item's inverse x scale.
+template <int MT, int NT, int RW>
+__device__ __forceinline__ void gt_store(const float (&acc)[MT][NT][4], const int* items, float* yb, long long y_tok,
+                                         const float* xinv, int xdiv, int r0, int rows, int wm, int wn, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = items[32 * wm + 16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+            const float sc = xinv[it / xdiv];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + RW * wn + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
+                }
+        }
+}
+
 template <int N> __device__ __forceinline__ void gt_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ u32 gt_hmul2(u32 a, u32 b) {
     u32 o;
@@ -1140,19 +1148,7 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
     const int z = blockIdx.z / ks, s = blockIdx.z % ks;
     const int r0 = blockIdx.x * GT_BN;
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    if (tid < GT_BM) {
-        int it;
-        if (!grp) {
-            it = blockIdx.y * GT_BM + tid;
-            it = it < n ? it : -1;
-        } else {
-            const int* perm = grp + 1 + gmax;
-            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
-            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
-            if (tid == 0) expert = e;
-        }
-        items[tid] = it;
-    }
+    gm_items(items, &expert, GT_BM, n, grp, sel, gmax);
     if (T == T_IQ2_XXS) {
         for (int e = tid; e < 256; e += 128) {
             u64 gv = ds4_iq2xxs_grid[e];
@@ -1322,24 +1318,7 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
     }
     gt_wait<0>();
 
-    // acc[mt][nt][e]: item 32wm + 16mt + g + 8(e/2), tile row RW wn + 8nt + 2t + e%2.
-    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; e2++) {
-            int it = items[32 * wm + 16 * mt + g + 8 * e2];
-            if (it < 0) continue;
-            float* yr = yb + (long long)it * y_tok;
-            const float sc = xinv[it / xdiv];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e1 = 0; e1 < 2; e1++) {
-                    int r = r0 + RW * wn + 8 * nt + 2 * t + e1;
-                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
-                }
-        }
+    gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
 #endif
 }
 
@@ -1385,19 +1364,7 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
     const int z = blockIdx.z / ks, s = blockIdx.z % ks;
     const int r0 = blockIdx.x * GT_BN;
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    if (tid < GT_BM) {
-        int it;
-        if (!grp) {
-            it = blockIdx.y * GT_BM + tid;
-            it = it < n ? it : -1;
-        } else {
-            const int* perm = grp + 1 + gmax;
-            int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), q = st + tid;
-            it = (q < n && max(sel[perm[q]], 0) == e) ? perm[q] : -1;
-            if (tid == 0) expert = e;
-        }
-        items[tid] = it;
-    }
+    gm_items(items, &expert, GT_BM, n, grp, sel, gmax);
     __syncthreads();
     const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
     const u8* wbase = W + wo;
@@ -1576,23 +1543,7 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
     }
     gt_wait<0>();
 
-    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; e2++) {
-            int it = items[32 * wm + 16 * mt + g + 8 * e2];
-            if (it < 0) continue;
-            float* yr = yb + (long long)it * y_tok;
-            const float sc = xinv[it / xdiv];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e1 = 0; e1 < 2; e1++) {
-                    int r = r0 + RW * wn + 8 * nt + 2 * t + e1;
-                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1] * sc;
-                }
-        }
+    gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
 #endif
 }
 // <= 128 registers: 4 CTAs per SM (also the shared-memory limit).
