@@ -996,6 +996,33 @@ __device__ __forceinline__ void gt_cp4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void gt_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Zero an accumulator set of the tiled forms.
+template <int MT, int NT> __device__ __forceinline__ void gt_zero(float (&a)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) a[mt][nt][e] = 0.0f;
+}
+
+// End of a super-block in the tiled forms with mins: acc += d·cc − dmin·cm (per row: e & 1),
+// cc cleared for the next one.
+template <int MT, int NT>
+__device__ __forceinline__ void gt_apply(float (&acc)[MT][NT][4], float (&cc)[MT][NT][4], const float (&cm)[MT][NT][4],
+                                         const float (&D)[NT][2], const float (&Dm)[NT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float a = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
+                acc[mt][nt][e] = fmaf(-Dm[nt][e & 1], cm[mt][nt][e], a);
+                cc[mt][nt][e] = 0.0f;
+            }
+}
+
 // Tiled forms' epilogue: acc[mt][nt][e] is item items[32 wm + 16 mt + g + 8 (e/2)], row
 // r0 + RW wn + 8 nt + 2 t + e%2; y[item][row] = acc times the item's inverse x scale.
 template <int MT, int NT, int RW>
@@ -1220,12 +1247,8 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
     // m-tiles of this warp (items 32wm + 16mt ..) holding any valid item.
     const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, GT_BM) - 32 * wm + 15) >> 4, 0), MT) : MT;
     float acc[MT][NT][4], cc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f, cc[mt][nt][e] = 0.0f;
+    gt_zero<MT, NT>(acc);
+    gt_zero<MT, NT>(cc);
 
     for (int i = 0; i < nl; i++) {
         gt_wait<NXS - 2>();
@@ -1293,16 +1316,7 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
                         gm_mma_h(cm[mt][nt], al, bm[nt]);
                     }
                 }
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            float a = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
-                            acc[mt][nt][e] = fmaf(-Dm[nt][e & 1], cm[mt][nt][e], a);
-                            cc[mt][nt][e] = 0.0f;
-                        }
+                gt_apply<MT, NT>(acc, cc, cm, D, Dm);
             } else {
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++)
@@ -1455,12 +1469,8 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
     const int wm = warp >> 1, wn = warp & 1;
     const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, GT_BM) - 32 * wm + 15) >> 4, 0), MT) : MT;
     float acc[MT][NT][4], cc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f, cc[mt][nt][e] = 0.0f;
+    gt_zero<MT, NT>(acc);
+    gt_zero<MT, NT>(cc);
 
     for (int i = 0; i < nl; i++) {
         gt_wait<NXS - 2>();
@@ -1529,16 +1539,7 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[mt][nt], al, bm[nt]);
             }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float a = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
-                        acc[mt][nt][e] = fmaf(-Dm[nt][e & 1], cm[mt][nt][e], a);
-                        cc[mt][nt][e] = 0.0f;
-                    }
+            gt_apply<MT, NT>(acc, cc, cm, D, Dm);
         }
     }
     gt_wait<0>();

@@ -178,14 +178,20 @@ const T_BN: usize = 64;
 /// 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_DB` (0 = no; default yes) on first use.
 static DBUF: AtomicU8 = AtomicU8::new(UNSET);
 
-fn dbuf() -> bool {
-    let d = DBUF.load(Ordering::Relaxed);
-    if d != UNSET {
-        return d == 1;
+/// A switch that is on unless `var` is `0`: the value a setter stored in `cell`, else read from
+/// the environment on first use (and kept in `cell`).
+fn switch_on(cell: &AtomicU8, var: &str) -> bool {
+    let v = cell.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
     }
-    let d = std::env::var("DS4_GPU_GEMM_DB").map_or(true, |v| v != "0");
-    DBUF.store(d as u8, Ordering::Relaxed);
-    d
+    let v = std::env::var(var).map_or(true, |v| v != "0");
+    cell.store(v as u8, Ordering::Relaxed);
+    v
+}
+
+fn dbuf() -> bool {
+    switch_on(&DBUF, "DS4_GPU_GEMM_DB")
 }
 
 /// Item tile of the f16 form: 0 automatic, else 64, 128 or 256; usize::MAX: read
@@ -228,13 +234,7 @@ fn half_tile(n: usize, experts: usize, ty: GgmlType) -> usize {
 static SKIP: AtomicU8 = AtomicU8::new(UNSET);
 
 fn skip_empty() -> bool {
-    let v = SKIP.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let v = std::env::var("DS4_GPU_GEMM_SKIP").map_or(true, |v| v != "0");
-    SKIP.store(v as u8, Ordering::Relaxed);
-    v
+    switch_on(&SKIP, "DS4_GPU_GEMM_SKIP")
 }
 
 /// IQ2_XXS gate/up of the MoE on X split once per product (`gemm_xb_f32`, `gemmc_iq2_xxs`)
@@ -242,13 +242,7 @@ fn skip_empty() -> bool {
 static XB: AtomicU8 = AtomicU8::new(UNSET);
 
 fn split_x() -> bool {
-    let v = XB.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let v = std::env::var("DS4_GPU_GEMM_XB").map_or(true, |v| v != "0");
-    XB.store(v as u8, Ordering::Relaxed);
-    v
+    switch_on(&XB, "DS4_GPU_GEMM_XB")
 }
 
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
