@@ -367,3 +367,41 @@ fn kernels_precompiles_into_the_cache() {
     assert_eq!(cubins, 1);
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn bench_writes_one_csv_row_per_frontier_after_the_warm_up() {
+    let d = tmpdir("bench");
+    let m = synth_tiny(&d);
+    let csv = d.join("b.csv");
+    let args = |warm: &'static str| {
+        let mut v = vec!["bench", "-m", s(&m), "--backend", "cpu", "--ctx-start", "8"];
+        v.extend(["--ctx-max", "16", "--gen-tokens", "2", "--warmup", warm]);
+        v
+    };
+    let mut a = args("1");
+    a.extend(["--csv", s(&csv)]);
+    let o = ds4(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes"
+    );
+    // Frontiers 8 and 16 (doubling); the second prefills only the 8 new tokens.
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(lines[1].starts_with("8,8,") && lines[2].starts_with("16,8,"), "{out}");
+    for l in &lines[1..] {
+        let f: Vec<&str> = l.split(',').collect();
+        assert_eq!(f.len(), 6, "{l}");
+        assert!(f[2].parse::<f64>().unwrap() > 0.0 && f[4].parse::<f64>().unwrap() > 0.0);
+        assert_eq!(f[3], "2");
+    }
+    assert_eq!(std::fs::read_to_string(&csv).unwrap(), out);
+    let err = stderr(&o);
+    assert!(err.contains("# warm-up 1: 8 tokens + 2 generated"), "{err}");
+    let o = ds4(&args("0"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("warm-up"), "{}", stderr(&o));
+    assert_eq!(stdout(&o).lines().count(), 3);
+}

@@ -9,7 +9,10 @@ use std::time::Instant;
 #[command(
     after_help = "For each context frontier the prompt is extended (incremental prefill) to that \
     length, then --gen-tokens tokens are generated greedily (EOS ignored) from a snapshot, which is \
-    restored afterwards. CSV on stdout (or --csv FILE):\n  \
+    restored afterwards. Before the first frontier, --warmup N untimed runs of that frontier (prompt \
+    and generation, on a session that is then dropped) load what a process loads once: kernels, the \
+    BLAS library's kernels for each shape, decode graphs (--warmup 0: the first row then includes \
+    them, as a first prompt does). CSV on stdout (or --csv FILE):\n  \
     ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n\n\
     A header on stderr (lines starting with #) gives the backend, the device memory held by the \
     weights and the session state at 32k and 1M tokens of context.\n\n\
@@ -38,6 +41,9 @@ pub struct Args {
     /// Text to tokenize for the prompt (repeated as needed); default: built-in English and code.
     #[arg(long)]
     prompt_file: Option<PathBuf>,
+    /// Untimed runs of the first frontier before measuring (one-time loads out of the numbers).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
     /// Also write the CSV to this file.
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -90,6 +96,23 @@ pub fn run(mut a: Args) -> Result<()> {
             break;
         }
         frontiers.push(next);
+    }
+    for i in 0..a.warmup {
+        let t = Instant::now();
+        let mut s = engine.new_session(a.model.ctx);
+        s.sync(&prompt[..a.ctx_start], &mut |_, _| {})?;
+        let mut greedy = Sampler::new(SamplerConfig::default());
+        let mut next = argmax(s.logits().context("no logits")?);
+        for _ in 0..a.gen_tokens {
+            next = s.eval_sampled(next, &mut greedy)?;
+        }
+        eprintln!(
+            "# warm-up {}: {} tokens + {} generated in {:.2} s (not measured)",
+            i + 1,
+            a.ctx_start,
+            a.gen_tokens,
+            t.elapsed().as_secs_f64()
+        );
     }
     let mut out =
         String::from("ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n");
