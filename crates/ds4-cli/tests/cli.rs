@@ -390,7 +390,10 @@ fn bench_writes_one_csv_row_per_frontier_after_the_warm_up() {
     );
     // Frontiers 8 and 16 (doubling); the second prefills only the 8 new tokens.
     assert_eq!(lines.len(), 3, "{out}");
-    assert!(lines[1].starts_with("8,8,") && lines[2].starts_with("16,8,"), "{out}");
+    assert!(
+        lines[1].starts_with("8,8,") && lines[2].starts_with("16,8,"),
+        "{out}"
+    );
     for l in &lines[1..] {
         let f: Vec<&str> = l.split(',').collect();
         assert_eq!(f.len(), 6, "{l}");
