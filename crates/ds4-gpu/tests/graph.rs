@@ -146,3 +146,40 @@ fn steady_decode_steps_update_no_graph_nodes() {
         "graph nodes updated in steady decode (DS4_GPU_GRAPH_TRACE=1 names them)"
     );
 }
+
+/// L2 prefetch hints (`Backend::prefetch`, on by default where PDL runs) never change a result:
+/// 300 decode steps (graphs on) give the same logits bit for bit with the hints off and on, and
+/// with them on the prefetch kernel was launched (where it runs: CUDA sm_90+).
+#[test]
+fn l2_prefetch_changes_no_logit() {
+    let Some(m) = tiny() else { return };
+    let mut rng = common::rng(9);
+    let vocab = m.hp.n_vocab;
+    let toks: Vec<u32> = (0..300).map(|_| rng.gen_range(0..vocab)).collect();
+    let run = |on: bool| {
+        GpuBackend::set_l2_prefetch(on);
+        let mut st = m.new_state();
+        let out: Vec<Vec<f32>> = toks.iter().map(|&t| m.eval(&mut st, t).unwrap()).collect();
+        out
+    };
+    let before = GpuBackend::l2_prefetch_bytes();
+    let off = run(false);
+    assert_eq!(
+        GpuBackend::l2_prefetch_bytes(),
+        before,
+        "hints off launched a prefetch"
+    );
+    let on = run(true);
+    let named = GpuBackend::l2_prefetch_bytes() - before;
+    if m.backend.gpu().pdl_on() {
+        assert!(named > 0, "hints on but no prefetch launched");
+    } else {
+        println!("no PDL on this device: the hints are ignored (nothing prefetched)");
+        assert_eq!(named, 0);
+    }
+    println!("prefetch: {named} bytes named while recording");
+    for (i, (a, b)) in off.iter().zip(&on).enumerate() {
+        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "step {i}: logits differ with the L2 prefetch on");
+    }
+}

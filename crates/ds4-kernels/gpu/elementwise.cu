@@ -201,3 +201,46 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = v;
 }
+
+// L2 prefetch of up to four byte ranges (decode: the weights of the next products, issued while
+// latency-bound glue kernels leave the memory idle). Thread g of the grid takes chunk g of the
+// ranges laid end to end, each padded to whole chunks; ranges start 16-byte aligned, lengths and
+// chunk are multiples of 16 (the host rounds lengths down). CUDA sm_90+: one
+// cp.async.bulk.prefetch a thread (policy 0; 1: evict_last) or its 128-byte lines by
+// prefetch.global.L2 (2; 3: evict_last), then the PDL trigger BEFORE
+// the wait, so the next kernel is scheduled while the previous one still runs (its own wait still
+// orders it after this kernel, which ends only after the previous one: the wait below). Elsewhere
+// the body is empty (the host launches it only where PDL runs).
+DS4_KERNEL void DS4_BOUNDS(128) l2_prefetch(const u8* p0, long long n0, const u8* p1, long long n1, const u8* p2, long long n2, const u8* p3, long long n3, int chunk, int policy) {
+    DS4_PDL_LATE; // reads nothing an earlier kernel writes
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+    // Chunk g of the ranges, each range padded to whole chunks (its last chunk is short).
+    long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x, c;
+    const u8* p = 0;
+    long long off = 0, len = 0;
+    if (g < (c = (n0 + chunk - 1) / chunk)) p = p0, len = n0;
+    else if ((g -= c) < (c = (n1 + chunk - 1) / chunk)) p = p1, len = n1;
+    else if ((g -= c) < (c = (n2 + chunk - 1) / chunk)) p = p2, len = n2;
+    else if ((g -= c) < (c = (n3 + chunk - 1) / chunk)) p = p3, len = n3;
+    off = g * chunk;
+    long long left = len - off;
+    if (p) {
+        u32 size = (u32)(left < chunk ? left : chunk);
+        const u8* a = p + off;
+        if (policy >= 2) { // 128-byte lines, no completion tracked (the CTA exits at once)
+            for (u32 o = 0; o < size; o += 128) {
+                if (policy == 3) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a + o));
+                else asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
+            }
+        } else if (policy == 1) {
+            u64 pol;
+            asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+            asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(a), "r"(size), "l"(pol) : "memory");
+        } else {
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size) : "memory");
+        }
+    }
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    ds4_pdl_enter();
+}

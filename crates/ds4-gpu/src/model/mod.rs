@@ -18,6 +18,7 @@ mod matmul;
 mod matvec;
 mod mix;
 mod moe;
+mod prefetch;
 mod prof;
 mod sample;
 pub mod synth;
@@ -943,6 +944,10 @@ impl Backend for GpuBackend {
 
     fn graph_end(&self) {
         self.flush(true);
+    }
+
+    fn prefetch(&self, w: &[&GpuWeight], n: usize) {
+        self.op_prefetch(w, n)
     }
 
     fn finish(&self) -> std::result::Result<(), String> {
