@@ -253,12 +253,6 @@ pub trait Backend: Send + Sync + Sized {
     /// End of the step begun by [`Backend::graph_begin`]: run whatever is still recorded.
     fn graph_end(&self) {}
 
-    /// Hint: the next ops of this step read the weights `w`, in this order, while the ops before
-    /// them are bound by latency rather than memory (`n` token rows). A device backend may start
-    /// moving them toward its compute units now (GPU decode: into L2 while the glue kernels run).
-    /// Never changes a result; the CPU backend does nothing.
-    fn prefetch(&self, _w: &[&Self::Weight], _n: usize) {}
-
     /// Tokens per prompt step the engine should batch (activation memory grows with it: about
     /// 200 KB per token at full size, plus the MoE's per-pair scratch). The CPU gains nothing
     /// past 128; a GPU reads each expert's weights once per step, so it wants more.

@@ -307,13 +307,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// Kernels that wait first are launched with programmatic dependent launch here (CUDA
-    /// sm_90+ and `DS4_GPU_PDL` not off).
-    pub fn pdl_on(&self) -> bool {
-        let i = self.info();
-        pdl_wanted() && i.vendor == crate::runtime::Vendor::Nvidia && i.cc.0 >= 9
-    }
-
     /// A kernel of `module`, loading the module on first use (one lock and one lookup once
     /// the module is loaded: this is on every launch's path).
     /// `module.kernel` of a loaded function (graph traces), None when not found.

@@ -591,16 +591,11 @@ impl<B: Backend> Model<B> {
         t0: usize,
         pending: Option<Pending<B>>,
     ) -> Pending<B> {
-        // Prefetch hints (Backend::prefetch) name the next products' weights before each run
-        // of latency-bound ops: the HC here, norms/RoPE/compressors/attention, the FFN's HC.
-        self.backend.prefetch(&[&l.q_a, &l.kv, &l.q_b], n);
         let (z, post, comb) = match pending {
             Some((y, p, c)) => self.hc_post_pre(&l.hc_attn, &l.attn_norm, x, &y, &p, &c, n),
             None => self.hc_pre(&l.hc_attn, &l.attn_norm, x, n),
         };
         let o = self.attention(l, st, &z, n, t0);
-        let b = &self.backend;
-        b.prefetch(&[&l.router, &l.gate_sh, &l.up_sh, &l.down_sh], n);
         let (z, post, comb) = self.hc_post_pre(&l.hc_ffn, &l.ffn_norm, x, &o, &post, &comb, n);
         let y = self.moe(l, &z, tok, n);
         (y, post, comb)
@@ -706,14 +701,6 @@ impl<B: Backend> Model<B> {
         b.matmul_multi(&[&l.q_a, &l.kv], z, n, &mut [&mut cq, &mut kv]);
         let mut q = b.alloc(n * nh * hd);
         b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
-        let mut next: Vec<&B::Weight> = Vec::new();
-        for c in l.comp.iter().chain(l.indexer.as_ref().map(|ix| &ix.comp)) {
-            next.extend([&c.kv, &c.gate]);
-        }
-        if let Some(ix) = &l.indexer {
-            next.extend([&ix.proj, &ix.q_b]);
-        }
-        b.prefetch(&next, n);
         b.norm_rope(&mut q, n, nh, hd, None, eps, n_rot, t0, rope, None);
         // The shared KV row of each position, rounded as the cache stores it.
         let kv_round = RowRounding {
@@ -740,7 +727,6 @@ impl<B: Backend> Model<B> {
             let mut refs: Vec<&mut B::Buf> = outs.iter_mut().collect();
             b.matmul_multi(&ws, z, n, &mut refs);
         }
-        b.prefetch(&[&l.out_a, &l.out_b], n);
         let mut outs = outs.into_iter(); // in push order: (kv, gate) per compressor, then proj
         if let Some(c) = &l.comp {
             let (a, g) = (outs.next().unwrap(), outs.next().unwrap());

@@ -18,7 +18,6 @@ mod matmul;
 mod matvec;
 mod mix;
 mod moe;
-mod prefetch;
 mod prof;
 mod sample;
 pub mod synth;
@@ -944,10 +943,6 @@ impl Backend for GpuBackend {
 
     fn graph_end(&self) {
         self.flush(true);
-    }
-
-    fn prefetch(&self, w: &[&GpuWeight], n: usize) {
-        self.op_prefetch(w, n)
     }
 
     fn finish(&self) -> std::result::Result<(), String> {
