@@ -48,6 +48,7 @@ struct Api {
         *mut *mut c_void,
     ) -> R,
     cuMemAlloc: unsafe extern "C" fn(*mut u64, usize) -> R,
+    cuMemGetInfo: unsafe extern "C" fn(*mut usize, *mut usize) -> R,
     cuMemFree: unsafe extern "C" fn(u64) -> R,
     cuMemHostAlloc: unsafe extern "C" fn(*mut Ptr, usize, c_uint) -> R,
     cuMemFreeHost: unsafe extern "C" fn(Ptr) -> R,
@@ -223,6 +224,7 @@ impl Api {
                 cuModuleGetFunction: lib.sym("cuModuleGetFunction")?,
                 cuLaunchKernel: lib.sym("cuLaunchKernel")?,
                 cuMemAlloc: lib.sym("cuMemAlloc_v2")?,
+                cuMemGetInfo: lib.sym("cuMemGetInfo_v2")?,
                 cuMemFree: lib.sym("cuMemFree_v2")?,
                 cuMemHostAlloc: lib.sym("cuMemHostAlloc")?,
                 cuMemFreeHost: lib.sym("cuMemFreeHost")?,
@@ -726,6 +728,12 @@ impl Runtime for CudaRuntime {
     fn memset_u32_async(&self, d: DevPtr, value: u32, count: usize, s: Stream) -> Result<()> {
         self.cur()?;
         call!(self, cuMemsetD32Async(d.0, value, count, p(s.0)))
+    }
+    fn mem_info(&self) -> Result<(u64, u64)> {
+        self.cur()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        call!(self, cuMemGetInfo(&mut free, &mut total))?;
+        Ok((free as u64, total as u64))
     }
 
     fn stream_create(&self) -> Result<Stream> {

@@ -224,6 +224,11 @@ impl Gpu {
         self.rt.info()
     }
 
+    /// (free, total) bytes of device memory now.
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        self.rt.mem_info()
+    }
+
     /// Which modules were compiled and which came from the disk cache, in load order.
     pub fn module_origins(&self) -> Vec<(&'static str, Origin)> {
         self.origins.lock().unwrap().clone()

@@ -46,6 +46,7 @@ struct Api {
         *mut *mut c_void,
     ) -> R,
     hipMalloc: unsafe extern "C" fn(*mut Ptr, usize) -> R,
+    hipMemGetInfo: unsafe extern "C" fn(*mut usize, *mut usize) -> R,
     hipFree: unsafe extern "C" fn(Ptr) -> R,
     hipHostMalloc: unsafe extern "C" fn(*mut Ptr, usize, c_uint) -> R,
     hipHostFree: unsafe extern "C" fn(Ptr) -> R,
@@ -159,6 +160,7 @@ impl Api {
                 hipModuleGetFunction: lib.sym("hipModuleGetFunction")?,
                 hipModuleLaunchKernel: lib.sym("hipModuleLaunchKernel")?,
                 hipMalloc: lib.sym("hipMalloc")?,
+                hipMemGetInfo: lib.sym("hipMemGetInfo")?,
                 hipFree: lib.sym("hipFree")?,
                 hipHostMalloc: lib.sym("hipHostMalloc")?,
                 hipHostFree: lib.sym("hipHostFree")?,
@@ -613,6 +615,12 @@ impl Runtime for HipRuntime {
             self,
             hipMemsetD32Async(p(d.0), value as c_int, count, p(s.0))
         )
+    }
+    fn mem_info(&self) -> Result<(u64, u64)> {
+        self.cur()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        call!(self, hipMemGetInfo(&mut free, &mut total))?;
+        Ok((free as u64, total as u64))
     }
     fn stream_create(&self) -> Result<Stream> {
         self.cur()?;

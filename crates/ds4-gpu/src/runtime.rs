@@ -251,6 +251,8 @@ pub trait Runtime: Send + Sync {
     fn copy_d2d_async(&self, dst: DevPtr, src: DevPtr, bytes: usize, s: Stream) -> Result<()>;
     /// Fill `count` 32-bit words at `p` with `value`.
     fn memset_u32_async(&self, p: DevPtr, value: u32, count: usize, s: Stream) -> Result<()>;
+    /// (free, total) bytes of device memory, as the driver reports them now.
+    fn mem_info(&self) -> Result<(u64, u64)>;
 
     fn stream_create(&self) -> Result<Stream>;
     fn stream_destroy(&self, s: Stream) -> Result<()>;
