@@ -1368,7 +1368,7 @@ struct alignas(16) GuSmem {
 // so the A fragment of an m-tile and k-step is two ldmatrix.x4 (rows +0 | +8 x unit c = hi01 |
 // hi23, then lo) instead of gemmt's 16-byte loads regrouped by register moves (~80 moves a warp
 // and chunk); unit u of item m at slot position u ^ (m & 7) (conflict-free ldmatrix rows).
-__device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
+__device__ __forceinline__ void gemmuo_body(GMT_PARAMS) {
 #if GM_HAVE_MMA
     constexpr int NXS = 3, SC = 8, SB = 84, NWM = SB / 4; // words per row copy (aligned rows)
     __shared__ int items[GT_BM];
@@ -1547,13 +1547,322 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
     gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
 #endif
 }
+// gemmu_q2_k's shared-memory accesses on 32-bit shared addresses computed once per thread (the
+// compiler recomputed them from the thread id in every chunk: ~380 instructions a warp and chunk
+// for 32 mma), volatile so that equal addresses of different chunks stay separate loads.
+#if GM_HAVE_MMA
+__device__ __forceinline__ u32 gu_lds(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 gu_lds16(u32 a) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ void gu_sts4(u32 a, u32 x, u32 y, u32 z, u32 w) {
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+__device__ __forceinline__ void gu_ldm4(u32* r, u32 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+__device__ __forceinline__ void gu_cp16(u32 d, const void* src, int sz) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(sz) : "memory");
+}
+// A value the compiler cannot see through (kept in a register instead of recomputed from the
+// thread id in every chunk).
+__device__ __forceinline__ u32 gu_keep(u32 v) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(v));
+    return v;
+}
+__device__ __forceinline__ void gu_cp4(u32 d, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+#endif
+
+// Tile buffers of gemmu_q2_k (the x rows (128 bytes) and w rows (64 bytes) sit on 128-byte
+// boundaries, so that a swizzled 16-byte unit's address is the row's address XOR 16 * unit).
+struct alignas(128) GuSmem2 {
+    uint4 x[3][GT_BM][8];   // X chunk slots, unit u of item m at position u ^ (m & 7)
+    u32 s[GT_BM][16];       // sums of the current super-block: hi 8 words, lo 8 words
+    u32 raw[2][GT_BN][23];  // raw super-blocks (84 bytes), odd stride
+    uint4 w[2][GT_BN][4];   // decoded chunk tiles
+};
+
+// gemmu_q2_k (see gemmuo_q2_k above for the layouts and the arithmetic, which are the same): the
+// chunk loop unrolled over a super-block (8 chunks: the decode's sub-block and shift, the tile
+// buffer and the super-block epilogue are compile-time; cc starts each super-block as a zero
+// accumulator), every shared address a per-thread base + a constant (or XOR a constant inside a
+// 128-byte-aligned row), raw rows copied by a fixed (row, word) map per thread (6 rows x 21 words
+// per 126 threads, 11 steps).
+template <int V> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
+#if GM_HAVE_MMA
+    constexpr int NXS = 3, SC = 8, SB = 84, NWM = SB / 4;
+    constexpr u32 RSW = (V & 1) ? 22 : 23; // raw row stride in words (22: conflict-free decode loads)
+    constexpr u32 XSL = GT_BM * 8 * 16, RBUF = GT_BN * RSW * 4, WBUF = GT_BN * 4 * 16, RST = RSW * 4;
+    __shared__ GuSmem2 sm;
+    __shared__ int items[GT_BM];
+    __shared__ int expert;
+    const int tid = threadIdx.x;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GT_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    gm_items(items, &expert, GT_BM, n, grp, sel, gmax);
+    __syncthreads();
+    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const u8* wbase = W + wo;
+    const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]), sS = (u32)__cvta_generic_to_shared(&sm.s[0][0]);
+    const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0][0]), sw = (u32)__cvta_generic_to_shared(&sm.w[0][0][0]);
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc), nl = max(c1 - c0, 0);
+
+    // X and sums copies: thread (item xi, half xh) copies units 4xh..4xh+3 of the item's chunk
+    // (to positions (4xh ^ (xi & 7)) ^ q) and sum words 8xh..8xh+7 of a super-block.
+    const int xi = tid >> 1, xh = tid & 1;
+    const int xit = items[xi];
+    const bool xok = xit >= 0;
+    const long long xtok = xok ? (long long)(xit / xdiv) : 0;
+    const int xsz = xok ? 16 : 0, xstep = xok ? 128 : 0, sstep = xok ? 64 : 0;
+    const char* xsrc = xok ? (const char*)(XT + xtok * x_tok + (long long)z * x_z + 32LL * c0 + 16 * xh) : (const char*)XT;
+    const char* ssrc = xok ? (const char*)(XS + xtok * (x_tok / 16) + (long long)z * (x_z / 16) + 16LL * (c0 / 8) + 8 * xh)
+                           : (const char*)XT;
+    const u32 xdst = gu_keep(sx + 128 * xi + 16 * ((4 * xh) ^ (xi & 7))), sdst = sS + 64 * xi + 32 * xh;
+    const char* xnext = xsrc; // chunk of the next issue_x
+    auto issue_x = [&](int i, u32 slot) {
+        if (i < nl) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) gu_cp16((xdst + slot) ^ (16 * q), xnext + 16 * q, xsz);
+            xnext += xstep;
+        }
+    };
+    auto issue_sums = [&](int S) {
+        const char* src = ssrc + (long long)S * sstep;
+#pragma unroll
+        for (int q = 0; q < 2; q++) gu_cp16(sdst + 16 * q, src + 16 * q, xsz);
+    };
+    // Raw copies: thread t < 126 copies word t % 21 of rows t / 21 + 6k, k < 11 (rows past the
+    // last clamp to it).
+    const int rr = tid / NWM, rw = tid - rr * NWM, rb = (int)row_bytes, rlast = rows - 1 - r0;
+    const u8* rsrc = wbase + (long long)r0 * row_bytes + 4 * rw;
+    const u32 rdst = sr + RST * rr + 4 * rw;
+    auto issue_raw = [&](int S) {
+        if (tid < 6 * NWM) {
+            const u8* a = rsrc + (long long)((c0 + SC * S) / 8) * SB;
+            const u32 d = rdst + (S & 1) * RBUF;
+#pragma unroll
+            for (int k = 0; k < 11; k++) {
+                const int r = rr + 6 * k;
+                if (k < 10 || r < GT_BN) gu_cp4(d + 6 * RST * k, a + min(r, rlast) * rb);
+            }
+        }
+    };
+    // Decode: thread (row dr, k-step dk) of chunk p (compile-time) of the stage in raw buffer
+    // rbuf into tile buffer (p & 1) (layout: gemmuo_q2_k).
+    const int dr = tid >> 1, dk = tid & 1;
+    const u32 drow = sr + RST * dr, dst0 = sw + 64 * dr + 16 * ((2 * dk) ^ ((dr >> 1) & 3));
+    // 0x64646464 in a register (blockDim.x = 128: the OR adds nothing, but the compiler cannot fold
+    // it into the PRMTs), so that their byte selectors are the immediates (else ~10 moves a chunk).
+    const u32 k64 = 0x64646464u | (blockDim.x >> 8);
+    auto decode = [&](int p, u32 rbuf, u32 wbuf) {
+        const int h = p >> 2, j = p & 3;
+        const u32 row = drow + rbuf;
+        const u32 e1 = (u32)(15 - 2 * j) << 10, e2 = 0x8000u | ((u32)(25 - 2 * j) << 10);
+        const u32 k1 = e1 | (e1 << 16), k2 = e2 | (e2 << 16);
+        const u32 slp = gu_lds16(row + 8 * h + 2 * j) & 0x0f0fu; // sl of sub-blocks 0, 1
+        u32 ss;                                                   // (sl0, sl1) * 4^-j
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(ss) : "r"(__byte_perm(slp, k64, 0x4140)), "r"(k1), "r"(k2));
+        const u32 sc[2] = {__byte_perm(ss, 0u, 0x1010), __byte_perm(ss, 0u, 0x3232)};
+        u32 cm[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(cm[u]) : "r"(sc[u]), "r"(0xe400e400u)); // * -1024
+        const u32 msk = 0x03030303u << (2 * j);
+        u32 o[2][4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const u32 v = gu_lds(row + 4 * dk + 16 + 32 * h + 8 * u) & msk;
+            const u32 lo = __byte_perm(v, k64, 0x4140), hi = __byte_perm(v, k64, 0x4342);
+            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[0][u]) : "r"(lo), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
+            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[1][u]) : "r"(hi), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
+        }
+        gu_sts4(dst0 + wbuf, o[0][0], o[0][1], o[0][2], o[0][3]);
+        gu_sts4((dst0 ^ 16) + wbuf, o[1][0], o[1][1], o[1][2], o[1][3]);
+    };
+    const int nS = nl / SC; // host contract: kc % 8 == 0, cols % 256 == 0
+    if (nS > 0) {
+        issue_raw(0);
+        issue_sums(0);
+        issue_x(0, 0);
+        gt_commit();
+        issue_x(1, XSL);
+        gt_commit();
+        gt_wait<1>(); // stage 0
+        __syncthreads();
+        decode(0, 0, 0);
+    }
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, lr = lane & 7, lm = lane >> 3;
+    constexpr int MT = 2, NT = 4, RW = 8 * NT;
+    const int wm = warp >> 1, wn = warp & 1;
+    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, GT_BM) - 32 * wm + 15) >> 4, 0), MT) : MT;
+    // B (ldmatrix.x4, matrices (n-tile 2np | 2np+1) x (register 0 | 1)): lane L gives row
+    // RW wn + 8 (2np + (L/8)/2) + L%8, group (2kk + (L/8)%2) ^ ((row >> 1) & 3) = that of kk = 0 XOR 2kk;
+    // np: +16 rows. A (matrices (rows +0 | +8) x (hi01 | hi23), then lo): item 32 wm + 16 mt +
+    // 8 ((L/8)%2) + L%8, unit ((L/8)/2 ^ L%8) XOR (4kk + 2 lo); mt: +16 items.
+    const u32 bA = gu_keep(sw + 64 * (RW * wn + 8 * (lm >> 1) + lr) + 16 * ((lm & 1) ^ ((lr >> 1) & 3)));
+    const u32 bA1 = gu_keep(bA ^ 32);
+    const u32 aA = gu_keep(sx + 128 * (32 * wm + 8 * (lm & 1) + lr) + 16 * ((lm >> 1) ^ lr));
+    // Epilogue rows: d/dmin of rows RW wn + 8nt + 2t + e1, mins of rows RW wn + 8nt + g (bytes 2t
+    // and 2t + 8), sums of items 32 wm + 16 mt + g (+8).
+    const u32 eD = sr + RST * (RW * wn + 2 * t) + 80, eM = sr + RST * (RW * wn + g) + 2 * t;
+    const u32 eS = sS + 64 * (32 * wm + g) + 4 * t;
+    float acc[MT][NT][4], cc[MT][NT][4];
+    gt_zero<MT, NT>(acc);
+
+    u32 xo = 0; // X slot of chunk i (i % 3)
+    for (int S = 0; S < nS; S++) {
+        const u32 rbuf = (S & 1) * RBUF;
+#pragma unroll
+        for (int p = 0; p < SC; p++) {
+            const int i = SC * S + p;
+            gt_wait<NXS - 2>();
+            __syncthreads();
+            const u32 xn = xo == 0 ? 2 * XSL : xo - XSL; // slot of chunk i + 2
+            issue_x(i + 2, xn);
+            if (p == 0) {
+                if (S + 1 < nS) issue_raw(S + 1);
+                if (S > 0) issue_sums(S);
+            }
+            gt_commit();
+            if (p + 1 < SC)
+                decode(p + 1, rbuf, ((p + 1) & 1) * WBUF);
+            else if (S + 1 < nS)
+                decode(0, RBUF - rbuf, 0);
+            if (p == 0) gt_zero<MT, NT>(cc); // a zero accumulator for the first mma
+            if (nmt > 0) { // warp-uniform: no valid item (acc stays 0)
+                const u32 wb = (p & 1) * WBUF, xa = aA + xo;
+                auto mma_step = [&](int kk, const u32 (&a)[MT][2][4], const u32 (&b)[NT][2]) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        if (mt >= nmt) continue;
+#pragma unroll
+                        for (int hl = 0; hl < 2; hl++)
+#pragma unroll
+                            for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], a[mt][hl], b[nt]);
+                    }
+                };
+                if (V & 6) { // every fragment of the chunk first (12 ldmatrix), then the 32 mma (V & 4: per k-step)
+                    u32 b[2][NT][2], a[2][MT][2][4];
+#pragma unroll
+                    for (int kk = 0; kk < 2; kk++) {
+#pragma unroll
+                        for (int np = 0; np < 2; np++) {
+                            u32 q[4];
+                            gu_ldm4(q, (kk ? bA1 : bA) + wb + 1024 * np);
+                            b[kk][2 * np][0] = q[0], b[kk][2 * np][1] = q[1], b[kk][2 * np + 1][0] = q[2], b[kk][2 * np + 1][1] = q[3];
+                        }
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++) {
+                            if (mt >= nmt) continue;
+                            gu_ldm4(a[kk][mt][0], (xa ^ (64 * kk)) + 2048 * mt);
+                            gu_ldm4(a[kk][mt][1], (xa ^ (64 * kk + 32)) + 2048 * mt);
+                        }
+                        if (V & 4) mma_step(kk, a[kk], b[kk]);
+                    }
+                    if (!(V & 4))
+#pragma unroll
+                        for (int kk = 0; kk < 2; kk++) mma_step(kk, a[kk], b[kk]);
+                } else
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+                    u32 b[NT][2];
+#pragma unroll
+                    for (int np = 0; np < 2; np++) {
+                        u32 q[4];
+                        gu_ldm4(q, (kk ? bA1 : bA) + wb + 1024 * np);
+                        b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        if (mt >= nmt) continue;
+                        u32 ah[4], al[4];
+                        gu_ldm4(ah, (xa ^ (64 * kk)) + 2048 * mt);
+                        gu_ldm4(al, (xa ^ (64 * kk + 32)) + 2048 * mt);
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], ah, b[nt]);
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], al, b[nt]);
+                    }
+                }
+                if (p == SC - 1) {
+                    float D[NT][2], Dm[NT][2];
+                    u32 bm[NT][2];
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                        for (int e1 = 0; e1 < 2; e1++) {
+                            const u32 dd = gu_lds(eD + rbuf + RST * (8 * nt + e1));
+                            D[nt][e1] = ds4_h2f_fast(dd), Dm[nt][e1] = ds4_h2f_fast(dd >> 16) * ((V & 1) ? 1.0f : 16.0f); // exact
+                        }
+                        const u32 v0 = gu_lds16(eM + rbuf + RST * 8 * nt), v1 = gu_lds16(eM + rbuf + RST * 8 * nt + 8);
+                        if (V & 1) { // 16 m (exact in f16): the same products times 16, dmin unscaled
+                            bm[nt][0] = gq_u10x2((v0 & 0xf0u) | ((v0 & 0xf000u) << 8));
+                            bm[nt][1] = gq_u10x2((v1 & 0xf0u) | ((v1 & 0xf000u) << 8));
+                        } else {
+                            bm[nt][0] = gq_u10x2(((v0 >> 4) & 15) | ((v0 >> 12) << 16));
+                            bm[nt][1] = gq_u10x2(((v1 >> 4) & 15) | ((v1 >> 12) << 16));
+                        }
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        if (mt >= nmt) continue;
+                        const u32 sa = eS + 1024 * mt;
+                        u32 ah[4] = {gu_lds(sa), gu_lds(sa + 512), gu_lds(sa + 16), gu_lds(sa + 528)};
+                        u32 al[4] = {gu_lds(sa + 32), gu_lds(sa + 544), gu_lds(sa + 48), gu_lds(sa + 560)};
+                        float cm[NT][4];
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++) cm[nt][e] = 0.0f;
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[nt], ah, bm[nt]);
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[nt], al, bm[nt]);
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                const float a = fmaf(D[nt][e & 1], cc[mt][nt][e], acc[mt][nt][e]);
+                                acc[mt][nt][e] = fmaf(-Dm[nt][e & 1], cm[nt][e], a);
+                            }
+                    }
+                }
+            }
+            xo = xo == 2 * XSL ? 0 : xo + XSL;
+        }
+    }
+    gt_wait<0>();
+
+    gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
+#endif
+}
 // <= 128 registers: 4 CTAs per SM (also the shared-memory limit).
 #if defined(DS4_CUDA)
 #define GU_B4 128, 4
 #else
 #define GU_B4 128
 #endif
-DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmu_q2_k(GMT_PARAMS) { gemmu_body(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmu_q2_k(GMT_PARAMS) { gemmu_body<0>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmuv_q2_k(GMT_PARAMS) { gemmu_body<1>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmuo_q2_k(GMT_PARAMS) { gemmuo_body(GMT_ARGS); }
+#if defined(DS4_CUDA)
+#define GU_B3 128, 3
+#else
+#define GU_B3 128
+#endif
+DS4_KERNEL void DS4_BOUNDS(GU_B3) gemmu3_q2_k(GMT_PARAMS) { gemmu_body<3>(GMT_ARGS); }
 
 // X rows for gemmt: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
 // x_tok multiple of 16). v = x * 2^s_t (s_t as gemm_xh_f32), xinv[t] = 2^-s_t; each 4 elements

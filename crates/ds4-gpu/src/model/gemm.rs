@@ -245,6 +245,25 @@ fn split_x() -> bool {
     switch_on(&XB, "DS4_GPU_GEMM_XB")
 }
 
+/// Q2_K tiled kernel (A/B of bench/results/gpu-gemm-e10-h200.txt): 0 `gemmu_q2_k`, 1 `gemmuo_q2_k`
+/// (the session-9 kernel), 2 `gemmu3_q2_k` (3 CTAs per SM), 3 `gemmuv_q2_k`; UNSET: read
+/// `DS4_GPU_GEMM_DN` (`o`, `3`, `v`) on first use.
+static DNFORM: AtomicU8 = AtomicU8::new(UNSET);
+
+fn down_form() -> &'static str {
+    let mut v = DNFORM.load(Ordering::Relaxed);
+    if v == UNSET {
+        v = match std::env::var("DS4_GPU_GEMM_DN").as_deref() {
+            Ok("o") => 1,
+            Ok("3") => 2,
+            Ok("v") => 3,
+            _ => 0,
+        };
+        DNFORM.store(v, Ordering::Relaxed);
+    }
+    ["gemmu", "gemmuo", "gemmu3", "gemmuv"][v.min(3) as usize]
+}
+
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
@@ -463,6 +482,11 @@ impl GpuBackend {
     /// MoE IQ2_XXS gate/up on X split once per product (`gemmc_iq2_xxs`; default true).
     pub fn set_gemm_xb(on: bool) {
         XB.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Q2_K tiled kernel: 0 `gemmu_q2_k` (default), 1 `gemmuo_q2_k`, 2 `gemmu3_q2_k`, 3 `gemmuv_q2_k`.
+    pub fn set_gemm_down(form: u8) {
+        DNFORM.store(form.min(3), Ordering::Relaxed);
     }
 
     /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
@@ -686,7 +710,7 @@ impl GpuBackend {
         let half = m.xs.is_some() && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
-            _ if til && m.ty == GgmlType::Q2_K && m.xu => "gemmu".into(),
+            _ if til && m.ty == GgmlType::Q2_K && m.xu => down_form().into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
@@ -737,7 +761,7 @@ impl GpuBackend {
         if form == "gemmc" {
             CLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if form == "gemmu" {
+        if form.starts_with("gemmu") {
             ULAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
