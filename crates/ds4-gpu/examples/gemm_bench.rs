@@ -7,7 +7,7 @@
 //! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
 //! and fma (per type). default = the default forms (the tiled form for Q2_K/Q4_K, the MoE's
 //! IQ2_XXS gate/up on X split once: `gemmc_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
-//! = X split per CTA, /dno = the Q2_K down on `gemmuo_q2_k`, /dn3 on `gemmu3_q2_k`, /dnv on `gemmuv_q2_k`. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
+//! = X split per CTA. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
 //! `GEMM_BENCH_FORMS=default,bf16`: only those forms (model shapes and routed experts).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
@@ -93,9 +93,6 @@ const DEFAULT: Form = ("default", true, false, false, true, 0, true);
 const DEFAULT_NOSKIP: Form = ("default/noskip", true, false, false, true, 0, true);
 const BF16_NOSKIP: Form = ("bf16/noskip", true, false, false, true, 0, true);
 const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
-const DEFAULT_DNO: Form = ("default/dno", true, false, false, true, 0, true);
-const DEFAULT_DN3: Form = ("default/dn3", true, false, false, true, 0, true);
-const DEFAULT_DNV: Form = ("default/dnv", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -117,16 +114,6 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
     GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
     GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
-    // "/dno": the Q2_K down on gemmuo_q2_k (session 9's kernel), "/dn3": gemmu3_q2_k (3 CTAs per SM), "/dnv": gemmuv_q2_k.
-    GpuBackend::set_gemm_down(if f.0.ends_with("/dno") {
-        1
-    } else if f.0.ends_with("/dn3") {
-        2
-    } else if f.0.ends_with("/dnv") {
-        3
-    } else {
-        0
-    });
 }
 
 fn main() {
@@ -241,9 +228,6 @@ fn main() {
                 DEFAULT,
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
-                DEFAULT_DNO,
-                DEFAULT_DN3,
-                DEFAULT_DNV,
                 BF16,
                 BF16_NOSKIP,
                 TILED,

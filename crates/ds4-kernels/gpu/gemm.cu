@@ -1341,212 +1341,6 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmt_q8_0(GMT_PARAMS) { gemmt_body<T_Q8_0>(GMT_
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_q4_k(GMT_PARAMS) { gemmt_body<T_Q4_K>(GMT_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmt_iq2_xxs(GMT_PARAMS) { gemmt_body<T_IQ2_XXS>(GMT_ARGS); }
 
-// ---- gemmu_q2_k: the tiled form for Q2_K with each B element decoded once per CTA ----
-// Same arithmetic and staging as gemmt_<t> (weights sl*q exact in f16, X hi/lo f16 from
-// gemm_xt_f32, d / dmin and the min mma per super-block), but the chunk's 64 x 32 weights are
-// decoded once by the 128 threads into a shared tile (gemmt: each B fragment by the two warps
-// of a row half, in registers; H200: 4.03 vs 4.52 ms ncu, routed experts q2 n = 2048 8.25 ->
-// 7.98 ms, n = 4096 16.04 -> 15.27) and read by ldmatrix; chunk c + 1 is decoded while chunk c's mma
-// run (two tile buffers, one barrier per chunk). Thread t decodes row t/2, k-step t%2: the
-// 16 elements 8u + 8(t%2) .. +3, u < 4 (4 q words); sl*q as one fused f16x2 FMA a pair:
-// (1024 + q 4^j) * (sl 4^-j) - 1024 sl 4^-j (q's bits in place, j the chunk's shift; exact).
-// Tile row: 4 groups of 16 bytes, group (k-step kk, pair h) = words t = 0..3 of the
-// m16n8k16 B fragment register h of step kk (elements 8t + 4kk + 2h, +1, the gemmt K order),
-// stored at group index (2kk + h) ^ ((row >> 1) & 3) (conflict-free 16-byte stores and
-// ldmatrix rows). Sums single-buffered (issued at the super-block's first chunk; static
-// shared memory < 48 KB). Host contract as gemmt (rows 4-byte aligned: Q2_K rows are 84-byte
-// multiples).
-struct alignas(16) GuSmem {
-    uint4 x[3][GT_BM][8]; // X chunk slots (gemmt's swizzle)
-    u32 s[GT_BM][16];     // sums of the current super-block: hi 8 words, lo 8 words
-    u32 raw[2][GT_BN][23]; // raw super-blocks (84 bytes), odd stride
-    uint4 w[2][GT_BN][4]; // decoded chunk tiles
-};
-
-// X in gemm_xt_f32's unit layout (unit != 0): per 32-element chunk, 16-byte unit 4 kk + c (kk:
-// k-step, c: hi01, hi23, lo01, lo23) holds component c of the groups 2t + kk, t = 0..3 (word t),
-// so the A fragment of an m-tile and k-step is two ldmatrix.x4 (rows +0 | +8 x unit c = hi01 |
-// hi23, then lo) instead of gemmt's 16-byte loads regrouped by register moves (~80 moves a warp
-// and chunk); unit u of item m at slot position u ^ (m & 7) (conflict-free ldmatrix rows).
-__device__ __forceinline__ void gemmuo_body(GMT_PARAMS) {
-#if GM_HAVE_MMA
-    constexpr int NXS = 3, SC = 8, SB = 84, NWM = SB / 4; // words per row copy (aligned rows)
-    __shared__ int items[GT_BM];
-    __shared__ int expert;
-    __shared__ GuSmem sm;
-    const int tid = threadIdx.x;
-    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
-    const int r0 = blockIdx.x * GT_BN;
-    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    gm_items(items, &expert, GT_BM, n, grp, sel, gmax);
-    __syncthreads();
-    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
-    const u8* wbase = W + wo;
-    const int xi = tid >> 1, xh = tid & 1;
-    const int xit = items[xi];
-    const long long xtok = xit >= 0 ? (long long)(xit / xdiv) : 0;
-    const u32* xsrc = XT + xtok * x_tok + (long long)z * x_z;
-    const u32* ssrc = XS + xtok * (x_tok / 16) + (long long)z * (x_z / 16);
-    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc), nl = max(c1 - c0, 0);
-    const u32* xq = xit >= 0 ? xsrc + 32LL * c0 + 16 * xh : XT; // this thread's 64 bytes of chunk c0
-    const int xsw = xi & 7;
-    auto issue_x = [&](int i) {
-        if (i < nl) {
-            uint4* dst = sm.x[i % NXS][xi];
-            const u32* src = xit >= 0 ? xq + 32 * i : XT;
-#pragma unroll
-            for (int q = 0; q < 4; q++) gt_cp16(&dst[(4 * xh + q) ^ xsw], src + (xit >= 0 ? 4 * q : 0), xit >= 0);
-        }
-    };
-    // Raw copies: word idx = 21 r + w of the stage, idx = tid + 128 k; rows past the last clamp
-    // to it. Row offsets in 32 bits (64 rows of one matrix), (r, w) stepped by 128 = 6 * 21 + 2.
-    const u8* wtile = wbase + (long long)r0 * row_bytes;
-    const int rb = (int)row_bytes, rlast = rows - 1 - r0;
-    auto issue_raw = [&](int S) {
-        if (SC * S < nl) {
-            const u8* a = wtile + (long long)((c0 + SC * S) / 8) * SB;
-            u32* dst = &sm.raw[S & 1][0][0];
-            int r = tid / NWM, w = tid - r * NWM;
-#pragma unroll 1
-            for (int k = 0; k < (GT_BN * NWM + 127) / 128; k++) {
-                if (tid + 128 * k < GT_BN * NWM) gt_cp4(dst + 23 * r + w, (const u32*)(a + min(r, rlast) * rb) + w);
-                r += 6, w += 2;
-                if (w >= NWM) w -= NWM, r++;
-            }
-        }
-    };
-    auto issue_sums = [&](int S) {
-        if (SC * S < nl) {
-            const int cs = c0 + SC * S;
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                int j = 2 * xh + q; // 16-byte quarter j of the item's 64 sum bytes
-                gt_cp16(&sm.s[xi][4 * j], xit >= 0 ? ssrc + 16LL * (cs / 8) + 4 * j : XT, xit >= 0);
-            }
-        }
-    };
-    // Decode unit: row dr, k-step dk.
-    const int dr = tid >> 1, dk = tid & 1, dsw = (dr >> 1) & 3;
-    auto decode = [&](int i) { // chunk i (local) of stage i / 8 into tile buffer i & 1
-        const int p = i % SC, h = p >> 2, j = p & 3;
-        const u8* blk = (const u8*)sm.raw[(i / SC) & 1][dr];
-        // f16 4^-j and -1024 * 4^-j (exponents 15 - 2j, 25 - 2j), both halves
-        const u32 e1 = (u32)(15 - 2 * j) << 10, e2 = 0x8000u | ((u32)(25 - 2 * j) << 10);
-        const u32 k1 = e1 | (e1 << 16), k2 = e2 | (e2 << 16);
-        const u32 slp = *(const u16*)(blk + 8 * h + 2 * j) & 0x0f0fu; // sl of sub-blocks 0, 1
-        u32 ss;                                                      // (sl0, sl1) * 4^-j
-        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(ss) : "r"(__byte_perm(slp, 0x64646464u, 0x4140)), "r"(k1), "r"(k2));
-        const u32 sc[2] = {__byte_perm(ss, 0u, 0x1010), __byte_perm(ss, 0u, 0x3232)};
-        u32 cm[2];
-#pragma unroll
-        for (int u = 0; u < 2; u++) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(cm[u]) : "r"(sc[u]), "r"(0xe400e400u)); // * -1024
-        const u32 msk = 0x03030303u << (2 * j);
-        u32 o[2][4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const u32 v = *(const u32*)(blk + 16 + 32 * h + 8 * u + 4 * dk) & msk;
-            const u32 lo = __byte_perm(v, 0x64646464u, 0x4140), hi = __byte_perm(v, 0x64646464u, 0x4342);
-            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[0][u]) : "r"(lo), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
-            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[1][u]) : "r"(hi), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
-        }
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) sm.w[i & 1][dr][(2 * dk + hh) ^ dsw] = make_uint4(o[hh][0], o[hh][1], o[hh][2], o[hh][3]);
-    };
-    issue_raw(0);
-    issue_sums(0);
-    issue_x(0);
-    gt_commit();
-    issue_x(1);
-    gt_commit();
-    if (nl > 0) {
-        gt_wait<1>(); // stage 0
-        __syncthreads();
-        decode(0);
-    }
-
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, lr = lane & 7, lm = lane >> 3;
-    constexpr int MT = 2, NT = 4, RW = 8 * NT;
-    const int wm = warp >> 1, wn = warp & 1;
-    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, GT_BM) - 32 * wm + 15) >> 4, 0), MT) : MT;
-    float acc[MT][NT][4], cc[MT][NT][4];
-    gt_zero<MT, NT>(acc);
-    gt_zero<MT, NT>(cc);
-
-    for (int i = 0; i < nl; i++) {
-        gt_wait<NXS - 2>();
-        __syncthreads();
-        issue_x(i + NXS - 1);
-        if (i % SC == 0) {
-            issue_raw(i / SC + 1);
-            if (i > 0) issue_sums(i / SC);
-        }
-        gt_commit();
-        if (i + 1 < nl) decode(i + 1);
-        const int S = i / SC, p = i % SC, buf = S & 1;
-        const uint4(*xs)[8] = sm.x[i % NXS];
-        if (nmt == 0) continue; // warp-uniform: no valid item (acc stays 0)
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            u32 b[NT][2];
-#pragma unroll
-            for (int np = 0; np < 2; np++) {
-                // matrices (n-tile 2np | 2np+1) x (register 0 | 1): lane L gives row L%8 of matrix L/8
-                const int r = RW * wn + 8 * (2 * np + (lm >> 1)) + lr;
-                u32 q[4];
-                gm_ldm4(q, (const u32*)&sm.w[i & 1][r][(2 * kk + (lm & 1)) ^ ((r >> 1) & 3)]);
-                b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                if (mt >= nmt) continue;
-                // matrices (rows +0 | +8) x (hi01 | hi23), then lo
-                u32 ah[4], al[4];
-                const int m = 32 * wm + 16 * mt + 8 * (lm & 1) + lr;
-                gm_ldm4(ah, (const u32*)&xs[m][(4 * kk + (lm >> 1)) ^ (m & 7)]);
-                gm_ldm4(al, (const u32*)&xs[m][(4 * kk + 2 + (lm >> 1)) ^ (m & 7)]);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], ah, b[nt]);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], al, b[nt]);
-            }
-        }
-        if (p == SC - 1) {
-            float D[NT][2], Dm[NT][2];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e1 = 0; e1 < 2; e1++) {
-                    const u16* dd = (const u16*)((const u8*)sm.raw[buf][RW * wn + 8 * nt + 2 * t + e1] + 80);
-                    D[nt][e1] = ds4_h2f_fast(dd[0]), Dm[nt][e1] = ds4_h2f_fast(dd[1]) * 16.0f; // exact
-                }
-            float cm[MT][NT][4];
-            u32 bm[NT][2];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) gt_minb<T_Q2_K>((const u8*)sm.raw[buf][RW * wn + 8 * nt + g], t, bm[nt]);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) cm[mt][nt][e] = 0.0f;
-                if (mt >= nmt) continue;
-                const int m0 = 32 * wm + 16 * mt + g;
-                const u32* s0 = sm.s[m0];
-                const u32* s1 = sm.s[m0 + 8];
-                u32 ah[4] = {s0[t], s1[t], s0[t + 4], s1[t + 4]}, al[4] = {s0[8 + t], s1[8 + t], s0[12 + t], s1[12 + t]};
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[mt][nt], ah, bm[nt]);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[mt][nt], al, bm[nt]);
-            }
-            gt_apply<MT, NT>(acc, cc, cm, D, Dm);
-        }
-    }
-    gt_wait<0>();
-
-    gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
-#endif
-}
 // gemmu_q2_k's shared-memory accesses on 32-bit shared addresses computed once per thread (the
 // compiler recomputed them from the thread id in every chunk: ~380 instructions a warp and chunk
 // for 32 mma), volatile so that equal addresses of different chunks stay separate loads.
@@ -1584,27 +1378,47 @@ __device__ __forceinline__ void gu_cp4(u32 d, const void* src) {
 }
 #endif
 
-// Tile buffers of gemmu_q2_k (the x rows (128 bytes) and w rows (64 bytes) sit on 128-byte
-// boundaries, so that a swizzled 16-byte unit's address is the row's address XOR 16 * unit).
-struct alignas(128) GuSmem2 {
-    uint4 x[3][GT_BM][8];   // X chunk slots, unit u of item m at position u ^ (m & 7)
-    u32 s[GT_BM][16];       // sums of the current super-block: hi 8 words, lo 8 words
-    u32 raw[2][GT_BN][23];  // raw super-blocks (84 bytes), odd stride
-    uint4 w[2][GT_BN][4];   // decoded chunk tiles
+// ---- gemmu_q2_k: the tiled form for Q2_K with each B element decoded once per CTA ----
+// Same arithmetic and staging as gemmt_<t> (weights sl*q exact in f16, X hi/lo f16 from
+// gemm_xt_f32, d / dmin and the min mma per super-block), but the chunk's 64 x 32 weights are
+// decoded once by the 128 threads into a shared tile (gemmt: each B fragment by the two warps
+// of a row half, in registers) and read by ldmatrix; chunk c + 1 is decoded while chunk c's mma
+// run (two tile buffers, one barrier per chunk). Thread t decodes row t/2, k-step t%2: the
+// 16 elements 8u + 8(t%2) .. +3, u < 4 (4 q words); sl*q as one fused f16x2 FMA a pair:
+// (1024 + q 4^j) * (sl 4^-j) - 1024 sl 4^-j (q's bits in place, j the chunk's shift; exact).
+// Tile row: 4 groups of 16 bytes, group (k-step kk, pair h) = words t = 0..3 of the
+// m16n8k16 B fragment register h of step kk (elements 8t + 4kk + 2h, +1, the gemmt K order),
+// stored at group index (2kk + h) ^ ((row >> 1) & 3) (conflict-free 16-byte stores and
+// ldmatrix rows). Sums single-buffered (issued at the super-block's first chunk; static
+// shared memory < 48 KB). Min term: B' = 16 m (exact in f16), so dmin needs no x16.
+// X in gemm_xt_f32's unit layout (unit != 0): per 32-element chunk, 16-byte unit 4 kk + c (kk:
+// k-step, c: hi01, hi23, lo01, lo23) holds component c of the groups 2t + kk, t = 0..3 (word t),
+// so the A fragment of an m-tile and k-step is two ldmatrix.x4 (rows +0 | +8 x unit c = hi01 |
+// hi23, then lo) instead of gemmt's 16-byte loads regrouped by register moves; unit u of item m
+// at slot position u ^ (m & 7) (conflict-free ldmatrix rows).
+// Instruction economy (bench/results/gpu-gemm-e10-h200.txt): the chunk loop unrolled over a
+// super-block (8 chunks: the decode's sub-block and shift, the tile buffer and the super-block
+// epilogue are compile-time; cc starts each super-block as a zero accumulator), every shared
+// address a per-thread base + a constant (or XOR a constant inside a 128-byte-aligned row),
+// raw rows copied by a fixed (row, word) map per thread (6 rows x 21 words per 126 threads, 11
+// steps), raw rows 22 words apart (conflict-free decode loads), the chunk's 12 ldmatrix issued
+// before its 32 mma (3 CTAs per SM). H200 ncu (routed experts q2, n = 2048): 728 M instructions
+// instead of 1614 M, 2.97 ms instead of 4.02. Host contract as gemmt (rows 4-byte aligned: Q2_K
+// rows are 84-byte multiples).
+struct alignas(128) GuSmem { // x rows (128 bytes) and w rows (64 bytes) on 128-byte boundaries: a
+                             // swizzled 16-byte unit's address is the row's address XOR 16 * unit
+    uint4 x[3][GT_BM][8];  // X chunk slots, unit u of item m at position u ^ (m & 7)
+    u32 s[GT_BM][16];      // sums of the current super-block: hi 8 words, lo 8 words
+    u32 raw[2][GT_BN][23]; // raw super-blocks (84 bytes) at a stride of 22 words (RSW; 23 as measured)
+    uint4 w[2][GT_BN][4];  // decoded chunk tiles
 };
 
-// gemmu_q2_k (see gemmuo_q2_k above for the layouts and the arithmetic, which are the same): the
-// chunk loop unrolled over a super-block (8 chunks: the decode's sub-block and shift, the tile
-// buffer and the super-block epilogue are compile-time; cc starts each super-block as a zero
-// accumulator), every shared address a per-thread base + a constant (or XOR a constant inside a
-// 128-byte-aligned row), raw rows copied by a fixed (row, word) map per thread (6 rows x 21 words
-// per 126 threads, 11 steps).
-template <int V> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
+__device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
 #if GM_HAVE_MMA
     constexpr int NXS = 3, SC = 8, SB = 84, NWM = SB / 4;
-    constexpr u32 RSW = (V & 1) ? 22 : 23; // raw row stride in words (22: conflict-free decode loads)
+    constexpr u32 RSW = 22; // raw row stride in words: rows 2i, 2i + 1 of a warp's decode loads on other banks
     constexpr u32 XSL = GT_BM * 8 * 16, RBUF = GT_BN * RSW * 4, WBUF = GT_BN * 4 * 16, RST = RSW * 4;
-    __shared__ GuSmem2 sm;
+    __shared__ GuSmem sm;
     __shared__ int items[GT_BM];
     __shared__ int expert;
     const int tid = threadIdx.x;
@@ -1660,7 +1474,7 @@ template <int V> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
         }
     };
     // Decode: thread (row dr, k-step dk) of chunk p (compile-time) of the stage in raw buffer
-    // rbuf into tile buffer (p & 1) (layout: gemmuo_q2_k).
+    // rbuf into tile buffer (p & 1) (layout: above).
     const int dr = tid >> 1, dk = tid & 1;
     const u32 drow = sr + RST * dr, dst0 = sw + 64 * dr + 16 * ((2 * dk) ^ ((dr >> 1) & 3));
     // 0x64646464 in a register (blockDim.x = 128: the OR adds nothing, but the compiler cannot fold
@@ -1743,17 +1557,7 @@ template <int V> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
             if (p == 0) gt_zero<MT, NT>(cc); // a zero accumulator for the first mma
             if (nmt > 0) { // warp-uniform: no valid item (acc stays 0)
                 const u32 wb = (p & 1) * WBUF, xa = aA + xo;
-                auto mma_step = [&](int kk, const u32 (&a)[MT][2][4], const u32 (&b)[NT][2]) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        if (mt >= nmt) continue;
-#pragma unroll
-                        for (int hl = 0; hl < 2; hl++)
-#pragma unroll
-                            for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], a[mt][hl], b[nt]);
-                    }
-                };
-                if (V & 6) { // every fragment of the chunk first (12 ldmatrix), then the 32 mma (V & 4: per k-step)
+                { // every fragment of the chunk first (12 ldmatrix), then the 32 mma
                     u32 b[2][NT][2], a[2][MT][2][4];
 #pragma unroll
                     for (int kk = 0; kk < 2; kk++) {
@@ -1769,32 +1573,17 @@ template <int V> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
                             gu_ldm4(a[kk][mt][0], (xa ^ (64 * kk)) + 2048 * mt);
                             gu_ldm4(a[kk][mt][1], (xa ^ (64 * kk + 32)) + 2048 * mt);
                         }
-                        if (V & 4) mma_step(kk, a[kk], b[kk]);
-                    }
-                    if (!(V & 4))
-#pragma unroll
-                        for (int kk = 0; kk < 2; kk++) mma_step(kk, a[kk], b[kk]);
-                } else
-#pragma unroll
-                for (int kk = 0; kk < 2; kk++) {
-                    u32 b[NT][2];
-#pragma unroll
-                    for (int np = 0; np < 2; np++) {
-                        u32 q[4];
-                        gu_ldm4(q, (kk ? bA1 : bA) + wb + 1024 * np);
-                        b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
                     }
 #pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        if (mt >= nmt) continue;
-                        u32 ah[4], al[4];
-                        gu_ldm4(ah, (xa ^ (64 * kk)) + 2048 * mt);
-                        gu_ldm4(al, (xa ^ (64 * kk + 32)) + 2048 * mt);
+                    for (int kk = 0; kk < 2; kk++)
 #pragma unroll
-                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], ah, b[nt]);
+                        for (int mt = 0; mt < MT; mt++) {
+                            if (mt >= nmt) continue;
 #pragma unroll
-                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], al, b[nt]);
-                    }
+                            for (int hl = 0; hl < 2; hl++)
+#pragma unroll
+                                for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], a[kk][mt][hl], b[kk][nt]);
+                        }
                 }
                 if (p == SC - 1) {
                     float D[NT][2], Dm[NT][2];
@@ -1804,16 +1593,12 @@ template <int V> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
 #pragma unroll
                         for (int e1 = 0; e1 < 2; e1++) {
                             const u32 dd = gu_lds(eD + rbuf + RST * (8 * nt + e1));
-                            D[nt][e1] = ds4_h2f_fast(dd), Dm[nt][e1] = ds4_h2f_fast(dd >> 16) * ((V & 1) ? 1.0f : 16.0f); // exact
+                            D[nt][e1] = ds4_h2f_fast(dd), Dm[nt][e1] = ds4_h2f_fast(dd >> 16);
                         }
+                        // 16 m (exact in f16): the products times 16, exactly as gemmt's dmin x 16
                         const u32 v0 = gu_lds16(eM + rbuf + RST * 8 * nt), v1 = gu_lds16(eM + rbuf + RST * 8 * nt + 8);
-                        if (V & 1) { // 16 m (exact in f16): the same products times 16, dmin unscaled
-                            bm[nt][0] = gq_u10x2((v0 & 0xf0u) | ((v0 & 0xf000u) << 8));
-                            bm[nt][1] = gq_u10x2((v1 & 0xf0u) | ((v1 & 0xf000u) << 8));
-                        } else {
-                            bm[nt][0] = gq_u10x2(((v0 >> 4) & 15) | ((v0 >> 12) << 16));
-                            bm[nt][1] = gq_u10x2(((v1 >> 4) & 15) | ((v1 >> 12) << 16));
-                        }
+                        bm[nt][0] = gq_u10x2((v0 & 0xf0u) | ((v0 & 0xf000u) << 8));
+                        bm[nt][1] = gq_u10x2((v1 & 0xf0u) | ((v1 & 0xf000u) << 8));
                     }
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
@@ -1848,21 +1633,14 @@ template <int V> __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
     gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
 #endif
 }
-// <= 128 registers: 4 CTAs per SM (also the shared-memory limit).
-#if defined(DS4_CUDA)
-#define GU_B4 128, 4
-#else
-#define GU_B4 128
-#endif
-DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmu_q2_k(GMT_PARAMS) { gemmu_body<0>(GMT_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmuv_q2_k(GMT_PARAMS) { gemmu_body<1>(GMT_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GU_B4) gemmuo_q2_k(GMT_PARAMS) { gemmuo_body(GMT_ARGS); }
+// <= 168 registers: 3 CTAs per SM (all fragments of a chunk in flight; 128 registers and 4 CTAs
+// per SM: 3.04 vs 2.97 ms ncu, bench/results/gpu-gemm-e10-h200.txt).
 #if defined(DS4_CUDA)
 #define GU_B3 128, 3
 #else
 #define GU_B3 128
 #endif
-DS4_KERNEL void DS4_BOUNDS(GU_B3) gemmu3_q2_k(GMT_PARAMS) { gemmu_body<3>(GMT_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GU_B3) gemmu_q2_k(GMT_PARAMS) { gemmu_body(GMT_ARGS); }
 
 // X rows for gemmt: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
 // x_tok multiple of 16). v = x * 2^s_t (s_t as gemm_xh_f32), xinv[t] = 2^-s_t; each 4 elements

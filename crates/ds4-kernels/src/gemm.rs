@@ -70,9 +70,6 @@ pub const GEMM: Module = Module {
         "gemmt_q4_k",
         "gemmt_iq2_xxs",
         "gemmu_q2_k",
-        "gemmuo_q2_k",
-        "gemmuv_q2_k",
-        "gemmu3_q2_k",
         "gemm_xt_f32",
     ],
 };

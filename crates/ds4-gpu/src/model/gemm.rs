@@ -16,7 +16,9 @@
 //! with no valid pair are skipped (`DS4_GPU_GEMM_SKIP=0` off). Tiled Q2_K products (the q2 mix's
 //! down) take `gemmu_q2_k`: weights decoded once per CTA into a shared tile, X in the unit
 //! layout of `gemm_xt_f32`. H200 (bench/results/gpu-gemm-e9-h200.txt): routed experts q2
-//! n = 2048 9.33 -> 7.98 ms, n = 4096 18.17 -> 15.27 ms against the hi/lo gate/up and `gemmt_q2_k`.
+//! n = 2048 9.33 -> 7.98 ms, n = 4096 18.17 -> 15.27 ms against the hi/lo gate/up and `gemmt_q2_k`;
+//! `gemmu_q2_k` with less than half the instructions (gpu-gemm-e10-h200.txt): 7.91 -> 7.15 ms,
+//! 15.38 -> 13.80 ms, 2k prefill +6%.
 //!
 //! Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+; default for Q2_K (`gemmu_q2_k`)/Q4_K weights,
 //! `DS4_GPU_GEMM_TILED=all` adds Q8_0/IQ2_XXS, `=0` turns it off: see `TILED`): 64 items × 64
@@ -245,25 +247,6 @@ fn split_x() -> bool {
     switch_on(&XB, "DS4_GPU_GEMM_XB")
 }
 
-/// Q2_K tiled kernel (A/B of bench/results/gpu-gemm-e10-h200.txt): 0 `gemmu_q2_k`, 1 `gemmuo_q2_k`
-/// (the session-9 kernel), 2 `gemmu3_q2_k` (3 CTAs per SM), 3 `gemmuv_q2_k`; UNSET: read
-/// `DS4_GPU_GEMM_DN` (`o`, `3`, `v`) on first use.
-static DNFORM: AtomicU8 = AtomicU8::new(UNSET);
-
-fn down_form() -> &'static str {
-    let mut v = DNFORM.load(Ordering::Relaxed);
-    if v == UNSET {
-        v = match std::env::var("DS4_GPU_GEMM_DN").as_deref() {
-            Ok("o") => 1,
-            Ok("3") => 2,
-            Ok("v") => 3,
-            _ => 0,
-        };
-        DNFORM.store(v, Ordering::Relaxed);
-    }
-    ["gemmu", "gemmuo", "gemmu3", "gemmuv"][v.min(3) as usize]
-}
-
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
@@ -482,11 +465,6 @@ impl GpuBackend {
     /// MoE IQ2_XXS gate/up on X split once per product (`gemmc_iq2_xxs`; default true).
     pub fn set_gemm_xb(on: bool) {
         XB.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// Q2_K tiled kernel: 0 `gemmu_q2_k` (default), 1 `gemmuo_q2_k`, 2 `gemmu3_q2_k`, 3 `gemmuv_q2_k`.
-    pub fn set_gemm_down(form: u8) {
-        DNFORM.store(form.min(3), Ordering::Relaxed);
     }
 
     /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
@@ -710,7 +688,7 @@ impl GpuBackend {
         let half = m.xs.is_some() && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
         let form = match mode() {
-            _ if til && m.ty == GgmlType::Q2_K && m.xu => down_form().into(),
+            _ if til && m.ty == GgmlType::Q2_K && m.xu => "gemmu".into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
@@ -761,7 +739,7 @@ impl GpuBackend {
         if form == "gemmc" {
             CLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if form.starts_with("gemmu") {
+        if form == "gemmu" {
             ULAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
