@@ -6,13 +6,22 @@
 //! stamps (one launch at a time): when each phase ends, after the first CTA starts (max over
 //! the CTAs for the per-CTA phases; the last CTA's for the epilogue), and the Sinkhorn's and
 //! the collapse's clock64 cycles.
+//! (3) first, prefill (`HC_BENCH_N` tokens, default 2048; `GpuBackend`): µs per call of
+//! hc_post_pre_norm and hc_pre_norm with the tiled `hct_*` kernels (`set_hcp("on")`, CTAs per
+//! SM; the post fused or separate), `hcp_mix` (v1) and the composed ops (off): `reps` calls queued between two syncs (wall clock).
 
 mod common;
 
+use ds4_backend::{Backend, GgmlType, HcDims, WeightSrc};
+use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_gpu::runtime::{Arg, DevPtr, LaunchDims, Stream};
-use ds4_gpu::Gpu;
+use ds4_gpu::{Gpu, GpuBackend};
+use ds4_model::forward::rope_tables;
+use ds4_model::HParams;
 use half::f16;
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use std::time::Instant;
 
 const NH: usize = 4;
 const D: usize = 4096;
@@ -30,8 +39,122 @@ fn bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// A GGUF in memory with one tensor `t` of type `ty` and dims `dims` (bytes `b`).
+fn gguf(ty: GgmlType, dims: &[u64], b: Vec<u8>) -> Arc<GgufFile> {
+    let mut w = GgufWriter::new();
+    w.add_tensor("t", ty, dims).unwrap();
+    let bytes = w
+        .to_bytes(|_, out: &mut [u8]| -> Result<(), ds4_gguf::GgufError> {
+            out.copy_from_slice(&b);
+            Ok(())
+        })
+        .unwrap();
+    Arc::new(GgufFile::from_bytes("bench.gguf", bytes).unwrap())
+}
+
+fn wsrc(f: &Arc<GgufFile>) -> WeightSrc<'_> {
+    let t = f.tensor("t").unwrap();
+    WeightSrc {
+        name: "t",
+        file: f,
+        ty: t.ty,
+        dims: &t.dims,
+        offset: t.offset as usize,
+        n_bytes: t.n_bytes as usize,
+    }
+}
+
+/// (3) The prefill HC ops at n tokens: hcp_* kernels against the composed ops.
+fn prefill(reps: usize) {
+    let n: usize = std::env::var("HC_BENCH_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2048);
+    let gpu = GpuBackend::new(common::open_gpu(), &rope_tables(&HParams::tiny())).expect("backend");
+    let mut r = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(9);
+    let mixer: Vec<u8> = (0..MIX * NH * D)
+        .flat_map(|_| f16::from_f32(r.gen_range(-0.05f32..0.05)).to_le_bytes())
+        .collect();
+    let fm = gguf(GgmlType::F16, &[(NH * D) as u64, MIX as u64], mixer);
+    let mixer = gpu.matrix(&wsrc(&fm)).unwrap();
+    let vecw = |v: Vec<f32>| {
+        let f = gguf(GgmlType::F32, &[v.len() as u64], bytes(&v));
+        gpu.vector(&wsrc(&f)).unwrap()
+    };
+    let scale = vecw(vec![0.5f32, 0.5, 0.5]);
+    let base = vecw(randv(&mut r, MIX, -1.0, 1.0));
+    let norm = vecw(randv(&mut r, D, 0.5, 1.5));
+    let x0 = randv(&mut r, n * NH * D, -2.0, 2.0);
+    let mut x = gpu.upload(&x0);
+    let o = gpu.upload(&randv(&mut r, n * D, -2.0, 2.0));
+    // A convex comb and post near 1: x stays bounded over the calls.
+    let pin = gpu.upload(&randv(&mut r, n * NH, 0.0, 0.1));
+    let cin = gpu.upload(&vec![0.25f32; n * NH * NH]);
+    let (mut z, mut post, mut comb) = (gpu.alloc(n * D), gpu.alloc(n * NH), gpu.alloc(n * NH * NH));
+    let h = HcDims {
+        n: NH,
+        d: D,
+        sinkhorn_iters: ITERS as usize,
+        eps: 1e-6,
+    };
+    println!("# (3) prefill n {n}: us per call, {reps} calls queued between two syncs");
+    // (label, DS4_GPU_HCP form, lanes (v1), CTAs per SM, DS4_GPU_FUSE).
+    let forms = [
+        ("composed", "off", 2u8, 2u8, "on"),
+        ("hct x2", "on", 2, 2, "on"),
+        ("hct x1", "on", 2, 1, "on"),
+        ("hct x4", "on", 2, 4, "on"),
+        ("hct sep. post", "on", 2, 2, "nopost"),
+        ("v1 L2 x2", "v1", 2, 2, "on"),
+    ];
+    for round in 0..2 {
+        for (label, hcp, lanes, ctas, fuse) in forms {
+            GpuBackend::set_hcp(hcp);
+            GpuBackend::set_hcp_shape(lanes, ctas);
+            GpuBackend::set_fuse(fuse);
+            for with_post in [true, false] {
+                let mut call = |x: &mut <GpuBackend as Backend>::Buf| {
+                    if with_post {
+                        gpu.hc_post_pre_norm(
+                            h, x, &o, &pin, &cin, &mixer, &scale, &base, &norm, n, 1e-6, &mut z,
+                            &mut post, &mut comb,
+                        );
+                    } else {
+                        gpu.hc_pre_norm(
+                            h, &mixer, &scale, &base, &norm, x, n, 1e-6, &mut z, &mut post,
+                            &mut comb,
+                        );
+                    }
+                };
+                call(&mut x);
+                call(&mut x);
+                gpu.download(&x, 1);
+                let t = Instant::now();
+                for _ in 0..reps {
+                    call(&mut x);
+                }
+                gpu.download(&x, 1);
+                let us = t.elapsed().as_secs_f64() * 1e6 / reps as f64;
+                if let Err(e) = gpu.check() {
+                    panic!("GPU error: {e}");
+                }
+                let op = if with_post {
+                    "hc_post_pre_norm"
+                } else {
+                    "hc_pre_norm"
+                };
+                println!("{op:<18} {label:<14} {us:9.1}  (round {round})");
+            }
+        }
+    }
+    GpuBackend::set_hcp("on");
+    GpuBackend::set_hcp_shape(2, 2);
+    GpuBackend::set_fuse("on");
+}
+
 fn main() {
     let reps: usize = common::arg(1, 200);
+    prefill(reps.min(50));
     let gpu = common::open_gpu();
     let rt = gpu.runtime().clone();
     let warp = gpu.info().warp as usize;
