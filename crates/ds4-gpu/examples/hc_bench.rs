@@ -7,8 +7,9 @@
 //! the CTAs for the per-CTA phases; the last CTA's for the epilogue), and the Sinkhorn's and
 //! the collapse's clock64 cycles.
 //! (3) first, prefill (`HC_BENCH_N` tokens, default 2048; `GpuBackend`): µs per call of
-//! hc_post_pre_norm and hc_pre_norm with the tiled `hct_*` kernels (`set_hcp("on")`, CTAs per
-//! SM; the post fused or separate), `hcp_mix` (v1) and the composed ops (off): `reps` calls queued between two syncs (wall clock).
+//! hc_post_pre_norm (the HC post, then the HC pre) and hc_pre_norm with the `hcp_mix` +
+//! `hcp_finish` kernels (`set_hcp("on")`) and with the composed ops ("off"): `reps` (at most
+//! 50) calls queued between two syncs (wall clock).
 
 mod common;
 
@@ -64,7 +65,7 @@ fn wsrc(f: &Arc<GgufFile>) -> WeightSrc<'_> {
     }
 }
 
-/// (3) The prefill HC ops at n tokens: hcp_* kernels against the composed ops.
+/// (3) The prefill HC ops at n tokens: the hcp kernels against the composed ops.
 fn prefill(reps: usize) {
     let n: usize = std::env::var("HC_BENCH_N")
         .ok()
@@ -98,20 +99,9 @@ fn prefill(reps: usize) {
         eps: 1e-6,
     };
     println!("# (3) prefill n {n}: us per call, {reps} calls queued between two syncs");
-    // (label, DS4_GPU_HCP form, lanes (v1), CTAs per SM, DS4_GPU_FUSE).
-    let forms = [
-        ("composed", "off", 2u8, 2u8, "on"),
-        ("hct x2", "on", 2, 2, "on"),
-        ("hct x1", "on", 2, 1, "on"),
-        ("hct x4", "on", 2, 4, "on"),
-        ("hct sep. post", "on", 2, 2, "nopost"),
-        ("v1 L2 x2", "v1", 2, 2, "on"),
-    ];
     for round in 0..2 {
-        for (label, hcp, lanes, ctas, fuse) in forms {
+        for (label, hcp) in [("composed", "off"), ("hcp", "on")] {
             GpuBackend::set_hcp(hcp);
-            GpuBackend::set_hcp_shape(lanes, ctas);
-            GpuBackend::set_fuse(fuse);
             for with_post in [true, false] {
                 let mut call = |x: &mut <GpuBackend as Backend>::Buf| {
                     if with_post {
@@ -148,8 +138,6 @@ fn prefill(reps: usize) {
         }
     }
     GpuBackend::set_hcp("on");
-    GpuBackend::set_hcp_shape(2, 2);
-    GpuBackend::set_fuse("on");
 }
 
 fn main() {

@@ -777,62 +777,54 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill forms of the HC pre + norm (n > the decode kernels' 4 tokens; the host's
-// FUSE_HC_MAX_N), after an in-place HC post or not: two launches that read X once (and write X'
-// once with the post) instead of the composed ops' copy, rms_norm, bf16 operand copies and GEMM.
-// The mixer partials by hct_mix / hct_post_mix (the default, further below) or hcp_mix (v1).
-// (1) hcp_mix (DS4_GPU_HCP=v1; after a separate HC post): L adjacent lanes a token (HP_T / L tokens a CTA, tile = CTA / S;
-//     lane sub takes columns sub, sub + L, ...: L·16 contiguous bytes of a row a load), split s
-//     of S takes float4 columns [s·per, (s+1)·per) of d in all N streams: per column a lane
-//     loads the N streams' float4, adds Σv² (f64) and the (2+N)·N mixer dot products (f32).
-//     The mixer's columns are staged in shared memory HP_QC at a time as f32 (w_s[r][j][qq]):
-//     a warp reads L of them at once (broadcasts), so one staged chunk serves HP_T / L tokens.
-//     The next column's loads are issued before this one's arithmetic; a token's L lanes add
-//     their sums by xor shuffles at the end. Partials go to
-//     part[(t·S + s)·FU_PART + r] (r < MIX dots, r = MIX Σv²), no atomics.
+// Prefill form of the HC pre + norm (n > the decode kernels' 4 tokens; the host's FUSE_HC_MAX_N;
+// the HC post before it stays a separate op): two launches that read X twice instead of the
+// composed ops' copy, rms_norm, bf16 operand copies, GEMM and hc_split (H200, n 2048, N 4, D 4096:
+// 148 us a call against 378; bench/results/gpu-hc-x10-h200.txt).
+// (1) hcp_mix: HP_L adjacent lanes a token (HP_T / HP_L tokens a CTA, tile = CTA / S; lane sub
+//     takes columns sub, sub + HP_L, ...: HP_L·16 contiguous bytes of a row a load), split s of S
+//     takes float4 columns [s·per, (s+1)·per) of d in all N streams: per column a lane loads the
+//     N streams' float4, adds Σx² (f64) and the (2+N)·N mixer dot products (f32) of the raw X.
+//     The mixer's columns are staged in shared memory HP_QC at a time as f32 (w_s[r][j][qq]): a
+//     warp reads HP_L of them at once (broadcasts), so one staged chunk serves HP_T / HP_L
+//     tokens. The next column's loads are issued before this one's arithmetic; a token's lanes
+//     add their sums by xor shuffles at the end. Partials go to part[(t·S + s)·FU_PART + r]
+//     (r < MIX dots, r = MIX Σx²), no atomics.
 // (2) hcp_finish: a CTA a token sums its S partials in split order and runs the decode v1
 //     epilogue (fu_finish: m = dots · rms scale, pre, split + Sinkhorn on warp 0, the collapse
 //     on the others, rms_norm of z).
+// Measured and deleted (same file): a lane per token (HP_L 1, 157 us for the mix alone; 4: 118),
+// the HC post fused into hcp_mix (385-816 us a post + pre call: stores of 16-32 bytes a lane), and
+// a tiled form (hct_mix: X through shared memory in 128-byte row segments, 32 tokens a CTA, 136-177
+// registers: 181-193 us a pre call, 221-237 us post + pre).
 
-#define HP_T 256 // threads (tokens) of a hcp_mix CTA
+#define HP_T 256 // threads of a hcp_mix CTA
+#define HP_L 2   // adjacent lanes a token (one 32-byte sector of a row a lane pair)
 #define HP_QC 16 // float4 columns of d a staged mixer chunk (all N streams): 24·4·16 float4 = 24 KB
 #define HP_WS (24 * 4 * HP_QC) // float4 of the staged chunk at N = 4
 
-// The N streams' float4 at column q of token row xt (and o's when POST).
-template <int NN, bool POST>
-__device__ __forceinline__ void hp_load(const float4* xt, const float4* ot, int D4, int q, float4 (&v)[NN], float4& ov) {
+// The N streams' float4 at column q of token row xt.
+template <int NN>
+__device__ __forceinline__ void hp_load(const float4* xt, int D4, int q, float4 (&v)[NN]) {
 #pragma unroll
     for (int i = 0; i < NN; i++) v[i] = xt[i * D4 + q];
-    if (POST) ov = ot[q];
 }
 
-template <int NN, bool POST, int L>
-__device__ __forceinline__ void hp_mix(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
-                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer,
-                                       long long row_bytes, int wty, double* __restrict__ part, int n, int D, int S,
-                                       int per, float4* w_s) {
-    constexpr int MIX = (2 + NN) * NN;
+template <int NN>
+__device__ __forceinline__ void hp_mix(const float* x, const u8* __restrict__ mixer, long long row_bytes,
+                                       int wty, double* __restrict__ part, int n, int D, int S, int per, float4* w_s) {
+    constexpr int MIX = (2 + NN) * NN, L = HP_L;
     const int s = blockIdx.x % S, tid = threadIdx.x, sub = tid % L;
     const int t = (blockIdx.x / S) * (HP_T / L) + tid / L;
     const bool live = t < n;
     const int D4 = D >> 2, lo = s * per, hi = min(D4, lo + per);
-    float4* xt = (float4*)(x + (size_t)(live ? t : 0) * NN * D);
-    const float4* ot = POST ? (const float4*)(o + (size_t)(live ? t : 0) * D) : nullptr;
-    float pj[NN] = {}, a[NN][NN] = {}; // post_j, A[i][j] of this token (POST)
-    if (POST && live) {
-#pragma unroll
-        for (int j = 0; j < NN; j++) {
-            pj[j] = post_in[(size_t)t * NN + j];
-#pragma unroll
-            for (int i = 0; i < NN; i++) a[i][j] = comb_in[(size_t)t * NN * NN + i * NN + j];
-        }
-    }
+    const float4* xt = (const float4*)(x + (size_t)(live ? t : 0) * NN * D);
     float acc[MIX];
 #pragma unroll
     for (int r = 0; r < MIX; r++) acc[r] = 0.0f;
     double ss = 0.0;
-    float4 cv[NN], co = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (live && lo + sub < hi) hp_load<NN, POST>(xt, ot, D4, lo + sub, cv, co);
+    float4 cv[NN];
+    if (live && lo + sub < hi) hp_load<NN>(xt, D4, lo + sub, cv);
     for (int q0 = lo; q0 < hi; q0 += HP_QC) {
         const int qn = min(HP_QC, hi - q0);
         __syncthreads(); // the previous chunk's reads are done
@@ -843,41 +835,21 @@ __device__ __forceinline__ void hp_mix(float* x, const float* __restrict__ o, co
         __syncthreads();
         for (int qq = sub; qq < qn; qq += L) { // this lane's columns q0 + sub + L·m
             const int q = q0 + qq;
-            float4 v[NN], nv[NN], no = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (live && q + L < hi) hp_load<NN, POST>(xt, ot, D4, q + L, nv, no); // in flight meanwhile
-            if (POST) {
-#pragma unroll
-                for (int j = 0; j < NN; j++) {
-                    float4 w = make_float4(ds4_mul_rn(pj[j], co.x), ds4_mul_rn(pj[j], co.y), ds4_mul_rn(pj[j], co.z),
-                                           ds4_mul_rn(pj[j], co.w));
-#pragma unroll
-                    for (int i = 0; i < NN; i++) {
-                        w.x += ds4_mul_rn(a[i][j], cv[i].x), w.y += ds4_mul_rn(a[i][j], cv[i].y);
-                        w.z += ds4_mul_rn(a[i][j], cv[i].z), w.w += ds4_mul_rn(a[i][j], cv[i].w);
-                    }
-                    v[j] = w;
-                }
-                if (live) {
-#pragma unroll
-                    for (int j = 0; j < NN; j++) xt[j * D4 + q] = v[j];
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < NN; j++) v[j] = cv[j];
-            }
+            float4 nv[NN];
+            if (live && q + L < hi) hp_load<NN>(xt, D4, q + L, nv); // in flight meanwhile
 #pragma unroll
             for (int j = 0; j < NN; j++) {
-                ss += (double)v[j].x * (double)v[j].x + (double)v[j].y * (double)v[j].y +
-                      (double)v[j].z * (double)v[j].z + (double)v[j].w * (double)v[j].w;
+                const float4 v = cv[j];
+                ss += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
+                      (double)v.w * (double)v.w;
 #pragma unroll
                 for (int r = 0; r < MIX; r++) {
                     const float4 w = w_s[(r * NN + j) * HP_QC + qq]; // L addresses a warp: broadcasts
-                    acc[r] += w.x * v[j].x + w.y * v[j].y + w.z * v[j].z + w.w * v[j].w;
+                    acc[r] += w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w;
                 }
             }
 #pragma unroll
             for (int j = 0; j < NN; j++) cv[j] = nv[j];
-            co = no;
         }
     }
     // The token's L lanes (adjacent, in one warp) add their partials: xor sums, fixed order.
@@ -894,29 +866,18 @@ __device__ __forceinline__ void hp_mix(float* x, const float* __restrict__ o, co
     pt[MIX] = ss;
 }
 
-// hp_mix for L = 1, 2 or 4 lanes a token (anything else: 4).
-template <int NN, bool POST>
-__device__ __forceinline__ void hp_mix_l(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
-                                         const float* __restrict__ comb_in, const u8* __restrict__ mixer,
-                                         long long row_bytes, int wty, double* __restrict__ part, int n, int D, int S,
-                                         int per, float4* w_s, int L) {
-    if (L == 1) hp_mix<NN, POST, 1>(x, o, post_in, comb_in, mixer, row_bytes, wty, part, n, D, S, per, w_s);
-    else if (L == 2) hp_mix<NN, POST, 2>(x, o, post_in, comb_in, mixer, row_bytes, wty, part, n, D, S, per, w_s);
-    else hp_mix<NN, POST, 4>(x, o, post_in, comb_in, mixer, row_bytes, wty, part, n, D, S, per, w_s);
-}
-
-// Mixer partials of the HC pre for n tokens (prefill): grid ceil(n / (HP_T / L))·S CTAs of HP_T
-// threads, L (1, 2, 4) adjacent lanes a token; split s = CTA % S takes float4 columns [s·per, min(D/4, (s+1)·per)) of each stream
-// (S = ceil(D/4 / per)). Host: 1 <= N <= 4, D % 4 == 0, 16-byte aligned x; mixer rows
+// Mixer partials of the HC pre for n tokens (prefill): grid ceil(n / (HP_T / HP_L))·S CTAs of
+// HP_T threads; split s = CTA % S takes float4 columns [s·per, min(D/4, (s+1)·per)) of each
+// stream (S = ceil(D/4 / per)). Host: 1 <= N <= 4, D % 4 == 0, 16-byte aligned x; mixer rows
 // (2+N)·N of row_bytes (8-byte aligned for f16/bf16, 16 for f32); part holds n·S·FU_PART doubles.
-DS4_KERNEL void DS4_BOUNDS(HP_T) hcp_mix(float* x, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per, int L) {
+DS4_KERNEL void DS4_BOUNDS(HP_T) hcp_mix(const float* x, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
     ds4_pdl_enter();
     __shared__ float4 ws[HP_WS]; // the staged mixer chunk: w_s[(r·N + j)·HP_QC + qq]
     switch (N) {
-    case 1: hp_mix_l<1, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, ws, L); break;
-    case 2: hp_mix_l<2, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, ws, L); break;
-    case 3: hp_mix_l<3, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, ws, L); break;
-    default: hp_mix_l<4, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, ws, L); break;
+    case 1: hp_mix<1>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
+    case 2: hp_mix<2>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
+    case 3: hp_mix<3>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
+    default: hp_mix<4>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
     }
 }
 
@@ -939,9 +900,8 @@ __device__ __forceinline__ void hp_finish(const float* __restrict__ x, const dou
                          hc_eps, eps);
 }
 
-// The HC pre's epilogue after hct_mix / hct_post_mix / hcp_mix: grid n CTAs (a token each), blockDim a
-// multiple of DS4_WARP, >= 2 warps, <= 1024; x (after the post) as the mix read it, part from
-// it; outputs z [n, D] (normalised by norm), post [n, N], comb [n, N·N] as hc_pre_norm_f32.
+// The HC pre's epilogue after hcp_mix: grid n CTAs (a token each), blockDim a multiple of
+// DS4_WARP, >= 2 warps, <= 1024; x as the mix read it, part from it; outputs z [n, D] (normalised by norm), post [n, N], comb [n, N·N] as hc_pre_norm_f32.
 // Host: 16-byte aligned x, z, norm.
 DS4_KERNEL void DS4_BOUNDS(1024) hcp_finish(const float* __restrict__ x, const double* __restrict__ part, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int S, int iters, float hc_eps, float eps) {
     ds4_pdl_enter();
@@ -950,195 +910,5 @@ DS4_KERNEL void DS4_BOUNDS(1024) hcp_finish(const float* __restrict__ x, const d
     case 2: hp_finish<2>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps); break;
     case 3: hp_finish<3>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps); break;
     default: hp_finish<4>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps); break;
-    }
-}
-
-// Tiled form of the prefill mixer partials (hct_mix / hct_post_mix; the default; hcp_mix above,
-// a lane per token reading its own row, is DS4_GPU_HCP=v1): a CTA of HT_THREADS takes a tile of
-// HT_TT tokens and split s of the float4 columns of d, HT_QC columns (all N streams) a chunk.
-// Each chunk of X (and o) is loaded with whole 128-byte row segments (8 lanes a segment) into
-// xs[token·HT_XS + stream·HT_QC + qq] (odd token stride in float4: a lane per token reads without
-// bank conflicts); the mixer chunk to ws[(r·N + j)·HT_QC + qq] as f32. Thread (t = tid % 32,
-// group g = tid / 32: stream j = g / 2, half h = g % 2) takes token t's stream j at columns
-// h·HT_QC/2 .. +HT_QC/2: its 32 lanes read one mixer value at a time (a broadcast). With the
-// post: X' of its (token, stream, column) from the staged X and o (the CPU's order), written
-// back to the tile after a barrier and stored with whole row segments. The next chunk's loads
-// are in registers while this one computes. At the end the 8 groups' f32 dots and f64 Σx² of a
-// token are added in group order (shared memory) into part[(t·S + s)·FU_PART + r], as hcp_mix.
-#define HT_THREADS 256
-#define HT_TT 32                // tokens of a tile (the lanes of a group)
-#define HT_QC 8                 // float4 columns of d a chunk (a 128-byte row segment)
-#define HT_XS (4 * HT_QC + 1)   // token stride of xs in float4 (odd)
-#define HT_OS (HT_QC + 1)       // token stride of os in float4 (odd)
-#define HT_XN (HT_TT * HT_XS)   // float4 of xs
-#define HT_ON (HT_TT * HT_OS)   // float4 of os
-#define HT_WN (24 * 4 * HT_QC)  // float4 of ws (N = 4)
-#define HT_SM (HT_XN + HT_ON + HT_WN)
-
-template <int NN, bool POST>
-__device__ __forceinline__ void ht_mix(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
-                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer,
-                                       long long row_bytes, int wty, double* __restrict__ part, int n, int D, int S,
-                                       int per, float4* sm) {
-    constexpr int MIX = (2 + NN) * NN, XL = NN * HT_TT * HT_QC / HT_THREADS; // X float4 a thread a chunk
-    constexpr int WL = (MIX * NN * HT_QC + HT_THREADS - 1) / HT_THREADS;       // mixer float4 a thread
-    static_assert(HT_TT * HT_QC == HT_THREADS, "one o float4 a thread a chunk");
-    float4 *xs = sm, *os = sm + HT_XN, *ws = sm + HT_XN + HT_ON;
-    const int s = blockIdx.x % S, tid = threadIdx.x, t0 = (blockIdx.x / S) * HT_TT;
-    const int D4 = D >> 2, lo = s * per, hi = min(D4, lo + per);
-    const int t = tid % HT_TT, g = tid / HT_TT, j = g >> 1, h = g & 1;
-    const bool comp = j < NN; // groups past N streams (N < 4) idle in the arithmetic
-    // Loader mapping: element e = tid + HT_THREADS·k of the chunk is column qq = e % HT_QC of
-    // row rs = e / HT_QC = (token rs / NN, stream rs % NN): 8 lanes a 128-byte segment.
-    float4 xr[XL], orr = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    uint4 wr[WL];
-    auto load = [&](int q0) {
-#pragma unroll
-        for (int k = 0; k < XL; k++) {
-            const int e = tid + HT_THREADS * k, qq = e % HT_QC, rs = e / HT_QC, tk = rs / NN, jj = rs % NN;
-            if (t0 + tk < n && q0 + qq < hi) xr[k] = ((const float4*)x)[((size_t)(t0 + tk) * NN + jj) * D4 + q0 + qq];
-        }
-        if (POST) {
-            const int qq = tid % HT_QC, tk = tid / HT_QC;
-            if (t0 + tk < n && q0 + qq < hi) orr = ((const float4*)o)[(size_t)(t0 + tk) * D4 + q0 + qq];
-        }
-#pragma unroll
-        for (int k = 0; k < WL; k++) {
-            const int e = tid + HT_THREADS * k, qq = e % HT_QC, rj = e / HT_QC, r = rj / NN, jj = rj % NN;
-            wr[k] = make_uint4(0u, 0u, 0u, 0u);
-            if (r < MIX && q0 + qq < hi) {
-                const u8* row = mixer + (size_t)r * row_bytes;
-                const int c = jj * D4 + q0 + qq;
-                if (wty == 0) wr[k] = ((const uint4*)row)[c];
-                else {
-                    const uint2 u = ((const uint2*)row)[c];
-                    wr[k] = make_uint4(u.x, u.y, 0u, 0u);
-                }
-            }
-        }
-    };
-    float pj = 0.0f, a[NN]; // post_j, A[i][j] of (token t, stream j)
-#pragma unroll
-    for (int i = 0; i < NN; i++) a[i] = 0.0f;
-    if (POST && comp && t0 + t < n) {
-        pj = post_in[(size_t)(t0 + t) * NN + j];
-#pragma unroll
-        for (int i = 0; i < NN; i++) a[i] = comb_in[(size_t)(t0 + t) * NN * NN + i * NN + j];
-    }
-    float acc[MIX];
-#pragma unroll
-    for (int r = 0; r < MIX; r++) acc[r] = 0.0f;
-    double ss = 0.0;
-    load(lo);
-    for (int q0 = lo; q0 < hi; q0 += HT_QC) {
-        __syncthreads(); // the previous chunk's reads (and X' stores) are done
-#pragma unroll
-        for (int k = 0; k < XL; k++) {
-            const int e = tid + HT_THREADS * k, qq = e % HT_QC, rs = e / HT_QC;
-            xs[(rs / NN) * HT_XS + (rs % NN) * HT_QC + qq] = xr[k];
-        }
-        if (POST) os[(tid / HT_QC) * HT_OS + tid % HT_QC] = orr;
-#pragma unroll
-        for (int k = 0; k < WL; k++) {
-            const int e = tid + HT_THREADS * k;
-            if (e < MIX * NN * HT_QC) {
-                float4 w;
-                if (wty == 0) w = make_float4(__uint_as_float(wr[k].x), __uint_as_float(wr[k].y), __uint_as_float(wr[k].z), __uint_as_float(wr[k].w));
-                else if (wty == 1) w = make_float4(ds4_h2f_fast(wr[k].x & 0xffffu), ds4_h2f_fast(wr[k].x >> 16), ds4_h2f_fast(wr[k].y & 0xffffu), ds4_h2f_fast(wr[k].y >> 16));
-                else w = make_float4(ds4_bf2f((u16)(wr[k].x & 0xffffu)), ds4_bf2f((u16)(wr[k].x >> 16)), ds4_bf2f((u16)(wr[k].y & 0xffffu)), ds4_bf2f((u16)(wr[k].y >> 16)));
-                ws[e] = w;
-            }
-        }
-        __syncthreads();
-        const int qn = min(HT_QC, hi - q0);
-        if (q0 + HT_QC < hi) load(q0 + HT_QC); // in flight during the arithmetic
-        float4 vk[HT_QC / 2];
-        if (comp) {
-#pragma unroll
-            for (int u = 0; u < HT_QC / 2; u++) {
-                const int qq = h * (HT_QC / 2) + u;
-                if (qq >= qn) break;
-                float4 v;
-                if (POST) {
-                    const float4 ov = os[t * HT_OS + qq];
-                    v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
-#pragma unroll
-                    for (int i = 0; i < NN; i++) {
-                        const float4 xi = xs[t * HT_XS + i * HT_QC + qq];
-                        v.x += ds4_mul_rn(a[i], xi.x), v.y += ds4_mul_rn(a[i], xi.y);
-                        v.z += ds4_mul_rn(a[i], xi.z), v.w += ds4_mul_rn(a[i], xi.w);
-                    }
-                    vk[u] = v;
-                } else {
-                    v = xs[t * HT_XS + j * HT_QC + qq];
-                }
-                ss += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
-                      (double)v.w * (double)v.w;
-#pragma unroll
-                for (int r = 0; r < MIX; r++) {
-                    const float4 w = ws[(r * NN + j) * HT_QC + qq]; // one address a group
-                    acc[r] += w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w;
-                }
-            }
-        }
-        if (POST) {
-            __syncthreads(); // every old X of the tile is read
-            if (comp) {
-#pragma unroll
-                for (int u = 0; u < HT_QC / 2; u++) {
-                    const int qq = h * (HT_QC / 2) + u;
-                    if (qq < qn) xs[t * HT_XS + j * HT_QC + qq] = vk[u];
-                }
-            }
-            __syncthreads();
-#pragma unroll
-            for (int k = 0; k < XL; k++) { // X' out in whole row segments
-                const int e = tid + HT_THREADS * k, qq = e % HT_QC, rs = e / HT_QC, tk = rs / NN, jj = rs % NN;
-                if (t0 + tk < n && qq < qn)
-                    ((float4*)x)[((size_t)(t0 + tk) * NN + jj) * D4 + q0 + qq] = xs[tk * HT_XS + jj * HT_QC + qq];
-            }
-        }
-    }
-    // The 8 groups' partials of each token, added in group order.
-    __syncthreads();
-    float* rf = (float*)sm;                                   // [g][t][MIX]
-    double* rd = (double*)(rf + (HT_THREADS / HT_TT) * HT_TT * 24); // [g][t]
-#pragma unroll
-    for (int r = 0; r < MIX; r++) rf[(g * HT_TT + t) * MIX + r] = acc[r];
-    rd[g * HT_TT + t] = ss;
-    __syncthreads();
-    for (int e = tid; e < HT_TT * (MIX + 1); e += HT_THREADS) {
-        const int tk = e / (MIX + 1), r = e % (MIX + 1);
-        if (t0 + tk >= n) continue;
-        double v = 0.0;
-        for (int gg = 0; gg < HT_THREADS / HT_TT; gg++) v += r < MIX ? (double)rf[(gg * HT_TT + tk) * MIX + r] : rd[gg * HT_TT + tk];
-        part[((size_t)(t0 + tk) * S + s) * FU_PART + r] = v;
-    }
-}
-
-// Mixer partials of the HC pre for n tokens (prefill), tiled: grid ceil(n / HT_TT)·S CTAs of
-// HT_THREADS, split s = CTA % S takes float4 columns [s·per, min(D/4, (s+1)·per)) of each stream.
-// Host and outputs as hcp_mix (part for hcp_finish).
-DS4_KERNEL void DS4_BOUNDS(HT_THREADS) hct_mix(float* x, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
-    ds4_pdl_enter();
-    __shared__ float4 sm[HT_SM]; // xs, os, ws; then the groups' partials
-    switch (N) {
-    case 1: ht_mix<1, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
-    case 2: ht_mix<2, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
-    case 3: ht_mix<3, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
-    default: ht_mix<4, false>(x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
-    }
-}
-
-// hct_mix after the HC post of a sublayer's output o ([n, D], post_in [n, N], comb_in [n, N·N])
-// into x in place (each split writes its own columns). Host: as hct_mix, plus 16-byte aligned o.
-DS4_KERNEL void DS4_BOUNDS(HT_THREADS) hct_post_mix(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
-    ds4_pdl_enter();
-    __shared__ float4 sm[HT_SM]; // xs, os, ws; then the groups' partials
-    switch (N) {
-    case 1: ht_mix<1, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
-    case 2: ht_mix<2, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
-    case 3: ht_mix<3, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
-    default: ht_mix<4, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, part, n, D, S, per, sm); break;
     }
 }

@@ -2,10 +2,9 @@ use crate::Module;
 
 /// Fused decode glue (`gpu/fused.cu`): HC pre with the sublayer norm in one launch (split-K
 /// mixer products, then a last-CTA epilogue), the same after an in-place HC post, and RMSNorm +
-/// RoPE (+ FP8/f16 rounding) of attention rows; the prefill HC pre (`hct_*` / `hcp_mix`: mixer
-/// partials of token tiles, the post in place; then `hcp_finish`, a CTA a token, the
-/// epilogue). `hc_post_pre_norm_p` is a probe of the HC kernels (phase stamps, early stops) for
-/// `examples/hc_bench.rs`.
+/// RoPE (+ FP8/f16 rounding) of attention rows; the prefill HC pre (`hcp_mix`: mixer partials
+/// of token tiles; then `hcp_finish`, a CTA a token, the epilogue). `hc_post_pre_norm_p` is a
+/// probe of the HC kernels (phase stamps, early stops) for `examples/hc_bench.rs`.
 pub const FUSED: Module = Module {
     name: "fused",
     source: include_str!("../gpu/fused.cu"),
@@ -19,7 +18,5 @@ pub const FUSED: Module = Module {
         "norm_rope_g",
         "hcp_mix",
         "hcp_finish",
-        "hct_mix",
-        "hct_post_mix",
     ],
 };

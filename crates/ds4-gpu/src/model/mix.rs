@@ -113,20 +113,18 @@ fn fuse_on() -> bool {
     m == 1 || m == 3
 }
 
-/// Prefill HC pre (n > FUSE_HC_MAX_N, fused.cu `hct_*` / `hcp_*` and `hcp_finish`): 0 not yet
-/// read from `DS4_GPU_HCP`, 1 on (default: the tiled `hct_*` kernels, the HC post fused), 2 off
-/// (the composed ops: copy, rms_norm, the BLAS mixer product, hc_split, rms_norm), 3 `v1`
-/// (`hcp_mix`, a lane per token, after a separate HC post) (process-wide).
+/// Prefill HC pre (n > FUSE_HC_MAX_N, fused.cu `hcp_mix` + `hcp_finish`): 0 not yet read from
+/// `DS4_GPU_HCP`, 1 on (default), 2 off (the composed ops: copy, rms_norm, the BLAS mixer
+/// product, hc_split, rms_norm) (process-wide).
 static HCP: AtomicU8 = AtomicU8::new(0);
 
-/// The prefill HC pre's form (0 off, 1 on, 3 v1; `DS4_GPU_HCP=off|0|v1`, else on), read once,
-/// or [`GpuBackend::set_hcp`]; off unless the fused glue is on.
-fn hcp_form() -> u8 {
+/// Whether the prefill HC pre runs (`DS4_GPU_HCP=off` or `0` turns it off; read once, or
+/// [`GpuBackend::set_hcp`]); only with the fused glue on.
+fn hcp_on() -> bool {
     let mut m = HCP.load(Ordering::Relaxed);
     if m == 0 {
         let env = match std::env::var("DS4_GPU_HCP").as_deref() {
             Ok("off") | Ok("0") => 2,
-            Ok("v1") => 3,
             _ => 1,
         };
         m = match HCP.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
@@ -134,48 +132,16 @@ fn hcp_form() -> u8 {
             Err(cur) => cur,
         };
     }
-    if !fuse_on() || m == 2 {
-        0
-    } else {
-        m
-    }
+    m == 1 && fuse_on()
 }
 
-/// Whether the prefill HC pre runs.
-fn hcp_on() -> bool {
-    hcp_form() != 0
-}
-
-/// Tokens of a `hct_mix` CTA (`HT_TT`) and float4 columns of its chunks (`HT_QC`).
-const HT_TT: usize = 32;
-const HT_QC: usize = 8;
-
-/// Threads of a `hcp_mix` CTA (`HP_T` in fused.cu) and float4 columns of a staged mixer chunk
-/// (`HP_QC`).
+/// Threads of a `hcp_mix` CTA (`HP_T` in fused.cu), its lanes a token (`HP_L`) and float4
+/// columns of a staged mixer chunk (`HP_QC`); CTAs per SM its splits aim at (H200, n 2048:
+/// 148 us a call at 2 against 217 at 1 and 159 at 4).
 const HP_T: usize = 256;
+const HP_L: usize = 2;
 const HP_QC: usize = 16;
-
-/// Lanes a token in `hcp_mix` (1, 2 or 4; `DS4_GPU_HCP_L`, default 2) and CTAs per SM its
-/// splits aim at (`DS4_GPU_HCP_CTAS`, default 2); 0: not yet read (process-wide).
-static HCP_L: AtomicU8 = AtomicU8::new(0);
-static HCP_CTAS: AtomicU8 = AtomicU8::new(0);
-
-/// A knob read once from `var` (1..=64; else `default`), or set by [`GpuBackend::set_hcp_shape`].
-fn knob(k: &AtomicU8, var: &str, default: u8) -> usize {
-    let mut m = k.load(Ordering::Relaxed);
-    if m == 0 {
-        let env = std::env::var(var)
-            .ok()
-            .and_then(|v| v.parse::<u8>().ok())
-            .filter(|v| (1..=64).contains(v))
-            .unwrap_or(default);
-        m = match k.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => env,
-            Err(cur) => cur,
-        };
-    }
-    m as usize
-}
+const HP_CTAS_PER_SM: usize = 2;
 
 /// Threads of a fused HC pre CTA (`DS4_GPU_FUSE_THREADS`, default 256, read once): a split
 /// takes that many float4 columns of the N·D row (post + pre: that many / N of each stream);
@@ -274,24 +240,15 @@ impl GpuBackend {
     }
 
     /// Select the prefill HC pre (n > 4 tokens) by its `DS4_GPU_HCP` name: "on" (the default:
-    /// the tiled `hct_*` kernels), "off" (the composed ops) or "v1" (`hcp_mix` after a separate
-    /// HC post). Process-wide; for tests and A/B benchmarks.
+    /// `hcp_mix` + `hcp_finish`) or "off" (the composed ops). Process-wide; for tests and A/B
+    /// benchmarks.
     pub fn set_hcp(form: &str) {
         let m = match form {
             "on" => 1,
             "off" => 2,
-            "v1" => 3,
-            _ => panic!("set_hcp: unknown form {form:?} (on, off, v1)"),
+            _ => panic!("set_hcp: unknown form {form:?} (on, off)"),
         };
         HCP.store(m, Ordering::Relaxed);
-    }
-
-    /// The prefill HC pre's lanes a token (1, 2, 4) and CTAs per SM (1..=64), as
-    /// `DS4_GPU_HCP_L` / `DS4_GPU_HCP_CTAS`. Process-wide; for benchmarks.
-    pub fn set_hcp_shape(lanes: u8, ctas: u8) {
-        assert!(matches!(lanes, 1 | 2 | 4) && (1..=64).contains(&ctas));
-        HCP_L.store(lanes, Ordering::Relaxed);
-        HCP_CTAS.store(ctas, Ordering::Relaxed);
     }
 
     /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "lat" (the default) or
@@ -308,7 +265,9 @@ impl GpuBackend {
     /// HC pre + the sublayer norm. Fused at decode (n <= 4, N <= 4): one launch of n·S CTAs;
     /// CTA (t, s) takes split s of token t's N·D row for the (2+N)·N mixer dot products and
     /// Σx², and the token's last CTA to arrive (atomic ticket) scales them by the RMS, runs
-    /// split + Sinkhorn, collapses z and RMS-normalises it. Else the separate ops.
+    /// split + Sinkhorn, collapses z and RMS-normalises it. Prefill (n > 4): the same outputs
+    /// in two launches (`hc_prefill`; `DS4_GPU_HCP=off`: the separate ops). Else
+    /// the separate ops.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_hc_pre_norm(
         &self,
@@ -327,9 +286,7 @@ impl GpuBackend {
         let fused = al16(x.ptr) && al16(z.ptr) && (1..=FUSE_HC_MAX_N).contains(&n);
         let prefill = al16(x.ptr) && al16(z.ptr) && n > FUSE_HC_MAX_N && hcp_on();
         if let Some(w) = prefill.then(|| self.hc_fusable(&hc, mixer, norm)).flatten() {
-            return self.hc_prefill(
-                &hc, x.ptr, None, w, scale, base, norm, n, eps, z, post, comb,
-            );
+            return self.hc_prefill(&hc, x.ptr, w, scale, base, norm, n, eps, z, post, comb);
         }
         let Some((wp, code, rb)) = fused.then(|| self.hc_fusable(&hc, mixer, norm)).flatten()
         else {
@@ -386,7 +343,8 @@ impl GpuBackend {
     /// HC post + the next HC pre + norm. Fused at decode as [`GpuBackend::op_hc_pre_norm`]: CTA
     /// (t, s) first applies the HC post to its float4 columns of all N streams of x in place
     /// (a thread a (stream, column)), then takes the mixer products of the new values; the last
-    /// CTA reads the new x back through L2 for the collapse. Else the separate ops.
+    /// CTA reads the new x back through L2 for the collapse. Else the separate ops (prefill: the
+    /// HC post, then the prefill HC pre).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_hc_post_pre_norm(
         &self,
@@ -410,16 +368,6 @@ impl GpuBackend {
             && al16(o.ptr)
             && al16(z.ptr)
             && (1..=FUSE_HC_MAX_N).contains(&n);
-        let prefill = fuse_post()
-            && al16(x.ptr)
-            && al16(o.ptr)
-            && al16(z.ptr)
-            && n > FUSE_HC_MAX_N
-            && hcp_form() == 1;
-        if let Some(w) = prefill.then(|| self.hc_fusable(&hc, mixer, norm)).flatten() {
-            let pin = Some((o.ptr, post_in.ptr, comb_in.ptr));
-            return self.hc_prefill(&hc, x.ptr, pin, w, scale, base, norm, n, eps, z, post, comb);
-        }
         let Some((wp, code, rb)) = fused.then(|| self.hc_fusable(&hc, mixer, norm)).flatten()
         else {
             self.op_hc_post(hc, x, o, post_in, comb_in, n);
@@ -516,18 +464,16 @@ impl GpuBackend {
         );
     }
 
-    /// The prefill HC pre + norm (after the HC post when `pin` is given), two launches:
-    /// `hct_mix` / `hct_post_mix` (HT_TT tokens a CTA, S splits of the float4 columns of d, X
-    /// staged through shared memory in chunks of HT_QC columns: the post in place, Σx² and the
-    /// mixer dot products, partials per (token, split); `v1`: `hcp_mix`, `lanes` a token, no
-    /// post), then `hcp_finish` (a CTA a token: the partials' sums, split + Sinkhorn, collapse,
-    /// rms_norm). S: about `DS4_GPU_HCP_CTAS` (2) CTAs per SM, splits of whole chunks.
+    /// The prefill HC pre + norm, two launches: `hcp_mix` (HP_L lanes a token, HP_T threads a
+    /// CTA, S splits of the float4 columns of d: Σx² and the mixer dot products of the raw X with
+    /// the mixer staged in shared memory, partials per (token, split)), then `hcp_finish` (a CTA
+    /// a token: the partials' sums, the RMS scale, split + Sinkhorn, collapse, rms_norm). S:
+    /// about HP_CTAS_PER_SM CTAs per SM, splits of whole staged chunks.
     #[allow(clippy::too_many_arguments)]
     fn hc_prefill(
         &self,
         hc: &HcDims,
         x: DevPtr,
-        pin: Option<PostIn>,
         (wp, code, rb): (DevPtr, i32, usize),
         scale: &GpuWeight,
         base: &GpuWeight,
@@ -539,54 +485,29 @@ impl GpuBackend {
         comb: &mut GpuBuf,
     ) {
         let d4 = hc.d / 4;
-        let v1 = hcp_form() == 3;
-        let lanes = match knob(&HCP_L, "DS4_GPU_HCP_L", 2) {
-            l @ (1 | 2) => l,
-            _ => 4,
-        };
-        let ctas = knob(&HCP_CTAS, "DS4_GPU_HCP_CTAS", 2);
-        // hct: HT_TT tokens a CTA, splits of whole HT_QC chunks; v1: HP_T / lanes tokens, HP_QC.
-        let (tile, qc) = if v1 {
-            (HP_T / lanes, HP_QC)
-        } else {
-            (HT_TT, HT_QC)
-        };
-        let tiles = n.div_ceil(tile);
-        let want = (ctas * self.gpu.info().sm_count as usize)
+        let tiles = n.div_ceil(HP_T / HP_L);
+        let want = (HP_CTAS_PER_SM * self.gpu.info().sm_count as usize)
             .div_ceil(tiles)
             .clamp(1, 64);
-        let per = d4.div_ceil(want).next_multiple_of(qc).min(d4);
+        let per = d4.div_ceil(want).next_multiple_of(HP_QC).min(d4);
         let splits = d4.div_ceil(per);
         let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
-        let mut args = vec![Arg::Ptr(x)];
-        let name = match pin {
-            Some((o, pi, ci)) => {
-                args.extend([Arg::Ptr(o), Arg::Ptr(pi), Arg::Ptr(ci)]);
-                "hct_post_mix"
-            }
-            None if v1 => "hcp_mix",
-            None => "hct_mix",
-        };
-        args.extend([
-            Arg::Ptr(wp),
-            Arg::I64(rb as i64),
-            Arg::I32(code),
-            Arg::Ptr(part.ptr),
-            Arg::I32(n as i32),
-            Arg::I32(hc.n as i32),
-            Arg::I32(hc.d as i32),
-            Arg::I32(splits as i32),
-            Arg::I32(per as i32),
-        ]);
-        if v1 {
-            args.push(Arg::I32(lanes as i32));
-        }
-        let threads = if v1 { HP_T } else { 256 }; // hct: HT_THREADS
         self.run(
             &ds4_kernels::FUSED,
-            name,
-            LaunchDims::linear((tiles * splits) as u32, threads as u32),
-            &args,
+            "hcp_mix",
+            LaunchDims::linear((tiles * splits) as u32, HP_T as u32),
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(wp),
+                Arg::I64(rb as i64),
+                Arg::I32(code),
+                Arg::Ptr(part.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(hc.n as i32),
+                Arg::I32(hc.d as i32),
+                Arg::I32(splits as i32),
+                Arg::I32(per as i32),
+            ],
         );
         self.run(
             &ds4_kernels::FUSED,
