@@ -117,8 +117,8 @@ impl LaunchDims {
     }
 }
 
-/// Most arguments a [`KernelCall`] holds (the widest kernel takes 17).
-pub const MAX_ARGS: usize = 24;
+/// Most arguments a [`KernelCall`] holds (the widest kernels: attend_one_f32 24, its probe 25).
+pub const MAX_ARGS: usize = 32;
 
 /// One launch as plain data: the kernel, its shape and its argument slots (each argument in an
 /// 8-byte slot, see [`Arg`]). What the graph recorder stores and compares between steps.
