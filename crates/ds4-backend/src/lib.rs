@@ -620,6 +620,32 @@ pub trait Backend: Send + Sync + Sized {
     ) {
         norm_rope_composed(self, x, n, heads, width, w, eps, n_rot, t0, kind, round)
     }
+
+    /// Two [`Backend::norm_rope`]s of `n` tokens sharing the row width, eps, RoPE and
+    /// positions: `a` (`heads_a` rows a token, weight `w_a`, rounding `round_a`), then `b` (its
+    /// own). The attention's query heads and shared KV row; the GPU runs both in one launch
+    /// (same results as the two calls). Default: the two calls.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope_pair(
+        &self,
+        a: &mut Self::Buf,
+        heads_a: usize,
+        w_a: Option<&Self::Weight>,
+        round_a: Option<RowRounding>,
+        b: &mut Self::Buf,
+        heads_b: usize,
+        w_b: Option<&Self::Weight>,
+        round_b: Option<RowRounding>,
+        n: usize,
+        width: usize,
+        eps: f32,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+    ) {
+        self.norm_rope(a, n, heads_a, width, w_a, eps, n_rot, t0, kind, round_a);
+        self.norm_rope(b, n, heads_b, width, w_b, eps, n_rot, t0, kind, round_b);
+    }
 }
 
 /// [`Backend::hc_pre_norm`] as separate ops: copy, rms_norm, matmul, hc_split, rms_norm.

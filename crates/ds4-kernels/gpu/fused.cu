@@ -704,12 +704,12 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
 // DS4_WARP, 16-byte aligned x and w, n_rot even, n_rot and fp8_nope <= width; dynamic shared
 // memory n_rot / 2 float2.
 #define NG_K 4
-DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16, const long long* __restrict__ sp) {
-    ds4_pdl_enter();
-    extern __shared__ float2 sc_s[]; // (sin, cos) of pair p
-    __shared__ double red[32];
+// The row body of norm_rope_g and norm_rope_pair_g: row `row` of x (token `tok` of the chunk, at
+// pos0 + *sp + tok); sc_s: the kernel's n_rot / 2 float2 of dynamic shared memory, red: its
+// fu_block_sum scratch. Called block-uniformly (it has barriers).
+__device__ __forceinline__ void fu_norm_rope_row(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int row, int tok, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16, const long long* __restrict__ sp, float2* sc_s, double* red) {
     const int tid = threadIdx.x, T = blockDim.x, w4 = width >> 2, r0 = width - n_rot;
-    float4* xr = (float4*)(x + (size_t)blockIdx.x * width);
+    float4* xr = (float4*)(x + (size_t)row * width);
     const float4* wr = (const float4*)w;
     float4 e[NG_K], gw[NG_K];
 #pragma unroll
@@ -718,7 +718,7 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* 
         e[k] = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         gw[k] = (w && q < w4) ? wr[q] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
     }
-    const long long pos = pos0 + (sp ? *sp : 0LL) + blockIdx.x / heads; // sp: as norm_rope_f32
+    const long long pos = pos0 + (sp ? *sp : 0LL) + tok; // sp: as norm_rope_f32
     for (int p = tid; p < n_rot / 2; p += T) { // pos·ω mod 2π in f64, as fu_rope_pair
         const double theta = fmod((double)pos * freqs[p], 6.283185307179586);
         double sn, cs;
@@ -774,6 +774,27 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* 
             xr[q] = make_float4(v[0], v[1], v[2], v[3]);
         }
     }
+}
+
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_g(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int heads, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    extern __shared__ float2 sc_s[]; // (sin, cos) of pair p
+    __shared__ double red[32];
+    fu_norm_rope_row(x, w, freqs, blockIdx.x, blockIdx.x / heads, width, n_rot, pos0, eps, fp8_nope, f16, sp, sc_s, red);
+}
+
+// Two norm_rope_g row sets of one width, RoPE table and positions in one launch (decode: the
+// query's 64 head rows and the shared KV row of a layer, 65 CTAs for two launches' 64 + 1):
+// CTA c < rows_a takes row c of a, the others row c - rows_a of b, each with its own weight,
+// heads, FP8 and f16 rounding. Same host conditions as norm_rope_g for both sets; bit-identical.
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_pair_g(float* __restrict__ xa, const float* __restrict__ wa, int heads_a, int fp8_a, int f16_a, int rows_a, float* __restrict__ xb, const float* __restrict__ wb, int heads_b, int fp8_b, int f16_b, const double* __restrict__ freqs, int width, int n_rot, long long pos0, float eps, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    extern __shared__ float2 sc_s[]; // (sin, cos) of pair p
+    __shared__ double red[32];
+    const bool a = (int)blockIdx.x < rows_a; // block-uniform
+    const int row = a ? (int)blockIdx.x : (int)blockIdx.x - rows_a, heads = a ? heads_a : heads_b;
+    fu_norm_rope_row(a ? xa : xb, a ? wa : wb, freqs, row, row / heads, width, n_rot, pos0, eps, a ? fp8_a : fp8_b,
+                     a ? f16_a : f16_b, sp, sc_s, red);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ pub const FUSED: Module = Module {
         "hc_post_pre_norm_l",
         "hc_post_pre_norm_p",
         "norm_rope_g",
+        "norm_rope_pair_g",
         "hcp_mix",
         "hcp_finish",
     ],

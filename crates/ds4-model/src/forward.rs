@@ -701,15 +701,30 @@ impl<B: Backend> Model<B> {
         b.matmul_multi(&[&l.q_a, &l.kv], z, n, &mut [&mut cq, &mut kv]);
         let mut q = b.alloc(n * nh * hd);
         b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
-        b.norm_rope(&mut q, n, nh, hd, None, eps, n_rot, t0, rope, None);
-        // The shared KV row of each position, rounded as the cache stores it.
+        // The query heads (unweighted) and the shared KV row of each position (kv_norm,
+        // rounded as the cache stores it): one norm_rope_pair.
         let kv_round = RowRounding {
             fp8_nope: if rnd.fp8_kv { hd - n_rot } else { 0 },
             fp4_hadamard: false,
             f16: rnd.f16_cache,
         };
         let kvn = Some(&l.kv_norm);
-        b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
+        b.norm_rope_pair(
+            &mut q,
+            nh,
+            None,
+            None,
+            &mut kv,
+            1,
+            kvn,
+            Some(kv_round),
+            n,
+            hd,
+            eps,
+            n_rot,
+            t0,
+            rope,
+        );
         // Compressors first: a row closed by token t is visible to t. Their projections (kv,
         // gate) and the indexer's weights projection all read z: one multi-product.
         let mut ws: Vec<&B::Weight> = Vec::new();

@@ -204,6 +204,36 @@ const NG_K: usize = 4;
 /// The HC post's inputs (o, post, comb) of a fused hc_post_pre_norm.
 type PostIn = (DevPtr, DevPtr, DevPtr);
 
+/// The kernel [`GpuBackend::op_norm_rope`] takes for a row set: the separate ops, norm_rope_g
+/// (the row in registers) or norm_rope_f32 (staged), with the CTA's threads.
+#[derive(Clone, Copy)]
+enum NormRopeForm {
+    Composed,
+    Regs(usize),
+    Staged(usize),
+}
+
+/// norm_rope_pair: 0 not yet read from `DS4_GPU_NRPAIR`, 1 on (default: one norm_rope_pair_g
+/// launch where both row sets take norm_rope_g), 2 off (two launches) (process-wide).
+static NRPAIR: AtomicU8 = AtomicU8::new(0);
+
+/// Whether norm_rope_pair fuses its two launches (`DS4_GPU_NRPAIR=off` or `0` turns it off;
+/// read once).
+fn nrpair_on() -> bool {
+    let mut m = NRPAIR.load(Ordering::Relaxed);
+    if m == 0 {
+        let env = match std::env::var("DS4_GPU_NRPAIR").as_deref() {
+            Ok("off") | Ok("0") => 2,
+            _ => 1,
+        };
+        m = match NRPAIR.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => env,
+            Err(cur) => cur,
+        };
+    }
+    m == 1
+}
+
 /// float4 loads are safe at this address.
 fn al16(p: DevPtr) -> bool {
     p.0.is_multiple_of(16)
@@ -532,6 +562,46 @@ impl GpuBackend {
         );
     }
 
+    /// Threads of a norm_rope_g CTA for rows of `width` in `x` (weight `w`, rounding `r`), or
+    /// None where [`Self::op_norm_rope`] takes another form (Hadamard/FP4 rounding,
+    /// `DS4_GPU_FUSE=off`: the separate ops; `DS4_GPU_FUSE_FORM=v1`, rows past NG_K·256 float4
+    /// or unaligned ones: norm_rope_f32).
+    fn norm_rope_form(
+        &self,
+        x: &GpuBuf,
+        width: usize,
+        w: Option<&GpuWeight>,
+        n_rot: usize,
+        r: RowRounding,
+    ) -> NormRopeForm {
+        let w_ok = w.is_none_or(|w| matches!(w, GpuWeight::F32 { len, .. } if *len >= width));
+        let fused = fuse_on()
+            && w_ok
+            && !r.fp4_hadamard
+            && r.fp8_nope <= width
+            && n_rot <= width
+            && n_rot.is_multiple_of(2)
+            && width > 0
+            && width <= 12288;
+        if !fused {
+            return NormRopeForm::Composed;
+        }
+        let warp = self.warp() as usize;
+        // norm_rope_g (wide and grid forms): the row in registers, NG_K float4 a thread of up
+        // to 256 (H200 decode: 4.4 us a call against 6.6 for norm_rope_f32, which stages it).
+        let threads = (width / 4).next_multiple_of(warp).clamp(warp, 256);
+        let in_regs = fuse_wide()
+            && width.is_multiple_of(4)
+            && width / 4 <= NG_K * threads
+            && al16(x.ptr)
+            && w.is_none_or(|w| al16(w.ptr()));
+        if in_regs {
+            NormRopeForm::Regs(threads)
+        } else {
+            NormRopeForm::Staged(threads)
+        }
+    }
+
     /// RMSNorm + RoPE (+ FP8/f16 rounding) in one launch, one CTA per row (the RoPE angles
     /// computed while the row loads); Hadamard/FP4 rounding and `DS4_GPU_FUSE=off` take the
     /// separate ops.
@@ -550,33 +620,19 @@ impl GpuBackend {
         round: Option<RowRounding>,
     ) {
         let r = round.unwrap_or_default();
-        let w_ok = w.is_none_or(|w| matches!(w, GpuWeight::F32 { len, .. } if *len >= width));
-        let fused = fuse_on()
-            && w_ok
-            && !r.fp4_hadamard
-            && r.fp8_nope <= width
-            && n_rot <= width
-            && n_rot.is_multiple_of(2)
-            && width > 0
-            && width <= 12288;
-        if !fused {
-            return ds4_backend::norm_rope_composed(
-                self, x, n, heads, width, w, eps, n_rot, t0, kind, round,
-            );
-        }
+        let (name, threads) = match self.norm_rope_form(x, width, w, n_rot, r) {
+            NormRopeForm::Composed => {
+                return ds4_backend::norm_rope_composed(
+                    self, x, n, heads, width, w, eps, n_rot, t0, kind, round,
+                )
+            }
+            NormRopeForm::Regs(t) => ("norm_rope_g", t),
+            NormRopeForm::Staged(t) => ("norm_rope_f32", t),
+        };
         let rows = n * heads;
         if rows == 0 {
             return;
         }
-        let warp = self.warp() as usize;
-        // norm_rope_g (wide and grid forms): the row in registers, NG_K float4 a thread of up
-        // to 256 (H200 decode: 4.4 us a call against 6.6 for norm_rope_f32, which stages it).
-        let threads = (width / 4).next_multiple_of(warp).clamp(warp, 256);
-        let in_regs = fuse_wide()
-            && width.is_multiple_of(4)
-            && width / 4 <= NG_K * threads
-            && al16(x.ptr)
-            && w.is_none_or(|w| al16(w.ptr()));
         // Decode: the position from the step block (mod.rs `step_pos`), the argument 0.
         let sp = self.step_pos(t0, n);
         let args = [
@@ -593,13 +649,78 @@ impl GpuBackend {
             sp.map_or(Arg::Null, Arg::Ptr),
         ];
         let mut dims = LaunchDims::linear(rows as u32, threads as u32);
-        if in_regs {
-            dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
-            self.run(&ds4_kernels::FUSED, "norm_rope_g", dims, &args);
+        dims.shared_bytes = if name == "norm_rope_g" {
+            (n_rot / 2 * 8) as u32 // (sin, cos) per pair
+        } else {
+            (width * 4) as u32 // the staged row
+        };
+        self.run(&ds4_kernels::FUSED, name, dims, &args);
+    }
+
+    /// Two norm_ropes of one width, RoPE and positions (the attention's query heads and KV
+    /// row) in one norm_rope_pair_g launch when both take norm_rope_g (bit-identical to the
+    /// two launches; decode saves a launch and a single-CTA latency chain a layer), else the
+    /// two calls. `DS4_GPU_NRPAIR=off`: always the two calls.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn op_norm_rope_pair(
+        &self,
+        a: &mut GpuBuf,
+        heads_a: usize,
+        w_a: Option<&GpuWeight>,
+        round_a: Option<RowRounding>,
+        b: &mut GpuBuf,
+        heads_b: usize,
+        w_b: Option<&GpuWeight>,
+        round_b: Option<RowRounding>,
+        n: usize,
+        width: usize,
+        eps: f32,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+    ) {
+        let (ra, rb) = (round_a.unwrap_or_default(), round_b.unwrap_or_default());
+        let (rows_a, rows_b) = (n * heads_a, n * heads_b);
+        let form_a = self.norm_rope_form(a, width, w_a, n_rot, ra);
+        let form_b = self.norm_rope_form(b, width, w_b, n_rot, rb);
+        let threads = match (form_a, form_b) {
+            (NormRopeForm::Regs(t), NormRopeForm::Regs(_)) => t, // same width: same threads
+            _ => 0,
+        };
+        if !nrpair_on()
+            || threads == 0
+            || rows_a == 0
+            || rows_b == 0
+            || rows_a + rows_b > i32::MAX as usize
+        {
+            self.op_norm_rope(a, n, heads_a, width, w_a, eps, n_rot, t0, kind, round_a);
+            self.op_norm_rope(b, n, heads_b, width, w_b, eps, n_rot, t0, kind, round_b);
             return;
         }
-        dims.shared_bytes = (width * 4) as u32; // the staged row
-        self.run(&ds4_kernels::FUSED, "norm_rope_f32", dims, &args);
+        // Decode: the position from the step block (mod.rs `step_pos`), the argument 0.
+        let sp = self.step_pos(t0, n);
+        let args = [
+            Arg::Ptr(a.ptr),
+            w_a.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
+            Arg::I32(heads_a as i32),
+            Arg::I32(ra.fp8_nope as i32),
+            Arg::I32(ra.f16 as i32),
+            Arg::I32(rows_a as i32),
+            Arg::Ptr(b.ptr),
+            w_b.map_or(Arg::Null, |w| Arg::Ptr(w.ptr())),
+            Arg::I32(heads_b as i32),
+            Arg::I32(rb.fp8_nope as i32),
+            Arg::I32(rb.f16 as i32),
+            Arg::Ptr(self.rope_ptr(kind)),
+            Arg::I32(width as i32),
+            Arg::I32(n_rot as i32),
+            Arg::I64(if sp.is_some() { 0 } else { t0 as i64 }),
+            Arg::F32(eps),
+            sp.map_or(Arg::Null, Arg::Ptr),
+        ];
+        let mut dims = LaunchDims::linear((rows_a + rows_b) as u32, threads as u32);
+        dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
+        self.run(&ds4_kernels::FUSED, "norm_rope_pair_g", dims, &args);
     }
 
     fn invalid(&self, msg: &str) {

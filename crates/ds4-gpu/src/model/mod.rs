@@ -1510,6 +1510,29 @@ impl Backend for GpuBackend {
         self.op_norm_rope(x, n, heads, width, w, eps, n_rot, t0, kind, round)
     }
 
+    fn norm_rope_pair(
+        &self,
+        a: &mut GpuBuf,
+        heads_a: usize,
+        w_a: Option<&GpuWeight>,
+        round_a: Option<RowRounding>,
+        b: &mut GpuBuf,
+        heads_b: usize,
+        w_b: Option<&GpuWeight>,
+        round_b: Option<RowRounding>,
+        n: usize,
+        width: usize,
+        eps: f32,
+        n_rot: usize,
+        t0: usize,
+        kind: RopeKind,
+    ) {
+        let _p = self.prof(|| "norm_rope_pair".to_string());
+        self.op_norm_rope_pair(
+            a, heads_a, w_a, round_a, b, heads_b, w_b, round_b, n, width, eps, n_rot, t0, kind,
+        )
+    }
+
     fn swiglu(&self, g: &mut GpuBuf, u: &GpuBuf, len: usize, clamp: f32) {
         let _p = self.prof(|| "swiglu".to_string());
 
