@@ -7,7 +7,7 @@
 //! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
 //! and fma (per type). default = the default forms (the tiled form for Q2_K/Q4_K, the MoE's
 //! IQ2_XXS gate/up on X split once: `gemmc_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
-//! = X split per CTA, /gu2 = the gate/up on `gemmc2_iq2_xxs`, /gu3 on `gemmc3_iq2_xxs`, /gu4 on `gemmc4_iq2_xxs`. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
+//! = X split per CTA. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
 //! `GEMM_BENCH_FORMS=default,bf16`: only those forms (model shapes and routed experts).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
@@ -93,9 +93,6 @@ const DEFAULT: Form = ("default", true, false, false, true, 0, true);
 const DEFAULT_NOSKIP: Form = ("default/noskip", true, false, false, true, 0, true);
 const BF16_NOSKIP: Form = ("bf16/noskip", true, false, false, true, 0, true);
 const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
-const DEFAULT_GU2: Form = ("default/gu2", true, false, false, true, 0, true);
-const DEFAULT_GU3: Form = ("default/gu3", true, false, false, true, 0, true);
-const DEFAULT_GU4: Form = ("default/gu4", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -117,17 +114,6 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
     GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
     GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
-    // "/gu2", "/gu3", "/gu4": the gate/up on gemmc2_iq2_xxs / gemmc3_iq2_xxs (2 x 2 warp layout) /
-    // gemmc4_iq2_xxs (code table).
-    GpuBackend::set_gemm_gateup(if f.0.ends_with("/gu2") {
-        1
-    } else if f.0.ends_with("/gu3") {
-        2
-    } else if f.0.ends_with("/gu4") {
-        3
-    } else {
-        0
-    });
 }
 
 fn main() {
@@ -242,9 +228,6 @@ fn main() {
                 DEFAULT,
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
-                DEFAULT_GU2,
-                DEFAULT_GU3,
-                DEFAULT_GU4,
                 BF16,
                 BF16_NOSKIP,
                 TILED,

@@ -495,45 +495,6 @@ __device__ __forceinline__ float gm_deq_iq2_exact(const u32* r, const u64* tab, 
     }
     return ds4_mul_rn(ds4_mul_rn(d, 0.5f + (float)(aux >> 28)), 0.25f);
 }
-
-// gemmc4: the grid as 2-bit codes (g = 8, 25, 43 -> 0, 1, 2), 16 bits an entry: code of element
-// 2q at bit 2q, of 2q + 1 at bit 8 + 2q, so pair q's PRMT selector is ((w >> 2q) & 0x0303) | 0x3030
-// on bytes (8, 25, 43, 0x43): bf16 128 + g of both elements. The table is replicated 32 times,
-// u16 of entry e for lane l at byte 4 (32 (e >> 1) + l) + 2 (e & 1): every lane reads its own bank
-// (one wavefront a lookup; the 8-byte grid table: ~3-4 bank-conflicted wavefronts a lookup).
-__device__ __forceinline__ u32 gm_lds16(u32 a) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a) : "memory");
-    return v;
-}
-// Code word of grid entry e (gemmc4's table).
-__device__ __forceinline__ u32 gm_iq2_code(u64 grid) {
-    u32 w = 0;
-#pragma unroll
-    for (int i = 0; i < 8; i++) w |= ((((u32)(grid >> (8 * i)) & 0xffu) * 3u) >> 6) << ((i & 1) * 8 + (i >> 1) * 2);
-    return w;
-}
-// gm_deq_iq2_exact with the code table: tl = this lane's table address (entry 0).
-__device__ __forceinline__ float gm_deq_iq2_ct(const u32* r, u32 tl, u32* o) {
-    const bool al = r[3] == 0xffffffffu;
-    const u32 idx = al ? r[1] : r[1] | (r[2] << 16), aux = al ? r[2] : (r[2] >> 16) | (r[3] << 16);
-    const float d = ds4_h2f_fast(r[0]); // exact, as ds4_h2f
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const u32 e = (idx >> (8 * k)) & 0xff;
-        const u32 w = gm_lds16(tl + ((e >> 1) << 7) + ((e & 1) << 1));
-        const u32 s7 = (aux >> (7 * k)) & 127;
-        const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const u32 u = gm_prmt(0x432b1908u, 0u, ((w >> (2 * q)) & 0x0303u) | 0x3030u);
-            const u32 g = gm_fma_bf2(u, 0x3f803f80u, 0xc300c300u);
-            const u32 m = gm_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
-            o[4 * k + q] = g ^ (m & 0x80008000u);
-        }
-    }
-    return ds4_mul_rn(ds4_mul_rn(d, 0.5f + (float)(aux >> 28)), 0.25f);
-}
 #endif
 
 struct alignas(16) GcSmem { // 16-byte stores, ldmatrix rows
@@ -541,13 +502,12 @@ struct alignas(16) GcSmem { // 16-byte stores, ldmatrix rows
     float dbs[GM_BN]; // db of each tile row for the chunk
 };
 
-template <bool CT> __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
+__device__ __forceinline__ void gemmc_body(GM_PARAMS) {
 #if GM_HAVE_MMA
     constexpr int BM = 64;
     __shared__ int items[BM];
     __shared__ int expert;
-    __shared__ u64 gtab[CT ? 1 : 256];
-    __shared__ u32 ctab[CT ? 128 * 32 : 1]; // gemmc4: code table, 32 copies (gm_deq_iq2_ct)
+    __shared__ u64 gtab[256];
     __shared__ GcSmem sm;
     u32(&xh)[BM][GM_LD] = sm.xh;
     u32(&xl)[BM][GM_LD] = sm.xl;
@@ -557,22 +517,11 @@ template <bool CT> __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
     const int z = blockIdx.z / ks, s = blockIdx.z % ks;
     const int r0 = blockIdx.x * GM_BN;
     if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    if (CT) {
-        // entry pair tid's code words into sm.dbs (free until the first chunk), then 32 copies
-        u32* cp = (u32*)sm.dbs;
-        cp[tid] = gm_iq2_code(ds4_iq2xxs_grid[2 * tid]) | (gm_iq2_code(ds4_iq2xxs_grid[2 * tid + 1]) << 16);
-        __syncthreads();
-#pragma unroll 8
-        for (int i = 0; i < 32; i++) ctab[tid + 128 * i] = cp[(tid >> 5) + 4 * i];
-        __syncthreads(); // cp (sm.dbs) read before the first chunk writes dbs
-    } else {
-        for (int e = tid; e < 256; e += 128) gtab[e] = ds4_iq2xxs_grid[e];
-    }
+    for (int e = tid; e < 256; e += 128) gtab[e] = ds4_iq2xxs_grid[e];
     gm_items(items, &expert, BM, n, grp, sel, gmax);
     __syncthreads();
     const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
     const int row = r0 + trow;
-    const u32 tl = (u32)__cvta_generic_to_shared(ctab) + 4 * (tid & 31); // gemmc4: lane l's copy
     const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes;
     const bool live = row < rows;
     const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
@@ -605,7 +554,7 @@ template <bool CT> __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
     for (int c = c0; c < c1; c++) {
         {
             u32 o[16];
-            dbs[trow] = CT ? gm_deq_iq2_ct(wr, tl, o) : gm_deq_iq2_exact(wr, gtab, o);
+            dbs[trow] = gm_deq_iq2_exact(wr, gtab, o);
 #pragma unroll
             for (int v = 0; v < 4; v++) *(uint4*)&wt[trow][4 * v] = make_uint4(o[4 * v], o[4 * v + 1], o[4 * v + 2], o[4 * v + 3]);
 #pragma unroll
@@ -681,8 +630,7 @@ template <bool CT> __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
         }
 #endif
 }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc_iq2_xxs(GM_PARAMS) { gemmc_body<false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc4_iq2_xxs(GM_PARAMS) { gemmc_body<true>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc_iq2_xxs(GM_PARAMS) { gemmc_body(GM_ARGS); }
 
 // gemmw_<t>: 128-item tiles (256 threads), bf16 tensor cores where compiled in, else portable.
 DS4_KERNEL void DS4_BOUNDS(256) gemmw_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
@@ -1429,189 +1377,6 @@ __device__ __forceinline__ void gu_cp4(u32 d, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
 }
 #endif
-
-// ---- gemmc2_iq2_xxs / gemmc3_iq2_xxs (E11's A/B of gemmc_iq2_xxs): 2 x 2 warp layout ----
-// Same staging, decode (gm_deq_iq2_exact) and arithmetic as gemmc_iq2_xxs (results bit for bit:
-// each cc is the same chain Xhi·G, Xlo·G of k-step 0 then 1, acc += db·cc), but warp w owns items
-// 32(w/2).. (2 m-tiles) x tile rows 64(w%2).. (8 n-tiles) instead of 64 items x 32 rows: a warp's
-// ldmatrix per chunk 8 A (2 m-tiles x 2 k-steps x hi/lo) + 8 B = 16 for 64 mma (gemmc: 16 A + 4 B),
-// each A fragment serving 8 n-tiles. A fragments of the chunk are loaded first (32 registers), B
-// per n-tile pair one pair ahead of its mma. Shared accesses on 32-bit addresses computed once.
-// gemmc3: the shared tiles double-buffered (chunk c in buffer c%2; one barrier per chunk).
-#if GM_HAVE_MMA
-__device__ __forceinline__ float2 gc_lds2(u32 a) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ void gc_sts1(u32 a, float v) { asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory"); }
-#endif
-
-struct alignas(16) Gc2Buf { // one chunk's tiles (16-byte stores, ldmatrix rows)
-    u32 xh[64][GM_LD], xl[64][GM_LD], wt[GM_BN][GM_LD];
-    float dbs[GM_BN];
-};
-// Byte offsets of Gc2Buf's members (u32 arrays: no padding).
-#define GC_XH 0u
-#define GC_XL (64u * 4u * GM_LD)
-#define GC_WT (128u * 4u * GM_LD)
-#define GC_DB ((128u + GM_BN) * 4u * GM_LD)
-
-#if GM_HAVE_MMA
-// One chunk's mma of a gemmc2 warp: NJ m-tiles (items 16 j..) x 8 n-tiles; A fragments first, B
-// per n-tile pair one pair ahead; a_xh / a_wt / a_db: this thread's ldmatrix / db addresses (gemmc2_body).
-template <int NJ> __device__ __forceinline__ void gc2_chunk(float (&acc)[2][8][4], u32 a_xh, u32 a_wt, u32 a_db) {
-    constexpr u32 RB = 4 * GM_LD;
-    u32 a[NJ][2][2][4]; // [m-tile][k-step][hi, lo]
-#pragma unroll
-    for (int j = 0; j < NJ; j++)
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++)
-#pragma unroll
-            for (int hl = 0; hl < 2; hl++) gu_ldm4(a[j][kk][hl], a_xh + (hl ? GC_XL - GC_XH : 0u) + 16 * RB * j + 32 * kk);
-    u32 b[2][2][4]; // [buffer][k-step]: n-tiles 2np (regs 0, 1), 2np + 1 (regs 2, 3)
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++) gu_ldm4(b[0][kk], a_wt + 32 * kk);
-#pragma unroll
-    for (int np = 0; np < 4; np++) {
-        const int cb = np & 1;
-        if (np + 1 < 4) {
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) gu_ldm4(b[cb ^ 1][kk], a_wt + 16 * RB * (np + 1) + 32 * kk);
-        }
-        const float2 db0 = gc_lds2(a_db + 64 * np), db1 = gc_lds2(a_db + 64 * np + 32);
-        float cc[NJ][2][4];
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++)
-#pragma unroll
-            for (int hl = 0; hl < 2; hl++)
-#pragma unroll
-                for (int j = 0; j < NJ; j++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const u32 bb[2] = {b[cb][kk][2 * h], b[cb][kk][2 * h + 1]};
-                        if (kk == 0 && hl == 0) gm_mma0(cc[j][h], a[j][kk][hl], bb);
-                        else gm_mma(cc[j][h], a[j][kk][hl], bb);
-                    }
-#pragma unroll
-        for (int j = 0; j < NJ; j++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const float2 d = h ? db1 : db0;
-                float* q = acc[j][2 * np + h];
-                q[0] = fmaf(d.x, cc[j][h][0], q[0]);
-                q[1] = fmaf(d.y, cc[j][h][1], q[1]);
-                q[2] = fmaf(d.x, cc[j][h][2], q[2]);
-                q[3] = fmaf(d.y, cc[j][h][3], q[3]);
-            }
-    }
-}
-#endif
-
-template <bool DBUF> __device__ __forceinline__ void gemmc2_body(GM_PARAMS) {
-#if GM_HAVE_MMA
-    constexpr int BM = 64, NB = DBUF ? 2 : 1;
-    constexpr u32 RB = 4 * GM_LD; // bytes per shared tile row
-    __shared__ int items[BM];
-    __shared__ int expert;
-    __shared__ u64 gtab[256];
-    __shared__ Gc2Buf sm[NB];
-    const int tid = threadIdx.x, trow = tid;
-    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
-    const int r0 = blockIdx.x * GM_BN;
-    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    for (int e = tid; e < 256; e += 128) gtab[e] = ds4_iq2xxs_grid[e];
-    gm_items(items, &expert, BM, n, grp, sel, gmax);
-    __syncthreads();
-    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
-    const int row = r0 + trow;
-    const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes;
-    const bool live = row < rows;
-    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
-    const int warp = tid >> 5, lane = tid & 31, lr = lane & 7, lm = lane >> 3;
-    const int wm = warp >> 1, wn = warp & 1;
-    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, BM) + 15) >> 4, 0), GM_MT) : GM_MT;
-    const int nm = min(max(nmt - 2 * wm, 0), 2); // this warp's m-tiles to compute (uniform per warp)
-
-    // Per-thread shared addresses (buffer 0; buffer b at + b * sizeof(Gc2Buf)):
-    // A (ldmatrix x4: matrices rows +0 | +8 x k words +0 | +4): m-tile j, k-step kk at + 16 RB j + 32 kk;
-    // B (rows +0..7 | +8..15 x k words +0 | +4): n-tile pair np, k-step kk at + 16 RB np + 32 kk;
-    // db of rows 64 wn + 8 nt + 2t, +1 at + 32 nt.
-    const u32 sbase = (u32)__cvta_generic_to_shared(&sm[0]);
-    const u32 a_xh = gu_keep(sbase + GC_XH + (32 * wm + lr + 8 * (lm & 1)) * RB + 16 * (lm >> 1));
-    const u32 a_wt = gu_keep(sbase + GC_WT + (64 * wn + 8 * (lm >> 1) + lr) * RB + 16 * (lm & 1));
-    const u32 a_db = gu_keep(sbase + GC_DB + 4 * (64 * wn + 2 * (lane & 3)));
-    // Stores: tile row trow (decode), X piece tid%8 of items 16i + tid/8 (i < 4: + 16 RB i), db.
-    const u32 s_wt = gu_keep(sbase + GC_WT + trow * RB);
-    const u32 s_x = gu_keep(sbase + ((tid & 7) < 4 ? GC_XH : GC_XL) + (tid >> 3) * RB + 16 * (tid & 3));
-    const u32 s_db = gu_keep(sbase + GC_DB + 4 * trow);
-
-    float acc[2][8][4];
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[j][nt][e] = 0.0f;
-    // X: as gemmc_iq2_xxs (whole 128-byte lines; xo: element offsets, -1 no item).
-    float4 xv[4];
-    u32 wr[4] = {0u, 0u, 0u, 0u};
-    int xo[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        int it = items[16 * i + (tid >> 3)];
-        xo[i] = it >= 0 ? (int)((long long)(it / xdiv) * x_tok + (long long)z * x_z) : -1;
-    }
-    auto load = [&](int c) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) xv[i] = xo[i] >= 0 ? ((const float4*)(X + xo[i] + 32 * c))[tid & 7] : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (live) gm_raw_iq2(wrow, c, c == c0 || (c & 7) == 0, wr); // dead rows: d = 0
-    };
-    if (c0 < c1) load(c0);
-    for (int c = c0; c < c1; c++) {
-        const u32 bo = DBUF ? (u32)(c & 1) * (u32)sizeof(Gc2Buf) : 0u;
-        {
-            u32 o[16];
-            gc_sts1(s_db + bo, gm_deq_iq2_exact(wr, gtab, o));
-#pragma unroll
-            for (int v = 0; v < 4; v++) gu_sts4(s_wt + bo + 16 * v, o[4 * v], o[4 * v + 1], o[4 * v + 2], o[4 * v + 3]);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float4 a = xv[i];
-                gu_sts4(s_x + bo + 16 * RB * i, __float_as_uint(a.x), __float_as_uint(a.y), __float_as_uint(a.z), __float_as_uint(a.w));
-            }
-        }
-        __syncthreads();
-        if (c + 1 < c1) load(c + 1);
-        // this warp's m-tiles: 2, 1 or none (uniform per warp; compile-time inside, no per-mma
-        // predicates or WARPSYNC)
-        if (nm == 2) gc2_chunk<2>(acc, a_xh + bo, a_wt + bo, a_db + bo);
-        else if (nm == 1) gc2_chunk<1>(acc, a_xh + bo, a_wt + bo, a_db + bo);
-        if (!DBUF) __syncthreads();
-    }
-
-    // acc[j][nt][e]: item 32 wm + 16 j + g + 8(e/2), tile row 64 wn + 8 nt + 2t + e%2.
-    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; e2++) {
-            int it = items[32 * wm + 16 * j + g + 8 * e2];
-            if (it < 0) continue;
-            float* yr = yb + (long long)it * y_tok;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e1 = 0; e1 < 2; e1++) {
-                    int r = r0 + 64 * wn + 8 * nt + 2 * t + e1;
-                    if (r < rows) yr[r] = acc[j][nt][2 * e2 + e1];
-                }
-        }
-#endif
-}
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc2_iq2_xxs(GM_PARAMS) { gemmc2_body<false>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc3_iq2_xxs(GM_PARAMS) { gemmc2_body<true>(GM_ARGS); }
 
 // ---- gemmu_q2_k: the tiled form for Q2_K with each B element decoded once per CTA ----
 // Same arithmetic and staging as gemmt_<t> (weights sl*q exact in f16, X hi/lo f16 from

@@ -247,26 +247,6 @@ fn split_x() -> bool {
     switch_on(&XB, "DS4_GPU_GEMM_XB")
 }
 
-/// IQ2_XXS split-X gate/up kernel (A/B of bench/results/gpu-gemm-e11-h200.txt): 0 `gemmc_iq2_xxs`,
-/// 1 `gemmc2_iq2_xxs` (2 x 2 warp layout), 2 `gemmc3_iq2_xxs` (2 x 2, double-buffered tiles),
-/// 3 `gemmc4_iq2_xxs` (grid as a conflict-free code table); UNSET: read `DS4_GPU_GEMM_GU` (`2`,
-/// `3`, `4`) on first use.
-static GUFORM: AtomicU8 = AtomicU8::new(UNSET);
-
-fn gateup_form() -> &'static str {
-    let mut v = GUFORM.load(Ordering::Relaxed);
-    if v == UNSET {
-        v = match std::env::var("DS4_GPU_GEMM_GU").as_deref() {
-            Ok("2") => 1,
-            Ok("3") => 2,
-            Ok("4") => 3,
-            _ => 0,
-        };
-        GUFORM.store(v, Ordering::Relaxed);
-    }
-    ["gemmc", "gemmc2", "gemmc3", "gemmc4"][v.min(3) as usize]
-}
-
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
@@ -485,12 +465,6 @@ impl GpuBackend {
     /// MoE IQ2_XXS gate/up on X split once per product (`gemmc_iq2_xxs`; default true).
     pub fn set_gemm_xb(on: bool) {
         XB.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// IQ2_XXS split-X gate/up kernel: 0 `gemmc_iq2_xxs` (default), 1 `gemmc2_iq2_xxs`, 2
-    /// `gemmc3_iq2_xxs`, 3 `gemmc4_iq2_xxs`.
-    pub fn set_gemm_gateup(form: u8) {
-        GUFORM.store(form.min(3), Ordering::Relaxed);
     }
 
     /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
@@ -720,7 +694,7 @@ impl GpuBackend {
             1 => "gemmf".into(),
             3 => "gemmp".into(),
             _ if wide => "gemmw".into(),
-            _ if m.xb => gateup_form().into(),
+            _ if m.xb => "gemmc".into(),
             _ => "gemm".into(),
         };
         let bm = if til {
@@ -762,7 +736,7 @@ impl GpuBackend {
         if m.xb {
             BLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if form.starts_with("gemmc") {
+        if form == "gemmc" {
             CLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         if form == "gemmu" {
