@@ -659,25 +659,32 @@ fn hc_prefill_precision() {
     }
 }
 
+/// The KV row's rounding at width `w`: FP8 of the part without RoPE, then f16.
+fn kv_round(w: usize, n_rot: usize) -> ds4_backend::RowRounding {
+    ds4_backend::RowRounding {
+        fp8_nope: w - n_rot,
+        fp4_hadamard: false,
+        f16: true,
+    }
+}
+
+/// The indexer's rounding (Hadamard + FP4, then f16): norm_rope takes the separate ops for it.
+const FP4_ROUND: ds4_backend::RowRounding = ds4_backend::RowRounding {
+    fp8_nope: 0,
+    fp4_hadamard: true,
+    f16: true,
+};
+
 #[test]
 fn norm_rope_matches_cpu() {
-    use ds4_backend::{RopeKind, RowRounding};
+    use ds4_backend::RopeKind;
     let Some((cpu, gpu)) = setup() else { return };
     let n_rot = HParams::tiny().n_rot as usize;
     fuse_forms(|fused| {
         let mut r = rng(8);
         // q (64 heads of 512, no weight), kv (1 head, weighted, FP8 + f16), decode and prefill;
         // Hadamard/FP4 rounding takes the separate ops.
-        let kv = |w: usize| RowRounding {
-            fp8_nope: w - n_rot,
-            fp4_hadamard: false,
-            f16: true,
-        };
-        let fp4 = RowRounding {
-            fp8_nope: 0,
-            fp4_hadamard: true,
-            f16: true,
-        };
+        let (kv, fp4) = (|w: usize| kv_round(w, n_rot), FP4_ROUND);
         for (n, heads, width, weighted, round, t0) in [
             (1usize, 64usize, 512usize, false, None, 7usize),
             (3, 64, 512, false, None, 100_000),
@@ -724,21 +731,12 @@ fn norm_rope_matches_cpu() {
 /// width 200: norm_rope_f32) run the two calls.
 #[test]
 fn norm_rope_pair_matches_two_calls() {
-    use ds4_backend::{RopeKind, RowRounding};
+    use ds4_backend::RopeKind;
     let Some((cpu, gpu)) = setup() else { return };
     let n_rot = HParams::tiny().n_rot as usize;
     fuse_forms(|fused| {
         let mut r = rng(9);
-        let kv = |w: usize| RowRounding {
-            fp8_nope: w - n_rot,
-            fp4_hadamard: false,
-            f16: true,
-        };
-        let fp4 = RowRounding {
-            fp8_nope: 0,
-            fp4_hadamard: true,
-            f16: true,
-        };
+        let (kv, fp4) = (|w: usize| kv_round(w, n_rot), FP4_ROUND);
         // (n, heads of a, heads of b, width, b's rounding, t0): a unweighted and unrounded (the
         // query), b weighted (the KV row).
         for (n, ha, hb, width, round_b, t0) in [

@@ -40,19 +40,36 @@ enum MixForm {
     Glue,
 }
 
-fn mix_form() -> MixForm {
-    let mut m = MODE.load(Ordering::Relaxed);
-    if m == 0 {
-        let env = match std::env::var("DS4_GPU_MIX").as_deref() {
-            Ok("simple") => 2,
-            Ok("glue") => 1,
-            _ => 3,
-        };
-        m = match MODE.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => env,
-            Err(cur) => cur,
-        };
+/// The process-wide code in `cell`, read from the environment variable `var` on first use:
+/// `parse` maps its value (None: unset) to a nonzero code (0 means not read yet). A setter that
+/// stored a code first wins.
+fn env_code(cell: &AtomicU8, var: &str, parse: fn(Option<&str>) -> u8) -> u8 {
+    let m = cell.load(Ordering::Relaxed);
+    if m != 0 {
+        return m;
     }
+    let env = parse(std::env::var(var).ok().as_deref());
+    match cell.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => env,
+        Err(cur) => cur,
+    }
+}
+
+/// `off` or `0`: 2, anything else (or unset): 1 (on).
+fn on_unless_off(v: Option<&str>) -> u8 {
+    if matches!(v, Some("off") | Some("0")) {
+        2
+    } else {
+        1
+    }
+}
+
+fn mix_form() -> MixForm {
+    let m = env_code(&MODE, "DS4_GPU_MIX", |v| match v {
+        Some("simple") => 2,
+        Some("glue") => 1,
+        _ => 3,
+    });
     match m {
         2 => MixForm::Simple,
         3 => MixForm::Fast,
@@ -98,18 +115,10 @@ pub(crate) const FUSE_TICKETS: usize = 64;
 /// Whether the fused glue runs: `DS4_GPU_FUSE=off` (or `0`) turns it off, `nopost` keeps the
 /// HC post separate; read once, or [`GpuBackend::set_fuse`].
 fn fuse_on() -> bool {
-    let mut m = FUSE.load(Ordering::Relaxed);
-    if m == 0 {
-        let env = match std::env::var("DS4_GPU_FUSE").as_deref() {
-            Ok("off") | Ok("0") => 2,
-            Ok("nopost") => 3,
-            _ => 1,
-        };
-        m = match FUSE.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => env,
-            Err(cur) => cur,
-        };
-    }
+    let m = env_code(&FUSE, "DS4_GPU_FUSE", |v| match v {
+        Some("nopost") => 3,
+        v => on_unless_off(v),
+    });
     m == 1 || m == 3
 }
 
@@ -121,18 +130,7 @@ static HCP: AtomicU8 = AtomicU8::new(0);
 /// Whether the prefill HC pre runs (`DS4_GPU_HCP=off` or `0` turns it off; read once, or
 /// [`GpuBackend::set_hcp`]); only with the fused glue on.
 fn hcp_on() -> bool {
-    let mut m = HCP.load(Ordering::Relaxed);
-    if m == 0 {
-        let env = match std::env::var("DS4_GPU_HCP").as_deref() {
-            Ok("off") | Ok("0") => 2,
-            _ => 1,
-        };
-        m = match HCP.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => env,
-            Err(cur) => cur,
-        };
-    }
-    m == 1 && fuse_on()
+    env_code(&HCP, "DS4_GPU_HCP", on_unless_off) == 1 && fuse_on()
 }
 
 /// Threads of a `hcp_mix` CTA (`HP_T` in fused.cu), its lanes a token (`HP_L`) and float4
@@ -173,18 +171,13 @@ static FORM: AtomicU8 = AtomicU8::new(0);
 /// The fused-kernel form (`DS4_GPU_FUSE_FORM=v1`, else lat), read once, or
 /// [`GpuBackend::set_fuse_form`].
 fn fuse_form() -> u8 {
-    let mut m = FORM.load(Ordering::Relaxed);
-    if m == 0 {
-        let env = match std::env::var("DS4_GPU_FUSE_FORM").as_deref() {
-            Ok("v1") => 1,
-            _ => 2,
-        };
-        m = match FORM.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => env,
-            Err(cur) => cur,
-        };
-    }
-    m
+    env_code(&FORM, "DS4_GPU_FUSE_FORM", |v| {
+        if v == Some("v1") {
+            1
+        } else {
+            2
+        }
+    })
 }
 
 /// Whether the wide-split forms run (lat; `DS4_GPU_FUSE_FORM=v1` turns them off).
@@ -220,18 +213,7 @@ static NRPAIR: AtomicU8 = AtomicU8::new(0);
 /// Whether norm_rope_pair fuses its two launches (`DS4_GPU_NRPAIR=off` or `0` turns it off;
 /// read once).
 fn nrpair_on() -> bool {
-    let mut m = NRPAIR.load(Ordering::Relaxed);
-    if m == 0 {
-        let env = match std::env::var("DS4_GPU_NRPAIR").as_deref() {
-            Ok("off") | Ok("0") => 2,
-            _ => 1,
-        };
-        m = match NRPAIR.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => env,
-            Err(cur) => cur,
-        };
-    }
-    m == 1
+    env_code(&NRPAIR, "DS4_GPU_NRPAIR", on_unless_off) == 1
 }
 
 /// float4 loads are safe at this address.
