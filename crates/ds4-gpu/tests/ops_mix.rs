@@ -492,26 +492,73 @@ fn unaligned_product_width_is_refused() {
     }
 }
 
+type CpuW = <CpuBackend as Backend>::Weight;
+type GpuW = <GpuBackend as Backend>::Weight;
+
+/// An HC block's weights on both backends: mixer ((2+N)·N rows of N·D, type `ty`), scale (3),
+/// base ((2+N)·N) and the sublayer norm (D), drawn from `r` in that order.
+struct HcWeights {
+    mc: CpuW,
+    mg: GpuW,
+    sc: CpuW,
+    sg: GpuW,
+    bc: CpuW,
+    bg: GpuW,
+    nc: CpuW,
+    ng: GpuW,
+}
+
+fn hc_weights(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    r: &mut impl Rng,
+    nh: usize,
+    d: usize,
+    ty: GgmlType,
+) -> HcWeights {
+    let (mix, w) = ((2 + nh) * nh, nh * d);
+    let f = file(&[(
+        "mx",
+        ty,
+        vec![w as u64, mix as u64],
+        table_bytes(r, ty, mix, w),
+    )]);
+    let (mc, mg) = (
+        cpu.matrix(&src(&f, "mx")).unwrap(),
+        gpu.matrix(&src(&f, "mx")).unwrap(),
+    );
+    let (sc, sg) = vectors(cpu, gpu, &randn(r, 3, 0.02));
+    let (bc, bg) = vectors(cpu, gpu, &randn(r, mix, 1.0));
+    let (nc, ng) = vectors(cpu, gpu, &randn(r, d, 1.5));
+    HcWeights {
+        mc,
+        mg,
+        sc,
+        sg,
+        bc,
+        bg,
+        nc,
+        ng,
+    }
+}
+
 fn hc_pre_norm_cases(cases: &[(usize, usize, usize, GgmlType)]) {
     let Some((cpu, gpu)) = setup() else { return };
     fuse_forms(|fused| {
         let mut r = rng(7);
         for &(nh, d, n, ty) in cases {
             let h = hc(nh, d);
-            let (mix, w) = ((2 + nh) * nh, nh * d);
-            let f = file(&[(
-                "mx",
-                ty,
-                vec![w as u64, mix as u64],
-                table_bytes(&mut r, ty, mix, w),
-            )]);
-            let (mc, mg) = (
-                cpu.matrix(&src(&f, "mx")).unwrap(),
-                gpu.matrix(&src(&f, "mx")).unwrap(),
-            );
-            let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 3, 0.02));
-            let (bc, bg) = vectors(&cpu, &gpu, &randn(&mut r, mix, 1.0));
-            let (nc, ng) = vectors(&cpu, &gpu, &randn(&mut r, d, 1.5));
+            let w = nh * d;
+            let HcWeights {
+                mc,
+                mg,
+                sc,
+                sg,
+                bc,
+                bg,
+                nc,
+                ng,
+            } = hc_weights(&cpu, &gpu, &mut r, nh, d, ty);
             let x = randn(&mut r, n * w, 2.0);
             let eps = 1e-6;
 
@@ -585,21 +632,18 @@ fn hc_prefill_precision() {
     let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
     let (nh, d, n, ty) = (4usize, 4096usize, 300usize, GgmlType::F16);
     let h = hc(nh, d);
-    let (mix, w) = ((2 + nh) * nh, nh * d);
+    let w = nh * d;
     let mut r = rng(11);
-    let f = file(&[(
-        "mx",
-        ty,
-        vec![w as u64, mix as u64],
-        table_bytes(&mut r, ty, mix, w),
-    )]);
-    let (mc, mg) = (
-        cpu.matrix(&src(&f, "mx")).unwrap(),
-        gpu.matrix(&src(&f, "mx")).unwrap(),
-    );
-    let (sc, sg) = vectors(&cpu, &gpu, &randn(&mut r, 3, 0.02));
-    let (bc, bg) = vectors(&cpu, &gpu, &randn(&mut r, mix, 1.0));
-    let (nc, ng) = vectors(&cpu, &gpu, &randn(&mut r, d, 1.5));
+    let HcWeights {
+        mc,
+        mg,
+        sc,
+        sg,
+        bc,
+        bg,
+        nc,
+        ng,
+    } = hc_weights(&cpu, &gpu, &mut r, nh, d, ty);
     let x = randn(&mut r, n * w, 2.0);
     let o = randn(&mut r, n * d, 2.0);
     let pin = randn(&mut r, n * nh, 1.0);
