@@ -102,6 +102,36 @@ static TC_MODE: AtomicU8 = AtomicU8::new(0);
 const ATC_HG: usize = 16;
 const ATC_MAXROT: usize = 128;
 
+/// Heads per CTA of the wide form `attn_tcw*` (`16·ATW_MG`).
+const ATW_HG: usize = 32;
+/// Form of the tensor-core prefill kernel (`DS4_GPU_ATTN_TCW`): 0 not yet read, 1 the 16-head
+/// `attn_tc*` (default), 2 the 32-head `attn_tcw*` (`wide`: 16-row tiles, next tile prefetched),
+/// 3..7 A/B forms `a`..`e` (hd 512, split only). Measured: none faster than the default
+/// (bench/results/gpu-attn-t12-h200.txt).
+static TCW_FORM: AtomicU8 = AtomicU8::new(0);
+const TCW_OLD: u8 = 1;
+
+fn tcw_form() -> u8 {
+    if TCW_FORM.load(Ordering::Relaxed) == 0 {
+        let f = std::env::var("DS4_GPU_ATTN_TCW").unwrap_or_default();
+        let _ = TCW_FORM.compare_exchange(0, tcw_code(&f), Ordering::Relaxed, Ordering::Relaxed);
+    }
+    TCW_FORM.load(Ordering::Relaxed)
+}
+
+fn tcw_code(f: &str) -> u8 {
+    match f {
+        "old" => TCW_OLD,
+        "a" => 3,
+        "b" => 4,
+        "c" => 5,
+        "d" => 6,
+        "e" => 7,
+        "wide" => 2,
+        _ => TCW_OLD,
+    }
+}
+
 fn tc_mode() -> u8 {
     if TC_MODE.load(Ordering::Relaxed) == 0 {
         let m = match std::env::var("DS4_GPU_ATTN_TC").as_deref() {
@@ -223,6 +253,13 @@ impl GpuBackend {
             },
             Ordering::Relaxed,
         );
+    }
+
+    /// Form of the tensor-core prefill kernel, process-wide, overrides `DS4_GPU_ATTN_TCW`:
+    /// `wide` the 32-head `attn_tcw*`, `a`..`e` its A/B forms, anything else the 16-head
+    /// `attn_tc*` (default).
+    pub fn set_attn_tcw(form: &str) {
+        TCW_FORM.store(tcw_code(form), Ordering::Relaxed);
     }
 
     fn attn_invalid(&self, msg: String) {
@@ -785,18 +822,35 @@ impl GpuBackend {
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        let name = match (hd, tc_mode() == 3) {
-            (512, false) => "attn_tc512_f32",
-            (512, true) => "attn_tc512h_f32",
-            (_, false) => "attn_tc64_f32",
-            (_, true) => "attn_tc64h_f32",
+        let fast = tc_mode() == 3;
+        let form = tcw_form();
+        let name = match (form, hd, fast) {
+            (TCW_OLD, 512, false) => "attn_tc512_f32",
+            (TCW_OLD, 512, true) => "attn_tc512h_f32",
+            (TCW_OLD, _, false) => "attn_tc64_f32",
+            (TCW_OLD, _, true) => "attn_tc64h_f32",
+            (3, 512, false) => "attn_tcw512a_f32",
+            (4, 512, false) => "attn_tcw512b_f32",
+            (5, 512, false) => "attn_tcw512c_f32",
+            (6, 512, false) => "attn_tcw512d_f32",
+            (7, 512, false) => "attn_tcw512e_f32",
+            (_, 512, false) => "attn_tcw512_f32",
+            (_, 512, true) => "attn_tcw512h_f32",
+            (_, _, false) => "attn_tcw64_f32",
+            (_, _, true) => "attn_tcw64h_f32",
+        };
+        // Old form: CTA = 16 heads × 1 token, 4 warps; wide: 32 heads, 8 warps.
+        let (hg, threads) = if form == TCW_OLD {
+            (ATC_HG, 128)
+        } else {
+            (ATW_HG, 256)
         };
         self.run(
             &ATTN_TC,
             name,
             LaunchDims {
-                grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
-                block: [128, 1, 1],
+                grid: [nh.div_ceil(hg) as u32, n as u32, 1],
+                block: [threads, 1, 1],
                 shared_bytes: 0,
             },
             &[
