@@ -2,8 +2,10 @@
 # Installs the run-time kernel compilers that the ds4-gpu portability test uses, without a GPU:
 #   NVRTC  from the pip wheel nvidia-cuda-nvrtc (CUDA 13: sm_80, sm_90a, sm_100)
 #   hipRTC from Debian's libamdhip64-5 + libhiprtc-builtins5 (ROCm 5.2: gfx90a, gfx1030)
+#   clang-19 + the HIP headers (Debian's libamdhip64-dev): offline HIP device compiles for the
+#                targets ROCm 5.2 does not know (gfx942, gfx1100)
 # Idempotent: each part is skipped when already present. Prints what it did and how long it took.
-# Afterwards `DS4_REQUIRE_COMPILERS=1 cargo test -p ds4-gpu --release` must find both.
+# Afterwards `DS4_REQUIRE_COMPILERS=1 cargo test -p ds4-gpu --release` must find all three.
 set -euo pipefail
 t0=$(date +%s)
 PY=${PYTHON:-python3}
@@ -20,15 +22,15 @@ site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "ci-install: nvrtc: libraries: $(ls "$site"/nvidia/*/lib/libnvrtc.so* 2>/dev/null | tr '\n' ' ')"
 
 # --- hipRTC (Debian) ---------------------------------------------------------------------------
-HIP_PKGS="libamdhip64-5 libhiprtc-builtins5"
+HIP_PKGS="libamdhip64-5 libhiprtc-builtins5 clang-19 libamdhip64-dev"
 missing=""
 for p in $HIP_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
 done
 if [ -z "$missing" ]; then
-  echo "ci-install: hiprtc: Debian packages already installed:$(for p in $HIP_PKGS; do printf ' %s=%s' "$p" "$(dpkg-query -W -f='${Version}' "$p")"; done)"
+  echo "ci-install: hip: Debian packages already installed:$(for p in $HIP_PKGS; do printf ' %s=%s' "$p" "$(dpkg-query -W -f='${Version}' "$p")"; done)"
 else
-  echo "ci-install: hiprtc: apt-get install$missing"
+  echo "ci-install: hip: apt-get install$missing"
   export DEBIAN_FRONTEND=noninteractive
   SUDO=""
   if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO="sudo -E"; fi
@@ -36,4 +38,5 @@ else
   $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 echo "ci-install: hiprtc: libraries: $(ls /usr/lib/x86_64-linux-gnu/libamdhip64.so* 2>/dev/null | tr '\n' ' ')"
+echo "ci-install: clang: $(command -v clang-19 || echo 'clang-19 missing'), HIP headers: $(ls /usr/include/hip/hip_runtime.h 2>/dev/null || echo missing)"
 echo "ci-install: done in $(( $(date +%s) - t0 )) s"
