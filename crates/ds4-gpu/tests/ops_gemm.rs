@@ -537,3 +537,104 @@ fn gemm_big_n() {
     }
     cases.finish();
 }
+
+/// The MoE's split-X IQ2_XXS gate/up on 128-item tiles (`gemmcw_iq2_xxs`, 2 CTAs per SM,
+/// `gemmcw1_iq2_xxs`, 1, `gemmcw3_iq2_xxs`, 2 with X by cp.async) against the 64-item `gemmc_iq2_xxs`: the same arithmetic per output
+/// element, so the routed experts' output must be bit-identical, and within the tensor-core
+/// tolerance of the CPU. d = 768 (three IQ2_XXS blocks: rows 198 bytes, so raw words of
+/// neighbouring rows alternate 4-byte alignment), 16 experts; 300 tokens (~112 pairs per expert:
+/// full and partial 128-item tiles), 40 tokens (~15: warps 4-7 of a tile idle) and 300 tokens
+/// with expert 5 in ~3/4 of the tokens; empty m-tiles skipped and not. Each wide run must take
+/// two `gemmcw*` launches, the 64-item run none. CUDA sm_80+ only (elsewhere: skipped).
+#[test]
+fn gemm_moe_wide_gate_up_bit_identical() {
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let sm80 = {
+        let i = gpu.gpu().info();
+        i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
+    };
+    if !sm80 {
+        eprintln!("skipping: gemmcw_iq2_xxs needs CUDA sm_80+");
+        return;
+    }
+    set_form(0);
+    let spec = MoeSpec {
+        n_expert: 16,
+        n_used: 6,
+        d: 768,
+        ff: 512,
+        weight_scale: 1.0,
+        clamp: 0.05,
+    };
+    let (tg, tu, td) = (GgmlType::IQ2_XXS, GgmlType::IQ2_XXS, GgmlType::Q2_K);
+    let (cg, gg) = weight(&cpu, &gpu, tg, spec.d, spec.ff, spec.n_expert, 1200);
+    let (cu, gu) = weight(&cpu, &gpu, tu, spec.d, spec.ff, spec.n_expert, 1201);
+    let (cd, gd) = weight(&cpu, &gpu, td, spec.ff, spec.d, spec.n_expert, 1202);
+    let mut bad = Vec::new();
+    for (n, skew) in [(300usize, false), (40, false), (300, true)] {
+        let mut r = rng(1203 + n as u64 + skew as u64);
+        let z = randn(&mut r, n * spec.d, 1.0);
+        let mut sel = Vec::new();
+        for _ in 0..n {
+            let mut e: Vec<i32> = (0..spec.n_expert as i32).collect();
+            if skew && r.gen_range(0..4) != 0 {
+                e.swap(0, 5);
+            }
+            let first = usize::from(skew && e[0] == 5);
+            for i in first..spec.n_used {
+                let j = r.gen_range(i..e.len());
+                e.swap(i, j);
+            }
+            sel.extend_from_slice(&e[..spec.n_used]);
+        }
+        let wgt: Vec<f32> = (0..n * spec.n_used)
+            .map(|_| r.gen_range(0.1..1.0))
+            .collect();
+        let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
+        let mut co = cpu.alloc(n * spec.d);
+        cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
+        let want = cpu.download(&co, n * spec.d);
+        let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
+        for skip in [true, false] {
+            GpuBackend::set_gemm_skip(skip);
+            let mut base: Option<Vec<f32>> = None;
+            for form in [0u8, 2, 1, 3] {
+                GpuBackend::set_gemm_guw(Some((form, 0)));
+                let w0 = GpuBackend::gemm_wide_gu_launches();
+                let mut go = gpu.alloc(n * spec.d);
+                gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
+                let got = gpu.download(&go, n * spec.d);
+                let key = format!("n={n} skew={skew} skip={skip} guw={form}");
+                let wide = GpuBackend::gemm_wide_gu_launches() - w0;
+                let err = max_rel(&got, &want);
+                let same = base.as_ref().map(|b| {
+                    b.iter()
+                        .zip(&got)
+                        .filter(|(x, y)| x.to_bits() != y.to_bits())
+                        .count()
+                });
+                println!("wide gate/up {key}: max rel {err:.3e}, gemmcw launches {wide}, bits differing from guw=0: {same:?}");
+                if let Err(e) = gpu.check() {
+                    bad.push(format!("{key}: GPU error {e}"));
+                }
+                if wide != if form == 0 { 0 } else { 2 } {
+                    bad.push(format!("{key}: {wide} gemmcw launches"));
+                }
+                if err.is_nan() || err > TOL_TC {
+                    bad.push(format!("{key}: max rel {err:.3e} > {TOL_TC:.0e}"));
+                }
+                if same.is_some_and(|d| d != 0) {
+                    bad.push(format!(
+                        "{key}: {same:?} outputs differ from the 64-item tiles"
+                    ));
+                }
+                base.get_or_insert(got);
+            }
+        }
+    }
+    GpuBackend::set_gemm_skip(true);
+    GpuBackend::set_gemm_guw(None);
+    assert!(bad.is_empty(), "wide gate/up: {bad:?}");
+}

@@ -1642,6 +1642,221 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
 #endif
 DS4_KERNEL void DS4_BOUNDS(GU_B3) gemmu_q2_k(GMT_PARAMS) { gemmu_body(GMT_ARGS); }
 
+// ---- gemmcw_iq2_xxs: gemmc_iq2_xxs with 128-item tiles (256 threads; long prompt chunks) ----
+// The routed experts get ~96 pairs each from a 4096-token chunk (6 of 256 experts): gemmc's
+// 64-item tiles decode each expert's weights twice (64 + ~32 items), this tile once. Same
+// arithmetic per output element as gemmc (the same mma fragments, cc per chunk, acc += db·cc in
+// chunk order): bit-identical outputs. CTA: 8 warps; warp w: tile rows 32(w%4).., items 64(w/4)..
+// (gemmc's warp tile). Decode: warp w, lane l takes tile row 16w + l%16, half h = l/16 of the
+// chunk (grid entries 2h, 2h+1: 16 elements, two 16-byte stores: conflict-free, rows 80 bytes
+// apart); of the chunk's raw 8 bytes lane h loads word h (h 0: the 4 grid indices, h 1: aux) and
+// the two halves swap them by one shuffle: each raw word read once per CTA, a warp load covering
+// 16 rows (gemmc: 32 rows x 2-3 loads per 64 items). d per super-block by half 0 (which also
+// writes db). X: thread t stages 16-byte piece t%8 of items 32i + t/8, i < 4 (gemmc's copy).
+// gemmcw1_iq2_xxs: the same at one CTA per SM (registers unbounded), gemmcw_iq2_xxs two (<= 128),
+// gemmcw3_iq2_xxs two with X copied by cp.async (no X registers in flight; the copy of chunk
+// c + 1 overlaps its weight decode only).
+#if GM_HAVE_MMA
+// Half h of a chunk's 16 bf16x2 words g*sign (words 8h..8h+7) from its grid indices idx and
+// aux shifted to entry 2h (idx >> 16h, aux >> 14h).
+__device__ __forceinline__ void gm_deq_iq2_half(u32 idx, u32 aux, const u64* tab, u32* o) {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const u64 grid = tab[(idx >> (8 * k)) & 0xff];
+        const u32 s7 = (aux >> (7 * k)) & 127;
+        const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const u32 gw = q < 2 ? (u32)grid : (u32)(grid >> 32);
+            const u32 u = gm_prmt(gw, 0x43434343u, (q & 1) ? 0x4342u : 0x4140u);
+            const u32 g = gm_fma_bf2(u, 0x3f803f80u, 0xc300c300u);
+            const u32 m = gm_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
+            o[4 * k + q] = g ^ (m & 0x80008000u);
+        }
+    }
+}
+#endif
+
+struct alignas(16) GcwSmem { // gemmc's layout for 128 items
+    u32 xh[128][GM_LD], xl[128][GM_LD], wt[GM_BN][GM_LD];
+    float dbs[GM_BN];
+};
+
+template <bool CPX> __device__ __forceinline__ void gemmcw_body(GM_PARAMS) {
+#if GM_HAVE_MMA
+    constexpr int BM = 128;
+    __shared__ int items[BM];
+    __shared__ int expert;
+    __shared__ u64 gtab[256];
+    __shared__ GcwSmem sm;
+    u32(&xh)[BM][GM_LD] = sm.xh;
+    u32(&xl)[BM][GM_LD] = sm.xl;
+    u32(&wt)[GM_BN][GM_LD] = sm.wt;
+    float* dbs = sm.dbs;
+    const int tid = threadIdx.x;
+    const int z = blockIdx.z / ks, s = blockIdx.z % ks;
+    const int r0 = blockIdx.x * GM_BN;
+    if (grp && (int)blockIdx.y >= grp[0]) return; // uniform over the CTA
+    gtab[tid] = ds4_iq2xxs_grid[tid];             // 256 threads, 256 entries
+    gm_items(items, &expert, BM, n, grp, sel, gmax);
+    __syncthreads();
+    const long long wo = (long long)z * w_z + (grp ? (long long)expert * slab : 0);
+    const int warp = tid >> 5, lane = tid & 31, lr = lane & 7, lm = lane >> 3;
+    const int drow = 16 * warp + (lane & 15), dh = lane >> 4; // decode: tile row, half
+    const int row = r0 + drow;
+    const u8* wrow = W + wo + (long long)min(row, rows - 1) * row_bytes + 4 * dh;
+    const bool live = row < rows;
+    const int nch = cols / 32, c0 = s * kc, c1 = min(nch, c0 + kc);
+    const int nmt = skip ? min(max((gm_tile_valid(grp, n, blockIdx.y, BM) - 64 * (warp >> 2) + 15) >> 4, 0), GM_MT) : GM_MT;
+
+    float acc[GM_MT][4][4];
+#pragma unroll
+    for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f;
+    float4 xv[4];
+    // Raw word of this lane's half (dead rows: zeros, d = 0): wa (aligned) or wa | wb << 16.
+    u32 wd = 0u, wa = 0u, wb = 0u;
+    bool wal = true;
+    int xo[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int it = items[32 * i + (tid >> 3)];
+        xo[i] = it >= 0 ? (int)((long long)(it / xdiv) * x_tok + (long long)z * x_z) : -1;
+    }
+    // CPX: X of chunk c straight to shared memory by cp.async (zero-filled past the items), issued
+    // after the chunk's last mma, waited for before the barrier that publishes it (no registers).
+    auto copy_x = [&](int c) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int m = 32 * i + (tid >> 3), j = tid & 7;
+            gt_cp16((j < 4 ? xh[m] : xl[m]) + 4 * (j & 3), xo[i] >= 0 ? (const float4*)(X + xo[i] + 32 * c) + j : (const float4*)X, xo[i] >= 0);
+        }
+        gt_commit();
+    };
+    auto load = [&](int c) {
+        if (!CPX) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) xv[i] = xo[i] >= 0 ? ((const float4*)(X + xo[i] + 32 * c))[tid & 7] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        if (live) {
+            const u8* b = wrow + (size_t)(c >> 3) * 66; // + 4 dh
+            if (dh == 0 && (c == c0 || (c & 7) == 0)) wd = *(const u16*)b; // half 0: b is the block
+            const u8* g = b + 2 + 8 * (c & 7); // word dh of the chunk's 8 bytes (2-byte aligned)
+            wal = ((size_t)g & 3) == 0;
+            if (wal) {
+                wa = *(const u32*)g;
+            } else {
+                wa = *(const u16*)g, wb = *(const u16*)(g + 2);
+            }
+        }
+    };
+    if (c0 < c1) {
+        load(c0);
+        if (CPX) copy_x(c0);
+    }
+    for (int c = c0; c < c1; c++) {
+        {
+            const u32 mine = wal ? wa : wa | (wb << 16), other = ds4_shfl_xor(mine, 16);
+            const u32 idx = dh ? other : mine, aux = dh ? mine : other;
+            u32 o[8];
+            gm_deq_iq2_half(idx >> (16 * dh), aux >> (14 * dh), gtab, o);
+            if (dh == 0) dbs[drow] = ds4_mul_rn(ds4_mul_rn(ds4_h2f_fast(wd), 0.5f + (float)(aux >> 28)), 0.25f);
+#pragma unroll
+            for (int v = 0; v < 2; v++) *(uint4*)&wt[drow][8 * dh + 4 * v] = make_uint4(o[4 * v], o[4 * v + 1], o[4 * v + 2], o[4 * v + 3]);
+            if (CPX) {
+                gt_wait<0>();
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int m = 32 * i + (tid >> 3), j = tid & 7;
+                    float4 a = xv[i];
+                    *(uint4*)((j < 4 ? xh[m] : xl[m]) + 4 * (j & 3)) = make_uint4(__float_as_int(a.x), __float_as_int(a.y), __float_as_int(a.z), __float_as_int(a.w));
+                }
+            }
+        }
+        __syncthreads();
+        if (c + 1 < c1) load(c + 1);
+        if (nmt > 0) { // warp-uniform
+            // gemmc's fragments and mma order, rows 32(w%4).., items 64(w/4)...
+            const int wr = 32 * (warp & 3), wi = 64 * (warp >> 2);
+            u32 b[2][4][2];
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    int r = wr + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
+                    u32 q[4];
+                    gm_ldm4(q, &wt[r][k]);
+                    b[kk][2 * np][0] = q[0], b[kk][2 * np][1] = q[1], b[kk][2 * np + 1][0] = q[2], b[kk][2 * np + 1][1] = q[3];
+                }
+            float2 db[4];
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) db[nt] = *(const float2*)&dbs[wr + 8 * nt + 2 * (lane & 3)];
+#pragma unroll
+            for (int mt = 0; mt < GM_MT; mt++) {
+                if (mt >= nmt) continue; // uniform
+                float cc[4][4];
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+                    u32 ah[4], al[4];
+                    int m = wi + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
+                    gm_ldm4(ah, &xh[m][k]);
+                    gm_ldm4(al, &xl[m][k]);
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++) {
+                        if (kk == 0) gm_mma0(cc[nt], ah, b[kk][nt]);
+                        else gm_mma(cc[nt], ah, b[kk][nt]);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++) gm_mma(cc[nt], al, b[kk][nt]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    acc[mt][nt][0] = fmaf(db[nt].x, cc[nt][0], acc[mt][nt][0]);
+                    acc[mt][nt][1] = fmaf(db[nt].y, cc[nt][1], acc[mt][nt][1]);
+                    acc[mt][nt][2] = fmaf(db[nt].x, cc[nt][2], acc[mt][nt][2]);
+                    acc[mt][nt][3] = fmaf(db[nt].y, cc[nt][3], acc[mt][nt][3]);
+                }
+            }
+        }
+        __syncthreads();
+        if (CPX && c + 1 < c1) copy_x(c + 1);
+    }
+
+    // acc[mt][nt][e]: item 64(w/4) + 16mt + g + 8(e/2), tile row 32(w%4) + 8nt + 2t + e%2.
+    float* yb = Y + (long long)z * y_z + (long long)s * y_s;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < GM_MT; mt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            int it = items[64 * (warp >> 2) + 16 * mt + g + 8 * e2];
+            if (it < 0) continue;
+            float* yr = yb + (long long)it * y_tok;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    int r = r0 + 32 * (warp & 3) + 8 * nt + 2 * t + e1;
+                    if (r < rows) yr[r] = acc[mt][nt][2 * e2 + e1];
+                }
+        }
+#endif
+}
+#if defined(DS4_CUDA)
+#define GCW_B2 256, 2
+#define GCW_B1 256, 1
+#else
+#define GCW_B2 256 // HIP's second launch-bounds argument means something else
+#define GCW_B1 256
+#endif
+DS4_KERNEL void DS4_BOUNDS(GCW_B2) gemmcw_iq2_xxs(GM_PARAMS) { gemmcw_body<false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GCW_B1) gemmcw1_iq2_xxs(GM_PARAMS) { gemmcw_body<false>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GCW_B2) gemmcw3_iq2_xxs(GM_PARAMS) { gemmcw_body<true>(GM_ARGS); }
+
 // X rows for gemmt: one CTA per token row; elements j < width (multiple of 256; X 16-byte aligned,
 // x_tok multiple of 16). v = x * 2^s_t (s_t as gemm_xh_f32), xinv[t] = 2^-s_t; each 4 elements
 // 4q..4q+3 as words xt[t*x_tok + 4q ..+4] = {f16x2 hi(v0,v1), hi(v2,v3), lo(v0,v1), lo(v2,v3)}
