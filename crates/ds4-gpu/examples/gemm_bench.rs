@@ -7,9 +7,7 @@
 //! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
 //! and fma (per type). default = the default forms (the tiled form for Q2_K/Q4_K, the MoE's
 //! IQ2_XXS gate/up on X split once: `gemmc_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
-//! = X split per CTA, /gu64 = that gate/up always on 64-item tiles, /guw1, /guw2, /guw3 = always on
-//! the 128-item `gemmcw1_` / `gemmcw_` / `gemmcw3_iq2_xxs` (default: 128 from 64 pairs per expert on average, the
-//! 4096-token chunk). `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
+//! = X split per CTA. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
 //! `GEMM_BENCH_FORMS=default,bf16`: only those forms (model shapes and routed experts).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
@@ -95,10 +93,6 @@ const DEFAULT: Form = ("default", true, false, false, true, 0, true);
 const DEFAULT_NOSKIP: Form = ("default/noskip", true, false, false, true, 0, true);
 const BF16_NOSKIP: Form = ("bf16/noskip", true, false, false, true, 0, true);
 const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
-const DEFAULT_GU64: Form = ("default/gu64", true, false, false, true, 0, true);
-const DEFAULT_GUW1: Form = ("default/guw1", true, false, false, true, 0, true);
-const DEFAULT_GUW2: Form = ("default/guw2", true, false, false, true, 0, true);
-const DEFAULT_GUW3: Form = ("default/guw3", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -120,15 +114,6 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
     GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
     GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
-    // "/gu64": the split-X gate/up always on 64-item tiles; "/guw1", "/guw2", "/guw3": always on
-    // the 128-item gemmcw1_ / gemmcw_ / gemmcw3_iq2_xxs; otherwise by chunk (default).
-    GpuBackend::set_gemm_guw(match f.0.rsplit('/').next() {
-        Some("gu64") => Some((0, 0)),
-        Some("guw1") => Some((1, 0)),
-        Some("guw2") => Some((2, 0)),
-        Some("guw3") => Some((3, 0)),
-        _ => None,
-    });
 }
 
 fn main() {
@@ -243,10 +228,6 @@ fn main() {
                 DEFAULT,
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
-                DEFAULT_GU64,
-                DEFAULT_GUW1,
-                DEFAULT_GUW2,
-                DEFAULT_GUW3,
                 BF16,
                 BF16_NOSKIP,
                 TILED,

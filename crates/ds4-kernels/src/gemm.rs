@@ -10,8 +10,7 @@ use crate::Module;
 /// `gemm_xt_f32`);
 /// `gemmu_q2_k`: the tiled form for Q2_K with the weights decoded once per CTA (X in the unit layout);
 /// `gemmc_iq2_xxs`: exact bf16 weights, two mma per tile, on X split into hi/lo once per product by `gemm_xb_f32` (the MoE's
-/// IQ2_XXS gate/up, CUDA sm_80+); `gemmcw_iq2_xxs` / `gemmcw1_iq2_xxs` / `gemmcw3_iq2_xxs`: the same with 128-item tiles (256
-/// threads; 2 or 1 CTAs per SM; 3: X by cp.async) for long prompt chunks;
+/// IQ2_XXS gate/up, CUDA sm_80+);
 /// `gm_group_*_i32`: O(n) grouping of MoE (token, slot) pairs by expert (count, scan, scatter).
 pub const GEMM: Module = Module {
     name: "gemm",
@@ -37,9 +36,6 @@ pub const GEMM: Module = Module {
         "gemmf_q4_k",
         "gemm_iq2_xxs",
         "gemmc_iq2_xxs",
-        "gemmcw_iq2_xxs",
-        "gemmcw1_iq2_xxs",
-        "gemmcw3_iq2_xxs",
         "gemm_xb_f32",
         "gemmp_iq2_xxs",
         "gemmf_iq2_xxs",

@@ -8,13 +8,12 @@
 //! summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by expert on the device
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
-//! Prompts run in chunks of `prefill_chunk()` tokens (4096: MoE weights read once per chunk).
+//! Prompts run in chunks of `prefill_chunk()` tokens (16384: MoE weights read once per chunk).
 //! The MoE's IQ2_XXS gate/up (the q2 mix) take `gemmc_iq2_xxs` on CUDA sm_80+: z split into
 //! bf16 hi/lo once per product (`gemm_xb_f32`; `DS4_GPU_GEMM_XB=0`: the bf16 hi/lo form
 //! `gemm_iq2_xxs`, split per CTA), weights g * sign exact in bf16 (two mma per tile, the chunk
 //! scale on the accumulators), raw IQ2_XXS fields in flight across the mma; m-tiles of 16 items
-//! with no valid pair are skipped (`DS4_GPU_GEMM_SKIP=0` off); from 64 pairs per expert on average
-//! (4096-token chunks) on 128-item tiles, `gemmcw_iq2_xxs` (`wide_gu`, `DS4_GPU_GEMM_GUW`). Tiled Q2_K products (the q2 mix's
+//! with no valid pair are skipped (`DS4_GPU_GEMM_SKIP=0` off). Tiled Q2_K products (the q2 mix's
 //! down) take `gemmu_q2_k`: weights decoded once per CTA into a shared tile, X in the unit
 //! layout of `gemm_xt_f32`. H200 (bench/results/gpu-gemm-e9-h200.txt): routed experts q2
 //! n = 2048 9.33 -> 7.98 ms, n = 4096 18.17 -> 15.27 ms against the hi/lo gate/up and `gemmt_q2_k`;
@@ -62,8 +61,11 @@ pub(crate) fn prefill_chunk() -> usize {
 }
 
 /// Default prompt step (tokens). H200: 512 -> 747 tok/s, 2048 -> 990-1096, 4096 -> 1105-1311
-/// (bench/results/gpu-prefill-h200.txt); scratch at 4096 ~2 GB (MoE: 3 × pairs × ff + pairs × d f32).
-const DEFAULT_CHUNK: usize = 4096;
+/// (bench/results/gpu-prefill-h200.txt); 16384 vs 4096 (more pairs per expert per chunk): 8k
+/// prefill 3,994 vs 3,843 tok/s, 32k 3,837 vs 3,701 (8192: 3,984 / 3,807;
+/// bench/results/gpu-gemm-e12-h200.txt). Scratch grows with it: ~2 GB at 4096 (MoE: 3 × pairs × ff
+/// and pairs × d f32), ~8 GB at 16384 (1M context on the H200: ~102 of 139 GiB with the q2 weights).
+const DEFAULT_CHUNK: usize = 16384;
 
 /// Most experts the grouping kernels take (`GM_MAXE` in gemm.cu).
 const MAX_EXPERTS: usize = 1024;
@@ -248,45 +250,6 @@ fn split_x() -> bool {
     switch_on(&XB, "DS4_GPU_GEMM_XB")
 }
 
-/// 128-item tiles for the MoE's split-X IQ2_XXS gate/up (`gemmcw_iq2_xxs`, 256 threads):
-/// 0 never, 1 `gemmcw1_iq2_xxs` (one CTA per SM), 2 `gemmcw_iq2_xxs` (two CTAs per SM), 3
-/// `gemmcw3_iq2_xxs` (two, X by cp.async), taken when the product has at least `GUW_MIN` pairs per
-/// expert on average; UNSET: read `DS4_GPU_GEMM_GUW` (`0` .. `3`) and `DS4_GPU_GEMM_GUW_MIN` on
-/// first use.
-static GUW: AtomicU8 = AtomicU8::new(UNSET);
-static GUW_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
-const DEFAULT_GUW: u8 = 2;
-/// Average pairs per expert from which the 128-item gate/up tile is taken (a 4096-token chunk
-/// gives 96 with 6 of 256 experts, a 2048-token one 48).
-const DEFAULT_GUW_MIN: usize = 64;
-
-/// The wide gate/up kernel form (1 .. 3) for `pairs` pairs over `experts` experts, or 0.
-fn wide_gu(pairs: usize, experts: usize) -> u8 {
-    let mut f = GUW.load(Ordering::Relaxed);
-    if f == UNSET {
-        f = std::env::var("DS4_GPU_GEMM_GUW")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&f: &u8| f <= 3)
-            .unwrap_or(DEFAULT_GUW);
-        GUW.store(f, Ordering::Relaxed);
-    }
-    let mut m = GUW_MIN.load(Ordering::Relaxed);
-    if m == usize::MAX {
-        m = std::env::var("DS4_GPU_GEMM_GUW_MIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&m: &usize| m < usize::MAX)
-            .unwrap_or(DEFAULT_GUW_MIN);
-        GUW_MIN.store(m, Ordering::Relaxed);
-    }
-    if pairs >= m.saturating_mul(experts) {
-        f
-    } else {
-        0
-    }
-}
-
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
@@ -297,8 +260,6 @@ static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
 static BLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, `gemmc_iq2_xxs` launches; tiled launches on `gemmu_q2_k`.
 static CLAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Of the `gemmc*` launches, 128-item ones (`gemmcw*_iq2_xxs`).
-static CWLAUNCHES: AtomicU64 = AtomicU64::new(0);
 static ULAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
@@ -322,8 +283,7 @@ struct Gm {
     zs: usize,
     /// Pairs grouped by expert: (sel, grp from gm_group_*_i32, gmax).
     grp: Option<(DevPtr, DevPtr, usize)>,
-    /// Items per CTA: BM, or BM_WIDE (`gemmw_*`, bf16 form only; `gemmcw*` with `xb`); f16 form:
-    /// 64, 128, 256.
+    /// Items per CTA: BM, or BM_WIDE (`gemmw_*`, bf16 form only); f16 form: 64, 128, 256.
     bm: usize,
     /// f16 form: inverse row scales from `gemm_xh_f32` (x then holds f16 values, strides in halves).
     /// Tiled form: from `gemm_xt_f32`.
@@ -333,8 +293,6 @@ struct Gm {
     xt: Option<DevPtr>,
     /// x split once by `gemm_xb_f32` (`gemmc_iq2_xxs`).
     xb: bool,
-    /// With `xb` and 128 items: 1 `gemmcw1_iq2_xxs`, 3 `gemmcw3_iq2_xxs`, else `gemmcw_iq2_xxs`.
-    cw: u8,
     /// Tiled form: x in the unit layout (`gemm_xt_f32` unit != 0; Q2_K on `gemmu_q2_k`).
     xu: bool,
 }
@@ -510,22 +468,6 @@ impl GpuBackend {
     /// MoE IQ2_XXS gate/up on X split once per product (`gemmc_iq2_xxs`; default true).
     pub fn set_gemm_xb(on: bool) {
         XB.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// 128-item tiles for the MoE's split-X gate/up: `Some((form, min))` takes form 1
-    /// (`gemmcw1_iq2_xxs`), 2 (`gemmcw_iq2_xxs`) or 3 (`gemmcw3_iq2_xxs`) from `min` pairs per
-    /// expert on average (form 0: never); `None`: the default / `DS4_GPU_GEMM_GUW*` again. Process-wide (tests, benchmarks).
-    pub fn set_gemm_guw(f: Option<(u8, usize)>) {
-        let (f, m) = f.map_or((UNSET, usize::MAX), |(f, m)| {
-            (f.min(3), m.min(usize::MAX - 1))
-        });
-        GUW.store(f, Ordering::Relaxed);
-        GUW_MIN.store(m, Ordering::Relaxed);
-    }
-
-    /// 128-item split-X gate/up (`gemmcw*_iq2_xxs`) launches so far in this process.
-    pub fn gemm_wide_gu_launches() -> u64 {
-        CWLAUNCHES.load(Ordering::Relaxed)
     }
 
     /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
@@ -754,10 +696,6 @@ impl GpuBackend {
             _ if half => format!("gemmh{}", m.bm),
             1 => "gemmf".into(),
             3 => "gemmp".into(),
-            // xb with 128 items: the caller chose the form (wide_gu: 1 or 2 CTAs per SM)
-            _ if wide && m.xb && m.cw == 1 => "gemmcw1".into(),
-            _ if wide && m.xb && m.cw == 3 => "gemmcw3".into(),
-            _ if wide && m.xb => "gemmcw".into(),
             _ if wide => "gemmw".into(),
             _ if m.xb => "gemmc".into(),
             _ => "gemm".into(),
@@ -801,11 +739,8 @@ impl GpuBackend {
         if m.xb {
             BLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if form.starts_with("gemmc") {
+        if form == "gemmc" {
             CLAUNCHES.fetch_add(1, Ordering::Relaxed);
-        }
-        if form.starts_with("gemmcw") {
-            CWLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         if form == "gemmu" {
             ULAUNCHES.fetch_add(1, Ordering::Relaxed);
@@ -924,7 +859,6 @@ impl GpuBackend {
             xs,
             xt: xc.sums(),
             xb: false,
-            cw: 0,
             xu: xc.unit(),
         });
         true
@@ -982,7 +916,6 @@ impl GpuBackend {
             xs,
             xt: xc.sums(),
             xb: false,
-            cw: 0,
             xu: xc.unit(),
         });
         true
@@ -1069,19 +1002,6 @@ impl GpuBackend {
             None => hz.parts(z.ptr),
         };
         let zt = hz.sums();
-        // Split-X gate/up with 128-item tiles (long chunks: wide_gu): their own runs of 128 pairs
-        // (the same permutation), the down keeps the 64-pair runs.
-        let cw = if zb.is_some() {
-            wide_gu(pairs, spec.n_expert)
-        } else {
-            0
-        };
-        let gmax_w = pairs.div_ceil(BM_WIDE) + spec.n_expert.min(pairs);
-        let grp_w = (cw != 0).then(|| self.group_pairs(sel, pairs, spec.n_expert, BM_WIDE, gmax_w));
-        let (grouped_gu, bm_gu) = match &grp_w {
-            Some(gw) => (Some((sel, gw.ptr, gmax_w)), BM_WIDE),
-            None => (grouped, bm),
-        };
         for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
             // Pair i reads token i / k of z.
             self.gemm(&Gm {
@@ -1101,18 +1021,16 @@ impl GpuBackend {
                 row_bytes: rb,
                 n: pairs,
                 zs: 1,
-                grp: grouped_gu,
-                bm: bm_gu,
+                grp: grouped,
+                bm,
                 xs: zs,
                 xt: zt,
                 xb: zb.is_some(),
-                cw,
                 xu: hz.unit(),
             });
         }
         drop(hz);
         drop(zb);
-        drop(grp_w);
         let mut h = self.scratch(pairs * ff);
         self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
@@ -1145,7 +1063,6 @@ impl GpuBackend {
             xs: hs,
             xt: ht,
             xb: false,
-            cw: 0,
             xu: hh.unit(),
         });
         let total = n * d;
