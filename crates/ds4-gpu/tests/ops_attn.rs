@@ -628,8 +628,8 @@ struct AttCase {
     holes: bool,
 }
 
-/// A GPU attention form: tensor cores (hi/lo split or one f16 product; `tcw`: the kernel form by
-/// its `DS4_GPU_ATTN_TCW` name, "" the default 16-head form, `wide` 32 heads) for prefill, the f32
+/// A GPU attention form: tensor cores (hi/lo split or one f16 product; `rows16`: rows read from
+/// f16 copies, else f32 rows converted at each load) for prefill, the f32
 /// kernels by their `DS4_GPU_ATTN` name (`one`: one launch at decode, `split`, `simple`), and
 /// its tolerance against the CPU.
 #[derive(Clone, Copy)]
@@ -637,14 +637,14 @@ struct Form {
     name: &'static str,
     tc: bool,
     fast: bool,
-    tcw: &'static str,
+    rows16: bool,
     attn: &'static str,
     tol: f32,
 }
 
 const TC: Form = Form {
     name: "tc",
-    tcw: "",
+    rows16: true,
     tc: true,
     fast: false,
     attn: "one",
@@ -652,7 +652,7 @@ const TC: Form = Form {
 };
 const TC_FAST: Form = Form {
     name: "tc-fast",
-    tcw: "",
+    rows16: true,
     tc: true,
     fast: true,
     attn: "one",
@@ -660,7 +660,7 @@ const TC_FAST: Form = Form {
 };
 const ONE: Form = Form {
     name: "one",
-    tcw: "",
+    rows16: true,
     tc: false,
     fast: false,
     attn: "one",
@@ -668,7 +668,7 @@ const ONE: Form = Form {
 };
 const SPLIT: Form = Form {
     name: "split",
-    tcw: "",
+    rows16: true,
     tc: false,
     fast: false,
     attn: "split",
@@ -676,58 +676,28 @@ const SPLIT: Form = Form {
 };
 const SIMPLE: Form = Form {
     name: "simple",
-    tcw: "",
+    rows16: true,
     tc: false,
     fast: false,
     attn: "simple",
     tol: 2e-5,
 };
 
-/// The 32-head tensor-core form (each row loaded per 32 heads), both products.
-const TC_WIDE: Form = Form {
-    name: "tc-wide",
-    tcw: "wide",
+/// The tensor-core forms reading f32 rows (each converted at every load): the same bits.
+const TC_F32: Form = Form {
+    name: "tc-f32rows",
+    rows16: false,
     ..TC
 };
-const TC_WIDE_FAST: Form = Form {
-    name: "tc-wide-fast",
-    tcw: "wide",
+const TC_F32_FAST: Form = Form {
+    name: "tc-f32rows-fast",
+    rows16: false,
     ..TC_FAST
 };
-/// A/B forms of the 32-head kernel (hd 512, split): 32-row tiles with the next tile prefetched
-/// whole (a), half (b), not at all (c); 16-row tiles without prefetch (d), with prefetch and two
-/// tile buffers (e).
-const TC_AB: [Form; 5] = [
-    Form {
-        name: "tc-a",
-        tcw: "a",
-        ..TC
-    },
-    Form {
-        name: "tc-b",
-        tcw: "b",
-        ..TC
-    },
-    Form {
-        name: "tc-c",
-        tcw: "c",
-        ..TC
-    },
-    Form {
-        name: "tc-d",
-        tcw: "d",
-        ..TC
-    },
-    Form {
-        name: "tc-e",
-        tcw: "e",
-        ..TC
-    },
-];
 
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
-    GpuBackend::set_attn_tcw(f.tcw);
+    GpuBackend::set_attn_tc_rows16(f.rows16);
     GpuBackend::set_attn_form(f.attn);
 }
 
@@ -922,10 +892,21 @@ fn attend_matches_cpu() {
         },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE, TC_WIDE, TC_WIDE_FAST];
+    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE, TC_F32, TC_F32_FAST];
     for (i, c) in cases.iter().enumerate() {
         run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..5]);
-        run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
+        let outs = run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
+        // f16 row copies or f32 rows converted in the kernel: the same values, the same bits.
+        assert_bits(
+            &format!("attend case {i}: tc vs f32 rows"),
+            &outs[0],
+            &outs[5],
+        );
+        assert_bits(
+            &format!("attend case {i}: tc-fast vs f32 rows"),
+            &outs[1],
+            &outs[6],
+        );
     }
 }
 
@@ -964,10 +945,7 @@ fn attend_prefill_matches_cpu() {
         case(20, 64, 16, 8, false, 31, 50, false),
     ];
     for (i, c) in cases.iter().enumerate() {
-        let mut forms = vec![TC, TC_FAST, SPLIT, TC_WIDE, TC_WIDE_FAST];
-        if c.hd == 512 {
-            forms.extend(TC_AB);
-        }
+        let forms = [TC, TC_FAST, SPLIT, TC_F32, TC_F32_FAST];
         let outs = run_attend(&cpu, &gpu, c, 900 + i as u64, true, &forms);
         // The tensor-core form next to the split f32 kernels.
         assert_close(
@@ -976,34 +954,30 @@ fn attend_prefill_matches_cpu() {
             &outs[2],
             2e-5,
         );
-        // 32-row tiles (forms a, b, c): the 16-head form's operations in the same order; 16-row
-        // tiles (wide, d, e) rescale the softmax every 16 rows: close, not the same bits.
-        assert_close(
-            &format!("attend case {i}: tc vs tc-wide"),
+        assert_bits(
+            &format!("attend case {i}: tc vs f32 rows"),
             &outs[0],
             &outs[3],
-            2e-5,
         );
-        for (k, f) in forms.iter().enumerate().skip(5) {
-            let (want, of) = if f.tcw == "d" || f.tcw == "e" {
-                (3, "tc-wide")
-            } else {
-                (0, "tc")
-            };
-            assert_bits(
-                &format!("attend case {i}: {} vs {of}", f.name),
-                &outs[k],
-                &outs[want],
-            );
-        }
+        assert_bits(
+            &format!("attend case {i}: tc-fast vs f32 rows"),
+            &outs[1],
+            &outs[4],
+        );
     }
     let loose = Form { tol: 1e-3, ..TC };
-    let loose_wide = Form {
+    let loose_f32 = Form {
         tol: 1e-3,
-        ..TC_WIDE
+        ..TC_F32
     };
     for (i, c) in cases.iter().enumerate().step_by(3) {
-        run_attend(&cpu, &gpu, c, 950 + i as u64, false, &[loose, loose_wide]);
+        // Unrounded rows: both forms round them to f16 by the same cvt.rn.
+        let outs = run_attend(&cpu, &gpu, c, 950 + i as u64, false, &[loose, loose_f32]);
+        assert_bits(
+            &format!("attend case {i} f32: tc vs f32 rows"),
+            &outs[0],
+            &outs[1],
+        );
     }
 }
 
@@ -1091,8 +1065,7 @@ fn attend_bench() {
         });
         let mut og = gpu.alloc(n * nh * hd);
         let iters = if n >= 1024 { 5 } else { 20 };
-        let forms = [TC, TC_FAST, TC_WIDE, TC_WIDE_FAST, ONE, SPLIT, SIMPLE];
-        for f in forms.into_iter().chain(TC_AB) {
+        for f in [TC, TC_FAST, TC_F32, TC_F32_FAST, ONE, SPLIT, SIMPLE] {
             if f.tc && n == 1 {
                 continue; // decode keeps the f32 kernels
             }

@@ -8,7 +8,8 @@
 // so per token S = Q (heads × hd) · Kᵀ and O = P · V are small GEMMs.
 //
 // CTA = one token × 16 heads, 4 warps; warp w owns head-dim columns [w·hd/4, (w+1)·hd/4): it
-// loads that quarter of each 32-row tile (f32 -> f16 in shared memory), computes its partial
+// loads that quarter of each 32-row tile (f16 in shared memory: the `r` kernels read f16 copies
+// of the rows made by atc_rows_f16 before them, the others convert f32 rows), computes its partial
 // S (16 heads × 32 rows over its columns), the four partials are summed through shared memory
 // (every warp sums them in the same order, so all hold the same S), each warp runs the same online
 // softmax and accumulates O (16 heads × its columns) in registers. Epilogue: the sink, the
@@ -16,7 +17,7 @@
 // ring_store_f32 (other CTAs still read it here).
 //
 // Rounding: K/V rows are taken as f16 (exact for rows stored f16-rounded, the model's default;
-// otherwise 2^-11 relative per element). Q and P are split into f16 hi + lo (hi = f16_rn(v),
+// otherwise 2^-11 relative per element; the same cvt.rn in both forms, so the same bits). Q and P are split into f16 hi + lo (hi = f16_rn(v),
 // lo = f16_rn(v − hi)), two mma each (S = Qhi·K + Qlo·K, O = Phi·V + Plo·V): ~2^-22 relative,
 // so with f16 rows the result matches the f32 kernels to rounding. The `h` forms use hi only
 // (one mma each, P sums of the rounded weights; ~1e-3 relative).
@@ -75,20 +76,21 @@ __device__ __forceinline__ void atc_ldm4t(u32* r, const u16* p) {
                  : "memory");
 }
 
-// Candidate j of token t (list above), or 0 when absent.
-__device__ __forceinline__ const float* atc_row(long long j, long long t0, long long first, int nwin, int nsel,
-                                                const int* seli, const float* kv, const float* raw,
-                                                const int* raw_pos, const float* comp, int hd, int win) {
+// Candidate j of token t (list above), or 0 when absent (T: float rows, or u16 for f16 copies).
+template <typename T>
+__device__ __forceinline__ const T* atc_row(long long j, long long t0, long long first, int nwin, int nsel,
+                                            const int* seli, const T* kv, const T* raw, const int* raw_pos,
+                                            const T* comp, int hd, int win) {
     if (j < nwin) {
         long long p = first + j;
         if (p >= t0) return kv + (p - t0) * hd;
         int slot = (int)(p % win);
-        return raw_pos[slot] == (int)p ? raw + (size_t)slot * hd : (const float*)0;
+        return raw_pos[slot] == (int)p ? raw + (size_t)slot * hd : (const T*)0;
     }
     j -= nwin;
     if (j < nsel) {
         int c = seli[j];
-        return c >= 0 ? comp + (size_t)c * hd : (const float*)0;
+        return c >= 0 ? comp + (size_t)c * hd : (const T*)0;
     }
     return comp + (j - nsel) * hd;
 }
@@ -96,7 +98,10 @@ __device__ __forceinline__ const float* atc_row(long long j, long long t0, long 
 // Fragment layouts (PTX m16n8k16, g = lane/4, t = lane%4): A a0 (row g, k 2t..2t+1), a1 (g+8, 2t),
 // a2 (g, 2t+8), a3 (g+8, 2t+8); B b0 (k 2t..2t+1, col g), b1 (k 2t+8..); C c0,c1 (row g, cols
 // 2t, 2t+1), c2,c3 (row g+8). Rows of A / C here are heads.
-template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_PARAMS) {
+// R16: rows read from rows16 = [ring (win rows) | this chunk's kv (n rows) | compressed rows], f16
+// (half the bytes from L2, one batch of 16-byte loads a tile); else from the f32 buffers.
+template <int HD, bool SPLIT, bool R16>
+__device__ __forceinline__ void attn_tc_body(ATC_PARAMS, const u16* __restrict__ rows16) {
     constexpr int QW = HD / 4;      // columns per warp
     constexpr int KS = QW / 16;     // k-steps of the S product
     constexpr int NT = QW / 8;      // n-tiles of O
@@ -104,7 +109,9 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
     constexpr int F4 = QW / 4;      // float4 per row quarter
     constexpr int ITEMS = ATC_R * F4 / 32;
     constexpr int BATCH = ITEMS < 16 ? ITEMS : 16;
-    static_assert(QW % 16 == 0 && ITEMS % BATCH == 0, "head width a multiple of 64");
+    constexpr int E8 = QW / 8;      // 16-byte chunks (8 halves) per f16 row quarter
+    constexpr int ITEMS16 = ATC_R * E8 / 32;
+    static_assert(QW % 16 == 0 && ITEMS % BATCH == 0 && ITEMS16 >= 1, "head width a multiple of 64");
     __shared__ __align__(16) u16 kv_s[4][ATC_R * LD]; // per warp: the tile's rows, its columns, f16
     __shared__ float sp_s[4][16][32];                  // per warp: partial S fragments [value][lane]
     __shared__ float rot_s[ATC_MAXROT][2];             // cos, sin of the RoPE pairs at t
@@ -150,15 +157,39 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
     u16* kw = kv_s[w];
     for (long long j0 = 0; j0 < ncand; j0 += ATC_R) {
         // Lane r: candidate j0 + r (pointer halves for the loaders), valid bits of the tile.
-        const float* myrow = j0 + lane < ncand
-                                 ? atc_row(j0 + lane, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, HD, win)
-                                 : (const float*)0;
+        const void* myrow;
+        if constexpr (R16) {
+            const size_t nk = (size_t)gridDim.y * HD; // rows16: ring, kv, compressed
+            const u16* r16 = (const u16*)rows16;
+            myrow = j0 + lane < ncand ? atc_row<u16>(j0 + lane, t0, first, nwin, nsel, seli, r16 + (size_t)win * HD,
+                                                     r16, raw_pos, r16 + (size_t)win * HD + nk, HD, win)
+                                      : (const u16*)0;
+        } else {
+            myrow = j0 + lane < ncand
+                        ? atc_row<float>(j0 + lane, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, HD, win)
+                        : (const float*)0;
+        }
         const u32 valid = __ballot_sync(0xffffffffu, myrow != 0);
         const unsigned long long pr = (unsigned long long)myrow;
         const u32 plo = (u32)pr, phi = (u32)(pr >> 32);
-        // This warp's quarter of the 32 rows, f32 -> f16 (zeros for absent rows).
+        if constexpr (R16) { // this warp's quarter of the 32 rows, 16 bytes a lane (zeros for absent rows)
+            uint4 v[ITEMS16];
 #pragma unroll
-        for (int b0 = 0; b0 < ITEMS; b0 += BATCH) {
+            for (int b = 0; b < ITEMS16; b++) {
+                const int k = b * 32 + lane, r = k / E8, e8 = k % E8;
+                const u32 lo = __shfl_sync(0xffffffffu, plo, r), hi = __shfl_sync(0xffffffffu, phi, r);
+                const u16* row = (const u16*)(((unsigned long long)hi << 32) | lo);
+                v[b] = row ? ((const uint4*)(row + c0))[e8] : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int b = 0; b < ITEMS16; b++) {
+                const int k = b * 32 + lane, r = k / E8, e8 = k % E8;
+                *(uint4*)(kw + r * LD + 8 * e8) = v[b];
+            }
+        }
+        // Else this warp's quarter of the 32 rows, f32 -> f16 (zeros for absent rows).
+#pragma unroll
+        for (int b0 = 0; b0 < (R16 ? 0 : ITEMS); b0 += BATCH) {
             float4 v[BATCH];
 #pragma unroll
             for (int b = 0; b < BATCH; b++) {
@@ -308,9 +339,28 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
         }
     }
 }
-#define ATC_BODY(HD, SPLIT) attn_tc_body<HD, SPLIT>(ATC_ARGS);
+#define ATC_BODY(HD, SPLIT) attn_tc_body<HD, SPLIT, false>(ATC_ARGS, (const u16*)0);
+#define ATC_BODY16(HD, SPLIT) attn_tc_body<HD, SPLIT, true>(ATC_ARGS, rows16);
+
+// f16 copies (round to nearest even, as the kernel's own conversion) of the rows attn_tc<hd>r*
+// reads: dst = [raw (nraw4 float4) | kv (nkv4) | comp (the rest of total4)]; grid-stride, float4 a
+// thread.
+__device__ __forceinline__ void atc_rows_body(const float* __restrict__ raw, const float* __restrict__ kv,
+                                              const float* __restrict__ comp, u16* __restrict__ dst, long long nraw4,
+                                              long long nkv4, long long total4) {
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total4;
+         k += (long long)gridDim.x * blockDim.x) {
+        const float4 v = k < nraw4         ? ((const float4*)raw)[k]
+                         : k < nraw4 + nkv4 ? ((const float4*)kv)[k - nraw4]
+                                            : ((const float4*)comp)[k - nraw4 - nkv4];
+        ((uint2*)dst)[k] = make_uint2(atc_pack(v.x, v.y), atc_pack(v.z, v.w));
+    }
+}
+#define ATC_ROWS_BODY atc_rows_body(raw, kv, comp, dst, nraw4, nkv4, total4);
 #else
 #define ATC_BODY(HD, SPLIT)
+#define ATC_BODY16(HD, SPLIT)
+#define ATC_ROWS_BODY
 #endif
 
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], kv [n, hd], out [n, heads, hd];
@@ -320,298 +370,13 @@ DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS) { ds4_pdl_enter(); AT
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(512, false) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, false) }
-
-// ---------------------------------------------------------------------------------------------
-// Wide form (attn_tcw*): CTA = one token × 32 heads, 8 warps, so each candidate row is loaded
-// and converted once per 32 heads (twice per token at 64 heads, not four times). Warp w: head
-// tile mg = w / 4 (heads h0 + 16·mg + [0, 16)), column quarter cq = w % 4; its S partial, the
-// sum of the four quarters (same order: q0 + q1, + q2, + q3), softmax, P and O products are the
-// 16-head form's, so the outputs are the same bits. What changes is the tile: all 256 threads
-// load it together (item k = b·256 + tid: row k / (hd/4), float4 k % (hd/4) of the row; a warp
-// reads 512 contiguous bytes at hd 512) into registers, and the next tile's loads are issued
-// before this tile's products (in flight across them; one CTA a SM, 48 KB static shared).
-#define ATW_MG 2             // m16 head tiles per CTA
-#define ATW_T (128 * ATW_MG) // threads: 4 column quarters × ATW_MG head tiles, one warp each
-
-#if ATC_HAVE_MMA
-// Offset (halves) of row r, column c (a multiple of 4) in one column quarter of the tile.
-// Quarters of >= 64 columns: rows unpadded (the 48 KB budget), 16-byte chunks XOR-swizzled by
-// r % 8 (the 8 rows an ldmatrix reads hit 8 distinct bank quads); narrower: rows padded by 8.
-template <int QW> __device__ __forceinline__ int atw_off(int r, int c) {
-    if constexpr (QW >= 64) {
-        return r * QW + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7));
-    } else {
-        return r * (QW + 8) + c;
-    }
-}
-
-// Tile j0 of R rows: lane r < R's candidate j0 + r (pointer halves for the loaders); returns the
-// valid bits.
-template <int R> __device__ __forceinline__ u32 atw_ptrs(long long j0, long long ncand, long long t0, long long first, int nwin,
-                                        int nsel, const int* seli, const float* kv, const float* raw,
-                                        const int* raw_pos, const float* comp, int hd, int win, int lane, u32& plo,
-                                        u32& phi) {
-    const float* myrow =
-        lane < R && j0 + lane < ncand ? atc_row(j0 + lane, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win)
-                          : (const float*)0;
-    const unsigned long long pr = (unsigned long long)myrow;
-    plo = (u32)pr;
-    phi = (u32)(pr >> 32);
-    return __ballot_sync(0xffffffffu, myrow != 0);
-}
-
-// This thread's items of the tile whose row pointers are (plo, phi) (zeros for absent rows).
-template <int HD, int B0, int B1> __device__ __forceinline__ void atw_load(float4* v, u32 plo, u32 phi, int tid) {
-#pragma unroll
-    for (int b = B0; b < B1; b++) {
-        const int k = b * ATW_T + tid, r = k / (HD / 4), e = k % (HD / 4);
-        const u32 lo = __shfl_sync(0xffffffffu, plo, r), hi = __shfl_sync(0xffffffffu, phi, r);
-        const float* row = (const float*)(((unsigned long long)hi << 32) | lo);
-        v[b] = row ? ((const float4*)row)[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-}
-
-// R: rows per tile (16 or 32); PF: items of the next tile loaded before this tile's products
-// (-1: all, 0: none; the rest are loaded when the tile is stored); DB: two tile buffers (tile j
-// in buffer j % 2: its stores only wait for the readers of tile j − 2, so no barrier at the end
-// of the loop; sp_s is rewritten after the next tile's first barrier, which every reader passed).
-template <int HD, bool SPLIT, int R, int PF, bool DB>
-__device__ __forceinline__ void attn_tcw_body(ATC_PARAMS) {
-    constexpr int QW = HD / 4;                          // columns per warp
-    constexpr int KS = QW / 16;                         // k-steps of the S product
-    constexpr int NT = QW / 8;                          // n-tiles of O
-    constexpr int F4 = QW / 4;                          // float4 per row quarter
-    constexpr int QS = R * (QW >= 64 ? QW : QW + 8);     // halves per column quarter
-    constexpr int ITEMS = R * HD / 4 / ATW_T;           // float4 of a tile per thread
-    constexpr int SN = R / 8;                           // n-tiles of S (8 rows each)
-    constexpr int NPF = PF < 0 ? ITEMS : PF;           // items prefetched
-    static_assert(QW % 16 == 0 && ITEMS * ATW_T == R * HD / 4 && R % 16 == 0 && R <= 32 && NPF <= ITEMS, "head width a multiple of 64");
-    __shared__ __align__(16) u16 kv_s[(DB ? 2 : 1) * 4 * QS]; // the tile, f16, by column quarter
-    __shared__ float sp_s[ATW_MG][4][SN * 4][32];   // partial S [head tile][quarter][value][lane]
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, mg = w >> 2, cq = w & 3;
-    const int g = lane >> 2, tq = lane & 3;
-    const int h0 = blockIdx.x * 16 * ATW_MG + 16 * mg, i = blockIdx.y;
-    const long long t = t0 + i;
-    const long long first = t + 1 > win ? t + 1 - win : 0;
-    const int nwin = (int)(t - first + 1);
-    const int nsel = sel ? top_k : 0;
-    const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
-    const long long ncand = nwin + nsel + ncomp;
-    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
-    const int c0 = cq * QW;
-    // The first tile's loads, then this thread's RoPE pair (as ds4_rope_pair: f64 angle mod 2π,
-    // f32 sin/cos, negated sin; to shared after the loop) and the Q fragments under them.
-    float4 v[ITEMS];
-    u32 plo, phi;
-    u32 valid = atw_ptrs<R>(0, ncand, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, HD, win, lane, plo, phi);
-    atw_load<HD, 0, NPF>(v, plo, phi, tid);
-    float rc = 0.0f, rs = 0.0f;
-    if (tid < n_rot / 2) {
-        double theta = fmod((double)t * freqs[tid], 6.283185307179586);
-        rc = (float)cos(theta);
-        rs = -(float)sin(theta);
-    }
-    u32 qh[KS][4], ql[KS][4];
-    {
-        const int ha = h0 + g, hb = h0 + g + 8;
-        const float* qa = q + ((size_t)i * heads + ha) * HD + c0 + 2 * tq;
-        const float* qb = q + ((size_t)i * heads + hb) * HD + c0 + 2 * tq;
-#pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-            float2 z2 = make_float2(0.0f, 0.0f);
-            float2 a0 = ha < heads ? *(const float2*)(qa + 16 * ks) : z2;
-            float2 a1 = hb < heads ? *(const float2*)(qb + 16 * ks) : z2;
-            float2 a2 = ha < heads ? *(const float2*)(qa + 16 * ks + 8) : z2;
-            float2 a3 = hb < heads ? *(const float2*)(qb + 16 * ks + 8) : z2;
-            atc_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
-            atc_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
-            atc_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
-            atc_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
-        }
-    }
-    float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    float m[2] = {DS4_NEG_INF, DS4_NEG_INF}, z[2] = {0.0f, 0.0f}; // heads g, g+8; z: this lane's part
-    int buf = 0; // DB: this tile's buffer, halves
-    for (long long j0 = 0; j0 < ncand; j0 += R) {
-        u16* kb = kv_s + buf;
-        const u16* kw = kb + cq * QS;
-        // The tile to shared memory as f16 (the previous tile's readers passed the loop's end).
-        atw_load<HD, NPF, ITEMS>(v, plo, phi, tid);
-#pragma unroll
-        for (int b = 0; b < ITEMS; b++) {
-            const int k = b * ATW_T + tid, r = k / (HD / 4), e = k % (HD / 4);
-            uint2 h2 = make_uint2(atc_pack(v[b].x, v[b].y), atc_pack(v[b].z, v[b].w));
-            *(uint2*)(kb + (e / F4) * QS + atw_off<QW>(r, 4 * (e % F4))) = h2;
-        }
-        __syncthreads();
-        // The next tile's loads (CTA-uniform branch), consumed at the next iteration's stores.
-        u32 vnext = 0;
-        if (j0 + R < ncand) {
-            vnext = atw_ptrs<R>(j0 + R, ncand, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, HD, win, lane,
-                             plo, phi);
-            atw_load<HD, 0, NPF>(v, plo, phi, tid);
-        }
-        // Partial S: SN n-tiles of 8 rows; ldmatrix.x4 gives b0,b1 of two n-tiles for one k-step.
-        float s[SN][4];
-#pragma unroll
-        for (int n = 0; n < SN; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-#pragma unroll
-            for (int np = 0; np < SN / 2; np++) {
-                u32 b[4];
-                const int mi = lane >> 3, rr = lane & 7;
-                atc_ldm4(b, kw + atw_off<QW>(16 * np + rr + 8 * (mi >> 1), 16 * ks + 8 * (mi & 1)));
-                atc_mma(s[2 * np], qh[ks], b[0], b[1]);
-                atc_mma(s[2 * np + 1], qh[ks], b[2], b[3]);
-                if (SPLIT) {
-                    atc_mma(s[2 * np], ql[ks], b[0], b[1]);
-                    atc_mma(s[2 * np + 1], ql[ks], b[2], b[3]);
-                }
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < SN; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) sp_s[mg][cq][n * 4 + c][lane] = s[n][c];
-        __syncthreads();
-#pragma unroll
-        for (int n = 0; n < SN; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int v = n * 4 + c;
-                float a = sp_s[mg][0][v][lane] + sp_s[mg][1][v][lane];
-                a += sp_s[mg][2][v][lane];
-                a += sp_s[mg][3][v][lane];
-                const int row = 8 * n + 2 * tq + (c & 1);
-                s[n][c] = (valid >> row) & 1u ? a * scale : DS4_NEG_INF;
-            }
-        // Online softmax per head (a head's R scores sit in the 4 lanes of a quad).
-        float cf[2];
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            float mx = m[u];
-#pragma unroll
-            for (int n = 0; n < SN; n++) mx = fmaxf(mx, fmaxf(s[n][2 * u], s[n][2 * u + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            cf[u] = m[u] == mx ? 1.0f : expf(m[u] - mx); // also −inf == −inf
-            m[u] = mx;
-        }
-        u32 ph[SN / 2][4], pl[SN / 2][4]; // A fragments of P for the k-steps (rows 0..15, 16..31)
-        float zs[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int n = 0; n < SN; n++) {
-            float p[4];
-#pragma unroll
-            for (int c = 0; c < 4; c++) p[c] = s[n][c] == DS4_NEG_INF ? 0.0f : expf(s[n][c] - m[c >> 1]);
-            u32 h01, l01, h23, l23;
-            atc_split(p[0], p[1], h01, l01);
-            atc_split(p[2], p[3], h23, l23);
-            if (SPLIT) {
-                zs[0] += p[0] + p[1];
-                zs[1] += p[2] + p[3];
-            } else { // the weights the product uses
-                zs[0] += ds4_h2f_fast(h01 & 0xffffu) + ds4_h2f_fast(h01 >> 16);
-                zs[1] += ds4_h2f_fast(h23 & 0xffffu) + ds4_h2f_fast(h23 >> 16);
-            }
-            // n-tile n covers k (tile rows) 8n..8n+7: k-step n/2, low (a0,a1) or high (a2,a3) half.
-            ph[n >> 1][2 * (n & 1)] = h01;
-            ph[n >> 1][2 * (n & 1) + 1] = h23;
-            pl[n >> 1][2 * (n & 1)] = l01;
-            pl[n >> 1][2 * (n & 1) + 1] = l23;
-        }
-#pragma unroll
-        for (int u = 0; u < 2; u++) z[u] = z[u] * cf[u] + zs[u];
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            acc[n][0] *= cf[0];
-            acc[n][1] *= cf[0];
-            acc[n][2] *= cf[1];
-            acc[n][3] *= cf[1];
-        }
-        // O += P · V: ldmatrix.x4.trans gives b0,b1 of two n-tiles (16 columns) for one k-step.
-#pragma unroll
-        for (int kk = 0; kk < SN / 2; kk++) {
-#pragma unroll
-            for (int np = 0; np < NT / 2; np++) {
-                u32 b[4];
-                const int mi = lane >> 3, rr = lane & 7;
-                atc_ldm4t(b, kw + atw_off<QW>(16 * kk + rr + 8 * (mi & 1), 16 * np + 8 * (mi >> 1)));
-                atc_mma(acc[2 * np], ph[kk], b[0], b[1]);
-                atc_mma(acc[2 * np + 1], ph[kk], b[2], b[3]);
-                if (SPLIT) {
-                    atc_mma(acc[2 * np], pl[kk], b[0], b[1]);
-                    atc_mma(acc[2 * np + 1], pl[kk], b[2], b[3]);
-                }
-            }
-        }
-        valid = vnext;
-        if (DB) {
-            buf ^= 4 * QS;
-        } else {
-            __syncthreads(); // kv_s and sp_s are free for the next tile
-        }
-    }
-    if (DB) __syncthreads(); // every warp's last sp_s read
-    // The RoPE factors into sp_s (free after the loop): cos, sin of pair p at [p][0], [p][1].
-    float(*rot_s)[2] = (float(*)[2])&sp_s[0][0][0][0];
-    if (tid < n_rot / 2) {
-        rot_s[tid][0] = rc;
-        rot_s[tid][1] = rs;
-    }
-    __syncthreads();
-    // out = acc·e^{m−M} / (e^{sink−M} + z·e^{m−M}), M = max(sink, m); then the inverse RoPE.
-    float f[2];
-#pragma unroll
-    for (int u = 0; u < 2; u++) {
-        float zz = z[u];
-        zz += __shfl_xor_sync(0xffffffffu, zz, 1);
-        zz += __shfl_xor_sync(0xffffffffu, zz, 2);
-        const int h = h0 + g + 8 * u;
-        const float sink = h < heads ? sinks[h] : 0.0f;
-        const float M = fmaxf(sink, m[u]);
-        const float wm = m[u] == DS4_NEG_INF ? 0.0f : expf(m[u] - M);
-        f[u] = wm / (expf(sink - M) + zz * wm);
-    }
-    const int rot0 = HD - n_rot;
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        const int col = c0 + 8 * n + 2 * tq;
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int h = h0 + g + 8 * u;
-            float a = acc[n][2 * u] * f[u], b = acc[n][2 * u + 1] * f[u];
-            if (col >= rot0) {
-                const int p = (col - rot0) >> 1;
-                const float c = rot_s[p][0], sn = rot_s[p][1];
-                const float a2 = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, sn));
-                b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, c));
-                a = a2;
-            }
-            if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * HD + col) = make_float2(a, b);
-        }
-    }
-}
-#define ATW_BODY(HD, SPLIT, R, PF, DB) attn_tcw_body<HD, SPLIT, R, PF, DB>(ATC_ARGS);
-#else
-#define ATW_BODY(HD, SPLIT, R, PF, DB)
-#endif
-
-// grid (ceil(heads / 32), n), blockDim 256; otherwise as attn_tc<hd>[h]_f32 (same outputs).
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw512_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(512, true, 16, -1, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw512h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(512, false, 16, -1, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw64_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(64, true, 16, -1, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw64h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(64, false, 16, -1, false) }
-// A/B only (DS4_GPU_ATTN_TCW=...): 32-row tiles, prefetch all / half / none; 16 rows, none; 16
-// rows, all, two tile buffers.
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw512a_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(512, true, 32, -1, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw512b_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(512, true, 32, 8, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw512c_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(512, true, 32, 0, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw512d_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(512, true, 16, 0, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tcw512e_f32(ATC_PARAMS) { ds4_pdl_enter(); ATW_BODY(512, true, 16, -1, true) }
+// attn_tc<hd>r[h]_f32: the same reading f16 rows16 (atc_rows_f16); kv, raw and comp unused.
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512r_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(512, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512rh_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(512, false) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64r_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(64, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64rh_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(64, false) }
+// grid-stride (any grid), blockDim 256; rows 16-byte aligned, hd a multiple of 4.
+DS4_KERNEL void DS4_BOUNDS(256) atc_rows_f16(const float* __restrict__ raw, const float* __restrict__ kv, const float* __restrict__ comp, u16* __restrict__ dst, long long nraw4, long long nkv4, long long total4) { ds4_pdl_enter(); ATC_ROWS_BODY }
 
 // ---------------------------------------------------------------------------------------------
 // Lightning-indexer scores on tensor cores (prefill and decode): the contract and the bits of

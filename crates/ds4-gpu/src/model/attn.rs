@@ -102,34 +102,20 @@ static TC_MODE: AtomicU8 = AtomicU8::new(0);
 const ATC_HG: usize = 16;
 const ATC_MAXROT: usize = 128;
 
-/// Heads per CTA of the wide form `attn_tcw*` (`16·ATW_MG`).
-const ATW_HG: usize = 32;
-/// Form of the tensor-core prefill kernel (`DS4_GPU_ATTN_TCW`): 0 not yet read, 1 the 16-head
-/// `attn_tc*` (default), 2 the 32-head `attn_tcw*` (`wide`: 16-row tiles, next tile prefetched),
-/// 3..7 A/B forms `a`..`e` (hd 512, split only). Measured: none faster than the default
-/// (bench/results/gpu-attn-t12-h200.txt).
-static TCW_FORM: AtomicU8 = AtomicU8::new(0);
-const TCW_OLD: u8 = 1;
+/// Rows of the tensor-core prefill kernel (`DS4_GPU_ATTN_TCROWS`): 0 not yet read, 1 f32 (the
+/// kernel converts each row it loads, `f32`), 2 f16 copies made once a call by `atc_rows_f16`
+/// (default: half the bytes a row load; the same bits).
+static TC_ROWS: AtomicU8 = AtomicU8::new(0);
 
-fn tcw_form() -> u8 {
-    if TCW_FORM.load(Ordering::Relaxed) == 0 {
-        let f = std::env::var("DS4_GPU_ATTN_TCW").unwrap_or_default();
-        let _ = TCW_FORM.compare_exchange(0, tcw_code(&f), Ordering::Relaxed, Ordering::Relaxed);
+fn tc_rows16() -> bool {
+    if TC_ROWS.load(Ordering::Relaxed) == 0 {
+        let m = match std::env::var("DS4_GPU_ATTN_TCROWS").as_deref() {
+            Ok("f32") => 1,
+            _ => 2,
+        };
+        let _ = TC_ROWS.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
     }
-    TCW_FORM.load(Ordering::Relaxed)
-}
-
-fn tcw_code(f: &str) -> u8 {
-    match f {
-        "old" => TCW_OLD,
-        "a" => 3,
-        "b" => 4,
-        "c" => 5,
-        "d" => 6,
-        "e" => 7,
-        "wide" => 2,
-        _ => TCW_OLD,
-    }
+    TC_ROWS.load(Ordering::Relaxed) == 2
 }
 
 fn tc_mode() -> u8 {
@@ -255,11 +241,10 @@ impl GpuBackend {
         );
     }
 
-    /// Form of the tensor-core prefill kernel, process-wide, overrides `DS4_GPU_ATTN_TCW`:
-    /// `wide` the 32-head `attn_tcw*`, `a`..`e` its A/B forms, anything else the 16-head
-    /// `attn_tc*` (default).
-    pub fn set_attn_tcw(form: &str) {
-        TCW_FORM.store(tcw_code(form), Ordering::Relaxed);
+    /// Rows of the tensor-core prefill kernel, process-wide, overrides `DS4_GPU_ATTN_TCROWS`:
+    /// f16 copies made once a call (`true`, default) or f32 rows converted at each load.
+    pub fn set_attn_tc_rows16(on: bool) {
+        TC_ROWS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     fn attn_invalid(&self, msg: String) {
@@ -822,35 +807,53 @@ impl GpuBackend {
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        let fast = tc_mode() == 3;
-        let form = tcw_form();
-        let name = match (form, hd, fast) {
-            (TCW_OLD, 512, false) => "attn_tc512_f32",
-            (TCW_OLD, 512, true) => "attn_tc512h_f32",
-            (TCW_OLD, _, false) => "attn_tc64_f32",
-            (TCW_OLD, _, true) => "attn_tc64h_f32",
-            (3, 512, false) => "attn_tcw512a_f32",
-            (4, 512, false) => "attn_tcw512b_f32",
-            (5, 512, false) => "attn_tcw512c_f32",
-            (6, 512, false) => "attn_tcw512d_f32",
-            (7, 512, false) => "attn_tcw512e_f32",
-            (_, 512, false) => "attn_tcw512_f32",
-            (_, 512, true) => "attn_tcw512h_f32",
-            (_, _, false) => "attn_tcw64_f32",
-            (_, _, true) => "attn_tcw64h_f32",
+        let rows16 = tc_rows16();
+        let name = match (hd, tc_mode() == 3, rows16) {
+            (512, false, false) => "attn_tc512_f32",
+            (512, true, false) => "attn_tc512h_f32",
+            (_, false, false) => "attn_tc64_f32",
+            (_, true, false) => "attn_tc64h_f32",
+            (512, false, true) => "attn_tc512r_f32",
+            (512, true, true) => "attn_tc512rh_f32",
+            (_, false, true) => "attn_tc64r_f32",
+            (_, true, true) => "attn_tc64rh_f32",
         };
-        // Old form: CTA = 16 heads × 1 token, 4 warps; wide: 32 heads, 8 warps.
-        let (hg, threads) = if form == TCW_OLD {
-            (ATC_HG, 128)
+        // f16 copies of every row a token may read: [ring (win) | this chunk's kv (n) | the
+        // compressed rows visible to the chunk's last token]; the scratch outlives the launches
+        // (stream order).
+        let ncomp = if comp.0 != 0 && spec.ratio > 0 {
+            (t0 + n) / spec.ratio
         } else {
-            (ATW_HG, 256)
+            0
         };
+        let total4 = (win + n + ncomp) * hd / 4;
+        let rows = rows16.then(|| self.scratch(total4 * 2));
+        if let Some(rows) = &rows {
+            self.run(
+                &ATTN_TC,
+                "atc_rows_f16",
+                LaunchDims {
+                    grid: [total4.div_ceil(256).min(4096) as u32, 1, 1],
+                    block: [256, 1, 1],
+                    shared_bytes: 0,
+                },
+                &[
+                    Arg::Ptr(st.raw.ptr()),
+                    Arg::Ptr(kv.ptr),
+                    Arg::Ptr(comp),
+                    Arg::Ptr(rows.ptr),
+                    Arg::I64((win * hd / 4) as i64),
+                    Arg::I64((n * hd / 4) as i64),
+                    Arg::I64(total4 as i64),
+                ],
+            );
+        }
         self.run(
             &ATTN_TC,
             name,
             LaunchDims {
-                grid: [nh.div_ceil(hg) as u32, n as u32, 1],
-                block: [threads, 1, 1],
+                grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
+                block: [128, 1, 1],
                 shared_bytes: 0,
             },
             &[
@@ -867,6 +870,7 @@ impl GpuBackend {
                     Arg::I32(spec.n_rot as i32),
                     Arg::F32(scale),
                 ],
+                rows.as_ref().map(|r| Arg::Ptr(r.ptr)).as_slice(), // attn_tc<hd>r*: rows16
             ]
             .concat(),
         );
