@@ -646,6 +646,28 @@ pub trait Backend: Send + Sync + Sized {
         self.norm_rope(a, n, heads_a, width, w_a, eps, n_rot, t0, kind, round_a);
         self.norm_rope(b, n, heads_b, width, w_b, eps, n_rot, t0, kind, round_b);
     }
+
+    /// The MoE router: `logits = router·z` ([`Backend::matmul`], `Part::All`; `[n, n_expert]`),
+    /// then [`Backend::moe_route`] of those logits into `sel`, `wgt`. The GPU runs both in one
+    /// launch at n = 1 (same logits, selections and weights as the two calls). Default: the two
+    /// calls.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_route(
+        &self,
+        spec: &MoeSpec,
+        router: &Self::Weight,
+        z: &Self::Buf,
+        n: usize,
+        logits: &mut Self::Buf,
+        bias: Option<&Self::Weight>,
+        tid2eid: Option<&Self::Weight>,
+        tokens: &Self::IBuf,
+        sel: &mut Self::IBuf,
+        wgt: &mut Self::Buf,
+    ) {
+        self.matmul(router, Part::All, z, n, logits);
+        self.moe_route(spec, logits, bias, tid2eid, tokens, n, sel, wgt);
+    }
 }
 
 /// [`Backend::hc_pre_norm`] as separate ops: copy, rms_norm, matmul, hc_split, rms_norm.

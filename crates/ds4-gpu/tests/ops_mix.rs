@@ -850,3 +850,148 @@ fn norm_rope_pair_matches_two_calls() {
         }
     });
 }
+
+/// matmul_route (at n = 1 with an F16 router of 128 rows or more: one mvq_route_f16 launch, or
+/// mvq_route2_f16 with `v2`; the product's CTAs, then the route in the last CTA) against the two
+/// GPU calls (matmul, moe_route) bit for bit (logits, selections, weights), and the CPU: its
+/// moe_route of the same logits (selections exactly, weights to TOL) and its matmul_route's logits
+/// (F16 products: 1e-4 of the largest). Top k and hash layers; n = 2, 16 experts (the product
+/// takes another kernel), a Q8_0 router, the simple forms and `DS4_GPU_ROUTE=off` run the two
+/// calls. Each case routes twice, so the second launch finds the ticket the first reset.
+#[test]
+fn matmul_route_matches_two_calls() {
+    let Some((cpu, gpu)) = setup() else { return };
+    both_forms(|form| {
+        let mut r = rng(12);
+        // (experts, used, columns, router type)
+        for (ne, k, d, ty) in [
+            (256usize, 6usize, 4096usize, GgmlType::F16),
+            (16, 6, 256, GgmlType::F16),
+            (1024, 16, 512, GgmlType::F16),
+            (256, 8, 4096, GgmlType::Q8_0),
+        ] {
+            let spec = MoeSpec {
+                n_expert: ne,
+                n_used: k,
+                d,
+                ff: 256,
+                weight_scale: 1.5,
+                clamp: 10.0,
+            };
+            let vocab = 64;
+            let tab: Vec<i32> = (0..vocab * k).map(|_| r.gen_range(0..ne as i32)).collect();
+            let bias = randn(&mut r, ne, 0.1);
+            let f = file(&[
+                (
+                    "router",
+                    ty,
+                    vec![d as u64, ne as u64],
+                    table_bytes(&mut r, ty, ne, d),
+                ),
+                (
+                    "tid2eid",
+                    GgmlType::I32,
+                    vec![k as u64, vocab as u64],
+                    tab.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ),
+                ("bias", GgmlType::F32, vec![ne as u64], f32_bytes(&bias)),
+            ]);
+            let (rc, rg) = (
+                cpu.matrix(&src(&f, "router")).unwrap(),
+                gpu.matrix(&src(&f, "router")).unwrap(),
+            );
+            let (tc, tg) = (
+                cpu.table(&src(&f, "tid2eid")).unwrap(),
+                gpu.table(&src(&f, "tid2eid")).unwrap(),
+            );
+            let (bc, bg) = (
+                cpu.vector(&src(&f, "bias")).unwrap(),
+                gpu.vector(&src(&f, "bias")).unwrap(),
+            );
+            for (route, n, hash) in ["on", "v2", "off"].into_iter().flat_map(|f| {
+                [
+                    (f, 1usize, false),
+                    (f, 1, true),
+                    (f, 2, false),
+                    (f, 2, true),
+                ]
+            }) {
+                GpuBackend::set_route_form(route);
+                let z = randn(&mut r, n * d, 1.0);
+                let toks: Vec<i32> = (0..n).map(|_| r.gen_range(0..vocab as i32)).collect();
+                let (zg, tokg) = (gpu.upload(&z), gpu.upload_i32(&toks));
+                let (bgs, tgs) = if hash {
+                    (None, Some(&tg))
+                } else {
+                    (Some(&bg), None)
+                };
+                let before = GpuBackend::route_fused_launches();
+                let mut fused = Vec::new();
+                for _ in 0..2 {
+                    let mut lg = gpu.alloc(n * ne);
+                    let (mut sg, mut wtg) = (gpu.alloc_i32(n * k), gpu.alloc(n * k));
+                    gpu.matmul_route(
+                        &spec, &rg, &zg, n, &mut lg, bgs, tgs, &tokg, &mut sg, &mut wtg,
+                    );
+                    fused.push((
+                        gpu.download(&lg, n * ne),
+                        gpu.download_i32(&sg, n * k),
+                        gpu.download(&wtg, n * k),
+                    ));
+                }
+                let runs = GpuBackend::route_fused_launches() - before;
+                let mut lg = gpu.alloc(n * ne);
+                gpu.matmul(&rg, Part::All, &zg, n, &mut lg);
+                let (mut sg, mut wtg) = (gpu.alloc_i32(n * k), gpu.alloc(n * k));
+                gpu.moe_route(&spec, &lg, bgs, tgs, &tokg, n, &mut sg, &mut wtg);
+                let (lg2, sg2, wg2) = (
+                    gpu.download(&lg, n * ne),
+                    gpu.download_i32(&sg, n * k),
+                    gpu.download(&wtg, n * k),
+                );
+                gpu_ok(&gpu, "matmul_route");
+                let case = format!(
+                        "matmul_route {form} {route} n {n} {k} of {ne} experts over {d} {ty:?} hash {hash}"
+                    );
+                let fuses = ty == GgmlType::F16 && ne >= 128 && route != "off";
+                let want = if n == 1 && fuses && form != "simple" {
+                    2
+                } else {
+                    0
+                };
+                assert_eq!(runs, want, "{case}: fused launches");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for (i, (lg1, sg1, wg1)) in fused.iter().enumerate() {
+                    assert!(bits(lg1) == bits(&lg2), "{case} call {i}: logits differ");
+                    assert_eq!(sg1, &sg2, "{case} call {i}: selections differ");
+                    assert!(bits(wg1) == bits(&wg2), "{case} call {i}: weights differ");
+                }
+                // The CPU's route of the GPU's logits, and the CPU's own logits.
+                let (bcs, tcs) = if hash {
+                    (None, Some(&tc))
+                } else {
+                    (Some(&bc), None)
+                };
+                let (mut sc, mut wc) = (cpu.alloc_i32(n * k), cpu.alloc(n * k));
+                cpu.moe_route(&spec, &lg2, bcs, tcs, &toks, n, &mut sc, &mut wc);
+                assert_eq!(sg2, sc, "{case}: selections differ from the CPU");
+                assert_close(&format!("{case}: weights"), &wg2, &wc, TOL);
+                let mut lc = cpu.alloc(n * ne);
+                let (mut sc2, mut wc2) = (cpu.alloc_i32(n * k), cpu.alloc(n * k));
+                cpu.matmul_route(
+                    &spec, &rc, &z, n, &mut lc, bcs, tcs, &toks, &mut sc2, &mut wc2,
+                );
+                let scale = lc.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let err = lc
+                    .iter()
+                    .zip(&lg2)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    err <= 1e-4 * scale,
+                    "{case}: logits {err} from the CPU's (max {scale})"
+                );
+            }
+        }
+    });
+    GpuBackend::set_route_form("on");
+}

@@ -19,6 +19,8 @@
 // the CPU up to f32 rounding of the sums.
 #include "prelude.cuh"
 #include "dequant.cuh"
+// route.cuh: ds4_route_token (mvq_route_f16's last CTA; shared with model.cu moe_route_fast)
+#include "route.cuh"
 
 #define MV_WARPS 8
 #define MV_THREADS (MV_WARPS * DS4_WARP)
@@ -842,7 +844,9 @@ __device__ __forceinline__ void mvr_cta(const u8* __restrict__ Q, const u16* __r
 }
 
 // One CTA (index bx) of y[r] = W[r] . x, W rows of row_bytes (GGUF blocks or F16), r < rows.
-template <int T, int R, int U>
+// LATE (a kernel started with DS4_PDL_LATE): ds4_pdl_enter() after the warp's first round of
+// weight loads (x is read after it); the same sums either way.
+template <int T, int R, int U, bool LATE = false>
 __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
                                         int rows, int cols, long long row_bytes, int kspl, int bx) {
     __shared__ float red[MV_WARPS * R];
@@ -851,6 +855,7 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    bool wait = LATE; // ds4_pdl_enter() still to come
     if (r0 < rows) { // warp-uniform
         const u8* rp[R];
 #pragma unroll
@@ -865,6 +870,10 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
 #pragma unroll
                     for (int i = 0; i < R; i++) raw[u][i].load(rp[i], c, q);
             }
+            if (LATE && wait) {
+                ds4_pdl_enter();
+                wait = false;
+            }
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 int c = c0 + u * stride + lane / 4;
@@ -877,6 +886,7 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
             }
         }
     }
+    if (LATE && wait) ds4_pdl_enter();
     float a2[R][1];
 #pragma unroll
     for (int i = 0; i < R; i++) a2[i][0] = acc[i];
@@ -910,6 +920,43 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LAT
 
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_F16) }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_Q8_0) }
+
+// Decode router (n = 1): logits y = W·x as mvq_r2u4_f16 (the same CTAs, kspl and per-lane order of
+// the sums: the same bits), the weights' first loads before the PDL wait; then the last CTA to
+// finish (arrival ticket: the CTA's stores, a barrier, thread 0's fence and ticket, as fused.cu
+// fl_hc) routes the token as moe_route_fast (ds4_route_token, the logits read through L2) into
+// sel [k], wgt [k]. rows = the experts (<= DS4_ROUTE_MAX_E), k <= DS4_ROUTE_MAX_K <= DS4_WARP;
+// bias (top k) or tid2eid + tok (hash layers). *ticket is 0 between launches: the last CTA resets
+// it (graph replays too). V2 (mvq_route2_f16): acq_rel ticket fences and redux.sync warp maxima
+// (sm_80+; the same results).
+template <bool V2>
+__device__ __forceinline__ void mvq_route_body(const u8* __restrict__ W, const float* __restrict__ x, float* y, int rows, int cols,
+                                               long long row_bytes, int kspl, const float* __restrict__ bias,
+                                               const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel,
+                                               float* __restrict__ wgt, int k, float weight_scale, u32* ticket) {
+    __shared__ int last_s;
+    mvq_cta<T_F16, 2, 4, true>(W, x, y, rows, cols, row_bytes, kspl, blockIdx.x);
+    __syncthreads(); // every logit store of this CTA precedes thread 0's fence
+    if (threadIdx.x == 0) {
+        ds4_ticket_fence<V2>(); // release: the logits are visible device-wide before the ticket
+        const bool l = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        if (l) ds4_ticket_fence<V2>(); // acquire: the other CTAs' logits are read after it
+        last_s = l;
+    }
+    __syncthreads();
+    if (!last_s) return;
+    if (threadIdx.x == 0) *ticket = 0u; // ready for the next launch
+    ds4_route_token<true, V2>(y, bias, tid2eid, tok, sel, wgt, rows, k, weight_scale);
+}
+
+#define MVQ_ROUTE_PARAMS                                                                                               \
+    const u8 *__restrict__ W, const float *__restrict__ x, float *y, int rows, int cols, long long row_bytes, int kspl, \
+        const float *__restrict__ bias, const int *__restrict__ tid2eid, const int *__restrict__ tok,                   \
+        int *__restrict__ sel, float *__restrict__ wgt, int k, float weight_scale, u32 *ticket
+#define MVQ_ROUTE_ARGS W, x, y, rows, cols, row_bytes, kspl, bias, tid2eid, tok, sel, wgt, k, weight_scale, ticket
+// (DS4_PDL_LATE: mvq_cta<LATE> waits after the first round of weight loads.)
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16(MVQ_ROUTE_PARAMS) { DS4_PDL_LATE; mvq_route_body<false>(MVQ_ROUTE_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route2_f16(MVQ_ROUTE_PARAMS) { DS4_PDL_LATE; mvq_route_body<true>(MVQ_ROUTE_ARGS); }
 
 __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu,
                                            const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h,

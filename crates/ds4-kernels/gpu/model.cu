@@ -5,10 +5,10 @@
 #include "prelude.cuh"
 // hc.cuh: ds4_expf_cr, ds4_log1pf_cr, ds4_sigmoid, hc_sinkhorn_thread (shared with fused.cu)
 #include "hc.cuh"
+// route.cuh: ds4_total_key, ds4_shfl_from, ds4_route_token (shared with matvec.cu), DS4_ROUTE_MAX_*
+#include "route.cuh"
 
 #define DS4_HC_MAX 16        // most hyper-connection streams N supported
-#define DS4_ROUTE_MAX_E 1024 // most experts the router supports
-#define DS4_ROUTE_MAX_K 32   // most experts used per token
 
 // Element k of a weight row of type ty (0 f32, 1 f16, 2 bf16, 3 q8_0), as ds4-quant dequantises it.
 __device__ __forceinline__ float ds4_row_elem(const u8* __restrict__ row, int k, int ty) {
@@ -126,12 +126,6 @@ DS4_KERNEL void DS4_BOUNDS(256) hc_post(float* __restrict__ x, const float* __re
     }
 }
 
-// f32 -> i32 whose signed order is Rust's f32::total_cmp order.
-__device__ __forceinline__ int ds4_total_key(float f) {
-    int i = __float_as_int(f);
-    return i ^ (int)(((u32)(i >> 31)) >> 1);
-}
-
 // Router, one token per CTA. logits [n, ne]; p_e = sqrt(softplus(logit_e)). Experts: tid2eid[tok*k ..]
 // when given (hash layers), else the top k of p_e + bias_e by total order, ties to the lower id,
 // in descending order (each expert's rank = how many experts beat it). sel [n, k] i32, wgt [n, k].
@@ -177,12 +171,6 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_route(const float* __restrict__ logits, cons
 }
 
 // ---- Latency forms for decode (the kernels above stay as the DS4_GPU_MIX=simple fallback). ----
-
-// v from lane src of this warp: an indexed shuffle spelled as a butterfly whose mask differs per
-// lane (lane ^ (lane ^ src) = src). src < DS4_WARP; every lane of the warp must call it.
-__device__ __forceinline__ float ds4_shfl_from(float v, int src) {
-    return ds4_shfl_xor(v, (int)(threadIdx.x % DS4_WARP) ^ src);
-}
 
 // Columns part of hc_split_fast: z[k4] (float4) = sum_i pre_i X[i][k4] for one token, NM >= N.
 // Every lane of the warp must enter (pre is computed on lanes < N and broadcast by shuffles).
@@ -352,69 +340,12 @@ DS4_KERNEL void DS4_BOUNDS(256) hc_post_fast(float* __restrict__ x, const float*
     }
 }
 
-// sqrt(softplus(v)), as moe_route computes p_e.
-__device__ __forceinline__ float ds4_route_p(float v) {
-    float sp = v > 20.0f ? v : ds4_log1pf_cr(ds4_expf_cr(v));
-    return sqrtf(sp);
-}
-
-// Weights of one token's k experts: lane j < k holds expert e and its p_e (slot j). Every lane
-// of the warp must enter. Sum serial in slot order like the CPU.
-__device__ __forceinline__ void ds4_route_finish(float pe, int e, int* __restrict__ sel_t, float* __restrict__ wgt_t, int k, float weight_scale) {
-    const int lane = threadIdx.x % DS4_WARP;
-    float s = 0.0f;
-    for (int j = 0; j < k; j++) s += ds4_shfl_from(pe, j);
-    const float denom = fmaxf(s, 6.103515625e-05f); // 2^-14
-    if (lane < k) {
-        sel_t[lane] = e;
-        wgt_t[lane] = pe / denom * weight_scale;
-    }
-}
-
-// Router, latency form; same outputs as moe_route. One CTA per token: all threads compute p_e and
-// the packed key (total-order key, then ~e so that ties go to the lower id) into shared memory,
-// then warp 0 takes the k largest in k rounds of a warp max (round j: the largest key below the
-// previous round's). Hash layers use warp 0 only. k <= DS4_ROUTE_MAX_K <= DS4_WARP.
+// Router, latency form; same outputs as moe_route. One CTA per token: ds4_route_token (route.cuh;
+// top k by warp 0). k <= DS4_ROUTE_MAX_K <= DS4_WARP.
 DS4_KERNEL void DS4_BOUNDS(256) moe_route_fast(const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ tid2eid, const int* __restrict__ tokens, int* __restrict__ sel, float* __restrict__ wgt, int ne, int k, float weight_scale) {
     ds4_pdl_enter();
-    __shared__ float p[DS4_ROUTE_MAX_E];
-    __shared__ u64 key[DS4_ROUTE_MAX_E];
-    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % DS4_WARP;
-    const float* lg = logits + (size_t)t * ne;
-    int* sel_t = sel + (size_t)t * k;
-    float* wgt_t = wgt + (size_t)t * k;
-    if (tid2eid) { // hash layer: slot j = tid2eid[tok][j], on lane j
-        if (tid >= DS4_WARP) return;
-        const int e = lane < k ? tid2eid[(size_t)tokens[t] * k + lane] : 0;
-        const float pe = lane < k ? ds4_route_p(lg[e]) : 0.0f;
-        ds4_route_finish(pe, e, sel_t, wgt_t, k, weight_scale);
-        return;
-    }
-    for (int e = tid; e < ne; e += blockDim.x) {
-        const float pe = ds4_route_p(lg[e]);
-        p[e] = pe;
-        const u32 hi = (u32)ds4_total_key(pe + bias[e]) ^ 0x80000000u; // signed -> unsigned order
-        key[e] = ((u64)hi << 32) | (u64)(~(u32)e);                      // never 0: ~e != 0
-    }
-    __syncthreads();
-    if (tid >= DS4_WARP) return;
-    u64 prev = 0;
-    int mine = 0;
-    for (int j = 0; j < k; j++) {
-        u64 best = 0; // keys are distinct, so "below the previous" skips exactly the taken ones
-        for (int e = lane; e < ne; e += DS4_WARP) {
-            const u64 v = key[e];
-            if ((j == 0 || v < prev) && v > best) best = v;
-        }
-#pragma unroll
-        for (int o = DS4_WARP / 2; o > 0; o >>= 1) {
-            const u64 other = ds4_shfl_xor(best, o);
-            best = other > best ? other : best;
-        }
-        prev = best;
-        if (lane == j) mine = (int)~(u32)best;
-    }
-    ds4_route_finish(lane < k ? p[mine] : 0.0f, mine, sel_t, wgt_t, k, weight_scale);
+    const int t = blockIdx.x;
+    ds4_route_token<false>(logits + (size_t)t * ne, bias, tid2eid, tokens + t, sel + (size_t)t * k, wgt + (size_t)t * k, ne, k, weight_scale);
 }
 
 // ---- Glue forms (default; DS4_GPU_MIX=fast keeps the latency forms above): N <= 4 Sinkhorn in

@@ -21,6 +21,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("iq2xxs_grid.cuh", include_str!("../gpu/iq2xxs_grid.cuh")),
     ("dequant.cuh", include_str!("../gpu/dequant.cuh")),
     ("hc.cuh", include_str!("../gpu/hc.cuh")),
+    ("route.cuh", include_str!("../gpu/route.cuh")),
 ];
 
 /// Weight types with `dequant_<t>` and `matvec_<t>` kernels in [`QUANT`], by kernel suffix.

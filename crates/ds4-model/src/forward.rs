@@ -834,16 +834,18 @@ impl<B: Backend> Model<B> {
             clamp: l.clamp,
         };
         let mut logits = b.alloc(n * spec.n_expert);
-        b.matmul(&l.router, Part::All, z, n, &mut logits);
         let mut sel = b.alloc_i32(n * spec.n_used);
         let mut wgt = b.alloc(n * spec.n_used);
-        b.moe_route(
+        // The router's product and the route: one launch on the GPU at n = 1.
+        b.matmul_route(
             &spec,
-            &logits,
+            &l.router,
+            z,
+            n,
+            &mut logits,
             l.bias.as_ref(),
             l.tid2eid.as_ref(),
             tok,
-            n,
             &mut sel,
             &mut wgt,
         );

@@ -632,23 +632,20 @@ impl GpuBackend {
         );
     }
 
-    /// One n = 1 product by `mvq_*` (Q8_0, F16), or false when off, declined or another type.
-    /// Strides as in `mv_launch` (bytes for w_z, elements for x_z and y_z).
+    /// The `mvq` form (index into MVQ_FORMS, from 1) and column ranges for an n = 1 product of
+    /// `ty`, or None where `mvq` declines it (off, another type, alignment).
     #[allow(clippy::too_many_arguments)]
-    fn mvq(
+    fn mvq_pick(
         &self,
         ty: GgmlType,
         w: DevPtr,
         w_z: usize,
         x: &GpuBuf,
-        x_z: usize,
-        y: DevPtr,
-        y_z: usize,
         rows: usize,
         cols: usize,
         rb: usize,
         zs: usize,
-    ) -> bool {
+    ) -> Option<(u8, usize)> {
         MVQ_ENV.call_once(|| {
             if let Ok(v) = std::env::var("DS4_GPU_MVQ") {
                 let f = match v.as_str() {
@@ -666,11 +663,6 @@ impl GpuBackend {
                 SPLIT.store(v == "on", Ordering::Relaxed);
             }
         });
-        let sfx = match ty {
-            GgmlType::Q8_0 => "q8_0",
-            GgmlType::F16 => "f16",
-            _ => return false,
-        };
         let sm = self.gpu.info().sm_count as usize;
         let splits = if SPLIT.load(Ordering::Relaxed) {
             mvq_splits(ty, rows, cols, zs, sm)
@@ -692,8 +684,57 @@ impl GpuBackend {
             || !w_z.is_multiple_of(align)
             || self.failed()
         {
-            return false;
+            return None;
         }
+        Some((form, splits))
+    }
+
+    /// Launch dims and kspl of `mvq_r2u4_f16` when `mv_matmul` runs `y = w·x` at n = 1
+    /// (`Part::All`) as that one launch, else None. The fused router (mix.rs `op_matmul_route`)
+    /// runs the same CTAs, so its logits are the same bits.
+    pub(crate) fn mvq_r2u4_f16_plan(
+        &self,
+        w: &GpuWeight,
+        x: &GpuBuf,
+    ) -> Option<(LaunchDims, usize)> {
+        let (p, _, cols, rows, rb) = mat(w)?;
+        let GpuWeight::Mat {
+            ty: GgmlType::F16,
+            dec: None,
+            ..
+        } = w
+        else {
+            return None;
+        };
+        let pick = self.mvq_pick(GgmlType::F16, p, 0, x, rows, cols, rb, 1)?;
+        (pick == (1, 1)).then(|| self.mv_dims(rows, MVQ_FORMS[0].1, 1, 1, cols))
+    }
+
+    /// One n = 1 product by `mvq_*` (Q8_0, F16), or false when off, declined or another type.
+    /// Strides as in `mv_launch` (bytes for w_z, elements for x_z and y_z).
+    #[allow(clippy::too_many_arguments)]
+    fn mvq(
+        &self,
+        ty: GgmlType,
+        w: DevPtr,
+        w_z: usize,
+        x: &GpuBuf,
+        x_z: usize,
+        y: DevPtr,
+        y_z: usize,
+        rows: usize,
+        cols: usize,
+        rb: usize,
+        zs: usize,
+    ) -> bool {
+        let sfx = match ty {
+            GgmlType::Q8_0 => "q8_0",
+            GgmlType::F16 => "f16",
+            _ => return false,
+        };
+        let Some((form, splits)) = self.mvq_pick(ty, w, w_z, x, rows, cols, rb, zs) else {
+            return false;
+        };
         let (name, r) = MVQ_FORMS[form as usize - 1];
         if splits > 1 {
             // Range j: columns j·cs.. of every row (w_z = cs·2 bytes, x_z = cs), partial j at

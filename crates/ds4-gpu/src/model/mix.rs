@@ -13,7 +13,7 @@ use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, HcDims, MoeSpec, RopeKind, RowRounding};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// Most hyper-connection streams the `hc_*` kernels take (`DS4_HC_MAX` in model.cu).
 const HC_MAX: usize = 16;
@@ -216,6 +216,27 @@ fn nrpair_on() -> bool {
     env_code(&NRPAIR, "DS4_GPU_NRPAIR", on_unless_off) == 1
 }
 
+/// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
+/// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches), 3 `v2`
+/// (`mvq_route2_f16`: acq_rel ticket fences, redux.sync warp maxima) (process-wide).
+static ROUTE: AtomicU8 = AtomicU8::new(0);
+
+/// The matmul_route form (`DS4_GPU_ROUTE=off|0|v2`, else on; read once, or
+/// [`GpuBackend::set_route_form`]).
+fn route_form() -> u8 {
+    env_code(&ROUTE, "DS4_GPU_ROUTE", |v| match v {
+        Some("v2") => 3,
+        v => on_unless_off(v),
+    })
+}
+
+/// `mvq_route_f16` launches so far, process-wide ([`GpuBackend::route_fused_launches`]).
+static ROUTE_RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// `mvq_route_f16`'s arrival counter in `GpuBackend::tickets` (after decode attention's two).
+pub(crate) const ROUTE_TICKET: usize = super::attn::AO_TICKET + 2;
+const _: () = assert!(ROUTE_TICKET < super::TICKET_WORDS);
+
 /// float4 loads are safe at this address.
 fn al16(p: DevPtr) -> bool {
     p.0.is_multiple_of(16)
@@ -225,6 +246,24 @@ impl GpuBackend {
     /// Use the simple glue kernels (true) or the default (fast) forms (false). Process-wide.
     pub fn set_mix_simple(on: bool) {
         Self::set_mix_form(if on { "simple" } else { "fast" });
+    }
+
+    /// Fused router launches (`mvq_route_f16`: Backend::matmul_route at n = 1) by every backend
+    /// of the process so far; tests check with it that the fused form ran.
+    pub fn route_fused_launches() -> u64 {
+        ROUTE_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default), "off" or
+    /// "v2" (overrides the variable). Process-wide; for tests.
+    pub fn set_route_form(form: &str) {
+        let m = match form {
+            "on" => 1,
+            "off" => 2,
+            "v2" => 3,
+            _ => panic!("set_route_form: unknown form {form:?} (on, off, v2)"),
+        };
+        ROUTE.store(m, Ordering::Relaxed);
     }
 
     /// Select the glue kernel form by its `DS4_GPU_MIX` name: "fast" (the default), "glue" or
@@ -1105,6 +1144,85 @@ impl GpuBackend {
                 Arg::F32(spec.weight_scale),
             ],
         );
+    }
+
+    /// The router's product and the route of one token in one `mvq_route_f16` launch (the
+    /// product's CTAs as `mvq_r2u4_f16`, then the last CTA routes as `moe_route_fast`: the same
+    /// logits, selections and weights as the two launches), or false (nothing run) where the
+    /// two launches would not take those kernels, or with `DS4_GPU_ROUTE=off`. `v2`:
+    /// `mvq_route2_f16` (the same results).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn op_route_fused(
+        &self,
+        spec: &MoeSpec,
+        router: &GpuWeight,
+        z: &GpuBuf,
+        logits: &mut GpuBuf,
+        bias: Option<&GpuWeight>,
+        tid2eid: Option<&GpuWeight>,
+        tokens: &GpuIBuf,
+        sel: &mut GpuIBuf,
+        wgt: &mut GpuBuf,
+    ) -> bool {
+        let (ne, k) = (spec.n_expert, spec.n_used);
+        let GpuWeight::Mat { rows, .. } = router else {
+            return false;
+        };
+        let form = route_form();
+        if form == 2
+            || mix_simple()
+            || *rows != ne
+            || ne > ROUTE_MAX_E
+            || k == 0
+            || k > ROUTE_MAX_K.min(self.warp() as usize)
+            || k > ne
+            || (tid2eid.is_none() && bias.is_none())
+            || self.failed()
+        {
+            return false;
+        }
+        let Some((dims, kspl)) = self.mvq_r2u4_f16_plan(router, z) else {
+            return false;
+        };
+        let (bias, tab) = match tid2eid {
+            Some(t) => (Arg::Null, Arg::Ptr(t.ptr())),
+            None => (Arg::Ptr(bias.map(|b| b.ptr()).unwrap()), Arg::Null),
+        };
+        let GpuWeight::Mat {
+            cols, row_bytes, ..
+        } = router
+        else {
+            return false;
+        };
+        let ticket = self.tickets.ptr().offset((ROUTE_TICKET * 4) as u64);
+        ROUTE_RUNS.fetch_add(1, Ordering::Relaxed);
+        self.run(
+            &ds4_kernels::MATVEC,
+            if form == 3 {
+                "mvq_route2_f16"
+            } else {
+                "mvq_route_f16"
+            },
+            dims,
+            &[
+                Arg::Ptr(router.ptr()),
+                Arg::Ptr(z.ptr),
+                Arg::Ptr(logits.ptr),
+                Arg::I32(ne as i32),
+                Arg::I32(*cols as i32),
+                Arg::I64(*row_bytes as i64),
+                Arg::I32(kspl as i32),
+                bias,
+                tab,
+                Arg::Ptr(tokens.0.ptr),
+                Arg::Ptr(sel.0.ptr),
+                Arg::Ptr(wgt.ptr),
+                Arg::I32(k as i32),
+                Arg::F32(spec.weight_scale),
+                Arg::Ptr(ticket),
+            ],
+        );
+        true
     }
 
     fn hc_ok(&self, hc: &HcDims) -> bool {

@@ -299,7 +299,8 @@ pub struct GpuBackend {
     graph: Mutex<GraphState>,
     /// Arrival counters of the kernels that finish in their last CTA, zero between launches
     /// (`TICKET_WORDS` u32 words): words below `mix::FUSE_TICKETS` the fused HC (by token),
-    /// `attn::AO_TICKET` and the next word decode attention.
+    /// `attn::AO_TICKET` and the next word decode attention, `mix::ROUTE_TICKET` the fused
+    /// router.
     pub(crate) tickets: DeviceBuffer,
     /// Vendor BLAS-Lt state for dense prefill products (blas.rs), opened on first use.
     pub(crate) blas: blas::BlasSlot,
@@ -1433,6 +1434,30 @@ impl Backend for GpuBackend {
         let _p = self.prof(|| "moe_route".to_string());
 
         self.op_moe_route(spec, logits, bias, tid2eid, tokens, n, sel, wgt)
+    }
+
+    fn matmul_route(
+        &self,
+        spec: &MoeSpec,
+        router: &GpuWeight,
+        z: &GpuBuf,
+        n: usize,
+        logits: &mut GpuBuf,
+        bias: Option<&GpuWeight>,
+        tid2eid: Option<&GpuWeight>,
+        tokens: &GpuIBuf,
+        sel: &mut GpuIBuf,
+        wgt: &mut GpuBuf,
+    ) {
+        // n = 1: one launch where mix.rs takes it, else the two calls.
+        if n == 1 && self.product_width_ok(router) && !self.failed() {
+            let _p = self.prof(|| "matmul_route n=1".to_string());
+            if self.op_route_fused(spec, router, z, logits, bias, tid2eid, tokens, sel, wgt) {
+                return;
+            }
+        }
+        self.matmul(router, Part::All, z, n, logits);
+        self.moe_route(spec, logits, bias, tid2eid, tokens, n, sel, wgt);
     }
 
     fn moe_experts(
