@@ -8,7 +8,8 @@
 //! summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by expert on the device
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
-//! Prompts run in chunks of `prefill_chunk()` tokens (16384: MoE weights read once per chunk).
+//! Prompts run in chunks of `prefill_chunk()` tokens (16384 where memory allows: MoE weights read
+//! once per chunk).
 //! The MoE's IQ2_XXS gate/up (the q2 mix) take `gemmc_iq2_xxs` on CUDA sm_80+: z split into
 //! bf16 hi/lo once per product (`gemm_xb_f32`; `DS4_GPU_GEMM_XB=0`: the bf16 hi/lo form
 //! `gemm_iq2_xxs`, split per CTA), weights g * sign exact in bf16 (two mma per tile, the chunk
@@ -50,14 +51,15 @@ const BM_WIDE: usize = 128;
 const BN: usize = 128;
 /// Fewest token rows the GEMM takes (decode, n ≤ 4, belongs to matvec.rs).
 const MIN_N: usize = 5;
-/// Tokens per prompt step on the GPU (`Backend::prefill_chunk`); `DS4_GPU_PREFILL_CHUNK`
-/// overrides it.
-pub(crate) fn prefill_chunk() -> usize {
+/// Tokens per prompt step on the GPU (`Backend::prefill_chunk`): `DS4_GPU_PREFILL_CHUNK` (read at
+/// every call, so a test can switch it), else `auto` (the backend's [`auto_chunk`], fixed at its
+/// first prompt).
+pub(crate) fn prefill_chunk(auto: impl FnOnce() -> usize) -> usize {
     std::env::var("DS4_GPU_PREFILL_CHUNK")
         .ok()
         .and_then(|v| v.parse().ok())
         .filter(|&c: &usize| c > 0)
-        .unwrap_or(DEFAULT_CHUNK)
+        .unwrap_or_else(auto)
 }
 
 /// Default prompt step (tokens). H200: 512 -> 747 tok/s, 2048 -> 990-1096, 4096 -> 1105-1311
@@ -66,6 +68,27 @@ pub(crate) fn prefill_chunk() -> usize {
 /// bench/results/gpu-gemm-e12-h200.txt). Scratch grows with it: ~2 GB at 4096 (MoE: 3 × pairs × ff
 /// and pairs × d f32), ~8 GB at 16384 (1M context on the H200: ~102 of 139 GiB with the q2 weights).
 const DEFAULT_CHUNK: usize = 16384;
+/// Smallest step [`auto_chunk`] picks (the old default's neighbourhood: ~1,000 tok/s at 2048).
+const MIN_AUTO_CHUNK: usize = 2048;
+/// Scratch a prompt step holds per token, an upper estimate for the full-size model (~8 GB at
+/// 16384 tokens: the MoE's gate/up/h rows of 6 pairs a token, attention's 64-head rows, the dense
+/// products' split operands).
+const SCRATCH_PER_TOKEN: u64 = 512 << 10;
+
+/// The largest power-of-two step from [`DEFAULT_CHUNK`] down to [`MIN_AUTO_CHUNK`] whose scratch
+/// takes at most half of `free` (the other half stays for session state, which grows with the
+/// context: 13.5 GiB at 1M). The H200 with the q2 weights (~57 GiB free) gets 16384; a 94 GiB
+/// card (~12 GiB free) 8192. Unknown free memory: the default.
+pub(crate) fn auto_chunk(free: Option<u64>) -> usize {
+    let Some(free) = free else {
+        return DEFAULT_CHUNK;
+    };
+    let mut c = DEFAULT_CHUNK;
+    while c > MIN_AUTO_CHUNK && c as u64 * SCRATCH_PER_TOKEN > free / 2 {
+        c /= 2;
+    }
+    c
+}
 
 /// Most experts the grouping kernels take (`GM_MAXE` in gemm.cu).
 const MAX_EXPERTS: usize = 1024;
@@ -1079,5 +1102,42 @@ impl GpuBackend {
             ],
         );
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_chunk_keeps_half_of_free_memory_for_session_state() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(auto_chunk(None), DEFAULT_CHUNK);
+        // H200 after the q2 weights: ~57 GiB free.
+        assert_eq!(auto_chunk(Some(57 * GIB)), 16384);
+        // 16384 tokens need 8 GiB: 16 GiB free is the edge, just below it halves the step.
+        assert_eq!(auto_chunk(Some(16 * GIB)), 16384);
+        assert_eq!(auto_chunk(Some(16 * GIB - 1)), 8192);
+        // A 94 GiB card with the q2 weights (~12 GiB free).
+        assert_eq!(auto_chunk(Some(12 * GIB)), 8192);
+        assert_eq!(auto_chunk(Some(5 * GIB)), 4096);
+        // Never below the floor, even with almost nothing free.
+        assert_eq!(auto_chunk(Some(GIB)), MIN_AUTO_CHUNK);
+        assert_eq!(auto_chunk(Some(0)), MIN_AUTO_CHUNK);
+        for f in [0, GIB, 3 * GIB, 20 * GIB, 200 * GIB] {
+            let c = auto_chunk(Some(f));
+            assert!(c.is_power_of_two() && (MIN_AUTO_CHUNK..=DEFAULT_CHUNK).contains(&c));
+        }
+    }
+
+    #[test]
+    fn env_override_wins_over_the_automatic_step() {
+        // The only test that sets this variable (tests of one binary share the environment).
+        std::env::set_var("DS4_GPU_PREFILL_CHUNK", "777");
+        assert_eq!(prefill_chunk(|| 4096), 777);
+        std::env::set_var("DS4_GPU_PREFILL_CHUNK", "0"); // not a step: ignored
+        assert_eq!(prefill_chunk(|| 4096), 4096);
+        std::env::remove_var("DS4_GPU_PREFILL_CHUNK");
+        assert_eq!(prefill_chunk(|| 8192), 8192);
     }
 }

@@ -307,6 +307,9 @@ pub struct GpuBackend {
     /// The step position in device memory ([`StepPos`]); None where it could not be set up
     /// (positions are then kernel arguments).
     step: Mutex<Option<StepPos>>,
+    /// Tokens per prompt step chosen from the free memory at the first prompt, after the weights
+    /// are resident (gemm.rs `auto_chunk`).
+    chunk: std::sync::OnceLock<usize>,
 }
 
 /// Words of [`GpuBackend::tickets`].
@@ -384,6 +387,7 @@ impl GpuBackend {
         let step = Mutex::new(Self::step_setup(&gpu));
         Ok(GpuBackend {
             step,
+            chunk: std::sync::OnceLock::new(),
             tickets,
             blas: Default::default(),
             stream: Stream::DEFAULT,
@@ -919,7 +923,11 @@ impl Backend for GpuBackend {
     }
 
     fn prefill_chunk(&self) -> usize {
-        gemm::prefill_chunk()
+        gemm::prefill_chunk(|| {
+            *self
+                .chunk
+                .get_or_init(|| gemm::auto_chunk(self.gpu.mem_info().ok().map(|(free, _)| free)))
+        })
     }
 
     fn graph_begin(&self, n: usize) {
