@@ -851,13 +851,13 @@ fn norm_rope_pair_matches_two_calls() {
     });
 }
 
-/// matmul_route (at n = 1 with an F16 router of 128 rows or more: one mvq_route_f16 launch, or
-/// mvq_route2_f16 with `v2`; the product's CTAs, then the route in the last CTA) against the two
-/// GPU calls (matmul, moe_route) bit for bit (logits, selections, weights), and the CPU: its
-/// moe_route of the same logits (selections exactly, weights to TOL) and its matmul_route's logits
-/// (F16 products: 1e-4 of the largest). Top k and hash layers; n = 2, 16 experts (the product
-/// takes another kernel), a Q8_0 router, the simple forms and `DS4_GPU_ROUTE=off` run the two
-/// calls. Each case routes twice, so the second launch finds the ticket the first reset.
+/// matmul_route (at n = 1 with an F16 router of 128 rows or more: one mvq_route_f16 launch, the
+/// product's CTAs, then the route in the last CTA) against the two GPU calls (matmul, moe_route)
+/// bit for bit (logits, selections, weights), and the CPU: its moe_route of the same logits
+/// (selections exactly, weights to TOL) and its matmul_route's logits (F16 products: 1e-4 of the
+/// largest). Top k and hash layers; n = 2, 16 experts (the product takes another kernel), a Q8_0
+/// router, the simple forms and `DS4_GPU_ROUTE=off` run the two calls (no fused launch). Each
+/// case routes twice, so the second launch finds the ticket the first reset.
 #[test]
 fn matmul_route_matches_two_calls() {
     let Some((cpu, gpu)) = setup() else { return };
@@ -908,7 +908,7 @@ fn matmul_route_matches_two_calls() {
                 cpu.vector(&src(&f, "bias")).unwrap(),
                 gpu.vector(&src(&f, "bias")).unwrap(),
             );
-            for (route, n, hash) in ["on", "v2", "off"].into_iter().flat_map(|f| {
+            for (route, n, hash) in ["on", "off"].into_iter().flat_map(|f| {
                 [
                     (f, 1usize, false),
                     (f, 1, true),

@@ -927,36 +927,27 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_ent
 // fl_hc) routes the token as moe_route_fast (ds4_route_token, the logits read through L2) into
 // sel [k], wgt [k]. rows = the experts (<= DS4_ROUTE_MAX_E), k <= DS4_ROUTE_MAX_K <= DS4_WARP;
 // bias (top k) or tid2eid + tok (hash layers). *ticket is 0 between launches: the last CTA resets
-// it (graph replays too). V2 (mvq_route2_f16): acq_rel ticket fences and redux.sync warp maxima
-// (sm_80+; the same results).
-template <bool V2>
-__device__ __forceinline__ void mvq_route_body(const u8* __restrict__ W, const float* __restrict__ x, float* y, int rows, int cols,
-                                               long long row_bytes, int kspl, const float* __restrict__ bias,
-                                               const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel,
-                                               float* __restrict__ wgt, int k, float weight_scale, u32* ticket) {
+// it (graph replays too). (acq_rel fences and redux.sync warp maxima tied this on the H200:
+// bench/results/gpu-route-r12-h200.txt.)
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16(const u8* __restrict__ W, const float* __restrict__ x, float* y, int rows, int cols,
+                                                     long long row_bytes, int kspl, const float* __restrict__ bias,
+                                                     const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel,
+                                                     float* __restrict__ wgt, int k, float weight_scale, u32* ticket) {
+    DS4_PDL_LATE; // mvq_cta<LATE> waits after the first round of weight loads
     __shared__ int last_s;
     mvq_cta<T_F16, 2, 4, true>(W, x, y, rows, cols, row_bytes, kspl, blockIdx.x);
     __syncthreads(); // every logit store of this CTA precedes thread 0's fence
     if (threadIdx.x == 0) {
-        ds4_ticket_fence<V2>(); // release: the logits are visible device-wide before the ticket
+        __threadfence(); // release: the logits are visible device-wide before the ticket
         const bool l = atomicAdd(ticket, 1u) == gridDim.x - 1;
-        if (l) ds4_ticket_fence<V2>(); // acquire: the other CTAs' logits are read after it
+        if (l) __threadfence(); // acquire: the other CTAs' logits are read after it
         last_s = l;
     }
     __syncthreads();
     if (!last_s) return;
     if (threadIdx.x == 0) *ticket = 0u; // ready for the next launch
-    ds4_route_token<true, V2>(y, bias, tid2eid, tok, sel, wgt, rows, k, weight_scale);
+    ds4_route_token<true>(y, bias, tid2eid, tok, sel, wgt, rows, k, weight_scale);
 }
-
-#define MVQ_ROUTE_PARAMS                                                                                               \
-    const u8 *__restrict__ W, const float *__restrict__ x, float *y, int rows, int cols, long long row_bytes, int kspl, \
-        const float *__restrict__ bias, const int *__restrict__ tid2eid, const int *__restrict__ tok,                   \
-        int *__restrict__ sel, float *__restrict__ wgt, int k, float weight_scale, u32 *ticket
-#define MVQ_ROUTE_ARGS W, x, y, rows, cols, row_bytes, kspl, bias, tid2eid, tok, sel, wgt, k, weight_scale, ticket
-// (DS4_PDL_LATE: mvq_cta<LATE> waits after the first round of weight loads.)
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16(MVQ_ROUTE_PARAMS) { DS4_PDL_LATE; mvq_route_body<false>(MVQ_ROUTE_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route2_f16(MVQ_ROUTE_PARAMS) { DS4_PDL_LATE; mvq_route_body<true>(MVQ_ROUTE_ARGS); }
 
 __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu,
                                            const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h,

@@ -39,41 +39,6 @@ __device__ __forceinline__ void ds4_route_finish(float pe, int e, int* __restric
     }
 }
 
-// Largest u64 over the warp, on every lane; every lane must enter. RX (sm_80+): two redux.sync
-// u32 maxima, the high words then the low words of the lanes holding the top high word; else (and
-// elsewhere) a butterfly. The same value either way.
-template <bool RX> __device__ __forceinline__ u64 ds4_warp_max_u64(u64 v) {
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    if (RX) {
-        const u32 hi = (u32)(v >> 32);
-        u32 mh, ml;
-        asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(mh) : "r"(hi));
-        const u32 lo = hi == mh ? (u32)v : 0u;
-        asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(ml) : "r"(lo));
-        return ((u64)mh << 32) | ml;
-    }
-#endif
-#pragma unroll
-    for (int o = DS4_WARP / 2; o > 0; o >>= 1) {
-        const u64 other = ds4_shfl_xor(v, o);
-        v = other > v ? other : v;
-    }
-    return v;
-}
-
-// Release / acquire fence at device scope for an arrival ticket: ACQREL (CUDA sm_70+)
-// fence.acq_rel.gpu, lighter than __threadfence's fence.sc (as fused.cu fl_fence); else
-// __threadfence.
-template <bool ACQREL> __device__ __forceinline__ void ds4_ticket_fence() {
-#if defined(DS4_CUDA) && DS4_ARCH >= 700
-    if (ACQREL) {
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        return;
-    }
-#endif
-    __threadfence();
-}
-
 // Logit e: a plain load, or (CG) one through L2 for logits other CTAs of this launch stored
 // (after their fence and this CTA's ticket; CUDA ld.global.cg, HIP volatile).
 template <bool CG> __device__ __forceinline__ float ds4_route_logit(const float* lg, int e) {
@@ -92,9 +57,8 @@ template <bool CG> __device__ __forceinline__ float ds4_route_logit(const float*
 // (total-order key, then ~e so that ties go to the lower id) into shared memory, then warp 0 takes
 // the k largest in k rounds of a warp max (round j: the largest key below the previous round's).
 // Hash layers use warp 0 only. k <= DS4_ROUTE_MAX_K <= DS4_WARP, ne <= DS4_ROUTE_MAX_E. Every
-// thread of the CTA must enter (one barrier); the function is the end of the kernel. RX: the warp
-// maxima by redux.sync (ds4_warp_max_u64).
-template <bool CG, bool RX = false>
+// thread of the CTA must enter (one barrier); the function is the end of the kernel.
+template <bool CG>
 __device__ __forceinline__ void ds4_route_token(const float* lg, const float* __restrict__ bias, const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel_t, float* __restrict__ wgt_t, int ne, int k, float weight_scale) {
     __shared__ float p[DS4_ROUTE_MAX_E];
     __shared__ u64 key[DS4_ROUTE_MAX_E];
@@ -122,7 +86,11 @@ __device__ __forceinline__ void ds4_route_token(const float* lg, const float* __
             const u64 v = key[e];
             if ((j == 0 || v < prev) && v > best) best = v;
         }
-        best = ds4_warp_max_u64<RX>(best);
+#pragma unroll
+        for (int o = DS4_WARP / 2; o > 0; o >>= 1) {
+            const u64 other = ds4_shfl_xor(best, o);
+            best = other > best ? other : best;
+        }
         prev = best;
         if (lane == j) mine = (int)~(u32)best;
     }

@@ -86,7 +86,6 @@ pub const MATVEC: Module = Module {
         "mvqm_r2u4_f16",
         "mvqm_r2u4_q8_0",
         "mvq_route_f16",
-        "mvq_route2_f16",
         "mvrgu_r2u2_q8_0",
         "mvx_r4u2_q8_0",
         "mvxn_r4u2_q8_0",

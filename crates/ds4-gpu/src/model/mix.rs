@@ -217,17 +217,13 @@ fn nrpair_on() -> bool {
 }
 
 /// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
-/// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches), 3 `v2`
-/// (`mvq_route2_f16`: acq_rel ticket fences, redux.sync warp maxima) (process-wide).
+/// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches) (process-wide).
 static ROUTE: AtomicU8 = AtomicU8::new(0);
 
-/// The matmul_route form (`DS4_GPU_ROUTE=off|0|v2`, else on; read once, or
-/// [`GpuBackend::set_route_form`]).
-fn route_form() -> u8 {
-    env_code(&ROUTE, "DS4_GPU_ROUTE", |v| match v {
-        Some("v2") => 3,
-        v => on_unless_off(v),
-    })
+/// Whether matmul_route fuses its two launches (`DS4_GPU_ROUTE=off` or `0` turns it off; read
+/// once, or [`GpuBackend::set_route_form`]).
+fn route_on() -> bool {
+    env_code(&ROUTE, "DS4_GPU_ROUTE", on_unless_off) == 1
 }
 
 /// `mvq_route_f16` launches so far, process-wide ([`GpuBackend::route_fused_launches`]).
@@ -254,14 +250,13 @@ impl GpuBackend {
         ROUTE_RUNS.load(Ordering::Relaxed)
     }
 
-    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default), "off" or
-    /// "v2" (overrides the variable). Process-wide; for tests.
+    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default) or "off"
+    /// (overrides the variable). Process-wide; for tests.
     pub fn set_route_form(form: &str) {
         let m = match form {
             "on" => 1,
             "off" => 2,
-            "v2" => 3,
-            _ => panic!("set_route_form: unknown form {form:?} (on, off, v2)"),
+            _ => panic!("set_route_form: unknown form {form:?} (on, off)"),
         };
         ROUTE.store(m, Ordering::Relaxed);
     }
@@ -1149,8 +1144,7 @@ impl GpuBackend {
     /// The router's product and the route of one token in one `mvq_route_f16` launch (the
     /// product's CTAs as `mvq_r2u4_f16`, then the last CTA routes as `moe_route_fast`: the same
     /// logits, selections and weights as the two launches), or false (nothing run) where the
-    /// two launches would not take those kernels, or with `DS4_GPU_ROUTE=off`. `v2`:
-    /// `mvq_route2_f16` (the same results).
+    /// two launches would not take those kernels, or with `DS4_GPU_ROUTE=off`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_route_fused(
         &self,
@@ -1168,8 +1162,7 @@ impl GpuBackend {
         let GpuWeight::Mat { rows, .. } = router else {
             return false;
         };
-        let form = route_form();
-        if form == 2
+        if !route_on()
             || mix_simple()
             || *rows != ne
             || ne > ROUTE_MAX_E
@@ -1198,11 +1191,7 @@ impl GpuBackend {
         ROUTE_RUNS.fetch_add(1, Ordering::Relaxed);
         self.run(
             &ds4_kernels::MATVEC,
-            if form == 3 {
-                "mvq_route2_f16"
-            } else {
-                "mvq_route_f16"
-            },
+            "mvq_route_f16",
             dims,
             &[
                 Arg::Ptr(router.ptr()),
