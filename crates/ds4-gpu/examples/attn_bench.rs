@@ -4,7 +4,11 @@
 //! back between two events, as the engine launches it (PDL when on). (2) The probe
 //! (`attend_one_p`, the same body plus %globaltimer stamps), one launch at a time: when each
 //! phase ends after the first CTA's start (max over CTAs; median of the launches).
-//! Splits and chunk as `GpuBackend::attend_one` (model/attn.rs) picks them.
+//! Launched as the decode graph launches it (model/attn.rs `attend_one` with a step position):
+//! the position in a device word, chunk 0 (the kernel picks chunk and splits), a grid of the
+//! most splits (CTAs past the used splits join the barrier and the merge). Each form (kernel
+//! `attend_one_v<F>` / `attend_one_p<F>`, F the bits of the forms in gpu/attention.cu, and the
+//! default `attend_one_f32` / `attend_one_p`) twice, alternating, each with its own counters.
 
 mod common;
 
@@ -47,8 +51,6 @@ fn main() {
         gpu.info().name,
         gpu.info().arch
     );
-    let m = &ds4_kernels::ATTENTION;
-    let s = Stream::DEFAULT;
     let (e0, e1) = (rt.event_create().unwrap(), rt.event_create().unwrap());
     let mut r = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(7);
     let up = |b: &[u8]| gpu.alloc_from(b).expect("device memory");
@@ -69,6 +71,18 @@ fn main() {
         "merge done",
         "exit",
     ];
+    // (label, timed kernel, probe kernel)
+    let forms = [
+        ("v0", "attend_one_v0", "attend_one_p0"),
+        ("v4 flip", "attend_one_v4", "attend_one_p4"),
+        ("v5 +cs", "attend_one_v5", "attend_one_p5"),
+        ("all", "attend_one_f32", "attend_one_p"),
+    ];
+    println!(
+        "# columns: us/call, then phase ends (us after the first CTA's start): last CTA start, {}",
+        labels.join(", ")
+    );
+    let mut differ = false;
     for &(name, ratio, indexed, t) in &cases {
         let top_k = if indexed { TOPK } else { 0 };
         let ncomp = (t + 1).checked_div(ratio).unwrap_or(0);
@@ -78,7 +92,7 @@ fn main() {
         let splits = most.min(max_cand.div_ceil(R)).max(1);
         let chunk = max_cand.div_ceil(splits).next_multiple_of(R).max(R);
         let splits = max_cand.div_ceil(chunk).max(1);
-        let grid = per_split * splits;
+        let grid = per_split * most;
         let q = up(&bytes(&randv(&mut r, NH * HD, -0.3, 0.3), f32::to_le_bytes));
         let kv = up(&bytes(&randv(&mut r, HD, -1.0, 1.0), f32::to_le_bytes));
         let raw = up(&bytes(
@@ -109,9 +123,10 @@ fn main() {
             .collect();
         let freqs = up(&bytes(&fr, f64::to_le_bytes));
         let out = gpu.alloc(NH * HD * 4).unwrap();
-        let part_o = gpu.alloc(splits * NH * HD * 4).unwrap();
-        let part_mz = gpu.alloc(splits * NH * 2 * 4).unwrap();
-        let tk = up(&[0u8; 16]);
+        let part_o = gpu.alloc(most * NH * HD * 4).unwrap();
+        let part_mz = gpu.alloc(most * NH * 2 * 4).unwrap();
+        let tks: Vec<_> = forms.iter().map(|_| up(&[0u8; 16])).collect();
+        let pos_w = up(&(t as i64).to_le_bytes());
         let stamps = gpu.alloc(grid * NST * 8).unwrap();
         let mut args = vec![
             Arg::Ptr(q.ptr()),
@@ -133,46 +148,157 @@ fn main() {
             Arg::Ptr(out.ptr()),
             Arg::Ptr(part_o.ptr()),
             Arg::Ptr(part_mz.ptr()),
-            Arg::Ptr(tk.ptr()),
-            Arg::I64(t as i64),
+            Arg::Null, // counters: per form, below
+            Arg::I64(0),
             Arg::I32(1),
             Arg::I32(NH as i32),
             Arg::I32(HD as i32),
             Arg::I32(WIN as i32),
             Arg::I32(ratio as i32),
             Arg::I32(top_k as i32),
-            Arg::I32(chunk as i32),
-            Arg::I32(splits as i32),
+            Arg::I32(0), // chunk 0: the kernel picks chunk and splits
+            Arg::I32(most as i32),
             Arg::I32(NROT as i32),
             Arg::F32(1.0 / (HD as f32).sqrt()),
-            Arg::Null, // absolute position (no per-step block)
+            Arg::Ptr(pos_w.ptr()),
         ];
         let dims = LaunchDims::linear(grid as u32, 256);
-        let f = gpu.kernel(m, "attend_one_f32").expect("kernel");
-        for _ in 0..10 {
-            rt.launch(f, dims, s, &args).unwrap();
+        println!("{name}: {max_cand} rows, grid {grid} ({splits} splits of {chunk} used)");
+        // The output of the first form; every other form must give the same bits.
+        let mut first: Option<Vec<u8>> = None;
+        for round in 0..2 {
+            for (fi, &(label, kname, pname)) in forms.iter().enumerate() {
+                args[11] = Arg::Ptr(tks[fi].ptr());
+                let us = time_us(&gpu, kname, dims, &args, reps, (e0, e1));
+                let mut got = vec![0u8; NH * HD * 4];
+                gpu.download(out.ptr(), &mut got).unwrap();
+                match &first {
+                    None => first = Some(got),
+                    Some(f) if *f != got => {
+                        println!("  {label}: output bits differ from {}", forms[0].0);
+                        differ = true;
+                    }
+                    Some(_) => {}
+                }
+                let mut a = args.clone();
+                a.push(Arg::Ptr(stamps.ptr()));
+                let st = probe(&gpu, pname, dims, &a, grid);
+                let cols: Vec<String> = st.iter().map(|v| format!("{v:6.2}")).collect();
+                println!("  {round} {label:<10} {us:6.2} | {}", cols.join(" "));
+            }
         }
-        rt.event_record(e0, s).unwrap();
-        for _ in 0..reps {
-            rt.launch(f, dims, s, &args).unwrap();
+    }
+    // The compressor frontier at decode (compress_frontier_ip_f32 and its 32-bit form
+    // compress_frontier_ip32_f32): (r, coff, w) of the CSA / HCA / indexer compressors, one token
+    // at t0 (t0 + 1 closing a window or not). µs per call back to back; the frontier after one
+    // launch of each from the same state must have the same bits.
+    println!("# compressor frontier, one token: us/call of the 64-bit form, the 32-bit form");
+    for &(r_, coff, w, t0) in &[
+        (4usize, 2usize, 1024usize, 2047usize),
+        (4, 2, 1024, 2045),
+        (128, 1, 512, 2047),
+        (128, 1, 512, 32766),
+        (4, 2, 256, 2047),
+    ] {
+        let slots = coff * r_;
+        let a = up(&bytes(&randv(&mut r, w, -1.0, 1.0), f32::to_le_bytes));
+        let g = up(&bytes(&randv(&mut r, w, -1.0, 1.0), f32::to_le_bytes));
+        let ape = up(&bytes(&randv(&mut r, r_ * w, -1.0, 1.0), f32::to_le_bytes));
+        let fkv0 = bytes(&randv(&mut r, slots * w, -1.0, 1.0), f32::to_le_bytes);
+        let fsc0 = bytes(&randv(&mut r, slots * w, -1.0, 1.0), f32::to_le_bytes);
+        let (fkv, fsc) = (up(&fkv0), up(&fsc0));
+        let args = [
+            Arg::Ptr(a.ptr()),
+            Arg::Ptr(g.ptr()),
+            Arg::Ptr(ape.ptr()),
+            Arg::Ptr(fkv.ptr()),
+            Arg::Ptr(fsc.ptr()),
+            Arg::I64(t0 as i64),
+            Arg::I32(1),
+            Arg::I32(r_ as i32),
+            Arg::I32(coff as i32),
+            Arg::I32(w as i32),
+            Arg::I32(0), // ape f32
+            Arg::I32((w * 4) as i32),
+            Arg::Null,
+        ];
+        let dims = LaunchDims::linear((r_ * w).div_ceil(256) as u32, 256);
+        let mut res = Vec::new();
+        let mut states = Vec::new();
+        for kname in ["compress_frontier_ip_f32", "compress_frontier_ip32_f32"] {
+            gpu.upload(fkv.ptr(), &fkv0).unwrap();
+            gpu.upload(fsc.ptr(), &fsc0).unwrap();
+            let f = gpu.kernel(&ds4_kernels::ATTENTION, kname).expect("kernel");
+            rt.launch(f, dims, Stream::DEFAULT, &args).unwrap();
+            rt.synchronize().unwrap();
+            let mut st = vec![0u8; slots * w * 8];
+            gpu.download(fkv.ptr(), &mut st[..slots * w * 4]).unwrap();
+            gpu.download(fsc.ptr(), &mut st[slots * w * 4..]).unwrap();
+            states.push(st);
+            res.push(time_us(&gpu, kname, dims, &args, reps, (e0, e1)));
         }
-        rt.event_record(e1, s).unwrap();
-        rt.event_sync(e1).unwrap();
-        let us = rt.event_elapsed_ms(e0, e1).unwrap() as f64 * 1e3 / reps as f64;
+        let same = states[0] == states[1];
+        differ |= !same;
         println!(
-            "{name:<16} {max_cand} rows, grid {grid} ({splits} splits of {chunk}): {us:6.2} us/call"
+            "  r {r_} coff {coff} w {w} t0 {t0}: {:6.2} {:6.2} us/call{}",
+            res[0],
+            res[1],
+            if same { "" } else { "  (frontier bits differ)" }
         );
-        // (2) probe stamps.
-        args.push(Arg::Ptr(stamps.ptr()));
-        let p = gpu.kernel(m, "attend_one_p").expect("probe kernel");
+    }
+    rt.event_destroy(e0).unwrap();
+    rt.event_destroy(e1).unwrap();
+    if differ {
+        eprintln!("FAIL: the forms' outputs differ");
+        std::process::exit(1);
+    }
+    println!("# every form's output bits equal {}'s", forms[0].0);
+}
+
+/// µs per call of `kname`: `reps` launches back to back between two events (after 10).
+fn time_us(
+    gpu: &Gpu,
+    kname: &str,
+    dims: LaunchDims,
+    args: &[Arg],
+    reps: usize,
+    (e0, e1): (ds4_gpu::runtime::Event, ds4_gpu::runtime::Event),
+) -> f64 {
+    let rt = gpu.runtime();
+    let s = Stream::DEFAULT;
+    let f = gpu.kernel(&ds4_kernels::ATTENTION, kname).expect("kernel");
+    for _ in 0..10 {
+        rt.launch(f, dims, s, args).unwrap();
+    }
+    rt.event_record(e0, s).unwrap();
+    for _ in 0..reps {
+        rt.launch(f, dims, s, args).unwrap();
+    }
+    rt.event_record(e1, s).unwrap();
+    rt.event_sync(e1).unwrap();
+    rt.event_elapsed_ms(e0, e1).unwrap() as f64 * 1e3 / reps as f64
+}
+
+/// The probe `pname` launched one at a time: per stamp k, the latest CTA's stamp k after the
+/// first CTA's start, median over the launches (k = 0: the last CTA's start).
+fn probe(gpu: &Gpu, pname: &str, dims: LaunchDims, args: &[Arg], grid: usize) -> Vec<f64> {
+    let rt = gpu.runtime();
+    let s = Stream::DEFAULT;
+    let stamps = match args.last() {
+        Some(Arg::Ptr(p)) => *p,
+        _ => unreachable!("the stamps pointer is the last argument"),
+    };
+    let p = gpu
+        .kernel(&ds4_kernels::ATTENTION, pname)
+        .expect("probe kernel");
+    {
         let runs = 50;
         let mut rows: Vec<Vec<f64>> = vec![Vec::new(); NST];
         for _ in 0..runs {
-            rt.memset_u32_async(stamps.ptr(), 0, grid * NST * 2, s)
-                .unwrap();
-            rt.launch(p, dims, s, &args).unwrap();
+            rt.memset_u32_async(stamps, 0, grid * NST * 2, s).unwrap();
+            rt.launch(p, dims, s, args).unwrap();
             rt.synchronize().unwrap();
-            let st = read_u64(&gpu, stamps.ptr(), grid * NST);
+            let st = read_u64(gpu, stamps, grid * NST);
             let at = |c: usize, k: usize| st[c * NST + k];
             let t0 = (0..grid).map(|c| at(c, 0)).min().unwrap();
             rows[0].push(
@@ -192,11 +318,6 @@ fn main() {
             v.sort_by(|a, b| a.partial_cmp(b).unwrap());
             v[v.len() / 2]
         };
-        println!("  {:<24} {:7.2}", "last CTA start", med(&mut rows[0]));
-        for (k, l) in labels.iter().enumerate() {
-            println!("  {l:<24} {:7.2}", med(&mut rows[k + 1]));
-        }
+        rows.iter_mut().map(med).collect()
     }
-    rt.event_destroy(e0).unwrap();
-    rt.event_destroy(e1).unwrap();
 }

@@ -444,6 +444,49 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const f
     }
 }
 
+// compress_frontier_ip_f32 in 32-bit index arithmetic (positions and r·w fit in int) with the
+// fetch's divisions folded: every source of slot pair j sits at q % r == j, in window cw or cw − 1
+// (both known here), so the chunk / old-slot choice needs no division by r past T / r and t0 / r
+// (independent). Same loads, same stores, same bits.
+DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip32_f32(const float *a, const float *g, const u8 *ape, float *fkv, float *fsc, long long t0a, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    const int t0 = (int)DS4_POS(sp, t0a);
+    ds4_comp c = {a, g, ape, fkv, fsc, t0, n, r, coff, w, ape_ty, ape_row_bytes};
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= r * w) return;
+    const int j = k / w, col = k - j * w;
+    const int T = t0 + n, cw = T / r, o = T - cw * r, cw0 = t0 / r;
+    const int ib = (coff == 2 ? r + j : j) * w + col, ia = j * w + col;
+    // Source position q = win·r + j of window win (cw or cw − 1): the chunk's row q − t0, else the
+    // old frontier's slot j (B half r + j for CSA when win == cw0), as ds4_fetch.
+#define DS4_FR_FETCH(win, kvo, sco)                                                                        \
+    do {                                                                                                   \
+        const int q = (win) * r + j;                                                                       \
+        if (q >= t0) {                                                                                     \
+            kvo = a[(size_t)(q - t0) * w + col];                                                           \
+            sco = ds4_add_rn(g[(size_t)(q - t0) * w + col], ds4_ape(c, j, col));                           \
+        } else {                                                                                           \
+            const int sl = (coff == 2 && (win) == cw0) ? r + j : j;                                        \
+            kvo = fkv[(size_t)sl * w + col];                                                               \
+            sco = fsc[(size_t)sl * w + col];                                                               \
+        }                                                                                                  \
+    } while (0)
+    const int wb = j < o ? cw : cw - 1; // B / single slot's window; < 0: unchanged
+    float bkv = fkv[ib], bsc = fsc[ib], akv = 0.0f, asc = 0.0f;
+    if (wb >= 0) DS4_FR_FETCH(wb, bkv, bsc);
+    const bool wa = coff == 2 && cw >= 1;
+    if (wa) DS4_FR_FETCH(cw - 1, akv, asc);
+#undef DS4_FR_FETCH
+    if (wb >= 0) {
+        fkv[ib] = bkv;
+        fsc[ib] = bsc;
+    }
+    if (wa) {
+        fkv[ia] = akv;
+        fsc[ia] = asc;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Lightning indexer
 
@@ -1304,6 +1347,46 @@ __device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
     __syncthreads();
 }
 
+// The same barrier as cooperative groups' grid sync: one fence by the CTA's thread 0 after the
+// CTA barrier (cumulative over the CTA's stores), no sleep in the poll, and no reset: CTA 0 adds
+// 2^31 − (total − 1), the others 1, so the word's top bit flips once all have arrived and its low
+// 31 bits (0 from allocation) come back unchanged -- no exit counter, no atomic with a return
+// at the end of the kernel. Waits until the top bit differs from the one seen on arrival.
+__device__ __forceinline__ void ds4_ao_grid_flip(u32* tk, u32 total) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const u32 old = atomicAdd(tk, blockIdx.x == 0 ? 0x80000000u - (total - 1u) : 1u);
+        while (((old ^ *(volatile u32*)tk) & 0x80000000u) == 0u) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// fmod(x, 2π) for x >= 0, exactly (fmod's result is exact, so this is the same value): with n the
+// true quotient trunc(x / 2π), x − n·2π is representable and one fma gives it; x / 2π rounded may
+// be one off near an integer, which the sign / range checks correct. Instead of fmod's loop over
+// the quotient's bits. Quotients past 2^40 (n ± 1 not exact far beyond; never for RoPE angles of
+// int positions and frequencies <= 1) take fmod itself.
+__device__ __forceinline__ double ds4_mod_2pi(double x) {
+    const double y = 6.283185307179586;
+    if (!(x < 6.9e12)) return fmod(x, y); // 2^40·2π ≈ 6.9e12
+    double n = trunc(x / y);
+    double r = fma(-n, y, x);
+    while (r < 0.0) n -= 1.0, r = fma(-n, y, x);
+    while (r >= y) n += 1.0, r = fma(-n, y, x);
+    return r;
+}
+
+// Inverse RoPE of pair v by a precomputed (cos, sin): ds4_rope_pair's arithmetic, same bits.
+__device__ __forceinline__ void ds4_rope_inv_cs(float* v, float2 cs) {
+    float s = -cs.y, c = cs.x;
+    float a = v[0], b = v[1];
+    v[0] = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, s));
+    v[1] = ds4_add_rn(ds4_mul_rn(a, s), ds4_mul_rn(b, c));
+}
+
 // One reduce-scatter step over lane bit o: keep one half of the nv values, add the partner's.
 #define DS4_AO_RS(o, nv)                                                                           \
     {                                                                                              \
@@ -1348,17 +1431,41 @@ __device__ __forceinline__ u64 ds4_ao_now() {
         if (PROBE && tid == 0) stamps[(size_t)blockIdx.x * DS4_AO_NST + (k)] = ds4_ao_now();               \
     } while (0)
 
-template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
+// Forms (F, bits; measured against each other by attn_bench): DS4_AO_CS the inverse RoPE's
+// (cos, sin) per (token, pair) computed once into shared memory at kernel start (the merge's last
+// column block then does FMAs only), DS4_AO_SPREAD merge units dealt across the CTAs (unit u to
+// warp u / grid of CTA u % grid: every CTA loads a share of the partials, not the first units / 8
+// CTAs all of them), DS4_AO_FLIP ds4_ao_grid_flip for the barrier (no exit counter).
+#define DS4_AO_CS 1
+#define DS4_AO_SPREAD 2
+#define DS4_AO_FLIP 4
+#define DS4_AO_ALL 7
+#define DS4_AO_NCS 256 // (cos, sin) entries in shared memory: n · n_rot / 2 at most, else inline
+
+template <bool PROBE, int F> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
     __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
     __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
     __shared__ float m_s[DS4_AO_HG], z_s[DS4_AO_HG], cf_s[DS4_AO_HG];
     __shared__ const float* ptr_s[DS4_AO_PTRS];
     __shared__ float w_s[DS4_AO_THREADS / 32][DS4_AP_MAXSPLIT]; // combine weights per group
+    __shared__ float2 cs_s[DS4_AO_NCS];                         // (cos, sin) of token i's pair p at i·n_rot/2 + p
     const int tid = threadIdx.x, vl = tid % 32, vw = tid / 32;
     const int hd4 = hd / 4;
     const int groups = (heads + DS4_AO_HG - 1) / DS4_AO_HG;
     t0 = DS4_POS(sp, t0);
+    const int nh2 = n_rot / 2;
+    const bool use_cs = (F & DS4_AO_CS) && n * nh2 <= DS4_AO_NCS;
+    // Threads 64.. fill cs_s (ds4_rope_pair's angle, ds4_mod_2pi: fmod's value, and roundings)
+    // while 0..63 list the first row pointers (the first block skips the barrier before that).
+#define DS4_AO_FILL_CS()                                                                                   \
+    do {                                                                                                   \
+        if (use_cs)                                                                                        \
+            for (int k = tid - DS4_AO_PTRS; k >= 0 && k < n * nh2; k += DS4_AO_THREADS - DS4_AO_PTRS) {      \
+                double theta = ds4_mod_2pi((double)(t0 + k / nh2) * freqs[k % nh2]);                       \
+                cs_s[k] = make_float2((float)cos(theta), (float)sin(theta));                               \
+            }                                                                                              \
+    } while (0)
     if (chunk == 0) { // attn.rs `candidates` and `attend_one`, splits = the most
         const long long tl = t0 + n - 1;
         const long long mc = (tl + 1 < win ? tl + 1 : win) + (sel ? top_k : 0) + ((sel == 0 && ratio > 0) ? (tl + 1) / ratio : 0);
@@ -1410,10 +1517,11 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
             m_s[tid] = DS4_NEG_INF;
             z_s[tid] = 0.0f;
         }
+        DS4_AO_FILL_CS(); // after the query loads are issued
         float4 nx[DS4_AO_LD];
         for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
             const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
-            __syncthreads(); // the previous block's rows are no longer read
+            if (!(F & DS4_AO_CS) || c0 != jb) __syncthreads(); // the previous block's rows are no longer read
             if (tid < DS4_AO_PTRS)
                 ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
             __syncthreads();
@@ -1534,17 +1642,24 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
             part_mz[(base + tid) * 2] = m_s[tid];
             part_mz[(base + tid) * 2 + 1] = z_s[tid];
         }
+    } else {
+        DS4_AO_FILL_CS(); // CTAs past the used splits
     }
+#undef DS4_AO_FILL_CS
     DS4_AO_STAMP(4);
     const u32 total = gridDim.x;
-    ds4_ao_grid_sync(tk, total);
+    if (F & DS4_AO_FLIP)
+        ds4_ao_grid_flip(tk, total);
+    else
+        ds4_ao_grid_sync(tk, total);
     DS4_AO_STAMP(5);
     // Combine: 32-lane group per (token, head, 128-column block).
     {
         const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
         const long long units = (long long)n * heads * nblk;
         const size_t hstride = (size_t)heads * 2; // part_mz: split s of (i, h) at + s·heads·2
-        for (long long u = (long long)blockIdx.x * ngrp + vw; u < units; u += (long long)gridDim.x * ngrp) {
+        const long long u0 = (F & DS4_AO_SPREAD) ? (long long)vw * gridDim.x + blockIdx.x : (long long)blockIdx.x * ngrp + vw;
+        for (long long u = u0; u < units; u += (long long)gridDim.x * ngrp) {
             const int blk = (int)(u % nblk);
             const long long ih = u / nblk;
             const int h = (int)(ih % heads), i = (int)(ih / heads);
@@ -1602,13 +1717,19 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     int e = 4 * fc + 2 * j;
-                    if (e >= rot0) ds4_rope_pair(ov + 2 * j, freqs[(e - rot0) / 2], t, 1);
+                    if (e >= rot0) {
+                        if (use_cs)
+                            ds4_rope_inv_cs(ov + 2 * j, cs_s[i * nh2 + (e - rot0) / 2]);
+                        else
+                            ds4_rope_pair(ov + 2 * j, freqs[(e - rot0) / 2], t, 1);
+                    }
                 }
                 ((float4*)out)[((size_t)i * heads + h) * hd4 + fc] = make_float4(ov[0], ov[1], ov[2], ov[3]);
             }
             ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
         }
     }
+    if (PROBE) __syncthreads(); // stamp 6: every warp's units merged
     DS4_AO_STAMP(6);
     // The ring after the chunk (every CTA has read it by now).
     const int keep = n < win ? n : win;
@@ -1618,8 +1739,8 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
         for (int e = tid; e < hd; e += blockDim.x) raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
         if (tid == 0) raw_pos[t % win] = (int)t;
     }
-    // Counters back to 0 once every CTA is past the barrier.
-    if (tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
+    // Counters back to 0 once every CTA is past the barrier (ds4_ao_grid_flip needs no reset).
+    if (!(F & DS4_AO_FLIP) && tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
         tk[0] = 0u;
         tk[1] = 0u;
         __threadfence();
@@ -1627,7 +1748,22 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
     DS4_AO_STAMP(7);
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, DS4_AO_ALL>(DS4_AO_ARGS, (u64*)0); }
 
 // Probe of attend_one_f32 (crates/ds4-gpu/examples/attn_bench.rs): the same plus stamps.
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true>(DS4_AO_ARGS, stamps); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, DS4_AO_ALL>(DS4_AO_ARGS, stamps); }
+
+// A/B forms (attn_bench; DS4_GPU_AO=v<F> in the engine): attend_one_v<F> / attend_one_p<F> with
+// only the forms in F (v0: the form before them).
+#define DS4_AO_FORM(f)                                                                                    \
+    DS4_KERNEL void DS4_BOUNDS(256) attend_one_v##f(DS4_AO_PARAMS) {                                      \
+        ds4_pdl_enter();                                                                                  \
+        ds4_attend_one<false, f>(DS4_AO_ARGS, (u64*)0);                                                   \
+    }                                                                                                     \
+    DS4_KERNEL void DS4_BOUNDS(256) attend_one_p##f(DS4_AO_PARAMS, u64* stamps) {                         \
+        ds4_pdl_enter();                                                                                  \
+        ds4_attend_one<true, f>(DS4_AO_ARGS, stamps);                                                     \
+    }
+DS4_AO_FORM(0)
+DS4_AO_FORM(4)
+DS4_AO_FORM(5)
