@@ -6,9 +6,9 @@
 //! phase ends after the first CTA's start (max over CTAs; median of the launches).
 //! Launched as the decode graph launches it (model/attn.rs `attend_one` with a step position):
 //! the position in a device word, chunk 0 (the kernel picks chunk and splits), a grid of the
-//! most splits (CTAs past the used splits join the barrier and the merge). Each form (kernel
-//! `attend_one_v<F>` / `attend_one_p<F>`, F the bits of the forms in gpu/attention.cu, and the
-//! default `attend_one_f32` / `attend_one_p`) twice, alternating, each with its own counters.
+//! most splits (CTAs past the used splits join the barrier and the merge). Each form in `forms`
+//! twice, alternating, each with its own counters; every output must have the first one's bits
+//! (exit 1 if not). A/B forms go in `forms` (session 11's: bench/results/gpu-attn-a12-h200.txt).
 
 mod common;
 
@@ -72,12 +72,7 @@ fn main() {
         "exit",
     ];
     // (label, timed kernel, probe kernel)
-    let forms = [
-        ("v0", "attend_one_v0", "attend_one_p0"),
-        ("v4 flip", "attend_one_v4", "attend_one_p4"),
-        ("v5 +cs", "attend_one_v5", "attend_one_p5"),
-        ("all", "attend_one_f32", "attend_one_p"),
-    ];
+    let forms = [("default", "attend_one_f32", "attend_one_p")];
     println!(
         "# columns: us/call, then phase ends (us after the first CTA's start): last CTA start, {}",
         labels.join(", ")
@@ -164,7 +159,7 @@ fn main() {
         ];
         let dims = LaunchDims::linear(grid as u32, 256);
         println!("{name}: {max_cand} rows, grid {grid} ({splits} splits of {chunk} used)");
-        // The output of the first form; every other form must give the same bits.
+        // The first output (round 0, first form); every later one must have its bits.
         let mut first: Option<Vec<u8>> = None;
         for round in 0..2 {
             for (fi, &(label, kname, pname)) in forms.iter().enumerate() {
@@ -175,7 +170,7 @@ fn main() {
                 match &first {
                     None => first = Some(got),
                     Some(f) if *f != got => {
-                        println!("  {label}: output bits differ from {}", forms[0].0);
+                        println!("  {round} {label}: output bits differ from the first");
                         differ = true;
                     }
                     Some(_) => {}
@@ -188,71 +183,13 @@ fn main() {
             }
         }
     }
-    // The compressor frontier at decode (compress_frontier_ip_f32 and its 32-bit form
-    // compress_frontier_ip32_f32): (r, coff, w) of the CSA / HCA / indexer compressors, one token
-    // at t0 (t0 + 1 closing a window or not). µs per call back to back; the frontier after one
-    // launch of each from the same state must have the same bits.
-    println!("# compressor frontier, one token: us/call of the 64-bit form, the 32-bit form");
-    for &(r_, coff, w, t0) in &[
-        (4usize, 2usize, 1024usize, 2047usize),
-        (4, 2, 1024, 2045),
-        (128, 1, 512, 2047),
-        (128, 1, 512, 32766),
-        (4, 2, 256, 2047),
-    ] {
-        let slots = coff * r_;
-        let a = up(&bytes(&randv(&mut r, w, -1.0, 1.0), f32::to_le_bytes));
-        let g = up(&bytes(&randv(&mut r, w, -1.0, 1.0), f32::to_le_bytes));
-        let ape = up(&bytes(&randv(&mut r, r_ * w, -1.0, 1.0), f32::to_le_bytes));
-        let fkv0 = bytes(&randv(&mut r, slots * w, -1.0, 1.0), f32::to_le_bytes);
-        let fsc0 = bytes(&randv(&mut r, slots * w, -1.0, 1.0), f32::to_le_bytes);
-        let (fkv, fsc) = (up(&fkv0), up(&fsc0));
-        let args = [
-            Arg::Ptr(a.ptr()),
-            Arg::Ptr(g.ptr()),
-            Arg::Ptr(ape.ptr()),
-            Arg::Ptr(fkv.ptr()),
-            Arg::Ptr(fsc.ptr()),
-            Arg::I64(t0 as i64),
-            Arg::I32(1),
-            Arg::I32(r_ as i32),
-            Arg::I32(coff as i32),
-            Arg::I32(w as i32),
-            Arg::I32(0), // ape f32
-            Arg::I32((w * 4) as i32),
-            Arg::Null,
-        ];
-        let dims = LaunchDims::linear((r_ * w).div_ceil(256) as u32, 256);
-        let mut res = Vec::new();
-        let mut states = Vec::new();
-        for kname in ["compress_frontier_ip_f32", "compress_frontier_ip32_f32"] {
-            gpu.upload(fkv.ptr(), &fkv0).unwrap();
-            gpu.upload(fsc.ptr(), &fsc0).unwrap();
-            let f = gpu.kernel(&ds4_kernels::ATTENTION, kname).expect("kernel");
-            rt.launch(f, dims, Stream::DEFAULT, &args).unwrap();
-            rt.synchronize().unwrap();
-            let mut st = vec![0u8; slots * w * 8];
-            gpu.download(fkv.ptr(), &mut st[..slots * w * 4]).unwrap();
-            gpu.download(fsc.ptr(), &mut st[slots * w * 4..]).unwrap();
-            states.push(st);
-            res.push(time_us(&gpu, kname, dims, &args, reps, (e0, e1)));
-        }
-        let same = states[0] == states[1];
-        differ |= !same;
-        println!(
-            "  r {r_} coff {coff} w {w} t0 {t0}: {:6.2} {:6.2} us/call{}",
-            res[0],
-            res[1],
-            if same { "" } else { "  (frontier bits differ)" }
-        );
-    }
     rt.event_destroy(e0).unwrap();
     rt.event_destroy(e1).unwrap();
     if differ {
-        eprintln!("FAIL: the forms' outputs differ");
+        eprintln!("FAIL: the outputs differ");
         std::process::exit(1);
     }
-    println!("# every form's output bits equal {}'s", forms[0].0);
+    println!("# every output's bits equal the first's");
 }
 
 /// µs per call of `kname`: `reps` launches back to back between two events (after 10).

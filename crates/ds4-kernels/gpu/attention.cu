@@ -444,49 +444,6 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const f
     }
 }
 
-// compress_frontier_ip_f32 in 32-bit index arithmetic (positions and r·w fit in int) with the
-// fetch's divisions folded: every source of slot pair j sits at q % r == j, in window cw or cw − 1
-// (both known here), so the chunk / old-slot choice needs no division by r past T / r and t0 / r
-// (independent). Same loads, same stores, same bits.
-DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip32_f32(const float *a, const float *g, const u8 *ape, float *fkv, float *fsc, long long t0a, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, const long long* __restrict__ sp) {
-    ds4_pdl_enter();
-    const int t0 = (int)DS4_POS(sp, t0a);
-    ds4_comp c = {a, g, ape, fkv, fsc, t0, n, r, coff, w, ape_ty, ape_row_bytes};
-    const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= r * w) return;
-    const int j = k / w, col = k - j * w;
-    const int T = t0 + n, cw = T / r, o = T - cw * r, cw0 = t0 / r;
-    const int ib = (coff == 2 ? r + j : j) * w + col, ia = j * w + col;
-    // Source position q = win·r + j of window win (cw or cw − 1): the chunk's row q − t0, else the
-    // old frontier's slot j (B half r + j for CSA when win == cw0), as ds4_fetch.
-#define DS4_FR_FETCH(win, kvo, sco)                                                                        \
-    do {                                                                                                   \
-        const int q = (win) * r + j;                                                                       \
-        if (q >= t0) {                                                                                     \
-            kvo = a[(size_t)(q - t0) * w + col];                                                           \
-            sco = ds4_add_rn(g[(size_t)(q - t0) * w + col], ds4_ape(c, j, col));                           \
-        } else {                                                                                           \
-            const int sl = (coff == 2 && (win) == cw0) ? r + j : j;                                        \
-            kvo = fkv[(size_t)sl * w + col];                                                               \
-            sco = fsc[(size_t)sl * w + col];                                                               \
-        }                                                                                                  \
-    } while (0)
-    const int wb = j < o ? cw : cw - 1; // B / single slot's window; < 0: unchanged
-    float bkv = fkv[ib], bsc = fsc[ib], akv = 0.0f, asc = 0.0f;
-    if (wb >= 0) DS4_FR_FETCH(wb, bkv, bsc);
-    const bool wa = coff == 2 && cw >= 1;
-    if (wa) DS4_FR_FETCH(cw - 1, akv, asc);
-#undef DS4_FR_FETCH
-    if (wb >= 0) {
-        fkv[ib] = bkv;
-        fsc[ib] = bsc;
-    }
-    if (wa) {
-        fkv[ia] = akv;
-        fsc[ia] = asc;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Lightning indexer
 
@@ -1295,10 +1252,14 @@ DS4_KERNEL void DS4_BOUNDS(256) ring_store_f32(const float* __restrict__ kv, flo
 // added in shared memory, 128 threads run the online softmax (8 lanes per head), and each group
 // accumulates p·row for its 4 heads × its columns (the same layout as its queries).
 //
-// Combine phase: one 32-lane group per (token, head, 128 columns): weights e^{m_s − M} over the
-// splits (M includes the sink), Σ w_s·o_s / (e^{sink − M} + Σ w_s·z_s), inverse RoPE of the
-// pairs in its float4s, store. CTAs b < min(n, W) then store token n − keep + b in the ring.
-// tk[0], tk[1]: arrival counters, 0 on entry and 0 again on exit (graph replays).
+// Combine phase: one 32-lane group per (token, head, 128 columns), unit u on warp u / grid of
+// CTA u % grid (every CTA loads a share of the partials: 1.3 us a call less than the first
+// units / 8 CTAs loading all of them): weights e^{m_s − M} over the splits (M includes the sink),
+// Σ w_s·o_s / (e^{sink − M} + Σ w_s·z_s), inverse RoPE of the pairs in its float4s by the
+// (cos, sin) table that threads 64.. fill at kernel start (while 0..63 list the first row
+// pointers; 1.1 us a call less than the f64 fmod / sin / cos at the end), store. CTAs b < min(n, W)
+// then store token n − keep + b in the ring. tk[0]: the barrier's arrival word (ds4_ao_grid_flip;
+// its low 31 bits 0 on entry and exit, the top bit flips each launch, graph replays included).
 
 #define DS4_AO_THREADS 256
 #define DS4_AO_HG 16 // heads per CTA
@@ -1331,27 +1292,12 @@ __device__ __forceinline__ float4 ds4_ld_l2_f4(const float4* p) {
 
 __device__ __forceinline__ float ds4_dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 
-// Every CTA arrives, then waits until all `total` have.
-__device__ __forceinline__ void ds4_ao_grid_sync(u32* tk, u32 total) {
-    __threadfence(); // this thread's partials before the CTA's arrival
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        atomicAdd(tk, 1u);
-        while (*(volatile u32*)tk < total) {
-#if defined(DS4_CUDA) && DS4_ARCH >= 700
-            __nanosleep(64);
-#endif
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-// The same barrier as cooperative groups' grid sync: one fence by the CTA's thread 0 after the
-// CTA barrier (cumulative over the CTA's stores), no sleep in the poll, and no reset: CTA 0 adds
-// 2^31 − (total − 1), the others 1, so the word's top bit flips once all have arrived and its low
-// 31 bits (0 from allocation) come back unchanged -- no exit counter, no atomic with a return
-// at the end of the kernel. Waits until the top bit differs from the one seen on arrival.
+// Every CTA arrives, then waits until all `total` have: cooperative groups' grid barrier. One
+// fence by the CTA's thread 0 after the CTA barrier (cumulative over the CTA's stores), no sleep
+// in the poll, and no reset: CTA 0 adds 2^31 − (total − 1), the others 1, so the word's top bit
+// flips once all have arrived and its low 31 bits (0 from allocation) come back unchanged -- no
+// exit counter, no atomic with a return at the end of the kernel (0.4 us a call less than a
+// counter reset by the last CTA out). Waits until the top bit differs from the one seen on arrival.
 __device__ __forceinline__ void ds4_ao_grid_flip(u32* tk, u32 total) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -1431,18 +1377,9 @@ __device__ __forceinline__ u64 ds4_ao_now() {
         if (PROBE && tid == 0) stamps[(size_t)blockIdx.x * DS4_AO_NST + (k)] = ds4_ao_now();               \
     } while (0)
 
-// Forms (F, bits; measured against each other by attn_bench): DS4_AO_CS the inverse RoPE's
-// (cos, sin) per (token, pair) computed once into shared memory at kernel start (the merge's last
-// column block then does FMAs only), DS4_AO_SPREAD merge units dealt across the CTAs (unit u to
-// warp u / grid of CTA u % grid: every CTA loads a share of the partials, not the first units / 8
-// CTAs all of them), DS4_AO_FLIP ds4_ao_grid_flip for the barrier (no exit counter).
-#define DS4_AO_CS 1
-#define DS4_AO_SPREAD 2
-#define DS4_AO_FLIP 4
-#define DS4_AO_ALL 7
 #define DS4_AO_NCS 256 // (cos, sin) entries in shared memory: n · n_rot / 2 at most, else inline
 
-template <bool PROBE, int F> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
+template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
     __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
     __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
@@ -1455,7 +1392,7 @@ template <bool PROBE, int F> __device__ __forceinline__ void ds4_attend_one(DS4_
     const int groups = (heads + DS4_AO_HG - 1) / DS4_AO_HG;
     t0 = DS4_POS(sp, t0);
     const int nh2 = n_rot / 2;
-    const bool use_cs = (F & DS4_AO_CS) && n * nh2 <= DS4_AO_NCS;
+    const bool use_cs = n * nh2 <= DS4_AO_NCS;
     // Threads 64.. fill cs_s (ds4_rope_pair's angle, ds4_mod_2pi: fmod's value, and roundings)
     // while 0..63 list the first row pointers (the first block skips the barrier before that).
 #define DS4_AO_FILL_CS()                                                                                   \
@@ -1521,7 +1458,7 @@ template <bool PROBE, int F> __device__ __forceinline__ void ds4_attend_one(DS4_
         float4 nx[DS4_AO_LD];
         for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
             const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
-            if (!(F & DS4_AO_CS) || c0 != jb) __syncthreads(); // the previous block's rows are no longer read
+            if (c0 != jb) __syncthreads(); // the previous block's rows are no longer read
             if (tid < DS4_AO_PTRS)
                 ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
             __syncthreads();
@@ -1648,18 +1585,14 @@ template <bool PROBE, int F> __device__ __forceinline__ void ds4_attend_one(DS4_
 #undef DS4_AO_FILL_CS
     DS4_AO_STAMP(4);
     const u32 total = gridDim.x;
-    if (F & DS4_AO_FLIP)
-        ds4_ao_grid_flip(tk, total);
-    else
-        ds4_ao_grid_sync(tk, total);
+    ds4_ao_grid_flip(tk, total);
     DS4_AO_STAMP(5);
     // Combine: 32-lane group per (token, head, 128-column block).
     {
         const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
         const long long units = (long long)n * heads * nblk;
         const size_t hstride = (size_t)heads * 2; // part_mz: split s of (i, h) at + s·heads·2
-        const long long u0 = (F & DS4_AO_SPREAD) ? (long long)vw * gridDim.x + blockIdx.x : (long long)blockIdx.x * ngrp + vw;
-        for (long long u = u0; u < units; u += (long long)gridDim.x * ngrp) {
+        for (long long u = (long long)vw * gridDim.x + blockIdx.x; u < units; u += (long long)gridDim.x * ngrp) {
             const int blk = (int)(u % nblk);
             const long long ih = u / nblk;
             const int h = (int)(ih % heads), i = (int)(ih / heads);
@@ -1739,31 +1672,10 @@ template <bool PROBE, int F> __device__ __forceinline__ void ds4_attend_one(DS4_
         for (int e = tid; e < hd; e += blockDim.x) raw[(t % win) * hd + e] = kv[(size_t)i * hd + e];
         if (tid == 0) raw_pos[t % win] = (int)t;
     }
-    // Counters back to 0 once every CTA is past the barrier (ds4_ao_grid_flip needs no reset).
-    if (!(F & DS4_AO_FLIP) && tid == 0 && atomicAdd(tk + 1, 1u) == total - 1) {
-        tk[0] = 0u;
-        tk[1] = 0u;
-        __threadfence();
-    }
     DS4_AO_STAMP(7);
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, DS4_AO_ALL>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false>(DS4_AO_ARGS, (u64*)0); }
 
 // Probe of attend_one_f32 (crates/ds4-gpu/examples/attn_bench.rs): the same plus stamps.
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, DS4_AO_ALL>(DS4_AO_ARGS, stamps); }
-
-// A/B forms (attn_bench; DS4_GPU_AO=v<F> in the engine): attend_one_v<F> / attend_one_p<F> with
-// only the forms in F (v0: the form before them).
-#define DS4_AO_FORM(f)                                                                                    \
-    DS4_KERNEL void DS4_BOUNDS(256) attend_one_v##f(DS4_AO_PARAMS) {                                      \
-        ds4_pdl_enter();                                                                                  \
-        ds4_attend_one<false, f>(DS4_AO_ARGS, (u64*)0);                                                   \
-    }                                                                                                     \
-    DS4_KERNEL void DS4_BOUNDS(256) attend_one_p##f(DS4_AO_PARAMS, u64* stamps) {                         \
-        ds4_pdl_enter();                                                                                  \
-        ds4_attend_one<true, f>(DS4_AO_ARGS, stamps);                                                     \
-    }
-DS4_AO_FORM(0)
-DS4_AO_FORM(4)
-DS4_AO_FORM(5)
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true>(DS4_AO_ARGS, stamps); }
