@@ -628,8 +628,7 @@ struct AttCase {
     holes: bool,
 }
 
-/// A GPU attention form: tensor cores (hi/lo split or one f16 product; `rows16`: rows read from
-/// f16 copies, else f32 rows converted at each load) for prefill, the f32
+/// A GPU attention form: tensor cores (hi/lo split or one f16 product) for prefill, the f32
 /// kernels by their `DS4_GPU_ATTN` name (`one`: one launch at decode, `split`, `simple`), and
 /// its tolerance against the CPU.
 #[derive(Clone, Copy)]
@@ -637,14 +636,12 @@ struct Form {
     name: &'static str,
     tc: bool,
     fast: bool,
-    rows16: bool,
     attn: &'static str,
     tol: f32,
 }
 
 const TC: Form = Form {
     name: "tc",
-    rows16: true,
     tc: true,
     fast: false,
     attn: "one",
@@ -652,7 +649,6 @@ const TC: Form = Form {
 };
 const TC_FAST: Form = Form {
     name: "tc-fast",
-    rows16: true,
     tc: true,
     fast: true,
     attn: "one",
@@ -660,7 +656,6 @@ const TC_FAST: Form = Form {
 };
 const ONE: Form = Form {
     name: "one",
-    rows16: true,
     tc: false,
     fast: false,
     attn: "one",
@@ -668,7 +663,6 @@ const ONE: Form = Form {
 };
 const SPLIT: Form = Form {
     name: "split",
-    rows16: true,
     tc: false,
     fast: false,
     attn: "split",
@@ -676,28 +670,14 @@ const SPLIT: Form = Form {
 };
 const SIMPLE: Form = Form {
     name: "simple",
-    rows16: true,
     tc: false,
     fast: false,
     attn: "simple",
     tol: 2e-5,
 };
 
-/// The tensor-core forms reading f32 rows (each converted at every load): the same bits.
-const TC_F32: Form = Form {
-    name: "tc-f32rows",
-    rows16: false,
-    ..TC
-};
-const TC_F32_FAST: Form = Form {
-    name: "tc-f32rows-fast",
-    rows16: false,
-    ..TC_FAST
-};
-
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
-    GpuBackend::set_attn_tc_rows16(f.rows16);
     GpuBackend::set_attn_form(f.attn);
 }
 
@@ -892,21 +872,10 @@ fn attend_matches_cpu() {
         },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE, TC_F32, TC_F32_FAST];
+    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE];
     for (i, c) in cases.iter().enumerate() {
-        run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..5]);
-        let outs = run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
-        // f16 row copies or f32 rows converted in the kernel: the same values, the same bits.
-        assert_bits(
-            &format!("attend case {i}: tc vs f32 rows"),
-            &outs[0],
-            &outs[5],
-        );
-        assert_bits(
-            &format!("attend case {i}: tc-fast vs f32 rows"),
-            &outs[1],
-            &outs[6],
-        );
+        run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
+        run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
     }
 }
 
@@ -945,8 +914,7 @@ fn attend_prefill_matches_cpu() {
         case(20, 64, 16, 8, false, 31, 50, false),
     ];
     for (i, c) in cases.iter().enumerate() {
-        let forms = [TC, TC_FAST, SPLIT, TC_F32, TC_F32_FAST];
-        let outs = run_attend(&cpu, &gpu, c, 900 + i as u64, true, &forms);
+        let outs = run_attend(&cpu, &gpu, c, 900 + i as u64, true, &[TC, TC_FAST, SPLIT]);
         // The tensor-core form next to the split f32 kernels.
         assert_close(
             &format!("attend case {i}: tc vs split"),
@@ -954,30 +922,10 @@ fn attend_prefill_matches_cpu() {
             &outs[2],
             2e-5,
         );
-        assert_bits(
-            &format!("attend case {i}: tc vs f32 rows"),
-            &outs[0],
-            &outs[3],
-        );
-        assert_bits(
-            &format!("attend case {i}: tc-fast vs f32 rows"),
-            &outs[1],
-            &outs[4],
-        );
     }
     let loose = Form { tol: 1e-3, ..TC };
-    let loose_f32 = Form {
-        tol: 1e-3,
-        ..TC_F32
-    };
     for (i, c) in cases.iter().enumerate().step_by(3) {
-        // Unrounded rows: both forms round them to f16 by the same cvt.rn.
-        let outs = run_attend(&cpu, &gpu, c, 950 + i as u64, false, &[loose, loose_f32]);
-        assert_bits(
-            &format!("attend case {i} f32: tc vs f32 rows"),
-            &outs[0],
-            &outs[1],
-        );
+        run_attend(&cpu, &gpu, c, 950 + i as u64, false, &[loose]);
     }
 }
 
@@ -1065,7 +1013,7 @@ fn attend_bench() {
         });
         let mut og = gpu.alloc(n * nh * hd);
         let iters = if n >= 1024 { 5 } else { 20 };
-        for f in [TC, TC_FAST, TC_F32, TC_F32_FAST, ONE, SPLIT, SIMPLE] {
+        for f in [TC, TC_FAST, ONE, SPLIT, SIMPLE] {
             if f.tc && n == 1 {
                 continue; // decode keeps the f32 kernels
             }

@@ -8,16 +8,16 @@
 // so per token S = Q (heads × hd) · Kᵀ and O = P · V are small GEMMs.
 //
 // CTA = one token × 16 heads, 4 warps; warp w owns head-dim columns [w·hd/4, (w+1)·hd/4): it
-// loads that quarter of each 32-row tile (f16 in shared memory: the `r` kernels read f16 copies
-// of the rows made by atc_rows_f16 before them, the others convert f32 rows), computes its partial
+// loads that quarter of each 32-row tile (f16 copies of the rows, made once a call by
+// atc_rows_f16, 1 KB a row: one batch of 16-byte loads) into shared memory, computes its partial
 // S (16 heads × 32 rows over its columns), the four partials are summed through shared memory
 // (every warp sums them in the same order, so all hold the same S), each warp runs the same online
 // softmax and accumulates O (16 heads × its columns) in registers. Epilogue: the sink, the
 // inverse RoPE of the last n_rot columns, f32 stores. The ring is written afterwards by
 // ring_store_f32 (other CTAs still read it here).
 //
-// Rounding: K/V rows are taken as f16 (exact for rows stored f16-rounded, the model's default;
-// otherwise 2^-11 relative per element; the same cvt.rn in both forms, so the same bits). Q and P are split into f16 hi + lo (hi = f16_rn(v),
+// Rounding: K/V rows are taken as f16 (cvt.rn by atc_rows_f16: exact for rows stored f16-rounded,
+// the model's default; otherwise 2^-11 relative per element). Q and P are split into f16 hi + lo (hi = f16_rn(v),
 // lo = f16_rn(v − hi)), two mma each (S = Qhi·K + Qlo·K, O = Phi·V + Plo·V): ~2^-22 relative,
 // so with f16 rows the result matches the f32 kernels to rounding. The `h` forms use hi only
 // (one mma each, P sums of the rounded weights; ~1e-3 relative).
@@ -76,21 +76,20 @@ __device__ __forceinline__ void atc_ldm4t(u32* r, const u16* p) {
                  : "memory");
 }
 
-// Candidate j of token t (list above), or 0 when absent (T: float rows, or u16 for f16 copies).
-template <typename T>
-__device__ __forceinline__ const T* atc_row(long long j, long long t0, long long first, int nwin, int nsel,
-                                            const int* seli, const T* kv, const T* raw, const int* raw_pos,
-                                            const T* comp, int hd, int win) {
+// Candidate j of token t (list above) in the f16 copies, or 0 when absent.
+__device__ __forceinline__ const u16* atc_row(long long j, long long t0, long long first, int nwin, int nsel,
+                                              const int* seli, const u16* kv, const u16* raw, const int* raw_pos,
+                                              const u16* comp, int hd, int win) {
     if (j < nwin) {
         long long p = first + j;
         if (p >= t0) return kv + (p - t0) * hd;
         int slot = (int)(p % win);
-        return raw_pos[slot] == (int)p ? raw + (size_t)slot * hd : (const T*)0;
+        return raw_pos[slot] == (int)p ? raw + (size_t)slot * hd : (const u16*)0;
     }
     j -= nwin;
     if (j < nsel) {
         int c = seli[j];
-        return c >= 0 ? comp + (size_t)c * hd : (const T*)0;
+        return c >= 0 ? comp + (size_t)c * hd : (const u16*)0;
     }
     return comp + (j - nsel) * hd;
 }
@@ -98,20 +97,16 @@ __device__ __forceinline__ const T* atc_row(long long j, long long t0, long long
 // Fragment layouts (PTX m16n8k16, g = lane/4, t = lane%4): A a0 (row g, k 2t..2t+1), a1 (g+8, 2t),
 // a2 (g, 2t+8), a3 (g+8, 2t+8); B b0 (k 2t..2t+1, col g), b1 (k 2t+8..); C c0,c1 (row g, cols
 // 2t, 2t+1), c2,c3 (row g+8). Rows of A / C here are heads.
-// R16: rows read from rows16 = [ring (win rows) | this chunk's kv (n rows) | compressed rows], f16
-// (half the bytes from L2, one batch of 16-byte loads a tile); else from the f32 buffers.
-template <int HD, bool SPLIT, bool R16>
-__device__ __forceinline__ void attn_tc_body(ATC_PARAMS, const u16* __restrict__ rows16) {
+// Rows are read from rows16 = [ring (win rows) | this chunk's kv (n rows) | compressed rows], f16
+// (kv, raw and comp are its f32 sources, not read here).
+template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_PARAMS, const u16* __restrict__ rows16) {
     constexpr int QW = HD / 4;      // columns per warp
     constexpr int KS = QW / 16;     // k-steps of the S product
     constexpr int NT = QW / 8;      // n-tiles of O
     constexpr int LD = QW + 8;      // halves per shared row (16-byte pad: conflict-free ldmatrix)
-    constexpr int F4 = QW / 4;      // float4 per row quarter
-    constexpr int ITEMS = ATC_R * F4 / 32;
-    constexpr int BATCH = ITEMS < 16 ? ITEMS : 16;
-    constexpr int E8 = QW / 8;      // 16-byte chunks (8 halves) per f16 row quarter
-    constexpr int ITEMS16 = ATC_R * E8 / 32;
-    static_assert(QW % 16 == 0 && ITEMS % BATCH == 0 && ITEMS16 >= 1, "head width a multiple of 64");
+    constexpr int E8 = QW / 8;      // 16-byte chunks (8 halves) per row quarter
+    constexpr int ITEMS = ATC_R * E8 / 32;
+    static_assert(QW % 16 == 0 && ITEMS >= 1, "head width a multiple of 64");
     __shared__ __align__(16) u16 kv_s[4][ATC_R * LD]; // per warp: the tile's rows, its columns, f16
     __shared__ float sp_s[4][16][32];                  // per warp: partial S fragments [value][lane]
     __shared__ float rot_s[ATC_MAXROT][2];             // cos, sin of the RoPE pairs at t
@@ -157,53 +152,26 @@ __device__ __forceinline__ void attn_tc_body(ATC_PARAMS, const u16* __restrict__
     u16* kw = kv_s[w];
     for (long long j0 = 0; j0 < ncand; j0 += ATC_R) {
         // Lane r: candidate j0 + r (pointer halves for the loaders), valid bits of the tile.
-        const void* myrow;
-        if constexpr (R16) {
-            const size_t nk = (size_t)gridDim.y * HD; // rows16: ring, kv, compressed
-            const u16* r16 = (const u16*)rows16;
-            myrow = j0 + lane < ncand ? atc_row<u16>(j0 + lane, t0, first, nwin, nsel, seli, r16 + (size_t)win * HD,
-                                                     r16, raw_pos, r16 + (size_t)win * HD + nk, HD, win)
-                                      : (const u16*)0;
-        } else {
-            myrow = j0 + lane < ncand
-                        ? atc_row<float>(j0 + lane, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, HD, win)
-                        : (const float*)0;
-        }
+        const size_t nk = (size_t)gridDim.y * HD; // rows16: ring, kv, compressed
+        const u16* myrow = j0 + lane < ncand ? atc_row(j0 + lane, t0, first, nwin, nsel, seli, rows16 + (size_t)win * HD,
+                                                       rows16, raw_pos, rows16 + (size_t)win * HD + nk, HD, win)
+                                             : (const u16*)0;
         const u32 valid = __ballot_sync(0xffffffffu, myrow != 0);
         const unsigned long long pr = (unsigned long long)myrow;
         const u32 plo = (u32)pr, phi = (u32)(pr >> 32);
-        if constexpr (R16) { // this warp's quarter of the 32 rows, 16 bytes a lane (zeros for absent rows)
-            uint4 v[ITEMS16];
+        // This warp's quarter of the 32 rows, 16 bytes a lane (zeros for absent rows).
+        uint4 v[ITEMS];
 #pragma unroll
-            for (int b = 0; b < ITEMS16; b++) {
-                const int k = b * 32 + lane, r = k / E8, e8 = k % E8;
-                const u32 lo = __shfl_sync(0xffffffffu, plo, r), hi = __shfl_sync(0xffffffffu, phi, r);
-                const u16* row = (const u16*)(((unsigned long long)hi << 32) | lo);
-                v[b] = row ? ((const uint4*)(row + c0))[e8] : make_uint4(0u, 0u, 0u, 0u);
-            }
-#pragma unroll
-            for (int b = 0; b < ITEMS16; b++) {
-                const int k = b * 32 + lane, r = k / E8, e8 = k % E8;
-                *(uint4*)(kw + r * LD + 8 * e8) = v[b];
-            }
+        for (int b = 0; b < ITEMS; b++) {
+            const int k = b * 32 + lane, r = k / E8, e8 = k % E8;
+            const u32 lo = __shfl_sync(0xffffffffu, plo, r), hi = __shfl_sync(0xffffffffu, phi, r);
+            const u16* row = (const u16*)(((unsigned long long)hi << 32) | lo);
+            v[b] = row ? ((const uint4*)(row + c0))[e8] : make_uint4(0u, 0u, 0u, 0u);
         }
-        // Else this warp's quarter of the 32 rows, f32 -> f16 (zeros for absent rows).
 #pragma unroll
-        for (int b0 = 0; b0 < (R16 ? 0 : ITEMS); b0 += BATCH) {
-            float4 v[BATCH];
-#pragma unroll
-            for (int b = 0; b < BATCH; b++) {
-                const int k = (b0 + b) * 32 + lane, r = k / F4, e4 = k % F4;
-                const u32 lo = __shfl_sync(0xffffffffu, plo, r), hi = __shfl_sync(0xffffffffu, phi, r);
-                const float* row = (const float*)(((unsigned long long)hi << 32) | lo);
-                v[b] = row ? ((const float4*)(row + c0))[e4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int b = 0; b < BATCH; b++) {
-                const int k = (b0 + b) * 32 + lane, r = k / F4, e4 = k % F4;
-                uint2 h2 = make_uint2(atc_pack(v[b].x, v[b].y), atc_pack(v[b].z, v[b].w));
-                *(uint2*)(kw + r * LD + 4 * e4) = h2;
-            }
+        for (int b = 0; b < ITEMS; b++) {
+            const int k = b * 32 + lane, r = k / E8, e8 = k % E8;
+            *(uint4*)(kw + r * LD + 8 * e8) = v[b];
         }
         __syncwarp();
         // Partial S: 4 n-tiles of 8 rows; ldmatrix.x4 gives b0,b1 of two n-tiles for one k-step.
@@ -339,11 +307,9 @@ __device__ __forceinline__ void attn_tc_body(ATC_PARAMS, const u16* __restrict__
         }
     }
 }
-#define ATC_BODY(HD, SPLIT) attn_tc_body<HD, SPLIT, false>(ATC_ARGS, (const u16*)0);
-#define ATC_BODY16(HD, SPLIT) attn_tc_body<HD, SPLIT, true>(ATC_ARGS, rows16);
+#define ATC_BODY(HD, SPLIT) attn_tc_body<HD, SPLIT>(ATC_ARGS, rows16);
 
-// f16 copies (round to nearest even, as the kernel's own conversion) of the rows attn_tc<hd>r*
-// reads: dst = [raw (nraw4 float4) | kv (nkv4) | comp (the rest of total4)]; grid-stride, float4 a
+// f16 copies (round to nearest even) of the rows attn_tc<hd>[h]_f32 reads: dst = [raw (nraw4 float4) | kv (nkv4) | comp (the rest of total4)]; grid-stride, float4 a
 // thread.
 __device__ __forceinline__ void atc_rows_body(const float* __restrict__ raw, const float* __restrict__ kv,
                                               const float* __restrict__ comp, u16* __restrict__ dst, long long nraw4,
@@ -359,22 +325,17 @@ __device__ __forceinline__ void atc_rows_body(const float* __restrict__ raw, con
 #define ATC_ROWS_BODY atc_rows_body(raw, kv, comp, dst, nraw4, nkv4, total4);
 #else
 #define ATC_BODY(HD, SPLIT)
-#define ATC_BODY16(HD, SPLIT)
 #define ATC_ROWS_BODY
 #endif
 
-// grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], kv [n, hd], out [n, heads, hd];
-// host checks: CUDA sm_80+, 16-byte aligned rows, n_rot even and <= min(hd, 128).
+// grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], out [n, heads, hd], rows16 the f16
+// rows [win + n + visible compressed, hd] by atc_rows_f16 (kv, raw, comp: not read); host checks:
+// CUDA sm_80+, 16-byte aligned rows, n_rot even and <= min(hd, 128).
 // attn_tc<hd>_f32: hi/lo split of Q and P; attn_tc<hd>h_f32: hi only.
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(512, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(512, false) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS) { ds4_pdl_enter(); ATC_BODY(64, false) }
-// attn_tc<hd>r[h]_f32: the same reading f16 rows16 (atc_rows_f16); kv, raw and comp unused.
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512r_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(512, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512rh_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(512, false) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64r_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(64, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64rh_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY16(64, false) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, false) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, false) }
 // grid-stride (any grid), blockDim 256; rows 16-byte aligned, hd a multiple of 4.
 DS4_KERNEL void DS4_BOUNDS(256) atc_rows_f16(const float* __restrict__ raw, const float* __restrict__ kv, const float* __restrict__ comp, u16* __restrict__ dst, long long nraw4, long long nkv4, long long total4) { ds4_pdl_enter(); ATC_ROWS_BODY }
 

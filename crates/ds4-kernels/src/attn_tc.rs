@@ -3,8 +3,8 @@ use crate::Module;
 /// Prefill sink attention on tensor cores (`gpu/attn_tc.cu`): one CTA per (16 heads, token),
 /// S = Q·Kᵀ and O = P·V by mma.sync f16 (CUDA sm_80+; elsewhere the kernels are empty and the
 /// host keeps `attend_part_f32`). `attn_tc<hd>_f32`: hi/lo split of Q and P (near f32);
-/// `attn_tc<hd>h_f32`: one f16 product each; `attn_tc<hd>r[h]_f32`: the same reading f16 copies
-/// of the rows made by `atc_rows_f16`. `index_scores_tc`: the lightning indexer's scores
+/// `attn_tc<hd>h_f32`: one f16 product each; both read f16 copies of the rows made once a call
+/// by `atc_rows_f16`. `index_scores_tc`: the lightning indexer's scores
 /// (prefill, FP4-simulated queries and rows) by mma.sync bf16, the bits of `index_scores128h_f32`.
 pub const ATTN_TC: Module = Module {
     name: "attn_tc",
@@ -14,10 +14,6 @@ pub const ATTN_TC: Module = Module {
         "attn_tc512h_f32",
         "attn_tc64_f32",
         "attn_tc64h_f32",
-        "attn_tc512r_f32",
-        "attn_tc512rh_f32",
-        "attn_tc64r_f32",
-        "attn_tc64rh_f32",
         "atc_rows_f16",
         "index_scores_tc",
     ],

@@ -102,22 +102,6 @@ static TC_MODE: AtomicU8 = AtomicU8::new(0);
 const ATC_HG: usize = 16;
 const ATC_MAXROT: usize = 128;
 
-/// Rows of the tensor-core prefill kernel (`DS4_GPU_ATTN_TCROWS`): 0 not yet read, 1 f32 (the
-/// kernel converts each row it loads, `f32`), 2 f16 copies made once a call by `atc_rows_f16`
-/// (default: half the bytes a row load; the same bits).
-static TC_ROWS: AtomicU8 = AtomicU8::new(0);
-
-fn tc_rows16() -> bool {
-    if TC_ROWS.load(Ordering::Relaxed) == 0 {
-        let m = match std::env::var("DS4_GPU_ATTN_TCROWS").as_deref() {
-            Ok("f32") => 1,
-            _ => 2,
-        };
-        let _ = TC_ROWS.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-    }
-    TC_ROWS.load(Ordering::Relaxed) == 2
-}
-
 fn tc_mode() -> u8 {
     if TC_MODE.load(Ordering::Relaxed) == 0 {
         let m = match std::env::var("DS4_GPU_ATTN_TC").as_deref() {
@@ -239,12 +223,6 @@ impl GpuBackend {
             },
             Ordering::Relaxed,
         );
-    }
-
-    /// Rows of the tensor-core prefill kernel, process-wide, overrides `DS4_GPU_ATTN_TCROWS`:
-    /// f16 copies made once a call (`true`, default) or f32 rows converted at each load.
-    pub fn set_attn_tc_rows16(on: bool) {
-        TC_ROWS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     fn attn_invalid(&self, msg: String) {
@@ -788,8 +766,9 @@ impl GpuBackend {
         self.ring_store(st, kv, n, t0, hd, win);
     }
 
-    /// Prefill attention on tensor cores: `attn_tc<hd>[h]_f32` over (head groups of 16, tokens)
-    /// (sink and inverse RoPE included), then `ring_store_f32`.
+    /// Prefill attention on tensor cores: `atc_rows_f16` (f16 copies of the rows), then
+    /// `attn_tc<hd>[h]_f32` over (head groups of 16, tokens) (sink and inverse RoPE included),
+    /// then `ring_store_f32`.
     #[allow(clippy::too_many_arguments)]
     fn attend_tc(
         &self,
@@ -807,16 +786,11 @@ impl GpuBackend {
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        let rows16 = tc_rows16();
-        let name = match (hd, tc_mode() == 3, rows16) {
-            (512, false, false) => "attn_tc512_f32",
-            (512, true, false) => "attn_tc512h_f32",
-            (_, false, false) => "attn_tc64_f32",
-            (_, true, false) => "attn_tc64h_f32",
-            (512, false, true) => "attn_tc512r_f32",
-            (512, true, true) => "attn_tc512rh_f32",
-            (_, false, true) => "attn_tc64r_f32",
-            (_, true, true) => "attn_tc64rh_f32",
+        let name = match (hd, tc_mode() == 3) {
+            (512, false) => "attn_tc512_f32",
+            (512, true) => "attn_tc512h_f32",
+            (_, false) => "attn_tc64_f32",
+            (_, true) => "attn_tc64h_f32",
         };
         // f16 copies of every row a token may read: [ring (win) | this chunk's kv (n) | the
         // compressed rows visible to the chunk's last token]; the scratch outlives the launches
@@ -827,27 +801,27 @@ impl GpuBackend {
             0
         };
         let total4 = (win + n + ncomp) * hd / 4;
-        let rows = rows16.then(|| self.scratch(total4 * 2));
-        if let Some(rows) = &rows {
-            self.run(
-                &ATTN_TC,
-                "atc_rows_f16",
-                LaunchDims {
-                    grid: [total4.div_ceil(256).min(4096) as u32, 1, 1],
-                    block: [256, 1, 1],
-                    shared_bytes: 0,
-                },
-                &[
-                    Arg::Ptr(st.raw.ptr()),
-                    Arg::Ptr(kv.ptr),
-                    Arg::Ptr(comp),
-                    Arg::Ptr(rows.ptr),
-                    Arg::I64((win * hd / 4) as i64),
-                    Arg::I64((n * hd / 4) as i64),
-                    Arg::I64(total4 as i64),
-                ],
-            );
-        }
+        // (half the bytes a row load: H200 2k CSA attention 2110 vs 2406 us with f32 rows
+        // converted at each load, bench/results/gpu-attn-t12-h200.txt).
+        let rows = self.scratch(total4 * 2);
+        self.run(
+            &ATTN_TC,
+            "atc_rows_f16",
+            LaunchDims {
+                grid: [total4.div_ceil(256).min(4096) as u32, 1, 1],
+                block: [256, 1, 1],
+                shared_bytes: 0,
+            },
+            &[
+                Arg::Ptr(st.raw.ptr()),
+                Arg::Ptr(kv.ptr),
+                Arg::Ptr(comp),
+                Arg::Ptr(rows.ptr),
+                Arg::I64((win * hd / 4) as i64),
+                Arg::I64((n * hd / 4) as i64),
+                Arg::I64(total4 as i64),
+            ],
+        );
         self.run(
             &ATTN_TC,
             name,
@@ -870,7 +844,7 @@ impl GpuBackend {
                     Arg::I32(spec.n_rot as i32),
                     Arg::F32(scale),
                 ],
-                rows.as_ref().map(|r| Arg::Ptr(r.ptr)).as_slice(), // attn_tc<hd>r*: rows16
+                &[Arg::Ptr(rows.ptr)], // rows16
             ]
             .concat(),
         );
