@@ -25,8 +25,9 @@ const AP_MIN_ROWS: usize = 16;
 const IXH_R: usize = 32;
 
 /// Decode attention in one launch (`attend_one_f32`): heads per CTA, rows per tile, most tokens
-/// per launch, and the first of its two arrival counters in `GpuBackend::tickets` (32-bit words
-/// of its own, above the fused HC's; the kernel leaves them 0).
+/// per launch, and its grid barrier's arrival word in `GpuBackend::tickets` (a 32-bit word of its
+/// own, above the fused HC's; its low 31 bits are 0 between launches and its top bit flips at each
+/// launch, graph replays included: attention.cu `ds4_ao_grid_flip`). The word after it is spare.
 const AO_HG: usize = 16;
 const AO_R: usize = 8;
 const AO_MAX_N: usize = 8;
