@@ -4,7 +4,7 @@
 //! greedy decoding agrees for 48 steps; snapshot/restore continues with identical logits; a GPU
 //! snapshot restores on the CPU (the host form is the same on every backend); MTP speculative
 //! decoding gives exactly the GPU's plain greedy output. On the full-size synthetic model (where
-//! it fits): a 20,000-token prompt in steps of 16,384 and of 4,096 tokens gives the same logits.
+//! it fits): a 20,000-token prompt gives bit-identical logits in two sessions.
 
 use ds4_engine::{argmax, BackendChoice, Engine, EngineOptions};
 use std::sync::{Mutex, MutexGuard};
@@ -197,14 +197,15 @@ fn gpu_sampling_in_the_step_matches_the_host() {
     assert_eq!(gs, gh, "device pick != host pick on the same logits");
 }
 
-/// Long prompts in long steps: the full-size synthetic q2 model (real shapes, 81 GB; skipped,
-/// saying why, where it does not fit) reads a 20,000-token prompt in steps of 16,384 tokens and
-/// in steps of 4,096 (`DS4_GPU_PREFILL_CHUNK`), then 4 more tokens; the logits of both at the
-/// prompt's end and after each token agree within 2% of their spread. A step that overflowed a
-/// 32-bit offset (16,384 tokens × 64 heads × 512 columns is 2 GiB of f32) or mis-sized a scratch
-/// buffer gives logits unrelated to the 4,096-token ones.
+/// Long prompts: the full-size synthetic q2 model (real shapes, 81 GB; skipped, saying why,
+/// where it does not fit) reads a 20,000-token prompt (several prompt steps, the last one
+/// partial), then 4 greedy tokens, twice in fresh sessions: the logits are finite and bit-identical
+/// (no stale scratch, ring or frontier state leaks from one session or step into the next).
+/// Different step sizes are not compared: on this random model any rounding change (another step
+/// size, another GEMM) moves the logits after thousands of tokens by O(1) of their spread, through
+/// flipped expert and indexer top-k choices (bench/results/gpu-lead-s11-h200.txt).
 #[test]
-fn gpu_long_prompt_steps_agree_on_the_full_size_model() {
+fn gpu_long_prompt_is_deterministic_on_the_full_size_model() {
     let _g = serial();
     const LEN: usize = 20_000;
     let o = EngineOptions::new("<synthetic full-q2>");
@@ -230,50 +231,43 @@ fn gpu_long_prompt_steps_agree_on_the_full_size_model() {
             ((x >> 33) % vocab) as u32
         })
         .collect();
-    let run = |chunk: &str, follow: &[u32]| -> Vec<Vec<f32>> {
-        std::env::set_var("DS4_GPU_PREFILL_CHUNK", chunk);
+    let run = || -> (Vec<u32>, Vec<Vec<f32>>) {
         let mut s = e.new_session(LEN + 8);
         let t = std::time::Instant::now();
         s.sync(&prompt, &mut |_, _| {}).unwrap();
-        println!(
-            "steps of {chunk}: {LEN} tokens in {:.2} s",
-            t.elapsed().as_secs_f64()
-        );
-        let mut out = vec![s.logits().unwrap().to_vec()];
-        let mut next = argmax(&out[0]);
-        for i in 0..4 {
-            let tok = follow.get(i).copied().unwrap_or(next);
+        println!("{LEN} tokens in {:.2} s", t.elapsed().as_secs_f64());
+        let (mut toks, mut out) = (Vec::new(), vec![s.logits().unwrap().to_vec()]);
+        for _ in 0..4 {
+            let tok = argmax(out.last().unwrap());
+            toks.push(tok);
             out.push(s.eval(tok).unwrap().to_vec());
-            next = argmax(out.last().unwrap());
         }
-        out
+        (toks, out)
     };
-    let a = run("16384", &[]);
-    // The same tokens after the prompt on both sides (the 16,384-step run's greedy choices).
-    let follow: Vec<u32> = a[..4].iter().map(|l| argmax(l)).collect();
-    let b = run("4096", &follow);
-    std::env::remove_var("DS4_GPU_PREFILL_CHUNK");
+    let (ta, a) = run();
+    let (tb, b) = run();
     for (i, (la, lb)) in a.iter().zip(&b).enumerate() {
         assert!(
-            la.iter().chain(lb).all(|v| v.is_finite()),
-            "position {i}: non-finite logits"
+            la.iter().all(|v| v.is_finite()),
+            "position {}: non-finite logits",
+            LEN + i
         );
         let (lo, hi) = la
             .iter()
             .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
-        let d = max_abs(la, lb);
         println!(
-            "position {}: max |16384 - 4096| = {d:.3e}, spread {:.3}, argmax {} / {}",
+            "position {}: spread {:.3}, argmax {}",
             LEN + i,
             hi - lo,
-            argmax(la),
-            argmax(lb)
+            argmax(la)
         );
+        assert!(hi - lo > 0.0, "position {}: flat logits", LEN + i);
         assert!(
-            d <= 0.02 * (hi - lo),
-            "position {}: gap {d} of spread {}",
+            la == lb,
+            "position {}: max gap {:e} between two sessions",
             LEN + i,
-            hi - lo
+            max_abs(la, lb)
         );
     }
+    assert_eq!(ta, tb);
 }

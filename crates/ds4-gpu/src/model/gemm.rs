@@ -8,7 +8,7 @@
 //! summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by expert on the device
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
-//! Prompts run in chunks of `prefill_chunk()` tokens (16384 where memory allows: MoE weights read
+//! Prompts run in chunks of `prefill_chunk()` tokens (8192 where memory allows: MoE weights read
 //! once per chunk).
 //! The MoE's IQ2_XXS gate/up (the q2 mix) take `gemmc_iq2_xxs` on CUDA sm_80+: z split into
 //! bf16 hi/lo once per product (`gemm_xb_f32`; `DS4_GPU_GEMM_XB=0`: the bf16 hi/lo form
@@ -62,23 +62,26 @@ pub(crate) fn prefill_chunk(auto: impl FnOnce() -> usize) -> usize {
         .unwrap_or_else(auto)
 }
 
-/// Default prompt step (tokens). H200: 512 -> 747 tok/s, 2048 -> 990-1096, 4096 -> 1105-1311
-/// (bench/results/gpu-prefill-h200.txt); 16384 vs 4096 (more pairs per expert per chunk): 8k
-/// prefill 3,994 vs 3,843 tok/s, 32k 3,837 vs 3,701 (8192: 3,984 / 3,807;
-/// bench/results/gpu-gemm-e12-h200.txt). Scratch grows with it: ~2 GB at 4096 (MoE: 3 × pairs × ff
-/// and pairs × d f32), ~8 GB at 16384 (1M context on the H200: ~102 of 139 GiB with the q2 weights).
-const DEFAULT_CHUNK: usize = 16384;
+/// Largest prompt step (tokens). H200: 512 -> 747 tok/s, 2048 -> 990-1096, 4096 -> 1105-1311
+/// (bench/results/gpu-prefill-h200.txt); 8192 vs 4096 (more pairs per expert per chunk): 8k
+/// prefill 3,984 vs 3,843 tok/s, 32k 3,807 vs 3,701 (bench/results/gpu-gemm-e12-h200.txt). 16384
+/// ties at 8k and gives +0.9% at 32k (gpu-lead-s11-h200.txt) but is not taken: its query and
+/// attention-output buffers reach 2 GiB (16384 × 64 heads × 512 f32), past any 32-bit byte
+/// offset, and nothing at full size can check it (a random full-size model's logits move O(1)
+/// with any rounding change after thousands of tokens). Scratch ~4 GB at 8192 (MoE: 3 × pairs ×
+/// ff and pairs × d f32).
+const DEFAULT_CHUNK: usize = 8192;
 /// Smallest step [`auto_chunk`] picks (the old default's neighbourhood: ~1,000 tok/s at 2048).
 const MIN_AUTO_CHUNK: usize = 2048;
-/// Scratch a prompt step holds per token, an upper estimate for the full-size model (~8 GB at
-/// 16384 tokens: the MoE's gate/up/h rows of 6 pairs a token, attention's 64-head rows, the dense
+/// Scratch a prompt step holds per token, an upper estimate for the full-size model (~4 GB at
+/// 8192 tokens: the MoE's gate/up/h rows of 6 pairs a token, attention's 64-head rows, the dense
 /// products' split operands).
 const SCRATCH_PER_TOKEN: u64 = 512 << 10;
 
 /// The largest power-of-two step from [`DEFAULT_CHUNK`] down to [`MIN_AUTO_CHUNK`] whose scratch
 /// takes at most half of `free` (the other half stays for session state, which grows with the
-/// context: 13.5 GiB at 1M). The H200 with the q2 weights (~57 GiB free) gets 16384; a 94 GiB
-/// card (~12 GiB free) 8192. Unknown free memory: the default.
+/// context: 13.5 GiB at 1M). The H200 with the q2 weights (~57 GiB free) gets 8192, a 94 GiB
+/// card (~12 GiB free) too; 5 GiB free gets 4096. Unknown free memory: the default.
 pub(crate) fn auto_chunk(free: Option<u64>) -> usize {
     let Some(free) = free else {
         return DEFAULT_CHUNK;
@@ -1114,13 +1117,12 @@ mod tests {
         const GIB: u64 = 1 << 30;
         assert_eq!(auto_chunk(None), DEFAULT_CHUNK);
         // H200 after the q2 weights: ~57 GiB free.
-        assert_eq!(auto_chunk(Some(57 * GIB)), 16384);
-        // 16384 tokens need 8 GiB: 16 GiB free is the edge, just below it halves the step.
-        assert_eq!(auto_chunk(Some(16 * GIB)), 16384);
-        assert_eq!(auto_chunk(Some(16 * GIB - 1)), 8192);
-        // A 94 GiB card with the q2 weights (~12 GiB free).
-        assert_eq!(auto_chunk(Some(12 * GIB)), 8192);
-        assert_eq!(auto_chunk(Some(5 * GIB)), 4096);
+        assert_eq!(auto_chunk(Some(57 * GIB)), 8192);
+        // 8192 tokens need 4 GiB: 8 GiB free is the edge, just below it halves the step.
+        assert_eq!(auto_chunk(Some(8 * GIB)), 8192);
+        assert_eq!(auto_chunk(Some(8 * GIB - 1)), 4096);
+        assert_eq!(auto_chunk(Some(4 * GIB)), 4096);
+        assert_eq!(auto_chunk(Some(3 * GIB)), 2048);
         // Never below the floor, even with almost nothing free.
         assert_eq!(auto_chunk(Some(GIB)), MIN_AUTO_CHUNK);
         assert_eq!(auto_chunk(Some(0)), MIN_AUTO_CHUNK);
