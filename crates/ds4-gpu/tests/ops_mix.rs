@@ -296,6 +296,36 @@ fn router_inputs(r: &mut impl Rng, n: usize, ne: usize, flat: bool) -> (Vec<f32>
     (lg, bias)
 }
 
+/// Bit patterns, for bit-for-bit comparisons of f32 outputs.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A hash router's `tid2eid` table (`[vocab][k]` random expert ids < `ne`) on both backends.
+fn hash_table(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    r: &mut impl Rng,
+    vocab: usize,
+    k: usize,
+    ne: usize,
+) -> (
+    <CpuBackend as Backend>::Weight,
+    <GpuBackend as Backend>::Weight,
+) {
+    let tab: Vec<i32> = (0..vocab * k).map(|_| r.gen_range(0..ne as i32)).collect();
+    let f = file(&[(
+        "tid2eid",
+        GgmlType::I32,
+        vec![k as u64, vocab as u64],
+        tab.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    )]);
+    (
+        cpu.table(&src(&f, "tid2eid")).unwrap(),
+        gpu.table(&src(&f, "tid2eid")).unwrap(),
+    )
+}
+
 #[test]
 fn moe_route_matches_cpu() {
     let Some((cpu, gpu)) = setup() else { return };
@@ -312,18 +342,7 @@ fn moe_route_matches_cpu() {
             };
             let (n, vocab) = (9, 64);
             let toks: Vec<i32> = (0..n).map(|_| r.gen_range(0..vocab as i32)).collect();
-            let tab: Vec<i32> = (0..vocab * k).map(|_| r.gen_range(0..ne as i32)).collect();
-            let tab_bytes: Vec<u8> = tab.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let f = file(&[(
-                "tid2eid",
-                GgmlType::I32,
-                vec![k as u64, vocab as u64],
-                tab_bytes,
-            )]);
-            let (tc, tg) = (
-                cpu.table(&src(&f, "tid2eid")).unwrap(),
-                gpu.table(&src(&f, "tid2eid")).unwrap(),
-            );
+            let (tc, tg) = hash_table(&cpu, &gpu, &mut r, vocab, k, ne);
             for (hash, flat) in [(false, false), (false, true), (true, false)] {
                 let (lg, bias) = router_inputs(&mut r, n, ne, flat);
                 let (bc, bg) = vectors(&cpu, &gpu, &bias);
@@ -840,7 +859,6 @@ fn norm_rope_pair_matches_two_calls() {
                 let (a2, b2) = (gpu.download(&a2, la), gpu.download(&b2, lb));
                 gpu_ok(&gpu, "norm_rope_pair");
                 let case = format!("norm_rope_pair fused {fused} n {n} {ha}+{hb} heads width {width} {kind:?} {round_b:?}");
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert!(bits(&ap) == bits(&a2), "{case}: a differs from norm_rope");
                 assert!(bits(&bp) == bits(&b2), "{case}: b differs from norm_rope");
                 assert_close(&format!("{case} a"), &ap, &ac, TOL);
@@ -879,7 +897,7 @@ fn matmul_route_matches_two_calls() {
                 clamp: 10.0,
             };
             let vocab = 64;
-            let tab: Vec<i32> = (0..vocab * k).map(|_| r.gen_range(0..ne as i32)).collect();
+            let (tc, tg) = hash_table(&cpu, &gpu, &mut r, vocab, k, ne);
             let bias = randn(&mut r, ne, 0.1);
             let f = file(&[
                 (
@@ -888,21 +906,11 @@ fn matmul_route_matches_two_calls() {
                     vec![d as u64, ne as u64],
                     table_bytes(&mut r, ty, ne, d),
                 ),
-                (
-                    "tid2eid",
-                    GgmlType::I32,
-                    vec![k as u64, vocab as u64],
-                    tab.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                ),
                 ("bias", GgmlType::F32, vec![ne as u64], f32_bytes(&bias)),
             ]);
             let (rc, rg) = (
                 cpu.matrix(&src(&f, "router")).unwrap(),
                 gpu.matrix(&src(&f, "router")).unwrap(),
-            );
-            let (tc, tg) = (
-                cpu.table(&src(&f, "tid2eid")).unwrap(),
-                gpu.table(&src(&f, "tid2eid")).unwrap(),
             );
             let (bc, bg) = (
                 cpu.vector(&src(&f, "bias")).unwrap(),
@@ -960,7 +968,6 @@ fn matmul_route_matches_two_calls() {
                     0
                 };
                 assert_eq!(runs, want, "{case}: fused launches");
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 for (i, (lg1, sg1, wg1)) in fused.iter().enumerate() {
                     assert!(bits(lg1) == bits(&lg2), "{case} call {i}: logits differ");
                     assert_eq!(sg1, &sg2, "{case} call {i}: selections differ");

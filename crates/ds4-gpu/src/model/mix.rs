@@ -64,6 +64,15 @@ fn on_unless_off(v: Option<&str>) -> u8 {
     }
 }
 
+/// A form setter's store: `names[i]` is code `i + 1` of `cell` (overrides the variable); an unknown
+/// name panics, naming the setter `what` and the known names.
+fn set_code(cell: &AtomicU8, what: &str, form: &str, names: &[&str]) {
+    let Some(i) = names.iter().position(|n| *n == form) else {
+        panic!("{what}: unknown form {form:?} ({})", names.join(", "));
+    };
+    cell.store(i as u8 + 1, Ordering::Relaxed);
+}
+
 fn mix_form() -> MixForm {
     let m = env_code(&MODE, "DS4_GPU_MIX", |v| match v {
         Some("simple") => 2,
@@ -229,7 +238,8 @@ fn route_on() -> bool {
 /// `mvq_route_f16` launches so far, process-wide ([`GpuBackend::route_fused_launches`]).
 static ROUTE_RUNS: AtomicU64 = AtomicU64::new(0);
 
-/// `mvq_route_f16`'s arrival counter in `GpuBackend::tickets` (after decode attention's two).
+/// `mvq_route_f16`'s arrival counter in `GpuBackend::tickets` (two words past decode attention's
+/// barrier word; the word between is spare).
 pub(crate) const ROUTE_TICKET: usize = super::attn::AO_TICKET + 2;
 const _: () = assert!(ROUTE_TICKET < super::TICKET_WORDS);
 
@@ -253,59 +263,32 @@ impl GpuBackend {
     /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default) or "off"
     /// (overrides the variable). Process-wide; for tests.
     pub fn set_route_form(form: &str) {
-        let m = match form {
-            "on" => 1,
-            "off" => 2,
-            _ => panic!("set_route_form: unknown form {form:?} (on, off)"),
-        };
-        ROUTE.store(m, Ordering::Relaxed);
+        set_code(&ROUTE, "set_route_form", form, &["on", "off"]);
     }
 
     /// Select the glue kernel form by its `DS4_GPU_MIX` name: "fast" (the default), "glue" or
     /// "simple" (overrides the variable). Process-wide; for tests and benchmarks of every form.
     pub fn set_mix_form(form: &str) {
-        let m = match form {
-            "glue" => 1,
-            "simple" => 2,
-            "fast" => 3,
-            _ => panic!("set_mix_form: unknown form {form:?} (glue, fast, simple)"),
-        };
-        MODE.store(m, Ordering::Relaxed);
+        set_code(&MODE, "set_mix_form", form, &["glue", "simple", "fast"]);
     }
 
     /// Select the fused glue by its `DS4_GPU_FUSE` name: "on" (the default), "off" (the
     /// separate ops) or "nopost" (the HC post unfused). Process-wide; for tests and benchmarks.
     pub fn set_fuse(form: &str) {
-        let m = match form {
-            "on" => 1,
-            "off" => 2,
-            "nopost" => 3,
-            _ => panic!("set_fuse: unknown form {form:?} (on, off, nopost)"),
-        };
-        FUSE.store(m, Ordering::Relaxed);
+        set_code(&FUSE, "set_fuse", form, &["on", "off", "nopost"]);
     }
 
     /// Select the prefill HC pre (n > 4 tokens) by its `DS4_GPU_HCP` name: "on" (the default:
     /// `hcp_mix` + `hcp_finish`) or "off" (the composed ops). Process-wide; for tests and A/B
     /// benchmarks.
     pub fn set_hcp(form: &str) {
-        let m = match form {
-            "on" => 1,
-            "off" => 2,
-            _ => panic!("set_hcp: unknown form {form:?} (on, off)"),
-        };
-        HCP.store(m, Ordering::Relaxed);
+        set_code(&HCP, "set_hcp", form, &["on", "off"]);
     }
 
     /// Select the fused kernels' form by its `DS4_GPU_FUSE_FORM` name: "lat" (the default) or
     /// "v1". Process-wide; for tests and A/B benchmarks.
     pub fn set_fuse_form(form: &str) {
-        let m = match form {
-            "v1" => 1,
-            "lat" => 2,
-            _ => panic!("set_fuse_form: unknown form {form:?} (lat, v1)"),
-        };
-        FORM.store(m, Ordering::Relaxed);
+        set_code(&FORM, "set_fuse_form", form, &["v1", "lat"]);
     }
 
     /// HC pre + the sublayer norm. Fused at decode (n <= 4, N <= 4): one launch of n·S CTAs;
@@ -1220,5 +1203,22 @@ impl GpuBackend {
             return false;
         }
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_code_stores_the_names_position_plus_one() {
+        let cell = AtomicU8::new(0);
+        set_code(&cell, "t", "simple", &["glue", "simple", "fast"]);
+        assert_eq!(cell.load(Ordering::Relaxed), 2);
+        set_code(&cell, "t", "glue", &["glue", "simple", "fast"]);
+        assert_eq!(cell.load(Ordering::Relaxed), 1);
+        let e = std::panic::catch_unwind(|| set_code(&AtomicU8::new(0), "t", "x", &["on", "off"]));
+        let msg = e.unwrap_err().downcast::<String>().unwrap();
+        assert!(msg.contains("unknown form \"x\" (on, off)"), "{msg}");
     }
 }
