@@ -253,6 +253,22 @@ pub trait Backend: Send + Sync + Sized {
     /// End of the step begun by [`Backend::graph_begin`]: run whatever is still recorded.
     fn graph_end(&self) {}
 
+    /// A hint for two independent pieces of work (a scheduling hint only: results are the
+    /// same with or without it). The ops issued from here to [`Backend::side_end`] (the side
+    /// branch) depend only on what was issued before this call, and the ops issued after
+    /// `side_end` up to [`Backend::join`] (the main branch) do not read or write what the side
+    /// branch writes; a device may run the two branches concurrently. Ops after `join` see both.
+    /// No nesting: one side branch at a time. The CPU backend (and any backend by default)
+    /// runs everything in issue order.
+    fn side_begin(&self) {}
+
+    /// End of the side branch begun by [`Backend::side_begin`]: the ops from here to
+    /// [`Backend::join`] form the main branch.
+    fn side_end(&self) {}
+
+    /// Join the two branches: the ops issued from here on wait for both.
+    fn join(&self) {}
+
     /// Tokens per prompt step the engine should batch (activation memory grows with it: about
     /// 200 KB per token at full size, plus the MoE's per-pair scratch). The CPU gains nothing
     /// past 128; a GPU reads each expert's weights once per step, so it wants more.

@@ -134,6 +134,25 @@ struct GraphApi {
     cuGraphLaunch: unsafe extern "C" fn(Ptr, Ptr) -> R,
     cuGraphExecDestroy: unsafe extern "C" fn(Ptr) -> R,
     cuGraphDestroy: unsafe extern "C" fn(Ptr) -> R,
+    /// Branched captures (two streams joined by events; `Runtime::branches_supported`).
+    cuStreamWaitEvent: Option<unsafe extern "C" fn(Ptr, Ptr, c_uint) -> R>,
+    /// The node a capturing stream's next launch will follow (CUDA 11.3+): stream, status,
+    /// id, graph, dependencies, count.
+    cuStreamGetCaptureInfo_v2: Option<
+        unsafe extern "C" fn(Ptr, *mut c_int, *mut u64, *mut Ptr, *mut *const Ptr, *mut usize) -> R,
+    >,
+    /// The same with edge data (CUDA 12.3+; the form CUDA 13 keeps).
+    cuStreamGetCaptureInfo_v3: Option<
+        unsafe extern "C" fn(
+            Ptr,
+            *mut c_int,
+            *mut u64,
+            *mut Ptr,
+            *mut *const Ptr,
+            *mut *const EdgeData,
+            *mut usize,
+        ) -> R,
+    >,
 }
 
 impl GraphApi {
@@ -155,6 +174,9 @@ impl GraphApi {
                 cuGraphLaunch: lib.sym("cuGraphLaunch")?,
                 cuGraphExecDestroy: lib.sym("cuGraphExecDestroy")?,
                 cuGraphDestroy: lib.sym("cuGraphDestroy")?,
+                cuStreamWaitEvent: lib.sym("cuStreamWaitEvent").ok(),
+                cuStreamGetCaptureInfo_v2: lib.sym("cuStreamGetCaptureInfo_v2").ok(),
+                cuStreamGetCaptureInfo_v3: lib.sym("cuStreamGetCaptureInfo_v3").ok(),
             })
         }
     }
@@ -408,7 +430,14 @@ impl CudaRuntime {
             .ok_or_else(|| GpuError::Invalid("this CUDA driver has no graph API".into()))
     }
 
-    fn launch_slots(&self, f: Function, d: LaunchDims, s: Stream, slots: &[u64]) -> Result<()> {
+    fn launch_slots(
+        &self,
+        f: Function,
+        d: LaunchDims,
+        s: Stream,
+        slots: &[u64],
+        pdl: bool,
+    ) -> Result<()> {
         self.cur()?;
         // Fixed arrays: no allocation per launch.
         let mut vals = [0u64; MAX_ARGS];
@@ -423,7 +452,7 @@ impl CudaRuntime {
         for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()) {
             *p = v as *mut u64 as *mut c_void;
         }
-        if self.pdl_any.load(Ordering::Relaxed) && self.pdl.read().unwrap().contains(&f.0) {
+        if pdl && self.pdl_any.load(Ordering::Relaxed) && self.pdl.read().unwrap().contains(&f.0) {
             if let Some(ex) = self.api.cuLaunchKernelEx {
                 let mut attr = LaunchAttr {
                     id: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
@@ -527,10 +556,13 @@ impl Runtime for CudaRuntime {
         for (v, a) in slots.iter_mut().zip(args) {
             *v = a.slot();
         }
-        self.launch_slots(f, d, s, &slots[..args.len()])
+        self.launch_slots(f, d, s, &slots[..args.len()], true)
     }
     fn launch_call(&self, c: &KernelCall, s: Stream) -> Result<()> {
-        self.launch_slots(c.f, c.dims, s, c.args())
+        self.launch_slots(c.f, c.dims, s, c.args(), true)
+    }
+    fn launch_call_plain(&self, c: &KernelCall, s: Stream) -> Result<()> {
+        self.launch_slots(c.f, c.dims, s, c.args(), false)
     }
 
     fn graphs_supported(&self) -> bool {
@@ -597,6 +629,99 @@ impl Runtime for CudaRuntime {
         if nodes.len() != total || have != 0 {
             return Err(destroy(GpuError::Invalid(format!(
                 "captured graph is not a chain of {total} kernel nodes"
+            ))));
+        }
+        let mut exec: Ptr = std::ptr::null_mut();
+        self.api
+            .check("cuGraphInstantiateWithFlags", unsafe {
+                (g.cuGraphInstantiateWithFlags)(&mut exec, graph, 0)
+            })
+            .map_err(destroy)?;
+        Ok(GraphExec {
+            exec: exec as usize as u64,
+            graph: graph as usize as u64,
+            nodes,
+        })
+    }
+    fn branches_supported(&self) -> bool {
+        self.api.graph.as_ref().is_some_and(|g| {
+            g.cuStreamWaitEvent.is_some()
+                && (g.cuStreamGetCaptureInfo_v2.is_some() || g.cuStreamGetCaptureInfo_v3.is_some())
+        })
+    }
+    fn stream_wait_event(&self, s: Stream, e: Event) -> Result<()> {
+        let w = self
+            .gapi()?
+            .cuStreamWaitEvent
+            .ok_or_else(|| GpuError::Invalid("no cuStreamWaitEvent".into()))?;
+        self.cur()?;
+        self.api
+            .check("cuStreamWaitEvent", unsafe { w(p(s.0), p(e.0), 0) })
+    }
+    fn capture_node(&self, s: Stream) -> Result<u64> {
+        let g = self.gapi()?;
+        self.cur()?;
+        let mut status: c_int = 0;
+        let mut deps: *const Ptr = std::ptr::null();
+        let mut n = 0usize;
+        let r = unsafe {
+            match (g.cuStreamGetCaptureInfo_v3, g.cuStreamGetCaptureInfo_v2) {
+                (Some(v3), _) => {
+                    let mut edges: *const EdgeData = std::ptr::null();
+                    v3(
+                        p(s.0),
+                        &mut status,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        &mut deps,
+                        &mut edges,
+                        &mut n,
+                    )
+                }
+                (None, Some(v2)) => v2(
+                    p(s.0),
+                    &mut status,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    &mut deps,
+                    &mut n,
+                ),
+                (None, None) => return Err(GpuError::Invalid("no cuStreamGetCaptureInfo".into())),
+            }
+        };
+        self.api.check("cuStreamGetCaptureInfo", r)?;
+        // CU_STREAM_CAPTURE_STATUS_ACTIVE = 1; after a launch the stream's one dependency is
+        // that launch's node.
+        if status != 1 || n != 1 || deps.is_null() {
+            return Err(GpuError::Invalid(format!(
+                "capture info: status {status}, {n} dependencies after a launch"
+            )));
+        }
+        Ok(unsafe { *deps } as usize as u64)
+    }
+    fn capture_end_nodes(&self, s: Stream, nodes: Vec<u64>) -> Result<GraphExec> {
+        let g = self.gapi()?;
+        self.cur()?;
+        let mut graph: Ptr = std::ptr::null_mut();
+        self.api.check("cuStreamEndCapture", unsafe {
+            (g.cuStreamEndCapture)(p(s.0), &mut graph)
+        })?;
+        let destroy = |e: GpuError| {
+            unsafe { (g.cuGraphDestroy)(graph) };
+            e
+        };
+        // Event records and waits between the streams became edges: the graph holds the
+        // launches' kernel nodes only.
+        let mut total = 0usize;
+        self.api
+            .check("cuGraphGetNodes", unsafe {
+                (g.cuGraphGetNodes)(graph, std::ptr::null_mut(), &mut total)
+            })
+            .map_err(destroy)?;
+        if total != nodes.len() {
+            return Err(destroy(GpuError::Invalid(format!(
+                "branched capture: {total} nodes for {} launches",
+                nodes.len()
             ))));
         }
         let mut exec: Ptr = std::ptr::null_mut();

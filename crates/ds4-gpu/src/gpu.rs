@@ -700,6 +700,10 @@ pub struct GraphStats {
     /// meanwhile), before the host waits for the step's result.
     pub steps: u64,
     pub step_host_us: u64,
+    /// Graph launches (captures included) of pieces with a side branch on a second chain
+    /// (`ds4_backend::Backend::side_begin`; 0 with `DS4_GPU_BRANCH=off` or where the runtime
+    /// captures one stream only).
+    pub branched: u64,
 }
 
 struct CachedGraph {
@@ -709,6 +713,8 @@ struct CachedGraph {
     /// The calls the executable graph holds now.
     calls: Vec<KernelCall>,
     exec: GraphExec,
+    /// Captured with a side branch on a second chain.
+    branched: bool,
 }
 
 /// Most graphs kept (least recently used dropped first): decode cycles through a few kernel
@@ -724,6 +730,10 @@ const GRAPH_CACHE: usize = 64;
 #[derive(Default)]
 pub struct StepGraphs {
     cap: Option<Stream>,
+    /// The side branch's capture stream and the fork and join events (branched captures).
+    side: Option<(Stream, Event, Event)>,
+    /// A branched capture failed: steps are captured as one chain from then on.
+    one_chain: bool,
     graphs: Vec<CachedGraph>,
     pub stats: GraphStats,
     /// Print the first captures and replays to stderr (`DS4_GPU_GRAPH_TRACE=1`).
@@ -762,6 +772,7 @@ impl StepGraphs {
         calls.len().hash(&mut h);
         for c in calls {
             c.f.0.hash(&mut h);
+            c.flow.hash(&mut h);
         }
         h.finish()
     }
@@ -782,7 +793,10 @@ impl StepGraphs {
             g.key == key
                 && g.tag == tag
                 && g.calls.len() == calls.len()
-                && g.calls.iter().zip(calls).all(|(a, b)| a.f == b.f)
+                && g.calls
+                    .iter()
+                    .zip(calls)
+                    .all(|(a, b)| a.f == b.f && a.flow == b.flow)
         });
         let t = std::time::Instant::now();
         if let Some(i) = hit {
@@ -806,6 +820,7 @@ impl StepGraphs {
                 self.stats.patched += patched;
                 rt.graph_launch(&g.exec, stream)?;
                 self.stats.replays += 1;
+                self.stats.branched += g.branched as u64;
                 self.stats.replay_us += t.elapsed().as_micros() as u64;
                 if self.trace && self.stats.replays <= 40 {
                     eprintln!(
@@ -828,24 +843,46 @@ impl StepGraphs {
                 s
             }
         };
+        let mut branched =
+            !self.one_chain && rt.branches_supported() && calls.iter().any(|c| c.flow == FLOW_SIDE);
         if self.trace && self.stats.captures < 40 {
-            eprintln!("ds4 graph: capturing tag {tag}: {} launches", calls.len());
+            eprintln!(
+                "ds4 graph: capturing tag {tag}: {} launches{}",
+                calls.len(),
+                if branched { ", branched" } else { "" }
+            );
         }
-        rt.capture_begin(cap)?;
-        let mut r = Ok(());
-        for c in calls {
-            r = rt.launch_call(c, cap);
-            if r.is_err() {
-                break;
+        let mut exec = None;
+        if branched {
+            match self.capture_branched(rt, calls, cap) {
+                Ok(x) => exec = Some(x),
+                Err(e) => {
+                    // One chain instead (same calls, same order: the same results).
+                    eprintln!("ds4: GPU graph branches turned off: {e}");
+                    self.one_chain = true;
+                    branched = false;
+                }
             }
         }
-        let exec = rt.capture_end(cap);
-        if let (Err(e), Ok(x)) = (&r, &exec) {
-            rt.graph_destroy(x);
-            return Err(GpuError::Invalid(format!("graph capture: {e}")));
-        }
-        r?;
-        let exec = exec?;
+        let exec = if let Some(x) = exec {
+            x
+        } else {
+            rt.capture_begin(cap)?;
+            let mut r = Ok(());
+            for c in calls {
+                r = rt.launch_call(c, cap);
+                if r.is_err() {
+                    break;
+                }
+            }
+            let exec = rt.capture_end(cap);
+            if let (Err(e), Ok(x)) = (&r, &exec) {
+                rt.graph_destroy(x);
+                return Err(GpuError::Invalid(format!("graph capture: {e}")));
+            }
+            r?;
+            exec?
+        };
         if exec.nodes.len() != calls.len() {
             rt.graph_destroy(&exec);
             return Err(GpuError::Invalid(format!(
@@ -860,6 +897,7 @@ impl StepGraphs {
         }
         self.stats.captures += 1;
         self.stats.replays += 1;
+        self.stats.branched += branched as u64;
         self.stats.capture_us += t.elapsed().as_micros() as u64;
         if self.trace && self.stats.captures <= 40 {
             eprintln!(
@@ -877,8 +915,102 @@ impl StepGraphs {
             tag,
             calls: calls.to_vec(),
             exec,
+            branched,
         });
         Ok(())
+    }
+
+    /// Capture `calls` on `cap` with their side branches on a second stream: at a run of
+    /// [`FLOW_SIDE`] calls the side stream waits for the main stream (an event: a graph edge
+    /// from the main chain's last node), the side calls chain on it, and at the next
+    /// [`FLOW_JOIN`] call (or the end) the main stream waits for the side stream. The nodes
+    /// are taken after each launch ([`Runtime::capture_node`]), so node i is call i for the
+    /// updates by index. A branch's first call and a join launch without PDL: their edges
+    /// (the fork, the join) stay full dependencies; PDL stays within each chain.
+    fn capture_branched(
+        &mut self,
+        rt: &dyn Runtime,
+        calls: &[KernelCall],
+        cap: Stream,
+    ) -> Result<GraphExec> {
+        let (side, fork, join) = match self.side {
+            Some(x) => x,
+            None => {
+                let s = rt.stream_create()?;
+                let e = rt.event_create().and_then(|a| Ok((a, rt.event_create()?)));
+                let (a, b) = match e {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = rt.stream_destroy(s);
+                        return Err(e);
+                    }
+                };
+                self.side = Some((s, a, b));
+                (s, a, b)
+            }
+        };
+        rt.capture_begin(cap)?;
+        let mut nodes = Vec::with_capacity(calls.len());
+        let mut open = false; // side calls captured since the last join
+        let mut in_side = false; // the previous call was a side call
+        let mut r: Result<()> = Ok(());
+        for c in calls {
+            r = (|| {
+                if c.flow == FLOW_SIDE {
+                    let first = !in_side;
+                    if first {
+                        if open {
+                            // A second side branch before a join: join the first one.
+                            rt.event_record(join, side)?;
+                            rt.stream_wait_event(cap, join)?;
+                        }
+                        rt.event_record(fork, cap)?;
+                        rt.stream_wait_event(side, fork)?;
+                        rt.launch_call_plain(c, side)?;
+                    } else {
+                        rt.launch_call(c, side)?;
+                    }
+                    open = true;
+                    in_side = true;
+                    nodes.push(rt.capture_node(side)?);
+                } else {
+                    in_side = false;
+                    if c.flow == FLOW_JOIN && open {
+                        rt.event_record(join, side)?;
+                        rt.stream_wait_event(cap, join)?;
+                        open = false;
+                        rt.launch_call_plain(c, cap)?;
+                    } else {
+                        rt.launch_call(c, cap)?;
+                    }
+                    nodes.push(rt.capture_node(cap)?);
+                }
+                Ok(())
+            })();
+            if r.is_err() {
+                break;
+            }
+        }
+        if open {
+            // The capture ends joined (a side branch still open at the end of a piece).
+            let j = rt
+                .event_record(join, side)
+                .and_then(|_| rt.stream_wait_event(cap, join));
+            if r.is_ok() {
+                r = j;
+            }
+        }
+        let exec = rt.capture_end_nodes(cap, nodes);
+        match (r, exec) {
+            (Ok(()), Ok(x)) => Ok(x),
+            (Err(e), Ok(x)) => {
+                rt.graph_destroy(&x);
+                Err(GpuError::Invalid(format!("branched graph capture: {e}")))
+            }
+            (Err(e), Err(_)) | (Ok(()), Err(e)) => {
+                Err(GpuError::Invalid(format!("branched graph capture: {e}")))
+            }
+        }
     }
 
     /// Destroy every graph and the capture stream (the device must be idle or the graphs'
@@ -889,6 +1021,11 @@ impl StepGraphs {
         }
         if let Some(s) = self.cap.take() {
             let _ = rt.stream_destroy(s);
+        }
+        if let Some((s, a, b)) = self.side.take() {
+            let _ = rt.stream_destroy(s);
+            let _ = rt.event_destroy(a);
+            let _ = rt.event_destroy(b);
         }
     }
 }

@@ -127,16 +127,29 @@ pub struct KernelCall {
     pub f: Function,
     pub dims: LaunchDims,
     pub n: u8,
+    /// Where the call sits in a step with two branches ([`FLOW_MAIN`], [`FLOW_SIDE`],
+    /// [`FLOW_JOIN`]; `ds4_backend::Backend::side_begin`).
+    pub flow: u8,
     pub slots: [u64; MAX_ARGS],
 }
 
-/// Equal kernel, shape and used argument slots (the graph recorder compares ~800 calls a decode
-/// step: the unused slots, always zero, are not read).
+/// A call of the main chain (after the previous call of the main chain).
+pub const FLOW_MAIN: u8 = 0;
+/// A call of the side branch: a run of side calls forks from the main chain's state before its
+/// first call and may run concurrently with the main calls after it, up to the next
+/// [`FLOW_JOIN`] call (or the end of the graph).
+pub const FLOW_SIDE: u8 = 1;
+/// A main call that waits for the side branch too (the first consumer after the join).
+pub const FLOW_JOIN: u8 = 2;
+
+/// Equal kernel, shape, place in the branches and used argument slots (the graph recorder
+/// compares ~800 calls a decode step: the unused slots, always zero, are not read).
 impl PartialEq for KernelCall {
     fn eq(&self, o: &Self) -> bool {
         self.f == o.f
             && self.dims == o.dims
             && self.n == o.n
+            && self.flow == o.flow
             && self.slots[..self.n as usize] == o.slots[..o.n as usize]
     }
 }
@@ -157,6 +170,7 @@ impl KernelCall {
             f,
             dims,
             n: args.len() as u8,
+            flow: FLOW_MAIN,
             slots,
         })
     }
@@ -223,6 +237,38 @@ pub trait Runtime: Send + Sync {
         ))
     }
     fn graph_destroy(&self, _g: &GraphExec) {}
+    /// Whether a capture may fork onto a second stream ([`Runtime::stream_wait_event`],
+    /// [`Runtime::capture_node`], [`Runtime::capture_end_nodes`]); where not, steps with two
+    /// branches are captured as one chain.
+    fn branches_supported(&self) -> bool {
+        false
+    }
+    /// Make `s` wait for the work recorded by `e` (in a capture: a graph edge; a stream not
+    /// capturing yet joins the capture).
+    fn stream_wait_event(&self, _s: Stream, _e: Event) -> Result<()> {
+        Err(crate::error::GpuError::Invalid(
+            "branched graphs are not supported here".into(),
+        ))
+    }
+    /// The node just captured on `s` (its one capture dependency: the last launch on it).
+    fn capture_node(&self, _s: Stream) -> Result<u64> {
+        Err(crate::error::GpuError::Invalid(
+            "branched graphs are not supported here".into(),
+        ))
+    }
+    /// End the capture on `s` (the other streams of the capture joined into it) and
+    /// instantiate it; `nodes` are its kernel nodes in launch order ([`Runtime::capture_node`]
+    /// after each launch), checked against the graph's node count.
+    fn capture_end_nodes(&self, _s: Stream, _nodes: Vec<u64>) -> Result<GraphExec> {
+        Err(crate::error::GpuError::Invalid(
+            "branched graphs are not supported here".into(),
+        ))
+    }
+    /// [`Runtime::launch_call`] without programmatic dependent launch (a branch's first call
+    /// and a join: their edges stay full dependencies).
+    fn launch_call_plain(&self, c: &KernelCall, s: Stream) -> Result<()> {
+        self.launch_call(c, s)
+    }
     /// Open (`true`) or close a profiler capture range (`cuProfilerStart/Stop`: ncu
     /// `--profile-from-start off`, nsys `--capture-range=cudaProfilerApi`). No-op elsewhere.
     fn profiler(&self, _on: bool) {}

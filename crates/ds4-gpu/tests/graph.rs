@@ -2,7 +2,8 @@
 //! tokens decoded one at a time with graphs on give bit-identical logits at every step to
 //! graphs off — across the raw window (8), hundreds of ratio-4 and ratio-8 compressor
 //! boundaries, the indexer's switch to scoring, a snapshot round trip through the host, and
-//! speculative steps (a 3-token batch, then single tokens) rolled back mid-way. Skips with the
+//! speculative steps (a 3-token batch, then single tokens) rolled back mid-way. Steps with two
+//! branches (a second chain in the graph) give the same logits as one chain. Skips with the
 //! reason when no GPU is present.
 
 mod common;
@@ -145,4 +146,73 @@ fn steady_decode_steps_update_no_graph_nodes() {
         0,
         "graph nodes updated in steady decode (DS4_GPU_GRAPH_TRACE=1 names them)"
     );
+}
+
+/// Decode steps as graphs of two chains (`Backend::side_begin`: the compressors beside the query
+/// path, the shared expert's gate/up beside the router and routed experts) give bit-identical
+/// logits to one chain (`DS4_GPU_BRANCH=off`) and to launches one by one, in one graph per step
+/// and in pieces of 64 (a piece is not cut inside a branch), across the same snapshot and
+/// rollbacks as above; and branching happened (graph launches with a second chain counted),
+/// where the driver captures two streams.
+#[test]
+fn branched_steps_are_bit_identical() {
+    let Some(m) = tiny() else { return };
+    if !m.backend.graph_on() {
+        println!("graphs unsupported by this driver: nothing to check");
+        return;
+    }
+    let mut rng = common::rng(13);
+    let vocab = m.hp.n_vocab;
+    let toks: Vec<u32> = (0..560).map(|_| rng.gen_range(0..vocab)).collect();
+    let same = |a: &[Vec<f32>], b: &[Vec<f32>], what: &str| {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "evaluation {i}: {what}"
+            );
+        }
+    };
+
+    m.backend.set_graph(false);
+    let eager = decode(&m, &toks);
+    m.backend.set_graph(true);
+    m.backend.set_graph_split(0);
+    m.backend.set_branch(false);
+    let s0 = m.backend.graph_stats();
+    let one = decode(&m, &toks);
+    let s1 = m.backend.graph_stats();
+    m.backend.set_branch(true);
+    let two = decode(&m, &toks);
+    let s2 = m.backend.graph_stats();
+    m.backend.set_graph_split(64);
+    let two64 = decode(&m, &toks);
+    let s3 = m.backend.graph_stats();
+    println!("one chain: {s1:?}\ntwo chains: {s2:?}\ntwo chains, pieces of 64: {s3:?}");
+    same(&eager, &one, "one-chain graphs differ from launches");
+    same(&one, &two, "two-chain graphs differ from one chain");
+    same(
+        &one,
+        &two64,
+        "two-chain graphs in pieces of 64 differ from one chain",
+    );
+    assert_eq!(
+        s1.branched, s0.branched,
+        "branched graphs with DS4_GPU_BRANCH off"
+    );
+    assert!(s2.replays - s1.replays >= 500, "{s2:?}");
+    if m.backend.gpu().runtime().branches_supported() {
+        // Steps (one graph each) have side branches: nearly every launch is branched.
+        let (b, r) = (s2.branched - s1.branched, s2.replays - s1.replays);
+        assert!(
+            b * 10 >= r * 9,
+            "{b} of {r} graph launches branched: {s2:?}"
+        );
+        assert!(s3.branched - s2.branched >= 500, "{s3:?}");
+        // No more steps run launch by launch than with one chain (state growth, snapshots).
+        assert_eq!(s2.eager - s1.eager, s1.eager - s0.eager, "{s2:?}");
+    } else {
+        assert_eq!(s3.branched, 0);
+        println!("this runtime captures one stream: two-chain steps ran as one chain");
+    }
 }

@@ -694,20 +694,84 @@ impl<B: Backend> Model<B> {
         let n_rot = hp.n_rot as usize;
         let rank = hp.q_lora_rank as usize;
         let rope = Self::rope_kind(&l.kind);
-        // Query: low rank, norm, expand, per-head unweighted norm, RoPE. The query's low-rank
-        // product and the KV row's product both read z: one multi-product.
+        // The query's low-rank product and the KV row's product both read z: one multi-product.
         let mut cq = b.alloc(n * rank);
         let mut kv = b.alloc(n * hd);
         b.matmul_multi(&[&l.q_a, &l.kv], z, n, &mut [&mut cq, &mut kv]);
-        let mut q = b.alloc(n * nh * hd);
-        b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
-        // The query heads (unweighted) and the shared KV row of each position (kv_norm,
-        // rounded as the cache stores it): one norm_rope_pair.
         let kv_round = RowRounding {
             fp8_nope: if rnd.fp8_kv { hd - n_rot } else { 0 },
             fp4_hadamard: false,
             f16: rnd.f16_cache,
         };
+        // Two independent pieces until the indexer's selection (`Backend::side_begin`): the
+        // compressors (side branch: their projections read z, their rows go to the state) and
+        // the query path (main branch: q_b, norms and RoPE of q and kv, the indexer's query,
+        // which reads the normed cq). Compressors first in issue order: a row closed by token t
+        // is visible to t.
+        let mut ws: Vec<&B::Weight> = Vec::new();
+        let mut outs: Vec<B::Buf> = Vec::new();
+        for c in l.comp.iter().chain(l.indexer.as_ref().map(|ix| &ix.comp)) {
+            let w = c.dims.width();
+            ws.extend([&c.kv, &c.gate]);
+            outs.extend([b.alloc(n * w), b.alloc(n * w)]);
+        }
+        let mut iw = None;
+        let branch = !ws.is_empty();
+        if branch {
+            b.side_begin();
+            if let Some(ix) = &l.indexer {
+                ws.push(&ix.proj);
+                outs.push(b.alloc(n * hp.indexer_heads as usize));
+            }
+            // Their projections (kv, gate) and the indexer's weights projection all read z:
+            // one multi-product.
+            let mut refs: Vec<&mut B::Buf> = outs.iter_mut().collect();
+            b.matmul_multi(&ws, z, n, &mut refs);
+            let mut outs = outs.into_iter(); // in push order: (kv, gate) per compressor, then proj
+            if let Some(c) = &l.comp {
+                let (a, g) = (outs.next().unwrap(), outs.next().unwrap());
+                let spec = CompressSpec {
+                    dims: c.dims,
+                    rope,
+                    n_rot,
+                    round: kv_round,
+                    eps,
+                };
+                b.compress(st, Which::Attn, &spec, &c.ape, &c.norm, &a, &g, n, t0);
+            }
+            if let Some(ix) = &l.indexer {
+                let (a, g) = (outs.next().unwrap(), outs.next().unwrap());
+                let spec = CompressSpec {
+                    dims: ix.comp.dims,
+                    rope,
+                    n_rot,
+                    round: RowRounding {
+                        fp8_nope: 0,
+                        fp4_hadamard: rnd.fp4_indexer,
+                        f16: rnd.f16_cache,
+                    },
+                    eps,
+                };
+                b.compress(
+                    st,
+                    Which::Index,
+                    &spec,
+                    &ix.comp.ape,
+                    &ix.comp.norm,
+                    &a,
+                    &g,
+                    n,
+                    t0,
+                );
+                iw = outs.next();
+            }
+            b.side_end();
+        }
+        // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
+        let mut q = b.alloc(n * nh * hd);
+        b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
+        // The query heads (unweighted) and the shared KV row of each position (kv_norm,
+        // rounded as the cache stores it): one norm_rope_pair.
         let kvn = Some(&l.kv_norm);
         b.norm_rope_pair(
             &mut q,
@@ -725,67 +789,20 @@ impl<B: Backend> Model<B> {
             t0,
             rope,
         );
-        // Compressors first: a row closed by token t is visible to t. Their projections (kv,
-        // gate) and the indexer's weights projection all read z: one multi-product.
-        let mut ws: Vec<&B::Weight> = Vec::new();
-        let mut outs: Vec<B::Buf> = Vec::new();
-        for c in l.comp.iter().chain(l.indexer.as_ref().map(|ix| &ix.comp)) {
-            let w = c.dims.width();
-            ws.extend([&c.kv, &c.gate]);
-            outs.extend([b.alloc(n * w), b.alloc(n * w)]);
-        }
-        if let Some(ix) = &l.indexer {
-            ws.push(&ix.proj);
-            outs.push(b.alloc(n * hp.indexer_heads as usize));
-        }
-        if !ws.is_empty() {
-            let mut refs: Vec<&mut B::Buf> = outs.iter_mut().collect();
-            b.matmul_multi(&ws, z, n, &mut refs);
-        }
-        let mut outs = outs.into_iter(); // in push order: (kv, gate) per compressor, then proj
-        if let Some(c) = &l.comp {
-            let (a, g) = (outs.next().unwrap(), outs.next().unwrap());
-            let spec = CompressSpec {
-                dims: c.dims,
-                rope,
-                n_rot,
-                round: kv_round,
-                eps,
-            };
-            b.compress(st, Which::Attn, &spec, &c.ape, &c.norm, &a, &g, n, t0);
-        }
-        let sel = l.indexer.as_ref().map(|ix| {
-            let (a, g) = (outs.next().unwrap(), outs.next().unwrap());
-            let spec = CompressSpec {
-                dims: ix.comp.dims,
-                rope,
-                n_rot,
-                round: RowRounding {
-                    fp8_nope: 0,
-                    fp4_hadamard: rnd.fp4_indexer,
-                    f16: rnd.f16_cache,
-                },
-                eps,
-            };
-            b.compress(
-                st,
-                Which::Index,
-                &spec,
-                &ix.comp.ape,
-                &ix.comp.norm,
-                &a,
-                &g,
-                n,
-                t0,
-            );
+        let iq = l.indexer.as_ref().map(|ix| {
             let inh = hp.indexer_heads as usize;
             let ihd = hp.indexer_head_dim as usize;
             let mut iq = b.alloc(n * inh * ihd);
             b.matmul(&ix.q_b, Part::All, &cq, n, &mut iq);
-            let iw = outs.next().unwrap();
+            iq
+        });
+        if branch {
+            b.join();
+        }
+        let sel = iq.as_ref().zip(iw.as_ref()).map(|(iq, iw)| {
             let spec = IndexSpec {
-                heads: inh,
-                head_dim: ihd,
+                heads: hp.indexer_heads as usize,
+                head_dim: hp.indexer_head_dim as usize,
                 top_k: hp.indexer_top_k as usize,
                 ratio: l.kind.ratio as usize,
                 n_rot,
@@ -793,7 +810,7 @@ impl<B: Backend> Model<B> {
                 fp4: rnd.fp4_indexer,
             };
             let mut sel = b.alloc_i32(n * spec.top_k);
-            b.index_select(st, &spec, &iq, &iw, n, t0, &mut sel);
+            b.index_select(st, &spec, iq, iw, n, t0, &mut sel);
             sel
         });
         let spec = AttnSpec {
@@ -833,6 +850,13 @@ impl<B: Backend> Model<B> {
             weight_scale: hp.expert_weights_scale,
             clamp: l.clamp,
         };
+        // The shared expert's gate/up reads only z (side branch, `Backend::side_begin`); the
+        // router and the routed experts (main branch) too; the shared down product adds into
+        // the routed sum after the join.
+        b.side_begin();
+        let mut g = b.alloc(n * spec.ff);
+        b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut g, l.clamp_sh);
+        b.side_end();
         let mut logits = b.alloc(n * spec.n_expert);
         let mut sel = b.alloc_i32(n * spec.n_used);
         let mut wgt = b.alloc(n * spec.n_used);
@@ -861,8 +885,7 @@ impl<B: Backend> Model<B> {
             n,
             &mut out,
         );
-        let mut g = b.alloc(n * spec.ff);
-        b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut g, l.clamp_sh);
+        b.join();
         b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
         out
     }

@@ -25,7 +25,7 @@ pub mod synth;
 use crate::error::Result;
 pub(crate) use crate::gpu::type_suffix;
 use crate::gpu::{DeviceBuffer, Gpu, GraphStats, StepGraphs};
-use crate::runtime::{Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream};
+use crate::runtime::{Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, FLOW_JOIN, FLOW_SIDE};
 use ds4_backend::rope::RopeTables;
 use ds4_backend::{
     AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
@@ -73,6 +73,21 @@ struct GraphState {
     piece: u64,
     /// When this step's recording began (for [`GraphStats::step_host_us`]).
     began: Option<std::time::Instant>,
+    /// Record side branches ([`Backend::side_begin`]) for a graph of two chains
+    /// (`DS4_GPU_BRANCH=off`: one chain, the calls in issue order).
+    branch: bool,
+    /// A side branch was begun and not joined yet (a piece is not cut meanwhile).
+    open: bool,
+    /// Between `side_begin` and `side_end`: calls are [`FLOW_SIDE`].
+    in_side: bool,
+    /// Joined: the next call is [`FLOW_JOIN`].
+    pending_join: bool,
+}
+
+/// Two-chain decode steps (`Backend::side_begin`; the MoE's shared gate/up beside the router and
+/// routed experts, the compressors beside the query path): on unless `DS4_GPU_BRANCH=off`.
+fn branch_wanted() -> bool {
+    !std::env::var("DS4_GPU_BRANCH").is_ok_and(|v| v == "off" || v == "0")
 }
 
 /// Pinned source slots of the step position (a ring, so that the host never rewrites a slot
@@ -107,10 +122,15 @@ unsafe impl Send for StepPos {}
 
 /// Device memory for activations, reused by size class (powers of two from 256 bytes). All
 /// work runs on one stream, so a block freed by a dropped buffer is safe to hand out again:
-/// its next user is ordered after its last.
+/// its next user is ordered after its last. The exception, a recorded step's two branches
+/// (`Backend::side_begin` to `join`), holds freed blocks back until the join ([`Pool::defer`]).
 pub(crate) struct Pool {
     rt: Arc<dyn Runtime>,
     free: Mutex<HashMap<usize, Vec<DevPtr>>>,
+    /// Blocks freed while a recorded step has two branches open (from `side_begin` to `join`):
+    /// kept out of the free lists until the join, since the two branches are not ordered (a
+    /// block freed in one must not be handed to the other).
+    deferred: Mutex<Option<Vec<(usize, DevPtr)>>>,
     /// Sticky error shared with the backend (an allocation can fail inside an op).
     err: Arc<Mutex<Option<String>>>,
 }
@@ -140,13 +160,36 @@ impl Pool {
     }
 
     fn put(&self, bytes: usize, p: DevPtr) {
-        if p.0 != 0 {
+        if p.0 == 0 {
+            return;
+        }
+        if let Some(d) = self.deferred.lock().unwrap().as_mut() {
+            d.push((bytes, p));
+            return;
+        }
+        {
             self.free
                 .lock()
                 .unwrap()
                 .entry(Self::class(bytes))
                 .or_default()
                 .push(p);
+        }
+    }
+
+    /// Hold freed blocks back (`on`), or return those held to the free lists (in the order
+    /// they were freed) and stop holding.
+    fn defer(&self, on: bool) {
+        let held = {
+            let mut d = self.deferred.lock().unwrap();
+            if on {
+                d.get_or_insert_with(Vec::new);
+                return;
+            }
+            d.take()
+        };
+        for (bytes, p) in held.into_iter().flatten() {
+            self.put(bytes, p);
         }
     }
 
@@ -171,6 +214,7 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
+        self.defer(false);
         self.trim();
     }
 }
@@ -352,6 +396,7 @@ impl GpuBackend {
         let pool = Arc::new(Pool {
             rt: gpu.runtime().clone(),
             free: Mutex::new(HashMap::new()),
+            deferred: Mutex::new(None),
             err: err.clone(),
         });
         // DS4_GPU_MATVEC=off|on|v1|v2|v3: matvec.rs off, on for one-row products too (default:
@@ -406,6 +451,7 @@ impl GpuBackend {
                 graphs: StepGraphs::new(),
                 split: env_usize("DS4_GPU_GRAPH_SPLIT").unwrap_or(GRAPH_SPLIT),
                 first: env_usize("DS4_GPU_GRAPH_FIRST").unwrap_or(GRAPH_FIRST),
+                branch: branch_wanted(),
                 ..GraphState::default()
             }),
         }
@@ -492,6 +538,13 @@ impl GpuBackend {
         g.first = calls;
     }
 
+    /// Record decode steps' side branches as a second chain of their graphs (default on unless
+    /// `DS4_GPU_BRANCH=off`), or keep one chain.
+    pub fn set_branch(&self, on: bool) {
+        self.flush(false);
+        self.graph.lock().unwrap().branch = on;
+    }
+
     /// Whether decode steps run as graphs.
     pub fn graph_on(&self) -> bool {
         self.prof.is_none()
@@ -512,6 +565,11 @@ impl GpuBackend {
         }
         let mut g = self.graph.lock().unwrap();
         let calls = std::mem::take(&mut g.calls);
+        // A branch still open ends here: what follows (eager launches, or the next step's
+        // recording) is one chain after these calls. The pool holds blocks back until the join.
+        g.open = false;
+        g.in_side = false;
+        g.pending_join = false;
         if calls.is_empty() || self.failed() {
             return;
         }
@@ -632,15 +690,21 @@ impl GpuBackend {
             return false;
         }
         match KernelCall::new(f, dims, args) {
-            Some(c) => {
+            Some(mut c) => {
                 let mut g = self.graph.lock().unwrap();
+                if g.in_side {
+                    c.flow = FLOW_SIDE;
+                } else if g.pending_join {
+                    c.flow = FLOW_JOIN;
+                    g.pending_join = false;
+                }
                 g.calls.push(c);
                 let piece_len = if g.piece == 0 && g.first > 0 {
                     g.first
                 } else {
                     g.split
                 };
-                if g.split > 0 && g.calls.len() >= piece_len {
+                if g.split > 0 && g.calls.len() >= piece_len && !g.open {
                     // This piece now, as a graph; keep recording the next.
                     let calls = std::mem::take(&mut g.calls);
                     let piece = g.piece;
@@ -943,6 +1007,10 @@ impl Backend for GpuBackend {
         g.calls.clear();
         g.piece = 0;
         g.began = Some(std::time::Instant::now());
+        g.open = false;
+        g.in_side = false;
+        g.pending_join = false;
+        self.pool.defer(false);
         if let Some(sp) = self.step.lock().unwrap().as_mut() {
             sp.in_step = false;
         }
@@ -952,6 +1020,39 @@ impl Backend for GpuBackend {
 
     fn graph_end(&self) {
         self.flush(true);
+    }
+
+    /// A recorded step's side branch: its calls become a second chain of the step's graph
+    /// (gpu.rs `StepGraphs::capture_branched`). Only while recording (eager launches and
+    /// prefill chunks stay one stream), and not nested.
+    fn side_begin(&self) {
+        if !self.recording.load(Ordering::Acquire) {
+            return;
+        }
+        let mut g = self.graph.lock().unwrap();
+        if !g.branch || g.open {
+            return;
+        }
+        g.open = true;
+        g.in_side = true;
+        g.pending_join = false;
+        drop(g);
+        self.pool.defer(true);
+    }
+
+    fn side_end(&self) {
+        self.graph.lock().unwrap().in_side = false;
+    }
+
+    fn join(&self) {
+        let mut g = self.graph.lock().unwrap();
+        if g.open {
+            g.open = false;
+            g.in_side = false;
+            g.pending_join = true;
+        }
+        drop(g);
+        self.pool.defer(false);
     }
 
     fn finish(&self) -> std::result::Result<(), String> {
