@@ -7,7 +7,8 @@
 //! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
 //! and fma (per type). default = the default forms (the tiled form for Q2_K/Q4_K, the MoE's
 //! IQ2_XXS gate/up on X split once: `gemmc_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
-//! = X split per CTA. `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
+//! = X split per CTA, int8 = the MoE's gate/up activation-quantised (`gemmi8_iq2_xxs`, opt-in
+//! `DS4_GPU_ACT=q8k`). `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
 //! `GEMM_BENCH_FORMS=default,bf16`: only those forms (model shapes and routed experts).
 //! Timing: `reps` calls queued back to back between two syncs (wall clock, launch overhead in).
 //! Ends each n with an estimate of prefill tokens/s from the products of one layer × 43 layers
@@ -93,6 +94,14 @@ const DEFAULT: Form = ("default", true, false, false, true, 0, true);
 const DEFAULT_NOSKIP: Form = ("default/noskip", true, false, false, true, 0, true);
 const BF16_NOSKIP: Form = ("bf16/noskip", true, false, false, true, 0, true);
 const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
+/// The default forms with the MoE's IQ2_XXS gate/up activation-quantised on int8 tensor cores
+/// (`gemmi8_iq2_xxs`, opt-in `DS4_GPU_ACT=q8k`; not exact).
+const INT8: Form = ("int8", true, false, false, true, 0, true);
+/// int8 kernels by form (`set_gemm_i8_form`): w4 `gemmi8_iq2_xxs`, w8 `gemmi8w_iq2_xxs`, p8
+/// `gemmi8pw_iq2_xxs` (int8: the default, `gemmi8p_iq2_xxs`).
+const INT8_W4: Form = ("int8/w4", true, false, false, true, 0, true);
+const INT8_W8: Form = ("int8/w8", true, false, false, true, 0, true);
+const INT8_P8: Form = ("int8/p8", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -114,6 +123,13 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
     GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
     GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
+    GpuBackend::set_gemm_act_q8k(f.0.starts_with("int8"));
+    GpuBackend::set_gemm_i8_form(match f.0 {
+        "int8/w4" => 1,
+        "int8/w8" => 2,
+        "int8/p8" => 4,
+        _ => 0,
+    });
 }
 
 fn main() {
@@ -228,6 +244,10 @@ fn main() {
                 DEFAULT,
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
+                INT8,
+                INT8_W4,
+                INT8_W8,
+                INT8_P8,
                 BF16,
                 BF16_NOSKIP,
                 TILED,
@@ -237,7 +257,16 @@ fn main() {
                 .filter_map(|n| all.iter().find(|f| f.0 == n).copied())
                 .collect()
         } else if moe_only {
-            vec![DEFAULT, DEFAULT_NOSKIP, DEFAULT_NOXB, BF16, TILED, F16]
+            vec![
+                DEFAULT,
+                INT8,
+                INT8_W4,
+                DEFAULT_NOSKIP,
+                DEFAULT_NOXB,
+                BF16,
+                TILED,
+                F16,
+            ]
         } else {
             vec![DEFAULT, BF16, TILED, F16]
         };

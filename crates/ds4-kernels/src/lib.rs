@@ -73,6 +73,7 @@ mod attn_tc;
 mod blas_prep;
 mod fused;
 mod gemm;
+mod gemm_i8;
 mod matmul;
 mod matvec;
 mod model;
@@ -84,6 +85,7 @@ pub use attn_tc::ATTN_TC;
 pub use blas_prep::BLAS_PREP;
 pub use fused::FUSED;
 pub use gemm::GEMM;
+pub use gemm_i8::GEMM_I8;
 pub use matmul::MATMUL;
 pub use matvec::MATVEC;
 pub use model::MODEL;
@@ -106,6 +108,7 @@ pub const MODULES: &[Module] = &[
     FUSED,
     SAMPLE,
     BLAS_PREP,
+    GEMM_I8,
 ];
 
 /// The kernels of `m` that may be launched with programmatic dependent launch (PDL): those whose

@@ -619,7 +619,7 @@ impl GpuBackend {
     }
 
     /// Device grouping (gm_group_*_i32) into a new scratch `[ngroups, starts[gmax], perm[pairs]]`.
-    fn group_pairs(
+    pub(super) fn group_pairs(
         &self,
         sel: DevPtr,
         pairs: usize,
@@ -1012,8 +1012,14 @@ impl GpuBackend {
         } else {
             Xc::F32
         };
+        // Opt-in (DS4_GPU_ACT=q8k): IQ2_XXS gate and up on int8 tensor cores (gemm_i8.rs).
+        let i8 = !h_gu
+            && !t_gu
+            && mode() == 0
+            && self.moe_gate_up_i8(g, u, z.ptr, n, k, (sel, grp.ptr, gmax), bm, gb.ptr, ub.ptr);
         // bf16 form for IQ2_XXS gate and up (the q2 mix): z split once into hi/lo words.
-        let zb = (!h_gu
+        let zb = (!i8
+            && !h_gu
             && !t_gu
             && split_x()
             && mode() == 0
@@ -1028,7 +1034,7 @@ impl GpuBackend {
             None => hz.parts(z.ptr),
         };
         let zt = hz.sums();
-        for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)] {
+        for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)].into_iter().filter(|_| !i8) {
             // Pair i reads token i / k of z.
             self.gemm(&Gm {
                 w: p,

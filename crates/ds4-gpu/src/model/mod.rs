@@ -14,6 +14,7 @@
 mod attn;
 mod blas;
 mod gemm;
+mod gemm_i8;
 mod matmul;
 mod matvec;
 mod mix;
