@@ -1244,3 +1244,268 @@ template <int T, int R> struct MvxMulti {
                           {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};             \
     mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>>(x, cols, ks, ncb, mm, mm);
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) { DS4_PDL_LATE; MVXM_BODY }
+
+// ---- One-row Q8_0 products through a bulk-copy ring (mvb<J>_q8_0, mvba1_q8_0, mvbn1_q8_0; n = 1,
+// the decode layout of q8_repack). The mvr/mvx forms keep 2-8 KB of loads in flight per warp
+// and ramp up CTA by CTA; here a persistent grid (a few CTAs per SM, host's choice) splits the
+// rows of all groups evenly (CTA b: rows [G b / P, G (b + 1) / P), G = rows * zs, P = gridDim.x)
+// and walks them in stages of whole rows: MVB_SQ quant bytes (MVB_SQ / cols rows) + their
+// scales, both contiguous in the decode layout, each stage one or two bulk copies into a ring of
+// MVB_NS stages (sm_90: cp.async.bulk completing on the stage's mbarrier, issued by thread 0;
+// the first MVB_NS stages before the PDL wait: weights are never written by an earlier kernel).
+// Elsewhere (MVB_BULK 0: HIP, sm_80) the threads copy each stage themselves before its use (a
+// portable fallback: correct, not fast; the host takes mvb only on sm_90+).
+// Compute: hb = cols / 16 half blocks a row (16 quants: one 16-byte slot + its scale), a row
+// takes lpr = min(hb, MV_THREADS) threads (J = hb / lpr half blocks each: x of those columns
+// stays in registers for every row), MV_THREADS / lpr rows a pass. Per row: each thread adds its
+// J half blocks (mvr_dot, in j order), warp sum, then the warps of the row in order (shared
+// memory, read after the stage barrier): deterministic; the order differs from mvr's, so the
+// bits may too (ops_matvec: the same tolerance vs the CPU). cols: a power of two with
+// DS4_WARP <= hb <= 2 * MV_THREADS and cols <= MVB_SQ (512 .. 8192 on warp 32).
+// ADD (mvba): y[r] += W[r] . x. NORM (mvbn, zs = 1): the product of the RMSNorm of x weighted
+// by nw, as mvxn: x * nw in registers, s = 1 / sqrt(mean(x^2) + eps) from a double sum (each
+// CTA the same: thread, warp, then warp order), row totals times s; CTA 0 writes x * s * nw to
+// xn (when not null).
+#define MVB_SQ 8192          // quant bytes a stage (whole rows: MVB_SQ / cols of them)
+#define MVB_SD (MVB_SQ / 16) // their scales' bytes
+#define MVB_NS 5             // stages in the ring: 5 x 8704 = 43,520 bytes (static shared <= 48 KB)
+#define MVB_LB MV_THREADS, 2
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+#define MVB_BULK 1
+#else
+#define MVB_BULK 0
+#endif
+
+#if MVB_BULK
+__device__ __forceinline__ u32 mvb_sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// Stage `bar` expects `bytes` (thread 0's arrival, the barrier's only one per phase).
+__device__ __forceinline__ void mvb_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mvb_sa(bar)), "r"(bytes) : "memory");
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst.
+__device__ __forceinline__ void mvb_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     mvb_sa(dst)),
+                 "l"(src), "r"(bytes), "r"(mvb_sa(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void mvb_wait(u64* bar, u32 parity) {
+    u32 ok = 0;
+    while (!ok)
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(ok)
+                     : "r"(mvb_sa(bar)), "r"(parity)
+                     : "memory");
+}
+#endif
+
+// The J half blocks (h0 + j * lpr) of x at xz as float4 quads, times nw's (NORM) when nw is set.
+template <int J>
+__device__ __forceinline__ void mvb_x(const float* __restrict__ xz, const float* __restrict__ nw, int h0, int lpr,
+                                      float4 (&xr)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const float4* p = (const float4*)(xz + (long long)(h0 + j * lpr) * 16);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float4 a = p[k];
+            if (nw != nullptr) {
+                float4 g = ((const float4*)(nw + (h0 + j * lpr) * 16))[k];
+                a = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
+            }
+            xr[j][k] = a;
+        }
+    }
+}
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+#define MVB_ASYNC 1
+__device__ __forceinline__ void mvb_cp16(void* dst, const void* src) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+#else
+#define MVB_ASYNC 0
+#endif
+
+// fill 0 (sm_90+): thread 0's bulk copies (above); fill 1: every thread's 16-byte cp.async copies
+// (sm_80+; elsewhere plain loads and stores), one commit group a stage, MVB_NS - 1 stages ahead,
+// one barrier a stage (stage s's copies visible, stage s - 1's slot free and partials complete).
+template <int J, bool ADD, bool NORM>
+__device__ __forceinline__ void mvb_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols, int zs,
+                                         int fill, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
+    __shared__ __align__(128) u8 ring[MVB_NS][MVB_SQ + MVB_SD];
+    __shared__ __align__(8) u64 full[MVB_NS];
+    __shared__ float red[2][2 * MV_WARPS]; // [stage parity][row in stage * warps a row + warp]
+    const int t = threadIdx.x, lane = t % DS4_WARP;
+    const int hb = cols / 16, lpr = hb < MV_THREADS ? hb : MV_THREADS, rp = MV_THREADS / lpr, wpr = lpr / DS4_WARP;
+    const int slot = t / lpr, h0 = t % lpr, sr = MVB_SQ / cols, cq = cols / 32;
+    const int G = rows * zs, P = gridDim.x;
+    const int r0 = (int)((long long)G * blockIdx.x / P), r1 = (int)((long long)G * (blockIdx.x + 1) / P);
+    const int nst = (r1 - r0 + sr - 1) / sr;
+    const u8* Db = (const u8*)D;
+    const bool tma = MVB_BULK && fill == 0; // CTA-uniform
+#if MVB_BULK
+    // Stage s (rows r0 + s*sr .., at most sr) into ring slot s % MVB_NS: quants then scales.
+    auto issue = [&](int s) {
+        int a = r0 + s * sr, n = min(sr, r1 - a), b = s % MVB_NS;
+        u32 qb = (u32)(n * cols), db = (u32)(n * cols / 16);
+        mvb_expect(&full[b], qb + db);
+        mvb_copy(ring[b], Q + (long long)a * cols, qb, &full[b]);
+        mvb_copy(ring[b] + MVB_SQ, Db + (long long)a * (cols / 16), db, &full[b]);
+    };
+    if (tma) {
+        if (t == 0) {
+            for (int b = 0; b < MVB_NS; b++)
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mvb_sa(&full[b])) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            for (int s = 0; s < min(MVB_NS, nst); s++) issue(s);
+        }
+        __syncthreads(); // the barriers' init before anyone waits on them
+    }
+#endif
+    // fill 1: stage s copied by every thread into its slot (16-byte words).
+    auto copy = [&](int s) {
+        int a = r0 + s * sr, n = min(sr, r1 - a), b = s % MVB_NS;
+        const uint4* qs = (const uint4*)(Q + (long long)a * cols);
+        const uint4* ds = (const uint4*)(Db + (long long)a * (cols / 16));
+        uint4* qd = (uint4*)ring[b];
+        uint4* dd = (uint4*)(ring[b] + MVB_SQ);
+#if MVB_ASYNC
+        for (int i = t; i < n * cols / 16; i += MV_THREADS) mvb_cp16(qd + i, qs + i);
+        for (int i = t; i < n * cols / 256; i += MV_THREADS) mvb_cp16(dd + i, ds + i);
+#else
+        for (int i = t; i < n * cols / 16; i += MV_THREADS) qd[i] = qs[i];
+        for (int i = t; i < n * cols / 256; i += MV_THREADS) dd[i] = ds[i];
+#endif
+    };
+#if MVB_ASYNC
+    if (!tma)
+        for (int s = 0; s < MVB_NS - 1; s++) {
+            if (s < nst) copy(s);
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+#endif
+    ds4_pdl_enter(); // the ring's first stages in flight across the wait; x after it
+    float4 xr[J][4];
+    float sc = 1.0f;
+    int cz = -1; // group of the x in xr
+    if (NORM) {
+        __shared__ double nred[MV_WARPS];
+        double ss = 0.0;
+        if (slot == 0) {
+            mvb_x<J>(x, nullptr, h0, lpr, xr);
+#pragma unroll
+            for (int j = 0; j < J; j++)
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    ss += (double)xr[j][k].x * (double)xr[j][k].x + (double)xr[j][k].y * (double)xr[j][k].y +
+                          (double)xr[j][k].z * (double)xr[j][k].z + (double)xr[j][k].w * (double)xr[j][k].w;
+        }
+        ss = ds4_warp_sum_f64(ss);
+        if (lane == 0) nred[t / DS4_WARP] = ss;
+        __syncthreads();
+        ss = 0.0;
+        for (int k = 0; k < wpr; k++) ss += nred[k]; // the warps of row slot 0, in order
+        sc = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
+        if (xn != nullptr && blockIdx.x == 0 && slot == 0)
+#pragma unroll
+            for (int j = 0; j < J; j++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int i = (h0 + j * lpr) * 4 + k; // float4 index
+                    float4 a = ((const float4*)x)[i], g = ((const float4*)nw)[i];
+                    ((float4*)xn)[i] = make_float4(a.x * sc * g.x, a.y * sc * g.y, a.z * sc * g.z, a.w * sc * g.w);
+                }
+        mvb_x<J>(x, nw, h0, lpr, xr);
+        cz = 0;
+    }
+    // Stage s's partials: per row, the J half blocks of each thread, warp sums to red[s & 1].
+    auto compute = [&](int s) {
+        const int b = s % MVB_NS, a = r0 + s * sr, n = min(sr, r1 - a);
+        const u8* sq = ring[b];
+        const u16* sd = (const u16*)(ring[b] + MVB_SQ);
+        for (int p = 0; p < sr; p += rp) { // CTA-uniform
+            int lr = p + slot;
+            if (lr < n) { // warp-uniform: a row takes whole warps
+                int g = a + lr, z = g / rows;
+                if (z != cz) { // a new group's x (NORM: zs = 1, loaded above)
+                    mvb_x<J>(x + (long long)z * x_z, nullptr, h0, lpr, xr);
+                    cz = z;
+                }
+                float acc = 0.0f;
+#pragma unroll
+                for (int j = 0; j < J; j++) {
+                    int h = h0 + j * lpr;
+                    uint4 v = ((const uint4*)(sq + lr * cols))[h];
+                    u32 d = sd[lr * cq + (h >> 1)];
+                    acc = mvr_dot(v, d, xr[j][0], xr[j][1], xr[j][2], xr[j][3], acc);
+                }
+                acc = ds4_warp_sum(acc);
+                if (lane == 0) red[s & 1][lr * wpr + h0 / DS4_WARP] = acc;
+            }
+        }
+    };
+    // Stage s's row totals (after a barrier past its compute): the warps of a row in order.
+    auto finish = [&](int s) {
+        const int a = r0 + s * sr, n = min(sr, r1 - a);
+        if (t < n) {
+            float v = 0.0f;
+            for (int k = 0; k < wpr; k++) v += red[s & 1][t * wpr + k];
+            int g = a + t, z = g / rows;
+            float* yr = y + (long long)z * y_z + (g - z * rows);
+            *yr = ADD ? *yr + v : NORM ? v * sc : v;
+        }
+    };
+    if (tma) {
+#if MVB_BULK
+        for (int s = 0; s < nst; s++) {
+            mvb_wait(&full[s % MVB_NS], (u32)(s / MVB_NS) & 1u);
+            compute(s);
+            __syncthreads(); // stage s read by all: its slot may be refilled, its partials summed
+            // (no proxy fence before the refill: the reads completed, their values were used)
+            if (t == 0 && s + MVB_NS < nst) issue(s + MVB_NS);
+            finish(s);
+        }
+#endif
+    } else {
+        for (int s = 0; s < nst; s++) {
+#if MVB_ASYNC
+            asm volatile("cp.async.wait_group %0;" ::"n"(MVB_NS - 2) : "memory"); // stage s's group landed
+#else
+            copy(s); // slot s % MVB_NS: its last readers (stage s - MVB_NS) are past a barrier
+#endif
+            __syncthreads(); // stage s visible; stage s - 1 computed by all
+            if (s > 0) finish(s - 1);
+#if MVB_ASYNC
+            if (s + MVB_NS - 1 < nst) copy(s + MVB_NS - 1); // into stage s - 1's slot
+            asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+            compute(s);
+        }
+        __syncthreads();
+        if (nst > 0) finish(nst - 1);
+    }
+}
+
+#define MVB_PARAMS                                                                                                     \
+    const u8 *__restrict__ Q, const u16 *__restrict__ D, const float *__restrict__ x, long long x_z,                  \
+        float *__restrict__ y, long long y_z, int rows, int cols, int zs, int fill
+#define MVB_ARGS Q, D, x, x_z, y, y_z, rows, cols, zs, fill
+DS4_KERNEL void DS4_BOUNDS(MVB_LB) mvb1_q8_0(MVB_PARAMS) {
+    DS4_PDL_LATE;
+    mvb_body<1, false, false>(MVB_ARGS, nullptr, 0.0f, nullptr);
+}
+DS4_KERNEL void DS4_BOUNDS(MVB_LB) mvb2_q8_0(MVB_PARAMS) {
+    DS4_PDL_LATE;
+    mvb_body<2, false, false>(MVB_ARGS, nullptr, 0.0f, nullptr);
+}
+DS4_KERNEL void DS4_BOUNDS(MVB_LB) mvba1_q8_0(MVB_PARAMS) {
+    DS4_PDL_LATE;
+    mvb_body<1, true, false>(MVB_ARGS, nullptr, 0.0f, nullptr);
+}
+DS4_KERNEL void DS4_BOUNDS(MVB_LB) mvbn1_q8_0(MVB_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
+    DS4_PDL_LATE;
+    mvb_body<1, false, true>(MVB_ARGS, nw, eps, xn);
+}
