@@ -149,26 +149,18 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
         );
     };
     println!(
-        "-- Q8_0 n = 1, model shapes: mvr (old default), today's default (mvx up to 1024 columns), the mvb bulk-copy ring (c<k>: CTAs per SM) --"
+        "-- Q8_0 n = 1, model shapes: mvr (old default) vs the default (mvx up to 1024 columns) --"
     );
-    // (name, q8 form, mvx CTAs per SM (255: default), mvx batches per SM, mvb CTAs per SM (0:
-    // off), mvb fill (0 bulk copies, 1 cp.async)), alternating old and new; mvb with no least
-    // size (every shape).
-    let forms: [(&str, u8, u8, u8, u8, u8); 9] = [
-        ("mvr old", 0, 255, 6, 0, 0),
-        ("today", 1, 255, 6, 0, 0),
-        ("mvb c2", 1, 255, 6, 2, 0),
-        ("mvb c3", 1, 255, 6, 3, 0),
-        ("mvb c4", 1, 255, 6, 4, 0),
-        ("async c2", 1, 255, 6, 2, 1),
-        ("async c3", 1, 255, 6, 3, 1),
-        ("today", 1, 255, 6, 0, 0),
-        ("mvb c2", 1, 255, 6, 2, 0),
+    // (name, q8 form, mvx CTAs per SM (255: default), mvx batches per SM): mvx_r4u2_q8_0 is
+    // the default up to 1024 columns only (the rest: mvr either way).
+    let forms: [(&str, u8, u8, u8); 4] = [
+        ("mvr old", 0, 255, 6),
+        ("default", 1, 255, 6),
+        ("mvx c3", 1, 3, 6),
+        ("default", 1, 255, 6),
     ];
-    // groups 0: q_b with the query norm folded in (Backend::rms_norm_matmul).
     for (name, cols, rows, groups) in [
         ("attn q_b", 1024, 32768, 1),
-        ("attn q_b + norm", 1024, 32768, 0),
         ("attn out_a (8 groups)", 4096, 8192, 8),
         ("attn out_b", 8192, 4096, 1),
         ("shared expert down", 2048, 4096, 1),
@@ -176,54 +168,26 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
         ("head", 4096, 129280, 1),
     ] {
         let (ws, bytes) = copies(gpu, GgmlType::Q8_0, cols, rows);
-        let x: Vec<f32> = (0..cols * groups.max(1))
+        let x: Vec<f32> = (0..cols * groups)
             .map(|_| rng.gen_range(-1.0..1.0))
             .collect();
-        let mut x = gpu.upload(&x);
-        let nv: Vec<f32> = (0..cols).map(|_| rng.gen_range(0.5..1.5)).collect();
-        let mut vf = GgufWriter::new();
-        vf.add_tensor("v", GgmlType::F32, &[cols as u64]).unwrap();
-        let vb = vf
-            .to_bytes(|_, out: &mut [u8]| -> Result<(), ds4_gguf::GgufError> {
-                for (o, v) in out.chunks_mut(4).zip(&nv) {
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
-                Ok(())
-            })
-            .unwrap();
-        let vf = Arc::new(GgufFile::from_bytes("v.gguf", vb).unwrap());
-        let t = vf.tensor("v").unwrap();
-        let norm = gpu
-            .vector(&WeightSrc {
-                name: "v",
-                file: &vf,
-                ty: t.ty,
-                dims: &t.dims,
-                offset: t.offset as usize,
-                n_bytes: t.n_bytes as usize,
-            })
-            .unwrap();
+        let x = gpu.upload(&x);
         let mut y = gpu.alloc(rows);
-        let probe = gpu.alloc(1);
-        for (fname, form, ctas, spread, mvb, fill) in forms {
+        for (fname, form, ctas, spread) in forms {
             GpuBackend::set_matvec_defaults();
             GpuBackend::set_matvec_q8_form(form, ctas);
             GpuBackend::set_matvec_mvx_spread(spread);
-            GpuBackend::set_matvec_mvb(mvb);
-            GpuBackend::set_matvec_mvb_fill(fill, 0);
             let mut call = |i: usize| {
                 let w = &ws[i % ws.len()];
-                if groups == 0 {
-                    gpu.rms_norm_matmul(&mut x, 1, cols, Some(&norm), 1e-6, w, &mut y)
-                } else if groups > 1 {
+                if groups > 1 {
                     gpu.matmul_grouped(w, groups, &x, 1, &mut y)
                 } else {
                     gpu.matmul(w, Part::All, &x, 1, &mut y)
                 }
             };
-            let e = time(gpu, &probe, reps, &mut call);
-            let g = time_graph(gpu, &probe, reps, &mut call);
-            let what = format!("{name} Q8_0 {}->{rows} n=1 {fname}", cols * groups.max(1));
+            let e = time(gpu, &x, reps, &mut call);
+            let g = time_graph(gpu, &x, reps, &mut call);
+            let what = format!("{name} Q8_0 {}->{rows} n=1 {fname}", cols * groups);
             line(what, bytes, e, g);
         }
     }

@@ -636,34 +636,21 @@ fn matvec_repacked() {
         // (mvq), the old auto form (q8 form 0), the default (mvx_r4u2_q8_0 up to 1024 columns:
         // one batch per CTA), persistent mvx grids of 1 and 3 CTAs per SM (CTAs with several
         // batches), and spreads 1 and 64 (the fewest and most k-slices).
-        // Then the ring forms (`mvb*`, last two: CTAs per SM (0 off) and fill (0 bulk copies, 1
-        // cp.async); sm_90+ and power-of-two 512..=8192 columns, else the forms before; no
-        // least size here): 1, 2 (default), 3 and 8 CTAs per SM (8: more CTAs than fit at once;
-        // 288 rows of 4 groups over 264 CTAs: CTAs that cross groups), both fills.
         let forms = [
-            (1u8, 1u8, 255u8, 6u8, 0u8, 0u8),
-            (2, 1, 255, 6, 0, 0),
-            (0, 1, 255, 6, 0, 0),
-            (255, 0, 255, 6, 0, 0),
-            (255, 1, 255, 6, 0, 0),
-            (255, 1, 1, 6, 0, 0),
-            (255, 1, 3, 6, 0, 0),
-            (255, 1, 255, 1, 0, 0),
-            (255, 1, 1, 64, 0, 0),
-            (255, 1, 255, 6, 1, 0),
-            (255, 1, 255, 6, 2, 0),
-            (255, 1, 255, 6, 3, 0),
-            (255, 1, 255, 6, 8, 0),
-            (255, 1, 255, 6, 2, 1),
-            (255, 1, 255, 6, 3, 1),
-            (255, 1, 255, 6, 8, 1),
+            (1u8, 1u8, 255u8, 6u8),
+            (2, 1, 255, 6),
+            (0, 1, 255, 6),
+            (255, 0, 255, 6),
+            (255, 1, 255, 6),
+            (255, 1, 1, 6),
+            (255, 1, 3, 6),
+            (255, 1, 255, 1),
+            (255, 1, 1, 64),
         ];
-        for (form, pf, ctas, spread, mvb, fill) in forms {
+        for (form, pf, ctas, spread) in forms {
             GpuBackend::set_matvec_repacked(form);
             GpuBackend::set_matvec_q8_form(pf, ctas);
             GpuBackend::set_matvec_mvx_spread(spread);
-            GpuBackend::set_matvec_mvb(mvb);
-            GpuBackend::set_matvec_mvb_fill(fill, 0);
             let mut outs = Vec::new();
             for _ in 0..2 {
                 let mut gy = gpu.upload(&vec![f32::NAN; rows]);
@@ -675,7 +662,7 @@ fn matvec_repacked() {
                 outs.push(gpu.download(&gy, rows));
             }
             let name = format!(
-                "mvr form {form} q8 form {pf}/{ctas}/{spread} mvb {mvb}/{fill} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}"
+                "mvr form {form} q8 form {pf}/{ctas}/{spread} Q8_0 {groups}x{cols}->{rows} {part:?} synth {synth}"
             );
             cases.check(name.clone(), cols, &outs[0], &want, &gpu);
             let same = outs[0]
@@ -689,8 +676,6 @@ fn matvec_repacked() {
     GpuBackend::set_matvec_repacked(255);
     GpuBackend::set_matvec_q8_form(1, 255);
     GpuBackend::set_matvec_mvx_spread(6);
-    GpuBackend::set_matvec_mvb(2);
-    GpuBackend::set_matvec_mvb_fill(0, 16);
     cases.finish();
 }
 
@@ -846,12 +831,6 @@ fn matvec_merged() {
 /// <= 1024 columns for the norm, > 1024 for the add) and shapes that fall back (n = 2, longer or
 /// shorter rows): the product, the normed x left in `x`, and the sum; each GPU run twice,
 /// bitwise equal.
-/// (CTAs per SM, fill) of the ring forms `matvec_fused` runs (`set_matvec_mvb`,
-/// `set_matvec_mvb_fill` with no least size): the default 2 with bulk copies (`mvbn1_q8_0`/
-/// `mvba1_q8_0` on sm_90+ for power-of-two 512..=4096 columns: 512, 1024, 2048, 4096 here), off
-/// (the `mvxn`/`mvra` forms), 3, and 2 with cp.async.
-const MVB_CTAS: [(u8, u8); 4] = [(2, 0), (0, 0), (3, 0), (2, 1)];
-
 #[test]
 fn matvec_fused() {
     ds4_gpu::GpuBackend::set_matvec(true);
@@ -888,26 +867,21 @@ fn matvec_fused() {
         let mut cy = cpu.alloc(n * rows);
         cpu.rms_norm_matmul(&mut cx, n, cols, Some(&nc), eps, &w.0, &mut cy);
         let (want_x, want_y) = (cpu.download(&cx, n * cols), cpu.download(&cy, n * rows));
-        for (mvb, fill) in MVB_CTAS {
-            GpuBackend::set_matvec_mvb(mvb);
-            GpuBackend::set_matvec_mvb_fill(fill, 0);
-            let mut outs = Vec::new();
-            for _ in 0..2 {
-                let mut gx = gpu.upload(&xs);
-                let mut gy = gpu.upload(&vec![f32::NAN; n * rows]);
-                gpu.rms_norm_matmul(&mut gx, n, cols, Some(&ng), eps, &w.1, &mut gy);
-                outs.push((gpu.download(&gx, n * cols), gpu.download(&gy, n * rows)));
-            }
-            let name = format!("rms_norm_matmul mvb {mvb}/{fill} Q8_0 {cols}->{rows} n={n}");
-            cases.check(format!("{name} x"), cols, &outs[0].0, &want_x, &gpu);
-            cases.check(format!("{name} y"), cols, &outs[0].1, &want_y, &gpu);
-            let bits =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
-            assert!(
-                bits(&outs[0].0, &outs[1].0) && bits(&outs[0].1, &outs[1].1),
-                "{name}: results differ between runs"
-            );
+        let mut outs = Vec::new();
+        for _ in 0..2 {
+            let mut gx = gpu.upload(&xs);
+            let mut gy = gpu.upload(&vec![f32::NAN; n * rows]);
+            gpu.rms_norm_matmul(&mut gx, n, cols, Some(&ng), eps, &w.1, &mut gy);
+            outs.push((gpu.download(&gx, n * cols), gpu.download(&gy, n * rows)));
         }
+        let name = format!("rms_norm_matmul Q8_0 {cols}->{rows} n={n}");
+        cases.check(format!("{name} x"), cols, &outs[0].0, &want_x, &gpu);
+        cases.check(format!("{name} y"), cols, &outs[0].1, &want_y, &gpu);
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(
+            bits(&outs[0].0, &outs[1].0) && bits(&outs[0].1, &outs[1].1),
+            "{name}: results differ between runs"
+        );
     }
     // (cols, rows, n): the real shared down (2048 -> 4096), a ragged row count, 1056 columns
     // (the mvr form), then fallbacks (<= 1024 columns: mvx; n = 2).
@@ -927,28 +901,22 @@ fn matvec_fused() {
         cpu.matmul_add(&w.0, &cx, n, rows, &mut cy);
         let want = cpu.download(&cy, n * rows);
         let gx = gpu.upload(&xs);
-        for (mvb, fill) in MVB_CTAS {
-            GpuBackend::set_matvec_mvb(mvb);
-            GpuBackend::set_matvec_mvb_fill(fill, 0);
-            let mut outs = Vec::new();
-            for _ in 0..2 {
-                let mut gy = gpu.upload(&y0);
-                gpu.matmul_add(&w.1, &gx, n, rows, &mut gy);
-                outs.push(gpu.download(&gy, n * rows));
-            }
-            let name = format!("matmul_add mvb {mvb}/{fill} Q8_0 {cols}->{rows} n={n}");
-            cases.check(name.clone(), cols, &outs[0], &want, &gpu);
-            assert!(
-                outs[0]
-                    .iter()
-                    .zip(&outs[1])
-                    .all(|(p, q)| p.to_bits() == q.to_bits()),
-                "{name}: results differ between runs"
-            );
+        let mut outs = Vec::new();
+        for _ in 0..2 {
+            let mut gy = gpu.upload(&y0);
+            gpu.matmul_add(&w.1, &gx, n, rows, &mut gy);
+            outs.push(gpu.download(&gy, n * rows));
         }
+        let name = format!("matmul_add Q8_0 {cols}->{rows} n={n}");
+        cases.check(name.clone(), cols, &outs[0], &want, &gpu);
+        assert!(
+            outs[0]
+                .iter()
+                .zip(&outs[1])
+                .all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{name}: results differ between runs"
+        );
     }
-    GpuBackend::set_matvec_mvb(2);
-    GpuBackend::set_matvec_mvb_fill(0, 16);
     cases.finish();
 }
 

@@ -90,9 +90,5 @@ pub const MATVEC: Module = Module {
         "mvx_r4u2_q8_0",
         "mvxn_r4u2_q8_0",
         "mvxm_r4u2_f16",
-        "mvb1_q8_0",
-        "mvb2_q8_0",
-        "mvba1_q8_0",
-        "mvbn1_q8_0",
     ],
 };

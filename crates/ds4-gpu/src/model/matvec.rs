@@ -189,49 +189,6 @@ fn mvx_plan(
     (ks, ncb, gx)
 }
 
-/// n = 1 Q8_0 products from the decode-layout copy by the bulk-copy ring (`mvb<J>_q8_0`,
-/// `mvba1_q8_0` for `mv_matmul_add`, `mvbn1_q8_0` for `mv_norm_matmul`; gpu/matvec.cu): a
-/// persistent grid of MVB CTAs per SM splits the rows of all groups evenly and streams whole
-/// rows through a 5-stage shared-memory ring filled by `cp.async.bulk` (sm_90+ CUDA only; the
-/// first stages issued before the PDL wait). Rows of a power-of-two 512..=8192 columns (warp 32;
-/// `mvb_j`). MVB: CTAs per SM, 0 off (the `mvx`/`mvr` forms as before): `DS4_GPU_MVB=off|<1..8>`.
-static MVB: AtomicU8 = AtomicU8::new(2);
-/// How `mvb` fills its ring: 0 bulk copies (thread 0's `cp.async.bulk`), 1 every thread's
-/// 16-byte `cp.async` (`DS4_GPU_MVB_FILL=bulk|async`).
-static MVB_FILL: AtomicU8 = AtomicU8::new(0);
-/// Fewest weight bytes (quants, all groups) of a product `mvb` takes, MiB (`DS4_GPU_MVB_MIN`).
-static MVB_MIN_MB: AtomicU8 = AtomicU8::new(16);
-static MVB_ENV: std::sync::Once = std::sync::Once::new();
-/// Quant bytes of one ring stage (`MVB_SQ`): the longest row `mvb` takes.
-const MVB_SQ: usize = 8192;
-
-/// (CTAs per SM of the `mvb` grids (0: off), fill, fewest bytes), the environment read once.
-fn mvb_conf() -> (usize, u8, usize) {
-    MVB_ENV.call_once(|| {
-        if let Ok(v) = std::env::var("DS4_GPU_MVB") {
-            if v == "off" {
-                MVB.store(0, Ordering::Relaxed);
-            } else if let Ok(c) = v.parse::<u8>() {
-                MVB.store(c.min(8), Ordering::Relaxed);
-            }
-        }
-        if let Ok(v) = std::env::var("DS4_GPU_MVB_FILL") {
-            MVB_FILL.store(u8::from(v == "async"), Ordering::Relaxed);
-        }
-        if let Some(m) = std::env::var("DS4_GPU_MVB_MIN")
-            .ok()
-            .and_then(|v| v.parse::<u8>().ok())
-        {
-            MVB_MIN_MB.store(m, Ordering::Relaxed);
-        }
-    });
-    (
-        MVB.load(Ordering::Relaxed) as usize,
-        MVB_FILL.load(Ordering::Relaxed),
-        (MVB_MIN_MB.load(Ordering::Relaxed) as usize) << 20,
-    )
-}
-
 /// Merged n = 1 products (`mv_multi`: several matrices of one x in one launch, `mvrm_*`/`mvqm_*`;
 /// `mv_gateup`: the shared expert's gate, up and SwiGLU in one, `mvrgu_*`): on by default,
 /// `DS4_GPU_MERGE=off` (or `set_matvec_merge(false)`) runs the products one by one as before.
@@ -452,8 +409,6 @@ impl GpuBackend {
         Self::set_matvec_q8_form(1, 255);
         Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
-        Self::set_matvec_mvb(2);
-        Self::set_matvec_mvb_fill(0, 16);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=2 a fixed form, anything else auto.
@@ -489,20 +444,6 @@ impl GpuBackend {
     pub fn set_matvec_mvx_spread(m: u8) {
         MVX_SPREAD_ENV.call_once(|| {});
         MVX_SPREAD.store(m.max(1), Ordering::Relaxed);
-    }
-
-    /// CTAs per SM of the `mvb*_q8_0` bulk-copy forms (`MVB`; 0 off, at most 8; default 2).
-    pub fn set_matvec_mvb(ctas: u8) {
-        MVB_ENV.call_once(|| {});
-        MVB.store(ctas.min(8), Ordering::Relaxed);
-    }
-
-    /// How `mvb` fills its ring (`MVB_FILL`: 0 bulk copies, 1 `cp.async`) and the fewest MiB of
-    /// quants of a product it takes (`MVB_MIN_MB`; default 0, 16).
-    pub fn set_matvec_mvb_fill(fill: u8, min_mb: u8) {
-        MVB_ENV.call_once(|| {});
-        MVB_FILL.store(fill.min(1), Ordering::Relaxed);
-        MVB_MIN_MB.store(min_mb, Ordering::Relaxed);
     }
 
     /// Merged n = 1 products on or off (`MERGE`; default on).
@@ -586,13 +527,6 @@ impl GpuBackend {
         {
             return false;
         }
-        if let Some(j) = self.mvb_j(rows * zs, cols) {
-            if !add || j == 1 {
-                let name = format!("mvb{}{j}_q8_0", if add { "a" } else { "" });
-                self.mvb(&name, dec, x, x_z, y, y_z, rows, cols, zs, &[]);
-                return true;
-            }
-        }
         let (xf, ctas) = q8_form(0);
         let mvx = xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO;
         if add && (mvx || form != 2) {
@@ -640,75 +574,6 @@ impl GpuBackend {
             ],
         );
         true
-    }
-
-    /// J (half blocks a thread) of `mvb<J>_q8_0` for `rows` rows (all groups) of `cols` columns,
-    /// or None where the bulk-copy form declines (off, a fixed `mvr` form, not CUDA sm_90+, the
-    /// shape, fewer than MVB_MIN_MB MiB of quants).
-    fn mvb_j(&self, rows: usize, cols: usize) -> Option<usize> {
-        let info = self.gpu.info();
-        let (warp, hb) = (info.warp as usize, cols / 16);
-        let (ctas, _, min) = mvb_conf();
-        if ctas == 0
-            || rows * cols < min
-            || MVR.load(Ordering::Relaxed) != MVQ_AUTO
-            || info.vendor != crate::runtime::Vendor::Nvidia
-            || info.cc.0 < 9
-            || !cols.is_power_of_two()
-            || cols > MVB_SQ
-            || hb < warp
-        {
-            return None;
-        }
-        let j = hb / hb.min(MV_WARPS * warp);
-        (j <= 2).then_some(j)
-    }
-
-    /// One `mvb*_q8_0` launch (see MVB): `rows` rows per group × `zs` groups of the decode copy
-    /// `dec` (x of group z at z·x_z, y at z·y_z); `extra`: `mvbn1`'s norm arguments.
-    #[allow(clippy::too_many_arguments)]
-    fn mvb(
-        &self,
-        name: &str,
-        dec: &DeviceBuffer,
-        x: &GpuBuf,
-        x_z: usize,
-        y: DevPtr,
-        y_z: usize,
-        rows: usize,
-        cols: usize,
-        zs: usize,
-        extra: &[Arg],
-    ) {
-        let sm = self.gpu.info().sm_count as usize;
-        let g = rows * zs;
-        let (c, fill, _) = mvb_conf();
-        let ctas = (c * sm).min(g).max(1);
-        let q = dec.ptr();
-        self.run(
-            &ds4_kernels::MATVEC,
-            name,
-            LaunchDims {
-                grid: [ctas as u32, 1, 1],
-                block: [MV_WARPS as u32 * self.warp(), 1, 1],
-                shared_bytes: 0,
-            },
-            &[
-                Arg::Ptr(q),
-                Arg::Ptr(q.offset((g * cols) as u64)),
-                Arg::Ptr(x.ptr),
-                Arg::I64(x_z as i64),
-                Arg::Ptr(y),
-                Arg::I64(y_z as i64),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-                Arg::I32(zs as i32),
-                Arg::I32(fill as i32),
-            ]
-            .into_iter()
-            .chain(extra.iter().copied())
-            .collect::<Vec<_>>(),
-        );
     }
 
     /// One `mvx_<form>_<t>` launch (see Q8_FORM): `rows` rows per group × `zs` groups (W rows
@@ -1211,13 +1076,12 @@ impl GpuBackend {
         };
         let (xf, ctas) = q8_form(0);
         let nq = rows * cols / 32;
-        let mvb = self.mvb_j(*rows, cols) == Some(1);
         if !ENABLED.load(Ordering::Relaxed)
             || MVR.load(Ordering::Relaxed) != MVQ_AUTO
-            || (xf == 0 && !mvb)
+            || xf == 0
             || *wc != cols
             || *len < cols
-            || (cols > MVX_Q8_MAXC && !mvb)
+            || cols > MVX_Q8_MAXC
             || !cols.is_multiple_of(32)
             || !x.ptr.0.is_multiple_of(16)
             || !nb.ptr().0.is_multiple_of(16)
@@ -1227,12 +1091,6 @@ impl GpuBackend {
             return false;
         }
         let xn = self.scratch(cols);
-        if mvb {
-            let extra = [Arg::Ptr(nb.ptr()), Arg::F32(eps), Arg::Ptr(xn.ptr)];
-            self.mvb("mvbn1_q8_0", dec, x, 0, y.ptr, 0, *rows, cols, 1, &extra);
-            *x = xn;
-            return true;
-        }
         let q = dec.ptr();
         self.mvx(
             "mvxn_r4u2_q8_0",
