@@ -635,6 +635,72 @@ fn hc_pre_norm_cases(cases: &[(usize, usize, usize, GgmlType)]) {
             assert_close(&format!("{what} post"), &pg, &pc, TOL_FUSED);
             assert_close(&format!("{what} comb"), &cg, &cc, TOL_FUSED);
             assert_close(&format!("{what} z"), &zg, &zc, TOL_FUSED);
+
+            // The same with the output in two addends (hc_post2_pre_norm: o = oa + ob, summed
+            // once in f32): bit-identical to hc_post_pre_norm of the host's f32 sum, on the GPU
+            // (hc_post2_* kernels, or the composed sum) and on the CPU (the trait default).
+            let oa = randn(&mut r, n * d, 2.0);
+            let ob = randn(&mut r, n * d, 0.5);
+            let os: Vec<f32> = oa.iter().zip(&ob).map(|(a, b)| a + b).collect();
+            let cpu_two = |two: bool| {
+                let mut xc = x.clone();
+                let (mut zc, mut pc, mut cc) =
+                    (cpu.alloc(n * d), cpu.alloc(n * nh), cpu.alloc(n * nh * nh));
+                let (oac, obc, osc) = (cpu.upload(&oa), cpu.upload(&ob), cpu.upload(&os));
+                if two {
+                    cpu.hc_post2_pre_norm(
+                        h, &mut xc, &oac, &obc, &pin, &cin, &mc, &sc, &bc, &nc, n, eps, &mut zc,
+                        &mut pc, &mut cc,
+                    );
+                } else {
+                    cpu.hc_post_pre_norm(
+                        h, &mut xc, &osc, &pin, &cin, &mc, &sc, &bc, &nc, n, eps, &mut zc, &mut pc,
+                        &mut cc,
+                    );
+                }
+                [xc, zc, pc, cc]
+            };
+            let gpu_two = |two: bool| {
+                let mut xg = gpu.upload(&x);
+                let (oag, obg, osg) = (gpu.upload(&oa), gpu.upload(&ob), gpu.upload(&os));
+                let (mut zg, mut pg, mut cg) =
+                    (gpu.alloc(n * d), gpu.alloc(n * nh), gpu.alloc(n * nh * nh));
+                if two {
+                    gpu.hc_post2_pre_norm(
+                        h, &mut xg, &oag, &obg, &ping, &cing, &mg, &sg, &bg, &ng, n, eps, &mut zg,
+                        &mut pg, &mut cg,
+                    );
+                } else {
+                    gpu.hc_post_pre_norm(
+                        h, &mut xg, &osg, &ping, &cing, &mg, &sg, &bg, &ng, n, eps, &mut zg,
+                        &mut pg, &mut cg,
+                    );
+                }
+                let out = [
+                    gpu.download(&xg, n * w),
+                    gpu.download(&zg, n * d),
+                    gpu.download(&pg, n * nh),
+                    gpu.download(&cg, n * nh * nh),
+                ];
+                gpu_ok(&gpu, "hc_post2_pre_norm");
+                out
+            };
+            let what = format!("hc_post2_pre_norm fused {fused} N {nh} d {d} n {n} {ty:?}");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let (c1, c2) = (cpu_two(false), cpu_two(true));
+            let (g1, g2) = (gpu_two(false), gpu_two(true));
+            for (k, part) in ["x", "z", "post", "comb"].iter().enumerate() {
+                assert!(
+                    bits(&c1[k]) == bits(&c2[k]),
+                    "{what} {part}: CPU two addends differ"
+                );
+                assert!(
+                    bits(&g1[k]) == bits(&g2[k]),
+                    "{what} {part}: GPU two addends differ"
+                );
+                let tol = if k == 0 { TOL } else { TOL_FUSED };
+                assert_close(&format!("{what} {part}"), &g2[k], &c2[k], tol);
+            }
         }
     });
 }
