@@ -617,58 +617,6 @@ pub trait Backend: Send + Sync + Sized {
         self.hc_pre_norm(hc, mixer, scale, base, norm, x, n, eps, z, post, comb);
     }
 
-    /// [`Backend::hc_post_pre_norm`] of a sublayer output in two addends, `o + o2` (`[n, D]`
-    /// each; every value summed once in f32, `o[i] + o2[i]`, as [`Backend::add`] sums): the
-    /// MoE's routed sum and its shared down product when they are computed apart
-    /// ([`Backend::shared_down_apart`]). Default: [`hc_post2_pre_norm_composed`].
-    #[allow(clippy::too_many_arguments)]
-    fn hc_post2_pre_norm(
-        &self,
-        hc: HcDims,
-        x: &mut Self::Buf,
-        o: &Self::Buf,
-        o2: &Self::Buf,
-        post_in: &Self::Buf,
-        comb_in: &Self::Buf,
-        mixer: &Self::Weight,
-        scale: &Self::Weight,
-        base: &Self::Weight,
-        norm: &Self::Weight,
-        n: usize,
-        eps: f32,
-        z: &mut Self::Buf,
-        post: &mut Self::Buf,
-        comb: &mut Self::Buf,
-    ) {
-        hc_post2_pre_norm_composed(
-            self, hc, x, o, o2, post_in, comb_in, mixer, scale, base, norm, n, eps, z, post, comb,
-        )
-    }
-
-    /// Whether a step of `n` tokens computes the MoE's shared down product apart from the
-    /// routed sum (a side branch, [`Backend::side_begin`]: gate/up and down beside the router
-    /// and the routed experts; the sum then folded into the consumer,
-    /// [`Backend::hc_post2_pre_norm`]), rather than adding it into the routed sum after the join
-    /// ([`Backend::matmul_add`]). The same values either way (see [`Backend::matmul_addend`]).
-    /// Default: no.
-    fn shared_down_apart(&self, _n: usize) -> bool {
-        false
-    }
-
-    /// `y = w·x` for `n` rows of `x` (`rows` = rows of `w`), rounded as [`Backend::matmul_add`]
-    /// rounds the product it adds: `a + y` (one f32 add a value) then equals matmul_add's
-    /// `a += w·x` bit for bit. Default: [`Backend::matmul`] (what the default matmul_add adds).
-    fn matmul_addend(
-        &self,
-        w: &Self::Weight,
-        x: &Self::Buf,
-        n: usize,
-        _rows: usize,
-        y: &mut Self::Buf,
-    ) {
-        self.matmul(w, Part::All, x, n, y);
-    }
-
     /// RMSNorm of the `n·heads` rows of `width` (weighted when `w` is given), then RoPE of
     /// token `i` at `t0 + i` (forward), then [`Backend::round_rows`] when `round` is given.
     /// Default: [`norm_rope_composed`].
@@ -736,36 +684,6 @@ pub trait Backend: Send + Sync + Sized {
         self.matmul(router, Part::All, z, n, logits);
         self.moe_route(spec, logits, bias, tid2eid, tokens, n, sel, wgt);
     }
-}
-
-/// [`Backend::hc_post2_pre_norm`] as separate ops: `o + o2` into a new buffer (copy, add), then
-/// [`Backend::hc_post_pre_norm`] of it.
-#[allow(clippy::too_many_arguments)]
-pub fn hc_post2_pre_norm_composed<B: Backend>(
-    b: &B,
-    hc: HcDims,
-    x: &mut B::Buf,
-    o: &B::Buf,
-    o2: &B::Buf,
-    post_in: &B::Buf,
-    comb_in: &B::Buf,
-    mixer: &B::Weight,
-    scale: &B::Weight,
-    base: &B::Weight,
-    norm: &B::Weight,
-    n: usize,
-    eps: f32,
-    z: &mut B::Buf,
-    post: &mut B::Buf,
-    comb: &mut B::Buf,
-) {
-    let len = n * hc.d;
-    let mut s = b.alloc(len);
-    b.copy(o, 0, &mut s, 0, len);
-    b.add(&mut s, o2, len);
-    b.hc_post_pre_norm(
-        hc, x, &s, post_in, comb_in, mixer, scale, base, norm, n, eps, z, post, comb,
-    );
 }
 
 /// [`Backend::hc_pre_norm`] as separate ops: copy, rms_norm, matmul, hc_split, rms_norm.

@@ -734,9 +734,6 @@ pub struct StepGraphs {
     side: Option<(Stream, Event, Event)>,
     /// A branched capture failed: steps are captured as one chain from then on.
     one_chain: bool,
-    /// A branch's first call and a join launch with PDL too (`DS4_GPU_BRANCH_PDL=1`: their
-    /// edges, the fork and the join, programmatic), else without (full edges).
-    pdl_edges: bool,
     graphs: Vec<CachedGraph>,
     pub stats: GraphStats,
     /// Print the first captures and replays to stderr (`DS4_GPU_GRAPH_TRACE=1`).
@@ -765,7 +762,6 @@ impl StepGraphs {
     pub fn new() -> StepGraphs {
         StepGraphs {
             trace: std::env::var("DS4_GPU_GRAPH_TRACE").is_ok_and(|v| v == "1"),
-            pdl_edges: std::env::var("DS4_GPU_BRANCH_PDL").is_ok_and(|v| v == "1"),
             ..StepGraphs::default()
         }
     }
@@ -930,8 +926,7 @@ impl StepGraphs {
     /// [`FLOW_JOIN`] call (or the end) the main stream waits for the side stream. The nodes
     /// are taken after each launch ([`Runtime::capture_node`]), so node i is call i for the
     /// updates by index. A branch's first call and a join launch without PDL: their edges
-    /// (the fork, the join) stay full dependencies; PDL stays within each chain
-    /// (`DS4_GPU_BRANCH_PDL=1`: with PDL, as every other call).
+    /// (the fork, the join) stay full dependencies; PDL stays within each chain.
     fn capture_branched(
         &mut self,
         rt: &dyn Runtime,
@@ -971,11 +966,7 @@ impl StepGraphs {
                         }
                         rt.event_record(fork, cap)?;
                         rt.stream_wait_event(side, fork)?;
-                        if self.pdl_edges {
-                            rt.launch_call(c, side)?;
-                        } else {
-                            rt.launch_call_plain(c, side)?;
-                        }
+                        rt.launch_call_plain(c, side)?;
                     } else {
                         rt.launch_call(c, side)?;
                     }
@@ -988,11 +979,7 @@ impl StepGraphs {
                         rt.event_record(join, side)?;
                         rt.stream_wait_event(cap, join)?;
                         open = false;
-                        if self.pdl_edges {
-                            rt.launch_call(c, cap)?;
-                        } else {
-                            rt.launch_call_plain(c, cap)?;
-                        }
+                        rt.launch_call_plain(c, cap)?;
                     } else {
                         rt.launch_call(c, cap)?;
                     }

@@ -195,17 +195,12 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_pre_norm_f32(const float* __restrict__ x, co
     }
 }
 
-// o + o2 of one float4 (the sublayer output of two addends, hc_post2_*: each value summed once in
-// f32, as Backend::matmul_add adds the shared expert's down product into the routed sum).
-__device__ __forceinline__ float4 fu_add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
-
 // One (token t, split s) CTA of hc_post_pre_norm_f32: HC post of this split's columns in
 // place (X'[j] = post_j·o + Σ_i A[i][j]·X[i], the CPU's order), then as fu_hc_pre on X'.
-// o2 (hc_post2_pre_norm_f32; else null): the output is o + o2.
 // Thread (j, c) = (tid / cpc, tid % cpc), cpc = blockDim / NN, takes stream j of float4 column
 // s·cpc + c (the host sets S = ceil(D/4 / cpc): one column each).
 template <int NN>
-__device__ __forceinline__ void fu_hc_post_pre(float* x, const float* __restrict__ o, const float* __restrict__ o2, const float* __restrict__ post_in,
+__device__ __forceinline__ void fu_hc_post_pre(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
                                                const float* __restrict__ comb_in, const u8* __restrict__ mixer,
                                                long long row_bytes, int wty, const float* __restrict__ scale,
                                                const float* __restrict__ base, const float* __restrict__ norm,
@@ -228,8 +223,7 @@ __device__ __forceinline__ void fu_hc_post_pre(float* x, const float* __restrict
         float4 old[NN];
 #pragma unroll
         for (int i = 0; i < NN; i++) old[i] = xt[i * D4 + c4];
-        float4 ov = ot[c4];
-        if (o2) ov = fu_add4(ov, ((const float4*)(o2 + (size_t)t * D))[c4]);
+        const float4 ov = ot[c4];
         v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
 #pragma unroll
         for (int i = 0; i < NN; i++) {
@@ -253,28 +247,18 @@ __device__ __forceinline__ void fu_hc_post_pre(float* x, const float* __restrict
     fu_finish<NN, true>(dsum, xt, scale, base, norm, z, post, comb, t, D, iters, hc_eps, eps);
 }
 
-// hc_post_pre_norm_f32 / hc_post2_pre_norm_f32: fu_hc_post_pre for N streams (o2 null: one addend).
-__device__ __forceinline__ void fu_hc_post_pre_n(float* x, const float* __restrict__ o, const float* __restrict__ o2, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    ds4_pdl_enter();
-    switch (N) {
-    case 1: fu_hc_post_pre<1>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    case 2: fu_hc_post_pre<2>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    case 3: fu_hc_post_pre<3>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    default: fu_hc_post_pre<4>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
-    }
-}
 // HC post of a sublayer's output o ([n, D], with its post [n, N] and comb [n, N·N]) into x in
 // place, then HC pre + norm of the next sublayer on the new x (outputs z, post, comb as
 // hc_pre_norm_f32). Grid n·S CTAs, S = ceil(D/4 / (blockDim / N)). Host: as hc_pre_norm_f32,
 // plus 16-byte aligned o.
 DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    fu_hc_post_pre_n(x, o, nullptr, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, N, D, S, iters, hc_eps, eps);
-}
-
-// hc_post_pre_norm_f32 of the sublayer output o + o2 (o2 [n, D], 16-byte aligned; each value
-// summed once in f32 before the post).
-DS4_KERNEL void DS4_BOUNDS(1024) hc_post2_pre_norm_f32(float* x, const float* __restrict__ o, const float* __restrict__ o2, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    fu_hc_post_pre_n(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, N, D, S, iters, hc_eps, eps);
+    ds4_pdl_enter();
+    switch (N) {
+    case 1: fu_hc_post_pre<1>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 2: fu_hc_post_pre<2>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    case 3: fu_hc_post_pre<3>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    default: fu_hc_post_pre<4>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps); break;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -343,11 +327,10 @@ __device__ __forceinline__ double fu_ld_cg_f64(const double* p) {
 }
 
 // One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). PROBE
-// (hc_post_pre_norm_p): stamps, and a return at `stop`. o2 (hc_post2_pre_norm_l; else null): the
-// sublayer output is o + o2. LATE: the kernel started with
+// (hc_post_pre_norm_p): stamps, and a return at `stop`. LATE: the kernel started with
 // DS4_PDL_LATE; wait for the previous kernels after the weights' loads (mixer, scale, base).
 template <int NN, bool POST, bool PROBE, bool LATE>
-__device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, const float* __restrict__ o2, const float* __restrict__ post_in,
+__device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
                                       int wty, const float* __restrict__ scale, const float* __restrict__ base,
                                       const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
@@ -381,7 +364,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
         }
     }
     const float prm = tid < MIX ? base[tid] : tid < MIX + 3 ? scale[tid - MIX] : 0.0f;
-    if (LATE) ds4_pdl_enter(); // x, o, o2, post_in, comb_in and part are read after it
+    if (LATE) ds4_pdl_enter(); // x, o, post_in, comb_in and part are read after it
     // Warp 0: the pair's value (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X) and Σv².
     double ss = 0.0;
     if (g == 0) {
@@ -395,8 +378,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
                 old[i] = xt[i * D4 + c4];
                 a[i] = comb_in[(size_t)t * NN * NN + i * NN + j]; // A[i][j]: column j of the comb
             }
-            float4 ov = ((const float4*)(o + (size_t)t * D))[c4];
-            if (o2) ov = fu_add4(ov, ((const float4*)(o2 + (size_t)t * D))[c4]);
+            const float4 ov = ((const float4*)(o + (size_t)t * D))[c4];
             v = make_float4(ds4_mul_rn(pj, ov.x), ds4_mul_rn(pj, ov.y), ds4_mul_rn(pj, ov.z), ds4_mul_rn(pj, ov.w));
 #pragma unroll
             for (int i = 0; i < NN; i++) {
@@ -573,35 +555,22 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_l(const float* __restrict__ x, cons
     DS4_PDL_LATE; // fl_hc waits after the mixer loads
     float* xm = (float*)x; // not written (POST = false)
     switch (N) {
-    case 1: fl_hc<1, false, false, true>(xm, nullptr, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 2: fl_hc<2, false, false, true>(xm, nullptr, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 3: fl_hc<3, false, false, true>(xm, nullptr, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    default: fl_hc<4, false, false, true>(xm, nullptr, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    }
-}
-
-// hc_post_pre_norm_l / hc_post2_pre_norm_l: fl_hc with the post for N streams (o2 null: one
-// addend).
-__device__ __forceinline__ void fl_hc_post_n(float* x, const float* __restrict__ o, const float* __restrict__ o2, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    switch (N) {
-    case 1: fl_hc<1, true, false, true>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 2: fl_hc<2, true, false, true>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    case 3: fl_hc<3, true, false, true>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
-    default: fl_hc<4, true, false, true>(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 1: fl_hc<1, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fl_hc<2, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fl_hc<3, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fl_hc<4, false, false, true>(xm, nullptr, nullptr, nullptr, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
     }
 }
 
 // Latency hc_post_pre_norm_f32: same arguments and outputs; grid and part as hc_pre_norm_l.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
     DS4_PDL_LATE; // fl_hc waits after the mixer loads
-    fl_hc_post_n(x, o, nullptr, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, N, D, S, iters, hc_eps, eps);
-}
-
-// Latency hc_post2_pre_norm_f32 (the output o + o2): arguments as hc_post2_pre_norm_f32, grid and
-// part as hc_pre_norm_l.
-DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post2_pre_norm_l(float* x, const float* __restrict__ o, const float* __restrict__ o2, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
-    DS4_PDL_LATE; // fl_hc waits after the mixer loads
-    fl_hc_post_n(x, o, o2, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, N, D, S, iters, hc_eps, eps);
+    switch (N) {
+    case 1: fl_hc<1, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 2: fl_hc<2, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    case 3: fl_hc<3, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    default: fl_hc<4, true, false, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, 0, nullptr); break;
+    }
 }
 
 // Probe of hc_post_pre_norm_l at N = 4 (crates/ds4-gpu/examples/hc_bench.rs): form 0 waits for
@@ -615,9 +584,9 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_p(float* x, const float* __res
     DS4_PDL_LATE; // form 0 waits here, 1 in fl_hc
     if (form == 0) {
         ds4_pdl_enter();
-        fl_hc<4, true, true, false>(x, o, nullptr, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+        fl_hc<4, true, true, false>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
     } else {
-        fl_hc<4, true, true, true>(x, o, nullptr, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
+        fl_hc<4, true, true, true>(x, o, post_in, comb_in, mixer, row_bytes, wty, scale, base, norm, z, post, comb, part, tickets, D, S, iters, hc_eps, eps, stop, stamps);
     }
 }
 

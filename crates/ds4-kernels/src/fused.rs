@@ -1,8 +1,7 @@
 use crate::Module;
 
 /// Fused decode glue (`gpu/fused.cu`): HC pre with the sublayer norm in one launch (split-K
-/// mixer products, then a last-CTA epilogue), the same after an in-place HC post (`hc_post2_*`:
-/// of a sublayer output in two addends), and RMSNorm +
+/// mixer products, then a last-CTA epilogue), the same after an in-place HC post, and RMSNorm +
 /// RoPE (+ FP8/f16 rounding) of attention rows; the prefill HC pre (`hcp_mix`: mixer partials
 /// of token tiles; then `hcp_finish`, a CTA a token, the epilogue). `hc_post_pre_norm_p` is a
 /// probe of the HC kernels (phase stamps, early stops) for `examples/hc_bench.rs`.
@@ -12,11 +11,9 @@ pub const FUSED: Module = Module {
     kernels: &[
         "hc_pre_norm_f32",
         "hc_post_pre_norm_f32",
-        "hc_post2_pre_norm_f32",
         "norm_rope_f32",
         "hc_pre_norm_l",
         "hc_post_pre_norm_l",
-        "hc_post2_pre_norm_l",
         "hc_post_pre_norm_p",
         "norm_rope_g",
         "norm_rope_pair_g",

@@ -106,12 +106,9 @@ pub struct Model<B: Backend> {
 /// positions.
 pub type Evaluated = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
-/// A block's MoE output with its HC post still to apply: `(y, y2, post, comb)`, the output
-/// `y + y2` when the shared expert's down product `y2` was computed apart from the routed sum
-/// `y` ([`Backend::shared_down_apart`]), else `y`.
+/// A block's MoE output with its HC post still to apply: `(y, post, comb)`.
 type Pending<B> = (
     <B as Backend>::Buf,
-    Option<<B as Backend>::Buf>,
     <B as Backend>::Buf,
     <B as Backend>::Buf,
 );
@@ -569,8 +566,7 @@ impl<B: Backend> Model<B> {
         for (layer, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
             pending = Some(self.layer_forward(layer, ls, &mut x, &tok, n, t0, pending));
         }
-        if let Some((mut y, y2, post, comb)) = pending {
-            self.moe_sum(&mut y, y2, n);
+        if let Some((y, post, comb)) = pending {
             b.hc_post(hc, &mut x, &y, &post, &comb, n);
         }
         st.tokens.extend_from_slice(tokens);
@@ -582,7 +578,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE. The MoE
-    /// output's HC post is returned as `(y, y2, post, comb)` for the caller to apply — fused with the
+    /// output's HC post is returned as `(y, post, comb)` for the caller to apply — fused with the
     /// next block's HC pre when `pending` hands it to that block, else by [`Backend::hc_post`].
     #[allow(clippy::too_many_arguments)]
     fn layer_forward(
@@ -596,28 +592,16 @@ impl<B: Backend> Model<B> {
         pending: Option<Pending<B>>,
     ) -> Pending<B> {
         let (z, post, comb) = match pending {
-            Some((y, y2, p, c)) => {
-                let h = &l.hc_attn;
-                self.hc_post_pre(h, &l.attn_norm, x, &y, y2.as_ref(), &p, &c, n)
-            }
+            Some((y, p, c)) => self.hc_post_pre(&l.hc_attn, &l.attn_norm, x, &y, &p, &c, n),
             None => self.hc_pre(&l.hc_attn, &l.attn_norm, x, n),
         };
         let o = self.attention(l, st, &z, n, t0);
-        let (z, post, comb) =
-            self.hc_post_pre(&l.hc_ffn, &l.ffn_norm, x, &o, None, &post, &comb, n);
-        let (y, y2) = self.moe(l, &z, tok, n);
-        (y, y2, post, comb)
+        let (z, post, comb) = self.hc_post_pre(&l.hc_ffn, &l.ffn_norm, x, &o, &post, &comb, n);
+        let y = self.moe(l, &z, tok, n);
+        (y, post, comb)
     }
 
-    /// A pending MoE output in one buffer: `y += y2` (the sum [`Backend::matmul_add`] makes).
-    fn moe_sum(&self, y: &mut B::Buf, y2: Option<B::Buf>, n: usize) {
-        if let Some(y2) = y2 {
-            self.backend.add(y, &y2, n * self.hp.n_embd as usize);
-        }
-    }
-
-    /// [`Backend::hc_post`] of `o` (plus `o2` when given) into `x`, then the HC pre of the next
-    /// sublayer (`hc_pre`).
+    /// [`Backend::hc_post`] of `o` into `x`, then the HC pre of the next sublayer (`hc_pre`).
     #[allow(clippy::too_many_arguments)]
     fn hc_post_pre(
         &self,
@@ -625,7 +609,6 @@ impl<B: Backend> Model<B> {
         norm: &B::Weight,
         x: &mut B::Buf,
         o: &B::Buf,
-        o2: Option<&B::Buf>,
         post_in: &B::Buf,
         comb_in: &B::Buf,
         n: usize,
@@ -635,26 +618,6 @@ impl<B: Backend> Model<B> {
         let mut z = b.alloc(n * hc.d);
         let mut post = b.alloc(n * hc.n);
         let mut comb = b.alloc(n * hc.n * hc.n);
-        if let Some(o2) = o2 {
-            b.hc_post2_pre_norm(
-                hc,
-                x,
-                o,
-                o2,
-                post_in,
-                comb_in,
-                &h.mixer,
-                &h.scale,
-                &h.base,
-                norm,
-                n,
-                self.hp.rms_eps,
-                &mut z,
-                &mut post,
-                &mut comb,
-            );
-            return (z, post, comb);
-        }
         b.hc_post_pre_norm(
             hc,
             x,
@@ -876,13 +839,7 @@ impl<B: Backend> Model<B> {
 
     /// MoE sublayer (model.md §3.4): routed experts summed in selection order, then the shared
     /// expert.
-    fn moe(
-        &self,
-        l: &Layer<B::Weight>,
-        z: &B::Buf,
-        tok: &B::IBuf,
-        n: usize,
-    ) -> (B::Buf, Option<B::Buf>) {
+    fn moe(&self, l: &Layer<B::Weight>, z: &B::Buf, tok: &B::IBuf, n: usize) -> B::Buf {
         let b = &self.backend;
         let hp = &self.hp;
         let spec = MoeSpec {
@@ -894,18 +851,11 @@ impl<B: Backend> Model<B> {
             clamp: l.clamp,
         };
         // The shared expert's gate/up reads only z (side branch, `Backend::side_begin`); the
-        // router and the routed experts (main branch) too. The shared down product adds into
-        // the routed sum after the join, or (`Backend::shared_down_apart`) runs on the side
-        // branch into its own buffer, summed by the consumer (`Backend::hc_post2_pre_norm`).
-        let apart = b.shared_down_apart(n);
+        // router and the routed experts (main branch) too; the shared down product adds into
+        // the routed sum after the join.
         b.side_begin();
         let mut g = b.alloc(n * spec.ff);
         b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut g, l.clamp_sh);
-        let sh = apart.then(|| {
-            let mut sh = b.alloc(n * spec.d);
-            b.matmul_addend(&l.down_sh, &g, n, spec.d, &mut sh);
-            sh
-        });
         b.side_end();
         let mut logits = b.alloc(n * spec.n_expert);
         let mut sel = b.alloc_i32(n * spec.n_used);
@@ -936,10 +886,8 @@ impl<B: Backend> Model<B> {
             &mut out,
         );
         b.join();
-        if sh.is_none() {
-            b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
-        }
-        (out, sh)
+        b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
+        out
     }
 
     /// Output head (model.md §3.5) for `m` rows of streams `xs` (`[m, N, D]`).
@@ -1011,9 +959,7 @@ impl<B: Backend> Model<B> {
             b.copy(&ep, 0, &mut epn, i * hc.d, hc.d);
         }
         b.add(&mut x, &epn, hc.n * hc.d);
-        let (mut y, y2, post, comb) =
-            self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos, None);
-        self.moe_sum(&mut y, y2, 1);
+        let (y, post, comb) = self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos, None);
         b.hc_post(hc, &mut x, &y, &post, &comb, 1);
         let logits = self
             .head(&mtp.head, &mtp.norm, &x, 1)

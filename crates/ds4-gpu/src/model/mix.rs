@@ -203,26 +203,8 @@ const ROW_K: usize = 8;
 /// float4 columns per thread of norm_rope_g (`NG_K`).
 const NG_K: usize = 4;
 
-/// The HC post's inputs (o, o2, post, comb) of a fused hc_post_pre_norm (o2: the second addend
-/// of hc_post2_pre_norm).
-type PostIn = (DevPtr, Option<DevPtr>, DevPtr, DevPtr);
-
-/// The MoE's shared down product: 0 not yet read from `DS4_GPU_BRANCH`, 1 apart (default: on
-/// the side branch, `Backend::shared_down_apart`), 2 added after the join (`v1`, and `off`, the
-/// one-chain form) (process-wide).
-static DOWN: AtomicU8 = AtomicU8::new(0);
-
-/// `hc_post2_*` launches so far, process-wide ([`GpuBackend::hc_post2_launches`]).
-static POST2_RUNS: AtomicU64 = AtomicU64::new(0);
-
-/// Whether decode steps compute the shared down product apart (`DS4_GPU_BRANCH=v1`, `off` or
-/// `0`: no; read once, or [`GpuBackend::set_down_form`]).
-fn down_apart() -> bool {
-    env_code(&DOWN, "DS4_GPU_BRANCH", |v| match v {
-        Some("v1") | Some("off") | Some("0") => 2,
-        _ => 1,
-    }) == 1
-}
+/// The HC post's inputs (o, post, comb) of a fused hc_post_pre_norm.
+type PostIn = (DevPtr, DevPtr, DevPtr);
 
 /// The kernel [`GpuBackend::op_norm_rope`] takes for a row set: the separate ops, norm_rope_g
 /// (the row in registers) or norm_rope_f32 (staged), with the CTA's threads.
@@ -276,25 +258,6 @@ impl GpuBackend {
     /// of the process so far; tests check with it that the fused form ran.
     pub fn route_fused_launches() -> u64 {
         ROUTE_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// Select where the MoE's shared down product runs: "apart" (the default: the side branch,
-    /// its sum folded into the next HC kernel) or "add" (after the join, added into the routed
-    /// sum: `DS4_GPU_BRANCH=v1`). Overrides the variable; process-wide; for tests.
-    pub fn set_down_form(form: &str) {
-        set_code(&DOWN, "set_down_form", form, &["apart", "add"]);
-    }
-
-    /// Fused HC posts of two addends (`hc_post2_*`: Backend::hc_post2_pre_norm at n <= 4) by
-    /// every backend of the process so far; tests check with it that the apart form ran.
-    pub fn hc_post2_launches() -> u64 {
-        POST2_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// Backend::shared_down_apart: the apart form is on and the consumer's fused HC kernel takes
-    /// `n` tokens (else the composed sum would add launches).
-    pub(crate) fn op_shared_down_apart(&self, n: usize) -> bool {
-        down_apart() && (1..=FUSE_HC_MAX_N).contains(&n)
     }
 
     /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default) or "off"
@@ -410,16 +373,13 @@ impl GpuBackend {
     /// (t, s) first applies the HC post to its float4 columns of all N streams of x in place
     /// (a thread a (stream, column)), then takes the mixer products of the new values; the last
     /// CTA reads the new x back through L2 for the collapse. Else the separate ops (prefill: the
-    /// HC post, then the prefill HC pre). `o2` (Backend::hc_post2_pre_norm): the sublayer output
-    /// is `o + o2` (`hc_post2_*` kernels: each value summed once in f32 as it is read; else the
-    /// sum into a new buffer first).
+    /// HC post, then the prefill HC pre).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_hc_post_pre_norm(
         &self,
         hc: HcDims,
         x: &mut GpuBuf,
         o: &GpuBuf,
-        o2: Option<&GpuBuf>,
         post_in: &GpuBuf,
         comb_in: &GpuBuf,
         mixer: &GpuWeight,
@@ -435,22 +395,14 @@ impl GpuBackend {
         let fused = fuse_post()
             && al16(x.ptr)
             && al16(o.ptr)
-            && o2.is_none_or(|b| al16(b.ptr))
             && al16(z.ptr)
             && (1..=FUSE_HC_MAX_N).contains(&n);
         let Some((wp, code, rb)) = fused.then(|| self.hc_fusable(&hc, mixer, norm)).flatten()
         else {
-            if let Some(o2) = o2 {
-                // o + o2 into a new buffer, then this op on it (the same values).
-                return ds4_backend::hc_post2_pre_norm_composed(
-                    self, hc, x, o, o2, post_in, comb_in, mixer, scale, base, norm, n, eps, z,
-                    post, comb,
-                );
-            }
             self.op_hc_post(hc, x, o, post_in, comb_in, n);
             return self.op_hc_pre_norm(hc, mixer, scale, base, norm, x, n, eps, z, post, comb);
         };
-        let pin = Some((o.ptr, o2.map(|b| b.ptr), post_in.ptr, comb_in.ptr));
+        let pin = Some((o.ptr, post_in.ptr, comb_in.ptr));
         self.hc_fused(
             &hc,
             x.ptr,
@@ -492,23 +444,16 @@ impl GpuBackend {
         let wide = fuse_wide() && hc.n <= warp && d4 <= FW_ZR * (FW_T - warp);
         let (name, threads, splits) = if wide {
             let cols = warp / hc.n; // float4 columns of d a split
-            let name = match pin {
-                Some((_, Some(_), _, _)) => "hc_post2_pre_norm_l",
-                Some(_) => "hc_post_pre_norm_l",
-                None => "hc_pre_norm_l",
+            let name = if pin.is_some() {
+                "hc_post_pre_norm_l"
+            } else {
+                "hc_pre_norm_l"
             };
             (name, FW_T, d4.div_ceil(cols))
         } else {
             let t = fuse_threads(warp);
             match pin {
-                Some((_, o2, _, _)) => {
-                    let name = if o2.is_some() {
-                        "hc_post2_pre_norm_f32"
-                    } else {
-                        "hc_post_pre_norm_f32"
-                    };
-                    (name, t, d4.div_ceil(t / hc.n))
-                }
+                Some(_) => ("hc_post_pre_norm_f32", t, d4.div_ceil(t / hc.n)),
                 None => (
                     "hc_pre_norm_f32",
                     t,
@@ -518,13 +463,8 @@ impl GpuBackend {
         };
         let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
         let mut args = vec![Arg::Ptr(x)];
-        if let Some((o, o2, pi, ci)) = pin {
-            if o2.is_some() {
-                POST2_RUNS.fetch_add(1, Ordering::Relaxed);
-            }
-            args.push(Arg::Ptr(o));
-            args.extend(o2.map(Arg::Ptr)); // hc_post2_*: o2 after o
-            args.extend([Arg::Ptr(pi), Arg::Ptr(ci)]);
+        if let Some((o, pi, ci)) = pin {
+            args.extend([Arg::Ptr(o), Arg::Ptr(pi), Arg::Ptr(ci)]);
         }
         args.extend([
             Arg::Ptr(wp),

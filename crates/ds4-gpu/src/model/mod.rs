@@ -1363,19 +1363,6 @@ impl Backend for GpuBackend {
         self.add(y, &t, n * rows);
     }
 
-    /// matmul_add's product: at n = 1 where matvec.rs adds in the epilogue (its kernel choice
-    /// differs from matmul's), y zeroed and that add (`0 + v` is `v`; a -0 becomes +0, which
-    /// no sum with a nonzero addend tells apart); else matmul, what the composed form adds.
-    fn matmul_addend(&self, w: &GpuWeight, x: &GpuBuf, n: usize, rows: usize, y: &mut GpuBuf) {
-        if n == 1 && self.product_width_ok(w) {
-            self.zero(y.ptr, rows);
-            if self.mv_matmul_add(w, x, y) {
-                return;
-            }
-        }
-        self.matmul(w, Part::All, x, n, y);
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn matmul_gateup(
         &self,
@@ -1637,39 +1624,8 @@ impl Backend for GpuBackend {
     ) {
         let _p = self.prof(|| "hc_post_pre_norm".to_string());
         self.op_hc_post_pre_norm(
-            hc, x, o, None, post_in, comb_in, mixer, scale, base, norm, n, eps, z, post, comb,
+            hc, x, o, post_in, comb_in, mixer, scale, base, norm, n, eps, z, post, comb,
         )
-    }
-
-    fn hc_post2_pre_norm(
-        &self,
-        hc: HcDims,
-        x: &mut GpuBuf,
-        o: &GpuBuf,
-        o2: &GpuBuf,
-        post_in: &GpuBuf,
-        comb_in: &GpuBuf,
-        mixer: &GpuWeight,
-        scale: &GpuWeight,
-        base: &GpuWeight,
-        norm: &GpuWeight,
-        n: usize,
-        eps: f32,
-        z: &mut GpuBuf,
-        post: &mut GpuBuf,
-        comb: &mut GpuBuf,
-    ) {
-        let _p = self.prof(|| "hc_post2_pre_norm".to_string());
-        let o2 = Some(o2);
-        self.op_hc_post_pre_norm(
-            hc, x, o, o2, post_in, comb_in, mixer, scale, base, norm, n, eps, z, post, comb,
-        )
-    }
-
-    /// Decode steps (n <= 4) compute the shared down product on the side branch unless
-    /// `DS4_GPU_BRANCH=v1` / `off` (mix.rs `set_down_form`).
-    fn shared_down_apart(&self, n: usize) -> bool {
-        self.op_shared_down_apart(n)
     }
 
     fn norm_rope(
