@@ -126,6 +126,8 @@ fn par_copy(src: &[u8], dst: *mut u8) {
 struct Staging {
     bufs: [*mut u8; 2],
     done: [Event; 2],
+    /// Recorded on the caller's stream by [`Gpu::upload_after`]: the copies wait for it.
+    ready: Event,
     stream: Stream,
 }
 unsafe impl Send for Staging {}
@@ -371,6 +373,7 @@ impl Gpu {
                     self.rt.alloc_pinned(STAGING_BYTES)?,
                 ],
                 done: [self.rt.event_create()?, self.rt.event_create()?],
+                ready: self.rt.event_create()?,
                 stream: self.rt.stream_create()?,
             };
             // Mark both buffers free.
@@ -382,9 +385,27 @@ impl Gpu {
     }
 
     /// Copy host bytes to the device through two pinned staging buffers: filling one while the
-    /// other is in flight. Returns when the data is on the device.
+    /// other is in flight. Returns when the data is on the device. The copies run on the
+    /// staging stream, unordered with work queued on other streams: for memory that queued
+    /// kernels may still read or write (pool blocks, state buffers just cleared by a kernel)
+    /// use [`Gpu::upload_after`].
     pub fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
         self.upload_with_progress(dst, src, &mut |_| {})
+    }
+
+    /// [`Gpu::upload`] after all work queued so far on `after`: the staging stream waits on the
+    /// device for an event recorded there (or, where the runtime cannot make a stream wait,
+    /// the host waits for it). Without it a fill queued on `after` before the upload could
+    /// land after the copy (seen as a restored state differing under load from other
+    /// processes: bench/results/gpu-lead-s13-h200.txt).
+    pub fn upload_after(&self, dst: DevPtr, src: &[u8], after: Stream) -> Result<()> {
+        self.with_staging(|s| {
+            self.rt.event_record(s.ready, after)?;
+            if self.rt.stream_wait_event(s.stream, s.ready).is_err() {
+                self.rt.event_sync(s.ready)?;
+            }
+            self.staged_copies(s, dst, src, &mut |_| {})
+        })
     }
 
     /// [`Gpu::upload`], calling `progress(bytes queued so far)` after each staging chunk (for a
@@ -395,24 +416,32 @@ impl Gpu {
         src: &[u8],
         progress: &mut dyn FnMut(usize),
     ) -> Result<()> {
-        self.with_staging(|s| {
-            for (i, chunk) in src.chunks(STAGING_BYTES).enumerate() {
-                let k = i % 2;
-                self.rt.event_sync(s.done[k])?;
-                par_copy(chunk, s.bufs[k]);
-                unsafe {
-                    self.rt.copy_h2d_async(
-                        dst.offset((i * STAGING_BYTES) as u64),
-                        s.bufs[k],
-                        chunk.len(),
-                        s.stream,
-                    )?;
-                }
-                self.rt.event_record(s.done[k], s.stream)?;
-                progress(i * STAGING_BYTES + chunk.len());
+        self.with_staging(|s| self.staged_copies(s, dst, src, progress))
+    }
+
+    fn staged_copies(
+        &self,
+        s: &Staging,
+        dst: DevPtr,
+        src: &[u8],
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        for (i, chunk) in src.chunks(STAGING_BYTES).enumerate() {
+            let k = i % 2;
+            self.rt.event_sync(s.done[k])?;
+            par_copy(chunk, s.bufs[k]);
+            unsafe {
+                self.rt.copy_h2d_async(
+                    dst.offset((i * STAGING_BYTES) as u64),
+                    s.bufs[k],
+                    chunk.len(),
+                    s.stream,
+                )?;
             }
-            self.rt.stream_sync(s.stream)
-        })
+            self.rt.event_record(s.done[k], s.stream)?;
+            progress(i * STAGING_BYTES + chunk.len());
+        }
+        self.rt.stream_sync(s.stream)
     }
 
     /// Copy device bytes to the host after all queued work on the device (synchronises).
@@ -664,6 +693,7 @@ impl Drop for Gpu {
             }
             let _ = self.rt.event_destroy(s.done[0]);
             let _ = self.rt.event_destroy(s.done[1]);
+            let _ = self.rt.event_destroy(s.ready);
             let _ = self.rt.stream_destroy(s.stream);
         }
         for (_, m) in self.modules.lock().unwrap().drain() {

@@ -886,6 +886,12 @@ impl GpuBackend {
         self.note(self.gpu.alloc(bytes.max(4)))
     }
 
+    /// Host bytes into device memory that kernels queued on the backend's stream may still
+    /// touch (pool blocks, state just cleared): the copy lands after them.
+    fn upload_ordered(&self, dst: DevPtr, data: &[u8]) -> Result<()> {
+        self.gpu.upload_after(dst, data, self.stream)
+    }
+
     fn upload_bytes(&self, data: &[u8]) -> Option<DeviceBuffer> {
         self.interrupt();
         self.note(self.gpu.alloc_from(data))
@@ -938,12 +944,9 @@ impl GpuBackend {
         let n_rows = h.rows.len() / c.d;
         let mut g = self.new_comp(c)?;
         self.reserve_rows(&mut g, n_rows);
-        self.note(self.gpu.upload(g.front_kv.ptr(), f32_bytes(&h.front_kv)));
-        self.note(
-            self.gpu
-                .upload(g.front_score.ptr(), f32_bytes(&h.front_score)),
-        );
-        self.note(self.gpu.upload(g.rows.ptr(), f32_bytes(&h.rows)));
+        self.note(self.upload_ordered(g.front_kv.ptr(), f32_bytes(&h.front_kv)));
+        self.note(self.upload_ordered(g.front_score.ptr(), f32_bytes(&h.front_score)));
+        self.note(self.upload_ordered(g.rows.ptr(), f32_bytes(&h.rows)));
         g.n_rows = n_rows;
         Some(g)
     }
@@ -1144,7 +1147,7 @@ impl Backend for GpuBackend {
         self.before_upload();
         let b = self.scratch(data.len());
         if b.ptr.0 != 0 {
-            self.note(self.gpu.upload(b.ptr, f32_bytes(data)));
+            self.note(self.upload_ordered(b.ptr, f32_bytes(data)));
         }
         b
     }
@@ -1154,7 +1157,7 @@ impl Backend for GpuBackend {
         let b = self.scratch(data.len());
         if b.ptr.0 != 0 {
             let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            self.note(self.gpu.upload(b.ptr, &bytes));
+            self.note(self.upload_ordered(b.ptr, &bytes));
         }
         GpuIBuf(b)
     }
@@ -1232,13 +1235,13 @@ impl Backend for GpuBackend {
     fn state_from_host(&self, dims: &LayerDims, h: &HostLayerState) -> GpuLayerState {
         self.interrupt();
         let st = self.new_layer_state(dims);
-        self.note(self.gpu.upload(st.raw.ptr(), f32_bytes(&h.raw)));
+        self.note(self.upload_ordered(st.raw.ptr(), f32_bytes(&h.raw)));
         let pos: Vec<u8> = h
             .raw_pos
             .iter()
             .flat_map(|&p| (p as i32).to_le_bytes())
             .collect();
-        self.note(self.gpu.upload(st.raw_pos.ptr(), &pos));
+        self.note(self.upload_ordered(st.raw_pos.ptr(), &pos));
         GpuLayerState {
             comp: match (&dims.comp, &h.comp) {
                 (Some(c), Some(hc)) => self.upload_comp(c, hc),
