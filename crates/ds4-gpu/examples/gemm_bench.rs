@@ -97,11 +97,6 @@ const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
 /// The default forms with the MoE's IQ2_XXS gate/up activation-quantised on int8 tensor cores
 /// (`gemmi8_iq2_xxs`, opt-in `DS4_GPU_ACT=q8k`; not exact).
 const INT8: Form = ("int8", true, false, false, true, 0, true);
-/// int8 kernels by form (`set_gemm_i8_form`): w4 `gemmi8_iq2_xxs`, w8 `gemmi8w_iq2_xxs`, p8
-/// `gemmi8pw_iq2_xxs` (int8: the default, `gemmi8p_iq2_xxs`).
-const INT8_W4: Form = ("int8/w4", true, false, false, true, 0, true);
-const INT8_W8: Form = ("int8/w8", true, false, false, true, 0, true);
-const INT8_P8: Form = ("int8/p8", true, false, false, true, 0, true);
 const F16_64: Form = ("f16/64", true, false, false, false, 64, true);
 const F16_128: Form = ("f16/128", true, false, false, false, 128, true);
 const F16_256: Form = ("f16/256", true, false, false, false, 256, true);
@@ -123,13 +118,7 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_tiled(!f.0.starts_with("bf16"), f.0 == "tiled");
     GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
     GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
-    GpuBackend::set_gemm_act_q8k(f.0.starts_with("int8"));
-    GpuBackend::set_gemm_i8_form(match f.0 {
-        "int8/w4" => 1,
-        "int8/w8" => 2,
-        "int8/p8" => 4,
-        _ => 0,
-    });
+    GpuBackend::set_gemm_act_q8k(f.0 == "int8");
 }
 
 fn main() {
@@ -245,9 +234,6 @@ fn main() {
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
                 INT8,
-                INT8_W4,
-                INT8_W8,
-                INT8_P8,
                 BF16,
                 BF16_NOSKIP,
                 TILED,
@@ -260,7 +246,6 @@ fn main() {
             vec![
                 DEFAULT,
                 INT8,
-                INT8_W4,
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
                 BF16,

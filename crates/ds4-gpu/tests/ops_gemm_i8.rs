@@ -6,7 +6,10 @@
 //! that is not a multiple of the CTA's 128 rows, and the MoE hook: with the switch on the whole
 //! routed-expert product takes the int8 kernel (launch counter) and stays near the exact CPU
 //! result; with it off the kernel does not run. Skips with the reason when no GPU is present;
-//! the int8 cases also skip (printed) off CUDA sm_80+.
+//! the int8 cases also skip (printed) off CUDA sm_80+. H200 (bench/results/gpu-gemm-i13-h200.txt):
+//! quantiser 0 mismatches; gate/up 192,000 of 192,000 outputs bit-identical to `dot_row_act`
+//! (held to 1e-6 relative); the int8 MoE 7.05e-2 of 1 + rms off the exact CPU result (exact
+//! form: 4.4e-5).
 
 mod common;
 
@@ -152,40 +155,34 @@ fn gate_up_i8_matches_act_reference() {
             }
         }
     }
-    let mut bad = Vec::new();
-    for form in 1..=4 {
-        GpuBackend::set_gemm_i8_form(form);
-        let l0 = GpuBackend::gemm_i8_launches();
-        let (gy, uy) = gpu
-            .moe_gate_up_i8_download(&gw, &uw, &gz, &gs, n, k, ne)
-            .expect("int8 gate/up covers the product");
-        assert_eq!(GpuBackend::gemm_i8_launches(), l0 + 1, "one gemmi8 launch");
-        let (mut worst, mut exact) = (0f32, 0usize);
-        let mut first_bad = None;
-        for (y, w) in [&gy, &uy].into_iter().zip(&want) {
-            for (i, (&got, &want)) in y.iter().zip(w).enumerate() {
-                let err = (got - want).abs() / (1.0 + want.abs());
-                let err = if got.is_nan() { f32::INFINITY } else { err };
-                worst = worst.max(err);
-                if err > 1e-6 && first_bad.is_none() {
-                    let (p, row) = (i / ff, i % ff);
-                    first_bad = Some(format!(
-                        "form {form}: pair {p} (token {}, expert {}) row {row}: gpu {got:e} cpu {want:e}",
-                        p / k,
-                        sel[p]
-                    ));
-                }
-                exact += (got.to_bits() == want.to_bits()) as usize;
+    let l0 = GpuBackend::gemm_i8_launches();
+    let (gy, uy) = gpu
+        .moe_gate_up_i8_download(&gw, &uw, &gz, &gs, n, k, ne)
+        .expect("int8 gate/up covers the product");
+    assert_eq!(GpuBackend::gemm_i8_launches(), l0 + 1, "one gemmi8 launch");
+    let (mut worst, mut exact) = (0f32, 0usize);
+    let mut first_bad = None;
+    for (y, w) in [&gy, &uy].into_iter().zip(&want) {
+        for (i, (&got, &want)) in y.iter().zip(w).enumerate() {
+            let err = (got - want).abs() / (1.0 + want.abs());
+            let err = if got.is_nan() { f32::INFINITY } else { err };
+            worst = worst.max(err);
+            if err > 1e-6 && first_bad.is_none() {
+                let (p, row) = (i / ff, i % ff);
+                first_bad = Some(format!(
+                    "pair {p} (token {}, expert {}) row {row}: gpu {got:e} cpu {want:e}",
+                    p / k,
+                    sel[p]
+                ));
             }
+            exact += (got.to_bits() == want.to_bits()) as usize;
         }
-        println!(
-            "gemmi8 form {form} vs dot_row_act: {} outputs, {exact} bit-identical, worst rel err {worst:e}",
-            2 * n * k * ff
-        );
-        bad.extend(first_bad);
     }
-    GpuBackend::set_gemm_i8_form(0);
-    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    println!(
+        "gemmi8_iq2_xxs vs dot_row_act: {} outputs, {exact} bit-identical, worst rel err {worst:e}",
+        2 * n * k * ff
+    );
+    assert!(worst <= 1e-6, "{}", first_bad.unwrap_or_default());
 }
 
 #[test]
@@ -242,8 +239,10 @@ fn moe_hook_takes_int8_with_the_switch() {
         out.push(err);
     }
     GpuBackend::set_gemm_act_q8k(false);
-    // The exact form is held to 2e-3 in ops_gemm; the activation rounding (~2^-8 relative per
-    // element of z, averaging out over 1024 terms) stays far below an O(1) wrong tile/expert.
+    // The exact form is held to 2e-3 in ops_gemm. The activation rounding (Q8_K: up to 1/254 of
+    // a block's largest |z| per element) gave 7.05e-2 on the H200 with these seeds (the max over
+    // 131,072 outputs of the gate/up error carried through SwiGLU and the down product); a
+    // wrong tile or expert is O(1).
     assert!(
         out[0] < 0.1,
         "int8 MoE off the exact result by {:e}",

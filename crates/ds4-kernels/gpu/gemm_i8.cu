@@ -18,10 +18,16 @@
 // rows x one 32-element group (isum_g), the group scale 2 ls + 1 applied by one IMAD per
 // accumulator, the block's f32 combination after its 8th group.
 // CTA: 128 threads (4 warps), 64 items x 128 weight rows (warp w: rows 32w.., all 64 items as 4
-// m-tiles of 16); K step = one 32-element group. Thread t decodes tile row t's group into 32 int8
-// (one shared row), the X codes of the 64 items (32 bytes each) come by cp.async (16 bytes a
-// thread); both double-buffered, one barrier per group. Per warp and group: 2 ldmatrix.x4 (B) +
-// 4 (A) for 16 mma (int8 operands: a third of gemmc's shared bytes per multiply-add).
+// m-tiles of 16); K step = one 32-element group, 8 a block, unrolled (static ring slots). Thread
+// t decodes tile row t's group into 32 int8 (one shared row, double-buffered); the X codes of the
+// 64 items (32 bytes each) come by cp.async (16 bytes a thread) into a ring of GI_NS stages and
+// the raw weight fields into a ring of GI_NS register slots, GI_NS - 1 groups ahead; one barrier
+// per group. Per warp and group: 2 ldmatrix.x4 (B) + 4 (A) for 16 mma (int8 operands: a third of
+// gemmc's shared bytes per multiply-add). 217 registers on sm_90a: 2 CTAs per SM.
+// H200 (bench/results/gpu-gemm-i13-h200.txt): routed experts q2 at n = 2048 7.21 -> 5.90 ms (this
+// gate/up with gemmu_q2_k's down); one group in flight (load latency exposed): 6.29 ms; 8 warps
+// on half the items each: 6.81 (6.31 with the ring); their code is in git at the commit the
+// results file names.
 // CUDA sm_80+ only (the host keeps the exact forms elsewhere); off CUDA the kernel body is empty.
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
@@ -100,7 +106,6 @@ __device__ __forceinline__ void gi_cp16(void* dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void gi_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void gi_wait0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void gi_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Raw fields of group c of a row (66-byte blocks, 2-byte aligned): r[0] the block's d (f16 bits,
@@ -117,212 +122,52 @@ __device__ __forceinline__ void gi_raw(const u8* __restrict__ row, int c, bool d
     }
 }
 
-// Grid entries k0 .. k0 + NE - 1 of a group from its raw fields: 2 NE words of int8 grid * sign
-// (elements 8 k0 .. in order, 4 a word).
+// Group from its raw fields: 8 words of int8 grid * sign (elements in order, 4 a word).
 // Signs of grid entry k: 7 bits + parity (bit 7, even popcount: ksigns_iq2xs); sign bit e moved to
 // the msb of byte e%4 by (4 bits) * 0x10204080 (partial products never meet: no carries), spread
 // to 0xff / 0x00 bytes by a sign-replicating PRMT (selector nibbles 8..b), then -g = (g ^ 0xff) + 1
 // per byte (g >= 8: no carry leaves a byte).
-template <int NE> __device__ __forceinline__ void gi_deq(const u32* r, const u64* tab, u32* o, int k0) {
+__device__ __forceinline__ void gi_deq(const u32* r, const u64* tab, u32* o) {
 #pragma unroll
-    for (int j = 0; j < NE; j++) {
-        const int k = k0 + j;
+    for (int k = 0; k < 4; k++) {
         const u64 grid = tab[(r[1] >> (8 * k)) & 0xff];
         const u32 s7 = (r[2] >> (7 * k)) & 127;
         const u32 v0 = (s7 & 15u) * 0x10204080u, v1 = ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u;
         const u32 m0 = gi_prmt(v0, 0u, 0xba98u), m1 = gi_prmt(v1, 0u, 0xba98u);
-        o[2 * j] = ((u32)grid ^ m0) + (m0 & 0x01010101u);
-        o[2 * j + 1] = ((u32)(grid >> 32) ^ m1) + (m1 & 0x01010101u);
+        o[2 * k] = ((u32)grid ^ m0) + (m0 & 0x01010101u);
+        o[2 * k + 1] = ((u32)(grid >> 32) ^ m1) + (m1 & 0x01010101u);
     }
 }
 #endif
 
-// gemmi8p: groups in flight (X stages of the cp.async ring, raw-weight register slots); divides 8.
-#define GI_NS 4
-struct alignas(16) GiSmemP {
-    u32 x[GI_NS][GI_BM][GI_LD]; // activation codes of group c, stage c % GI_NS
-    u32 w[2][GI_BN][GI_LD];
-    int ls[2][GI_BN];
-    float dw[2][GI_BN];
-    float dx[2][GI_BM];
-};
+#define GI_NS 4 // groups in flight + 1 (X stages of the cp.async ring, raw-weight register slots); divides 8
 struct alignas(16) GiSmem {
-    u32 x[2][GI_BM][GI_LD]; // activation codes of the group, stage c & 1
-    u32 w[2][GI_BN][GI_LD]; // weight codes grid * sign, stage c & 1
-    int ls[2][GI_BN];       // 2 ls + 1 of the group per row, stage c & 1
-    float dw[2][GI_BN];     // weight d of the block per row, stage b & 1
-    float dx[2][GI_BM];     // activation d of the block per item, stage b & 1
+    u32 x[GI_NS][GI_BM][GI_LD]; // activation codes of group c, stage c % GI_NS
+    u32 w[2][GI_BN][GI_LD];     // weight codes grid * sign, stage c & 1
+    int ls[2][GI_BN];           // 2 ls + 1 of the group per row, stage c & 1
+    float dw[2][GI_BN];         // weight d of the block per row, stage b & 1
+    float dx[2][GI_BM];         // activation d of the block per item, stage b & 1
 };
 
 // W0/Y0: gate (blockIdx.z 0), W1/Y1: up (1); expert e's rows at W + e * slab. q/xd: the Q8_K codes
 // and scales of the token rows (act_q8k_f32, row length cols); pair i reads token i / xdiv.
 // Y[i * y_tok + r]. grp from gm_group_*_i32 with runs cut at GI_BM; CTA row blockIdx.y takes run
 // blockIdx.y (none past grp[0]); m-tiles of 16 items wholly past the run are skipped.
-// NW warps: 4 (gemmi8_iq2_xxs): warp w takes rows 32w.. for all 64 items (4 m-tiles), thread t
-// decodes row t's whole group; 8 (gemmi8w_iq2_xxs): warp w takes rows 32(w%4).. for items 32(w/4)..
-// (2 m-tiles: half the accumulator registers, twice the warps), thread t decodes half t/128 (grid
-// entries 2h, 2h+1) of row t%128.
 #define GI_PARAMS                                                                                                  \
     const u8 *__restrict__ W0, const u8 *__restrict__ W1, long long slab, const int *__restrict__ sel,             \
         const signed char *__restrict__ q, const float *__restrict__ xd, int xdiv, float *__restrict__ Y0,          \
         float *__restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes, int n, const int *__restrict__ grp, int gmax
-#define GI_ARGS W0, W1, slab, sel, q, xd, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
-template <int NW> __device__ __forceinline__ void gemmi8_body(GI_PARAMS) {
+DS4_KERNEL void DS4_BOUNDS(128) gemmi8_iq2_xxs(GI_PARAMS) {
 #if GI_HAVE_MMA
     __shared__ int items[GI_BM];
     __shared__ int expert;
     __shared__ u64 gtab[256];
     __shared__ GiSmem sm;
-    constexpr int MT = NW == 4 ? 4 : 2; // m-tiles per warp
-    const int tid = threadIdx.x, trow = tid & (GI_BN - 1), half = NW == 4 ? 0 : tid >> 7;
-    if ((int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    for (int e = tid; e < 256; e += 32 * NW) gtab[e] = ds4_iq2xxs_grid[e];
-    if (tid < GI_BM) { // the run's pairs (one expert), -1 past it
-        const int* perm = grp + 1 + gmax;
-        const int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), qq = st + tid;
-        items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
-        if (tid == 0) expert = e;
-    }
-    __syncthreads();
-    const bool up = blockIdx.z != 0;
-    const int r0 = blockIdx.x * GI_BN, row = r0 + trow;
-    const u8* wrow = (up ? W1 : W0) + (long long)expert * slab + (long long)min(row, rows - 1) * row_bytes;
-    const bool live = row < rows;
-    const int nch = cols / 32, nbk = cols / 256;
-    const int warp = tid >> 5, lane = tid & 31, lr = lane & 7, lm = lane >> 3, g = lane >> 2, t4 = lane & 3;
-    const int wn = warp & 3, i0 = NW == 4 ? 0 : 32 * (warp >> 2); // rows 32 wn.., items i0..
-    const int run = (blockIdx.y + 1 < (u32)grp[0] ? grp[2 + blockIdx.y] : n) - grp[1 + blockIdx.y];
-    const int nmt = min(max((min(run, GI_BM) - i0 + 15) >> 4, 0), MT); // uniform per warp
-
-    // X: thread t < 128 copies 16-byte half (t & 1) of item t / 2's 32 codes; xo: byte offset, -1 none.
-    const bool xcp = tid < 2 * GI_BM;
-    const int xit = xcp ? items[tid >> 1] : -1;
-    const long long xo = xit >= 0 ? (long long)(xit / xdiv) * cols + 16 * (tid & 1) : -1;
-    // Block scale of the item tid (tid < 64) for the next block.
-    const int dit = tid < GI_BM ? items[tid] : -1;
-    const float* xdp = dit >= 0 ? xd + (long long)(dit / xdiv) * nbk : nullptr;
-
-    float acc[MT][4][4];
-    int icc[MT][4][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.0f, icc[mt][nt][e] = 0;
-    u32 wr[3] = {0u, 0u, 0u};
-    float dxn = 0.0f;
-    auto issue = [&](int c) { // group c: X by cp.async into stage c & 1, raw weights and d_x to registers
-        if (xcp) gi_cp16(&sm.x[c & 1][tid >> 1][4 * (tid & 1)], q + (xo >= 0 ? xo + 32 * c : 0), xo >= 0);
-        gi_commit();
-        if (live) gi_raw(wrow, c, (c & 7) == 0, wr); // dead rows: zeros (d = 0)
-        if ((c & 7) == 0 && tid < GI_BM) dxn = xdp ? xdp[c >> 3] : 0.0f;
-    };
-    issue(0);
-    for (int c = 0; c < nch; c++) {
-        const int st = c & 1, bst = (c >> 3) & 1;
-        {
-            if (NW == 4) {
-                u32 o[8];
-                gi_deq<4>(wr, gtab, o, 0);
-                *(uint4*)&sm.w[st][trow][0] = make_uint4(o[0], o[1], o[2], o[3]);
-                *(uint4*)&sm.w[st][trow][4] = make_uint4(o[4], o[5], o[6], o[7]);
-            } else {
-                u32 o[4];
-                gi_deq<2>(wr, gtab, o, 2 * half);
-                *(uint4*)&sm.w[st][trow][4 * half] = make_uint4(o[0], o[1], o[2], o[3]);
-            }
-            if (half == 0) {
-                sm.ls[st][trow] = 2 * (int)(wr[2] >> 28) + 1;
-                if ((c & 7) == 0) sm.dw[bst][trow] = ds4_h2f_fast(wr[0]);
-            }
-            if ((c & 7) == 0 && tid < GI_BM) sm.dx[bst][tid] = dxn;
-        }
-        gi_wait0();
-        __syncthreads();
-        if (c + 1 < nch) issue(c + 1);
-        // B: rows 32 warp + 16 np + 8 (i >> 1) + lr, k bytes 16 (i & 1) for lane group i = lm.
-        u32 b[4][2];
-#pragma unroll
-        for (int np = 0; np < 2; np++) {
-            u32 f[4];
-            gi_ldm4(f, &sm.w[st][32 * wn + 16 * np + 8 * (lm >> 1) + lr][4 * (lm & 1)]);
-            b[2 * np][0] = f[0], b[2 * np][1] = f[1], b[2 * np + 1][0] = f[2], b[2 * np + 1][1] = f[3];
-        }
-        int2 ls[4]; // rows 32 wn + 8 nt + 2 t4 + (0, 1)
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) ls[nt] = *(const int2*)&sm.ls[st][32 * wn + 8 * nt + 2 * t4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            if (mt >= nmt) continue; // uniform
-            // A: items i0 + 16 mt + lr + 8 (i & 1), k bytes 16 (i >> 1).
-            u32 a[4];
-            gi_ldm4(a, &sm.x[st][i0 + 16 * mt + lr + 8 * (lm & 1)][4 * (lm >> 1)]);
-            int cc[4][4];
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) gi_mma0(cc[nt], a, b[nt]);
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                icc[mt][nt][0] += ls[nt].x * cc[nt][0];
-                icc[mt][nt][1] += ls[nt].y * cc[nt][1];
-                icc[mt][nt][2] += ls[nt].x * cc[nt][2];
-                icc[mt][nt][3] += ls[nt].y * cc[nt][3];
-            }
-        }
-        if ((c & 7) == 7) { // end of block: acc += (d_w d_x) bsum, in block order (act.rs combine_iq2)
-            float2 dw[4];
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) dw[nt] = *(const float2*)&sm.dw[bst][32 * wn + 8 * nt + 2 * t4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                if (mt >= nmt) continue;
-                const float x0 = sm.dx[bst][i0 + 16 * mt + g], x1 = sm.dx[bst][i0 + 16 * mt + g + 8];
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
-                    acc[mt][nt][0] = __fadd_rn(acc[mt][nt][0], __fmul_rn(__fmul_rn(dw[nt].x, x0), (float)icc[mt][nt][0]));
-                    acc[mt][nt][1] = __fadd_rn(acc[mt][nt][1], __fmul_rn(__fmul_rn(dw[nt].y, x0), (float)icc[mt][nt][1]));
-                    acc[mt][nt][2] = __fadd_rn(acc[mt][nt][2], __fmul_rn(__fmul_rn(dw[nt].x, x1), (float)icc[mt][nt][2]));
-                    acc[mt][nt][3] = __fadd_rn(acc[mt][nt][3], __fmul_rn(__fmul_rn(dw[nt].y, x1), (float)icc[mt][nt][3]));
-#pragma unroll
-                    for (int e = 0; e < 4; e++) icc[mt][nt][e] = 0;
-                }
-            }
-        }
-    }
-
-    // acc[mt][nt][e]: item items[i0 + 16 mt + g + 8 (e / 2)], row r0 + 32 wn + 8 nt + 2 t4 + e % 2.
-    float* Y = up ? Y1 : Y0;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; e2++) {
-            const int it = items[i0 + 16 * mt + g + 8 * e2];
-            if (it < 0) continue;
-            float* yr = Y + (long long)it * y_tok;
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-                for (int e1 = 0; e1 < 2; e1++) {
-                    const int r = r0 + 32 * wn + 8 * nt + 2 * t4 + e1;
-                    if (r < rows) yr[r] = __fmul_rn(acc[mt][nt][2 * e2 + e1], 0.125f);
-                }
-        }
-#else
-    (void)W0, (void)W1, (void)slab, (void)sel, (void)q, (void)xd, (void)xdiv, (void)Y0, (void)Y1, (void)y_tok, (void)rows;
-    (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
-#endif
-}
-template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
-#if GI_HAVE_MMA
-    __shared__ int items[GI_BM];
-    __shared__ int expert;
-    __shared__ u64 gtab[256];
-    __shared__ GiSmemP sm;
     constexpr int NS = GI_NS;
-    constexpr int MT = NW == 4 ? 4 : 2; // m-tiles per warp
-    const int tid = threadIdx.x, trow = tid & (GI_BN - 1), half = NW == 4 ? 0 : tid >> 7;
+    constexpr int MT = 4; // m-tiles of 16 items per warp
+    const int tid = threadIdx.x;
     if ((int)blockIdx.y >= grp[0]) return; // uniform over the CTA
-    for (int e = tid; e < 256; e += 32 * NW) gtab[e] = ds4_iq2xxs_grid[e];
+    for (int e = tid; e < 256; e += 128) gtab[e] = ds4_iq2xxs_grid[e];
     if (tid < GI_BM) { // the run's pairs (one expert), -1 past it
         const int* perm = grp + 1 + gmax;
         const int st = grp[1 + blockIdx.y], e = max(sel[perm[st]], 0), qq = st + tid;
@@ -331,18 +176,16 @@ template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
     }
     __syncthreads();
     const bool up = blockIdx.z != 0;
-    const int r0 = blockIdx.x * GI_BN, row = r0 + trow;
+    const int r0 = blockIdx.x * GI_BN, row = r0 + tid;
     const u8* wrow = (up ? W1 : W0) + (long long)expert * slab + (long long)min(row, rows - 1) * row_bytes;
     const bool live = row < rows;
     const int nch = cols / 32, nbk = cols / 256;
     const int warp = tid >> 5, lane = tid & 31, lr = lane & 7, lm = lane >> 3, g = lane >> 2, t4 = lane & 3;
-    const int wn = warp & 3, i0 = NW == 4 ? 0 : 32 * (warp >> 2); // rows 32 wn.., items i0..
     const int run = (blockIdx.y + 1 < (u32)grp[0] ? grp[2 + blockIdx.y] : n) - grp[1 + blockIdx.y];
-    const int nmt = min(max((min(run, GI_BM) - i0 + 15) >> 4, 0), MT); // uniform per warp
+    const int nmt = min(max((min(run, GI_BM) + 15) >> 4, 0), MT); // uniform
 
-    // X: thread t < 128 copies 16-byte half (t & 1) of item t / 2's 32 codes; xo: byte offset, -1 none.
-    const bool xcp = tid < 2 * GI_BM;
-    const int xit = xcp ? items[tid >> 1] : -1;
+    // X: thread t copies 16-byte half (t & 1) of item t / 2's 32 codes; xo: byte offset, -1 none.
+    const int xit = items[tid >> 1];
     const long long xo = xit >= 0 ? (long long)(xit / xdiv) * cols + 16 * (tid & 1) : -1;
     // Block scale of the item tid (tid < 64) for the next block.
     const int dit = tid < GI_BM ? items[tid] : -1;
@@ -364,7 +207,7 @@ template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
     // cp.async into stage c % NS, raw weights into r, d_x of the block to dxn.
     auto issue = [&](int c, u32* r) {
         if (c < nch) {
-            if (xcp) gi_cp16(&sm.x[c % NS][tid >> 1][4 * (tid & 1)], q + (xo >= 0 ? xo + 32 * c : 0), xo >= 0);
+            gi_cp16(&sm.x[c % NS][tid >> 1][4 * (tid & 1)], q + (xo >= 0 ? xo + 32 * c : 0), xo >= 0);
             if (live) gi_raw(wrow, c, (c & 7) == 0, r); // dead rows: zeros (d = 0)
             if ((c & 7) == 0 && tid < GI_BM) dxn = xdp ? xdp[c >> 3] : 0.0f;
         }
@@ -378,20 +221,12 @@ template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
         for (int j = 0; j < 8; j++) {
             const int c = cb + j, st = j & 1, xs = j % NS; // cb % 8 == 0: c & 1, c % NS
             u32* r = wr[j % NS];
-            if (NW == 4) {
-                u32 o[8];
-                gi_deq<4>(r, gtab, o, 0);
-                *(uint4*)&sm.w[st][trow][0] = make_uint4(o[0], o[1], o[2], o[3]);
-                *(uint4*)&sm.w[st][trow][4] = make_uint4(o[4], o[5], o[6], o[7]);
-            } else {
-                u32 o[4];
-                gi_deq<2>(r, gtab, o, 2 * half);
-                *(uint4*)&sm.w[st][trow][4 * half] = make_uint4(o[0], o[1], o[2], o[3]);
-            }
-            if (half == 0) {
-                sm.ls[st][trow] = 2 * (int)(r[2] >> 28) + 1;
-                if (j == 0) sm.dw[bst][trow] = ds4_h2f_fast(r[0]);
-            }
+            u32 o[8];
+            gi_deq(r, gtab, o);
+            *(uint4*)&sm.w[st][tid][0] = make_uint4(o[0], o[1], o[2], o[3]);
+            *(uint4*)&sm.w[st][tid][4] = make_uint4(o[4], o[5], o[6], o[7]);
+            sm.ls[st][tid] = 2 * (int)(r[2] >> 28) + 1;
+            if (j == 0) sm.dw[bst][tid] = ds4_h2f_fast(r[0]);
             if (j == 0 && tid < GI_BM) sm.dx[bst][tid] = dxn;
             gi_wait<NS - 2>(); // group c landed (c + 1 .. c + NS - 2 may be in flight)
             __syncthreads();
@@ -400,17 +235,17 @@ template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
 #pragma unroll
             for (int np = 0; np < 2; np++) {
                 u32 f[4];
-                gi_ldm4(f, &sm.w[st][32 * wn + 16 * np + 8 * (lm >> 1) + lr][4 * (lm & 1)]);
+                gi_ldm4(f, &sm.w[st][32 * warp + 16 * np + 8 * (lm >> 1) + lr][4 * (lm & 1)]);
                 b[2 * np][0] = f[0], b[2 * np][1] = f[1], b[2 * np + 1][0] = f[2], b[2 * np + 1][1] = f[3];
             }
             int2 ls[4];
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) ls[nt] = *(const int2*)&sm.ls[st][32 * wn + 8 * nt + 2 * t4];
+            for (int nt = 0; nt < 4; nt++) ls[nt] = *(const int2*)&sm.ls[st][32 * warp + 8 * nt + 2 * t4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 if (mt >= nmt) continue; // uniform
                 u32 a[4];
-                gi_ldm4(a, &sm.x[xs][i0 + 16 * mt + lr + 8 * (lm & 1)][4 * (lm >> 1)]);
+                gi_ldm4(a, &sm.x[xs][16 * mt + lr + 8 * (lm & 1)][4 * (lm >> 1)]);
                 int cc[4][4];
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) gi_mma0(cc[nt], a, b[nt]);
@@ -426,11 +261,11 @@ template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
         // End of the block: acc += (d_w d_x) bsum, in block order (act.rs combine_iq2).
         float2 dw[4];
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++) dw[nt] = *(const float2*)&sm.dw[bst][32 * wn + 8 * nt + 2 * t4];
+        for (int nt = 0; nt < 4; nt++) dw[nt] = *(const float2*)&sm.dw[bst][32 * warp + 8 * nt + 2 * t4];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             if (mt >= nmt) continue;
-            const float x0 = sm.dx[bst][i0 + 16 * mt + g], x1 = sm.dx[bst][i0 + 16 * mt + g + 8];
+            const float x0 = sm.dx[bst][16 * mt + g], x1 = sm.dx[bst][16 * mt + g + 8];
 #pragma unroll
             for (int nt = 0; nt < 4; nt++) {
                 acc[mt][nt][0] = __fadd_rn(acc[mt][nt][0], __fmul_rn(__fmul_rn(dw[nt].x, x0), (float)icc[mt][nt][0]));
@@ -443,20 +278,20 @@ template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
         }
     }
 
-    // acc[mt][nt][e]: item items[i0 + 16 mt + g + 8 (e / 2)], row r0 + 32 wn + 8 nt + 2 t4 + e % 2.
+    // acc[mt][nt][e]: item items[16 mt + g + 8 (e / 2)], row r0 + 32 warp + 8 nt + 2 t4 + e % 2.
     float* Y = up ? Y1 : Y0;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int e2 = 0; e2 < 2; e2++) {
-            const int it = items[i0 + 16 * mt + g + 8 * e2];
+            const int it = items[16 * mt + g + 8 * e2];
             if (it < 0) continue;
             float* yr = Y + (long long)it * y_tok;
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
 #pragma unroll
                 for (int e1 = 0; e1 < 2; e1++) {
-                    const int r = r0 + 32 * wn + 8 * nt + 2 * t4 + e1;
+                    const int r = r0 + 32 * warp + 8 * nt + 2 * t4 + e1;
                     if (r < rows) yr[r] = __fmul_rn(acc[mt][nt][2 * e2 + e1], 0.125f);
                 }
         }
@@ -465,12 +300,3 @@ template <int NW> __device__ __forceinline__ void gemmi8p_body(GI_PARAMS) {
     (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
 #endif
 }
-DS4_KERNEL void DS4_BOUNDS(128) gemmi8_iq2_xxs(GI_PARAMS) { gemmi8_body<4>(GI_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) gemmi8w_iq2_xxs(GI_PARAMS) { gemmi8_body<8>(GI_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmi8p_iq2_xxs(GI_PARAMS) { gemmi8p_body<4>(GI_ARGS); }
-#if defined(DS4_CUDA)
-#define GI_B2 256, 2 // DS4_BOUNDS(GI_B2) = __launch_bounds__(256, 2): at most 128 registers, 2 CTAs per SM
-#else
-#define GI_B2 256 // HIP's second launch-bounds argument means something else
-#endif
-DS4_KERNEL void DS4_BOUNDS(GI_B2) gemmi8pw_iq2_xxs(GI_PARAMS) { gemmi8p_body<8>(GI_ARGS); }

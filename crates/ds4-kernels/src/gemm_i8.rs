@@ -4,16 +4,9 @@ use crate::Module;
 /// `act_q8k_f32` quantises f32 rows to Q8_K blocks (codes, scales and 16-code sums bit-identical
 /// to `ds4_quant::act::QuantizedAct::new(ActFormat::Q8_K, ..)`); `gemmi8_iq2_xxs`: the MoE's
 /// IQ2_XXS gate and up (one launch) on int8 tensor cores (mma.sync m16n8k32 s8, CUDA sm_80+),
-/// with `ds4_quant::act::dot_row_act`'s per-block f32 combination (4 warps; `gemmi8w_iq2_xxs`:
-/// 8 warps, each on half the items; `gemmi8p*`: the same with 3 groups in flight).
+/// with `ds4_quant::act::dot_row_act`'s per-block f32 combination, 3 groups in flight.
 pub const GEMM_I8: Module = Module {
     name: "gemm_i8",
     source: include_str!("../gpu/gemm_i8.cu"),
-    kernels: &[
-        "act_q8k_f32",
-        "gemmi8_iq2_xxs",
-        "gemmi8w_iq2_xxs",
-        "gemmi8p_iq2_xxs",
-        "gemmi8pw_iq2_xxs",
-    ],
+    kernels: &["act_q8k_f32", "gemmi8_iq2_xxs"],
 };

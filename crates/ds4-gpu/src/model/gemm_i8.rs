@@ -1,61 +1,42 @@
-//! Activation-quantised prefill experts (opt-in: `DS4_GPU_ACT=q8k`, or [`GpuBackend::set_gemm_act_q8k`]).
+//! Activation-quantised prefill experts: opt-in with `DS4_GPU_ACT=q8k` (read once per process)
+//! or [`GpuBackend::set_gemm_act_q8k`]; the default stays the exact form.
 //!
 //! ds4's CPU semantics (`ds4_quant::act`, model.md §5) on int8 tensor cores: the MoE's input z is
-//! quantised once per product to Q8_K blocks of 256 (`act_q8k_f32` in `gpu/gemm_i8.cu`: codes and
-//! scales bit-identical to `QuantizedAct::new(ActFormat::Q8_K, ..)`), and the IQ2_XXS gate and up
-//! (the q2 mix) run as one launch of `gemmi8_iq2_xxs`: int8 weights (grid × sign), one
-//! `mma.sync m16n8k32 s8` per 16 pairs × 8 rows × 32 elements, the group scale `2 ls + 1` in
-//! integer arithmetic, and `dot_row_act`'s per-block f32 combination in block order, so each
-//! output equals `dot_row_act(IQ2_XXS, row, QuantizedAct(z))` to the bit. This is not the exact
-//! mode (the default): the result differs from it by the activation rounding (~0.4 % per
-//! element of z). The down product and everything else keep their default forms.
+//! quantised once per product to Q8_K blocks of 256 (`act_q8k_f32` in `gpu/gemm_i8.cu`: codes,
+//! scales and 16-code sums bit-identical to `QuantizedAct::new(ActFormat::Q8_K, ..)`), and the
+//! IQ2_XXS gate and up (the q2 mix) run as one launch of `gemmi8_iq2_xxs`: int8 weights (grid ×
+//! sign), one `mma.sync m16n8k32 s8` per 16 pairs × 8 rows × 32 elements, the group scale
+//! `2 ls + 1` in integer arithmetic, and `dot_row_act`'s per-block f32 combination in block
+//! order, so each output equals `dot_row_act(IQ2_XXS, row, QuantizedAct(z))` to the bit. This is
+//! not the exact mode: the result differs from it by the activation rounding. The down product
+//! and everything else keep their default forms (the Q2_K down's int8 form was not built).
 //!
 //! Taken where all of these hold: the switch is on, CUDA sm_80+ (warp 32), IQ2_XXS gate and up,
-//! d a multiple of 256, and the MoE's pairs grouped in runs of 64 (the default forms; the f16
-//! and tiled gate/up opt-ins take precedence). Elsewhere the exact forms of gemm.rs run.
-//! Numbers: bench/results/gpu-gemm-i13-h200.txt.
+//! d a multiple of 256, the bf16 GEMM mode, and the MoE's pairs grouped in runs of 64 (the
+//! default forms; the f16 and tiled gate/up opt-ins take precedence). Elsewhere the exact forms
+//! of gemm.rs run.
+//!
+//! H200 (bench/results/gpu-gemm-i13-h200.txt): routed experts q2 (gate/up + the default
+//! `gemmu_q2_k` down) n = 2048 / 4096 / 8192: 7.21 / 13.79 / 25.62 ms -> 5.90 / 11.36 / 21.18 ms;
+//! `ds4 bench --synthetic full-q2` prefill 2k 3,464 -> 3,871 tok/s (+11.7 %), 8k 4,028 -> 4,491
+//! (+11.5 %), decode unchanged. Tiny model (gpu_forward's prefill cases, rounding off): logits
+//! up to 0.43 from the exact CPU reference, median per-position max 3.7e-2 to 4.0e-2, top-1
+//! agreement 0.91-0.94, where the default form gives 1.6e-4 / 8e-5 / 1.0 (that test's bounds
+//! are 3e-2 / 5e-3 / 0.98: it fails with the switch on, by design).
 
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_ACT` (`q8k` = on) on first use.
 static ACT: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 /// `gemmi8_iq2_xxs` launches so far (process-wide; tests: the int8 kernel ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Kernel: 1 `gemmi8_iq2_xxs` (4 warps, one group in flight), 2 `gemmi8w_iq2_xxs` (8 warps),
-/// 3 `gemmi8p_iq2_xxs` (4 warps, groups in flight through a ring), 4 `gemmi8pw_iq2_xxs`
-/// (8 warps, ring); 0: `DS4_GPU_I8_FORM` (w4 | w8 | p4 | p8) or 3.
-static FORM: AtomicUsize = AtomicUsize::new(0);
-const KERNELS: [&str; 4] = [
-    "gemmi8_iq2_xxs",
-    "gemmi8w_iq2_xxs",
-    "gemmi8p_iq2_xxs",
-    "gemmi8pw_iq2_xxs",
-];
 /// Pairs per CTA of `gemmi8_iq2_xxs` (`GI_BM`) and weight rows (`GI_BN`).
 pub(super) const I8_BM: usize = 64;
 const I8_BN: usize = 128;
-
-/// (kernel name, warps) of the int8 gate/up in the current form.
-fn form() -> (&'static str, usize) {
-    let f = match FORM.load(Ordering::Relaxed) {
-        0 => {
-            let f = match std::env::var("DS4_GPU_I8_FORM").as_deref() {
-                Ok("w4") => 1,
-                Ok("w8") => 2,
-                Ok("p8") => 4,
-                _ => 3,
-            };
-            FORM.store(f, Ordering::Relaxed);
-            f
-        }
-        f => f,
-    };
-    (KERNELS[f - 1], if f % 2 == 0 { 8 } else { 4 })
-}
 
 fn act_q8k() -> bool {
     let a = ACT.load(Ordering::Relaxed);
@@ -82,13 +63,7 @@ impl GpuBackend {
         ACT.store(on as u8, Ordering::Relaxed);
     }
 
-    /// Kernel of the int8 gate/up: 1 `gemmi8_iq2_xxs`, 2 `gemmi8w_iq2_xxs`, 3
-    /// `gemmi8p_iq2_xxs`, 4 `gemmi8pw_iq2_xxs`; 0 the default. Process-wide (tests, benchmarks).
-    pub fn set_gemm_i8_form(f: usize) {
-        FORM.store(f.min(4), Ordering::Relaxed);
-    }
-
-    /// `gemmi8*_iq2_xxs` launches so far in this process.
+    /// `gemmi8_iq2_xxs` launches so far in this process.
     pub fn gemm_i8_launches() -> u64 {
         LAUNCHES.load(Ordering::Relaxed)
     }
@@ -178,13 +153,12 @@ impl GpuBackend {
         (sel, grp, gmax): (DevPtr, DevPtr, usize),
     ) {
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        let (kernel, w) = form();
         self.run(
             &ds4_kernels::GEMM_I8,
-            kernel,
+            "gemmi8_iq2_xxs",
             LaunchDims {
                 grid: [rows.div_ceil(I8_BN) as u32, gmax as u32, 2],
-                block: [32 * w as u32, 1, 1],
+                block: [128, 1, 1],
                 shared_bytes: 0,
             },
             &[
