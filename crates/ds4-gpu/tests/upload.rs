@@ -14,16 +14,17 @@ fn upload_after_lands_after_queued_kernels() {
     };
     let rt = gpu.runtime().clone();
     let s = rt.stream_create().unwrap();
-    let words: usize = 16 << 20; // 64 MiB
+    // Fills write all of a 256 MiB buffer (~65 us each on an H200: 300 of them queue ~20 ms of
+    // work, far longer than the host takes to queue them, or to upload 1 MiB); the upload then
+    // writes the buffer's first 1 MiB.
+    let words: usize = 64 << 20;
     let buf = gpu.alloc(words * 4).unwrap();
     let fill = gpu
         .kernel(&ds4_kernels::ELEMENTWISE, "fill_u32")
         .expect("fill_u32");
-    let data: Vec<u8> = (0..words as u32).flat_map(|i| i.to_le_bytes()).collect();
-    // A backlog of fills on `s` (each writes all 64 MiB: ~20 us on an H200, so 600 of them
-    // outlast the host's queueing and the upload by far), then the upload of other bytes.
+    let data: Vec<u8> = (0..(1u32 << 18)).flat_map(|i| i.to_le_bytes()).collect();
     let backlog = |value: u32| {
-        for _ in 0..600 {
+        for _ in 0..300 {
             let args = [Arg::Ptr(buf.ptr()), Arg::U32(value), Arg::I64(words as i64)];
             rt.launch(fill, LaunchDims::linear(1024, 256), s, &args)
                 .unwrap();
@@ -32,6 +33,9 @@ fn upload_after_lands_after_queued_kernels() {
     let first_diff = |back: &[u8]| back.iter().zip(&data).position(|(a, b)| a != b);
     let mut back = vec![0u8; data.len()];
 
+    // The first upload allocates the pinned staging buffers, which waits for the device: do
+    // it before any backlog.
+    gpu.upload(buf.ptr(), &data).unwrap();
     // The race this guards against, shown (not asserted: it depends on timing): a plain upload
     // runs on the staging stream, unordered with `s`.
     backlog(0xdead_beef);
