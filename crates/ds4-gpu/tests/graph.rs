@@ -216,3 +216,68 @@ fn branched_steps_are_bit_identical() {
         println!("this runtime captures one stream: two-chain steps ran as one chain");
     }
 }
+
+/// Prefill chunks (launches not recorded) with their side branches on a second stream
+/// (`DS4_GPU_BRANCH_PREFILL`, model/mod.rs `Eager`: the compressors beside the query path, the
+/// shared expert's gate/up beside the router and routed experts) give bit-identical logits to
+/// one stream: chunks of 5..200 tokens (and short batches of 1..3, recorded as graphs, between
+/// them) across a snapshot round trip through the host; and side branches were forked, with
+/// launches on the side stream, where the driver can make a stream wait for an event.
+#[test]
+fn prefill_branches_are_bit_identical() {
+    let Some(m) = tiny() else { return };
+    let mut rng = common::rng(17);
+    let vocab = m.hp.n_vocab;
+    let toks: Vec<u32> = (0..640).map(|_| rng.gen_range(0..vocab)).collect();
+    let chunks = [37usize, 64, 5, 128, 1, 9, 2, 200, 3, 191];
+    assert_eq!(chunks.iter().sum::<usize>(), toks.len());
+    let prefill = |m: &Model<GpuBackend>| -> Vec<Vec<f32>> {
+        let mut st = m.new_state();
+        let mut out = Vec::new();
+        let mut i = 0;
+        for (k, &c) in chunks.iter().enumerate() {
+            if k == 5 {
+                let h = m.to_host(&st);
+                st = m.from_host(&h);
+            }
+            out.extend(m.eval_batch(&mut st, &toks[i..i + c], true).unwrap());
+            i += c;
+        }
+        assert_eq!(st.tokens, toks);
+        out
+    };
+    m.backend.set_branch_prefill(false);
+    let e0 = m.backend.eager_stats();
+    let off = prefill(&m);
+    let e1 = m.backend.eager_stats();
+    m.backend.set_branch_prefill(true);
+    let on = prefill(&m);
+    let e2 = m.backend.eager_stats();
+    let on2 = prefill(&m);
+    println!(
+        "branch off: {e1:?}\nbranch on: {e2:?}\nagain: {:?}",
+        m.backend.eager_stats()
+    );
+    assert_eq!(off.len(), toks.len());
+    for (what, o) in [("side branches", &on), ("side branches, again", &on2)] {
+        assert_eq!(o.len(), off.len());
+        for (i, (x, y)) in off.iter().zip(o).enumerate() {
+            assert!(
+                x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "token {i}: prefill logits with {what} differ from one stream"
+            );
+        }
+    }
+    assert_eq!(e1, e0, "eager side branches with the switch off");
+    if m.backend.gpu().runtime().branches_supported() {
+        // Every layer of every chunk of more than 4 tokens forks (the MoE at least).
+        let layers = m.hp.n_layer as u64;
+        assert!(e2.branches - e1.branches >= 7 * layers, "{e2:?}");
+        assert!(
+            e2.side_launches - e1.side_launches >= 2 * (e2.branches - e1.branches),
+            "{e2:?}"
+        );
+    } else {
+        println!("this runtime cannot make a stream wait for an event: one stream");
+    }
+}
