@@ -447,18 +447,6 @@ impl Gpu {
     /// Copy device bytes to the host after all queued work on the device (synchronises).
     pub fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         self.rt.synchronize()?;
-        self.download_now(src, dst)
-    }
-
-    /// Copy device bytes to the host after the work queued on `stream` (the host waits for
-    /// that stream only: work on other streams, e.g. a side branch, runs on meanwhile).
-    pub fn download_after(&self, src: DevPtr, dst: &mut [u8], stream: Stream) -> Result<()> {
-        self.rt.stream_sync(stream)?;
-        self.download_now(src, dst)
-    }
-
-    /// The copy of [`Gpu::download`], ordered after nothing (the caller waited).
-    fn download_now(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         self.with_staging(|s| {
             for (i, chunk) in dst.chunks_mut(STAGING_BYTES).enumerate() {
                 unsafe {

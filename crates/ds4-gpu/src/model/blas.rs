@@ -20,8 +20,7 @@
 //! product runs then (the library's one-time set-up: 165 ms of host time in the first prompt
 //! otherwise, see `blas_warm`), so the call neither allocates nor synchronises; it runs on the
 //! backend's stream (the legacy default stream of the primary context, which the library's
-//! runtime shares), or inside an eager side branch (model/mod.rs `Eager`) on the side stream
-//! with a second workspace. `DS4_GPU_BLAS_TRACE=1` prints the host time of each new plan's heuristic
+//! runtime shares). `DS4_GPU_BLAS_TRACE=1` prints the host time of each new plan's heuristic
 //! query and first product (the library loads each kernel on first use: 3-22 ms per new shape
 //! in the first prompt on the H200). Never recorded in a
 //! decode graph (n ≤ 4 goes to matvec.rs; a recording backend declines anyway).
@@ -91,9 +90,6 @@ struct BlasState {
     plans: Mutex<HashMap<Shape, Option<Plan>>>,
     handle: Handle,
     ws: DeviceBuffer,
-    /// The side stream's workspace (an eager side branch, model/mod.rs `Eager`: a product there
-    /// may run concurrently with one on the backend's stream, so never the same workspace).
-    ws_side: DeviceBuffer,
     /// A call failed: decline from now on (said once).
     broken: AtomicBool,
     /// The warm product at open ran (blas_warm).
@@ -172,15 +168,14 @@ impl GpuBackend {
         let started = self
             .gpu
             .alloc(WORKSPACE)
-            .and_then(|ws| Ok((ws, self.gpu.alloc(WORKSPACE)?, lt.handle()?)));
+            .and_then(|ws| Ok((ws, lt.handle()?)));
         match started {
-            Ok((ws, ws_side, handle)) => {
+            Ok((ws, handle)) => {
                 let st = BlasState {
                     lt,
                     plans: Mutex::new(HashMap::new()),
                     handle,
                     ws,
-                    ws_side,
                     broken: AtomicBool::new(false),
                     warmed: AtomicBool::new(false),
                 };
@@ -437,16 +432,14 @@ impl GpuBackend {
             return true; // the error is recorded; the step fails at its check
         }
         let t0 = std::time::Instant::now();
-        // The stream launches go to now, with that stream's own workspace.
-        let ws = if self.on_side() { &st.ws_side } else { &st.ws };
         let r = st.handle.matmul(
             plan,
             wp.ptr,
             xp.ptr,
             j.y,
-            ws.ptr(),
+            st.ws.ptr(),
             WORKSPACE,
-            self.cur_stream(),
+            self.stream,
         );
         if trace() {
             let us = t0.elapsed().as_secs_f64() * 1e6;

@@ -26,9 +26,7 @@ pub mod synth;
 use crate::error::Result;
 pub(crate) use crate::gpu::type_suffix;
 use crate::gpu::{DeviceBuffer, Gpu, GraphStats, StepGraphs};
-use crate::runtime::{
-    Arg, DevPtr, Event, KernelCall, LaunchDims, Runtime, Stream, FLOW_JOIN, FLOW_SIDE,
-};
+use crate::runtime::{Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, FLOW_JOIN, FLOW_SIDE};
 use ds4_backend::rope::RopeTables;
 use ds4_backend::{
     AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
@@ -91,48 +89,6 @@ struct GraphState {
 /// routed experts, the compressors beside the query path): on unless `DS4_GPU_BRANCH=off`.
 fn branch_wanted() -> bool {
     !std::env::var("DS4_GPU_BRANCH").is_ok_and(|v| v == "off" || v == "0")
-}
-
-/// Side branches of launches not recorded (prefill chunks; [`Eager`]): on unless
-/// `DS4_GPU_BRANCH_PREFILL=off` or `DS4_GPU_BRANCH=off`.
-fn branch_prefill_wanted() -> bool {
-    branch_wanted()
-        && !std::env::var("DS4_GPU_BRANCH_PREFILL").is_ok_and(|v| v == "off" || v == "0")
-}
-
-/// The side branch of launches not recorded (prefill chunks, steps with graphs off;
-/// `Backend::side_begin`): at `side_begin` the side stream (non-blocking, so the legacy default
-/// stream the backend launches on does not order it implicitly) waits for an event recorded on
-/// the backend's stream; kernels, fills, copies and BLAS-Lt products (its own workspace) go to
-/// the side stream until `side_end`; at `join` the backend's stream waits for an event
-/// recorded on the side stream. The pool holds freed blocks back from `side_begin` to the join
-/// (the branches are not ordered). Anything outside the streams while the side branch is being
-/// issued (uploads, host reads, allocations that free, a new step position) joins first (an
-/// early join: the rest of the branch runs on the backend's stream, same results). Off while
-/// profiling (prof.rs times ops with events on one stream) and where the runtime cannot make a
-/// stream wait for an event (HIP here).
-#[derive(Default)]
-struct Eager {
-    /// Side stream, fork and join events (made at the first branch).
-    res: Option<(Stream, Event, Event)>,
-    /// Could not set up, or `DS4_GPU_BRANCH_PREFILL=off`: one stream.
-    off: bool,
-    /// From `side_begin` to the join.
-    open: bool,
-    /// From `side_begin` to `side_end`: launches go to the side stream.
-    in_side: bool,
-    stats: EagerStats,
-}
-
-/// Counts of [`Eager`] side branches (tests, `DS4_GPU_GRAPH_STATS=1`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EagerStats {
-    /// Side branches forked onto the side stream.
-    pub branches: u64,
-    /// Launches (kernels, fills, copies, BLAS-Lt products) queued on the side stream.
-    pub side_launches: u64,
-    /// Branches joined early (something outside the streams inside the side branch).
-    pub early_joins: u64,
 }
 
 /// Pinned source slots of the step position (a ring, so that the host never rewrites a slot
@@ -386,11 +342,6 @@ pub struct GpuBackend {
     /// Launches are being recorded (see [`GraphState`]).
     recording: AtomicBool,
     graph: Mutex<GraphState>,
-    /// Side branches of launches not recorded ([`Eager`]).
-    eager: Mutex<Eager>,
-    /// The stream launches not recorded go to now: [`GpuBackend::stream`], or the side stream
-    /// inside an [`Eager`] side branch.
-    cur: AtomicU64,
     /// Arrival counters of the kernels that finish in their last CTA, zero between launches
     /// (`TICKET_WORDS` u32 words): words below `mix::FUSE_TICKETS` the fused HC (by token),
     /// `attn::AO_TICKET` and the next word decode attention, `mix::ROUTE_TICKET` the fused
@@ -421,15 +372,6 @@ impl Drop for GpuBackend {
             eprintln!("# GPU graphs (DS4_GPU_GRAPH_STATS=1): {:?}", g.graphs.stats);
         }
         g.graphs.clear(rt.as_ref());
-        let mut e = self.eager.lock().unwrap();
-        if std::env::var("DS4_GPU_GRAPH_STATS").is_ok_and(|v| v == "1") {
-            eprintln!("# GPU eager side branches: {:?}", e.stats);
-        }
-        if let Some((s, a, b)) = e.res.take() {
-            let _ = rt.stream_destroy(s);
-            let _ = rt.event_destroy(a);
-            let _ = rt.event_destroy(b);
-        }
         if let Some(sp) = self.step.lock().unwrap().take() {
             for e in sp.done.into_iter().flatten() {
                 let _ = rt.event_destroy(e);
@@ -505,11 +447,6 @@ impl GpuBackend {
                 .is_ok_and(|v| v == "1")
                 .then(prof::Prof::default),
             recording: AtomicBool::new(false),
-            eager: Mutex::new(Eager {
-                off: !branch_prefill_wanted(),
-                ..Eager::default()
-            }),
-            cur: AtomicU64::new(Stream::DEFAULT.0),
             graph: Mutex::new(GraphState {
                 enabled: !std::env::var("DS4_GPU_GRAPH").is_ok_and(|v| v == "off" || v == "0"),
                 graphs: StepGraphs::new(),
@@ -550,13 +487,6 @@ impl GpuBackend {
         if sp.last == Some(v) {
             return Some(sp.dev.ptr());
         }
-        if self.eager_open() {
-            // Kernels of both branches may read the block: the new value lands after both.
-            drop(guard);
-            self.eager_join(false);
-            guard = self.step.lock().unwrap();
-        }
-        let sp = guard.as_mut()?;
         if sp.in_step && self.recording.load(Ordering::Acquire) {
             // A second position within one recorded step: launches recorded so far read the
             // old value, so they run first (does not happen in the model's schedule).
@@ -614,121 +544,6 @@ impl GpuBackend {
     pub fn set_branch(&self, on: bool) {
         self.flush(false);
         self.graph.lock().unwrap().branch = on;
-    }
-
-    /// Run the side branches of launches not recorded (prefill chunks) on a second stream
-    /// ([`Eager`]; default on unless `DS4_GPU_BRANCH_PREFILL=off` or `DS4_GPU_BRANCH=off`), or
-    /// on the backend's stream in issue order.
-    pub fn set_branch_prefill(&self, on: bool) {
-        self.eager_join(false);
-        self.eager.lock().unwrap().off = !on;
-    }
-
-    /// Counts of side branches of launches not recorded so far ([`Eager`]).
-    pub fn eager_stats(&self) -> EagerStats {
-        self.eager.lock().unwrap().stats
-    }
-
-    /// The stream launches not recorded go to now (the side stream inside an eager side
-    /// branch, else [`GpuBackend::stream`]); counts a side launch.
-    pub(crate) fn cur_stream(&self) -> Stream {
-        let s = Stream(self.cur.load(Ordering::Acquire));
-        if s != self.stream {
-            self.eager.lock().unwrap().stats.side_launches += 1;
-        }
-        s
-    }
-
-    /// Whether launches go to the side stream now (BLAS-Lt then takes the side workspace).
-    pub(crate) fn on_side(&self) -> bool {
-        Stream(self.cur.load(Ordering::Acquire)) != self.stream
-    }
-
-    /// Fork an eager side branch ([`Eager`]); nothing when off, profiling, failed or open.
-    fn eager_begin(&self) {
-        if self.prof.is_some() || self.failed() {
-            return;
-        }
-        let mut e = self.eager.lock().unwrap();
-        if e.off || e.open {
-            return;
-        }
-        let rt = self.gpu.runtime();
-        if e.res.is_none() {
-            let made = rt.stream_create().and_then(|s| {
-                let ev = rt.event_create().and_then(|a| match rt.event_create() {
-                    Ok(b) => Ok((a, b)),
-                    Err(x) => {
-                        let _ = rt.event_destroy(a);
-                        Err(x)
-                    }
-                });
-                match ev {
-                    Ok((a, b)) => Ok((s, a, b)),
-                    Err(x) => {
-                        let _ = rt.stream_destroy(s);
-                        Err(x)
-                    }
-                }
-            });
-            match made {
-                Ok(r) => e.res = Some(r),
-                Err(x) => {
-                    eprintln!("ds4: GPU side branches of prefill turned off: {x}");
-                    e.off = true;
-                    return;
-                }
-            }
-        }
-        let (side, fork, _) = e.res.unwrap();
-        if let Err(x) = rt
-            .event_record(fork, self.stream)
-            .and_then(|_| rt.stream_wait_event(side, fork))
-        {
-            // The side stream was not forked: launches stay on the backend's stream.
-            eprintln!("ds4: GPU side branches of prefill turned off: {x}");
-            e.off = true;
-            return;
-        }
-        e.open = true;
-        e.in_side = true;
-        e.stats.branches += 1;
-        self.cur.store(side.0, Ordering::Release);
-        drop(e);
-        self.pool.defer(true);
-    }
-
-    /// Join an open eager side branch: the backend's stream waits for the side stream's work
-    /// (the host waits where the event wait fails). `early`: only inside the side part (before
-    /// `side_end`), counted as an early join; else any open branch.
-    fn eager_join(&self, early: bool) {
-        let mut e = self.eager.lock().unwrap();
-        if !e.open || (early && !e.in_side) {
-            return;
-        }
-        let (side, _, join) = e.res.unwrap();
-        let rt = self.gpu.runtime();
-        if rt
-            .event_record(join, side)
-            .and_then(|_| rt.stream_wait_event(self.stream, join))
-            .is_err()
-        {
-            let r = rt.stream_sync(side);
-            self.note(r);
-        }
-        if early {
-            e.stats.early_joins += 1;
-        }
-        e.open = false;
-        e.in_side = false;
-        self.cur.store(self.stream.0, Ordering::Release);
-        drop(e);
-        self.pool.defer(false);
-    }
-
-    /// Whether an eager side branch is open (forked, not joined).
-    fn eager_open(&self) -> bool {
-        self.eager.lock().unwrap().open
     }
 
     /// Whether decode steps run as graphs.
@@ -855,13 +670,11 @@ impl GpuBackend {
         if self.recording.load(Ordering::Acquire) {
             self.flush(false);
         }
-        self.eager_join(true);
     }
 
     /// Before an upload: as [`GpuBackend::interrupt`], except that at the very start of a
     /// recorded step (nothing recorded yet: the token ids) recording goes on.
     fn before_upload(&self) {
-        self.eager_join(true);
         if self.recording.load(Ordering::Acquire) {
             let g = self.graph.lock().unwrap();
             let started = !g.calls.is_empty() || g.piece > 0;
@@ -978,7 +791,7 @@ impl GpuBackend {
         if self.record(f, dims, args) {
             return Ok(());
         }
-        self.gpu.runtime().launch(f, dims, self.cur_stream(), args)
+        self.gpu.runtime().launch(f, dims, self.stream, args)
     }
 
     /// Launch and record any error (the form ops use).
@@ -1027,7 +840,7 @@ impl GpuBackend {
             let r = self
                 .gpu
                 .runtime()
-                .memset_u32_async(p, 0, words, self.cur_stream());
+                .memset_u32_async(p, 0, words, self.stream);
             self.note(r);
         }
     }
@@ -1044,7 +857,7 @@ impl GpuBackend {
             let r = self
                 .gpu
                 .runtime()
-                .memset_u32_async(p, value, words, self.cur_stream());
+                .memset_u32_async(p, value, words, self.stream);
             self.note(r);
         }
     }
@@ -1060,15 +873,11 @@ impl GpuBackend {
             {
                 return;
             }
-            // Not recorded (or not whole words): stream-ordered on the stream launches go to
-            // now (an eager side branch stays open).
-            if self.recording.load(Ordering::Acquire) {
-                self.flush(false);
-            }
+            self.interrupt();
             let r = self
                 .gpu
                 .runtime()
-                .copy_d2d_async(dst, src, bytes, self.cur_stream());
+                .copy_d2d_async(dst, src, bytes, self.stream);
             self.note(r);
         }
     }
@@ -1080,7 +889,6 @@ impl GpuBackend {
     /// Host bytes into device memory that kernels queued on the backend's stream may still
     /// touch (pool blocks, state just cleared): the copy lands after them.
     fn upload_ordered(&self, dst: DevPtr, data: &[u8]) -> Result<()> {
-        self.eager_join(true);
         self.gpu.upload_after(dst, data, self.stream)
     }
 
@@ -1091,16 +899,9 @@ impl GpuBackend {
 
     fn download_bytes(&self, p: DevPtr, bytes: usize) -> Vec<u8> {
         self.flush(true); // a host read ends a recorded step
-        self.eager_join(true);
         let mut out = vec![0u8; bytes];
         if bytes > 0 && !self.failed() {
-            // In the main part of an eager branch (the MoE's expert grouping) the host waits
-            // for the backend's stream only: the side branch runs on meanwhile.
-            let r = if self.eager_open() {
-                self.gpu.download_after(p, &mut out, self.stream)
-            } else {
-                self.gpu.download(p, &mut out)
-            };
+            let r = self.gpu.download(p, &mut out);
             self.note(r);
         }
         out
@@ -1199,7 +1000,6 @@ impl Backend for GpuBackend {
 
     fn graph_begin(&self, n: usize) {
         self.profiler_range(n);
-        self.eager_join(false);
         if n == 0 || n > GRAPH_MAX_N || self.prof.is_some() || self.failed() {
             return;
         }
@@ -1231,7 +1031,6 @@ impl Backend for GpuBackend {
     /// prefill chunks stay one stream), and not nested.
     fn side_begin(&self) {
         if !self.recording.load(Ordering::Acquire) {
-            self.eager_begin();
             return;
         }
         let mut g = self.graph.lock().unwrap();
@@ -1247,15 +1046,9 @@ impl Backend for GpuBackend {
 
     fn side_end(&self) {
         self.graph.lock().unwrap().in_side = false;
-        let mut e = self.eager.lock().unwrap();
-        if e.in_side {
-            e.in_side = false;
-            self.cur.store(self.stream.0, Ordering::Release);
-        }
     }
 
     fn join(&self) {
-        self.eager_join(false);
         let mut g = self.graph.lock().unwrap();
         if g.open {
             g.open = false;
@@ -1268,7 +1061,6 @@ impl Backend for GpuBackend {
 
     fn finish(&self) -> std::result::Result<(), String> {
         self.flush(false);
-        self.eager_join(false);
         if let Err(e) = self.gpu.synchronize() {
             let mut err = self.err.lock().unwrap();
             err.get_or_insert_with(|| format!("waiting for the device: {e}"));
