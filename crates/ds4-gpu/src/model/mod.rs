@@ -345,7 +345,9 @@ pub struct GpuBackend {
     /// Arrival counters of the kernels that finish in their last CTA, zero between launches
     /// (`TICKET_WORDS` u32 words): words below `mix::FUSE_TICKETS` the fused HC (by token),
     /// `attn::AO_TICKET` and the next word decode attention, `mix::ROUTE_TICKET` the fused
-    /// router.
+    /// router. The two chains of a branched step run concurrently: a kernel between
+    /// `side_begin` and `join` must not use a word that the other branch uses (today only the
+    /// router, on the main branch, uses one there).
     pub(crate) tickets: DeviceBuffer,
     /// Vendor BLAS-Lt state for dense prefill products (blas.rs), opened on first use.
     pub(crate) blas: blas::BlasSlot,
