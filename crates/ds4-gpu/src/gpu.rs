@@ -126,7 +126,8 @@ fn par_copy(src: &[u8], dst: *mut u8) {
 struct Staging {
     bufs: [*mut u8; 2],
     done: [Event; 2],
-    /// Recorded on the caller's stream by [`Gpu::upload_after`]: the copies wait for it.
+    /// [`Gpu::upload_after`]'s event: recorded on the caller's stream (the copies wait for it),
+    /// then after the copies (the caller's stream waits for it).
     ready: Event,
     stream: Stream,
 }
@@ -393,18 +394,25 @@ impl Gpu {
         self.upload_with_progress(dst, src, &mut |_| {})
     }
 
-    /// [`Gpu::upload`] after all work queued so far on `after`: the staging stream waits on the
-    /// device for an event recorded there (or, where the runtime cannot make a stream wait,
-    /// the host waits for it). Without it a fill queued on `after` before the upload could
-    /// land after the copy (seen as a restored state differing under load from other
-    /// processes: bench/results/gpu-lead-s13-h200.txt).
+    /// Host bytes to `dst` in stream order on `after`: the copies run after all work queued so
+    /// far on `after`, and work queued on `after` from now on runs after them (the staging
+    /// stream and `after` wait on each other's events on the device, so the host does not wait
+    /// for the device; `src` is copied to pinned staging before this returns). Where the
+    /// runtime cannot make a stream wait, the host waits instead, both ways. Without this, a
+    /// fill queued on `after` before the upload could land after the copy (a restored state
+    /// differing under load: bench/results/gpu-lead-s13-h200.txt).
     pub fn upload_after(&self, dst: DevPtr, src: &[u8], after: Stream) -> Result<()> {
         self.with_staging(|s| {
             self.rt.event_record(s.ready, after)?;
             if self.rt.stream_wait_event(s.stream, s.ready).is_err() {
                 self.rt.event_sync(s.ready)?;
+                self.queue_copies(s, dst, src, &mut |_| {})?;
+                return self.rt.stream_sync(s.stream);
             }
-            self.staged_copies(s, dst, src, &mut |_| {})
+            self.queue_copies(s, dst, src, &mut |_| {})?;
+            // `ready` is re-recorded: a wait takes the event as it is when called.
+            self.rt.event_record(s.ready, s.stream)?;
+            self.rt.stream_wait_event(after, s.ready)
         })
     }
 
@@ -416,10 +424,15 @@ impl Gpu {
         src: &[u8],
         progress: &mut dyn FnMut(usize),
     ) -> Result<()> {
-        self.with_staging(|s| self.staged_copies(s, dst, src, progress))
+        self.with_staging(|s| {
+            self.queue_copies(s, dst, src, progress)?;
+            self.rt.stream_sync(s.stream)
+        })
     }
 
-    fn staged_copies(
+    /// Queue the copies of `src` to `dst` on the staging stream, each chunk through one of the
+    /// two pinned buffers once its previous copy is done (the host waits only for that).
+    fn queue_copies(
         &self,
         s: &Staging,
         dst: DevPtr,
@@ -441,7 +454,7 @@ impl Gpu {
             self.rt.event_record(s.done[k], s.stream)?;
             progress(i * STAGING_BYTES + chunk.len());
         }
-        self.rt.stream_sync(s.stream)
+        Ok(())
     }
 
     /// Copy device bytes to the host after all queued work on the device (synchronises).
