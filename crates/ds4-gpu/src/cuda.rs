@@ -430,6 +430,43 @@ impl CudaRuntime {
             .ok_or_else(|| GpuError::Invalid("this CUDA driver has no graph API".into()))
     }
 
+    /// End the capture on `s`, list its kernel nodes in launch order with `nodes` (given the
+    /// graph and its node count) and instantiate it; on any error the graph is destroyed.
+    fn end_capture(
+        &self,
+        s: Stream,
+        nodes: impl FnOnce(&GraphApi, Ptr, usize) -> Result<Vec<u64>>,
+    ) -> Result<GraphExec> {
+        let g = self.gapi()?;
+        self.cur()?;
+        let mut graph: Ptr = std::ptr::null_mut();
+        self.api.check("cuStreamEndCapture", unsafe {
+            (g.cuStreamEndCapture)(p(s.0), &mut graph)
+        })?;
+        let destroy = |e: GpuError| {
+            unsafe { (g.cuGraphDestroy)(graph) };
+            e
+        };
+        let mut total = 0usize;
+        self.api
+            .check("cuGraphGetNodes", unsafe {
+                (g.cuGraphGetNodes)(graph, std::ptr::null_mut(), &mut total)
+            })
+            .map_err(destroy)?;
+        let nodes = nodes(g, graph, total).map_err(destroy)?;
+        let mut exec: Ptr = std::ptr::null_mut();
+        self.api
+            .check("cuGraphInstantiateWithFlags", unsafe {
+                (g.cuGraphInstantiateWithFlags)(&mut exec, graph, 0)
+            })
+            .map_err(destroy)?;
+        Ok(GraphExec {
+            exec: exec as usize as u64,
+            graph: graph as usize as u64,
+            nodes,
+        })
+    }
+
     fn launch_slots(
         &self,
         f: Function,
@@ -576,71 +613,41 @@ impl Runtime for CudaRuntime {
         })
     }
     fn capture_end(&self, s: Stream) -> Result<GraphExec> {
-        let g = self.gapi()?;
-        self.cur()?;
-        let mut graph: Ptr = std::ptr::null_mut();
-        self.api.check("cuStreamEndCapture", unsafe {
-            (g.cuStreamEndCapture)(p(s.0), &mut graph)
-        })?;
-        let destroy = |e: GpuError| {
-            unsafe { (g.cuGraphDestroy)(graph) };
-            e
-        };
         // The nodes in order: the capture of one stream is a chain from its one root.
-        let mut total = 0usize;
-        self.api
-            .check("cuGraphGetNodes", unsafe {
-                (g.cuGraphGetNodes)(graph, std::ptr::null_mut(), &mut total)
-            })
-            .map_err(destroy)?;
-        let mut nodes: Vec<u64> = Vec::with_capacity(total);
-        let mut next: Ptr = std::ptr::null_mut();
-        let mut cnt = 1usize;
-        self.api
-            .check("cuGraphGetRootNodes", unsafe {
+        self.end_capture(s, |g, graph, total| {
+            let mut nodes: Vec<u64> = Vec::with_capacity(total);
+            let mut next: Ptr = std::ptr::null_mut();
+            let mut cnt = 1usize;
+            self.api.check("cuGraphGetRootNodes", unsafe {
                 (g.cuGraphGetRootNodes)(graph, &mut next, &mut cnt)
-            })
-            .map_err(destroy)?;
-        let mut have = cnt;
-        while have == 1 && nodes.len() < total {
-            let mut ty = -1;
-            self.api
-                .check("cuGraphNodeGetType", unsafe {
+            })?;
+            let mut have = cnt;
+            while have == 1 && nodes.len() < total {
+                let mut ty = -1;
+                self.api.check("cuGraphNodeGetType", unsafe {
                     (g.cuGraphNodeGetType)(next, &mut ty)
-                })
-                .map_err(destroy)?;
-            if ty != CU_GRAPH_NODE_TYPE_KERNEL {
-                break;
-            }
-            nodes.push(next as usize as u64);
-            let cur = next;
-            let mut c = 1usize;
-            let mut edge = EdgeData::default();
-            self.api
-                .check("cuGraphNodeGetDependentNodes", unsafe {
+                })?;
+                if ty != CU_GRAPH_NODE_TYPE_KERNEL {
+                    break;
+                }
+                nodes.push(next as usize as u64);
+                let cur = next;
+                let mut c = 1usize;
+                let mut edge = EdgeData::default();
+                self.api.check("cuGraphNodeGetDependentNodes", unsafe {
                     match g.cuGraphNodeGetDependentNodes_v2 {
                         Some(v2) => v2(cur, &mut next, &mut edge, &mut c),
                         None => (g.cuGraphNodeGetDependentNodes)(cur, &mut next, &mut c),
                     }
-                })
-                .map_err(destroy)?;
-            have = c;
-        }
-        if nodes.len() != total || have != 0 {
-            return Err(destroy(GpuError::Invalid(format!(
-                "captured graph is not a chain of {total} kernel nodes"
-            ))));
-        }
-        let mut exec: Ptr = std::ptr::null_mut();
-        self.api
-            .check("cuGraphInstantiateWithFlags", unsafe {
-                (g.cuGraphInstantiateWithFlags)(&mut exec, graph, 0)
-            })
-            .map_err(destroy)?;
-        Ok(GraphExec {
-            exec: exec as usize as u64,
-            graph: graph as usize as u64,
-            nodes,
+                })?;
+                have = c;
+            }
+            if nodes.len() != total || have != 0 {
+                return Err(GpuError::Invalid(format!(
+                    "captured graph is not a chain of {total} kernel nodes"
+                )));
+            }
+            Ok(nodes)
         })
     }
     fn branches_supported(&self) -> bool {
@@ -700,40 +707,16 @@ impl Runtime for CudaRuntime {
         Ok(unsafe { *deps } as usize as u64)
     }
     fn capture_end_nodes(&self, s: Stream, nodes: Vec<u64>) -> Result<GraphExec> {
-        let g = self.gapi()?;
-        self.cur()?;
-        let mut graph: Ptr = std::ptr::null_mut();
-        self.api.check("cuStreamEndCapture", unsafe {
-            (g.cuStreamEndCapture)(p(s.0), &mut graph)
-        })?;
-        let destroy = |e: GpuError| {
-            unsafe { (g.cuGraphDestroy)(graph) };
-            e
-        };
         // Event records and waits between the streams became edges: the graph holds the
         // launches' kernel nodes only.
-        let mut total = 0usize;
-        self.api
-            .check("cuGraphGetNodes", unsafe {
-                (g.cuGraphGetNodes)(graph, std::ptr::null_mut(), &mut total)
-            })
-            .map_err(destroy)?;
-        if total != nodes.len() {
-            return Err(destroy(GpuError::Invalid(format!(
-                "branched capture: {total} nodes for {} launches",
-                nodes.len()
-            ))));
-        }
-        let mut exec: Ptr = std::ptr::null_mut();
-        self.api
-            .check("cuGraphInstantiateWithFlags", unsafe {
-                (g.cuGraphInstantiateWithFlags)(&mut exec, graph, 0)
-            })
-            .map_err(destroy)?;
-        Ok(GraphExec {
-            exec: exec as usize as u64,
-            graph: graph as usize as u64,
-            nodes,
+        self.end_capture(s, |_, _, total| {
+            if total != nodes.len() {
+                return Err(GpuError::Invalid(format!(
+                    "branched capture: {total} nodes for {} launches",
+                    nodes.len()
+                )));
+            }
+            Ok(nodes)
         })
     }
     fn graph_set(&self, ge: &GraphExec, i: usize, c: &KernelCall) -> Result<()> {

@@ -26,7 +26,7 @@
 
 mod common;
 
-use common::{backends, max_rel, max_rel_rms, randn, rng, weight};
+use common::{backends, max_rel, max_rel_rms, randn, random_routes, rng, weight};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
@@ -307,18 +307,7 @@ fn gemm_moe_128_tokens_6_slots() {
                 let mut r = rng(s + n as u64);
                 let z = randn(&mut r, n * spec.d, 1.0);
                 // Distinct experts within a token, repeated across tokens (runs over 32 pairs too).
-                let mut sel = Vec::new();
-                for _ in 0..n {
-                    let mut e: Vec<i32> = (0..spec.n_expert as i32).collect();
-                    for i in 0..spec.n_used {
-                        let j = r.gen_range(i..e.len());
-                        e.swap(i, j);
-                    }
-                    sel.extend_from_slice(&e[..spec.n_used]);
-                }
-                let wgt: Vec<f32> = (0..n * spec.n_used)
-                    .map(|_| r.gen_range(0.1..1.0))
-                    .collect();
+                let (sel, wgt) = random_routes(&mut r, n, spec.n_expert, spec.n_used);
                 let key = format!("moe {tg:?}/{tu:?}/{td:?} n={n} k=6");
                 let want = cases.want(&key, || {
                     let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));

@@ -208,18 +208,7 @@ fn moe_hook_takes_int8_with_the_switch() {
     let n = 128;
     let mut r = rng(1323);
     let z = randn(&mut r, n * spec.d, 1.0);
-    let mut sel = Vec::new();
-    for _ in 0..n {
-        let mut e: Vec<i32> = (0..16).collect();
-        for i in 0..spec.n_used {
-            let j = r.gen_range(i..e.len());
-            e.swap(i, j);
-        }
-        sel.extend_from_slice(&e[..spec.n_used]);
-    }
-    let wgt: Vec<f32> = (0..n * spec.n_used)
-        .map(|_| r.gen_range(0.1..1.0))
-        .collect();
+    let (sel, wgt) = common::random_routes(&mut r, n, spec.n_expert, spec.n_used);
     let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
     let mut co = cpu.alloc(n * spec.d);
     cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);

@@ -14,11 +14,10 @@
 
 mod common;
 
-use common::{backends, max_rel, randn, rng, weight};
+use common::{backends, max_rel, randn, random_routes, rng, weight};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
-use rand::Rng;
 
 const TOL: f32 = 5e-5;
 const TOL_Q4K: f32 = 2e-4;
@@ -203,18 +202,7 @@ fn moe_experts_repeated_experts() {
                     let mut r = rng(s + n as u64);
                     let z = randn(&mut r, n * spec.d, 1.0);
                     // Distinct experts within a token, repeated across tokens.
-                    let mut sel = Vec::new();
-                    for _ in 0..n {
-                        let mut e: Vec<i32> = (0..spec.n_expert as i32).collect();
-                        for i in 0..spec.n_used {
-                            let j = r.gen_range(i..e.len());
-                            e.swap(i, j);
-                        }
-                        sel.extend_from_slice(&e[..spec.n_used]);
-                    }
-                    let wgt: Vec<f32> = (0..n * spec.n_used)
-                        .map(|_| r.gen_range(0.1..1.0))
-                        .collect();
+                    let (sel, wgt) = random_routes(&mut r, n, spec.n_expert, spec.n_used);
                     let mut outs = Vec::new();
                     {
                         let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));

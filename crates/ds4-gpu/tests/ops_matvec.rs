@@ -15,12 +15,11 @@
 
 mod common;
 
-use common::{backends, max_rel, randn, rng, weight, Pair};
+use common::{backends, max_rel, randn, random_routes, rng, weight, Pair};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use ds4_cpu::CpuBackend;
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
-use rand::Rng;
 
 const TOL: f32 = 5e-5;
 const TOL_K: f32 = 2e-4;
@@ -427,19 +426,10 @@ fn matvec_moe() {
                 let z = randn(&mut r, n * d, 1.0);
                 // Distinct experts within a token, repeated across tokens; the last token of
                 // n = 4 repeats one expert in two slots.
-                let mut sel = Vec::new();
-                for t in 0..n {
-                    let mut e: Vec<i32> = (0..spec.n_expert as i32).collect();
-                    for i in 0..k {
-                        let j = r.gen_range(i..e.len());
-                        e.swap(i, j);
-                    }
-                    if n == 4 && t == 3 {
-                        e[k - 1] = e[0];
-                    }
-                    sel.extend_from_slice(&e[..k]);
+                let (mut sel, wgt) = random_routes(&mut r, n, spec.n_expert, k);
+                if n == 4 {
+                    sel[3 * k + k - 1] = sel[3 * k];
                 }
-                let wgt: Vec<f32> = (0..n * k).map(|_| r.gen_range(0.1..1.0)).collect();
                 let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
                 let mut co = cpu.alloc(n * d);
                 cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);

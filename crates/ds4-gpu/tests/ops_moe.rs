@@ -14,11 +14,10 @@
 
 mod common;
 
-use common::{backends, max_rel, randn, rng, weight};
+use common::{backends, max_rel, randn, random_routes, rng, weight};
 use ds4_backend::{Backend, GgmlType, MoeSpec};
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
-use rand::Rng;
 
 /// ‖gpu − cpu‖ / ‖cpu‖ bound (the sums run in another order; f32 lands far under it, a wrong
 /// index near 1). The element-wise max |gpu − cpu| / (1 + |cpu|) is printed too: without the
@@ -85,19 +84,10 @@ fn moe_decode_matches_cpu() {
                     let z = randn(&mut r, n * d, 1.0);
                     // Distinct experts within a token, repeated across tokens; n = 3 also repeats
                     // one within token 0.
-                    let mut sel = Vec::new();
-                    for _ in 0..n {
-                        let mut e: Vec<i32> = (0..ne as i32).collect();
-                        for i in 0..k {
-                            let j = r.gen_range(i..e.len());
-                            e.swap(i, j);
-                        }
-                        sel.extend_from_slice(&e[..k]);
-                    }
+                    let (mut sel, wgt) = random_routes(&mut r, n, ne, k);
                     if n == 3 && k > 1 {
                         sel[1] = sel[0];
                     }
-                    let wgt: Vec<f32> = (0..n * k).map(|_| r.gen_range(0.1..1.0)).collect();
                     let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
                     let mut co = cpu.alloc(n * d);
                     cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);

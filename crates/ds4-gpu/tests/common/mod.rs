@@ -110,6 +110,28 @@ pub fn randn(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| r.gen_range(-scale..scale)).collect()
 }
 
+/// MoE routes of `n` tokens: `n_used` distinct experts of `n_expert` per token (a partial
+/// shuffle, so experts repeat across tokens), then a weight in [0.1, 1) per (token, slot),
+/// drawn in that order.
+pub fn random_routes(
+    r: &mut impl Rng,
+    n: usize,
+    n_expert: usize,
+    n_used: usize,
+) -> (Vec<i32>, Vec<f32>) {
+    let mut sel = Vec::with_capacity(n * n_used);
+    for _ in 0..n {
+        let mut e: Vec<i32> = (0..n_expert as i32).collect();
+        for i in 0..n_used {
+            let j = r.gen_range(i..e.len());
+            e.swap(i, j);
+        }
+        sel.extend_from_slice(&e[..n_used]);
+    }
+    let wgt = (0..n * n_used).map(|_| r.gen_range(0.1..1.0)).collect();
+    (sel, wgt)
+}
+
 /// Largest |a − b| / (1 + |b|) over two equal-length slices; panics on a length mismatch.
 pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
