@@ -22,6 +22,7 @@
 // so with f16 rows the result matches the f32 kernels to rounding. The `h` forms use hi only
 // (one mma each, P sums of the rounded weights; ~1e-3 relative).
 #include "prelude.cuh"
+#include "ptx.cuh"
 
 #define ATC_HG 16     // heads per CTA
 #define ATC_R 32      // rows per tile
@@ -58,22 +59,6 @@ __device__ __forceinline__ void atc_mma(float* c, const u32* a, u32 b0, u32 b1) 
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void atc_ldm4(u32* r, const u16* p) {
-    u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-}
-
-__device__ __forceinline__ void atc_ldm4t(u32* r, const u16* p) {
-    u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
 }
 
 // Candidate j of token t (list above) in the f16 copies, or 0 when absent.
@@ -184,7 +169,7 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
             for (int np = 0; np < 2; np++) {
                 u32 b[4];
                 const int mi = lane >> 3, rr = lane & 7;
-                atc_ldm4(b, kw + (16 * np + rr + 8 * (mi >> 1)) * LD + 16 * ks + 8 * (mi & 1));
+                ds4_ldm4(b, kw + (16 * np + rr + 8 * (mi >> 1)) * LD + 16 * ks + 8 * (mi & 1));
                 atc_mma(s[2 * np], qh[ks], b[0], b[1]);
                 atc_mma(s[2 * np + 1], qh[ks], b[2], b[3]);
                 if (SPLIT) {
@@ -263,7 +248,7 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
             for (int np = 0; np < NT / 2; np++) {
                 u32 b[4];
                 const int mi = lane >> 3, rr = lane & 7;
-                atc_ldm4t(b, kw + (16 * kk + rr + 8 * (mi & 1)) * LD + 16 * np + 8 * (mi >> 1));
+                ds4_ldm4_t(b, kw + (16 * kk + rr + 8 * (mi & 1)) * LD + 16 * np + 8 * (mi >> 1));
                 atc_mma(acc[2 * np], ph[kk], b[0], b[1]);
                 atc_mma(acc[2 * np + 1], ph[kk], b[2], b[3]);
                 if (SPLIT) {

@@ -31,6 +31,7 @@
 // starts[by], expert max(sel, 0), weight W + expert*slab.
 #include "prelude.cuh"
 #include "dequant.cuh"
+#include "ptx.cuh"
 
 #define GM_MT 4 // m-tiles of 16 items per warp (a warp: 32 weight rows × 64 items)
 #define GM_BN 128
@@ -80,14 +81,6 @@ __device__ __forceinline__ void gm_mma_tf(float* c, const u32* a, const u32* b) 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Four 8x8 b16 matrices from shared memory (row addresses from lanes 8i..8i+7 for matrix i).
-__device__ __forceinline__ void gm_ldm4(u32* r, const u32* p) {
-    u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-}
 
 __device__ __forceinline__ void gm_mma(float* c, const u32* a, const u32* b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -299,10 +292,10 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
                 for (int np = 0; np < 2; np++) {
                     int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
                     u32 q[4];
-                    gm_ldm4(q, &sm.m.wh[r][k]);
+                    ds4_ldm4(q, &sm.m.wh[r][k]);
                     bh[2 * np][0] = q[0], bh[2 * np][1] = q[1], bh[2 * np + 1][0] = q[2], bh[2 * np + 1][1] = q[3];
                     if (T != T_BF16) {
-                        gm_ldm4(q, &sm.m.wl[r][k]);
+                        ds4_ldm4(q, &sm.m.wl[r][k]);
                         bl[2 * np][0] = q[0], bl[2 * np][1] = q[1], bl[2 * np + 1][0] = q[2], bl[2 * np + 1][1] = q[3];
                     }
                 }
@@ -311,8 +304,8 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
                     if (mt >= nmt) continue; // warp-uniform
                     u32 ah[4], al[4];
                     int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
-                    gm_ldm4(ah, &sm.m.xh[m][k]);
-                    gm_ldm4(al, &sm.m.xl[m][k]);
+                    ds4_ldm4(ah, &sm.m.xh[m][k]);
+                    ds4_ldm4(al, &sm.m.xl[m][k]);
 #pragma unroll
                     for (int nt = 0; nt < 4; nt++) {
                         float* cc = acc + 4 * (4 * mt + nt);
@@ -452,11 +445,6 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 
 // q2 n = 2048 9.33 -> 8.25 ms with gemmt's down, 8.95 -> 7.98 with gemmu_q2_k's (ncu 3.07 ms vs
 // 3.76 for the hi/lo form); a grid table replicated 8x (fewer bank conflicts) tied or lost.
 #if GM_HAVE_MMA
-__device__ __forceinline__ u32 gm_prmt(u32 a, u32 b, u32 s) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); // selector msb: sign replicate
-    return r;
-}
 __device__ __forceinline__ u32 gm_fma_bf2(u32 a, u32 b, u32 c) {
     u32 r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
@@ -486,10 +474,10 @@ __device__ __forceinline__ float gm_deq_iq2_exact(const u32* r, const u64* tab, 
         for (int q = 0; q < 4; q++) {
             const u32 gw = q < 2 ? (u32)grid : (u32)(grid >> 32);
             // bytes (b, 0x43): bf16 128 + b (b <= 43 < 128); minus 128 exactly
-            const u32 u = gm_prmt(gw, 0x43434343u, (q & 1) ? 0x4342u : 0x4140u);
+            const u32 u = ds4_prmt(gw, 0x43434343u, (q & 1) ? 0x4342u : 0x4140u);
             const u32 g = gm_fma_bf2(u, 0x3f803f80u, 0xc300c300u);
             // sign-replicated bytes e, e+1 of v into bytes 1, 3: bits 15, 31
-            const u32 m = gm_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
+            const u32 m = ds4_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
             o[4 * k + q] = g ^ (m & 0x80008000u);
         }
     }
@@ -575,7 +563,7 @@ __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
             for (int np = 0; np < 2; np++) {
                 int r = 32 * warp + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
                 u32 q[4];
-                gm_ldm4(q, &wt[r][k]);
+                ds4_ldm4(q, &wt[r][k]);
                 b[kk][2 * np][0] = q[0], b[kk][2 * np][1] = q[1], b[kk][2 * np + 1][0] = q[2], b[kk][2 * np + 1][1] = q[3];
             }
         float2 db[4]; // rows 32 warp + 8 nt + 2t + (0, 1)
@@ -589,8 +577,8 @@ __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
             for (int kk = 0; kk < 2; kk++) {
                 u32 ah[4], al[4];
                 int m = 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
-                gm_ldm4(ah, &xh[m][k]);
-                gm_ldm4(al, &xl[m][k]);
+                ds4_ldm4(ah, &xh[m][k]);
+                ds4_ldm4(al, &xl[m][k]);
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
                     if (kk == 0) gm_mma0(cc[nt], ah, b[kk][nt]);
@@ -752,13 +740,13 @@ template <int T, int NW> __device__ __forceinline__ void gemmh_body(GMH_PARAMS) 
 #pragma unroll
             for (int mt = 0; mt < GM_MT; mt++) {
                 int m = 64 * (warp >> 2) + 16 * mt + lr + 8 * (lm & 1), k = 8 * kk + 4 * (lm >> 1);
-                gm_ldm4(a[mt], &sx[m][k]);
+                ds4_ldm4(a[mt], &sx[m][k]);
             }
 #pragma unroll
             for (int np = 0; np < 2; np++) {
                 int r = 32 * (warp & 3) + 16 * np + 8 * (lm >> 1) + lr, k = 8 * kk + 4 * (lm & 1);
                 u32 q[4];
-                gm_ldm4(q, &sw[r][k]);
+                ds4_ldm4(q, &sw[r][k]);
                 b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
             }
 #pragma unroll
@@ -987,15 +975,6 @@ __device__ __forceinline__ u32 gq_u10x2(u32 ab) {
 #define GT_BN 64
 
 #if GM_HAVE_MMA
-__device__ __forceinline__ void gt_cp16(void* dst, const void* src, bool ok) {
-    u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void gt_cp4(void* dst, const void* src) {
-    u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void gt_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Zero an accumulator set of the tiled forms.
 template <int MT, int NT> __device__ __forceinline__ void gt_zero(float (&a)[MT][NT][4]) {
 #pragma unroll
@@ -1046,7 +1025,6 @@ __device__ __forceinline__ void gt_store(const float (&acc)[MT][NT][4], const in
         }
 }
 
-template <int N> __device__ __forceinline__ void gt_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ u32 gt_hmul2(u32 a, u32 b) {
     u32 o;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
@@ -1209,7 +1187,7 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 int j = 4 * xh + q;
-                gt_cp16(&dst[j ^ (xi & 1)], xit >= 0 ? src + 4 * j : XT, xit >= 0);
+                ds4_cp16(&dst[j ^ (xi & 1)], xit >= 0 ? src + 4 * j : XT, xit >= 0);
             }
         }
     };
@@ -1221,24 +1199,24 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
                 int r = idx / NWM, w = idx - r * NWM;
                 const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + boff;
                 int sh = (int)((size_t)a & 3), nw = (sh + C::SB + 3) >> 2;
-                if (w < nw) gt_cp4(&sm.raw[buf][r][w], (const u32*)(a - sh) + w);
+                if (w < nw) ds4_cp4(&sm.raw[buf][r][w], (const u32*)(a - sh) + w);
             }
             if (C::MIN) {
 #pragma unroll
                 for (int q = 0; q < 2; q++) {
                     int j = 2 * xh + q; // 16-byte quarter j of the item's 64 sum bytes
-                    gt_cp16(&sm.s[buf][xi][4 * j], xit >= 0 ? ssrc + 16LL * (cs / 8) + 4 * j : XT, xit >= 0);
+                    ds4_cp16(&sm.s[buf][xi][4 * j], xit >= 0 ? ssrc + 16LL * (cs / 8) + 4 * j : XT, xit >= 0);
                 }
             }
         }
     };
     issue_raw(0);
     issue_x(0);
-    gt_commit();
+    ds4_cp_commit();
 #pragma unroll
     for (int j = 1; j < NXS - 1; j++) {
         issue_x(j);
-        gt_commit();
+        ds4_cp_commit();
     }
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -1251,11 +1229,11 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
     gt_zero<MT, NT>(cc);
 
     for (int i = 0; i < nl; i++) {
-        gt_wait<NXS - 2>();
+        ds4_cp_wait<NXS - 2>();
         __syncthreads();
         issue_x(i + NXS - 1);
         if (i % SC == 0) issue_raw(i / SC + 1);
-        gt_commit();
+        ds4_cp_commit();
         const int S = i / SC, p = i % SC, buf = S & 1;
         const int bsh = (int)(stage_off(c0 + SC * S) & 3);
         const uint4(*xs)[8] = sm.x[i % NXS];
@@ -1330,7 +1308,7 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
             }
         }
     }
-    gt_wait<0>();
+    ds4_cp_wait<0>();
 
     gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
 #endif
@@ -1509,10 +1487,10 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
         issue_raw(0);
         issue_sums(0);
         issue_x(0, 0);
-        gt_commit();
+        ds4_cp_commit();
         issue_x(1, XSL);
-        gt_commit();
-        gt_wait<1>(); // stage 0
+        ds4_cp_commit();
+        ds4_cp_wait<1>(); // stage 0
         __syncthreads();
         decode(0, 0, 0);
     }
@@ -1541,7 +1519,7 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
 #pragma unroll
         for (int p = 0; p < SC; p++) {
             const int i = SC * S + p;
-            gt_wait<NXS - 2>();
+            ds4_cp_wait<NXS - 2>();
             __syncthreads();
             const u32 xn = xo == 0 ? 2 * XSL : xo - XSL; // slot of chunk i + 2
             issue_x(i + 2, xn);
@@ -1549,7 +1527,7 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
                 if (S + 1 < nS) issue_raw(S + 1);
                 if (S > 0) issue_sums(S);
             }
-            gt_commit();
+            ds4_cp_commit();
             if (p + 1 < SC)
                 decode(p + 1, rbuf, ((p + 1) & 1) * WBUF);
             else if (S + 1 < nS)
@@ -1628,7 +1606,7 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
             xo = xo == 2 * XSL ? 0 : xo + XSL;
         }
     }
-    gt_wait<0>();
+    ds4_cp_wait<0>();
 
     gt_store<MT, NT, RW>(acc, items, Y + (long long)z * y_z + (long long)s * y_s, y_tok, xinv, xdiv, r0, rows, wm, wn, g, t);
 #endif

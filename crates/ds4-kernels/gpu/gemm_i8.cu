@@ -31,6 +31,7 @@
 // CUDA sm_80+ only (the host keeps the exact forms elsewhere); off CUDA the kernel body is empty.
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
+#include "ptx.cuh"
 
 #if defined(DS4_CUDA) && DS4_ARCH >= 800 && DS4_WARP == 32
 #define GI_HAVE_MMA 1
@@ -83,30 +84,12 @@ DS4_KERNEL void DS4_BOUNDS(256) act_q8k_f32(const float* __restrict__ X, long lo
 }
 
 #if GI_HAVE_MMA
-__device__ __forceinline__ u32 gi_prmt(u32 a, u32 b, u32 s) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-    return r;
-}
-__device__ __forceinline__ void gi_ldm4(u32* r, const u32* p) {
-    u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-}
 // c = a·b (int8, zero accumulator in): 16 items x 8 rows x 32 k.
 __device__ __forceinline__ void gi_mma0(int* c, const u32* a, const u32* b) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
                  : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
 }
-__device__ __forceinline__ void gi_cp16(void* dst, const void* src, bool ok) {
-    u32 s = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void gi_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void gi_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Raw fields of group c of a row (66-byte blocks, 2-byte aligned): r[0] the block's d (f16 bits,
 // loaded when dnew), r[1] the 4 grid indices, r[2] aux (4 x 7 sign bits, 4-bit scale).
@@ -133,7 +116,7 @@ __device__ __forceinline__ void gi_deq(const u32* r, const u64* tab, u32* o) {
         const u64 grid = tab[(r[1] >> (8 * k)) & 0xff];
         const u32 s7 = (r[2] >> (7 * k)) & 127;
         const u32 v0 = (s7 & 15u) * 0x10204080u, v1 = ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u;
-        const u32 m0 = gi_prmt(v0, 0u, 0xba98u), m1 = gi_prmt(v1, 0u, 0xba98u);
+        const u32 m0 = ds4_prmt(v0, 0u, 0xba98u), m1 = ds4_prmt(v1, 0u, 0xba98u);
         o[2 * k] = ((u32)grid ^ m0) + (m0 & 0x01010101u);
         o[2 * k + 1] = ((u32)(grid >> 32) ^ m1) + (m1 & 0x01010101u);
     }
@@ -207,11 +190,11 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmi8_iq2_xxs(GI_PARAMS) {
     // cp.async into stage c % NS, raw weights into r, d_x of the block to dxn.
     auto issue = [&](int c, u32* r) {
         if (c < nch) {
-            gi_cp16(&sm.x[c % NS][tid >> 1][4 * (tid & 1)], q + (xo >= 0 ? xo + 32 * c : 0), xo >= 0);
+            ds4_cp16(&sm.x[c % NS][tid >> 1][4 * (tid & 1)], q + (xo >= 0 ? xo + 32 * c : 0), xo >= 0);
             if (live) gi_raw(wrow, c, (c & 7) == 0, r); // dead rows: zeros (d = 0)
             if ((c & 7) == 0 && tid < GI_BM) dxn = xdp ? xdp[c >> 3] : 0.0f;
         }
-        gi_commit();
+        ds4_cp_commit();
     };
 #pragma unroll
     for (int j = 0; j < NS - 1; j++) issue(j, wr[j]);
@@ -228,14 +211,14 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmi8_iq2_xxs(GI_PARAMS) {
             sm.ls[st][tid] = 2 * (int)(r[2] >> 28) + 1;
             if (j == 0) sm.dw[bst][tid] = ds4_h2f_fast(r[0]);
             if (j == 0 && tid < GI_BM) sm.dx[bst][tid] = dxn;
-            gi_wait<NS - 2>(); // group c landed (c + 1 .. c + NS - 2 may be in flight)
+            ds4_cp_wait<NS - 2>(); // group c landed (c + 1 .. c + NS - 2 may be in flight)
             __syncthreads();
             issue(c + NS - 1, wr[(j + NS - 1) % NS]); // the slot group c - 1 used
             u32 b[4][2];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
                 u32 f[4];
-                gi_ldm4(f, &sm.w[st][32 * warp + 16 * np + 8 * (lm >> 1) + lr][4 * (lm & 1)]);
+                ds4_ldm4(f, &sm.w[st][32 * warp + 16 * np + 8 * (lm >> 1) + lr][4 * (lm & 1)]);
                 b[2 * np][0] = f[0], b[2 * np][1] = f[1], b[2 * np + 1][0] = f[2], b[2 * np + 1][1] = f[3];
             }
             int2 ls[4];
@@ -245,7 +228,7 @@ DS4_KERNEL void DS4_BOUNDS(128) gemmi8_iq2_xxs(GI_PARAMS) {
             for (int mt = 0; mt < MT; mt++) {
                 if (mt >= nmt) continue; // uniform
                 u32 a[4];
-                gi_ldm4(a, &sm.x[xs][16 * mt + lr + 8 * (lm & 1)][4 * (lm >> 1)]);
+                ds4_ldm4(a, &sm.x[xs][16 * mt + lr + 8 * (lm & 1)][4 * (lm >> 1)]);
                 int cc[4][4];
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) gi_mma0(cc[nt], a, b[nt]);

@@ -20,6 +20,7 @@
 // back by 2^49 (folded into the block scale). HIP converts with (float) and no scaling.
 #include "prelude.cuh"
 #include "dequant.cuh"
+#include "ptx.cuh"
 
 #define MOE_THREADS 256
 #define MOE_WARPS (MOE_THREADS / DS4_WARP)
@@ -990,13 +991,6 @@ __device__ __forceinline__ void m3_cp16(void* dst, const void* src) {
     u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
-__device__ __forceinline__ void m3_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void m3_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-__device__ __forceinline__ u32 m3_prmt(u32 a, u32 b, u32 s) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-    return r;
-}
 __device__ __forceinline__ u32 m3_hmul2(u32 a, u32 b) {
     u32 o;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
@@ -1037,10 +1031,10 @@ __device__ __forceinline__ void m3_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u3
 __device__ __forceinline__ void m3_entry(u64 gr, u32 sl, u32 sh, u32 m2, u32 (&w)[4]) {
     u32 ml = (u32)gr, mh = (u32)(gr >> 32);
     // bytes [g0, s0, g1, s1]: the f16 subnormals +-g * 2^-24, then * (2 ls + 1): exact.
-    w[0] = m3_hmul2(m3_prmt(ml, sl, 0x5140), m2);
-    w[1] = m3_hmul2(m3_prmt(ml, sl, 0x7362), m2);
-    w[2] = m3_hmul2(m3_prmt(mh, sh, 0x5140), m2);
-    w[3] = m3_hmul2(m3_prmt(mh, sh, 0x7362), m2);
+    w[0] = m3_hmul2(ds4_prmt(ml, sl, 0x5140), m2);
+    w[1] = m3_hmul2(ds4_prmt(ml, sl, 0x7362), m2);
+    w[2] = m3_hmul2(ds4_prmt(mh, sh, 0x5140), m2);
+    w[3] = m3_hmul2(ds4_prmt(mh, sh, 0x7362), m2);
 }
 
 // Sub-block words of one staged row (4-byte aligned): the 8 bytes at byte o (even) as idx4 (4 grid
@@ -1142,7 +1136,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
             if (++is_k == ks_n) is_k = 0, is_t++;
             is_b = is_b == 2 ? 0 : is_b + 1;
         }
-        m3_commit();
+        ds4_cp_commit();
     };
     issue();
     issue();
@@ -1179,7 +1173,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     uint4 bx[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}; // see m3gu_dec
     const bool al8 = ((66 * warp + 2) & 4) == 0; // this warp's (o & ~3) % 8 == 0 (m3_sub)
     for (int s = 0; s < S; s++) {
-        m3_wait1();      // this thread's copies of stage s have landed
+        ds4_cp_wait<1>(); // this thread's copies of stage s have landed
         __syncthreads(); // everyone's; stage s - 1 is no longer read
         issue();
         int bw = 8 * kq + warp; // this warp's block of the row
@@ -1254,8 +1248,6 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 #define M3D_LB2 M3D_THREADS, 2 // at most 64 registers: 2 CTAs per SM
 
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-__device__ __forceinline__ void m3_wait0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
                                           int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
@@ -1281,7 +1273,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             m3_cp16(dst + ci0 * M3D_SROW + 16 * cj0, wb + co0);
             if (tid + M3D_THREADS < 16 * 42) m3_cp16(dst + ci1 * M3D_SROW + 16 * cj1, wb + co1);
         }
-        m3_commit();
+        ds4_cp_commit();
     };
     issue(0);
     // sigma per slot from the gate/up maxima (max is order-free: deterministic).
@@ -1327,7 +1319,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     int blk = warp >> 1, hh = warp & 1, c = 2 * blk + hh;
     float og = 0.0f, ou = 0.0f;
     for (int s = 0; s < k; s++) {
-        m3_wait0();      // this thread's copies of stage s have landed
+        ds4_cp_wait<0>(); // this thread's copies of stage s have landed
         __syncthreads(); // everyone's, and x of slot s; stage s - 1 and x of slot s - 1 are free
         issue(s + 1);
         xload(s + 1); // in flight during the math
@@ -1350,10 +1342,10 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
             u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
             // [q0, 0, q1, 0] * scale: two u16 integers <= 45 = the f16 subnormals (exact).
-            m3_mma(cc, m3_prmt(v0g, 0u, 0x7170) * mg, m3_prmt(v0u, 0u, 0x7170) * mu, m3_prmt(v0g, 0u, 0x7372) * mg,
-                   m3_prmt(v0u, 0u, 0x7372) * mu, b.x, b.y);
-            m3_mma(cc, m3_prmt(v1g, 0u, 0x7170) * mg, m3_prmt(v1u, 0u, 0x7170) * mu, m3_prmt(v1g, 0u, 0x7372) * mg,
-                   m3_prmt(v1u, 0u, 0x7372) * mu, b.z, b.w);
+            m3_mma(cc, ds4_prmt(v0g, 0u, 0x7170) * mg, ds4_prmt(v0u, 0u, 0x7170) * mu, ds4_prmt(v0g, 0u, 0x7372) * mg,
+                   ds4_prmt(v0u, 0u, 0x7372) * mu, b.x, b.y);
+            m3_mma(cc, ds4_prmt(v1g, 0u, 0x7170) * mg, ds4_prmt(v1u, 0u, 0x7170) * mu, ds4_prmt(v1g, 0u, 0x7372) * mg,
+                   ds4_prmt(v1u, 0u, 0x7372) * mu, b.z, b.w);
         }
         u32 ddg = *(const u32*)(bg + 80), ddu = *(const u32*)(bu + 80);
         float ag = ds4_h2f_fast(ddg & 0xffffu) * (cc[0] + cc[1]), au = ds4_h2f_fast(ddu & 0xffffu) * (cc[2] + cc[3]);

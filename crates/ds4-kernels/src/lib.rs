@@ -22,6 +22,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("dequant.cuh", include_str!("../gpu/dequant.cuh")),
     ("hc.cuh", include_str!("../gpu/hc.cuh")),
     ("route.cuh", include_str!("../gpu/route.cuh")),
+    ("ptx.cuh", include_str!("../gpu/ptx.cuh")),
 ];
 
 /// Weight types with `dequant_<t>` and `matvec_<t>` kernels in [`QUANT`], by kernel suffix.
