@@ -201,3 +201,64 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = v;
 }
+
+// L2 prefetch of weights that a later kernel reads (ds4_backend::Backend::prefetch: a scheduling
+// hint; nothing is written but `sink`, so results are the same with or without it). Up to four
+// ranges (p[r], n[r]) (unused: n = 0); the grid covers them as one run of 128-byte lines, CTA c
+// taking an equal contiguous share. Ranges are 16-byte aligned with n % 16 == 0 (the host passes
+// whole device allocations, 256-byte aligned, of whole 16-byte units).
+// mode 0: cp.async.bulk.prefetch.L2 (sm_90): thread t of a CTA issues pieces of `piece` bytes
+//         (a multiple of 16) of the CTA's share, strided by blockDim.x pieces; fire and forget
+//         (falls back to mode 1 on sm_80);
+// mode 1: prefetch.global.L2 per 128-byte line (sm_80+);
+// mode 2: prefetch.global.L2::evict_last per line (sm_80+);
+// mode 3: plain 16-byte loads of every byte (the portable form, and the fallback of modes 0-2
+//         where those instructions do not exist: HIP, CUDA below sm_80); `sink` (may be null)
+//         gets each thread's XOR of what it read, so the loads are not dropped.
+__device__ __forceinline__ void ds4_l2_line(const u8* p, int mode) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    if (mode == 2)
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p) : "memory");
+    else
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+#else
+    (void)p;
+    (void)mode;
+#endif
+}
+
+DS4_KERNEL void DS4_BOUNDS(256) l2_prefetch(const u8* p0, long long n0, const u8* p1, long long n1, const u8* p2, long long n2,
+                                            const u8* p3, long long n3, int mode, int piece, u32* __restrict__ sink) {
+    ds4_pdl_enter(); // launched without PDL (a branch of its own): a no-op then
+    const long long total = n0 + n1 + n2 + n3;
+    const long long per = ((total + 127) / 128 + gridDim.x - 1) / gridDim.x * 128; // bytes per CTA
+    const long long b0 = (long long)blockIdx.x * per, b1 = min(b0 + per, total);
+#if !(defined(DS4_CUDA) && DS4_ARCH >= 800)
+    mode = 3;
+#elif DS4_ARCH < 900
+    if (mode == 0) mode = 1;
+#endif
+    u32 acc = 0;
+    long long base = 0; // offset of range r in the joined run
+    for (int r = 0; r < 4; r++) { // this CTA's share [b0, b1) of the joined ranges, range by range
+        const u8* p = r == 0 ? p0 : r == 1 ? p1 : r == 2 ? p2 : p3;
+        const long long n = r == 0 ? n0 : r == 1 ? n1 : r == 2 ? n2 : n3;
+        const long long lo = max(b0, base) - base, hi = min(b1, base + n) - base;
+        base += n;
+        if (lo >= hi) continue;
+        if (mode == 0) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+            for (long long o = lo + (long long)threadIdx.x * piece; o < hi; o += (long long)blockDim.x * piece)
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"((u32)min((long long)piece, hi - o)) : "memory");
+#endif
+        } else if (mode != 3) {
+            for (long long o = lo + (long long)threadIdx.x * 128; o < hi; o += (long long)blockDim.x * 128) ds4_l2_line(p + o, mode);
+        } else {
+            for (long long o = lo + (long long)threadIdx.x * 16; o < hi; o += (long long)blockDim.x * 16) {
+                const uint4 v = *(const uint4*)(p + o);
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            }
+        }
+    }
+    if (sink) sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
