@@ -269,12 +269,6 @@ pub trait Backend: Send + Sync + Sized {
     /// Join the two branches: the ops issued from here on wait for both.
     fn join(&self) {}
 
-    /// A hint that the weights `w` are read soon (a scheduling hint only: results are the same
-    /// with or without it). A device may start pulling them into a cache now, beside the ops
-    /// issued next, so that the op that reads them finds them there. The caller names no more
-    /// than the cache holds until that op runs. By default (the CPU backend) nothing happens.
-    fn prefetch(&self, _w: &[&Self::Weight]) {}
-
     /// Tokens per prompt step the engine should batch (activation memory grows with it: about
     /// 200 KB per token at full size, plus the MoE's per-pair scratch). The CPU gains nothing
     /// past 128; a GPU reads each expert's weights once per step, so it wants more.

@@ -747,8 +747,6 @@ pub struct GraphStats {
     /// (`ds4_backend::Backend::side_begin`; 0 with `DS4_GPU_BRANCH=off` or where the runtime
     /// captures one stream only).
     pub branched: u64,
-    /// Hint nodes (L2 prefetches, [`FLOW_HINT`]) in the graphs captured on three chains.
-    pub hints: u64,
 }
 
 struct CachedGraph {
@@ -777,8 +775,6 @@ pub struct StepGraphs {
     cap: Option<Stream>,
     /// The side branch's capture stream and the fork and join events (branched captures).
     side: Option<(Stream, Event, Event)>,
-    /// The hint chain's capture stream and its fork and join events ([`FLOW_HINT`] calls).
-    hint: Option<(Stream, Event, Event)>,
     /// A branched capture failed: steps are captured as one chain from then on.
     one_chain: bool,
     graphs: Vec<CachedGraph>,
@@ -890,11 +886,8 @@ impl StepGraphs {
                 s
             }
         };
-        let mut branched = !self.one_chain
-            && rt.branches_supported()
-            && calls
-                .iter()
-                .any(|c| c.flow == FLOW_SIDE || c.flow == FLOW_HINT);
+        let mut branched =
+            !self.one_chain && rt.branches_supported() && calls.iter().any(|c| c.flow == FLOW_SIDE);
         if self.trace && self.stats.captures < 40 {
             eprintln!(
                 "ds4 graph: capturing tag {tag}: {} launches{}",
@@ -970,28 +963,13 @@ impl StepGraphs {
         Ok(())
     }
 
-    /// A capture stream and two events (a fork and a join) for a chain beside the main one.
-    fn lane(rt: &dyn Runtime) -> Result<(Stream, Event, Event)> {
-        let s = rt.stream_create()?;
-        let e = rt.event_create().and_then(|a| Ok((a, rt.event_create()?)));
-        match e {
-            Ok((a, b)) => Ok((s, a, b)),
-            Err(e) => {
-                let _ = rt.stream_destroy(s);
-                Err(e)
-            }
-        }
-    }
-
     /// Capture `calls` on `cap` with their side branches on a second stream: at a run of
     /// [`FLOW_SIDE`] calls the side stream waits for the main stream (an event: a graph edge
     /// from the main chain's last node), the side calls chain on it, and at the next
     /// [`FLOW_JOIN`] call (or the end) the main stream waits for the side stream. The nodes
     /// are taken after each launch ([`Runtime::capture_node`]), so node i is call i for the
     /// updates by index. A branch's first call and a join launch without PDL: their edges
-    /// (the fork, the join) stay full dependencies; PDL stays within each chain. [`FLOW_HINT`]
-    /// calls go to a third stream, each forked from the main chain where it was issued (plain
-    /// launches), joined once at the end of the capture.
+    /// (the fork, the join) stay full dependencies; PDL stays within each chain.
     fn capture_branched(
         &mut self,
         rt: &dyn Runtime,
@@ -1001,25 +979,19 @@ impl StepGraphs {
         let (side, fork, join) = match self.side {
             Some(x) => x,
             None => {
-                let x = Self::lane(rt)?;
-                self.side = Some(x);
-                x
+                let s = rt.stream_create()?;
+                let e = rt.event_create().and_then(|a| Ok((a, rt.event_create()?)));
+                let (a, b) = match e {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = rt.stream_destroy(s);
+                        return Err(e);
+                    }
+                };
+                self.side = Some((s, a, b));
+                (s, a, b)
             }
         };
-        let hint_lane = if calls.iter().any(|c| c.flow == FLOW_HINT) {
-            Some(match self.hint {
-                Some(x) => x,
-                None => {
-                    let x = Self::lane(rt)?;
-                    self.hint = Some(x);
-                    x
-                }
-            })
-        } else {
-            None
-        };
-        let mut hint_open = false;
-        let mut hints = 0;
         rt.capture_begin(cap)?;
         let mut nodes = Vec::with_capacity(calls.len());
         let mut open = false; // side calls captured since the last join
@@ -1027,16 +999,7 @@ impl StepGraphs {
         let mut r: Result<()> = Ok(());
         for c in calls {
             r = (|| {
-                if let (FLOW_HINT, Some((hs, hfork, _))) = (c.flow, hint_lane) {
-                    // Third chain: after the main chain's last node (and the previous hint),
-                    // joined only at the end. Plain launch: the fork stays a full dependency.
-                    rt.event_record(hfork, cap)?;
-                    rt.stream_wait_event(hs, hfork)?;
-                    rt.launch_call_plain(c, hs)?;
-                    nodes.push(rt.capture_node(hs)?);
-                    hint_open = true;
-                    hints += 1;
-                } else if c.flow == FLOW_SIDE {
+                if c.flow == FLOW_SIDE {
                     let first = !in_side;
                     if first {
                         if open {
@@ -1080,20 +1043,9 @@ impl StepGraphs {
                 r = j;
             }
         }
-        if let (true, Some((hs, _, hjoin))) = (hint_open, hint_lane) {
-            let j = rt
-                .event_record(hjoin, hs)
-                .and_then(|_| rt.stream_wait_event(cap, hjoin));
-            if r.is_ok() {
-                r = j;
-            }
-        }
         let exec = rt.capture_end_nodes(cap, nodes);
         match (r, exec) {
-            (Ok(()), Ok(x)) => {
-                self.stats.hints += hints;
-                Ok(x)
-            }
+            (Ok(()), Ok(x)) => Ok(x),
             (Err(e), Ok(x)) => {
                 rt.graph_destroy(&x);
                 Err(GpuError::Invalid(format!("branched graph capture: {e}")))
@@ -1113,7 +1065,7 @@ impl StepGraphs {
         if let Some(s) = self.cap.take() {
             let _ = rt.stream_destroy(s);
         }
-        for (s, a, b) in [self.side.take(), self.hint.take()].into_iter().flatten() {
+        if let Some((s, a, b)) = self.side.take() {
             let _ = rt.stream_destroy(s);
             let _ = rt.event_destroy(a);
             let _ = rt.event_destroy(b);

@@ -141,10 +141,6 @@ pub const FLOW_MAIN: u8 = 0;
 pub const FLOW_SIDE: u8 = 1;
 /// A main call that waits for the side branch too (the first consumer after the join).
 pub const FLOW_JOIN: u8 = 2;
-/// A hint call (an L2 prefetch, `ds4_backend::Backend::prefetch`): forks from the main chain's
-/// state at its place, on a third chain that nothing waits for until the end of the graph (it
-/// writes nothing that any call reads).
-pub const FLOW_HINT: u8 = 3;
 
 /// Equal kernel, shape, place in the branches and used argument slots (the graph recorder
 /// compares ~800 calls a decode step: the unused slots, always zero, are not read).

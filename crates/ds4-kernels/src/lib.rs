@@ -66,7 +66,6 @@ pub const ELEMENTWISE: Module = Module {
         "swiglu_f32",
         "copy_u32",
         "fill_u32",
-        "l2_prefetch",
     ],
 };
 

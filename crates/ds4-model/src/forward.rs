@@ -12,24 +12,6 @@ use ds4_gguf::GgufFile;
 use std::any::Any;
 use std::sync::Arc;
 
-/// Places of [`Backend::prefetch`] hints in a decode step (bits of `DS4_PREFETCH_SITES`, a
-/// measurement switch; default all): the grouped output product before attention, the shared
-/// down and the next block's q_a/kv beside the MoE, the next block's q_b after the MoE.
-const PF_OUT_A: u32 = 1;
-const PF_MOE: u32 = 2;
-const PF_NEXT_QB: u32 = 4;
-
-fn prefetch_site(bit: u32) -> bool {
-    static SITES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    let m = *SITES.get_or_init(|| {
-        std::env::var("DS4_PREFETCH_SITES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(PF_OUT_A | PF_MOE | PF_NEXT_QB)
-    });
-    m & bit != 0
-}
-
 /// The model's two RoPE tables (plain for SWA layers and MTP, YaRN for compressed layers).
 pub fn rope_tables(hp: &HParams) -> RopeTables {
     let n_rot = hp.n_rot as usize;
@@ -581,9 +563,8 @@ impl<B: Backend> Model<B> {
         let mut x = b.alloc(n * w);
         b.embed(&self.embd, &tok, n, hc.n, hc.d, &mut x);
         let mut pending = None;
-        for (i, (layer, ls)) in self.layers.iter().zip(st.layers.iter_mut()).enumerate() {
-            let next = self.layers.get(i + 1);
-            pending = Some(self.layer_forward(layer, ls, &mut x, &tok, n, t0, pending, next));
+        for (layer, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
+            pending = Some(self.layer_forward(layer, ls, &mut x, &tok, n, t0, pending));
         }
         if let Some((y, post, comb)) = pending {
             b.hc_post(hc, &mut x, &y, &post, &comb, n);
@@ -599,7 +580,6 @@ impl<B: Backend> Model<B> {
     /// One transformer block over the batch: HC pre, attention, HC post, HC pre, MoE. The MoE
     /// output's HC post is returned as `(y, post, comb)` for the caller to apply — fused with the
     /// next block's HC pre when `pending` hands it to that block, else by [`Backend::hc_post`].
-    /// `next` (the block after this one) is only named in prefetch hints.
     #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
@@ -610,7 +590,6 @@ impl<B: Backend> Model<B> {
         n: usize,
         t0: usize,
         pending: Option<Pending<B>>,
-        next: Option<&Layer<B::Weight>>,
     ) -> Pending<B> {
         let (z, post, comb) = match pending {
             Some((y, p, c)) => self.hc_post_pre(&l.hc_attn, &l.attn_norm, x, &y, &p, &c, n),
@@ -618,11 +597,7 @@ impl<B: Backend> Model<B> {
         };
         let o = self.attention(l, st, &z, n, t0);
         let (z, post, comb) = self.hc_post_pre(&l.hc_ffn, &l.ffn_norm, x, &o, &post, &comb, n);
-        let y = self.moe(l, &z, tok, n, next);
-        if let Some(nx) = next.filter(|_| n == 1 && prefetch_site(PF_NEXT_QB)) {
-            // The next block's q_b (one-row products) while its HC glue and q_a/kv run.
-            self.backend.prefetch(&[&nx.q_b]);
-        }
+        let y = self.moe(l, &z, tok, n);
         (y, post, comb)
     }
 
@@ -824,11 +799,6 @@ impl<B: Backend> Model<B> {
         if branch {
             b.join();
         }
-        if n == 1 && prefetch_site(PF_OUT_A) {
-            // The grouped output product's weights while the indexer and attention run
-            // (latency-bound: DRAM nearly idle).
-            b.prefetch(&[&l.out_a]);
-        }
         let sel = iq.as_ref().zip(iw.as_ref()).map(|(iq, iw)| {
             let spec = IndexSpec {
                 heads: hp.indexer_heads as usize,
@@ -869,14 +839,7 @@ impl<B: Backend> Model<B> {
 
     /// MoE sublayer (model.md §3.4): routed experts summed in selection order, then the shared
     /// expert.
-    fn moe(
-        &self,
-        l: &Layer<B::Weight>,
-        z: &B::Buf,
-        tok: &B::IBuf,
-        n: usize,
-        next: Option<&Layer<B::Weight>>,
-    ) -> B::Buf {
+    fn moe(&self, l: &Layer<B::Weight>, z: &B::Buf, tok: &B::IBuf, n: usize) -> B::Buf {
         let b = &self.backend;
         let hp = &self.hp;
         let spec = MoeSpec {
@@ -894,14 +857,6 @@ impl<B: Backend> Model<B> {
         let mut g = b.alloc(n * spec.ff);
         b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut g, l.clamp_sh);
         b.side_end();
-        if n == 1 && prefetch_site(PF_MOE) {
-            // Beside the router and the routed experts: the shared down product (after the
-            // join) and the next block's q_a/kv product.
-            match next {
-                Some(nx) => b.prefetch(&[&l.down_sh, &nx.q_a, &nx.kv]),
-                None => b.prefetch(&[&l.down_sh]),
-            }
-        }
         let mut logits = b.alloc(n * spec.n_expert);
         let mut sel = b.alloc_i32(n * spec.n_used);
         let mut wgt = b.alloc(n * spec.n_used);
@@ -1004,7 +959,7 @@ impl<B: Backend> Model<B> {
             b.copy(&ep, 0, &mut epn, i * hc.d, hc.d);
         }
         b.add(&mut x, &epn, hc.n * hc.d);
-        let (y, post, comb) = self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos, None, None);
+        let (y, post, comb) = self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos, None);
         b.hc_post(hc, &mut x, &y, &post, &comb, 1);
         let logits = self
             .head(&mtp.head, &mtp.norm, &x, 1)

@@ -26,9 +26,7 @@ pub mod synth;
 use crate::error::Result;
 pub(crate) use crate::gpu::type_suffix;
 use crate::gpu::{DeviceBuffer, Gpu, GraphStats, StepGraphs};
-use crate::runtime::{
-    Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, FLOW_HINT, FLOW_JOIN, FLOW_SIDE,
-};
+use crate::runtime::{Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, FLOW_JOIN, FLOW_SIDE};
 use ds4_backend::rope::RopeTables;
 use ds4_backend::{
     AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
@@ -91,38 +89,6 @@ struct GraphState {
 /// routed experts, the compressors beside the query path): on unless `DS4_GPU_BRANCH=off`.
 fn branch_wanted() -> bool {
     !std::env::var("DS4_GPU_BRANCH").is_ok_and(|v| v == "off" || v == "0")
-}
-
-/// L2 prefetch of the weights named by [`Backend::prefetch`] (elementwise.cu `l2_prefetch`):
-/// the kernel's mode (0 bulk, 1 line, 2 line evict_last, 3 loads), or [`PREFETCH_OFF`].
-/// `DS4_GPU_PREFETCH_L2=off|bulk|line|last|loads`.
-static PREFETCH_MODE: std::sync::atomic::AtomicU8 =
-    std::sync::atomic::AtomicU8::new(PREFETCH_DEFAULT);
-/// No prefetch.
-pub const PREFETCH_OFF: u8 = 255;
-const PREFETCH_DEFAULT: u8 = 0;
-/// CTAs of a prefetch launch (`DS4_GPU_PREFETCH_CTAS`) and bytes per bulk piece.
-static PREFETCH_CTAS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(16);
-const PREFETCH_PIECE: i32 = 16384;
-
-fn prefetch_env() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let m = match std::env::var("DS4_GPU_PREFETCH_L2").as_deref() {
-            Ok("off") | Ok("0") => Some(PREFETCH_OFF),
-            Ok("bulk") => Some(0),
-            Ok("line") => Some(1),
-            Ok("last") => Some(2),
-            Ok("loads") => Some(3),
-            _ => None,
-        };
-        if let Some(m) = m {
-            PREFETCH_MODE.store(m, Ordering::Relaxed);
-        }
-        if let Some(c) = env_usize("DS4_GPU_PREFETCH_CTAS") {
-            PREFETCH_CTAS.store(c.clamp(1, 1024) as u32, Ordering::Relaxed);
-        }
-    });
 }
 
 /// Pinned source slots of the step position (a ring, so that the host never rewrites a slot
@@ -302,17 +268,6 @@ impl GpuWeight {
             GpuWeight::Mat { buf, .. }
             | GpuWeight::F32 { buf, .. }
             | GpuWeight::I32 { buf, .. } => buf.ptr(),
-        }
-    }
-
-    /// The device bytes a decode (one-row) product of this weight reads: the decode-layout
-    /// copy where there is one, else the whole buffer.
-    pub fn decode_range(&self) -> (DevPtr, usize) {
-        match self {
-            GpuWeight::Mat { dec: Some(d), .. } => (d.ptr(), d.bytes()),
-            GpuWeight::Mat { buf, .. }
-            | GpuWeight::F32 { buf, .. }
-            | GpuWeight::I32 { buf, .. } => (buf.ptr(), buf.bytes()),
         }
     }
 
@@ -591,17 +546,6 @@ impl GpuBackend {
     pub fn set_branch(&self, on: bool) {
         self.flush(false);
         self.graph.lock().unwrap().branch = on;
-    }
-
-    /// The L2 prefetch form of [`Backend::prefetch`] (elementwise.cu `l2_prefetch` mode;
-    /// [`PREFETCH_OFF`]: none) and its CTAs per launch (0: unchanged), for all backends of
-    /// this process (tests, benches; `DS4_GPU_PREFETCH_L2` sets it at the first backend).
-    pub fn set_prefetch_l2(mode: u8, ctas: u32) {
-        prefetch_env();
-        PREFETCH_MODE.store(mode, Ordering::Relaxed);
-        if ctas > 0 {
-            PREFETCH_CTAS.store(ctas, Ordering::Relaxed);
-        }
     }
 
     /// Whether decode steps run as graphs.
@@ -1115,52 +1059,6 @@ impl Backend for GpuBackend {
         }
         drop(g);
         self.pool.defer(false);
-    }
-
-    /// One `l2_prefetch` launch per four weights, each on the graph's hint chain
-    /// ([`FLOW_HINT`]): it forks from the main chain here and nothing waits for it until the
-    /// end of the graph piece, so it adds no step to the chain; the prefetch itself is fire and
-    /// forget (mode 0: `cp.async.bulk.prefetch.L2`, a few instructions per 16 KB). Only in
-    /// recorded steps with branches (eager launches, prefill chunks and one-chain graphs would
-    /// run it as a serial step: ignored there).
-    fn prefetch(&self, w: &[&GpuWeight]) {
-        prefetch_env();
-        let mode = PREFETCH_MODE.load(Ordering::Relaxed);
-        if mode == PREFETCH_OFF
-            || w.is_empty()
-            || !self.recording.load(Ordering::Acquire)
-            || self.failed()
-        {
-            return;
-        }
-        if !self.graph.lock().unwrap().branch || !self.gpu.runtime().branches_supported() {
-            return;
-        }
-        let f = match self.gpu.kernel(&ds4_kernels::ELEMENTWISE, "l2_prefetch") {
-            Ok(f) => f,
-            Err(e) => {
-                self.note::<()>(Err(e));
-                return;
-            }
-        };
-        let ctas = PREFETCH_CTAS.load(Ordering::Relaxed);
-        for ws in w.chunks(4) {
-            let mut args = Vec::with_capacity(11);
-            for i in 0..4 {
-                // whole 16-byte units (allocations are 256-byte aligned)
-                let (p, n) = ws.get(i).map_or((DevPtr(0), 0), |w| w.decode_range());
-                args.extend([Arg::Ptr(p), Arg::I64((n & !15) as i64)]);
-            }
-            args.extend([
-                Arg::I32(mode as i32),
-                Arg::I32(PREFETCH_PIECE),
-                Arg::Ptr(DevPtr(0)),
-            ]);
-            if let Some(mut c) = KernelCall::new(f, LaunchDims::linear(ctas, 256), &args) {
-                c.flow = FLOW_HINT;
-                self.graph.lock().unwrap().calls.push(c);
-            }
-        }
     }
 
     fn finish(&self) -> std::result::Result<(), String> {
