@@ -579,15 +579,18 @@ fn index_select_matches_cpu() {
     // Glue forms: new (default), old (DS4_GPU_ATTN_GLUE=old); index_scores128h/index_topk_ps
     // run only with the new one, index_scores_tc (prefill, 64 heads, fp4) only with the new one
     // and tensor cores on (the first form).
-    for (simple, old, tc) in [
-        (false, false, true),
-        (false, false, false),
-        (false, true, true),
-        (true, false, true),
+    // The last flag: the old top-k and query prep (DS4_GPU_TOPK=old).
+    for (simple, old, tc, tk_old) in [
+        (false, false, true, false),
+        (false, false, false, false),
+        (false, true, true, false),
+        (true, false, true, false),
+        (false, false, true, true),
     ] {
         GpuBackend::set_attn_simple(simple);
         GpuBackend::set_attn_glue_old(old);
         GpuBackend::set_index_tc(tc);
+        GpuBackend::set_topk_old(tk_old);
         // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
         run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
         run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
@@ -608,10 +611,202 @@ fn index_select_matches_cpu() {
         // Decode: one token just past top_k rows, 64 heads; odd head count.
         run_index(&cpu, &gpu, 64, 512, true, 1, 2600, 11);
         run_index(&cpu, &gpu, 7, 8, true, 1, 301, 12);
+        // Decode past one top-k CTA's 16384 rows (two levels: index_topk_l1 + l2).
+        run_index(&cpu, &gpu, 64, 512, true, 1, 70_000, 16);
     }
     GpuBackend::set_attn_simple(false);
     GpuBackend::set_attn_glue_old(false);
     GpuBackend::set_index_tc(true);
+    GpuBackend::set_topk_old(false);
+}
+
+/// The CPU's selection (ds4-cpu backend.rs index_select): the top k of `scores` (the visible
+/// ones) by total_cmp, ties to the lower index, ascending, −1 padded.
+fn topk_ref(scores: &[f32], k: usize) -> Vec<i32> {
+    let mut out = vec![-1i32; k];
+    if scores.len() <= k {
+        for (r, o) in out.iter_mut().take(scores.len()).enumerate() {
+            *o = r as i32;
+        }
+        return out;
+    }
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order.sort_unstable();
+    for (o, r) in out.iter_mut().zip(order) {
+        *o = r as i32;
+    }
+    out
+}
+
+/// Scores of one token: 0 Gaussian; 1 nine values (±0 among them: ties everywhere); 2 all
+/// equal; 3 Gaussian with ±inf, NaNs, ±0, subnormals, and runs of a repeated large value.
+fn topk_scores(r: &mut impl Rng, n: usize, kind: usize) -> Vec<f32> {
+    match kind {
+        0 => randn(r, n, 1.0),
+        1 => (0..n)
+            .map(|_| [-2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0][r.gen_range(0..9)])
+            .collect(),
+        2 => vec![0.25; n],
+        _ => {
+            let mut v = randn(r, n, 1.0);
+            let specials = [
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -f32::NAN,
+                0.0,
+                -0.0,
+                1e-40,
+                -1e-40,
+            ];
+            for x in v.iter_mut() {
+                match r.gen_range(0..64) {
+                    0 => *x = specials[r.gen_range(0..specials.len())],
+                    1..=3 => *x = 2.5,
+                    _ => {}
+                }
+            }
+            v
+        }
+    }
+}
+
+/// index_topk_rows on `n` tokens from position `t0` (ratio 4, rows of `stride`) against
+/// topk_ref, every score kind; scores past a token's visible count are +inf (selected if read).
+fn run_topk(gpu: &GpuBackend, stride: usize, n: usize, t0: usize, k: usize, seed: u64) {
+    let ratio = 4;
+    let mut r = rng(seed);
+    for kind in 0..4 {
+        let mut s = vec![f32::INFINITY; n * stride];
+        let mut want = Vec::with_capacity(n * k);
+        for i in 0..n {
+            let vis = (t0 + i + 1) / ratio;
+            let row = topk_scores(&mut r, vis, kind);
+            s[i * stride..i * stride + vis].copy_from_slice(&row);
+            want.extend(topk_ref(&row, k));
+        }
+        let sg = gpu.upload(&s);
+        let mut sel = gpu.alloc_i32(n * k);
+        gpu.index_topk_rows(&sg, stride, n, t0, ratio, k, &mut sel);
+        let op = format!("index_topk stride {stride} n {n} t0 {t0} k {k} kind {kind}");
+        let got = gpu.download_i32(&sel, n * k);
+        gpu_ok(gpu, &op);
+        for i in 0..n {
+            assert_eq!(
+                &got[i * k..(i + 1) * k],
+                &want[i * k..(i + 1) * k],
+                "{op}: token {i} (visible {})",
+                (t0 + i + 1) / ratio
+            );
+        }
+    }
+    println!("index_topk stride {stride} n {n} t0 {t0} k {k}: selections equal");
+}
+
+#[test]
+fn index_topk_matches_cpu() {
+    let Some((_cpu, gpu)) = setup() else { return };
+    const N: usize = 16384; // one top-k CTA's rows (index_topk_r; DS4_TK_N)
+                            // One token seeing v rows: position 4v − 1.
+    let at = |v: usize| 4 * v - 1;
+    for old in [false, true] {
+        GpuBackend::set_topk_old(old);
+        let mut seed = 100;
+        let mut case = |stride: usize, n: usize, t0: usize, k: usize| {
+            seed += 1;
+            run_topk(&gpu, stride, n, t0, k, seed);
+        };
+        // One CTA (index_topk_r): around top_k, 4 to 16 keys a thread, 8k (32k context), the
+        // CTA's capacity; rows of the visible count and of a larger capacity (decode).
+        for v in [
+            511,
+            512,
+            513,
+            1000,
+            4100,
+            8191,
+            8192,
+            8193,
+            12_289,
+            N - 1,
+            N,
+        ] {
+            case(v, 1, at(v), 512);
+            case(N, 1, at(v), 512);
+        }
+        // Two levels (index_topk_l1 + l2): just past one CTA, a partial last chunk below,
+        // at and above top_k, whole chunks, 128k and 256k candidates (1M context).
+        for v in [
+            N + 1,
+            N + 511,
+            N + 512,
+            N + 513,
+            3 * N,
+            100_000,
+            131_072,
+            262_144,
+        ] {
+            case(v, 1, at(v), 512);
+            case(262_144, 1, at(v), 512);
+        }
+        // Several tokens: visible counts crossing top_k; crossing one CTA's rows (two levels).
+        case(N, 12, 4 * 510, 512);
+        case(4 * N, 9, 4 * N - 3, 512);
+        // Small top-k (deep ties), and the largest top-k whose survivors fill one CTA
+        // (4 chunks × 4096), and one past it (the old kernel).
+        case(2 * N, 3, at(20_000), 8);
+        case(9, 1, at(9), 8);
+        case(8, 1, at(8), 8);
+        case(4 * N, 1, at(4 * N), 4096);
+        case(4 * N, 1, at(4 * N - 1000), 4096);
+        case(2 * N, 1, at(30_000), 8193);
+    }
+    GpuBackend::set_topk_old(false);
+}
+
+/// The indexer query's prep in one launch (index_qprep_f32) has the bits of the copy, rope_f32
+/// and round_fp4h128_f32 (DS4_GPU_TOPK=old).
+#[test]
+fn index_query_prep_is_exact() {
+    let Some((_cpu, gpu)) = setup() else { return };
+    let mut r = rng(77);
+    for &(n, heads, n_rot, t0) in &[
+        (1usize, 64usize, 64usize, 32_767usize),
+        (3, 64, 64, 1_000_000),
+        (5, 7, 128, 0),
+        (2, 16, 0, 123),
+        (1, 64, 2, 40_000),
+    ] {
+        let spec = IndexSpec {
+            heads,
+            head_dim: 128,
+            top_k: 512,
+            ratio: 4,
+            n_rot,
+            rope: RopeKind::Comp,
+            fp4: true,
+        };
+        let len = n * heads * 128;
+        let mut q = randn(&mut r, len, 1.0);
+        // Zero rows and a huge value: the FP4 scale's edges.
+        q[..128].fill(0.0);
+        q[len - 1] = 3e30;
+        let qg = gpu.upload(&q);
+        let mut outs = Vec::new();
+        for old in [false, true] {
+            GpuBackend::set_topk_old(old);
+            let mut o = gpu.upload(&vec![f32::NAN; len]);
+            gpu.index_query_prep(&qg, n, &spec, t0, &mut o);
+            outs.push(gpu.download(&o, len));
+        }
+        let op = format!("index query prep n {n} heads {heads} n_rot {n_rot} t0 {t0}");
+        gpu_ok(&gpu, &op);
+        assert_bits(&op, &outs[0], &outs[1]);
+        println!("{op}: bits equal");
+    }
+    GpuBackend::set_topk_old(false);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -191,15 +191,10 @@ DS4_KERNEL void DS4_BOUNDS(256) round_rows_f32(float* __restrict__ x, int width,
 // a warp per row instead of a CTA with a barrier per butterfly stage. Lane l holds elements
 // 4l .. 4l+3: strides 1 and 2 within the lane, 4 .. 64 with lane l ^ (stride/4) (the lower index
 // takes a + b, the upper a − b: the same operands as ds4_round_shared), a block of 32 is 8 lanes
-// (amax by xor shuffles), then the same scale and rounding. grid ceil(rows / 8), blockDim 256.
-DS4_KERNEL void DS4_BOUNDS(256) round_fp4h128_f32(float* __restrict__ x, long long rows, int f16) {
-    ds4_pdl_enter();
-    const int lane = threadIdx.x % DS4_WARP;
-    const long long r = (long long)blockIdx.x * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
-    if (r >= rows || DS4_WARP != 32) return;
-    float4* xr = (float4*)(x + r * 128) + lane;
-    const float4 q = *xr;
-    float v[4] = {q.x, q.y, q.z, q.w}, t;
+// (amax by xor shuffles), then the same scale and rounding (ds4_fp4h128_lane, also used by
+// index_qprep_f32). grid ceil(rows / 8), blockDim 256.
+__device__ __forceinline__ void ds4_fp4h128_lane(float (&v)[4], int lane, int f16) {
+    float t;
     t = v[0], v[0] = ds4_add_rn(t, v[1]), v[1] = ds4_sub_rn(t, v[1]); // stride 1
     t = v[2], v[2] = ds4_add_rn(t, v[3]), v[3] = ds4_sub_rn(t, v[3]);
     t = v[0], v[0] = ds4_add_rn(t, v[2]), v[2] = ds4_sub_rn(t, v[2]); // stride 2
@@ -225,7 +220,57 @@ DS4_KERNEL void DS4_BOUNDS(256) round_fp4h128_f32(float* __restrict__ x, long lo
         const float e = ds4_mul_rn(ds4_e2m1(ds4_clamp(ds4_div_rn(v[c], s), 6.0f)), s);
         v[c] = f16 ? ds4_f16_round(e) : e;
     }
+}
+
+DS4_KERNEL void DS4_BOUNDS(256) round_fp4h128_f32(float* __restrict__ x, long long rows, int f16) {
+    ds4_pdl_enter();
+    const int lane = threadIdx.x % DS4_WARP;
+    const long long r = (long long)blockIdx.x * (blockDim.x / DS4_WARP) + threadIdx.x / DS4_WARP;
+    if (r >= rows || DS4_WARP != 32) return;
+    float4* xr = (float4*)(x + r * 128) + lane;
+    const float4 q = *xr;
+    float v[4] = {q.x, q.y, q.z, q.w};
+    ds4_fp4h128_lane(v, lane, f16);
     *xr = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// The indexer query's preparation in one launch (model/attn.rs index_select): the copy of q into
+// qr, rope_f32 (pos0 + row / heads, step 1, forward) over the last n_rot values and
+// round_fp4h128_f32 (Hadamard + FP4, no f16), the same bits. Rows of width 128, a warp per row
+// (lane l: elements 4l .. 4l+3; width − n_rot is even, so a RoPE pair never spans two lanes).
+// The f64 angle, sin and cos of the row's pairs are spread over the warp's lanes (one pair each
+// at n_rot 64, not two in a quarter of them) and shared. grid ceil(rows / 8), blockDim 256,
+// DS4_WARP 32, n_rot <= 128.
+DS4_KERNEL void DS4_BOUNDS(256) index_qprep_f32(const float* __restrict__ q, float* __restrict__ qr, const double* __restrict__ freqs, long long rows, int heads, int n_rot, long long pos0, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    if (DS4_WARP != 32) return;
+    __shared__ float cs_s[256 / 32][64][2]; // per warp: (cos, sin) of each pair
+    const int lane = threadIdx.x % DS4_WARP, w = threadIdx.x / DS4_WARP;
+    const long long r = (long long)blockIdx.x * (blockDim.x / DS4_WARP) + w;
+    const bool ok = r < rows;
+    const long long pos = DS4_POS(sp, pos0) + (ok ? r : 0LL) / heads;
+    const int half = n_rot / 2, off = 128 - n_rot;
+    for (int pp = lane; pp < half; pp += DS4_WARP) { // as ds4_rope_pair
+        const double theta = fmod((double)pos * freqs[pp], 6.283185307179586);
+        cs_s[w][pp][0] = (float)cos(theta);
+        cs_s[w][pp][1] = (float)sin(theta);
+    }
+    __syncthreads();
+    if (!ok) return;
+    const float4 x = ((const float4*)(q + r * 128))[lane];
+    float v[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int c = 0; c < 4; c += 2) {
+        const int e = 4 * lane + c;
+        if (e >= off) { // ds4_rope_pair's rotation (forward)
+            const float cc = cs_s[w][(e - off) / 2][0], s = cs_s[w][(e - off) / 2][1];
+            const float a0 = v[c], b0 = v[c + 1];
+            v[c] = ds4_sub_rn(ds4_mul_rn(a0, cc), ds4_mul_rn(b0, s));
+            v[c + 1] = ds4_add_rn(ds4_mul_rn(a0, s), ds4_mul_rn(b0, cc));
+        }
+    }
+    ds4_fp4h128_lane(v, lane, 0);
+    ((float4*)(qr + r * 128))[lane] = make_float4(v[0], v[1], v[2], v[3]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -811,6 +856,238 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk_ps(const float* __restrict__ scores,
         }
         __syncthreads();
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Top-k with the keys in registers (index_topk_r; index_topk_l1 + index_topk_l2 for more
+// candidates than one CTA holds). Same selection as index_topk: the top_k largest keys (ties to
+// the lower position), written in ascending position.
+
+#define DS4_TK_T 1024                  // threads per CTA (launch blockDim)
+#define DS4_TK_E 16                    // most keys per thread
+#define DS4_TK_N (DS4_TK_T * DS4_TK_E) // most keys one CTA selects from (16384)
+
+struct ds4_tk_smem {
+    u32 hist[2][2048]; // digit counts; two, so that a pass zeroes the next one's while it counts
+    u32 wsum[32];      // per-warp totals (DS4_TK_T / DS4_WARP <= 32 <= DS4_WARP)
+    u32 red[2][32];    // per-warp min and max key
+    u32 pick[3];       // the chosen bin, the rank left in it, its count
+};
+
+// Keys per thread for n keys: thread t holds positions t·e .. t·e+e−1, e a multiple of 4 (16-byte
+// loads) and as small as covers n with all threads (every thread takes a share of the atomics).
+__device__ __forceinline__ int ds4_tk_e(int n) {
+    const int e = ((n + DS4_TK_T - 1) / DS4_TK_T + 3) & ~3;
+    return e < DS4_TK_E ? e : DS4_TK_E;
+}
+
+// Inclusive prefix (pre) or suffix (suf) sum over the warp's lanes with xor shuffles only.
+__device__ __forceinline__ void ds4_tk_scan(u32 v, int lane, u32* pre, u32* suf, u32* tot) {
+    u32 p = v, s = v, t = v;
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) {
+        const u32 y = ds4_shfl_xor(t, o);
+        if (lane & o) p += y;
+        else s += y;
+        t += y;
+    }
+    *pre = p, *suf = s, *tot = t;
+}
+
+__device__ __forceinline__ u32 ds4_tk_wsum(u32 v) {
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) v += ds4_shfl_xor(v, o);
+    return v;
+}
+
+// Select among the block's keys kk (thread t: positions t·e + j, j < e, valid when < n) and
+// return the rule: take key > *thr, and key == *thr while its rank among the equal keys (by
+// position) is < *need. Radix select from the highest bit where the keys differ (the common
+// prefix of the minimum and maximum is skipped), digits of up to 11 bits, each pass a shared
+// histogram and a block suffix scan (three barriers); it stops once the chosen bin is taken whole.
+// All threads call it (barriers inside).
+__device__ __forceinline__ void ds4_tk_select(const u32 (&kk)[DS4_TK_E], int n, int e, int top_k, ds4_tk_smem& sm,
+                                              u32* thr_out, u32* need_out) {
+    const int tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = DS4_TK_T / DS4_WARP;
+    const int base = tid * e;
+    if (n <= top_k) { // everything (keys > 0 or == 0 with rank < top_k >= n)
+        *thr_out = 0u, *need_out = (u32)top_k;
+        return;
+    }
+    u32 lo = 0xffffffffu, hi = 0u;
+#pragma unroll
+    for (int j = 0; j < DS4_TK_E; j++)
+        if (j < e && base + j < n) lo = min(lo, kk[j]), hi = max(hi, kk[j]);
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) lo = min(lo, (u32)ds4_shfl_xor(lo, o)), hi = max(hi, (u32)ds4_shfl_xor(hi, o));
+    if (lane == 0) sm.red[0][warp] = lo, sm.red[1][warp] = hi;
+    sm.hist[0][2 * tid] = 0u, sm.hist[0][2 * tid + 1] = 0u;
+    __syncthreads();
+    lo = lane < nw ? sm.red[0][lane] : 0xffffffffu, hi = lane < nw ? sm.red[1][lane] : 0u;
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) lo = min(lo, (u32)ds4_shfl_xor(lo, o)), hi = max(hi, (u32)ds4_shfl_xor(hi, o));
+    if (lo == hi) { // all equal: the first top_k
+        *thr_out = lo, *need_out = (u32)top_k;
+        return;
+    }
+    int p = 31 - __clz(lo ^ hi);                      // highest differing bit
+    u32 mask = ~((2u << p) - 1u), prefix = hi & mask; // bits above p (none when p = 31)
+    u32 want = (u32)top_k;                            // rank left among keys matching prefix
+    for (int pass = 0;; pass++) {
+        const int width = p + 1 < 11 ? p + 1 : 11, shift = p + 1 - width;
+        const u32 dm = (1u << width) - 1u;
+        u32* h = sm.hist[pass & 1];
+        u32* hn = sm.hist[(pass + 1) & 1];
+        hn[2 * tid] = 0u, hn[2 * tid + 1] = 0u;
+#pragma unroll
+        for (int j = 0; j < DS4_TK_E; j++)
+            if (j < e && base + j < n && (kk[j] & mask) == prefix) atomicAdd(&h[(kk[j] >> shift) & dm], 1u);
+        __syncthreads();
+        // Thread t owns bins 2t, 2t+1: suffix sums over the block, the chosen bin is the
+        // largest b with suffix(b) >= want.
+        const u32 a = h[2 * tid], b = h[2 * tid + 1];
+        u32 pre, suf, tot;
+        ds4_tk_scan(a + b, lane, &pre, &suf, &tot);
+        if (lane == 0) sm.wsum[warp] = tot;
+        __syncthreads();
+        const u32 after = ds4_tk_wsum(lane < nw && lane > warp ? sm.wsum[lane] : 0u); // later warps
+        const u32 s0 = after + suf, s1 = s0 - a; // suffix sums from bins 2t and 2t+1
+        if (s1 >= want && s1 - b < want) sm.pick[0] = 2 * tid + 1, sm.pick[1] = want - (s1 - b), sm.pick[2] = b;
+        else if (s0 >= want && s1 < want) sm.pick[0] = 2 * tid, sm.pick[1] = want - s1, sm.pick[2] = a;
+        __syncthreads();
+        const u32 bin = sm.pick[0], left = sm.pick[1], cnt = sm.pick[2];
+        prefix |= bin << shift;
+        mask |= dm << shift;
+        want = left;
+        if (shift == 0) {
+            *thr_out = prefix, *need_out = want;
+            return;
+        }
+        if (cnt == want && prefix != 0u) { // the whole bin is taken: every key >= prefix
+            *thr_out = prefix - 1u, *need_out = 0u;
+            return;
+        }
+        p = shift - 1;
+    }
+}
+
+// The positions taken under (thr, need), each with its output slot (taken positions before it):
+// EMIT runs with slot, j and r_ (the position) in ascending position. Two barriers.
+#define DS4_TK_EMIT(kk, n, e, thr, need, sm, EMIT)                                                 \
+    {                                                                                              \
+        const int tid_ = threadIdx.x, lane_ = tid_ % DS4_WARP, warp_ = tid_ / DS4_WARP;            \
+        const int base_ = tid_ * (e);                                                              \
+        u32 g_ = 0, e_ = 0;                                                                        \
+        _Pragma("unroll") for (int j = 0; j < DS4_TK_E; j++) if (j < (e) && base_ + j < (n)) {     \
+            g_ += kk[j] > (thr);                                                                   \
+            e_ += kk[j] == (thr);                                                                  \
+        }                                                                                          \
+        /* counts <= 16384: greater-than in the high half, equal in the low half */               \
+        u32 pre_, suf_, tot_;                                                                      \
+        ds4_tk_scan((g_ << 16) | e_, lane_, &pre_, &suf_, &tot_);                                  \
+        __syncthreads(); /* wsum's last readers (the select) are done */                           \
+        if (lane_ == 0) (sm).wsum[warp_] = tot_;                                                   \
+        __syncthreads();                                                                           \
+        u32 before_ = pre_ - ((g_ << 16) | e_) +                                                   \
+                      ds4_tk_wsum(lane_ < warp_ ? (sm).wsum[lane_] : 0u); /* earlier warps */      \
+        u32 gb_ = before_ >> 16, eb_ = before_ & 0xffffu;                                          \
+        _Pragma("unroll") for (int j = 0; j < DS4_TK_E; j++) if (j < (e) && base_ + j < (n)) {     \
+            const int r_ = base_ + j;                                                              \
+            if (kk[j] > (thr)) {                                                                   \
+                const u32 slot = gb_ + (eb_ < (need) ? eb_ : (need));                              \
+                EMIT;                                                                              \
+                gb_++;                                                                             \
+            } else if (kk[j] == (thr)) {                                                           \
+                if (eb_ < (need)) {                                                                \
+                    const u32 slot = gb_ + eb_;                                                    \
+                    EMIT;                                                                          \
+                }                                                                                  \
+                eb_++;                                                                             \
+            }                                                                                      \
+            (void)r_;                                                                              \
+        }                                                                                          \
+    }
+
+// Keys of scores src[0 .. n) into kk (thread t: positions t·e ..); 16-byte loads when aligned.
+__device__ __forceinline__ void ds4_tk_load(const float* __restrict__ src, int n, int e, u32 (&kk)[DS4_TK_E]) {
+    const int base = threadIdx.x * e;
+    if (((size_t)src & 15) == 0 && base + e <= n) {
+#pragma unroll
+        for (int j = 0; j < DS4_TK_E; j += 4) {
+            if (j >= e) break;
+            const float4 v = *(const float4*)(src + base + j);
+            kk[j] = ds4_fkey(v.x), kk[j + 1] = ds4_fkey(v.y), kk[j + 2] = ds4_fkey(v.z), kk[j + 3] = ds4_fkey(v.w);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < DS4_TK_E; j++) kk[j] = j < e && base + j < n ? ds4_fkey(src[base + j]) : 0u;
+    }
+}
+
+// index_topk_ps for rows of at most DS4_TK_N candidates (host: max_vis <= DS4_TK_N): one CTA
+// per token (blockDim DS4_TK_T), its scores read once into registers. Same launch and selection.
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_r(const float* __restrict__ scores, int* __restrict__ sel, long long tba, long long max_vis, int ratio, int top_k, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    __shared__ ds4_tk_smem sm;
+    const int i = blockIdx.x;
+    const long long vis = (DS4_POS(sp, tba) + i + 1) / ratio;
+    int* out = sel + (size_t)i * top_k;
+    if (vis <= top_k || vis > DS4_TK_N) {
+        for (int k = threadIdx.x; k < top_k; k += blockDim.x) out[k] = k < vis ? k : -1;
+        return;
+    }
+    const int n = (int)vis, e = ds4_tk_e(n);
+    u32 kk[DS4_TK_E];
+    ds4_tk_load(scores + (size_t)i * max_vis, n, e, kk);
+    u32 thr, need;
+    ds4_tk_select(kk, n, e, top_k, sm, &thr, &need);
+    DS4_TK_EMIT(kk, n, e, thr, need, sm, out[slot] = r_)
+}
+
+// Two levels for rows of more than DS4_TK_N candidates (decode; host: top_k <= DS4_TK_N / G).
+// Level 1, grid (G, tokens): CTA c takes positions [c·N, c·N + N) (N = DS4_TK_N) of its token and
+// writes its own top min(top_k, count) (keys and positions, ascending) to slot c of the token's
+// G·top_k survivors. The token's top_k are among the survivors (a key beaten by fewer than top_k
+// keys overall is beaten by fewer than top_k in its chunk), and the survivors lie contiguous and
+// in position order: every chunk before the last non-empty one is full (N >= top_k survivors).
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l1(const float* __restrict__ scores, u32* __restrict__ skey, int* __restrict__ spos, long long tba, long long max_vis, int ratio, int top_k, int G, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    __shared__ ds4_tk_smem sm;
+    const int c = blockIdx.x, i = blockIdx.y;
+    const long long vis = (DS4_POS(sp, tba) + i + 1) / ratio, c0 = (long long)c * DS4_TK_N;
+    if (vis <= top_k || c0 >= vis) return; // level 2 writes the trivial selection
+    const int n = (int)min(vis - c0, (long long)DS4_TK_N), e = ds4_tk_e(n);
+    u32 kk[DS4_TK_E];
+    ds4_tk_load(scores + (size_t)i * max_vis + c0, n, e, kk);
+    u32 thr, need;
+    ds4_tk_select(kk, n, e, top_k, sm, &thr, &need);
+    const size_t o = ((size_t)i * G + c) * top_k;
+    DS4_TK_EMIT(kk, n, e, thr, need, sm, (skey[o + slot] = kk[j], spos[o + slot] = (int)c0 + r_))
+}
+
+// Level 2, grid tokens: the top_k of the token's survivors (count G' · top_k + min(top_k, rest)),
+// ties to the lower survivor slot (= the lower position), written ascending to sel.
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l2(const u32* __restrict__ skey, const int* __restrict__ spos, int* __restrict__ sel, long long tba, int ratio, int top_k, int G, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    __shared__ ds4_tk_smem sm;
+    const int i = blockIdx.x;
+    const long long vis = (DS4_POS(sp, tba) + i + 1) / ratio;
+    int* out = sel + (size_t)i * top_k;
+    if (vis <= top_k) {
+        for (int k = threadIdx.x; k < top_k; k += blockDim.x) out[k] = k < vis ? k : -1;
+        return;
+    }
+    const long long full = vis / DS4_TK_N, rest = vis % DS4_TK_N;
+    const int n = (int)min(full * top_k + min(rest, (long long)top_k), (long long)G * top_k), e = ds4_tk_e(n);
+    const u32* ks = skey + (size_t)i * G * top_k;
+    const int* ps = spos + (size_t)i * G * top_k;
+    const int base = threadIdx.x * e;
+    u32 kk[DS4_TK_E];
+#pragma unroll
+    for (int j = 0; j < DS4_TK_E; j++) kk[j] = j < e && base + j < n ? ks[base + j] : 0u;
+    u32 thr, need;
+    ds4_tk_select(kk, n, e, top_k, sm, &thr, &need);
+    DS4_TK_EMIT(kk, n, e, thr, need, sm, out[slot] = ps[r_])
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -80,6 +80,21 @@ fn glue_old() -> bool {
     env_form(&GLUE_MODE, "DS4_GPU_ATTN_GLUE", "old")
 }
 
+/// Indexer top-k and query prep: 0 not yet read from `DS4_GPU_TOPK`, 1 old (`index_topk_ps`
+/// for every row length; the query copied, then `rope_f32` and `round_fp4h128_f32`), 2 new (the
+/// default): `index_topk_r` (keys in registers) for rows of at most `TK_N` candidates, the two
+/// levels `index_topk_l1` + `index_topk_l2` for longer rows of up to `TK2_MAX_TOK` tokens, and
+/// the query prep in one launch (`index_qprep_f32`).
+static TOPK_MODE: AtomicU8 = AtomicU8::new(0);
+/// Most candidates one top-k CTA holds (`DS4_TK_N`: 1024 threads × 16 keys).
+const TK_N: usize = 16384;
+/// Most tokens the two-level top-k takes at once (decode; its survivors are scratch).
+const TK2_MAX_TOK: usize = 64;
+
+fn topk_old() -> bool {
+    env_form(&TOPK_MODE, "DS4_GPU_TOPK", "old")
+}
+
 /// Indexer scores on tensor cores (`index_scores_tc`, attn_tc.cu):
 /// `DS4_GPU_INDEX_TC=off` keeps `index_scores128h_f32`.
 static INDEX_TC: AtomicU8 = AtomicU8::new(0);
@@ -158,6 +173,56 @@ impl GpuBackend {
     /// indexer scores, serial top-k bin scan); process-wide, overrides `DS4_GPU_ATTN_GLUE=old`.
     pub fn set_attn_glue_old(on: bool) {
         GLUE_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// The indexer's old top-k and query prep (`index_topk_ps`; copy, `rope_f32`,
+    /// `round_fp4h128_f32`) instead of the default forms; process-wide, overrides
+    /// `DS4_GPU_TOPK=old`. For tests and benchmarks.
+    pub fn set_topk_old(on: bool) {
+        TOPK_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// The indexer query's preparation alone, as `index_select` runs it for `n` tokens from
+    /// position `t0`: `q` ([n·heads, head_dim]) rotated and (FP4) rounded into `out`. For tests.
+    pub fn index_query_prep(
+        &self,
+        q: &GpuBuf,
+        n: usize,
+        spec: &IndexSpec,
+        t0: usize,
+        out: &mut GpuBuf,
+    ) {
+        let len = n * spec.heads * spec.head_dim;
+        if len == 0 || self.failed() {
+            return;
+        }
+        if q.len < len || out.len < len {
+            return self.attn_invalid(format!("index_query_prep: {len} values"));
+        }
+        self.index_qprep(q.ptr, out.ptr, n, spec, t0, None);
+    }
+
+    /// The indexer's top-k alone, as `index_select` runs it, over given score rows: row i at
+    /// `scores[i·stride ..]` for the token at position `t0` + i, which sees (t0 + i + 1) / `ratio`
+    /// of them; `k` i32 a token into `sel`. For tests and benchmarks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn index_topk_rows(
+        &self,
+        scores: &GpuBuf,
+        stride: usize,
+        n: usize,
+        t0: usize,
+        ratio: usize,
+        k: usize,
+        sel: &mut GpuIBuf,
+    ) {
+        if n == 0 || self.failed() {
+            return;
+        }
+        if ratio == 0 || (t0 + n) / ratio > stride || scores.len < n * stride || n > 65535 {
+            return self.attn_invalid(format!("index_topk_rows: n {n} t0 {t0} stride {stride}"));
+        }
+        self.index_topk(scores.ptr, sel.0.ptr, n, t0, stride, ratio, k, Arg::Null);
     }
 
     /// Score the FP4 indexer on tensor cores (`index_scores_tc`, default) or
@@ -551,27 +616,7 @@ impl GpuBackend {
         };
         let qr = self.scratch(if need_scores { n * nh * ihd } else { 1 });
         if need_scores {
-            self.d2d(qr.ptr, q.ptr, n * nh * ihd * 4);
-            self.rope_rows(
-                qr.ptr,
-                n * nh,
-                nh,
-                ihd,
-                spec.n_rot,
-                base,
-                1,
-                spec.rope,
-                false,
-                sp,
-            );
-            if spec.fp4 {
-                let rr = RowRounding {
-                    fp8_nope: 0,
-                    fp4_hadamard: true,
-                    f16: false,
-                };
-                self.round_ptr(qr.ptr, n * nh, ihd, rr);
-            }
+            self.index_qprep(q.ptr, qr.ptr, n, spec, base, sp);
         }
         let ws = 1.0 / ((ihd * nh) as f32).sqrt();
         let batch = if need_scores {
@@ -646,26 +691,155 @@ impl GpuBackend {
                 );
             }
             let _pt = self.prof(|| "index_select: top-k".to_string());
-            self.run(
+            let sel_i = sel.0.ptr.offset((i0 * k * 4) as u64);
+            self.index_topk(scores.ptr, sel_i, nb, tb, stride, spec.ratio, k, sp_arg);
+            i0 += nb;
+        }
+    }
+
+    /// The indexer query's preparation: `q` ([n·heads, head_dim]) copied to `qr`, rotated
+    /// (token i at position `base` + i, from the step block with `sp`) and, when FP4, rounded
+    /// (Hadamard + FP4). One launch (`index_qprep_f32`) for width 128, else the copy,
+    /// `rope_f32` and the row rounding (the same bits).
+    fn index_qprep(
+        &self,
+        q: DevPtr,
+        qr: DevPtr,
+        n: usize,
+        spec: &IndexSpec,
+        base: usize,
+        sp: Option<DevPtr>,
+    ) {
+        let (nh, ihd) = (spec.heads, spec.head_dim);
+        let fused = !topk_old()
+            && !attn_simple()
+            && spec.fp4
+            && ihd == 128
+            && spec.n_rot <= ihd
+            && spec.n_rot.is_multiple_of(2)
+            && self.warp() == 32
+            && q.0.is_multiple_of(16)
+            && qr.0.is_multiple_of(16);
+        if fused {
+            return self.run(
                 &ATTENTION,
-                if glue_old() {
-                    "index_topk"
-                } else {
-                    "index_topk_ps"
-                },
+                "index_qprep_f32",
+                LaunchDims::linear((n * nh).div_ceil(8) as u32, 256),
+                &[
+                    Arg::Ptr(q),
+                    Arg::Ptr(qr),
+                    Arg::Ptr(self.rope_ptr(spec.rope)),
+                    Arg::I64((n * nh) as i64),
+                    Arg::I32(nh as i32),
+                    Arg::I32(spec.n_rot as i32),
+                    Arg::I64(base as i64),
+                    sp.map_or(Arg::Null, Arg::Ptr),
+                ],
+            );
+        }
+        self.d2d(qr, q, n * nh * ihd * 4);
+        self.rope_rows(
+            qr,
+            n * nh,
+            nh,
+            ihd,
+            spec.n_rot,
+            base,
+            1,
+            spec.rope,
+            false,
+            sp,
+        );
+        if spec.fp4 {
+            let rr = RowRounding {
+                fp8_nope: 0,
+                fp4_hadamard: true,
+                f16: false,
+            };
+            self.round_ptr(qr, n * nh, ihd, rr);
+        }
+    }
+
+    /// Top-k of `nb` tokens' score rows (row i at `scores` + i·`stride`, token i at position
+    /// `tb` + i, from the step block with `sp`) into `sel` (`k` i32 a token, ascending, −1
+    /// padded). The kernel follows the row stride (fixed by the rows' capacity at decode), not
+    /// the visible count, so the launch does not change from one decode step to the next.
+    #[allow(clippy::too_many_arguments)]
+    fn index_topk(
+        &self,
+        scores: DevPtr,
+        sel: DevPtr,
+        nb: usize,
+        tb: usize,
+        stride: usize,
+        ratio: usize,
+        k: usize,
+        sp_arg: Arg,
+    ) {
+        let tail = [
+            Arg::I64(tb as i64),
+            Arg::I64(stride as i64),
+            Arg::I32(ratio as i32),
+            Arg::I32(k as i32),
+        ];
+        let new = !glue_old() && !topk_old() && k >= 1;
+        // Chunks of TK_N candidates for the two levels; their survivors must fit one CTA.
+        let chunks = stride.div_ceil(TK_N);
+        if new && stride <= TK_N {
+            let mut args = vec![Arg::Ptr(scores), Arg::Ptr(sel)];
+            args.extend(tail);
+            args.push(sp_arg);
+            return self.run(
+                &ATTENTION,
+                "index_topk_r",
+                LaunchDims::linear(nb as u32, 1024),
+                &args,
+            );
+        }
+        if new && nb <= TK2_MAX_TOK && chunks * k <= TK_N {
+            // Survivors: keys (u32) then positions (i32), G·k of each a token.
+            let m = nb * chunks * k;
+            let surv = self.scratch(2 * m);
+            let (skey, spos) = (surv.ptr, surv.ptr.offset((m * 4) as u64));
+            let mut args = vec![Arg::Ptr(scores), Arg::Ptr(skey), Arg::Ptr(spos)];
+            args.extend(tail);
+            args.push(Arg::I32(chunks as i32));
+            args.push(sp_arg);
+            let dims = LaunchDims {
+                grid: [chunks as u32, nb as u32, 1],
+                block: [1024, 1, 1],
+                shared_bytes: 0,
+            };
+            self.run(&ATTENTION, "index_topk_l1", dims, &args);
+            return self.run(
+                &ATTENTION,
+                "index_topk_l2",
                 LaunchDims::linear(nb as u32, 1024),
                 &[
-                    Arg::Ptr(scores.ptr),
-                    Arg::Ptr(sel.0.ptr.offset((i0 * k * 4) as u64)),
+                    Arg::Ptr(skey),
+                    Arg::Ptr(spos),
+                    Arg::Ptr(sel),
                     Arg::I64(tb as i64),
-                    Arg::I64(stride as i64),
-                    Arg::I32(spec.ratio as i32),
+                    Arg::I32(ratio as i32),
                     Arg::I32(k as i32),
+                    Arg::I32(chunks as i32),
                     sp_arg,
                 ],
             );
-            i0 += nb;
         }
+        let mut args = vec![Arg::Ptr(scores), Arg::Ptr(sel)];
+        args.extend(tail);
+        args.push(sp_arg);
+        self.run(
+            &ATTENTION,
+            if glue_old() {
+                "index_topk"
+            } else {
+                "index_topk_ps"
+            },
+            LaunchDims::linear(nb as u32, 1024),
+            &args,
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
