@@ -79,6 +79,25 @@ impl Cases {
         }
     }
 
+    /// As `check` with the error taken relative to 1 + rms(cpu) instead of 1 + |cpu| per value
+    /// (for x of a large dynamic range, where single outputs cancel to far below their terms and
+    /// the previous forms miss the per-value bar as well).
+    fn check_rms(&mut self, name: String, cols: usize, g: &[f32], c: &[f32], gpu: &GpuBackend) {
+        self.n += 1;
+        if let Err(e) = gpu.check() {
+            println!("{name}: GPU error: {e}");
+            self.bad.push(format!("{name}: {e}"));
+            return;
+        }
+        let e = common::max_rel_rms(g, c);
+        self.worst = self.worst.max(e);
+        let tol = TOL * (cols as f32 / 2048.0).sqrt().max(1.0);
+        println!("{name}: max rel to rms {e:.3e} (tolerance {tol:.1e})");
+        if e > tol {
+            self.bad.push(format!("{name}: {e:.3e}"));
+        }
+    }
+
     fn finish(self) {
         println!(
             "{} cases, worst {:.3e} (tolerance {TOL:.0e}, {TOL_K:.0e} with K-quants, × sqrt(cols/2048) past 2048)",
@@ -954,4 +973,215 @@ fn fused_defaults_cpu() {
     cpu.add(&mut yb, &t, n * rows);
     assert_eq!(cpu.download(&ya, n * rows), cpu.download(&yb, n * rows));
     assert_ne!(cpu.download(&ya, n * rows), y0, "y is added to");
+}
+
+/// The n = 1 Q8_0 products on int8 tensor cores (`mvi_u4_q8_0`/`mvi_u8_q8_0`, and `mvin_*` for
+/// `rms_norm_matmul`; `set_matvec_i8`: off as a control, auto (the default: the head and q_b
+/// shapes), u4 and u8 forced) against the CPU reference: the model's decode shapes (head rows
+/// cut to 65536), grouped attn out_a, odd row counts (1, 3, 17, 4099), the shortest rows each
+/// form takes (128 / 256 columns) and shapes it declines (96, 384 for u8, 16384: the previous
+/// forms run), with x of large dynamic range: one huge element per block and huge blocks next to
+/// tiny and zero ones (error relative to 1 + rms(cpu): single outputs cancel, the previous forms
+/// miss the per-value bar there too), and a whole x near 1e-20 (outputs scaled back); grids of 1,
+/// 16 and 64 warps per SM (the fewest and most k-slices). Each product run twice (bitwise
+/// equal); on an NVIDIA sm_80+ device every shape the form takes must launch it
+/// (`matvec_i8_launches`), others must not. Process-wide switches: --test-threads=1.
+#[test]
+fn matvec_i8() {
+    use rand::Rng;
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let info = gpu.gpu().info().clone();
+    let tc = info.vendor == ds4_gpu::runtime::Vendor::Nvidia && info.cc.0 >= 8 && info.warp == 32;
+    println!(
+        "{} {} int8 tensor-core form expected: {tc}",
+        info.name, info.arch
+    );
+    let repack = std::env::var("DS4_GPU_Q8_REPACK").map_or(true, |v| v != "off");
+    let mut cases = Cases::default();
+    // (cols, rows, groups)
+    let shapes: &[(usize, usize, usize)] = &[
+        (1024, 32768, 1),
+        (4096, 8192, 8),
+        (8192, 4096, 1),
+        (2048, 4096, 1),
+        (4096, 1536, 1),
+        (4096, 65536, 1),
+        (4096, 1, 1),
+        (4096, 3, 1),
+        (1024, 17, 1),
+        (4096, 4099, 1),
+        (128, 70, 1),
+        (256, 33, 1),
+        (384, 40, 1),
+        (96, 33, 1),
+        (16384, 40, 1),
+        (512, 72, 4),
+    ];
+    // x kinds: 0 uniform, 1 one huge element per block, 2 huge and tiny blocks alternating with
+    // zero blocks, 3 everything near 1e-20.
+    let xkind = |k: usize, n: usize, seed: u64| -> (Vec<f32>, f32) {
+        let mut r = rng(seed);
+        let mut x = randn(&mut r, n, 1.0);
+        let mut scale = 1.0f32;
+        match k {
+            1 => {
+                for b in 0..n / 32 {
+                    let i = 32 * b + r.gen_range(0..32);
+                    x[i] = if b % 2 == 0 { 3.0e4 } else { -7.5e3 };
+                }
+            }
+            2 => {
+                for (b, c) in x.chunks_mut(32).enumerate() {
+                    let f = match b % 3 {
+                        0 => 1.0e3,
+                        1 => 1.0e-6,
+                        _ => 0.0,
+                    };
+                    c.iter_mut().for_each(|v| *v *= f);
+                }
+            }
+            3 => {
+                scale = 1.0e-20;
+                x.iter_mut().for_each(|v| *v *= scale);
+            }
+            _ => {}
+        }
+        (x, scale)
+    };
+    for (si, &(cols, rows, groups)) in shapes.iter().enumerate() {
+        let w = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, 3000 + si as u64);
+        if repack {
+            assert!(
+                matches!(w.1, ds4_gpu::model::GpuWeight::Mat { dec: Some(_), .. }),
+                "{cols}->{rows}: no decode-layout copy"
+            );
+        }
+        let kinds: &[usize] = if rows * cols >= 1 << 24 {
+            &[0, 2]
+        } else {
+            &[0, 1, 2, 3]
+        };
+        for &k in kinds {
+            let (xs, scale) = xkind(k, groups * cols, 3100 + 7 * si as u64 + k as u64);
+            let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+            let mut cy = cpu.alloc(rows);
+            if groups > 1 {
+                cpu.matmul_grouped(&w.0, groups, &cx, 1, &mut cy);
+            } else {
+                cpu.matmul(&w.0, Part::All, &cx, 1, &mut cy);
+            }
+            let want: Vec<f32> = cpu.download(&cy, rows).iter().map(|v| v / scale).collect();
+            // (U: 0 off, 255 auto, 4 / 8 forced; warps per SM)
+            for (u, warps) in [(0u8, 16u8), (255, 16), (4, 16), (8, 16), (4, 1), (8, 64)] {
+                GpuBackend::set_matvec_i8(u);
+                GpuBackend::set_matvec_i8_warps(warps);
+                // (rows: all groups')
+                let uu = match u {
+                    255 if rows >= 65536 => 8,
+                    255 if cols <= 1024 && rows >= 16384 => 4,
+                    255 => 0,
+                    _ => u as usize,
+                };
+                let takes = tc && repack && uu > 0 && cols.is_multiple_of(32 * uu) && cols <= 8192;
+                let before = GpuBackend::matvec_i8_launches();
+                let mut outs = Vec::new();
+                for _ in 0..2 {
+                    let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+                    if groups > 1 {
+                        gpu.matmul_grouped(&w.1, groups, &gx, 1, &mut gy);
+                    } else {
+                        gpu.matmul(&w.1, Part::All, &gx, 1, &mut gy);
+                    }
+                    outs.push(gpu.download(&gy, rows));
+                }
+                let ran = GpuBackend::matvec_i8_launches() - before;
+                let name = format!("i8 u{u} w{warps} Q8_0 {groups}x{cols}->{rows} x kind {k}");
+                let got: Vec<f32> = outs[0].iter().map(|v| v / scale).collect();
+                if k == 1 || k == 2 {
+                    println!(
+                        "{name}: max rel per value {:.3e} (not asserted)",
+                        max_rel(&got, &want)
+                    );
+                    cases.check_rms(name.clone(), cols, &got, &want, &gpu);
+                } else {
+                    cases.check(name.clone(), cols, &got, &want, &gpu);
+                }
+                let same = outs[0]
+                    .iter()
+                    .zip(&outs[1])
+                    .all(|(p, q)| p.to_bits() == q.to_bits());
+                println!("{name}: mvi launches {ran}, repeat bitwise equal {same}");
+                assert!(same, "{name}: results differ between runs");
+                assert_eq!(ran, if takes { 2 } else { 0 }, "{name}: mvi launches");
+            }
+        }
+    }
+    // rms_norm_matmul (q_b: mvin_*): (cols, rows); the CPU's normed x and product.
+    let eps = 1e-6;
+    for (si, &(cols, rows)) in [(1024, 32768), (1024, 4099), (512, 70), (128, 33)]
+        .iter()
+        .enumerate()
+    {
+        let w = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, 3500 + si as u64);
+        let nv = randn(&mut rng(3600 + si as u64), cols, 1.0);
+        let f = common::file(&[(
+            "v",
+            GgmlType::F32,
+            vec![cols as u64],
+            common::f32_bytes(&nv),
+        )]);
+        let (nc, ng) = (
+            cpu.vector(&common::src(&f, "v")).unwrap(),
+            gpu.vector(&common::src(&f, "v")).unwrap(),
+        );
+        for k in [0usize, 1] {
+            let (xs, _) = xkind(k, cols, 3700 + si as u64 + k as u64);
+            let mut cx = cpu.upload(&xs);
+            let mut cy = cpu.alloc(rows);
+            cpu.rms_norm_matmul(&mut cx, 1, cols, Some(&nc), eps, &w.0, &mut cy);
+            let (want_x, want_y) = (cpu.download(&cx, cols), cpu.download(&cy, rows));
+            for u in [0u8, 255, 4, 8] {
+                GpuBackend::set_matvec_i8(u);
+                GpuBackend::set_matvec_i8_warps(16);
+                let uu = match u {
+                    255 if rows >= 16384 => 4,
+                    255 => 0,
+                    _ => u as usize,
+                };
+                let takes = tc && repack && uu > 0 && cols.is_multiple_of(32 * uu);
+                let before = GpuBackend::matvec_i8_launches();
+                let mut outs = Vec::new();
+                for _ in 0..2 {
+                    let mut gx = gpu.upload(&xs);
+                    let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+                    gpu.rms_norm_matmul(&mut gx, 1, cols, Some(&ng), eps, &w.1, &mut gy);
+                    outs.push((gpu.download(&gx, cols), gpu.download(&gy, rows)));
+                }
+                let ran = GpuBackend::matvec_i8_launches() - before;
+                let name = format!("i8 u{u} rms_norm_matmul Q8_0 {cols}->{rows} x kind {k}");
+                cases.check(format!("{name} x"), cols, &outs[0].0, &want_x, &gpu);
+                if k == 1 {
+                    let e = max_rel(&outs[0].1, &want_y);
+                    println!("{name} y: max rel per value {e:.3e} (not asserted)");
+                    cases.check_rms(format!("{name} y"), cols, &outs[0].1, &want_y, &gpu);
+                } else {
+                    cases.check(format!("{name} y"), cols, &outs[0].1, &want_y, &gpu);
+                }
+                let bits =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    bits(&outs[0].0, &outs[1].0) && bits(&outs[0].1, &outs[1].1),
+                    "{name}: results differ between runs"
+                );
+                println!("{name}: mvin launches {ran}");
+                assert_eq!(ran, if takes { 2 } else { 0 }, "{name}: mvin launches");
+            }
+        }
+    }
+    GpuBackend::set_matvec_i8(255);
+    GpuBackend::set_matvec_i8_warps(16);
+    cases.finish();
 }

@@ -1244,3 +1244,238 @@ template <int T, int R> struct MvxMulti {
                           {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};             \
     mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>>(x, cols, ks, ncb, mm, mm);
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) { DS4_PDL_LATE; MVXM_BODY }
+
+// ---- One-row Q8_0 products on int8 tensor cores (mvi_u<U>_q8_0, mvin_u<U>_q8_0: n = 1, the
+// decode-layout copy Q/D of q8_repack; CUDA sm_80+, elsewhere a scalar fallback the host never
+// picks). A Q8_0 block (32 i8 quants, one f16 d) is exactly one K step of
+// mma.m16n8k32.s8.s8.s32: A = 16 rows' raw quants (no conversion), B = x of that block as four
+// int8 limbs. x is split per 32-block b: s_b = 2^(e_b - 155) with e_b the biased exponent of
+// max|x_b| (a power of two: x / s_b is exact), X = rint(x / s_b) (|X| <= 2^29: every element
+// within 2^-6 of the block's max is kept exactly, the rest to 2^-30 of the max), X = hi * 2^24 +
+// mh * 2^16 + ml * 2^8 + lo with signed digits mh, ml, lo in [-128, 127], hi in [-32, 32]; B's
+// columns 0..3 are hi, mh, ml, lo (columns 4..7: whatever, unused). The int32 results of a block
+// are exact; row r gets (d_rb * s_b) * c_n in f32 into one accumulator per limb, combined at the
+// end as 2^24 hi + 2^16 mh + 2^8 ml + lo. (Three limbs, 2^-22 of the block's max, were 5x off
+// the CPU where one element per block is 3e4 times the rest: bench/results/gpu-matvec-n14-h200.txt.)
+// K order inside a block is permuted (A and B alike): lane (g = lane / 4, t = lane % 4) loads
+// bytes 8t..8t+7 of rows g and g + 8 (one 8-byte load each): bytes 8t..8t+3 are the fragment's
+// k = 4t..4t+3, bytes 8t+4..8t+7 its k = 16+4t..16+4t+3, and B's registers take x's limb bytes
+// at the same positions. C: lane (g, t) holds rows g, g + 8 of columns 2t, 2t + 1, so lane t = 0
+// has hi and mh, t = 1 ml and lo, t = 2, 3 nothing used.
+// Work: a warp owns a tile of 16 rows and one k-slice (ks slices per tile, warp w: tile
+// blockIdx.x * (MV_WARPS / ks) + w / ks, slice w % ks: whole rounds of U blocks); U blocks of
+// loads in flight per warp (the next round's block u issued as soon as block u's mma is done),
+// the first round before the PDL wait. Every CTA makes the limbs of all cols / 32 blocks of x in
+// shared memory first (x read once, 8 lanes a block: one float4 each, max by 3 shuffles).
+// Per row: each lane's sums in block order, the lane pair (t = 0, 1) added, then the ks slices
+// in slice order (deterministic). Needs cols a multiple of 32 U, cols <= MVI_MAXC, x 16-byte
+// aligned (host: matvec.rs mvi). NORM (mvin): as mvxn, x * nw staged and each row total scaled
+// by the RMSNorm's s (computed by every CTA; CTA (0, 0) writes the normed row to xn if not null).
+#define MVI_MAXC 8192
+// Limb planes in shared memory: limb n of block b at u32 n * MVI_LS + 8b (32 bytes, x order); the
+// 8-word pad puts the 4 limbs' reads of one block in distinct banks.
+#define MVI_LS (MVI_MAXC / 4 + 8)
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+#define MVI_TC 1
+#else
+#define MVI_TC 0
+#endif
+
+#if MVI_TC
+// c = a . b, int8 16 x 8 x 32 (zero accumulator in).
+__device__ __forceinline__ void mvi_mma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+// Block u of a round from b: quants of rows g (qa) and g + 8 (qb) at this lane's 8 bytes.
+template <int U>
+__device__ __forceinline__ void mvi_ldq(const u8* __restrict__ qa, const u8* __restrict__ qb, int b, int u, uint2 (&va)[U],
+                                        uint2 (&vb)[U]) {
+    va[u] = *(const uint2*)(qa + (long long)(b + u) * 32);
+    vb[u] = *(const uint2*)(qb + (long long)(b + u) * 32);
+}
+// The round's scales (U halfs per row: U / 4 8-byte loads; b a multiple of 4, rows of nb scales
+// with nb a multiple of 4: aligned).
+template <int U>
+__device__ __forceinline__ void mvi_lds(const u16* __restrict__ da, const u16* __restrict__ db, int b, uint2 (&sa)[U / 4],
+                                        uint2 (&sb)[U / 4]) {
+#pragma unroll
+    for (int i = 0; i < U / 4; i++) sa[i] = *(const uint2*)(da + b + 4 * i), sb[i] = *(const uint2*)(db + b + 4 * i);
+}
+__device__ __forceinline__ u32 mvi_half(const uint2* s, int u) {
+    uint2 w = s[u >> 2];
+    u32 v = (u & 2) ? w.y : w.x;
+    return (u & 1) ? v >> 16 : v & 0xffffu;
+}
+#endif
+
+template <int U, bool NORM>
+__device__ __forceinline__ void mvi_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols, int ks,
+                                         const float* __restrict__ nw, float eps, float* __restrict__ xn) {
+#if MVI_TC
+    __shared__ __align__(16) u32 lim[4 * MVI_LS]; // limb planes (MVI_LS)
+    __shared__ float lsc[MVI_MAXC / 32];
+    __shared__ float red[MV_WARPS][16];
+    __shared__ double nred[MV_WARPS];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    int z = blockIdx.z, nb = cols / 32;
+    int r0 = (blockIdx.x * (MV_WARPS / ks) + warp / ks) * 16, j = warp % ks;
+    int bps = ((nb + ks - 1) / ks + U - 1) / U * U; // blocks of a slice: whole rounds
+    int b0 = min(j * bps, nb), b1 = min(b0 + bps, nb);
+    bool live = r0 < rows && b0 < b1; // warp-uniform
+    long long ga = (long long)z * rows + min(r0 + g, rows - 1), gb = (long long)z * rows + min(r0 + g + 8, rows - 1);
+    const u8* qa = Q + ga * cols + 8 * t;
+    const u8* qb = Q + gb * cols + 8 * t;
+    const u16* da = D + ga * nb;
+    const u16* db = D + gb * nb;
+    uint2 va[U], vb[U], sa[U / 4], sb[U / 4];
+    if (live) {
+#pragma unroll
+        for (int u = 0; u < U; u++) mvi_ldq<U>(qa, qb, b0, u, va, vb);
+        mvi_lds<U>(da, db, b0, sa, sb);
+    }
+    ds4_pdl_enter(); // the first round's weight loads in flight across the wait; x after it
+    // x (times nw) -> limbs: 8 lanes a block, one float4 each (lane's bytes 4q..4q+3, q = lane % 8).
+    const float4* x4 = (const float4*)(x + (long long)z * x_z);
+    int n4 = cols / 4;
+    double ss = 0.0;
+    for (int i0 = warp * 32; i0 < n4; i0 += MV_WARPS * 32) { // warp-uniform; i = threadIdx.x + k * blockDim.x
+        int i = i0 + lane;
+        bool in = i < n4;
+        float4 v = in ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (NORM && in) {
+            ss += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
+                  (double)v.w * (double)v.w;
+            float4 w = ((const float4*)nw)[i];
+            v = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
+        }
+        float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+        m = fmaxf(m, ds4_shfl_xor(m, 1));
+        m = fmaxf(m, ds4_shfl_xor(m, 2));
+        m = fmaxf(m, ds4_shfl_xor(m, 4));
+        // m < 2^(e - 126): x * 2^(155 - e) < 2^29 (e clamped: zero / denormal blocks give X = 0)
+        u32 e = min(max((__float_as_uint(m) >> 23) & 255u, 29u), 254u);
+        float f = __uint_as_float((282u - e) << 23);
+        int X[4] = {__float2int_rn(v.x * f), __float2int_rn(v.y * f), __float2int_rn(v.z * f), __float2int_rn(v.w * f)};
+        u32 dg[4][4]; // [limb: hi, mh, ml, lo][element]
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int r = X[k];
+#pragma unroll
+            for (int n = 3; n > 0; n--) {
+                int lo = (int)((u32)r << 24) >> 24; // signed low byte; the rest exact
+                dg[n][k] = (u32)lo;
+                r = (r - lo) >> 8;
+            }
+            dg[0][k] = (u32)r;
+        }
+        if (in) {
+            int b = i >> 3, q = i & 7;
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+                lim[n * MVI_LS + 8 * b + q] =
+                    __byte_perm(__byte_perm(dg[n][0], dg[n][1], 0x40), __byte_perm(dg[n][2], dg[n][3], 0x40), 0x5410);
+            if (q == 0) lsc[b] = __uint_as_float((e - 28u) << 23); // 2^(e - 155)
+        }
+    }
+    float sc = 1.0f; // NORM: the row scale s, applied to each row total
+    if (NORM) {
+        ss = ds4_warp_sum_f64(ss);
+        if (lane == 0) nred[warp] = ss;
+    }
+    __syncthreads();
+    if (NORM) {
+        ss = 0.0;
+        for (int k = 0; k < MV_WARPS; k++) ss += nred[k]; // warp order: every CTA the same s
+        sc = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
+        if (xn != nullptr && blockIdx.x == 0 && blockIdx.z == 0) // the normed row as rmsnorm_f32w
+            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+                float4 a = x4[i], w = ((const float4*)nw)[i];
+                ((float4*)xn)[i] = make_float4(a.x * sc * w.x, a.y * sc * w.y, a.z * sc * w.z, a.w * sc * w.w);
+            }
+    }
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; // rows g, g+8 x this lane's columns 2t, 2t+1
+    const uint2* lb = (const uint2*)(lim + min(g, 3) * MVI_LS) + t; // limb g's bytes 8t..8t+7 (g > 3: unused)
+    if (live) {
+        for (int b = b0; b < b1; b += U) { // warp-uniform
+            uint2 ca[U / 4], cb[U / 4];
+#pragma unroll
+            for (int i = 0; i < U / 4; i++) ca[i] = sa[i], cb[i] = sb[i];
+            bool more = b + U < b1;
+            if (more) mvi_lds<U>(da, db, b + U, sa, sb);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                uint2 bx = lb[4 * (b + u)];
+                float s = lsc[b + u];
+                int c[4];
+                mvi_mma(c, va[u].x, vb[u].x, va[u].y, vb[u].y, bx.x, bx.y);
+                if (more) mvi_ldq<U>(qa, qb, b + U, u, va, vb);
+                float fa = ds4_h2f_fast(mvi_half(ca, u)) * s, fb = ds4_h2f_fast(mvi_half(cb, u)) * s;
+                acc[0] = fmaf(fa, (float)c[0], acc[0]);
+                acc[1] = fmaf(fa, (float)c[1], acc[1]);
+                acc[2] = fmaf(fb, (float)c[2], acc[2]);
+                acc[3] = fmaf(fb, (float)c[3], acc[3]);
+            }
+        }
+    }
+    // Row g at lanes 4g (t = 0: 2^24 hi + 2^16 mh) + 4g + 1 (t = 1: 2^8 ml + lo); row g + 8 likewise.
+    float ha = t == 0 ? fmaf(16777216.0f, acc[0], 65536.0f * acc[1]) : t == 1 ? fmaf(256.0f, acc[0], acc[1]) : 0.0f;
+    float hb = t == 0 ? fmaf(16777216.0f, acc[2], 65536.0f * acc[3]) : t == 1 ? fmaf(256.0f, acc[2], acc[3]) : 0.0f;
+    ha += ds4_shfl_xor(ha, 1);
+    hb += ds4_shfl_xor(hb, 1);
+    if (t == 0) red[warp][g] = ha, red[warp][g + 8] = hb;
+    __syncthreads();
+    int r = r0 + lane;
+    if (j == 0 && lane < 16 && r < rows) {
+        float o = 0.0f;
+        for (int k = 0; k < ks; k++) o += red[warp + k][lane];
+        y[(long long)z * y_z + r] = NORM ? o * sc : o;
+    }
+#else
+    // Portable fallback (the host takes mvr/mvx here): thread i of the CTA computes row i of the
+    // CTA's (MV_WARPS / ks) * 16 rows in f32, the norm's s per thread.
+    ds4_pdl_enter();
+    int z = blockIdx.z, per = (MV_WARPS / ks) * 16, nb = cols / 32;
+    float sc = 1.0f;
+    if (NORM) {
+        double ss = 0.0;
+        for (int i = 0; i < cols; i++) ss += (double)x[i] * (double)x[i];
+        sc = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
+        if (xn != nullptr && blockIdx.x == 0)
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) xn[i] = x[i] * sc * nw[i];
+    }
+    for (int i = threadIdx.x; i < per; i += blockDim.x) {
+        int r = blockIdx.x * per + i;
+        if (r >= rows) continue;
+        long long gr = (long long)z * rows + r;
+        const signed char* q = (const signed char*)(Q + gr * cols);
+        const float* xz = x + (long long)z * x_z;
+        float o = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int k = 0; k < 32; k++) s += (float)q[32 * b + k] * (NORM ? xz[32 * b + k] * nw[32 * b + k] : xz[32 * b + k]);
+            o += ds4_h2f(D[gr * nb + b]) * s;
+        }
+        y[(long long)z * y_z + r] = NORM ? o * sc : o;
+    }
+#endif
+}
+
+#define MVI_PARAMS                                                                                                     \
+    const u8 *__restrict__ Q, const u16 *__restrict__ D, const float *__restrict__ x, long long x_z,                  \
+        float *__restrict__ y, long long y_z, int rows, int cols, int ks
+#define MVI_ARGS Q, D, x, x_z, y, y_z, rows, cols, ks
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvi_u4_q8_0(MVI_PARAMS) { DS4_PDL_LATE; mvi_body<4, false>(MVI_ARGS, nullptr, 0.0f, nullptr); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvi_u8_q8_0(MVI_PARAMS) { DS4_PDL_LATE; mvi_body<8, false>(MVI_ARGS, nullptr, 0.0f, nullptr); }
+// y = W . (x * s * nw) (decode q_b; rmsnorm folded in as mvxn_r4u2_q8_0).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvin_u4_q8_0(MVI_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
+    DS4_PDL_LATE;
+    mvi_body<4, true>(MVI_ARGS, nw, eps, xn);
+}
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvin_u8_q8_0(MVI_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn) {
+    DS4_PDL_LATE;
+    mvi_body<8, true>(MVI_ARGS, nw, eps, xn);
+}
