@@ -259,97 +259,6 @@ fn set_copies(gpu: &GpuBackend, ty: GgmlType, cols: usize, rows: &[usize]) -> (V
     (sets, bytes)
 }
 
-/// `matvec_bench reps i8`: the n = 1 Q8_0 decode shapes (decode-layout copy) by the previous
-/// default (`mvr`/`mvx`/`mvxn`: `set_matvec_i8(0)`) against the int8 tensor-core forms: the
-/// default (auto) and `mvi_u4`/`mvi_u8` forced (`mvin_*` for q_b with its RMSNorm) at several warps per SM; eager and
-/// graph-recorded us per call.
-fn i8_forms(gpu: &GpuBackend, reps: usize) {
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(4);
-    // (name, U (0: off, 255: auto, the default), warps per SM)
-    let forms: [(&str, u8, u8); 6] = [
-        ("off", 0, 16),
-        ("auto", 255, 16),
-        ("u4 w16", 4, 16),
-        ("u8 w16", 8, 16),
-        ("u8 w4", 8, 4),
-        ("off", 0, 16),
-    ];
-    println!("-- Q8_0 n = 1 decode shapes: previous default vs mvi (int8 tensor cores) --");
-    // (name, cols, rows (all groups), groups, q_b RMSNorm folded in)
-    for (name, cols, rows, groups, norm) in [
-        ("attn q_b + norm", 1024, 32768, 1, true),
-        ("attn q_b", 1024, 32768, 1, false),
-        ("attn out_a (8 groups)", 4096, 8192, 8, false),
-        ("attn out_b", 8192, 4096, 1, false),
-        ("shared gate or up", 4096, 2048, 1, false),
-        ("shared down", 2048, 4096, 1, false),
-        ("attn q_a + kv rows", 4096, 1536, 1, false),
-        ("head", 4096, 129280, 1, false),
-    ] {
-        let (ws, bytes) = copies(gpu, GgmlType::Q8_0, cols, rows);
-        let xv: Vec<f32> = (0..cols * groups)
-            .map(|_| rng.gen_range(-1.0..1.0))
-            .collect();
-        let mut x = gpu.upload(&xv);
-        let nf = {
-            let nv: Vec<f32> = (0..cols).map(|_| rng.gen_range(0.5..1.5)).collect();
-            let mut w = GgufWriter::new();
-            w.add_tensor("v", GgmlType::F32, &[cols as u64]).unwrap();
-            let b = w
-                .to_bytes(|_, out: &mut [u8]| -> Result<(), ds4_gguf::GgufError> {
-                    for (o, v) in out.chunks_mut(4).zip(&nv) {
-                        o.copy_from_slice(&v.to_le_bytes());
-                    }
-                    Ok(())
-                })
-                .unwrap();
-            Arc::new(GgufFile::from_bytes("norm.gguf", b).unwrap())
-        };
-        let t = nf.tensor("v").unwrap();
-        let nw = gpu
-            .vector(&WeightSrc {
-                name: "v",
-                file: &nf,
-                ty: t.ty,
-                dims: &t.dims,
-                offset: t.offset as usize,
-                n_bytes: t.n_bytes as usize,
-            })
-            .unwrap();
-        let mut y = gpu.alloc(rows);
-        let probe = gpu.alloc(1);
-        for (fname, u, warps) in forms {
-            GpuBackend::set_matvec_defaults();
-            GpuBackend::set_matvec_i8(u);
-            GpuBackend::set_matvec_i8_warps(warps);
-            let before = GpuBackend::matvec_i8_launches();
-            let mut call = |i: usize| {
-                let w = &ws[i % ws.len()];
-                if norm {
-                    gpu.rms_norm_matmul(&mut x, 1, cols, Some(&nw), 1e-6, w, &mut y)
-                } else if groups > 1 {
-                    gpu.matmul_grouped(w, groups, &x, 1, &mut y)
-                } else {
-                    gpu.matmul(w, Part::All, &x, 1, &mut y)
-                }
-            };
-            let e = time(gpu, &probe, reps, &mut call);
-            let g = time_graph(gpu, &probe, reps, &mut call);
-            let ran = GpuBackend::matvec_i8_launches() - before;
-            println!(
-                "{:60} eager {:8.2} us {:7.1} GB/s | graph {:8.2} us {:7.1} GB/s | mvi {}",
-                format!("{name} Q8_0 {}->{rows} {fname}", cols * groups),
-                e * 1e6,
-                bytes / e / 1e9,
-                g * 1e6,
-                bytes / g / 1e9,
-                ran > 0
-            );
-        }
-    }
-    GpuBackend::set_matvec_defaults();
-}
-
 /// `matvec_bench reps merged`: n = 1 products of one x merged into one launch (`matmul_multi`,
 /// `matmul_gateup`) against one by one (`set_matvec_merge(false)`), eager and graph-timed per
 /// call of the whole set.
@@ -418,10 +327,6 @@ fn main() {
     let gpu = GpuBackend::new(g, &rope_tables(&HParams::tiny())).expect("backend");
     if only_q8 {
         q8_only(&gpu, reps);
-        return;
-    }
-    if std::env::args().nth(2).as_deref() == Some("i8") {
-        i8_forms(&gpu, reps);
         return;
     }
     if std::env::args().nth(2).as_deref() == Some("merged") {

@@ -90,9 +90,5 @@ pub const MATVEC: Module = Module {
         "mvx_r4u2_q8_0",
         "mvxn_r4u2_q8_0",
         "mvxm_r4u2_f16",
-        "mvi_u4_q8_0",
-        "mvi_u8_q8_0",
-        "mvin_u4_q8_0",
-        "mvin_u8_q8_0",
     ],
 };

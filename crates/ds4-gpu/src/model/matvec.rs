@@ -21,7 +21,7 @@ use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::gpu::DeviceBuffer;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec, Part};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 /// Warps per CTA (`MV_WARPS` in matvec.cu).
 const MV_WARPS: usize = 8;
@@ -118,68 +118,6 @@ const MVX_Q8_MAXC: usize = 1024;
 const MVXM_MIN_ROWS: usize = 2048;
 /// Most columns of an `mvx*` product (x in 32 KB of shared memory: `MVX_MAXC`).
 const MVX_MAXC: usize = 8192;
-
-/// n = 1 Q8_0 products from the decode-layout copy on int8 tensor cores (`mvi_u<U>_q8_0`,
-/// `mvin_u<U>_q8_0` with the q_b RMSNorm folded in; gpu/matvec.cu: the raw quants as the mma's A,
-/// x as four int8 limbs per 32-block as B), NVIDIA sm_80+ only, in place of `mvr`/`mvx`/`mvxn`
-/// where those run by default (not `mvra`, the merged sets or fixed forms). MVI: MVQ_AUTO
-/// (default) the shapes where it measured faster (`mvi_auto`), 0 off, 4 or 8 that U (blocks of
-/// loads in flight per warp) wherever the kernel takes the shape. `DS4_GPU_MV_I8=off|auto|u4|u8`;
-/// `DS4_GPU_MVI_WARPS=<n>`: the warps per SM the launch aims at (k-slices of a 16-row tile until
-/// tiles × slices reach it).
-static MVI: AtomicU8 = AtomicU8::new(MVQ_AUTO);
-static MVI_WARPS: AtomicU8 = AtomicU8::new(MVI_WARPS_DEFAULT);
-const MVI_WARPS_DEFAULT: u8 = 16;
-static MVI_ENV: std::sync::Once = std::sync::Once::new();
-/// Launches of `mvi*` so far (tests: the form really ran).
-static MVI_LAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Most columns of an `mvi*` product (`MVI_MAXC`: x's limbs in 24 KB of shared memory).
-const MVI_MAXC: usize = 8192;
-
-fn mvi_env() {
-    MVI_ENV.call_once(|| {
-        if let Ok(v) = std::env::var("DS4_GPU_MV_I8") {
-            match v.as_str() {
-                "off" => MVI.store(0, Ordering::Relaxed),
-                "auto" | "on" => MVI.store(MVQ_AUTO, Ordering::Relaxed),
-                "u4" => MVI.store(4, Ordering::Relaxed),
-                "u8" => MVI.store(8, Ordering::Relaxed),
-                _ => {}
-            }
-        }
-        if let Some(w) = std::env::var("DS4_GPU_MVI_WARPS")
-            .ok()
-            .and_then(|v| v.parse::<u8>().ok())
-        {
-            MVI_WARPS.store(w.max(1), Ordering::Relaxed);
-        }
-    });
-}
-
-/// The `mvi` U the default takes for `rows` rows (all groups) of `cols` (0: none). H200
-/// (bench/results/gpu-matvec-n14-h200.txt, graph-timed us per call, the previous default in
-/// brackets): u8 on the head (141.0 [160.4]), u4 on rows of <= 1024 columns (q_b with its norm
-/// 10.7 [13.0], without 11.2 [12.5]); it loses on the long rows, whose k-slices make every CTA
-/// stage all of x for 16 rows (out_a 13.1 [12.4], out_b 14.9 [13.0]), and on the small products.
-fn mvi_auto(rows: usize, cols: usize) -> usize {
-    if rows >= 65536 {
-        8
-    } else if cols <= MVX_Q8_MAXC && rows >= 16384 {
-        4
-    } else {
-        0
-    }
-}
-
-/// k-slices per 16-row tile of an `mvi*` launch: the fewest (1, 2, 4, 8) giving `want` warps
-/// over all `tiles` (all groups), each slice at least two rounds of `u` of the `nb` blocks.
-fn mvi_plan(tiles: usize, nb: usize, u: usize, want: usize) -> usize {
-    let mut ks = 1;
-    while ks < MV_WARPS && tiles * ks < want && nb >= 2 * u * 2 * ks {
-        ks *= 2;
-    }
-    ks
-}
 
 /// (Q8_FORM, CTAs per SM for a kind whose default is `dflt`).
 fn q8_form(dflt: usize) -> (u8, usize) {
@@ -471,8 +409,6 @@ impl GpuBackend {
         Self::set_matvec_q8_form(1, 255);
         Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
-        Self::set_matvec_i8(MVQ_AUTO);
-        Self::set_matvec_i8_warps(MVI_WARPS_DEFAULT);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=2 a fixed form, anything else auto.
@@ -514,101 +450,6 @@ impl GpuBackend {
     pub fn set_matvec_merge(on: bool) {
         MERGE_ENV.call_once(|| {});
         MERGE.store(on, Ordering::Relaxed);
-    }
-
-    /// n = 1 Q8_0 products on int8 tensor cores (`MVI`): 0 off, 4 or 8 that form (`mvi_u4`,
-    /// `mvi_u8`) wherever the kernel takes the shape, anything else auto (the default).
-    pub fn set_matvec_i8(u: u8) {
-        MVI_ENV.call_once(|| {});
-        let v = if u == 0 || u == 4 || u == 8 {
-            u
-        } else {
-            MVQ_AUTO
-        };
-        MVI.store(v, Ordering::Relaxed);
-    }
-
-    /// Warps per SM the `mvi*` launches aim at (1..; default 16; see `mvi_plan`).
-    pub fn set_matvec_i8_warps(w: u8) {
-        MVI_ENV.call_once(|| {});
-        MVI_WARPS.store(w.max(1), Ordering::Relaxed);
-    }
-
-    /// `mvi*` kernel launches since the process started.
-    pub fn matvec_i8_launches() -> u64 {
-        MVI_LAUNCHES.load(Ordering::Relaxed)
-    }
-
-    /// One n = 1 product by `mvi_u<U>_q8_0` (or `mvin_*` with `norm` = (norm weight, eps,
-    /// normed-row output)) from the decode-layout copy `dec` (`rows` per group, `zs` groups, x
-    /// of group z at z·x_z, y at z·y_z), or false (nothing run: off, not an NVIDIA sm_80+
-    /// device, or a shape the kernel does not take).
-    #[allow(clippy::too_many_arguments)]
-    fn mvi(
-        &self,
-        dec: &DeviceBuffer,
-        x: &GpuBuf,
-        x_z: usize,
-        y: DevPtr,
-        y_z: usize,
-        rows: usize,
-        cols: usize,
-        zs: usize,
-        norm: Option<(DevPtr, f32, DevPtr)>,
-    ) -> bool {
-        mvi_env();
-        let u = match MVI.load(Ordering::Relaxed) {
-            MVQ_AUTO => mvi_auto(rows * zs, cols),
-            f => f as usize,
-        };
-        let info = self.gpu.info();
-        let nq = rows * zs * cols / 32;
-        if u == 0
-            || info.vendor != crate::runtime::Vendor::Nvidia
-            || info.cc.0 < 8
-            || self.warp() != 32
-            || cols == 0
-            || rows == 0
-            || cols > MVI_MAXC
-            || !cols.is_multiple_of(32 * u)
-            || !x.ptr.0.is_multiple_of(16)
-            || !(x_z * 4).is_multiple_of(16)
-            || dec.bytes() < nq * 34
-            || self.failed()
-        {
-            return false;
-        }
-        let tiles = rows.div_ceil(16);
-        let want = MVI_WARPS.load(Ordering::Relaxed) as usize * info.sm_count as usize;
-        let ks = mvi_plan(tiles * zs, cols / 32, u, want);
-        let per = MV_WARPS / ks; // tiles per CTA
-        let q = dec.ptr();
-        let mut args = vec![
-            Arg::Ptr(q),
-            Arg::Ptr(q.offset((nq * 32) as u64)),
-            Arg::Ptr(x.ptr),
-            Arg::I64(x_z as i64),
-            Arg::Ptr(y),
-            Arg::I64(y_z as i64),
-            Arg::I32(rows as i32),
-            Arg::I32(cols as i32),
-            Arg::I32(ks as i32),
-        ];
-        if let Some((nw, eps, xn)) = norm {
-            args.extend([Arg::Ptr(nw), Arg::F32(eps), Arg::Ptr(xn)]);
-        }
-        self.run(
-            &ds4_kernels::MATVEC,
-            &format!("mvi{}_u{u}_q8_0", if norm.is_some() { "n" } else { "" }),
-            LaunchDims {
-                grid: [tiles.div_ceil(per) as u32, 1, zs as u32],
-                block: [MV_WARPS as u32 * 32, 1, 1],
-                shared_bytes: 0,
-            },
-            &args,
-        );
-        MVI_LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        true
     }
 
     /// The decode-layout copy of a Q8_0 matrix with one slab (None: another type, expert slabs,
@@ -690,12 +531,6 @@ impl GpuBackend {
         let mvx = xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO;
         if add && (mvx || form != 2) {
             return false;
-        }
-        if !add
-            && MVR.load(Ordering::Relaxed) == MVQ_AUTO
-            && self.mvi(dec, x, x_z, y, y_z, rows, cols, zs, None)
-        {
-            return true;
         }
         if mvx {
             let q = dec.ptr();
@@ -1256,20 +1091,6 @@ impl GpuBackend {
             return false;
         }
         let xn = self.scratch(cols);
-        if self.mvi(
-            dec,
-            x,
-            0,
-            y.ptr,
-            0,
-            *rows,
-            cols,
-            1,
-            Some((nb.ptr(), eps, xn.ptr)),
-        ) {
-            *x = xn;
-            return true;
-        }
         let q = dec.ptr();
         self.mvx(
             "mvxn_r4u2_q8_0",
@@ -1703,21 +1524,6 @@ mod tests {
 
     /// The default n = 1 routing of `mvq_*`: every Q8_0 product, F16 with >= 128 rows or the
     /// 16384-column mixes; other types and the small F16 4096->64 stay elsewhere.
-    /// The default `mvi` shapes (q_b, the head) and launch plans on 132 SMs at 16 warps each.
-    #[test]
-    fn mvi_routing() {
-        assert_eq!(mvi_auto(129280, 4096), 8);
-        assert_eq!(mvi_auto(32768, 1024), 4);
-        assert_eq!(mvi_auto(8192, 4096), 0);
-        assert_eq!(mvi_auto(4096, 8192), 0);
-        assert_eq!(mvi_auto(4096, 2048), 0);
-        // q_b: 2048 tiles, 2 slices of 16 blocks; the head one slice; out_b 8 slices.
-        assert_eq!(mvi_plan(2048, 32, 4, 16 * 132), 2);
-        assert_eq!(mvi_plan(8080, 128, 8, 16 * 132), 1);
-        assert_eq!(mvi_plan(256, 256, 8, 16 * 132), 8);
-        assert_eq!(mvi_plan(1, 4, 4, 16 * 132), 1);
-    }
-
     #[test]
     fn mvq_routing() {
         assert_eq!(mvq_auto(GgmlType::Q8_0, 129280, 4096, 132), 1);
