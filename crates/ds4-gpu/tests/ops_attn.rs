@@ -641,10 +641,32 @@ fn topk_ref(scores: &[f32], k: usize) -> Vec<i32> {
 }
 
 /// Scores of one token: 0 Gaussian; 1 nine values (±0 among them: ties everywhere); 2 all
-/// equal; 3 Gaussian with ±inf, NaNs, ±0, subnormals, and runs of a repeated large value.
+/// equal; 3 Gaussian with ±inf, NaNs, ±0, subnormals, and runs of a repeated large value;
+/// finite only (index_topk_rv's value buckets): 4 Gaussian with ±0, subnormals, runs of a
+/// value and a few of ±1e38 (one crowded bucket); 5 one exponent (10 + 0.01·Gaussian); 6
+/// Gaussian in steps of 1/64 (equal keys within buckets and at the threshold); 7 ±3e38 among
+/// them (the value range overflows: the bit passes).
 fn topk_scores(r: &mut impl Rng, n: usize, kind: usize) -> Vec<f32> {
     match kind {
         0 => randn(r, n, 1.0),
+        4 | 7 => {
+            let big = if kind == 4 { 1e38 } else { 3e38 };
+            let specials = [big, -big, 0.0, -0.0, 1e-40, -1e-40, 1e-45];
+            let mut v = randn(r, n, 1.0);
+            for x in v.iter_mut() {
+                match r.gen_range(0..256) {
+                    0..=3 => *x = specials[r.gen_range(0..specials.len())],
+                    4..=9 => *x = 1.75,
+                    _ => {}
+                }
+            }
+            v
+        }
+        5 => randn(r, n, 0.01).into_iter().map(|x| 10.0 + x).collect(),
+        6 => randn(r, n, 1.0)
+            .into_iter()
+            .map(|x| (x * 64.0).round() / 64.0)
+            .collect(),
         1 => (0..n)
             .map(|_| [-2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0][r.gen_range(0..9)])
             .collect(),
@@ -678,7 +700,7 @@ fn topk_scores(r: &mut impl Rng, n: usize, kind: usize) -> Vec<f32> {
 fn run_topk(gpu: &GpuBackend, stride: usize, n: usize, t0: usize, k: usize, seed: u64) {
     let ratio = 4;
     let mut r = rng(seed);
-    for kind in 0..4 {
+    for kind in 0..8 {
         let mut s = vec![f32::INFINITY; n * stride];
         let mut want = Vec::with_capacity(n * k);
         for i in 0..n {
@@ -711,8 +733,10 @@ fn index_topk_matches_cpu() {
     const N: usize = 16384; // one top-k CTA's rows (index_topk_r; DS4_TK_N)
                             // One token seeing v rows: position 4v − 1.
     let at = |v: usize| 4 * v - 1;
-    for old in [false, true] {
+    // The default (index_topk_rv for one CTA), index_topk_r (DS4_GPU_TOPKV=old), the old forms.
+    for (old, vold) in [(false, false), (false, true), (true, false)] {
         GpuBackend::set_topk_old(old);
+        GpuBackend::set_topkv_old(vold);
         let mut seed = 100;
         let mut case = |stride: usize, n: usize, t0: usize, k: usize| {
             seed += 1;
@@ -764,6 +788,7 @@ fn index_topk_matches_cpu() {
         case(2 * N, 1, at(30_000), 8193);
     }
     GpuBackend::set_topk_old(false);
+    GpuBackend::set_topkv_old(false);
 }
 
 /// The indexer query's prep in one launch (index_qprep_f32) has the bits of the copy, rope_f32
@@ -778,6 +803,10 @@ fn index_query_prep_is_exact() {
         (5, 7, 128, 0),
         (2, 16, 0, 123),
         (1, 64, 2, 40_000),
+        // Several tokens a CTA (8 rows): 8, 2 or 3 positions in one shared (cos, sin) table.
+        (19, 1, 128, 999_990),
+        (11, 3, 64, 65_530),
+        (1, 64, 64, 4_000_000_000),
     ] {
         let spec = IndexSpec {
             heads,
@@ -795,18 +824,22 @@ fn index_query_prep_is_exact() {
         q[len - 1] = 3e30;
         let qg = gpu.upload(&q);
         let mut outs = Vec::new();
-        for old in [false, true] {
-            GpuBackend::set_topk_old(old);
+        // The default, the fused prep's old form (index_qprep_f32o), the old three ops.
+        for (tk_old, qp_old) in [(false, false), (false, true), (true, false)] {
+            GpuBackend::set_topk_old(tk_old);
+            GpuBackend::set_qprep_old(qp_old);
             let mut o = gpu.upload(&vec![f32::NAN; len]);
             gpu.index_query_prep(&qg, n, &spec, t0, &mut o);
             outs.push(gpu.download(&o, len));
         }
         let op = format!("index query prep n {n} heads {heads} n_rot {n_rot} t0 {t0}");
         gpu_ok(&gpu, &op);
-        assert_bits(&op, &outs[0], &outs[1]);
+        assert_bits(&op, &outs[0], &outs[2]);
+        assert_bits(&format!("{op} (index_qprep_f32o)"), &outs[1], &outs[2]);
         println!("{op}: bits equal");
     }
     GpuBackend::set_topk_old(false);
+    GpuBackend::set_qprep_old(false);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -234,14 +234,71 @@ DS4_KERNEL void DS4_BOUNDS(256) round_fp4h128_f32(float* __restrict__ x, long lo
     *xr = make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// fmod(x, 2π) for x >= 0, exactly (the value of ds4_mod_2pi below and of fmod): n from x times
+// 1/2π instead of x / 2π (either may be one off near an integer; the sign / range checks correct
+// it, and with n within one of the true quotient x − n·2π is exact in one fma). Quotients past
+// 2^40 take fmod itself.
+__device__ __forceinline__ double ds4_qp_mod_2pi(double x) {
+    const double y = 6.283185307179586;
+    if (!(x < 6.9e12)) return fmod(x, y); // 2^40·2π ≈ 6.9e12
+    double n = trunc(x * 0.15915494309189535);
+    double r = fma(-n, y, x);
+    while (r < 0.0) n -= 1.0, r = fma(-n, y, x);
+    while (r >= y) n += 1.0, r = fma(-n, y, x);
+    return r;
+}
+
 // The indexer query's preparation in one launch (model/attn.rs index_select): the copy of q into
 // qr, rope_f32 (pos0 + row / heads, step 1, forward) over the last n_rot values and
 // round_fp4h128_f32 (Hadamard + FP4, no f16), the same bits. Rows of width 128, a warp per row
 // (lane l: elements 4l .. 4l+3; width − n_rot is even, so a RoPE pair never spans two lanes).
-// The f64 angle, sin and cos of the row's pairs are spread over the warp's lanes (one pair each
-// at n_rot 64, not two in a quarter of them) and shared. grid ceil(rows / 8), blockDim 256,
-// DS4_WARP 32, n_rot <= 128.
+// The (cos, sin) of each pair are computed once per CTA for each token of its 8 rows (<= 8
+// tokens; one at decode with 64 heads) into shared memory, from ds4_rope_pair's f64 angle
+// (ds4_qp_mod_2pi: fmod's value) and sincos (sin's and cos's values), before the PDL wait: they
+// read only the frequencies and the step block, which no kernel writes (mod.rs StepPos: a copy
+// queued on the stream before the step's kernels), so they overlap the previous kernel.
+// grid ceil(rows / 8), blockDim 256, DS4_WARP 32, n_rot <= 128.
 DS4_KERNEL void DS4_BOUNDS(256) index_qprep_f32(const float* __restrict__ q, float* __restrict__ qr, const double* __restrict__ freqs, long long rows, int heads, int n_rot, long long pos0, const long long* __restrict__ sp) {
+    DS4_PDL_LATE;
+    if (DS4_WARP != 32) {
+        ds4_pdl_enter();
+        return;
+    }
+    __shared__ float2 cs_s[256 / 32][64]; // [token − the CTA's first token][pair]: (cos, sin)
+    const int lane = threadIdx.x % DS4_WARP, w = threadIdx.x / DS4_WARP;
+    const long long r0 = (long long)blockIdx.x * (blockDim.x / DS4_WARP), r = r0 + w;
+    const long long rl = min(r0 + (long long)(blockDim.x / DS4_WARP), rows) - 1; // the CTA's last row
+    const long long tk0 = r0 / heads, pb = DS4_POS(sp, pos0) + tk0;
+    const int half = n_rot / 2, off = 128 - n_rot, nk = (int)(rl / heads - tk0 + 1) * half;
+    for (int k = threadIdx.x; k < nk; k += blockDim.x) { // as ds4_rope_pair
+        const double theta = ds4_qp_mod_2pi((double)(pb + k / half) * freqs[k % half]);
+        double s, c;
+        sincos(theta, &s, &c);
+        cs_s[k / half][k % half] = make_float2((float)c, (float)s);
+    }
+    ds4_pdl_enter();
+    __syncthreads();
+    if (r >= rows) return;
+    const float4 x = ((const float4*)(q + r * 128))[lane];
+    float v[4] = {x.x, x.y, x.z, x.w};
+    const int t = (int)(r / heads - tk0);
+#pragma unroll
+    for (int c = 0; c < 4; c += 2) {
+        const int e = 4 * lane + c;
+        if (e >= off) { // ds4_rope_pair's rotation (forward)
+            const float2 cs = cs_s[t][(e - off) / 2];
+            const float a0 = v[c], b0 = v[c + 1];
+            v[c] = ds4_sub_rn(ds4_mul_rn(a0, cs.x), ds4_mul_rn(b0, cs.y));
+            v[c + 1] = ds4_add_rn(ds4_mul_rn(a0, cs.y), ds4_mul_rn(b0, cs.x));
+        }
+    }
+    ds4_fp4h128_lane(v, lane, 0);
+    ((float4*)(qr + r * 128))[lane] = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// index_qprep_f32 before session-14 helper J (per-warp fmod/sin/cos after the PDL wait; the A/B's
+// old form, DS4_GPU_QPREP=old).
+DS4_KERNEL void DS4_BOUNDS(256) index_qprep_f32o(const float* __restrict__ q, float* __restrict__ qr, const double* __restrict__ freqs, long long rows, int heads, int n_rot, long long pos0, const long long* __restrict__ sp) {
     ds4_pdl_enter();
     if (DS4_WARP != 32) return;
     __shared__ float cs_s[256 / 32][64][2]; // per warp: (cos, sin) of each pair
@@ -1042,6 +1099,221 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk_r(const float* __restrict__ scores, 
     u32 thr, need;
     ds4_tk_select(kk, n, e, top_k, sm, &thr, &need);
     DS4_TK_EMIT(kk, n, e, thr, need, sm, out[slot] = r_)
+}
+
+// index_topk_r with a first pass over value buckets (index_topk_rv; DS4_GPU_TOPKV=old keeps
+// index_topk_r). With float keys the first 11-bit digit is sign + exponent + 2 mantissa bits,
+// and scores of one scale crowd into a few of its bins (contended shared atomics, two or three
+// passes). When the block's min and max scores are finite, pass 1 instead counts bucket
+// floor((v − vmin) · 2048 / (vmax − vmin)) (clamped to 2047): rounded subtraction and
+// multiplication by a positive constant are monotone, so a bucket is a contiguous key range
+// and the radix logic holds. When the chosen bucket (or any later bin) holds at most a warp of
+// keys, one warp ranks them (key, then position) instead of further passes; else the bucket's
+// min and max key bound a second bucket pass (outliers crowd the first), then bit passes
+// restricted to the key range that is left.
+struct ds4_tkv_smem {
+    ds4_tk_smem b;
+    u32 ck[64]; // finisher candidates: keys, positions (<= DS4_WARP)
+    int cp[64];
+    u32 cn;
+};
+
+// ds4_fkey's inverse.
+__device__ __forceinline__ float ds4_fkey_inv(u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__device__ __forceinline__ u32 ds4_tk_bucket(u32 k, float flo, float s) {
+    return (u32)fminf(ds4_mul_rn(ds4_sub_rn(ds4_fkey_inv(k), flo), s), 2047.0f);
+}
+
+// A candidate set: keys in [rlo, rhi] matching prefix under mask, and (use_b) in bucket bin.
+struct ds4_tk_cand {
+    u32 mask, prefix, rlo, rhi, bin;
+    float flo, s;
+    bool use_b;
+    __device__ __forceinline__ bool ok(u32 k) const {
+        return (k & mask) == prefix && k >= rlo && k <= rhi && (!use_b || ds4_tk_bucket(k, flo, s) == bin);
+    }
+};
+
+// ds4_tk_select's bin choice over histogram h: the largest bin b whose suffix sum >= want;
+// bin, the rank left in it, its count. Two barriers.
+__device__ __forceinline__ void ds4_tk_pick(const u32* h, u32 want, ds4_tk_smem& sm, u32* bin, u32* left, u32* cnt) {
+    const int tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = DS4_TK_T / DS4_WARP;
+    const u32 a = h[2 * tid], b = h[2 * tid + 1];
+    u32 pre, suf, tot;
+    ds4_tk_scan(a + b, lane, &pre, &suf, &tot);
+    if (lane == 0) sm.wsum[warp] = tot;
+    __syncthreads();
+    const u32 after = ds4_tk_wsum(lane < nw && lane > warp ? sm.wsum[lane] : 0u); // later warps
+    const u32 s0 = after + suf, s1 = s0 - a;
+    if (s1 >= want && s1 - b < want) sm.pick[0] = 2 * tid + 1, sm.pick[1] = want - (s1 - b), sm.pick[2] = b;
+    else if (s0 >= want && s1 < want) sm.pick[0] = 2 * tid, sm.pick[1] = want - s1, sm.pick[2] = a;
+    __syncthreads();
+    *bin = sm.pick[0], *left = sm.pick[1], *cnt = sm.pick[2];
+}
+
+// The want-th largest (1-based; key, then lower position first) of the cnt <= DS4_WARP keys of
+// set c: thr = its key, need = the equal keys up to and including it. sm.cn is 0. Two barriers.
+__device__ __forceinline__ void ds4_tk_fin(const u32 (&kk)[DS4_TK_E], int n, int e, ds4_tkv_smem& sm, const ds4_tk_cand& c,
+                                           u32 want, u32 cnt, u32* thr_out, u32* need_out) {
+    const int tid = threadIdx.x, base = tid * e;
+#pragma unroll
+    for (int j = 0; j < DS4_TK_E; j++)
+        if (j < e && base + j < n && c.ok(kk[j])) {
+            const u32 s = atomicAdd(&sm.cn, 1u); // slot order varies; the ranks do not
+            sm.ck[s] = kk[j], sm.cp[s] = base + j;
+        }
+    __syncthreads();
+    if (tid < DS4_WARP) {
+        const u32 k = tid < (int)cnt ? sm.ck[tid] : 0u;
+        const int ps = tid < (int)cnt ? sm.cp[tid] : 0;
+        u32 above = 0, eqb = 0;
+        for (u32 m = 0; m < cnt; m++) {
+            const u32 km = sm.ck[m];
+            above += km > k;
+            eqb += km == k && sm.cp[m] < ps;
+        }
+        if (tid < (int)cnt && above + eqb == want - 1u) sm.b.pick[0] = k, sm.b.pick[1] = eqb + 1u;
+    }
+    __syncthreads();
+    *thr_out = sm.b.pick[0], *need_out = sm.b.pick[1];
+}
+
+// ds4_tk_select's bit passes from bit p (prefix under mask, want left) over keys in [rlo, rhi],
+// first histogram buffer pi & 1 (zeroed); the warp finish once a bin holds <= DS4_WARP keys.
+__device__ __forceinline__ void ds4_tk_bits(const u32 (&kk)[DS4_TK_E], int n, int e, ds4_tkv_smem& sm, int p, u32 mask,
+                                            u32 prefix, u32 want, u32 rlo, u32 rhi, int pi, u32* thr_out, u32* need_out) {
+    const int tid = threadIdx.x, base = tid * e;
+    for (;; pi++) {
+        const int width = p + 1 < 11 ? p + 1 : 11, shift = p + 1 - width;
+        const u32 dm = (1u << width) - 1u;
+        u32* h = sm.b.hist[pi & 1];
+        u32* hn = sm.b.hist[(pi + 1) & 1];
+        hn[2 * tid] = 0u, hn[2 * tid + 1] = 0u;
+#pragma unroll
+        for (int j = 0; j < DS4_TK_E; j++)
+            if (j < e && base + j < n && (kk[j] & mask) == prefix && kk[j] >= rlo && kk[j] <= rhi)
+                atomicAdd(&h[(kk[j] >> shift) & dm], 1u);
+        __syncthreads();
+        u32 bin, left, cnt;
+        ds4_tk_pick(h, want, sm.b, &bin, &left, &cnt);
+        prefix |= bin << shift;
+        mask |= dm << shift;
+        want = left;
+        if (shift == 0) {
+            *thr_out = prefix, *need_out = want;
+            return;
+        }
+        const u32 fl = max(prefix, rlo); // the bin's lowest key in range
+        if (cnt == want && fl != 0u) {   // the whole bin is taken: every key >= fl
+            *thr_out = fl - 1u, *need_out = 0u;
+            return;
+        }
+        if (cnt <= (u32)DS4_WARP) {
+            const ds4_tk_cand c = {mask, prefix, rlo, rhi, 0u, 0.0f, 0.0f, false};
+            ds4_tk_fin(kk, n, e, sm, c, want, cnt, thr_out, need_out);
+            return;
+        }
+        p = shift - 1;
+    }
+}
+
+// ds4_tk_select with the value-bucket first pass (same rule out: thr, need).
+__device__ __forceinline__ void ds4_tk_select_v(const u32 (&kk)[DS4_TK_E], int n, int e, int top_k, ds4_tkv_smem& sm,
+                                                u32* thr_out, u32* need_out) {
+    const int tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP, nw = DS4_TK_T / DS4_WARP;
+    const int base = tid * e;
+    if (n <= top_k) {
+        *thr_out = 0u, *need_out = (u32)top_k;
+        return;
+    }
+    u32 lo = 0xffffffffu, hi = 0u;
+#pragma unroll
+    for (int j = 0; j < DS4_TK_E; j++)
+        if (j < e && base + j < n) lo = min(lo, kk[j]), hi = max(hi, kk[j]);
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) lo = min(lo, (u32)ds4_shfl_xor(lo, o)), hi = max(hi, (u32)ds4_shfl_xor(hi, o));
+    if (lane == 0) sm.b.red[0][warp] = lo, sm.b.red[1][warp] = hi;
+    sm.b.hist[0][2 * tid] = 0u, sm.b.hist[0][2 * tid + 1] = 0u;
+    if (tid == 0) sm.cn = 0u;
+    __syncthreads();
+    lo = lane < nw ? sm.b.red[0][lane] : 0xffffffffu, hi = lane < nw ? sm.b.red[1][lane] : 0u;
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) lo = min(lo, (u32)ds4_shfl_xor(lo, o)), hi = max(hi, (u32)ds4_shfl_xor(hi, o));
+    if (lo == hi) {
+        *thr_out = lo, *need_out = (u32)top_k;
+        return;
+    }
+    // Up to two value-bucket passes over the candidate range [lo, hi] (all keys at first), each
+    // narrowing it to the chosen bucket's key range; then bit passes within it.
+    u32 want = (u32)top_k;
+    int pi = 0; // the next histogram buffer (zeroed)
+    for (int vp = 0; vp < 2; vp++) {
+        const float flo = ds4_fkey_inv(lo), fhi = ds4_fkey_inv(hi);
+        const float range = ds4_sub_rn(fhi, flo), s = ds4_div_rn(2048.0f, range);
+        const float fmax = 3.40282347e38f;
+        // Infinities, NaNs, a range of +-0 only, past the floats or of subnormals: bit passes.
+        if (!(fabsf(flo) <= fmax && fabsf(fhi) <= fmax && range > 0.0f && s > 0.0f && s <= fmax)) break;
+        u32* h = sm.b.hist[pi & 1];
+        u32* hn = sm.b.hist[(pi + 1) & 1];
+        hn[2 * tid] = 0u, hn[2 * tid + 1] = 0u;
+#pragma unroll
+        for (int j = 0; j < DS4_TK_E; j++)
+            if (j < e && base + j < n && kk[j] >= lo && kk[j] <= hi) atomicAdd(&h[ds4_tk_bucket(kk[j], flo, s)], 1u);
+        __syncthreads();
+        pi++;
+        u32 bin, left, cnt;
+        ds4_tk_pick(h, want, sm.b, &bin, &left, &cnt);
+        const ds4_tk_cand c = {0u, 0u, lo, hi, bin, flo, s, true};
+        if (cnt <= (u32)DS4_WARP) {
+            ds4_tk_fin(kk, n, e, sm, c, left, cnt, thr_out, need_out);
+            return;
+        }
+        // The bucket's key range [l2, h2] (every key of [lo, hi] in it is in the bucket).
+        u32 l2 = 0xffffffffu, h2 = 0u;
+#pragma unroll
+        for (int j = 0; j < DS4_TK_E; j++)
+            if (j < e && base + j < n && c.ok(kk[j])) l2 = min(l2, kk[j]), h2 = max(h2, kk[j]);
+#pragma unroll
+        for (int o = 1; o < DS4_WARP; o <<= 1) l2 = min(l2, (u32)ds4_shfl_xor(l2, o)), h2 = max(h2, (u32)ds4_shfl_xor(h2, o));
+        if (lane == 0) sm.b.red[0][warp] = l2, sm.b.red[1][warp] = h2;
+        __syncthreads();
+        l2 = lane < nw ? sm.b.red[0][lane] : 0xffffffffu, h2 = lane < nw ? sm.b.red[1][lane] : 0u;
+#pragma unroll
+        for (int o = 1; o < DS4_WARP; o <<= 1) l2 = min(l2, (u32)ds4_shfl_xor(l2, o)), h2 = max(h2, (u32)ds4_shfl_xor(h2, o));
+        if (l2 == h2) { // one key value: the first `left` of them
+            *thr_out = l2, *need_out = left;
+            return;
+        }
+        if (cnt == left) { // the whole bucket (l2 > 0: finite keys)
+            *thr_out = l2 - 1u, *need_out = 0u;
+            return;
+        }
+        lo = l2, hi = h2, want = left;
+    }
+    const int p = 31 - __clz(lo ^ hi);
+    const u32 mask = ~((2u << p) - 1u);
+    ds4_tk_bits(kk, n, e, sm, p, mask, hi & mask, want, lo, hi, pi, thr_out, need_out);
+}
+
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_rv(const float* __restrict__ scores, int* __restrict__ sel, long long tba, long long max_vis, int ratio, int top_k, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    __shared__ ds4_tkv_smem sm;
+    const int i = blockIdx.x;
+    const long long vis = (DS4_POS(sp, tba) + i + 1) / ratio;
+    int* out = sel + (size_t)i * top_k;
+    if (vis <= top_k || vis > DS4_TK_N) {
+        for (int k = threadIdx.x; k < top_k; k += blockDim.x) out[k] = k < vis ? k : -1;
+        return;
+    }
+    const int n = (int)vis, e = ds4_tk_e(n);
+    u32 kk[DS4_TK_E];
+    ds4_tk_load(scores + (size_t)i * max_vis, n, e, kk);
+    u32 thr, need;
+    ds4_tk_select_v(kk, n, e, top_k, sm, &thr, &need);
+    DS4_TK_EMIT(kk, n, e, thr, need, sm.b, out[slot] = r_)
 }
 
 // Two levels for rows of more than DS4_TK_N candidates (decode; host: top_k <= DS4_TK_N / G).
