@@ -98,7 +98,6 @@ fn main() {
         let mut forms = vec![("old index_topk_ps", one("index_topk_ps"))];
         if v <= TK_N {
             forms.push(("index_topk_r", one("index_topk_r")));
-            forms.push(("index_topk_rv", one("index_topk_rv")));
         } else {
             let l1 = vec![
                 Arg::Ptr(scores.ptr()),

@@ -20,7 +20,6 @@ pub const ATTENTION: Module = Module {
         "index_topk",
         "index_topk_ps",
         "index_topk_r",
-        "index_topk_rv",
         "index_topk_l1",
         "index_topk_l2",
         "attend_f32",

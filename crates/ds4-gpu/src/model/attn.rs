@@ -104,15 +104,6 @@ fn qprep_old() -> bool {
     env_form(&QPREP_MODE, "DS4_GPU_QPREP", "old")
 }
 
-/// One-CTA top-k form: 0 not yet read from `DS4_GPU_TOPKV`, 1 old (`index_topk_r`: 11-bit
-/// digits from the highest differing bit), 2 new (the default: `index_topk_rv`, a first pass
-/// over value buckets, then a one-warp finish once a bin holds at most a warp of keys).
-static TOPKV_MODE: AtomicU8 = AtomicU8::new(0);
-
-fn topkv_old() -> bool {
-    env_form(&TOPKV_MODE, "DS4_GPU_TOPKV", "old")
-}
-
 /// Indexer scores on tensor cores (`index_scores_tc`, attn_tc.cu):
 /// `DS4_GPU_INDEX_TC=off` keeps `index_scores128h_f32`.
 static INDEX_TC: AtomicU8 = AtomicU8::new(0);
@@ -204,12 +195,6 @@ impl GpuBackend {
     /// process-wide, overrides `DS4_GPU_QPREP=old`. For tests and benchmarks.
     pub fn set_qprep_old(on: bool) {
         QPREP_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-    }
-
-    /// `index_topk_r` instead of `index_topk_rv` (the value-bucket first pass); process-wide,
-    /// overrides `DS4_GPU_TOPKV=old`. For tests and benchmarks.
-    pub fn set_topkv_old(on: bool) {
-        TOPKV_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The indexer query's preparation alone, as `index_select` runs it for `n` tokens from
@@ -825,11 +810,7 @@ impl GpuBackend {
             args.push(sp_arg);
             return self.run(
                 &ATTENTION,
-                if topkv_old() {
-                    "index_topk_r"
-                } else {
-                    "index_topk_rv"
-                },
+                "index_topk_r",
                 LaunchDims::linear(nb as u32, 1024),
                 &args,
             );
