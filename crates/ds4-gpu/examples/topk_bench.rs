@@ -204,17 +204,15 @@ fn main() {
         Arg::Null,
     ];
     let dims = LaunchDims::linear(nh.div_ceil(8) as u32, 256);
-    let fused = [("index_qprep_f32", dims, fused_args.clone())];
-    let fused_o = [("index_qprep_f32o", dims, fused_args)];
+    let fused = [("index_qprep_f32", dims, fused_args)];
     for round in 0..2 {
         // The old form's copy (a d2d of 32 KiB) is not timed; its launches rotate and round
         // the same buffer again each time (the time does not depend on the values).
         let t_old = time_us(&gpu, &old, reps, ev);
         let t_new = time_us(&gpu, &fused, reps, ev);
-        let t_fo = time_us(&gpu, &fused_o, reps, ev);
         println!(
             "query prep {round}: rope_f32 + round_fp4h128_f32 {t_old:6.2} (copy not timed), \
-             index_qprep_f32o (old fused) {t_fo:6.2}, index_qprep_f32 {t_new:6.2}"
+             index_qprep_f32 {t_new:6.2}"
         );
     }
     rt.copy_d2d_async(o1.ptr(), qd.ptr(), nh * hd * 4, Stream::DEFAULT)

@@ -821,22 +821,19 @@ fn index_query_prep_is_exact() {
         q[len - 1] = 3e30;
         let qg = gpu.upload(&q);
         let mut outs = Vec::new();
-        // The default, the fused prep's old form (index_qprep_f32o), the old three ops.
-        for (tk_old, qp_old) in [(false, false), (false, true), (true, false)] {
+        // The default (index_qprep_f32), then the old three ops.
+        for tk_old in [false, true] {
             GpuBackend::set_topk_old(tk_old);
-            GpuBackend::set_qprep_old(qp_old);
             let mut o = gpu.upload(&vec![f32::NAN; len]);
             gpu.index_query_prep(&qg, n, &spec, t0, &mut o);
             outs.push(gpu.download(&o, len));
         }
         let op = format!("index query prep n {n} heads {heads} n_rot {n_rot} t0 {t0}");
         gpu_ok(&gpu, &op);
-        assert_bits(&op, &outs[0], &outs[2]);
-        assert_bits(&format!("{op} (index_qprep_f32o)"), &outs[1], &outs[2]);
+        assert_bits(&op, &outs[0], &outs[1]);
         println!("{op}: bits equal");
     }
     GpuBackend::set_topk_old(false);
-    GpuBackend::set_qprep_old(false);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -234,11 +234,12 @@ DS4_KERNEL void DS4_BOUNDS(256) round_fp4h128_f32(float* __restrict__ x, long lo
     *xr = make_float4(v[0], v[1], v[2], v[3]);
 }
 
-// fmod(x, 2π) for x >= 0, exactly (the value of ds4_mod_2pi below and of fmod): n from x times
-// 1/2π instead of x / 2π (either may be one off near an integer; the sign / range checks correct
-// it, and with n within one of the true quotient x − n·2π is exact in one fma). Quotients past
-// 2^40 take fmod itself.
-__device__ __forceinline__ double ds4_qp_mod_2pi(double x) {
+// fmod(x, 2π) for x >= 0, exactly (fmod's result is exact, so this is the same value): with n the
+// true quotient trunc(x / 2π), x − n·2π is representable and one fma gives it; x · (1/2π) rounded
+// may be one off near an integer, which the sign / range checks correct. Instead of fmod's loop
+// over the quotient's bits. Quotients past 2^40 (n ± 1 not exact far beyond; never for RoPE angles
+// of int positions and frequencies <= 1) take fmod itself. Used by index_qprep_f32 and attend_one.
+__device__ __forceinline__ double ds4_mod_2pi(double x) {
     const double y = 6.283185307179586;
     if (!(x < 6.9e12)) return fmod(x, y); // 2^40·2π ≈ 6.9e12
     double n = trunc(x * 0.15915494309189535);
@@ -254,7 +255,7 @@ __device__ __forceinline__ double ds4_qp_mod_2pi(double x) {
 // (lane l: elements 4l .. 4l+3; width − n_rot is even, so a RoPE pair never spans two lanes).
 // The (cos, sin) of each pair are computed once per CTA for each token of its 8 rows (<= 8
 // tokens; one at decode with 64 heads) into shared memory, from ds4_rope_pair's f64 angle
-// (ds4_qp_mod_2pi: fmod's value) and sincos (sin's and cos's values), before the PDL wait: they
+// (ds4_mod_2pi: fmod's value) and sincos (sin's and cos's values), before the PDL wait: they
 // read only the frequencies and the step block, which no kernel writes (mod.rs StepPos: a copy
 // queued on the stream before the step's kernels), so they overlap the previous kernel.
 // grid ceil(rows / 8), blockDim 256, DS4_WARP 32, n_rot <= 128.
@@ -271,7 +272,7 @@ DS4_KERNEL void DS4_BOUNDS(256) index_qprep_f32(const float* __restrict__ q, flo
     const long long tk0 = r0 / heads, pb = DS4_POS(sp, pos0) + tk0;
     const int half = n_rot / 2, off = 128 - n_rot, nk = (int)(rl / heads - tk0 + 1) * half;
     for (int k = threadIdx.x; k < nk; k += blockDim.x) { // as ds4_rope_pair
-        const double theta = ds4_qp_mod_2pi((double)(pb + k / half) * freqs[k % half]);
+        const double theta = ds4_mod_2pi((double)(pb + k / half) * freqs[k % half]);
         double s, c;
         sincos(theta, &s, &c);
         cs_s[k / half][k % half] = make_float2((float)c, (float)s);
@@ -290,40 +291,6 @@ DS4_KERNEL void DS4_BOUNDS(256) index_qprep_f32(const float* __restrict__ q, flo
             const float a0 = v[c], b0 = v[c + 1];
             v[c] = ds4_sub_rn(ds4_mul_rn(a0, cs.x), ds4_mul_rn(b0, cs.y));
             v[c + 1] = ds4_add_rn(ds4_mul_rn(a0, cs.y), ds4_mul_rn(b0, cs.x));
-        }
-    }
-    ds4_fp4h128_lane(v, lane, 0);
-    ((float4*)(qr + r * 128))[lane] = make_float4(v[0], v[1], v[2], v[3]);
-}
-
-// index_qprep_f32 before session-14 helper J (per-warp fmod/sin/cos after the PDL wait; the A/B's
-// old form, DS4_GPU_QPREP=old).
-DS4_KERNEL void DS4_BOUNDS(256) index_qprep_f32o(const float* __restrict__ q, float* __restrict__ qr, const double* __restrict__ freqs, long long rows, int heads, int n_rot, long long pos0, const long long* __restrict__ sp) {
-    ds4_pdl_enter();
-    if (DS4_WARP != 32) return;
-    __shared__ float cs_s[256 / 32][64][2]; // per warp: (cos, sin) of each pair
-    const int lane = threadIdx.x % DS4_WARP, w = threadIdx.x / DS4_WARP;
-    const long long r = (long long)blockIdx.x * (blockDim.x / DS4_WARP) + w;
-    const bool ok = r < rows;
-    const long long pos = DS4_POS(sp, pos0) + (ok ? r : 0LL) / heads;
-    const int half = n_rot / 2, off = 128 - n_rot;
-    for (int pp = lane; pp < half; pp += DS4_WARP) { // as ds4_rope_pair
-        const double theta = fmod((double)pos * freqs[pp], 6.283185307179586);
-        cs_s[w][pp][0] = (float)cos(theta);
-        cs_s[w][pp][1] = (float)sin(theta);
-    }
-    __syncthreads();
-    if (!ok) return;
-    const float4 x = ((const float4*)(q + r * 128))[lane];
-    float v[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int c = 0; c < 4; c += 2) {
-        const int e = 4 * lane + c;
-        if (e >= off) { // ds4_rope_pair's rotation (forward)
-            const float cc = cs_s[w][(e - off) / 2][0], s = cs_s[w][(e - off) / 2][1];
-            const float a0 = v[c], b0 = v[c + 1];
-            v[c] = ds4_sub_rn(ds4_mul_rn(a0, cc), ds4_mul_rn(b0, s));
-            v[c + 1] = ds4_add_rn(ds4_mul_rn(a0, s), ds4_mul_rn(b0, cc));
         }
     }
     ds4_fp4h128_lane(v, lane, 0);
@@ -1642,21 +1609,6 @@ __device__ __forceinline__ void ds4_ao_grid_flip(u32* tk, u32 total) {
         __threadfence();
     }
     __syncthreads();
-}
-
-// fmod(x, 2π) for x >= 0, exactly (fmod's result is exact, so this is the same value): with n the
-// true quotient trunc(x / 2π), x − n·2π is representable and one fma gives it; x / 2π rounded may
-// be one off near an integer, which the sign / range checks correct. Instead of fmod's loop over
-// the quotient's bits. Quotients past 2^40 (n ± 1 not exact far beyond; never for RoPE angles of
-// int positions and frequencies <= 1) take fmod itself.
-__device__ __forceinline__ double ds4_mod_2pi(double x) {
-    const double y = 6.283185307179586;
-    if (!(x < 6.9e12)) return fmod(x, y); // 2^40·2π ≈ 6.9e12
-    double n = trunc(x / y);
-    double r = fma(-n, y, x);
-    while (r < 0.0) n -= 1.0, r = fma(-n, y, x);
-    while (r >= y) n += 1.0, r = fma(-n, y, x);
-    return r;
 }
 
 // Inverse RoPE of pair v by a precomputed (cos, sin): ds4_rope_pair's arithmetic, same bits.

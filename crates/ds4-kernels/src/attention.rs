@@ -9,7 +9,6 @@ pub const ATTENTION: Module = Module {
         "round_rows_f32",
         "round_fp4h128_f32",
         "index_qprep_f32",
-        "index_qprep_f32o",
         "compress_pool_f32",
         "compress_row_f32",
         "compress_frontier_f32",

@@ -95,15 +95,6 @@ fn topk_old() -> bool {
     env_form(&TOPK_MODE, "DS4_GPU_TOPK", "old")
 }
 
-/// The fused indexer query prep: 0 not yet read from `DS4_GPU_QPREP`, 1 old
-/// (`index_qprep_f32o`: per-warp f64 fmod/sin/cos after the PDL wait), 2 new (the default:
-/// `index_qprep_f32`, the (cos, sin) once per CTA and token before the PDL wait).
-static QPREP_MODE: AtomicU8 = AtomicU8::new(0);
-
-fn qprep_old() -> bool {
-    env_form(&QPREP_MODE, "DS4_GPU_QPREP", "old")
-}
-
 /// Indexer scores on tensor cores (`index_scores_tc`, attn_tc.cu):
 /// `DS4_GPU_INDEX_TC=off` keeps `index_scores128h_f32`.
 static INDEX_TC: AtomicU8 = AtomicU8::new(0);
@@ -189,12 +180,6 @@ impl GpuBackend {
     /// `DS4_GPU_TOPK=old`. For tests and benchmarks.
     pub fn set_topk_old(on: bool) {
         TOPK_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-    }
-
-    /// The fused indexer query prep's old form (`index_qprep_f32o`) instead of the default;
-    /// process-wide, overrides `DS4_GPU_QPREP=old`. For tests and benchmarks.
-    pub fn set_qprep_old(on: bool) {
-        QPREP_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The indexer query's preparation alone, as `index_select` runs it for `n` tokens from
@@ -738,11 +723,7 @@ impl GpuBackend {
         if fused {
             return self.run(
                 &ATTENTION,
-                if qprep_old() {
-                    "index_qprep_f32o"
-                } else {
-                    "index_qprep_f32"
-                },
+                "index_qprep_f32",
                 LaunchDims::linear((n * nh).div_ceil(8) as u32, 256),
                 &[
                     Arg::Ptr(q),
