@@ -918,12 +918,6 @@ __device__ __forceinline__ void ds4_tk_scan(u32 v, int lane, u32* pre, u32* suf,
     *pre = p, *suf = s, *tot = t;
 }
 
-__device__ __forceinline__ u32 ds4_tk_wsum(u32 v) {
-#pragma unroll
-    for (int o = 1; o < DS4_WARP; o <<= 1) v += ds4_shfl_xor(v, o);
-    return v;
-}
-
 // Select among the block's keys kk (thread t: positions t·e + j, j < e, valid when < n) and
 // return the rule: take key > *thr, and key == *thr while its rank among the equal keys (by
 // position) is < *need. Radix select from the highest bit where the keys differ (the common
@@ -974,7 +968,7 @@ __device__ __forceinline__ void ds4_tk_select(const u32 (&kk)[DS4_TK_E], int n, 
         ds4_tk_scan(a + b, lane, &pre, &suf, &tot);
         if (lane == 0) sm.wsum[warp] = tot;
         __syncthreads();
-        const u32 after = ds4_tk_wsum(lane < nw && lane > warp ? sm.wsum[lane] : 0u); // later warps
+        const u32 after = ds4_warp_sum_u32(lane < nw && lane > warp ? sm.wsum[lane] : 0u); // later warps
         const u32 s0 = after + suf, s1 = s0 - a; // suffix sums from bins 2t and 2t+1
         if (s1 >= want && s1 - b < want) sm.pick[0] = 2 * tid + 1, sm.pick[1] = want - (s1 - b), sm.pick[2] = b;
         else if (s0 >= want && s1 < want) sm.pick[0] = 2 * tid, sm.pick[1] = want - s1, sm.pick[2] = a;
@@ -1013,7 +1007,7 @@ __device__ __forceinline__ void ds4_tk_select(const u32 (&kk)[DS4_TK_E], int n, 
         if (lane_ == 0) (sm).wsum[warp_] = tot_;                                                   \
         __syncthreads();                                                                           \
         u32 before_ = pre_ - ((g_ << 16) | e_) +                                                   \
-                      ds4_tk_wsum(lane_ < warp_ ? (sm).wsum[lane_] : 0u); /* earlier warps */      \
+                      ds4_warp_sum_u32(lane_ < warp_ ? (sm).wsum[lane_] : 0u); /* earlier warps */      \
         u32 gb_ = before_ >> 16, eb_ = before_ & 0xffffu;                                          \
         _Pragma("unroll") for (int j = 0; j < DS4_TK_E; j++) if (j < (e) && base_ + j < (n)) {     \
             const int r_ = base_ + j;                                                              \

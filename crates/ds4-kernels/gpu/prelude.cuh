@@ -80,6 +80,11 @@ __device__ __forceinline__ double ds4_warp_sum_f64(double v) {
     for (int o = DS4_WARP / 2; o > 0; o >>= 1) v += ds4_shfl_xor(v, o);
     return v;
 }
+__device__ __forceinline__ u32 ds4_warp_sum_u32(u32 v) {
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) v += ds4_shfl_xor(v, o);
+    return v;
+}
 
 // Programmatic dependent launch (CUDA, sm_90+). A kernel whose body STARTS with
 // `ds4_pdl_enter();` may be launched with the PDL attribute (the host finds these kernels by
