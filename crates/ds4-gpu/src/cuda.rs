@@ -66,6 +66,8 @@ struct Api {
     cuEventElapsedTime: unsafe extern "C" fn(*mut f32, Ptr, Ptr) -> R,
     cuGetErrorName: unsafe extern "C" fn(R, *mut *const c_char) -> R,
     cuGetErrorString: unsafe extern "C" fn(R, *mut *const c_char) -> R,
+    /// `cuFuncSetAttribute` (a kernel's dynamic shared memory past 48 KiB; None: not raised).
+    cuFuncSetAttribute: Option<unsafe extern "C" fn(Ptr, c_int, c_int) -> R>,
     /// `cuLaunchKernelEx` (CUDA 12+; None: no programmatic dependent launch).
     cuLaunchKernelEx: Option<
         unsafe extern "C" fn(*const LaunchConfig, Ptr, *mut *mut c_void, *mut *mut c_void) -> R,
@@ -265,6 +267,7 @@ impl Api {
                     .sym_any(&["cuEventElapsedTime_v2", "cuEventElapsedTime"])?,
                 cuGetErrorName: lib.sym("cuGetErrorName")?,
                 cuGetErrorString: lib.sym("cuGetErrorString")?,
+                cuFuncSetAttribute: lib.sym("cuFuncSetAttribute").ok(),
                 cuLaunchKernelEx: lib.sym("cuLaunchKernelEx").ok(),
                 graph: GraphApi::load(&lib).ok(),
                 profiler: lib
@@ -476,6 +479,15 @@ impl CudaRuntime {
         pdl: bool,
     ) -> Result<()> {
         self.cur()?;
+        if d.shared_bytes > 48 * 1024 {
+            // More than the default 48 KiB of dynamic shared memory: the function's opt-in
+            // (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), set before each such launch.
+            if let Some(set) = self.api.cuFuncSetAttribute {
+                self.api.check("cuFuncSetAttribute", unsafe {
+                    set(p(f.0), 8, d.shared_bytes as c_int)
+                })?;
+            }
+        }
         // Fixed arrays: no allocation per launch.
         let mut vals = [0u64; MAX_ARGS];
         let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];

@@ -317,10 +317,11 @@ fn gemm_moe_128_tokens_6_slots() {
                 });
                 let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
                 let mut go = gpu.alloc(n * spec.d);
-                let (l0, b0, e0) = (
+                let (l0, b0, e0, w0) = (
                     GpuBackend::gemm_launches(),
                     GpuBackend::gemm_split_launches(),
                     GpuBackend::gemm_exact_launches(),
+                    GpuBackend::gemm_wg_launches(),
                 );
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 let launched = GpuBackend::gemm_launches() > l0;
@@ -330,10 +331,21 @@ fn gemm_moe_128_tokens_6_slots() {
                     let i = gpu.gpu().info();
                     i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
                 };
+                // On sm_90a the q2 mix's gate/up take the wgmma form instead (gemm_wg.rs): one
+                // launch for both.
+                let q2 = tg == GgmlType::IQ2_XXS && tu == GgmlType::IQ2_XXS;
+                let wg = q2 && (form == 0 || form == 6) && gpu.gemm_wg_supported();
+                if GpuBackend::gemm_wg_launches() - w0 != u64::from(wg) {
+                    cases.bad.push(format!(
+                        "{key} form={form}: wgmma launches {}, want {}",
+                        GpuBackend::gemm_wg_launches() - w0,
+                        u64::from(wg)
+                    ));
+                }
                 if sm80
+                    && !wg
                     && (form == 0 || form == 6)
-                    && tg == GgmlType::IQ2_XXS
-                    && tu == GgmlType::IQ2_XXS
+                    && q2
                     && GpuBackend::gemm_split_launches() != b0 + 2
                 {
                     cases
@@ -343,8 +355,7 @@ fn gemm_moe_128_tokens_6_slots() {
                 // Forms 0 and 6, q2 mix: gate/up on gemmc_iq2_xxs; form 0: a Q2_K down on
                 // gemmu_q2_k (form 6: the bf16 form).
                 let e1 = GpuBackend::gemm_exact_launches();
-                let q2 = tg == GgmlType::IQ2_XXS && tu == GgmlType::IQ2_XXS;
-                let want_c = if q2 { 2 } else { 0 };
+                let want_c = if q2 && !wg { 2 } else { 0 };
                 let want_u = u64::from(form == 0 && td == GgmlType::Q2_K);
                 if sm80
                     && (form == 0 || form == 6)
@@ -525,4 +536,158 @@ fn gemm_big_n() {
         );
     }
     cases.finish();
+}
+
+/// The wgmma gate/up (`gwg_iq2_xxs` and `gwg4_iq2_xxs`, CUDA sm_90a; gemm_wg.rs) against an f64
+/// reference per (pair, row) from the dequantised IQ2_XXS rows: 200 tokens x 6 slots over 16
+/// experts with 200, 65, 64, 63, 1 and 0 pairs for experts 0..5 (runs of 64 cut into 64 + 1, 64,
+/// 63: the N = 64 / 48 / 16 tile forms) and the rest spread over experts 6..15; d = 768 (3
+/// super-blocks, rows of 198 bytes: neighbouring rows alternate 4-byte alignment), ff = 320 (not
+/// a multiple of the CTA's 128 or 256 rows). Held to 2e-5 of sum |w x| (weights exact,
+/// activations ~2^-22, f32 sums; a wrong layout, tile or expert is off by ~1 of it). Also: the
+/// MoE takes the kernel by default (one launch per product pair; no gemmc), and not with
+/// `set_gemm_wg(false)`, and both give the same result within the tensor-core tolerance.
+#[test]
+fn gemm_moe_wg_gate_up_matches_f64() {
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    if !gpu.gemm_wg_supported() {
+        println!("skipped: the wgmma kernel needs CUDA sm_90a");
+        return;
+    }
+    let (ne, k, n, d, ff) = (16usize, 6usize, 200usize, 768usize, 320usize);
+    let ty = GgmlType::IQ2_XXS;
+    let rb = ty.row_bytes(d as u64).unwrap() as usize;
+    let mut r = rng(1500);
+    // Random experts [ne][rows][cols] of type t: (bytes, GPU weight).
+    let mk = |t: GgmlType, cols: usize, rows: usize, seed: u64| {
+        let mut rr = rng(seed);
+        let bytes: Vec<u8> = (0..rows * ne)
+            .flat_map(|_| ds4_gpu::conformance::random_row(t, cols, &mut rr))
+            .collect();
+        let f = common::file(&[(
+            "w",
+            t,
+            vec![cols as u64, rows as u64, ne as u64],
+            bytes.clone(),
+        )]);
+        (bytes, gpu.matrix(&common::src(&f, "w")).unwrap())
+    };
+    let (gb, gw) = mk(ty, d, ff, 1501);
+    let (ub, uw) = mk(ty, d, ff, 1502);
+    let z = randn(&mut r, n * d, 1.0);
+    // Token t: expert 0; 1 if t < 65; 2 if t < 64; 3 if t < 63; 4 if t == 0; then experts 6..15.
+    let mut sel = Vec::new();
+    for t in 0..n {
+        let mut e: Vec<i32> = vec![0];
+        for (x, m) in [(1, 65), (2, 64), (3, 63), (4, 1)] {
+            if t < m {
+                e.push(x);
+            }
+        }
+        let mut j = 0;
+        while e.len() < k {
+            e.push(6 + ((t + 3 * j) % 10) as i32);
+            j += 1;
+        }
+        e.rotate_left(t % k); // slot order varies
+        sel.extend_from_slice(&e);
+    }
+    // f64 reference and sum |w x| per (product, pair, row).
+    let mut deq = vec![0f32; d];
+    let mut want = [Vec::new(), Vec::new()];
+    for (bytes, w) in [&gb, &ub].into_iter().zip(want.iter_mut()) {
+        for p in 0..n * k {
+            let (e, x) = (sel[p] as usize, &z[(p / k) * d..(p / k + 1) * d]);
+            for row in 0..ff {
+                let o = (e * ff + row) * rb;
+                ds4_quant::dequantize_row(ty, &bytes[o..o + rb], &mut deq).unwrap();
+                let (mut s, mut a) = (0f64, 0f64);
+                for (w, v) in deq.iter().zip(x) {
+                    s += *w as f64 * *v as f64;
+                    a += (*w as f64 * *v as f64).abs();
+                }
+                w.push((s, a));
+            }
+        }
+    }
+    let (gz, gs) = (gpu.upload(&z), gpu.upload_i32(&sel));
+    let mut bad = Vec::new();
+    for nwg in [2u8, 4] {
+        GpuBackend::set_gemm_wg_form(nwg);
+        let l0 = GpuBackend::gemm_wg_launches();
+        let (gg, gu) = gpu
+            .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+            .expect("sm_90a: the wgmma kernel covers this product");
+        if GpuBackend::gemm_wg_launches() != l0 + 1 {
+            bad.push(format!("form {nwg}: not one launch for gate and up"));
+        }
+        let mut worst = 0f64;
+        for (name, got, w) in [("gate", &gg, &want[0]), ("up", &gu, &want[1])] {
+            for (i, &(s, a)) in w.iter().enumerate() {
+                let err = (got[i] as f64 - s).abs() / (a + 1e-30);
+                worst = worst.max(err);
+                if err > 2e-5 && bad.len() < 20 {
+                    bad.push(format!(
+                        "form {nwg} {name} pair {} (expert {}) row {}: gpu {} want {s} (sum |wx| {a})",
+                        i / ff,
+                        sel[i / ff],
+                        i % ff,
+                        got[i]
+                    ));
+                }
+            }
+        }
+        println!(
+            "wgmma gate/up form {nwg}: {} pairs x {ff} rows x 2: worst |gpu - f64| / sum |wx| = {worst:.3e}",
+            n * k
+        );
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+
+    // The MoE path (q2 mix, ff2 = 512 for the Q2_K down): the wgmma gate/up by default (one
+    // launch, no gemmc), gemmc with the switch off; the same result within the tensor-core
+    // tolerance.
+    let ff2 = 512;
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d,
+        ff: ff2,
+        weight_scale: 1.0,
+        clamp: 0.05,
+    };
+    let (_, gw2) = mk(ty, d, ff2, 1503);
+    let (_, uw2) = mk(ty, d, ff2, 1504);
+    let (_, dw2) = mk(GgmlType::Q2_K, ff2, d, 1505);
+    let wgt: Vec<f32> = (0..n * k).map(|_| r.gen_range(0.1..1.0)).collect();
+    let gwt = gpu.upload(&wgt);
+    set_form(0);
+    let mut outs = Vec::new();
+    for nwg in [2u8, 4, 0] {
+        GpuBackend::set_gemm_wg_form(nwg);
+        let (l0, c0) = (
+            GpuBackend::gemm_wg_launches(),
+            GpuBackend::gemm_exact_launches().0,
+        );
+        let mut go = gpu.alloc(n * d);
+        gpu.moe_experts(&spec, &gw2, &uw2, &dw2, &gz, &gs, &gwt, n, &mut go);
+        let (l1, c1) = (
+            GpuBackend::gemm_wg_launches(),
+            GpuBackend::gemm_exact_launches().0,
+        );
+        assert_eq!(
+            (l1 - l0, c1 - c0),
+            if nwg != 0 { (1, 0) } else { (0, 2) },
+            "wgmma form {nwg}: (gwg, gemmc) launches"
+        );
+        outs.push(gpu.download(&go, n * d));
+    }
+    GpuBackend::set_gemm_wg(true);
+    for (i, nwg) in [2, 4].iter().enumerate() {
+        let diff = max_rel(&outs[i], &outs[2]);
+        println!("moe_experts wgmma form {nwg} vs gemmc gate/up: max rel {diff:.3e}");
+        assert!(diff < TOL_TC, "wgmma form {nwg} vs gemmc MoE: {diff}");
+    }
 }

@@ -75,6 +75,7 @@ mod blas_prep;
 mod fused;
 mod gemm;
 mod gemm_i8;
+mod gemm_wg;
 mod matmul;
 mod matvec;
 mod model;
@@ -87,6 +88,7 @@ pub use blas_prep::BLAS_PREP;
 pub use fused::FUSED;
 pub use gemm::GEMM;
 pub use gemm_i8::GEMM_I8;
+pub use gemm_wg::GEMM_WG;
 pub use matmul::MATMUL;
 pub use matvec::MATVEC;
 pub use model::MODEL;
@@ -110,6 +112,7 @@ pub const MODULES: &[Module] = &[
     SAMPLE,
     BLAS_PREP,
     GEMM_I8,
+    GEMM_WG,
 ];
 
 /// The kernels of `m` that may be launched with programmatic dependent launch (PDL): those whose

@@ -20,6 +20,8 @@
 //! n = 2048 9.33 -> 7.98 ms, n = 4096 18.17 -> 15.27 ms against the hi/lo gate/up and `gemmt_q2_k`;
 //! `gemmu_q2_k` with less than half the instructions (gpu-gemm-e10-h200.txt): 7.91 -> 7.15 ms,
 //! 15.38 -> 13.80 ms, 2k prefill +6%.
+//! On CUDA sm_90a the IQ2_XXS gate/up take the wgmma form instead (gemm_wg.rs, `gwg_iq2_xxs`:
+//! gate and up in one launch; `DS4_GPU_GEMM_WG=0` keeps `gemmc_iq2_xxs`).
 //!
 //! Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+; default for Q2_K (`gemmu_q2_k`)/Q4_K weights,
 //! `DS4_GPU_GEMM_TILED=all` adds Q8_0/IQ2_XXS, `=0` turns it off: see `TILED`): 64 items × 64
@@ -43,6 +45,10 @@ use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+
+/// The wgmma gate/up (sm_90a), a child module so that it sits beside this file.
+#[path = "gemm_wg.rs"]
+mod gemm_wg;
 
 /// Items (token rows or pairs) per CTA: `gemm_*` tiles and the wide `gemmw_*` tiles (bf16 form);
 /// weight rows per CTA (`GM_BN` in gemm.cu).
@@ -1017,8 +1023,15 @@ impl GpuBackend {
             && !t_gu
             && mode() == 0
             && self.moe_gate_up_i8(g, u, z.ptr, n, k, (sel, grp.ptr, gmax), bm, gb.ptr, ub.ptr);
+        // CUDA sm_90a: IQ2_XXS gate and up on wgmma (gemm_wg.rs; DS4_GPU_GEMM_WG=0 off).
+        let wg = !i8
+            && !h_gu
+            && !t_gu
+            && mode() == 0
+            && self.moe_gate_up_wg(g, u, z.ptr, n, k, (sel, grp.ptr, gmax), bm, gb.ptr, ub.ptr);
         // bf16 form for IQ2_XXS gate and up (the q2 mix): z split once into hi/lo words.
         let zb = (!i8
+            && !wg
             && !h_gu
             && !t_gu
             && split_x()
@@ -1034,7 +1047,7 @@ impl GpuBackend {
             None => hz.parts(z.ptr),
         };
         let zt = hz.sums();
-        for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)].into_iter().filter(|_| !i8) {
+        for ((p, ty, _, _, rb), dst) in [(g, &gb), (u, &ub)].into_iter().filter(|_| !i8 && !wg) {
             // Pair i reads token i / k of z.
             self.gemm(&Gm {
                 w: p,

@@ -1,0 +1,227 @@
+//! Hopper wgmma form of the MoE's IQ2_XXS gate/up at prefill (`gpu/gemm_wg.cu`): on CUDA sm_90
+//! (the NVRTC target `sm_90a`, compiler.rs `cuda_arch`), `DS4_GPU_GEMM_WG=0` (read once per
+//! process) or [`GpuBackend::set_gemm_wg`] turn it off (then `gemmc_iq2_xxs` of gemm.rs runs).
+//!
+//! The token rows z are converted once per product pair by `gwg_x_f32` (scaled by a power of two
+//! per row, two f16 planes hi/lo, in the kernel's K order), then `gwg_iq2_xxs` runs gate and up
+//! in one launch: wgmma m64nNk16 f16 with 64 weight rows as A (integer weights
+//! `(2 ls + 1) * grid * sign`, exact in f16, decoded by each lane straight into its A registers)
+//! and the expert's run of up to 64 pairs as B (N = 16, 32, 48 or 64 item columns from shared
+//! memory by descriptor), the super-block scale `d / 8` applied per 256 columns. Same arithmetic
+//! as the tiled form (`gemmt_iq2_xxs`): weights exact, activations ~22 bits, f32 sums.
+//!
+//! Taken where all of these hold: the switch is on, CUDA cc 9.0 (warp 32), IQ2_XXS gate and up of
+//! the same shape, d a multiple of 256, the MoE's pairs grouped in runs of 64 (the default
+//! gate/up form: not the f16 or tiled opt-ins, not the int8 opt-in `DS4_GPU_ACT=q8k`).
+
+use super::super::{GpuBackend, GpuBuf, GpuWeight};
+use crate::runtime::{Arg, DevPtr, LaunchDims};
+use ds4_backend::GgmlType;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+
+/// 0 off, 2 `gwg_iq2_xxs` (2 warpgroups, 128 rows per CTA), 4 `gwg4_iq2_xxs` (4 warpgroups, 256
+/// rows), UNSET: read `DS4_GPU_GEMM_WG` (`0` off, `4`, else 2) on first use.
+static WG: AtomicU8 = AtomicU8::new(UNSET);
+/// Descriptor probe (`DS4_GPU_GEMM_WG_DSW=1`: leading and stride offsets swapped; UNSET: read).
+static DSW: AtomicU8 = AtomicU8::new(UNSET);
+const UNSET: u8 = 255;
+/// `gwg_iq2_xxs` launches so far (process-wide; tests: the wgmma kernel ran).
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
+pub(in crate::model) const WG_BM: usize = 64;
+
+/// Dynamic shared memory of a CTA of `bn` weight rows: `sizeof(GwSmem<bn>)` in gemm_wg.cu (5 X
+/// chunk slots of 8 KiB, 2 raw stages of bn x 17 + 4 words, the 2 KiB grid; static_assert there).
+const fn wg_smem(bn: usize) -> usize {
+    5 * 8192 + 2 * (bn * 17 + 4) * 4 + 2048
+}
+
+fn wg_form() -> u8 {
+    let v = WG.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v;
+    }
+    let f = match std::env::var("DS4_GPU_GEMM_WG").as_deref() {
+        Ok("0") => 0,
+        Ok("4") => 4,
+        _ => 2,
+    };
+    WG.store(f, Ordering::Relaxed);
+    f
+}
+
+fn read_switch(cell: &AtomicU8, var: &str, default: bool) -> bool {
+    let v = cell.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let on = std::env::var(var).map_or(default, |v| v != "0");
+    cell.store(on as u8, Ordering::Relaxed);
+    on
+}
+
+impl GpuBackend {
+    /// The wgmma MoE gate/up (`gwg_iq2_xxs`) on or off (default: on where it applies, or
+    /// `DS4_GPU_GEMM_WG`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg(on: bool) {
+        WG.store(if on { 2 } else { 0 }, Ordering::Relaxed);
+    }
+
+    /// The wgmma form by warpgroups per CTA: 0 off, 2 (`gwg_iq2_xxs`), 4 (`gwg4_iq2_xxs`).
+    /// Process-wide (tests, benchmarks).
+    #[doc(hidden)]
+    pub fn set_gemm_wg_form(nwg: u8) {
+        WG.store(nwg, Ordering::Relaxed);
+    }
+
+    /// `gwg_iq2_xxs` launches so far in this process.
+    pub fn gemm_wg_launches() -> u64 {
+        LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// Whether the wgmma kernels are compiled for this device (CUDA cc 9.0: sm_90a).
+    pub fn gemm_wg_supported(&self) -> bool {
+        let info = self.gpu.info();
+        info.vendor == crate::runtime::Vendor::Nvidia && info.cc == (9, 0) && info.warp == 32
+    }
+
+    /// MoE hook (gemm.rs `gemm_moe`): gate and up of `n * k` pairs (pair i reads token i / k of
+    /// z, `[n][d]`) into `gy`, `uy` (`[pairs][ff]`) on `gwg_iq2_xxs`, when the switch is on and
+    /// it covers the product (IQ2_XXS weights of the same shape, d % 256 == 0, pairs grouped in
+    /// runs of [`WG_BM`] by `grp`). Returns false (nothing queued) otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::model) fn moe_gate_up_wg(
+        &self,
+        g: (DevPtr, GgmlType, usize, usize, usize),
+        u: (DevPtr, GgmlType, usize, usize, usize),
+        z: DevPtr,
+        n: usize,
+        k: usize,
+        (sel, grp, gmax): (DevPtr, DevPtr, usize),
+        bm: usize,
+        gy: DevPtr,
+        uy: DevPtr,
+    ) -> bool {
+        let (d, ff, rb) = (g.2, g.3, g.4);
+        let nwg = wg_form();
+        if nwg == 0
+            || bm != WG_BM
+            || g.1 != GgmlType::IQ2_XXS
+            || u.1 != GgmlType::IQ2_XXS
+            || (u.2, u.3, u.4) != (d, ff, rb)
+            || !d.is_multiple_of(256)
+            || !z.0.is_multiple_of(16)
+            || n == 0
+            || k == 0
+            || ff == 0
+            || gmax == 0
+            || !self.gemm_wg_supported()
+            || self.failed()
+        {
+            return false;
+        }
+        // z as f16 hi/lo planes in the kernel's K order (one word per element) and 2^-s per row.
+        let xw: GpuBuf = self.scratch(n * d);
+        let inv: GpuBuf = self.scratch(n);
+        self.run(
+            &ds4_kernels::GEMM_WG,
+            "gwg_x_f32",
+            LaunchDims::linear(n as u32, 128),
+            &[
+                Arg::Ptr(z),
+                Arg::I64(d as i64),
+                Arg::I32(d as i32),
+                Arg::Ptr(xw.ptr),
+                Arg::Ptr(inv.ptr),
+            ],
+        );
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        let dsw = read_switch(&DSW, "DS4_GPU_GEMM_WG_DSW", false);
+        let (name, bn) = if nwg == 4 {
+            ("gwg4_iq2_xxs", 256)
+        } else {
+            ("gwg_iq2_xxs", 128)
+        };
+        self.run(
+            &ds4_kernels::GEMM_WG,
+            name,
+            LaunchDims {
+                grid: [ff.div_ceil(bn) as u32, gmax as u32, 2],
+                block: [2 * bn as u32, 1, 1],
+                shared_bytes: wg_smem(bn) as u32,
+            },
+            &[
+                Arg::Ptr(g.0),
+                Arg::Ptr(u.0),
+                Arg::I64((ff * rb) as i64), // expert slab
+                Arg::Ptr(sel),
+                Arg::Ptr(xw.ptr),
+                Arg::Ptr(inv.ptr),
+                Arg::I32(k as i32),
+                Arg::Ptr(gy),
+                Arg::Ptr(uy),
+                Arg::I64(ff as i64),
+                Arg::I32(ff as i32),
+                Arg::I32(d as i32),
+                Arg::I64(rb as i64),
+                Arg::I32((n * k) as i32),
+                Arg::Ptr(grp),
+                Arg::I32(gmax as i32),
+                Arg::I32(dsw as i32),
+            ],
+        );
+        true
+    }
+
+    /// Tests: the wgmma gate/up of `n` tokens × `k` slots with expert choices `sel` (`[n][k]`):
+    /// `(gate, up)` as `[pairs][ff]`, or None where the kernel does not cover the product
+    /// (the form set, or `gwg_iq2_xxs` when off).
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_wg_download(
+        &self,
+        gate: &GpuWeight,
+        up: &GpuWeight,
+        z: &GpuBuf,
+        sel: &super::super::GpuIBuf,
+        n: usize,
+        k: usize,
+        n_expert: usize,
+    ) -> Option<(Vec<f32>, Vec<f32>)> {
+        let (g, u) = (gate.mat_parts()?, up.mat_parts()?);
+        let pairs = n * k;
+        if pairs == 0 || n_expert == 0 || !self.gemm_wg_supported() {
+            return None;
+        }
+        let gmax = pairs.div_ceil(WG_BM) + n_expert.min(pairs);
+        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, WG_BM, gmax);
+        let ff = g.3;
+        let (gy, uy) = (self.scratch(pairs * ff), self.scratch(pairs * ff));
+        let was = WG.load(Ordering::Relaxed);
+        if !matches!(was, 2 | 4) {
+            WG.store(2, Ordering::Relaxed);
+        }
+        let ran = self.moe_gate_up_wg(
+            g,
+            u,
+            z.ptr,
+            n,
+            k,
+            (sel.0.ptr, grp.ptr, gmax),
+            WG_BM,
+            gy.ptr,
+            uy.ptr,
+        );
+        WG.store(was, Ordering::Relaxed);
+        if !ran {
+            return None;
+        }
+        let f = |b: &GpuBuf| -> Vec<f32> {
+            self.download_bytes(b.ptr, pairs * ff * 4)
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        Some((f(&gy), f(&uy)))
+    }
+}

@@ -1,0 +1,427 @@
+// Hopper wgmma form of the MoE's IQ2_XXS gate/up at prefill (sm_90a only; the host launches it
+// only there, elsewhere the kernels compile to empty bodies).
+//
+//   Y_z[item][r] = W_z[expert][r] · X[item / xdiv]     z = 0: gate (W0 -> Y0), z = 1: up (W1 -> Y1)
+//
+// for the (token, slot) pairs grouped by expert (gm_group_*_i32 with runs cut at 64, gemm.cu),
+// gate and up in one launch (blockIdx.z).
+//
+// Arithmetic (the tiled form's, gemm.cu gemmt_*): weights as exact integers in f16,
+//   w = (d / 8) * [(2 ls + 1) * grid * sign]          (|integer| <= 31 * 43 = 1333)
+// X as two f16 planes hi = f16(v), lo = f16(v - hi) of v = x * 2^s (per token row, max |v| < 2^15;
+// gwg_x_f32), products exact, f32 sums; the super-block scale d / 8 is applied once per 256
+// columns (acc += D * cc), the row scale 2^-s at the store. Error: weights exact, X ~2^-22.
+//
+// Tensor cores: wgmma.mma_async m64nNk16 f16 -> f32 with the WEIGHTS AS A (64 weight rows, from
+// registers) and X AS B (N items, from shared memory by descriptor): the decoded weights never
+// touch shared memory (no decoded-tile stores, no ldmatrix). N = 16, 32, 48 or 64: the CTA's
+// valid items rounded up to 16 (an expert's ~48 pairs of a 2048-token prompt: m64n48).
+// CTA: NWG warpgroups (gwg_: 2, 256 threads, 128 weight rows; gwg4_: 4, 512 threads, 256 rows),
+// 64 items x 64 NWG weight rows (warpgroup h: rows 64h..).
+// A fragment (per warp, as mma.m16n8k16): lane (g = lane/4, t = lane%4) of warp q holds rows
+// 16q + g and 16q + g + 8, columns {2t, 2t+1, 2t+8, 2t+9} of each 16-wide k-step. K is permuted
+// inside each 32-element chunk so that lane t's 8 values of a row over the chunk's two k-steps
+// are grid entry t (elements 8t .. 8t+7): k-step kk, column k holds element
+//   8 ((k & 7) >> 1) + 4 kk + 2 (k >> 3) + (k & 1)
+// so each lane decodes one grid entry per row and chunk (one 8-byte grid lookup, integer
+// weights by one PRMT + one HFMA2 a pair, signs by gemmc's PRMT sign replication), and X is
+// stored in the same order by gwg_x_f32.
+// X in shared memory (per chunk slot, per plane): no-swizzle K-major core matrices of 8 items x
+// 8 halves (128 bytes), core (item group ig, k group kg) at 128 (4 ig + kg): descriptor start =
+// plane + 256 kk, LBO (next k group) 128 bytes, SBO (next 8 items) 512 bytes.
+// Pipeline per chunk c (one barrier per chunk): wgmma of chunk c (4 per warpgroup: 2 k-steps x
+// hi/lo into cc; the first of a super-block with scale-d 0) committed, then wait until chunk c-1's
+// group is done (chunk 7 of a super-block: all, then acc += D cc), then the cp.async of X chunk
+// c+4 (5 slots: 4 chunks in flight; dynamic shared memory past 48 KiB) and, once per super-block, the raw weight blocks of the super-block after next
+// (2 stages of 64 NWG rows x 17 words, cp.async 4-byte from the 4-byte-aligned address below the
+// 2-byte-aligned 66-byte block), then lane decodes chunk c+1 into the other A register set
+// while chunk c's wgmma run.
+#include "prelude.cuh"
+#include "iq2xxs_grid.cuh"
+#include "ptx.cuh"
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 900 && DS4_ARCH < 1000
+#define GW_HAVE 1 // wgmma: sm_90a only (not sm_100)
+#else
+#define GW_HAVE 0
+#endif
+
+#define GW_BM 64  // items per CTA (the grouping's run)
+#define GW_NXS 5  // X chunk slots (4 chunks in flight)
+#define GW_RW 17  // raw words per row and stage: a 66-byte block from the 4-byte boundary below it
+
+#if GW_HAVE
+// Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wg.rs WG_SMEM).
+template <int BN> struct alignas(16) GwSmem {
+    uint4 x[GW_NXS][2][GW_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
+    u32 raw[2][BN * GW_RW + 4];    // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
+    u64 grid[256];                 // IQ2_XXS grid
+};
+static_assert(sizeof(GwSmem<128>) == 60448, "gemm_wg.rs WG_SMEM");
+static_assert(sizeof(GwSmem<256>) == 77856, "gemm_wg.rs WG_SMEM");
+
+template <int N> struct GwAcc {
+    float v[N / 2]; // v[4j + e]: row g + 8 (e >> 1), item 8j + 2t + (e & 1) (of the warp's 16 rows)
+};
+
+// f16x2 helpers (round to nearest; the operands here make every result exact).
+__device__ __forceinline__ u32 gw_hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 gw_hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 gw_hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+__device__ __forceinline__ u32 gw_h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void gw_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void gw_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int K> __device__ __forceinline__ void gw_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(K) : "memory");
+}
+// Keep the compiler from touching accumulators / A registers across the asynchronous wgmma.
+template <int N> __device__ __forceinline__ void gw_pin(GwAcc<N>& a) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(a.v[i])::"memory");
+}
+__device__ __forceinline__ void gw_pin_a(u32* a) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) asm volatile("" : "+r"(a[i])::"memory");
+}
+__device__ __forceinline__ void gw_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (8 rows) byte offsets.
+__device__ __forceinline__ u64 gw_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void gw_cp4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Grid entry t of chunk p of a row's staged block (rb: 17 words; sh: the block's byte offset in
+// them, 0 or 2) as 4 f16x2 words: elements (0,1), (2,3), (4,5), (6,7) of the entry, each the exact
+// integer (2 ls + 1) * grid * sign.
+__device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, const u64* grid, u32* w) {
+    const u32 o = sh + 2 + 8 * p, wi = o >> 2, fs = (o & 3) * 8;
+    const u32 A = rb[wi], B = rb[wi + 1], C = rb[wi + 2];
+    const u32 idx = __funnelshift_r(A, B, fs), aux = __funnelshift_r(B, C, fs);
+    const u64 gv = grid[(idx >> (8 * t)) & 0xff];
+    const u32 s7 = (aux >> (7 * t)) & 127u, m = 2 * (aux >> 28) + 1;
+    const u32 m2 = gw_hsub2((m | (m << 16)) | 0x64006400u, 0x64006400u); // f16x2 (m, m)
+    const u32 c2 = gw_hmul2(m2, 0xe400e400u);                               // -1024 m
+    // sign bit e of the 8 (bit 7: parity) at the msb of byte e % 4 of v[e / 4] (gemmc's trick)
+    const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
+    const u32 gw2[2] = {(u32)gv, (u32)(gv >> 32)};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        // bytes (b, 0x64): f16 1024 + b; (1024 + b) m - 1024 m = b m exactly (one rounding)
+        const u32 u = ds4_prmt(gw2[q >> 1], 0x64646464u, (q & 1) ? 0x4342u : 0x4140u);
+        const u32 mk = ds4_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
+        w[q] = gw_hfma2(u, m2, c2) ^ (mk & 0x80008000u);
+    }
+}
+
+// The super-block scale d / 8 of a row's staged block (f16 d at byte sh).
+__device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
+__device__ __forceinline__ void gw_mma(GwAcc<16>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<32>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<48>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+
+// One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
+// set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
+template <int N, int NWG>
+__device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
+                                        const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
+                                        long long y_tok, int rows, int cols, long long row_bytes, int dsw) {
+    constexpr int NT = 128 * NWG, BN = 64 * NWG, PP = 512 / NT, TPI = 8 / PP; // X pieces per thread, threads per item
+    const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * BN;
+    const u8* wbase = W + (long long)expert * slab;
+    const int nl = cols / 32, nsb = nl / 8;
+    const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
+    const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
+    // X copies: thread -> item xm = tid / TPI, 16-byte pieces j = PP (tid % TPI) + jj (0..3 hi, 4..7
+    // lo), piece j of item m to plane j / 4, core (m / 8, j % 4), row m % 8.
+    const int xm = tid / TPI;
+    const int xit = xm < N ? items[xm] : -1;
+    const u32* xsrc = XW + (long long)(xit >= 0 ? xit / xdiv : 0) * cols;
+    u32 xdst[PP];
+#pragma unroll
+    for (int jj = 0; jj < PP; jj++) {
+        const int j = PP * (tid % TPI) + jj;
+        xdst[jj] = sx + (u32)((j >> 2) * 4096 + ((4 * (xm >> 3) + (j & 3)) * 8 + (xm & 7)) * 16);
+    }
+    auto issue_x = [&](int c) {
+        if (c < nl && xm < N) {
+            const u32 so = (u32)(c % GW_NXS) * 8192u;
+#pragma unroll
+            for (int jj = 0; jj < PP; jj++) {
+                const u32* src = xit >= 0 ? xsrc + 32LL * c + 4 * (PP * (tid % TPI) + jj) : XW;
+                gw_cp16(xdst[jj] + so, src, xit >= 0);
+            }
+        }
+    };
+    // Raw super-block S (the 66-byte block S of each of the BN rows; rows past `rows` repeat the
+    // last) into stage S % 2: word w of row r from the 4-byte boundary below the block.
+    auto issue_raw = [&](int S) {
+        if (S < nsb) {
+            const u32 so = sr + (u32)(S & 1) * (u32)((BN * GW_RW + 4) * 4);
+            for (int i = tid; i < BN * GW_RW; i += NT) {
+                const int r = i / GW_RW, w = i - r * GW_RW;
+                const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 66LL * S;
+                gw_cp4(so + 4u * (u32)i, (const u32*)((size_t)a & ~(size_t)3) + w);
+            }
+        }
+    };
+    const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
+    // Byte offset of super-block 0 of each row in its staged words (super-block S: XOR 2 (S % 2)).
+    const u32 sh0 = (u32)((size_t)(wbase + (long long)min(r0 + R0, rows - 1) * row_bytes) & 3);
+    const u32 sh1 = (u32)((size_t)(wbase + (long long)min(r0 + R1, rows - 1) * row_bytes) & 3);
+    // A registers of chunk 8S + p: k-step kk at a[4kk ..]: (R0, R1, R0, R1) x element pairs
+    // (2kk, 2kk, 2kk + 1, 2kk + 1) of grid entry t.
+    auto decode = [&](int S, int p, u32* a) {
+        const u32 x = 2u * (u32)(S & 1);
+        u32 w0[4], w1[4];
+        gw_deq(&sm.raw[S & 1][GW_RW * R0], sh0 ^ x, p, t, sm.grid, w0);
+        gw_deq(&sm.raw[S & 1][GW_RW * R1], sh1 ^ x, p, t, sm.grid, w1);
+        a[0] = w0[0], a[1] = w1[0], a[2] = w0[1], a[3] = w1[1];
+        a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
+    };
+    const u32 lbo = dsw ? 512u : 128u, sbo = dsw ? 128u : 512u;
+
+    GwAcc<N> acc, cc;
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f, cc.v[i] = 0.0f;
+    u32 a0[8], a1[8];
+    issue_raw(0);
+    issue_raw(1);
+#pragma unroll
+    for (int i = 0; i < GW_NXS - 1; i++) { // raw 0, 1 and X 0 in the first group, X i in group i
+        issue_x(i);
+        ds4_cp_commit();
+    }
+    ds4_cp_wait<GW_NXS - 2>();
+    gw_proxy_fence();
+    __syncthreads();
+    decode(0, 0, a0);
+    float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1);
+
+    for (int S = 0; S < nsb; S++) {
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            const int c = 8 * S + p;
+            u32* a = (p & 1) ? a1 : a0;  // this chunk's A registers
+            u32* an = (p & 1) ? a0 : a1; // the next chunk's
+            const u32 xs = sx + (u32)(c % GW_NXS) * 8192u;
+            gw_pin(cc);
+            gw_fence();
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
+                gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
+            }
+            gw_commit();
+            gw_pin(cc);
+            if (p == 7) { // end of the super-block: acc += (d / 8) cc
+                gw_wait<0>();
+                gw_pin(cc);
+                gw_pin_a(a);
+                gw_pin_a(an);
+#pragma unroll
+                for (int i = 0; i < N / 2; i++) acc.v[i] = fmaf((i & 2) ? D1 : D0, cc.v[i], acc.v[i]);
+            } else {
+                gw_wait<1>(); // chunk c - 1's group (registers an, X slot (c - 1) % 3) is done
+                gw_pin_a(an);
+            }
+            ds4_cp_wait<GW_NXS - 3>(); // X chunk c + 1 (and raw super-block S + 1, older) have landed
+            gw_proxy_fence();
+            __syncthreads();
+            issue_x(c + GW_NXS - 1); // into chunk c - 1's slot
+            if (p == 7) issue_raw(S + 2); // into super-block S's stage
+            ds4_cp_commit();
+            if (c + 1 < nl) {
+                const int S1 = p == 7 ? S + 1 : S;
+                decode(S1, (p + 1) & 7, an);
+                if (p == 7) {
+                    const u32 x = 2u * (u32)(S1 & 1);
+                    D0 = gw_dscale(&sm.raw[S1 & 1][GW_RW * R0], sh0 ^ x);
+                    D1 = gw_dscale(&sm.raw[S1 & 1][GW_RW * R1], sh1 ^ x);
+                }
+            }
+        }
+    }
+    ds4_cp_wait<0>();
+    // acc.v[4j + e]: row R0 + 8 (e >> 1), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token.
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        const int it = items[m], r = r0 + ((i & 2) ? R1 : R0);
+        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
+    }
+}
+#endif
+
+#if defined(DS4_CUDA)
+#define GW_B2 256, 2 // DS4_BOUNDS(GW_B2) = __launch_bounds__(256, 2): 2 CTAs per SM
+#define GW_B4 512, 1
+#else
+#define GW_B2 256
+#define GW_B4 512
+#endif
+
+#if GW_HAVE
+// The kernels' shared part: the CTA's item run, then the product with N = its valid items
+// rounded up to 16.
+template <int NWG>
+__device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
+                                          const int* __restrict__ sel, const u32* __restrict__ XW,
+                                          const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
+                                          float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
+                                          int n, const int* __restrict__ grp, int gmax, int dsw) {
+    extern __shared__ uint4 gw_dyn[];
+    GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
+    __shared__ int items[GW_BM];
+    __shared__ int expert;
+    const int by = blockIdx.y, tid = threadIdx.x;
+    if (by >= grp[0]) return; // uniform over the CTA
+    if (tid < 256) sm.grid[tid] = ds4_iq2xxs_grid[tid];
+    if (tid < GW_BM) { // the run of one expert's pairs starting at starts[by] (gemm.cu gm_items)
+        const int* perm = grp + 1 + gmax;
+        const int st = grp[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
+        items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
+        if (tid == 0) expert = e;
+    }
+    __syncthreads();
+    // valid items (a prefix of the tile): up to the next run's start
+    const int nv = min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GW_BM);
+    const u8* W = blockIdx.z ? W1 : W0;
+    float* Y = blockIdx.z ? Y1 : Y0;
+    if (nv <= 16)
+        gw_body<16, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+    else if (nv <= 32)
+        gw_body<32, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+    else if (nv <= 48)
+        gw_body<48, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+    else
+        gw_body<64, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+}
+#endif
+
+#define GW_PARAMS                                                                                                    \
+    const u8 *__restrict__ W0, const u8 *__restrict__ W1, long long slab, const int *__restrict__ sel,              \
+        const u32 *__restrict__ XW, const float *__restrict__ xinv, int xdiv, float *__restrict__ Y0,                \
+        float *__restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes, int n,                     \
+        const int *__restrict__ grp, int gmax, int dsw
+#define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax, dsw
+#if GW_HAVE
+#define GW_RUN(nwg) gw_kernel<nwg>(GW_ARGS)
+#else
+#define GW_RUN(nwg) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
+    (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)dsw
+#endif
+
+// gate (blockIdx.z 0: W0 -> Y0) and up (1: W1 -> Y1) of the grouped pairs: grid (rows / BN, gmax,
+// 2); gwg_: 256 threads, BN = 128 weight rows (2 CTAs per SM), gwg4_: 512 threads, BN = 256 (1 CTA
+// per SM, half the X traffic); dynamic shared memory sizeof(GwSmem<BN>). W_z + expert * slab: the
+// expert's rows (row_bytes apart, cols / 256 blocks of 66 bytes); XW, xinv: gwg_x_f32 of the token
+// rows (pair i reads token i / xdiv); Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at
+// most 64 ([ngroups, starts[gmax], perm[n]]). cols % 256 == 0. dsw != 0 swaps the descriptor's
+// leading and stride offsets (a layout probe; 0 is right).
+DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(2); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg4_iq2_xxs(GW_PARAMS) { GW_RUN(4); }
+
+// X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
+// 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;
+// chunk c (32 elements) of row t -> the 32 words xw[t * width + 32 c ..]: hi plane words 0..15, lo
+// plane 16..31 (lo = f16(v - hi)); word 4 kg + w of a plane = f16x2 of elements (8w + 2kg, +1),
+// i.e. 16-byte piece kg holds the k group kg of the wgmma K order (header).
+DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xw,
+                                          float* __restrict__ xinv) {
+#if GW_HAVE
+    __shared__ float red[128 / DS4_WARP];
+    const int tid = threadIdx.x;
+    const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
+    float m = 0.0f;
+    for (int i = tid; i < width / 4; i += 128) {
+        const float4 v = p[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+    if (tid % DS4_WARP == 0) red[tid / DS4_WARP] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < 128 / DS4_WARP; i++) m = fmaxf(m, red[i]);
+    const int e = (int)((__float_as_int(m) >> 23) & 0xff) - 126;
+    const int sh = min(max(15 - e, -126), 126);
+    const float sc = __int_as_float((sh + 127) << 23);
+    if (tid == 0) xinv[blockIdx.x] = __int_as_float((127 - sh) << 23);
+    u32* o = xw + (long long)blockIdx.x * width;
+    for (int c = tid; c < width / 32; c += 128) {
+        float v[32];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float4 f = p[8 * c + i];
+            v[4 * i] = f.x * sc, v[4 * i + 1] = f.y * sc, v[4 * i + 2] = f.z * sc, v[4 * i + 3] = f.w * sc; // exact
+        }
+        u32 hw[16], lw[16];
+#pragma unroll
+        for (int qq = 0; qq < 16; qq++) { // elements 2qq, 2qq + 1 = (8w + 2kg, +1): w = qq / 4, kg = qq % 4
+            const float a = v[2 * qq], b = v[2 * qq + 1];
+            const u32 hh = gw_h2(a, b);
+            const int k = 4 * (qq & 3) + (qq >> 2);
+            hw[k] = hh;
+            lw[k] = gw_h2(a - ds4_h2f_fast(hh & 0xffffu), b - ds4_h2f_fast(hh >> 16));
+        }
+        uint4* d = (uint4*)(o + 32 * c);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            d[i] = make_uint4(hw[4 * i], hw[4 * i + 1], hw[4 * i + 2], hw[4 * i + 3]);
+            d[4 + i] = make_uint4(lw[4 * i], lw[4 * i + 1], lw[4 * i + 2], lw[4 * i + 3]);
+        }
+    }
+#else
+    (void)X, (void)x_tok, (void)width, (void)xw, (void)xinv;
+#endif
+}
