@@ -2,10 +2,11 @@
 //! mixer of 24 rows × 16384, 20 Sinkhorn iterations; `gpu/fused.cu`), where its time goes.
 //! (1) µs per call of the kernel (`hc_post_pre_norm_l`) and of its probe (`hc_post_pre_norm_p`,
 //! waiting for the previous kernel first or, as `_l`, after the mixer loads) stopped after each
-//! phase: `reps` launches back to back between two events (PDL launches as in the engine). (2) The probe's %globaltimer
-//! stamps (one launch at a time): when each phase ends, after the first CTA starts (max over
-//! the CTAs for the per-CTA phases; the last CTA's for the epilogue), and the Sinkhorn's and
-//! the collapse's clock64 cycles.
+//! phase: `reps` launches back to back between two events (PDL launches as in the engine).
+//! (2) The probe's %globaltimer stamps (one launch at a time): when each phase ends, after the
+//! first CTA starts (max over the CTAs for the per-CTA phases; the last CTA's for the
+//! epilogue: its z's end apart from its Sinkhorn's on CUDA), and the Sinkhorn's and the
+//! collapse's clock64 cycles.
 //! (3) first, prefill (`HC_BENCH_N` tokens, default 2048; `GpuBackend`): µs per call of
 //! hc_post_pre_norm (the HC post, then the HC pre) and hc_pre_norm with the `hcp_mix` +
 //! `hcp_finish` kernels (`set_hcp("on")`) and with the composed ops ("off"): `reps` (at most
@@ -254,11 +255,11 @@ fn main() {
         "last CTA: Sinkhorn end",
         "last CTA: collapse end",
         "last CTA: sum z^2",
-        "last CTA: end",
+        "last CTA: z end",
     ];
     println!("# (2) probe stamps, us after the first CTA's start (median of {runs} launches)");
     for (form, fname) in [(0, "wait"), (1, "late")] {
-        let mut rows: Vec<Vec<f64>> = vec![Vec::new(); labels.len() + 4];
+        let mut rows: Vec<Vec<f64>> = vec![Vec::new(); labels.len() + 5];
         for _ in 0..runs {
             rt.memset_u32_async(stamps.ptr(), 0, splits * FP_NST * 2, s)
                 .unwrap();
@@ -282,6 +283,7 @@ fn main() {
             rows[10].push(us(a_min));
             rows[11].push(cta(last, 10) as f64);
             rows[12].push(cta(last, 11) as f64);
+            rows[13].push(us(cta(last, 6).max(cta(last, 9))));
         }
         let med = |v: &mut Vec<f64>| {
             v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -299,6 +301,11 @@ fn main() {
         );
         println!("  {:<30} {:8.0}", "Sinkhorn cycles", med(&mut rows[11]));
         println!("  {:<30} {:8.0}", "collapse cycles", med(&mut rows[12]));
+        println!(
+            "  {:<30} {:8.2}",
+            "last CTA: end (Sinkhorn or z)",
+            med(&mut rows[13])
+        );
     }
     let zs = gpu.download_f32(z.ptr(), 4).unwrap();
     println!("# z[0..4] {zs:?}");

@@ -604,25 +604,33 @@ fn hc_pre_norm_cases(cases: &[(usize, usize, usize, GgmlType)]) {
             assert_close(&format!("{what} comb"), &cg, &cc, TOL_FUSED);
             assert_close(&format!("{what} z"), &zg, &zc, TOL_FUSED);
 
-            // HC post of a sublayer output o into x, then this HC pre (fused at decode).
+            // HC post of a sublayer output o into x, then this HC pre (fused at decode); three
+            // times in a row (x accumulates the posts): the arrival counters are back at zero
+            // after every launch.
             let o = randn(&mut r, n * d, 2.0);
             let pin = randn(&mut r, n * nh, 1.0);
             let cin: Vec<f32> = randn(&mut r, n * nh * nh, 0.5)
                 .iter()
                 .map(|v| (v + 0.5) / nh as f32)
                 .collect();
+            const CALLS: u64 = 3;
             let mut xc = x.clone();
-            cpu.hc_post_pre_norm(
-                h, &mut xc, &o, &pin, &cin, &mc, &sc, &bc, &nc, n, eps, &mut zc, &mut pc, &mut cc,
-            );
+            for _ in 0..CALLS {
+                cpu.hc_post_pre_norm(
+                    h, &mut xc, &o, &pin, &cin, &mc, &sc, &bc, &nc, n, eps, &mut zc, &mut pc,
+                    &mut cc,
+                );
+            }
             let mut xg = gpu.upload(&x);
             let (og, ping, cing) = (gpu.upload(&o), gpu.upload(&pin), gpu.upload(&cin));
             let (mut zg, mut pg, mut cg) =
                 (gpu.alloc(n * d), gpu.alloc(n * nh), gpu.alloc(n * nh * nh));
-            gpu.hc_post_pre_norm(
-                h, &mut xg, &og, &ping, &cing, &mg, &sg, &bg, &ng, n, eps, &mut zg, &mut pg,
-                &mut cg,
-            );
+            for _ in 0..CALLS {
+                gpu.hc_post_pre_norm(
+                    h, &mut xg, &og, &ping, &cing, &mg, &sg, &bg, &ng, n, eps, &mut zg, &mut pg,
+                    &mut cg,
+                );
+            }
             let (xg, zg, pg, cg) = (
                 gpu.download(&xg, n * w),
                 gpu.download(&zg, n * d),
@@ -635,6 +643,14 @@ fn hc_pre_norm_cases(cases: &[(usize, usize, usize, GgmlType)]) {
             assert_close(&format!("{what} post"), &pg, &pc, TOL_FUSED);
             assert_close(&format!("{what} comb"), &cg, &cc, TOL_FUSED);
             assert_close(&format!("{what} z"), &zg, &zc, TOL_FUSED);
+            if n <= 4 && fused == "on" {
+                // The latency kernels (their last CTA's z beside the Sinkhorn) stay ~1e-6 from
+                // the CPU (H200: <= 7e-7 at n 1..4 after three calls).
+                for (v, g, c) in [("post", &pg, &pc), ("comb", &cg, &cc), ("z", &zg, &zc)] {
+                    let e = max_rel(g, c);
+                    assert!(e <= TOL, "{what} {v}: {e:.3e} > {TOL:.0e}");
+                }
+            }
         }
     });
 }

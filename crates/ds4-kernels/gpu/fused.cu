@@ -279,7 +279,9 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 // - pre, post and the comb's exps by one thread each at once (f32 expf), then the Sinkhorn on one
 //   warp, every lane iterating on all N·N values in registers with pairwise sums and reciprocal
 //   multiplies (no shuffles, no divisions in the 2·20 dependent steps); results ~1e-6 from the
-//   CPU's, not bit-equal.
+//   CPU's, not bit-equal;
+// - z (the collapse, Σz², the RMS scale) on the warps beside the Sinkhorn's, ending before it
+//   (fl_hc).
 
 #define FW_ZR 8    // most float4 columns of z per collapse thread in the epilogue
 #define FW_T 256   // threads of a CTA (the host launches exactly this many)
@@ -303,7 +305,15 @@ __device__ __forceinline__ u64 fp_now() {
     } while (0)
 
 #define FL_SUB 8 // threads summing one partial row
-#define FL_PF 5  // collapse columns a thread loads before the partial sums (D/4 <= 5·224: one round)
+#define FL_PF 6  // collapse columns a thread loads before the partial sums (D/4 <= 6·192: one round)
+
+// Named CTA barrier `id` (1..15; 0 is __syncthreads) of n threads (a multiple of the warp width,
+// whole warps): CUDA bar.sync. Called only on CUDA paths (a no-op elsewhere).
+__device__ __forceinline__ void fl_bar(int id, int n) {
+#if defined(DS4_CUDA)
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+#endif
+}
 
 // Release / acquire fence at device scope for the arrival ticket (CUDA fence.acq_rel.gpu,
 // lighter than __threadfence's fence.sc; HIP __threadfence).
@@ -329,6 +339,11 @@ __device__ __forceinline__ double fu_ld_cg_f64(const double* p) {
 // One (token t, split s) CTA; POST: apply the HC post to the pairs first (X' in place). PROBE
 // (hc_post_pre_norm_p): stamps, and a return at `stop`. LATE: the kernel started with
 // DS4_PDL_LATE; wait for the previous kernels after the weights' loads (mixer, scale, base).
+// The last CTA's z is off the Sinkhorn's path: the collapse runs on the warps that share no
+// scheduler with warp 0's Sinkhorn (warp w is on SM sub-partition w % 4: all but 0 and
+// FW_NW / 2), and on CUDA Σz², the RMS scale and z's stores on those warps alone (named barrier
+// 1), so the CTA ends when the longer of the two ends, not after both (H200: 5.6 us a call back
+// to back against 6.5; bench/results/gpu-hc-h15-h200.txt); HIP keeps the CTA-wide Σz².
 template <int NN, bool POST, bool PROBE, bool LATE>
 __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, const float* __restrict__ post_in,
                                       const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes,
@@ -364,6 +379,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
         }
     }
     const float prm = tid < MIX ? base[tid] : tid < MIX + 3 ? scale[tid - MIX] : 0.0f;
+    const double inv_nd = 1.0 / (double)(NN * D); // the RMS's division off the last CTA's path
     if (LATE) ds4_pdl_enter(); // x, o, post_in, comb_in and part are read after it
     // Warp 0: the pair's value (X' = post_j·o + Σ_i A[i][j]·X[i] in the CPU's order, or X) and Σv².
     double ss = 0.0;
@@ -435,14 +451,17 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     double u[16];
 #pragma unroll
     for (int k = 0; k < 16; k++) u[k] = pr_r < ROWS && q0 + k * FL_SUB < S ? fu_ld_cg_f64(pr + q0 + k * FL_SUB) : 0.0;
-    // Warps 1..: the collapse columns c0 + k·step, the first FL_PF loaded now (X' of other CTAs
-    // through L2), in flight while the partials are summed.
-    const int step = FW_T - DS4_WARP, c0 = tid - DS4_WARP;
+    // Collapse warps (cw; ci-th of NCW): the collapse columns c0 + k·step, the first PF loaded
+    // now (X' of other CTAs through L2), in flight while the partials are summed.
+    constexpr int NCW = FW_NW - 2, PF = FL_PF;
+    const bool cw = g != 0 && g != FW_NW / 2;
+    const int ci = g - 1 - (g > FW_NW / 2 ? 1 : 0);
+    const int step = NCW * DS4_WARP, c0 = ci * DS4_WARP + lane;
     float4 xv[FW_ZR][NN], gr[FW_ZR];
     const float4* nr = (const float4*)norm;
-    if (g != 0) {
+    if (cw) {
 #pragma unroll
-        for (int k = 0; k < FL_PF; k++) {
+        for (int k = 0; k < PF; k++) {
             const int c = c0 + k * step;
             if (c < D4) {
                 gr[k] = nr[c];
@@ -473,7 +492,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     // Thread e < MIX: m_e = dot_e · rms scale of the N·D row, its logit m_e·scale[k] + base[e],
     // then (all at once) pre (e < N), post (e < 2N) or the exp of a comb logit less its row's max.
     if (tid < MIX) {
-        const float sc = (float)rsqrt(dsum[MIX] / (double)(NN * D) + (double)eps);
+        const float sc = (float)rsqrt(dsum[MIX] * inv_nd + (double)eps);
         const float sk = prm_s[MIX + (tid < NN ? 0 : tid < 2 * NN ? 1 : 2)];
         const float lg = ds4_mul_rn((float)dsum[tid] * sc, sk) + prm_s[tid];
         if (tid < NN) pre_s[tid] = hc_sigmoid_f(lg) + hc_eps;
@@ -488,7 +507,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     }
     __syncthreads();
     FP_STAMP(5);
-    // Warp 0: split + Sinkhorn (post, comb); warps 1..: z = Σ pre_i X[i] (CPU order,
+    // Warp 0: split + Sinkhorn (post, comb); the collapse warps: z = Σ pre_i X[i] (CPU order,
     // uncontracted) into registers; then rms_norm(z).
     double zz = 0.0;
     if (g == 0) {
@@ -499,10 +518,10 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
             stamps[(size_t)blockIdx.x * FP_NST + 6] = fp_now();
             stamps[(size_t)blockIdx.x * FP_NST + 10] = (u64)(clock64() - c_0);
         }
-    } else if (!(PROBE && stop == 6)) {
+    } else if (cw && !(PROBE && stop == 6)) {
         const long long c_0 = PROBE ? clock64() : 0;
 #pragma unroll
-        for (int k = FL_PF; k < FW_ZR; k++) { // columns past the prefetched ones (D/4 > 5·224)
+        for (int k = PF; k < FW_ZR; k++) { // columns past the prefetched ones (D/4 > PF·step)
             const int c = c0 + k * step;
             if (c < D4) {
                 gr[k] = nr[c];
@@ -530,11 +549,35 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
             stamps[(size_t)blockIdx.x * FP_NST + 7] = fp_now();
             stamps[(size_t)blockIdx.x * FP_NST + 11] = (u64)(clock64() - c_0);
         }
+#if defined(DS4_CUDA)
+        { // Σz² over the collapse warps only (fixed order), then z = q·zs·norm
+            const double w = ds4_warp_sum_f64(zz);
+            if (lane == 0) red[ci] = w;
+            fl_bar(1, NCW * DS4_WARP);
+            double t2 = 0.0;
+            for (int i = 0; i < NCW; i++) t2 += red[i];
+            if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 8] = fp_now();
+            const float zs = (float)(1.0 / sqrt(t2 / (double)D + (double)eps));
+            float4* zt = (float4*)(z + (size_t)t * D);
+#pragma unroll
+            for (int k = 0; k < FW_ZR; k++) {
+                const int c = c0 + k * step;
+                if (c < D4) {
+                    const float4 q = xv[k][0], w4 = gr[k];
+                    zt[c] = make_float4(q.x * zs * w4.x, q.y * zs * w4.y, q.z * zs * w4.z, q.w * zs * w4.w);
+                }
+            }
+            if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 9] = fp_now();
+        }
+#endif
     }
+#if defined(DS4_CUDA)
+    return; // warp 0 after its Sinkhorn, warp FW_NW / 2 at once, the others after z
+#else
     zz = fu_block_sum(zz, red);
     FP_STAMP(8);
     const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
-    if (g != 0 && !(PROBE && stop == 6)) {
+    if (cw && !(PROBE && stop == 6)) {
         float4* zt = (float4*)(z + (size_t)t * D);
 #pragma unroll
         for (int k = 0; k < FW_ZR; k++) {
@@ -546,11 +589,12 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
         }
     }
     FP_STAMP(9);
+#endif
 }
 
 // Latency hc_pre_norm_f32: same arguments, outputs and host guarantees, except: grid n·S CTAs with
 // S = ceil(D/4 / (DS4_WARP / N)); part holds n·FU_PART·S doubles; blockDim = FW_T with
-// D/4 <= FW_ZR·(FW_T - DS4_WARP).
+// D/4 <= FW_ZR·(FW_T - 2·DS4_WARP) (the epilogue's collapse warps).
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_pre_norm_l(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps) {
     DS4_PDL_LATE; // fl_hc waits after the mixer loads
     float* xm = (float*)x; // not written (POST = false)
@@ -576,10 +620,10 @@ DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_l(float* x, const float* __res
 // Probe of hc_post_pre_norm_l at N = 4 (crates/ds4-gpu/examples/hc_bench.rs): form 0 waits for
 // the previous kernel first, 1 after the mixer loads (as _l); %globaltimer stamps per CTA in
 // stamps[CTA·FP_NST + k] (0 entry, 1 pair values, 2 partials stored, 3 ticket; last CTA:
-// 4 partial sums, 5 m/pre, 6 Sinkhorn end, 7 collapse end, 8 Σz², 9 end; 10 and 11 the
-// Sinkhorn's and the collapse's clock64 cycles) and a stop: 1..4 return after that phase (the
-// ticket left right), 5 skips the Sinkhorn, 6 the collapse. Arguments as hc_post_pre_norm_l
-// plus form, stop, stamps.
+// 4 partial sums, 5 m/pre, 6 Sinkhorn end, 7 collapse end, 8 Σz², 9 end of z (on CUDA apart
+// from the Sinkhorn's end); 10 and 11 the Sinkhorn's and the collapse's clock64 cycles) and a
+// stop: 1..4 return after that phase (the ticket left right), 5 skips the Sinkhorn, 6 the
+// collapse. Arguments as hc_post_pre_norm_l plus form, stop, stamps.
 DS4_KERNEL void DS4_BOUNDS(FW_T) hc_post_pre_norm_p(float* x, const float* __restrict__ o, const float* __restrict__ post_in, const float* __restrict__ comb_in, const u8* __restrict__ mixer, long long row_bytes, int wty, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, double* part, u32* tickets, int N, int D, int S, int iters, float hc_eps, float eps, int form, int stop, u64* stamps) {
     DS4_PDL_LATE; // form 0 waits here, 1 in fl_hc
     if (form == 0) {

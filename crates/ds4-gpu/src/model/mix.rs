@@ -441,7 +441,8 @@ impl GpuBackend {
     ) {
         let warp = self.warp() as usize;
         let d4 = hc.d / 4;
-        let wide = fuse_wide() && hc.n <= warp && d4 <= FW_ZR * (FW_T - warp);
+        // The epilogue's collapse runs on all warps but two (fused.cu fl_hc).
+        let wide = fuse_wide() && hc.n <= warp && d4 <= FW_ZR * (FW_T - 2 * warp);
         let (name, threads, splits) = if wide {
             let cols = warp / hc.n; // float4 columns of d a split
             let name = if pin.is_some() {
