@@ -1392,3 +1392,397 @@ DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restr
     m3dn_body(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }
+
+// ===================================================================================================
+// Form 4 (m4gu1, "v4", n = 1, CUDA sm_80+): the IQ2_XXS gate/up of form 3 on int8 tensor cores,
+// mma.sync m16n8k32 s8 x s8 -> s32; the down is form 3's m3dn1_q2_k (this kernel writes the same h
+// and maxima mx). One k32 step = one 32-element sub-block (one 4-bit scale), so the scale goes on
+// the int32 result (one IMAD an accumulator), not on every weight.
+// - A (16 rows: gate rows r..r+7, then the same up rows, as form 3): lane (gid, tig) holds grid
+//   entry tig (elements 8 tig .. 8 tig + 7) of its row's sub-block: a0/a1 = elements 0-3 of the
+//   gate / up entry (k 4 tig ..), a2/a3 = elements 4-7 (k 16 + 4 tig ..). So the lanes of a quad
+//   share a sub-block: each loads its grid index byte and the aux word itself (broadcast loads).
+// - Signs without a negation per byte: with t = 0xff where an element is positive, 0x00 where
+//   negative (a sign-replicating PRMT of the inverted 7-bit field spread to byte msbs by one
+//   multiply, parity in bit 31), sign * g = (g ^ ~t) + t + 1 per byte (negative: (-g - 1) + 0 + 1,
+//   positive: g - 1 + 1). Two mma a sub-block: D = S + A1 . X + t . X with A1 = ~(g ^ t) and S
+//   the sub-block's column sums of X (the "+ 1" of every element), all exact in int32.
+// - B (x): per 256-column super-block b, X = rint(x * 2^s_b) with max |X| < 2^30 (s_b from the
+//   block's max |x|, a power of two), as 4 signed int8 limbs X = l0 2^24 + l1 2^16 + l2 2^8 + l3
+//   in B columns 0-3 (lanes gid 0-3 load them; gid 4-7 keep zeros). Per element 2^-31 of the
+//   block's max (form 3's f16 hi/lo: ~22 bits of each element). C columns 2 tig, 2 tig + 1: lane
+//   tig 0 has limbs 0, 1, lane tig 1 limbs 2, 3 (lanes tig 2, 3: unused columns).
+// - Per sub-block acc += (2 ls + 1) * D (|acc| < 2^31 over a super-block: 8 x 31 x 32 x 43 x 128);
+//   per super-block f += d * 2^-s_b * (256 acc_2tig + acc_2tig+1) in f32; at the tile's end
+//   gate = 2^16 f(tig 0) + f(tig 1), times 1/8 (IQ2_XXS: d (2 ls + 1) / 8 grid sign).
+// x is converted by every CTA in its prologue (warp w: super-blocks w, w + 8, ..): limbs in
+// xq[sub-block][limb][32 bytes] (a lane's B fragment: 8 consecutive bytes), sums S[sub-block][4]
+// (int32), 2^-s_b in xinv. Staging as form 3 (3 stages of 16 rows at a 560-byte stride); the
+// tile partials red and maxima wmax live in the unused bytes of the staged rows (m4_pad).
+// Deterministic: integer sums, fixed-order float sums. Shared memory: grid (2 KB), xq (cols), S
+// (cols / 2), xinv (cols / 64), 3 stages: 47,424 bytes at cols 4096 (v3d: 45,088; the launch
+// limit without the opt-in: 48 KB less the 1 KB the driver reserves).
+// ===================================================================================================
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+// Float i < 192 of the padding of the 48 staged rows at stride SR (bytes 528-543 of each; never
+// copied into).
+template <int SR> __device__ __forceinline__ float* m4_pad(u8* stg, int i) {
+    return (float*)(stg + (i >> 2) * SR + 528 + 4 * (i & 3));
+}
+
+// d = a . b + d (int8 in, int32 accumulate).
+__device__ __forceinline__ void m4_mma(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// t masks of grid entry tig of a sub-block with aux word aux (sh = 7 tig): byte l of lo (elements
+// 0-3) / hi (elements 4-7) = 0xff where element l is positive. p = the inverted 7-bit field (bit j
+// set: element j positive); element 7 is positive where the field's popcount is even, i.e. where
+// p's is odd (7 bits flipped). p * 0x10204080 puts bits 0-3 on the byte msbs 7, 15, 23, 31 and
+// p * 0x00020408 bits 4-6 on 7, 15, 23 (shifted copies never overlap: no carries); a
+// sign-replicating PRMT spreads each msb over its byte.
+__device__ __forceinline__ void m4_tmask(u32 aux, u32 sh, u32& lo, u32& hi) {
+    u32 p = ((aux >> sh) & 127u) ^ 127u;
+    lo = ds4_prmt(p * 0x10204080u, 0u, 0xba98u);
+    hi = ds4_prmt(p * 0x00020408u + ((u32)__popc(p) << 31), 0u, 0xba98u);
+}
+
+// ~(a ^ b) in one LOP3 (the compiler splits it into XOR + NOT).
+__device__ __forceinline__ u32 m4_xnor(u32 a, u32 b) {
+    u32 o;
+    asm("lop3.b32 %0, %1, %2, 0, 0xc3;" : "=r"(o) : "r"(a), "r"(b));
+    return o;
+}
+
+// aux word (4 x 7 sign bits, 4-bit scale) of the sub-block at byte o of a staged row; A4: o + 4 is
+// 4-byte aligned (uniform over a warp: it depends on the warp's block only), else 2 mod 4.
+template <bool A4> __device__ __forceinline__ u32 m4_aux(const u8* row, int o) {
+    if (A4) return *(const u32*)(row + o + 4);
+    return (u32)*(const u16*)(row + o + 4) | ((u32) * (const u16*)(row + o + 6) << 16);
+}
+
+// One stage of a warp: block bw of the staged gate rows rg and up rows ru times x (limbs xq, sums
+// xs) into the int32 accumulators ac (gate: limbs 2 tig, 2 tig + 1; up: the same). bx: B, loaded
+// by lanes gid 0-3 only (the others keep zeros: C columns 4-7, never read). TAB: t masks from the
+// table tt[7-bit field] (one LDS.64) instead of m4_tmask (8 instructions).
+template <bool A4, bool TAB>
+__device__ __forceinline__ void m4gu_dec(const u8* rg, const u8* ru, const u64* gs, const u64* tt, const u8* xq, const int* xs,
+                                         int warp, int gid, int tig, int bw, int (&ac)[4], u32 (&bx)[2]) {
+    const u32 sh = 7u * (u32)tig;
+    const u8* xb = xq + bw * 1024 + gid * 32 + 8 * tig; // this lane's B: limb gid, elements 8 tig ..
+    const int* sp = xs + bw * 32 + 2 * (tig & 1);       // C init: S of limbs 2 tig, 2 tig + 1 (mod 4)
+#pragma unroll
+    for (int sb = 0; sb < 8; sb++) {
+        const int o = 66 * warp + 2 + 8 * sb;
+        u32 ig = rg[o + tig], iu = ru[o + tig];
+        u32 xg = m4_aux<A4>(rg, o), xu = m4_aux<A4>(ru, o);
+        u64 gg = gs[ig], gu = gs[iu];
+        u32 tg0, tg1, tu0, tu1;
+        if (TAB) {
+            u64 a = tt[(xg >> sh) & 127u], b = tt[(xu >> sh) & 127u];
+            tg0 = (u32)a, tg1 = (u32)(a >> 32), tu0 = (u32)b, tu1 = (u32)(b >> 32);
+        } else {
+            m4_tmask(xg, sh, tg0, tg1);
+            m4_tmask(xu, sh, tu0, tu1);
+        }
+        if (gid < 4) {
+            uint2 bb = *(const uint2*)(xb + 128 * sb);
+            bx[0] = bb.x, bx[1] = bb.y;
+        }
+        int2 s2 = *(const int2*)(sp + 4 * sb);
+        int d[4] = {s2.x, s2.y, s2.x, s2.y};
+        m4_mma(d, m4_xnor((u32)gg, tg0), m4_xnor((u32)gu, tu0), m4_xnor((u32)(gg >> 32), tg1), m4_xnor((u32)(gu >> 32), tu1),
+               bx[0], bx[1]);
+        m4_mma(d, tg0, tu0, tg1, tu1, bx[0], bx[1]);
+        int mg = (int)((xg >> 27) | 1u), mu = (int)((xu >> 27) | 1u); // 2 ls + 1
+        ac[0] += d[0] * mg, ac[1] += d[1] * mg, ac[2] += d[2] * mu, ac[3] += d[3] * mu;
+    }
+}
+
+// C = a . b (int8 in, int32 out, zero accumulator in).
+__device__ __forceinline__ void m4_mma0(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+// Sub-block sb's words (idx4: 4 grid indices, aux: signs and scale) from the 8-byte-aligned words
+// w0 = word sb, w1 = word sb + 1 of the window starting AL bytes before the block's sub-blocks
+// (AL = their offset mod 8, uniform over a warp).
+template <int AL> __device__ __forceinline__ void m4b_words(u64 w0, u64 w1, u32& idx4, u32& aux) {
+    u32 a = (u32)w0, b = (u32)(w0 >> 32), c = (u32)w1, d = (u32)(w1 >> 32);
+    if (AL == 0) idx4 = a, aux = b;
+    if (AL == 2) idx4 = __funnelshift_r(a, b, 16), aux = __funnelshift_r(b, c, 16);
+    if (AL == 4) idx4 = b, aux = c;
+    if (AL == 6) idx4 = __funnelshift_r(b, c, 16), aux = __funnelshift_r(c, d, 16);
+}
+
+// v4b: one stage of a warp as m4gu_dec, with (1) the sub-block words of a row read as a sliding
+// window of aligned 8-byte words (one LDS.64 a sub-block and row, 8 rows on distinct banks at the
+// 560-byte stride; v4: an LDS.U8 for the index byte and one or two loads for aux), the lane's
+// index byte taken by a PRMT; (2) no sums S: with m = 0xff where an element is negative, sign * g
+// = (g ^ m) + n per byte, n = m & 0x01010101, so D = A1 . X + N . X (A1 = g ^ m, N = n), both
+// from zero (v4: t masks and S as the C input, an LDS and two moves a sub-block).
+template <int AL>
+__device__ __forceinline__ void m4b_dec(const u8* rg, const u8* ru, const u64* gs, const u8* xq, int warp, int gid, int tig,
+                                        int bw, int (&ac)[4], u32 (&bx)[2]) {
+    const u32 sh = 7u * (u32)tig, isel = 0x4440u | (u32)tig;
+    const int w0 = 66 * warp + 2 - AL; // 8-byte aligned (rows at 560-byte strides)
+    const u64* wg = (const u64*)(rg + w0);
+    const u64* wu = (const u64*)(ru + w0);
+    const u8* xb = xq + bw * 1024 + gid * 32 + 8 * tig; // this lane's B: limb gid, elements 8 tig ..
+    u64 cg = wg[0], cu = wu[0];
+#pragma unroll
+    for (int sb = 0; sb < 8; sb++) {
+        u64 ng = 0, nu = 0;
+        if (AL != 0) ng = wg[sb + 1], nu = wu[sb + 1];
+        u32 ig4, xg, iu4, xu;
+        m4b_words<AL>(cg, ng, ig4, xg);
+        m4b_words<AL>(cu, nu, iu4, xu);
+        u64 gg = gs[ds4_prmt(ig4, 0u, isel)], gu = gs[ds4_prmt(iu4, 0u, isel)];
+        u32 sg = (xg >> sh) & 127u, su = (xu >> sh) & 127u;
+        // m: sign bytes 0xff where negative (bits 0-3 / 4-6 + parity to the byte msbs, replicated).
+        u32 mg0 = ds4_prmt(sg * 0x10204080u, 0u, 0xba98u), mg1 = ds4_prmt(sg * 0x00020408u + ((u32)__popc(sg) << 31), 0u, 0xba98u);
+        u32 mu0 = ds4_prmt(su * 0x10204080u, 0u, 0xba98u), mu1 = ds4_prmt(su * 0x00020408u + ((u32)__popc(su) << 31), 0u, 0xba98u);
+        if (gid < 4) {
+            uint2 bb = *(const uint2*)(xb + 128 * sb);
+            bx[0] = bb.x, bx[1] = bb.y;
+        }
+        int d[4];
+        m4_mma0(d, (u32)gg ^ mg0, (u32)gu ^ mu0, (u32)(gg >> 32) ^ mg1, (u32)(gu >> 32) ^ mu1, bx[0], bx[1]);
+        m4_mma(d, mg0 & 0x01010101u, mu0 & 0x01010101u, mg1 & 0x01010101u, mu1 & 0x01010101u, bx[0], bx[1]);
+        int mgs = (int)((xg >> 27) | 1u), mus = (int)((xu >> 27) | 1u); // 2 ls + 1
+        ac[0] += d[0] * mgs, ac[1] += d[1] * mgs, ac[2] += d[2] * mus, ac[3] += d[3] * mus;
+        if (AL == 0) {
+            if (sb < 7) cg = wg[sb + 1], cu = wu[sb + 1];
+        } else {
+            cg = ng, cu = nu;
+        }
+    }
+}
+
+// Parameters and grid as m3gu1_iq2_xxs (nb tiles of 8 rows a CTA; h plain; mx the CTA's max |h|).
+// V 0: v4, 1: v4t, 2: v4b (m4b_dec; x limbs by a bias and a byte transpose, no sums S).
+// TAB: the t-mask table (1 KB after the grid) and a 544-byte stage stride; else 560 (the 8 rows'
+// broadcast index / aux loads on distinct banks).
+template <int V>
+__device__ __forceinline__ void m4gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
+                                          long long slab, const float* __restrict__ x, int n, int k,
+                                          const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
+                                          int cols, long long row_bytes, int nb, int lk, int hs, float* __restrict__ mx) {
+    constexpr bool TAB = V == 1, VB = V == 2;
+    constexpr int SR = TAB ? 544 : 560, ST = 16 * SR; // staged row stride (528 used), stage
+    u64* gs = (u64*)moe_smem;
+    u64* tt = gs + 256;                        // TAB: [128] t masks
+    u8* xq = (u8*)(tt + (TAB ? 128 : 0));      // [cols / 32 sub-blocks][4 limbs][32]
+    int* xs = (int*)(xq + cols * 4);           // [cols / 32][4] limb sums
+    float* xinv = (float*)(xs + (VB ? 0 : cols / 8)); // [cols / 256] 2^-s_b (v4b: no xs)
+    u8* stg = (u8*)(xinv + cols / 256);        // 3 stages (16-byte aligned: cols % 2048 == 0)
+    // red[8 warps][16 rows] = pad floats 0-127, wmax[2] = 128, 129 (m4_pad).
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    int p = blockIdx.y, e = sel[p];
+    for (int q = 0; q < p; q++)
+        if (sel[q] == e) return; // an earlier pair computes expert e (uniform over the CTA)
+    u32 pmask = 0;               // pairs (n = 1: slots, k <= 32) holding e
+    for (int q = p; q < k; q++)
+        if (sel[q] == e) pmask |= 1u << q;
+    int ks_n = cols / 2048, r0c = blockIdx.x * nb * 8;
+    int ntl = min(nb, (rows - r0c + 7) / 8), S = ntl * ks_n;
+    const u8* gb = Wg + (long long)max(e, 0) * slab;
+    const u8* ub = Wu + (long long)max(e, 0) * slab;
+    // Copies as m3gu_body (16 rows x 33 vectors a stage), at the SR stride.
+    int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;
+    int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * SR + 16 * (tid - 33 * R0);
+    int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * SR + 16 * (tid + M3_THREADS - 33 * R1);
+    int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * SR + 16 * (tid + 2 * M3_THREADS - 33 * 15);
+    int is_t = 0, is_k = 0, is_b = 0; // next stage to issue: tile, kq, buffer
+    auto issue = [&]() {
+        if (is_t < ntl) {
+            long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;
+            u8* dst = stg + is_b * ST;
+            m3_cp16(dst + do0, gb + to + so0);
+            m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);
+            if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);
+            if (++is_k == ks_n) is_k = 0, is_t++;
+            is_b = is_b == 2 ? 0 : is_b + 1;
+        }
+        ds4_cp_commit();
+    };
+    issue();
+    issue();
+    m2_grid<T_IQ2_XXS>(gs);
+    if (TAB && tid < 128) { // field f: byte l = 0xff where element l is positive (bit l of f | parity << 7 clear)
+        u32 s8 = (u32)tid | ((__popc(tid) & 1u) << 7);
+        u64 v = 0;
+        for (int l = 0; l < 8; l++)
+            if (!((s8 >> l) & 1u)) v |= 0xffull << (8 * l);
+        tt[tid] = v;
+    }
+    // x -> limbs: warp w takes super-blocks w, w + 8, ..; lane: elements 8 lane .. 8 lane + 7
+    // (sub-block lane / 4, elements 8 (lane % 4) ..).
+    for (int b = warp; VB && b < cols / 256; b += 8) {
+        const float4* src = (const float4*)(x + 256 * b + 8 * lane);
+        float4 va = src[0], vb = src[1];
+        float v[8] = {va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w};
+        float am = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) am = fmaxf(am, fabsf(v[i]));
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sg = min(29 - ex, 126);
+        float sc = __uint_as_float((u32)(127 + sg) << 23);
+        // The same signed base-256 digits as below, at once: byte i of (X + 0x80808080) - 128 (no
+        // carry leaves the word: |X| < 2^30), i.e. ^ 0x80 per byte; byte 0 = l3 .. byte 3 = l0.
+        u32 W[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) W[i] = ((u32)__float2int_rn(v[i] * sc) + 0x80808080u) ^ 0x80808080u;
+        int sbg = 8 * b + lane / 4;
+        u8* dst = xq + sbg * 128 + 8 * (lane & 3);
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) { // elements 4 hf .. 4 hf + 3: a 4 x 4 byte transpose
+            u32 x0 = ds4_prmt(W[4 * hf], W[4 * hf + 1], 0x5140u), x1 = ds4_prmt(W[4 * hf], W[4 * hf + 1], 0x7362u);
+            u32 y0 = ds4_prmt(W[4 * hf + 2], W[4 * hf + 3], 0x5140u), y1 = ds4_prmt(W[4 * hf + 2], W[4 * hf + 3], 0x7362u);
+            *(u32*)(dst + 96 + 4 * hf) = ds4_prmt(x0, y0, 0x5410u); // l3
+            *(u32*)(dst + 64 + 4 * hf) = ds4_prmt(x0, y0, 0x7632u); // l2
+            *(u32*)(dst + 32 + 4 * hf) = ds4_prmt(x1, y1, 0x5410u); // l1
+            *(u32*)(dst + 4 * hf) = ds4_prmt(x1, y1, 0x7632u);      // l0
+        }
+        if (lane == 0) xinv[b] = __uint_as_float((u32)(127 - sg) << 23);
+    }
+    for (int b = warp; !VB && b < cols / 256; b += 8) {
+        const float4* src = (const float4*)(x + 256 * b + 8 * lane);
+        float4 va = src[0], vb = src[1];
+        float v[8] = {va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w};
+        float am = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) am = fmaxf(am, fabsf(v[i]));
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        // am in [2^E, 2^(E+1)): |x| 2^(29 - E) < 2^30 (clamped so both powers stay normal floats).
+        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sg = min(29 - ex, 126);
+        float sc = __uint_as_float((u32)(127 + sg) << 23);
+        u32 lw[4][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}, {0u, 0u}};
+        int ls[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int X = __float2int_rn(v[i] * sc), l[4];
+            // Signed base-256 digits: l3 = X mod 256 in [-128, 128), then the rest; l0 in [-64, 64].
+            l[3] = (int)(signed char)X;
+            X = (X - l[3]) >> 8;
+            l[2] = (int)(signed char)X;
+            X = (X - l[2]) >> 8;
+            l[1] = (int)(signed char)X;
+            l[0] = (X - l[1]) >> 8;
+#pragma unroll
+            for (int j = 0; j < 4; j++) lw[j][i >> 2] |= ((u32)l[j] & 255u) << (8 * (i & 3)), ls[j] += l[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) { // the sub-block's sums over its quad (integers: exact)
+            ls[j] += __shfl_xor_sync(0xffffffffu, ls[j], 1);
+            ls[j] += __shfl_xor_sync(0xffffffffu, ls[j], 2);
+        }
+        int sbg = 8 * b + lane / 4;
+#pragma unroll
+        for (int j = 0; j < 4; j++) *(uint2*)(xq + sbg * 128 + 32 * j + 8 * (lane & 3)) = make_uint2(lw[j][0], lw[j][1]);
+        if ((lane & 3) == 0) *(int4*)(xs + 4 * sbg) = make_int4(ls[0], ls[1], ls[2], ls[3]);
+        if (lane == 0) xinv[b] = __uint_as_float((u32)(127 - sg) << 23);
+    }
+    float ag = 0.0f, au = 0.0f, hmax = 0.0f;
+    int kq = 0, tl = 0, bs = 0; // this stage: columns 2048 kq .., tile, buffer
+    const bool a4 = ((66 * warp + 6) & 3) == 0; // m4_aux
+    u32 bx[2] = {0u, 0u};
+    // Lane tig's limb pair weight: 2^16 (limbs 0, 1) or 1 (limbs 2, 3), times 1/8 at the end.
+    for (int s = 0; s < S; s++) {
+        ds4_cp_wait<1>(); // this thread's copies of stage s have landed
+        __syncthreads(); // everyone's (and, the first time, x's limbs); stage s - 1 is free
+        issue();
+        int bw = 8 * kq + warp; // this warp's block of the row
+        const u8* rg = stg + bs * ST + gid * SR;
+        const u8* ru = rg + 8 * SR;
+        int ac[4] = {0, 0, 0, 0};
+        if (VB) {
+            switch ((2 * warp + 2) & 7) { // this warp's sub-block words' offset mod 8
+            case 0: m4b_dec<0>(rg, ru, gs, xq, warp, gid, tig, bw, ac, bx); break;
+            case 2: m4b_dec<2>(rg, ru, gs, xq, warp, gid, tig, bw, ac, bx); break;
+            case 4: m4b_dec<4>(rg, ru, gs, xq, warp, gid, tig, bw, ac, bx); break;
+            default: m4b_dec<6>(rg, ru, gs, xq, warp, gid, tig, bw, ac, bx); break;
+            }
+        } else if (a4) {
+            m4gu_dec<true, TAB>(rg, ru, gs, tt, xq, xs, warp, gid, tig, bw, ac, bx);
+        } else {
+            m4gu_dec<false, TAB>(rg, ru, gs, tt, xq, xs, warp, gid, tig, bw, ac, bx);
+        }
+        float xi = xinv[bw];
+        float dg = ds4_h2f_fast(*(const u16*)(rg + 66 * warp)) * xi, du = ds4_h2f_fast(*(const u16*)(ru + 66 * warp)) * xi;
+        ag = fmaf(dg, fmaf((float)ac[0], 256.0f, (float)ac[1]), ag);
+        au = fmaf(du, fmaf((float)ac[2], 256.0f, (float)ac[3]), au);
+        bs = bs == 2 ? 0 : bs + 1;
+        if (++kq == ks_n) { // tile done: warps' partials (lane tig 0: 2^16 its limbs + tig 1's) -> h
+            kq = 0;
+            float og = __shfl_xor_sync(0xffffffffu, ag, 1), ou = __shfl_xor_sync(0xffffffffu, au, 1);
+            if (tig == 0)
+                *m4_pad<SR>(stg, warp * 16 + gid) = fmaf(ag, 65536.0f, og), *m4_pad<SR>(stg, warp * 16 + 8 + gid) = fmaf(au, 65536.0f, ou);
+            ag = 0.0f, au = 0.0f;
+            __syncthreads();
+            // Threads < 64: row tid / 8, warp tid % 8; sums over the 8 warps by a fixed tree.
+            int r = r0c + 8 * tl + (tid >> 3);
+            tl++;
+            float gv = 0.0f, uv = 0.0f;
+            if (tid < 64) {
+                gv = *m4_pad<SR>(stg, (tid & 7) * 16 + (tid >> 3)), uv = *m4_pad<SR>(stg, (tid & 7) * 16 + 8 + (tid >> 3));
+#pragma unroll
+                for (int o = 1; o < 8; o <<= 1)
+                    gv += __shfl_xor_sync(0xffffffffu, gv, o), uv += __shfl_xor_sync(0xffffffffu, uv, o);
+            }
+            if (tid < 64 && (tid & 7) == 0 && r < rows) {
+                gv *= 0.125f, uv *= 0.125f;
+                gv = fminf(gv, clamp);
+                uv = fminf(fmaxf(uv, -clamp), clamp);
+                float base = gv * (1.0f / (1.0f + expf(-gv))) * uv;
+                hmax = fmaxf(hmax, fabsf(base));
+                for (u32 m = pmask; m != 0; m &= m - 1) { // n = 1: token 0
+                    int pp = __ffs(m) - 1;
+                    h[(long long)pp * hs + r] = base * wgt[pp];
+                }
+            }
+        }
+    }
+    // mx[pp][blockIdx.x] = max |h| of the CTA's rows (m3dn1's x scale), as m3gu_body.
+    if (warp < 2) {
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) hmax = fmaxf(hmax, __shfl_xor_sync(0xffffffffu, hmax, o));
+        if (lane == 0) *m4_pad<SR>(stg, 128 + warp) = hmax;
+    }
+    __syncthreads();
+    if (tid == 0)
+        for (u32 m = pmask; m != 0; m &= m - 1) {
+            int pp = __ffs(m) - 1;
+            mx[pp * gridDim.x + blockIdx.x] = fmaxf(*m4_pad<SR>(stg, 128), *m4_pad<SR>(stg, 129)) * fabsf(wgt[pp]);
+        }
+}
+#endif
+
+// Form 4 gate/up (parameters as m3gu1_iq2_xxs). HIP and sm < 80: no body (not launched there).
+DS4_KERNEL void DS4_BOUNDS(M3_LB4) m4gu1_iq2_xxs(M3GU_PARAMS) {
+    ds4_pdl_enter();
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m4gu_body<0>(M3GU_ARGS);
+#endif
+}
+// The same with the t-mask table (form "v4t").
+DS4_KERNEL void DS4_BOUNDS(M3_LB4) m4tgu1_iq2_xxs(M3GU_PARAMS) {
+    ds4_pdl_enter();
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m4gu_body<1>(M3GU_ARGS);
+#endif
+}
+// v4b (m4b_dec, form "v4b").
+DS4_KERNEL void DS4_BOUNDS(M3_LB4) m4bgu1_iq2_xxs(M3GU_PARAMS) {
+    ds4_pdl_enter();
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m4gu_body<2>(M3GU_ARGS);
+#endif
+}
