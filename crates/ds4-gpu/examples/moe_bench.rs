@@ -6,8 +6,7 @@
 //! another random selection so the experts come from memory, not L2) and GB/s of the distinct
 //! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA), v2
 //! (direct loads; nbA/B = gate/up and down row batches per CTA; default 6/4), v3d (n = 1 q2 mix
-//! on tensor cores, nbA gate/up tiles of 8 rows per CTA, default 3; elsewhere v2 with nbA/B), v4
-//! (v3d with the gate/up on int8 tensor cores).
+//! on tensor cores, nbA gate/up tiles of 8 rows per CTA, default 3; elsewhere v2 with nbA/B).
 //! `moe_bench [reps] [n_max]`; `MOE_BENCH_FORMS=v2,v3d` runs only the forms so named,
 //! `MOE_BENCH_WARM=0` without the 5 warm-up calls (profilers).
 
@@ -99,17 +98,13 @@ fn main() {
             let mut out = gpu.alloc(n * d);
             // (name, decode kernels on, form, v1 rows, v2 tiles)
             type Form = (&'static str, bool, usize, usize, (usize, usize));
-            let forms: [Form; 10] = [
+            let forms: [Form; 6] = [
                 ("old", false, 1, 16, (0, 0)),
                 ("v1 rb16", true, 1, 16, (0, 0)),
                 ("v2 nb6/4", true, 2, 0, (6, 4)),
                 ("v3d nb3", true, 3, 0, (3, 4)),
                 ("v3d nb2", true, 3, 0, (2, 4)),
                 ("v3d nb4", true, 3, 0, (4, 4)),
-                ("v4 nb3", true, 4, 0, (3, 4)),
-                ("v4t nb3", true, 5, 0, (3, 4)),
-                ("v4b nb3", true, 6, 0, (3, 4)),
-                ("v4b nb4", true, 6, 0, (4, 4)),
             ];
             // MOE_BENCH_FORMS=a,b: only the forms whose names contain one of these (for profilers);
             // MOE_BENCH_WARM=w: w calls before the timed ones (default 5; 0 for profilers).

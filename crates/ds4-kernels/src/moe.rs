@@ -3,7 +3,7 @@ use crate::Module;
 /// Decode MoE (n ≤ 4 tokens): fused gate+up+SwiGLU and down+slot sum over the routed experts,
 /// each distinct expert read once (`gpu/moe.cu`): v1 `moe*` (rows staged in shared memory), v2
 /// `m2*` (direct loads), v3d `m3*` (n = 1, IQ2_XXS gate/up and Q2_K down on tensor cores, CUDA
-/// sm_80+), v4 `m4gu1` (v3d's gate/up on int8 tensor cores).
+/// sm_80+).
 pub const MOE: Module = Module {
     name: "moe",
     source: include_str!("../gpu/moe.cu"),
@@ -34,8 +34,5 @@ pub const MOE: Module = Module {
         "m2dn2_q4_k",
         "m3gu1_iq2_xxs",
         "m3dn1_q2_k",
-        "m4gu1_iq2_xxs",
-        "m4tgu1_iq2_xxs",
-        "m4bgu1_iq2_xxs",
     ],
 };

@@ -11,7 +11,10 @@
 //! memory. Numbers: bench/results/gpu-moe-m8-h200.txt, gpu-moe-m9-h200.txt (session 9: the v3d
 //! kernels' shared-memory loads and the down's expert-id loads trimmed, gate/up 35.6 -> 34.3 us,
 //! down 20.7 -> 20.5 us under ncu; a nibble-coded grid, two mma chains and a balanced down lost,
-//! code in 90d531e). An int8-x
+//! code in 90d531e). Session 15 (bench/results/gpu-moe-i15-h200.txt): the gate/up on int8
+//! tensor cores (mma m16n8k32 s8, one k step a sub-block with its scale on the int32 result, x as
+//! 4 int8 limbs per 256-column super-block; forms v4 / v4t / v4b) was 5-6% slower per call than
+//! v3d's and tied end to end: deleted, code in daf853e. An int8-x
 //! dp4a form (v4i, session 7) was no faster end to end on the H200 and ~1e-2 off the CPU: deleted
 //! (bench/results/gpu-moe-m-h200.txt). Numbers: bench/results/gpu-moe-s4-h200.txt,
 //! gpu-moe-x-h200.txt, gpu-moe-m-h200.txt.
@@ -39,15 +42,11 @@ static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 static RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v2 ones (direct loads; v3d included: it shares v2's host path).
 static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v3d ones (tensor cores, f16).
+/// Of those, the v3d ones (tensor cores).
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v4 ones (gate/up on int8 tensor cores).
-static V4_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Form: 0 default (v3d for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
-/// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
-/// 4 v4 (`m4gu1_iq2_xxs` + `m3dn1_q2_k`, where v3d runs; else v2), 5 v4t (v4 with the
-/// t-mask table, `m4tgu1_iq2_xxs`), 6 v4b (`m4bgu1_iq2_xxs`: fewer shared loads);
-/// `DS4_GPU_MOE_FORM=v1|v2|v3d|v4|v4t|v4b`.
+/// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2);
+/// `DS4_GPU_MOE_FORM=v1|v2|v3d`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
 static ENV_FORM: OnceLock<usize> = OnceLock::new();
 /// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 6), down row batches
@@ -80,22 +79,6 @@ fn v2_layout(ty: &str) -> i32 {
 fn v3_smem(cols: usize) -> usize {
     2048 + 4 * cols + 4 * (8 * 16 + 8) + 3 * 16 * 544
 }
-
-/// Shared memory of the v4 gate/up (`m4gu_body`: grid, x limbs, their sub-block sums and
-/// super-block scales, 3 stages of 16 rows at a 560-byte stride holding the partials and maxima
-/// in their padding; v4t: + the 1 KB t-mask table, a 544-byte stride).
-fn v4_smem(cols: usize, form: usize) -> usize {
-    let (extra, stride, sums) = match form {
-        5 => (1024, 544, cols / 2),
-        6 => (0, 560, 0),
-        _ => (0, 560, cols / 2),
-    };
-    2048 + extra + 4 * cols + sums + cols / 64 + 3 * 16 * stride
-}
-
-/// Dynamic shared memory the v4 kernels may take: the 48 KiB launch limit without the opt-in
-/// attribute, less the 1 KiB the driver reserves per CTA (counted either way).
-const SMEM_V4: usize = 47 * 1024;
 
 /// The v3d down (`m3dn1_q2_k`): threads, shared memory (x fragments and group sums of two slots,
 /// partials, scales, 2 stages of 16 rows at a 688-byte stride).
@@ -156,10 +139,10 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
-    /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d, 4 v4,
-    /// 5 v4t, 6 v4b; process-wide, for tests and benches (`DS4_GPU_MOE_FORM=...` when 0).
+    /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d;
+    /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v3d` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(6), Ordering::Relaxed);
+        FORM.store(form.min(3), Ordering::Relaxed);
     }
 
     /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
@@ -181,11 +164,6 @@ impl GpuBackend {
     /// How many of those were the v3d form (process-wide).
     pub fn moe_v3d_runs() -> usize {
         V3D_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// How many of those were the v4 form (process-wide).
-    pub fn moe_v4_runs() -> usize {
-        V4_RUNS.load(Ordering::Relaxed)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -231,34 +209,19 @@ impl GpuBackend {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
                 Ok("v3d") => 3,
-                Ok("v4") => 4,
-                Ok("v4t") => 5,
-                Ok("v4b") => 6,
                 _ => 0,
             }),
             f => f,
         };
         // n = 1: v3d (v2 where its kernels do not cover the product).
         let form = if form == 0 && n == 1 { 3 } else { form };
-        let tc = if form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k) {
-            if form >= 4 && v4_smem(g.2, form) <= SMEM_V4 {
-                form as u8
-            } else if form == 3 {
-                3
-            } else {
-                0
-            }
-        } else {
-            0
-        };
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, tc) {
+        let v3d = form == 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
-            match tc {
-                3 => V3D_RUNS.fetch_add(1, Ordering::Relaxed),
-                4..=6 => V4_RUNS.fetch_add(1, Ordering::Relaxed),
-                _ => 0,
-            };
+            if v3d {
+                V3D_RUNS.fetch_add(1, Ordering::Relaxed);
+            }
             return true;
         }
         let warps = THREADS / self.warp() as usize;
@@ -323,8 +286,8 @@ impl GpuBackend {
             && info.cc.0 >= 8
     }
 
-    /// The v2 launches (tc 3: the v3d kernels instead, 4: v4's); false: the shape does not fit
-    /// them; nothing was queued.
+    /// The v2 launches (v3d: the v3d kernels instead); false: the shape does not fit them;
+    /// nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -335,9 +298,8 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
-        tc: u8,
+        v3d: bool,
     ) -> bool {
-        let v3d = tc >= 3;
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
         let w = self.warp() as usize;
@@ -381,15 +343,7 @@ impl GpuBackend {
         // 4 per SM).
         let nb3 = pick(V2_NB.load(Ordering::Relaxed), env.0, 3);
         let ngu = ff.div_ceil(8 * nb3);
-        let (name, grid, smem, tiles) = if tc >= 4 {
-            let t = ["", "t", "b"][tc as usize - 4];
-            (
-                format!("m4{t}gu1_{}", g.1),
-                ngu,
-                v4_smem(d, tc as usize),
-                nb3,
-            )
-        } else if v3d {
+        let (name, grid, smem, tiles) = if v3d {
             (format!("m3gu1_{}", g.1), ngu, v3_smem(d), nb3)
         } else {
             (format!("m2gu{nt}_{}", g.1), ff.div_ceil(tr_gu), smem_gu, nb)
