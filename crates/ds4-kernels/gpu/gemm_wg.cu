@@ -16,8 +16,8 @@
 // registers) and X AS B (N items, from shared memory by descriptor): the decoded weights never
 // touch shared memory (no decoded-tile stores, no ldmatrix). N = 16, 32, 48 or 64: the CTA's
 // valid items rounded up to 16 (an expert's ~48 pairs of a 2048-token prompt: m64n48).
-// CTA: NWG warpgroups (gwg_: 2, 256 threads, 128 weight rows; gwg4_: 4, 512 threads, 256 rows),
-// 64 items x 64 NWG weight rows (warpgroup h: rows 64h..).
+// CTA: NWG = 4 warpgroups (512 threads), 64 items x 64 NWG = 256 weight rows (warpgroup h: rows
+// 64h..); 2 warpgroups and 128 rows (2 CTAs per SM) measured slower (results file).
 // A fragment (per warp, as mma.m16n8k16): lane (g = lane/4, t = lane%4) of warp q holds rows
 // 16q + g and 16q + g + 8, columns {2t, 2t+1, 2t+8, 2t+9} of each 16-wide k-step. K is permuted
 // inside each 32-element chunk so that lane t's 8 values of a row over the chunk's two k-steps
@@ -52,13 +52,15 @@
 
 #if GW_HAVE
 // Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wg.rs WG_SMEM).
-template <int BN> struct alignas(16) GwSmem {
-    uint4 x[GW_NXS][2][GW_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
-    u32 raw[2][BN * GW_RW + 4];    // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
-    u64 grid[256];                 // IQ2_XXS grid
+template <int BN, int NX> struct alignas(16) GwSmem {
+    uint4 x[NX][2][GW_BM * 4];  // X chunk slots: plane (hi, lo), core matrices (above)
+    u32 raw[2][BN * GW_RW + 4]; // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
+    u64 grid[256];              // IQ2_XXS grid
 };
-static_assert(sizeof(GwSmem<128>) == 60448, "gemm_wg.rs WG_SMEM");
-static_assert(sizeof(GwSmem<256>) == 77856, "gemm_wg.rs WG_SMEM");
+#define GW_NXB 16 // X chunk slots of the burst form (4 groups of 4 chunks)
+static_assert(sizeof(GwSmem<256, GW_NXS>) == 77856, "gemm_wg.rs WG_SMEM");
+static_assert(sizeof(GwSmem<256, GW_NXB>) == 167968, "gemm_wg.rs WG_SMEM_B");
+template <int NWG, int FL> using GwSm = GwSmem<64 * NWG, (FL & 8) ? GW_NXB : GW_NXS>;
 
 template <int N> struct GwAcc {
     float v[N / 2]; // v[4j + e]: row g + 8 (e >> 1), item 8j + 2t + (e & 1) (of the warp's 16 rows)
@@ -170,10 +172,15 @@ __device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, i
 
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
 // set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-template <int N, int NWG>
-__device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
+// FL (timing probes, not results): 1 no proxy fence, 2 no decode after the first chunk, 4 no wgmma.
+// FL & 8: the burst form: X copied in groups of 4 chunks (16 slots: the group in use, the next one
+// landed, the one after in flight, the last one's slots possibly still read by its last wgmma),
+// cp.async wait + proxy fence + barrier once per group with no copy in flight (the fence of the
+// per-chunk form also waits for the copies still in flight).
+template <int N, int NWG, int FL>
+__device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
-                                        long long y_tok, int rows, int cols, long long row_bytes, int dsw) {
+                                        long long y_tok, int rows, int cols, long long row_bytes) {
     constexpr int NT = 128 * NWG, BN = 64 * NWG, PP = 512 / NT, TPI = 8 / PP; // X pieces per thread, threads per item
     const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.x * BN;
@@ -192,9 +199,11 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         const int j = PP * (tid % TPI) + jj;
         xdst[jj] = sx + (u32)((j >> 2) * 4096 + ((4 * (xm >> 3) + (j & 3)) * 8 + (xm & 7)) * 16);
     }
+    constexpr bool BURST = (FL & 8) != 0;
+    constexpr int NX = BURST ? GW_NXB : GW_NXS;
     auto issue_x = [&](int c) {
         if (c < nl && xm < N) {
-            const u32 so = (u32)(c % GW_NXS) * 8192u;
+            const u32 so = (u32)(c % NX) * 8192u;
 #pragma unroll
             for (int jj = 0; jj < PP; jj++) {
                 const u32* src = xit >= 0 ? xsrc + 32LL * c + 4 * (PP * (tid % TPI) + jj) : XW;
@@ -228,23 +237,32 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         a[0] = w0[0], a[1] = w1[0], a[2] = w0[1], a[3] = w1[1];
         a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
     };
-    const u32 lbo = dsw ? 512u : 128u, sbo = dsw ? 128u : 512u;
+    constexpr u32 lbo = 128u, sbo = 512u; // next k group, next 8 items
 
     GwAcc<N> acc, cc;
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f, cc.v[i] = 0.0f;
     u32 a0[8], a1[8];
-    issue_raw(0);
-    issue_raw(1);
+    if (BURST) { // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
+        issue_raw(0);
 #pragma unroll
-    for (int i = 0; i < GW_NXS - 1; i++) { // raw 0, 1 and X 0 in the first group, X i in group i
-        issue_x(i);
+        for (int i = 0; i < 8; i++) issue_x(i);
         ds4_cp_commit();
+        ds4_cp_wait<0>();
+    } else {
+        issue_raw(0);
+        issue_raw(1);
+#pragma unroll
+        for (int i = 0; i < GW_NXS - 1; i++) { // raw 0, 1 and X 0 in the first group, X i in group i
+            issue_x(i);
+            ds4_cp_commit();
+        }
+        ds4_cp_wait<GW_NXS - 2>();
     }
-    ds4_cp_wait<GW_NXS - 2>();
-    gw_proxy_fence();
+    if (!(FL & 1)) gw_proxy_fence();
     __syncthreads();
     decode(0, 0, a0);
+    if (FL & 2) decode(0, 1, a1);
     float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1);
 
     for (int S = 0; S < nsb; S++) {
@@ -253,15 +271,26 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             const int c = 8 * S + p;
             u32* a = (p & 1) ? a1 : a0;  // this chunk's A registers
             u32* an = (p & 1) ? a0 : a1; // the next chunk's
-            const u32 xs = sx + (u32)(c % GW_NXS) * 8192u;
-            gw_pin(cc);
-            gw_fence();
+            const u32 xs = sx + (u32)(c % NX) * 8192u;
+            if (BURST && (p & 3) == 0) { // group boundary: the next group has landed (nothing else in flight)
+                ds4_cp_wait<0>();
+                gw_proxy_fence();
+                __syncthreads();
 #pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
-                gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
+                for (int i = 0; i < 4; i++) issue_x(c + 8 + i); // the group after next, into group c/4 - 2's slots
+                if (p == 0) issue_raw(S + 1);                  // into super-block S - 1's stage
+                ds4_cp_commit();
             }
-            gw_commit();
+            gw_pin(cc);
+            if (!(FL & 4)) {
+                gw_fence();
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+                    gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
+                    gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
+                }
+                gw_commit();
+            }
             gw_pin(cc);
             if (p == 7) { // end of the super-block: acc += (d / 8) cc
                 gw_wait<0>();
@@ -271,18 +300,20 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #pragma unroll
                 for (int i = 0; i < N / 2; i++) acc.v[i] = fmaf((i & 2) ? D1 : D0, cc.v[i], acc.v[i]);
             } else {
-                gw_wait<1>(); // chunk c - 1's group (registers an, X slot (c - 1) % 3) is done
+                gw_wait<1>(); // chunk c - 1's group (registers an, X slot (c - 1) % NX) is done
                 gw_pin_a(an);
             }
-            ds4_cp_wait<GW_NXS - 3>(); // X chunk c + 1 (and raw super-block S + 1, older) have landed
-            gw_proxy_fence();
-            __syncthreads();
-            issue_x(c + GW_NXS - 1); // into chunk c - 1's slot
-            if (p == 7) issue_raw(S + 2); // into super-block S's stage
-            ds4_cp_commit();
+            if (!BURST) {
+                ds4_cp_wait<GW_NXS - 3>(); // X chunk c + 1 (and raw super-block S + 1, older) have landed
+                if (!(FL & 1)) gw_proxy_fence();
+                __syncthreads();
+                issue_x(c + GW_NXS - 1);      // into chunk c - 1's slot
+                if (p == 7) issue_raw(S + 2); // into super-block S's stage
+                ds4_cp_commit();
+            }
             if (c + 1 < nl) {
                 const int S1 = p == 7 ? S + 1 : S;
-                decode(S1, (p + 1) & 7, an);
+                if (!(FL & 2)) decode(S1, (p + 1) & 7, an);
                 if (p == 7) {
                     const u32 x = 2u * (u32)(S1 & 1);
                     D0 = gw_dscale(&sm.raw[S1 & 1][GW_RW * R0], sh0 ^ x);
@@ -303,24 +334,22 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #endif
 
 #if defined(DS4_CUDA)
-#define GW_B2 256, 2 // DS4_BOUNDS(GW_B2) = __launch_bounds__(256, 2): 2 CTAs per SM
-#define GW_B4 512, 1
+#define GW_B4 512, 1 // DS4_BOUNDS(GW_B4) = __launch_bounds__(512, 1): <= 128 registers
 #else
-#define GW_B2 256
 #define GW_B4 512
 #endif
 
 #if GW_HAVE
 // The kernels' shared part: the CTA's item run, then the product with N = its valid items
 // rounded up to 16.
-template <int NWG>
+template <int NWG, int FL>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
                                           float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
-                                          int n, const int* __restrict__ grp, int gmax, int dsw) {
+                                          int n, const int* __restrict__ grp, int gmax) {
     extern __shared__ uint4 gw_dyn[];
-    GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
+    GwSm<NWG, FL>& sm = *reinterpret_cast<GwSm<NWG, FL>*>(gw_dyn);
     __shared__ int items[GW_BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
@@ -338,13 +367,13 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
     if (nv <= 16)
-        gw_body<16, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+        gw_body<16, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+        gw_body<32, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+        gw_body<48, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes, dsw);
+        gw_body<64, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -352,24 +381,28 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     const u8 *__restrict__ W0, const u8 *__restrict__ W1, long long slab, const int *__restrict__ sel,              \
         const u32 *__restrict__ XW, const float *__restrict__ xinv, int xdiv, float *__restrict__ Y0,                \
         float *__restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes, int n,                     \
-        const int *__restrict__ grp, int gmax, int dsw
-#define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax, dsw
+        const int *__restrict__ grp, int gmax
+#define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
-#define GW_RUN(nwg) gw_kernel<nwg>(GW_ARGS)
+#define GW_RUN(fl) gw_kernel<4, fl>(GW_ARGS)
 #else
-#define GW_RUN(nwg) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
-    (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)dsw
+#define GW_RUN(fl) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
+    (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
 
-// gate (blockIdx.z 0: W0 -> Y0) and up (1: W1 -> Y1) of the grouped pairs: grid (rows / BN, gmax,
-// 2); gwg_: 256 threads, BN = 128 weight rows (2 CTAs per SM), gwg4_: 512 threads, BN = 256 (1 CTA
-// per SM, half the X traffic); dynamic shared memory sizeof(GwSmem<BN>). W_z + expert * slab: the
-// expert's rows (row_bytes apart, cols / 256 blocks of 66 bytes); XW, xinv: gwg_x_f32 of the token
-// rows (pair i reads token i / xdiv); Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at
-// most 64 ([ngroups, starts[gmax], perm[n]]). cols % 256 == 0. dsw != 0 swaps the descriptor's
-// leading and stride offsets (a layout probe; 0 is right).
-DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(2); }
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg4_iq2_xxs(GW_PARAMS) { GW_RUN(4); }
+// gate (blockIdx.z 0: W0 -> Y0) and up (1: W1 -> Y1) of the grouped pairs: grid (rows / 256, gmax,
+// 2), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
+// sizeof(GwSmem<256>). W_z + expert * slab: the expert's rows (row_bytes apart, cols / 256 blocks
+// of 66 bytes); XW, xinv: gwg_x_f32 of the token rows (pair i reads token i / xdiv);
+// Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at most 64 ([ngroups, starts[gmax],
+// perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(0); }
+// The burst form (gw_body FL & 8), dynamic shared memory sizeof(GwSmem<256, 16>).
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgb_iq2_xxs(GW_PARAMS) { GW_RUN(8); }
+// Timing probes (gw_body's FL; outputs wrong for 2 and 4): deleted after the measurement.
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgp1_iq2_xxs(GW_PARAMS) { GW_RUN(1); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgp2_iq2_xxs(GW_PARAMS) { GW_RUN(2); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgp4_iq2_xxs(GW_PARAMS) { GW_RUN(4); }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

@@ -19,22 +19,22 @@ use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
-/// 0 off, 2 `gwg_iq2_xxs` (2 warpgroups, 128 rows per CTA), 4 `gwg4_iq2_xxs` (4 warpgroups, 256
-/// rows), UNSET: read `DS4_GPU_GEMM_WG` (`0` off, `4`, else 2) on first use.
+/// 0 off, 1 `gwg_iq2_xxs` (X copies waited for per chunk), 2 `gwgb_iq2_xxs` (the burst form: per
+/// group of 4 chunks), UNSET: read `DS4_GPU_GEMM_WG` (`0` off, `b` burst, else 1) on first use.
 static WG: AtomicU8 = AtomicU8::new(UNSET);
-/// Descriptor probe (`DS4_GPU_GEMM_WG_DSW=1`: leading and stride offsets swapped; UNSET: read).
-static DSW: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 /// `gwg_iq2_xxs` launches so far (process-wide; tests: the wgmma kernel ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
-/// Dynamic shared memory of a CTA of `bn` weight rows: `sizeof(GwSmem<bn>)` in gemm_wg.cu (5 X
-/// chunk slots of 8 KiB, 2 raw stages of bn x 17 + 4 words, the 2 KiB grid; static_assert there).
-const fn wg_smem(bn: usize) -> usize {
-    5 * 8192 + 2 * (bn * 17 + 4) * 4 + 2048
-}
+/// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
+/// `sizeof(GwSmem<256>)` in gemm_wg.cu (5 X chunk slots of 8 KiB, 2 raw stages of 256 x 17 + 4
+/// words, the 2 KiB grid; a static_assert there).
+const WG_BN: usize = 256;
+const WG_SMEM: usize = 5 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
+/// The burst form's: 16 X chunk slots.
+const WG_SMEM_B: usize = 16 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
 
 fn wg_form() -> u8 {
     let v = WG.load(Ordering::Relaxed);
@@ -43,35 +43,24 @@ fn wg_form() -> u8 {
     }
     let f = match std::env::var("DS4_GPU_GEMM_WG").as_deref() {
         Ok("0") => 0,
-        Ok("4") => 4,
-        _ => 2,
+        Ok("b") => 2,
+        _ => 1,
     };
     WG.store(f, Ordering::Relaxed);
     f
-}
-
-fn read_switch(cell: &AtomicU8, var: &str, default: bool) -> bool {
-    let v = cell.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let on = std::env::var(var).map_or(default, |v| v != "0");
-    cell.store(on as u8, Ordering::Relaxed);
-    on
 }
 
 impl GpuBackend {
     /// The wgmma MoE gate/up (`gwg_iq2_xxs`) on or off (default: on where it applies, or
     /// `DS4_GPU_GEMM_WG`). Process-wide (tests, benchmarks).
     pub fn set_gemm_wg(on: bool) {
-        WG.store(if on { 2 } else { 0 }, Ordering::Relaxed);
+        WG.store(on as u8, Ordering::Relaxed);
     }
 
-    /// The wgmma form by warpgroups per CTA: 0 off, 2 (`gwg_iq2_xxs`), 4 (`gwg4_iq2_xxs`).
-    /// Process-wide (tests, benchmarks).
+    /// The wgmma form: 0 off, 1 `gwg_iq2_xxs`, 2 `gwgb_iq2_xxs`. Process-wide (tests, benchmarks).
     #[doc(hidden)]
-    pub fn set_gemm_wg_form(nwg: u8) {
-        WG.store(nwg, Ordering::Relaxed);
+    pub fn set_gemm_wg_form(f: u8) {
+        WG.store(f, Ordering::Relaxed);
     }
 
     /// `gwg_iq2_xxs` launches so far in this process.
@@ -103,8 +92,8 @@ impl GpuBackend {
         uy: DevPtr,
     ) -> bool {
         let (d, ff, rb) = (g.2, g.3, g.4);
-        let nwg = wg_form();
-        if nwg == 0
+        let form = wg_form();
+        if form == 0
             || bm != WG_BM
             || g.1 != GgmlType::IQ2_XXS
             || u.1 != GgmlType::IQ2_XXS
@@ -136,19 +125,21 @@ impl GpuBackend {
             ],
         );
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        let dsw = read_switch(&DSW, "DS4_GPU_GEMM_WG_DSW", false);
-        let (name, bn) = if nwg == 4 {
-            ("gwg4_iq2_xxs", 256)
-        } else {
-            ("gwg_iq2_xxs", 128)
+        // Timing probes (DS4_GPU_GEMM_WG_PROBE=1|2|4: gwgp<n>_iq2_xxs; deleted after measuring).
+        let name = match std::env::var("DS4_GPU_GEMM_WG_PROBE").as_deref() {
+            Ok("1") => "gwgp1_iq2_xxs",
+            Ok("2") => "gwgp2_iq2_xxs",
+            Ok("4") => "gwgp4_iq2_xxs",
+            _ if form == 2 => "gwgb_iq2_xxs",
+            _ => "gwg_iq2_xxs",
         };
         self.run(
             &ds4_kernels::GEMM_WG,
             name,
             LaunchDims {
-                grid: [ff.div_ceil(bn) as u32, gmax as u32, 2],
-                block: [2 * bn as u32, 1, 1],
-                shared_bytes: wg_smem(bn) as u32,
+                grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
+                block: [2 * WG_BN as u32, 1, 1],
+                shared_bytes: if form == 2 { WG_SMEM_B } else { WG_SMEM } as u32,
             },
             &[
                 Arg::Ptr(g.0),
@@ -167,7 +158,6 @@ impl GpuBackend {
                 Arg::I32((n * k) as i32),
                 Arg::Ptr(grp),
                 Arg::I32(gmax as i32),
-                Arg::I32(dsw as i32),
             ],
         );
         true
@@ -175,7 +165,7 @@ impl GpuBackend {
 
     /// Tests: the wgmma gate/up of `n` tokens × `k` slots with expert choices `sel` (`[n][k]`):
     /// `(gate, up)` as `[pairs][ff]`, or None where the kernel does not cover the product
-    /// (the form set, or `gwg_iq2_xxs` when off).
+    /// (the form set, `gwg_iq2_xxs` when off).
     #[doc(hidden)]
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_wg_download(
@@ -198,8 +188,8 @@ impl GpuBackend {
         let ff = g.3;
         let (gy, uy) = (self.scratch(pairs * ff), self.scratch(pairs * ff));
         let was = WG.load(Ordering::Relaxed);
-        if !matches!(was, 2 | 4) {
-            WG.store(2, Ordering::Relaxed);
+        if !matches!(was, 1 | 2) {
+            WG.store(1, Ordering::Relaxed);
         }
         let ran = self.moe_gate_up_wg(
             g,
