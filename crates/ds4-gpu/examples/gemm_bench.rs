@@ -7,7 +7,7 @@
 //! three products; `DS4_GPU_GEMM_TILED=0`); `GEMM_BENCH_ALL=1` adds the f16 tile variants, tf32
 //! and fma (per type). default = the default forms (the tiled form for Q2_K/Q4_K, the MoE's
 //! IQ2_XXS gate/up on wgmma on CUDA sm_90a (`gwg_iq2_xxs`), elsewhere on X split once:
-//! `gemmc_iq2_xxs`), /nowg = the gate/up on `gemmc_iq2_xxs` on sm_90a too, /wgb = its burst form (`gwgb_iq2_xxs`), /noskip = empty m-tiles not skipped, /noxb
+//! `gemmc_iq2_xxs`), /nowg = the gate/up on `gemmc_iq2_xxs` on sm_90a too, /noskip = empty m-tiles not skipped, /noxb
 //! = X split per CTA, int8 = the MoE's gate/up activation-quantised (`gemmi8_iq2_xxs`, opt-in
 //! `DS4_GPU_ACT=q8k`). `GEMM_BENCH_MOE=1`: the routed experts alone, in more forms;
 //! `GEMM_BENCH_FORMS=default,bf16`: only those forms (model shapes and routed experts).
@@ -98,8 +98,6 @@ const DEFAULT_NOXB: Form = ("default/noxb", true, false, false, true, 0, true);
 /// The default forms with the MoE's IQ2_XXS gate/up on `gemmc_iq2_xxs` instead of the wgmma
 /// form (`gwg_iq2_xxs`, the default on CUDA sm_90a; `DS4_GPU_GEMM_WG=0`).
 const DEFAULT_NOWG: Form = ("default/nowg", true, false, false, true, 0, true);
-/// The burst form of the wgmma gate/up (`gwgb_iq2_xxs`, `DS4_GPU_GEMM_WG=b`).
-const DEFAULT_WGB: Form = ("default/wgb", true, false, false, true, 0, true);
 /// The default forms with the MoE's IQ2_XXS gate/up activation-quantised on int8 tensor cores
 /// (`gemmi8_iq2_xxs`, opt-in `DS4_GPU_ACT=q8k`; not exact).
 const INT8: Form = ("int8", true, false, false, true, 0, true);
@@ -125,13 +123,7 @@ fn set_form(f: Form) {
     GpuBackend::set_gemm_skip(!f.0.contains("noskip"));
     GpuBackend::set_gemm_xb(!f.0.ends_with("/noxb"));
     GpuBackend::set_gemm_act_q8k(f.0 == "int8");
-    GpuBackend::set_gemm_wg_form(if f.0.ends_with("/nowg") {
-        0
-    } else if f.0.ends_with("/wgb") {
-        2
-    } else {
-        1
-    });
+    GpuBackend::set_gemm_wg(!f.0.ends_with("/nowg"));
 }
 
 fn main() {
@@ -247,7 +239,6 @@ fn main() {
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,
                 DEFAULT_NOWG,
-                DEFAULT_WGB,
                 INT8,
                 BF16,
                 BF16_NOSKIP,
@@ -261,7 +252,6 @@ fn main() {
             vec![
                 DEFAULT,
                 DEFAULT_NOWG,
-                DEFAULT_WGB,
                 INT8,
                 DEFAULT_NOSKIP,
                 DEFAULT_NOXB,

@@ -614,37 +614,33 @@ fn gemm_moe_wg_gate_up_matches_f64() {
     }
     let (gz, gs) = (gpu.upload(&z), gpu.upload_i32(&sel));
     let mut bad = Vec::new();
-    for form in [1u8, 2] {
-        GpuBackend::set_gemm_wg_form(form);
-        let l0 = GpuBackend::gemm_wg_launches();
-        let (gg, gu) = gpu
-            .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
-            .expect("sm_90a: the wgmma kernel covers this product");
-        if GpuBackend::gemm_wg_launches() != l0 + 1 {
-            bad.push(format!("form {form}: not one launch for gate and up"));
-        }
-        let mut worst = 0f64;
-        for (name, got, w) in [("gate", &gg, &want[0]), ("up", &gu, &want[1])] {
-            for (i, &(s, a)) in w.iter().enumerate() {
-                let err = (got[i] as f64 - s).abs() / (a + 1e-30);
-                worst = worst.max(err);
-                if err > 2e-5 && bad.len() < 20 {
-                    bad.push(format!(
-                        "form {form} {name} pair {} (expert {}) row {}: gpu {} want {s} (sum |wx| {a})",
-                        i / ff,
-                        sel[i / ff],
-                        i % ff,
-                        got[i]
-                    ));
-                }
+    let l0 = GpuBackend::gemm_wg_launches();
+    let (gg, gu) = gpu
+        .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+        .expect("sm_90a: the wgmma kernel covers this product");
+    if GpuBackend::gemm_wg_launches() != l0 + 1 {
+        bad.push("not one launch for gate and up".to_string());
+    }
+    let mut worst = 0f64;
+    for (name, got, w) in [("gate", &gg, &want[0]), ("up", &gu, &want[1])] {
+        for (i, &(s, a)) in w.iter().enumerate() {
+            let err = (got[i] as f64 - s).abs() / (a + 1e-30);
+            worst = worst.max(err);
+            if err > 2e-5 && bad.len() < 20 {
+                bad.push(format!(
+                    "{name} pair {} (expert {}) row {}: gpu {} want {s} (sum |wx| {a})",
+                    i / ff,
+                    sel[i / ff],
+                    i % ff,
+                    got[i]
+                ));
             }
         }
-        println!(
-            "wgmma gate/up form {form}: {} pairs x {ff} rows x 2: worst |gpu - f64| / sum |wx| = {worst:.3e}",
-            n * k
-        );
     }
-    GpuBackend::set_gemm_wg(true);
+    println!(
+        "wgmma gate/up: {} pairs x {ff} rows x 2: worst |gpu - f64| / sum |wx| = {worst:.3e}",
+        n * k
+    );
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 
     // The MoE path (q2 mix, ff2 = 512 for the Q2_K down): the wgmma gate/up by default (one

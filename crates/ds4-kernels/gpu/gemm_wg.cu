@@ -29,13 +29,18 @@
 // X in shared memory (per chunk slot, per plane): no-swizzle K-major core matrices of 8 items x
 // 8 halves (128 bytes), core (item group ig, k group kg) at 128 (4 ig + kg): descriptor start =
 // plane + 256 kk, LBO (next k group) 128 bytes, SBO (next 8 items) 512 bytes.
-// Pipeline per chunk c (one barrier per chunk): wgmma of chunk c (4 per warpgroup: 2 k-steps x
-// hi/lo into cc; the first of a super-block with scale-d 0) committed, then wait until chunk c-1's
-// group is done (chunk 7 of a super-block: all, then acc += D cc), then the cp.async of X chunk
-// c+4 (5 slots: 4 chunks in flight; dynamic shared memory past 48 KiB) and, once per super-block, the raw weight blocks of the super-block after next
-// (2 stages of 64 NWG rows x 17 words, cp.async 4-byte from the 4-byte-aligned address below the
-// 2-byte-aligned 66-byte block), then lane decodes chunk c+1 into the other A register set
-// while chunk c's wgmma run.
+// Pipeline: per chunk c, the wgmma of chunk c (4 per warpgroup: 2 k-steps x hi/lo into cc; the
+// first of a super-block with scale-d 0) committed, then wait until chunk c-1's group is done
+// (chunk 7 of a super-block: all, then acc += D cc), then the lane decodes chunk c+1 into the other
+// A register set while chunk c's wgmma run. X by cp.async 16-byte in groups of 4 chunks (16 slots
+// of 8 KiB: the group in use, the next one landed, the one after in flight, the previous one's
+// slots possibly still read by its last wgmma); once per group (every 4th chunk): cp.async wait
+// (the next group), fence.proxy.async (cp.async writes are generic-proxy writes that wgmma reads
+// through the async proxy) with no copy in flight, barrier, then the copies of the group after
+// next and, every 8th chunk, the raw weight blocks of the next super-block (2 stages of 256 rows x
+// 17 words, cp.async 4-byte from the 4-byte boundary below the 2-byte-aligned 66-byte block). The
+// per-chunk form (wait, fence and barrier every chunk, 5 slots) measured 0.5-1.4 % slower end to
+// end: in git at the commit the results file names.
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
@@ -47,20 +52,17 @@
 #endif
 
 #define GW_BM 64  // items per CTA (the grouping's run)
-#define GW_NXS 5  // X chunk slots (4 chunks in flight)
+#define GW_NX 16  // X chunk slots: 4 groups of 4 chunks (pipeline below)
 #define GW_RW 17  // raw words per row and stage: a 66-byte block from the 4-byte boundary below it
 
 #if GW_HAVE
 // Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wg.rs WG_SMEM).
-template <int BN, int NX> struct alignas(16) GwSmem {
-    uint4 x[NX][2][GW_BM * 4];  // X chunk slots: plane (hi, lo), core matrices (above)
-    u32 raw[2][BN * GW_RW + 4]; // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
-    u64 grid[256];              // IQ2_XXS grid
+template <int BN> struct alignas(16) GwSmem {
+    uint4 x[GW_NX][2][GW_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
+    u32 raw[2][BN * GW_RW + 4];   // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
+    u64 grid[256];                // IQ2_XXS grid
 };
-#define GW_NXB 16 // X chunk slots of the burst form (4 groups of 4 chunks)
-static_assert(sizeof(GwSmem<256, GW_NXS>) == 77856, "gemm_wg.rs WG_SMEM");
-static_assert(sizeof(GwSmem<256, GW_NXB>) == 167968, "gemm_wg.rs WG_SMEM_B");
-template <int NWG, int FL> using GwSm = GwSmem<64 * NWG, (FL & 8) ? GW_NXB : GW_NXS>;
+static_assert(sizeof(GwSmem<256>) == 167968, "gemm_wg.rs WG_SMEM");
 
 template <int N> struct GwAcc {
     float v[N / 2]; // v[4j + e]: row g + 8 (e >> 1), item 8j + 2t + (e & 1) (of the warp's 16 rows)
@@ -172,13 +174,8 @@ __device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, i
 
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
 // set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-// FL (timing probes, not results): 1 no proxy fence, 2 no decode after the first chunk, 4 no wgmma.
-// FL & 8: the burst form: X copied in groups of 4 chunks (16 slots: the group in use, the next one
-// landed, the one after in flight, the last one's slots possibly still read by its last wgmma),
-// cp.async wait + proxy fence + barrier once per group with no copy in flight (the fence of the
-// per-chunk form also waits for the copies still in flight).
-template <int N, int NWG, int FL>
-__device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
+template <int N, int NWG>
+__device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
                                         long long y_tok, int rows, int cols, long long row_bytes) {
     constexpr int NT = 128 * NWG, BN = 64 * NWG, PP = 512 / NT, TPI = 8 / PP; // X pieces per thread, threads per item
@@ -199,8 +196,7 @@ __device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int
         const int j = PP * (tid % TPI) + jj;
         xdst[jj] = sx + (u32)((j >> 2) * 4096 + ((4 * (xm >> 3) + (j & 3)) * 8 + (xm & 7)) * 16);
     }
-    constexpr bool BURST = (FL & 8) != 0;
-    constexpr int NX = BURST ? GW_NXB : GW_NXS;
+    constexpr int NX = GW_NX;
     auto issue_x = [&](int c) {
         if (c < nl && xm < N) {
             const u32 so = (u32)(c % NX) * 8192u;
@@ -243,26 +239,15 @@ __device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f, cc.v[i] = 0.0f;
     u32 a0[8], a1[8];
-    if (BURST) { // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
-        issue_raw(0);
+    // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
+    issue_raw(0);
 #pragma unroll
-        for (int i = 0; i < 8; i++) issue_x(i);
-        ds4_cp_commit();
-        ds4_cp_wait<0>();
-    } else {
-        issue_raw(0);
-        issue_raw(1);
-#pragma unroll
-        for (int i = 0; i < GW_NXS - 1; i++) { // raw 0, 1 and X 0 in the first group, X i in group i
-            issue_x(i);
-            ds4_cp_commit();
-        }
-        ds4_cp_wait<GW_NXS - 2>();
-    }
-    if (!(FL & 1)) gw_proxy_fence();
+    for (int i = 0; i < 8; i++) issue_x(i);
+    ds4_cp_commit();
+    ds4_cp_wait<0>();
+    gw_proxy_fence();
     __syncthreads();
     decode(0, 0, a0);
-    if (FL & 2) decode(0, 1, a1);
     float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1);
 
     for (int S = 0; S < nsb; S++) {
@@ -272,7 +257,7 @@ __device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int
             u32* a = (p & 1) ? a1 : a0;  // this chunk's A registers
             u32* an = (p & 1) ? a0 : a1; // the next chunk's
             const u32 xs = sx + (u32)(c % NX) * 8192u;
-            if (BURST && (p & 3) == 0) { // group boundary: the next group has landed (nothing else in flight)
+            if ((p & 3) == 0) { // group boundary: the next group has landed (nothing else in flight)
                 ds4_cp_wait<0>();
                 gw_proxy_fence();
                 __syncthreads();
@@ -282,15 +267,13 @@ __device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int
                 ds4_cp_commit();
             }
             gw_pin(cc);
-            if (!(FL & 4)) {
-                gw_fence();
+            gw_fence();
 #pragma unroll
-                for (int kk = 0; kk < 2; kk++) {
-                    gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
-                    gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
-                }
-                gw_commit();
+            for (int kk = 0; kk < 2; kk++) {
+                gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
+                gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
             }
+            gw_commit();
             gw_pin(cc);
             if (p == 7) { // end of the super-block: acc += (d / 8) cc
                 gw_wait<0>();
@@ -303,17 +286,9 @@ __device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int
                 gw_wait<1>(); // chunk c - 1's group (registers an, X slot (c - 1) % NX) is done
                 gw_pin_a(an);
             }
-            if (!BURST) {
-                ds4_cp_wait<GW_NXS - 3>(); // X chunk c + 1 (and raw super-block S + 1, older) have landed
-                if (!(FL & 1)) gw_proxy_fence();
-                __syncthreads();
-                issue_x(c + GW_NXS - 1);      // into chunk c - 1's slot
-                if (p == 7) issue_raw(S + 2); // into super-block S's stage
-                ds4_cp_commit();
-            }
             if (c + 1 < nl) {
                 const int S1 = p == 7 ? S + 1 : S;
-                if (!(FL & 2)) decode(S1, (p + 1) & 7, an);
+                decode(S1, (p + 1) & 7, an);
                 if (p == 7) {
                     const u32 x = 2u * (u32)(S1 & 1);
                     D0 = gw_dscale(&sm.raw[S1 & 1][GW_RW * R0], sh0 ^ x);
@@ -342,14 +317,14 @@ __device__ __forceinline__ void gw_body(GwSm<NWG, FL>& sm, const int* items, int
 #if GW_HAVE
 // The kernels' shared part: the CTA's item run, then the product with N = its valid items
 // rounded up to 16.
-template <int NWG, int FL>
+template <int NWG>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
                                           float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
                                           int n, const int* __restrict__ grp, int gmax) {
     extern __shared__ uint4 gw_dyn[];
-    GwSm<NWG, FL>& sm = *reinterpret_cast<GwSm<NWG, FL>*>(gw_dyn);
+    GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
     __shared__ int items[GW_BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
@@ -367,13 +342,13 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
     if (nv <= 16)
-        gw_body<16, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<16, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<32, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<48, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG, FL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<64, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -384,25 +359,19 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
         const int *__restrict__ grp, int gmax
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
-#define GW_RUN(fl) gw_kernel<4, fl>(GW_ARGS)
+#define GW_RUN gw_kernel<4>(GW_ARGS)
 #else
-#define GW_RUN(fl) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
+#define GW_RUN (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
 
 // gate (blockIdx.z 0: W0 -> Y0) and up (1: W1 -> Y1) of the grouped pairs: grid (rows / 256, gmax,
 // 2), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
-// sizeof(GwSmem<256>). W_z + expert * slab: the expert's rows (row_bytes apart, cols / 256 blocks
-// of 66 bytes); XW, xinv: gwg_x_f32 of the token rows (pair i reads token i / xdiv);
+// sizeof(GwSmem<256>) (164 KiB). W_z + expert * slab: the expert's rows (row_bytes apart, cols /
+// 256 blocks of 66 bytes); XW, xinv: gwg_x_f32 of the token rows (pair i reads token i / xdiv);
 // Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at most 64 ([ngroups, starts[gmax],
 // perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(0); }
-// The burst form (gw_body FL & 8), dynamic shared memory sizeof(GwSmem<256, 16>).
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgb_iq2_xxs(GW_PARAMS) { GW_RUN(8); }
-// Timing probes (gw_body's FL; outputs wrong for 2 and 4): deleted after the measurement.
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgp1_iq2_xxs(GW_PARAMS) { GW_RUN(1); }
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgp2_iq2_xxs(GW_PARAMS) { GW_RUN(2); }
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwgp4_iq2_xxs(GW_PARAMS) { GW_RUN(4); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN; }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

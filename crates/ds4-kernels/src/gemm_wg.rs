@@ -7,12 +7,5 @@ use crate::Module;
 pub const GEMM_WG: Module = Module {
     name: "gemm_wg",
     source: include_str!("../gpu/gemm_wg.cu"),
-    kernels: &[
-        "gwg_iq2_xxs",
-        "gwgb_iq2_xxs",
-        "gwgp1_iq2_xxs",
-        "gwgp2_iq2_xxs",
-        "gwgp4_iq2_xxs",
-        "gwg_x_f32",
-    ],
+    kernels: &["gwg_iq2_xxs", "gwg_x_f32"],
 };

@@ -10,6 +10,12 @@
 //! memory by descriptor), the super-block scale `d / 8` applied per 256 columns. Same arithmetic
 //! as the tiled form (`gemmt_iq2_xxs`): weights exact, activations ~22 bits, f32 sums.
 //!
+//! CTA: 4 warpgroups, 256 weight rows x 64 pairs, 164 KiB of dynamic shared memory (16 X chunk
+//! slots: X copied in groups of 4 chunks), 1 CTA per SM. H200 (bench/results/gpu-gemm-w15-h200.txt):
+//! routed experts q2 (gate/up + the `gemmu_q2_k` down) n = 2048 7.16 -> 6.23 ms, n = 8192 25.67 ->
+//! 23.11 ms; `ds4 bench --synthetic full-q2` prefill 2k 3,465 -> 3,770 tok/s (+8.8 %), 8k 4,062 ->
+//! 4,288 (+5.6 %); the skewed n = 2048 MoE test 1.8e-5 off the CPU (`gemmc_iq2_xxs`: 3.8e-4).
+//!
 //! Taken where all of these hold: the switch is on, CUDA cc 9.0 (warp 32), IQ2_XXS gate and up of
 //! the same shape, d a multiple of 256, the MoE's pairs grouped in runs of 64 (the default
 //! gate/up form: not the f16 or tiled opt-ins, not the int8 opt-in `DS4_GPU_ACT=q8k`).
@@ -19,8 +25,7 @@ use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
-/// 0 off, 1 `gwg_iq2_xxs` (X copies waited for per chunk), 2 `gwgb_iq2_xxs` (the burst form: per
-/// group of 4 chunks), UNSET: read `DS4_GPU_GEMM_WG` (`0` off, `b` burst, else 1) on first use.
+/// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WG` (`0` = off; default on) on first use.
 static WG: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 /// `gwg_iq2_xxs` launches so far (process-wide; tests: the wgmma kernel ran).
@@ -29,25 +34,19 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub(in crate::model) const WG_BM: usize = 64;
 
 /// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
-/// `sizeof(GwSmem<256>)` in gemm_wg.cu (5 X chunk slots of 8 KiB, 2 raw stages of 256 x 17 + 4
+/// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 2 raw stages of 256 x 17 + 4
 /// words, the 2 KiB grid; a static_assert there).
 const WG_BN: usize = 256;
-const WG_SMEM: usize = 5 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
-/// The burst form's: 16 X chunk slots.
-const WG_SMEM_B: usize = 16 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
+const WG_SMEM: usize = 16 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
 
-fn wg_form() -> u8 {
+fn wg_on() -> bool {
     let v = WG.load(Ordering::Relaxed);
     if v != UNSET {
-        return v;
+        return v == 1;
     }
-    let f = match std::env::var("DS4_GPU_GEMM_WG").as_deref() {
-        Ok("0") => 0,
-        Ok("b") => 2,
-        _ => 1,
-    };
-    WG.store(f, Ordering::Relaxed);
-    f
+    let on = std::env::var("DS4_GPU_GEMM_WG").map_or(true, |v| v != "0");
+    WG.store(on as u8, Ordering::Relaxed);
+    on
 }
 
 impl GpuBackend {
@@ -55,12 +54,6 @@ impl GpuBackend {
     /// `DS4_GPU_GEMM_WG`). Process-wide (tests, benchmarks).
     pub fn set_gemm_wg(on: bool) {
         WG.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// The wgmma form: 0 off, 1 `gwg_iq2_xxs`, 2 `gwgb_iq2_xxs`. Process-wide (tests, benchmarks).
-    #[doc(hidden)]
-    pub fn set_gemm_wg_form(f: u8) {
-        WG.store(f, Ordering::Relaxed);
     }
 
     /// `gwg_iq2_xxs` launches so far in this process.
@@ -92,8 +85,7 @@ impl GpuBackend {
         uy: DevPtr,
     ) -> bool {
         let (d, ff, rb) = (g.2, g.3, g.4);
-        let form = wg_form();
-        if form == 0
+        if !wg_on()
             || bm != WG_BM
             || g.1 != GgmlType::IQ2_XXS
             || u.1 != GgmlType::IQ2_XXS
@@ -125,21 +117,13 @@ impl GpuBackend {
             ],
         );
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        // Timing probes (DS4_GPU_GEMM_WG_PROBE=1|2|4: gwgp<n>_iq2_xxs; deleted after measuring).
-        let name = match std::env::var("DS4_GPU_GEMM_WG_PROBE").as_deref() {
-            Ok("1") => "gwgp1_iq2_xxs",
-            Ok("2") => "gwgp2_iq2_xxs",
-            Ok("4") => "gwgp4_iq2_xxs",
-            _ if form == 2 => "gwgb_iq2_xxs",
-            _ => "gwg_iq2_xxs",
-        };
         self.run(
             &ds4_kernels::GEMM_WG,
-            name,
+            "gwg_iq2_xxs",
             LaunchDims {
                 grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
                 block: [2 * WG_BN as u32, 1, 1],
-                shared_bytes: if form == 2 { WG_SMEM_B } else { WG_SMEM } as u32,
+                shared_bytes: WG_SMEM as u32,
             },
             &[
                 Arg::Ptr(g.0),
@@ -165,7 +149,7 @@ impl GpuBackend {
 
     /// Tests: the wgmma gate/up of `n` tokens × `k` slots with expert choices `sel` (`[n][k]`):
     /// `(gate, up)` as `[pairs][ff]`, or None where the kernel does not cover the product
-    /// (the form set, `gwg_iq2_xxs` when off).
+    /// (ignores the switch).
     #[doc(hidden)]
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_wg_download(
@@ -187,10 +171,7 @@ impl GpuBackend {
         let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, WG_BM, gmax);
         let ff = g.3;
         let (gy, uy) = (self.scratch(pairs * ff), self.scratch(pairs * ff));
-        let was = WG.load(Ordering::Relaxed);
-        if !matches!(was, 1 | 2) {
-            WG.store(1, Ordering::Relaxed);
-        }
+        let was = WG.swap(1, Ordering::Relaxed);
         let ran = self.moe_gate_up_wg(
             g,
             u,
