@@ -318,6 +318,8 @@ pub struct CudaRuntime {
     pdl: std::sync::RwLock<std::collections::HashSet<u64>>,
     /// `pdl` is not empty (skips the lookup on every launch otherwise).
     pdl_any: std::sync::atomic::AtomicBool,
+    /// Dynamic shared memory each function was opted in to past the default 48 KiB.
+    smem_optin: std::sync::RwLock<std::collections::HashMap<u64, u32>>,
 }
 
 // The driver API is thread-safe; every call first makes `ctx` current on the calling thread.
@@ -411,6 +413,7 @@ impl CudaRuntime {
             info,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             pdl: Default::default(),
+            smem_optin: Default::default(),
             pdl_any: Default::default(),
         })
     }
@@ -481,11 +484,19 @@ impl CudaRuntime {
         self.cur()?;
         if d.shared_bytes > 48 * 1024 {
             // More than the default 48 KiB of dynamic shared memory: the function's opt-in
-            // (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), set before each such launch.
-            if let Some(set) = self.api.cuFuncSetAttribute {
+            // (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), raised once per function and size.
+            let done = self
+                .smem_optin
+                .read()
+                .unwrap()
+                .get(&f.0)
+                .is_some_and(|&b| b >= d.shared_bytes);
+            if let (false, Some(set)) = (done, self.api.cuFuncSetAttribute) {
+                const MAX_DYNAMIC_SHARED: c_int = 8;
                 self.api.check("cuFuncSetAttribute", unsafe {
-                    set(p(f.0), 8, d.shared_bytes as c_int)
+                    set(p(f.0), MAX_DYNAMIC_SHARED, d.shared_bytes as c_int)
                 })?;
+                self.smem_optin.write().unwrap().insert(f.0, d.shared_bytes);
             }
         }
         // Fixed arrays: no allocation per launch.

@@ -46,10 +46,6 @@ use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
-/// The wgmma gate/up (sm_90a), a child module so that it sits beside this file.
-#[path = "gemm_wg.rs"]
-mod gemm_wg;
-
 /// Items (token rows or pairs) per CTA: `gemm_*` tiles and the wide `gemmw_*` tiles (bf16 form);
 /// weight rows per CTA (`GM_BN` in gemm.cu).
 const BM: usize = 64;

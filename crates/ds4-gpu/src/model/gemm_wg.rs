@@ -20,7 +20,7 @@
 //! the same shape, d a multiple of 256, the MoE's pairs grouped in runs of 64 (the default
 //! gate/up form: not the f16 or tiled opt-ins, not the int8 opt-in `DS4_GPU_ACT=q8k`).
 
-use super::super::{GpuBackend, GpuBuf, GpuWeight};
+use super::{GpuBackend, GpuBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -157,7 +157,7 @@ impl GpuBackend {
         gate: &GpuWeight,
         up: &GpuWeight,
         z: &GpuBuf,
-        sel: &super::super::GpuIBuf,
+        sel: &super::GpuIBuf,
         n: usize,
         k: usize,
         n_expert: usize,

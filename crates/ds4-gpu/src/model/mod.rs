@@ -15,6 +15,7 @@ mod attn;
 mod blas;
 mod gemm;
 mod gemm_i8;
+mod gemm_wg;
 mod matmul;
 mod matvec;
 mod mix;
