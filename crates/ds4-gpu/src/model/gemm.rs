@@ -46,6 +46,21 @@ use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
+/// A MoE gate/up launch of one form: (gate, up as `GpuWeight::mat_parts`, z, n, k, (sel, grouping,
+/// its run count), items per run, gate out, up out) -> whether it ran.
+pub(super) type GateUpFn = fn(
+    &GpuBackend,
+    (DevPtr, GgmlType, usize, usize, usize),
+    (DevPtr, GgmlType, usize, usize, usize),
+    DevPtr,
+    usize,
+    usize,
+    (DevPtr, DevPtr, usize),
+    usize,
+    DevPtr,
+    DevPtr,
+) -> bool;
+
 /// Items (token rows or pairs) per CTA: `gemm_*` tiles and the wide `gemmw_*` tiles (bf16 form);
 /// weight rows per CTA (`GM_BN` in gemm.cu).
 const BM: usize = 64;
@@ -618,6 +633,55 @@ impl GpuBackend {
         let gmax = pairs.div_ceil(nt) + n_expert.min(pairs);
         let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, nt, gmax);
         self.download_i32(&GpuIBuf(grp), 1 + gmax + pairs)
+    }
+
+    /// Test download shared by the int8 (gemm_i8.rs) and wgmma (gemm_wg.rs) gate/up forms: the
+    /// pairs of `sel` (`[n][k]`) grouped in runs of `bm`, `launch` run with its switch `on` forced
+    /// to 1 (restored after), gate and up as `[pairs][ff]`; None where the form does not run.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gate_up_download(
+        &self,
+        (gate, up, z, sel): (&GpuWeight, &GpuWeight, &GpuBuf, &GpuIBuf),
+        n: usize,
+        k: usize,
+        n_expert: usize,
+        bm: usize,
+        on: &AtomicU8,
+        launch: GateUpFn,
+    ) -> Option<(Vec<f32>, Vec<f32>)> {
+        let (g, u) = (gate.mat_parts()?, up.mat_parts()?);
+        let pairs = n * k;
+        if pairs == 0 || n_expert == 0 {
+            return None;
+        }
+        let gmax = pairs.div_ceil(bm) + n_expert.min(pairs);
+        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, bm, gmax);
+        let ff = g.3;
+        let (gy, uy) = (self.scratch(pairs * ff), self.scratch(pairs * ff));
+        let was = on.swap(1, Ordering::Relaxed);
+        let ran = launch(
+            self,
+            g,
+            u,
+            z.ptr,
+            n,
+            k,
+            (sel.0.ptr, grp.ptr, gmax),
+            bm,
+            gy.ptr,
+            uy.ptr,
+        );
+        on.store(was, Ordering::Relaxed);
+        if !ran {
+            return None;
+        }
+        let f = |b: &GpuBuf| -> Vec<f32> {
+            self.download_bytes(b.ptr, pairs * ff * 4)
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        Some((f(&gy), f(&uy)))
     }
 
     /// Device grouping (gm_group_*_i32) into a new scratch `[ngroups, starts[gmax], perm[pairs]]`.

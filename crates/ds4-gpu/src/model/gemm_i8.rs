@@ -221,37 +221,10 @@ impl GpuBackend {
         k: usize,
         n_expert: usize,
     ) -> Option<(Vec<f32>, Vec<f32>)> {
-        let (g, u) = (gate.mat_parts()?, up.mat_parts()?);
-        let pairs = n * k;
-        if pairs == 0 || n_expert == 0 || !self.i8_ok() {
+        if !self.i8_ok() {
             return None;
         }
-        let gmax = pairs.div_ceil(I8_BM) + n_expert.min(pairs);
-        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, I8_BM, gmax);
-        let ff = g.3;
-        let (gy, uy) = (self.scratch(pairs * ff), self.scratch(pairs * ff));
-        let was = ACT.swap(1, Ordering::Relaxed);
-        let ran = self.moe_gate_up_i8(
-            g,
-            u,
-            z.ptr,
-            n,
-            k,
-            (sel.0.ptr, grp.ptr, gmax),
-            I8_BM,
-            gy.ptr,
-            uy.ptr,
-        );
-        ACT.store(was, Ordering::Relaxed);
-        if !ran {
-            return None;
-        }
-        let f = |b: &GpuBuf| -> Vec<f32> {
-            self.download_bytes(b.ptr, pairs * ff * 4)
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect()
-        };
-        Some((f(&gy), f(&uy)))
+        let launch: super::gemm::GateUpFn = Self::moe_gate_up_i8;
+        self.gate_up_download((gate, up, z, sel), n, k, n_expert, I8_BM, &ACT, launch)
     }
 }

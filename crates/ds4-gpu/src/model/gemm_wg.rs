@@ -162,37 +162,10 @@ impl GpuBackend {
         k: usize,
         n_expert: usize,
     ) -> Option<(Vec<f32>, Vec<f32>)> {
-        let (g, u) = (gate.mat_parts()?, up.mat_parts()?);
-        let pairs = n * k;
-        if pairs == 0 || n_expert == 0 || !self.gemm_wg_supported() {
+        if !self.gemm_wg_supported() {
             return None;
         }
-        let gmax = pairs.div_ceil(WG_BM) + n_expert.min(pairs);
-        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, WG_BM, gmax);
-        let ff = g.3;
-        let (gy, uy) = (self.scratch(pairs * ff), self.scratch(pairs * ff));
-        let was = WG.swap(1, Ordering::Relaxed);
-        let ran = self.moe_gate_up_wg(
-            g,
-            u,
-            z.ptr,
-            n,
-            k,
-            (sel.0.ptr, grp.ptr, gmax),
-            WG_BM,
-            gy.ptr,
-            uy.ptr,
-        );
-        WG.store(was, Ordering::Relaxed);
-        if !ran {
-            return None;
-        }
-        let f = |b: &GpuBuf| -> Vec<f32> {
-            self.download_bytes(b.ptr, pairs * ff * 4)
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect()
-        };
-        Some((f(&gy), f(&uy)))
+        let launch: super::gemm::GateUpFn = Self::moe_gate_up_wg;
+        self.gate_up_download((gate, up, z, sel), n, k, n_expert, WG_BM, &WG, launch)
     }
 }
