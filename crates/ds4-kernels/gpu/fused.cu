@@ -315,6 +315,20 @@ __device__ __forceinline__ void fl_bar(int id, int n) {
 #endif
 }
 
+// The epilogue's z columns c0 + k·step < D4 (float4s) of one token: q · zs · norm weight.
+template <int NN>
+__device__ __forceinline__ void fl_store_z(float* zrow, const float4 (&xv)[FW_ZR][NN], const float4 (&gr)[FW_ZR], float zs, int c0, int step, int D4) {
+    float4* zt = (float4*)zrow;
+#pragma unroll
+    for (int k = 0; k < FW_ZR; k++) {
+        const int c = c0 + k * step;
+        if (c < D4) {
+            const float4 q = xv[k][0], w = gr[k];
+            zt[c] = make_float4(q.x * zs * w.x, q.y * zs * w.y, q.z * zs * w.z, q.w * zs * w.w);
+        }
+    }
+}
+
 // Release / acquire fence at device scope for the arrival ticket (CUDA fence.acq_rel.gpu,
 // lighter than __threadfence's fence.sc; HIP __threadfence).
 __device__ __forceinline__ void fl_fence() {
@@ -557,16 +571,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
             double t2 = 0.0;
             for (int i = 0; i < NCW; i++) t2 += red[i];
             if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 8] = fp_now();
-            const float zs = (float)(1.0 / sqrt(t2 / (double)D + (double)eps));
-            float4* zt = (float4*)(z + (size_t)t * D);
-#pragma unroll
-            for (int k = 0; k < FW_ZR; k++) {
-                const int c = c0 + k * step;
-                if (c < D4) {
-                    const float4 q = xv[k][0], w4 = gr[k];
-                    zt[c] = make_float4(q.x * zs * w4.x, q.y * zs * w4.y, q.z * zs * w4.z, q.w * zs * w4.w);
-                }
-            }
+            fl_store_z(z + (size_t)t * D, xv, gr, (float)(1.0 / sqrt(t2 / (double)D + (double)eps)), c0, step, D4);
             if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 9] = fp_now();
         }
 #endif
@@ -577,17 +582,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
     zz = fu_block_sum(zz, red);
     FP_STAMP(8);
     const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
-    if (cw && !(PROBE && stop == 6)) {
-        float4* zt = (float4*)(z + (size_t)t * D);
-#pragma unroll
-        for (int k = 0; k < FW_ZR; k++) {
-            const int c = c0 + k * step;
-            if (c < D4) {
-                const float4 q = xv[k][0], w = gr[k];
-                zt[c] = make_float4(q.x * zs * w.x, q.y * zs * w.y, q.z * zs * w.z, q.w * zs * w.w);
-            }
-        }
-    }
+    if (cw && !(PROBE && stop == 6)) fl_store_z(z + (size_t)t * D, xv, gr, zs, c0, step, D4);
     FP_STAMP(9);
 #endif
 }
