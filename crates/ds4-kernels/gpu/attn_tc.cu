@@ -42,24 +42,6 @@
 #endif
 
 #if ATC_HAVE_MMA
-// Pack (v0 low half, v1 high half) as f16x2, round to nearest even.
-__device__ __forceinline__ u32 atc_pack(float v0, float v1) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
-    return r;
-}
-
-// hi = f16(v), lo = f16(v − hi) for a pair (the difference is exact in f32).
-__device__ __forceinline__ void atc_split(float v0, float v1, u32& hi, u32& lo) {
-    hi = atc_pack(v0, v1);
-    lo = atc_pack(v0 - ds4_h2f_fast(hi & 0xffffu), v1 - ds4_h2f_fast(hi >> 16));
-}
-
-__device__ __forceinline__ void atc_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Candidate j of token t (list above) in the f16 copies, or 0 when absent.
 __device__ __forceinline__ const u16* atc_row(long long j, long long t0, long long first, int nwin, int nsel,
@@ -124,10 +106,10 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
             float2 a1 = hb < heads ? *(const float2*)(qb + 16 * ks) : z2;
             float2 a2 = ha < heads ? *(const float2*)(qa + 16 * ks + 8) : z2;
             float2 a3 = hb < heads ? *(const float2*)(qb + 16 * ks + 8) : z2;
-            atc_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
-            atc_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
-            atc_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
-            atc_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
+            ds4_f16x2_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
+            ds4_f16x2_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
+            ds4_f16x2_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
+            ds4_f16x2_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
         }
     }
     float acc[NT][4];
@@ -170,11 +152,11 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
                 u32 b[4];
                 const int mi = lane >> 3, rr = lane & 7;
                 ds4_ldm4(b, kw + (16 * np + rr + 8 * (mi >> 1)) * LD + 16 * ks + 8 * (mi & 1));
-                atc_mma(s[2 * np], qh[ks], b[0], b[1]);
-                atc_mma(s[2 * np + 1], qh[ks], b[2], b[3]);
+                ds4_mma_f16(s[2 * np], qh[ks], b[0], b[1]);
+                ds4_mma_f16(s[2 * np + 1], qh[ks], b[2], b[3]);
                 if (SPLIT) {
-                    atc_mma(s[2 * np], ql[ks], b[0], b[1]);
-                    atc_mma(s[2 * np + 1], ql[ks], b[2], b[3]);
+                    ds4_mma_f16(s[2 * np], ql[ks], b[0], b[1]);
+                    ds4_mma_f16(s[2 * np + 1], ql[ks], b[2], b[3]);
                 }
             }
         }
@@ -217,8 +199,8 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
 #pragma unroll
             for (int c = 0; c < 4; c++) p[c] = s[n][c] == DS4_NEG_INF ? 0.0f : expf(s[n][c] - m[c >> 1]);
             u32 h01, l01, h23, l23;
-            atc_split(p[0], p[1], h01, l01);
-            atc_split(p[2], p[3], h23, l23);
+            ds4_f16x2_split(p[0], p[1], h01, l01);
+            ds4_f16x2_split(p[2], p[3], h23, l23);
             if (SPLIT) {
                 zs[0] += p[0] + p[1];
                 zs[1] += p[2] + p[3];
@@ -249,11 +231,11 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
                 u32 b[4];
                 const int mi = lane >> 3, rr = lane & 7;
                 ds4_ldm4_t(b, kw + (16 * kk + rr + 8 * (mi & 1)) * LD + 16 * np + 8 * (mi >> 1));
-                atc_mma(acc[2 * np], ph[kk], b[0], b[1]);
-                atc_mma(acc[2 * np + 1], ph[kk], b[2], b[3]);
+                ds4_mma_f16(acc[2 * np], ph[kk], b[0], b[1]);
+                ds4_mma_f16(acc[2 * np + 1], ph[kk], b[2], b[3]);
                 if (SPLIT) {
-                    atc_mma(acc[2 * np], pl[kk], b[0], b[1]);
-                    atc_mma(acc[2 * np + 1], pl[kk], b[2], b[3]);
+                    ds4_mma_f16(acc[2 * np], pl[kk], b[0], b[1]);
+                    ds4_mma_f16(acc[2 * np + 1], pl[kk], b[2], b[3]);
                 }
             }
         }
@@ -304,7 +286,7 @@ __device__ __forceinline__ void atc_rows_body(const float* __restrict__ raw, con
         const float4 v = k < nraw4         ? ((const float4*)raw)[k]
                          : k < nraw4 + nkv4 ? ((const float4*)kv)[k - nraw4]
                                             : ((const float4*)comp)[k - nraw4 - nkv4];
-        ((uint2*)dst)[k] = make_uint2(atc_pack(v.x, v.y), atc_pack(v.z, v.w));
+        ((uint2*)dst)[k] = make_uint2(ds4_f16x2(v.x, v.y), ds4_f16x2(v.z, v.w));
     }
 }
 #define ATC_ROWS_BODY atc_rows_body(raw, kv, comp, dst, nraw4, nkv4, total4);
@@ -356,11 +338,6 @@ __device__ __forceinline__ u32 ixt_pack(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ void ixt_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q, const float* __restrict__ w,
                                                      const float* __restrict__ rows, float* __restrict__ scores,
@@ -435,8 +412,8 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
             for (int nt = 0; nt < 4; nt++) {
                 const u16* bp = bs + (nt * 8 + g) * IXT_BS + ks * 16 + 2 * tq;
                 const u32 b0 = *(const u32*)bp, b1 = *(const u32*)(bp + 8);
-                ixt_mma(c[0][nt], a[0][ks], b0, b1);
-                ixt_mma(c[1][nt], a[1][ks], b0, b1);
+                ds4_mma_bf16(c[0][nt], a[0][ks], b0, b1);
+                ds4_mma_bf16(c[1][nt], a[1][ks], b0, b1);
             }
         }
         float* tt = term + tw * 64 * IXT_TS;

@@ -82,11 +82,6 @@ __device__ __forceinline__ void gm_mma_tf(float* c, const u32* a, const u32* b) 
 }
 
 
-__device__ __forceinline__ void gm_mma(float* c, const u32* a, const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 #endif
 
 template <int BM> struct alignas(16) GmSmemMma { // 16-byte vector stores
@@ -309,9 +304,9 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
 #pragma unroll
                     for (int nt = 0; nt < 4; nt++) {
                         float* cc = acc + 4 * (4 * mt + nt);
-                        gm_mma(cc, ah, bh[nt]);
-                        gm_mma(cc, al, bh[nt]);
-                        if (T != T_BF16) gm_mma(cc, ah, bl[nt]); // bf16 weights: lo = 0
+                        ds4_mma_bf16(cc, ah, bh[nt]);
+                        ds4_mma_bf16(cc, al, bh[nt]);
+                        if (T != T_BF16) ds4_mma_bf16(cc, ah, bl[nt]); // bf16 weights: lo = 0
                     }
                 }
             }
@@ -582,10 +577,10 @@ __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
                     if (kk == 0) gm_mma0(cc[nt], ah, b[kk][nt]);
-                    else gm_mma(cc[nt], ah, b[kk][nt]);
+                    else ds4_mma_bf16(cc[nt], ah, b[kk][nt]);
                 }
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) gm_mma(cc[nt], al, b[kk][nt]);
+                for (int nt = 0; nt < 4; nt++) ds4_mma_bf16(cc[nt], al, b[kk][nt]);
             }
 #pragma unroll
             for (int nt = 0; nt < 4; nt++) {
@@ -649,22 +644,13 @@ DS4_KERNEL void DS4_BOUNDS(256) gemmw_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 
 // Pack (v0 low half, v1 high half) as f16x2, round to nearest even.
 __device__ __forceinline__ u32 gm_h2(float v0, float v1) {
 #if GM_HAVE_MMA
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
-    return r;
+    return ds4_f16x2(v0, v1);
 #else
     (void)v0, (void)v1; // never launched without mma
     return 0u;
 #endif
 }
 
-#if GM_HAVE_MMA
-__device__ __forceinline__ void gm_mma_h(float* c, const u32* a, const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#endif
 
 template <int BM, int NB> struct alignas(16) GmSmemH { // NB buffers
     u32 x[NB][BM][GM_LD], w[NB][GM_BN][GM_LD];
@@ -752,7 +738,7 @@ template <int T, int NW> __device__ __forceinline__ void gemmh_body(GMH_PARAMS) 
 #pragma unroll
             for (int mt = 0; mt < GM_MT; mt++)
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) gm_mma_h(acc + 4 * (4 * mt + nt), a[mt], b[nt]);
+                for (int nt = 0; nt < 4; nt++) ds4_mma_f16(acc + 4 * (4 * mt + nt), a[mt], b[nt]);
         }
 #endif
         // Double buffer: the next store goes to the other buffer, and the one after it (to this
@@ -926,9 +912,7 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_scatter_i32(const int* __restrict__ sel
 // f16x2 of the two signed bytes in the low 16 bits of v (exact: 1024 + (q+128) - 1152).
 __device__ __forceinline__ u32 gq_i8x2(u32 v) {
 #if GM_HAVE_MMA
-    u32 r = __byte_perm(v ^ 0x8080u, 0x64646464u, 0x4140), o;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(o) : "r"(r), "r"(0x64806480u));
-    return o;
+    return ds4_hsub2(__byte_perm(v ^ 0x8080u, 0x64646464u, 0x4140), 0x64806480u);
 #else
     (void)v;
     return 0u;
@@ -938,9 +922,7 @@ __device__ __forceinline__ u32 gq_i8x2(u32 v) {
 // f16x2 of two integers in [0, 1024) given as (a | b << 16) (exact: (1024 + a) - 1024).
 __device__ __forceinline__ u32 gq_u10x2(u32 ab) {
 #if GM_HAVE_MMA
-    u32 o;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(o) : "r"(ab | 0x64006400u), "r"(0x64006400u));
-    return o;
+    return ds4_hsub2(ab | 0x64006400u, 0x64006400u);
 #else
     (void)ab;
     return 0u;
@@ -1025,11 +1007,6 @@ __device__ __forceinline__ void gt_store(const float (&acc)[MT][NT][4], const in
         }
 }
 
-__device__ __forceinline__ u32 gt_hmul2(u32 a, u32 b) {
-    u32 o;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
-    return o;
-}
 #endif
 
 // Per type: SB raw bytes per row and stage, SC chunks per stage, GC chunks per scale group,
@@ -1069,10 +1046,10 @@ template <> __device__ __forceinline__ void gt_deq<T_IQ2_XXS>(const u8* blk, int
     u32 m = 1 + 2 * (aux >> 28);
     u32 m2 = gq_u10x2(m | (m << 16));
     uint4 gv = sm.grid[idx], sg = sm.sign[(aux >> (7 * t)) & 127];
-    w[0] = gt_hmul2(gv.x, m2) ^ sg.x;
-    w[1] = gt_hmul2(gv.y, m2) ^ sg.y;
-    w[2] = gt_hmul2(gv.z, m2) ^ sg.z;
-    w[3] = gt_hmul2(gv.w, m2) ^ sg.w;
+    w[0] = ds4_hmul2(gv.x, m2) ^ sg.x;
+    w[1] = ds4_hmul2(gv.y, m2) ^ sg.y;
+    w[2] = ds4_hmul2(gv.z, m2) ^ sg.z;
+    w[3] = ds4_hmul2(gv.w, m2) ^ sg.w;
 }
 
 // Q4_K 6-bit scale and min of sub-block p (scale bytes at sc).
@@ -1256,8 +1233,8 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     u32 b[2] = {bq[nt][2 * kk], bq[nt][2 * kk + 1]};
-                    gm_mma_h(cc[mt][nt], ah, b);
-                    gm_mma_h(cc[mt][nt], al, b);
+                    ds4_mma_f16(cc[mt][nt], ah, b);
+                    ds4_mma_f16(cc[mt][nt], al, b);
                 }
             }
         if ((p + 1) % C::GC == 0) {
@@ -1290,8 +1267,8 @@ template <int T> __device__ __forceinline__ void gemmt_body(GMT_PARAMS) {
                     u32 ah[4] = {s0[t], s1[t], s0[t + 4], s1[t + 4]}, al[4] = {s0[8 + t], s1[8 + t], s0[12 + t], s1[12 + t]};
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
-                        gm_mma_h(cm[mt][nt], ah, bm[nt]);
-                        gm_mma_h(cm[mt][nt], al, bm[nt]);
+                        ds4_mma_f16(cm[mt][nt], ah, bm[nt]);
+                        ds4_mma_f16(cm[mt][nt], al, bm[nt]);
                     }
                 }
                 gt_apply<MT, NT>(acc, cc, cm, D, Dm);
@@ -1464,20 +1441,19 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
         const u32 e1 = (u32)(15 - 2 * j) << 10, e2 = 0x8000u | ((u32)(25 - 2 * j) << 10);
         const u32 k1 = e1 | (e1 << 16), k2 = e2 | (e2 << 16);
         const u32 slp = gu_lds16(row + 8 * h + 2 * j) & 0x0f0fu; // sl of sub-blocks 0, 1
-        u32 ss;                                                   // (sl0, sl1) * 4^-j
-        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(ss) : "r"(__byte_perm(slp, k64, 0x4140)), "r"(k1), "r"(k2));
+        const u32 ss = ds4_hfma2(__byte_perm(slp, k64, 0x4140), k1, k2); // (sl0, sl1) * 4^-j
         const u32 sc[2] = {__byte_perm(ss, 0u, 0x1010), __byte_perm(ss, 0u, 0x3232)};
         u32 cm[2];
 #pragma unroll
-        for (int u = 0; u < 2; u++) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(cm[u]) : "r"(sc[u]), "r"(0xe400e400u)); // * -1024
+        for (int u = 0; u < 2; u++) cm[u] = ds4_hmul2(sc[u], 0xe400e400u); // * -1024
         const u32 msk = 0x03030303u << (2 * j);
         u32 o[2][4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const u32 v = gu_lds(row + 4 * dk + 16 + 32 * h + 8 * u) & msk;
             const u32 lo = __byte_perm(v, k64, 0x4140), hi = __byte_perm(v, k64, 0x4342);
-            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[0][u]) : "r"(lo), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
-            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(o[1][u]) : "r"(hi), "r"(sc[u >> 1]), "r"(cm[u >> 1]));
+            o[0][u] = ds4_hfma2(lo, sc[u >> 1], cm[u >> 1]);
+            o[1][u] = ds4_hfma2(hi, sc[u >> 1], cm[u >> 1]);
         }
         gu_sts4(dst0 + wbuf, o[0][0], o[0][1], o[0][2], o[0][3]);
         gu_sts4((dst0 ^ 16) + wbuf, o[1][0], o[1][1], o[1][2], o[1][3]);
@@ -1560,7 +1536,7 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
 #pragma unroll
                             for (int hl = 0; hl < 2; hl++)
 #pragma unroll
-                                for (int nt = 0; nt < NT; nt++) gm_mma_h(cc[mt][nt], a[kk][mt][hl], b[kk][nt]);
+                                for (int nt = 0; nt < NT; nt++) ds4_mma_f16(cc[mt][nt], a[kk][mt][hl], b[kk][nt]);
                         }
                 }
                 if (p == SC - 1) {
@@ -1590,9 +1566,9 @@ __device__ __forceinline__ void gemmu_body(GMT_PARAMS) {
 #pragma unroll
                             for (int e = 0; e < 4; e++) cm[nt][e] = 0.0f;
 #pragma unroll
-                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[nt], ah, bm[nt]);
+                        for (int nt = 0; nt < NT; nt++) ds4_mma_f16(cm[nt], ah, bm[nt]);
 #pragma unroll
-                        for (int nt = 0; nt < NT; nt++) gm_mma_h(cm[nt], al, bm[nt]);
+                        for (int nt = 0; nt < NT; nt++) ds4_mma_f16(cm[nt], al, bm[nt]);
 #pragma unroll
                         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -1656,9 +1632,10 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
         for (int i = 0; i < 4; i++) {
             float4 v = p[4 * g + i];
             float a = v.x * sc, b = v.y * sc, c = v.z * sc, d = v.w * sc; // exact (power of two)
-            u32 h0 = gm_h2(a, b), h1 = gm_h2(c, d);
-            float ah = ds4_h2f_fast(h0), bh = ds4_h2f_fast(h0 >> 16), ch = ds4_h2f_fast(h1), dh = ds4_h2f_fast(h1 >> 16);
-            wq[i] = make_uint4(h0, h1, gm_h2(a - ah, b - bh), gm_h2(c - ch, d - dh));
+            u32 h0, h1, l0, l1;
+            ds4_f16x2_split(a, b, h0, l0);
+            ds4_f16x2_split(c, d, h1, l1);
+            wq[i] = make_uint4(h0, h1, l0, l1);
             sum += (a + b) + (c + d);
         }
         if (!unit) {

@@ -44,12 +44,7 @@
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
-
-#if defined(DS4_CUDA) && DS4_ARCH >= 900 && DS4_ARCH < 1000
-#define GW_HAVE 1 // wgmma: sm_90a only (not sm_100)
-#else
-#define GW_HAVE 0
-#endif
+#include "wgmma.cuh"
 
 #define GW_BM 64  // items per CTA (the grouping's run)
 #define GW_NX 16  // X chunk slots: 4 groups of 4 chunks (pipeline below)
@@ -63,53 +58,6 @@ template <int BN> struct alignas(16) GwSmem {
     u64 grid[256];                // IQ2_XXS grid
 };
 static_assert(sizeof(GwSmem<256>) == 167968, "gemm_wg.rs WG_SMEM");
-
-template <int N> struct GwAcc {
-    float v[N / 2]; // v[4j + e]: row g + 8 (e >> 1), item 8j + 2t + (e & 1) (of the warp's 16 rows)
-};
-
-// f16x2 helpers (round to nearest; the operands here make every result exact).
-__device__ __forceinline__ u32 gw_hsub2(u32 a, u32 b) {
-    u32 r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 gw_hmul2(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 gw_hfma2(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-__device__ __forceinline__ u32 gw_h2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ void gw_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void gw_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int K> __device__ __forceinline__ void gw_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(K) : "memory");
-}
-// Keep the compiler from touching accumulators / A registers across the asynchronous wgmma.
-template <int N> __device__ __forceinline__ void gw_pin(GwAcc<N>& a) {
-#pragma unroll
-    for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(a.v[i])::"memory");
-}
-__device__ __forceinline__ void gw_pin_a(u32* a) {
-#pragma unroll
-    for (int i = 0; i < 8; i++) asm volatile("" : "+r"(a[i])::"memory");
-}
-__device__ __forceinline__ void gw_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (8 rows) byte offsets.
-__device__ __forceinline__ u64 gw_desc(u32 addr, u32 lbo, u32 sbo) {
-    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
-}
 
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -127,8 +75,8 @@ __device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, cons
     const u32 idx = __funnelshift_r(A, B, fs), aux = __funnelshift_r(B, C, fs);
     const u64 gv = grid[(idx >> (8 * t)) & 0xff];
     const u32 s7 = (aux >> (7 * t)) & 127u, m = 2 * (aux >> 28) + 1;
-    const u32 m2 = gw_hsub2((m | (m << 16)) | 0x64006400u, 0x64006400u); // f16x2 (m, m)
-    const u32 c2 = gw_hmul2(m2, 0xe400e400u);                               // -1024 m
+    const u32 m2 = ds4_hsub2((m | (m << 16)) | 0x64006400u, 0x64006400u); // f16x2 (m, m)
+    const u32 c2 = ds4_hmul2(m2, 0xe400e400u);                               // -1024 m
     // sign bit e of the 8 (bit 7: parity) at the msb of byte e % 4 of v[e / 4] (gemmc's trick)
     const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
     const u32 gw2[2] = {(u32)gv, (u32)(gv >> 32)};
@@ -137,41 +85,12 @@ __device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, cons
         // bytes (b, 0x64): f16 1024 + b; (1024 + b) m - 1024 m = b m exactly (one rounding)
         const u32 u = ds4_prmt(gw2[q >> 1], 0x64646464u, (q & 1) ? 0x4342u : 0x4140u);
         const u32 mk = ds4_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
-        w[q] = gw_hfma2(u, m2, c2) ^ (mk & 0x80008000u);
+        w[q] = ds4_hfma2(u, m2, c2) ^ (mk & 0x80008000u);
     }
 }
 
 // The super-block scale d / 8 of a row's staged block (f16 d at byte sh).
 __device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
-__device__ __forceinline__ void gw_mma(GwAcc<16>& acc, const u32* a, u64 desc, int sd) {
-    float* d = acc.v;
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
-}
-__device__ __forceinline__ void gw_mma(GwAcc<32>& acc, const u32* a, u64 desc, int sd) {
-    float* d = acc.v;
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
-}
-__device__ __forceinline__ void gw_mma(GwAcc<48>& acc, const u32* a, u64 desc, int sd) {
-    float* d = acc.v;
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
-}
-__device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, int sd) {
-    float* d = acc.v;
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
-}
-
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
 // set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
 template <int N, int NWG>
@@ -411,10 +330,8 @@ DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long
 #pragma unroll
         for (int qq = 0; qq < 16; qq++) { // elements 2qq, 2qq + 1 = (8w + 2kg, +1): w = qq / 4, kg = qq % 4
             const float a = v[2 * qq], b = v[2 * qq + 1];
-            const u32 hh = gw_h2(a, b);
             const int k = 4 * (qq & 3) + (qq >> 2);
-            hw[k] = hh;
-            lw[k] = gw_h2(a - ds4_h2f_fast(hh & 0xffffu), b - ds4_h2f_fast(hh >> 16));
+            ds4_f16x2_split(a, b, hw[k], lw[k]);
         }
         uint4* d = (uint4*)(o + 32 * c);
 #pragma unroll

@@ -996,39 +996,19 @@ __device__ __forceinline__ void m3_cp16(void* dst, const void* src) {
     u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
-__device__ __forceinline__ u32 m3_hmul2(u32 a, u32 b) {
-    u32 o;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
-    return o;
-}
-__device__ __forceinline__ u32 m3_hsub2(u32 a, u32 b) {
-    u32 o;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(b));
-    return o;
-}
-// f16x2 of (v0 low, v1 high), round to nearest even.
-__device__ __forceinline__ u32 m3_f16x2(float v0, float v1) {
-    u32 o;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(o) : "f"(v1), "f"(v0));
-    return o;
-}
 // Eight floats as f16 pairs hi = f16(v) and lo = f16(v - hi) (the differences are exact): x to
 // ~22 bits as two B columns of one mma.
 __device__ __forceinline__ void m3_split8(const float (&v)[8], uint4& hi, uint4& lo) {
     u32 h[4], l[4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        h[i] = m3_f16x2(v[2 * i], v[2 * i + 1]);
-        float h0 = ds4_h2f_fast(h[i] & 0xffffu), h1 = ds4_h2f_fast(h[i] >> 16);
-        l[i] = m3_f16x2(v[2 * i] - h0, v[2 * i + 1] - h1);
-    }
+    for (int i = 0; i < 4; i++) ds4_f16x2_split(v[2 * i], v[2 * i + 1], h[i], l[i]);
     hi = make_uint4(h[0], h[1], h[2], h[3]);
     lo = make_uint4(l[0], l[1], l[2], l[3]);
 }
+// ds4_mma_f16 with the A fragment as four values (rows 0-7 and 8-15 built separately here).
 __device__ __forceinline__ void m3_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    const u32 a[4] = {a0, a1, a2, a3};
+    ds4_mma_f16(c, a, b0, b1);
 }
 
 // Half2 words w[0..3] (element pairs 01, 23, 45, 67) of grid entry gr with sign bytes (0x80 where
@@ -1036,10 +1016,10 @@ __device__ __forceinline__ void m3_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u3
 __device__ __forceinline__ void m3_entry(u64 gr, u32 sl, u32 sh, u32 m2, u32 (&w)[4]) {
     u32 ml = (u32)gr, mh = (u32)(gr >> 32);
     // bytes [g0, s0, g1, s1]: the f16 subnormals +-g * 2^-24, then * (2 ls + 1): exact.
-    w[0] = m3_hmul2(ds4_prmt(ml, sl, 0x5140), m2);
-    w[1] = m3_hmul2(ds4_prmt(ml, sl, 0x7362), m2);
-    w[2] = m3_hmul2(ds4_prmt(mh, sh, 0x5140), m2);
-    w[3] = m3_hmul2(ds4_prmt(mh, sh, 0x7362), m2);
+    w[0] = ds4_hmul2(ds4_prmt(ml, sl, 0x5140), m2);
+    w[1] = ds4_hmul2(ds4_prmt(ml, sl, 0x7362), m2);
+    w[2] = ds4_hmul2(ds4_prmt(mh, sh, 0x5140), m2);
+    w[3] = ds4_hmul2(ds4_prmt(mh, sh, 0x7362), m2);
 }
 
 // Sub-block words of one staged row (4-byte aligned): the 8 bytes at byte o (even) as idx4 (4 grid
@@ -1085,7 +1065,7 @@ __device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const u64* 
         m3_sub<A8>(ru, o, iu, xu);
         u32 mg = 1u + 2u * (xg >> 28), mu = 1u + 2u * (xu >> 28);
         const u32 b1k = 0x64006400u;
-        u32 m2g = m3_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = m3_hsub2((mu | (mu << 16)) | b1k, b1k);
+        u32 m2g = ds4_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = ds4_hsub2((mu | (mu << 16)) | b1k, b1k);
         const uint4* xb = xf + (c * 4) * 8 + (lane & 7);
 #pragma unroll
         for (int q = 0; q < 4; q++) {
@@ -1313,9 +1293,9 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             float g = ((t & 1) ? ot + sm : sm + ot) * 0.0625f;
             if ((t & 1) == 0) {
                 u16* sd = sxh + ((buf * 8 + (c >> 1)) * 2) * 16 + 8 * (c & 1) + 2 * jj + (t >> 1);
-                u32 gh = m3_f16x2(g, 0.0f) & 0xffffu;
+                u32 gh = ds4_f16x2(g, 0.0f) & 0xffffu;
                 sd[0] = (u16)gh;
-                sd[16] = (u16)(m3_f16x2(g - ds4_h2f_fast(gh), 0.0f) & 0xffffu);
+                sd[16] = (u16)(ds4_f16x2(g - ds4_h2f_fast(gh), 0.0f) & 0xffffu);
             }
         }
     };

@@ -1,5 +1,6 @@
-// PTX wrappers shared by the tensor-core modules (gemm.cu, gemm_i8.cu, attn_tc.cu, moe.cu): byte
-// permute, ldmatrix and cp.async. CUDA sm_80+ only; the callers sit under their own `#if`.
+// PTX wrappers shared by the tensor-core modules (gemm.cu, gemm_i8.cu, gemm_wg.cu, attn_tc.cu,
+// moe.cu): byte permute, f16x2 arithmetic, mma, ldmatrix and cp.async. CUDA sm_80+ only; the
+// callers sit under their own `#if`.
 #pragma once
 #include "prelude.cuh"
 
@@ -10,6 +11,51 @@ __device__ __forceinline__ u32 ds4_prmt(u32 a, u32 b, u32 s) {
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
     return r;
 }
+
+// f16x2 arithmetic, round to nearest even. The callers keep every result exact (small integers or
+// exact products): the reason is beside each call.
+__device__ __forceinline__ u32 ds4_hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 ds4_hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 ds4_hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// f16x2 of (v0 low half, v1 high half), round to nearest even.
+__device__ __forceinline__ u32 ds4_f16x2(float v0, float v1) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
+    return r;
+}
+// A pair as hi = f16(v) and lo = f16(v - hi) (the difference is exact in f32): ~22 bits of v in
+// two f16, the hi/lo operands of the exact-weight products.
+__device__ __forceinline__ void ds4_f16x2_split(float v0, float v1, u32& hi, u32& lo) {
+    hi = ds4_f16x2(v0, v1);
+    lo = ds4_f16x2(v0 - ds4_h2f_fast(hi & 0xffffu), v1 - ds4_h2f_fast(hi >> 16));
+}
+
+// mma.sync m16n8k16 with f32 accumulators c[0..3] += A (a[0..3]) * B (b0, b1): f16 or bf16 inputs.
+__device__ __forceinline__ void ds4_mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ds4_mma_f16(float* c, const u32* a, const u32* b) { ds4_mma_f16(c, a, b[0], b[1]); }
+__device__ __forceinline__ void ds4_mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ds4_mma_bf16(float* c, const u32* a, const u32* b) { ds4_mma_bf16(c, a, b[0], b[1]); }
 
 // Four 8x8 b16 matrices from shared memory (row addresses from lanes 8i..8i+7 for matrix i);
 // `_t`: transposed.

@@ -23,6 +23,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("hc.cuh", include_str!("../gpu/hc.cuh")),
     ("route.cuh", include_str!("../gpu/route.cuh")),
     ("ptx.cuh", include_str!("../gpu/ptx.cuh")),
+    ("wgmma.cuh", include_str!("../gpu/wgmma.cuh")),
 ];
 
 /// Weight types with `dequant_<t>` and `matvec_<t>` kernels in [`QUANT`], by kernel suffix.

@@ -1,0 +1,68 @@
+// Hopper warpgroup MMA (wgmma) wrappers: A from registers, B from shared memory by descriptor,
+// f16 inputs, f32 accumulators; sm_90a only (GW_HAVE 0 elsewhere: sm_100 has no wgmma, HIP none).
+// Users: gemm_wg.cu.
+#pragma once
+#include "prelude.cuh"
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 900 && DS4_ARCH < 1000
+#define GW_HAVE 1 // wgmma: sm_90a only (not sm_100)
+#else
+#define GW_HAVE 0
+#endif
+
+#if GW_HAVE
+template <int N> struct GwAcc {
+    float v[N / 2]; // v[4j + e]: row g + 8 (e >> 1), item 8j + 2t + (e & 1) (of the warp's 16 rows)
+};
+
+__device__ __forceinline__ void gw_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void gw_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int K> __device__ __forceinline__ void gw_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(K) : "memory");
+}
+// Keep the compiler from touching accumulators / A registers across the asynchronous wgmma.
+template <int N> __device__ __forceinline__ void gw_pin(GwAcc<N>& a) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(a.v[i])::"memory");
+}
+__device__ __forceinline__ void gw_pin_a(u32* a) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) asm volatile("" : "+r"(a[i])::"memory");
+}
+__device__ __forceinline__ void gw_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (8 rows) byte offsets.
+__device__ __forceinline__ u64 gw_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void gw_mma(GwAcc<16>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<32>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<48>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+
+#endif
