@@ -317,11 +317,12 @@ fn gemm_moe_128_tokens_6_slots() {
                 });
                 let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
                 let mut go = gpu.alloc(n * spec.d);
-                let (l0, b0, e0, w0) = (
+                let (l0, b0, e0, w0, d0) = (
                     GpuBackend::gemm_launches(),
                     GpuBackend::gemm_split_launches(),
                     GpuBackend::gemm_exact_launches(),
                     GpuBackend::gemm_wg_launches(),
+                    GpuBackend::gemm_wgd_launches(),
                 );
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 let launched = GpuBackend::gemm_launches() > l0;
@@ -353,10 +354,17 @@ fn gemm_moe_128_tokens_6_slots() {
                         .push(format!("{key} form={form}: split-X form not taken"));
                 }
                 // Forms 0 and 6, q2 mix: gate/up on gemmc_iq2_xxs; form 0: a Q2_K down on
-                // gemmu_q2_k (form 6: the bf16 form).
+                // gemmu_q2_k (form 6: the bf16 form), on sm_90a on its wgmma form (gemm_wgd.rs).
                 let e1 = GpuBackend::gemm_exact_launches();
                 let want_c = if q2 && !wg { 2 } else { 0 };
-                let want_u = u64::from(form == 0 && td == GgmlType::Q2_K);
+                let wd = u64::from(form == 0 && td == GgmlType::Q2_K && gpu.gemm_wg_supported());
+                let want_u = u64::from(form == 0 && td == GgmlType::Q2_K) - wd;
+                if (form == 0 || form == 6) && GpuBackend::gemm_wgd_launches() - d0 != wd {
+                    cases.bad.push(format!(
+                        "{key} form={form}: wgmma down launches {}, want {wd}",
+                        GpuBackend::gemm_wgd_launches() - d0
+                    ));
+                }
                 if sm80
                     && (form == 0 || form == 6)
                     && (e1.0 - e0.0 != want_c || e1.1 - e0.1 != want_u)
@@ -685,4 +693,168 @@ fn gemm_moe_wg_gate_up_matches_f64() {
     let diff = max_rel(&outs[0], &outs[1]);
     println!("moe_experts wgmma vs gemmc gate/up: max rel {diff:.3e}");
     assert!(diff < TOL_TC, "wgmma vs gemmc MoE: {diff}");
+}
+
+/// The wgmma Q2_K down (`gwd_q2_k`, CUDA sm_90a; gemm_wgd.rs) and `gemmu_q2_k` (switch off)
+/// against an f64 reference per (pair, row) from the dequantised Q2_K rows: 1200 pairs (200
+/// tokens x 6 slots) over 16 experts with 200, 65, 64, 63, 1 and 0 pairs for experts 0..5 (runs
+/// of 64 cut into 64 + 1, 64, 63: the N = 64 / 48 / 16 tile forms) and the rest spread over
+/// experts 6..15; ff = 768 (3 super-blocks: both raw/sums stages and a third), d = 320 rows (not a
+/// multiple of the CTA's 256). Held to 1e-4 of sum |w x| (weights exact in the kernels,
+/// activations and sums ~2^-22, f32 sums; a wrong layout, tile, scale or min is off by ~1 of it),
+/// and the wgmma form to at most twice gemmu's worst error. Also: each download ran its kernel
+/// (launch counters), and the MoE path (q2 mix) takes the wgmma down by default (one launch, no
+/// gemmu) and gemmu with `set_gemm_wgd(false)`, both within the tensor-core tolerance.
+#[test]
+fn gemm_moe_wgd_down_matches_f64() {
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    if !gpu.gemm_wg_supported() {
+        println!("skipped: the wgmma kernel needs CUDA sm_90a");
+        return;
+    }
+    set_form(0);
+    let (ne, k, n, d, ff) = (16usize, 6usize, 200usize, 320usize, 768usize);
+    let mut r = rng(1600);
+    // Random experts [ne][rows][cols] of type t: (bytes, GPU weight).
+    let mk = |t: GgmlType, cols: usize, rows: usize, seed: u64| {
+        let mut rr = rng(seed);
+        let bytes: Vec<u8> = (0..rows * ne)
+            .flat_map(|_| ds4_gpu::conformance::random_row(t, cols, &mut rr))
+            .collect();
+        let f = common::file(&[(
+            "w",
+            t,
+            vec![cols as u64, rows as u64, ne as u64],
+            bytes.clone(),
+        )]);
+        (bytes, gpu.matrix(&common::src(&f, "w")).unwrap())
+    };
+    let ty = GgmlType::Q2_K;
+    let rb = ty.row_bytes(ff as u64).unwrap() as usize;
+    let (db, dw) = mk(ty, ff, d, 1601);
+    let pairs = n * k;
+    let h = randn(&mut r, pairs * ff, 1.0);
+    // Token t: expert 0; 1 if t < 65; 2 if t < 64; 3 if t < 63; 4 if t == 0; then experts 6..15.
+    let mut sel = Vec::new();
+    for t in 0..n {
+        let mut e: Vec<i32> = vec![0];
+        for (x, m) in [(1, 65), (2, 64), (3, 63), (4, 1)] {
+            if t < m {
+                e.push(x);
+            }
+        }
+        let mut j = 0;
+        while e.len() < k {
+            e.push(6 + ((t + 3 * j) % 10) as i32);
+            j += 1;
+        }
+        e.rotate_left(t % k); // slot order varies
+        sel.extend_from_slice(&e);
+    }
+    // f64 reference and sum |w x| per (pair, row).
+    let mut deq = vec![0f32; ff];
+    let mut want = Vec::new();
+    for p in 0..pairs {
+        let (e, x) = (sel[p] as usize, &h[p * ff..(p + 1) * ff]);
+        for row in 0..d {
+            let o = (e * d + row) * rb;
+            ds4_quant::dequantize_row(ty, &db[o..o + rb], &mut deq).unwrap();
+            let (mut s, mut a) = (0f64, 0f64);
+            for (w, v) in deq.iter().zip(x) {
+                s += *w as f64 * *v as f64;
+                a += (*w as f64 * *v as f64).abs();
+            }
+            want.push((s, a));
+        }
+    }
+    let (gh, gs) = (gpu.upload(&h), gpu.upload_i32(&sel));
+    let mut bad = Vec::new();
+    let mut worst = [0f64; 2];
+    for (i, on) in [true, false].into_iter().enumerate() {
+        GpuBackend::set_gemm_wgd(on);
+        let (d0, u0) = (
+            GpuBackend::gemm_wgd_launches(),
+            GpuBackend::gemm_exact_launches().1,
+        );
+        let got = gpu
+            .moe_down_download(&dw, &gh, &gs, pairs, ne)
+            .expect("the tiled form takes the Q2_K down");
+        let ran = (
+            GpuBackend::gemm_wgd_launches() - d0,
+            GpuBackend::gemm_exact_launches().1 - u0,
+        );
+        if ran != if on { (1, 0) } else { (0, 1) } {
+            bad.push(format!("wgd={on}: (gwd, gemmu) launches {ran:?}"));
+        }
+        for (j, &(s, a)) in want.iter().enumerate() {
+            let err = (got[j] as f64 - s).abs() / (a + 1e-30);
+            worst[i] = worst[i].max(err);
+            if err > 1e-4 && bad.len() < 20 {
+                bad.push(format!(
+                    "wgd={on} pair {} (expert {}) row {}: gpu {} want {s} (sum |wx| {a})",
+                    j / d,
+                    sel[j / d],
+                    j % d,
+                    got[j]
+                ));
+            }
+        }
+    }
+    GpuBackend::set_gemm_wgd(true);
+    println!(
+        "Q2_K down: {pairs} pairs x {d} rows: worst |gpu - f64| / sum |wx| = {:.3e} (wgmma), {:.3e} (gemmu)",
+        worst[0], worst[1]
+    );
+    if worst[0] > 2.0 * worst[1] {
+        bad.push(format!(
+            "wgmma down {:.3e} > 2 x gemmu {:.3e}",
+            worst[0], worst[1]
+        ));
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+
+    // The MoE path (q2 mix, d = 512 for the IQ2_XXS gate/up): the wgmma down by default (one
+    // launch, no gemmu), gemmu with the switch off; the same result within the tensor-core
+    // tolerance.
+    let d2 = 512;
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d: d2,
+        ff,
+        weight_scale: 1.0,
+        clamp: 0.05,
+    };
+    let (_, gw2) = mk(GgmlType::IQ2_XXS, d2, ff, 1603);
+    let (_, uw2) = mk(GgmlType::IQ2_XXS, d2, ff, 1604);
+    let (_, dw2) = mk(ty, ff, d2, 1605);
+    let z = randn(&mut r, n * d2, 1.0);
+    let wgt: Vec<f32> = (0..pairs).map(|_| r.gen_range(0.1..1.0)).collect();
+    let (gz, gwt) = (gpu.upload(&z), gpu.upload(&wgt));
+    let mut outs = Vec::new();
+    for on in [true, false] {
+        GpuBackend::set_gemm_wgd(on);
+        let (d0, u0) = (
+            GpuBackend::gemm_wgd_launches(),
+            GpuBackend::gemm_exact_launches().1,
+        );
+        let mut go = gpu.alloc(n * d2);
+        gpu.moe_experts(&spec, &gw2, &uw2, &dw2, &gz, &gs, &gwt, n, &mut go);
+        let ran = (
+            GpuBackend::gemm_wgd_launches() - d0,
+            GpuBackend::gemm_exact_launches().1 - u0,
+        );
+        assert_eq!(
+            ran,
+            if on { (1, 0) } else { (0, 1) },
+            "wgd={on}: (gwd, gemmu) launches"
+        );
+        outs.push(gpu.download(&go, n * d2));
+    }
+    GpuBackend::set_gemm_wgd(true);
+    let diff = max_rel(&outs[0], &outs[1]);
+    println!("moe_experts wgmma vs gemmu down: max rel {diff:.3e}");
+    assert!(diff < TOL_TC, "wgmma vs gemmu MoE down: {diff}");
 }

@@ -77,6 +77,7 @@ mod fused;
 mod gemm;
 mod gemm_i8;
 mod gemm_wg;
+mod gemm_wgd;
 mod matmul;
 mod matvec;
 mod model;
@@ -90,6 +91,7 @@ pub use fused::FUSED;
 pub use gemm::GEMM;
 pub use gemm_i8::GEMM_I8;
 pub use gemm_wg::GEMM_WG;
+pub use gemm_wgd::GEMM_WGD;
 pub use matmul::MATMUL;
 pub use matvec::MATVEC;
 pub use model::MODEL;
@@ -114,6 +116,7 @@ pub const MODULES: &[Module] = &[
     BLAS_PREP,
     GEMM_I8,
     GEMM_WG,
+    GEMM_WGD,
 ];
 
 /// The kernels of `m` that may be launched with programmatic dependent launch (PDL): those whose

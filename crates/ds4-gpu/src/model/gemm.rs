@@ -21,7 +21,9 @@
 //! `gemmu_q2_k` with less than half the instructions (gpu-gemm-e10-h200.txt): 7.91 -> 7.15 ms,
 //! 15.38 -> 13.80 ms, 2k prefill +6%.
 //! On CUDA sm_90a the IQ2_XXS gate/up take the wgmma form instead (gemm_wg.rs, `gwg_iq2_xxs`:
-//! gate and up in one launch; `DS4_GPU_GEMM_WG=0` keeps `gemmc_iq2_xxs`).
+//! gate and up in one launch; `DS4_GPU_GEMM_WG=0` keeps `gemmc_iq2_xxs`), and the grouped Q2_K
+//! down the wgmma form of `gemmu_q2_k` (gemm_wgd.rs, `gwd_q2_k`: same arguments, launched from
+//! `gemm`; `DS4_GPU_GEMM_WGD=0` keeps `gemmu_q2_k`).
 //!
 //! Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+; default for Q2_K (`gemmu_q2_k`)/Q4_K weights,
 //! `DS4_GPU_GEMM_TILED=all` adds Q8_0/IQ2_XXS, `=0` turns it off: see `TILED`): 64 items × 64
@@ -619,6 +621,95 @@ impl GpuBackend {
         MODE.store(3, Ordering::Relaxed);
     }
 
+    /// The MoE's down product: `part[i][..d] = down[expert of pair i] · h[i]` for the `pairs`
+    /// rows of h (`[pairs][ff]`), grouped as `grouped` in runs of `bm`; `conv`: X converted for
+    /// the f16 or tiled form (else the f32 forms).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_down(
+        &self,
+        dn: (DevPtr, GgmlType, usize, usize, usize),
+        h: DevPtr,
+        pairs: usize,
+        grouped: Option<(DevPtr, DevPtr, usize)>,
+        bm: usize,
+        conv: bool,
+        part: DevPtr,
+    ) {
+        let (ff, d) = (dn.2, dn.3);
+        let hh = if conv {
+            self.convert_x(&[dn.1], &[ff], h, pairs, ff, ff)
+        } else {
+            Xc::F32
+        };
+        let (hx, hs) = hh.parts(h);
+        let ht = hh.sums();
+        self.gemm(&Gm {
+            w: dn.0,
+            ty: dn.1,
+            w_z: 0,
+            slab: d * dn.4,
+            x: hx,
+            x_tok: ff,
+            x_z: 0,
+            xdiv: 1,
+            y: part,
+            y_tok: d,
+            y_z: 0,
+            rows: d,
+            cols: ff,
+            row_bytes: dn.4,
+            n: pairs,
+            zs: 1,
+            grp: grouped,
+            bm,
+            xs: hs,
+            xt: ht,
+            xb: false,
+            xu: hh.unit(),
+        });
+    }
+
+    /// Tests: the MoE's down alone in the tiled form (`gemmu_q2_k`, or `gwd_q2_k` on sm_90a
+    /// with the wgmma switch on): `[pairs][d]` for the rows of `h` (`[pairs][ff]`) with expert
+    /// choices `sel` (`[pairs]`), grouped in runs of 64; None where the tiled form does not take
+    /// the down.
+    #[doc(hidden)]
+    pub fn moe_down_download(
+        &self,
+        down: &GpuWeight,
+        h: &GpuBuf,
+        sel: &GpuIBuf,
+        pairs: usize,
+        n_expert: usize,
+    ) -> Option<Vec<f32>> {
+        let dn = down.mat_parts()?;
+        if pairs == 0
+            || n_expert == 0
+            || !self.tiled_ok(dn.1, &[dn.2])
+            || self.half_ok(dn.1, &[dn.2])
+        {
+            return None;
+        }
+        let gmax = pairs.div_ceil(T_BM) + n_expert.min(pairs);
+        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, T_BM, gmax);
+        let part = self.scratch(pairs * dn.3);
+        self.moe_down(
+            dn,
+            h.ptr,
+            pairs,
+            Some((sel.0.ptr, grp.ptr, gmax)),
+            T_BM,
+            true,
+            part.ptr,
+        );
+        Some(
+            self.download_bytes(part.ptr, pairs * dn.3 * 4)
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        )
+    }
+
     /// Group `pairs` (token, slot) expert choices `sel` by expert on the device, runs cut every
     /// `nt` pairs, and download `[ngroups, starts[gmax], perm[pairs]]` with `gmax` as
     /// `moe_experts` sizes it (tests: compare with a stable sort).
@@ -834,25 +925,37 @@ impl GpuBackend {
         if form == "gemmc" {
             CLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        if form == "gemmu" {
+        // CUDA sm_90a: the grouped Q2_K down on wgmma (gemm_wgd.rs; DS4_GPU_GEMM_WGD=0 off).
+        let wgd = (form == "gemmu")
+            .then(|| self.gemm_wgd_dims(m.grp.is_some(), bm, m.zs * ks, m.rows, m.cols, ytiles))
+            .flatten();
+        if form == "gemmu" && wgd.is_none() {
             ULAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
         let (sel, grp, gmax) = match m.grp {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
             None => (Arg::Null, Arg::Null, 0),
         };
+        let (module, name, dims) = match wgd {
+            Some(d) => (&ds4_kernels::GEMM_WGD, "gwd_q2_k".to_string(), d), // gemmu's arguments
+            None => (
+                &ds4_kernels::GEMM,
+                format!("{form}_{sfx}"),
+                LaunchDims {
+                    grid: [
+                        m.rows.div_ceil(bn) as u32,
+                        ytiles as u32,
+                        (m.zs * ks) as u32,
+                    ],
+                    block: [if til { 128 } else { 2 * bm as u32 }, 1, 1],
+                    shared_bytes: 0,
+                },
+            ),
+        };
         self.run(
-            &ds4_kernels::GEMM,
-            &format!("{form}_{sfx}"),
-            LaunchDims {
-                grid: [
-                    m.rows.div_ceil(bn) as u32,
-                    ytiles as u32,
-                    (m.zs * ks) as u32,
-                ],
-                block: [if til { 128 } else { 2 * bm as u32 }, 1, 1],
-                shared_bytes: 0,
-            },
+            module,
+            &name,
+            dims,
             &[
                 Arg::Ptr(m.w),
                 Arg::I64(m.w_z as i64),
@@ -1139,37 +1242,7 @@ impl GpuBackend {
         let mut h = self.scratch(pairs * ff);
         self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
         let part = self.scratch(pairs * d);
-        let hh = if h_dn || t_dn {
-            self.convert_x(&[dn.1], &[ff], h.ptr, pairs, ff, ff)
-        } else {
-            Xc::F32
-        };
-        let (hx, hs) = hh.parts(h.ptr);
-        let ht = hh.sums();
-        self.gemm(&Gm {
-            w: dn.0,
-            ty: dn.1,
-            w_z: 0,
-            slab: d * dn.4,
-            x: hx,
-            x_tok: ff,
-            x_z: 0,
-            xdiv: 1,
-            y: part.ptr,
-            y_tok: d,
-            y_z: 0,
-            rows: d,
-            cols: ff,
-            row_bytes: dn.4,
-            n: pairs,
-            zs: 1,
-            grp: grouped,
-            bm,
-            xs: hs,
-            xt: ht,
-            xb: false,
-            xu: hh.unit(),
-        });
+        self.moe_down(dn, h.ptr, pairs, grouped, bm, h_dn || t_dn, part.ptr);
         let total = n * d;
         self.run(
             &ds4_kernels::MATMUL,

@@ -16,6 +16,7 @@ mod blas;
 mod gemm;
 mod gemm_i8;
 mod gemm_wg;
+mod gemm_wgd;
 mod matmul;
 mod matvec;
 mod mix;

@@ -1,0 +1,80 @@
+//! Hopper wgmma form of the MoE's Q2_K down at prefill (`gpu/gemm_wgd.cu`, `gwd_q2_k`): on CUDA
+//! sm_90 (NVRTC `sm_90a`) it replaces `gemmu_q2_k` for the grouped down product (gemm.rs `gemm`
+//! hook: same arguments, X from `gemm_xt_f32` in the unit layout with super-block sums);
+//! `DS4_GPU_GEMM_WGD=0` (read once per process) or [`GpuBackend::set_gemm_wgd`] turn it off.
+//!
+//! wgmma m64nNk16 f16 with 64 weight rows as A (the integers `sl * q` of Q2_K, exact in f16,
+//! decoded by each lane straight into its A registers) and the expert's run of up to 64 pairs as
+//! B (N = 16, 32, 48 or 64 from shared memory by descriptor); per super-block `acc += d * D`,
+//! then the min term `sum_j 16 m_j * S_j / 16` as one more wgmma pair (hi/lo sums) into the same
+//! accumulator and `acc -= dmin * M`. Same arithmetic as `gemmu_q2_k`. CTA: 4 warpgroups, 256
+//! weight rows x 64 pairs, 178 KiB of dynamic shared memory, 1 CTA per SM.
+//! H200: bench/results/gpu-gemm-d16-h200.txt.
+
+use super::GpuBackend;
+use crate::runtime::LaunchDims;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+
+/// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WGD` (`0` = off; default on) on first use.
+pub(in crate::model) static WGD: AtomicU8 = AtomicU8::new(UNSET);
+const UNSET: u8 = 255;
+/// `gwd_q2_k` launches so far (process-wide; tests: the wgmma down ran).
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Weight rows per CTA (4 warpgroups x 64) and the dynamic shared memory `sizeof(GwdSmem<256>)`
+/// (gemm_wgd.cu static_assert): 16 X chunk slots of 8 KiB, 2 sums stages of 4 KiB, 2 raw stages
+/// of 256 rows x 21 words.
+const WGD_BN: usize = 256;
+const WGD_SMEM: usize = 16 * 8192 + 2 * 4096 + 2 * WGD_BN * 21 * 4;
+
+fn wgd_on() -> bool {
+    let v = WGD.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let on = std::env::var("DS4_GPU_GEMM_WGD").map_or(true, |v| v != "0");
+    WGD.store(on as u8, Ordering::Relaxed);
+    on
+}
+
+impl GpuBackend {
+    /// The wgmma MoE down (`gwd_q2_k`) on or off (default: on where it applies, or
+    /// `DS4_GPU_GEMM_WGD`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wgd(on: bool) {
+        WGD.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// `gwd_q2_k` launches so far in this process.
+    pub fn gemm_wgd_launches() -> u64 {
+        LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// gemm.rs hook: launch dimensions of `gwd_q2_k` in place of a `gemmu_q2_k` launch of
+    /// `rows` weight rows and `ytiles` item runs, when the switch is on and the kernel covers it:
+    /// grouped pairs in runs of `bm` = 64, one batch and no split K (`zs_ks` = 1), `cols` a
+    /// multiple of 256, a CUDA sm_90a device. Counts the launch.
+    pub(in crate::model) fn gemm_wgd_dims(
+        &self,
+        grouped: bool,
+        bm: usize,
+        zs_ks: usize,
+        rows: usize,
+        cols: usize,
+        ytiles: usize,
+    ) -> Option<LaunchDims> {
+        if !wgd_on()
+            || !grouped
+            || bm != 64
+            || zs_ks != 1
+            || !cols.is_multiple_of(256)
+            || !self.gemm_wg_supported()
+        {
+            return None;
+        }
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        Some(LaunchDims {
+            grid: [rows.div_ceil(WGD_BN) as u32, ytiles as u32, 1],
+            block: [2 * WGD_BN as u32, 1, 1],
+            shared_bytes: WGD_SMEM as u32,
+        })
+    }
+}

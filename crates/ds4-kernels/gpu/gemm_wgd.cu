@@ -1,0 +1,271 @@
+// Hopper wgmma form of the MoE's Q2_K down at prefill (sm_90a only; the host launches it only
+// there, elsewhere the kernel compiles to an empty body). Same contract and arguments as
+// gemmu_q2_k (gemm.cu GMT_PARAMS) for grouped products without split K:
+//
+//   Y[item][r] = W[expert][r] · X[item / xdiv]
+//
+// for the pairs grouped by expert (gm_group_*_i32, runs cut at 64).
+//
+// Arithmetic (gemmu_q2_k's): per 16-element sub-block j of a 256-element super-block,
+//   w = d * [sl_j * q] - dmin * m_j                      (sl_j * q <= 45: exact in f16)
+// X from gemm_xt_f32 (unit layout, unit != 0): v = x * 2^s per token row as f16 hi/lo, and per
+// super-block the 16 sums S_j / 16 (hi/lo f16). Per super-block and row:
+//   acc += d * sum_k (sl q)_k v_k  -  dmin * sum_j (16 m_j) (S_j / 16)
+// both sums by tensor cores (f32 accumulation), the row scale 2^-s at the store.
+//
+// Tensor cores: wgmma.mma_async m64nNk16 f16 -> f32 with the WEIGHTS AS A (64 weight rows, from
+// registers) and X AS B (N items from shared memory by descriptor), as gemm_wg.cu's gwg_iq2_xxs.
+// N = 16, 32, 48 or 64: the CTA's valid items rounded up to 16. CTA: 4 warpgroups (512 threads),
+// 256 weight rows (warpgroup h: rows 64h..), 1 CTA per SM.
+// A fragment (per warp, as mma.m16n8k16): lane (g, t) of warp q holds rows 16q + g (+8), columns
+// {2t, 2t+1 | 2t+8, 2t+9} of each k-step. gemm_xt_f32's unit layout puts elements 8t + 4kk +
+// {0, 1 | 2, 3} of a 32-element chunk at those columns of k-step kk (16-byte unit 4 kk + c, c =
+// hi01, hi23, lo01, lo23, word t: component c of the 4 elements 8t + 4kk ..), so each unit is one
+// core-matrix row (8 k-values of one item) and each lane decodes the 8 consecutive weights
+// 8t .. 8t+7 of a row per chunk: 2 q words and 1 scale byte (one sub-block), sl q by one PRMT
+// and one HFMA2 a pair (gemmu's (1024 + q 4^j) (sl 4^-j) - 1024 sl 4^-j, exact).
+// X in shared memory (per chunk slot, per plane hi/lo): no-swizzle K-major core matrices of 8 items
+// x 8 halves (128 bytes), core (item group ig, k group kg = 2 kk + (c & 1)) at 128 (4 ig + kg):
+// descriptor start = plane + 256 kk, LBO 128 bytes (next k group), SBO 512 (next 8 items).
+// Sums (per super-block stage, per plane): core (ig, kg = 16-byte piece & 1) at 128 (2 ig + kg):
+// LBO 128, SBO 256; the min term is one m64nNk16 pair (hi, lo) with A = 16 m_j (k = j).
+// Pipeline (gwg_iq2_xxs's "burst" form): per chunk c the 4 wgmma (2 k-steps x hi/lo into cc, the
+// super-block's first with scale-d 0) committed, then wait for chunk c-1's group and decode chunk
+// c+1 into the other A register set. At a super-block's end: wait all, acc += d cc, then the min
+// pair into cc (scale-d 0) while the lane decodes the next chunk, wait, acc -= dmin cc (cc reused:
+// 2 accumulators, not 3, within the 128 registers of 512 threads). X by cp.async 16-byte in
+// groups of 4 chunks (16 slots), raw 84-byte blocks (21 words, rows 4-byte aligned) and the sums
+// of the next super-block by cp.async at the super-block's first chunk into 2 stages; one
+// cp.async wait + fence.proxy.async + barrier per group.
+#include "prelude.cuh"
+#include "ptx.cuh"
+#include "wgmma.cuh"
+
+#define GWD_BM 64 // items per CTA (the grouping's run)
+#define GWD_NX 16 // X chunk slots: 4 groups of 4 chunks
+#define GWD_RW 21 // raw words per row and stage (an 84-byte Q2_K block)
+
+#if GW_HAVE
+// Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wgd.rs WGD_SMEM).
+template <int BN> struct alignas(16) GwdSmem {
+    uint4 x[GWD_NX][2][GWD_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
+    uint4 s[2][2][GWD_BM * 2];      // super-block sums: stage, plane (hi, lo), core matrices
+    u32 raw[2][BN * GWD_RW];        // raw super-blocks, row r at 21 r
+};
+static_assert(sizeof(GwdSmem<256>) == 182272, "gemm_wgd.rs WGD_SMEM");
+
+__device__ __forceinline__ void gwd_cp16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void gwd_cp4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Weights 8t .. 8t+7 of chunk P (a constant once the chunk loop is unrolled) of a row's staged
+// block rb as 4 f16x2 words (elements (0,1), (2,3), (4,5), (6,7)), each the exact integer sl * q.
+__device__ __forceinline__ void gwd_deq(const u32* rb, int P, int t, u32* w) {
+    const int n = P >> 2, j = P & 3;
+    const u32 e1 = (u32)(15 - 2 * j) << 10;                           // f16 4^-j
+    const u32 sl = (rb[P >> 1] >> (8 * (2 * (P & 1) + (t >> 1)))) & 15u; // scale byte 2P + t/2
+    const u32 s2 = ds4_hmul2(ds4_hsub2((sl | (sl << 16)) | 0x64006400u, 0x64006400u), e1 | (e1 << 16)); // sl 4^-j
+    const u32 c2 = ds4_hmul2(s2, 0xe400e400u);                                                       // -1024 sl 4^-j
+    const u32 msk = 0x03030303u << (2 * j);
+    const u32 qa = rb[4 + 8 * n + 2 * t] & msk, qb = rb[5 + 8 * n + 2 * t] & msk; // bytes 8t .. 8t+7 of qs[32n ..]
+    // bytes (b, 0x64): f16 1024 + q 4^j; times sl 4^-j minus 1024 sl 4^-j = sl q exactly
+    w[0] = ds4_hfma2(ds4_prmt(qa, 0x64646464u, 0x4140u), s2, c2);
+    w[1] = ds4_hfma2(ds4_prmt(qa, 0x64646464u, 0x4342u), s2, c2);
+    w[2] = ds4_hfma2(ds4_prmt(qb, 0x64646464u, 0x4140u), s2, c2);
+    w[3] = ds4_hfma2(ds4_prmt(qb, 0x64646464u, 0x4342u), s2, c2);
+}
+
+// 16 m_j of sub-blocks (2t, 2t+1) (h = 0) or (2t+8, 2t+9) (h = 1) of a row's staged block as f16x2.
+__device__ __forceinline__ u32 gwd_min(const u32* rb, int t, int h) {
+    const u32 v = (rb[2 * h + (t >> 1)] >> (16 * (t & 1))) & 0xffffu;
+    return ds4_hsub2(((v & 0xf0u) | ((v & 0xf000u) << 8)) | 0x64006400u, 0x64006400u);
+}
+
+// One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert set
+// by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
+template <int N>
+__device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int expert, const u8* __restrict__ W,
+                                         long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
+                                         const float* __restrict__ xinv, long long x_tok, int xdiv,
+                                         float* __restrict__ Y, long long y_tok, int rows, int cols,
+                                         long long row_bytes) {
+    constexpr int NT = 512, BN = 256;
+    const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * BN;
+    const u8* wbase = W + (long long)expert * slab;
+    const int nl = cols / 32, nsb = nl / 8;
+    const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
+    const u32 ss = (u32)__cvta_generic_to_shared(&sm.s[0][0][0]);
+    const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
+    // X copies: thread -> item xm = tid / 8, unit u = tid % 8 (= 4 kk + c) of the item's chunk to
+    // plane c / 2, k group 2 kk + c % 2, row xm % 8 of item group xm / 8.
+    const int xm = tid >> 3, xu = tid & 7;
+    const int xit = xm < N ? items[xm] : -1;
+    const u32* xsrc = XT + (long long)(xit >= 0 ? xit / xdiv : 0) * x_tok + 4 * xu;
+    const u32 xdst = sx + (u32)(((xu >> 1) & 1) * 4096 + ((4 * (xm >> 3) + 2 * (xu >> 2) + (xu & 1)) * 8 + (xm & 7)) * 16);
+    auto issue_x = [&](int c) {
+        if (c < nl && xm < N) gwd_cp16(xdst + (u32)(c % GWD_NX) * 8192u, xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
+    };
+    // Sums copies: thread < 4 N -> item sm_ = tid / 4, 16-byte piece sp = tid % 4 (plane sp / 2,
+    // k group sp % 2) of the item's 16 sum words of super-block S.
+    const int sm_ = tid >> 2, sp = tid & 3;
+    const int sit = sm_ < N ? items[sm_] : -1;
+    const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp;
+    const u32 sdst = ss + (u32)((sp >> 1) * 2048 + ((2 * (sm_ >> 3) + (sp & 1)) * 8 + (sm_ & 7)) * 16);
+    // Raw super-block S of each of the BN rows (rows past `rows` repeat the last) and its sums
+    // into stage S % 2.
+    auto issue_raw = [&](int S) {
+        if (S < nsb) {
+            const u32 so = sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4);
+            for (int i = tid; i < BN * GWD_RW; i += NT) {
+                const int r = i / GWD_RW, w = i - r * GWD_RW;
+                gwd_cp4(so + 4u * (u32)i, (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
+            }
+            if (sm_ < N) gwd_cp16(sdst + (u32)(S & 1) * 4096u, sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
+        }
+    };
+    const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
+    // A registers of chunk p of super-block S: k-step kk at a[4kk ..]: (R0, R1, R0, R1) x element
+    // pairs (8t + 4kk, +1), (+2, +3).
+    auto decode = [&](int P, int S, u32* a) {
+        u32 w0[4], w1[4];
+        gwd_deq(&sm.raw[S & 1][GWD_RW * R0], P, t, w0);
+        gwd_deq(&sm.raw[S & 1][GWD_RW * R1], P, t, w1);
+        a[0] = w0[0], a[1] = w1[0], a[2] = w0[1], a[3] = w1[1];
+        a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
+    };
+    constexpr u32 lbo = 128u, sbo = 512u; // X: next k group, next 8 items
+
+    GwAcc<N> acc, cc;
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f, cc.v[i] = 0.0f;
+    u32 a0[8], a1[8];
+    // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
+    issue_raw(0);
+#pragma unroll
+    for (int i = 0; i < 8; i++) issue_x(i);
+    ds4_cp_commit();
+    ds4_cp_wait<0>();
+    gw_proxy_fence();
+    __syncthreads();
+    decode(0, 0, a0);
+
+    for (int S = 0; S < nsb; S++) {
+        const u32* rb0 = &sm.raw[S & 1][GWD_RW * R0];
+        const u32* rb1 = &sm.raw[S & 1][GWD_RW * R1];
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            const int c = 8 * S + p;
+            u32* a = (p & 1) ? a1 : a0;  // this chunk's A registers
+            u32* an = (p & 1) ? a0 : a1; // the next chunk's
+            const u32 xs = sx + (u32)(c % GWD_NX) * 8192u;
+            if ((p & 3) == 0) { // group boundary: the next group has landed (nothing else in flight)
+                ds4_cp_wait<0>();
+                gw_proxy_fence();
+                __syncthreads();
+#pragma unroll
+                for (int i = 0; i < 4; i++) issue_x(c + 8 + i); // the group after next
+                if (p == 0) issue_raw(S + 1);                  // into super-block S - 1's stage
+                ds4_cp_commit();
+            }
+            gw_pin(cc);
+            gw_fence();
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
+                gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
+            }
+            gw_commit();
+            gw_pin(cc);
+            if (p == 7) { // end of the super-block: acc += d cc, then the min pair into cc
+                gw_wait<0>();
+                gw_pin(cc);
+                gw_pin_a(a);
+                gw_pin_a(an);
+                const u32 dd0 = rb0[20], dd1 = rb1[20]; // (d, dmin) of rows R0, R1
+#pragma unroll
+                for (int i = 0; i < N / 2; i++) acc.v[i] = fmaf(ds4_h2f_fast(((i & 2) ? dd1 : dd0) & 0xffffu), cc.v[i], acc.v[i]);
+                u32 am[8] = {gwd_min(rb0, t, 0), gwd_min(rb1, t, 0), gwd_min(rb0, t, 1), gwd_min(rb1, t, 1), 0u, 0u, 0u, 0u}; // A = 16 m_j (4 used; 8 for gw_pin_a)
+                const u32 sb = ss + (u32)(S & 1) * 4096u;
+                gw_pin(cc);
+                gw_fence();
+                gw_mma(cc, am, gw_desc(sb, 128u, 256u), 0);         // hi sums (zeroes cc)
+                gw_mma(cc, am, gw_desc(sb + 2048u, 128u, 256u), 1); // lo sums
+                gw_commit();
+                gw_pin(cc);
+                if (S + 1 < nsb) decode(0, S + 1, an);
+                gw_wait<0>();
+                gw_pin(cc);
+                gw_pin_a(am);
+                gw_pin_a(an);
+#pragma unroll
+                for (int i = 0; i < N / 2; i++) acc.v[i] = fmaf(-ds4_h2f_fast(((i & 2) ? dd1 : dd0) >> 16), cc.v[i], acc.v[i]);
+            } else {
+                gw_wait<1>(); // chunk c - 1's group (registers an, X slot (c - 1) % NX) is done
+                gw_pin_a(an);
+                decode(p + 1, S, an);
+            }
+        }
+    }
+    ds4_cp_wait<0>();
+    // acc.v[4j + e]: row R0 + 8 (e >> 1), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token.
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        const int it = items[m], r = r0 + ((i & 2) ? R1 : R0);
+        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
+    }
+}
+#endif
+
+#if defined(DS4_CUDA)
+#define GWD_B4 512, 1 // DS4_BOUNDS(GWD_B4) = __launch_bounds__(512, 1): <= 128 registers
+#else
+#define GWD_B4 512
+#endif
+
+// The Q2_K down of the grouped pairs (gemmu_q2_k's arguments, gemm.cu GMT_PARAMS): grid (rows /
+// 256, gmax, 1), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
+// sizeof(GwdSmem<256>) (178 KiB). W + expert * slab: the expert's rows (row_bytes apart, 4-byte
+// aligned, cols / 256 blocks of 84 bytes); XT, XS, xinv: gemm_xt_f32 of the token rows (unit
+// layout, sums); pair i reads token i / xdiv; Y[i * y_tok + r]. grp: gm_group_*_i32 with runs of
+// at most 64. Host contract: cols % 256 == 0, x_tok % 256 == 0, gridDim.z == 1 (w_z, x_z, y_z,
+// y_s, ks, kc and skip unused). H200: bench/results/gpu-gemm-d16-h200.txt.
+DS4_KERNEL void DS4_BOUNDS(GWD_B4)
+    gwd_q2_k(const u8* __restrict__ W, long long w_z, const int* __restrict__ sel, long long slab,
+             const u32* __restrict__ XT, const u32* __restrict__ XS, const float* __restrict__ xinv, long long x_tok,
+             long long x_z, int xdiv, float* __restrict__ Y, long long y_tok, long long y_z, long long y_s, int rows,
+             int cols, long long row_bytes, int n, int ks, int kc, const int* __restrict__ grp, int gmax, int skip) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+#if GW_HAVE
+    extern __shared__ uint4 gwd_dyn[];
+    GwdSmem<256>& sm = *reinterpret_cast<GwdSmem<256>*>(gwd_dyn);
+    __shared__ int items[GWD_BM];
+    __shared__ int expert;
+    const int by = blockIdx.y, tid = threadIdx.x;
+    if (by >= grp[0]) return; // uniform over the CTA
+    if (tid < GWD_BM) {       // the run of one expert's pairs starting at starts[by] (gemm.cu gm_items)
+        const int* perm = grp + 1 + gmax;
+        const int st = grp[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
+        items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
+        if (tid == 0) expert = e;
+    }
+    __syncthreads();
+    // valid items (a prefix of the tile): up to the next run's start
+    const int nv = min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GWD_BM);
+    if (nv <= 16)
+        gwd_body<16>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else if (nv <= 32)
+        gwd_body<32>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else if (nv <= 48)
+        gwd_body<48>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else
+        gwd_body<64>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+#else
+    (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
+    (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
+#endif
+}

@@ -1,0 +1,12 @@
+use crate::Module;
+
+/// Hopper wgmma form of the MoE's Q2_K down at prefill (`gpu/gemm_wgd.cu`; CUDA sm_90a only,
+/// empty body elsewhere): `gwd_q2_k` takes `gemmu_q2_k`'s arguments (X from `gemm_xt_f32` in the
+/// unit layout with super-block sums), 256 weight rows x 64 pairs per CTA, wgmma m64nNk16 f16
+/// with the integer weights `sl * q` decoded into the A registers and the min term as one more
+/// wgmma pair per super-block.
+pub const GEMM_WGD: Module = Module {
+    name: "gemm_wgd",
+    source: include_str!("../gpu/gemm_wgd.cu"),
+    kernels: &["gwd_q2_k"],
+};
