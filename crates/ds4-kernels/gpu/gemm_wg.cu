@@ -41,6 +41,8 @@
 // 17 words, cp.async 4-byte from the 4-byte boundary below the 2-byte-aligned 66-byte block). The
 // per-chunk form (wait, fence and barrier every chunk, 5 slots) measured 0.5-1.4 % slower end to
 // end: in git at the commit the results file names.
+// Warp-specialised forms (2 producer warpgroups decoding into shared A tiles, 4 consumer warpgroups
+// issuing SS wgmma) lost (routed experts 8-18 % slower): bench/results/gpu-gemm-w16-h200.txt, 2ef6615.
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
@@ -69,20 +71,14 @@ __device__ __forceinline__ void gw_cp4(u32 dst, const void* src) {
 // Grid entry t of chunk p of a row's staged block (rb: 17 words; sh: the block's byte offset in
 // them, 0 or 2) as 4 f16x2 words: elements (0,1), (2,3), (4,5), (6,7) of the entry, each the exact
 // integer (2 ls + 1) * grid * sign.
-// The chunk's index and aux words (idx: 4 grid indices, aux: 4 x 7 sign bits, the 4-bit scale
-// ls at 28) and (m, m), -1024 (m, m) for m = 2 ls + 1 as f16x2.
-__device__ __forceinline__ void gw_deq_hdr(const u32* rb, u32 sh, int p, u32& idx, u32& aux, u32& m2, u32& c2) {
+__device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, const u64* grid, u32* w) {
     const u32 o = sh + 2 + 8 * p, wi = o >> 2, fs = (o & 3) * 8;
     const u32 A = rb[wi], B = rb[wi + 1], C = rb[wi + 2];
-    idx = __funnelshift_r(A, B, fs), aux = __funnelshift_r(B, C, fs);
-    const u32 m = 2 * (aux >> 28) + 1;
-    m2 = ds4_hsub2((m | (m << 16)) | 0x64006400u, 0x64006400u); // f16x2 (m, m)
-    c2 = ds4_hmul2(m2, 0xe400e400u);                               // -1024 m
-}
-// Grid entry t of the chunk (gw_deq_hdr's words) as 4 f16x2 words.
-__device__ __forceinline__ void gw_deq_ent(u32 idx, u32 aux, u32 m2, u32 c2, int t, const u64* grid, u32* w) {
+    const u32 idx = __funnelshift_r(A, B, fs), aux = __funnelshift_r(B, C, fs);
     const u64 gv = grid[(idx >> (8 * t)) & 0xff];
-    const u32 s7 = (aux >> (7 * t)) & 127u;
+    const u32 s7 = (aux >> (7 * t)) & 127u, m = 2 * (aux >> 28) + 1;
+    const u32 m2 = ds4_hsub2((m | (m << 16)) | 0x64006400u, 0x64006400u); // f16x2 (m, m)
+    const u32 c2 = ds4_hmul2(m2, 0xe400e400u);                               // -1024 m
     // sign bit e of the 8 (bit 7: parity) at the msb of byte e % 4 of v[e / 4] (gemmc's trick)
     const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
     const u32 gw2[2] = {(u32)gv, (u32)(gv >> 32)};
@@ -93,11 +89,6 @@ __device__ __forceinline__ void gw_deq_ent(u32 idx, u32 aux, u32 m2, u32 c2, int
         const u32 mk = ds4_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
         w[q] = ds4_hfma2(u, m2, c2) ^ (mk & 0x80008000u);
     }
-}
-__device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, const u64* grid, u32* w) {
-    u32 idx, aux, m2, c2;
-    gw_deq_hdr(rb, sh, p, idx, aux, m2, c2);
-    gw_deq_ent(idx, aux, m2, c2, t, grid, w);
 }
 
 // The super-block scale d / 8 of a row's staged block (f16 d at byte sh).
@@ -236,201 +227,25 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
     }
 }
-
-// ---- Warp-specialised form (gwg_iq2_xxs_ws, DS4_GPU_GEMM_WG=2): 6 warpgroups, 256 weight rows x
-// 64 items. Warpgroups 4 and 5 (producers) copy X and the raw super-blocks (cp.async) and decode
-// each chunk's 256 x 32 integer weights into a shared A tile (st.shared, fence.proxy.async);
-// warpgroups 0..3 (consumers, 64 rows each as above) only issue wgmma with BOTH operands from
-// shared memory (SS form). A ring of GWS_S stages (A tile, X slot, the rows' d / 8) handed over by
-// named barriers: full[s] (producers arrive, consumers sync), empty[s] (consumers arrive once
-// their wgmma of the stage's chunk are done, producers sync before refilling it). Same arithmetic.
-// A tile of a stage: the X slots' layout with weight rows as items: core (row group rg, k group kg)
-// at 128 (4 rg + kg) (warpgroup h's 64 rows from 4096 h): descriptor LBO 128, SBO 512; grid entry
-// t of row r gives k group q its word t (the K order of gwg_x_f32).
-#define GWS_S 6  // stages
-#define GWS_LA 4 // X copied GWS_LA chunks ahead (stage of chunk c + GWS_LA freed by chunk c + GWS_LA - GWS_S)
-#define GWS_NT 768
-struct alignas(16) GwsSmem {
-    uint4 x[GWS_S][2][GW_BM * 4]; // X slots (plane, core matrices)
-    uint4 a[GWS_S][256 * 4];      // decoded A tiles (above)
-    float dsc[GWS_S][256];        // d / 8 of each row (written with a super-block's last chunk)
-    u32 raw[2][256 * GW_RW + 4];  // raw super-blocks (as GwSmem)
-    u64 grid[256];
-};
-static_assert(sizeof(GwsSmem) == 190496, "gemm_wg.rs WS_SMEM");
-
-template <int N, bool ROWP>
-__device__ __forceinline__ void gws_body(GwsSmem& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
-                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
-                                         long long y_tok, int rows, int cols, long long row_bytes) {
-    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * 256;
-    const int nl = cols / 32, nsb = nl / 8;
-    const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
-    const u32 sa = (u32)__cvta_generic_to_shared(&sm.a[0][0]);
-    if (tid >= 512) { // ---- producers (256 threads)
-        const int pt = tid - 512, pw = pt >> 5;
-        const u8* wbase = W + (long long)expert * slab;
-        const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
-        // X: thread -> item xm = pt / 4, 16-byte pieces j = 2 (pt % 4) + jj (as gw_body with PP = 2)
-        const int xm = pt >> 2;
-        const int xit = xm < N ? items[xm] : -1;
-        const u32* xsrc = XW + (long long)(xit >= 0 ? xit / xdiv : 0) * cols;
-        u32 xdst[2];
-#pragma unroll
-        for (int jj = 0; jj < 2; jj++) {
-            const int j = 2 * (pt & 3) + jj;
-            xdst[jj] = sx + (u32)((j >> 2) * 4096 + ((4 * (xm >> 3) + (j & 3)) * 8 + (xm & 7)) * 16);
-        }
-        auto issue_x = [&](int c) {
-            if (c < nl && xm < N) {
-                const u32 so = (u32)(c % GWS_S) * 8192u;
-#pragma unroll
-                for (int jj = 0; jj < 2; jj++) {
-                    const u32* src = xit >= 0 ? xsrc + 32LL * c + 4 * (2 * (pt & 3) + jj) : XW;
-                    gw_cp16(xdst[jj] + so, src, xit >= 0);
-                }
-            }
-        };
-        auto issue_raw = [&](int S) {
-            if (S < nsb) {
-                const u32 so = sr + (u32)(S & 1) * (u32)((256 * GW_RW + 4) * 4);
-                for (int i = pt; i < 256 * GW_RW; i += 256) {
-                    const int r = i / GW_RW, w = i - r * GW_RW;
-                    const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 66LL * S;
-                    gw_cp4(so + 4u * (u32)i, (const u32*)((size_t)a & ~(size_t)3) + w);
-                }
-            }
-        };
-        // ROWP: this thread's row pt, all 4 grid entries (the chunk's words and scale decoded once,
-        // 4 16-byte stores); else rows 64 i + 8 pw + g (i = 0..3: consumer i's slab), grid entry t
-        u32 sh[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = ROWP ? pt : 64 * i + 8 * pw + g;
-            sh[i] = (u32)((size_t)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes) & 3);
-        }
-        issue_raw(0);
-        for (int c = 0; c < GWS_LA; c++) {
-            issue_x(c);
-            ds4_cp_commit();
-        }
-        for (int c = 0; c < nl; c++) {
-            const int S = c >> 3, p = c & 7, st = c % GWS_S;
-            const int cn = c + GWS_LA; // X of chunk cn into its stage once chunk cn - GWS_S is done
-            if (cn < nl && cn >= GWS_S) gw_bar_sync(1 + GWS_S + cn % GWS_S, GWS_NT);
-            issue_x(cn);
-            ds4_cp_commit();
-            ds4_cp_wait<GWS_LA>(); // X of chunk c (and raw S) landed (this thread's copies)
-            if (p == 0) {
-                gw_bar_sync(15, 256); // everyone's raw S landed; everyone is done with raw S - 1
-                issue_raw(S + 1);    // into S - 1's stage
-                ds4_cp_commit();
-            }
-            const u32* rs = sm.raw[S & 1];
-            u32* at = reinterpret_cast<u32*>(&sm.a[st][0]);
-            if constexpr (ROWP) {
-                const int r = pt;
-                const u32 shr = sh[0] ^ (2u * (u32)(S & 1));
-                u32 idx, aux, m2, c2, w[4][4];
-                gw_deq_hdr(rs + GW_RW * r, shr, p, idx, aux, m2, c2);
-#pragma unroll
-                for (int e = 0; e < 4; e++) gw_deq_ent(idx, aux, m2, c2, e, sm.grid, w[e]);
-#pragma unroll
-                for (int q = 0; q < 4; q++) sm.a[st][8 * (4 * (r >> 3) + q) + (r & 7)] = make_uint4(w[0][q], w[1][q], w[2][q], w[3][q]);
-                if (p == 7) sm.dsc[st][r] = gw_dscale(rs + GW_RW * r, shr);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int r = 64 * i + 8 * pw + g;
-                    const u32 shr = sh[i] ^ (2u * (u32)(S & 1));
-                    u32 w[4];
-                    gw_deq(rs + GW_RW * r, shr, p, t, sm.grid, w);
-#pragma unroll
-                    for (int q = 0; q < 4; q++) at[32 * (4 * (r >> 3) + q) + 4 * (r & 7) + t] = w[q];
-                    if (p == 7 && t == 0) sm.dsc[st][r] = gw_dscale(rs + GW_RW * r, shr);
-                }
-            }
-            gw_proxy_fence();
-            gw_bar_arrive(1 + st, GWS_NT);
-        }
-        ds4_cp_wait<0>();
-        return;
-    }
-    // ---- consumers: warpgroup h, rows R0 = 64 h + 16 q + g and R1 = R0 + 8 (as gw_body)
-    const int h = tid >> 7, q = (tid >> 5) & 3;
-    const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
-    constexpr u32 lbo = 128u, sbo = 512u;
-    GwAcc<N> acc, cc;
-#pragma unroll
-    for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f, cc.v[i] = 0.0f;
-    // chunk j's stage is handed back once its wgmma are done, if the producers will refill it
-    auto release = [&](int j) {
-        if (j + GWS_S < nl) gw_bar_arrive(1 + GWS_S + j % GWS_S, GWS_NT);
-    };
-    for (int S = 0; S < nsb; S++) {
-#pragma unroll
-        for (int p = 0; p < 8; p++) {
-            const int c = 8 * S + p, st = c % GWS_S;
-            gw_bar_sync(1 + st, GWS_NT);
-            const u32 xs = sx + (u32)st * 8192u, as = sa + (u32)st * 16384u + 4096u * (u32)h;
-            gw_pin(cc);
-            gw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                const u64 da = gw_desc(as + 256u * kk, lbo, sbo);
-                gw_mma_ss(cc, da, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
-                gw_mma_ss(cc, da, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
-            }
-            gw_commit();
-            gw_pin(cc);
-            if (p == 7) { // end of the super-block: acc += (d / 8) cc
-                const float D0 = sm.dsc[st][R0], D1 = sm.dsc[st][R1];
-                gw_wait<0>();
-                gw_pin(cc);
-                release(c - 1);
-                release(c);
-#pragma unroll
-                for (int i = 0; i < N / 2; i++) acc.v[i] = fmaf((i & 2) ? D1 : D0, cc.v[i], acc.v[i]);
-            } else if (p > 0) {
-                gw_wait<1>(); // chunk c - 1's wgmma are done
-                gw_pin(cc);
-                release(c - 1);
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < N / 2; i++) {
-        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
-        const int it = items[m], r = r0 + ((i & 2) ? R1 : R0);
-        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
-    }
-}
 #endif
 
 #if defined(DS4_CUDA)
 #define GW_B4 512, 1 // DS4_BOUNDS(GW_B4) = __launch_bounds__(512, 1): <= 128 registers
-#define GWS_B6 768, 1 // <= 80 registers
 #else
 #define GW_B4 512
-#define GWS_B6 768
 #endif
 
 #if GW_HAVE
 // The kernels' shared part: the CTA's item run, then the product with N = its valid items
 // rounded up to 16.
-// The CTA's shared memory: GwSmem (4 warpgroups) or GwsSmem (warp-specialised).
-template <int NWG, int WS> struct GwSel { using T = GwsSmem; };
-template <int NWG> struct GwSel<NWG, 0> { using T = GwSmem<64 * NWG>; };
-template <int NWG, int WS>
+template <int NWG>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
                                           float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
                                           int n, const int* __restrict__ grp, int gmax) {
     extern __shared__ uint4 gw_dyn[];
-    using Sm = typename GwSel<NWG, WS>::T;
-    Sm& sm = *reinterpret_cast<Sm*>(gw_dyn);
+    GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
     __shared__ int items[GW_BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
@@ -447,26 +262,14 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     const int nv = min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GW_BM);
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
-    if constexpr (WS != 0) {
-        constexpr bool RP = WS == 2;
-        if (nv <= 16)
-            gws_body<16, RP>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else if (nv <= 32)
-            gws_body<32, RP>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else if (nv <= 48)
-            gws_body<48, RP>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else
-            gws_body<64, RP>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-    } else {
-        if (nv <= 16)
-            gw_body<16, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else if (nv <= 32)
-            gw_body<32, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else if (nv <= 48)
-            gw_body<48, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else
-            gw_body<64, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-    }
+    if (nv <= 16)
+        gw_body<16, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+    else if (nv <= 32)
+        gw_body<32, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+    else if (nv <= 48)
+        gw_body<48, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+    else
+        gw_body<64, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -477,12 +280,8 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
         const int *__restrict__ grp, int gmax
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
-#define GW_RUN gw_kernel<4, 0>(GW_ARGS)
-#define GWS_RUN gw_kernel<4, 1>(GW_ARGS)
-#define GWR_RUN gw_kernel<4, 2>(GW_ARGS)
+#define GW_RUN gw_kernel<4>(GW_ARGS)
 #else
-#define GWS_RUN GW_RUN
-#define GWR_RUN GW_RUN
 #define GW_RUN (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
@@ -494,11 +293,6 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 // Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at most 64 ([ngroups, starts[gmax],
 // perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN; }
-// The warp-specialised form (above): same arguments and grid, 768 threads (4 consumer + 2 producer
-// warpgroups), dynamic shared memory sizeof(GwsSmem) (186 KiB).
-DS4_KERNEL void DS4_BOUNDS(GWS_B6) gwg_iq2_xxs_ws(GW_PARAMS) { GWS_RUN; }
-// The same with one weight row per producer thread (the chunk's words decoded once a row).
-DS4_KERNEL void DS4_BOUNDS(GWS_B6) gwg_iq2_xxs_wsr(GW_PARAMS) { GWR_RUN; }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

@@ -38,26 +38,6 @@ pub(in crate::model) const WG_BM: usize = 64;
 /// words, the 2 KiB grid; a static_assert there).
 const WG_BN: usize = 256;
 const WG_SMEM: usize = 16 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
-/// `gwg_iq2_xxs_ws`: `sizeof(GwsSmem)` (6 stages of an X slot, a decoded 256 x 32 A tile and 256
-/// row scales; the raw stages and the grid as above).
-const WS_SMEM: usize = 6 * (8192 + 16384 + 1024) + 2 * (WG_BN * 17 + 4) * 4 + 2048;
-/// The form: 1 `gwg_iq2_xxs`, 2 `gwg_iq2_xxs_ws` (`DS4_GPU_GEMM_WG=2`), 3 `gwg_iq2_xxs_wsr`
-/// (`=3`); UNSET: read on first use.
-static FORM: AtomicU8 = AtomicU8::new(UNSET);
-
-fn wg_form() -> u8 {
-    let v = FORM.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v;
-    }
-    let f = match std::env::var("DS4_GPU_GEMM_WG").as_deref() {
-        Ok("2") => 2,
-        Ok("3") => 3,
-        _ => 1,
-    };
-    FORM.store(f, Ordering::Relaxed);
-    f
-}
 
 fn wg_on() -> bool {
     let v = WG.load(Ordering::Relaxed);
@@ -137,15 +117,13 @@ impl GpuBackend {
             ],
         );
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        let form = wg_form();
-        let ws = form != 1;
         self.run(
             &ds4_kernels::GEMM_WG,
-            ["gwg_iq2_xxs", "gwg_iq2_xxs_ws", "gwg_iq2_xxs_wsr"][form as usize - 1],
+            "gwg_iq2_xxs",
             LaunchDims {
                 grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
-                block: [if ws { 3 } else { 2 } * WG_BN as u32, 1, 1],
-                shared_bytes: if ws { WS_SMEM } else { WG_SMEM } as u32,
+                block: [2 * WG_BN as u32, 1, 1],
+                shared_bytes: WG_SMEM as u32,
             },
             &[
                 Arg::Ptr(g.0),
