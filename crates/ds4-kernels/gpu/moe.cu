@@ -1224,15 +1224,48 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 // A' = the 16 integer mins of the block's 16-column groups, B' = their x sums / 16 (hi / lo).
 // x = h of the slot, scaled by 2^sigma from the gate/up kernel's maxima mx[s][ngu] (converted
 // by the CTA once per slot, double-buffered); one cp.async stage (16 rows x 672 bytes at a
-// 688-byte stride) per slot, one ahead. Sums: per lane over slots in order, then over warps in
-// order (deterministic). Shared memory: xf[2][cols / 4 uint4], sx[2][8 blocks][2][16] u16,
-// red[16][16], scale[2][32], 2 stages. Issue-bound (~300 instructions a warp and slot at IPC
+// 688-byte stride) per slot, NST - 1 ahead (NST = 2: one). Sums: per lane over slots in order,
+// then over warps in order (deterministic). Shared memory: xf[2][cols / 4 uint4], sx[2][8
+// blocks][2][16] u16, red[16][16], scale[2][32], NST stages. Issue-bound (~300 instructions a warp and slot at IPC
 // 2.4; the largest stall: the slot barrier): bench/results/gpu-moe-m9-h200.txt.
+// I8 (m3dn1i, session 16): the same CTA, stages, slot loop, mins and sums, but the weights on int8
+// tensor cores (mma.sync m16n8k32 s8 -> s32): a Q2_K weight's integer sc * q <= 45 is one byte, so
+// ((qs word >> 2j) & 0x03030303) * sc builds four A entries with one IMAD (no carry between bytes;
+// f16: PRMT + IMAD a pair). Step j (32 columns: the 8 of lane tig as in the f16 form, a0 / a2 =
+// its columns 0-3 / 4-7) is one mma; one fresh int32 chain per warp and slot (128 columns,
+// |sum| <= 128 * 45 * 128 < 2^31). x: X = rint(v 2^15) (v = x 2^sigma as the f16 form: |X| < 2^30)
+// as four signed int8 limbs in B columns 0-3 (column n: weight 2^8n; bytes of (X + 0x80808080)
+// ^ 0x80 each, exact), so C columns 2 tig, 2 tig + 1 of lanes tig 0, 1 are the limb sums: each
+// lane scales its two by 2^(8n - 39) (the f16 form's units), the mins term (f16 mma as above) goes
+// to tig 0, and the slot totals of tig 0 and 1 are added once at the end (fixed order).
+// x limbs: [2][16 chunk-groups q][4 limbs, XOR-swizzled by q & 3][4 tig] uint2 (b0, b1 words).
 #define M3D_THREADS 512
 #define M3D_SROW 688
 #define M3D_LB2 M3D_THREADS, 2 // at most 64 registers: 2 CTAs per SM
+// Stages of the deep forms (m3dn1p, m3dn1ip; session 16): NST - 1 slots' rows in flight, not
+// one (2 CTAs an SM at 6 stages: 2 x 85 KB of shared memory).
+#define M3D_DEEP 6
 
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
+// c += a.b: mma.sync m16n8k32 s8 x s8 -> s32 (A rows gid / gid + 8 in a0, a2 / a1, a3; B column
+// gid: k 4 tig .. + 3 in b0, 16 + 4 tig .. in b1).
+__device__ __forceinline__ void m3_mma_s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The four signed int8 limbs of four integers |X| < 2^30: word n = byte n of each (X + 0x80808080)
+// ^ 0x80 (byte i of word n from X[i]); X = sum over n of 2^8n limb n.
+__device__ __forceinline__ void m3_limbs4(int x0, int x1, int x2, int x3, u32 (&l)[4]) {
+    u32 y0 = (u32)x0 + 0x80808080u, y1 = (u32)x1 + 0x80808080u, y2 = (u32)x2 + 0x80808080u, y3 = (u32)x3 + 0x80808080u;
+    u32 a = ds4_prmt(y0, y1, 0x5140), b = ds4_prmt(y0, y1, 0x7362); // y0.b0 y1.b0 y0.b1 y1.b1 | bytes 2, 3
+    u32 c = ds4_prmt(y2, y3, 0x5140), d = ds4_prmt(y2, y3, 0x7362);
+    l[0] = ds4_prmt(a, c, 0x5410) ^ 0x80808080u;
+    l[1] = ds4_prmt(a, c, 0x7632) ^ 0x80808080u;
+    l[2] = ds4_prmt(b, d, 0x5410) ^ 0x80808080u;
+    l[3] = ds4_prmt(b, d, 0x7632) ^ 0x80808080u;
+}
+template <bool I8, int NST, bool LATE>
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
                                           int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
@@ -1240,7 +1273,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     u16* sxh = (u16*)(xf + 2 * 512);              // [2][8 blocks][2 parts][16 groups]
     float* red = (float*)(sxh + 2 * 8 * 2 * 16); // [16 warps][16 rows]
     float* scl = red + 16 * 16;                   // [2][32]: x scale, final factor per slot
-    u8* stg = (u8*)(scl + 64);                    // 2 stages
+    u8* stg = (u8*)(scl + 64);                    // NST stages
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
     int r0 = blockIdx.x * 16;
     // This thread's copies of a stage (fixed: item i = tid + 512 m of 16 rows x 42 vectors).
@@ -1254,13 +1287,18 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
         int es = __shfl_sync(0xffffffffu, selr, s & 31);
         if (s < k) {
             const u8* wb = W + (long long)max(es, 0) * slab;
-            u8* dst = stg + (s & 1) * 16 * M3D_SROW;
+            u8* dst = stg + (s % NST) * 16 * M3D_SROW;
             m3_cp16(dst + ci0 * M3D_SROW + 16 * cj0, wb + co0);
             if (tid + M3D_THREADS < 16 * 42) m3_cp16(dst + ci1 * M3D_SROW + 16 * cj1, wb + co1);
         }
         ds4_cp_commit();
     };
-    issue(0);
+#pragma unroll
+    for (int i = 0; i < NST - 1; i++) issue(i);
+    // LATE (DS4_PDL_LATE kernels): the rows above were requested before the wait for the gate/up
+    // kernel (they read only weights and sel, whose writer, the router, finished before any
+    // gate/up CTA passed its own wait, hence before this grid started).
+    if (LATE) ds4_pdl_enter();
     // sigma per slot from the gate/up maxima (max is order-free: deterministic).
     for (int s = warp; s < k; s += 16) {
         float am = 0.0f;
@@ -1285,8 +1323,19 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3, buf = s & 1;
             float xsc = scl[s];
             float v[8] = {xa.x * xsc, xa.y * xsc, xa.z * xsc, xa.w * xsc, xb.x * xsc, xb.y * xsc, xb.z * xsc, xb.w * xsc};
-            uint4* xd = xf + buf * 512 + (c * 4 + jj) * 8 + t;
-            m3_split8(v, xd[0], xd[4]);
+            if constexpr (I8) {
+                u32 lo[4], hi[4];
+                m3_limbs4(__float2int_rn(v[0] * 32768.0f), __float2int_rn(v[1] * 32768.0f),
+                          __float2int_rn(v[2] * 32768.0f), __float2int_rn(v[3] * 32768.0f), lo);
+                m3_limbs4(__float2int_rn(v[4] * 32768.0f), __float2int_rn(v[5] * 32768.0f),
+                          __float2int_rn(v[6] * 32768.0f), __float2int_rn(v[7] * 32768.0f), hi);
+                uint2* xd = (uint2*)(xf + buf * 512) + (c * 4 + jj) * 16 + t;
+#pragma unroll
+                for (int n = 0; n < 4; n++) xd[4 * (n ^ jj)] = make_uint2(lo[n], hi[n]);
+            } else {
+                uint4* xd = xf + buf * 512 + (c * 4 + jj) * 8 + t;
+                m3_split8(v, xd[0], xd[4]);
+            }
             // 16-column group sums (this thread's 8 and its neighbour's, lower tig first) / 16.
             float sm = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
             float ot = __shfl_xor_sync(0xffffffffu, sm, 1);
@@ -1304,11 +1353,11 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     int blk = warp >> 1, hh = warp & 1, c = 2 * blk + hh;
     float og = 0.0f, ou = 0.0f;
     for (int s = 0; s < k; s++) {
-        ds4_cp_wait<0>(); // this thread's copies of stage s have landed
+        ds4_cp_wait<NST - 2>(); // this thread's copies of stage s have landed
         __syncthreads(); // everyone's, and x of slot s; stage s - 1 and x of slot s - 1 are free
-        issue(s + 1);
+        issue(s + NST - 1);
         xload(s + 1); // in flight during the math
-        const u8* bg = stg + (s & 1) * 16 * M3D_SROW + 84 * blk + gid * M3D_SROW;
+        const u8* bg = stg + (s % NST) * 16 * M3D_SROW + 84 * blk + gid * M3D_SROW;
         const u8* bu = bg + 8 * M3D_SROW;
         const u32* qg = (const u32*)(bg + 16 + 32 * hh + 8 * tig);
         const u32* qu = (const u32*)(bu + 16 + 32 * hh + 8 * tig);
@@ -1316,24 +1365,46 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
         const u32* su = (const u32*)(bu + 8 * hh);
         u32 q0g = qg[0], q1g = qg[1], q0u = qu[0], q1u = qu[1];
         u32 s0g = sg[0], s1g = sg[1], s0u = su[0], s1u = su[1];
-        // B: lanes gid >= 2 duplicate gid 0 / 1 into C columns that are never read (as m3gu).
-        const uint4* xp = xf + (s & 1) * 512 + (c * 4) * 8 + (lane & 7);
-        float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float sg2, su2; // the chunk's weight sums in f16-form units (before d)
+        if constexpr (I8) {
+            // B: limb gid & 3 (lanes gid >= 4 duplicate 0-3 into C columns never read).
+            const uint2* xp = (const uint2*)(xf + (s & 1) * 512) + (c * 4) * 16 + tig;
+            int ci[4] = {0, 0, 0, 0};
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            uint4 b = xp[j * 8];
-            int sh = 8 * (2 * (j & 1) + (tig >> 1));
-            u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
-            u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
-            u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
-            // [q0, 0, q1, 0] * scale: two u16 integers <= 45 = the f16 subnormals (exact).
-            m3_mma(cc, ds4_prmt(v0g, 0u, 0x7170) * mg, ds4_prmt(v0u, 0u, 0x7170) * mu, ds4_prmt(v0g, 0u, 0x7372) * mg,
-                   ds4_prmt(v0u, 0u, 0x7372) * mu, b.x, b.y);
-            m3_mma(cc, ds4_prmt(v1g, 0u, 0x7170) * mg, ds4_prmt(v1u, 0u, 0x7170) * mu, ds4_prmt(v1g, 0u, 0x7372) * mg,
-                   ds4_prmt(v1u, 0u, 0x7372) * mu, b.z, b.w);
+            for (int j = 0; j < 4; j++) {
+                uint2 b = xp[j * 16 + 4 * ((gid & 3) ^ j)];
+                int sh = 8 * (2 * (j & 1) + (tig >> 1));
+                u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
+                u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
+                u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
+                // Four bytes q * scale <= 45 each (no carry): the int8 weights.
+                m3_mma_s8(ci, v0g * mg, v0u * mu, v1g * mg, v1u * mu, b.x, b.y);
+            }
+            // Columns 2 tig, 2 tig + 1 = limbs of weight 2^(16 tig), 2^(16 tig + 8); times 2^-39.
+            float f0 = tig ? 0x1p-23f : 0x1p-39f, f1 = tig ? 0x1p-15f : 0x1p-31f;
+            sg2 = fmaf((float)ci[1], f1, (float)ci[0] * f0);
+            su2 = fmaf((float)ci[3], f1, (float)ci[2] * f0);
+        } else {
+            // B: lanes gid >= 2 duplicate gid 0 / 1 into C columns that are never read (as m3gu).
+            const uint4* xp = xf + (s & 1) * 512 + (c * 4) * 8 + (lane & 7);
+            float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                uint4 b = xp[j * 8];
+                int sh = 8 * (2 * (j & 1) + (tig >> 1));
+                u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
+                u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
+                u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
+                // [q0, 0, q1, 0] * scale: two u16 integers <= 45 = the f16 subnormals (exact).
+                m3_mma(cc, ds4_prmt(v0g, 0u, 0x7170) * mg, ds4_prmt(v0u, 0u, 0x7170) * mu, ds4_prmt(v0g, 0u, 0x7372) * mg,
+                       ds4_prmt(v0u, 0u, 0x7372) * mu, b.x, b.y);
+                m3_mma(cc, ds4_prmt(v1g, 0u, 0x7170) * mg, ds4_prmt(v1u, 0u, 0x7170) * mu, ds4_prmt(v1g, 0u, 0x7372) * mg,
+                       ds4_prmt(v1u, 0u, 0x7372) * mu, b.z, b.w);
+            }
+            sg2 = cc[0] + cc[1], su2 = cc[2] + cc[3];
         }
         u32 ddg = *(const u32*)(bg + 80), ddu = *(const u32*)(bu + 80);
-        float ag = ds4_h2f_fast(ddg & 0xffffu) * (cc[0] + cc[1]), au = ds4_h2f_fast(ddu & 0xffffu) * (cc[2] + cc[3]);
+        float ag = ds4_h2f_fast(ddg & 0xffffu) * sg2, au = ds4_h2f_fast(ddu & 0xffffu) * su2;
         if (hh == 0) { // mins: k' = 2 tig, 2 tig + 1 | 2 tig + 8, 2 tig + 9 (the block's groups)
             u32 m0g = *(const u16*)(bg + 2 * tig), m1g = *(const u16*)(bg + 2 * tig + 8);
             u32 m0u = *(const u16*)(bu + 2 * tig), m1u = *(const u16*)(bu + 2 * tig + 8);
@@ -1342,13 +1413,19 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             u32 b0 = sp[tig], b1 = sp[tig + 4];
             float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             m3_mma(cm, mins(m0g), mins(m0u), mins(m1g), mins(m1u), b0, b1);
-            ag = fmaf(-16.0f * ds4_h2f_fast(ddg >> 16), cm[0] + cm[1], ag);
-            au = fmaf(-16.0f * ds4_h2f_fast(ddu >> 16), cm[2] + cm[3], au);
+            // I8: the mins once, in lane tig 0 (tig 1's columns 2, 3 repeat 0, 1).
+            float mf = I8 && tig != 0 ? 0.0f : -16.0f;
+            ag = fmaf(mf * ds4_h2f_fast(ddg >> 16), cm[0] + cm[1], ag);
+            au = fmaf(mf * ds4_h2f_fast(ddu >> 16), cm[2] + cm[3], au);
         }
         float fin = scl[32 + s];
         og = fmaf(fin, ag, og);
         ou = fmaf(fin, au, ou);
         xstore(s + 1); // slot s + 1's x into the other buffer (last read in stage s - 1)
+    }
+    if (I8) { // limbs 0, 1 (tig 0) + limbs 2, 3 (tig 1)
+        og += __shfl_xor_sync(0xffffffffu, og, 1);
+        ou += __shfl_xor_sync(0xffffffffu, ou, 1);
     }
     if (tig == 0) red[warp * 16 + gid] = og, red[warp * 16 + 8 + gid] = ou;
     __syncthreads();
@@ -1374,6 +1451,26 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
 DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    m3dn_body<false, 2, false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+#endif
+}
+// The same on int8 tensor cores (m3dn_body<true>: see there); p: 6 stages (5 slots ahead), the
+// first 5 slots' rows requested before the PDL wait.
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1i_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+    ds4_pdl_enter();
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m3dn_body<true, 2, false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+#endif
+}
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1p_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+    DS4_PDL_LATE;
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m3dn_body<false, M3D_DEEP, true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+#endif
+}
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+    DS4_PDL_LATE;
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m3dn_body<true, M3D_DEEP, true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }

@@ -1,7 +1,7 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
 //!
-//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v3d`, `set_moe_form`): v3d (the default for n = 1 on CUDA
+//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v3d|v3i|v3p|v3ip`, `set_moe_form`): v3d (the default for n = 1 on CUDA
 //! sm_80+, IQ2_XXS gate/up with d % 2048 == 0 and Q2_K down at ff = 2048: the model's q2 mix;
 //! `m3gu1_iq2_xxs` + `m3dn1_q2_k`) runs both products on tensor cores, exact in the weights
 //! (gpu/moe.cu, form 3; its gate/up alone with v2's down tied with v2, an f16-normal weight
@@ -17,7 +17,10 @@
 //! v3d's and tied end to end: deleted, code in daf853e. An int8-x
 //! dp4a form (v4i, session 7) was no faster end to end on the H200 and ~1e-2 off the CPU: deleted
 //! (bench/results/gpu-moe-m-h200.txt). Numbers: bench/results/gpu-moe-s4-h200.txt,
-//! gpu-moe-x-h200.txt, gpu-moe-m-h200.txt.
+//! gpu-moe-x-h200.txt, gpu-moe-m-h200.txt. v3i (session 16, bench/results/gpu-moe-i16-h200.txt):
+//! v3d with the down on int8 tensor cores (`m3dn1i_q2_k`: q * scale <= 45 as int8 weights, x as
+//! 4 int8 limbs of 2^-30 of the slot's max), where v3d runs; v3p / v3ip: v3d / v3i with the
+//! down's rows of 5 slots in flight instead of 1 (`m3dn1p_q2_k` / `m3dn1ip_q2_k`, 6 stages).
 //!
 //! v1: two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
 //! scratch `h`, pairs × ff; one CTA per row block and pair, the first pair of each distinct
@@ -42,11 +45,16 @@ static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 static RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v2 ones (direct loads; v3d included: it shares v2's host path).
 static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v3d ones (tensor cores).
+/// Of those, the v3d ones (tensor cores; v3i included).
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Of those, the v3i / v3ip ones (the int8 down).
+static V3I_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Of those, the v3p / v3ip ones (the deep down).
+static V3P_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Form: 0 default (v3d for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
-/// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2);
-/// `DS4_GPU_MOE_FORM=v1|v2|v3d`.
+/// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
+/// 4 v3i (v3d with `m3dn1i_q2_k`, the int8 down), 5 v3p (v3d with `m3dn1p_q2_k`, 6 stages), 6
+/// v3ip (both); `DS4_GPU_MOE_FORM=v1|v2|v3d|v3i|v3p|v3ip`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
 static ENV_FORM: OnceLock<usize> = OnceLock::new();
 /// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 6), down row batches
@@ -81,9 +89,13 @@ fn v3_smem(cols: usize) -> usize {
 }
 
 /// The v3d down (`m3dn1_q2_k`): threads, shared memory (x fragments and group sums of two slots,
-/// partials, scales, 2 stages of 16 rows at a 688-byte stride).
+/// partials, scales, nst stages of 16 rows at a 688-byte stride: 2, or `M3D_DEEP` for the deep
+/// forms).
 const V3D_THREADS: usize = 512;
-const V3D_SMEM: usize = 2 * 512 * 16 + 2 * 8 * 2 * 16 * 2 + 16 * 16 * 4 + 64 * 4 + 2 * 16 * 688;
+const V3D_DEEP: usize = 6;
+fn v3d_smem(nst: usize) -> usize {
+    2 * 512 * 16 + 2 * 8 * 2 * 16 * 2 + 16 * 16 * 4 + 64 * 4 + nst * 16 * 688
+}
 
 /// Whether the v3d down covers dn: n = 1, Q2_K rows of 2048 columns, at most MAXP slots.
 fn v3d_fits(dn: Mat, n: usize, k: usize) -> bool {
@@ -139,10 +151,11 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
-    /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d;
-    /// process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v3d` when 0).
+    /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d,
+    /// 4 v3i, 5 v3p, 6 v3ip; process-wide, for tests and benches
+    /// (`DS4_GPU_MOE_FORM=v1|v2|v3d|v3i|v3p|v3ip` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(3), Ordering::Relaxed);
+        FORM.store(form.min(6), Ordering::Relaxed);
     }
 
     /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
@@ -164,6 +177,16 @@ impl GpuBackend {
     /// How many of those were the v3d form (process-wide).
     pub fn moe_v3d_runs() -> usize {
         V3D_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// How many of those were the v3i form (process-wide).
+    pub fn moe_v3i_runs() -> usize {
+        V3I_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// How many of those were the deep down forms v3p / v3ip (process-wide).
+    pub fn moe_v3p_runs() -> usize {
+        V3P_RUNS.load(Ordering::Relaxed)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -209,18 +232,29 @@ impl GpuBackend {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
                 Ok("v3d") => 3,
+                Ok("v3i") => 4,
+                Ok("v3p") => 5,
+                Ok("v3ip") => 6,
                 _ => 0,
             }),
             f => f,
         };
         // n = 1: v3d (v2 where its kernels do not cover the product).
         let form = if form == 0 && n == 1 { 3 } else { form };
-        let v3d = form == 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d) {
+        let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
+        // The v3 down: (int8, deep).
+        let dnf = (v3d && (form == 4 || form == 6), v3d && form >= 5);
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, dnf) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             if v3d {
                 V3D_RUNS.fetch_add(1, Ordering::Relaxed);
+            }
+            if dnf.0 {
+                V3I_RUNS.fetch_add(1, Ordering::Relaxed);
+            }
+            if dnf.1 {
+                V3P_RUNS.fetch_add(1, Ordering::Relaxed);
             }
             return true;
         }
@@ -286,8 +320,8 @@ impl GpuBackend {
             && info.cc.0 >= 8
     }
 
-    /// The v2 launches (v3d: the v3d kernels instead); false: the shape does not fit them;
-    /// nothing was queued.
+    /// The v2 launches (v3d: the v3d kernels instead, with dnf = (int8, deep) downs); false:
+    /// the shape does not fit them; nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -299,6 +333,7 @@ impl GpuBackend {
         n: usize,
         out: &mut GpuBuf,
         v3d: bool,
+        dnf: (bool, bool),
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
@@ -373,11 +408,13 @@ impl GpuBackend {
         let (name, grid, block, smem) = match &mx {
             Some(mx) => {
                 tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
+                let i = if dnf.0 { "i" } else { "" };
+                let (p, nst) = if dnf.1 { ("p", V3D_DEEP) } else { ("", 2) };
                 (
-                    format!("m3dn1_{}", dn.1),
+                    format!("m3dn1{i}{p}_{}", dn.1),
                     d.div_ceil(16),
                     V3D_THREADS,
-                    V3D_SMEM,
+                    v3d_smem(nst),
                 )
             }
             None => (
