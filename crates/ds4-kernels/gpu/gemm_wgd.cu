@@ -54,12 +54,8 @@ template <int BN> struct alignas(16) GwdSmem {
 };
 static_assert(sizeof(GwdSmem<256>) == 182272, "gemm_wgd.rs WGD_SMEM");
 
-__device__ __forceinline__ void gwd_cp16(u32 dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void gwd_cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
+// ptx.cuh's cp.async (generic destination) at a 32-bit shared address.
+__device__ __forceinline__ void* gwd_gen(u32 a) { return __cvta_shared_to_generic(a); }
 
 // Weights 8t .. 8t+7 of chunk P (a constant once the chunk loop is unrolled) of a row's staged
 // block rb as 4 f16x2 words (elements (0,1), (2,3), (4,5), (6,7)), each the exact integer sl * q.
@@ -107,7 +103,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
     const u32* xsrc = XT + (long long)(xit >= 0 ? xit / xdiv : 0) * x_tok + 4 * xu;
     const u32 xdst = sx + (u32)(((xu >> 1) & 1) * 4096 + ((4 * (xm >> 3) + 2 * (xu >> 2) + (xu & 1)) * 8 + (xm & 7)) * 16);
     auto issue_x = [&](int c) {
-        if (c < nl && xm < N) gwd_cp16(xdst + (u32)(c % GWD_NX) * 8192u, xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
+        if (c < nl && xm < N) ds4_cp16(gwd_gen(xdst + (u32)(c % GWD_NX) * 8192u), xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
     };
     // Sums copies: thread < 4 N -> item sm_ = tid / 4, 16-byte piece sp = tid % 4 (plane sp / 2,
     // k group sp % 2) of the item's 16 sum words of super-block S.
@@ -122,9 +118,9 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
             const u32 so = sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4);
             for (int i = tid; i < BN * GWD_RW; i += NT) {
                 const int r = i / GWD_RW, w = i - r * GWD_RW;
-                gwd_cp4(so + 4u * (u32)i, (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
+                ds4_cp4(gwd_gen(so + 4u * (u32)i), (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
             }
-            if (sm_ < N) gwd_cp16(sdst + (u32)(S & 1) * 4096u, sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
+            if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)(S & 1) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
