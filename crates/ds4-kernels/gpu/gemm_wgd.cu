@@ -230,11 +230,11 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
 // layout, sums); pair i reads token i / xdiv; Y[i * y_tok + r]. grp: gm_group_*_i32 with runs of
 // at most 64. Host contract: cols % 256 == 0, x_tok % 256 == 0, gridDim.z == 1 (w_z, x_z, y_z,
 // y_s, ks, kc and skip unused). H200: bench/results/gpu-gemm-d16-h200.txt.
-DS4_KERNEL void DS4_BOUNDS(GWD_B4)
-    gwd_q2_k(const u8* __restrict__ W, long long w_z, const int* __restrict__ sel, long long slab,
-             const u32* __restrict__ XT, const u32* __restrict__ XS, const float* __restrict__ xinv, long long x_tok,
-             long long x_z, int xdiv, float* __restrict__ Y, long long y_tok, long long y_z, long long y_s, int rows,
-             int cols, long long row_bytes, int n, int ks, int kc, const int* __restrict__ grp, int gmax, int skip) {
+DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(const u8* __restrict__ W, long long w_z, const int* __restrict__ sel, long long slab,
+                                             const u32* __restrict__ XT, const u32* __restrict__ XS, const float* __restrict__ xinv,
+                                             long long x_tok, long long x_z, int xdiv, float* __restrict__ Y, long long y_tok,
+                                             long long y_z, long long y_s, int rows, int cols, long long row_bytes, int n, int ks,
+                                             int kc, const int* __restrict__ grp, int gmax, int skip) {
     (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
 #if GW_HAVE
     extern __shared__ uint4 gwd_dyn[];
