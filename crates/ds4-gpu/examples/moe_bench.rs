@@ -7,7 +7,7 @@
 //! experts' bytes. Forms: v1 (rows staged in shared memory; rbN gate/up rows per CTA), v2
 //! (direct loads; nbA/B = gate/up and down row batches per CTA; default 6/4), v3d (n = 1 q2 mix
 //! on tensor cores, nbA gate/up tiles of 8 rows per CTA, default 3; elsewhere v2 with nbA/B),
-//! v3i / v3p / v3ip (v3d with the int8 down `m3dn1i_q2_k`, the deep `m3dn1p_q2_k`, both).
+//! v3ip (v3d with the int8 down `m3dn1ip_q2_k`, the n = 1 default).
 //! `moe_bench [reps] [n_max]`; `MOE_BENCH_FORMS=v2,v3d` runs only the forms so named,
 //! `MOE_BENCH_WARM=0` without the 5 warm-up calls (profilers).
 
@@ -99,14 +99,12 @@ fn main() {
             let mut out = gpu.alloc(n * d);
             // (name, decode kernels on, form, v1 rows, v2 tiles)
             type Form = (&'static str, bool, usize, usize, (usize, usize));
-            let forms: [Form; 9] = [
+            let forms: [Form; 7] = [
                 ("old", false, 1, 16, (0, 0)),
                 ("v1 rb16", true, 1, 16, (0, 0)),
                 ("v2 nb6/4", true, 2, 0, (6, 4)),
                 ("v3d nb3", true, 3, 0, (3, 4)),
-                ("v3i nb3", true, 4, 0, (3, 4)),
-                ("v3p nb3", true, 5, 0, (3, 4)),
-                ("v3ip nb3", true, 6, 0, (3, 4)),
+                ("v3ip nb3", true, 4, 0, (3, 4)),
                 ("v3d nb2", true, 3, 0, (2, 4)),
                 ("v3d nb4", true, 3, 0, (4, 4)),
             ];

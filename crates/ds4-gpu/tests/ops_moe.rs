@@ -59,7 +59,7 @@ fn moe_decode_matches_cpu() {
     let info = gpu.gpu().info();
     let tc = info.cc.0 >= 8 && info.warp == 32; // CUDA sm_80+: v3d runs
     let mut bad = Vec::new();
-    let mut worst = [0f32; 6];
+    let mut worst = [0f32; 4];
     for (si, &(d, ff, ne, k, rb, (nb, nbr))) in shapes.iter().enumerate() {
         GpuBackend::set_moe_gu_rows(rb);
         GpuBackend::set_moe_v2_tiles(nb, nbr);
@@ -102,8 +102,6 @@ fn moe_decode_matches_cpu() {
                         (3, (nb, nbr)),
                         (3, (0, 0)),
                         (4, (0, 0)),
-                        (5, (0, 0)),
-                        (6, (0, 0)),
                     ];
                     for (form, tiles) in forms {
                         GpuBackend::set_moe_form(form);
@@ -112,8 +110,7 @@ fn moe_decode_matches_cpu() {
                         let runs = GpuBackend::moe_decode_runs();
                         let runs2 = GpuBackend::moe_v2_runs();
                         let runs3d = GpuBackend::moe_v3d_runs();
-                        let runs3i = GpuBackend::moe_v3i_runs();
-                        let runs3p = GpuBackend::moe_v3p_runs();
+                        let runs3i = GpuBackend::moe_v3ip_runs();
                         for _ in 0..2 {
                             let mut go = gpu.upload(&vec![f32::NAN; n * d]);
                             gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
@@ -130,8 +127,7 @@ fn moe_decode_matches_cpu() {
                         let ran = GpuBackend::moe_decode_runs() - runs;
                         let ran2 = GpuBackend::moe_v2_runs() - runs2;
                         let ran3d = GpuBackend::moe_v3d_runs() - runs3d;
-                        let ran3i = GpuBackend::moe_v3i_runs() - runs3i;
-                        let ran3p = GpuBackend::moe_v3p_runs() - runs3p;
+                        let ran3i = GpuBackend::moe_v3ip_runs() - runs3i;
                         // IQ2_XXS rows of d < 2048 are not 16-byte multiples: declined (general path).
                         let covered = [(tgu, d), (td, ff)]
                             .iter()
@@ -143,22 +139,20 @@ fn moe_decode_matches_cpu() {
                             && (tgu, td) == (GgmlType::IQ2_XXS, GgmlType::Q2_K)
                             && d % 2048 == 0
                             && ff == 2048;
-                        // v3i (form 4) / v3p (5) / v3ip (6): v3d with the int8 / deep / deep
-                        // int8 down, where v3d runs.
+                        // v3ip (form 4): v3d with the int8 down, where v3d runs.
                         let want_v3d = if form >= 3 && v3d_covers {
                             want_runs
                         } else {
                             0
                         };
-                        let want_v3i = if form == 4 || form == 6 { want_v3d } else { 0 };
-                        let want_v3p = if form >= 5 { want_v3d } else { 0 };
+                        let want_v3i = if form == 4 { want_v3d } else { 0 };
                         let l2 = rel_l2(&got[0], &want);
                         let e = max_rel(&got[0], &want);
                         let same = got[0]
                             .iter()
                             .zip(&got[1])
                             .all(|(a, b)| a.to_bits() == b.to_bits());
-                        // v3d / v3i where it ran, else v2 (their fallback).
+                        // v3d / v3ip where it ran, else v2 (their fallback).
                         let wi = if form >= 3 && want_v3d == 0 {
                             1
                         } else {
@@ -166,7 +160,7 @@ fn moe_decode_matches_cpu() {
                         };
                         worst[wi] = worst[wi].max(l2);
                         println!(
-                        "{name}: rel L2 {l2:.3e}, max rel {e:.3e}, decode runs {ran} (v2 {ran2}, v3d {ran3d}, v3i {ran3i}, v3p {ran3p}), repeat identical {same}"
+                        "{name}: rel L2 {l2:.3e}, max rel {e:.3e}, decode runs {ran} (v2 {ran2}, v3d {ran3d}, v3ip {ran3i}), repeat identical {same}"
                     );
                         if l2.is_nan()
                             || l2 > TOL_L2
@@ -174,11 +168,10 @@ fn moe_decode_matches_cpu() {
                             || ran2 != want_v2
                             || ran3d != want_v3d
                             || ran3i != want_v3i
-                            || ran3p != want_v3p
                             || !same
                         {
                             bad.push(format!(
-                                "{name}: L2 {l2:.3e} ran {ran} v2 {ran2} v3d {ran3d} v3i {ran3i} v3p {ran3p} same {same}"
+                                "{name}: L2 {l2:.3e} ran {ran} v2 {ran2} v3d {ran3d} v3ip {ran3i} same {same}"
                             ));
                         }
                     }
@@ -190,8 +183,8 @@ fn moe_decode_matches_cpu() {
     GpuBackend::set_moe_v2_tiles(0, 0);
     GpuBackend::set_moe_form(0);
     println!(
-        "worst rel L2: v1 {:.3e}, v2 {:.3e}, v3d {:.3e}, v3i {:.3e}, v3p {:.3e}, v3ip {:.3e}",
-        worst[0], worst[1], worst[2], worst[3], worst[4], worst[5]
+        "worst rel L2: v1 {:.3e}, v2 {:.3e}, v3d {:.3e}, v3ip {:.3e}",
+        worst[0], worst[1], worst[2], worst[3]
     );
     assert!(bad.is_empty(), "failing cases: {bad:#?}");
 }
@@ -238,8 +231,8 @@ fn moe_decode_declines_other_types() {
 /// element in the whole vector, x = 0 (the output must be exactly 0), x ~1e-6, and a selection
 /// that repeats experts (slots 0 and 1, 3 and 5). Same tolerance as above; v3d must have run
 /// (CUDA sm_80+) and repeat bit for bit. (Written for the int8 forms of session 15, which lost
-/// and were deleted: bench/results/gpu-moe-i15-h200.txt.) The same for v3i (the int8 down,
-/// session 16) and the deep downs v3p / v3ip, which must also have run.
+/// and were deleted: bench/results/gpu-moe-i15-h200.txt.) The same for the default form (0:
+/// v3ip, the int8 down of session 16), which must have run.
 #[test]
 fn moe_decode_hard_x() {
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
@@ -276,7 +269,7 @@ fn moe_decode_hard_x() {
     let wgt = vec![0.3f32, 0.2, 0.15, 0.15, 0.1, 0.1];
     let mut bad = Vec::new();
     for (what, z, sel) in cases {
-        for (clamp, form) in [3usize, 4, 5, 6]
+        for (clamp, form) in [3usize, 0]
             .into_iter()
             .flat_map(|f| [(1e4f32, f), (10.0, f)])
         {
@@ -295,26 +288,23 @@ fn moe_decode_hard_x() {
             let want = cpu.download(&co, n * d);
             let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
             let runs3d = GpuBackend::moe_v3d_runs();
-            let runs3i = GpuBackend::moe_v3i_runs();
-            let runs3p = GpuBackend::moe_v3p_runs();
+            let runs3i = GpuBackend::moe_v3ip_runs();
             let mut got = Vec::new();
             for _ in 0..2 {
                 let mut go = gpu.upload(&vec![f32::NAN; n * d]);
                 gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
                 got.push(gpu.download(&go, n * d));
             }
-            let fname = ["v3d", "v3i", "v3p", "v3ip"][form - 3];
+            let fname = if form == 3 { "v3d" } else { "default (v3ip)" };
             let name = format!("hard x: {fname} {what} clamp={clamp}");
             if let Err(e) = gpu.check() {
                 bad.push(format!("{name}: GPU error: {e}"));
                 continue;
             }
             let ran = GpuBackend::moe_v3d_runs() - runs3d;
-            let ran3i = GpuBackend::moe_v3i_runs() - runs3i;
-            let ran3p = GpuBackend::moe_v3p_runs() - runs3p;
+            let ran3i = GpuBackend::moe_v3ip_runs() - runs3i;
             let want_ran = if tc { 2 } else { 0 };
-            let want_3i = if form == 4 || form == 6 { want_ran } else { 0 };
-            let want_3p = if form >= 5 { want_ran } else { 0 };
+            let want_3i = if form == 0 { want_ran } else { 0 };
             let zero = want.iter().all(|v| *v == 0.0);
             // x = 0: the CPU's output is exactly zero; so must the GPU's be.
             let l2 = if zero {
@@ -331,15 +321,9 @@ fn moe_decode_hard_x() {
                 .zip(&got[1])
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             println!("{name}: rel L2 {l2:.3e}, runs {ran}, repeat identical {same}");
-            if l2.is_nan()
-                || l2 > TOL_L2
-                || ran != want_ran
-                || ran3i != want_3i
-                || ran3p != want_3p
-                || !same
-            {
+            if l2.is_nan() || l2 > TOL_L2 || ran != want_ran || ran3i != want_3i || !same {
                 bad.push(format!(
-                    "{name}: L2 {l2:.3e} ran {ran} v3i {ran3i} v3p {ran3p} same {same}"
+                    "{name}: L2 {l2:.3e} ran {ran} v3ip {ran3i} same {same}"
                 ));
             }
         }

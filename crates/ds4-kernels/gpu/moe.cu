@@ -1226,10 +1226,11 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 // by the CTA once per slot, double-buffered); one cp.async stage (16 rows x 672 bytes at a
 // 688-byte stride) per slot, NST - 1 ahead (NST = 2: one). Sums: per lane over slots in order,
 // then over warps in order (deterministic). Shared memory: xf[2][cols / 4 uint4], sx[2][8
-// blocks][2][16] u16, red[16][16], scale[2][32], NST stages. Issue-bound (~300 instructions a warp and slot at IPC
-// 2.4; the largest stall: the slot barrier): bench/results/gpu-moe-m9-h200.txt.
-// I8 (m3dn1i, session 16): the same CTA, stages, slot loop, mins and sums, but the weights on int8
-// tensor cores (mma.sync m16n8k32 s8 -> s32): a Q2_K weight's integer sc * q <= 45 is one byte, so
+// blocks][2][16] u16, red[16][16], scale[2][32], NST stages. Issue-bound (~300 instructions a
+// warp and slot at IPC 2.4; the largest stall: the slot barrier): bench/results/gpu-moe-m9-h200.txt.
+// I8 (m3dn1ip, session 16, the n = 1 default; m3dn1 = the f16 form, DS4_GPU_MOE_FORM=v3d): the
+// same CTA, slot loop, mins and sums, but the weights on int8 tensor cores (mma.sync m16n8k32
+// s8 -> s32): a Q2_K weight's integer sc * q <= 45 is one byte, so
 // ((qs word >> 2j) & 0x03030303) * sc builds four A entries with one IMAD (no carry between bytes;
 // f16: PRMT + IMAD a pair). Step j (32 columns: the 8 of lane tig as in the f16 form, a0 / a2 =
 // its columns 0-3 / 4-7) is one mma; one fresh int32 chain per warp and slot (128 columns,
@@ -1239,11 +1240,15 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 // lane scales its two by 2^(8n - 39) (the f16 form's units), the mins term (f16 mma as above) goes
 // to tig 0, and the slot totals of tig 0 and 1 are added once at the end (fixed order).
 // x limbs: [2][16 chunk-groups q][4 limbs, XOR-swizzled by q & 3][4 tig] uint2 (b0, b1 words).
+// Also M3D_DEEP stages (5 slots' rows in flight, 2 x 85 KB of shared memory an SM), the first 5
+// requested before the PDL wait (DS4_PDL_LATE). H200 (bench/results/gpu-moe-i16-h200.txt): the
+// routed experts 39.1 -> 38.5 us a call, 2k decode +0.8% (3 pairs); alone under ncu (no PDL
+// overlap) the int8 down with 2 stages was 19.9 -> 19.4 us, with 6 stages 21.3 us (the deep and
+// the int8-only forms, m3dn1p / m3dn1i, tied in moe_bench; deleted, code in 5f2b52a).
 #define M3D_THREADS 512
 #define M3D_SROW 688
 #define M3D_LB2 M3D_THREADS, 2 // at most 64 registers: 2 CTAs per SM
-// Stages of the deep forms (m3dn1p, m3dn1ip; session 16): NST - 1 slots' rows in flight, not
-// one (2 CTAs an SM at 6 stages: 2 x 85 KB of shared memory).
+// Stages of the int8 form (m3dn1ip): NST - 1 slots' rows in flight, not one.
 #define M3D_DEEP 6
 
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
@@ -1265,10 +1270,12 @@ __device__ __forceinline__ void m3_limbs4(int x0, int x1, int x2, int x3, u32 (&
     l[2] = ds4_prmt(b, d, 0x5410) ^ 0x80808080u;
     l[3] = ds4_prmt(b, d, 0x7632) ^ 0x80808080u;
 }
-template <bool I8, int NST, bool LATE>
+template <bool I8>
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
                                           int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
+    constexpr int NST = I8 ? M3D_DEEP : 2;
+    constexpr bool LATE = I8; // the caller starts with DS4_PDL_LATE
     uint4* xf = (uint4*)moe_smem;                 // [2][cols / 128 chunks][4 groups][2 parts][4 tig]
     u16* sxh = (u16*)(xf + 2 * 512);              // [2][8 blocks][2 parts][16 groups]
     float* red = (float*)(sxh + 2 * 8 * 2 * 16); // [16 warps][16 rows]
@@ -1451,26 +1458,14 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
 DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<false, 2, false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    m3dn_body<false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }
-// The same on int8 tensor cores (m3dn_body<true>: see there); p: 6 stages (5 slots ahead), the
-// first 5 slots' rows requested before the PDL wait.
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1i_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
-    ds4_pdl_enter();
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<true, 2, false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
-#endif
-}
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1p_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
-    DS4_PDL_LATE;
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<false, M3D_DEEP, true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
-#endif
-}
+// The same on int8 tensor cores, 6 stages, the weights' loads before the PDL wait
+// (m3dn_body<true>: see there).
 DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     DS4_PDL_LATE;
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<true, M3D_DEEP, true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    m3dn_body<true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }

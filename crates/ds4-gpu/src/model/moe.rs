@@ -1,9 +1,10 @@
 //! Decode MoE (n ≤ 4 tokens): the routed experts at memory bandwidth. Returns true when it ran
 //! the product, false to leave it to matvec.rs / matmul.rs. Semantics: ds4-cpu backend.rs.
 //!
-//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v3d|v3i|v3p|v3ip`, `set_moe_form`): v3d (the default for n = 1 on CUDA
-//! sm_80+, IQ2_XXS gate/up with d % 2048 == 0 and Q2_K down at ff = 2048: the model's q2 mix;
-//! `m3gu1_iq2_xxs` + `m3dn1_q2_k`) runs both products on tensor cores, exact in the weights
+//! Forms (`DS4_GPU_MOE_FORM=v1|v2|v3d|v3ip`, `set_moe_form`): v3ip (the default for n = 1 on
+//! CUDA sm_80+, IQ2_XXS gate/up with d % 2048 == 0 and Q2_K down at ff = 2048: the model's q2
+//! mix; `m3gu1_iq2_xxs` + `m3dn1ip_q2_k`) and v3d (the same with `m3dn1_q2_k`, the f16 down)
+//! run both products on tensor cores, exact in the weights
 //! (gpu/moe.cu, form 3; its gate/up alone with v2's down tied with v2, an f16-normal weight
 //! variant lost: removed, code in git at bba6ee6). Where v3d does not cover the product, v2 (`m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight
 //! from global memory, x in registers, and passes h to the down kernel in that kernel's lane
@@ -17,10 +18,11 @@
 //! v3d's and tied end to end: deleted, code in daf853e. An int8-x
 //! dp4a form (v4i, session 7) was no faster end to end on the H200 and ~1e-2 off the CPU: deleted
 //! (bench/results/gpu-moe-m-h200.txt). Numbers: bench/results/gpu-moe-s4-h200.txt,
-//! gpu-moe-x-h200.txt, gpu-moe-m-h200.txt. v3i (session 16, bench/results/gpu-moe-i16-h200.txt):
-//! v3d with the down on int8 tensor cores (`m3dn1i_q2_k`: q * scale <= 45 as int8 weights, x as
-//! 4 int8 limbs of 2^-30 of the slot's max), where v3d runs; v3p / v3ip: v3d / v3i with the
-//! down's rows of 5 slots in flight instead of 1 (`m3dn1p_q2_k` / `m3dn1ip_q2_k`, 6 stages).
+//! gpu-moe-x-h200.txt, gpu-moe-m-h200.txt. v3ip (session 16, bench/results/gpu-moe-i16-h200.txt):
+//! v3d with the down on int8 tensor cores (q * scale <= 45 as int8 weights, x as 4 int8 limbs of
+//! 2^-30 of the slot's max) and 5 slots' rows in flight, requested before the PDL wait: 2k
+//! decode +0.8% (3 pairs); the int8 down alone (v3i) and the deep one alone (v3p) tied in
+//! moe_bench: deleted, code in 5f2b52a.
 //!
 //! v1: two launches of `gpu/moe.cu`: `moegu<NT>_<t>` (gate + up + SwiGLU × routing weight into a
 //! scratch `h`, pairs × ff; one CTA per row block and pair, the first pair of each distinct
@@ -45,16 +47,14 @@ static GU_ROWS: AtomicUsize = AtomicUsize::new(0);
 static RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v2 ones (direct loads; v3d included: it shares v2's host path).
 static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v3d ones (tensor cores; v3i included).
+/// Of those, the v3d ones (tensor cores; v3ip included).
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v3i / v3ip ones (the int8 down).
-static V3I_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the v3p / v3ip ones (the deep down).
-static V3P_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Form: 0 default (v3d for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
+/// Of those, the v3ip ones (the int8 down).
+static V3IP_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Form: 0 default (v3ip for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
 /// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
-/// 4 v3i (v3d with `m3dn1i_q2_k`, the int8 down), 5 v3p (v3d with `m3dn1p_q2_k`, 6 stages), 6
-/// v3ip (both); `DS4_GPU_MOE_FORM=v1|v2|v3d|v3i|v3p|v3ip`.
+/// 4 v3ip (v3d with `m3dn1ip_q2_k`, the int8 down, where v3d runs);
+/// `DS4_GPU_MOE_FORM=v1|v2|v3d|v3ip`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
 static ENV_FORM: OnceLock<usize> = OnceLock::new();
 /// v2 tiles: gate/up row batches per CTA (0: `DS4_GPU_MOE_V2_TILES` or 6), down row batches
@@ -88,9 +88,9 @@ fn v3_smem(cols: usize) -> usize {
     2048 + 4 * cols + 4 * (8 * 16 + 8) + 3 * 16 * 544
 }
 
-/// The v3d down (`m3dn1_q2_k`): threads, shared memory (x fragments and group sums of two slots,
-/// partials, scales, nst stages of 16 rows at a 688-byte stride: 2, or `M3D_DEEP` for the deep
-/// forms).
+/// The v3d / v3ip down (`m3dn1_q2_k` / `m3dn1ip_q2_k`): threads, shared memory (x fragments and
+/// group sums of two slots, partials, scales, nst stages of 16 rows at a 688-byte stride: 2, or
+/// `M3D_DEEP` for v3ip).
 const V3D_THREADS: usize = 512;
 const V3D_DEEP: usize = 6;
 fn v3d_smem(nst: usize) -> usize {
@@ -151,11 +151,10 @@ impl GpuBackend {
         GU_ROWS.store(rb, Ordering::Relaxed);
     }
 
-    /// Form of the decode MoE: 0 the default (v3d for n = 1, v1 above), 1 v1, 2 v2, 3 v3d,
-    /// 4 v3i, 5 v3p, 6 v3ip; process-wide, for tests and benches
-    /// (`DS4_GPU_MOE_FORM=v1|v2|v3d|v3i|v3p|v3ip` when 0).
+    /// Form of the decode MoE: 0 the default (v3ip for n = 1, v1 above), 1 v1, 2 v2, 3 v3d,
+    /// 4 v3ip; process-wide, for tests and benches (`DS4_GPU_MOE_FORM=v1|v2|v3d|v3ip` when 0).
     pub fn set_moe_form(form: usize) {
-        FORM.store(form.min(6), Ordering::Relaxed);
+        FORM.store(form.min(4), Ordering::Relaxed);
     }
 
     /// v2 tiles: gate/up row batches per CTA, down row batches per CTA (0: the defaults).
@@ -179,14 +178,9 @@ impl GpuBackend {
         V3D_RUNS.load(Ordering::Relaxed)
     }
 
-    /// How many of those were the v3i form (process-wide).
-    pub fn moe_v3i_runs() -> usize {
-        V3I_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// How many of those were the deep down forms v3p / v3ip (process-wide).
-    pub fn moe_v3p_runs() -> usize {
-        V3P_RUNS.load(Ordering::Relaxed)
+    /// How many of those were the v3ip form (process-wide).
+    pub fn moe_v3ip_runs() -> usize {
+        V3IP_RUNS.load(Ordering::Relaxed)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -232,29 +226,24 @@ impl GpuBackend {
                 Ok("v1") => 1,
                 Ok("v2") => 2,
                 Ok("v3d") => 3,
-                Ok("v3i") => 4,
-                Ok("v3p") => 5,
-                Ok("v3ip") => 6,
+                Ok("v3ip") => 4,
                 _ => 0,
             }),
             f => f,
         };
-        // n = 1: v3d (v2 where its kernels do not cover the product).
-        let form = if form == 0 && n == 1 { 3 } else { form };
+        // n = 1: v3ip (v2 where its kernels do not cover the product).
+        let form = if form == 0 && n == 1 { 4 } else { form };
         let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
-        // The v3 down: (int8, deep).
-        let dnf = (v3d && (form == 4 || form == 6), v3d && form >= 5);
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, dnf) {
+        // v3ip: the int8 down.
+        let i8dn = v3d && form == 4;
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, i8dn) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             if v3d {
                 V3D_RUNS.fetch_add(1, Ordering::Relaxed);
             }
-            if dnf.0 {
-                V3I_RUNS.fetch_add(1, Ordering::Relaxed);
-            }
-            if dnf.1 {
-                V3P_RUNS.fetch_add(1, Ordering::Relaxed);
+            if i8dn {
+                V3IP_RUNS.fetch_add(1, Ordering::Relaxed);
             }
             return true;
         }
@@ -320,8 +309,8 @@ impl GpuBackend {
             && info.cc.0 >= 8
     }
 
-    /// The v2 launches (v3d: the v3d kernels instead, with dnf = (int8, deep) downs); false:
-    /// the shape does not fit them; nothing was queued.
+    /// The v2 launches (v3d: the v3d kernels instead, i8dn: with the v3ip down); false: the
+    /// shape does not fit them; nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -333,7 +322,7 @@ impl GpuBackend {
         n: usize,
         out: &mut GpuBuf,
         v3d: bool,
-        dnf: (bool, bool),
+        i8dn: bool,
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
@@ -408,10 +397,9 @@ impl GpuBackend {
         let (name, grid, block, smem) = match &mx {
             Some(mx) => {
                 tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
-                let i = if dnf.0 { "i" } else { "" };
-                let (p, nst) = if dnf.1 { ("p", V3D_DEEP) } else { ("", 2) };
+                let (f, nst) = if i8dn { ("ip", V3D_DEEP) } else { ("", 2) };
                 (
-                    format!("m3dn1{i}{p}_{}", dn.1),
+                    format!("m3dn1{f}_{}", dn.1),
                     d.div_ceil(16),
                     V3D_THREADS,
                     v3d_smem(nst),
