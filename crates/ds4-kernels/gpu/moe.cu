@@ -1255,9 +1255,8 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 // c += a.b: mma.sync m16n8k32 s8 x s8 -> s32 (A rows gid / gid + 8 in a0, a2 / a1, a3; B column
 // gid: k 4 tig .. + 3 in b0, 16 + 4 tig .. in b1).
 __device__ __forceinline__ void m3_mma_s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    const u32 a[4] = {a0, a1, a2, a3};
+    ds4_mma_s8(c, a, b0, b1);
 }
 // The four signed int8 limbs of four integers |X| < 2^30: word n = byte n of each (X + 0x80808080)
 // ^ 0x80 (byte i of word n from X[i]); X = sum over n of 2^8n limb n.

@@ -56,6 +56,12 @@ __device__ __forceinline__ void ds4_mma_bf16(float* c, const u32* a, u32 b0, u32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void ds4_mma_bf16(float* c, const u32* a, const u32* b) { ds4_mma_bf16(c, a, b[0], b[1]); }
+// mma.sync m16n8k32 s8 x s8 with int32 accumulators c[0..3] += A (a[0..3]) * B (b0, b1).
+__device__ __forceinline__ void ds4_mma_s8(int* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // Four 8x8 b16 matrices from shared memory (row addresses from lanes 8i..8i+7 for matrix i);
 // `_t`: transposed.
