@@ -27,6 +27,9 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WG` (`0` = off; default on) on first use.
 static WG: AtomicU8 = AtomicU8::new(UNSET);
+/// The deep form (3 raw stages, `cp.async.wait_group 1`): 0 no, 1 yes, UNSET: read
+/// `DS4_GPU_GEMM_WG` (`2` = deep) on first use. Apart from `WG` so `set_gemm_wg` keeps it.
+static WG_DEEP: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 /// `gwg_iq2_xxs` launches so far (process-wide; tests: the wgmma kernel ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
@@ -38,6 +41,19 @@ pub(in crate::model) const WG_BM: usize = 64;
 /// words, the 2 KiB grid; a static_assert there).
 const WG_BN: usize = 256;
 const WG_SMEM: usize = 16 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
+/// The deep form's `sizeof(GwSmem<256, 3>)`: 3 raw stages (the kernel picks its form by the
+/// dynamic shared memory it was given).
+const WG_SMEM3: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048;
+
+fn wg_deep() -> bool {
+    let v = WG_DEEP.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let deep = std::env::var("DS4_GPU_GEMM_WG").is_ok_and(|v| v == "2");
+    WG_DEEP.store(deep as u8, Ordering::Relaxed);
+    deep
+}
 
 fn wg_on() -> bool {
     let v = WG.load(Ordering::Relaxed);
@@ -54,6 +70,12 @@ impl GpuBackend {
     /// `DS4_GPU_GEMM_WG`). Process-wide (tests, benchmarks).
     pub fn set_gemm_wg(on: bool) {
         WG.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// The wgmma MoE gate/up in its deep form (3 raw stages, `cp.async.wait_group 1`) or not
+    /// (default: `DS4_GPU_GEMM_WG=2`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_deep(deep: bool) {
+        WG_DEEP.store(deep as u8, Ordering::Relaxed);
     }
 
     /// `gwg_iq2_xxs` launches so far in this process.
@@ -123,7 +145,7 @@ impl GpuBackend {
             LaunchDims {
                 grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
                 block: [2 * WG_BN as u32, 1, 1],
-                shared_bytes: WG_SMEM as u32,
+                shared_bytes: if wg_deep() { WG_SMEM3 } else { WG_SMEM } as u32,
             },
             &[
                 Arg::Ptr(g.0),
