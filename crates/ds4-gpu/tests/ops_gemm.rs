@@ -550,12 +550,12 @@ fn gemm_big_n() {
 /// reference per (pair, row) from the dequantised IQ2_XXS rows: 200 tokens x 6 slots over 16
 /// experts with 200, 65, 64, 63, 1 and 0 pairs for experts 0..5 (runs of 64 cut into 64 + 1, 64,
 /// 63: the N = 64 / 48 / 16 tile forms) and the rest spread over experts 6..15; d = 1280 (5
-/// super-blocks: the raw stages of both forms wrap; rows of 330 bytes: neighbouring rows
-/// alternate 4-byte alignment), ff = 320 (not a multiple of the CTA's 256 rows). Held to 2e-5 of sum |w x| (weights exact,
-/// activations ~2^-22, f32 sums; a wrong layout, tile or expert is off by ~1 of it). Also: the
-/// MoE takes the kernel by default (one launch per product pair; no gemmc), and not with
-/// `set_gemm_wg(false)`, and both give the same result within the tensor-core tolerance. The
-/// deep form (`set_gemm_wg_deep(true)`) must equal the default form bit for bit.
+/// super-blocks: the 3 raw stages wrap; rows of 330 bytes: neighbouring rows alternate 4-byte
+/// alignment), ff = 320 (not a multiple of the CTA's 256 rows). Held to 2e-5 of sum |w x|
+/// (weights exact, activations ~2^-22, f32 sums; a wrong layout, tile, stage or expert is off by
+/// ~1 of it). Also: the MoE takes the kernel by default (one launch per product pair; no gemmc),
+/// and not with `set_gemm_wg(false)`, and both give the same result within the tensor-core
+/// tolerance.
 #[test]
 fn gemm_moe_wg_gate_up_matches_f64() {
     let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
@@ -630,23 +630,6 @@ fn gemm_moe_wg_gate_up_matches_f64() {
     if GpuBackend::gemm_wg_launches() != l0 + 1 {
         bad.push("not one launch for gate and up".to_string());
     }
-    GpuBackend::set_gemm_wg_deep(true);
-    let (dg, du) = gpu
-        .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
-        .expect("sm_90a: the wgmma kernel covers this product");
-    GpuBackend::set_gemm_wg_deep(false);
-    let differ = |a: &[f32], b: &[f32]| {
-        a.iter()
-            .zip(b)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count()
-    };
-    let nd = differ(&dg, &gg) + differ(&du, &gu);
-    if nd != 0 {
-        bad.push(format!(
-            "deep wg form: {nd} values differ from the default form's"
-        ));
-    }
     let mut worst = 0f64;
     for (name, got, w) in [("gate", &gg, &want[0]), ("up", &gu, &want[1])] {
         for (i, &(s, a)) in w.iter().enumerate() {
@@ -717,13 +700,12 @@ fn gemm_moe_wg_gate_up_matches_f64() {
 /// against an f64 reference per (pair, row) from the dequantised Q2_K rows: 1200 pairs (200
 /// tokens x 6 slots) over 16 experts with 200, 65, 64, 63, 1 and 0 pairs for experts 0..5 (runs
 /// of 64 cut into 64 + 1, 64, 63: the N = 64 / 48 / 16 tile forms) and the rest spread over
-/// experts 6..15; ff = 1280 (5 super-blocks: the raw/sums stages of both forms wrap), d = 320
-/// rows (not a multiple of the CTA's 256). Held to 1e-4 of sum |w x| (weights exact in the kernels,
+/// experts 6..15; ff = 768 (3 super-blocks: both raw/sums stages and a third), d = 320 rows (not a
+/// multiple of the CTA's 256). Held to 1e-4 of sum |w x| (weights exact in the kernels,
 /// activations and sums ~2^-22, f32 sums; a wrong layout, tile, scale or min is off by ~1 of it),
 /// and the wgmma form to at most twice gemmu's worst error. Also: each download ran its kernel
 /// (launch counters), and the MoE path (q2 mix) takes the wgmma down by default (one launch, no
-/// gemmu) and gemmu with `set_gemm_wgd(false)`, both within the tensor-core tolerance. The deep
-/// form (`set_gemm_wgd_form(2)`) must equal the default form bit for bit.
+/// gemmu) and gemmu with `set_gemm_wgd(false)`, both within the tensor-core tolerance.
 #[test]
 fn gemm_moe_wgd_down_matches_f64() {
     let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
@@ -751,11 +733,10 @@ fn gemm_moe_wgd_down_matches_f64() {
         (bytes, gpu.matrix(&common::src(&f, "w")).unwrap())
     };
     let ty = GgmlType::Q2_K;
-    let ff1 = 1280; // the direct down's cols (the MoE path below keeps ff)
-    let rb = ty.row_bytes(ff1 as u64).unwrap() as usize;
-    let (db, dw) = mk(ty, ff1, d, 1601);
+    let rb = ty.row_bytes(ff as u64).unwrap() as usize;
+    let (db, dw) = mk(ty, ff, d, 1601);
     let pairs = n * k;
-    let h = randn(&mut r, pairs * ff1, 1.0);
+    let h = randn(&mut r, pairs * ff, 1.0);
     // Token t: expert 0; 1 if t < 65; 2 if t < 64; 3 if t < 63; 4 if t == 0; then experts 6..15.
     let mut sel = Vec::new();
     for t in 0..n {
@@ -774,10 +755,10 @@ fn gemm_moe_wgd_down_matches_f64() {
         sel.extend_from_slice(&e);
     }
     // f64 reference and sum |w x| per (pair, row).
-    let mut deq = vec![0f32; ff1];
+    let mut deq = vec![0f32; ff];
     let mut want = Vec::new();
     for p in 0..pairs {
-        let (e, x) = (sel[p] as usize, &h[p * ff1..(p + 1) * ff1]);
+        let (e, x) = (sel[p] as usize, &h[p * ff..(p + 1) * ff]);
         for row in 0..d {
             let o = (e * d + row) * rb;
             ds4_quant::dequantize_row(ty, &db[o..o + rb], &mut deq).unwrap();
@@ -792,10 +773,8 @@ fn gemm_moe_wgd_down_matches_f64() {
     let (gh, gs) = (gpu.upload(&h), gpu.upload_i32(&sel));
     let mut bad = Vec::new();
     let mut worst = [0f64; 2];
-    let mut first: Vec<f32> = Vec::new();
-    for (i, form) in [1u8, 0, 2].into_iter().enumerate() {
-        GpuBackend::set_gemm_wgd_form(form);
-        let on = form != 0;
+    for (i, on) in [true, false].into_iter().enumerate() {
+        GpuBackend::set_gemm_wgd(on);
         let (d0, u0) = (
             GpuBackend::gemm_wgd_launches(),
             GpuBackend::gemm_exact_launches().1,
@@ -808,34 +787,20 @@ fn gemm_moe_wgd_down_matches_f64() {
             GpuBackend::gemm_exact_launches().1 - u0,
         );
         if ran != if on { (1, 0) } else { (0, 1) } {
-            bad.push(format!("wgd={form}: (gwd, gemmu) launches {ran:?}"));
-        }
-        if i == 2 {
-            let ne = (got.iter().zip(&first))
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            if ne != 0 {
-                bad.push(format!(
-                    "deep wgd form: {ne} values differ from the default form's"
-                ));
-            }
-            continue;
+            bad.push(format!("wgd={on}: (gwd, gemmu) launches {ran:?}"));
         }
         for (j, &(s, a)) in want.iter().enumerate() {
             let err = (got[j] as f64 - s).abs() / (a + 1e-30);
             worst[i] = worst[i].max(err);
             if err > 1e-4 && bad.len() < 20 {
                 bad.push(format!(
-                    "wgd={form} pair {} (expert {}) row {}: gpu {} want {s} (sum |wx| {a})",
+                    "wgd={on} pair {} (expert {}) row {}: gpu {} want {s} (sum |wx| {a})",
                     j / d,
                     sel[j / d],
                     j % d,
                     got[j]
                 ));
             }
-        }
-        if i == 0 {
-            first = got;
         }
     }
     GpuBackend::set_gemm_wgd(true);

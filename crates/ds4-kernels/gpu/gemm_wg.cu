@@ -33,14 +33,18 @@
 // first of a super-block with scale-d 0) committed, then wait until chunk c-1's group is done
 // (chunk 7 of a super-block: all, then acc += D cc), then the lane decodes chunk c+1 into the other
 // A register set while chunk c's wgmma run. X by cp.async 16-byte in groups of 4 chunks (16 slots
-// of 8 KiB: the group in use, the next one landed, the one after in flight, the previous one's
-// slots possibly still read by its last wgmma); once per group (every 4th chunk): cp.async wait
-// (the next group), fence.proxy.async (cp.async writes are generic-proxy writes that wgmma reads
-// through the async proxy) with no copy in flight, barrier, then the copies of the group after
-// next and, every 8th chunk, the raw weight blocks of the next super-block (2 stages of 256 rows x
-// 17 words, cp.async 4-byte from the 4-byte boundary below the 2-byte-aligned 66-byte block). The
-// per-chunk form (wait, fence and barrier every chunk, 5 slots) measured 0.5-1.4 % slower end to
-// end: in git at the commit the results file names.
+// of 8 KiB: the group in use, the next one in flight or landed, the one after in flight, the
+// previous one's slots possibly still read by its last wgmma), one cp.async commit group per 4
+// chunks; once per group (every 4th chunk): cp.async.wait_group 1 (this group's chunks landed, the
+// next group's may still be in flight: 8 chunks of prefetch), fence.proxy.async (cp.async writes
+// are generic-proxy writes that wgmma reads through the async proxy), barrier, then the copies of
+// the group after next and, at a super-block's 5th chunk (p = 4), the raw weight blocks of
+// super-block S+2 (3 stages of 256 rows x 17 words, stage S % 3, cp.async 4-byte from the 4-byte
+// boundary below the 2-byte-aligned 66-byte block): S+1's block then lands by S's p = 4 boundary,
+// before its first decode at p = 7. The 2-stage form (wait_group 0: 4 chunks of prefetch, raw S+1
+// issued at S's chunk 0) measured 0.3-0.6 % slower (routed experts) and 0.5 % end to end
+// (bench/results/gpu-gemm-e16-h200.txt, 11a89c4); the per-chunk form (wait, fence and barrier
+// every chunk, 5 slots) 0.5-1.4 % slower end to end (gpu-gemm-w15-h200.txt).
 // Warp-specialised forms (2 producer warpgroups decoding into shared A tiles, 4 consumer warpgroups
 // issuing SS wgmma) lost (routed experts 8-18 % slower): bench/results/gpu-gemm-w16-h200.txt, 2ef6615.
 #include "prelude.cuh"
@@ -51,17 +55,16 @@
 #define GW_BM 64  // items per CTA (the grouping's run)
 #define GW_NX 16  // X chunk slots: 4 groups of 4 chunks (pipeline below)
 #define GW_RW 17  // raw words per row and stage: a 66-byte block from the 4-byte boundary below it
+#define GW_NS 3   // raw stages: super-blocks S (in use), S+1 (landed or in flight), S+2 (in flight)
 
 #if GW_HAVE
-// Dynamic shared memory of a CTA of BN weight rows with NS raw stages (the host passes sizeof:
-// gemm_wg.rs WG_SMEM; NS = 3 is the deep form, see gw_body).
-template <int BN, int NS> struct alignas(16) GwSmem {
-    uint4 x[GW_NX][2][GW_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
-    u32 raw[NS][BN * GW_RW + 4];  // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
-    u64 grid[256];                // IQ2_XXS grid
+// Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wg.rs WG_SMEM).
+template <int BN> struct alignas(16) GwSmem {
+    uint4 x[GW_NX][2][GW_BM * 4];   // X chunk slots: plane (hi, lo), core matrices (above)
+    u32 raw[GW_NS][BN * GW_RW + 4]; // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
+    u64 grid[256];                  // IQ2_XXS grid
 };
-static_assert(sizeof(GwSmem<256, 2>) == 167968, "gemm_wg.rs WG_SMEM");
-static_assert(sizeof(GwSmem<256, 3>) == 185392, "gemm_wg.rs WG_SMEM3");
+static_assert(sizeof(GwSmem<256>) == 185392, "gemm_wg.rs WG_SMEM");
 
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -97,14 +100,8 @@ __device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, cons
 __device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
 // set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-// NS = 2: at each group boundary wait for every cp.async group (the one committed at the last
-// boundary: X prefetch of 4 chunks); raw super-block S+1 issued at S's first chunk.
-// NS = 3 (deep): wait for all but the newest group (cp.async.wait_group 1: the group committed
-// two boundaries ago, 8 chunks of X prefetch); raw super-block S+2 issued at S's 5th chunk
-// (p = 4) into stage (S+2) % 3, so S+1's lands by S's p = 4 boundary, before its decode at p = 7.
-// Same arithmetic and order: results bit-identical.
-template <int N, int NWG, int NS>
-__device__ __forceinline__ void gw_body(GwSmem<64 * NWG, NS>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
+template <int N, int NWG>
+__device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
                                         long long y_tok, int rows, int cols, long long row_bytes) {
     constexpr int NT = 128 * NWG, BN = 64 * NWG, PP = 512 / NT, TPI = 8 / PP; // X pieces per thread, threads per item
@@ -137,10 +134,10 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG, NS>& sm, const int* ite
         }
     };
     // Raw super-block S (the 66-byte block S of each of the BN rows; rows past `rows` repeat the
-    // last) into stage S % NS: word w of row r from the 4-byte boundary below the block.
+    // last) into stage S % 3: word w of row r from the 4-byte boundary below the block.
     auto issue_raw = [&](int S) {
         if (S < nsb) {
-            const u32 so = sr + (u32)(S % NS) * (u32)((BN * GW_RW + 4) * 4);
+            const u32 so = sr + (u32)(S % GW_NS) * (u32)((BN * GW_RW + 4) * 4);
             for (int i = tid; i < BN * GW_RW; i += NT) {
                 const int r = i / GW_RW, w = i - r * GW_RW;
                 const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 66LL * S;
@@ -154,10 +151,10 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG, NS>& sm, const int* ite
     const u32 sh1 = (u32)((size_t)(wbase + (long long)min(r0 + R1, rows - 1) * row_bytes) & 3);
     // A registers of chunk 8S + p: k-step kk at a[4kk ..]: (R0, R1, R0, R1) x element pairs
     // (2kk, 2kk, 2kk + 1, 2kk + 1) of grid entry t.
-    // (x: the block's byte offset by S % 2; its stage S % NS.)
+    // (x: the block's byte offset by S % 2; its stage S % 3.)
     auto decode = [&](int S, int p, u32* a) {
         const u32 x = 2u * (u32)(S & 1);
-        const int st = S % NS;
+        const int st = S % GW_NS;
         u32 w0[4], w1[4];
         gw_deq(&sm.raw[st][GW_RW * R0], sh0 ^ x, p, t, sm.grid, w0);
         gw_deq(&sm.raw[st][GW_RW * R1], sh1 ^ x, p, t, sm.grid, w1);
@@ -170,23 +167,17 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG, NS>& sm, const int* ite
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f, cc.v[i] = 0.0f;
     u32 a0[8], a1[8];
-    if (NS == 2) { // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
-        issue_raw(0);
+    // one group of raw 0 and chunks 0..3, one of raw 1 and chunks 4..7; wait for the first; group 2
+    // (chunks 8..11) at chunk 0, raw 2 at chunk 4
+    issue_raw(0);
 #pragma unroll
-        for (int i = 0; i < 8; i++) issue_x(i);
-        ds4_cp_commit();
-        ds4_cp_wait<0>();
-    } else { // one group of raw 0 and chunks 0..3, one of raw 1 and chunks 4..7; wait the first
-        issue_raw(0);
+    for (int i = 0; i < 4; i++) issue_x(i);
+    ds4_cp_commit();
+    issue_raw(1);
 #pragma unroll
-        for (int i = 0; i < 4; i++) issue_x(i);
-        ds4_cp_commit();
-        issue_raw(1);
-#pragma unroll
-        for (int i = 4; i < 8; i++) issue_x(i);
-        ds4_cp_commit();
-        ds4_cp_wait<1>();
-    }
+    for (int i = 4; i < 8; i++) issue_x(i);
+    ds4_cp_commit();
+    ds4_cp_wait<1>();
     gw_proxy_fence();
     __syncthreads();
     decode(0, 0, a0);
@@ -200,16 +191,12 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG, NS>& sm, const int* ite
             u32* an = (p & 1) ? a0 : a1; // the next chunk's
             const u32 xs = sx + (u32)(c % NX) * 8192u;
             if ((p & 3) == 0) { // group boundary: this group (chunks c .. c+3) has landed
-                if (NS == 2)
-                    ds4_cp_wait<0>(); // nothing else in flight
-                else
-                    ds4_cp_wait<1>(); // chunks c+4 .. c+7 (and at p = 0 raw S+1) may stay in flight
+                ds4_cp_wait<1>(); // chunks c+4 .. c+7 (and at p = 0 raw S+1) may stay in flight
                 gw_proxy_fence();
                 __syncthreads();
 #pragma unroll
                 for (int i = 0; i < 4; i++) issue_x(c + 8 + i); // the group after next, into group c/4 - 2's slots
-                if (NS == 2 && p == 0) issue_raw(S + 1);       // into super-block S - 1's stage
-                if (NS == 3 && p == 4) issue_raw(S + 2);       // into super-block S - 1's stage
+                if (p == 4) issue_raw(S + 2);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
             gw_pin(cc);
@@ -237,8 +224,8 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG, NS>& sm, const int* ite
                 decode(S1, (p + 1) & 7, an);
                 if (p == 7) {
                     const u32 x = 2u * (u32)(S1 & 1);
-                    D0 = gw_dscale(&sm.raw[S1 % NS][GW_RW * R0], sh0 ^ x);
-                    D1 = gw_dscale(&sm.raw[S1 % NS][GW_RW * R1], sh1 ^ x);
+                    D0 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0 ^ x);
+                    D1 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1 ^ x);
                 }
             }
         }
@@ -263,14 +250,14 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG, NS>& sm, const int* ite
 #if GW_HAVE
 // The kernels' shared part: the CTA's item run, then the product with N = its valid items
 // rounded up to 16.
-template <int NWG, int NS>
+template <int NWG>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
                                           float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
                                           int n, const int* __restrict__ grp, int gmax) {
     extern __shared__ uint4 gw_dyn[];
-    GwSmem<64 * NWG, NS>& sm = *reinterpret_cast<GwSmem<64 * NWG, NS>*>(gw_dyn);
+    GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
     __shared__ int items[GW_BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
@@ -288,13 +275,13 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
     if (nv <= 16)
-        gw_body<16, NWG, NS>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<16, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG, NS>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<32, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG, NS>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<48, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG, NS>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<64, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -305,17 +292,7 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
         const int *__restrict__ grp, int gmax
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
-// The form by the dynamic shared memory the host gave (gemm_wg.rs: DS4_GPU_GEMM_WG=2 passes
-// sizeof(GwSmem<256, 3>): the deep form).
-__device__ __forceinline__ void gw_run(GW_PARAMS) {
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn >= sizeof(GwSmem<256, 3>))
-        gw_kernel<4, 3>(GW_ARGS);
-    else
-        gw_kernel<4, 2>(GW_ARGS);
-}
-#define GW_RUN gw_run(GW_ARGS)
+#define GW_RUN gw_kernel<4>(GW_ARGS)
 #else
 #define GW_RUN (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
@@ -323,7 +300,7 @@ __device__ __forceinline__ void gw_run(GW_PARAMS) {
 
 // gate (blockIdx.z 0: W0 -> Y0) and up (1: W1 -> Y1) of the grouped pairs: grid (rows / 256, gmax,
 // 2), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
-// sizeof(GwSmem<256>) (164 KiB). W_z + expert * slab: the expert's rows (row_bytes apart, cols /
+// sizeof(GwSmem<256>) (181 KiB). W_z + expert * slab: the expert's rows (row_bytes apart, cols /
 // 256 blocks of 66 bytes); XW, xinv: gwg_x_f32 of the token rows (pair i reads token i / xdiv);
 // Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at most 64 ([ngroups, starts[gmax],
 // perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.

@@ -36,7 +36,9 @@
 // 2 accumulators, not 3, within the 128 registers of 512 threads). X by cp.async 16-byte in
 // groups of 4 chunks (16 slots), raw 84-byte blocks (21 words, rows 4-byte aligned) and the sums
 // of the next super-block by cp.async at the super-block's first chunk into 2 stages; one
-// cp.async wait + fence.proxy.async + barrier per group.
+// cp.async wait + fence.proxy.async + barrier per group. A deeper form (3 raw / sums stages,
+// cp.async.wait_group 1: 8 chunks of X prefetch) measured 1.1-1.4 % slower (routed experts) and
+// 0.6 % slower end to end: bench/results/gpu-gemm-e16-h200.txt, code in 11a89c4.
 #include "prelude.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -46,15 +48,13 @@
 #define GWD_RW 21 // raw words per row and stage (an 84-byte Q2_K block)
 
 #if GW_HAVE
-// Dynamic shared memory of a CTA of BN weight rows with NS raw / sums stages (the host passes
-// sizeof: gemm_wgd.rs WGD_SMEM; NS = 3 is the deep form, see gwd_body).
-template <int BN, int NS> struct alignas(16) GwdSmem {
+// Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wgd.rs WGD_SMEM).
+template <int BN> struct alignas(16) GwdSmem {
     uint4 x[GWD_NX][2][GWD_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
-    uint4 s[NS][2][GWD_BM * 2];     // super-block sums: stage, plane (hi, lo), core matrices
-    u32 raw[NS][BN * GWD_RW];       // raw super-blocks, row r at 21 r
+    uint4 s[2][2][GWD_BM * 2];      // super-block sums: stage, plane (hi, lo), core matrices
+    u32 raw[2][BN * GWD_RW];        // raw super-blocks, row r at 21 r
 };
-static_assert(sizeof(GwdSmem<256, 2>) == 182272, "gemm_wgd.rs WGD_SMEM");
-static_assert(sizeof(GwdSmem<256, 3>) == 207872, "gemm_wgd.rs WGD_SMEM3");
+static_assert(sizeof(GwdSmem<256>) == 182272, "gemm_wgd.rs WGD_SMEM");
 
 // ptx.cuh's cp.async (generic destination) at a 32-bit shared address.
 __device__ __forceinline__ void* gwd_gen(u32 a) { return __cvta_shared_to_generic(a); }
@@ -84,14 +84,8 @@ __device__ __forceinline__ u32 gwd_min(const u32* rb, int t, int h) {
 
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert set
 // by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-// NS = 2: at each group boundary wait for every cp.async group (the one committed at the last
-// boundary: X prefetch of 4 chunks); raw / sums of super-block S+1 issued at S's first chunk.
-// NS = 3 (deep): wait for all but the newest group (cp.async.wait_group 1: the group committed
-// two boundaries ago, 8 chunks of X prefetch); raw / sums of super-block S+2 issued at S's 5th
-// chunk (p = 4) into stage (S+2) % 3, so S+1's land by S's p = 4 boundary, before its decode at
-// p = 7. Same arithmetic and order: results bit-identical.
-template <int N, int NS>
-__device__ __forceinline__ void gwd_body(GwdSmem<256, NS>& sm, const int* items, int expert, const u8* __restrict__ W,
+template <int N>
+__device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int expert, const u8* __restrict__ W,
                                          long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
                                          const float* __restrict__ xinv, long long x_tok, int xdiv,
                                          float* __restrict__ Y, long long y_tok, int rows, int cols,
@@ -120,24 +114,24 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256, NS>& sm, const int* items,
     const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp;
     const u32 sdst = ss + (u32)((sp >> 1) * 2048 + ((2 * (sm_ >> 3) + (sp & 1)) * 8 + (sm_ & 7)) * 16);
     // Raw super-block S of each of the BN rows (rows past `rows` repeat the last) and its sums
-    // into stage S % NS.
+    // into stage S % 2.
     auto issue_raw = [&](int S) {
         if (S < nsb) {
-            const u32 so = sr + (u32)(S % NS) * (u32)(BN * GWD_RW * 4);
+            const u32 so = sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4);
             for (int i = tid; i < BN * GWD_RW; i += NT) {
                 const int r = i / GWD_RW, w = i - r * GWD_RW;
                 ds4_cp4(gwd_gen(so + 4u * (u32)i), (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
             }
-            if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)(S % NS) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
+            if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)(S & 1) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
-    // A registers of chunk p of the super-block in raw stage st: k-step kk at a[4kk ..]: (R0, R1,
-    // R0, R1) x element pairs (8t + 4kk, +1), (+2, +3).
-    auto decode = [&](int P, int st, u32* a) {
+    // A registers of chunk p of super-block S: k-step kk at a[4kk ..]: (R0, R1, R0, R1) x element
+    // pairs (8t + 4kk, +1), (+2, +3).
+    auto decode = [&](int P, int S, u32* a) {
         u32 w0[4], w1[4];
-        gwd_deq(&sm.raw[st][GWD_RW * R0], P, t, w0);
-        gwd_deq(&sm.raw[st][GWD_RW * R1], P, t, w1);
+        gwd_deq(&sm.raw[S & 1][GWD_RW * R0], P, t, w0);
+        gwd_deq(&sm.raw[S & 1][GWD_RW * R1], P, t, w1);
         a[0] = w0[0], a[1] = w1[0], a[2] = w0[1], a[3] = w1[1];
         a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
     };
@@ -147,48 +141,32 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256, NS>& sm, const int* items,
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f, cc.v[i] = 0.0f;
     u32 a0[8], a1[8];
-    if (NS == 2) { // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
-        issue_raw(0);
+    // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
+    issue_raw(0);
 #pragma unroll
-        for (int i = 0; i < 8; i++) issue_x(i);
-        ds4_cp_commit();
-        ds4_cp_wait<0>();
-    } else { // one group of raw 0 and chunks 0..3, one of raw 1 and chunks 4..7; wait the first
-        issue_raw(0);
-#pragma unroll
-        for (int i = 0; i < 4; i++) issue_x(i);
-        ds4_cp_commit();
-        issue_raw(1);
-#pragma unroll
-        for (int i = 4; i < 8; i++) issue_x(i);
-        ds4_cp_commit();
-        ds4_cp_wait<1>();
-    }
+    for (int i = 0; i < 8; i++) issue_x(i);
+    ds4_cp_commit();
+    ds4_cp_wait<0>();
     gw_proxy_fence();
     __syncthreads();
     decode(0, 0, a0);
 
     for (int S = 0; S < nsb; S++) {
-        const int st = S % NS, stn = (S + 1) % NS; // raw / sums stages of S and S + 1
-        const u32* rb0 = &sm.raw[st][GWD_RW * R0];
-        const u32* rb1 = &sm.raw[st][GWD_RW * R1];
+        const u32* rb0 = &sm.raw[S & 1][GWD_RW * R0];
+        const u32* rb1 = &sm.raw[S & 1][GWD_RW * R1];
 #pragma unroll
         for (int p = 0; p < 8; p++) {
             const int c = 8 * S + p;
             u32* a = (p & 1) ? a1 : a0;  // this chunk's A registers
             u32* an = (p & 1) ? a0 : a1; // the next chunk's
             const u32 xs = sx + (u32)(c % GWD_NX) * 8192u;
-            if ((p & 3) == 0) { // group boundary: this group (chunks c .. c+3) has landed
-                if (NS == 2)
-                    ds4_cp_wait<0>(); // nothing else in flight
-                else
-                    ds4_cp_wait<1>(); // chunks c+4 .. c+7 (and at p = 0 raw S+1) may stay in flight
+            if ((p & 3) == 0) { // group boundary: the next group has landed (nothing else in flight)
+                ds4_cp_wait<0>();
                 gw_proxy_fence();
                 __syncthreads();
 #pragma unroll
                 for (int i = 0; i < 4; i++) issue_x(c + 8 + i); // the group after next
-                if (NS == 2 && p == 0) issue_raw(S + 1);       // into super-block S - 1's stage
-                if (NS == 3 && p == 4) issue_raw(S + 2);       // into super-block S - 1's stage
+                if (p == 0) issue_raw(S + 1);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
             gw_pin(cc);
@@ -209,14 +187,14 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256, NS>& sm, const int* items,
 #pragma unroll
                 for (int i = 0; i < N / 2; i++) acc.v[i] = fmaf(ds4_h2f_fast(((i & 2) ? dd1 : dd0) & 0xffffu), cc.v[i], acc.v[i]);
                 u32 am[8] = {gwd_min(rb0, t, 0), gwd_min(rb1, t, 0), gwd_min(rb0, t, 1), gwd_min(rb1, t, 1), 0u, 0u, 0u, 0u}; // A = 16 m_j (4 used; 8 for gw_pin_a)
-                const u32 sb = ss + (u32)st * 4096u;
+                const u32 sb = ss + (u32)(S & 1) * 4096u;
                 gw_pin(cc);
                 gw_fence();
                 gw_mma(cc, am, gw_desc(sb, 128u, 256u), 0);         // hi sums (zeroes cc)
                 gw_mma(cc, am, gw_desc(sb + 2048u, 128u, 256u), 1); // lo sums
                 gw_commit();
                 gw_pin(cc);
-                if (S + 1 < nsb) decode(0, stn, an);
+                if (S + 1 < nsb) decode(0, S + 1, an);
                 gw_wait<0>();
                 gw_pin(cc);
                 gw_pin_a(am);
@@ -226,7 +204,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256, NS>& sm, const int* items,
             } else {
                 gw_wait<1>(); // chunk c - 1's group (registers an, X slot (c - 1) % NX) is done
                 gw_pin_a(an);
-                decode(p + 1, st, an);
+                decode(p + 1, S, an);
             }
         }
     }
@@ -238,22 +216,6 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256, NS>& sm, const int* items,
         const int it = items[m], r = r0 + ((i & 2) ? R1 : R0);
         if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
     }
-}
-
-// gwd_body by the CTA's valid items nv (a prefix of the tile), rounded up to 16.
-template <int NS>
-__device__ __forceinline__ void gwd_form(GwdSmem<256, NS>& sm, int nv, const int* items, int expert, const u8* __restrict__ W,
-                                         long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
-                                         const float* __restrict__ xinv, long long x_tok, int xdiv, float* __restrict__ Y,
-                                         long long y_tok, int rows, int cols, long long row_bytes) {
-    if (nv <= 16)
-        gwd_body<16, NS>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
-    else if (nv <= 32)
-        gwd_body<32, NS>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
-    else if (nv <= 48)
-        gwd_body<48, NS>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
-    else
-        gwd_body<64, NS>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -278,6 +240,7 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(const u8* __restrict__ W, long long 
     (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
 #if GW_HAVE
     extern __shared__ uint4 gwd_dyn[];
+    GwdSmem<256>& sm = *reinterpret_cast<GwdSmem<256>*>(gwd_dyn);
     __shared__ int items[GWD_BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
@@ -291,16 +254,14 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(const u8* __restrict__ W, long long 
     __syncthreads();
     // valid items (a prefix of the tile): up to the next run's start
     const int nv = min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GWD_BM);
-    // The form by the dynamic shared memory the host gave (gemm_wgd.rs: DS4_GPU_GEMM_WGD=2 passes
-    // sizeof(GwdSmem<256, 3>): the deep form).
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn >= sizeof(GwdSmem<256, 3>))
-        gwd_form<3>(*reinterpret_cast<GwdSmem<256, 3>*>(gwd_dyn), nv, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y,
-                    y_tok, rows, cols, row_bytes);
+    if (nv <= 16)
+        gwd_body<16>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else if (nv <= 32)
+        gwd_body<32>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else if (nv <= 48)
+        gwd_body<48>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
     else
-        gwd_form<2>(*reinterpret_cast<GwdSmem<256, 2>*>(gwd_dyn), nv, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y,
-                    y_tok, rows, cols, row_bytes);
+        gwd_body<64>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
 #else
     (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
     (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;

@@ -10,8 +10,10 @@
 //! memory by descriptor), the super-block scale `d / 8` applied per 256 columns. Same arithmetic
 //! as the tiled form (`gemmt_iq2_xxs`): weights exact, activations ~22 bits, f32 sums.
 //!
-//! CTA: 4 warpgroups, 256 weight rows x 64 pairs, 164 KiB of dynamic shared memory (16 X chunk
-//! slots: X copied in groups of 4 chunks), 1 CTA per SM. H200 (bench/results/gpu-gemm-w15-h200.txt):
+//! CTA: 4 warpgroups, 256 weight rows x 64 pairs, 181 KiB of dynamic shared memory (16 X chunk
+//! slots: X copied in groups of 4 chunks, 8 chunks ahead; 3 raw weight stages; the 2-stage form
+//! with 4 chunks ahead lost 0.3-0.6 %: bench/results/gpu-gemm-e16-h200.txt), 1 CTA per SM.
+//! H200 (bench/results/gpu-gemm-w15-h200.txt):
 //! routed experts q2 (gate/up + the `gemmu_q2_k` down) n = 2048 7.16 -> 6.23 ms, n = 8192 25.67 ->
 //! 23.11 ms; `ds4 bench --synthetic full-q2` prefill 2k 3,465 -> 3,770 tok/s (+8.8 %), 8k 4,062 ->
 //! 4,288 (+5.6 %); the skewed n = 2048 MoE test 1.8e-5 off the CPU (`gemmc_iq2_xxs`: 3.8e-4).
@@ -27,9 +29,6 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WG` (`0` = off; default on) on first use.
 static WG: AtomicU8 = AtomicU8::new(UNSET);
-/// The deep form (3 raw stages, `cp.async.wait_group 1`): 0 no, 1 yes, UNSET: read
-/// `DS4_GPU_GEMM_WG` (`2` = deep) on first use. Apart from `WG` so `set_gemm_wg` keeps it.
-static WG_DEEP: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 /// `gwg_iq2_xxs` launches so far (process-wide; tests: the wgmma kernel ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
@@ -37,23 +36,10 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub(in crate::model) const WG_BM: usize = 64;
 
 /// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
-/// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 2 raw stages of 256 x 17 + 4
+/// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 3 raw stages of 256 x 17 + 4
 /// words, the 2 KiB grid; a static_assert there).
 const WG_BN: usize = 256;
-const WG_SMEM: usize = 16 * 8192 + 2 * (WG_BN * 17 + 4) * 4 + 2048;
-/// The deep form's `sizeof(GwSmem<256, 3>)`: 3 raw stages (the kernel picks its form by the
-/// dynamic shared memory it was given).
-const WG_SMEM3: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048;
-
-fn wg_deep() -> bool {
-    let v = WG_DEEP.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let deep = std::env::var("DS4_GPU_GEMM_WG").is_ok_and(|v| v == "2");
-    WG_DEEP.store(deep as u8, Ordering::Relaxed);
-    deep
-}
+const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048;
 
 fn wg_on() -> bool {
     let v = WG.load(Ordering::Relaxed);
@@ -70,12 +56,6 @@ impl GpuBackend {
     /// `DS4_GPU_GEMM_WG`). Process-wide (tests, benchmarks).
     pub fn set_gemm_wg(on: bool) {
         WG.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// The wgmma MoE gate/up in its deep form (3 raw stages, `cp.async.wait_group 1`) or not
-    /// (default: `DS4_GPU_GEMM_WG=2`). Process-wide (tests, benchmarks).
-    pub fn set_gemm_wg_deep(deep: bool) {
-        WG_DEEP.store(deep as u8, Ordering::Relaxed);
     }
 
     /// `gwg_iq2_xxs` launches so far in this process.
@@ -145,7 +125,7 @@ impl GpuBackend {
             LaunchDims {
                 grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
                 block: [2 * WG_BN as u32, 1, 1],
-                shared_bytes: if wg_deep() { WG_SMEM3 } else { WG_SMEM } as u32,
+                shared_bytes: WG_SMEM as u32,
             },
             &[
                 Arg::Ptr(g.0),

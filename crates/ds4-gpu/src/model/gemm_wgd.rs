@@ -15,8 +15,7 @@ use super::GpuBackend;
 use crate::runtime::LaunchDims;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
-/// 0 off, 1 on, 2 on in the deep form, UNSET: read `DS4_GPU_GEMM_WGD` (`0` = off, `2` = deep;
-/// default on) on first use.
+/// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WGD` (`0` = off; default on) on first use.
 pub(in crate::model) static WGD: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 /// `gwd_q2_k` launches so far (process-wide; tests: the wgmma down ran).
@@ -26,23 +25,15 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// of 256 rows x 21 words.
 const WGD_BN: usize = 256;
 const WGD_SMEM: usize = 16 * 8192 + 2 * 4096 + 2 * WGD_BN * 21 * 4;
-/// The deep form's `sizeof(GwdSmem<256, 3>)`: 3 sums and raw stages (the kernel picks its form by
-/// the dynamic shared memory it was given).
-const WGD_SMEM3: usize = 16 * 8192 + 3 * 4096 + 3 * WGD_BN * 21 * 4;
 
-/// The switch: 0 off, 1 on, 2 deep.
-fn wgd_form() -> u8 {
+fn wgd_on() -> bool {
     let v = WGD.load(Ordering::Relaxed);
     if v != UNSET {
-        return v;
+        return v == 1;
     }
-    let f = match std::env::var("DS4_GPU_GEMM_WGD").as_deref() {
-        Ok("0") => 0,
-        Ok("2") => 2,
-        _ => 1,
-    };
-    WGD.store(f, Ordering::Relaxed);
-    f
+    let on = std::env::var("DS4_GPU_GEMM_WGD").map_or(true, |v| v != "0");
+    WGD.store(on as u8, Ordering::Relaxed);
+    on
 }
 
 impl GpuBackend {
@@ -50,12 +41,6 @@ impl GpuBackend {
     /// `DS4_GPU_GEMM_WGD`). Process-wide (tests, benchmarks).
     pub fn set_gemm_wgd(on: bool) {
         WGD.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// The wgmma MoE down's form: 0 off, 1 on, 2 on in the deep form (3 raw stages,
-    /// `cp.async.wait_group 1`). Process-wide (tests, benchmarks).
-    pub fn set_gemm_wgd_form(form: u8) {
-        WGD.store(form.min(2), Ordering::Relaxed);
     }
 
     /// `gwd_q2_k` launches so far in this process.
@@ -76,8 +61,7 @@ impl GpuBackend {
         cols: usize,
         ytiles: usize,
     ) -> Option<LaunchDims> {
-        let form = wgd_form();
-        if form == 0
+        if !wgd_on()
             || !grouped
             || bm != 64
             || zs_ks != 1
@@ -90,7 +74,7 @@ impl GpuBackend {
         Some(LaunchDims {
             grid: [rows.div_ceil(WGD_BN) as u32, ytiles as u32, 1],
             block: [2 * WGD_BN as u32, 1, 1],
-            shared_bytes: if form == 2 { WGD_SMEM3 } else { WGD_SMEM } as u32,
+            shared_bytes: WGD_SMEM as u32,
         })
     }
 }
