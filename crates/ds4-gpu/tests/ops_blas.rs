@@ -8,8 +8,6 @@
 //! the error scales with rms(y), not with each output). The warm product at open ran. Each case
 //! checks that the library took the product (launch counter). Forms are process-wide: run with
 //! --test-threads=1 on a GPU.
-//! Q8_0 Part::All products take the wgmma form first on CUDA sm_90a (model/gemm_wq.rs): the
-//! library tests switch it off; `gemm_wq_q8_0_matches_f64` tests it against an f64 reference.
 //! Without a GPU the device tests skip with the reason; with a GPU but no library they skip
 //! saying what was searched. The host test (runs anywhere) checks the loader's failure line.
 
@@ -109,9 +107,6 @@ fn blas_dense_every_type_and_n() {
         gpu.blas_warmed(),
         "no warm product when the library was opened"
     );
-    // Q8_0 Part::All products go to the wgmma form first on sm_90a (gemm_wq.rs): off here, the
-    // library's products are under test (gemm_wq_q8_0_matches_f64 below tests that form).
-    GpuBackend::set_gemm_wq(false);
     let mut cases = Cases::default();
     let mut want = std::collections::HashMap::new();
     for fast in [false, true] {
@@ -189,7 +184,6 @@ fn blas_dense_every_type_and_n() {
             .bad
             .push("DS4_GPU_BLAS=off still took a product".into());
     }
-    GpuBackend::set_gemm_wq(true);
     cases.finish();
 }
 
@@ -234,123 +228,6 @@ fn blas_grouped_every_type() {
         }
     }
     cases.finish();
-}
-
-/// The wgmma dense Q8_0 form (`gwq_q8_0`, CUDA sm_90a; model/gemm_wq.rs) through the matmul
-/// path, every (token, row) against an f64 reference from the dequantised rows: rows and tokens
-/// that are not multiples of the tiles (4096 -> 320 at n = 5, 65, 200: the 256-row CTA's clamped
-/// rows, token tiles of 16/32 with a partial last tile), real shapes (shared down 2048 -> 4096
-/// and q_b's 1024 -> 4096 slice at n = 200) and 1024 -> 8500 at n = 176 (34 row CTAs: 64-token
-/// tiles, the last of 48: the N = 64 and N = 48 bodies). Bound: |gpu - f64| <= 1e-5 * sum |w x| per
-/// output (exact weights, x as f16 hi/lo: ~2^-22 relative) and the blas test's TOL relative to
-/// 1 + |f64|; the library's three-term product on the same cases is printed beside it. Checks
-/// that the form ran (launch counter) and that with the switch off the library took the product.
-#[test]
-fn gemm_wq_q8_0_matches_f64() {
-    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
-        return;
-    };
-    if !gpu.gemm_wg_supported() {
-        println!("skipped: the wgmma form needs CUDA sm_90a");
-        return;
-    }
-    const BOUND: f64 = 1e-5;
-    let ty = GgmlType::Q8_0;
-    let mut bad = Vec::new();
-    let mut worst = [0f64; 2];
-    for (ci, &(cols, rows, n)) in [
-        (4096, 320, 5),
-        (4096, 320, 65),
-        (4096, 320, 200),
-        (2048, 4096, 200),
-        (1024, 4096, 200),
-        (1024, 8500, 176),
-    ]
-    .iter()
-    .enumerate()
-    {
-        let mut r = rng(500 + ci as u64);
-        let bytes: Vec<Vec<u8>> = (0..rows)
-            .map(|_| ds4_gpu::conformance::random_row(ty, cols, &mut r))
-            .collect();
-        let f = common::file(&[("w", ty, vec![cols as u64, rows as u64], bytes.concat())]);
-        let gw = gpu.matrix(&common::src(&f, "w")).unwrap();
-        let x = randn(&mut rng(600 + ci as u64), n * cols, 1.0);
-        // f64 reference and sum |w x| per (token, row).
-        let mut deq = vec![0f32; cols];
-        let mut want = vec![(0f64, 0f64); n * rows];
-        for (row, b) in bytes.iter().enumerate() {
-            ds4_quant::dequantize_row(ty, b, &mut deq).unwrap();
-            for t in 0..n {
-                let (mut s, mut a) = (0f64, 0f64);
-                for (w, v) in deq.iter().zip(&x[t * cols..(t + 1) * cols]) {
-                    let p = *w as f64 * *v as f64;
-                    s += p;
-                    a += p.abs();
-                }
-                want[t * rows + row] = (s, a);
-            }
-        }
-        let gx = gpu.upload(&x);
-        let mut gy = gpu.alloc(n * rows);
-        let mut errs = [0f64; 2];
-        for (form, on) in [(0, true), (1, false)] {
-            GpuBackend::set_gemm_wq(on);
-            let (w0, b0) = (GpuBackend::gemm_wq_launches(), GpuBackend::blas_launches());
-            gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
-            let got = gpu.download(&gy, n * rows);
-            let (w1, b1) = (GpuBackend::gemm_wq_launches(), GpuBackend::blas_launches());
-            if let Err(e) = gpu.check() {
-                bad.push(format!("{cols}->{rows} n={n} on={on}: GPU error {e}"));
-                continue;
-            }
-            let ran = if on {
-                w1 == w0 + 1 && b1 == b0
-            } else {
-                w1 == w0 && (b1 == b0 + 1 || !gpu.blas_available())
-            };
-            if !ran {
-                bad.push(format!(
-                    "{cols}->{rows} n={n} on={on}: launches wq {w0}->{w1} blas {b0}->{b1}"
-                ));
-            }
-            let (mut e, mut er) = (0f64, 0f64);
-            for (g, &(s, a)) in got.iter().zip(&want) {
-                let d = (*g as f64 - s).abs();
-                e = e.max(if d.is_nan() {
-                    f64::INFINITY
-                } else {
-                    d / (a + 1e-30)
-                });
-                er = er.max(if d.is_nan() {
-                    f64::INFINITY
-                } else {
-                    d / (1.0 + s.abs())
-                });
-            }
-            errs[form] = e;
-            if on {
-                worst[0] = worst[0].max(e);
-                if e > BOUND || er > TOL as f64 {
-                    bad.push(format!(
-                        "{cols}->{rows} n={n}: {e:.3e} of sum |wx|, {er:.3e} rel"
-                    ));
-                }
-            } else {
-                worst[1] = worst[1].max(e);
-            }
-        }
-        println!(
-            "Q8_0 {cols}->{rows} n={n}: worst |gpu - f64| / sum |wx| = {:.3e} (wgmma), {:.3e} (switch off: blas)",
-            errs[0], errs[1]
-        );
-    }
-    GpuBackend::set_gemm_wq(true);
-    println!(
-        "wgmma Q8_0: worst {:.3e} (bound {BOUND:.0e}); blas three-term on the same cases {:.3e}",
-        worst[0], worst[1]
-    );
-    assert!(bad.is_empty(), "failed cases: {bad:?}");
 }
 
 /// Host test (no GPU, no library needed): a failed load lists every place searched, in the

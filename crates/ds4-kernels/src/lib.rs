@@ -78,7 +78,6 @@ mod gemm;
 mod gemm_i8;
 mod gemm_wg;
 mod gemm_wgd;
-mod gemm_wq;
 mod matmul;
 mod matvec;
 mod model;
@@ -93,7 +92,6 @@ pub use gemm::GEMM;
 pub use gemm_i8::GEMM_I8;
 pub use gemm_wg::GEMM_WG;
 pub use gemm_wgd::GEMM_WGD;
-pub use gemm_wq::GEMM_WQ;
 pub use matmul::MATMUL;
 pub use matvec::MATVEC;
 pub use model::MODEL;
@@ -119,7 +117,6 @@ pub const MODULES: &[Module] = &[
     GEMM_I8,
     GEMM_WG,
     GEMM_WGD,
-    GEMM_WQ,
 ];
 
 /// The kernels of `m` that may be launched with programmatic dependent launch (PDL): those whose

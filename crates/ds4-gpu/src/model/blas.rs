@@ -75,12 +75,6 @@ fn mode() -> u8 {
     m
 }
 
-/// Whether the vendor path is switched on (not `DS4_GPU_BLAS=off` / `set_blas(false, _)`): the
-/// wgmma Q8_0 form (gemm_wq.rs) takes this path's place for its products and follows its switch.
-pub(super) fn switched_on() -> bool {
-    mode() != OFF
-}
-
 /// Per-backend BLAS-Lt state (handle, workspace, plans), opened with the backend (or on first
 /// use when the path was off then); None inside:
 /// the library is missing or could not start (said once).

@@ -269,7 +269,6 @@ impl GpuBackend {
         if self.failed()
             || !self.product_width_ok(w)
             || self.mv_matmul(w, part, x, n, y)
-            || self.gemm_wq_matmul(w, part, x, n, y) // Q8_0 on wgmma (gemm_wq.rs)
             || self.blas_matmul(w, part, x, n, y)
             || self.gemm_matmul(w, part, x, n, y)
         {

@@ -17,7 +17,6 @@ mod gemm;
 mod gemm_i8;
 mod gemm_wg;
 mod gemm_wgd;
-mod gemm_wq;
 mod matmul;
 mod matvec;
 mod mix;
