@@ -26,7 +26,7 @@
 
 mod common;
 
-use common::{backends, max_rel, max_rel_rms, randn, random_routes, rng, weight};
+use common::{backends, max_rel, max_rel_rms, randn, random_experts, random_routes, rng, weight};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
@@ -546,6 +546,28 @@ fn gemm_big_n() {
     cases.finish();
 }
 
+/// Expert choices `[n][k]` with runs of every size around the 64-pair tile: token t takes expert
+/// 0; 1 if t < 65; 2 if t < 64; 3 if t < 63; 4 if t == 0; then experts 6..15; slot order rotates.
+fn skewed_sel(n: usize, k: usize) -> Vec<i32> {
+    let mut sel = Vec::new();
+    for t in 0..n {
+        let mut e: Vec<i32> = vec![0];
+        for (x, m) in [(1, 65), (2, 64), (3, 63), (4, 1)] {
+            if t < m {
+                e.push(x);
+            }
+        }
+        let mut j = 0;
+        while e.len() < k {
+            e.push(6 + ((t + 3 * j) % 10) as i32);
+            j += 1;
+        }
+        e.rotate_left(t % k); // slot order varies
+        sel.extend_from_slice(&e);
+    }
+    sel
+}
+
 /// The wgmma gate/up (`gwg_iq2_xxs`, CUDA sm_90a; gemm_wg.rs) against an f64
 /// reference per (pair, row) from the dequantised IQ2_XXS rows: 200 tokens x 6 slots over 16
 /// experts with 200, 65, 64, 63, 1 and 0 pairs for experts 0..5 (runs of 64 cut into 64 + 1, 64,
@@ -569,40 +591,13 @@ fn gemm_moe_wg_gate_up_matches_f64() {
     let ty = GgmlType::IQ2_XXS;
     let rb = ty.row_bytes(d as u64).unwrap() as usize;
     let mut r = rng(1500);
-    // Random experts [ne][rows][cols] of type t: (bytes, GPU weight).
     let mk = |t: GgmlType, cols: usize, rows: usize, seed: u64| {
-        let mut rr = rng(seed);
-        let bytes: Vec<u8> = (0..rows * ne)
-            .flat_map(|_| ds4_gpu::conformance::random_row(t, cols, &mut rr))
-            .collect();
-        let f = common::file(&[(
-            "w",
-            t,
-            vec![cols as u64, rows as u64, ne as u64],
-            bytes.clone(),
-        )]);
-        (bytes, gpu.matrix(&common::src(&f, "w")).unwrap())
+        random_experts(&gpu, t, cols, rows, ne, seed)
     };
     let (gb, gw) = mk(ty, d, ff, 1501);
     let (ub, uw) = mk(ty, d, ff, 1502);
     let z = randn(&mut r, n * d, 1.0);
-    // Token t: expert 0; 1 if t < 65; 2 if t < 64; 3 if t < 63; 4 if t == 0; then experts 6..15.
-    let mut sel = Vec::new();
-    for t in 0..n {
-        let mut e: Vec<i32> = vec![0];
-        for (x, m) in [(1, 65), (2, 64), (3, 63), (4, 1)] {
-            if t < m {
-                e.push(x);
-            }
-        }
-        let mut j = 0;
-        while e.len() < k {
-            e.push(6 + ((t + 3 * j) % 10) as i32);
-            j += 1;
-        }
-        e.rotate_left(t % k); // slot order varies
-        sel.extend_from_slice(&e);
-    }
+    let sel = skewed_sel(n, k);
     // f64 reference and sum |w x| per (product, pair, row).
     let mut deq = vec![0f32; d];
     let mut want = [Vec::new(), Vec::new()];
@@ -718,42 +713,15 @@ fn gemm_moe_wgd_down_matches_f64() {
     set_form(0);
     let (ne, k, n, d, ff) = (16usize, 6usize, 200usize, 320usize, 768usize);
     let mut r = rng(1600);
-    // Random experts [ne][rows][cols] of type t: (bytes, GPU weight).
     let mk = |t: GgmlType, cols: usize, rows: usize, seed: u64| {
-        let mut rr = rng(seed);
-        let bytes: Vec<u8> = (0..rows * ne)
-            .flat_map(|_| ds4_gpu::conformance::random_row(t, cols, &mut rr))
-            .collect();
-        let f = common::file(&[(
-            "w",
-            t,
-            vec![cols as u64, rows as u64, ne as u64],
-            bytes.clone(),
-        )]);
-        (bytes, gpu.matrix(&common::src(&f, "w")).unwrap())
+        random_experts(&gpu, t, cols, rows, ne, seed)
     };
     let ty = GgmlType::Q2_K;
     let rb = ty.row_bytes(ff as u64).unwrap() as usize;
     let (db, dw) = mk(ty, ff, d, 1601);
     let pairs = n * k;
     let h = randn(&mut r, pairs * ff, 1.0);
-    // Token t: expert 0; 1 if t < 65; 2 if t < 64; 3 if t < 63; 4 if t == 0; then experts 6..15.
-    let mut sel = Vec::new();
-    for t in 0..n {
-        let mut e: Vec<i32> = vec![0];
-        for (x, m) in [(1, 65), (2, 64), (3, 63), (4, 1)] {
-            if t < m {
-                e.push(x);
-            }
-        }
-        let mut j = 0;
-        while e.len() < k {
-            e.push(6 + ((t + 3 * j) % 10) as i32);
-            j += 1;
-        }
-        e.rotate_left(t % k); // slot order varies
-        sel.extend_from_slice(&e);
-    }
+    let sel = skewed_sel(n, k);
     // f64 reference and sum |w x| per (pair, row).
     let mut deq = vec![0f32; ff];
     let mut want = Vec::new();

@@ -13,9 +13,8 @@
 
 mod common;
 
-use common::{backends, file, max_rel_rms, randn, rng, src};
+use common::{backends, max_rel_rms, randn, random_experts, rng};
 use ds4_backend::{Backend, GgmlType, MoeSpec};
-use ds4_gpu::conformance::random_row;
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
 use ds4_quant::act::{dot_row_act, ActFormat, QuantizedAct};
@@ -87,28 +86,6 @@ fn act_q8k_matches_cpu_bit_for_bit() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
-/// Random IQ2_XXS experts `[experts][rows][cols]`: (bytes, GPU weight).
-fn iq2_experts(
-    gpu: &GpuBackend,
-    cols: usize,
-    rows: usize,
-    experts: usize,
-    seed: u64,
-) -> (Vec<u8>, <GpuBackend as Backend>::Weight) {
-    let mut r = rng(seed);
-    let bytes: Vec<u8> = (0..rows * experts)
-        .flat_map(|_| random_row(GgmlType::IQ2_XXS, cols, &mut r))
-        .collect();
-    let f = file(&[(
-        "w",
-        GgmlType::IQ2_XXS,
-        vec![cols as u64, rows as u64, experts as u64],
-        bytes.clone(),
-    )]);
-    let w = gpu.matrix(&src(&f, "w")).unwrap();
-    (bytes, w)
-}
-
 fn sm80(gpu: &GpuBackend) -> bool {
     let i = gpu.gpu().info();
     i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8 && i.warp == 32
@@ -126,8 +103,8 @@ fn gate_up_i8_matches_act_reference() {
     // 8 experts, 3 slots, 100 tokens: expert 0 never chosen, expert 1 by token 0 only, expert 2
     // by every token (100 pairs: runs of 64 and 36), the rest uneven at random.
     let (ne, k, n, d, ff) = (8usize, 3usize, 100usize, 1024usize, 320usize);
-    let (gb, gw) = iq2_experts(&gpu, d, ff, ne, 1310);
-    let (ub, uw) = iq2_experts(&gpu, d, ff, ne, 1311);
+    let (gb, gw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 1310);
+    let (ub, uw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 1311);
     let mut r = rng(1312);
     let z = randn(&mut r, n * d, 1.0);
     let mut sel = Vec::new();

@@ -52,7 +52,6 @@
 #include "ptx.cuh"
 #include "wgmma.cuh"
 
-#define GW_BM 64  // items per CTA (the grouping's run)
 #define GW_NX 16  // X chunk slots: 4 groups of 4 chunks (pipeline below)
 #define GW_RW 17  // raw words per row and stage: a 66-byte block from the 4-byte boundary below it
 #define GW_NS 3   // raw stages: super-blocks S (in use), S+1 (landed or in flight), S+2 (in flight)
@@ -231,13 +230,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         }
     }
     ds4_cp_wait<0>();
-    // acc.v[4j + e]: row R0 + 8 (e >> 1), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token.
-#pragma unroll
-    for (int i = 0; i < N / 2; i++) {
-        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
-        const int it = items[m], r = r0 + ((i & 2) ? R1 : R0);
-        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
-    }
+    gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv); // R1 = R0 + 8
 }
 #endif
 
@@ -263,15 +256,7 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     const int by = blockIdx.y, tid = threadIdx.x;
     if (by >= grp[0]) return; // uniform over the CTA
     if (tid < 256) sm.grid[tid] = ds4_iq2xxs_grid[tid];
-    if (tid < GW_BM) { // the run of one expert's pairs starting at starts[by] (gemm.cu gm_items)
-        const int* perm = grp + 1 + gmax;
-        const int st = grp[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
-        items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
-        if (tid == 0) expert = e;
-    }
-    __syncthreads();
-    // valid items (a prefix of the tile): up to the next run's start
-    const int nv = min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GW_BM);
+    const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
     if (nv <= 16)

@@ -43,15 +43,14 @@
 #include "ptx.cuh"
 #include "wgmma.cuh"
 
-#define GWD_BM 64 // items per CTA (the grouping's run)
 #define GWD_NX 16 // X chunk slots: 4 groups of 4 chunks
 #define GWD_RW 21 // raw words per row and stage (an 84-byte Q2_K block)
 
 #if GW_HAVE
 // Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wgd.rs WGD_SMEM).
 template <int BN> struct alignas(16) GwdSmem {
-    uint4 x[GWD_NX][2][GWD_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
-    uint4 s[2][2][GWD_BM * 2];      // super-block sums: stage, plane (hi, lo), core matrices
+    uint4 x[GWD_NX][2][GW_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
+    uint4 s[2][2][GW_BM * 2];      // super-block sums: stage, plane (hi, lo), core matrices
     u32 raw[2][BN * GWD_RW];        // raw super-blocks, row r at 21 r
 };
 static_assert(sizeof(GwdSmem<256>) == 182272, "gemm_wgd.rs WGD_SMEM");
@@ -209,13 +208,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
         }
     }
     ds4_cp_wait<0>();
-    // acc.v[4j + e]: row R0 + 8 (e >> 1), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token.
-#pragma unroll
-    for (int i = 0; i < N / 2; i++) {
-        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
-        const int it = items[m], r = r0 + ((i & 2) ? R1 : R0);
-        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
-    }
+    gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv); // R1 = R0 + 8
 }
 #endif
 
@@ -241,19 +234,11 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(const u8* __restrict__ W, long long 
 #if GW_HAVE
     extern __shared__ uint4 gwd_dyn[];
     GwdSmem<256>& sm = *reinterpret_cast<GwdSmem<256>*>(gwd_dyn);
-    __shared__ int items[GWD_BM];
+    __shared__ int items[GW_BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
     if (by >= grp[0]) return; // uniform over the CTA
-    if (tid < GWD_BM) {       // the run of one expert's pairs starting at starts[by] (gemm.cu gm_items)
-        const int* perm = grp + 1 + gmax;
-        const int st = grp[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
-        items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
-        if (tid == 0) expert = e;
-    }
-    __syncthreads();
-    // valid items (a prefix of the tile): up to the next run's start
-    const int nv = min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GWD_BM);
+    const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
     if (nv <= 16)
         gwd_body<16>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)

@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma) wrappers: A from registers, B from shared memory by descriptor,
 // f16 inputs, f32 accumulators; sm_90a only (GW_HAVE 0 elsewhere: sm_100 has no wgmma, HIP none).
-// Users: gemm_wg.cu.
+// Users: gemm_wg.cu, gemm_wgd.cu (also their shared MoE tile set-up and store, at the end).
 #pragma once
 #include "prelude.cuh"
 
@@ -9,6 +9,8 @@
 #else
 #define GW_HAVE 0
 #endif
+
+#define GW_BM 64 // items (pairs) per CTA: the grouping's run (gemm.cu gm_group_*_i32, runs cut at 64)
 
 #if GW_HAVE
 template <int N> struct GwAcc {
@@ -65,4 +67,35 @@ __device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, i
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
 }
 
+
+// ---- The MoE tile's set-up and store, shared by gemm_wg.cu and gemm_wgd.cu ----
+
+// The run of one expert's pairs starting at starts[blockIdx.y] (gemm.cu gm_items): items[m] = pair
+// index or -1, *expert set; every thread of the CTA calls it (one barrier). Returns the valid items
+// (a prefix of the tile): up to the next run's start. grp = [ngroups, starts[gmax], perm[n]].
+__device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* __restrict__ sel, int n, int gmax,
+                                        int* items, int* expert) {
+    const int by = blockIdx.y, tid = threadIdx.x;
+    if (tid < GW_BM) {
+        const int* perm = grp + 1 + gmax;
+        const int st = grp[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
+        items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
+        if (tid == 0) *expert = e;
+    }
+    __syncthreads();
+    return min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GW_BM);
+}
+
+// Store of a lane's accumulators: acc.v[4j + e] is row rr0 + 8 (e >> 1) (rr0 = the CTA's first row
+// + the lane's first), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token (xinv).
+template <int N>
+__device__ __forceinline__ void gw_store(const GwAcc<N>& acc, const int* items, int t, int rr0, int rows,
+                                         float* __restrict__ Y, long long y_tok, const float* __restrict__ xinv, int xdiv) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        const int it = items[m], r = rr0 + ((i & 2) ? 8 : 0);
+        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
+    }
+}
 #endif

@@ -208,3 +208,26 @@ pub fn max_rel_rms(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
         / (1.0 + rms)
 }
+
+/// Random experts `[ne][rows][cols]` of type `t`: (raw bytes, GPU weight).
+pub fn random_experts(
+    gpu: &GpuBackend,
+    t: GgmlType,
+    cols: usize,
+    rows: usize,
+    ne: usize,
+    seed: u64,
+) -> (Vec<u8>, <GpuBackend as ds4_backend::Backend>::Weight) {
+    use ds4_backend::Backend as _;
+    let mut rr = rng(seed);
+    let bytes: Vec<u8> = (0..rows * ne)
+        .flat_map(|_| ds4_gpu::conformance::random_row(t, cols, &mut rr))
+        .collect();
+    let f = file(&[(
+        "w",
+        t,
+        vec![cols as u64, rows as u64, ne as u64],
+        bytes.clone(),
+    )]);
+    (bytes, gpu.matrix(&src(&f, "w")).unwrap())
+}
