@@ -157,8 +157,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         u32 w0[4], w1[4];
         gw_deq(&sm.raw[st][GW_RW * R0], sh0 ^ x, p, t, sm.grid, w0);
         gw_deq(&sm.raw[st][GW_RW * R1], sh1 ^ x, p, t, sm.grid, w1);
-        a[0] = w0[0], a[1] = w1[0], a[2] = w0[1], a[3] = w1[1];
-        a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
+        gw_afrag(w0, w1, a);
     };
     constexpr u32 lbo = 128u, sbo = 512u; // next k group, next 8 items
 
@@ -198,15 +197,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
                 if (p == 4) issue_raw(S + 2);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_pin(cc);
-            gw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
-                gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
-            }
-            gw_commit();
-            gw_pin(cc);
+            gw_chunk(cc, a, xs, lbo, sbo, p);
             if (p == 7) { // end of the super-block: acc += (d / 8) cc
                 gw_wait<0>();
                 gw_pin(cc);

@@ -131,8 +131,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
         u32 w0[4], w1[4];
         gwd_deq(&sm.raw[S & 1][GWD_RW * R0], P, t, w0);
         gwd_deq(&sm.raw[S & 1][GWD_RW * R1], P, t, w1);
-        a[0] = w0[0], a[1] = w1[0], a[2] = w0[1], a[3] = w1[1];
-        a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
+        gw_afrag(w0, w1, a);
     };
     constexpr u32 lbo = 128u, sbo = 512u; // X: next k group, next 8 items
 
@@ -168,15 +167,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
                 if (p == 0) issue_raw(S + 1);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_pin(cc);
-            gw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi (zeroes cc first)
-                gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
-            }
-            gw_commit();
-            gw_pin(cc);
+            gw_chunk(cc, a, xs, lbo, sbo, p);
             if (p == 7) { // end of the super-block: acc += d cc, then the min pair into cc
                 gw_wait<0>();
                 gw_pin(cc);

@@ -68,6 +68,29 @@ __device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, i
 }
 
 
+// A registers of a chunk's two k-steps (a[4 kk ..]) from the lane's two rows' decoded words w0 (row
+// R0), w1 (row R1 = R0 + 8), element pairs 0..3 of its 8 weights: per k-step (R0, R1, R0, R1) x
+// pairs (2 kk, 2 kk, 2 kk + 1, 2 kk + 1), the m64nNk16 A fragment's order.
+__device__ __forceinline__ void gw_afrag(const u32* w0, const u32* w1, u32* a) {
+    a[0] = w0[0], a[1] = w1[0], a[2] = w0[1], a[3] = w1[1];
+    a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
+}
+
+// The 4 wgmma of one 32-element chunk, committed as one group: k-steps kk = 0, 1 of the A registers
+// a[4 kk ..] times the X planes hi (chunk slot at shared address xs) and lo (xs + 4096), into cc;
+// the super-block's first (p == 0, kk == 0) with scale-d 0 (zeroes cc first).
+template <int N> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, const u32* a, u32 xs, u32 lbo, u32 sbo, int p) {
+    gw_pin(cc);
+    gw_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi
+        gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
+    }
+    gw_commit();
+    gw_pin(cc);
+}
+
 // ---- The MoE tile's set-up and store, shared by gemm_wg.cu and gemm_wgd.cu ----
 
 // The run of one expert's pairs starting at starts[blockIdx.y] (gemm.cu gm_items): items[m] = pair
