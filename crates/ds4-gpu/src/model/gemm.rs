@@ -121,7 +121,7 @@ const GROUP_BLOCK: usize = 256;
 /// (portable FMA), 2 off (decline all), 3 `gemmp_<t>` (3xTF32 tensor cores); UNSET: read
 /// `DS4_GPU_GEMM` (bf16 | fma | off | tf32) on first use.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
-const UNSET: u8 = 255;
+pub(super) const UNSET: u8 = 255;
 
 fn mode() -> u8 {
     let m = MODE.load(Ordering::Relaxed);
@@ -230,7 +230,7 @@ static DBUF: AtomicU8 = AtomicU8::new(UNSET);
 
 /// A switch that is on unless `var` is `0`: the value a setter stored in `cell`, else read from
 /// the environment on first use (and kept in `cell`).
-fn switch_on(cell: &AtomicU8, var: &str) -> bool {
+pub(super) fn switch_on(cell: &AtomicU8, var: &str) -> bool {
     let v = cell.load(Ordering::Relaxed);
     if v != UNSET {
         return v == 1;

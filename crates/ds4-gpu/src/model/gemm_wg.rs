@@ -22,6 +22,7 @@
 //! the same shape, d a multiple of 256, the MoE's pairs grouped in runs of 64 (the default
 //! gate/up form: not the f16 or tiled opt-ins, not the int8 opt-in `DS4_GPU_ACT=q8k`).
 
+use super::gemm::{switch_on, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
@@ -29,7 +30,6 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WG` (`0` = off; default on) on first use.
 static WG: AtomicU8 = AtomicU8::new(UNSET);
-const UNSET: u8 = 255;
 /// `gwg_iq2_xxs` launches so far (process-wide; tests: the wgmma kernel ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
@@ -42,13 +42,7 @@ const WG_BN: usize = 256;
 const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048;
 
 fn wg_on() -> bool {
-    let v = WG.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let on = std::env::var("DS4_GPU_GEMM_WG").map_or(true, |v| v != "0");
-    WG.store(on as u8, Ordering::Relaxed);
-    on
+    switch_on(&WG, "DS4_GPU_GEMM_WG")
 }
 
 impl GpuBackend {

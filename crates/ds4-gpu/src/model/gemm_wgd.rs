@@ -11,13 +11,13 @@
 //! weight rows x 64 pairs, 178 KiB of dynamic shared memory, 1 CTA per SM.
 //! H200: bench/results/gpu-gemm-d16-h200.txt.
 
+use super::gemm::{switch_on, UNSET};
 use super::GpuBackend;
 use crate::runtime::LaunchDims;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WGD` (`0` = off; default on) on first use.
-pub(in crate::model) static WGD: AtomicU8 = AtomicU8::new(UNSET);
-const UNSET: u8 = 255;
+static WGD: AtomicU8 = AtomicU8::new(UNSET);
 /// `gwd_q2_k` launches so far (process-wide; tests: the wgmma down ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Weight rows per CTA (4 warpgroups x 64) and the dynamic shared memory `sizeof(GwdSmem<256>)`
@@ -27,13 +27,7 @@ const WGD_BN: usize = 256;
 const WGD_SMEM: usize = 16 * 8192 + 2 * 4096 + 2 * WGD_BN * 21 * 4;
 
 fn wgd_on() -> bool {
-    let v = WGD.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let on = std::env::var("DS4_GPU_GEMM_WGD").map_or(true, |v| v != "0");
-    WGD.store(on as u8, Ordering::Relaxed);
-    on
+    switch_on(&WGD, "DS4_GPU_GEMM_WGD")
 }
 
 impl GpuBackend {
