@@ -28,6 +28,9 @@ fn open(backend: BackendChoice) -> Option<Engine> {
     // Plain float math on both sides: with the FP8/FP4 rounding steps on, a value next to a grid
     // tie may round differently on the two backends (gpu_forward covers that case).
     o.rounding = ds4_engine::Rounding::NONE;
+    // Exact prefill products: these tests hold the GPU to the CPU's logits (1e-3) and tokens;
+    // `fast` is checked on its own below.
+    o.precision = ds4_engine::Precision::Exact;
     let e = Engine::open(&o).ok()?;
     (backend == BackendChoice::Cpu || e.backend_name() != "cpu").then_some(e)
 }
@@ -84,6 +87,44 @@ fn gpu_engine_matches_cpu_reference() {
     );
     assert_eq!(gt, ct, "greedy tokens differ");
     assert!(worst < 1e-3, "logits differ by {worst}");
+}
+
+/// `--precision fast` (one f16 product per prefill product): the prompt's logits stay within
+/// the f16 rounding model of the CPU's (the 13-token prompt is a prefill; decode steps are the
+/// same arithmetic as `exact`), and greedy decoding from there agrees with the CPU.
+#[test]
+fn gpu_fast_precision_stays_close_to_cpu() {
+    let _serial = serial();
+    let Some(_) = gpu() else { return };
+    let path = ds4_synth::tiny_model_for_tests(21, true);
+    let mut o = EngineOptions::new(&path);
+    o.rounding = ds4_engine::Rounding::NONE;
+    o.precision = ds4_engine::Precision::Fast;
+    let g = Engine::open(&o).unwrap();
+    assert!(
+        g.backend_name().contains("fast precision"),
+        "{}",
+        g.backend_name()
+    );
+    let c = open(BackendChoice::Cpu).unwrap();
+    let (gt, gl) = greedy(&g);
+    let (ct, cl) = greedy(&c);
+    let first = max_abs(&gl[0], &cl[0]);
+    let worst = gl
+        .iter()
+        .zip(&cl)
+        .map(|(a, b)| max_abs(a, b))
+        .fold(0.0, f32::max);
+    let same = gt.iter().zip(&ct).filter(|(a, b)| a == b).count();
+    println!(
+        "fast precision: prompt logits max |Δ| {first:.3e}, {same} of {N} greedy tokens agree, \
+         max |Δ logit| {worst:.3e}"
+    );
+    assert!(gl.iter().flatten().all(|v| v.is_finite()));
+    assert!(first < 2e-2, "prompt logits differ by {first}");
+    assert_eq!(gt, ct, "greedy tokens differ");
+    // The exact form is what the other tests hold to 1e-3; leave it set for them.
+    ds4_gpu::GpuBackend::set_precision(ds4_engine::Precision::Exact);
 }
 
 #[test]

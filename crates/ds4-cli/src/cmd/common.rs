@@ -37,6 +37,11 @@ pub struct ModelArgs {
     /// comparisons against such references.
     #[arg(long, default_value = "model", value_parser = ["model", "none"])]
     pub rounding: String,
+    /// Arithmetic of the GPU's prompt (prefill) products: `fast` takes one f16 product each
+    /// (f32 sums; as mainstream engines do), `exact` sums hi/lo terms so the GPU matches the CPU
+    /// reference to ~1e-5. Decode steps and the CPU backend are the same either way.
+    #[arg(long, default_value = ds4_engine::DEFAULT_PRECISION.name(), value_parser = ["exact", "fast"])]
+    pub precision: String,
     /// Context size in tokens for the session.
     #[arg(long, default_value_t = 32768)]
     pub ctx: usize,
@@ -52,6 +57,8 @@ impl ModelArgs {
         if self.rounding == "none" {
             o.rounding = ds4_engine::Rounding::NONE;
         }
+        o.precision = ds4_engine::Precision::parse(&self.precision)
+            .ok_or_else(|| anyhow!("unknown precision {}", self.precision))?;
         o.mtp = self.mtp.clone();
         let (what, msg) = match (&self.synthetic, &self.model) {
             (Some(p), _) => (format!("synthetic {p}"), "generating weights"),

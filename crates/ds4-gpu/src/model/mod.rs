@@ -21,9 +21,12 @@ mod matmul;
 mod matvec;
 mod mix;
 mod moe;
+mod precision;
 mod prof;
 mod sample;
 pub mod synth;
+
+pub use precision::Precision;
 
 use crate::error::Result;
 pub(crate) use crate::gpu::type_suffix;
