@@ -7,8 +7,11 @@
 //! Launched as the decode graph launches it (model/attn.rs `attend_one` with a step position):
 //! the position in a device word, chunk 0 (the kernel picks chunk and splits), a grid of the
 //! most splits (CTAs past the used splits join the barrier and the merge). Each form in `forms`
-//! twice, alternating, each with its own counters; every output must have the first one's bits
-//! (exit 1 if not). A/B forms go in `forms` (session 11's: bench/results/gpu-attn-a12-h200.txt).
+//! twice, alternating, each with its own counters; each form's second output must have its
+//! first one's bits (exit 1 if not), and the largest difference of each form's output from the
+//! first form's is printed. A/B forms go in `forms` (session 11's:
+//! bench/results/gpu-attn-a12-h200.txt; session 17's: gpu-attn-a17-h200.txt): the f32 tile
+//! loop, the tile loop on tensor cores (`attend_one_tc`), that with fewer splits (cap).
 
 mod common;
 
@@ -22,7 +25,6 @@ const WIN: usize = 128;
 const NROT: usize = 64;
 const TOPK: usize = 512;
 const HG: usize = 16; // DS4_AO_HG
-const R: usize = 8; // DS4_AO_R
 const NST: usize = 8; // DS4_AO_NST
 
 fn randv(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
@@ -71,8 +73,14 @@ fn main() {
         "merge done",
         "exit",
     ];
-    // (label, timed kernel, probe kernel)
-    let forms = [("default", "attend_one_f32", "attend_one_p")];
+    // (label, timed kernel, probe kernel, rows per tile, most splits)
+    let forms = [
+        ("f32", "attend_one_f32", "attend_one_p", 8usize, 256usize),
+        ("tc", "attend_one_tc", "attend_one_tcp", 16, 256),
+        ("tc s24", "attend_one_tc", "attend_one_tcp", 16, 24),
+        ("tc s16", "attend_one_tc", "attend_one_tcp", 16, 16),
+        ("tc s8", "attend_one_tc", "attend_one_tcp", 16, 8),
+    ];
     println!(
         "# columns: us/call, then phase ends (us after the first CTA's start): last CTA start, {}",
         labels.join(", ")
@@ -83,11 +91,15 @@ fn main() {
         let ncomp = (t + 1).checked_div(ratio).unwrap_or(0);
         let max_cand = WIN.min(t + 1) + top_k + if indexed { 0 } else { ncomp };
         let per_split = NH.div_ceil(HG);
-        let most = (sms / per_split).clamp(1, 256);
-        let splits = most.min(max_cand.div_ceil(R)).max(1);
-        let chunk = max_cand.div_ceil(splits).next_multiple_of(R).max(R);
-        let splits = max_cand.div_ceil(chunk).max(1);
-        let grid = per_split * most;
+        let full = (sms / per_split).clamp(1, 256);
+        // A form's grid and (splits, chunk) as model/attn.rs `attend_one` picks them.
+        let shape = |r: usize, cap: usize| {
+            let most = full.min(cap).max(1);
+            let splits = most.min(max_cand.div_ceil(r)).max(1);
+            let chunk = max_cand.div_ceil(splits).next_multiple_of(r).max(r);
+            (most, max_cand.div_ceil(chunk).max(1), chunk)
+        };
+        let grid = per_split * full;
         let q = up(&bytes(&randv(&mut r, NH * HD, -0.3, 0.3), f32::to_le_bytes));
         let kv = up(&bytes(&randv(&mut r, HD, -1.0, 1.0), f32::to_le_bytes));
         let raw = up(&bytes(
@@ -118,8 +130,8 @@ fn main() {
             .collect();
         let freqs = up(&bytes(&fr, f64::to_le_bytes));
         let out = gpu.alloc(NH * HD * 4).unwrap();
-        let part_o = gpu.alloc(most * NH * HD * 4).unwrap();
-        let part_mz = gpu.alloc(most * NH * 2 * 4).unwrap();
+        let part_o = gpu.alloc(full * NH * HD * 4).unwrap();
+        let part_mz = gpu.alloc(full * NH * 2 * 4).unwrap();
         let tks: Vec<_> = forms.iter().map(|_| up(&[0u8; 16])).collect();
         let pos_w = up(&(t as i64).to_le_bytes());
         let stamps = gpu.alloc(grid * NST * 8).unwrap();
@@ -151,35 +163,61 @@ fn main() {
             Arg::I32(WIN as i32),
             Arg::I32(ratio as i32),
             Arg::I32(top_k as i32),
-            Arg::I32(0), // chunk 0: the kernel picks chunk and splits
-            Arg::I32(most as i32),
+            Arg::I32(0),           // chunk 0: the kernel picks chunk and splits
+            Arg::I32(full as i32), // most splits: per form, below
             Arg::I32(NROT as i32),
             Arg::F32(1.0 / (HD as f32).sqrt()),
             Arg::Ptr(pos_w.ptr()),
         ];
-        let dims = LaunchDims::linear(grid as u32, 256);
-        println!("{name}: {max_cand} rows, grid {grid} ({splits} splits of {chunk} used)");
-        // The first output (round 0, first form); every later one must have its bits.
-        let mut first: Option<Vec<u8>> = None;
+        println!("{name}: {max_cand} rows, grid {grid} at most");
+        for &(label, _, _, r, cap) in &forms {
+            let (most, splits, chunk) = shape(r, cap);
+            println!(
+                "  {label}: grid {} ({splits} splits of {chunk} used)",
+                per_split * most
+            );
+        }
+        // Each form's round-0 output; its round-1 output must have the same bits.
+        let mut first: Vec<Option<Vec<f32>>> = vec![None; forms.len()];
         for round in 0..2 {
-            for (fi, &(label, kname, pname)) in forms.iter().enumerate() {
+            for (fi, &(label, kname, pname, r, cap)) in forms.iter().enumerate() {
+                let (most, _, _) = shape(r, cap);
+                let dims = LaunchDims::linear((per_split * most) as u32, 256);
                 args[11] = Arg::Ptr(tks[fi].ptr());
+                args[20] = Arg::I32(most as i32);
                 let us = time_us(&gpu, kname, dims, &args, reps, (e0, e1));
                 let mut got = vec![0u8; NH * HD * 4];
                 gpu.download(out.ptr(), &mut got).unwrap();
-                match &first {
-                    None => first = Some(got),
-                    Some(f) if *f != got => {
-                        println!("  {round} {label}: output bits differ from the first");
+                let got: Vec<f32> = got
+                    .chunks(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                // Largest |difference| from the first form's output, relative to its largest |value|.
+                let rel = first[0].as_ref().map_or(0.0, |f0| {
+                    let top = f0.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let d = f0
+                        .iter()
+                        .zip(&got)
+                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    d / top
+                });
+                match &first[fi] {
+                    None => first[fi] = Some(got),
+                    Some(f) if f.iter().zip(&got).any(|(a, b)| a.to_bits() != b.to_bits()) => {
+                        println!("  {round} {label}: output bits differ from its first");
                         differ = true;
                     }
                     Some(_) => {}
                 }
                 let mut a = args.clone();
                 a.push(Arg::Ptr(stamps.ptr()));
-                let st = probe(&gpu, pname, dims, &a, grid);
+                let st = probe(&gpu, pname, dims, &a, per_split * most);
                 let cols: Vec<String> = st.iter().map(|v| format!("{v:6.2}")).collect();
-                println!("  {round} {label:<10} {us:6.2} | {}", cols.join(" "));
+                println!(
+                    "  {round} {label:<10} {us:6.2} | {} | vs {}: {rel:.2e}",
+                    cols.join(" "),
+                    forms[0].0
+                );
             }
         }
     }
@@ -189,7 +227,7 @@ fn main() {
         eprintln!("FAIL: the outputs differ");
         std::process::exit(1);
     }
-    println!("# every output's bits equal the first's");
+    println!("# every form's outputs have the same bits in both rounds");
 }
 
 /// µs per call of `kname`: `reps` launches back to back between two events (after 10).

@@ -883,6 +883,15 @@ const ONE: Form = Form {
     attn: "one",
     tol: 2e-5,
 };
+/// The one-launch decode form with its f32 tile loop everywhere (`ONE` takes the tile loop on
+/// tensor cores, `attend_one_tc`, for head width 512 on CUDA sm_80+).
+const ONE_F32: Form = Form {
+    name: "one-f32",
+    tc: false,
+    fast: false,
+    attn: "one-f32",
+    tol: 2e-5,
+};
 const SPLIT: Form = Form {
     name: "split",
     tc: false,
@@ -1094,7 +1103,7 @@ fn attend_matches_cpu() {
         },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    let forms = [TC, TC_FAST, ONE, SPLIT, SIMPLE];
+    let forms = [TC, TC_FAST, ONE, ONE_F32, SPLIT, SIMPLE];
     for (i, c) in cases.iter().enumerate() {
         run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
         run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);

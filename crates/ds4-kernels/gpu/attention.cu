@@ -2,6 +2,7 @@
 // The CPU definitions are ds4-cpu's backend.rs and math.rs; rounding steps here are bit-exact copies
 // (uncontracted f32 ops), the rest is bit-near (libm exp/sin differ by an ulp).
 #include "prelude.cuh"
+#include "ptx.cuh"
 
 #define ds4_add_rn(a, b) __fadd_rn((a), (b))
 #define ds4_div_rn(a, b) __fdiv_rn((a), (b))
@@ -1659,8 +1660,226 @@ __device__ __forceinline__ u64 ds4_ao_now() {
 
 #define DS4_AO_NCS 256 // (cos, sin) entries in shared memory: n · n_rot / 2 at most, else inline
 
-template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
-    __shared__ float4 rows_s4[DS4_AO_R * DS4_AP_MAXHD / 4]; // 16 KiB: the tile [R][hd]
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+#define DS4_AOT_HAVE 1
+#else
+#define DS4_AOT_HAVE 0
+#endif
+#define DS4_AOT_R 16                                   // rows per tile (tensor-core form): the k16 of O = P·V
+#define DS4_AOT_LD (DS4_AP_MAXHD + 8)                  // halves per shared row (16-byte pad: ldmatrix conflict-free)
+#define DS4_AOT_PLD 24                                 // halves per row of P in shared memory (same reason)
+#define DS4_AOT_TILE (2 * DS4_AOT_R * DS4_AOT_LD * 2) // bytes: the tile's f16 hi and lo planes
+
+// Threads 64.. fill cs_s (ds4_rope_pair's angle, ds4_mod_2pi: fmod's value, and roundings)
+// while 0..63 list the first row pointers (the first block skips the barrier before that); uses
+// use_cs, n, nh2, t0, freqs, cs_s and tid of the caller.
+#define DS4_AO_FILL_CS()                                                                                   \
+    do {                                                                                                   \
+        if (use_cs)                                                                                        \
+            for (int k = tid - DS4_AO_PTRS; k >= 0 && k < n * nh2; k += DS4_AO_THREADS - DS4_AO_PTRS) {      \
+                double theta = ds4_mod_2pi((double)(t0 + k / nh2) * freqs[k % nh2]);                       \
+                cs_s[k] = make_float2((float)cos(theta), (float)sin(theta));                               \
+            }                                                                                              \
+    } while (0)
+
+#if DS4_AOT_HAVE
+// Part phase on tensor cores (mma.sync m16n8k16, f16 in, f32 accumulate), hd == 512: the same
+// contract as the f32 loop (partials o, m, z of the CTA's 16 heads over rows jb..je).
+// Tiles of DS4_AOT_R = 16 rows, each stored in shared memory as f16 hi = f16(v) and lo =
+// f16(v − hi) (~22 bits of the f32 row: rows need not be f16-exact). Warp w owns head-dim columns
+// [64w, 64w + 64): its Q fragments (hi and lo, 32 registers) are loaded once; per tile it computes
+// its partial S (16 heads × 16 rows) as Qhi·Khi + Qlo·Khi + Qhi·Klo (the lo·lo term, ~2^-22, is
+// dropped), the 8 partials go through shared memory (ws_s: the merge's weights, free until the
+// barrier) and thread (head tid/16, row tid%16) adds them in warp order, runs the online softmax
+// and stores p as f16 hi/lo; then each warp accumulates O (16 heads × its 64 columns, 32 f32 a
+// lane) += Phi·Vhi + Plo·Vhi + Phi·Vlo. Fragments (PTX m16n8k16, g = lane/4, t = lane%4): A a0
+// (row g, k 2t..2t+1), a1 (g+8), a2 (g, k+8), a3 (g+8, k+8); B b0 (k 2t.., col g), b1 (k+8); C
+// c0,c1 (row g, cols 2t, 2t+1), c2,c3 (row g+8). Rows of A / C are heads.
+template <bool PROBE>
+__device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsigned char* tile_s, u16* pt_s, float* ws_s,
+                                               const float** ptr_s, float* m_s, float* z_s, float* cf_s, float2* cs_s,
+                                               bool use_cs, int i, int s, int h0, int nhg, long long first, int nwin,
+                                               int nsel, long long jb, long long je, const int* seli) {
+    constexpr int HD = DS4_AP_MAXHD, LD = DS4_AOT_LD, RT = DS4_AOT_R;
+    constexpr int LDT = RT * HD / 4 / DS4_AO_THREADS; // float4 loads per thread per tile (8)
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int c0 = w * 64, nh2 = n_rot / 2;
+    u16* th = (u16*)tile_s; // hi plane [RT][LD]
+    u16* tl = th + RT * LD; // lo plane
+    u16* ph_s = pt_s;       // P hi [HG][PLD]
+    u16* pl_s = pt_s + DS4_AO_HG * DS4_AOT_PLD;
+    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the group's heads).
+    u32 qh[4][4], ql[4][4];
+    {
+        const float* qa = q + ((size_t)i * heads + h0 + g) * HD + c0 + 2 * tq;
+        const float* qb = qa + (size_t)8 * HD;
+        const bool va = g < nhg, vb = g + 8 < nhg;
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            const float2 z2 = make_float2(0.0f, 0.0f);
+            float2 a0 = va ? *(const float2*)(qa + 16 * ks) : z2;
+            float2 a1 = vb ? *(const float2*)(qb + 16 * ks) : z2;
+            float2 a2 = va ? *(const float2*)(qa + 16 * ks + 8) : z2;
+            float2 a3 = vb ? *(const float2*)(qb + 16 * ks + 8) : z2;
+            ds4_f16x2_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
+            ds4_f16x2_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
+            ds4_f16x2_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
+            ds4_f16x2_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
+        }
+    }
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    if (tid < DS4_AO_HG) {
+        m_s[tid] = DS4_NEG_INF;
+        z_s[tid] = 0.0f;
+    }
+    DS4_AO_FILL_CS(); // after the query loads are issued
+    const int mi = lane >> 3, rr = lane & 7;
+    float4 nx[LDT];
+    for (long long b0 = jb; b0 < je; b0 += DS4_AO_PTRS) {
+        const int cn = (int)(je - b0 < DS4_AO_PTRS ? je - b0 : DS4_AO_PTRS);
+        if (b0 != jb) __syncthreads(); // the previous block's rows are no longer read
+        if (tid < DS4_AO_PTRS)
+            ptr_s[tid] = tid < cn ? ds4_ap_row(b0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
+        __syncthreads();
+        if (b0 == jb) DS4_AO_STAMP(1);
+        // Loads of the tile starting at ptr_s[r0]: element k = row·128 + float4 column (absent rows: zeros).
+#define DS4_AOT_FETCH(r0)                                                                                  \
+    _Pragma("unroll") for (int u = 0; u < LDT; u++) {                                                      \
+        const int k = tid + u * DS4_AO_THREADS, r = (r0) + (k >> 7);                                       \
+        nx[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);                                                       \
+        if (r < cn) {                                                                                      \
+            const float* row = ptr_s[r];                                                                   \
+            if (row) nx[u] = ((const float4*)row)[k & 127];                                                \
+        }                                                                                                  \
+    }
+        DS4_AOT_FETCH(0)
+        for (int r0 = 0; r0 < cn; r0 += RT) {
+            __syncthreads(); // the last tile's products are done
+#pragma unroll
+            for (int u = 0; u < LDT; u++) {
+                const int k = tid + u * DS4_AO_THREADS, o = (k >> 7) * LD + 4 * (k & 127);
+                u32 h01, l01, h23, l23;
+                ds4_f16x2_split(nx[u].x, nx[u].y, h01, l01);
+                ds4_f16x2_split(nx[u].z, nx[u].w, h23, l23);
+                *(uint2*)(th + o) = make_uint2(h01, h23);
+                *(uint2*)(tl + o) = make_uint2(l01, l23);
+            }
+            __syncthreads();
+            if (b0 == jb && r0 == 0) DS4_AO_STAMP(2);
+            if (r0 + RT < cn) DS4_AOT_FETCH(r0 + RT)
+            // Partial S over this warp's columns: n-tiles of rows 0..7 and 8..15; ldmatrix.x4 gives
+            // b0, b1 of both for one k-step.
+            float sc[2][4];
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++) {
+                const int o = (rr + 8 * (mi >> 1)) * LD + c0 + 16 * ks + 8 * (mi & 1);
+                u32 bh[4], bl[4];
+                ds4_ldm4(bh, th + o);
+                ds4_ldm4(bl, tl + o);
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    ds4_mma_f16(sc[nt], qh[ks], bh[2 * nt], bh[2 * nt + 1]);
+                    ds4_mma_f16(sc[nt], ql[ks], bh[2 * nt], bh[2 * nt + 1]);
+                    ds4_mma_f16(sc[nt], qh[ks], bl[2 * nt], bl[2 * nt + 1]);
+                }
+            }
+            // ws_s [warp][head][row]
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                *(float2*)(ws_s + w * 256 + g * 16 + 8 * nt + 2 * tq) = make_float2(sc[nt][0], sc[nt][1]);
+                *(float2*)(ws_s + w * 256 + (g + 8) * 16 + 8 * nt + 2 * tq) = make_float2(sc[nt][2], sc[nt][3]);
+            }
+            __syncthreads();
+            // Online softmax: thread (head tid / 16, row tid % 16); a head's 16 rows in 16 lanes.
+            {
+                const int h = tid >> 4, r = tid & 15;
+                float a = ws_s[tid];
+#pragma unroll
+                for (int x = 1; x < 8; x++) a += ws_s[x * 256 + tid];
+                const bool ok = r0 + r < cn && ptr_s[r0 + r] != 0;
+                const float sv = ok ? a * scale : DS4_NEG_INF;
+                float tm = fmaxf(sv, ds4_shfl_xor(sv, 8));
+                tm = fmaxf(tm, ds4_shfl_xor(tm, 4));
+                tm = fmaxf(tm, ds4_shfl_xor(tm, 2));
+                tm = fmaxf(tm, ds4_shfl_xor(tm, 1));
+                const float mo = m_s[h], mn = fmaxf(mo, tm);
+                const float cf = mo == mn ? 1.0f : expf(mo - mn); // also −inf == −inf
+                const float p = ok ? expf(sv - mn) : 0.0f;
+                float zs = p + ds4_shfl_xor(p, 8);
+                zs += ds4_shfl_xor(zs, 4);
+                zs += ds4_shfl_xor(zs, 2);
+                zs += ds4_shfl_xor(zs, 1);
+                const float pn = ds4_shfl_xor(p, 1);
+                if ((r & 1) == 0) {
+                    u32 hi, lo;
+                    ds4_f16x2_split(p, pn, hi, lo);
+                    *(u32*)(ph_s + h * DS4_AOT_PLD + r) = hi;
+                    *(u32*)(pl_s + h * DS4_AOT_PLD + r) = lo;
+                }
+                if (r == 0) {
+                    m_s[h] = mn;
+                    z_s[h] = z_s[h] * cf + zs;
+                    cf_s[h] = cf;
+                }
+            }
+            __syncthreads();
+            // O = O·cf + P·V over this warp's 64 columns (8 n-tiles); ldmatrix.x4.trans gives b0, b1
+            // of two n-tiles.
+            {
+                const float ca = cf_s[g], cb = cf_s[g + 8];
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++) {
+                    acc[nt][0] *= ca;
+                    acc[nt][1] *= ca;
+                    acc[nt][2] *= cb;
+                    acc[nt][3] *= cb;
+                }
+                u32 pa[4], pb[4]; // A fragments of P hi, lo: matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15)
+                const int po = (rr + 8 * (mi & 1)) * DS4_AOT_PLD + 8 * (mi >> 1);
+                ds4_ldm4(pa, ph_s + po);
+                ds4_ldm4(pb, pl_s + po);
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    const int o = (rr + 8 * (mi & 1)) * LD + c0 + 16 * np + 8 * (mi >> 1);
+                    u32 bh[4], bl[4];
+                    ds4_ldm4_t(bh, th + o);
+                    ds4_ldm4_t(bl, tl + o);
+#pragma unroll
+                    for (int x = 0; x < 2; x++) {
+                        ds4_mma_f16(acc[2 * np + x], pa, bh[2 * x], bh[2 * x + 1]);
+                        ds4_mma_f16(acc[2 * np + x], pb, bh[2 * x], bh[2 * x + 1]);
+                        ds4_mma_f16(acc[2 * np + x], pa, bl[2 * x], bl[2 * x + 1]);
+                    }
+                }
+            }
+        }
+#undef DS4_AOT_FETCH
+    }
+    __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
+    DS4_AO_STAMP(3);
+    const size_t base = ((size_t)i * splits + s) * heads + h0;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        const int col = c0 + 8 * nt + 2 * tq;
+        if (g < nhg) *(float2*)(part_o + (base + g) * HD + col) = make_float2(acc[nt][0], acc[nt][1]);
+        if (g + 8 < nhg) *(float2*)(part_o + (base + g + 8) * HD + col) = make_float2(acc[nt][2], acc[nt][3]);
+    }
+    if (tid < nhg) {
+        part_mz[(base + tid) * 2] = m_s[tid];
+        part_mz[(base + tid) * 2 + 1] = z_s[tid];
+    }
+}
+#endif
+
+template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
+    // The tile: f32 [R][hd] (16 KiB), or (TC) f16 hi then lo [DS4_AOT_R][DS4_AOT_LD] (32.5 KiB).
+    __shared__ __align__(16) unsigned char tile_s[TC ? DS4_AOT_TILE : DS4_AO_R * DS4_AP_MAXHD * 4];
+    float4* rows_s4 = (float4*)tile_s;
+    __shared__ __align__(16) u16 pt_s[TC ? 2 * DS4_AO_HG * DS4_AOT_PLD : 8]; // (TC) P hi, lo [HG][PLD]
     __shared__ float sp_s[2][DS4_AO_HG][DS4_AO_R];           // half-width scores
     __shared__ float4 p_s4[DS4_AO_HG][DS4_AO_R / 4];         // exp weights [HG][R]
     __shared__ float m_s[DS4_AO_HG], z_s[DS4_AO_HG], cf_s[DS4_AO_HG];
@@ -1673,25 +1892,16 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
     t0 = DS4_POS(sp, t0);
     const int nh2 = n_rot / 2;
     const bool use_cs = n * nh2 <= DS4_AO_NCS;
-    // Threads 64.. fill cs_s (ds4_rope_pair's angle, ds4_mod_2pi: fmod's value, and roundings)
-    // while 0..63 list the first row pointers (the first block skips the barrier before that).
-#define DS4_AO_FILL_CS()                                                                                   \
-    do {                                                                                                   \
-        if (use_cs)                                                                                        \
-            for (int k = tid - DS4_AO_PTRS; k >= 0 && k < n * nh2; k += DS4_AO_THREADS - DS4_AO_PTRS) {      \
-                double theta = ds4_mod_2pi((double)(t0 + k / nh2) * freqs[k % nh2]);                       \
-                cs_s[k] = make_float2((float)cos(theta), (float)sin(theta));                               \
-            }                                                                                              \
-    } while (0)
     if (chunk == 0) { // attn.rs `candidates` and `attend_one`, splits = the most
+        const long long RT = TC ? DS4_AOT_R : DS4_AO_R; // chunks are whole tiles
         const long long tl = t0 + n - 1;
         const long long mc = (tl + 1 < win ? tl + 1 : win) + (sel ? top_k : 0) + ((sel == 0 && ratio > 0) ? (tl + 1) / ratio : 0);
-        long long sp1 = (mc + DS4_AO_R - 1) / DS4_AO_R;
+        long long sp1 = (mc + RT - 1) / RT;
         sp1 = sp1 < splits ? sp1 : splits;
         sp1 = sp1 > 1 ? sp1 : 1;
         long long ch = (mc + sp1 - 1) / sp1;
-        ch = (ch + DS4_AO_R - 1) / DS4_AO_R * DS4_AO_R;
-        ch = ch > DS4_AO_R ? ch : DS4_AO_R;
+        ch = (ch + RT - 1) / RT * RT;
+        ch = ch > RT ? ch : RT;
         long long s2 = (mc + ch - 1) / ch;
         chunk = (int)ch;
         splits = (int)(s2 > 1 ? s2 : 1);
@@ -1710,6 +1920,12 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
         const long long jb = (long long)s * chunk;
         const long long je = jb + chunk < ncand ? jb + chunk : ncand;
         const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+        if (TC) {
+#if DS4_AOT_HAVE
+            ds4_ao_part_tc<PROBE>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
+                                  i, s, h0, nhg, first, nwin, nsel, jb, je, seli);
+#endif
+        } else {
         const int hq = vw >> 1, half = vw & 1;
         int f[2];
         bool fv[2];
@@ -1859,10 +2075,10 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
             part_mz[(base + tid) * 2] = m_s[tid];
             part_mz[(base + tid) * 2 + 1] = z_s[tid];
         }
+        } // !TC
     } else {
         DS4_AO_FILL_CS(); // CTAs past the used splits
     }
-#undef DS4_AO_FILL_CS
     DS4_AO_STAMP(4);
     const u32 total = gridDim.x;
     ds4_ao_grid_flip(tk, total);
@@ -1955,7 +2171,12 @@ template <bool PROBE> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARA
     DS4_AO_STAMP(7);
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_f32(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, false>(DS4_AO_ARGS, (u64*)0); }
 
 // Probe of attend_one_f32 (crates/ds4-gpu/examples/attn_bench.rs): the same plus stamps.
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true>(DS4_AO_ARGS, stamps); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, false>(DS4_AO_ARGS, stamps); }
+
+// The tile loop on tensor cores (ds4_ao_part_tc): CUDA sm_80+, hd == 512, 32-lane warps (the host
+// checks; elsewhere the part phase is empty and the host keeps attend_one_f32). attend_one_tcp: its probe.
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tcp(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true>(DS4_AO_ARGS, stamps); }

@@ -26,6 +26,8 @@ pub const ATTENTION: Module = Module {
         "attend_combine_f32",
         "attend_one_f32",
         "attend_one_p",
+        "attend_one_tc",
+        "attend_one_tcp",
         "ring_store_f32",
     ],
 };

@@ -6,7 +6,7 @@ use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
 use ds4_kernels::{ATTENTION, ATTN_TC};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 /// Most score values the indexer keeps at once (tokens are batched under this).
 const INDEX_SCORE_BUDGET: usize = 1 << 26;
@@ -30,6 +30,8 @@ const IXH_R: usize = 32;
 /// launch, graph replays included: attention.cu `ds4_ao_grid_flip`). The word after it is spare.
 const AO_HG: usize = 16;
 const AO_R: usize = 8;
+/// Rows per tile of the tensor-core form `attend_one_tc` (`DS4_AOT_R`; head width 512 only).
+const AOT_R: usize = 16;
 const AO_MAX_N: usize = 8;
 pub(crate) const AO_TICKET: usize = 64;
 const _: () =
@@ -37,14 +39,32 @@ const _: () =
 
 /// Attention kernels: 0 not yet read from `DS4_GPU_ATTN`, 1 simple (`attend_f32`, one CTA per
 /// head and token), 2 split (`attend_part_f32` + `attend_combine_f32`), 3 one launch for decode
-/// (`attend_one_f32` for chunks of up to `AO_MAX_N` tokens, else split; the default).
+/// (`attend_one_f32` for chunks of up to `AO_MAX_N` tokens, else split; the default; its tile
+/// loop on tensor cores, `attend_one_tc`, where the device has them and the head width is 512),
+/// 4 the same with the f32 tile loop everywhere (`DS4_GPU_ATTN=one-f32`).
 static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
+/// Most row splits of the one-launch decode attention (`DS4_GPU_AO_SPLITS`; 0 not yet read,
+/// `usize::MAX` no cap): fewer, longer splits make the merge smaller.
+static AO_SPLITS: AtomicUsize = AtomicUsize::new(0);
+
+fn ao_splits_cap() -> usize {
+    if AO_SPLITS.load(Ordering::Relaxed) == 0 {
+        let m = std::env::var("DS4_GPU_AO_SPLITS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(usize::MAX);
+        let _ = AO_SPLITS.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    AO_SPLITS.load(Ordering::Relaxed)
+}
 
 fn attn_mode() -> u8 {
     if ATTN_MODE.load(Ordering::Relaxed) == 0 {
         let m = match std::env::var("DS4_GPU_ATTN").as_deref() {
             Ok("simple") => 1,
             Ok("split") => 2,
+            Ok("one-f32") => 4,
             _ => 3,
         };
         let _ = ATTN_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
@@ -238,12 +258,13 @@ impl GpuBackend {
     }
 
     /// Attention form by name, as `DS4_GPU_ATTN`: `simple`, `split` (two launches at decode),
-    /// `one` (one launch at decode, the default); process-wide. For tests and
-    /// benchmarks.
+    /// `one` (one launch at decode, the default: its tile loop on tensor cores where it can),
+    /// `one-f32` (one launch, the f32 tile loop); process-wide. For tests and benchmarks.
     pub fn set_attn_form(form: &str) {
         let m = match form {
             "simple" => 1,
             "split" => 2,
+            "one-f32" => 4,
             _ => 3,
         };
         ATTN_MODE.store(m, Ordering::Relaxed);
@@ -1047,10 +1068,20 @@ impl GpuBackend {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let (top_k, max_cand) = candidates(spec, sel.is_some(), n, t0);
         let per_split = n * nh.div_ceil(AO_HG);
-        // As many splits as fit one CTA per SM, each a whole number of tiles.
-        let most = (self.gpu.info().sm_count as usize / per_split).clamp(1, AP_MAXSPLIT);
-        let splits = most.min(max_cand.div_ceil(AO_R)).max(1);
-        let chunk = max_cand.div_ceil(splits).next_multiple_of(AO_R).max(AO_R);
+        let info = self.gpu.info();
+        // The tile loop on tensor cores: CUDA sm_80+, 32-lane warps, head width 512.
+        let tc = attn_mode() == 3 && info.cc.0 >= 8 && info.warp == 32 && hd == AP_MAXHD;
+        let (kname, r) = if tc {
+            ("attend_one_tc", AOT_R)
+        } else {
+            ("attend_one_f32", AO_R)
+        };
+        // As many splits as fit one CTA per SM (or the cap), each a whole number of tiles.
+        let most = (info.sm_count as usize / per_split)
+            .min(ao_splits_cap())
+            .clamp(1, AP_MAXSPLIT);
+        let splits = most.min(max_cand.div_ceil(r)).max(1);
+        let chunk = max_cand.div_ceil(splits).next_multiple_of(r).max(r);
         let splits = max_cand.div_ceil(chunk).max(1);
         if chunk > i32::MAX as usize {
             return self.attn_invalid(format!("attend: {max_cand} candidate rows"));
@@ -1067,7 +1098,7 @@ impl GpuBackend {
         let part_mz = self.scratch(n * grid_splits * nh * 2);
         self.run(
             &ATTENTION,
-            "attend_one_f32",
+            kname,
             LaunchDims::linear((per_split * grid_splits) as u32, 256),
             &[
                 Arg::Ptr(q.ptr),
