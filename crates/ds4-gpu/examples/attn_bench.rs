@@ -76,10 +76,8 @@ fn main() {
     // (label, timed kernel, probe kernel, rows per tile, most splits)
     let forms = [
         ("f32", "attend_one_f32", "attend_one_p", 8usize, 256usize),
+        ("tc0", "attend_one_tc0", "attend_one_tc0p", 16, 256),
         ("tc", "attend_one_tc", "attend_one_tcp", 16, 256),
-        ("tc s24", "attend_one_tc", "attend_one_tcp", 16, 24),
-        ("tc s16", "attend_one_tc", "attend_one_tcp", 16, 16),
-        ("tc s8", "attend_one_tc", "attend_one_tcp", 16, 8),
     ];
     println!(
         "# columns: us/call, then phase ends (us after the first CTA's start): last CTA start, {}",

@@ -1547,6 +1547,9 @@ DS4_KERNEL void DS4_BOUNDS(256) ring_store_f32(const float* __restrict__ kv, flo
 // columns (32 values), a 5-step reduce-scatter leaves lane vl with value vl, the two halves are
 // added in shared memory, 128 threads run the online softmax (8 lanes per head), and each group
 // accumulates p·row for its 4 heads × its columns (the same layout as its queries).
+// attend_one_tc (CUDA sm_80+, hd 512): the same phases with the tile loop on tensor cores
+// (ds4_ao_part_tc below: tiles of 16 rows as f16 hi/lo, S and O by mma.sync); the partials'
+// layout is the same, so the barrier, the merge and the ring store are shared.
 //
 // Combine phase: one 32-lane group per (token, head, 128 columns), unit u on warp u / grid of
 // CTA u % grid (every CTA loads a share of the partials: 1.3 us a call less than the first
@@ -1695,7 +1698,7 @@ __device__ __forceinline__ u64 ds4_ao_now() {
 // lane) += Phi·Vhi + Plo·Vhi + Phi·Vlo. Fragments (PTX m16n8k16, g = lane/4, t = lane%4): A a0
 // (row g, k 2t..2t+1), a1 (g+8), a2 (g, k+8), a3 (g+8, k+8); B b0 (k 2t.., col g), b1 (k+8); C
 // c0,c1 (row g, cols 2t, 2t+1), c2,c3 (row g+8). Rows of A / C are heads.
-template <bool PROBE>
+template <bool PROBE, int V>
 __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsigned char* tile_s, u16* pt_s, float* ws_s,
                                                const float** ptr_s, float* m_s, float* z_s, float* cf_s, float2* cs_s,
                                                bool use_cs, int i, int s, int h0, int nhg, long long first, int nwin,
@@ -1708,24 +1711,29 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
     u16* tl = th + RT * LD; // lo plane
     u16* ph_s = pt_s;       // P hi [HG][PLD]
     u16* pl_s = pt_s + DS4_AO_HG * DS4_AOT_PLD;
-    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the group's heads).
+    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the group's heads):
+    // loaded here, split into hi/lo once the first row pointers are listed (V 0: here, which
+    // holds threads 0..63's pointer listing until the loads arrive).
     u32 qh[4][4], ql[4][4];
+    float2 qr[4][4];
     {
         const float* qa = q + ((size_t)i * heads + h0 + g) * HD + c0 + 2 * tq;
         const float* qb = qa + (size_t)8 * HD;
         const bool va = g < nhg, vb = g + 8 < nhg;
+        const float2 z2 = make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {
-            const float2 z2 = make_float2(0.0f, 0.0f);
-            float2 a0 = va ? *(const float2*)(qa + 16 * ks) : z2;
-            float2 a1 = vb ? *(const float2*)(qb + 16 * ks) : z2;
-            float2 a2 = va ? *(const float2*)(qa + 16 * ks + 8) : z2;
-            float2 a3 = vb ? *(const float2*)(qb + 16 * ks + 8) : z2;
-            ds4_f16x2_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
-            ds4_f16x2_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
-            ds4_f16x2_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
-            ds4_f16x2_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
+            qr[ks][0] = va ? *(const float2*)(qa + 16 * ks) : z2;
+            qr[ks][1] = vb ? *(const float2*)(qb + 16 * ks) : z2;
+            qr[ks][2] = va ? *(const float2*)(qa + 16 * ks + 8) : z2;
+            qr[ks][3] = vb ? *(const float2*)(qb + 16 * ks + 8) : z2;
         }
+    }
+#define DS4_AOT_QSPLIT()                                                                                   \
+    _Pragma("unroll") for (int ks = 0; ks < 4; ks++) _Pragma("unroll") for (int x = 0; x < 4; x++)       \
+        ds4_f16x2_split(qr[ks][x].x, qr[ks][x].y, qh[ks][x], ql[ks][x]);
+    if (V == 0) {
+        DS4_AOT_QSPLIT()
     }
     float acc[8][4];
 #pragma unroll
@@ -1744,6 +1752,9 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
             ptr_s[tid] = tid < cn ? ds4_ap_row(b0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
         __syncthreads();
         if (b0 == jb) DS4_AO_STAMP(1);
+        if (V != 0 && b0 == jb) {
+            DS4_AOT_QSPLIT()
+        }
         // Loads of the tile starting at ptr_s[r0]: element k = row·128 + float4 column (absent rows: zeros).
 #define DS4_AOT_FETCH(r0)                                                                                  \
     _Pragma("unroll") for (int u = 0; u < LDT; u++) {                                                      \
@@ -1768,30 +1779,42 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
             }
             __syncthreads();
             if (b0 == jb && r0 == 0) DS4_AO_STAMP(2);
-            if (r0 + RT < cn) DS4_AOT_FETCH(r0 + RT)
+            if (r0 + RT < cn) {
+                DS4_AOT_FETCH(r0 + RT)
+            }
             // Partial S over this warp's columns: n-tiles of rows 0..7 and 8..15; ldmatrix.x4 gives
-            // b0, b1 of both for one k-step.
-            float sc[2][4];
+            // b0, b1 of both for one k-step. V 1: even and odd k-steps in two accumulator sets
+            // (chains of 6 dependent mma instead of 12), added at the end.
+            float sc[2][2][4];
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+            for (int e = 0; e < 2; e++)
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) sc[e][nt][0] = sc[e][nt][1] = sc[e][nt][2] = sc[e][nt][3] = 0.0f;
 #pragma unroll
             for (int ks = 0; ks < 4; ks++) {
                 const int o = (rr + 8 * (mi >> 1)) * LD + c0 + 16 * ks + 8 * (mi & 1);
+                const int e = V != 0 ? ks & 1 : 0;
                 u32 bh[4], bl[4];
                 ds4_ldm4(bh, th + o);
                 ds4_ldm4(bl, tl + o);
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++) {
-                    ds4_mma_f16(sc[nt], qh[ks], bh[2 * nt], bh[2 * nt + 1]);
-                    ds4_mma_f16(sc[nt], ql[ks], bh[2 * nt], bh[2 * nt + 1]);
-                    ds4_mma_f16(sc[nt], qh[ks], bl[2 * nt], bl[2 * nt + 1]);
+                    ds4_mma_f16(sc[e][nt], qh[ks], bh[2 * nt], bh[2 * nt + 1]);
+                    ds4_mma_f16(sc[e][nt], ql[ks], bh[2 * nt], bh[2 * nt + 1]);
+                    ds4_mma_f16(sc[e][nt], qh[ks], bl[2 * nt], bl[2 * nt + 1]);
                 }
+            }
+            if (V != 0) {
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) sc[0][nt][c] += sc[1][nt][c];
             }
             // ws_s [warp][head][row]
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
-                *(float2*)(ws_s + w * 256 + g * 16 + 8 * nt + 2 * tq) = make_float2(sc[nt][0], sc[nt][1]);
-                *(float2*)(ws_s + w * 256 + (g + 8) * 16 + 8 * nt + 2 * tq) = make_float2(sc[nt][2], sc[nt][3]);
+                *(float2*)(ws_s + w * 256 + g * 16 + 8 * nt + 2 * tq) = make_float2(sc[0][nt][0], sc[0][nt][1]);
+                *(float2*)(ws_s + w * 256 + (g + 8) * 16 + 8 * nt + 2 * tq) = make_float2(sc[0][nt][2], sc[0][nt][3]);
             }
             __syncthreads();
             // Online softmax: thread (head tid / 16, row tid % 16); a head's 16 rows in 16 lanes.
@@ -1859,6 +1882,7 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
         }
 #undef DS4_AOT_FETCH
     }
+#undef DS4_AOT_QSPLIT
     __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
     DS4_AO_STAMP(3);
     const size_t base = ((size_t)i * splits + s) * heads + h0;
@@ -1875,7 +1899,7 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
 }
 #endif
 
-template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
+template <bool PROBE, bool TC, int V = 1> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     // The tile: f32 [R][hd] (16 KiB), or (TC) f16 hi then lo [DS4_AOT_R][DS4_AOT_LD] (32.5 KiB).
     __shared__ __align__(16) unsigned char tile_s[TC ? DS4_AOT_TILE : DS4_AO_R * DS4_AP_MAXHD * 4];
     float4* rows_s4 = (float4*)tile_s;
@@ -1922,44 +1946,44 @@ template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS
         const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
         if (TC) {
 #if DS4_AOT_HAVE
-            ds4_ao_part_tc<PROBE>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
+            ds4_ao_part_tc<PROBE, V>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
                                   i, s, h0, nhg, first, nwin, nsel, jb, je, seli);
 #endif
         } else {
-        const int hq = vw >> 1, half = vw & 1;
-        int f[2];
-        bool fv[2];
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            f[k] = half * 64 + vl + 32 * k;
-            fv[k] = f[k] < hd4;
-        }
-        // This group's 4 queries at its columns (zeros past the heads or the width).
-        float4 qv[4][2], acc[4][2];
-        const float4* q4 = (const float4*)q;
-#pragma unroll
-        for (int hh = 0; hh < 4; hh++) {
-            int h = hq * 4 + hh;
+            const int hq = vw >> 1, half = vw & 1;
+            int f[2];
+            bool fv[2];
 #pragma unroll
             for (int k = 0; k < 2; k++) {
-                qv[hh][k] = (h < nhg && fv[k]) ? q4[((size_t)i * heads + h0 + h) * hd4 + f[k]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                acc[hh][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                f[k] = half * 64 + vl + 32 * k;
+                fv[k] = f[k] < hd4;
             }
-        }
-        if (tid < DS4_AO_HG) {
-            m_s[tid] = DS4_NEG_INF;
-            z_s[tid] = 0.0f;
-        }
-        DS4_AO_FILL_CS(); // after the query loads are issued
-        float4 nx[DS4_AO_LD];
-        for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
-            const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
-            if (c0 != jb) __syncthreads(); // the previous block's rows are no longer read
-            if (tid < DS4_AO_PTRS)
-                ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
-            __syncthreads();
-            if (c0 == jb) DS4_AO_STAMP(1);
-            // Loads of the tile starting at ptr_s[r0] (absent rows: zeros).
+            // This group's 4 queries at its columns (zeros past the heads or the width).
+            float4 qv[4][2], acc[4][2];
+            const float4* q4 = (const float4*)q;
+#pragma unroll
+            for (int hh = 0; hh < 4; hh++) {
+                int h = hq * 4 + hh;
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    qv[hh][k] = (h < nhg && fv[k]) ? q4[((size_t)i * heads + h0 + h) * hd4 + f[k]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    acc[hh][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+            }
+            if (tid < DS4_AO_HG) {
+                m_s[tid] = DS4_NEG_INF;
+                z_s[tid] = 0.0f;
+            }
+            DS4_AO_FILL_CS(); // after the query loads are issued
+            float4 nx[DS4_AO_LD];
+            for (long long c0 = jb; c0 < je; c0 += DS4_AO_PTRS) {
+                const int cn = (int)(je - c0 < DS4_AO_PTRS ? je - c0 : DS4_AO_PTRS);
+                if (c0 != jb) __syncthreads(); // the previous block's rows are no longer read
+                if (tid < DS4_AO_PTRS)
+                    ptr_s[tid] = tid < cn ? ds4_ap_row(c0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
+                __syncthreads();
+                if (c0 == jb) DS4_AO_STAMP(1);
+                // Loads of the tile starting at ptr_s[r0] (absent rows: zeros).
 #define DS4_AO_FETCH(dst, r0)                                                                              \
     _Pragma("unroll") for (int u = 0; u < DS4_AO_LD; u++) {                                                \
         int k = tid + u * DS4_AO_THREADS, rr = (r0) + k / hd4;                                             \
@@ -1969,113 +1993,113 @@ template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS
             if (row) dst[u] = ((const float4*)row)[k % hd4];                                               \
         }                                                                                                  \
     }
-            DS4_AO_FETCH(nx, 0)
-            for (int r0 = 0; r0 < cn; r0 += DS4_AO_R) {
-                __syncthreads(); // the last tile's products are done
+                DS4_AO_FETCH(nx, 0)
+                for (int r0 = 0; r0 < cn; r0 += DS4_AO_R) {
+                    __syncthreads(); // the last tile's products are done
 #pragma unroll
-                for (int u = 0; u < DS4_AO_LD; u++) {
-                    int k = tid + u * DS4_AO_THREADS;
-                    if (k < DS4_AO_R * hd4) rows_s4[k] = nx[u];
-                }
-                __syncthreads();
-                if (c0 == jb && r0 == 0) DS4_AO_STAMP(2);
-                if (r0 + DS4_AO_R < cn) DS4_AO_FETCH(nx, r0 + DS4_AO_R)
-                // Partial scores: v[hh·R + r] over this lane's columns.
-                float v[4 * DS4_AO_R];
-#pragma unroll
-                for (int r = 0; r < DS4_AO_R; r++) {
-                    float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                    for (int hh = 0; hh < 4; hh++) v[hh * DS4_AO_R + r] = ds4_dot4(qv[hh][0], x0) + ds4_dot4(qv[hh][1], x1);
-                }
-#if DS4_AO_R != 8
-#error "the reduce-scatter below spreads 4 heads x 8 rows = 32 values over 32 lanes"
-#endif
-                DS4_AO_RS(16, 32)
-                DS4_AO_RS(8, 16)
-                DS4_AO_RS(4, 8)
-                DS4_AO_RS(2, 4)
-                DS4_AO_RS(1, 2)
-                sp_s[half][hq * 4 + (vl >> 3)][vl & 7] = v[0]; // lane vl holds value vl
-                __syncthreads();
-                // Online softmax: thread (head tid / 8, row tid % 8).
-                if (tid < DS4_AO_HG * DS4_AO_R) {
-                    int h = tid >> 3, r = tid & 7;
-                    bool ok = r0 + r < cn && ptr_s[r0 + r] != 0;
-                    float sc = ok ? (sp_s[0][h][r] + sp_s[1][h][r]) * scale : DS4_NEG_INF;
-                    float tm = fmaxf(sc, ds4_shfl_xor(sc, 4));
-                    tm = fmaxf(tm, ds4_shfl_xor(tm, 2));
-                    tm = fmaxf(tm, ds4_shfl_xor(tm, 1));
-                    float mo = m_s[h], mn = fmaxf(mo, tm);
-                    float cf = mo == mn ? 1.0f : expf(mo - mn); // also −inf == −inf
-                    float p = ok ? expf(sc - mn) : 0.0f;
-                    float zs = p + ds4_shfl_xor(p, 4);
-                    zs += ds4_shfl_xor(zs, 2);
-                    zs += ds4_shfl_xor(zs, 1);
-                    ((float*)p_s4)[h * DS4_AO_R + r] = p;
-                    if (r == 0) {
-                        m_s[h] = mn;
-                        z_s[h] = z_s[h] * cf + zs;
-                        cf_s[h] = cf;
+                    for (int u = 0; u < DS4_AO_LD; u++) {
+                        int k = tid + u * DS4_AO_THREADS;
+                        if (k < DS4_AO_R * hd4) rows_s4[k] = nx[u];
                     }
-                }
-                __syncthreads();
-                // acc = acc·cf + Σ_r p_r·row_r for the group's 4 heads at its columns.
+                    __syncthreads();
+                    if (c0 == jb && r0 == 0) DS4_AO_STAMP(2);
+                    if (r0 + DS4_AO_R < cn) DS4_AO_FETCH(nx, r0 + DS4_AO_R)
+                    // Partial scores: v[hh·R + r] over this lane's columns.
+                    float v[4 * DS4_AO_R];
 #pragma unroll
-                for (int hh = 0; hh < 4; hh++) {
-                    float cf = cf_s[hq * 4 + hh];
-#pragma unroll
-                    for (int k = 0; k < 2; k++) {
-                        acc[hh][k].x *= cf;
-                        acc[hh][k].y *= cf;
-                        acc[hh][k].z *= cf;
-                        acc[hh][k].w *= cf;
-                    }
-                }
-#pragma unroll
-                for (int r4 = 0; r4 < DS4_AO_R / 4; r4++) {
-                    float4 pr[4];
-#pragma unroll
-                    for (int hh = 0; hh < 4; hh++) pr[hh] = p_s4[hq * 4 + hh][r4];
-#pragma unroll
-                    for (int rq = 0; rq < 4; rq++) {
-                        int r = r4 * 4 + rq;
+                    for (int r = 0; r < DS4_AO_R; r++) {
                         float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                        for (int hh = 0; hh < 4; hh++) {
-                            float p = rq == 0 ? pr[hh].x : rq == 1 ? pr[hh].y : rq == 2 ? pr[hh].z : pr[hh].w;
-                            acc[hh][0].x += p * x0.x;
-                            acc[hh][0].y += p * x0.y;
-                            acc[hh][0].z += p * x0.z;
-                            acc[hh][0].w += p * x0.w;
-                            acc[hh][1].x += p * x1.x;
-                            acc[hh][1].y += p * x1.y;
-                            acc[hh][1].z += p * x1.z;
-                            acc[hh][1].w += p * x1.w;
+                        for (int hh = 0; hh < 4; hh++) v[hh * DS4_AO_R + r] = ds4_dot4(qv[hh][0], x0) + ds4_dot4(qv[hh][1], x1);
+                    }
+#if DS4_AO_R != 8
+#error "the reduce-scatter below spreads 4 heads x 8 rows = 32 values over 32 lanes"
+#endif
+                    DS4_AO_RS(16, 32)
+                    DS4_AO_RS(8, 16)
+                    DS4_AO_RS(4, 8)
+                    DS4_AO_RS(2, 4)
+                    DS4_AO_RS(1, 2)
+                    sp_s[half][hq * 4 + (vl >> 3)][vl & 7] = v[0]; // lane vl holds value vl
+                    __syncthreads();
+                    // Online softmax: thread (head tid / 8, row tid % 8).
+                    if (tid < DS4_AO_HG * DS4_AO_R) {
+                        int h = tid >> 3, r = tid & 7;
+                        bool ok = r0 + r < cn && ptr_s[r0 + r] != 0;
+                        float sc = ok ? (sp_s[0][h][r] + sp_s[1][h][r]) * scale : DS4_NEG_INF;
+                        float tm = fmaxf(sc, ds4_shfl_xor(sc, 4));
+                        tm = fmaxf(tm, ds4_shfl_xor(tm, 2));
+                        tm = fmaxf(tm, ds4_shfl_xor(tm, 1));
+                        float mo = m_s[h], mn = fmaxf(mo, tm);
+                        float cf = mo == mn ? 1.0f : expf(mo - mn); // also −inf == −inf
+                        float p = ok ? expf(sc - mn) : 0.0f;
+                        float zs = p + ds4_shfl_xor(p, 4);
+                        zs += ds4_shfl_xor(zs, 2);
+                        zs += ds4_shfl_xor(zs, 1);
+                        ((float*)p_s4)[h * DS4_AO_R + r] = p;
+                        if (r == 0) {
+                            m_s[h] = mn;
+                            z_s[h] = z_s[h] * cf + zs;
+                            cf_s[h] = cf;
+                        }
+                    }
+                    __syncthreads();
+                    // acc = acc·cf + Σ_r p_r·row_r for the group's 4 heads at its columns.
+#pragma unroll
+                    for (int hh = 0; hh < 4; hh++) {
+                        float cf = cf_s[hq * 4 + hh];
+#pragma unroll
+                        for (int k = 0; k < 2; k++) {
+                            acc[hh][k].x *= cf;
+                            acc[hh][k].y *= cf;
+                            acc[hh][k].z *= cf;
+                            acc[hh][k].w *= cf;
+                        }
+                    }
+#pragma unroll
+                    for (int r4 = 0; r4 < DS4_AO_R / 4; r4++) {
+                        float4 pr[4];
+#pragma unroll
+                        for (int hh = 0; hh < 4; hh++) pr[hh] = p_s4[hq * 4 + hh][r4];
+#pragma unroll
+                        for (int rq = 0; rq < 4; rq++) {
+                            int r = r4 * 4 + rq;
+                            float4 x0 = fv[0] ? rows_s4[r * hd4 + f[0]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                            float4 x1 = fv[1] ? rows_s4[r * hd4 + f[1]] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                            for (int hh = 0; hh < 4; hh++) {
+                                float p = rq == 0 ? pr[hh].x : rq == 1 ? pr[hh].y : rq == 2 ? pr[hh].z : pr[hh].w;
+                                acc[hh][0].x += p * x0.x;
+                                acc[hh][0].y += p * x0.y;
+                                acc[hh][0].z += p * x0.z;
+                                acc[hh][0].w += p * x0.w;
+                                acc[hh][1].x += p * x1.x;
+                                acc[hh][1].y += p * x1.y;
+                                acc[hh][1].z += p * x1.z;
+                                acc[hh][1].w += p * x1.w;
+                            }
                         }
                     }
                 }
-            }
 #undef DS4_AO_FETCH
-        }
-        __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
-        DS4_AO_STAMP(3);
-        const size_t base = ((size_t)i * splits + s) * heads + h0;
-        float4* po4 = (float4*)part_o;
+            }
+            __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
+            DS4_AO_STAMP(3);
+            const size_t base = ((size_t)i * splits + s) * heads + h0;
+            float4* po4 = (float4*)part_o;
 #pragma unroll
-        for (int hh = 0; hh < 4; hh++) {
-            int h = hq * 4 + hh;
+            for (int hh = 0; hh < 4; hh++) {
+                int h = hq * 4 + hh;
 #pragma unroll
-            for (int k = 0; k < 2; k++)
-                if (h < nhg && fv[k]) po4[(base + h) * hd4 + f[k]] = acc[hh][k];
+                for (int k = 0; k < 2; k++)
+                    if (h < nhg && fv[k]) po4[(base + h) * hd4 + f[k]] = acc[hh][k];
+            }
+            if (tid < nhg) {
+                part_mz[(base + tid) * 2] = m_s[tid];
+                part_mz[(base + tid) * 2 + 1] = z_s[tid];
+            }
         }
-        if (tid < nhg) {
-            part_mz[(base + tid) * 2] = m_s[tid];
-            part_mz[(base + tid) * 2 + 1] = z_s[tid];
-        }
-        } // !TC
     } else {
         DS4_AO_FILL_CS(); // CTAs past the used splits
     }
@@ -2180,3 +2204,6 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_p
 // checks; elsewhere the part phase is empty and the host keeps attend_one_f32). attend_one_tcp: its probe.
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true>(DS4_AO_ARGS, (u64*)0); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tcp(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true>(DS4_AO_ARGS, stamps); }
+// A/B (session 17 run 2): V 0, run 1's form (Q split before the pointer listing, one S chain).
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc0(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 0>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc0p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 0>(DS4_AO_ARGS, stamps); }
