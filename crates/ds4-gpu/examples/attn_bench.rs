@@ -11,7 +11,8 @@
 //! first one's bits (exit 1 if not), and the largest difference of each form's output from the
 //! first form's is printed. A/B forms go in `forms` (session 11's:
 //! bench/results/gpu-attn-a12-h200.txt; session 17's: gpu-attn-a17-h200.txt): the f32 tile
-//! loop, the tile loop on tensor cores (`attend_one_tc`), that with fewer splits (cap).
+//! loop, the tile loop on tensor cores (`attend_one_tc`); the last field of a form caps its
+//! splits (fewer, longer splits: a17's tc s24 / s16 / s8).
 
 mod common;
 
@@ -76,7 +77,6 @@ fn main() {
     // (label, timed kernel, probe kernel, rows per tile, most splits)
     let forms = [
         ("f32", "attend_one_f32", "attend_one_p", 8usize, 256usize),
-        ("tc0", "attend_one_tc0", "attend_one_tc0p", 16, 256),
         ("tc", "attend_one_tc", "attend_one_tcp", 16, 256),
     ];
     println!(

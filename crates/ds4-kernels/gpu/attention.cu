@@ -1698,7 +1698,7 @@ __device__ __forceinline__ u64 ds4_ao_now() {
 // lane) += Phi·Vhi + Plo·Vhi + Phi·Vlo. Fragments (PTX m16n8k16, g = lane/4, t = lane%4): A a0
 // (row g, k 2t..2t+1), a1 (g+8), a2 (g, k+8), a3 (g+8, k+8); B b0 (k 2t.., col g), b1 (k+8); C
 // c0,c1 (row g, cols 2t, 2t+1), c2,c3 (row g+8). Rows of A / C are heads.
-template <bool PROBE, int V>
+template <bool PROBE>
 __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsigned char* tile_s, u16* pt_s, float* ws_s,
                                                const float** ptr_s, float* m_s, float* z_s, float* cf_s, float2* cs_s,
                                                bool use_cs, int i, int s, int h0, int nhg, long long first, int nwin,
@@ -1711,29 +1711,24 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
     u16* tl = th + RT * LD; // lo plane
     u16* ph_s = pt_s;       // P hi [HG][PLD]
     u16* pl_s = pt_s + DS4_AO_HG * DS4_AOT_PLD;
-    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the group's heads):
-    // loaded here, split into hi/lo once the first row pointers are listed (V 0: here, which
-    // holds threads 0..63's pointer listing until the loads arrive).
+    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the group's heads).
     u32 qh[4][4], ql[4][4];
-    float2 qr[4][4];
     {
         const float* qa = q + ((size_t)i * heads + h0 + g) * HD + c0 + 2 * tq;
         const float* qb = qa + (size_t)8 * HD;
         const bool va = g < nhg, vb = g + 8 < nhg;
-        const float2 z2 = make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {
-            qr[ks][0] = va ? *(const float2*)(qa + 16 * ks) : z2;
-            qr[ks][1] = vb ? *(const float2*)(qb + 16 * ks) : z2;
-            qr[ks][2] = va ? *(const float2*)(qa + 16 * ks + 8) : z2;
-            qr[ks][3] = vb ? *(const float2*)(qb + 16 * ks + 8) : z2;
+            const float2 z2 = make_float2(0.0f, 0.0f);
+            float2 a0 = va ? *(const float2*)(qa + 16 * ks) : z2;
+            float2 a1 = vb ? *(const float2*)(qb + 16 * ks) : z2;
+            float2 a2 = va ? *(const float2*)(qa + 16 * ks + 8) : z2;
+            float2 a3 = vb ? *(const float2*)(qb + 16 * ks + 8) : z2;
+            ds4_f16x2_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
+            ds4_f16x2_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
+            ds4_f16x2_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
+            ds4_f16x2_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
         }
-    }
-#define DS4_AOT_QSPLIT()                                                                                   \
-    _Pragma("unroll") for (int ks = 0; ks < 4; ks++) _Pragma("unroll") for (int x = 0; x < 4; x++)       \
-        ds4_f16x2_split(qr[ks][x].x, qr[ks][x].y, qh[ks][x], ql[ks][x]);
-    if (V == 0) {
-        DS4_AOT_QSPLIT()
     }
     float acc[8][4];
 #pragma unroll
@@ -1752,9 +1747,6 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
             ptr_s[tid] = tid < cn ? ds4_ap_row(b0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
         __syncthreads();
         if (b0 == jb) DS4_AO_STAMP(1);
-        if (V != 0 && b0 == jb) {
-            DS4_AOT_QSPLIT()
-        }
         // Loads of the tile starting at ptr_s[r0]: element k = row·128 + float4 column (absent rows: zeros).
 #define DS4_AOT_FETCH(r0)                                                                                  \
     _Pragma("unroll") for (int u = 0; u < LDT; u++) {                                                      \
@@ -1779,42 +1771,30 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
             }
             __syncthreads();
             if (b0 == jb && r0 == 0) DS4_AO_STAMP(2);
-            if (r0 + RT < cn) {
-                DS4_AOT_FETCH(r0 + RT)
-            }
+            if (r0 + RT < cn) DS4_AOT_FETCH(r0 + RT)
             // Partial S over this warp's columns: n-tiles of rows 0..7 and 8..15; ldmatrix.x4 gives
-            // b0, b1 of both for one k-step. V 1: even and odd k-steps in two accumulator sets
-            // (chains of 6 dependent mma instead of 12), added at the end.
-            float sc[2][2][4];
+            // b0, b1 of both for one k-step.
+            float sc[2][4];
 #pragma unroll
-            for (int e = 0; e < 2; e++)
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++) sc[e][nt][0] = sc[e][nt][1] = sc[e][nt][2] = sc[e][nt][3] = 0.0f;
+            for (int nt = 0; nt < 2; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
             for (int ks = 0; ks < 4; ks++) {
                 const int o = (rr + 8 * (mi >> 1)) * LD + c0 + 16 * ks + 8 * (mi & 1);
-                const int e = V != 0 ? ks & 1 : 0;
                 u32 bh[4], bl[4];
                 ds4_ldm4(bh, th + o);
                 ds4_ldm4(bl, tl + o);
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++) {
-                    ds4_mma_f16(sc[e][nt], qh[ks], bh[2 * nt], bh[2 * nt + 1]);
-                    ds4_mma_f16(sc[e][nt], ql[ks], bh[2 * nt], bh[2 * nt + 1]);
-                    ds4_mma_f16(sc[e][nt], qh[ks], bl[2 * nt], bl[2 * nt + 1]);
+                    ds4_mma_f16(sc[nt], qh[ks], bh[2 * nt], bh[2 * nt + 1]);
+                    ds4_mma_f16(sc[nt], ql[ks], bh[2 * nt], bh[2 * nt + 1]);
+                    ds4_mma_f16(sc[nt], qh[ks], bl[2 * nt], bl[2 * nt + 1]);
                 }
-            }
-            if (V != 0) {
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) sc[0][nt][c] += sc[1][nt][c];
             }
             // ws_s [warp][head][row]
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
-                *(float2*)(ws_s + w * 256 + g * 16 + 8 * nt + 2 * tq) = make_float2(sc[0][nt][0], sc[0][nt][1]);
-                *(float2*)(ws_s + w * 256 + (g + 8) * 16 + 8 * nt + 2 * tq) = make_float2(sc[0][nt][2], sc[0][nt][3]);
+                *(float2*)(ws_s + w * 256 + g * 16 + 8 * nt + 2 * tq) = make_float2(sc[nt][0], sc[nt][1]);
+                *(float2*)(ws_s + w * 256 + (g + 8) * 16 + 8 * nt + 2 * tq) = make_float2(sc[nt][2], sc[nt][3]);
             }
             __syncthreads();
             // Online softmax: thread (head tid / 16, row tid % 16); a head's 16 rows in 16 lanes.
@@ -1882,7 +1862,6 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
         }
 #undef DS4_AOT_FETCH
     }
-#undef DS4_AOT_QSPLIT
     __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
     DS4_AO_STAMP(3);
     const size_t base = ((size_t)i * splits + s) * heads + h0;
@@ -1899,7 +1878,7 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
 }
 #endif
 
-template <bool PROBE, bool TC, int V = 1> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
+template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     // The tile: f32 [R][hd] (16 KiB), or (TC) f16 hi then lo [DS4_AOT_R][DS4_AOT_LD] (32.5 KiB).
     __shared__ __align__(16) unsigned char tile_s[TC ? DS4_AOT_TILE : DS4_AO_R * DS4_AP_MAXHD * 4];
     float4* rows_s4 = (float4*)tile_s;
@@ -1946,7 +1925,7 @@ template <bool PROBE, bool TC, int V = 1> __device__ __forceinline__ void ds4_at
         const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
         if (TC) {
 #if DS4_AOT_HAVE
-            ds4_ao_part_tc<PROBE, V>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
+            ds4_ao_part_tc<PROBE>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
                                   i, s, h0, nhg, first, nwin, nsel, jb, je, seli);
 #endif
         } else {
@@ -2204,6 +2183,3 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_p
 // checks; elsewhere the part phase is empty and the host keeps attend_one_f32). attend_one_tcp: its probe.
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true>(DS4_AO_ARGS, (u64*)0); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tcp(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true>(DS4_AO_ARGS, stamps); }
-// A/B (session 17 run 2): V 0, run 1's form (Q split before the pointer listing, one S chain).
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc0(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 0>(DS4_AO_ARGS, (u64*)0); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc0p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 0>(DS4_AO_ARGS, stamps); }

@@ -28,8 +28,6 @@ pub const ATTENTION: Module = Module {
         "attend_one_p",
         "attend_one_tc",
         "attend_one_tcp",
-        "attend_one_tc0",
-        "attend_one_tc0p",
         "ring_store_f32",
     ],
 };

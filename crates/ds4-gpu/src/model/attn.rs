@@ -6,7 +6,7 @@ use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
 use ds4_kernels::{ATTENTION, ATTN_TC};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Most score values the indexer keeps at once (tokens are batched under this).
 const INDEX_SCORE_BUDGET: usize = 1 << 26;
@@ -43,21 +43,6 @@ const _: () =
 /// loop on tensor cores, `attend_one_tc`, where the device has them and the head width is 512),
 /// 4 the same with the f32 tile loop everywhere (`DS4_GPU_ATTN=one-f32`).
 static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
-/// Most row splits of the one-launch decode attention (`DS4_GPU_AO_SPLITS`; 0 not yet read,
-/// `usize::MAX` no cap): fewer, longer splits make the merge smaller.
-static AO_SPLITS: AtomicUsize = AtomicUsize::new(0);
-
-fn ao_splits_cap() -> usize {
-    if AO_SPLITS.load(Ordering::Relaxed) == 0 {
-        let m = std::env::var("DS4_GPU_AO_SPLITS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&v| v > 0)
-            .unwrap_or(usize::MAX);
-        let _ = AO_SPLITS.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-    }
-    AO_SPLITS.load(Ordering::Relaxed)
-}
 
 fn attn_mode() -> u8 {
     if ATTN_MODE.load(Ordering::Relaxed) == 0 {
@@ -1076,10 +1061,9 @@ impl GpuBackend {
         } else {
             ("attend_one_f32", AO_R)
         };
-        // As many splits as fit one CTA per SM (or the cap), each a whole number of tiles.
-        let most = (info.sm_count as usize / per_split)
-            .min(ao_splits_cap())
-            .clamp(1, AP_MAXSPLIT);
+        // As many splits as fit one CTA per SM, each a whole number of tiles (fewer, longer
+        // splits were slower with the tensor-core loop: bench/results/gpu-attn-a17-h200.txt).
+        let most = (info.sm_count as usize / per_split).clamp(1, AP_MAXSPLIT);
         let splits = most.min(max_cand.div_ceil(r)).max(1);
         let chunk = max_cand.div_ceil(splits).next_multiple_of(r).max(r);
         let splits = max_cand.div_ceil(chunk).max(1);
