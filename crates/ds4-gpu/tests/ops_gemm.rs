@@ -827,3 +827,208 @@ fn gemm_moe_wgd_down_matches_f64() {
     println!("moe_experts wgmma vs gemmu down: max rel {diff:.3e}");
     assert!(diff < TOL_TC, "wgmma vs gemmu MoE down: {diff}");
 }
+
+/// f64 dot product and sum |w x| of a dequantised row `w` and `x`.
+fn dot_abs(w: &[f32], x: &[f32]) -> (f64, f64) {
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &v)| {
+        let p = w as f64 * v as f64;
+        (s + p, a + p.abs())
+    })
+}
+
+/// `gemm_moe_one_plane_matches_f64`: `got` (`[pairs][rows]`) against the references (sum, sum
+/// |w x|, B) per (pair, row), held to 2^-11 B + 2e-5 sum |w x|; prints the worst err / B and err /
+/// sum |w x|, failures into `bad`.
+fn check_one_plane(
+    name: &str,
+    rows: usize,
+    got: &[f32],
+    want: &[(f64, f64, f64)],
+    sel: &[i32],
+    bad: &mut Vec<String>,
+) {
+    let u = 2f64.powi(-11);
+    let (mut wb, mut wa) = (0f64, 0f64);
+    for (i, &(s, a, b)) in want.iter().enumerate() {
+        let err = (got[i] as f64 - s).abs();
+        wb = wb.max(err / (b + 1e-30));
+        wa = wa.max(err / (a + 1e-30));
+        if err > u * b + 2e-5 * a && bad.len() < 20 {
+            bad.push(format!(
+                "{name} pair {} (expert {}) row {}: gpu {} want {s} (sum |wx| {a}, B {b})",
+                i / rows,
+                sel[i / rows],
+                i % rows,
+                got[i]
+            ));
+        }
+    }
+    println!(
+        "one plane {name}: worst |gpu - f64| / B = {wb:.3e} (2^-11 = {u:.3e}), / sum |wx| = {wa:.3e}"
+    );
+}
+
+/// The one-plane forms of the wgmma MoE kernels (`set_gemm_planes(1)`, `DS4_GPU_GEMM_PLANES=1`:
+/// `gwg_iq2_xxs_p1`, `gwd_q2_k_p1`) against an f64 reference per (pair, row), on the skewed
+/// expert runs and shapes of `gemm_moe_wg_gate_up_matches_f64` / `gemm_moe_wgd_down_matches_f64`,
+/// with token (gate/up) and pair (down) rows of magnitudes 1e-6 .. 1e6 mixed in every expert
+/// (the per-row 2^s scaling). X is rounded once to f16 (v = x 2^s, |v| < 2^15, so ~2^-11
+/// relative per element; the down's super-block sums S_j / 16 too), the weights are exact and the
+/// products and f32 sums add ~2^-22, so per (pair, row)
+///   |gpu - f64| <= 2^-11 B + 2e-5 sum |w x|
+/// with B = sum |w x| for the gate/up and B = sum (|d sl q| + |dmin m|) |x| for the down (the
+/// two terms of the Q2_K weight rounded apart: the min term reads the rounded sums); 2e-5 is the
+/// two-plane tests' bound. A wrong plane, layout, tile or scale is off by ~1 of sum |w x|. Also:
+/// each download ran the one-plane kernel once (launch counters), the MoE path (q2 mix) takes
+/// both one-plane kernels with planes = 1 and neither with 2, and the two agree within the f16
+/// form's MoE tolerance (TOL_H_MOE, rms-relative).
+#[test]
+fn gemm_moe_one_plane_matches_f64() {
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    if !gpu.gemm_wg_supported() {
+        println!("skipped: the wgmma kernels need CUDA sm_90a");
+        return;
+    }
+    set_form(0);
+    let (ne, k, n) = (16usize, 6usize, 200usize);
+    let pairs = n * k;
+    let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
+    let sel = skewed_sel(n, k);
+    let gs = gpu.upload_i32(&sel);
+    let mut r = rng(1700);
+    let mut bad = Vec::new();
+    // Gate/up: d = 1280 columns, ff = 320 rows.
+    let (d, ff) = (1280usize, 320usize);
+    let ty = GgmlType::IQ2_XXS;
+    let rb = ty.row_bytes(d as u64).unwrap() as usize;
+    let (gb, gw) = random_experts(&gpu, ty, d, ff, ne, 1701);
+    let (ub, uw) = random_experts(&gpu, ty, d, ff, ne, 1702);
+    let mut z = randn(&mut r, n * d, 1.0);
+    for (t, row) in z.chunks_mut(d).enumerate() {
+        row.iter_mut().for_each(|v| *v *= mag(t));
+    }
+    let mut deq = vec![0f32; d];
+    let mut want = [Vec::new(), Vec::new()];
+    for (bytes, w) in [&gb, &ub].into_iter().zip(want.iter_mut()) {
+        for p in 0..pairs {
+            let (e, x) = (sel[p] as usize, &z[(p / k) * d..(p / k + 1) * d]);
+            for row in 0..ff {
+                let o = (e * ff + row) * rb;
+                ds4_quant::dequantize_row(ty, &bytes[o..o + rb], &mut deq).unwrap();
+                let (s, a) = dot_abs(&deq, x);
+                w.push((s, a, a));
+            }
+        }
+    }
+    let gz = gpu.upload(&z);
+    GpuBackend::set_gemm_planes(1);
+    let (l0, p0) = (
+        GpuBackend::gemm_wg_launches(),
+        GpuBackend::gemm_one_plane_launches(),
+    );
+    let (gg, gu) = gpu
+        .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+        .expect("sm_90a: the wgmma kernel covers this product");
+    let p1 = GpuBackend::gemm_one_plane_launches();
+    if (
+        GpuBackend::gemm_wg_launches() - l0,
+        p1.0 - p0.0,
+        p1.1 - p0.1,
+    ) != (1, 1, 0)
+    {
+        bad.push("gate/up: not one gwg_iq2_xxs_p1 launch".to_string());
+    }
+    check_one_plane("gate", ff, &gg, &want[0], &sel, &mut bad);
+    check_one_plane("up", ff, &gu, &want[1], &sel, &mut bad);
+
+    // Down: ff = 768 columns (3 super-blocks), d = 320 rows; B from the row dequantised with
+    // dmin = 0 (d sl q) and with d = 0 (-dmin m): bytes 80..82 d, 82..84 dmin of each 84-byte block.
+    let (dd, fd) = (320usize, 768usize);
+    let ty = GgmlType::Q2_K;
+    let rb = ty.row_bytes(fd as u64).unwrap() as usize;
+    let (db, dw) = random_experts(&gpu, ty, fd, dd, ne, 1703);
+    let mut h = randn(&mut r, pairs * fd, 1.0);
+    for (p, row) in h.chunks_mut(fd).enumerate() {
+        row.iter_mut().for_each(|v| *v *= mag(p));
+    }
+    let (mut deq, mut dq, mut dm) = (vec![0f32; fd], vec![0f32; fd], vec![0f32; fd]);
+    let mut want = Vec::new();
+    for p in 0..pairs {
+        let (e, x) = (sel[p] as usize, &h[p * fd..(p + 1) * fd]);
+        for row in 0..dd {
+            let o = (e * dd + row) * rb;
+            let blk = &db[o..o + rb];
+            ds4_quant::dequantize_row(ty, blk, &mut deq).unwrap();
+            let (mut bq, mut bm) = (blk.to_vec(), blk.to_vec());
+            for b in 0..fd / 256 {
+                bq[84 * b + 82..84 * b + 84].fill(0);
+                bm[84 * b + 80..84 * b + 82].fill(0);
+            }
+            ds4_quant::dequantize_row(ty, &bq, &mut dq).unwrap();
+            ds4_quant::dequantize_row(ty, &bm, &mut dm).unwrap();
+            let (s, a) = dot_abs(&deq, x);
+            let b: f64 = (0..fd)
+                .map(|i| (dq[i].abs() as f64 + dm[i].abs() as f64) * (x[i] as f64).abs())
+                .sum();
+            want.push((s, a, b));
+        }
+    }
+    let gh = gpu.upload(&h);
+    let (l0, p0) = (
+        GpuBackend::gemm_wgd_launches(),
+        GpuBackend::gemm_one_plane_launches(),
+    );
+    let got = gpu
+        .moe_down_download(&dw, &gh, &gs, pairs, ne)
+        .expect("the tiled form takes the Q2_K down");
+    let p1 = GpuBackend::gemm_one_plane_launches();
+    if (
+        GpuBackend::gemm_wgd_launches() - l0,
+        p1.0 - p0.0,
+        p1.1 - p0.1,
+    ) != (1, 0, 1)
+    {
+        bad.push("down: not one gwd_q2_k_p1 launch".to_string());
+    }
+    check_one_plane("down", dd, &got, &want, &sel, &mut bad);
+
+    // The MoE path (q2 mix: IQ2_XXS gate/up d = 512 -> ff = 768, Q2_K down): planes = 1 takes
+    // both one-plane kernels, planes = 2 neither.
+    let (d2, ff2) = (512usize, 768usize);
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d: d2,
+        ff: ff2,
+        weight_scale: 1.0,
+        clamp: 0.05,
+    };
+    let (_, gw2) = random_experts(&gpu, GgmlType::IQ2_XXS, d2, ff2, ne, 1704);
+    let (_, uw2) = random_experts(&gpu, GgmlType::IQ2_XXS, d2, ff2, ne, 1705);
+    let (_, dw2) = random_experts(&gpu, GgmlType::Q2_K, ff2, d2, ne, 1706);
+    let z2 = randn(&mut r, n * d2, 1.0);
+    let wgt: Vec<f32> = (0..pairs).map(|_| r.gen_range(0.1..1.0)).collect();
+    let (gz2, gwt) = (gpu.upload(&z2), gpu.upload(&wgt));
+    let mut outs = Vec::new();
+    for planes in [1u8, 2] {
+        GpuBackend::set_gemm_planes(planes);
+        let p0 = GpuBackend::gemm_one_plane_launches();
+        let mut go = gpu.alloc(n * d2);
+        gpu.moe_experts(&spec, &gw2, &uw2, &dw2, &gz2, &gs, &gwt, n, &mut go);
+        let p1 = GpuBackend::gemm_one_plane_launches();
+        let ran = (p1.0 - p0.0, p1.1 - p0.1);
+        if ran != if planes == 1 { (1, 1) } else { (0, 0) } {
+            bad.push(format!("MoE planes={planes}: one-plane launches {ran:?}"));
+        }
+        outs.push(gpu.download(&go, n * d2));
+    }
+    GpuBackend::set_gemm_planes(2);
+    let diff = max_rel_rms(&outs[0], &outs[1]);
+    println!("moe_experts one plane vs two: max |diff| / (1 + rms) {diff:.3e}");
+    if diff >= TOL_H_MOE {
+        bad.push(format!("MoE one plane vs two: {diff}"));
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

@@ -47,6 +47,11 @@
 // every chunk, 5 slots) 0.5-1.4 % slower end to end (gpu-gemm-w15-h200.txt).
 // Warp-specialised forms (2 producer warpgroups decoding into shared A tiles, 4 consumer warpgroups
 // issuing SS wgmma) lost (routed experts 8-18 % slower): bench/results/gpu-gemm-w16-h200.txt, 2ef6615.
+// One-plane form (PL = 1: gwg_iq2_xxs_p1, opt-in DS4_GPU_GEMM_PLANES=1): X as hi = f16(v) alone
+// (~2^-11 relative per element), so 2 wgmma a chunk and only the hi plane copied (the lo plane
+// gwg_x_f32 writes is left unread; same shared layout). H200, n = 2048 (ncu): 3.61 -> 2.80 ms;
+// tiny-model logits up to 0.16 from the CPU (two planes: 1.6e-4), so opt-in
+// (bench/results/gpu-gemm-q17-h200.txt). 12 chunks of X prefetch in 32 hi-only slots tied there.
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
@@ -99,7 +104,7 @@ __device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, cons
 __device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
 // set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-template <int N, int NWG>
+template <int N, int NWG, int PL>
 __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
                                         long long y_tok, int rows, int cols, long long row_bytes) {
@@ -111,7 +116,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
     const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
     // X copies: thread -> item xm = tid / TPI, 16-byte pieces j = PP (tid % TPI) + jj (0..3 hi, 4..7
-    // lo), piece j of item m to plane j / 4, core (m / 8, j % 4), row m % 8.
+    // lo), piece j of item m to plane j / 4, core (m / 8, j % 4), row m % 8; PL == 1: hi only.
     const int xm = tid / TPI;
     const int xit = xm < N ? items[xm] : -1;
     const u32* xsrc = XW + (long long)(xit >= 0 ? xit / xdiv : 0) * cols;
@@ -127,6 +132,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             const u32 so = (u32)(c % NX) * 8192u;
 #pragma unroll
             for (int jj = 0; jj < PP; jj++) {
+                if (PL == 1 && PP * (tid % TPI) + jj >= 4) continue; // a lo piece
                 const u32* src = xit >= 0 ? xsrc + 32LL * c + 4 * (PP * (tid % TPI) + jj) : XW;
                 gw_cp16(xdst[jj] + so, src, xit >= 0);
             }
@@ -197,7 +203,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
                 if (p == 4) issue_raw(S + 2);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_chunk(cc, a, xs, lbo, sbo, p);
+            gw_chunk<N, PL>(cc, a, xs, lbo, sbo, p);
             if (p == 7) { // end of the super-block: acc += (d / 8) cc
                 gw_wait<0>();
                 gw_pin(cc);
@@ -234,7 +240,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #if GW_HAVE
 // The kernels' shared part: the CTA's item run, then the product with N = its valid items
 // rounded up to 16.
-template <int NWG>
+template <int NWG, int PL>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
@@ -251,13 +257,13 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
     if (nv <= 16)
-        gw_body<16, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<16, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<32, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<48, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<64, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -268,9 +274,9 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
         const int *__restrict__ grp, int gmax
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
-#define GW_RUN gw_kernel<4>(GW_ARGS)
+#define GW_RUN(PL) gw_kernel<4, PL>(GW_ARGS)
 #else
-#define GW_RUN (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
+#define GW_RUN(PL) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
 
@@ -280,7 +286,10 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 // 256 blocks of 66 bytes); XW, xinv: gwg_x_f32 of the token rows (pair i reads token i / xdiv);
 // Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at most 64 ([ngroups, starts[gmax],
 // perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN; }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(2); }
+// The same with X's hi plane alone (one f16 rounding of v, ~2^-11 per element; the lo plane of
+// gwg_x_f32 unread): opt-in DS4_GPU_GEMM_PLANES=1 (gemm_wg.rs).
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1(GW_PARAMS) { GW_RUN(1); }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

@@ -39,6 +39,10 @@
 // cp.async wait + fence.proxy.async + barrier per group. A deeper form (3 raw / sums stages,
 // cp.async.wait_group 1: 8 chunks of X prefetch) measured 1.1-1.4 % slower (routed experts) and
 // 0.6 % slower end to end: bench/results/gpu-gemm-e16-h200.txt, code in 11a89c4.
+// One-plane form (PL = 1: gwd_q2_k_p1, opt-in DS4_GPU_GEMM_PLANES=1): X and the sums as their hi
+// planes alone (one f16 rounding, ~2^-11 relative per element and per S_j / 16): 2 wgmma a chunk,
+// one for the min term, only the hi units and sums copied (gemm_xt_f32's lo words unread; same
+// shared layout). H200, n = 2048 (ncu): 1.67 -> 1.26 ms (bench/results/gpu-gemm-q17-h200.txt).
 #include "prelude.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -83,7 +87,7 @@ __device__ __forceinline__ u32 gwd_min(const u32* rb, int t, int h) {
 
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert set
 // by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-template <int N>
+template <int N, int PL>
 __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int expert, const u8* __restrict__ W,
                                          long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
                                          const float* __restrict__ xinv, long long x_tok, int xdiv,
@@ -98,16 +102,16 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
     const u32 ss = (u32)__cvta_generic_to_shared(&sm.s[0][0][0]);
     const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
     // X copies: thread -> item xm = tid / 8, unit u = tid % 8 (= 4 kk + c) of the item's chunk to
-    // plane c / 2, k group 2 kk + c % 2, row xm % 8 of item group xm / 8.
+    // plane c / 2, k group 2 kk + c % 2, row xm % 8 of item group xm / 8 (PL == 1: c < 2 only).
     const int xm = tid >> 3, xu = tid & 7;
     const int xit = xm < N ? items[xm] : -1;
     const u32* xsrc = XT + (long long)(xit >= 0 ? xit / xdiv : 0) * x_tok + 4 * xu;
     const u32 xdst = sx + (u32)(((xu >> 1) & 1) * 4096 + ((4 * (xm >> 3) + 2 * (xu >> 2) + (xu & 1)) * 8 + (xm & 7)) * 16);
     auto issue_x = [&](int c) {
-        if (c < nl && xm < N) ds4_cp16(gwd_gen(xdst + (u32)(c % GWD_NX) * 8192u), xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
+        if (c < nl && xm < N && (PL == 2 || !(xu & 2))) ds4_cp16(gwd_gen(xdst + (u32)(c % GWD_NX) * 8192u), xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
     };
     // Sums copies: thread < 4 N -> item sm_ = tid / 4, 16-byte piece sp = tid % 4 (plane sp / 2,
-    // k group sp % 2) of the item's 16 sum words of super-block S.
+    // k group sp % 2) of the item's 16 sum words of super-block S (PL == 1: sp < 2 only).
     const int sm_ = tid >> 2, sp = tid & 3;
     const int sit = sm_ < N ? items[sm_] : -1;
     const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp;
@@ -121,7 +125,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
                 const int r = i / GWD_RW, w = i - r * GWD_RW;
                 ds4_cp4(gwd_gen(so + 4u * (u32)i), (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
             }
-            if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)(S & 1) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
+            if (sm_ < N && (PL == 2 || sp < 2)) ds4_cp16(gwd_gen(sdst + (u32)(S & 1) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
@@ -167,7 +171,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
                 if (p == 0) issue_raw(S + 1);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_chunk(cc, a, xs, lbo, sbo, p);
+            gw_chunk<N, PL>(cc, a, xs, lbo, sbo, p);
             if (p == 7) { // end of the super-block: acc += d cc, then the min pair into cc
                 gw_wait<0>();
                 gw_pin(cc);
@@ -181,7 +185,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
                 gw_pin(cc);
                 gw_fence();
                 gw_mma(cc, am, gw_desc(sb, 128u, 256u), 0);         // hi sums (zeroes cc)
-                gw_mma(cc, am, gw_desc(sb + 2048u, 128u, 256u), 1); // lo sums
+                if (PL == 2) gw_mma(cc, am, gw_desc(sb + 2048u, 128u, 256u), 1); // lo sums
                 gw_commit();
                 gw_pin(cc);
                 if (S + 1 < nsb) decode(0, S + 1, an);
@@ -209,6 +213,39 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
 #define GWD_B4 512
 #endif
 
+#define GWD_PARAMS                                                                                                   \
+    const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const u32 *__restrict__ XT, \
+        const u32 *__restrict__ XS, const float *__restrict__ xinv, long long x_tok, long long x_z, int xdiv,          \
+        float *__restrict__ Y, long long y_tok, long long y_z, long long y_s, int rows, int cols, long long row_bytes, \
+        int n, int ks, int kc, const int *__restrict__ grp, int gmax, int skip
+
+// The kernels' shared part (PL: X planes): the CTA's item run, then the product with N = its
+// valid items rounded up to 16.
+template <int PL> __device__ __forceinline__ void gwd_kernel(GWD_PARAMS) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+#if GW_HAVE
+    extern __shared__ uint4 gwd_dyn[];
+    GwdSmem<256>& sm = *reinterpret_cast<GwdSmem<256>*>(gwd_dyn);
+    __shared__ int items[GW_BM];
+    __shared__ int expert;
+    const int by = blockIdx.y;
+    if (by >= grp[0]) return; // uniform over the CTA
+    const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
+    if (nv <= 16)
+        gwd_body<16, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else if (nv <= 32)
+        gwd_body<32, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else if (nv <= 48)
+        gwd_body<48, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+    else
+        gwd_body<64, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+#else
+    (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
+    (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
+#endif
+}
+#define GWD_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip
+
 // The Q2_K down of the grouped pairs (gemmu_q2_k's arguments, gemm.cu GMT_PARAMS): grid (rows /
 // 256, gmax, 1), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
 // sizeof(GwdSmem<256>) (178 KiB). W + expert * slab: the expert's rows (row_bytes apart, 4-byte
@@ -216,30 +253,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
 // layout, sums); pair i reads token i / xdiv; Y[i * y_tok + r]. grp: gm_group_*_i32 with runs of
 // at most 64. Host contract: cols % 256 == 0, x_tok % 256 == 0, gridDim.z == 1 (w_z, x_z, y_z,
 // y_s, ks, kc and skip unused). H200: bench/results/gpu-gemm-d16-h200.txt.
-DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(const u8* __restrict__ W, long long w_z, const int* __restrict__ sel, long long slab,
-                                             const u32* __restrict__ XT, const u32* __restrict__ XS, const float* __restrict__ xinv,
-                                             long long x_tok, long long x_z, int xdiv, float* __restrict__ Y, long long y_tok,
-                                             long long y_z, long long y_s, int rows, int cols, long long row_bytes, int n, int ks,
-                                             int kc, const int* __restrict__ grp, int gmax, int skip) {
-    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
-#if GW_HAVE
-    extern __shared__ uint4 gwd_dyn[];
-    GwdSmem<256>& sm = *reinterpret_cast<GwdSmem<256>*>(gwd_dyn);
-    __shared__ int items[GW_BM];
-    __shared__ int expert;
-    const int by = blockIdx.y, tid = threadIdx.x;
-    if (by >= grp[0]) return; // uniform over the CTA
-    const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
-    if (nv <= 16)
-        gwd_body<16>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
-    else if (nv <= 32)
-        gwd_body<32>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
-    else if (nv <= 48)
-        gwd_body<48>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
-    else
-        gwd_body<64>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
-#else
-    (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
-    (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
-#endif
-}
+DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(GWD_PARAMS) { gwd_kernel<2>(GWD_ARGS); }
+// The same with the hi planes of X and the sums alone (one f16 rounding, ~2^-11 per element; the
+// lo words unread): opt-in DS4_GPU_GEMM_PLANES=1 (gemm_wgd.rs).
+DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1(GWD_PARAMS) { gwd_kernel<1>(GWD_ARGS); }

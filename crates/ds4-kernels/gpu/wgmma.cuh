@@ -76,16 +76,18 @@ __device__ __forceinline__ void gw_afrag(const u32* w0, const u32* w1, u32* a) {
     a[4] = w0[2], a[5] = w1[2], a[6] = w0[3], a[7] = w1[3];
 }
 
-// The 4 wgmma of one 32-element chunk, committed as one group: k-steps kk = 0, 1 of the A registers
-// a[4 kk ..] times the X planes hi (chunk slot at shared address xs) and lo (xs + 4096), into cc;
-// the super-block's first (p == 0, kk == 0) with scale-d 0 (zeroes cc first).
-template <int N> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, const u32* a, u32 xs, u32 lbo, u32 sbo, int p) {
+// The 2 PL wgmma of one 32-element chunk, committed as one group: k-steps kk = 0, 1 of the A
+// registers a[4 kk ..] times the X planes hi (chunk slot at shared address xs) and, when PL == 2,
+// lo (xs + 4096), into cc; the super-block's first (p == 0, kk == 0) with scale-d 0 (zeroes cc
+// first). PL == 1 (DS4_GPU_GEMM_PLANES=1): X as its f16 rounding alone, ~2^-11 per element.
+template <int N, int PL> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, const u32* a, u32 xs, u32 lbo, u32 sbo, int p) {
+    static_assert(PL == 1 || PL == 2, "X planes: hi, or hi and lo");
     gw_pin(cc);
     gw_fence();
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
         gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi
-        gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1);    // lo
+        if (PL == 2) gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1); // lo
     }
     gw_commit();
     gw_pin(cc);

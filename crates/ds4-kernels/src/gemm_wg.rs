@@ -3,9 +3,10 @@ use crate::Module;
 /// Hopper wgmma form of the MoE's IQ2_XXS gate/up at prefill (`gpu/gemm_wg.cu`; CUDA sm_90a
 /// only, empty bodies elsewhere): `gwg_x_f32` converts the token rows to scaled f16 hi/lo planes
 /// in the kernel's K order, `gwg_iq2_xxs` runs gate and up in one launch (256 weight rows x 64 pairs per CTA) (wgmma m64nNk16 f16,
-/// integer weights decoded into the A registers, X from shared memory by descriptor).
+/// integer weights decoded into the A registers, X from shared memory by descriptor);
+/// `gwg_iq2_xxs_p1` the same with X's hi plane alone (opt-in `DS4_GPU_GEMM_PLANES=1`).
 pub const GEMM_WG: Module = Module {
     name: "gemm_wg",
     source: include_str!("../gpu/gemm_wg.cu"),
-    kernels: &["gwg_iq2_xxs", "gwg_x_f32"],
+    kernels: &["gwg_iq2_xxs", "gwg_iq2_xxs_p1", "gwg_x_f32"],
 };

@@ -4,9 +4,10 @@ use crate::Module;
 /// empty body elsewhere): `gwd_q2_k` takes `gemmu_q2_k`'s arguments (X from `gemm_xt_f32` in the
 /// unit layout with super-block sums), 256 weight rows x 64 pairs per CTA, wgmma m64nNk16 f16
 /// with the integer weights `sl * q` decoded into the A registers and the min term as one more
-/// wgmma pair per super-block.
+/// wgmma pair per super-block; `gwd_q2_k_p1` the same with the hi planes of X and the sums alone
+/// (opt-in `DS4_GPU_GEMM_PLANES=1`).
 pub const GEMM_WGD: Module = Module {
     name: "gemm_wgd",
     source: include_str!("../gpu/gemm_wgd.cu"),
-    kernels: &["gwd_q2_k"],
+    kernels: &["gwd_q2_k", "gwd_q2_k_p1"],
 };

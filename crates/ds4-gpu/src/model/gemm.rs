@@ -937,7 +937,7 @@ impl GpuBackend {
             None => (Arg::Null, Arg::Null, 0),
         };
         let (module, name, dims) = match wgd {
-            Some(d) => (&ds4_kernels::GEMM_WGD, "gwd_q2_k".to_string(), d), // gemmu's arguments
+            Some((k, d)) => (&ds4_kernels::GEMM_WGD, k.to_string(), d), // gemmu's arguments
             None => (
                 &ds4_kernels::GEMM,
                 format!("{form}_{sfx}"),

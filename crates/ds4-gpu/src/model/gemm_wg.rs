@@ -21,6 +21,14 @@
 //! Taken where all of these hold: the switch is on, CUDA cc 9.0 (warp 32), IQ2_XXS gate and up of
 //! the same shape, d a multiple of 256, the MoE's pairs grouped in runs of 64 (the default
 //! gate/up form: not the f16 or tiled opt-ins, not the int8 opt-in `DS4_GPU_ACT=q8k`).
+//!
+//! Opt-in `DS4_GPU_GEMM_PLANES=1` (or [`GpuBackend::set_gemm_planes`]): both wgmma MoE kernels
+//! read X as its hi plane `f16(v)` alone (`gwg_iq2_xxs_p1`, gemm_wgd.rs `gwd_q2_k_p1`): half
+//! the wgmma and X copies, activations rounded once to f16 (~2^-11 relative per element, still
+//! finer than the original engine's Q8_K). Default 2 (the exact two-plane form). H200
+//! (bench/results/gpu-gemm-q17-h200.txt): gate/up 3.61 -> 2.80 ms and down 1.67 -> 1.26 ms at
+//! n = 2048, `ds4 bench --synthetic full-q2` prefill 2k +10.6 %, 8k +11.6 %; the tiny models'
+//! logits then move up to 0.16 from the CPU's (two planes: 1.6e-4; top-1 unchanged).
 
 use super::gemm::{switch_on, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
@@ -32,6 +40,11 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 static WG: AtomicU8 = AtomicU8::new(UNSET);
 /// `gwg_iq2_xxs` launches so far (process-wide; tests: the wgmma kernel ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// X planes of the wgmma MoE kernels: 1 or 2; UNSET: read `DS4_GPU_GEMM_PLANES` (`1` = one
+/// plane; anything else 2) on first use.
+static PLANES: AtomicU8 = AtomicU8::new(UNSET);
+/// One-plane launches so far: `gwg_iq2_xxs_p1` (0), `gwd_q2_k_p1` (1; gemm_wgd.rs).
+pub(in crate::model) static P1_LAUNCHES: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
@@ -45,6 +58,20 @@ fn wg_on() -> bool {
     switch_on(&WG, "DS4_GPU_GEMM_WG")
 }
 
+/// Whether the wgmma MoE kernels read X's hi plane alone (`DS4_GPU_GEMM_PLANES=1`).
+pub(in crate::model) fn one_plane() -> bool {
+    let v = PLANES.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let v = match std::env::var("DS4_GPU_GEMM_PLANES") {
+        Ok(s) if s.trim() == "1" => 1,
+        _ => 2,
+    };
+    PLANES.store(v, Ordering::Relaxed);
+    v == 1
+}
+
 impl GpuBackend {
     /// The wgmma MoE gate/up (`gwg_iq2_xxs`) on or off (default: on where it applies, or
     /// `DS4_GPU_GEMM_WG`). Process-wide (tests, benchmarks).
@@ -52,9 +79,24 @@ impl GpuBackend {
         WG.store(on as u8, Ordering::Relaxed);
     }
 
-    /// `gwg_iq2_xxs` launches so far in this process.
+    /// `gwg_iq2_xxs` launches so far in this process (both plane forms).
     pub fn gemm_wg_launches() -> u64 {
         LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// X planes of the wgmma MoE kernels (gate/up and down): 1 (hi alone, opt-in) or 2 (hi and
+    /// lo, the default; or `DS4_GPU_GEMM_PLANES`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_planes(planes: u8) {
+        assert!(planes == 1 || planes == 2, "X planes: 1 or 2");
+        PLANES.store(planes, Ordering::Relaxed);
+    }
+
+    /// One-plane launches so far in this process: (`gwg_iq2_xxs_p1`, `gwd_q2_k_p1`).
+    pub fn gemm_one_plane_launches() -> (u64, u64) {
+        (
+            P1_LAUNCHES[0].load(Ordering::Relaxed),
+            P1_LAUNCHES[1].load(Ordering::Relaxed),
+        )
     }
 
     /// Whether the wgmma kernels are compiled for this device (CUDA cc 9.0: sm_90a).
@@ -113,9 +155,15 @@ impl GpuBackend {
             ],
         );
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        let name = if one_plane() {
+            P1_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
+            "gwg_iq2_xxs_p1"
+        } else {
+            "gwg_iq2_xxs"
+        };
         self.run(
             &ds4_kernels::GEMM_WG,
-            "gwg_iq2_xxs",
+            name,
             LaunchDims {
                 grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
                 block: [2 * WG_BN as u32, 1, 1],

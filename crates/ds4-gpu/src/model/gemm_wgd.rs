@@ -8,10 +8,13 @@
 //! B (N = 16, 32, 48 or 64 from shared memory by descriptor); per super-block `acc += d * D`,
 //! then the min term `sum_j 16 m_j * S_j / 16` as one more wgmma pair (hi/lo sums) into the same
 //! accumulator and `acc -= dmin * M`. Same arithmetic as `gemmu_q2_k`. CTA: 4 warpgroups, 256
-//! weight rows x 64 pairs, 178 KiB of dynamic shared memory, 1 CTA per SM.
+//! weight rows x 64 pairs, 178 KiB of dynamic shared memory, 1 CTA per SM. With
+//! `DS4_GPU_GEMM_PLANES=1` (gemm_wg.rs `one_plane`) `gwd_q2_k_p1`: X and the sums as their hi
+//! planes alone (opt-in; bench/results/gpu-gemm-q17-h200.txt).
 //! H200: bench/results/gpu-gemm-d16-h200.txt.
 
 use super::gemm::{switch_on, UNSET};
+use super::gemm_wg::{one_plane, P1_LAUNCHES};
 use super::GpuBackend;
 use crate::runtime::LaunchDims;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -42,10 +45,11 @@ impl GpuBackend {
         LAUNCHES.load(Ordering::Relaxed)
     }
 
-    /// gemm.rs hook: launch dimensions of `gwd_q2_k` in place of a `gemmu_q2_k` launch of
-    /// `rows` weight rows and `ytiles` item runs, when the switch is on and the kernel covers it:
-    /// grouped pairs in runs of `bm` = 64, one batch and no split K (`zs_ks` = 1), `cols` a
-    /// multiple of 256, a CUDA sm_90a device. Counts the launch.
+    /// gemm.rs hook: the kernel (`gwd_q2_k`, or `gwd_q2_k_p1` with one X plane) and its launch
+    /// dimensions in place of a `gemmu_q2_k` launch of `rows` weight rows and `ytiles` item runs,
+    /// when the switch is on and the kernel covers it: grouped pairs in runs of `bm` = 64, one
+    /// batch and no split K (`zs_ks` = 1), `cols` a multiple of 256, a CUDA sm_90a device.
+    /// Counts the launch.
     pub(in crate::model) fn gemm_wgd_dims(
         &self,
         grouped: bool,
@@ -54,7 +58,7 @@ impl GpuBackend {
         rows: usize,
         cols: usize,
         ytiles: usize,
-    ) -> Option<LaunchDims> {
+    ) -> Option<(&'static str, LaunchDims)> {
         if !wgd_on()
             || !grouped
             || bm != 64
@@ -65,10 +69,17 @@ impl GpuBackend {
             return None;
         }
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        Some(LaunchDims {
+        let name = if one_plane() {
+            P1_LAUNCHES[1].fetch_add(1, Ordering::Relaxed);
+            "gwd_q2_k_p1"
+        } else {
+            "gwd_q2_k"
+        };
+        let dims = LaunchDims {
             grid: [rows.div_ceil(WGD_BN) as u32, ytiles as u32, 1],
             block: [2 * WGD_BN as u32, 1, 1],
             shared_bytes: WGD_SMEM as u32,
-        })
+        };
+        Some((name, dims))
     }
 }
