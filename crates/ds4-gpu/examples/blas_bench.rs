@@ -2,7 +2,8 @@
 //! for others) through the vendor BLAS-Lt (model/blas.rs) against the built-in GEMM (gemm.rs,
 //! default form): time per product, TFLOP/s (2·n·rows·cols, one product), and the sum over one
 //! layer's products × 43 layers. Forms: gemm (`set_blas(false)`), blas (three hi/lo terms along
-//! K, the default), fast (one bf16 product, opt-in). Timing: `reps` calls queued back to back
+//! K, the default), fast (one bf16 product, opt-in), f16 (one f16 product with a device-side
+//! power-of-two scale, opt-in). Timing: `reps` calls queued back to back
 //! between two syncs (wall clock: the operand conversion kernels and launch overhead in).
 
 mod common;
@@ -123,18 +124,20 @@ fn main() {
         .ok()
         .map(|v| v.split(',').filter_map(|s| s.parse().ok()).collect())
         .unwrap_or_else(|| vec![2048]);
-    let forms: [(&str, bool, bool); 3] = [
+    // (name, on, fast); the fourth is the f16 form (set_blas_f16).
+    let forms: [(&str, bool, bool); 4] = [
         ("gemm", false, false),
         ("blas", true, false),
         ("fast", true, true),
+        ("f16", true, false),
     ];
     for n in ns {
         println!("-- n = {n} (us per product, TFLOP/s) --");
         println!(
-            "{:34} {:>18} {:>18} {:>18} {:>7}",
-            "product", "gemm", "blas", "blas fast", "blas x"
+            "{:34} {:>18} {:>18} {:>18} {:>18} {:>7}",
+            "product", "gemm", "blas", "blas fast", "blas f16", "blas x"
         );
-        let mut layer = [0.0f64; 3];
+        let mut layer = [0.0f64; 4];
         for &(name, ty, groups, cols, rows, calls) in PRODUCTS {
             // A grouped weight is `cols` wide with the groups' rows stacked.
             let f = weight_file(ty, cols, rows);
@@ -143,9 +146,12 @@ fn main() {
             let x = gpu.upload(&vec![0.5f32; n * groups * cols]);
             let mut y = gpu.alloc(n * rows);
             let flops = 2.0 * (n * rows * cols) as f64;
-            let mut s = [0.0f64; 3];
+            let mut s = [0.0f64; 4];
             for (i, &(_, on, fast)) in forms.iter().enumerate() {
                 GpuBackend::set_blas(on, fast);
+                if i == 3 {
+                    GpuBackend::set_blas_f16();
+                }
                 let l0 = GpuBackend::blas_launches();
                 s[i] = time(&gpu, &x, reps, || {
                     if groups > 1 {
@@ -161,18 +167,20 @@ fn main() {
             }
             let cell = |t: f64| format!("{:9.1} {:7.1}", t * 1e6, flops / t / 1e12);
             println!(
-                "{name:34} {:>18} {:>18} {:>18} {:>6.2}x",
+                "{name:34} {:>18} {:>18} {:>18} {:>18} {:>6.2}x",
                 cell(s[0]),
                 cell(s[1]),
                 cell(s[2]),
+                cell(s[3]),
                 s[0] / s[1]
             );
         }
         println!(
-            "one layer's products x 43: gemm {:.1} ms, blas {:.1} ms, fast {:.1} ms",
+            "one layer's products x 43: gemm {:.1} ms, blas {:.1} ms, fast {:.1} ms, f16 {:.1} ms",
             layer[0] * 43e3,
             layer[1] * 43e3,
-            layer[2] * 43e3
+            layer[2] * 43e3,
+            layer[3] * 43e3
         );
     }
     GpuBackend::set_blas(true, false);

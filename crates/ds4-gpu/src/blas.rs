@@ -1,7 +1,7 @@
 //! The vendor's BLAS-Lt library, opened with `dlopen` like the driver and NVRTC: cuBLASLt
 //! (`libcublasLt.so.13`/`.12`) on CUDA, hipBLASLt (`libhipblaslt.so.1`/`.0`) on ROCm. Only the
 //! calls the dense prefill products need (model/blas.rs): handle, matmul descriptor (compute type,
-//! transposes), matrix layouts (strided batches), preference (workspace bytes), the algorithm
+//! transposes, pointer mode), matrix layouts (strided batches), preference (workspace bytes), the algorithm
 //! heuristic, and the product itself. A missing library is no error for the engine: the
 //! products then decline with one line ([`decline_line`]) and the built-in GEMM runs.
 //!
@@ -25,9 +25,10 @@ type SetAttr = unsafe extern "C" fn(H, c_int, *const c_void, usize) -> St;
 /// Enum values that differ between cuBLASLt and hipBLASLt.
 #[derive(Clone, Copy, Debug)]
 pub struct Enums {
-    /// cudaDataType / hipDataType: f32 and bf16 (the same numbers for both vendors).
+    /// cudaDataType / hipDataType: f32, bf16 and f16 (the same numbers for both vendors).
     pub r_32f: c_int,
     pub r_16bf: c_int,
+    pub r_16f: c_int,
     /// cublasComputeType_t / hipblasComputeType_t: f32 compute and accumulation.
     pub compute_32f: c_int,
     /// cublasOperation_t / hipblasOperation_t.
@@ -36,6 +37,9 @@ pub struct Enums {
     /// Matmul descriptor attributes.
     pub desc_transa: c_int,
     pub desc_transb: c_int,
+    /// Matmul descriptor attribute: pointer mode (int32), and its value for device scalars.
+    pub desc_pointer_mode: c_int,
+    pub pointer_mode_device: c_int,
     /// Matrix layout attributes (int32 count, int64 element stride).
     pub layout_batch_count: c_int,
     pub layout_batch_stride: c_int,
@@ -47,11 +51,14 @@ pub struct Enums {
 pub const CUBLASLT: Enums = Enums {
     r_32f: 0,
     r_16bf: 14,
+    r_16f: 2,
     compute_32f: 68,
     op_n: 0,
     op_t: 1,
     desc_transa: 3,
     desc_transb: 4,
+    desc_pointer_mode: 2,
+    pointer_mode_device: 1,
     layout_batch_count: 5,
     layout_batch_stride: 6,
     pref_max_workspace: 1,
@@ -61,11 +68,14 @@ pub const CUBLASLT: Enums = Enums {
 pub const HIPBLASLT: Enums = Enums {
     r_32f: 0,
     r_16bf: 14,
+    r_16f: 2,
     compute_32f: 2,
     op_n: 111,
     op_t: 112,
     desc_transa: 0,
     desc_transb: 1,
+    desc_pointer_mode: 13,
+    pointer_mode_device: 1,
     layout_batch_count: 0,
     layout_batch_stride: 1,
     pref_max_workspace: 1,
@@ -283,8 +293,8 @@ impl Drop for Handle {
 }
 
 /// Shape of one strided-batched product in column-major terms, as the BLAS sees it:
-/// `D[m × n] = A^T · B` per batch, A `k × m` (bf16, leading dimension `lda`), B `k × n` (bf16,
-/// `ldb`), D `m × n` (f32, `ldd`), batch b at element offsets `b·a_stride`, `b·b_stride`,
+/// `D[m × n] = A^T · B` per batch, A `k × m` (bf16, or f16 with `f16`; leading dimension `lda`),
+/// B `k × n` (the same type, `ldb`), D `m × n` (f32, `ldd`), batch b at element offsets `b·a_stride`, `b·b_stride`,
 /// `b·d_stride`. A row-major weight `[m][k]` is A with lda = k; row-major activations `[n][k]`
 /// are B; row-major outputs `[n][m]` are D with ldd = m.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -299,6 +309,9 @@ pub struct Shape {
     pub a_stride: i64,
     pub b_stride: i64,
     pub d_stride: i64,
+    /// f16 inputs and a device-side scale: `D = alpha · A^T·B` with alpha (f32) and beta (0.0)
+    /// read from device memory when the product runs ([`Handle::matmul`]'s `scale`).
+    pub f16: bool,
 }
 
 /// Descriptors and the chosen algorithm for one [`Shape`] (destroyed on drop).
@@ -379,6 +392,17 @@ impl Handle {
                 e.desc_transb,
                 &e.op_n,
             )?;
+            if s.f16 {
+                set(
+                    lt,
+                    ds,
+                    "MatmulDescSetAttribute",
+                    p.desc,
+                    e.desc_pointer_mode,
+                    &e.pointer_mode_device,
+                )?;
+            }
+            let ab = if s.f16 { e.r_16f } else { e.r_16bf };
             let layout = |out: &mut H, ty: c_int, rows: u64, cols: u64, ld: i64, stride: i64| {
                 lt.check(
                     "MatrixLayoutCreate",
@@ -392,8 +416,8 @@ impl Handle {
                 }
                 Ok::<(), GpuError>(())
             };
-            layout(&mut p.a, e.r_16bf, s.k, s.m, s.lda, s.a_stride)?;
-            layout(&mut p.b, e.r_16bf, s.k, s.n, s.ldb, s.b_stride)?;
+            layout(&mut p.a, ab, s.k, s.m, s.lda, s.a_stride)?;
+            layout(&mut p.b, ab, s.k, s.n, s.ldb, s.b_stride)?;
             layout(&mut p.d, e.r_32f, s.m, s.n, s.ldd, s.d_stride)?;
             let mut pref: H = std::ptr::null_mut();
             lt.check("MatmulPreferenceCreate", (lt.pref_create)(&mut pref))?;
@@ -445,8 +469,9 @@ impl Handle {
         Ok(Some(p))
     }
 
-    /// Queue `D = A^T·B` of `plan` on `stream` (f32 alpha 1, beta 0; C is D). No allocation and
-    /// no synchronisation: the workspace is the caller's.
+    /// Queue `D = A^T·B` of `plan` on `stream` (f32 alpha 1, beta 0; C is D). A plan of an `f16`
+    /// shape takes `scale`: a device pointer to (alpha, beta) f32, read when the product runs
+    /// (None for the others). No allocation and no synchronisation: the workspace is the caller's.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -454,6 +479,7 @@ impl Handle {
         a: DevPtr,
         b: DevPtr,
         d: DevPtr,
+        scale: Option<DevPtr>,
         workspace: DevPtr,
         workspace_bytes: usize,
         stream: Stream,
@@ -461,16 +487,23 @@ impl Handle {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let lt = self.lt;
         let ptr = |p: DevPtr| p.0 as *mut c_void;
+        let (pa, pb) = match scale {
+            Some(p) => (ptr(p) as *const c_void, ptr(p.offset(4)) as *const c_void),
+            None => (
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+            ),
+        };
         lt.check("Matmul", unsafe {
             (lt.matmul)(
                 self.h,
                 plan.desc,
-                &alpha as *const f32 as *const c_void,
+                pa,
                 ptr(a),
                 plan.a,
                 ptr(b),
                 plan.b,
-                &beta as *const f32 as *const c_void,
+                pb,
                 ptr(d),
                 plan.d,
                 ptr(d),

@@ -6,8 +6,9 @@
 //! the GEMM's bf16 form (2e-3 relative to 1 + |cpu|), and `fast` (one bf16 product) held to
 //! TOL_FAST relative to 1 + rms(cpu) (both operands rounded to bf16 once: ~2^-9 per term, so
 //! the error scales with rms(y), not with each output). The warm product at open ran. Each case
-//! checks that the library took the product (launch counter). Forms are process-wide: run with
-//! --test-threads=1 on a GPU.
+//! checks that the library took the product (launch counter). The f16 form (`DS4_GPU_BLAS=f16`)
+//! is held to f64 per output by its rounding model (blas_f16_against_f64). Forms are
+//! process-wide: run with --test-threads=1 on a GPU.
 //! Without a GPU the device tests skip with the reason; with a GPU but no library they skip
 //! saying what was searched. The host test (runs anywhere) checks the loader's failure line.
 
@@ -268,4 +269,229 @@ fn loader_failure_lists_what_it_searched() {
             }
         }
     }
+}
+
+/// The f16 form's exponents, as blas_prep.cu picks them: s from max|x| (X' = x·2^s), u from a
+/// Q8_0 weight's max|d| (W' = w·2^-u).
+fn f16_exponents(x: &[f32], w: &[u8], ty: GgmlType, cols: usize) -> (i32, i32) {
+    let mx = x
+        .iter()
+        .map(|v| v.to_bits() & 0x7fff_ffff)
+        .max()
+        .unwrap_or(0);
+    let s = 141 - ((mx >> 23) as i32).clamp(27, 254);
+    let u = if ty == GgmlType::Q8_0 {
+        let rb = ds4_quant::row_bytes(ty, cols).unwrap();
+        let md = w
+            .chunks_exact(rb)
+            .flat_map(|row| row.chunks_exact(34))
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7fff)
+            .max()
+            .unwrap_or(0);
+        ((md >> 10) as i32 - 22).max(0)
+    } else {
+        0
+    };
+    (s, u)
+}
+
+/// One f16-form case against f64: `groups` groups of `rows` rows × `cols` (or `experts` slabs of
+/// `rows` × `cols`, product on the last), n tokens; token row 1 scaled by 1e4 and row 3 by 1e-6
+/// (one product spans 10 decades), `big`: one Q8_0 block with d = 1000 (|q·d| up to 128000,
+/// past f16's 65504: the weight is scaled by 2^-u). Returns (worst err/S on the ordinary rows,
+/// worst err/S on the tiny row, worst err/bound); failures go to `bad`.
+#[allow(clippy::too_many_arguments)]
+fn f16_case(
+    gpu: &GpuBackend,
+    ty: GgmlType,
+    cols: usize,
+    rows: usize,
+    groups: usize,
+    experts: usize,
+    n: usize,
+    big: bool,
+    seed: u64,
+    bad: &mut Vec<String>,
+) -> [f64; 3] {
+    use rayon::prelude::*;
+    let mut r = rng(seed);
+    let all = rows * groups * experts;
+    let rb = ds4_quant::row_bytes(ty, cols).unwrap();
+    let mut bytes: Vec<u8> = (0..all)
+        .flat_map(|_| ds4_gpu::conformance::random_row(ty, cols, &mut r))
+        .collect();
+    let last = (experts - 1) * rows * groups; // first row of the product's slab
+    if big {
+        // d = 1000.0 (f16 0x63d0) in block 3 of the slab's row 5.
+        let o = (last + 5) * rb + 3 * 34;
+        bytes[o..o + 2].copy_from_slice(&0x63d0u16.to_le_bytes());
+    }
+    let slab = &bytes[last * rb..(last + rows * groups) * rb];
+    let mut w = vec![0f32; rows * groups * cols];
+    for (row, out) in slab.chunks_exact(rb).zip(w.chunks_exact_mut(cols)) {
+        ds4_quant::dequantize_row(ty, row, out).unwrap();
+    }
+    let mut dims = vec![cols as u64, (rows * groups) as u64];
+    if experts > 1 {
+        dims.push(experts as u64);
+    }
+    let f = common::file(&[("w", ty, dims, bytes.clone())]);
+    let gw = gpu.matrix(&common::src(&f, "w")).unwrap();
+    let kx = groups * cols;
+    let mut x = randn(&mut rng(seed + 1), n * kx, 1.0);
+    x[kx..2 * kx].iter_mut().for_each(|v| *v *= 1e4);
+    x[3 * kx..4 * kx].iter_mut().for_each(|v| *v *= 1e-6);
+    let (s, u) = f16_exponents(&x, slab, ty, cols);
+    let gx = gpu.upload(&x);
+    let ny = rows * groups;
+    let mut gy = gpu.alloc(n * ny);
+    let l0 = GpuBackend::blas_launches();
+    if groups > 1 {
+        gpu.matmul_grouped(&gw, groups, &gx, n, &mut gy);
+    } else {
+        let part = if experts > 1 {
+            Part::Expert(experts - 1)
+        } else {
+            Part::All
+        };
+        gpu.matmul(&gw, part, &gx, n, &mut gy);
+    }
+    let y = gpu.download(&gy, n * ny);
+    let name = format!(
+        "f16 {ty:?} {groups}x{cols}->{ny} experts={experts} n={n} big={big} (s {s}, u {u})"
+    );
+    if let Err(e) = gpu.check() {
+        bad.push(format!("{name}: GPU error {e}"));
+        return [f64::INFINITY; 3];
+    }
+    if GpuBackend::blas_launches() == l0 {
+        bad.push(format!("{name}: the library took no product"));
+    }
+    // Tokens checked: all for n ≤ 64, else the special rows, the last and 40 spread ones.
+    let toks: Vec<usize> = if n <= 64 {
+        (0..n).collect()
+    } else {
+        let mut t: Vec<usize> = (0..5).chain([n - 1]).collect();
+        t.extend((0..40).map(|i| 5 + i * (n - 6) / 40));
+        t
+    };
+    // Rounding model per output: each operand rounded once to f16 (relative 2^-11 when normal;
+    // absolute half a subnormal step, 2^-25, in the scaled units: 2^-25·2^-s for x, 2^-25·2^u
+    // for w), f32 accumulation over K (≤ K·2^-24 relative to S = Σ|w·x|, 2^-11 at K = 8192),
+    // an exact power-of-two alpha: err ≤ 2^-9·S + 2^-25·(2^-s·Σ|w| + 2^u·Σ|x|)·(1 + 2^-10).
+    let (es, et, eb) = toks
+        .par_iter()
+        .map(|&t| {
+            let mut m = [0f64; 3];
+            for jj in 0..ny {
+                let z = jj / rows;
+                let wr = &w[jj * cols..(jj + 1) * cols];
+                let xr = &x[t * kx + z * cols..t * kx + (z + 1) * cols];
+                let (mut e, mut sa, mut sw, mut sx) = (0f64, 0f64, 0f64, 0f64);
+                for (&a, &b) in wr.iter().zip(xr) {
+                    let (a, b) = (a as f64, b as f64);
+                    e += a * b;
+                    sa += (a * b).abs();
+                    sw += a.abs();
+                    sx += b.abs();
+                }
+                let bound = 2f64.powi(-9) * sa
+                    + 2f64.powi(-25)
+                        * (2f64.powi(-s) * sw + 2f64.powi(u) * sx)
+                        * (1.0 + 2f64.powi(-10))
+                    + 1e-30;
+                let err = (y[t * ny + jj] as f64 - e).abs();
+                let err = if err.is_finite() { err } else { f64::INFINITY };
+                let rel = err / sa.max(1e-30);
+                if t == 3 {
+                    m[1] = m[1].max(rel);
+                } else {
+                    m[0] = m[0].max(rel);
+                }
+                m[2] = m[2].max(err / bound);
+            }
+            (m[0], m[1], m[2])
+        })
+        .reduce(
+            || (0.0, 0.0, 0.0),
+            |a, b| (a.0.max(b.0), a.1.max(b.1), a.2.max(b.2)),
+        );
+    println!(
+        "{name}: err/S {es:.3e} (tiny row {et:.3e}), err/bound {eb:.3e}{}",
+        if eb <= 1.0 { "" } else { " FAIL" }
+    );
+    if eb.is_nan() || eb > 1.0 {
+        bad.push(format!("{name}: err/bound {eb:.3e}"));
+    }
+    [es, et, eb]
+}
+
+/// The f16 form (`DS4_GPU_BLAS=f16`, model/blas.rs) against f64 on the model's K (1024, 4096,
+/// 8192) and n (5, 64, 2048): Q8_0 and F16 weights (an aligned F16 weight is read in place;
+/// an expert slab at an unaligned offset is converted), a grouped product, a Q8_0 block with
+/// d = 1000 (scaled path, no Inf), and token rows 10 decades apart in one product, each output
+/// held to the rounding model's bound (f16_case). F32 and BF16 weights keep the three-term form
+/// in this mode (checked against the CPU at TOL).
+#[test]
+fn blas_f16_against_f64() {
+    let Some((cpu, gpu)) = blas_backends() else {
+        return;
+    };
+    GpuBackend::set_blas_f16();
+    let mut bad = Vec::new();
+    let mut worst = [0f64; 3];
+    let mut seed = 500;
+    let mut cases: Vec<(GgmlType, usize, usize, usize, usize, usize, bool)> = Vec::new();
+    for &(cols, rows) in &[(1024, 384), (4096, 256), (8192, 256)] {
+        for &n in &[5, 64, 2048] {
+            cases.push((GgmlType::Q8_0, cols, rows, 1, 1, n, false));
+            cases.push((GgmlType::F16, cols, rows, 1, 1, n, false));
+        }
+        cases.push((GgmlType::Q8_0, cols, rows, 1, 1, 64, true));
+    }
+    // Grouped (the out_a form) and an F16 expert slab at an unaligned offset (101·2112 bytes).
+    cases.push((GgmlType::Q8_0, 1024, 128, 4, 1, 64, false));
+    cases.push((GgmlType::F16, 1056, 101, 1, 2, 37, false));
+    for (ty, cols, rows, groups, experts, n, big) in cases {
+        seed += 2;
+        let m = f16_case(
+            &gpu, ty, cols, rows, groups, experts, n, big, seed, &mut bad,
+        );
+        for i in 0..3 {
+            worst[i] = worst[i].max(m[i]);
+        }
+    }
+    // F32 / BF16 weights: the three-term form in this mode too.
+    let mut rest = Cases::default();
+    for ty in [GgmlType::F32, GgmlType::BF16] {
+        let (cw, gw) = weight(&cpu, &gpu, ty, 1024, 200, 1, 77);
+        let n = 64;
+        let x = randn(&mut rng(78), n * 1024, 1.0);
+        let cx = cpu.upload(&x);
+        let mut cy = cpu.alloc(n * 200);
+        cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
+        let c = cpu.download(&cy, n * 200);
+        let gx = gpu.upload(&x);
+        let mut gy = gpu.alloc(n * 200);
+        let l0 = GpuBackend::blas_launches();
+        gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
+        let g = gpu.download(&gy, n * 200);
+        rest.check(
+            format!("f16 mode, {ty:?} (three-term form)"),
+            false,
+            l0,
+            &g,
+            None,
+            &c,
+            &gpu,
+        );
+    }
+    println!(
+        "f16 form worst: err/S {:.3e} (ordinary rows; one f16 rounding per operand ~2^-11 = \
+         4.9e-4 per term), tiny rows (1e-10 of the product's max) {:.3e}, err/bound {:.3e}",
+        worst[0], worst[1], worst[2]
+    );
+    bad.append(&mut rest.bad);
+    GpuBackend::set_blas(true, false);
+    assert!(bad.is_empty(), "failed cases: {bad:?}");
 }

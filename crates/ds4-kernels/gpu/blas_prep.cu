@@ -71,3 +71,136 @@ DS4_KERNEL void DS4_BOUNDS(256) blas_x_f32(const float* __restrict__ X, long lon
     uint4* o = out + rg * parts * per + s;
     for (int p = 0; p < parts; p++) o[p * per] = p == 1 ? lo : hi;
 }
+
+// ---- The f16 form (DS4_GPU_BLAS=f16): ONE product of f16 operands, f32 accumulation ----
+// W' = f16(W · 2^-u) (rows × K), X' = f16(X · 2^s) ([n][G][K]), and the library scales by a
+// device-side alpha = 2^(u-s), so y = W·X up to one f16 rounding per operand (~2^-11 each).
+// s: one power of two per product from max|X|, so max|X|·2^s < 2^15 (f16 max 65504): no
+//    overflow whatever the activations, and a product of small values keeps its bits (f16
+//    normals end at 2^-14). Values below max|X|·2^-29 of the same product fall in f16's
+//    subnormals (absolute error max|X|·2^-40); a per-token scale would need a pass over y.
+// u: Q8_0 weights (|q| ≤ 128, d an f16): 128·max|d|·2^-u < 2^15, so u = 0 unless some block's
+//    d ≥ 256 (never in real weights; then the whole weight is scaled down instead of producing
+//    Inf). F16 weights: u = 0 (already f16).
+// blas_amax writes BP_P partial maxima (|x| as f32 bits, |d| as f16 bits: both order like
+// their magnitudes as unsigned integers); every consumer block reduces them again (2 KB from
+// L2), so no atomics, no memset, deterministic.
+#define BP_P 256 // blas_amax's blocks (host: model/blas.rs AMAX_BLOCKS)
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+#include "ptx.cuh"
+#endif
+
+// Two floats to packed f16 (v0 in the low half), round to nearest even.
+__device__ __forceinline__ u32 bp_h2(float v0, float v1) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    return ds4_f16x2(v0, v1);
+#elif defined(DS4_CUDA)
+    unsigned short a, b;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(a) : "f"(v0));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(v1));
+    return (u32)a | ((u32)b << 16);
+#else
+    union { _Float16 h; u16 u; } a, b;
+    a.h = (_Float16)v0;
+    b.h = (_Float16)v1;
+    return (u32)a.u | ((u32)b.u << 16);
+#endif
+}
+
+__device__ __forceinline__ u32 bp_umax(u32 a, u32 b) { return a > b ? a : b; }
+
+// Max of (a, b) over the block's 256 threads; every thread gets both.
+__device__ __forceinline__ void bp_bmax2(u32& a, u32& b) {
+    __shared__ u32 sa[256], sb[256];
+    int t = threadIdx.x;
+    sa[t] = a, sb[t] = b;
+    __syncthreads();
+    for (int o = 128; o > 0; o >>= 1) {
+        if (t < o) sa[t] = bp_umax(sa[t], sa[t + o]), sb[t] = bp_umax(sb[t], sb[t + o]);
+        __syncthreads();
+    }
+    a = sa[0], b = sb[0];
+}
+
+// The product's (max|x| bits, max|d| bits) from blas_amax's partials (256-thread blocks).
+__device__ __forceinline__ void bp_maxes(const u32* __restrict__ part, u32& mx, u32& md) {
+    int t = threadIdx.x;
+    mx = t < BP_P ? part[2 * t] : 0u;
+    md = t < BP_P ? part[2 * t + 1] : 0u;
+    bp_bmax2(mx, md);
+}
+
+__device__ __forceinline__ float bp_pow2(int e) { return __int_as_float((127 + e) << 23); } // e in [-126, 127]
+// s = 14 - exponent(max|x|), the biased exponent clamped to [27, 254]: s in [-113, 114].
+__device__ __forceinline__ int bp_xs(u32 mx) {
+    int e = (int)(mx >> 23);
+    e = e < 27 ? 27 : (e > 254 ? 254 : e);
+    return 141 - e;
+}
+// u = max(0, exponent(max|d|) - 7) from the f16 biased exponent E (E - 15 - 7): u in [0, 9].
+__device__ __forceinline__ int bp_wu(u32 md) {
+    int e = (int)(md >> 10);
+    return e > 22 ? e - 22 : 0;
+}
+
+// Partial maxima over X (n rows of KG floats, stride x_tok) and over the d of a Q8_0 weight
+// (rows × nb blocks of 34 bytes; nb = 0: no weight scan). Launched with BP_P blocks of 256.
+DS4_KERNEL void DS4_BOUNDS(256) blas_amax(const float* __restrict__ X, long long x_tok, int KG, long long n, const u8* __restrict__ W, long long row_bytes, int nb, long long rows, u32* __restrict__ part) {
+    u32 mx = 0, md = 0;
+    long long stride = (long long)gridDim.x * blockDim.x, i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long per = KG / 4; // float4 per row
+    for (long long i = i0; i < n * per; i += stride) {
+        long long t = i / per;
+        float4 v = ((const float4*)(X + t * x_tok))[i - t * per];
+        u32 a = bp_umax((u32)__float_as_int(v.x) & 0x7fffffffu, (u32)__float_as_int(v.y) & 0x7fffffffu);
+        u32 b = bp_umax((u32)__float_as_int(v.z) & 0x7fffffffu, (u32)__float_as_int(v.w) & 0x7fffffffu);
+        mx = bp_umax(mx, bp_umax(a, b));
+    }
+    for (long long i = i0; i < rows * nb; i += stride) {
+        long long r = i / nb;
+        u16 d = *(const u16*)(W + r * row_bytes + (i - r * nb) * 34); // block = f16 d, 32 × i8
+        md = bp_umax(md, (u32)(d & 0x7fffu));
+    }
+    bp_bmax2(mx, md);
+    if (threadIdx.x == 0) part[2 * blockIdx.x] = mx, part[2 * blockIdx.x + 1] = md;
+}
+
+// W (rows of row_bytes GGUF bytes, K elements) -> W' = f16(W · 2^-u), rows × K row-major.
+template <int T>
+__device__ __forceinline__ void bp_wh(const u8* __restrict__ W, long long row_bytes, int K, long long rows, const u32* __restrict__ part, uint4* __restrict__ out) {
+    u32 mx, md;
+    bp_maxes(part, mx, md);
+    float sw = bp_pow2(-bp_wu(md));
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
+    int per = K / 8;
+    if (i >= rows * per) return;
+    long long r = i / per;
+    int s = (int)(i - r * per);
+    float v[8];
+    deq_slice<T>(W + r * row_bytes, s >> 2, s & 3, v);
+    out[i] = make_uint4(bp_h2(v[0] * sw, v[1] * sw), bp_h2(v[2] * sw, v[3] * sw), bp_h2(v[4] * sw, v[5] * sw), bp_h2(v[6] * sw, v[7] * sw));
+}
+
+DS4_KERNEL void DS4_BOUNDS(256) blas_wh_f16(const u8* __restrict__ W, long long row_bytes, int K, long long rows, const u32* __restrict__ part, uint4* __restrict__ out) { bp_wh<T_F16>(W, row_bytes, K, rows, part, out); }
+DS4_KERNEL void DS4_BOUNDS(256) blas_wh_q8_0(const u8* __restrict__ W, long long row_bytes, int K, long long rows, const u32* __restrict__ part, uint4* __restrict__ out) { bp_wh<T_Q8_0>(W, row_bytes, K, rows, part, out); }
+
+// X (n rows, stride x_tok floats; G groups of K) -> X' = f16(X · 2^s), [n][G][K]; block 0 also
+// writes the library's device-side (alpha, beta) = (2^(u-s), 0) to ab.
+DS4_KERNEL void DS4_BOUNDS(256) blas_xh_f32(const float* __restrict__ X, long long x_tok, int K, int G, long long n, const u32* __restrict__ part, float* __restrict__ ab, uint4* __restrict__ out) {
+    u32 mx, md;
+    bp_maxes(part, mx, md);
+    int sh = bp_xs(mx);
+    if (blockIdx.x == 0 && threadIdx.x == 0) ab[0] = bp_pow2(bp_wu(md) - sh), ab[1] = 0.0f;
+    float sx = bp_pow2(sh);
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
+    int per = K / 8;
+    long long rg = i / per; // row t * G + group g
+    if (rg >= n * G) return;
+    int s = (int)(i - rg * per);
+    long long t = rg / G;
+    int g = (int)(rg - t * G);
+    const float4* src = (const float4*)(X + t * x_tok + (long long)g * K + 8 * s);
+    float4 a = src[0], b = src[1];
+    out[i] = make_uint4(bp_h2(a.x * sx, a.y * sx), bp_h2(a.z * sx, a.w * sx), bp_h2(b.x * sx, b.y * sx), bp_h2(b.z * sx, b.w * sx));
+}

@@ -13,9 +13,26 @@
 //! BF16 weights (lo = 0) take 2K. `DS4_GPU_BLAS=fast` (opt-in) takes a single bf16 product
 //! over K (X_hi · W_hi: ~2^-9 per term; error measured in tests/ops_blas.rs).
 //!
-//! Switch: `DS4_GPU_BLAS=off|on|fast` (default on where the library loads) or
-//! [`GpuBackend::set_blas`]. H200, full-size q2, 2048-token prompt: prefill 1,473 -> 1,901 tok/s
-//! (fast: 2,124); per product 3-5.5x the GEMM (bench/results/gpu-blas-b-h200.txt). The library
+//! `DS4_GPU_BLAS=f16` (opt-in): ONE product of f16 operands with f32 compute and accumulation
+//! for Q8_0 and F16 weights (F32 and BF16 weights keep the three-term form): W' = f16(W·2^-u),
+//! X' = f16(X·2^s), and the library multiplies by alpha = 2^(u-s), read from device memory
+//! (pointer mode DEVICE), so y = W·X with one f16 rounding per operand (~2^-11 relative each;
+//! 8x finer than bf16). s is one power of two per product from a device-side max|X|
+//! (`blas_amax`: partial maxima, reduced again by each consumer block), so max|X|·2^s < 2^15:
+//! no overflow whatever the activations; values below max|X|·2^-29 of the same product become
+//! f16 subnormals (absolute error ≤ max|X|·2^-40 per element; tests/ops_blas.rs holds the
+//! bound). u is 0 unless a Q8_0 block has d ≥ 256 (|q·d| could pass f16's 65504; real weights
+//! have d < 1): then the whole weight is scaled down by 2^-u (u ≤ 9) rather than produce Inf
+//! or fall back (that decision would need the host to read the weight: a sync). F16 weights
+//! are read in place when aligned (256-byte base and batch stride), else copied. H200
+//! (bench/results/gpu-blas-p17-h200.txt): worst error 1.6e-4 of Σ|w·x| per output (f64
+//! reference), tiny-model logits within 0.16 of the CPU (three-term: 1.5e-4); prefill +12.4% /
+//! +13.3% at 2k / 8k over `on` (`fast`: +17.6% / +18.6%).
+//!
+//! Switch: `DS4_GPU_BLAS=off|on|fast|f16` (default on where the library loads) or
+//! [`GpuBackend::set_blas`] / [`GpuBackend::set_blas_f16`]. H200, full-size q2, 2048-token
+//! prompt: prefill 1,473 -> 1,901 tok/s (fast: 2,124); per product 3-5.5x the GEMM
+//! (bench/results/gpu-blas-b-h200.txt). The library
 //! is opened when the backend is made and gets a 32 MiB workspace allocated once, and one small
 //! product runs then (the library's one-time set-up: 165 ms of host time in the first prompt
 //! otherwise, see `blas_warm`), so the call neither allocates nor synchronises; it runs on the
@@ -42,12 +59,16 @@ const MIN_N: usize = 5;
 /// Plans kept per backend before the cache is cleared (prefill sees a handful of shapes).
 const MAX_PLANS: usize = 256;
 
-/// 0 off, 1 on (three-term hi/lo), 2 fast (one bf16 term); UNSET: read `DS4_GPU_BLAS`.
+/// 0 off, 1 on (three-term hi/lo), 2 fast (one bf16 term), 3 f16 (one scaled f16 term);
+/// UNSET: read `DS4_GPU_BLAS`.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = 255;
 const OFF: u8 = 0;
 const ON: u8 = 1;
 const FAST: u8 = 2;
+const F16: u8 = 3;
+/// blas_amax's blocks (blas_prep.cu BP_P): 2 words of partial maxima each.
+const AMAX_BLOCKS: usize = 256;
 /// Library products queued so far (process-wide), so tests can see the path took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
@@ -69,6 +90,7 @@ fn mode() -> u8 {
     let m = match std::env::var("DS4_GPU_BLAS").as_deref() {
         Ok("off") | Ok("0") => OFF,
         Ok("fast") => FAST,
+        Ok("f16") => F16,
         _ => ON,
     };
     MODE.store(m, Ordering::Relaxed);
@@ -126,6 +148,12 @@ impl GpuBackend {
             },
             Ordering::Relaxed,
         );
+    }
+
+    /// BLAS-Lt products in the f16 form (`DS4_GPU_BLAS=f16`: one f16 product with a device-side
+    /// power-of-two scale; module doc). Process-wide, for tests and benchmarks.
+    pub fn set_blas_f16() {
+        MODE.store(F16, Ordering::Relaxed);
     }
 
     /// Library products queued so far in this process.
@@ -216,6 +244,7 @@ impl GpuBackend {
             a_stride: 0,
             b_stride: 0,
             d_stride: 0,
+            f16: false,
         };
         let Ok(Some(plan)) = st.handle.plan(&shape, WORKSPACE) else {
             return false;
@@ -237,6 +266,7 @@ impl GpuBackend {
                     a.ptr(),
                     b.ptr(),
                     d.ptr(),
+                    None,
                     st.ws.ptr(),
                     WORKSPACE,
                     self.stream,
@@ -345,6 +375,9 @@ impl GpuBackend {
         let Some(st) = self.blas_state() else {
             return false;
         };
+        if m == F16 && matches!(j.ty, GgmlType::Q8_0 | GgmlType::F16) {
+            return self.blas_job_f16(st, j, sfx);
+        }
         // Parts along K: hi/lo terms (see the module doc); BF16 weights have no lo part.
         let parts = if m == FAST {
             1
@@ -365,36 +398,11 @@ impl GpuBackend {
             a_stride: (r * kk) as i64,
             b_stride: kk as i64,
             d_stride: j.y_z as i64,
+            f16: false,
         };
         let mut plans = st.plans.lock().unwrap();
-        if !plans.contains_key(&shape) {
-            if plans.len() >= MAX_PLANS {
-                plans.clear();
-            }
-            let t0 = std::time::Instant::now();
-            match st.handle.plan(&shape, WORKSPACE) {
-                Ok(p) => {
-                    if trace() {
-                        eprintln!(
-                            "ds4 blas: plan m{} n{} k{} b{}: heuristic {:.1} us",
-                            shape.m,
-                            shape.n,
-                            shape.k,
-                            shape.batch,
-                            t0.elapsed().as_secs_f64() * 1e6
-                        );
-                        FIRST.store(true, Ordering::Relaxed);
-                    }
-                    plans.insert(shape, p);
-                }
-                Err(e) => {
-                    self.blas_broken(st, &e);
-                    return false;
-                }
-            }
-        }
-        let Some(plan) = plans.get(&shape).and_then(|p| p.as_ref()) else {
-            return false; // no algorithm for this shape
+        let Some(plan) = self.blas_plan(st, &mut plans, &shape) else {
+            return false;
         };
         // W' (rows × kk bf16) and X' (n × g × kk bf16); scratch counts 4-byte words.
         let wp = self.scratch(j.rows * kk / 2);
@@ -437,14 +445,161 @@ impl GpuBackend {
             wp.ptr,
             xp.ptr,
             j.y,
+            None,
             st.ws.ptr(),
             WORKSPACE,
             self.stream,
         );
+        self.blas_done(st, r, t0, j.rows, kk)
+    }
+
+    /// The cached plan for `shape` (made on first use); None: no algorithm, or the library
+    /// failed (then declined from now on).
+    fn blas_plan<'p>(
+        &self,
+        st: &BlasState,
+        plans: &'p mut HashMap<Shape, Option<Plan>>,
+        shape: &Shape,
+    ) -> Option<&'p Plan> {
+        if !plans.contains_key(shape) {
+            if plans.len() >= MAX_PLANS {
+                plans.clear();
+            }
+            let t0 = std::time::Instant::now();
+            match st.handle.plan(shape, WORKSPACE) {
+                Ok(p) => {
+                    if trace() {
+                        eprintln!(
+                            "ds4 blas: plan m{} n{} k{} b{}{}: heuristic {:.1} us",
+                            shape.m,
+                            shape.n,
+                            shape.k,
+                            shape.batch,
+                            if shape.f16 { " f16" } else { "" },
+                            t0.elapsed().as_secs_f64() * 1e6
+                        );
+                        FIRST.store(true, Ordering::Relaxed);
+                    }
+                    plans.insert(*shape, p);
+                }
+                Err(e) => {
+                    self.blas_broken(st, &e);
+                    return None;
+                }
+            }
+        }
+        plans.get(shape).and_then(|p| p.as_ref()) // None: no algorithm for this shape
+    }
+
+    /// The f16 form (module doc): partial maxima, W' (unless an aligned F16 weight is read in
+    /// place), X' and the device-side alpha, then one f16 product.
+    fn blas_job_f16(&self, st: &BlasState, j: &Job, sfx: &str) -> bool {
+        let (g, r, k) = (j.groups, j.rows / j.groups, j.cols);
+        // An F16 weight is already W' (u = 0) when the library's 256-byte alignment holds.
+        let in_place = j.ty == GgmlType::F16
+            && j.w.0.is_multiple_of(256)
+            && (g == 1 || (r * k * 2).is_multiple_of(256));
+        let shape = Shape {
+            m: r as u64,
+            n: j.n as u64,
+            k: k as u64,
+            lda: k as i64,
+            ldb: (g * k) as i64,
+            ldd: j.y_tok as i64,
+            batch: g as i32,
+            a_stride: (r * k) as i64,
+            b_stride: k as i64,
+            d_stride: j.y_z as i64,
+            f16: true,
+        };
+        let mut plans = st.plans.lock().unwrap();
+        let Some(plan) = self.blas_plan(st, &mut plans, &shape) else {
+            return false;
+        };
+        // Partial maxima (2 words a block), then (alpha, beta) at word 2·AMAX_BLOCKS.
+        let part = self.scratch(2 * AMAX_BLOCKS + 2);
+        let ab = part.ptr.offset((8 * AMAX_BLOCKS) as u64);
+        // Q8_0: scan the blocks' d (34-byte blocks of 32); F16: nothing to scale.
+        let nb = if j.ty == GgmlType::Q8_0 { k / 32 } else { 0 };
+        self.run(
+            &ds4_kernels::BLAS_PREP,
+            "blas_amax",
+            LaunchDims::linear(AMAX_BLOCKS as u32, 256),
+            &[
+                Arg::Ptr(j.x),
+                Arg::I64(j.x_tok as i64),
+                Arg::I32((g * k) as i32),
+                Arg::I64(j.n as i64),
+                Arg::Ptr(j.w),
+                Arg::I64(j.row_bytes as i64),
+                Arg::I32(nb as i32),
+                Arg::I64(j.rows as i64),
+                Arg::Ptr(part.ptr),
+            ],
+        );
+        // W' (rows × K f16) and X' (n × g × K f16); scratch counts 4-byte words.
+        let wp = (!in_place).then(|| self.scratch(j.rows * k / 2));
+        if let Some(wp) = &wp {
+            self.run(
+                &ds4_kernels::BLAS_PREP,
+                &format!("blas_wh_{sfx}"),
+                LaunchDims::linear((j.rows * k / 8).div_ceil(256) as u32, 256),
+                &[
+                    Arg::Ptr(j.w),
+                    Arg::I64(j.row_bytes as i64),
+                    Arg::I32(k as i32),
+                    Arg::I64(j.rows as i64),
+                    Arg::Ptr(part.ptr),
+                    Arg::Ptr(wp.ptr),
+                ],
+            );
+        }
+        let xp = self.scratch(j.n * g * k / 2);
+        self.run(
+            &ds4_kernels::BLAS_PREP,
+            "blas_xh_f32",
+            LaunchDims::linear((j.n * g * k / 8).div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(j.x),
+                Arg::I64(j.x_tok as i64),
+                Arg::I32(k as i32),
+                Arg::I32(g as i32),
+                Arg::I64(j.n as i64),
+                Arg::Ptr(part.ptr),
+                Arg::Ptr(ab),
+                Arg::Ptr(xp.ptr),
+            ],
+        );
+        if self.failed() {
+            return true; // the error is recorded; the step fails at its check
+        }
+        let t0 = std::time::Instant::now();
+        let r = st.handle.matmul(
+            plan,
+            wp.as_ref().map_or(j.w, |w| w.ptr),
+            xp.ptr,
+            j.y,
+            Some(ab),
+            st.ws.ptr(),
+            WORKSPACE,
+            self.stream,
+        );
+        self.blas_done(st, r, t0, j.rows, k)
+    }
+
+    /// Count a queued product (trace: its host time) or mark the library broken.
+    fn blas_done(
+        &self,
+        st: &BlasState,
+        r: crate::Result<()>,
+        t0: std::time::Instant,
+        rows: usize,
+        kk: usize,
+    ) -> bool {
         if trace() {
             let us = t0.elapsed().as_secs_f64() * 1e6;
             if FIRST.swap(false, Ordering::Relaxed) || us > 200.0 {
-                eprintln!("ds4 blas: product m{} k{} host call {us:.1} us", j.rows, kk);
+                eprintln!("ds4 blas: product m{rows} k{kk} host call {us:.1} us");
             }
         }
         match r {
