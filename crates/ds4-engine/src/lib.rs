@@ -95,8 +95,10 @@ impl EngineOptions {
     }
 }
 
-/// `--precision` when not given.
-pub const DEFAULT_PRECISION: Precision = Precision::Exact;
+/// `--precision` when not given: `fast` (one 16-bit product per prefill product; ds4-gpu
+/// `model/precision.rs` says what it costs in accuracy and buys in speed). `exact` is the form
+/// the GPU-vs-CPU comparisons hold to ~1e-4.
+pub const DEFAULT_PRECISION: Precision = Precision::Fast;
 
 /// A human-readable report of the compute devices and kernel compilers this machine offers
 /// (`ds4 devices`): one line per item, each saying what was found or why not.

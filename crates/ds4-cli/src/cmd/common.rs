@@ -37,9 +37,10 @@ pub struct ModelArgs {
     /// comparisons against such references.
     #[arg(long, default_value = "model", value_parser = ["model", "none"])]
     pub rounding: String,
-    /// Arithmetic of the GPU's prompt (prefill) products: `fast` takes one f16 product each
-    /// (f32 sums; as mainstream engines do), `exact` sums hi/lo terms so the GPU matches the CPU
-    /// reference to ~1e-5. Decode steps and the CPU backend are the same either way.
+    /// Arithmetic of the GPU's prompt (prefill) products: `fast` takes one 16-bit product each
+    /// (bf16 dense products, f16 MoE and attention inputs, f32 sums; as mainstream engines do;
+    /// ~30% faster prompts), `exact` sums hi/lo terms so the GPU matches the CPU reference to
+    /// ~1e-4. Decode steps and the CPU backend are the same either way.
     #[arg(long, default_value = ds4_engine::DEFAULT_PRECISION.name(), value_parser = ["exact", "fast"])]
     pub precision: String,
     /// Context size in tokens for the session.

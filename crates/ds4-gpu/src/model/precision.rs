@@ -4,12 +4,20 @@
 //! - `exact`: the products are exact in the weights and carry activations to ~16 bits or
 //!   more (three bf16 terms in the dense cuBLASLt products, two f16 planes of X in the MoE's
 //!   wgmma kernels, hi/lo queries and probabilities in prefill attention); the GPU matches the
-//!   CPU reference to ~1e-5 of the logits.
-//! - `fast`: one f16 product each (~2^-12 relative per factor, f32 accumulation), as mainstream
-//!   engines run these products; still finer than the original engine's 8-bit activations in
-//!   the MoE.
+//!   CPU reference to ~1e-4 of the logits on the tiny models (`gpu_forward.rs`).
+//! - `fast`: one 16-bit product each, f32 accumulation: the dense products as one bf16 product
+//!   (`DS4_GPU_BLAS=fast`: ~2^-9 per factor), the MoE's X as one f16 plane
+//!   (`DS4_GPU_GEMM_PLANES=1`: ~2^-12), prefill attention as one f16 product
+//!   (`DS4_GPU_ATTN_TC=fast`). That is how mainstream engines run these products, and finer
+//!   than the model's own inference arithmetic (FP8 activations in its GEMMs, model.md) and
+//!   the original engine's 8-bit MoE activations. On the tiny random models the logits move by
+//!   up to ~0.2 (top-1 agreement ~99% per position; more where the FP8/FP4 rounding steps turn
+//!   small differences into grid flips); H200, full-size q2: prefill +30% (bench/results/
+//!   gpu-lead-s17-h200.txt). `DS4_GPU_BLAS=f16` is a finer, slower dense form (one f16 product
+//!   with a device-side scale: +12% instead of +18% over `exact`, gpu-blas-p17-h200.txt).
 //!
-//! Decode (n ≤ 4 tokens) is the same under both. The CPU backend always computes in f32.
+//! Decode (n ≤ 4 tokens) runs the same arithmetic under both. The CPU backend always computes
+//! in f32.
 
 use super::GpuBackend;
 
@@ -47,6 +55,12 @@ impl GpuBackend {
     /// except those whose own `DS4_GPU_*` variable is set.
     pub fn set_precision(p: Precision) {
         let fast = p == Precision::Fast;
+        if !env_set("DS4_GPU_BLAS") {
+            GpuBackend::set_blas(true, fast);
+        }
+        if !env_set("DS4_GPU_GEMM_PLANES") {
+            GpuBackend::set_gemm_planes(if fast { 1 } else { 2 });
+        }
         if !env_set("DS4_GPU_ATTN_TC") {
             GpuBackend::set_attn_tc(true, fast);
         }
