@@ -9,12 +9,14 @@
 //!   (`DS4_GPU_BLAS=fast`: ~2^-9 per factor), the MoE's X as one f16 plane
 //!   (`DS4_GPU_GEMM_PLANES=1`: ~2^-12), prefill attention as one f16 product
 //!   (`DS4_GPU_ATTN_TC=fast`). That is how mainstream engines run these products, and finer
-//!   than the model's own inference arithmetic (FP8 activations in its GEMMs, model.md) and
-//!   the original engine's 8-bit MoE activations. On the tiny random models the logits move by
-//!   up to ~0.2 (top-1 agreement ~99% per position; more where the FP8/FP4 rounding steps turn
-//!   small differences into grid flips); H200, full-size q2: prefill +30% (bench/results/
-//!   gpu-lead-s17-h200.txt). `DS4_GPU_BLAS=f16` is a finer, slower dense form (one f16 product
-//!   with a device-side scale: +12% instead of +18% over `exact`, gpu-blas-p17-h200.txt).
+//!   than the official inference (FP8 activations in per-128 blocks) and the original engine's
+//!   CPU (8-bit Q8_0 / Q8_K activation blocks; model.md §3.8, "Matmul activations"). H200, full-size q2: prefill +33-35% over
+//!   `exact` at 2k-32k (bench/results/gpu-lead-s17-h200.txt run B). On the tiny random models
+//!   the prompt's logits move by a median 4.5e-2 per position (max ~0.4, top-1 agreement ~90%
+//!   per position; the engine test's 13-token prompt: 1.4% RMS); the bf16 term is most of it.
+//!   `DS4_GPU_BLAS=f16` is a finer, slower dense form (one f16 product with a device-side
+//!   scale: median 5.3e-3, top-1 99.4%; +12% instead of +18% over `exact`,
+//!   gpu-blas-p17-h200.txt).
 //!
 //! Decode (n ≤ 4 tokens) runs the same arithmetic under both. The CPU backend always computes
 //! in f32.
