@@ -53,22 +53,32 @@ DS4_KERNEL void DS4_BOUNDS(256) blas_w_f16(const u8* __restrict__ W, long long r
 DS4_KERNEL void DS4_BOUNDS(256) blas_w_bf16(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) { bp_w<T_BF16>(W, row_bytes, K, rows, parts, out); }
 DS4_KERNEL void DS4_BOUNDS(256) blas_w_q8_0(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) { bp_w<T_Q8_0>(W, row_bytes, K, rows, parts, out); }
 
-// X (n rows, stride x_tok floats; G groups of K) -> X' [n][G][parts·K] bf16. Part p: lo when
-// p == 1, else hi.
-DS4_KERNEL void DS4_BOUNDS(256) blas_x_f32(const float* __restrict__ X, long long x_tok, int K, int G, long long n, int parts, uint4* __restrict__ out) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
+// Slice i (8 elements) of X [n rows, stride x_tok floats; G groups of K], in X' order: row t,
+// group g, slice s of the group (i = (t·G + g)·K/8 + s). False past the end.
+__device__ __forceinline__ bool bp_x_slice(const float* __restrict__ X, long long x_tok, int K, int G, long long n, long long i, float4& a, float4& b) {
     int per = K / 8;
     long long rg = i / per; // row t * G + group g
-    if (rg >= n * G) return;
+    if (rg >= n * G) return false;
     int s = (int)(i - rg * per);
     long long t = rg / G;
     int g = (int)(rg - t * G);
     const float4* src = (const float4*)(X + t * x_tok + (long long)g * K + 8 * s);
-    float4 a = src[0], b = src[1];
+    a = src[0], b = src[1];
+    return true;
+}
+
+// X (n rows, stride x_tok floats; G groups of K) -> X' [n][G][parts·K] bf16. Part p: lo when
+// p == 1, else hi.
+DS4_KERNEL void DS4_BOUNDS(256) blas_x_f32(const float* __restrict__ X, long long x_tok, int K, int G, long long n, int parts, uint4* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
+    float4 a, b;
+    if (!bp_x_slice(X, x_tok, K, G, n, i, a, b)) return;
     float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     uint4 hi, lo;
     bp_split8(v, hi, lo);
-    uint4* o = out + rg * parts * per + s;
+    const int per = K / 8;
+    const long long rg = i / per; // slice s = i - rg·per of row-group rg -> parts·per slices a row-group
+    uint4* o = out + rg * (parts - 1) * per + i;
     for (int p = 0; p < parts; p++) o[p * per] = p == 1 ? lo : hi;
 }
 
@@ -194,13 +204,7 @@ DS4_KERNEL void DS4_BOUNDS(256) blas_xh_f32(const float* __restrict__ X, long lo
     if (blockIdx.x == 0 && threadIdx.x == 0) ab[0] = bp_pow2(bp_wu(md) - sh), ab[1] = 0.0f;
     float sx = bp_pow2(sh);
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
-    int per = K / 8;
-    long long rg = i / per; // row t * G + group g
-    if (rg >= n * G) return;
-    int s = (int)(i - rg * per);
-    long long t = rg / G;
-    int g = (int)(rg - t * G);
-    const float4* src = (const float4*)(X + t * x_tok + (long long)g * K + 8 * s);
-    float4 a = src[0], b = src[1];
+    float4 a, b;
+    if (!bp_x_slice(X, x_tok, K, G, n, i, a, b)) return;
     out[i] = make_uint4(bp_h2(a.x * sx, a.y * sx), bp_h2(a.z * sx, a.w * sx), bp_h2(b.x * sx, b.y * sx), bp_h2(b.z * sx, b.w * sx));
 }

@@ -135,6 +135,27 @@ struct Job {
     y_z: usize,
 }
 
+impl Job {
+    /// The library's view of this product with operands of `kk` elements along K per group
+    /// (K-parts side by side; W' rows × kk, X' n × groups × kk), in f16 or bf16.
+    fn shape(&self, kk: usize, f16: bool) -> Shape {
+        let (g, r) = (self.groups, self.rows / self.groups);
+        Shape {
+            m: r as u64,
+            n: self.n as u64,
+            k: kk as u64,
+            lda: kk as i64,
+            ldb: (g * kk) as i64,
+            ldd: self.y_tok as i64,
+            batch: g as i32,
+            a_stride: (r * kk) as i64,
+            b_stride: kk as i64,
+            d_stride: self.y_z as i64,
+            f16,
+        }
+    }
+}
+
 impl GpuBackend {
     /// BLAS-Lt products: `on` false declines every product (the GEMM runs); `fast` takes one
     /// bf16 product instead of the three hi/lo terms. Default (true, false), or `DS4_GPU_BLAS`.
@@ -386,20 +407,8 @@ impl GpuBackend {
         } else {
             3
         };
-        let (g, r, kk) = (j.groups, j.rows / j.groups, parts * j.cols);
-        let shape = Shape {
-            m: r as u64,
-            n: j.n as u64,
-            k: kk as u64,
-            lda: kk as i64,
-            ldb: (g * kk) as i64,
-            ldd: j.y_tok as i64,
-            batch: g as i32,
-            a_stride: (r * kk) as i64,
-            b_stride: kk as i64,
-            d_stride: j.y_z as i64,
-            f16: false,
-        };
+        let (g, kk) = (j.groups, parts * j.cols);
+        let shape = j.shape(kk, false);
         let mut plans = st.plans.lock().unwrap();
         let Some(plan) = self.blas_plan(st, &mut plans, &shape) else {
             return false;
@@ -499,19 +508,7 @@ impl GpuBackend {
         let in_place = j.ty == GgmlType::F16
             && j.w.0.is_multiple_of(256)
             && (g == 1 || (r * k * 2).is_multiple_of(256));
-        let shape = Shape {
-            m: r as u64,
-            n: j.n as u64,
-            k: k as u64,
-            lda: k as i64,
-            ldb: (g * k) as i64,
-            ldd: j.y_tok as i64,
-            batch: g as i32,
-            a_stride: (r * k) as i64,
-            b_stride: k as i64,
-            d_stride: j.y_z as i64,
-            f16: true,
-        };
+        let shape = j.shape(k, true);
         let mut plans = st.plans.lock().unwrap();
         let Some(plan) = self.blas_plan(st, &mut plans, &shape) else {
             return false;
