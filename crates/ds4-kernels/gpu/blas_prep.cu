@@ -31,20 +31,29 @@ __device__ __forceinline__ void bp_split8(const float* v, uint4& hi, uint4& lo) 
     lo = make_uint4(l[0], l[1], l[2], l[3]);
 }
 
+// Slice i (8 elements) of W (rows of row_bytes GGUF bytes, K elements), dequantised, in W'
+// order: row r = i / (K/8), slice s of the row. False past the end.
+template <int T>
+__device__ __forceinline__ bool bp_w_slice(const u8* __restrict__ W, long long row_bytes, int K, long long rows, long long i, float (&v)[8]) {
+    int per = K / 8;
+    if (i >= rows * per) return false;
+    long long r = i / per;
+    int s = (int)(i - r * per);
+    deq_slice<T>(W + r * row_bytes, s >> 2, s & 3, v);
+    return true;
+}
+
 // W (rows of row_bytes GGUF bytes, K elements) -> W' (rows × parts·K bf16). Part p: lo when
 // p == 2, else hi.
 template <int T>
 __device__ __forceinline__ void bp_w(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
-    int per = K / 8;
-    if (i >= rows * per) return;
-    long long r = i / per;
-    int s = (int)(i - r * per);
     float v[8];
-    deq_slice<T>(W + r * row_bytes, s >> 2, s & 3, v);
+    if (!bp_w_slice<T>(W, row_bytes, K, rows, i, v)) return;
     uint4 hi, lo;
     bp_split8(v, hi, lo);
-    uint4* o = out + r * parts * per + s;
+    const int per = K / 8;
+    uint4* o = out + (i / per) * (parts - 1) * per + i; // row r's parts·per slices, slice s of part p at p·per + s
     for (int p = 0; p < parts; p++) o[p * per] = p == 2 ? lo : hi;
 }
 
@@ -183,12 +192,8 @@ __device__ __forceinline__ void bp_wh(const u8* __restrict__ W, long long row_by
     bp_maxes(part, mx, md);
     float sw = bp_pow2(-bp_wu(md));
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
-    int per = K / 8;
-    if (i >= rows * per) return;
-    long long r = i / per;
-    int s = (int)(i - r * per);
     float v[8];
-    deq_slice<T>(W + r * row_bytes, s >> 2, s & 3, v);
+    if (!bp_w_slice<T>(W, row_bytes, K, rows, i, v)) return;
     out[i] = make_uint4(bp_h2(v[0] * sw, v[1] * sw), bp_h2(v[2] * sw, v[3] * sw), bp_h2(v[4] * sw, v[5] * sw), bp_h2(v[6] * sw, v[7] * sw));
 }
 

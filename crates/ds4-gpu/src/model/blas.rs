@@ -445,21 +445,7 @@ impl GpuBackend {
                 Arg::Ptr(xp.ptr),
             ],
         );
-        if self.failed() {
-            return true; // the error is recorded; the step fails at its check
-        }
-        let t0 = std::time::Instant::now();
-        let r = st.handle.matmul(
-            plan,
-            wp.ptr,
-            xp.ptr,
-            j.y,
-            None,
-            st.ws.ptr(),
-            WORKSPACE,
-            self.stream,
-        );
-        self.blas_done(st, r, t0, j.rows, kk)
+        self.blas_run(st, plan, wp.ptr, xp.ptr, j.y, None, j.rows, kk)
     }
 
     /// The cached plan for `shape` (made on first use); None: no algorithm, or the library
@@ -567,32 +553,32 @@ impl GpuBackend {
                 Arg::Ptr(xp.ptr),
             ],
         );
+        let w = wp.as_ref().map_or(j.w, |w| w.ptr);
+        self.blas_run(st, plan, w, xp.ptr, j.y, Some(ab), j.rows, k)
+    }
+
+    /// Queue the library product y = alpha · W'X' (alpha: a device scalar pair, or 1) on the
+    /// backend's stream once the operands' kernels are queued; count it (trace: its host time)
+    /// or mark the library broken (false: the caller's GEMM runs).
+    #[allow(clippy::too_many_arguments)]
+    fn blas_run(
+        &self,
+        st: &BlasState,
+        plan: &Plan,
+        w: DevPtr,
+        x: DevPtr,
+        y: DevPtr,
+        alpha: Option<DevPtr>,
+        rows: usize,
+        kk: usize,
+    ) -> bool {
         if self.failed() {
             return true; // the error is recorded; the step fails at its check
         }
         let t0 = std::time::Instant::now();
-        let r = st.handle.matmul(
-            plan,
-            wp.as_ref().map_or(j.w, |w| w.ptr),
-            xp.ptr,
-            j.y,
-            Some(ab),
-            st.ws.ptr(),
-            WORKSPACE,
-            self.stream,
-        );
-        self.blas_done(st, r, t0, j.rows, k)
-    }
-
-    /// Count a queued product (trace: its host time) or mark the library broken.
-    fn blas_done(
-        &self,
-        st: &BlasState,
-        r: crate::Result<()>,
-        t0: std::time::Instant,
-        rows: usize,
-        kk: usize,
-    ) -> bool {
+        let r = st
+            .handle
+            .matmul(plan, w, x, y, alpha, st.ws.ptr(), WORKSPACE, self.stream);
         if trace() {
             let us = t0.elapsed().as_secs_f64() * 1e6;
             if FIRST.swap(false, Ordering::Relaxed) || us > 200.0 {
