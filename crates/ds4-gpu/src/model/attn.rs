@@ -116,8 +116,9 @@ fn index_tc_ok(info: &crate::runtime::DeviceInfo) -> bool {
 }
 
 /// Prefill attention (n > 1) on tensor cores (`attn_tc.cu`): 0 not yet read from
-/// `DS4_GPU_ATTN_TC`, 1 off (the f32 kernels), 2 on with the hi/lo split of Q and P (default),
-/// 3 on with one f16 product (`DS4_GPU_ATTN_TC=fast`).
+/// `DS4_GPU_ATTN_TC`, 1 off (the f32 kernels), 2 on with the hi/lo split of Q and P (default;
+/// the engine's `--precision exact`), 3 on with one f16 product (`DS4_GPU_ATTN_TC=fast`; the
+/// engine's `--precision fast`, precision.rs).
 static TC_MODE: AtomicU8 = AtomicU8::new(0);
 /// Heads per CTA and largest RoPE width of `attn_tc*` (`ATC_HG`, 2·`ATC_MAXROT`).
 const ATC_HG: usize = 16;

@@ -10,8 +10,9 @@
 //! product: `blas_prep.cu` writes W' = [W_hi | W_hi | W_lo] (rows × 3K bf16, dequantised from
 //! the GGUF blocks each call into pooled scratch) and X' = [X_hi | X_lo | X_hi] (n × 3K), and
 //! the library sums along 3K with f32 compute and accumulation into y (f32, y's strides).
-//! BF16 weights (lo = 0) take 2K. `DS4_GPU_BLAS=fast` (opt-in) takes a single bf16 product
-//! over K (X_hi · W_hi: ~2^-9 per term; error measured in tests/ops_blas.rs).
+//! BF16 weights (lo = 0) take 2K. `DS4_GPU_BLAS=fast` takes a single bf16 product over K
+//! (X_hi · W_hi: ~2^-9 per term; error measured in tests/ops_blas.rs): the engine's default
+//! through `--precision fast` (precision.rs), which leaves this variable to win when set.
 //!
 //! `DS4_GPU_BLAS=f16` (opt-in): ONE product of f16 operands with f32 compute and accumulation
 //! for Q8_0 and F16 weights (F32 and BF16 weights keep the three-term form): W' = f16(W·2^-u),
@@ -29,7 +30,8 @@
 //! reference), tiny-model logits within 0.16 of the CPU (three-term: 1.5e-4); prefill +12.4% /
 //! +13.3% at 2k / 8k over `on` (`fast`: +17.6% / +18.6%).
 //!
-//! Switch: `DS4_GPU_BLAS=off|on|fast|f16` (default on where the library loads) or
+//! Switch: `DS4_GPU_BLAS=off|on|fast|f16` (unset: `on` where the library loads, unless the
+//! engine's `--precision` set a form: `on` for exact, `fast` for fast) or
 //! [`GpuBackend::set_blas`] / [`GpuBackend::set_blas_f16`]. H200, full-size q2, 2048-token
 //! prompt: prefill 1,473 -> 1,901 tok/s (fast: 2,124); per product 3-5.5x the GEMM
 //! (bench/results/gpu-blas-b-h200.txt). The library
