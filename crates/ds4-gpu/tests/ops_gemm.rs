@@ -1032,3 +1032,109 @@ fn gemm_moe_one_plane_matches_f64() {
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// The gate/up decode forms (`set_gemm_wg_dq` 0 and 2, `DS4_GPU_GW_DQ`: gemm_wg.cu `gw_deq`) give
+/// the same bits, with two X planes and with one; the lean one-plane conversions
+/// (`set_gemm_lean_x`, `DS4_GPU_GEMM_LEAN_X`: `gwg_x_f32` / `gemm_xt_f32` without the lo plane
+/// and lo sums) leave the one-plane gate/up and down bits unchanged, and the down with the wgmma
+/// switch off (`gemmu_q2_k`, which reads the lo plane) and with two planes unchanged too (the
+/// conversion keeps the lo plane there). DS4_GPU_POISON=1 fills scratch with NaN: a lo word
+/// read but not written shows. Shapes and the skewed expert runs of the f64 tests; rows of
+/// magnitudes 1e-6 .. 1e6.
+#[test]
+fn gemm_moe_wg_decode_forms_same_bits() {
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    if !gpu.gemm_wg_supported() {
+        println!("skipped: the wgmma kernels need CUDA sm_90a");
+        return;
+    }
+    set_form(0);
+    let dq0 = GpuBackend::gemm_wg_dq();
+    let (ne, k, n) = (16usize, 6usize, 200usize);
+    let pairs = n * k;
+    let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
+    let sel = skewed_sel(n, k);
+    let gs = gpu.upload_i32(&sel);
+    let mut r = rng(1800);
+    let (d, ff) = (1280usize, 320usize);
+    let (_, gw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 1801);
+    let (_, uw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 1802);
+    let mut z = randn(&mut r, n * d, 1.0);
+    for (t, row) in z.chunks_mut(d).enumerate() {
+        row.iter_mut().for_each(|v| *v *= mag(t));
+    }
+    let gz = gpu.upload(&z);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut bad = Vec::new();
+    for planes in [2u8, 1] {
+        GpuBackend::set_gemm_planes(planes);
+        let mut base: Option<(Vec<u32>, Vec<u32>)> = None;
+        for (dq, lean) in [(0u8, false), (0, true), (2, true), (2, false)] {
+            GpuBackend::set_gemm_wg_dq(dq);
+            GpuBackend::set_gemm_lean_x(lean);
+            let (gg, gu) = gpu
+                .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+                .expect("sm_90a: the wgmma kernel covers this product");
+            if gg.iter().chain(&gu).any(|x| !x.is_finite()) {
+                bad.push(format!(
+                    "gate/up planes={planes} dq={dq} lean={lean}: not finite"
+                ));
+            }
+            let got = (bits(&gg), bits(&gu));
+            match &base {
+                None => base = Some(got),
+                Some(b) if *b != got => {
+                    let diff =
+                        b.0.iter()
+                            .chain(&b.1)
+                            .zip(got.0.iter().chain(&got.1))
+                            .filter(|(a, b)| a != b)
+                            .count();
+                    bad.push(format!("gate/up planes={planes} dq={dq} lean={lean}: {diff} outputs differ from dq=0"));
+                }
+                _ => {}
+            }
+        }
+    }
+    GpuBackend::set_gemm_wg_dq(dq0);
+
+    // Down (Q2_K, ff = 768 columns, d = 320 rows): lean on / off, wgmma down on / off, planes 1 / 2.
+    let (dd, fd) = (320usize, 768usize);
+    let (_, dw) = random_experts(&gpu, GgmlType::Q2_K, fd, dd, ne, 1803);
+    let mut h = randn(&mut r, pairs * fd, 1.0);
+    for (p, row) in h.chunks_mut(fd).enumerate() {
+        row.iter_mut().for_each(|v| *v *= mag(p));
+    }
+    let gh = gpu.upload(&h);
+    for planes in [1u8, 2] {
+        GpuBackend::set_gemm_planes(planes);
+        for wgd in [true, false] {
+            GpuBackend::set_gemm_wgd(wgd);
+            let mut outs = Vec::new();
+            for lean in [false, true] {
+                GpuBackend::set_gemm_lean_x(lean);
+                let got = gpu
+                    .moe_down_download(&dw, &gh, &gs, pairs, ne)
+                    .expect("the tiled form takes the Q2_K down");
+                if got.iter().any(|x| !x.is_finite()) {
+                    bad.push(format!(
+                        "down planes={planes} wgd={wgd} lean={lean}: not finite"
+                    ));
+                }
+                outs.push(bits(&got));
+            }
+            if outs[0] != outs[1] {
+                let diff = outs[0].iter().zip(&outs[1]).filter(|(a, b)| a != b).count();
+                bad.push(format!(
+                    "down planes={planes} wgd={wgd}: {diff} outputs differ lean on / off"
+                ));
+            }
+        }
+    }
+    GpuBackend::set_gemm_wgd(true);
+    GpuBackend::set_gemm_lean_x(true);
+    GpuBackend::set_gemm_planes(2);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

@@ -1603,8 +1603,9 @@ DS4_KERNEL void DS4_BOUNDS(GU_B3) gemmu_q2_k(GMT_PARAMS) { gemmu_body(GMT_ARGS);
 // t*x_tok/16 + 16b: halves 0..15 = hi of S_k/16, halves 16..31 = lo, S_k the f32 sum of v over
 // elements 16k..16k+15 of the super-block. Without mma (never launched there) nothing.
 // unit != 0: the unit layout of gemmu_q2_k instead (per 32-element chunk, word 4 (4 kk + c) + t =
-// component c of the group 2t + kk above).
-DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xt, u32* __restrict__ xs, float* __restrict__ xinv, int unit) {
+// component c of the group 2t + kk above). lo == 0 (unit layout only: the one-plane gwd_q2_k_p1,
+// which reads neither): the lo components (units 4 kk + 2, 4 kk + 3) and the lo sums not written.
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xt, u32* __restrict__ xs, float* __restrict__ xinv, int unit, int lo) {
 #if GM_HAVE_MMA
     __shared__ float red[256 / DS4_WARP];
     const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
@@ -1648,8 +1649,10 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
                 const uint4 a = wq[kk], b = wq[2 + kk];
                 u2[2 * (4 * kk + 0)] = make_uint2(a.x, b.x);
                 u2[2 * (4 * kk + 1)] = make_uint2(a.y, b.y);
-                u2[2 * (4 * kk + 2)] = make_uint2(a.z, b.z);
-                u2[2 * (4 * kk + 3)] = make_uint2(a.w, b.w);
+                if (lo) {
+                    u2[2 * (4 * kk + 2)] = make_uint2(a.z, b.z);
+                    u2[2 * (4 * kk + 3)] = make_uint2(a.w, b.w);
+                }
             }
         }
         if (so) {
@@ -1658,7 +1661,7 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
             float lv = v - ds4_h2f_fast(hv);
             int b = g >> 4, k = g & 15;
             so[32 * b + k] = (u16)hv;
-            so[32 * b + 16 + k] = (u16)gm_h2(lv, 0.0f);
+            if (lo || !unit) so[32 * b + 16 + k] = (u16)gm_h2(lv, 0.0f);
         }
     }
 #endif

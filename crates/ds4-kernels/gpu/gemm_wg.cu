@@ -66,9 +66,10 @@
 template <int BN> struct alignas(16) GwSmem {
     uint4 x[GW_NX][2][GW_BM * 4];   // X chunk slots: plane (hi, lo), core matrices (above)
     u32 raw[GW_NS][BN * GW_RW + 4]; // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
-    u64 grid[256];                  // IQ2_XXS grid
+    u64 grid[256];                  // IQ2_XXS grid (bytes: DQ 0)
+    uint4 gh[256];                  // the grid as 4 f16x2 words per entry (DQ 2)
 };
-static_assert(sizeof(GwSmem<256>) == 185392, "gemm_wg.rs WG_SMEM");
+static_assert(sizeof(GwSmem<256>) == 189488, "gemm_wg.rs WG_SMEM");
 
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -77,26 +78,74 @@ __device__ __forceinline__ void gw_cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 
+// Sign masks of a grid entry's 7 sign bits s7 (bit 7: their parity): word q has bit 2q of s8 at
+// bit 15 and bit 2q + 1 at bit 31 (the f16x2 sign bits of elements 2q, 2q + 1), other bits junk
+// (the caller masks with 0x80008000). s8 * (0x8001 << k), k = 15 - 2q: s8 << k spans bits
+// k .. k + 7, its copy << 15 bits k + 15 .. k + 22, disjoint (no carries), so bit 15 = s8 bit 2q
+// and bit 31 = s8 bit 16 - k = 2q + 1.
+__device__ __forceinline__ u32 gw_s8(u32 s7) { return s7 | ((__popc(s7) & 1u) << 7); }
+__device__ __forceinline__ u32 gw_sgn(u32 s8, int q) { return s8 * (0x8001u << (15 - 2 * q)); }
+
 // Grid entry t of chunk p of a row's staged block (rb: 17 words; sh: the block's byte offset in
 // them, 0 or 2) as 4 f16x2 words: elements (0,1), (2,3), (4,5), (6,7) of the entry, each the exact
-// integer (2 ls + 1) * grid * sign.
-__device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, const u64* grid, u32* w) {
+// integer (2 ls + 1) * grid * sign (|.| <= 31 * 43 = 1333 < 2048: exact in f16 whatever the form).
+// DQ (decode form, gemm_wg.rs DS4_GPU_GW_DQ; both give the same bits):
+//   0: grid bytes by PRMT into f16 1024 + b, one HFMA2 (1024 + b) m - 1024 m, signs by gemmc's
+//      PRMT sign replication; m by IMAD/LOP3/HSUB2; the row's words addressed per chunk;
+//   2 (default): the row's words from the per-super-block row state (gw_deq_h), the grid as f16
+//      values (sm.gh, one 16-byte lookup): one HMUL2 b * m a pair, m = 2 ls + 1 as one IMAD + one
+//      HFMA2, signs by one IMAD a pair (gw_sgn). 28% fewer instructions a chunk than 0 (N = 48,
+//      sm_90a SASS); H200, one plane, with the lean conversions (gemm_wg.rs LEAN_X, -1.1% of it
+//      alone): routed experts -5.9% (2k) / -7.4% (8k) against 0, prefill +4.0% / +3.8%
+//      (bench/results/gpu-gemm-r17-h200.txt). Tried there and not kept: the row state alone
+//      (DQ 1: -4.4%, part of 2 now); sign masks from a 2 KiB table (DQ 3: fewer instructions but
+//      twice the shared-memory bank conflicts: +8.9%).
+// DQ 2 takes the sub-block's 8 bytes as (rw, fs): rw the word holding byte 2 of the block (its
+// first grid byte) rounded down, fs 16 or 0 its bit offset (gw_body's per-super-block row state:
+// no per-chunk row addressing), chunk p's bytes at words 2p .. 2p + 2 of rw.
+template <int DQ>
+__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w);
+template <int DQ>
+__device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, const u64* grid, const uint4* gh, u32* w) {
     const u32 o = sh + 2 + 8 * p, wi = o >> 2, fs = (o & 3) * 8;
     const u32 A = rb[wi], B = rb[wi + 1], C = rb[wi + 2];
-    const u32 idx = __funnelshift_r(A, B, fs), aux = __funnelshift_r(B, C, fs);
-    const u64 gv = grid[(idx >> (8 * t)) & 0xff];
-    const u32 s7 = (aux >> (7 * t)) & 127u, m = 2 * (aux >> 28) + 1;
-    const u32 m2 = ds4_hsub2((m | (m << 16)) | 0x64006400u, 0x64006400u); // f16x2 (m, m)
-    const u32 c2 = ds4_hmul2(m2, 0xe400e400u);                               // -1024 m
-    // sign bit e of the 8 (bit 7: parity) at the msb of byte e % 4 of v[e / 4] (gemmc's trick)
-    const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
-    const u32 gw2[2] = {(u32)gv, (u32)(gv >> 32)};
+    gw_deq_w<DQ>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w);
+}
+template <int DQ>
+__device__ __forceinline__ void gw_deq_h(const u32* rw, u32 fs, int p, int t, const u64* grid, const uint4* gh, u32* w) {
+    const u32 A = rw[2 * p], B = rw[2 * p + 1], C = rw[2 * p + 2];
+    gw_deq_w<DQ>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w);
+}
+// The decode of a sub-block's 4 grid bytes idx and its signs/scale word aux (above).
+template <int DQ>
+__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w) {
+    const u32 e = (idx >> (8 * t)) & 0xff, s7 = (aux >> (7 * t)) & 127u;
+    if (DQ == 0) {
+        const u64 gv = grid[e];
+        const u32 m = 2 * (aux >> 28) + 1;
+        const u32 m2 = ds4_hsub2((m | (m << 16)) | 0x64006400u, 0x64006400u); // f16x2 (m, m)
+        const u32 c2 = ds4_hmul2(m2, 0xe400e400u);                               // -1024 m
+        // sign bit e of the 8 (bit 7: parity) at the msb of byte e % 4 of v[e / 4] (gemmc's trick)
+        const u32 v[2] = {(s7 & 15u) * 0x10204080u, ((s7 >> 4) | ((__popc(s7) & 1u) << 3)) * 0x10204080u};
+        const u32 gw2[2] = {(u32)gv, (u32)(gv >> 32)};
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
-        // bytes (b, 0x64): f16 1024 + b; (1024 + b) m - 1024 m = b m exactly (one rounding)
-        const u32 u = ds4_prmt(gw2[q >> 1], 0x64646464u, (q & 1) ? 0x4342u : 0x4140u);
-        const u32 mk = ds4_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
-        w[q] = ds4_hfma2(u, m2, c2) ^ (mk & 0x80008000u);
+        for (int q = 0; q < 4; q++) {
+            // bytes (b, 0x64): f16 1024 + b; (1024 + b) m - 1024 m = b m exactly (one rounding)
+            const u32 u = ds4_prmt(gw2[q >> 1], 0x64646464u, (q & 1) ? 0x4342u : 0x4140u);
+            const u32 mk = ds4_prmt(v[q >> 1], 0u, (q & 1) ? 0xb0a0u : 0x9080u);
+            w[q] = ds4_hfma2(u, m2, c2) ^ (mk & 0x80008000u);
+        }
+    } else {
+        // (ls | 0x6400) in both halves: f16 1024 + ls; 2 (1024 + ls) - 2047 = 2 ls + 1 exactly
+        const u32 m2 = ds4_hfma2((aux >> 28) * 0x10001u + 0x64006400u, 0x40004000u, 0xe7ffe7ffu);
+        const u32 s8 = gw_s8(s7);
+        u32 sw[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) sw[q] = gw_sgn(s8, q);
+        const uint4 g = gh[e]; // f16x2 (b_2q, b_2q+1): b * m exact
+        const u32 gq[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) w[q] = ds4_hmul2(gq[q], m2) ^ (sw[q] & 0x80008000u);
     }
 }
 
@@ -104,7 +153,7 @@ __device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, cons
 __device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
 // One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
 // set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-template <int N, int NWG, int PL>
+template <int N, int NWG, int PL, int DQ>
 __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
                                         long long y_tok, int rows, int cols, long long row_bytes) {
@@ -157,12 +206,27 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     // A registers of chunk 8S + p: k-step kk at a[4kk ..]: (R0, R1, R0, R1) x element pairs
     // (2kk, 2kk, 2kk + 1, 2kk + 1) of grid entry t.
     // (x: the block's byte offset by S % 2; its stage S % 3.)
+    // DQ 2: the row state of super-block S (rw: word b of the row in stage S % 3, b = the
+    // block's byte offset (sh ^ 2 (S % 2)) / 2; fs = 16 (1 - b): gw_deq_h), set once per S.
+    const u32 *rw0 = nullptr, *rw1 = nullptr;
+    u32 fs0 = 0, fs1 = 0;
+    auto rows_of = [&](int S) {
+        const u32 b0 = ((sh0 >> 1) ^ (u32)(S & 1)) & 1u, b1 = ((sh1 >> 1) ^ (u32)(S & 1)) & 1u;
+        rw0 = &sm.raw[S % GW_NS][GW_RW * R0 + b0];
+        rw1 = &sm.raw[S % GW_NS][GW_RW * R1 + b1];
+        fs0 = 16u - 16u * b0, fs1 = 16u - 16u * b1;
+    };
     auto decode = [&](int S, int p, u32* a) {
-        const u32 x = 2u * (u32)(S & 1);
-        const int st = S % GW_NS;
         u32 w0[4], w1[4];
-        gw_deq(&sm.raw[st][GW_RW * R0], sh0 ^ x, p, t, sm.grid, w0);
-        gw_deq(&sm.raw[st][GW_RW * R1], sh1 ^ x, p, t, sm.grid, w1);
+        if (DQ == 0) {
+            const u32 x = 2u * (u32)(S & 1);
+            const int st = S % GW_NS;
+            gw_deq<DQ>(&sm.raw[st][GW_RW * R0], sh0 ^ x, p, t, sm.grid, sm.gh, w0);
+            gw_deq<DQ>(&sm.raw[st][GW_RW * R1], sh1 ^ x, p, t, sm.grid, sm.gh, w1);
+        } else {
+            gw_deq_h<DQ>(rw0, fs0, p, t, sm.grid, sm.gh, w0);
+            gw_deq_h<DQ>(rw1, fs1, p, t, sm.grid, sm.gh, w1);
+        }
         gw_afrag(w0, w1, a);
     };
     constexpr u32 lbo = 128u, sbo = 512u; // next k group, next 8 items
@@ -184,6 +248,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     ds4_cp_wait<1>();
     gw_proxy_fence();
     __syncthreads();
+    if (DQ >= 1) rows_of(0);
     decode(0, 0, a0);
     float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1);
 
@@ -217,6 +282,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             }
             if (c + 1 < nl) {
                 const int S1 = p == 7 ? S + 1 : S;
+                if (DQ >= 1 && p == 7) rows_of(S1);
                 decode(S1, (p + 1) & 7, an);
                 if (p == 7) {
                     const u32 x = 2u * (u32)(S1 & 1);
@@ -240,7 +306,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #if GW_HAVE
 // The kernels' shared part: the CTA's item run, then the product with N = its valid items
 // rounded up to 16.
-template <int NWG, int PL>
+template <int NWG, int PL, int DQ>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
@@ -252,18 +318,26 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
     if (by >= grp[0]) return; // uniform over the CTA
-    if (tid < 256) sm.grid[tid] = ds4_iq2xxs_grid[tid];
+    if (tid < 256) { // the grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly)
+        const u64 gv = ds4_iq2xxs_grid[tid];
+        sm.grid[tid] = gv;
+        const u32 lo = (u32)gv, hi = (u32)(gv >> 32);
+        sm.gh[tid] = make_uint4(ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4140u), 0x64006400u),
+                                ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4342u), 0x64006400u),
+                                ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
+                                ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
+    }
     const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
     if (nv <= 16)
-        gw_body<16, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<16, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<32, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<48, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG, PL>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<64, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -274,9 +348,9 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
         const int *__restrict__ grp, int gmax
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
-#define GW_RUN(PL) gw_kernel<4, PL>(GW_ARGS)
+#define GW_RUN(PL, DQ) gw_kernel<4, PL, DQ>(GW_ARGS)
 #else
-#define GW_RUN(PL) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
+#define GW_RUN(PL, DQ) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
 
@@ -286,18 +360,22 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 // 256 blocks of 66 bytes); XW, xinv: gwg_x_f32 of the token rows (pair i reads token i / xdiv);
 // Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at most 64 ([ngroups, starts[gmax],
 // perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(2); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(2, 0); }
 // The same with X's hi plane alone (one f16 rounding of v, ~2^-11 per element; the lo plane of
 // gwg_x_f32 unread): opt-in DS4_GPU_GEMM_PLANES=1 (gemm_wg.rs).
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1(GW_PARAMS) { GW_RUN(1); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1(GW_PARAMS) { GW_RUN(1, 0); }
+// Decode form 2 (gw_deq; same bits as 0), the default (gemm_wg.rs DS4_GPU_GW_DQ).
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_d2(GW_PARAMS) { GW_RUN(2, 2); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2(GW_PARAMS) { GW_RUN(1, 2); }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;
 // chunk c (32 elements) of row t -> the 32 words xw[t * width + 32 c ..]: hi plane words 0..15, lo
 // plane 16..31 (lo = f16(v - hi)); word 4 kg + w of a plane = f16x2 of elements (8w + 2kg, +1),
-// i.e. 16-byte piece kg holds the k group kg of the wgmma K order (header).
+// i.e. 16-byte piece kg holds the k group kg of the wgmma K order (header). lo == 0: the lo plane
+// is not written (the one-plane kernels never read it).
 DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xw,
-                                          float* __restrict__ xinv) {
+                                          float* __restrict__ xinv, int lo) {
 #if GW_HAVE
     __shared__ float red[128 / DS4_WARP];
     const int tid = threadIdx.x;
@@ -336,10 +414,10 @@ DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             d[i] = make_uint4(hw[4 * i], hw[4 * i + 1], hw[4 * i + 2], hw[4 * i + 3]);
-            d[4 + i] = make_uint4(lw[4 * i], lw[4 * i + 1], lw[4 * i + 2], lw[4 * i + 3]);
+            if (lo) d[4 + i] = make_uint4(lw[4 * i], lw[4 * i + 1], lw[4 * i + 2], lw[4 * i + 3]);
         }
     }
 #else
-    (void)X, (void)x_tok, (void)width, (void)xw, (void)xinv;
+    (void)X, (void)x_tok, (void)width, (void)xw, (void)xinv, (void)lo;
 #endif
 }

@@ -8,5 +8,11 @@ use crate::Module;
 pub const GEMM_WG: Module = Module {
     name: "gemm_wg",
     source: include_str!("../gpu/gemm_wg.cu"),
-    kernels: &["gwg_iq2_xxs", "gwg_iq2_xxs_p1", "gwg_x_f32"],
+    kernels: &[
+        "gwg_iq2_xxs",
+        "gwg_iq2_xxs_p1",
+        "gwg_iq2_xxs_d2",
+        "gwg_iq2_xxs_p1_d2",
+        "gwg_x_f32",
+    ],
 };

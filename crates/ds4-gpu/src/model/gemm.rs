@@ -439,6 +439,22 @@ impl GpuBackend {
         x_tok: usize,
         width: usize,
     ) -> Xc {
+        self.convert_x_lo(tys, strides, x, ntok, x_tok, width, true)
+    }
+
+    /// [`Self::convert_x`]; `lo` false: the tiled unit layout without the lo plane and lo sums
+    /// (only for the one-plane `gwd_q2_k_p1`: gemm_wgd.rs `wgd_hi_only`).
+    #[allow(clippy::too_many_arguments)]
+    fn convert_x_lo(
+        &self,
+        tys: &[GgmlType],
+        strides: &[usize],
+        x: DevPtr,
+        ntok: usize,
+        x_tok: usize,
+        width: usize,
+        lo: bool,
+    ) -> Xc {
         if tys.iter().all(|&t| self.half_ok(t, strides)) {
             Xc::Half(self.half_x(x, ntok, x_tok, width))
         } else if tys.iter().all(|&t| self.tiled_ok(t, strides)) {
@@ -448,7 +464,7 @@ impl GpuBackend {
             if !unit && tys.contains(&GgmlType::Q2_K) {
                 return Xc::F32;
             }
-            Xc::Tiled(self.tile_x(x, ntok, x_tok, width, sums, unit))
+            Xc::Tiled(self.tile_x(x, ntok, x_tok, width, sums, unit, lo || !unit))
         } else {
             Xc::F32
         }
@@ -471,7 +487,9 @@ impl GpuBackend {
     }
 
     /// `gemm_xt_f32`: rows t < ntok of x (stride x_tok, first `width` elements) to hi/lo f16
-    /// groups (+ super-block sums when `sums`; the unit layout of `gemmu_q2_k` when `unit`).
+    /// groups (+ super-block sums when `sums`; the unit layout of `gemmu_q2_k` when `unit`;
+    /// without the lo plane and lo sums when `!lo`, unit layout only).
+    #[allow(clippy::too_many_arguments)]
     fn tile_x(
         &self,
         x: DevPtr,
@@ -480,6 +498,7 @@ impl GpuBackend {
         width: usize,
         sums: bool,
         unit: bool,
+        lo: bool,
     ) -> TileX {
         let t = TileX {
             x: self.scratch(ntok * x_tok),
@@ -499,6 +518,7 @@ impl GpuBackend {
                 t.sums.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
                 Arg::Ptr(t.inv.ptr),
                 Arg::I32(unit as i32),
+                Arg::I32(lo as i32),
             ],
         );
         t
@@ -637,7 +657,8 @@ impl GpuBackend {
     ) {
         let (ff, d) = (dn.2, dn.3);
         let hh = if conv {
-            self.convert_x(&[dn.1], &[ff], h, pairs, ff, ff)
+            let lo = !self.wgd_hi_only(grouped.is_some(), ff);
+            self.convert_x_lo(&[dn.1], &[ff], h, pairs, ff, ff, lo)
         } else {
             Xc::F32
         };

@@ -22,10 +22,13 @@
 //! the same shape, d a multiple of 256, the MoE's pairs grouped in runs of 64 (the default
 //! gate/up form: not the f16 or tiled opt-ins, not the int8 opt-in `DS4_GPU_ACT=q8k`).
 //!
-//! Opt-in `DS4_GPU_GEMM_PLANES=1` (or [`GpuBackend::set_gemm_planes`]): both wgmma MoE kernels
-//! read X as its hi plane `f16(v)` alone (`gwg_iq2_xxs_p1`, gemm_wgd.rs `gwd_q2_k_p1`): half
-//! the wgmma and X copies, activations rounded once to f16 (~2^-11 relative per element, still
-//! finer than the original engine's Q8_K). Default 2 (the exact two-plane form). H200
+//! `DS4_GPU_GEMM_PLANES=1` (or [`GpuBackend::set_gemm_planes`]; the engine's `--precision fast`,
+//! its default, sets it: precision.rs): both wgmma MoE kernels read X as its hi plane `f16(v)`
+//! alone (`gwg_iq2_xxs_p1`, gemm_wgd.rs `gwd_q2_k_p1`): half the wgmma and X copies,
+//! activations rounded once to f16 (~2^-11 relative per element, still finer than the original
+//! engine's Q8_K); the conversions then skip the unread lo plane (`DS4_GPU_GEMM_LEAN_X=0`
+//! keeps it). Unset: 2 (the exact two-plane form, `--precision exact`). The gate/up's decode
+//! form: `DS4_GPU_GW_DQ=0` the previous one (gemm_wg.cu `gw_deq`; same bits). H200
 //! (bench/results/gpu-gemm-q17-h200.txt): gate/up 3.61 -> 2.80 ms and down 1.67 -> 1.26 ms at
 //! n = 2048, `ds4 bench --synthetic full-q2` prefill 2k +10.6 %, 8k +11.6 %; the tiny models'
 //! logits then move up to 0.16 from the CPU's (two planes: 1.6e-4; top-1 unchanged).
@@ -45,14 +48,22 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static PLANES: AtomicU8 = AtomicU8::new(UNSET);
 /// One-plane launches so far: `gwg_iq2_xxs_p1` (0), `gwd_q2_k_p1` (1; gemm_wgd.rs).
 pub(in crate::model) static P1_LAUNCHES: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+/// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_LEAN_X` (`0` = off; default on) on first use. On: with
+/// one X plane the conversions (`gwg_x_f32`, gemm.rs `gemm_xt_f32` for `gwd_q2_k_p1`) skip the
+/// lo plane (and lo sums) that the one-plane kernels never read.
+static LEAN_X: AtomicU8 = AtomicU8::new(UNSET);
+/// Decode form of `gwg_iq2_xxs*` (gemm_wg.cu `gw_deq` DQ 0 or 2, same bits); UNSET: read
+/// `DS4_GPU_GW_DQ` on first use (`0`: the previous form; default [`DQ_DEFAULT`]).
+static DQ: AtomicU8 = AtomicU8::new(UNSET);
+const DQ_DEFAULT: u8 = 2;
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
 /// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
 /// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 3 raw stages of 256 x 17 + 4
-/// words, the 2 KiB grid; a static_assert there).
+/// words, the 2 KiB grid and the 4 KiB f16 grid; a static_assert there).
 const WG_BN: usize = 256;
-const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048;
+const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048 + 4096;
 
 fn wg_on() -> bool {
     switch_on(&WG, "DS4_GPU_GEMM_WG")
@@ -72,7 +83,44 @@ pub(in crate::model) fn one_plane() -> bool {
     v == 1
 }
 
+/// Whether the one-plane conversions skip the lo plane (`DS4_GPU_GEMM_LEAN_X`, default on): the
+/// caller checks that a one-plane kernel reads the result.
+pub(in crate::model) fn lean_x() -> bool {
+    switch_on(&LEAN_X, "DS4_GPU_GEMM_LEAN_X")
+}
+
+fn dq() -> u8 {
+    let v = DQ.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v;
+    }
+    let v = match std::env::var("DS4_GPU_GW_DQ") {
+        Ok(s) if s.trim() == "0" => 0,
+        _ => DQ_DEFAULT,
+    };
+    DQ.store(v, Ordering::Relaxed);
+    v
+}
+
 impl GpuBackend {
+    /// One-plane conversions without the lo plane (default on, or `DS4_GPU_GEMM_LEAN_X`).
+    /// Process-wide (tests, benchmarks).
+    pub fn set_gemm_lean_x(on: bool) {
+        LEAN_X.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Decode form of the wgmma gate/up, 0 or 2 (gemm_wg.cu `gw_deq`; default [`DQ_DEFAULT`] or
+    /// `DS4_GPU_GW_DQ`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_dq(dq: u8) {
+        assert!(dq == 0 || dq == 2, "decode forms 0 and 2");
+        DQ.store(dq, Ordering::Relaxed);
+    }
+
+    /// The decode form in use (see [`Self::set_gemm_wg_dq`]).
+    pub fn gemm_wg_dq() -> u8 {
+        dq()
+    }
+
     /// The wgmma MoE gate/up (`gwg_iq2_xxs`) on or off (default: on where it applies, or
     /// `DS4_GPU_GEMM_WG`). Process-wide (tests, benchmarks).
     pub fn set_gemm_wg(on: bool) {
@@ -140,6 +188,7 @@ impl GpuBackend {
             return false;
         }
         // z as f16 hi/lo planes in the kernel's K order (one word per element) and 2^-s per row.
+        let p1 = one_plane();
         let xw: GpuBuf = self.scratch(n * d);
         let inv: GpuBuf = self.scratch(n);
         self.run(
@@ -152,14 +201,18 @@ impl GpuBackend {
                 Arg::I32(d as i32),
                 Arg::Ptr(xw.ptr),
                 Arg::Ptr(inv.ptr),
+                Arg::I32(!(p1 && lean_x()) as i32), // lo plane written
             ],
         );
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        let name = if one_plane() {
+        if p1 {
             P1_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
-            "gwg_iq2_xxs_p1"
-        } else {
-            "gwg_iq2_xxs"
+        }
+        let name = match (p1, dq()) {
+            (false, 0) => "gwg_iq2_xxs",
+            (false, _) => "gwg_iq2_xxs_d2",
+            (true, 0) => "gwg_iq2_xxs_p1",
+            (true, _) => "gwg_iq2_xxs_p1_d2",
         };
         self.run(
             &ds4_kernels::GEMM_WG,

@@ -14,7 +14,7 @@
 //! H200: bench/results/gpu-gemm-d16-h200.txt.
 
 use super::gemm::{switch_on, UNSET};
-use super::gemm_wg::{one_plane, P1_LAUNCHES};
+use super::gemm_wg::{lean_x, one_plane, P1_LAUNCHES};
 use super::GpuBackend;
 use crate::runtime::LaunchDims;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -45,6 +45,23 @@ impl GpuBackend {
         LAUNCHES.load(Ordering::Relaxed)
     }
 
+    /// Whether [`Self::gemm_wgd_dims`] takes a product with these parameters.
+    fn wgd_takes(&self, grouped: bool, bm: usize, zs_ks: usize, cols: usize) -> bool {
+        wgd_on()
+            && grouped
+            && bm == 64
+            && zs_ks == 1
+            && cols.is_multiple_of(256)
+            && self.gemm_wg_supported()
+    }
+
+    /// gemm.rs hook (the down's conversion): whether the grouped down of `cols` columns on the
+    /// tiled form (runs of 64, no split K) reads X's hi plane alone (`gwd_q2_k_p1`) and the
+    /// lean conversion is on, so `gemm_xt_f32` may skip the lo plane and lo sums.
+    pub(in crate::model) fn wgd_hi_only(&self, grouped: bool, cols: usize) -> bool {
+        one_plane() && lean_x() && self.wgd_takes(grouped, 64, 1, cols)
+    }
+
     /// gemm.rs hook: the kernel (`gwd_q2_k`, or `gwd_q2_k_p1` with one X plane) and its launch
     /// dimensions in place of a `gemmu_q2_k` launch of `rows` weight rows and `ytiles` item runs,
     /// when the switch is on and the kernel covers it: grouped pairs in runs of `bm` = 64, one
@@ -59,13 +76,7 @@ impl GpuBackend {
         cols: usize,
         ytiles: usize,
     ) -> Option<(&'static str, LaunchDims)> {
-        if !wgd_on()
-            || !grouped
-            || bm != 64
-            || zs_ks != 1
-            || !cols.is_multiple_of(256)
-            || !self.gemm_wg_supported()
-        {
+        if !self.wgd_takes(grouped, bm, zs_ks, cols) {
             return None;
         }
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
