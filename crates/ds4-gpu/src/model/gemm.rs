@@ -429,23 +429,11 @@ impl GpuBackend {
     }
 
     /// Convert x (rows t < ntok, stride x_tok, `width` elements) for products with weight types
-    /// `tys` (all must take the same form) and X strides `strides`.
-    fn convert_x(
-        &self,
-        tys: &[GgmlType],
-        strides: &[usize],
-        x: DevPtr,
-        ntok: usize,
-        x_tok: usize,
-        width: usize,
-    ) -> Xc {
-        self.convert_x_lo(tys, strides, x, ntok, x_tok, width, true)
-    }
-
-    /// [`Self::convert_x`]; `lo` false: the tiled unit layout without the lo plane and lo sums
-    /// (only for the one-plane `gwd_q2_k_p1`: gemm_wgd.rs `wgd_hi_only`).
+    /// `tys` (all must take the same form) and X strides `strides`. `lo` false: the tiled unit
+    /// layout without the lo plane and lo sums (only for the one-plane `gwd_q2_k_p1`:
+    /// gemm_wgd.rs `wgd_hi_only`).
     #[allow(clippy::too_many_arguments)]
-    fn convert_x_lo(
+    fn convert_x(
         &self,
         tys: &[GgmlType],
         strides: &[usize],
@@ -658,7 +646,7 @@ impl GpuBackend {
         let (ff, d) = (dn.2, dn.3);
         let hh = if conv {
             let lo = !self.wgd_hi_only(grouped.is_some(), ff);
-            self.convert_x_lo(&[dn.1], &[ff], h, pairs, ff, ff, lo)
+            self.convert_x(&[dn.1], &[ff], h, pairs, ff, ff, lo)
         } else {
             Xc::F32
         };
@@ -1051,7 +1039,7 @@ impl GpuBackend {
             Part::All => 0,
             Part::Expert(e) => e * slab,
         };
-        let xc = self.convert_x(&[*ty], &[*cols], x.ptr, n, *cols, *cols);
+        let xc = self.convert_x(&[*ty], &[*cols], x.ptr, n, *cols, *cols, true);
         let (gx, xs) = xc.parts(x.ptr);
         self.gemm(&Gm {
             w: buf.ptr().offset(byte0 as u64),
@@ -1108,7 +1096,15 @@ impl GpuBackend {
         }
         let r = rows / groups;
         let strides = [groups * cols, *cols];
-        let xc = self.convert_x(&[*ty], &strides, x.ptr, n, groups * cols, groups * cols);
+        let xc = self.convert_x(
+            &[*ty],
+            &strides,
+            x.ptr,
+            n,
+            groups * cols,
+            groups * cols,
+            true,
+        );
         let (gx, xs) = xc.parts(x.ptr);
         self.gemm(&Gm {
             w: buf.ptr(),
@@ -1198,7 +1194,7 @@ impl GpuBackend {
         let gb = self.scratch(pairs * ff);
         let ub = self.scratch(pairs * ff);
         let hz = if h_gu || t_gu {
-            self.convert_x(&[g.1, u.1], &[d], z.ptr, n, d, d)
+            self.convert_x(&[g.1, u.1], &[d], z.ptr, n, d, d, true)
         } else {
             Xc::F32
         };
