@@ -47,11 +47,11 @@
 // every chunk, 5 slots) 0.5-1.4 % slower end to end (gpu-gemm-w15-h200.txt).
 // Warp-specialised forms (2 producer warpgroups decoding into shared A tiles, 4 consumer warpgroups
 // issuing SS wgmma) lost (routed experts 8-18 % slower): bench/results/gpu-gemm-w16-h200.txt, 2ef6615.
-// One-plane form (PL = 1: gwg_iq2_xxs_p1, opt-in DS4_GPU_GEMM_PLANES=1): X as hi = f16(v) alone
-// (~2^-11 relative per element), so 2 wgmma a chunk and only the hi plane copied (the lo plane
-// gwg_x_f32 writes is left unread; same shared layout). H200, n = 2048 (ncu): 3.61 -> 2.80 ms;
-// tiny-model logits up to 0.16 from the CPU (two planes: 1.6e-4), so opt-in
-// (bench/results/gpu-gemm-q17-h200.txt). 12 chunks of X prefetch in 32 hi-only slots tied there.
+// One-plane form (PL = 1: gwg_iq2_xxs_p1, DS4_GPU_GEMM_PLANES=1: the engine's --precision fast, its
+// default): X as hi = f16(v) alone (~2^-11 relative per element), so 2 wgmma a chunk and only the
+// hi plane copied (gwg_x_f32 then skips the lo plane; same shared layout). H200, n = 2048 (ncu):
+// 3.61 -> 2.80 ms; tiny-model logits up to 0.16 from the CPU (two planes, --precision exact:
+// 1.6e-4) (bench/results/gpu-gemm-q17-h200.txt). 12 chunks of X prefetch in 32 hi-only slots tied there.
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
@@ -362,7 +362,7 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 // perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs(GW_PARAMS) { GW_RUN(2, 0); }
 // The same with X's hi plane alone (one f16 rounding of v, ~2^-11 per element; the lo plane of
-// gwg_x_f32 unread): opt-in DS4_GPU_GEMM_PLANES=1 (gemm_wg.rs).
+// gwg_x_f32 unread or unwritten): DS4_GPU_GEMM_PLANES=1 (gemm_wg.rs; --precision fast).
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1(GW_PARAMS) { GW_RUN(1, 0); }
 // Decode form 2 (gw_deq; same bits as 0), the default (gemm_wg.rs DS4_GPU_GW_DQ).
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_d2(GW_PARAMS) { GW_RUN(2, 2); }

@@ -39,7 +39,7 @@
 // cp.async wait + fence.proxy.async + barrier per group. A deeper form (3 raw / sums stages,
 // cp.async.wait_group 1: 8 chunks of X prefetch) measured 1.1-1.4 % slower (routed experts) and
 // 0.6 % slower end to end: bench/results/gpu-gemm-e16-h200.txt, code in 11a89c4.
-// One-plane form (PL = 1: gwd_q2_k_p1, opt-in DS4_GPU_GEMM_PLANES=1): X and the sums as their hi
+// One-plane form (PL = 1: gwd_q2_k_p1, DS4_GPU_GEMM_PLANES=1, --precision fast): X and the sums as their hi
 // planes alone (one f16 rounding, ~2^-11 relative per element and per S_j / 16): 2 wgmma a chunk,
 // one for the min term, only the hi units and sums copied (gemm_xt_f32's lo words unread; same
 // shared layout). H200, n = 2048 (ncu): 1.67 -> 1.26 ms (bench/results/gpu-gemm-q17-h200.txt).
@@ -255,5 +255,5 @@ template <int PL> __device__ __forceinline__ void gwd_kernel(GWD_PARAMS) {
 // y_s, ks, kc and skip unused). H200: bench/results/gpu-gemm-d16-h200.txt.
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(GWD_PARAMS) { gwd_kernel<2>(GWD_ARGS); }
 // The same with the hi planes of X and the sums alone (one f16 rounding, ~2^-11 per element; the
-// lo words unread): opt-in DS4_GPU_GEMM_PLANES=1 (gemm_wgd.rs).
+// lo words unread or unwritten): DS4_GPU_GEMM_PLANES=1 (gemm_wgd.rs; --precision fast).
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1(GWD_PARAMS) { gwd_kernel<1>(GWD_ARGS); }

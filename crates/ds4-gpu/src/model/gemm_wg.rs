@@ -132,8 +132,9 @@ impl GpuBackend {
         LAUNCHES.load(Ordering::Relaxed)
     }
 
-    /// X planes of the wgmma MoE kernels (gate/up and down): 1 (hi alone, opt-in) or 2 (hi and
-    /// lo, the default; or `DS4_GPU_GEMM_PLANES`). Process-wide (tests, benchmarks).
+    /// X planes of the wgmma MoE kernels (gate/up and down): 1 (hi alone, `--precision fast`) or
+    /// 2 (hi and lo, `--precision exact`; the default when unset, or `DS4_GPU_GEMM_PLANES`).
+    /// Process-wide (tests, benchmarks).
     pub fn set_gemm_planes(planes: u8) {
         assert!(planes == 1 || planes == 2, "X planes: 1 or 2");
         PLANES.store(planes, Ordering::Relaxed);

@@ -10,7 +10,7 @@
 //! accumulator and `acc -= dmin * M`. Same arithmetic as `gemmu_q2_k`. CTA: 4 warpgroups, 256
 //! weight rows x 64 pairs, 178 KiB of dynamic shared memory, 1 CTA per SM. With
 //! `DS4_GPU_GEMM_PLANES=1` (gemm_wg.rs `one_plane`) `gwd_q2_k_p1`: X and the sums as their hi
-//! planes alone (opt-in; bench/results/gpu-gemm-q17-h200.txt).
+//! planes alone (the engine's `--precision fast`; bench/results/gpu-gemm-q17-h200.txt).
 //! H200: bench/results/gpu-gemm-d16-h200.txt.
 
 use super::gemm::{switch_on, UNSET};
