@@ -546,6 +546,38 @@ fn gemm_big_n() {
     cases.finish();
 }
 
+/// f64 dot product and sum |w x| of a dequantised row `w` and `x`.
+fn dot_abs(w: &[f32], x: &[f32]) -> (f64, f64) {
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &v)| {
+        let p = w as f64 * v as f64;
+        (s + p, a + p.abs())
+    })
+}
+
+/// The f64 reference of a grouped expert product, pair-major: for each pair p and row r < rows,
+/// row r of expert sel[p] (`bytes`: every expert's rows of `cols` values of type `ty`, as
+/// `random_experts` returns them) dotted with `x(p)`, as (sum, sum |w x|).
+fn expert_ref<'a>(
+    ty: GgmlType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    sel: &[i32],
+    x: impl Fn(usize) -> &'a [f32],
+) -> Vec<(f64, f64)> {
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    let mut deq = vec![0f32; cols];
+    let mut want = Vec::with_capacity(sel.len() * rows);
+    for (p, &e) in sel.iter().enumerate() {
+        for row in 0..rows {
+            let o = (e as usize * rows + row) * rb;
+            ds4_quant::dequantize_row(ty, &bytes[o..o + rb], &mut deq).unwrap();
+            want.push(dot_abs(&deq, x(p)));
+        }
+    }
+    want
+}
+
 /// Expert choices `[n][k]` with runs of every size around the 64-pair tile: token t takes expert
 /// 0; 1 if t < 65; 2 if t < 64; 3 if t < 63; 4 if t == 0; then experts 6..15; slot order rotates.
 fn skewed_sel(n: usize, k: usize) -> Vec<i32> {
@@ -589,7 +621,6 @@ fn gemm_moe_wg_gate_up_matches_f64() {
     }
     let (ne, k, n, d, ff) = (16usize, 6usize, 200usize, 1280usize, 320usize);
     let ty = GgmlType::IQ2_XXS;
-    let rb = ty.row_bytes(d as u64).unwrap() as usize;
     let mut r = rng(1500);
     let mk = |t: GgmlType, cols: usize, rows: usize, seed: u64| {
         random_experts(&gpu, t, cols, rows, ne, seed)
@@ -599,23 +630,8 @@ fn gemm_moe_wg_gate_up_matches_f64() {
     let z = randn(&mut r, n * d, 1.0);
     let sel = skewed_sel(n, k);
     // f64 reference and sum |w x| per (product, pair, row).
-    let mut deq = vec![0f32; d];
-    let mut want = [Vec::new(), Vec::new()];
-    for (bytes, w) in [&gb, &ub].into_iter().zip(want.iter_mut()) {
-        for p in 0..n * k {
-            let (e, x) = (sel[p] as usize, &z[(p / k) * d..(p / k + 1) * d]);
-            for row in 0..ff {
-                let o = (e * ff + row) * rb;
-                ds4_quant::dequantize_row(ty, &bytes[o..o + rb], &mut deq).unwrap();
-                let (mut s, mut a) = (0f64, 0f64);
-                for (w, v) in deq.iter().zip(x) {
-                    s += *w as f64 * *v as f64;
-                    a += (*w as f64 * *v as f64).abs();
-                }
-                w.push((s, a));
-            }
-        }
-    }
+    let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
+    let want = [&gb, &ub].map(|bytes| expert_ref(ty, bytes, ff, d, &sel, xz));
     let (gz, gs) = (gpu.upload(&z), gpu.upload_i32(&sel));
     let mut bad = Vec::new();
     let l0 = GpuBackend::gemm_wg_launches();
@@ -717,27 +733,12 @@ fn gemm_moe_wgd_down_matches_f64() {
         random_experts(&gpu, t, cols, rows, ne, seed)
     };
     let ty = GgmlType::Q2_K;
-    let rb = ty.row_bytes(ff as u64).unwrap() as usize;
     let (db, dw) = mk(ty, ff, d, 1601);
     let pairs = n * k;
     let h = randn(&mut r, pairs * ff, 1.0);
     let sel = skewed_sel(n, k);
     // f64 reference and sum |w x| per (pair, row).
-    let mut deq = vec![0f32; ff];
-    let mut want = Vec::new();
-    for p in 0..pairs {
-        let (e, x) = (sel[p] as usize, &h[p * ff..(p + 1) * ff]);
-        for row in 0..d {
-            let o = (e * d + row) * rb;
-            ds4_quant::dequantize_row(ty, &db[o..o + rb], &mut deq).unwrap();
-            let (mut s, mut a) = (0f64, 0f64);
-            for (w, v) in deq.iter().zip(x) {
-                s += *w as f64 * *v as f64;
-                a += (*w as f64 * *v as f64).abs();
-            }
-            want.push((s, a));
-        }
-    }
+    let want = expert_ref(ty, &db, d, ff, &sel, |p| &h[p * ff..(p + 1) * ff]);
     let (gh, gs) = (gpu.upload(&h), gpu.upload_i32(&sel));
     let mut bad = Vec::new();
     let mut worst = [0f64; 2];
@@ -828,14 +829,6 @@ fn gemm_moe_wgd_down_matches_f64() {
     assert!(diff < TOL_TC, "wgmma vs gemmu MoE down: {diff}");
 }
 
-/// f64 dot product and sum |w x| of a dequantised row `w` and `x`.
-fn dot_abs(w: &[f32], x: &[f32]) -> (f64, f64) {
-    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &v)| {
-        let p = w as f64 * v as f64;
-        (s + p, a + p.abs())
-    })
-}
-
 /// `gemm_moe_one_plane_matches_f64`: `got` (`[pairs][rows]`) against the references (sum, sum
 /// |w x|, B) per (pair, row), held to 2^-11 B + 2e-5 sum |w x|; prints the worst err / B and err /
 /// sum |w x|, failures into `bad`.
@@ -902,26 +895,18 @@ fn gemm_moe_one_plane_matches_f64() {
     // Gate/up: d = 1280 columns, ff = 320 rows.
     let (d, ff) = (1280usize, 320usize);
     let ty = GgmlType::IQ2_XXS;
-    let rb = ty.row_bytes(d as u64).unwrap() as usize;
     let (gb, gw) = random_experts(&gpu, ty, d, ff, ne, 1701);
     let (ub, uw) = random_experts(&gpu, ty, d, ff, ne, 1702);
     let mut z = randn(&mut r, n * d, 1.0);
     for (t, row) in z.chunks_mut(d).enumerate() {
         row.iter_mut().for_each(|v| *v *= mag(t));
     }
-    let mut deq = vec![0f32; d];
-    let mut want = [Vec::new(), Vec::new()];
-    for (bytes, w) in [&gb, &ub].into_iter().zip(want.iter_mut()) {
-        for p in 0..pairs {
-            let (e, x) = (sel[p] as usize, &z[(p / k) * d..(p / k + 1) * d]);
-            for row in 0..ff {
-                let o = (e * ff + row) * rb;
-                ds4_quant::dequantize_row(ty, &bytes[o..o + rb], &mut deq).unwrap();
-                let (s, a) = dot_abs(&deq, x);
-                w.push((s, a, a));
-            }
-        }
-    }
+    // (sum, sum |w x|, B = sum |w x|) per (product, pair, row).
+    let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
+    let want = [&gb, &ub].map(|bytes| {
+        let r = expert_ref(ty, bytes, ff, d, &sel, xz);
+        r.into_iter().map(|(s, a)| (s, a, a)).collect::<Vec<_>>()
+    });
     let gz = gpu.upload(&z);
     GpuBackend::set_gemm_planes(1);
     let (l0, p0) = (
