@@ -261,7 +261,9 @@ struct CompCase {
     chunks: &'static [usize],
 }
 
-fn run_compress(cpu: &CpuBackend, gpu: &GpuBackend, case: &CompCase, seed: u64) {
+/// Runs the case's chunks on both backends, checking each against the CPU; returns the GPU's
+/// compressed rows after the last chunk.
+fn run_compress(cpu: &CpuBackend, gpu: &GpuBackend, case: &CompCase, seed: u64) -> Vec<f32> {
     let mut r = rng(seed);
     let c = case.dims;
     let (w, d, ratio) = (c.width(), c.d, c.ratio);
@@ -294,6 +296,7 @@ fn run_compress(cpu: &CpuBackend, gpu: &GpuBackend, case: &CompCase, seed: u64) 
     let mut gs = gpu.new_layer_state(&ld);
     let mut t0 = 0;
     let exact_rows = case.round == RowRounding::default();
+    let mut rows = Vec::new();
     for (k, &n) in case.chunks.iter().enumerate() {
         let a = randn(&mut r, n * w, 2.0);
         let g = randn(&mut r, n * w, 3.0);
@@ -324,7 +327,9 @@ fn run_compress(cpu: &CpuBackend, gpu: &GpuBackend, case: &CompCase, seed: u64) 
         } else {
             assert_mostly_close(&format!("{op} rows"), &hg.rows, &hc.rows, 0.002, 1.0);
         }
+        rows = hg.rows;
     }
+    rows
 }
 
 #[test]
@@ -471,12 +476,28 @@ fn compress_matches_cpu() {
             chunks: &[1, 1, 2, 1, 1, 1, 5, 1, 1, 1, 1],
         },
     ];
-    // Both glue forms: new (default) and old (DS4_GPU_ATTN_GLUE=old).
-    for old in [false, true] {
-        GpuBackend::set_attn_glue_old(old);
-        for (i, case) in cases.iter().chain(decode.iter()).enumerate() {
-            run_compress(&cpu, &gpu, case, 100 + i as u64);
+    // Both glue forms: new (default) and old (DS4_GPU_ATTN_GLUE=old); the new one with both row
+    // forms, split (default) and fused (DS4_GPU_COMP_ROW=fused), whose rows must agree in bits.
+    let all: Vec<&CompCase> = cases.iter().chain(decode.iter()).collect();
+    GpuBackend::set_attn_glue_old(false);
+    let mut split = Vec::new();
+    for fused in [false, true] {
+        GpuBackend::set_comp_row_fused(fused);
+        for (i, case) in all.iter().enumerate() {
+            let rows = run_compress(&cpu, &gpu, case, 100 + i as u64);
+            if !fused {
+                split.push(rows);
+            } else {
+                let c = case.dims;
+                let op = format!("compress r {} coff {} d {}", c.ratio, c.coff, c.d);
+                assert_bits(&format!("{op}: split rows vs fused"), &split[i], &rows);
+            }
         }
+    }
+    GpuBackend::set_comp_row_fused(false);
+    GpuBackend::set_attn_glue_old(true);
+    for (i, case) in all.iter().enumerate() {
+        run_compress(&cpu, &gpu, case, 100 + i as u64);
     }
     GpuBackend::set_attn_glue_old(false);
 }

@@ -386,6 +386,37 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __rest
     out[(size_t)blockIdx.x * d + j] = acc;
 }
 
+// The tail of a compressed row held in shared memory (row_s, d floats) with ss its f64 sum of
+// squares in this thread: rmsnorm (weights norm), RoPE at position pos, rounding, written to o
+// (f16-rounded when f16). scale_s (256 floats), part (blockDim / DS4_WARP doubles) and nscale_s
+// are the caller's shared scratch. Shared by compress_row_f32 and compress_fin_f32 (same bits).
+__device__ __forceinline__ void ds4_comp_finish(float* row_s, float* scale_s, double* part, float* nscale_s, double ss, int d, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos, int fp8_nope, int fp4, int f16, float* __restrict__ o) {
+    int tid = threadIdx.x;
+    ss = ds4_warp_sum_f64(ss);
+    int warp = tid / DS4_WARP, nwarps = blockDim.x / DS4_WARP;
+    if (tid % DS4_WARP == 0) part[warp] = ss;
+    __syncthreads();
+    if (tid == 0) {
+        double t = 0.0;
+        for (int k = 0; k < nwarps; k++) t += part[k];
+        *nscale_s = (float)(1.0 / sqrt(t / (double)d + (double)eps));
+    }
+    __syncthreads();
+    float nsc = *nscale_s;
+    for (int j = tid; j < d; j += blockDim.x) {
+        float v = ds4_mul_rn(row_s[j], nsc);
+        row_s[j] = ds4_mul_rn(v, norm[j]);
+    }
+    __syncthreads();
+    for (int p = tid; p < n_rot / 2; p += blockDim.x) ds4_rope_pair(row_s + (d - n_rot) + 2 * p, freqs[p], pos, 0);
+    __syncthreads();
+    ds4_round_shared(row_s, scale_s, d, fp8_nope, fp4);
+    for (int j = tid; j < d; j += blockDim.x) {
+        float v = row_s[j];
+        o[j] = f16 ? ds4_f16_round(v) : v;
+    }
+}
+
 // compress_pool_f32 + rmsnorm_f32 (weights norm) + RoPE (row k at position pos0 + k·r) +
 // rounding in one launch: one CTA per closed row (grid rows, blockDim 256), the row in dynamic
 // shared memory (d floats). Pooling as compress_pool_f32 (same order); the norm's f64 sum of
@@ -427,31 +458,95 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g,
         row_s[j] = acc;
         ss += (double)acc * (double)acc;
     }
-    ss = ds4_warp_sum_f64(ss);
-    int warp = tid / DS4_WARP, nwarps = blockDim.x / DS4_WARP;
-    if (tid % DS4_WARP == 0) part[warp] = ss;
-    __syncthreads();
-    if (tid == 0) {
-        double t = 0.0;
-        for (int k = 0; k < nwarps; k++) t += part[k];
-        nscale_s = (float)(1.0 / sqrt(t / (double)d + (double)eps));
-    }
-    __syncthreads();
-    float nsc = nscale_s;
-    for (int j = tid; j < d; j += blockDim.x) {
-        float v = ds4_mul_rn(row_s[j], nsc);
-        row_s[j] = ds4_mul_rn(v, norm[j]);
-    }
-    __syncthreads();
     long long pos = pos0 + (long long)blockIdx.x * c.r;
-    for (int p = tid; p < n_rot / 2; p += blockDim.x) ds4_rope_pair(row_s + (d - n_rot) + 2 * p, freqs[p], pos, 0);
-    __syncthreads();
-    ds4_round_shared(row_s, scale_s, d, fp8_nope, fp4);
-    float* o = out + (size_t)blockIdx.x * d;
-    for (int j = tid; j < d; j += blockDim.x) {
-        float v = row_s[j];
-        o[j] = f16 ? ds4_f16_round(v) : v;
+    ds4_comp_finish(row_s, scale_s, part, &nscale_s, ss, d, norm, eps, freqs, n_rot, pos, fp8_nope, fp4, f16, out + (size_t)blockIdx.x * d);
+}
+
+// Channels per CTA of compress_pool_sh_f32 (a multiple dividing blockDim; 32 floats = 128 bytes a
+// candidate row, coalesced).
+#define DS4_CP_CH 32
+
+// The pooling of compress_row_f32 spread over channel chunks, for compress_fin_f32 to finish: at
+// ratio 128 (HCA) one CTA a row left 16 CTAs on the GPU for a 2k chunk, each thread walking three
+// serial 128-step loops of global loads (~380 us). Here grid (rows, ceil(d / DS4_CP_CH)), blockDim
+// 256 (a multiple of DS4_CP_CH), dynamic shared 2·nc·DS4_CP_CH floats ([candidate][channel]).
+// All threads load the candidates and take their max (order-free), the exponentials and the
+// weighted values p·kv; only the two sums run serially, one thread a channel in the CPU order over
+// shared memory, so each pooled value has the bits of compress_row_f32's. Rows (raw, pooled only)
+// go to out, moved by t0/r rows with sp as compress_row_f32's.
+DS4_KERNEL void DS4_BOUNDS(256) compress_pool_sh_f32(const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0a, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, float* __restrict__ out, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    const long long t0 = DS4_POS(sp, t0a);
+    const int d = w / coff, nc = coff * r;
+    if (sp) out += (size_t)(t0 / r) * (size_t)d;
+    DS4_COMP_MAKE;
+    extern __shared__ float cp_s[];
+    float* kv_s = cp_s;                    // [nc][CH] values, then p·kv
+    float* e_s = cp_s + nc * DS4_CP_CH;    // [nc][CH] scores, then exponentials
+    __shared__ float m_s[256];             // partial maxima [blockDim / CH][CH]
+    __shared__ float s_s[DS4_CP_CH];
+    const int tid = threadIdx.x, nt = blockDim.x, tot = nc * DS4_CP_CH;
+    const int j0 = blockIdx.y * DS4_CP_CH;
+    const long long wi = c.t0 / c.r + blockIdx.x;
+    // k = i·CH + jj; nt is a multiple of CH, so every k of a thread has its channel jj.
+    const int jj = tid % DS4_CP_CH, parts = nt / DS4_CP_CH;
+    for (int k = tid; k < tot; k += nt) {
+        int i = k / DS4_CP_CH, j = j0 + jj;
+        float kv = 0.0f, sc = DS4_NEG_INF;
+        if (j < d) ds4_cand(c, wi, i, j, &kv, &sc);
+        kv_s[k] = kv;
+        e_s[k] = sc;
     }
+    __syncthreads();
+    float m = DS4_NEG_INF;
+    for (int i = tid / DS4_CP_CH; i < nc; i += parts) m = fmaxf(m, e_s[i * DS4_CP_CH + jj]);
+    m_s[tid] = m;
+    __syncthreads();
+    m = DS4_NEG_INF;
+    for (int p = 0; p < parts; p++) m = fmaxf(m, m_s[p * DS4_CP_CH + jj]);
+    for (int k = tid; k < tot; k += nt) e_s[k] = expf(ds4_sub_rn(e_s[k], m));
+    __syncthreads();
+    if (tid < DS4_CP_CH) { // the CPU order: candidates 0 .. nc−1
+        float s = 0.0f;
+#pragma unroll 8
+        for (int i = 0; i < nc; i++) s = ds4_add_rn(s, e_s[i * DS4_CP_CH + tid]);
+        s_s[tid] = s;
+    }
+    __syncthreads();
+    const float s = s_s[jj];
+    for (int k = tid; k < tot; k += nt) kv_s[k] = ds4_mul_rn(ds4_div_rn(e_s[k], s), kv_s[k]);
+    __syncthreads();
+    if (tid < DS4_CP_CH && j0 + tid < d) {
+        float acc = -0.0f;
+#pragma unroll 8
+        for (int i = 0; i < nc; i++) acc = ds4_add_rn(acc, kv_s[i * DS4_CP_CH + tid]);
+        out[(size_t)blockIdx.x * d + j0 + tid] = acc;
+    }
+}
+
+// compress_row_f32's tail over rows compress_pool_sh_f32 pooled into out: norm, RoPE, rounding in
+// place (grid rows, blockDim 256, dynamic shared d floats); the sum of squares in
+// compress_row_f32's order, so the two launches give its bits. t0a / sp as compress_row_f32.
+DS4_KERNEL void DS4_BOUNDS(256) compress_fin_f32(float* __restrict__ out, int r, int d, long long t0a, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos0, int fp8_nope, int fp4, int f16, const long long* __restrict__ sp) {
+    ds4_pdl_enter();
+    const long long t0 = DS4_POS(sp, t0a);
+    if (sp) {
+        out += (size_t)(t0 / r) * (size_t)d;
+        pos0 += (t0 / r) * r;
+    }
+    extern __shared__ float row_s[];
+    __shared__ float scale_s[256];
+    __shared__ double part[256 / 32];
+    __shared__ float nscale_s;
+    float* o = out + (size_t)blockIdx.x * d;
+    double ss = 0.0;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float v = o[j];
+        row_s[j] = v;
+        ss += (double)v * (double)v;
+    }
+    long long pos = pos0 + (long long)blockIdx.x * r;
+    ds4_comp_finish(row_s, scale_s, part, &nscale_s, ss, d, norm, eps, freqs, n_rot, pos, fp8_nope, fp4, f16, o);
 }
 
 // The frontier after the chunk, into nkv/nsc [slots, w] (never the old frontier itself).

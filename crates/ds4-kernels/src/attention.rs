@@ -11,6 +11,8 @@ pub const ATTENTION: Module = Module {
         "index_qprep_f32",
         "compress_pool_f32",
         "compress_row_f32",
+        "compress_pool_sh_f32",
+        "compress_fin_f32",
         "compress_frontier_f32",
         "compress_frontier_ip_f32",
         "index_scores_f32",

@@ -85,6 +85,19 @@ fn glue_old() -> bool {
     env_form(&GLUE_MODE, "DS4_GPU_ATTN_GLUE", "old")
 }
 
+/// Closed compressor rows: 0 not yet read from `DS4_GPU_COMP_ROW`, 1 fused (`compress_row_f32`:
+/// one CTA a row pools, norms, rotates and rounds it; HCA's 128 candidates a channel left 16 CTAs
+/// for a 2k chunk at ~380 us), 2 split (the default): `compress_pool_sh_f32` pools over channel
+/// chunks of `CP_CH` (candidates in shared memory, only the two ordered sums serial), then
+/// `compress_fin_f32` finishes each row in place; the same bits.
+static COMP_ROW: AtomicU8 = AtomicU8::new(0);
+/// Channels per CTA of `compress_pool_sh_f32` (`DS4_CP_CH`).
+const CP_CH: usize = 32;
+
+fn comp_row_fused() -> bool {
+    env_form(&COMP_ROW, "DS4_GPU_COMP_ROW", "fused")
+}
+
 /// Indexer top-k and query prep: 0 not yet read from `DS4_GPU_TOPK`, 1 old (`index_topk_ps`
 /// for every row length; the query copied, then `rope_f32` and `round_fp4h128_f32`), 2 new (the
 /// default): `index_topk_r` (keys in registers) for rows of at most `TK_N` candidates, the two
@@ -179,6 +192,12 @@ impl GpuBackend {
     /// indexer scores, serial top-k bin scan); process-wide, overrides `DS4_GPU_ATTN_GLUE=old`.
     pub fn set_attn_glue_old(on: bool) {
         GLUE_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// Closed compressor rows in one fused launch (`compress_row_f32`) instead of the split
+    /// pool + finish pair; process-wide, overrides `DS4_GPU_COMP_ROW=fused`. For tests.
+    pub fn set_comp_row_fused(on: bool) {
+        COMP_ROW.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The indexer's old top-k and query prep (`index_topk_ps`; copy, `rope_f32`,
@@ -511,7 +530,37 @@ impl GpuBackend {
             ]);
             let mut dims_r = LaunchDims::linear(closed as u32, 256);
             dims_r.shared_bytes = (d * 4) as u32;
-            self.run(&ATTENTION, "compress_row_f32", dims_r, &args);
+            // Candidates [nc][CP_CH] values and scores of compress_pool_sh_f32 in shared memory.
+            let nc = dims.coff * r;
+            let sh_pool = (2 * nc * CP_CH * 4) as u32;
+            if comp_row_fused() || sh_pool > 48 * 1024 {
+                self.run(&ATTENTION, "compress_row_f32", dims_r, &args);
+            } else {
+                let mut pa = common(c.front_kv.ptr(), c.front_score.ptr());
+                pa.extend([Arg::Ptr(out), sp.map_or(Arg::Null, Arg::Ptr)]);
+                let dims_p = LaunchDims {
+                    grid: [closed as u32, d.div_ceil(CP_CH) as u32, 1],
+                    block: [256, 1, 1],
+                    shared_bytes: sh_pool,
+                };
+                self.run(&ATTENTION, "compress_pool_sh_f32", dims_p, &pa);
+                let fa = [
+                    Arg::Ptr(out),
+                    Arg::I32(r as i32),
+                    Arg::I32(d as i32),
+                    Arg::I64(t0a),
+                    Arg::Ptr(norm.ptr()),
+                    Arg::F32(spec.eps),
+                    Arg::Ptr(self.rope_ptr(spec.rope)),
+                    Arg::I32(spec.n_rot as i32),
+                    Arg::I64(pos0 as i64),
+                    Arg::I32(rr.fp8_nope as i32),
+                    Arg::I32(rr.fp4_hadamard as i32),
+                    Arg::I32(rr.f16 as i32),
+                    sp.map_or(Arg::Null, Arg::Ptr),
+                ];
+                self.run(&ATTENTION, "compress_fin_f32", dims_r, &fa);
+            }
         } else if closed > 0 && !self.failed() {
             let out = c.rows.ptr().offset((n_rows * d * 4) as u64);
             let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
