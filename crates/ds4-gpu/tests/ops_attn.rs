@@ -477,12 +477,13 @@ fn compress_matches_cpu() {
         },
     ];
     // Both glue forms: new (default) and old (DS4_GPU_ATTN_GLUE=old); the new one with both row
-    // forms, split (default) and fused (DS4_GPU_COMP_ROW=fused), whose rows must agree in bits.
+    // forms everywhere, split and fused (DS4_GPU_COMP_ROW=split / fused; the default takes
+    // either by the pool's length), whose rows must agree in bits.
     let all: Vec<&CompCase> = cases.iter().chain(decode.iter()).collect();
     GpuBackend::set_attn_glue_old(false);
     let mut split = Vec::new();
     for fused in [false, true] {
-        GpuBackend::set_comp_row_fused(fused);
+        GpuBackend::set_comp_row(if fused { "fused" } else { "split" });
         for (i, case) in all.iter().enumerate() {
             let rows = run_compress(&cpu, &gpu, case, 100 + i as u64);
             if !fused {
@@ -494,7 +495,7 @@ fn compress_matches_cpu() {
             }
         }
     }
-    GpuBackend::set_comp_row_fused(false);
+    GpuBackend::set_comp_row("auto");
     GpuBackend::set_attn_glue_old(true);
     for (i, case) in all.iter().enumerate() {
         run_compress(&cpu, &gpu, case, 100 + i as u64);

@@ -1123,3 +1123,90 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     GpuBackend::set_gemm_planes(2);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// The MoE's SwiGLU fused into the down's X conversion (`set_moe_swiglu_xt`,
+/// `DS4_GPU_MOE_SWIGLU_XT`: `gemm_xt_swiglu_f32`) against `moe_swiglu_f32` + `gemm_xt_f32`: the
+/// same bits of the whole MoE output, with two X planes and with one (the down's conversion with
+/// and without the lo plane), on the q2 mix (IQ2_XXS gate/up, Q2_K down) with skewed expert runs,
+/// token rows of magnitudes 1e-6 .. 1e6 and clamp 0.05 (both clamp sides taken). ff 768 leaves
+/// a partial CTA (48 groups, 64 threads), ff 2048 is the model's. Also: the fused kernel ran once
+/// per call with the switch on and never with it off. DS4_GPU_POISON=1 fills scratch with NaN: a
+/// word read but not written shows.
+#[test]
+fn gemm_moe_swiglu_xt_same_bits() {
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    set_form(0);
+    // The tiled down (and so the fused conversion): CUDA sm_80+.
+    let tiled = {
+        let i = gpu.gpu().info();
+        i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
+    };
+    let (ne, k, n) = (16usize, 6usize, 200usize);
+    let pairs = n * k;
+    let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
+    let sel = skewed_sel(n, k);
+    let gs = gpu.upload_i32(&sel);
+    let mut r = rng(1900);
+    let wgt: Vec<f32> = (0..pairs).map(|_| r.gen_range(0.1..1.0)).collect();
+    let gwt = gpu.upload(&wgt);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut bad = Vec::new();
+    for (i, (d, ff)) in [(512usize, 768usize), (256, 2048)].into_iter().enumerate() {
+        let spec = MoeSpec {
+            n_expert: ne,
+            n_used: k,
+            d,
+            ff,
+            weight_scale: 1.0,
+            clamp: 0.05,
+        };
+        let s = 1901 + 10 * i as u64;
+        let (_, gw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, s);
+        let (_, uw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, s + 1);
+        let (_, dw) = random_experts(&gpu, GgmlType::Q2_K, ff, d, ne, s + 2);
+        let mut z = randn(&mut r, n * d, 1.0);
+        for (t, row) in z.chunks_mut(d).enumerate() {
+            row.iter_mut().for_each(|v| *v *= mag(t));
+        }
+        let gz = gpu.upload(&z);
+        for planes in [2u8, 1] {
+            GpuBackend::set_gemm_planes(planes);
+            let mut outs = Vec::new();
+            for on in [false, true] {
+                GpuBackend::set_moe_swiglu_xt(on);
+                let l0 = GpuBackend::gemm_swiglu_xt_launches();
+                let mut go = gpu.alloc(n * d);
+                gpu.moe_experts(&spec, &gw, &uw, &dw, &gz, &gs, &gwt, n, &mut go);
+                let out = gpu.download(&go, n * d);
+                if let Err(e) = gpu.check() {
+                    panic!("ff {ff} planes {planes} fused {on}: GPU error: {e}");
+                }
+                let ran = GpuBackend::gemm_swiglu_xt_launches() - l0;
+                if ran != u64::from(on && tiled) {
+                    bad.push(format!(
+                        "ff {ff} planes {planes} fused {on}: {ran} launches"
+                    ));
+                }
+                if out.iter().any(|v| !v.is_finite()) {
+                    bad.push(format!(
+                        "ff {ff} planes {planes} fused {on}: non-finite output"
+                    ));
+                }
+                outs.push(bits(&out));
+            }
+            let diff = outs[0].iter().zip(&outs[1]).filter(|(a, b)| a != b).count();
+            println!(
+                "moe swiglu_xt ff {ff} planes {planes}: {diff} of {} values differ in bits",
+                n * d
+            );
+            if diff != 0 {
+                bad.push(format!("ff {ff} planes {planes}: {diff} values differ"));
+            }
+        }
+    }
+    GpuBackend::set_gemm_planes(2);
+    GpuBackend::set_moe_swiglu_xt(true);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

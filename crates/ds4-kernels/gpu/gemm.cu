@@ -1605,6 +1605,58 @@ DS4_KERNEL void DS4_BOUNDS(GU_B3) gemmu_q2_k(GMT_PARAMS) { gemmu_body(GMT_ARGS);
 // unit != 0: the unit layout of gemmu_q2_k instead (per 32-element chunk, word 4 (4 kk + c) + t =
 // component c of the group 2t + kk above). lo == 0 (unit layout only: the one-plane gwd_q2_k_p1,
 // which reads neither): the lo components (units 4 kk + 2, 4 kk + 3) and the lo sums not written.
+#if GM_HAVE_MMA // the f16 split helpers exist only there
+// gemm_xt_f32's output for group g (16 elements v, unscaled) of one row: row = xt + t·x_tok,
+// so = the row's sums (u16 view; null: none), sc = 2^s. Shared with gemm_xt_swiglu_f32.
+__device__ __forceinline__ void gm_xt_group(const float4 (&v)[4], float sc, int g, u32* __restrict__ row, u16* __restrict__ so, int unit, int lo) {
+    float sum = 0.0f;
+    uint4 wq[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float a = v[i].x * sc, b = v[i].y * sc, c = v[i].z * sc, d = v[i].w * sc; // exact (power of two)
+        u32 h0, h1, l0, l1;
+        ds4_f16x2_split(a, b, h0, l0);
+        ds4_f16x2_split(c, d, h1, l1);
+        wq[i] = make_uint4(h0, h1, l0, l1);
+        sum += (a + b) + (c + d);
+    }
+    if (!unit) {
+        uint4* o = (uint4*)row;
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[4 * g + i] = wq[i];
+    } else { // groups 4(g%2) + i of chunk g/2: words t = 2(g%2), +1 of unit (kk = i%2, c)
+        uint2* u2 = (uint2*)(row + 32 * (g >> 1) + 2 * (g & 1));
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const uint4 a = wq[kk], b = wq[2 + kk];
+            u2[2 * (4 * kk + 0)] = make_uint2(a.x, b.x);
+            u2[2 * (4 * kk + 1)] = make_uint2(a.y, b.y);
+            if (lo) {
+                u2[2 * (4 * kk + 2)] = make_uint2(a.z, b.z);
+                u2[2 * (4 * kk + 3)] = make_uint2(a.w, b.w);
+            }
+        }
+    }
+    if (so) {
+        float v = sum * 0.0625f; // exact
+        u32 hv = gm_h2(v, 0.0f);
+        float lv = v - ds4_h2f_fast(hv);
+        int b = g >> 4, k = g & 15;
+        so[32 * b + k] = (u16)hv;
+        if (lo || !unit) so[32 * b + 16 + k] = (u16)gm_h2(lv, 0.0f);
+    }
+}
+
+// The row scale of gemm_xt_f32 from the row's max |x| m: returns 2^s (s = 15 − e, clamped), and
+// thread 0 stores 2^−s to xinv[t].
+__device__ __forceinline__ float gm_xt_scale(float m, float* __restrict__ xinv, long long t) {
+    int e = (int)((__float_as_int(m) >> 23) & 0xff) - 126;
+    int sh = min(max(15 - e, -126), 126);
+    if (threadIdx.x == 0) xinv[t] = __int_as_float((127 - sh) << 23);
+    return __int_as_float((sh + 127) << 23);
+}
+#endif
+
 DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xt, u32* __restrict__ xs, float* __restrict__ xinv, int unit, int lo) {
 #if GM_HAVE_MMA
     __shared__ float red[256 / DS4_WARP];
@@ -1620,49 +1672,52 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_f32(const float* __restrict__ X, long lo
     __syncthreads();
     m = red[0];
     for (int i = 1; i < 256 / DS4_WARP; i++) m = fmaxf(m, red[i]);
-    int e = (int)((__float_as_int(m) >> 23) & 0xff) - 126;
-    int sh = min(max(15 - e, -126), 126);
-    float sc = __int_as_float((sh + 127) << 23);
-    if (threadIdx.x == 0) xinv[blockIdx.x] = __int_as_float((127 - sh) << 23);
-    uint4* o = (uint4*)(xt + (long long)blockIdx.x * x_tok);
+    const float sc = gm_xt_scale(m, xinv, blockIdx.x);
+    u32* row = xt + (long long)blockIdx.x * x_tok;
     u16* so = xs ? (u16*)(xs + (long long)blockIdx.x * (x_tok / 16)) : nullptr;
     for (int g = threadIdx.x; g < width / 16; g += 256) { // 16 elements per step
-        float sum = 0.0f;
-        uint4 wq[4];
+        float4 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = p[4 * g + i];
+        gm_xt_group(v, sc, g, row, so, unit, lo);
+    }
+#endif
+}
+
+// moe_swiglu_f32 + gemm_xt_f32 in one pass, for the MoE down's X: row p (pair; one CTA) of
+// h = ds4_moe_swiglu(gate, up, clamp, wgt[p]) (moe_swiglu_f32's bits) converted as gemm_xt_f32
+// converts rows of h (x_tok = width), without h in memory (reads gate and up once, writes only
+// the converted row, in any of gemm_xt_f32's layouts). Each thread holds one 16-element
+// group in registers: blockDim a multiple of DS4_WARP, ≥ width / 16, ≤ 256 (width ≤ 4096, a
+// multiple of 256). The row max is order-free, so the scale and every word are gemm_xt_f32's.
+DS4_KERNEL void DS4_BOUNDS(256) gemm_xt_swiglu_f32(const float* __restrict__ G, const float* __restrict__ U, const float* __restrict__ wgt, float clamp, int width, u32* __restrict__ xt, u32* __restrict__ xs, float* __restrict__ xinv, int unit, int lo) {
+    ds4_pdl_enter();
+#if GM_HAVE_MMA
+    __shared__ float red[256 / DS4_WARP];
+    const long long t = blockIdx.x;
+    const int g = threadIdx.x;
+    const bool on = g < width / 16;
+    float4 v[4];
+    float m = 0.0f;
+    if (on) {
+        const float w = wgt[t];
+        const float4* gp = (const float4*)(G + t * width) + 4 * g;
+        const float4* up = (const float4*)(U + t * width) + 4 * g;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            float4 v = p[4 * g + i];
-            float a = v.x * sc, b = v.y * sc, c = v.z * sc, d = v.w * sc; // exact (power of two)
-            u32 h0, h1, l0, l1;
-            ds4_f16x2_split(a, b, h0, l0);
-            ds4_f16x2_split(c, d, h1, l1);
-            wq[i] = make_uint4(h0, h1, l0, l1);
-            sum += (a + b) + (c + d);
-        }
-        if (!unit) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) o[4 * g + i] = wq[i];
-        } else { // groups 4(g%2) + i of chunk g/2: words t = 2(g%2), +1 of unit (kk = i%2, c)
-            uint2* u2 = (uint2*)(xt + (long long)blockIdx.x * x_tok + 32 * (g >> 1) + 2 * (g & 1));
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                const uint4 a = wq[kk], b = wq[2 + kk];
-                u2[2 * (4 * kk + 0)] = make_uint2(a.x, b.x);
-                u2[2 * (4 * kk + 1)] = make_uint2(a.y, b.y);
-                if (lo) {
-                    u2[2 * (4 * kk + 2)] = make_uint2(a.z, b.z);
-                    u2[2 * (4 * kk + 3)] = make_uint2(a.w, b.w);
-                }
-            }
-        }
-        if (so) {
-            float v = sum * 0.0625f; // exact
-            u32 hv = gm_h2(v, 0.0f);
-            float lv = v - ds4_h2f_fast(hv);
-            int b = g >> 4, k = g & 15;
-            so[32 * b + k] = (u16)hv;
-            if (lo || !unit) so[32 * b + 16 + k] = (u16)gm_h2(lv, 0.0f);
+            const float4 a = gp[i], b = up[i];
+            v[i] = make_float4(ds4_moe_swiglu(a.x, b.x, clamp, w), ds4_moe_swiglu(a.y, b.y, clamp, w),
+                               ds4_moe_swiglu(a.z, b.z, clamp, w), ds4_moe_swiglu(a.w, b.w, clamp, w));
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w))));
         }
     }
+#pragma unroll
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < (int)blockDim.x / DS4_WARP; i++) m = fmaxf(m, red[i]);
+    const float sc = gm_xt_scale(m, xinv, t);
+    if (on) gm_xt_group(v, sc, g, xt + t * width, xs ? (u16*)(xs + t * (width / 16)) : nullptr, unit, lo);
 #endif
 }

@@ -528,8 +528,7 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_swiglu_f32(const float* __restrict__ g, cons
     ds4_pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
-    float gv = fminf(g[i], clamp), uv = fminf(fmaxf(u[i], -clamp), clamp);
-    h[i] = gv * (1.0f / (1.0f + expf(-gv))) * uv * wgt[i / ff];
+    h[i] = ds4_moe_swiglu(g[i], u[i], clamp, wgt[i / ff]);
 }
 
 // out[i*d + j] = sum over slots s = 0..k-1 (in order) of part[(i*k + s)*d + j].

@@ -86,6 +86,13 @@ __device__ __forceinline__ u32 ds4_warp_sum_u32(u32 v) {
     return v;
 }
 
+// The MoE's SwiGLU of one element (gate g, up u, clamp, route weight w): matmul.cu
+// moe_swiglu_f32 and gemm.cu gemm_xt_swiglu_f32 share it, so both give the same bits.
+__device__ __forceinline__ float ds4_moe_swiglu(float g, float u, float clamp, float w) {
+    float gv = fminf(g, clamp), uv = fminf(fmaxf(u, -clamp), clamp);
+    return gv * (1.0f / (1.0f + expf(-gv))) * uv * w;
+}
+
 // Programmatic dependent launch (CUDA, sm_90+). A kernel whose body STARTS with
 // `ds4_pdl_enter();` may be launched with the PDL attribute (the host finds these kernels by
 // that text: ds4_kernels::pdl_kernels): it is then scheduled while the previous kernel still

@@ -71,5 +71,6 @@ pub const GEMM: Module = Module {
         "gemmt_iq2_xxs",
         "gemmu_q2_k",
         "gemm_xt_f32",
+        "gemm_xt_swiglu_f32",
     ],
 };

@@ -85,17 +85,30 @@ fn glue_old() -> bool {
     env_form(&GLUE_MODE, "DS4_GPU_ATTN_GLUE", "old")
 }
 
-/// Closed compressor rows: 0 not yet read from `DS4_GPU_COMP_ROW`, 1 fused (`compress_row_f32`:
-/// one CTA a row pools, norms, rotates and rounds it; HCA's 128 candidates a channel left 16 CTAs
-/// for a 2k chunk at ~380 us), 2 split (the default): `compress_pool_sh_f32` pools over channel
-/// chunks of `CP_CH` (candidates in shared memory, only the two ordered sums serial), then
-/// `compress_fin_f32` finishes each row in place; the same bits.
+/// Closed compressor rows: 0 not yet read from `DS4_GPU_COMP_ROW`, 1 fused everywhere
+/// (`DS4_GPU_COMP_ROW=fused`; `compress_row_f32`: one CTA a row pools, norms, rotates and
+/// rounds it), 2 auto (the default): split where a channel pools at least `CP_MIN_NC`
+/// candidates, 3 split everywhere (`DS4_GPU_COMP_ROW=split`). Split: `compress_pool_sh_f32`
+/// pools over channel chunks of `CP_CH` (candidates in shared memory, only the two ordered sums
+/// serial), then `compress_fin_f32` finishes each row in place; the same bits. H200, 2k prefill
+/// (bench/results/gpu-p318-h200.txt): HCA (128 candidates) 383 -> 19 + 7 us; CSA (8) 39 ->
+/// 40 + 7 us and its indexer 20 -> 13 + 8 us, so those stay fused.
 static COMP_ROW: AtomicU8 = AtomicU8::new(0);
 /// Channels per CTA of `compress_pool_sh_f32` (`DS4_CP_CH`).
 const CP_CH: usize = 32;
+/// Fewest candidates a channel (coff · ratio) for which auto splits the row kernel.
+const CP_MIN_NC: usize = 32;
 
-fn comp_row_fused() -> bool {
-    env_form(&COMP_ROW, "DS4_GPU_COMP_ROW", "fused")
+fn comp_row_mode() -> u8 {
+    if COMP_ROW.load(Ordering::Relaxed) == 0 {
+        let m = match std::env::var("DS4_GPU_COMP_ROW").as_deref() {
+            Ok("fused") => 1,
+            Ok("split") => 3,
+            _ => 2,
+        };
+        let _ = COMP_ROW.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    COMP_ROW.load(Ordering::Relaxed)
 }
 
 /// Indexer top-k and query prep: 0 not yet read from `DS4_GPU_TOPK`, 1 old (`index_topk_ps`
@@ -194,10 +207,16 @@ impl GpuBackend {
         GLUE_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
-    /// Closed compressor rows in one fused launch (`compress_row_f32`) instead of the split
-    /// pool + finish pair; process-wide, overrides `DS4_GPU_COMP_ROW=fused`. For tests.
-    pub fn set_comp_row_fused(on: bool) {
-        COMP_ROW.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    /// Closed compressor rows by name, as `DS4_GPU_COMP_ROW`: `fused` (`compress_row_f32`
+    /// everywhere), `split` (`compress_pool_sh_f32` + `compress_fin_f32` everywhere), else auto
+    /// (split for long pools only, the default); process-wide. For tests and benchmarks.
+    pub fn set_comp_row(form: &str) {
+        let m = match form {
+            "fused" => 1,
+            "split" => 3,
+            _ => 2,
+        };
+        COMP_ROW.store(m, Ordering::Relaxed);
     }
 
     /// The indexer's old top-k and query prep (`index_topk_ps`; copy, `rope_f32`,
@@ -533,7 +552,12 @@ impl GpuBackend {
             // Candidates [nc][CP_CH] values and scores of compress_pool_sh_f32 in shared memory.
             let nc = dims.coff * r;
             let sh_pool = (2 * nc * CP_CH * 4) as u32;
-            if comp_row_fused() || sh_pool > 48 * 1024 {
+            let split = match comp_row_mode() {
+                1 => false,
+                3 => true,
+                _ => nc >= CP_MIN_NC,
+            };
+            if !split || sh_pool > 48 * 1024 {
                 self.run(&ATTENTION, "compress_row_f32", dims_r, &args);
             } else {
                 let mut pa = common(c.front_kv.ptr(), c.front_score.ptr());

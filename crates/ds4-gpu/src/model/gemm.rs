@@ -295,6 +295,20 @@ fn split_x() -> bool {
     switch_on(&XB, "DS4_GPU_GEMM_XB")
 }
 
+/// The MoE's SwiGLU fused into the down's X conversion (`gemm_xt_swiglu_f32`: gate and up read
+/// once, h never written) where the down takes the tiled form: 0 no (`moe_swiglu_f32`, then
+/// `gemm_xt_f32` over h), 1 yes, UNSET: read `DS4_GPU_MOE_SWIGLU_XT` (`0` = no). Same bits.
+static SWXT: AtomicU8 = AtomicU8::new(UNSET);
+/// Widest h row `gemm_xt_swiglu_f32` takes (one 16-element group a thread, 256 threads).
+const SWXT_MAX: usize = 4096;
+
+/// `gemm_xt_swiglu_f32` launches so far (process-wide; tests).
+static SWXT_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+fn swiglu_xt() -> bool {
+    switch_on(&SWXT, "DS4_GPU_MOE_SWIGLU_XT")
+}
+
 /// GEMM launches so far (process-wide), so tests can see the GEMM took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
@@ -512,6 +526,72 @@ impl GpuBackend {
         t
     }
 
+    /// The MoE's SwiGLU fused into the down's X conversion (`gemm_xt_swiglu_f32`; default on,
+    /// `DS4_GPU_MOE_SWIGLU_XT=0` off). Process-wide (tests, benchmarks).
+    pub fn set_moe_swiglu_xt(on: bool) {
+        SWXT.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// `gemm_xt_swiglu_f32` launches so far in this process.
+    pub fn gemm_swiglu_xt_launches() -> u64 {
+        SWXT_LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// `gemm_xt_swiglu_f32`: the MoE's h (`pairs` rows of `ff`, SwiGLU of gate `g` and up `u`
+    /// with clamp and route weights `wgt`, as `moe_swiglu`) converted for the tiled down of type
+    /// `ty` as `convert_x(&[ty], &[ff], h, pairs, ff, ff, lo)` would, without h; None where
+    /// that conversion is not the tiled form or the row is too wide.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_tile_x(
+        &self,
+        ty: GgmlType,
+        g: DevPtr,
+        u: DevPtr,
+        wgt: DevPtr,
+        clamp: f32,
+        pairs: usize,
+        ff: usize,
+        lo: bool,
+    ) -> Option<Xc> {
+        if !swiglu_xt()
+            || ff > SWXT_MAX
+            || self.half_ok(ty, &[ff])
+            || !self.tiled_ok(ty, &[ff])
+            || pairs > u32::MAX as usize
+        {
+            return None;
+        }
+        // convert_x's tiled branch for one type: Q2_K in the unit layout, sums for K-quants.
+        let unit = ty == GgmlType::Q2_K;
+        let t = TileX {
+            x: self.scratch(pairs * ff),
+            inv: self.scratch(pairs),
+            sums: needs_sums(ty).then(|| self.scratch(pairs * ff / 16)),
+            unit,
+        };
+        SWXT_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        // One 16-element group a thread, whole warps of 64 (wave64 too).
+        let threads = (ff / 16).next_multiple_of(64).min(256) as u32;
+        self.run(
+            &ds4_kernels::GEMM,
+            "gemm_xt_swiglu_f32",
+            LaunchDims::linear(pairs as u32, threads),
+            &[
+                Arg::Ptr(g),
+                Arg::Ptr(u),
+                Arg::Ptr(wgt),
+                Arg::F32(clamp),
+                Arg::I32(ff as i32),
+                Arg::Ptr(t.x.ptr),
+                t.sums.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b.ptr)),
+                Arg::Ptr(t.inv.ptr),
+                Arg::I32(unit as i32),
+                Arg::I32((lo || !unit) as i32),
+            ],
+        );
+        Some(Xc::Tiled(t))
+    }
+
     /// Skip empty 16-item m-tiles (default on; `DS4_GPU_GEMM_SKIP=0` off). Process-wide (tests,
     /// benchmarks).
     pub fn set_gemm_skip(on: bool) {
@@ -641,10 +721,13 @@ impl GpuBackend {
         grouped: Option<(DevPtr, DevPtr, usize)>,
         bm: usize,
         conv: bool,
+        pre: Option<Xc>,
         part: DevPtr,
     ) {
         let (ff, d) = (dn.2, dn.3);
-        let hh = if conv {
+        let hh = if let Some(x) = pre {
+            x
+        } else if conv {
             let lo = !self.wgd_hi_only(grouped.is_some(), ff);
             self.convert_x(&[dn.1], &[ff], h, pairs, ff, ff, lo)
         } else {
@@ -709,6 +792,7 @@ impl GpuBackend {
             Some((sel.0.ptr, grp.ptr, gmax)),
             T_BM,
             true,
+            None,
             part.ptr,
         );
         Some(
@@ -1256,10 +1340,17 @@ impl GpuBackend {
         }
         drop(hz);
         drop(zb);
-        let mut h = self.scratch(pairs * ff);
-        self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
+        // The down's X straight from gate and up where it takes the tiled form (no h).
+        let lo = !self.wgd_hi_only(true, ff);
+        let pre = t_dn
+            .then(|| self.swiglu_tile_x(dn.1, gb.ptr, ub.ptr, wgt.ptr, spec.clamp, pairs, ff, lo))
+            .flatten();
+        let mut h = self.scratch(if pre.is_some() { 0 } else { pairs * ff });
+        if pre.is_none() {
+            self.moe_swiglu(&gb, &ub, &mut h, wgt, spec.clamp, ff, pairs);
+        }
         let part = self.scratch(pairs * d);
-        self.moe_down(dn, h.ptr, pairs, grouped, bm, h_dn || t_dn, part.ptr);
+        self.moe_down(dn, h.ptr, pairs, grouped, bm, h_dn || t_dn, pre, part.ptr);
         let total = n * d;
         self.run(
             &ds4_kernels::MATMUL,
