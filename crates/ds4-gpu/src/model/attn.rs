@@ -123,6 +123,14 @@ static TC_MODE: AtomicU8 = AtomicU8::new(0);
 /// Heads per CTA and largest RoPE width of `attn_tc*` (`ATC_HG`, 2·`ATC_MAXROT`).
 const ATC_HG: usize = 16;
 const ATC_MAXROT: usize = 128;
+/// `attn_tc512g_f32` (one CTA per token for all heads, absent candidates dropped; the `fast`
+/// form with head width 512 and at most 64 heads): `DS4_GPU_ATTN_TCG=off` keeps
+/// `attn_tc512h_f32` (16 heads a CTA). Its static shared bytes (`ATG_SMEM`, attn_tc.cu: two
+/// 32-row K/V tiles, four partial-S tiles, the P tile, per-head factors, RoPE, scan counts) before
+/// 4 bytes a candidate.
+static TCG_MODE: AtomicU8 = AtomicU8::new(0);
+const ATG_SMEM: usize =
+    2 * 32 * 520 * 2 + 4 * 64 * 36 * 4 + 64 * 40 * 2 + (3 * 64 + 2 * ATC_MAXROT + 8) * 4;
 
 fn tc_mode() -> u8 {
     if TC_MODE.load(Ordering::Relaxed) == 0 {
@@ -282,6 +290,13 @@ impl GpuBackend {
                 Arg::I32(win as i32),
             ],
         );
+    }
+
+    /// The `fast` prefill attention for head width 512 with one CTA per token
+    /// (`attn_tc512g_f32`, the default) or per 16 heads (`attn_tc512h_f32`); process-wide,
+    /// overrides `DS4_GPU_ATTN_TCG=off`.
+    pub fn set_attn_tcg(on: bool) {
+        TCG_MODE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     /// Prefill attention on tensor cores where the device has them (CUDA sm_80+), else the f32
@@ -974,6 +989,27 @@ impl GpuBackend {
             (_, false) => "attn_tc64_f32",
             (_, true) => "attn_tc64h_f32",
         };
+        // attn_tc512g_f32: its dynamic shared memory holds the token's candidate list.
+        let g_smem = ATG_SMEM + 4 * candidates(spec, sel.is_some(), n, t0).1;
+        let grouped = name == "attn_tc512h_f32"
+            && nh <= 64
+            && g_smem <= self.gpu.info().max_shared_per_block as usize
+            && !env_form(&TCG_MODE, "DS4_GPU_ATTN_TCG", "off");
+        let (name, dims) = if grouped {
+            let d = LaunchDims {
+                grid: [1, n as u32, 1],
+                block: [256, 1, 1],
+                shared_bytes: g_smem as u32,
+            };
+            ("attn_tc512g_f32", d)
+        } else {
+            let d = LaunchDims {
+                grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
+                block: [128, 1, 1],
+                shared_bytes: 0,
+            };
+            (name, d)
+        };
         // f16 copies of every row a token may read: [ring (win) | this chunk's kv (n) | the
         // compressed rows visible to the chunk's last token]; the scratch outlives the launches
         // (stream order).
@@ -1007,11 +1043,7 @@ impl GpuBackend {
         self.run(
             &ATTN_TC,
             name,
-            LaunchDims {
-                grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
-                block: [128, 1, 1],
-                shared_bytes: 0,
-            },
+            dims,
             &[
                 &attn_inputs(q, kv, st, comp, sel)[..],
                 &[
