@@ -858,8 +858,10 @@ struct Form {
     name: &'static str,
     tc: bool,
     fast: bool,
-    /// `fast` with head width 512: one CTA per token (`attn_tc512g_f32`) or per 16 heads.
+    /// `fast` with head width 512: one CTA per token (`attn_tc512g_f32`) or per 16 heads;
+    /// `tcg64`: one CTA per token with 64-row tiles (`attn_tc512g64_f32`).
     tcg: bool,
+    tcg64: bool,
     attn: &'static str,
     tol: f32,
 }
@@ -869,6 +871,7 @@ const TC: Form = Form {
     tc: true,
     fast: false,
     tcg: true,
+    tcg64: false,
     attn: "one",
     tol: 2e-5,
 };
@@ -877,6 +880,7 @@ const TC_FAST: Form = Form {
     tc: true,
     fast: true,
     tcg: true,
+    tcg64: false,
     attn: "one",
     tol: 3e-3,
 };
@@ -886,11 +890,18 @@ const TC_FAST16: Form = Form {
     tcg: false,
     ..TC_FAST
 };
+/// `TC_FAST` with 64-row tiles (`attn_tc512g64_f32`, `DS4_GPU_ATTN_TCG=r64`).
+const TC_FAST64: Form = Form {
+    name: "tc-fast64",
+    tcg64: true,
+    ..TC_FAST
+};
 const ONE: Form = Form {
     name: "one",
     tc: false,
     fast: false,
     tcg: true,
+    tcg64: false,
     attn: "one",
     tol: 2e-5,
 };
@@ -901,6 +912,7 @@ const ONE_F32: Form = Form {
     tc: false,
     fast: false,
     tcg: true,
+    tcg64: false,
     attn: "one-f32",
     tol: 2e-5,
 };
@@ -909,6 +921,7 @@ const SPLIT: Form = Form {
     tc: false,
     fast: false,
     tcg: true,
+    tcg64: false,
     attn: "split",
     tol: 2e-5,
 };
@@ -917,13 +930,14 @@ const SIMPLE: Form = Form {
     tc: false,
     fast: false,
     tcg: true,
+    tcg64: false,
     attn: "simple",
     tol: 2e-5,
 };
 
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
-    GpuBackend::set_attn_tcg(f.tcg);
+    GpuBackend::set_attn_tcg(f.tcg, f.tcg64);
     GpuBackend::set_attn_form(f.attn);
 }
 
@@ -1166,7 +1180,7 @@ fn attend_prefill_matches_cpu() {
             c,
             900 + i as u64,
             true,
-            &[TC, TC_FAST, SPLIT, TC_FAST16],
+            &[TC, TC_FAST, SPLIT, TC_FAST16, TC_FAST64],
         );
         // The tensor-core form next to the split f32 kernels.
         assert_close(
@@ -1220,7 +1234,7 @@ fn attend_bench() {
         (4, true, 2048, 6144),
         (128, false, 2048, 6144),
     ];
-    // DS4_ATTN_BENCH=tc: the prefill chunks only, the tensor-core forms, fast forms A B A B.
+    // DS4_ATTN_BENCH=tc: the prefill chunks only, the tensor-core forms, fast forms A B C A B C.
     let tc_only = std::env::var("DS4_ATTN_BENCH").is_ok_and(|v| v == "tc");
     for &(ratio, with_sel, n, t0) in &cases {
         let ld = LayerDims {
@@ -1278,7 +1292,9 @@ fn attend_bench() {
             continue;
         }
         let forms: &[Form] = if tc_only {
-            &[TC_FAST16, TC_FAST, TC_FAST16, TC_FAST, TC]
+            &[
+                TC_FAST16, TC_FAST, TC_FAST64, TC_FAST16, TC_FAST, TC_FAST64, TC,
+            ]
         } else {
             &[TC, TC_FAST, TC_FAST16, ONE, SPLIT, SIMPLE]
         };

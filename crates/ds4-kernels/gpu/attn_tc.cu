@@ -302,31 +302,34 @@ __device__ __forceinline__ void atc_rows_body(const float* __restrict__ raw, con
 // the tile loop (at 2k most top-k slots of early tokens are −1: ~384 of 640 rows remain on average).
 //   start: the token's present candidates in order → idx (row numbers of rows16, dynamic shared),
 //          a block scan of 256 at a time;
-//   tiles of ATG_R = 32 rows, double-buffered in shared memory by cp.async (next tile in flight
+//   tiles of R rows, double-buffered in shared memory by cp.async (next tile in flight
 //   during this one), 3 barriers a tile:
 //   S:  warp w takes heads 32·(w%2) + [0, 32) (two m16 tiles) over columns 128·(w/2) + [0, 128):
 //       its Q fragments (64 registers) stay in registers; the four column-quarter partials go to
 //       shared memory (part) and are summed in quarter order (as attn_tc512h_f32);
-//   softmax: thread (head tid/4, rows 8·(tid%4) + [0, 8)): online max over the quad, P rounded to
+//   softmax: thread (head tid/4, rows R/4·(tid%4) + [0, R/4)): online max over the quad, P rounded to
 //       f16 into shared memory (pw), the head's rescale factor into cf;
 //   O:  warp w takes columns 64·w + [0, 64) of all 64 heads (4 m-tiles × 8 n-tiles, 128
 //       accumulators): P from shared memory (ldmatrix), V the same tile (ldmatrix.trans).
-// Dynamic shared memory ATG_SMEM + 4·max candidates (host: attn.rs, atg_smem).
-#define ATG_R 32
+// R = 32 (attn_tc512g_f32) or 64 rows a tile (attn_tc512g64_f32: half the barriers a row, 212 KB
+// of shared memory). Dynamic shared memory Atg<R>::SMEM + 4·max candidates (host: attn.rs,
+// atg_smem).
 #define ATG_LDK 520 // halves per row of a K/V tile: 512 + 8 (1040 B: ldmatrix rows on distinct banks)
-#define ATG_PS 36   // floats per head of a partial-S tile: 32 + 4 (the softmax's float4 reads spread)
-#define ATG_LDP 40  // halves per head of the P tile: 32 + 8
-#define ATG_KBYTES (2 * ATG_R * ATG_LDK * 2)
-#define ATG_PBYTES (4 * 64 * ATG_PS * 4)
-#define ATG_WBYTES (64 * ATG_LDP * 2)
-#define ATG_SMEM (ATG_KBYTES + ATG_PBYTES + ATG_WBYTES + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4)
+// floats per head of a partial-S tile (R + 4: 16-byte rows, the softmax's float4 reads spread),
+// halves per head of the P tile (R + 8: ldmatrix rows on distinct banks).
+template <int R> struct Atg {
+    static constexpr int PS = R + 4, LDP = R + 8;
+    static constexpr int KB = 2 * R * ATG_LDK * 2, PB = 4 * 64 * PS * 4, WB = 64 * LDP * 2;
+    static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
+};
 
-__device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16) {
+template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16) {
     extern __shared__ __align__(16) unsigned char atg_sm[];
-    u16* ks = (u16*)atg_sm;                                          // [2][ATG_R][ATG_LDK]
-    float* part = (float*)(atg_sm + ATG_KBYTES);                     // [4][64][ATG_PS]
-    u16* pw = (u16*)(atg_sm + ATG_KBYTES + ATG_PBYTES);              // [64][ATG_LDP]
-    float* cf_s = (float*)(atg_sm + ATG_KBYTES + ATG_PBYTES + ATG_WBYTES); // [64]
+    constexpr int PS = Atg<R>::PS, LDP = Atg<R>::LDP, RT = R / 4; // RT: softmax rows a thread
+    u16* ks = (u16*)atg_sm;                                          // [2][R][ATG_LDK]
+    float* part = (float*)(atg_sm + Atg<R>::KB);                     // [4][64][PS]
+    u16* pw = (u16*)(atg_sm + Atg<R>::KB + Atg<R>::PB);              // [64][LDP]
+    float* cf_s = (float*)(atg_sm + Atg<R>::KB + Atg<R>::PB + Atg<R>::WB); // [64]
     float* m_s = cf_s + 64;                                          // [64] final max
     float* z_s = m_s + 64;                                           // [64] final sum
     float* rot_s = z_s + 64;                                         // [ATC_MAXROT][2]
@@ -406,13 +409,13 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         for (int nt = 0; nt < 8; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
     float m = DS4_NEG_INF, z = 0.0f; // softmax role: head tid/4 (the quad's lanes agree on m)
     const int sh = tid >> 2, sq = tid & 3;
-    const int ntiles = (nvalid + ATG_R - 1) / ATG_R;
-    // Tile loader: chunk c = tid + 256·k (k < 8) is 16 bytes e = c % 64 of row c / 64.
+    const int ntiles = (nvalid + R - 1) / R;
+    // Tile loader: chunk c = tid + 256·k (k < R/4) is 16 bytes e = c % 64 of row c / 64.
     auto load_tile = [&](int jt) {
-        u16* dst = ks + (jt & 1) * ATG_R * ATG_LDK;
+        u16* dst = ks + (jt & 1) * R * ATG_LDK;
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int c = tid + 256 * k, r = c >> 6, e = c & 63, j = jt * ATG_R + r;
+        for (int k = 0; k < R / 4; k++) {
+            const int c = tid + 256 * k, r = c >> 6, e = c & 63, j = jt * R + r;
             const bool ok = j < nvalid;
             const u16* src = rows16 + (ok ? (size_t)idx[j] * 512 + 8 * e : 0);
             ds4_cp16(dst + r * ATG_LDK + 8 * e, src, ok);
@@ -424,14 +427,14 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         ds4_cp_wait<0>();
         __syncthreads(); // tile jt visible; every warp is past tile jt−1 (its buffer, part, pw free)
         if (jt + 1 < ntiles) load_tile(jt + 1);
-        const u16* kw = ks + (jt & 1) * ATG_R * ATG_LDK;
-        // S partial: 2 m-tiles × 4 n-tiles (32 rows) over this warp's 128 columns, 16 rows (two
+        const u16* kw = ks + (jt & 1) * R * ATG_LDK;
+        // S partial: 2 m-tiles × R/8 n-tiles over this warp's 128 columns, 16 rows (two
         // n-tiles: one ldmatrix.x4 a k-step) at a time (fewer live accumulators).
         {
             const int mi = lane >> 3, rr = lane & 7;
-            float* pp = part + kg * 64 * ATG_PS;
+            float* pp = part + kg * 64 * PS;
 #pragma unroll
-            for (int np = 0; np < 2; np++) {
+            for (int np = 0; np < R / 16; np++) {
                 float s[2][2][4];
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++)
@@ -452,30 +455,30 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
                         const int h = 32 * hp + 16 * mt + g, r = 16 * np + 8 * nt + 2 * tq;
-                        *(float2*)(pp + h * ATG_PS + r) = make_float2(s[mt][nt][0], s[mt][nt][1]);
-                        *(float2*)(pp + (h + 8) * ATG_PS + r) = make_float2(s[mt][nt][2], s[mt][nt][3]);
+                        *(float2*)(pp + h * PS + r) = make_float2(s[mt][nt][0], s[mt][nt][1]);
+                        *(float2*)(pp + (h + 8) * PS + r) = make_float2(s[mt][nt][2], s[mt][nt][3]);
                     }
             }
         }
         __syncthreads();
-        // Online softmax: head sh, rows 8·sq + [0, 8).
+        // Online softmax: head sh, rows RT·sq + [0, RT).
         {
-            float s[8];
+            float s[RT];
 #pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const int o = sh * ATG_PS + 8 * sq + 4 * u;
-                const float4 p0 = *(const float4*)(part + o), p1 = *(const float4*)(part + 64 * ATG_PS + o);
-                const float4 p2 = *(const float4*)(part + 2 * 64 * ATG_PS + o),
-                             p3 = *(const float4*)(part + 3 * 64 * ATG_PS + o);
+            for (int u = 0; u < RT / 4; u++) {
+                const int o = sh * PS + RT * sq + 4 * u;
+                const float4 p0 = *(const float4*)(part + o), p1 = *(const float4*)(part + 64 * PS + o);
+                const float4 p2 = *(const float4*)(part + 2 * 64 * PS + o),
+                             p3 = *(const float4*)(part + 3 * 64 * PS + o);
                 s[4 * u + 0] = ((p0.x + p1.x) + p2.x) + p3.x;
                 s[4 * u + 1] = ((p0.y + p1.y) + p2.y) + p3.y;
                 s[4 * u + 2] = ((p0.z + p1.z) + p2.z) + p3.z;
                 s[4 * u + 3] = ((p0.w + p1.w) + p2.w) + p3.w;
             }
-            const int rem = nvalid - jt * ATG_R - 8 * sq; // rows of this thread present
+            const int rem = nvalid - jt * R - RT * sq; // rows of this thread present
             float mx = m;
 #pragma unroll
-            for (int r = 0; r < 8; r++) {
+            for (int r = 0; r < RT; r++) {
                 s[r] = r < rem ? s[r] * scale : DS4_NEG_INF;
                 mx = fmaxf(mx, s[r]);
             }
@@ -483,17 +486,19 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float c = m == mx ? 1.0f : expf(m - mx); // also −inf == −inf
             m = mx;
-            u32 ph[4];
+            u32 ph[RT / 2];
             float zs = 0.0f;
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
+            for (int r = 0; r < RT / 2; r++) {
                 const float e0 = s[2 * r] == DS4_NEG_INF ? 0.0f : expf(s[2 * r] - mx);
                 const float e1 = s[2 * r + 1] == DS4_NEG_INF ? 0.0f : expf(s[2 * r + 1] - mx);
                 ph[r] = ds4_f16x2(e0, e1);
                 zs += ds4_h2f_fast(ph[r] & 0xffffu) + ds4_h2f_fast(ph[r] >> 16); // the weights the product uses
             }
             z = z * c + zs;
-            *(uint4*)(pw + sh * ATG_LDP + 8 * sq) = make_uint4(ph[0], ph[1], ph[2], ph[3]);
+#pragma unroll
+            for (int u = 0; u < RT / 8; u++)
+                *(uint4*)(pw + sh * LDP + RT * sq + 8 * u) = make_uint4(ph[4 * u], ph[4 * u + 1], ph[4 * u + 2], ph[4 * u + 3]);
             if (sq == 0) cf_s[sh] = c;
         }
         __syncthreads();
@@ -511,12 +516,12 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
                 }
             }
             const int mi = lane >> 3, rr = lane & 7;
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
+#pragma unroll 1
+            for (int kk = 0; kk < R / 16; kk++) {
                 u32 a[4][4];
 #pragma unroll
                 for (int mt = 0; mt < 4; mt++)
-                    ds4_ldm4(a[mt], pw + (16 * mt + rr + 8 * (mi & 1)) * ATG_LDP + 16 * kk + 8 * (mi >> 1));
+                    ds4_ldm4(a[mt], pw + (16 * mt + rr + 8 * (mi & 1)) * LDP + 16 * kk + 8 * (mi >> 1));
 #pragma unroll
                 for (int np = 0; np < 4; np++) {
                     u32 b[4];
@@ -563,9 +568,9 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
             }
         }
 }
-#define ATG_BODY attn_tcg_body(ATC_ARGS, rows16);
+#define ATG_BODY(R) attn_tcg_body<R>(ATC_ARGS, rows16);
 #else
-#define ATG_BODY
+#define ATG_BODY(R)
 #endif
 
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], out [n, heads, hd], rows16 the f16
@@ -574,9 +579,10 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
 // attn_tc<hd>_f32: hi/lo split of Q and P; attn_tc<hd>h_f32: hi only.
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, false) }
-// grid (1, n), blockDim 256, dynamic shared ATG_SMEM + 4·(most candidates of a token); heads <= 64,
-// hd 512; otherwise as attn_tc512h_f32.
-DS4_KERNEL void __launch_bounds__(256, 1) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY }
+// grid (1, n), blockDim 256, dynamic shared Atg<R>::SMEM + 4·(most candidates of a token); heads
+// <= 64, hd 512; otherwise as attn_tc512h_f32. R = 32 / 64 rows a tile.
+DS4_KERNEL void __launch_bounds__(256, 1) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32) }
+DS4_KERNEL void __launch_bounds__(256, 1) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, false) }
 // grid-stride (any grid), blockDim 256; rows 16-byte aligned, hd a multiple of 4.

@@ -123,14 +123,28 @@ static TC_MODE: AtomicU8 = AtomicU8::new(0);
 /// Heads per CTA and largest RoPE width of `attn_tc*` (`ATC_HG`, 2·`ATC_MAXROT`).
 const ATC_HG: usize = 16;
 const ATC_MAXROT: usize = 128;
-/// `attn_tc512g_f32` (one CTA per token for all heads, absent candidates dropped; the `fast`
-/// form with head width 512 and at most 64 heads): `DS4_GPU_ATTN_TCG=off` keeps
-/// `attn_tc512h_f32` (16 heads a CTA). Its static shared bytes (`ATG_SMEM`, attn_tc.cu: two
-/// 32-row K/V tiles, four partial-S tiles, the P tile, per-head factors, RoPE, scan counts) before
-/// 4 bytes a candidate.
+/// `attn_tc512g[64]_f32` (one CTA per token for all heads, absent candidates dropped; the `fast`
+/// form with head width 512 and at most 64 heads): 0 not yet read from `DS4_GPU_ATTN_TCG`, 1 off
+/// (`attn_tc512h_f32`, 16 heads a CTA: `DS4_GPU_ATTN_TCG=off`), 2 tiles of 32 rows (default),
+/// 3 tiles of 64 rows (`DS4_GPU_ATTN_TCG=r64`; 32 where its shared memory does not fit).
 static TCG_MODE: AtomicU8 = AtomicU8::new(0);
-const ATG_SMEM: usize =
-    2 * 32 * 520 * 2 + 4 * 64 * 36 * 4 + 64 * 40 * 2 + (3 * 64 + 2 * ATC_MAXROT + 8) * 4;
+/// Their static shared bytes (`Atg<R>::SMEM`, attn_tc.cu: two R-row K/V tiles, four partial-S
+/// tiles, the P tile, per-head factors, RoPE, scan counts) before 4 bytes a candidate.
+const fn atg_smem(r: usize) -> usize {
+    2 * r * 520 * 2 + 4 * 64 * (r + 4) * 4 + 64 * (r + 8) * 2 + (3 * 64 + 2 * ATC_MAXROT + 8) * 4
+}
+
+fn tcg_mode() -> u8 {
+    if TCG_MODE.load(Ordering::Relaxed) == 0 {
+        let m = match std::env::var("DS4_GPU_ATTN_TCG").as_deref() {
+            Ok("off") => 1,
+            Ok("r64") => 3,
+            _ => 2,
+        };
+        let _ = TCG_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    TCG_MODE.load(Ordering::Relaxed)
+}
 
 fn tc_mode() -> u8 {
     if TC_MODE.load(Ordering::Relaxed) == 0 {
@@ -293,10 +307,17 @@ impl GpuBackend {
     }
 
     /// The `fast` prefill attention for head width 512 with one CTA per token
-    /// (`attn_tc512g_f32`, the default) or per 16 heads (`attn_tc512h_f32`); process-wide,
-    /// overrides `DS4_GPU_ATTN_TCG=off`.
-    pub fn set_attn_tcg(on: bool) {
-        TCG_MODE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    /// (`attn_tc512g_f32`, the default; `rows64`: `attn_tc512g64_f32`) or per 16 heads
+    /// (`attn_tc512h_f32`); process-wide, overrides `DS4_GPU_ATTN_TCG`.
+    pub fn set_attn_tcg(on: bool, rows64: bool) {
+        TCG_MODE.store(
+            match (on, rows64) {
+                (false, _) => 1,
+                (true, false) => 2,
+                (true, true) => 3,
+            },
+            Ordering::Relaxed,
+        );
     }
 
     /// Prefill attention on tensor cores where the device has them (CUDA sm_80+), else the f32
@@ -989,19 +1010,22 @@ impl GpuBackend {
             (_, false) => "attn_tc64_f32",
             (_, true) => "attn_tc64h_f32",
         };
-        // attn_tc512g_f32: its dynamic shared memory holds the token's candidate list.
-        let g_smem = ATG_SMEM + 4 * candidates(spec, sel.is_some(), n, t0).1;
-        let grouped = name == "attn_tc512h_f32"
-            && nh <= 64
-            && g_smem <= self.gpu.info().max_shared_per_block as usize
-            && !env_form(&TCG_MODE, "DS4_GPU_ATTN_TCG", "off");
-        let (name, dims) = if grouped {
+        // attn_tc512g[64]_f32: its dynamic shared memory holds the token's candidate list.
+        let cand = 4 * candidates(spec, sel.is_some(), n, t0).1;
+        let smax = self.gpu.info().max_shared_per_block as usize;
+        let grouped = match tcg_mode() {
+            _ if name != "attn_tc512h_f32" || nh > 64 => None,
+            3 if atg_smem(64) + cand <= smax => Some(("attn_tc512g64_f32", atg_smem(64) + cand)),
+            2 | 3 if atg_smem(32) + cand <= smax => Some(("attn_tc512g_f32", atg_smem(32) + cand)),
+            _ => None,
+        };
+        let (name, dims) = if let Some((g, smem)) = grouped {
             let d = LaunchDims {
                 grid: [1, n as u32, 1],
                 block: [256, 1, 1],
-                shared_bytes: g_smem as u32,
+                shared_bytes: smem as u32,
             };
-            ("attn_tc512g_f32", d)
+            (g, d)
         } else {
             let d = LaunchDims {
                 grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
