@@ -381,6 +381,20 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
         nvalid += tot;
         __syncthreads(); // wcnt reused
     }
+    const int ntiles = (nvalid + R - 1) / R;
+    // Tile loader: chunk c = tid + 256·k (k < R/4) is 16 bytes e = c % 64 of row c / 64.
+    auto load_tile = [&](int jt) {
+        u16* dst = ks + (jt & 1) * R * ATG_LDK;
+#pragma unroll
+        for (int k = 0; k < R / 4; k++) {
+            const int c = tid + 256 * k, r = c >> 6, e = c & 63, j = jt * R + r;
+            const bool ok = j < nvalid;
+            const u16* src = rows16 + (ok ? (size_t)idx[j] * 512 + 8 * e : 0);
+            ds4_cp16(dst + r * ATG_LDK + 8 * e, src, ok);
+        }
+        ds4_cp_commit();
+    };
+    if (ntiles > 0) load_tile(0); // in flight while the Q fragments load
     // Q fragments (f16) of heads 32·hp + 16·mt + g (+8) over columns 128·kg + [0, 128).
     const int hp = w & 1, kg = w >> 1;
     u32 qa[2][8][4];
@@ -409,20 +423,6 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
         for (int nt = 0; nt < 8; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
     float m = DS4_NEG_INF, z = 0.0f; // softmax role: head tid/4 (the quad's lanes agree on m)
     const int sh = tid >> 2, sq = tid & 3;
-    const int ntiles = (nvalid + R - 1) / R;
-    // Tile loader: chunk c = tid + 256·k (k < R/4) is 16 bytes e = c % 64 of row c / 64.
-    auto load_tile = [&](int jt) {
-        u16* dst = ks + (jt & 1) * R * ATG_LDK;
-#pragma unroll
-        for (int k = 0; k < R / 4; k++) {
-            const int c = tid + 256 * k, r = c >> 6, e = c & 63, j = jt * R + r;
-            const bool ok = j < nvalid;
-            const u16* src = rows16 + (ok ? (size_t)idx[j] * 512 + 8 * e : 0);
-            ds4_cp16(dst + r * ATG_LDK + 8 * e, src, ok);
-        }
-        ds4_cp_commit();
-    };
-    if (ntiles > 0) load_tile(0);
     for (int jt = 0; jt < ntiles; jt++) {
         ds4_cp_wait<0>();
         __syncthreads(); // tile jt visible; every warp is past tile jt−1 (its buffer, part, pw free)
@@ -504,16 +504,26 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
         __syncthreads();
         // O += P · V over this warp's 64 columns.
         {
+            // Rescale only where a head's max moved (the factor is exactly 1 otherwise: most tiles
+            // after the first few), warp-uniform.
+            float cfa[4], cfb[4];
+            bool one = true;
 #pragma unroll
             for (int mt = 0; mt < 4; mt++) {
-                const float ca = cf_s[16 * mt + g], cb = cf_s[16 * mt + g + 8];
+                cfa[mt] = cf_s[16 * mt + g];
+                cfb[mt] = cf_s[16 * mt + g + 8];
+                one = one && cfa[mt] == 1.0f && cfb[mt] == 1.0f;
+            }
+            if (!__all_sync(0xffffffffu, one)) {
 #pragma unroll
-                for (int nt = 0; nt < 8; nt++) {
-                    acc[mt][nt][0] *= ca;
-                    acc[mt][nt][1] *= ca;
-                    acc[mt][nt][2] *= cb;
-                    acc[mt][nt][3] *= cb;
-                }
+                for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 8; nt++) {
+                        acc[mt][nt][0] *= cfa[mt];
+                        acc[mt][nt][1] *= cfa[mt];
+                        acc[mt][nt][2] *= cfb[mt];
+                        acc[mt][nt][3] *= cfb[mt];
+                    }
             }
             const int mi = lane >> 3, rr = lane & 7;
 #pragma unroll 1
