@@ -131,7 +131,7 @@ static TCG_MODE: AtomicU8 = AtomicU8::new(0);
 /// Their static shared bytes (`Atg<R>::SMEM`, attn_tc.cu: two R-row K/V tiles, four partial-S
 /// tiles, the P tile, per-head factors, RoPE, scan counts) before 4 bytes a candidate.
 const fn atg_smem(r: usize) -> usize {
-    2 * r * 520 * 2 + 4 * 64 * (r + 4) * 4 + 64 * (r + 8) * 2 + (3 * 64 + 2 * ATC_MAXROT + 8) * 4
+    2 * r * 520 * 2 + 4 * 64 * (r + 4) * 4 + 64 * (r + 8) * 2 + (3 * 64 + ATC_MAXROT + 8) * 4
 }
 
 fn tcg_mode() -> u8 {
