@@ -858,10 +858,9 @@ struct Form {
     name: &'static str,
     tc: bool,
     fast: bool,
-    /// `fast` with head width 512: one CTA per token (`attn_tc512g_f32`) or per 16 heads;
-    /// `tcg64`: one CTA per token with 64-row tiles (`attn_tc512g64_f32`).
-    tcg: bool,
-    tcg64: bool,
+    /// `fast` with head width 512 (`DS4_GPU_ATTN_TCG`): one CTA per token (`on`,
+    /// `attn_tc512g_f32`; `r64` with 64-row tiles; `pipe` pipelined) or per 16 heads (`off`).
+    tcg: &'static str,
     attn: &'static str,
     tol: f32,
 }
@@ -870,8 +869,7 @@ const TC: Form = Form {
     name: "tc",
     tc: true,
     fast: false,
-    tcg: true,
-    tcg64: false,
+    tcg: "on",
     attn: "one",
     tol: 2e-5,
 };
@@ -879,29 +877,33 @@ const TC_FAST: Form = Form {
     name: "tc-fast",
     tc: true,
     fast: true,
-    tcg: true,
-    tcg64: false,
+    tcg: "on",
     attn: "one",
     tol: 3e-3,
 };
 /// `TC_FAST` with 16 heads a CTA (`attn_tc512h_f32`, `DS4_GPU_ATTN_TCG=off`).
 const TC_FAST16: Form = Form {
     name: "tc-fast16",
-    tcg: false,
+    tcg: "off",
     ..TC_FAST
 };
 /// `TC_FAST` with 64-row tiles (`attn_tc512g64_f32`, `DS4_GPU_ATTN_TCG=r64`).
 const TC_FAST64: Form = Form {
     name: "tc-fast64",
-    tcg64: true,
+    tcg: "r64",
+    ..TC_FAST
+};
+/// `TC_FAST` pipelined (`attn_tc512gp_f32`, `DS4_GPU_ATTN_TCG=pipe`).
+const TC_FASTP: Form = Form {
+    name: "tc-fastp",
+    tcg: "pipe",
     ..TC_FAST
 };
 const ONE: Form = Form {
     name: "one",
     tc: false,
     fast: false,
-    tcg: true,
-    tcg64: false,
+    tcg: "on",
     attn: "one",
     tol: 2e-5,
 };
@@ -911,8 +913,7 @@ const ONE_F32: Form = Form {
     name: "one-f32",
     tc: false,
     fast: false,
-    tcg: true,
-    tcg64: false,
+    tcg: "on",
     attn: "one-f32",
     tol: 2e-5,
 };
@@ -920,8 +921,7 @@ const SPLIT: Form = Form {
     name: "split",
     tc: false,
     fast: false,
-    tcg: true,
-    tcg64: false,
+    tcg: "on",
     attn: "split",
     tol: 2e-5,
 };
@@ -929,15 +929,14 @@ const SIMPLE: Form = Form {
     name: "simple",
     tc: false,
     fast: false,
-    tcg: true,
-    tcg64: false,
+    tcg: "on",
     attn: "simple",
     tol: 2e-5,
 };
 
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
-    GpuBackend::set_attn_tcg(f.tcg, f.tcg64);
+    GpuBackend::set_attn_tcg(f.tcg);
     GpuBackend::set_attn_form(f.attn);
 }
 
@@ -1180,7 +1179,7 @@ fn attend_prefill_matches_cpu() {
             c,
             900 + i as u64,
             true,
-            &[TC, TC_FAST, SPLIT, TC_FAST16, TC_FAST64],
+            &[TC, TC_FAST, SPLIT, TC_FAST16, TC_FAST64, TC_FASTP],
         );
         // The tensor-core form next to the split f32 kernels.
         assert_close(
@@ -1234,7 +1233,7 @@ fn attend_bench() {
         (4, true, 2048, 6144),
         (128, false, 2048, 6144),
     ];
-    // DS4_ATTN_BENCH=tc: the prefill chunks only, the tensor-core forms, fast forms A B C A B C.
+    // DS4_ATTN_BENCH=tc: the prefill chunks only, the tensor-core forms, fast forms A B C D A B C D.
     let tc_only = std::env::var("DS4_ATTN_BENCH").is_ok_and(|v| v == "tc");
     for &(ratio, with_sel, n, t0) in &cases {
         let ld = LayerDims {

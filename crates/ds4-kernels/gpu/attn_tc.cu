@@ -317,19 +317,19 @@ __device__ __forceinline__ void atc_rows_body(const float* __restrict__ raw, con
 #define ATG_LDK 520 // halves per row of a K/V tile: 512 + 8 (1040 B: ldmatrix rows on distinct banks)
 // floats per head of a partial-S tile (R + 4: 16-byte rows, the softmax's float4 reads spread),
 // halves per head of the P tile (R + 8: ldmatrix rows on distinct banks).
-template <int R> struct Atg {
-    static constexpr int PS = R + 4, LDP = R + 8;
-    static constexpr int KB = 2 * R * ATG_LDK * 2, PB = 4 * 64 * PS * 4, WB = 64 * LDP * 2;
+template <int R, bool PIPE = false> struct Atg {
+    static constexpr int PS = R + 4, LDP = R + 8, NB = PIPE ? 3 : 2; // NB: K/V tile buffers
+    static constexpr int KB = NB * R * ATG_LDK * 2, PB = 4 * 64 * PS * 4, WB = 64 * LDP * 2;
     static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
 };
 
-template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16) {
+template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16) {
     extern __shared__ __align__(16) unsigned char atg_sm[];
-    constexpr int PS = Atg<R>::PS, LDP = Atg<R>::LDP, RT = R / 4; // RT: softmax rows a thread
+    constexpr int PS = Atg<R, PIPE>::PS, LDP = Atg<R, PIPE>::LDP, RT = R / 4; // RT: softmax rows a thread
     u16* ks = (u16*)atg_sm;                                          // [2][R][ATG_LDK]
-    float* part = (float*)(atg_sm + Atg<R>::KB);                     // [4][64][PS]
-    u16* pw = (u16*)(atg_sm + Atg<R>::KB + Atg<R>::PB);              // [64][LDP]
-    float* cf_s = (float*)(atg_sm + Atg<R>::KB + Atg<R>::PB + Atg<R>::WB); // [64]
+    float* part = (float*)(atg_sm + Atg<R, PIPE>::KB);                     // [4][64][PS]
+    u16* pw = (u16*)(atg_sm + Atg<R, PIPE>::KB + Atg<R, PIPE>::PB);              // [64][LDP]
+    float* cf_s = (float*)(atg_sm + Atg<R, PIPE>::KB + Atg<R, PIPE>::PB + Atg<R, PIPE>::WB); // [64]
     float* m_s = cf_s + 64;                                          // [64] final max
     float* z_s = m_s + 64;                                           // [64] final sum
     float* rot_s = z_s + 64;                                         // [ATC_MAXROT][2]
@@ -384,7 +384,7 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
     const int ntiles = (nvalid + R - 1) / R;
     // Tile loader: chunk c = tid + 256·k (k < R/4) is 16 bytes e = c % 64 of row c / 64.
     auto load_tile = [&](int jt) {
-        u16* dst = ks + (jt & 1) * R * ATG_LDK;
+        u16* dst = ks + (jt % Atg<R, PIPE>::NB) * R * ATG_LDK;
 #pragma unroll
         for (int k = 0; k < R / 4; k++) {
             const int c = tid + 256 * k, r = c >> 6, e = c & 63, j = jt * R + r;
@@ -423,11 +423,8 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
         for (int nt = 0; nt < 8; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
     float m = DS4_NEG_INF, z = 0.0f; // softmax role: head tid/4 (the quad's lanes agree on m)
     const int sh = tid >> 2, sq = tid & 3;
-    for (int jt = 0; jt < ntiles; jt++) {
-        ds4_cp_wait<0>();
-        __syncthreads(); // tile jt visible; every warp is past tile jt−1 (its buffer, part, pw free)
-        if (jt + 1 < ntiles) load_tile(jt + 1);
-        const u16* kw = ks + (jt & 1) * R * ATG_LDK;
+    // The three phases of a tile (kw: its K/V buffer).
+    auto s_phase = [&](const u16* kw) {
         // S partial: 2 m-tiles × R/8 n-tiles over this warp's 128 columns, 16 rows (two
         // n-tiles: one ldmatrix.x4 a k-step) at a time (fewer live accumulators).
         {
@@ -460,7 +457,8 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
                     }
             }
         }
-        __syncthreads();
+    };
+    auto sm_phase = [&](int jt) {
         // Online softmax: head sh, rows RT·sq + [0, RT).
         {
             float s[RT];
@@ -501,7 +499,8 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
                 *(uint4*)(pw + sh * LDP + RT * sq + 8 * u) = make_uint4(ph[4 * u], ph[4 * u + 1], ph[4 * u + 2], ph[4 * u + 3]);
             if (sq == 0) cf_s[sh] = c;
         }
-        __syncthreads();
+    };
+    auto o_phase = [&](const u16* kw) {
         // O += P · V over this warp's 64 columns.
         {
             // Rescale only where a head's max moved (the factor is exactly 1 otherwise: most tiles
@@ -544,6 +543,40 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
                 }
             }
         }
+    };
+    if constexpr (!PIPE) {
+        for (int jt = 0; jt < ntiles; jt++) {
+            ds4_cp_wait<0>();
+            __syncthreads(); // tile jt visible; every warp is past tile jt−1 (its buffer, part, pw free)
+            if (jt + 1 < ntiles) load_tile(jt + 1);
+            const u16* kw = ks + (jt & 1) * R * ATG_LDK;
+            s_phase(kw);
+            __syncthreads();
+            sm_phase(jt);
+            __syncthreads();
+            o_phase(kw);
+        }
+    } else {
+        // Pipelined (attn_tc512gp_f32): O of tile jt and S of tile jt+1 in one phase, then the
+        // softmax of jt+1: 2 barriers a tile; three K/V buffers (jt, jt+1 read, jt+2 loading).
+        if (ntiles > 1) load_tile(1);
+        else ds4_cp_commit();
+        if (ntiles > 0) {
+            ds4_cp_wait<1>();
+            __syncthreads();
+            s_phase(ks);
+            __syncthreads();
+            sm_phase(0);
+        }
+        for (int jt = 0; jt < ntiles; jt++) {
+            ds4_cp_wait<0>();
+            __syncthreads(); // tile jt+1 visible, P and factors of jt written, part read
+            if (jt + 2 < ntiles) load_tile(jt + 2); // its buffer last held jt−1 (read before the barrier)
+            o_phase(ks + (jt % 3) * R * ATG_LDK);
+            if (jt + 1 < ntiles) s_phase(ks + ((jt + 1) % 3) * R * ATG_LDK);
+            __syncthreads();
+            if (jt + 1 < ntiles) sm_phase(jt + 1);
+        }
     }
     // Final max and sum per head (z: this thread's rows, summed over the quad).
     z += __shfl_xor_sync(0xffffffffu, z, 1);
@@ -578,9 +611,9 @@ template <int R> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const
             }
         }
 }
-#define ATG_BODY(R) attn_tcg_body<R>(ATC_ARGS, rows16);
+#define ATG_BODY(R, PIPE) attn_tcg_body<R, PIPE>(ATC_ARGS, rows16);
 #else
-#define ATG_BODY(R)
+#define ATG_BODY(R, PIPE)
 #endif
 
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], out [n, heads, hd], rows16 the f16
@@ -591,8 +624,9 @@ DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS, const u16* __restrict
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, false) }
 // grid (1, n), blockDim 256, dynamic shared Atg<R>::SMEM + 4·(most candidates of a token); heads
 // <= 64, hd 512; otherwise as attn_tc512h_f32. R = 32 / 64 rows a tile.
-DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gp_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, false) }
 // grid-stride (any grid), blockDim 256; rows 16-byte aligned, hd a multiple of 4.
