@@ -880,6 +880,9 @@ struct Form {
     name: &'static str,
     tc: bool,
     fast: bool,
+    /// `fast` with head width 512 (`DS4_GPU_ATTN_TCG`): one CTA per token (`on`,
+    /// `attn_tc512g_f32`; `r64` with 64-row tiles; `pipe` pipelined) or per 16 heads (`off`).
+    tcg: &'static str,
     attn: &'static str,
     tol: f32,
 }
@@ -888,6 +891,7 @@ const TC: Form = Form {
     name: "tc",
     tc: true,
     fast: false,
+    tcg: "on",
     attn: "one",
     tol: 2e-5,
 };
@@ -895,13 +899,33 @@ const TC_FAST: Form = Form {
     name: "tc-fast",
     tc: true,
     fast: true,
+    tcg: "on",
     attn: "one",
     tol: 3e-3,
+};
+/// `TC_FAST` with 16 heads a CTA (`attn_tc512h_f32`, `DS4_GPU_ATTN_TCG=off`).
+const TC_FAST16: Form = Form {
+    name: "tc-fast16",
+    tcg: "off",
+    ..TC_FAST
+};
+/// `TC_FAST` with 64-row tiles (`attn_tc512g64_f32`, `DS4_GPU_ATTN_TCG=r64`).
+const TC_FAST64: Form = Form {
+    name: "tc-fast64",
+    tcg: "r64",
+    ..TC_FAST
+};
+/// `TC_FAST` pipelined (`attn_tc512gp_f32`, `DS4_GPU_ATTN_TCG=pipe`).
+const TC_FASTP: Form = Form {
+    name: "tc-fastp",
+    tcg: "pipe",
+    ..TC_FAST
 };
 const ONE: Form = Form {
     name: "one",
     tc: false,
     fast: false,
+    tcg: "on",
     attn: "one",
     tol: 2e-5,
 };
@@ -911,6 +935,7 @@ const ONE_F32: Form = Form {
     name: "one-f32",
     tc: false,
     fast: false,
+    tcg: "on",
     attn: "one-f32",
     tol: 2e-5,
 };
@@ -918,6 +943,7 @@ const SPLIT: Form = Form {
     name: "split",
     tc: false,
     fast: false,
+    tcg: "on",
     attn: "split",
     tol: 2e-5,
 };
@@ -925,12 +951,14 @@ const SIMPLE: Form = Form {
     name: "simple",
     tc: false,
     fast: false,
+    tcg: "on",
     attn: "simple",
     tol: 2e-5,
 };
 
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
+    GpuBackend::set_attn_tcg(f.tcg);
     GpuBackend::set_attn_form(f.attn);
 }
 
@@ -1167,7 +1195,14 @@ fn attend_prefill_matches_cpu() {
         case(20, 64, 16, 8, false, 31, 50, false),
     ];
     for (i, c) in cases.iter().enumerate() {
-        let outs = run_attend(&cpu, &gpu, c, 900 + i as u64, true, &[TC, TC_FAST, SPLIT]);
+        let outs = run_attend(
+            &cpu,
+            &gpu,
+            c,
+            900 + i as u64,
+            true,
+            &[TC, TC_FAST, SPLIT, TC_FAST16, TC_FAST64, TC_FASTP],
+        );
         // The tensor-core form next to the split f32 kernels.
         assert_close(
             &format!("attend case {i}: tc vs split"),
@@ -1220,6 +1255,8 @@ fn attend_bench() {
         (4, true, 2048, 6144),
         (128, false, 2048, 6144),
     ];
+    // DS4_ATTN_BENCH=tc: the prefill chunks only, the tensor-core forms, fast forms A B C D A B C D.
+    let tc_only = std::env::var("DS4_ATTN_BENCH").is_ok_and(|v| v == "tc");
     for &(ratio, with_sel, n, t0) in &cases {
         let ld = LayerDims {
             window: win,
@@ -1258,15 +1295,31 @@ fn attend_bench() {
         let sinks_v = randn(&mut r, nh, 2.0);
         let f = file(&[("v", GgmlType::F32, vec![nh as u64], f32_bytes(&sinks_v))]);
         let sk = gpu.vector(&src(&f, "v")).unwrap();
+        // As the indexer selects: a token seeing fewer compressed rows than top-k gets them all
+        // (in a random order) and −1 in the other slots (a 2k prompt's early tokens).
         let selg = with_sel.then(|| {
-            let s: Vec<i32> = (0..n * top_k)
-                .map(|_| r.gen_range(0..n_rows.max(1)) as i32)
-                .collect();
+            let mut s = vec![-1i32; n * top_k];
+            for i in 0..n {
+                let vis = (t0 + i + 1) / ratio;
+                for k in 0..top_k.min(vis) {
+                    s[i * top_k + k] = r.gen_range(0..vis) as i32;
+                }
+            }
             gpu.upload_i32(&s)
         });
         let mut og = gpu.alloc(n * nh * hd);
         let iters = if n >= 1024 { 5 } else { 20 };
-        for f in [TC, TC_FAST, ONE, SPLIT, SIMPLE] {
+        if tc_only && n < 1024 {
+            continue;
+        }
+        let forms: &[Form] = if tc_only {
+            &[
+                TC_FAST16, TC_FAST, TC_FAST64, TC_FAST16, TC_FAST, TC_FAST64, TC,
+            ]
+        } else {
+            &[TC, TC_FAST, TC_FAST16, ONE, SPLIT, SIMPLE]
+        };
+        for &f in forms {
             if f.tc && n == 1 {
                 continue; // decode keeps the f32 kernels
             }
@@ -1286,12 +1339,15 @@ fn attend_bench() {
             });
             gpu_ok(&gpu, "attend bench");
             println!(
-                "attend {:7} ratio {ratio} sel {with_sel} n {n} t0 {t0}: {us:.1} µs",
+                "attend {:9} ratio {ratio} sel {with_sel} n {n} t0 {t0}: {us:.1} µs",
                 f.name
             );
         }
     }
     set_form(TC);
+    if tc_only {
+        return;
+    }
     // Indexer: 64 heads × 128, top-k 512, ratio 4.
     for &(n, t0) in &[(1usize, 32_768usize), (1, 1_000_000), (128, 32_768)] {
         let (ih, ihd, ratio) = (64usize, 128usize, 4usize);

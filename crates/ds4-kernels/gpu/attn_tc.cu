@@ -295,12 +295,338 @@ __device__ __forceinline__ void atc_rows_body(const float* __restrict__ raw, con
 #define ATC_ROWS_BODY
 #endif
 
+#if ATC_HAVE_MMA
+// attn_tc512g_f32: the `h` form (one f16 product for S and for O) with one CTA per token for all
+// (at most 64) heads, so each candidate row is read from L2 once per token (the 16-head CTAs above
+// read it four times), and absent candidates (sel −1, ring slots overwritten) are dropped before
+// the tile loop (at 2k most top-k slots of early tokens are −1: ~384 of 640 rows remain on average).
+//   start: the token's present candidates in order → idx (row numbers of rows16, dynamic shared),
+//          a block scan of 256 at a time;
+//   tiles of R rows, double-buffered in shared memory by cp.async (next tile in flight
+//   during this one), 3 barriers a tile:
+//   S:  warp w takes heads 32·(w%2) + [0, 32) (two m16 tiles) over columns 128·(w/2) + [0, 128):
+//       its Q fragments (64 registers) stay in registers; the four column-quarter partials go to
+//       shared memory (part) and are summed in quarter order (as attn_tc512h_f32);
+//   softmax: thread (head tid/4, rows R/4·(tid%4) + [0, R/4)): online max over the quad, P rounded to
+//       f16 into shared memory (pw), the head's rescale factor into cf;
+//   O:  warp w takes columns 64·w + [0, 64) of all 64 heads (4 m-tiles × 8 n-tiles, 128
+//       accumulators): P from shared memory (ldmatrix), V the same tile (ldmatrix.trans).
+// R = 32 (attn_tc512g_f32) or 64 rows a tile (attn_tc512g64_f32: half the barriers a row, 212 KB
+// of shared memory). Dynamic shared memory Atg<R>::SMEM + 4·max candidates (host: attn.rs,
+// atg_smem).
+#define ATG_LDK 520 // halves per row of a K/V tile: 512 + 8 (1040 B: ldmatrix rows on distinct banks)
+// floats per head of a partial-S tile (R + 4: 16-byte rows, the softmax's float4 reads spread),
+// halves per head of the P tile (R + 8: ldmatrix rows on distinct banks).
+template <int R, bool PIPE = false> struct Atg {
+    static constexpr int PS = R + 4, LDP = R + 8, NB = PIPE ? 3 : 2; // NB: K/V tile buffers
+    static constexpr int KB = NB * R * ATG_LDK * 2, PB = 4 * 64 * PS * 4, WB = 64 * LDP * 2;
+    static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
+};
+
+template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16) {
+    extern __shared__ __align__(16) unsigned char atg_sm[];
+    constexpr int PS = Atg<R, PIPE>::PS, LDP = Atg<R, PIPE>::LDP, RT = R / 4; // RT: softmax rows a thread
+    u16* ks = (u16*)atg_sm;                                          // [2][R][ATG_LDK]
+    float* part = (float*)(atg_sm + Atg<R, PIPE>::KB);                     // [4][64][PS]
+    u16* pw = (u16*)(atg_sm + Atg<R, PIPE>::KB + Atg<R, PIPE>::PB);              // [64][LDP]
+    float* cf_s = (float*)(atg_sm + Atg<R, PIPE>::KB + Atg<R, PIPE>::PB + Atg<R, PIPE>::WB); // [64]
+    float* m_s = cf_s + 64;                                          // [64] final max
+    float* z_s = m_s + 64;                                           // [64] final sum
+    float* rot_s = z_s + 64;                                         // [ATC_MAXROT][2]
+    int* wcnt = (int*)(rot_s + 2 * ATC_MAXROT);                      // [8] scan counts
+    int* idx = wcnt + 8;                                             // [max candidates]
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int i = blockIdx.y, n = gridDim.y;
+    const long long t = t0 + i;
+    const long long first = t + 1 > win ? t + 1 - win : 0;
+    const int nwin = (int)(t - first + 1);
+    const int nsel = sel ? top_k : 0;
+    const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
+    const int ncand = (int)(nwin + nsel + ncomp);
+    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    for (int p = tid; p < n_rot / 2; p += blockDim.x) {
+        double theta = fmod((double)t * freqs[p], 6.283185307179586);
+        rot_s[2 * p] = (float)cos(theta);
+        rot_s[2 * p + 1] = -(float)sin(theta);
+    }
+    // Present candidates, in list order, as row numbers of rows16 = [ring (win) | kv (n) | comp].
+    int nvalid = 0;
+    for (int base = 0; base < ncand; base += 256) {
+        const int j = base + tid;
+        int row = -1;
+        if (j < nwin) {
+            const long long p = first + j;
+            if (p >= t0) row = win + (int)(p - t0);
+            else {
+                const int slot = (int)(p % win);
+                row = raw_pos[slot] == (int)p ? slot : -1;
+            }
+        } else if (j < nwin + nsel) {
+            const int c = seli[j - nwin];
+            row = c >= 0 ? win + n + c : -1;
+        } else if (j < ncand) {
+            row = win + n + (j - nwin - nsel);
+        }
+        const u32 b = __ballot_sync(0xffffffffu, row >= 0);
+        if (lane == 0) wcnt[w] = __popc(b);
+        __syncthreads();
+        int off = nvalid, tot = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int c = wcnt[k];
+            off += k < w ? c : 0;
+            tot += c;
+        }
+        if (row >= 0) idx[off + __popc(b & ((1u << lane) - 1u))] = row;
+        nvalid += tot;
+        __syncthreads(); // wcnt reused
+    }
+    const int ntiles = (nvalid + R - 1) / R;
+    // Tile loader: chunk c = tid + 256·k (k < R/4) is 16 bytes e = c % 64 of row c / 64.
+    auto load_tile = [&](int jt) {
+        u16* dst = ks + (jt % Atg<R, PIPE>::NB) * R * ATG_LDK;
+#pragma unroll
+        for (int k = 0; k < R / 4; k++) {
+            const int c = tid + 256 * k, r = c >> 6, e = c & 63, j = jt * R + r;
+            const bool ok = j < nvalid;
+            const u16* src = rows16 + (ok ? (size_t)idx[j] * 512 + 8 * e : 0);
+            ds4_cp16(dst + r * ATG_LDK + 8 * e, src, ok);
+        }
+        ds4_cp_commit();
+    };
+    if (ntiles > 0) load_tile(0); // in flight while the Q fragments load
+    // Q fragments (f16) of heads 32·hp + 16·mt + g (+8) over columns 128·kg + [0, 128).
+    const int hp = w & 1, kg = w >> 1;
+    u32 qa[2][8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
+        const float* qpa = q + ((size_t)i * heads + ha) * 512 + 128 * kg + 2 * tq;
+        const float* qpb = q + ((size_t)i * heads + hb) * 512 + 128 * kg + 2 * tq;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float2 z2 = make_float2(0.0f, 0.0f);
+            const float2 a0 = ha < heads ? *(const float2*)(qpa + 16 * k) : z2;
+            const float2 a1 = hb < heads ? *(const float2*)(qpb + 16 * k) : z2;
+            const float2 a2 = ha < heads ? *(const float2*)(qpa + 16 * k + 8) : z2;
+            const float2 a3 = hb < heads ? *(const float2*)(qpb + 16 * k + 8) : z2;
+            qa[mt][k][0] = ds4_f16x2(a0.x, a0.y);
+            qa[mt][k][1] = ds4_f16x2(a1.x, a1.y);
+            qa[mt][k][2] = ds4_f16x2(a2.x, a2.y);
+            qa[mt][k][3] = ds4_f16x2(a3.x, a3.y);
+        }
+    }
+    float acc[4][8][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+    float m = DS4_NEG_INF, z = 0.0f; // softmax role: head tid/4 (the quad's lanes agree on m)
+    const int sh = tid >> 2, sq = tid & 3;
+    // The three phases of a tile (kw: its K/V buffer).
+    auto s_phase = [&](const u16* kw) {
+        // S partial: 2 m-tiles × R/8 n-tiles over this warp's 128 columns, 16 rows (two
+        // n-tiles: one ldmatrix.x4 a k-step) at a time (fewer live accumulators).
+        {
+            const int mi = lane >> 3, rr = lane & 7;
+            float* pp = part + kg * 64 * PS;
+#pragma unroll
+            for (int np = 0; np < R / 16; np++) {
+                float s[2][2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    u32 b[4];
+                    ds4_ldm4(b, kw + (16 * np + rr + 8 * (mi >> 1)) * ATG_LDK + 128 * kg + 16 * k + 8 * (mi & 1));
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        ds4_mma_f16(s[mt][0], qa[mt][k], b[0], b[1]);
+                        ds4_mma_f16(s[mt][1], qa[mt][k], b[2], b[3]);
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        const int h = 32 * hp + 16 * mt + g, r = 16 * np + 8 * nt + 2 * tq;
+                        *(float2*)(pp + h * PS + r) = make_float2(s[mt][nt][0], s[mt][nt][1]);
+                        *(float2*)(pp + (h + 8) * PS + r) = make_float2(s[mt][nt][2], s[mt][nt][3]);
+                    }
+            }
+        }
+    };
+    auto sm_phase = [&](int jt) {
+        // Online softmax: head sh, rows RT·sq + [0, RT).
+        {
+            float s[RT];
+#pragma unroll
+            for (int u = 0; u < RT / 4; u++) {
+                const int o = sh * PS + RT * sq + 4 * u;
+                const float4 p0 = *(const float4*)(part + o), p1 = *(const float4*)(part + 64 * PS + o);
+                const float4 p2 = *(const float4*)(part + 2 * 64 * PS + o),
+                             p3 = *(const float4*)(part + 3 * 64 * PS + o);
+                s[4 * u + 0] = ((p0.x + p1.x) + p2.x) + p3.x;
+                s[4 * u + 1] = ((p0.y + p1.y) + p2.y) + p3.y;
+                s[4 * u + 2] = ((p0.z + p1.z) + p2.z) + p3.z;
+                s[4 * u + 3] = ((p0.w + p1.w) + p2.w) + p3.w;
+            }
+            const int rem = nvalid - jt * R - RT * sq; // rows of this thread present
+            float mx = m;
+#pragma unroll
+            for (int r = 0; r < RT; r++) {
+                s[r] = r < rem ? s[r] * scale : DS4_NEG_INF;
+                mx = fmaxf(mx, s[r]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float c = m == mx ? 1.0f : expf(m - mx); // also −inf == −inf
+            m = mx;
+            u32 ph[RT / 2];
+            float zs = 0.0f;
+#pragma unroll
+            for (int r = 0; r < RT / 2; r++) {
+                const float e0 = s[2 * r] == DS4_NEG_INF ? 0.0f : expf(s[2 * r] - mx);
+                const float e1 = s[2 * r + 1] == DS4_NEG_INF ? 0.0f : expf(s[2 * r + 1] - mx);
+                ph[r] = ds4_f16x2(e0, e1);
+                zs += ds4_h2f_fast(ph[r] & 0xffffu) + ds4_h2f_fast(ph[r] >> 16); // the weights the product uses
+            }
+            z = z * c + zs;
+#pragma unroll
+            for (int u = 0; u < RT / 8; u++)
+                *(uint4*)(pw + sh * LDP + RT * sq + 8 * u) = make_uint4(ph[4 * u], ph[4 * u + 1], ph[4 * u + 2], ph[4 * u + 3]);
+            if (sq == 0) cf_s[sh] = c;
+        }
+    };
+    auto o_phase = [&](const u16* kw) {
+        // O += P · V over this warp's 64 columns.
+        {
+            // Rescale only where a head's max moved (the factor is exactly 1 otherwise: most tiles
+            // after the first few), warp-uniform.
+            float cfa[4], cfb[4];
+            bool one = true;
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++) {
+                cfa[mt] = cf_s[16 * mt + g];
+                cfb[mt] = cf_s[16 * mt + g + 8];
+                one = one && cfa[mt] == 1.0f && cfb[mt] == 1.0f;
+            }
+            if (!__all_sync(0xffffffffu, one)) {
+#pragma unroll
+                for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 8; nt++) {
+                        acc[mt][nt][0] *= cfa[mt];
+                        acc[mt][nt][1] *= cfa[mt];
+                        acc[mt][nt][2] *= cfb[mt];
+                        acc[mt][nt][3] *= cfb[mt];
+                    }
+            }
+            const int mi = lane >> 3, rr = lane & 7;
+#pragma unroll 1
+            for (int kk = 0; kk < R / 16; kk++) {
+                u32 a[4][4];
+#pragma unroll
+                for (int mt = 0; mt < 4; mt++)
+                    ds4_ldm4(a[mt], pw + (16 * mt + rr + 8 * (mi & 1)) * LDP + 16 * kk + 8 * (mi >> 1));
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    u32 b[4];
+                    ds4_ldm4_t(b, kw + (16 * kk + rr + 8 * (mi & 1)) * ATG_LDK + 64 * w + 16 * np + 8 * (mi >> 1));
+#pragma unroll
+                    for (int mt = 0; mt < 4; mt++) {
+                        ds4_mma_f16(acc[mt][2 * np], a[mt], b[0], b[1]);
+                        ds4_mma_f16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+        }
+    };
+    if constexpr (!PIPE) {
+        for (int jt = 0; jt < ntiles; jt++) {
+            ds4_cp_wait<0>();
+            __syncthreads(); // tile jt visible; every warp is past tile jt−1 (its buffer, part, pw free)
+            if (jt + 1 < ntiles) load_tile(jt + 1);
+            const u16* kw = ks + (jt & 1) * R * ATG_LDK;
+            s_phase(kw);
+            __syncthreads();
+            sm_phase(jt);
+            __syncthreads();
+            o_phase(kw);
+        }
+    } else {
+        // Pipelined (attn_tc512gp_f32): O of tile jt and S of tile jt+1 in one phase, then the
+        // softmax of jt+1: 2 barriers a tile; three K/V buffers (jt, jt+1 read, jt+2 loading).
+        if (ntiles > 1) load_tile(1);
+        else ds4_cp_commit();
+        if (ntiles > 0) {
+            ds4_cp_wait<1>();
+            __syncthreads();
+            s_phase(ks);
+            __syncthreads();
+            sm_phase(0);
+        }
+        for (int jt = 0; jt < ntiles; jt++) {
+            ds4_cp_wait<0>();
+            __syncthreads(); // tile jt+1 visible, P and factors of jt written, part read
+            if (jt + 2 < ntiles) load_tile(jt + 2); // its buffer last held jt−1 (read before the barrier)
+            o_phase(ks + (jt % 3) * R * ATG_LDK);
+            if (jt + 1 < ntiles) s_phase(ks + ((jt + 1) % 3) * R * ATG_LDK);
+            __syncthreads();
+            if (jt + 1 < ntiles) sm_phase(jt + 1);
+        }
+    }
+    // Final max and sum per head (z: this thread's rows, summed over the quad).
+    z += __shfl_xor_sync(0xffffffffu, z, 1);
+    z += __shfl_xor_sync(0xffffffffu, z, 2);
+    if (sq == 0) {
+        m_s[sh] = m;
+        z_s[sh] = z;
+    }
+    __syncthreads();
+    const int rot0 = 512 - n_rot;
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int h = 16 * mt + g + 8 * u;
+            const float sink = h < heads ? sinks[h] : 0.0f, mm = m_s[h];
+            const float M = fmaxf(sink, mm);
+            const float wm = mm == DS4_NEG_INF ? 0.0f : expf(mm - M);
+            const float f = wm / (expf(sink - M) + z_s[h] * wm);
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                const int col = 64 * w + 8 * nt + 2 * tq;
+                float a = acc[mt][nt][2 * u] * f, b = acc[mt][nt][2 * u + 1] * f;
+                if (col >= rot0) {
+                    const int p = (col - rot0) >> 1;
+                    const float c = rot_s[2 * p], sn = rot_s[2 * p + 1];
+                    const float a2 = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, sn));
+                    b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, c));
+                    a = a2;
+                }
+                if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * 512 + col) = make_float2(a, b);
+            }
+        }
+}
+#define ATG_BODY(R, PIPE) attn_tcg_body<R, PIPE>(ATC_ARGS, rows16);
+#else
+#define ATG_BODY(R, PIPE)
+#endif
+
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], out [n, heads, hd], rows16 the f16
 // rows [win + n + visible compressed, hd] by atc_rows_f16 (kv, raw, comp: not read); host checks:
 // CUDA sm_80+, 16-byte aligned rows, n_rot even and <= min(hd, 128).
 // attn_tc<hd>_f32: hi/lo split of Q and P; attn_tc<hd>h_f32: hi only.
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, false) }
+// grid (1, n), blockDim 256, dynamic shared Atg<R>::SMEM + 4·(most candidates of a token); heads
+// <= 64, hd 512; otherwise as attn_tc512h_f32. R = 32 / 64 rows a tile.
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gp_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, false) }
 // grid-stride (any grid), blockDim 256; rows 16-byte aligned, hd a multiple of 4.

@@ -4,7 +4,8 @@ use crate::Module;
 /// S = Q·Kᵀ and O = P·V by mma.sync f16 (CUDA sm_80+; elsewhere the kernels are empty and the
 /// host keeps `attend_part_f32`). `attn_tc<hd>_f32`: hi/lo split of Q and P (near f32);
 /// `attn_tc<hd>h_f32`: one f16 product each; both read f16 copies of the rows made once a call
-/// by `atc_rows_f16`. `index_scores_tc`: the lightning indexer's scores
+/// by `atc_rows_f16`. `attn_tc512g[64]_f32`: the one-product form with one CTA per token for all
+/// heads (32- / 64-row tiles, `gp`: 32 pipelined). `index_scores_tc`: the lightning indexer's scores
 /// (prefill, FP4-simulated queries and rows) by mma.sync bf16, the bits of `index_scores128h_f32`.
 pub const ATTN_TC: Module = Module {
     name: "attn_tc",
@@ -12,6 +13,9 @@ pub const ATTN_TC: Module = Module {
     kernels: &[
         "attn_tc512_f32",
         "attn_tc512h_f32",
+        "attn_tc512g_f32",
+        "attn_tc512g64_f32",
+        "attn_tc512gp_f32",
         "attn_tc64_f32",
         "attn_tc64h_f32",
         "atc_rows_f16",

@@ -149,6 +149,31 @@ static TC_MODE: AtomicU8 = AtomicU8::new(0);
 /// Heads per CTA and largest RoPE width of `attn_tc*` (`ATC_HG`, 2·`ATC_MAXROT`).
 const ATC_HG: usize = 16;
 const ATC_MAXROT: usize = 128;
+/// `attn_tc512g[64]_f32` (one CTA per token for all heads, absent candidates dropped; the `fast`
+/// form with head width 512 and at most 64 heads): 0 not yet read from `DS4_GPU_ATTN_TCG`, 1 off
+/// (`attn_tc512h_f32`, 16 heads a CTA: `DS4_GPU_ATTN_TCG=off`), 2 tiles of 32 rows (default),
+/// 3 tiles of 64 rows (`DS4_GPU_ATTN_TCG=r64`; 32 where its shared memory does not fit), 4 tiles
+/// of 32 rows pipelined (`DS4_GPU_ATTN_TCG=pipe`, `attn_tc512gp_f32`: O of a tile and S of the
+/// next between the same barriers, 2 barriers a tile, three tile buffers).
+static TCG_MODE: AtomicU8 = AtomicU8::new(0);
+/// Their static shared bytes (`Atg<R, PIPE>::SMEM`, attn_tc.cu: `nb` R-row K/V tiles, four
+/// partial-S tiles, the P tile, per-head factors, RoPE, scan counts) before 4 bytes a candidate.
+const fn atg_smem(r: usize, nb: usize) -> usize {
+    nb * r * 520 * 2 + 4 * 64 * (r + 4) * 4 + 64 * (r + 8) * 2 + (3 * 64 + ATC_MAXROT + 8) * 4
+}
+
+fn tcg_mode() -> u8 {
+    if TCG_MODE.load(Ordering::Relaxed) == 0 {
+        let m = match std::env::var("DS4_GPU_ATTN_TCG").as_deref() {
+            Ok("off") => 1,
+            Ok("r64") => 3,
+            Ok("pipe") => 4,
+            _ => 2,
+        };
+        let _ = TCG_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    TCG_MODE.load(Ordering::Relaxed)
+}
 
 fn tc_mode() -> u8 {
     if TC_MODE.load(Ordering::Relaxed) == 0 {
@@ -320,6 +345,20 @@ impl GpuBackend {
                 Arg::I32(win as i32),
             ],
         );
+    }
+
+    /// The `fast` prefill attention for head width 512 with one CTA per token
+    /// (`attn_tc512g_f32`, the default `on`; `r64`: `attn_tc512g64_f32`; `pipe`:
+    /// `attn_tc512gp_f32`) or per 16 heads (`off`: `attn_tc512h_f32`); process-wide, overrides
+    /// `DS4_GPU_ATTN_TCG`.
+    pub fn set_attn_tcg(form: &str) {
+        let m = match form {
+            "off" => 1,
+            "r64" => 3,
+            "pipe" => 4,
+            _ => 2,
+        };
+        TCG_MODE.store(m, Ordering::Relaxed);
     }
 
     /// Prefill attention on tensor cores where the device has them (CUDA sm_80+), else the f32
@@ -1047,6 +1086,37 @@ impl GpuBackend {
             (_, false) => "attn_tc64_f32",
             (_, true) => "attn_tc64h_f32",
         };
+        // attn_tc512g[64]_f32: its dynamic shared memory holds the token's candidate list.
+        let cand = 4 * candidates(spec, sel.is_some(), n, t0).1;
+        let smax = self.gpu.info().max_shared_per_block as usize;
+        let grouped = match tcg_mode() {
+            _ if name != "attn_tc512h_f32" || nh > 64 => None,
+            3 if atg_smem(64, 2) + cand <= smax => {
+                Some(("attn_tc512g64_f32", atg_smem(64, 2) + cand))
+            }
+            4 if atg_smem(32, 3) + cand <= smax => {
+                Some(("attn_tc512gp_f32", atg_smem(32, 3) + cand))
+            }
+            2..=4 if atg_smem(32, 2) + cand <= smax => {
+                Some(("attn_tc512g_f32", atg_smem(32, 2) + cand))
+            }
+            _ => None,
+        };
+        let (name, dims) = if let Some((g, smem)) = grouped {
+            let d = LaunchDims {
+                grid: [1, n as u32, 1],
+                block: [256, 1, 1],
+                shared_bytes: smem as u32,
+            };
+            (g, d)
+        } else {
+            let d = LaunchDims {
+                grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
+                block: [128, 1, 1],
+                shared_bytes: 0,
+            };
+            (name, d)
+        };
         // f16 copies of every row a token may read: [ring (win) | this chunk's kv (n) | the
         // compressed rows visible to the chunk's last token]; the scratch outlives the launches
         // (stream order).
@@ -1080,11 +1150,7 @@ impl GpuBackend {
         self.run(
             &ATTN_TC,
             name,
-            LaunchDims {
-                grid: [nh.div_ceil(ATC_HG) as u32, n as u32, 1],
-                block: [128, 1, 1],
-                shared_bytes: 0,
-            },
+            dims,
             &[
                 &attn_inputs(q, kv, st, comp, sel)[..],
                 &[
