@@ -421,32 +421,44 @@ fn gemm_group_pairs_skewed() {
         let ex = |p: usize| sel[p].clamp(0, ne as i32 - 1);
         let mut perm: Vec<usize> = (0..pairs).collect();
         perm.sort_by_key(|&p| ex(p));
-        let mut starts = Vec::new();
-        let mut i = 0;
-        while i < pairs {
-            let e = ex(perm[i]);
-            let mut j = i;
-            while j < pairs && ex(perm[j]) == e {
-                if (j - i) % nt == 0 {
-                    starts.push(j as i32);
+        let starts_of = |nt: usize| {
+            let mut starts = Vec::new();
+            let mut i = 0;
+            while i < pairs {
+                let e = ex(perm[i]);
+                let mut j = i;
+                while j < pairs && ex(perm[j]) == e {
+                    if (j - i) % nt == 0 {
+                        starts.push(j as i32);
+                    }
+                    j += 1;
                 }
-                j += 1;
+                i = j;
             }
-            i = j;
-        }
+            starts
+        };
+        let (starts, starts2) = (starts_of(nt), starts_of(2 * nt));
         let gmax = pairs.div_ceil(nt) + ne.min(pairs);
+        let gmax2 = pairs.div_ceil(2 * nt) + ne.min(pairs);
         let ok_n = got[0] as usize == starts.len();
         let ok_s = got[1..1 + starts.len()] == starts[..];
-        let ok_p = got[1 + gmax..]
+        let ok_p = got[1 + gmax..1 + gmax + pairs]
             .iter()
             .zip(&perm)
             .all(|(&g, &p)| g as usize == p);
+        // The wide runs (the wide gate/up's, cut every 2 nt) after perm.
+        let w = &got[1 + gmax + pairs..];
+        let ok_w = got.len() == 1 + gmax + pairs + 1 + gmax2
+            && w[0] as usize == starts2.len()
+            && w[1..1 + starts2.len()] == starts2[..];
         println!(
-            "group pairs={pairs} experts={ne} nt={nt}: groups {} (want {}), starts {ok_s}, perm {ok_p}",
+            "group pairs={pairs} experts={ne} nt={nt}: groups {} (want {}), starts {ok_s}, perm {ok_p}, wide runs {} (want {}) {ok_w}",
             got[0],
-            starts.len()
+            starts.len(),
+            w[0],
+            starts2.len()
         );
-        if !(ok_n && ok_s && ok_p) {
+        if !(ok_n && ok_s && ok_p && ok_w) {
             bad.push(format!("pairs={pairs} ne={ne} nt={nt}"));
         }
     }
@@ -909,6 +921,8 @@ fn gemm_moe_one_plane_matches_f64() {
     });
     let gz = gpu.upload(&z);
     GpuBackend::set_gemm_planes(1);
+    let wide0 = GpuBackend::gemm_wg_wide();
+    GpuBackend::set_gemm_wg_wide(false);
     let (l0, p0) = (
         GpuBackend::gemm_wg_launches(),
         GpuBackend::gemm_one_plane_launches(),
@@ -927,6 +941,29 @@ fn gemm_moe_one_plane_matches_f64() {
     }
     check_one_plane("gate", ff, &gg, &want[0], &sel, &mut bad);
     check_one_plane("up", ff, &gu, &want[1], &sel, &mut bad);
+    // The wide gate/up (`set_gemm_wg_wide`, runs of 128: expert 0's 200 pairs as 128 + 72, i.e.
+    // N = 128 and 80; 65 -> 80, 64 and 63 -> 64, 1 -> 16): the same bound, one wide launch.
+    GpuBackend::set_gemm_wg_wide(true);
+    let w0 = GpuBackend::gemm_wg_wide_launches();
+    let (wg, wu) = gpu
+        .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+        .expect("sm_90a: the wide wgmma kernel covers this product");
+    if GpuBackend::gemm_wg_wide_launches() - w0 != 1 {
+        bad.push("gate/up: not one gwg_iq2_xxs_p1_d2_w launch".to_string());
+    }
+    check_one_plane("gate wide", ff, &wg, &want[0], &sel, &mut bad);
+    check_one_plane("up wide", ff, &wu, &want[1], &sel, &mut bad);
+    let differ = gg
+        .iter()
+        .chain(&gu)
+        .zip(wg.iter().chain(&wu))
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    println!(
+        "wide vs runs of 64: {differ} of {} outputs differ in bits",
+        2 * pairs * ff
+    );
+    GpuBackend::set_gemm_wg_wide(wide0);
 
     // Down: ff = 768 columns (3 super-blocks), d = 320 rows; B from the row dequantised with
     // dmin = 0 (d sl q) and with d = 0 (-dmin m): bytes 80..82 d, 82..84 dmin of each 84-byte block.
@@ -1037,6 +1074,8 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     }
     set_form(0);
     let dq0 = GpuBackend::gemm_wg_dq();
+    let wide0 = GpuBackend::gemm_wg_wide();
+    GpuBackend::set_gemm_wg_wide(false); // the runs of 64 (the wide form: gemm_moe_one_plane_matches_f64)
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
     let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
@@ -1084,6 +1123,7 @@ fn gemm_moe_wg_decode_forms_same_bits() {
         }
     }
     GpuBackend::set_gemm_wg_dq(dq0);
+    GpuBackend::set_gemm_wg_wide(wide0);
 
     // Down (Q2_K, ff = 768 columns, d = 320 rows): lean on / off, wgmma down on / off, planes 1 / 2.
     let (dd, fd) = (320usize, 768usize);

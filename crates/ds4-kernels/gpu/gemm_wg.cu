@@ -70,6 +70,7 @@ template <int BN> struct alignas(16) GwSmem {
     uint4 gh[256];                  // the grid as 4 f16x2 words per entry (DQ 2)
 };
 static_assert(sizeof(GwSmem<256>) == 189488, "gemm_wg.rs WG_SMEM");
+static_assert(sizeof(GwSmem<128>) == 163376, "gemm_wg.rs WG_SMEM_W");
 
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -151,13 +152,20 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
 
 // The super-block scale d / 8 of a row's staged block (f16 d at byte sh).
 __device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
-// One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
-// set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-template <int N, int NWG, int PL, int DQ>
+// One CTA's product with N (16, 32, 48, 64; BM = 128: up to 128) item columns; items[] (-1: none)
+// and the expert set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q
+// of it). BM: the CTA's item run, 64, or 128 for the wide form (PL == 1 alone: its 128 items' hi
+// plane fills the 8 KiB chunk slot that holds 64 items' hi and lo planes, item group ig at
+// 512 ig as before, so items 64.. sit where the lo plane was).
+template <int N, int NWG, int PL, int DQ, int BM = GW_BM>
 __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
                                         long long y_tok, int rows, int cols, long long row_bytes) {
-    constexpr int NT = 128 * NWG, BN = 64 * NWG, PP = 512 / NT, TPI = 8 / PP; // X pieces per thread, threads per item
+    static_assert(BM == GW_BM || (BM == 2 * GW_BM && PL == 1), "wide runs: one plane");
+    // X pieces (16 bytes) of a chunk per item (hi and lo, or the wide form's hi alone), per
+    // thread, threads per item
+    constexpr int NT = 128 * NWG, BN = 64 * NWG, PPI = BM == GW_BM ? 8 : 4, PP = PPI * BM / NT, TPI = PPI / PP;
+    static_assert(PP >= 1 && PP * TPI == PPI && NT / TPI == BM, "X pieces");
     const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.x * BN;
     const u8* wbase = W + (long long)expert * slab;
@@ -165,7 +173,8 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
     const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
     // X copies: thread -> item xm = tid / TPI, 16-byte pieces j = PP (tid % TPI) + jj (0..3 hi, 4..7
-    // lo), piece j of item m to plane j / 4, core (m / 8, j % 4), row m % 8; PL == 1: hi only.
+    // lo), piece j of item m to plane j / 4, core (m / 8, j % 4), row m % 8; PL == 1: hi only
+    // (BM = 128: j < 4, items 64.. at core 4 (m / 8) + j from 4096 bytes on).
     const int xm = tid / TPI;
     const int xit = xm < N ? items[xm] : -1;
     const u32* xsrc = XW + (long long)(xit >= 0 ? xit / xdiv : 0) * cols;
@@ -299,14 +308,16 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 
 #if defined(DS4_CUDA)
 #define GW_B4 512, 1 // DS4_BOUNDS(GW_B4) = __launch_bounds__(512, 1): <= 128 registers
+#define GW_B2 256, 1 // the wide form: 2 warpgroups, <= 255 registers (acc and cc of N = 128: 128)
 #else
 #define GW_B4 512
+#define GW_B2 256
 #endif
 
 #if GW_HAVE
-// The kernels' shared part: the CTA's item run, then the product with N = its valid items
-// rounded up to 16.
-template <int NWG, int PL, int DQ>
+// The kernels' shared part: the CTA's item run (BM: 64, or the wide runs of 128), then the
+// product with N = its valid items rounded up to 16.
+template <int NWG, int PL, int DQ, int BM = GW_BM>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
@@ -314,10 +325,10 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
                                           int n, const int* __restrict__ grp, int gmax) {
     extern __shared__ uint4 gw_dyn[];
     GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
-    __shared__ int items[GW_BM];
+    __shared__ int items[BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
-    if (by >= grp[0]) return; // uniform over the CTA
+    if (by >= (BM == GW_BM ? grp[0] : grp[1 + gmax + n])) return; // uniform over the CTA (wide: ngroups2)
     if (tid < 256) { // the grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly)
         const u64 gv = ds4_iq2xxs_grid[tid];
         sm.grid[tid] = gv;
@@ -327,17 +338,26 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
                                 ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
                                 ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
     }
-    const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
+    const int nv = gw_items<BM>(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
-    if (nv <= 16)
-        gw_body<16, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+    if (BM > GW_BM && nv > 64) {
+        if (nv <= 80)
+            gw_body<80, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        else if (nv <= 96)
+            gw_body<96, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        else if (nv <= 112)
+            gw_body<112, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        else
+            gw_body<128, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+    } else if (nv <= 16)
+        gw_body<16, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<32, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<48, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<64, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -349,7 +369,9 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
 #define GW_RUN(PL, DQ) gw_kernel<4, PL, DQ>(GW_ARGS)
+#define GW_RUN_W(PL, DQ) gw_kernel<2, PL, DQ, 2 * GW_BM>(GW_ARGS)
 #else
+#define GW_RUN_W(PL, DQ) GW_RUN(PL, DQ)
 #define GW_RUN(PL, DQ) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
@@ -367,6 +389,13 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1(GW_PARAMS) { GW_RUN(1, 0); }
 // Decode form 2 (gw_deq; same bits as 0), the default (gemm_wg.rs DS4_GPU_GW_DQ).
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_d2(GW_PARAMS) { GW_RUN(2, 2); }
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2(GW_PARAMS) { GW_RUN(1, 2); }
+// Wide form of gwg_iq2_xxs_p1_d2 (gemm_wg.rs DS4_GPU_GW_WIDE): the wide runs of up to 128 pairs
+// of one expert (grp's second section, gm_group_scan_i32) per CTA, so one decode of a weight
+// chunk serves up to 128 items: one m64nNk16 wgmma per k-step with N up to 128 (acc and cc of
+// 64 registers each), 2 warpgroups (128 weight rows, 256 threads: the registers of 4 would not
+// fit), dynamic shared memory sizeof(GwSmem<128>). grid (rows / 128, gmax2, 2), gmax2 the wide
+// runs' bound. Same arithmetic as gwg_iq2_xxs_p1_d2 per (item, row).
+DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_w(GW_PARAMS) { GW_RUN_W(1, 2); }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

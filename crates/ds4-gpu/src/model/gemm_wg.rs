@@ -32,8 +32,15 @@
 //! (bench/results/gpu-gemm-q17-h200.txt): gate/up 3.61 -> 2.80 ms and down 1.67 -> 1.26 ms at
 //! n = 2048, `ds4 bench --synthetic full-q2` prefill 2k +10.6 %, 8k +11.6 %; the tiny models'
 //! logits then move up to 0.16 from the CPU's (two planes: 1.6e-4; top-1 unchanged).
+//!
+//! Wide form (`DS4_GPU_GW_WIDE=1`, or [`GpuBackend::set_gemm_wg_wide`]; one plane and decode
+//! form 2 only): `gwg_iq2_xxs_p1_d2_w` takes the grouping's wide runs (up to 128 pairs of one
+//! expert, gemm.rs `group_pairs`) per CTA of 2 warpgroups (128 weight rows), so each weight
+//! chunk is decoded once per 128 items instead of once per 64: at 2048 tokens (12,288 pairs over
+//! 256 experts, ~48 an expert) 448 runs of 64 become ~300 of 128; at 8192 ~4 per expert become
+//! ~2. Same arithmetic per (item, row). The down keeps the runs of 64.
 
-use super::gemm::{switch_on, UNSET};
+use super::gemm::{switch_on, wide_gmax, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
@@ -56,6 +63,11 @@ static LEAN_X: AtomicU8 = AtomicU8::new(UNSET);
 /// `DS4_GPU_GW_DQ` on first use (`0`: the previous form; default [`DQ_DEFAULT`]).
 static DQ: AtomicU8 = AtomicU8::new(UNSET);
 const DQ_DEFAULT: u8 = 2;
+/// 0 off, 1 on, UNSET: read `DS4_GPU_GW_WIDE` (`1` on, `0` off, else [`WIDE_DEFAULT`]) on first use.
+static WIDE: AtomicU8 = AtomicU8::new(UNSET);
+const WIDE_DEFAULT: bool = false;
+/// `gwg_iq2_xxs_p1_d2_w` launches so far (process-wide; tests).
+static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
@@ -64,6 +76,10 @@ pub(in crate::model) const WG_BM: usize = 64;
 /// words, the 2 KiB grid and the 4 KiB f16 grid; a static_assert there).
 const WG_BN: usize = 256;
 const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048 + 4096;
+/// The wide form's: 2 warpgroups, 128 rows (`sizeof(GwSmem<128>)`; the X slots hold 128 items'
+/// hi plane in the 8 KiB of 64 items' two planes).
+const WG_BN_W: usize = 128;
+const WG_SMEM_W: usize = 16 * 8192 + 3 * (WG_BN_W * 17 + 4) * 4 + 2048 + 4096;
 
 fn wg_on() -> bool {
     switch_on(&WG, "DS4_GPU_GEMM_WG")
@@ -87,6 +103,20 @@ pub(in crate::model) fn one_plane() -> bool {
 /// caller checks that a one-plane kernel reads the result.
 pub(in crate::model) fn lean_x() -> bool {
     switch_on(&LEAN_X, "DS4_GPU_GEMM_LEAN_X")
+}
+
+fn wide() -> bool {
+    let v = WIDE.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v == 1;
+    }
+    let v = match std::env::var("DS4_GPU_GW_WIDE") {
+        Ok(s) if s.trim() == "1" => true,
+        Ok(s) if s.trim() == "0" => false,
+        _ => WIDE_DEFAULT,
+    };
+    WIDE.store(v as u8, Ordering::Relaxed);
+    v
 }
 
 fn dq() -> u8 {
@@ -114,6 +144,22 @@ impl GpuBackend {
     pub fn set_gemm_wg_dq(dq: u8) {
         assert!(dq == 0 || dq == 2, "decode forms 0 and 2");
         DQ.store(dq, Ordering::Relaxed);
+    }
+
+    /// The wide gate/up (`gwg_iq2_xxs_p1_d2_w`: runs of 128 pairs; one plane, decode form 2) on
+    /// or off (default [`WIDE_DEFAULT`], or `DS4_GPU_GW_WIDE`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_wide(on: bool) {
+        WIDE.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Whether the wide gate/up is on (see [`Self::set_gemm_wg_wide`]).
+    pub fn gemm_wg_wide() -> bool {
+        wide()
+    }
+
+    /// `gwg_iq2_xxs_p1_d2_w` launches so far in this process.
+    pub fn gemm_wg_wide_launches() -> u64 {
+        WIDE_LAUNCHES.load(Ordering::Relaxed)
     }
 
     /// The decode form in use (see [`Self::set_gemm_wg_dq`]).
@@ -209,19 +255,28 @@ impl GpuBackend {
         if p1 {
             P1_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
         }
+        let w = p1 && dq() == 2 && wide();
         let name = match (p1, dq()) {
+            _ if w => "gwg_iq2_xxs_p1_d2_w",
             (false, 0) => "gwg_iq2_xxs",
             (false, _) => "gwg_iq2_xxs_d2",
             (true, 0) => "gwg_iq2_xxs_p1",
             (true, _) => "gwg_iq2_xxs_p1_d2",
         };
+        // Wide: the runs of 128 after perm in grp (gemm.rs group_pairs), gmax2 of them at most.
+        let (bn, gy_max, smem) = if w {
+            WIDE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+            (WG_BN_W, wide_gmax(n * k, bm, gmax), WG_SMEM_W)
+        } else {
+            (WG_BN, gmax, WG_SMEM)
+        };
         self.run(
             &ds4_kernels::GEMM_WG,
             name,
             LaunchDims {
-                grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
-                block: [2 * WG_BN as u32, 1, 1],
-                shared_bytes: WG_SMEM as u32,
+                grid: [ff.div_ceil(bn) as u32, gy_max as u32, 2],
+                block: [2 * bn as u32, 1, 1],
+                shared_bytes: smem as u32,
             },
             &[
                 Arg::Ptr(g.0),
