@@ -922,7 +922,7 @@ fn gemm_moe_one_plane_matches_f64() {
     let gz = gpu.upload(&z);
     GpuBackend::set_gemm_planes(1);
     let wide0 = GpuBackend::gemm_wg_wide();
-    GpuBackend::set_gemm_wg_wide(false);
+    GpuBackend::set_gemm_wg_wide(0);
     let (l0, p0) = (
         GpuBackend::gemm_wg_launches(),
         GpuBackend::gemm_one_plane_launches(),
@@ -942,27 +942,44 @@ fn gemm_moe_one_plane_matches_f64() {
     check_one_plane("gate", ff, &gg, &want[0], &sel, &mut bad);
     check_one_plane("up", ff, &gu, &want[1], &sel, &mut bad);
     // The wide gate/up (`set_gemm_wg_wide`, runs of 128: expert 0's 200 pairs as 128 + 72, i.e.
-    // N = 128 and 80; 65 -> 80, 64 and 63 -> 64, 1 -> 16): the same bound, one wide launch.
-    GpuBackend::set_gemm_wg_wide(true);
-    let w0 = GpuBackend::gemm_wg_wide_launches();
-    let (wg, wu) = gpu
-        .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
-        .expect("sm_90a: the wide wgmma kernel covers this product");
-    if GpuBackend::gemm_wg_wide_launches() - w0 != 1 {
-        bad.push("gate/up: not one gwg_iq2_xxs_p1_d2_w launch".to_string());
+    // N = 128 and 80; 65 -> 80, 64 and 63 -> 64, 1 -> 16), every run wide (1) and split (2:
+    // experts 0 and 1 wide, the others on the 4-warpgroup kernel): the same bound, one call.
+    for mode in [1u8, 2] {
+        GpuBackend::set_gemm_wg_wide(mode);
+        let w0 = GpuBackend::gemm_wg_wide_launches();
+        let (wg, wu) = gpu
+            .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+            .expect("sm_90a: the wide wgmma kernel covers this product");
+        if GpuBackend::gemm_wg_wide_launches() - w0 != 1 {
+            bad.push(format!("gate/up: wide mode {mode} did not run"));
+        }
+        check_one_plane(
+            &format!("gate wide {mode}"),
+            ff,
+            &wg,
+            &want[0],
+            &sel,
+            &mut bad,
+        );
+        check_one_plane(
+            &format!("up wide {mode}"),
+            ff,
+            &wu,
+            &want[1],
+            &sel,
+            &mut bad,
+        );
+        let differ = gg
+            .iter()
+            .chain(&gu)
+            .zip(wg.iter().chain(&wu))
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "wide {mode} vs runs of 64: {differ} of {} outputs differ in bits",
+            2 * pairs * ff
+        );
     }
-    check_one_plane("gate wide", ff, &wg, &want[0], &sel, &mut bad);
-    check_one_plane("up wide", ff, &wu, &want[1], &sel, &mut bad);
-    let differ = gg
-        .iter()
-        .chain(&gu)
-        .zip(wg.iter().chain(&wu))
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
-        .count();
-    println!(
-        "wide vs runs of 64: {differ} of {} outputs differ in bits",
-        2 * pairs * ff
-    );
     GpuBackend::set_gemm_wg_wide(wide0);
 
     // Down: ff = 768 columns (3 super-blocks), d = 320 rows; B from the row dequantised with
@@ -1075,7 +1092,7 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     set_form(0);
     let dq0 = GpuBackend::gemm_wg_dq();
     let wide0 = GpuBackend::gemm_wg_wide();
-    GpuBackend::set_gemm_wg_wide(false); // the runs of 64 (the wide form: gemm_moe_one_plane_matches_f64)
+    GpuBackend::set_gemm_wg_wide(0); // the runs of 64 (the wide form: gemm_moe_one_plane_matches_f64)
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
     let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);

@@ -315,9 +315,22 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #endif
 
 #if GW_HAVE
+// Whether the expert of the CTA's run (BM: 64 or the wide 128) has at most 64 pairs: the run is
+// its first (the pair before it in perm has another expert) and perm position start + 64 is past
+// the expert (the split form's test: gwg_iq2_xxs_p1_d2_n takes those experts, _wm the others).
+template <int BM>
+__device__ __forceinline__ bool gw_small(const int* __restrict__ grp, const int* __restrict__ sel, int n, int gmax) {
+    const int* perm = grp + 1 + gmax;
+    const int* gs = BM == GW_BM ? grp : perm + n;
+    const int st = gs[1 + blockIdx.y], e = max(sel[perm[st]], 0);
+    const bool first = st == 0 || max(sel[perm[st - 1]], 0) != e;
+    return first && (st + GW_BM >= n || max(sel[perm[st + GW_BM]], 0) != e);
+}
+
 // The kernels' shared part: the CTA's item run (BM: 64, or the wide runs of 128), then the
-// product with N = its valid items rounded up to 16.
-template <int NWG, int PL, int DQ, int BM = GW_BM>
+// product with N = its valid items rounded up to 16. SEL (the split form): 0 every run, 1 only
+// the runs of experts with at most 64 pairs, 2 only the others.
+template <int NWG, int PL, int DQ, int BM = GW_BM, int SEL = 0>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
@@ -329,6 +342,7 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
     if (by >= (BM == GW_BM ? grp[0] : grp[1 + gmax + n])) return; // uniform over the CTA (wide: ngroups2)
+    if (SEL != 0 && gw_small<BM>(grp, sel, n, gmax) != (SEL == 1)) return; // uniform too
     if (tid < 256) { // the grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly)
         const u64 gv = ds4_iq2xxs_grid[tid];
         sm.grid[tid] = gv;
@@ -370,8 +384,10 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 #if GW_HAVE
 #define GW_RUN(PL, DQ) gw_kernel<4, PL, DQ>(GW_ARGS)
 #define GW_RUN_W(PL, DQ) gw_kernel<2, PL, DQ, 2 * GW_BM>(GW_ARGS)
+#define GW_RUN_S(PL, DQ, NWG, BM, SEL) gw_kernel<NWG, PL, DQ, BM, SEL>(GW_ARGS)
 #else
 #define GW_RUN_W(PL, DQ) GW_RUN(PL, DQ)
+#define GW_RUN_S(PL, DQ, NWG, BM, SEL) GW_RUN(PL, DQ)
 #define GW_RUN(PL, DQ) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
@@ -396,6 +412,12 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2(GW_PARAMS) { GW_RUN(1, 2); }
 // fit), dynamic shared memory sizeof(GwSmem<128>). grid (rows / 128, gmax2, 2), gmax2 the wide
 // runs' bound. Same arithmetic as gwg_iq2_xxs_p1_d2 per (item, row).
 DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_w(GW_PARAMS) { GW_RUN_W(1, 2); }
+// Split form (DS4_GPU_GW_WIDE=2): the experts with at most 64 pairs (one run of 64 = one wide
+// run) on gwg_iq2_xxs_p1_d2's CTAs of 4 warpgroups (_n: grid and shared memory as
+// gwg_iq2_xxs_p1_d2), the others' wide runs on _w's CTAs of 2 (_wm: grid as _w), two launches:
+// the wide runs where they save weight decodes, 16 warps an SM where they would not.
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_n(GW_PARAMS) { GW_RUN_S(1, 2, 4, GW_BM, 1); }
+DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_wm(GW_PARAMS) { GW_RUN_S(1, 2, 2, 2 * GW_BM, 2); }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

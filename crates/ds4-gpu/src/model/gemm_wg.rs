@@ -38,7 +38,9 @@
 //! expert, gemm.rs `group_pairs`) per CTA of 2 warpgroups (128 weight rows), so each weight
 //! chunk is decoded once per 128 items instead of once per 64: at 2048 tokens (12,288 pairs over
 //! 256 experts, ~48 an expert) 448 runs of 64 become ~300 of 128; at 8192 ~4 per expert become
-//! ~2. Same arithmetic per (item, row). The down keeps the runs of 64.
+//! ~2. Same arithmetic per (item, row). The down keeps the runs of 64. `DS4_GPU_GW_WIDE=2` (the
+//! split form): the experts with at most 64 pairs on the 4-warpgroup kernel (`_n`), the others'
+//! wide runs on the 2-warpgroup one (`_wm`), two launches.
 
 use super::gemm::{switch_on, wide_gmax, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
@@ -63,9 +65,11 @@ static LEAN_X: AtomicU8 = AtomicU8::new(UNSET);
 /// `DS4_GPU_GW_DQ` on first use (`0`: the previous form; default [`DQ_DEFAULT`]).
 static DQ: AtomicU8 = AtomicU8::new(UNSET);
 const DQ_DEFAULT: u8 = 2;
-/// 0 off, 1 on, UNSET: read `DS4_GPU_GW_WIDE` (`1` on, `0` off, else [`WIDE_DEFAULT`]) on first use.
+/// Wide gate/up: 0 off, 1 every run wide, 2 split (experts of <= 64 pairs on the 4-warpgroup
+/// kernel, the others wide); UNSET: read `DS4_GPU_GW_WIDE` (`0`, `1`, `2`, else
+/// [`WIDE_DEFAULT`]) on first use.
 static WIDE: AtomicU8 = AtomicU8::new(UNSET);
-const WIDE_DEFAULT: bool = false;
+const WIDE_DEFAULT: u8 = 0;
 /// `gwg_iq2_xxs_p1_d2_w` launches so far (process-wide; tests).
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
@@ -105,17 +109,18 @@ pub(in crate::model) fn lean_x() -> bool {
     switch_on(&LEAN_X, "DS4_GPU_GEMM_LEAN_X")
 }
 
-fn wide() -> bool {
+fn wide() -> u8 {
     let v = WIDE.load(Ordering::Relaxed);
     if v != UNSET {
-        return v == 1;
+        return v;
     }
-    let v = match std::env::var("DS4_GPU_GW_WIDE") {
-        Ok(s) if s.trim() == "1" => true,
-        Ok(s) if s.trim() == "0" => false,
+    let v = match std::env::var("DS4_GPU_GW_WIDE").as_deref().map(str::trim) {
+        Ok("0") => 0,
+        Ok("1") => 1,
+        Ok("2") => 2,
         _ => WIDE_DEFAULT,
     };
-    WIDE.store(v as u8, Ordering::Relaxed);
+    WIDE.store(v, Ordering::Relaxed);
     v
 }
 
@@ -146,18 +151,20 @@ impl GpuBackend {
         DQ.store(dq, Ordering::Relaxed);
     }
 
-    /// The wide gate/up (`gwg_iq2_xxs_p1_d2_w`: runs of 128 pairs; one plane, decode form 2) on
-    /// or off (default [`WIDE_DEFAULT`], or `DS4_GPU_GW_WIDE`). Process-wide (tests, benchmarks).
-    pub fn set_gemm_wg_wide(on: bool) {
-        WIDE.store(on as u8, Ordering::Relaxed);
+    /// The wide gate/up (one plane, decode form 2): 0 off, 1 every run of 128 pairs on
+    /// `gwg_iq2_xxs_p1_d2_w`, 2 split (`_n` and `_wm`) (default [`WIDE_DEFAULT`], or
+    /// `DS4_GPU_GW_WIDE`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_wide(mode: u8) {
+        assert!(mode <= 2, "wide modes 0, 1, 2");
+        WIDE.store(mode, Ordering::Relaxed);
     }
 
-    /// Whether the wide gate/up is on (see [`Self::set_gemm_wg_wide`]).
-    pub fn gemm_wg_wide() -> bool {
+    /// The wide gate/up mode in use (see [`Self::set_gemm_wg_wide`]).
+    pub fn gemm_wg_wide() -> u8 {
         wide()
     }
 
-    /// `gwg_iq2_xxs_p1_d2_w` launches so far in this process.
+    /// Wide gate/up calls so far in this process (`gwg_iq2_xxs_p1_d2_w`, or the split pair).
     pub fn gemm_wg_wide_launches() -> u64 {
         WIDE_LAUNCHES.load(Ordering::Relaxed)
     }
@@ -255,48 +262,54 @@ impl GpuBackend {
         if p1 {
             P1_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
         }
-        let w = p1 && dq() == 2 && wide();
-        let name = match (p1, dq()) {
-            _ if w => "gwg_iq2_xxs_p1_d2_w",
-            (false, 0) => "gwg_iq2_xxs",
-            (false, _) => "gwg_iq2_xxs_d2",
-            (true, 0) => "gwg_iq2_xxs_p1",
-            (true, _) => "gwg_iq2_xxs_p1_d2",
-        };
-        // Wide: the runs of 128 after perm in grp (gemm.rs group_pairs), gmax2 of them at most.
-        let (bn, gy_max, smem) = if w {
+        let w = if p1 && dq() == 2 { wide() } else { 0 };
+        if w != 0 {
             WIDE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
-            (WG_BN_W, wide_gmax(n * k, bm, gmax), WG_SMEM_W)
-        } else {
-            (WG_BN, gmax, WG_SMEM)
-        };
-        self.run(
-            &ds4_kernels::GEMM_WG,
-            name,
-            LaunchDims {
-                grid: [ff.div_ceil(bn) as u32, gy_max as u32, 2],
-                block: [2 * bn as u32, 1, 1],
-                shared_bytes: smem as u32,
-            },
-            &[
-                Arg::Ptr(g.0),
-                Arg::Ptr(u.0),
-                Arg::I64((ff * rb) as i64), // expert slab
-                Arg::Ptr(sel),
-                Arg::Ptr(xw.ptr),
-                Arg::Ptr(inv.ptr),
-                Arg::I32(k as i32),
-                Arg::Ptr(gy),
-                Arg::Ptr(uy),
-                Arg::I64(ff as i64),
-                Arg::I32(ff as i32),
-                Arg::I32(d as i32),
-                Arg::I64(rb as i64),
-                Arg::I32((n * k) as i32),
-                Arg::Ptr(grp),
-                Arg::I32(gmax as i32),
+        }
+        // (kernel, weight rows a CTA, grid y, shared memory): the wide runs of 128 follow perm in
+        // grp (gemm.rs group_pairs), at most wide_gmax of them.
+        let gmax2 = wide_gmax(n * k, bm, gmax);
+        let (narrow, wide_k) = ((WG_BN, gmax, WG_SMEM), (WG_BN_W, gmax2, WG_SMEM_W));
+        let launches: &[(&str, (usize, usize, usize))] = match (p1, dq(), w) {
+            (_, _, 1) => &[("gwg_iq2_xxs_p1_d2_w", wide_k)],
+            (_, _, 2) => &[
+                ("gwg_iq2_xxs_p1_d2_n", narrow),
+                ("gwg_iq2_xxs_p1_d2_wm", wide_k),
             ],
-        );
+            (false, 0, _) => &[("gwg_iq2_xxs", narrow)],
+            (false, _, _) => &[("gwg_iq2_xxs_d2", narrow)],
+            (true, 0, _) => &[("gwg_iq2_xxs_p1", narrow)],
+            (true, _, _) => &[("gwg_iq2_xxs_p1_d2", narrow)],
+        };
+        for &(name, (bn, gy_max, smem)) in launches {
+            self.run(
+                &ds4_kernels::GEMM_WG,
+                name,
+                LaunchDims {
+                    grid: [ff.div_ceil(bn) as u32, gy_max as u32, 2],
+                    block: [2 * bn as u32, 1, 1],
+                    shared_bytes: smem as u32,
+                },
+                &[
+                    Arg::Ptr(g.0),
+                    Arg::Ptr(u.0),
+                    Arg::I64((ff * rb) as i64), // expert slab
+                    Arg::Ptr(sel),
+                    Arg::Ptr(xw.ptr),
+                    Arg::Ptr(inv.ptr),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(gy),
+                    Arg::Ptr(uy),
+                    Arg::I64(ff as i64),
+                    Arg::I32(ff as i32),
+                    Arg::I32(d as i32),
+                    Arg::I64(rb as i64),
+                    Arg::I32((n * k) as i32),
+                    Arg::Ptr(grp),
+                    Arg::I32(gmax as i32),
+                ],
+            );
+        }
         true
     }
 
