@@ -104,22 +104,26 @@ __device__ __forceinline__ u32 gw_sgn(u32 s8, int q) { return s8 * (0x8001u << (
 // DQ 2 takes the sub-block's 8 bytes as (rw, fs): rw the word holding byte 2 of the block (its
 // first grid byte) rounded down, fs 16 or 0 its bit offset (gw_body's per-super-block row state:
 // no per-chunk row addressing), chunk p's bytes at words 2p .. 2p + 2 of rw.
-template <int DQ>
-__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w);
+// FD (the folded form, DQ 2 only): the sub-block's multiplier m times dm (f16x2 of 16 d, the row's
+// super-block scale: gw_dm), so w = f16(f16(m 16 d) b) ~ 128 x the weight, two f16 roundings.
+template <int DQ, int FD = 0>
+__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w, u32 dm = 0);
 template <int DQ>
 __device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, const u64* grid, const uint4* gh, u32* w) {
     const u32 o = sh + 2 + 8 * p, wi = o >> 2, fs = (o & 3) * 8;
     const u32 A = rb[wi], B = rb[wi + 1], C = rb[wi + 2];
     gw_deq_w<DQ>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w);
 }
-template <int DQ>
-__device__ __forceinline__ void gw_deq_h(const u32* rw, u32 fs, int p, int t, const u64* grid, const uint4* gh, u32* w) {
+template <int DQ, int FD = 0>
+__device__ __forceinline__ void gw_deq_h(const u32* rw, u32 fs, int p, int t, const u64* grid, const uint4* gh, u32* w,
+                                         u32 dm = 0) {
     const u32 A = rw[2 * p], B = rw[2 * p + 1], C = rw[2 * p + 2];
-    gw_deq_w<DQ>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w);
+    gw_deq_w<DQ, FD>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w, dm);
 }
 // The decode of a sub-block's 4 grid bytes idx and its signs/scale word aux (above).
-template <int DQ>
-__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w) {
+template <int DQ, int FD>
+__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w, u32 dm) {
+    static_assert(FD == 0 || DQ == 2, "the folded form: decode form 2");
     const u32 e = (idx >> (8 * t)) & 0xff, s7 = (aux >> (7 * t)) & 127u;
     if (DQ == 0) {
         const u64 gv = grid[e];
@@ -138,7 +142,8 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
         }
     } else {
         // (ls | 0x6400) in both halves: f16 1024 + ls; 2 (1024 + ls) - 2047 = 2 ls + 1 exactly
-        const u32 m2 = ds4_hfma2((aux >> 28) * 0x10001u + 0x64006400u, 0x40004000u, 0xe7ffe7ffu);
+        u32 m2 = ds4_hfma2((aux >> 28) * 0x10001u + 0x64006400u, 0x40004000u, 0xe7ffe7ffu);
+        if (FD) m2 = ds4_hmul2(m2, dm); // (2 ls + 1) 16 d, rounded to f16
         const u32 s8 = gw_s8(s7);
         u32 sw[4];
 #pragma unroll
@@ -152,16 +157,24 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
 
 // The super-block scale d / 8 of a row's staged block (f16 d at byte sh).
 __device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
+// The folded form's multiplier: f16x2 (16 d, 16 d) (exact: a power of two; 16 d (2 ls + 1) grid
+// stays below f16's 65504 for |d| < 3, normal for |d| >= 2^-18), undone by 2^-7 at the store.
+__device__ __forceinline__ u32 gw_dm(const u32* rb, u32 sh) { return ds4_hmul2(((rb[0] >> (8 * sh)) & 0xffffu) * 0x10001u, 0x4c004c00u); }
 // One CTA's product with N (16, 32, 48, 64; BM = 128: up to 128) item columns; items[] (-1: none)
 // and the expert set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q
 // of it). BM: the CTA's item run, 64, or 128 for the wide form (PL == 1 alone: its 128 items' hi
 // plane fills the 8 KiB chunk slot that holds 64 items' hi and lo planes, item group ig at
 // 512 ig as before, so items 64.. sit where the lo plane was).
-template <int N, int NWG, int PL, int DQ, int BM = GW_BM>
+// FD (the folded form, PL 1 and DQ 2): the super-block scale folded into the decoded weights
+// (gw_deq_w: f16(f16((2 ls + 1) 16 d) grid), two f16 roundings, ~2^-11 relative each), so the
+// wgmma accumulate into acc across super-blocks: no cc (N / 2 registers fewer), no wait for all
+// groups and acc += D cc every 8 chunks; acc times 2^-7 at the store.
+template <int N, int NWG, int PL, int DQ, int BM = GW_BM, int FD = 0>
 __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
                                         long long y_tok, int rows, int cols, long long row_bytes) {
     static_assert(BM == GW_BM || (BM == 2 * GW_BM && PL == 1), "wide runs: one plane");
+    static_assert(FD == 0 || (PL == 1 && DQ == 2), "folded: one plane, decode form 2");
     // X pieces (16 bytes) of a chunk per item (hi and lo, or the wide form's hi alone), per
     // thread, threads per item
     constexpr int NT = 128 * NWG, BN = 64 * NWG, PPI = BM == GW_BM ? 8 : 4, PP = PPI * BM / NT, TPI = PPI / PP;
@@ -225,6 +238,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         rw1 = &sm.raw[S % GW_NS][GW_RW * R1 + b1];
         fs0 = 16u - 16u * b0, fs1 = 16u - 16u * b1;
     };
+    u32 dm0 = 0, dm1 = 0; // FD: the rows' f16x2 16 d of the super-block being decoded
     auto decode = [&](int S, int p, u32* a) {
         u32 w0[4], w1[4];
         if (DQ == 0) {
@@ -233,8 +247,8 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             gw_deq<DQ>(&sm.raw[st][GW_RW * R0], sh0 ^ x, p, t, sm.grid, sm.gh, w0);
             gw_deq<DQ>(&sm.raw[st][GW_RW * R1], sh1 ^ x, p, t, sm.grid, sm.gh, w1);
         } else {
-            gw_deq_h<DQ>(rw0, fs0, p, t, sm.grid, sm.gh, w0);
-            gw_deq_h<DQ>(rw1, fs1, p, t, sm.grid, sm.gh, w1);
+            gw_deq_h<DQ, FD>(rw0, fs0, p, t, sm.grid, sm.gh, w0, dm0);
+            gw_deq_h<DQ, FD>(rw1, fs1, p, t, sm.grid, sm.gh, w1, dm1);
         }
         gw_afrag(w0, w1, a);
     };
@@ -258,6 +272,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     gw_proxy_fence();
     __syncthreads();
     if (DQ >= 1) rows_of(0);
+    if (FD) dm0 = gw_dm(&sm.raw[0][GW_RW * R0], sh0), dm1 = gw_dm(&sm.raw[0][GW_RW * R1], sh1);
     decode(0, 0, a0);
     float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1);
 
@@ -277,8 +292,8 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
                 if (p == 4) issue_raw(S + 2);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_chunk<N, PL>(cc, a, xs, lbo, sbo, p);
-            if (p == 7) { // end of the super-block: acc += (d / 8) cc
+            gw_chunk<N, PL>(FD ? acc : cc, a, xs, lbo, sbo, FD ? c : p); // FD: zeroed at chunk 0 alone
+            if (p == 7 && !FD) { // end of the super-block: acc += (d / 8) cc
                 gw_wait<0>();
                 gw_pin(cc);
                 gw_pin_a(a);
@@ -292,8 +307,13 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             if (c + 1 < nl) {
                 const int S1 = p == 7 ? S + 1 : S;
                 if (DQ >= 1 && p == 7) rows_of(S1);
+                if (FD && p == 7) {
+                    const u32 x = 2u * (u32)(S1 & 1);
+                    dm0 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0 ^ x);
+                    dm1 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1 ^ x);
+                }
                 decode(S1, (p + 1) & 7, an);
-                if (p == 7) {
+                if (p == 7 && !FD) {
                     const u32 x = 2u * (u32)(S1 & 1);
                     D0 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0 ^ x);
                     D1 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1 ^ x);
@@ -302,6 +322,12 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         }
     }
     ds4_cp_wait<0>();
+    if (FD) {
+        gw_wait<0>();
+        gw_pin(acc);
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) acc.v[i] *= 0x1p-7f; // the weights were 128 x (16 d vs d / 8)
+    }
     gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv); // R1 = R0 + 8
 }
 #endif
@@ -329,8 +355,8 @@ __device__ __forceinline__ bool gw_small(const int* __restrict__ grp, const int*
 
 // The kernels' shared part: the CTA's item run (BM: 64, or the wide runs of 128), then the
 // product with N = its valid items rounded up to 16. SEL (the split form): 0 every run, 1 only
-// the runs of experts with at most 64 pairs, 2 only the others.
-template <int NWG, int PL, int DQ, int BM = GW_BM, int SEL = 0>
+// the runs of experts with at most 64 pairs, 2 only the others. FD: gw_body's folded form.
+template <int NWG, int PL, int DQ, int BM = GW_BM, int SEL = 0, int FD = 0>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
@@ -357,21 +383,21 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     float* Y = blockIdx.z ? Y1 : Y0;
     if (BM > GW_BM && nv > 64) {
         if (nv <= 80)
-            gw_body<80, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+            gw_body<80, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
         else if (nv <= 96)
-            gw_body<96, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+            gw_body<96, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
         else if (nv <= 112)
-            gw_body<112, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+            gw_body<112, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
         else
-            gw_body<128, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+            gw_body<128, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     } else if (nv <= 16)
-        gw_body<16, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<16, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<32, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<48, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG, PL, DQ, BM>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<64, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -385,7 +411,9 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 #define GW_RUN(PL, DQ) gw_kernel<4, PL, DQ>(GW_ARGS)
 #define GW_RUN_W(PL, DQ) gw_kernel<2, PL, DQ, 2 * GW_BM>(GW_ARGS)
 #define GW_RUN_S(PL, DQ, NWG, BM, SEL) gw_kernel<NWG, PL, DQ, BM, SEL>(GW_ARGS)
+#define GW_RUN_F(BM) gw_kernel<4, 1, 2, BM, 0, 1>(GW_ARGS)
 #else
+#define GW_RUN_F(BM) GW_RUN(1, 2)
 #define GW_RUN_W(PL, DQ) GW_RUN(PL, DQ)
 #define GW_RUN_S(PL, DQ, NWG, BM, SEL) GW_RUN(PL, DQ)
 #define GW_RUN(PL, DQ) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
@@ -418,6 +446,11 @@ DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_w(GW_PARAMS) { GW_RUN_W(1, 2
 // the wide runs where they save weight decodes, 16 warps an SM where they would not.
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_n(GW_PARAMS) { GW_RUN_S(1, 2, 4, GW_BM, 1); }
 DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_wm(GW_PARAMS) { GW_RUN_S(1, 2, 2, 2 * GW_BM, 2); }
+// Folded forms (DS4_GPU_GW_WIDE=3, 4; gw_body FD: the super-block scale in the f16 weights, one
+// accumulator set): 4 warpgroups, 256 weight rows, grid and shared memory as gwg_iq2_xxs_p1_d2;
+// _f the runs of 64, _fw the wide runs of 128 (N up to 128 in <= 128 registers: acc alone).
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_f(GW_PARAMS) { GW_RUN_F(GW_BM); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_fw(GW_PARAMS) { GW_RUN_F(2 * GW_BM); }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

@@ -16,6 +16,8 @@ pub const GEMM_WG: Module = Module {
         "gwg_iq2_xxs_p1_d2_w",
         "gwg_iq2_xxs_p1_d2_n",
         "gwg_iq2_xxs_p1_d2_wm",
+        "gwg_iq2_xxs_p1_d2_f",
+        "gwg_iq2_xxs_p1_d2_fw",
         "gwg_x_f32",
     ],
 };

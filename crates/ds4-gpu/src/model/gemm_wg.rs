@@ -40,7 +40,10 @@
 //! 256 experts, ~48 an expert) 448 runs of 64 become ~300 of 128; at 8192 ~4 per expert become
 //! ~2. Same arithmetic per (item, row). The down keeps the runs of 64. `DS4_GPU_GW_WIDE=2` (the
 //! split form): the experts with at most 64 pairs on the 4-warpgroup kernel (`_n`), the others'
-//! wide runs on the 2-warpgroup one (`_wm`), two launches.
+//! wide runs on the 2-warpgroup one (`_wm`), two launches. `3` and `4` (the folded forms,
+//! `_f` runs of 64, `_fw` runs of 128, 4 warpgroups): the super-block scale folded into the f16
+//! weights (`f16(f16((2 ls + 1) 16 d) grid)`: two more f16 roundings, ~2^-11 relative each), one
+//! accumulator set, no flush every 256 columns; N up to 128 then fits 128 registers.
 
 use super::gemm::{switch_on, wide_gmax, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
@@ -66,8 +69,8 @@ static LEAN_X: AtomicU8 = AtomicU8::new(UNSET);
 static DQ: AtomicU8 = AtomicU8::new(UNSET);
 const DQ_DEFAULT: u8 = 2;
 /// Wide gate/up: 0 off, 1 every run wide, 2 split (experts of <= 64 pairs on the 4-warpgroup
-/// kernel, the others wide); UNSET: read `DS4_GPU_GW_WIDE` (`0`, `1`, `2`, else
-/// [`WIDE_DEFAULT`]) on first use.
+/// kernel, the others wide), 3 folded runs of 64, 4 folded runs of 128; UNSET: read
+/// `DS4_GPU_GW_WIDE` (`0` .. `4`, else [`WIDE_DEFAULT`]) on first use.
 static WIDE: AtomicU8 = AtomicU8::new(UNSET);
 const WIDE_DEFAULT: u8 = 0;
 /// `gwg_iq2_xxs_p1_d2_w` launches so far (process-wide; tests).
@@ -118,6 +121,8 @@ fn wide() -> u8 {
         Ok("0") => 0,
         Ok("1") => 1,
         Ok("2") => 2,
+        Ok("3") => 3,
+        Ok("4") => 4,
         _ => WIDE_DEFAULT,
     };
     WIDE.store(v, Ordering::Relaxed);
@@ -152,10 +157,11 @@ impl GpuBackend {
     }
 
     /// The wide gate/up (one plane, decode form 2): 0 off, 1 every run of 128 pairs on
-    /// `gwg_iq2_xxs_p1_d2_w`, 2 split (`_n` and `_wm`) (default [`WIDE_DEFAULT`], or
-    /// `DS4_GPU_GW_WIDE`). Process-wide (tests, benchmarks).
+    /// `gwg_iq2_xxs_p1_d2_w`, 2 split (`_n` and `_wm`), 3 and 4 folded (`_f` runs of 64, `_fw`
+    /// runs of 128) (default [`WIDE_DEFAULT`], or `DS4_GPU_GW_WIDE`). Process-wide (tests,
+    /// benchmarks).
     pub fn set_gemm_wg_wide(mode: u8) {
-        assert!(mode <= 2, "wide modes 0, 1, 2");
+        assert!(mode <= 4, "wide modes 0 .. 4");
         WIDE.store(mode, Ordering::Relaxed);
     }
 
@@ -164,7 +170,7 @@ impl GpuBackend {
         wide()
     }
 
-    /// Wide gate/up calls so far in this process (`gwg_iq2_xxs_p1_d2_w`, or the split pair).
+    /// Wide gate/up calls so far in this process (any mode but 0).
     pub fn gemm_wg_wide_launches() -> u64 {
         WIDE_LAUNCHES.load(Ordering::Relaxed)
     }
@@ -272,6 +278,8 @@ impl GpuBackend {
         let (narrow, wide_k) = ((WG_BN, gmax, WG_SMEM), (WG_BN_W, gmax2, WG_SMEM_W));
         let launches: &[(&str, (usize, usize, usize))] = match (p1, dq(), w) {
             (_, _, 1) => &[("gwg_iq2_xxs_p1_d2_w", wide_k)],
+            (_, _, 3) => &[("gwg_iq2_xxs_p1_d2_f", narrow)],
+            (_, _, 4) => &[("gwg_iq2_xxs_p1_d2_fw", (WG_BN, gmax2, WG_SMEM))],
             (_, _, 2) => &[
                 ("gwg_iq2_xxs_p1_d2_n", narrow),
                 ("gwg_iq2_xxs_p1_d2_wm", wide_k),
