@@ -52,6 +52,10 @@
 // hi plane copied (gwg_x_f32 then skips the lo plane; same shared layout). H200, n = 2048 (ncu):
 // 3.61 -> 2.80 ms; tiny-model logits up to 0.16 from the CPU (two planes, --precision exact:
 // 1.6e-4) (bench/results/gpu-gemm-q17-h200.txt). 12 chunks of X prefetch in 32 hi-only slots tied there.
+// Wide and folded forms (gemm_wg.rs DS4_GPU_GW_WIDE; one plane): runs of up to 128 pairs a CTA (the
+// grouping's second section), and/or the super-block scale folded into the f16 weights (gw_body
+// FD: one accumulator set). The default _fw (both, 4 warpgroups): H200 prefill +6.9 % (2k) /
+// +9.0 % (8k); the unfolded 2-warpgroup _w lost (bench/results/gpu-p218-h200.txt).
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
