@@ -33,17 +33,20 @@
 //! n = 2048, `ds4 bench --synthetic full-q2` prefill 2k +10.6 %, 8k +11.6 %; the tiny models'
 //! logits then move up to 0.16 from the CPU's (two planes: 1.6e-4; top-1 unchanged).
 //!
-//! Wide form (`DS4_GPU_GW_WIDE=1`, or [`GpuBackend::set_gemm_wg_wide`]; one plane and decode
-//! form 2 only): `gwg_iq2_xxs_p1_d2_w` takes the grouping's wide runs (up to 128 pairs of one
-//! expert, gemm.rs `group_pairs`) per CTA of 2 warpgroups (128 weight rows), so each weight
-//! chunk is decoded once per 128 items instead of once per 64: at 2048 tokens (12,288 pairs over
-//! 256 experts, ~48 an expert) 448 runs of 64 become ~300 of 128; at 8192 ~4 per expert become
-//! ~2. Same arithmetic per (item, row). The down keeps the runs of 64. `DS4_GPU_GW_WIDE=2` (the
-//! split form): the experts with at most 64 pairs on the 4-warpgroup kernel (`_n`), the others'
-//! wide runs on the 2-warpgroup one (`_wm`), two launches. `3` and `4` (the folded forms,
-//! `_f` runs of 64, `_fw` runs of 128, 4 warpgroups): the super-block scale folded into the f16
-//! weights (`f16(f16((2 ls + 1) 16 d) grid)`: two more f16 roundings, ~2^-11 relative each), one
-//! accumulator set, no flush every 256 columns; N up to 128 then fits 128 registers.
+//! Wide forms (`DS4_GPU_GW_WIDE`, or [`GpuBackend::set_gemm_wg_wide`]; one plane and decode
+//! form 2 only, i.e. `--precision fast`): the gate/up takes the grouping's wide runs (up to 128
+//! pairs of one expert, after perm in gemm.rs `group_pairs`'s buffer; the down keeps the runs of
+//! 64), so a weight chunk is decoded once per 128 items instead of 64 (at 8192 tokens, ~190
+//! pairs an expert: 3-4 runs of 64 become 2). `4` (the default): `gwg_iq2_xxs_p1_d2_fw`, the
+//! super-block scale folded into the f16 weights (`f16(f16((2 ls + 1) 16 d) grid)`: two more f16
+//! roundings, ~2^-11 relative each; the one-plane f64 test's worst error 9.4e-5 -> 1.5e-4 of
+//! sum |w x|), one accumulator set (no flush every 256 columns), so N up to 128 fits 4
+//! warpgroups in 126 registers. H200: routed experts -3.7 % (2k) / -17.6 % (8k), `ds4 bench`
+//! prefill +6.9 % / +9.0 % (bench/results/gpu-p218-h200.txt). `0`: the runs of 64 as before
+//! (`gwg_iq2_xxs_p1_d2`, same bits as the exact scale path); `3`: the fold alone, runs of 64
+//! (`_f`: +0.9 % / +1.0 %); `1`: unfolded runs of 128 on 2 warpgroups (`_w`, 202 registers for
+//! two accumulator sets: 8 warps an SM, prefill -6.9 % / -3.6 %); `2`: split (experts of <= 64
+//! pairs on `_n`, the others on `_wm`; unmeasured: at 8k it is `1`).
 
 use super::gemm::{switch_on, wide_gmax, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
@@ -72,7 +75,9 @@ const DQ_DEFAULT: u8 = 2;
 /// kernel, the others wide), 3 folded runs of 64, 4 folded runs of 128; UNSET: read
 /// `DS4_GPU_GW_WIDE` (`0` .. `4`, else [`WIDE_DEFAULT`]) on first use.
 static WIDE: AtomicU8 = AtomicU8::new(UNSET);
-const WIDE_DEFAULT: u8 = 0;
+/// 4 (folded, runs of 128): H200, prefill 2k +6.9 %, 8k +9.0 %, routed experts -3.7 % / -17.6 %
+/// against 0; 3 +0.9 % / +1.0 %; 1 -6.9 % / -3.6 % (bench/results/gpu-p218-h200.txt).
+const WIDE_DEFAULT: u8 = 4;
 /// `gwg_iq2_xxs_p1_d2_w` launches so far (process-wide; tests).
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
