@@ -421,32 +421,44 @@ fn gemm_group_pairs_skewed() {
         let ex = |p: usize| sel[p].clamp(0, ne as i32 - 1);
         let mut perm: Vec<usize> = (0..pairs).collect();
         perm.sort_by_key(|&p| ex(p));
-        let mut starts = Vec::new();
-        let mut i = 0;
-        while i < pairs {
-            let e = ex(perm[i]);
-            let mut j = i;
-            while j < pairs && ex(perm[j]) == e {
-                if (j - i) % nt == 0 {
-                    starts.push(j as i32);
+        let starts_of = |nt: usize| {
+            let mut starts = Vec::new();
+            let mut i = 0;
+            while i < pairs {
+                let e = ex(perm[i]);
+                let mut j = i;
+                while j < pairs && ex(perm[j]) == e {
+                    if (j - i) % nt == 0 {
+                        starts.push(j as i32);
+                    }
+                    j += 1;
                 }
-                j += 1;
+                i = j;
             }
-            i = j;
-        }
+            starts
+        };
+        let (starts, starts2) = (starts_of(nt), starts_of(2 * nt));
         let gmax = pairs.div_ceil(nt) + ne.min(pairs);
+        let gmax2 = pairs.div_ceil(2 * nt) + ne.min(pairs);
         let ok_n = got[0] as usize == starts.len();
         let ok_s = got[1..1 + starts.len()] == starts[..];
-        let ok_p = got[1 + gmax..]
+        let ok_p = got[1 + gmax..1 + gmax + pairs]
             .iter()
             .zip(&perm)
             .all(|(&g, &p)| g as usize == p);
+        // The wide runs (the wide gate/up's, cut every 2 nt) after perm.
+        let w = &got[1 + gmax + pairs..];
+        let ok_w = got.len() == 1 + gmax + pairs + 1 + gmax2
+            && w[0] as usize == starts2.len()
+            && w[1..1 + starts2.len()] == starts2[..];
         println!(
-            "group pairs={pairs} experts={ne} nt={nt}: groups {} (want {}), starts {ok_s}, perm {ok_p}",
+            "group pairs={pairs} experts={ne} nt={nt}: groups {} (want {}), starts {ok_s}, perm {ok_p}, wide runs {} (want {}) {ok_w}",
             got[0],
-            starts.len()
+            starts.len(),
+            w[0],
+            starts2.len()
         );
-        if !(ok_n && ok_s && ok_p) {
+        if !(ok_n && ok_s && ok_p && ok_w) {
             bad.push(format!("pairs={pairs} ne={ne} nt={nt}"));
         }
     }
@@ -830,17 +842,17 @@ fn gemm_moe_wgd_down_matches_f64() {
 }
 
 /// `gemm_moe_one_plane_matches_f64`: `got` (`[pairs][rows]`) against the references (sum, sum
-/// |w x|, B) per (pair, row), held to 2^-11 B + 2e-5 sum |w x|; prints the worst err / B and err /
+/// |w x|, B) per (pair, row), held to u B (u = 2^-11, or 2^-10 for the folded forms) + 2e-5 sum |w x|; prints the worst err / B and err /
 /// sum |w x|, failures into `bad`.
 fn check_one_plane(
     name: &str,
+    u: f64,
     rows: usize,
     got: &[f32],
     want: &[(f64, f64, f64)],
     sel: &[i32],
     bad: &mut Vec<String>,
 ) {
-    let u = 2f64.powi(-11);
     let (mut wb, mut wa) = (0f64, 0f64);
     for (i, &(s, a, b)) in want.iter().enumerate() {
         let err = (got[i] as f64 - s).abs();
@@ -857,9 +869,12 @@ fn check_one_plane(
         }
     }
     println!(
-        "one plane {name}: worst |gpu - f64| / B = {wb:.3e} (2^-11 = {u:.3e}), / sum |wx| = {wa:.3e}"
+        "one plane {name}: worst |gpu - f64| / B = {wb:.3e} (bound {u:.3e}), / sum |wx| = {wa:.3e}"
     );
 }
+
+/// f16's unit roundoff: the one-plane bound's relative term.
+const U11: f64 = 1.0 / 2048.0;
 
 /// The one-plane forms of the wgmma MoE kernels (`set_gemm_planes(1)`, `DS4_GPU_GEMM_PLANES=1`:
 /// `gwg_iq2_xxs_p1`, `gwd_q2_k_p1`) against an f64 reference per (pair, row), on the skewed
@@ -909,6 +924,8 @@ fn gemm_moe_one_plane_matches_f64() {
     });
     let gz = gpu.upload(&z);
     GpuBackend::set_gemm_planes(1);
+    let wide0 = GpuBackend::gemm_wg_wide();
+    GpuBackend::set_gemm_wg_wide(0);
     let (l0, p0) = (
         GpuBackend::gemm_wg_launches(),
         GpuBackend::gemm_one_plane_launches(),
@@ -925,8 +942,53 @@ fn gemm_moe_one_plane_matches_f64() {
     {
         bad.push("gate/up: not one gwg_iq2_xxs_p1 launch".to_string());
     }
-    check_one_plane("gate", ff, &gg, &want[0], &sel, &mut bad);
-    check_one_plane("up", ff, &gu, &want[1], &sel, &mut bad);
+    check_one_plane("gate", U11, ff, &gg, &want[0], &sel, &mut bad);
+    check_one_plane("up", U11, ff, &gu, &want[1], &sel, &mut bad);
+    // The wide gate/up (`set_gemm_wg_wide`, runs of 128: expert 0's 200 pairs as 128 + 72, i.e.
+    // N = 128 and 80; 65 -> 80, 64 and 63 -> 64, 1 -> 16), every run wide (1) and split (2:
+    // experts 0 and 1 wide, the others on the 4-warpgroup kernel): the same bound, one call.
+    // The folded forms (3: runs of 64, 4: of 128) round each weight twice more to f16 (~2^-11
+    // relative each, the super-block scale folded in): bound 2^-10 B + 2e-5 sum |w x|.
+    for mode in [1u8, 2, 3, 4] {
+        let u = if mode >= 3 { 2.0 * U11 } else { U11 };
+        GpuBackend::set_gemm_wg_wide(mode);
+        let w0 = GpuBackend::gemm_wg_wide_launches();
+        let (wg, wu) = gpu
+            .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+            .expect("sm_90a: the wide wgmma kernel covers this product");
+        if GpuBackend::gemm_wg_wide_launches() - w0 != 1 {
+            bad.push(format!("gate/up: wide mode {mode} did not run"));
+        }
+        check_one_plane(
+            &format!("gate wide {mode}"),
+            u,
+            ff,
+            &wg,
+            &want[0],
+            &sel,
+            &mut bad,
+        );
+        check_one_plane(
+            &format!("up wide {mode}"),
+            u,
+            ff,
+            &wu,
+            &want[1],
+            &sel,
+            &mut bad,
+        );
+        let differ = gg
+            .iter()
+            .chain(&gu)
+            .zip(wg.iter().chain(&wu))
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "wide {mode} vs runs of 64: {differ} of {} outputs differ in bits",
+            2 * pairs * ff
+        );
+    }
+    GpuBackend::set_gemm_wg_wide(wide0);
 
     // Down: ff = 768 columns (3 super-blocks), d = 320 rows; B from the row dequantised with
     // dmin = 0 (d sl q) and with d = 0 (-dmin m): bytes 80..82 d, 82..84 dmin of each 84-byte block.
@@ -977,7 +1039,7 @@ fn gemm_moe_one_plane_matches_f64() {
     {
         bad.push("down: not one gwd_q2_k_p1 launch".to_string());
     }
-    check_one_plane("down", dd, &got, &want, &sel, &mut bad);
+    check_one_plane("down", U11, dd, &got, &want, &sel, &mut bad);
 
     // The MoE path (q2 mix: IQ2_XXS gate/up d = 512 -> ff = 768, Q2_K down): planes = 1 takes
     // both one-plane kernels, planes = 2 neither.
@@ -1037,6 +1099,8 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     }
     set_form(0);
     let dq0 = GpuBackend::gemm_wg_dq();
+    let wide0 = GpuBackend::gemm_wg_wide();
+    GpuBackend::set_gemm_wg_wide(0); // the runs of 64 (the wide form: gemm_moe_one_plane_matches_f64)
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
     let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
@@ -1084,6 +1148,7 @@ fn gemm_moe_wg_decode_forms_same_bits() {
         }
     }
     GpuBackend::set_gemm_wg_dq(dq0);
+    GpuBackend::set_gemm_wg_wide(wide0);
 
     // Down (Q2_K, ff = 768 columns, d = 320 rows): lean on / off, wgmma down on / off, planes 1 / 2.
     let (dd, fd) = (320usize, 768usize);

@@ -849,7 +849,9 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_sum_f32(const float* __restrict__ part, flo
 // ---- MoE pair grouping, O(pairs), deterministic (same order as a stable sort by expert) ----
 // Output grp = [ngroups, starts[gmax], perm[pairs]]: perm lists the pairs by expert, ascending pair
 // index within an expert; each expert's run is cut every nt pairs, starts[g] = first position of
-// group g. Expert of pair p: clamp(sel[p], 0, ne-1). Three launches over blocks of 256 pairs:
+// group g. Expert of pair p: clamp(sel[p], 0, ne-1). Then the wide runs (cut every 2 nt pairs,
+// the same perm; gemm_wg.cu's wide gate/up): [ngroups2, starts2[gmax2]] at grp + 1 + gmax + pairs.
+// Three launches over blocks of 256 pairs:
 //   gm_group_count_i32  (nb CTAs): cnt[b*ne + e] = pairs of block b with expert e
 //   gm_group_scan_i32   (1 CTA):   cnt[b*ne + e] -> first perm position of those pairs; starts
 //   gm_group_scatter_i32 (nb CTAs): perm[cnt[b*ne + e] + rank of the pair within its block's e]
@@ -867,8 +869,11 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_count_i32(const int* __restrict__ sel, 
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[(long long)blockIdx.x * ne + e] = h[e];
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb, int ne, int nt, int gmax, int* __restrict__ grp) {
-    __shared__ int tot[GM_MAXE], base[GM_MAXE], gb[GM_MAXE];
+DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb, int ne, int nt, int gmax, int* __restrict__ grp,
+                                                  int pairs, int gmax2) {
+    __shared__ int tot[GM_MAXE], base[GM_MAXE], gb[GM_MAXE], gb2[GM_MAXE];
+    const int nt2 = 2 * nt;
+    int* grp2 = grp + 1 + gmax + pairs; // the wide runs' [ngroups2, starts2[gmax2]]
     for (int e = threadIdx.x; e < ne; e += blockDim.x) { // per expert: offsets of each block's pairs
         int t = 0;
         for (int b = 0; b < nb; b++) {
@@ -880,19 +885,23 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb,
     }
     __syncthreads();
     if (threadIdx.x == 0) { // exclusive scans over experts: pair positions and group indices
-        int s = 0, g = 0;
+        int s = 0, g = 0, g2 = 0;
         for (int e = 0; e < ne; e++) {
-            base[e] = s, gb[e] = g;
+            base[e] = s, gb[e] = g, gb2[e] = g2;
             s += tot[e];
             g += (tot[e] + nt - 1) / nt;
+            g2 += (tot[e] + nt2 - 1) / nt2;
         }
         grp[0] = g;
+        grp2[0] = g2;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < ne; e += blockDim.x) {
         for (int b = 0; b < nb; b++) cnt[(long long)b * ne + e] += base[e];
         int ng = (tot[e] + nt - 1) / nt;
         for (int j = 0; j < ng && gb[e] + j < gmax; j++) grp[1 + gb[e] + j] = base[e] + j * nt;
+        const int ng2 = (tot[e] + nt2 - 1) / nt2;
+        for (int j = 0; j < ng2 && gb2[e] + j < gmax2; j++) grp2[1 + gb2[e] + j] = base[e] + j * nt2;
     }
 }
 

@@ -52,6 +52,10 @@
 // hi plane copied (gwg_x_f32 then skips the lo plane; same shared layout). H200, n = 2048 (ncu):
 // 3.61 -> 2.80 ms; tiny-model logits up to 0.16 from the CPU (two planes, --precision exact:
 // 1.6e-4) (bench/results/gpu-gemm-q17-h200.txt). 12 chunks of X prefetch in 32 hi-only slots tied there.
+// Wide and folded forms (gemm_wg.rs DS4_GPU_GW_WIDE; one plane): runs of up to 128 pairs a CTA (the
+// grouping's second section), and/or the super-block scale folded into the f16 weights (gw_body
+// FD: one accumulator set). The default _fw (both, 4 warpgroups): H200 prefill +6.9 % (2k) /
+// +9.0 % (8k); the unfolded 2-warpgroup _w lost (bench/results/gpu-p218-h200.txt).
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
@@ -70,6 +74,7 @@ template <int BN> struct alignas(16) GwSmem {
     uint4 gh[256];                  // the grid as 4 f16x2 words per entry (DQ 2)
 };
 static_assert(sizeof(GwSmem<256>) == 189488, "gemm_wg.rs WG_SMEM");
+static_assert(sizeof(GwSmem<128>) == 163376, "gemm_wg.rs WG_SMEM_W");
 
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -103,22 +108,26 @@ __device__ __forceinline__ u32 gw_sgn(u32 s8, int q) { return s8 * (0x8001u << (
 // DQ 2 takes the sub-block's 8 bytes as (rw, fs): rw the word holding byte 2 of the block (its
 // first grid byte) rounded down, fs 16 or 0 its bit offset (gw_body's per-super-block row state:
 // no per-chunk row addressing), chunk p's bytes at words 2p .. 2p + 2 of rw.
-template <int DQ>
-__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w);
+// FD (the folded form, DQ 2 only): the sub-block's multiplier m times dm (f16x2 of 16 d, the row's
+// super-block scale: gw_dm), so w = f16(f16(m 16 d) b) ~ 128 x the weight, two f16 roundings.
+template <int DQ, int FD = 0>
+__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w, u32 dm = 0);
 template <int DQ>
 __device__ __forceinline__ void gw_deq(const u32* rb, u32 sh, int p, int t, const u64* grid, const uint4* gh, u32* w) {
     const u32 o = sh + 2 + 8 * p, wi = o >> 2, fs = (o & 3) * 8;
     const u32 A = rb[wi], B = rb[wi + 1], C = rb[wi + 2];
     gw_deq_w<DQ>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w);
 }
-template <int DQ>
-__device__ __forceinline__ void gw_deq_h(const u32* rw, u32 fs, int p, int t, const u64* grid, const uint4* gh, u32* w) {
+template <int DQ, int FD = 0>
+__device__ __forceinline__ void gw_deq_h(const u32* rw, u32 fs, int p, int t, const u64* grid, const uint4* gh, u32* w,
+                                         u32 dm = 0) {
     const u32 A = rw[2 * p], B = rw[2 * p + 1], C = rw[2 * p + 2];
-    gw_deq_w<DQ>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w);
+    gw_deq_w<DQ, FD>(__funnelshift_r(A, B, fs), __funnelshift_r(B, C, fs), t, grid, gh, w, dm);
 }
 // The decode of a sub-block's 4 grid bytes idx and its signs/scale word aux (above).
-template <int DQ>
-__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w) {
+template <int DQ, int FD>
+__device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* grid, const uint4* gh, u32* w, u32 dm) {
+    static_assert(FD == 0 || DQ == 2, "the folded form: decode form 2");
     const u32 e = (idx >> (8 * t)) & 0xff, s7 = (aux >> (7 * t)) & 127u;
     if (DQ == 0) {
         const u64 gv = grid[e];
@@ -137,7 +146,8 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
         }
     } else {
         // (ls | 0x6400) in both halves: f16 1024 + ls; 2 (1024 + ls) - 2047 = 2 ls + 1 exactly
-        const u32 m2 = ds4_hfma2((aux >> 28) * 0x10001u + 0x64006400u, 0x40004000u, 0xe7ffe7ffu);
+        u32 m2 = ds4_hfma2((aux >> 28) * 0x10001u + 0x64006400u, 0x40004000u, 0xe7ffe7ffu);
+        if (FD) m2 = ds4_hmul2(m2, dm); // (2 ls + 1) 16 d, rounded to f16
         const u32 s8 = gw_s8(s7);
         u32 sw[4];
 #pragma unroll
@@ -151,13 +161,28 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
 
 // The super-block scale d / 8 of a row's staged block (f16 d at byte sh).
 __device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
-// One CTA's product with N (16, 32, 48, 64) item columns; items[] (-1: none) and the expert
-// set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q of it).
-template <int N, int NWG, int PL, int DQ>
+// The folded form's multiplier: f16x2 (16 d, 16 d) (exact: a power of two; 16 d (2 ls + 1) grid
+// stays below f16's 65504 for |d| < 3, normal for |d| >= 2^-18), undone by 2^-7 at the store.
+__device__ __forceinline__ u32 gw_dm(const u32* rb, u32 sh) { return ds4_hmul2(((rb[0] >> (8 * sh)) & 0xffffu) * 0x10001u, 0x4c004c00u); }
+// One CTA's product with N (16, 32, 48, 64; BM = 128: up to 128) item columns; items[] (-1: none)
+// and the expert set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q
+// of it). BM: the CTA's item run, 64, or 128 for the wide form (PL == 1 alone: its 128 items' hi
+// plane fills the 8 KiB chunk slot that holds 64 items' hi and lo planes, item group ig at
+// 512 ig as before, so items 64.. sit where the lo plane was).
+// FD (the folded form, PL 1 and DQ 2): the super-block scale folded into the decoded weights
+// (gw_deq_w: f16(f16((2 ls + 1) 16 d) grid), two f16 roundings, ~2^-11 relative each), so the
+// wgmma accumulate into acc across super-blocks: no cc (N / 2 registers fewer), no wait for all
+// groups and acc += D cc every 8 chunks; acc times 2^-7 at the store.
+template <int N, int NWG, int PL, int DQ, int BM = GW_BM, int FD = 0>
 __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
                                         long long y_tok, int rows, int cols, long long row_bytes) {
-    constexpr int NT = 128 * NWG, BN = 64 * NWG, PP = 512 / NT, TPI = 8 / PP; // X pieces per thread, threads per item
+    static_assert(BM == GW_BM || (BM == 2 * GW_BM && PL == 1), "wide runs: one plane");
+    static_assert(FD == 0 || (PL == 1 && DQ == 2), "folded: one plane, decode form 2");
+    // X pieces (16 bytes) of a chunk per item (hi and lo, or the wide form's hi alone), per
+    // thread, threads per item
+    constexpr int NT = 128 * NWG, BN = 64 * NWG, PPI = BM == GW_BM ? 8 : 4, PP = PPI * BM / NT, TPI = PPI / PP;
+    static_assert(PP >= 1 && PP * TPI == PPI && NT / TPI == BM, "X pieces");
     const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.x * BN;
     const u8* wbase = W + (long long)expert * slab;
@@ -165,7 +190,8 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
     const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
     // X copies: thread -> item xm = tid / TPI, 16-byte pieces j = PP (tid % TPI) + jj (0..3 hi, 4..7
-    // lo), piece j of item m to plane j / 4, core (m / 8, j % 4), row m % 8; PL == 1: hi only.
+    // lo), piece j of item m to plane j / 4, core (m / 8, j % 4), row m % 8; PL == 1: hi only
+    // (BM = 128: j < 4, items 64.. at core 4 (m / 8) + j from 4096 bytes on).
     const int xm = tid / TPI;
     const int xit = xm < N ? items[xm] : -1;
     const u32* xsrc = XW + (long long)(xit >= 0 ? xit / xdiv : 0) * cols;
@@ -216,6 +242,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         rw1 = &sm.raw[S % GW_NS][GW_RW * R1 + b1];
         fs0 = 16u - 16u * b0, fs1 = 16u - 16u * b1;
     };
+    u32 dm0 = 0, dm1 = 0; // FD: the rows' f16x2 16 d of the super-block being decoded
     auto decode = [&](int S, int p, u32* a) {
         u32 w0[4], w1[4];
         if (DQ == 0) {
@@ -224,8 +251,8 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             gw_deq<DQ>(&sm.raw[st][GW_RW * R0], sh0 ^ x, p, t, sm.grid, sm.gh, w0);
             gw_deq<DQ>(&sm.raw[st][GW_RW * R1], sh1 ^ x, p, t, sm.grid, sm.gh, w1);
         } else {
-            gw_deq_h<DQ>(rw0, fs0, p, t, sm.grid, sm.gh, w0);
-            gw_deq_h<DQ>(rw1, fs1, p, t, sm.grid, sm.gh, w1);
+            gw_deq_h<DQ, FD>(rw0, fs0, p, t, sm.grid, sm.gh, w0, dm0);
+            gw_deq_h<DQ, FD>(rw1, fs1, p, t, sm.grid, sm.gh, w1, dm1);
         }
         gw_afrag(w0, w1, a);
     };
@@ -249,6 +276,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     gw_proxy_fence();
     __syncthreads();
     if (DQ >= 1) rows_of(0);
+    if (FD) dm0 = gw_dm(&sm.raw[0][GW_RW * R0], sh0), dm1 = gw_dm(&sm.raw[0][GW_RW * R1], sh1);
     decode(0, 0, a0);
     float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1);
 
@@ -268,8 +296,8 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
                 if (p == 4) issue_raw(S + 2);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_chunk<N, PL>(cc, a, xs, lbo, sbo, p);
-            if (p == 7) { // end of the super-block: acc += (d / 8) cc
+            gw_chunk<N, PL>(FD ? acc : cc, a, xs, lbo, sbo, FD ? c : p); // FD: zeroed at chunk 0 alone
+            if (p == 7 && !FD) { // end of the super-block: acc += (d / 8) cc
                 gw_wait<0>();
                 gw_pin(cc);
                 gw_pin_a(a);
@@ -283,8 +311,13 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             if (c + 1 < nl) {
                 const int S1 = p == 7 ? S + 1 : S;
                 if (DQ >= 1 && p == 7) rows_of(S1);
+                if (FD && p == 7) {
+                    const u32 x = 2u * (u32)(S1 & 1);
+                    dm0 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0 ^ x);
+                    dm1 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1 ^ x);
+                }
                 decode(S1, (p + 1) & 7, an);
-                if (p == 7) {
+                if (p == 7 && !FD) {
                     const u32 x = 2u * (u32)(S1 & 1);
                     D0 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0 ^ x);
                     D1 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1 ^ x);
@@ -293,20 +326,41 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         }
     }
     ds4_cp_wait<0>();
+    if (FD) {
+        gw_wait<0>();
+        gw_pin(acc);
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) acc.v[i] *= 0x1p-7f; // the weights were 128 x (16 d vs d / 8)
+    }
     gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv); // R1 = R0 + 8
 }
 #endif
 
 #if defined(DS4_CUDA)
 #define GW_B4 512, 1 // DS4_BOUNDS(GW_B4) = __launch_bounds__(512, 1): <= 128 registers
+#define GW_B2 256, 1 // the wide form: 2 warpgroups, <= 255 registers (acc and cc of N = 128: 128)
 #else
 #define GW_B4 512
+#define GW_B2 256
 #endif
 
 #if GW_HAVE
-// The kernels' shared part: the CTA's item run, then the product with N = its valid items
-// rounded up to 16.
-template <int NWG, int PL, int DQ>
+// Whether the expert of the CTA's run (BM: 64 or the wide 128) has at most 64 pairs: the run is
+// its first (the pair before it in perm has another expert) and perm position start + 64 is past
+// the expert (the split form's test: gwg_iq2_xxs_p1_d2_n takes those experts, _wm the others).
+template <int BM>
+__device__ __forceinline__ bool gw_small(const int* __restrict__ grp, const int* __restrict__ sel, int n, int gmax) {
+    const int* perm = grp + 1 + gmax;
+    const int* gs = BM == GW_BM ? grp : perm + n;
+    const int st = gs[1 + blockIdx.y], e = max(sel[perm[st]], 0);
+    const bool first = st == 0 || max(sel[perm[st - 1]], 0) != e;
+    return first && (st + GW_BM >= n || max(sel[perm[st + GW_BM]], 0) != e);
+}
+
+// The kernels' shared part: the CTA's item run (BM: 64, or the wide runs of 128), then the
+// product with N = its valid items rounded up to 16. SEL (the split form): 0 every run, 1 only
+// the runs of experts with at most 64 pairs, 2 only the others. FD: gw_body's folded form.
+template <int NWG, int PL, int DQ, int BM = GW_BM, int SEL = 0, int FD = 0>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
@@ -314,10 +368,11 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
                                           int n, const int* __restrict__ grp, int gmax) {
     extern __shared__ uint4 gw_dyn[];
     GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
-    __shared__ int items[GW_BM];
+    __shared__ int items[BM];
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
-    if (by >= grp[0]) return; // uniform over the CTA
+    if (by >= (BM == GW_BM ? grp[0] : grp[1 + gmax + n])) return; // uniform over the CTA (wide: ngroups2)
+    if (SEL != 0 && gw_small<BM>(grp, sel, n, gmax) != (SEL == 1)) return; // uniform too
     if (tid < 256) { // the grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly)
         const u64 gv = ds4_iq2xxs_grid[tid];
         sm.grid[tid] = gv;
@@ -327,17 +382,26 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
                                 ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
                                 ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
     }
-    const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
+    const int nv = gw_items<BM>(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
     const u8* W = blockIdx.z ? W1 : W0;
     float* Y = blockIdx.z ? Y1 : Y0;
-    if (nv <= 16)
-        gw_body<16, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+    if (BM > GW_BM && nv > 64) {
+        if (nv <= 80)
+            gw_body<80, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        else if (nv <= 96)
+            gw_body<96, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        else if (nv <= 112)
+            gw_body<112, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        else
+            gw_body<128, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+    } else if (nv <= 16)
+        gw_body<16, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 32)
-        gw_body<32, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<32, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else if (nv <= 48)
-        gw_body<48, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<48, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
     else
-        gw_body<64, NWG, PL, DQ>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        gw_body<64, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
 }
 #endif
 
@@ -349,7 +413,13 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
 #define GW_RUN(PL, DQ) gw_kernel<4, PL, DQ>(GW_ARGS)
+#define GW_RUN_W(PL, DQ) gw_kernel<2, PL, DQ, 2 * GW_BM>(GW_ARGS)
+#define GW_RUN_S(PL, DQ, NWG, BM, SEL) gw_kernel<NWG, PL, DQ, BM, SEL>(GW_ARGS)
+#define GW_RUN_F(BM) gw_kernel<4, 1, 2, BM, 0, 1>(GW_ARGS)
 #else
+#define GW_RUN_F(BM) GW_RUN(1, 2)
+#define GW_RUN_W(PL, DQ) GW_RUN(PL, DQ)
+#define GW_RUN_S(PL, DQ, NWG, BM, SEL) GW_RUN(PL, DQ)
 #define GW_RUN(PL, DQ) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
@@ -367,6 +437,24 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1(GW_PARAMS) { GW_RUN(1, 0); }
 // Decode form 2 (gw_deq; same bits as 0), the default (gemm_wg.rs DS4_GPU_GW_DQ).
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_d2(GW_PARAMS) { GW_RUN(2, 2); }
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2(GW_PARAMS) { GW_RUN(1, 2); }
+// Wide form of gwg_iq2_xxs_p1_d2 (gemm_wg.rs DS4_GPU_GW_WIDE): the wide runs of up to 128 pairs
+// of one expert (grp's second section, gm_group_scan_i32) per CTA, so one decode of a weight
+// chunk serves up to 128 items: one m64nNk16 wgmma per k-step with N up to 128 (acc and cc of
+// 64 registers each), 2 warpgroups (128 weight rows, 256 threads: the registers of 4 would not
+// fit), dynamic shared memory sizeof(GwSmem<128>). grid (rows / 128, gmax2, 2), gmax2 the wide
+// runs' bound. Same arithmetic as gwg_iq2_xxs_p1_d2 per (item, row).
+DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_w(GW_PARAMS) { GW_RUN_W(1, 2); }
+// Split form (DS4_GPU_GW_WIDE=2): the experts with at most 64 pairs (one run of 64 = one wide
+// run) on gwg_iq2_xxs_p1_d2's CTAs of 4 warpgroups (_n: grid and shared memory as
+// gwg_iq2_xxs_p1_d2), the others' wide runs on _w's CTAs of 2 (_wm: grid as _w), two launches:
+// the wide runs where they save weight decodes, 16 warps an SM where they would not.
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_n(GW_PARAMS) { GW_RUN_S(1, 2, 4, GW_BM, 1); }
+DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_wm(GW_PARAMS) { GW_RUN_S(1, 2, 2, 2 * GW_BM, 2); }
+// Folded forms (DS4_GPU_GW_WIDE=3, 4; gw_body FD: the super-block scale in the f16 weights, one
+// accumulator set): 4 warpgroups, 256 weight rows, grid and shared memory as gwg_iq2_xxs_p1_d2;
+// _f the runs of 64, _fw the wide runs of 128 (N up to 128 in <= 128 registers: acc alone).
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_f(GW_PARAMS) { GW_RUN_F(GW_BM); }
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_fw(GW_PARAMS) { GW_RUN_F(2 * GW_BM); }
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

@@ -67,6 +67,35 @@ __device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, i
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
 }
 
+// N = 80 .. 128: the wide gate/up (gemm_wg.cu gwg_iq2_xxs_p1_d2_w, runs of up to 128 items).
+__device__ __forceinline__ void gw_mma(GwAcc<80>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, {%40,%41,%42,%43}, %44, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<96>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<112>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, {%56,%57,%58,%59}, %60, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
+__device__ __forceinline__ void gw_mma(GwAcc<128>& acc, const u32* a, u64 desc, int sd) {
+    float* d = acc.v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
+}
 
 // A registers of a chunk's two k-steps (a[4 kk ..]) from the lane's two rows' decoded words w0 (row
 // R0), w1 (row R1 = R0 + 8), element pairs 0..3 of its 8 weights: per k-step (R0, R1, R0, R1) x
@@ -97,18 +126,23 @@ template <int N, int PL> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, 
 
 // The run of one expert's pairs starting at starts[blockIdx.y] (gemm.cu gm_items): items[m] = pair
 // index or -1, *expert set; every thread of the CTA calls it (one barrier). Returns the valid items
-// (a prefix of the tile): up to the next run's start. grp = [ngroups, starts[gmax], perm[n]].
+// (a prefix of the tile): up to the next run's start. grp = [ngroups, starts[gmax], perm[n]] (runs
+// of GW_BM), followed by the wide runs' [ngroups2, starts2[]] (runs of 2 GW_BM, gm_group_scan_i32):
+// BM == 2 GW_BM reads those (the wide gate/up), the CTA then needs >= BM threads.
+template <int BM = GW_BM>
 __device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* __restrict__ sel, int n, int gmax,
                                         int* items, int* expert) {
+    static_assert(BM == GW_BM || BM == 2 * GW_BM, "runs of 64 or (wide) 128");
     const int by = blockIdx.y, tid = threadIdx.x;
-    if (tid < GW_BM) {
-        const int* perm = grp + 1 + gmax;
-        const int st = grp[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
+    const int* perm = grp + 1 + gmax;
+    const int* gs = BM == GW_BM ? grp : perm + n; // [ngroups, starts[]] of the runs of BM
+    if (tid < BM) {
+        const int st = gs[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
         items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
         if (tid == 0) *expert = e;
     }
     __syncthreads();
-    return min(max((by + 1 < grp[0] ? grp[2 + by] : n) - grp[1 + by], 0), GW_BM);
+    return min(max((by + 1 < gs[0] ? gs[2 + by] : n) - gs[1 + by], 0), BM);
 }
 
 // Store of a lane's accumulators: acc.v[4j + e] is row rr0 + 8 (e >> 1) (rr0 = the CTA's first row

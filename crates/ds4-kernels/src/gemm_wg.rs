@@ -1,7 +1,7 @@
 use crate::Module;
 
 /// Hopper wgmma form of the MoE's IQ2_XXS gate/up at prefill (`gpu/gemm_wg.cu`; CUDA sm_90a
-/// only, empty bodies elsewhere): `gwg_x_f32` converts the token rows to scaled f16 hi/lo planes
+/// only, empty bodies elsewhere; `gwg_iq2_xxs_p1_d2_w`: the wide runs of 128 pairs a CTA): `gwg_x_f32` converts the token rows to scaled f16 hi/lo planes
 /// in the kernel's K order, `gwg_iq2_xxs` runs gate and up in one launch (256 weight rows x 64 pairs per CTA) (wgmma m64nNk16 f16,
 /// integer weights decoded into the A registers, X from shared memory by descriptor);
 /// `gwg_iq2_xxs_p1` the same with X's hi plane alone (opt-in `DS4_GPU_GEMM_PLANES=1`).
@@ -13,6 +13,11 @@ pub const GEMM_WG: Module = Module {
         "gwg_iq2_xxs_p1",
         "gwg_iq2_xxs_d2",
         "gwg_iq2_xxs_p1_d2",
+        "gwg_iq2_xxs_p1_d2_w",
+        "gwg_iq2_xxs_p1_d2_n",
+        "gwg_iq2_xxs_p1_d2_wm",
+        "gwg_iq2_xxs_p1_d2_f",
+        "gwg_iq2_xxs_p1_d2_fw",
         "gwg_x_f32",
     ],
 };

@@ -161,6 +161,13 @@ fn wide_min() -> usize {
 /// type `ty`, in the current form. Dense: wide only for the types it measured faster on
 /// (H200, n = 2048, 4096->16384: Q8_0 47 vs 37 TFLOP/s, F32 70 vs 61, Q2_K 68 vs 63; F16, BF16,
 /// Q4_K, IQ2_XXS 5-15 % slower: bench/results/gpu-prefill-h200.txt).
+/// Bound on the wide runs (cut every `2 nt`) of a grouping whose runs of `nt` are bounded by
+/// `gmax = pairs / nt (rounded up) + min(experts, pairs)` (every caller's form): the same with
+/// `2 nt`.
+pub(super) fn wide_gmax(pairs: usize, nt: usize, gmax: usize) -> usize {
+    gmax.saturating_sub(pairs.div_ceil(nt)) + pairs.div_ceil(2 * nt)
+}
+
 fn tile_items(n: usize, experts: usize, ty: GgmlType) -> usize {
     let need = if experts == 0 {
         if !matches!(ty, GgmlType::Q8_0 | GgmlType::F32 | GgmlType::Q2_K) {
@@ -804,8 +811,9 @@ impl GpuBackend {
     }
 
     /// Group `pairs` (token, slot) expert choices `sel` by expert on the device, runs cut every
-    /// `nt` pairs, and download `[ngroups, starts[gmax], perm[pairs]]` with `gmax` as
-    /// `moe_experts` sizes it (tests: compare with a stable sort).
+    /// `nt` pairs, and download `[ngroups, starts[gmax], perm[pairs], ngroups2, starts2[gmax2]]`
+    /// with `gmax` as `moe_experts` sizes it and the wide runs (cut every `2 nt`; `gmax2` the
+    /// same bound for them) (tests: compare with a stable sort).
     #[doc(hidden)]
     pub fn gemm_group_pairs(
         &self,
@@ -816,7 +824,10 @@ impl GpuBackend {
     ) -> Vec<i32> {
         let gmax = pairs.div_ceil(nt) + n_expert.min(pairs);
         let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, nt, gmax);
-        self.download_i32(&GpuIBuf(grp), 1 + gmax + pairs)
+        self.download_i32(
+            &GpuIBuf(grp),
+            1 + gmax + pairs + 1 + wide_gmax(pairs, nt, gmax),
+        )
     }
 
     /// Test download shared by the int8 (gemm_i8.rs) and wgmma (gemm_wg.rs) gate/up forms: the
@@ -868,7 +879,9 @@ impl GpuBackend {
         Some((f(&gy), f(&uy)))
     }
 
-    /// Device grouping (gm_group_*_i32) into a new scratch `[ngroups, starts[gmax], perm[pairs]]`.
+    /// Device grouping (gm_group_*_i32) into a new scratch `[ngroups, starts[gmax], perm[pairs]]`,
+    /// followed by the wide runs (cut every `2 nt`, same perm; gemm_wg.rs's wide gate/up)
+    /// `[ngroups2, starts2[wide_gmax(..)]]`.
     pub(super) fn group_pairs(
         &self,
         sel: DevPtr,
@@ -877,7 +890,8 @@ impl GpuBackend {
         nt: usize,
         gmax: usize,
     ) -> GpuBuf {
-        let grp = self.scratch(1 + gmax + pairs);
+        let gmax2 = wide_gmax(pairs, nt, gmax);
+        let grp = self.scratch(1 + gmax + pairs + 1 + gmax2);
         let nb = pairs.div_ceil(GROUP_BLOCK);
         let cnt = self.scratch(nb * n_expert);
         let (p, ne) = (Arg::I32(pairs as i32), Arg::I32(n_expert as i32));
@@ -899,6 +913,8 @@ impl GpuBackend {
                 Arg::I32(nt as i32),
                 Arg::I32(gmax as i32),
                 Arg::Ptr(grp.ptr),
+                p,
+                Arg::I32(gmax2 as i32),
             ],
         );
         self.run(

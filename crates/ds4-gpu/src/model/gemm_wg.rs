@@ -32,8 +32,23 @@
 //! (bench/results/gpu-gemm-q17-h200.txt): gate/up 3.61 -> 2.80 ms and down 1.67 -> 1.26 ms at
 //! n = 2048, `ds4 bench --synthetic full-q2` prefill 2k +10.6 %, 8k +11.6 %; the tiny models'
 //! logits then move up to 0.16 from the CPU's (two planes: 1.6e-4; top-1 unchanged).
+//!
+//! Wide forms (`DS4_GPU_GW_WIDE`, or [`GpuBackend::set_gemm_wg_wide`]; one plane and decode
+//! form 2 only, i.e. `--precision fast`): the gate/up takes the grouping's wide runs (up to 128
+//! pairs of one expert, after perm in gemm.rs `group_pairs`'s buffer; the down keeps the runs of
+//! 64), so a weight chunk is decoded once per 128 items instead of 64 (at 8192 tokens, ~190
+//! pairs an expert: 3-4 runs of 64 become 2). `4` (the default): `gwg_iq2_xxs_p1_d2_fw`, the
+//! super-block scale folded into the f16 weights (`f16(f16((2 ls + 1) 16 d) grid)`: two more f16
+//! roundings, ~2^-11 relative each; the one-plane f64 test's worst error 9.4e-5 -> 1.5e-4 of
+//! sum |w x|), one accumulator set (no flush every 256 columns), so N up to 128 fits 4
+//! warpgroups in 126 registers. H200: routed experts -3.7 % (2k) / -17.6 % (8k), `ds4 bench`
+//! prefill +6.9 % / +9.0 % (bench/results/gpu-p218-h200.txt). `0`: the runs of 64 as before
+//! (`gwg_iq2_xxs_p1_d2`, same bits as the exact scale path); `3`: the fold alone, runs of 64
+//! (`_f`: +0.9 % / +1.0 %); `1`: unfolded runs of 128 on 2 warpgroups (`_w`, 202 registers for
+//! two accumulator sets: 8 warps an SM, prefill -6.9 % / -3.6 %); `2`: split (experts of <= 64
+//! pairs on `_n`, the others on `_wm`; unmeasured: at 8k it is `1`).
 
-use super::gemm::{switch_on, UNSET};
+use super::gemm::{switch_on, wide_gmax, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
@@ -56,6 +71,15 @@ static LEAN_X: AtomicU8 = AtomicU8::new(UNSET);
 /// `DS4_GPU_GW_DQ` on first use (`0`: the previous form; default [`DQ_DEFAULT`]).
 static DQ: AtomicU8 = AtomicU8::new(UNSET);
 const DQ_DEFAULT: u8 = 2;
+/// Wide gate/up: 0 off, 1 every run wide, 2 split (experts of <= 64 pairs on the 4-warpgroup
+/// kernel, the others wide), 3 folded runs of 64, 4 folded runs of 128; UNSET: read
+/// `DS4_GPU_GW_WIDE` (`0` .. `4`, else [`WIDE_DEFAULT`]) on first use.
+static WIDE: AtomicU8 = AtomicU8::new(UNSET);
+/// 4 (folded, runs of 128): H200, prefill 2k +6.9 %, 8k +9.0 %, routed experts -3.7 % / -17.6 %
+/// against 0; 3 +0.9 % / +1.0 %; 1 -6.9 % / -3.6 % (bench/results/gpu-p218-h200.txt).
+const WIDE_DEFAULT: u8 = 4;
+/// `gwg_iq2_xxs_p1_d2_w` launches so far (process-wide; tests).
+static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
@@ -64,6 +88,10 @@ pub(in crate::model) const WG_BM: usize = 64;
 /// words, the 2 KiB grid and the 4 KiB f16 grid; a static_assert there).
 const WG_BN: usize = 256;
 const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048 + 4096;
+/// The wide form's: 2 warpgroups, 128 rows (`sizeof(GwSmem<128>)`; the X slots hold 128 items'
+/// hi plane in the 8 KiB of 64 items' two planes).
+const WG_BN_W: usize = 128;
+const WG_SMEM_W: usize = 16 * 8192 + 3 * (WG_BN_W * 17 + 4) * 4 + 2048 + 4096;
 
 fn wg_on() -> bool {
     switch_on(&WG, "DS4_GPU_GEMM_WG")
@@ -87,6 +115,23 @@ pub(in crate::model) fn one_plane() -> bool {
 /// caller checks that a one-plane kernel reads the result.
 pub(in crate::model) fn lean_x() -> bool {
     switch_on(&LEAN_X, "DS4_GPU_GEMM_LEAN_X")
+}
+
+fn wide() -> u8 {
+    let v = WIDE.load(Ordering::Relaxed);
+    if v != UNSET {
+        return v;
+    }
+    let v = match std::env::var("DS4_GPU_GW_WIDE").as_deref().map(str::trim) {
+        Ok("0") => 0,
+        Ok("1") => 1,
+        Ok("2") => 2,
+        Ok("3") => 3,
+        Ok("4") => 4,
+        _ => WIDE_DEFAULT,
+    };
+    WIDE.store(v, Ordering::Relaxed);
+    v
 }
 
 fn dq() -> u8 {
@@ -114,6 +159,25 @@ impl GpuBackend {
     pub fn set_gemm_wg_dq(dq: u8) {
         assert!(dq == 0 || dq == 2, "decode forms 0 and 2");
         DQ.store(dq, Ordering::Relaxed);
+    }
+
+    /// The wide gate/up (one plane, decode form 2): 0 off, 1 every run of 128 pairs on
+    /// `gwg_iq2_xxs_p1_d2_w`, 2 split (`_n` and `_wm`), 3 and 4 folded (`_f` runs of 64, `_fw`
+    /// runs of 128) (default [`WIDE_DEFAULT`], or `DS4_GPU_GW_WIDE`). Process-wide (tests,
+    /// benchmarks).
+    pub fn set_gemm_wg_wide(mode: u8) {
+        assert!(mode <= 4, "wide modes 0 .. 4");
+        WIDE.store(mode, Ordering::Relaxed);
+    }
+
+    /// The wide gate/up mode in use (see [`Self::set_gemm_wg_wide`]).
+    pub fn gemm_wg_wide() -> u8 {
+        wide()
+    }
+
+    /// Wide gate/up calls so far in this process (any mode but 0).
+    pub fn gemm_wg_wide_launches() -> u64 {
+        WIDE_LAUNCHES.load(Ordering::Relaxed)
     }
 
     /// The decode form in use (see [`Self::set_gemm_wg_dq`]).
@@ -209,39 +273,56 @@ impl GpuBackend {
         if p1 {
             P1_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
         }
-        let name = match (p1, dq()) {
-            (false, 0) => "gwg_iq2_xxs",
-            (false, _) => "gwg_iq2_xxs_d2",
-            (true, 0) => "gwg_iq2_xxs_p1",
-            (true, _) => "gwg_iq2_xxs_p1_d2",
-        };
-        self.run(
-            &ds4_kernels::GEMM_WG,
-            name,
-            LaunchDims {
-                grid: [ff.div_ceil(WG_BN) as u32, gmax as u32, 2],
-                block: [2 * WG_BN as u32, 1, 1],
-                shared_bytes: WG_SMEM as u32,
-            },
-            &[
-                Arg::Ptr(g.0),
-                Arg::Ptr(u.0),
-                Arg::I64((ff * rb) as i64), // expert slab
-                Arg::Ptr(sel),
-                Arg::Ptr(xw.ptr),
-                Arg::Ptr(inv.ptr),
-                Arg::I32(k as i32),
-                Arg::Ptr(gy),
-                Arg::Ptr(uy),
-                Arg::I64(ff as i64),
-                Arg::I32(ff as i32),
-                Arg::I32(d as i32),
-                Arg::I64(rb as i64),
-                Arg::I32((n * k) as i32),
-                Arg::Ptr(grp),
-                Arg::I32(gmax as i32),
+        let w = if p1 && dq() == 2 { wide() } else { 0 };
+        if w != 0 {
+            WIDE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
+        // (kernel, weight rows a CTA, grid y, shared memory): the wide runs of 128 follow perm in
+        // grp (gemm.rs group_pairs), at most wide_gmax of them.
+        let gmax2 = wide_gmax(n * k, bm, gmax);
+        let (narrow, wide_k) = ((WG_BN, gmax, WG_SMEM), (WG_BN_W, gmax2, WG_SMEM_W));
+        let launches: &[(&str, (usize, usize, usize))] = match (p1, dq(), w) {
+            (_, _, 1) => &[("gwg_iq2_xxs_p1_d2_w", wide_k)],
+            (_, _, 3) => &[("gwg_iq2_xxs_p1_d2_f", narrow)],
+            (_, _, 4) => &[("gwg_iq2_xxs_p1_d2_fw", (WG_BN, gmax2, WG_SMEM))],
+            (_, _, 2) => &[
+                ("gwg_iq2_xxs_p1_d2_n", narrow),
+                ("gwg_iq2_xxs_p1_d2_wm", wide_k),
             ],
-        );
+            (false, 0, _) => &[("gwg_iq2_xxs", narrow)],
+            (false, _, _) => &[("gwg_iq2_xxs_d2", narrow)],
+            (true, 0, _) => &[("gwg_iq2_xxs_p1", narrow)],
+            (true, _, _) => &[("gwg_iq2_xxs_p1_d2", narrow)],
+        };
+        for &(name, (bn, gy_max, smem)) in launches {
+            self.run(
+                &ds4_kernels::GEMM_WG,
+                name,
+                LaunchDims {
+                    grid: [ff.div_ceil(bn) as u32, gy_max as u32, 2],
+                    block: [2 * bn as u32, 1, 1],
+                    shared_bytes: smem as u32,
+                },
+                &[
+                    Arg::Ptr(g.0),
+                    Arg::Ptr(u.0),
+                    Arg::I64((ff * rb) as i64), // expert slab
+                    Arg::Ptr(sel),
+                    Arg::Ptr(xw.ptr),
+                    Arg::Ptr(inv.ptr),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(gy),
+                    Arg::Ptr(uy),
+                    Arg::I64(ff as i64),
+                    Arg::I32(ff as i32),
+                    Arg::I32(d as i32),
+                    Arg::I64(rb as i64),
+                    Arg::I32((n * k) as i32),
+                    Arg::Ptr(grp),
+                    Arg::I32(gmax as i32),
+                ],
+            );
+        }
         true
     }
 
