@@ -7,13 +7,14 @@
 //!   CPU reference to ~1e-4 of the logits on the tiny models (`gpu_forward.rs`).
 //! - `fast`: one 16-bit product each, f32 accumulation: the dense products as one bf16 product
 //!   (`DS4_GPU_BLAS=fast`: ~2^-9 per factor), the MoE's X as one f16 plane
-//!   (`DS4_GPU_GEMM_PLANES=1`: ~2^-12), prefill attention as one f16 product
+//!   (`DS4_GPU_GEMM_PLANES=1`: ~2^-12; its gate/up then also folds the super-block scale into
+//!   the f16 weights, `DS4_GPU_GW_WIDE=4`: two more roundings of ~2^-11 a weight), prefill attention as one f16 product
 //!   (`DS4_GPU_ATTN_TC=fast`). That is how mainstream engines run these products, and finer
 //!   than the official inference (FP8 activations in per-128 blocks) and the original engine's
 //!   CPU (8-bit Q8_0 / Q8_K activation blocks; model.md §3.8, "Matmul activations"). H200, full-size q2: prefill +33-35% over
 //!   `exact` at 2k-32k (bench/results/gpu-lead-s17-h200.txt run B). On the tiny random models
 //!   the prompt's logits move by a median 4.5e-2 per position (max ~0.4, top-1 agreement ~90%
-//!   per position; the engine test's 13-token prompt: 1.4% RMS); the bf16 term is most of it.
+//!   per position; the engine test's 13-token prompt: 1.4% RMS, 1.5% with the folded gate/up); the bf16 term is most of it.
 //!   `DS4_GPU_BLAS=f16` is a finer, slower dense form (one f16 product with a device-side
 //!   scale: median 5.3e-3, top-1 99.4%; +12% instead of +18% over `exact`,
 //!   gpu-blas-p17-h200.txt).
