@@ -44,17 +44,27 @@ const _: () =
 /// 4 the same with the f32 tile loop everywhere (`DS4_GPU_ATTN=one-f32`).
 static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
 
-fn attn_mode() -> u8 {
-    if ATTN_MODE.load(Ordering::Relaxed) == 0 {
-        let m = match std::env::var("DS4_GPU_ATTN").as_deref() {
-            Ok("simple") => 1,
-            Ok("split") => 2,
-            Ok("one-f32") => 4,
-            _ => 3,
-        };
-        let _ = ATTN_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
+/// A process-wide switch read from `var` on first use unless a setter stored a value first (a
+/// racing setter wins): the code of the first `names` entry equal to the variable, else `dflt`.
+fn env_pick(cell: &AtomicU8, var: &str, names: &[(&str, u8)], dflt: u8) -> u8 {
+    if cell.load(Ordering::Relaxed) == 0 {
+        let v = std::env::var(var).ok();
+        let m = names
+            .iter()
+            .find(|(n, _)| v.as_deref() == Some(*n))
+            .map_or(dflt, |&(_, c)| c);
+        let _ = cell.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
     }
-    ATTN_MODE.load(Ordering::Relaxed)
+    cell.load(Ordering::Relaxed)
+}
+
+fn attn_mode() -> u8 {
+    env_pick(
+        &ATTN_MODE,
+        "DS4_GPU_ATTN",
+        &[("simple", 1), ("split", 2), ("one-f32", 4)],
+        3,
+    )
 }
 
 fn attn_simple() -> bool {
@@ -64,15 +74,7 @@ fn attn_simple() -> bool {
 /// A process-wide two-way switch: 1 when `var` equals `alt`, else 2, read on first use unless a
 /// setter stored a value first (a racing setter wins).
 fn env_form(cell: &AtomicU8, var: &str, alt: &str) -> bool {
-    if cell.load(Ordering::Relaxed) == 0 {
-        let m = if std::env::var(var).is_ok_and(|v| v == alt) {
-            1
-        } else {
-            2
-        };
-        let _ = cell.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-    }
-    cell.load(Ordering::Relaxed) == 1
+    env_pick(cell, var, &[(alt, 1)], 2) == 1
 }
 
 /// Decode glue kernels: 0 not yet read from `DS4_GPU_ATTN_GLUE`, 1 old (`compress_frontier_f32`
@@ -100,15 +102,12 @@ const CP_CH: usize = 32;
 const CP_MIN_NC: usize = 32;
 
 fn comp_row_mode() -> u8 {
-    if COMP_ROW.load(Ordering::Relaxed) == 0 {
-        let m = match std::env::var("DS4_GPU_COMP_ROW").as_deref() {
-            Ok("fused") => 1,
-            Ok("split") => 3,
-            _ => 2,
-        };
-        let _ = COMP_ROW.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-    }
-    COMP_ROW.load(Ordering::Relaxed)
+    env_pick(
+        &COMP_ROW,
+        "DS4_GPU_COMP_ROW",
+        &[("fused", 1), ("split", 3)],
+        2,
+    )
 }
 
 /// Indexer top-k and query prep: 0 not yet read from `DS4_GPU_TOPK`, 1 old (`index_topk_ps`
@@ -163,28 +162,16 @@ const fn atg_smem(r: usize, nb: usize) -> usize {
 }
 
 fn tcg_mode() -> u8 {
-    if TCG_MODE.load(Ordering::Relaxed) == 0 {
-        let m = match std::env::var("DS4_GPU_ATTN_TCG").as_deref() {
-            Ok("off") => 1,
-            Ok("r64") => 3,
-            Ok("pipe") => 4,
-            _ => 2,
-        };
-        let _ = TCG_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-    }
-    TCG_MODE.load(Ordering::Relaxed)
+    env_pick(
+        &TCG_MODE,
+        "DS4_GPU_ATTN_TCG",
+        &[("off", 1), ("r64", 3), ("pipe", 4)],
+        2,
+    )
 }
 
 fn tc_mode() -> u8 {
-    if TC_MODE.load(Ordering::Relaxed) == 0 {
-        let m = match std::env::var("DS4_GPU_ATTN_TC").as_deref() {
-            Ok("off") => 1,
-            Ok("fast") => 3,
-            _ => 2,
-        };
-        let _ = TC_MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-    }
-    TC_MODE.load(Ordering::Relaxed)
+    env_pick(&TC_MODE, "DS4_GPU_ATTN_TC", &[("off", 1), ("fast", 3)], 2)
 }
 
 /// The arguments every attention kernel starts with: queries, this chunk's KV rows, the raw ring
