@@ -256,6 +256,10 @@ pub enum GpuWeight {
         /// for the GEMM and everything else (`mat_parts`); the copy costs the same bytes again
         /// (~5 GB for the q2 mix: its attention, shared-expert and head matrices).
         dec: Option<DeviceBuffer>,
+        /// The bf16 operand of the dense prefill products (blas.rs `blas_w_*` output, made at
+        /// the first product that needs it and kept, `DS4_GPU_BF16_CACHE`); dropped with the
+        /// weight, so a later weight at the same address never sees it.
+        bf: blas::BfSlot,
     },
     F32 {
         buf: DeviceBuffer,
@@ -273,6 +277,14 @@ impl GpuWeight {
             GpuWeight::Mat { buf, .. }
             | GpuWeight::F32 { buf, .. }
             | GpuWeight::I32 { buf, .. } => buf.ptr(),
+        }
+    }
+
+    /// A single-slab matrix's W' slot (blas.rs); None for expert stacks, vectors and tables.
+    pub(crate) fn bf_slot(&self) -> Option<&blas::BfSlot> {
+        match self {
+            GpuWeight::Mat { bf, experts: 1, .. } => Some(bf),
+            _ => None,
         }
     }
 
@@ -1105,6 +1117,7 @@ impl Backend for GpuBackend {
             experts,
             row_bytes,
             dec,
+            bf: Default::default(),
         })
     }
 
@@ -1339,6 +1352,8 @@ impl Backend for GpuBackend {
                 return;
             }
         }
+        // One bf16 conversion of x for the library's products (blas.rs X' sharing).
+        let _x = self.blas_x_scope();
         for (w, y) in ws.iter().zip(ys.iter_mut()) {
             self.matmul(w, Part::All, x, n, y);
         }
@@ -1394,8 +1409,11 @@ impl Backend for GpuBackend {
             }
         }
         let mut t = self.alloc(n * ff);
-        self.matmul(g, Part::All, x, n, h);
-        self.matmul(u, Part::All, x, n, &mut t);
+        {
+            let _x = self.blas_x_scope(); // one bf16 conversion of x (blas.rs X' sharing)
+            self.matmul(g, Part::All, x, n, h);
+            self.matmul(u, Part::All, x, n, &mut t);
+        }
         self.swiglu(h, &t, n * ff, clamp);
     }
 
