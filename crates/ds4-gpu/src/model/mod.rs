@@ -1009,6 +1009,10 @@ impl Backend for GpuBackend {
         format!("{} ({} {})", i.vendor, i.name, i.arch)
     }
 
+    fn weight_copy_bytes(&self) -> u64 {
+        self.bf16_cache_bytes()
+    }
+
     fn prefill_chunk(&self) -> usize {
         gemm::prefill_chunk(|| {
             *self
