@@ -384,6 +384,17 @@ impl Drop for GpuBackend {
         self.flush(false);
         self.prof_collect();
         self.prof_report();
+        if self.prof.is_some() {
+            // The bf16 operands of the library's products (blas.rs): conversions queued in
+            // this process, copies kept by this backend's weights.
+            let ((w, x), (bytes, copies, declined)) =
+                (GpuBackend::blas_conversions(), self.bf16_cache_stats());
+            eprintln!(
+                "# BLAS bf16 operands: {w} W' and {x} X' conversions; {copies} W' copies kept \
+                 ({:.2} GiB), {declined} declined",
+                bytes as f64 / (1u64 << 30) as f64
+            );
+        }
         let _ = self.gpu.synchronize();
         let rt = self.gpu.runtime().clone();
         let mut g = self.graph.lock().unwrap();
