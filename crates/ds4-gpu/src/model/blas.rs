@@ -669,15 +669,16 @@ impl GpuBackend {
         parts: usize,
         sfx: &str,
     ) -> Option<DevPtr> {
+        // Off: the per-call conversion, even where a copy exists (a run-time A/B).
+        let policy = cache_mode();
+        if policy == 0 {
+            return None;
+        }
         let mut s = slot.0.lock().unwrap();
         if let Some((p, copy)) = &*s {
             if *p == parts {
                 return copy.as_ref().map(|b| b.ptr());
             }
-        }
-        let policy = cache_mode();
-        if policy == 0 {
-            return None;
         }
         let bytes = j.rows * parts * j.cols * 2;
         let room = policy != CACHE_AUTO
