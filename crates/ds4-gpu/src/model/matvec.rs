@@ -1233,6 +1233,7 @@ impl GpuBackend {
                 experts: 1,
                 row_bytes,
                 dec,
+                ..
             } = w
             else {
                 return false;
