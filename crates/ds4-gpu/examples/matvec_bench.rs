@@ -317,7 +317,8 @@ fn merged(gpu: &GpuBackend, reps: usize) {
 
 /// `matvec_bench reps il`: the n = 1 Q8_0 decode products (`mvr*`, merged `mvrm`/`mvrgu`) on the
 /// plain decode layout against the interleaved one (`set_matvec_q8_il`: copies made in each
-/// layout), graph-timed per call, alternating plain / interleaved twice.
+/// layout; ip: interleaved with `set_matvec_mvr_pipe`, single products only), graph-timed per
+/// call, alternating p / i / ip twice.
 fn il_only(gpu: &GpuBackend, reps: usize) {
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(4);
     println!("-- Q8_0 n = 1 decode products: plain (p) vs interleaved (i) decode layout, graph us per call --");
@@ -345,11 +346,12 @@ fn il_only(gpu: &GpuBackend, reps: usize) {
             .collect();
         let x = gpu.upload(&x);
         let mut ys: Vec<B> = rows.iter().map(|&r| gpu.alloc(r)).collect();
-        let mut t = [Vec::new(), Vec::new()];
-        for round in 0..4 {
-            let l = round % 2;
-            let sets = &lay[l].0;
+        let mut t = [Vec::new(), Vec::new(), Vec::new()];
+        for round in 0..6 {
+            let l = round % 3;
+            let sets = &lay[l.min(1)].0;
             GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_mvr_pipe(l == 2);
             let mut call = |i: usize| {
                 let s = &sets[i % sets.len()];
                 if rows.len() == 2 && name.starts_with("shared") {
@@ -368,7 +370,7 @@ fn il_only(gpu: &GpuBackend, reps: usize) {
         }
         let best = |v: &Vec<f64>| v.iter().cloned().fold(f64::MAX, f64::min);
         println!(
-            "{:44} {}->{:?}: p {:7.2} {:7.2} | i {:7.2} {:7.2} us | best p {:7.2} i {:7.2} ({:+.1}%) {:6.0} -> {:6.0} GB/s",
+            "{:26} {}->{:?}: p {:6.2} {:6.2} | i {:6.2} {:6.2} | ip {:6.2} {:6.2} us | best p {:6.2} i {:6.2} ({:+.1}%) ip {:6.2} ({:+.1}%) GB/s {:5.0} {:5.0} {:5.0}",
             name,
             cols * groups,
             rows,
@@ -376,13 +378,19 @@ fn il_only(gpu: &GpuBackend, reps: usize) {
             t[0][1],
             t[1][0],
             t[1][1],
+            t[2][0],
+            t[2][1],
             best(&t[0]),
             best(&t[1]),
             (best(&t[1]) / best(&t[0]) - 1.0) * 100.0,
+            best(&t[2]),
+            (best(&t[2]) / best(&t[0]) - 1.0) * 100.0,
             bytes / best(&t[0]) / 1e3,
-            bytes / best(&t[1]) / 1e3
+            bytes / best(&t[1]) / 1e3,
+            bytes / best(&t[2]) / 1e3
         );
     }
+    GpuBackend::set_matvec_mvr_pipe(false);
     GpuBackend::set_matvec_defaults();
 }
 

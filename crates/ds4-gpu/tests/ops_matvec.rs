@@ -1042,8 +1042,10 @@ fn matvec_interleaved() {
         let xs = randn(&mut rng(3200 + si as u64), groups * cols, 1.0);
         let want = reference(&w, cols, rows, groups, &xs);
         let gx = gpu.upload(&xs);
-        for form in [1u8, 2, 255] {
+        // (mvr form, pipelined): r4u2, r2u2, auto, r2u2 pipelined (mvr_r2u2_q8_0ip)
+        for (form, pipe) in [(1u8, false), (2, false), (255, false), (2, true)] {
             GpuBackend::set_matvec_repacked(form);
+            GpuBackend::set_matvec_mvr_pipe(pipe);
             for (lay, gw) in [("plain", &w.plain), ("il", &w.il)] {
                 let mut outs = Vec::new();
                 for _ in 0..2 {
@@ -1055,7 +1057,9 @@ fn matvec_interleaved() {
                     }
                     outs.push(gpu.download(&gy, rows));
                 }
-                let name = format!("{lay} mvr form {form} Q8_0 {groups}x{cols}->{rows} vs f64");
+                let name = format!(
+                    "{lay} mvr form {form} pipe {pipe} Q8_0 {groups}x{cols}->{rows} vs f64"
+                );
                 cases.check(name.clone(), cols, &outs[0], &want, &gpu);
                 assert!(
                     bits(&outs[0], &outs[1]),
@@ -1065,6 +1069,7 @@ fn matvec_interleaved() {
         }
     }
     GpuBackend::set_matvec_repacked(255);
+    GpuBackend::set_matvec_mvr_pipe(false);
     // Merged sets (matmul_multi: mvrm) and gate/up (mvrgu).
     for (si, rows) in [&[1024usize, 512][..], &[3, 4099], &[37, 70, 1, 5]]
         .iter()

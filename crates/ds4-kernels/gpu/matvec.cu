@@ -782,7 +782,9 @@ __device__ __forceinline__ void mvr_ld(const uint4* const (&qp)[R], const u16* c
 // wait (ds4_pdl_enter here; the caller makes warps without rows call it too), so they run
 // while the previous kernel drains; x is read after it.
 // IL: the interleaved layout (slot h: x float4s 4 (h - h % 32) + h % 32 + 32j, coalesced).
-template <int R, int U, bool IL = false>
+// PIPE: the next round's loads of step u issued right after step u's math (registers freed one
+// step at a time, as mvx_run) instead of after the whole round's math; the same sums.
+template <int R, int U, bool IL = false, bool PIPE = false>
 __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* const (&dp)[R],
                                         const float4* __restrict__ xv, int hb, int ks, int kspl, float (&acc)[R][1]) {
     int lane = threadIdx.x % DS4_WARP, stride = kspl * DS4_WARP;
@@ -807,13 +809,21 @@ __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* 
                     for (int i = 0; i < R; i++) acc[i][0] = mvr_dot(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][0]);
                 }
             }
+            if (PIPE && h + U * stride < hb) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    v[u][i] = qp[i][h + U * stride];
+                    if constexpr (IL) d[u][i] = ((const uint2*)dp[i])[(h + U * stride) >> 3];
+                    else d[u][i] = dp[i][(h + U * stride) >> 1];
+                }
+            }
         }
-        if (h0 + U * stride < hb) mvr_ld<R, U, IL>(qp, dp, h0 + U * stride, hb, stride, v, d); // warp-uniform
+        if (!PIPE && h0 + U * stride < hb) mvr_ld<R, U, IL>(qp, dp, h0 + U * stride, hb, stride, v, d); // warp-uniform
     }
 }
 
 // ADD (mvra): y[r] += W[r] . x (y read after the PDL wait, one write per row: deterministic).
-template <int R, int U, bool ADD = false, bool IL = false>
+template <int R, int U, bool ADD = false, bool IL = false, bool PIPE = false>
 __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          int kspl) {
@@ -832,7 +842,7 @@ __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __
             qp[i] = (const uint4*)(Q + g * cols);
             dp[i] = D + g * (cols / 32);
         }
-        mvr_acc<R, U, IL>(qp, dp, (const float4*)(x + (long long)z * x_z), cols / 16, warp % kspl, kspl, acc);
+        mvr_acc<R, U, IL, PIPE>(qp, dp, (const float4*)(x + (long long)z * x_z), cols / 16, warp % kspl, kspl, acc);
     } else {
         ds4_pdl_enter();
     }
@@ -860,6 +870,8 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<4, 2, false, true>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true, true>(MVR_ARGS); }
+// The same with the loads pipelined step by step (PIPE; DS4_GPU_MVR_PIPE=1).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0ip(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true, true>(MVR_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of

@@ -75,6 +75,9 @@ static REPACK: AtomicBool = AtomicBool::new(true);
 /// its layout (`GpuWeight::Mat::dec_il`). Same bytes; per lane the sum runs over four scale
 /// groups of 4 columns instead of one of 16 (another f32 rounding order).
 static Q8_IL: AtomicBool = AtomicBool::new(false);
+/// `mvr_r2u2_q8_0ip` for the single interleaved r2u2 products (`DS4_GPU_MVR_PIPE=1`): each
+/// step's next-round loads issued right after that step's math (the same sums).
+static MVR_PIPE: AtomicBool = AtomicBool::new(false);
 /// Columns of one interleaved tile.
 const IL_TILE: usize = 512;
 /// (name, rows per warp R, column steps U in flight).
@@ -93,6 +96,9 @@ fn mvr_env() {
         }
         if let Ok(v) = std::env::var("DS4_GPU_Q8_IL") {
             Q8_IL.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+        }
+        if let Ok(v) = std::env::var("DS4_GPU_MVR_PIPE") {
+            MVR_PIPE.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
         }
     });
 }
@@ -470,6 +476,12 @@ impl GpuBackend {
         Q8_IL.store(on, Ordering::Relaxed);
     }
 
+    /// The pipelined interleaved r2u2 product (`MVR_PIPE`) on or off.
+    pub fn set_matvec_mvr_pipe(on: bool) {
+        mvr_env();
+        MVR_PIPE.store(on, Ordering::Relaxed);
+    }
+
     /// Merged n = 1 products on or off (`MERGE`; default on).
     pub fn set_matvec_merge(on: bool) {
         MERGE_ENV.call_once(|| {});
@@ -602,7 +614,11 @@ impl GpuBackend {
             &format!(
                 "mvr{}_{name}_q8_0{}",
                 if add { "a" } else { "" },
-                if il { "i" } else { "" }
+                match (il, !add && form == 2 && MVR_PIPE.load(Ordering::Relaxed)) {
+                    (true, true) => "ip",
+                    (true, false) => "i",
+                    _ => "",
+                }
             ),
             dims,
             &[
