@@ -318,8 +318,8 @@ fn merged(gpu: &GpuBackend, reps: usize) {
 /// `matvec_bench reps il`: the n = 1 Q8_0 decode products (`mvr*`, merged `mvrm`/`mvrgu`) on the
 /// plain decode layout against the interleaved one (`set_matvec_q8_il`: copies made in each
 /// layout; ip: interleaved with `set_matvec_mvr_pipe`, single products only), graph-timed per
-/// call, alternating p / i / ip twice.
-fn il_only(gpu: &GpuBackend, reps: usize) {
+/// call, alternating p / i / ip twice. `only`: the shapes whose name contains it (ncu runs).
+fn il_only(gpu: &GpuBackend, reps: usize, only: &str) {
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(4);
     println!("-- Q8_0 n = 1 decode products: plain (p) vs interleaved (i) decode layout, graph us per call --");
     // (name, cols, rows of each matrix, groups); two matrices: a merged set (q_a + kv: mvrm;
@@ -334,6 +334,9 @@ fn il_only(gpu: &GpuBackend, reps: usize) {
         ("shared gate/up + swiglu", 4096, &[2048, 2048], 1),
     ];
     for (name, cols, rows, groups) in shapes {
+        if !name.contains(only) {
+            continue;
+        }
         let mut lay = Vec::new();
         for il in [false, true] {
             GpuBackend::set_matvec_q8_il(il);
@@ -409,7 +412,7 @@ fn main() {
         return;
     }
     if std::env::args().nth(2).as_deref() == Some("il") {
-        il_only(&gpu, reps);
+        il_only(&gpu, reps, &std::env::args().nth(3).unwrap_or_default());
         return;
     }
     if std::env::args().nth(2).as_deref() == Some("merged") {
