@@ -73,8 +73,13 @@ static REPACK: AtomicBool = AtomicBool::new(true);
 /// whole tiles (the `mvr*` products; the `mvx*` ones of <= 1024 columns keep the plain layout):
 /// `DS4_GPU_Q8_IL=on|off` (or `set_matvec_q8_il`), read when a copy is made; each copy records
 /// its layout (`GpuWeight::Mat::dec_il`). Same bytes; per lane the sum runs over four scale
-/// groups of 4 columns instead of one of 16 (another f32 rounding order).
-static Q8_IL: AtomicBool = AtomicBool::new(false);
+/// groups of 4 columns instead of one of 16 (another f32 rounding order; ops_matvec
+/// matvec_interleaved: within the f64 bound as the plain layout, e.g. 2.6e-5 against 2.4e-5 at
+/// 8192 columns). Default on: H200, 2k decode 157.5 / 156.9 against 153.3 / 153.5 tok/s plain;
+/// graph us per call plain -> interleaved: out_a 12.69 -> 12.48, out_b 12.96 -> 12.88, shared
+/// down 5.15 -> 4.51, q_a 3.43 -> 3.05, head 162.1 -> 143.7, q_a + kv 4.75 -> 4.44, shared
+/// gate/up 7.91 -> 6.79 (bench/results/gpu-m119-h200.txt; ncu out_a: L1/TEX 80% -> 29% busy).
+static Q8_IL: AtomicBool = AtomicBool::new(true);
 /// `mvr_r2u2_q8_0ip` for the single interleaved r2u2 products (`DS4_GPU_MVR_PIPE=1`): each
 /// step's next-round loads issued right after that step's math (the same sums).
 static MVR_PIPE: AtomicBool = AtomicBool::new(false);
