@@ -13,6 +13,8 @@
 //! (`q8_decode_copy`: 16-byte aligned quant rows + a separate f16 scale array; the GGUF blocks
 //! stay for the GEMM), and their n = 1 products run `mvr_<form>_q8_0` from it (16-byte loads),
 //! or `mvx_r4u2_q8_0` (x staged once per CTA in shared memory) for rows of <= 1024 columns;
+//! copies of longer rows in whole 512-column tiles take the interleaved layout (`Q8_IL`, default:
+//! contiguous x loads a warp) and the `*_q8_0i` kernels;
 //! merged F16 sets of >= 2048 rows take `mvxm_r4u2_f16` (`Q8_FORM`).
 //! Few-row F16 products can split their columns across CTAs (`mvq_splits`, opt-in). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
 //! for the routed experts.
