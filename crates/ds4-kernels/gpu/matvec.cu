@@ -21,7 +21,6 @@
 #include "dequant.cuh"
 // route.cuh: ds4_route_token (mvq_route_f16's last CTA; shared with model.cu moe_route_fast)
 #include "route.cuh"
-#include "ptx.cuh"
 
 #define MV_WARPS 8
 #define MV_THREADS (MV_WARPS * DS4_WARP)
@@ -823,93 +822,6 @@ __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* 
     }
 }
 
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-// The interleaved r<R> product with the weights staged by cp.async (CUDA sm_80+, 32-lane warps;
-// mvr_r2s5_q8_0i, DS4_GPU_MVR_CP=1): each warp owns a ring of MVC_S stages in shared memory, a
-// stage one warp step of its R rows (R x 512 quant bytes; the step's 4 scale words a row copied
-// by lanes 0, 8, 16, 24), and keeps MVC_S - 1 steps in flight while it does the math of the
-// oldest (the register forms: at most U = 2 steps, none during the math). Per lane the same sums
-// as mvr_acc<R, U, true> (slot order), so the same bits.
-#define MVC_S 5
-__device__ __forceinline__ void mvc_cp8(void* dst, const void* src) {
-    u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
-}
-template <int R>
-__device__ __forceinline__ void mvc_acc(const uint4* const (&qp)[R], const u16* const (&dp)[R], const float4* __restrict__ xv,
-                                        int hb, int ks, int kspl, float (&acc)[R][1], uint4 (*sq)[R][32],
-                                        uint2 (*sd)[R][4]) {
-    int lane = threadIdx.x % 32, stride = kspl * 32;
-    int h0 = ks * 32;
-    int n = h0 < hb ? (hb - h0 + stride - 1) / stride : 0; // this warp's steps
-    // Step k into stage k % MVC_S (nothing past the end; every lane commits one group a step).
-    auto issue = [&](int k) {
-        int h = h0 + k * stride + lane;
-        if (k < n && h < hb) {
-            int st = k % MVC_S;
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                ds4_cp16(&sq[st][i][lane], qp[i] + h, true);
-                if ((lane & 7) == 0) mvc_cp8(&sd[st][i][lane >> 3], (const uint2*)dp[i] + (h >> 3));
-            }
-        }
-        ds4_cp_commit();
-    };
-#pragma unroll
-    for (int k = 0; k < MVC_S - 1; k++) issue(k);
-    ds4_pdl_enter();
-    for (int k = 0; k < n; k++) {
-        ds4_cp_wait<MVC_S - 2>(); // step k landed (this lane's copies)
-        __syncwarp();             // and the scale words of lanes 0, 8, 16, 24
-        int h = h0 + k * stride + lane, st = k % MVC_S;
-        uint4 v[R];
-        uint2 d[R];
-#pragma unroll
-        for (int i = 0; i < R; i++) v[i] = sq[st][i][lane], d[i] = sd[st][i][lane >> 3];
-        __syncwarp(); // every lane has read stage st before step k + MVC_S - 1 refills it
-        issue(k + MVC_S - 1);
-        if (h < hb) {
-            const float4* xt = xv + 4 * (h & ~31) + (h & 31);
-            float4 xa = xt[0], xb = xt[32], xc = xt[64], xd = xt[96];
-#pragma unroll
-            for (int i = 0; i < R; i++) acc[i][0] = mvr_dot_i(v[i], d[i], xa, xb, xc, xd, acc[i][0]);
-        }
-    }
-    ds4_cp_wait<0>();
-}
-
-template <int R>
-__device__ __forceinline__ void mvc_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
-                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
-                                         int kspl) {
-    __shared__ float red[MV_WARPS * R];
-    __shared__ uint4 sq[MV_WARPS][MVC_S][R][32];
-    __shared__ uint2 sd[MV_WARPS][MVC_S][R][4];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, z = blockIdx.z;
-    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * R;
-    float acc[R][1];
-#pragma unroll
-    for (int i = 0; i < R; i++) acc[i][0] = 0.0f;
-    if (r0 < rows) { // warp-uniform
-        const uint4* qp[R];
-        const u16* dp[R];
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            long long g = (long long)z * rows + min(r0 + i, rows - 1);
-            qp[i] = (const uint4*)(Q + g * cols);
-            dp[i] = D + g * (cols / 32);
-        }
-        mvc_acc<R>(qp, dp, (const float4*)(x + (long long)z * x_z), cols / 16, warp % kspl, kspl, acc, sq[warp],
-                   sd[warp]);
-    } else {
-        ds4_pdl_enter();
-    }
-    float v = mv_reduce<1, R>(acc, kspl, red);
-    int r = r0 + lane;
-    if (warp % kspl == 0 && lane < R && r < rows) y[(long long)z * y_z + r] = v;
-}
-#endif
-
 // ADD (mvra): y[r] += W[r] . x (y read after the PDL wait, one write per row: deterministic).
 template <int R, int U, bool ADD = false, bool IL = false, bool PIPE = false>
 __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
@@ -958,9 +870,6 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<4, 2, false, true>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true>(MVR_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true, true>(MVR_ARGS); }
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2s5_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvc_body<2>(MVR_ARGS); }
-#endif
 // The same with the loads pipelined step by step (PIPE; DS4_GPU_MVR_PIPE=1).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0ip(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true, true>(MVR_ARGS); }
 

@@ -85,9 +85,6 @@ static Q8_IL: AtomicBool = AtomicBool::new(true);
 /// `mvr_r2u2_q8_0ip` for the single interleaved r2u2 products (`DS4_GPU_MVR_PIPE=1`): each
 /// step's next-round loads issued right after that step's math (the same sums).
 static MVR_PIPE: AtomicBool = AtomicBool::new(false);
-/// `mvr_r2s5_q8_0i` for the single interleaved r2u2 products on CUDA sm_80+ (`DS4_GPU_MVR_CP=1`):
-/// the weights staged by cp.async in a 5-stage ring a warp (4 steps in flight; the same sums).
-static MVR_CP: AtomicBool = AtomicBool::new(false);
 /// Columns of one interleaved tile.
 const IL_TILE: usize = 512;
 /// (name, rows per warp R, column steps U in flight).
@@ -109,9 +106,6 @@ fn mvr_env() {
         }
         if let Ok(v) = std::env::var("DS4_GPU_MVR_PIPE") {
             MVR_PIPE.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
-        }
-        if let Ok(v) = std::env::var("DS4_GPU_MVR_CP") {
-            MVR_CP.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
         }
     });
 }
@@ -489,12 +483,6 @@ impl GpuBackend {
         Q8_IL.store(on, Ordering::Relaxed);
     }
 
-    /// The cp.async-staged interleaved r2 product (`MVR_CP`) on or off.
-    pub fn set_matvec_mvr_cp(on: bool) {
-        mvr_env();
-        MVR_CP.store(on, Ordering::Relaxed);
-    }
-
     /// The pipelined interleaved r2u2 product (`MVR_PIPE`) on or off.
     pub fn set_matvec_mvr_pipe(on: bool) {
         mvr_env();
@@ -624,29 +612,21 @@ impl GpuBackend {
             return true;
         }
         let (name, r) = MVR_FORMS[form as usize - 1];
-        let info = self.gpu.info();
-        let single = il && !add && form == 2;
-        let cp = single
-            && MVR_CP.load(Ordering::Relaxed)
-            && info.vendor == crate::runtime::Vendor::Nvidia
-            && info.cc.0 >= 8
-            && info.warp == 32;
-        let sfx = if cp {
-            "s5_q8_0i"
-        } else if single && MVR_PIPE.load(Ordering::Relaxed) {
-            "u2_q8_0ip"
-        } else if il {
-            "u2_q8_0i"
-        } else {
-            "u2_q8_0"
-        };
         // A warp step is DS4_WARP half blocks (16 columns each): mv_kspl counts steps of
         // warp/4 chunks of 32 columns, so it is asked about cols / 2.
         let (dims, k) = self.mv_dims(rows, r, 1, zs, cols / 2);
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvr{}_{}{sfx}", if add { "a" } else { "" }, &name[..2]),
+            &format!(
+                "mvr{}_{name}_q8_0{}",
+                if add { "a" } else { "" },
+                match (il, !add && form == 2 && MVR_PIPE.load(Ordering::Relaxed)) {
+                    (true, true) => "ip",
+                    (true, false) => "i",
+                    _ => "",
+                }
+            ),
             dims,
             &[
                 Arg::Ptr(q),
