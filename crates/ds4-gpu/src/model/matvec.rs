@@ -83,7 +83,9 @@ static REPACK: AtomicBool = AtomicBool::new(true);
 /// gate/up 7.91 -> 6.79 (bench/results/gpu-m119-h200.txt; ncu out_a: L1/TEX 80% -> 29% busy).
 static Q8_IL: AtomicBool = AtomicBool::new(true);
 /// `mvr_r2u2_q8_0ip` for the single interleaved r2u2 products (`DS4_GPU_MVR_PIPE=1`): each
-/// step's next-round loads issued right after that step's math (the same sums).
+/// step's next-round loads issued right after that step's math (the same sums). Opt-in: H200
+/// graph us out_a 11.6 against 12.5, out_b 12.1 against 12.9, but 2k decode 157.4 against 157.0
+/// tok/s (4 pairs, within noise; bench/results/gpu-m119-h200.txt).
 static MVR_PIPE: AtomicBool = AtomicBool::new(false);
 /// Columns of one interleaved tile.
 const IL_TILE: usize = 512;
