@@ -276,6 +276,12 @@ pub trait Backend: Send + Sync + Sized {
         128
     }
 
+    /// Device bytes of operand copies made from the weights after loading (a GPU's bf16 forms
+    /// of its dense prefill weights, made at the first prompt); 0 where none.
+    fn weight_copy_bytes(&self) -> u64 {
+        0
+    }
+
     // ---- binding ----
     /// A matrix used by [`Backend::matmul`] / [`Backend::embed`] (any supported quant type).
     fn matrix(&self, src: &WeightSrc) -> Result<Self::Weight, String>;

@@ -448,6 +448,12 @@ impl Engine {
     }
 
     /// The backend in use, as a human-readable line.
+    /// Device bytes of weight copies the backend made after loading (GPU: the bf16 operands of
+    /// the dense prefill products, made at the first prompt), None on the CPU.
+    pub fn gpu_weight_copy_bytes(&self) -> Option<u64> {
+        self.weight_bytes.map(|_| self.model.weight_copy_bytes())
+    }
+
     pub fn backend_name(&self) -> &str {
         &self.backend
     }

@@ -231,6 +231,197 @@ fn blas_grouped_every_type() {
     cases.finish();
 }
 
+/// The W' cache (DS4_GPU_BF16_CACHE) and X' sharing in multi-products (DS4_GPU_BLAS_XSHARE,
+/// model/blas.rs) change no bits: matmul_multi (Q8_0 4096 -> 1024 and -> 512, F16 -> 256,
+/// BF16 -> 128: parts 3, 3, 3, 2 in the default form) and matmul_gateup (Q8_0 -> 384 twice),
+/// n = 64, in both forms, with each of cache off/on × sharing off/on: every output equal to the
+/// plain form's bit for bit, and the plain form within the tolerance of the CPU (the gate/up
+/// pair: its products, and its swiglu against the host's of the GPU's products). The counters
+/// show the path taken: with the cache on a second pass converts no W', with sharing on a
+/// multi converts X' once per layout. A weight made after one is dropped (the allocator may
+/// hand out the same address) must not see the dropped weight's copy.
+#[test]
+fn blas_cache_and_shared_x_same_bits() {
+    let Some((cpu, gpu)) = blas_backends() else {
+        return;
+    };
+    let (k, n) = (4096, 64);
+    let shapes = [
+        (GgmlType::Q8_0, 1024),
+        (GgmlType::Q8_0, 512),
+        (GgmlType::F16, 256),
+        (GgmlType::BF16, 128),
+    ];
+    let ws: Vec<_> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(ty, rows))| weight(&cpu, &gpu, ty, k, rows, 1, 500 + i as u64))
+        .collect();
+    let (cg, gg) = weight(&cpu, &gpu, GgmlType::Q8_0, k, 384, 1, 510);
+    let (cu, gu) = weight(&cpu, &gpu, GgmlType::Q8_0, k, 384, 1, 511);
+    let x = randn(&mut rng(512), n * k, 1.0);
+    let (cx, gx) = (cpu.upload(&x), gpu.upload(&x));
+    // CPU: each product of the multi.
+    let mut want: Vec<Vec<f32>> = Vec::new();
+    for ((cw, _), &(_, rows)) in ws.iter().zip(&shapes) {
+        let mut cy = cpu.alloc(n * rows);
+        cpu.matmul(cw, Part::All, &cx, n, &mut cy);
+        want.push(cpu.download(&cy, n * rows));
+    }
+    let run = |gpu: &GpuBackend| -> Vec<Vec<f32>> {
+        let mut ys: Vec<_> = shapes.iter().map(|&(_, r)| gpu.alloc(n * r)).collect();
+        let gws: Vec<_> = ws.iter().map(|(_, g)| g).collect();
+        let mut refs: Vec<_> = ys.iter_mut().collect();
+        gpu.matmul_multi(&gws, &gx, n, &mut refs);
+        let mut h = gpu.alloc(n * 384);
+        gpu.matmul_gateup(&gg, &gu, &gx, n, 384, &mut h, 10.0);
+        let mut out: Vec<_> = ys
+            .iter()
+            .zip(&shapes)
+            .map(|(y, &(_, r))| gpu.download(y, n * r))
+            .collect();
+        out.push(gpu.download(&h, n * 384));
+        out
+    };
+    let mut bad = Vec::new();
+    for fast in [false, true] {
+        GpuBackend::set_blas(true, fast);
+        GpuBackend::set_bf16_cache(Some(false));
+        GpuBackend::set_blas_xshare(false);
+        let l0 = GpuBackend::blas_launches();
+        let (w0, x0) = GpuBackend::blas_conversions();
+        let plain = run(&gpu);
+        let (w1, x1) = GpuBackend::blas_conversions();
+        println!(
+            "fast={fast} plain: {} products, {} W' and {} X' conversions",
+            GpuBackend::blas_launches() - l0,
+            w1 - w0,
+            x1 - x0
+        );
+        if GpuBackend::blas_launches() - l0 != 6 || w1 - w0 != 6 || x1 - x0 != 6 {
+            bad.push(format!(
+                "fast={fast}: the plain form did not take 6 library products"
+            ));
+        }
+        // The multi's products against the CPU; the gate/up pair through its two products
+        // (each against the CPU) and the swiglu of the GPU's own g and u on the host (the
+        // swiglu amplifies the products' rounding by the other factor: not a CPU tolerance).
+        let (mut hg, mut hu) = (gpu.alloc(n * 384), gpu.alloc(n * 384));
+        gpu.matmul(&gg, Part::All, &gx, n, &mut hg);
+        gpu.matmul(&gu, Part::All, &gx, n, &mut hu);
+        let (hg, hu) = (gpu.download(&hg, n * 384), gpu.download(&hu, n * 384));
+        let host_h: Vec<f32> = hg
+            .iter()
+            .zip(&hu)
+            .map(|(&g, &u)| {
+                let g = g.min(10.0);
+                g / (1.0 + (-g).exp()) * u.clamp(-10.0, 10.0)
+            })
+            .collect();
+        let eh = max_rel(&plain[4], &host_h);
+        println!("fast={fast} gate/up: max rel {eh:.3e} against the host swiglu of the GPU's g, u");
+        if eh > 1e-4 {
+            bad.push(format!(
+                "fast={fast} gate/up: {eh:.3e} against the host swiglu"
+            ));
+        }
+        let mut cgy = cpu.alloc(n * 384);
+        for (name, cw, g) in [("gate", &cg, &hg), ("up", &cu, &hu)] {
+            cpu.matmul(cw, Part::All, &cx, n, &mut cgy);
+            let c = cpu.download(&cgy, n * 384);
+            let (e, tol) = if fast {
+                (max_rel_rms(g, &c), TOL_FAST)
+            } else {
+                (max_rel(g, &c), TOL)
+            };
+            println!("fast={fast} {name}: max rel {e:.3e} against the CPU");
+            if e > tol {
+                bad.push(format!("fast={fast} {name}: {e:.3e} against the CPU"));
+            }
+        }
+        for (i, (g, c)) in plain.iter().zip(&want).enumerate() {
+            let (e, tol) = if fast {
+                (max_rel_rms(g, c), TOL_FAST)
+            } else {
+                (max_rel(g, c), TOL)
+            };
+            println!("fast={fast} product {i}: max rel {e:.3e} against the CPU");
+            if e > tol {
+                bad.push(format!("fast={fast} product {i}: {e:.3e} against the CPU"));
+            }
+        }
+        for (cache, share) in [(true, false), (false, true), (true, true)] {
+            GpuBackend::set_bf16_cache(Some(cache));
+            GpuBackend::set_blas_xshare(share);
+            for pass in 0..2 {
+                let (w0, x0) = GpuBackend::blas_conversions();
+                let got = run(&gpu);
+                let (w1, x1) = GpuBackend::blas_conversions();
+                // W': none on a cached pass; X': one per layout (parts 3 and 2 in the multi
+                // in the default form, one in fast; one for the gate/up pair) when shared.
+                let want_w = if cache { 0 } else { 6 };
+                let want_x = if share {
+                    if fast {
+                        2
+                    } else {
+                        3
+                    }
+                } else {
+                    6
+                };
+                let (dw, dx) = (w1 - w0, x1 - x0);
+                let same = got.iter().zip(&plain).all(|(a, b)| {
+                    a.iter()
+                        .map(|v| v.to_bits())
+                        .eq(b.iter().map(|v| v.to_bits()))
+                });
+                println!(
+                    "fast={fast} cache={cache} share={share} pass {pass}: W' {dw}, X' {dx}, same bits: {same}"
+                );
+                if !same {
+                    bad.push(format!(
+                        "fast={fast} cache={cache} share={share}: bits differ"
+                    ));
+                }
+                // A cached pass after the first may find copies made by an earlier setting.
+                if (pass == 1 || !cache) && (dw != want_w || dx != want_x) {
+                    bad.push(format!(
+                        "fast={fast} cache={cache} share={share} pass {pass}: W' {dw} (want {want_w}), X' {dx} (want {want_x})"
+                    ));
+                }
+            }
+        }
+        let (bytes, copies, declined) = gpu.bf16_cache_stats();
+        println!("fast={fast}: {copies} copies, {bytes} bytes, {declined} declined");
+        if copies != 6 {
+            bad.push(format!("fast={fast}: {copies} W' copies, want 6"));
+        }
+    }
+    // A new weight after a dropped one: never the old copy.
+    GpuBackend::set_blas(true, true);
+    GpuBackend::set_bf16_cache(Some(true));
+    for seed in [600, 601, 602] {
+        let (cw, gw) = weight(&cpu, &gpu, GgmlType::Q8_0, k, 512, 1, seed);
+        let mut cy = cpu.alloc(n * 512);
+        cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
+        let c = cpu.download(&cy, n * 512);
+        let mut gy = gpu.alloc(n * 512);
+        gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
+        let e = max_rel_rms(&gpu.download(&gy, n * 512), &c);
+        println!("fresh weight {seed}: max rel {e:.3e} (rms-relative)");
+        if e > TOL_FAST {
+            bad.push(format!("fresh weight {seed}: {e:.3e}: a stale copy?"));
+        }
+    }
+    GpuBackend::set_bf16_cache(None);
+    GpuBackend::set_blas_xshare(true);
+    GpuBackend::set_blas(true, false);
+    if let Err(e) = gpu.check() {
+        bad.push(format!("GPU error: {e}"));
+    }
+    assert!(bad.is_empty(), "failed: {bad:?}");
+}
+
 /// Host test (no GPU, no library needed): a failed load lists every place searched, in the
 /// one line the backend prints before falling back to the built-in GEMM.
 #[test]

@@ -612,6 +612,18 @@ fn skewed_sel(n: usize, k: usize) -> Vec<i32> {
     sel
 }
 
+/// The GPU backend for the wgmma tests (CUDA sm_90a), with the default gemm form; None (after a
+/// printed reason) where there is no GPU or the kernels do not apply.
+fn wg_backend() -> Option<GpuBackend> {
+    let (_cpu, gpu) = backends(&HParams::tiny())?;
+    if !gpu.gemm_wg_supported() {
+        println!("skipped: the wgmma kernels need CUDA sm_90a");
+        return None;
+    }
+    set_form(0);
+    Some(gpu)
+}
+
 /// The wgmma gate/up (`gwg_iq2_xxs`, CUDA sm_90a; gemm_wg.rs) against an f64
 /// reference per (pair, row) from the dequantised IQ2_XXS rows: 200 tokens x 6 slots over 16
 /// experts with 200, 65, 64, 63, 1 and 0 pairs for experts 0..5 (runs of 64 cut into 64 + 1, 64,
@@ -624,13 +636,9 @@ fn skewed_sel(n: usize, k: usize) -> Vec<i32> {
 /// tolerance.
 #[test]
 fn gemm_moe_wg_gate_up_matches_f64() {
-    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+    let Some(gpu) = wg_backend() else {
         return;
     };
-    if !gpu.gemm_wg_supported() {
-        println!("skipped: the wgmma kernel needs CUDA sm_90a");
-        return;
-    }
     let (ne, k, n, d, ff) = (16usize, 6usize, 200usize, 1280usize, 320usize);
     let ty = GgmlType::IQ2_XXS;
     let mut r = rng(1500);
@@ -731,14 +739,9 @@ fn gemm_moe_wg_gate_up_matches_f64() {
 /// gemmu) and gemmu with `set_gemm_wgd(false)`, both within the tensor-core tolerance.
 #[test]
 fn gemm_moe_wgd_down_matches_f64() {
-    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+    let Some(gpu) = wg_backend() else {
         return;
     };
-    if !gpu.gemm_wg_supported() {
-        println!("skipped: the wgmma kernel needs CUDA sm_90a");
-        return;
-    }
-    set_form(0);
     let (ne, k, n, d, ff) = (16usize, 6usize, 200usize, 320usize, 768usize);
     let mut r = rng(1600);
     let mk = |t: GgmlType, cols: usize, rows: usize, seed: u64| {
@@ -892,14 +895,9 @@ const U11: f64 = 1.0 / 2048.0;
 /// form's MoE tolerance (TOL_H_MOE, rms-relative).
 #[test]
 fn gemm_moe_one_plane_matches_f64() {
-    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+    let Some(gpu) = wg_backend() else {
         return;
     };
-    if !gpu.gemm_wg_supported() {
-        println!("skipped: the wgmma kernels need CUDA sm_90a");
-        return;
-    }
-    set_form(0);
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
     let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
@@ -944,13 +942,12 @@ fn gemm_moe_one_plane_matches_f64() {
     }
     check_one_plane("gate", U11, ff, &gg, &want[0], &sel, &mut bad);
     check_one_plane("up", U11, ff, &gu, &want[1], &sel, &mut bad);
-    // The wide gate/up (`set_gemm_wg_wide`, runs of 128: expert 0's 200 pairs as 128 + 72, i.e.
-    // N = 128 and 80; 65 -> 80, 64 and 63 -> 64, 1 -> 16), every run wide (1) and split (2:
-    // experts 0 and 1 wide, the others on the 4-warpgroup kernel): the same bound, one call.
-    // The folded forms (3: runs of 64, 4: of 128) round each weight twice more to f16 (~2^-11
-    // relative each, the super-block scale folded in): bound 2^-10 B + 2e-5 sum |w x|.
-    for mode in [1u8, 2, 3, 4] {
-        let u = if mode >= 3 { 2.0 * U11 } else { U11 };
+    // The folded gate/up (`set_gemm_wg_wide`; 3: runs of 64, 4: the wide runs of 128: expert 0's
+    // 200 pairs as 128 + 72, i.e. N = 128 and 80; 65 -> 80, 64 and 63 -> 64, 1 -> 16) rounds each
+    // weight twice more to f16 (~2^-11 relative each, the super-block scale folded in): bound
+    // 2^-10 B + 2e-5 sum |w x|, one call.
+    for mode in [3u8, 4] {
+        let u = 2.0 * U11;
         GpuBackend::set_gemm_wg_wide(mode);
         let w0 = GpuBackend::gemm_wg_wide_launches();
         let (wg, wu) = gpu
@@ -1090,14 +1087,9 @@ fn gemm_moe_one_plane_matches_f64() {
 /// magnitudes 1e-6 .. 1e6.
 #[test]
 fn gemm_moe_wg_decode_forms_same_bits() {
-    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+    let Some(gpu) = wg_backend() else {
         return;
     };
-    if !gpu.gemm_wg_supported() {
-        println!("skipped: the wgmma kernels need CUDA sm_90a");
-        return;
-    }
-    set_form(0);
     let dq0 = GpuBackend::gemm_wg_dq();
     let wide0 = GpuBackend::gemm_wg_wide();
     GpuBackend::set_gemm_wg_wide(0); // the runs of 64 (the wide form: gemm_moe_one_plane_matches_f64)

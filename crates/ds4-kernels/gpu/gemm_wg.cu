@@ -55,7 +55,8 @@
 // Wide and folded forms (gemm_wg.rs DS4_GPU_GW_WIDE; one plane): runs of up to 128 pairs a CTA (the
 // grouping's second section), and/or the super-block scale folded into the f16 weights (gw_body
 // FD: one accumulator set). The default _fw (both, 4 warpgroups): H200 prefill +6.9 % (2k) /
-// +9.0 % (8k); the unfolded 2-warpgroup _w lost (bench/results/gpu-p218-h200.txt).
+// +9.0 % (8k); the unfolded 2-warpgroup runs of 128 lost and were deleted (code in 5a7f2d4;
+// bench/results/gpu-p218-h200.txt).
 #include "prelude.cuh"
 #include "iq2xxs_grid.cuh"
 #include "ptx.cuh"
@@ -338,29 +339,14 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 
 #if defined(DS4_CUDA)
 #define GW_B4 512, 1 // DS4_BOUNDS(GW_B4) = __launch_bounds__(512, 1): <= 128 registers
-#define GW_B2 256, 1 // the wide form: 2 warpgroups, <= 255 registers (acc and cc of N = 128: 128)
 #else
 #define GW_B4 512
-#define GW_B2 256
 #endif
 
 #if GW_HAVE
-// Whether the expert of the CTA's run (BM: 64 or the wide 128) has at most 64 pairs: the run is
-// its first (the pair before it in perm has another expert) and perm position start + 64 is past
-// the expert (the split form's test: gwg_iq2_xxs_p1_d2_n takes those experts, _wm the others).
-template <int BM>
-__device__ __forceinline__ bool gw_small(const int* __restrict__ grp, const int* __restrict__ sel, int n, int gmax) {
-    const int* perm = grp + 1 + gmax;
-    const int* gs = BM == GW_BM ? grp : perm + n;
-    const int st = gs[1 + blockIdx.y], e = max(sel[perm[st]], 0);
-    const bool first = st == 0 || max(sel[perm[st - 1]], 0) != e;
-    return first && (st + GW_BM >= n || max(sel[perm[st + GW_BM]], 0) != e);
-}
-
 // The kernels' shared part: the CTA's item run (BM: 64, or the wide runs of 128), then the
-// product with N = its valid items rounded up to 16. SEL (the split form): 0 every run, 1 only
-// the runs of experts with at most 64 pairs, 2 only the others. FD: gw_body's folded form.
-template <int NWG, int PL, int DQ, int BM = GW_BM, int SEL = 0, int FD = 0>
+// product with N = its valid items rounded up to 16. FD: gw_body's folded form.
+template <int NWG, int PL, int DQ, int BM = GW_BM, int FD = 0>
 __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
                                           const int* __restrict__ sel, const u32* __restrict__ XW,
                                           const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
@@ -372,7 +358,6 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
     if (by >= (BM == GW_BM ? grp[0] : grp[1 + gmax + n])) return; // uniform over the CTA (wide: ngroups2)
-    if (SEL != 0 && gw_small<BM>(grp, sel, n, gmax) != (SEL == 1)) return; // uniform too
     if (tid < 256) { // the grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly)
         const u64 gv = ds4_iq2xxs_grid[tid];
         sm.grid[tid] = gv;
@@ -413,13 +398,9 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 #define GW_ARGS W0, W1, slab, sel, XW, xinv, xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax
 #if GW_HAVE
 #define GW_RUN(PL, DQ) gw_kernel<4, PL, DQ>(GW_ARGS)
-#define GW_RUN_W(PL, DQ) gw_kernel<2, PL, DQ, 2 * GW_BM>(GW_ARGS)
-#define GW_RUN_S(PL, DQ, NWG, BM, SEL) gw_kernel<NWG, PL, DQ, BM, SEL>(GW_ARGS)
-#define GW_RUN_F(BM) gw_kernel<4, 1, 2, BM, 0, 1>(GW_ARGS)
+#define GW_RUN_F(BM) gw_kernel<4, 1, 2, BM, 1>(GW_ARGS)
 #else
 #define GW_RUN_F(BM) GW_RUN(1, 2)
-#define GW_RUN_W(PL, DQ) GW_RUN(PL, DQ)
-#define GW_RUN_S(PL, DQ, NWG, BM, SEL) GW_RUN(PL, DQ)
 #define GW_RUN(PL, DQ) (void)W0, (void)W1, (void)slab, (void)sel, (void)XW, (void)xinv, (void)xdiv, (void)Y0, (void)Y1, \
     (void)y_tok, (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax
 #endif
@@ -437,19 +418,6 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1(GW_PARAMS) { GW_RUN(1, 0); }
 // Decode form 2 (gw_deq; same bits as 0), the default (gemm_wg.rs DS4_GPU_GW_DQ).
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_d2(GW_PARAMS) { GW_RUN(2, 2); }
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2(GW_PARAMS) { GW_RUN(1, 2); }
-// Wide form of gwg_iq2_xxs_p1_d2 (gemm_wg.rs DS4_GPU_GW_WIDE): the wide runs of up to 128 pairs
-// of one expert (grp's second section, gm_group_scan_i32) per CTA, so one decode of a weight
-// chunk serves up to 128 items: one m64nNk16 wgmma per k-step with N up to 128 (acc and cc of
-// 64 registers each), 2 warpgroups (128 weight rows, 256 threads: the registers of 4 would not
-// fit), dynamic shared memory sizeof(GwSmem<128>). grid (rows / 128, gmax2, 2), gmax2 the wide
-// runs' bound. Same arithmetic as gwg_iq2_xxs_p1_d2 per (item, row).
-DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_w(GW_PARAMS) { GW_RUN_W(1, 2); }
-// Split form (DS4_GPU_GW_WIDE=2): the experts with at most 64 pairs (one run of 64 = one wide
-// run) on gwg_iq2_xxs_p1_d2's CTAs of 4 warpgroups (_n: grid and shared memory as
-// gwg_iq2_xxs_p1_d2), the others' wide runs on _w's CTAs of 2 (_wm: grid as _w), two launches:
-// the wide runs where they save weight decodes, 16 warps an SM where they would not.
-DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_n(GW_PARAMS) { GW_RUN_S(1, 2, 4, GW_BM, 1); }
-DS4_KERNEL void DS4_BOUNDS(GW_B2) gwg_iq2_xxs_p1_d2_wm(GW_PARAMS) { GW_RUN_S(1, 2, 2, 2 * GW_BM, 2); }
 // Folded forms (DS4_GPU_GW_WIDE=3, 4; gw_body FD: the super-block scale in the f16 weights, one
 // accumulator set): 4 warpgroups, 256 weight rows, grid and shared memory as gwg_iq2_xxs_p1_d2;
 // _f the runs of 64, _fw the wide runs of 128 (N up to 128 in <= 128 registers: acc alone).

@@ -67,7 +67,7 @@ __device__ __forceinline__ void gw_mma(GwAcc<64>& acc, const u32* a, u64 desc, i
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(sd));
 }
 
-// N = 80 .. 128: the wide gate/up (gemm_wg.cu gwg_iq2_xxs_p1_d2_w, runs of up to 128 items).
+// N = 80 .. 128: the wide gate/up (gemm_wg.cu gwg_iq2_xxs_p1_d2_fw, runs of up to 128 items).
 __device__ __forceinline__ void gw_mma(GwAcc<80>& acc, const u32* a, u64 desc, int sd) {
     float* d = acc.v;
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"

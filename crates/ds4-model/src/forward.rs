@@ -977,6 +977,8 @@ pub trait Forward: Send + Sync {
     fn backend_name(&self) -> String;
     /// See [`Backend::prefill_chunk`].
     fn prefill_chunk(&self) -> usize;
+    /// See [`Backend::weight_copy_bytes`].
+    fn weight_copy_bytes(&self) -> u64;
     fn new_state(&self) -> AnyState;
     /// See [`Model::eval_batch_streams`].
     fn eval_batch(
@@ -1054,6 +1056,9 @@ where
     }
     fn prefill_chunk(&self) -> usize {
         self.backend.prefill_chunk().max(1)
+    }
+    fn weight_copy_bytes(&self) -> u64 {
+        self.backend.weight_copy_bytes()
     }
     fn new_state(&self) -> AnyState {
         Self::wrap_state(Model::new_state(self))

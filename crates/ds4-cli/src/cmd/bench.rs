@@ -143,6 +143,12 @@ pub fn run(mut a: Args) -> Result<()> {
         std::io::stdout().flush()?;
         out.push_str(&line);
     }
+    if let Some(c) = engine.gpu_weight_copy_bytes() {
+        eprintln!(
+            "# bf16 weight copies on the device (made at the first prompt, DS4_GPU_BF16_CACHE): {:.2} GiB",
+            gib(c)
+        );
+    }
     if let Some(p) = &a.csv {
         std::fs::write(p, out).with_context(|| format!("writing {}", p.display()))?;
     }

@@ -560,9 +560,9 @@ impl GpuBackend {
                 Some(_) => (c.rows.ptr(), 0),
                 None => (c.rows.ptr().offset((n_rows * d * 4) as u64), r * n_rows),
             };
-            let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
-            args.extend([
-                Arg::Ptr(out),
+            // The row finish's arguments (norm, RoPE, roundings, sp): the tail of both
+            // compress_row_f32's and compress_fin_f32's lists.
+            let fin = [
                 Arg::Ptr(norm.ptr()),
                 Arg::F32(spec.eps),
                 Arg::Ptr(self.rope_ptr(spec.rope)),
@@ -572,7 +572,10 @@ impl GpuBackend {
                 Arg::I32(rr.fp4_hadamard as i32),
                 Arg::I32(rr.f16 as i32),
                 sp.map_or(Arg::Null, Arg::Ptr),
-            ]);
+            ];
+            let mut args = common(c.front_kv.ptr(), c.front_score.ptr());
+            args.push(Arg::Ptr(out));
+            args.extend(fin);
             let mut dims_r = LaunchDims::linear(closed as u32, 256);
             dims_r.shared_bytes = (d * 4) as u32;
             // Candidates [nc][CP_CH] values and scores of compress_pool_sh_f32 in shared memory.
@@ -594,21 +597,13 @@ impl GpuBackend {
                     shared_bytes: sh_pool,
                 };
                 self.run(&ATTENTION, "compress_pool_sh_f32", dims_p, &pa);
-                let fa = [
+                let mut fa = vec![
                     Arg::Ptr(out),
                     Arg::I32(r as i32),
                     Arg::I32(d as i32),
                     Arg::I64(t0a),
-                    Arg::Ptr(norm.ptr()),
-                    Arg::F32(spec.eps),
-                    Arg::Ptr(self.rope_ptr(spec.rope)),
-                    Arg::I32(spec.n_rot as i32),
-                    Arg::I64(pos0 as i64),
-                    Arg::I32(rr.fp8_nope as i32),
-                    Arg::I32(rr.fp4_hadamard as i32),
-                    Arg::I32(rr.f16 as i32),
-                    sp.map_or(Arg::Null, Arg::Ptr),
                 ];
+                fa.extend(fin);
                 self.run(&ATTENTION, "compress_fin_f32", dims_r, &fa);
             }
         } else if closed > 0 && !self.failed() {

@@ -44,6 +44,22 @@
 //! in the first prompt on the H200). Never recorded in a
 //! decode graph (n ≤ 4 goes to matvec.rs; a recording backend declines anyway).
 //! ROCm: the same path with hipBLASLt's enum values; not run here (no AMD GPU was available).
+//!
+//! Operands made once (the bf16 forms above; the f16 form is unchanged):
+//! - W' cache, `DS4_GPU_BF16_CACHE=0|1|auto` (unset: auto): W' is a function of the weight
+//!   and the number of K-parts only, so the first product of a weight writes it into a buffer
+//!   the weight keeps (`GpuWeight::Mat::bf`, dropped with it) and later products read it
+//!   instead of dequantising again (~190 us a layer of `blas_w_*` at 2k on the H200, every
+//!   chunk). `auto` makes a copy only while the device's free memory after it stays above
+//!   [`CACHE_MARGIN`] (`DS4_GPU_BF16_CACHE_MARGIN` GiB overrides), else that weight keeps the
+//!   per-call conversion (decided once per weight); `1` whenever the allocation succeeds; `0`
+//!   never. Full-size q2 under `--precision fast` (one part): ~11 GiB of copies;
+//!   [`GpuBackend::bf16_cache_bytes`] reports them (`ds4 bench` prints the line).
+//! - X' sharing, `DS4_GPU_BLAS_XSHARE=0|1` (unset: 1): inside `matmul_multi` /
+//!   `matmul_gateup` (products of ONE input, written to outputs that cannot alias it) X' is
+//!   converted for the first product and reused by the next ones of the same shape (the
+//!   attention's q_a + kv, the compressors' and indexer's five projections of z, the shared
+//!   expert's gate + up). Same bits either way.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuWeight};
 use crate::blas::{BlasLt, Handle, Plan, Shape};
@@ -73,6 +89,85 @@ const F16: u8 = 3;
 const AMAX_BLOCKS: usize = 256;
 /// Library products queued so far (process-wide), so tests can see the path took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// `DS4_GPU_BF16_CACHE`: 0 never, 1 always, 2 auto (free memory above the margin); UNSET: read it.
+static CACHE: AtomicU8 = AtomicU8::new(UNSET);
+const CACHE_AUTO: u8 = 2;
+/// Free device memory `auto` leaves after a W' copy: 8 GiB spare plus 16 GiB for what grows
+/// after the first prompt (a prompt step's scratch, ~4 GiB at 8192 tokens, gemm.rs; the session
+/// state, 13.5 GiB at 1M tokens of context). The H200 with the q2 weights has ~57 GiB free.
+const CACHE_MARGIN: u64 = 24 << 30;
+/// `DS4_GPU_BLAS_XSHARE`: 0 off, 1 on; UNSET: read it.
+static XSHARE: AtomicU8 = AtomicU8::new(UNSET);
+
+fn cache_mode() -> u8 {
+    let m = CACHE.load(Ordering::Relaxed);
+    if m != UNSET {
+        return m;
+    }
+    let m = match std::env::var("DS4_GPU_BF16_CACHE").as_deref() {
+        Ok("0") | Ok("off") => 0,
+        Ok("1") | Ok("on") => 1,
+        _ => CACHE_AUTO,
+    };
+    CACHE.store(m, Ordering::Relaxed);
+    m
+}
+
+fn cache_margin() -> u64 {
+    static M: OnceLock<u64> = OnceLock::new();
+    *M.get_or_init(|| {
+        std::env::var("DS4_GPU_BF16_CACHE_MARGIN")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(CACHE_MARGIN, |g| g << 30)
+    })
+}
+
+fn xshare_on() -> bool {
+    let m = XSHARE.load(Ordering::Relaxed);
+    if m != UNSET {
+        return m == 1;
+    }
+    let on = !std::env::var("DS4_GPU_BLAS_XSHARE").is_ok_and(|v| v == "0" || v == "off");
+    XSHARE.store(on as u8, Ordering::Relaxed);
+    on
+}
+
+/// A weight's W' (blas.rs module doc): (K-parts, the copy); copy None: `auto` declined it
+/// (not enough free memory) or the allocation failed, not asked again for these parts.
+#[derive(Default)]
+pub struct BfSlot(Mutex<Option<(usize, Option<DeviceBuffer>)>>);
+
+/// The X' of the current multi-product scope (`blas_x_scope`): the key says which X, in which
+/// layout (x, x_tok, K, groups, n, parts), `buf` holds it until the scope ends.
+#[derive(Default)]
+struct XShare {
+    depth: usize,
+    key: Option<(u64, usize, usize, usize, usize, usize)>,
+    buf: Option<GpuBuf>,
+}
+
+/// Ends a multi-product scope when dropped (see [`GpuBackend::blas_x_scope`]).
+pub(crate) struct XScope<'a>(Option<&'a Mutex<XShare>>);
+
+impl Drop for XScope<'_> {
+    fn drop(&mut self) {
+        if let Some(m) = self.0 {
+            let mut xs = m.lock().unwrap();
+            xs.depth -= 1;
+            if xs.depth == 0 {
+                xs.key = None;
+                xs.buf = None; // back to the pool (stream-ordered after the products)
+            }
+        }
+    }
+}
+
+/// bf16 W' and X' conversions queued so far (process-wide): tests see the cache and the
+/// sharing at work.
+static W_CONV: AtomicU64 = AtomicU64::new(0);
+static X_CONV: AtomicU64 = AtomicU64::new(0);
 
 /// The next product is the first of a new plan (trace only).
 static FIRST: AtomicBool = AtomicBool::new(false);
@@ -116,14 +211,21 @@ struct BlasState {
     ws: DeviceBuffer,
     /// A call failed: decline from now on (said once).
     broken: AtomicBool,
+    /// W' copies made (count, bytes) and weights `auto` declined.
+    cached: AtomicU64,
+    cached_bytes: AtomicU64,
+    declined: AtomicU64,
+    xshare: Mutex<XShare>,
     /// The warm product at open ran (blas_warm).
     warmed: AtomicBool,
 }
 
 /// One product: for batch (group) z < groups, token row t < n, row j < rows / groups:
 /// `y[t*y_tok + z*y_z + j] = W[z*rows/groups + j] · x[t*x_tok + z*cols ..][..cols]`.
-struct Job {
+struct Job<'a> {
     w: DevPtr,
+    /// The weight's W' slot (whole-matrix products only).
+    bf: Option<&'a BfSlot>,
     ty: GgmlType,
     row_bytes: usize,
     rows: usize,
@@ -137,7 +239,7 @@ struct Job {
     y_z: usize,
 }
 
-impl Job {
+impl Job<'_> {
     /// The library's view of this product with operands of `kk` elements along K per group
     /// (K-parts side by side; W' rows × kk, X' n × groups × kk), in f16 or bf16.
     fn shape(&self, kk: usize, f16: bool) -> Shape {
@@ -177,6 +279,68 @@ impl GpuBackend {
     /// power-of-two scale; module doc). Process-wide, for tests and benchmarks.
     pub fn set_blas_f16() {
         MODE.store(F16, Ordering::Relaxed);
+    }
+
+    /// The W' cache's policy (module doc): Some(true) always, Some(false) never, None `auto`.
+    pub fn set_bf16_cache(on: Option<bool>) {
+        CACHE.store(
+            match on {
+                Some(true) => 1,
+                Some(false) => 0,
+                None => CACHE_AUTO,
+            },
+            Ordering::Relaxed,
+        );
+    }
+
+    /// X' sharing inside multi-products on or off (module doc).
+    pub fn set_blas_xshare(on: bool) {
+        XSHARE.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Device bytes held by W' copies of this backend's weights (made so far), the number of
+    /// copies and of weights `auto` declined for lack of free memory.
+    pub fn bf16_cache_stats(&self) -> (u64, u64, u64) {
+        self.blas
+            .st
+            .get()
+            .and_then(|s| s.as_ref())
+            .map_or((0, 0, 0), |s| {
+                (
+                    s.cached_bytes.load(Ordering::Relaxed),
+                    s.cached.load(Ordering::Relaxed),
+                    s.declined.load(Ordering::Relaxed),
+                )
+            })
+    }
+
+    /// Device bytes held by W' copies (see [`GpuBackend::bf16_cache_stats`]).
+    pub fn bf16_cache_bytes(&self) -> u64 {
+        self.bf16_cache_stats().0
+    }
+
+    /// A scope whose library products all read one X (Backend::matmul_multi, matmul_gateup):
+    /// the first converts X', the next ones of the same layout reuse it; ends when dropped.
+    /// Callers guarantee X is not written inside the scope (the outputs are other buffers).
+    pub(crate) fn blas_x_scope(&self) -> XScope<'_> {
+        let m = self
+            .blas
+            .st
+            .get()
+            .and_then(|s| s.as_ref())
+            .map(|s| &s.xshare);
+        if let Some(m) = m {
+            m.lock().unwrap().depth += 1;
+        }
+        XScope(m)
+    }
+
+    /// bf16 W' and X' conversions queued so far in this process (blas_w_*, blas_x_f32).
+    pub fn blas_conversions() -> (u64, u64) {
+        (
+            W_CONV.load(Ordering::Relaxed),
+            X_CONV.load(Ordering::Relaxed),
+        )
     }
 
     /// Library products queued so far in this process.
@@ -228,6 +392,10 @@ impl GpuBackend {
                     handle,
                     ws,
                     broken: AtomicBool::new(false),
+                    cached: AtomicU64::new(0),
+                    cached_bytes: AtomicU64::new(0),
+                    declined: AtomicU64::new(0),
+                    xshare: Mutex::new(XShare::default()),
                     warmed: AtomicBool::new(false),
                 };
                 let warmed = self.blas_warm(&st);
@@ -330,6 +498,7 @@ impl GpuBackend {
         };
         self.blas_job(&Job {
             w: p.offset(slab as u64),
+            bf: matches!(part, Part::All).then(|| w.bf_slot()).flatten(),
             ty,
             row_bytes,
             rows,
@@ -361,6 +530,7 @@ impl GpuBackend {
         }
         self.blas_job(&Job {
             w: p,
+            bf: w.bf_slot(),
             ty,
             row_bytes,
             rows,
@@ -415,9 +585,44 @@ impl GpuBackend {
         let Some(plan) = self.blas_plan(st, &mut plans, &shape) else {
             return false;
         };
-        // W' (rows × kk bf16) and X' (n × g × kk bf16); scratch counts 4-byte words.
-        let wp = self.scratch(j.rows * kk / 2);
-        let xp = self.scratch(j.n * g * kk / 2);
+        // W' (rows × kk bf16): the weight's copy, or made now in scratch (counts 4-byte words).
+        let cached =
+            j.bf.and_then(|slot| self.blas_w_cached(st, slot, j, parts, sfx));
+        let wtmp = cached.is_none().then(|| {
+            let wp = self.scratch(j.rows * kk / 2);
+            self.blas_w(j, parts, sfx, wp.ptr);
+            wp
+        });
+        let wptr = cached.unwrap_or_else(|| wtmp.as_ref().unwrap().ptr);
+        // X' (n × g × kk bf16): the scope's shared copy when it is this X in this layout.
+        let key = (j.x.0, j.x_tok, j.cols, g, j.n, parts);
+        let mut xs = st.xshare.lock().unwrap();
+        let share = xs.depth > 0 && xshare_on();
+        let mut xtmp = None;
+        let xptr = match &xs.buf {
+            Some(b) if share && xs.key == Some(key) => b.ptr,
+            _ => {
+                let xp = self.scratch(j.n * g * kk / 2);
+                self.blas_x(j, parts, xp.ptr);
+                let p = xp.ptr;
+                if share {
+                    xs.key = Some(key);
+                    xs.buf = Some(xp); // the one it replaces goes back to the pool
+                } else {
+                    xtmp = Some(xp);
+                }
+                p
+            }
+        };
+        drop(xs);
+        let ok = self.blas_run(st, plan, wptr, xptr, j.y, None, j.rows, kk);
+        drop((wtmp, xtmp));
+        ok
+    }
+
+    /// W (GGUF blocks) -> W' (rows × parts·K bf16) at `out`.
+    fn blas_w(&self, j: &Job, parts: usize, sfx: &str, out: DevPtr) {
+        W_CONV.fetch_add(1, Ordering::Relaxed);
         let wslices = j.rows * j.cols / 8;
         self.run(
             &ds4_kernels::BLAS_PREP,
@@ -429,10 +634,15 @@ impl GpuBackend {
                 Arg::I32(j.cols as i32),
                 Arg::I64(j.rows as i64),
                 Arg::I32(parts as i32),
-                Arg::Ptr(wp.ptr),
+                Arg::Ptr(out),
             ],
         );
-        let xslices = j.n * g * j.cols / 8;
+    }
+
+    /// X (f32, n rows of g groups of K) -> X' (n × g × parts·K bf16) at `out`.
+    fn blas_x(&self, j: &Job, parts: usize, out: DevPtr) {
+        X_CONV.fetch_add(1, Ordering::Relaxed);
+        let xslices = j.n * j.groups * j.cols / 8;
         self.run(
             &ds4_kernels::BLAS_PREP,
             "blas_x_f32",
@@ -441,13 +651,64 @@ impl GpuBackend {
                 Arg::Ptr(j.x),
                 Arg::I64(j.x_tok as i64),
                 Arg::I32(j.cols as i32),
-                Arg::I32(g as i32),
+                Arg::I32(j.groups as i32),
                 Arg::I64(j.n as i64),
                 Arg::I32(parts as i32),
-                Arg::Ptr(xp.ptr),
+                Arg::Ptr(out),
             ],
         );
-        self.blas_run(st, plan, wp.ptr, xp.ptr, j.y, None, j.rows, kk)
+    }
+
+    /// The weight's W' copy for `parts` (made now, once, when the policy allows: module doc);
+    /// None: convert per call.
+    fn blas_w_cached(
+        &self,
+        st: &BlasState,
+        slot: &BfSlot,
+        j: &Job,
+        parts: usize,
+        sfx: &str,
+    ) -> Option<DevPtr> {
+        // Off: the per-call conversion, even where a copy exists (a run-time A/B).
+        let policy = cache_mode();
+        if policy == 0 {
+            return None;
+        }
+        let mut s = slot.0.lock().unwrap();
+        if let Some((p, copy)) = &*s {
+            if *p == parts {
+                return copy.as_ref().map(|b| b.ptr());
+            }
+        }
+        let bytes = j.rows * parts * j.cols * 2;
+        let room = policy != CACHE_AUTO
+            || self
+                .gpu
+                .mem_info()
+                .is_ok_and(|(free, _)| free >= bytes as u64 + cache_margin());
+        let copy = if room {
+            self.gpu.alloc(bytes).ok()
+        } else {
+            None
+        };
+        match &copy {
+            Some(b) => {
+                self.blas_w(j, parts, sfx, b.ptr());
+                st.cached.fetch_add(1, Ordering::Relaxed);
+                st.cached_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+            }
+            None => {
+                st.declined.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let ptr = copy.as_ref().map(|b| b.ptr());
+        // A copy for other parts (the mode changed: tests) is replaced.
+        if let Some((_, Some(old))) = s.replace((parts, copy)) {
+            st.cached.fetch_sub(1, Ordering::Relaxed);
+            st.cached_bytes
+                .fetch_sub(old.bytes() as u64, Ordering::Relaxed);
+        }
+        ptr
     }
 
     /// The cached plan for `shape` (made on first use); None: no algorithm, or the library

@@ -44,9 +44,9 @@
 //! warpgroups in 126 registers. H200: routed experts -3.7 % (2k) / -17.6 % (8k), `ds4 bench`
 //! prefill +6.9 % / +9.0 % (bench/results/gpu-p218-h200.txt). `0`: the runs of 64 as before
 //! (`gwg_iq2_xxs_p1_d2`, same bits as the exact scale path); `3`: the fold alone, runs of 64
-//! (`_f`: +0.9 % / +1.0 %); `1`: unfolded runs of 128 on 2 warpgroups (`_w`, 202 registers for
-//! two accumulator sets: 8 warps an SM, prefill -6.9 % / -3.6 %); `2`: split (experts of <= 64
-//! pairs on `_n`, the others on `_wm`; unmeasured: at 8k it is `1`).
+//! (`_f`: +0.9 % / +1.0 %). The unfolded runs of 128 on 2 warpgroups (202 registers for two
+//! accumulator sets: 8 warps an SM, prefill -6.9 % / -3.6 %) and a split of them were deleted
+//! (code in 5a7f2d4).
 
 use super::gemm::{switch_on, wide_gmax, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
@@ -71,14 +71,14 @@ static LEAN_X: AtomicU8 = AtomicU8::new(UNSET);
 /// `DS4_GPU_GW_DQ` on first use (`0`: the previous form; default [`DQ_DEFAULT`]).
 static DQ: AtomicU8 = AtomicU8::new(UNSET);
 const DQ_DEFAULT: u8 = 2;
-/// Wide gate/up: 0 off, 1 every run wide, 2 split (experts of <= 64 pairs on the 4-warpgroup
-/// kernel, the others wide), 3 folded runs of 64, 4 folded runs of 128; UNSET: read
-/// `DS4_GPU_GW_WIDE` (`0` .. `4`, else [`WIDE_DEFAULT`]) on first use.
+/// Wide gate/up: 0 off, 3 folded runs of 64, 4 folded runs of 128 (1 and 2, the deleted
+/// unfolded forms, are unused); UNSET: read `DS4_GPU_GW_WIDE` (`0`, `3`, `4`, else
+/// [`WIDE_DEFAULT`]) on first use.
 static WIDE: AtomicU8 = AtomicU8::new(UNSET);
 /// 4 (folded, runs of 128): H200, prefill 2k +6.9 %, 8k +9.0 %, routed experts -3.7 % / -17.6 %
-/// against 0; 3 +0.9 % / +1.0 %; 1 -6.9 % / -3.6 % (bench/results/gpu-p218-h200.txt).
+/// against 0; 3 +0.9 % / +1.0 % (bench/results/gpu-p218-h200.txt).
 const WIDE_DEFAULT: u8 = 4;
-/// `gwg_iq2_xxs_p1_d2_w` launches so far (process-wide; tests).
+/// Wide (folded) gate/up launches so far (process-wide; tests).
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
@@ -88,10 +88,6 @@ pub(in crate::model) const WG_BM: usize = 64;
 /// words, the 2 KiB grid and the 4 KiB f16 grid; a static_assert there).
 const WG_BN: usize = 256;
 const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048 + 4096;
-/// The wide form's: 2 warpgroups, 128 rows (`sizeof(GwSmem<128>)`; the X slots hold 128 items'
-/// hi plane in the 8 KiB of 64 items' two planes).
-const WG_BN_W: usize = 128;
-const WG_SMEM_W: usize = 16 * 8192 + 3 * (WG_BN_W * 17 + 4) * 4 + 2048 + 4096;
 
 fn wg_on() -> bool {
     switch_on(&WG, "DS4_GPU_GEMM_WG")
@@ -124,8 +120,6 @@ fn wide() -> u8 {
     }
     let v = match std::env::var("DS4_GPU_GW_WIDE").as_deref().map(str::trim) {
         Ok("0") => 0,
-        Ok("1") => 1,
-        Ok("2") => 2,
         Ok("3") => 3,
         Ok("4") => 4,
         _ => WIDE_DEFAULT,
@@ -161,12 +155,11 @@ impl GpuBackend {
         DQ.store(dq, Ordering::Relaxed);
     }
 
-    /// The wide gate/up (one plane, decode form 2): 0 off, 1 every run of 128 pairs on
-    /// `gwg_iq2_xxs_p1_d2_w`, 2 split (`_n` and `_wm`), 3 and 4 folded (`_f` runs of 64, `_fw`
-    /// runs of 128) (default [`WIDE_DEFAULT`], or `DS4_GPU_GW_WIDE`). Process-wide (tests,
+    /// The wide gate/up (one plane, decode form 2): 0 off, 3 and 4 folded (`_f` runs of 64,
+    /// `_fw` runs of 128) (default [`WIDE_DEFAULT`], or `DS4_GPU_GW_WIDE`). Process-wide (tests,
     /// benchmarks).
     pub fn set_gemm_wg_wide(mode: u8) {
-        assert!(mode <= 4, "wide modes 0 .. 4");
+        assert!(matches!(mode, 0 | 3 | 4), "wide modes 0, 3 and 4");
         WIDE.store(mode, Ordering::Relaxed);
     }
 
@@ -277,52 +270,43 @@ impl GpuBackend {
         if w != 0 {
             WIDE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
         }
-        // (kernel, weight rows a CTA, grid y, shared memory): the wide runs of 128 follow perm in
-        // grp (gemm.rs group_pairs), at most wide_gmax of them.
-        let gmax2 = wide_gmax(n * k, bm, gmax);
-        let (narrow, wide_k) = ((WG_BN, gmax, WG_SMEM), (WG_BN_W, gmax2, WG_SMEM_W));
-        let launches: &[(&str, (usize, usize, usize))] = match (p1, dq(), w) {
-            (_, _, 1) => &[("gwg_iq2_xxs_p1_d2_w", wide_k)],
-            (_, _, 3) => &[("gwg_iq2_xxs_p1_d2_f", narrow)],
-            (_, _, 4) => &[("gwg_iq2_xxs_p1_d2_fw", (WG_BN, gmax2, WG_SMEM))],
-            (_, _, 2) => &[
-                ("gwg_iq2_xxs_p1_d2_n", narrow),
-                ("gwg_iq2_xxs_p1_d2_wm", wide_k),
-            ],
-            (false, 0, _) => &[("gwg_iq2_xxs", narrow)],
-            (false, _, _) => &[("gwg_iq2_xxs_d2", narrow)],
-            (true, 0, _) => &[("gwg_iq2_xxs_p1", narrow)],
-            (true, _, _) => &[("gwg_iq2_xxs_p1_d2", narrow)],
+        // (kernel, grid y): the wide runs of 128 follow perm in grp (gemm.rs group_pairs), at
+        // most wide_gmax of them; every form has 256 weight rows a CTA and WG_SMEM.
+        let (name, gy_max) = match (p1, dq(), w) {
+            (_, _, 3) => ("gwg_iq2_xxs_p1_d2_f", gmax),
+            (_, _, 4) => ("gwg_iq2_xxs_p1_d2_fw", wide_gmax(n * k, bm, gmax)),
+            (false, 0, _) => ("gwg_iq2_xxs", gmax),
+            (false, _, _) => ("gwg_iq2_xxs_d2", gmax),
+            (true, 0, _) => ("gwg_iq2_xxs_p1", gmax),
+            (true, _, _) => ("gwg_iq2_xxs_p1_d2", gmax),
         };
-        for &(name, (bn, gy_max, smem)) in launches {
-            self.run(
-                &ds4_kernels::GEMM_WG,
-                name,
-                LaunchDims {
-                    grid: [ff.div_ceil(bn) as u32, gy_max as u32, 2],
-                    block: [2 * bn as u32, 1, 1],
-                    shared_bytes: smem as u32,
-                },
-                &[
-                    Arg::Ptr(g.0),
-                    Arg::Ptr(u.0),
-                    Arg::I64((ff * rb) as i64), // expert slab
-                    Arg::Ptr(sel),
-                    Arg::Ptr(xw.ptr),
-                    Arg::Ptr(inv.ptr),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(gy),
-                    Arg::Ptr(uy),
-                    Arg::I64(ff as i64),
-                    Arg::I32(ff as i32),
-                    Arg::I32(d as i32),
-                    Arg::I64(rb as i64),
-                    Arg::I32((n * k) as i32),
-                    Arg::Ptr(grp),
-                    Arg::I32(gmax as i32),
-                ],
-            );
-        }
+        self.run(
+            &ds4_kernels::GEMM_WG,
+            name,
+            LaunchDims {
+                grid: [ff.div_ceil(WG_BN) as u32, gy_max as u32, 2],
+                block: [2 * WG_BN as u32, 1, 1],
+                shared_bytes: WG_SMEM as u32,
+            },
+            &[
+                Arg::Ptr(g.0),
+                Arg::Ptr(u.0),
+                Arg::I64((ff * rb) as i64), // expert slab
+                Arg::Ptr(sel),
+                Arg::Ptr(xw.ptr),
+                Arg::Ptr(inv.ptr),
+                Arg::I32(k as i32),
+                Arg::Ptr(gy),
+                Arg::Ptr(uy),
+                Arg::I64(ff as i64),
+                Arg::I32(ff as i32),
+                Arg::I32(d as i32),
+                Arg::I64(rb as i64),
+                Arg::I32((n * k) as i32),
+                Arg::Ptr(grp),
+                Arg::I32(gmax as i32),
+            ],
+        );
         true
     }
 

@@ -1311,6 +1311,7 @@ impl GpuBackend {
                 row_bytes,
                 dec,
                 dec_il,
+                ..
             } = w
             else {
                 return false;

@@ -259,6 +259,10 @@ pub enum GpuWeight {
         /// `dec` is in the interleaved layout (matvec.rs `Q8_IL`, kernels `*_q8_0i`), fixed at
         /// upload.
         dec_il: bool,
+        /// The bf16 operand of the dense prefill products (blas.rs `blas_w_*` output, made at
+        /// the first product that needs it and kept, `DS4_GPU_BF16_CACHE`); dropped with the
+        /// weight, so a later weight at the same address never sees it.
+        bf: blas::BfSlot,
     },
     F32 {
         buf: DeviceBuffer,
@@ -276,6 +280,14 @@ impl GpuWeight {
             GpuWeight::Mat { buf, .. }
             | GpuWeight::F32 { buf, .. }
             | GpuWeight::I32 { buf, .. } => buf.ptr(),
+        }
+    }
+
+    /// A single-slab matrix's W' slot (blas.rs); None for expert stacks, vectors and tables.
+    pub(crate) fn bf_slot(&self) -> Option<&blas::BfSlot> {
+        match self {
+            GpuWeight::Mat { bf, experts: 1, .. } => Some(bf),
+            _ => None,
         }
     }
 
@@ -375,6 +387,17 @@ impl Drop for GpuBackend {
         self.flush(false);
         self.prof_collect();
         self.prof_report();
+        if self.prof.is_some() {
+            // The bf16 operands of the library's products (blas.rs): conversions queued in
+            // this process, copies kept by this backend's weights.
+            let ((w, x), (bytes, copies, declined)) =
+                (GpuBackend::blas_conversions(), self.bf16_cache_stats());
+            eprintln!(
+                "# BLAS bf16 operands: {w} W' and {x} X' conversions; {copies} W' copies kept \
+                 ({:.2} GiB), {declined} declined",
+                bytes as f64 / (1u64 << 30) as f64
+            );
+        }
         let _ = self.gpu.synchronize();
         let rt = self.gpu.runtime().clone();
         let mut g = self.graph.lock().unwrap();
@@ -1000,6 +1023,10 @@ impl Backend for GpuBackend {
         format!("{} ({} {})", i.vendor, i.name, i.arch)
     }
 
+    fn weight_copy_bytes(&self) -> u64 {
+        self.bf16_cache_bytes()
+    }
+
     fn prefill_chunk(&self) -> usize {
         gemm::prefill_chunk(|| {
             *self
@@ -1109,6 +1136,7 @@ impl Backend for GpuBackend {
             row_bytes,
             dec,
             dec_il,
+            bf: Default::default(),
         })
     }
 
@@ -1343,6 +1371,8 @@ impl Backend for GpuBackend {
                 return;
             }
         }
+        // One bf16 conversion of x for the library's products (blas.rs X' sharing).
+        let _x = self.blas_x_scope();
         for (w, y) in ws.iter().zip(ys.iter_mut()) {
             self.matmul(w, Part::All, x, n, y);
         }
@@ -1398,8 +1428,11 @@ impl Backend for GpuBackend {
             }
         }
         let mut t = self.alloc(n * ff);
-        self.matmul(g, Part::All, x, n, h);
-        self.matmul(u, Part::All, x, n, &mut t);
+        {
+            let _x = self.blas_x_scope(); // one bf16 conversion of x (blas.rs X' sharing)
+            self.matmul(g, Part::All, x, n, h);
+            self.matmul(u, Part::All, x, n, &mut t);
+        }
         self.swiglu(h, &t, n * ff, clamp);
     }
 

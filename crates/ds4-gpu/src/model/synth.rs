@@ -226,6 +226,7 @@ impl GpuBackend {
                     rows: rows as usize,
                     experts: experts as usize,
                     row_bytes: row_bytes as usize,
+                    bf: Default::default(),
                 }
             }
             (k, f) => return Err(format!("cannot generate a {k:?} weight from {f:?}")),
