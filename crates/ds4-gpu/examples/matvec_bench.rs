@@ -315,6 +315,88 @@ fn merged(gpu: &GpuBackend, reps: usize) {
     GpuBackend::set_matvec_defaults();
 }
 
+/// `matvec_bench reps il`: the n = 1 Q8_0 decode products (`mvr*`, merged `mvrm`/`mvrgu`) on the
+/// plain decode layout against the interleaved one (`set_matvec_q8_il`: copies made in each
+/// layout; ip: interleaved with `set_matvec_mvr_pipe`, single products only), graph-timed per
+/// call, alternating p / i / ip twice. `only`: the shapes whose name contains it (ncu runs).
+fn il_only(gpu: &GpuBackend, reps: usize, only: &str) {
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(4);
+    println!("-- Q8_0 n = 1 decode products: plain (p) vs interleaved (i) decode layout, graph us per call --");
+    // (name, cols, rows of each matrix, groups); two matrices: a merged set (q_a + kv: mvrm;
+    // gate/up: mvrgu).
+    let shapes: [(&str, usize, &[usize], usize); 7] = [
+        ("attn out_a (8 groups)", 4096, &[8192], 8),
+        ("attn out_b", 8192, &[4096], 1),
+        ("shared expert down", 2048, &[4096], 1),
+        ("attn q_a", 4096, &[1024], 1),
+        ("head", 4096, &[129280], 1),
+        ("attn q_a + kv", 4096, &[1024, 512], 1),
+        ("shared gate/up + swiglu", 4096, &[2048, 2048], 1),
+    ];
+    for (name, cols, rows, groups) in shapes {
+        if !name.contains(only) {
+            continue;
+        }
+        let mut lay = Vec::new();
+        for il in [false, true] {
+            GpuBackend::set_matvec_q8_il(il);
+            lay.push(set_copies(gpu, GgmlType::Q8_0, cols, rows));
+        }
+        GpuBackend::set_matvec_q8_il(false);
+        let bytes = lay[0].1;
+        let x: Vec<f32> = (0..cols * groups)
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
+        let x = gpu.upload(&x);
+        let mut ys: Vec<B> = rows.iter().map(|&r| gpu.alloc(r)).collect();
+        let mut t = [Vec::new(), Vec::new(), Vec::new()];
+        for round in 0..6 {
+            let l = round % 3;
+            let sets = &lay[l.min(1)].0;
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_mvr_pipe(l == 2);
+            let mut call = |i: usize| {
+                let s = &sets[i % sets.len()];
+                if rows.len() == 2 && name.starts_with("shared") {
+                    gpu.matmul_gateup(&s[0], &s[1], &x, 1, rows[0], &mut ys[0], 10.0);
+                } else if rows.len() == 2 {
+                    let ws: Vec<&W> = s.iter().collect();
+                    let mut refs: Vec<&mut B> = ys.iter_mut().collect();
+                    gpu.matmul_multi(&ws, &x, 1, &mut refs);
+                } else if groups > 1 {
+                    gpu.matmul_grouped(&s[0], groups, &x, 1, &mut ys[0]);
+                } else {
+                    gpu.matmul(&s[0], Part::All, &x, 1, &mut ys[0]);
+                }
+            };
+            t[l].push(time_graph(gpu, &x, reps, &mut call) * 1e6);
+        }
+        let best = |v: &Vec<f64>| v.iter().cloned().fold(f64::MAX, f64::min);
+        println!(
+            "{:26} {}->{:?}: p {:6.2} {:6.2} | i {:6.2} {:6.2} | ip {:6.2} {:6.2} us | best p {:6.2} i {:6.2} ({:+.1}%) ip {:6.2} ({:+.1}%) GB/s {:5.0} {:5.0} {:5.0}",
+            name,
+            cols * groups,
+            rows,
+            t[0][0],
+            t[0][1],
+            t[1][0],
+            t[1][1],
+            t[2][0],
+            t[2][1],
+            best(&t[0]),
+            best(&t[1]),
+            (best(&t[1]) / best(&t[0]) - 1.0) * 100.0,
+            best(&t[2]),
+            (best(&t[2]) / best(&t[0]) - 1.0) * 100.0,
+            bytes / best(&t[0]) / 1e3,
+            bytes / best(&t[1]) / 1e3,
+            bytes / best(&t[2]) / 1e3
+        );
+    }
+    GpuBackend::set_matvec_mvr_pipe(false);
+    GpuBackend::set_matvec_defaults();
+}
+
 fn main() {
     let reps: usize = common::arg(1, 100);
     let only_q8 = std::env::args().nth(2).as_deref() == Some("q8");
@@ -327,6 +409,10 @@ fn main() {
     let gpu = GpuBackend::new(g, &rope_tables(&HParams::tiny())).expect("backend");
     if only_q8 {
         q8_only(&gpu, reps);
+        return;
+    }
+    if std::env::args().nth(2).as_deref() == Some("il") {
+        il_only(&gpu, reps, &std::env::args().nth(3).unwrap_or_default());
         return;
     }
     if std::env::args().nth(2).as_deref() == Some("merged") {

@@ -955,3 +955,201 @@ fn fused_defaults_cpu() {
     assert_eq!(cpu.download(&ya, n * rows), cpu.download(&yb, n * rows));
     assert_ne!(cpu.download(&ya, n * rows), y0, "y is added to");
 }
+
+/// The interleaved decode layout (`set_matvec_q8_il`: copies made by `q8_repack_i`, products by
+/// `mvr*_q8_0i`, `mvrm_*_q8_0i`, `mvrgu_*_q8_0i`, `mvra_*_q8_0i`) against an f64 reference of
+/// the same blocks (and the plain layout's error beside it): the model's shapes (head rows cut),
+/// both fixed mvr forms and the auto one, odd row counts, 1536 columns (3 tiles: a wave64 step
+/// ends mid tile), grouped out_a, 16384 columns (k split), the merged q_a + kv and gate/up sets
+/// and matmul_add; copies of <= 1024 columns or not whole tiles must stay plain. Each product run
+/// twice (bitwise equal). Tolerance as `Cases` (TOL relative to 1 + |ref|, × sqrt(cols / 2048)).
+/// Process-wide switches: run with --test-threads=1 on a GPU.
+#[test]
+fn matvec_interleaved() {
+    use ds4_gpu::model::GpuWeight;
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    if std::env::var("DS4_GPU_Q8_REPACK").is_ok_and(|v| v == "off") {
+        println!("skipped: DS4_GPU_Q8_REPACK=off makes no decode copies");
+        return;
+    }
+    // Q8_0 rows with their f64 values, uploaded plain and interleaved.
+    struct Q8 {
+        vals: Vec<f64>,
+        plain: GpuWeight,
+        il: GpuWeight,
+    }
+    let make = |cols: usize, rows: usize, seed: u64| -> Q8 {
+        let mut r = rng(seed);
+        let bytes: Vec<u8> = (0..rows)
+            .flat_map(|_| ds4_gpu::conformance::random_row(GgmlType::Q8_0, cols, &mut r))
+            .collect();
+        let vals: Vec<f64> = bytes
+            .chunks(34)
+            .flat_map(|b| {
+                let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f64();
+                b[2..34].iter().map(move |&q| d * (q as i8) as f64)
+            })
+            .collect();
+        let f = common::file(&[("w", GgmlType::Q8_0, vec![cols as u64, rows as u64], bytes)]);
+        GpuBackend::set_matvec_q8_il(false);
+        let plain = gpu.matrix(&common::src(&f, "w")).unwrap();
+        GpuBackend::set_matvec_q8_il(true);
+        let il = gpu.matrix(&common::src(&f, "w")).unwrap();
+        GpuBackend::set_matvec_q8_il(false);
+        let want_il = cols > 1024 && cols.is_multiple_of(512);
+        for (w, on) in [(&plain, false), (&il, want_il)] {
+            assert!(
+                matches!(w, GpuWeight::Mat { dec: Some(_), dec_il, .. } if *dec_il == on),
+                "{cols}->{rows}: decode copy missing or not in the {} layout",
+                if on { "interleaved" } else { "plain" }
+            );
+        }
+        Q8 { vals, plain, il }
+    };
+    // y[g·rows + r] = W[g·rows + r] . x[g·cols ..] in f64.
+    let reference = |w: &Q8, cols: usize, rows: usize, groups: usize, x: &[f32]| -> Vec<f32> {
+        let r = rows / groups;
+        (0..rows)
+            .map(|i| {
+                let xo = (i / r) * cols;
+                (0..cols)
+                    .map(|k| w.vals[i * cols + k] * x[xo + k] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    };
+    let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    let mut cases = Cases::default();
+    // (cols, rows, groups)
+    let shapes: &[(usize, usize, usize)] = &[
+        (4096, 1024, 1),
+        (8192, 4096, 1),
+        (2048, 4096, 1),
+        (4096, 8192, 8),
+        (4096, 12928, 1),
+        (16384, 40, 1),
+        (4096, 3, 1),
+        (4096, 4099, 1),
+        (1536, 70, 1),
+        (1024, 64, 1),
+        (1056, 33, 1),
+    ];
+    for (si, &(cols, rows, groups)) in shapes.iter().enumerate() {
+        let w = make(cols, rows, 3100 + si as u64);
+        let xs = randn(&mut rng(3200 + si as u64), groups * cols, 1.0);
+        let want = reference(&w, cols, rows, groups, &xs);
+        let gx = gpu.upload(&xs);
+        // (mvr form, pipelined): r4u2, r2u2, auto, r2u2 pipelined (mvr_r2u2_q8_0ip)
+        for (form, pipe) in [(1u8, false), (2, false), (255, false), (2, true)] {
+            GpuBackend::set_matvec_repacked(form);
+            GpuBackend::set_matvec_mvr_pipe(pipe);
+            for (lay, gw) in [("plain", &w.plain), ("il", &w.il)] {
+                let mut outs = Vec::new();
+                for _ in 0..2 {
+                    let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+                    if groups > 1 {
+                        gpu.matmul_grouped(gw, groups, &gx, 1, &mut gy);
+                    } else {
+                        gpu.matmul(gw, Part::All, &gx, 1, &mut gy);
+                    }
+                    outs.push(gpu.download(&gy, rows));
+                }
+                let name = format!(
+                    "{lay} mvr form {form} pipe {pipe} Q8_0 {groups}x{cols}->{rows} vs f64"
+                );
+                cases.check(name.clone(), cols, &outs[0], &want, &gpu);
+                assert!(
+                    bits(&outs[0], &outs[1]),
+                    "{name}: results differ between runs"
+                );
+            }
+        }
+    }
+    GpuBackend::set_matvec_repacked(255);
+    GpuBackend::set_matvec_mvr_pipe(false);
+    // Merged sets (matmul_multi: mvrm) and gate/up (mvrgu).
+    for (si, rows) in [&[1024usize, 512][..], &[3, 4099], &[37, 70, 1, 5]]
+        .iter()
+        .enumerate()
+    {
+        let cols = 4096;
+        let ws: Vec<Q8> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| make(cols, r, 3300 + 10 * si as u64 + i as u64))
+            .collect();
+        let xs = randn(&mut rng(3400 + si as u64), cols, 1.0);
+        let gx = gpu.upload(&xs);
+        for lay in ["plain", "il"] {
+            let gws: Vec<&GpuWeight> = ws
+                .iter()
+                .map(|w| if lay == "il" { &w.il } else { &w.plain })
+                .collect();
+            let mut gys: Vec<_> = rows
+                .iter()
+                .map(|&r| gpu.upload(&vec![f32::NAN; r]))
+                .collect();
+            let mut grefs: Vec<_> = gys.iter_mut().collect();
+            gpu.matmul_multi(&gws, &gx, 1, &mut grefs);
+            for (i, (&r, y)) in rows.iter().zip(&gys).enumerate() {
+                let want = reference(&ws[i], cols, r, 1, &xs);
+                let name = format!("{lay} multi Q8_0 {cols}->{rows:?}[{i}] vs f64");
+                cases.check(name, cols, &gpu.download(y, r), &want, &gpu);
+            }
+        }
+    }
+    for (si, &(cols, ff, clamp)) in [
+        (4096usize, 2048usize, 10.0f32),
+        (4096, 2048, 0.5),
+        (2048, 37, 1.0),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let g = make(cols, ff, 3500 + si as u64);
+        let u = make(cols, ff, 3600 + si as u64);
+        let xs = randn(&mut rng(3700 + si as u64), cols, 1.0);
+        let (gr, ur) = (
+            reference(&g, cols, ff, 1, &xs),
+            reference(&u, cols, ff, 1, &xs),
+        );
+        let want: Vec<f32> = gr
+            .iter()
+            .zip(&ur)
+            .map(|(&a, &b)| {
+                let a = (a as f64).min(clamp as f64);
+                let b = (b as f64).clamp(-(clamp as f64), clamp as f64);
+                (a / (1.0 + (-a).exp()) * b) as f32
+            })
+            .collect();
+        let gx = gpu.upload(&xs);
+        for (lay, gw, uw) in [("plain", &g.plain, &u.plain), ("il", &g.il, &u.il)] {
+            let mut gh = gpu.upload(&vec![f32::NAN; ff]);
+            gpu.matmul_gateup(gw, uw, &gx, 1, ff, &mut gh, clamp);
+            let name = format!("{lay} gateup Q8_0 {cols}->{ff} clamp {clamp} vs f64");
+            cases.check_scaled(name, cols, &gpu.download(&gh, ff), &want, &gpu, 4.0);
+        }
+    }
+    // matmul_add (mvra): y0 + W·x.
+    for (si, &(cols, rows)) in [(2048usize, 4096usize), (4096, 1027)].iter().enumerate() {
+        let w = make(cols, rows, 3800 + si as u64);
+        let xs = randn(&mut rng(3900 + si as u64), cols, 1.0);
+        let y0 = randn(&mut rng(4000 + si as u64), rows, 2.0);
+        let want: Vec<f32> = reference(&w, cols, rows, 1, &xs)
+            .iter()
+            .zip(&y0)
+            .map(|(&a, &b)| (a as f64 + b as f64) as f32)
+            .collect();
+        let gx = gpu.upload(&xs);
+        for (lay, gw) in [("plain", &w.plain), ("il", &w.il)] {
+            let mut gy = gpu.upload(&y0);
+            gpu.matmul_add(gw, &gx, 1, rows, &mut gy);
+            let name = format!("{lay} matmul_add Q8_0 {cols}->{rows} vs f64");
+            cases.check(name, cols, &gpu.download(&gy, rows), &want, &gpu);
+        }
+    }
+    cases.finish();
+}

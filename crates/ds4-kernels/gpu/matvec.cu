@@ -689,6 +689,29 @@ DS4_KERNEL void DS4_BOUNDS(256) q8_repack(const u8* __restrict__ src, long long 
     o[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
+// ---- The interleaved decode layout ("i", DS4_GPU_Q8_IL; rows of cols % 512 == 0): a row is cut
+// into tiles of 512 columns (32 slots of 16 bytes, 16 scale halfwords). Slot s (0..31) of a tile
+// holds in its 32-bit word j (0..3) the quants of columns 128j + 4s .. 128j + 4s + 3, so the
+// lane that loads slot s reads its x as the float4s 32j + s of the tile: the four x loads of a
+// warp step are each 512 contiguous bytes (the plain layout's 16 consecutive columns a lane are
+// 16 cache lines an x load instruction: L1/TEX ~80% busy). Those columns lie in blocks 4j + s/8
+// of the tile; their scales are the tile's halfwords 4(s/8) + j (one 8-byte load a slot). Per
+// lane the sum is d_j * (4 q.x) for j = 0..3 in slot order (the plain layout: d * (16 q.x)).
+// q8_repack_i: block b (34 bytes at src + 34b; 16 blocks a tile, tiles never straddle rows)
+// -> its 8 words into slots 8(b%4) + i, word (b%16)/4, and its scale.
+DS4_KERNEL void DS4_BOUNDS(256) q8_repack_i(const u8* __restrict__ src, long long nb, u8* __restrict__ Q, u16* __restrict__ D) {
+    ds4_pdl_enter();
+    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nb) return;
+    const u16* s = (const u16*)(src + b * 34);
+    long long t = b >> 4;
+    int bt = (int)(b & 15), j = bt >> 2, q = bt & 3;
+    D[t * 16 + 4 * q + j] = s[0];
+    u32* o = (u32*)(Q + t * 512);
+#pragma unroll
+    for (int i = 0; i < 8; i++) o[4 * (8 * q + i) + j] = (u32)s[1 + 2 * i] | ((u32)s[2 + 2 * i] << 16);
+}
+
 // acc + d * sum over 16 quants of v (i8) times xa..xd (16 floats).
 __device__ __forceinline__ float mvr_dot(uint4 v, u32 d, const float4& xa, const float4& xb, const float4& xc,
                                          const float4& xd, float acc) {
@@ -712,17 +735,44 @@ __device__ __forceinline__ float mvr_dot(uint4 v, u32 d, const float4& xa, const
     return fmaf(ds4_h2f_fast(d), s, acc);
 }
 
+// The interleaved layout's slot: word j of v times xj (x columns 128j + 4s ..), scale j of d
+// (halfwords d.x lo, d.x hi, d.y lo, d.y hi).
+__device__ __forceinline__ float mvr_dot4(u32 w, u32 d, const float4& x, float acc) {
+    u32 a = w ^ 0x80808080u;
+    float s = mv_byte(a, 0, 128.0f) * x.x;
+    s = fmaf(mv_byte(a, 1, 128.0f), x.y, s);
+    s = fmaf(mv_byte(a, 2, 128.0f), x.z, s);
+    s = fmaf(mv_byte(a, 3, 128.0f), x.w, s);
+    return fmaf(ds4_h2f_fast(d), s, acc);
+}
+__device__ __forceinline__ float mvr_dot_i(uint4 v, uint2 d, const float4& xa, const float4& xb, const float4& xc,
+                                           const float4& xd, float acc) {
+    acc = mvr_dot4(v.x, d.x & 0xffffu, xa, acc);
+    acc = mvr_dot4(v.y, d.x >> 16, xb, acc);
+    acc = mvr_dot4(v.z, d.y & 0xffffu, xc, acc);
+    return mvr_dot4(v.w, d.y >> 16, xd, acc);
+}
+
+// Scale registers of a slot: one halfword (plain layout), four (interleaved: IL).
+template <bool IL> struct MvrD { typedef u32 T; };
+template <> struct MvrD<true> { typedef uint2 T; };
+
 // The loads of one round (U steps from h0, guarded per lane) of decode-layout rows qp/dp.
-template <int R, int U>
+// IL: the interleaved layout (the slot's four scales: 8 bytes at halfword 4 (h / 8)).
+template <int R, int U, bool IL = false>
 __device__ __forceinline__ void mvr_ld(const uint4* const (&qp)[R], const u16* const (&dp)[R], int h0, int hb,
-                                       int stride, uint4 (&v)[U][R], u32 (&d)[U][R]) {
+                                       int stride, uint4 (&v)[U][R], typename MvrD<IL>::T (&d)[U][R]) {
     int lane = threadIdx.x % DS4_WARP;
 #pragma unroll
     for (int u = 0; u < U; u++) {
         int h = h0 + u * stride + lane;
         if (h < hb)
 #pragma unroll
-            for (int i = 0; i < R; i++) v[u][i] = qp[i][h], d[u][i] = dp[i][h >> 1];
+            for (int i = 0; i < R; i++) {
+                v[u][i] = qp[i][h];
+                if constexpr (IL) d[u][i] = ((const uint2*)dp[i])[h >> 3];
+                else d[u][i] = dp[i][h >> 1];
+            }
     }
 }
 
@@ -731,31 +781,49 @@ __device__ __forceinline__ void mvr_ld(const uint4* const (&qp)[R], const u16* c
 // The first round's loads (weights only: 2 KB a warp for R = U = 2) are issued before the PDL
 // wait (ds4_pdl_enter here; the caller makes warps without rows call it too), so they run
 // while the previous kernel drains; x is read after it.
-template <int R, int U>
+// IL: the interleaved layout (slot h: x float4s 4 (h - h % 32) + h % 32 + 32j, coalesced).
+// PIPE: the next round's loads of step u issued right after step u's math (registers freed one
+// step at a time, as mvx_run) instead of after the whole round's math; the same sums.
+template <int R, int U, bool IL = false, bool PIPE = false>
 __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* const (&dp)[R],
                                         const float4* __restrict__ xv, int hb, int ks, int kspl, float (&acc)[R][1]) {
     int lane = threadIdx.x % DS4_WARP, stride = kspl * DS4_WARP;
     int h0 = ks * DS4_WARP;
     uint4 v[U][R];
-    u32 d[U][R];
-    mvr_ld<R, U>(qp, dp, h0, hb, stride, v, d);
+    typename MvrD<IL>::T d[U][R];
+    mvr_ld<R, U, IL>(qp, dp, h0, hb, stride, v, d);
     ds4_pdl_enter();
     for (; h0 < hb; h0 += U * stride) { // round: the math of its loads, then the next round's loads
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int h = h0 + u * stride + lane;
             if (h < hb) {
-                float4 xa = xv[4 * h], xb = xv[4 * h + 1], xc = xv[4 * h + 2], xd = xv[4 * h + 3];
+                if constexpr (IL) {
+                    const float4* xt = xv + 4 * (h & ~31) + (h & 31);
+                    float4 xa = xt[0], xb = xt[32], xc = xt[64], xd = xt[96];
 #pragma unroll
-                for (int i = 0; i < R; i++) acc[i][0] = mvr_dot(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][0]);
+                    for (int i = 0; i < R; i++) acc[i][0] = mvr_dot_i(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][0]);
+                } else {
+                    float4 xa = xv[4 * h], xb = xv[4 * h + 1], xc = xv[4 * h + 2], xd = xv[4 * h + 3];
+#pragma unroll
+                    for (int i = 0; i < R; i++) acc[i][0] = mvr_dot(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][0]);
+                }
+            }
+            if (PIPE && h + U * stride < hb) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    v[u][i] = qp[i][h + U * stride];
+                    if constexpr (IL) d[u][i] = ((const uint2*)dp[i])[(h + U * stride) >> 3];
+                    else d[u][i] = dp[i][(h + U * stride) >> 1];
+                }
             }
         }
-        if (h0 + U * stride < hb) mvr_ld<R, U>(qp, dp, h0 + U * stride, hb, stride, v, d); // warp-uniform
+        if (!PIPE && h0 + U * stride < hb) mvr_ld<R, U, IL>(qp, dp, h0 + U * stride, hb, stride, v, d); // warp-uniform
     }
 }
 
 // ADD (mvra): y[r] += W[r] . x (y read after the PDL wait, one write per row: deterministic).
-template <int R, int U, bool ADD = false>
+template <int R, int U, bool ADD = false, bool IL = false, bool PIPE = false>
 __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          int kspl) {
@@ -774,7 +842,7 @@ __device__ __forceinline__ void mvr_body(const u8* __restrict__ Q, const u16* __
             qp[i] = (const uint4*)(Q + g * cols);
             dp[i] = D + g * (cols / 32);
         }
-        mvr_acc<R, U>(qp, dp, (const float4*)(x + (long long)z * x_z), cols / 16, warp % kspl, kspl, acc);
+        mvr_acc<R, U, IL, PIPE>(qp, dp, (const float4*)(x + (long long)z * x_z), cols / 16, warp % kspl, kspl, acc);
     } else {
         ds4_pdl_enter();
     }
@@ -798,6 +866,12 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE;
 // y += W . x (decode: the shared expert's down product added into the routed experts' sum, which
 // ran as mvr_r2u2_q8_0 into a scratch row + add_f32 before).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true>(MVR_ARGS); }
+// The same on the interleaved layout (q8_repack_i; suffix i).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r4u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<4, 2, false, true>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true>(MVR_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, true, true>(MVR_ARGS); }
+// The same with the loads pipelined step by step (PIPE; DS4_GPU_MVR_PIPE=1).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0ip(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true, true>(MVR_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
@@ -816,7 +890,7 @@ __device__ __forceinline__ int mvm_pick(int c1, int c2, int c3, int c4) {
 }
 
 // One CTA (index bx) of y[r] = W[r] . x, W in the decode layout (Q, D), r < rows.
-template <int R, int U>
+template <int R, int U, bool IL = false>
 __device__ __forceinline__ void mvr_cta(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
                                         float* __restrict__ y, int rows, int cols, int kspl, int bx) {
     __shared__ float red[MV_WARPS * R];
@@ -834,7 +908,7 @@ __device__ __forceinline__ void mvr_cta(const u8* __restrict__ Q, const u16* __r
             qp[i] = (const uint4*)(Q + g * cols);
             dp[i] = D + g * (cols / 32);
         }
-        mvr_acc<R, U>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
+        mvr_acc<R, U, IL>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
     } else {
         ds4_pdl_enter();
     }
@@ -902,11 +976,12 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
     MVRM_ONE(0), MVRM_ONE(1), MVRM_ONE(2), MVRM_ONE(3), const float *__restrict__ x, int cols, int kspl, int c1, int c2, \
         int c3
 
-#define MVRM_BODY                                                                                                \
+#define MVRM_BODY(IL)                                                                                            \
     int m = mvm_pick(c1, c2, c3, 0x7fffffff);                                                                          \
-    mvr_cta<2, 2>(MVM_SEL(Q0, Q1, Q2, Q3, Q3), MVM_SEL(D0, D1, D2, D3, D3), x, MVM_SEL(y0, y1, y2, y3, y3),      \
+    mvr_cta<2, 2, IL>(MVM_SEL(Q0, Q1, Q2, Q3, Q3), MVM_SEL(D0, D1, D2, D3, D3), x, MVM_SEL(y0, y1, y2, y3, y3),      \
                         MVM_SEL(rows0, rows1, rows2, rows3, rows3), cols, kspl, (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c3));
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LATE; MVRM_BODY }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0(MVRM_PARAMS) { DS4_PDL_LATE; MVRM_BODY(false) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0i(MVRM_PARAMS) { DS4_PDL_LATE; MVRM_BODY(true) }
 
 #define MVQM_ONE(i) const u8 *__restrict__ W##i, float *__restrict__ y##i, int rows##i
 #define MVQM_PARAMS                                                                                                    \
@@ -949,6 +1024,7 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16(const u8* __restrict__ W, c
     ds4_route_token<true>(y, bias, tid2eid, tok, sel, wgt, rows, k, weight_scale);
 }
 
+template <bool IL>
 __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu,
                                            const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h,
                                            int rows, int cols, float clamp, int kspl) {
@@ -960,7 +1036,7 @@ __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16*
         long long o = (long long)r * cols, od = (long long)r * (cols / 32);
         const uint4* qp[2] = {(const uint4*)(Qg + o), (const uint4*)(Qu + o)};
         const u16* dp[2] = {Dg + od, Du + od};
-        mvr_acc<2, 2>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
+        mvr_acc<2, 2, IL>(qp, dp, (const float4*)x, cols / 16, warp % kspl, kspl, acc);
     } else {
         ds4_pdl_enter();
     }
@@ -976,7 +1052,8 @@ __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16*
     const u8 *__restrict__ Qg, const u16 *__restrict__ Dg, const u8 *__restrict__ Qu, const u16 *__restrict__ Du,     \
         const float *__restrict__ x, float *__restrict__ h, int rows, int cols, float clamp, int kspl
 #define MVRGU_ARGS Qg, Dg, Qu, Du, x, h, rows, cols, clamp, kspl
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body(MVRGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body<false>(MVRGU_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0i(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body<true>(MVRGU_ARGS); }
 
 // ---- One-row products with x staged once per CTA in shared memory (mvx*_r4u2_<t>, n = 1): the
 // default for Q8_0 decode-layout products of <= 1024 columns (attn q_b: 12.9 against 15.0 us by

@@ -13,6 +13,8 @@
 //! (`q8_decode_copy`: 16-byte aligned quant rows + a separate f16 scale array; the GGUF blocks
 //! stay for the GEMM), and their n = 1 products run `mvr_<form>_q8_0` from it (16-byte loads),
 //! or `mvx_r4u2_q8_0` (x staged once per CTA in shared memory) for rows of <= 1024 columns;
+//! copies of longer rows in whole 512-column tiles take the interleaved layout (`Q8_IL`, default:
+//! contiguous x loads a warp) and the `*_q8_0i` kernels;
 //! merged F16 sets of >= 2048 rows take `mvxm_r4u2_f16` (`Q8_FORM`).
 //! Few-row F16 products can split their columns across CTAs (`mvq_splits`, opt-in). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
 //! for the routed experts.
@@ -67,6 +69,26 @@ static MVR: AtomicU8 = AtomicU8::new(MVQ_AUTO);
 static MVR_ENV: std::sync::Once = std::sync::Once::new();
 /// Whether uploads make decode-layout copies (false: `DS4_GPU_Q8_REPACK=off`).
 static REPACK: AtomicBool = AtomicBool::new(true);
+/// Decode-layout copies made in the interleaved layout (gpu/matvec.cu `q8_repack_i`: tiles of
+/// 512 columns whose 16-byte slot s holds columns 128j + 4s .. + 3, j = 0..3, so a warp's x
+/// loads are contiguous; products `*_q8_0i`) for matrices of more than MVX_Q8_MAXC columns in
+/// whole tiles (the `mvr*` products; the `mvx*` ones of <= 1024 columns keep the plain layout):
+/// `DS4_GPU_Q8_IL=on|off` (or `set_matvec_q8_il`), read when a copy is made; each copy records
+/// its layout (`GpuWeight::Mat::dec_il`). Same bytes; per lane the sum runs over four scale
+/// groups of 4 columns instead of one of 16 (another f32 rounding order; ops_matvec
+/// matvec_interleaved: within the f64 bound as the plain layout, e.g. 2.6e-5 against 2.4e-5 at
+/// 8192 columns). Default on: H200, 2k decode 157.5 / 156.9 against 153.3 / 153.5 tok/s plain;
+/// graph us per call plain -> interleaved: out_a 12.69 -> 12.48, out_b 12.96 -> 12.88, shared
+/// down 5.15 -> 4.51, q_a 3.43 -> 3.05, head 162.1 -> 143.7, q_a + kv 4.75 -> 4.44, shared
+/// gate/up 7.91 -> 6.79 (bench/results/gpu-m119-h200.txt; ncu out_a: L1/TEX 80% -> 29% busy).
+static Q8_IL: AtomicBool = AtomicBool::new(true);
+/// `mvr_r2u2_q8_0ip` for the single interleaved r2u2 products (`DS4_GPU_MVR_PIPE=1`): each
+/// step's next-round loads issued right after that step's math (the same sums). Opt-in: H200
+/// graph us out_a 11.6 against 12.5, out_b 12.1 against 12.9, but 2k decode 157.4 against 157.0
+/// tok/s (4 pairs, within noise; bench/results/gpu-m119-h200.txt).
+static MVR_PIPE: AtomicBool = AtomicBool::new(false);
+/// Columns of one interleaved tile.
+const IL_TILE: usize = 512;
 /// (name, rows per warp R, column steps U in flight).
 const MVR_FORMS: [(&str, usize); 2] = [("r4u2", 4), ("r2u2", 2)];
 
@@ -81,7 +103,18 @@ fn mvr_env() {
                 MVR.store(i as u8 + 1, Ordering::Relaxed);
             }
         }
+        if let Ok(v) = std::env::var("DS4_GPU_Q8_IL") {
+            Q8_IL.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+        }
+        if let Ok(v) = std::env::var("DS4_GPU_MVR_PIPE") {
+            MVR_PIPE.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+        }
     });
+}
+
+/// Whether a decode-layout copy of `cols` columns made now takes the interleaved layout.
+fn q8_il(cols: usize) -> bool {
+    Q8_IL.load(Ordering::Relaxed) && cols > MVX_Q8_MAXC && cols.is_multiple_of(IL_TILE)
 }
 
 /// The `mvr` form (1..=2) the default takes for `rows` rows (all groups) of `cols`. H200,
@@ -446,6 +479,18 @@ impl GpuBackend {
         MVX_SPREAD.store(m.max(1), Ordering::Relaxed);
     }
 
+    /// Decode-layout copies made from now on in the interleaved layout (`Q8_IL`) or the plain one.
+    pub fn set_matvec_q8_il(on: bool) {
+        mvr_env();
+        Q8_IL.store(on, Ordering::Relaxed);
+    }
+
+    /// The pipelined interleaved r2u2 product (`MVR_PIPE`) on or off.
+    pub fn set_matvec_mvr_pipe(on: bool) {
+        mvr_env();
+        MVR_PIPE.store(on, Ordering::Relaxed);
+    }
+
     /// Merged n = 1 products on or off (`MERGE`; default on).
     pub fn set_matvec_merge(on: bool) {
         MERGE_ENV.call_once(|| {});
@@ -455,7 +500,8 @@ impl GpuBackend {
     /// The decode-layout copy of a Q8_0 matrix with one slab (None: another type, expert slabs,
     /// `DS4_GPU_Q8_REPACK=off`, or no memory for it, which is not an error): the buffer holds
     /// Q (rows × cols i8, row g at byte g·cols) then D (rows × cols/32 f16 scales), written by
-    /// `q8_repack` on the stream from the GGUF blocks in `buf`.
+    /// `q8_repack` on the stream from the GGUF blocks in `buf`; with whether it is in the
+    /// interleaved layout (`q8_repack_i`, `Q8_IL`).
     pub(crate) fn q8_decode_copy(
         &self,
         buf: &DeviceBuffer,
@@ -463,6 +509,19 @@ impl GpuBackend {
         cols: usize,
         rows: usize,
         experts: usize,
+    ) -> (Option<DeviceBuffer>, bool) {
+        let il = q8_il(cols);
+        (self.q8_copy(buf, ty, cols, rows, experts, il), il)
+    }
+
+    fn q8_copy(
+        &self,
+        buf: &DeviceBuffer,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        experts: usize,
+        il: bool,
     ) -> Option<DeviceBuffer> {
         mvr_env();
         if ty != GgmlType::Q8_0
@@ -484,7 +543,7 @@ impl GpuBackend {
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
-            "q8_repack",
+            if il { "q8_repack_i" } else { "q8_repack" },
             LaunchDims::linear(nb.div_ceil(256) as u32, 256),
             &[
                 Arg::Ptr(buf.ptr()),
@@ -499,10 +558,12 @@ impl GpuBackend {
     /// One n = 1 product by `mvr_*` from a decode-layout copy `dec` (rows per group `rows`, `zs`
     /// groups of consecutive rows, x of group z at element z·x_z, y at z·y_z), or false when off.
     /// `add`: y += W·x by `mvra_r2u2_q8_0`, false (nothing run) where another form would be taken.
+    /// `il`: `dec` is in the interleaved layout (the `*_q8_0i` kernels).
     #[allow(clippy::too_many_arguments)]
     fn mvr(
         &self,
         dec: &DeviceBuffer,
+        il: bool,
         x: &GpuBuf,
         x_z: usize,
         y: DevPtr,
@@ -528,7 +589,7 @@ impl GpuBackend {
             return false;
         }
         let (xf, ctas) = q8_form(0);
-        let mvx = xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO;
+        let mvx = xf > 0 && cols <= MVX_Q8_MAXC && MVR.load(Ordering::Relaxed) == MVQ_AUTO && !il;
         if add && (mvx || form != 2) {
             return false;
         }
@@ -559,7 +620,15 @@ impl GpuBackend {
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvr{}_{name}_q8_0", if add { "a" } else { "" }),
+            &format!(
+                "mvr{}_{name}_q8_0{}",
+                if add { "a" } else { "" },
+                match (il, !add && form == 2 && MVR_PIPE.load(Ordering::Relaxed)) {
+                    (true, true) => "ip",
+                    (true, false) => "i",
+                    _ => "",
+                }
+            ),
             dims,
             &[
                 Arg::Ptr(q),
@@ -1006,11 +1075,14 @@ impl GpuBackend {
             Part::All => 0,
             Part::Expert(e) => e * rows * rb,
         };
-        let GpuWeight::Mat { ty, dec, .. } = w else {
+        let GpuWeight::Mat {
+            ty, dec, dec_il, ..
+        } = w
+        else {
             return false;
         };
         if let (1, Some(dec), 0) = (n, dec, byte0) {
-            if self.mvr(dec, x, 0, y.ptr, 0, rows, cols, 1, false) {
+            if self.mvr(dec, *dec_il, x, 0, y.ptr, 0, rows, cols, 1, false) {
                 return true;
             }
         }
@@ -1066,6 +1138,7 @@ impl GpuBackend {
             GpuWeight::Mat {
                 ty: GgmlType::Q8_0,
                 dec: Some(dec),
+                dec_il: false,
                 rows,
                 cols: wc,
                 ..
@@ -1118,6 +1191,7 @@ impl GpuBackend {
     pub(crate) fn mv_matmul_add(&self, w: &GpuWeight, x: &GpuBuf, y: &mut GpuBuf) -> bool {
         let GpuWeight::Mat {
             dec: Some(dec),
+            dec_il,
             rows,
             cols,
             ..
@@ -1125,7 +1199,7 @@ impl GpuBackend {
         else {
             return false;
         };
-        self.mvr(dec, x, 0, y.ptr, 0, *rows, *cols, 1, true)
+        self.mvr(dec, *dec_il, x, 0, y.ptr, 0, *rows, *cols, 1, true)
     }
 
     /// Backend::matmul_grouped.
@@ -1148,12 +1222,15 @@ impl GpuBackend {
         }
         // Group g: rows g*r .. (g+1)*r of W times columns g*cols .. of each x row.
         let r = rows / groups;
-        let GpuWeight::Mat { ty, dec, .. } = w else {
+        let GpuWeight::Mat {
+            ty, dec, dec_il, ..
+        } = w
+        else {
             return false;
         };
         let (x_tok, x_z) = (groups * cols, cols);
         if let (1, Some(dec)) = (n, dec) {
-            if self.mvr(dec, x, x_z, y.ptr, r, r, cols, groups, false) {
+            if self.mvr(dec, *dec_il, x, x_z, y.ptr, r, r, cols, groups, false) {
                 return true;
             }
         }
@@ -1233,12 +1310,21 @@ impl GpuBackend {
                 experts: 1,
                 row_bytes,
                 dec,
+                dec_il,
                 ..
             } = w
             else {
                 return false;
             };
-            parts.push((buf.ptr(), *ty, *cols, *rows, *row_bytes, dec.as_ref()));
+            parts.push((
+                buf.ptr(),
+                *ty,
+                *cols,
+                *rows,
+                *row_bytes,
+                dec.as_ref(),
+                *dec_il,
+            ));
         }
         let (ty, cols, rb) = (parts[0].1, parts[0].2, parts[0].4);
         if cols == 0
@@ -1256,7 +1342,8 @@ impl GpuBackend {
             && MVR.load(Ordering::Relaxed) != 0
             && parts
                 .iter()
-                .all(|p| p.5.is_some_and(|d| d.bytes() >= p.3 * cols / 32 * 34));
+                .all(|p| p.5.is_some_and(|d| d.bytes() >= p.3 * cols / 32 * 34))
+            && parts.iter().all(|p| p.6 == parts[0].6);
         let (xf, ctas) = q8_form(3);
         let f16 = ty == GgmlType::F16
             && MVQ.load(Ordering::Relaxed) != 0
@@ -1321,7 +1408,12 @@ impl GpuBackend {
                 block,
                 shared_bytes: 0,
             };
-            self.run(&ds4_kernels::MATVEC, "mvrm_r2u2_q8_0", dims, &args);
+            let name = if parts[0].6 {
+                "mvrm_r2u2_q8_0i"
+            } else {
+                "mvrm_r2u2_q8_0"
+            };
+            self.run(&ds4_kernels::MATVEC, name, dims, &args);
             return true;
         }
         let sfx = match ty {
@@ -1394,6 +1486,7 @@ impl GpuBackend {
                 rows,
                 experts: 1,
                 dec: Some(dg),
+                dec_il: gi,
                 ..
             },
             GpuWeight::Mat {
@@ -1402,6 +1495,7 @@ impl GpuBackend {
                 rows: ru,
                 experts: 1,
                 dec: Some(du),
+                dec_il: ui,
                 ..
             },
         ) = (g, u)
@@ -1412,6 +1506,7 @@ impl GpuBackend {
         let nb = rows * cols / 32;
         if MVR.load(Ordering::Relaxed) == 0
             || cols != *cu
+            || gi != ui
             || rows != *ru
             || rows != ff
             || cols == 0
@@ -1427,7 +1522,11 @@ impl GpuBackend {
         let (qg, qu) = (dg.ptr(), du.ptr());
         self.run(
             &ds4_kernels::MATVEC,
-            "mvrgu_r2u2_q8_0",
+            if *gi {
+                "mvrgu_r2u2_q8_0i"
+            } else {
+                "mvrgu_r2u2_q8_0"
+            },
             dims,
             &[
                 Arg::Ptr(qg),

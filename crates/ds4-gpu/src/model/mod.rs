@@ -256,6 +256,9 @@ pub enum GpuWeight {
         /// for the GEMM and everything else (`mat_parts`); the copy costs the same bytes again
         /// (~5 GB for the q2 mix: its attention, shared-expert and head matrices).
         dec: Option<DeviceBuffer>,
+        /// `dec` is in the interleaved layout (matvec.rs `Q8_IL`, kernels `*_q8_0i`), fixed at
+        /// upload.
+        dec_il: bool,
         /// The bf16 operand of the dense prefill products (blas.rs `blas_w_*` output, made at
         /// the first product that needs it and kept, `DS4_GPU_BF16_CACHE`); dropped with the
         /// weight, so a later weight at the same address never sees it.
@@ -1123,7 +1126,7 @@ impl Backend for GpuBackend {
             .weight_src(src)
             .ok_or_else(|| self.check().unwrap_err())?;
         let experts = src.dims.get(2).copied().unwrap_or(1) as usize;
-        let dec = self.q8_decode_copy(&buf, src.ty, src.cols(), src.rows(), experts);
+        let (dec, dec_il) = self.q8_decode_copy(&buf, src.ty, src.cols(), src.rows(), experts);
         Ok(GpuWeight::Mat {
             buf,
             ty: src.ty,
@@ -1132,6 +1135,7 @@ impl Backend for GpuBackend {
             experts,
             row_bytes,
             dec,
+            dec_il,
             bf: Default::default(),
         })
     }

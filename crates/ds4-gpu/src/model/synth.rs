@@ -215,14 +215,11 @@ impl GpuBackend {
                         ))
                     }
                 }
+                let (dec, dec_il) =
+                    self.q8_decode_copy(&buf, ty, cols as usize, rows as usize, experts as usize);
                 GpuWeight::Mat {
-                    dec: self.q8_decode_copy(
-                        &buf,
-                        ty,
-                        cols as usize,
-                        rows as usize,
-                        experts as usize,
-                    ),
+                    dec,
+                    dec_il,
                     buf,
                     ty,
                     cols: cols as usize,
