@@ -30,6 +30,12 @@ pub const ATTENTION: Module = Module {
         "attend_one_p",
         "attend_one_tc",
         "attend_one_tcp",
+        "attend_one_tc1",
+        "attend_one_tc1p",
+        "attend_one_tc2",
+        "attend_one_tc2p",
+        "attend_one_tc3",
+        "attend_one_tc3p",
         "ring_store_f32",
     ],
 };

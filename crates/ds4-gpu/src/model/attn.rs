@@ -67,6 +67,29 @@ fn attn_mode() -> u8 {
     )
 }
 
+/// The tensor-core decode attention's form: 0 not yet read from `DS4_GPU_AOTC`, else 1 + V with
+/// V the kernel's A/B bits (attention.cu `ds4_attend_one`; every form has the same bits):
+/// `v0` `attend_one_tc` (the default), `v1` its queries' hi/lo split after the first row-pointer
+/// listing (`attend_one_tc1`), `v2` the wide combine (all 8 warps of a CTA load partials,
+/// `attend_one_tc2`), `v3` both (`attend_one_tc3`).
+static AOTC_FORM: AtomicU8 = AtomicU8::new(0);
+
+fn aotc_kernel() -> &'static str {
+    let names = [
+        "attend_one_tc",
+        "attend_one_tc1",
+        "attend_one_tc2",
+        "attend_one_tc3",
+    ];
+    let m = env_pick(
+        &AOTC_FORM,
+        "DS4_GPU_AOTC",
+        &[("v0", 1), ("v1", 2), ("v2", 3), ("v3", 4)],
+        1,
+    );
+    names[(m as usize - 1).min(3)]
+}
+
 fn attn_simple() -> bool {
     attn_mode() == 1
 }
@@ -291,6 +314,18 @@ impl GpuBackend {
     /// forms; process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
     pub fn set_attn_simple(on: bool) {
         ATTN_MODE.store(if on { 1 } else { 3 }, Ordering::Relaxed);
+    }
+
+    /// The tensor-core decode attention's form by name, as `DS4_GPU_AOTC` (`v0` the default,
+    /// `v1`, `v2`, `v3`; see `AOTC_FORM`); process-wide. For tests and benchmarks.
+    pub fn set_aotc_form(form: &str) {
+        let m = match form {
+            "v1" => 2,
+            "v2" => 3,
+            "v3" => 4,
+            _ => 1,
+        };
+        AOTC_FORM.store(m, Ordering::Relaxed);
     }
 
     /// Attention form by name, as `DS4_GPU_ATTN`: `simple`, `split` (two launches at decode),
@@ -1184,7 +1219,7 @@ impl GpuBackend {
         // The tile loop on tensor cores: CUDA sm_80+, 32-lane warps, head width 512.
         let tc = attn_mode() == 3 && info.cc.0 >= 8 && info.warp == 32 && hd == AP_MAXHD;
         let (kname, r) = if tc {
-            ("attend_one_tc", AOT_R)
+            (aotc_kernel(), AOT_R)
         } else {
             ("attend_one_f32", AO_R)
         };
