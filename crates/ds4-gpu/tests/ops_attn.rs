@@ -930,10 +930,9 @@ const ONE: Form = Form {
     attn: "one",
     tol: 2e-5,
 };
-/// The one-launch decode form with its f32 tile loop everywhere (`ONE` takes the tile loop on
-/// tensor cores, `attend_one_tc`, for head width 512 on CUDA sm_80+).
-/// `ONE` with the tensor-core form's A/B bits (`DS4_GPU_AOTC=v1|v2|v3`: the queries' split after
-/// the first row pointers, the wide combine, both): the same bits as `ONE`.
+/// `ONE` with the tensor-core form's A/B bits (`DS4_GPU_AOTC=v1|v2|v3|v7`: the queries' split
+/// after the first row pointers, the wide combine, both, and those plus the work before the PDL
+/// wait): the same bits as `ONE`.
 const ONE_V1: Form = Form {
     name: "one-v1",
     attn: "one-v1",
@@ -949,6 +948,13 @@ const ONE_V3: Form = Form {
     attn: "one-v3",
     ..ONE
 };
+const ONE_V7: Form = Form {
+    name: "one-v7",
+    attn: "one-v7",
+    ..ONE
+};
+/// The one-launch decode form with its f32 tile loop everywhere (`ONE` takes the tile loop on
+/// tensor cores, `attend_one_tc`, for head width 512 on CUDA sm_80+).
 const ONE_F32: Form = Form {
     name: "one-f32",
     tc: false,
@@ -1177,12 +1183,12 @@ fn attend_matches_cpu() {
         },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    // ONE_V1..3 must give ONE's bits (forms 2..=5 of the list; 0..=3 of forms[2..]).
+    // ONE_V1..7 must give ONE's bits (forms 2..=6 of the list; 0..=4 of forms[2..]).
     let forms = [
-        TC, TC_FAST, ONE, ONE_V1, ONE_V2, ONE_V3, ONE_F32, SPLIT, SIMPLE,
+        TC, TC_FAST, ONE, ONE_V1, ONE_V2, ONE_V3, ONE_V7, ONE_F32, SPLIT, SIMPLE,
     ];
     let same = |outs: &[Vec<f32>], at: usize, c: &AttCase| {
-        for k in 1..=3 {
+        for k in 1..=4 {
             let d = outs[at]
                 .iter()
                 .zip(&outs[at + k])

@@ -1780,6 +1780,16 @@ __device__ __forceinline__ u64 ds4_ao_now() {
             }                                                                                              \
     } while (0)
 
+// Every thread fills cs_s (the kernels that do it before the PDL wait, V & 4).
+#define DS4_AO_FILL_CS_ALL()                                                                               \
+    do {                                                                                                   \
+        if (use_cs)                                                                                        \
+            for (int k = tid; k < n * nh2; k += DS4_AO_THREADS) {                                          \
+                double theta = ds4_mod_2pi((double)(t0 + k / nh2) * freqs[k % nh2]);                       \
+                cs_s[k] = make_float2((float)cos(theta), (float)sin(theta));                               \
+            }                                                                                              \
+    } while (0)
+
 #if DS4_AOT_HAVE
 // Part phase on tensor cores (mma.sync m16n8k16, f16 in, f32 accumulate), hd == 512: the same
 // contract as the f32 loop (partials o, m, z of the CTA's 16 heads over rows jb..je).
@@ -1797,7 +1807,7 @@ template <bool PROBE, int V>
 __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsigned char* tile_s, u16* pt_s, float* ws_s,
                                                const float** ptr_s, float* m_s, float* z_s, float* cf_s, float2* cs_s,
                                                bool use_cs, int i, int s, int h0, int nhg, long long first, int nwin,
-                                               int nsel, long long jb, long long je, const int* seli) {
+                                               int nsel, long long jb, long long je, const int* seli, bool pre) {
     constexpr int HD = DS4_AP_MAXHD, LD = DS4_AOT_LD, RT = DS4_AOT_R;
     constexpr int LDT = RT * HD / 4 / DS4_AO_THREADS; // float4 loads per thread per tile (8)
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
@@ -1838,13 +1848,13 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
         m_s[tid] = DS4_NEG_INF;
         z_s[tid] = 0.0f;
     }
-    DS4_AO_FILL_CS(); // after the query loads are issued
+    if ((V & 4) == 0) DS4_AO_FILL_CS(); // after the query loads are issued (V & 4: before the wait)
     const int mi = lane >> 3, rr = lane & 7;
     float4 nx[LDT];
     for (long long b0 = jb; b0 < je; b0 += DS4_AO_PTRS) {
         const int cn = (int)(je - b0 < DS4_AO_PTRS ? je - b0 : DS4_AO_PTRS);
         if (b0 != jb) __syncthreads(); // the previous block's rows are no longer read
-        if (tid < DS4_AO_PTRS)
+        if (tid < DS4_AO_PTRS && !(pre && b0 == jb))
             ptr_s[tid] = tid < cn ? ds4_ap_row(b0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
         __syncthreads();
         if (b0 == jb) DS4_AO_STAMP(1);
@@ -1984,7 +1994,8 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
 #endif
 
 // V (the tensor-core form's A/B bits, attn.rs `DS4_GPU_AOTC`): 1 the queries' hi/lo split after the
-// first row-pointer listing (ds4_ao_part_tc), 2 the wide combine (below); the same bits as V 0.
+// first row-pointer listing (ds4_ao_part_tc), 2 the wide combine (below), 4 the (cos, sin) table and
+// a first block's row pointers before the PDL wait (kernels started DS4_PDL_LATE); the same bits.
 template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     // The tile: f32 [R][hd] (16 KiB), or (TC) f16 hi then lo [DS4_AOT_R][DS4_AOT_LD] (32.5 KiB).
     __shared__ __align__(16) unsigned char tile_s[TC ? DS4_AOT_TILE : DS4_AO_R * DS4_AP_MAXHD * 4];
@@ -2030,10 +2041,23 @@ template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_at
         const long long jb = (long long)s * chunk;
         const long long je = jb + chunk < ncand ? jb + chunk : ncand;
         const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+        bool pre = false; // (V & 4) the first block's row pointers listed before the PDL wait
+        if (V & 4) {
+            // Before the wait (the kernel starts DS4_PDL_LATE): the (cos, sin) table, and the first
+            // block's row pointers unless it holds selected rows (sel is the previous kernels'
+            // output; raw_pos of positions before the chunk only this kernel's earlier launches
+            // write, and window rows of the chunk and compressed rows are pointer arithmetic).
+            DS4_AO_FILL_CS_ALL();
+            const long long be = je < jb + DS4_AO_PTRS ? je : jb + DS4_AO_PTRS;
+            pre = be <= nwin || jb >= (long long)nwin + nsel;
+            if (pre && tid < DS4_AO_PTRS)
+                ptr_s[tid] = jb + tid < be ? ds4_ap_row(jb + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
+            ds4_pdl_enter();
+        }
         if (TC) {
 #if DS4_AOT_HAVE
             ds4_ao_part_tc<PROBE, V>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
-                                  i, s, h0, nhg, first, nwin, nsel, jb, je, seli);
+                                  i, s, h0, nhg, first, nwin, nsel, jb, je, seli, pre);
 #endif
         } else {
             const int hq = vw >> 1, half = vw & 1;
@@ -2186,6 +2210,9 @@ template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_at
                 part_mz[(base + tid) * 2 + 1] = z_s[tid];
             }
         }
+    } else if (V & 4) { // CTAs past the used splits
+        DS4_AO_FILL_CS_ALL();
+        ds4_pdl_enter();
     } else {
         DS4_AO_FILL_CS(); // CTAs past the used splits
     }
@@ -2419,7 +2446,10 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_p
 // checks; elsewhere the part phase is empty and the host keeps attend_one_f32). attend_one_tcp: its probe.
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true>(DS4_AO_ARGS, (u64*)0); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tcp(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true>(DS4_AO_ARGS, stamps); }
-// The A/B forms of attend_one_tc (attn.rs `DS4_GPU_AOTC`; V bits at ds4_attend_one) and their probes.
+// The A/B forms of attend_one_tc (attn.rs `DS4_GPU_AOTC`; V bits at ds4_attend_one) and their probes;
+// V & 4 waits for the previous kernels itself (after the table and the first pointers).
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc7(DS4_AO_PARAMS) { DS4_PDL_LATE; ds4_attend_one<false, true, 7>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc7p(DS4_AO_PARAMS, u64* stamps) { DS4_PDL_LATE; ds4_attend_one<true, true, 7>(DS4_AO_ARGS, stamps); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 1>(DS4_AO_ARGS, (u64*)0); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 1>(DS4_AO_ARGS, stamps); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc2(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 2>(DS4_AO_ARGS, (u64*)0); }

@@ -36,6 +36,8 @@ pub const ATTENTION: Module = Module {
         "attend_one_tc2p",
         "attend_one_tc3",
         "attend_one_tc3p",
+        "attend_one_tc7",
+        "attend_one_tc7p",
         "ring_store_f32",
     ],
 };

@@ -71,7 +71,8 @@ fn attn_mode() -> u8 {
 /// V the kernel's A/B bits (attention.cu `ds4_attend_one`; every form has the same bits):
 /// `v0` `attend_one_tc` (the default), `v1` its queries' hi/lo split after the first row-pointer
 /// listing (`attend_one_tc1`), `v2` the wide combine (all 8 warps of a CTA load partials,
-/// `attend_one_tc2`), `v3` both (`attend_one_tc3`).
+/// `attend_one_tc2`), `v3` both (`attend_one_tc3`), `v7` v3 plus the (cos, sin) table and a first
+/// block's row pointers before the PDL wait (`attend_one_tc7`).
 static AOTC_FORM: AtomicU8 = AtomicU8::new(0);
 
 fn aotc_kernel() -> &'static str {
@@ -80,14 +81,15 @@ fn aotc_kernel() -> &'static str {
         "attend_one_tc1",
         "attend_one_tc2",
         "attend_one_tc3",
+        "attend_one_tc7",
     ];
     let m = env_pick(
         &AOTC_FORM,
         "DS4_GPU_AOTC",
-        &[("v0", 1), ("v1", 2), ("v2", 3), ("v3", 4)],
+        &[("v0", 1), ("v1", 2), ("v2", 3), ("v3", 4), ("v7", 5)],
         1,
     );
-    names[(m as usize - 1).min(3)]
+    names[(m as usize - 1).min(names.len() - 1)]
 }
 
 fn attn_simple() -> bool {
@@ -317,12 +319,13 @@ impl GpuBackend {
     }
 
     /// The tensor-core decode attention's form by name, as `DS4_GPU_AOTC` (`v0` the default,
-    /// `v1`, `v2`, `v3`; see `AOTC_FORM`); process-wide. For tests and benchmarks.
+    /// `v1`, `v2`, `v3`, `v7`; see `AOTC_FORM`); process-wide. For tests and benchmarks.
     pub fn set_aotc_form(form: &str) {
         let m = match form {
             "v1" => 2,
             "v2" => 3,
             "v3" => 4,
+            "v7" => 5,
             _ => 1,
         };
         AOTC_FORM.store(m, Ordering::Relaxed);
