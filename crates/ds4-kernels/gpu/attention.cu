@@ -1994,8 +1994,9 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
 #endif
 
 // V (the tensor-core form's A/B bits, attn.rs `DS4_GPU_AOTC`): 1 the queries' hi/lo split after the
-// first row-pointer listing (ds4_ao_part_tc), 2 the wide combine (below), 4 the (cos, sin) table and
-// a first block's row pointers before the PDL wait (kernels started DS4_PDL_LATE); the same bits.
+// first row-pointer listing (ds4_ao_part_tc), 4 the (cos, sin) table and a first block's row
+// pointers before the PDL wait (kernels started DS4_PDL_LATE); the same bits as V 0. (Bit 2, a
+// combine with all 8 warps loading partials, lost: bench/results/gpu-a119-h200.txt.)
 template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     // The tile: f32 [R][hd] (16 KiB), or (TC) f16 hi then lo [DS4_AOT_R][DS4_AOT_LD] (32.5 KiB).
     __shared__ __align__(16) unsigned char tile_s[TC ? DS4_AOT_TILE : DS4_AO_R * DS4_AP_MAXHD * 4];
@@ -2220,135 +2221,6 @@ template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_at
     const u32 total = gridDim.x;
     ds4_ao_grid_flip(tk, total);
     DS4_AO_STAMP(5);
-#if DS4_AOT_HAVE
-    if (TC && (V & 2) != 0) {
-        // Combine, wide form: unit u (token, head, 128-column block) on the quarter u / grid % 2
-        // (warps 4·that .. +4) of CTA u % grid, so all 8 warps load partials (the form below: 2 of
-        // 8, ~4 float4 loads in flight a warp). Warp k of the quarter adds the splits s ≡ k (mod 4)
-        // below nfull (the last whole group of 4) and warp 0 also the rest: the four sums a[0..3]
-        // the form below keeps per lane, in the same order, so the same bits. Each warp issues its
-        // first 8 partial loads (and warp 0 the ≤ 3 of the rest) before the weights (which they do
-        // not depend on); the weights are the form below's, per warp. The four sums meet in
-        // shared memory (tile_s, free after the barrier); warp 0 of the quarter finishes.
-        const int nblk = (hd4 + 31) / 32, qw = vw >> 2, kq = vw & 3;
-        const long long units = (long long)n * heads * nblk;
-        const size_t hstride = (size_t)heads * 2; // part_mz: split s of (i, h) at + s·heads·2
-        const size_t sstride = (size_t)heads * hd4;
-        const int nfull = splits & ~3;
-        constexpr int NB = 8; // loads a warp issues at once (splits ≤ 35 take one batch)
-        float4* sum_s = (float4*)tile_s; // [warp][lane]
-        const float4 z4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (long long ub = 0; ub < units; ub += 2LL * gridDim.x) { // the same trip count in every warp
-            const long long u = ub + (long long)qw * gridDim.x + blockIdx.x;
-            const bool uv = u < units;
-            const int blk = uv ? (int)(u % nblk) : 0;
-            const long long ih = uv ? u / nblk : 0;
-            const int h = (int)(ih % heads), i = (int)(ih / heads);
-            const int fc = blk * 32 + vl;
-            const bool fv = uv && fc < hd4;
-            const float4* po = (const float4*)part_o + ((size_t)i * splits * heads + h) * hd4 + fc;
-            float4 o[NB], ot[3];
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int s = kq + 4 * j;
-                o[j] = (fv && s < nfull) ? ds4_ld_l2_f4(po + (size_t)s * sstride) : z4;
-            }
-#pragma unroll
-            for (int j = 0; j < 3; j++) {
-                const int s = nfull + j;
-                ot[j] = (fv && kq == 0 && s < splits) ? ds4_ld_l2_f4(po + (size_t)s * sstride) : z4;
-            }
-            float zt = 1.0f;
-            float4 a = z4;
-            if (uv) { // warp-uniform
-                const float* mz = part_mz + ((size_t)i * splits * heads + h) * 2;
-                const float sink = sinks[h];
-                float M = sink;
-                for (int s = vl; s < splits; s += 32) M = fmaxf(M, *(const volatile float*)(mz + s * hstride));
-#pragma unroll
-                for (int o2 = 16; o2 > 0; o2 >>= 1) M = fmaxf(M, ds4_shfl_xor(M, o2));
-                float zp = 0.0f;
-                for (int s = vl; s < splits; s += 32) {
-                    float m = *(const volatile float*)(mz + s * hstride);
-                    float z = *(const volatile float*)(mz + s * hstride + 1);
-                    float w = m == DS4_NEG_INF ? 0.0f : expf(m - M);
-                    w_s[vw][s] = w;
-                    zp += w * z;
-                }
-#pragma unroll
-                for (int o2 = 16; o2 > 0; o2 >>= 1) zp += ds4_shfl_xor(zp, o2);
-                zt = expf(sink - M) + zp;
-                ds4_ao_syncwarp();
-                if (fv) {
-#pragma unroll
-                    for (int j = 0; j < NB; j++) {
-                        const int s = kq + 4 * j;
-                        if (s < nfull) {
-                            const float w = w_s[vw][s];
-                            a.x += w * o[j].x;
-                            a.y += w * o[j].y;
-                            a.z += w * o[j].z;
-                            a.w += w * o[j].w;
-                        }
-                    }
-                    for (int s0 = kq + 4 * NB; s0 < nfull; s0 += 4 * NB) { // more than 35 splits
-#pragma unroll
-                        for (int j = 0; j < NB; j++) {
-                            const int s = s0 + 4 * j;
-                            o[j] = s < nfull ? ds4_ld_l2_f4(po + (size_t)s * sstride) : z4;
-                        }
-#pragma unroll
-                        for (int j = 0; j < NB; j++) {
-                            const int s = s0 + 4 * j;
-                            if (s < nfull) {
-                                const float w = w_s[vw][s];
-                                a.x += w * o[j].x;
-                                a.y += w * o[j].y;
-                                a.z += w * o[j].z;
-                                a.w += w * o[j].w;
-                            }
-                        }
-                    }
-                    if (kq == 0) {
-#pragma unroll
-                        for (int j = 0; j < 3; j++) {
-                            const int s = nfull + j;
-                            if (s < splits) {
-                                const float w = w_s[vw][s];
-                                a.x += w * ot[j].x;
-                                a.y += w * ot[j].y;
-                                a.z += w * ot[j].z;
-                                a.w += w * ot[j].w;
-                            }
-                        }
-                    }
-                }
-            }
-            sum_s[vw * 32 + vl] = a;
-            __syncthreads();
-            if (kq == 0 && fv) {
-                const float4 a0 = a, a1 = sum_s[(vw + 1) * 32 + vl], a2 = sum_s[(vw + 2) * 32 + vl],
-                             a3 = sum_s[(vw + 3) * 32 + vl];
-                float ov[4] = {((a0.x + a1.x) + (a2.x + a3.x)) / zt, ((a0.y + a1.y) + (a2.y + a3.y)) / zt,
-                               ((a0.z + a1.z) + (a2.z + a3.z)) / zt, ((a0.w + a1.w) + (a2.w + a3.w)) / zt};
-                const long long t = t0 + i;
-                const int rot0 = hd - n_rot;
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    int e = 4 * fc + 2 * j;
-                    if (e >= rot0) {
-                        if (use_cs)
-                            ds4_rope_inv_cs(ov + 2 * j, cs_s[i * nh2 + (e - rot0) / 2]);
-                        else
-                            ds4_rope_pair(ov + 2 * j, freqs[(e - rot0) / 2], t, 1);
-                    }
-                }
-                ((float4*)out)[((size_t)i * heads + h) * hd4 + fc] = make_float4(ov[0], ov[1], ov[2], ov[3]);
-            }
-            __syncthreads(); // sum_s and w_s are rewritten by the next units
-        }
-    } else
-#endif
     // Combine: 32-lane group per (token, head, 128-column block).
     {
         const int nblk = (hd4 + 31) / 32, ngrp = blockDim.x / 32;
@@ -2448,11 +2320,7 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc(DS4_AO_PARAMS) { ds4_pdl_enter(); 
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tcp(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true>(DS4_AO_ARGS, stamps); }
 // The A/B forms of attend_one_tc (attn.rs `DS4_GPU_AOTC`; V bits at ds4_attend_one) and their probes;
 // V & 4 waits for the previous kernels itself (after the table and the first pointers).
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc7(DS4_AO_PARAMS) { DS4_PDL_LATE; ds4_attend_one<false, true, 7>(DS4_AO_ARGS, (u64*)0); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc7p(DS4_AO_PARAMS, u64* stamps) { DS4_PDL_LATE; ds4_attend_one<true, true, 7>(DS4_AO_ARGS, stamps); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 1>(DS4_AO_ARGS, (u64*)0); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 1>(DS4_AO_ARGS, stamps); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc2(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 2>(DS4_AO_ARGS, (u64*)0); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc2p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 2>(DS4_AO_ARGS, stamps); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc3(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 3>(DS4_AO_ARGS, (u64*)0); }
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc3p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 3>(DS4_AO_ARGS, stamps); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc5(DS4_AO_PARAMS) { DS4_PDL_LATE; ds4_attend_one<false, true, 5>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc5p(DS4_AO_PARAMS, u64* stamps) { DS4_PDL_LATE; ds4_attend_one<true, true, 5>(DS4_AO_ARGS, stamps); }

@@ -67,27 +67,22 @@ fn attn_mode() -> u8 {
     )
 }
 
-/// The tensor-core decode attention's form: 0 not yet read from `DS4_GPU_AOTC`, else 1 + V with
-/// V the kernel's A/B bits (attention.cu `ds4_attend_one`; every form has the same bits):
-/// `v0` `attend_one_tc` (the default), `v1` its queries' hi/lo split after the first row-pointer
-/// listing (`attend_one_tc1`), `v2` the wide combine (all 8 warps of a CTA load partials,
-/// `attend_one_tc2`), `v3` both (`attend_one_tc3`), `v7` v3 plus the (cos, sin) table and a first
-/// block's row pointers before the PDL wait (`attend_one_tc7`).
+/// The tensor-core decode attention's form: 0 not yet read from `DS4_GPU_AOTC`, 1 `v0`
+/// (`attend_one_tc`, session 17's), 2 `v1` (`attend_one_tc1`: the queries' hi/lo split after the
+/// first row-pointer listing), 3 `v5` (`attend_one_tc5`, the default: v1 plus the (cos, sin)
+/// table and, where it holds no selected rows, the first block's row pointers before the PDL
+/// wait). The same bits in every form (attention.cu `ds4_attend_one`'s V). H200, us a call back
+/// to back (examples/attn_bench.rs; bench/results/gpu-a119-h200.txt): CSA 2k 12.92 / 12.60 /
+/// (v1 + the wait's work, measured with a lost combine) 11.96; HCA 32k 11.34 / 11.19 / 10.71.
 static AOTC_FORM: AtomicU8 = AtomicU8::new(0);
 
 fn aotc_kernel() -> &'static str {
-    let names = [
-        "attend_one_tc",
-        "attend_one_tc1",
-        "attend_one_tc2",
-        "attend_one_tc3",
-        "attend_one_tc7",
-    ];
+    let names = ["attend_one_tc", "attend_one_tc1", "attend_one_tc5"];
     let m = env_pick(
         &AOTC_FORM,
         "DS4_GPU_AOTC",
-        &[("v0", 1), ("v1", 2), ("v2", 3), ("v3", 4), ("v7", 5)],
-        1,
+        &[("v0", 1), ("v1", 2), ("v5", 3)],
+        3,
     );
     names[(m as usize - 1).min(names.len() - 1)]
 }
@@ -318,15 +313,13 @@ impl GpuBackend {
         ATTN_MODE.store(if on { 1 } else { 3 }, Ordering::Relaxed);
     }
 
-    /// The tensor-core decode attention's form by name, as `DS4_GPU_AOTC` (`v0` the default,
-    /// `v1`, `v2`, `v3`, `v7`; see `AOTC_FORM`); process-wide. For tests and benchmarks.
+    /// The tensor-core decode attention's form by name, as `DS4_GPU_AOTC` (`v0`, `v1`, `v5`
+    /// the default; see `AOTC_FORM`); process-wide. For tests and benchmarks.
     pub fn set_aotc_form(form: &str) {
         let m = match form {
+            "v0" => 1,
             "v1" => 2,
-            "v2" => 3,
-            "v3" => 4,
-            "v7" => 5,
-            _ => 1,
+            _ => 3,
         };
         AOTC_FORM.store(m, Ordering::Relaxed);
     }

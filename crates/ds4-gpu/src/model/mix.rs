@@ -226,9 +226,13 @@ fn nrpair_on() -> bool {
 }
 
 /// norm_rope_pair_g's form: 0 not yet read from `DS4_GPU_NRLATE`, 1 late (`norm_rope_pair_gl`:
-/// the weights and the RoPE (sin, cos) before the PDL wait, then the rows; same bits), 2 the
-/// kernel that waits first (`norm_rope_pair_g`, the default until measured) (process-wide).
+/// the weights and the RoPE (sin, cos) before the PDL wait, then the rows; same bits; chunks of
+/// at most `NRLATE_MAX_N` tokens), 2 the kernel that waits first (`norm_rope_pair_g`, the
+/// default) (process-wide). Opt-in: on the H200 (bench/results/gpu-a119-h200.txt) decode was
+/// within noise, and a 2k prefill with it at every chunk ~1.3% slower (its 131k early CTAs).
 static NRLATE: AtomicU8 = AtomicU8::new(0);
+/// Most tokens a chunk may have for `norm_rope_pair_gl` (decode steps).
+const NRLATE_MAX_N: usize = 8;
 
 /// Whether norm_rope_pair takes `norm_rope_pair_gl` (`DS4_GPU_NRLATE=on` or `1`; read once, or
 /// [`GpuBackend::set_nrlate`]).
@@ -744,7 +748,7 @@ impl GpuBackend {
         ];
         let mut dims = LaunchDims::linear((rows_a + rows_b) as u32, threads as u32);
         dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
-        let name = if nrlate_on() {
+        let name = if n <= NRLATE_MAX_N && nrlate_on() {
             "norm_rope_pair_gl"
         } else {
             "norm_rope_pair_g"
