@@ -11,8 +11,9 @@
 //! first one's bits (exit 1 if not), and the largest difference of each form's output from the
 //! first form's is printed. A/B forms go in `forms` (session 11's:
 //! bench/results/gpu-attn-a12-h200.txt; session 17's: gpu-attn-a17-h200.txt): the f32 tile
-//! loop, the tile loop on tensor cores (`attend_one_tc`); the last field of a form caps its
-//! splits (fewer, longer splits: a17's tc s24 / s16 / s8).
+//! loop, the tile loop on tensor cores (`attend_one_tc`) and its A/B forms v1, v5 (session 19:
+//! model/attn.rs `DS4_GPU_AOTC`); the last field of a form caps its splits (fewer, longer
+//! splits: a17's tc s24 / s16 / s8).
 
 mod common;
 
@@ -78,6 +79,8 @@ fn main() {
     let forms = [
         ("f32", "attend_one_f32", "attend_one_p", 8usize, 256usize),
         ("tc", "attend_one_tc", "attend_one_tcp", 16, 256),
+        ("tc v1", "attend_one_tc1", "attend_one_tc1p", 16, 256),
+        ("tc v5", "attend_one_tc5", "attend_one_tc5p", 16, 256),
     ];
     println!(
         "# columns: us/call, then phase ends (us after the first CTA's start): last CTA start, {}",

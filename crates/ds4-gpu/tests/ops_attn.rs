@@ -860,6 +860,7 @@ fn index_query_prep_is_exact() {
 
 // ---------------------------------------------------------------------------------------------
 
+#[derive(Debug)]
 struct AttCase {
     heads: usize,
     hd: usize,
@@ -929,6 +930,18 @@ const ONE: Form = Form {
     attn: "one",
     tol: 2e-5,
 };
+/// `ONE` (the default `DS4_GPU_AOTC=v5`) in the tensor-core form's other forms (`v0`: session
+/// 17's kernel; `v1`: the queries' split after the first row pointers): the same bits as `ONE`.
+const ONE_V0: Form = Form {
+    name: "one-v0",
+    attn: "one-v0",
+    ..ONE
+};
+const ONE_V1: Form = Form {
+    name: "one-v1",
+    attn: "one-v1",
+    ..ONE
+};
 /// The one-launch decode form with its f32 tile loop everywhere (`ONE` takes the tile loop on
 /// tensor cores, `attend_one_tc`, for head width 512 on CUDA sm_80+).
 const ONE_F32: Form = Form {
@@ -959,7 +972,13 @@ const SIMPLE: Form = Form {
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
     GpuBackend::set_attn_tcg(f.tcg);
-    GpuBackend::set_attn_form(f.attn);
+    // "one-vN": the one-launch form with `DS4_GPU_AOTC=vN`.
+    let (attn, aotc) = match f.attn.strip_prefix("one-v") {
+        Some(v) => ("one", format!("v{v}")),
+        None => (f.attn, "v5".to_string()),
+    };
+    GpuBackend::set_attn_form(attn);
+    GpuBackend::set_aotc_form(&aotc);
 }
 
 /// f16-rounded values as the KV cache stores them (the model's default rounding).
@@ -1153,10 +1172,28 @@ fn attend_matches_cpu() {
         },
     ];
     // Every form on every case; the switches are process-wide and only this test attends.
-    let forms = [TC, TC_FAST, ONE, ONE_F32, SPLIT, SIMPLE];
+    // ONE_V0 and ONE_V1 must give ONE's bits (forms 2..=4 of the list; 0..=2 of forms[2..]).
+    let forms = [TC, TC_FAST, ONE, ONE_V0, ONE_V1, ONE_F32, SPLIT, SIMPLE];
+    let same = |outs: &[Vec<f32>], at: usize, c: &AttCase| {
+        for k in 1..=2 {
+            let d = outs[at]
+                .iter()
+                .zip(&outs[at + k])
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                d,
+                0,
+                "{}: {d} output values differ from one's ({c:?})",
+                forms[2 + k].name
+            );
+        }
+    };
     for (i, c) in cases.iter().enumerate() {
-        run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
-        run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
+        let outs = run_attend(&cpu, &gpu, c, 300 + i as u64, false, &forms[2..]);
+        same(&outs, 0, c);
+        let outs = run_attend(&cpu, &gpu, c, 300 + i as u64, true, &forms);
+        same(&outs, 2, c);
     }
 }
 

@@ -1780,6 +1780,16 @@ __device__ __forceinline__ u64 ds4_ao_now() {
             }                                                                                              \
     } while (0)
 
+// Every thread fills cs_s (the kernels that do it before the PDL wait, V & 4).
+#define DS4_AO_FILL_CS_ALL()                                                                               \
+    do {                                                                                                   \
+        if (use_cs)                                                                                        \
+            for (int k = tid; k < n * nh2; k += DS4_AO_THREADS) {                                          \
+                double theta = ds4_mod_2pi((double)(t0 + k / nh2) * freqs[k % nh2]);                       \
+                cs_s[k] = make_float2((float)cos(theta), (float)sin(theta));                               \
+            }                                                                                              \
+    } while (0)
+
 #if DS4_AOT_HAVE
 // Part phase on tensor cores (mma.sync m16n8k16, f16 in, f32 accumulate), hd == 512: the same
 // contract as the f32 loop (partials o, m, z of the CTA's 16 heads over rows jb..je).
@@ -1793,11 +1803,11 @@ __device__ __forceinline__ u64 ds4_ao_now() {
 // lane) += Phi·Vhi + Plo·Vhi + Phi·Vlo. Fragments (PTX m16n8k16, g = lane/4, t = lane%4): A a0
 // (row g, k 2t..2t+1), a1 (g+8), a2 (g, k+8), a3 (g+8, k+8); B b0 (k 2t.., col g), b1 (k+8); C
 // c0,c1 (row g, cols 2t, 2t+1), c2,c3 (row g+8). Rows of A / C are heads.
-template <bool PROBE>
+template <bool PROBE, int V>
 __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsigned char* tile_s, u16* pt_s, float* ws_s,
                                                const float** ptr_s, float* m_s, float* z_s, float* cf_s, float2* cs_s,
                                                bool use_cs, int i, int s, int h0, int nhg, long long first, int nwin,
-                                               int nsel, long long jb, long long je, const int* seli) {
+                                               int nsel, long long jb, long long je, const int* seli, bool pre) {
     constexpr int HD = DS4_AP_MAXHD, LD = DS4_AOT_LD, RT = DS4_AOT_R;
     constexpr int LDT = RT * HD / 4 / DS4_AO_THREADS; // float4 loads per thread per tile (8)
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
@@ -1806,24 +1816,30 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
     u16* tl = th + RT * LD; // lo plane
     u16* ph_s = pt_s;       // P hi [HG][PLD]
     u16* pl_s = pt_s + DS4_AO_HG * DS4_AOT_PLD;
-    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the group's heads).
+    // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the group's heads):
+    // loaded here; split into hi/lo here (V 0), or (V & 1) once the first row pointers are listed,
+    // so that threads 0..63 list them without waiting for the query loads (a17's probe: the
+    // split here lists them 0.6-0.9 us later than the f32 form). Same values either way.
     u32 qh[4][4], ql[4][4];
+    float2 qr[4][4];
     {
         const float* qa = q + ((size_t)i * heads + h0 + g) * HD + c0 + 2 * tq;
         const float* qb = qa + (size_t)8 * HD;
         const bool va = g < nhg, vb = g + 8 < nhg;
+        const float2 z2 = make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {
-            const float2 z2 = make_float2(0.0f, 0.0f);
-            float2 a0 = va ? *(const float2*)(qa + 16 * ks) : z2;
-            float2 a1 = vb ? *(const float2*)(qb + 16 * ks) : z2;
-            float2 a2 = va ? *(const float2*)(qa + 16 * ks + 8) : z2;
-            float2 a3 = vb ? *(const float2*)(qb + 16 * ks + 8) : z2;
-            ds4_f16x2_split(a0.x, a0.y, qh[ks][0], ql[ks][0]);
-            ds4_f16x2_split(a1.x, a1.y, qh[ks][1], ql[ks][1]);
-            ds4_f16x2_split(a2.x, a2.y, qh[ks][2], ql[ks][2]);
-            ds4_f16x2_split(a3.x, a3.y, qh[ks][3], ql[ks][3]);
+            qr[ks][0] = va ? *(const float2*)(qa + 16 * ks) : z2;
+            qr[ks][1] = vb ? *(const float2*)(qb + 16 * ks) : z2;
+            qr[ks][2] = va ? *(const float2*)(qa + 16 * ks + 8) : z2;
+            qr[ks][3] = vb ? *(const float2*)(qb + 16 * ks + 8) : z2;
         }
+    }
+#define DS4_AOT_QSPLIT()                                                                                   \
+    _Pragma("unroll") for (int ks = 0; ks < 4; ks++) _Pragma("unroll") for (int x = 0; x < 4; x++)       \
+        ds4_f16x2_split(qr[ks][x].x, qr[ks][x].y, qh[ks][x], ql[ks][x]);
+    if ((V & 1) == 0) {
+        DS4_AOT_QSPLIT()
     }
     float acc[8][4];
 #pragma unroll
@@ -1832,16 +1848,19 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
         m_s[tid] = DS4_NEG_INF;
         z_s[tid] = 0.0f;
     }
-    DS4_AO_FILL_CS(); // after the query loads are issued
+    if ((V & 4) == 0) DS4_AO_FILL_CS(); // after the query loads are issued (V & 4: before the wait)
     const int mi = lane >> 3, rr = lane & 7;
     float4 nx[LDT];
     for (long long b0 = jb; b0 < je; b0 += DS4_AO_PTRS) {
         const int cn = (int)(je - b0 < DS4_AO_PTRS ? je - b0 : DS4_AO_PTRS);
         if (b0 != jb) __syncthreads(); // the previous block's rows are no longer read
-        if (tid < DS4_AO_PTRS)
+        if (tid < DS4_AO_PTRS && !(pre && b0 == jb))
             ptr_s[tid] = tid < cn ? ds4_ap_row(b0 + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
         __syncthreads();
         if (b0 == jb) DS4_AO_STAMP(1);
+        if ((V & 1) != 0 && b0 == jb) {
+            DS4_AOT_QSPLIT()
+        }
         // Loads of the tile starting at ptr_s[r0]: element k = row·128 + float4 column (absent rows: zeros).
 #define DS4_AOT_FETCH(r0)                                                                                  \
     _Pragma("unroll") for (int u = 0; u < LDT; u++) {                                                      \
@@ -1957,6 +1976,7 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
         }
 #undef DS4_AOT_FETCH
     }
+#undef DS4_AOT_QSPLIT
     __syncthreads(); // m_s / z_s final (or as initialised when the split has no rows)
     DS4_AO_STAMP(3);
     const size_t base = ((size_t)i * splits + s) * heads + h0;
@@ -1973,7 +1993,11 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
 }
 #endif
 
-template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
+// V (the tensor-core form's A/B bits, attn.rs `DS4_GPU_AOTC`): 1 the queries' hi/lo split after the
+// first row-pointer listing (ds4_ao_part_tc), 4 the (cos, sin) table and a first block's row
+// pointers before the PDL wait (kernels started DS4_PDL_LATE); the same bits as V 0. (Bit 2, a
+// combine with all 8 warps loading partials, lost: bench/results/gpu-a119-h200.txt.)
+template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     // The tile: f32 [R][hd] (16 KiB), or (TC) f16 hi then lo [DS4_AOT_R][DS4_AOT_LD] (32.5 KiB).
     __shared__ __align__(16) unsigned char tile_s[TC ? DS4_AOT_TILE : DS4_AO_R * DS4_AP_MAXHD * 4];
     float4* rows_s4 = (float4*)tile_s;
@@ -2018,10 +2042,23 @@ template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS
         const long long jb = (long long)s * chunk;
         const long long je = jb + chunk < ncand ? jb + chunk : ncand;
         const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+        bool pre = false; // (V & 4) the first block's row pointers listed before the PDL wait
+        if (V & 4) {
+            // Before the wait (the kernel starts DS4_PDL_LATE): the (cos, sin) table, and the first
+            // block's row pointers unless it holds selected rows (sel is the previous kernels'
+            // output; raw_pos of positions before the chunk only this kernel's earlier launches
+            // write, and window rows of the chunk and compressed rows are pointer arithmetic).
+            DS4_AO_FILL_CS_ALL();
+            const long long be = je < jb + DS4_AO_PTRS ? je : jb + DS4_AO_PTRS;
+            pre = be <= nwin || jb >= (long long)nwin + nsel;
+            if (pre && tid < DS4_AO_PTRS)
+                ptr_s[tid] = jb + tid < be ? ds4_ap_row(jb + tid, t0, first, nwin, nsel, seli, kv, raw, raw_pos, comp, hd, win) : (const float*)0;
+            ds4_pdl_enter();
+        }
         if (TC) {
 #if DS4_AOT_HAVE
-            ds4_ao_part_tc<PROBE>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
-                                  i, s, h0, nhg, first, nwin, nsel, jb, je, seli);
+            ds4_ao_part_tc<PROBE, V>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
+                                  i, s, h0, nhg, first, nwin, nsel, jb, je, seli, pre);
 #endif
         } else {
             const int hq = vw >> 1, half = vw & 1;
@@ -2174,6 +2211,9 @@ template <bool PROBE, bool TC> __device__ __forceinline__ void ds4_attend_one(DS
                 part_mz[(base + tid) * 2 + 1] = z_s[tid];
             }
         }
+    } else if (V & 4) { // CTAs past the used splits
+        DS4_AO_FILL_CS_ALL();
+        ds4_pdl_enter();
     } else {
         DS4_AO_FILL_CS(); // CTAs past the used splits
     }
@@ -2278,3 +2318,9 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_one_p(DS4_AO_PARAMS, u64* stamps) { ds4_p
 // checks; elsewhere the part phase is empty and the host keeps attend_one_f32). attend_one_tcp: its probe.
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true>(DS4_AO_ARGS, (u64*)0); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tcp(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true>(DS4_AO_ARGS, stamps); }
+// The A/B forms of attend_one_tc (attn.rs `DS4_GPU_AOTC`; V bits at ds4_attend_one) and their probes;
+// V & 4 waits for the previous kernels itself (after the table and the first pointers).
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1(DS4_AO_PARAMS) { ds4_pdl_enter(); ds4_attend_one<false, true, 1>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 1>(DS4_AO_ARGS, stamps); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc5(DS4_AO_PARAMS) { DS4_PDL_LATE; ds4_attend_one<false, true, 5>(DS4_AO_ARGS, (u64*)0); }
+DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc5p(DS4_AO_PARAMS, u64* stamps) { DS4_PDL_LATE; ds4_attend_one<true, true, 5>(DS4_AO_ARGS, stamps); }

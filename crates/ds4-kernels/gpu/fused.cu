@@ -745,7 +745,12 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_f32(float* __restrict__ x, const float
 #define NG_K 4
 // The row body of norm_rope_g and norm_rope_pair_g: row `row` of x (token `tok` of the chunk, at
 // pos0 + *sp + tok); sc_s: the kernel's n_rot / 2 float2 of dynamic shared memory, red: its
-// fu_block_sum scratch. Called block-uniformly (it has barriers).
+// fu_block_sum scratch. Called block-uniformly (it has barriers). LATE (a kernel started with
+// DS4_PDL_LATE): the weight loads and the f64 (sin, cos) of the pairs first, then ds4_pdl_enter(),
+// then the row's loads -- those read only weights, the RoPE table and the step block (mod.rs
+// StepPos queues its copy before the step's kernels; index_qprep_f32 reads it early too), so under
+// PDL they overlap the previous kernel's tail; same operations, same bits.
+template <bool LATE = false>
 __device__ __forceinline__ void fu_norm_rope_row(float* __restrict__ x, const float* __restrict__ w, const double* __restrict__ freqs, int row, int tok, int width, int n_rot, long long pos0, float eps, int fp8_nope, int f16, const long long* __restrict__ sp, float2* sc_s, double* red) {
     const int tid = threadIdx.x, T = blockDim.x, w4 = width >> 2, r0 = width - n_rot;
     float4* xr = (float4*)(x + (size_t)row * width);
@@ -754,7 +759,7 @@ __device__ __forceinline__ void fu_norm_rope_row(float* __restrict__ x, const fl
 #pragma unroll
     for (int k = 0; k < NG_K; k++) { // every load first
         const int q = k * T + tid;
-        e[k] = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (!LATE) e[k] = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         gw[k] = (w && q < w4) ? wr[q] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
     }
     const long long pos = pos0 + (sp ? *sp : 0LL) + tok; // sp: as norm_rope_f32
@@ -763,6 +768,14 @@ __device__ __forceinline__ void fu_norm_rope_row(float* __restrict__ x, const fl
         double sn, cs;
         sincos(theta, &sn, &cs);
         sc_s[p] = make_float2((float)sn, (float)cs);
+    }
+    if (LATE) {
+        ds4_pdl_enter();
+#pragma unroll
+        for (int k = 0; k < NG_K; k++) {
+            const int q = k * T + tid;
+            e[k] = q < w4 ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
     }
     double ss = 0.0;
 #pragma unroll
@@ -834,6 +847,18 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_pair_g(float* __restrict__ xa, const f
     const int row = a ? (int)blockIdx.x : (int)blockIdx.x - rows_a, heads = a ? heads_a : heads_b;
     fu_norm_rope_row(a ? xa : xb, a ? wa : wb, freqs, row, row / heads, width, n_rot, pos0, eps, a ? fp8_a : fp8_b,
                      a ? f16_a : f16_b, sp, sc_s, red);
+}
+
+// norm_rope_pair_g with the weights and the RoPE (sin, cos) before the PDL wait (fu_norm_rope_row
+// LATE); same bits. model/mix.rs `DS4_GPU_NRLATE=off` keeps norm_rope_pair_g.
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_pair_gl(float* __restrict__ xa, const float* __restrict__ wa, int heads_a, int fp8_a, int f16_a, int rows_a, float* __restrict__ xb, const float* __restrict__ wb, int heads_b, int fp8_b, int f16_b, const double* __restrict__ freqs, int width, int n_rot, long long pos0, float eps, const long long* __restrict__ sp) {
+    DS4_PDL_LATE; // fu_norm_rope_row<true> waits after the weight loads and the (sin, cos)
+    extern __shared__ float2 sc_s[]; // (sin, cos) of pair p
+    __shared__ double red[32];
+    const bool a = (int)blockIdx.x < rows_a; // block-uniform
+    const int row = a ? (int)blockIdx.x : (int)blockIdx.x - rows_a, heads = a ? heads_a : heads_b;
+    fu_norm_rope_row<true>(a ? xa : xb, a ? wa : wb, freqs, row, row / heads, width, n_rot, pos0, eps,
+                           a ? fp8_a : fp8_b, a ? f16_a : f16_b, sp, sc_s, red);
 }
 
 // ---------------------------------------------------------------------------------------------

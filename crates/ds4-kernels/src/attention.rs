@@ -30,6 +30,10 @@ pub const ATTENTION: Module = Module {
         "attend_one_p",
         "attend_one_tc",
         "attend_one_tcp",
+        "attend_one_tc1",
+        "attend_one_tc1p",
+        "attend_one_tc5",
+        "attend_one_tc5p",
         "ring_store_f32",
     ],
 };

@@ -17,6 +17,7 @@ pub const FUSED: Module = Module {
         "hc_post_pre_norm_p",
         "norm_rope_g",
         "norm_rope_pair_g",
+        "norm_rope_pair_gl",
         "hcp_mix",
         "hcp_finish",
     ],

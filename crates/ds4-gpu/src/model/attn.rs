@@ -67,6 +67,26 @@ fn attn_mode() -> u8 {
     )
 }
 
+/// The tensor-core decode attention's form: 0 not yet read from `DS4_GPU_AOTC`, 1 `v0`
+/// (`attend_one_tc`, session 17's), 2 `v1` (`attend_one_tc1`: the queries' hi/lo split after the
+/// first row-pointer listing), 3 `v5` (`attend_one_tc5`, the default: v1 plus the (cos, sin)
+/// table and, where it holds no selected rows, the first block's row pointers before the PDL
+/// wait). The same bits in every form (attention.cu `ds4_attend_one`'s V). H200, us a call back
+/// to back (examples/attn_bench.rs; bench/results/gpu-a119-h200.txt): CSA 2k 12.92 / 12.60 /
+/// (v1 + the wait's work, measured with a lost combine) 11.96; HCA 32k 11.34 / 11.19 / 10.71.
+static AOTC_FORM: AtomicU8 = AtomicU8::new(0);
+
+fn aotc_kernel() -> &'static str {
+    let names = ["attend_one_tc", "attend_one_tc1", "attend_one_tc5"];
+    let m = env_pick(
+        &AOTC_FORM,
+        "DS4_GPU_AOTC",
+        &[("v0", 1), ("v1", 2), ("v5", 3)],
+        3,
+    );
+    names[(m as usize - 1).min(names.len() - 1)]
+}
+
 fn attn_simple() -> bool {
     attn_mode() == 1
 }
@@ -291,6 +311,17 @@ impl GpuBackend {
     /// forms; process-wide, overrides `DS4_GPU_ATTN=simple`. For tests and benchmarks.
     pub fn set_attn_simple(on: bool) {
         ATTN_MODE.store(if on { 1 } else { 3 }, Ordering::Relaxed);
+    }
+
+    /// The tensor-core decode attention's form by name, as `DS4_GPU_AOTC` (`v0`, `v1`, `v5`
+    /// the default; see `AOTC_FORM`); process-wide. For tests and benchmarks.
+    pub fn set_aotc_form(form: &str) {
+        let m = match form {
+            "v0" => 1,
+            "v1" => 2,
+            _ => 3,
+        };
+        AOTC_FORM.store(m, Ordering::Relaxed);
     }
 
     /// Attention form by name, as `DS4_GPU_ATTN`: `simple`, `split` (two launches at decode),
@@ -1179,7 +1210,7 @@ impl GpuBackend {
         // The tile loop on tensor cores: CUDA sm_80+, 32-lane warps, head width 512.
         let tc = attn_mode() == 3 && info.cc.0 >= 8 && info.warp == 32 && hd == AP_MAXHD;
         let (kname, r) = if tc {
-            ("attend_one_tc", AOT_R)
+            (aotc_kernel(), AOT_R)
         } else {
             ("attend_one_f32", AO_R)
         };

@@ -225,6 +225,27 @@ fn nrpair_on() -> bool {
     env_code(&NRPAIR, "DS4_GPU_NRPAIR", on_unless_off) == 1
 }
 
+/// norm_rope_pair_g's form: 0 not yet read from `DS4_GPU_NRLATE`, 1 late (`norm_rope_pair_gl`:
+/// the weights and the RoPE (sin, cos) before the PDL wait, then the rows; same bits; chunks of
+/// at most `NRLATE_MAX_N` tokens), 2 the kernel that waits first (`norm_rope_pair_g`, the
+/// default) (process-wide). Opt-in: on the H200 (bench/results/gpu-a119-h200.txt) decode was
+/// within noise, and a 2k prefill with it at every chunk ~1.3% slower (its 131k early CTAs).
+static NRLATE: AtomicU8 = AtomicU8::new(0);
+/// Most tokens a chunk may have for `norm_rope_pair_gl` (decode steps).
+const NRLATE_MAX_N: usize = 8;
+
+/// Whether norm_rope_pair takes `norm_rope_pair_gl` (`DS4_GPU_NRLATE=on` or `1`; read once, or
+/// [`GpuBackend::set_nrlate`]).
+fn nrlate_on() -> bool {
+    env_code(&NRLATE, "DS4_GPU_NRLATE", |v| {
+        if matches!(v, Some("on") | Some("1")) {
+            1
+        } else {
+            2
+        }
+    }) == 1
+}
+
 /// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
 /// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches) (process-wide).
 static ROUTE: AtomicU8 = AtomicU8::new(0);
@@ -264,6 +285,13 @@ impl GpuBackend {
     /// (overrides the variable). Process-wide; for tests.
     pub fn set_route_form(form: &str) {
         set_code(&ROUTE, "set_route_form", form, &["on", "off"]);
+    }
+
+    /// Select norm_rope_pair's kernel by its `DS4_GPU_NRLATE` name: "on" (`norm_rope_pair_gl`,
+    /// the PDL wait after the weights and the RoPE table) or "off" (`norm_rope_pair_g`, the
+    /// default) (overrides the variable). Process-wide; for tests.
+    pub fn set_nrlate(form: &str) {
+        set_code(&NRLATE, "set_nrlate", form, &["on", "off"]);
     }
 
     /// Select the glue kernel form by its `DS4_GPU_MIX` name: "fast" (the default), "glue" or
@@ -720,7 +748,12 @@ impl GpuBackend {
         ];
         let mut dims = LaunchDims::linear((rows_a + rows_b) as u32, threads as u32);
         dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
-        self.run(&ds4_kernels::FUSED, "norm_rope_pair_g", dims, &args);
+        let name = if n <= NRLATE_MAX_N && nrlate_on() {
+            "norm_rope_pair_gl"
+        } else {
+            "norm_rope_pair_g"
+        };
+        self.run(&ds4_kernels::FUSED, name, dims, &args);
     }
 
     fn invalid(&self, msg: &str) {
