@@ -813,76 +813,97 @@ fn norm_rope_pair_matches_two_calls() {
     use ds4_backend::RopeKind;
     let Some((cpu, gpu)) = setup() else { return };
     let n_rot = HParams::tiny().n_rot as usize;
-    fuse_forms(|fused| {
-        let mut r = rng(9);
-        let (kv, fp4) = (|w: usize| kv_round(w, n_rot), FP4_ROUND);
-        // (n, heads of a, heads of b, width, b's rounding, t0): a unweighted and unrounded (the
-        // query), b weighted (the KV row).
-        for (n, ha, hb, width, round_b, t0) in [
-            (1usize, 64usize, 1usize, 512usize, Some(kv(512)), 7usize),
-            (1, 64, 1, 512, None, 4095),
-            (3, 64, 1, 512, Some(kv(512)), 100_000),
-            (300, 8, 1, 512, Some(kv(512)), 0),
-            (2, 4, 2, 128, Some(kv(128)), 9),
-            (1, 2, 1, 1024, Some(kv(1024)), 77),
-            (2, 4, 1, 256, Some(fp4), 9),
-            (4, 2, 1, 200, Some(kv(200)), 1),
-        ] {
-            for kind in [RopeKind::Swa, RopeKind::Comp] {
-                let (la, lb) = (n * ha * width, n * hb * width);
-                let a = randn(&mut r, la, 3.0);
-                let b = randn(&mut r, lb, 3.0);
-                let (wc, wg) = vectors(&cpu, &gpu, &randn(&mut r, width, 1.5));
-                let (mut ac, mut bc) = (a.clone(), b.clone());
-                cpu.norm_rope_pair(
-                    &mut ac,
-                    ha,
-                    None,
-                    None,
-                    &mut bc,
-                    hb,
-                    Some(&wc),
-                    round_b,
-                    n,
-                    width,
-                    1e-6,
-                    n_rot,
-                    t0,
-                    kind,
-                );
-                let (mut ap, mut bp) = (gpu.upload(&a), gpu.upload(&b));
-                gpu.norm_rope_pair(
-                    &mut ap,
-                    ha,
-                    None,
-                    None,
-                    &mut bp,
-                    hb,
-                    Some(&wg),
-                    round_b,
-                    n,
-                    width,
-                    1e-6,
-                    n_rot,
-                    t0,
-                    kind,
-                );
-                let (mut a2, mut b2) = (gpu.upload(&a), gpu.upload(&b));
-                gpu.norm_rope(&mut a2, n, ha, width, None, 1e-6, n_rot, t0, kind, None);
-                let wgr = Some(&wg);
-                gpu.norm_rope(&mut b2, n, hb, width, wgr, 1e-6, n_rot, t0, kind, round_b);
-                let (ap, bp) = (gpu.download(&ap, la), gpu.download(&bp, lb));
-                let (a2, b2) = (gpu.download(&a2, la), gpu.download(&b2, lb));
-                gpu_ok(&gpu, "norm_rope_pair");
-                let case = format!("norm_rope_pair fused {fused} n {n} {ha}+{hb} heads width {width} {kind:?} {round_b:?}");
-                assert!(bits(&ap) == bits(&a2), "{case}: a differs from norm_rope");
-                assert!(bits(&bp) == bits(&b2), "{case}: b differs from norm_rope");
-                assert_close(&format!("{case} a"), &ap, &ac, TOL);
-                let tol = if round_b.is_some() { 1e-3 } else { TOL };
-                assert_close(&format!("{case} b"), &bp, &bc, tol);
+    // The prefill warp form (norm_rope_pair_w, n > 4) and the CTA form it replaces, each
+    // against two norm_rope calls (norm_rope_g) bit for bit.
+    for nrw in ["on", "off"] {
+        GpuBackend::set_nrw(nrw);
+        let runs = GpuBackend::nrw_launches();
+        fuse_forms(|fused| {
+            let mut r = rng(9);
+            let (kv, fp4) = (|w: usize| kv_round(w, n_rot), FP4_ROUND);
+            // (n, heads of a, heads of b, width, b's rounding, t0): a unweighted and unrounded (the
+            // query), b weighted (the KV row).
+            for (n, ha, hb, width, round_b, t0) in [
+                (1usize, 64usize, 1usize, 512usize, Some(kv(512)), 7usize),
+                (1, 64, 1, 512, None, 4095),
+                (3, 64, 1, 512, Some(kv(512)), 100_000),
+                (300, 8, 1, 512, Some(kv(512)), 0),
+                (2, 4, 2, 128, Some(kv(128)), 9),
+                (1, 2, 1, 1024, Some(kv(1024)), 77),
+                (2, 4, 1, 256, Some(fp4), 9),
+                (4, 2, 1, 200, Some(kv(200)), 1),
+                // Prefill (the warp form where on): rows of a warp across a's end (15 rows of a),
+                // 64 heads at the 2k end, a width of two float4 a lane, one not a multiple of a
+                // warp's float4, and one past a warp (the CTA form).
+                (5, 3, 1, 512, Some(kv(512)), 33),
+                (7, 64, 1, 512, Some(kv(512)), 2041),
+                (6, 4, 1, 256, Some(kv(256)), 100_000),
+                (6, 2, 1, 200, Some(kv(200)), 1),
+                (5, 2, 1, 1024, Some(kv(1024)), 77),
+            ] {
+                for kind in [RopeKind::Swa, RopeKind::Comp] {
+                    let (la, lb) = (n * ha * width, n * hb * width);
+                    let a = randn(&mut r, la, 3.0);
+                    let b = randn(&mut r, lb, 3.0);
+                    let (wc, wg) = vectors(&cpu, &gpu, &randn(&mut r, width, 1.5));
+                    let (mut ac, mut bc) = (a.clone(), b.clone());
+                    cpu.norm_rope_pair(
+                        &mut ac,
+                        ha,
+                        None,
+                        None,
+                        &mut bc,
+                        hb,
+                        Some(&wc),
+                        round_b,
+                        n,
+                        width,
+                        1e-6,
+                        n_rot,
+                        t0,
+                        kind,
+                    );
+                    let (mut ap, mut bp) = (gpu.upload(&a), gpu.upload(&b));
+                    gpu.norm_rope_pair(
+                        &mut ap,
+                        ha,
+                        None,
+                        None,
+                        &mut bp,
+                        hb,
+                        Some(&wg),
+                        round_b,
+                        n,
+                        width,
+                        1e-6,
+                        n_rot,
+                        t0,
+                        kind,
+                    );
+                    let (mut a2, mut b2) = (gpu.upload(&a), gpu.upload(&b));
+                    gpu.norm_rope(&mut a2, n, ha, width, None, 1e-6, n_rot, t0, kind, None);
+                    let wgr = Some(&wg);
+                    gpu.norm_rope(&mut b2, n, hb, width, wgr, 1e-6, n_rot, t0, kind, round_b);
+                    let (ap, bp) = (gpu.download(&ap, la), gpu.download(&bp, lb));
+                    let (a2, b2) = (gpu.download(&a2, la), gpu.download(&b2, lb));
+                    gpu_ok(&gpu, "norm_rope_pair");
+                    let case = format!("norm_rope_pair fused {fused} n {n} {ha}+{hb} heads width {width} {kind:?} {round_b:?}");
+                    assert!(bits(&ap) == bits(&a2), "{case}: a differs from norm_rope");
+                    assert!(bits(&bp) == bits(&b2), "{case}: b differs from norm_rope");
+                    assert_close(&format!("{case} a"), &ap, &ac, TOL);
+                    let tol = if round_b.is_some() { 1e-3 } else { TOL };
+                    assert_close(&format!("{case} b"), &bp, &bc, tol);
+                }
             }
+        });
+        let ran = GpuBackend::nrw_launches() - runs;
+        if nrw == "on" {
+            assert!(ran > 0, "norm_rope_pair_w never ran");
+        } else {
+            assert_eq!(ran, 0, "norm_rope_pair_w ran with DS4_GPU_NRW off");
         }
-    });
+    }
+    GpuBackend::set_nrw("on");
 }
 
 /// matmul_route (at n = 1 with an F16 router of 128 rows or more: one mvq_route_f16 launch, the

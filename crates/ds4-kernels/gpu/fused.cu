@@ -836,6 +836,127 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_pair_g(float* __restrict__ xa, const f
                      a ? f16_a : f16_b, sp, sc_s, red);
 }
 
+// Prefill form of norm_rope_pair_g (DS4_GPU_NRW; n > 4 tokens): a warp a row instead of a CTA a
+// row (H200, n 2048 x 64 + 1 rows of 512: the CTA form moves 536 MB in ~283 us, ~1.9 TB/s; a
+// 128-thread CTA a row is mostly latency: its f64 RoPE angles and two barriers per 2 KB).
+// Warp g takes rows g·NW_R .. + NW_R of the pair's row space (a's rows, then b's), every load
+// of its rows issued first; lane l holds float4 columns q = k·DS4_WARP + l (k < NW_K). The
+// bits of norm_rope_pair_g wherever its CTA holds one float4 a thread (width / 4 <= 256): Σx² is
+// summed per k over the warp (k = the CTA form's warp index) by the same xor butterfly, then the
+// k sums in k order from 0 (fu_block_sum's order); a lane computes the f64 sin/cos of the pairs
+// in its own columns (the same expression as fu_norm_rope_row), again only when the row's token
+// changes; FP8 blocks of 64 are 16 aligned lanes, as there. Host: width % 4 == 0,
+// width / 4 <= NW_K·DS4_WARP, 16-byte aligned rows and weights, n_rot even, n_rot and fp8_nope
+// <= width; no dynamic shared memory.
+#define NW_K 4
+#define NW_R 2
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_pair_w(float* __restrict__ xa, const float* __restrict__ wa, int heads_a, int fp8_a, int f16_a, int rows_a, float* __restrict__ xb, const float* __restrict__ wb, int heads_b, int fp8_b, int f16_b, const double* __restrict__ freqs, int width, int n_rot, long long pos0, float eps, const long long* __restrict__ sp, int rows) {
+    ds4_pdl_enter();
+    const int lane = threadIdx.x % DS4_WARP, w4 = width >> 2, r0 = width - n_rot;
+    const int g0 = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / DS4_WARP) * NW_R;
+    if (g0 >= rows) return; // warp-uniform
+    float4 e[NW_R][NW_K];
+#pragma unroll
+    for (int i = 0; i < NW_R; i++) { // every load of the warp's rows first
+        const int g = g0 + i;
+        const bool a = g < rows_a;
+        const float4* xr = (const float4*)((a ? xa : xb) + (size_t)(a ? g : g - rows_a) * width);
+#pragma unroll
+        for (int k = 0; k < NW_K; k++) {
+            const int q = k * DS4_WARP + lane;
+            e[i][k] = (g < rows && q < w4) ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    const long long base = pos0 + (sp ? *sp : 0LL);
+    float2 sc[NW_K][2]; // (sin, cos) of the pairs at columns 4q, 4q + 2 (where >= r0)
+    int tok_sc = -1;
+#pragma unroll
+    for (int i = 0; i < NW_R; i++) {
+        const int g = g0 + i;
+        if (g >= rows) break; // warp-uniform
+        const bool a = g < rows_a;
+        const int row = a ? g : g - rows_a, heads = a ? heads_a : heads_b;
+        const int tok = a ? row / heads : rows_a + row / heads; // a's and b's tokens apart
+        float4* xr = (float4*)((a ? xa : xb) + (size_t)row * width);
+        const float4* wr = (const float4*)(a ? wa : wb);
+        const int fp8_nope = a ? fp8_a : fp8_b, f16 = a ? f16_a : f16_b;
+        if (tok != tok_sc) { // warp-uniform; the same angles as fu_norm_rope_row's sc_s
+            tok_sc = tok;
+            const long long pos = base + row / heads;
+#pragma unroll
+            for (int k = 0; k < NW_K; k++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int c = 4 * (k * DS4_WARP + lane) + 2 * h;
+                    if (c >= r0 && c < width) {
+                        const double theta = fmod((double)pos * freqs[(c - r0) >> 1], 6.283185307179586);
+                        double sn, cs;
+                        sincos(theta, &sn, &cs);
+                        sc[k][h] = make_float2((float)sn, (float)cs);
+                    }
+                }
+            }
+        }
+        double ss = 0.0; // Σ over k of the warp sums: fu_block_sum's order
+#pragma unroll
+        for (int k = 0; k < NW_K; k++) {
+            if (k * DS4_WARP >= w4) break; // warp-uniform
+            const float4 v = e[i][k];
+            double s = 0.0;
+            s += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
+                 (double)v.w * (double)v.w;
+            ss += ds4_warp_sum_f64(s);
+        }
+        const float rs = (float)(1.0 / sqrt(ss / (double)width + (double)eps));
+#pragma unroll
+        for (int k = 0; k < NW_K; k++) {
+            const int q = k * DS4_WARP + lane;
+            if (k * DS4_WARP >= w4) break; // warp-uniform
+            const float4 x4 = e[i][k];
+            float v[4] = {x4.x * rs, x4.y * rs, x4.z * rs, x4.w * rs};
+            if (wr && q < w4) {
+                const float4 gw = wr[q];
+                v[0] = v[0] * gw.x, v[1] = v[1] * gw.y, v[2] = v[2] * gw.z, v[3] = v[3] * gw.w;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) { // the pair at columns 4q + 2h, 4q + 2h + 1 (r0 is even)
+                const int c = 4 * q + 2 * h;
+                if (q < w4 && c >= r0) {
+                    const float2 t = sc[k][h];
+                    const float p = v[2 * h], b = v[2 * h + 1];
+                    v[2 * h] = __fsub_rn(ds4_mul_rn(p, t.y), ds4_mul_rn(b, t.x));
+                    v[2 * h + 1] = __fadd_rn(ds4_mul_rn(p, t.x), ds4_mul_rn(b, t.y));
+                }
+            }
+            if (k * DS4_WARP * 4 < fp8_nope) { // warp-uniform: FP8 of this k's 64-value blocks
+                float m = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (4 * q + j < fp8_nope) m = fmaxf(m, fabsf(v[j]));
+#pragma unroll
+                for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, ds4_shfl_xor(m, o)); // over the 64-value block
+                m = fmaxf(m, 1e-4f);
+                const float s = fu_pow2_scale(m, 448.0);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (4 * q + j < fp8_nope) {
+                        const float d = __fdiv_rn(v[j], s);
+                        const float c = d != d ? d : fminf(fmaxf(d, -448.0f), 448.0f);
+                        v[j] = ds4_mul_rn(fu_e4m3(c), s);
+                    }
+                }
+            }
+            if (q < w4) {
+                if (f16) {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v[j] = fu_f16_round(v[j]);
+                }
+                xr[q] = make_float4(v[0], v[1], v[2], v[3]);
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefill form of the HC pre + norm (n > the decode kernels' 4 tokens; the host's FUSE_HC_MAX_N;
 // the HC post before it stays a separate op): two launches that read X twice instead of the

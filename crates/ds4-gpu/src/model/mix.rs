@@ -225,6 +225,25 @@ fn nrpair_on() -> bool {
     env_code(&NRPAIR, "DS4_GPU_NRPAIR", on_unless_off) == 1
 }
 
+/// norm_rope_pair's prefill form: 0 not yet read from `DS4_GPU_NRW`, 1 on (default: the
+/// warp-a-row `norm_rope_pair_w` at n > FUSE_HC_MAX_N tokens where norm_rope_pair_g would run
+/// and a warp holds the row, NW_K float4 a lane), 2 off (`norm_rope_pair_g`, a CTA a row)
+/// (process-wide). Both give the same bits.
+static NRW: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the prefill norm_rope_pair takes `norm_rope_pair_w` (`DS4_GPU_NRW=off` or `0`, or
+/// [`GpuBackend::set_nrw`], turns it off; read once).
+fn nrw_on() -> bool {
+    env_code(&NRW, "DS4_GPU_NRW", on_unless_off) == 1
+}
+
+/// float4 columns a lane (`NW_K`) and rows a warp (`NW_R`) of norm_rope_pair_w.
+const NW_K: usize = 4;
+const NW_R: usize = 2;
+
+/// norm_rope_pair_w launches so far, process-wide ([`GpuBackend::nrw_launches`]).
+static NRW_RUNS: AtomicU64 = AtomicU64::new(0);
+
 /// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
 /// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches) (process-wide).
 static ROUTE: AtomicU8 = AtomicU8::new(0);
@@ -264,6 +283,19 @@ impl GpuBackend {
     /// (overrides the variable). Process-wide; for tests.
     pub fn set_route_form(form: &str) {
         set_code(&ROUTE, "set_route_form", form, &["on", "off"]);
+    }
+
+    /// Select norm_rope_pair's prefill form by its `DS4_GPU_NRW` name: "on" (the default:
+    /// norm_rope_pair_w, a warp a row) or "off" (norm_rope_pair_g, a CTA a row) (overrides the
+    /// variable). Process-wide; for tests and A/B benchmarks.
+    pub fn set_nrw(form: &str) {
+        set_code(&NRW, "set_nrw", form, &["on", "off"]);
+    }
+
+    /// norm_rope_pair_w launches by every backend of the process so far (tests check with it
+    /// that the warp form ran).
+    pub fn nrw_launches() -> u64 {
+        NRW_RUNS.load(Ordering::Relaxed)
     }
 
     /// Select the glue kernel form by its `DS4_GPU_MIX` name: "fast" (the default), "glue" or
@@ -718,6 +750,19 @@ impl GpuBackend {
             Arg::F32(eps),
             sp.map_or(Arg::Null, Arg::Ptr),
         ];
+        // Prefill: a warp a row where one warp holds it (the same bits; widths past one float4
+        // a thread of the CTA form would sum Σx² in another order, so they stay there).
+        let warp = self.warp() as usize;
+        if nrw_on() && n > FUSE_HC_MAX_N && width.is_multiple_of(4) && width / 4 <= NW_K * warp {
+            let rows = rows_a + rows_b;
+            let per_cta = 256 / warp * NW_R; // rows a CTA of 256
+            let mut args = args.to_vec();
+            args.push(Arg::I32(rows as i32));
+            let dims = LaunchDims::linear(rows.div_ceil(per_cta) as u32, 256);
+            self.run(&ds4_kernels::FUSED, "norm_rope_pair_w", dims, &args);
+            NRW_RUNS.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let mut dims = LaunchDims::linear((rows_a + rows_b) as u32, threads as u32);
         dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
         self.run(&ds4_kernels::FUSED, "norm_rope_pair_g", dims, &args);
