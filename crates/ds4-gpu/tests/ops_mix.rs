@@ -656,8 +656,9 @@ fn hc_pre_norm_cases(cases: &[(usize, usize, usize, GgmlType)]) {
 }
 
 /// The prefill HC pre (hcp_mix + hcp_finish: f32 products of the raw X, f32 sums of a lane's
-/// columns, f64 across lanes and splits, then the RMS scale) is at least as close to the CPU
-/// as the composed ops (the BLAS mixer product of three bf16 terms of the normalised X) at the
+/// columns, f64 across lanes and splits, then the RMS scale; hcp_mix_tc: tf32 hi + lo terms of
+/// X on tensor cores, f32 sums per split; with the post inside it or before it) is at least
+/// as close to the CPU as the composed ops (the BLAS mixer product of three bf16 terms of the normalised X) at the
 /// model's shape: max relative error of post, comb and z, n 300, N 4, D 4096, an F16 mixer,
 /// with and without the HC post (allowed: 1.5x the composed form's, plus 1e-6; H200: 6.0e-7 / 1.1e-7 / 6.0e-7
 /// against 9.0e-6 / 7.6e-7 / 3.3e-6 with the post).
@@ -699,9 +700,22 @@ fn hc_prefill_precision() {
             cpu.hc_pre_norm(h, &mc, &sc, &bc, &nc, &x, n, eps, &mut zc, &mut pc, &mut cc);
         }
         let mut errs = Vec::new();
-        // hcp_mix + hcp_finish, then the composed ops.
-        for hcp in ["on", "off"] {
-            GpuBackend::set_hcp(hcp);
+        // hcp_mix_tc (tensor cores, where the device has them) + hcp_finish, hcp_mix +
+        // hcp_finish, then the composed ops.
+        let i = gpu.gpu().info();
+        let tc_dev = i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8;
+        // (form, DS4_GPU_HCP_TC, DS4_GPU_HCP_POST): the post inside hcp_post_mix_tc, then
+        // hc_post_fast + hcp_mix_tc; the composed ops last.
+        for (hcp, tc, hpost) in [
+            ("tc", "on", "on"),
+            ("tc-sep", "on", "off"),
+            ("on", "off", "on"),
+            ("off", "off", "on"),
+        ] {
+            GpuBackend::set_hcp(if hcp.starts_with("tc") { "on" } else { hcp });
+            GpuBackend::set_hcp_tc(tc);
+            GpuBackend::set_hcp_post(hpost);
+            let runs = GpuBackend::hcp_tc_launches();
             let mut xg = gpu.upload(&x);
             let (og, ping, cing) = (gpu.upload(&o), gpu.upload(&pin), gpu.upload(&cin));
             let (mut zg, mut pg, mut cg) =
@@ -722,18 +736,39 @@ fn hc_prefill_precision() {
                 max_rel(&gpu.download(&zg, n * d), &zc),
             ];
             gpu_ok(&gpu, "hc prefill");
+            if with_post {
+                // The post's X' (in place) has hc_post_fast's bits, which are the CPU's.
+                let xg = gpu.download(&xg, n * w);
+                let diff = xg
+                    .iter()
+                    .zip(&xc)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    diff, 0,
+                    "post {with_post} hcp {hcp}: x differs from the CPU's post"
+                );
+            }
+            let ran = GpuBackend::hcp_tc_launches() - runs;
             println!(
-                "post {with_post} hcp {hcp}: max rel error post/comb/z {:.3e} {:.3e} {:.3e}",
+                "post {with_post} hcp {hcp}: max rel error post/comb/z {:.3e} {:.3e} {:.3e} \
+                 (hcp_mix_tc launches {ran})",
                 e[0], e[1], e[2]
             );
+            let want = hcp.starts_with("tc") && tc_dev;
+            assert_eq!(ran > 0, want, "hcp_mix_tc ran {ran} times ({hcp})");
             errs.push(e);
         }
         GpuBackend::set_hcp("on");
-        for (k, (h, c)) in errs[0].iter().zip(&errs[1]).enumerate() {
-            assert!(
-                *h <= 1.5 * c + 1e-6,
-                "post {with_post}: hcp error {h:.3e} > composed {c:.3e} (output {k})"
-            );
+        GpuBackend::set_hcp_tc("on");
+        GpuBackend::set_hcp_post("on");
+        for form in [0, 1, 2] {
+            for (k, (h, c)) in errs[form].iter().zip(&errs[3]).enumerate() {
+                assert!(
+                    *h <= 1.5 * c + 1e-6,
+                    "post {with_post} form {form}: hcp error {h:.3e} > composed {c:.3e} (output {k})"
+                );
+            }
         }
     }
 }

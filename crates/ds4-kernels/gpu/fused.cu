@@ -6,6 +6,8 @@
 #include "prelude.cuh"
 // hc.cuh: ds4_sigmoid and the Sinkhorn (hc_sinkhorn_by_warp), shared with model.cu
 #include "hc.cuh"
+// ptx.cuh: the tf32 mma of hcp_mix_tc (CUDA sm_80+)
+#include "ptx.cuh"
 
 #define FU_PART 32 // doubles per (token, split) partial: the (2+N)·N dots, then the sum of squares
 
@@ -1060,6 +1062,152 @@ DS4_KERNEL void DS4_BOUNDS(HP_T) hcp_mix(const float* x, const u8* __restrict__ 
     case 3: hp_mix<3>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
     default: hp_mix<4>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
     }
+}
+
+// hcp_mix on tensor cores (DS4_GPU_HCP_TC; CUDA sm_80+, N = 4, F16 or BF16 mixer: the 24 mixer
+// rows are exact in tf32): the same partials (24 dots, Σx²) for part, read by hcp_finish.
+// A warp takes 16 tokens (rows g = lane / 4 and g + 8 of mma.m16n8k8), a CTA HT_W warps, split
+// s of S the float4 columns [s·per, (s+1)·per) of every stream, in chunks of 4 float4 columns
+// (16 values; all N streams' loads of a chunk in flight together): lane (g, t) loads float4
+// column t of the chunk for both its tokens (a token row's 64 bytes by 4 lanes) and the
+// mixer's float4 at the same column for rows r = 8·nt + g (nt < 3: the B fragments, n = mixer
+// row; read through L1). The K order inside a chunk is permuted (mma k t <- value 4t + 2h,
+// k t + 4 <- 4t + 2h + 1 in step h; the same map for A and B), so a float4 feeds two k8 steps
+// with no shuffles. X = hi + lo, two tf32 terms (hi = tf32(x), lo = tf32(x - hi): ~2^-22 of x
+// left out), each an mma into the same f32 accumulators; Σx² in f64 from the same registers.
+// POST (hcp_post_mix_tc): the HC post first, X' = post_j·o + Σ_i comb[i][j]·X[i] with
+// hc_post_fast's operations (the same bits), X' stored in place and mixed: the post's own
+// launch and one read of X' go (the earlier fused post, hcp_post_mix with 1-2 lanes a token,
+// lost to its 16-32-byte stores; here 4 lanes store a row's 64 bytes).
+// Arithmetic differs from hcp_mix (the dots summed by the tensor cores, f32 accumulation per
+// split, X to ~22 bits): tests/ops_mix.rs hc_prefill_precision holds both to the CPU.
+#define HT_W 4 // warps of a hcp_mix_tc CTA (16 tokens each)
+template <bool POST>
+__device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post,
+                                          const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes,
+                                          int wty, double* __restrict__ part, int n, int D, int S, int per) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    constexpr int NN = 4, MIX = (2 + NN) * NN, NT = MIX / 8;
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    const int s = blockIdx.x % S;
+    const int t0 = (blockIdx.x / S) * (HT_W * 16) + (threadIdx.x >> 5) * 16;
+    const int tk[2] = {t0 + g, t0 + g + 8};
+    const bool live[2] = {tk[0] < n, tk[1] < n};
+    const int D4 = D >> 2, lo = s * per, hi = min(D4, lo + per);
+    float4* xr[2];
+    const float4* orow[2];
+    float pj[2][NN], cij[2][NN][NN];
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        const size_t t = live[m] ? tk[m] : 0;
+        xr[m] = (float4*)(x + t * NN * D);
+        orow[m] = (const float4*)(o + (POST ? t * D : 0));
+        if (POST) {
+#pragma unroll
+            for (int i = 0; i < NN; i++) {
+                pj[m][i] = post[t * NN + i];
+#pragma unroll
+                for (int j = 0; j < NN; j++) cij[m][i][j] = comb[t * NN * NN + i * NN + j];
+            }
+        }
+    }
+    float c[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+    double ss[2] = {0.0, 0.0};
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int q0 = lo + tg; q0 < hi; q0 += 4) { // this lane's float4 column of each chunk (host: (hi - lo) % 4 == 0)
+        float4 v[2][NN], ov[2];
+#pragma unroll
+        for (int m = 0; m < 2; m++) { // the chunk's loads first
+#pragma unroll
+            for (int j = 0; j < NN; j++) v[m][j] = live[m] ? xr[m][j * D4 + q0] : zero;
+            if (POST) ov[m] = live[m] ? orow[m][q0] : zero;
+        }
+        if (POST) {
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                float4 old[NN];
+#pragma unroll
+                for (int i = 0; i < NN; i++) old[i] = v[m][i];
+#pragma unroll
+                for (int j = 0; j < NN; j++) { // X'[j] = post_j o + sum_i A[i][j] X[i], serial in i (hc_post_fast)
+                    const float p = pj[m][j];
+                    float4 w = make_float4(ds4_mul_rn(p, ov[m].x), ds4_mul_rn(p, ov[m].y), ds4_mul_rn(p, ov[m].z), ds4_mul_rn(p, ov[m].w));
+#pragma unroll
+                    for (int i = 0; i < NN; i++) {
+                        const float a = cij[m][i][j];
+                        w.x = w.x + ds4_mul_rn(a, old[i].x);
+                        w.y = w.y + ds4_mul_rn(a, old[i].y);
+                        w.z = w.z + ds4_mul_rn(a, old[i].z);
+                        w.w = w.w + ds4_mul_rn(a, old[i].w);
+                    }
+                    v[m][j] = w;
+                    if (live[m]) xr[m][j * D4 + q0] = w;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NN; j++) {
+            const int q = j * D4 + q0;
+            float4 w[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) w[nt] = fu_w4(mixer + (size_t)(nt * 8 + g) * row_bytes, q, wty);
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const float4 a = v[m][j];
+                ss[m] += (double)a.x * (double)a.x + (double)a.y * (double)a.y + (double)a.z * (double)a.z + (double)a.w * (double)a.w;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) { // k8 step h: values 4t + 2h (k t) and 4t + 2h + 1 (k t + 4)
+                const float a0 = h ? v[0][j].z : v[0][j].x, a1 = h ? v[0][j].w : v[0][j].y;
+                const float b0 = h ? v[1][j].z : v[1][j].x, b1 = h ? v[1][j].w : v[1][j].y;
+                const u32 ha0 = ds4_tf32(a0), ha1 = ds4_tf32(a1), hb0 = ds4_tf32(b0), hb1 = ds4_tf32(b1);
+                const u32 la0 = ds4_tf32(a0 - __uint_as_float(ha0)), la1 = ds4_tf32(a1 - __uint_as_float(ha1));
+                const u32 lb0 = ds4_tf32(b0 - __uint_as_float(hb0)), lb1 = ds4_tf32(b1 - __uint_as_float(hb1));
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const u32 w0 = __float_as_uint(h ? w[nt].z : w[nt].x), w1 = __float_as_uint(h ? w[nt].w : w[nt].y);
+                    // A rows: g (token tk[0]), g + 8 (token tk[1]); the low term first.
+                    ds4_mma_tf32(c[nt], la0, lb0, la1, lb1, w0, w1);
+                    ds4_mma_tf32(c[nt], ha0, hb0, ha1, hb1, w0, w1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; m++) { // Σx² over the quad (the 4 lanes of a token pair), fixed order
+        ss[m] += ds4_shfl_xor(ss[m], 1);
+        ss[m] += ds4_shfl_xor(ss[m], 2);
+    }
+    // C: c[nt][0..1] token tk[0], mixer rows 8nt + 2t, + 1; c[nt][2..3] token tk[1].
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        if (!live[m]) continue;
+        double* pt = part + ((size_t)tk[m] * S + s) * FU_PART;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            pt[nt * 8 + 2 * tg] = (double)c[nt][2 * m];
+            pt[nt * 8 + 2 * tg + 1] = (double)c[nt][2 * m + 1];
+        }
+        if (tg == 0) pt[MIX] = ss[m];
+    }
+#endif
+}
+
+// Grid ceil(n / (16·HT_W))·S CTAs of 32·HT_W threads (split s = CTA % S, float4 columns
+// [s·per, min(D/4, (s+1)·per)) of each stream); hcp_mix's arguments. Host: CUDA sm_80+, N = 4
+// (the argument is not read), wty 1 or 2, D % 16
+// == 0, per % 4 == 0, 16-byte aligned x (and o); part holds n·S·FU_PART doubles.
+DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_mix_tc(const float* x, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
+    ds4_pdl_enter();
+    hp_mix_tc<false>((float*)x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per);
+}
+
+// hcp_mix_tc after the HC post of (o [n, D], post [n, N], comb [n, N·N]) into x, in place.
+DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_post_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
+    ds4_pdl_enter();
+    hp_mix_tc<true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
 }
 
 template <int NN>
