@@ -348,6 +348,17 @@ impl GpuBackend {
         set_code(&HCP_TC, "set_hcp_tc", form, &["on", "off"]);
     }
 
+    /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
+    /// `DS4_GPU_HCP_TC=ctas` (overrides the variable). Process-wide; for benchmarks.
+    pub fn set_hcp_tc_ctas(ctas: usize) {
+        let c = if ctas == 0 {
+            2
+        } else {
+            10 + ctas.min(16) as u8
+        };
+        HCP_TC.store(c, Ordering::Relaxed);
+    }
+
     /// The HC post inside the prefill's tensor-core mix by its `DS4_GPU_HCP_POST` name: "on"
     /// (the default) or "off" (overrides the variable). Process-wide; for tests and A/B.
     pub fn set_hcp_post(form: &str) {
