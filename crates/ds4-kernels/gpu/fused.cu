@@ -6,8 +6,6 @@
 #include "prelude.cuh"
 // hc.cuh: ds4_sigmoid and the Sinkhorn (hc_sinkhorn_by_warp), shared with model.cu
 #include "hc.cuh"
-// ptx.cuh: the tf32 mma of hcp_mix_tc (CUDA sm_80+)
-#include "ptx.cuh"
 
 #define FU_PART 32 // doubles per (token, split) partial: the (2+N)·N dots, then the sum of squares
 
@@ -1082,6 +1080,21 @@ DS4_KERNEL void DS4_BOUNDS(HP_T) hcp_mix(const float* x, const u8* __restrict__ 
 // Arithmetic differs from hcp_mix (the dots summed by the tensor cores, f32 accumulation per
 // split, X to ~22 bits): tests/ops_mix.rs hc_prefill_precision holds both to the CPU.
 #define HT_W 4 // warps of a hcp_mix_tc CTA (16 tokens each)
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+// mma.sync m16n8k8 tf32 x tf32 with f32 accumulators c[0..3] += A (a0..a3) * B (b0, b1). (Here,
+// not in ptx.cuh: every header is part of every module's kernel cache key.)
+__device__ __forceinline__ void ds4_mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// f32 -> tf32 (nearest, ties away; the low 13 bits zero), as the b32 mma operand.
+__device__ __forceinline__ u32 ds4_tf32(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return r;
+}
+#endif
 template <bool POST>
 __device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post,
                                           const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes,

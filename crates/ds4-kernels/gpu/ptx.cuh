@@ -56,18 +56,6 @@ __device__ __forceinline__ void ds4_mma_bf16(float* c, const u32* a, u32 b0, u32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void ds4_mma_bf16(float* c, const u32* a, const u32* b) { ds4_mma_bf16(c, a, b[0], b[1]); }
-// mma.sync m16n8k8 tf32 x tf32 with f32 accumulators c[0..3] += A (a0..a3) * B (b0, b1).
-__device__ __forceinline__ void ds4_mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// f32 -> tf32 (nearest, ties away; the low 13 bits zero), as the b32 mma operand.
-__device__ __forceinline__ u32 ds4_tf32(float v) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return r;
-}
 // mma.sync m16n8k32 s8 x s8 with int32 accumulators c[0..3] += A (a[0..3]) * B (b0, b1).
 __device__ __forceinline__ void ds4_mma_s8(int* c, const u32* a, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
