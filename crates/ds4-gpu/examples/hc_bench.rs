@@ -9,8 +9,10 @@
 //! collapse's clock64 cycles.
 //! (3) first, prefill (`HC_BENCH_N` tokens, default 2048; `GpuBackend`): µs per call of
 //! hc_post_pre_norm (the HC post, then the HC pre) and hc_pre_norm with the `hcp_mix` +
-//! `hcp_finish` kernels (`set_hcp("on")`) and with the composed ops ("off"): `reps` (at most
-//! 50) calls queued between two syncs (wall clock).
+//! `hcp_finish` kernels (`set_hcp("on")`), with `hcp_mix_tc` at 2, 4 and 8 CTAs per SM after
+//! the separate post or with the post inside (`hcp_post_mix_tc`), and with the composed ops
+//! ("off"): `reps` (at most 50) calls queued between two syncs (wall clock).
+//! `HC_BENCH_PREFILL_ONLY=1`: (3) alone.
 
 mod common;
 
@@ -101,8 +103,20 @@ fn prefill(reps: usize) {
     };
     println!("# (3) prefill n {n}: us per call, {reps} calls queued between two syncs");
     for round in 0..2 {
-        for (label, hcp) in [("composed", "off"), ("hcp", "on")] {
+        // (label, DS4_GPU_HCP, DS4_GPU_HCP_TC: off or CTAs per SM, DS4_GPU_HCP_POST)
+        for (label, hcp, tc, hpost) in [
+            ("composed", "off", 0, "on"),
+            ("hcp", "on", 0, "on"),
+            ("tc2-sep", "on", 2, "off"),
+            ("tc4-sep", "on", 4, "off"),
+            ("tc8-sep", "on", 8, "off"),
+            ("tc2-post", "on", 2, "on"),
+            ("tc4-post", "on", 4, "on"),
+            ("tc8-post", "on", 8, "on"),
+        ] {
             GpuBackend::set_hcp(hcp);
+            GpuBackend::set_hcp_tc_ctas(tc);
+            GpuBackend::set_hcp_post(hpost);
             for with_post in [true, false] {
                 let mut call = |x: &mut <GpuBackend as Backend>::Buf| {
                     if with_post {
@@ -139,11 +153,16 @@ fn prefill(reps: usize) {
         }
     }
     GpuBackend::set_hcp("on");
+    GpuBackend::set_hcp_tc("on");
+    GpuBackend::set_hcp_post("on");
 }
 
 fn main() {
     let reps: usize = common::arg(1, 200);
     prefill(reps.min(50));
+    if std::env::var_os("HC_BENCH_PREFILL_ONLY").is_some() {
+        return;
+    }
     let gpu = common::open_gpu();
     let rt = gpu.runtime().clone();
     let warp = gpu.info().warp as usize;

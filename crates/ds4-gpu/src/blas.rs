@@ -469,9 +469,11 @@ impl Handle {
         Ok(Some(p))
     }
 
-    /// Queue `D = A^T·B` of `plan` on `stream` (f32 alpha 1, beta 0; C is D). A plan of an `f16`
+    /// Queue `D = A^T·B` of `plan` on `stream` (f32 alpha 1, beta 0; C is D), or with `acc`
+    /// `D = A^T·B + D` (beta 1: the sum in the library's epilogue). A plan of an `f16`
     /// shape takes `scale`: a device pointer to (alpha, beta) f32, read when the product runs
-    /// (None for the others). No allocation and no synchronisation: the workspace is the caller's.
+    /// (None for the others; `acc` is then ignored). No allocation and no synchronisation: the
+    /// workspace is the caller's.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -480,11 +482,12 @@ impl Handle {
         b: DevPtr,
         d: DevPtr,
         scale: Option<DevPtr>,
+        acc: bool,
         workspace: DevPtr,
         workspace_bytes: usize,
         stream: Stream,
     ) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if acc { 1.0f32 } else { 0.0f32 });
         let lt = self.lt;
         let ptr = |p: DevPtr| p.0 as *mut c_void;
         let (pa, pb) = match scale {

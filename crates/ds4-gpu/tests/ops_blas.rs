@@ -422,6 +422,80 @@ fn blas_cache_and_shared_x_same_bits() {
     assert!(bad.is_empty(), "failed: {bad:?}");
 }
 
+/// Backend::matmul_add at n > 4 (the shared expert's down product added into the routed sum):
+/// the add in the library's epilogue (beta 1) against the old form (product into scratch, then
+/// add_f32; `DS4_GPU_BLAS_ACC=off`) bit for bit, in the default, fast and f16 forms (f16
+/// declines: the old form runs), every covered type, and the CPU within the forms' tolerances.
+/// Each case checks which form ran (counter). y holds other values than zero (the routed sum).
+#[test]
+fn blas_matmul_add_same_bits() {
+    let Some((cpu, gpu)) = blas_backends() else {
+        return;
+    };
+    let mut bad = Vec::new();
+    for form in ["on", "fast", "f16"] {
+        match form {
+            "f16" => GpuBackend::set_blas_f16(),
+            _ => GpuBackend::set_blas(true, form == "fast"),
+        }
+        // (type, cols, rows, n): small shapes, and the shared down (Q8_0 2048 -> 4096).
+        let mut shapes: Vec<(GgmlType, usize, usize, usize)> = Vec::new();
+        for &ty in TYPES {
+            for n in [5usize, 64, 300] {
+                shapes.push((ty, 512, 192, n));
+            }
+        }
+        shapes.push((GgmlType::Q8_0, 2048, 4096, 256));
+        for (si, &(ty, cols, rows, n)) in shapes.iter().enumerate() {
+            let (cw, gw) = weight(&cpu, &gpu, ty, cols, rows, 1, 500 + si as u64);
+            let x = randn(&mut rng(600 + si as u64), n * cols, 1.0);
+            let y0 = randn(&mut rng(700 + si as u64), n * rows, 2.0);
+            let c = {
+                let (cx, mut cy) = (cpu.upload(&x), cpu.upload(&y0));
+                cpu.matmul_add(&cw, &cx, n, rows, &mut cy);
+                cpu.download(&cy, n * rows)
+            };
+            let gx = gpu.upload(&x);
+            let run = |acc: bool| {
+                GpuBackend::set_blas_acc(acc);
+                let mut gy = gpu.upload(&y0);
+                let a0 = GpuBackend::blas_acc_launches();
+                gpu.matmul_add(&gw, &gx, n, rows, &mut gy);
+                let took = GpuBackend::blas_acc_launches() > a0;
+                (gpu.download(&gy, n * rows), took)
+            };
+            let (new, took_new) = run(true);
+            let (old, took_old) = run(false);
+            GpuBackend::set_blas_acc(true);
+            let name = format!("matmul_add {form} {ty:?} {cols}->{rows} n={n}");
+            if let Err(e) = gpu.check() {
+                bad.push(format!("{name}: GPU error {e}"));
+                continue;
+            }
+            let diff = new
+                .iter()
+                .zip(&old)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            let (e, tol) = match form {
+                "on" => (max_rel(&new, &c), TOL),
+                _ => (max_rel_rms(&new, &c), TOL_FAST),
+            };
+            println!(
+                "{name}: epilogue form {took_new}, {diff} values differ in bits from the old form, \
+                 max rel to the CPU {e:.3e}"
+            );
+            if diff != 0 || e > tol || took_old || took_new != (form != "f16") {
+                bad.push(format!(
+                    "{name}: diff {diff}, err {e:.3e}, ran {took_new}/{took_old}"
+                ));
+            }
+        }
+    }
+    GpuBackend::set_blas(true, false);
+    assert!(bad.is_empty(), "failed cases: {bad:?}");
+}
+
 /// Host test (no GPU, no library needed): a failed load lists every place searched, in the
 /// one line the backend prints before falling back to the built-in GEMM.
 #[test]

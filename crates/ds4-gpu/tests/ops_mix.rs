@@ -656,8 +656,9 @@ fn hc_pre_norm_cases(cases: &[(usize, usize, usize, GgmlType)]) {
 }
 
 /// The prefill HC pre (hcp_mix + hcp_finish: f32 products of the raw X, f32 sums of a lane's
-/// columns, f64 across lanes and splits, then the RMS scale) is at least as close to the CPU
-/// as the composed ops (the BLAS mixer product of three bf16 terms of the normalised X) at the
+/// columns, f64 across lanes and splits, then the RMS scale; hcp_mix_tc: tf32 hi + lo terms of
+/// X on tensor cores, f32 sums per split; with the post inside it or before it) is at least
+/// as close to the CPU as the composed ops (the BLAS mixer product of three bf16 terms of the normalised X) at the
 /// model's shape: max relative error of post, comb and z, n 300, N 4, D 4096, an F16 mixer,
 /// with and without the HC post (allowed: 1.5x the composed form's, plus 1e-6; H200: 6.0e-7 / 1.1e-7 / 6.0e-7
 /// against 9.0e-6 / 7.6e-7 / 3.3e-6 with the post).
@@ -699,9 +700,22 @@ fn hc_prefill_precision() {
             cpu.hc_pre_norm(h, &mc, &sc, &bc, &nc, &x, n, eps, &mut zc, &mut pc, &mut cc);
         }
         let mut errs = Vec::new();
-        // hcp_mix + hcp_finish, then the composed ops.
-        for hcp in ["on", "off"] {
-            GpuBackend::set_hcp(hcp);
+        // hcp_mix_tc (tensor cores, where the device has them) + hcp_finish, hcp_mix +
+        // hcp_finish, then the composed ops.
+        let i = gpu.gpu().info();
+        let tc_dev = i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8;
+        // (form, DS4_GPU_HCP_TC, DS4_GPU_HCP_POST): the post inside hcp_post_mix_tc, then
+        // hc_post_fast + hcp_mix_tc; the composed ops last.
+        for (hcp, tc, hpost) in [
+            ("tc", "on", "on"),
+            ("tc-sep", "on", "off"),
+            ("on", "off", "on"),
+            ("off", "off", "on"),
+        ] {
+            GpuBackend::set_hcp(if hcp.starts_with("tc") { "on" } else { hcp });
+            GpuBackend::set_hcp_tc(tc);
+            GpuBackend::set_hcp_post(hpost);
+            let runs = GpuBackend::hcp_tc_launches();
             let mut xg = gpu.upload(&x);
             let (og, ping, cing) = (gpu.upload(&o), gpu.upload(&pin), gpu.upload(&cin));
             let (mut zg, mut pg, mut cg) =
@@ -722,18 +736,39 @@ fn hc_prefill_precision() {
                 max_rel(&gpu.download(&zg, n * d), &zc),
             ];
             gpu_ok(&gpu, "hc prefill");
+            if with_post {
+                // The post's X' (in place) has hc_post_fast's bits, which are the CPU's.
+                let xg = gpu.download(&xg, n * w);
+                let diff = xg
+                    .iter()
+                    .zip(&xc)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    diff, 0,
+                    "post {with_post} hcp {hcp}: x differs from the CPU's post"
+                );
+            }
+            let ran = GpuBackend::hcp_tc_launches() - runs;
             println!(
-                "post {with_post} hcp {hcp}: max rel error post/comb/z {:.3e} {:.3e} {:.3e}",
+                "post {with_post} hcp {hcp}: max rel error post/comb/z {:.3e} {:.3e} {:.3e} \
+                 (hcp_mix_tc launches {ran})",
                 e[0], e[1], e[2]
             );
+            let want = hcp.starts_with("tc") && tc_dev;
+            assert_eq!(ran > 0, want, "hcp_mix_tc ran {ran} times ({hcp})");
             errs.push(e);
         }
         GpuBackend::set_hcp("on");
-        for (k, (h, c)) in errs[0].iter().zip(&errs[1]).enumerate() {
-            assert!(
-                *h <= 1.5 * c + 1e-6,
-                "post {with_post}: hcp error {h:.3e} > composed {c:.3e} (output {k})"
-            );
+        GpuBackend::set_hcp_tc("on");
+        GpuBackend::set_hcp_post("on");
+        for form in [0, 1, 2] {
+            for (k, (h, c)) in errs[form].iter().zip(&errs[3]).enumerate() {
+                assert!(
+                    *h <= 1.5 * c + 1e-6,
+                    "post {with_post} form {form}: hcp error {h:.3e} > composed {c:.3e} (output {k})"
+                );
+            }
         }
     }
 }
@@ -813,10 +848,14 @@ fn norm_rope_pair_matches_two_calls() {
     use ds4_backend::RopeKind;
     let Some((cpu, gpu)) = setup() else { return };
     let n_rot = HParams::tiny().n_rot as usize;
-    // Both pair kernels (`DS4_GPU_NRLATE`: norm_rope_pair_gl waits for the PDL after the weights
-    // and the RoPE table; norm_rope_pair_g first): the same bits as two norm_rope calls.
-    for late in ["on", "off"] {
+    // Both decode pair kernels (`DS4_GPU_NRLATE`: norm_rope_pair_gl waits for the PDL after the
+    // weights and the RoPE table; norm_rope_pair_g first) and the prefill warp form
+    // (norm_rope_pair_w, `DS4_GPU_NRW`, n > 4) with the CTA form it replaces: each the same bits
+    // as two norm_rope calls (norm_rope_g).
+    for (late, nrw) in [("off", "on"), ("on", "on"), ("off", "off")] {
         GpuBackend::set_nrlate(late);
+        GpuBackend::set_nrw(nrw);
+        let runs = GpuBackend::nrw_launches();
         fuse_forms(|fused| {
             let mut r = rng(9);
             let (kv, fp4) = (|w: usize| kv_round(w, n_rot), FP4_ROUND);
@@ -831,6 +870,14 @@ fn norm_rope_pair_matches_two_calls() {
                 (1, 2, 1, 1024, Some(kv(1024)), 77),
                 (2, 4, 1, 256, Some(fp4), 9),
                 (4, 2, 1, 200, Some(kv(200)), 1),
+                // Prefill (the warp form where on): rows of a warp across a's end (15 rows of a),
+                // 64 heads at the 2k end, a width of two float4 a lane, one not a multiple of a
+                // warp's float4, and one past a warp (the CTA form).
+                (5, 3, 1, 512, Some(kv(512)), 33),
+                (7, 64, 1, 512, Some(kv(512)), 2041),
+                (6, 4, 1, 256, Some(kv(256)), 100_000),
+                (6, 2, 1, 200, Some(kv(200)), 1),
+                (5, 2, 1, 1024, Some(kv(1024)), 77),
             ] {
                 for kind in [RopeKind::Swa, RopeKind::Comp] {
                     let (la, lb) = (n * ha * width, n * hb * width);
@@ -878,7 +925,7 @@ fn norm_rope_pair_matches_two_calls() {
                     let (ap, bp) = (gpu.download(&ap, la), gpu.download(&bp, lb));
                     let (a2, b2) = (gpu.download(&a2, la), gpu.download(&b2, lb));
                     gpu_ok(&gpu, "norm_rope_pair");
-                    let case = format!("norm_rope_pair late {late} fused {fused} n {n} {ha}+{hb} heads width {width} {kind:?} {round_b:?}");
+                    let case = format!("norm_rope_pair late {late} nrw {nrw} fused {fused} n {n} {ha}+{hb} heads width {width} {kind:?} {round_b:?}");
                     assert!(bits(&ap) == bits(&a2), "{case}: a differs from norm_rope");
                     assert!(bits(&bp) == bits(&b2), "{case}: b differs from norm_rope");
                     assert_close(&format!("{case} a"), &ap, &ac, TOL);
@@ -887,7 +934,15 @@ fn norm_rope_pair_matches_two_calls() {
                 }
             }
         });
+        let ran = GpuBackend::nrw_launches() - runs;
+        if nrw == "on" {
+            assert!(ran > 0, "norm_rope_pair_w never ran");
+        } else {
+            assert_eq!(ran, 0, "norm_rope_pair_w ran with DS4_GPU_NRW off");
+        }
     }
+    GpuBackend::set_nrw("on");
+    GpuBackend::set_nrlate("off");
 }
 
 /// matmul_route (at n = 1 with an F16 router of 128 rows or more: one mvq_route_f16 launch, the

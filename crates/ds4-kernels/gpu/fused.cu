@@ -861,6 +861,127 @@ DS4_KERNEL void DS4_BOUNDS(256) norm_rope_pair_gl(float* __restrict__ xa, const 
                            a ? fp8_a : fp8_b, a ? f16_a : f16_b, sp, sc_s, red);
 }
 
+// Prefill form of norm_rope_pair_g (DS4_GPU_NRW; n > 4 tokens): a warp a row instead of a CTA a
+// row (H200, n 2048 x 64 + 1 rows of 512: the CTA form moves 536 MB in ~283 us, ~1.9 TB/s; a
+// 128-thread CTA a row is mostly latency: its f64 RoPE angles and two barriers per 2 KB).
+// Warp g takes rows g·NW_R .. + NW_R of the pair's row space (a's rows, then b's), every load
+// of its rows issued first; lane l holds float4 columns q = k·DS4_WARP + l (k < NW_K). The
+// bits of norm_rope_pair_g wherever its CTA holds one float4 a thread (width / 4 <= 256): Σx² is
+// summed per k over the warp (k = the CTA form's warp index) by the same xor butterfly, then the
+// k sums in k order from 0 (fu_block_sum's order); a lane computes the f64 sin/cos of the pairs
+// in its own columns (the same expression as fu_norm_rope_row), again only when the row's token
+// changes; FP8 blocks of 64 are 16 aligned lanes, as there. Host: width % 4 == 0,
+// width / 4 <= NW_K·DS4_WARP, 16-byte aligned rows and weights, n_rot even, n_rot and fp8_nope
+// <= width; no dynamic shared memory.
+#define NW_K 4
+#define NW_R 2
+DS4_KERNEL void DS4_BOUNDS(256) norm_rope_pair_w(float* __restrict__ xa, const float* __restrict__ wa, int heads_a, int fp8_a, int f16_a, int rows_a, float* __restrict__ xb, const float* __restrict__ wb, int heads_b, int fp8_b, int f16_b, const double* __restrict__ freqs, int width, int n_rot, long long pos0, float eps, const long long* __restrict__ sp, int rows) {
+    ds4_pdl_enter();
+    const int lane = threadIdx.x % DS4_WARP, w4 = width >> 2, r0 = width - n_rot;
+    const int g0 = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / DS4_WARP) * NW_R;
+    if (g0 >= rows) return; // warp-uniform
+    float4 e[NW_R][NW_K];
+#pragma unroll
+    for (int i = 0; i < NW_R; i++) { // every load of the warp's rows first
+        const int g = g0 + i;
+        const bool a = g < rows_a;
+        const float4* xr = (const float4*)((a ? xa : xb) + (size_t)(a ? g : g - rows_a) * width);
+#pragma unroll
+        for (int k = 0; k < NW_K; k++) {
+            const int q = k * DS4_WARP + lane;
+            e[i][k] = (g < rows && q < w4) ? xr[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    const long long base = pos0 + (sp ? *sp : 0LL);
+    float2 sc[NW_K][2]; // (sin, cos) of the pairs at columns 4q, 4q + 2 (where >= r0)
+    int tok_sc = -1;
+#pragma unroll
+    for (int i = 0; i < NW_R; i++) {
+        const int g = g0 + i;
+        if (g >= rows) break; // warp-uniform
+        const bool a = g < rows_a;
+        const int row = a ? g : g - rows_a, heads = a ? heads_a : heads_b;
+        const int tok = a ? row / heads : rows_a + row / heads; // a's and b's tokens apart
+        float4* xr = (float4*)((a ? xa : xb) + (size_t)row * width);
+        const float4* wr = (const float4*)(a ? wa : wb);
+        const int fp8_nope = a ? fp8_a : fp8_b, f16 = a ? f16_a : f16_b;
+        if (tok != tok_sc) { // warp-uniform; the same angles as fu_norm_rope_row's sc_s
+            tok_sc = tok;
+            const long long pos = base + row / heads;
+#pragma unroll
+            for (int k = 0; k < NW_K; k++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int c = 4 * (k * DS4_WARP + lane) + 2 * h;
+                    if (c >= r0 && c < width) {
+                        const double theta = fmod((double)pos * freqs[(c - r0) >> 1], 6.283185307179586);
+                        double sn, cs;
+                        sincos(theta, &sn, &cs);
+                        sc[k][h] = make_float2((float)sn, (float)cs);
+                    }
+                }
+            }
+        }
+        double ss = 0.0; // Σ over k of the warp sums: fu_block_sum's order
+#pragma unroll
+        for (int k = 0; k < NW_K; k++) {
+            if (k * DS4_WARP >= w4) break; // warp-uniform
+            const float4 v = e[i][k];
+            double s = 0.0;
+            s += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
+                 (double)v.w * (double)v.w;
+            ss += ds4_warp_sum_f64(s);
+        }
+        const float rs = (float)(1.0 / sqrt(ss / (double)width + (double)eps));
+#pragma unroll
+        for (int k = 0; k < NW_K; k++) {
+            const int q = k * DS4_WARP + lane;
+            if (k * DS4_WARP >= w4) break; // warp-uniform
+            const float4 x4 = e[i][k];
+            float v[4] = {x4.x * rs, x4.y * rs, x4.z * rs, x4.w * rs};
+            if (wr && q < w4) {
+                const float4 gw = wr[q];
+                v[0] = v[0] * gw.x, v[1] = v[1] * gw.y, v[2] = v[2] * gw.z, v[3] = v[3] * gw.w;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) { // the pair at columns 4q + 2h, 4q + 2h + 1 (r0 is even)
+                const int c = 4 * q + 2 * h;
+                if (q < w4 && c >= r0) {
+                    const float2 t = sc[k][h];
+                    const float p = v[2 * h], b = v[2 * h + 1];
+                    v[2 * h] = __fsub_rn(ds4_mul_rn(p, t.y), ds4_mul_rn(b, t.x));
+                    v[2 * h + 1] = __fadd_rn(ds4_mul_rn(p, t.x), ds4_mul_rn(b, t.y));
+                }
+            }
+            if (k * DS4_WARP * 4 < fp8_nope) { // warp-uniform: FP8 of this k's 64-value blocks
+                float m = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (4 * q + j < fp8_nope) m = fmaxf(m, fabsf(v[j]));
+#pragma unroll
+                for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, ds4_shfl_xor(m, o)); // over the 64-value block
+                m = fmaxf(m, 1e-4f);
+                const float s = fu_pow2_scale(m, 448.0);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (4 * q + j < fp8_nope) {
+                        const float d = __fdiv_rn(v[j], s);
+                        const float c = d != d ? d : fminf(fmaxf(d, -448.0f), 448.0f);
+                        v[j] = ds4_mul_rn(fu_e4m3(c), s);
+                    }
+                }
+            }
+            if (q < w4) {
+                if (f16) {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v[j] = fu_f16_round(v[j]);
+                }
+                xr[q] = make_float4(v[0], v[1], v[2], v[3]);
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefill form of the HC pre + norm (n > the decode kernels' 4 tokens; the host's FUSE_HC_MAX_N;
 // the HC post before it stays a separate op): two launches that read X twice instead of the
@@ -964,6 +1085,167 @@ DS4_KERNEL void DS4_BOUNDS(HP_T) hcp_mix(const float* x, const u8* __restrict__ 
     case 3: hp_mix<3>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
     default: hp_mix<4>(x, mixer, row_bytes, wty, part, n, D, S, per, ws); break;
     }
+}
+
+// hcp_mix on tensor cores (DS4_GPU_HCP_TC; CUDA sm_80+, N = 4, F16 or BF16 mixer: the 24 mixer
+// rows are exact in tf32): the same partials (24 dots, Σx²) for part, read by hcp_finish.
+// A warp takes 16 tokens (rows g = lane / 4 and g + 8 of mma.m16n8k8), a CTA HT_W warps, split
+// s of S the float4 columns [s·per, (s+1)·per) of every stream, in chunks of 4 float4 columns
+// (16 values; all N streams' loads of a chunk in flight together): lane (g, t) loads float4
+// column t of the chunk for both its tokens (a token row's 64 bytes by 4 lanes) and the
+// mixer's float4 at the same column for rows r = 8·nt + g (nt < 3: the B fragments, n = mixer
+// row; read through L1). The K order inside a chunk is permuted (mma k t <- value 4t + 2h,
+// k t + 4 <- 4t + 2h + 1 in step h; the same map for A and B), so a float4 feeds two k8 steps
+// with no shuffles. X = hi + lo, two tf32 terms (hi = tf32(x), lo = tf32(x - hi): ~2^-22 of x
+// left out), each an mma into the same f32 accumulators; Σx² in f64 from the same registers.
+// POST (hcp_post_mix_tc): the HC post first, X' = post_j·o + Σ_i comb[i][j]·X[i] with
+// hc_post_fast's operations (the same bits), X' stored in place and mixed: the post's own
+// launch and one read of X' go (the earlier fused post, hcp_post_mix with 1-2 lanes a token,
+// lost to its 16-32-byte stores; here 4 lanes store a row's 64 bytes).
+// Arithmetic differs from hcp_mix (the dots summed by the tensor cores, f32 accumulation per
+// split, X to ~22 bits): tests/ops_mix.rs hc_prefill_precision holds both to the CPU.
+#define HT_W 4 // warps of a hcp_mix_tc CTA (16 tokens each)
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+// mma.sync m16n8k8 tf32 x tf32 with f32 accumulators c[0..3] += A (a0..a3) * B (b0, b1). (Here,
+// not in ptx.cuh: every header is part of every module's kernel cache key.)
+__device__ __forceinline__ void ds4_mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// f32 -> tf32 (nearest, ties away; the low 13 bits zero), as the b32 mma operand.
+__device__ __forceinline__ u32 ds4_tf32(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return r;
+}
+#endif
+template <bool POST>
+__device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post,
+                                          const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes,
+                                          int wty, double* __restrict__ part, int n, int D, int S, int per) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    constexpr int NN = 4, MIX = (2 + NN) * NN, NT = MIX / 8;
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    const int s = blockIdx.x % S;
+    const int t0 = (blockIdx.x / S) * (HT_W * 16) + (threadIdx.x >> 5) * 16;
+    const int tk[2] = {t0 + g, t0 + g + 8};
+    const bool live[2] = {tk[0] < n, tk[1] < n};
+    const int D4 = D >> 2, lo = s * per, hi = min(D4, lo + per);
+    float4* xr[2];
+    const float4* orow[2];
+    float pj[2][NN], cij[2][NN][NN];
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        const size_t t = live[m] ? tk[m] : 0;
+        xr[m] = (float4*)(x + t * NN * D);
+        orow[m] = (const float4*)(o + (POST ? t * D : 0));
+        if (POST) {
+#pragma unroll
+            for (int i = 0; i < NN; i++) {
+                pj[m][i] = post[t * NN + i];
+#pragma unroll
+                for (int j = 0; j < NN; j++) cij[m][i][j] = comb[t * NN * NN + i * NN + j];
+            }
+        }
+    }
+    float c[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+    double ss[2] = {0.0, 0.0};
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int q0 = lo + tg; q0 < hi; q0 += 4) { // this lane's float4 column of each chunk (host: (hi - lo) % 4 == 0)
+        float4 v[2][NN], ov[2];
+#pragma unroll
+        for (int m = 0; m < 2; m++) { // the chunk's loads first
+#pragma unroll
+            for (int j = 0; j < NN; j++) v[m][j] = live[m] ? xr[m][j * D4 + q0] : zero;
+            if (POST) ov[m] = live[m] ? orow[m][q0] : zero;
+        }
+        if (POST) {
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                float4 old[NN];
+#pragma unroll
+                for (int i = 0; i < NN; i++) old[i] = v[m][i];
+#pragma unroll
+                for (int j = 0; j < NN; j++) { // X'[j] = post_j o + sum_i A[i][j] X[i], serial in i (hc_post_fast)
+                    const float p = pj[m][j];
+                    float4 w = make_float4(ds4_mul_rn(p, ov[m].x), ds4_mul_rn(p, ov[m].y), ds4_mul_rn(p, ov[m].z), ds4_mul_rn(p, ov[m].w));
+#pragma unroll
+                    for (int i = 0; i < NN; i++) {
+                        const float a = cij[m][i][j];
+                        w.x = w.x + ds4_mul_rn(a, old[i].x);
+                        w.y = w.y + ds4_mul_rn(a, old[i].y);
+                        w.z = w.z + ds4_mul_rn(a, old[i].z);
+                        w.w = w.w + ds4_mul_rn(a, old[i].w);
+                    }
+                    v[m][j] = w;
+                    if (live[m]) xr[m][j * D4 + q0] = w;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NN; j++) {
+            const int q = j * D4 + q0;
+            float4 w[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) w[nt] = fu_w4(mixer + (size_t)(nt * 8 + g) * row_bytes, q, wty);
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const float4 a = v[m][j];
+                ss[m] += (double)a.x * (double)a.x + (double)a.y * (double)a.y + (double)a.z * (double)a.z + (double)a.w * (double)a.w;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) { // k8 step h: values 4t + 2h (k t) and 4t + 2h + 1 (k t + 4)
+                const float a0 = h ? v[0][j].z : v[0][j].x, a1 = h ? v[0][j].w : v[0][j].y;
+                const float b0 = h ? v[1][j].z : v[1][j].x, b1 = h ? v[1][j].w : v[1][j].y;
+                const u32 ha0 = ds4_tf32(a0), ha1 = ds4_tf32(a1), hb0 = ds4_tf32(b0), hb1 = ds4_tf32(b1);
+                const u32 la0 = ds4_tf32(a0 - __uint_as_float(ha0)), la1 = ds4_tf32(a1 - __uint_as_float(ha1));
+                const u32 lb0 = ds4_tf32(b0 - __uint_as_float(hb0)), lb1 = ds4_tf32(b1 - __uint_as_float(hb1));
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const u32 w0 = __float_as_uint(h ? w[nt].z : w[nt].x), w1 = __float_as_uint(h ? w[nt].w : w[nt].y);
+                    // A rows: g (token tk[0]), g + 8 (token tk[1]); the low term first.
+                    ds4_mma_tf32(c[nt], la0, lb0, la1, lb1, w0, w1);
+                    ds4_mma_tf32(c[nt], ha0, hb0, ha1, hb1, w0, w1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; m++) { // Σx² over the quad (the 4 lanes of a token pair), fixed order
+        ss[m] += ds4_shfl_xor(ss[m], 1);
+        ss[m] += ds4_shfl_xor(ss[m], 2);
+    }
+    // C: c[nt][0..1] token tk[0], mixer rows 8nt + 2t, + 1; c[nt][2..3] token tk[1].
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        if (!live[m]) continue;
+        double* pt = part + ((size_t)tk[m] * S + s) * FU_PART;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            pt[nt * 8 + 2 * tg] = (double)c[nt][2 * m];
+            pt[nt * 8 + 2 * tg + 1] = (double)c[nt][2 * m + 1];
+        }
+        if (tg == 0) pt[MIX] = ss[m];
+    }
+#endif
+}
+
+// Grid ceil(n / (16·HT_W))·S CTAs of 32·HT_W threads (split s = CTA % S, float4 columns
+// [s·per, min(D/4, (s+1)·per)) of each stream); hcp_mix's arguments. Host: CUDA sm_80+, N = 4
+// (the argument is not read), wty 1 or 2, D % 16
+// == 0, per % 4 == 0, 16-byte aligned x (and o); part holds n·S·FU_PART doubles.
+DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_mix_tc(const float* x, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
+    ds4_pdl_enter();
+    hp_mix_tc<false>((float*)x, nullptr, nullptr, nullptr, mixer, row_bytes, wty, part, n, D, S, per);
+}
+
+// hcp_mix_tc after the HC post of (o [n, D], post [n, N], comb [n, N·N]) into x, in place.
+DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_post_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
+    ds4_pdl_enter();
+    hp_mix_tc<true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
 }
 
 template <int NN>

@@ -2,8 +2,9 @@ use crate::Module;
 
 /// Fused decode glue (`gpu/fused.cu`): HC pre with the sublayer norm in one launch (split-K
 /// mixer products, then a last-CTA epilogue), the same after an in-place HC post, and RMSNorm +
-/// RoPE (+ FP8/f16 rounding) of attention rows; the prefill HC pre (`hcp_mix`: mixer partials
-/// of token tiles; then `hcp_finish`, a CTA a token, the epilogue). `hc_post_pre_norm_p` is a
+/// RoPE (+ FP8/f16 rounding) of attention rows (prefill: `norm_rope_pair_w`, a warp a row); the
+/// prefill HC pre (`hcp_mix`, or on tensor cores `hcp_mix_tc` / `hcp_post_mix_tc` with the HC
+/// post inside: mixer partials of token tiles; then `hcp_finish`, a CTA a token, the epilogue). `hc_post_pre_norm_p` is a
 /// probe of the HC kernels (phase stamps, early stops) for `examples/hc_bench.rs`.
 pub const FUSED: Module = Module {
     name: "fused",
@@ -18,7 +19,10 @@ pub const FUSED: Module = Module {
         "norm_rope_g",
         "norm_rope_pair_g",
         "norm_rope_pair_gl",
+        "norm_rope_pair_w",
         "hcp_mix",
+        "hcp_mix_tc",
+        "hcp_post_mix_tc",
         "hcp_finish",
     ],
 };

@@ -169,6 +169,25 @@ impl Drop for XScope<'_> {
 static W_CONV: AtomicU64 = AtomicU64::new(0);
 static X_CONV: AtomicU64 = AtomicU64::new(0);
 
+/// matmul_add in the library's epilogue: 0 not yet read from `DS4_GPU_BLAS_ACC`, 1 on (the
+/// default), 2 off (product into scratch, then add_f32).
+static ACC: AtomicU8 = AtomicU8::new(0);
+/// blas_matmul_add products so far (process-wide), so tests can see the form ran.
+static ACC_RUNS: AtomicU64 = AtomicU64::new(0);
+
+fn acc_on() -> bool {
+    let m = ACC.load(Ordering::Relaxed);
+    if m != 0 {
+        return m == 1;
+    }
+    let env = match std::env::var("DS4_GPU_BLAS_ACC").ok().as_deref() {
+        Some("off") | Some("0") => 2,
+        _ => 1,
+    };
+    let _ = ACC.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed);
+    ACC.load(Ordering::Relaxed) == 1
+}
+
 /// The next product is the first of a new plan (trace only).
 static FIRST: AtomicBool = AtomicBool::new(false);
 
@@ -237,6 +256,8 @@ struct Job<'a> {
     y: DevPtr,
     y_tok: usize,
     y_z: usize,
+    /// y += the product (the library's beta 1) instead of y = it.
+    acc: bool,
 }
 
 impl Job<'_> {
@@ -341,6 +362,17 @@ impl GpuBackend {
             W_CONV.load(Ordering::Relaxed),
             X_CONV.load(Ordering::Relaxed),
         )
+    }
+
+    /// matmul_add products taken by the library form (beta 1) so far in this process.
+    pub fn blas_acc_launches() -> u64 {
+        ACC_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// matmul_add's library form (beta 1) on or off (`DS4_GPU_BLAS_ACC`; default on).
+    /// Process-wide, for tests and A/B benchmarks.
+    pub fn set_blas_acc(on: bool) {
+        ACC.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// Library products queued so far in this process.
@@ -458,6 +490,7 @@ impl GpuBackend {
                     b.ptr(),
                     d.ptr(),
                     None,
+                    false,
                     st.ws.ptr(),
                     WORKSPACE,
                     self.stream,
@@ -510,7 +543,48 @@ impl GpuBackend {
             y: y.ptr,
             y_tok: rows,
             y_z: 0,
+            acc: false,
         })
+    }
+
+    /// `y[i] += W·x[i]` for n > 4 rows (Backend::matmul_add: the add in the library's
+    /// epilogue, beta 1, instead of a product into scratch and add_f32; `DS4_GPU_BLAS_ACC=off`
+    /// declines). The epilogue's sum is the add's (one f32 rounding of y + the product) over the
+    /// same product, so y gets the same bits. Declined in the f16 form (its device-side
+    /// (alpha, beta) pair carries beta 0); false: declined.
+    pub(crate) fn blas_matmul_add(
+        &self,
+        w: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+    ) -> bool {
+        if !acc_on() || mode() == F16 {
+            return false;
+        }
+        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
+            return false;
+        };
+        let ok = self.blas_job(&Job {
+            w: p,
+            bf: w.bf_slot(),
+            ty,
+            row_bytes,
+            rows,
+            cols,
+            groups: 1,
+            x: x.ptr,
+            x_tok: cols,
+            n,
+            y: y.ptr,
+            y_tok: rows,
+            y_z: 0,
+            acc: true,
+        });
+        if ok {
+            ACC_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
+        ok
     }
 
     /// Backend::matmul_grouped for n > 4 rows (one strided batch per group); false: declined.
@@ -542,6 +616,7 @@ impl GpuBackend {
             y: y.ptr,
             y_tok: rows,
             y_z: rows / groups,
+            acc: false,
         })
     }
 
@@ -615,7 +690,7 @@ impl GpuBackend {
             }
         };
         drop(xs);
-        let ok = self.blas_run(st, plan, wptr, xptr, j.y, None, j.rows, kk);
+        let ok = self.blas_run(st, plan, wptr, xptr, j.y, None, j.acc, j.rows, kk);
         drop((wtmp, xtmp));
         ok
     }
@@ -817,7 +892,8 @@ impl GpuBackend {
             ],
         );
         let w = wp.as_ref().map_or(j.w, |w| w.ptr);
-        self.blas_run(st, plan, w, xp.ptr, j.y, Some(ab), j.rows, k)
+        debug_assert!(!j.acc, "the f16 form carries beta 0");
+        self.blas_run(st, plan, w, xp.ptr, j.y, Some(ab), false, j.rows, k)
     }
 
     /// Queue the library product y = alpha · W'X' (alpha: a device scalar pair, or 1) on the
@@ -832,6 +908,7 @@ impl GpuBackend {
         x: DevPtr,
         y: DevPtr,
         alpha: Option<DevPtr>,
+        acc: bool,
         rows: usize,
         kk: usize,
     ) -> bool {
@@ -839,9 +916,17 @@ impl GpuBackend {
             return true; // the error is recorded; the step fails at its check
         }
         let t0 = std::time::Instant::now();
-        let r = st
-            .handle
-            .matmul(plan, w, x, y, alpha, st.ws.ptr(), WORKSPACE, self.stream);
+        let r = st.handle.matmul(
+            plan,
+            w,
+            x,
+            y,
+            alpha,
+            acc,
+            st.ws.ptr(),
+            WORKSPACE,
+            self.stream,
+        );
         if trace() {
             let us = t0.elapsed().as_secs_f64() * 1e6;
             if FIRST.swap(false, Ordering::Relaxed) || us > 200.0 {

@@ -142,6 +142,49 @@ fn hcp_on() -> bool {
     env_code(&HCP, "DS4_GPU_HCP", on_unless_off) == 1 && fuse_on()
 }
 
+/// The prefill HC pre's mixer partials on tensor cores (`hcp_mix_tc`): 0 not yet read from
+/// `DS4_GPU_HCP_TC`, 1 on (the default where it applies: CUDA sm_80+, N = 4, an F16 or BF16
+/// mixer, D a multiple of 16), 2 off (`hcp_mix`), 11..=26: on, aiming at code - 10 CTAs per SM
+/// (`DS4_GPU_HCP_TC=1..16`; on: HT_CTAS_PER_SM) (process-wide).
+static HCP_TC: AtomicU8 = AtomicU8::new(0);
+
+/// `off`/`0`: 2; a number 1..=16 of CTAs per SM: 10 + it; anything else (or unset): 1.
+fn hcp_tc_parse(v: Option<&str>) -> u8 {
+    match v {
+        Some("off") | Some("0") => 2,
+        Some(k) => match k.parse::<u8>() {
+            Ok(k @ 1..=16) => 10 + k,
+            _ => 1,
+        },
+        None => 1,
+    }
+}
+
+/// CTAs per SM hcp_mix_tc's splits aim at, or None: hcp_mix (`DS4_GPU_HCP_TC=off`).
+fn hcp_tc_ctas() -> Option<usize> {
+    match env_code(&HCP_TC, "DS4_GPU_HCP_TC", hcp_tc_parse) {
+        2 => None,
+        c if c > 10 => Some((c - 10) as usize),
+        _ => Some(HT_CTAS_PER_SM),
+    }
+}
+
+/// The HC post inside the prefill's tensor-core mix (`hcp_post_mix_tc`): 0 not yet read from
+/// `DS4_GPU_HCP_POST`, 1 on (default), 2 off (hc_post_fast, then hcp_mix_tc) (process-wide).
+static HCP_POST: AtomicU8 = AtomicU8::new(0);
+
+fn hcp_post_on() -> bool {
+    env_code(&HCP_POST, "DS4_GPU_HCP_POST", on_unless_off) == 1
+}
+
+/// hcp_mix_tc launches so far, process-wide ([`GpuBackend::hcp_tc_launches`]).
+static HCP_TC_RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// Tokens of a `hcp_mix_tc` CTA (HT_W warps of 16 in fused.cu) and the CTAs per SM its splits
+/// aim at by default.
+const HT_TOKENS: usize = 64;
+const HT_CTAS_PER_SM: usize = 4;
+
 /// Threads of a `hcp_mix` CTA (`HP_T` in fused.cu), its lanes a token (`HP_L`) and float4
 /// columns of a staged mixer chunk (`HP_QC`); CTAs per SM its splits aim at (H200, n 2048:
 /// 148 us a call at 2 against 217 at 1 and 159 at 4).
@@ -246,6 +289,25 @@ fn nrlate_on() -> bool {
     }) == 1
 }
 
+/// norm_rope_pair's prefill form: 0 not yet read from `DS4_GPU_NRW`, 1 on (default: the
+/// warp-a-row `norm_rope_pair_w` at n > FUSE_HC_MAX_N tokens where norm_rope_pair_g would run
+/// and a warp holds the row, NW_K float4 a lane), 2 off (`norm_rope_pair_g`, a CTA a row)
+/// (process-wide). Both give the same bits.
+static NRW: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the prefill norm_rope_pair takes `norm_rope_pair_w` (`DS4_GPU_NRW=off` or `0`, or
+/// [`GpuBackend::set_nrw`], turns it off; read once).
+fn nrw_on() -> bool {
+    env_code(&NRW, "DS4_GPU_NRW", on_unless_off) == 1
+}
+
+/// float4 columns a lane (`NW_K`) and rows a warp (`NW_R`) of norm_rope_pair_w.
+const NW_K: usize = 4;
+const NW_R: usize = 2;
+
+/// norm_rope_pair_w launches so far, process-wide ([`GpuBackend::nrw_launches`]).
+static NRW_RUNS: AtomicU64 = AtomicU64::new(0);
+
 /// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
 /// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches) (process-wide).
 static ROUTE: AtomicU8 = AtomicU8::new(0);
@@ -292,6 +354,49 @@ impl GpuBackend {
     /// default) (overrides the variable). Process-wide; for tests.
     pub fn set_nrlate(form: &str) {
         set_code(&NRLATE, "set_nrlate", form, &["on", "off"]);
+    }
+
+    /// Select norm_rope_pair's prefill form by its `DS4_GPU_NRW` name: "on" (the default:
+    /// norm_rope_pair_w, a warp a row) or "off" (norm_rope_pair_g, a CTA a row) (overrides the
+    /// variable). Process-wide; for tests and A/B benchmarks.
+    pub fn set_nrw(form: &str) {
+        set_code(&NRW, "set_nrw", form, &["on", "off"]);
+    }
+
+    /// norm_rope_pair_w launches by every backend of the process so far (tests check with it
+    /// that the warp form ran).
+    pub fn nrw_launches() -> u64 {
+        NRW_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// Select the prefill HC pre's mixer partials by their `DS4_GPU_HCP_TC` name: "on" (the
+    /// default: `hcp_mix_tc` where it applies) or "off" (`hcp_mix`) (overrides the variable).
+    /// Process-wide; for tests and A/B benchmarks.
+    pub fn set_hcp_tc(form: &str) {
+        set_code(&HCP_TC, "set_hcp_tc", form, &["on", "off"]);
+    }
+
+    /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
+    /// `DS4_GPU_HCP_TC=ctas` (overrides the variable). Process-wide; for benchmarks.
+    pub fn set_hcp_tc_ctas(ctas: usize) {
+        let c = if ctas == 0 {
+            2
+        } else {
+            10 + ctas.min(16) as u8
+        };
+        HCP_TC.store(c, Ordering::Relaxed);
+    }
+
+    /// The HC post inside the prefill's tensor-core mix by its `DS4_GPU_HCP_POST` name: "on"
+    /// (the default) or "off" (overrides the variable). Process-wide; for tests and A/B.
+    pub fn set_hcp_post(form: &str) {
+        set_code(&HCP_POST, "set_hcp_post", form, &["on", "off"]);
+    }
+
+    /// hcp_mix_tc and hcp_post_mix_tc launches by every backend of the process so far (tests check with it which
+    /// form ran).
+    pub fn hcp_tc_launches() -> u64 {
+        HCP_TC_RUNS.load(Ordering::Relaxed)
     }
 
     /// Select the glue kernel form by its `DS4_GPU_MIX` name: "fast" (the default), "glue" or
@@ -343,7 +448,10 @@ impl GpuBackend {
         let fused = al16(x.ptr) && al16(z.ptr) && (1..=FUSE_HC_MAX_N).contains(&n);
         let prefill = al16(x.ptr) && al16(z.ptr) && n > FUSE_HC_MAX_N && hcp_on();
         if let Some(w) = prefill.then(|| self.hc_fusable(&hc, mixer, norm)).flatten() {
-            return self.hc_prefill(&hc, x.ptr, w, scale, base, norm, n, eps, z, post, comb);
+            self.hc_prefill(
+                &hc, x.ptr, None, w, scale, base, norm, n, eps, z, post, comb,
+            );
+            return;
         }
         let Some((wp, code, rb)) = fused.then(|| self.hc_fusable(&hc, mixer, norm)).flatten()
         else {
@@ -427,6 +535,17 @@ impl GpuBackend {
             && (1..=FUSE_HC_MAX_N).contains(&n);
         let Some((wp, code, rb)) = fused.then(|| self.hc_fusable(&hc, mixer, norm)).flatten()
         else {
+            // Prefill: the post inside the tensor-core mix where that form runs
+            // (hcp_post_mix_tc: hc_post_fast's bits), else hc_post_fast before the HC pre.
+            let pre = al16(x.ptr) && al16(z.ptr) && al16(o.ptr) && n > FUSE_HC_MAX_N;
+            let pre = pre && hcp_on() && hcp_post_on() && !mix_simple() && self.hc_ok(&hc);
+            if let Some(w) = pre.then(|| self.hc_fusable(&hc, mixer, norm)).flatten() {
+                let pin = Some((o.ptr, post_in.ptr, comb_in.ptr));
+                let (x, s, b) = (x.ptr, scale, base);
+                if self.hc_prefill(&hc, x, pin, w, s, b, norm, n, eps, z, post, comb) {
+                    return;
+                }
+            }
             self.op_hc_post(hc, x, o, post_in, comb_in, n);
             return self.op_hc_pre_norm(hc, mixer, scale, base, norm, x, n, eps, z, post, comb);
         };
@@ -532,6 +651,7 @@ impl GpuBackend {
         &self,
         hc: &HcDims,
         x: DevPtr,
+        pin: Option<PostIn>,
         (wp, code, rb): (DevPtr, i32, usize),
         scale: &GpuWeight,
         base: &GpuWeight,
@@ -541,21 +661,37 @@ impl GpuBackend {
         z: &mut GpuBuf,
         post: &mut GpuBuf,
         comb: &mut GpuBuf,
-    ) {
+    ) -> bool {
         let d4 = hc.d / 4;
-        let tiles = n.div_ceil(HP_T / HP_L);
-        let want = (HP_CTAS_PER_SM * self.gpu.info().sm_count as usize)
-            .div_ceil(tiles)
-            .clamp(1, 64);
+        // Tensor cores (hcp_mix_tc): N = 4 (24 mixer rows, 3 mma tiles), a mixer exact in
+        // tf32 (F16, BF16), chunks of 4 float4 columns (D % 16 == 0), CUDA sm_80+.
+        let info = self.gpu.info();
+        let tc = hcp_tc_ctas().filter(|_| {
+            info.vendor == crate::runtime::Vendor::Nvidia
+                && info.cc.0 >= 8
+                && hc.n == 4
+                && matches!(code, 1 | 2)
+                && d4.is_multiple_of(4)
+        });
+        let (name, tok, threads, ctas) = match (tc, pin) {
+            (Some(c), None) => ("hcp_mix_tc", HT_TOKENS, 128, c),
+            (Some(c), Some(_)) => ("hcp_post_mix_tc", HT_TOKENS, 128, c),
+            (None, None) => ("hcp_mix", HP_T / HP_L, HP_T, HP_CTAS_PER_SM),
+            (None, Some(_)) => return false, // the caller runs the post first
+        };
+        let tiles = n.div_ceil(tok);
+        let want = (ctas * info.sm_count as usize).div_ceil(tiles).clamp(1, 64);
         let per = d4.div_ceil(want).next_multiple_of(HP_QC).min(d4);
         let splits = d4.div_ceil(per);
         let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
-        self.run(
-            &ds4_kernels::FUSED,
-            "hcp_mix",
-            LaunchDims::linear((tiles * splits) as u32, HP_T as u32),
-            &[
-                Arg::Ptr(x),
+        if tc.is_some() {
+            HCP_TC_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
+        let post_args = pin.map(|(o, p, c)| [Arg::Ptr(o), Arg::Ptr(p), Arg::Ptr(c)]);
+        let args: Vec<Arg> = [Arg::Ptr(x)]
+            .into_iter()
+            .chain(post_args.into_iter().flatten())
+            .chain([
                 Arg::Ptr(wp),
                 Arg::I64(rb as i64),
                 Arg::I32(code),
@@ -565,7 +701,13 @@ impl GpuBackend {
                 Arg::I32(hc.d as i32),
                 Arg::I32(splits as i32),
                 Arg::I32(per as i32),
-            ],
+            ])
+            .collect();
+        self.run(
+            &ds4_kernels::FUSED,
+            name,
+            LaunchDims::linear((tiles * splits) as u32, threads as u32),
+            &args,
         );
         self.run(
             &ds4_kernels::FUSED,
@@ -588,6 +730,7 @@ impl GpuBackend {
                 Arg::F32(eps),
             ],
         );
+        true
     }
 
     /// Threads of a norm_rope_g CTA for rows of `width` in `x` (weight `w`, rounding `r`), or
@@ -746,6 +889,19 @@ impl GpuBackend {
             Arg::F32(eps),
             sp.map_or(Arg::Null, Arg::Ptr),
         ];
+        // Prefill: a warp a row where one warp holds it (the same bits; widths past one float4
+        // a thread of the CTA form would sum Σx² in another order, so they stay there).
+        let warp = self.warp() as usize;
+        if nrw_on() && n > FUSE_HC_MAX_N && width.is_multiple_of(4) && width / 4 <= NW_K * warp {
+            let rows = rows_a + rows_b;
+            let per_cta = 256 / warp * NW_R; // rows a CTA of 256
+            let mut args = args.to_vec();
+            args.push(Arg::I32(rows as i32));
+            let dims = LaunchDims::linear(rows.div_ceil(per_cta) as u32, 256);
+            self.run(&ds4_kernels::FUSED, "norm_rope_pair_w", dims, &args);
+            NRW_RUNS.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let mut dims = LaunchDims::linear((rows_a + rows_b) as u32, threads as u32);
         dims.shared_bytes = (n_rot / 2 * 8) as u32; // (sin, cos) per pair
         let name = if n <= NRLATE_MAX_N && nrlate_on() {

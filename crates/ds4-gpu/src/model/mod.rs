@@ -1402,6 +1402,10 @@ impl Backend for GpuBackend {
         if n == 1 && self.product_width_ok(w) && self.mv_matmul_add(w, x, y) {
             return;
         }
+        // n > 4: the add in the BLAS product's epilogue (beta 1; same bits) where it takes it.
+        if n > 4 && self.product_width_ok(w) && !self.failed() && self.blas_matmul_add(w, x, n, y) {
+            return;
+        }
         let mut t = self.alloc(n * rows);
         self.matmul(w, Part::All, x, n, &mut t);
         self.add(y, &t, n * rows);
