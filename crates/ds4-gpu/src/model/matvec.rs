@@ -58,6 +58,27 @@ const MVQ_AUTO: u8 = 255;
 static MVQ_ENV: std::sync::Once = std::sync::Once::new();
 /// (name, rows per warp R); U = 8 / R column steps except r1u4.
 const MVQ_FORMS: [(&str, usize); 2] = [("r2u4", 2), ("r1u4", 1)];
+/// The F16 `mvq_*` / `mvqm_*` kernels with their first round of weight loads issued before the
+/// PDL wait (`mvq_r2u4_f16l`, `mvq_r1u4_f16l`, `mvqm_r2u4_f16l`; as the `mvr` / `mvx` forms and
+/// the router do): in the model's products (indexer q_b 1024 -> 8192, HCA compressor 4096 ->
+/// 2 x 512, the HC mixers) that round is every weight load of the warp, so they overlap the
+/// previous kernel. The same sums. `DS4_GPU_MVQ_LATE=on|off` (or `set_matvec_mvq_late`).
+static MVQ_LATE: AtomicBool = AtomicBool::new(false);
+static MVQ_LATE_ENV: std::sync::Once = std::sync::Once::new();
+
+/// "l" (the late-wait kernel name's suffix) for F16 when `MVQ_LATE` is on, else "".
+fn mvq_late(ty: GgmlType) -> &'static str {
+    MVQ_LATE_ENV.call_once(|| {
+        if let Ok(v) = std::env::var("DS4_GPU_MVQ_LATE") {
+            MVQ_LATE.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+        }
+    });
+    if ty == GgmlType::F16 && MVQ_LATE.load(Ordering::Relaxed) {
+        "l"
+    } else {
+        ""
+    }
+}
 
 /// n = 1 products of Q8_0 matrices that have a decode-layout copy (`GpuWeight::Mat::dec`, made
 /// at upload by `q8_decode_copy`) by `mvr_<form>_q8_0` (16-byte quant loads, one halfword scale
@@ -442,6 +463,7 @@ impl GpuBackend {
         Self::set_matvec_q8_form(1, 255);
         Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
+        Self::set_matvec_mvq_late(false);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=2 a fixed form, anything else auto.
@@ -489,6 +511,12 @@ impl GpuBackend {
     pub fn set_matvec_mvr_pipe(on: bool) {
         mvr_env();
         MVR_PIPE.store(on, Ordering::Relaxed);
+    }
+
+    /// The F16 `mvq` / `mvqm` kernels that load weights before the PDL wait (`MVQ_LATE`) on or off.
+    pub fn set_matvec_mvq_late(on: bool) {
+        MVQ_LATE_ENV.call_once(|| {});
+        MVQ_LATE.store(on, Ordering::Relaxed);
     }
 
     /// Merged n = 1 products on or off (`MERGE`; default on).
@@ -813,7 +841,7 @@ impl GpuBackend {
             let (dims, k) = self.mv_dims(rows, r, 1, splits, cs);
             self.run(
                 &ds4_kernels::MATVEC,
-                &format!("mvq_{name}_{sfx}"),
+                &format!("mvq_{name}_{sfx}{}", mvq_late(ty)),
                 dims,
                 &[
                     Arg::Ptr(w),
@@ -848,7 +876,7 @@ impl GpuBackend {
         let (dims, k) = self.mv_dims(rows, r, 1, zs, cols);
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvq_{name}_{sfx}"),
+            &format!("mvq_{name}_{sfx}{}", mvq_late(ty)),
             dims,
             &[
                 Arg::Ptr(w),
@@ -1455,7 +1483,7 @@ impl GpuBackend {
         };
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvqm_r2u4_{sfx}"),
+            &format!("mvqm_r2u4_{sfx}{}", mvq_late(ty)),
             dims,
             &args,
         );

@@ -309,13 +309,22 @@ const NW_R: usize = 2;
 static NRW_RUNS: AtomicU64 = AtomicU64::new(0);
 
 /// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
-/// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches) (process-wide).
+/// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches), 3 `rank` (one
+/// `mvq_route_f16r` launch: the bias loaded before the PDL wait, the last CTA's top k by ranks
+/// instead of k rounds of a warp max; the same bits) (process-wide).
 static ROUTE: AtomicU8 = AtomicU8::new(0);
+
+fn route_code() -> u8 {
+    env_code(&ROUTE, "DS4_GPU_ROUTE", |v| match v {
+        Some("rank") => 3,
+        v => on_unless_off(v),
+    })
+}
 
 /// Whether matmul_route fuses its two launches (`DS4_GPU_ROUTE=off` or `0` turns it off; read
 /// once, or [`GpuBackend::set_route_form`]).
 fn route_on() -> bool {
-    env_code(&ROUTE, "DS4_GPU_ROUTE", on_unless_off) == 1
+    route_code() != 2
 }
 
 /// `mvq_route_f16` launches so far, process-wide ([`GpuBackend::route_fused_launches`]).
@@ -343,10 +352,10 @@ impl GpuBackend {
         ROUTE_RUNS.load(Ordering::Relaxed)
     }
 
-    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default) or "off"
-    /// (overrides the variable). Process-wide; for tests.
+    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default), "off" or
+    /// "rank" (overrides the variable). Process-wide; for tests.
     pub fn set_route_form(form: &str) {
-        set_code(&ROUTE, "set_route_form", form, &["on", "off"]);
+        set_code(&ROUTE, "set_route_form", form, &["on", "off", "rank"]);
     }
 
     /// Select norm_rope_pair's kernel by its `DS4_GPU_NRLATE` name: "on" (`norm_rope_pair_gl`,
@@ -1362,9 +1371,14 @@ impl GpuBackend {
         };
         let ticket = self.tickets.ptr().offset((ROUTE_TICKET * 4) as u64);
         ROUTE_RUNS.fetch_add(1, Ordering::Relaxed);
+        let name = if route_code() == 3 {
+            "mvq_route_f16r"
+        } else {
+            "mvq_route_f16"
+        };
         self.run(
             &ds4_kernels::MATVEC,
-            "mvq_route_f16",
+            name,
             dims,
             &[
                 Arg::Ptr(router.ptr()),
