@@ -456,6 +456,42 @@ fn f2(gpu: &GpuBackend, reps: usize) {
     }
     GpuBackend::set_matvec_defaults();
 
+    println!("-- indexer q_b 1024 -> 8192 F16 after an rms_norm: plain e / l, interleaved copy i / il (DS4_GPU_F16_IL), graph us --");
+    {
+        let (cols, rows) = (1024usize, 8192usize);
+        let (plain, bytes) = set_copies(gpu, GgmlType::F16, cols, &[rows]);
+        GpuBackend::set_matvec_f16_il(true);
+        let (il, _) = set_copies(gpu, GgmlType::F16, cols, &[rows]);
+        GpuBackend::set_matvec_f16_il(false);
+        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut xb = gpu.upload(&x);
+        let mut y = gpu.alloc(rows);
+        let mut t = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        for round in 0..8 {
+            let f = round % 4;
+            let sets = if f < 2 { &plain } else { &il };
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_mvq_late(f % 2 == 1);
+            let mut call = |i: usize| {
+                gpu.rms_norm(&mut xb, 1, cols, None, 1e-6);
+                gpu.matmul(&sets[i % sets.len()][0], Part::All, &xb, 1, &mut y);
+            };
+            t[f].push(time_graph(gpu, &probe, reps, &mut call) * 1e6);
+        }
+        GpuBackend::set_matvec_defaults();
+        let names = ["e", "l", "i", "il"];
+        for (f, n) in names.iter().enumerate() {
+            println!(
+                "q_b {n:2}: {:?} best {:6.2} us, {:5.0} GB/s",
+                t[f].iter()
+                    .map(|v| (v * 100.0).round() / 100.0)
+                    .collect::<Vec<_>>(),
+                best(&t[f]),
+                bytes / best(&t[f]) / 1e3
+            );
+        }
+    }
+
     println!("-- router 4096 -> 256 F16, top 6 + bias: matmul_route after an rms_norm, graph us per call --");
     let (cols, ne, k) = (4096usize, 256usize, 6usize);
     let spec = ds4_backend::MoeSpec {

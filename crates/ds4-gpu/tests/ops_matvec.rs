@@ -667,6 +667,79 @@ fn matvec_mvq_late() {
     cases.finish();
 }
 
+/// The interleaved F16 copies (`set_matvec_f16_il(true)` before the upload: `f16_repack_i`, then
+/// `mvq_r2u4_f16i` / `_f16il` with `set_matvec_mvq_late`) against the CPU (TOL, as the plain
+/// layout) and the plain copy of the same data: copies made exactly for >= 4096 rows of <= 2048
+/// columns in whole 256-column tiles (asserted), late and early bitwise equal, repeats equal.
+#[test]
+fn matvec_f16_interleaved() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    // (cols, rows, copy expected)
+    let shapes: &[(usize, usize, bool)] = &[
+        (1024, 8192, true),
+        (2048, 4096, true),
+        (256, 4099, true),
+        (1280, 4096, true),
+        (4096, 4096, false),
+        (96, 4099, false),
+        (1024, 1024, false),
+    ];
+    for (si, &(cols, rows, taken)) in shapes.iter().enumerate() {
+        let seed = 3500 + si as u64;
+        GpuBackend::set_matvec_f16_il(false);
+        let plain = weight(&cpu, &gpu, GgmlType::F16, cols, rows, 1, seed);
+        GpuBackend::set_matvec_f16_il(true);
+        let il = weight(&cpu, &gpu, GgmlType::F16, cols, rows, 1, seed);
+        GpuBackend::set_matvec_f16_il(false);
+        assert!(
+            !GpuBackend::has_f16_il(&plain.1),
+            "{cols}->{rows}: a copy with the switch off"
+        );
+        assert_eq!(
+            GpuBackend::has_f16_il(&il.1),
+            taken,
+            "{cols}->{rows}: interleaved copy"
+        );
+        let xs = randn(&mut rng(577 + si as u64), cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cy = cpu.alloc(rows);
+        cpu.matmul(&plain.0, Part::All, &cx, 1, &mut cy);
+        let want = cpu.download(&cy, rows);
+        let run = |w: &<GpuBackend as Backend>::Weight| {
+            let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+            gpu.matmul(w, Part::All, &gx, 1, &mut gy);
+            gpu.download(&gy, rows)
+        };
+        let p = run(&plain.1);
+        let mut outs = Vec::new();
+        for late in [false, true, true] {
+            GpuBackend::set_matvec_mvq_late(late);
+            outs.push(run(&il.1));
+        }
+        GpuBackend::set_matvec_mvq_late(false);
+        cases.check(format!("f16 plain {cols}->{rows}"), cols, &p, &want, &gpu);
+        let name = format!("f16 interleaved {cols}->{rows} (copy {taken})");
+        cases.check(name.clone(), cols, &outs[0], &want, &gpu);
+        for o in &outs[1..] {
+            let same = o
+                .iter()
+                .zip(&outs[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: late or repeat differs");
+        }
+        let same_as_plain = p
+            .iter()
+            .zip(&outs[0])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("{name}: bitwise equal to the plain layout: {same_as_plain}");
+    }
+    cases.finish();
+}
+
 /// The n = 1 Q8_0 products from the decode-layout copy (`mvr_*`, `set_matvec_repacked(1..=4)`,
 /// then off (`mvq` on the GGUF blocks), the old default and `mvx_r4u2_q8_0` with several grids): the model's shapes (head rows cut),
 /// odd row counts (1, 3, 4099), columns that end mid warp-step (32, 96, 1056, 1568),

@@ -611,8 +611,10 @@ template <> struct MvqRaw<T_F16> {
 };
 
 // LATE (a kernel started with DS4_PDL_LATE): ds4_pdl_enter() after the warp's first round of
-// weight loads, as mvq_cta; the same sums either way.
-template <int T, int R, int U, bool LATE = false>
+// weight loads, as mvq_cta; the same sums either way. IL (F16 only): W in the interleaved F16
+// layout (f16_repack_i), so slice (c, q) holds the columns of x float4s 64(c / 8) + s and + 32,
+// s = 4(c % 8) + q.
+template <int T, int R, int U, bool LATE = false, bool IL = false>
 __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          long long row_bytes, int kspl) {
@@ -648,8 +650,14 @@ __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z
             for (int u = 0; u < U; u++) {
                 int c = c0 + u * stride + lane / 4;
                 if (c < chunks) {
-                    const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
-                    float4 xa = xv[0], xc = xv[1];
+                    float4 xa, xc;
+                    if (IL) {
+                        const float4* xv = (const float4*)xb + (long long)(c >> 3) * 64 + 4 * (c & 7) + q;
+                        xa = xv[0], xc = xv[32];
+                    } else {
+                        const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
+                        xa = xv[0], xc = xv[1];
+                    }
 #pragma unroll
                     for (int i = 0; i < R; i++) acc[i][0] = raw[u][i].dot(xa, xc, acc[i][0]);
                 }
@@ -674,6 +682,25 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { ds4_pdl_enter(
 // The F16 forms with their weights' first round of loads before the PDL wait (DS4_GPU_MVQ_LATE).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16l(MVQ_PARAMS) { DS4_PDL_LATE; mvq_body<T_F16, 2, 4, true>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16l(MVQ_PARAMS) { DS4_PDL_LATE; mvq_body<T_F16, 1, 4, true>(MVQ_ARGS); }
+
+// ---- The interleaved F16 layout ("i", DS4_GPU_F16_IL; f16_repack_i, a second copy made at
+// upload): rows cut into tiles of 256 columns (32 slots of 16 bytes); slot s holds columns 4s ..
+// 4s + 3, then 128 + 4s .. + 3, so the lane of a warp step that loads slot s reads its x as the
+// float4s s and 32 + s of the tile: each x load of a warp step is 512 contiguous bytes (plain:
+// lane stride 32 bytes, 8 lines a load instruction, half of each used). Per lane the sum runs
+// over those 8 columns in that order (another f32 rounding order than the plain layout).
+// f16_repack_i: slot i (i < n_slots = rows * cols / 8, cols % 256 == 0) of dst from src.
+DS4_KERNEL void DS4_BOUNDS(256) f16_repack_i(const u8* __restrict__ src, long long n_slots, u8* __restrict__ dst) {
+    ds4_pdl_enter();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_slots) return;
+    const uint2* t = (const uint2*)(src + (i >> 5) * 512); // the tile: 64 groups of 4 columns
+    const int s = (int)(i & 31);
+    const uint2 a = t[s], b = t[32 + s];
+    ((uint4*)dst)[i] = make_uint4(a.x, a.y, b.x, b.y);
+}
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16i(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 2, 4, false, true>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16il(MVQ_PARAMS) { DS4_PDL_LATE; mvq_body<T_F16, 2, 4, true, true>(MVQ_ARGS); }
 
 // ---- Q8_0 in the decode layout (GpuWeight::Mat `dec`, written at upload by q8_repack from the
 // GGUF blocks, which stay for the GEMM): quants Q[g * cols + k] (i8, g = global row: rows are

@@ -66,6 +66,18 @@ const MVQ_FORMS: [(&str, usize); 2] = [("r2u4", 2), ("r1u4", 1)];
 static MVQ_LATE: AtomicBool = AtomicBool::new(false);
 static MVQ_LATE_ENV: std::sync::Once = std::sync::Once::new();
 
+/// Interleaved F16 copies (gpu/matvec.cu `f16_repack_i`: tiles of 256 columns whose 16-byte
+/// slot s holds columns 4s .. 4s + 3 and 128 + 4s .. + 3, so a warp step's x loads are 512
+/// contiguous bytes each) of F16 single-slab matrices of at least F16_IL_ROWS rows and at most
+/// F16_IL_MAXC columns in whole tiles (the indexer's q_b, 1024 -> 8192: 16.8 MB more a CSA layer),
+/// taken by its n = 1 r2u4 products (`mvq_r2u4_f16i`, `_f16il` with `MVQ_LATE`).
+/// `DS4_GPU_F16_IL=on|off` (or `set_matvec_f16_il`), read when a copy would be made. Per lane
+/// another order of the same f32 sums.
+static F16_IL: AtomicBool = AtomicBool::new(false);
+static F16_IL_ENV: std::sync::Once = std::sync::Once::new();
+const F16_IL_ROWS: usize = 4096;
+const F16_IL_MAXC: usize = 2048;
+
 /// "l" (the late-wait kernel name's suffix) for F16 when `MVQ_LATE` is on, else "".
 fn mvq_late(ty: GgmlType) -> &'static str {
     MVQ_LATE_ENV.call_once(|| {
@@ -519,6 +531,17 @@ impl GpuBackend {
         MVQ_LATE.store(on, Ordering::Relaxed);
     }
 
+    /// Whether `w` has an interleaved F16 copy (`F16_IL`); for tests.
+    pub fn has_f16_il(w: &GpuWeight) -> bool {
+        matches!(w, GpuWeight::Mat { f16i: Some(_), .. })
+    }
+
+    /// Interleaved F16 copies (`F16_IL`) made from now on, or none.
+    pub fn set_matvec_f16_il(on: bool) {
+        F16_IL_ENV.call_once(|| {});
+        F16_IL.store(on, Ordering::Relaxed);
+    }
+
     /// Merged n = 1 products on or off (`MERGE`; default on).
     pub fn set_matvec_merge(on: bool) {
         MERGE_ENV.call_once(|| {});
@@ -540,6 +563,50 @@ impl GpuBackend {
     ) -> (Option<DeviceBuffer>, bool) {
         let il = q8_il(cols);
         (self.q8_copy(buf, ty, cols, rows, experts, il), il)
+    }
+
+    /// The interleaved F16 copy of `buf` (see `F16_IL`), or None (another type or shape, the
+    /// switch off, no memory: not an error).
+    pub(crate) fn f16_il_copy(
+        &self,
+        buf: &DeviceBuffer,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        experts: usize,
+    ) -> Option<DeviceBuffer> {
+        F16_IL_ENV.call_once(|| {
+            if let Ok(v) = std::env::var("DS4_GPU_F16_IL") {
+                F16_IL.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+            }
+        });
+        if ty != GgmlType::F16
+            || experts != 1
+            || !F16_IL.load(Ordering::Relaxed)
+            || rows < F16_IL_ROWS
+            || cols > F16_IL_MAXC
+            || cols == 0
+            || !cols.is_multiple_of(256)
+            || buf.bytes() < rows * cols * 2
+            || !buf.ptr().0.is_multiple_of(16)
+            || self.failed()
+        {
+            return None;
+        }
+        self.interrupt();
+        let slots = rows * cols / 8;
+        let dst = self.gpu.alloc(slots * 16).ok()?;
+        self.run(
+            &ds4_kernels::MATVEC,
+            "f16_repack_i",
+            LaunchDims::linear(slots.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(buf.ptr()),
+                Arg::I64(slots as i64),
+                Arg::Ptr(dst.ptr()),
+            ],
+        );
+        Some(dst)
     }
 
     fn q8_copy(
@@ -805,6 +872,42 @@ impl GpuBackend {
         };
         let pick = self.mvq_pick(GgmlType::F16, p, 0, x, rows, cols, rb, 1)?;
         (pick == (1, 1)).then(|| self.mv_dims(rows, MVQ_FORMS[0].1, 1, 1, cols))
+    }
+
+    /// One n = 1 F16 product from its interleaved copy `c` (`mvq_r2u4_f16i`, `_f16il` with
+    /// `MVQ_LATE`) where `mvq` would take r2u4 without column splits, else false (nothing run).
+    fn mvq_il(
+        &self,
+        c: &DeviceBuffer,
+        x: &GpuBuf,
+        y: DevPtr,
+        rows: usize,
+        cols: usize,
+        rb: usize,
+    ) -> bool {
+        let w = c.ptr();
+        if self.mvq_pick(GgmlType::F16, w, 0, x, rows, cols, rb, 1) != Some((1, 1)) {
+            return false;
+        }
+        let (dims, k) = self.mv_dims(rows, MVQ_FORMS[0].1, 1, 1, cols);
+        self.run(
+            &ds4_kernels::MATVEC,
+            &format!("mvq_r2u4_f16i{}", mvq_late(GgmlType::F16)),
+            dims,
+            &[
+                Arg::Ptr(w),
+                Arg::I64(0),
+                Arg::Ptr(x.ptr),
+                Arg::I64(0),
+                Arg::Ptr(y),
+                Arg::I64(0),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I64(rb as i64),
+                Arg::I32(k as i32),
+            ],
+        );
+        true
     }
 
     /// One n = 1 product by `mvq_*` (Q8_0, F16), or false when off, declined or another type.
@@ -1104,13 +1207,22 @@ impl GpuBackend {
             Part::Expert(e) => e * rows * rb,
         };
         let GpuWeight::Mat {
-            ty, dec, dec_il, ..
+            ty,
+            dec,
+            dec_il,
+            f16i,
+            ..
         } = w
         else {
             return false;
         };
         if let (1, Some(dec), 0) = (n, dec, byte0) {
             if self.mvr(dec, *dec_il, x, 0, y.ptr, 0, rows, cols, 1, false) {
+                return true;
+            }
+        }
+        if let (1, Some(c), 0) = (n, f16i, byte0) {
+            if self.mvq_il(c, x, y.ptr, rows, cols, rb) {
                 return true;
             }
         }
