@@ -399,7 +399,7 @@ fn il_only(gpu: &GpuBackend, reps: usize, only: &str) {
 
 /// `matvec_bench reps f2`: the F16 n = 1 products with their weight loads before the PDL wait
 /// (`set_matvec_mvq_late(true)`, `l`) against the early wait (`e`), and the router's fused
-/// product + route by `DS4_GPU_ROUTE` form (on, rank, off); graph us per call, each call after
+/// product + route by `DS4_GPU_ROUTE` form (rounds, on = ranks, off); graph us per call, each call after
 /// an rms_norm of its x (a dependent kernel before it, as in the model); forms alternate by
 /// round, best of the rounds.
 fn f2(gpu: &GpuBackend, reps: usize) {
@@ -519,7 +519,7 @@ fn f2(gpu: &GpuBackend, reps: usize) {
     let mut xb = gpu.upload(&x);
     let tok = gpu.upload_i32(&[0]);
     let (mut lg, mut sel, mut wgt) = (gpu.alloc(ne), gpu.alloc_i32(k), gpu.alloc(k));
-    let forms = ["on", "rank", "off"];
+    let forms = ["rounds", "on", "off"];
     let mut t = [Vec::new(), Vec::new(), Vec::new()];
     let mut picks: Vec<Vec<i32>> = Vec::new();
     for round in 0..9 {

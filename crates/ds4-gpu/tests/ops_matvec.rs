@@ -663,7 +663,7 @@ fn matvec_mvq_late() {
             }
         }
     }
-    GpuBackend::set_matvec_mvq_late(false);
+    GpuBackend::set_matvec_mvq_late(true);
     cases.finish();
 }
 
@@ -720,7 +720,7 @@ fn matvec_f16_interleaved() {
             GpuBackend::set_matvec_mvq_late(late);
             outs.push(run(&il.1));
         }
-        GpuBackend::set_matvec_mvq_late(false);
+        GpuBackend::set_matvec_mvq_late(true);
         cases.check(format!("f16 plain {cols}->{rows}"), cols, &p, &want, &gpu);
         let name = format!("f16 interleaved {cols}->{rows} (copy {taken})");
         cases.check(name.clone(), cols, &outs[0], &want, &gpu);

@@ -950,9 +950,9 @@ fn norm_rope_pair_matches_two_calls() {
 /// bit for bit (logits, selections, weights), and the CPU: its moe_route of the same logits
 /// (selections exactly, weights to TOL) and its matmul_route's logits (F16 products: 1e-4 of the
 /// largest). Top k and hash layers; n = 2, 16 experts (the product takes another kernel), a Q8_0
-/// router, the simple forms and `DS4_GPU_ROUTE=off` run the two calls (no fused launch); `rank`
-/// (mvq_route_f16r: top k by ranks) as `on`, with tied scores and a last group of fewer than k
-/// experts among the cases. Each case routes twice, so the second launch finds the ticket the
+/// router, the simple forms and `DS4_GPU_ROUTE=off` run the two calls (no fused launch); `on`
+/// (mvq_route_f16r: top k by ranks) and `rounds` (mvq_route_f16: k rounds of a warp max) fuse,
+/// with tied scores and a last group of fewer than k experts among the cases. Each case routes twice, so the second launch finds the ticket the
 /// first reset.
 #[test]
 fn matmul_route_matches_two_calls() {
@@ -998,7 +998,7 @@ fn matmul_route_matches_two_calls() {
                 cpu.vector(&src(&f, "bias")).unwrap(),
                 gpu.vector(&src(&f, "bias")).unwrap(),
             );
-            for (route, n, hash) in ["on", "rank", "off"].into_iter().flat_map(|f| {
+            for (route, n, hash) in ["on", "rounds", "off"].into_iter().flat_map(|f| {
                 [
                     (f, 1usize, false),
                     (f, 1, true),

@@ -62,8 +62,11 @@ const MVQ_FORMS: [(&str, usize); 2] = [("r2u4", 2), ("r1u4", 1)];
 /// PDL wait (`mvq_r2u4_f16l`, `mvq_r1u4_f16l`, `mvqm_r2u4_f16l`; as the `mvr` / `mvx` forms and
 /// the router do): in the model's products (indexer q_b 1024 -> 8192, HCA compressor 4096 ->
 /// 2 x 512, the HC mixers) that round is every weight load of the warp, so they overlap the
-/// previous kernel. The same sums. `DS4_GPU_MVQ_LATE=on|off` (or `set_matvec_mvq_late`).
-static MVQ_LATE: AtomicBool = AtomicBool::new(false);
+/// previous kernel. The same sums. `DS4_GPU_MVQ_LATE=on|off` (or `set_matvec_mvq_late`). Default
+/// on: H200 graph us after an rms_norm (matvec_bench f2), early -> late: indexer q_b 7.29 ->
+/// 6.55, HCA compressor 6.05 -> 4.55, router product 4.77 -> 3.92, HC mixer 16384->24 6.56 ->
+/// 6.31; 2k decode +1.4% (bench/results/gpu-f220-h200.txt).
+static MVQ_LATE: AtomicBool = AtomicBool::new(true);
 static MVQ_LATE_ENV: std::sync::Once = std::sync::Once::new();
 
 /// Interleaved F16 copies (gpu/matvec.cu `f16_repack_i`: tiles of 256 columns whose 16-byte
@@ -82,7 +85,7 @@ const F16_IL_MAXC: usize = 2048;
 fn mvq_late(ty: GgmlType) -> &'static str {
     MVQ_LATE_ENV.call_once(|| {
         if let Ok(v) = std::env::var("DS4_GPU_MVQ_LATE") {
-            MVQ_LATE.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+            MVQ_LATE.store(!matches!(v.as_str(), "off" | "0"), Ordering::Relaxed);
         }
     });
     if ty == GgmlType::F16 && MVQ_LATE.load(Ordering::Relaxed) {
@@ -475,7 +478,7 @@ impl GpuBackend {
         Self::set_matvec_q8_form(1, 255);
         Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
-        Self::set_matvec_mvq_late(false);
+        Self::set_matvec_mvq_late(true);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=2 a fixed form, anything else auto.

@@ -308,16 +308,19 @@ const NW_R: usize = 2;
 /// norm_rope_pair_w launches so far, process-wide ([`GpuBackend::nrw_launches`]).
 static NRW_RUNS: AtomicU64 = AtomicU64::new(0);
 
-/// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
-/// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches), 3 `rank` (one
-/// `mvq_route_f16r` launch: the bias loaded before the PDL wait, the last CTA's top k by ranks
-/// instead of k rounds of a warp max; the same bits) (process-wide).
+/// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 3 `on` (default; `rank` too: the router's
+/// product and the route in one `mvq_route_f16r` launch at n = 1, the bias loaded before the PDL
+/// wait, the last CTA's top k by ranks), 1 `rounds` (the previous form, `mvq_route_f16`: the top
+/// k in k rounds of a warp max), 2 off (two launches) (process-wide). The same bits in all three.
+/// H200: matvec_bench f2 (router after an rms_norm, graph us) on 6.63, rounds 7.73, off 8.45;
+/// 2k decode +1.5..2% (bench/results/gpu-f220-h200.txt).
 static ROUTE: AtomicU8 = AtomicU8::new(0);
 
 fn route_code() -> u8 {
     env_code(&ROUTE, "DS4_GPU_ROUTE", |v| match v {
-        Some("rank") => 3,
-        v => on_unless_off(v),
+        Some("rounds") => 1,
+        Some("off") | Some("0") => 2,
+        _ => 3,
     })
 }
 
@@ -352,10 +355,11 @@ impl GpuBackend {
         ROUTE_RUNS.load(Ordering::Relaxed)
     }
 
-    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default), "off" or
-    /// "rank" (overrides the variable). Process-wide; for tests.
+    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default, top k by
+    /// ranks), "rounds" (the previous fused form) or "off" (overrides the variable).
+    /// Process-wide; for tests.
     pub fn set_route_form(form: &str) {
-        set_code(&ROUTE, "set_route_form", form, &["on", "off", "rank"]);
+        set_code(&ROUTE, "set_route_form", form, &["rounds", "off", "on"]);
     }
 
     /// Select norm_rope_pair's kernel by its `DS4_GPU_NRLATE` name: "on" (`norm_rope_pair_gl`,
