@@ -397,6 +397,170 @@ fn il_only(gpu: &GpuBackend, reps: usize, only: &str) {
     GpuBackend::set_matvec_defaults();
 }
 
+/// `matvec_bench reps f2`: the F16 n = 1 products with their weight loads before the PDL wait
+/// (`set_matvec_mvq_late(true)`, `l`) against the early wait (`e`), and the router's fused
+/// product + route by `DS4_GPU_ROUTE` form (rounds, on = ranks, off); graph us per call, each call after
+/// an rms_norm of its x (a dependent kernel before it, as in the model); forms alternate by
+/// round, best of the rounds.
+fn f2(gpu: &GpuBackend, reps: usize) {
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(5);
+    let best = |v: &Vec<f64>| v.iter().cloned().fold(f64::MAX, f64::min);
+    let probe = gpu.alloc(1);
+    println!(
+        "-- F16 n = 1 products after an rms_norm: early wait (e) vs late (l), graph us per call --"
+    );
+    let shapes: [(&str, usize, &[usize], usize); 5] = [
+        ("indexer q_b (mvq r2u4)", 1024, &[8192], 1),
+        ("HCA compressor (mvqm)", 4096, &[512, 512], 1),
+        ("router product (mvq r2u4)", 4096, &[256], 1),
+        ("HC mixer 16384->24", 16384, &[24], 1),
+        (
+            "CSA compressor + indexer (mvxm)",
+            4096,
+            &[1024, 1024, 256, 256, 64],
+            1,
+        ),
+    ];
+    for (name, cols, rows, _) in shapes {
+        let (sets, bytes) = set_copies(gpu, GgmlType::F16, cols, rows);
+        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut xb = gpu.upload(&x);
+        let mut ys: Vec<B> = rows.iter().map(|&r| gpu.alloc(r)).collect();
+        let mut t = [Vec::new(), Vec::new()];
+        for round in 0..6 {
+            let late = round % 2 == 1;
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_mvq_late(late);
+            let mut call = |i: usize| {
+                gpu.rms_norm(&mut xb, 1, cols, None, 1e-6);
+                let s = &sets[i % sets.len()];
+                if rows.len() > 1 {
+                    let ws: Vec<&W> = s.iter().collect();
+                    let mut refs: Vec<&mut B> = ys.iter_mut().collect();
+                    gpu.matmul_multi(&ws, &xb, 1, &mut refs);
+                } else {
+                    gpu.matmul(&s[0], Part::All, &xb, 1, &mut ys[0]);
+                }
+            };
+            t[late as usize].push(time_graph(gpu, &probe, reps, &mut call) * 1e6);
+        }
+        let (e, l) = (best(&t[0]), best(&t[1]));
+        println!(
+            "{name:32} {cols}->{rows:?}: e {:?} | l {:?} | best e {e:6.2} l {l:6.2} us ({:+.1}%), GB/s {:5.0} {:5.0}",
+            t[0].iter().map(|v| (v * 100.0).round() / 100.0).collect::<Vec<_>>(),
+            t[1].iter().map(|v| (v * 100.0).round() / 100.0).collect::<Vec<_>>(),
+            (l / e - 1.0) * 100.0,
+            bytes / e / 1e3,
+            bytes / l / 1e3
+        );
+    }
+    GpuBackend::set_matvec_defaults();
+
+    println!("-- indexer q_b 1024 -> 8192 F16 after an rms_norm: plain e / l, interleaved copy i / il (DS4_GPU_F16_IL), graph us --");
+    {
+        let (cols, rows) = (1024usize, 8192usize);
+        let (plain, bytes) = set_copies(gpu, GgmlType::F16, cols, &[rows]);
+        GpuBackend::set_matvec_f16_il(true);
+        let (il, _) = set_copies(gpu, GgmlType::F16, cols, &[rows]);
+        GpuBackend::set_matvec_f16_il(false);
+        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut xb = gpu.upload(&x);
+        let mut y = gpu.alloc(rows);
+        let mut t = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        for round in 0..8 {
+            let f = round % 4;
+            let sets = if f < 2 { &plain } else { &il };
+            GpuBackend::set_matvec_defaults();
+            GpuBackend::set_matvec_mvq_late(f % 2 == 1);
+            let mut call = |i: usize| {
+                gpu.rms_norm(&mut xb, 1, cols, None, 1e-6);
+                gpu.matmul(&sets[i % sets.len()][0], Part::All, &xb, 1, &mut y);
+            };
+            t[f].push(time_graph(gpu, &probe, reps, &mut call) * 1e6);
+        }
+        GpuBackend::set_matvec_defaults();
+        let names = ["e", "l", "i", "il"];
+        for (f, n) in names.iter().enumerate() {
+            println!(
+                "q_b {n:2}: {:?} best {:6.2} us, {:5.0} GB/s",
+                t[f].iter()
+                    .map(|v| (v * 100.0).round() / 100.0)
+                    .collect::<Vec<_>>(),
+                best(&t[f]),
+                bytes / best(&t[f]) / 1e3
+            );
+        }
+    }
+
+    println!("-- router 4096 -> 256 F16, top 6 + bias: matmul_route after an rms_norm, graph us per call --");
+    let (cols, ne, k) = (4096usize, 256usize, 6usize);
+    let spec = ds4_backend::MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d: cols,
+        ff: 2048,
+        weight_scale: 1.5,
+        clamp: 10.0,
+    };
+    let (sets, _) = set_copies(gpu, GgmlType::F16, cols, &[ne]);
+    let bf = weight_file(GgmlType::F32, ne, 1, 1);
+    let bt = bf.tensor("w").unwrap();
+    let bias = gpu
+        .vector(&WeightSrc {
+            name: "w",
+            file: &bf,
+            ty: bt.ty,
+            dims: &bt.dims,
+            offset: bt.offset as usize,
+            n_bytes: bt.n_bytes as usize,
+        })
+        .unwrap();
+    let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let mut xb = gpu.upload(&x);
+    let tok = gpu.upload_i32(&[0]);
+    let (mut lg, mut sel, mut wgt) = (gpu.alloc(ne), gpu.alloc_i32(k), gpu.alloc(k));
+    let forms = ["rounds", "on", "off"];
+    let mut t = [Vec::new(), Vec::new(), Vec::new()];
+    let mut picks: Vec<Vec<i32>> = Vec::new();
+    for round in 0..9 {
+        let f = round % 3;
+        GpuBackend::set_route_form(forms[f]);
+        let mut call = |i: usize| {
+            gpu.rms_norm(&mut xb, 1, cols, None, 1e-6);
+            let s = &sets[i % sets.len()];
+            gpu.matmul_route(
+                &spec,
+                &s[0],
+                &xb,
+                1,
+                &mut lg,
+                Some(&bias),
+                None,
+                &tok,
+                &mut sel,
+                &mut wgt,
+            );
+        };
+        t[f].push(time_graph(gpu, &probe, reps, &mut call) * 1e6);
+        picks.push(gpu.download_i32(&sel, k));
+    }
+    GpuBackend::set_route_form("on");
+    for (f, name) in forms.iter().enumerate() {
+        println!(
+            "route {name:5}: {:?} best {:6.2} us",
+            t[f].iter()
+                .map(|v| (v * 100.0).round() / 100.0)
+                .collect::<Vec<_>>(),
+            best(&t[f])
+        );
+    }
+    let same = picks.windows(2).all(|w| w[0] == w[1]);
+    println!(
+        "route: the last selections of every round equal: {same} ({:?})",
+        picks[0]
+    );
+}
+
 fn main() {
     let reps: usize = common::arg(1, 100);
     let only_q8 = std::env::args().nth(2).as_deref() == Some("q8");
@@ -413,6 +577,10 @@ fn main() {
     }
     if std::env::args().nth(2).as_deref() == Some("il") {
         il_only(&gpu, reps, &std::env::args().nth(3).unwrap_or_default());
+        return;
+    }
+    if std::env::args().nth(2).as_deref() == Some("f2") {
+        f2(&gpu, reps);
         return;
     }
     if std::env::args().nth(2).as_deref() == Some("merged") {

@@ -538,6 +538,208 @@ fn matvec_one_row() {
     cases.finish();
 }
 
+/// The F16 `mvq_*` / `mvqm_*` kernels that load weights before the PDL wait
+/// (`set_matvec_mvq_late(true)`: `mvq_r2u4_f16l`, `mvq_r1u4_f16l`, `mvqm_r2u4_f16l`) against the
+/// same kernels waiting first: bitwise the same (the same sums), and within TOL of the CPU. The
+/// model's shapes (router, indexer q_b, HC mixer with and without column splits, HCA
+/// compressor set), odd row counts, short rows; each run twice.
+#[test]
+fn matvec_mvq_late() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    // single products: (cols, rows, groups, split)
+    let singles: &[(usize, usize, usize, bool)] = &[
+        (4096, 256, 1, false),
+        (1024, 8192, 1, false),
+        (16384, 24, 1, false),
+        (16384, 24, 1, true),
+        (4096, 3, 1, false),
+        (96, 4099, 1, false),
+        (512, 72, 4, false),
+    ];
+    for (si, &(cols, rows, groups, split)) in singles.iter().enumerate() {
+        let w = weight(&cpu, &gpu, GgmlType::F16, cols, rows, 1, 3300 + si as u64);
+        let xs = randn(&mut rng(377 + si as u64), groups * cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cy = cpu.alloc(rows);
+        if groups > 1 {
+            cpu.matmul_grouped(&w.0, groups, &cx, 1, &mut cy);
+        } else {
+            cpu.matmul(&w.0, Part::All, &cx, 1, &mut cy);
+        }
+        let want = cpu.download(&cy, rows);
+        GpuBackend::set_matvec_split(split);
+        for form in [1u8, 2, 255] {
+            GpuBackend::set_matvec_one(form);
+            let mut outs = Vec::new();
+            for late in [false, true, true] {
+                GpuBackend::set_matvec_mvq_late(late);
+                let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+                if groups > 1 {
+                    gpu.matmul_grouped(&w.1, groups, &gx, 1, &mut gy);
+                } else {
+                    gpu.matmul(&w.1, Part::All, &gx, 1, &mut gy);
+                }
+                outs.push(gpu.download(&gy, rows));
+            }
+            let name = format!("mvq late form {form} split {split} F16 {groups}x{cols}->{rows}");
+            cases.check(name.clone(), cols, &outs[1], &want, &gpu);
+            for (i, o) in outs[1..].iter().enumerate() {
+                let same = o
+                    .iter()
+                    .zip(&outs[0])
+                    .all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    same,
+                    "{name}: late run {i} differs from the early-wait form"
+                );
+            }
+        }
+    }
+    GpuBackend::set_matvec_split(false);
+    GpuBackend::set_matvec_one(255);
+    // merged sets below the mvxm threshold (mvqm_r2u4_f16 / _f16l)
+    let sets: &[(usize, &[usize])] = &[
+        (4096, &[512, 512]),
+        (1056, &[7, 1, 70]),
+        (96, &[3, 5, 7, 9, 11]),
+    ];
+    for (si, &(cols, rows)) in sets.iter().enumerate() {
+        let ws: Vec<Pair> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                weight(
+                    &cpu,
+                    &gpu,
+                    GgmlType::F16,
+                    cols,
+                    r,
+                    1,
+                    3400 + 10 * si as u64 + i as u64,
+                )
+            })
+            .collect();
+        let xs = randn(&mut rng(477 + si as u64), cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cys: Vec<_> = rows.iter().map(|&r| cpu.alloc(r)).collect();
+        let cws: Vec<_> = ws.iter().map(|w| &w.0).collect();
+        let mut crefs: Vec<_> = cys.iter_mut().collect();
+        cpu.matmul_multi(&cws, &cx, 1, &mut crefs);
+        let want: Vec<Vec<f32>> = cys
+            .iter()
+            .zip(rows)
+            .map(|(y, &r)| cpu.download(y, r))
+            .collect();
+        let mut outs = Vec::new();
+        for late in [false, true, true] {
+            GpuBackend::set_matvec_mvq_late(late);
+            let mut gys: Vec<_> = rows
+                .iter()
+                .map(|&r| gpu.upload(&vec![f32::NAN; r]))
+                .collect();
+            let gws: Vec<_> = ws.iter().map(|w| &w.1).collect();
+            let mut grefs: Vec<_> = gys.iter_mut().collect();
+            gpu.matmul_multi(&gws, &gx, 1, &mut grefs);
+            outs.push(
+                gys.iter()
+                    .zip(rows)
+                    .map(|(y, &r)| gpu.download(y, r))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        for (i, &r) in rows.iter().enumerate() {
+            let name = format!("mvqm late F16 {cols}->{rows:?}[{i}] ({r} rows)");
+            cases.check(name.clone(), cols, &outs[1][i], &want[i], &gpu);
+            for run in &outs[1..] {
+                let same = run[i]
+                    .iter()
+                    .zip(&outs[0][i])
+                    .all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "{name}: late differs from the early-wait form");
+            }
+        }
+    }
+    GpuBackend::set_matvec_mvq_late(true);
+    cases.finish();
+}
+
+/// The interleaved F16 copies (`set_matvec_f16_il(true)` before the upload: `f16_repack_i`, then
+/// `mvq_r2u4_f16i` / `_f16il` with `set_matvec_mvq_late`) against the CPU (TOL, as the plain
+/// layout) and the plain copy of the same data: copies made exactly for >= 4096 rows of <= 2048
+/// columns in whole 256-column tiles (asserted), late and early bitwise equal, repeats equal.
+#[test]
+fn matvec_f16_interleaved() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let mut cases = Cases::default();
+    // (cols, rows, copy expected)
+    let shapes: &[(usize, usize, bool)] = &[
+        (1024, 8192, true),
+        (2048, 4096, true),
+        (256, 4099, true),
+        (1280, 4096, true),
+        (4096, 4096, false),
+        (96, 4099, false),
+        (1024, 1024, false),
+    ];
+    for (si, &(cols, rows, taken)) in shapes.iter().enumerate() {
+        let seed = 3500 + si as u64;
+        GpuBackend::set_matvec_f16_il(false);
+        let plain = weight(&cpu, &gpu, GgmlType::F16, cols, rows, 1, seed);
+        GpuBackend::set_matvec_f16_il(true);
+        let il = weight(&cpu, &gpu, GgmlType::F16, cols, rows, 1, seed);
+        GpuBackend::set_matvec_f16_il(false);
+        assert!(
+            !GpuBackend::has_f16_il(&plain.1),
+            "{cols}->{rows}: a copy with the switch off"
+        );
+        assert_eq!(
+            GpuBackend::has_f16_il(&il.1),
+            taken,
+            "{cols}->{rows}: interleaved copy"
+        );
+        let xs = randn(&mut rng(577 + si as u64), cols, 1.0);
+        let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+        let mut cy = cpu.alloc(rows);
+        cpu.matmul(&plain.0, Part::All, &cx, 1, &mut cy);
+        let want = cpu.download(&cy, rows);
+        let run = |w: &<GpuBackend as Backend>::Weight| {
+            let mut gy = gpu.upload(&vec![f32::NAN; rows]);
+            gpu.matmul(w, Part::All, &gx, 1, &mut gy);
+            gpu.download(&gy, rows)
+        };
+        let p = run(&plain.1);
+        let mut outs = Vec::new();
+        for late in [false, true, true] {
+            GpuBackend::set_matvec_mvq_late(late);
+            outs.push(run(&il.1));
+        }
+        GpuBackend::set_matvec_mvq_late(true);
+        cases.check(format!("f16 plain {cols}->{rows}"), cols, &p, &want, &gpu);
+        let name = format!("f16 interleaved {cols}->{rows} (copy {taken})");
+        cases.check(name.clone(), cols, &outs[0], &want, &gpu);
+        for o in &outs[1..] {
+            let same = o
+                .iter()
+                .zip(&outs[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: late or repeat differs");
+        }
+        let same_as_plain = p
+            .iter()
+            .zip(&outs[0])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("{name}: bitwise equal to the plain layout: {same_as_plain}");
+    }
+    cases.finish();
+}
+
 /// The n = 1 Q8_0 products from the decode-layout copy (`mvr_*`, `set_matvec_repacked(1..=4)`,
 /// then off (`mvq` on the GGUF blocks), the old default and `mvx_r4u2_q8_0` with several grids): the model's shapes (head rows cut),
 /// odd row counts (1, 3, 4099), columns that end mid warp-step (32, 96, 1056, 1568),

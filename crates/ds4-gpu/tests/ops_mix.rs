@@ -950,19 +950,24 @@ fn norm_rope_pair_matches_two_calls() {
 /// bit for bit (logits, selections, weights), and the CPU: its moe_route of the same logits
 /// (selections exactly, weights to TOL) and its matmul_route's logits (F16 products: 1e-4 of the
 /// largest). Top k and hash layers; n = 2, 16 experts (the product takes another kernel), a Q8_0
-/// router, the simple forms and `DS4_GPU_ROUTE=off` run the two calls (no fused launch). Each
-/// case routes twice, so the second launch finds the ticket the first reset.
+/// router, the simple forms and `DS4_GPU_ROUTE=off` run the two calls (no fused launch); `on`
+/// (mvq_route_f16r: top k by ranks) and `rounds` (mvq_route_f16: k rounds of a warp max) fuse,
+/// with tied scores and a last group of fewer than k experts among the cases. Each case routes twice, so the second launch finds the ticket the
+/// first reset.
 #[test]
 fn matmul_route_matches_two_calls() {
     let Some((cpu, gpu)) = setup() else { return };
     both_forms(|form| {
         let mut r = rng(12);
-        // (experts, used, columns, router type)
-        for (ne, k, d, ty) in [
-            (256usize, 6usize, 4096usize, GgmlType::F16),
-            (16, 6, 256, GgmlType::F16),
-            (1024, 16, 512, GgmlType::F16),
-            (256, 8, 4096, GgmlType::Q8_0),
+        // (experts, used, columns, router type, rows and bias of experts ne/2.. copy those of
+        // 0..ne/2: equal scores, the lower id first); 196: a last group of 4 (< k) experts
+        for (ne, k, d, ty, dup) in [
+            (256usize, 6usize, 4096usize, GgmlType::F16, false),
+            (16, 6, 256, GgmlType::F16, false),
+            (1024, 16, 512, GgmlType::F16, false),
+            (256, 8, 4096, GgmlType::Q8_0, false),
+            (256, 6, 4096, GgmlType::F16, true),
+            (196, 6, 1024, GgmlType::F16, false),
         ] {
             let spec = MoeSpec {
                 n_expert: ne,
@@ -974,14 +979,15 @@ fn matmul_route_matches_two_calls() {
             };
             let vocab = 64;
             let (tc, tg) = hash_table(&cpu, &gpu, &mut r, vocab, k, ne);
-            let bias = randn(&mut r, ne, 0.1);
+            let mut bias = randn(&mut r, ne, 0.1);
+            let mut table = table_bytes(&mut r, ty, ne, d);
+            if dup {
+                let h = table.len() / 2;
+                table.copy_within(..h, h);
+                bias.copy_within(..ne / 2, ne / 2);
+            }
             let f = file(&[
-                (
-                    "router",
-                    ty,
-                    vec![d as u64, ne as u64],
-                    table_bytes(&mut r, ty, ne, d),
-                ),
+                ("router", ty, vec![d as u64, ne as u64], table),
                 ("bias", GgmlType::F32, vec![ne as u64], f32_bytes(&bias)),
             ]);
             let (rc, rg) = (
@@ -992,7 +998,7 @@ fn matmul_route_matches_two_calls() {
                 cpu.vector(&src(&f, "bias")).unwrap(),
                 gpu.vector(&src(&f, "bias")).unwrap(),
             );
-            for (route, n, hash) in ["on", "off"].into_iter().flat_map(|f| {
+            for (route, n, hash) in ["on", "rounds", "off"].into_iter().flat_map(|f| {
                 [
                     (f, 1usize, false),
                     (f, 1, true),

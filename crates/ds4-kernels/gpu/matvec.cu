@@ -610,7 +610,11 @@ template <> struct MvqRaw<T_F16> {
     }
 };
 
-template <int T, int R, int U>
+// LATE (a kernel started with DS4_PDL_LATE): ds4_pdl_enter() after the warp's first round of
+// weight loads, as mvq_cta; the same sums either way. IL (F16 only): W in the interleaved F16
+// layout (f16_repack_i), so slice (c, q) holds the columns of x float4s 64(c / 8) + s and + 32,
+// s = 4(c % 8) + q.
+template <int T, int R, int U, bool LATE = false, bool IL = false>
 __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          long long row_bytes, int kspl) {
@@ -620,6 +624,7 @@ __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z
     float acc[R][1];
 #pragma unroll
     for (int i = 0; i < R; i++) acc[i][0] = 0.0f;
+    bool wait = LATE; // ds4_pdl_enter() still to come
     if (r0 < rows) { // warp-uniform
         const u8* rp[R];
 #pragma unroll
@@ -637,18 +642,29 @@ __device__ __forceinline__ void mvq_body(const u8* __restrict__ W, long long w_z
 #pragma unroll
                     for (int i = 0; i < R; i++) raw[u][i].load(rp[i], c, q);
             }
+            if (LATE && wait) {
+                ds4_pdl_enter();
+                wait = false;
+            }
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 int c = c0 + u * stride + lane / 4;
                 if (c < chunks) {
-                    const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
-                    float4 xa = xv[0], xc = xv[1];
+                    float4 xa, xc;
+                    if (IL) {
+                        const float4* xv = (const float4*)xb + (long long)(c >> 3) * 64 + 4 * (c & 7) + q;
+                        xa = xv[0], xc = xv[32];
+                    } else {
+                        const float4* xv = (const float4*)(xb + (long long)c * 32 + 8 * q);
+                        xa = xv[0], xc = xv[1];
+                    }
 #pragma unroll
                     for (int i = 0; i < R; i++) acc[i][0] = raw[u][i].dot(xa, xc, acc[i][0]);
                 }
             }
         }
     }
+    if (LATE && wait) ds4_pdl_enter();
     float v = mv_reduce<1, R>(acc, kspl, red);
     int r = r0 + lane;
     if (warp % kspl == 0 && lane < R && r < rows) y[(long long)z * y_z + r] = v;
@@ -663,6 +679,28 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_q8_0(MVQ_PARAMS) { ds4_pdl_enter
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_q8_0(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_Q8_0, 1, 4>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 2, 4>(MVQ_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 1, 4>(MVQ_ARGS); }
+// The F16 forms with their weights' first round of loads before the PDL wait (DS4_GPU_MVQ_LATE).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16l(MVQ_PARAMS) { DS4_PDL_LATE; mvq_body<T_F16, 2, 4, true>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r1u4_f16l(MVQ_PARAMS) { DS4_PDL_LATE; mvq_body<T_F16, 1, 4, true>(MVQ_ARGS); }
+
+// ---- The interleaved F16 layout ("i", DS4_GPU_F16_IL; f16_repack_i, a second copy made at
+// upload): rows cut into tiles of 256 columns (32 slots of 16 bytes); slot s holds columns 4s ..
+// 4s + 3, then 128 + 4s .. + 3, so the lane of a warp step that loads slot s reads its x as the
+// float4s s and 32 + s of the tile: each x load of a warp step is 512 contiguous bytes (plain:
+// lane stride 32 bytes, 8 lines a load instruction, half of each used). Per lane the sum runs
+// over those 8 columns in that order (another f32 rounding order than the plain layout).
+// f16_repack_i: slot i (i < n_slots = rows * cols / 8, cols % 256 == 0) of dst from src.
+DS4_KERNEL void DS4_BOUNDS(256) f16_repack_i(const u8* __restrict__ src, long long n_slots, u8* __restrict__ dst) {
+    ds4_pdl_enter();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_slots) return;
+    const uint2* t = (const uint2*)(src + (i >> 5) * 512); // the tile: 64 groups of 4 columns
+    const int s = (int)(i & 31);
+    const uint2 a = t[s], b = t[32 + s];
+    ((uint4*)dst)[i] = make_uint4(a.x, a.y, b.x, b.y);
+}
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16i(MVQ_PARAMS) { ds4_pdl_enter(); mvq_body<T_F16, 2, 4, false, true>(MVQ_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16il(MVQ_PARAMS) { DS4_PDL_LATE; mvq_body<T_F16, 2, 4, true, true>(MVQ_ARGS); }
 
 // ---- Q8_0 in the decode layout (GpuWeight::Mat `dec`, written at upload by q8_repack from the
 // GGUF blocks, which stay for the GEMM): quants Q[g * cols + k] (i8, g = global row: rows are
@@ -987,14 +1025,16 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrm_r2u2_q8_0i(MVRM_PARAMS) { DS4_PDL_LA
 #define MVQM_PARAMS                                                                                                    \
     MVQM_ONE(0), MVQM_ONE(1), MVQM_ONE(2), MVQM_ONE(3), MVQM_ONE(4), const float *__restrict__ x, int cols,            \
         long long row_bytes, int kspl, int c1, int c2, int c3, int c4
-#define MVQM_BODY(T)                                                                                                   \
+#define MVQM_BODY(T, LATE)                                                                                             \
     int m = mvm_pick(c1, c2, c3, c4);                                                                                  \
-    mvq_cta<T, 2, 4>(MVM_SEL(W0, W1, W2, W3, W4), x, MVM_SEL(y0, y1, y2, y3, y4),                                      \
+    mvq_cta<T, 2, 4, LATE>(MVM_SEL(W0, W1, W2, W3, W4), x, MVM_SEL(y0, y1, y2, y3, y4),                                \
                      MVM_SEL(rows0, rows1, rows2, rows3, rows4), cols, row_bytes, kspl,                                \
                      (int)blockIdx.x - MVM_SEL(0, c1, c2, c3, c4));
 
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_F16) }
-DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_Q8_0) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_F16, false) }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_enter(); MVQM_BODY(T_Q8_0, false) }
+// mvqm_r2u4_f16 with the weights' first round of loads before the PDL wait (DS4_GPU_MVQ_LATE).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16l(MVQM_PARAMS) { DS4_PDL_LATE; MVQM_BODY(T_F16, true) }
 
 // Decode router (n = 1): logits y = W·x as mvq_r2u4_f16 (the same CTAs, kspl and per-lane order of
 // the sums: the same bits), the weights' first loads before the PDL wait; then the last CTA to
@@ -1022,6 +1062,32 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16(const u8* __restrict__ W, c
     if (!last_s) return;
     if (threadIdx.x == 0) *ticket = 0u; // ready for the next launch
     ds4_route_token<true>(y, bias, tid2eid, tok, sel, wgt, rows, k, weight_scale);
+}
+
+// mvq_route_f16 with the bias values loaded before the PDL wait (a weight; in registers through
+// the product) and the last CTA's top k by ranks (ds4_route_token_rank: the same selections,
+// slots and weights, bit for bit). DS4_GPU_ROUTE=rank.
+#define MVQ_ROUTE_NB (DS4_ROUTE_MAX_E / MV_THREADS) // bias values a thread holds
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16r(const u8* __restrict__ W, const float* __restrict__ x, float* y, int rows, int cols,
+                                                      long long row_bytes, int kspl, const float* __restrict__ bias,
+                                                      const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel,
+                                                      float* __restrict__ wgt, int k, float weight_scale, u32* ticket) {
+    DS4_PDL_LATE; // mvq_cta<LATE> waits after the first round of weight loads
+    __shared__ int last_s;
+    float bv[MVQ_ROUTE_NB];
+    ds4_route_bias(bias, rows, bv);
+    mvq_cta<T_F16, 2, 4, true>(W, x, y, rows, cols, row_bytes, kspl, blockIdx.x);
+    __syncthreads(); // every logit store of this CTA precedes thread 0's fence
+    if (threadIdx.x == 0) {
+        __threadfence(); // release: the logits are visible device-wide before the ticket
+        const bool l = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        if (l) __threadfence(); // acquire: the other CTAs' logits are read after it
+        last_s = l;
+    }
+    __syncthreads();
+    if (!last_s) return;
+    if (threadIdx.x == 0) *ticket = 0u; // ready for the next launch
+    ds4_route_token_rank<true>(y, bv, tid2eid, tok, sel, wgt, rows, k, weight_scale);
 }
 
 template <bool IL>

@@ -96,3 +96,96 @@ __device__ __forceinline__ void ds4_route_token(const float* lg, const float* __
     }
     ds4_route_finish(lane < k ? p[mine] : 0.0f, mine, sel_t, wgt_t, k, weight_scale);
 }
+
+// The warp's shared-memory stores visible to its lanes (HIP: a wavefront barrier with fences).
+#if defined(DS4_HIP)
+#define ds4_route_syncwarp()                                                                                   \
+    do {                                                                                                       \
+        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");                                                 \
+        __builtin_amdgcn_wave_barrier();                                                                       \
+        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");                                                 \
+    } while (0)
+#else
+#define ds4_route_syncwarp() __syncwarp()
+#endif
+
+// Bias values of the experts e = threadIdx.x + i * blockDim.x (i < NB) for ds4_route_token_rank,
+// 0 past ne or without a bias (hash layers). A weight: may be read before the PDL wait.
+template <int NB> __device__ __forceinline__ void ds4_route_bias(const float* __restrict__ bias, int ne, float (&bv)[NB]) {
+#pragma unroll
+    for (int i = 0; i < NB; i++) {
+        const int e = threadIdx.x + i * blockDim.x;
+        bv[i] = bias && e < ne ? bias[e] : 0.0f;
+    }
+}
+
+// ds4_route_token (the same selections, slots and weights, bit for bit) with the top k by ranks
+// instead of k rounds of a warp max, and the bias values bv already in registers
+// (ds4_route_bias; NB * blockDim.x >= ne). Keys (distinct, never 0) in groups of DS4_WARP
+// experts, group g = experts g * DS4_WARP .. (key 0 past ne) held by warp g % nwarps, lane e %
+// DS4_WARP: each lane counts the keys of its group above its own (broadcast shared reads); count
+// c < k: the group's c-th largest, candidate slot g * k + c (slots of absent ranks: 0). Then each
+// candidate counts the candidates above it: count c < k is the c-th largest overall, which is the
+// key round c of ds4_route_token picks (every key of the top k is in its group's top k). ne >= k
+// keys above 0, so no 0 candidate ranks below k. Every thread of the CTA must enter (two
+// barriers); the function is the end of the kernel.
+template <bool CG, int NB>
+__device__ __forceinline__ void ds4_route_token_rank(const float* lg, const float (&bv)[NB], const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel_t, float* __restrict__ wgt_t, int ne, int k, float weight_scale) {
+    __shared__ float p[DS4_ROUTE_MAX_E];
+    __shared__ u64 key[DS4_ROUTE_MAX_E];
+    __shared__ u64 cand[DS4_ROUTE_MAX_E];
+    __shared__ int top_e[DS4_ROUTE_MAX_K];
+    const int tid = threadIdx.x, lane = tid % DS4_WARP;
+    if (tid2eid) { // hash layer: as ds4_route_token
+        if (tid >= DS4_WARP) return;
+        const int e = lane < k ? tid2eid[(size_t)tok[0] * k + lane] : 0;
+        const float pe = lane < k ? ds4_route_p(ds4_route_logit<CG>(lg, e)) : 0.0f;
+        ds4_route_finish(pe, e, sel_t, wgt_t, k, weight_scale);
+        return;
+    }
+    const int groups = (ne + DS4_WARP - 1) / DS4_WARP;
+    // Thread tid holds experts tid + i * blockDim.x: group (tid + i * blockDim.x) / DS4_WARP, one
+    // of its own warp's (blockDim.x is a multiple of DS4_WARP), so a warp ranks the groups whose
+    // keys it stored itself (a __syncwarp, no CTA barrier).
+#pragma unroll
+    for (int i = 0; i < NB; i++) {
+        const int e = tid + i * blockDim.x;
+        if (e < groups * DS4_WARP) {
+            u64 kv = 0;
+            if (e < ne) {
+                const float pe = ds4_route_p(ds4_route_logit<CG>(lg, e));
+                p[e] = pe;
+                const u32 hi = (u32)ds4_total_key(pe + bv[i]) ^ 0x80000000u;
+                kv = ((u64)hi << 32) | (u64)(~(u32)e);
+            }
+            key[e] = kv;
+        }
+    }
+    ds4_route_syncwarp();
+#pragma unroll
+    for (int i = 0; i < NB; i++) {
+        const int e = tid + i * blockDim.x, g = e / DS4_WARP;
+        if (g < groups) { // warp-uniform
+            const u64 mine = key[e];
+            const u64* kg = key + g * DS4_WARP;
+            int c = 0;
+#pragma unroll 8
+            for (int j = 0; j < DS4_WARP; j++) c += kg[j] > mine;
+            const int nv = min(DS4_WARP, ne - g * DS4_WARP); // valid keys of the group: ranks 0..nv-1
+            if (lane < nv && c < k) cand[g * k + c] = mine;
+            if (lane >= nv && lane < k) cand[g * k + lane] = 0; // ranks the group lacks
+        }
+    }
+    __syncthreads();
+    const int nc = groups * k;
+    for (int t = tid; t < nc; t += blockDim.x) {
+        const u64 mine = cand[t];
+        int c = 0;
+        for (int j = 0; j < nc; j++) c += cand[j] > mine;
+        if (c < k) top_e[c] = (int)~(u32)mine;
+    }
+    __syncthreads();
+    if (tid >= DS4_WARP) return;
+    const int e = lane < k ? top_e[lane] : 0;
+    ds4_route_finish(lane < k ? p[e] : 0.0f, e, sel_t, wgt_t, k, weight_scale);
+}

@@ -58,6 +58,42 @@ const MVQ_AUTO: u8 = 255;
 static MVQ_ENV: std::sync::Once = std::sync::Once::new();
 /// (name, rows per warp R); U = 8 / R column steps except r1u4.
 const MVQ_FORMS: [(&str, usize); 2] = [("r2u4", 2), ("r1u4", 1)];
+/// The F16 `mvq_*` / `mvqm_*` kernels with their first round of weight loads issued before the
+/// PDL wait (`mvq_r2u4_f16l`, `mvq_r1u4_f16l`, `mvqm_r2u4_f16l`; as the `mvr` / `mvx` forms and
+/// the router do): in the model's products (indexer q_b 1024 -> 8192, HCA compressor 4096 ->
+/// 2 x 512, the HC mixers) that round is every weight load of the warp, so they overlap the
+/// previous kernel. The same sums. `DS4_GPU_MVQ_LATE=on|off` (or `set_matvec_mvq_late`). Default
+/// on: H200 graph us after an rms_norm (matvec_bench f2), early -> late: indexer q_b 7.29 ->
+/// 6.55, HCA compressor 6.05 -> 4.55, router product 4.77 -> 3.92, HC mixer 16384->24 6.56 ->
+/// 6.31; 2k decode +1.4% (bench/results/gpu-f220-h200.txt).
+static MVQ_LATE: AtomicBool = AtomicBool::new(true);
+static MVQ_LATE_ENV: std::sync::Once = std::sync::Once::new();
+
+/// Interleaved F16 copies (gpu/matvec.cu `f16_repack_i`: tiles of 256 columns whose 16-byte
+/// slot s holds columns 4s .. 4s + 3 and 128 + 4s .. + 3, so a warp step's x loads are 512
+/// contiguous bytes each) of F16 single-slab matrices of at least F16_IL_ROWS rows and at most
+/// F16_IL_MAXC columns in whole tiles (the indexer's q_b, 1024 -> 8192: 16.8 MB more a CSA layer),
+/// taken by its n = 1 r2u4 products (`mvq_r2u4_f16i`, `_f16il` with `MVQ_LATE`).
+/// `DS4_GPU_F16_IL=on|off` (or `set_matvec_f16_il`), read when a copy would be made. Per lane
+/// another order of the same f32 sums.
+static F16_IL: AtomicBool = AtomicBool::new(false);
+static F16_IL_ENV: std::sync::Once = std::sync::Once::new();
+const F16_IL_ROWS: usize = 4096;
+const F16_IL_MAXC: usize = 2048;
+
+/// "l" (the late-wait kernel name's suffix) for F16 when `MVQ_LATE` is on, else "".
+fn mvq_late(ty: GgmlType) -> &'static str {
+    MVQ_LATE_ENV.call_once(|| {
+        if let Ok(v) = std::env::var("DS4_GPU_MVQ_LATE") {
+            MVQ_LATE.store(!matches!(v.as_str(), "off" | "0"), Ordering::Relaxed);
+        }
+    });
+    if ty == GgmlType::F16 && MVQ_LATE.load(Ordering::Relaxed) {
+        "l"
+    } else {
+        ""
+    }
+}
 
 /// n = 1 products of Q8_0 matrices that have a decode-layout copy (`GpuWeight::Mat::dec`, made
 /// at upload by `q8_decode_copy`) by `mvr_<form>_q8_0` (16-byte quant loads, one halfword scale
@@ -442,6 +478,7 @@ impl GpuBackend {
         Self::set_matvec_q8_form(1, 255);
         Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
+        Self::set_matvec_mvq_late(true);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=2 a fixed form, anything else auto.
@@ -491,6 +528,23 @@ impl GpuBackend {
         MVR_PIPE.store(on, Ordering::Relaxed);
     }
 
+    /// The F16 `mvq` / `mvqm` kernels that load weights before the PDL wait (`MVQ_LATE`) on or off.
+    pub fn set_matvec_mvq_late(on: bool) {
+        MVQ_LATE_ENV.call_once(|| {});
+        MVQ_LATE.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether `w` has an interleaved F16 copy (`F16_IL`); for tests.
+    pub fn has_f16_il(w: &GpuWeight) -> bool {
+        matches!(w, GpuWeight::Mat { f16i: Some(_), .. })
+    }
+
+    /// Interleaved F16 copies (`F16_IL`) made from now on, or none.
+    pub fn set_matvec_f16_il(on: bool) {
+        F16_IL_ENV.call_once(|| {});
+        F16_IL.store(on, Ordering::Relaxed);
+    }
+
     /// Merged n = 1 products on or off (`MERGE`; default on).
     pub fn set_matvec_merge(on: bool) {
         MERGE_ENV.call_once(|| {});
@@ -512,6 +566,50 @@ impl GpuBackend {
     ) -> (Option<DeviceBuffer>, bool) {
         let il = q8_il(cols);
         (self.q8_copy(buf, ty, cols, rows, experts, il), il)
+    }
+
+    /// The interleaved F16 copy of `buf` (see `F16_IL`), or None (another type or shape, the
+    /// switch off, no memory: not an error).
+    pub(crate) fn f16_il_copy(
+        &self,
+        buf: &DeviceBuffer,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        experts: usize,
+    ) -> Option<DeviceBuffer> {
+        F16_IL_ENV.call_once(|| {
+            if let Ok(v) = std::env::var("DS4_GPU_F16_IL") {
+                F16_IL.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+            }
+        });
+        if ty != GgmlType::F16
+            || experts != 1
+            || !F16_IL.load(Ordering::Relaxed)
+            || rows < F16_IL_ROWS
+            || cols > F16_IL_MAXC
+            || cols == 0
+            || !cols.is_multiple_of(256)
+            || buf.bytes() < rows * cols * 2
+            || !buf.ptr().0.is_multiple_of(16)
+            || self.failed()
+        {
+            return None;
+        }
+        self.interrupt();
+        let slots = rows * cols / 8;
+        let dst = self.gpu.alloc(slots * 16).ok()?;
+        self.run(
+            &ds4_kernels::MATVEC,
+            "f16_repack_i",
+            LaunchDims::linear(slots.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(buf.ptr()),
+                Arg::I64(slots as i64),
+                Arg::Ptr(dst.ptr()),
+            ],
+        );
+        Some(dst)
     }
 
     fn q8_copy(
@@ -779,6 +877,42 @@ impl GpuBackend {
         (pick == (1, 1)).then(|| self.mv_dims(rows, MVQ_FORMS[0].1, 1, 1, cols))
     }
 
+    /// One n = 1 F16 product from its interleaved copy `c` (`mvq_r2u4_f16i`, `_f16il` with
+    /// `MVQ_LATE`) where `mvq` would take r2u4 without column splits, else false (nothing run).
+    fn mvq_il(
+        &self,
+        c: &DeviceBuffer,
+        x: &GpuBuf,
+        y: DevPtr,
+        rows: usize,
+        cols: usize,
+        rb: usize,
+    ) -> bool {
+        let w = c.ptr();
+        if self.mvq_pick(GgmlType::F16, w, 0, x, rows, cols, rb, 1) != Some((1, 1)) {
+            return false;
+        }
+        let (dims, k) = self.mv_dims(rows, MVQ_FORMS[0].1, 1, 1, cols);
+        self.run(
+            &ds4_kernels::MATVEC,
+            &format!("mvq_r2u4_f16i{}", mvq_late(GgmlType::F16)),
+            dims,
+            &[
+                Arg::Ptr(w),
+                Arg::I64(0),
+                Arg::Ptr(x.ptr),
+                Arg::I64(0),
+                Arg::Ptr(y),
+                Arg::I64(0),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I64(rb as i64),
+                Arg::I32(k as i32),
+            ],
+        );
+        true
+    }
+
     /// One n = 1 product by `mvq_*` (Q8_0, F16), or false when off, declined or another type.
     /// Strides as in `mv_launch` (bytes for w_z, elements for x_z and y_z).
     #[allow(clippy::too_many_arguments)]
@@ -813,7 +947,7 @@ impl GpuBackend {
             let (dims, k) = self.mv_dims(rows, r, 1, splits, cs);
             self.run(
                 &ds4_kernels::MATVEC,
-                &format!("mvq_{name}_{sfx}"),
+                &format!("mvq_{name}_{sfx}{}", mvq_late(ty)),
                 dims,
                 &[
                     Arg::Ptr(w),
@@ -848,7 +982,7 @@ impl GpuBackend {
         let (dims, k) = self.mv_dims(rows, r, 1, zs, cols);
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvq_{name}_{sfx}"),
+            &format!("mvq_{name}_{sfx}{}", mvq_late(ty)),
             dims,
             &[
                 Arg::Ptr(w),
@@ -1076,13 +1210,22 @@ impl GpuBackend {
             Part::Expert(e) => e * rows * rb,
         };
         let GpuWeight::Mat {
-            ty, dec, dec_il, ..
+            ty,
+            dec,
+            dec_il,
+            f16i,
+            ..
         } = w
         else {
             return false;
         };
         if let (1, Some(dec), 0) = (n, dec, byte0) {
             if self.mvr(dec, *dec_il, x, 0, y.ptr, 0, rows, cols, 1, false) {
+                return true;
+            }
+        }
+        if let (1, Some(c), 0) = (n, f16i, byte0) {
+            if self.mvq_il(c, x, y.ptr, rows, cols, rb) {
                 return true;
             }
         }
@@ -1455,7 +1598,7 @@ impl GpuBackend {
         };
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvqm_r2u4_{sfx}"),
+            &format!("mvqm_r2u4_{sfx}{}", mvq_late(ty)),
             dims,
             &args,
         );

@@ -308,14 +308,26 @@ const NW_R: usize = 2;
 /// norm_rope_pair_w launches so far, process-wide ([`GpuBackend::nrw_launches`]).
 static NRW_RUNS: AtomicU64 = AtomicU64::new(0);
 
-/// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 1 on (default: the router's product and
-/// the route in one `mvq_route_f16` launch at n = 1), 2 off (two launches) (process-wide).
+/// matmul_route: 0 not yet read from `DS4_GPU_ROUTE`, 3 `on` (default; `rank` too: the router's
+/// product and the route in one `mvq_route_f16r` launch at n = 1, the bias loaded before the PDL
+/// wait, the last CTA's top k by ranks), 1 `rounds` (the previous form, `mvq_route_f16`: the top
+/// k in k rounds of a warp max), 2 off (two launches) (process-wide). The same bits in all three.
+/// H200: matvec_bench f2 (router after an rms_norm, graph us) on 6.63, rounds 7.73, off 8.45;
+/// 2k decode +1.5..2% (bench/results/gpu-f220-h200.txt).
 static ROUTE: AtomicU8 = AtomicU8::new(0);
+
+fn route_code() -> u8 {
+    env_code(&ROUTE, "DS4_GPU_ROUTE", |v| match v {
+        Some("rounds") => 1,
+        Some("off") | Some("0") => 2,
+        _ => 3,
+    })
+}
 
 /// Whether matmul_route fuses its two launches (`DS4_GPU_ROUTE=off` or `0` turns it off; read
 /// once, or [`GpuBackend::set_route_form`]).
 fn route_on() -> bool {
-    env_code(&ROUTE, "DS4_GPU_ROUTE", on_unless_off) == 1
+    route_code() != 2
 }
 
 /// `mvq_route_f16` launches so far, process-wide ([`GpuBackend::route_fused_launches`]).
@@ -343,10 +355,11 @@ impl GpuBackend {
         ROUTE_RUNS.load(Ordering::Relaxed)
     }
 
-    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default) or "off"
-    /// (overrides the variable). Process-wide; for tests.
+    /// Select the matmul_route form by its `DS4_GPU_ROUTE` name: "on" (the default, top k by
+    /// ranks), "rounds" (the previous fused form) or "off" (overrides the variable).
+    /// Process-wide; for tests.
     pub fn set_route_form(form: &str) {
-        set_code(&ROUTE, "set_route_form", form, &["on", "off"]);
+        set_code(&ROUTE, "set_route_form", form, &["rounds", "off", "on"]);
     }
 
     /// Select norm_rope_pair's kernel by its `DS4_GPU_NRLATE` name: "on" (`norm_rope_pair_gl`,
@@ -1362,9 +1375,14 @@ impl GpuBackend {
         };
         let ticket = self.tickets.ptr().offset((ROUTE_TICKET * 4) as u64);
         ROUTE_RUNS.fetch_add(1, Ordering::Relaxed);
+        let name = if route_code() == 3 {
+            "mvq_route_f16r"
+        } else {
+            "mvq_route_f16"
+        };
         self.run(
             &ds4_kernels::MATVEC,
-            "mvq_route_f16",
+            name,
             dims,
             &[
                 Arg::Ptr(router.ptr()),

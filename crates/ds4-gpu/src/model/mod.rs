@@ -259,6 +259,10 @@ pub enum GpuWeight {
         /// `dec` is in the interleaved layout (matvec.rs `Q8_IL`, kernels `*_q8_0i`), fixed at
         /// upload.
         dec_il: bool,
+        /// An F16 copy in the interleaved F16 layout (matvec.rs `f16_il_copy`, `DS4_GPU_F16_IL`:
+        /// the n = 1 `mvq_r2u4_f16i*` products of F16 single-slab matrices of >= 4096 rows and
+        /// <= 2048 columns, the indexer's q_b; None otherwise), fixed at upload.
+        f16i: Option<DeviceBuffer>,
         /// The bf16 operand of the dense prefill products (blas.rs `blas_w_*` output, made at
         /// the first product that needs it and kept, `DS4_GPU_BF16_CACHE`); dropped with the
         /// weight, so a later weight at the same address never sees it.
@@ -1127,7 +1131,9 @@ impl Backend for GpuBackend {
             .ok_or_else(|| self.check().unwrap_err())?;
         let experts = src.dims.get(2).copied().unwrap_or(1) as usize;
         let (dec, dec_il) = self.q8_decode_copy(&buf, src.ty, src.cols(), src.rows(), experts);
+        let f16i = self.f16_il_copy(&buf, src.ty, src.cols(), src.rows(), experts);
         Ok(GpuWeight::Mat {
+            f16i,
             buf,
             ty: src.ty,
             cols: src.cols(),

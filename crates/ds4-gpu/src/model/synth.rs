@@ -217,7 +217,10 @@ impl GpuBackend {
                 }
                 let (dec, dec_il) =
                     self.q8_decode_copy(&buf, ty, cols as usize, rows as usize, experts as usize);
+                let f16i =
+                    self.f16_il_copy(&buf, ty, cols as usize, rows as usize, experts as usize);
                 GpuWeight::Mat {
+                    f16i,
                     dec,
                     dec_il,
                     buf,
