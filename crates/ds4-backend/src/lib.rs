@@ -578,30 +578,6 @@ pub trait Backend: Send + Sync + Sized {
         self.matmul(u, Part::All, x, n, &mut t);
         self.swiglu(h, &t, n * ff, clamp);
     }
-    /// Attention and the first product of the output projection (model.md §3.3): `o =`
-    /// [`Backend::attend`] (`[n, n_head·head_dim]`), then [`Backend::matmul_grouped`] of `w`
-    /// over `groups` into `y`; `o` is read by nothing else. Default: exactly those two calls
-    /// (the CPU's form). A GPU may have the attention write the product's operand in the form
-    /// its product reads (bf16 parts) instead of `o` in f32: the same bits.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_grouped(
-        &self,
-        st: &mut Self::LayerState,
-        spec: &AttnSpec,
-        q: &Self::Buf,
-        kv: &Self::Buf,
-        sinks: &Self::Weight,
-        sel: Option<&Self::IBuf>,
-        n: usize,
-        t0: usize,
-        w: &Self::Weight,
-        groups: usize,
-        y: &mut Self::Buf,
-    ) {
-        let mut o = self.alloc(n * spec.n_head * spec.head_dim);
-        self.attend(st, spec, q, kv, sinks, sel, n, t0, &mut o);
-        self.matmul_grouped(w, groups, &o, n, y);
-    }
     /// HC pre with the sublayer's input norm (model.md §3.1): `m = mixer · rms_norm(X)` (no
     /// weight, over N·D per token), [`Backend::hc_split`] into `z`, `post`, `comb`, then
     /// `rms_norm(z, norm)` over D. `x` is `[n, N, D]`. Default: [`hc_pre_norm_composed`].

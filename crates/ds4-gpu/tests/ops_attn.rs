@@ -988,20 +988,17 @@ fn f16_vals(v: &mut [f32]) {
     }
 }
 
-/// One case's inputs (host form): layer dims and state before the chunk, spec, queries, new
-/// rows, sinks and the selection.
-struct AttInputs {
-    ld: LayerDims,
-    h: HostLayerState,
-    spec: AttnSpec,
-    q: Vec<f32>,
-    kv: Vec<f32>,
-    sinks: Vec<f32>,
-    sel: Option<Vec<i32>>,
-}
-
-/// Random inputs of case `a`. `f16_rows`: raw, compressed and new rows f16-rounded.
-fn att_inputs(a: &AttCase, seed: u64, f16_rows: bool) -> AttInputs {
+/// One case: the CPU reference once, then every form on a fresh GPU state (output, ring and
+/// ring positions compared). `f16_rows`: raw, compressed and new rows f16-rounded (tensor-core
+/// forms read rows as f16, exact then). Returns the outputs of the forms.
+fn run_attend(
+    cpu: &CpuBackend,
+    gpu: &GpuBackend,
+    a: &AttCase,
+    seed: u64,
+    f16_rows: bool,
+    forms: &[Form],
+) -> Vec<Vec<f32>> {
     let mut r = rng(seed);
     let (nh, hd, win) = (a.heads, a.hd, a.win);
     let comp = (a.ratio > 0).then_some(CompDims {
@@ -1054,7 +1051,9 @@ fn att_inputs(a: &AttCase, seed: u64, f16_rows: bool) -> AttInputs {
             f16_vals(&mut c.rows);
         }
     }
-    let sinks = randn(&mut r, nh, 2.0);
+    let mut cs = cpu.state_from_host(&ld, &h);
+    let sinks_v = randn(&mut r, nh, 2.0);
+    let (sk_c, sk_g) = vectors(cpu, gpu, &sinks_v);
     let sel: Option<Vec<i32>> = a.with_sel.then(|| {
         let mut s = vec![-1i32; a.n * a.top_k];
         for i in 0..a.n {
@@ -1072,40 +1071,6 @@ fn att_inputs(a: &AttCase, seed: u64, f16_rows: bool) -> AttInputs {
         }
         s
     });
-    AttInputs {
-        ld,
-        h,
-        spec,
-        q,
-        kv,
-        sinks,
-        sel,
-    }
-}
-
-/// One case: the CPU reference once, then every form on a fresh GPU state (output, ring and
-/// ring positions compared). `f16_rows`: raw, compressed and new rows f16-rounded (tensor-core
-/// forms read rows as f16, exact then). Returns the outputs of the forms.
-fn run_attend(
-    cpu: &CpuBackend,
-    gpu: &GpuBackend,
-    a: &AttCase,
-    seed: u64,
-    f16_rows: bool,
-    forms: &[Form],
-) -> Vec<Vec<f32>> {
-    let (nh, hd, win) = (a.heads, a.hd, a.win);
-    let AttInputs {
-        ld,
-        h,
-        spec,
-        q,
-        kv,
-        sinks: sinks_v,
-        sel,
-    } = att_inputs(a, seed, f16_rows);
-    let mut cs = cpu.state_from_host(&ld, &h);
-    let (sk_c, sk_g) = vectors(cpu, gpu, &sinks_v);
     let mut oc = vec![0f32; a.n * nh * hd];
     cpu.attend(
         &mut cs,
@@ -1287,127 +1252,6 @@ fn attend_prefill_matches_cpu() {
     for (i, c) in cases.iter().enumerate().step_by(3) {
         run_attend(&cpu, &gpu, c, 950 + i as u64, false, &[loose]);
     }
-}
-
-/// Attention and the grouped output product in one op (`Backend::attend_grouped`): with the
-/// library's X' written by the tensor-core attention (`DS4_GPU_BLAS_XPROD`, attn_tc.cu
-/// ATC_OPARAMS) the product's output has the same bits as with the attention's f32 output
-/// converted by `blas_x_f32` (XPROD off), in every K-part layout (fast: 1 part; exact: 3, and 2
-/// for a BF16 weight) and in both attention kernel families (512-wide grouped CTAs, 64-wide
-/// 16-head CTAs); each is also held to the CPU's attend + matmul_grouped, and the ring after
-/// the chunk to the CPU's bits. Checks that the producer form ran (counter).
-#[test]
-fn attend_grouped_same_bits() {
-    let Some((cpu, gpu)) = setup() else { return };
-    if !gpu.blas_available() {
-        println!("skipped: the BLAS-Lt library did not load");
-        return;
-    }
-    let case = |heads, hd, win, ratio, with_sel, n, t0| AttCase {
-        heads,
-        hd,
-        win,
-        ratio,
-        top_k: if hd == 512 { 512 } else { 8 },
-        with_sel,
-        n,
-        t0,
-        holes: true,
-    };
-    // (case, groups, rows per group)
-    let cases = [
-        (case(64, 512, 128, 4, true, 257, 1000), 8, 1024),
-        (case(64, 512, 128, 0, false, 70, 7), 8, 256),
-        (case(4, 64, 16, 4, true, 129, 100), 2, 32),
-        (case(20, 64, 16, 8, false, 31, 50), 4, 48),
-    ];
-    let mut bad = Vec::new();
-    for (ci, (a, groups, r)) in cases.iter().enumerate() {
-        let inp = att_inputs(a, 1700 + ci as u64, true);
-        let (nh, hd, n) = (a.heads, a.hd, a.n);
-        let cols = nh * hd / groups;
-        let (sk_c, sk_g) = vectors(&cpu, &gpu, &inp.sinks);
-        let (qg, kvg) = (gpu.upload(&inp.q), gpu.upload(&inp.kv));
-        let selg = inp.sel.as_ref().map(|s| gpu.upload_i32(s));
-        for ty in [GgmlType::Q8_0, GgmlType::BF16] {
-            let (wc, wg) = common::weight(&cpu, &gpu, ty, cols, groups * r, 1, 50 + ci as u64);
-            let mut cs = cpu.state_from_host(&inp.ld, &inp.h);
-            let mut yc = vec![0f32; n * groups * r];
-            cpu.attend_grouped(
-                &mut cs,
-                &inp.spec,
-                &inp.q,
-                &inp.kv,
-                &sk_c,
-                inp.sel.as_ref(),
-                n,
-                a.t0,
-                &wc,
-                *groups,
-                &mut yc,
-            );
-            let cs = cpu.state_to_host(&cs);
-            for (form, fast) in [(TC, false), (TC_FAST, true)] {
-                set_form(form);
-                GpuBackend::set_blas(true, fast);
-                let mut ys = Vec::new();
-                for xprod in [false, true] {
-                    GpuBackend::set_blas_xprod(xprod);
-                    let runs0 = GpuBackend::blas_xprod_runs();
-                    let mut gs = gpu.state_from_host(&inp.ld, &inp.h);
-                    let mut yg = gpu.alloc(n * groups * r);
-                    gpu.attend_grouped(
-                        &mut gs,
-                        &inp.spec,
-                        &qg,
-                        &kvg,
-                        &sk_g,
-                        selg.as_ref(),
-                        n,
-                        a.t0,
-                        &wg,
-                        *groups,
-                        &mut yg,
-                    );
-                    let y = gpu.download(&yg, n * groups * r);
-                    let hs = gpu.state_to_host(&gs);
-                    let op = format!(
-                        "attend_grouped case {ci} {ty:?} {} xprod {xprod} ({a:?})",
-                        form.name
-                    );
-                    gpu_ok(&gpu, &op);
-                    assert_bits(&format!("{op} ring"), &hs.raw, &cs.raw);
-                    let ran = GpuBackend::blas_xprod_runs() - runs0;
-                    let e = common::max_rel_rms(&y, &yc);
-                    println!("{op}: producer form ran {ran}, vs CPU {e:.3e} (rms-relative)");
-                    if ran != xprod as u64 {
-                        bad.push(format!("{op}: producer form ran {ran} times"));
-                    }
-                    // The tensor-core attention's own deviation (f16 rows; fast: f16 P) plus the
-                    // product's (exact: 3 bf16 terms; fast: one, ops_blas TOL_FAST).
-                    if e > if fast { 3e-2 } else { 2e-3 } {
-                        bad.push(format!("{op}: {e:.3e} from the CPU"));
-                    }
-                    ys.push(y);
-                }
-                let diff = ys[0]
-                    .iter()
-                    .zip(&ys[1])
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
-                if diff != 0 {
-                    bad.push(format!(
-                        "case {ci} {ty:?} {}: {diff} outputs differ with the producer's X'",
-                        form.name
-                    ));
-                }
-            }
-        }
-    }
-    GpuBackend::set_blas_xprod(true);
-    GpuBackend::set_blas(true, false);
-    set_form(TC);
-    assert!(bad.is_empty(), "{bad:?}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -34,41 +34,6 @@
         const float *__restrict__ sinks, const double *__restrict__ freqs, float *__restrict__ out, long long t0, \
         int heads, int win, int ratio, int top_k, int n_rot, float scale
 #define ATC_ARGS q, kv, raw, raw_pos, comp, sel, sinks, freqs, out, t0, heads, win, ratio, top_k, n_rot, scale
-// After rows16: where the output goes. obf null: `out` (f32 [n, heads, hd]). Else `out` is not
-// written and the output goes to obf as the bf16 operand of the grouped output product that
-// reads it (ds4-gpu model/blas.rs X', blas_prep.cu blas_x_f32's layout and bits): token i's row
-// of heads·hd values in G = heads·hd / ok groups of ok columns, [n][G][oparts·ok] bf16, part p
-// lo = bf16_rn(v − hi) when p == 1, else hi = bf16_rn(v) (oparts 1: [hi]; 2: [hi|lo]; 3:
-// [hi|lo|hi]). Host: ok even, dividing heads·hd.
-#define ATC_OPARAMS u32 *__restrict__ obf, int ok, int oparts
-#define ATC_OARGS obf, ok, oparts
-
-// bf16 round-to-nearest-even of a finite f32 (blas_prep.cu bp_bf16: the same bits).
-__device__ __forceinline__ u32 atc_bf16(float v) {
-    u32 u = __float_as_int(v);
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
-// The output pair (a, b) of token i, head h, columns col and col + 1 (col even): f32 into out,
-// or the bf16 parts into obf (ATC_OPARAMS above).
-__device__ __forceinline__ void atc_store2(float* __restrict__ out, ATC_OPARAMS, long long i, int heads, int h,
-                                           int hd, int col, float a, float b) {
-    const long long e = (long long)h * hd + col; // in token i's row of heads·hd
-    if (obf == nullptr) {
-        *(float2*)(out + (size_t)i * heads * hd + e) = make_float2(a, b);
-        return;
-    }
-    const long long G = (long long)heads * hd / ok, g = e / ok, c = e - g * ok;
-    const u32 h0 = atc_bf16(a), h1 = atc_bf16(b);
-    u32* o = obf + (((i * G + g) * oparts * ok + c) >> 1); // two bf16 a word
-    const u32 hi = h0 | (h1 << 16);
-    o[0] = hi;
-    if (oparts > 1) {
-        const float r0 = a - __int_as_float(h0 << 16), r1 = b - __int_as_float(h1 << 16); // exact
-        o[ok >> 1] = atc_bf16(r0) | (atc_bf16(r1) << 16);
-    }
-    if (oparts > 2) o[ok] = hi;
-}
 
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
 #define ATC_HAVE_MMA 1
@@ -101,7 +66,7 @@ __device__ __forceinline__ const u16* atc_row(long long j, long long t0, long lo
 // 2t, 2t+1), c2,c3 (row g+8). Rows of A / C here are heads.
 // Rows are read from rows16 = [ring (win rows) | this chunk's kv (n rows) | compressed rows], f16
 // (kv, raw and comp are its f32 sources, not read here).
-template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) {
+template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_PARAMS, const u16* __restrict__ rows16) {
     constexpr int QW = HD / 4;      // columns per warp
     constexpr int KS = QW / 16;     // k-steps of the S product
     constexpr int NT = QW / 8;      // n-tiles of O
@@ -305,11 +270,11 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
                 b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, c));
                 a = a2;
             }
-            if (h < heads) atc_store2(out, ATC_OARGS, i, heads, h, HD, col, a, b);
+            if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * HD + col) = make_float2(a, b);
         }
     }
 }
-#define ATC_BODY(HD, SPLIT) attn_tc_body<HD, SPLIT>(ATC_ARGS, rows16, ATC_OARGS);
+#define ATC_BODY(HD, SPLIT) attn_tc_body<HD, SPLIT>(ATC_ARGS, rows16);
 
 // f16 copies (round to nearest even) of the rows attn_tc<hd>[h]_f32 reads: dst = [raw (nraw4 float4) | kv (nkv4) | comp (the rest of total4)]; grid-stride, float4 a
 // thread.
@@ -358,7 +323,7 @@ template <int R, bool PIPE = false> struct Atg {
     static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
 };
 
-template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) {
+template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16) {
     extern __shared__ __align__(16) unsigned char atg_sm[];
     constexpr int PS = Atg<R, PIPE>::PS, LDP = Atg<R, PIPE>::LDP, RT = R / 4; // RT: softmax rows a thread
     u16* ks = (u16*)atg_sm;                                          // [2][R][ATG_LDK]
@@ -642,11 +607,11 @@ template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PA
                     b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, c));
                     a = a2;
                 }
-                if (h < heads) atc_store2(out, ATC_OARGS, i, heads, h, 512, col, a, b);
+                if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * 512 + col) = make_float2(a, b);
             }
         }
 }
-#define ATG_BODY(R, PIPE) attn_tcg_body<R, PIPE>(ATC_ARGS, rows16, ATC_OARGS);
+#define ATG_BODY(R, PIPE) attn_tcg_body<R, PIPE>(ATC_ARGS, rows16);
 #else
 #define ATG_BODY(R, PIPE)
 #endif
@@ -654,17 +619,16 @@ template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PA
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], out [n, heads, hd], rows16 the f16
 // rows [win + n + visible compressed, hd] by atc_rows_f16 (kv, raw, comp: not read); host checks:
 // CUDA sm_80+, 16-byte aligned rows, n_rot even and <= min(hd, 128).
-// attn_tc<hd>_f32: hi/lo split of Q and P; attn_tc<hd>h_f32: hi only. Output: out, or obf
-// (ATC_OPARAMS).
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) { ds4_pdl_enter(); ATC_BODY(512, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) { ds4_pdl_enter(); ATC_BODY(512, false) }
+// attn_tc<hd>_f32: hi/lo split of Q and P; attn_tc<hd>h_f32: hi only.
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(512, false) }
 // grid (1, n), blockDim 256, dynamic shared Atg<R>::SMEM + 4·(most candidates of a token); heads
 // <= 64, hd 512; otherwise as attn_tc512h_f32. R = 32 / 64 rows a tile.
-DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) { ds4_pdl_enter(); ATG_BODY(32, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) { ds4_pdl_enter(); ATG_BODY(64, false) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gp_f32(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) { ds4_pdl_enter(); ATG_BODY(32, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) { ds4_pdl_enter(); ATC_BODY(64, true) }
-DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS, const u16* __restrict__ rows16, ATC_OPARAMS) { ds4_pdl_enter(); ATC_BODY(64, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gp_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }
+DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, false) }
 // grid-stride (any grid), blockDim 256; rows 16-byte aligned, hd a multiple of 4.
 DS4_KERNEL void DS4_BOUNDS(256) atc_rows_f16(const float* __restrict__ raw, const float* __restrict__ kv, const float* __restrict__ comp, u16* __restrict__ dst, long long nraw4, long long nkv4, long long total4) { ds4_pdl_enter(); ATC_ROWS_BODY }
 

@@ -826,23 +826,12 @@ impl<B: Backend> Model<B> {
             },
             rope,
         };
-        // Attention, then the grouped low-rank output projection (one op: the attention's output
-        // is read by nothing else), then the dense one.
+        let mut o = b.alloc(n * nh * hd);
+        b.attend(st, &spec, &q, &kv, &l.sinks, sel.as_ref(), n, t0, &mut o);
+        // Grouped low-rank output projection, then the dense one.
         let groups = hp.o_groups as usize;
         let mut u = b.alloc(n * groups * hp.o_lora_rank as usize);
-        b.attend_grouped(
-            st,
-            &spec,
-            &q,
-            &kv,
-            &l.sinks,
-            sel.as_ref(),
-            n,
-            t0,
-            &l.out_a,
-            groups,
-            &mut u,
-        );
+        b.matmul_grouped(&l.out_a, groups, &o, n, &mut u);
         let mut out = b.alloc(n * d);
         b.matmul(&l.out_b, Part::All, &u, n, &mut out);
         out

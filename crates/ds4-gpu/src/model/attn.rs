@@ -987,42 +987,19 @@ impl GpuBackend {
         t0: usize,
         out: &mut GpuBuf,
     ) {
-        self.op_attend_x(st, spec, q, kv, sinks, sel, n, t0, out, None);
-    }
-
-    /// [`GpuBackend::op_attend`], and with `xo = Some(X')` the output may go to X' instead of
-    /// `out`: the bf16 operand of the grouped output product (blas.rs, `attn_tc.cu`
-    /// ATC_OPARAMS; (pointer, columns per group, parts)). True: X' was written and `out` was
-    /// not (the tensor-core prefill kernels take it); false: `out` was written.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn op_attend_x(
-        &self,
-        st: &mut GpuLayerState,
-        spec: &AttnSpec,
-        q: &GpuBuf,
-        kv: &GpuBuf,
-        sinks: &GpuWeight,
-        sel: Option<&GpuIBuf>,
-        n: usize,
-        t0: usize,
-        out: &mut GpuBuf,
-        xo: Option<(DevPtr, usize, usize)>,
-    ) -> bool {
         if n == 0 || self.failed() {
-            return false;
+            return;
         }
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
         if win + top_k > ATT_MAXLIST || hd > ATT_MAXHD || n > 65535 {
-            self.attn_invalid(format!(
+            return self.attn_invalid(format!(
                 "attend: window {win} + top_k {top_k}, head_dim {hd} or chunk {n} too large"
             ));
-            return false;
         }
         let comp = st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr());
         if comp.0 == 0 && (sel.is_some() || spec.ratio > 0) {
-            self.attn_invalid("attend: compressed rows wanted, layer has none".into());
-            return false;
+            return self.attn_invalid("attend: compressed rows wanted, layer has none".into());
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let aligned = [q.ptr, kv.ptr, st.raw.ptr(), comp]
@@ -1042,24 +1019,17 @@ impl GpuBackend {
             && spec.n_rot <= hd.min(ATC_MAXROT)
             && spec.n_rot.is_multiple_of(2)
             && aligned;
-        // X' only where its layout fits: whole groups of an even width over each token's row.
-        let xo = xo.filter(|&(_, k, parts)| {
-            k > 0 && k.is_multiple_of(2) && (nh * hd).is_multiple_of(k) && (1..=3).contains(&parts)
-        });
         if tc_ok {
-            self.attend_tc(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale, xo);
-            return xo.is_some();
+            return self.attend_tc(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
         }
         if attn_mode() >= 3 && split_ok && n <= AO_MAX_N {
             let groups = nh.div_ceil(AO_HG);
             if n * groups <= info.sm_count as usize {
-                self.attend_one(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
-                return false;
+                return self.attend_one(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
             }
         }
         if !attn_simple() && split_ok {
-            self.attend_split(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
-            return false;
+            return self.attend_split(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
         }
         let dims = LaunchDims {
             grid: [nh as u32, n as u32, 1],
@@ -1101,7 +1071,6 @@ impl GpuBackend {
         );
         // The ring after the chunk (after every token attended).
         self.ring_store(st, kv, n, t0, hd, win);
-        false
     }
 
     /// Prefill attention on tensor cores: `atc_rows_f16` (f16 copies of the rows), then
@@ -1121,7 +1090,6 @@ impl GpuBackend {
         out: &mut GpuBuf,
         comp: DevPtr,
         scale: f32,
-        xo: Option<(DevPtr, usize, usize)>,
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
@@ -1210,13 +1178,7 @@ impl GpuBackend {
                     Arg::I32(spec.n_rot as i32),
                     Arg::F32(scale),
                 ],
-                &[
-                    Arg::Ptr(rows.ptr), // rows16
-                    // obf, ok, oparts: the output as the grouped product's X' (op_attend_x)
-                    xo.map_or(Arg::Null, |x| Arg::Ptr(x.0)),
-                    Arg::I32(xo.map_or(0, |x| x.1) as i32),
-                    Arg::I32(xo.map_or(0, |x| x.2) as i32),
-                ],
+                &[Arg::Ptr(rows.ptr)], // rows16
             ]
             .concat(),
         );

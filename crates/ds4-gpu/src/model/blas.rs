@@ -60,12 +60,6 @@
 //!   converted for the first product and reused by the next ones of the same shape (the
 //!   attention's q_a + kv, the compressors' and indexer's five projections of z, the shared
 //!   expert's gate + up). Same bits either way.
-//! - X' from the producer, `DS4_GPU_BLAS_XPROD=0|1` (unset: 1): the attention's output `o` is
-//!   read only by the grouped output product (Backend::attend_grouped), so the prefill
-//!   tensor-core attention kernels write X' (bf16 parts, the layout and bits of `blas_x_f32`;
-//!   attn_tc.cu ATC_OPARAMS) instead of `o` in f32, and the product reads it: no `blas_x_f32`
-//!   pass over `o` (n × 32768 f32: 268 MB at 2k, ~92 us a layer on the H200) and half the
-//!   attention's store bytes (fast form). Same bits as the f32 `o` converted.
 //! - Plans by token-count bucket, `DS4_GPU_BLAS_NBUCKET=0|1|N` (unset: 0 = off; `1` or any
 //!   value that is not a number: the limit 2048; N: the limit N): a plan's heuristic query and
 //!   the first call of each new algorithm (the library loads its kernel then, 3-22 ms of host
@@ -118,20 +112,6 @@ const CACHE_AUTO: u8 = 2;
 const CACHE_MARGIN: u64 = 24 << 30;
 /// `DS4_GPU_BLAS_XSHARE`: 0 off, 1 on; UNSET: read it.
 static XSHARE: AtomicU8 = AtomicU8::new(UNSET);
-/// `DS4_GPU_BLAS_XPROD`: 0 off, 1 on; UNSET: read it.
-static XPROD: AtomicU8 = AtomicU8::new(UNSET);
-/// Products whose X' their producer wrote (process-wide), so tests see the form ran.
-static XPROD_RUNS: AtomicU64 = AtomicU64::new(0);
-
-fn xprod_on() -> bool {
-    let m = XPROD.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m == 1;
-    }
-    let on = !std::env::var("DS4_GPU_BLAS_XPROD").is_ok_and(|v| v == "0" || v == "off");
-    XPROD.store(on as u8, Ordering::Relaxed);
-    on
-}
 /// `DS4_GPU_BLAS_NBUCKET`: the largest bucket of token rows (module doc); 0 off; UNSET_N: read.
 static NBUCKET: AtomicU64 = AtomicU64::new(UNSET_N);
 const UNSET_N: u64 = u64::MAX;
@@ -320,8 +300,6 @@ struct Job<'a> {
     y_z: usize,
     /// y += the product (the library's beta 1) instead of y = it.
     acc: bool,
-    /// X' made by the producer of x (`blas_grouped_x`): read instead of converting x.
-    xp: Option<DevPtr>,
 }
 
 impl Job<'_> {
@@ -381,16 +359,6 @@ impl GpuBackend {
     /// X' sharing inside multi-products on or off (module doc).
     pub fn set_blas_xshare(on: bool) {
         XSHARE.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// X' written by the attention for the grouped output product on or off (module doc).
-    pub fn set_blas_xprod(on: bool) {
-        XPROD.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// Grouped products so far (process-wide) whose X' the attention wrote.
-    pub fn blas_xprod_runs() -> u64 {
-        XPROD_RUNS.load(Ordering::Relaxed)
     }
 
     /// Plans by token-count bucket (module doc): Some(limit) on (products of more rows than the
@@ -630,7 +598,6 @@ impl GpuBackend {
             y_tok: rows,
             y_z: 0,
             acc: false,
-            xp: None,
         })
     }
 
@@ -667,7 +634,6 @@ impl GpuBackend {
             y_tok: rows,
             y_z: 0,
             acc: true,
-            xp: None,
         });
         if ok {
             ACC_RUNS.fetch_add(1, Ordering::Relaxed);
@@ -705,13 +671,10 @@ impl GpuBackend {
             y_tok: rows,
             y_z: rows / groups,
             acc: false,
-            xp: None,
         })
     }
 
-    /// Whether the library takes `j`: Some((state, weight kernel suffix, K-parts of the bf16
-    /// form; 0: the f16 form)), None: declined.
-    fn blas_form(&self, j: &Job) -> Option<(&BlasState, &'static str, usize)> {
+    fn blas_job(&self, j: &Job) -> bool {
         let m = mode();
         if m == OFF
             || j.n < MIN_N
@@ -726,12 +689,16 @@ impl GpuBackend {
             || !j.x.0.is_multiple_of(16)
             || !j.x_tok.is_multiple_of(4)
         {
-            return None;
+            return false;
         }
-        let sfx = suffix(j.ty)?;
-        let st = self.blas_state()?;
+        let Some(sfx) = suffix(j.ty) else {
+            return false;
+        };
+        let Some(st) = self.blas_state() else {
+            return false;
+        };
         if m == F16 && matches!(j.ty, GgmlType::Q8_0 | GgmlType::F16) {
-            return Some((st, sfx, 0));
+            return self.blas_job_f16(st, j, sfx);
         }
         // Parts along K: hi/lo terms (see the module doc); BF16 weights have no lo part.
         let parts = if m == FAST {
@@ -741,110 +708,6 @@ impl GpuBackend {
         } else {
             3
         };
-        Some((st, sfx, parts))
-    }
-
-    /// The grouped product `w` over `groups` of `n` rows of x, when the library takes it in a
-    /// bf16 form and `DS4_GPU_BLAS_XPROD` is on (module doc): its X' buffer (scratch, unwritten),
-    /// the columns per group and the K-parts, with the plan made now (so the product cannot
-    /// decline for want of one). None: the caller makes x in f32 and calls `matmul_grouped`.
-    pub(crate) fn blas_grouped_x(
-        &self,
-        w: &GpuWeight,
-        groups: usize,
-        n: usize,
-    ) -> Option<(GpuBuf, usize, usize)> {
-        if !xprod_on() {
-            return None;
-        }
-        let (p, ty, cols, rows, row_bytes) = w.mat_parts()?;
-        if groups == 0 || !rows.is_multiple_of(groups) {
-            return None;
-        }
-        let j = Job {
-            w: p,
-            bf: w.bf_slot(),
-            ty,
-            row_bytes,
-            rows,
-            cols,
-            groups,
-            x: DevPtr(0), // the producer's f32 x is not read (aligned, as the checks want)
-            x_tok: groups * cols,
-            n,
-            y: DevPtr(0),
-            y_tok: rows,
-            y_z: rows / groups,
-            acc: false,
-            xp: None,
-        };
-        let (st, _, parts) = self.blas_form(&j)?;
-        if parts == 0 {
-            return None; // the f16 form scales X by its max: no producer form
-        }
-        let shape = j.shape(parts * cols, false);
-        let mut plans = st.plans.lock().unwrap();
-        self.blas_plan(st, &mut plans, &shape)?;
-        drop(plans);
-        Some((self.scratch(n * groups * parts * cols / 2), cols, parts))
-    }
-
-    /// The product of [`GpuBackend::blas_grouped_x`] once its X' `xp` holds x: from the producer
-    /// (`made`), or converted now from the f32 `x` (the producer wrote x instead). False: the
-    /// library failed at this product (an error is noted: x may not exist).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn blas_grouped_from(
-        &self,
-        w: &GpuWeight,
-        groups: usize,
-        x: &GpuBuf,
-        xp: &GpuBuf,
-        made: bool,
-        n: usize,
-        y: &mut GpuBuf,
-    ) -> bool {
-        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
-            return false;
-        };
-        let j = Job {
-            w: p,
-            bf: w.bf_slot(),
-            ty,
-            row_bytes,
-            rows,
-            cols,
-            groups,
-            x: x.ptr,
-            x_tok: groups * cols,
-            n,
-            y: y.ptr,
-            y_tok: rows,
-            y_z: rows / groups,
-            acc: false,
-            xp: Some(xp.ptr),
-        };
-        let parts = self.blas_form(&j).map_or(0, |f| f.2);
-        if parts > 0 && !made {
-            self.blas_x(&j, parts, xp.ptr);
-        }
-        XPROD_RUNS.fetch_add(made as u64, Ordering::Relaxed);
-        let ok = parts > 0 && self.blas_job(&j);
-        if !ok && made {
-            self.note::<()>(Err(crate::GpuError::Invalid(
-                "the grouped output product failed after the attention wrote its bf16 operand"
-                    .into(),
-            )));
-        }
-        ok
-    }
-
-    fn blas_job(&self, j: &Job) -> bool {
-        let Some((st, sfx, parts)) = self.blas_form(j) else {
-            return false;
-        };
-        if parts == 0 {
-            return self.blas_job_f16(st, j, sfx);
-        }
         let (g, kk) = (j.groups, parts * j.cols);
         let shape = j.shape(kk, false);
         let mut plans = st.plans.lock().unwrap();
@@ -866,7 +729,6 @@ impl GpuBackend {
         let share = xs.depth > 0 && xshare_on();
         let mut xtmp = None;
         let xptr = match &xs.buf {
-            _ if j.xp.is_some() => j.xp.unwrap(),
             Some(b) if share && xs.key == Some(key) => b.ptr,
             _ => {
                 let xp = self.scratch(j.n * g * kk / 2);

@@ -1610,52 +1610,6 @@ impl Backend for GpuBackend {
         self.op_attend(st, spec, q, kv, sinks, sel, n, t0, out)
     }
 
-    fn attend_grouped(
-        &self,
-        st: &mut GpuLayerState,
-        spec: &AttnSpec,
-        q: &GpuBuf,
-        kv: &GpuBuf,
-        sinks: &GpuWeight,
-        sel: Option<&GpuIBuf>,
-        n: usize,
-        t0: usize,
-        w: &GpuWeight,
-        groups: usize,
-        y: &mut GpuBuf,
-    ) {
-        let mut o = self.alloc(n * spec.n_head * spec.head_dim);
-        // The library's bf16 operand written by the attention itself where both take this
-        // chunk (blas.rs `DS4_GPU_BLAS_XPROD`); else the two ops as they are.
-        let xp = (n > 1 && self.product_width_ok(w) && !self.failed())
-            .then(|| self.blas_grouped_x(w, groups, n))
-            .flatten();
-        let Some((xp, k, parts)) = xp else {
-            self.attend(st, spec, q, kv, sinks, sel, n, t0, &mut o);
-            self.matmul_grouped(w, groups, &o, n, y);
-            return;
-        };
-        let made = {
-            let _p = self.prof(|| format!("attend ratio {} n>1", spec.ratio));
-            self.op_attend_x(
-                st,
-                spec,
-                q,
-                kv,
-                sinks,
-                sel,
-                n,
-                t0,
-                &mut o,
-                Some((xp.ptr, k, parts)),
-            )
-        };
-        let _p = self.prof(|| "matmul_grouped".to_string());
-        if !self.blas_grouped_from(w, groups, &o, &xp, made, n, y) && !made {
-            self.op_matmul_grouped(w, groups, &o, n, y); // the library failed: o is there
-        }
-    }
-
     fn moe_route(
         &self,
         spec: &MoeSpec,
