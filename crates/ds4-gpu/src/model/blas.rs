@@ -60,8 +60,8 @@
 //!   converted for the first product and reused by the next ones of the same shape (the
 //!   attention's q_a + kv, the compressors' and indexer's five projections of z, the shared
 //!   expert's gate + up). Same bits either way.
-//! - Plans by token-count bucket, `DS4_GPU_BLAS_NBUCKET=0|1|N` (unset: 0 = off; `1` or any
-//!   value that is not a number: the limit 2048; N: the limit N): a plan's heuristic query and
+//! - Plans by token-count bucket, `DS4_GPU_BLAS_NBUCKET=0|1|N` (unset or `1` or any
+//!   value that is not a number: on with the limit 2048; N: the limit N; `0`: off): a plan's heuristic query and
 //!   the first call of each new algorithm (the library loads its kernel then, 3-22 ms of host
 //!   time each on the H200, bench/results/gpu-prefill-p8-h200.txt) come with every new number
 //!   of token rows: every prompt length, and the 6144- and 8192-row steps of the bench's 8k and
@@ -70,7 +70,10 @@
 //!   heuristic) once cuBLASLt's cublasLtMatmulAlgoCheck accepts it for n within the workspace,
 //!   else its own heuristic (also on ROCm, which has no check here). Same arithmetic (f32
 //!   accumulation along K in the algorithm's order; a different algorithm may order K
-//!   differently, as the heuristic's own choice for n could).
+//!   differently, as the heuristic's own choice for n could). H200 (bench/results/
+//!   gpu-pg20-h200.txt): the bench's 8k row (a 6144-row step after the 2048-token warm-up)
+//!   +1.2% / +0.9% prefill; steady 8192-row steps on the 2048-row algorithms: 32k -0.15%
+//!   (noise), 8k +0.4%.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuWeight};
 use crate::blas::{BlasLt, Handle, Plan, Shape};
@@ -112,7 +115,8 @@ const CACHE_AUTO: u8 = 2;
 const CACHE_MARGIN: u64 = 24 << 30;
 /// `DS4_GPU_BLAS_XSHARE`: 0 off, 1 on; UNSET: read it.
 static XSHARE: AtomicU8 = AtomicU8::new(UNSET);
-/// `DS4_GPU_BLAS_NBUCKET`: the largest bucket of token rows (module doc); 0 off; UNSET_N: read.
+/// `DS4_GPU_BLAS_NBUCKET`: the largest bucket of token rows (module doc; default 2048); 0 off;
+/// UNSET_N: read.
 static NBUCKET: AtomicU64 = AtomicU64::new(UNSET_N);
 const UNSET_N: u64 = u64::MAX;
 /// The default largest bucket: the bench's warm-up prompt and the 2k rows are one product of
@@ -130,7 +134,7 @@ fn n_bucket(n: u64) -> u64 {
             Ok(v) => v
                 .parse::<u64>()
                 .map_or(NBUCKET_MAX, |v| v.max(MIN_N as u64)),
-            Err(_) => 0,
+            Err(_) => NBUCKET_MAX,
         };
         NBUCKET.store(m, Ordering::Relaxed);
     }
