@@ -106,6 +106,11 @@ pub struct BlasLt {
     pref_set: SetAttr,
     #[allow(clippy::type_complexity)]
     heuristic: unsafe extern "C" fn(H, H, H, H, H, H, H, c_int, *mut c_void, *mut c_int) -> St,
+    /// cublasLtMatmulAlgoCheck (handle, desc, A, B, C, D, algo, result): whether an algorithm
+    /// found for one shape runs another, and its workspace there ([`Handle::plan_like`]).
+    /// cuBLASLt only (None on ROCm: hipBLASLt's check is not in its stable C API).
+    #[allow(clippy::type_complexity)]
+    algo_check: Option<unsafe extern "C" fn(H, H, H, H, H, H, *const c_void, *mut c_void) -> St>,
     #[allow(clippy::type_complexity)]
     matmul: unsafe extern "C" fn(
         H,             // handle
@@ -200,6 +205,10 @@ impl BlasLt {
                 pref_destroy: lib.sym(&f("MatmulPreferenceDestroy"))?,
                 pref_set: lib.sym(&f("MatmulPreferenceSetAttribute"))?,
                 heuristic: lib.sym(&f("MatmulAlgoGetHeuristic"))?,
+                algo_check: match vendor {
+                    Vendor::Nvidia => lib.sym(&f("MatmulAlgoCheck")).ok(),
+                    Vendor::Amd => None,
+                },
                 matmul: lib.sym(&f("Matmul"))?,
                 lib,
             })
@@ -356,9 +365,40 @@ fn set<T>(lt: &BlasLt, f: SetAttr, call: &'static str, h: H, attr: c_int, v: &T)
 }
 
 impl Handle {
-    /// Descriptors for `s` and the heuristic's first algorithm within `workspace` bytes;
-    /// Ok(None) when the library has no algorithm for it.
-    pub fn plan(&self, s: &Shape, workspace: usize) -> Result<Option<Plan>> {
+    /// Descriptors for `s` with `from`'s algorithm (found for another shape of the same
+    /// operands, e.g. another number of token rows) when the library's check accepts it for `s`
+    /// within `workspace` bytes: no heuristic query, and the kernel `from` loaded. Ok(None):
+    /// not accepted, or no check in this library (the caller asks the heuristic).
+    pub fn plan_like(&self, s: &Shape, from: &Plan, workspace: usize) -> Result<Option<Plan>> {
+        let lt = self.lt;
+        let Some(check) = lt.algo_check else {
+            return Ok(None);
+        };
+        let mut p = self.descs(s)?;
+        p.algo = from.algo;
+        let mut res = [0u64; RESULT_WORDS];
+        let st = unsafe {
+            check(
+                self.h,
+                p.desc,
+                p.a,
+                p.b,
+                p.d,
+                p.d,
+                p.algo.as_ptr() as *const c_void,
+                res.as_mut_ptr() as *mut c_void,
+            )
+        };
+        // cuBLASLt's result: workspaceSize at byte 64 (the algo's 64 bytes come first).
+        if st != 0 || res[8] as usize > workspace {
+            return Ok(None);
+        }
+        p.workspace = res[8] as usize;
+        Ok(Some(p))
+    }
+
+    /// The matmul descriptor and the three layouts of `s` (algorithm not chosen yet).
+    fn descs(&self, s: &Shape) -> Result<Plan> {
         let lt = self.lt;
         let e = lt.e;
         let mut p = Plan {
@@ -419,6 +459,17 @@ impl Handle {
             layout(&mut p.a, ab, s.k, s.m, s.lda, s.a_stride)?;
             layout(&mut p.b, ab, s.k, s.n, s.ldb, s.b_stride)?;
             layout(&mut p.d, e.r_32f, s.m, s.n, s.ldd, s.d_stride)?;
+        }
+        Ok(p)
+    }
+
+    /// Descriptors for `s` and the heuristic's first algorithm within `workspace` bytes;
+    /// Ok(None) when the library has no algorithm for it.
+    pub fn plan(&self, s: &Shape, workspace: usize) -> Result<Option<Plan>> {
+        let lt = self.lt;
+        let e = lt.e;
+        let mut p = self.descs(s)?;
+        unsafe {
             let mut pref: H = std::ptr::null_mut();
             lt.check("MatmulPreferenceCreate", (lt.pref_create)(&mut pref))?;
             let ws = workspace as u64;

@@ -188,6 +188,62 @@ fn blas_dense_every_type_and_n() {
     cases.finish();
 }
 
+/// Plans by token-count bucket (`DS4_GPU_BLAS_NBUCKET`, here the limit 64): products of 100 and
+/// 300 rows take the algorithm found for 64 rows (cuBLASLt: the library's check accepts it;
+/// counted), products of 37 rows the one for 64; each against the CPU in both forms, and
+/// beside the same products with their own heuristic plans.
+#[test]
+fn blas_plans_by_bucket() {
+    let Some((cpu, gpu)) = blas_backends() else {
+        return;
+    };
+    let mut cases = Cases::default();
+    for fast in [false, true] {
+        GpuBackend::set_blas(true, fast);
+        for (ty, cols, rows) in [
+            (GgmlType::F16, 1024, 64),
+            (GgmlType::Q8_0, 1024, 200),
+            (GgmlType::F32, 512, 96),
+        ] {
+            let (cw, gw) = weight(&cpu, &gpu, ty, cols, rows, 1, 40 + rows as u64);
+            // 64 first (the bucket's own plan), then sizes that map to it.
+            for n in [64, 100, 300, 37] {
+                let x = randn(&mut rng(4000 + n as u64), n * cols, 1.0);
+                let cx = cpu.upload(&x);
+                let mut cy = cpu.alloc(n * rows);
+                cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
+                let c = cpu.download(&cy, n * rows);
+                let gx = gpu.upload(&x);
+                let mut gy = gpu.alloc(n * rows);
+                GpuBackend::set_blas_nbucket(Some(64));
+                let (l0, like0) = (GpuBackend::blas_launches(), GpuBackend::blas_plans_like());
+                gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
+                let g = gpu.download(&gy, n * rows);
+                let like = GpuBackend::blas_plans_like() - like0;
+                // The same product with its own plan (bucketing off: a plan per n).
+                GpuBackend::set_blas_nbucket(None);
+                let mut oy = gpu.alloc(n * rows);
+                gpu.matmul(&gw, Part::All, &gx, n, &mut oy);
+                let own = gpu.download(&oy, n * rows);
+                let d = max_rel(&g, &own);
+                let key = format!("bucket 64 {ty:?} {cols}->{rows} n={n} fast={fast}");
+                println!("{key}: plans like the bucket's {like}; vs own plan max rel {d:.3e}");
+                // A new plan per (form, n != 64) on cuBLASLt (which has the check); 64 is the
+                // bucket itself.
+                let expect_like = n != 64 && gpu.gpu().info().vendor == Vendor::Nvidia;
+                if expect_like && like == 0 {
+                    cases
+                        .bad
+                        .push(format!("{key}: the bucket's algorithm was not taken"));
+                }
+                cases.check(key, fast, l0, &g, None, &c, &gpu);
+            }
+        }
+    }
+    GpuBackend::set_blas_nbucket(None);
+    cases.finish();
+}
+
 #[test]
 fn blas_grouped_every_type() {
     let Some((cpu, gpu)) = blas_backends() else {

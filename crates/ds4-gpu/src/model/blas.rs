@@ -60,6 +60,20 @@
 //!   converted for the first product and reused by the next ones of the same shape (the
 //!   attention's q_a + kv, the compressors' and indexer's five projections of z, the shared
 //!   expert's gate + up). Same bits either way.
+//! - Plans by token-count bucket, `DS4_GPU_BLAS_NBUCKET=0|1|N` (unset or `1` or any
+//!   value that is not a number: on with the limit 2048; N: the limit N; `0`: off): a plan's heuristic query and
+//!   the first call of each new algorithm (the library loads its kernel then, 3-22 ms of host
+//!   time each on the H200, bench/results/gpu-prefill-p8-h200.txt) come with every new number
+//!   of token rows: every prompt length, and the 6144- and 8192-row steps of the bench's 8k and
+//!   32k rows after its 2048-token warm-up. With the switch a product of n rows takes the
+//!   algorithm of the plan for min(next power of two of n, limit) rows (made first, with the
+//!   heuristic) once cuBLASLt's cublasLtMatmulAlgoCheck accepts it for n within the workspace,
+//!   else its own heuristic (also on ROCm, which has no check here). Same arithmetic (f32
+//!   accumulation along K in the algorithm's order; a different algorithm may order K
+//!   differently, as the heuristic's own choice for n could). H200 (bench/results/
+//!   gpu-pg20-h200.txt): the bench's 8k row (a 6144-row step after the 2048-token warm-up)
+//!   +1.2% / +0.9% prefill; steady 8192-row steps on the 2048-row algorithms: 32k -0.15%
+//!   (noise), 8k +0.4%.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuWeight};
 use crate::blas::{BlasLt, Handle, Plan, Shape};
@@ -89,6 +103,8 @@ const F16: u8 = 3;
 const AMAX_BLOCKS: usize = 256;
 /// Library products queued so far (process-wide), so tests can see the path took a product.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Plans that took their bucket's algorithm (process-wide).
+static LIKE: AtomicU64 = AtomicU64::new(0);
 
 /// `DS4_GPU_BF16_CACHE`: 0 never, 1 always, 2 auto (free memory above the margin); UNSET: read it.
 static CACHE: AtomicU8 = AtomicU8::new(UNSET);
@@ -99,6 +115,34 @@ const CACHE_AUTO: u8 = 2;
 const CACHE_MARGIN: u64 = 24 << 30;
 /// `DS4_GPU_BLAS_XSHARE`: 0 off, 1 on; UNSET: read it.
 static XSHARE: AtomicU8 = AtomicU8::new(UNSET);
+/// `DS4_GPU_BLAS_NBUCKET`: the largest bucket of token rows (module doc; default 2048); 0 off;
+/// UNSET_N: read.
+static NBUCKET: AtomicU64 = AtomicU64::new(UNSET_N);
+const UNSET_N: u64 = u64::MAX;
+/// The default largest bucket: the bench's warm-up prompt and the 2k rows are one product of
+/// 2048 token rows, so larger prompts (one step of up to the prefill chunk) reuse its kernels.
+const NBUCKET_MAX: u64 = 2048;
+
+/// The token count whose plan's algorithm a product of `n` rows takes: the next power of two,
+/// at most the bucket limit; `n` itself when off.
+fn n_bucket(n: u64) -> u64 {
+    let mut m = NBUCKET.load(Ordering::Relaxed);
+    if m == UNSET_N {
+        m = match std::env::var("DS4_GPU_BLAS_NBUCKET").as_deref() {
+            Ok("0") | Ok("off") => 0,
+            Ok("1") | Ok("on") => NBUCKET_MAX,
+            Ok(v) => v
+                .parse::<u64>()
+                .map_or(NBUCKET_MAX, |v| v.max(MIN_N as u64)),
+            Err(_) => NBUCKET_MAX,
+        };
+        NBUCKET.store(m, Ordering::Relaxed);
+    }
+    if m == 0 {
+        return n;
+    }
+    n.next_power_of_two().min(m)
+}
 
 fn cache_mode() -> u8 {
     let m = CACHE.load(Ordering::Relaxed);
@@ -225,7 +269,9 @@ pub(crate) struct BlasSlot {
 struct BlasState {
     lt: &'static BlasLt,
     /// Descriptors and algorithm per shape; None: the library has no algorithm (declined).
-    plans: Mutex<HashMap<Shape, Option<Plan>>>,
+    /// Key: the shape and the token count whose algorithm it takes (its own n, or its bucket's:
+    /// `DS4_GPU_BLAS_NBUCKET`), so both forms stay apart when the switch changes.
+    plans: Mutex<HashMap<(Shape, u64), Option<Plan>>>,
     handle: Handle,
     ws: DeviceBuffer,
     /// A call failed: decline from now on (said once).
@@ -319,6 +365,12 @@ impl GpuBackend {
         XSHARE.store(on as u8, Ordering::Relaxed);
     }
 
+    /// Plans by token-count bucket (module doc): Some(limit) on (products of more rows than the
+    /// limit take the limit's algorithm), None off. Process-wide, for tests and benchmarks.
+    pub fn set_blas_nbucket(limit: Option<usize>) {
+        NBUCKET.store(limit.map_or(0, |l| l.max(MIN_N) as u64), Ordering::Relaxed);
+    }
+
     /// Device bytes held by W' copies of this backend's weights (made so far), the number of
     /// copies and of weights `auto` declined for lack of free memory.
     pub fn bf16_cache_stats(&self) -> (u64, u64, u64) {
@@ -378,6 +430,12 @@ impl GpuBackend {
     /// Library products queued so far in this process.
     pub fn blas_launches() -> u64 {
         LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// Plans made so far (process-wide) with their bucket's algorithm (`DS4_GPU_BLAS_NBUCKET`)
+    /// instead of a heuristic query of their own.
+    pub fn blas_plans_like() -> u64 {
+        LIKE.load(Ordering::Relaxed)
     }
 
     /// Open the library when the backend is made (GpuBackend::new), unless the path is off: on
@@ -787,21 +845,57 @@ impl GpuBackend {
     }
 
     /// The cached plan for `shape` (made on first use); None: no algorithm, or the library
-    /// failed (then declined from now on).
+    /// failed (then declined from now on). With `DS4_GPU_BLAS_NBUCKET` (module doc) a shape of
+    /// another token count takes the algorithm of its bucket's plan when the library accepts it.
     fn blas_plan<'p>(
         &self,
         st: &BlasState,
-        plans: &'p mut HashMap<Shape, Option<Plan>>,
+        plans: &'p mut HashMap<(Shape, u64), Option<Plan>>,
         shape: &Shape,
     ) -> Option<&'p Plan> {
-        if !plans.contains_key(shape) {
-            if plans.len() >= MAX_PLANS {
+        let nb = n_bucket(shape.n);
+        let key = (*shape, nb);
+        if !plans.contains_key(&key) {
+            if plans.len() + 1 >= MAX_PLANS {
                 plans.clear();
             }
             let t0 = std::time::Instant::now();
-            match st.handle.plan(shape, WORKSPACE) {
+            let like = if nb != shape.n {
+                let bs = Shape { n: nb, ..*shape };
+                let made = self.blas_plan(st, plans, &bs).map(|b| {
+                    let t1 = std::time::Instant::now();
+                    let r = st.handle.plan_like(shape, b, WORKSPACE);
+                    (r, t1)
+                });
+                match made {
+                    Some((Ok(Some(p)), t1)) => {
+                        LIKE.fetch_add(1, Ordering::Relaxed);
+                        if trace() {
+                            eprintln!(
+                                "ds4 blas: plan m{} n{} k{} b{}: algorithm of n{nb}, checked in \
+                                 {:.1} us",
+                                shape.m,
+                                shape.n,
+                                shape.k,
+                                shape.batch,
+                                t1.elapsed().as_secs_f64() * 1e6
+                            );
+                        }
+                        Some(p)
+                    }
+                    _ => None, // not accepted (or no plan there): ask the heuristic
+                }
+            } else {
+                None
+            };
+            let asked = like.is_none();
+            let r = match like {
+                Some(p) => Ok(Some(p)),
+                None => st.handle.plan(shape, WORKSPACE),
+            };
+            match r {
                 Ok(p) => {
-                    if trace() {
+                    if trace() && asked {
                         eprintln!(
                             "ds4 blas: plan m{} n{} k{} b{}{}: heuristic {:.1} us",
                             shape.m,
@@ -813,7 +907,7 @@ impl GpuBackend {
                         );
                         FIRST.store(true, Ordering::Relaxed);
                     }
-                    plans.insert(*shape, p);
+                    plans.insert(key, p);
                 }
                 Err(e) => {
                     self.blas_broken(st, &e);
@@ -821,7 +915,7 @@ impl GpuBackend {
                 }
             }
         }
-        plans.get(shape).and_then(|p| p.as_ref()) // None: no algorithm for this shape
+        plans.get(&key).and_then(|p| p.as_ref()) // None: no algorithm for this shape
     }
 
     /// The f16 form (module doc): partial maxima, W' (unless an aligned F16 weight is read in

@@ -381,7 +381,18 @@ pub struct GpuBackend {
     /// Tokens per prompt step chosen from the free memory at the first prompt, after the weights
     /// are resident (gemm.rs `auto_chunk`).
     chunk: std::sync::OnceLock<usize>,
+    /// Compressor row buffers replaced by larger ones ([`GpuBackend::reserve_rows`]), freed at
+    /// the next point where the host waits for the device anyway ([`GpuBackend::free_retired`]).
+    retired: Mutex<Vec<DeviceBuffer>>,
 }
+
+/// `DS4_GPU_DEFER_FREE` (unset: on; `0` off): [`GpuBackend::reserve_rows`] keeps the old rows
+/// buffer until the next host wait instead of freeing it at once. cuMemFree waits for the
+/// device (session 8's driver-call timer: 20 such frees of ~38 ms each in a 2k prompt, one per
+/// compressor that grows: every CSA layer of a new session's first prompt), so the device ran
+/// dry and then waited for the host's next launches; deferred, the free costs nothing (the
+/// device is idle then). Old form: `0`.
+static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(gemm::UNSET);
 
 /// Words of [`GpuBackend::tickets`].
 pub(crate) const TICKET_WORDS: usize = 128;
@@ -471,6 +482,7 @@ impl GpuBackend {
         Ok(GpuBackend {
             step,
             chunk: std::sync::OnceLock::new(),
+            retired: Mutex::new(Vec::new()),
             tickets,
             blas: Default::default(),
             stream: Stream::DEFAULT,
@@ -939,6 +951,9 @@ impl GpuBackend {
         let mut out = vec![0u8; bytes];
         if bytes > 0 && !self.failed() {
             let r = self.gpu.download(p, &mut out);
+            if r.is_ok() {
+                self.free_retired(); // the download waited for the stream
+            }
             self.note(r);
         }
         out
@@ -971,9 +986,20 @@ impl GpuBackend {
         let cap = rows.next_power_of_two();
         if let Some(nb) = self.dev(cap * c.dims.d * 4) {
             self.d2d(nb.ptr(), c.rows.ptr(), c.n_rows * c.dims.d * 4);
-            c.rows = nb;
+            let old = std::mem::replace(&mut c.rows, nb);
             c.cap = cap;
+            if gemm::switch_on(&DEFER_FREE, "DS4_GPU_DEFER_FREE") {
+                // Queued work (the copy above, earlier steps) may still read it.
+                self.retired.lock().unwrap().push(old);
+            } // else freed here: cuMemFree waits for the device
         }
+    }
+
+    /// Free the buffers [`GpuBackend::reserve_rows`] retired; only where the device is idle
+    /// (after a synchronisation), so the frees wait for nothing.
+    fn free_retired(&self) {
+        let old = std::mem::take(&mut *self.retired.lock().unwrap());
+        drop(old);
     }
 
     fn upload_comp(&self, c: &CompDims, h: &HostCompState) -> Option<GpuComp> {
@@ -1102,9 +1128,12 @@ impl Backend for GpuBackend {
 
     fn finish(&self) -> std::result::Result<(), String> {
         self.flush(false);
-        if let Err(e) = self.gpu.synchronize() {
-            let mut err = self.err.lock().unwrap();
-            err.get_or_insert_with(|| format!("waiting for the device: {e}"));
+        match self.gpu.synchronize() {
+            Ok(()) => self.free_retired(),
+            Err(e) => {
+                let mut err = self.err.lock().unwrap();
+                err.get_or_insert_with(|| format!("waiting for the device: {e}"));
+            }
         }
         self.check()
     }
