@@ -61,6 +61,7 @@
 //!   attention's q_a + kv, the compressors' and indexer's five projections of z, the shared
 //!   expert's gate + up). Same bits either way.
 
+use super::switch::{code, env_code, on_unless_off, UNSET};
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuWeight};
 use crate::blas::{BlasLt, Handle, Plan, Shape};
 use crate::gpu::DeviceBuffer;
@@ -80,7 +81,6 @@ const MAX_PLANS: usize = 256;
 /// 0 off, 1 on (three-term hi/lo), 2 fast (one bf16 term), 3 f16 (one scaled f16 term);
 /// UNSET: read `DS4_GPU_BLAS`.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
-const UNSET: u8 = 255;
 const OFF: u8 = 0;
 const ON: u8 = 1;
 const FAST: u8 = 2;
@@ -101,17 +101,11 @@ const CACHE_MARGIN: u64 = 24 << 30;
 static XSHARE: AtomicU8 = AtomicU8::new(UNSET);
 
 fn cache_mode() -> u8 {
-    let m = CACHE.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m;
-    }
-    let m = match std::env::var("DS4_GPU_BF16_CACHE").as_deref() {
-        Ok("0") | Ok("off") => 0,
-        Ok("1") | Ok("on") => 1,
+    code(&CACHE, "DS4_GPU_BF16_CACHE", |v| match v {
+        Some("0") | Some("off") => 0,
+        Some("1") | Some("on") => 1,
         _ => CACHE_AUTO,
-    };
-    CACHE.store(m, Ordering::Relaxed);
-    m
+    })
 }
 
 fn cache_margin() -> u64 {
@@ -125,13 +119,9 @@ fn cache_margin() -> u64 {
 }
 
 fn xshare_on() -> bool {
-    let m = XSHARE.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m == 1;
-    }
-    let on = !std::env::var("DS4_GPU_BLAS_XSHARE").is_ok_and(|v| v == "0" || v == "off");
-    XSHARE.store(on as u8, Ordering::Relaxed);
-    on
+    code(&XSHARE, "DS4_GPU_BLAS_XSHARE", |v| {
+        (!matches!(v, Some("0") | Some("off"))) as u8
+    }) == 1
 }
 
 /// A weight's W' (blas.rs module doc): (K-parts, the copy); copy None: `auto` declined it
@@ -176,16 +166,7 @@ static ACC: AtomicU8 = AtomicU8::new(0);
 static ACC_RUNS: AtomicU64 = AtomicU64::new(0);
 
 fn acc_on() -> bool {
-    let m = ACC.load(Ordering::Relaxed);
-    if m != 0 {
-        return m == 1;
-    }
-    let env = match std::env::var("DS4_GPU_BLAS_ACC").ok().as_deref() {
-        Some("off") | Some("0") => 2,
-        _ => 1,
-    };
-    let _ = ACC.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed);
-    ACC.load(Ordering::Relaxed) == 1
+    env_code(&ACC, "DS4_GPU_BLAS_ACC", on_unless_off) == 1
 }
 
 /// The next product is the first of a new plan (trace only).
@@ -199,18 +180,12 @@ fn trace() -> bool {
 }
 
 fn mode() -> u8 {
-    let m = MODE.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m;
-    }
-    let m = match std::env::var("DS4_GPU_BLAS").as_deref() {
-        Ok("off") | Ok("0") => OFF,
-        Ok("fast") => FAST,
-        Ok("f16") => F16,
+    code(&MODE, "DS4_GPU_BLAS", |v| match v {
+        Some("off") | Some("0") => OFF,
+        Some("fast") => FAST,
+        Some("f16") => F16,
         _ => ON,
-    };
-    MODE.store(m, Ordering::Relaxed);
-    m
+    })
 }
 
 /// Per-backend BLAS-Lt state (handle, workspace, plans), opened with the backend (or on first

@@ -9,7 +9,7 @@
 //!
 //! Files: `mod.rs` memory, weights, state and the trait; `attn.rs` RoPE, rounding,
 //! compressors, indexer, attention; `mix.rs` embedding, hyper-connections, router,
-//! elementwise; `matmul.rs` weight products.
+//! elementwise; `matmul.rs` weight products; `switch.rs` the `DS4_GPU_*` environment switches.
 
 mod attn;
 mod blas;
@@ -24,6 +24,7 @@ mod moe;
 mod precision;
 mod prof;
 mod sample;
+mod switch;
 pub mod synth;
 
 pub use precision::Precision;
