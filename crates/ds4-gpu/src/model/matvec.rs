@@ -510,20 +510,8 @@ impl GpuBackend {
         rows: usize,
         experts: usize,
     ) -> (Option<DeviceBuffer>, bool) {
-        let il = q8_il(cols);
-        (self.q8_copy(buf, ty, cols, rows, experts, il), il)
-    }
-
-    fn q8_copy(
-        &self,
-        buf: &DeviceBuffer,
-        ty: GgmlType,
-        cols: usize,
-        rows: usize,
-        experts: usize,
-        il: bool,
-    ) -> Option<DeviceBuffer> {
         mvr_env();
+        let il = q8_il(cols);
         if ty != GgmlType::Q8_0
             || experts != 1
             || !REPACK.load(Ordering::Relaxed)
@@ -532,14 +520,17 @@ impl GpuBackend {
             || !cols.is_multiple_of(32)
             || self.failed()
         {
-            return None;
+            return (None, il);
         }
         let nb = rows * cols / 32;
         if buf.bytes() < nb * 34 {
-            return None;
+            return (None, il);
         }
         self.interrupt();
-        let dec = self.gpu.alloc(nb * 34).ok()?; // Q: 32·nb bytes, then D: 2·nb
+        // Q: 32·nb bytes, then D: 2·nb
+        let Ok(dec) = self.gpu.alloc(nb * 34) else {
+            return (None, il);
+        };
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
@@ -552,7 +543,7 @@ impl GpuBackend {
                 Arg::Ptr(q.offset((nb * 32) as u64)),
             ],
         );
-        Some(dec)
+        (Some(dec), il)
     }
 
     /// One n = 1 product by `mvr_*` from a decode-layout copy `dec` (rows per group `rows`, `zs`
