@@ -4,16 +4,32 @@
 #      portability test compiles every kernel instead of skipping;
 #   2. cargo test --workspace --release (GPU device tests skip, saying why, without a GPU);
 #   3. the official openai + anthropic Python SDKs against `ds4 serve` (own venv).
+# The SDK venv is installed in the background while 2 builds (network and disk, not the cores).
+# Step 2 builds the test targets but not the examples (`cargo clippy --all-targets` in .ci/run
+# checks those; no test runs them). Each step prints its wall and CPU time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TIMEFORMAT='== %R s wall, %U s user + %S s sys'
 
 echo "== run-time kernel compilers (NVRTC wheel, Debian hipRTC)"
-bash tools/gpu/ci-install.sh
+time bash tools/gpu/ci-install.sh
 # With the compilers installed, a missing one is a failure, not a skip.
 export DS4_REQUIRE_COMPILERS=1
 
+sdk_log="$(mktemp)"
+bash crates/ds4-server/tests/sdk/run.sh --venv-only >"$sdk_log" 2>&1 &
+sdk_venv=$!
+
 echo "== cargo test --workspace --release"
-cargo test --workspace --release
+time cargo test --workspace --release --lib --bins --tests
+echo "== cargo test --workspace --release --doc"
+time cargo test --workspace --release --doc
 
 echo "== SDK tests (official openai + anthropic Python SDKs against ds4 serve on the tiny model)"
-DS4_BIN="${CARGO_TARGET_DIR:-target}/release/ds4" bash crates/ds4-server/tests/sdk/run.sh
+if ! wait "$sdk_venv"; then
+  cat "$sdk_log"
+  echo "SDK venv set-up failed"
+  exit 1
+fi
+rm -f "$sdk_log"
+time DS4_BIN="${CARGO_TARGET_DIR:-target}/release/ds4" bash crates/ds4-server/tests/sdk/run.sh

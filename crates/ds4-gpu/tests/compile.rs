@@ -2,10 +2,15 @@
 //! sm_100, with hipRTC for gfx90a (wave64) and gfx1030 (wave32), and with clang-19's HIP driver
 //! for gfx942 (wave64) and gfx1100 (wave32), and each code object defines every kernel the module
 //! lists. A missing compiler skips with the reason, or fails when DS4_REQUIRE_COMPILERS=1 (CI
-//! installs all three with tools/gpu/ci-install.sh).
+//! installs all three with tools/gpu/ci-install.sh). Each compiler's target × module jobs run
+//! on one thread per target from one queue, largest module first ([`pool`]): CI's 2 cores stay
+//! busy to the end instead of waiting on one target's modules in series.
 
 use ds4_gpu::compiler::{cuda_defines, hip_defines, Compiler, Hiprtc, Nvrtc};
 use ds4_gpu::GpuError;
+use ds4_kernels::Module;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 fn require() -> bool {
     std::env::var("DS4_REQUIRE_COMPILERS").is_ok_and(|v| v == "1")
@@ -15,41 +20,68 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
+/// `job(target, module)` for every target × module of `ds4_kernels::MODULES` on one thread per
+/// target, the jobs taken in turn from one queue ordered by module source size, largest first (a
+/// rough cost order, so the last jobs are short); the outputs in queue order. The compilers take
+/// concurrent compiles (the runtime compiles a model's modules in parallel too).
+fn pool<T: Sync, R: Send>(targets: &[T], job: impl Fn(&T, &Module) -> R + Sync) -> Vec<R> {
+    let mut modules: Vec<&Module> = ds4_kernels::MODULES.iter().collect();
+    modules.sort_by_key(|m| std::cmp::Reverse(m.source.len()));
+    let jobs: Vec<(&T, &Module)> = modules
+        .iter()
+        .flat_map(|&m| targets.iter().map(move |t| (t, m)))
+        .collect();
+    let out: Vec<Mutex<Option<R>>> = jobs.iter().map(|_| Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..targets.len() {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(t, m)) = jobs.get(i) else { break };
+                *out[i].lock().unwrap() = Some(job(t, m));
+            });
+        }
+    });
+    out.into_iter()
+        .map(|r| r.into_inner().unwrap().expect("every job ran"))
+        .collect()
+}
+
 fn check_all(c: &dyn Compiler, targets: &[(&str, Vec<(String, String)>)]) {
     println!("{} from {}", c.version(), c.path().display());
-    let mut failures = Vec::new();
-    for (arch, defines) in targets {
-        for m in ds4_kernels::MODULES {
-            let t = std::time::Instant::now();
-            match c.compile(m, arch, defines) {
-                Ok(code) => {
-                    let missing: Vec<_> = m
-                        .kernels
-                        .iter()
-                        .filter(|k| !contains(&code, k.as_bytes()))
-                        .collect();
-                    println!(
-                        "  {arch} {}: {} bytes in {:.2} s{}",
-                        m.name,
-                        code.len(),
-                        t.elapsed().as_secs_f64(),
-                        if missing.is_empty() {
-                            String::new()
-                        } else {
-                            format!(", MISSING {missing:?}")
-                        }
-                    );
-                    if !missing.is_empty() {
-                        failures.push(format!(
-                            "{arch} {}: kernels {missing:?} not in the code object",
-                            m.name
-                        ));
+    let failures: Vec<String> = pool(targets, |(arch, defines), m| {
+        let t = std::time::Instant::now();
+        match c.compile(m, arch, defines) {
+            Ok(code) => {
+                let missing: Vec<_> = m
+                    .kernels
+                    .iter()
+                    .filter(|k| !contains(&code, k.as_bytes()))
+                    .collect();
+                println!(
+                    "  {arch} {}: {} bytes in {:.2} s{}",
+                    m.name,
+                    code.len(),
+                    t.elapsed().as_secs_f64(),
+                    if missing.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", MISSING {missing:?}")
                     }
-                }
-                Err(e) => failures.push(format!("{arch} {}: {e}", m.name)),
+                );
+                (!missing.is_empty()).then(|| {
+                    format!(
+                        "{arch} {}: kernels {missing:?} not in the code object",
+                        m.name
+                    )
+                })
             }
+            Err(e) => Some(format!("{arch} {}: {e}", m.name)),
         }
-    }
+    })
+    .into_iter()
+    .flatten()
+    .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
@@ -144,7 +176,7 @@ fn hip_runtime_table_resolves() {
 /// code goes through clang's HIP driver (`-x hip --offload-device-only -S`, assembly: no lld
 /// needed) with the same defines the host passes at run time; hipRTC declares the HIP builtins
 /// implicitly, clang gets them from `-include hip/hip_runtime.h`. Each kernel a module lists
-/// must appear as an `.amdhsa_kernel` in its assembly. The two targets run in parallel.
+/// must appear as an `.amdhsa_kernel` in its assembly. The two targets' jobs run in parallel.
 #[test]
 fn clang_hip_compiles_every_module_for_gfx942_and_gfx1100() {
     let clang = std::env::var("DS4_HIP_CLANG").unwrap_or_else(|_| "clang-19".into());
@@ -190,92 +222,78 @@ fn clang_hip_compiles_every_module_for_gfx942_and_gfx1100() {
     for m in ds4_kernels::MODULES {
         std::fs::write(dir.join(format!("{}.cu", m.name)), m.source).unwrap();
     }
-    let run = |arch: &'static str, warp: u32| -> Vec<String> {
-        let mut failures = Vec::new();
-        for m in ds4_kernels::MODULES {
-            let t = std::time::Instant::now();
-            let out = dir.join(format!("{}-{arch}.s", m.name));
-            let mut cmd = std::process::Command::new(&clang);
-            cmd.args([
-                "-x",
-                "hip",
-                "--offload-device-only",
-                "-nogpulib",
-                "-O3",
-                "-std=c++17",
-                "-S",
-            ])
-            .arg(format!("--offload-arch={arch}"))
-            .arg(format!("--rocm-path={rocm}"))
-            .args(["-include", "hip/hip_runtime.h"])
-            .arg(format!("-I{}", dir.display()));
-            for (k, v) in hip_defines(arch, warp) {
-                cmd.arg(format!("-D{k}={v}"));
-            }
-            let o = cmd
-                .arg("-o")
-                .arg(&out)
-                .arg(dir.join(format!("{}.cu", m.name)))
-                .output();
-            let o = match o {
-                Ok(o) => o,
-                Err(e) => {
-                    failures.push(format!("{arch} {}: {clang}: {e}", m.name));
-                    continue;
-                }
-            };
-            let err = String::from_utf8_lossy(&o.stderr);
-            if !o.status.success() {
-                let head: Vec<_> = err.lines().take(20).collect();
-                failures.push(format!(
-                    "{arch} {}: {}\n{}",
-                    m.name,
-                    o.status,
-                    head.join("\n")
-                ));
-                continue;
-            }
-            let asm = std::fs::read_to_string(&out).unwrap_or_default();
-            let missing: Vec<_> = m
-                .kernels
-                .iter()
-                .filter(|k| {
-                    !asm.lines()
-                        .any(|l| l.trim() == format!(".amdhsa_kernel {k}"))
-                })
-                .collect();
-            // Warnings (e.g. an occupancy hint not met on wave64) are printed, not failures.
-            let warnings = err.lines().filter(|l| l.contains("warning:")).count();
-            println!(
-                "  {arch} {}: {} kernels in {:.1} s{}{}",
-                m.name,
-                m.kernels.len() - missing.len(),
-                t.elapsed().as_secs_f64(),
-                if warnings > 0 {
-                    format!(", {warnings} warnings")
-                } else {
-                    String::new()
-                },
-                if missing.is_empty() {
-                    String::new()
-                } else {
-                    format!(", MISSING {missing:?}")
-                }
-            );
-            if !missing.is_empty() {
-                failures.push(format!(
-                    "{arch} {}: kernels {missing:?} not in the ISA",
-                    m.name
-                ));
-            }
+    let failures: Vec<String> = pool(&[("gfx942", 64u32), ("gfx1100", 32)], |&(arch, warp), m| {
+        let t = std::time::Instant::now();
+        let out = dir.join(format!("{}-{arch}.s", m.name));
+        let mut cmd = std::process::Command::new(&clang);
+        cmd.args([
+            "-x",
+            "hip",
+            "--offload-device-only",
+            "-nogpulib",
+            "-O3",
+            "-std=c++17",
+            "-S",
+        ])
+        .arg(format!("--offload-arch={arch}"))
+        .arg(format!("--rocm-path={rocm}"))
+        .args(["-include", "hip/hip_runtime.h"])
+        .arg(format!("-I{}", dir.display()));
+        for (k, v) in hip_defines(arch, warp) {
+            cmd.arg(format!("-D{k}={v}"));
         }
-        failures
-    };
-    let failures: Vec<String> = std::thread::scope(|s| {
-        let a = s.spawn(|| run("gfx942", 64));
-        let b = s.spawn(|| run("gfx1100", 32));
-        [a, b].into_iter().flat_map(|h| h.join().unwrap()).collect()
-    });
+        let o = cmd
+            .arg("-o")
+            .arg(&out)
+            .arg(dir.join(format!("{}.cu", m.name)))
+            .output();
+        let o = match o {
+            Ok(o) => o,
+            Err(e) => return Some(format!("{arch} {}: {clang}: {e}", m.name)),
+        };
+        let err = String::from_utf8_lossy(&o.stderr);
+        if !o.status.success() {
+            let head: Vec<_> = err.lines().take(20).collect();
+            return Some(format!(
+                "{arch} {}: {}\n{}",
+                m.name,
+                o.status,
+                head.join("\n")
+            ));
+        }
+        let asm = std::fs::read_to_string(&out).unwrap_or_default();
+        let missing: Vec<_> = m
+            .kernels
+            .iter()
+            .filter(|k| {
+                !asm.lines()
+                    .any(|l| l.trim() == format!(".amdhsa_kernel {k}"))
+            })
+            .collect();
+        // Warnings (e.g. an occupancy hint not met on wave64) are printed, not failures.
+        let warnings = err.lines().filter(|l| l.contains("warning:")).count();
+        println!(
+            "  {arch} {}: {} kernels in {:.1} s{}{}",
+            m.name,
+            m.kernels.len() - missing.len(),
+            t.elapsed().as_secs_f64(),
+            if warnings > 0 {
+                format!(", {warnings} warnings")
+            } else {
+                String::new()
+            },
+            if missing.is_empty() {
+                String::new()
+            } else {
+                format!(", MISSING {missing:?}")
+            }
+        );
+        (!missing.is_empty())
+            .then(|| format!("{arch} {}: kernels {missing:?} not in the ISA", m.name))
+    })
+    .into_iter()
+    .flatten()
+    .collect();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }

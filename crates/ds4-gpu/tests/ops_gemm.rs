@@ -879,6 +879,17 @@ fn check_one_plane(
 /// f16's unit roundoff: the one-plane bound's relative term.
 const U11: f64 = 1.0 / 2048.0;
 
+/// `rows` × `cols` standard normals, row i scaled by 10^(i mod 13 - 6): every expert of the
+/// skewed runs gets rows of magnitudes 1e-6 .. 1e6 (the MoE tests' token and pair rows).
+fn scaled_rows(r: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
+    let mut x = randn(r, rows * cols, 1.0);
+    for (i, row) in x.chunks_mut(cols).enumerate() {
+        let m = 10f32.powi((i % 13) as i32 - 6);
+        row.iter_mut().for_each(|v| *v *= m);
+    }
+    x
+}
+
 /// The one-plane forms of the wgmma MoE kernels (`set_gemm_planes(1)`, `DS4_GPU_GEMM_PLANES=1`:
 /// `gwg_iq2_xxs_p1`, `gwd_q2_k_p1`) against an f64 reference per (pair, row), on the skewed
 /// expert runs and shapes of `gemm_moe_wg_gate_up_matches_f64` / `gemm_moe_wgd_down_matches_f64`,
@@ -900,7 +911,6 @@ fn gemm_moe_one_plane_matches_f64() {
     };
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
-    let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
     let sel = skewed_sel(n, k);
     let gs = gpu.upload_i32(&sel);
     let mut r = rng(1700);
@@ -910,10 +920,7 @@ fn gemm_moe_one_plane_matches_f64() {
     let ty = GgmlType::IQ2_XXS;
     let (gb, gw) = random_experts(&gpu, ty, d, ff, ne, 1701);
     let (ub, uw) = random_experts(&gpu, ty, d, ff, ne, 1702);
-    let mut z = randn(&mut r, n * d, 1.0);
-    for (t, row) in z.chunks_mut(d).enumerate() {
-        row.iter_mut().for_each(|v| *v *= mag(t));
-    }
+    let z = scaled_rows(&mut r, n, d);
     // (sum, sum |w x|, B = sum |w x|) per (product, pair, row).
     let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
     let want = [&gb, &ub].map(|bytes| {
@@ -993,10 +1000,7 @@ fn gemm_moe_one_plane_matches_f64() {
     let ty = GgmlType::Q2_K;
     let rb = ty.row_bytes(fd as u64).unwrap() as usize;
     let (db, dw) = random_experts(&gpu, ty, fd, dd, ne, 1703);
-    let mut h = randn(&mut r, pairs * fd, 1.0);
-    for (p, row) in h.chunks_mut(fd).enumerate() {
-        row.iter_mut().for_each(|v| *v *= mag(p));
-    }
+    let h = scaled_rows(&mut r, pairs, fd);
     let (mut deq, mut dq, mut dm) = (vec![0f32; fd], vec![0f32; fd], vec![0f32; fd]);
     let mut want = Vec::new();
     for p in 0..pairs {
@@ -1095,17 +1099,13 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     GpuBackend::set_gemm_wg_wide(0); // the runs of 64 (the wide form: gemm_moe_one_plane_matches_f64)
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
-    let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
     let sel = skewed_sel(n, k);
     let gs = gpu.upload_i32(&sel);
     let mut r = rng(1800);
     let (d, ff) = (1280usize, 320usize);
     let (_, gw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 1801);
     let (_, uw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 1802);
-    let mut z = randn(&mut r, n * d, 1.0);
-    for (t, row) in z.chunks_mut(d).enumerate() {
-        row.iter_mut().for_each(|v| *v *= mag(t));
-    }
+    let z = scaled_rows(&mut r, n, d);
     let gz = gpu.upload(&z);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let mut bad = Vec::new();
@@ -1145,10 +1145,7 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     // Down (Q2_K, ff = 768 columns, d = 320 rows): lean on / off, wgmma down on / off, planes 1 / 2.
     let (dd, fd) = (320usize, 768usize);
     let (_, dw) = random_experts(&gpu, GgmlType::Q2_K, fd, dd, ne, 1803);
-    let mut h = randn(&mut r, pairs * fd, 1.0);
-    for (p, row) in h.chunks_mut(fd).enumerate() {
-        row.iter_mut().for_each(|v| *v *= mag(p));
-    }
+    let h = scaled_rows(&mut r, pairs, fd);
     let gh = gpu.upload(&h);
     for planes in [1u8, 2] {
         GpuBackend::set_gemm_planes(planes);
@@ -1202,7 +1199,6 @@ fn gemm_moe_swiglu_xt_same_bits() {
     };
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
-    let mag = |i: usize| 10f32.powi((i % 13) as i32 - 6);
     let sel = skewed_sel(n, k);
     let gs = gpu.upload_i32(&sel);
     let mut r = rng(1900);
@@ -1223,10 +1219,7 @@ fn gemm_moe_swiglu_xt_same_bits() {
         let (_, gw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, s);
         let (_, uw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, s + 1);
         let (_, dw) = random_experts(&gpu, GgmlType::Q2_K, ff, d, ne, s + 2);
-        let mut z = randn(&mut r, n * d, 1.0);
-        for (t, row) in z.chunks_mut(d).enumerate() {
-            row.iter_mut().for_each(|v| *v *= mag(t));
-        }
+        let z = scaled_rows(&mut r, n, d);
         let gz = gpu.upload(&z);
         for planes in [2u8, 1] {
             GpuBackend::set_gemm_planes(planes);

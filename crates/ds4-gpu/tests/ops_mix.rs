@@ -839,6 +839,46 @@ fn norm_rope_matches_cpu() {
     });
 }
 
+/// (n, heads of a, heads of b, width, b's rounding, t0) of a norm_rope_pair case.
+type PairCase = (
+    usize,
+    usize,
+    usize,
+    usize,
+    Option<ds4_backend::RowRounding>,
+    usize,
+);
+
+/// norm_rope_pair of `case` on `be` (eps 1e-6): a unweighted and unrounded (the query), b
+/// weighted by `w` and rounded by the case's rounding (the KV row).
+fn rope_pair<B: Backend>(
+    be: &B,
+    a: &mut B::Buf,
+    b: &mut B::Buf,
+    w: &B::Weight,
+    case: PairCase,
+    n_rot: usize,
+    kind: ds4_backend::RopeKind,
+) {
+    let (n, ha, hb, width, round_b, t0) = case;
+    be.norm_rope_pair(
+        a,
+        ha,
+        None,
+        None,
+        b,
+        hb,
+        Some(w),
+        round_b,
+        n,
+        width,
+        1e-6,
+        n_rot,
+        t0,
+        kind,
+    );
+}
+
 /// norm_rope_pair (one norm_rope_pair_g launch when both row sets take norm_rope_g) against
 /// two GPU norm_rope calls, bit for bit, and the CPU (the default: two norm_ropes) within the
 /// norm_rope tolerances; cases where a set takes another form (FP4 rounding: the separate ops;
@@ -859,9 +899,8 @@ fn norm_rope_pair_matches_two_calls() {
         fuse_forms(|fused| {
             let mut r = rng(9);
             let (kv, fp4) = (|w: usize| kv_round(w, n_rot), FP4_ROUND);
-            // (n, heads of a, heads of b, width, b's rounding, t0): a unweighted and unrounded (the
-            // query), b weighted (the KV row).
-            for (n, ha, hb, width, round_b, t0) in [
+            // PairCase: a unweighted and unrounded (the query), b weighted (the KV row).
+            for c in [
                 (1usize, 64usize, 1usize, 512usize, Some(kv(512)), 7usize),
                 (1, 64, 1, 512, None, 4095),
                 (3, 64, 1, 512, Some(kv(512)), 100_000),
@@ -879,45 +918,16 @@ fn norm_rope_pair_matches_two_calls() {
                 (6, 2, 1, 200, Some(kv(200)), 1),
                 (5, 2, 1, 1024, Some(kv(1024)), 77),
             ] {
+                let (n, ha, hb, width, round_b, t0) = c;
                 for kind in [RopeKind::Swa, RopeKind::Comp] {
                     let (la, lb) = (n * ha * width, n * hb * width);
                     let a = randn(&mut r, la, 3.0);
                     let b = randn(&mut r, lb, 3.0);
                     let (wc, wg) = vectors(&cpu, &gpu, &randn(&mut r, width, 1.5));
                     let (mut ac, mut bc) = (a.clone(), b.clone());
-                    cpu.norm_rope_pair(
-                        &mut ac,
-                        ha,
-                        None,
-                        None,
-                        &mut bc,
-                        hb,
-                        Some(&wc),
-                        round_b,
-                        n,
-                        width,
-                        1e-6,
-                        n_rot,
-                        t0,
-                        kind,
-                    );
+                    rope_pair(&cpu, &mut ac, &mut bc, &wc, c, n_rot, kind);
                     let (mut ap, mut bp) = (gpu.upload(&a), gpu.upload(&b));
-                    gpu.norm_rope_pair(
-                        &mut ap,
-                        ha,
-                        None,
-                        None,
-                        &mut bp,
-                        hb,
-                        Some(&wg),
-                        round_b,
-                        n,
-                        width,
-                        1e-6,
-                        n_rot,
-                        t0,
-                        kind,
-                    );
+                    rope_pair(&gpu, &mut ap, &mut bp, &wg, c, n_rot, kind);
                     let (mut a2, mut b2) = (gpu.upload(&a), gpu.upload(&b));
                     gpu.norm_rope(&mut a2, n, ha, width, None, 1e-6, n_rot, t0, kind, None);
                     let wgr = Some(&wg);

@@ -1,6 +1,7 @@
 //! Attention-state ops on the GPU: RoPE, row rounding, compressors, the lightning indexer and
 //! sink attention (kernels in `ds4-kernels/gpu/attention.cu`). Reference: ds4-cpu backend.rs.
 
+use super::switch::{env_form, env_pick};
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuLayerState, GpuWeight};
 use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
@@ -44,20 +45,6 @@ const _: () =
 /// 4 the same with the f32 tile loop everywhere (`DS4_GPU_ATTN=one-f32`).
 static ATTN_MODE: AtomicU8 = AtomicU8::new(0);
 
-/// A process-wide switch read from `var` on first use unless a setter stored a value first (a
-/// racing setter wins): the code of the first `names` entry equal to the variable, else `dflt`.
-fn env_pick(cell: &AtomicU8, var: &str, names: &[(&str, u8)], dflt: u8) -> u8 {
-    if cell.load(Ordering::Relaxed) == 0 {
-        let v = std::env::var(var).ok();
-        let m = names
-            .iter()
-            .find(|(n, _)| v.as_deref() == Some(*n))
-            .map_or(dflt, |&(_, c)| c);
-        let _ = cell.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed);
-    }
-    cell.load(Ordering::Relaxed)
-}
-
 fn attn_mode() -> u8 {
     env_pick(
         &ATTN_MODE,
@@ -89,12 +76,6 @@ fn aotc_kernel() -> &'static str {
 
 fn attn_simple() -> bool {
     attn_mode() == 1
-}
-
-/// A process-wide two-way switch: 1 when `var` equals `alt`, else 2, read on first use unless a
-/// setter stored a value first (a racing setter wins).
-fn env_form(cell: &AtomicU8, var: &str, alt: &str) -> bool {
-    env_pick(cell, var, &[(alt, 1)], 2) == 1
 }
 
 /// Decode glue kernels: 0 not yet read from `DS4_GPU_ATTN_GLUE`, 1 old (`compress_frontier_f32`

@@ -75,6 +75,7 @@
 //!   +1.2% / +0.9% prefill; steady 8192-row steps on the 2048-row algorithms: 32k -0.15%
 //!   (noise), 8k +0.4%.
 
+use super::switch::{code, env_code, on_unless_off, UNSET};
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuWeight};
 use crate::blas::{BlasLt, Handle, Plan, Shape};
 use crate::gpu::DeviceBuffer;
@@ -94,7 +95,6 @@ const MAX_PLANS: usize = 256;
 /// 0 off, 1 on (three-term hi/lo), 2 fast (one bf16 term), 3 f16 (one scaled f16 term);
 /// UNSET: read `DS4_GPU_BLAS`.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
-const UNSET: u8 = 255;
 const OFF: u8 = 0;
 const ON: u8 = 1;
 const FAST: u8 = 2;
@@ -145,17 +145,11 @@ fn n_bucket(n: u64) -> u64 {
 }
 
 fn cache_mode() -> u8 {
-    let m = CACHE.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m;
-    }
-    let m = match std::env::var("DS4_GPU_BF16_CACHE").as_deref() {
-        Ok("0") | Ok("off") => 0,
-        Ok("1") | Ok("on") => 1,
+    code(&CACHE, "DS4_GPU_BF16_CACHE", |v| match v {
+        Some("0") | Some("off") => 0,
+        Some("1") | Some("on") => 1,
         _ => CACHE_AUTO,
-    };
-    CACHE.store(m, Ordering::Relaxed);
-    m
+    })
 }
 
 fn cache_margin() -> u64 {
@@ -169,13 +163,9 @@ fn cache_margin() -> u64 {
 }
 
 fn xshare_on() -> bool {
-    let m = XSHARE.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m == 1;
-    }
-    let on = !std::env::var("DS4_GPU_BLAS_XSHARE").is_ok_and(|v| v == "0" || v == "off");
-    XSHARE.store(on as u8, Ordering::Relaxed);
-    on
+    code(&XSHARE, "DS4_GPU_BLAS_XSHARE", |v| {
+        (!matches!(v, Some("0") | Some("off"))) as u8
+    }) == 1
 }
 
 /// A weight's W' (blas.rs module doc): (K-parts, the copy); copy None: `auto` declined it
@@ -220,16 +210,7 @@ static ACC: AtomicU8 = AtomicU8::new(0);
 static ACC_RUNS: AtomicU64 = AtomicU64::new(0);
 
 fn acc_on() -> bool {
-    let m = ACC.load(Ordering::Relaxed);
-    if m != 0 {
-        return m == 1;
-    }
-    let env = match std::env::var("DS4_GPU_BLAS_ACC").ok().as_deref() {
-        Some("off") | Some("0") => 2,
-        _ => 1,
-    };
-    let _ = ACC.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed);
-    ACC.load(Ordering::Relaxed) == 1
+    env_code(&ACC, "DS4_GPU_BLAS_ACC", on_unless_off) == 1
 }
 
 /// The next product is the first of a new plan (trace only).
@@ -243,18 +224,12 @@ fn trace() -> bool {
 }
 
 fn mode() -> u8 {
-    let m = MODE.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m;
-    }
-    let m = match std::env::var("DS4_GPU_BLAS").as_deref() {
-        Ok("off") | Ok("0") => OFF,
-        Ok("fast") => FAST,
-        Ok("f16") => F16,
+    code(&MODE, "DS4_GPU_BLAS", |v| match v {
+        Some("off") | Some("0") => OFF,
+        Some("fast") => FAST,
+        Some("f16") => F16,
         _ => ON,
-    };
-    MODE.store(m, Ordering::Relaxed);
-    m
+    })
 }
 
 /// Per-backend BLAS-Lt state (handle, workspace, plans), opened with the backend (or on first

@@ -43,6 +43,7 @@
 //! n = 2048: 47 -> 97 TFLOP/s, IQ2_XXS 78 -> 147, routed experts n = 4096: 59 -> 107), prefill
 //! 1474 -> 2168 tok/s at 2048 tokens; error ~2^-12 rms per term (f16 operands), ~5e-4 of rms(y).
 
+use super::switch::{code, switch_on, UNSET};
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
@@ -121,21 +122,14 @@ const GROUP_BLOCK: usize = 256;
 /// (portable FMA), 2 off (decline all), 3 `gemmp_<t>` (3xTF32 tensor cores); UNSET: read
 /// `DS4_GPU_GEMM` (bf16 | fma | off | tf32) on first use.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
-pub(super) const UNSET: u8 = 255;
 
 fn mode() -> u8 {
-    let m = MODE.load(Ordering::Relaxed);
-    if m != UNSET {
-        return m;
-    }
-    let m = match std::env::var("DS4_GPU_GEMM").as_deref() {
-        Ok("fma") => 1,
-        Ok("off") => 2,
-        Ok("tf32") => 3,
+    code(&MODE, "DS4_GPU_GEMM", |v| match v {
+        Some("fma") => 1,
+        Some("off") => 2,
+        Some("tf32") => 3,
         _ => 0,
-    };
-    MODE.store(m, Ordering::Relaxed);
-    m
+    })
 }
 
 /// Fewest token rows for the wide tiles (dense; MoE: an average of WIDE_MIN / 2 pairs per
@@ -192,15 +186,11 @@ fn tile_items(n: usize, experts: usize, ty: GgmlType) -> usize {
 static PRECISE: AtomicU8 = AtomicU8::new(UNSET);
 
 fn precise() -> bool {
-    let p = PRECISE.load(Ordering::Relaxed);
-    if p != UNSET {
-        return p == 1;
-    }
-    let p = !(std::env::var("DS4_GPU_GEMM_PRECISE").is_ok_and(|v| v == "0")
-        || std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "f16"))
-        || std::env::var("DS4_GPU_GEMM").is_ok_and(|v| v == "bf16");
-    PRECISE.store(p as u8, Ordering::Relaxed);
-    p
+    code(&PRECISE, "DS4_GPU_GEMM_PRECISE", |v| {
+        let p = !(v == Some("0") || std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "f16"))
+            || std::env::var("DS4_GPU_GEMM").is_ok_and(|v| v == "bf16");
+        p as u8
+    }) == 1
 }
 
 /// Tiled integer-weight form `gemmt_<t>` (CUDA sm_80+): 0 off (the bf16 hi/lo form), 1 Q2_K and
@@ -213,18 +203,12 @@ fn precise() -> bool {
 static TILED: AtomicU8 = AtomicU8::new(UNSET);
 
 fn tiled() -> u8 {
-    let t = TILED.load(Ordering::Relaxed);
-    if t != UNSET {
-        return t;
-    }
-    let t = match std::env::var("DS4_GPU_GEMM_TILED").as_deref() {
-        Ok("0") => 0,
-        Ok("all") => 2,
+    code(&TILED, "DS4_GPU_GEMM_TILED", |v| match v {
+        Some("0") => 0,
+        Some("all") => 2,
         _ if std::env::var("DS4_GPU_GEMM_FORM").is_ok_and(|v| v == "exact") => 2,
         _ => 1,
-    };
-    TILED.store(t, Ordering::Relaxed);
-    t
+    })
 }
 
 /// Items and weight rows per CTA of the tiled form (`GT_BM`, `GT_BN` in gemm.cu).
@@ -234,18 +218,6 @@ const T_BN: usize = 64;
 /// f16 form with 64/128-item tiles: shared tiles double-buffered (one barrier per K step):
 /// 0 no, 1 yes, UNSET: read `DS4_GPU_GEMM_DB` (0 = no; default yes) on first use.
 static DBUF: AtomicU8 = AtomicU8::new(UNSET);
-
-/// A switch that is on unless `var` is `0`: the value a setter stored in `cell`, else read from
-/// the environment on first use (and kept in `cell`).
-pub(super) fn switch_on(cell: &AtomicU8, var: &str) -> bool {
-    let v = cell.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let v = std::env::var(var).map_or(true, |v| v != "0");
-    cell.store(v as u8, Ordering::Relaxed);
-    v
-}
 
 fn dbuf() -> bool {
     switch_on(&DBUF, "DS4_GPU_GEMM_DB")

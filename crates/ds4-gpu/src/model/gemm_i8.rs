@@ -24,6 +24,7 @@
 //! agreement 0.91-0.94, where the default form gives 1.6e-4 / 8e-5 / 1.0 (that test's bounds
 //! are 3e-2 / 5e-3 / 0.98: it fails with the switch on, by design).
 
+use super::switch::{code, UNSET};
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
@@ -31,7 +32,6 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_ACT` (`q8k` = on) on first use.
 static ACT: AtomicU8 = AtomicU8::new(UNSET);
-const UNSET: u8 = 255;
 /// `gemmi8_iq2_xxs` launches so far (process-wide; tests: the int8 kernel ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gemmi8_iq2_xxs` (`GI_BM`) and weight rows (`GI_BN`).
@@ -39,13 +39,7 @@ pub(super) const I8_BM: usize = 64;
 const I8_BN: usize = 128;
 
 fn act_q8k() -> bool {
-    let a = ACT.load(Ordering::Relaxed);
-    if a != UNSET {
-        return a == 1;
-    }
-    let a = std::env::var("DS4_GPU_ACT").is_ok_and(|v| v == "q8k");
-    ACT.store(a as u8, Ordering::Relaxed);
-    a
+    code(&ACT, "DS4_GPU_ACT", |v| (v == Some("q8k")) as u8) == 1
 }
 
 /// Q8_K activation on the device (`act_q8k_f32`): codes `[rows][k]` (i8), scales

@@ -48,7 +48,8 @@
 //! accumulator sets: 8 warps an SM, prefill -6.9 % / -3.6 %) and a split of them were deleted
 //! (code in 5a7f2d4).
 
-use super::gemm::{switch_on, wide_gmax, UNSET};
+use super::gemm::wide_gmax;
+use super::switch::{code, switch_on, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
@@ -95,16 +96,10 @@ fn wg_on() -> bool {
 
 /// Whether the wgmma MoE kernels read X's hi plane alone (`DS4_GPU_GEMM_PLANES=1`).
 pub(in crate::model) fn one_plane() -> bool {
-    let v = PLANES.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v == 1;
-    }
-    let v = match std::env::var("DS4_GPU_GEMM_PLANES") {
-        Ok(s) if s.trim() == "1" => 1,
+    code(&PLANES, "DS4_GPU_GEMM_PLANES", |v| match v {
+        Some(s) if s.trim() == "1" => 1,
         _ => 2,
-    };
-    PLANES.store(v, Ordering::Relaxed);
-    v == 1
+    }) == 1
 }
 
 /// Whether the one-plane conversions skip the lo plane (`DS4_GPU_GEMM_LEAN_X`, default on): the
@@ -114,31 +109,19 @@ pub(in crate::model) fn lean_x() -> bool {
 }
 
 fn wide() -> u8 {
-    let v = WIDE.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v;
-    }
-    let v = match std::env::var("DS4_GPU_GW_WIDE").as_deref().map(str::trim) {
-        Ok("0") => 0,
-        Ok("3") => 3,
-        Ok("4") => 4,
+    code(&WIDE, "DS4_GPU_GW_WIDE", |v| match v.map(str::trim) {
+        Some("0") => 0,
+        Some("3") => 3,
+        Some("4") => 4,
         _ => WIDE_DEFAULT,
-    };
-    WIDE.store(v, Ordering::Relaxed);
-    v
+    })
 }
 
 fn dq() -> u8 {
-    let v = DQ.load(Ordering::Relaxed);
-    if v != UNSET {
-        return v;
-    }
-    let v = match std::env::var("DS4_GPU_GW_DQ") {
-        Ok(s) if s.trim() == "0" => 0,
+    code(&DQ, "DS4_GPU_GW_DQ", |v| match v {
+        Some(s) if s.trim() == "0" => 0,
         _ => DQ_DEFAULT,
-    };
-    DQ.store(v, Ordering::Relaxed);
-    v
+    })
 }
 
 impl GpuBackend {

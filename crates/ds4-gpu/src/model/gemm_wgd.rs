@@ -13,8 +13,8 @@
 //! planes alone (the engine's `--precision fast`; bench/results/gpu-gemm-q17-h200.txt).
 //! H200: bench/results/gpu-gemm-d16-h200.txt.
 
-use super::gemm::{switch_on, UNSET};
 use super::gemm_wg::{lean_x, one_plane, P1_LAUNCHES};
+use super::switch::{switch_on, UNSET};
 use super::GpuBackend;
 use crate::runtime::LaunchDims;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};

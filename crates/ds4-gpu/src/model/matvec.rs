@@ -564,8 +564,40 @@ impl GpuBackend {
         rows: usize,
         experts: usize,
     ) -> (Option<DeviceBuffer>, bool) {
+        mvr_env();
         let il = q8_il(cols);
-        (self.q8_copy(buf, ty, cols, rows, experts, il), il)
+        if ty != GgmlType::Q8_0
+            || experts != 1
+            || !REPACK.load(Ordering::Relaxed)
+            || cols == 0
+            || rows == 0
+            || !cols.is_multiple_of(32)
+            || self.failed()
+        {
+            return (None, il);
+        }
+        let nb = rows * cols / 32;
+        if buf.bytes() < nb * 34 {
+            return (None, il);
+        }
+        self.interrupt();
+        // Q: 32·nb bytes, then D: 2·nb
+        let Ok(dec) = self.gpu.alloc(nb * 34) else {
+            return (None, il);
+        };
+        let q = dec.ptr();
+        self.run(
+            &ds4_kernels::MATVEC,
+            if il { "q8_repack_i" } else { "q8_repack" },
+            LaunchDims::linear(nb.div_ceil(256) as u32, 256),
+            &[
+                Arg::Ptr(buf.ptr()),
+                Arg::I64(nb as i64),
+                Arg::Ptr(q),
+                Arg::Ptr(q.offset((nb * 32) as u64)),
+            ],
+        );
+        (Some(dec), il)
     }
 
     /// The interleaved F16 copy of `buf` (see `F16_IL`), or None (another type or shape, the
@@ -610,47 +642,6 @@ impl GpuBackend {
             ],
         );
         Some(dst)
-    }
-
-    fn q8_copy(
-        &self,
-        buf: &DeviceBuffer,
-        ty: GgmlType,
-        cols: usize,
-        rows: usize,
-        experts: usize,
-        il: bool,
-    ) -> Option<DeviceBuffer> {
-        mvr_env();
-        if ty != GgmlType::Q8_0
-            || experts != 1
-            || !REPACK.load(Ordering::Relaxed)
-            || cols == 0
-            || rows == 0
-            || !cols.is_multiple_of(32)
-            || self.failed()
-        {
-            return None;
-        }
-        let nb = rows * cols / 32;
-        if buf.bytes() < nb * 34 {
-            return None;
-        }
-        self.interrupt();
-        let dec = self.gpu.alloc(nb * 34).ok()?; // Q: 32·nb bytes, then D: 2·nb
-        let q = dec.ptr();
-        self.run(
-            &ds4_kernels::MATVEC,
-            if il { "q8_repack_i" } else { "q8_repack" },
-            LaunchDims::linear(nb.div_ceil(256) as u32, 256),
-            &[
-                Arg::Ptr(buf.ptr()),
-                Arg::I64(nb as i64),
-                Arg::Ptr(q),
-                Arg::Ptr(q.offset((nb * 32) as u64)),
-            ],
-        );
-        Some(dec)
     }
 
     /// One n = 1 product by `mvr_*` from a decode-layout copy `dec` (rows per group `rows`, `zs`

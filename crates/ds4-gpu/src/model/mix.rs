@@ -9,6 +9,7 @@
 //! default). `DS4_GPU_MIX=simple` runs the first kernels, one CTA per row or token (or
 //! [`GpuBackend::set_mix_form`]).
 
+use super::switch::{env_code, on_unless_off, set_code};
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
@@ -38,39 +39,6 @@ enum MixForm {
     /// The default: fast plus a Sinkhorn in one thread's registers per token (N <= 4), 64-thread
     /// column CTAs for hc_split/collapse/post, rms_norm with one block barrier.
     Glue,
-}
-
-/// The process-wide code in `cell`, read from the environment variable `var` on first use:
-/// `parse` maps its value (None: unset) to a nonzero code (0 means not read yet). A setter that
-/// stored a code first wins.
-fn env_code(cell: &AtomicU8, var: &str, parse: fn(Option<&str>) -> u8) -> u8 {
-    let m = cell.load(Ordering::Relaxed);
-    if m != 0 {
-        return m;
-    }
-    let env = parse(std::env::var(var).ok().as_deref());
-    match cell.compare_exchange(0, env, Ordering::Relaxed, Ordering::Relaxed) {
-        Ok(_) => env,
-        Err(cur) => cur,
-    }
-}
-
-/// `off` or `0`: 2, anything else (or unset): 1 (on).
-fn on_unless_off(v: Option<&str>) -> u8 {
-    if matches!(v, Some("off") | Some("0")) {
-        2
-    } else {
-        1
-    }
-}
-
-/// A form setter's store: `names[i]` is code `i + 1` of `cell` (overrides the variable); an unknown
-/// name panics, naming the setter `what` and the known names.
-fn set_code(cell: &AtomicU8, what: &str, form: &str, names: &[&str]) {
-    let Some(i) = names.iter().position(|n| *n == form) else {
-        panic!("{what}: unknown form {form:?} ({})", names.join(", "));
-    };
-    cell.store(i as u8 + 1, Ordering::Relaxed);
 }
 
 fn mix_form() -> MixForm {
@@ -1411,22 +1379,5 @@ impl GpuBackend {
             return false;
         }
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn set_code_stores_the_names_position_plus_one() {
-        let cell = AtomicU8::new(0);
-        set_code(&cell, "t", "simple", &["glue", "simple", "fast"]);
-        assert_eq!(cell.load(Ordering::Relaxed), 2);
-        set_code(&cell, "t", "glue", &["glue", "simple", "fast"]);
-        assert_eq!(cell.load(Ordering::Relaxed), 1);
-        let e = std::panic::catch_unwind(|| set_code(&AtomicU8::new(0), "t", "x", &["on", "off"]));
-        let msg = e.unwrap_err().downcast::<String>().unwrap();
-        assert!(msg.contains("unknown form \"x\" (on, off)"), "{msg}");
     }
 }

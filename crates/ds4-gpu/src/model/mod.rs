@@ -9,7 +9,7 @@
 //!
 //! Files: `mod.rs` memory, weights, state and the trait; `attn.rs` RoPE, rounding,
 //! compressors, indexer, attention; `mix.rs` embedding, hyper-connections, router,
-//! elementwise; `matmul.rs` weight products.
+//! elementwise; `matmul.rs` weight products; `switch.rs` the `DS4_GPU_*` environment switches.
 
 mod attn;
 mod blas;
@@ -24,6 +24,7 @@ mod moe;
 mod precision;
 mod prof;
 mod sample;
+mod switch;
 pub mod synth;
 
 pub use precision::Precision;
@@ -392,7 +393,7 @@ pub struct GpuBackend {
 /// compressor that grows: every CSA layer of a new session's first prompt), so the device ran
 /// dry and then waited for the host's next launches; deferred, the free costs nothing (the
 /// device is idle then). Old form: `0`.
-static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(gemm::UNSET);
+static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
 
 /// Words of [`GpuBackend::tickets`].
 pub(crate) const TICKET_WORDS: usize = 128;
@@ -988,7 +989,7 @@ impl GpuBackend {
             self.d2d(nb.ptr(), c.rows.ptr(), c.n_rows * c.dims.d * 4);
             let old = std::mem::replace(&mut c.rows, nb);
             c.cap = cap;
-            if gemm::switch_on(&DEFER_FREE, "DS4_GPU_DEFER_FREE") {
+            if switch::switch_on(&DEFER_FREE, "DS4_GPU_DEFER_FREE") {
                 // Queued work (the copy above, earlier steps) may still read it.
                 self.retired.lock().unwrap().push(old);
             } // else freed here: cuMemFree waits for the device

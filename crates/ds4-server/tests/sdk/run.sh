@@ -2,6 +2,7 @@
 # Official openai + anthropic Python SDKs against `ds4 serve` on the tiny synthetic model.
 # Usage: crates/ds4-server/tests/sdk/run.sh   (from anywhere; builds target/release/ds4
 # unless DS4_BIN points at a binary). Needs python3 with venv and access to PyPI.
+# `run.sh --venv-only` only sets up the venv (tools/test-all.sh runs it while the workspace builds).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../../.." && pwd)"
@@ -10,13 +11,16 @@ bin="${DS4_BIN:-$target/release/ds4}"
 work="${DS4_SDK_WORK:-$target/sdk-test}"
 mkdir -p "$work"
 
-if [ -z "${DS4_BIN:-}" ]; then
-  (cd "$root" && cargo build --release -p ds4-cli)
-fi
 if [ ! -x "$work/venv/bin/python" ]; then
   python3 -m venv "$work/venv"
 fi
 "$work/venv/bin/pip" install -q --disable-pip-version-check openai anthropic
+if [ "${1:-}" = "--venv-only" ]; then
+  exit 0
+fi
+if [ -z "${DS4_BIN:-}" ]; then
+  (cd "$root" && cargo build --release -p ds4-cli)
+fi
 
 "$bin" synth --preset tiny -o "$work/tiny.gguf" >/dev/null
 port="${DS4_SDK_PORT:-$((20000 + RANDOM % 20000))}"
