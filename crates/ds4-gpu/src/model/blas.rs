@@ -555,6 +555,42 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) -> bool {
+        self.blas_dense(w, part, x, n, y, false)
+    }
+
+    /// `y[i] += W·x[i]` for n > 4 rows (Backend::matmul_add: the add in the library's
+    /// epilogue, beta 1, instead of a product into scratch and add_f32; `DS4_GPU_BLAS_ACC=off`
+    /// declines). The epilogue's sum is the add's (one f32 rounding of y + the product) over the
+    /// same product, so y gets the same bits. Declined in the f16 form (its device-side
+    /// (alpha, beta) pair carries beta 0); false: declined.
+    pub(crate) fn blas_matmul_add(
+        &self,
+        w: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+    ) -> bool {
+        if !acc_on() || mode() == F16 {
+            return false;
+        }
+        let ok = self.blas_dense(w, Part::All, x, n, y, true);
+        if ok {
+            ACC_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
+        ok
+    }
+
+    /// One product of a dense weight (or one expert's slab) over n token rows; `acc`: y += it
+    /// (the library's beta 1). The W' cache slot is the whole weight's, so only Part::All has one.
+    fn blas_dense(
+        &self,
+        w: &GpuWeight,
+        part: Part,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+        acc: bool,
+    ) -> bool {
         let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
             return false;
         };
@@ -576,48 +612,8 @@ impl GpuBackend {
             y: y.ptr,
             y_tok: rows,
             y_z: 0,
-            acc: false,
+            acc,
         })
-    }
-
-    /// `y[i] += W·x[i]` for n > 4 rows (Backend::matmul_add: the add in the library's
-    /// epilogue, beta 1, instead of a product into scratch and add_f32; `DS4_GPU_BLAS_ACC=off`
-    /// declines). The epilogue's sum is the add's (one f32 rounding of y + the product) over the
-    /// same product, so y gets the same bits. Declined in the f16 form (its device-side
-    /// (alpha, beta) pair carries beta 0); false: declined.
-    pub(crate) fn blas_matmul_add(
-        &self,
-        w: &GpuWeight,
-        x: &GpuBuf,
-        n: usize,
-        y: &mut GpuBuf,
-    ) -> bool {
-        if !acc_on() || mode() == F16 {
-            return false;
-        }
-        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
-            return false;
-        };
-        let ok = self.blas_job(&Job {
-            w: p,
-            bf: w.bf_slot(),
-            ty,
-            row_bytes,
-            rows,
-            cols,
-            groups: 1,
-            x: x.ptr,
-            x_tok: cols,
-            n,
-            y: y.ptr,
-            y_tok: rows,
-            y_z: 0,
-            acc: true,
-        });
-        if ok {
-            ACC_RUNS.fetch_add(1, Ordering::Relaxed);
-        }
-        ok
     }
 
     /// Backend::matmul_grouped for n > 4 rows (one strided batch per group); false: declined.
