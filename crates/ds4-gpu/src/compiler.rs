@@ -403,9 +403,16 @@ impl Compiler for Hiprtc {
                 ),
             });
         }
+        // One hipRTC compile at a time in the process: ROCm 5's code-object manager (comgr)
+        // is not thread-safe (ROCm-CompilerSupport#27; newer ones lock inside, so nothing is
+        // lost there). Two concurrent compiles hung a CI run for over an hour.
+        let _one = HIPRTC_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         self.api.compile(module, arch, defines)
     }
 }
+
+/// Serialises [`Hiprtc::compile`] process-wide (see there).
+static HIPRTC_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The defines every module gets on an NVIDIA device of compute capability `major.minor`.
 pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> {

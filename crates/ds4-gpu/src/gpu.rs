@@ -297,7 +297,9 @@ impl Gpu {
         } else {
             Vec::new()
         };
-        for k in module.kernels {
+        // mma-only kernels exist only in code compiled with the mma paths (same defines).
+        let mma = ds4_kernels::has_mma(&self.rt.defines());
+        for k in module.kernels_for(mma) {
             let f = self
                 .rt
                 .function(handle, k)?
@@ -305,7 +307,7 @@ impl Gpu {
                     module: module.name.to_string(),
                     kernel: k.to_string(),
                 })?;
-            if pdl.contains(k) {
+            if pdl.contains(&k) {
                 self.rt.set_pdl(f);
             }
             funcs.insert(k.to_string(), f);

@@ -4,7 +4,10 @@
 //! lists. A missing compiler skips with the reason, or fails when DS4_REQUIRE_COMPILERS=1 (CI
 //! installs all three with tools/gpu/ci-install.sh). Each compiler's target × module jobs run
 //! on one thread per target from one queue, largest module first ([`pool`]): CI's 2 cores stay
-//! busy to the end instead of waiting on one target's modules in series.
+//! busy to the end instead of waiting on one target's modules in series. hipRTC compiles one at
+//! a time whatever the threads (`Hiprtc::compile` holds a process-wide lock), so it gets one.
+//! A module's `mma_only` kernels are checked where the target has mma (CUDA sm_80+), and the
+//! clang test checks they are absent on AMD (not compiled for nothing).
 
 use ds4_gpu::compiler::{cuda_defines, hip_defines, Compiler, Hiprtc, Nvrtc};
 use ds4_gpu::GpuError;
@@ -23,8 +26,13 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 /// `job(target, module)` for every target × module of `ds4_kernels::MODULES` on one thread per
 /// target, the jobs taken in turn from one queue ordered by module source size, largest first (a
 /// rough cost order, so the last jobs are short); the outputs in queue order. The compilers take
-/// concurrent compiles (the runtime compiles a model's modules in parallel too).
-fn pool<T: Sync, R: Send>(targets: &[T], job: impl Fn(&T, &Module) -> R + Sync) -> Vec<R> {
+/// concurrent compiles (the runtime compiles a model's modules in parallel too), except hipRTC,
+/// which serialises them: `threads` caps the threads (0: one per target).
+fn pool<T: Sync, R: Send>(
+    targets: &[T],
+    threads: usize,
+    job: impl Fn(&T, &Module) -> R + Sync,
+) -> Vec<R> {
     let mut modules: Vec<&Module> = ds4_kernels::MODULES.iter().collect();
     modules.sort_by_key(|m| std::cmp::Reverse(m.source.len()));
     let jobs: Vec<(&T, &Module)> = modules
@@ -34,7 +42,12 @@ fn pool<T: Sync, R: Send>(targets: &[T], job: impl Fn(&T, &Module) -> R + Sync) 
     let out: Vec<Mutex<Option<R>>> = jobs.iter().map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
     std::thread::scope(|s| {
-        for _ in 0..targets.len() {
+        let n = if threads == 0 {
+            targets.len()
+        } else {
+            threads.min(targets.len())
+        };
+        for _ in 0..n {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&(t, m)) = jobs.get(i) else { break };
@@ -47,15 +60,14 @@ fn pool<T: Sync, R: Send>(targets: &[T], job: impl Fn(&T, &Module) -> R + Sync) 
         .collect()
 }
 
-fn check_all(c: &dyn Compiler, targets: &[(&str, Vec<(String, String)>)]) {
+fn check_all(c: &dyn Compiler, targets: &[(&str, Vec<(String, String)>)], threads: usize) {
     println!("{} from {}", c.version(), c.path().display());
-    let failures: Vec<String> = pool(targets, |(arch, defines), m| {
+    let failures: Vec<String> = pool(targets, threads, |(arch, defines), m| {
         let t = std::time::Instant::now();
         match c.compile(m, arch, defines) {
             Ok(code) => {
                 let missing: Vec<_> = m
-                    .kernels
-                    .iter()
+                    .kernels_for(ds4_kernels::has_mma(defines))
                     .filter(|k| !contains(&code, k.as_bytes()))
                     .collect();
                 println!(
@@ -103,7 +115,7 @@ fn nvrtc_compiles_every_module() {
         ("sm_90a", cuda_defines(9, 0, 32)),
         ("sm_100", cuda_defines(10, 0, 32)),
     ];
-    check_all(&c, &targets);
+    check_all(&c, &targets, 0);
 }
 
 #[test]
@@ -116,7 +128,7 @@ fn hiprtc_compiles_every_module() {
         ("gfx90a", hip_defines("gfx90a", 64)),
         ("gfx1030", hip_defines("gfx1030", 32)),
     ];
-    check_all(&c, &targets);
+    check_all(&c, &targets, 1);
     // Newer targets where this hipRTC knows them (Debian's ROCm 5.2 does not know gfx942 or
     // gfx1100); an unknown target must be a clear error, not the abort ROCm 5.2 gives.
     println!("  targets known to comgr: {:?}", c.targets());
@@ -222,75 +234,83 @@ fn clang_hip_compiles_every_module_for_gfx942_and_gfx1100() {
     for m in ds4_kernels::MODULES {
         std::fs::write(dir.join(format!("{}.cu", m.name)), m.source).unwrap();
     }
-    let failures: Vec<String> = pool(&[("gfx942", 64u32), ("gfx1100", 32)], |&(arch, warp), m| {
-        let t = std::time::Instant::now();
-        let out = dir.join(format!("{}-{arch}.s", m.name));
-        let mut cmd = std::process::Command::new(&clang);
-        cmd.args([
-            "-x",
-            "hip",
-            "--offload-device-only",
-            "-nogpulib",
-            "-O3",
-            "-std=c++17",
-            "-S",
-        ])
-        .arg(format!("--offload-arch={arch}"))
-        .arg(format!("--rocm-path={rocm}"))
-        .args(["-include", "hip/hip_runtime.h"])
-        .arg(format!("-I{}", dir.display()));
-        for (k, v) in hip_defines(arch, warp) {
-            cmd.arg(format!("-D{k}={v}"));
-        }
-        let o = cmd
-            .arg("-o")
-            .arg(&out)
-            .arg(dir.join(format!("{}.cu", m.name)))
-            .output();
-        let o = match o {
-            Ok(o) => o,
-            Err(e) => return Some(format!("{arch} {}: {clang}: {e}", m.name)),
-        };
-        let err = String::from_utf8_lossy(&o.stderr);
-        if !o.status.success() {
-            let head: Vec<_> = err.lines().take(20).collect();
-            return Some(format!(
-                "{arch} {}: {}\n{}",
-                m.name,
-                o.status,
-                head.join("\n")
-            ));
-        }
-        let asm = std::fs::read_to_string(&out).unwrap_or_default();
-        let missing: Vec<_> = m
-            .kernels
-            .iter()
-            .filter(|k| {
-                !asm.lines()
-                    .any(|l| l.trim() == format!(".amdhsa_kernel {k}"))
-            })
-            .collect();
-        // Warnings (e.g. an occupancy hint not met on wave64) are printed, not failures.
-        let warnings = err.lines().filter(|l| l.contains("warning:")).count();
-        println!(
-            "  {arch} {}: {} kernels in {:.1} s{}{}",
-            m.name,
-            m.kernels.len() - missing.len(),
-            t.elapsed().as_secs_f64(),
-            if warnings > 0 {
-                format!(", {warnings} warnings")
-            } else {
-                String::new()
-            },
-            if missing.is_empty() {
-                String::new()
-            } else {
-                format!(", MISSING {missing:?}")
+    let failures: Vec<String> = pool(
+        &[("gfx942", 64u32), ("gfx1100", 32)],
+        0,
+        |&(arch, warp), m| {
+            let t = std::time::Instant::now();
+            let out = dir.join(format!("{}-{arch}.s", m.name));
+            let mut cmd = std::process::Command::new(&clang);
+            cmd.args([
+                "-x",
+                "hip",
+                "--offload-device-only",
+                "-nogpulib",
+                "-O3",
+                "-std=c++17",
+                "-S",
+            ])
+            .arg(format!("--offload-arch={arch}"))
+            .arg(format!("--rocm-path={rocm}"))
+            .args(["-include", "hip/hip_runtime.h"])
+            .arg(format!("-I{}", dir.display()));
+            for (k, v) in hip_defines(arch, warp) {
+                cmd.arg(format!("-D{k}={v}"));
             }
-        );
-        (!missing.is_empty())
-            .then(|| format!("{arch} {}: kernels {missing:?} not in the ISA", m.name))
-    })
+            let o = cmd
+                .arg("-o")
+                .arg(&out)
+                .arg(dir.join(format!("{}.cu", m.name)))
+                .output();
+            let o = match o {
+                Ok(o) => o,
+                Err(e) => return Some(format!("{arch} {}: {clang}: {e}", m.name)),
+            };
+            let err = String::from_utf8_lossy(&o.stderr);
+            if !o.status.success() {
+                let head: Vec<_> = err.lines().take(20).collect();
+                return Some(format!(
+                    "{arch} {}: {}\n{}",
+                    m.name,
+                    o.status,
+                    head.join("\n")
+                ));
+            }
+            let asm = std::fs::read_to_string(&out).unwrap_or_default();
+            let has = |k: &str| {
+                asm.lines()
+                    .any(|l| l.trim() == format!(".amdhsa_kernel {k}"))
+            };
+            let missing: Vec<_> = m.kernels.iter().filter(|k| !has(k)).collect();
+            let extra: Vec<_> = m.mma_only.iter().filter(|k| has(k)).collect();
+            // Warnings (e.g. an occupancy hint not met on wave64) are printed, not failures.
+            let warnings = err.lines().filter(|l| l.contains("warning:")).count();
+            println!(
+                "  {arch} {}: {} kernels in {:.1} s{}{}",
+                m.name,
+                m.kernels.len() - missing.len(),
+                t.elapsed().as_secs_f64(),
+                if warnings > 0 {
+                    format!(", {warnings} warnings")
+                } else {
+                    String::new()
+                },
+                if missing.is_empty() {
+                    String::new()
+                } else {
+                    format!(", MISSING {missing:?}")
+                }
+            );
+            if !extra.is_empty() {
+                return Some(format!(
+                    "{arch} {}: mma-only kernels {extra:?} compiled",
+                    m.name
+                ));
+            }
+            (!missing.is_empty())
+                .then(|| format!("{arch} {}: kernels {missing:?} not in the ISA", m.name))
+        },
+    )
     .into_iter()
     .flatten()
     .collect();

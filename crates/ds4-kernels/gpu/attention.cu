@@ -1661,17 +1661,6 @@ DS4_KERNEL void DS4_BOUNDS(256) ring_store_f32(const float* __restrict__ kv, flo
 #define DS4_AO_PTRS 64
 #define DS4_AO_LD (DS4_AO_R * DS4_AP_MAXHD / 4 / DS4_AO_THREADS) // float4 loads per thread per tile
 
-#if defined(DS4_HIP)
-#define ds4_ao_syncwarp()                                                                                      \
-    do {                                                                                                       \
-        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");                                                 \
-        __builtin_amdgcn_wave_barrier();                                                                       \
-        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");                                                 \
-    } while (0)
-#else
-#define ds4_ao_syncwarp() __syncwarp()
-#endif
-
 // Loads from L2 (not L1): values other CTAs of this launch wrote.
 __device__ __forceinline__ float4 ds4_ld_l2_f4(const float4* p) {
 #if defined(DS4_CUDA)
@@ -2248,7 +2237,7 @@ template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_at
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) zp += ds4_shfl_xor(zp, o);
             const float zt = expf(sink - M) + zp;
-            ds4_ao_syncwarp();
+            ds4_syncwarp();
             const int fc = blk * 32 + vl;
             if (fc < hd4) {
                 const float4* po = (const float4*)part_o + ((size_t)i * splits * heads + h) * hd4 + fc;
@@ -2293,7 +2282,7 @@ template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_at
                 }
                 ((float4*)out)[((size_t)i * heads + h) * hd4 + fc] = make_float4(ov[0], ov[1], ov[2], ov[3]);
             }
-            ds4_ao_syncwarp(); // w_s is rewritten by the group's next unit
+            ds4_syncwarp(); // w_s is rewritten by the group's next unit
         }
     }
     if (PROBE) __syncthreads(); // stamp 6: every warp's units merged

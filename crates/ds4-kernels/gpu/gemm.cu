@@ -395,8 +395,9 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
     }
 }
 
-// gemm_<t>: bf16 tensor cores where compiled in, else the portable form; gemmp_<t>: 3xTF32 tensor
-// cores (more precise, opt-in); gemmf_<t>: always portable.
+// gemm_<t>: bf16 tensor cores; gemmp_<t>: 3xTF32 tensor cores (more precise, opt-in); both exist
+// only where mma is compiled in (Module::mma_only): elsewhere they would be two more copies of the
+// FMA tiles, and the host takes gemmf_<t> (always portable) instead.
 // CUDA: gemm_<t> held to <= 168 registers (3 CTAs of 128 threads per SM; the m-tile skip raised
 // sm_90a ptxas's free choice from 168 to 191, i.e. 2 CTAs per SM; 4 CTAs at <= 128 registers
 // spilled and lost on the H200: bench/results/gpu-gemm-e8-h200.txt).
@@ -405,27 +406,29 @@ template <int T, int F, int NW> __device__ __forceinline__ void gemm_body(GM_PAR
 #else
 #define GM_B3 128 // HIP's second launch-bounds argument means something else
 #endif
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_f32(GM_PARAMS) { gemm_body<T_F32, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_f16(GM_PARAMS) { gemm_body<T_F16, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_bf16(GM_PARAMS) { gemm_body<T_BF16, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 4>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 2 : 0, 4>(GM_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(128) gemmf_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 0, 4>(GM_ARGS); }
+#if GM_HAVE_MMA
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_f32(GM_PARAMS) { gemm_body<T_F32, 1, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_f32(GM_PARAMS) { gemm_body<T_F32, 2, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_f16(GM_PARAMS) { gemm_body<T_F16, 1, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_f16(GM_PARAMS) { gemm_body<T_F16, 2, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_bf16(GM_PARAMS) { gemm_body<T_BF16, 1, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_bf16(GM_PARAMS) { gemm_body<T_BF16, 2, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 1, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 2, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 1, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 2, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 1, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 2, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(GM_B3) gemm_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 1, 4>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(128) gemmp_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 2, 4>(GM_ARGS); }
+#endif
 
 // ---- gemmc_iq2_xxs: the MoE's IQ2_XXS gate/up with exact bf16 weights (CUDA sm_80+) ----
 // IQ2_XXS w = db * (g * sign), db = d (0.5 + s) / 4 per row and 32-element chunk, g a grid byte
@@ -615,14 +618,17 @@ __device__ __forceinline__ void gemmc_body(GM_PARAMS) {
 }
 DS4_KERNEL void DS4_BOUNDS(GM_B3) gemmc_iq2_xxs(GM_PARAMS) { gemmc_body(GM_ARGS); }
 
-// gemmw_<t>: 128-item tiles (256 threads), bf16 tensor cores where compiled in, else portable.
-DS4_KERNEL void DS4_BOUNDS(256) gemmw_f32(GM_PARAMS) { gemm_body<T_F32, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) gemmw_f16(GM_PARAMS) { gemm_body<T_F16, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) gemmw_bf16(GM_PARAMS) { gemm_body<T_BF16, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) gemmw_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) gemmw_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) gemmw_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(256) gemmw_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, GM_HAVE_MMA ? 1 : 0, 8>(GM_ARGS); }
+// gemmw_<t>: 128-item tiles (256 threads), bf16 tensor cores (mma only; the host keeps 64-item
+// tiles elsewhere).
+#if GM_HAVE_MMA
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_f32(GM_PARAMS) { gemm_body<T_F32, 1, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_f16(GM_PARAMS) { gemm_body<T_F16, 1, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_bf16(GM_PARAMS) { gemm_body<T_BF16, 1, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_q8_0(GM_PARAMS) { gemm_body<T_Q8_0, 1, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_q2_k(GM_PARAMS) { gemm_body<T_Q2_K, 1, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_q4_k(GM_PARAMS) { gemm_body<T_Q4_K, 1, 8>(GM_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(256) gemmw_iq2_xxs(GM_PARAMS) { gemm_body<T_IQ2_XXS, 1, 8>(GM_ARGS); }
+#endif
 
 // ---- f16 single-product form (gemmh<BM>_<t>, default for quantised/F16 weights on sm_80+) ----
 // X is first converted once per product by gemm_xh_f32: each token row t scaled by an exact power

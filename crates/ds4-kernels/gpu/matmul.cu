@@ -277,17 +277,6 @@ template <int T> __device__ __forceinline__ void gateupc_body(GU_PARAMS) {
 // 16-byte loads, all issued before any use, then each lane dequantises its chunks from there.
 // Same arithmetic as the direct form; only the order of the partial sums differs.
 
-#if defined(DS4_HIP)
-#define mm_syncwarp()                                                                                          \
-    do {                                                                                                       \
-        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");                                                 \
-        __builtin_amdgcn_wave_barrier();                                                                       \
-        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");                                                 \
-    } while (0)
-#else
-#define mm_syncwarp() __syncwarp()
-#endif
-
 // Bytes of 8 chunks (one K/IQ super-block; 256 elements) and chunks per tile.
 template <int T> __device__ constexpr int mm_sb_bytes() {
     return T == T_F32 ? 1024 : (T == T_F16 || T == T_BF16) ? 512 : T == T_Q8_0 ? 272 : T == T_Q2_K ? 84 : T == T_Q4_K ? 144 : 66;
@@ -334,7 +323,7 @@ template <int T, int NT> __device__ __forceinline__ void mm_tile_body(MM_PARAMS)
         int chunks = cols / 32, ntiles = (chunks + TCH - 1) / TCH;
         for (int tt = ks; tt < ntiles; tt += kspl) {
             mm_load_tile<T>(row, row_bytes, tt, tile[warp], lane);
-            mm_syncwarp();
+            ds4_syncwarp();
             int cn = min(TCH, chunks - tt * TCH);
             for (int cc = lane; cc < cn; cc += DS4_WARP) {
                 float w[32];
@@ -354,7 +343,7 @@ template <int T, int NT> __device__ __forceinline__ void mm_tile_body(MM_PARAMS)
                     }
                 }
             }
-            mm_syncwarp();
+            ds4_syncwarp();
         }
     }
 #pragma unroll
@@ -402,7 +391,7 @@ template <int T> __device__ __forceinline__ void gateup_tile_body(GU_PARAMS) {
         for (int tt = ks; tt < ntiles; tt += kspl) {
             mm_load_tile<T>(rg, row_bytes, tt, tg[warp], lane);
             mm_load_tile<T>(ru, row_bytes, tt, tu[warp], lane);
-            mm_syncwarp();
+            ds4_syncwarp();
             int cn = min(TCH, chunks - tt * TCH);
             for (int cc = lane; cc < cn; cc += DS4_WARP) {
                 float wg[32], wu[32];
@@ -416,7 +405,7 @@ template <int T> __device__ __forceinline__ void gateup_tile_body(GU_PARAMS) {
                     au += wu[4 * i] * v.x + wu[4 * i + 1] * v.y + wu[4 * i + 2] * v.z + wu[4 * i + 3] * v.w;
                 }
             }
-            mm_syncwarp();
+            ds4_syncwarp();
         }
     }
     ag = ds4_warp_sum(ag);

@@ -1036,6 +1036,23 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_q8_0(MVQM_PARAMS) { ds4_pdl_ent
 // mvqm_r2u4_f16 with the weights' first round of loads before the PDL wait (DS4_GPU_MVQ_LATE).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvqm_r2u4_f16l(MVQM_PARAMS) { DS4_PDL_LATE; MVQM_BODY(T_F16, true) }
 
+// Arrival ticket after a CTA's stores: true in the launch's last CTA to arrive (whose threads may
+// then read every CTA's stores), which has reset *ticket to 0 for the next launch.
+__device__ __forceinline__ bool mvq_last_cta(u32* ticket) {
+    __shared__ int last_s;
+    __syncthreads(); // every store of this CTA precedes thread 0's fence
+    if (threadIdx.x == 0) {
+        __threadfence(); // release: the stores are visible device-wide before the ticket
+        const bool l = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        if (l) __threadfence(); // acquire: the other CTAs' stores are read after it
+        last_s = l;
+    }
+    __syncthreads();
+    if (!last_s) return false;
+    if (threadIdx.x == 0) *ticket = 0u; // ready for the next launch
+    return true;
+}
+
 // Decode router (n = 1): logits y = W·x as mvq_r2u4_f16 (the same CTAs, kspl and per-lane order of
 // the sums: the same bits), the weights' first loads before the PDL wait; then the last CTA to
 // finish (arrival ticket: the CTA's stores, a barrier, thread 0's fence and ticket, as fused.cu
@@ -1049,18 +1066,8 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16(const u8* __restrict__ W, c
                                                      const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel,
                                                      float* __restrict__ wgt, int k, float weight_scale, u32* ticket) {
     DS4_PDL_LATE; // mvq_cta<LATE> waits after the first round of weight loads
-    __shared__ int last_s;
     mvq_cta<T_F16, 2, 4, true>(W, x, y, rows, cols, row_bytes, kspl, blockIdx.x);
-    __syncthreads(); // every logit store of this CTA precedes thread 0's fence
-    if (threadIdx.x == 0) {
-        __threadfence(); // release: the logits are visible device-wide before the ticket
-        const bool l = atomicAdd(ticket, 1u) == gridDim.x - 1;
-        if (l) __threadfence(); // acquire: the other CTAs' logits are read after it
-        last_s = l;
-    }
-    __syncthreads();
-    if (!last_s) return;
-    if (threadIdx.x == 0) *ticket = 0u; // ready for the next launch
+    if (!mvq_last_cta(ticket)) return;
     ds4_route_token<true>(y, bias, tid2eid, tok, sel, wgt, rows, k, weight_scale);
 }
 
@@ -1073,20 +1080,10 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16r(const u8* __restrict__ W, 
                                                       const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel,
                                                       float* __restrict__ wgt, int k, float weight_scale, u32* ticket) {
     DS4_PDL_LATE; // mvq_cta<LATE> waits after the first round of weight loads
-    __shared__ int last_s;
     float bv[MVQ_ROUTE_NB];
     ds4_route_bias(bias, rows, bv);
     mvq_cta<T_F16, 2, 4, true>(W, x, y, rows, cols, row_bytes, kspl, blockIdx.x);
-    __syncthreads(); // every logit store of this CTA precedes thread 0's fence
-    if (threadIdx.x == 0) {
-        __threadfence(); // release: the logits are visible device-wide before the ticket
-        const bool l = atomicAdd(ticket, 1u) == gridDim.x - 1;
-        if (l) __threadfence(); // acquire: the other CTAs' logits are read after it
-        last_s = l;
-    }
-    __syncthreads();
-    if (!last_s) return;
-    if (threadIdx.x == 0) *ticket = 0u; // ready for the next launch
+    if (!mvq_last_cta(ticket)) return;
     ds4_route_token_rank<true>(y, bv, tid2eid, tok, sel, wgt, rows, k, weight_scale);
 }
 

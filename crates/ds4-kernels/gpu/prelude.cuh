@@ -27,6 +27,19 @@ typedef u64 ds4_mask_t; // lane masks are 64-bit so wave64 fits
 #define ds4_ballot(p) ((ds4_mask_t)__ballot_sync(0xffffffffu, (p)))
 #endif
 
+// The warp's shared-memory stores visible to its lanes. HIP: a wavefront barrier with fences
+// (ROCm 5 has no __syncwarp; a wavefront runs in lockstep, the fences order its LDS accesses).
+#if defined(DS4_HIP)
+#define ds4_syncwarp()                                                                                         \
+    do {                                                                                                       \
+        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");                                                 \
+        __builtin_amdgcn_wave_barrier();                                                                       \
+        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");                                                 \
+    } while (0)
+#else
+#define ds4_syncwarp() __syncwarp()
+#endif
+
 #define DS4_BOUNDS(threads) __launch_bounds__(threads)
 #define DS4_KERNEL extern "C" __global__
 #define DS4_INF __int_as_float(0x7f800000)

@@ -97,18 +97,6 @@ __device__ __forceinline__ void ds4_route_token(const float* lg, const float* __
     ds4_route_finish(lane < k ? p[mine] : 0.0f, mine, sel_t, wgt_t, k, weight_scale);
 }
 
-// The warp's shared-memory stores visible to its lanes (HIP: a wavefront barrier with fences).
-#if defined(DS4_HIP)
-#define ds4_route_syncwarp()                                                                                   \
-    do {                                                                                                       \
-        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");                                                 \
-        __builtin_amdgcn_wave_barrier();                                                                       \
-        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");                                                 \
-    } while (0)
-#else
-#define ds4_route_syncwarp() __syncwarp()
-#endif
-
 // Bias values of the experts e = threadIdx.x + i * blockDim.x (i < NB) for ds4_route_token_rank,
 // 0 past ne or without a bias (hash layers). A weight: may be read before the PDL wait.
 template <int NB> __device__ __forceinline__ void ds4_route_bias(const float* __restrict__ bias, int ne, float (&bv)[NB]) {
@@ -161,7 +149,7 @@ __device__ __forceinline__ void ds4_route_token_rank(const float* lg, const floa
             key[e] = kv;
         }
     }
-    ds4_route_syncwarp();
+    ds4_syncwarp();
 #pragma unroll
     for (int i = 0; i < NB; i++) {
         const int e = tid + i * blockDim.x, g = e / DS4_WARP;

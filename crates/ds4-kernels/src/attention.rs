@@ -4,6 +4,7 @@ use crate::Module;
 pub const ATTENTION: Module = Module {
     name: "attention",
     source: include_str!("../gpu/attention.cu"),
+    mma_only: &[],
     kernels: &[
         "rope_f32",
         "round_rows_f32",

@@ -10,6 +10,7 @@ use crate::Module;
 pub const ATTN_TC: Module = Module {
     name: "attn_tc",
     source: include_str!("../gpu/attn_tc.cu"),
+    mma_only: &[],
     kernels: &[
         "attn_tc512_f32",
         "attn_tc512h_f32",

@@ -9,6 +9,7 @@ use crate::Module;
 pub const BLAS_PREP: Module = Module {
     name: "blas_prep",
     source: include_str!("../gpu/blas_prep.cu"),
+    mma_only: &[],
     kernels: &[
         "blas_w_f32",
         "blas_w_f16",

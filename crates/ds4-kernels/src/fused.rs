@@ -9,6 +9,7 @@ use crate::Module;
 pub const FUSED: Module = Module {
     name: "fused",
     source: include_str!("../gpu/fused.cu"),
+    mma_only: &[],
     kernels: &[
         "hc_pre_norm_f32",
         "hc_post_pre_norm_f32",

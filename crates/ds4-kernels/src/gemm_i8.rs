@@ -8,5 +8,6 @@ use crate::Module;
 pub const GEMM_I8: Module = Module {
     name: "gemm_i8",
     source: include_str!("../gpu/gemm_i8.cu"),
+    mma_only: &[],
     kernels: &["act_q8k_f32", "gemmi8_iq2_xxs"],
 };

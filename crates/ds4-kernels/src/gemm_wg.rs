@@ -9,6 +9,7 @@ use crate::Module;
 pub const GEMM_WG: Module = Module {
     name: "gemm_wg",
     source: include_str!("../gpu/gemm_wg.cu"),
+    mma_only: &[],
     kernels: &[
         "gwg_iq2_xxs",
         "gwg_iq2_xxs_p1",

@@ -9,5 +9,6 @@ use crate::Module;
 pub const GEMM_WGD: Module = Module {
     name: "gemm_wgd",
     source: include_str!("../gpu/gemm_wgd.cu"),
+    mma_only: &[],
     kernels: &["gwd_q2_k", "gwd_q2_k_p1"],
 };

@@ -11,8 +11,31 @@ pub struct Module {
     pub name: &'static str,
     /// The `.cu` text.
     pub source: &'static str,
-    /// Every `extern "C"` kernel the module defines.
+    /// Every `extern "C"` kernel the module defines on every target.
     pub kernels: &'static [&'static str],
+    /// Kernels defined only where the module's `mma.sync` path is compiled (CUDA, `DS4_ARCH`
+    /// >= 800, see [`has_mma`]); the host takes a portable kernel elsewhere.
+    pub mma_only: &'static [&'static str],
+}
+
+impl Module {
+    /// The kernels a code object of this module defines, given whether its target has mma.
+    pub fn kernels_for(&self, mma: bool) -> impl Iterator<Item = &'static str> {
+        let extra: &'static [&'static str] = if mma { self.mma_only } else { &[] };
+        self.kernels.iter().chain(extra).copied()
+    }
+}
+
+/// Whether code compiled with these defines has the `mma.sync` paths (`DS4_CUDA` and
+/// `DS4_ARCH >= 800`, as the kernel sources test it).
+pub fn has_mma(defines: &[(String, String)]) -> bool {
+    let get = |k: &str| {
+        defines
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    };
+    get("DS4_CUDA").is_some() && get("DS4_ARCH").and_then(|v| v.parse::<u32>().ok()) >= Some(800)
 }
 
 /// In-memory include files, `(include name, text)`, given to every compilation.
@@ -33,6 +56,7 @@ pub const QUANT_TYPES: &[&str] = &["f32", "f16", "bf16", "q8_0", "q2_k", "q4_k",
 pub const QUANT: Module = Module {
     name: "quant",
     source: include_str!("../gpu/quant.cu"),
+    mma_only: &[],
     kernels: &[
         "dequant_f32",
         "matvec_f32",
@@ -56,6 +80,7 @@ pub const QUANT: Module = Module {
 pub const ELEMENTWISE: Module = Module {
     name: "elementwise",
     source: include_str!("../gpu/elementwise.cu"),
+    mma_only: &[],
     kernels: &[
         "rmsnorm_f32",
         "rmsnorm_f32x4",
@@ -125,9 +150,7 @@ pub const MODULES: &[Module] = &[
 /// own `ds4_pdl_enter()`). Read from the source text, so the list cannot drift from the code.
 pub fn pdl_kernels(m: &Module) -> Vec<&'static str> {
     let src = m.source;
-    m.kernels
-        .iter()
-        .copied()
+    m.kernels_for(true)
         .filter(|k| {
             // The definition: `DS4_KERNEL void DS4_BOUNDS(..) <k>(`, then its body's first '{'.
             src.match_indices("DS4_KERNEL void DS4_BOUNDS(")
@@ -186,10 +209,34 @@ mod tests {
     fn kernel_lists_match_sources() {
         for m in MODULES {
             let mut found = defined_kernels(m.source);
-            let mut listed: Vec<String> = m.kernels.iter().map(|s| s.to_string()).collect();
+            let mut listed: Vec<String> = m.kernels_for(true).map(|s| s.to_string()).collect();
             found.sort();
             listed.sort();
             assert_eq!(found, listed, "module {}", m.name);
+        }
+    }
+
+    #[test]
+    fn mma_follows_the_cuda_arch() {
+        let d = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert!(has_mma(&d(&[("DS4_CUDA", "1"), ("DS4_ARCH", "900")])));
+        assert!(has_mma(&d(&[("DS4_CUDA", "1"), ("DS4_ARCH", "800")])));
+        assert!(!has_mma(&d(&[("DS4_CUDA", "1"), ("DS4_ARCH", "750")])));
+        assert!(!has_mma(&d(&[("DS4_HIP", "1"), ("DS4_ARCH", "0")])));
+        assert!(!has_mma(&d(&[("DS4_CUDA", "1")])));
+        // Only gemm has mma-only kernels, and none is also in the portable list.
+        for m in MODULES {
+            assert_eq!(m.mma_only.is_empty(), m.name != "gemm", "module {}", m.name);
+            assert!(
+                m.mma_only.iter().all(|k| !m.kernels.contains(k)),
+                "module {}",
+                m.name
+            );
+            assert_eq!(m.kernels_for(false).count(), m.kernels.len());
         }
     }
 
@@ -201,6 +248,7 @@ mod tests {
                      DS4_KERNEL void DS4_BOUNDS(64) ab(int x) { f(x); ds4_pdl_enter(); }\n\
                      DS4_KERNEL void DS4_BOUNDS(64) c(const float* p,\n    int n) {\n    ds4_pdl_enter();\n}\n",
             kernels: &["a", "ab", "c"],
+            mma_only: &[],
         };
         assert_eq!(pdl_kernels(&m), ["a", "c"]);
         // The decode products wait first in every kernel of their modules.

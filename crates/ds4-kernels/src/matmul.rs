@@ -8,6 +8,7 @@ use crate::Module;
 pub const MATMUL: Module = Module {
     name: "matmul",
     source: include_str!("../gpu/matmul.cu"),
+    mma_only: &[],
     kernels: &[
         "mm1_f32",
         "mm4_f32",

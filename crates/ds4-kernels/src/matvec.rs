@@ -4,6 +4,7 @@ use crate::Module;
 pub const MATVEC: Module = Module {
     name: "matvec",
     source: include_str!("../gpu/matvec.cu"),
+    mma_only: &[],
     kernels: &[
         "mv1_f32",
         "mv2_f32",

@@ -4,6 +4,7 @@ use crate::Module;
 pub const MODEL: Module = Module {
     name: "model",
     source: include_str!("../gpu/model.cu"),
+    mma_only: &[],
     kernels: &[
         "embed_rows",
         "hc_split",

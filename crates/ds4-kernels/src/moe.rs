@@ -7,6 +7,7 @@ use crate::Module;
 pub const MOE: Module = Module {
     name: "moe",
     source: include_str!("../gpu/moe.cu"),
+    mma_only: &[],
     kernels: &[
         "moegu1_iq2_xxs",
         "moegu2_iq2_xxs",

@@ -8,6 +8,7 @@ use crate::Module;
 pub const SAMPLE: Module = Module {
     name: "sample",
     source: include_str!("../gpu/sample.cu"),
+    mma_only: &[],
     kernels: &[
         "sample_argmax",
         "sample_pick",

@@ -5,5 +5,6 @@ use crate::Module;
 pub const SYNTH: Module = Module {
     name: "synth",
     source: include_str!("../gpu/synth.cu"),
+    mma_only: &[],
     kernels: &["synth_quant", "synth_f32", "synth_f16", "synth_expert_ids"],
 };

@@ -162,7 +162,11 @@ pub(super) fn wide_gmax(pairs: usize, nt: usize, gmax: usize) -> usize {
     gmax.saturating_sub(pairs.div_ceil(nt)) + pairs.div_ceil(2 * nt)
 }
 
-fn tile_items(n: usize, experts: usize, ty: GgmlType) -> usize {
+/// `mma`: whether the device has the mma forms (the wide tiles are one of them).
+fn tile_items(n: usize, experts: usize, ty: GgmlType, mma: bool) -> usize {
+    if !mma {
+        return BM;
+    }
     let need = if experts == 0 {
         if !matches!(ty, GgmlType::Q8_0 | GgmlType::F32 | GgmlType::Q2_K) {
             return BM;
@@ -382,10 +386,11 @@ impl Xc {
         matches!(self, Xc::Tiled(t) if t.unit)
     }
 
-    /// Item tile for `n` items over `experts` experts (0: dense) of weight type `ty`.
-    fn tile(&self, n: usize, experts: usize, ty: GgmlType) -> usize {
+    /// Item tile for `n` items over `experts` experts (0: dense) of weight type `ty`; `mma`:
+    /// whether the device has the mma forms.
+    fn tile(&self, n: usize, experts: usize, ty: GgmlType, mma: bool) -> usize {
         match self {
-            Xc::F32 => tile_items(n, experts, ty),
+            Xc::F32 => tile_items(n, experts, ty, mma),
             Xc::Half(_) => half_tile(n, experts, ty),
             Xc::Tiled(_) => T_BM,
         }
@@ -954,7 +959,11 @@ impl GpuBackend {
         let til = m.xt.is_some();
         let half = m.xs.is_some() && !til;
         let wide = m.bm == BM_WIDE && mode() == 0;
+        // Without mma (HIP, sm < 80) the bf16 and 3xTF32 forms are not compiled
+        // (ds4_kernels::GEMM.mma_only): the portable FMA tiles (64 items, as planned there).
+        let fma = !self.mma_ok() && !til && !half;
         let form = match mode() {
+            _ if fma => "gemmf".into(),
             _ if til && m.ty == GgmlType::Q2_K && m.xu => "gemmu".into(),
             _ if til => "gemmt".into(),
             _ if half => format!("gemmh{}", m.bm),
@@ -1131,7 +1140,7 @@ impl GpuBackend {
             n,
             zs: 1,
             grp: None,
-            bm: xc.tile(n, 0, *ty),
+            bm: xc.tile(n, 0, *ty, self.mma_ok()),
             xs,
             xt: xc.sums(),
             xb: false,
@@ -1196,7 +1205,7 @@ impl GpuBackend {
             n,
             zs: groups,
             grp: None,
-            bm: xc.tile(n, 0, *ty),
+            bm: xc.tile(n, 0, *ty, self.mma_ok()),
             xs,
             xt: xc.sums(),
             xb: false,
@@ -1258,7 +1267,7 @@ impl GpuBackend {
         } else if h_gu || h_dn {
             half_tile(pairs, spec.n_expert, g.1)
         } else {
-            tile_items(pairs, spec.n_expert, g.1)
+            tile_items(pairs, spec.n_expert, g.1, self.mma_ok())
         };
         let gmax = pairs.div_ceil(bm) + spec.n_expert.min(pairs);
         let grp = self.group_pairs(sel, pairs, spec.n_expert, bm, gmax);
