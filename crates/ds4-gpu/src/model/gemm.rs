@@ -4,7 +4,8 @@
 //! Kernels: `gemm_<t>` / `gemmp_<t>` / `gemmf_<t>` of `gpu/gemm.cu` (tiles of 64 items × 128
 //! weight rows; tensor-core mma with a bf16 hi/lo split (default), 3xTF32 (opt-in:
 //! `set_gemm_tf32`, `DS4_GPU_GEMM=tf32`), or the portable FMA form), `gemmw_<t>` (128-item
-//! tiles, bf16 form, long prompts: `tile_items`), split K when the grid would be small (partials
+//! tiles, bf16 form, long prompts: `tile_items`; the mma forms exist only on CUDA sm_80+, the
+//! FMA form everywhere: `ds4_kernels::GEMM.mma_only`), split K when the grid would be small (partials
 //! summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by expert on the device
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
@@ -118,7 +119,7 @@ const MAX_EXPERTS: usize = 1024;
 /// Pairs per block of the grouping kernels.
 const GROUP_BLOCK: usize = 256;
 
-/// Kernel form: 0 `gemm_<t>` (bf16 hi/lo tensor cores where compiled, else FMA), 1 `gemmf_<t>`
+/// Kernel form: 0 `gemm_<t>` (bf16 hi/lo tensor cores; `gemmf_<t>` without mma), 1 `gemmf_<t>`
 /// (portable FMA), 2 off (decline all), 3 `gemmp_<t>` (3xTF32 tensor cores); UNSET: read
 /// `DS4_GPU_GEMM` (bf16 | fma | off | tf32) on first use.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
@@ -687,7 +688,7 @@ impl GpuBackend {
         h
     }
 
-    /// Take the 3xTF32 tensor-core kernels `gemmp_*` (near-f32 accuracy; FMA where no mma).
+    /// Take the 3xTF32 tensor-core kernels `gemmp_*` (near-f32 accuracy; `gemmf_*` without mma).
     /// Process-wide; `set_gemm` switches back.
     pub fn set_gemm_tf32() {
         MODE.store(3, Ordering::Relaxed);
