@@ -3,6 +3,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ds4_kernels::{Module, HEADERS};
 
@@ -407,12 +408,25 @@ impl Compiler for Hiprtc {
         // is not thread-safe (ROCm-CompilerSupport#27; newer ones lock inside, so nothing is
         // lost there). Two concurrent compiles hung a CI run for over an hour.
         let _one = HIPRTC_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        self.api.compile(module, arch, defines)
+        let now = HIPRTC_BUSY.fetch_add(1, Ordering::SeqCst) + 1;
+        HIPRTC_MOST.fetch_max(now, Ordering::SeqCst);
+        let r = self.api.compile(module, arch, defines);
+        HIPRTC_BUSY.fetch_sub(1, Ordering::SeqCst);
+        r
     }
 }
 
-/// Serialises [`Hiprtc::compile`] process-wide (see there).
+impl Hiprtc {
+    /// The most hipRTC compiles that ran at the same time in this process so far (tests: 1).
+    pub fn most_at_once() -> usize {
+        HIPRTC_MOST.load(Ordering::SeqCst)
+    }
+}
+
+/// Serialises [`Hiprtc::compile`] process-wide (see there); compiles running, and the most so far.
 static HIPRTC_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static HIPRTC_BUSY: AtomicUsize = AtomicUsize::new(0);
+static HIPRTC_MOST: AtomicUsize = AtomicUsize::new(0);
 
 /// The defines every module gets on an NVIDIA device of compute capability `major.minor`.
 pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> {

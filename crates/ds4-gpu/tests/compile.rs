@@ -144,6 +144,23 @@ fn hiprtc_compiles_every_module() {
     }
 }
 
+/// hipRTC compiles from several threads run one at a time (ROCm 5's comgr is not thread-safe:
+/// concurrent compiles hung a CI run), and each still succeeds.
+#[test]
+fn hiprtc_compiles_one_at_a_time() {
+    let c = match Hiprtc::load() {
+        Ok(c) => c,
+        Err(e) => return skip_or_fail("hipRTC", e),
+    };
+    let d = hip_defines("gfx1030", 32);
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| c.compile(&ds4_kernels::ELEMENTWISE, "gfx1030", &d).unwrap());
+        }
+    });
+    assert_eq!(Hiprtc::most_at_once(), 1);
+}
+
 /// The prelude rejects a missing or odd warp width, so no kernel silently assumes one.
 #[test]
 fn prelude_requires_warp_define() {

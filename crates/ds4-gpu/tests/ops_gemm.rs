@@ -16,7 +16,9 @@
 //! are held to the tensor-core tolerances (measured on the H200 at 5b38cfb: worst 1.4e-3 with
 //! Q4_K, 9.5e-4 Q8_0 8x4096->8192, so not near-f32 on these weights);
 //! forms are process-wide switches: run with --test-threads=1 on a GPU. Each case also checks that the
-//! GEMM took the product (launch counter). Skips with the reason when no GPU is present.
+//! GEMM took the product (launch counter). Without the tensor-core forms (`set_gemm_mma(false)`,
+//! the host path of a device without mma) every product takes the portable tiles
+//! (`gemm_without_mma_takes_the_portable_tiles`). Skips with the reason when no GPU is present.
 //!
 //! Tolerances relative to 1 + |cpu|, per form, from the H200 run of 78a6d1b
 //! (bench/results/gpu-gemm-h200.txt): the bf16 hi/lo split (three products) keeps ~16 significant
@@ -274,6 +276,166 @@ fn gemm_grouped_every_type() {
         }
     }
     cases.finish();
+}
+
+/// GEMM launches so far: (all, `gemmf_*`, every tensor-core form's counter summed).
+type Counts = (u64, u64, u64);
+
+/// (name, GPU result, CPU result, launch counts before the GPU call).
+type Case = (String, Vec<f32>, Vec<f32>, Counts);
+
+fn launch_counts() -> Counts {
+    let (c, u) = GpuBackend::gemm_exact_launches();
+    let tc = GpuBackend::gemm_half_launches()
+        + GpuBackend::gemm_tiled_launches()
+        + GpuBackend::gemm_split_launches()
+        + c
+        + u
+        + GpuBackend::gemm_wg_launches()
+        + GpuBackend::gemm_wgd_launches()
+        + GpuBackend::gemm_i8_launches();
+    (
+        GpuBackend::gemm_launches(),
+        GpuBackend::gemm_fma_launches(),
+        tc,
+    )
+}
+
+/// Without the tensor-core forms (`set_gemm_mma(false)`, `DS4_GPU_GEMM_MMA=off`: the host path
+/// of a device without mma, e.g. AMD, where gemm.cu compiles only the portable tiles) every
+/// prefill product takes `gemmf_*` (64-item tiles; the wide tiles, f16, tiled, split-X, int8 and
+/// wgmma forms are all mma): dense at n = 300 (wide tiles with mma), grouped, and the q2 MoE,
+/// each within the FMA tolerance of the CPU. With the switch on, an sm_80+ device takes no
+/// `gemmf_*` for the same cases.
+#[test]
+fn gemm_without_mma_takes_the_portable_tiles() {
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    set_form(0);
+    let sm80 = {
+        let i = gpu.gpu().info();
+        i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
+    };
+    let spec = MoeSpec {
+        n_expert: 16,
+        n_used: 6,
+        d: 1024,
+        ff: 512,
+        weight_scale: 1.0,
+        clamp: 0.05,
+    };
+    let (cg, gg) = weight(
+        &cpu,
+        &gpu,
+        GgmlType::IQ2_XXS,
+        spec.d,
+        spec.ff,
+        spec.n_expert,
+        901,
+    );
+    let (cu, gu) = weight(
+        &cpu,
+        &gpu,
+        GgmlType::IQ2_XXS,
+        spec.d,
+        spec.ff,
+        spec.n_expert,
+        902,
+    );
+    let (cd, gd) = weight(
+        &cpu,
+        &gpu,
+        GgmlType::Q2_K,
+        spec.ff,
+        spec.d,
+        spec.n_expert,
+        903,
+    );
+    let mut bad = Vec::new();
+    for mma in [false, true] {
+        GpuBackend::set_gemm_mma(mma);
+        let mut cases: Vec<Case> = Vec::new();
+        for (ti, ty) in [
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::IQ2_XXS,
+            GgmlType::F16,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (cols, rows, n) = (1024, 200, 300);
+            let (cw, gw) = weight(&cpu, &gpu, ty, cols, rows, 1, 910 + ti as u64);
+            let x = randn(&mut rng(920 + ti as u64), n * cols, 1.0);
+            let (cx, gx) = (cpu.upload(&x), gpu.upload(&x));
+            let (mut cy, mut gy) = (cpu.alloc(n * rows), gpu.alloc(n * rows));
+            cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
+            let c0 = launch_counts();
+            gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
+            let got = gpu.download(&gy, n * rows);
+            cases.push((
+                format!("matmul {ty:?} n={n}"),
+                got,
+                cpu.download(&cy, n * rows),
+                c0,
+            ));
+            // The same weight as 4 groups of 256 columns -> 50 rows.
+            let m = 33;
+            let xg = randn(&mut rng(930 + ti as u64), m * 4 * 256, 1.0);
+            let (cx, gx) = (cpu.upload(&xg), gpu.upload(&xg));
+            let (mut cy, mut gy) = (cpu.alloc(m * rows), gpu.alloc(m * rows));
+            cpu.matmul_grouped(&cw, 4, &cx, m, &mut cy);
+            let c0 = launch_counts();
+            gpu.matmul_grouped(&gw, 4, &gx, m, &mut gy);
+            let got = gpu.download(&gy, m * rows);
+            cases.push((
+                format!("grouped {ty:?} n={m}"),
+                got,
+                cpu.download(&cy, m * rows),
+                c0,
+            ));
+        }
+        let n = 128;
+        let mut r = rng(940);
+        let z = randn(&mut r, n * spec.d, 1.0);
+        let (sel, wgt) = random_routes(&mut r, n, spec.n_expert, spec.n_used);
+        let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
+        let mut co = cpu.alloc(n * spec.d);
+        cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
+        let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
+        let mut go = gpu.alloc(n * spec.d);
+        let c0 = launch_counts();
+        gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
+        let got = gpu.download(&go, n * spec.d);
+        cases.push((
+            "moe q2 n=128".into(),
+            got,
+            cpu.download(&co, n * spec.d),
+            c0,
+        ));
+        // Each case's counts are read right after it (the downloads synchronise; counters
+        // count launches as they are queued, so the next case's c0 closes this one).
+        let mut ends: Vec<Counts> = cases.iter().skip(1).map(|c| c.3).collect();
+        ends.push(launch_counts());
+        for ((name, got, want, (l0, f0, t0)), (l1, f1, t1)) in cases.iter().zip(ends) {
+            let e = max_rel(got, want);
+            let (all, fma, tc) = (l1 - l0, f1 - f0, t1 - t0);
+            println!("mma={mma} {name}: max rel {e:.3e}, launches {all} (gemmf {fma}, tensor-core forms {tc})");
+            let ok = if mma {
+                !sm80 || fma == 0
+            } else {
+                e <= TOL_FMA && all > 0 && fma == all && tc == 0
+            };
+            if !ok {
+                bad.push(format!(
+                    "mma={mma} {name}: {e:.3e}, launches {all}, gemmf {fma}, tc {tc}"
+                ));
+            }
+        }
+    }
+    GpuBackend::set_gemm_mma(true);
+    assert!(bad.is_empty(), "{bad:#?}");
 }
 
 #[test]

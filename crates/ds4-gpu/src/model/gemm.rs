@@ -297,6 +297,8 @@ fn swiglu_xt() -> bool {
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, f16-form (`gemmh*`) launches.
 static HLAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Of those, `gemmf_*` (portable FMA tiles) launches.
+static FLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, tiled-form (`gemmt_*`) launches.
 static TLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, split-X (`gemmc_*`) launches.
@@ -304,6 +306,9 @@ static BLAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Of those, `gemmc_iq2_xxs` launches; tiled launches on `gemmu_q2_k`.
 static CLAUNCHES: AtomicU64 = AtomicU64::new(0);
 static ULAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// The GEMM's tensor-core forms: 0 never, 1 where compiled; UNSET: read `DS4_GPU_GEMM_MMA`
+/// (`off`, `0`: never).
+static MMA: AtomicU8 = AtomicU8::new(UNSET);
 
 /// One GEMM launch: for item i < n, batch z < zs, weight row r < rows:
 /// `y[i*y_tok + z*y_z + r] = (w + z*w_z [+ expert*slab])[r] · x[(i/xdiv)*x_tok + z*x_z ..]`.
@@ -460,7 +465,6 @@ impl GpuBackend {
     /// Whether weight type `ty` takes the tiled form with X strides `x_strides` (elements; every
     /// product's column count is among them: whole super-blocks, 16-element sums).
     fn tiled_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
-        let info = self.gpu.info();
         let t = tiled();
         mode() == 0
             && match ty {
@@ -468,8 +472,7 @@ impl GpuBackend {
                 GgmlType::Q8_0 | GgmlType::IQ2_XXS => t >= 2,
                 _ => false,
             }
-            && info.vendor == crate::runtime::Vendor::Nvidia
-            && info.cc.0 >= 8
+            && self.mma_ok()
             && x_strides.iter().all(|s| s.is_multiple_of(256))
     }
 
@@ -588,10 +591,28 @@ impl GpuBackend {
         XB.store(on as u8, Ordering::Relaxed);
     }
 
-    /// Whether the bf16-form tensor-core kernels (mma.sync) are compiled for this device.
-    fn mma_ok(&self) -> bool {
+    /// Whether the GEMM's tensor-core forms (mma.sync, and on sm_90a wgmma) are compiled for
+    /// this device (CUDA sm_80+) and not switched off (`DS4_GPU_GEMM_MMA=off`,
+    /// [`GpuBackend::set_gemm_mma`]: the portable forms alone, the host path of a device without
+    /// them, e.g. AMD, checked on an NVIDIA GPU). The f16, tiled, int8 and wgmma forms ask too.
+    pub(super) fn mma_ok(&self) -> bool {
         let info = self.gpu.info();
-        info.vendor == crate::runtime::Vendor::Nvidia && info.cc.0 >= 8
+        code(&MMA, "DS4_GPU_GEMM_MMA", |v| {
+            (!matches!(v, Some("0") | Some("off"))) as u8
+        }) == 1
+            && info.vendor == crate::runtime::Vendor::Nvidia
+            && info.cc.0 >= 8
+    }
+
+    /// Take the GEMM's tensor-core forms where the device has them (true, the default) or never
+    /// (the portable `gemmf_*` tiles alone, as without mma). Process-wide, for tests.
+    pub fn set_gemm_mma(on: bool) {
+        MMA.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// `gemmf_*` launches so far in this process (the portable FMA tiles).
+    pub fn gemm_fma_launches() -> u64 {
+        FLAUNCHES.load(Ordering::Relaxed)
     }
 
     /// `gemm_xb_f32`: rows t < ntok of x (stride and width `width`, a multiple of 32) as the bf16
@@ -651,7 +672,6 @@ impl GpuBackend {
 
     /// Whether weight type `ty` takes the f16 form with X strides `x_strides` (elements).
     fn half_ok(&self, ty: GgmlType, x_strides: &[usize]) -> bool {
-        let info = self.gpu.info();
         mode() == 0
             && !precise()
             && matches!(
@@ -662,8 +682,7 @@ impl GpuBackend {
                 // model's FP8/FP4 rounding), so they keep the bf16 hi/lo form.
                 GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::IQ2_XXS
             )
-            && info.vendor == crate::runtime::Vendor::Nvidia
-            && info.cc.0 >= 8
+            && self.mma_ok()
             && x_strides.iter().all(|s| s.is_multiple_of(8)) // 16-byte f16 loads
     }
 
@@ -1004,6 +1023,9 @@ impl GpuBackend {
         let total = m.n * m.y_tok; // y spans n rows of y_tok values (every batch inside)
         let part = (ks > 1).then(|| self.scratch(ks * total));
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        if form == "gemmf" {
+            FLAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
         if half {
             HLAUNCHES.fetch_add(1, Ordering::Relaxed);
         }

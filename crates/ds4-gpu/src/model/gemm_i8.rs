@@ -64,8 +64,7 @@ impl GpuBackend {
 
     /// Whether the int8 kernels are compiled for this device (CUDA sm_80+, warp 32).
     fn i8_ok(&self) -> bool {
-        let info = self.gpu.info();
-        info.vendor == crate::runtime::Vendor::Nvidia && info.cc.0 >= 8 && info.warp == 32
+        self.mma_ok() && self.gpu.info().warp == 32
     }
 
     /// `act_q8k_f32`: rows t < ntok of x (stride x_tok, `k` elements, k % 256 == 0) to Q8_K.

@@ -188,10 +188,11 @@ impl GpuBackend {
         )
     }
 
-    /// Whether the wgmma kernels are compiled for this device (CUDA cc 9.0: sm_90a).
+    /// Whether the wgmma kernels are compiled for this device (CUDA cc 9.0: sm_90a) and the
+    /// GEMM's tensor-core forms are on (gemm.rs `mma_ok`).
     pub fn gemm_wg_supported(&self) -> bool {
         let info = self.gpu.info();
-        info.vendor == crate::runtime::Vendor::Nvidia && info.cc == (9, 0) && info.warp == 32
+        self.mma_ok() && info.cc == (9, 0) && info.warp == 32
     }
 
     /// MoE hook (gemm.rs `gemm_moe`): gate and up of `n * k` pairs (pair i reads token i / k of
