@@ -28,7 +28,9 @@
 
 mod common;
 
-use common::{backends, max_rel, max_rel_rms, randn, random_experts, random_routes, rng, weight};
+use common::{
+    backends, max_rel, max_rel_rms, randn, random_experts, random_routes, rng, sm80, weight,
+};
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
@@ -112,10 +114,7 @@ impl Cases {
             && !["F32", "F16"].iter().any(|t| name.contains(t));
         let kq = quant && ["Q2_K", "Q4_K"].iter().any(|t| name.contains(t));
         let tl = GpuBackend::gemm_tiled_launches();
-        let sm80 = {
-            let i = gpu.gpu().info();
-            i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
-        };
+        let sm80 = sm80(gpu);
         if ((form == 5 && quant) || (form == 0 && kq))
             && sm80
             && tl == self.tiled.iter().copied().max().unwrap_or(0)
@@ -313,10 +312,7 @@ fn gemm_without_mma_takes_the_portable_tiles() {
         return;
     };
     set_form(0);
-    let sm80 = {
-        let i = gpu.gpu().info();
-        i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
-    };
+    let sm80 = sm80(&gpu);
     let spec = MoeSpec {
         n_expert: 16,
         n_used: 6,
@@ -490,10 +486,7 @@ fn gemm_moe_128_tokens_6_slots() {
                 let launched = GpuBackend::gemm_launches() > l0;
                 // The q2 mix's IQ2_XXS gate/up take the split-X form (gemmc_iq2_xxs) on CUDA
                 // sm_80+ in the default form and with the tiled form off.
-                let sm80 = {
-                    let i = gpu.gpu().info();
-                    i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
-                };
+                let sm80 = sm80(&gpu);
                 // On sm_90a the q2 mix's gate/up take the wgmma form instead (gemm_wg.rs): one
                 // launch for both.
                 let q2 = tg == GgmlType::IQ2_XXS && tu == GgmlType::IQ2_XXS;
@@ -1355,10 +1348,7 @@ fn gemm_moe_swiglu_xt_same_bits() {
     };
     set_form(0);
     // The tiled down (and so the fused conversion): CUDA sm_80+.
-    let tiled = {
-        let i = gpu.gpu().info();
-        i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8
-    };
+    let tiled = sm80(&gpu);
     let (ne, k, n) = (16usize, 6usize, 200usize);
     let pairs = n * k;
     let sel = skewed_sel(n, k);

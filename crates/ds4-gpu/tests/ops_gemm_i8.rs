@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{backends, max_rel_rms, randn, random_experts, rng};
+use common::{backends, max_rel_rms, randn, random_experts, rng, sm80};
 use ds4_backend::{Backend, GgmlType, MoeSpec};
 use ds4_gpu::GpuBackend;
 use ds4_model::HParams;
@@ -84,11 +84,6 @@ fn act_q8k_matches_cpu_bit_for_bit() {
     }
     println!("act_q8k: {n} rows x {k}: {} mismatches", bad.len());
     assert!(bad.is_empty(), "{}", bad.join("\n"));
-}
-
-fn sm80(gpu: &GpuBackend) -> bool {
-    let i = gpu.gpu().info();
-    i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8 && i.warp == 32
 }
 
 #[test]

@@ -702,8 +702,7 @@ fn hc_prefill_precision() {
         let mut errs = Vec::new();
         // hcp_mix_tc (tensor cores, where the device has them) + hcp_finish, hcp_mix +
         // hcp_finish, then the composed ops.
-        let i = gpu.gpu().info();
-        let tc_dev = i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8;
+        let tc_dev = common::sm80(&gpu);
         // (form, DS4_GPU_HCP_TC, DS4_GPU_HCP_POST): the post inside hcp_post_mix_tc, then
         // hc_post_fast + hcp_mix_tc; the composed ops last.
         for (hcp, tc, hpost) in [

@@ -11,6 +11,12 @@ use ds4_model::HParams;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
+/// Whether the device has the tensor-core (mma.sync) kernels: CUDA sm_80+ (warp 32).
+pub fn sm80(gpu: &GpuBackend) -> bool {
+    let i = gpu.gpu().info();
+    i.vendor == ds4_gpu::runtime::Vendor::Nvidia && i.cc.0 >= 8 && i.warp == 32
+}
+
 /// One GPU test at a time per process: tests flip process-wide kernel forms (`set_*`) and share
 /// the device's context (one thread's synchronize fails while another captures a graph), so a
 /// test holds this lock from opening the device until its thread ends (libtest runs each test
