@@ -376,9 +376,10 @@ fn gemm_without_mma_takes_the_portable_tiles() {
                 cpu.download(&cy, n * rows),
                 c0,
             ));
-            // The same weight as 4 groups of 256 columns -> 50 rows.
+            // The same weight as 4 groups of 50 rows, group g reading its own `cols` of each
+            // token row (x is [m][4 · cols], as out_a's).
             let m = 33;
-            let xg = randn(&mut rng(930 + ti as u64), m * 4 * 256, 1.0);
+            let xg = randn(&mut rng(930 + ti as u64), m * 4 * cols, 1.0);
             let (cx, gx) = (cpu.upload(&xg), gpu.upload(&xg));
             let (mut cy, mut gy) = (cpu.alloc(m * rows), gpu.alloc(m * rows));
             cpu.matmul_grouped(&cw, 4, &cx, m, &mut cy);
