@@ -277,11 +277,31 @@ fn gemm_grouped_every_type() {
     cases.finish();
 }
 
+/// The small MoE of the routed-expert cases: 16 experts, 6 a token, d 1024, ff 512, clamp 0.05.
+fn moe_16x6() -> MoeSpec {
+    MoeSpec {
+        n_expert: 16,
+        n_used: 6,
+        d: 1024,
+        ff: 512,
+        weight_scale: 1.0,
+        clamp: 0.05,
+    }
+}
+
 /// GEMM launches so far: (all, `gemmf_*`, every tensor-core form's counter summed).
 type Counts = (u64, u64, u64);
 
-/// (name, GPU result, CPU result, launch counts before the GPU call).
+/// (name, GPU result, CPU result, launches of the GPU call by [`launch_counts`]'s kinds).
 type Case = (String, Vec<f32>, Vec<f32>, Counts);
+
+/// One case: `gpu` queues the product and downloads its result; the launches it queued.
+fn run_case(name: String, want: Vec<f32>, gpu: impl FnOnce() -> Vec<f32>) -> Case {
+    let (l0, f0, t0) = launch_counts();
+    let got = gpu();
+    let (l1, f1, t1) = launch_counts();
+    (name, got, want, (l1 - l0, f1 - f0, t1 - t0))
+}
 
 fn launch_counts() -> Counts {
     let (c, u) = GpuBackend::gemm_exact_launches();
@@ -313,14 +333,7 @@ fn gemm_without_mma_takes_the_portable_tiles() {
     };
     set_form(0);
     let sm80 = sm80(&gpu);
-    let spec = MoeSpec {
-        n_expert: 16,
-        n_used: 6,
-        d: 1024,
-        ff: 512,
-        weight_scale: 1.0,
-        clamp: 0.05,
-    };
+    let spec = moe_16x6();
     let (cg, gg) = weight(
         &cpu,
         &gpu,
@@ -367,15 +380,11 @@ fn gemm_without_mma_takes_the_portable_tiles() {
             let (cx, gx) = (cpu.upload(&x), gpu.upload(&x));
             let (mut cy, mut gy) = (cpu.alloc(n * rows), gpu.alloc(n * rows));
             cpu.matmul(&cw, Part::All, &cx, n, &mut cy);
-            let c0 = launch_counts();
-            gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
-            let got = gpu.download(&gy, n * rows);
-            cases.push((
-                format!("matmul {ty:?} n={n}"),
-                got,
-                cpu.download(&cy, n * rows),
-                c0,
-            ));
+            let want = cpu.download(&cy, n * rows);
+            cases.push(run_case(format!("matmul {ty:?} n={n}"), want, || {
+                gpu.matmul(&gw, Part::All, &gx, n, &mut gy);
+                gpu.download(&gy, n * rows)
+            }));
             // The same weight as 4 groups of 50 rows, group g reading its own `cols` of each
             // token row (x is [m][4 · cols], as out_a's).
             let m = 33;
@@ -383,15 +392,11 @@ fn gemm_without_mma_takes_the_portable_tiles() {
             let (cx, gx) = (cpu.upload(&xg), gpu.upload(&xg));
             let (mut cy, mut gy) = (cpu.alloc(m * rows), gpu.alloc(m * rows));
             cpu.matmul_grouped(&cw, 4, &cx, m, &mut cy);
-            let c0 = launch_counts();
-            gpu.matmul_grouped(&gw, 4, &gx, m, &mut gy);
-            let got = gpu.download(&gy, m * rows);
-            cases.push((
-                format!("grouped {ty:?} n={m}"),
-                got,
-                cpu.download(&cy, m * rows),
-                c0,
-            ));
+            let want = cpu.download(&cy, m * rows);
+            cases.push(run_case(format!("grouped {ty:?} n={m}"), want, || {
+                gpu.matmul_grouped(&gw, 4, &gx, m, &mut gy);
+                gpu.download(&gy, m * rows)
+            }));
         }
         let n = 128;
         let mut r = rng(940);
@@ -402,22 +407,13 @@ fn gemm_without_mma_takes_the_portable_tiles() {
         cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
         let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
         let mut go = gpu.alloc(n * spec.d);
-        let c0 = launch_counts();
-        gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
-        let got = gpu.download(&go, n * spec.d);
-        cases.push((
-            "moe q2 n=128".into(),
-            got,
-            cpu.download(&co, n * spec.d),
-            c0,
-        ));
-        // Each case's counts are read right after it (the downloads synchronise; counters
-        // count launches as they are queued, so the next case's c0 closes this one).
-        let mut ends: Vec<Counts> = cases.iter().skip(1).map(|c| c.3).collect();
-        ends.push(launch_counts());
-        for ((name, got, want, (l0, f0, t0)), (l1, f1, t1)) in cases.iter().zip(ends) {
-            let e = max_rel(got, want);
-            let (all, fma, tc) = (l1 - l0, f1 - f0, t1 - t0);
+        let want = cpu.download(&co, n * spec.d);
+        cases.push(run_case("moe q2 n=128".into(), want, || {
+            gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
+            gpu.download(&go, n * spec.d)
+        }));
+        for (name, got, want, (all, fma, tc)) in cases {
+            let e = max_rel(&got, &want);
             println!("mma={mma} {name}: max rel {e:.3e}, launches {all} (gemmf {fma}, tensor-core forms {tc})");
             let ok = if mma {
                 !sm80 || fma == 0
@@ -443,14 +439,7 @@ fn gemm_moe_128_tokens_6_slots() {
     let mut cases = Cases::default();
     for form in 0..FORMS {
         set_form(form);
-        let spec = MoeSpec {
-            n_expert: 16,
-            n_used: 6,
-            d: 1024,
-            ff: 512,
-            weight_scale: 1.0,
-            clamp: 0.05,
-        };
+        let spec = moe_16x6();
         // (gate, up, down): the q2 mix, the q4 down, and mixed types.
         let mixes = [
             (GgmlType::IQ2_XXS, GgmlType::IQ2_XXS, GgmlType::Q2_K),
