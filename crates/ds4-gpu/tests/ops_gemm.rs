@@ -1169,23 +1169,50 @@ fn gemm_moe_one_plane_matches_f64() {
         }
     }
     let gh = gpu.upload(&h);
-    let (l0, p0) = (
-        GpuBackend::gemm_wgd_launches(),
-        GpuBackend::gemm_one_plane_launches(),
-    );
-    let got = gpu
-        .moe_down_download(&dw, &gh, &gs, pairs, ne)
-        .expect("the tiled form takes the Q2_K down");
-    let p1 = GpuBackend::gemm_one_plane_launches();
-    if (
-        GpuBackend::gemm_wgd_launches() - l0,
-        p1.0 - p0.0,
-        p1.1 - p0.1,
-    ) != (1, 0, 1)
-    {
-        bad.push("down: not one gwd_q2_k_p1 launch".to_string());
+    // Runs of 64 (`gwd_q2_k_p1`), then the folded wide form (`set_gemm_wgd_wide`,
+    // `gwd_q2_k_p1_fw`: expert 0's 200 pairs as 128 + 72, N = 128 and 80; the scales folded into
+    // the f16 weights, two more roundings for the d sl q term and one for the min term: bound
+    // 2^-10 B + 2e-5 sum |w x|, as the folded gate/up).
+    let mut downs = Vec::new();
+    for wide in [false, true] {
+        GpuBackend::set_gemm_wgd_wide(wide);
+        let (l0, w0, p0) = (
+            GpuBackend::gemm_wgd_launches(),
+            GpuBackend::gemm_wgd_wide_launches(),
+            GpuBackend::gemm_one_plane_launches(),
+        );
+        let got = gpu
+            .moe_down_download(&dw, &gh, &gs, pairs, ne)
+            .expect("the tiled form takes the Q2_K down");
+        let p1 = GpuBackend::gemm_one_plane_launches();
+        let ran = (
+            GpuBackend::gemm_wgd_launches() - l0,
+            GpuBackend::gemm_wgd_wide_launches() - w0,
+            p1.0 - p0.0,
+            p1.1 - p0.1,
+        );
+        if ran != (1, wide as u64, 0, 1) {
+            bad.push(format!(
+                "down wide={wide}: (gwd, fw, p1 gate/up, p1 down) launches {ran:?}"
+            ));
+        }
+        let (name, u) = if wide {
+            ("down wide", 2.0 * U11)
+        } else {
+            ("down", U11)
+        };
+        check_one_plane(name, u, dd, &got, &want, &sel, &mut bad);
+        downs.push(got);
     }
-    check_one_plane("down", U11, dd, &got, &want, &sel, &mut bad);
+    let differ = downs[0]
+        .iter()
+        .zip(&downs[1])
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    println!(
+        "down wide vs runs of 64: {differ} of {} outputs differ in bits",
+        pairs * dd
+    );
 
     // The MoE path (q2 mix: IQ2_XXS gate/up d = 512 -> ff = 768, Q2_K down): planes = 1 takes
     // both one-plane kernels, planes = 2 neither.

@@ -207,6 +207,175 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
 }
 #endif
 
+#if GW_HAVE
+// ---- Folded wide form (gwd_q2_k_p1_fw; gemm_wgd.rs DS4_GPU_GWD_WIDE, one plane only) ----
+// Runs of up to 128 pairs of one expert a CTA (the grouping's wide runs, as gwg_iq2_xxs_p1_d2_fw)
+// with ONE accumulator set: the super-block scales are folded into the f16 weights,
+//   w' = f16(f16(sl 4^-j (F d)) (q 4^j))     (two f16 roundings, ~2^-11 relative each; F = 32)
+// by the same PRMT + HFMA2 a pair as gwd_deq (the bias term -1024 s2 stays exact: a power-of-two
+// multiple of s2), and the min term's A = f16(16 m_j (-F dmin)) (one rounding), so the min wgmma
+// accumulates into acc too: no cc, no wait-for-all and acc += d cc / acc -= dmin cc per
+// super-block, and N up to 128 fits 4 warpgroups in 128 registers (acc 64). acc * 2^-5 at the
+// store. F: w' stays normal in f16 for |d| >= 2^-14 / 32 * 64 (sl 4^-j with j = 3) = 1.2e-4 and
+// -1024 s2 below 65504 for |d| < 0.13 (real Q2_K down blocks: d ~ 1e-2). Three raw / sums
+// stages (not two): the min wgmma of super-block S is waited one chunk later (the pipeline's
+// wait_group 1), so the stage it reads is refilled only at S + 2's first chunk, behind a barrier.
+#define GWD_F 32.0f
+#define GWD_NSW 3
+template <int BN> struct alignas(16) GwdSmemW {
+    uint4 x[GWD_NX][2][GW_BM * 4]; // X chunk slots: 128 items' hi units (items 64.. where lo was)
+    uint4 s[GWD_NSW][GW_BM * 4];   // super-block sums, hi plane, 128 items (core (ig, kg) at 128 (2 ig + kg))
+    u32 raw[GWD_NSW][BN * GWD_RW]; // raw super-blocks, row r at 21 r
+};
+static_assert(sizeof(GwdSmemW<256>) == 207872, "gemm_wgd.rs WGD_SMEM_W");
+
+// gwd_deq with the super-block scale folded: s2 = f16(sl 4^-j * fd), fd = f16x2 (F d) (exact).
+__device__ __forceinline__ void gwd_deq_f(const u32* rb, int P, int t, u32 fd, u32* w) {
+    const int n = P >> 2, j = P & 3;
+    const u32 e1 = (u32)(15 - 2 * j) << 10;                           // f16 4^-j
+    const u32 sl = (rb[P >> 1] >> (8 * (2 * (P & 1) + (t >> 1)))) & 15u; // scale byte 2P + t/2
+    const u32 s1 = ds4_hmul2(ds4_hsub2((sl | (sl << 16)) | 0x64006400u, 0x64006400u), e1 | (e1 << 16)); // sl 4^-j
+    const u32 s2 = ds4_hmul2(s1, fd);                                                                // one rounding
+    const u32 c2 = ds4_hmul2(s2, 0xe400e400u);                                                       // -1024 s2: exact
+    const u32 msk = 0x03030303u << (2 * j);
+    const u32 qa = rb[4 + 8 * n + 2 * t] & msk, qb = rb[5 + 8 * n + 2 * t] & msk;
+    w[0] = ds4_hfma2(ds4_prmt(qa, 0x64646464u, 0x4140u), s2, c2);
+    w[1] = ds4_hfma2(ds4_prmt(qa, 0x64646464u, 0x4342u), s2, c2);
+    w[2] = ds4_hfma2(ds4_prmt(qb, 0x64646464u, 0x4140u), s2, c2);
+    w[3] = ds4_hfma2(ds4_prmt(qb, 0x64646464u, 0x4342u), s2, c2);
+}
+// f16x2 (F d, F d) and (-F dmin, -F dmin) of a row's staged block (word 20: d, dmin).
+__device__ __forceinline__ u32 gwd_fd(const u32* rb) { return ds4_hmul2((rb[20] & 0xffffu) * 0x10001u, 0x50005000u); }
+__device__ __forceinline__ u32 gwd_fm(const u32* rb) { return ds4_hmul2((rb[20] >> 16) * 0x10001u, 0xd000d000u); }
+
+template <int N>
+__device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items, int expert, const u8* __restrict__ W,
+                                            long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
+                                            const float* __restrict__ xinv, long long x_tok, int xdiv,
+                                            float* __restrict__ Y, long long y_tok, int rows, int cols,
+                                            long long row_bytes) {
+    constexpr int NT = 512, BN = 256;
+    const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * BN;
+    const u8* wbase = W + (long long)expert * slab;
+    const int nl = cols / 32, nsb = nl / 8;
+    const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
+    const u32 ss = (u32)__cvta_generic_to_shared(&sm.s[0][0]);
+    const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
+    // X copies: thread -> item xm = tid / 4, hi unit xu = 4 (v >> 1) + (v & 1) (v = tid % 4: units
+    // 0, 1, 4, 5 = hi01 / hi23 of k-steps 0, 1) to core (4 (xm / 8) + 2 kk + c), row xm % 8: the
+    // hi plane of 128 items fills the 8 KiB slot (SBO 512 spans 16 item groups).
+    const int xm = tid >> 2, xv = tid & 3, xu = 4 * (xv >> 1) + (xv & 1);
+    const int xit = xm < N ? items[xm] : -1;
+    const u32* xsrc = XT + (long long)(xit >= 0 ? xit / xdiv : 0) * x_tok + 4 * xu;
+    const u32 xdst = sx + (u32)(((4 * (xm >> 3) + 2 * (xu >> 2) + (xu & 1)) * 8 + (xm & 7)) * 16);
+    auto issue_x = [&](int c) {
+        if (c < nl && xm < N) ds4_cp16(gwd_gen(xdst + (u32)(c % GWD_NX) * 8192u), xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
+    };
+    // Sums copies: thread < 2 N -> item sm_ = tid / 2, hi piece sp = tid % 2 (k group) of the item's
+    // sums of super-block S.
+    const int sm_ = tid >> 1, sp = tid & 1;
+    const int sit = sm_ < N ? items[sm_] : -1;
+    const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp;
+    const u32 sdst = ss + (u32)(((2 * (sm_ >> 3) + sp) * 8 + (sm_ & 7)) * 16);
+    auto issue_raw = [&](int S) {
+        if (S < nsb) {
+            const int st = S % GWD_NSW;
+            const u32 so = sr + (u32)st * (u32)(BN * GWD_RW * 4);
+            for (int i = tid; i < BN * GWD_RW; i += NT) {
+                const int r = i / GWD_RW, w = i - r * GWD_RW;
+                ds4_cp4(gwd_gen(so + 4u * (u32)i), (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
+            }
+            if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)st * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
+        }
+    };
+    const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
+    u32 fd0 = 0, fd1 = 0; // the rows' f16x2 F d of the super-block being decoded
+    auto decode = [&](int P, int S, u32* a) {
+        u32 w0[4], w1[4];
+        const int st = S % GWD_NSW;
+        gwd_deq_f(&sm.raw[st][GWD_RW * R0], P, t, fd0, w0);
+        gwd_deq_f(&sm.raw[st][GWD_RW * R1], P, t, fd1, w1);
+        gw_afrag(w0, w1, a);
+    };
+    constexpr u32 lbo = 128u, sbo = 512u;
+
+    GwAcc<N> acc;
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f;
+    u32 a0[8], a1[8], am[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+    // raw / sums 0 and X chunks 0..7, then raw 1 (landed by super-block 0's chunk 4 boundary, before
+    // its first decode at chunk 7)
+    issue_raw(0);
+#pragma unroll
+    for (int i = 0; i < 8; i++) issue_x(i);
+    ds4_cp_commit();
+    ds4_cp_wait<0>();
+    gw_proxy_fence();
+    __syncthreads();
+    issue_raw(1);
+    ds4_cp_commit();
+    fd0 = gwd_fd(&sm.raw[0][GWD_RW * R0]), fd1 = gwd_fd(&sm.raw[0][GWD_RW * R1]);
+    decode(0, 0, a0);
+
+    for (int S = 0; S < nsb; S++) {
+        const int st = S % GWD_NSW;
+        const u32* rb0 = &sm.raw[st][GWD_RW * R0];
+        const u32* rb1 = &sm.raw[st][GWD_RW * R1];
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            const int c = 8 * S + p;
+            u32* a = (p & 1) ? a1 : a0;
+            u32* an = (p & 1) ? a0 : a1;
+            const u32 xs = sx + (u32)(c % GWD_NX) * 8192u;
+            if ((p & 3) == 0) { // group boundary: everything issued so far has landed
+                ds4_cp_wait<0>();
+                gw_proxy_fence();
+                __syncthreads();
+#pragma unroll
+                for (int i = 0; i < 4; i++) issue_x(c + 8 + i);
+                if (p == 0 && S > 0) issue_raw(S + 1); // into S - 2's stage (its min wgmma waited at S - 1's chunk 0)
+                ds4_cp_commit();
+            }
+            if (p < 7) {
+                gw_chunk<N, 1>(acc, a, xs, lbo, sbo, c); // zeroes acc at chunk 0 alone
+            } else { // the chunk and the super-block's min term, one group
+                const u32 m0 = gwd_fm(rb0), m1 = gwd_fm(rb1);
+                am[0] = ds4_hmul2(gwd_min(rb0, t, 0), m0), am[1] = ds4_hmul2(gwd_min(rb1, t, 0), m1);
+                am[2] = ds4_hmul2(gwd_min(rb0, t, 1), m0), am[3] = ds4_hmul2(gwd_min(rb1, t, 1), m1);
+                gw_pin(acc);
+                gw_pin_a(am);
+                gw_fence();
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) gw_mma(acc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), 1);
+                gw_mma(acc, am, gw_desc(ss + (u32)st * 4096u, 128u, 256u), 1);
+                gw_commit();
+                gw_pin(acc);
+            }
+            gw_wait<1>(); // chunk c - 1's group (registers an; at p = 0 also S - 1's am) is done
+            gw_pin_a(an);
+            gw_pin_a(am);
+            if (c + 1 < nl) {
+                if (p == 7) {
+                    const int s1 = (S + 1) % GWD_NSW;
+                    fd0 = gwd_fd(&sm.raw[s1][GWD_RW * R0]), fd1 = gwd_fd(&sm.raw[s1][GWD_RW * R1]);
+                    decode(0, S + 1, an);
+                } else {
+                    decode(p + 1, S, an);
+                }
+            }
+        }
+    }
+    ds4_cp_wait<0>();
+    gw_wait<0>();
+    gw_pin(acc);
+    gw_pin_a(am);
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) acc.v[i] *= 1.0f / GWD_F;
+    gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv);
+}
+#endif
+
 #if defined(DS4_CUDA)
 #define GWD_B4 512, 1 // DS4_BOUNDS(GWD_B4) = __launch_bounds__(512, 1): <= 128 registers
 #else
@@ -244,6 +413,32 @@ template <int PL> __device__ __forceinline__ void gwd_kernel(GWD_PARAMS) {
     (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
 #endif
 }
+// The folded wide form's kernel part: the CTA's wide run (up to 128 pairs), N = its valid items
+// rounded up to 16.
+__device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+#if GW_HAVE
+    extern __shared__ uint4 gwd_dyn[];
+    GwdSmemW<256>& sm = *reinterpret_cast<GwdSmemW<256>*>(gwd_dyn);
+    __shared__ int items[2 * GW_BM];
+    __shared__ int expert;
+    if ((int)blockIdx.y >= grp[1 + gmax + n]) return; // the wide runs' count (uniform over the CTA)
+    const int nv = gw_items<2 * GW_BM>(grp, sel, n, gmax, items, &expert);
+#define GWD_FW(NN) gwd_body_fw<NN>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes)
+    if (nv <= 16) GWD_FW(16);
+    else if (nv <= 32) GWD_FW(32);
+    else if (nv <= 48) GWD_FW(48);
+    else if (nv <= 64) GWD_FW(64);
+    else if (nv <= 80) GWD_FW(80);
+    else if (nv <= 96) GWD_FW(96);
+    else if (nv <= 112) GWD_FW(112);
+    else GWD_FW(128);
+#undef GWD_FW
+#else
+    (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
+    (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
+#endif
+}
 #define GWD_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip
 
 // The Q2_K down of the grouped pairs (gemmu_q2_k's arguments, gemm.cu GMT_PARAMS): grid (rows /
@@ -257,3 +452,7 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(GWD_PARAMS) { gwd_kernel<2>(GWD_ARGS
 // The same with the hi planes of X and the sums alone (one f16 rounding, ~2^-11 per element; the
 // lo words unread or unwritten): DS4_GPU_GEMM_PLANES=1 (gemm_wgd.rs; --precision fast).
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1(GWD_PARAMS) { gwd_kernel<1>(GWD_ARGS); }
+// The folded wide form (above: runs of up to 128 pairs, one accumulator set, X and sums hi planes
+// alone): DS4_GPU_GWD_WIDE (gemm_wgd.rs), --precision fast only. Grid (rows / 256, the wide runs'
+// bound, 1), 512 threads, dynamic shared memory sizeof(GwdSmemW<256>) (203 KiB).
+DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fw(GWD_PARAMS) { gwd_kernel_fw(GWD_ARGS); }

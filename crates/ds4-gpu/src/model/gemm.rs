@@ -1040,7 +1040,9 @@ impl GpuBackend {
         }
         // CUDA sm_90a: the grouped Q2_K down on wgmma (gemm_wgd.rs; DS4_GPU_GEMM_WGD=0 off).
         let wgd = (form == "gemmu")
-            .then(|| self.gemm_wgd_dims(m.grp.is_some(), bm, m.zs * ks, m.rows, m.cols, ytiles))
+            .then(|| {
+                self.gemm_wgd_dims(m.grp.is_some(), bm, m.zs * ks, m.rows, m.cols, ytiles, m.n)
+            })
             .flatten();
         if form == "gemmu" && wgd.is_none() {
             ULAUNCHES.fetch_add(1, Ordering::Relaxed);

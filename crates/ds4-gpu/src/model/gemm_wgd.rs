@@ -12,7 +12,14 @@
 //! `DS4_GPU_GEMM_PLANES=1` (gemm_wg.rs `one_plane`) `gwd_q2_k_p1`: X and the sums as their hi
 //! planes alone (the engine's `--precision fast`; bench/results/gpu-gemm-q17-h200.txt).
 //! H200: bench/results/gpu-gemm-d16-h200.txt.
+//!
+//! Folded wide form (`gwd_q2_k_p1_fw`, one plane only; `DS4_GPU_GWD_WIDE=0` or
+//! [`GpuBackend::set_gemm_wgd_wide`] off): the grouping's wide runs (up to 128 pairs of one
+//! expert a CTA, as the gate/up's `gwg_iq2_xxs_p1_d2_fw`) and one accumulator set, the
+//! super-block scales folded into the f16 weights (two f16 roundings a weight, one for the min
+//! term's). Results: bench/results/gpu-gwd-s22-h200.txt.
 
+use super::gemm::wide_gmax;
 use super::gemm_wg::{lean_x, one_plane, P1_LAUNCHES};
 use super::switch::{switch_on, UNSET};
 use super::GpuBackend;
@@ -23,11 +30,18 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 static WGD: AtomicU8 = AtomicU8::new(UNSET);
 /// `gwd_q2_k` launches so far (process-wide; tests: the wgmma down ran).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// The folded wide form: 0 off, 1 on, UNSET: read `DS4_GPU_GWD_WIDE` (`0` = off; default on).
+static WIDE: AtomicU8 = AtomicU8::new(UNSET);
+/// Folded wide launches so far (process-wide; tests).
+static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Weight rows per CTA (4 warpgroups x 64) and the dynamic shared memory `sizeof(GwdSmem<256>)`
 /// (gemm_wgd.cu static_assert): 16 X chunk slots of 8 KiB, 2 sums stages of 4 KiB, 2 raw stages
 /// of 256 rows x 21 words.
 const WGD_BN: usize = 256;
 const WGD_SMEM: usize = 16 * 8192 + 2 * 4096 + 2 * WGD_BN * 21 * 4;
+/// `sizeof(GwdSmemW<256>)` of the folded wide form: 16 X slots (128 items' hi units), 3 sums
+/// stages of 4 KiB, 3 raw stages (the min wgmma is waited a chunk later than in `gwd_q2_k`).
+const WGD_SMEM_W: usize = 16 * 8192 + 3 * 4096 + 3 * WGD_BN * 21 * 4;
 
 fn wgd_on() -> bool {
     switch_on(&WGD, "DS4_GPU_GEMM_WGD")
@@ -43,6 +57,17 @@ impl GpuBackend {
     /// `gwd_q2_k` launches so far in this process.
     pub fn gemm_wgd_launches() -> u64 {
         LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// The folded wide down (`gwd_q2_k_p1_fw`, one plane only) on or off (default on, or
+    /// `DS4_GPU_GWD_WIDE`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wgd_wide(on: bool) {
+        WIDE.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// `gwd_q2_k_p1_fw` launches so far in this process.
+    pub fn gemm_wgd_wide_launches() -> u64 {
+        WIDE_LAUNCHES.load(Ordering::Relaxed)
     }
 
     /// Whether [`Self::gemm_wgd_dims`] takes a product with these parameters.
@@ -75,21 +100,28 @@ impl GpuBackend {
         rows: usize,
         cols: usize,
         ytiles: usize,
+        n: usize,
     ) -> Option<(&'static str, LaunchDims)> {
         if !self.wgd_takes(grouped, bm, zs_ks, cols) {
             return None;
         }
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        let name = if one_plane() {
+        let wide = one_plane() && switch_on(&WIDE, "DS4_GPU_GWD_WIDE");
+        let (name, gy, smem) = if wide {
             P1_LAUNCHES[1].fetch_add(1, Ordering::Relaxed);
-            "gwd_q2_k_p1"
+            WIDE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+            // The wide runs of 128 follow perm in the grouping (gemm.rs group_pairs).
+            ("gwd_q2_k_p1_fw", wide_gmax(n, bm, ytiles), WGD_SMEM_W)
+        } else if one_plane() {
+            P1_LAUNCHES[1].fetch_add(1, Ordering::Relaxed);
+            ("gwd_q2_k_p1", ytiles, WGD_SMEM)
         } else {
-            "gwd_q2_k"
+            ("gwd_q2_k", ytiles, WGD_SMEM)
         };
         let dims = LaunchDims {
-            grid: [rows.div_ceil(WGD_BN) as u32, ytiles as u32, 1],
+            grid: [rows.div_ceil(WGD_BN) as u32, gy as u32, 1],
             block: [2 * WGD_BN as u32, 1, 1],
-            shared_bytes: WGD_SMEM as u32,
+            shared_bytes: smem as u32,
         };
         Some((name, dims))
     }
