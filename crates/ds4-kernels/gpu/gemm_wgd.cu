@@ -304,17 +304,17 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc.v[i] = 0.0f;
     u32 a0[8], a1[8], am[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-    // raw / sums 0 and X chunks 0..7, then raw 1 (landed by super-block 0's chunk 4 boundary, before
-    // its first decode at chunk 7)
+    // One group of raw / sums 0 and X chunks 0..7, one of raw / sums 1; wait for the first (the
+    // second by super-block 0's chunk 0 boundary, before its first use at chunk 7)
     issue_raw(0);
 #pragma unroll
     for (int i = 0; i < 8; i++) issue_x(i);
     ds4_cp_commit();
-    ds4_cp_wait<0>();
-    gw_proxy_fence();
-    __syncthreads();
     issue_raw(1);
     ds4_cp_commit();
+    ds4_cp_wait<1>();
+    gw_proxy_fence();
+    __syncthreads();
     fd0 = gwd_fd(&sm.raw[0][GWD_RW * R0]), fd1 = gwd_fd(&sm.raw[0][GWD_RW * R1]);
     decode(0, 0, a0);
 
