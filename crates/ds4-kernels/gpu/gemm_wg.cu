@@ -39,8 +39,8 @@
 // next group's may still be in flight: 8 chunks of prefetch), fence.proxy.async (cp.async writes
 // are generic-proxy writes that wgmma reads through the async proxy), barrier, then the copies of
 // the group after next and, at a super-block's 5th chunk (p = 4), the raw weight blocks of
-// super-block S+2 (3 stages of 256 rows x 17 words, stage S % 3, cp.async 4-byte from the 4-byte
-// boundary below the 2-byte-aligned 66-byte block): S+1's block then lands by S's p = 4 boundary,
+// super-block S+2 (3 stages of 256 rows x 20 words, stage S % 3, five 16-byte cp.async a row from
+// the 16-byte boundary below the 2-byte-aligned 66-byte block): S+1's block then lands by S's p = 4 boundary,
 // before its first decode at p = 7. The 2-stage form (wait_group 0: 4 chunks of prefetch, raw S+1
 // issued at S's chunk 0) measured 0.3-0.6 % slower (routed experts) and 0.5 % end to end
 // (bench/results/gpu-gemm-e16-h200.txt, 11a89c4); the per-chunk form (wait, fence and barrier
@@ -63,25 +63,26 @@
 #include "wgmma.cuh"
 
 #define GW_NX 16  // X chunk slots: 4 groups of 4 chunks (pipeline below)
-#define GW_RW 17  // raw words per row and stage: a 66-byte block from the 4-byte boundary below it
+#define GW_RW 20  // raw words per row and stage: a 66-byte block from the 16-byte boundary below it
+#define GW_RP 5   // its 16-byte pieces (the block starts at byte o <= 14 of them: o + 66 <= 80)
 #define GW_NS 3   // raw stages: super-blocks S (in use), S+1 (landed or in flight), S+2 (in flight)
 
 #if GW_HAVE
 // Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wg.rs WG_SMEM).
 template <int BN> struct alignas(16) GwSmem {
     uint4 x[GW_NX][2][GW_BM * 4];   // X chunk slots: plane (hi, lo), core matrices (above)
-    u32 raw[GW_NS][BN * GW_RW + 4]; // raw super-blocks, row r at 17 r (+4: the decode's 3rd word)
+    u32 raw[GW_NS][BN * GW_RW + 4]; // raw super-blocks, row r at 20 r (+4: the decode's 3rd word)
     u64 grid[256];                  // IQ2_XXS grid (bytes: DQ 0)
     uint4 gh[256];                  // the grid as 4 f16x2 words per entry (DQ 2)
 };
-static_assert(sizeof(GwSmem<256>) == 189488, "gemm_wg.rs WG_SMEM");
-static_assert(sizeof(GwSmem<128>) == 163376, "gemm_wg.rs WG_SMEM_W");
+static_assert(sizeof(GwSmem<256>) == 198704, "gemm_wg.rs WG_SMEM");
 
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
-__device__ __forceinline__ void gw_cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+// 16-byte copy reading only the first n (0..16) source bytes, the rest of dst zero-filled.
+__device__ __forceinline__ void gw_cp16n(u32 dst, const void* src, int n) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 
 // Sign masks of a grid entry's 7 sign bits s7 (bit 7: their parity): word q has bit 2q of s8 at
@@ -92,8 +93,8 @@ __device__ __forceinline__ void gw_cp4(u32 dst, const void* src) {
 __device__ __forceinline__ u32 gw_s8(u32 s7) { return s7 | ((__popc(s7) & 1u) << 7); }
 __device__ __forceinline__ u32 gw_sgn(u32 s8, int q) { return s8 * (0x8001u << (15 - 2 * q)); }
 
-// Grid entry t of chunk p of a row's staged block (rb: 17 words; sh: the block's byte offset in
-// them, 0 or 2) as 4 f16x2 words: elements (0,1), (2,3), (4,5), (6,7) of the entry, each the exact
+// Grid entry t of chunk p of a row's staged block (rb: 20 words; sh: the block's byte offset in
+// them, even, <= 14) as 4 f16x2 words: elements (0,1), (2,3), (4,5), (6,7) of the entry, each the exact
 // integer (2 ls + 1) * grid * sign (|.| <= 31 * 43 = 1333 < 2048: exact in f16 whatever the form).
 // DQ (decode form, gemm_wg.rs DS4_GPU_GW_DQ; both give the same bits):
 //   0: grid bytes by PRMT into f16 1024 + b, one HFMA2 (1024 + b) m - 1024 m, signs by gemmc's
@@ -160,11 +161,11 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
     }
 }
 
-// The super-block scale d / 8 of a row's staged block (f16 d at byte sh).
-__device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[0] >> (8 * sh)) & 0xffffu) * 0.125f; }
+// The super-block scale d / 8 of a row's staged block (f16 d at byte sh, even).
+__device__ __forceinline__ float gw_dscale(const u32* rb, u32 sh) { return ds4_h2f_fast((rb[sh >> 2] >> (8 * (sh & 3))) & 0xffffu) * 0.125f; }
 // The folded form's multiplier: f16x2 (16 d, 16 d) (exact: a power of two; 16 d (2 ls + 1) grid
 // stays below f16's 65504 for |d| < 3, normal for |d| >= 2^-18), undone by 2^-7 at the store.
-__device__ __forceinline__ u32 gw_dm(const u32* rb, u32 sh) { return ds4_hmul2(((rb[0] >> (8 * sh)) & 0xffffu) * 0x10001u, 0x4c004c00u); }
+__device__ __forceinline__ u32 gw_dm(const u32* rb, u32 sh) { return ds4_hmul2(((rb[sh >> 2] >> (8 * (sh & 3))) & 0xffffu) * 0x10001u, 0x4c004c00u); }
 // One CTA's product with N (16, 32, 48, 64; BM = 128: up to 128) item columns; items[] (-1: none)
 // and the expert set by the caller. Rows r0 + 64 h + 16 q + g (+8) per lane (warpgroup h, warp q
 // of it). BM: the CTA's item run, 64, or 128 for the wide form (PL == 1 alone: its 128 items' hi
@@ -215,21 +216,29 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         }
     };
     // Raw super-block S (the 66-byte block S of each of the BN rows; rows past `rows` repeat the
-    // last) into stage S % 3: word w of row r from the 4-byte boundary below the block.
+    // last) into stage S % 3: piece k (16 bytes) of row r from the 16-byte boundary below the
+    // block, at words 20 r + 4 k; the last piece reads only up to the block's end (cp.async
+    // src-size: the rest zero-filled), so nothing past the weights is read. 5 copies a row (the
+    // 4-byte form took 17, and their address arithmetic: ~9% of the kernel's instructions).
     auto issue_raw = [&](int S) {
         if (S < nsb) {
             const u32 so = sr + (u32)(S % GW_NS) * (u32)((BN * GW_RW + 4) * 4);
-            for (int i = tid; i < BN * GW_RW; i += NT) {
-                const int r = i / GW_RW, w = i - r * GW_RW;
+            for (int i = tid; i < BN * GW_RP; i += NT) {
+                const int r = i / GW_RP, k = i - r * GW_RP;
                 const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 66LL * S;
-                gw_cp4(so + 4u * (u32)i, (const u32*)((size_t)a & ~(size_t)3) + w);
+                const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
+                const int left = (int)(a + 66 - pc); // bytes of the block from pc on (>= 2)
+                gw_cp16n(so + 4u * (u32)(GW_RW * r + 4 * k), pc, min(left, 16));
             }
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
-    // Byte offset of super-block 0 of each row in its staged words (super-block S: XOR 2 (S % 2)).
-    const u32 sh0 = (u32)((size_t)(wbase + (long long)min(r0 + R0, rows - 1) * row_bytes) & 3);
-    const u32 sh1 = (u32)((size_t)(wbase + (long long)min(r0 + R1, rows - 1) * row_bytes) & 3);
+    // Byte offset of super-block 0 of each row in its staged piece (super-block S: + 66 S = + 2 S
+    // mod 16): sh(S) below.
+    const u32 a16_0 = (u32)((size_t)(wbase + (long long)min(r0 + R0, rows - 1) * row_bytes) & 15);
+    const u32 a16_1 = (u32)((size_t)(wbase + (long long)min(r0 + R1, rows - 1) * row_bytes) & 15);
+    auto sh0f = [&](int S) { return (a16_0 + 2u * (u32)S) & 15u; };
+    auto sh1f = [&](int S) { return (a16_1 + 2u * (u32)S) & 15u; };
     // A registers of chunk 8S + p: k-step kk at a[4kk ..]: (R0, R1, R0, R1) x element pairs
     // (2kk, 2kk, 2kk + 1, 2kk + 1) of grid entry t.
     // (x: the block's byte offset by S % 2; its stage S % 3.)
@@ -238,19 +247,18 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     const u32 *rw0 = nullptr, *rw1 = nullptr;
     u32 fs0 = 0, fs1 = 0;
     auto rows_of = [&](int S) {
-        const u32 b0 = ((sh0 >> 1) ^ (u32)(S & 1)) & 1u, b1 = ((sh1 >> 1) ^ (u32)(S & 1)) & 1u;
-        rw0 = &sm.raw[S % GW_NS][GW_RW * R0 + b0];
-        rw1 = &sm.raw[S % GW_NS][GW_RW * R1 + b1];
-        fs0 = 16u - 16u * b0, fs1 = 16u - 16u * b1;
+        const u32 o0 = sh0f(S) + 2u, o1 = sh1f(S) + 2u; // the block's byte 2 (its first grid byte)
+        rw0 = &sm.raw[S % GW_NS][GW_RW * R0 + (o0 >> 2)];
+        rw1 = &sm.raw[S % GW_NS][GW_RW * R1 + (o1 >> 2)];
+        fs0 = (o0 & 3u) * 8u, fs1 = (o1 & 3u) * 8u;
     };
     u32 dm0 = 0, dm1 = 0; // FD: the rows' f16x2 16 d of the super-block being decoded
     auto decode = [&](int S, int p, u32* a) {
         u32 w0[4], w1[4];
         if (DQ == 0) {
-            const u32 x = 2u * (u32)(S & 1);
             const int st = S % GW_NS;
-            gw_deq<DQ>(&sm.raw[st][GW_RW * R0], sh0 ^ x, p, t, sm.grid, sm.gh, w0);
-            gw_deq<DQ>(&sm.raw[st][GW_RW * R1], sh1 ^ x, p, t, sm.grid, sm.gh, w1);
+            gw_deq<DQ>(&sm.raw[st][GW_RW * R0], sh0f(S), p, t, sm.grid, sm.gh, w0);
+            gw_deq<DQ>(&sm.raw[st][GW_RW * R1], sh1f(S), p, t, sm.grid, sm.gh, w1);
         } else {
             gw_deq_h<DQ, FD>(rw0, fs0, p, t, sm.grid, sm.gh, w0, dm0);
             gw_deq_h<DQ, FD>(rw1, fs1, p, t, sm.grid, sm.gh, w1, dm1);
@@ -277,9 +285,9 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     gw_proxy_fence();
     __syncthreads();
     if (DQ >= 1) rows_of(0);
-    if (FD) dm0 = gw_dm(&sm.raw[0][GW_RW * R0], sh0), dm1 = gw_dm(&sm.raw[0][GW_RW * R1], sh1);
+    if (FD) dm0 = gw_dm(&sm.raw[0][GW_RW * R0], sh0f(0)), dm1 = gw_dm(&sm.raw[0][GW_RW * R1], sh1f(0));
     decode(0, 0, a0);
-    float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1);
+    float D0 = gw_dscale(&sm.raw[0][GW_RW * R0], sh0f(0)), D1 = gw_dscale(&sm.raw[0][GW_RW * R1], sh1f(0));
 
     for (int S = 0; S < nsb; S++) {
 #pragma unroll
@@ -313,15 +321,13 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
                 const int S1 = p == 7 ? S + 1 : S;
                 if (DQ >= 1 && p == 7) rows_of(S1);
                 if (FD && p == 7) {
-                    const u32 x = 2u * (u32)(S1 & 1);
-                    dm0 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0 ^ x);
-                    dm1 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1 ^ x);
+                    dm0 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0f(S1));
+                    dm1 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1f(S1));
                 }
                 decode(S1, (p + 1) & 7, an);
                 if (p == 7 && !FD) {
-                    const u32 x = 2u * (u32)(S1 & 1);
-                    D0 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0 ^ x);
-                    D1 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1 ^ x);
+                    D0 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0f(S1));
+                    D1 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1f(S1));
                 }
             }
         }

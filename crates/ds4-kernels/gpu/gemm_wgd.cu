@@ -34,7 +34,7 @@
 // c+1 into the other A register set. At a super-block's end: wait all, acc += d cc, then the min
 // pair into cc (scale-d 0) while the lane decodes the next chunk, wait, acc -= dmin cc (cc reused:
 // 2 accumulators, not 3, within the 128 registers of 512 threads). X by cp.async 16-byte in
-// groups of 4 chunks (16 slots), raw 84-byte blocks (21 words, rows 4-byte aligned) and the sums
+// groups of 4 chunks (16 slots), raw 84-byte blocks (6 16-byte pieces a row: gwd_issue_raw) and the sums
 // of the next super-block by cp.async at the super-block's first chunk into 2 stages; one
 // cp.async wait + fence.proxy.async + barrier per group. A deeper form (3 raw / sums stages,
 // cp.async.wait_group 1: 8 chunks of X prefetch) measured 1.1-1.4 % slower (routed experts) and
@@ -48,19 +48,40 @@
 #include "wgmma.cuh"
 
 #define GWD_NX 16 // X chunk slots: 4 groups of 4 chunks
-#define GWD_RW 21 // raw words per row and stage (an 84-byte Q2_K block)
+#define GWD_RW 24 // raw words per row and stage: an 84-byte Q2_K block from the 16-byte boundary below it
+#define GWD_RP 6  // its 16-byte pieces (the block starts at byte o in {0, 4, 8, 12} of them: o + 84 <= 96)
 
 #if GW_HAVE
 // Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wgd.rs WGD_SMEM).
 template <int BN> struct alignas(16) GwdSmem {
     uint4 x[GWD_NX][2][GW_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
     uint4 s[2][2][GW_BM * 2];      // super-block sums: stage, plane (hi, lo), core matrices
-    u32 raw[2][BN * GWD_RW];        // raw super-blocks, row r at 21 r
+    u32 raw[2][BN * GWD_RW];        // raw super-blocks, row r at 24 r (the block from word o / 4)
 };
-static_assert(sizeof(GwdSmem<256>) == 182272, "gemm_wgd.rs WGD_SMEM");
+static_assert(sizeof(GwdSmem<256>) == 188416, "gemm_wgd.rs WGD_SMEM");
 
 // ptx.cuh's cp.async (generic destination) at a 32-bit shared address.
 __device__ __forceinline__ void* gwd_gen(u32 a) { return __cvta_shared_to_generic(a); }
+// 16-byte copy reading only the first n (0..16) source bytes, the rest of dst zero-filled.
+__device__ __forceinline__ void gwd_cp16n(u32 dst, const void* src, int n) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+// Raw super-block S of the CTA's BN rows (rows past `rows` repeat the last) into the stage at
+// shared address so: piece k (16 bytes) of row r from the 16-byte boundary below the block, at
+// words GWD_RW r + 4 k; the last piece reads only up to the block's end (the rest zero-filled), so
+// nothing past the weights is read. 6 copies a row (the 4-byte form took 21, and their address
+// arithmetic). The block of row r then starts at word gwd_ow(row address, S) of its staged row.
+template <int BN, int NT>
+__device__ __forceinline__ void gwd_issue_raw(u32 so, const u8* wbase, int r0, int rows, long long row_bytes, int S) {
+    for (int i = threadIdx.x; i < BN * GWD_RP; i += NT) {
+        const int r = i / GWD_RP, k = i - r * GWD_RP;
+        const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S;
+        const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
+        gwd_cp16n(so + 4u * (u32)(GWD_RW * r + 4 * k), pc, min((int)(a + 84 - pc), 16));
+    }
+}
+// Word of a row's staged block S (a16: the row's address mod 16; 84 S = 4 S mod 16).
+__device__ __forceinline__ int gwd_ow(u32 a16, int S) { return (int)(((a16 + 4u * (u32)S) & 15u) >> 2); }
 
 // Weights 8t .. 8t+7 of chunk P (a constant once the chunk loop is unrolled) of a row's staged
 // block rb as 4 f16x2 words (elements (0,1), (2,3), (4,5), (6,7)), each the exact integer sl * q.
@@ -120,21 +141,19 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
     // into stage S % 2.
     auto issue_raw = [&](int S) {
         if (S < nsb) {
-            const u32 so = sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4);
-            for (int i = tid; i < BN * GWD_RW; i += NT) {
-                const int r = i / GWD_RW, w = i - r * GWD_RW;
-                ds4_cp4(gwd_gen(so + 4u * (u32)i), (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
-            }
+            gwd_issue_raw<BN, NT>(sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
             if (sm_ < N && (PL == 2 || sp < 2)) ds4_cp16(gwd_gen(sdst + (u32)(S & 1) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
+    const u32 a16_0 = (u32)((size_t)(wbase + (long long)min(r0 + R0, rows - 1) * row_bytes) & 15);
+    const u32 a16_1 = (u32)((size_t)(wbase + (long long)min(r0 + R1, rows - 1) * row_bytes) & 15);
     // A registers of chunk p of super-block S: k-step kk at a[4kk ..]: (R0, R1, R0, R1) x element
     // pairs (8t + 4kk, +1), (+2, +3).
     auto decode = [&](int P, int S, u32* a) {
         u32 w0[4], w1[4];
-        gwd_deq(&sm.raw[S & 1][GWD_RW * R0], P, t, w0);
-        gwd_deq(&sm.raw[S & 1][GWD_RW * R1], P, t, w1);
+        gwd_deq(&sm.raw[S & 1][GWD_RW * R0 + gwd_ow(a16_0, S)], P, t, w0);
+        gwd_deq(&sm.raw[S & 1][GWD_RW * R1 + gwd_ow(a16_1, S)], P, t, w1);
         gw_afrag(w0, w1, a);
     };
     constexpr u32 lbo = 128u, sbo = 512u; // X: next k group, next 8 items
@@ -154,8 +173,8 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
     decode(0, 0, a0);
 
     for (int S = 0; S < nsb; S++) {
-        const u32* rb0 = &sm.raw[S & 1][GWD_RW * R0];
-        const u32* rb1 = &sm.raw[S & 1][GWD_RW * R1];
+        const u32* rb0 = &sm.raw[S & 1][GWD_RW * R0 + gwd_ow(a16_0, S)];
+        const u32* rb1 = &sm.raw[S & 1][GWD_RW * R1 + gwd_ow(a16_1, S)];
 #pragma unroll
         for (int p = 0; p < 8; p++) {
             const int c = 8 * S + p;
@@ -225,9 +244,9 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
 template <int BN> struct alignas(16) GwdSmemW {
     uint4 x[GWD_NX][2][GW_BM * 4]; // X chunk slots: 128 items' hi units (items 64.. where lo was)
     uint4 s[GWD_NSW][GW_BM * 4];   // super-block sums, hi plane, 128 items (core (ig, kg) at 128 (2 ig + kg))
-    u32 raw[GWD_NSW][BN * GWD_RW]; // raw super-blocks, row r at 21 r
+    u32 raw[GWD_NSW][BN * GWD_RW]; // raw super-blocks, row r at 24 r (the block from word o / 4)
 };
-static_assert(sizeof(GwdSmemW<256>) == 207872, "gemm_wgd.rs WGD_SMEM_W");
+static_assert(sizeof(GwdSmemW<256>) == 217088, "gemm_wgd.rs WGD_SMEM_W");
 
 // gwd_deq with the super-block scale folded: s2 = f16(sl 4^-j * fd), fd = f16x2 (F d) (exact).
 __device__ __forceinline__ void gwd_deq_f(const u32* rb, int P, int t, u32 fd, u32* w) {
@@ -281,21 +300,19 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     auto issue_raw = [&](int S) {
         if (S < nsb) {
             const int st = S % GWD_NSW;
-            const u32 so = sr + (u32)st * (u32)(BN * GWD_RW * 4);
-            for (int i = tid; i < BN * GWD_RW; i += NT) {
-                const int r = i / GWD_RW, w = i - r * GWD_RW;
-                ds4_cp4(gwd_gen(so + 4u * (u32)i), (const u32*)(wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S) + w);
-            }
+            gwd_issue_raw<BN, NT>(sr + (u32)st * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
             if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)st * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
+    const u32 a16_0 = (u32)((size_t)(wbase + (long long)min(r0 + R0, rows - 1) * row_bytes) & 15);
+    const u32 a16_1 = (u32)((size_t)(wbase + (long long)min(r0 + R1, rows - 1) * row_bytes) & 15);
     u32 fd0 = 0, fd1 = 0; // the rows' f16x2 F d of the super-block being decoded
     auto decode = [&](int P, int S, u32* a) {
         u32 w0[4], w1[4];
         const int st = S % GWD_NSW;
-        gwd_deq_f(&sm.raw[st][GWD_RW * R0], P, t, fd0, w0);
-        gwd_deq_f(&sm.raw[st][GWD_RW * R1], P, t, fd1, w1);
+        gwd_deq_f(&sm.raw[st][GWD_RW * R0 + gwd_ow(a16_0, S)], P, t, fd0, w0);
+        gwd_deq_f(&sm.raw[st][GWD_RW * R1 + gwd_ow(a16_1, S)], P, t, fd1, w1);
         gw_afrag(w0, w1, a);
     };
     constexpr u32 lbo = 128u, sbo = 512u;
@@ -315,13 +332,13 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     ds4_cp_wait<1>();
     gw_proxy_fence();
     __syncthreads();
-    fd0 = gwd_fd(&sm.raw[0][GWD_RW * R0]), fd1 = gwd_fd(&sm.raw[0][GWD_RW * R1]);
+    fd0 = gwd_fd(&sm.raw[0][GWD_RW * R0 + gwd_ow(a16_0, 0)]), fd1 = gwd_fd(&sm.raw[0][GWD_RW * R1 + gwd_ow(a16_1, 0)]);
     decode(0, 0, a0);
 
     for (int S = 0; S < nsb; S++) {
         const int st = S % GWD_NSW;
-        const u32* rb0 = &sm.raw[st][GWD_RW * R0];
-        const u32* rb1 = &sm.raw[st][GWD_RW * R1];
+        const u32* rb0 = &sm.raw[st][GWD_RW * R0 + gwd_ow(a16_0, S)];
+        const u32* rb1 = &sm.raw[st][GWD_RW * R1 + gwd_ow(a16_1, S)];
 #pragma unroll
         for (int p = 0; p < 8; p++) {
             const int c = 8 * S + p;
@@ -358,7 +375,8 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
             if (c + 1 < nl) {
                 if (p == 7) {
                     const int s1 = (S + 1) % GWD_NSW;
-                    fd0 = gwd_fd(&sm.raw[s1][GWD_RW * R0]), fd1 = gwd_fd(&sm.raw[s1][GWD_RW * R1]);
+                    fd0 = gwd_fd(&sm.raw[s1][GWD_RW * R0 + gwd_ow(a16_0, S + 1)]);
+                    fd1 = gwd_fd(&sm.raw[s1][GWD_RW * R1 + gwd_ow(a16_1, S + 1)]);
                     decode(0, S + 1, an);
                 } else {
                     decode(p + 1, S, an);

@@ -85,10 +85,10 @@ static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub(in crate::model) const WG_BM: usize = 64;
 
 /// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
-/// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 3 raw stages of 256 x 17 + 4
+/// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 3 raw stages of 256 x 20 + 4
 /// words, the 2 KiB grid and the 4 KiB f16 grid; a static_assert there).
 const WG_BN: usize = 256;
-const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 17 + 4) * 4 + 2048 + 4096;
+const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 20 + 4) * 4 + 2048 + 4096;
 
 fn wg_on() -> bool {
     switch_on(&WG, "DS4_GPU_GEMM_WG")
