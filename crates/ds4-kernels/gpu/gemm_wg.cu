@@ -66,6 +66,12 @@
 #define GW_RW 20  // raw words per row and stage: a 66-byte block from the 16-byte boundary below it
 #define GW_RP 5   // its 16-byte pieces (the block starts at byte o <= 14 of them: o + 66 <= 80)
 #define GW_NS 3   // raw stages: super-blocks S (in use), S+1 (landed or in flight), S+2 (in flight)
+// Copies of the f16 grid (DQ 2): entry e of copy j at 16-byte unit 8 e + j, lane l reading copy
+// l % 8. A 16-byte shared load is served 8 lanes at a time (32 banks = 8 units), and the 8 lanes
+// of a phase then always hit 8 different bank groups, whatever their entries; with one copy 8
+// data-dependent entries almost always collided (ncu: 112 M bank conflicts for 114 M shared-memory
+// instructions of a 2048-token gate/up launch). 32 KiB.
+#define GW_GHC 8
 
 #if GW_HAVE
 // Dynamic shared memory of a CTA of BN weight rows (the host passes sizeof: gemm_wg.rs WG_SMEM).
@@ -73,9 +79,9 @@ template <int BN> struct alignas(16) GwSmem {
     uint4 x[GW_NX][2][GW_BM * 4];   // X chunk slots: plane (hi, lo), core matrices (above)
     u32 raw[GW_NS][BN * GW_RW + 4]; // raw super-blocks, row r at 20 r (+4: the decode's 3rd word)
     u64 grid[256];                  // IQ2_XXS grid (bytes: DQ 0)
-    uint4 gh[256];                  // the grid as 4 f16x2 words per entry (DQ 2)
+    uint4 gh[256 * GW_GHC];         // the grid as 4 f16x2 words per entry, GW_GHC copies (DQ 2)
 };
-static_assert(sizeof(GwSmem<256>) == 198704, "gemm_wg.rs WG_SMEM");
+static_assert(sizeof(GwSmem<256>) == 227376, "gemm_wg.rs WG_SMEM");
 
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -154,7 +160,7 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
         u32 sw[4];
 #pragma unroll
         for (int q = 0; q < 4; q++) sw[q] = gw_sgn(s8, q);
-        const uint4 g = gh[e]; // f16x2 (b_2q, b_2q+1): b * m exact
+        const uint4 g = gh[e * GW_GHC]; // f16x2 (b_2q, b_2q+1): b * m exact (gh: this lane's copy)
         const u32 gq[4] = {g.x, g.y, g.z, g.w};
 #pragma unroll
         for (int q = 0; q < 4; q++) w[q] = ds4_hmul2(gq[q], m2) ^ (sw[q] & 0x80008000u);
@@ -233,6 +239,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
+    const uint4* ghl = sm.gh + (lane & (GW_GHC - 1)); // this lane's copy of the f16 grid
     // Byte offset of super-block 0 of each row in its staged piece (super-block S: + 66 S = + 2 S
     // mod 16): sh(S) below.
     const u32 a16_0 = (u32)((size_t)(wbase + (long long)min(r0 + R0, rows - 1) * row_bytes) & 15);
@@ -257,11 +264,11 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         u32 w0[4], w1[4];
         if (DQ == 0) {
             const int st = S % GW_NS;
-            gw_deq<DQ>(&sm.raw[st][GW_RW * R0], sh0f(S), p, t, sm.grid, sm.gh, w0);
-            gw_deq<DQ>(&sm.raw[st][GW_RW * R1], sh1f(S), p, t, sm.grid, sm.gh, w1);
+            gw_deq<DQ>(&sm.raw[st][GW_RW * R0], sh0f(S), p, t, sm.grid, ghl, w0);
+            gw_deq<DQ>(&sm.raw[st][GW_RW * R1], sh1f(S), p, t, sm.grid, ghl, w1);
         } else {
-            gw_deq_h<DQ, FD>(rw0, fs0, p, t, sm.grid, sm.gh, w0, dm0);
-            gw_deq_h<DQ, FD>(rw1, fs1, p, t, sm.grid, sm.gh, w1, dm1);
+            gw_deq_h<DQ, FD>(rw0, fs0, p, t, sm.grid, ghl, w0, dm0);
+            gw_deq_h<DQ, FD>(rw1, fs1, p, t, sm.grid, ghl, w1, dm1);
         }
         gw_afrag(w0, w1, a);
     };
@@ -364,14 +371,17 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     __shared__ int expert;
     const int by = blockIdx.y, tid = threadIdx.x;
     if (by >= (BM == GW_BM ? grp[0] : grp[1 + gmax + n])) return; // uniform over the CTA (wide: ngroups2)
-    if (tid < 256) { // the grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly)
-        const u64 gv = ds4_iq2xxs_grid[tid];
-        sm.grid[tid] = gv;
+    // The grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly), the
+    // latter in GW_GHC copies (entry e of copy j at 8 e + j).
+    for (int i = tid; i < 256 * GW_GHC; i += blockDim.x) {
+        const int e = i / GW_GHC;
+        const u64 gv = ds4_iq2xxs_grid[e];
+        if (i % GW_GHC == 0) sm.grid[e] = gv;
         const u32 lo = (u32)gv, hi = (u32)(gv >> 32);
-        sm.gh[tid] = make_uint4(ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4140u), 0x64006400u),
-                                ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4342u), 0x64006400u),
-                                ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
-                                ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
+        sm.gh[i] = make_uint4(ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4140u), 0x64006400u),
+                              ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4342u), 0x64006400u),
+                              ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
+                              ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
     }
     const int nv = gw_items<BM>(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
     const u8* W = blockIdx.z ? W1 : W0;
@@ -413,7 +423,7 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
 
 // gate (blockIdx.z 0: W0 -> Y0) and up (1: W1 -> Y1) of the grouped pairs: grid (rows / 256, gmax,
 // 2), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
-// sizeof(GwSmem<256>) (181 KiB). W_z + expert * slab: the expert's rows (row_bytes apart, cols /
+// sizeof(GwSmem<256>) (222 KiB). W_z + expert * slab: the expert's rows (row_bytes apart, cols /
 // 256 blocks of 66 bytes); XW, xinv: gwg_x_f32 of the token rows (pair i reads token i / xdiv);
 // Y_z[i * y_tok + r]. grp: gm_group_*_i32 with runs of at most 64 ([ngroups, starts[gmax],
 // perm[n]]). cols % 256 == 0. H200: bench/results/gpu-gemm-w15-h200.txt.

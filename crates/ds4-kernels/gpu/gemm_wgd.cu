@@ -48,7 +48,8 @@
 #include "wgmma.cuh"
 
 #define GWD_NX 16 // X chunk slots: 4 groups of 4 chunks
-#define GWD_RW 24 // raw words per row and stage: an 84-byte Q2_K block from the 16-byte boundary below it
+#define GWD_RW 28 // raw words per row and stage: an 84-byte Q2_K block from the 16-byte boundary below it
+                  // (96 bytes used; 28, not 24: the 8 rows of a warp's scale loads on 8 banks)
 #define GWD_RP 6  // its 16-byte pieces (the block starts at byte o in {0, 4, 8, 12} of them: o + 84 <= 96)
 
 #if GW_HAVE
@@ -56,9 +57,9 @@
 template <int BN> struct alignas(16) GwdSmem {
     uint4 x[GWD_NX][2][GW_BM * 4]; // X chunk slots: plane (hi, lo), core matrices (above)
     uint4 s[2][2][GW_BM * 2];      // super-block sums: stage, plane (hi, lo), core matrices
-    u32 raw[2][BN * GWD_RW];        // raw super-blocks, row r at 24 r (the block from word o / 4)
+    u32 raw[2][BN * GWD_RW];        // raw super-blocks, row r at 28 r (the block from word o / 4)
 };
-static_assert(sizeof(GwdSmem<256>) == 188416, "gemm_wgd.rs WGD_SMEM");
+static_assert(sizeof(GwdSmem<256>) == 196608, "gemm_wgd.rs WGD_SMEM");
 
 // ptx.cuh's cp.async (generic destination) at a 32-bit shared address.
 __device__ __forceinline__ void* gwd_gen(u32 a) { return __cvta_shared_to_generic(a); }
@@ -244,9 +245,9 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
 template <int BN> struct alignas(16) GwdSmemW {
     uint4 x[GWD_NX][2][GW_BM * 4]; // X chunk slots: 128 items' hi units (items 64.. where lo was)
     uint4 s[GWD_NSW][GW_BM * 4];   // super-block sums, hi plane, 128 items (core (ig, kg) at 128 (2 ig + kg))
-    u32 raw[GWD_NSW][BN * GWD_RW]; // raw super-blocks, row r at 24 r (the block from word o / 4)
+    u32 raw[GWD_NSW][BN * GWD_RW]; // raw super-blocks, row r at 28 r (the block from word o / 4)
 };
-static_assert(sizeof(GwdSmemW<256>) == 217088, "gemm_wgd.rs WGD_SMEM_W");
+static_assert(sizeof(GwdSmemW<256>) == 229376, "gemm_wgd.rs WGD_SMEM_W");
 
 // gwd_deq with the super-block scale folded: s2 = f16(sl 4^-j * fd), fd = f16x2 (F d) (exact).
 __device__ __forceinline__ void gwd_deq_f(const u32* rb, int P, int t, u32 fd, u32* w) {
@@ -461,7 +462,7 @@ __device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
 
 // The Q2_K down of the grouped pairs (gemmu_q2_k's arguments, gemm.cu GMT_PARAMS): grid (rows /
 // 256, gmax, 1), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
-// sizeof(GwdSmem<256>) (178 KiB). W + expert * slab: the expert's rows (row_bytes apart, 4-byte
+// sizeof(GwdSmem<256>) (192 KiB). W + expert * slab: the expert's rows (row_bytes apart, 4-byte
 // aligned, cols / 256 blocks of 84 bytes); XT, XS, xinv: gemm_xt_f32 of the token rows (unit
 // layout, sums); pair i reads token i / xdiv; Y[i * y_tok + r]. grp: gm_group_*_i32 with runs of
 // at most 64. Host contract: cols % 256 == 0, x_tok % 256 == 0, gridDim.z == 1 (w_z, x_z, y_z,
@@ -472,5 +473,5 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k(GWD_PARAMS) { gwd_kernel<2>(GWD_ARGS
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1(GWD_PARAMS) { gwd_kernel<1>(GWD_ARGS); }
 // The folded wide form (above: runs of up to 128 pairs, one accumulator set, X and sums hi planes
 // alone): DS4_GPU_GWD_WIDE (gemm_wgd.rs), --precision fast only. Grid (rows / 256, the wide runs'
-// bound, 1), 512 threads, dynamic shared memory sizeof(GwdSmemW<256>) (203 KiB).
+// bound, 1), 512 threads, dynamic shared memory sizeof(GwdSmemW<256>) (224 KiB).
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fw(GWD_PARAMS) { gwd_kernel_fw(GWD_ARGS); }

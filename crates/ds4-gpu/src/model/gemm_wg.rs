@@ -10,7 +10,7 @@
 //! memory by descriptor), the super-block scale `d / 8` applied per 256 columns. Same arithmetic
 //! as the tiled form (`gemmt_iq2_xxs`): weights exact, activations ~22 bits, f32 sums.
 //!
-//! CTA: 4 warpgroups, 256 weight rows x 64 pairs, 181 KiB of dynamic shared memory (16 X chunk
+//! CTA: 4 warpgroups, 256 weight rows x 64 pairs, 222 KiB of dynamic shared memory (16 X chunk
 //! slots: X copied in groups of 4 chunks, 8 chunks ahead; 3 raw weight stages; the 2-stage form
 //! with 4 chunks ahead lost 0.3-0.6 %: bench/results/gpu-gemm-e16-h200.txt), 1 CTA per SM.
 //! H200 (bench/results/gpu-gemm-w15-h200.txt):
@@ -86,9 +86,9 @@ pub(in crate::model) const WG_BM: usize = 64;
 
 /// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
 /// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 3 raw stages of 256 x 20 + 4
-/// words, the 2 KiB grid and the 4 KiB f16 grid; a static_assert there).
+/// words, the 2 KiB grid and 8 copies of the 4 KiB f16 grid; a static_assert there).
 const WG_BN: usize = 256;
-const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 20 + 4) * 4 + 2048 + 4096;
+const WG_SMEM: usize = 16 * 8192 + 3 * (WG_BN * 20 + 4) * 4 + 2048 + 8 * 4096;
 
 fn wg_on() -> bool {
     switch_on(&WG, "DS4_GPU_GEMM_WG")

@@ -8,7 +8,7 @@
 //! B (N = 16, 32, 48 or 64 from shared memory by descriptor); per super-block `acc += d * D`,
 //! then the min term `sum_j 16 m_j * S_j / 16` as one more wgmma pair (hi/lo sums) into the same
 //! accumulator and `acc -= dmin * M`. Same arithmetic as `gemmu_q2_k`. CTA: 4 warpgroups, 256
-//! weight rows x 64 pairs, 178 KiB of dynamic shared memory, 1 CTA per SM. With
+//! weight rows x 64 pairs, 192 KiB of dynamic shared memory, 1 CTA per SM. With
 //! `DS4_GPU_GEMM_PLANES=1` (gemm_wg.rs `one_plane`) `gwd_q2_k_p1`: X and the sums as their hi
 //! planes alone (the engine's `--precision fast`; bench/results/gpu-gemm-q17-h200.txt).
 //! H200: bench/results/gpu-gemm-d16-h200.txt.
@@ -36,12 +36,12 @@ static WIDE: AtomicU8 = AtomicU8::new(UNSET);
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Weight rows per CTA (4 warpgroups x 64) and the dynamic shared memory `sizeof(GwdSmem<256>)`
 /// (gemm_wgd.cu static_assert): 16 X chunk slots of 8 KiB, 2 sums stages of 4 KiB, 2 raw stages
-/// of 256 rows x 24 words.
+/// of 256 rows x 28 words.
 const WGD_BN: usize = 256;
-const WGD_SMEM: usize = 16 * 8192 + 2 * 4096 + 2 * WGD_BN * 24 * 4;
+const WGD_SMEM: usize = 16 * 8192 + 2 * 4096 + 2 * WGD_BN * 28 * 4;
 /// `sizeof(GwdSmemW<256>)` of the folded wide form: 16 X slots (128 items' hi units), 3 sums
 /// stages of 4 KiB, 3 raw stages (the min wgmma is waited a chunk later than in `gwd_q2_k`).
-const WGD_SMEM_W: usize = 16 * 8192 + 3 * 4096 + 3 * WGD_BN * 24 * 4;
+const WGD_SMEM_W: usize = 16 * 8192 + 3 * 4096 + 3 * WGD_BN * 28 * 4;
 
 fn wgd_on() -> bool {
     switch_on(&WGD, "DS4_GPU_GEMM_WGD")
