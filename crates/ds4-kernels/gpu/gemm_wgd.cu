@@ -231,16 +231,19 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
 // ---- Folded wide form (gwd_q2_k_p1_fw; gemm_wgd.rs DS4_GPU_GWD_WIDE, one plane only) ----
 // Runs of up to 128 pairs of one expert a CTA (the grouping's wide runs, as gwg_iq2_xxs_p1_d2_fw)
 // with ONE accumulator set: the super-block scales are folded into the f16 weights,
-//   w' = f16(f16(sl 4^-j (F d)) (q 4^j))     (two f16 roundings, ~2^-11 relative each; F = 32)
-// by the same PRMT + HFMA2 a pair as gwd_deq (the bias term -1024 s2 stays exact: a power-of-two
-// multiple of s2), and the min term's A = f16(16 m_j (-F dmin)) (one rounding), so the min wgmma
-// accumulates into acc too: no cc, no wait-for-all and acc += d cc / acc -= dmin cc per
-// super-block, and N up to 128 fits 4 warpgroups in 128 registers (acc 64). acc * 2^-5 at the
-// store. F: w' stays normal in f16 for |d| >= 2^-14 / 32 * 64 (sl 4^-j with j = 3) = 1.2e-4 and
-// -1024 s2 below 65504 for |d| < 0.13 (real Q2_K down blocks: d ~ 1e-2). Three raw / sums
-// stages (not two): the min wgmma of super-block S is waited one chunk later (the pipeline's
-// wait_group 1), so the stage it reads is refilled only at S + 2's first chunk, behind a barrier.
-#define GWD_F 32.0f
+//   w' = f16(q s2),  s2 = f16(sl (F d))      (two f16 roundings, ~2^-11 relative each; F = 4)
+// by one PRMT + one HFMA2 a pair: the PRMT builds f16 2^(10-2j) + q from the masked byte q 4^j
+// (exponent byte 0x64 - 8 j: the byte's bits land 2j places lower than gwd_deq's 1024 + q 4^j),
+// and (2^(10-2j) + q) s2 - 2^(10-2j) s2 = q s2 with the bias term exact (a power-of-two multiple
+// of s2). The min term's A = f16(16 m_j (-F dmin)) (one rounding), so the min wgmma accumulates
+// into acc too: no cc, no wait-for-all and acc += d cc / acc -= dmin cc per super-block, and N up
+// to 128 fits 4 warpgroups in 128 registers (acc 64). acc / F at the store. Range: s2 is a normal
+// f16 for |d| >= 2^-14 / F = 1.5e-5 (smaller d: subnormal s2, coarser weights, never inf), and
+// 1024 s2 < 65504 for |d| < 64 / (15 F) = 1.07 and 16 m F |dmin| < 65504 for |dmin| < 68 (real
+// Q2_K blocks of a model's weights: |d| ~ 1e-3..1e-2). Three raw / sums stages (not two): the min
+// wgmma of super-block S is waited one chunk later (the pipeline's wait_group 1), so the stage it
+// reads is refilled only at S + 2's first chunk, behind a barrier.
+#define GWD_F 4.0f
 #define GWD_NSW 3
 template <int BN> struct alignas(16) GwdSmemW {
     uint4 x[GWD_NX][2][GW_BM * 4]; // X chunk slots: 128 items' hi units (items 64.. where lo was)
@@ -249,24 +252,23 @@ template <int BN> struct alignas(16) GwdSmemW {
 };
 static_assert(sizeof(GwdSmemW<256>) == 229376, "gemm_wgd.rs WGD_SMEM_W");
 
-// gwd_deq with the super-block scale folded: s2 = f16(sl 4^-j * fd), fd = f16x2 (F d) (exact).
+// gwd_deq with the super-block scale folded (above): s2 = f16(sl fd), fd = f16x2 (F d) (exact).
 __device__ __forceinline__ void gwd_deq_f(const u32* rb, int P, int t, u32 fd, u32* w) {
     const int n = P >> 2, j = P & 3;
-    const u32 e1 = (u32)(15 - 2 * j) << 10;                           // f16 4^-j
     const u32 sl = (rb[P >> 1] >> (8 * (2 * (P & 1) + (t >> 1)))) & 15u; // scale byte 2P + t/2
-    const u32 s1 = ds4_hmul2(ds4_hsub2((sl | (sl << 16)) | 0x64006400u, 0x64006400u), e1 | (e1 << 16)); // sl 4^-j
-    const u32 s2 = ds4_hmul2(s1, fd);                                                                // one rounding
-    const u32 c2 = ds4_hmul2(s2, 0xe400e400u);                                                       // -1024 s2: exact
+    const u32 s2 = ds4_hmul2(ds4_hsub2((sl | (sl << 16)) | 0x64006400u, 0x64006400u), fd); // sl F d, one rounding
+    const u32 eb = 0x64u - 8u * (u32)j, bias = eb * 0x01010101u;                          // f16 2^(10-2j) + q
+    const u32 c2 = ds4_hmul2(s2, (((0x80u | eb) << 8) | ((0x80u | eb) << 24)));          // -2^(10-2j) s2: exact
     const u32 msk = 0x03030303u << (2 * j);
     const u32 qa = rb[4 + 8 * n + 2 * t] & msk, qb = rb[5 + 8 * n + 2 * t] & msk;
-    w[0] = ds4_hfma2(ds4_prmt(qa, 0x64646464u, 0x4140u), s2, c2);
-    w[1] = ds4_hfma2(ds4_prmt(qa, 0x64646464u, 0x4342u), s2, c2);
-    w[2] = ds4_hfma2(ds4_prmt(qb, 0x64646464u, 0x4140u), s2, c2);
-    w[3] = ds4_hfma2(ds4_prmt(qb, 0x64646464u, 0x4342u), s2, c2);
+    w[0] = ds4_hfma2(ds4_prmt(qa, bias, 0x4140u), s2, c2);
+    w[1] = ds4_hfma2(ds4_prmt(qa, bias, 0x4342u), s2, c2);
+    w[2] = ds4_hfma2(ds4_prmt(qb, bias, 0x4140u), s2, c2);
+    w[3] = ds4_hfma2(ds4_prmt(qb, bias, 0x4342u), s2, c2);
 }
-// f16x2 (F d, F d) and (-F dmin, -F dmin) of a row's staged block (word 20: d, dmin).
-__device__ __forceinline__ u32 gwd_fd(const u32* rb) { return ds4_hmul2((rb[20] & 0xffffu) * 0x10001u, 0x50005000u); }
-__device__ __forceinline__ u32 gwd_fm(const u32* rb) { return ds4_hmul2((rb[20] >> 16) * 0x10001u, 0xd000d000u); }
+// f16x2 (F d, F d) and (-F dmin, -F dmin) of a row's staged block (word 20: d, dmin); F = 4.
+__device__ __forceinline__ u32 gwd_fd(const u32* rb) { return ds4_hmul2((rb[20] & 0xffffu) * 0x10001u, 0x44004400u); }
+__device__ __forceinline__ u32 gwd_fm(const u32* rb) { return ds4_hmul2((rb[20] >> 16) * 0x10001u, 0xc400c400u); }
 
 template <int N>
 __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items, int expert, const u8* __restrict__ W,
