@@ -29,7 +29,8 @@
 mod common;
 
 use common::{
-    backends, max_rel, max_rel_rms, randn, random_experts, random_routes, rng, sm80, weight,
+    backends, experts_from_bytes, max_rel, max_rel_rms, randn, random_experts, random_routes, rng,
+    sm80, weight,
 };
 use ds4_backend::{Backend, GgmlType, MoeSpec, Part};
 use ds4_gpu::GpuBackend;
@@ -1021,6 +1022,43 @@ fn check_one_plane(
     );
 }
 
+/// f64 reference of the Q2_K down for `gemm_moe_one_plane_matches_f64`: per (pair, row) the sum,
+/// sum |w x| and B = sum (|d sl q| + |dmin m|) |x| (the row dequantised with dmin = 0 and with
+/// d = 0: bytes 80..82 d, 82..84 dmin of each 84-byte block).
+fn q2k_down_ref(
+    db: &[u8],
+    dd: usize,
+    fd: usize,
+    rb: usize,
+    h: &[f32],
+    sel: &[i32],
+) -> Vec<(f64, f64, f64)> {
+    let ty = GgmlType::Q2_K;
+    let (mut deq, mut dq, mut dm) = (vec![0f32; fd], vec![0f32; fd], vec![0f32; fd]);
+    let mut want = Vec::new();
+    for (p, &e) in sel.iter().enumerate() {
+        let (e, x) = (e as usize, &h[p * fd..(p + 1) * fd]);
+        for row in 0..dd {
+            let o = (e * dd + row) * rb;
+            let blk = &db[o..o + rb];
+            ds4_quant::dequantize_row(ty, blk, &mut deq).unwrap();
+            let (mut bq, mut bm) = (blk.to_vec(), blk.to_vec());
+            for b in 0..fd / 256 {
+                bq[84 * b + 82..84 * b + 84].fill(0);
+                bm[84 * b + 80..84 * b + 82].fill(0);
+            }
+            ds4_quant::dequantize_row(ty, &bq, &mut dq).unwrap();
+            ds4_quant::dequantize_row(ty, &bm, &mut dm).unwrap();
+            let (s, a) = dot_abs(&deq, x);
+            let b: f64 = (0..fd)
+                .map(|i| (dq[i].abs() as f64 + dm[i].abs() as f64) * (x[i] as f64).abs())
+                .sum();
+            want.push((s, a, b));
+        }
+    }
+    want
+}
+
 /// f16's unit roundoff: the one-plane bound's relative term.
 const U11: f64 = 1.0 / 2048.0;
 
@@ -1146,28 +1184,7 @@ fn gemm_moe_one_plane_matches_f64() {
     let rb = ty.row_bytes(fd as u64).unwrap() as usize;
     let (db, dw) = random_experts(&gpu, ty, fd, dd, ne, 1703);
     let h = scaled_rows(&mut r, pairs, fd);
-    let (mut deq, mut dq, mut dm) = (vec![0f32; fd], vec![0f32; fd], vec![0f32; fd]);
-    let mut want = Vec::new();
-    for p in 0..pairs {
-        let (e, x) = (sel[p] as usize, &h[p * fd..(p + 1) * fd]);
-        for row in 0..dd {
-            let o = (e * dd + row) * rb;
-            let blk = &db[o..o + rb];
-            ds4_quant::dequantize_row(ty, blk, &mut deq).unwrap();
-            let (mut bq, mut bm) = (blk.to_vec(), blk.to_vec());
-            for b in 0..fd / 256 {
-                bq[84 * b + 82..84 * b + 84].fill(0);
-                bm[84 * b + 80..84 * b + 82].fill(0);
-            }
-            ds4_quant::dequantize_row(ty, &bq, &mut dq).unwrap();
-            ds4_quant::dequantize_row(ty, &bm, &mut dm).unwrap();
-            let (s, a) = dot_abs(&deq, x);
-            let b: f64 = (0..fd)
-                .map(|i| (dq[i].abs() as f64 + dm[i].abs() as f64) * (x[i] as f64).abs())
-                .sum();
-            want.push((s, a, b));
-        }
-    }
+    let want = q2k_down_ref(&db, dd, fd, rb, &h, &sel);
     let gh = gpu.upload(&h);
     // Runs of 64 (`gwd_q2_k_p1`), then the folded wide form (`set_gemm_wgd_wide`,
     // `gwd_q2_k_p1_fw`: expert 0's 200 pairs as 128 + 72, N = 128 and 80; the scales folded into
@@ -1212,6 +1229,31 @@ fn gemm_moe_one_plane_matches_f64() {
     println!(
         "down wide vs runs of 64: {differ} of {} outputs differ in bits",
         pairs * dd
+    );
+    // The folded wide down at the ends of its range (gemm_wgd.cu: 1.5e-5 <= |d| < 1.07): the
+    // same blocks with d set to +-0.9 and +-2e-5 by super-block (dmin as random_row's, up to
+    // 0.1); the first form (F = 32, sl 4^-j in s2) made inf at |d| > 0.13.
+    let mut dbx = db.clone();
+    for (b, blk) in dbx.chunks_exact_mut(84).enumerate() {
+        let v = [0.9f32, -2e-5, -0.9, 2e-5][b % 4];
+        blk[80..82].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+    }
+    let dwx = experts_from_bytes(&gpu, ty, fd, dd, ne, &dbx);
+    let wantx = q2k_down_ref(&dbx, dd, fd, rb, &h, &sel);
+    let gotx = gpu
+        .moe_down_download(&dwx, &gh, &gs, pairs, ne)
+        .expect("the tiled form takes the Q2_K down");
+    if gotx.iter().any(|v| !v.is_finite()) {
+        bad.push("down wide, extreme d: non-finite outputs".to_string());
+    }
+    check_one_plane(
+        "down wide, |d| 0.9 / 2e-5",
+        2.0 * U11,
+        dd,
+        &gotx,
+        &wantx,
+        &sel,
+        &mut bad,
     );
 
     // The MoE path (q2 mix: IQ2_XXS gate/up d = 512 -> ff = 768, Q2_K down): planes = 1 takes

@@ -224,16 +224,29 @@ pub fn random_experts(
     ne: usize,
     seed: u64,
 ) -> (Vec<u8>, <GpuBackend as ds4_backend::Backend>::Weight) {
-    use ds4_backend::Backend as _;
     let mut rr = rng(seed);
     let bytes: Vec<u8> = (0..rows * ne)
         .flat_map(|_| ds4_gpu::conformance::random_row(t, cols, &mut rr))
         .collect();
+    let w = experts_from_bytes(gpu, t, cols, rows, ne, &bytes);
+    (bytes, w)
+}
+
+/// Experts `[ne][rows][cols]` of type `t` from their raw bytes, as a GPU weight.
+pub fn experts_from_bytes(
+    gpu: &GpuBackend,
+    t: GgmlType,
+    cols: usize,
+    rows: usize,
+    ne: usize,
+    bytes: &[u8],
+) -> <GpuBackend as ds4_backend::Backend>::Weight {
+    use ds4_backend::Backend as _;
     let f = file(&[(
         "w",
         t,
         vec![cols as u64, rows as u64, ne as u64],
-        bytes.clone(),
+        bytes.to_vec(),
     )]);
-    (bytes, gpu.matrix(&src(&f, "w")).unwrap())
+    gpu.matrix(&src(&f, "w")).unwrap()
 }
