@@ -92,6 +92,7 @@ impl GpuBackend {
     /// when the switch is on and the kernel covers it: grouped pairs in runs of `bm` = 64, one
     /// batch and no split K (`zs_ks` = 1), `cols` a multiple of 256, a CUDA sm_90a device.
     /// Counts the launch.
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::model) fn gemm_wgd_dims(
         &self,
         grouped: bool,
