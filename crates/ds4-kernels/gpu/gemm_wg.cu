@@ -86,10 +86,6 @@ static_assert(sizeof(GwSmem<256>) == 227376, "gemm_wg.rs WG_SMEM");
 __device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
-// 16-byte copy reading only the first n (0..16) source bytes, the rest of dst zero-filled.
-__device__ __forceinline__ void gw_cp16n(u32 dst, const void* src, int n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
 
 // Sign masks of a grid entry's 7 sign bits s7 (bit 7: their parity): word q has bit 2q of s8 at
 // bit 15 and bit 2q + 1 at bit 31 (the f16x2 sign bits of elements 2q, 2q + 1), other bits junk
@@ -234,7 +230,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
                 const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 66LL * S;
                 const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
                 const int left = (int)(a + 66 - pc); // bytes of the block from pc on (>= 2)
-                gw_cp16n(so + 4u * (u32)(GW_RW * r + 4 * k), pc, min(left, 16));
+                ds4_cp16n(so + 4u * (u32)(GW_RW * r + 4 * k), pc, min(left, 16));
             }
         }
     };

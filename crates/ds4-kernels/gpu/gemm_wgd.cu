@@ -63,10 +63,6 @@ static_assert(sizeof(GwdSmem<256>) == 196608, "gemm_wgd.rs WGD_SMEM");
 
 // ptx.cuh's cp.async (generic destination) at a 32-bit shared address.
 __device__ __forceinline__ void* gwd_gen(u32 a) { return __cvta_shared_to_generic(a); }
-// 16-byte copy reading only the first n (0..16) source bytes, the rest of dst zero-filled.
-__device__ __forceinline__ void gwd_cp16n(u32 dst, const void* src, int n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
 // Raw super-block S of the CTA's BN rows (rows past `rows` repeat the last) into the stage at
 // shared address so: piece k (16 bytes) of row r from the 16-byte boundary below the block, at
 // words GWD_RW r + 4 k; the last piece reads only up to the block's end (the rest zero-filled), so
@@ -78,7 +74,7 @@ __device__ __forceinline__ void gwd_issue_raw(u32 so, const u8* wbase, int r0, i
         const int r = i / GWD_RP, k = i - r * GWD_RP;
         const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S;
         const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
-        gwd_cp16n(so + 4u * (u32)(GWD_RW * r + 4 * k), pc, min((int)(a + 84 - pc), 16));
+        ds4_cp16n(so + 4u * (u32)(GWD_RW * r + 4 * k), pc, min((int)(a + 84 - pc), 16));
     }
 }
 // Word of a row's staged block S (a16: the row's address mod 16; 84 S = 4 S mod 16).

@@ -86,6 +86,11 @@ __device__ __forceinline__ void ds4_cp16(void* dst, const void* src, bool ok) {
     u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
+// 16 bytes to the shared address dst reading only the first n (0..16) source bytes, the rest
+// zero-filled (a block that ends inside the copy: nothing past it is read).
+__device__ __forceinline__ void ds4_cp16n(u32 dst, const void* src, int n) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
 __device__ __forceinline__ void ds4_cp4(void* dst, const void* src) {
     u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
