@@ -217,22 +217,12 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             }
         }
     };
-    // Raw super-block S (the 66-byte block S of each of the BN rows; rows past `rows` repeat the
-    // last) into stage S % 3: piece k (16 bytes) of row r from the 16-byte boundary below the
-    // block, at words 20 r + 4 k; the last piece reads only up to the block's end (cp.async
-    // src-size: the rest zero-filled), so nothing past the weights is read. 5 copies a row (the
-    // 4-byte form took 17, and their address arithmetic: ~9% of the kernel's instructions).
+    // Raw super-block S (the 66-byte block S of each of the BN rows) into stage S % 3: 5 pieces of
+    // 16 bytes a row at words 20 r + 4 k (wgmma.cuh gw_stage_blocks).
     auto issue_raw = [&](int S) {
-        if (S < nsb) {
-            const u32 so = sr + (u32)(S % GW_NS) * (u32)((BN * GW_RW + 4) * 4);
-            for (int i = tid; i < BN * GW_RP; i += NT) {
-                const int r = i / GW_RP, k = i - r * GW_RP;
-                const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 66LL * S;
-                const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
-                const int left = (int)(a + 66 - pc); // bytes of the block from pc on (>= 2)
-                ds4_cp16n(so + 4u * (u32)(GW_RW * r + 4 * k), pc, min(left, 16));
-            }
-        }
+        if (S < nsb)
+            gw_stage_blocks<BN, NT, 66, GW_RW, GW_RP>(sr + (u32)(S % GW_NS) * (u32)((BN * GW_RW + 4) * 4), wbase, r0, rows,
+                                                      row_bytes, S);
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
     const uint4* ghl = sm.gh + (lane & (GW_GHC - 1)); // this lane's copy of the f16 grid

@@ -34,7 +34,7 @@
 // c+1 into the other A register set. At a super-block's end: wait all, acc += d cc, then the min
 // pair into cc (scale-d 0) while the lane decodes the next chunk, wait, acc -= dmin cc (cc reused:
 // 2 accumulators, not 3, within the 128 registers of 512 threads). X by cp.async 16-byte in
-// groups of 4 chunks (16 slots), raw 84-byte blocks (6 16-byte pieces a row: gwd_issue_raw) and the sums
+// groups of 4 chunks (16 slots), raw 84-byte blocks (6 16-byte pieces a row: gw_stage_blocks) and the sums
 // of the next super-block by cp.async at the super-block's first chunk into 2 stages; one
 // cp.async wait + fence.proxy.async + barrier per group. A deeper form (3 raw / sums stages,
 // cp.async.wait_group 1: 8 chunks of X prefetch) measured 1.1-1.4 % slower (routed experts) and
@@ -63,20 +63,6 @@ static_assert(sizeof(GwdSmem<256>) == 196608, "gemm_wgd.rs WGD_SMEM");
 
 // ptx.cuh's cp.async (generic destination) at a 32-bit shared address.
 __device__ __forceinline__ void* gwd_gen(u32 a) { return __cvta_shared_to_generic(a); }
-// Raw super-block S of the CTA's BN rows (rows past `rows` repeat the last) into the stage at
-// shared address so: piece k (16 bytes) of row r from the 16-byte boundary below the block, at
-// words GWD_RW r + 4 k; the last piece reads only up to the block's end (the rest zero-filled), so
-// nothing past the weights is read. 6 copies a row (the 4-byte form took 21, and their address
-// arithmetic). The block of row r then starts at word gwd_ow(row address, S) of its staged row.
-template <int BN, int NT>
-__device__ __forceinline__ void gwd_issue_raw(u32 so, const u8* wbase, int r0, int rows, long long row_bytes, int S) {
-    for (int i = threadIdx.x; i < BN * GWD_RP; i += NT) {
-        const int r = i / GWD_RP, k = i - r * GWD_RP;
-        const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + 84LL * S;
-        const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
-        ds4_cp16n(so + 4u * (u32)(GWD_RW * r + 4 * k), pc, min((int)(a + 84 - pc), 16));
-    }
-}
 // Word of a row's staged block S (a16: the row's address mod 16; 84 S = 4 S mod 16).
 __device__ __forceinline__ int gwd_ow(u32 a16, int S) { return (int)(((a16 + 4u * (u32)S) & 15u) >> 2); }
 
@@ -138,7 +124,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
     // into stage S % 2.
     auto issue_raw = [&](int S) {
         if (S < nsb) {
-            gwd_issue_raw<BN, NT>(sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
+            gw_stage_blocks<BN, NT, 84, GWD_RW, GWD_RP>(sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
             if (sm_ < N && (PL == 2 || sp < 2)) ds4_cp16(gwd_gen(sdst + (u32)(S & 1) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
         }
     };
@@ -299,7 +285,7 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     auto issue_raw = [&](int S) {
         if (S < nsb) {
             const int st = S % GWD_NSW;
-            gwd_issue_raw<BN, NT>(sr + (u32)st * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
+            gw_stage_blocks<BN, NT, 84, GWD_RW, GWD_RP>(sr + (u32)st * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
             if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)st * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
         }
     };

@@ -3,6 +3,7 @@
 // Users: gemm_wg.cu, gemm_wgd.cu (also their shared MoE tile set-up and store, at the end).
 #pragma once
 #include "prelude.cuh"
+#include "ptx.cuh"
 
 #if defined(DS4_CUDA) && DS4_ARCH >= 900 && DS4_ARCH < 1000
 #define GW_HAVE 1 // wgmma: sm_90a only (not sm_100)
@@ -123,6 +124,25 @@ template <int N, int PL> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, 
 }
 
 // ---- The MoE tile's set-up and store, shared by gemm_wg.cu and gemm_wgd.cu ----
+
+// Raw super-block S (BLK bytes a row at offset BLK S) of a CTA's BN weight rows (rows past `rows`
+// repeat the last) into the stage at shared address so: RP pieces of 16 bytes a row from the
+// 16-byte boundary below the block, piece k of row r at words RW r + 4 k; the last piece reads only
+// up to the block's end (ds4_cp16n: the rest zero-filled), so nothing past the weights is read. A
+// few 16-byte copies a row instead of BLK / 4 copies of 4 bytes and their address arithmetic
+// (gemm_wg.cu: ~9% of the gate/up's instructions). The block of a row at address A then starts at
+// byte (A + BLK S) % 16 of its staged row.
+template <int BN, int NT, int BLK, int RW, int RP>
+__device__ __forceinline__ void gw_stage_blocks(u32 so, const u8* wbase, int r0, int rows, long long row_bytes, int S) {
+    // A block starts at byte <= 14 of its first piece (2-byte aligned blocks), <= 12 (4-byte).
+    static_assert(RP * 16 >= BLK + (BLK % 4 ? 14 : 12) && RW >= 4 * RP, "pieces cover the block");
+    for (int i = threadIdx.x; i < BN * RP; i += NT) {
+        const int r = i / RP, k = i - r * RP;
+        const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + (long long)BLK * S;
+        const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
+        ds4_cp16n(so + 4u * (u32)(RW * r + 4 * k), pc, min((int)(a + BLK - pc), 16)); // >= 2 bytes
+    }
+}
 
 // The run of one expert's pairs starting at starts[blockIdx.y] (gemm.cu gm_items): items[m] = pair
 // index or -1, *expert set; every thread of the CTA calls it (one barrier). Returns the valid items
