@@ -32,7 +32,8 @@
 // Pipeline: per chunk c, the wgmma of chunk c (4 per warpgroup: 2 k-steps x hi/lo into cc; the
 // first of a super-block with scale-d 0) committed, then wait until chunk c-1's group is done
 // (chunk 7 of a super-block: all, then acc += D cc), then the lane decodes chunk c+1 into the other
-// A register set while chunk c's wgmma run. X by cp.async 16-byte in groups of 4 chunks (16 slots
+// A register set while chunk c's wgmma run (N <= 64: the decode goes before the wait, into spare
+// registers, and only their copy into the A set waits: gw_body EARLY). X by cp.async 16-byte in groups of 4 chunks (16 slots
 // of 8 KiB: the group in use, the next one in flight or landed, the one after in flight, the
 // previous one's slots possibly still read by its last wgmma), one cp.async commit group per 4
 // chunks; once per group (every 4th chunk): cp.async.wait_group 1 (this group's chunks landed, the
@@ -82,10 +83,6 @@ template <int BN> struct alignas(16) GwSmem {
     uint4 gh[256 * GW_GHC];         // the grid as 4 f16x2 words per entry, GW_GHC copies (DQ 2)
 };
 static_assert(sizeof(GwSmem<256>) == 227376, "gemm_wg.rs WG_SMEM");
-
-__device__ __forceinline__ void gw_cp16(u32 dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
 
 // Sign masks of a grid entry's 7 sign bits s7 (bit 7: their parity): word q has bit 2q of s8 at
 // bit 15 and bit 2q + 1 at bit 31 (the f16x2 sign bits of elements 2q, 2q + 1), other bits junk
@@ -156,7 +153,10 @@ __device__ __forceinline__ void gw_deq_w(u32 idx, u32 aux, int t, const u64* gri
         u32 sw[4];
 #pragma unroll
         for (int q = 0; q < 4; q++) sw[q] = gw_sgn(s8, q);
-        const uint4 g = gh[e * GW_GHC]; // f16x2 (b_2q, b_2q+1): b * m exact (gh: this lane's copy)
+        // f16x2 (b_2q, b_2q+1): b * m exact (gh: this lane's copy). Byte t of idx by one PRMT and the
+        // address by one LEA (the shift-and-mask form took 5 instructions: sm_90a SASS).
+        const u32 eb = ds4_prmt(idx, 0u, 0x4440u | (u32)t);
+        const uint4 g = *(const uint4*)((const u8*)gh + eb * (16u * GW_GHC));
         const u32 gq[4] = {g.x, g.y, g.z, g.w};
 #pragma unroll
         for (int q = 0; q < 4; q++) w[q] = ds4_hmul2(gq[q], m2) ^ (sw[q] & 0x80008000u);
@@ -198,7 +198,9 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     // (BM = 128: j < 4, items 64.. at core 4 (m / 8) + j from 4096 bytes on).
     const int xm = tid / TPI;
     const int xit = xm < N ? items[xm] : -1;
-    const u32* xsrc = XW + (long long)(xit >= 0 ? xit / xdiv : 0) * cols;
+    // An absent item reads nothing (src-size 0) at row 0's address (in bounds: 32 c + 4 j < cols).
+    const u32* xsrc = XW + (long long)(xit >= 0 ? xit / xdiv : 0) * cols + 4 * PP * (tid % TPI);
+    const int xn = xit >= 0 ? 16 : 0;
     u32 xdst[PP];
 #pragma unroll
     for (int jj = 0; jj < PP; jj++) {
@@ -206,15 +208,18 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         xdst[jj] = sx + (u32)((j >> 2) * 4096 + ((4 * (xm >> 3) + (j & 3)) * 8 + (xm & 7)) * 16);
     }
     constexpr int NX = GW_NX;
-    auto issue_x = [&](int c) {
-        if (c < nl && xm < N) {
-            const u32 so = (u32)(c % NX) * 8192u;
+    // The copies of a group of 4 chunks c0 .. c0 + 3 (c0 % 4 == 0; nl % 8 == 0, so all four are
+    // below nl or none): one test and one slot base a group, not a chunk.
+    auto issue_x4 = [&](int c0) {
+        if (c0 < nl && xm < N) {
+            const u32 so = (u32)(c0 % NX) * 8192u; // the 4 slots are consecutive (NX % 4 == 0)
 #pragma unroll
-            for (int jj = 0; jj < PP; jj++) {
-                if (PL == 1 && PP * (tid % TPI) + jj >= 4) continue; // a lo piece
-                const u32* src = xit >= 0 ? xsrc + 32LL * c + 4 * (PP * (tid % TPI) + jj) : XW;
-                gw_cp16(xdst[jj] + so, src, xit >= 0);
-            }
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int jj = 0; jj < PP; jj++) {
+                    if (PL == 1 && PP * (tid % TPI) + jj >= 4) continue; // a lo piece
+                    ds4_cp16n(xdst[jj] + so + 8192u * (u32)i, xsrc + 32LL * (c0 + i) + 4 * jj, xn);
+                }
         }
     };
     // Raw super-block S (the 66-byte block S of each of the BN rows) into stage S % 3: 5 pieces of
@@ -258,7 +263,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
         }
         gw_afrag(w0, w1, a);
     };
-    constexpr u32 lbo = 128u, sbo = 512u; // next k group, next 8 items
+    const u64 xd0 = gw_desc(sx, 128u, 512u); // X slot 0: LBO next k group, SBO next 8 items
 
     GwAcc<N> acc, cc;
 #pragma unroll
@@ -267,12 +272,10 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     // one group of raw 0 and chunks 0..3, one of raw 1 and chunks 4..7; wait for the first; group 2
     // (chunks 8..11) at chunk 0, raw 2 at chunk 4
     issue_raw(0);
-#pragma unroll
-    for (int i = 0; i < 4; i++) issue_x(i);
+    issue_x4(0);
     ds4_cp_commit();
     issue_raw(1);
-#pragma unroll
-    for (int i = 4; i < 8; i++) issue_x(i);
+    issue_x4(4);
     ds4_cp_commit();
     ds4_cp_wait<1>();
     gw_proxy_fence();
@@ -288,18 +291,40 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
             const int c = 8 * S + p;
             u32* a = (p & 1) ? a1 : a0;  // this chunk's A registers
             u32* an = (p & 1) ? a0 : a1; // the next chunk's
-            const u32 xs = sx + (u32)(c % NX) * 8192u;
+            const u64 xd = gw_xdesc(xd0, c % NX); // this chunk's X slot
             if ((p & 3) == 0) { // group boundary: this group (chunks c .. c+3) has landed
                 ds4_cp_wait<1>(); // chunks c+4 .. c+7 (and at p = 0 raw S+1) may stay in flight
                 gw_proxy_fence();
                 __syncthreads();
-#pragma unroll
-                for (int i = 0; i < 4; i++) issue_x(c + 8 + i); // the group after next, into group c/4 - 2's slots
+                issue_x4(c + 8); // the group after next, into group c/4 - 2's slots
                 if (p == 4) issue_raw(S + 2);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_chunk<N, PL>(FD ? acc : cc, a, xs, lbo, sbo, FD ? c : p); // FD: zeroed at chunk 0 alone
-            if (p == 7 && !FD) { // end of the super-block: acc += (d / 8) cc
+            gw_chunk<N, PL>(FD ? acc : cc, a, xd, FD ? c : p); // FD: zeroed at chunk 0 alone
+            // The decode of chunk c + 1 (the next super-block's at p = 7).
+            auto next = [&](u32* dst) {
+                const int S1 = p == 7 ? S + 1 : S;
+                if (DQ >= 1 && p == 7) rows_of(S1);
+                if (FD && p == 7) {
+                    dm0 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0f(S1));
+                    dm1 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1f(S1));
+                }
+                decode(S1, (p + 1) & 7, dst);
+                if (p == 7 && !FD) {
+                    D0 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0f(S1));
+                    D1 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1f(S1));
+                }
+            };
+            // EARLY: chunk c + 1 is decoded into nx before the wait for chunk c - 1's wgmma (whose A
+            // registers an it goes to), so the decode's load chains overlap that wgmma instead of
+            // following it. 8 more live registers: below N = 80 (<= 128 a thread with N = 128's acc;
+            // the unfolded forms' cc too: N <= 48, N = 64 spilled). Past the last chunk it decodes
+            // stale stage words, never used (no branch, no selects).
+            constexpr bool EARLY = N <= (FD ? 64 : 48);
+            const bool sb_end = p == 7 && !FD;
+            u32 nx[8];
+            if (EARLY && !sb_end) next(nx);
+            if (sb_end) { // end of the super-block: acc += (d / 8) cc
                 gw_wait<0>();
                 gw_pin(cc);
                 gw_pin_a(a);
@@ -310,18 +335,11 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
                 gw_wait<1>(); // chunk c - 1's group (registers an, X slot (c - 1) % NX) is done
                 gw_pin_a(an);
             }
-            if (c + 1 < nl) {
-                const int S1 = p == 7 ? S + 1 : S;
-                if (DQ >= 1 && p == 7) rows_of(S1);
-                if (FD && p == 7) {
-                    dm0 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0f(S1));
-                    dm1 = gw_dm(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1f(S1));
-                }
-                decode(S1, (p + 1) & 7, an);
-                if (p == 7 && !FD) {
-                    D0 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R0], sh0f(S1));
-                    D1 = gw_dscale(&sm.raw[S1 % GW_NS][GW_RW * R1], sh1f(S1));
-                }
+            if (EARLY && !sb_end) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) an[i] = nx[i];
+            } else if (c + 1 < nl) {
+                next(an);
             }
         }
     }

@@ -31,7 +31,7 @@
 // LBO 128, SBO 256; the min term is one m64nNk16 pair (hi, lo) with A = 16 m_j (k = j).
 // Pipeline (gwg_iq2_xxs's "burst" form): per chunk c the 4 wgmma (2 k-steps x hi/lo into cc, the
 // super-block's first with scale-d 0) committed, then wait for chunk c-1's group and decode chunk
-// c+1 into the other A register set. At a super-block's end: wait all, acc += d cc, then the min
+// c+1 into the other A register set (the folded wide form at N <= 64: decode first, as gemm_wg.cu). At a super-block's end: wait all, acc += d cc, then the min
 // pair into cc (scale-d 0) while the lane decodes the next chunk, wait, acc -= dmin cc (cc reused:
 // 2 accumulators, not 3, within the 128 registers of 512 threads). X by cp.async 16-byte in
 // groups of 4 chunks (16 slots), raw 84-byte blocks (6 16-byte pieces a row: gw_stage_blocks) and the sums
@@ -61,8 +61,6 @@ template <int BN> struct alignas(16) GwdSmem {
 };
 static_assert(sizeof(GwdSmem<256>) == 196608, "gemm_wgd.rs WGD_SMEM");
 
-// ptx.cuh's cp.async (generic destination) at a 32-bit shared address.
-__device__ __forceinline__ void* gwd_gen(u32 a) { return __cvta_shared_to_generic(a); }
 // Word of a row's staged block S (a16: the row's address mod 16; 84 S = 4 S mod 16).
 __device__ __forceinline__ int gwd_ow(u32 a16, int S) { return (int)(((a16 + 4u * (u32)S) & 15u) >> 2); }
 
@@ -109,23 +107,30 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
     // plane c / 2, k group 2 kk + c % 2, row xm % 8 of item group xm / 8 (PL == 1: c < 2 only).
     const int xm = tid >> 3, xu = tid & 7;
     const int xit = xm < N ? items[xm] : -1;
+    // An absent item reads nothing (src-size 0) at row 0's address (in bounds: 32 c + 4 xu < cols).
     const u32* xsrc = XT + (long long)(xit >= 0 ? xit / xdiv : 0) * x_tok + 4 * xu;
+    const int xn = xit >= 0 ? 16 : 0;
     const u32 xdst = sx + (u32)(((xu >> 1) & 1) * 4096 + ((4 * (xm >> 3) + 2 * (xu >> 2) + (xu & 1)) * 8 + (xm & 7)) * 16);
-    auto issue_x = [&](int c) {
-        if (c < nl && xm < N && (PL == 2 || !(xu & 2))) ds4_cp16(gwd_gen(xdst + (u32)(c % GWD_NX) * 8192u), xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
+    // Chunks c0 .. c0 + 3 (c0 % 4 == 0, nl % 8 == 0: all below nl or none; 4 consecutive slots).
+    auto issue_x4 = [&](int c0) {
+        if (c0 < nl && xm < N && (PL == 2 || !(xu & 2))) {
+            const u32 so = xdst + (u32)(c0 % GWD_NX) * 8192u;
+#pragma unroll
+            for (int i = 0; i < 4; i++) ds4_cp16n(so + 8192u * (u32)i, xsrc + 32LL * (c0 + i), xn);
+        }
     };
     // Sums copies: thread < 4 N -> item sm_ = tid / 4, 16-byte piece sp = tid % 4 (plane sp / 2,
     // k group sp % 2) of the item's 16 sum words of super-block S (PL == 1: sp < 2 only).
     const int sm_ = tid >> 2, sp = tid & 3;
     const int sit = sm_ < N ? items[sm_] : -1;
-    const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp;
+    const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp; // absent: row 0, 0 bytes
     const u32 sdst = ss + (u32)((sp >> 1) * 2048 + ((2 * (sm_ >> 3) + (sp & 1)) * 8 + (sm_ & 7)) * 16);
     // Raw super-block S of each of the BN rows (rows past `rows` repeat the last) and its sums
     // into stage S % 2.
     auto issue_raw = [&](int S) {
         if (S < nsb) {
             gw_stage_blocks<BN, NT, 84, GWD_RW, GWD_RP>(sr + (u32)(S & 1) * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
-            if (sm_ < N && (PL == 2 || sp < 2)) ds4_cp16(gwd_gen(sdst + (u32)(S & 1) * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
+            if (sm_ < N && (PL == 2 || sp < 2)) ds4_cp16n(sdst + (u32)(S & 1) * 4096u, ssrc + 16LL * S, sit >= 0 ? 16 : 0);
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
@@ -139,7 +144,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
         gwd_deq(&sm.raw[S & 1][GWD_RW * R1 + gwd_ow(a16_1, S)], P, t, w1);
         gw_afrag(w0, w1, a);
     };
-    constexpr u32 lbo = 128u, sbo = 512u; // X: next k group, next 8 items
+    const u64 xd0 = gw_desc(sx, 128u, 512u); // X slot 0: LBO next k group, SBO next 8 items
 
     GwAcc<N> acc, cc;
 #pragma unroll
@@ -147,8 +152,8 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
     u32 a0[8], a1[8];
     // raw 0 and X groups 0, 1 (chunks 0..7); raw 1 and group 2 at chunk 0
     issue_raw(0);
-#pragma unroll
-    for (int i = 0; i < 8; i++) issue_x(i);
+    issue_x4(0);
+    issue_x4(4);
     ds4_cp_commit();
     ds4_cp_wait<0>();
     gw_proxy_fence();
@@ -163,17 +168,16 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
             const int c = 8 * S + p;
             u32* a = (p & 1) ? a1 : a0;  // this chunk's A registers
             u32* an = (p & 1) ? a0 : a1; // the next chunk's
-            const u32 xs = sx + (u32)(c % GWD_NX) * 8192u;
+            const u64 xd = gw_xdesc(xd0, c % GWD_NX); // this chunk's X slot
             if ((p & 3) == 0) { // group boundary: the next group has landed (nothing else in flight)
                 ds4_cp_wait<0>();
                 gw_proxy_fence();
                 __syncthreads();
-#pragma unroll
-                for (int i = 0; i < 4; i++) issue_x(c + 8 + i); // the group after next
+                issue_x4(c + 8); // the group after next
                 if (p == 0) issue_raw(S + 1);                  // into super-block S - 1's stage
                 ds4_cp_commit();
             }
-            gw_chunk<N, PL>(cc, a, xs, lbo, sbo, p);
+            gw_chunk<N, PL>(cc, a, xd, p);
             if (p == 7) { // end of the super-block: acc += d cc, then the min pair into cc
                 gw_wait<0>();
                 gw_pin(cc);
@@ -271,22 +275,27 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     // hi plane of 128 items fills the 8 KiB slot (SBO 512 spans 16 item groups).
     const int xm = tid >> 2, xv = tid & 3, xu = 4 * (xv >> 1) + (xv & 1);
     const int xit = xm < N ? items[xm] : -1;
-    const u32* xsrc = XT + (long long)(xit >= 0 ? xit / xdiv : 0) * x_tok + 4 * xu;
+    const u32* xsrc = XT + (long long)(xit >= 0 ? xit / xdiv : 0) * x_tok + 4 * xu; // absent: row 0, read 0 bytes
+    const int xn = xit >= 0 ? 16 : 0;
     const u32 xdst = sx + (u32)(((4 * (xm >> 3) + 2 * (xu >> 2) + (xu & 1)) * 8 + (xm & 7)) * 16);
-    auto issue_x = [&](int c) {
-        if (c < nl && xm < N) ds4_cp16(gwd_gen(xdst + (u32)(c % GWD_NX) * 8192u), xit >= 0 ? xsrc + 32LL * c : XT, xit >= 0);
+    auto issue_x4 = [&](int c0) { // as gwd_body's
+        if (c0 < nl && xm < N) {
+            const u32 so = xdst + (u32)(c0 % GWD_NX) * 8192u;
+#pragma unroll
+            for (int i = 0; i < 4; i++) ds4_cp16n(so + 8192u * (u32)i, xsrc + 32LL * (c0 + i), xn);
+        }
     };
     // Sums copies: thread < 2 N -> item sm_ = tid / 2, hi piece sp = tid % 2 (k group) of the item's
     // sums of super-block S.
     const int sm_ = tid >> 1, sp = tid & 1;
     const int sit = sm_ < N ? items[sm_] : -1;
-    const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp;
+    const u32* ssrc = XS + (long long)(sit >= 0 ? sit / xdiv : 0) * (x_tok / 16) + 4 * sp; // absent: row 0, 0 bytes
     const u32 sdst = ss + (u32)(((2 * (sm_ >> 3) + sp) * 8 + (sm_ & 7)) * 16);
     auto issue_raw = [&](int S) {
         if (S < nsb) {
             const int st = S % GWD_NSW;
             gw_stage_blocks<BN, NT, 84, GWD_RW, GWD_RP>(sr + (u32)st * (u32)(BN * GWD_RW * 4), wbase, r0, rows, row_bytes, S);
-            if (sm_ < N) ds4_cp16(gwd_gen(sdst + (u32)st * 4096u), sit >= 0 ? ssrc + 16LL * S : XS, sit >= 0);
+            if (sm_ < N) ds4_cp16n(sdst + (u32)st * 4096u, ssrc + 16LL * S, sit >= 0 ? 16 : 0);
         }
     };
     const int R0 = 64 * h + 16 * q + g, R1 = R0 + 8;
@@ -300,7 +309,7 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
         gwd_deq_f(&sm.raw[st][GWD_RW * R1 + gwd_ow(a16_1, S)], P, t, fd1, w1);
         gw_afrag(w0, w1, a);
     };
-    constexpr u32 lbo = 128u, sbo = 512u;
+    const u64 xd0 = gw_desc(sx, 128u, 512u); // X slot 0 (as gwd_body)
 
     GwAcc<N> acc;
 #pragma unroll
@@ -309,8 +318,8 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     // One group of raw / sums 0 and X chunks 0..7, one of raw / sums 1; wait for the first (the
     // second by super-block 0's chunk 0 boundary, before its first use at chunk 7)
     issue_raw(0);
-#pragma unroll
-    for (int i = 0; i < 8; i++) issue_x(i);
+    issue_x4(0);
+    issue_x4(4);
     ds4_cp_commit();
     issue_raw(1);
     ds4_cp_commit();
@@ -329,18 +338,17 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
             const int c = 8 * S + p;
             u32* a = (p & 1) ? a1 : a0;
             u32* an = (p & 1) ? a0 : a1;
-            const u32 xs = sx + (u32)(c % GWD_NX) * 8192u;
+            const u64 xd = gw_xdesc(xd0, c % GWD_NX); // this chunk's X slot
             if ((p & 3) == 0) { // group boundary: everything issued so far has landed
                 ds4_cp_wait<0>();
                 gw_proxy_fence();
                 __syncthreads();
-#pragma unroll
-                for (int i = 0; i < 4; i++) issue_x(c + 8 + i);
+                issue_x4(c + 8);
                 if (p == 0 && S > 0) issue_raw(S + 1); // into S - 2's stage (its min wgmma waited at S - 1's chunk 0)
                 ds4_cp_commit();
             }
             if (p < 7) {
-                gw_chunk<N, 1>(acc, a, xs, lbo, sbo, c); // zeroes acc at chunk 0 alone
+                gw_chunk<N, 1>(acc, a, xd, c); // zeroes acc at chunk 0 alone
             } else { // the chunk and the super-block's min term, one group
                 const u32 m0 = gwd_fm(rb0), m1 = gwd_fm(rb1);
                 am[0] = ds4_hmul2(gwd_min(rb0, t, 0), m0), am[1] = ds4_hmul2(gwd_min(rb1, t, 0), m1);
@@ -349,23 +357,37 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
                 gw_pin_a(am);
                 gw_fence();
 #pragma unroll
-                for (int kk = 0; kk < 2; kk++) gw_mma(acc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), 1);
+                for (int kk = 0; kk < 2; kk++) gw_mma(acc, a + 4 * kk, xd + 16u * kk, 1);
                 gw_mma(acc, am, gw_desc(ss + (u32)st * 4096u, 128u, 256u), 1);
                 gw_commit();
                 gw_pin(acc);
             }
-            gw_wait<1>(); // chunk c - 1's group (registers an; at p = 0 also S - 1's am) is done
-            gw_pin_a(an);
-            gw_pin_a(am);
-            if (c + 1 < nl) {
+            // The decode of chunk c + 1 (the next super-block's at p = 7; its stage landed by this
+            // super-block's p = 4 wait).
+            auto next = [&](u32* dst) {
                 if (p == 7) {
                     const int s1 = (S + 1) % GWD_NSW;
                     fd0 = gwd_fd(&sm.raw[s1][GWD_RW * R0 + gwd_ow(a16_0, S + 1)]);
                     fd1 = gwd_fd(&sm.raw[s1][GWD_RW * R1 + gwd_ow(a16_1, S + 1)]);
-                    decode(0, S + 1, an);
+                    decode(0, S + 1, dst);
                 } else {
-                    decode(p + 1, S, an);
+                    decode(p + 1, S, dst);
                 }
+            };
+            // EARLY (as gemm_wg.cu gw_body): below N = 80 chunk c + 1 is decoded into nx before the
+            // wait for chunk c - 1's group, whose A registers an it goes to (past the last chunk:
+            // stale stage words, never used).
+            constexpr bool EARLY = N <= 64;
+            u32 nx[8];
+            if (EARLY) next(nx);
+            gw_wait<1>(); // chunk c - 1's group (registers an; at p = 0 also S - 1's am) is done
+            gw_pin_a(an);
+            gw_pin_a(am);
+            if (EARLY) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) an[i] = nx[i];
+            } else if (c + 1 < nl) {
+                next(an);
             }
         }
     }

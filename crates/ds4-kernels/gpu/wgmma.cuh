@@ -107,21 +107,27 @@ __device__ __forceinline__ void gw_afrag(const u32* w0, const u32* w1, u32* a) {
 }
 
 // The 2 PL wgmma of one 32-element chunk, committed as one group: k-steps kk = 0, 1 of the A
-// registers a[4 kk ..] times the X planes hi (chunk slot at shared address xs) and, when PL == 2,
-// lo (xs + 4096), into cc; the super-block's first (p == 0, kk == 0) with scale-d 0 (zeroes cc
-// first). PL == 1 (DS4_GPU_GEMM_PLANES=1): X as its f16 rounding alone, ~2^-11 per element.
-template <int N, int PL> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, const u32* a, u32 xs, u32 lbo, u32 sbo, int p) {
+// registers a[4 kk ..] times the X planes hi (chunk slot descriptor d = gw_desc of its shared
+// address) and, when PL == 2, lo (4096 bytes on), into cc; the super-block's first (p == 0,
+// kk == 0) with scale-d 0 (zeroes cc first). PL == 1 (DS4_GPU_GEMM_PLANES=1): X as its f16
+// rounding alone, ~2^-11 per element.
+// Descriptors are added to, not rebuilt: the start field is address / 16 (< 2^14 below 256 KiB
+// of shared memory, so + 256 bytes = + 16 never carries out of it); a chunk's descriptor as
+// gw_xdesc(base, slot) costs one uniform add where gw_desc took ~10 instructions a chunk.
+template <int N, int PL> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, const u32* a, u64 d, int p) {
     static_assert(PL == 1 || PL == 2, "X planes: hi, or hi and lo");
     gw_pin(cc);
     gw_fence();
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
-        gw_mma(cc, a + 4 * kk, gw_desc(xs + 256u * kk, lbo, sbo), (p | kk) != 0); // hi
-        if (PL == 2) gw_mma(cc, a + 4 * kk, gw_desc(xs + 4096u + 256u * kk, lbo, sbo), 1); // lo
+        gw_mma(cc, a + 4 * kk, d + 16u * kk, (p | kk) != 0);              // hi
+        if (PL == 2) gw_mma(cc, a + 4 * kk, d + 256u + 16u * kk, 1); // lo
     }
     gw_commit();
     gw_pin(cc);
 }
+// The descriptor of X chunk slot `slot` (8 KiB apart from the slot-0 descriptor d0).
+__device__ __forceinline__ u64 gw_xdesc(u64 d0, int slot) { return d0 + 512u * (u32)slot; }
 
 // ---- The MoE tile's set-up and store, shared by gemm_wg.cu and gemm_wgd.cu ----
 
@@ -132,15 +138,24 @@ template <int N, int PL> __device__ __forceinline__ void gw_chunk(GwAcc<N>& cc, 
 // few 16-byte copies a row instead of BLK / 4 copies of 4 bytes and their address arithmetic
 // (gemm_wg.cu: ~9% of the gate/up's instructions). The block of a row at address A then starts at
 // byte (A + BLK S) % 16 of its staged row.
+// Thread -> row tid / TPR, pieces tid % TPR + TPR j (TPR = NT / BN threads a row): one row address
+// a call, then one add a piece (a piece-major split cost ~25 instructions a piece: its own row,
+// division by RP, 64-bit multiply; sm_90a SASS).
 template <int BN, int NT, int BLK, int RW, int RP>
 __device__ __forceinline__ void gw_stage_blocks(u32 so, const u8* wbase, int r0, int rows, long long row_bytes, int S) {
     // A block starts at byte <= 14 of its first piece (2-byte aligned blocks), <= 12 (4-byte).
     static_assert(RP * 16 >= BLK + (BLK % 4 ? 14 : 12) && RW >= 4 * RP, "pieces cover the block");
-    for (int i = threadIdx.x; i < BN * RP; i += NT) {
-        const int r = i / RP, k = i - r * RP;
-        const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + (long long)BLK * S;
-        const u8* pc = (const u8*)((size_t)a & ~(size_t)15) + 16 * k;
-        ds4_cp16n(so + 4u * (u32)(RW * r + 4 * k), pc, min((int)(a + BLK - pc), 16)); // >= 2 bytes
+    static_assert(NT % BN == 0, "whole threads a row");
+    constexpr int TPR = NT / BN;
+    const int r = threadIdx.x / TPR, k0 = threadIdx.x % TPR;
+    const u8* a = wbase + (long long)min(r0 + r, rows - 1) * row_bytes + (long long)BLK * S;
+    const u8* b = (const u8*)((size_t)a & ~(size_t)15);
+    const int end = (int)((size_t)a & 15) + BLK; // the block's end, in bytes from b
+    const u32 d = so + 4u * (u32)(RW * r);
+#pragma unroll
+    for (int j = 0; j < (RP + TPR - 1) / TPR; j++) {
+        const int k = k0 + TPR * j;
+        if (k < RP) ds4_cp16n(d + 16u * (u32)k, b + 16 * k, min(end - 16 * k, 16)); // >= 2 bytes
     }
 }
 
