@@ -82,14 +82,14 @@ __device__ __forceinline__ void ds4_ldm4_t(u32* r, const void* p) {
 
 // Asynchronous copies global -> shared: 16 bytes (zero-filled when !ok, L2 only) or 4 bytes;
 // grouped by commit, waited for with at most N groups still in flight.
-__device__ __forceinline__ void ds4_cp16(void* dst, const void* src, bool ok) {
-    u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
 // 16 bytes to the shared address dst reading only the first n (0..16) source bytes, the rest
 // zero-filled (a block that ends inside the copy: nothing past it is read).
 __device__ __forceinline__ void ds4_cp16n(u32 dst, const void* src, int n) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+// The same at a generic pointer to shared memory: all 16 bytes, or none (zero-filled) when !ok.
+__device__ __forceinline__ void ds4_cp16(void* dst, const void* src, bool ok) {
+    ds4_cp16n((u32)__cvta_generic_to_shared(dst), src, ok ? 16 : 0);
 }
 __device__ __forceinline__ void ds4_cp4(void* dst, const void* src) {
     u32 d = (u32)__cvta_generic_to_shared(dst);
