@@ -11,11 +11,13 @@
 
 pub mod rope;
 pub mod sample;
+pub mod shard;
 pub mod state;
 
 pub use ds4_gguf::GgmlType;
 use ds4_gguf::GgufFile;
 pub use sample::SampleParams;
+pub use shard::{HostComm, Shard};
 pub use state::{HostCompState, HostLayerState};
 use std::sync::Arc;
 
@@ -512,6 +514,32 @@ pub trait Backend: Send + Sync + Sized {
     );
     /// `g = silu(min(g, c)) · clamp(u, −c, c)` over `len` values (the shared expert).
     fn swiglu(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize, clamp: f32);
+
+    // ---- expert parallelism (`shard.rs`) ----
+    /// Rewrite the router's `[n, k]` global selections and weights for a rank holding experts
+    /// `e0 .. e0 + count` ([`shard::localize`]), before [`Backend::moe_experts`] of that rank's
+    /// expert stacks. Default: on the host (download, rewrite, upload); a backend that records
+    /// decode steps as graphs rewrites on the device.
+    fn moe_localize(
+        &self,
+        sel: &mut Self::IBuf,
+        wgt: &mut Self::Buf,
+        n: usize,
+        k: usize,
+        e0: usize,
+        count: usize,
+    ) {
+        let mut s = self.download_i32(sel, n * k);
+        let mut w = self.download(wgt, n * k);
+        shard::localize(&mut s, &mut w, k, e0, count);
+        *sel = self.upload_i32(&s);
+        *wgt = self.upload(&w);
+    }
+    /// `y[..len] = Σ over the ranks of this backend's EP group of their y[..len]`, the same
+    /// values on every rank. A backend outside any group (the default) leaves y as it is.
+    fn all_reduce_sum(&self, y: &mut Self::Buf, len: usize) {
+        let _ = (y, len);
+    }
 
     // ---- fused ops (defaults: the composition; devices may fuse) ----
     /// `ys[i] = ws[i]·x` for every i ([`Backend::matmul`] with `Part::All`, `n` rows of `x`):

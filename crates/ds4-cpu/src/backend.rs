@@ -6,8 +6,8 @@
 use crate::math::{self, dot, rms_norm, sigmoid, silu, softmax, softplus};
 use ds4_backend::rope::RopeTables;
 use ds4_backend::{
-    AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
-    IndexSpec, LayerDims, MoeSpec, Part, RopeKind, RowRounding, WeightSrc, Which,
+    AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostComm, HostCompState,
+    HostLayerState, IndexSpec, LayerDims, MoeSpec, Part, RopeKind, RowRounding, WeightSrc, Which,
 };
 use ds4_gguf::GgufFile;
 use std::sync::Arc;
@@ -63,11 +63,21 @@ impl CpuWeight {
 
 pub struct CpuBackend {
     ropes: RopeTables,
+    /// This rank and its group's all-reduce, where the model is split by experts (tests of
+    /// expert parallelism: `ds4_backend::shard`).
+    comm: Option<(usize, Arc<HostComm>)>,
 }
 
 impl CpuBackend {
     pub fn new(ropes: RopeTables) -> CpuBackend {
-        CpuBackend { ropes }
+        CpuBackend { ropes, comm: None }
+    }
+
+    /// This backend as rank `rank` of `comm`'s group ([`Backend::all_reduce_sum`]).
+    pub fn with_comm(mut self, rank: usize, comm: Arc<HostComm>) -> CpuBackend {
+        assert!(rank < comm.n_ranks(), "rank {rank} of {}", comm.n_ranks());
+        self.comm = Some((rank, comm));
+        self
     }
 
     /// `ys = W[rows r0 ..] · xs` over whole rows `r0 .. r0 + ys.len()/n`.
@@ -715,6 +725,12 @@ impl Backend for CpuBackend {
     fn swiglu(&self, g: &mut Vec<f32>, u: &Vec<f32>, len: usize, c: f32) {
         for (gv, uv) in g[..len].iter_mut().zip(&u[..len]) {
             *gv = silu(gv.min(c)) * uv.clamp(-c, c);
+        }
+    }
+
+    fn all_reduce_sum(&self, y: &mut Vec<f32>, len: usize) {
+        if let Some((rank, comm)) = &self.comm {
+            comm.all_reduce(*rank, &mut y[..len]);
         }
     }
 }

@@ -15,6 +15,7 @@
 mod common;
 
 use ds4_cpu::{CpuModel, Rounding};
+use ds4_model::forward::Forward;
 use std::path::{Path, PathBuf};
 
 fn fixtures() -> PathBuf {
@@ -60,9 +61,13 @@ struct Stats {
 /// `chunk`: evaluate through the batched prompt path in chunks of this many tokens
 /// (logits of every position), instead of one-token decode.
 fn compare(model: &str, rounding: Rounding, expected: &str, chunk: Option<usize>) -> Stats {
+    compare_on(&load(model, rounding), model, expected, chunk)
+}
+
+/// [`compare`] on any model: one rank, or expert-parallel ranks (`ds4_model::sharded`).
+fn compare_on(m: &dyn Forward, model: &str, expected: &str, chunk: Option<usize>) -> Stats {
     let (_, tokens) = npy(&fixtures().join("tokens.npy"), "<i4", i32::from_le_bytes);
     let (shape, want) = npy(&fixtures().join(expected), "<f4", f32::from_le_bytes);
-    let m = load(model, rounding);
     let v = shape[1];
     assert_eq!(shape[0], tokens.len());
     let mut st = m.new_state();
@@ -70,10 +75,18 @@ fn compare(model: &str, rounding: Rounding, expected: &str, chunk: Option<usize>
     let mut agree = 0;
     let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
     let all: Vec<Vec<f32>> = match chunk {
-        None => ids.iter().map(|&t| m.eval(&mut st, t).unwrap()).collect(),
+        None => ids
+            .iter()
+            .map(|&t| {
+                m.eval_batch(&mut st, &[t], false, false)
+                    .unwrap()
+                    .0
+                    .remove(0)
+            })
+            .collect(),
         Some(c) => ids
             .chunks(c)
-            .flat_map(|ch| m.eval_batch(&mut st, ch, true).unwrap())
+            .flat_map(|ch| m.eval_batch(&mut st, ch, true, false).unwrap().0)
             .collect(),
     };
     for (t, got) in all.iter().enumerate() {
@@ -181,4 +194,23 @@ fn chunked_prefill_path_matches_hf() {
         s.median_of_max,
         s.top1
     );
+}
+
+/// Expert parallelism (`ds4_backend::shard`, `ds4_model::sharded`): the tiny model's 16
+/// experts split over 2 and 3 CPU ranks (8 + 8; 5 + 5 + 6) joined by the host all-reduce,
+/// every position against the oracle with the plain-math bound of one rank. Only the MoE
+/// sum's order differs from one rank (a few ulp).
+#[test]
+fn expert_parallel_ranks_match_hf() {
+    if !have_fixtures() {
+        return;
+    }
+    for (n, chunk) in [(2, None), (3, Some(160))] {
+        let path = fixtures().join("tiny-q.gguf");
+        let ep = ds4_cpu::load_sharded(&path, Rounding::NONE, n).unwrap();
+        assert_eq!(ep.n_ranks(), n);
+        let s = compare_on(&ep, "tiny-q.gguf (EP)", "logits-q.npy", chunk);
+        assert!(s.max < 2e-5, "{n} ranks: max |Δ| {}", s.max);
+        assert_eq!(s.top1, 1.0, "{n} ranks");
+    }
 }

@@ -4,12 +4,13 @@
 pub mod sampler;
 mod snapshot;
 
-use ds4_backend::Backend;
+use ds4_backend::{Backend, HostComm, Shard};
 use ds4_cpu::CpuBackend;
 pub use ds4_cpu::Rounding;
 use ds4_gguf::GgufFile;
 pub use ds4_gpu::Precision;
 use ds4_model::forward::{rope_tables, AnyLayerState, AnyState, Forward, Model};
+use ds4_model::sharded::Sharded;
 use ds4_model::synthetic::SynthSource;
 use ds4_model::{bind_main, HParams};
 use ds4_tokenizer::Tokenizer;
@@ -75,6 +76,14 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
     /// GPU index among the visible devices (`--device`).
     pub device: usize,
+    /// Expert parallelism (`--devices`): with two or more entries the model is split by
+    /// routed experts over these GPUs, one rank each (NCCL / RCCL between them; `device` is
+    /// then unused). With the CPU backend: that many reference ranks in this process.
+    pub devices: Vec<usize>,
+    /// Expert-parallel GPU ranks add their MoE sums through host memory instead of NCCL /
+    /// RCCL: slower (no decode graphs), but ranks may then share a device (tests; the CLI's
+    /// `DS4_EP_COMM=host`).
+    pub ep_host_comm: bool,
     pub rounding: Rounding,
     /// Rounding of the GPU's prefill tensor-core products (`--precision`; ds4-gpu
     /// `model/precision.rs`). The CPU backend computes in f32 either way.
@@ -89,6 +98,8 @@ impl EngineOptions {
             backend: BackendChoice::Auto,
             threads: None,
             device: 0,
+            devices: Vec::new(),
+            ep_host_comm: false,
             rounding: Rounding::MODEL,
             precision: DEFAULT_PRECISION,
         }
@@ -311,6 +322,132 @@ fn gpu_backend(
     Ok((b, line))
 }
 
+/// Bytes of a model's weights: all of them, and the routed experts' part (split between
+/// expert-parallel ranks; the rest is on every rank).
+#[derive(Clone, Copy)]
+struct RankBytes {
+    all: u64,
+    experts: u64,
+}
+
+impl RankBytes {
+    /// The most any of `n` ranks holds (ranks differ by at most one expert of each layer).
+    fn per_rank(&self, n: usize, n_expert: usize) -> u64 {
+        let most = n_expert.div_ceil(n) as u64;
+        self.all - self.experts + (self.experts * most).div_ceil(n_expert.max(1) as u64)
+    }
+}
+
+/// An opened model, its backend line, and the device bytes of its weights (GPU backends).
+type Opened = (Arc<dyn Forward>, String, Option<u64>);
+
+/// Loads one expert-parallel rank's model on backend `B` (its weights from a file or made on
+/// the device), reporting `progress(done, total)` of that rank.
+type RankLoader<'a, B> =
+    dyn FnMut(B, Shard, &mut dyn FnMut(usize, usize)) -> Result<Model<B>, String> + 'a;
+
+/// Expert parallelism (`ds4_backend::shard`) over `opts.devices`: one rank per GPU joined by
+/// NCCL / RCCL (`EngineOptions::ep_host_comm`: through host memory, which also lets ranks
+/// share a device: tests), or `--backend cpu` reference ranks. Returns the model, its backend line and the
+/// device bytes of rank 0's weights. Progress covers every rank's load in turn.
+fn open_ranks(
+    opts: &EngineOptions,
+    hp: &HParams,
+    sizes: RankBytes,
+    progress: &mut dyn FnMut(usize, usize),
+    load_gpu: &mut RankLoader<'_, ds4_gpu::GpuBackend>,
+    load_cpu: &mut RankLoader<'_, CpuBackend>,
+) -> Result<Opened, EngineError> {
+    let n = opts.devices.len();
+    let n_expert = hp.n_expert as usize;
+    if n > n_expert {
+        return Err(EngineError::Backend(
+            "expert parallel".into(),
+            format!("--devices names {n} ranks but the model has {n_expert} routed experts"),
+        ));
+    }
+    let mut ranks: Vec<Box<dyn Forward>> = Vec::with_capacity(n);
+    if opts.backend == BackendChoice::Cpu {
+        let comm = HostComm::new(n);
+        for rank in 0..n {
+            let b = CpuBackend::new(rope_tables(hp)).with_comm(rank, comm.clone());
+            let shard = Shard { rank, n_ranks: n };
+            let m = load_cpu(b, shard, &mut |d, t| progress(rank * t + d, n * t))
+                .map_err(|e| EngineError::Backend(format!("cpu rank {rank}"), e))?;
+            ranks.push(Box::new(m));
+        }
+        let m = Sharded::new(ranks).map_err(|e| EngineError::Backend("cpu".into(), e))?;
+        return Ok((Arc::new(m), format!("cpu x{n} (expert parallel)"), None));
+    }
+    // Every device first: a missing one is an error before anything loads.
+    let mut picks = Vec::with_capacity(n);
+    for &d in &opts.devices {
+        let pick = pick_gpu(opts.backend, d)?.ok_or_else(|| {
+            EngineError::Backend(
+                "expert parallel".into(),
+                format!(
+                    "--devices: GPU {d} is not usable (expert parallelism runs on CUDA or ROCm                      GPUs; `ds4 devices` lists them; --backend cpu runs reference ranks)"
+                ),
+            )
+        })?;
+        picks.push(pick);
+    }
+    let name = picks[0].name;
+    if picks.iter().any(|p| p.name != name) {
+        return Err(EngineError::Backend(
+            "expert parallel".into(),
+            "--devices mixes CUDA and ROCm GPUs: one vendor per group".into(),
+        ));
+    }
+    let mut comms: Vec<ds4_gpu::GpuComm> = if opts.ep_host_comm {
+        let c = HostComm::new(n);
+        (0..n)
+            .map(|rank| ds4_gpu::GpuComm::Host {
+                rank,
+                comm: c.clone(),
+            })
+            .collect()
+    } else {
+        let vendor = picks[0].gpu.info().vendor;
+        let ccl = ds4_gpu::ccl::Ccl::open(vendor).map_err(|e| {
+            EngineError::Backend(
+                name.into(),
+                format!("{e}\nexpert parallelism (--devices) needs it"),
+            )
+        })?;
+        Arc::new(ccl)
+            .init_all(&opts.devices)
+            .map_err(|e| EngineError::Backend(name.into(), e.to_string()))?
+            .into_iter()
+            .map(ds4_gpu::GpuComm::Ccl)
+            .collect()
+    };
+    let per_rank = sizes.per_rank(n, n_expert);
+    let mut line = String::new();
+    let mut wb0 = None;
+    for (rank, pick) in picks.into_iter().enumerate() {
+        let dev = pick.gpu.info().index;
+        if rank == 0 {
+            line = gpu_line(name, &pick.gpu, opts.precision);
+        }
+        let (b, _) = gpu_backend(pick, hp, per_rank, opts.precision)?;
+        let b = b.with_comm(comms.remove(0));
+        let shard = Shard { rank, n_ranks: n };
+        let err = |e| EngineError::Backend(format!("{name} rank {rank} (GPU {dev})"), e);
+        let m = load_gpu(b, shard, &mut |d, t| progress(rank * t + d, n * t)).map_err(err)?;
+        m.backend.finish().map_err(err)?;
+        wb0.get_or_insert(m.backend.weight_bytes());
+        ranks.push(Box::new(m));
+    }
+    let m = Sharded::new(ranks).map_err(|e| EngineError::Backend(name.into(), e))?;
+    let devs: Vec<String> = opts.devices.iter().map(|d| d.to_string()).collect();
+    Ok((
+        Arc::new(m),
+        format!("{line}, expert parallel on GPUs {}", devs.join(",")),
+        wb0,
+    ))
+}
+
 impl Engine {
     pub fn open(opts: &EngineOptions) -> Result<Engine, EngineError> {
         Engine::open_with_progress(opts, &mut |_, _| {})
@@ -321,7 +458,14 @@ impl Engine {
         opts: &EngineOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Engine, EngineError> {
-        let pick = pick_gpu(opts.backend, opts.device)?;
+        let pick = if opts.devices.len() > 1 {
+            None // expert parallelism: each rank's device below
+        } else {
+            pick_gpu(
+                opts.backend,
+                opts.devices.first().copied().unwrap_or(opts.device),
+            )?
+        };
         if let Some(t) = opts.threads {
             // Only the first engine of a process sets the pool size; later calls keep it.
             let _ = rayon::ThreadPoolBuilder::new()
@@ -343,7 +487,27 @@ impl Engine {
             let mdir = ds4_model::bind_mtp(&mf, &hp)?;
             files.push((mf, mdir));
         }
-        let (model, backend, weight_bytes): (Arc<dyn Forward>, String, Option<u64>) = match pick {
+        let (model, backend, weight_bytes): Opened = match pick {
+            _ if opts.devices.len() > 1 => {
+                let tensors = || files.iter().flat_map(|(f, _)| f.tensors());
+                let sizes = RankBytes {
+                    all: tensors().map(|t| t.n_bytes).sum(),
+                    experts: tensors()
+                        .filter(|t| t.name.contains("_exps."))
+                        .map(|t| t.n_bytes)
+                        .sum(),
+                };
+                let rounding = opts.rounding;
+                let (m, line, wb) = open_ranks(
+                    opts,
+                    &hp,
+                    sizes,
+                    progress,
+                    &mut |b, shard, p| Model::load_shard(b, hp.clone(), &files, rounding, shard, p),
+                    &mut |b, shard, p| Model::load_shard(b, hp.clone(), &files, rounding, shard, p),
+                )?;
+                (m, line, wb)
+            }
             Some(pick) => {
                 let name = pick.name;
                 let weights = files
@@ -404,6 +568,38 @@ impl Engine {
         let tokenizer = Tokenizer::from_vocab(vocab.tokens, vocab.merges)
             .map_err(|e| EngineError::Tokenizer(label.clone(), e))?;
         let model_id: [u8; 32] = Sha256::digest(label.as_bytes()).into();
+        if opts.devices.len() > 1 {
+            let total = SynthSource::new(&hp, mix, seed, &mut |_, _| {}).total_bytes() as u64;
+            let experts: u64 = ds4_model::main_tensors(&hp)
+                .iter()
+                .filter(|t| t.name.contains("_exps."))
+                .map(|t| ds4_model::tensors::tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0))
+                .sum();
+            let sizes = RankBytes {
+                all: total,
+                experts,
+            };
+            let rounding = opts.rounding;
+            let (model, backend, wb) = open_ranks(
+                opts,
+                &hp,
+                sizes,
+                progress,
+                &mut |b, shard, p| {
+                    let mut src = SynthSource::new(&hp, mix, seed, p);
+                    Model::load_from_shard(b, hp.clone(), &mut src, rounding, shard)
+                },
+                &mut |_, _, _| Err("synthetic models are generated on a GPU".into()),
+            )?;
+            return Ok(Engine {
+                model,
+                tokenizer: Arc::new(tokenizer),
+                model_id,
+                path: PathBuf::from(label),
+                backend,
+                weight_bytes: wb,
+            });
+        }
         let name = pick.name;
         let mut src = SynthSource::new(&hp, mix, seed, progress);
         let (b, line) = gpu_backend(pick, &hp, src.total_bytes() as u64, opts.precision)?;

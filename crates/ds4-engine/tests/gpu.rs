@@ -21,6 +21,11 @@ const PROMPT: [u32; 13] = [0, 5, 77, 300, 12, 9, 411, 250, 3, 3, 90, 128, 7];
 const N: usize = 48; // crosses the window and several CSA/HCA windows of the tiny model
 
 fn open(backend: BackendChoice) -> Option<Engine> {
+    open_with(backend, |_| {})
+}
+
+/// [`open`] with more options set by `f`.
+fn open_with(backend: BackendChoice, f: impl FnOnce(&mut EngineOptions)) -> Option<Engine> {
     let path = ds4_synth::tiny_model_for_tests(21, true);
     let mut o = EngineOptions::new(&path);
     o.mtp = Some(ds4_synth::mtp_path(&path));
@@ -31,7 +36,10 @@ fn open(backend: BackendChoice) -> Option<Engine> {
     // Exact prefill products: these tests hold the GPU to the CPU's logits (1e-3) and tokens;
     // `fast` is checked on its own below.
     o.precision = ds4_engine::Precision::Exact;
-    let e = Engine::open(&o).ok()?;
+    f(&mut o);
+    let e = Engine::open(&o)
+        .map_err(|e| println!("engine on {backend:?}: {e}"))
+        .ok()?;
     (backend == BackendChoice::Cpu || e.backend_name() != "cpu").then_some(e)
 }
 
@@ -317,4 +325,75 @@ fn gpu_long_prompt_is_deterministic_on_the_full_size_model() {
         );
     }
     assert_eq!(ta, tb);
+}
+
+/// Expert parallelism on the GPU (`ds4_backend::shard`): the tiny model's 16 experts over two
+/// ranks, both on GPU 0 and joined through host memory (NCCL runs one rank per device; the
+/// test below covers it where two GPUs exist). The same greedy tokens as one GPU, logits within
+/// the one-GPU-vs-CPU bound (only the MoE sum's order differs), and its snapshot continues on
+/// one GPU exactly as it does on the two ranks.
+#[test]
+fn gpu_expert_parallel_ranks_match_one_gpu() {
+    let _serial = serial();
+    let Some(g) = gpu() else { return };
+    let ep = open_with(BackendChoice::Auto, |o| {
+        o.devices = vec![0, 0];
+        o.ep_host_comm = true;
+    })
+    .expect("two expert-parallel ranks on GPU 0");
+    println!("EP backend: {}", ep.backend_name());
+    assert!(
+        ep.backend_name().contains("expert parallel"),
+        "{}",
+        ep.backend_name()
+    );
+    let (gt, gl) = greedy(&g);
+    let (et, el) = greedy(&ep);
+    let worst = gl
+        .iter()
+        .zip(&el)
+        .map(|(a, b)| max_abs(a, b))
+        .fold(0.0, f32::max);
+    println!("2 EP ranks vs one GPU: max |Δ logit| {worst:.3e} over {N} steps");
+    assert_eq!(et, gt);
+    assert!(worst < 1e-3, "{worst}");
+    // A snapshot of the ranks' state (rank 0's) continues on one GPU.
+    let mut s = ep.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let snap = s.snapshot();
+    let want = s.eval(gt[0]).unwrap().to_vec();
+    let mut r = g.new_session(512);
+    r.restore(&snap).unwrap();
+    let d = max_abs(r.eval(gt[0]).unwrap(), &want);
+    println!("EP snapshot continued on one GPU: max |Δ logit| {d:.3e}");
+    assert!(d < 1e-3, "{d}");
+}
+
+/// The same over NCCL / RCCL with one rank per GPU: needs two GPUs (skips, saying so).
+#[test]
+fn gpu_expert_parallel_over_nccl() {
+    let _serial = serial();
+    let Some(g) = gpu() else { return };
+    let n = ds4_gpu::probe()
+        .into_iter()
+        .filter_map(|(_, r)| r.ok())
+        .max()
+        .unwrap_or(0);
+    if n < 2 {
+        println!("skipped: expert parallelism over NCCL needs 2 GPUs, {n} visible");
+        return;
+    }
+    let ep = open_with(BackendChoice::Auto, |o| o.devices = vec![0, 1])
+        .expect("two expert-parallel ranks on GPUs 0 and 1");
+    println!("EP backend: {}", ep.backend_name());
+    let (gt, gl) = greedy(&g);
+    let (et, el) = greedy(&ep);
+    let worst = gl
+        .iter()
+        .zip(&el)
+        .map(|(a, b)| max_abs(a, b))
+        .fold(0.0, f32::max);
+    println!("2 NCCL ranks vs one GPU: max |Δ logit| {worst:.3e} over {N} steps");
+    assert_eq!(et, gt);
+    assert!(worst < 1e-3, "{worst}");
 }

@@ -860,6 +860,9 @@ impl Runtime for CudaRuntime {
         self.cur()?;
         call!(self, cuMemsetD32Async(d.0, value, count, p(s.0)))
     }
+    fn make_current(&self) -> Result<()> {
+        self.cur()
+    }
     fn mem_info(&self) -> Result<(u64, u64)> {
         self.cur()?;
         let (mut free, mut total) = (0usize, 0usize);

@@ -616,6 +616,9 @@ impl Runtime for HipRuntime {
             hipMemsetD32Async(p(d.0), value as c_int, count, p(s.0))
         )
     }
+    fn make_current(&self) -> Result<()> {
+        self.cur()
+    }
     fn mem_info(&self) -> Result<(u64, u64)> {
         self.cur()?;
         let (mut free, mut total) = (0usize, 0usize);

@@ -7,6 +7,7 @@
 
 pub mod blas;
 pub mod cache;
+pub mod ccl;
 pub mod compiler;
 pub mod conformance;
 pub mod cuda;
@@ -21,7 +22,7 @@ pub mod runtime;
 pub use compiler::{Compiler, Hiprtc, Nvrtc};
 pub use error::{GpuError, Result};
 pub use gpu::{probe, Backend, DeviceBuffer, Gpu, MatvecPlan};
-pub use model::{GpuBackend, Precision};
+pub use model::{GpuBackend, GpuComm, Precision};
 pub use runtime::{
     Arg, DevPtr, DeviceInfo, Event, Function, LaunchDims, ModuleHandle, Runtime, Stream, Vendor,
 };

@@ -312,6 +312,9 @@ pub trait Runtime: Send + Sync {
     fn memset_u32_async(&self, p: DevPtr, value: u32, count: usize, s: Stream) -> Result<()>;
     /// (free, total) bytes of device memory, as the driver reports them now.
     fn mem_info(&self) -> Result<(u64, u64)>;
+    /// Make this device current on the calling thread (before a call into another vendor
+    /// library that queues work on its streams: NCCL / RCCL).
+    fn make_current(&self) -> Result<()>;
 
     fn stream_create(&self) -> Result<Stream>;
     fn stream_destroy(&self, s: Stream) -> Result<()>;

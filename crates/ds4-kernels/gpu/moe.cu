@@ -1468,3 +1468,29 @@ DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __res
     m3dn_body<true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }
+
+// Expert parallelism (ds4_backend::shard::localize, the host rule these values must equal): the
+// router's [n, k] global selections and weights of a rank holding experts e0 .. e0 + count.
+// A local selection becomes e - e0; any other gets weight 0 and the token's first local
+// selection (or local 0 where it has none), so kernels that compute each distinct expert of a
+// token once do no extra work for it. One thread per token.
+DS4_KERNEL void moe_localize(int* __restrict__ sel, float* __restrict__ wgt, int n, int k, int e0, int count) {
+    ds4_pdl_enter();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int* s = sel + (long long)i * k;
+    float* w = wgt + (long long)i * k;
+    int first = -1;
+    for (int j = 0; j < k; j++)
+        if (first < 0 && s[j] >= e0 && s[j] < e0 + count) first = s[j] - e0;
+    if (first < 0) first = 0;
+    for (int j = 0; j < k; j++) {
+        const int e = s[j];
+        if (e >= e0 && e < e0 + count) {
+            s[j] = e - e0;
+        } else {
+            s[j] = first;
+            w[j] = 0.0f;
+        }
+    }
+}

@@ -36,5 +36,6 @@ pub const MOE: Module = Module {
         "m3gu1_iq2_xxs",
         "m3dn1_q2_k",
         "m3dn1ip_q2_k",
+        "moe_localize",
     ],
 };

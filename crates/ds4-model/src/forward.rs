@@ -6,7 +6,7 @@ use crate::{AttnKind, HParams, LayerKind, WeightDir};
 use ds4_backend::rope::{Rope, RopeTables};
 use ds4_backend::{
     AttnSpec, Backend, CompDims, CompressSpec, HcDims, HostLayerState, IndexSpec, LayerDims,
-    MoeSpec, Part, RopeKind, Rounding, RowRounding, WeightKind, WeightSrc, Which,
+    MoeSpec, Part, RopeKind, Rounding, RowRounding, Shard, WeightKind, WeightSrc, Which,
 };
 use ds4_gguf::GgufFile;
 use std::any::Any;
@@ -94,6 +94,8 @@ pub struct Model<B: Backend> {
     pub hp: HParams,
     pub rounding: Rounding,
     pub backend: B,
+    /// Which routed experts this model holds (expert parallelism; `Shard::ONE`: all).
+    pub shard: Shard,
     embd: B::Weight,
     out_hc: Hc<B::Weight>,
     out_norm: B::Weight,
@@ -157,6 +159,10 @@ pub struct HostState {
 /// (`synthetic.rs`). `kind` says how the schedule uses the tensor.
 pub trait WeightSource<B: Backend> {
     fn weight(&mut self, b: &B, name: &str, kind: WeightKind) -> Result<B::Weight, String>;
+    /// Experts `e0 .. e0 + count` of the 3-D expert stack `name` (GGUF dims `[cols, rows,
+    /// experts]`) as a matrix of `count` experts: an expert-parallel rank's part
+    /// (`ds4_backend::shard`).
+    fn experts(&mut self, b: &B, name: &str, e0: usize, count: usize) -> Result<B::Weight, String>;
     /// Whether the source has a tensor (optional parts: the MTP block).
     fn has(&self, name: &str) -> bool;
 }
@@ -189,6 +195,41 @@ impl<'a> FileSource<'a> {
 }
 
 impl<B: Backend> WeightSource<B> for FileSource<'_> {
+    fn experts(&mut self, b: &B, name: &str, e0: usize, count: usize) -> Result<B::Weight, String> {
+        let (file, w) = self
+            .files
+            .iter()
+            .find_map(|(f, d)| d.get(name).map(|w| (f, w)))
+            .ok_or_else(|| format!("weight {name} was not bound"))?;
+        let n_exp = w.dims.get(2).copied().unwrap_or(1) as usize;
+        if w.dims.len() != 3
+            || e0 + count > n_exp
+            || count == 0
+            || !(w.n_bytes as usize).is_multiple_of(n_exp)
+        {
+            return Err(format!(
+                "tensor {name}: experts {e0}..{} of dims {:?}: not an expert stack that holds them",
+                e0 + count,
+                w.dims
+            ));
+        }
+        // Expert slabs are contiguous and equal: one byte range of the mapping.
+        let slab = w.n_bytes as usize / n_exp;
+        let dims = [w.dims[0], w.dims[1], count as u64];
+        let src = WeightSrc {
+            name,
+            file,
+            ty: w.ty,
+            dims: &dims,
+            offset: w.offset as usize + e0 * slab,
+            n_bytes: count * slab,
+        };
+        let r = b.matrix(&src).map_err(|e| format!("tensor {name}: {e}"))?;
+        // The experts other ranks hold count as done: the bar still ends at the file's size.
+        self.loaded += w.n_bytes as usize;
+        (self.progress)(self.loaded, self.total);
+        Ok(r)
+    }
     fn weight(&mut self, b: &B, name: &str, kind: WeightKind) -> Result<B::Weight, String> {
         let (file, w) = self
             .files
@@ -222,11 +263,20 @@ impl<B: Backend> WeightSource<B> for FileSource<'_> {
 struct Binder<'a, B: Backend> {
     src: &'a mut dyn WeightSource<B>,
     b: &'a B,
+    shard: Shard,
 }
 
 impl<B: Backend> Binder<'_, B> {
     fn m(&mut self, name: &str) -> Result<B::Weight, String> {
         self.src.weight(self.b, name, WeightKind::Matrix)
+    }
+    /// A routed-expert stack: this rank's experts of it (all of them on one rank).
+    fn x(&mut self, hp: &HParams, name: &str) -> Result<B::Weight, String> {
+        if !self.shard.is_split() {
+            return self.m(name);
+        }
+        let (e0, count) = self.shard.experts(hp.n_expert as usize);
+        self.src.experts(self.b, name, e0, count)
     }
     fn v(&mut self, name: &str) -> Result<B::Weight, String> {
         self.src.weight(self.b, name, WeightKind::Vector)
@@ -304,9 +354,9 @@ impl<B: Backend> Binder<'_, B> {
             } else {
                 None
             },
-            gate_exps: self.m(&format!("{p}ffn_gate_exps.weight"))?,
-            up_exps: self.m(&format!("{p}ffn_up_exps.weight"))?,
-            down_exps: self.m(&format!("{p}ffn_down_exps.weight"))?,
+            gate_exps: self.x(hp, &format!("{p}ffn_gate_exps.weight"))?,
+            up_exps: self.x(hp, &format!("{p}ffn_up_exps.weight"))?,
+            down_exps: self.x(hp, &format!("{p}ffn_down_exps.weight"))?,
             gate_sh: self.m(&format!("{p}ffn_gate_shexp.weight"))?,
             up_sh: self.m(&format!("{p}ffn_up_shexp.weight"))?,
             down_sh: self.m(&format!("{p}ffn_down_shexp.weight"))?,
@@ -362,6 +412,20 @@ impl<B: Backend> Model<B> {
         Model::load_from(backend, hp, &mut src, rounding)
     }
 
+    /// [`Model::load`] of rank `shard.rank` of an expert-parallel group: only that rank's
+    /// routed experts are bound; `backend` must be that rank of its group's all-reduce.
+    pub fn load_shard(
+        backend: B,
+        hp: HParams,
+        files: &[(Arc<GgufFile>, WeightDir)],
+        rounding: Rounding,
+        shard: Shard,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model<B>, String> {
+        let mut src = FileSource::new(files, progress);
+        Model::load_from_shard(backend, hp, &mut src, rounding, shard)
+    }
+
     /// Build the model from any [`WeightSource`] (files, or a generator for benchmarks).
     pub fn load_from(
         backend: B,
@@ -369,7 +433,31 @@ impl<B: Backend> Model<B> {
         src: &mut dyn WeightSource<B>,
         rounding: Rounding,
     ) -> Result<Model<B>, String> {
-        let mut b = Binder { src, b: &backend };
+        Model::load_from_shard(backend, hp, src, rounding, Shard::ONE)
+    }
+
+    /// [`Model::load_from`] of one expert-parallel rank ([`Model::load_shard`]).
+    pub fn load_from_shard(
+        backend: B,
+        hp: HParams,
+        src: &mut dyn WeightSource<B>,
+        rounding: Rounding,
+        shard: Shard,
+    ) -> Result<Model<B>, String> {
+        if shard.n_ranks == 0 || shard.rank >= shard.n_ranks {
+            return Err(format!("rank {} of {} ranks", shard.rank, shard.n_ranks));
+        }
+        if shard.n_ranks > hp.n_expert as usize {
+            return Err(format!(
+                "{} ranks for {} routed experts: at most one rank per expert",
+                shard.n_ranks, hp.n_expert
+            ));
+        }
+        let mut b = Binder {
+            src,
+            b: &backend,
+            shard,
+        };
         let mut layers = Vec::with_capacity(hp.n_layer as usize);
         for kind in hp.layers() {
             layers.push(b.layer(&hp, &format!("blk.{}.", kind.index), kind)?);
@@ -399,6 +487,7 @@ impl<B: Backend> Model<B> {
             hp,
             rounding,
             backend,
+            shard,
             embd,
             out_hc,
             out_norm,
@@ -850,13 +939,22 @@ impl<B: Backend> Model<B> {
             weight_scale: hp.expert_weights_scale,
             clamp: l.clamp,
         };
+        // Expert parallelism: this rank sums the routed experts it holds (localized
+        // selections), rank 0 adds the shared expert, and the ranks' sums are added
+        // (`Backend::all_reduce_sum`).
+        let split = self.shard.is_split();
+        let shared = self.shard.rank == 0;
         // The shared expert's gate/up reads only z (side branch, `Backend::side_begin`); the
         // router and the routed experts (main branch) too; the shared down product adds into
         // the routed sum after the join.
-        b.side_begin();
-        let mut g = b.alloc(n * spec.ff);
-        b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut g, l.clamp_sh);
-        b.side_end();
+        let mut g = None;
+        if shared {
+            b.side_begin();
+            let mut gs = b.alloc(n * spec.ff);
+            b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut gs, l.clamp_sh);
+            b.side_end();
+            g = Some(gs);
+        }
         let mut logits = b.alloc(n * spec.n_expert);
         let mut sel = b.alloc_i32(n * spec.n_used);
         let mut wgt = b.alloc(n * spec.n_used);
@@ -874,8 +972,14 @@ impl<B: Backend> Model<B> {
             &mut wgt,
         );
         let mut out = b.alloc(n * spec.d);
+        let mut xspec = spec;
+        if split {
+            let (e0, count) = self.shard.experts(spec.n_expert);
+            b.moe_localize(&mut sel, &mut wgt, n, spec.n_used, e0, count);
+            xspec.n_expert = count;
+        }
         b.moe_experts(
-            &spec,
+            &xspec,
             &l.gate_exps,
             &l.up_exps,
             &l.down_exps,
@@ -885,8 +989,13 @@ impl<B: Backend> Model<B> {
             n,
             &mut out,
         );
-        b.join();
-        b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
+        if let Some(g) = g {
+            b.join();
+            b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
+        }
+        if split {
+            b.all_reduce_sum(&mut out, n * spec.d);
+        }
         out
     }
 
@@ -1016,14 +1125,14 @@ pub trait Forward: Send + Sync {
 pub struct AnyState {
     /// The tokens the state holds, in order.
     pub tokens: Vec<u32>,
-    layers: Box<dyn Any + Send>,
+    pub(crate) layers: Box<dyn Any + Send>,
 }
 
 /// A rollback point of an [`AnyState`].
-pub struct AnyCheckpoint(Box<dyn Any + Send>);
+pub struct AnyCheckpoint(pub(crate) Box<dyn Any + Send>);
 
 /// One layer state of some backend (the MTP block's).
-pub struct AnyLayerState(Box<dyn Any + Send>);
+pub struct AnyLayerState(pub(crate) Box<dyn Any + Send>);
 
 impl<B: Backend + 'static> Model<B> {
     fn unwrap_state(st: &mut AnyState) -> State<B> {

@@ -7,6 +7,7 @@ pub mod forward;
 pub mod gguf_meta;
 pub mod hparams;
 pub mod schedule;
+pub mod sharded;
 pub mod synthetic;
 pub mod tensors;
 

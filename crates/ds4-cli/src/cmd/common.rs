@@ -32,6 +32,13 @@ pub struct ModelArgs {
     /// GPU index among the visible devices (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES apply).
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Expert parallelism: split the model over these GPUs (comma-separated indices, e.g.
+    /// `0,1`), one rank each. Every GPU holds the dense weights, the session state and 1/N of
+    /// the routed experts (the q4 mix, 153 GiB, then fits two 141 GB H200s); the ranks add their
+    /// MoE outputs through NCCL (CUDA) or RCCL (ROCm) each layer. With --backend cpu: N reference
+    /// ranks in this process (same numbers to ~1e-6, no faster).
+    #[arg(long, value_delimiter = ',', num_args = 1.., conflicts_with = "device")]
+    pub devices: Vec<usize>,
     /// Rounding steps of the model's semantics (FP8 KV rows, Hadamard+FP4 indexer, f16 cache
     /// rows): `model` (default) or `none` — plain float math, as HF transformers computes; for
     /// comparisons against such references.
@@ -55,6 +62,9 @@ impl ModelArgs {
             .ok_or_else(|| anyhow!("unknown backend {}", self.backend))?;
         o.threads = self.threads;
         o.device = self.device;
+        o.devices = self.devices.clone();
+        // Host-memory all-reduce instead of NCCL / RCCL (ranks may share a GPU): for tests.
+        o.ep_host_comm = std::env::var("DS4_EP_COMM").is_ok_and(|v| v == "host");
         if self.rounding == "none" {
             o.rounding = ds4_engine::Rounding::NONE;
         }

@@ -385,6 +385,20 @@ pub struct GpuBackend {
     /// Compressor row buffers replaced by larger ones ([`GpuBackend::reserve_rows`]), freed at
     /// the next point where the host waits for the device anyway ([`GpuBackend::free_retired`]).
     retired: Mutex<Vec<DeviceBuffer>>,
+    /// This rank's all-reduce where the model is split by experts (`ds4_backend::shard`).
+    comm: Option<GpuComm>,
+}
+
+/// How an expert-parallel rank adds the ranks' MoE sums ([`Backend::all_reduce_sum`]).
+pub enum GpuComm {
+    /// NCCL / RCCL, one device a rank (ccl.rs): queued on the stream, graphs kept.
+    Ccl(crate::ccl::CclComm),
+    /// Through host memory (`ds4_backend::HostComm`): waits for the device, so decode steps run
+    /// without graphs. For ranks that share a device (tests: NCCL refuses those).
+    Host {
+        rank: usize,
+        comm: Arc<ds4_backend::HostComm>,
+    },
 }
 
 /// `DS4_GPU_DEFER_FREE` (unset: on; `0` off): [`GpuBackend::reserve_rows`] keeps the old rows
@@ -484,6 +498,7 @@ impl GpuBackend {
             step,
             chunk: std::sync::OnceLock::new(),
             retired: Mutex::new(Vec::new()),
+            comm: None,
             tickets,
             blas: Default::default(),
             stream: Stream::DEFAULT,
@@ -507,6 +522,60 @@ impl GpuBackend {
             }),
         }
         .blas_started()) // the BLAS-Lt library now, not inside the first prompt (blas.rs)
+    }
+
+    /// This backend as a rank of an expert-parallel group (`ds4_backend::shard`).
+    pub fn with_comm(mut self, comm: GpuComm) -> GpuBackend {
+        if matches!(comm, GpuComm::Host { .. }) {
+            self.set_graph(false);
+        }
+        self.comm = Some(comm);
+        self
+    }
+
+    /// What joins this rank to its group, if anything.
+    pub fn comm(&self) -> Option<&GpuComm> {
+        self.comm.as_ref()
+    }
+
+    /// Inside a recorded step: run what was recorded as the step's next graph piece and go on
+    /// recording (a collective is then queued between two pieces: graphs hold kernels only).
+    fn cut_piece(&self) {
+        if !self.recording.load(Ordering::Acquire) {
+            return;
+        }
+        let g = self.graph.lock().unwrap();
+        if g.calls.is_empty() {
+            return;
+        }
+        if g.open || !g.enabled {
+            drop(g);
+            self.flush(true);
+            return;
+        }
+        self.run_piece(g);
+    }
+
+    /// The recorded calls as the step's next graph piece, recording going on (graph replay
+    /// off for good, and the calls launched one by one, if the driver refuses it).
+    fn run_piece(&self, mut g: std::sync::MutexGuard<'_, GraphState>) {
+        let calls = std::mem::take(&mut g.calls);
+        let piece = g.piece;
+        let rt = self.gpu.runtime().clone();
+        match g.graphs.run(rt.as_ref(), &calls, self.stream, piece) {
+            Ok(()) => {
+                g.piece += 1;
+                g.calls = calls;
+                g.calls.clear();
+            }
+            Err(e) => {
+                eprintln!("ds4: GPU graph replay turned off: {e}");
+                g.enabled = false;
+                g.calls = calls;
+                drop(g);
+                self.flush(false);
+            }
+        }
     }
 
     /// The step position block ([`StepPos`]), None when pinned memory is refused.
@@ -757,23 +826,7 @@ impl GpuBackend {
                 };
                 if g.split > 0 && g.calls.len() >= piece_len && !g.open {
                     // This piece now, as a graph; keep recording the next.
-                    let calls = std::mem::take(&mut g.calls);
-                    let piece = g.piece;
-                    let rt = self.gpu.runtime().clone();
-                    match g.graphs.run(rt.as_ref(), &calls, self.stream, piece) {
-                        Ok(()) => {
-                            g.piece += 1;
-                            g.calls = calls;
-                            g.calls.clear();
-                        }
-                        Err(e) => {
-                            eprintln!("ds4: GPU graph replay turned off: {e}");
-                            g.enabled = false;
-                            g.calls = calls;
-                            drop(g);
-                            self.flush(false);
-                        }
-                    }
+                    self.run_piece(g);
                 }
                 true
             }
@@ -1759,5 +1812,55 @@ impl Backend for GpuBackend {
         let _p = self.prof(|| "swiglu".to_string());
 
         self.op_swiglu(g, u, len, clamp)
+    }
+
+    fn moe_localize(
+        &self,
+        sel: &mut GpuIBuf,
+        wgt: &mut GpuBuf,
+        n: usize,
+        k: usize,
+        e0: usize,
+        count: usize,
+    ) {
+        let _p = self.prof(|| "moe_localize".to_string());
+        if n == 0 {
+            return;
+        }
+        self.run(
+            &ds4_kernels::MOE,
+            "moe_localize",
+            LaunchDims::linear(n.div_ceil(128) as u32, 128),
+            &[
+                Arg::Ptr(sel.0.ptr),
+                Arg::Ptr(wgt.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(e0 as i32),
+                Arg::I32(count as i32),
+            ],
+        );
+    }
+
+    fn all_reduce_sum(&self, y: &mut GpuBuf, len: usize) {
+        let _p = self.prof(|| "all_reduce_sum".to_string());
+        match &self.comm {
+            None => {}
+            Some(GpuComm::Ccl(c)) => {
+                // Every rank queues the same collectives in the same order, failed or not (a
+                // rank that skipped one would leave the others waiting in it).
+                self.cut_piece();
+                let rt = self.gpu.runtime();
+                let r = rt
+                    .make_current()
+                    .and_then(|_| c.all_reduce_f32(y.ptr, len, self.stream));
+                self.note(r);
+            }
+            Some(GpuComm::Host { rank, comm }) => {
+                let mut v = self.download(y, len);
+                comm.all_reduce(*rank, &mut v);
+                self.note(self.upload_ordered(y.ptr, f32_bytes(&v)));
+            }
+        }
     }
 }

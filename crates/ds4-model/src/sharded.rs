@@ -1,0 +1,245 @@
+//! An expert-parallel model ([`ds4_backend::shard`]) as one [`Forward`]: every call runs on
+//! all ranks at once, one thread each (a rank's MoE all-reduce waits for the others), and
+//! answers with rank 0's result. Ranks hold the same session state (the same tokens through
+//! the same replicated schedule, MoE outputs made equal by the all-reduce), so a state's
+//! snapshot is rank 0's and a restored one goes to every rank.
+
+use crate::forward::{AnyCheckpoint, AnyLayerState, AnyState, Evaluated, Forward, HostState};
+use crate::HParams;
+use ds4_backend::{LayerDims, SampleParams};
+
+/// Ranks `0 .. n` of one expert-parallel group, each a model loaded with its
+/// [`ds4_backend::Shard`] on a backend of that group.
+pub struct Sharded {
+    ranks: Vec<Box<dyn Forward>>,
+}
+
+impl Sharded {
+    /// `ranks[r]` must be rank r of the group (a rank's position is its place in the sum).
+    pub fn new(ranks: Vec<Box<dyn Forward>>) -> Result<Sharded, String> {
+        let Some(first) = ranks.first() else {
+            return Err("an expert-parallel model needs at least one rank".into());
+        };
+        let dims = first.layer_dims();
+        if ranks.iter().any(|r| r.layer_dims() != dims) {
+            return Err("expert-parallel ranks of different models".into());
+        }
+        Ok(Sharded { ranks })
+    }
+
+    pub fn n_ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// `f(rank, r)` on every rank at once; rank 0's value, or the first rank's error.
+    fn all<T: Send>(
+        &self,
+        f: impl Fn(usize, &dyn Forward) -> Result<T, String> + Sync,
+    ) -> Result<T, String> {
+        let mut out: Vec<Result<T, String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = self
+                .ranks
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let f = &f;
+                    s.spawn(move || f(i, r.as_ref()))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("an expert-parallel rank panicked".into()))
+                })
+                .collect()
+        });
+        if let Some(i) = out.iter().position(|r| r.is_err()) {
+            return out.swap_remove(i).map_err(|e| format!("rank {i}: {e}"));
+        }
+        out.swap_remove(0)
+    }
+
+    /// The per-rank parts of a sharded value (built by [`Sharded::wrap`]).
+    fn parts<T: 'static>(b: &mut Box<dyn std::any::Any + Send>) -> &mut Vec<T> {
+        b.downcast_mut::<Vec<T>>()
+            .expect("state of this expert-parallel model")
+    }
+}
+
+/// Per-rank values moved into scoped threads and back (one slot a rank).
+struct Slots<T>(Vec<std::sync::Mutex<Option<T>>>);
+
+impl<T> Slots<T> {
+    fn new(v: Vec<T>) -> Slots<T> {
+        Slots(
+            v.into_iter()
+                .map(|x| std::sync::Mutex::new(Some(x)))
+                .collect(),
+        )
+    }
+    fn take(&self, i: usize) -> T {
+        self.0[i]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .expect("slot taken once")
+    }
+    fn put(&self, i: usize, x: T) {
+        *self.0[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
+    }
+    fn into_vec(self) -> Vec<T> {
+        self.0
+            .into_iter()
+            .map(|m| {
+                m.into_inner()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .expect("slot put back")
+            })
+            .collect()
+    }
+}
+
+impl Sharded {
+    /// Run `f` with each rank's state (moved to its thread and back), keeping the tokens of
+    /// rank 0's state as the sharded state's.
+    fn with_states<T: Send>(
+        &self,
+        st: &mut AnyState,
+        f: impl Fn(&dyn Forward, &mut AnyState) -> Result<T, String> + Sync,
+    ) -> Result<T, String> {
+        let parts = std::mem::take(Self::parts::<AnyState>(&mut st.layers));
+        let slots = Slots::new(parts);
+        let r = self.all(|i, m| {
+            let mut s = slots.take(i);
+            let r = f(m, &mut s);
+            slots.put(i, s);
+            r
+        });
+        let parts = slots.into_vec();
+        st.tokens = parts[0].tokens.clone();
+        *Self::parts::<AnyState>(&mut st.layers) = parts;
+        r
+    }
+}
+
+impl Forward for Sharded {
+    fn hp(&self) -> &HParams {
+        self.ranks[0].hp()
+    }
+    fn backend_name(&self) -> String {
+        format!(
+            "{} x{} (expert parallel)",
+            self.ranks[0].backend_name(),
+            self.ranks.len()
+        )
+    }
+    fn prefill_chunk(&self) -> usize {
+        self.ranks
+            .iter()
+            .map(|r| r.prefill_chunk())
+            .min()
+            .unwrap_or(1)
+    }
+    fn weight_copy_bytes(&self) -> u64 {
+        self.ranks.iter().map(|r| r.weight_copy_bytes()).sum()
+    }
+    fn new_state(&self) -> AnyState {
+        AnyState {
+            tokens: Vec::new(),
+            layers: Box::new(self.ranks.iter().map(|r| r.new_state()).collect::<Vec<_>>()),
+        }
+    }
+    fn eval_batch(
+        &self,
+        st: &mut AnyState,
+        tokens: &[u32],
+        all: bool,
+        streams: bool,
+    ) -> Result<Evaluated, String> {
+        self.with_states(st, |m, s| m.eval_batch(s, tokens, all, streams))
+    }
+    fn eval_sample(
+        &self,
+        st: &mut AnyState,
+        token: u32,
+        p: &SampleParams,
+        u: f64,
+    ) -> Result<u32, String> {
+        // Every rank samples the same logits with the same draw: the same id.
+        self.with_states(st, |m, s| m.eval_sample(s, token, p, u))
+    }
+    fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint {
+        let parts = st
+            .layers
+            .downcast_ref::<Vec<AnyState>>()
+            .expect("state of this expert-parallel model");
+        AnyCheckpoint(Box::new(
+            self.ranks
+                .iter()
+                .zip(parts)
+                .map(|(r, s)| r.checkpoint(s))
+                .collect::<Vec<_>>(),
+        ))
+    }
+    fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint) {
+        let cps = *cp
+            .0
+            .downcast::<Vec<AnyCheckpoint>>()
+            .expect("checkpoint of this expert-parallel model");
+        let parts = Self::parts::<AnyState>(&mut st.layers);
+        for ((r, s), c) in self.ranks.iter().zip(parts.iter_mut()).zip(cps) {
+            r.rollback(s, c);
+        }
+        st.tokens = parts[0].tokens.clone();
+    }
+    fn state_to_host(&self, st: &AnyState) -> HostState {
+        let parts = st
+            .layers
+            .downcast_ref::<Vec<AnyState>>()
+            .expect("state of this expert-parallel model");
+        self.ranks[0].state_to_host(&parts[0])
+    }
+    fn state_from_host(&self, h: &HostState) -> AnyState {
+        AnyState {
+            tokens: h.tokens.clone(),
+            layers: Box::new(
+                self.ranks
+                    .iter()
+                    .map(|r| r.state_from_host(h))
+                    .collect::<Vec<_>>(),
+            ),
+        }
+    }
+    fn layer_dims(&self) -> Vec<LayerDims> {
+        self.ranks[0].layer_dims()
+    }
+    fn has_mtp(&self) -> bool {
+        self.ranks.iter().all(|r| r.has_mtp())
+    }
+    fn new_mtp_state(&self) -> AnyLayerState {
+        AnyLayerState(Box::new(
+            self.ranks
+                .iter()
+                .map(|r| r.new_mtp_state())
+                .collect::<Vec<_>>(),
+        ))
+    }
+    fn mtp_eval(
+        &self,
+        st: &mut AnyLayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let parts = std::mem::take(Self::parts::<AnyLayerState>(&mut st.0));
+        let slots = Slots::new(parts);
+        let r = self.all(|i, m| {
+            let mut s = slots.take(i);
+            let r = m.mtp_eval(&mut s, hs, tok, pos);
+            slots.put(i, s);
+            r
+        });
+        *Self::parts::<AnyLayerState>(&mut st.0) = slots.into_vec();
+        r
+    }
+}
