@@ -222,6 +222,28 @@ fn run_and_logits_on_the_tiny_model() {
     assert!(e.contains("entry 3") && e.contains("\"x\""), "{e}");
     let e = stderr(&ds4(&["run", "-m", s(&m), "-p", "hi", "--backend", "cuda"]));
     assert!(e.contains("cuda") && e.contains("--backend cpu"), "{e}");
+
+    // Expert parallelism: 3 CPU reference ranks give the same greedy reply; GPU ranks that
+    // cannot open are one clear error.
+    let mut ep = args.to_vec();
+    ep.extend(["--backend", "cpu", "--devices", "0,1,2"]);
+    let c = ds4(&ep);
+    assert!(c.status.success(), "{}", stderr(&c));
+    assert_eq!(c.stdout, a.stdout);
+    let o = ds4(&[
+        "run",
+        "-m",
+        s(&m),
+        "-p",
+        "hi",
+        "--backend",
+        "cuda",
+        "--devices",
+        "0,7",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("GPU") && e.contains("--backend cpu"), "{e}");
     std::fs::remove_dir_all(&d).ok();
 }
 

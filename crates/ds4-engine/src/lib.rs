@@ -169,6 +169,27 @@ pub fn device_report() -> Vec<String> {
             e.to_string().lines().next().unwrap_or("")
         )),
     }
+    // The collective library joins expert-parallel ranks (`--devices`); one GPU needs none.
+    for (name, vendor) in [
+        ("nccl", ds4_gpu::Vendor::Nvidia),
+        ("rccl", ds4_gpu::Vendor::Amd),
+    ] {
+        match ds4_gpu::ccl::Ccl::open(vendor) {
+            Ok(c) => out.push(format!(
+                "{name}: {} ({}; expert parallelism over --devices)",
+                c.version(),
+                c.path.display()
+            )),
+            Err(e) => out.push(format!(
+                "{name}: not found (--devices needs it; one GPU does not): {}",
+                e.to_string()
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .trim_end_matches("; searched:")
+            )),
+        }
+    }
     // The vendor BLAS takes the dense prefill products (without it the built-in GEMM does,
     // ~30% slower prefill on an H200).
     for (name, vendor) in [
