@@ -51,10 +51,7 @@ fn ranks_give_one_ranks_tokens_and_share_snapshots() {
     let (t1, l1) = greedy(&one);
     for ranks in [2, 3] {
         let ep = open(ranks).unwrap();
-        assert_eq!(
-            ep.backend_name(),
-            format!("cpu x{ranks} (expert parallel)")
-        );
+        assert_eq!(ep.backend_name(), format!("cpu x{ranks} (expert parallel)"));
         let (te, le) = greedy(&ep);
         let worst = l1
             .iter()
@@ -106,5 +103,8 @@ fn speculative_decoding_on_ranks_equals_their_greedy() {
 fn more_ranks_than_experts_is_a_clear_error() {
     let e = open(17).err().expect("17 ranks for 16 experts");
     let msg = e.to_string();
-    assert!(msg.contains("17 ranks") && msg.contains("16 routed experts"), "{msg}");
+    assert!(
+        msg.contains("17 ranks") && msg.contains("16 routed experts"),
+        "{msg}"
+    );
 }

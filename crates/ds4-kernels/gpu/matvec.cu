@@ -911,6 +911,121 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LAT
 // The same with the loads pipelined step by step (PIPE; DS4_GPU_MVR_PIPE=1).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0ip(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true, true>(MVR_ARGS); }
 
+// ---- mvb (CUDA sm_90+): the interleaved one-row product with the CTA's whole share of the
+// weights requested at once by bulk copies (cp.async.bulk, the TMA engine) into shared memory,
+// before the PDL wait. The register forms above keep 2 KB a warp in flight and wait a full memory
+// latency per round, so every CTA's rounds go out in step and DRAM sees bursts (out_a / out_b at
+// ~2.5 TB/s in a decode step); here ~68 KB a CTA (3 CTAs an SM) is in flight from the start and
+// the math of column chunk c waits only for that chunk (one mbarrier a chunk, MVB_CH chunks).
+// CTA: RB = 8 * RPW rows (RB * cols = 65536 bytes of quants: 16 rows of 4096 columns, 8 of 8192,
+// 32 of 2048), warp w rows w * RPW .. (rows past the end: no copies, no math). Shared memory:
+// quants [RB][cols], then scales [RB][cols / 16 bytes], both copied row by row per chunk (the
+// decode layout's rows are contiguous; every piece a multiple of 16 bytes: cols % 1024 == 0).
+// Per lane the sums of mvr_r2u2_q8_0i with kspl 1 (tiles in order, slot = lane), then a warp
+// sum: deterministic. ADD: y += W x (mvra).
+#define MVB_CH 4
+
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+__device__ __forceinline__ void mvb_bar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mvb_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mvb_bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ bool mvb_done(u32 bar, u32 parity) {
+    u32 ok;
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return ok != 0;
+}
+#endif
+
+template <int RPW, bool ADD>
+__device__ __forceinline__ void mvb_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+    constexpr int RB = 8 * RPW;
+    extern __shared__ uint4 mvb_smem[];
+    __shared__ alignas(8) unsigned long long bars[MVB_CH];
+    const u8* sm = (const u8*)mvb_smem;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, z = blockIdx.z;
+    const int r0 = blockIdx.x * RB, nr = min(RB, rows - r0);
+    const u32 sq = (u32)__cvta_generic_to_shared(mvb_smem), sd = sq + (u32)(RB * cols);
+    const u32 b0 = (u32)__cvta_generic_to_shared(bars);
+    const int cq = cols / MVB_CH, cd = cols / (16 * MVB_CH); // bytes of a row's chunk: quants, scales
+    if (tid == 0) {
+#pragma unroll
+        for (int c = 0; c < MVB_CH; c++) mvb_bar_init(b0 + 8 * c, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#pragma unroll
+        for (int c = 0; c < MVB_CH; c++) mvb_expect(b0 + 8 * c, (u32)(nr * (cq + cd)));
+    }
+    __syncthreads();
+    if (warp == 0) // chunk-major: chunk 0 of every row first
+        for (int i = lane; i < MVB_CH * nr; i += 32) {
+            const int c = i / nr, r = i - c * nr;
+            const long long g = (long long)z * rows + r0 + r;
+            mvb_bulk(sq + (u32)(r * cols + c * cq), Q + g * cols + c * cq, (u32)cq, b0 + 8 * c);
+            mvb_bulk(sd + (u32)(r * (cols / 16) + c * cd), (const u8*)D + g * (cols / 16) + c * cd, (u32)cd, b0 + 8 * c);
+        }
+    ds4_pdl_enter(); // x (and ADD's y) may come from the previous kernel
+    float acc[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) acc[i] = 0.0f;
+    const float4* xv = (const float4*)(x + (long long)z * x_z);
+    const int tpc = cols / (512 * MVB_CH); // 512-column tiles a chunk
+    for (int c = 0; c < MVB_CH; c++) {
+        while (!mvb_done(b0 + 8 * c, 0)) {
+        }
+        for (int t = c * tpc; t < (c + 1) * tpc; t++) {
+            const float4* xt = xv + 128 * t + lane;
+            const float4 xa = xt[0], xb = xt[32], xc = xt[64], xd = xt[96];
+#pragma unroll
+            for (int i = 0; i < RPW; i++) {
+                const int r = warp * RPW + i;
+                if (r < nr) {
+                    const uint4 v = *(const uint4*)(sm + r * cols + 512 * t + 16 * lane);
+                    const uint2 d = *(const uint2*)(sm + RB * cols + r * (cols / 16) + 32 * t + 8 * (lane >> 3));
+                    acc[i] = mvr_dot_i(v, d, xa, xb, xc, xd, acc[i]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+        float v = acc[i];
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        const int r = warp * RPW + i;
+        if (lane == 0 && r < nr) {
+            float* yr = y + (long long)z * y_z + r0 + r;
+            *yr = ADD ? *yr + v : v;
+        }
+    }
+#else
+    (void)Q, (void)D, (void)x, (void)x_z, (void)y, (void)y_z, (void)rows, (void)cols;
+#endif
+}
+
+#define MVB_PARAMS                                                                                                     \
+    const u8 *__restrict__ Q, const u16 *__restrict__ D, const float *__restrict__ x, long long x_z,                  \
+        float *__restrict__ y, long long y_z, int rows, int cols
+#define MVB_ARGS Q, D, x, x_z, y, y_z, rows, cols
+// RPW rows a warp (8 RPW a CTA): 1 for 8192 columns, 2 for 4096, 4 for 2048 (matvec.rs mvb).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvb1_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<1, false>(MVB_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvb2_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<2, false>(MVB_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvb4_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<4, false>(MVB_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvba1_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<1, true>(MVB_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvba2_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<2, true>(MVB_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvba4_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<4, true>(MVB_ARGS); }
+
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
 // the same cols, matrix m takes CTAs c_m .. c_{m+1} - 1 (c_0 = 0; c_m = 0x7fffffff for absent m), each CTA as one CTA of the single-matrix form at

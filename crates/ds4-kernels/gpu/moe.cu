@@ -1474,7 +1474,7 @@ DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __res
 // A local selection becomes e - e0; any other gets weight 0 and the token's first local
 // selection (or local 0 where it has none), so kernels that compute each distinct expert of a
 // token once do no extra work for it. One thread per token.
-DS4_KERNEL void moe_localize(int* __restrict__ sel, float* __restrict__ wgt, int n, int k, int e0, int count) {
+DS4_KERNEL void DS4_BOUNDS(128) moe_localize(int* __restrict__ sel, float* __restrict__ wgt, int n, int k, int e0, int count) {
     ds4_pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
