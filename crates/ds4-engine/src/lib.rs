@@ -111,6 +111,16 @@ impl EngineOptions {
 /// the GPU-vs-CPU comparisons hold to ~1e-4.
 pub const DEFAULT_PRECISION: Precision = Precision::Fast;
 
+/// The first line of a library error, without its list of searched places (`ds4 devices`).
+fn first_line(e: &ds4_gpu::GpuError) -> String {
+    let msg = e.to_string();
+    msg.lines()
+        .next()
+        .unwrap_or("")
+        .trim_end_matches("; searched:")
+        .to_string()
+}
+
 /// A human-readable report of the compute devices and kernel compilers this machine offers
 /// (`ds4 devices`): one line per item, each saying what was found or why not.
 pub fn device_report() -> Vec<String> {
@@ -182,11 +192,7 @@ pub fn device_report() -> Vec<String> {
             )),
             Err(e) => out.push(format!(
                 "{name}: not found (--devices needs it; one GPU does not): {}",
-                e.to_string()
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .trim_end_matches("; searched:")
+                first_line(&e)
             )),
         }
     }
@@ -203,11 +209,7 @@ pub fn device_report() -> Vec<String> {
             )),
             Err(e) => out.push(format!(
                 "{name}: not found (dense prefill products use the built-in GEMM): {}",
-                e.to_string()
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .trim_end_matches("; searched:")
+                first_line(&e)
             )),
         }
     }

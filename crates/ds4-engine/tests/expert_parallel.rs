@@ -5,9 +5,11 @@
 //! rollbacks and the MTP block through every rank) gives its plain greedy output, and a group
 //! larger than the expert count is a clear error.
 
-use ds4_engine::{argmax, BackendChoice, Engine, EngineOptions};
+mod common;
 
-const PROMPT: [u32; 13] = [0, 5, 77, 300, 12, 9, 411, 250, 3, 3, 90, 128, 7];
+use common::{max_abs, PROMPT};
+use ds4_engine::{BackendChoice, Engine, EngineOptions};
+
 const N: usize = 40; // crosses the 8-row window and several CSA/HCA windows
 
 fn open(ranks: usize) -> Result<Engine, ds4_engine::EngineError> {
@@ -25,23 +27,7 @@ fn open(ranks: usize) -> Result<Engine, ds4_engine::EngineError> {
 }
 
 fn greedy(e: &Engine) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut s = e.new_session(512);
-    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
-    let (mut toks, mut logits) = (Vec::new(), Vec::new());
-    for _ in 0..N {
-        let l = s.logits().unwrap().to_vec();
-        toks.push(argmax(&l));
-        logits.push(l);
-        s.eval(*toks.last().unwrap()).unwrap();
-    }
-    (toks, logits)
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    common::greedy(e, N)
 }
 
 #[test]

@@ -6,6 +6,9 @@
 //! decoding gives exactly the GPU's plain greedy output. On the full-size synthetic model (where
 //! it fits): a 20,000-token prompt gives bit-identical logits in two sessions.
 
+mod common;
+
+use common::{max_abs, PROMPT};
 use ds4_engine::{argmax, BackendChoice, Engine, EngineOptions};
 use std::sync::{Mutex, MutexGuard};
 
@@ -17,7 +20,6 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const PROMPT: [u32; 13] = [0, 5, 77, 300, 12, 9, 411, 250, 3, 3, 90, 128, 7];
 const N: usize = 48; // crosses the window and several CSA/HCA windows of the tiny model
 
 fn open(backend: BackendChoice) -> Option<Engine> {
@@ -56,24 +58,7 @@ fn gpu() -> Option<Engine> {
 
 /// Greedy tokens and the logits before each.
 fn greedy(e: &Engine) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut s = e.new_session(512);
-    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
-    let (mut toks, mut logits) = (Vec::new(), Vec::new());
-    for _ in 0..N {
-        let l = s.logits().unwrap().to_vec();
-        let t = argmax(&l);
-        toks.push(t);
-        logits.push(l);
-        s.eval(t).unwrap();
-    }
-    (toks, logits)
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    common::greedy(e, N)
 }
 
 #[test]
@@ -347,16 +332,7 @@ fn gpu_expert_parallel_ranks_match_one_gpu() {
         "{}",
         ep.backend_name()
     );
-    let (gt, gl) = greedy(&g);
-    let (et, el) = greedy(&ep);
-    let worst = gl
-        .iter()
-        .zip(&el)
-        .map(|(a, b)| max_abs(a, b))
-        .fold(0.0, f32::max);
-    println!("2 EP ranks vs one GPU: max |Δ logit| {worst:.3e} over {N} steps");
-    assert_eq!(et, gt);
-    assert!(worst < 1e-3, "{worst}");
+    let gt = same_greedy(&g, &ep, "2 EP ranks");
     // A snapshot of the ranks' state (rank 0's) continues on one GPU.
     let mut s = ep.new_session(512);
     s.sync(&PROMPT, &mut |_, _| {}).unwrap();
@@ -386,14 +362,20 @@ fn gpu_expert_parallel_over_nccl() {
     let ep = open_with(BackendChoice::Auto, |o| o.devices = vec![0, 1])
         .expect("two expert-parallel ranks on GPUs 0 and 1");
     println!("EP backend: {}", ep.backend_name());
-    let (gt, gl) = greedy(&g);
-    let (et, el) = greedy(&ep);
+    same_greedy(&g, &ep, "2 NCCL ranks");
+}
+
+/// `ep` gives one GPU's (`g`) greedy tokens with logits within 1e-3; those tokens.
+fn same_greedy(g: &Engine, ep: &Engine, what: &str) -> Vec<u32> {
+    let (gt, gl) = greedy(g);
+    let (et, el) = greedy(ep);
     let worst = gl
         .iter()
         .zip(&el)
         .map(|(a, b)| max_abs(a, b))
         .fold(0.0, f32::max);
-    println!("2 NCCL ranks vs one GPU: max |Δ logit| {worst:.3e} over {N} steps");
-    assert_eq!(et, gt);
-    assert!(worst < 1e-3, "{worst}");
+    println!("{what} vs one GPU: max |Δ logit| {worst:.3e} over {N} steps");
+    assert_eq!(et, gt, "{what}");
+    assert!(worst < 1e-3, "{what}: {worst}");
+    gt
 }

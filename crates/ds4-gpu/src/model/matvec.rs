@@ -717,6 +717,19 @@ impl GpuBackend {
             );
             return true;
         }
+        let q = dec.ptr();
+        // Quants, scales (after all quants), x, y, shape; the mvr forms add k.
+        let mut args = [
+            Arg::Ptr(q),
+            Arg::Ptr(q.offset((nb * 32) as u64)),
+            Arg::Ptr(x.ptr),
+            Arg::I64(x_z as i64),
+            Arg::Ptr(y),
+            Arg::I64(y_z as i64),
+            Arg::I32(rows as i32),
+            Arg::I32(cols as i32),
+            Arg::I32(0),
+        ];
         let info = self.gpu.info();
         if il
             && form == 2
@@ -729,7 +742,6 @@ impl GpuBackend {
             // 8 · rpw rows a CTA, 64 KiB of their quants (+ 1/16 of that in scales).
             let rpw = 8192 / cols;
             let rb = 8 * rpw;
-            let q = dec.ptr();
             self.run(
                 &ds4_kernels::MATVEC,
                 &format!("mvb{}{rpw}_q8_0i", if add { "a" } else { "" }),
@@ -738,16 +750,7 @@ impl GpuBackend {
                     block: [MV_WARPS as u32 * 32, 1, 1],
                     shared_bytes: (rb * cols + rb * cols / 16) as u32,
                 },
-                &[
-                    Arg::Ptr(q),
-                    Arg::Ptr(q.offset((nb * 32) as u64)),
-                    Arg::Ptr(x.ptr),
-                    Arg::I64(x_z as i64),
-                    Arg::Ptr(y),
-                    Arg::I64(y_z as i64),
-                    Arg::I32(rows as i32),
-                    Arg::I32(cols as i32),
-                ],
+                &args[..8],
             );
             return true;
         }
@@ -755,7 +758,7 @@ impl GpuBackend {
         // A warp step is DS4_WARP half blocks (16 columns each): mv_kspl counts steps of
         // warp/4 chunks of 32 columns, so it is asked about cols / 2.
         let (dims, k) = self.mv_dims(rows, r, 1, zs, cols / 2);
-        let q = dec.ptr();
+        args[8] = Arg::I32(k as i32);
         self.run(
             &ds4_kernels::MATVEC,
             &format!(
@@ -768,17 +771,7 @@ impl GpuBackend {
                 }
             ),
             dims,
-            &[
-                Arg::Ptr(q),
-                Arg::Ptr(q.offset((nb * 32) as u64)),
-                Arg::Ptr(x.ptr),
-                Arg::I64(x_z as i64),
-                Arg::Ptr(y),
-                Arg::I64(y_z as i64),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-                Arg::I32(k as i32),
-            ],
+            &args,
         );
         true
     }

@@ -1,0 +1,28 @@
+//! Shared by the engine tests: a prompt of the tiny models, greedy decoding, logit distance.
+#![allow(dead_code)] // each test binary uses a subset
+
+use ds4_engine::{argmax, Engine};
+
+pub const PROMPT: [u32; 13] = [0, 5, 77, 300, 12, 9, 411, 250, 3, 3, 90, 128, 7];
+
+/// `n` greedy tokens after [`PROMPT`] and the logits before each.
+pub fn greedy(e: &Engine, n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut s = e.new_session(512);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let (mut toks, mut logits) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let l = s.logits().unwrap().to_vec();
+        let t = argmax(&l);
+        toks.push(t);
+        logits.push(l);
+        s.eval(t).unwrap();
+    }
+    (toks, logits)
+}
+
+pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
