@@ -15,6 +15,14 @@ use ds4_model::HParams;
 use rand::Rng;
 use std::sync::Arc;
 
+/// Held around `Ccl::open`: one test sets `DS4_NCCL_LIB` for a moment.
+static LIB_ENV: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn open_ccl(vendor: ds4_gpu::runtime::Vendor) -> ds4_gpu::Result<Ccl> {
+    let _g = LIB_ENV.lock().unwrap_or_else(|e| e.into_inner());
+    Ccl::open(vendor)
+}
+
 fn backend() -> Option<GpuBackend> {
     let gpu = common::open_gpu()?;
     Some(GpuBackend::new(gpu, &rope_tables(&HParams::tiny())).unwrap())
@@ -24,7 +32,7 @@ fn backend() -> Option<GpuBackend> {
 fn one_rank_all_reduce_between_graph_pieces() {
     let Some(b) = backend() else { return };
     let vendor = b.gpu().info().vendor;
-    let ccl = match Ccl::open(vendor) {
+    let ccl = match open_ccl(vendor) {
         Ok(c) => Arc::new(c),
         Err(e) => {
             if std::env::var("DS4_REQUIRE_CCL").is_ok_and(|v| v == "1") {
@@ -91,4 +99,33 @@ fn localize_on_the_device_equals_the_host_rule() {
         }
     }
     b.check().unwrap();
+}
+
+/// No GPU needed: a file named by `DS4_NCCL_LIB` that is not NCCL is one clear error naming the
+/// missing entry point and the file (it is tried before any other place).
+#[test]
+fn a_library_without_the_entry_points_is_a_clear_error() {
+    let libm = [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/libm.so.6",
+        "/lib64/libm.so.6",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists());
+    let Some(libm) = libm else {
+        println!("skipped: no libm.so.6 at the usual places to stand in for a wrong library");
+        return;
+    };
+    let r = {
+        let _g = LIB_ENV.lock().unwrap_or_else(|e| e.into_inner());
+        std::env::set_var("DS4_NCCL_LIB", libm);
+        let r = Ccl::open(ds4_gpu::runtime::Vendor::Nvidia);
+        std::env::remove_var("DS4_NCCL_LIB");
+        r
+    };
+    let e = r.err().expect("libm is not NCCL").to_string();
+    assert!(
+        e.contains("ncclGetVersion") && e.contains("libm.so.6"),
+        "{e}"
+    );
 }
