@@ -321,7 +321,7 @@ fn merged(gpu: &GpuBackend, reps: usize) {
 /// call, alternating p / i / ip twice. `only`: the shapes whose name contains it (ncu runs).
 fn il_only(gpu: &GpuBackend, reps: usize, only: &str) {
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(4);
-    println!("-- Q8_0 n = 1 decode products: plain (p) vs interleaved (i) decode layout vs interleaved by bulk copies (b: mvb), graph us per call --");
+    println!("-- Q8_0 n = 1 decode products: plain (p) vs interleaved (i) decode layout, graph us per call --");
     // (name, cols, rows of each matrix, groups); two matrices: a merged set (q_a + kv: mvrm;
     // gate/up: mvrgu).
     let shapes: [(&str, usize, &[usize], usize); 7] = [
@@ -354,8 +354,7 @@ fn il_only(gpu: &GpuBackend, reps: usize, only: &str) {
             let l = round % 3;
             let sets = &lay[l.min(1)].0;
             GpuBackend::set_matvec_defaults();
-            // i: the register form (mvr); b: the bulk-copy form (mvb, sm_90+; elsewhere = i).
-            GpuBackend::set_matvec_mvb(l == 2);
+            GpuBackend::set_matvec_mvr_pipe(l == 2);
             let mut call = |i: usize| {
                 let s = &sets[i % sets.len()];
                 if rows.len() == 2 && name.starts_with("shared") {
@@ -374,7 +373,7 @@ fn il_only(gpu: &GpuBackend, reps: usize, only: &str) {
         }
         let best = |v: &Vec<f64>| v.iter().cloned().fold(f64::MAX, f64::min);
         println!(
-            "{:26} {}->{:?}: p {:6.2} {:6.2} | i {:6.2} {:6.2} | b {:6.2} {:6.2} us | best p {:6.2} i {:6.2} ({:+.1}%) b {:6.2} ({:+.1}%) GB/s {:5.0} {:5.0} {:5.0}",
+            "{:26} {}->{:?}: p {:6.2} {:6.2} | i {:6.2} {:6.2} | ip {:6.2} {:6.2} us | best p {:6.2} i {:6.2} ({:+.1}%) ip {:6.2} ({:+.1}%) GB/s {:5.0} {:5.0} {:5.0}",
             name,
             cols * groups,
             rows,

@@ -1244,19 +1244,10 @@ fn matvec_interleaved() {
         let xs = randn(&mut rng(3200 + si as u64), groups * cols, 1.0);
         let want = reference(&w, cols, rows, groups, &xs);
         let gx = gpu.upload(&xs);
-        // (mvr form, pipelined, bulk copies): r4u2, r2u2, auto (the interleaved r2u2 of 2048,
-        // 4096 and 8192 columns by mvb on sm_90+), r2u2 pipelined (mvr_r2u2_q8_0ip), r2u2 in
-        // registers (mvb off).
-        for (form, pipe, mvb) in [
-            (1u8, false, true),
-            (2, false, true),
-            (255, false, true),
-            (2, true, false),
-            (2, false, false),
-        ] {
+        // (mvr form, pipelined): r4u2, r2u2, auto, r2u2 pipelined (mvr_r2u2_q8_0ip)
+        for (form, pipe) in [(1u8, false), (2, false), (255, false), (2, true)] {
             GpuBackend::set_matvec_repacked(form);
             GpuBackend::set_matvec_mvr_pipe(pipe);
-            GpuBackend::set_matvec_mvb(mvb);
             for (lay, gw) in [("plain", &w.plain), ("il", &w.il)] {
                 let mut outs = Vec::new();
                 for _ in 0..2 {
@@ -1269,7 +1260,7 @@ fn matvec_interleaved() {
                     outs.push(gpu.download(&gy, rows));
                 }
                 let name = format!(
-                    "{lay} mvr form {form} pipe {pipe} mvb {mvb} Q8_0 {groups}x{cols}->{rows} vs f64"
+                    "{lay} mvr form {form} pipe {pipe} Q8_0 {groups}x{cols}->{rows} vs f64"
                 );
                 cases.check(name.clone(), cols, &outs[0], &want, &gpu);
                 assert!(
@@ -1281,7 +1272,6 @@ fn matvec_interleaved() {
     }
     GpuBackend::set_matvec_repacked(255);
     GpuBackend::set_matvec_mvr_pipe(false);
-    GpuBackend::set_matvec_mvb(true);
     // Merged sets (matmul_multi: mvrm) and gate/up (mvrgu).
     for (si, rows) in [&[1024usize, 512][..], &[3, 4099], &[37, 70, 1, 5]]
         .iter()

@@ -123,11 +123,6 @@ static Q8_IL: AtomicBool = AtomicBool::new(true);
 /// graph us out_a 11.6 against 12.5, out_b 12.1 against 12.9, but 2k decode 157.4 against 157.0
 /// tok/s (4 pairs, within noise; bench/results/gpu-m119-h200.txt).
 static MVR_PIPE: AtomicBool = AtomicBool::new(false);
-/// `mvb{,a}<RPW>_q8_0i` (gpu/matvec.cu; CUDA sm_90+) for the interleaved r2u2 products of 2048,
-/// 4096 or 8192 columns (attn out_a, out_b, the shared expert's down): each CTA's 64 KiB of
-/// quants (+ scales) requested at once by bulk copies before the PDL wait, the math per column
-/// chunk as it lands. `DS4_GPU_MVB=off` gives the register form back.
-static MVB: AtomicBool = AtomicBool::new(true);
 /// Columns of one interleaved tile.
 const IL_TILE: usize = 512;
 /// (name, rows per warp R, column steps U in flight).
@@ -149,9 +144,6 @@ fn mvr_env() {
         }
         if let Ok(v) = std::env::var("DS4_GPU_MVR_PIPE") {
             MVR_PIPE.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
-        }
-        if let Ok(v) = std::env::var("DS4_GPU_MVB") {
-            MVB.store(!matches!(v.as_str(), "off" | "0"), Ordering::Relaxed);
         }
     });
 }
@@ -487,7 +479,6 @@ impl GpuBackend {
         Self::set_matvec_mvx_spread(6);
         Self::set_matvec_merge(true);
         Self::set_matvec_mvq_late(true);
-        Self::set_matvec_mvb(true);
     }
 
     /// n = 1 form for Q8_0/F16 (`MVQ`): 0 off, 1..=2 a fixed form, anything else auto.
@@ -535,12 +526,6 @@ impl GpuBackend {
     pub fn set_matvec_mvr_pipe(on: bool) {
         mvr_env();
         MVR_PIPE.store(on, Ordering::Relaxed);
-    }
-
-    /// The bulk-copy interleaved products (`MVB`, sm_90+) on or off.
-    pub fn set_matvec_mvb(on: bool) {
-        mvr_env();
-        MVB.store(on, Ordering::Relaxed);
     }
 
     /// The F16 `mvq` / `mvqm` kernels that load weights before the PDL wait (`MVQ_LATE`) on or off.
@@ -717,48 +702,11 @@ impl GpuBackend {
             );
             return true;
         }
-        let q = dec.ptr();
-        // Quants, scales (after all quants), x, y, shape; the mvr forms add k.
-        let mut args = [
-            Arg::Ptr(q),
-            Arg::Ptr(q.offset((nb * 32) as u64)),
-            Arg::Ptr(x.ptr),
-            Arg::I64(x_z as i64),
-            Arg::Ptr(y),
-            Arg::I64(y_z as i64),
-            Arg::I32(rows as i32),
-            Arg::I32(cols as i32),
-            Arg::I32(0),
-        ];
-        let info = self.gpu.info();
-        if il
-            && form == 2
-            && MVB.load(Ordering::Relaxed)
-            && info.vendor == crate::runtime::Vendor::Nvidia
-            && info.cc.0 >= 9
-            && info.warp == 32
-            && matches!(cols, 2048 | 4096 | 8192)
-        {
-            // 8 · rpw rows a CTA, 64 KiB of their quants (+ 1/16 of that in scales).
-            let rpw = 8192 / cols;
-            let rb = 8 * rpw;
-            self.run(
-                &ds4_kernels::MATVEC,
-                &format!("mvb{}{rpw}_q8_0i", if add { "a" } else { "" }),
-                LaunchDims {
-                    grid: [rows.div_ceil(rb) as u32, 1, zs as u32],
-                    block: [MV_WARPS as u32 * 32, 1, 1],
-                    shared_bytes: (rb * cols + rb * cols / 16) as u32,
-                },
-                &args[..8],
-            );
-            return true;
-        }
         let (name, r) = MVR_FORMS[form as usize - 1];
         // A warp step is DS4_WARP half blocks (16 columns each): mv_kspl counts steps of
         // warp/4 chunks of 32 columns, so it is asked about cols / 2.
         let (dims, k) = self.mv_dims(rows, r, 1, zs, cols / 2);
-        args[8] = Arg::I32(k as i32);
+        let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
             &format!(
@@ -771,7 +719,17 @@ impl GpuBackend {
                 }
             ),
             dims,
-            &args,
+            &[
+                Arg::Ptr(q),
+                Arg::Ptr(q.offset((nb * 32) as u64)),
+                Arg::Ptr(x.ptr),
+                Arg::I64(x_z as i64),
+                Arg::Ptr(y),
+                Arg::I64(y_z as i64),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I32(k as i32),
+            ],
         );
         true
     }
