@@ -121,6 +121,14 @@ fn first_line(e: &ds4_gpu::GpuError) -> String {
         .to_string()
 }
 
+/// `name: what was found`, or `name: not found<why it matters>: <first line of the error>`.
+fn lib_line(name: &str, r: Result<String, ds4_gpu::GpuError>, missing: &str) -> String {
+    match r {
+        Ok(found) => format!("{name}: {found}"),
+        Err(e) => format!("{name}: not found{missing}: {}", first_line(&e)),
+    }
+}
+
 /// A human-readable report of the compute devices and kernel compilers this machine offers
 /// (`ds4 devices`): one line per item, each saying what was found or why not.
 pub fn device_report() -> Vec<String> {
@@ -154,64 +162,35 @@ pub fn device_report() -> Vec<String> {
                     }
                 }
             }
-            Err(e) => {
-                let msg = e.to_string();
-                let first = msg
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .trim_end_matches("; searched:");
-                out.push(format!("{vendor}: not usable: {first}"));
-            }
+            Err(e) => out.push(format!("{vendor}: not usable: {}", first_line(&e))),
         }
     }
-    match ds4_gpu::Nvrtc::load() {
-        Ok(c) => out.push(format!("nvrtc: {} ({})", c.version(), c.path().display())),
-        Err(e) => out.push(format!(
-            "nvrtc: not found: {}",
-            e.to_string().lines().next().unwrap_or("")
-        )),
-    }
-    match ds4_gpu::Hiprtc::load() {
-        Ok(c) => out.push(format!("hiprtc: {} ({})", c.version(), c.path().display())),
-        Err(e) => out.push(format!(
-            "hiprtc: not found: {}",
-            e.to_string().lines().next().unwrap_or("")
-        )),
-    }
-    // The collective library joins expert-parallel ranks (`--devices`); one GPU needs none.
-    for (name, vendor) in [
-        ("nccl", ds4_gpu::Vendor::Nvidia),
-        ("rccl", ds4_gpu::Vendor::Amd),
+    let nv = ds4_gpu::Nvrtc::load().map(|c| format!("{} ({})", c.version(), c.path().display()));
+    out.push(lib_line("nvrtc", nv, ""));
+    let hip = ds4_gpu::Hiprtc::load().map(|c| format!("{} ({})", c.version(), c.path().display()));
+    out.push(lib_line("hiprtc", hip, ""));
+    for (vendor, ccl, blas) in [
+        (ds4_gpu::Vendor::Nvidia, "nccl", "cublaslt"),
+        (ds4_gpu::Vendor::Amd, "rccl", "hipblaslt"),
     ] {
-        match ds4_gpu::ccl::Ccl::open(vendor) {
-            Ok(c) => out.push(format!(
-                "{name}: {} ({}; expert parallelism over --devices)",
+        // The collective library joins expert-parallel ranks (`--devices`); one GPU needs none.
+        let c = ds4_gpu::ccl::Ccl::open(vendor).map(|c| {
+            format!(
+                "{} ({}; expert parallelism over --devices)",
                 c.version(),
                 c.path.display()
-            )),
-            Err(e) => out.push(format!(
-                "{name}: not found (--devices needs it; one GPU does not): {}",
-                first_line(&e)
-            )),
-        }
-    }
-    // The vendor BLAS takes the dense prefill products (without it the built-in GEMM does,
-    // ~30% slower prefill on an H200).
-    for (name, vendor) in [
-        ("cublaslt", ds4_gpu::Vendor::Nvidia),
-        ("hipblaslt", ds4_gpu::Vendor::Amd),
-    ] {
-        match ds4_gpu::blas::BlasLt::load(vendor) {
-            Ok(b) => out.push(format!(
-                "{name}: {} (dense prefill products)",
-                b.lib.path.display()
-            )),
-            Err(e) => out.push(format!(
-                "{name}: not found (dense prefill products use the built-in GEMM): {}",
-                first_line(&e)
-            )),
-        }
+            )
+        });
+        out.push(lib_line(ccl, c, " (--devices needs it; one GPU does not)"));
+        // The vendor BLAS takes the dense prefill products (without it the built-in GEMM
+        // does, ~30% slower prefill on an H200).
+        let b = ds4_gpu::blas::BlasLt::load(vendor)
+            .map(|b| format!("{} (dense prefill products)", b.lib.path.display()));
+        out.push(lib_line(
+            blas,
+            b,
+            " (dense prefill products use the built-in GEMM)",
+        ));
     }
     out.push(full_size_line());
     if let Some(d) = ds4_gpu::cache::cache_dir() {
@@ -354,6 +333,18 @@ struct RankBytes {
 }
 
 impl RankBytes {
+    /// Sizes from a model's tensors as (name, bytes).
+    fn of<'a>(tensors: impl Iterator<Item = (&'a str, u64)>) -> RankBytes {
+        let mut r = RankBytes { all: 0, experts: 0 };
+        for (name, bytes) in tensors {
+            r.all += bytes;
+            if name.contains("_exps.") {
+                r.experts += bytes; // routed expert stacks: split over the ranks
+            }
+        }
+        r
+    }
+
     /// The most any of `n` ranks holds (ranks differ by at most one expert of each layer).
     fn per_rank(&self, n: usize, n_expert: usize) -> u64 {
         let most = n_expert.div_ceil(n) as u64;
@@ -409,7 +400,8 @@ fn open_ranks(
             EngineError::Backend(
                 "expert parallel".into(),
                 format!(
-                    "--devices: GPU {d} is not usable (expert parallelism runs on CUDA or ROCm                      GPUs; `ds4 devices` lists them; --backend cpu runs reference ranks)"
+                    "--devices: GPU {d} is not usable (expert parallelism runs on CUDA or ROCm \
+                     GPUs; `ds4 devices` lists them; --backend cpu runs reference ranks)"
                 ),
             )
         })?;
@@ -512,14 +504,12 @@ impl Engine {
         }
         let (model, backend, weight_bytes): Opened = match pick {
             _ if opts.devices.len() > 1 => {
-                let tensors = || files.iter().flat_map(|(f, _)| f.tensors());
-                let sizes = RankBytes {
-                    all: tensors().map(|t| t.n_bytes).sum(),
-                    experts: tensors()
-                        .filter(|t| t.name.contains("_exps."))
-                        .map(|t| t.n_bytes)
-                        .sum(),
-                };
+                let sizes = RankBytes::of(
+                    files
+                        .iter()
+                        .flat_map(|(f, _)| f.tensors())
+                        .map(|t| (t.name.as_str(), t.n_bytes)),
+                );
                 let rounding = opts.rounding;
                 let (m, line, wb) = open_ranks(
                     opts,
@@ -574,14 +564,18 @@ impl Engine {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Engine, EngineError> {
         let (hp, mix) = preset.params();
-        let Some(pick) = pick_gpu(opts.backend, opts.device)? else {
-            return Err(EngineError::Backend(
+        // --backend cpu, or auto finding no GPU (auto then means the CPU).
+        let on_cpu = || {
+            EngineError::Backend(
                 "cpu".into(),
                 "synthetic models are generated on a GPU (--backend cuda or rocm); for the CPU \
                  write one with `ds4 synth` and pass it with -m"
                     .into(),
-            ));
+            )
         };
+        if opts.backend == BackendChoice::Cpu {
+            return Err(on_cpu());
+        }
         let vocab = if hp.n_vocab as usize == ds4_tokenizer::builtin::DEEPSEEK_V4_VOCAB_SIZE {
             ds4_tokenizer::builtin::deepseek_v4()
         } else {
@@ -592,16 +586,11 @@ impl Engine {
             .map_err(|e| EngineError::Tokenizer(label.clone(), e))?;
         let model_id: [u8; 32] = Sha256::digest(label.as_bytes()).into();
         if opts.devices.len() > 1 {
-            let total = SynthSource::new(&hp, mix, seed, &mut |_, _| {}).total_bytes() as u64;
-            let experts: u64 = ds4_model::main_tensors(&hp)
-                .iter()
-                .filter(|t| t.name.contains("_exps."))
-                .map(|t| ds4_model::tensors::tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0))
-                .sum();
-            let sizes = RankBytes {
-                all: total,
-                experts,
-            };
+            let specs = ds4_model::main_tensors(&hp);
+            let sizes = RankBytes::of(specs.iter().map(|t| {
+                let b = ds4_model::tensors::tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0);
+                (t.name.as_str(), b)
+            }));
             let rounding = opts.rounding;
             let (model, backend, wb) = open_ranks(
                 opts,
@@ -623,6 +612,9 @@ impl Engine {
                 weight_bytes: wb,
             });
         }
+        let Some(pick) = pick_gpu(opts.backend, opts.device)? else {
+            return Err(on_cpu());
+        };
         let name = pick.name;
         let mut src = SynthSource::new(&hp, mix, seed, progress);
         let (b, line) = gpu_backend(pick, &hp, src.total_bytes() as u64, opts.precision)?;

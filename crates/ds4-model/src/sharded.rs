@@ -31,27 +31,30 @@ impl Sharded {
         self.ranks.len()
     }
 
-    /// `f(rank, r)` on every rank at once; rank 0's value, or the first rank's error.
-    fn all<T: Send>(
+    /// `f(rank, part)` on every rank at once with that rank's part (`parts[r]`); rank 0's
+    /// value, or the first failing rank's error. Rank 0 runs on the caller's thread, the
+    /// others on scoped threads (a decode step spawns n - 1 threads: ~10-20 us, well under a
+    /// step's milliseconds, so no persistent workers).
+    fn all<S: Send, T: Send>(
         &self,
-        f: impl Fn(usize, &dyn Forward) -> Result<T, String> + Sync,
+        parts: &mut [S],
+        f: impl Fn(&dyn Forward, &mut S) -> Result<T, String> + Sync,
     ) -> Result<T, String> {
+        debug_assert_eq!(parts.len(), self.ranks.len());
+        let f = &f;
         let mut out: Vec<Result<T, String>> = std::thread::scope(|s| {
-            let hs: Vec<_> = self
-                .ranks
-                .iter()
-                .enumerate()
-                .map(|(i, r)| {
-                    let f = &f;
-                    s.spawn(move || f(i, r.as_ref()))
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err("an expert-parallel rank panicked".into()))
-                })
-                .collect()
+            let mut it = self.ranks.iter().zip(parts.iter_mut());
+            let (r0, p0) = it.next().expect("at least one rank (Sharded::new)");
+            let hs: Vec<_> = it.map(|(r, p)| s.spawn(move || f(r.as_ref(), p))).collect();
+            // A panic on this thread becomes rank 0's error, as a joined rank's does.
+            let r0 = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(r0.as_ref(), p0)));
+            let mut out =
+                vec![r0.unwrap_or_else(|_| Err("an expert-parallel rank panicked".into()))];
+            out.extend(hs.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("an expert-parallel rank panicked".into()))
+            }));
+            out
         });
         if let Some(i) = out.iter().position(|r| r.is_err()) {
             return out.swap_remove(i).map_err(|e| format!("rank {i}: {e}"));
@@ -59,65 +62,22 @@ impl Sharded {
         out.swap_remove(0)
     }
 
-    /// The per-rank parts of a sharded value (built by [`Sharded::wrap`]).
+    /// The per-rank parts of a sharded value (built as a `Vec<T>`, one a rank).
     fn parts<T: 'static>(b: &mut Box<dyn std::any::Any + Send>) -> &mut Vec<T> {
         b.downcast_mut::<Vec<T>>()
             .expect("state of this expert-parallel model")
     }
-}
 
-/// Per-rank values moved into scoped threads and back (one slot a rank).
-struct Slots<T>(Vec<std::sync::Mutex<Option<T>>>);
-
-impl<T> Slots<T> {
-    fn new(v: Vec<T>) -> Slots<T> {
-        Slots(
-            v.into_iter()
-                .map(|x| std::sync::Mutex::new(Some(x)))
-                .collect(),
-        )
-    }
-    fn take(&self, i: usize) -> T {
-        self.0[i]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .expect("slot taken once")
-    }
-    fn put(&self, i: usize, x: T) {
-        *self.0[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
-    }
-    fn into_vec(self) -> Vec<T> {
-        self.0
-            .into_iter()
-            .map(|m| {
-                m.into_inner()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .expect("slot put back")
-            })
-            .collect()
-    }
-}
-
-impl Sharded {
-    /// Run `f` with each rank's state (moved to its thread and back), keeping the tokens of
-    /// rank 0's state as the sharded state's.
+    /// Run `f` with each rank's state, keeping the tokens of rank 0's state as the sharded
+    /// state's.
     fn with_states<T: Send>(
         &self,
         st: &mut AnyState,
         f: impl Fn(&dyn Forward, &mut AnyState) -> Result<T, String> + Sync,
     ) -> Result<T, String> {
-        let parts = std::mem::take(Self::parts::<AnyState>(&mut st.layers));
-        let slots = Slots::new(parts);
-        let r = self.all(|i, m| {
-            let mut s = slots.take(i);
-            let r = f(m, &mut s);
-            slots.put(i, s);
-            r
-        });
-        let parts = slots.into_vec();
+        let parts = Self::parts::<AnyState>(&mut st.layers);
+        let r = self.all(parts, f);
         st.tokens = parts[0].tokens.clone();
-        *Self::parts::<AnyState>(&mut st.layers) = parts;
         r
     }
 }
@@ -231,15 +191,8 @@ impl Forward for Sharded {
         tok: u32,
         pos: usize,
     ) -> Result<(Vec<f32>, Vec<f32>), String> {
-        let parts = std::mem::take(Self::parts::<AnyLayerState>(&mut st.0));
-        let slots = Slots::new(parts);
-        let r = self.all(|i, m| {
-            let mut s = slots.take(i);
-            let r = m.mtp_eval(&mut s, hs, tok, pos);
-            slots.put(i, s);
-            r
-        });
-        *Self::parts::<AnyLayerState>(&mut st.0) = slots.into_vec();
-        r
+        self.all(Self::parts::<AnyLayerState>(&mut st.0), |m, s| {
+            m.mtp_eval(s, hs, tok, pos)
+        })
     }
 }
