@@ -498,7 +498,10 @@ pub trait Backend: Send + Sync + Sized {
         wgt: &mut Self::Buf,
     );
     /// Routed experts: `out[i] = Σ_s down_e(swiglu_c(gate_e·z, up_e·z) · wgt[i,s])` over the
-    /// selected experts `e = sel[i,s]`, summed in selection order into zeros.
+    /// selected experts `e = sel[i,s]`, summed in selection order into zeros. A slot of weight
+    /// exactly 0 adds exactly 0 (SwiGLU is clamped: finite), so a backend may skip it: the CPU
+    /// and the GPU's prefill do, and an expert-parallel rank then computes only its own
+    /// experts' slots ([`Backend::moe_localize`] zeroes the others).
     #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,

@@ -687,7 +687,11 @@ impl Backend for CpuBackend {
         // the tokens routed to it (each row bit-identical to its one-token product).
         let mut slot_out = vec![0f32; n * k * d];
         for e in 0..spec.n_expert {
-            let users: Vec<usize> = (0..n * k).filter(|&s| sel[s] == e as i32).collect();
+            // A slot of weight exactly 0 adds nothing (`Backend::moe_experts`): skipped, so an
+            // expert-parallel rank computes only the slots of experts it holds.
+            let users: Vec<usize> = (0..n * k)
+                .filter(|&s| sel[s] == e as i32 && wgt[s] != 0.0)
+                .collect();
             if users.is_empty() {
                 continue;
             }

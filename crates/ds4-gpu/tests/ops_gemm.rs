@@ -452,12 +452,20 @@ fn gemm_moe_128_tokens_6_slots() {
             let (cg, gg) = weight(&cpu, &gpu, tg, spec.d, spec.ff, spec.n_expert, s);
             let (cu, gu) = weight(&cpu, &gpu, tu, spec.d, spec.ff, spec.n_expert, s + 1);
             let (cd, gd) = weight(&cpu, &gpu, td, spec.ff, spec.d, spec.n_expert, s + 2);
-            for n in [5, 128] {
+            // (tokens, localized): the last case's selections as rank 1 of 2 expert-parallel
+            // ranks rewrite them (ds4_backend::shard::localize): slots of experts 0-7 weigh 0
+            // and are dropped by the grouping and the slot sum (their rows never written).
+            for (n, local) in [(5, false), (128, false), (128, true)] {
                 let mut r = rng(s + n as u64);
                 let z = randn(&mut r, n * spec.d, 1.0);
                 // Distinct experts within a token, repeated across tokens (runs over 32 pairs too).
-                let (sel, wgt) = random_routes(&mut r, n, spec.n_expert, spec.n_used);
-                let key = format!("moe {tg:?}/{tu:?}/{td:?} n={n} k=6");
+                let (mut sel, mut wgt) = random_routes(&mut r, n, spec.n_expert, spec.n_used);
+                let half = spec.n_expert / 2;
+                if local {
+                    ds4_backend::shard::localize(&mut sel, &mut wgt, spec.n_used, half, half);
+                }
+                let l = if local { "L" } else { "" };
+                let key = format!("moe {tg:?}/{tu:?}/{td:?} n={n}{l} k=6");
                 let want = cases.want(&key, || {
                     let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
                     let mut co = cpu.alloc(n * spec.d);
@@ -536,7 +544,9 @@ fn gemm_moe_128_tokens_6_slots() {
 
 /// The O(n) device grouping (gm_group_*_i32) against a stable sort by expert, far past the old
 /// 4096-pair cap: 2048 tokens × 6 slots, skewed (expert 3 takes ~70 % of the pairs, a few
-/// out-of-range choices clamp), runs cut at 64 and at 7.
+/// out-of-range choices clamp), runs cut at 64 and at 7; the most experts (1024); and each case
+/// again with route weights where ~1/3 of the pairs weigh exactly 0 (an expert-parallel rank's
+/// slots of other ranks' experts: dropped, first in perm, in no run), and all of them.
 #[test]
 fn gemm_group_pairs_skewed() {
     let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
@@ -547,6 +557,7 @@ fn gemm_group_pairs_skewed() {
         (2048 * 6, 256, 64, 1u64),
         (12345, 16, 7, 2),
         (5, 256, 64, 3),
+        (3000, 1024, 64, 4),
     ] {
         let mut r = rng(seed);
         let sel: Vec<i32> = (0..pairs)
@@ -557,55 +568,68 @@ fn gemm_group_pairs_skewed() {
                 _ => r.gen_range(0..ne as i32),
             })
             .collect();
-        let gs = gpu.upload_i32(&sel);
-        let got = gpu.gemm_group_pairs(&gs, pairs, ne, nt);
-        if let Err(e) = gpu.check() {
-            bad.push(format!("pairs={pairs}: GPU error {e}"));
-            continue;
-        }
-        // Reference: stable sort of pair indices by clamped expert; runs cut every nt.
-        let ex = |p: usize| sel[p].clamp(0, ne as i32 - 1);
-        let mut perm: Vec<usize> = (0..pairs).collect();
-        perm.sort_by_key(|&p| ex(p));
-        let starts_of = |nt: usize| {
-            let mut starts = Vec::new();
-            let mut i = 0;
-            while i < pairs {
-                let e = ex(perm[i]);
-                let mut j = i;
-                while j < pairs && ex(perm[j]) == e {
-                    if (j - i) % nt == 0 {
-                        starts.push(j as i32);
-                    }
-                    j += 1;
-                }
-                i = j;
+        let some_zero: Vec<f32> = (0..pairs)
+            .map(|_| if r.gen_range(0..3) == 0 { 0.0 } else { 0.5 })
+            .collect();
+        for (label, wgt) in [
+            ("no weights", None),
+            ("1/3 weigh 0", Some(some_zero)),
+            ("all weigh 0", Some(vec![0.0f32; pairs])),
+        ] {
+            let gs = gpu.upload_i32(&sel);
+            let gw = wgt.as_ref().map(|w| gpu.upload(w));
+            let got = gpu.gemm_group_pairs(&gs, gw.as_ref(), pairs, ne, nt);
+            if let Err(e) = gpu.check() {
+                bad.push(format!("pairs={pairs} {label}: GPU error {e}"));
+                continue;
             }
-            starts
-        };
-        let (starts, starts2) = (starts_of(nt), starts_of(2 * nt));
-        let gmax = pairs.div_ceil(nt) + ne.min(pairs);
-        let gmax2 = pairs.div_ceil(2 * nt) + ne.min(pairs);
-        let ok_n = got[0] as usize == starts.len();
-        let ok_s = got[1..1 + starts.len()] == starts[..];
-        let ok_p = got[1 + gmax..1 + gmax + pairs]
-            .iter()
-            .zip(&perm)
-            .all(|(&g, &p)| g as usize == p);
-        // The wide runs (the wide gate/up's, cut every 2 nt) after perm.
-        let w = &got[1 + gmax + pairs..];
-        let ok_w = got.len() == 1 + gmax + pairs + 1 + gmax2
-            && w[0] as usize == starts2.len()
-            && w[1..1 + starts2.len()] == starts2[..];
-        println!(
-            "group pairs={pairs} experts={ne} nt={nt}: groups {} (want {}), starts {ok_s}, perm {ok_p}, wide runs {} (want {}) {ok_w}",
-            got[0],
-            starts.len(),
-            w[0],
-            starts2.len()
-        );
-        if !(ok_n && ok_s && ok_p && ok_w) {
-            bad.push(format!("pairs={pairs} ne={ne} nt={nt}"));
+            // Reference: stable sort of pair indices by bucket (dropped first, then the clamped
+            // expert); runs cut every nt over the kept pairs only.
+            let dropped = |p: usize| wgt.as_ref().is_some_and(|w| w[p] == 0.0);
+            let ex = |p: usize| sel[p].clamp(0, ne as i32 - 1);
+            let bucket = |p: usize| if dropped(p) { -1 } else { ex(p) };
+            let mut perm: Vec<usize> = (0..pairs).collect();
+            perm.sort_by_key(|&p| bucket(p));
+            let starts_of = |nt: usize| {
+                let mut starts = Vec::new();
+                let mut i = perm.iter().take_while(|&&p| dropped(p)).count();
+                while i < pairs {
+                    let e = ex(perm[i]);
+                    let mut j = i;
+                    while j < pairs && ex(perm[j]) == e {
+                        if (j - i) % nt == 0 {
+                            starts.push(j as i32);
+                        }
+                        j += 1;
+                    }
+                    i = j;
+                }
+                starts
+            };
+            let (starts, starts2) = (starts_of(nt), starts_of(2 * nt));
+            let gmax = pairs.div_ceil(nt) + ne.min(pairs);
+            let gmax2 = pairs.div_ceil(2 * nt) + ne.min(pairs);
+            let ok_n = got[0] as usize == starts.len();
+            let ok_s = got[1..1 + starts.len()] == starts[..];
+            let ok_p = got[1 + gmax..1 + gmax + pairs]
+                .iter()
+                .zip(&perm)
+                .all(|(&g, &p)| g as usize == p);
+            // The wide runs (the wide gate/up's, cut every 2 nt) after perm.
+            let w = &got[1 + gmax + pairs..];
+            let ok_w = got.len() == 1 + gmax + pairs + 1 + gmax2
+                && w[0] as usize == starts2.len()
+                && w[1..1 + starts2.len()] == starts2[..];
+            println!(
+                "group pairs={pairs} experts={ne} nt={nt} {label}: groups {} (want {}), starts {ok_s}, perm {ok_p}, wide runs {} (want {}) {ok_w}",
+                got[0],
+                starts.len(),
+                w[0],
+                starts2.len()
+            );
+            if !(ok_n && ok_s && ok_p && ok_w) {
+                bad.push(format!("pairs={pairs} ne={ne} nt={nt} {label}"));
+            }
         }
     }
     assert!(bad.is_empty(), "grouping mismatches: {bad:?}");

@@ -857,44 +857,54 @@ DS4_KERNEL void DS4_BOUNDS(256) gemm_sum_f32(const float* __restrict__ part, flo
 // index within an expert; each expert's run is cut every nt pairs, starts[g] = first position of
 // group g. Expert of pair p: clamp(sel[p], 0, ne-1). Then the wide runs (cut every 2 nt pairs,
 // the same perm; gemm_wg.cu's wide gate/up): [ngroups2, starts2[gmax2]] at grp + 1 + gmax + pairs.
+// With wgt (else null), a pair of route weight exactly 0 adds nothing (Backend::moe_experts: an
+// expert-parallel rank's slots of experts it does not hold) and is dropped: such pairs come first
+// in perm, in no run, so the runs end where they did (the last one at `pairs`). Buckets: 0 the
+// dropped pairs, 1 + e expert e (ne + 1 of them).
 // Three launches over blocks of 256 pairs:
-//   gm_group_count_i32  (nb CTAs): cnt[b*ne + e] = pairs of block b with expert e
-//   gm_group_scan_i32   (1 CTA):   cnt[b*ne + e] -> first perm position of those pairs; starts
-//   gm_group_scatter_i32 (nb CTAs): perm[cnt[b*ne + e] + rank of the pair within its block's e]
-#define GM_MAXE 1024 // most experts (host checks)
+//   gm_group_count_i32  (nb CTAs): cnt[b*nk + k] = pairs of block b in bucket k (nk = ne + 1)
+//   gm_group_scan_i32   (1 CTA):   cnt[b*nk + k] -> first perm position of those pairs; starts
+//   gm_group_scatter_i32 (nb CTAs): perm[cnt[b*nk + k] + rank of the pair within its block's k]
+#define GM_MAXE 1024 // most experts (host checks); GM_MAXE + 1 buckets
 
-__device__ __forceinline__ int gm_expert(int v, int ne) { return min(max(v, 0), ne - 1); }
+__device__ __forceinline__ int gm_bucket(const int* __restrict__ sel, const float* __restrict__ wgt, int p, int ne) {
+    if (wgt && wgt[p] == 0.0f) return 0;
+    return 1 + min(max(sel[p], 0), ne - 1);
+}
 
-DS4_KERNEL void DS4_BOUNDS(256) gm_group_count_i32(const int* __restrict__ sel, int pairs, int ne, int* __restrict__ cnt) {
-    __shared__ int h[GM_MAXE];
-    for (int e = threadIdx.x; e < ne; e += blockDim.x) h[e] = 0;
+DS4_KERNEL void DS4_BOUNDS(256) gm_group_count_i32(const int* __restrict__ sel, const float* __restrict__ wgt, int pairs, int ne,
+                                                   int* __restrict__ cnt) {
+    __shared__ int h[GM_MAXE + 1];
+    const int nk = ne + 1;
+    for (int e = threadIdx.x; e < nk; e += blockDim.x) h[e] = 0;
     __syncthreads();
     int p = blockIdx.x * 256 + threadIdx.x;
-    if (p < pairs) atomicAdd(&h[gm_expert(sel[p], ne)], 1); // counts only: order-free
+    if (p < pairs) atomicAdd(&h[gm_bucket(sel, wgt, p, ne)], 1); // counts only: order-free
     __syncthreads();
-    for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[(long long)blockIdx.x * ne + e] = h[e];
+    for (int e = threadIdx.x; e < nk; e += blockDim.x) cnt[(long long)blockIdx.x * nk + e] = h[e];
 }
 
 DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb, int ne, int nt, int gmax, int* __restrict__ grp,
                                                   int pairs, int gmax2) {
-    __shared__ int tot[GM_MAXE], base[GM_MAXE], gb[GM_MAXE], gb2[GM_MAXE];
-    const int nt2 = 2 * nt;
+    __shared__ int tot[GM_MAXE + 1], base[GM_MAXE + 1], gb[GM_MAXE + 1], gb2[GM_MAXE + 1];
+    const int nt2 = 2 * nt, nk = ne + 1;
     int* grp2 = grp + 1 + gmax + pairs; // the wide runs' [ngroups2, starts2[gmax2]]
-    for (int e = threadIdx.x; e < ne; e += blockDim.x) { // per expert: offsets of each block's pairs
+    for (int e = threadIdx.x; e < nk; e += blockDim.x) { // per bucket: offsets of each block's pairs
         int t = 0;
         for (int b = 0; b < nb; b++) {
-            int c = cnt[(long long)b * ne + e];
-            cnt[(long long)b * ne + e] = t;
+            int c = cnt[(long long)b * nk + e];
+            cnt[(long long)b * nk + e] = t;
             t += c;
         }
         tot[e] = t;
     }
     __syncthreads();
-    if (threadIdx.x == 0) { // exclusive scans over experts: pair positions and group indices
+    if (threadIdx.x == 0) { // exclusive scans over buckets: pair positions and group indices
         int s = 0, g = 0, g2 = 0;
-        for (int e = 0; e < ne; e++) {
+        for (int e = 0; e < nk; e++) {
             base[e] = s, gb[e] = g, gb2[e] = g2;
             s += tot[e];
+            if (e == 0) continue; // the dropped pairs: no runs
             g += (tot[e] + nt - 1) / nt;
             g2 += (tot[e] + nt2 - 1) / nt2;
         }
@@ -902,8 +912,9 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb,
         grp2[0] = g2;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < ne; e += blockDim.x) {
-        for (int b = 0; b < nb; b++) cnt[(long long)b * ne + e] += base[e];
+    for (int e = threadIdx.x; e < nk; e += blockDim.x) {
+        for (int b = 0; b < nb; b++) cnt[(long long)b * nk + e] += base[e];
+        if (e == 0) continue;
         int ng = (tot[e] + nt - 1) / nt;
         for (int j = 0; j < ng && gb[e] + j < gmax; j++) grp[1 + gb[e] + j] = base[e] + j * nt;
         const int ng2 = (tot[e] + nt2 - 1) / nt2;
@@ -911,16 +922,17 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb,
     }
 }
 
-DS4_KERNEL void DS4_BOUNDS(256) gm_group_scatter_i32(const int* __restrict__ sel, int pairs, int ne, const int* __restrict__ off, int gmax, int* __restrict__ grp) {
+DS4_KERNEL void DS4_BOUNDS(256) gm_group_scatter_i32(const int* __restrict__ sel, const float* __restrict__ wgt, int pairs, int ne,
+                                                     const int* __restrict__ off, int gmax, int* __restrict__ grp) {
     __shared__ int se[256];
     int t = threadIdx.x, p = blockIdx.x * 256 + t;
-    int e = p < pairs ? gm_expert(sel[p], ne) : -1;
+    int e = p < pairs ? gm_bucket(sel, wgt, p, ne) : -1;
     se[t] = e;
     __syncthreads();
     if (p >= pairs) return;
-    int r = 0; // earlier pairs of this block with the same expert (broadcast reads)
+    int r = 0; // earlier pairs of this block in the same bucket (broadcast reads)
     for (int j = 0; j < 256; j++) r += (j < t) & (se[j] == e);
-    grp[1 + gmax + off[(long long)blockIdx.x * ne + e] + r] = p;
+    grp[1 + gmax + off[(long long)blockIdx.x * (ne + 1) + e] + r] = p;
 }
 
 // ---- Integer quants as f16 (tiled form) ----

@@ -520,14 +520,18 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_swiglu_f32(const float* __restrict__ g, cons
     h[i] = ds4_moe_swiglu(g[i], u[i], clamp, wgt[i / ff]);
 }
 
-// out[i*d + j] = sum over slots s = 0..k-1 (in order) of part[(i*k + s)*d + j].
-DS4_KERNEL void DS4_BOUNDS(256) moe_sum_f32(const float* __restrict__ part, float* __restrict__ out, int k, int d, long long total) {
+// out[i*d + j] = sum over slots s = 0..k-1 (in order) of part[(i*k + s)*d + j], skipping slots of
+// route weight exactly 0 where wgt is given (they add nothing, and the grouped products drop them:
+// gemm.cu gm_bucket, their part rows are never written).
+DS4_KERNEL void DS4_BOUNDS(256) moe_sum_f32(const float* __restrict__ part, const float* __restrict__ wgt, float* __restrict__ out,
+                                            int k, int d, long long total) {
     ds4_pdl_enter();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= total) return;
     long long i = idx / d, j = idx % d;
     float s = 0.0f;
-    for (int q = 0; q < k; q++) s += part[(i * k + q) * d + j];
+    for (int q = 0; q < k; q++)
+        if (!wgt || wgt[i * k + q] != 0.0f) s += part[(i * k + q) * d + j];
     out[idx] = s;
 }
 

@@ -279,6 +279,15 @@ fn split_x() -> bool {
     switch_on(&XB, "DS4_GPU_GEMM_XB")
 }
 
+/// Drop the MoE pairs of route weight 0 from the prefill's grouped products and slot sum (an
+/// expert-parallel rank's slots of other ranks' experts): 0 no (every pair computed, the
+/// zero-weight ones adding 0), 1 yes, UNSET: read `DS4_GPU_MOE_DROP` (`0` = no). Same values.
+static DROP: AtomicU8 = AtomicU8::new(UNSET);
+
+fn drop_zero_pairs() -> bool {
+    switch_on(&DROP, "DS4_GPU_MOE_DROP")
+}
+
 /// The MoE's SwiGLU fused into the down's X conversion (`gemm_xt_swiglu_f32`: gate and up read
 /// once, h never written) where the down takes the tiled form: 0 no (`moe_swiglu_f32`, then
 /// `gemm_xt_f32` over h), 1 yes, UNSET: read `DS4_GPU_MOE_SWIGLU_XT` (`0` = no). Same bits.
@@ -787,7 +796,7 @@ impl GpuBackend {
             return None;
         }
         let gmax = pairs.div_ceil(T_BM) + n_expert.min(pairs);
-        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, T_BM, gmax);
+        let grp = self.group_pairs(sel.0.ptr, DevPtr(0), pairs, n_expert, T_BM, gmax);
         let part = self.scratch(pairs * dn.3);
         self.moe_down(
             dn,
@@ -807,7 +816,8 @@ impl GpuBackend {
         )
     }
 
-    /// Group `pairs` (token, slot) expert choices `sel` by expert on the device, runs cut every
+    /// Group `pairs` (token, slot) expert choices `sel` by expert on the device (pairs of weight
+    /// 0 in `wgt`, where given, dropped: first in perm, in no run), runs cut every
     /// `nt` pairs, and download `[ngroups, starts[gmax], perm[pairs], ngroups2, starts2[gmax2]]`
     /// with `gmax` as `moe_experts` sizes it and the wide runs (cut every `2 nt`; `gmax2` the
     /// same bound for them) (tests: compare with a stable sort).
@@ -815,12 +825,14 @@ impl GpuBackend {
     pub fn gemm_group_pairs(
         &self,
         sel: &GpuIBuf,
+        wgt: Option<&GpuBuf>,
         pairs: usize,
         n_expert: usize,
         nt: usize,
     ) -> Vec<i32> {
         let gmax = pairs.div_ceil(nt) + n_expert.min(pairs);
-        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, nt, gmax);
+        let w = wgt.map_or(DevPtr(0), |w| w.ptr);
+        let grp = self.group_pairs(sel.0.ptr, w, pairs, n_expert, nt, gmax);
         self.download_i32(
             &GpuIBuf(grp),
             1 + gmax + pairs + 1 + wide_gmax(pairs, nt, gmax),
@@ -847,7 +859,7 @@ impl GpuBackend {
             return None;
         }
         let gmax = pairs.div_ceil(bm) + n_expert.min(pairs);
-        let grp = self.group_pairs(sel.0.ptr, pairs, n_expert, bm, gmax);
+        let grp = self.group_pairs(sel.0.ptr, DevPtr(0), pairs, n_expert, bm, gmax);
         let ff = g.3;
         let (gy, uy) = (self.scratch(pairs * ff), self.scratch(pairs * ff));
         let was = on.swap(1, Ordering::Relaxed);
@@ -882,6 +894,7 @@ impl GpuBackend {
     pub(super) fn group_pairs(
         &self,
         sel: DevPtr,
+        wgt: DevPtr,
         pairs: usize,
         n_expert: usize,
         nt: usize,
@@ -890,14 +903,14 @@ impl GpuBackend {
         let gmax2 = wide_gmax(pairs, nt, gmax);
         let grp = self.scratch(1 + gmax + pairs + 1 + gmax2);
         let nb = pairs.div_ceil(GROUP_BLOCK);
-        let cnt = self.scratch(nb * n_expert);
+        let cnt = self.scratch(nb * (n_expert + 1)); // bucket 0: dropped pairs (wgt 0)
         let (p, ne) = (Arg::I32(pairs as i32), Arg::I32(n_expert as i32));
         let blocks = LaunchDims::linear(nb as u32, GROUP_BLOCK as u32);
         self.run(
             &ds4_kernels::GEMM,
             "gm_group_count_i32",
             blocks,
-            &[Arg::Ptr(sel), p, ne, Arg::Ptr(cnt.ptr)],
+            &[Arg::Ptr(sel), Arg::Ptr(wgt), p, ne, Arg::Ptr(cnt.ptr)],
         );
         self.run(
             &ds4_kernels::GEMM,
@@ -920,6 +933,7 @@ impl GpuBackend {
             blocks,
             &[
                 Arg::Ptr(sel),
+                Arg::Ptr(wgt),
                 p,
                 ne,
                 Arg::Ptr(cnt.ptr),
@@ -1295,7 +1309,14 @@ impl GpuBackend {
             tile_items(pairs, spec.n_expert, g.1, self.mma_ok())
         };
         let gmax = pairs.div_ceil(bm) + spec.n_expert.min(pairs);
-        let grp = self.group_pairs(sel, pairs, spec.n_expert, bm, gmax);
+        // Pairs of route weight 0 (an expert-parallel rank's non-local slots) are dropped here
+        // and skipped by moe_sum_f32: a rank computes only its own experts' pairs.
+        let wz = if drop_zero_pairs() {
+            wgt.ptr
+        } else {
+            DevPtr(0)
+        };
+        let grp = self.group_pairs(sel, wz, pairs, spec.n_expert, bm, gmax);
         let grouped = Some((sel, grp.ptr, gmax));
         let gb = self.scratch(pairs * ff);
         let ub = self.scratch(pairs * ff);
@@ -1380,6 +1401,7 @@ impl GpuBackend {
             LaunchDims::linear(total.div_ceil(256) as u32, 256),
             &[
                 Arg::Ptr(part.ptr),
+                Arg::Ptr(wz),
                 Arg::Ptr(out.ptr),
                 Arg::I32(k as i32),
                 Arg::I32(d as i32),

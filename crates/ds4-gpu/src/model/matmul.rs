@@ -468,6 +468,7 @@ impl GpuBackend {
             LaunchDims::linear(total.div_ceil(256) as u32, 256),
             &[
                 Arg::Ptr(part.ptr),
+                Arg::Ptr(wgt.ptr),
                 Arg::Ptr(out.ptr),
                 Arg::I32(k as i32),
                 Arg::I32(d as i32),
