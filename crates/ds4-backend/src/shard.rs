@@ -1,21 +1,30 @@
-//! Expert parallelism (EP): a model split over `n_ranks` backends (GPUs, or CPU ranks in
-//! tests). Every rank holds the dense weights and the whole session state and runs the same
-//! schedule on the same tokens; rank `r` holds only the routed experts `Shard::experts` of
-//! each layer. A MoE sublayer then sums, on each rank, the routed experts it holds (rank 0
-//! adds the shared expert), and [`crate::Backend::all_reduce_sum`] adds the ranks' partial
-//! sums, so every rank continues with the same values (design.md "multi-GPU").
+//! Expert and tensor parallelism: a model split over `n_ranks` backends (GPUs, or CPU ranks
+//! in tests). Every rank holds the whole session state and runs the same schedule on the same
+//! tokens (design.md "multi-GPU").
+//! - Expert parallelism (EP): rank `r` holds only the routed experts `Shard::experts` of each
+//!   layer. A MoE sublayer sums, on each rank, the routed experts it holds, and
+//!   [`crate::Backend::all_reduce_sum`] adds the ranks' partial sums, so every rank continues
+//!   with the same values.
+//! - Tensor parallelism (TP, `Shard::tp`, with EP): rank `r` also holds the part
+//!   [`Shard::part`] of each attention's output groups (their query heads: rows of `q_b` and
+//!   `out_a`, sinks, columns of `out_b`) and of the shared expert's hidden width (rows of its
+//!   gate / up, columns of its down). The attention output is then a partial sum per rank (one
+//!   more all-reduce a layer) and the shared expert's part joins the MoE's all-reduce. Without
+//!   TP every rank holds the dense weights and rank 0 adds the whole shared expert.
 //!
-//! What that changes against one rank: the MoE output is `(rank 0's slots + shared) + rank
-//! 1's slots + …` instead of the slots in selection order then the shared expert: the same
-//! terms in another f32 summation order (a few ulp), nothing else.
+//! What that changes against one rank: the same terms added in another f32 order (the MoE
+//! output `(rank 0's slots + shared part) + rank 1's + …`, the attention output as per-rank
+//! partial products), a few ulp, nothing else.
 
 use std::sync::{Arc, Barrier, Mutex};
 
-/// Which part of the routed experts a rank holds.
+/// Which part of the model a rank holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shard {
     pub rank: usize,
     pub n_ranks: usize,
+    /// Tensor parallelism of the attention and the shared expert too (see the module doc).
+    pub tp: bool,
 }
 
 impl Shard {
@@ -23,7 +32,51 @@ impl Shard {
     pub const ONE: Shard = Shard {
         rank: 0,
         n_ranks: 1,
+        tp: false,
     };
+
+    /// Rank `rank` of `n_ranks`, expert parallel only.
+    pub fn ep(rank: usize, n_ranks: usize) -> Shard {
+        Shard {
+            rank,
+            n_ranks,
+            tp: false,
+        }
+    }
+
+    /// Whether the ranks split the attention and the shared expert (TP).
+    pub fn is_tp(&self) -> bool {
+        self.tp && self.is_split()
+    }
+
+    /// This rank's items `a .. a + count` of `n` split by TP (all of them without TP): equal
+    /// contiguous parts where `n` divides (the caller checks [`Shard::tp_fits`]).
+    pub fn part(&self, n: usize) -> (usize, usize) {
+        if !self.is_tp() {
+            return (0, n);
+        }
+        (n * self.rank / self.n_ranks, n / self.n_ranks)
+    }
+
+    /// Whether `n_ranks` can split `o_groups` attention output groups (each `o_rank` columns of
+    /// `out_b`, whose quant blocks hold `out_b_block` elements) and a shared expert of hidden
+    /// width `ff` (its down's blocks `down_block`): equal parts of whole blocks.
+    pub fn tp_fits(
+        n_ranks: usize,
+        o_groups: usize,
+        o_rank: usize,
+        out_b_block: usize,
+        ff: usize,
+        down_block: usize,
+    ) -> bool {
+        let whole = |n: usize, b: usize| {
+            n.is_multiple_of(n_ranks) && (n / n_ranks).is_multiple_of(b.max(1))
+        };
+        n_ranks > 1
+            && o_groups.is_multiple_of(n_ranks)
+            && whole(o_groups * o_rank, out_b_block)
+            && whole(ff, down_block)
+    }
 
     /// The experts `e0 .. e0 + count` of `n_expert` this rank holds: contiguous ranges, sizes
     /// differing by at most one (16 over 3 ranks: 5, 5, 6), so a rank's experts are one
@@ -121,7 +174,7 @@ mod tests {
         for n in [1usize, 2, 3, 5, 8] {
             let mut next = 0;
             for rank in 0..n {
-                let (a, c) = Shard { rank, n_ranks: n }.experts(16);
+                let (a, c) = Shard::ep(rank, n).experts(16);
                 assert_eq!(a, next, "n {n} rank {rank}");
                 assert!(c == 16 / n || c == 16 / n + 1, "n {n} rank {rank}: {c}");
                 next = a + c;
@@ -129,6 +182,45 @@ mod tests {
             assert_eq!(next, 16);
         }
         assert_eq!(Shard::ONE.experts(256), (0, 256));
+    }
+
+    #[test]
+    fn tp_parts_cover_and_need_whole_blocks() {
+        // 8 output groups of 1024 columns (Q8_0 out_b), shared expert 2048 wide (Q8_0 down).
+        for n in [2usize, 4, 8] {
+            assert!(Shard::tp_fits(n, 8, 1024, 32, 2048, 32), "{n}");
+            let mut next = 0;
+            for rank in 0..n {
+                let s = Shard {
+                    rank,
+                    n_ranks: n,
+                    tp: true,
+                };
+                let (a, c) = s.part(8);
+                assert_eq!((a, c), (next, 8 / n));
+                next = a + c;
+            }
+            assert_eq!(next, 8);
+        }
+        // 3 ranks do not divide 8 groups; 16 ranks leave no group; a K-quant down (256-element
+        // blocks) of 2048 does not split 16 ways into whole blocks.
+        assert!(!Shard::tp_fits(3, 8, 1024, 32, 2048, 32));
+        assert!(!Shard::tp_fits(16, 8, 1024, 32, 2048, 32));
+        assert!(Shard::tp_fits(8, 8, 1024, 32, 2048, 256)); // 256 each: one block
+        assert!(!Shard::tp_fits(16, 16, 1024, 32, 2048, 256));
+        assert!(
+            !Shard::tp_fits(1, 8, 1024, 32, 2048, 32),
+            "one rank splits nothing"
+        );
+        // Without TP (or one rank) a part is everything.
+        assert_eq!(Shard::ep(1, 2).part(8), (0, 8));
+        assert_eq!(Shard::ONE.part(2048), (0, 2048));
+        assert!(!Shard {
+            rank: 0,
+            n_ranks: 1,
+            tp: true
+        }
+        .is_tp());
     }
 
     #[test]

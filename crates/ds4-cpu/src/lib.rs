@@ -29,10 +29,16 @@ pub fn load(
     Model::load(b, hp, files, rounding, &mut |_, _| {})
 }
 
-/// The GGUF model at `path` split by experts over `n_ranks` CPU backends joined by a host
-/// all-reduce (`ds4_backend::shard`): the reference for expert parallelism, which the GPU
-/// backends run over NCCL / RCCL. One thread per rank and call.
-pub fn load_sharded(path: &Path, rounding: Rounding, n_ranks: usize) -> Result<Sharded, String> {
+/// The GGUF model at `path` split by experts (and with `tp`, its attention and shared expert:
+/// tensor parallelism) over `n_ranks` CPU backends joined by a host all-reduce
+/// (`ds4_backend::shard`): the reference for the parallel forms, which the GPU backends run
+/// over NCCL / RCCL. One thread per rank and call.
+pub fn load_sharded(
+    path: &Path,
+    rounding: Rounding,
+    n_ranks: usize,
+    tp: bool,
+) -> Result<Sharded, String> {
     let file = Arc::new(GgufFile::open(path).map_err(|e| e.to_string())?);
     let hp = HParams::from_meta(file.as_ref()).map_err(|e| e.to_string())?;
     let dir = bind_main(&file, &hp).map_err(|e| e.to_string())?;
@@ -41,7 +47,7 @@ pub fn load_sharded(path: &Path, rounding: Rounding, n_ranks: usize) -> Result<S
     let mut ranks: Vec<Box<dyn Forward>> = Vec::with_capacity(n_ranks);
     for rank in 0..n_ranks {
         let b = CpuBackend::new(rope_tables(&hp)).with_comm(rank, comm.clone());
-        let shard = Shard { rank, n_ranks };
+        let shard = Shard { rank, n_ranks, tp };
         let m = Model::load_shard(b, hp.clone(), &files, rounding, shard, &mut |_, _| {})?;
         ranks.push(Box::new(m));
     }

@@ -198,19 +198,26 @@ fn chunked_prefill_path_matches_hf() {
 
 /// Expert parallelism (`ds4_backend::shard`, `ds4_model::sharded`): the tiny model's 16
 /// experts split over 2 and 3 CPU ranks (8 + 8; 5 + 5 + 6) joined by the host all-reduce,
-/// every position against the oracle with the plain-math bound of one rank. Only the MoE
-/// sum's order differs from one rank (a few ulp).
+/// every position against the oracle with the plain-math bound of one rank; and 2 ranks with
+/// tensor parallelism too (each rank one of the 2 attention output groups, 2 of the 4 heads,
+/// and half the shared expert: the column-sliced out_b / down parts). Only f32 summation
+/// orders differ from one rank (a few ulp).
 #[test]
 fn expert_parallel_ranks_match_hf() {
     if !have_fixtures() {
         return;
     }
-    for (n, chunk) in [(2, None), (3, Some(160))] {
+    for (n, tp, chunk) in [(2, false, None), (3, false, Some(160)), (2, true, Some(96))] {
         let path = fixtures().join("tiny-q.gguf");
-        let ep = ds4_cpu::load_sharded(&path, Rounding::NONE, n).unwrap();
+        let ep = ds4_cpu::load_sharded(&path, Rounding::NONE, n, tp).unwrap();
         assert_eq!(ep.n_ranks(), n);
-        let s = compare_on(&ep, "tiny-q.gguf (EP)", "logits-q.npy", chunk);
-        assert!(s.max < 2e-5, "{n} ranks: max |Δ| {}", s.max);
-        assert_eq!(s.top1, 1.0, "{n} ranks");
+        let what = if tp {
+            "tiny-q.gguf (EP + TP)"
+        } else {
+            "tiny-q.gguf (EP)"
+        };
+        let s = compare_on(&ep, what, "logits-q.npy", chunk);
+        assert!(s.max < 2e-5, "{n} ranks, tp {tp}: max |Δ| {}", s.max);
+        assert_eq!(s.top1, 1.0, "{n} ranks, tp {tp}");
     }
 }

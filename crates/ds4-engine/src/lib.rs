@@ -7,7 +7,7 @@ mod snapshot;
 use ds4_backend::{Backend, HostComm, Shard};
 use ds4_cpu::CpuBackend;
 pub use ds4_cpu::Rounding;
-use ds4_gguf::GgufFile;
+use ds4_gguf::{GgmlType, GgufFile};
 pub use ds4_gpu::Precision;
 use ds4_model::forward::{rope_tables, AnyLayerState, AnyState, Forward, Model};
 use ds4_model::sharded::Sharded;
@@ -84,6 +84,10 @@ pub struct EngineOptions {
     /// RCCL: slower (no decode graphs), but ranks may then share a device (tests; the CLI's
     /// `DS4_EP_COMM=host`).
     pub ep_host_comm: bool,
+    /// Tensor parallelism with `devices` too (`ds4_backend::shard`): each rank also holds its
+    /// part of every attention's heads and of the shared expert, where the ranks divide them
+    /// (`ds4_model::forward::tp_fits`; else experts only). Default on.
+    pub tp: bool,
     pub rounding: Rounding,
     /// Rounding of the GPU's prefill tensor-core products (`--precision`; ds4-gpu
     /// `model/precision.rs`). The CPU backend computes in f32 either way.
@@ -100,6 +104,7 @@ impl EngineOptions {
             device: 0,
             devices: Vec::new(),
             ep_host_comm: false,
+            tp: true,
             rounding: Rounding::MODEL,
             precision: DEFAULT_PRECISION,
         }
@@ -324,31 +329,68 @@ fn gpu_backend(
     Ok((b, line))
 }
 
-/// Bytes of a model's weights: all of them, and the routed experts' part (split between
-/// expert-parallel ranks; the rest is on every rank).
-#[derive(Clone, Copy)]
+/// Bytes of a model's weights: all of them, the routed experts' part (split between
+/// expert-parallel ranks), the part tensor parallelism splits (attention heads, shared expert),
+/// and the quant block sizes of the tensors TP cuts by columns (`ds4_model::forward::tp_fits`).
+#[derive(Clone, Copy, Default)]
 struct RankBytes {
     all: u64,
     experts: u64,
+    tp: u64,
+    out_b_block: usize,
+    down_block: usize,
 }
 
+/// Tensors tensor parallelism splits (`Binder::layer`).
+const TP_SPLIT: [&str; 7] = [
+    "attn_q_b.weight",
+    "attn_sinks.weight",
+    "attn_output_a.weight",
+    "attn_output_b.weight",
+    "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight",
+    "ffn_down_shexp.weight",
+];
+
 impl RankBytes {
-    /// Sizes from a model's tensors as (name, bytes).
-    fn of<'a>(tensors: impl Iterator<Item = (&'a str, u64)>) -> RankBytes {
-        let mut r = RankBytes { all: 0, experts: 0 };
-        for (name, bytes) in tensors {
+    /// Sizes from a model's tensors as (name, bytes, type).
+    fn of<'a>(tensors: impl Iterator<Item = (&'a str, u64, GgmlType)>) -> RankBytes {
+        let mut r = RankBytes::default();
+        for (name, bytes, ty) in tensors {
+            let blk = ty.block_elems() as usize;
             r.all += bytes;
             if name.contains("_exps.") {
                 r.experts += bytes; // routed expert stacks: split over the ranks
+            } else if TP_SPLIT.iter().any(|t| name.ends_with(t)) && !name.contains("indexer") {
+                r.tp += bytes;
+            }
+            if name.ends_with("attn_output_b.weight") {
+                r.out_b_block = r.out_b_block.max(blk);
+            } else if name.ends_with("ffn_down_shexp.weight") {
+                r.down_block = r.down_block.max(blk);
             }
         }
         r
     }
 
-    /// The most any of `n` ranks holds (ranks differ by at most one expert of each layer).
-    fn per_rank(&self, n: usize, n_expert: usize) -> u64 {
+    /// Whether `n` ranks split the attention and shared expert too (`opts.tp` asked for it).
+    fn tp(&self, hp: &HParams, n: usize, asked: bool) -> bool {
+        asked
+            && ds4_model::forward::tp_fits(hp, n, |t| {
+                if t.contains("output_b") {
+                    self.out_b_block
+                } else {
+                    self.down_block
+                }
+            })
+    }
+
+    /// The most any of `n` ranks holds (ranks differ by at most one expert of each layer;
+    /// with `tp`, the TP-split tensors in equal parts).
+    fn per_rank(&self, n: usize, n_expert: usize, tp: bool) -> u64 {
         let most = n_expert.div_ceil(n) as u64;
-        self.all - self.experts + (self.experts * most).div_ceil(n_expert.max(1) as u64)
+        let split = if tp { self.tp - self.tp / n as u64 } else { 0 };
+        self.all - self.experts - split + (self.experts * most).div_ceil(n_expert.max(1) as u64)
     }
 }
 
@@ -360,8 +402,8 @@ type Opened = (Arc<dyn Forward>, String, Option<u64>);
 type RankLoader<'a, B> =
     dyn FnMut(B, Shard, &mut dyn FnMut(usize, usize)) -> Result<Model<B>, String> + 'a;
 
-/// Expert parallelism (`ds4_backend::shard`) over `opts.devices`: one rank per GPU joined by
-/// NCCL / RCCL (`EngineOptions::ep_host_comm`: through host memory, which also lets ranks
+/// Expert parallelism, and tensor parallelism where `opts.tp` and the model allow it
+/// (`ds4_backend::shard`), over `opts.devices`: one rank per GPU joined by NCCL / RCCL (`EngineOptions::ep_host_comm`: through host memory, which also lets ranks
 /// share a device: tests), or `--backend cpu` reference ranks. Returns the model, its backend line and the
 /// device bytes of rank 0's weights. Progress covers every rank's load in turn.
 fn open_ranks(
@@ -380,18 +422,28 @@ fn open_ranks(
             format!("--devices names {n} ranks but the model has {n_expert} routed experts"),
         ));
     }
+    let tp = sizes.tp(hp, n, opts.tp);
+    let kind = if tp {
+        "tensor + expert parallel"
+    } else {
+        "expert parallel"
+    };
     let mut ranks: Vec<Box<dyn Forward>> = Vec::with_capacity(n);
     if opts.backend == BackendChoice::Cpu {
         let comm = HostComm::new(n);
         for rank in 0..n {
             let b = CpuBackend::new(rope_tables(hp)).with_comm(rank, comm.clone());
-            let shard = Shard { rank, n_ranks: n };
+            let shard = Shard {
+                rank,
+                n_ranks: n,
+                tp,
+            };
             let m = load_cpu(b, shard, &mut |d, t| progress(rank * t + d, n * t))
                 .map_err(|e| EngineError::Backend(format!("cpu rank {rank}"), e))?;
             ranks.push(Box::new(m));
         }
         let m = Sharded::new(ranks).map_err(|e| EngineError::Backend("cpu".into(), e))?;
-        return Ok((Arc::new(m), format!("cpu x{n} (expert parallel)"), None));
+        return Ok((Arc::new(m), format!("cpu x{n} ({kind})"), None));
     }
     // Every device first: a missing one is an error before anything loads.
     let mut picks = Vec::with_capacity(n);
@@ -437,7 +489,7 @@ fn open_ranks(
             .map(ds4_gpu::GpuComm::Ccl)
             .collect()
     };
-    let per_rank = sizes.per_rank(n, n_expert);
+    let per_rank = sizes.per_rank(n, n_expert, tp);
     let mut line = String::new();
     let mut wb0 = None;
     for (rank, pick) in picks.into_iter().enumerate() {
@@ -447,7 +499,11 @@ fn open_ranks(
         }
         let (b, _) = gpu_backend(pick, hp, per_rank, opts.precision)?;
         let b = b.with_comm(comms.remove(0));
-        let shard = Shard { rank, n_ranks: n };
+        let shard = Shard {
+            rank,
+            n_ranks: n,
+            tp,
+        };
         let err = |e| EngineError::Backend(format!("{name} rank {rank} (GPU {dev})"), e);
         let m = load_gpu(b, shard, &mut |d, t| progress(rank * t + d, n * t)).map_err(err)?;
         m.backend.finish().map_err(err)?;
@@ -458,7 +514,7 @@ fn open_ranks(
     let devs: Vec<String> = opts.devices.iter().map(|d| d.to_string()).collect();
     Ok((
         Arc::new(m),
-        format!("{line}, expert parallel on GPUs {}", devs.join(",")),
+        format!("{line}, {kind} on GPUs {}", devs.join(",")),
         wb0,
     ))
 }
@@ -508,7 +564,7 @@ impl Engine {
                     files
                         .iter()
                         .flat_map(|(f, _)| f.tensors())
-                        .map(|t| (t.name.as_str(), t.n_bytes)),
+                        .map(|t| (t.name.as_str(), t.n_bytes, t.ty)),
                 );
                 let rounding = opts.rounding;
                 let (m, line, wb) = open_ranks(
@@ -588,8 +644,9 @@ impl Engine {
         if opts.devices.len() > 1 {
             let specs = ds4_model::main_tensors(&hp);
             let sizes = RankBytes::of(specs.iter().map(|t| {
-                let b = ds4_model::tensors::tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0);
-                (t.name.as_str(), b)
+                let ty = t.family.type_in(mix);
+                let b = ds4_model::tensors::tensor_bytes(t, ty).unwrap_or(0);
+                (t.name.as_str(), b, ty)
             }));
             let rounding = opts.rounding;
             let (model, backend, wb) = open_ranks(

@@ -1,6 +1,7 @@
 //! Expert parallelism through the engine (`EngineOptions::devices`), on CPU reference ranks
 //! (the GPU ranks run the same schedule: `tests/gpu.rs`): the tiny model with an MTP file over
-//! 2 and 3 ranks gives one rank's greedy tokens with logits within a few ulp-scale differences,
+//! 2 ranks (with tensor parallelism: the default where the ranks divide the 2 attention output
+//! groups; and without) and 3 ranks (expert parallel only: 3 does not divide 2) gives one rank's greedy tokens with logits within a few ulp-scale differences,
 //! its snapshots move both ways between one rank and the ranks, speculative decoding (checkpoints,
 //! rollbacks and the MTP block through every rank) gives its plain greedy output, and a group
 //! larger than the expert count is a clear error.
@@ -13,6 +14,10 @@ use ds4_engine::{BackendChoice, Engine, EngineOptions};
 const N: usize = 40; // crosses the 8-row window and several CSA/HCA windows
 
 fn open(ranks: usize) -> Result<Engine, ds4_engine::EngineError> {
+    open_tp(ranks, true)
+}
+
+fn open_tp(ranks: usize, tp: bool) -> Result<Engine, ds4_engine::EngineError> {
     let path = ds4_synth::tiny_model_for_tests(21, true);
     let mut o = EngineOptions::new(&path);
     o.mtp = Some(ds4_synth::mtp_path(&path));
@@ -23,6 +28,7 @@ fn open(ranks: usize) -> Result<Engine, ds4_engine::EngineError> {
     if ranks > 1 {
         o.devices = (0..ranks).collect();
     }
+    o.tp = tp;
     Engine::open(&o)
 }
 
@@ -35,16 +41,22 @@ fn ranks_give_one_ranks_tokens_and_share_snapshots() {
     let one = open(1).unwrap();
     assert_eq!(one.backend_name(), "cpu");
     let (t1, l1) = greedy(&one);
-    for ranks in [2, 3] {
-        let ep = open(ranks).unwrap();
-        assert_eq!(ep.backend_name(), format!("cpu x{ranks} (expert parallel)"));
+    for (ranks, tp, kind) in [
+        (2, true, "tensor + expert parallel"),
+        (2, false, "expert parallel"),
+        (3, true, "expert parallel"),
+    ] {
+        let ep = open_tp(ranks, tp).unwrap();
+        assert_eq!(ep.backend_name(), format!("cpu x{ranks} ({kind})"));
         let (te, le) = greedy(&ep);
         let worst = l1
             .iter()
             .zip(&le)
             .map(|(a, b)| max_abs(a, b))
             .fold(0.0, f32::max);
-        println!("{ranks} ranks: max |Δ logit| {worst:.3e} against one rank over {N} steps");
+        println!(
+            "{ranks} ranks ({kind}): max |Δ logit| {worst:.3e} against one rank over {N} steps"
+        );
         assert_eq!(te, t1, "{ranks} ranks");
         assert!(worst > 0.0 && worst < 1e-4, "{ranks} ranks: {worst}");
 

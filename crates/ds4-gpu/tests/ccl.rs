@@ -83,11 +83,7 @@ fn localize_on_the_device_equals_the_host_rule() {
     let wgt = common::randn(&mut r, n * k, 1.0);
     for ranks in [2usize, 3, 5] {
         for rank in 0..ranks {
-            let (e0, count) = shard::Shard {
-                rank,
-                n_ranks: ranks,
-            }
-            .experts(n_exp as usize);
+            let (e0, count) = shard::Shard::ep(rank, ranks).experts(n_exp as usize);
             let (mut hs, mut hw) = (sel.clone(), wgt.clone());
             shard::localize(&mut hs, &mut hw, k, e0, count);
             let mut ds = b.upload_i32(&sel);

@@ -163,6 +163,19 @@ pub trait WeightSource<B: Backend> {
     /// experts]`) as a matrix of `count` experts: an expert-parallel rank's part
     /// (`ds4_backend::shard`).
     fn experts(&mut self, b: &B, name: &str, e0: usize, count: usize) -> Result<B::Weight, String>;
+    /// Rows `r0 .. r0 + count` of the matrix `name` (GGUF dims `[cols, rows]`), or elements of
+    /// the vector `name`: a tensor-parallel rank's part (`ds4_backend::shard`).
+    fn rows(
+        &mut self,
+        b: &B,
+        name: &str,
+        kind: WeightKind,
+        r0: usize,
+        count: usize,
+    ) -> Result<B::Weight, String>;
+    /// Columns `c0 .. c0 + count` (whole quant blocks) of the matrix `name`: a tensor-parallel
+    /// rank's part of a product whose input is split.
+    fn cols(&mut self, b: &B, name: &str, c0: usize, count: usize) -> Result<B::Weight, String>;
     /// Whether the source has a tensor (optional parts: the MTP block).
     fn has(&self, name: &str) -> bool;
 }
@@ -194,13 +207,19 @@ impl<'a> FileSource<'a> {
     }
 }
 
-impl<B: Backend> WeightSource<B> for FileSource<'_> {
-    fn experts(&mut self, b: &B, name: &str, e0: usize, count: usize) -> Result<B::Weight, String> {
-        let (file, w) = self
-            .files
+impl FileSource<'_> {
+    /// The file and bound tensor of `name`.
+    fn bound(&self, name: &str) -> Result<(&Arc<GgufFile>, &crate::bind::WeightRef), String> {
+        self.files
             .iter()
             .find_map(|(f, d)| d.get(name).map(|w| (f, w)))
-            .ok_or_else(|| format!("weight {name} was not bound"))?;
+            .ok_or_else(|| format!("weight {name} was not bound"))
+    }
+}
+
+impl<B: Backend> WeightSource<B> for FileSource<'_> {
+    fn experts(&mut self, b: &B, name: &str, e0: usize, count: usize) -> Result<B::Weight, String> {
+        let (file, w) = self.bound(name)?;
         let n_exp = w.dims.get(2).copied().unwrap_or(1) as usize;
         if w.dims.len() != 3
             || e0 + count > n_exp
@@ -230,12 +249,115 @@ impl<B: Backend> WeightSource<B> for FileSource<'_> {
         (self.progress)(self.loaded, self.total);
         Ok(r)
     }
+    fn rows(
+        &mut self,
+        b: &B,
+        name: &str,
+        kind: WeightKind,
+        r0: usize,
+        count: usize,
+    ) -> Result<B::Weight, String> {
+        let (file, w) = self.bound(name)?;
+        let bad = || {
+            format!(
+                "tensor {name}: rows {r0}..{} of dims {:?} ({}): not whole rows of it",
+                r0 + count,
+                w.dims,
+                w.ty.name()
+            )
+        };
+        // A vector's elements are its rows here (whole quant blocks of them).
+        let (rows, row, dims) = match w.dims[..] {
+            [c, r] => (r as usize, w.ty.row_bytes(c), vec![c, count as u64]),
+            [e] => {
+                let blk = w.ty.block_elems() as usize;
+                if !r0.is_multiple_of(blk) || !count.is_multiple_of(blk) {
+                    return Err(bad());
+                }
+                (
+                    e as usize,
+                    w.ty.row_bytes(1).filter(|_| blk == 1),
+                    vec![count as u64],
+                )
+            }
+            _ => return Err(bad()),
+        };
+        let Some(row) = row.map(|r| r as usize) else {
+            return Err(bad());
+        };
+        if count == 0 || r0 + count > rows {
+            return Err(bad());
+        }
+        let src = WeightSrc {
+            name,
+            file,
+            ty: w.ty,
+            dims: &dims,
+            offset: w.offset as usize + r0 * row,
+            n_bytes: count * row,
+        };
+        let r = match kind {
+            WeightKind::Matrix => b.matrix(&src),
+            WeightKind::Vector => b.vector(&src),
+            WeightKind::Table => b.table(&src),
+        }
+        .map_err(|e| format!("tensor {name}: {e}"))?;
+        self.loaded += w.n_bytes as usize; // the other ranks' rows count as done
+        (self.progress)(self.loaded, self.total);
+        Ok(r)
+    }
+    fn cols(&mut self, b: &B, name: &str, c0: usize, count: usize) -> Result<B::Weight, String> {
+        let (file, w) = self.bound(name)?;
+        let blk = w.ty.block_elems() as usize;
+        let [c, r] = w.dims[..] else {
+            return Err(format!(
+                "tensor {name}: columns of dims {:?}: not a matrix",
+                w.dims
+            ));
+        };
+        let (c, rows) = (c as usize, r as usize);
+        if count == 0 || c0 + count > c || !c0.is_multiple_of(blk) || !count.is_multiple_of(blk) {
+            return Err(format!(
+                "tensor {name}: columns {c0}..{} of {c} are not whole {} blocks of {blk}",
+                c0 + count,
+                w.ty.name()
+            ));
+        }
+        // Not contiguous: each row's piece copied into a one-tensor GGUF in memory (the
+        // backends bind matrices of files), then bound like any other.
+        let at = |n: usize| w.ty.row_bytes(n as u64).unwrap_or(0) as usize;
+        let (row, a, n) = (at(c), at(c0), at(count));
+        let data = &file.bytes()[w.offset as usize..][..w.n_bytes as usize];
+        let mut g = ds4_gguf::GgufWriter::new();
+        g.add_tensor(name, w.ty, &[count as u64, rows as u64])
+            .map_err(|e| e.to_string())?;
+        let bytes = g
+            .to_bytes(|_, out: &mut [u8]| {
+                for (i, o) in out.chunks_exact_mut(n).enumerate() {
+                    o.copy_from_slice(&data[i * row + a..i * row + a + n]);
+                }
+                Ok::<(), ds4_gguf::GgufError>(())
+            })
+            .map_err(|e| format!("tensor {name}: {e}"))?;
+        let part =
+            Arc::new(GgufFile::from_bytes(name, bytes).map_err(|e| format!("tensor {name}: {e}"))?);
+        let info = part.tensors()[0].clone();
+        let dims = [count as u64, rows as u64];
+        let src = WeightSrc {
+            name,
+            file: &part,
+            ty: w.ty,
+            dims: &dims,
+            offset: info.offset as usize, // absolute in the in-memory file
+            n_bytes: rows * n,
+        };
+        let r = b.matrix(&src).map_err(|e| format!("tensor {name}: {e}"))?;
+        self.loaded += w.n_bytes as usize;
+        (self.progress)(self.loaded, self.total);
+        Ok(r)
+    }
     fn weight(&mut self, b: &B, name: &str, kind: WeightKind) -> Result<B::Weight, String> {
-        let (file, w) = self
-            .files
-            .iter()
-            .find_map(|(f, d)| d.get(name).map(|w| (f, w)))
-            .ok_or_else(|| format!("weight {name} was not bound"))?;
+        let (file, w) = self.bound(name)?;
         let src = WeightSrc {
             name,
             file,
@@ -277,6 +399,26 @@ impl<B: Backend> Binder<'_, B> {
         }
         let (e0, count) = self.shard.experts(hp.n_expert as usize);
         self.src.experts(self.b, name, e0, count)
+    }
+    /// Rows `a .. a + count` of `name` on a tensor-parallel rank, the whole tensor otherwise.
+    fn tp_rows(
+        &mut self,
+        name: &str,
+        kind: WeightKind,
+        a: usize,
+        count: usize,
+    ) -> Result<B::Weight, String> {
+        if !self.shard.is_tp() {
+            return self.src.weight(self.b, name, kind);
+        }
+        self.src.rows(self.b, name, kind, a, count)
+    }
+    /// Columns `a .. a + count` of `name` on a tensor-parallel rank, the whole tensor otherwise.
+    fn tp_cols(&mut self, name: &str, a: usize, count: usize) -> Result<B::Weight, String> {
+        if !self.shard.is_tp() {
+            return self.m(name);
+        }
+        self.src.cols(self.b, name, a, count)
     }
     fn v(&mut self, name: &str) -> Result<B::Weight, String> {
         self.src.weight(self.b, name, WeightKind::Vector)
@@ -326,6 +468,14 @@ impl<B: Backend> Binder<'_, B> {
             }),
             None => None,
         };
+        // Tensor parallelism (`ds4_backend::shard`): this rank's attention output groups
+        // g0 .. g0 + gl (their heads' q_b rows, sinks and out_a rows, their out_b columns) and
+        // shared-expert hidden units f0 .. f0 + fl (gate / up rows, down columns).
+        let (g0, gl) = self.shard.part(hp.o_groups as usize);
+        let (f0, fl) = self.shard.part(hp.n_ff_exp as usize);
+        let hpg = (hp.n_head / hp.o_groups) as usize; // heads per output group
+        let (hd, orank) = (hp.head_dim as usize, hp.o_lora_rank as usize);
+        let (mx, vc) = (WeightKind::Matrix, WeightKind::Vector);
         Ok(Layer {
             kind,
             dims,
@@ -333,12 +483,22 @@ impl<B: Backend> Binder<'_, B> {
             attn_norm: self.v(&format!("{p}attn_norm.weight"))?,
             q_a: self.m(&format!("{p}attn_q_a.weight"))?,
             q_a_norm: self.v(&format!("{p}attn_q_a_norm.weight"))?,
-            q_b: self.m(&format!("{p}attn_q_b.weight"))?,
+            q_b: self.tp_rows(
+                &format!("{p}attn_q_b.weight"),
+                mx,
+                g0 * hpg * hd,
+                gl * hpg * hd,
+            )?,
             kv: self.m(&format!("{p}attn_kv.weight"))?,
             kv_norm: self.v(&format!("{p}attn_kv_a_norm.weight"))?,
-            sinks: self.v(&format!("{p}attn_sinks.weight"))?,
-            out_a: self.m(&format!("{p}attn_output_a.weight"))?,
-            out_b: self.m(&format!("{p}attn_output_b.weight"))?,
+            sinks: self.tp_rows(&format!("{p}attn_sinks.weight"), vc, g0 * hpg, gl * hpg)?,
+            out_a: self.tp_rows(
+                &format!("{p}attn_output_a.weight"),
+                mx,
+                g0 * orank,
+                gl * orank,
+            )?,
+            out_b: self.tp_cols(&format!("{p}attn_output_b.weight"), g0 * orank, gl * orank)?,
             comp,
             indexer,
             hc_ffn: self.hc(p, "hc_ffn")?,
@@ -357,9 +517,9 @@ impl<B: Backend> Binder<'_, B> {
             gate_exps: self.x(hp, &format!("{p}ffn_gate_exps.weight"))?,
             up_exps: self.x(hp, &format!("{p}ffn_up_exps.weight"))?,
             down_exps: self.x(hp, &format!("{p}ffn_down_exps.weight"))?,
-            gate_sh: self.m(&format!("{p}ffn_gate_shexp.weight"))?,
-            up_sh: self.m(&format!("{p}ffn_up_shexp.weight"))?,
-            down_sh: self.m(&format!("{p}ffn_down_shexp.weight"))?,
+            gate_sh: self.tp_rows(&format!("{p}ffn_gate_shexp.weight"), mx, f0, fl)?,
+            up_sh: self.tp_rows(&format!("{p}ffn_up_shexp.weight"), mx, f0, fl)?,
+            down_sh: self.tp_cols(&format!("{p}ffn_down_shexp.weight"), f0, fl)?,
             clamp: hp.swiglu_clamp[l],
             clamp_sh: hp
                 .swiglu_clamp_shexp
@@ -367,6 +527,20 @@ impl<B: Backend> Binder<'_, B> {
                 .map_or(hp.swiglu_clamp[l], |s| s[l.min(s.len() - 1)]),
         })
     }
+}
+
+/// Whether `n` ranks can also split this model's attention output groups and shared expert
+/// (tensor parallelism, `ds4_backend::Shard::tp_fits`): `block_of(name)` is the quant block size
+/// of the `out_b` / shared `down` tensors (their column parts must be whole blocks).
+pub fn tp_fits(hp: &HParams, n: usize, block_of: impl Fn(&str) -> usize) -> bool {
+    Shard::tp_fits(
+        n,
+        hp.o_groups as usize,
+        hp.o_lora_rank as usize,
+        block_of("attn_output_b.weight"),
+        hp.n_ff_exp as usize,
+        block_of("ffn_down_shexp.weight"),
+    )
 }
 
 /// The attention-state shape of a layer.
@@ -451,6 +625,13 @@ impl<B: Backend> Model<B> {
             return Err(format!(
                 "{} ranks for {} routed experts: at most one rank per expert",
                 shard.n_ranks, hp.n_expert
+            ));
+        }
+        if shard.is_tp() && !tp_fits(&hp, shard.n_ranks, |_| 1) {
+            return Err(format!(
+                "{} tensor-parallel ranks do not divide {} attention output groups and a shared \
+                 expert of {} hidden units",
+                shard.n_ranks, hp.o_groups, hp.n_ff_exp
             ));
         }
         let mut b = Binder {
@@ -779,7 +960,9 @@ impl<B: Backend> Model<B> {
         let eps = hp.rms_eps;
         let d = hp.n_embd as usize;
         let hd = hp.head_dim as usize;
-        let nh = hp.n_head as usize;
+        // A tensor-parallel rank runs its output groups' heads only (`Binder::layer`).
+        let groups = self.shard.part(hp.o_groups as usize).1;
+        let nh = hp.n_head as usize / hp.o_groups as usize * groups;
         let n_rot = hp.n_rot as usize;
         let rank = hp.q_lora_rank as usize;
         let rope = Self::rope_kind(&l.kind);
@@ -918,11 +1101,13 @@ impl<B: Backend> Model<B> {
         let mut o = b.alloc(n * nh * hd);
         b.attend(st, &spec, &q, &kv, &l.sinks, sel.as_ref(), n, t0, &mut o);
         // Grouped low-rank output projection, then the dense one.
-        let groups = hp.o_groups as usize;
         let mut u = b.alloc(n * groups * hp.o_lora_rank as usize);
         b.matmul_grouped(&l.out_a, groups, &o, n, &mut u);
         let mut out = b.alloc(n * d);
         b.matmul(&l.out_b, Part::All, &u, n, &mut out);
+        if self.shard.is_tp() {
+            b.all_reduce_sum(&mut out, n * d); // the ranks' groups' partial products
+        }
         out
     }
 
@@ -940,18 +1125,20 @@ impl<B: Backend> Model<B> {
             clamp: l.clamp,
         };
         // Expert parallelism: this rank sums the routed experts it holds (localized
-        // selections), rank 0 adds the shared expert, and the ranks' sums are added
-        // (`Backend::all_reduce_sum`).
+        // selections), rank 0 adds the shared expert (with TP every rank its part of it), and
+        // the ranks' sums are added (`Backend::all_reduce_sum`).
         let split = self.shard.is_split();
-        let shared = self.shard.rank == 0;
+        // Tensor parallel: every rank adds its part of the shared expert (hidden units ff_sh).
+        let shared = self.shard.rank == 0 || self.shard.is_tp();
+        let ff_sh = self.shard.part(spec.ff).1;
         // The shared expert's gate/up reads only z (side branch, `Backend::side_begin`); the
         // router and the routed experts (main branch) too; the shared down product adds into
         // the routed sum after the join.
         let mut g = None;
         if shared {
             b.side_begin();
-            let mut gs = b.alloc(n * spec.ff);
-            b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, spec.ff, &mut gs, l.clamp_sh);
+            let mut gs = b.alloc(n * ff_sh);
+            b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, ff_sh, &mut gs, l.clamp_sh);
             b.side_end();
             g = Some(gs);
         }

@@ -161,8 +161,74 @@ impl<B: Backend> WeightSource<B> for SynthSource<'_> {
         Ok(w)
     }
 
+    fn rows(
+        &mut self,
+        b: &B,
+        name: &str,
+        kind: WeightKind,
+        r0: usize,
+        count: usize,
+    ) -> Result<B::Weight, String> {
+        let r = self.dims_of(name)?.len() - 1; // rows: the outer dim (a vector's elements)
+        self.part(b, name, kind, r, r0, count)
+    }
+
+    fn cols(&mut self, b: &B, name: &str, c0: usize, count: usize) -> Result<B::Weight, String> {
+        self.part(b, name, WeightKind::Matrix, 0, c0, count)
+    }
+
     fn has(&self, name: &str) -> bool {
         self.specs.contains_key(name)
+    }
+}
+
+impl SynthSource<'_> {
+    fn dims_of(&self, name: &str) -> Result<&[u64], String> {
+        self.specs
+            .get(name)
+            .map(|(_, s)| &s.dims[..])
+            .ok_or_else(|| format!("synthetic model has no tensor {name}"))
+    }
+
+    /// Items `a .. a + count` of dim `axis` of tensor `name`: random weights of the tensor's
+    /// type and scales in that shape, from their own stream (a tensor-parallel rank's part,
+    /// as [`SynthSource`]'s experts: not the one-rank model's values).
+    fn part<B: Backend>(
+        &mut self,
+        b: &B,
+        name: &str,
+        kind: WeightKind,
+        axis: usize,
+        a: usize,
+        count: usize,
+    ) -> Result<B::Weight, String> {
+        let (i, spec) = self
+            .specs
+            .get(name)
+            .ok_or_else(|| format!("synthetic model has no tensor {name}"))?;
+        let n = spec.dims.get(axis).copied().unwrap_or(0) as usize;
+        if count == 0 || a + count > n {
+            return Err(format!(
+                "tensor {name}: items {a}..{} of dim {axis} of {:?}",
+                a + count,
+                spec.dims
+            ));
+        }
+        let ty = spec.family.type_in(self.mix);
+        let fill = fill_for(spec.family, spec.fan_in(), &self.hp);
+        let mut dims = spec.dims.clone();
+        dims[axis] = count as u64;
+        let seed = self
+            .seed
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(*i as u64 + 1)
+            .wrapping_add(((a as u64) << 32) | ((axis as u64 + 1) << 60));
+        let w = b
+            .random(kind, ty, &dims, fill, seed)
+            .map_err(|e| format!("tensor {name}: {e}"))?;
+        self.done += tensor_bytes(spec, ty).unwrap_or(0) as usize;
+        (self.progress)(self.done, self.total);
+        Ok(w)
     }
 }
 

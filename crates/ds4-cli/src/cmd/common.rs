@@ -32,13 +32,20 @@ pub struct ModelArgs {
     /// GPU index among the visible devices (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES apply).
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// Expert parallelism: split the model over these GPUs (comma-separated indices, e.g.
-    /// `0,1`), one rank each. Every GPU holds the dense weights, the session state and 1/N of
-    /// the routed experts (the q4 mix, 153 GiB, then fits two 141 GB H200s); the ranks add their
-    /// MoE outputs through NCCL (CUDA) or RCCL (ROCm) each layer. With --backend cpu: N reference
-    /// ranks in this process (same numbers to ~1e-6, no faster).
+    /// Split the model over these GPUs (comma-separated indices, e.g. `0,1`), one rank each.
+    /// Each GPU holds the session state, 1/N of the routed experts (expert parallelism) and,
+    /// with `--parallel tp+ep` (the default, where N divides the 8 attention output groups),
+    /// 1/N of each attention's heads and of the shared expert (tensor parallelism); the ranks
+    /// add their partial outputs through NCCL (CUDA) or RCCL (ROCm), twice a layer (once with
+    /// `ep`). The q4 mix (153 GiB) then fits two 141 GB H200s. With --backend cpu: N
+    /// reference ranks in this process (same numbers to ~1e-6, no faster).
     #[arg(long, value_delimiter = ',', num_args = 1.., conflicts_with = "device")]
     pub devices: Vec<usize>,
+    /// How --devices splits the model: `tp+ep` (experts, attention heads and the shared
+    /// expert; falls back to `ep` where the ranks do not divide the heads' groups) or `ep`
+    /// (experts only; every rank holds all dense weights).
+    #[arg(long, default_value = "tp+ep", value_parser = ["tp+ep", "ep"])]
+    pub parallel: String,
     /// Rounding steps of the model's semantics (FP8 KV rows, Hadamard+FP4 indexer, f16 cache
     /// rows): `model` (default) or `none` — plain float math, as HF transformers computes; for
     /// comparisons against such references.
@@ -63,6 +70,7 @@ impl ModelArgs {
         o.threads = self.threads;
         o.device = self.device;
         o.devices = self.devices.clone();
+        o.tp = self.parallel == "tp+ep";
         // Host-memory all-reduce instead of NCCL / RCCL (ranks may share a GPU): for tests.
         o.ep_host_comm = std::env::var("DS4_EP_COMM").is_ok_and(|v| v == "host");
         if self.rounding == "none" {
