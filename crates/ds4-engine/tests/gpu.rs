@@ -312,8 +312,8 @@ fn gpu_long_prompt_is_deterministic_on_the_full_size_model() {
     assert_eq!(ta, tb);
 }
 
-/// Expert parallelism on the GPU (`ds4_backend::shard`): the tiny model's 16 experts over two
-/// ranks, both on GPU 0 and joined through host memory (NCCL runs one rank per device; the
+/// Expert parallelism on the GPU (`ds4_backend::shard`), alone and with tensor parallelism:
+/// the tiny model's 16 experts over two ranks, both on GPU 0 and joined through host memory (NCCL runs one rank per device; the
 /// test below covers it where two GPUs exist). The same greedy tokens as one GPU, logits within
 /// the one-GPU-vs-CPU bound (only the MoE sum's order differs), and its snapshot continues on
 /// one GPU exactly as it does on the two ranks.
@@ -321,18 +321,34 @@ fn gpu_long_prompt_is_deterministic_on_the_full_size_model() {
 fn gpu_expert_parallel_ranks_match_one_gpu() {
     let _serial = serial();
     let Some(g) = gpu() else { return };
+    // Experts only first (a short check), then tensor + expert parallel (the default: each
+    // rank one of the tiny model's 2 attention output groups, 2 of its 4 heads).
+    let ep_only = open_with(BackendChoice::Auto, |o| {
+        o.devices = vec![0, 0];
+        o.ep_host_comm = true;
+        o.tp = false;
+    })
+    .expect("two expert-parallel ranks on GPU 0");
+    println!("EP backend: {}", ep_only.backend_name());
+    assert!(
+        !ep_only.backend_name().contains("tensor"),
+        "{}",
+        ep_only.backend_name()
+    );
+    same_greedy(&g, &ep_only, "2 EP ranks");
+    drop(ep_only);
     let ep = open_with(BackendChoice::Auto, |o| {
         o.devices = vec![0, 0];
         o.ep_host_comm = true;
     })
-    .expect("two expert-parallel ranks on GPU 0");
-    println!("EP backend: {}", ep.backend_name());
+    .expect("two tensor + expert parallel ranks on GPU 0");
+    println!("TP + EP backend: {}", ep.backend_name());
     assert!(
-        ep.backend_name().contains("expert parallel"),
+        ep.backend_name().contains("tensor + expert parallel"),
         "{}",
         ep.backend_name()
     );
-    let gt = same_greedy(&g, &ep, "2 EP ranks");
+    let gt = same_greedy(&g, &ep, "2 TP + EP ranks");
     // A snapshot of the ranks' state (rank 0's) continues on one GPU.
     let mut s = ep.new_session(512);
     s.sync(&PROMPT, &mut |_, _| {}).unwrap();
