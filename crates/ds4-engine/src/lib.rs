@@ -400,7 +400,7 @@ type Opened = (Arc<dyn Forward>, String, Option<u64>);
 /// Loads one expert-parallel rank's model on backend `B` (its weights from a file or made on
 /// the device), reporting `progress(done, total)` of that rank.
 type RankLoader<'a, B> =
-    dyn FnMut(B, Shard, &mut dyn FnMut(usize, usize)) -> Result<Model<B>, String> + 'a;
+    dyn Fn(B, Shard, &mut dyn FnMut(usize, usize)) -> Result<Model<B>, String> + Sync + 'a;
 
 /// Expert parallelism, and tensor parallelism where `opts.tp` and the model allow it
 /// (`ds4_backend::shard`), over `opts.devices`: one rank per GPU joined by NCCL / RCCL (`EngineOptions::ep_host_comm`: through host memory, which also lets ranks
@@ -411,8 +411,8 @@ fn open_ranks(
     hp: &HParams,
     sizes: RankBytes,
     progress: &mut dyn FnMut(usize, usize),
-    load_gpu: &mut RankLoader<'_, ds4_gpu::GpuBackend>,
-    load_cpu: &mut RankLoader<'_, CpuBackend>,
+    load_gpu: &RankLoader<'_, ds4_gpu::GpuBackend>,
+    load_cpu: &RankLoader<'_, CpuBackend>,
 ) -> Result<Opened, EngineError> {
     let n = opts.devices.len();
     let n_expert = hp.n_expert as usize;
@@ -490,23 +490,73 @@ fn open_ranks(
             .collect()
     };
     let per_rank = sizes.per_rank(n, n_expert, tp);
-    let mut line = String::new();
-    let mut wb0 = None;
+    let line = gpu_line(name, &picks[0].gpu, opts.precision);
+    // Every rank's backend first (a device short of memory is an error before any upload),
+    // then the ranks load at once, one thread each: the uploads of several GPUs overlap.
+    let mut backends = Vec::with_capacity(n);
     for (rank, pick) in picks.into_iter().enumerate() {
         let dev = pick.gpu.info().index;
-        if rank == 0 {
-            line = gpu_line(name, &pick.gpu, opts.precision);
-        }
         let (b, _) = gpu_backend(pick, hp, per_rank, opts.precision)?;
-        let b = b.with_comm(comms.remove(0));
         let shard = Shard {
             rank,
             n_ranks: n,
             tp,
         };
-        let err = |e| EngineError::Backend(format!("{name} rank {rank} (GPU {dev})"), e);
-        let m = load_gpu(b, shard, &mut |d, t| progress(rank * t + d, n * t)).map_err(err)?;
-        m.backend.finish().map_err(err)?;
+        backends.push((b.with_comm(comms.remove(0)), shard, dev));
+    }
+    // Progress: the ranks' bytes so far over their totals, reported from this thread (the
+    // callback need not be Send) while the loads run.
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    let done: Vec<(AtomicUsize, AtomicUsize)> = (0..n).map(|_| Default::default()).collect();
+    let running = AtomicUsize::new(n);
+    let loaded: Vec<Result<Model<ds4_gpu::GpuBackend>, EngineError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = backends
+            .into_iter()
+            .map(|(b, shard, dev)| {
+                let (done, running) = (&done, &running);
+                s.spawn(move || {
+                    let rank = shard.rank;
+                    let err =
+                        |e| EngineError::Backend(format!("{name} rank {rank} (GPU {dev})"), e);
+                    let r = load_gpu(b, shard, &mut |d, t| {
+                        done[rank].0.store(d, Relaxed);
+                        done[rank].1.store(t, Relaxed);
+                    })
+                    .map_err(err)
+                    .and_then(|m| m.backend.finish().map_err(err).map(|_| m));
+                    running.fetch_sub(1, Relaxed);
+                    r
+                })
+            })
+            .collect();
+        let sum = || {
+            done.iter().fold((0, 0), |(a, b), (d, t)| {
+                (a + d.load(Relaxed), b + t.load(Relaxed))
+            })
+        };
+        while running.load(Relaxed) > 0 {
+            let (d, t) = sum();
+            if t > 0 {
+                progress(d, t);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let (d, t) = sum();
+        progress(d, t.max(d));
+        hs.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(EngineError::Backend(
+                        name.into(),
+                        "a rank's load panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut wb0 = None;
+    for m in loaded {
+        let m = m?;
         wb0.get_or_insert(m.backend.weight_bytes());
         ranks.push(Box::new(m));
     }
@@ -572,8 +622,8 @@ impl Engine {
                     &hp,
                     sizes,
                     progress,
-                    &mut |b, shard, p| Model::load_shard(b, hp.clone(), &files, rounding, shard, p),
-                    &mut |b, shard, p| Model::load_shard(b, hp.clone(), &files, rounding, shard, p),
+                    &|b, shard, p| Model::load_shard(b, hp.clone(), &files, rounding, shard, p),
+                    &|b, shard, p| Model::load_shard(b, hp.clone(), &files, rounding, shard, p),
                 )?;
                 (m, line, wb)
             }
@@ -654,11 +704,11 @@ impl Engine {
                 &hp,
                 sizes,
                 progress,
-                &mut |b, shard, p| {
+                &|b, shard, p| {
                     let mut src = SynthSource::new(&hp, mix, seed, p);
                     Model::load_from_shard(b, hp.clone(), &mut src, rounding, shard)
                 },
-                &mut |_, _, _| Err("synthetic models are generated on a GPU".into()),
+                &|_, _, _| Err("synthetic models are generated on a GPU".into()),
             )?;
             return Ok(Engine {
                 model,
