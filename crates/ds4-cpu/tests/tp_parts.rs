@@ -21,6 +21,20 @@ fn tiny() -> Option<PathBuf> {
     }
 }
 
+/// The tiny model's bound file and a CPU backend for it.
+#[allow(clippy::type_complexity)]
+fn setup() -> Option<(
+    Arc<GgufFile>,
+    [(Arc<GgufFile>, ds4_model::WeightDir); 1],
+    CpuBackend,
+)> {
+    let path = tiny()?;
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let hp = HParams::from_meta(file.as_ref()).unwrap();
+    let files = [(file.clone(), bind_main(&file, &hp).unwrap())];
+    Some((file, files, CpuBackend::new(rope_tables(&hp))))
+}
+
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -30,11 +44,9 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn rows_and_columns_compute_their_part_of_the_product() {
-    let Some(path) = tiny() else { return };
-    let file = Arc::new(GgufFile::open(&path).unwrap());
-    let hp = HParams::from_meta(file.as_ref()).unwrap();
-    let files = [(file.clone(), bind_main(&file, &hp).unwrap())];
-    let b = CpuBackend::new(rope_tables(&hp));
+    let Some((file, files, b)) = setup() else {
+        return;
+    };
     let mut prog = |_: usize, _: usize| {};
     let mut src = FileSource::new(&files, &mut prog);
     let name = "blk.1.attn_output_b.weight"; // [cols = o_groups * o_lora_rank, rows = n_embd]
@@ -82,11 +94,9 @@ fn rows_and_columns_compute_their_part_of_the_product() {
 
 #[test]
 fn parts_that_are_not_whole_rows_or_blocks_are_errors() {
-    let Some(path) = tiny() else { return };
-    let file = Arc::new(GgufFile::open(&path).unwrap());
-    let hp = HParams::from_meta(file.as_ref()).unwrap();
-    let files = [(file.clone(), bind_main(&file, &hp).unwrap())];
-    let b = CpuBackend::new(rope_tables(&hp));
+    let Some((file, files, b)) = setup() else {
+        return;
+    };
     let mut prog = |_: usize, _: usize| {};
     let mut src = FileSource::new(&files, &mut prog);
     let name = "blk.1.attn_output_b.weight";

@@ -403,9 +403,10 @@ type RankLoader<'a, B> =
     dyn Fn(B, Shard, &mut dyn FnMut(usize, usize)) -> Result<Model<B>, String> + Sync + 'a;
 
 /// Expert parallelism, and tensor parallelism where `opts.tp` and the model allow it
-/// (`ds4_backend::shard`), over `opts.devices`: one rank per GPU joined by NCCL / RCCL (`EngineOptions::ep_host_comm`: through host memory, which also lets ranks
-/// share a device: tests), or `--backend cpu` reference ranks. Returns the model, its backend line and the
-/// device bytes of rank 0's weights. Progress covers every rank's load in turn.
+/// (`ds4_backend::shard`), over `opts.devices`: one rank per GPU joined by NCCL / RCCL
+/// (`EngineOptions::ep_host_comm`: through host memory, which also lets ranks share a device:
+/// tests), or `--backend cpu` reference ranks. Returns the model, its backend line and the
+/// device bytes of rank 0's weights. GPU ranks load at once; progress sums them.
 fn open_ranks(
     opts: &EngineOptions,
     hp: &HParams,

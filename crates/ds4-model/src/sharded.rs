@@ -1,6 +1,6 @@
-//! An expert-parallel model ([`ds4_backend::shard`]) as one [`Forward`]: every call runs on
-//! all ranks at once, one thread each (a rank's MoE all-reduce waits for the others), and
-//! answers with rank 0's result. Ranks hold the same session state (the same tokens through
+//! An expert- (and tensor-) parallel model ([`ds4_backend::shard`]) as one [`Forward`]: every
+//! call runs on all ranks at once, one thread each (a rank's all-reduces wait for the others),
+//! and answers with rank 0's result. Ranks hold the same session state (the same tokens through
 //! the same replicated schedule, MoE outputs made equal by the all-reduce), so a state's
 //! snapshot is rank 0's and a restored one goes to every rank.
 
@@ -88,7 +88,7 @@ impl Forward for Sharded {
     }
     fn backend_name(&self) -> String {
         format!(
-            "{} x{} (expert parallel)",
+            "{} x{} (parallel ranks)",
             self.ranks[0].backend_name(),
             self.ranks.len()
         )

@@ -131,34 +131,15 @@ impl<B: Backend> WeightSource<B> for SynthSource<'_> {
     }
 
     fn experts(&mut self, b: &B, name: &str, e0: usize, count: usize) -> Result<B::Weight, String> {
-        let (i, spec) = self
-            .specs
-            .get(name)
-            .ok_or_else(|| format!("synthetic model has no tensor {name}"))?;
-        let n_exp = spec.dims.get(2).copied().unwrap_or(1) as usize;
-        if spec.dims.len() != 3 || count == 0 || e0 + count > n_exp {
+        let dims = self.dims_of(name)?;
+        if dims.len() != 3 {
             return Err(format!(
-                "tensor {name}: experts {e0}..{} of dims {:?}",
-                e0 + count,
-                spec.dims
+                "tensor {name}: experts of dims {dims:?}: not an expert stack"
             ));
         }
-        let ty = spec.family.type_in(self.mix);
-        let fill = fill_for(spec.family, spec.fan_in(), &self.hp);
-        let dims = [spec.dims[0], spec.dims[1], count as u64];
         // Its own stream per (tensor, first expert): a rank's experts are random weights of
         // the same scales, not the one-rank model's (benchmarks only need the shapes).
-        let seed = self
-            .seed
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .wrapping_add(*i as u64 + 1)
-            .wrapping_add((e0 as u64) << 32);
-        let w = b
-            .random(WeightKind::Matrix, ty, &dims, fill, seed)
-            .map_err(|e| format!("tensor {name}: {e}"))?;
-        self.done += tensor_bytes(spec, ty).unwrap_or(0) as usize;
-        (self.progress)(self.done, self.total);
-        Ok(w)
+        self.part(b, name, WeightKind::Matrix, 2, e0, count)
     }
 
     fn rows(
