@@ -231,6 +231,19 @@ fn run_and_logits_on_the_tiny_model() {
     let c = ds4(&ep);
     assert!(c.status.success(), "{}", stderr(&c));
     assert_eq!(c.stdout, reply);
+    // 2 ranks also split the attention heads and the shared expert (tensor parallelism, the
+    // default), or not (`--parallel ep`): the same reply either way; an unknown form is refused.
+    for par in ["tp+ep", "ep"] {
+        let mut tp = args.to_vec();
+        tp.extend(["--backend", "cpu", "--devices", "0,1", "--parallel", par]);
+        let c = ds4(&tp);
+        assert!(c.status.success(), "{par}: {}", stderr(&c));
+        assert_eq!(c.stdout, reply, "{par}");
+    }
+    let mut bad = args.to_vec();
+    bad.extend(["--backend", "cpu", "--devices", "0,1", "--parallel", "tp"]);
+    let e = stderr(&ds4(&bad));
+    assert!(e.contains("--parallel") && e.contains("tp+ep"), "{e}");
     let o = ds4(&[
         "run",
         "-m",
