@@ -66,7 +66,9 @@ pub fn run(mut a: Args) -> Result<()> {
         engine.backend_name()
     );
     if let Some(w) = engine.gpu_weight_bytes() {
-        eprintln!("# weights on the device: {:.2} GiB", gib(w));
+        // Several ranks (--devices): rank 0's device (the others hold about as much).
+        let each = if a.model.devices.len() > 1 { " (rank 0)" } else { "" };
+        eprintln!("# weights on the device{each}: {:.2} GiB", gib(w));
     }
     eprintln!(
         "# session state: {:.2} GiB at 32k context, {:.2} GiB at 1M (f32 rows)",
