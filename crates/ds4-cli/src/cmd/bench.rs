@@ -67,7 +67,11 @@ pub fn run(mut a: Args) -> Result<()> {
     );
     if let Some(w) = engine.gpu_weight_bytes() {
         // Several ranks (--devices): rank 0's device (the others hold about as much).
-        let each = if a.model.devices.len() > 1 { " (rank 0)" } else { "" };
+        let each = if a.model.devices.len() > 1 {
+            " (rank 0)"
+        } else {
+            ""
+        };
         eprintln!("# weights on the device{each}: {:.2} GiB", gib(w));
     }
     eprintln!(
