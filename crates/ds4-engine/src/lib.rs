@@ -1099,6 +1099,49 @@ impl Session {
 mod tests {
     use super::*;
 
+    /// A rank's share of the full-size mixes: the sizes come from the synthetic tensor list
+    /// (real shapes and types), so the q4 mix must fit two 141 GB H200s with either form, and
+    /// TP must take its tensors' bytes off each rank and apply only where N divides 8 groups.
+    #[test]
+    fn rank_sizes_of_the_full_mixes() {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        for preset in [
+            ds4_model::synthetic::SynthPreset::FullQ2,
+            ds4_model::synthetic::SynthPreset::FullQ4,
+        ] {
+            let (hp, mix) = preset.params();
+            let specs = ds4_model::main_tensors(&hp);
+            let r = RankBytes::of(specs.iter().map(|t| {
+                let ty = t.family.type_in(mix);
+                let b = ds4_model::tensors::tensor_bytes(t, ty).unwrap_or(0);
+                (t.name.as_str(), b, ty)
+            }));
+            assert!(r.experts > r.all / 2 && r.tp > 0 && r.tp < r.all - r.experts);
+            assert_eq!(
+                (r.out_b_block, r.down_block),
+                (32, 32),
+                "Q8_0 out_b and shared down"
+            );
+            let n_exp = hp.n_expert as usize;
+            for n in [2usize, 4, 8] {
+                assert!(r.tp(&hp, n, true), "{n} ranks split 8 groups");
+                assert!(!r.tp(&hp, n, false), "not asked");
+                let (ep, tp) = (r.per_rank(n, n_exp, false), r.per_rank(n, n_exp, true));
+                assert!(tp < ep && ep < r.all, "{n}: {tp} {ep}");
+                assert_eq!(ep - tp, r.tp - r.tp / n as u64);
+                println!(
+                    "{} over {n}: {:.2} GiB a rank (ep {:.2})",
+                    preset.name(),
+                    gib(tp),
+                    gib(ep)
+                );
+            }
+            assert!(!r.tp(&hp, 3, true) && !r.tp(&hp, 16, true));
+            // Two H200s (~139.5 GiB free each) hold the q4 mix either way.
+            assert!(gib(r.per_rank(2, n_exp, false)) < 138.0);
+        }
+    }
+
     #[test]
     fn weights_that_cannot_fit_the_gpu_are_refused_before_any_upload() {
         let gib = 1u64 << 30;
