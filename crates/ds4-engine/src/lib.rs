@@ -341,17 +341,6 @@ struct RankBytes {
     down_block: usize,
 }
 
-/// Tensors tensor parallelism splits (`Binder::layer`).
-const TP_SPLIT: [&str; 7] = [
-    "attn_q_b.weight",
-    "attn_sinks.weight",
-    "attn_output_a.weight",
-    "attn_output_b.weight",
-    "ffn_gate_shexp.weight",
-    "ffn_up_shexp.weight",
-    "ffn_down_shexp.weight",
-];
-
 impl RankBytes {
     /// Sizes from a model's tensors as (name, bytes, type).
     fn of<'a>(tensors: impl Iterator<Item = (&'a str, u64, GgmlType)>) -> RankBytes {
@@ -361,7 +350,7 @@ impl RankBytes {
             r.all += bytes;
             if name.contains("_exps.") {
                 r.experts += bytes; // routed expert stacks: split over the ranks
-            } else if TP_SPLIT.iter().any(|t| name.ends_with(t)) && !name.contains("indexer") {
+            } else if ds4_model::forward::tp_splits(name) {
                 r.tp += bytes;
             }
             if name.ends_with("attn_output_b.weight") {
@@ -375,14 +364,7 @@ impl RankBytes {
 
     /// Whether `n` ranks split the attention and shared expert too (`opts.tp` asked for it).
     fn tp(&self, hp: &HParams, n: usize, asked: bool) -> bool {
-        asked
-            && ds4_model::forward::tp_fits(hp, n, |t| {
-                if t.contains("output_b") {
-                    self.out_b_block
-                } else {
-                    self.down_block
-                }
-            })
+        asked && ds4_model::forward::tp_fits(hp, n, self.out_b_block, self.down_block)
     }
 
     /// The most any of `n` ranks holds (ranks differ by at most one expert of each layer;

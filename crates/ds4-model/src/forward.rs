@@ -530,17 +530,34 @@ impl<B: Backend> Binder<'_, B> {
 }
 
 /// Whether `n` ranks can also split this model's attention output groups and shared expert
-/// (tensor parallelism, `ds4_backend::Shard::tp_fits`): `block_of(name)` is the quant block size
-/// of the `out_b` / shared `down` tensors (their column parts must be whole blocks).
-pub fn tp_fits(hp: &HParams, n: usize, block_of: impl Fn(&str) -> usize) -> bool {
+/// (tensor parallelism, `ds4_backend::Shard::tp_fits`): `out_b_block` / `down_block` are the
+/// quant block sizes of the `out_b` / shared `down` tensors (their column parts must be whole
+/// blocks).
+pub fn tp_fits(hp: &HParams, n: usize, out_b_block: usize, down_block: usize) -> bool {
     Shard::tp_fits(
         n,
         hp.o_groups as usize,
         hp.o_lora_rank as usize,
-        block_of("attn_output_b.weight"),
+        out_b_block,
         hp.n_ff_exp as usize,
-        block_of("ffn_down_shexp.weight"),
+        down_block,
     )
+}
+
+/// Whether tensor parallelism splits the tensor `name` between ranks (the parts
+/// `Binder::layer` takes): an attention's `q_b`, sinks, `out_a`, `out_b` and the shared expert
+/// (not the indexer's own `q_b`).
+pub fn tp_splits(name: &str) -> bool {
+    const SPLIT: [&str; 7] = [
+        "attn_q_b.weight",
+        "attn_sinks.weight",
+        "attn_output_a.weight",
+        "attn_output_b.weight",
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
+    ];
+    SPLIT.iter().any(|t| name.ends_with(t)) && !name.contains("indexer")
 }
 
 /// The attention-state shape of a layer.
@@ -627,7 +644,7 @@ impl<B: Backend> Model<B> {
                 shard.n_ranks, hp.n_expert
             ));
         }
-        if shard.is_tp() && !tp_fits(&hp, shard.n_ranks, |_| 1) {
+        if shard.is_tp() && !tp_fits(&hp, shard.n_ranks, 1, 1) {
             return Err(format!(
                 "{} tensor-parallel ranks do not divide {} attention output groups and a shared \
                  expert of {} hidden units",

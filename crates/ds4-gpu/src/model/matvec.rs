@@ -454,6 +454,33 @@ fn mat(w: &GpuWeight) -> Option<(DevPtr, &'static str, usize, usize, usize)> {
     Some((p, sfx, cols, rows, row_bytes))
 }
 
+/// The arguments the one-row `mvr_*` / `mvx_*` kernels share: weights `w` (quants), their
+/// scales `d` (F16: null), x and y with their group strides, the shape, and the column split.
+#[allow(clippy::too_many_arguments)]
+fn q8_args(
+    w: DevPtr,
+    d: DevPtr,
+    x: &GpuBuf,
+    x_z: usize,
+    y: DevPtr,
+    y_z: usize,
+    rows: usize,
+    cols: usize,
+    k: usize,
+) -> [Arg; 9] {
+    [
+        Arg::Ptr(w),
+        Arg::Ptr(d),
+        Arg::Ptr(x.ptr),
+        Arg::I64(x_z as i64),
+        Arg::Ptr(y),
+        Arg::I64(y_z as i64),
+        Arg::I32(rows as i32),
+        Arg::I32(cols as i32),
+        Arg::I32(k as i32),
+    ]
+}
+
 impl GpuBackend {
     /// Use (true, the default) or skip the decode kernels; process-wide, for tests and benches.
     pub fn set_matvec(on: bool) {
@@ -719,17 +746,7 @@ impl GpuBackend {
                 }
             ),
             dims,
-            &[
-                Arg::Ptr(q),
-                Arg::Ptr(q.offset((nb * 32) as u64)),
-                Arg::Ptr(x.ptr),
-                Arg::I64(x_z as i64),
-                Arg::Ptr(y),
-                Arg::I64(y_z as i64),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-                Arg::I32(k as i32),
-            ],
+            &q8_args(q, q.offset((nb * 32) as u64), x, x_z, y, y_z, rows, cols, k),
         );
         true
     }
@@ -773,20 +790,10 @@ impl GpuBackend {
                 block: [MV_WARPS as u32 * self.warp(), 1, 1],
                 shared_bytes: 0,
             },
-            &[
-                Arg::Ptr(w),
-                Arg::Ptr(d),
-                Arg::Ptr(x.ptr),
-                Arg::I64(x_z as i64),
-                Arg::Ptr(y),
-                Arg::I64(y_z as i64),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-                Arg::I32(ks as i32),
-            ]
-            .into_iter()
-            .chain(extra.iter().copied())
-            .collect::<Vec<_>>(),
+            &q8_args(w, d, x, x_z, y, y_z, rows, cols, ks)
+                .into_iter()
+                .chain(extra.iter().copied())
+                .collect::<Vec<_>>(),
         );
     }
 
