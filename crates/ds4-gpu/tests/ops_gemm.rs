@@ -558,6 +558,7 @@ fn gemm_group_pairs_skewed() {
         (12345, 16, 7, 2),
         (5, 256, 64, 3),
         (3000, 1024, 64, 4),
+        (8192 * 6, 256, 64, 5), // an 8k chunk: 192 blocks of counts a bucket
     ] {
         let mut r = rng(seed);
         let sel: Vec<i32> = (0..pairs)
@@ -1493,5 +1494,68 @@ fn gemm_moe_swiglu_xt_same_bits() {
     }
     GpuBackend::set_gemm_planes(2);
     GpuBackend::set_moe_swiglu_xt(true);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The prefill MoE's slot sum in its 16-byte form (`moe_sum4_f32`) and its one-column form
+/// (`moe_sum_f32`): the whole MoE output bit-equal, with slots of route weight 0 (skipped by
+/// both), and the 16-byte form ran exactly where the width is a multiple of 4.
+#[test]
+fn moe_slot_sum_forms_same_bits() {
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    set_form(0);
+    let (ne, k, n) = (16usize, 6usize, 150usize);
+    let pairs = n * k;
+    let gs = gpu.upload_i32(&skewed_sel(n, k));
+    let mut r = rng(2600);
+    // Every fifth slot weighs 0 (an expert-parallel rank's slots of experts it does not hold).
+    let wgt: Vec<f32> = (0..pairs)
+        .map(|p| if p % 5 == 2 { 0.0 } else { r.gen_range(0.1..1.0) })
+        .collect();
+    let gwt = gpu.upload(&wgt);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut bad = Vec::new();
+    for (i, (d, ff)) in [(512usize, 256usize), (256, 512)].into_iter().enumerate() {
+        let spec = MoeSpec {
+            n_expert: ne,
+            n_used: k,
+            d,
+            ff,
+            weight_scale: 1.0,
+            clamp: 0.05,
+        };
+        let s = 2601 + 10 * i as u64;
+        let (_, gw) = random_experts(&gpu, GgmlType::Q4_K, d, ff, ne, s);
+        let (_, uw) = random_experts(&gpu, GgmlType::Q4_K, d, ff, ne, s + 1);
+        let (_, dw) = random_experts(&gpu, GgmlType::Q2_K, ff, d, ne, s + 2);
+        let gz = gpu.upload(&scaled_rows(&mut r, n, d));
+        let mut outs = Vec::new();
+        for on in [false, true] {
+            GpuBackend::set_moe_sum4(on);
+            let l0 = GpuBackend::moe_sum4_launches();
+            let mut go = gpu.alloc(n * d);
+            gpu.moe_experts(&spec, &gw, &uw, &dw, &gz, &gs, &gwt, n, &mut go);
+            let out = gpu.download(&go, n * d);
+            if let Err(e) = gpu.check() {
+                panic!("d {d} sum4 {on}: GPU error: {e}");
+            }
+            let ran = GpuBackend::moe_sum4_launches() - l0;
+            if ran != u64::from(on) {
+                bad.push(format!("d {d} sum4 {on}: {ran} launches of moe_sum4_f32"));
+            }
+            if out.iter().any(|v| !v.is_finite()) || out.iter().all(|&v| v == 0.0) {
+                bad.push(format!("d {d} sum4 {on}: non-finite or all-zero output"));
+            }
+            outs.push(bits(&out));
+        }
+        let diff = outs[0].iter().zip(&outs[1]).filter(|(a, b)| a != b).count();
+        println!("moe slot sum d {d}: {diff} of {} values differ in bits", n * d);
+        if diff != 0 {
+            bad.push(format!("d {d}: {diff} values differ"));
+        }
+    }
+    GpuBackend::set_moe_sum4(true);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }

@@ -884,41 +884,84 @@ DS4_KERNEL void DS4_BOUNDS(256) gm_group_count_i32(const int* __restrict__ sel, 
     for (int e = threadIdx.x; e < nk; e += blockDim.x) cnt[(long long)blockIdx.x * nk + e] = h[e];
 }
 
+// Inclusive sum over the CTA's 256 threads (8 warps of 32, or 4 wavefronts of 64) of v; tmp: 8
+// ints. Every thread of the CTA must call it.
+__device__ __forceinline__ int gm_cta_scan(int v, int* tmp) {
+    const int lane = threadIdx.x % DS4_WARP, w = threadIdx.x / DS4_WARP;
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) {
+        int u = ds4_shfl_up(v, o);
+        if (lane >= o) v += u;
+    }
+    if (lane == DS4_WARP - 1) tmp[w] = v;
+    __syncthreads();
+    for (int q = 0; q < w; q++) v += tmp[q];
+    __syncthreads(); // tmp is free again
+    return v;
+}
+
+// Counts per (block, bucket) -> first perm positions, and the run starts. Thread t owns the
+// buckets of one contiguous range (per = ceil(nk / 256) of them): their totals over the blocks
+// (the loads GM_SB at a time, all in flight before the adds: the old one-bucket-a-thread loop
+// waited on each block's count in turn, 45 us a 2k layer on the H200), a CTA scan of the range
+// sums, then each bucket's block offsets written in a second pass. Integer sums: the same
+// output whatever the order.
+#define GM_SB 16
 DS4_KERNEL void DS4_BOUNDS(256) gm_group_scan_i32(int* __restrict__ cnt, int nb, int ne, int nt, int gmax, int* __restrict__ grp,
                                                   int pairs, int gmax2) {
-    __shared__ int tot[GM_MAXE + 1], base[GM_MAXE + 1], gb[GM_MAXE + 1], gb2[GM_MAXE + 1];
-    const int nt2 = 2 * nt, nk = ne + 1;
+    __shared__ int tot[GM_MAXE + 1], tmp[8];
+    const int nt2 = 2 * nt, nk = ne + 1, t = threadIdx.x;
     int* grp2 = grp + 1 + gmax + pairs; // the wide runs' [ngroups2, starts2[gmax2]]
-    for (int e = threadIdx.x; e < nk; e += blockDim.x) { // per bucket: offsets of each block's pairs
-        int t = 0;
-        for (int b = 0; b < nb; b++) {
-            int c = cnt[(long long)b * nk + e];
-            cnt[(long long)b * nk + e] = t;
-            t += c;
+    // 1. Bucket totals over the blocks (coalesced: threads read consecutive buckets of a block).
+    for (int e = t; e < nk; e += 256) {
+        int s = 0;
+        for (int b0 = 0; b0 < nb; b0 += GM_SB) {
+            int c[GM_SB];
+#pragma unroll
+            for (int u = 0; u < GM_SB; u++) c[u] = b0 + u < nb ? cnt[(long long)(b0 + u) * nk + e] : 0;
+#pragma unroll
+            for (int u = 0; u < GM_SB; u++) s += c[u];
         }
-        tot[e] = t;
+        tot[e] = s;
     }
     __syncthreads();
-    if (threadIdx.x == 0) { // exclusive scans over buckets: pair positions and group indices
-        int s = 0, g = 0, g2 = 0;
-        for (int e = 0; e < nk; e++) {
-            base[e] = s, gb[e] = g, gb2[e] = g2;
-            s += tot[e];
-            if (e == 0) continue; // the dropped pairs: no runs
-            g += (tot[e] + nt - 1) / nt;
-            g2 += (tot[e] + nt2 - 1) / nt2;
+    // 2. Exclusive scans over the buckets in order: pair positions (all buckets) and run indices
+    // (buckets >= 1; bucket 0, the dropped pairs, has no runs), by ranges of per buckets.
+    const int per = (nk + 255) / 256, e0 = min(t * per, nk), e1 = min(e0 + per, nk);
+    int s = 0, g = 0, g2 = 0;
+    for (int e = e0; e < e1; e++) {
+        s += tot[e];
+        if (e > 0) g += (tot[e] + nt - 1) / nt, g2 += (tot[e] + nt2 - 1) / nt2;
+    }
+    const int si = gm_cta_scan(s, tmp), gi = gm_cta_scan(g, tmp), g2i = gm_cta_scan(g2, tmp);
+    if (t == 255) grp[0] = gi, grp2[0] = g2i;
+    int sb = si - s, gbe = gi - g, gb2e = g2i - g2; // this range's first position / runs
+    for (int e = e0; e < e1; e++) {
+        const int te = tot[e];
+        tot[e] = sb; // now the bucket's first perm position (read by pass 3 only through sb)
+        if (e > 0) {
+            const int ng = (te + nt - 1) / nt, ng2 = (te + nt2 - 1) / nt2;
+            for (int j = 0; j < ng && gbe + j < gmax; j++) grp[1 + gbe + j] = sb + j * nt;
+            for (int j = 0; j < ng2 && gb2e + j < gmax2; j++) grp2[1 + gb2e + j] = sb + j * nt2;
+            gbe += ng, gb2e += ng2;
         }
-        grp[0] = g;
-        grp2[0] = g2;
+        sb += te;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < nk; e += blockDim.x) {
-        for (int b = 0; b < nb; b++) cnt[(long long)b * nk + e] += base[e];
-        if (e == 0) continue;
-        int ng = (tot[e] + nt - 1) / nt;
-        for (int j = 0; j < ng && gb[e] + j < gmax; j++) grp[1 + gb[e] + j] = base[e] + j * nt;
-        const int ng2 = (tot[e] + nt2 - 1) / nt2;
-        for (int j = 0; j < ng2 && gb2[e] + j < gmax2; j++) grp2[1 + gb2[e] + j] = base[e] + j * nt2;
+    // 3. Each (block, bucket) count -> the perm position of its first pair.
+    for (int e = t; e < nk; e += 256) {
+        int run = tot[e];
+        for (int b0 = 0; b0 < nb; b0 += GM_SB) {
+            int c[GM_SB];
+#pragma unroll
+            for (int u = 0; u < GM_SB; u++) c[u] = b0 + u < nb ? cnt[(long long)(b0 + u) * nk + e] : 0;
+#pragma unroll
+            for (int u = 0; u < GM_SB; u++)
+                if (b0 + u < nb) {
+                    cnt[(long long)(b0 + u) * nk + e] = run;
+                    run += c[u];
+                }
+        }
     }
 }
 

@@ -535,6 +535,36 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_sum_f32(const float* __restrict__ part, cons
     out[idx] = s;
 }
 
+// moe_sum_f32 four columns a thread (host: d % 4 == 0, part and out 16-byte aligned): the same
+// sums in the same order (same bits), 16-byte loads and stores, a batch of up to 8 slots' loads in
+// flight before the adds. H200, 2k prompt: the scalar form took 89 us a layer (2.3 TB/s).
+DS4_KERNEL void DS4_BOUNDS(256) moe_sum4_f32(const float* __restrict__ part, const float* __restrict__ wgt, float* __restrict__ out,
+                                             int k, int d, long long total4) {
+    ds4_pdl_enter();
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= total4) return;
+    const int d4 = d >> 2;
+    const long long i = idx / d4;
+    const float4* p = (const float4*)part + i * k * d4 + (idx - i * d4);
+    const float* w = wgt ? wgt + i * k : nullptr;
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int q0 = 0; q0 < k; q0 += 8) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int q = q0 + u;
+            const bool on = q < k && (!w || w[q] != 0.0f);
+            v[u] = on ? p[(long long)q * d4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int q = q0 + u;
+            if (q < k && (!w || w[q] != 0.0f)) s.x += v[u].x, s.y += v[u].y, s.z += v[u].z, s.w += v[u].w;
+        }
+    }
+    ((float4*)out)[idx] = s;
+}
+
 // Groups (token, slot) pairs by expert for the mm kernels' `grp` (one CTA; O(pairs^2 / threads),
 // meant for prefill-sized pairs): perm = pairs stably sorted by expert max(sel, 0); runs of one
 // expert cut every nt items; grp = [ngroups, starts[gmax], perm[pairs]]; flag: pairs ints scratch.

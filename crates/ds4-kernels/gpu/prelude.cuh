@@ -21,9 +21,11 @@ typedef u64 ds4_mask_t; // lane masks are 64-bit so wave64 fits
 #if defined(DS4_HIP)
 // HIP has no *_sync shuffles (ROCm 5); a wavefront executes in lockstep.
 #define ds4_shfl_xor(v, o) __shfl_xor((v), (o), DS4_WARP)
+#define ds4_shfl_up(v, o) __shfl_up((v), (o), DS4_WARP)
 #define ds4_ballot(p) ((ds4_mask_t)__ballot(p))
 #else
 #define ds4_shfl_xor(v, o) __shfl_xor_sync(0xffffffffu, (v), (o), DS4_WARP)
+#define ds4_shfl_up(v, o) __shfl_up_sync(0xffffffffu, (v), (o), DS4_WARP)
 #define ds4_ballot(p) ((ds4_mask_t)__ballot_sync(0xffffffffu, (p)))
 #endif
 

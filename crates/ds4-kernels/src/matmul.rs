@@ -96,6 +96,7 @@ pub const MATMUL: Module = Module {
         "gateupc_iq2_xxs",
         "moe_swiglu_f32",
         "moe_sum_f32",
+        "moe_sum4_f32",
         "moe_group_i32",
     ],
 };

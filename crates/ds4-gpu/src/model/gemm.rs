@@ -1394,20 +1394,7 @@ impl GpuBackend {
         }
         let part = self.scratch(pairs * d);
         self.moe_down(dn, h.ptr, pairs, grouped, bm, h_dn || t_dn, pre, part.ptr);
-        let total = n * d;
-        self.run(
-            &ds4_kernels::MATMUL,
-            "moe_sum_f32",
-            LaunchDims::linear(total.div_ceil(256) as u32, 256),
-            &[
-                Arg::Ptr(part.ptr),
-                Arg::Ptr(wz),
-                Arg::Ptr(out.ptr),
-                Arg::I32(k as i32),
-                Arg::I32(d as i32),
-                Arg::I64(total as i64),
-            ],
-        );
+        self.moe_slot_sum(part.ptr, wz, out.ptr, n, k, d);
         true
     }
 }

@@ -3,11 +3,12 @@
 //! product; each weight chunk is read once per group of NT token rows). The MoE reads the
 //! expert ids on the device: no host sync.
 
+use super::switch::{env_code, on_unless_off};
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use crate::GpuError;
 use ds4_backend::{GgmlType, MoeSpec, Part};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 /// Whether products may use the shared-memory tile kernels (`mmt*`, `gateupt_*`) when the
 /// weight is 16-byte aligned; process-wide, for tests and benchmarks comparing the two forms.
@@ -19,6 +20,13 @@ static TILES: AtomicBool = AtomicBool::new(false);
 /// tiles. On by default: on the H200 (full-size q2, bench/results/gpu-resident-full-q2.txt) they
 /// took decode from 32 to 39 tok/s and prefill from 67 to 149 tok/s over the direct form.
 static COALESCED: AtomicBool = AtomicBool::new(true);
+
+/// The MoE's slot sum four columns a thread (`moe_sum4_f32`, 16-byte loads) where the width and
+/// buffers allow: 0 not read yet from `DS4_GPU_MOE_SUM4`, 1 on (default), 2 off (`moe_sum_f32`,
+/// a column a thread). The same sums in the same order: the same bits.
+static SUM4: AtomicU8 = AtomicU8::new(0);
+/// `moe_sum4_f32` launches so far in this process (tests: the form ran).
+static SUM4_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// Warps per CTA of the `mm*`/`gateup_*` kernels (`MM_WARPS` in `gpu/matmul.cu`).
 pub(crate) const MM_WARPS: usize = 8;
@@ -461,18 +469,52 @@ impl GpuBackend {
             grp: grp_arg,
             ..dm
         });
-        let total = n * d;
+        self.moe_slot_sum(part.ptr, wgt.ptr, out.ptr, n, k, d);
+    }
+
+    /// The slot sum's 16-byte form on or off (`DS4_GPU_MOE_SUM4`); process-wide (tests, A/B).
+    pub fn set_moe_sum4(on: bool) {
+        SUM4.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// `moe_sum4_f32` launches so far in this process.
+    pub fn moe_sum4_launches() -> u64 {
+        SUM4_LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// `out[i][j]` = the sum over slots s = 0..k (in order) of `part[i·k + s][j]`, skipping
+    /// slots of route weight exactly 0 (`wgt`; `DevPtr(0)`: none skipped), for `n` tokens of
+    /// width `d`.
+    pub(super) fn moe_slot_sum(
+        &self,
+        part: DevPtr,
+        wgt: DevPtr,
+        out: DevPtr,
+        n: usize,
+        k: usize,
+        d: usize,
+    ) {
+        let four = d.is_multiple_of(4)
+            && part.0.is_multiple_of(16)
+            && out.0.is_multiple_of(16)
+            && env_code(&SUM4, "DS4_GPU_MOE_SUM4", on_unless_off) == 1;
+        let (name, items) = if four {
+            SUM4_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+            ("moe_sum4_f32", n * d / 4)
+        } else {
+            ("moe_sum_f32", n * d)
+        };
         self.run(
             &ds4_kernels::MATMUL,
-            "moe_sum_f32",
-            LaunchDims::linear(total.div_ceil(256) as u32, 256),
+            name,
+            LaunchDims::linear(items.div_ceil(256) as u32, 256),
             &[
-                Arg::Ptr(part.ptr),
-                Arg::Ptr(wgt.ptr),
-                Arg::Ptr(out.ptr),
+                Arg::Ptr(part),
+                Arg::Ptr(wgt),
+                Arg::Ptr(out),
                 Arg::I32(k as i32),
                 Arg::I32(d as i32),
-                Arg::I64(total as i64),
+                Arg::I64(items as i64),
             ],
         );
     }
