@@ -1512,7 +1512,13 @@ fn moe_slot_sum_forms_same_bits() {
     let mut r = rng(2600);
     // Every fifth slot weighs 0 (an expert-parallel rank's slots of experts it does not hold).
     let wgt: Vec<f32> = (0..pairs)
-        .map(|p| if p % 5 == 2 { 0.0 } else { r.gen_range(0.1..1.0) })
+        .map(|p| {
+            if p % 5 == 2 {
+                0.0
+            } else {
+                r.gen_range(0.1..1.0)
+            }
+        })
         .collect();
     let gwt = gpu.upload(&wgt);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
@@ -1551,7 +1557,10 @@ fn moe_slot_sum_forms_same_bits() {
             outs.push(bits(&out));
         }
         let diff = outs[0].iter().zip(&outs[1]).filter(|(a, b)| a != b).count();
-        println!("moe slot sum d {d}: {diff} of {} values differ in bits", n * d);
+        println!(
+            "moe slot sum d {d}: {diff} of {} values differ in bits",
+            n * d
+        );
         if diff != 0 {
             bad.push(format!("d {d}: {diff} values differ"));
         }

@@ -700,13 +700,15 @@ fn hc_prefill_precision() {
             cpu.hc_pre_norm(h, &mc, &sc, &bc, &nc, &x, n, eps, &mut zc, &mut pc, &mut cc);
         }
         let mut errs = Vec::new();
-        // hcp_mix_tc (tensor cores, where the device has them) + hcp_finish, hcp_mix +
-        // hcp_finish, then the composed ops.
+        let mut outs: Vec<Vec<u32>> = Vec::new(); // z, post, comb (and x) bits per form
+                                                  // hcp_mix_tc (tensor cores, where the device has them) + hcp_finish, hcp_mix +
+                                                  // hcp_finish, then the composed ops.
         let tc_dev = common::sm80(&gpu);
         // (form, DS4_GPU_HCP_TC, DS4_GPU_HCP_POST): the post inside hcp_post_mix_tc, then
         // hc_post_fast + hcp_mix_tc; the composed ops last.
         for (hcp, tc, hpost) in [
             ("tc", "on", "on"),
+            ("tc-lb0", "on", "on"),
             ("tc-sep", "on", "off"),
             ("on", "off", "on"),
             ("off", "off", "on"),
@@ -714,7 +716,9 @@ fn hc_prefill_precision() {
             GpuBackend::set_hcp(if hcp.starts_with("tc") { "on" } else { hcp });
             GpuBackend::set_hcp_tc(tc);
             GpuBackend::set_hcp_post(hpost);
+            GpuBackend::set_hcp_lb(if hcp == "tc-lb0" { "off" } else { "on" });
             let runs = GpuBackend::hcp_tc_launches();
+            let runs4 = GpuBackend::hcp_lb_launches();
             let mut xg = gpu.upload(&x);
             let (og, ping, cing) = (gpu.upload(&o), gpu.upload(&pin), gpu.upload(&cin));
             let (mut zg, mut pg, mut cg) =
@@ -729,11 +733,19 @@ fn hc_prefill_precision() {
                     h, &mg, &sg, &bg, &ng, &xg, n, eps, &mut zg, &mut pg, &mut cg,
                 );
             }
-            let e = [
-                max_rel(&gpu.download(&pg, n * nh), &pc),
-                max_rel(&gpu.download(&cg, n * nh * nh), &cc),
-                max_rel(&gpu.download(&zg, n * d), &zc),
-            ];
+            let (pv, cv, zv) = (
+                gpu.download(&pg, n * nh),
+                gpu.download(&cg, n * nh * nh),
+                gpu.download(&zg, n * d),
+            );
+            let e = [max_rel(&pv, &pc), max_rel(&cv, &cc), max_rel(&zv, &zc)];
+            let xv = gpu.download(&xg, n * w);
+            outs.push(
+                [&zv, &pv, &cv, &xv]
+                    .iter()
+                    .flat_map(|v| v.iter().map(|x| x.to_bits()))
+                    .collect(),
+            );
             gpu_ok(&gpu, "hc prefill");
             if with_post {
                 // The post's X' (in place) has hc_post_fast's bits, which are the CPU's.
@@ -756,13 +768,23 @@ fn hc_prefill_precision() {
             );
             let want = hcp.starts_with("tc") && tc_dev;
             assert_eq!(ran > 0, want, "hcp_mix_tc ran {ran} times ({hcp})");
+            let ran4 = GpuBackend::hcp_lb_launches() - runs4;
+            let want4 = hcp == "tc" && with_post && tc_dev;
+            assert_eq!(ran4 > 0, want4, "hcp_post_mix_tc4 ran {ran4} times ({hcp})");
             errs.push(e);
         }
         GpuBackend::set_hcp("on");
         GpuBackend::set_hcp_tc("on");
         GpuBackend::set_hcp_post("on");
-        for form in [0, 1, 2] {
-            for (k, (h, c)) in errs[form].iter().zip(&errs[3]).enumerate() {
+        GpuBackend::set_hcp_lb("on");
+        // The register-bounded hcp_post_mix_tc4 and the unbounded kernel: one code, one result.
+        assert_eq!(
+            outs[0], outs[1],
+            "post {with_post}: hcp_post_mix_tc4 differs in bits"
+        );
+        let composed = errs.len() - 1;
+        for form in 0..composed {
+            for (k, (h, c)) in errs[form].iter().zip(&errs[composed]).enumerate() {
                 assert!(
                     *h <= 1.5 * c + 1e-6,
                     "post {with_post} form {form}: hcp error {h:.3e} > composed {c:.3e} (output {k})"

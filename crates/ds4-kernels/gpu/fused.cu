@@ -1247,6 +1247,13 @@ DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_post_mix_tc(float* x, const float* __r
     ds4_pdl_enter();
     hp_mix_tc<true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
 }
+// The same kernel held to 128 registers (4 CTAs an SM, the occupancy the host's splits aim at;
+// unbounded, ptxas takes 157 on sm_90a: 3 CTAs an SM, and a 2k prompt's 512 CTAs take 1.3 waves).
+#define HT_LB4 HT_W * 32, 4
+DS4_KERNEL void DS4_BOUNDS(HT_LB4) hcp_post_mix_tc4(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
+    ds4_pdl_enter();
+    hp_mix_tc<true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
+}
 
 template <int NN>
 __device__ __forceinline__ void hp_finish(const float* __restrict__ x, const double* __restrict__ part,

@@ -24,6 +24,7 @@ pub const FUSED: Module = Module {
         "hcp_mix",
         "hcp_mix_tc",
         "hcp_post_mix_tc",
+        "hcp_post_mix_tc4",
         "hcp_finish",
     ],
 };

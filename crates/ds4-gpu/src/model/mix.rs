@@ -145,6 +145,17 @@ fn hcp_post_on() -> bool {
     env_code(&HCP_POST, "DS4_GPU_HCP_POST", on_unless_off) == 1
 }
 
+/// hcp_post_mix_tc held to 128 registers (`hcp_post_mix_tc4`: 4 CTAs an SM, the occupancy the
+/// splits aim at, against 3 at ptxas's 157; the same code, so the same bits): 0 not yet read
+/// from `DS4_GPU_HCP_LB`, 1 on (default), 2 off (process-wide).
+static HCP_LB: AtomicU8 = AtomicU8::new(0);
+/// hcp_post_mix_tc4 launches so far, process-wide ([`GpuBackend::hcp_lb_launches`]).
+static HCP_LB_RUNS: AtomicU64 = AtomicU64::new(0);
+
+fn hcp_lb_on() -> bool {
+    env_code(&HCP_LB, "DS4_GPU_HCP_LB", on_unless_off) == 1
+}
+
 /// hcp_mix_tc launches so far, process-wide ([`GpuBackend::hcp_tc_launches`]).
 static HCP_TC_RUNS: AtomicU64 = AtomicU64::new(0);
 
@@ -355,6 +366,17 @@ impl GpuBackend {
     /// Process-wide; for tests and A/B benchmarks.
     pub fn set_hcp_tc(form: &str) {
         set_code(&HCP_TC, "set_hcp_tc", form, &["on", "off"]);
+    }
+
+    /// hcp_post_mix_tc's register-bounded form (`hcp_post_mix_tc4`) by its `DS4_GPU_HCP_LB`
+    /// name: "on" (the default) or "off". Process-wide; for tests and A/B.
+    pub fn set_hcp_lb(form: &str) {
+        set_code(&HCP_LB, "set_hcp_lb", form, &["on", "off"]);
+    }
+
+    /// `hcp_post_mix_tc4` launches so far in this process.
+    pub fn hcp_lb_launches() -> u64 {
+        HCP_LB_RUNS.load(Ordering::Relaxed)
     }
 
     /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
@@ -656,6 +678,7 @@ impl GpuBackend {
         });
         let (name, tok, threads, ctas) = match (tc, pin) {
             (Some(c), None) => ("hcp_mix_tc", HT_TOKENS, 128, c),
+            (Some(c), Some(_)) if hcp_lb_on() => ("hcp_post_mix_tc4", HT_TOKENS, 128, c),
             (Some(c), Some(_)) => ("hcp_post_mix_tc", HT_TOKENS, 128, c),
             (None, None) => ("hcp_mix", HP_T / HP_L, HP_T, HP_CTAS_PER_SM),
             (None, Some(_)) => return false, // the caller runs the post first
@@ -667,6 +690,9 @@ impl GpuBackend {
         let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
         if tc.is_some() {
             HCP_TC_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
+        if name == "hcp_post_mix_tc4" {
+            HCP_LB_RUNS.fetch_add(1, Ordering::Relaxed);
         }
         let post_args = pin.map(|(o, p, c)| [Arg::Ptr(o), Arg::Ptr(p), Arg::Ptr(c)]);
         let args: Vec<Arg> = [Arg::Ptr(x)]
