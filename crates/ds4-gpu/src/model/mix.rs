@@ -684,7 +684,16 @@ impl GpuBackend {
             (None, Some(_)) => return false, // the caller runs the post first
         };
         let tiles = n.div_ceil(tok);
-        let want = (ctas * info.sm_count as usize).div_ceil(tiles).clamp(1, 64);
+        // Splits per token tile. hcp_post_mix_tc4 takes at most one wave of `ctas` CTAs an SM
+        // (tiles · splits <= ctas · SMs: a 6144-row prompt step as 96 tiles x 6 splits was 1.09
+        // waves, its last 48 CTAs alone on the device); the other forms round up, as measured.
+        let slots = ctas * info.sm_count as usize;
+        let want = if name == "hcp_post_mix_tc4" {
+            slots / tiles
+        } else {
+            slots.div_ceil(tiles)
+        }
+        .clamp(1, 64);
         let per = d4.div_ceil(want).next_multiple_of(HP_QC).min(d4);
         let splits = d4.div_ceil(per);
         let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
