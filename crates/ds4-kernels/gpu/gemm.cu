@@ -903,7 +903,7 @@ __device__ __forceinline__ int gm_cta_scan(int v, int* tmp) {
 // Counts per (block, bucket) -> first perm positions, and the run starts. Thread t owns the
 // buckets of one contiguous range (per = ceil(nk / 256) of them): their totals over the blocks
 // (the loads GM_SB at a time, all in flight before the adds: the old one-bucket-a-thread loop
-// waited on each block's count in turn, 45 us a 2k layer on the H200), a CTA scan of the range
+// waited on each block's count in turn: 45 us a 2k layer on the H200, now 9), a CTA scan of the range
 // sums, then each bucket's block offsets written in a second pass. Integer sums: the same
 // output whatever the order.
 #define GM_SB 16

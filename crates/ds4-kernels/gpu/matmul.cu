@@ -537,7 +537,7 @@ DS4_KERNEL void DS4_BOUNDS(256) moe_sum_f32(const float* __restrict__ part, cons
 
 // moe_sum_f32 four columns a thread (host: d % 4 == 0, part and out 16-byte aligned): the same
 // sums in the same order (same bits), 16-byte loads and stores, a batch of up to 8 slots' loads in
-// flight before the adds. H200, 2k prompt: the scalar form took 89 us a layer (2.3 TB/s).
+// flight before the adds. H200, 2k prompt: 60 us a layer (3.3 TB/s) against the scalar form's 89.
 DS4_KERNEL void DS4_BOUNDS(256) moe_sum4_f32(const float* __restrict__ part, const float* __restrict__ wgt, float* __restrict__ out,
                                              int k, int d, long long total4) {
     ds4_pdl_enter();
