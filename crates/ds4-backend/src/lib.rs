@@ -482,6 +482,39 @@ pub trait Backend: Send + Sync + Sized {
         t0: usize,
         out: &mut Self::Buf,
     );
+    /// Whether [`Backend::attend_qnorm`] of `n` tokens norms and rotates the queries inside its
+    /// attention (faster than a separate [`Backend::norm_rope`]), so the schedule should leave
+    /// them raw. Default: false.
+    fn attend_norms_q(&self, spec: &AttnSpec, n: usize) -> bool {
+        let _ = (spec, n);
+        false
+    }
+    /// [`Backend::attend`] of the raw queries `q` after their [`Backend::norm_rope`] (unweighted
+    /// heads, `eps`, RoPE at `t0 + i`, no rounding); `q` itself is left as given. Default: a
+    /// normed copy, then [`Backend::attend`].
+    #[allow(clippy::too_many_arguments)]
+    fn attend_qnorm(
+        &self,
+        st: &mut Self::LayerState,
+        spec: &AttnSpec,
+        q: &Self::Buf,
+        eps: f32,
+        kv: &Self::Buf,
+        sinks: &Self::Weight,
+        sel: Option<&Self::IBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut Self::Buf,
+    ) {
+        let len = n * spec.n_head * spec.head_dim;
+        let mut qn = self.alloc(len);
+        self.copy(q, 0, &mut qn, 0, len);
+        let (nh, hd) = (spec.n_head, spec.head_dim);
+        self.norm_rope(
+            &mut qn, n, nh, hd, None, eps, spec.n_rot, t0, spec.rope, None,
+        );
+        self.attend(st, spec, &qn, kv, sinks, sel, n, t0, out);
+    }
     /// Router (model.md §3.4): scores `sqrt(softplus(logit))`; experts from `tid2eid[token]`
     /// (hash layers) or the top `n_used` of score + bias (ties: lower id); weights = score /
     /// Σ selected scores · `weight_scale`. `sel`, `wgt` are `[n, n_used]`.

@@ -1428,3 +1428,170 @@ fn attend_bench() {
     }
     GpuBackend::set_attn_simple(false);
 }
+
+/// `attend_qnorm` of raw queries (`attn_tc512gn_f32`: each head RMS-normed and rotated as the
+/// prefill attention loads it) against the separate norm_rope + attend on the GPU, in bits
+/// (output and ring), with the fused kernel on and off; against the CPU's default (a normed
+/// copy, then attend) at the fast form's tolerance; the raw queries are left as given.
+#[test]
+fn attend_qnorm_matches_norm_then_attend() {
+    let Some((cpu, gpu)) = setup() else { return };
+    set_form(TC_FAST);
+    let eps = 1e-6f32;
+    let cases = [
+        (64usize, 4usize, true, 70usize, 3000usize),
+        (64, 128, false, 200, 1000),
+        (64, 0, false, 37, 300),
+        (40, 4, true, 9, 2100), // heads not a multiple of 32: absent heads in the fragments
+    ];
+    let mut bad = Vec::new();
+    for (ci, &(nh, ratio, with_sel, n, t0)) in cases.iter().enumerate() {
+        let (hd, win, top_k) = (512usize, 128usize, 512usize);
+        let mut r = rng(900 + ci as u64);
+        let ld = LayerDims {
+            window: win,
+            head_dim: hd,
+            comp: (ratio > 0).then_some(CompDims {
+                ratio,
+                coff: 1,
+                d: hd,
+            }),
+            index: None,
+        };
+        let mut h = HostLayerState::new(&ld);
+        h.raw = randn(&mut r, win * hd, 1.0);
+        for s in 0..win {
+            h.raw_pos[s] = (0..t0)
+                .rev()
+                .find(|p| p % win == s)
+                .map_or(-1, |p| p as i64);
+        }
+        f16_vals(&mut h.raw);
+        if let Some(c) = h.comp.as_mut() {
+            c.rows = randn(&mut r, (t0 + n) / ratio * hd, 1.0);
+            f16_vals(&mut c.rows);
+        }
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot: 64,
+            window: win,
+            ratio,
+            top_k: if with_sel { top_k } else { 0 },
+            rope: RopeKind::Comp,
+        };
+        // Raw queries at the scale of q_b's outputs (the norm matters), f16 KV rows.
+        let q = randn(&mut r, n * nh * hd, 3.0);
+        let mut kv = randn(&mut r, n * hd, 1.0);
+        f16_vals(&mut kv);
+        let sinks = randn(&mut r, nh, 2.0);
+        let (sk_c, sk_g) = vectors(&cpu, &gpu, &sinks);
+        let sel: Option<Vec<i32>> = with_sel.then(|| {
+            (0..n)
+                .flat_map(|i| {
+                    let vis = ((t0 + i + 1) / ratio) as i32;
+                    (0..top_k as i32).map(move |k| {
+                        if k < vis && k % 7 != 3 {
+                            vis - 1 - k
+                        } else {
+                            -1
+                        }
+                    })
+                })
+                .collect()
+        });
+        let op = format!("attend_qnorm heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0}");
+        assert!(
+            gpu.attend_norms_q(&spec, n),
+            "{op}: the GPU should take the fused form"
+        );
+        assert!(!gpu.attend_norms_q(&spec, 4), "{op}: not at a decode step");
+        // CPU: the trait's default.
+        let mut cs = cpu.state_from_host(&ld, &h);
+        let mut oc = vec![0f32; n * nh * hd];
+        cpu.attend_qnorm(
+            &mut cs,
+            &spec,
+            &q,
+            eps,
+            &kv,
+            &sk_c,
+            sel.as_ref(),
+            n,
+            t0,
+            &mut oc,
+        );
+        let (qg, kvg) = (gpu.upload(&q), gpu.upload(&kv));
+        let selg = sel.as_ref().map(|s| gpu.upload_i32(s));
+        // GPU reference: norm_rope of a copy, then attend.
+        let mut qn = gpu.upload(&q);
+        gpu.norm_rope(&mut qn, n, nh, hd, None, eps, 64, t0, RopeKind::Comp, None);
+        let mut gs = gpu.state_from_host(&ld, &h);
+        let mut og = gpu.alloc(n * nh * hd);
+        gpu.attend(
+            &mut gs,
+            &spec,
+            &qn,
+            &kvg,
+            &sk_g,
+            selg.as_ref(),
+            n,
+            t0,
+            &mut og,
+        );
+        let want = gpu.download(&og, n * nh * hd);
+        let want_ring = gpu.state_to_host(&gs).raw;
+        for on in [true, false] {
+            GpuBackend::set_attn_qnorm(on);
+            let l0 = GpuBackend::attn_qnorm_launches();
+            let mut gs = gpu.state_from_host(&ld, &h);
+            let mut og = gpu.alloc(n * nh * hd);
+            gpu.attend_qnorm(
+                &mut gs,
+                &spec,
+                &qg,
+                eps,
+                &kvg,
+                &sk_g,
+                selg.as_ref(),
+                n,
+                t0,
+                &mut og,
+            );
+            let got = gpu.download(&og, n * nh * hd);
+            let ring = gpu.state_to_host(&gs).raw;
+            gpu_ok(&gpu, &op);
+            let ran = GpuBackend::attn_qnorm_launches() - l0;
+            let diff = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            let rel = got
+                .iter()
+                .zip(&oc)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+                / oc.iter().map(|v| v.abs()).fold(1e-30f32, f32::max);
+            println!("{op} fused {on}: ran {ran}, {diff} of {} values differ in bits from norm_rope + attend, max |d| / max |cpu| {rel:.3e}", got.len());
+            if ran != u64::from(on) || diff != 0 || ring != want_ring || rel.is_nan() || rel >= 3e-3
+            {
+                bad.push(format!(
+                    "{op} fused {on}: ran {ran}, {diff} differ, ring same {}, rel {rel:.3e}",
+                    ring == want_ring
+                ));
+            }
+        }
+        let q_after = gpu.download(&qg, n * nh * hd);
+        if q_after
+            .iter()
+            .zip(&q)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            bad.push(format!("{op}: the raw queries changed"));
+        }
+    }
+    GpuBackend::set_attn_qnorm(true);
+    set_form(TC);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

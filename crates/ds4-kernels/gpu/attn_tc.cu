@@ -323,7 +323,14 @@ template <int R, bool PIPE = false> struct Atg {
     static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
 };
 
-template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16) {
+// QN (attn_tc512gn_f32): q is raw, and each head is normed and rotated here as it loads, with
+// fused.cu fu_norm_rope_row's operations (no weight, no rounding): Σx² in f64, the scale
+// (float)(1 / sqrt(Σx² / 512 + eps)), RoPE of the last n_rot columns at t by the f64 sincos of
+// pos·ω mod 2π rounded to f32, a' = a·cos − b·sin, b' = a·sin + b·cos unfused. Only the order of
+// the f64 sum differs (the scale's f32 bits in all but ~1e-9 of heads), and the separate
+// norm_rope pass (reading and writing q: 189 us a 2k layer on the H200) goes.
+template <int R, bool PIPE, bool QN = false>
+__device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps = 0.0f) {
     extern __shared__ __align__(16) unsigned char atg_sm[];
     constexpr int PS = Atg<R, PIPE>::PS, LDP = Atg<R, PIPE>::LDP, RT = R / 4; // RT: softmax rows a thread
     u16* ks = (u16*)atg_sm;                                          // [2][R][ATG_LDK]
@@ -398,6 +405,80 @@ template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PA
     // Q fragments (f16) of heads 32·hp + 16·mt + g (+8) over columns 128·kg + [0, 128).
     const int hp = w & 1, kg = w >> 1;
     u32 qa[2][8][4];
+    if constexpr (QN) {
+        // The raw values first (64 a lane: 2 m-tiles x 8 k-steps x 4 pairs).
+        float2 qv[2][8][4];
+        double ss[2][2] = {{0.0, 0.0}, {0.0, 0.0}}; // [mt][head ha, hb]
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
+            const float* qpa = q + ((size_t)i * heads + ha) * 512 + 128 * kg + 2 * tq;
+            const float* qpb = q + ((size_t)i * heads + hb) * 512 + 128 * kg + 2 * tq;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const float2 z2 = make_float2(0.0f, 0.0f);
+                qv[mt][k][0] = ha < heads ? *(const float2*)(qpa + 16 * k) : z2;
+                qv[mt][k][1] = hb < heads ? *(const float2*)(qpb + 16 * k) : z2;
+                qv[mt][k][2] = ha < heads ? *(const float2*)(qpa + 16 * k + 8) : z2;
+                qv[mt][k][3] = hb < heads ? *(const float2*)(qpb + 16 * k + 8) : z2;
+            }
+        }
+        // The RoPE table at t (into part, free until the tile loop's first barrier) while the
+        // loads fly; sum squares per head: this lane's 32 values, its quad, then the 4 column
+        // quarters (warps kg) in order.
+        double* qss = (double*)part;                    // [4 quarters][64 heads]
+        float2* qsc = (float2*)(qss + 4 * 64);          // [n_rot / 2]: (sin, cos)
+        for (int p = tid; p < n_rot / 2; p += 256) {
+            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
+            double sn, cs;
+            sincos(theta, &sn, &cs);
+            qsc[p] = make_float2((float)sn, (float)cs);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const float2 v = qv[mt][k][u];
+                    ss[mt][u & 1] += (double)v.x * (double)v.x + (double)v.y * (double)v.y;
+                }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 1);
+                ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 2);
+                if (tq == 0) qss[kg * 64 + 32 * hp + 16 * mt + g + 8 * h] = ss[mt][h];
+            }
+        __syncthreads();
+        const int r0 = 512 - n_rot;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            float sc[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int hh = 32 * hp + 16 * mt + g + 8 * h;
+                const double tot = ((qss[hh] + qss[64 + hh]) + qss[128 + hh]) + qss[192 + hh];
+                sc[h] = (float)(1.0 / sqrt(tot / 512.0 + (double)qeps));
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const float2 v = qv[mt][k][u];
+                    float a = v.x * sc[u & 1], b = v.y * sc[u & 1];
+                    const int c = 128 * kg + 16 * k + 2 * tq + 8 * (u >> 1); // even: a pair
+                    if (c >= r0) {
+                        const float2 tt = qsc[(c - r0) >> 1];
+                        const float a2 = __fsub_rn(ds4_mul_rn(a, tt.y), ds4_mul_rn(b, tt.x));
+                        b = __fadd_rn(ds4_mul_rn(a, tt.x), ds4_mul_rn(b, tt.y));
+                        a = a2;
+                    }
+                    qa[mt][k][u] = ds4_f16x2(a, b);
+                }
+        }
+    } else {
 #pragma unroll
     for (int mt = 0; mt < 2; mt++) {
         const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
@@ -415,6 +496,7 @@ template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PA
             qa[mt][k][2] = ds4_f16x2(a2.x, a2.y);
             qa[mt][k][3] = ds4_f16x2(a3.x, a3.y);
         }
+    }
     }
     float acc[4][8][4];
 #pragma unroll
@@ -612,8 +694,10 @@ template <int R, bool PIPE> __device__ __forceinline__ void attn_tcg_body(ATC_PA
         }
 }
 #define ATG_BODY(R, PIPE) attn_tcg_body<R, PIPE>(ATC_ARGS, rows16);
+#define ATGN_BODY attn_tcg_body<32, false, true>(ATC_ARGS, rows16, qeps);
 #else
 #define ATG_BODY(R, PIPE)
+#define ATGN_BODY
 #endif
 
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], out [n, heads, hd], rows16 the f16
@@ -625,6 +709,9 @@ DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restric
 // grid (1, n), blockDim 256, dynamic shared Atg<R>::SMEM + 4·(most candidates of a token); heads
 // <= 64, hd 512; otherwise as attn_tc512h_f32. R = 32 / 64 rows a tile.
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, false) }
+// attn_tc512g_f32 of the raw queries: each head's RMS norm (eps qeps, no weight) and RoPE at
+// its token's position applied as Q loads (attn_tcg_body QN).
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gn_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); ATGN_BODY }
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64, false) }
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gp_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }

@@ -15,6 +15,7 @@ pub const ATTN_TC: Module = Module {
         "attn_tc512_f32",
         "attn_tc512h_f32",
         "attn_tc512g_f32",
+        "attn_tc512gn_f32",
         "attn_tc512g64_f32",
         "attn_tc512gp_f32",
         "attn_tc64_f32",

@@ -1056,28 +1056,47 @@ impl<B: Backend> Model<B> {
             }
             b.side_end();
         }
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot,
+            window: hp.sliding_window as usize,
+            ratio: l.dims.comp.map_or(0, |c| c.ratio),
+            top_k: if l.indexer.is_some() {
+                hp.indexer_top_k as usize
+            } else {
+                0
+            },
+            rope,
+        };
         // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
         let mut q = b.alloc(n * nh * hd);
         b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
         // The query heads (unweighted) and the shared KV row of each position (kv_norm,
-        // rounded as the cache stores it): one norm_rope_pair.
+        // rounded as the cache stores it): one norm_rope_pair, or the KV row alone where the
+        // attention norms and rotates the raw queries itself (`Backend::attend_qnorm`).
         let kvn = Some(&l.kv_norm);
-        b.norm_rope_pair(
-            &mut q,
-            nh,
-            None,
-            None,
-            &mut kv,
-            1,
-            kvn,
-            Some(kv_round),
-            n,
-            hd,
-            eps,
-            n_rot,
-            t0,
-            rope,
-        );
+        let q_raw = b.attend_norms_q(&spec, n);
+        if q_raw {
+            b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
+        } else {
+            b.norm_rope_pair(
+                &mut q,
+                nh,
+                None,
+                None,
+                &mut kv,
+                1,
+                kvn,
+                Some(kv_round),
+                n,
+                hd,
+                eps,
+                n_rot,
+                t0,
+                rope,
+            );
+        }
         let iq = l.indexer.as_ref().map(|ix| {
             let inh = hp.indexer_heads as usize;
             let ihd = hp.indexer_head_dim as usize;
@@ -1102,21 +1121,23 @@ impl<B: Backend> Model<B> {
             b.index_select(st, &spec, iq, iw, n, t0, &mut sel);
             sel
         });
-        let spec = AttnSpec {
-            n_head: nh,
-            head_dim: hd,
-            n_rot,
-            window: hp.sliding_window as usize,
-            ratio: l.dims.comp.map_or(0, |c| c.ratio),
-            top_k: if sel.is_some() {
-                hp.indexer_top_k as usize
-            } else {
-                0
-            },
-            rope,
-        };
         let mut o = b.alloc(n * nh * hd);
-        b.attend(st, &spec, &q, &kv, &l.sinks, sel.as_ref(), n, t0, &mut o);
+        if q_raw {
+            b.attend_qnorm(
+                st,
+                &spec,
+                &q,
+                eps,
+                &kv,
+                &l.sinks,
+                sel.as_ref(),
+                n,
+                t0,
+                &mut o,
+            );
+        } else {
+            b.attend(st, &spec, &q, &kv, &l.sinks, sel.as_ref(), n, t0, &mut o);
+        }
         // Grouped low-rank output projection, then the dense one.
         let mut u = b.alloc(n * groups * hp.o_lora_rank as usize);
         b.matmul_grouped(&l.out_a, groups, &o, n, &mut u);

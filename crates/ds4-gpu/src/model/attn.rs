@@ -1,13 +1,13 @@
 //! Attention-state ops on the GPU: RoPE, row rounding, compressors, the lightning indexer and
 //! sink attention (kernels in `ds4-kernels/gpu/attention.cu`). Reference: ds4-cpu backend.rs.
 
-use super::switch::{env_form, env_pick};
+use super::switch::{env_code, env_form, env_pick, on_unless_off};
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuLayerState, GpuWeight};
 use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
 use ds4_kernels::{ATTENTION, ATTN_TC};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// Most score values the indexer keeps at once (tokens are batched under this).
 const INDEX_SCORE_BUDGET: usize = 1 << 26;
@@ -156,6 +156,16 @@ const ATC_MAXROT: usize = 128;
 /// of 32 rows pipelined (`DS4_GPU_ATTN_TCG=pipe`, `attn_tc512gp_f32`: O of a tile and S of the
 /// next between the same barriers, 2 barriers a tile, three tile buffers).
 static TCG_MODE: AtomicU8 = AtomicU8::new(0);
+/// The prompt's raw queries normed and rotated inside `attn_tc512g_f32` (`attn_tc512gn_f32`,
+/// `Backend::attend_qnorm`) instead of by a separate norm_rope pass: 0 not yet read from
+/// `DS4_GPU_ATTN_QNORM`, 1 on (default), 2 off.
+static QNORM: AtomicU8 = AtomicU8::new(0);
+/// `attn_tc512gn_f32` launches so far in this process (tests: the fused form ran).
+static QNORM_RUNS: AtomicU64 = AtomicU64::new(0);
+
+fn qnorm_on() -> bool {
+    env_code(&QNORM, "DS4_GPU_ATTN_QNORM", on_unless_off) == 1
+}
 /// Their static shared bytes (`Atg<R, PIPE>::SMEM`, attn_tc.cu: `nb` R-row K/V tiles, four
 /// partial-S tiles, the P tile, per-head factors, RoPE, scan counts) before 4 bytes a candidate.
 const fn atg_smem(r: usize, nb: usize) -> usize {
@@ -955,12 +965,45 @@ impl GpuBackend {
         );
     }
 
+    /// Whether [`GpuBackend::op_attend`] of `n` raw queries (`qeps` given) may take
+    /// `attn_tc512gn_f32`: a prompt chunk (n > 4: its positions are the host's, no step block),
+    /// the fast tensor-core form with tiles of 32 rows, head width 512, at most 64 heads. The
+    /// launch itself also needs the candidate list in shared memory; else the queries are
+    /// normed into a copy first.
+    pub(crate) fn attn_norms_q(&self, spec: &AttnSpec, n: usize) -> bool {
+        let info = self.gpu.info();
+        n > super::GRAPH_MAX_N
+            && qnorm_on()
+            && tc_mode() == 3
+            && tcg_mode() == 2
+            && info.cc.0 >= 8
+            && info.warp == 32
+            && spec.head_dim == 512
+            && spec.n_head <= 64
+            && spec.n_rot <= ATC_MAXROT
+            && spec.n_rot.is_multiple_of(2)
+    }
+
+    /// `attn_tc512gn_f32` launches so far in this process.
+    pub fn attn_qnorm_launches() -> u64 {
+        QNORM_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// Process-wide switch of the fused query norm (`DS4_GPU_ATTN_QNORM`; tests, A/B).
+    pub fn set_attn_qnorm(on: bool) {
+        QNORM.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// Attention of `q`; with `qeps`, `q` is raw and each head is first RMS-normed (no weight,
+    /// eps `qeps`) and rotated at its position: inside `attn_tc512gn_f32` where that kernel
+    /// runs, else into a copy by norm_rope.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_attend(
         &self,
         st: &mut GpuLayerState,
         spec: &AttnSpec,
         q: &GpuBuf,
+        qeps: Option<f32>,
         kv: &GpuBuf,
         sinks: &GpuWeight,
         sel: Option<&GpuIBuf>,
@@ -971,6 +1014,33 @@ impl GpuBackend {
         if n == 0 || self.failed() {
             return;
         }
+        let fused = qeps.is_some()
+            && self.attn_norms_q(spec, n)
+            && [
+                q.ptr,
+                kv.ptr,
+                st.raw.ptr(),
+                st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr()),
+            ]
+            .iter()
+            .all(|p| p.0.is_multiple_of(16))
+            && atg_smem(32, 2) + 4 * candidates(spec, sel.is_some(), n, t0).1
+                <= self.gpu.info().max_shared_per_block as usize;
+        let qn;
+        let (q, qeps) = match qeps {
+            Some(eps) if !fused => {
+                let len = n * spec.n_head * spec.head_dim;
+                let mut c = self.scratch(len);
+                self.d2d(c.ptr, q.ptr, len * 4);
+                let (nh, hd) = (spec.n_head, spec.head_dim);
+                self.op_norm_rope(
+                    &mut c, n, nh, hd, None, eps, spec.n_rot, t0, spec.rope, None,
+                );
+                qn = c;
+                (&qn, None)
+            }
+            e => (q, e),
+        };
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
         if win + top_k > ATT_MAXLIST || hd > ATT_MAXHD || n > 65535 {
@@ -1001,7 +1071,10 @@ impl GpuBackend {
             && spec.n_rot.is_multiple_of(2)
             && aligned;
         if tc_ok {
-            return self.attend_tc(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
+            return self.attend_tc(st, spec, q, qeps, kv, sinks, sel, n, t0, out, comp, scale);
+        }
+        if qeps.is_some() {
+            return self.attn_invalid("attend: raw queries off the tensor-core path".into());
         }
         if attn_mode() >= 3 && split_ok && n <= AO_MAX_N {
             let groups = nh.div_ceil(AO_HG);
@@ -1063,6 +1136,7 @@ impl GpuBackend {
         st: &mut GpuLayerState,
         spec: &AttnSpec,
         q: &GpuBuf,
+        qeps: Option<f32>,
         kv: &GpuBuf,
         sinks: &GpuWeight,
         sel: Option<&GpuIBuf>,
@@ -1095,6 +1169,17 @@ impl GpuBackend {
                 Some(("attn_tc512g_f32", atg_smem(32, 2) + cand))
             }
             _ => None,
+        };
+        // Raw queries (op_attend checked that the 32-row grouped kernel runs): its QN form.
+        let grouped = match (grouped, qeps) {
+            (Some(("attn_tc512g_f32", smem)), Some(_)) => {
+                QNORM_RUNS.fetch_add(1, Ordering::Relaxed);
+                Some(("attn_tc512gn_f32", smem))
+            }
+            (g, None) => g,
+            (_, Some(_)) => {
+                return self.attn_invalid("attend: raw queries without attn_tc512gn_f32".into())
+            }
         };
         let (name, dims) = if let Some((g, smem)) = grouped {
             let d = LaunchDims {
@@ -1160,6 +1245,7 @@ impl GpuBackend {
                     Arg::F32(scale),
                 ],
                 &[Arg::Ptr(rows.ptr)], // rows16
+                &qeps.map(Arg::F32).into_iter().collect::<Vec<_>>()[..],
             ]
             .concat(),
         );

@@ -1667,7 +1667,34 @@ impl Backend for GpuBackend {
             )
         });
 
-        self.op_attend(st, spec, q, kv, sinks, sel, n, t0, out)
+        self.op_attend(st, spec, q, None, kv, sinks, sel, n, t0, out)
+    }
+
+    fn attend_norms_q(&self, spec: &AttnSpec, n: usize) -> bool {
+        self.attn_norms_q(spec, n)
+    }
+
+    fn attend_qnorm(
+        &self,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        eps: f32,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut GpuBuf,
+    ) {
+        let _p = self.prof(|| {
+            format!(
+                "attend ratio {} raw q n{}",
+                spec.ratio,
+                if n == 1 { "=1" } else { ">1" }
+            )
+        });
+        self.op_attend(st, spec, q, Some(eps), kv, sinks, sel, n, t0, out)
     }
 
     fn moe_route(
