@@ -1501,6 +1501,7 @@ fn attend_qnorm_matches_norm_then_attend() {
                 .collect()
         });
         let op = format!("attend_qnorm heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0}");
+        GpuBackend::set_attn_qnorm(true); // the previous case ended with it off
         assert!(
             gpu.attend_norms_q(&spec, n),
             "{op}: the GPU should take the fused form"

@@ -423,17 +423,12 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
                 qv[mt][k][3] = hb < heads ? *(const float2*)(qpb + 16 * k + 8) : z2;
             }
         }
-        // The RoPE table at t (into part, free until the tile loop's first barrier) while the
-        // loads fly; sum squares per head: this lane's 32 values, its quad, then the 4 column
-        // quarters (warps kg) in order.
-        double* qss = (double*)part;                    // [4 quarters][64 heads]
-        float2* qsc = (float2*)(qss + 4 * 64);          // [n_rot / 2]: (sin, cos)
-        for (int p = tid; p < n_rot / 2; p += 256) {
-            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
-            double sn, cs;
-            sincos(theta, &sn, &cs);
-            qsc[p] = make_float2((float)sn, (float)cs);
-        }
+        // Sum squares per head: this lane's 32 values, its quad, then (after a barrier) the 4
+        // column quarters (warps kg) in order, one thread a head, which also takes the scale;
+        // the RoPE table at t meanwhile. All in part, free until the tile loop's first barrier.
+        double* qss = (double*)part;           // [4 quarters][64 heads]
+        float2* qsc = (float2*)(qss + 4 * 64); // [ATC_MAXROT]: (sin, cos) of the pairs
+        float* qsf = (float*)(qsc + ATC_MAXROT); // [64]: each head's scale
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -452,16 +447,21 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
                 if (tq == 0) qss[kg * 64 + 32 * hp + 16 * mt + g + 8 * h] = ss[mt][h];
             }
         __syncthreads();
+        if (tid < 64) {
+            const double tot = ((qss[tid] + qss[64 + tid]) + qss[128 + tid]) + qss[192 + tid];
+            qsf[tid] = (float)(1.0 / sqrt(tot / 512.0 + (double)qeps));
+        } else if (tid < 64 + n_rot / 2) {
+            const int p = tid - 64;
+            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
+            double sn, cs;
+            sincos(theta, &sn, &cs);
+            qsc[p] = make_float2((float)sn, (float)cs);
+        }
+        __syncthreads();
         const int r0 = 512 - n_rot;
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
-            float sc[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int hh = 32 * hp + 16 * mt + g + 8 * h;
-                const double tot = ((qss[hh] + qss[64 + hh]) + qss[128 + hh]) + qss[192 + hh];
-                sc[h] = (float)(1.0 / sqrt(tot / 512.0 + (double)qeps));
-            }
+            const float sc[2] = {qsf[32 * hp + 16 * mt + g], qsf[32 * hp + 16 * mt + g + 8]};
 #pragma unroll
             for (int k = 0; k < 8; k++)
 #pragma unroll
