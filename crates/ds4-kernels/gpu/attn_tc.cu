@@ -351,6 +351,26 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
     const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
     const int ncand = (int)(nwin + nsel + ncomp);
     const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    const int hp = w & 1, kg = w >> 1; // Q fragments: heads 32·hp + 16·mt + g (+8), columns 128·kg + [0, 128)
+    // QN: the raw query values (64 a lane: 2 m-tiles x 8 k-steps x 4 pairs), requested first so
+    // that their latency overlaps the candidate listing.
+    float2 qv[2][8][4];
+    if constexpr (QN) {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
+            const float* qpa = q + ((size_t)i * heads + ha) * 512 + 128 * kg + 2 * tq;
+            const float* qpb = q + ((size_t)i * heads + hb) * 512 + 128 * kg + 2 * tq;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const float2 z2 = make_float2(0.0f, 0.0f);
+                qv[mt][k][0] = ha < heads ? *(const float2*)(qpa + 16 * k) : z2;
+                qv[mt][k][1] = hb < heads ? *(const float2*)(qpb + 16 * k) : z2;
+                qv[mt][k][2] = ha < heads ? *(const float2*)(qpa + 16 * k + 8) : z2;
+                qv[mt][k][3] = hb < heads ? *(const float2*)(qpb + 16 * k + 8) : z2;
+            }
+        }
+    }
     for (int p = tid; p < n_rot / 2; p += blockDim.x) {
         double theta = fmod((double)t * freqs[p], 6.283185307179586);
         rot_s[2 * p] = (float)cos(theta);
@@ -402,27 +422,10 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         ds4_cp_commit();
     };
     if (ntiles > 0) load_tile(0); // in flight while the Q fragments load
-    // Q fragments (f16) of heads 32·hp + 16·mt + g (+8) over columns 128·kg + [0, 128).
-    const int hp = w & 1, kg = w >> 1;
+    // Q fragments (f16).
     u32 qa[2][8][4];
     if constexpr (QN) {
-        // The raw values first (64 a lane: 2 m-tiles x 8 k-steps x 4 pairs).
-        float2 qv[2][8][4];
         double ss[2][2] = {{0.0, 0.0}, {0.0, 0.0}}; // [mt][head ha, hb]
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
-            const float* qpa = q + ((size_t)i * heads + ha) * 512 + 128 * kg + 2 * tq;
-            const float* qpb = q + ((size_t)i * heads + hb) * 512 + 128 * kg + 2 * tq;
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const float2 z2 = make_float2(0.0f, 0.0f);
-                qv[mt][k][0] = ha < heads ? *(const float2*)(qpa + 16 * k) : z2;
-                qv[mt][k][1] = hb < heads ? *(const float2*)(qpb + 16 * k) : z2;
-                qv[mt][k][2] = ha < heads ? *(const float2*)(qpa + 16 * k + 8) : z2;
-                qv[mt][k][3] = hb < heads ? *(const float2*)(qpb + 16 * k + 8) : z2;
-            }
-        }
         // Sum squares per head: this lane's 32 values, its quad, then (after a barrier) the 4
         // column quarters (warps kg) in order, one thread a head, which also takes the scale;
         // the RoPE table at t meanwhile. All in part, free until the tile loop's first barrier.
