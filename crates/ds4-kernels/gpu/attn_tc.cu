@@ -352,24 +352,26 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
     const int ncand = (int)(nwin + nsel + ncomp);
     const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
     const int hp = w & 1, kg = w >> 1; // Q fragments: heads 32·hp + 16·mt + g (+8), columns 128·kg + [0, 128)
-    // QN: the raw query values (64 a lane: 2 m-tiles x 8 k-steps x 4 pairs), requested first so
-    // that their latency overlaps the candidate listing.
+    // The query pairs of m-tile mt, k-step k: heads ha (v[0], v[2]) and hb = ha + 8 (v[1], v[3]),
+    // columns 128·kg + 16·k + 2·tq (v[0], v[1]) and + 8 (v[2], v[3]); absent heads read as 0.
+    auto q_pairs = [&](int mt, int k, float2(&v)[4]) {
+        const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
+        const float* qpa = q + ((size_t)i * heads + ha) * 512 + 128 * kg + 2 * tq + 16 * k;
+        const float* qpb = q + ((size_t)i * heads + hb) * 512 + 128 * kg + 2 * tq + 16 * k;
+        const float2 z2 = make_float2(0.0f, 0.0f);
+        v[0] = ha < heads ? *(const float2*)qpa : z2;
+        v[1] = hb < heads ? *(const float2*)qpb : z2;
+        v[2] = ha < heads ? *(const float2*)(qpa + 8) : z2;
+        v[3] = hb < heads ? *(const float2*)(qpb + 8) : z2;
+    };
+    // QN: the raw query values (64 a lane), requested first so that their latency overlaps the
+    // candidate listing.
     float2 qv[2][8][4];
     if constexpr (QN) {
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
-            const float* qpa = q + ((size_t)i * heads + ha) * 512 + 128 * kg + 2 * tq;
-            const float* qpb = q + ((size_t)i * heads + hb) * 512 + 128 * kg + 2 * tq;
+        for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const float2 z2 = make_float2(0.0f, 0.0f);
-                qv[mt][k][0] = ha < heads ? *(const float2*)(qpa + 16 * k) : z2;
-                qv[mt][k][1] = hb < heads ? *(const float2*)(qpb + 16 * k) : z2;
-                qv[mt][k][2] = ha < heads ? *(const float2*)(qpa + 16 * k + 8) : z2;
-                qv[mt][k][3] = hb < heads ? *(const float2*)(qpb + 16 * k + 8) : z2;
-            }
-        }
+            for (int k = 0; k < 8; k++) q_pairs(mt, k, qv[mt][k]);
     }
     for (int p = tid; p < n_rot / 2; p += blockDim.x) {
         double theta = fmod((double)t * freqs[p], 6.283185307179586);
@@ -483,23 +485,14 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         }
     } else {
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
-        const int ha = 32 * hp + 16 * mt + g, hb = ha + 8;
-        const float* qpa = q + ((size_t)i * heads + ha) * 512 + 128 * kg + 2 * tq;
-        const float* qpb = q + ((size_t)i * heads + hb) * 512 + 128 * kg + 2 * tq;
+        for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const float2 z2 = make_float2(0.0f, 0.0f);
-            const float2 a0 = ha < heads ? *(const float2*)(qpa + 16 * k) : z2;
-            const float2 a1 = hb < heads ? *(const float2*)(qpb + 16 * k) : z2;
-            const float2 a2 = ha < heads ? *(const float2*)(qpa + 16 * k + 8) : z2;
-            const float2 a3 = hb < heads ? *(const float2*)(qpb + 16 * k + 8) : z2;
-            qa[mt][k][0] = ds4_f16x2(a0.x, a0.y);
-            qa[mt][k][1] = ds4_f16x2(a1.x, a1.y);
-            qa[mt][k][2] = ds4_f16x2(a2.x, a2.y);
-            qa[mt][k][3] = ds4_f16x2(a3.x, a3.y);
-        }
-    }
+            for (int k = 0; k < 8; k++) {
+                float2 v[4];
+                q_pairs(mt, k, v);
+#pragma unroll
+                for (int u = 0; u < 4; u++) qa[mt][k][u] = ds4_f16x2(v[u].x, v[u].y);
+            }
     }
     float acc[4][8][4];
 #pragma unroll
