@@ -676,9 +676,11 @@ impl GpuBackend {
                 && matches!(code, 1 | 2)
                 && d4.is_multiple_of(4)
         });
+        // The register-bounded post + mix (hcp_post_mix_tc4): one wave, counted.
+        let bounded = tc.is_some() && pin.is_some() && hcp_lb_on();
         let (name, tok, threads, ctas) = match (tc, pin) {
             (Some(c), None) => ("hcp_mix_tc", HT_TOKENS, 128, c),
-            (Some(c), Some(_)) if hcp_lb_on() => ("hcp_post_mix_tc4", HT_TOKENS, 128, c),
+            (Some(c), Some(_)) if bounded => ("hcp_post_mix_tc4", HT_TOKENS, 128, c),
             (Some(c), Some(_)) => ("hcp_post_mix_tc", HT_TOKENS, 128, c),
             (None, None) => ("hcp_mix", HP_T / HP_L, HP_T, HP_CTAS_PER_SM),
             (None, Some(_)) => return false, // the caller runs the post first
@@ -688,7 +690,7 @@ impl GpuBackend {
         // (tiles · splits <= ctas · SMs: a 6144-row prompt step as 96 tiles x 6 splits was 1.09
         // waves, its last 48 CTAs alone on the device); the other forms round up, as measured.
         let slots = ctas * info.sm_count as usize;
-        let want = if name == "hcp_post_mix_tc4" {
+        let want = if bounded {
             slots / tiles
         } else {
             slots.div_ceil(tiles)
@@ -700,7 +702,7 @@ impl GpuBackend {
         if tc.is_some() {
             HCP_TC_RUNS.fetch_add(1, Ordering::Relaxed);
         }
-        if name == "hcp_post_mix_tc4" {
+        if bounded {
             HCP_LB_RUNS.fetch_add(1, Ordering::Relaxed);
         }
         let post_args = pin.map(|(o, p, c)| [Arg::Ptr(o), Arg::Ptr(p), Arg::Ptr(c)]);
