@@ -1098,6 +1098,85 @@ fn scaled_rows(r: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
     x
 }
 
+/// The persistent forms of the folded wide MoE kernels (`set_gemm_wg_persist`,
+/// `DS4_GPU_GW_PERSIST`: `gwg_iq2_xxs_p1_d2_fwp`, `gwd_q2_k_p1_fwp`, one CTA an SM drawing tiles
+/// from a counter) give the one-tile-a-CTA forms' outputs bit for bit: on the skewed runs (fewer
+/// tiles than SMs: some CTAs draw none) and on 2048 tokens x 6 slots routed uniformly over 64
+/// experts (~190 pairs an expert, several times more tiles than SMs). Each case runs the
+/// persistent kernels twice: a launch that left its counter unreset would skip every tile of the
+/// next one (its outputs then stale: poisoned under DS4_GPU_POISON=1, else zeroes), so the
+/// repeat must match too. The launch counters prove which forms ran.
+#[test]
+fn gemm_moe_persistent_same_bits() {
+    let Some(gpu) = wg_backend() else {
+        return;
+    };
+    GpuBackend::set_gemm_planes(1);
+    let wide0 = GpuBackend::gemm_wg_wide();
+    GpuBackend::set_gemm_wg_wide(4);
+    GpuBackend::set_gemm_wgd_wide(true);
+    let mut r = rng(2700);
+    let mut bad = Vec::new();
+    for (case, (ne, k, n, d, ff)) in [
+        (16usize, 6usize, 200usize, 1280usize, 512usize),
+        (64, 6, 2048, 1024, 512),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let sel = if case == 0 {
+            skewed_sel(n, k)
+        } else {
+            random_routes(&mut r, n, ne, k).0
+        };
+        let pairs = n * k;
+        let gs = gpu.upload_i32(&sel);
+        let (_, gw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 2701 + case as u64);
+        let (_, uw) = random_experts(&gpu, GgmlType::IQ2_XXS, d, ff, ne, 2711 + case as u64);
+        let (_, dw) = random_experts(&gpu, GgmlType::Q2_K, ff, d, ne, 2721 + case as u64);
+        let gz = gpu.upload(&scaled_rows(&mut r, n, d));
+        let gh = gpu.upload(&scaled_rows(&mut r, pairs, ff));
+        let mut outs = Vec::new();
+        for (run, pers) in [false, true, true].into_iter().enumerate() {
+            GpuBackend::set_gemm_wg_persist(pers);
+            let p0 = GpuBackend::gemm_wg_persist_launches();
+            let (g, u) = gpu
+                .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+                .expect("sm_90a: the wide wgmma gate/up covers this product");
+            let dn = gpu
+                .moe_down_download(&dw, &gh, &gs, pairs, ne)
+                .expect("the wgmma down takes the Q2_K down");
+            let p1 = GpuBackend::gemm_wg_persist_launches();
+            let ran = (p1.0 - p0.0, p1.1 - p0.1);
+            if ran != (pers as u64, pers as u64) {
+                bad.push(format!(
+                    "case {case} run {run}: persistent launches {ran:?}"
+                ));
+            }
+            outs.push([g, u, dn]);
+        }
+        for run in 1..3 {
+            for (j, name) in ["gate", "up", "down"].iter().enumerate() {
+                let (a, b) = (&outs[0][j], &outs[run][j]);
+                let differ = a
+                    .iter()
+                    .zip(b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                println!("case {case} ({n} tokens, {ne} experts) {name} persistent run {run}: {differ} of {} differ in bits", a.len());
+                if differ != 0 || a.len() != b.len() {
+                    bad.push(format!(
+                        "case {case} {name} run {run}: {differ} outputs differ"
+                    ));
+                }
+            }
+        }
+    }
+    GpuBackend::set_gemm_wg_persist(true);
+    GpuBackend::set_gemm_wg_wide(wide0);
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
 /// The one-plane forms of the wgmma MoE kernels (`set_gemm_planes(1)`, `DS4_GPU_GEMM_PLANES=1`:
 /// `gwg_iq2_xxs_p1`, `gwd_q2_k_p1`) against an f64 reference per (pair, row), on the skewed
 /// expert runs and shapes of `gemm_moe_wg_gate_up_matches_f64` / `gemm_moe_wgd_down_matches_f64`,

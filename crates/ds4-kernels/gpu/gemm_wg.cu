@@ -179,8 +179,8 @@ __device__ __forceinline__ u32 gw_dm(const u32* rb, u32 sh) { return ds4_hmul2((
 // groups and acc += D cc every 8 chunks; acc times 2^-7 at the store.
 template <int N, int NWG, int PL, int DQ, int BM = GW_BM, int FD = 0>
 __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
-                                        const u32* __restrict__ XW, const float* __restrict__ xinv, int xdiv, long long slab,
-                                        long long y_tok, int rows, int cols, long long row_bytes) {
+                                        const u32* __restrict__ XW, const float* xs, int xdiv, long long slab,
+                                        long long y_tok, int rows, int cols, long long row_bytes, int bx) {
     static_assert(BM == GW_BM || (BM == 2 * GW_BM && PL == 1), "wide runs: one plane");
     static_assert(FD == 0 || (PL == 1 && DQ == 2), "folded: one plane, decode form 2");
     // X pieces (16 bytes) of a chunk per item (hi and lo, or the wide form's hi alone), per
@@ -188,7 +188,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
     constexpr int NT = 128 * NWG, BN = 64 * NWG, PPI = BM == GW_BM ? 8 : 4, PP = PPI * BM / NT, TPI = PPI / PP;
     static_assert(PP >= 1 && PP * TPI == PPI && NT / TPI == BM, "X pieces");
     const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * BN;
+    const int r0 = bx * BN;
     const u8* wbase = W + (long long)expert * slab;
     const int nl = cols / 32, nsb = nl / 8;
     const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
@@ -350,7 +350,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc.v[i] *= 0x1p-7f; // the weights were 128 x (16 d vs d / 8)
     }
-    gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv); // R1 = R0 + 8
+    gw_store<N>(acc, items, xs, t, r0 + R0, rows, Y, y_tok); // R1 = R0 + 8
 }
 #endif
 
@@ -361,23 +361,10 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #endif
 
 #if GW_HAVE
-// The kernels' shared part: the CTA's item run (BM: 64, or the wide runs of 128), then the
-// product with N = its valid items rounded up to 16. FD: gw_body's folded form.
-template <int NWG, int PL, int DQ, int BM = GW_BM, int FD = 0>
-__device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
-                                          const int* __restrict__ sel, const u32* __restrict__ XW,
-                                          const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
-                                          float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
-                                          int n, const int* __restrict__ grp, int gmax) {
-    extern __shared__ uint4 gw_dyn[];
-    GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
-    __shared__ int items[BM];
-    __shared__ int expert;
-    const int by = blockIdx.y, tid = threadIdx.x;
-    if (by >= (BM == GW_BM ? grp[0] : grp[1 + gmax + n])) return; // uniform over the CTA (wide: ngroups2)
-    // The grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly), the
-    // latter in GW_GHC copies (entry e of copy j at 8 e + j).
-    for (int i = tid; i < 256 * GW_GHC; i += blockDim.x) {
+// The grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly), the
+// latter in GW_GHC copies (entry e of copy j at 8 e + j). Every thread; a barrier follows (gw_items).
+template <int BN> __device__ __forceinline__ void gw_tables(GwSmem<BN>& sm) {
+    for (int i = threadIdx.x; i < 256 * GW_GHC; i += blockDim.x) {
         const int e = i / GW_GHC;
         const u64 gv = ds4_iq2xxs_grid[e];
         if (i % GW_GHC == 0) sm.grid[e] = gv;
@@ -387,26 +374,72 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
                               ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
                               ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
     }
-    const int nv = gw_items<BM>(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
-    const u8* W = blockIdx.z ? W1 : W0;
-    float* Y = blockIdx.z ? Y1 : Y0;
+}
+// One tile: item run by (BM: 64, or the wide runs of 128), row tile bx, gate (z 0) or up (1),
+// the product with N = the run's valid items rounded up to 16. FD: gw_body's folded form.
+template <int NWG, int PL, int DQ, int BM, int FD>
+__device__ __forceinline__ void gw_tile(GwSmem<64 * NWG>& sm, int* items, float* xs, int* expert, int bx, int by, int z,
+                                        const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
+                                        const int* __restrict__ sel, const u32* __restrict__ XW,
+                                        const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
+                                        float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
+                                        int n, const int* __restrict__ grp, int gmax) {
+    const int nv = gw_items<BM>(grp, sel, n, gmax, items, expert, xinv, xdiv, xs, by); // valid items (a prefix of the tile)
+    const int ex = *expert;
+    const u8* W = z ? W1 : W0;
+    float* Y = z ? Y1 : Y0;
+#define GW_BODY(NN) gw_body<NN, NWG, PL, DQ, BM, FD>(sm, items, ex, W, Y, XW, xs, xdiv, slab, y_tok, rows, cols, row_bytes, bx)
     if (BM > GW_BM && nv > 64) {
-        if (nv <= 80)
-            gw_body<80, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else if (nv <= 96)
-            gw_body<96, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else if (nv <= 112)
-            gw_body<112, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-        else
-            gw_body<128, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-    } else if (nv <= 16)
-        gw_body<16, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-    else if (nv <= 32)
-        gw_body<32, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-    else if (nv <= 48)
-        gw_body<48, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
-    else
-        gw_body<64, NWG, PL, DQ, BM, FD>(sm, items, expert, W, Y, XW, xinv, xdiv, slab, y_tok, rows, cols, row_bytes);
+        if (nv <= 80) GW_BODY(80);
+        else if (nv <= 96) GW_BODY(96);
+        else if (nv <= 112) GW_BODY(112);
+        else GW_BODY(128);
+    } else if (nv <= 16) GW_BODY(16);
+    else if (nv <= 32) GW_BODY(32);
+    else if (nv <= 48) GW_BODY(48);
+    else GW_BODY(64);
+#undef GW_BODY
+}
+// The kernels' shared part: one tile a CTA (blockIdx: row tile, run, gate / up).
+template <int NWG, int PL, int DQ, int BM = GW_BM, int FD = 0>
+__device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
+                                          const int* __restrict__ sel, const u32* __restrict__ XW,
+                                          const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
+                                          float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
+                                          int n, const int* __restrict__ grp, int gmax) {
+    extern __shared__ uint4 gw_dyn[];
+    GwSmem<64 * NWG>& sm = *reinterpret_cast<GwSmem<64 * NWG>*>(gw_dyn);
+    __shared__ int items[BM];
+    __shared__ float xs[BM]; // the items' row scales (gw_items)
+    __shared__ int expert;
+    if ((int)blockIdx.y >= (BM == GW_BM ? grp[0] : grp[1 + gmax + n])) return; // uniform over the CTA (wide: ngroups2)
+    gw_tables(sm);
+    gw_tile<NWG, PL, DQ, BM, FD>(sm, items, xs, &expert, blockIdx.x, blockIdx.y, blockIdx.z, W0, W1, slab, sel, XW, xinv,
+                                 xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax);
+}
+// The persistent form of the folded wide gate/up (gw_next_tile): tiles t < ngroups2 * 2 * TX
+// (TX = the row tiles): run t / (2 TX), then gate (z 0) or up of row tile t % TX, so the gate
+// and up tiles of a run follow each other (its X rows stay in L2).
+__device__ __forceinline__ void gw_kernel_p(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
+                                            const int* __restrict__ sel, const u32* __restrict__ XW,
+                                            const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
+                                            float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
+                                            int n, const int* __restrict__ grp, int gmax, u32* ctr) {
+    extern __shared__ uint4 gw_dyn[];
+    GwSmem<256>& sm = *reinterpret_cast<GwSmem<256>*>(gw_dyn);
+    __shared__ int items[2 * GW_BM];
+    __shared__ float xs[2 * GW_BM];
+    __shared__ int expert, s_tile;
+    const int tx = (rows + 255) / 256, tiles = grp[1 + gmax + n] * 2 * tx;
+    gw_tables(sm);
+    for (;;) {
+        const int tt = gw_next_tile(ctr, &s_tile);
+        if (tt >= tiles) break; // uniform over the CTA
+        const int r = tt % (2 * tx);
+        gw_tile<4, 1, 2, 2 * GW_BM, 1>(sm, items, xs, &expert, r % tx, tt / (2 * tx), r / tx, W0, W1, slab, sel, XW, xinv,
+                                       xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax);
+    }
+    gw_leave(ctr);
 }
 #endif
 
@@ -443,6 +476,15 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2(GW_PARAMS) { GW_RUN(1, 2); }
 // _f the runs of 64, _fw the wide runs of 128 (N up to 128 in <= 128 registers: acc alone).
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_f(GW_PARAMS) { GW_RUN_F(GW_BM); }
 DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_fw(GW_PARAMS) { GW_RUN_F(2 * GW_BM); }
+// Its persistent form (gw_kernel_p; gemm_wg.rs DS4_GPU_GW_PERSIST): grid (CTAs, 1, 1), one an SM;
+// ctr: two words, zero between launches (the kernel leaves them so).
+DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_fwp(GW_PARAMS, u32* ctr) {
+#if GW_HAVE
+    gw_kernel_p(GW_ARGS, ctr);
+#else
+    GW_RUN(1, 2), (void)ctr;
+#endif
+}
 
 // X rows for gwg_iq2_xxs: one CTA (128 threads) per token row t < gridDim.x; width % 32 == 0, X
 // 16-byte aligned, x_tok % 4 == 0. v = x * 2^s (s as gemm_xt_f32: max |v| < 2^15), xinv[t] = 2^-s;

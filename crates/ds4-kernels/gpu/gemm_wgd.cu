@@ -92,12 +92,12 @@ __device__ __forceinline__ u32 gwd_min(const u32* rb, int t, int h) {
 template <int N, int PL>
 __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int expert, const u8* __restrict__ W,
                                          long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
-                                         const float* __restrict__ xinv, long long x_tok, int xdiv,
+                                         const float* xs, long long x_tok, int xdiv,
                                          float* __restrict__ Y, long long y_tok, int rows, int cols,
-                                         long long row_bytes) {
+                                         long long row_bytes, int bx) {
     constexpr int NT = 512, BN = 256;
     const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * BN;
+    const int r0 = bx * BN;
     const u8* wbase = W + (long long)expert * slab;
     const int nl = cols / 32, nsb = nl / 8;
     const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
@@ -209,7 +209,7 @@ __device__ __forceinline__ void gwd_body(GwdSmem<256>& sm, const int* items, int
         }
     }
     ds4_cp_wait<0>();
-    gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv); // R1 = R0 + 8
+    gw_store<N>(acc, items, xs, t, r0 + R0, rows, Y, y_tok); // R1 = R0 + 8
 }
 #endif
 
@@ -259,12 +259,12 @@ __device__ __forceinline__ u32 gwd_fm(const u32* rb) { return ds4_hmul2((rb[20] 
 template <int N>
 __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items, int expert, const u8* __restrict__ W,
                                             long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
-                                            const float* __restrict__ xinv, long long x_tok, int xdiv,
+                                            const float* xs, long long x_tok, int xdiv,
                                             float* __restrict__ Y, long long y_tok, int rows, int cols,
-                                            long long row_bytes) {
+                                            long long row_bytes, int bx) {
     constexpr int NT = 512, BN = 256;
     const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * BN;
+    const int r0 = bx * BN;
     const u8* wbase = W + (long long)expert * slab;
     const int nl = cols / 32, nsb = nl / 8;
     const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0][0]);
@@ -397,7 +397,7 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     gw_pin_a(am);
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc.v[i] *= 1.0f / GWD_F;
-    gw_store<N>(acc, items, t, r0 + R0, rows, Y, y_tok, xinv, xdiv);
+    gw_store<N>(acc, items, xs, t, r0 + R0, rows, Y, y_tok);
 }
 #endif
 
@@ -421,35 +421,33 @@ template <int PL> __device__ __forceinline__ void gwd_kernel(GWD_PARAMS) {
     extern __shared__ uint4 gwd_dyn[];
     GwdSmem<256>& sm = *reinterpret_cast<GwdSmem<256>*>(gwd_dyn);
     __shared__ int items[GW_BM];
+    __shared__ float xs[GW_BM]; // the items' row scales (gw_items)
     __shared__ int expert;
     const int by = blockIdx.y;
     if (by >= grp[0]) return; // uniform over the CTA
-    const int nv = gw_items(grp, sel, n, gmax, items, &expert); // valid items (a prefix of the tile)
+    const int nv = gw_items(grp, sel, n, gmax, items, &expert, xinv, xdiv, xs, by); // valid items (a prefix of the tile)
     if (nv <= 16)
-        gwd_body<16, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+        gwd_body<16, PL>(sm, items, expert, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, blockIdx.x);
     else if (nv <= 32)
-        gwd_body<32, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+        gwd_body<32, PL>(sm, items, expert, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, blockIdx.x);
     else if (nv <= 48)
-        gwd_body<48, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+        gwd_body<48, PL>(sm, items, expert, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, blockIdx.x);
     else
-        gwd_body<64, PL>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes);
+        gwd_body<64, PL>(sm, items, expert, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, blockIdx.x);
 #else
     (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
     (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
 #endif
 }
-// The folded wide form's kernel part: the CTA's wide run (up to 128 pairs), N = its valid items
-// rounded up to 16.
-__device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
-    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
 #if GW_HAVE
-    extern __shared__ uint4 gwd_dyn[];
-    GwdSmemW<256>& sm = *reinterpret_cast<GwdSmemW<256>*>(gwd_dyn);
-    __shared__ int items[2 * GW_BM];
-    __shared__ int expert;
-    if ((int)blockIdx.y >= grp[1 + gmax + n]) return; // the wide runs' count (uniform over the CTA)
-    const int nv = gw_items<2 * GW_BM>(grp, sel, n, gmax, items, &expert);
-#define GWD_FW(NN) gwd_body_fw<NN>(sm, items, expert, W, slab, XT, XS, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes)
+// The folded wide form's tile: wide run by (up to 128 pairs), row tile bx; N = the run's valid
+// items rounded up to 16.
+__device__ __forceinline__ void gwd_tile_fw(GwdSmemW<256>& sm, int* items, float* xs, int* expert, int bx, int by,
+                                            GWD_PARAMS) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+    const int nv = gw_items<2 * GW_BM>(grp, sel, n, gmax, items, expert, xinv, xdiv, xs, by);
+    const int ex = *expert;
+#define GWD_FW(NN) gwd_body_fw<NN>(sm, items, ex, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, bx)
     if (nv <= 16) GWD_FW(16);
     else if (nv <= 32) GWD_FW(32);
     else if (nv <= 48) GWD_FW(48);
@@ -459,12 +457,47 @@ __device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
     else if (nv <= 112) GWD_FW(112);
     else GWD_FW(128);
 #undef GWD_FW
+}
+#endif
+#define GWD_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip
+// The folded wide form's kernel part: one tile a CTA (blockIdx: row tile, wide run).
+__device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+#if GW_HAVE
+    extern __shared__ uint4 gwd_dyn[];
+    GwdSmemW<256>& sm = *reinterpret_cast<GwdSmemW<256>*>(gwd_dyn);
+    __shared__ int items[2 * GW_BM];
+    __shared__ float xs[2 * GW_BM]; // the items' row scales (gw_items)
+    __shared__ int expert;
+    if ((int)blockIdx.y >= grp[1 + gmax + n]) return; // the wide runs' count (uniform over the CTA)
+    gwd_tile_fw(sm, items, xs, &expert, blockIdx.x, blockIdx.y, GWD_ARGS);
 #else
     (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
     (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
 #endif
 }
-#define GWD_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip
+// Its persistent form (wgmma.cuh gw_next_tile): tiles t < ngroups2 * TX, wide run t / TX, row
+// tile t % TX.
+__device__ __forceinline__ void gwd_kernel_fwp(GWD_PARAMS, u32* ctr) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+#if GW_HAVE
+    extern __shared__ uint4 gwd_dyn[];
+    GwdSmemW<256>& sm = *reinterpret_cast<GwdSmemW<256>*>(gwd_dyn);
+    __shared__ int items[2 * GW_BM];
+    __shared__ float xs[2 * GW_BM];
+    __shared__ int expert, s_tile;
+    const int tx = (rows + 255) / 256, tiles = grp[1 + gmax + n] * tx;
+    for (;;) {
+        const int tt = gw_next_tile(ctr, &s_tile);
+        if (tt >= tiles) break; // uniform over the CTA
+        gwd_tile_fw(sm, items, xs, &expert, tt % tx, tt / tx, GWD_ARGS);
+    }
+    gw_leave(ctr);
+#else
+    (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
+    (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)ctr;
+#endif
+}
 
 // The Q2_K down of the grouped pairs (gemmu_q2_k's arguments, gemm.cu GMT_PARAMS): grid (rows /
 // 256, gmax, 1), 512 threads (4 warpgroups, 256 weight rows: 1 CTA per SM), dynamic shared memory
@@ -481,3 +514,6 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1(GWD_PARAMS) { gwd_kernel<1>(GWD_A
 // alone): DS4_GPU_GWD_WIDE (gemm_wgd.rs), --precision fast only. Grid (rows / 256, the wide runs'
 // bound, 1), 512 threads, dynamic shared memory sizeof(GwdSmemW<256>) (224 KiB).
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fw(GWD_PARAMS) { gwd_kernel_fw(GWD_ARGS); }
+// Its persistent form (gemm_wgd.rs DS4_GPU_GW_PERSIST): grid (CTAs, 1, 1), one an SM; ctr: two
+// words, zero between launches (the kernel leaves them so).
+DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fwp(GWD_PARAMS, u32* ctr) { gwd_kernel_fwp(GWD_ARGS, ctr); }

@@ -159,37 +159,67 @@ __device__ __forceinline__ void gw_stage_blocks(u32 so, const u8* wbase, int r0,
     }
 }
 
-// The run of one expert's pairs starting at starts[blockIdx.y] (gemm.cu gm_items): items[m] = pair
+// The run of one expert's pairs starting at starts[by] (gemm.cu gm_items; by: blockIdx.y, or the
+// persistent forms' tile): items[m] = pair
 // index or -1, *expert set; every thread of the CTA calls it (one barrier). Returns the valid items
 // (a prefix of the tile): up to the next run's start. grp = [ngroups, starts[gmax], perm[n]] (runs
 // of GW_BM), followed by the wide runs' [ngroups2, starts2[]] (runs of 2 GW_BM, gm_group_scan_i32):
 // BM == 2 GW_BM reads those (the wide gate/up), the CTA then needs >= BM threads.
+// xs[m] = xinv[items[m] / xdiv], the item's row scale for gw_store, by a 4-byte cp.async left
+// uncommitted: it joins the body's first commit group, which every body waits for (and then
+// passes a barrier) before its first decode. The store then reads the scale from shared memory:
+// it loaded xinv and divided by xdiv per stored value before (ncu, 2k prompt: the N = 128
+// form's epilogue alone was 6.6% of the gate/up's stall samples, its FMULs waiting on xinv).
 template <int BM = GW_BM>
 __device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* __restrict__ sel, int n, int gmax,
-                                        int* items, int* expert) {
+                                        int* items, int* expert, const float* __restrict__ xinv, int xdiv, float* xs,
+                                        int by) {
     static_assert(BM == GW_BM || BM == 2 * GW_BM, "runs of 64 or (wide) 128");
-    const int by = blockIdx.y, tid = threadIdx.x;
+    const int tid = threadIdx.x;
     const int* perm = grp + 1 + gmax;
     const int* gs = BM == GW_BM ? grp : perm + n; // [ngroups, starts[]] of the runs of BM
     if (tid < BM) {
         const int st = gs[1 + by], e = max(sel[perm[st]], 0), qq = st + tid;
-        items[tid] = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
+        const int it = (qq < n && max(sel[perm[qq]], 0) == e) ? perm[qq] : -1;
+        items[tid] = it;
+        if (it >= 0) ds4_cp4(&xs[tid], xinv + it / xdiv);
         if (tid == 0) *expert = e;
     }
     __syncthreads();
     return min(max((by + 1 < gs[0] ? gs[2 + by] : n) - gs[1 + by], 0), BM);
 }
 
+// Persistent forms (_fwp): a CTA an SM takes tiles from a launch-wide counter ctr[0] until they
+// run out (tiles in run-major order: tile t is run t / TX, TX tiles a run), so the per-CTA set-up
+// (grid tables) is paid once an SM, no CTA launches for absent runs (the grid is not sized by the
+// worst case), and a CTA that drew short runs takes more of them. The last CTA to leave resets
+// ctr[0] and its leave counter ctr[1] for the next launch (graph replays too); every thread calls
+// both, the tile read after the barrier (s_tile: shared).
+__device__ __forceinline__ int gw_next_tile(u32* ctr, int* s_tile) {
+    if (threadIdx.x == 0) *s_tile = (int)atomicAdd(ctr, 1u);
+    __syncthreads(); // also: the previous tile's last reads of items / xs / the stages are done
+    return *s_tile;
+}
+__device__ __forceinline__ void gw_leave(u32* ctr) {
+    if (threadIdx.x == 0) {
+        __threadfence(); // this CTA's last draw of ctr[0] precedes its leave
+        if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
+            atomicExch(ctr, 0u);
+            atomicExch(ctr + 1, 0u);
+        }
+    }
+}
+
 // Store of a lane's accumulators: acc.v[4j + e] is row rr0 + 8 (e >> 1) (rr0 = the CTA's first row
-// + the lane's first), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token (xinv).
+// + the lane's first), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token (xs: gw_items).
 template <int N>
-__device__ __forceinline__ void gw_store(const GwAcc<N>& acc, const int* items, int t, int rr0, int rows,
-                                         float* __restrict__ Y, long long y_tok, const float* __restrict__ xinv, int xdiv) {
+__device__ __forceinline__ void gw_store(const GwAcc<N>& acc, const int* items, const float* xs, int t, int rr0, int rows,
+                                         float* __restrict__ Y, long long y_tok) {
 #pragma unroll
     for (int i = 0; i < N / 2; i++) {
         const int m = 8 * (i >> 2) + 2 * t + (i & 1);
         const int it = items[m], r = rr0 + ((i & 2) ? 8 : 0);
-        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xinv[it / xdiv];
+        if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xs[m];
     }
 }
 #endif

@@ -17,6 +17,7 @@ pub const GEMM_WG: Module = Module {
         "gwg_iq2_xxs_p1_d2",
         "gwg_iq2_xxs_p1_d2_f",
         "gwg_iq2_xxs_p1_d2_fw",
+        "gwg_iq2_xxs_p1_d2_fwp",
         "gwg_x_f32",
     ],
 };

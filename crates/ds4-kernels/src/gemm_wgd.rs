@@ -10,5 +10,10 @@ pub const GEMM_WGD: Module = Module {
     name: "gemm_wgd",
     source: include_str!("../gpu/gemm_wgd.cu"),
     mma_only: &[],
-    kernels: &["gwd_q2_k", "gwd_q2_k_p1", "gwd_q2_k_p1_fw"],
+    kernels: &[
+        "gwd_q2_k",
+        "gwd_q2_k_p1",
+        "gwd_q2_k_p1_fw",
+        "gwd_q2_k_p1_fwp",
+    ],
 };

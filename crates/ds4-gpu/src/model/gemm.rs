@@ -1065,8 +1065,9 @@ impl GpuBackend {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
             None => (Arg::Null, Arg::Null, 0),
         };
+        let ctr = wgd.and_then(|w| w.2); // the persistent down's tile counter (its last argument)
         let (module, name, dims) = match wgd {
-            Some((k, d)) => (&ds4_kernels::GEMM_WGD, k.to_string(), d), // gemmu's arguments
+            Some((k, d, _)) => (&ds4_kernels::GEMM_WGD, k.to_string(), d), // gemmu's arguments
             None => (
                 &ds4_kernels::GEMM,
                 format!("{form}_{sfx}"),
@@ -1114,6 +1115,7 @@ impl GpuBackend {
                 Arg::I32(skip_empty() as i32),
             ])
             .chain(half.then(|| Arg::I32(dbuf() as i32))) // gemmh: db
+            .chain(ctr.map(Arg::Ptr))
             .collect::<Vec<_>>(),
         );
         if let Some(p) = part {

@@ -47,6 +47,14 @@
 //! (`_f`: +0.9 % / +1.0 %). The unfolded runs of 128 on 2 warpgroups (202 registers for two
 //! accumulator sets: 8 warps an SM, prefill -6.9 % / -3.6 %) and a split of them were deleted
 //! (code in 5a7f2d4).
+//!
+//! Persistent forms (`DS4_GPU_GW_PERSIST`, or [`GpuBackend::set_gemm_wg_persist`]; default on):
+//! the folded wide gate/up and down (`_fwp`) launch one CTA an SM (grid = the SM count, or the
+//! tiles' bound if smaller), each taking tiles (run, row tile, gate/up) from a counter in
+//! [`GpuBackend::tickets`] (words [`GW_TICKET`]..+4) until they run out: the grid tables are built
+//! once an SM instead of once a tile, no CTAs start for the absent runs of the worst-case grid
+//! (35% of a 2k prompt's gate/up grid), and a CTA that drew short runs takes more. Same
+//! arithmetic per tile (same bits).
 
 use super::gemm::wide_gmax;
 use super::switch::{code, switch_on, UNSET};
@@ -83,6 +91,21 @@ const WIDE_DEFAULT: u8 = 4;
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
+
+/// The persistent `_fwp` forms: 0 off, 1 on, UNSET: read `DS4_GPU_GW_PERSIST` (`0` = off;
+/// default on) on first use.
+static PERSIST: AtomicU8 = AtomicU8::new(UNSET);
+/// `_fwp` launches so far: gate/up (0), down (1; gemm_wgd.rs).
+pub(in crate::model) static PERSIST_LAUNCHES: [AtomicU64; 2] =
+    [AtomicU64::new(0), AtomicU64::new(0)];
+/// First of the 4 words of [`GpuBackend::tickets`] the `_fwp` kernels count tiles in (gate/up:
+/// + 0, + 1; down: + 2, + 3). Zero between launches: each launch's last CTA resets its pair.
+pub(in crate::model) const GW_TICKET: usize = super::mix::ROUTE_TICKET + 2;
+const _: () = assert!(GW_TICKET + 4 <= super::TICKET_WORDS);
+
+pub(in crate::model) fn persist() -> bool {
+    switch_on(&PERSIST, "DS4_GPU_GW_PERSIST")
+}
 
 /// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
 /// `sizeof(GwSmem<256>)` in gemm_wg.cu (16 X chunk slots of 8 KiB, 3 raw stages of 256 x 20 + 4
@@ -180,6 +203,21 @@ impl GpuBackend {
         PLANES.store(planes, Ordering::Relaxed);
     }
 
+    /// The persistent forms of the folded wide MoE kernels (`_fwp`, module docs) on or off
+    /// (default on, or `DS4_GPU_GW_PERSIST`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_persist(on: bool) {
+        PERSIST.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// Persistent launches so far in this process: (gate/up `gwg_iq2_xxs_p1_d2_fwp`, down
+    /// `gwd_q2_k_p1_fwp`).
+    pub fn gemm_wg_persist_launches() -> (u64, u64) {
+        (
+            PERSIST_LAUNCHES[0].load(Ordering::Relaxed),
+            PERSIST_LAUNCHES[1].load(Ordering::Relaxed),
+        )
+    }
+
     /// One-plane launches so far in this process: (`gwg_iq2_xxs_p1`, `gwd_q2_k_p1`).
     pub fn gemm_one_plane_launches() -> (u64, u64) {
         (
@@ -264,32 +302,47 @@ impl GpuBackend {
             (true, 0, _) => ("gwg_iq2_xxs_p1", gmax),
             (true, _, _) => ("gwg_iq2_xxs_p1_d2", gmax),
         };
+        // The persistent form: one CTA an SM (or fewer: the tiles' bound), tiles from a counter.
+        let tiles = ff.div_ceil(WG_BN) * gy_max * 2;
+        let pers = w == 4 && persist();
+        let (name, grid) = if pers {
+            PERSIST_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
+            let ctas = (self.gpu.info().sm_count as usize).clamp(1, tiles);
+            ("gwg_iq2_xxs_p1_d2_fwp", [ctas as u32, 1, 1])
+        } else {
+            (name, [ff.div_ceil(WG_BN) as u32, gy_max as u32, 2])
+        };
+        let ctr = self.tickets.ptr().offset((GW_TICKET * 4) as u64);
+        let args = [
+            Arg::Ptr(g.0),
+            Arg::Ptr(u.0),
+            Arg::I64((ff * rb) as i64), // expert slab
+            Arg::Ptr(sel),
+            Arg::Ptr(xw.ptr),
+            Arg::Ptr(inv.ptr),
+            Arg::I32(k as i32),
+            Arg::Ptr(gy),
+            Arg::Ptr(uy),
+            Arg::I64(ff as i64),
+            Arg::I32(ff as i32),
+            Arg::I32(d as i32),
+            Arg::I64(rb as i64),
+            Arg::I32((n * k) as i32),
+            Arg::Ptr(grp),
+            Arg::I32(gmax as i32),
+        ];
         self.run(
             &ds4_kernels::GEMM_WG,
             name,
             LaunchDims {
-                grid: [ff.div_ceil(WG_BN) as u32, gy_max as u32, 2],
+                grid,
                 block: [2 * WG_BN as u32, 1, 1],
                 shared_bytes: WG_SMEM as u32,
             },
-            &[
-                Arg::Ptr(g.0),
-                Arg::Ptr(u.0),
-                Arg::I64((ff * rb) as i64), // expert slab
-                Arg::Ptr(sel),
-                Arg::Ptr(xw.ptr),
-                Arg::Ptr(inv.ptr),
-                Arg::I32(k as i32),
-                Arg::Ptr(gy),
-                Arg::Ptr(uy),
-                Arg::I64(ff as i64),
-                Arg::I32(ff as i32),
-                Arg::I32(d as i32),
-                Arg::I64(rb as i64),
-                Arg::I32((n * k) as i32),
-                Arg::Ptr(grp),
-                Arg::I32(gmax as i32),
-            ],
+            &args
+                .into_iter()
+                .chain(pers.then_some(Arg::Ptr(ctr)))
+                .collect::<Vec<_>>(),
         );
         true
     }

@@ -20,10 +20,10 @@
 //! term's). Results: bench/results/gpu-gwd-s22-h200.txt.
 
 use super::gemm::wide_gmax;
-use super::gemm_wg::{lean_x, one_plane, P1_LAUNCHES};
+use super::gemm_wg::{lean_x, one_plane, persist, GW_TICKET, P1_LAUNCHES, PERSIST_LAUNCHES};
 use super::switch::{switch_on, UNSET};
 use super::GpuBackend;
-use crate::runtime::LaunchDims;
+use crate::runtime::{DevPtr, LaunchDims};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WGD` (`0` = off; default on) on first use.
@@ -102,7 +102,7 @@ impl GpuBackend {
         cols: usize,
         ytiles: usize,
         n: usize,
-    ) -> Option<(&'static str, LaunchDims)> {
+    ) -> Option<(&'static str, LaunchDims, Option<DevPtr>)> {
         if !self.wgd_takes(grouped, bm, zs_ks, cols) {
             return None;
         }
@@ -119,11 +119,22 @@ impl GpuBackend {
         } else {
             ("gwd_q2_k", ytiles, WGD_SMEM)
         };
+        // The persistent form (gemm_wg.rs docs): one CTA an SM, tiles from a counter (the
+        // kernel's last argument).
+        let tiles = rows.div_ceil(WGD_BN) * gy;
+        let (name, grid, ctr) = if wide && persist() {
+            PERSIST_LAUNCHES[1].fetch_add(1, Ordering::Relaxed);
+            let ctas = (self.gpu.info().sm_count as usize).clamp(1, tiles);
+            let ctr = self.tickets.ptr().offset(((GW_TICKET + 2) * 4) as u64);
+            ("gwd_q2_k_p1_fwp", [ctas as u32, 1, 1], Some(ctr))
+        } else {
+            (name, [rows.div_ceil(WGD_BN) as u32, gy as u32, 1], None)
+        };
         let dims = LaunchDims {
-            grid: [rows.div_ceil(WGD_BN) as u32, gy as u32, 1],
+            grid,
             block: [2 * WGD_BN as u32, 1, 1],
             shared_bytes: smem as u32,
         };
-        Some((name, dims))
+        Some((name, dims, ctr))
     }
 }
