@@ -180,7 +180,8 @@ __device__ __forceinline__ u32 gw_dm(const u32* rb, u32 sh) { return ds4_hmul2((
 template <int N, int NWG, int PL, int DQ, int BM = GW_BM, int FD = 0>
 __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, int expert, const u8* __restrict__ W, float* __restrict__ Y,
                                         const u32* __restrict__ XW, const float* xs, int xdiv, long long slab,
-                                        long long y_tok, int rows, int cols, long long row_bytes, int bx) {
+                                        long long y_tok, int rows, int cols, long long row_bytes, int bx,
+                                        u32* ctr = nullptr, int* s_tile = nullptr) {
     static_assert(BM == GW_BM || (BM == 2 * GW_BM && PL == 1), "wide runs: one plane");
     static_assert(FD == 0 || (PL == 1 && DQ == 2), "folded: one plane, decode form 2");
     // X pieces (16 bytes) of a chunk per item (hi and lo, or the wide form's hi alone), per
@@ -350,7 +351,7 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc.v[i] *= 0x1p-7f; // the weights were 128 x (16 d vs d / 8)
     }
-    gw_store<N>(acc, items, xs, t, r0 + R0, rows, Y, y_tok); // R1 = R0 + 8
+    gw_store<N>(acc, items, xs, t, r0 + R0, rows, Y, y_tok, ctr, s_tile); // R1 = R0 + 8
 }
 #endif
 
@@ -383,12 +384,13 @@ __device__ __forceinline__ void gw_tile(GwSmem<64 * NWG>& sm, int* items, float*
                                         const int* __restrict__ sel, const u32* __restrict__ XW,
                                         const float* __restrict__ xinv, int xdiv, float* __restrict__ Y0,
                                         float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
-                                        int n, const int* __restrict__ grp, int gmax) {
+                                        int n, const int* __restrict__ grp, int gmax, u32* ctr = nullptr,
+                                        int* s_tile = nullptr) {
     const int nv = gw_items<BM>(grp, sel, n, gmax, items, expert, xinv, xdiv, xs, by); // valid items (a prefix of the tile)
     const int ex = *expert;
     const u8* W = z ? W1 : W0;
     float* Y = z ? Y1 : Y0;
-#define GW_BODY(NN) gw_body<NN, NWG, PL, DQ, BM, FD>(sm, items, ex, W, Y, XW, xs, xdiv, slab, y_tok, rows, cols, row_bytes, bx)
+#define GW_BODY(NN) gw_body<NN, NWG, PL, DQ, BM, FD>(sm, items, ex, W, Y, XW, xs, xdiv, slab, y_tok, rows, cols, row_bytes, bx, ctr, s_tile)
     if (BM > GW_BM && nv > 64) {
         if (nv <= 80) GW_BODY(80);
         else if (nv <= 96) GW_BODY(96);
@@ -417,7 +419,7 @@ __device__ __forceinline__ void gw_kernel(const u8* __restrict__ W0, const u8* _
     gw_tile<NWG, PL, DQ, BM, FD>(sm, items, xs, &expert, blockIdx.x, blockIdx.y, blockIdx.z, W0, W1, slab, sel, XW, xinv,
                                  xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax);
 }
-// The persistent form of the folded wide gate/up (gw_next_tile): tiles t < ngroups2 * 2 * TX
+// The persistent form of the folded wide gate/up (wgmma.cuh gw_first_tile): tiles t < ngroups2 * 2 * TX
 // (TX = the row tiles): run t / (2 TX), then gate (z 0) or up of row tile t % TX, so the gate
 // and up tiles of a run follow each other (its X rows stay in L2).
 __device__ __forceinline__ void gw_kernel_p(const u8* __restrict__ W0, const u8* __restrict__ W1, long long slab,
@@ -432,12 +434,14 @@ __device__ __forceinline__ void gw_kernel_p(const u8* __restrict__ W0, const u8*
     __shared__ int expert, s_tile;
     const int tx = (rows + 255) / 256, tiles = grp[1 + gmax + n] * 2 * tx;
     gw_tables(sm);
+    gw_first_tile(ctr, &s_tile);
     for (;;) {
-        const int tt = gw_next_tile(ctr, &s_tile);
+        __syncthreads(); // s_tile drawn; the previous tile's reads of items / xs / the stages done
+        const int tt = s_tile;
         if (tt >= tiles) break; // uniform over the CTA
         const int r = tt % (2 * tx);
         gw_tile<4, 1, 2, 2 * GW_BM, 1>(sm, items, xs, &expert, r % tx, tt / (2 * tx), r / tx, W0, W1, slab, sel, XW, xinv,
-                                       xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax);
+                                       xdiv, Y0, Y1, y_tok, rows, cols, row_bytes, n, grp, gmax, ctr, &s_tile);
     }
     gw_leave(ctr);
 }

@@ -261,7 +261,7 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
                                             long long slab, const u32* __restrict__ XT, const u32* __restrict__ XS,
                                             const float* xs, long long x_tok, int xdiv,
                                             float* __restrict__ Y, long long y_tok, int rows, int cols,
-                                            long long row_bytes, int bx) {
+                                            long long row_bytes, int bx, u32* ctr = nullptr, int* s_tile = nullptr) {
     constexpr int NT = 512, BN = 256;
     const int tid = threadIdx.x, h = tid >> 7, q = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int r0 = bx * BN;
@@ -397,7 +397,7 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     gw_pin_a(am);
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc.v[i] *= 1.0f / GWD_F;
-    gw_store<N>(acc, items, xs, t, r0 + R0, rows, Y, y_tok);
+    gw_store<N>(acc, items, xs, t, r0 + R0, rows, Y, y_tok, ctr, s_tile);
 }
 #endif
 
@@ -443,11 +443,11 @@ template <int PL> __device__ __forceinline__ void gwd_kernel(GWD_PARAMS) {
 // The folded wide form's tile: wide run by (up to 128 pairs), row tile bx; N = the run's valid
 // items rounded up to 16.
 __device__ __forceinline__ void gwd_tile_fw(GwdSmemW<256>& sm, int* items, float* xs, int* expert, int bx, int by,
-                                            GWD_PARAMS) {
+                                            u32* ctr, int* s_tile, GWD_PARAMS) {
     (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
     const int nv = gw_items<2 * GW_BM>(grp, sel, n, gmax, items, expert, xinv, xdiv, xs, by);
     const int ex = *expert;
-#define GWD_FW(NN) gwd_body_fw<NN>(sm, items, ex, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, bx)
+#define GWD_FW(NN) gwd_body_fw<NN>(sm, items, ex, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, bx, ctr, s_tile)
     if (nv <= 16) GWD_FW(16);
     else if (nv <= 32) GWD_FW(32);
     else if (nv <= 48) GWD_FW(48);
@@ -470,13 +470,13 @@ __device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
     __shared__ float xs[2 * GW_BM]; // the items' row scales (gw_items)
     __shared__ int expert;
     if ((int)blockIdx.y >= grp[1 + gmax + n]) return; // the wide runs' count (uniform over the CTA)
-    gwd_tile_fw(sm, items, xs, &expert, blockIdx.x, blockIdx.y, GWD_ARGS);
+    gwd_tile_fw(sm, items, xs, &expert, blockIdx.x, blockIdx.y, nullptr, nullptr, GWD_ARGS);
 #else
     (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
     (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax;
 #endif
 }
-// Its persistent form (wgmma.cuh gw_next_tile): tiles t < ngroups2 * TX, wide run t / TX, row
+// Its persistent form (wgmma.cuh gw_first_tile): tiles t < ngroups2 * TX, wide run t / TX, row
 // tile t % TX.
 __device__ __forceinline__ void gwd_kernel_fwp(GWD_PARAMS, u32* ctr) {
     (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
@@ -487,10 +487,12 @@ __device__ __forceinline__ void gwd_kernel_fwp(GWD_PARAMS, u32* ctr) {
     __shared__ float xs[2 * GW_BM];
     __shared__ int expert, s_tile;
     const int tx = (rows + 255) / 256, tiles = grp[1 + gmax + n] * tx;
+    gw_first_tile(ctr, &s_tile);
     for (;;) {
-        const int tt = gw_next_tile(ctr, &s_tile);
+        __syncthreads(); // s_tile drawn; the previous tile's reads of items / xs / the stages done
+        const int tt = s_tile;
         if (tt >= tiles) break; // uniform over the CTA
-        gwd_tile_fw(sm, items, xs, &expert, tt % tx, tt / tx, GWD_ARGS);
+        gwd_tile_fw(sm, items, xs, &expert, tt % tx, tt / tx, ctr, &s_tile, GWD_ARGS);
     }
     gw_leave(ctr);
 #else

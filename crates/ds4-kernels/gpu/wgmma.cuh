@@ -194,11 +194,12 @@ __device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* 
 // (grid tables) is paid once an SM, no CTA launches for absent runs (the grid is not sized by the
 // worst case), and a CTA that drew short runs takes more of them. The last CTA to leave resets
 // ctr[0] and its leave counter ctr[1] for the next launch (graph replays too); every thread calls
-// both, the tile read after the barrier (s_tile: shared).
-__device__ __forceinline__ int gw_next_tile(u32* ctr, int* s_tile) {
+// both; the tile is read after a barrier (s_tile: shared).
+// The next tile is drawn by thread 0 in the current tile's store (gw_store ctr, s_tile), so the
+// atomic's round trip overlaps the stores instead of preceding the next set-up (drawn at the
+// loop's top it cost the down 4.5%: bench/results/gpu-moe-s27-h200.txt); the first by gw_first_tile.
+__device__ __forceinline__ void gw_first_tile(u32* ctr, int* s_tile) {
     if (threadIdx.x == 0) *s_tile = (int)atomicAdd(ctr, 1u);
-    __syncthreads(); // also: the previous tile's last reads of items / xs / the stages are done
-    return *s_tile;
 }
 __device__ __forceinline__ void gw_leave(u32* ctr) {
     if (threadIdx.x == 0) {
@@ -212,14 +213,18 @@ __device__ __forceinline__ void gw_leave(u32* ctr) {
 
 // Store of a lane's accumulators: acc.v[4j + e] is row rr0 + 8 (e >> 1) (rr0 = the CTA's first row
 // + the lane's first), item 8j + 2t + (e & 1); y = acc * 2^-s of the item's token (xs: gw_items).
+// Persistent forms: ctr, s_tile (else null): thread 0 draws the next tile into s_tile meanwhile.
 template <int N>
 __device__ __forceinline__ void gw_store(const GwAcc<N>& acc, const int* items, const float* xs, int t, int rr0, int rows,
-                                         float* __restrict__ Y, long long y_tok) {
+                                         float* __restrict__ Y, long long y_tok, u32* ctr = nullptr, int* s_tile = nullptr) {
+    u32 nxt = 0;
+    if (ctr && threadIdx.x == 0) nxt = atomicAdd(ctr, 1u);
 #pragma unroll
     for (int i = 0; i < N / 2; i++) {
         const int m = 8 * (i >> 2) + 2 * t + (i & 1);
         const int it = items[m], r = rr0 + ((i & 2) ? 8 : 0);
         if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc.v[i] * xs[m];
     }
+    if (ctr && threadIdx.x == 0) *s_tile = (int)nxt;
 }
 #endif
