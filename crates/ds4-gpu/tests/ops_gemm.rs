@@ -1098,8 +1098,8 @@ fn scaled_rows(r: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
     x
 }
 
-/// The persistent forms of the folded wide MoE kernels (`set_gemm_wg_persist`,
-/// `DS4_GPU_GW_PERSIST`: `gwg_iq2_xxs_p1_d2_fwp`, `gwd_q2_k_p1_fwp`, one CTA an SM drawing tiles
+/// The persistent forms of the folded wide MoE kernels (`set_gemm_wg_persist(3)`,
+/// `DS4_GPU_GW_PERSIST=3`: `gwg_iq2_xxs_p1_d2_fwp`, `gwd_q2_k_p1_fwp`, one CTA an SM drawing tiles
 /// from a counter) give the one-tile-a-CTA forms' outputs bit for bit: on the skewed runs (fewer
 /// tiles than SMs: some CTAs draw none) and on 2048 tokens x 6 slots routed uniformly over 64
 /// experts (~190 pairs an expert, several times more tiles than SMs). Each case runs the
@@ -1115,6 +1115,7 @@ fn gemm_moe_persistent_same_bits() {
     let wide0 = GpuBackend::gemm_wg_wide();
     GpuBackend::set_gemm_wg_wide(4);
     GpuBackend::set_gemm_wgd_wide(true);
+    let persist0 = GpuBackend::gemm_wg_persist();
     let mut r = rng(2700);
     let mut bad = Vec::new();
     for (case, (ne, k, n, d, ff)) in [
@@ -1138,7 +1139,7 @@ fn gemm_moe_persistent_same_bits() {
         let gh = gpu.upload(&scaled_rows(&mut r, pairs, ff));
         let mut outs = Vec::new();
         for (run, pers) in [false, true, true].into_iter().enumerate() {
-            GpuBackend::set_gemm_wg_persist(pers);
+            GpuBackend::set_gemm_wg_persist(if pers { 3 } else { 0 });
             let p0 = GpuBackend::gemm_wg_persist_launches();
             let (g, u) = gpu
                 .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
@@ -1172,7 +1173,7 @@ fn gemm_moe_persistent_same_bits() {
             }
         }
     }
-    GpuBackend::set_gemm_wg_persist(true);
+    GpuBackend::set_gemm_wg_persist(persist0);
     GpuBackend::set_gemm_wg_wide(wide0);
     assert!(bad.is_empty(), "{bad:#?}");
 }

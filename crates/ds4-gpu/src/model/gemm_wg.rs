@@ -48,13 +48,16 @@
 //! accumulator sets: 8 warps an SM, prefill -6.9 % / -3.6 %) and a split of them were deleted
 //! (code in 5a7f2d4).
 //!
-//! Persistent forms (`DS4_GPU_GW_PERSIST`, or [`GpuBackend::set_gemm_wg_persist`]; default on):
-//! the folded wide gate/up and down (`_fwp`) launch one CTA an SM (grid = the SM count, or the
+//! Persistent forms (`DS4_GPU_GW_PERSIST`: bit 0 the gate/up, bit 1 the down; default 1, the
+//! gate/up alone; or [`GpuBackend::set_gemm_wg_persist`]): the folded wide gate/up and down
+//! (`_fwp`) launch one CTA an SM (grid = the SM count, or the
 //! tiles' bound if smaller), each taking tiles (run, row tile, gate/up) from a counter in
 //! [`GpuBackend::tickets`] (words [`GW_TICKET`]..+4) until they run out: the grid tables are built
 //! once an SM instead of once a tile, no CTAs start for the absent runs of the worst-case grid
 //! (35% of a 2k prompt's gate/up grid), and a CTA that drew short runs takes more. Same
-//! arithmetic per tile (same bits).
+//! arithmetic per tile (same bits). H200, ncu, a 2k / 8k prompt's 43 calls: gate/up 2,009 ->
+//! 1,965 / 5,416 -> 5,298 us a call; down 1,038 -> 1,078 / 2,834 -> 2,979 (slower: not default;
+//! bench/results/gpu-moe-s27-h200.txt).
 
 use super::gemm::wide_gmax;
 use super::switch::{code, switch_on, UNSET};
@@ -92,9 +95,13 @@ static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
-/// The persistent `_fwp` forms: 0 off, 1 on, UNSET: read `DS4_GPU_GW_PERSIST` (`0` = off;
-/// default on) on first use.
+/// The persistent `_fwp` forms: bit 0 the gate/up, bit 1 the down; UNSET: read
+/// `DS4_GPU_GW_PERSIST` (`0`..`3`; default [`PERSIST_DEFAULT`]) on first use.
 static PERSIST: AtomicU8 = AtomicU8::new(UNSET);
+/// The gate/up alone: persistent, its 2k / 8k prompt's kernel time -2.2% (the grid tables built
+/// once an SM, no absent-run CTAs); the down's went +4-5% (2k / 8k) and is not taken by default
+/// (bench/results/gpu-moe-s27-h200.txt).
+const PERSIST_DEFAULT: u8 = 1;
 /// `_fwp` launches so far: gate/up (0), down (1; gemm_wgd.rs).
 pub(in crate::model) static PERSIST_LAUNCHES: [AtomicU64; 2] =
     [AtomicU64::new(0), AtomicU64::new(0)];
@@ -103,8 +110,15 @@ pub(in crate::model) static PERSIST_LAUNCHES: [AtomicU64; 2] =
 pub(in crate::model) const GW_TICKET: usize = super::mix::ROUTE_TICKET + 2;
 const _: () = assert!(GW_TICKET + 4 <= super::TICKET_WORDS);
 
-pub(in crate::model) fn persist() -> bool {
-    switch_on(&PERSIST, "DS4_GPU_GW_PERSIST")
+/// Which `_fwp` forms run: bit 0 the gate/up, bit 1 the down.
+pub(in crate::model) fn persist() -> u8 {
+    code(&PERSIST, "DS4_GPU_GW_PERSIST", |v| match v.map(str::trim) {
+        Some("0") => 0,
+        Some("1") => 1,
+        Some("2") => 2,
+        Some("3") => 3,
+        _ => PERSIST_DEFAULT,
+    })
 }
 
 /// Weight rows per CTA (`64 NWG`, NWG = 4 warpgroups) and its dynamic shared memory:
@@ -203,10 +217,17 @@ impl GpuBackend {
         PLANES.store(planes, Ordering::Relaxed);
     }
 
-    /// The persistent forms of the folded wide MoE kernels (`_fwp`, module docs) on or off
-    /// (default on, or `DS4_GPU_GW_PERSIST`). Process-wide (tests, benchmarks).
-    pub fn set_gemm_wg_persist(on: bool) {
-        PERSIST.store(on as u8, Ordering::Relaxed);
+    /// The persistent forms of the folded wide MoE kernels (`_fwp`, module docs): bit 0 the
+    /// gate/up, bit 1 the down (default [`PERSIST_DEFAULT`], or `DS4_GPU_GW_PERSIST`).
+    /// Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_persist(mode: u8) {
+        assert!(mode <= 3, "persistent modes 0..3");
+        PERSIST.store(mode, Ordering::Relaxed);
+    }
+
+    /// The persistent forms in use (see [`Self::set_gemm_wg_persist`]).
+    pub fn gemm_wg_persist() -> u8 {
+        persist()
     }
 
     /// Persistent launches so far in this process: (gate/up `gwg_iq2_xxs_p1_d2_fwp`, down
@@ -304,7 +325,7 @@ impl GpuBackend {
         };
         // The persistent form: one CTA an SM (or fewer: the tiles' bound), tiles from a counter.
         let tiles = ff.div_ceil(WG_BN) * gy_max * 2;
-        let pers = w == 4 && persist();
+        let pers = w == 4 && persist() & 1 != 0;
         let (name, grid) = if pers {
             PERSIST_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
             let ctas = (self.gpu.info().sm_count as usize).clamp(1, tiles);

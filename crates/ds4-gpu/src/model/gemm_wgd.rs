@@ -122,7 +122,7 @@ impl GpuBackend {
         // The persistent form (gemm_wg.rs docs): one CTA an SM, tiles from a counter (the
         // kernel's last argument).
         let tiles = rows.div_ceil(WGD_BN) * gy;
-        let (name, grid, ctr) = if wide && persist() {
+        let (name, grid, ctr) = if wide && persist() & 2 != 0 {
             PERSIST_LAUNCHES[1].fetch_add(1, Ordering::Relaxed);
             let ctas = (self.gpu.info().sm_count as usize).clamp(1, tiles);
             let ctr = self.tickets.ptr().offset(((GW_TICKET + 2) * 4) as u64);
