@@ -1305,16 +1305,6 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     // kernel (they read only weights and sel, whose writer, the router, finished before any
     // gate/up CTA passed its own wait, hence before this grid started).
     if (LATE) ds4_pdl_enter();
-    // sigma per slot from the gate/up maxima (max is order-free: deterministic).
-    for (int s = warp; s < k; s += 16) {
-        float am = 0.0f;
-        for (int i = lane; i < ngu; i += 32) am = fmaxf(am, mx[s * ngu + i]);
-#pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
-        if (lane == 0) scl[s] = __uint_as_float((u32)(127 + sig) << 23), scl[32 + s] = __uint_as_float((u32)(127 + 24 - sig) << 23);
-    }
-    __syncthreads();
     // x of slot s in registers (threads < 256: entry q = (chunk c, group j, tig): h[128c + 32j + 8tig ..]).
     float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
     auto xload = [&](int s) {
@@ -1324,6 +1314,24 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             xa = src[0], xb = src[1];
         }
     };
+    // Slot 0's x (written by the gate/up kernel) requested now, in flight with the maxima: the
+    // two load latencies overlap instead of following each other (xstore(0) below converts it).
+    xload(0);
+    // sigma per slot from the gate/up maxima (max is order-free: deterministic); the first 128
+    // of a slot requested at once (ngu = 86 at the model shape; the loop waited on each in turn:
+    // ncu, its two FMNMX on long scoreboard were 13% of m3dn1ip's stall samples).
+    for (int s = warp; s < k; s += 16) {
+        float mv[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) mv[j] = lane + 32 * j < ngu ? mx[s * ngu + lane + 32 * j] : 0.0f;
+        float am = fmaxf(fmaxf(0.0f, mv[0]), fmaxf(mv[1], fmaxf(mv[2], mv[3])));
+        for (int i = lane + 128; i < ngu; i += 32) am = fmaxf(am, mx[s * ngu + i]);
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+        if (lane == 0) scl[s] = __uint_as_float((u32)(127 + sig) << 23), scl[32 + s] = __uint_as_float((u32)(127 + 24 - sig) << 23);
+    }
+    __syncthreads();
     auto xstore = [&](int s) {
         if (tid < 256 && s < k) {
             int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3, buf = s & 1;
@@ -1354,7 +1362,6 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             }
         }
     };
-    xload(0);
     xstore(0);
     int blk = warp >> 1, hh = warp & 1, c = 2 * blk + hh;
     float og = 0.0f, ou = 0.0f;
