@@ -160,8 +160,8 @@ __device__ __forceinline__ void gw_stage_blocks(u32 so, const u8* wbase, int r0,
 }
 
 // The run of one expert's pairs starting at starts[by] (gemm.cu gm_items; by: blockIdx.y, or the
-// persistent forms' tile): items[m] = pair
-// index or -1, *expert set; every thread of the CTA calls it (one barrier). Returns the valid items
+// persistent forms' tile's run): items[m] = pair index or -1, *expert set; every thread of the
+// CTA calls it (one barrier). Returns the valid items
 // (a prefix of the tile): up to the next run's start. grp = [ngroups, starts[gmax], perm[n]] (runs
 // of GW_BM), followed by the wide runs' [ngroups2, starts2[]] (runs of 2 GW_BM, gm_group_scan_i32):
 // BM == 2 GW_BM reads those (the wide gate/up), the CTA then needs >= BM threads.
@@ -196,8 +196,9 @@ __device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* 
 // ctr[0] and its leave counter ctr[1] for the next launch (graph replays too); every thread calls
 // both; the tile is read after a barrier (s_tile: shared).
 // The next tile is drawn by thread 0 in the current tile's store (gw_store ctr, s_tile), so the
-// atomic's round trip overlaps the stores instead of preceding the next set-up (drawn at the
-// loop's top it cost the down 4.5%: bench/results/gpu-moe-s27-h200.txt); the first by gw_first_tile.
+// atomic's round trip overlaps the stores instead of preceding the next set-up; the first by
+// gw_first_tile. H200 (bench/results/gpu-moe-s27-h200.txt): the gate/up -2.2% a call, the down
+// +4-5% either way (not the default there: gemm_wg.rs DS4_GPU_GW_PERSIST).
 __device__ __forceinline__ void gw_first_tile(u32* ctr, int* s_tile) {
     if (threadIdx.x == 0) *s_tile = (int)atomicAdd(ctr, 1u);
 }

@@ -50,8 +50,8 @@
 //!
 //! Persistent forms (`DS4_GPU_GW_PERSIST`: bit 0 the gate/up, bit 1 the down; default 1, the
 //! gate/up alone; or [`GpuBackend::set_gemm_wg_persist`]): the folded wide gate/up and down
-//! (`_fwp`) launch one CTA an SM (grid = the SM count, or the
-//! tiles' bound if smaller), each taking tiles (run, row tile, gate/up) from a counter in
+//! (`_fwp`) launch one CTA an SM (grid = the SM count, or the tiles' bound if smaller), each
+//! taking tiles (run, row tile, gate/up) from a counter in
 //! [`GpuBackend::tickets`] (words [`GW_TICKET`]..+4) until they run out: the grid tables are built
 //! once an SM instead of once a tile, no CTAs start for the absent runs of the worst-case grid
 //! (35% of a 2k prompt's gate/up grid), and a CTA that drew short runs takes more. Same
@@ -328,7 +328,7 @@ impl GpuBackend {
         let pers = w == 4 && persist() & 1 != 0;
         let (name, grid) = if pers {
             PERSIST_LAUNCHES[0].fetch_add(1, Ordering::Relaxed);
-            let ctas = (self.gpu.info().sm_count as usize).clamp(1, tiles);
+            let ctas = (self.gpu.info().sm_count as usize).min(tiles).max(1);
             ("gwg_iq2_xxs_p1_d2_fwp", [ctas as u32, 1, 1])
         } else {
             (name, [ff.div_ceil(WG_BN) as u32, gy_max as u32, 2])

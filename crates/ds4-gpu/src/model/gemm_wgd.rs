@@ -124,7 +124,7 @@ impl GpuBackend {
         let tiles = rows.div_ceil(WGD_BN) * gy;
         let (name, grid, ctr) = if wide && persist() & 2 != 0 {
             PERSIST_LAUNCHES[1].fetch_add(1, Ordering::Relaxed);
-            let ctas = (self.gpu.info().sm_count as usize).clamp(1, tiles);
+            let ctas = (self.gpu.info().sm_count as usize).min(tiles).max(1);
             let ctr = self.tickets.ptr().offset(((GW_TICKET + 2) * 4) as u64);
             ("gwd_q2_k_p1_fwp", [ctas as u32, 1, 1], Some(ctr))
         } else {
