@@ -17,7 +17,9 @@
 //! [`GpuBackend::set_gemm_wgd_wide`] off): the grouping's wide runs (up to 128 pairs of one
 //! expert a CTA, as the gate/up's `gwg_iq2_xxs_p1_d2_fw`) and one accumulator set, the
 //! super-block scales folded into the f16 weights (two f16 roundings a weight, one for the min
-//! term's). Results: bench/results/gpu-gwd-s22-h200.txt.
+//! term's). Results: bench/results/gpu-gwd-s22-h200.txt. Its persistent form
+//! (`gwd_q2_k_p1_fwp`, bit 1 of `DS4_GPU_GW_PERSIST`, gemm_wg.rs) gives the same bits but ran
+//! 4-5% slower a call, so it is off by default (bench/results/gpu-moe-s27-h200.txt).
 
 use super::gemm::wide_gmax;
 use super::gemm_wg::{lean_x, one_plane, persist, GW_TICKET, P1_LAUNCHES, PERSIST_LAUNCHES};
