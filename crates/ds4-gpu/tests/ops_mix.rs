@@ -709,7 +709,6 @@ fn hc_prefill_precision() {
         for (hcp, tc, hpost) in [
             ("tc", "on", "on"),
             ("tc-lb0", "on", "on"),
-            ("tc-as0", "on", "on"),
             ("tc-sep", "on", "off"),
             ("on", "off", "on"),
             ("off", "off", "on"),
@@ -718,10 +717,8 @@ fn hc_prefill_precision() {
             GpuBackend::set_hcp_tc(tc);
             GpuBackend::set_hcp_post(hpost);
             GpuBackend::set_hcp_lb(if hcp == "tc-lb0" { "off" } else { "on" });
-            GpuBackend::set_hcp_as(if hcp == "tc-as0" { "off" } else { "on" });
             let runs = GpuBackend::hcp_tc_launches();
             let runs4 = GpuBackend::hcp_lb_launches();
-            let runs_as = GpuBackend::hcp_as_launches();
             let mut xg = gpu.upload(&x);
             let (og, ping, cing) = (gpu.upload(&o), gpu.upload(&pin), gpu.upload(&cin));
             let (mut zg, mut pg, mut cg) =
@@ -772,31 +769,18 @@ fn hc_prefill_precision() {
             let want = hcp.starts_with("tc") && tc_dev;
             assert_eq!(ran > 0, want, "hcp_mix_tc ran {ran} times ({hcp})");
             let ran4 = GpuBackend::hcp_lb_launches() - runs4;
-            let want4 = (hcp == "tc" || hcp == "tc-as0") && with_post && tc_dev;
+            let want4 = hcp == "tc" && with_post && tc_dev;
             assert_eq!(ran4 > 0, want4, "hcp_post_mix_tc4 ran {ran4} times ({hcp})");
-            let ran_as = GpuBackend::hcp_as_launches() - runs_as;
-            let want_as = hcp == "tc" && with_post && tc_dev;
-            assert_eq!(
-                ran_as > 0,
-                want_as,
-                "hcp_post_mix_tc4a ran {ran_as} times ({hcp})"
-            );
             errs.push(e);
         }
         GpuBackend::set_hcp("on");
         GpuBackend::set_hcp_tc("on");
         GpuBackend::set_hcp_post("on");
         GpuBackend::set_hcp_lb("on");
-        GpuBackend::set_hcp_as("on");
-        // The register-bounded hcp_post_mix_tc4 (its shared-memory form hcp_post_mix_tc4a, the
-        // default, and the register form) and the unbounded kernel: one code, one result.
+        // The register-bounded hcp_post_mix_tc4 and the unbounded kernel: one code, one result.
         assert_eq!(
             outs[0], outs[1],
-            "post {with_post}: hcp_post_mix_tc4a differs in bits from hcp_post_mix_tc"
-        );
-        assert_eq!(
-            outs[0], outs[2],
-            "post {with_post}: hcp_post_mix_tc4a differs in bits from hcp_post_mix_tc4"
+            "post {with_post}: hcp_post_mix_tc4 differs in bits"
         );
         let composed = errs.len() - 1;
         for form in 0..composed {

@@ -6,8 +6,6 @@
 #include "prelude.cuh"
 // hc.cuh: ds4_sigmoid and the Sinkhorn (hc_sinkhorn_by_warp), shared with model.cu
 #include "hc.cuh"
-// ptx.cuh: cp.async (hcp_post_mix_tc4a)
-#include "ptx.cuh"
 
 #define FU_PART 32 // doubles per (token, split) partial: the (2+N)·N dots, then the sum of squares
 
@@ -1122,24 +1120,10 @@ __device__ __forceinline__ u32 ds4_tf32(float v) {
     return r;
 }
 #endif
-// AS (hcp_post_mix_tc4a, POST only): the chunk's X and o rows come through shared memory by
-// cp.async, the next chunk's copies issued before this chunk's arithmetic (double-buffered, each
-// lane its own 16-byte slots: no barrier), so a warp's loads stay in flight while it computes;
-// the register form requests a chunk only after the previous one's arithmetic (128 registers
-// leave no room for a register prefetch). Same values, same operations: the same bits.
-#define HT_ITEMS 10 // 16-byte copies a lane and chunk: 2 tokens x (4 streams + o)
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-// The async form's staging, [warp][buffer][item][lane] (40 KiB a CTA), this warp's part.
-__device__ __forceinline__ uint4 (*ht_stage())[HT_ITEMS][32] {
-    __shared__ uint4 hstage[HT_W][2][HT_ITEMS][32];
-    return hstage[threadIdx.x >> 5];
-}
-#endif
-template <bool POST, bool AS = false>
+template <bool POST>
 __device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post,
                                           const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes,
                                           int wty, double* __restrict__ part, int n, int D, int S, int per) {
-    static_assert(!AS || POST, "the async form: post + mix");
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     constexpr int NN = 4, MIX = (2 + NN) * NN, NT = MIX / 8;
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -1170,46 +1154,13 @@ __device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o,
     for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
     double ss[2] = {0.0, 0.0};
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    // AS: this warp's slots [buffer][item][lane] (item 5 m + j: stream j of token m, 5 m + 4: its
-    // o); the register form declares no shared memory.
-    uint4(*st)[HT_ITEMS][32] = nullptr;
-    if constexpr (AS) st = ht_stage();
-    auto issue = [&](int q, int b) { // chunk column q's copies into buffer b (absent tokens: zeros)
-        if (q < hi) {
-#pragma unroll
-            for (int m = 0; m < 2; m++) {
-#pragma unroll
-                for (int j = 0; j < NN; j++) ds4_cp16(&st[b][5 * m + j][lane], xr[m] + j * D4 + q, live[m]);
-                ds4_cp16(&st[b][5 * m + 4][lane], orow[m] + q, live[m]);
-            }
-        }
-        ds4_cp_commit();
-    };
-    if (AS) issue(lo + tg, 0);
-    int buf = 0;
     for (int q0 = lo + tg; q0 < hi; q0 += 4) { // this lane's float4 column of each chunk (host: (hi - lo) % 4 == 0)
         float4 v[2][NN], ov[2];
-        if constexpr (AS) {
-            issue(q0 + 4, buf ^ 1); // the next chunk's, in flight during this one
-            ds4_cp_wait<1>();       // this chunk's landed (this lane's own slots)
 #pragma unroll
-            for (int m = 0; m < 2; m++) {
+        for (int m = 0; m < 2; m++) { // the chunk's loads first
 #pragma unroll
-                for (int j = 0; j < NN; j++) {
-                    const uint4 u = st[buf][5 * m + j][lane];
-                    v[m][j] = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
-                }
-                const uint4 u = st[buf][5 * m + 4][lane];
-                ov[m] = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
-            }
-            buf ^= 1;
-        } else {
-#pragma unroll
-            for (int m = 0; m < 2; m++) { // the chunk's loads first
-#pragma unroll
-                for (int j = 0; j < NN; j++) v[m][j] = live[m] ? xr[m][j * D4 + q0] : zero;
-                if (POST) ov[m] = live[m] ? orow[m][q0] : zero;
-            }
+            for (int j = 0; j < NN; j++) v[m][j] = live[m] ? xr[m][j * D4 + q0] : zero;
+            if (POST) ov[m] = live[m] ? orow[m][q0] : zero;
         }
         if (POST) {
 #pragma unroll
@@ -1302,12 +1253,6 @@ DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_post_mix_tc(float* x, const float* __r
 DS4_KERNEL void DS4_BOUNDS(HT_LB4) hcp_post_mix_tc4(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
     ds4_pdl_enter();
     hp_mix_tc<true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
-}
-// The same with its X and o rows through shared memory by cp.async (hp_mix_tc AS;
-// mix.rs DS4_GPU_HCP_AS).
-DS4_KERNEL void DS4_BOUNDS(HT_LB4) hcp_post_mix_tc4a(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
-    ds4_pdl_enter();
-    hp_mix_tc<true, true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
 }
 
 template <int NN>

@@ -156,17 +156,6 @@ fn hcp_lb_on() -> bool {
     env_code(&HCP_LB, "DS4_GPU_HCP_LB", on_unless_off) == 1
 }
 
-/// hcp_post_mix_tc4's X and o rows through shared memory by cp.async, the next chunk's in
-/// flight during this one's arithmetic (`hcp_post_mix_tc4a`; the same operations, the same bits):
-/// 0 not yet read from `DS4_GPU_HCP_AS`, 1 on (default), 2 off (process-wide).
-static HCP_AS: AtomicU8 = AtomicU8::new(0);
-/// hcp_post_mix_tc4a launches so far, process-wide ([`GpuBackend::hcp_as_launches`]).
-static HCP_AS_RUNS: AtomicU64 = AtomicU64::new(0);
-
-fn hcp_as_on() -> bool {
-    env_code(&HCP_AS, "DS4_GPU_HCP_AS", on_unless_off) == 1
-}
-
 /// hcp_mix_tc launches so far, process-wide ([`GpuBackend::hcp_tc_launches`]).
 static HCP_TC_RUNS: AtomicU64 = AtomicU64::new(0);
 
@@ -385,20 +374,9 @@ impl GpuBackend {
         set_code(&HCP_LB, "set_hcp_lb", form, &["on", "off"]);
     }
 
-    /// `hcp_post_mix_tc4` (either form) launches so far in this process.
+    /// `hcp_post_mix_tc4` launches so far in this process.
     pub fn hcp_lb_launches() -> u64 {
         HCP_LB_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// hcp_post_mix_tc4's shared-memory form (`hcp_post_mix_tc4a`) by its `DS4_GPU_HCP_AS`
-    /// name: "on" (the default) or "off". Process-wide; for tests and A/B.
-    pub fn set_hcp_as(form: &str) {
-        set_code(&HCP_AS, "set_hcp_as", form, &["on", "off"]);
-    }
-
-    /// `hcp_post_mix_tc4a` launches so far in this process.
-    pub fn hcp_as_launches() -> u64 {
-        HCP_AS_RUNS.load(Ordering::Relaxed)
     }
 
     /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
@@ -700,10 +678,8 @@ impl GpuBackend {
         });
         // The register-bounded post + mix (hcp_post_mix_tc4): one wave, counted.
         let bounded = tc.is_some() && pin.is_some() && hcp_lb_on();
-        let staged = bounded && hcp_as_on(); // its rows through shared memory (hcp_post_mix_tc4a)
         let (name, tok, threads, ctas) = match (tc, pin) {
             (Some(c), None) => ("hcp_mix_tc", HT_TOKENS, 128, c),
-            (Some(c), Some(_)) if staged => ("hcp_post_mix_tc4a", HT_TOKENS, 128, c),
             (Some(c), Some(_)) if bounded => ("hcp_post_mix_tc4", HT_TOKENS, 128, c),
             (Some(c), Some(_)) => ("hcp_post_mix_tc", HT_TOKENS, 128, c),
             (None, None) => ("hcp_mix", HP_T / HP_L, HP_T, HP_CTAS_PER_SM),
@@ -728,9 +704,6 @@ impl GpuBackend {
         }
         if bounded {
             HCP_LB_RUNS.fetch_add(1, Ordering::Relaxed);
-        }
-        if staged {
-            HCP_AS_RUNS.fetch_add(1, Ordering::Relaxed);
         }
         let post_args = pin.map(|(o, p, c)| [Arg::Ptr(o), Arg::Ptr(p), Arg::Ptr(c)]);
         let args: Vec<Arg> = [Arg::Ptr(x)]
