@@ -112,12 +112,14 @@ impl RtcApi {
         }
     }
 
+    /// The code object and the compiler's log (ptxas notes with `--ptxas-options=-v` in `extra`).
     fn compile(
         &self,
         module: &Module,
         arch: &str,
         defines: &[(String, String)],
-    ) -> Result<Vec<u8>> {
+        extra: &[&str],
+    ) -> Result<(Vec<u8>, String)> {
         let cstr =
             |s: &str| CString::new(s).map_err(|_| GpuError::Invalid(format!("NUL byte in {s:?}")));
         let src = cstr(module.source)?;
@@ -132,6 +134,9 @@ impl RtcApi {
         }
         for (k, v) in defines {
             opts.push(cstr(&format!("-D{k}={v}"))?);
+        }
+        for f in extra {
+            opts.push(cstr(f)?);
         }
         let op: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
         let mut prog: Prog = std::ptr::null_mut();
@@ -170,7 +175,9 @@ impl RtcApi {
             let r = (self.code_size)(prog, &mut sz);
             if r != 0 {
                 (self.destroy)(&mut prog);
-                return self.check("GetCodeSize", r).map(|_| Vec::new());
+                return self
+                    .check("GetCodeSize", r)
+                    .map(|_| (Vec::new(), String::new()));
             }
             let mut code = vec![0u8; sz];
             let r = (self.code)(prog, code.as_mut_ptr() as *mut c_char);
@@ -185,7 +192,7 @@ impl RtcApi {
                     log,
                 });
             }
-            Ok(code)
+            Ok((code, log))
         }
     }
 }
@@ -271,7 +278,22 @@ impl Compiler for Nvrtc {
         arch: &str,
         defines: &[(String, String)],
     ) -> Result<Vec<u8>> {
-        self.0.compile(module, arch, defines)
+        self.0.compile(module, arch, defines, &[]).map(|r| r.0)
+    }
+}
+
+impl Nvrtc {
+    /// A compile with extra options, returning the log too: `--ptxas-options=-v` makes ptxas
+    /// report each kernel's registers, spills and (sm_90a) wgmma serialisation, which the
+    /// compile test checks without a GPU.
+    pub fn compile_logged(
+        &self,
+        module: &Module,
+        arch: &str,
+        defines: &[(String, String)],
+        extra: &[&str],
+    ) -> Result<(Vec<u8>, String)> {
+        self.0.compile(module, arch, defines, extra)
     }
 }
 
@@ -410,7 +432,7 @@ impl Compiler for Hiprtc {
         let _one = HIPRTC_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let now = HIPRTC_BUSY.fetch_add(1, Ordering::SeqCst) + 1;
         HIPRTC_MOST.fetch_max(now, Ordering::SeqCst);
-        let r = self.api.compile(module, arch, defines);
+        let r = self.api.compile(module, arch, defines, &[]).map(|r| r.0);
         HIPRTC_BUSY.fetch_sub(1, Ordering::SeqCst);
         r
     }
