@@ -198,7 +198,8 @@ __device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* 
 // The next tile is drawn by thread 0 in the current tile's store (gw_store ctr, s_tile), so the
 // atomic's round trip overlaps the stores instead of preceding the next set-up; the first by
 // gw_first_tile. H200 (bench/results/gpu-moe-s27-h200.txt): the gate/up -2.2% a call, the down
-// +4-5% either way (not the default there: gemm_wg.rs DS4_GPU_GW_PERSIST).
+// +4-5% either way: ptxas serializes the down's wgmma in its persistent form for want of
+// registers (C7512; not the default: gemm_wg.rs DS4_GPU_GW_PERSIST; tests/compile.rs).
 __device__ __forceinline__ void gw_first_tile(u32* ctr, int* s_tile) {
     if (threadIdx.x == 0) *s_tile = (int)atomicAdd(ctr, 1u);
 }

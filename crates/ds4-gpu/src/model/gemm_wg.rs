@@ -99,8 +99,8 @@ pub(in crate::model) const WG_BM: usize = 64;
 /// `DS4_GPU_GW_PERSIST` (`0`..`3`; default [`PERSIST_DEFAULT`]) on first use.
 static PERSIST: AtomicU8 = AtomicU8::new(UNSET);
 /// The gate/up alone: persistent, its 2k / 8k prompt's kernel time -2.2% (the grid tables built
-/// once an SM, no absent-run CTAs); the down's went +4-5% (2k / 8k) and is not taken by default
-/// (bench/results/gpu-moe-s27-h200.txt).
+/// once an SM, no absent-run CTAs); the down's went +4-5% (2k / 8k: ptxas serializes its wgmma
+/// for want of registers, C7512) and is not taken by default (bench/results/gpu-moe-s27-h200.txt).
 const PERSIST_DEFAULT: u8 = 1;
 /// `_fwp` launches so far: gate/up (0), down (1; gemm_wgd.rs).
 pub(in crate::model) static PERSIST_LAUNCHES: [AtomicU64; 2] =
