@@ -1256,6 +1256,42 @@ fn attend_prefill_matches_cpu() {
 
 // ---------------------------------------------------------------------------------------------
 
+/// A layer's state before a chunk of `n` tokens at `t0`: a full ring of random rows holding the
+/// last `win` positions before `t0` (empty slots -1), and with `ratio > 0` random compressed
+/// rows for every position up to `t0 + n` (raw rows drawn first, then compressed).
+fn ring_layer(
+    r: &mut impl Rng,
+    win: usize,
+    hd: usize,
+    ratio: usize,
+    n: usize,
+    t0: usize,
+) -> (LayerDims, HostLayerState) {
+    let ld = LayerDims {
+        window: win,
+        head_dim: hd,
+        comp: (ratio > 0).then_some(CompDims {
+            ratio,
+            coff: 1,
+            d: hd,
+        }),
+        index: None,
+    };
+    let mut h = HostLayerState::new(&ld);
+    h.raw = randn(r, win * hd, 1.0);
+    for s in 0..win {
+        h.raw_pos[s] = (0..t0)
+            .rev()
+            .find(|p| p % win == s)
+            .map_or(-1, |p| p as i64);
+    }
+    let n_rows = (t0 + n).checked_div(ratio).unwrap_or(0);
+    if let Some(c) = h.comp.as_mut() {
+        c.rows = randn(r, n_rows * hd, 1.0);
+    }
+    (ld, h)
+}
+
 /// Wall time per call of `f` (after a warm-up call), device synchronised around the loop.
 fn time_us(gpu: &GpuBackend, iters: u32, mut f: impl FnMut()) -> f64 {
     f();
@@ -1295,28 +1331,7 @@ fn attend_bench() {
     // DS4_ATTN_BENCH=tc: the prefill chunks only, the tensor-core forms, fast forms A B C D A B C D.
     let tc_only = std::env::var("DS4_ATTN_BENCH").is_ok_and(|v| v == "tc");
     for &(ratio, with_sel, n, t0) in &cases {
-        let ld = LayerDims {
-            window: win,
-            head_dim: hd,
-            comp: (ratio > 0).then_some(CompDims {
-                ratio,
-                coff: 1,
-                d: hd,
-            }),
-            index: None,
-        };
-        let mut h = HostLayerState::new(&ld);
-        h.raw = randn(&mut r, win * hd, 1.0);
-        for s in 0..win {
-            h.raw_pos[s] = (0..t0)
-                .rev()
-                .find(|p| p % win == s)
-                .map_or(-1, |p| p as i64);
-        }
-        let n_rows = (t0 + n).checked_div(ratio).unwrap_or(0);
-        if let Some(c) = h.comp.as_mut() {
-            c.rows = randn(&mut r, n_rows * hd, 1.0);
-        }
+        let (ld, h) = ring_layer(&mut r, win, hd, ratio, n, t0);
         let mut gs = gpu.state_from_host(&ld, &h);
         let spec = AttnSpec {
             n_head: nh,
@@ -1448,27 +1463,9 @@ fn attend_qnorm_matches_norm_then_attend() {
     for (ci, &(nh, ratio, with_sel, n, t0)) in cases.iter().enumerate() {
         let (hd, win, top_k) = (512usize, 128usize, 512usize);
         let mut r = rng(900 + ci as u64);
-        let ld = LayerDims {
-            window: win,
-            head_dim: hd,
-            comp: (ratio > 0).then_some(CompDims {
-                ratio,
-                coff: 1,
-                d: hd,
-            }),
-            index: None,
-        };
-        let mut h = HostLayerState::new(&ld);
-        h.raw = randn(&mut r, win * hd, 1.0);
-        for s in 0..win {
-            h.raw_pos[s] = (0..t0)
-                .rev()
-                .find(|p| p % win == s)
-                .map_or(-1, |p| p as i64);
-        }
+        let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
         f16_vals(&mut h.raw);
         if let Some(c) = h.comp.as_mut() {
-            c.rows = randn(&mut r, (t0 + n) / ratio * hd, 1.0);
             f16_vals(&mut c.rows);
         }
         let spec = AttnSpec {

@@ -1659,13 +1659,7 @@ impl Backend for GpuBackend {
         t0: usize,
         out: &mut GpuBuf,
     ) {
-        let _p = self.prof(|| {
-            format!(
-                "attend ratio {} n{}",
-                spec.ratio,
-                if n == 1 { "=1" } else { ">1" }
-            )
-        });
+        let _p = self.prof(|| attend_label(spec, n, ""));
 
         self.op_attend(st, spec, q, None, kv, sinks, sel, n, t0, out)
     }
@@ -1687,13 +1681,7 @@ impl Backend for GpuBackend {
         t0: usize,
         out: &mut GpuBuf,
     ) {
-        let _p = self.prof(|| {
-            format!(
-                "attend ratio {} raw q n{}",
-                spec.ratio,
-                if n == 1 { "=1" } else { ">1" }
-            )
-        });
+        let _p = self.prof(|| attend_label(spec, n, "raw q "));
         self.op_attend(st, spec, q, Some(eps), kv, sinks, sel, n, t0, out)
     }
 
@@ -1890,4 +1878,11 @@ impl Backend for GpuBackend {
             }
         }
     }
+}
+
+/// The profile label of an attention call: its ratio, `what` (the raw-query form's "raw q "),
+/// and whether it is one token or a prompt.
+fn attend_label(spec: &AttnSpec, n: usize, what: &str) -> String {
+    let n = if n == 1 { "=1" } else { ">1" };
+    format!("attend ratio {} {what}n{n}", spec.ratio)
 }
