@@ -352,7 +352,11 @@ fn wgmma_kernels_not_serialized() {
     let mut serialized = Vec::new();
     let mut spills: Vec<(String, String)> = Vec::new();
     let mut named = Vec::new();
-    for m in [&ds4_kernels::GEMM_WG, &ds4_kernels::GEMM_WGD] {
+    for m in [
+        &ds4_kernels::GEMM_WG,
+        &ds4_kernels::GEMM_WGD,
+        &ds4_kernels::ATTN_TC,
+    ] {
         let (_, log) = c
             .compile_logged(m, "sm_90a", &defines, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", m.name));
@@ -374,6 +378,7 @@ fn wgmma_kernels_not_serialized() {
         "gwg_iq2_xxs_p1_d2_fw",
         "gwg_iq2_xxs_p1_d2_fwp",
         "gwd_q2_k_p1_fw",
+        "index_scores_wg",
     ] {
         assert!(named.iter().any(|n| n == k), "{k}: not in ptxas's notes");
         assert!(

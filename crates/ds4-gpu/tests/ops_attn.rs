@@ -601,18 +601,22 @@ fn index_select_matches_cpu() {
     // Glue forms: new (default), old (DS4_GPU_ATTN_GLUE=old); index_scores128h/index_topk_ps
     // run only with the new one, index_scores_tc (prefill, 64 heads, fp4) only with the new one
     // and tensor cores on (the first form).
-    // The last flag: the old top-k and query prep (DS4_GPU_TOPK=old).
-    for (simple, old, tc, tk_old) in [
-        (false, false, true, false),
-        (false, false, false, false),
-        (false, true, true, false),
-        (true, false, true, false),
-        (false, false, true, true),
+    // The fourth flag: the old top-k and query prep (DS4_GPU_TOPK=old). The last: prompt batches
+    // on index_scores_wg (sm_90a; elsewhere index_scores_tc either way) or index_scores_tc.
+    for (simple, old, tc, tk_old, wg) in [
+        (false, false, true, false, true),
+        (false, false, true, false, false),
+        (false, false, false, false, true),
+        (false, true, true, false, true),
+        (true, false, true, false, true),
+        (false, false, true, true, true),
     ] {
         GpuBackend::set_attn_simple(simple);
         GpuBackend::set_attn_glue_old(old);
         GpuBackend::set_index_tc(tc);
         GpuBackend::set_topk_old(tk_old);
+        GpuBackend::set_index_wg(wg);
+        println!("simple {simple} old glue {old} tc {tc} old top-k {tk_old} wg {wg}");
         // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
         run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
         run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
@@ -629,6 +633,9 @@ fn index_select_matches_cpu() {
         // group, several row tiles and CTAs of rows, rows past the last tile.
         run_index(&cpu, &gpu, 64, 512, true, 37, 2030, 13);
         run_index(&cpu, &gpu, 64, 512, true, 130, 9001, 14);
+        // index_scores_wg: rows past one CTA's 1024 (9 tiles and a ragged one), 3 token groups
+        // and a ragged last one (a warpgroup of absent tokens).
+        run_index(&cpu, &gpu, 64, 512, true, 15, 4400, 17);
         run_index(&cpu, &gpu, 64, 512, false, 9, 3000, 15);
         // Decode: one token just past top_k rows, 64 heads; odd head count.
         run_index(&cpu, &gpu, 64, 512, true, 1, 2600, 11);
@@ -640,6 +647,7 @@ fn index_select_matches_cpu() {
     GpuBackend::set_attn_glue_old(false);
     GpuBackend::set_index_tc(true);
     GpuBackend::set_topk_old(false);
+    GpuBackend::set_index_wg(true);
 }
 
 /// The CPU's selection (ds4-cpu backend.rs index_select): the top k of `scores` (the visible

@@ -23,6 +23,7 @@
 // (one mma each, P sums of the rounded weights; ~1e-3 relative).
 #include "prelude.cuh"
 #include "ptx.cuh"
+#include "wgmma.cuh"
 
 #define ATC_HG 16     // heads per CTA
 #define ATC_R 32      // rows per tile
@@ -857,3 +858,177 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
 #endif
 
 DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }
+
+// ---------------------------------------------------------------------------------------------
+// The same scores on Hopper warpgroup MMA (sm_90a; prefill batches of more than IXT_FEW tokens,
+// attn.rs; the contract and bits of index_scores_tc). H200, the 4th 8192-token chunk of a 32k
+// prompt: index_scores_tc took 6.68 ms a layer at one 218-register CTA an SM, a quarter of its
+// stall samples at the two CTA barriers a 32-row tile that wait on 128 threads' head sums.
+// CTA = 4 warpgroups, one token each (IXW_TOK), over rows [blockIdx.x rb, + rb) in tiles of 64:
+//   S = Q_t (64 heads × 128: bf16 A fragments in registers, loaded once) · R_tileᵀ
+// by 8 wgmma m64n64k16 (B: the tile's 64 rows × 128 bf16 in shared memory, K-major core
+// matrices of 8 rows × 16 bytes, core (row group, k group kg) at 128 (16 group + kg): LBO 128,
+// SBO 2048, k-step kk at + 256 kk). Rows are the bf16 copy made by ixw_rows_bf16 (exact),
+// staged by cp.async IXW_NS - 2 tiles ahead. Two accumulator sets: tile i + 1's wgmma run while
+// tile i's terms w_h max(0, s) go to the warpgroup's [row][head] tile (two, alternating) and 64
+// of its threads add a row's 64 heads in head order (the CPU's f32 sum); a warpgroup barrier,
+// no CTA barrier, waits on a sum. Exactness: as index_scores_tc (every partial sum of a dot exact; same terms, same
+// head order).
+#define IXW_TOK 4   // tokens a CTA: one a warpgroup
+#define IXW_N 64    // rows a tile
+#define IXW_NS 4    // row tile stages
+#define IXW_TS 68   // floats a row of a term tile: 64 heads + 4 (conflict-free stores and float4 loads)
+#define IXW_STAGE (IXW_N * 256)                 // bytes a stage: 64 rows × 128 bf16
+#define IXW_TERM (IXW_N * IXW_TS * 4)           // bytes a term tile
+#define IXW_SMEM (IXW_NS * IXW_STAGE + 2 * IXW_TOK * IXW_TERM) // 204,800 (attn.rs IXW_SMEM)
+
+#if GW_HAVE
+// Named barrier `id` of the n threads (whole warps) that reach it.
+__device__ __forceinline__ void ixw_bar(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+// Tile S = Q · Rᵀ of one warpgroup: the 8 k-steps into acc (the first with scale-d 0), one group.
+__device__ __forceinline__ void ixw_mma(GwAcc<64>& acc, const u32 (&a)[8][4], u64 d) {
+    gw_pin(acc);
+    gw_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) gw_mma_bf16(acc, a[kk], d + 16u * kk, kk);
+    gw_commit();
+    gw_pin(acc);
+}
+
+__device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q, const float* __restrict__ w,
+                                                     const u16* __restrict__ rows16, float* __restrict__ scores,
+                                                     long long tb, long long max_vis, int ntok, int ratio, float ws, int rb) {
+    extern __shared__ __align__(128) u8 ixw_dyn[];
+    const int tid = threadIdx.x, wg = tid >> 7, lt = tid & 127, qw = lt >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int i0 = blockIdx.y * IXW_TOK, ntk = min(IXW_TOK, ntok - i0);
+    const long long vmax = (tb + i0 + ntk) / ratio; // rows the CTA's last token sees
+    const long long r_begin = (long long)blockIdx.x * rb;
+    if (r_begin >= vmax) return; // whole CTA past the visible rows
+    const long long r_end = min(r_begin + (long long)rb, vmax);
+    const int ntiles = (int)((r_end - r_begin + IXW_N - 1) / IXW_N);
+    // Absent tokens (a ragged last group) run the wgmma and terms on a copy of the last token's
+    // fragments and store no score: wgmma, or a read of their accumulators, under a
+    // thread-dependent branch makes ptxas serialize them (C7518).
+    const bool act = wg < ntk;
+    const int ti = i0 + min(wg, ntk - 1);
+    const long long vis = min((tb + ti + 1) / ratio, r_end); // rows this token stores, from r_begin
+    const u32 sb = (u32)__cvta_generic_to_shared(ixw_dyn);
+    float* term = (float*)(ixw_dyn + IXW_NS * IXW_STAGE) + wg * 2 * (IXW_TERM / 4);
+
+    // A fragments (as mma.m16n8k16, warp qw's 16 heads): heads 16 qw + g (+8), k 16 kk + 2t (+1, +8, +9).
+    u32 a[8][4];
+    float wh[2];
+    {
+        const float* qh = q + ((size_t)ti * 64 + 16 * qw + g) * 128 + 2 * t;
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            const float2 x0 = *(const float2*)(qh + kk * 16), x1 = *(const float2*)(qh + 8 * 128 + kk * 16);
+            const float2 x2 = *(const float2*)(qh + kk * 16 + 8), x3 = *(const float2*)(qh + 8 * 128 + kk * 16 + 8);
+            a[kk][0] = ixt_pack(x0.x, x0.y);
+            a[kk][1] = ixt_pack(x1.x, x1.y);
+            a[kk][2] = ixt_pack(x2.x, x2.y);
+            a[kk][3] = ixt_pack(x3.x, x3.y);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) wh[u] = __fmul_rn(w[(size_t)ti * 64 + 16 * qw + g + 8 * u], ws);
+    }
+    // Tile j's rows into stage j % IXW_NS: 1024 pieces of 16 bytes, two a thread (row p / 16,
+    // k group p % 16); rows at or past r_end zero-filled (read nothing).
+    auto stage = [&](int j) {
+        if (j < ntiles) {
+            const u32 so = sb + (u32)(j % IXW_NS) * IXW_STAGE;
+#pragma unroll
+            for (int jj = 0; jj < 2; jj++) {
+                const int p = tid + 512 * jj, n = p >> 4, kg = p & 15;
+                const long long row = r_begin + (long long)IXW_N * j + n;
+                const bool ok = row < r_end;
+                ds4_cp16n(so + 128u * (u32)(16 * (n >> 3) + kg) + 16u * (u32)(n & 7), rows16 + (ok ? row : 0) * 128 + 8 * kg,
+                          ok ? 16 : 0);
+            }
+        }
+        ds4_cp_commit(); // one group a tile, empty past the last
+    };
+    const u64 d0 = gw_desc(sb, 128u, 2048u);
+    auto desc = [&](int j) { return d0 + (u64)((u32)(j % IXW_NS) * (IXW_STAGE / 16)); };
+    // Tile j's terms from acc into term tile j % 2, then the head sums of its rows.
+    auto sums = [&](const GwAcc<64>& acc, int j) {
+        float* tt = term + (j & 1) * (IXW_TERM / 4);
+#pragma unroll
+        for (int i = 0; i < 32; i++) { // v[4 jn + e]: row 8 jn + 2t + (e & 1), head 16 qw + g + 8 (e >> 1)
+            const float s = acc.v[i], dd = s > 0.0f ? s : 0.0f;
+            tt[(8 * (i >> 2) + 2 * t + (i & 1)) * IXW_TS + 16 * qw + g + 8 * ((i >> 1) & 1)] = __fmul_rn(wh[(i >> 1) & 1], dd);
+        }
+        ixw_bar(1 + wg, 128);
+        const long long row = r_begin + (long long)IXW_N * j + lt;
+        if (act && lt < IXW_N && row < vis) {
+            const float4* tp = (const float4*)(tt + lt * IXW_TS);
+            float total = -0.0f;
+#pragma unroll
+            for (int h4 = 0; h4 < 16; h4++) {
+                const float4 f = tp[h4];
+                total = __fadd_rn(total, f.x);
+                total = __fadd_rn(total, f.y);
+                total = __fadd_rn(total, f.z);
+                total = __fadd_rn(total, f.w);
+            }
+            scores[(size_t)ti * max_vis + row] = total;
+        }
+    };
+
+#pragma unroll
+    for (int j = 0; j < IXW_NS - 1; j++) stage(j);
+    ds4_cp_wait<IXW_NS - 2>(); // tile 0 landed
+    gw_proxy_fence();
+    __syncthreads();
+    GwAcc<64> acc0, acc1;
+#pragma unroll
+    for (int i = 0; i < 32; i++) acc0.v[i] = 0.0f, acc1.v[i] = 0.0f;
+    ixw_mma(acc0, a, desc(0));
+    // Tile i: tile i + 1's rows landed (groups issued: up to tile i + IXW_NS - 2), its wgmma
+    // issued into acc1, tile i + IXW_NS - 1 staged into tile i - 1's stage (every warpgroup
+    // waited for the wgmma of tiles <= i before this barrier), tile i's sums from acc0 while tile
+    // i + 1's wgmma run, then acc1 copied into acc0. ptxas serializes the wgmma (tests/compile.rs)
+    // when the two sets swap roles instead (C7514) or when a wgmma or an accumulator read sits
+    // in a branch or after a loop that may not run (C7518), so the last pass issues the wgmma of
+    // a tile ntiles that does not exist (a stale stage, never read: 1 / 16 of a full CTA's work).
+#pragma unroll 1
+    for (int i = 0; i < ntiles; i++) {
+        ds4_cp_wait<IXW_NS - 3>();
+        gw_proxy_fence();
+        __syncthreads();
+        ixw_mma(acc1, a, desc(i + 1));
+        stage(i + IXW_NS - 1);
+        gw_wait<1>();
+        gw_pin(acc0);
+        sums(acc0, i);
+        gw_wait<0>();
+        gw_pin(acc1);
+#pragma unroll
+        for (int k = 0; k < 32; k++) acc0.v[k] = acc1.v[k];
+    }
+    gw_wait<0>();
+    ds4_cp_wait<0>();
+}
+#define IXW_BODY index_scores_wg_body(q, w, rows16, scores, tba, max_vis, ntok, ratio, ws, rb);
+#else
+#define IXW_BODY (void)q, (void)w, (void)rows16, (void)scores, (void)tba, (void)max_vis, (void)ntok, (void)rb, (void)ratio, (void)ws;
+#endif
+
+// grid (ceil(max_vis / rb), ceil(ntok / IXW_TOK)), blockDim 512, dynamic shared IXW_SMEM; rb a
+// multiple of IXW_N; rows16: rows [0, max_vis) as bf16 (ixw_rows_bf16), 16-byte aligned; the
+// rest as index_scores_tc (no step block: prefill only).
+DS4_KERNEL void DS4_BOUNDS(512) index_scores_wg(const float* __restrict__ q, const float* __restrict__ w, const u16* __restrict__ rows16, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws) { ds4_pdl_enter(); IXW_BODY }
+
+// rows [n4 float4s] f32 -> bf16 (round to nearest even: exact for the FP4-simulated rows), grid-stride.
+DS4_KERNEL void DS4_BOUNDS(256) ixw_rows_bf16(const float* __restrict__ rows, u32* __restrict__ out, long long n4) {
+    ds4_pdl_enter();
+#if ATC_HAVE_MMA
+    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < n4; i += (long long)gridDim.x * 256) {
+        const float4 v = ((const float4*)rows)[i];
+        ((uint2*)out)[i] = make_uint2(ixt_pack(v.x, v.y), ixt_pack(v.z, v.w));
+    }
+#else
+    (void)rows, (void)out, (void)n4;
+#endif
+}
+

@@ -137,6 +137,20 @@ const IXT_RB: usize = 256;
 const IXT_RB_FEW: usize = 64;
 const IXT_FEW: usize = 4;
 
+/// The prompt's indexer scores on Hopper wgmma (`index_scores_wg`, sm_90a; same bits as
+/// `index_scores_tc`, which batches of at most `IXT_FEW` tokens keep): `DS4_GPU_INDEX_WG=off`
+/// keeps `index_scores_tc`. H200, a 32k prompt's 4th 8192-token chunk: see attn_tc.cu.
+static INDEX_WG: AtomicU8 = AtomicU8::new(0);
+/// `index_scores_wg`: tokens per CTA (`IXW_TOK`), rows per CTA (a multiple of its 64-row tile;
+/// each CTA also runs one tile past its last: 1/16 here) and dynamic shared bytes (`IXW_SMEM`).
+const IXW_TOK: usize = 4;
+const IXW_RB: usize = 1024;
+const IXW_SMEM: u32 = 204_800;
+
+fn index_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
+    !env_form(&INDEX_WG, "DS4_GPU_INDEX_WG", "off") && info.cc == (9, 0) && info.warp == 32
+}
+
 fn index_tc_ok(info: &crate::runtime::DeviceInfo) -> bool {
     !env_form(&INDEX_TC, "DS4_GPU_INDEX_TC", "off") && info.cc.0 >= 8 && info.warp == 32
 }
@@ -296,6 +310,12 @@ impl GpuBackend {
     /// with `index_scores128h_f32`; process-wide, overrides `DS4_GPU_INDEX_TC=off`.
     pub fn set_index_tc(on: bool) {
         INDEX_TC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+
+    /// Score prompt batches' FP4 indexer on Hopper wgmma (`index_scores_wg`, default on sm_90a)
+    /// or keep `index_scores_tc` (false); overrides `DS4_GPU_INDEX_WG`. For tests and benchmarks.
+    pub fn set_index_wg(on: bool) {
+        INDEX_WG.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     /// Use the simple attention kernel (one CTA per head and token) instead of the default
@@ -749,11 +769,67 @@ impl GpuBackend {
         };
         let scores = self.scratch(if need_scores { batch * stride } else { 1 });
         let sp_arg = sp.map_or(Arg::Null, Arg::Ptr);
+        // Prompt batches on wgmma read a bf16 copy of the visible rows, made once a call (exact:
+        // the rows are FP4-simulated). Only where index_scores_tc would run (the conditions below).
+        let wg = need_scores
+            && sp.is_none()
+            && n > IXT_FEW
+            && spec.fp4
+            && nh == 64
+            && ihd == 128
+            && !attn_simple()
+            && !glue_old()
+            && index_tc_ok(self.gpu.info())
+            && index_wg_ok(self.gpu.info())
+            && qr.ptr.0.is_multiple_of(16)
+            && ix.rows.ptr().0.is_multiple_of(16);
+        let rows16 = self.scratch(if wg { max_vis * ihd / 2 } else { 1 });
+        if wg {
+            let n4 = max_vis * ihd / 4;
+            self.run(
+                &ATTN_TC,
+                "ixw_rows_bf16",
+                LaunchDims::linear(n4.div_ceil(256).min(4096) as u32, 256),
+                &[
+                    Arg::Ptr(ix.rows.ptr()),
+                    Arg::Ptr(rows16.ptr),
+                    Arg::I64(n4 as i64),
+                ],
+            );
+        }
         let mut i0 = 0;
         while i0 < n {
             let nb = batch.min(n - i0);
             let tb = base + i0;
-            if need_scores {
+            if need_scores && wg {
+                let _ps = self.prof(|| "index_select: scores".to_string());
+                let dims = LaunchDims {
+                    grid: [
+                        stride.div_ceil(IXW_RB) as u32,
+                        nb.div_ceil(IXW_TOK) as u32,
+                        1,
+                    ],
+                    block: [512, 1, 1],
+                    shared_bytes: IXW_SMEM,
+                };
+                self.run(
+                    &ATTN_TC,
+                    "index_scores_wg",
+                    dims,
+                    &[
+                        Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                        Arg::Ptr(rows16.ptr),
+                        Arg::Ptr(scores.ptr),
+                        Arg::I64(tb as i64),
+                        Arg::I64(stride as i64),
+                        Arg::I32(nb as i32),
+                        Arg::I32(IXW_RB as i32),
+                        Arg::I32(spec.ratio as i32),
+                        Arg::F32(ws),
+                    ],
+                );
+            } else if need_scores {
                 // DS4_GPU_PROFILE=1: the two halves of index_select apart.
                 let _ps = self.prof(|| "index_select: scores".to_string());
                 let dims = LaunchDims {
