@@ -932,18 +932,28 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
 #pragma unroll
         for (int u = 0; u < 2; u++) wh[u] = __fmul_rn(w[(size_t)ti * 64 + 16 * qw + g + 8 * u], ws);
     }
-    // Tile j's rows into stage j % IXW_NS: 1024 pieces of 16 bytes, two a thread (row p / 16,
-    // k group p % 16); rows at or past r_end zero-filled (read nothing).
+    // Tile j's rows into stage j % IXW_NS: 1024 pieces of 16 bytes, two a thread: piece p is row
+    // 8 (p >> 7) + (p & 7), k group (p >> 3) & 15, so its core-matrix slot is simply 16 p: 8
+    // lanes store 128 consecutive bytes (a warp reads 8 rows x 64 bytes). (Rows by 16 lanes, k
+    // groups 128 bytes apart, made each store an 8-way bank conflict: ncu, run D.) Rows at or
+    // past r_end are zero-filled (read nothing).
+    int pn[2];
+    const u16* psrc[2];
+#pragma unroll
+    for (int jj = 0; jj < 2; jj++) {
+        const int p = tid + 512 * jj;
+        pn[jj] = 8 * (p >> 7) + (p & 7);
+        psrc[jj] = rows16 + (r_begin + pn[jj]) * 128 + 8 * ((p >> 3) & 15);
+    }
+    const int nrows = (int)(r_end - r_begin); // <= rb
     auto stage = [&](int j) {
         if (j < ntiles) {
-            const u32 so = sb + (u32)(j % IXW_NS) * IXW_STAGE;
+            const u32 so = sb + (u32)(j % IXW_NS) * IXW_STAGE + 16u * (u32)tid;
+            const int lim = nrows - IXW_N * j;
 #pragma unroll
             for (int jj = 0; jj < 2; jj++) {
-                const int p = tid + 512 * jj, n = p >> 4, kg = p & 15;
-                const long long row = r_begin + (long long)IXW_N * j + n;
-                const bool ok = row < r_end;
-                ds4_cp16n(so + 128u * (u32)(16 * (n >> 3) + kg) + 16u * (u32)(n & 7), rows16 + (ok ? row : 0) * 128 + 8 * kg,
-                          ok ? 16 : 0);
+                const bool ok = pn[jj] < lim;
+                ds4_cp16n(so + 8192u * jj, ok ? psrc[jj] + (size_t)(IXW_N * 128) * (u32)j : rows16, ok ? 16 : 0);
             }
         }
         ds4_cp_commit(); // one group a tile, empty past the last
@@ -953,10 +963,13 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
     // Tile j's terms from acc into term tile j % 2, then the head sums of its rows.
     auto sums = [&](const GwAcc<64>& acc, int j) {
         float* tt = term + (j & 1) * (IXW_TERM / 4);
+        // v[4 jn + e]: row 8 jn + 2t + (e & 1), head 16 qw + g + 8 (e >> 1): the lane's part of the
+        // address once, the rest constant (one store a term, no address arithmetic).
+        float* tl = tt + 2 * t * IXW_TS + 16 * qw + g;
 #pragma unroll
-        for (int i = 0; i < 32; i++) { // v[4 jn + e]: row 8 jn + 2t + (e & 1), head 16 qw + g + 8 (e >> 1)
+        for (int i = 0; i < 32; i++) {
             const float s = acc.v[i], dd = s > 0.0f ? s : 0.0f;
-            tt[(8 * (i >> 2) + 2 * t + (i & 1)) * IXW_TS + 16 * qw + g + 8 * ((i >> 1) & 1)] = __fmul_rn(wh[(i >> 1) & 1], dd);
+            tl[(8 * (i >> 2) + (i & 1)) * IXW_TS + 8 * ((i >> 1) & 1)] = __fmul_rn(wh[(i >> 1) & 1], dd);
         }
         ixw_bar(1 + wg, 128);
         const long long row = r_begin + (long long)IXW_N * j + lt;
