@@ -167,6 +167,67 @@ mod tests {
         assert_eq!(e2m1(-5.5), -6.0);
     }
 
+    /// attention.cu `ds4_e2m1` (the GPU's rounding, a closed form) written in Rust: it must give
+    /// the search's value on its callers' domain (|x| <= 6 after the clamp, or NaN) for every
+    /// input near each of the seven midpoints and the eight codes (±4096 ulps) and on a sweep
+    /// of [0, 6] with negatives and zero signs.
+    fn e2m1_closed(x: f32) -> f32 {
+        if x.is_nan() {
+            return 0f32.copysign(x);
+        }
+        let a = x.abs().min(6.0);
+        let k = if a < 2.0 {
+            2.0f32
+        } else if a < 4.0 {
+            1.0
+        } else {
+            0.5
+        };
+        ((a * k).round_ties_even() * (1.0 / k)).copysign(x)
+    }
+
+    #[test]
+    fn e2m1_closed_form_matches_search() {
+        let same = |x: f32| {
+            let (a, b) = (e2m1(x), e2m1_closed(x));
+            assert!(
+                a.to_bits() == b.to_bits(),
+                "x {x:e} ({:#x}): search {a}, closed form {b}",
+                x.to_bits()
+            );
+        };
+        let points = [
+            0.0f32, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0,
+        ];
+        let mut n = 0;
+        for p in points {
+            let b = p.to_bits() as i64;
+            for d in -4096i64..=4096 {
+                let bits = b + d;
+                if bits < 0 {
+                    continue;
+                }
+                let x = f32::from_bits(bits as u32);
+                if x > 6.0 {
+                    continue;
+                }
+                same(x);
+                same(-x);
+                n += 2;
+            }
+        }
+        for i in 0..=600_000u32 {
+            let x = i as f32 * 1e-5;
+            same(x);
+            same(-x);
+            n += 2;
+        }
+        for x in [f32::NAN, -f32::NAN, f32::MIN_POSITIVE, 1e-30, -1e-30] {
+            same(x);
+        }
+        assert!(n > 1_000_000);
+    }
+
     #[test]
     fn hadamard_is_orthonormal() {
         let mut v: Vec<f32> = (0..128).map(|i| ((i * 37 % 11) as f32) - 5.0).collect();

@@ -57,18 +57,18 @@ __device__ __forceinline__ float ds4_e4m3(float x) {
     return copysignf(q, x);
 }
 
-__device__ __constant__ float ds4_e2m1_tab[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-
-// Nearest E2M1 value, ties to the even code (x clamped to ±6).
+// Nearest E2M1 value {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the even code (callers clamp x to
+// ±6): the values are multiples of 0.5 below 2, of 1 in [2, 4], of 2 above, and each tie's even
+// code is the even multiple, so it is rint (ties to even) at that spacing; products by powers of
+// two are exact. The CPU's search over the eight values (math.rs e2m1: the same results, its
+// test e2m1_closed_form_matches_search) took 7 dependent compare steps here: 58% of
+// index_qprep_f32's stall samples (bench/results/gpu-index-s28-h200.txt). NaN gives ±0 as the
+// search did (ds4_clamp keeps NaN); |x| past 6 is taken as 6.
 __device__ __forceinline__ float ds4_e2m1(float x) {
-    float a = fabsf(x);
-    int best = 0;
-    for (int c = 1; c < 8; c++) {
-        float d = fabsf(ds4_sub_rn(ds4_e2m1_tab[c], a));
-        float db = fabsf(ds4_sub_rn(ds4_e2m1_tab[best], a));
-        if (d < db || (d == db && (c & 1) == 0)) best = c;
-    }
-    return copysignf(ds4_e2m1_tab[best], x);
+    if (x != x) return copysignf(0.0f, x);
+    const float a = fminf(fabsf(x), 6.0f);
+    const float k = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);
+    return copysignf(ds4_mul_rn(rintf(ds4_mul_rn(a, k)), 1.0f / k), x);
 }
 
 // f32 -> f16 (round to nearest even, subnormals, overflow to Inf) -> f32.
