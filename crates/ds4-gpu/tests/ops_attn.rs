@@ -633,8 +633,8 @@ fn index_select_matches_cpu() {
         // group, several row tiles and CTAs of rows, rows past the last tile.
         run_index(&cpu, &gpu, 64, 512, true, 37, 2030, 13);
         run_index(&cpu, &gpu, 64, 512, true, 130, 9001, 14);
-        // index_scores_wg: rows past one CTA's 1024 (9 tiles and a ragged one), 3 token groups
-        // and a ragged last one (a warpgroup of absent tokens).
+        // index_scores_wg: 17 row tiles and a ragged one, 3 token groups and a ragged last one
+        // (a warpgroup of absent tokens); the case above crosses two CTAs of rows (2048 each).
         run_index(&cpu, &gpu, 64, 512, true, 15, 4400, 17);
         run_index(&cpu, &gpu, 64, 512, false, 9, 3000, 15);
         // Decode: one token just past top_k rows, 64 heads; odd head count.

@@ -972,9 +972,13 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
             tl[(8 * (i >> 2) + (i & 1)) * IXW_TS + 8 * ((i >> 1) & 1)] = __fmul_rn(wh[(i >> 1) & 1], dd);
         }
         ixw_bar(1 + wg, 128);
-        const long long row = r_begin + (long long)IXW_N * j + lt;
-        if (act && lt < IXW_N && row < vis) {
-            const float4* tp = (const float4*)(tt + lt * IXW_TS);
+        // The sums run on two of the warpgroup's warps: 0 and 1 in even warpgroups, 2 and 3 in
+        // odd ones, so every scheduler (warp % 4) gets two of a CTA's eight summing warps (all
+        // on schedulers 0 and 1 before).
+        const int sr = lt & (IXW_N - 1);
+        const long long row = r_begin + (long long)IXW_N * j + sr;
+        if (act && (lt >> 6) == (wg & 1) && row < vis) {
+            const float4* tp = (const float4*)(tt + sr * IXW_TS);
             float total = -0.0f;
 #pragma unroll
             for (int h4 = 0; h4 < 16; h4++) {
@@ -1003,7 +1007,7 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
     // i + 1's wgmma run, then acc1 copied into acc0. ptxas serializes the wgmma (tests/compile.rs)
     // when the two sets swap roles instead (C7514) or when a wgmma or an accumulator read sits
     // in a branch or after a loop that may not run (C7518), so the last pass issues the wgmma of
-    // a tile ntiles that does not exist (a stale stage, never read: 1 / 16 of a full CTA's work).
+    // a tile ntiles that does not exist (a stale stage, never read: 1 / 32 of a CTA of 2048 rows).
 #pragma unroll 1
     for (int i = 0; i < ntiles; i++) {
         ds4_cp_wait<IXW_NS - 3>();

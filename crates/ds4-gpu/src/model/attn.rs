@@ -142,9 +142,9 @@ const IXT_FEW: usize = 4;
 /// keeps `index_scores_tc`. H200, a 32k prompt's 4th 8192-token chunk: see attn_tc.cu.
 static INDEX_WG: AtomicU8 = AtomicU8::new(0);
 /// `index_scores_wg`: tokens per CTA (`IXW_TOK`), rows per CTA (a multiple of its 64-row tile;
-/// each CTA also runs one tile past its last: 1/16 here) and dynamic shared bytes (`IXW_SMEM`).
+/// each CTA also runs one tile past its last: 1/32 here) and dynamic shared bytes (`IXW_SMEM`).
 const IXW_TOK: usize = 4;
-const IXW_RB: usize = 1024;
+const IXW_RB: usize = 2048;
 const IXW_SMEM: u32 = 204_800;
 
 fn index_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
