@@ -747,6 +747,20 @@ __device__ __forceinline__ u32 ixt_pack(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+// The bf16 A fragments (as mma.m16n8k16) of 16 heads × 128 of one token's FP4-simulated query:
+// qh = the lane's first element (head g of the 16, column 2t); k-step ks: heads g, g + 8 at
+// columns 16 ks + 2t (+1) and + 8. index_scores_tc (per 16-head tile) and index_scores_wg.
+__device__ __forceinline__ void ixt_qfrag(const float* __restrict__ qh, u32 (&a)[8][4]) {
+#pragma unroll
+    for (int ks = 0; ks < 8; ks++) {
+        const float2 x0 = *(const float2*)(qh + ks * 16), x1 = *(const float2*)(qh + 8 * 128 + ks * 16);
+        const float2 x2 = *(const float2*)(qh + ks * 16 + 8), x3 = *(const float2*)(qh + 8 * 128 + ks * 16 + 8);
+        a[ks][0] = ixt_pack(x0.x, x0.y);
+        a[ks][1] = ixt_pack(x1.x, x1.y);
+        a[ks][2] = ixt_pack(x2.x, x2.y);
+        a[ks][3] = ixt_pack(x3.x, x3.y);
+    }
+}
 
 
 __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q, const float* __restrict__ w,
@@ -767,16 +781,7 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
     float wh[2][2];
 #pragma unroll
     for (int mt = 0; mt < 2 && act; mt++) {
-        const float* qh = q + ((size_t)ti * 64 + hw + mt * 16 + g) * 128 + 2 * tq;
-#pragma unroll
-        for (int ks = 0; ks < 8; ks++) {
-            const float2 x0 = *(const float2*)(qh + ks * 16), x1 = *(const float2*)(qh + 8 * 128 + ks * 16);
-            const float2 x2 = *(const float2*)(qh + ks * 16 + 8), x3 = *(const float2*)(qh + 8 * 128 + ks * 16 + 8);
-            a[mt][ks][0] = ixt_pack(x0.x, x0.y);
-            a[mt][ks][1] = ixt_pack(x1.x, x1.y);
-            a[mt][ks][2] = ixt_pack(x2.x, x2.y);
-            a[mt][ks][3] = ixt_pack(x3.x, x3.y);
-        }
+        ixt_qfrag(q + ((size_t)ti * 64 + hw + mt * 16 + g) * 128 + 2 * tq, a[mt]);
 #pragma unroll
         for (int u = 0; u < 2; u++) wh[mt][u] = __fmul_rn(w[(size_t)ti * 64 + hw + mt * 16 + g + 8 * u], ws);
     }
@@ -872,8 +877,8 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, con
 // staged by cp.async IXW_NS - 2 tiles ahead. Two accumulator sets: tile i + 1's wgmma run while
 // tile i's terms w_h max(0, s) go to the warpgroup's [row][head] tile (two, alternating) and 64
 // of its threads add a row's 64 heads in head order (the CPU's f32 sum); a warpgroup barrier,
-// no CTA barrier, waits on a sum. Exactness: as index_scores_tc (every partial sum of a dot exact; same terms, same
-// head order).
+// no CTA barrier, waits on a sum. Exactness: as index_scores_tc (every partial sum of a dot
+// exact; same terms, same head order).
 #define IXW_TOK 4   // tokens a CTA: one a warpgroup
 #define IXW_N 64    // rows a tile
 #define IXW_NS 4    // row tile stages
@@ -883,8 +888,6 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, con
 #define IXW_SMEM (IXW_NS * IXW_STAGE + 2 * IXW_TOK * IXW_TERM) // 204,800 (attn.rs IXW_SMEM)
 
 #if GW_HAVE
-// Named barrier `id` of the n threads (whole warps) that reach it.
-__device__ __forceinline__ void ixw_bar(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 // Tile S = Q · Rᵀ of one warpgroup: the 8 k-steps into acc (the first with scale-d 0), one group.
 __device__ __forceinline__ void ixw_mma(GwAcc<64>& acc, const u32 (&a)[8][4], u64 d) {
     gw_pin(acc);
@@ -919,16 +922,7 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
     u32 a[8][4];
     float wh[2];
     {
-        const float* qh = q + ((size_t)ti * 64 + 16 * qw + g) * 128 + 2 * t;
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-            const float2 x0 = *(const float2*)(qh + kk * 16), x1 = *(const float2*)(qh + 8 * 128 + kk * 16);
-            const float2 x2 = *(const float2*)(qh + kk * 16 + 8), x3 = *(const float2*)(qh + 8 * 128 + kk * 16 + 8);
-            a[kk][0] = ixt_pack(x0.x, x0.y);
-            a[kk][1] = ixt_pack(x1.x, x1.y);
-            a[kk][2] = ixt_pack(x2.x, x2.y);
-            a[kk][3] = ixt_pack(x3.x, x3.y);
-        }
+        ixt_qfrag(q + ((size_t)ti * 64 + 16 * qw + g) * 128 + 2 * t, a);
 #pragma unroll
         for (int u = 0; u < 2; u++) wh[u] = __fmul_rn(w[(size_t)ti * 64 + 16 * qw + g + 8 * u], ws);
     }
@@ -971,7 +965,7 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
             const float s = acc.v[i], dd = s > 0.0f ? s : 0.0f;
             tl[(8 * (i >> 2) + (i & 1)) * IXW_TS + 8 * ((i >> 1) & 1)] = __fmul_rn(wh[(i >> 1) & 1], dd);
         }
-        ixw_bar(1 + wg, 128);
+        ds4_bar_named(1 + wg, 128);
         // The sums run on two of the warpgroup's warps: 0 and 1 in even warpgroups, 2 and 3 in
         // odd ones, so every scheduler (warp % 4) gets two of a CTA's eight summing warps (all
         // on schedulers 0 and 1 before).

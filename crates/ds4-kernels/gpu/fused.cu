@@ -307,13 +307,6 @@ __device__ __forceinline__ u64 fp_now() {
 #define FL_SUB 8 // threads summing one partial row
 #define FL_PF 6  // collapse columns a thread loads before the partial sums (D/4 <= 6·192: one round)
 
-// Named CTA barrier `id` (1..15; 0 is __syncthreads) of n threads (a multiple of the warp width,
-// whole warps): CUDA bar.sync. Called only on CUDA paths (a no-op elsewhere).
-__device__ __forceinline__ void fl_bar(int id, int n) {
-#if defined(DS4_CUDA)
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-#endif
-}
 
 // The epilogue's z columns c0 + k·step < D4 (float4s) of one token: q · zs · norm weight.
 template <int NN>
@@ -567,7 +560,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
         { // Σz² over the collapse warps only (fixed order), then z = q·zs·norm
             const double w = ds4_warp_sum_f64(zz);
             if (lane == 0) red[ci] = w;
-            fl_bar(1, NCW * DS4_WARP);
+            ds4_bar_named(1, NCW * DS4_WARP);
             double t2 = 0.0;
             for (int i = 0; i < NCW; i++) t2 += red[i];
             if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 8] = fp_now();

@@ -123,6 +123,17 @@ __device__ __forceinline__ void ds4_pdl_enter() {
 #endif
 }
 
+// Named CTA barrier `id` (1..15; 0 is __syncthreads) of n threads (a multiple of the warp width,
+// whole warps): CUDA bar.sync. Called only on CUDA paths (a no-op elsewhere). Users: fused.cu
+// (the HC epilogue's warps), attn_tc.cu (index_scores_wg's per-warpgroup term tiles).
+__device__ __forceinline__ void ds4_bar_named(int id, int n) {
+#if defined(DS4_CUDA)
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+#else
+    (void)id, (void)n;
+#endif
+}
+
 // A kernel body starting `DS4_PDL_LATE;` is also launched with PDL (ds4_kernels::pdl_kernels) but
 // calls ds4_pdl_enter() itself, after loads of weights only (nothing an earlier kernel writes):
 // those loads then overlap the previous kernel's tail.

@@ -769,20 +769,21 @@ impl GpuBackend {
         };
         let scores = self.scratch(if need_scores { batch * stride } else { 1 });
         let sp_arg = sp.map_or(Arg::Null, Arg::Ptr);
-        // Prompt batches on wgmma read a bf16 copy of the visible rows, made once a call (exact:
-        // the rows are FP4-simulated). Only where index_scores_tc would run (the conditions below).
-        let wg = need_scores
-            && sp.is_none()
-            && n > IXT_FEW
-            && spec.fp4
-            && nh == 64
+        // The scores' kernel form (the same for every batch). Rows held in registers when ihd is
+        // 128 (same bits as the general kernel).
+        let fast = !attn_simple()
             && ihd == 128
-            && !attn_simple()
-            && !glue_old()
-            && index_tc_ok(self.gpu.info())
-            && index_wg_ok(self.gpu.info())
             && qr.ptr.0.is_multiple_of(16)
             && ix.rows.ptr().0.is_multiple_of(16);
+        // Heads split over threads: 32 rows per CTA, term buffer beside the query.
+        let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
+        // FP4-simulated queries and rows (the compressor rounds the rows under the same flag):
+        // tensor cores, the same bits (attn_tc.cu); decode too (grid and arguments fixed by the
+        // capacity, as above).
+        let tc = split && spec.fp4 && nh == 64 && index_tc_ok(self.gpu.info());
+        // Prompt batches on wgmma read a bf16 copy of the visible rows, made once a call (exact:
+        // the rows are FP4-simulated).
+        let wg = need_scores && tc && sp.is_none() && n > IXT_FEW && index_wg_ok(self.gpu.info());
         let rows16 = self.scratch(if wg { max_vis * ihd / 2 } else { 1 });
         if wg {
             let n4 = max_vis * ihd / 4;
@@ -837,17 +838,6 @@ impl GpuBackend {
                     block: [128, 1, 1],
                     shared_bytes: (nh * ihd * 4) as u32,
                 };
-                // Rows held in registers when ihd is 128 (same bits as the general kernel).
-                let fast = !attn_simple()
-                    && ihd == 128
-                    && qr.ptr.0.is_multiple_of(16)
-                    && ix.rows.ptr().0.is_multiple_of(16);
-                // Heads split over threads: 32 rows per CTA, term buffer beside the query.
-                let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
-                // FP4-simulated queries and rows (the compressor rounds the rows under the same
-                // flag): tensor cores, the same bits (attn_tc.cu); decode too (grid and
-                // arguments fixed by the capacity, as above).
-                let tc = split && spec.fp4 && nh == 64 && index_tc_ok(self.gpu.info());
                 // (kernel, grid, the two arguments after the rows' stride): the same
                 // arguments otherwise (attention.cu / attn_tc.cu signatures).
                 let (module, name, dims, mid) = if tc {
