@@ -1272,7 +1272,8 @@ __device__ __forceinline__ void m3_limbs4(int x0, int x1, int x2, int x3, u32 (&
 template <bool I8>
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
-                                          int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
+                                          int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu,
+                                          const float* __restrict__ add) {
     constexpr int NST = I8 ? M3D_DEEP : 2;
     constexpr bool LATE = I8; // the caller starts with DS4_PDL_LATE
     uint4* xf = (uint4*)moe_smem;                 // [2][cols / 128 chunks][4 groups][2 parts][4 tig]
@@ -1445,7 +1446,9 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     if (tid < 16 && r0 + tid < rows) {
         float o = 0.0f; // warps in order
         for (int w = 0; w < 16; w++) o += red[w * 16 + tid];
-        out[r0 + tid] = o;
+        // add (or null): the shared expert's down product, o + add[r] as the CPU's routed sum +
+        // shared product (its writer, on the decode step's side branch, joins at this kernel).
+        out[r0 + tid] = add ? o + add[r0 + tid] : o;
     }
 }
 #endif
@@ -1461,18 +1464,19 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
 #endif
 }
 // n = 1, cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu.
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+// add: null, or [rows] added to the sums (see m3dn_body's store).
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu, const float* __restrict__ add) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    m3dn_body<false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu, add);
 #endif
 }
 // The same on int8 tensor cores, 6 stages, the weights' loads before the PDL wait
 // (m3dn_body<true>: see there).
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu, const float* __restrict__ add) {
     DS4_PDL_LATE;
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    m3dn_body<true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu, add);
 #endif
 }
 

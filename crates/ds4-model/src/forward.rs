@@ -1170,15 +1170,25 @@ impl<B: Backend> Model<B> {
         let shared = self.shard.rank == 0 || self.shard.is_tp();
         let ff_sh = self.shard.part(spec.ff).1;
         // The shared expert's gate/up reads only z (side branch, `Backend::side_begin`); the
-        // router and the routed experts (main branch) too; the shared down product adds into
-        // the routed sum after the join.
+        // router and the routed experts (main branch) too. Its down product adds into the
+        // routed sum: after the join (`matmul_add`), or, where the backend asks
+        // (`moe_shared_beside`: a recorded decode step), computed on the side branch too and
+        // added by the routed experts (`moe_experts_add`), which join as late as they can.
+        let beside = shared && b.moe_shared_beside(n);
         let mut g = None;
+        let mut sh = None;
         if shared {
             b.side_begin();
             let mut gs = b.alloc(n * ff_sh);
             b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, ff_sh, &mut gs, l.clamp_sh);
+            if beside {
+                let mut s = b.alloc(n * spec.d);
+                b.matmul_addend(&l.down_sh, &gs, n, spec.d, &mut s);
+                sh = Some(s);
+            } else {
+                g = Some(gs);
+            }
             b.side_end();
-            g = Some(gs);
         }
         let mut logits = b.alloc(n * spec.n_expert);
         let mut sel = b.alloc_i32(n * spec.n_used);
@@ -1203,17 +1213,33 @@ impl<B: Backend> Model<B> {
             b.moe_localize(&mut sel, &mut wgt, n, spec.n_used, e0, count);
             xspec.n_expert = count;
         }
-        b.moe_experts(
-            &xspec,
-            &l.gate_exps,
-            &l.up_exps,
-            &l.down_exps,
-            z,
-            &sel,
-            &wgt,
-            n,
-            &mut out,
-        );
+        if let Some(sh) = &sh {
+            b.moe_experts_add(
+                &xspec,
+                &l.gate_exps,
+                &l.up_exps,
+                &l.down_exps,
+                z,
+                &sel,
+                &wgt,
+                n,
+                sh,
+                &mut out,
+            );
+            b.join(); // joined already (moe_experts_add)
+        } else {
+            b.moe_experts(
+                &xspec,
+                &l.gate_exps,
+                &l.up_exps,
+                &l.down_exps,
+                z,
+                &sel,
+                &wgt,
+                n,
+                &mut out,
+            );
+        }
         if let Some(g) = g {
             b.join();
             b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);

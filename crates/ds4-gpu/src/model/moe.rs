@@ -51,6 +51,8 @@ static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v3ip ones (the int8 down).
 static V3IP_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// Of those, the ones whose down added a side branch's product (`Backend::moe_experts_add`).
+static ADD_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Form: 0 default (v3ip for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
 /// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
 /// 4 v3ip (v3d with `m3dn1ip_q2_k`, the int8 down, where v3d runs);
@@ -183,6 +185,11 @@ impl GpuBackend {
         V3IP_RUNS.load(Ordering::Relaxed)
     }
 
+    /// How many v3d products added a side branch's product in their down (process-wide).
+    pub fn moe_add_runs() -> usize {
+        ADD_RUNS.load(Ordering::Relaxed)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn dec_moe(
         &self,
@@ -195,6 +202,7 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
+        add: Option<&GpuBuf>,
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
@@ -236,7 +244,11 @@ impl GpuBackend {
         let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
         // v3ip: the int8 down.
         let i8dn = v3d && form == 4;
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, i8dn) {
+        // add: only the v3d downs take it (their epilogue), else nothing is run here.
+        if add.is_some() && !v3d {
+            return false;
+        }
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, i8dn, add) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             if v3d {
@@ -245,7 +257,13 @@ impl GpuBackend {
             if i8dn {
                 V3IP_RUNS.fetch_add(1, Ordering::Relaxed);
             }
+            if add.is_some() {
+                ADD_RUNS.fetch_add(1, Ordering::Relaxed);
+            }
             return true;
+        }
+        if add.is_some() {
+            return false;
         }
         let warps = THREADS / self.warp() as usize;
         let nt = match n {
@@ -310,7 +328,9 @@ impl GpuBackend {
     }
 
     /// The v2 launches (v3d: the v3d kernels instead, i8dn: with the v3ip down); false: the
-    /// shape does not fit them; nothing was queued.
+    /// shape does not fit them; nothing was queued. `add` (v3d only): added to the down's sums,
+    /// written on the recorded step's side branch, which is joined at the down kernel
+    /// (`Backend::moe_experts_add`).
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -323,7 +343,11 @@ impl GpuBackend {
         out: &mut GpuBuf,
         v3d: bool,
         i8dn: bool,
+        add: Option<&GpuBuf>,
     ) -> bool {
+        if add.is_some() && !v3d {
+            return false;
+        }
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
         let w = self.warp() as usize;
@@ -396,7 +420,11 @@ impl GpuBackend {
         let mut tail = vec![Arg::I32(nbr as i32), Arg::I32(hs as i32)];
         let (name, grid, block, smem) = match &mx {
             Some(mx) => {
-                tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
+                tail.extend([
+                    Arg::Ptr(mx.ptr),
+                    Arg::I32(ngu as i32),
+                    add.map_or(Arg::Null, |a| Arg::Ptr(a.ptr)),
+                ]);
                 let (f, nst) = if i8dn { ("ip", V3D_DEEP) } else { ("", 2) };
                 (
                     format!("m3dn1{f}_{}", dn.1),
@@ -412,6 +440,11 @@ impl GpuBackend {
                 smem_dn,
             ),
         };
+        if add.is_some() {
+            // The side branch wrote `add`: the step's two chains join at this launch (the
+            // gate/up above ran beside it, on the main chain).
+            ds4_backend::Backend::join(self);
+        }
         self.run(
             &ds4_kernels::MOE,
             &name,
