@@ -1601,3 +1601,153 @@ fn attend_qnorm_matches_norm_then_attend() {
     set_form(TC);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// Decode's `attend_qnorm` (one token: `attend_one_tc5n`, each raw query head RMS-normed and
+/// rotated in registers as the one-token attention loads it) against norm_rope of a copy then
+/// `attend` (`attend_one_tc5`) on the GPU, in bits (output and ring), with the fused kernel on
+/// and off (`DS4_GPU_AO_QNORM`); against the CPU's default at the tensor-core form's tolerance;
+/// CSA (selected rows), HCA, sliding-window-only layers, 64 heads and 40 (a partial head
+/// group); the raw queries are left as given.
+#[test]
+fn attend_qnorm_one_token_matches_norm_then_attend() {
+    let Some((cpu, gpu)) = setup() else { return };
+    set_form(TC);
+    let eps = 1e-6f32;
+    let cases = [
+        (64usize, 4usize, true, 3000usize),
+        (64, 128, false, 1000),
+        (64, 0, false, 300),
+        (40, 4, true, 2100),
+        (64, 4, true, 70), // fewer compressed rows than top_k
+    ];
+    let n = 1;
+    let mut bad = Vec::new();
+    for (ci, &(nh, ratio, with_sel, t0)) in cases.iter().enumerate() {
+        let (hd, win, top_k) = (512usize, 128usize, 512usize);
+        let mut r = rng(950 + ci as u64);
+        let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
+        f16_vals(&mut h.raw);
+        if let Some(c) = h.comp.as_mut() {
+            f16_vals(&mut c.rows);
+        }
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot: 64,
+            window: win,
+            ratio,
+            top_k: if with_sel { top_k } else { 0 },
+            rope: RopeKind::Comp,
+        };
+        let q = randn(&mut r, n * nh * hd, 3.0);
+        let mut kv = randn(&mut r, n * hd, 1.0);
+        f16_vals(&mut kv);
+        let sinks = randn(&mut r, nh, 2.0);
+        let (sk_c, sk_g) = vectors(&cpu, &gpu, &sinks);
+        let sel: Option<Vec<i32>> = with_sel.then(|| {
+            let vis = ((t0 + 1) / ratio) as i32;
+            (0..top_k as i32)
+                .map(|k| {
+                    if k < vis && k % 5 != 2 {
+                        vis - 1 - k
+                    } else {
+                        -1
+                    }
+                })
+                .collect()
+        });
+        let op = format!("attend_qnorm n 1 heads {nh} ratio {ratio} sel {with_sel} t0 {t0}");
+        GpuBackend::set_ao_qnorm(true);
+        assert!(
+            gpu.attend_norms_q(&spec, 1),
+            "{op}: the GPU should norm q in the attention"
+        );
+        GpuBackend::set_ao_qnorm(false);
+        assert!(!gpu.attend_norms_q(&spec, 1), "{op}: DS4_GPU_AO_QNORM off");
+        let mut cs = cpu.state_from_host(&ld, &h);
+        let mut oc = vec![0f32; n * nh * hd];
+        cpu.attend_qnorm(
+            &mut cs,
+            &spec,
+            &q,
+            eps,
+            &kv,
+            &sk_c,
+            sel.as_ref(),
+            n,
+            t0,
+            &mut oc,
+        );
+        let (qg, kvg) = (gpu.upload(&q), gpu.upload(&kv));
+        let selg = sel.as_ref().map(|s| gpu.upload_i32(s));
+        let mut qn = gpu.upload(&q);
+        gpu.norm_rope(&mut qn, n, nh, hd, None, eps, 64, t0, RopeKind::Comp, None);
+        let mut gs = gpu.state_from_host(&ld, &h);
+        let mut og = gpu.alloc(n * nh * hd);
+        gpu.attend(
+            &mut gs,
+            &spec,
+            &qn,
+            &kvg,
+            &sk_g,
+            selg.as_ref(),
+            n,
+            t0,
+            &mut og,
+        );
+        let want = gpu.download(&og, n * nh * hd);
+        let want_ring = gpu.state_to_host(&gs).raw;
+        for on in [true, false] {
+            GpuBackend::set_ao_qnorm(on);
+            let l0 = GpuBackend::ao_qnorm_launches();
+            let mut gs = gpu.state_from_host(&ld, &h);
+            let mut og = gpu.alloc(n * nh * hd);
+            gpu.attend_qnorm(
+                &mut gs,
+                &spec,
+                &qg,
+                eps,
+                &kvg,
+                &sk_g,
+                selg.as_ref(),
+                n,
+                t0,
+                &mut og,
+            );
+            let got = gpu.download(&og, n * nh * hd);
+            let ring = gpu.state_to_host(&gs).raw;
+            gpu_ok(&gpu, &op);
+            let ran = GpuBackend::ao_qnorm_launches() - l0;
+            let diff = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            let rel = got
+                .iter()
+                .zip(&oc)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+                / oc.iter().map(|v| v.abs()).fold(1e-30f32, f32::max);
+            println!("{op} fused {on}: ran {ran}, {diff} of {} values differ in bits from norm_rope + attend, max |d| / max |cpu| {rel:.3e}", got.len());
+            if ran != u64::from(on) || diff != 0 || ring != want_ring || rel.is_nan() || rel >= 1e-4
+            {
+                bad.push(format!(
+                    "{op} fused {on}: ran {ran}, {diff} differ, ring same {}, rel {rel:.3e}",
+                    ring == want_ring
+                ));
+            }
+        }
+        let q_after = gpu.download(&qg, n * nh * hd);
+        if q_after
+            .iter()
+            .zip(&q)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            bad.push(format!("{op}: the raw queries changed"));
+        }
+    }
+    GpuBackend::set_ao_qnorm(true);
+    set_form(TC);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

@@ -1004,10 +1004,32 @@ impl<B: Backend> Model<B> {
             ws.extend([&c.kv, &c.gate]);
             outs.extend([b.alloc(n * w), b.alloc(n * w)]);
         }
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot,
+            window: hp.sliding_window as usize,
+            ratio: l.dims.comp.map_or(0, |c| c.ratio),
+            top_k: if l.indexer.is_some() {
+                hp.indexer_top_k as usize
+            } else {
+                0
+            },
+            rope,
+        };
+        // The query heads (unweighted) and the shared KV row of each position (kv_norm,
+        // rounded as the cache stores it): one norm_rope_pair after q_b, or, where the
+        // attention norms and rotates the raw queries itself (`Backend::attend_qnorm`), the KV
+        // row alone, which reads only kv: first on the side branch where there is one.
+        let kvn = Some(&l.kv_norm);
+        let q_raw = b.attend_norms_q(&spec, n);
         let mut iw = None;
         let branch = !ws.is_empty();
         if branch {
             b.side_begin();
+            if q_raw {
+                b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
+            }
             if let Some(ix) = &l.indexer {
                 ws.push(&ix.proj);
                 outs.push(b.alloc(n * hp.indexer_heads as usize));
@@ -1056,29 +1078,13 @@ impl<B: Backend> Model<B> {
             }
             b.side_end();
         }
-        let spec = AttnSpec {
-            n_head: nh,
-            head_dim: hd,
-            n_rot,
-            window: hp.sliding_window as usize,
-            ratio: l.dims.comp.map_or(0, |c| c.ratio),
-            top_k: if l.indexer.is_some() {
-                hp.indexer_top_k as usize
-            } else {
-                0
-            },
-            rope,
-        };
         // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
         let mut q = b.alloc(n * nh * hd);
         b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
-        // The query heads (unweighted) and the shared KV row of each position (kv_norm,
-        // rounded as the cache stores it): one norm_rope_pair, or the KV row alone where the
-        // attention norms and rotates the raw queries itself (`Backend::attend_qnorm`).
-        let kvn = Some(&l.kv_norm);
-        let q_raw = b.attend_norms_q(&spec, n);
         if q_raw {
-            b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
+            if !branch {
+                b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
+            }
         } else {
             b.norm_rope_pair(
                 &mut q,
