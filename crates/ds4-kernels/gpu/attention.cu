@@ -1799,8 +1799,11 @@ __device__ __forceinline__ u64 ds4_ao_now() {
 // (float)(1 / sqrt(Σx² / 512 + eps)), RoPE of the last n_rot columns at pos by the f64 sincos of
 // pos·ω mod 2π rounded to f32, a' = a·cos − b·sin, b' = a·sin + b·cos unfused. Scratch: the tile
 // buffer, free until the first tile is stored (two CTA barriers; every thread calls this).
+// cs: the token's (cos, sin) pairs in cs_s where the kernel fills it (before the PDL wait in
+// tc5: ds4_mod_2pi is fmod's value, sin and cos sincos's), else null (computed here).
 __device__ __forceinline__ void ds4_aot_qnorm(float2 (&qr)[4][4], unsigned char* scratch, const double* __restrict__ freqs,
-                                              long long pos, int n_rot, float qeps, int w, int g, int tq, int tid) {
+                                              long long pos, int n_rot, float qeps, int w, int g, int tq, int tid,
+                                              const float2* cs) {
     double* qss = (double*)scratch;     // [8 warps][16 heads]
     float* qsf = (float*)(qss + 8 * 16); // [16]: each head's scale
     float2* qsc = (float2*)(qsf + 16);   // [n_rot / 2]: (sin, cos) of the pairs
@@ -1825,10 +1828,14 @@ __device__ __forceinline__ void ds4_aot_qnorm(float2 (&qr)[4][4], unsigned char*
         qsf[tid] = (float)(1.0 / sqrt(t / 512.0 + (double)qeps));
     } else if (tid >= 32 && tid < 32 + n_rot / 2) {
         const int p = tid - 32;
-        const double theta = fmod((double)pos * freqs[p], 6.283185307179586);
-        double sn, cs;
-        sincos(theta, &sn, &cs);
-        qsc[p] = make_float2((float)sn, (float)cs);
+        if (cs) {
+            qsc[p] = make_float2(cs[p].y, cs[p].x);
+        } else {
+            const double theta = fmod((double)pos * freqs[p], 6.283185307179586);
+            double sn, cn;
+            sincos(theta, &sn, &cn);
+            qsc[p] = make_float2((float)sn, (float)cn);
+        }
     }
     __syncthreads();
     const int r0 = DS4_AP_MAXHD - n_rot;
@@ -1907,7 +1914,8 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
         __syncthreads();
         if (b0 == jb) DS4_AO_STAMP(1);
         if ((V & 1) != 0 && b0 == jb) {
-            if constexpr ((V & 8) != 0) ds4_aot_qnorm(qr, tile_s, freqs, t0 + i, n_rot, qeps, w, g, tq, tid);
+            if constexpr ((V & 8) != 0)
+                ds4_aot_qnorm(qr, tile_s, freqs, t0 + i, n_rot, qeps, w, g, tq, tid, use_cs ? cs_s + i * nh2 : nullptr);
             DS4_AOT_QSPLIT()
         }
         // Loads of the tile starting at ptr_s[r0]: element k = row·128 + float4 column (absent rows: zeros).
