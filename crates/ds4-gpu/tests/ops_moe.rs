@@ -470,3 +470,67 @@ fn moe_shared_beside_same_bits() {
     gpu.graph_end();
     gpu.set_graph(true);
 }
+
+/// The v3d gate/up with x prepared before the PDL wait (`m3gu1l_iq2_xxs`, the default) and after
+/// it (`m3gu1_iq2_xxs`, `DS4_GPU_M3GU_LATE=0`) give the same bits at the model's shape, for the
+/// default (int8) down and the f16 one; v3d must have run (CUDA sm_80+).
+#[test]
+fn moe_decode_late_prep_same_bits() {
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let info = gpu.gpu().info();
+    let tc = info.cc.0 >= 8 && info.warp == 32;
+    GpuBackend::set_moe_decode(true);
+    GpuBackend::set_moe_gu_rows(0);
+    GpuBackend::set_moe_v2_tiles(0, 0);
+    let (d, ff, ne, k, n) = (4096, 2048, 8, 6, 1);
+    let (_, gg) = weight(&cpu, &gpu, GgmlType::IQ2_XXS, d, ff, ne, 61);
+    let (_, gu) = weight(&cpu, &gpu, GgmlType::IQ2_XXS, d, ff, ne, 62);
+    let (_, gd) = weight(&cpu, &gpu, GgmlType::Q2_K, ff, d, ne, 63);
+    let mut r = rng(64);
+    let z = randn(&mut r, n * d, 1.0);
+    let (sel, wgt) = random_routes(&mut r, n, ne, k);
+    let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d,
+        ff,
+        weight_scale: 1.0,
+        clamp: 10.0,
+    };
+    for form in [0usize, 3] {
+        GpuBackend::set_moe_form(form);
+        let mut outs = Vec::new();
+        for late in [true, false] {
+            GpuBackend::set_m3gu_late(late);
+            let runs = GpuBackend::moe_v3d_runs();
+            let mut go = gpu.upload(&vec![f32::NAN; n * d]);
+            gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gs, &gw, n, &mut go);
+            outs.push(gpu.download(&go, n * d));
+            gpu.check().unwrap();
+            assert_eq!(
+                GpuBackend::moe_v3d_runs() - runs,
+                usize::from(tc),
+                "form {form}: v3d ran (CUDA sm_80+)"
+            );
+        }
+        let diff = outs[0]
+            .iter()
+            .zip(&outs[1])
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "m3gu late prep: form {form}: {diff} of {} values differ",
+            n * d
+        );
+        assert_eq!(diff, 0, "form {form}: late and early x preparation differ");
+        assert!(
+            outs[0].iter().all(|v| v.is_finite()),
+            "form {form}: non-finite"
+        );
+    }
+    GpuBackend::set_m3gu_late(true);
+    GpuBackend::set_moe_form(0);
+}

@@ -1082,6 +1082,10 @@ __device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const u64* 
     }
 }
 
+// LATE (m3gu1l_iq2_xxs, a DS4_PDL_LATE kernel): the grid table, x's scale and its fragments
+// before the PDL wait (x is z, written before the router, whose own wait covered it; constant
+// tables), the selections after it; the rows' first copies then follow the wait. Same values.
+template <bool LATE = false>
 __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int n, int k,
                                           const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
@@ -1092,6 +1096,40 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     float* wmax = red + 8 * 16;                 // [8 warps]
     u8* stg = (u8*)(wmax + 8);                  // 3 stages (16-byte aligned: see the host)
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    float fin; // final factor: 2^24 (subnormal unit) / 8 / 2^sigma
+    auto xprep = [&]() {
+        m2_grid<T_IQ2_XXS>(gs);
+        // sigma from max |x| (exact power of two; max is order-free: deterministic).
+        float am = 0.0f;
+        for (int i = tid; i < cols / 4; i += M3_THREADS) {
+            float4 v = ((const float4*)x)[i];
+            am = fmaxf(am, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        if (lane == 0) wmax[warp] = am;
+        __syncthreads();
+        am = wmax[0];
+        for (int w = 1; w < 8; w++) am = fmaxf(am, wmax[w]);
+        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+        float xsc = __uint_as_float((u32)(127 + sig) << 23);
+        fin = __uint_as_float((u32)(127 + 21 - sig) << 23);
+        // x fragments: entry q = (chunk c, entry jj, tig) = x[128c + 32 tig + 8 jj ..] as hi and lo.
+        for (int q = tid; q < cols / 8; q += M3_THREADS) {
+            int c = q >> 4, jj = (q >> 2) & 3, t = q & 3;
+            const float4* src = (const float4*)(x + 128 * c + 32 * t + 8 * jj);
+            float4 a = src[0], b = src[1];
+            float v[8] = {a.x * xsc, a.y * xsc, a.z * xsc, a.w * xsc, b.x * xsc, b.y * xsc, b.z * xsc, b.w * xsc};
+            uint4 hi, lo;
+            m3_split8(v, hi, lo);
+            xf[((c * 4 + jj) * 2 + 0) * 4 + t] = hi;
+            xf[((c * 4 + jj) * 2 + 1) * 4 + t] = lo;
+        }
+    };
+    if (LATE) {
+        xprep();
+        ds4_pdl_enter();
+    }
     int p = blockIdx.y, e = sel[p];
     for (int q = 0; q < p; q++)
         if (sel[q] == e) return; // an earlier pair computes expert e (uniform over the CTA)
@@ -1125,34 +1163,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     };
     issue();
     issue();
-    m2_grid<T_IQ2_XXS>(gs);
-    // sigma from max |x| (exact power of two; max is order-free: deterministic).
-    float am = 0.0f;
-    for (int i = tid; i < cols / 4; i += M3_THREADS) {
-        float4 v = ((const float4*)x)[i];
-        am = fmaxf(am, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    }
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-    if (lane == 0) wmax[warp] = am;
-    __syncthreads();
-    am = wmax[0];
-    for (int w = 1; w < 8; w++) am = fmaxf(am, wmax[w]);
-    int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
-    float xsc = __uint_as_float((u32)(127 + sig) << 23);
-    // Final factor: 2^24 (subnormal unit) / 8 / 2^sigma.
-    float fin = __uint_as_float((u32)(127 + 21 - sig) << 23);
-    // x fragments: entry q = (chunk c, entry jj, tig) = x[128c + 32 tig + 8 jj ..] as hi and lo.
-    for (int q = tid; q < cols / 8; q += M3_THREADS) {
-        int c = q >> 4, jj = (q >> 2) & 3, t = q & 3;
-        const float4* src = (const float4*)(x + 128 * c + 32 * t + 8 * jj);
-        float4 a = src[0], b = src[1];
-        float v[8] = {a.x * xsc, a.y * xsc, a.z * xsc, a.w * xsc, b.x * xsc, b.y * xsc, b.z * xsc, b.w * xsc};
-        uint4 hi, lo;
-        m3_split8(v, hi, lo);
-        xf[((c * 4 + jj) * 2 + 0) * 4 + t] = hi;
-        xf[((c * 4 + jj) * 2 + 1) * 4 + t] = lo;
-    }
+    if (!LATE) xprep(); // in flight with the first rows
     float ag = 0.0f, au = 0.0f, hmax = 0.0f;
     int kq = 0, tl = 0, bs = 0; // this stage: columns 2048 kq .., tile, buffer
     uint4 bx[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}; // see m3gu_dec
@@ -1461,6 +1472,15 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     m3gu_body(M3GU_ARGS);
+#endif
+}
+// The same with x's preparation before the PDL wait (m3gu_body LATE).
+DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1l_iq2_xxs(M3GU_PARAMS) {
+    DS4_PDL_LATE;
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    m3gu_body<true>(M3GU_ARGS);
+#else
+    ds4_pdl_enter();
 #endif
 }
 // n = 1, cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu.

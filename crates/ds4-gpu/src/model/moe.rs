@@ -33,7 +33,7 @@
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// Process-wide switch (on by default) so tests and benchmarks can compare with the older paths.
@@ -53,6 +53,10 @@ static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
 static V3IP_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the ones whose down added a side branch's product (`Backend::moe_experts_add`).
 static ADD_RUNS: AtomicUsize = AtomicUsize::new(0);
+/// `DS4_GPU_M3GU_LATE` (unset: on; `0` off; [`GpuBackend::set_m3gu_late`]): the v3d gate/up as
+/// `m3gu1l_iq2_xxs`, x's scale and fragments prepared before the PDL wait (moe.cu m3gu_body
+/// LATE), else `m3gu1_iq2_xxs` (after it). Same values.
+static M3GU_LATE: AtomicU8 = AtomicU8::new(super::switch::UNSET);
 /// Form: 0 default (v3ip for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
 /// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
 /// 4 v3ip (v3d with `m3dn1ip_q2_k`, the int8 down, where v3d runs);
@@ -183,6 +187,11 @@ impl GpuBackend {
     /// How many of those were the v3ip form (process-wide).
     pub fn moe_v3ip_runs() -> usize {
         V3IP_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// The v3d gate/up's x preparation before the PDL wait (on) or after it, process-wide.
+    pub fn set_m3gu_late(on: bool) {
+        M3GU_LATE.store(on as u8, Ordering::Relaxed);
     }
 
     /// How many v3d products added a side branch's product in their down (process-wide).
@@ -392,7 +401,9 @@ impl GpuBackend {
         let nb3 = pick(V2_NB.load(Ordering::Relaxed), env.0, 3);
         let ngu = ff.div_ceil(8 * nb3);
         let (name, grid, smem, tiles) = if v3d {
-            (format!("m3gu1_{}", g.1), ngu, v3_smem(d), nb3)
+            let late = super::switch::switch_on(&M3GU_LATE, "DS4_GPU_M3GU_LATE");
+            let l = if late { "l" } else { "" };
+            (format!("m3gu1{l}_{}", g.1), ngu, v3_smem(d), nb3)
         } else {
             (format!("m2gu{nt}_{}", g.1), ff.div_ceil(tr_gu), smem_gu, nb)
         };
