@@ -1792,78 +1792,12 @@ __device__ __forceinline__ u64 ds4_ao_now() {
 // lane) += Phi·Vhi + Plo·Vhi + Phi·Vlo. Fragments (PTX m16n8k16, g = lane/4, t = lane%4): A a0
 // (row g, k 2t..2t+1), a1 (g+8), a2 (g, k+8), a3 (g+8, k+8); B b0 (k 2t.., col g), b1 (k+8); C
 // c0,c1 (row g, cols 2t, 2t+1), c2,c3 (row g+8). Rows of A / C are heads.
-// (V & 8, attend_one_tc5n) The CTA's raw query heads normed and rotated in registers: qr holds
-// heads g (x even) and g + 8 (x odd) at columns 64 w + 2 tq + 16 ks + 8 (x >> 1) (+1), as loaded
-// below. fused.cu fu_norm_rope_row's operations (no weight, no rounding), as attn_tc512gn's QN:
-// Σx² in f64 (lane, quad, then the 8 column warps in order: only that order differs), the scale
-// (float)(1 / sqrt(Σx² / 512 + eps)), RoPE of the last n_rot columns at pos by the f64 sincos of
-// pos·ω mod 2π rounded to f32, a' = a·cos − b·sin, b' = a·sin + b·cos unfused. Scratch: the tile
-// buffer, free until the first tile is stored (two CTA barriers; every thread calls this).
-// cs: the token's (cos, sin) pairs in cs_s where the kernel fills it (before the PDL wait in
-// tc5: ds4_mod_2pi is fmod's value, sin and cos sincos's), else null (computed here).
-__device__ __forceinline__ void ds4_aot_qnorm(float2 (&qr)[4][4], unsigned char* scratch, const double* __restrict__ freqs,
-                                              long long pos, int n_rot, float qeps, int w, int g, int tq, int tid,
-                                              const float2* cs) {
-    double* qss = (double*)scratch;     // [8 warps][16 heads]
-    float* qsf = (float*)(qss + 8 * 16); // [16]: each head's scale
-    float2* qsc = (float2*)(qsf + 16);   // [n_rot / 2]: (sin, cos) of the pairs
-    double sa = 0.0, sb = 0.0;
-#pragma unroll
-    for (int ks = 0; ks < 4; ks++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const float2 v = qr[ks][x];
-            const double d = (double)v.x * (double)v.x + (double)v.y * (double)v.y;
-            if (x & 1) sb += d;
-            else sa += d;
-        }
-    sa += ds4_shfl_xor(sa, 1), sb += ds4_shfl_xor(sb, 1);
-    sa += ds4_shfl_xor(sa, 2), sb += ds4_shfl_xor(sb, 2);
-    if (tq == 0) qss[w * 16 + g] = sa, qss[w * 16 + g + 8] = sb;
-    __syncthreads();
-    if (tid < 16) {
-        double t = qss[tid];
-#pragma unroll
-        for (int k = 1; k < 8; k++) t += qss[k * 16 + tid];
-        qsf[tid] = (float)(1.0 / sqrt(t / 512.0 + (double)qeps));
-    } else if (tid >= 32 && tid < 32 + n_rot / 2) {
-        const int p = tid - 32;
-        if (cs) {
-            qsc[p] = make_float2(cs[p].y, cs[p].x);
-        } else {
-            const double theta = fmod((double)pos * freqs[p], 6.283185307179586);
-            double sn, cn;
-            sincos(theta, &sn, &cn);
-            qsc[p] = make_float2((float)sn, (float)cn);
-        }
-    }
-    __syncthreads();
-    const int r0 = DS4_AP_MAXHD - n_rot;
-    const float sc[2] = {qsf[g], qsf[g + 8]};
-#pragma unroll
-    for (int ks = 0; ks < 4; ks++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            float a = qr[ks][x].x * sc[x & 1], b = qr[ks][x].y * sc[x & 1];
-            const int c = 64 * w + 2 * tq + 16 * ks + 8 * (x >> 1); // even: a pair
-            if (c >= r0) {
-                const float2 tt = qsc[(c - r0) >> 1];
-                const float a2 = __fsub_rn(ds4_mul_rn(a, tt.y), ds4_mul_rn(b, tt.x));
-                b = __fadd_rn(ds4_mul_rn(a, tt.x), ds4_mul_rn(b, tt.y));
-                a = a2;
-            }
-            qr[ks][x] = make_float2(a, b);
-        }
-}
-
 template <bool PROBE, int V>
 __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsigned char* tile_s, u16* pt_s, float* ws_s,
                                                const float** ptr_s, float* m_s, float* z_s, float* cf_s, float2* cs_s,
                                                bool use_cs, int i, int s, int h0, int nhg, long long first, int nwin,
-                                               int nsel, long long jb, long long je, const int* seli, bool pre,
-                                               float qeps) {
+                                               int nsel, long long jb, long long je, const int* seli, bool pre) {
     constexpr int HD = DS4_AP_MAXHD, LD = DS4_AOT_LD, RT = DS4_AOT_R;
-    static_assert((V & 8) == 0 || (V & 1) != 0, "the query norm (V & 8) runs where the split is late (V & 1)");
     constexpr int LDT = RT * HD / 4 / DS4_AO_THREADS; // float4 loads per thread per tile (8)
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int c0 = w * 64, nh2 = n_rot / 2;
@@ -1914,8 +1848,6 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
         __syncthreads();
         if (b0 == jb) DS4_AO_STAMP(1);
         if ((V & 1) != 0 && b0 == jb) {
-            if constexpr ((V & 8) != 0)
-                ds4_aot_qnorm(qr, tile_s, freqs, t0 + i, n_rot, qeps, w, g, tq, tid, use_cs ? cs_s + i * nh2 : nullptr);
             DS4_AOT_QSPLIT()
         }
         // Loads of the tile starting at ptr_s[r0]: element k = row·128 + float4 column (absent rows: zeros).
@@ -2054,8 +1986,7 @@ __device__ __forceinline__ void ds4_ao_part_tc(DS4_AO_PARAMS, u64* stamps, unsig
 // first row-pointer listing (ds4_ao_part_tc), 4 the (cos, sin) table and a first block's row
 // pointers before the PDL wait (kernels started DS4_PDL_LATE); the same bits as V 0. (Bit 2, a
 // combine with all 8 warps loading partials, lost: bench/results/gpu-a119-h200.txt.)
-template <bool PROBE, bool TC, int V = 0>
-__device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps, float qeps = 0.0f) {
+template <bool PROBE, bool TC, int V = 0> __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps) {
     // The tile: f32 [R][hd] (16 KiB), or (TC) f16 hi then lo [DS4_AOT_R][DS4_AOT_LD] (32.5 KiB).
     __shared__ __align__(16) unsigned char tile_s[TC ? DS4_AOT_TILE : DS4_AO_R * DS4_AP_MAXHD * 4];
     float4* rows_s4 = (float4*)tile_s;
@@ -2116,7 +2047,7 @@ __device__ __forceinline__ void ds4_attend_one(DS4_AO_PARAMS, u64* stamps, float
         if (TC) {
 #if DS4_AOT_HAVE
             ds4_ao_part_tc<PROBE, V>(DS4_AO_ARGS, stamps, tile_s, pt_s, &w_s[0][0], ptr_s, m_s, z_s, cf_s, cs_s, use_cs,
-                                  i, s, h0, nhg, first, nwin, nsel, jb, je, seli, pre, qeps);
+                                  i, s, h0, nhg, first, nwin, nsel, jb, je, seli, pre);
 #endif
         } else {
             const int hq = vw >> 1, half = vw & 1;
@@ -2382,6 +2313,3 @@ DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1(DS4_AO_PARAMS) { ds4_pdl_enter();
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc1p(DS4_AO_PARAMS, u64* stamps) { ds4_pdl_enter(); ds4_attend_one<true, true, 1>(DS4_AO_ARGS, stamps); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc5(DS4_AO_PARAMS) { DS4_PDL_LATE; ds4_attend_one<false, true, 5>(DS4_AO_ARGS, (u64*)0); }
 DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc5p(DS4_AO_PARAMS, u64* stamps) { DS4_PDL_LATE; ds4_attend_one<true, true, 5>(DS4_AO_ARGS, stamps); }
-// attend_one_tc5 of raw queries: each head RMS-normed (no weight, eps qeps) and rotated at its
-// position as it loads (ds4_aot_qnorm), instead of a norm_rope pass over q before it (decode).
-DS4_KERNEL void DS4_BOUNDS(256) attend_one_tc5n(DS4_AO_PARAMS, float qeps) { DS4_PDL_LATE; ds4_attend_one<false, true, 13>(DS4_AO_ARGS, (u64*)0, qeps); }

@@ -1082,10 +1082,6 @@ __device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const u64* 
     }
 }
 
-// LATE (m3gu1l_iq2_xxs, a DS4_PDL_LATE kernel): the grid table, x's scale and its fragments
-// before the PDL wait (x is z, written before the router, whose own wait covered it; constant
-// tables), the selections after it; the rows' first copies then follow the wait. Same values.
-template <bool LATE = false>
 __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int n, int k,
                                           const float* __restrict__ wgt, float clamp, float* __restrict__ h, int rows,
@@ -1096,40 +1092,6 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     float* wmax = red + 8 * 16;                 // [8 warps]
     u8* stg = (u8*)(wmax + 8);                  // 3 stages (16-byte aligned: see the host)
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
-    float fin; // final factor: 2^24 (subnormal unit) / 8 / 2^sigma
-    auto xprep = [&]() {
-        m2_grid<T_IQ2_XXS>(gs);
-        // sigma from max |x| (exact power of two; max is order-free: deterministic).
-        float am = 0.0f;
-        for (int i = tid; i < cols / 4; i += M3_THREADS) {
-            float4 v = ((const float4*)x)[i];
-            am = fmaxf(am, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-        }
-#pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-        if (lane == 0) wmax[warp] = am;
-        __syncthreads();
-        am = wmax[0];
-        for (int w = 1; w < 8; w++) am = fmaxf(am, wmax[w]);
-        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
-        float xsc = __uint_as_float((u32)(127 + sig) << 23);
-        fin = __uint_as_float((u32)(127 + 21 - sig) << 23);
-        // x fragments: entry q = (chunk c, entry jj, tig) = x[128c + 32 tig + 8 jj ..] as hi and lo.
-        for (int q = tid; q < cols / 8; q += M3_THREADS) {
-            int c = q >> 4, jj = (q >> 2) & 3, t = q & 3;
-            const float4* src = (const float4*)(x + 128 * c + 32 * t + 8 * jj);
-            float4 a = src[0], b = src[1];
-            float v[8] = {a.x * xsc, a.y * xsc, a.z * xsc, a.w * xsc, b.x * xsc, b.y * xsc, b.z * xsc, b.w * xsc};
-            uint4 hi, lo;
-            m3_split8(v, hi, lo);
-            xf[((c * 4 + jj) * 2 + 0) * 4 + t] = hi;
-            xf[((c * 4 + jj) * 2 + 1) * 4 + t] = lo;
-        }
-    };
-    if (LATE) {
-        xprep();
-        ds4_pdl_enter();
-    }
     int p = blockIdx.y, e = sel[p];
     for (int q = 0; q < p; q++)
         if (sel[q] == e) return; // an earlier pair computes expert e (uniform over the CTA)
@@ -1163,7 +1125,34 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     };
     issue();
     issue();
-    if (!LATE) xprep(); // in flight with the first rows
+    m2_grid<T_IQ2_XXS>(gs);
+    // sigma from max |x| (exact power of two; max is order-free: deterministic).
+    float am = 0.0f;
+    for (int i = tid; i < cols / 4; i += M3_THREADS) {
+        float4 v = ((const float4*)x)[i];
+        am = fmaxf(am, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    if (lane == 0) wmax[warp] = am;
+    __syncthreads();
+    am = wmax[0];
+    for (int w = 1; w < 8; w++) am = fmaxf(am, wmax[w]);
+    int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+    float xsc = __uint_as_float((u32)(127 + sig) << 23);
+    // Final factor: 2^24 (subnormal unit) / 8 / 2^sigma.
+    float fin = __uint_as_float((u32)(127 + 21 - sig) << 23);
+    // x fragments: entry q = (chunk c, entry jj, tig) = x[128c + 32 tig + 8 jj ..] as hi and lo.
+    for (int q = tid; q < cols / 8; q += M3_THREADS) {
+        int c = q >> 4, jj = (q >> 2) & 3, t = q & 3;
+        const float4* src = (const float4*)(x + 128 * c + 32 * t + 8 * jj);
+        float4 a = src[0], b = src[1];
+        float v[8] = {a.x * xsc, a.y * xsc, a.z * xsc, a.w * xsc, b.x * xsc, b.y * xsc, b.z * xsc, b.w * xsc};
+        uint4 hi, lo;
+        m3_split8(v, hi, lo);
+        xf[((c * 4 + jj) * 2 + 0) * 4 + t] = hi;
+        xf[((c * 4 + jj) * 2 + 1) * 4 + t] = lo;
+    }
     float ag = 0.0f, au = 0.0f, hmax = 0.0f;
     int kq = 0, tl = 0, bs = 0; // this stage: columns 2048 kq .., tile, buffer
     uint4 bx[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}; // see m3gu_dec
@@ -1283,8 +1272,7 @@ __device__ __forceinline__ void m3_limbs4(int x0, int x1, int x2, int x3, u32 (&
 template <bool I8>
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
-                                          int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu,
-                                          const float* __restrict__ add) {
+                                          int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
     constexpr int NST = I8 ? M3D_DEEP : 2;
     constexpr bool LATE = I8; // the caller starts with DS4_PDL_LATE
     uint4* xf = (uint4*)moe_smem;                 // [2][cols / 128 chunks][4 groups][2 parts][4 tig]
@@ -1457,9 +1445,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     if (tid < 16 && r0 + tid < rows) {
         float o = 0.0f; // warps in order
         for (int w = 0; w < 16; w++) o += red[w * 16 + tid];
-        // add (or null): the shared expert's down product, o + add[r] as the CPU's routed sum +
-        // shared product (its writer, on the decode step's side branch, joins at this kernel).
-        out[r0 + tid] = add ? o + add[r0 + tid] : o;
+        out[r0 + tid] = o;
     }
 }
 #endif
@@ -1474,29 +1460,19 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
     m3gu_body(M3GU_ARGS);
 #endif
 }
-// The same with x's preparation before the PDL wait (m3gu_body LATE).
-DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1l_iq2_xxs(M3GU_PARAMS) {
-    DS4_PDL_LATE;
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3gu_body<true>(M3GU_ARGS);
-#else
-    ds4_pdl_enter();
-#endif
-}
 // n = 1, cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu.
-// add: null, or [rows] added to the sums (see m3dn_body's store).
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu, const float* __restrict__ add) {
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu, add);
+    m3dn_body<false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }
 // The same on int8 tensor cores, 6 stages, the weights' loads before the PDL wait
 // (m3dn_body<true>: see there).
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu, const float* __restrict__ add) {
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     DS4_PDL_LATE;
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu, add);
+    m3dn_body<true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
 #endif
 }
 

@@ -35,7 +35,6 @@ pub const ATTENTION: Module = Module {
         "attend_one_tc1p",
         "attend_one_tc5",
         "attend_one_tc5p",
-        "attend_one_tc5n",
         "ring_store_f32",
     ],
 };

@@ -34,7 +34,6 @@ pub const MOE: Module = Module {
         "m2dn2_q2_k",
         "m2dn2_q4_k",
         "m3gu1_iq2_xxs",
-        "m3gu1l_iq2_xxs",
         "m3dn1_q2_k",
         "m3dn1ip_q2_k",
         "moe_localize",

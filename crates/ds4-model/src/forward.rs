@@ -1004,32 +1004,10 @@ impl<B: Backend> Model<B> {
             ws.extend([&c.kv, &c.gate]);
             outs.extend([b.alloc(n * w), b.alloc(n * w)]);
         }
-        let spec = AttnSpec {
-            n_head: nh,
-            head_dim: hd,
-            n_rot,
-            window: hp.sliding_window as usize,
-            ratio: l.dims.comp.map_or(0, |c| c.ratio),
-            top_k: if l.indexer.is_some() {
-                hp.indexer_top_k as usize
-            } else {
-                0
-            },
-            rope,
-        };
-        // The query heads (unweighted) and the shared KV row of each position (kv_norm,
-        // rounded as the cache stores it): one norm_rope_pair after q_b, or, where the
-        // attention norms and rotates the raw queries itself (`Backend::attend_qnorm`), the KV
-        // row alone, which reads only kv: first on the side branch where there is one.
-        let kvn = Some(&l.kv_norm);
-        let q_raw = b.attend_norms_q(&spec, n);
         let mut iw = None;
         let branch = !ws.is_empty();
         if branch {
             b.side_begin();
-            if q_raw {
-                b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
-            }
             if let Some(ix) = &l.indexer {
                 ws.push(&ix.proj);
                 outs.push(b.alloc(n * hp.indexer_heads as usize));
@@ -1078,13 +1056,29 @@ impl<B: Backend> Model<B> {
             }
             b.side_end();
         }
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot,
+            window: hp.sliding_window as usize,
+            ratio: l.dims.comp.map_or(0, |c| c.ratio),
+            top_k: if l.indexer.is_some() {
+                hp.indexer_top_k as usize
+            } else {
+                0
+            },
+            rope,
+        };
         // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
         let mut q = b.alloc(n * nh * hd);
         b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
+        // The query heads (unweighted) and the shared KV row of each position (kv_norm,
+        // rounded as the cache stores it): one norm_rope_pair, or the KV row alone where the
+        // attention norms and rotates the raw queries itself (`Backend::attend_qnorm`).
+        let kvn = Some(&l.kv_norm);
+        let q_raw = b.attend_norms_q(&spec, n);
         if q_raw {
-            if !branch {
-                b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
-            }
+            b.norm_rope(&mut kv, n, 1, hd, kvn, eps, n_rot, t0, rope, Some(kv_round));
         } else {
             b.norm_rope_pair(
                 &mut q,
@@ -1176,25 +1170,15 @@ impl<B: Backend> Model<B> {
         let shared = self.shard.rank == 0 || self.shard.is_tp();
         let ff_sh = self.shard.part(spec.ff).1;
         // The shared expert's gate/up reads only z (side branch, `Backend::side_begin`); the
-        // router and the routed experts (main branch) too. Its down product adds into the
-        // routed sum: after the join (`matmul_add`), or, where the backend asks
-        // (`moe_shared_beside`: a recorded decode step), computed on the side branch too and
-        // added by the routed experts (`moe_experts_add`), which join as late as they can.
-        let beside = shared && b.moe_shared_beside(n);
+        // router and the routed experts (main branch) too; the shared down product adds into
+        // the routed sum after the join.
         let mut g = None;
-        let mut sh = None;
         if shared {
             b.side_begin();
             let mut gs = b.alloc(n * ff_sh);
             b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, ff_sh, &mut gs, l.clamp_sh);
-            if beside {
-                let mut s = b.alloc(n * spec.d);
-                b.matmul_addend(&l.down_sh, &gs, n, spec.d, &mut s);
-                sh = Some(s);
-            } else {
-                g = Some(gs);
-            }
             b.side_end();
+            g = Some(gs);
         }
         let mut logits = b.alloc(n * spec.n_expert);
         let mut sel = b.alloc_i32(n * spec.n_used);
@@ -1219,33 +1203,17 @@ impl<B: Backend> Model<B> {
             b.moe_localize(&mut sel, &mut wgt, n, spec.n_used, e0, count);
             xspec.n_expert = count;
         }
-        if let Some(sh) = &sh {
-            b.moe_experts_add(
-                &xspec,
-                &l.gate_exps,
-                &l.up_exps,
-                &l.down_exps,
-                z,
-                &sel,
-                &wgt,
-                n,
-                sh,
-                &mut out,
-            );
-            b.join(); // joined already (moe_experts_add)
-        } else {
-            b.moe_experts(
-                &xspec,
-                &l.gate_exps,
-                &l.up_exps,
-                &l.down_exps,
-                z,
-                &sel,
-                &wgt,
-                n,
-                &mut out,
-            );
-        }
+        b.moe_experts(
+            &xspec,
+            &l.gate_exps,
+            &l.up_exps,
+            &l.down_exps,
+            z,
+            &sel,
+            &wgt,
+            n,
+            &mut out,
+        );
         if let Some(g) = g {
             b.join();
             b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);

@@ -180,17 +180,6 @@ static QNORM_RUNS: AtomicU64 = AtomicU64::new(0);
 fn qnorm_on() -> bool {
     env_code(&QNORM, "DS4_GPU_ATTN_QNORM", on_unless_off) == 1
 }
-/// Decode's raw queries normed and rotated inside the one-token attention (`attend_one_tc5n`,
-/// `Backend::attend_qnorm` at n = 1) instead of by norm_rope_pair before it: 0 not yet read
-/// from `DS4_GPU_AO_QNORM`, 1 on (default), 2 off. The KV row's norm then runs alone
-/// (`Backend::norm_rope`), on the compressors' side branch where the layer has one.
-static AO_QNORM: AtomicU8 = AtomicU8::new(0);
-/// `attend_one_tc5n` launches so far in this process (tests: the fused form ran).
-static AO_QNORM_RUNS: AtomicU64 = AtomicU64::new(0);
-
-fn ao_qnorm_on() -> bool {
-    env_code(&AO_QNORM, "DS4_GPU_AO_QNORM", on_unless_off) == 1
-}
 /// Their static shared bytes (`Atg<R, PIPE>::SMEM`, attn_tc.cu: `nb` R-row K/V tiles, four
 /// partial-S tiles, the P tile, per-head factors, RoPE, scan counts) before 4 bytes a candidate.
 const fn atg_smem(r: usize, nb: usize) -> usize {
@@ -1048,9 +1037,6 @@ impl GpuBackend {
     /// launch itself also needs the candidate list in shared memory; else the queries are
     /// normed into a copy first.
     pub(crate) fn attn_norms_q(&self, spec: &AttnSpec, n: usize) -> bool {
-        if n == 1 {
-            return self.ao_norms_q(spec);
-        }
         let info = self.gpu.info();
         n > super::GRAPH_MAX_N
             && qnorm_on()
@@ -1064,35 +1050,9 @@ impl GpuBackend {
             && spec.n_rot.is_multiple_of(2)
     }
 
-    /// One token: `attend_one_tc5n` takes the raw queries where op_attend would run
-    /// `attend_one_tc5` (the decode attention's default form on CUDA sm_80+, head width 512,
-    /// the head groups within one CTA an SM).
-    fn ao_norms_q(&self, spec: &AttnSpec) -> bool {
-        let info = self.gpu.info();
-        ao_qnorm_on()
-            && attn_mode() == 3
-            && aotc_kernel() == "attend_one_tc5"
-            && info.cc.0 >= 8
-            && info.warp == 32
-            && spec.head_dim == AP_MAXHD
-            && spec.n_rot <= spec.head_dim.min(ATC_MAXROT)
-            && spec.n_rot.is_multiple_of(2)
-            && spec.n_head.div_ceil(AO_HG) <= info.sm_count as usize
-    }
-
     /// `attn_tc512gn_f32` launches so far in this process.
     pub fn attn_qnorm_launches() -> u64 {
         QNORM_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// `attend_one_tc5n` launches so far in this process.
-    pub fn ao_qnorm_launches() -> u64 {
-        AO_QNORM_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// Process-wide switch of decode's fused query norm (`DS4_GPU_AO_QNORM`; tests, A/B).
-    pub fn set_ao_qnorm(on: bool) {
-        AO_QNORM.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// Process-wide switch of the fused query norm (`DS4_GPU_ATTN_QNORM`; tests, A/B).
@@ -1130,9 +1090,8 @@ impl GpuBackend {
             ]
             .iter()
             .all(|p| p.0.is_multiple_of(16))
-            && (n == 1
-                || atg_smem(32, 2) + 4 * candidates(spec, sel.is_some(), n, t0).1
-                    <= self.gpu.info().max_shared_per_block as usize);
+            && atg_smem(32, 2) + 4 * candidates(spec, sel.is_some(), n, t0).1
+                <= self.gpu.info().max_shared_per_block as usize;
         let qn;
         let (q, qeps) = match qeps {
             Some(eps) if !fused => {
@@ -1180,15 +1139,14 @@ impl GpuBackend {
         if tc_ok {
             return self.attend_tc(st, spec, q, qeps, kv, sinks, sel, n, t0, out, comp, scale);
         }
+        if qeps.is_some() {
+            return self.attn_invalid("attend: raw queries off the tensor-core path".into());
+        }
         if attn_mode() >= 3 && split_ok && n <= AO_MAX_N {
             let groups = nh.div_ceil(AO_HG);
             if n * groups <= info.sm_count as usize {
-                let a = (q, qeps, kv, sinks, sel);
-                return self.attend_one(st, spec, a, n, t0, out, comp, scale);
+                return self.attend_one(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
             }
-        }
-        if qeps.is_some() {
-            return self.attn_invalid("attend: raw queries off the tensor-core path".into());
         }
         if !attn_simple() && split_ok {
             return self.attend_split(st, spec, q, kv, sinks, sel, n, t0, out, comp, scale);
@@ -1364,13 +1322,14 @@ impl GpuBackend {
     /// splits) CTAs, at most one per SM (all resident: the kernel has a grid-wide barrier
     /// between its split and merge phases); sink, inverse RoPE and ring store included.
     #[allow(clippy::too_many_arguments)]
-    /// `qeps`: q is raw (`attend_one_tc5n` norms and rotates it; only where `ao_norms_q`).
-    #[allow(clippy::type_complexity)]
     fn attend_one(
         &self,
         st: &mut GpuLayerState,
         spec: &AttnSpec,
-        (q, qeps, kv, sinks, sel): (&GpuBuf, Option<f32>, &GpuBuf, &GpuWeight, Option<&GpuIBuf>),
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
         n: usize,
         t0: usize,
         out: &mut GpuBuf,
@@ -1383,16 +1342,10 @@ impl GpuBackend {
         let info = self.gpu.info();
         // The tile loop on tensor cores: CUDA sm_80+, 32-lane warps, head width 512.
         let tc = attn_mode() == 3 && info.cc.0 >= 8 && info.warp == 32 && hd == AP_MAXHD;
-        let (kname, r) = match (tc, qeps) {
-            (true, Some(_)) if n == 1 && aotc_kernel() == "attend_one_tc5" => {
-                AO_QNORM_RUNS.fetch_add(1, Ordering::Relaxed);
-                ("attend_one_tc5n", AOT_R)
-            }
-            (_, Some(_)) => {
-                return self.attn_invalid("attend: raw queries off attend_one_tc5".into());
-            }
-            (true, None) => (aotc_kernel(), AOT_R),
-            (false, None) => ("attend_one_f32", AO_R),
+        let (kname, r) = if tc {
+            (aotc_kernel(), AOT_R)
+        } else {
+            ("attend_one_f32", AO_R)
         };
         // As many splits as fit one CTA per SM, each a whole number of tiles (fewer, longer
         // splits were slower with the tensor-core loop: bench/results/gpu-attn-a17-h200.txt).
@@ -1446,10 +1399,7 @@ impl GpuBackend {
                 Arg::I32(spec.n_rot as i32),
                 Arg::F32(scale),
                 sp.map_or(Arg::Null, Arg::Ptr),
-            ]
-            .into_iter()
-            .chain(qeps.map(Arg::F32))
-            .collect::<Vec<_>>(),
+            ],
         );
     }
 

@@ -409,13 +409,6 @@ pub enum GpuComm {
 /// device is idle then). Old form: `0`.
 static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
 
-/// `DS4_GPU_SHARED_BESIDE` (unset: on; `0` off; [`GpuBackend::set_shared_beside`]): recorded
-/// decode steps run the shared expert's down product on the MoE's side branch and the routed
-/// experts' down adds it (`Backend::moe_shared_beside`), so the two chains join at that down
-/// instead of at the shared down product (`mvra_r2u2_q8_0i`, then on the main chain between the
-/// routed experts and the next HC). Same bits either way. Old form: `0`.
-static SHARED_BESIDE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
-
 /// Words of [`GpuBackend::tickets`].
 pub(crate) const TICKET_WORDS: usize = 128;
 
@@ -670,12 +663,6 @@ impl GpuBackend {
     pub fn set_branch(&self, on: bool) {
         self.flush(false);
         self.graph.lock().unwrap().branch = on;
-    }
-
-    /// Compute the shared expert's down product beside the routed experts in recorded decode
-    /// steps (on) or after them (off), process-wide ([`SHARED_BESIDE`]; same bits either way).
-    pub fn set_shared_beside(on: bool) {
-        SHARED_BESIDE.store(on as u8, Ordering::Relaxed);
     }
 
     /// Whether decode steps run as graphs.
@@ -1753,50 +1740,6 @@ impl Backend for GpuBackend {
         let _p = self.prof(|| format!("moe_experts n{}", if n == 1 { "=1" } else { ">1" }));
 
         self.op_moe_experts(spec, gate, up, down, z, sel, wgt, n, out)
-    }
-
-    fn moe_experts_add(
-        &self,
-        spec: &MoeSpec,
-        gate: &GpuWeight,
-        up: &GpuWeight,
-        down: &GpuWeight,
-        z: &GpuBuf,
-        sel: &GpuIBuf,
-        wgt: &GpuBuf,
-        n: usize,
-        add: &GpuBuf,
-        out: &mut GpuBuf,
-    ) {
-        // The v3d decode kernels: the join at the down, which adds `add` in its epilogue.
-        if !self.failed() && {
-            let _p = self.prof(|| "moe_experts n=1".to_string());
-            self.dec_moe(spec, gate, up, down, z, sel, wgt, n, out, Some(add))
-        } {
-            return;
-        }
-        self.moe_experts(spec, gate, up, down, z, sel, wgt, n, out);
-        self.join();
-        self.add(out, add, n * spec.d);
-    }
-
-    /// Recorded decode steps with branches (the products of n <= 4 rows that `matmul_add`
-    /// would not take through BLAS), unless `DS4_GPU_SHARED_BESIDE=0`: the shared expert's
-    /// down product (~6 us a layer at full size) leaves the main chain ([`SHARED_BESIDE`]).
-    fn moe_shared_beside(&self, n: usize) -> bool {
-        n <= 4
-            && switch::switch_on(&SHARED_BESIDE, "DS4_GPU_SHARED_BESIDE")
-            && self.recording.load(Ordering::Acquire)
-            && self.graph.lock().unwrap().branch
-    }
-
-    fn matmul_addend(&self, w: &GpuWeight, x: &GpuBuf, n: usize, _rows: usize, y: &mut GpuBuf) {
-        // As matmul_add: n = 1 the add form's kernel (less the add), else the plain product
-        // that its fallback adds (n <= 4: no BLAS epilogue).
-        if n == 1 && self.product_width_ok(w) && self.mv_matmul_addend(w, x, y) {
-            return;
-        }
-        self.matmul(w, Part::All, x, n, y);
     }
 
     fn hc_pre_norm(

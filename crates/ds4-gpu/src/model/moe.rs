@@ -33,7 +33,7 @@
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// Process-wide switch (on by default) so tests and benchmarks can compare with the older paths.
@@ -51,12 +51,6 @@ static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v3ip ones (the int8 down).
 static V3IP_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the ones whose down added a side branch's product (`Backend::moe_experts_add`).
-static ADD_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// `DS4_GPU_M3GU_LATE` (unset: on; `0` off; [`GpuBackend::set_m3gu_late`]): the v3d gate/up as
-/// `m3gu1l_iq2_xxs`, x's scale and fragments prepared before the PDL wait (moe.cu m3gu_body
-/// LATE), else `m3gu1_iq2_xxs` (after it). Same values.
-static M3GU_LATE: AtomicU8 = AtomicU8::new(super::switch::UNSET);
 /// Form: 0 default (v3ip for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
 /// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
 /// 4 v3ip (v3d with `m3dn1ip_q2_k`, the int8 down, where v3d runs);
@@ -189,16 +183,6 @@ impl GpuBackend {
         V3IP_RUNS.load(Ordering::Relaxed)
     }
 
-    /// The v3d gate/up's x preparation before the PDL wait (on) or after it, process-wide.
-    pub fn set_m3gu_late(on: bool) {
-        M3GU_LATE.store(on as u8, Ordering::Relaxed);
-    }
-
-    /// How many v3d products added a side branch's product in their down (process-wide).
-    pub fn moe_add_runs() -> usize {
-        ADD_RUNS.load(Ordering::Relaxed)
-    }
-
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn dec_moe(
         &self,
@@ -211,7 +195,6 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
-        add: Option<&GpuBuf>,
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
@@ -253,11 +236,7 @@ impl GpuBackend {
         let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
         // v3ip: the int8 down.
         let i8dn = v3d && form == 4;
-        // add: only the v3d downs take it (their epilogue), else nothing is run here.
-        if add.is_some() && !v3d {
-            return false;
-        }
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, i8dn, add) {
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, i8dn) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             if v3d {
@@ -266,13 +245,7 @@ impl GpuBackend {
             if i8dn {
                 V3IP_RUNS.fetch_add(1, Ordering::Relaxed);
             }
-            if add.is_some() {
-                ADD_RUNS.fetch_add(1, Ordering::Relaxed);
-            }
             return true;
-        }
-        if add.is_some() {
-            return false;
         }
         let warps = THREADS / self.warp() as usize;
         let nt = match n {
@@ -337,9 +310,7 @@ impl GpuBackend {
     }
 
     /// The v2 launches (v3d: the v3d kernels instead, i8dn: with the v3ip down); false: the
-    /// shape does not fit them; nothing was queued. `add` (v3d only): added to the down's sums,
-    /// written on the recorded step's side branch, which is joined at the down kernel
-    /// (`Backend::moe_experts_add`).
+    /// shape does not fit them; nothing was queued.
     #[allow(clippy::too_many_arguments)]
     fn dec_moe_v2(
         &self,
@@ -352,11 +323,7 @@ impl GpuBackend {
         out: &mut GpuBuf,
         v3d: bool,
         i8dn: bool,
-        add: Option<&GpuBuf>,
     ) -> bool {
-        if add.is_some() && !v3d {
-            return false;
-        }
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
         let w = self.warp() as usize;
@@ -401,9 +368,7 @@ impl GpuBackend {
         let nb3 = pick(V2_NB.load(Ordering::Relaxed), env.0, 3);
         let ngu = ff.div_ceil(8 * nb3);
         let (name, grid, smem, tiles) = if v3d {
-            let late = super::switch::switch_on(&M3GU_LATE, "DS4_GPU_M3GU_LATE");
-            let l = if late { "l" } else { "" };
-            (format!("m3gu1{l}_{}", g.1), ngu, v3_smem(d), nb3)
+            (format!("m3gu1_{}", g.1), ngu, v3_smem(d), nb3)
         } else {
             (format!("m2gu{nt}_{}", g.1), ff.div_ceil(tr_gu), smem_gu, nb)
         };
@@ -431,11 +396,7 @@ impl GpuBackend {
         let mut tail = vec![Arg::I32(nbr as i32), Arg::I32(hs as i32)];
         let (name, grid, block, smem) = match &mx {
             Some(mx) => {
-                tail.extend([
-                    Arg::Ptr(mx.ptr),
-                    Arg::I32(ngu as i32),
-                    add.map_or(Arg::Null, |a| Arg::Ptr(a.ptr)),
-                ]);
+                tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
                 let (f, nst) = if i8dn { ("ip", V3D_DEEP) } else { ("", 2) };
                 (
                     format!("m3dn1{f}_{}", dn.1),
@@ -451,11 +412,6 @@ impl GpuBackend {
                 smem_dn,
             ),
         };
-        if add.is_some() {
-            // The side branch wrote `add`: the step's two chains join at this launch (the
-            // gate/up above ran beside it, on the main chain).
-            ds4_backend::Backend::join(self);
-        }
         self.run(
             &ds4_kernels::MOE,
             &name,
