@@ -268,23 +268,16 @@ fn nrlate_on() -> bool {
     }) == 1
 }
 
-/// norm_rope_pair's warp form: 0 not yet read from `DS4_GPU_NRW`, 1 on (default: the
+/// norm_rope_pair's prefill form: 0 not yet read from `DS4_GPU_NRW`, 1 on (default: the
 /// warp-a-row `norm_rope_pair_w` at n > FUSE_HC_MAX_N tokens where norm_rope_pair_g would run
-/// and a warp holds the row, NW_K float4 a lane), 2 off (`norm_rope_pair_g`, a CTA a row),
-/// 3 all (the warp form at decode steps too) (process-wide). All give the same bits.
+/// and a warp holds the row, NW_K float4 a lane), 2 off (`norm_rope_pair_g`, a CTA a row)
+/// (process-wide). Both give the same bits.
 static NRW: AtomicU8 = AtomicU8::new(0);
 
-/// Whether norm_rope_pair of `n` tokens takes `norm_rope_pair_w` (`DS4_GPU_NRW=off` or `0`
-/// never, `all` at any n, else prefill; or [`GpuBackend::set_nrw`]; read once).
-fn nrw_for(n: usize) -> bool {
-    match env_code(&NRW, "DS4_GPU_NRW", |v| match v {
-        Some("all") => 3,
-        v => on_unless_off(v),
-    }) {
-        1 => n > FUSE_HC_MAX_N,
-        3 => true,
-        _ => false,
-    }
+/// Whether the prefill norm_rope_pair takes `norm_rope_pair_w` (`DS4_GPU_NRW=off` or `0`, or
+/// [`GpuBackend::set_nrw`], turns it off; read once).
+fn nrw_on() -> bool {
+    env_code(&NRW, "DS4_GPU_NRW", on_unless_off) == 1
 }
 
 /// float4 columns a lane (`NW_K`) and rows a warp (`NW_R`) of norm_rope_pair_w.
@@ -355,12 +348,11 @@ impl GpuBackend {
         set_code(&NRLATE, "set_nrlate", form, &["on", "off"]);
     }
 
-    /// Select norm_rope_pair's form by its `DS4_GPU_NRW` name: "on" (the default:
-    /// norm_rope_pair_w, a warp a row, at prefill), "off" (norm_rope_pair_g, a CTA a row) or
-    /// "all" (the warp form at decode steps too) (overrides the variable). Process-wide; for
-    /// tests and A/B benchmarks.
+    /// Select norm_rope_pair's prefill form by its `DS4_GPU_NRW` name: "on" (the default:
+    /// norm_rope_pair_w, a warp a row) or "off" (norm_rope_pair_g, a CTA a row) (overrides the
+    /// variable). Process-wide; for tests and A/B benchmarks.
     pub fn set_nrw(form: &str) {
-        set_code(&NRW, "set_nrw", form, &["on", "off", "all"]);
+        set_code(&NRW, "set_nrw", form, &["on", "off"]);
     }
 
     /// norm_rope_pair_w launches by every backend of the process so far (tests check with it
@@ -918,7 +910,7 @@ impl GpuBackend {
         // Prefill: a warp a row where one warp holds it (the same bits; widths past one float4
         // a thread of the CTA form would sum Σx² in another order, so they stay there).
         let warp = self.warp() as usize;
-        if nrw_for(n) && width.is_multiple_of(4) && width / 4 <= NW_K * warp {
+        if nrw_on() && n > FUSE_HC_MAX_N && width.is_multiple_of(4) && width / 4 <= NW_K * warp {
             let rows = rows_a + rows_b;
             let per_cta = 256 / warp * NW_R; // rows a CTA of 256
             let mut args = args.to_vec();
