@@ -9,7 +9,7 @@
 //! summed by `gemm_sum_f32`). The MoE groups (token, slot) pairs by expert on the device
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
-//! Prompts run in chunks of `prefill_chunk()` tokens (8192 where memory allows: MoE weights read
+//! Prompts run in chunks of `prefill_chunk()` tokens (12288 where memory allows: MoE weights read
 //! once per chunk).
 //! The MoE's IQ2_XXS gate/up (the q2 mix) take `gemmc_iq2_xxs` on CUDA sm_80+: z split into
 //! bf16 hi/lo once per product (`gemm_xb_f32`; `DS4_GPU_GEMM_XB=0`: the bf16 hi/lo form
@@ -85,33 +85,36 @@ pub(crate) fn prefill_chunk(auto: impl FnOnce() -> usize) -> usize {
 
 /// Largest prompt step (tokens). H200: 512 -> 747 tok/s, 2048 -> 990-1096, 4096 -> 1105-1311
 /// (bench/results/gpu-prefill-h200.txt); 8192 vs 4096 (more pairs per expert per chunk): 8k
-/// prefill 3,984 vs 3,843 tok/s, 32k 3,807 vs 3,701 (bench/results/gpu-gemm-e12-h200.txt). 16384
-/// ties at 8k and gives +0.9% at 32k (gpu-lead-s11-h200.txt) but is not taken: its query and
-/// attention-output buffers reach 2 GiB (16384 × 64 heads × 512 f32), past any 32-bit byte
-/// offset, and nothing at full size can check it (a random full-size model's logits move O(1)
-/// with any rounding change after thousands of tokens). Scratch ~4 GB at 8192 (MoE: 3 × pairs ×
-/// ff and pairs × d f32).
-const DEFAULT_CHUNK: usize = 8192;
+/// prefill 3,984 vs 3,843 tok/s, 32k 3,807 vs 3,701 (bench/results/gpu-gemm-e12-h200.txt);
+/// 12288 vs 8192 (session 29, alternating): the 32k frontier after a 24,576-token prompt +1.45%,
+/// a 32,768-token prompt from 0 +0.9%, 8k and 2k unchanged (gpu-decode-s29-h200.txt run H).
+/// 16384 is not taken: its query and attention-output buffers reach 2 GiB (16384 × 64 heads × 512
+/// f32), past any 32-bit byte offset; 12288's are 1.5 GiB. Scratch ~6 GB at 12288 (MoE: 3 ×
+/// pairs × ff and pairs × d f32).
+const DEFAULT_CHUNK: usize = 12288;
+// A step's query and attention-output rows (64 heads × 512 f32) stay under 2 GiB.
+const _: () = assert!(DEFAULT_CHUNK * 64 * 512 * 4 < 1 << 31);
 /// Smallest step [`auto_chunk`] picks (the old default's neighbourhood: ~1,000 tok/s at 2048).
 const MIN_AUTO_CHUNK: usize = 2048;
-/// Scratch a prompt step holds per token, an upper estimate for the full-size model (~4 GB at
-/// 8192 tokens: the MoE's gate/up/h rows of 6 pairs a token, attention's 64-head rows, the dense
+/// The steps [`auto_chunk`] tries, largest first.
+const AUTO_CHUNKS: [usize; 4] = [DEFAULT_CHUNK, 8192, 4096, MIN_AUTO_CHUNK];
+/// Scratch a prompt step holds per token, an upper estimate for the full-size model (~6 GB at
+/// 12288 tokens: the MoE's gate/up/h rows of 6 pairs a token, attention's 64-head rows, the dense
 /// products' split operands).
 const SCRATCH_PER_TOKEN: u64 = 512 << 10;
 
-/// The largest power-of-two step from [`DEFAULT_CHUNK`] down to [`MIN_AUTO_CHUNK`] whose scratch
-/// takes at most half of `free` (the other half stays for session state, which grows with the
-/// context: 13.5 GiB at 1M). The H200 with the q2 weights (~57 GiB free) gets 8192, a 94 GiB
-/// card (~12 GiB free) too; 5 GiB free gets 4096. Unknown free memory: the default.
+/// The largest step of [`AUTO_CHUNKS`] whose scratch takes at most half of `free` (the other half
+/// stays for session state, which grows with the context: 13.5 GiB at 1M), else
+/// [`MIN_AUTO_CHUNK`]. The H200 with the q2 weights (~57 GiB free) gets 12288, a 94 GiB card
+/// (~12 GiB free) too; 8 GiB free gets 8192, 5 GiB 4096. Unknown free memory: the default.
 pub(crate) fn auto_chunk(free: Option<u64>) -> usize {
     let Some(free) = free else {
         return DEFAULT_CHUNK;
     };
-    let mut c = DEFAULT_CHUNK;
-    while c > MIN_AUTO_CHUNK && c as u64 * SCRATCH_PER_TOKEN > free / 2 {
-        c /= 2;
-    }
-    c
+    AUTO_CHUNKS
+        .into_iter()
+        .find(|&c| c as u64 * SCRATCH_PER_TOKEN <= free / 2)
+        .unwrap_or(MIN_AUTO_CHUNK)
 }
 
 /// Most experts the grouping kernels take (`GM_MAXE` in gemm.cu).
@@ -1410,7 +1413,10 @@ mod tests {
         const GIB: u64 = 1 << 30;
         assert_eq!(auto_chunk(None), DEFAULT_CHUNK);
         // H200 after the q2 weights: ~57 GiB free.
-        assert_eq!(auto_chunk(Some(57 * GIB)), 8192);
+        assert_eq!(auto_chunk(Some(57 * GIB)), 12288);
+        // 12288 tokens need 6 GiB: 12 GiB free is the edge, just below it 8192.
+        assert_eq!(auto_chunk(Some(12 * GIB)), 12288);
+        assert_eq!(auto_chunk(Some(12 * GIB - 1)), 8192);
         // 8192 tokens need 4 GiB: 8 GiB free is the edge, just below it halves the step.
         assert_eq!(auto_chunk(Some(8 * GIB)), 8192);
         assert_eq!(auto_chunk(Some(8 * GIB - 1)), 4096);
@@ -1421,7 +1427,9 @@ mod tests {
         assert_eq!(auto_chunk(Some(0)), MIN_AUTO_CHUNK);
         for f in [0, GIB, 3 * GIB, 20 * GIB, 200 * GIB] {
             let c = auto_chunk(Some(f));
-            assert!(c.is_power_of_two() && (MIN_AUTO_CHUNK..=DEFAULT_CHUNK).contains(&c));
+            assert!(AUTO_CHUNKS.contains(&c) && (MIN_AUTO_CHUNK..=DEFAULT_CHUNK).contains(&c));
+            // The step's scratch fits half of what is free (the floor excepted).
+            assert!(c == MIN_AUTO_CHUNK || c as u64 * SCRATCH_PER_TOKEN <= f / 2);
         }
     }
 
