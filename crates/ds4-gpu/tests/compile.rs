@@ -335,7 +335,7 @@ fn clang_hip_compiles_every_module_for_gfx942_and_gfx1100() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
-/// The prompt's wgmma MoE kernels keep their asynchronous pipeline on sm_90a. ptxas (through
+/// The prompt's wgmma kernels (MoE, indexer scores, attention) keep their asynchronous pipeline on sm_90a. ptxas (through
 /// NVRTC, `--ptxas-options=-v`) notes C7512, "wgmma.mma_async instructions are serialized", for a
 /// kernel whose registers do not fit the pipeline: every wgmma then waits for the one before
 /// (session 27: the persistent down `gwd_q2_k_p1_fwp` is serialized, +4-5% a call on the H200,
@@ -379,6 +379,8 @@ fn wgmma_kernels_not_serialized() {
         "gwg_iq2_xxs_p1_d2_fwp",
         "gwd_q2_k_p1_fw",
         "index_scores_wg",
+        "attn_wg512_f32",
+        "attn_wg512n_f32",
     ] {
         assert!(named.iter().any(|n| n == k), "{k}: not in ptxas's notes");
         assert!(

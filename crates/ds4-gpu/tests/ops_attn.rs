@@ -892,6 +892,9 @@ struct Form {
     /// `fast` with head width 512 (`DS4_GPU_ATTN_TCG`): one CTA per token (`on`,
     /// `attn_tc512g_f32`; `r64` with 64-row tiles; `pipe` pipelined) or per 16 heads (`off`).
     tcg: &'static str,
+    /// `tcg` `on` on sm_90a: the wgmma kernel (`attn_wg512_f32`, `DS4_GPU_ATTN_WG=on`) or
+    /// mma.sync (`attn_tc512g_f32`, the default).
+    wg: bool,
     attn: &'static str,
     tol: f32,
 }
@@ -901,6 +904,7 @@ const TC: Form = Form {
     tc: true,
     fast: false,
     tcg: "on",
+    wg: true,
     attn: "one",
     tol: 2e-5,
 };
@@ -909,6 +913,7 @@ const TC_FAST: Form = Form {
     tc: true,
     fast: true,
     tcg: "on",
+    wg: true,
     attn: "one",
     tol: 3e-3,
 };
@@ -916,6 +921,13 @@ const TC_FAST: Form = Form {
 const TC_FAST16: Form = Form {
     name: "tc-fast16",
     tcg: "off",
+    ..TC_FAST
+};
+/// `TC_FAST` on mma.sync where `TC_FAST` takes wgmma (`attn_tc512g_f32` on sm_90a, the
+/// engine's default; elsewhere the same kernel as `TC_FAST`).
+const TC_FAST_MMA: Form = Form {
+    name: "tc-fast-mma",
+    wg: false,
     ..TC_FAST
 };
 /// `TC_FAST` with 64-row tiles (`attn_tc512g64_f32`, `DS4_GPU_ATTN_TCG=r64`).
@@ -935,6 +947,7 @@ const ONE: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
+    wg: true,
     attn: "one",
     tol: 2e-5,
 };
@@ -957,6 +970,7 @@ const ONE_F32: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
+    wg: true,
     attn: "one-f32",
     tol: 2e-5,
 };
@@ -965,6 +979,7 @@ const SPLIT: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
+    wg: true,
     attn: "split",
     tol: 2e-5,
 };
@@ -973,6 +988,7 @@ const SIMPLE: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
+    wg: true,
     attn: "simple",
     tol: 2e-5,
 };
@@ -980,6 +996,7 @@ const SIMPLE: Form = Form {
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
     GpuBackend::set_attn_tcg(f.tcg);
+    GpuBackend::set_attn_wg(f.wg);
     // "one-vN": the one-launch form with `DS4_GPU_AOTC=vN`.
     let (attn, aotc) = match f.attn.strip_prefix("one-v") {
         Some(v) => ("one", format!("v{v}")),
@@ -1239,6 +1256,7 @@ fn attend_prefill_matches_cpu() {
         case(4, 64, 16, 4, true, 129, 100, true),
         case(20, 64, 16, 8, false, 31, 50, false),
     ];
+    let wg0 = GpuBackend::attn_wg_launches();
     for (i, c) in cases.iter().enumerate() {
         let outs = run_attend(
             &cpu,
@@ -1246,7 +1264,15 @@ fn attend_prefill_matches_cpu() {
             c,
             900 + i as u64,
             true,
-            &[TC, TC_FAST, SPLIT, TC_FAST16, TC_FAST64, TC_FASTP],
+            &[
+                TC,
+                TC_FAST,
+                SPLIT,
+                TC_FAST16,
+                TC_FAST64,
+                TC_FASTP,
+                TC_FAST_MMA,
+            ],
         );
         // The tensor-core form next to the split f32 kernels.
         assert_close(
@@ -1256,6 +1282,15 @@ fn attend_prefill_matches_cpu() {
             2e-5,
         );
     }
+    // TC_FAST takes the wgmma kernel on sm_90a in each head-width-512 case (TC_FAST_MMA never).
+    let wg_runs = GpuBackend::attn_wg_launches() - wg0;
+    let want = if gpu.gpu().info().cc == (9, 0) {
+        cases.iter().filter(|c| c.hd == 512).count() as u64
+    } else {
+        0
+    };
+    println!("attn_wg512_f32 launches: {wg_runs} (want {want})");
+    assert_eq!(wg_runs, want, "wgmma attention launches");
     let loose = Form { tol: 1e-3, ..TC };
     for (i, c) in cases.iter().enumerate().step_by(3) {
         run_attend(&cpu, &gpu, c, 950 + i as u64, false, &[loose]);
@@ -1468,7 +1503,13 @@ fn attend_qnorm_matches_norm_then_attend() {
         (40, 4, true, 9, 2100), // heads not a multiple of 32: absent heads in the fragments
     ];
     let mut bad = Vec::new();
-    for (ci, &(nh, ratio, with_sel, n, t0)) in cases.iter().enumerate() {
+    // Both sm_90a kernels (wgmma: attn_wg512[n]_f32, mma.sync: attn_tc512g[n]_f32); elsewhere
+    // the second pass repeats the first.
+    for (wg, (ci, &(nh, ratio, with_sel, n, t0))) in [true, false]
+        .into_iter()
+        .flat_map(|wg| cases.iter().enumerate().map(move |c| (wg, c)))
+    {
+        GpuBackend::set_attn_wg(wg);
         let (hd, win, top_k) = (512usize, 128usize, 512usize);
         let mut r = rng(900 + ci as u64);
         let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
@@ -1505,7 +1546,8 @@ fn attend_qnorm_matches_norm_then_attend() {
                 })
                 .collect()
         });
-        let op = format!("attend_qnorm heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0}");
+        let op =
+            format!("attend_qnorm wg {wg} heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0}");
         GpuBackend::set_attn_qnorm(true); // the previous case ended with it off
         assert!(
             gpu.attend_norms_q(&spec, n),

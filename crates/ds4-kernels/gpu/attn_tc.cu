@@ -324,6 +324,47 @@ template <int R, bool PIPE = false> struct Atg {
     static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
 };
 
+// A token's present candidates (list above), in list order, as row numbers of rows16 = [ring
+// (win) | this chunk's kv (n) | comp] into idx (shared); returns their count. 256 threads (wcnt: 8
+// ints of shared memory), a block scan of 256 candidates at a time.
+__device__ __forceinline__ int atg_list(int* idx, int* wcnt, long long t0, long long first, int nwin,
+                                        int nsel, int ncand, const int* seli, const int* __restrict__ raw_pos,
+                                        int win, int n) {
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    int nvalid = 0;
+    for (int base = 0; base < ncand; base += 256) {
+        const int j = base + tid;
+        int row = -1;
+        if (j < nwin) {
+            const long long p = first + j;
+            if (p >= t0) row = win + (int)(p - t0);
+            else {
+                const int slot = (int)(p % win);
+                row = raw_pos[slot] == (int)p ? slot : -1;
+            }
+        } else if (j < nwin + nsel) {
+            const int c = seli[j - nwin];
+            row = c >= 0 ? win + n + c : -1;
+        } else if (j < ncand) {
+            row = win + n + (j - nwin - nsel);
+        }
+        const u32 b = __ballot_sync(0xffffffffu, row >= 0);
+        if (lane == 0) wcnt[w] = __popc(b);
+        __syncthreads();
+        int off = nvalid, tot = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int c = wcnt[k];
+            off += k < w ? c : 0;
+            tot += c;
+        }
+        if (row >= 0) idx[off + __popc(b & ((1u << lane) - 1u))] = row;
+        nvalid += tot;
+        __syncthreads(); // wcnt reused
+    }
+    return nvalid;
+}
+
 // QN (attn_tc512gn_f32): q is raw, and each head is normed and rotated here as it loads, with
 // fused.cu fu_norm_rope_row's operations (no weight, no rounding): Σx² in f64, the scale
 // (float)(1 / sqrt(Σx² / 512 + eps)), RoPE of the last n_rot columns at t by the f64 sincos of
@@ -380,37 +421,7 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         rot_s[2 * p + 1] = -(float)sin(theta);
     }
     // Present candidates, in list order, as row numbers of rows16 = [ring (win) | kv (n) | comp].
-    int nvalid = 0;
-    for (int base = 0; base < ncand; base += 256) {
-        const int j = base + tid;
-        int row = -1;
-        if (j < nwin) {
-            const long long p = first + j;
-            if (p >= t0) row = win + (int)(p - t0);
-            else {
-                const int slot = (int)(p % win);
-                row = raw_pos[slot] == (int)p ? slot : -1;
-            }
-        } else if (j < nwin + nsel) {
-            const int c = seli[j - nwin];
-            row = c >= 0 ? win + n + c : -1;
-        } else if (j < ncand) {
-            row = win + n + (j - nwin - nsel);
-        }
-        const u32 b = __ballot_sync(0xffffffffu, row >= 0);
-        if (lane == 0) wcnt[w] = __popc(b);
-        __syncthreads();
-        int off = nvalid, tot = 0;
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int c = wcnt[k];
-            off += k < w ? c : 0;
-            tot += c;
-        }
-        if (row >= 0) idx[off + __popc(b & ((1u << lane) - 1u))] = row;
-        nvalid += tot;
-        __syncthreads(); // wcnt reused
-    }
+    const int nvalid = atg_list(idx, wcnt, t0, first, nwin, nsel, ncand, seli, raw_pos, win, n);
     const int ntiles = (nvalid + R - 1) / R;
     // Tile loader: chunk c = tid + 256·k (k < R/4) is 16 bytes e = c % 64 of row c / 64.
     auto load_tile = [&](int jt) {
@@ -1043,3 +1054,291 @@ DS4_KERNEL void DS4_BOUNDS(256) ixw_rows_bf16(const float* __restrict__ rows, u3
 #endif
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Prompt attention on Hopper warpgroup MMA (sm_90a): the contract and rounding of
+// attn_tc512g[n]_f32 (a CTA a token for all <= 64 heads, head width 512, absent candidates
+// dropped; K/V rows f16, Q and P one f16 product each; `n`: the raw queries normed and rotated as
+// they load), another summation order. CTA = 2 warpgroups; warpgroup h owns columns 256 h + [0, 256):
+//   S_h = Q[:, cols h] · K_tileᵀ by 16 wgmma m64n32k16: A = the token's 64 heads (warp qw: heads
+//         16 qw + [0, 16)) as f16 fragments held in registers (64 a thread, built once), B = the
+//         tile's 32 rows in shared memory (K-major);
+//   S = S_0 + S_1 through shared memory (the same bits in both warpgroups: + commutes); both run
+//         the same online softmax (a quad's lanes share a head) and keep P (f16) in registers as
+//         the A fragments of
+//   O_h += P · V_tile[:, cols h] by 4 wgmma m64n128k16 (2 k-steps x 2 column halves), B = the same
+//         staged rows read MN-major (imm-trans-b); 128 accumulators a thread.
+// Rows are staged by cp.async AWG_NS - 2 tiles ahead as 8 x 8 core matrices (8 rows x 16 bytes, 128
+// contiguous bytes): core (row group rg, column group cg) at 128 (64 rg + cg); so S's B (K-major)
+// has LBO 128 (columns) and SBO 8192 (rows), O's B (MN-major) LBO 8192 (rows: its K) and SBO 128.
+// One CTA barrier a tile (the S exchange); it also orders stage reuse: a stage is refilled after
+// both warpgroups waited for the O that read it (the wait for the next tile's S).
+#define AWG_N 32                        // candidate rows a tile
+#define AWG_NS 4                        // tile stages
+#define AWG_STAGE (AWG_N * 1024)        // bytes a stage: 32 rows x 512 f16
+#define AWG_XB (2 * 2 * 4 * 128 * 16)   // S exchange: [tile parity][warpgroup][4 float4][128 threads]
+// + sums of squares (2 x 64 f64), scales (64), RoPE (sin, cos) and (cos, −sin) tables, scan counts;
+// the candidate list follows (attn.rs awg_smem).
+#define AWG_SMEM (AWG_NS * AWG_STAGE + AWG_XB + 2 * 64 * 8 + (64 + 4 * ATC_MAXROT + 8) * 4)
+
+#if GW_HAVE
+template <bool QN>
+__device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) {
+    extern __shared__ __align__(128) u8 awg_sm[];
+    const int tid = threadIdx.x, h = tid >> 7, lt = tid & 127, qw = lt >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    const u32 sb = (u32)__cvta_generic_to_shared(awg_sm);
+    float4* xb = (float4*)(awg_sm + AWG_NS * AWG_STAGE);              // [2][2][4][128]
+    double* qss = (double*)(awg_sm + AWG_NS * AWG_STAGE + AWG_XB);    // [2 halves][64 heads]
+    float* qsf = (float*)(qss + 2 * 64);                              // [64] each head's scale
+    float2* qsc = (float2*)(qsf + 64);                                // [ATC_MAXROT] (sin, cos) at t
+    float* rot_s = (float*)(qsc + ATC_MAXROT);                        // [ATC_MAXROT][2] (cos, −sin)
+    int* wcnt = (int*)(rot_s + 2 * ATC_MAXROT);                       // [8]
+    int* idx = wcnt + 8;                                              // [candidates]
+    const int i = blockIdx.y, n = gridDim.y;
+    const long long t = t0 + i;
+    const long long first = t + 1 > win ? t + 1 - win : 0;
+    const int nwin = (int)(t - first + 1);
+    const int nsel = sel ? top_k : 0;
+    const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
+    const int ncand = (int)(nwin + nsel + ncomp);
+    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    const int ha = 16 * qw + g, hb = ha + 8; // this thread's heads (rows of S, P and O)
+    // Query values of k-step kk: (ha, columns c, c + 1), (hb, c), (ha, c + 8), (hb, c + 8) at
+    // c = 256 h + 16 kk + 2 tq, absent heads 0; requested first (their latency overlaps the listing).
+    float2 qv[16][4];
+    {
+        const float2 z2 = make_float2(0.0f, 0.0f);
+        const float* qpa = q + ((size_t)i * heads + ha) * 512 + 256 * h + 2 * tq;
+        const float* qpb = qpa + 8 * 512;
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++) {
+            qv[kk][0] = ha < heads ? *(const float2*)(qpa + 16 * kk) : z2;
+            qv[kk][1] = hb < heads ? *(const float2*)(qpb + 16 * kk) : z2;
+            qv[kk][2] = ha < heads ? *(const float2*)(qpa + 16 * kk + 8) : z2;
+            qv[kk][3] = hb < heads ? *(const float2*)(qpb + 16 * kk + 8) : z2;
+        }
+    }
+    for (int p = tid; p < n_rot / 2; p += 256) {
+        const double theta = fmod((double)t * freqs[p], 6.283185307179586);
+        rot_s[2 * p] = (float)cos(theta);
+        rot_s[2 * p + 1] = -(float)sin(theta);
+    }
+    const int nvalid = atg_list(idx, wcnt, t0, first, nwin, nsel, ncand, seli, raw_pos, win, n);
+    const int ntiles = (nvalid + AWG_N - 1) / AWG_N; // >= 1: the token's own row
+    // Tile j into stage j % AWG_NS: 2048 pieces of 16 bytes, piece p = tid + 256 m at byte 16 p
+    // (row 8 (m / 2) + tid % 8, column group tid / 8 + 32 (m % 2)): 8 lanes fill one core matrix.
+    // Rows past the present ones are zero-filled.
+    auto stage = [&](int j) {
+        if (j < ntiles) {
+            const u32 so = sb + (u32)(j % AWG_NS) * AWG_STAGE + 16u * (u32)tid;
+#pragma unroll
+            for (int kg = 0; kg < 4; kg++) {
+                const int r = AWG_N * j + 8 * kg + (tid & 7);
+                const bool ok = r < nvalid;
+                const u16* src = rows16 + (ok ? (size_t)idx[r] * 512 + 8 * (tid >> 3) : 0);
+                ds4_cp16n(so + 8192u * kg, src, ok ? 16 : 0);
+                ds4_cp16n(so + 8192u * kg + 4096u, src + (ok ? 256 : 0), ok ? 16 : 0);
+            }
+        }
+        ds4_cp_commit(); // one group a tile, empty past the last
+    };
+#pragma unroll
+    for (int j = 0; j < AWG_NS - 1; j++) stage(j);
+    // Q fragments (f16): qa[kk] = the A fragment of k-step kk.
+    u32 qa[16][4];
+    if constexpr (QN) {
+        // Sums of squares (f64): the lane's 64 values a head, its quad, then the two halves.
+        double ss[2] = {0.0, 0.0};
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++)
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                ss[u & 1] += (double)qv[kk][u].x * (double)qv[kk][u].x + (double)qv[kk][u].y * (double)qv[kk][u].y;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], 1);
+            ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], 2);
+        }
+        if (tq == 0) qss[64 * h + ha] = ss[0], qss[64 * h + hb] = ss[1];
+        __syncthreads();
+        if (tid < 64) {
+            qsf[tid] = (float)(1.0 / sqrt((qss[tid] + qss[64 + tid]) / 512.0 + (double)qeps));
+        } else if (tid < 64 + n_rot / 2) {
+            const int p = tid - 64;
+            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
+            double sn, cs;
+            sincos(theta, &sn, &cs);
+            qsc[p] = make_float2((float)sn, (float)cs);
+        }
+        __syncthreads();
+        const float sc[2] = {qsf[ha], qsf[hb]};
+        const int r0 = 512 - n_rot;
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                float a = qv[kk][u].x * sc[u & 1], b = qv[kk][u].y * sc[u & 1];
+                const int c = 256 * h + 16 * kk + 2 * tq + 8 * (u >> 1); // even: a pair
+                if (c >= r0) {
+                    const float2 tt = qsc[(c - r0) >> 1];
+                    const float a2 = __fsub_rn(ds4_mul_rn(a, tt.y), ds4_mul_rn(b, tt.x));
+                    b = __fadd_rn(ds4_mul_rn(a, tt.x), ds4_mul_rn(b, tt.y));
+                    a = a2;
+                }
+                qa[kk][u] = ds4_f16x2(a, b);
+            }
+    } else {
+        (void)qeps;
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) qa[kk][u] = ds4_f16x2(qv[kk][u].x, qv[kk][u].y);
+    }
+    ds4_cp_wait<AWG_NS - 2>(); // tile 0 landed (this thread's copies)
+    gw_proxy_fence();
+    __syncthreads();
+    GwAcc<128> o0, o1; // columns 256 h + [0, 128) and + [128, 256)
+    GwAcc<32> sa;
+#pragma unroll
+    for (int k = 0; k < 64; k++) o0.v[k] = 0.0f, o1.v[k] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; k++) sa.v[k] = 0.0f;
+    u32 pa[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}}; // P as A fragments (k-steps of 16 rows)
+    float m[2] = {DS4_NEG_INF, DS4_NEG_INF}, z[2] = {0.0f, 0.0f}; // heads ha, hb (the quad agrees)
+    const u64 dk = gw_desc(sb + 4096u * (u32)h, 128u, 8192u);
+    const u64 dv = gw_desc(sb + 4096u * (u32)h, 8192u, 128u);
+    // A do-while: ptxas serializes wgmma whose accumulators are read after a loop that may not
+    // run (C7518); ntiles >= 1.
+    int j = 0;
+    do {
+        const u32 s16 = (u32)(j % AWG_NS) * (AWG_STAGE / 16);
+        gw_pin(sa);
+        gw_fence();
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++) gw_mma(sa, qa[kk], dk + s16 + 16u * kk, kk);
+        gw_commit();
+        gw_wait<0>(); // this S, and the previous tile's O
+        gw_pin(sa);
+        gw_pin(o0);
+        gw_pin(o1);
+        gw_pin_a(&pa[0][0]);
+        // sa.v[4 jn + e]: head ha (e < 2) or hb, row 8 jn + 2 tq + (e & 1) of the tile.
+        float4* mine = xb + ((j & 1) * 2 + h) * 512 + lt;
+#pragma unroll
+        for (int u = 0; u < 4; u++) mine[128 * u] = make_float4(sa.v[4 * u], sa.v[4 * u + 1], sa.v[4 * u + 2], sa.v[4 * u + 3]);
+        ds4_cp_wait<AWG_NS - 3>(); // tile j + 1 landed (groups issued: up to j + AWG_NS - 2)
+        gw_proxy_fence();
+        __syncthreads();
+        const float4* oth = xb + ((j & 1) * 2 + (h ^ 1)) * 512 + lt;
+        float s[16];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const float4 f = oth[128 * u];
+            s[4 * u] = sa.v[4 * u] + f.x;
+            s[4 * u + 1] = sa.v[4 * u + 1] + f.y;
+            s[4 * u + 2] = sa.v[4 * u + 2] + f.z;
+            s[4 * u + 3] = sa.v[4 * u + 3] + f.w;
+        }
+        // Online softmax of the two heads over the tile's rows present.
+        const int rem = nvalid - AWG_N * j - 2 * tq;
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            const int r = 8 * (e >> 2) + (e & 1);
+            s[e] = r < rem ? s[e] * scale : DS4_NEG_INF;
+            mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
+        }
+        float c[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+            c[hh] = m[hh] == mx[hh] ? 1.0f : expf(m[hh] - mx[hh]); // also −inf == −inf
+            m[hh] = mx[hh];
+        }
+        float zs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int jn = 0; jn < 4; jn++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const float v0 = s[4 * jn + 2 * hh], v1 = s[4 * jn + 2 * hh + 1];
+                const float e0 = v0 == DS4_NEG_INF ? 0.0f : expf(v0 - mx[hh]);
+                const float e1 = v1 == DS4_NEG_INF ? 0.0f : expf(v1 - mx[hh]);
+                const u32 ph = ds4_f16x2(e0, e1);
+                zs[hh] += ds4_h2f_fast(ph & 0xffffu) + ds4_h2f_fast(ph >> 16); // the weights the product uses
+                // k-step jn / 2: a0 (ha, rows 2 tq ..), a1 (hb), a2 (ha, + 8), a3 (hb, + 8).
+                pa[jn >> 1][2 * (jn & 1) + hh] = ph;
+            }
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) z[hh] = z[hh] * c[hh] + zs[hh];
+        // Rescale only where a head's max moved (most tiles after the first few: the factor is
+        // exactly 1 otherwise), warp-uniform.
+        if (!__all_sync(0xffffffffu, c[0] == 1.0f && c[1] == 1.0f)) {
+#pragma unroll
+            for (int k = 0; k < 64; k++) {
+                o0.v[k] *= c[(k >> 1) & 1];
+                o1.v[k] *= c[(k >> 1) & 1];
+            }
+        }
+        gw_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < 2; k2++) {
+            gw_mma_t(o0, pa[k2], dv + s16 + 1024u * k2);
+            gw_mma_t(o1, pa[k2], dv + s16 + 1024u * k2 + 128u);
+        }
+        gw_commit();
+        // Tile j + AWG_NS - 1 into the stage of tile j - 1, whose O both warpgroups waited for
+        // before the barrier above; here its index loads and address arithmetic overlap the O
+        // (right after the barrier they stalled the softmax: ncu, bench/results).
+        stage(j + AWG_NS - 1);
+        gw_pin(o0);
+        gw_pin(o1);
+    } while (++j < ntiles);
+    gw_wait<0>();
+    gw_pin(o0);
+    gw_pin(o1);
+    gw_pin_a(&pa[0][0]);
+    ds4_cp_wait<0>(); // (empty groups only)
+    // Epilogue: the sink, 1 / the sum, the inverse RoPE of the last n_rot columns, f32 stores.
+    float f[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        z[hh] += __shfl_xor_sync(0xffffffffu, z[hh], 1);
+        z[hh] += __shfl_xor_sync(0xffffffffu, z[hh], 2);
+        const int hd_ = hh ? hb : ha;
+        const float sink = hd_ < heads ? sinks[hd_] : 0.0f, M = fmaxf(sink, m[hh]);
+        const float wm = m[hh] == DS4_NEG_INF ? 0.0f : expf(m[hh] - M);
+        f[hh] = wm / (expf(sink - M) + z[hh] * wm);
+    }
+    const int rot0 = 512 - n_rot;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const GwAcc<128>& o = half ? o1 : o0;
+#pragma unroll
+        for (int jn = 0; jn < 16; jn++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int hd_ = hh ? hb : ha, col = 256 * h + 128 * half + 8 * jn + 2 * tq;
+                float a = o.v[4 * jn + 2 * hh] * f[hh], b = o.v[4 * jn + 2 * hh + 1] * f[hh];
+                if (col >= rot0) {
+                    const int p = (col - rot0) >> 1;
+                    const float cs = rot_s[2 * p], sn = rot_s[2 * p + 1];
+                    const float a2 = ds4_sub_rn(ds4_mul_rn(a, cs), ds4_mul_rn(b, sn));
+                    b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, cs));
+                    a = a2;
+                }
+                if (hd_ < heads) *(float2*)(out + ((size_t)i * heads + hd_) * 512 + col) = make_float2(a, b);
+            }
+    }
+}
+#define AWG_BODY(QN) attn_wg_body<QN>(ATC_ARGS, rows16, qeps);
+#else
+#define AWG_BODY(QN) (void)q, (void)kv, (void)raw, (void)raw_pos, (void)comp, (void)sel, (void)sinks, (void)freqs, (void)out, (void)t0, (void)heads, (void)win, (void)ratio, (void)top_k, (void)n_rot, (void)scale, (void)rows16, (void)qeps;
+#endif
+
+// grid (1, n), blockDim 256, dynamic shared AWG_SMEM + 4·(most candidates of a token); heads <= 64,
+// head width 512, n_rot <= 2·ATC_MAXROT; rows16 as attn_tc512g_f32 (16-byte aligned). sm_90a;
+// elsewhere the kernels exist and do nothing (the host takes them only where wgmma is).
+DS4_KERNEL void DS4_BOUNDS(256) attn_wg512_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(false) }
+// The raw queries' form (attn_tc512gn_f32's QN): each head's RMS norm (eps qeps) and RoPE as Q loads.
+DS4_KERNEL void DS4_BOUNDS(256) attn_wg512n_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(true) }

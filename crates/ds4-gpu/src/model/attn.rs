@@ -174,8 +174,27 @@ static TCG_MODE: AtomicU8 = AtomicU8::new(0);
 /// `Backend::attend_qnorm`) instead of by a separate norm_rope pass: 0 not yet read from
 /// `DS4_GPU_ATTN_QNORM`, 1 on (default), 2 off.
 static QNORM: AtomicU8 = AtomicU8::new(0);
-/// `attn_tc512gn_f32` launches so far in this process (tests: the fused form ran).
+/// `attn_tc512gn_f32` / `attn_wg512n_f32` launches so far in this process (tests: the fused
+/// form ran).
 static QNORM_RUNS: AtomicU64 = AtomicU64::new(0);
+/// The one-CTA-a-token prefill attention on Hopper wgmma (`attn_wg512[n]_f32`, attn_tc.cu) in
+/// place of `attn_tc512g[n]_f32` on sm_90a: 0 not yet read from `DS4_GPU_ATTN_WG`, 1 off
+/// (default), 2 on (`DS4_GPU_ATTN_WG=on`). Off by default: on the H200 it is 2.6% slower a
+/// call than the mma.sync kernel (an 8k prompt, ncu) and ties or loses ~0.5% end to end
+/// (bench/results/gpu-attn-s30-h200.txt).
+static ATTN_WG: AtomicU8 = AtomicU8::new(0);
+/// `attn_wg512[n]_f32` launches so far in this process (tests: the wgmma form ran).
+static AWG_RUNS: AtomicU64 = AtomicU64::new(0);
+/// Its dynamic shared bytes before 4 a candidate (`AWG_SMEM`, attn_tc.cu): four 32-row K/V
+/// stages, the S exchange, the norm's sums and scales, two RoPE tables, scan counts.
+const AWG_SMEM: usize =
+    4 * 32 * 1024 + 2 * 2 * 4 * 128 * 16 + 2 * 64 * 8 + (64 + 2 * ATC_MAXROT + 8) * 4;
+
+fn attn_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
+    env_pick(&ATTN_WG, "DS4_GPU_ATTN_WG", &[("on", 2)], 1) == 2
+        && info.cc == (9, 0)
+        && info.warp == 32
+}
 
 fn qnorm_on() -> bool {
     env_code(&QNORM, "DS4_GPU_ATTN_QNORM", on_unless_off) == 1
@@ -388,6 +407,18 @@ impl GpuBackend {
             _ => 2,
         };
         TCG_MODE.store(m, Ordering::Relaxed);
+    }
+
+    /// The one-CTA-a-token prefill attention on sm_90a: `attn_wg512[n]_f32` on wgmma (true) or
+    /// `attn_tc512g[n]_f32` on mma.sync (false, the default); process-wide, overrides
+    /// `DS4_GPU_ATTN_WG`. For tests and benchmarks.
+    pub fn set_attn_wg(on: bool) {
+        ATTN_WG.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+
+    /// `attn_wg512[n]_f32` launches so far in this process.
+    pub fn attn_wg_launches() -> u64 {
+        AWG_RUNS.load(Ordering::Relaxed)
     }
 
     /// Prefill attention on tensor cores where the device has them (CUDA sm_80+), else the f32
@@ -1236,17 +1267,35 @@ impl GpuBackend {
             }
             _ => None,
         };
+        // On sm_90a the 32-row form runs on wgmma where its shared memory fits.
+        let wg = matches!(grouped, Some(("attn_tc512g_f32", _)))
+            && attn_wg_ok(self.gpu.info())
+            && AWG_SMEM + cand <= smax;
+        let grouped = match grouped {
+            Some(("attn_tc512g_f32", _)) if wg => Some(("attn_wg512_f32", AWG_SMEM + cand)),
+            g => g,
+        };
         // Raw queries (op_attend checked that the 32-row grouped kernel runs): its QN form.
         let grouped = match (grouped, qeps) {
-            (Some(("attn_tc512g_f32", smem)), Some(_)) => {
+            (Some(("attn_tc512g_f32" | "attn_wg512_f32", smem)), Some(_)) => {
                 QNORM_RUNS.fetch_add(1, Ordering::Relaxed);
-                Some(("attn_tc512gn_f32", smem))
+                Some((
+                    if wg {
+                        "attn_wg512n_f32"
+                    } else {
+                        "attn_tc512gn_f32"
+                    },
+                    smem,
+                ))
             }
             (g, None) => g,
             (_, Some(_)) => {
                 return self.attn_invalid("attend: raw queries without attn_tc512gn_f32".into())
             }
         };
+        if wg {
+            AWG_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
         let (name, dims) = if let Some((g, smem)) = grouped {
             let d = LaunchDims {
                 grid: [1, n as u32, 1],
@@ -1311,7 +1360,12 @@ impl GpuBackend {
                     Arg::F32(scale),
                 ],
                 &[Arg::Ptr(rows.ptr)], // rows16
-                &qeps.map(Arg::F32).into_iter().collect::<Vec<_>>()[..],
+                // qeps: the QN forms' (the wgmma kernels take it always, unused without QN)
+                &qeps
+                    .or(wg.then_some(0.0))
+                    .map(Arg::F32)
+                    .into_iter()
+                    .collect::<Vec<_>>()[..],
             ]
             .concat(),
         );
