@@ -381,8 +381,6 @@ fn wgmma_kernels_not_serialized() {
         "index_scores_wg",
         "attn_wg512_f32",
         "attn_wg512n_f32",
-        "attn_wgp512_f32",
-        "attn_wgp512n_f32",
     ] {
         assert!(named.iter().any(|n| n == k), "{k}: not in ptxas's notes");
         assert!(

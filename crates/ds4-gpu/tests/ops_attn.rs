@@ -892,10 +892,9 @@ struct Form {
     /// `fast` with head width 512 (`DS4_GPU_ATTN_TCG`): one CTA per token (`on`,
     /// `attn_tc512g_f32`; `r64` with 64-row tiles; `pipe` pipelined) or per 16 heads (`off`).
     tcg: &'static str,
-    /// `tcg` `on` on sm_90a, by `DS4_GPU_ATTN_WG` name: the wgmma kernels (`on`:
-    /// `attn_wg512_f32`, `pipe`: `attn_wgp512_f32`) or mma.sync (`off`: `attn_tc512g_f32`, the
-    /// default).
-    wg: &'static str,
+    /// `tcg` `on` on sm_90a: the wgmma kernel (`attn_wg512_f32`, `DS4_GPU_ATTN_WG=on`) or
+    /// mma.sync (`attn_tc512g_f32`, the default).
+    wg: bool,
     attn: &'static str,
     tol: f32,
 }
@@ -905,7 +904,7 @@ const TC: Form = Form {
     tc: true,
     fast: false,
     tcg: "on",
-    wg: "on",
+    wg: true,
     attn: "one",
     tol: 2e-5,
 };
@@ -914,7 +913,7 @@ const TC_FAST: Form = Form {
     tc: true,
     fast: true,
     tcg: "on",
-    wg: "on",
+    wg: true,
     attn: "one",
     tol: 3e-3,
 };
@@ -928,13 +927,7 @@ const TC_FAST16: Form = Form {
 /// engine's default; elsewhere the same kernel as `TC_FAST`).
 const TC_FAST_MMA: Form = Form {
     name: "tc-fast-mma",
-    wg: "off",
-    ..TC_FAST
-};
-/// `TC_FAST` on the pipelined wgmma kernel (`attn_wgp512_f32`, `DS4_GPU_ATTN_WG=pipe`, sm_90a).
-const TC_FASTW: Form = Form {
-    name: "tc-fastw",
-    wg: "pipe",
+    wg: false,
     ..TC_FAST
 };
 /// `TC_FAST` with 64-row tiles (`attn_tc512g64_f32`, `DS4_GPU_ATTN_TCG=r64`).
@@ -954,7 +947,7 @@ const ONE: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
-    wg: "on",
+    wg: true,
     attn: "one",
     tol: 2e-5,
 };
@@ -977,7 +970,7 @@ const ONE_F32: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
-    wg: "on",
+    wg: true,
     attn: "one-f32",
     tol: 2e-5,
 };
@@ -986,7 +979,7 @@ const SPLIT: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
-    wg: "on",
+    wg: true,
     attn: "split",
     tol: 2e-5,
 };
@@ -995,7 +988,7 @@ const SIMPLE: Form = Form {
     tc: false,
     fast: false,
     tcg: "on",
-    wg: "on",
+    wg: true,
     attn: "simple",
     tol: 2e-5,
 };
@@ -1279,7 +1272,6 @@ fn attend_prefill_matches_cpu() {
                 TC_FAST64,
                 TC_FASTP,
                 TC_FAST_MMA,
-                TC_FASTW,
             ],
         );
         // The tensor-core form next to the split f32 kernels.
@@ -1290,11 +1282,10 @@ fn attend_prefill_matches_cpu() {
             2e-5,
         );
     }
-    // TC_FAST and TC_FASTW take a wgmma kernel on sm_90a in each head-width-512 case
-    // (TC_FAST_MMA never).
+    // TC_FAST takes the wgmma kernel on sm_90a in each head-width-512 case (TC_FAST_MMA never).
     let wg_runs = GpuBackend::attn_wg_launches() - wg0;
     let want = if gpu.gpu().info().cc == (9, 0) {
-        2 * cases.iter().filter(|c| c.hd == 512).count() as u64
+        cases.iter().filter(|c| c.hd == 512).count() as u64
     } else {
         0
     };
@@ -1512,9 +1503,9 @@ fn attend_qnorm_matches_norm_then_attend() {
         (40, 4, true, 9, 2100), // heads not a multiple of 32: absent heads in the fragments
     ];
     let mut bad = Vec::new();
-    // The sm_90a kernels (wgmma: attn_wg512[n]_f32, pipelined attn_wgp512[n]_f32; mma.sync:
-    // attn_tc512g[n]_f32); elsewhere each pass repeats the first.
-    for (wg, (ci, &(nh, ratio, with_sel, n, t0))) in ["on", "pipe", "off"]
+    // Both sm_90a kernels (wgmma: attn_wg512[n]_f32, mma.sync: attn_tc512g[n]_f32); elsewhere
+    // the second pass repeats the first.
+    for (wg, (ci, &(nh, ratio, with_sel, n, t0))) in [true, false]
         .into_iter()
         .flat_map(|wg| cases.iter().enumerate().map(move |c| (wg, c)))
     {

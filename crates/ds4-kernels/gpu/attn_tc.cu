@@ -1081,42 +1081,18 @@ DS4_KERNEL void DS4_BOUNDS(256) ixw_rows_bf16(const float* __restrict__ rows, u3
 // the candidate list follows (attn.rs awg_smem).
 #define AWG_SMEM (AWG_NS * AWG_STAGE + AWG_XB + 2 * 64 * 8 + (64 + 4 * ATC_MAXROT + 8) * 4)
 
-// PIPE (attn_wgp512[n]_f32): the next tile's S runs on the tensor cores during this tile's
-// softmax, rescale and O issue. Its A (Q) is read from shared memory (64 KB; the 64 registers go
-// to a second S and P set), so the shared memory is 4 stages + Q + the exchange (224 KB; the
-// norm's scratch and scan counts inside the exchange) + the (cos, −sin) table + the candidates:
-// 640 fit (a ratio-4 token's most). A tile j:
-//   issue S_{j+1} | S_j = own + partner's partial, softmax, P | wait: O_{j-1} and S_{j+1} done |
-//   rescale, issue O_j | S_{j+1}'s partial out | tile j+2 landed, barrier | stage tile j+3 (into
-//   tile j-1's stage: both warpgroups waited for O_{j-1} before the barrier).
-// The last pass issues an S_{ntiles} over a stale stage, never read (ptxas serializes wgmma in a
-// branch: C7518).
-#define AWG_QB (64 * 1024)                                         // Q: 64 heads x 512 f16
-#define AWGP_SMEM (AWG_NS * AWG_STAGE + AWG_QB + AWG_XB + 2 * ATC_MAXROT * 4)
-
 #if GW_HAVE
-// m64n32k16 with A from shared memory (K-major) too.
-__device__ __forceinline__ void awg_mma_ss(GwAcc<32>& acc, u64 da, u64 db, int sd) {
-    float* d = acc.v;
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(da), "l"(db), "r"(sd));
-}
-
-template <bool QN, bool PIPE>
+template <bool QN>
 __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) {
     extern __shared__ __align__(128) u8 awg_sm[];
     const int tid = threadIdx.x, h = tid >> 7, lt = tid & 127, qw = lt >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
     const u32 sb = (u32)__cvta_generic_to_shared(awg_sm);
-    constexpr int XO = AWG_NS * AWG_STAGE + (PIPE ? AWG_QB : 0); // the exchange's offset
-    float4* xb = (float4*)(awg_sm + XO);                              // [2][2][4][128]
-    // The norm's scratch: after the exchange, or (PIPE) inside it (used before the first tile).
-    double* qss = (double*)(awg_sm + XO + (PIPE ? 0 : AWG_XB));       // [2 halves][64 heads]
+    float4* xb = (float4*)(awg_sm + AWG_NS * AWG_STAGE);              // [2][2][4][128]
+    double* qss = (double*)(awg_sm + AWG_NS * AWG_STAGE + AWG_XB);    // [2 halves][64 heads]
     float* qsf = (float*)(qss + 2 * 64);                              // [64] each head's scale
     float2* qsc = (float2*)(qsf + 64);                                // [ATC_MAXROT] (sin, cos) at t
     int* wcnt = (int*)(qsc + ATC_MAXROT);                             // [8] scan counts
-    float* rot_s = (float*)(awg_sm + XO + AWG_XB + (PIPE ? 0 : 2 * 64 * 8 + (64 + 2 * ATC_MAXROT + 8) * 4)); // [ATC_MAXROT][2] (cos, −sin)
+    float* rot_s = (float*)(wcnt + 8);                                // [ATC_MAXROT][2] (cos, −sin)
     int* idx = (int*)(rot_s + 2 * ATC_MAXROT);                        // [candidates]
     const int i = blockIdx.y, n = gridDim.y;
     const long long t = t0 + i;
@@ -1218,19 +1194,8 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
 #pragma unroll
             for (int u = 0; u < 4; u++) qa[kk][u] = ds4_f16x2(qv[kk][u].x, qv[kk][u].y);
     }
-    const u32 sq = sb + AWG_NS * AWG_STAGE; // PIPE: Q, core (head group, column group) at 128 (64 hg + cg)
-    if constexpr (PIPE) {
-        // Pair (kk, u): head group 2 qw + (u & 1), row g; column group 32 h + 2 kk + (u >> 1),
-        // columns 2 tq, 2 tq + 1 (a warp's 32 stores of a (kk, u): one 128-byte core matrix).
-        u32* qs = (u32*)(awg_sm + AWG_NS * AWG_STAGE);
-#pragma unroll
-        for (int kk = 0; kk < 16; kk++)
-#pragma unroll
-            for (int u = 0; u < 4; u++)
-                qs[32 * (64 * (2 * qw + (u & 1)) + 32 * h + 2 * kk + (u >> 1)) + 4 * g + tq] = qa[kk][u];
-    }
     ds4_cp_wait<AWG_NS - 2>(); // tile 0 landed (this thread's copies)
-    gw_proxy_fence();          // (and PIPE: Q's generic stores before its wgmma reads)
+    gw_proxy_fence();
     __syncthreads();
     GwAcc<128> o0, o1; // columns 256 h + [0, 128) and + [128, 256)
     GwAcc<32> sa;
@@ -1242,19 +1207,12 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
     float m[2] = {DS4_NEG_INF, DS4_NEG_INF}, z[2] = {0.0f, 0.0f}; // heads ha, hb (the quad agrees)
     const u64 dk = gw_desc(sb + 4096u * (u32)h, 128u, 8192u);
     const u64 dv = gw_desc(sb + 4096u * (u32)h, 8192u, 128u);
-    const u64 dq = gw_desc(sq + 4096u * (u32)h, 128u, 8192u); // PIPE: A = Q's columns of this half
-    // S of the tile at stage s16 (in 16-byte units) into acc: A from registers, or (PIPE) Q's
-    // shared copy.
+    // S of the tile at stage s16 (in 16-byte units) into acc.
     auto s_issue = [&](GwAcc<32>& acc, u32 s16) {
         gw_pin(acc);
         gw_fence();
 #pragma unroll
-        for (int kk = 0; kk < 16; kk++) {
-            if constexpr (PIPE)
-                awg_mma_ss(acc, dq + 16u * kk, dk + s16 + 16u * kk, kk);
-            else
-                gw_mma(acc, qa[kk], dk + s16 + 16u * kk, kk);
-        }
+        for (int kk = 0; kk < 16; kk++) gw_mma(acc, qa[kk], dk + s16 + 16u * kk, kk);
         gw_commit();
     };
     // Online softmax of tile j from S (this half's partial + the partner's, the same bits in both
@@ -1325,71 +1283,28 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
     // A do-while: ptxas serializes wgmma whose accumulators are read after a loop that may not
     // run (C7518); ntiles >= 1.
     int j = 0;
-    if constexpr (!PIPE) {
-        do {
-            const u32 s16 = stage16(j);
-            s_issue(sa, s16);
-            gw_wait<0>(); // this S, and the previous tile's O
-            gw_pin(sa);
-            gw_pin(o0);
-            gw_pin(o1);
-            gw_pin_a(&pa[0][0]);
-            float4* mine = xb + ((j & 1) * 2 + h) * 512 + lt;
-#pragma unroll
-            for (int u = 0; u < 4; u++) mine[128 * u] = make_float4(sa.v[4 * u], sa.v[4 * u + 1], sa.v[4 * u + 2], sa.v[4 * u + 3]);
-            ds4_cp_wait<AWG_NS - 3>(); // tile j + 1 landed (groups issued: up to j + AWG_NS - 2)
-            gw_proxy_fence();
-            __syncthreads();
-            float c[2];
-            softmax(sa, xb + ((j & 1) * 2 + (h ^ 1)) * 512 + lt, j, pa, c);
-            o_issue(c, s16);
-            // Tile j + AWG_NS - 1 into the stage of tile j - 1, whose O both warpgroups waited for
-            // before the barrier above; here its index loads and address arithmetic overlap the O
-            // (right after the barrier they stalled the softmax: ncu, bench/results).
-            stage(j + AWG_NS - 1);
-        } while (++j < ntiles);
-    } else {
-        // Prologue: S_0 and its exchange; tile 1 landed.
-        GwAcc<32> sn;
-#pragma unroll
-        for (int k = 0; k < 16; k++) sn.v[k] = 0.0f;
-        s_issue(sa, stage16(0));
-        gw_wait<0>();
+    do {
+        const u32 s16 = stage16(j);
+        s_issue(sa, s16);
+        gw_wait<0>(); // this S, and the previous tile's O
         gw_pin(sa);
-        {
-            float4* mine = xb + h * 512 + lt;
+        gw_pin(o0);
+        gw_pin(o1);
+        gw_pin_a(&pa[0][0]);
+        float4* mine = xb + ((j & 1) * 2 + h) * 512 + lt;
 #pragma unroll
-            for (int u = 0; u < 4; u++) mine[128 * u] = make_float4(sa.v[4 * u], sa.v[4 * u + 1], sa.v[4 * u + 2], sa.v[4 * u + 3]);
-        }
-        ds4_cp_wait<AWG_NS - 3>();
+        for (int u = 0; u < 4; u++) mine[128 * u] = make_float4(sa.v[4 * u], sa.v[4 * u + 1], sa.v[4 * u + 2], sa.v[4 * u + 3]);
+        ds4_cp_wait<AWG_NS - 3>(); // tile j + 1 landed (groups issued: up to j + AWG_NS - 2)
         gw_proxy_fence();
         __syncthreads();
-        do {
-            s_issue(sn, stage16(j + 1)); // past the last tile: a stale stage, never read
-            u32 pn[2][4];
-            float c[2];
-            softmax(sa, xb + ((j & 1) * 2 + (h ^ 1)) * 512 + lt, j, pn, c);
-            // O_{j-1} and S_{j+1} done. (Waiting for O_{j-1} alone, wait_group 1, makes ptxas
-            // serialize every wgmma here, C7514: it cannot tell which group stays pending.)
-            gw_wait<0>();
-            gw_pin(o0);
-            gw_pin(o1);
-            gw_pin_a(&pa[0][0]);
-            gw_pin(sn);
-#pragma unroll
-            for (int k = 0; k < 8; k++) pa[k >> 2][k & 3] = pn[k >> 2][k & 3];
-            o_issue(c, stage16(j)); // runs during the exchange, the barrier and S_{j+2}'s softmax
-#pragma unroll
-            for (int k = 0; k < 16; k++) sa.v[k] = sn.v[k];
-            float4* mine = xb + (((j + 1) & 1) * 2 + h) * 512 + lt;
-#pragma unroll
-            for (int u = 0; u < 4; u++) mine[128 * u] = make_float4(sa.v[4 * u], sa.v[4 * u + 1], sa.v[4 * u + 2], sa.v[4 * u + 3]);
-            ds4_cp_wait<0>(); // tile j + 2 landed (groups issued: up to j + AWG_NS - 2)
-            gw_proxy_fence();
-            __syncthreads();
-            stage(j + AWG_NS - 1); // into tile j - 1's stage: both warpgroups waited for O_{j-1}
-        } while (++j < ntiles);
-    }
+        float c[2];
+        softmax(sa, xb + ((j & 1) * 2 + (h ^ 1)) * 512 + lt, j, pa, c);
+        o_issue(c, s16);
+        // Tile j + AWG_NS - 1 into the stage of tile j - 1, whose O both warpgroups waited for
+        // before the barrier above; here its index loads and address arithmetic overlap the O
+        // (right after the barrier they stalled the softmax: ncu, bench/results).
+        stage(j + AWG_NS - 1);
+    } while (++j < ntiles);
     gw_wait<0>();
     gw_pin(o0);
     gw_pin(o1);
@@ -1427,17 +1342,14 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
             }
     }
 }
-#define AWG_BODY(QN, PIPE) attn_wg_body<QN, PIPE>(ATC_ARGS, rows16, qeps);
+#define AWG_BODY(QN) attn_wg_body<QN>(ATC_ARGS, rows16, qeps);
 #else
-#define AWG_BODY(QN, PIPE) (void)q, (void)kv, (void)raw, (void)raw_pos, (void)comp, (void)sel, (void)sinks, (void)freqs, (void)out, (void)t0, (void)heads, (void)win, (void)ratio, (void)top_k, (void)n_rot, (void)scale, (void)rows16, (void)qeps;
+#define AWG_BODY(QN) (void)q, (void)kv, (void)raw, (void)raw_pos, (void)comp, (void)sel, (void)sinks, (void)freqs, (void)out, (void)t0, (void)heads, (void)win, (void)ratio, (void)top_k, (void)n_rot, (void)scale, (void)rows16, (void)qeps;
 #endif
 
 // grid (1, n), blockDim 256, dynamic shared AWG_SMEM + 4·(most candidates of a token); heads <= 64,
 // head width 512, n_rot <= 2·ATC_MAXROT; rows16 as attn_tc512g_f32 (16-byte aligned). sm_90a;
 // elsewhere the kernels exist and do nothing (the host takes them only where wgmma is).
-DS4_KERNEL void DS4_BOUNDS(256) attn_wg512_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(false, false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_wg512_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(false) }
 // The raw queries' form (attn_tc512gn_f32's QN): each head's RMS norm (eps qeps) and RoPE as Q loads.
-DS4_KERNEL void DS4_BOUNDS(256) attn_wg512n_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(true, false) }
-// The pipelined forms (PIPE above): dynamic shared AWGP_SMEM + 4·(most candidates of a token).
-DS4_KERNEL void DS4_BOUNDS(256) attn_wgp512_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(false, true) }
-DS4_KERNEL void DS4_BOUNDS(256) attn_wgp512n_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(true, true) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_wg512n_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(true) }

@@ -22,8 +22,6 @@ pub const ATTN_TC: Module = Module {
         "attn_tc512gp_f32",
         "attn_wg512_f32",
         "attn_wg512n_f32",
-        "attn_wgp512_f32",
-        "attn_wgp512n_f32",
         "attn_tc64_f32",
         "attn_tc64h_f32",
         "atc_rows_f16",

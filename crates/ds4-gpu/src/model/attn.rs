@@ -178,31 +178,23 @@ static QNORM: AtomicU8 = AtomicU8::new(0);
 /// form ran).
 static QNORM_RUNS: AtomicU64 = AtomicU64::new(0);
 /// The one-CTA-a-token prefill attention on Hopper wgmma in place of `attn_tc512g[n]_f32` on
-/// sm_90a (attn_tc.cu): 0 not yet read from `DS4_GPU_ATTN_WG`, 1 off (default), 2 `on`
-/// (`attn_wg512[n]_f32`), 3 `pipe` (`attn_wgp512[n]_f32`: the next tile's S during this tile's
-/// softmax). Off by default: on the H200 `on` is 2.6% slower a call than the mma.sync kernel
-/// (an 8k prompt, ncu) and ties or loses ~0.5% end to end (bench/results/gpu-attn-s30-h200.txt).
+/// sm_90a (`attn_wg512[n]_f32`, attn_tc.cu): 0 not yet read from `DS4_GPU_ATTN_WG`, 1 off
+/// (default), 2 on (`DS4_GPU_ATTN_WG=on`). Off by default: on the H200 it is 2.3-2.6% slower a
+/// call than the mma.sync kernel (an 8k prompt, ncu) and ties or loses ~0.5% end to end; a
+/// pipelined form (Q in shared memory, the next tile's S during this tile's softmax; code in
+/// 40dc73a) was 19% slower (bench/results/gpu-attn-s30-h200.txt).
 static ATTN_WG: AtomicU8 = AtomicU8::new(0);
-/// `attn_wg[p]512[n]_f32` launches so far in this process (tests: a wgmma form ran).
+/// `attn_wg512[n]_f32` launches so far in this process (tests: the wgmma form ran).
 static AWG_RUNS: AtomicU64 = AtomicU64::new(0);
-/// Their dynamic shared bytes before 4 a candidate (`AWG_SMEM`, `AWGP_SMEM`, attn_tc.cu): four
-/// 32-row K/V stages, the S exchange, the norm's sums and scales, two RoPE tables, scan counts;
-/// `pipe`: + Q (64 KiB), the norm's scratch inside the exchange, one RoPE table.
+/// Its dynamic shared bytes before 4 a candidate (`AWG_SMEM`, attn_tc.cu): four 32-row K/V
+/// stages, the S exchange, the norm's sums and scales, two RoPE tables, scan counts.
 const AWG_SMEM: usize =
     4 * 32 * 1024 + 2 * 2 * 4 * 128 * 16 + 2 * 64 * 8 + (64 + 2 * ATC_MAXROT + 8) * 4;
-const AWGP_SMEM: usize = 4 * 32 * 1024 + 64 * 1024 + 2 * 2 * 4 * 128 * 16 + ATC_MAXROT * 4;
 
-/// The wgmma form that replaces `attn_tc512g[n]_f32` here, if any: (plain, raw-query) kernel
-/// names and dynamic shared bytes before the candidates.
-fn attn_wg_form(info: &crate::runtime::DeviceInfo) -> Option<(&'static str, &'static str, usize)> {
-    if info.cc != (9, 0) || info.warp != 32 {
-        return None;
-    }
-    match env_pick(&ATTN_WG, "DS4_GPU_ATTN_WG", &[("on", 2), ("pipe", 3)], 1) {
-        2 => Some(("attn_wg512_f32", "attn_wg512n_f32", AWG_SMEM)),
-        3 => Some(("attn_wgp512_f32", "attn_wgp512n_f32", AWGP_SMEM)),
-        _ => None,
-    }
+fn attn_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
+    info.cc == (9, 0)
+        && info.warp == 32
+        && env_pick(&ATTN_WG, "DS4_GPU_ATTN_WG", &[("on", 2)], 1) == 2
 }
 
 fn qnorm_on() -> bool {
@@ -418,19 +410,14 @@ impl GpuBackend {
         TCG_MODE.store(m, Ordering::Relaxed);
     }
 
-    /// The one-CTA-a-token prefill attention on sm_90a by name, as `DS4_GPU_ATTN_WG`: `on`
-    /// (`attn_wg512[n]_f32`), `pipe` (`attn_wgp512[n]_f32`), else `attn_tc512g[n]_f32` on
-    /// mma.sync (the default); process-wide. For tests and benchmarks.
-    pub fn set_attn_wg(form: &str) {
-        let m = match form {
-            "on" => 2,
-            "pipe" => 3,
-            _ => 1,
-        };
-        ATTN_WG.store(m, Ordering::Relaxed);
+    /// The one-CTA-a-token prefill attention on sm_90a: `attn_wg512[n]_f32` on wgmma (true) or
+    /// `attn_tc512g[n]_f32` on mma.sync (false, the default); process-wide, overrides
+    /// `DS4_GPU_ATTN_WG`. For tests and benchmarks.
+    pub fn set_attn_wg(on: bool) {
+        ATTN_WG.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
-    /// `attn_wg[p]512[n]_f32` launches so far in this process.
+    /// `attn_wg512[n]_f32` launches so far in this process.
     pub fn attn_wg_launches() -> u64 {
         AWG_RUNS.load(Ordering::Relaxed)
     }
@@ -1282,29 +1269,29 @@ impl GpuBackend {
             _ => None,
         };
         // On sm_90a the 32-row form may run on wgmma (where its shared memory fits).
-        let wg = attn_wg_form(self.gpu.info()).filter(|&(_, _, sm)| {
-            matches!(grouped, Some(("attn_tc512g_f32", _))) && sm + cand <= smax
-        });
-        let grouped = match (grouped, wg) {
-            (Some(_), Some((plain, _, sm))) => Some((plain, sm + cand)),
-            (g, _) => g,
+        let wg = matches!(grouped, Some(("attn_tc512g_f32", _)))
+            && attn_wg_ok(self.gpu.info())
+            && AWG_SMEM + cand <= smax;
+        let grouped = match grouped {
+            Some(_) if wg => Some(("attn_wg512_f32", AWG_SMEM + cand)),
+            g => g,
         };
         // Raw queries (op_attend checked that the 32-row grouped kernel runs): its QN form.
         let grouped = match (grouped, qeps) {
-            (Some(("attn_tc512g_f32", smem)), Some(_)) => {
+            (Some((g @ ("attn_tc512g_f32" | "attn_wg512_f32"), smem)), Some(_)) => {
                 QNORM_RUNS.fetch_add(1, Ordering::Relaxed);
-                Some(("attn_tc512gn_f32", smem))
-            }
-            (Some((_, smem)), Some(_)) if wg.is_some() => {
-                QNORM_RUNS.fetch_add(1, Ordering::Relaxed);
-                wg.map(|(_, raw, _)| (raw, smem))
+                let raw = if g == "attn_wg512_f32" {
+                    "attn_wg512n_f32"
+                } else {
+                    "attn_tc512gn_f32"
+                };
+                Some((raw, smem))
             }
             (g, None) => g,
             (_, Some(_)) => {
                 return self.attn_invalid("attend: raw queries without attn_tc512gn_f32".into())
             }
         };
-        let wg = wg.is_some();
         if wg {
             AWG_RUNS.fetch_add(1, Ordering::Relaxed);
         }
