@@ -1503,13 +1503,15 @@ fn attend_qnorm_matches_norm_then_attend() {
         (40, 4, true, 9, 2100), // heads not a multiple of 32: absent heads in the fragments
     ];
     let mut bad = Vec::new();
-    // Both sm_90a kernels (wgmma: attn_wg512[n]_f32, mma.sync: attn_tc512g[n]_f32); elsewhere
-    // the second pass repeats the first.
-    for (wg, (ci, &(nh, ratio, with_sel, n, t0))) in [true, false]
-        .into_iter()
-        .flat_map(|wg| cases.iter().enumerate().map(move |c| (wg, c)))
+    // Both sm_90a kernels (wgmma: attn_wg512[n]_f32, mma.sync: attn_tc512g[n]_f32; elsewhere
+    // the mma.sync pass repeats), with the chunk's RoPE table (atc_rope_tab) and without it.
+    for ((wg, rtab), (ci, &(nh, ratio, with_sel, n, t0))) in
+        [(true, true), (false, true), (false, false)]
+            .into_iter()
+            .flat_map(|f| cases.iter().enumerate().map(move |c| (f, c)))
     {
         GpuBackend::set_attn_wg(wg);
+        GpuBackend::set_attn_rtab(rtab);
         let (hd, win, top_k) = (512usize, 128usize, 512usize);
         let mut r = rng(900 + ci as u64);
         let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
@@ -1547,7 +1549,7 @@ fn attend_qnorm_matches_norm_then_attend() {
                 .collect()
         });
         let op =
-            format!("attend_qnorm wg {wg} heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0}");
+            format!("attend_qnorm wg {wg} rtab {rtab} heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0}");
         GpuBackend::set_attn_qnorm(true); // the previous case ended with it off
         assert!(
             gpu.attend_norms_q(&spec, n),
@@ -1640,6 +1642,7 @@ fn attend_qnorm_matches_norm_then_attend() {
         }
     }
     GpuBackend::set_attn_qnorm(true);
+    GpuBackend::set_attn_rtab(true);
     set_form(TC);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }

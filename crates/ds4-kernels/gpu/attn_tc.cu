@@ -372,7 +372,8 @@ __device__ __forceinline__ int atg_list(int* idx, int* wcnt, long long t0, long 
 // the f64 sum differs (the scale's f32 bits in all but ~1e-9 of heads), and the separate
 // norm_rope pass (reading and writing q: 189 us a 2k layer on the H200) goes.
 template <int R, bool PIPE, bool QN = false>
-__device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps = 0.0f) {
+__device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps = 0.0f,
+                                              const float4* __restrict__ rtab = nullptr) {
     extern __shared__ __align__(16) unsigned char atg_sm[];
     constexpr int PS = Atg<R, PIPE>::PS, LDP = Atg<R, PIPE>::LDP, RT = R / 4; // RT: softmax rows a thread
     u16* ks = (u16*)atg_sm;                                          // [2][R][ATG_LDK]
@@ -415,10 +416,18 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
 #pragma unroll
             for (int k = 0; k < 8; k++) q_pairs(mt, k, qv[mt][k]);
     }
+    // QN: (sin, cos) for the query's RoPE, in part (free until the tile loop).
+    float2* qsc = (float2*)((double*)part + 4 * 64);
     for (int p = tid; p < n_rot / 2; p += blockDim.x) {
-        double theta = fmod((double)t * freqs[p], 6.283185307179586);
-        rot_s[2 * p] = (float)cos(theta);
-        rot_s[2 * p + 1] = -(float)sin(theta);
+        if (rtab) {
+            const float4 r = rtab[(size_t)i * (n_rot / 2) + p];
+            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
+            qsc[p] = make_float2(r.z, r.w);
+        } else {
+            double theta = fmod((double)t * freqs[p], 6.283185307179586);
+            rot_s[2 * p] = (float)cos(theta);
+            rot_s[2 * p + 1] = -(float)sin(theta);
+        }
     }
     // Present candidates, in list order, as row numbers of rows16 = [ring (win) | kv (n) | comp].
     const int nvalid = atg_list(idx, wcnt, t0, first, nwin, nsel, ncand, seli, raw_pos, win, n);
@@ -443,8 +452,7 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         // Sum squares per head: this lane's 32 values, its quad, then (after a barrier) the 4
         // column quarters (warps kg) in order, one thread a head, which also takes the scale;
         // the RoPE table at t meanwhile. All in part, free until the tile loop's first barrier.
-        double* qss = (double*)part;           // [4 quarters][64 heads]
-        float2* qsc = (float2*)(qss + 4 * 64); // [ATC_MAXROT]: (sin, cos) of the pairs
+        double* qss = (double*)part;           // [4 quarters][64 heads]; then qsc [ATC_MAXROT]
         float* qsf = (float*)(qsc + ATC_MAXROT); // [64]: each head's scale
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -467,7 +475,7 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         if (tid < 64) {
             const double tot = ((qss[tid] + qss[64 + tid]) + qss[128 + tid]) + qss[192 + tid];
             qsf[tid] = (float)(1.0 / sqrt(tot / 512.0 + (double)qeps));
-        } else if (tid < 64 + n_rot / 2) {
+        } else if (!rtab && tid < 64 + n_rot / 2) {
             const int p = tid - 64;
             const double theta = fmod((double)t * freqs[p], 6.283185307179586);
             double sn, cs;
@@ -702,7 +710,7 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
         }
 }
 #define ATG_BODY(R, PIPE) attn_tcg_body<R, PIPE>(ATC_ARGS, rows16);
-#define ATGN_BODY attn_tcg_body<32, false, true>(ATC_ARGS, rows16, qeps);
+#define ATGN_BODY attn_tcg_body<32, false, true>(ATC_ARGS, rows16, qeps, rtab);
 #else
 #define ATG_BODY(R, PIPE)
 #define ATGN_BODY
@@ -719,13 +727,30 @@ DS4_KERNEL void DS4_BOUNDS(128) attn_tc512h_f32(ATC_PARAMS, const u16* __restric
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, false) }
 // attn_tc512g_f32 of the raw queries: each head's RMS norm (eps qeps, no weight) and RoPE at
 // its token's position applied as Q loads (attn_tcg_body QN).
-DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gn_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); ATGN_BODY }
+// rtab: null, or atc_rope_tab's table for the chunk (the f64 angles off the CTA's path).
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gn_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps, const float4* __restrict__ rtab) { ds4_pdl_enter(); ATGN_BODY }
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64, false) }
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gp_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64h_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, false) }
 // grid-stride (any grid), blockDim 256; rows 16-byte aligned, hd a multiple of 4.
 DS4_KERNEL void DS4_BOUNDS(256) atc_rows_f16(const float* __restrict__ raw, const float* __restrict__ kv, const float* __restrict__ comp, u16* __restrict__ dst, long long nraw4, long long nkv4, long long total4) { ds4_pdl_enter(); ATC_ROWS_BODY }
+// The RoPE angles of a prompt chunk's tokens for the raw-query kernels, computed as they would:
+// tab[i][p] = ((float)cos θ, −(float)sin θ, (float)sin θ, (float)cos θ), θ = fmod((t0 + i)·freqs[p],
+// 2π) in f64, the first pair by cos() and sin() (the output's inverse RoPE), the second by sincos()
+// (the query's, as fused.cu's norm_rope): the same bits as each CTA computing them itself, off its
+// path (one CTA an SM waited ~2 us on the f64 fmod / sincos of 32 threads). grid-stride, 256.
+DS4_KERNEL void DS4_BOUNDS(256) atc_rope_tab(const double* __restrict__ freqs, float4* __restrict__ tab, long long t0, int n, int npair) {
+    ds4_pdl_enter();
+    for (long long k = (long long)blockIdx.x * 256 + threadIdx.x; k < (long long)n * npair; k += (long long)gridDim.x * 256) {
+        const long long i = k / npair;
+        const int p = (int)(k - i * npair);
+        const double theta = fmod((double)(t0 + i) * freqs[p], 6.283185307179586);
+        double sn, cs;
+        sincos(theta, &sn, &cs);
+        tab[k] = make_float4((float)cos(theta), -(float)sin(theta), (float)sn, (float)cs);
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Lightning-indexer scores on tensor cores (prefill and decode): the contract and the bits of
@@ -1083,7 +1108,8 @@ DS4_KERNEL void DS4_BOUNDS(256) ixw_rows_bf16(const float* __restrict__ rows, u3
 
 #if GW_HAVE
 template <bool QN>
-__device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) {
+__device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps,
+                                             const float4* __restrict__ rtab) {
     extern __shared__ __align__(128) u8 awg_sm[];
     const int tid = threadIdx.x, h = tid >> 7, lt = tid & 127, qw = lt >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
     const u32 sb = (u32)__cvta_generic_to_shared(awg_sm);
@@ -1119,9 +1145,15 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
         }
     }
     for (int p = tid; p < n_rot / 2; p += 256) {
-        const double theta = fmod((double)t * freqs[p], 6.283185307179586);
-        rot_s[2 * p] = (float)cos(theta);
-        rot_s[2 * p + 1] = -(float)sin(theta);
+        if (rtab) {
+            const float4 r = rtab[(size_t)i * (n_rot / 2) + p];
+            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
+            qsc[p] = make_float2(r.z, r.w);
+        } else {
+            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
+            rot_s[2 * p] = (float)cos(theta);
+            rot_s[2 * p + 1] = -(float)sin(theta);
+        }
     }
     const int nvalid = atg_list(idx, wcnt, t0, first, nwin, nsel, ncand, seli, raw_pos, win, n);
     const int ntiles = (nvalid + AWG_N - 1) / AWG_N; // >= 1: the token's own row
@@ -1163,7 +1195,7 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
         __syncthreads();
         if (tid < 64) {
             qsf[tid] = (float)(1.0 / sqrt((qss[tid] + qss[64 + tid]) / 512.0 + (double)qeps));
-        } else if (tid < 64 + n_rot / 2) {
+        } else if (!rtab && tid < 64 + n_rot / 2) {
             const int p = tid - 64;
             const double theta = fmod((double)t * freqs[p], 6.283185307179586);
             double sn, cs;
@@ -1342,14 +1374,14 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
             }
     }
 }
-#define AWG_BODY(QN) attn_wg_body<QN>(ATC_ARGS, rows16, qeps);
+#define AWG_BODY(QN) attn_wg_body<QN>(ATC_ARGS, rows16, qeps, rtab);
 #else
-#define AWG_BODY(QN) (void)q, (void)kv, (void)raw, (void)raw_pos, (void)comp, (void)sel, (void)sinks, (void)freqs, (void)out, (void)t0, (void)heads, (void)win, (void)ratio, (void)top_k, (void)n_rot, (void)scale, (void)rows16, (void)qeps;
+#define AWG_BODY(QN) (void)q, (void)kv, (void)raw, (void)raw_pos, (void)comp, (void)sel, (void)sinks, (void)freqs, (void)out, (void)t0, (void)heads, (void)win, (void)ratio, (void)top_k, (void)n_rot, (void)scale, (void)rows16, (void)qeps, (void)rtab;
 #endif
 
 // grid (1, n), blockDim 256, dynamic shared AWG_SMEM + 4·(most candidates of a token); heads <= 64,
 // head width 512, n_rot <= 2·ATC_MAXROT; rows16 as attn_tc512g_f32 (16-byte aligned). sm_90a;
 // elsewhere the kernels exist and do nothing (the host takes them only where wgmma is).
-DS4_KERNEL void DS4_BOUNDS(256) attn_wg512_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(false) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_wg512_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps, const float4* __restrict__ rtab) { ds4_pdl_enter(); AWG_BODY(false) }
 // The raw queries' form (attn_tc512gn_f32's QN): each head's RMS norm (eps qeps) and RoPE as Q loads.
-DS4_KERNEL void DS4_BOUNDS(256) attn_wg512n_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps) { ds4_pdl_enter(); AWG_BODY(true) }
+DS4_KERNEL void DS4_BOUNDS(256) attn_wg512n_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps, const float4* __restrict__ rtab) { ds4_pdl_enter(); AWG_BODY(true) }

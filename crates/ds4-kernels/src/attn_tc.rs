@@ -6,7 +6,8 @@ use crate::Module;
 /// `attn_tc<hd>h_f32`: one f16 product each; both read f16 copies of the rows made once a call
 /// by `atc_rows_f16`. `attn_tc512g[64]_f32`: the one-product form with one CTA per token for all
 /// heads (32- / 64-row tiles, `gp`: 32 pipelined); `attn_wg512[n]_f32` the same on Hopper wgmma
-/// (sm_90a, `DS4_GPU_ATTN_WG=on`; `n`: raw queries normed as they load). `index_scores_tc`: the lightning indexer's scores
+/// (sm_90a, `DS4_GPU_ATTN_WG=on`; `n`: raw queries normed as they load); `atc_rope_tab` the
+/// chunk's RoPE angles those raw-query kernels read. `index_scores_tc`: the lightning indexer's scores
 /// (prefill, FP4-simulated queries and rows) by mma.sync bf16, the bits of `index_scores128h_f32`;
 /// `index_scores_wg` the same by wgmma (sm_90a, prefill) from the bf16 rows of `ixw_rows_bf16`.
 pub const ATTN_TC: Module = Module {
@@ -25,6 +26,7 @@ pub const ATTN_TC: Module = Module {
         "attn_tc64_f32",
         "attn_tc64h_f32",
         "atc_rows_f16",
+        "atc_rope_tab",
         "index_scores_tc",
         "index_scores_wg",
         "ixw_rows_bf16",

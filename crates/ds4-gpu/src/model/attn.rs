@@ -197,6 +197,15 @@ fn attn_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
         && env_pick(&ATTN_WG, "DS4_GPU_ATTN_WG", &[("on", 2)], 1) == 2
 }
 
+/// The RoPE angles of a prompt chunk precomputed for the raw-query kernels (`atc_rope_tab`,
+/// then `attn_tc512gn_f32` / `attn_wg512[n]_f32` read them; the same bits): 0 not yet read
+/// from `DS4_GPU_ATTN_RTAB`, 1 on (default), 2 off (each CTA computes its token's f64 angles).
+static ATTN_RTAB: AtomicU8 = AtomicU8::new(0);
+
+fn attn_rtab_on() -> bool {
+    env_code(&ATTN_RTAB, "DS4_GPU_ATTN_RTAB", on_unless_off) == 1
+}
+
 fn qnorm_on() -> bool {
     env_code(&QNORM, "DS4_GPU_ATTN_QNORM", on_unless_off) == 1
 }
@@ -415,6 +424,12 @@ impl GpuBackend {
     /// `DS4_GPU_ATTN_WG`. For tests and benchmarks.
     pub fn set_attn_wg(on: bool) {
         ATTN_WG.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+
+    /// The raw-query prompt attention reads the chunk's RoPE angles from `atc_rope_tab` (true,
+    /// the default) or each CTA computes its own; process-wide, overrides `DS4_GPU_ATTN_RTAB`.
+    pub fn set_attn_rtab(on: bool) {
+        ATTN_RTAB.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// `attn_wg512[n]_f32` launches so far in this process.
@@ -1225,9 +1240,10 @@ impl GpuBackend {
         self.ring_store(st, kv, n, t0, hd, win);
     }
 
-    /// Prefill attention on tensor cores: `atc_rows_f16` (f16 copies of the rows), then
-    /// `attn_tc<hd>[h]_f32` over (head groups of 16, tokens) (sink and inverse RoPE included),
-    /// then `ring_store_f32`.
+    /// Prefill attention on tensor cores: `atc_rows_f16` (f16 copies of the rows; for the
+    /// raw-query and wgmma kernels also `atc_rope_tab`, the chunk's RoPE angles), then
+    /// `attn_tc<hd>[h]_f32` over (head groups of 16, tokens) or a one-CTA-a-token form (sink and
+    /// inverse RoPE included), then `ring_store_f32`.
     #[allow(clippy::too_many_arguments)]
     fn attend_tc(
         &self,
@@ -1340,6 +1356,29 @@ impl GpuBackend {
                 Arg::I64(total4 as i64),
             ],
         );
+        // The raw-query and wgmma kernels take the chunk's RoPE table (or null: they compute it).
+        let takes_tab = name == "attn_tc512gn_f32" || wg;
+        let npair = spec.n_rot / 2;
+        let tab = (takes_tab && attn_rtab_on() && npair > 0).then(|| {
+            let tab = self.scratch(n * npair * 4);
+            self.run(
+                &ATTN_TC,
+                "atc_rope_tab",
+                LaunchDims {
+                    grid: [(n * npair).div_ceil(256).min(4096) as u32, 1, 1],
+                    block: [256, 1, 1],
+                    shared_bytes: 0,
+                },
+                &[
+                    Arg::Ptr(self.rope_ptr(spec.rope)),
+                    Arg::Ptr(tab.ptr),
+                    Arg::I64(t0 as i64),
+                    Arg::I32(n as i32),
+                    Arg::I32(npair as i32),
+                ],
+            );
+            tab
+        });
         self.run(
             &ATTN_TC,
             name,
@@ -1365,6 +1404,11 @@ impl GpuBackend {
                     .map(Arg::F32)
                     .into_iter()
                     .collect::<Vec<_>>()[..],
+                &(if takes_tab {
+                    vec![tab.as_ref().map_or(Arg::Null, |t| Arg::Ptr(t.ptr))]
+                } else {
+                    vec![]
+                })[..],
             ]
             .concat(),
         );
