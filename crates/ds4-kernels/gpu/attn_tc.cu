@@ -42,6 +42,24 @@
 #define ATC_HAVE_MMA 0
 #endif
 
+// RoPE angle of position t, pair frequency f: fmod(t·f, 2π) in f64; as (cos, −sin) by cos() and
+// sin() (the output's inverse RoPE table) and as (sin, cos) by sincos() (the query's, as fused.cu's
+// norm_rope): each form's own bits.
+__device__ __forceinline__ double atc_theta(long long t, double f) { return fmod((double)t * f, 6.283185307179586); }
+__device__ __forceinline__ float2 atc_cos_nsin(double theta) { return make_float2((float)cos(theta), -(float)sin(theta)); }
+__device__ __forceinline__ float2 atc_sin_cos(double theta) {
+    double sn, cs;
+    sincos(theta, &sn, &cs);
+    return make_float2((float)sn, (float)cs);
+}
+// a + ib rotated by (c, s): a' = a·c − b·s, b' = a·s + b·c, each product and sum rounded (no FMA,
+// the CPU's RoPE); the inverse RoPE passes s = −sin.
+__device__ __forceinline__ void atc_rot(float& a, float& b, float c, float s) {
+    const float a2 = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, s));
+    b = __fadd_rn(ds4_mul_rn(a, s), ds4_mul_rn(b, c));
+    a = a2;
+}
+
 #if ATC_HAVE_MMA
 
 // Candidate j of token t (list above) in the f16 copies, or 0 when absent.
@@ -266,10 +284,7 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
             float a = acc[n][2 * u] * f[u], b = acc[n][2 * u + 1] * f[u];
             if (col >= rot0) {
                 const int p = (col - rot0) >> 1;
-                const float c = rot_s[p][0], sn = rot_s[p][1];
-                const float a2 = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, sn));
-                b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, c));
-                a = a2;
+                atc_rot(a, b, rot_s[p][0], rot_s[p][1]);
             }
             if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * HD + col) = make_float2(a, b);
         }
@@ -324,13 +339,51 @@ template <int R, bool PIPE = false> struct Atg {
     static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
 };
 
+// Token i's candidate list (list above): its position t, the window's first position, the window,
+// selected and listed counts, its selection row (or null).
+struct AtgTok {
+    long long t, first;
+    int nwin, nsel, ncand;
+    const int* seli;
+};
+__device__ __forceinline__ AtgTok atg_tok(long long t0, int i, int win, int ratio, const int* sel, int top_k) {
+    AtgTok k;
+    k.t = t0 + i;
+    k.first = k.t + 1 > win ? k.t + 1 - win : 0;
+    k.nwin = (int)(k.t - k.first + 1);
+    k.nsel = sel ? top_k : 0;
+    const long long ncomp = (sel == 0 && ratio > 0) ? (k.t + 1) / ratio : 0;
+    k.ncand = (int)(k.nwin + k.nsel + ncomp);
+    k.seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    return k;
+}
+
+// Token i's RoPE tables at t: rot_s[p] = (cos, −sin) for the output's inverse RoPE and qsc[p] =
+// (sin, cos) for the query's (used by the raw-query forms), from atc_rope_tab's rtab, or rot_s
+// computed here (qsc then later, by the threads beside the norm's scales).
+__device__ __forceinline__ void atg_rope(float* rot_s, float2* qsc, const float4* __restrict__ rtab,
+                                         const double* __restrict__ freqs, long long t, int i, int n_rot) {
+    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
+        if (rtab) {
+            const float4 r = rtab[(size_t)i * (n_rot / 2) + p];
+            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
+            qsc[p] = make_float2(r.z, r.w);
+        } else {
+            const float2 r = atc_cos_nsin(atc_theta(t, freqs[p]));
+            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
+        }
+    }
+}
+
 // A token's present candidates (list above), in list order, as row numbers of rows16 = [ring
 // (win) | this chunk's kv (n) | comp] into idx (shared); returns their count. 256 threads (wcnt: 8
 // ints of shared memory), a block scan of 256 candidates at a time.
-__device__ __forceinline__ int atg_list(int* idx, int* wcnt, long long t0, long long first, int nwin,
-                                        int nsel, int ncand, const int* seli, const int* __restrict__ raw_pos,
+__device__ __forceinline__ int atg_list(int* idx, int* wcnt, long long t0, const AtgTok& tk, const int* __restrict__ raw_pos,
                                         int win, int n) {
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const long long first = tk.first;
+    const int nwin = tk.nwin, nsel = tk.nsel, ncand = tk.ncand;
+    const int* seli = tk.seli;
     int nvalid = 0;
     for (int base = 0; base < ncand; base += 256) {
         const int j = base + tid;
@@ -387,13 +440,8 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
     int* idx = wcnt + 8;                                             // [max candidates]
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int i = blockIdx.y, n = gridDim.y;
-    const long long t = t0 + i;
-    const long long first = t + 1 > win ? t + 1 - win : 0;
-    const int nwin = (int)(t - first + 1);
-    const int nsel = sel ? top_k : 0;
-    const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
-    const int ncand = (int)(nwin + nsel + ncomp);
-    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    const AtgTok tk = atg_tok(t0, i, win, ratio, sel, top_k);
+    const long long t = tk.t;
     const int hp = w & 1, kg = w >> 1; // Q fragments: heads 32·hp + 16·mt + g (+8), columns 128·kg + [0, 128)
     // The query pairs of m-tile mt, k-step k: heads ha (v[0], v[2]) and hb = ha + 8 (v[1], v[3]),
     // columns 128·kg + 16·k + 2·tq (v[0], v[1]) and + 8 (v[2], v[3]); absent heads read as 0.
@@ -418,19 +466,9 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
     }
     // QN: (sin, cos) for the query's RoPE, in part (free until the tile loop).
     float2* qsc = (float2*)((double*)part + 4 * 64);
-    for (int p = tid; p < n_rot / 2; p += blockDim.x) {
-        if (rtab) {
-            const float4 r = rtab[(size_t)i * (n_rot / 2) + p];
-            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
-            qsc[p] = make_float2(r.z, r.w);
-        } else {
-            double theta = fmod((double)t * freqs[p], 6.283185307179586);
-            rot_s[2 * p] = (float)cos(theta);
-            rot_s[2 * p + 1] = -(float)sin(theta);
-        }
-    }
+    atg_rope(rot_s, qsc, rtab, freqs, t, i, n_rot);
     // Present candidates, in list order, as row numbers of rows16 = [ring (win) | kv (n) | comp].
-    const int nvalid = atg_list(idx, wcnt, t0, first, nwin, nsel, ncand, seli, raw_pos, win, n);
+    const int nvalid = atg_list(idx, wcnt, t0, tk, raw_pos, win, n);
     const int ntiles = (nvalid + R - 1) / R;
     // Tile loader: chunk c = tid + 256·k (k < R/4) is 16 bytes e = c % 64 of row c / 64.
     auto load_tile = [&](int jt) {
@@ -476,11 +514,7 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
             const double tot = ((qss[tid] + qss[64 + tid]) + qss[128 + tid]) + qss[192 + tid];
             qsf[tid] = (float)(1.0 / sqrt(tot / 512.0 + (double)qeps));
         } else if (!rtab && tid < 64 + n_rot / 2) {
-            const int p = tid - 64;
-            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
-            double sn, cs;
-            sincos(theta, &sn, &cs);
-            qsc[p] = make_float2((float)sn, (float)cs);
+            qsc[tid - 64] = atc_sin_cos(atc_theta(t, freqs[tid - 64]));
         }
         __syncthreads();
         const int r0 = 512 - n_rot;
@@ -496,9 +530,7 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
                     const int c = 128 * kg + 16 * k + 2 * tq + 8 * (u >> 1); // even: a pair
                     if (c >= r0) {
                         const float2 tt = qsc[(c - r0) >> 1];
-                        const float a2 = __fsub_rn(ds4_mul_rn(a, tt.y), ds4_mul_rn(b, tt.x));
-                        b = __fadd_rn(ds4_mul_rn(a, tt.x), ds4_mul_rn(b, tt.y));
-                        a = a2;
+                        atc_rot(a, b, tt.y, tt.x);
                     }
                     qa[mt][k][u] = ds4_f16x2(a, b);
                 }
@@ -700,10 +732,7 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
                 float a = acc[mt][nt][2 * u] * f, b = acc[mt][nt][2 * u + 1] * f;
                 if (col >= rot0) {
                     const int p = (col - rot0) >> 1;
-                    const float c = rot_s[2 * p], sn = rot_s[2 * p + 1];
-                    const float a2 = ds4_sub_rn(ds4_mul_rn(a, c), ds4_mul_rn(b, sn));
-                    b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, c));
-                    a = a2;
+                    atc_rot(a, b, rot_s[2 * p], rot_s[2 * p + 1]);
                 }
                 if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * 512 + col) = make_float2(a, b);
             }
@@ -745,10 +774,9 @@ DS4_KERNEL void DS4_BOUNDS(256) atc_rope_tab(const double* __restrict__ freqs, f
     for (long long k = (long long)blockIdx.x * 256 + threadIdx.x; k < (long long)n * npair; k += (long long)gridDim.x * 256) {
         const long long i = k / npair;
         const int p = (int)(k - i * npair);
-        const double theta = fmod((double)(t0 + i) * freqs[p], 6.283185307179586);
-        double sn, cs;
-        sincos(theta, &sn, &cs);
-        tab[k] = make_float4((float)cos(theta), -(float)sin(theta), (float)sn, (float)cs);
+        const double theta = atc_theta(t0 + i, freqs[p]);
+        const float2 r = atc_cos_nsin(theta), qs = atc_sin_cos(theta);
+        tab[k] = make_float4(r.x, r.y, qs.x, qs.y);
     }
 }
 
@@ -1121,13 +1149,8 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
     float* rot_s = (float*)(wcnt + 8);                                // [ATC_MAXROT][2] (cos, −sin)
     int* idx = (int*)(rot_s + 2 * ATC_MAXROT);                        // [candidates]
     const int i = blockIdx.y, n = gridDim.y;
-    const long long t = t0 + i;
-    const long long first = t + 1 > win ? t + 1 - win : 0;
-    const int nwin = (int)(t - first + 1);
-    const int nsel = sel ? top_k : 0;
-    const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
-    const int ncand = (int)(nwin + nsel + ncomp);
-    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    const AtgTok tk = atg_tok(t0, i, win, ratio, sel, top_k);
+    const long long t = tk.t;
     const int ha = 16 * qw + g, hb = ha + 8; // this thread's heads (rows of S, P and O)
     // Query values of k-step kk: (ha, columns c, c + 1), (hb, c), (ha, c + 8), (hb, c + 8) at
     // c = 256 h + 16 kk + 2 tq, absent heads 0; requested first (their latency overlaps the listing).
@@ -1144,18 +1167,8 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
             qv[kk][3] = hb < heads ? *(const float2*)(qpb + 16 * kk + 8) : z2;
         }
     }
-    for (int p = tid; p < n_rot / 2; p += 256) {
-        if (rtab) {
-            const float4 r = rtab[(size_t)i * (n_rot / 2) + p];
-            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
-            qsc[p] = make_float2(r.z, r.w);
-        } else {
-            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
-            rot_s[2 * p] = (float)cos(theta);
-            rot_s[2 * p + 1] = -(float)sin(theta);
-        }
-    }
-    const int nvalid = atg_list(idx, wcnt, t0, first, nwin, nsel, ncand, seli, raw_pos, win, n);
+    atg_rope(rot_s, qsc, rtab, freqs, t, i, n_rot);
+    const int nvalid = atg_list(idx, wcnt, t0, tk, raw_pos, win, n);
     const int ntiles = (nvalid + AWG_N - 1) / AWG_N; // >= 1: the token's own row
     // Tile j into stage j % AWG_NS: 2048 pieces of 16 bytes, piece p = tid + 256 m at byte 16 p
     // (row 8 (m / 2) + tid % 8, column group tid / 8 + 32 (m % 2)): 8 lanes fill one core matrix.
@@ -1196,11 +1209,7 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
         if (tid < 64) {
             qsf[tid] = (float)(1.0 / sqrt((qss[tid] + qss[64 + tid]) / 512.0 + (double)qeps));
         } else if (!rtab && tid < 64 + n_rot / 2) {
-            const int p = tid - 64;
-            const double theta = fmod((double)t * freqs[p], 6.283185307179586);
-            double sn, cs;
-            sincos(theta, &sn, &cs);
-            qsc[p] = make_float2((float)sn, (float)cs);
+            qsc[tid - 64] = atc_sin_cos(atc_theta(t, freqs[tid - 64]));
         }
         __syncthreads();
         const float sc[2] = {qsf[ha], qsf[hb]};
@@ -1213,9 +1222,7 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
                 const int c = 256 * h + 16 * kk + 2 * tq + 8 * (u >> 1); // even: a pair
                 if (c >= r0) {
                     const float2 tt = qsc[(c - r0) >> 1];
-                    const float a2 = __fsub_rn(ds4_mul_rn(a, tt.y), ds4_mul_rn(b, tt.x));
-                    b = __fadd_rn(ds4_mul_rn(a, tt.x), ds4_mul_rn(b, tt.y));
-                    a = a2;
+                    atc_rot(a, b, tt.y, tt.x);
                 }
                 qa[kk][u] = ds4_f16x2(a, b);
             }
@@ -1365,10 +1372,7 @@ __device__ __forceinline__ void attn_wg_body(ATC_PARAMS, const u16* __restrict__
                 float a = o.v[4 * jn + 2 * hh] * f[hh], b = o.v[4 * jn + 2 * hh + 1] * f[hh];
                 if (col >= rot0) {
                     const int p = (col - rot0) >> 1;
-                    const float cs = rot_s[2 * p], sn = rot_s[2 * p + 1];
-                    const float a2 = ds4_sub_rn(ds4_mul_rn(a, cs), ds4_mul_rn(b, sn));
-                    b = __fadd_rn(ds4_mul_rn(a, sn), ds4_mul_rn(b, cs));
-                    a = a2;
+                    atc_rot(a, b, rot_s[2 * p], rot_s[2 * p + 1]);
                 }
                 if (hd_ < heads) *(float2*)(out + ((size_t)i * heads + hd_) * 512 + col) = make_float2(a, b);
             }
