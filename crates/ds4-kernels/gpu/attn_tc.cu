@@ -80,6 +80,42 @@ __device__ __forceinline__ const u16* atc_row(long long j, long long t0, long lo
     return comp + (j - nsel) * hd;
 }
 
+// Token i's candidate list (list above): its position t, the window's first position, the window,
+// selected and listed counts, its selection row (or null).
+struct AtgTok {
+    long long t, first;
+    int nwin, nsel, ncand;
+    const int* seli;
+};
+__device__ __forceinline__ AtgTok atg_tok(long long t0, int i, int win, int ratio, const int* sel, int top_k) {
+    AtgTok k;
+    k.t = t0 + i;
+    k.first = k.t + 1 > win ? k.t + 1 - win : 0;
+    k.nwin = (int)(k.t - k.first + 1);
+    k.nsel = sel ? top_k : 0;
+    const long long ncomp = (sel == 0 && ratio > 0) ? (k.t + 1) / ratio : 0;
+    k.ncand = (int)(k.nwin + k.nsel + ncomp);
+    k.seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    return k;
+}
+
+// Token i's RoPE tables at t: rot_s[p] = (cos, −sin) for the output's inverse RoPE and qsc[p] =
+// (sin, cos) for the query's (used by the raw-query forms), from atc_rope_tab's rtab, or rot_s
+// computed here (qsc then later, by the threads beside the norm's scales).
+__device__ __forceinline__ void atg_rope(float* rot_s, float2* qsc, const float4* __restrict__ rtab,
+                                         const double* __restrict__ freqs, long long t, int i, int n_rot) {
+    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
+        if (rtab) {
+            const float4 r = rtab[(size_t)i * (n_rot / 2) + p];
+            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
+            qsc[p] = make_float2(r.z, r.w);
+        } else {
+            const float2 r = atc_cos_nsin(atc_theta(t, freqs[p]));
+            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
+        }
+    }
+}
+
 // Fragment layouts (PTX m16n8k16, g = lane/4, t = lane%4): A a0 (row g, k 2t..2t+1), a1 (g+8, 2t),
 // a2 (g, 2t+8), a3 (g+8, 2t+8); B b0 (k 2t..2t+1, col g), b1 (k 2t+8..); C c0,c1 (row g, cols
 // 2t, 2t+1), c2,c3 (row g+8). Rows of A / C here are heads.
@@ -98,20 +134,13 @@ template <int HD, bool SPLIT> __device__ __forceinline__ void attn_tc_body(ATC_P
     __shared__ float rot_s[ATC_MAXROT][2];             // cos, sin of the RoPE pairs at t
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int h0 = blockIdx.x * ATC_HG, i = blockIdx.y;
-    const long long t = t0 + i;
-    const long long first = t + 1 > win ? t + 1 - win : 0;
-    const int nwin = (int)(t - first + 1);
-    const int nsel = sel ? top_k : 0;
-    const long long ncomp = (sel == 0 && ratio > 0) ? (t + 1) / ratio : 0;
-    const long long ncand = nwin + nsel + ncomp;
-    const int* seli = sel ? sel + (size_t)i * top_k : (const int*)0;
+    const AtgTok tk = atg_tok(t0, i, win, ratio, sel, top_k);
+    const long long first = tk.first, ncand = tk.ncand;
+    const int nwin = tk.nwin, nsel = tk.nsel;
+    const int* seli = tk.seli;
     const int c0 = w * QW;
     // Inverse RoPE factors (as ds4_rope_pair: f64 angle mod 2π, f32 sin/cos, negated sin).
-    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
-        double theta = fmod((double)t * freqs[p], 6.283185307179586);
-        rot_s[p][0] = (float)cos(theta);
-        rot_s[p][1] = -(float)sin(theta);
-    }
+    atg_rope(&rot_s[0][0], nullptr, nullptr, freqs, tk.t, i, n_rot);
     // Q fragments of heads h0+g, h0+g+8 over this warp's columns (zeros past the heads).
     u32 qh[KS][4], ql[KS][4];
     {
@@ -338,42 +367,6 @@ template <int R, bool PIPE = false> struct Atg {
     static constexpr int KB = NB * R * ATG_LDK * 2, PB = 4 * 64 * PS * 4, WB = 64 * LDP * 2;
     static constexpr int SMEM = KB + PB + WB + (64 + 64 + 64 + 2 * ATC_MAXROT + 8) * 4;
 };
-
-// Token i's candidate list (list above): its position t, the window's first position, the window,
-// selected and listed counts, its selection row (or null).
-struct AtgTok {
-    long long t, first;
-    int nwin, nsel, ncand;
-    const int* seli;
-};
-__device__ __forceinline__ AtgTok atg_tok(long long t0, int i, int win, int ratio, const int* sel, int top_k) {
-    AtgTok k;
-    k.t = t0 + i;
-    k.first = k.t + 1 > win ? k.t + 1 - win : 0;
-    k.nwin = (int)(k.t - k.first + 1);
-    k.nsel = sel ? top_k : 0;
-    const long long ncomp = (sel == 0 && ratio > 0) ? (k.t + 1) / ratio : 0;
-    k.ncand = (int)(k.nwin + k.nsel + ncomp);
-    k.seli = sel ? sel + (size_t)i * top_k : (const int*)0;
-    return k;
-}
-
-// Token i's RoPE tables at t: rot_s[p] = (cos, −sin) for the output's inverse RoPE and qsc[p] =
-// (sin, cos) for the query's (used by the raw-query forms), from atc_rope_tab's rtab, or rot_s
-// computed here (qsc then later, by the threads beside the norm's scales).
-__device__ __forceinline__ void atg_rope(float* rot_s, float2* qsc, const float4* __restrict__ rtab,
-                                         const double* __restrict__ freqs, long long t, int i, int n_rot) {
-    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
-        if (rtab) {
-            const float4 r = rtab[(size_t)i * (n_rot / 2) + p];
-            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
-            qsc[p] = make_float2(r.z, r.w);
-        } else {
-            const float2 r = atc_cos_nsin(atc_theta(t, freqs[p]));
-            rot_s[2 * p] = r.x, rot_s[2 * p + 1] = r.y;
-        }
-    }
-}
 
 // A token's present candidates (list above), in list order, as row numbers of rows16 = [ring
 // (win) | this chunk's kv (n) | comp] into idx (shared); returns their count. 256 threads (wcnt: 8
