@@ -1,12 +1,15 @@
 //! MTP speculative decoding gives exactly the plain greedy output, whether drafts are accepted
 //! (perfect drafter), rejected (adversarial drafter) or come from the MTP block (random weights:
-//! mostly rejected).
+//! mostly rejected). On the CPU backend, where a batch's rows are bit-identical to single steps;
+//! on a GPU an accepted draft keeps the rows of a 2-token step, which sums in another order
+//! (tests/gpu.rs gpu_accepted_drafts_match_single_steps).
 
-use ds4_engine::{Engine, EngineOptions, Session};
+use ds4_engine::{BackendChoice, Engine, EngineOptions, Session};
 
 fn engine() -> Engine {
     let path = ds4_synth::tiny_model_for_tests(21, true);
     let mut o = EngineOptions::new(&path);
+    o.backend = BackendChoice::Cpu; // `auto` would take a GPU where there is one
     o.mtp = Some(ds4_synth::mtp_path(&path));
     Engine::open(&o).unwrap()
 }

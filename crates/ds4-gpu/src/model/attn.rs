@@ -157,8 +157,9 @@ fn index_tc_ok(info: &crate::runtime::DeviceInfo) -> bool {
 
 /// Prefill attention (n > 1) on tensor cores (`attn_tc.cu`): 0 not yet read from
 /// `DS4_GPU_ATTN_TC`, 1 off (the f32 kernels), 2 on with the hi/lo split of Q and P (default;
-/// the engine's `--precision exact`), 3 on with one f16 product (`DS4_GPU_ATTN_TC=fast`; the
-/// engine's `--precision fast`, precision.rs).
+/// the engine's `--precision exact`), 3 on with one f16 product for chunks of more than
+/// `GRAPH_MAX_N` tokens, the hi/lo split for decode steps (`DS4_GPU_ATTN_TC=fast`; the engine's
+/// `--precision fast`, precision.rs).
 static TC_MODE: AtomicU8 = AtomicU8::new(0);
 /// Heads per CTA and largest RoPE width of `attn_tc*` (`ATC_HG`, 2·`ATC_MAXROT`).
 const ATC_HG: usize = 16;
@@ -1262,7 +1263,12 @@ impl GpuBackend {
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        let name = match (hd, tc_mode() == 3) {
+        // The one-f16-product forms (`fast`) take prompt chunks only: a decode step of 2-4 tokens
+        // (speculative verification, short appends) keeps the hi/lo split, so decode runs the same
+        // arithmetic under both precisions and its rows stay within ~1e-6 of single steps (an
+        // accepted draft keeps them; engine tests/gpu.rs gpu_accepted_drafts_match_single_steps).
+        let fast = tc_mode() == 3 && n > super::GRAPH_MAX_N;
+        let name = match (hd, fast) {
             (512, false) => "attn_tc512_f32",
             (512, true) => "attn_tc512h_f32",
             (_, false) => "attn_tc64_f32",

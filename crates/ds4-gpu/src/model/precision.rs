@@ -19,8 +19,10 @@
 //!   scale: median 5.3e-3, top-1 99.4%; +12% instead of +18% over `exact`,
 //!   gpu-blas-p17-h200.txt).
 //!
-//! Decode (n ≤ 4 tokens) runs the same arithmetic under both. The CPU backend always computes
-//! in f32.
+//! Decode (n ≤ 4 tokens) runs the same arithmetic under both: a 2-4-token step (an MTP draft
+//! pair being verified, a short append) takes the hi/lo attention too (attn.rs attend_tc; before
+//! session 31 `fast` gave it one f16 product, and accepted drafts moved greedy tokens). The CPU
+//! backend always computes in f32.
 
 use super::GpuBackend;
 
