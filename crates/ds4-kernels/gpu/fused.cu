@@ -6,8 +6,6 @@
 #include "prelude.cuh"
 // hc.cuh: ds4_sigmoid and the Sinkhorn (hc_sinkhorn_by_warp), shared with model.cu
 #include "hc.cuh"
-// ptx.cuh: cp.async (hcp_post_mix_tc4s)
-#include "ptx.cuh"
 
 #define FU_PART 32 // doubles per (token, split) partial: the (2+N)·N dots, then the sum of squares
 
@@ -1115,19 +1113,10 @@ __device__ __forceinline__ u32 ds4_tf32(float v) {
     return r;
 }
 #endif
-// STG (hcp_post_mix_tc4s): the lane's loads of its next chunk (8 X float4, 2 of o) are issued
-// by cp.async into its own shared slots before this chunk's math, so one chunk's DRAM latency
-// hides behind the previous chunk's work (ncu, H200, a 2k prompt: hcp_post_mix_tc4 137 us at
-// 2.1 TB/s, 78% of its stalls on global loads, 4 warps a scheduler at 128 registers, no room
-// for a second register set). hst: [2 stages][10 slots][HT_W·32 lanes] uint4 (a warp's 32
-// lanes read 512 contiguous bytes: no bank conflicts); each lane reads only what it copied, so
-// cp.async.wait_group alone orders it. The same loads and math: the same bits.
-#define HT_STG_SLOTS 10
-template <bool POST, bool STG = false>
+template <bool POST>
 __device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post,
                                           const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes,
-                                          int wty, double* __restrict__ part, int n, int D, int S, int per,
-                                          uint4* hst = nullptr) {
+                                          int wty, double* __restrict__ part, int n, int D, int S, int per) {
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     constexpr int NN = 4, MIX = (2 + NN) * NN, NT = MIX / 8;
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -1158,50 +1147,13 @@ __device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o,
     for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
     double ss[2] = {0.0, 0.0};
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    constexpr int LN = HT_W * 32;
-    // STG: chunk q's copies into stage st (zero-filled for absent tokens, as the plain loads).
-    auto stage = [&](int q, int st) {
-        uint4* b = hst + st * HT_STG_SLOTS * LN + threadIdx.x;
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-#pragma unroll
-            for (int j = 0; j < NN; j++) ds4_cp16(b + (m * NN + j) * LN, xr[m] + j * D4 + q, live[m]);
-            if (POST) ds4_cp16(b + (2 * NN + m) * LN, orow[m] + q, live[m]);
-        }
-        ds4_cp_commit();
-    };
-    if (STG && lo + tg < hi) stage(lo + tg, 0);
-    int st = 0;
     for (int q0 = lo + tg; q0 < hi; q0 += 4) { // this lane's float4 column of each chunk (host: (hi - lo) % 4 == 0)
         float4 v[2][NN], ov[2];
-        if (STG) {
-            if (q0 + 4 < hi) { // the next chunk in flight during this one
-                stage(q0 + 4, st ^ 1);
-                ds4_cp_wait<1>();
-            } else {
-                ds4_cp_wait<0>();
-            }
-            const uint4* b = hst + st * HT_STG_SLOTS * LN + threadIdx.x;
 #pragma unroll
-            for (int m = 0; m < 2; m++) {
+        for (int m = 0; m < 2; m++) { // the chunk's loads first
 #pragma unroll
-                for (int j = 0; j < NN; j++) {
-                    const uint4 u = b[(m * NN + j) * LN];
-                    v[m][j] = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
-                }
-                if (POST) {
-                    const uint4 u = b[(2 * NN + m) * LN];
-                    ov[m] = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
-                }
-            }
-            st ^= 1;
-        } else {
-#pragma unroll
-            for (int m = 0; m < 2; m++) { // the chunk's loads first
-#pragma unroll
-                for (int j = 0; j < NN; j++) v[m][j] = live[m] ? xr[m][j * D4 + q0] : zero;
-                if (POST) ov[m] = live[m] ? orow[m][q0] : zero;
-            }
+            for (int j = 0; j < NN; j++) v[m][j] = live[m] ? xr[m][j * D4 + q0] : zero;
+            if (POST) ov[m] = live[m] ? orow[m][q0] : zero;
         }
         if (POST) {
 #pragma unroll
@@ -1290,19 +1242,14 @@ DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_post_mix_tc(float* x, const float* __r
 }
 // The same kernel held to 128 registers (4 CTAs an SM, the occupancy the host's splits aim at;
 // unbounded, ptxas takes 157 on sm_90a: 3 CTAs an SM, and a 2k prompt's 512 CTAs take 1.3 waves).
+// ncu (H200, 2k prompt): 137 us at 2.1 TB/s, 78% of its stalls on global loads, 4 warps a
+// scheduler. Lost (session 31, code in 0ba4675): the lane's next chunk staged by cp.async into
+// 40 KB of shared memory a CTA (no spills, the same bits) took 194-198 us: the shared memory
+// leaves L1 too small for the mixer rows it rereads (bench/results/gpu-s31-h200.txt run G).
 #define HT_LB4 HT_W * 32, 4
 DS4_KERNEL void DS4_BOUNDS(HT_LB4) hcp_post_mix_tc4(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
     ds4_pdl_enter();
     hp_mix_tc<true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
-}
-// hcp_post_mix_tc4 with the next chunk's loads staged by cp.async (hp_mix_tc STG): the same
-// arguments, grid and bits; 40 KB of static shared memory a CTA (4 CTAs an SM: 160 KB).
-DS4_KERNEL void DS4_BOUNDS(HT_LB4) hcp_post_mix_tc4s(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
-    ds4_pdl_enter();
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    __shared__ uint4 hst[2 * HT_STG_SLOTS * HT_W * 32];
-    hp_mix_tc<true, true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per, hst);
-#endif
 }
 
 template <int NN>

@@ -25,7 +25,6 @@ pub const FUSED: Module = Module {
         "hcp_mix_tc",
         "hcp_post_mix_tc",
         "hcp_post_mix_tc4",
-        "hcp_post_mix_tc4s",
         "hcp_finish",
     ],
 };

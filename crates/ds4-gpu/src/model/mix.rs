@@ -156,16 +156,6 @@ fn hcp_lb_on() -> bool {
     env_code(&HCP_LB, "DS4_GPU_HCP_LB", on_unless_off) == 1
 }
 
-/// hcp_post_mix_tc4 with its next chunk's loads staged by cp.async (`hcp_post_mix_tc4s`, the
-/// same bits): 0 not yet read from `DS4_GPU_HCP_STAGE`, 1 on (default), 2 off (process-wide).
-static HCP_STG: AtomicU8 = AtomicU8::new(0);
-/// hcp_post_mix_tc4s launches so far, process-wide ([`GpuBackend::hcp_stage_launches`]).
-static HCP_STG_RUNS: AtomicU64 = AtomicU64::new(0);
-
-fn hcp_stage_on() -> bool {
-    env_code(&HCP_STG, "DS4_GPU_HCP_STAGE", on_unless_off) == 1
-}
-
 /// hcp_mix_tc launches so far, process-wide ([`GpuBackend::hcp_tc_launches`]).
 static HCP_TC_RUNS: AtomicU64 = AtomicU64::new(0);
 
@@ -387,17 +377,6 @@ impl GpuBackend {
     /// `hcp_post_mix_tc4` launches so far in this process.
     pub fn hcp_lb_launches() -> u64 {
         HCP_LB_RUNS.load(Ordering::Relaxed)
-    }
-
-    /// The staged form of `hcp_post_mix_tc4` (`hcp_post_mix_tc4s`) by its `DS4_GPU_HCP_STAGE`
-    /// name: "on" (the default) or "off". Process-wide; for tests and A/B.
-    pub fn set_hcp_stage(form: &str) {
-        set_code(&HCP_STG, "set_hcp_stage", form, &["on", "off"]);
-    }
-
-    /// `hcp_post_mix_tc4s` launches so far in this process.
-    pub fn hcp_stage_launches() -> u64 {
-        HCP_STG_RUNS.load(Ordering::Relaxed)
     }
 
     /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
@@ -699,11 +678,8 @@ impl GpuBackend {
         });
         // The register-bounded post + mix (hcp_post_mix_tc4): one wave, counted.
         let bounded = tc.is_some() && pin.is_some() && hcp_lb_on();
-        // Its staged form (hcp_post_mix_tc4s): 40 KB of static shared memory, counted.
-        let staged = bounded && hcp_stage_on();
         let (name, tok, threads, ctas) = match (tc, pin) {
             (Some(c), None) => ("hcp_mix_tc", HT_TOKENS, 128, c),
-            (Some(c), Some(_)) if staged => ("hcp_post_mix_tc4s", HT_TOKENS, 128, c),
             (Some(c), Some(_)) if bounded => ("hcp_post_mix_tc4", HT_TOKENS, 128, c),
             (Some(c), Some(_)) => ("hcp_post_mix_tc", HT_TOKENS, 128, c),
             (None, None) => ("hcp_mix", HP_T / HP_L, HP_T, HP_CTAS_PER_SM),
@@ -728,9 +704,6 @@ impl GpuBackend {
         }
         if bounded {
             HCP_LB_RUNS.fetch_add(1, Ordering::Relaxed);
-        }
-        if staged {
-            HCP_STG_RUNS.fetch_add(1, Ordering::Relaxed);
         }
         let post_args = pin.map(|(o, p, c)| [Arg::Ptr(o), Arg::Ptr(p), Arg::Ptr(c)]);
         let args: Vec<Arg> = [Arg::Ptr(x)]
