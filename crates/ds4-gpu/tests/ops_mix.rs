@@ -708,6 +708,7 @@ fn hc_prefill_precision() {
         // hc_post_fast + hcp_mix_tc; the composed ops last.
         for (hcp, tc, hpost) in [
             ("tc", "on", "on"),
+            ("tc-pf0", "on", "on"),
             ("tc-lb0", "on", "on"),
             ("tc-sep", "on", "off"),
             ("on", "off", "on"),
@@ -717,8 +718,10 @@ fn hc_prefill_precision() {
             GpuBackend::set_hcp_tc(tc);
             GpuBackend::set_hcp_post(hpost);
             GpuBackend::set_hcp_lb(if hcp == "tc-lb0" { "off" } else { "on" });
+            GpuBackend::set_hcp_pf(if hcp == "tc-pf0" { "off" } else { "on" });
             let runs = GpuBackend::hcp_tc_launches();
             let runs4 = GpuBackend::hcp_lb_launches();
+            let runs_p = GpuBackend::hcp_pf_launches();
             let mut xg = gpu.upload(&x);
             let (og, ping, cing) = (gpu.upload(&o), gpu.upload(&pin), gpu.upload(&cin));
             let (mut zg, mut pg, mut cg) =
@@ -769,17 +772,30 @@ fn hc_prefill_precision() {
             let want = hcp.starts_with("tc") && tc_dev;
             assert_eq!(ran > 0, want, "hcp_mix_tc ran {ran} times ({hcp})");
             let ran4 = GpuBackend::hcp_lb_launches() - runs4;
-            let want4 = hcp == "tc" && with_post && tc_dev;
+            let want4 = (hcp == "tc" || hcp == "tc-pf0") && with_post && tc_dev;
             assert_eq!(ran4 > 0, want4, "hcp_post_mix_tc4 ran {ran4} times ({hcp})");
+            let ran_p = GpuBackend::hcp_pf_launches() - runs_p;
+            let want_p = hcp == "tc" && with_post && tc_dev;
+            assert_eq!(
+                ran_p > 0,
+                want_p,
+                "hcp_post_mix_tc4p ran {ran_p} times ({hcp})"
+            );
             errs.push(e);
         }
         GpuBackend::set_hcp("on");
         GpuBackend::set_hcp_tc("on");
         GpuBackend::set_hcp_post("on");
         GpuBackend::set_hcp_lb("on");
-        // The register-bounded hcp_post_mix_tc4 and the unbounded kernel: one code, one result.
+        GpuBackend::set_hcp_pf("on");
+        // hcp_post_mix_tc4p (L2 fetches), the register-bounded hcp_post_mix_tc4 and the
+        // unbounded kernel: one code, one result.
         assert_eq!(
             outs[0], outs[1],
+            "post {with_post}: hcp_post_mix_tc4p differs in bits"
+        );
+        assert_eq!(
+            outs[1], outs[2],
             "post {with_post}: hcp_post_mix_tc4 differs in bits"
         );
         let composed = errs.len() - 1;

@@ -1113,7 +1113,17 @@ __device__ __forceinline__ u32 ds4_tf32(float v) {
     return r;
 }
 #endif
-template <bool POST>
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+// A float4 load that asks L2 to fetch the whole 256-byte block around it (PTX L2::256B): the
+// lane's next three chunks of a row segment then come from L2 instead of DRAM (hp_mix_tc PF).
+__device__ __forceinline__ float4 fu_ld_pf(const float4* p) {
+    float4 r;
+    asm volatile("ld.global.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+#endif
+// PF (hcp_post_mix_tc4p): X and o loaded by fu_ld_pf (same values, same bits).
+template <bool POST, bool PF = false>
 __device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o, const float* __restrict__ post,
                                           const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes,
                                           int wty, double* __restrict__ part, int n, int D, int S, int per) {
@@ -1152,8 +1162,8 @@ __device__ __forceinline__ void hp_mix_tc(float* x, const float* __restrict__ o,
 #pragma unroll
         for (int m = 0; m < 2; m++) { // the chunk's loads first
 #pragma unroll
-            for (int j = 0; j < NN; j++) v[m][j] = live[m] ? xr[m][j * D4 + q0] : zero;
-            if (POST) ov[m] = live[m] ? orow[m][q0] : zero;
+            for (int j = 0; j < NN; j++) v[m][j] = live[m] ? (PF ? fu_ld_pf(xr[m] + j * D4 + q0) : xr[m][j * D4 + q0]) : zero;
+            if (POST) ov[m] = live[m] ? (PF ? fu_ld_pf(orow[m] + q0) : orow[m][q0]) : zero;
         }
         if (POST) {
 #pragma unroll
@@ -1250,6 +1260,15 @@ DS4_KERNEL void DS4_BOUNDS(HT_W * 32) hcp_post_mix_tc(float* x, const float* __r
 DS4_KERNEL void DS4_BOUNDS(HT_LB4) hcp_post_mix_tc4(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
     ds4_pdl_enter();
     hp_mix_tc<true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
+}
+// hcp_post_mix_tc4 with X and o loaded by fu_ld_pf (256-byte L2 fetches; the default,
+// DS4_GPU_HCP_PF=off the plain loads): the same bits. H200, a 2k prompt (ncu): 123-128 against
+// 134-138 us a call (DRAM reads 169 -> 218 MB: blocks past a split's end are fetched too, yet
+// the lane's next chunks wait on L2, not DRAM; ptxas also drops the 40-byte spill), prefill
+// +0.3% at 2k / 8k / 32k in alternating runs (bench/results/gpu-s31-h200.txt run H).
+DS4_KERNEL void DS4_BOUNDS(HT_LB4) hcp_post_mix_tc4p(float* x, const float* __restrict__ o, const float* __restrict__ post, const float* __restrict__ comb, const u8* __restrict__ mixer, long long row_bytes, int wty, double* __restrict__ part, int n, int N, int D, int S, int per) {
+    ds4_pdl_enter();
+    hp_mix_tc<true, true>(x, o, post, comb, mixer, row_bytes, wty, part, n, D, S, per);
 }
 
 template <int NN>

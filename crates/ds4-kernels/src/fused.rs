@@ -25,6 +25,7 @@ pub const FUSED: Module = Module {
         "hcp_mix_tc",
         "hcp_post_mix_tc",
         "hcp_post_mix_tc4",
+        "hcp_post_mix_tc4p",
         "hcp_finish",
     ],
 };

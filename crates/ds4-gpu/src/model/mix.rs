@@ -156,6 +156,16 @@ fn hcp_lb_on() -> bool {
     env_code(&HCP_LB, "DS4_GPU_HCP_LB", on_unless_off) == 1
 }
 
+/// hcp_post_mix_tc4 with X and o loaded by 256-byte L2 fetches (`hcp_post_mix_tc4p`, the same
+/// bits): 0 not yet read from `DS4_GPU_HCP_PF`, 1 on (default), 2 off (process-wide).
+static HCP_PF: AtomicU8 = AtomicU8::new(0);
+/// hcp_post_mix_tc4p launches so far, process-wide ([`GpuBackend::hcp_pf_launches`]).
+static HCP_PF_RUNS: AtomicU64 = AtomicU64::new(0);
+
+fn hcp_pf_on() -> bool {
+    env_code(&HCP_PF, "DS4_GPU_HCP_PF", on_unless_off) == 1
+}
+
 /// hcp_mix_tc launches so far, process-wide ([`GpuBackend::hcp_tc_launches`]).
 static HCP_TC_RUNS: AtomicU64 = AtomicU64::new(0);
 
@@ -377,6 +387,17 @@ impl GpuBackend {
     /// `hcp_post_mix_tc4` launches so far in this process.
     pub fn hcp_lb_launches() -> u64 {
         HCP_LB_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// The L2-fetching form of `hcp_post_mix_tc4` (`hcp_post_mix_tc4p`) by its `DS4_GPU_HCP_PF`
+    /// name: "on" (the default) or "off". Process-wide; for tests and A/B.
+    pub fn set_hcp_pf(form: &str) {
+        set_code(&HCP_PF, "set_hcp_pf", form, &["on", "off"]);
+    }
+
+    /// `hcp_post_mix_tc4p` launches so far in this process.
+    pub fn hcp_pf_launches() -> u64 {
+        HCP_PF_RUNS.load(Ordering::Relaxed)
     }
 
     /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
@@ -678,8 +699,11 @@ impl GpuBackend {
         });
         // The register-bounded post + mix (hcp_post_mix_tc4): one wave, counted.
         let bounded = tc.is_some() && pin.is_some() && hcp_lb_on();
+        // Its form with 256-byte L2 fetches (hcp_post_mix_tc4p), counted.
+        let pf = bounded && hcp_pf_on();
         let (name, tok, threads, ctas) = match (tc, pin) {
             (Some(c), None) => ("hcp_mix_tc", HT_TOKENS, 128, c),
+            (Some(c), Some(_)) if pf => ("hcp_post_mix_tc4p", HT_TOKENS, 128, c),
             (Some(c), Some(_)) if bounded => ("hcp_post_mix_tc4", HT_TOKENS, 128, c),
             (Some(c), Some(_)) => ("hcp_post_mix_tc", HT_TOKENS, 128, c),
             (None, None) => ("hcp_mix", HP_T / HP_L, HP_T, HP_CTAS_PER_SM),
@@ -704,6 +728,9 @@ impl GpuBackend {
         }
         if bounded {
             HCP_LB_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
+        if pf {
+            HCP_PF_RUNS.fetch_add(1, Ordering::Relaxed);
         }
         let post_args = pin.map(|(o, p, c)| [Arg::Ptr(o), Arg::Ptr(p), Arg::Ptr(c)]);
         let args: Vec<Arg> = [Arg::Ptr(x)]
