@@ -213,11 +213,7 @@ fn gpu_accepted_drafts_match_single_steps() {
     for p in [Precision::Exact, Precision::Fast] {
         let g = with(&|o| o.precision = p);
         let (reference, ref_logits) = greedy(&g);
-        let full: Vec<u32> = PROMPT
-            .iter()
-            .copied()
-            .chain(reference.iter().copied())
-            .collect();
+        let full = common::after_prompt(&reference);
         // 2-token steps: the prompt, then [full[P + k - 2], full[P + k - 1]] at a time.
         let mut s = g.new_session(512);
         s.sync(&PROMPT, &mut |_, _| {}).unwrap();
@@ -257,7 +253,7 @@ fn gpu_accepted_drafts_match_single_steps() {
         o.precision = Precision::Fast;
     });
     let (mref, _) = greedy(&m);
-    let mfull: Vec<u32> = PROMPT.iter().copied().chain(mref.iter().copied()).collect();
+    let mfull = common::after_prompt(&mref);
     let (mout, mst) = perfect(&m, &mfull);
     let agree = mout.iter().zip(&mref).take_while(|(a, b)| a == b).count();
     println!("defaults (model rounding, fast): {agree} of {N} tokens as greedy before the first difference ({mst:?})");

@@ -4,6 +4,9 @@
 //! on a GPU an accepted draft keeps the rows of a 2-token step, which sums in another order
 //! (tests/gpu.rs gpu_accepted_drafts_match_single_steps).
 
+mod common;
+
+use common::PROMPT;
 use ds4_engine::{BackendChoice, Engine, EngineOptions, Session};
 
 fn engine() -> Engine {
@@ -14,7 +17,6 @@ fn engine() -> Engine {
     Engine::open(&o).unwrap()
 }
 
-const PROMPT: [u32; 13] = [0, 5, 77, 300, 12, 9, 411, 250, 3, 3, 90, 128, 7];
 const N: usize = 60; // crosses the 8-row window and several CSA/HCA windows
 
 fn greedy_reference(e: &Engine) -> Vec<u32> {
@@ -46,11 +48,7 @@ fn run(
 fn speculative_output_equals_greedy() {
     let e = engine();
     let reference = greedy_reference(&e);
-    let full: Vec<u32> = PROMPT
-        .iter()
-        .copied()
-        .chain(reference.iter().copied())
-        .collect();
+    let full = common::after_prompt(&reference);
 
     // Perfect drafter: every draft is the true next-next token → every draft accepted.
     let mut s = e.new_session(512);

@@ -20,6 +20,11 @@ pub fn greedy(e: &Engine, n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     (toks, logits)
 }
 
+/// [`PROMPT`] followed by `toks`: the token list whose position p+1 a perfect drafter proposes.
+pub fn after_prompt(toks: &[u32]) -> Vec<u32> {
+    PROMPT.iter().chain(toks).copied().collect()
+}
+
 pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
