@@ -209,9 +209,8 @@ fn gpu_accepted_drafts_match_single_steps() {
             .unwrap();
         (out, st)
     };
-    let with = |f: &dyn Fn(&mut EngineOptions)| open_with(BackendChoice::Auto, |o| f(o)).unwrap();
     for p in [Precision::Exact, Precision::Fast] {
-        let g = with(&|o| o.precision = p);
+        let g = open_with(BackendChoice::Auto, |o| o.precision = p).unwrap();
         let (reference, ref_logits) = greedy(&g);
         let full = common::after_prompt(&reference);
         // 2-token steps: the prompt, then [full[P + k - 2], full[P + k - 1]] at a time.
@@ -248,10 +247,11 @@ fn gpu_accepted_drafts_match_single_steps() {
         );
     }
     // The engine's defaults (the model's rounding steps, `fast`): measured, not held.
-    let m = with(&|o| {
+    let m = open_with(BackendChoice::Auto, |o| {
         o.rounding = ds4_engine::Rounding::MODEL;
         o.precision = Precision::Fast;
-    });
+    })
+    .unwrap();
     let (mref, _) = greedy(&m);
     let mfull = common::after_prompt(&mref);
     let (mout, mst) = perfect(&m, &mfull);

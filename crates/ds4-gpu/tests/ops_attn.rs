@@ -1201,11 +1201,7 @@ fn attend_matches_cpu() {
     let forms = [TC, TC_FAST, ONE, ONE_V0, ONE_V1, ONE_F32, SPLIT, SIMPLE];
     let same = |outs: &[Vec<f32>], at: usize, c: &AttCase| {
         for k in 1..=2 {
-            let d = outs[at]
-                .iter()
-                .zip(&outs[at + k])
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let d = bit_diffs(&outs[at], &outs[at + k]);
             assert_eq!(
                 d,
                 0,
@@ -1285,11 +1281,7 @@ fn attend_prefill_matches_cpu() {
         // `fast` too: every fast form gives TC's bits there.
         if c.n <= 4 {
             for k in [1, 3, 4, 5, 6] {
-                let d = outs[k]
-                    .iter()
-                    .zip(&outs[0])
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let d = bit_diffs(&outs[k], &outs[0]);
                 assert_eq!(
                     d, 0,
                     "attend case {i} (n {}): fast form {k} differs from tc in {d} values",
@@ -1315,6 +1307,14 @@ fn attend_prefill_matches_cpu() {
 }
 
 // ---------------------------------------------------------------------------------------------
+
+/// How many values of `a` and `b` differ in their bits.
+fn bit_diffs(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
 
 /// A layer's state before a chunk of `n` tokens at `t0`: a full ring of random rows holding the
 /// last `win` positions before `t0` (empty slots -1), and with `ratio > 0` random compressed
@@ -1629,11 +1629,7 @@ fn attend_qnorm_matches_norm_then_attend() {
             let ring = gpu.state_to_host(&gs).raw;
             gpu_ok(&gpu, &op);
             let ran = GpuBackend::attn_qnorm_launches() - l0;
-            let diff = got
-                .iter()
-                .zip(&want)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let diff = bit_diffs(&got, &want);
             let rel = got
                 .iter()
                 .zip(&oc)
