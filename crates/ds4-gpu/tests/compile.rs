@@ -394,3 +394,34 @@ fn wgmma_kernels_not_serialized() {
         );
     }
 }
+
+/// ptxas's notes (registers, shared memory, spills per kernel) of the modules named in
+/// `DS4_PTXAS_MODULES` (space-separated, e.g. "matvec attention") for sm_90a, printed: a tool
+/// for kernel work (`cargo test --release -p ds4-gpu --test compile ptxas_notes -- --ignored
+/// --nocapture`), not a check.
+#[test]
+#[ignore]
+fn ptxas_notes() {
+    let c = match Nvrtc::load() {
+        Ok(c) => c,
+        Err(e) => return skip_or_fail("NVRTC", e),
+    };
+    let want = std::env::var("DS4_PTXAS_MODULES").unwrap_or_default();
+    let defines = cuda_defines(9, 0, 32);
+    for m in ds4_kernels::MODULES
+        .iter()
+        .filter(|m| want.split_whitespace().any(|w| w == m.name))
+    {
+        let (_, log) = c
+            .compile_logged(m, "sm_90a", &defines, &["--ptxas-options=-v"])
+            .unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        let mut func = String::new();
+        for line in log.lines() {
+            if let Some(f) = line.split("Function properties for ").nth(1) {
+                func = f.trim().to_string();
+            } else if line.contains("Used ") || line.contains("spill") {
+                println!("{}: {}", func, line.trim());
+            }
+        }
+    }
+}

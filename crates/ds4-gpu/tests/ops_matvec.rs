@@ -1355,3 +1355,99 @@ fn matvec_interleaved() {
     }
     cases.finish();
 }
+
+/// The bulk-staged form of the interleaved r2u2 products (`mvb[a]_q8_0i`, CUDA sm_90+) gives
+/// mvr_r2u2_q8_0i's bits at 1, 2 and 3 stages: plain, grouped (out_a: 8 groups, kspl 1), out_b
+/// (kspl 2), a last tile of fewer rows, more tiles than CTAs, and matmul_add (`mvba`), each also
+/// within the f64 bound. Elsewhere `mvb` must not run (then only the reference is checked).
+/// Process-wide switches: run with --test-threads=1 on a GPU.
+#[test]
+fn matvec_bulk_staged() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((_cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    if std::env::var("DS4_GPU_Q8_REPACK").is_ok_and(|v| v == "off") {
+        println!("skipped: DS4_GPU_Q8_REPACK=off makes no decode copies");
+        return;
+    }
+    let info = gpu.gpu().info().clone();
+    let hopper = info.vendor == ds4_gpu::runtime::Vendor::Nvidia && info.cc.0 >= 9;
+    if !hopper {
+        println!("mvb not expected on {} ({}): checking that it stays off", info.name, info.arch);
+    }
+    GpuBackend::set_matvec_repacked(255);
+    GpuBackend::set_matvec_mvr_pipe(false);
+    let mut cases = Cases::default();
+    // (cols, rows, groups, add)
+    let shapes: &[(usize, usize, usize, bool)] = &[
+        (4096, 8192, 8, false), // out_a
+        (8192, 4096, 1, false), // out_b
+        (2048, 4096, 1, true),  // shared down into the routed sum
+        (4096, 1027, 1, false), // a last tile of 3 rows
+        (4096, 1027, 1, true),
+        (1536, 70, 1, false),
+    ];
+    for (si, &(cols, rows, groups, add)) in shapes.iter().enumerate() {
+        let mut r = rng(5100 + si as u64);
+        let bytes: Vec<u8> = (0..rows)
+            .flat_map(|_| ds4_gpu::conformance::random_row(GgmlType::Q8_0, cols, &mut r))
+            .collect();
+        let vals: Vec<f64> = bytes
+            .chunks(34)
+            .flat_map(|b| {
+                let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f64();
+                b[2..34].iter().map(move |&q| d * (q as i8) as f64)
+            })
+            .collect();
+        let f = common::file(&[("w", GgmlType::Q8_0, vec![cols as u64, rows as u64], bytes)]);
+        GpuBackend::set_matvec_q8_il(true);
+        let w = gpu.matrix(&common::src(&f, "w")).unwrap();
+        GpuBackend::set_matvec_q8_il(false);
+        let xs = randn(&mut rng(5200 + si as u64), groups * cols, 1.0);
+        let y0 = randn(&mut rng(5300 + si as u64), rows, 2.0);
+        let per = rows / groups;
+        let want: Vec<f32> = (0..rows)
+            .map(|i| {
+                let xo = (i / per) * cols;
+                let s: f64 = (0..cols).map(|k| vals[i * cols + k] * xs[xo + k] as f64).sum();
+                (s + if add { y0[i] as f64 } else { 0.0 }) as f32
+            })
+            .collect();
+        let gx = gpu.upload(&xs);
+        let mut outs = Vec::new();
+        for form in ["off", "1", "2", "3"] {
+            GpuBackend::set_matvec_mvb(form);
+            let before = GpuBackend::mvb_launches();
+            let mut gy = gpu.upload(&if add { y0.clone() } else { vec![f32::NAN; rows] });
+            if add {
+                gpu.matmul_add(&w, &gx, 1, rows, &mut gy);
+            } else if groups > 1 {
+                gpu.matmul_grouped(&w, groups, &gx, 1, &mut gy);
+            } else {
+                gpu.matmul(&w, Part::All, &gx, 1, &mut gy);
+            }
+            let ran = GpuBackend::mvb_launches() - before;
+            let il = cols > 1024 && cols.is_multiple_of(512);
+            assert_eq!(
+                ran,
+                (hopper && il && form != "off") as u64,
+                "{cols}->{rows}: mvb launches with DS4_GPU_MVB={form}"
+            );
+            let out = gpu.download(&gy, rows);
+            let name = format!("mvb {form} Q8_0 {groups}x{cols}->{rows} add {add} vs f64");
+            cases.check(name, cols, &out, &want, &gpu);
+            outs.push((form, out));
+        }
+        for (form, out) in &outs[1..] {
+            let diff = out
+                .iter()
+                .zip(&outs[0].1)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(diff, 0, "{cols}->{rows} add {add}: mvb {form} against mvr, values differing");
+        }
+    }
+    GpuBackend::set_matvec_mvb("2");
+    cases.finish();
+}

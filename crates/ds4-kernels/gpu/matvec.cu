@@ -911,6 +911,108 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LAT
 // The same with the loads pipelined step by step (PIPE; DS4_GPU_MVR_PIPE=1).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0ip(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true, true>(MVR_ARGS); }
 
+// ---- Bulk-staged form (mvb_q8_0i, mvba_q8_0i; n = 1, CUDA sm_90+, DS4_GPU_MVB): the products
+// of mvr_r2u2_q8_0i / mvra_r2u2_q8_0i with the same bits (every row summed as there: a lane's
+// slots in step order, mvr_dot_i, warp sums, kspl partials in warp order), but the weights reach
+// shared memory by bulk copies (cp.async.bulk: one thread issues a whole tile, no registers held
+// while it is in flight) instead of register loads. Tile = the rows of one mvr CTA,
+// tr = (MV_WARPS / kspl) * 2 consecutive rows of one group z; a CTA takes tiles blockIdx.x,
+// + gridDim.x, .. with `st` stages in flight (stage: tr rows of quants, cols bytes each, then
+// their scales, cols / 16 bytes each). The first `st` tiles are issued BEFORE the PDL wait: they
+// stream in while the previous kernel still runs (out_a after the one-token attention, whose
+// 13 us are latency with DRAM nearly idle; the shared down after the routed down).
+#define MVB_MAXST 4
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+__device__ __forceinline__ u32 mvb_sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mvb_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mvb_sa(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mvb_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(mvb_sa(dst)),
+                 "l"(src), "r"(bytes), "r"(mvb_sa(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void mvb_wait(u64* bar, u32 parity) {
+    u32 ok;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(ok)
+                     : "r"(mvb_sa(bar)), "r"(parity)
+                     : "memory");
+    } while (!ok);
+}
+#endif
+
+template <bool ADD>
+__device__ __forceinline__ void mvb_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                         long long x_z, float* __restrict__ y, long long y_z, int rows, int cols, int kspl,
+                                         int zs, int st) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 900
+    extern __shared__ __align__(128) u8 mvb_smem[];
+    __shared__ u64 bars[MVB_MAXST];
+    __shared__ float red[MV_WARPS * 2];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int tr = MV_WARPS / kspl * 2, tpg = (rows + tr - 1) / tr, T = tpg * zs;
+    long long qrow = cols, srow = cols / 16, sbytes = tr * (qrow + srow); // bytes: a row's quants, scales; a stage
+    int nt = blockIdx.x < T ? (T - 1 - blockIdx.x) / gridDim.x + 1 : 0;   // this CTA's tiles
+    // Tile i of this CTA (tile t = blockIdx.x + i * gridDim.x) into stage i % st.
+    auto issue = [&](int i) {
+        int t = blockIdx.x + i * gridDim.x, z = t / tpg, r0 = (t % tpg) * tr, nr = min(tr, rows - r0);
+        long long g = (long long)z * rows + r0;
+        u8* s = mvb_smem + (i % st) * sbytes;
+        u64* bar = &bars[i % st];
+        mvb_expect(bar, (u32)(nr * (qrow + srow)));
+        mvb_copy(s, Q + g * qrow, (u32)(nr * qrow), bar);
+        mvb_copy(s + tr * qrow, (const u8*)D + g * srow, (u32)(nr * srow), bar);
+    };
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < st; i++)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mvb_sa(&bars[i])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int i = 0; i < min(st, nt); i++) issue(i); // weights only: before the wait
+    }
+    __syncthreads(); // the barriers' initialisation is visible to every waiter
+    ds4_pdl_enter();
+    int gw = warp / kspl, ks = warp % kspl, hb = cols / 16, stride = kspl * DS4_WARP;
+    for (int i = 0; i < nt; i++) {
+        int t = blockIdx.x + i * gridDim.x, z = t / tpg, r0 = (t % tpg) * tr, nr = min(tr, rows - r0);
+        float acc[2][1] = {{0.0f}, {0.0f}};
+        mvb_wait(&bars[i % st], (u32)(i / st) & 1u);
+        if (2 * gw < nr) { // warp-uniform (mvr: a warp past the last row adds nothing)
+            const u8* s = mvb_smem + (i % st) * sbytes;
+            int l0 = 2 * gw, l1 = min(2 * gw + 1, nr - 1); // mvr's clamp: computed, not written
+            const uint4 *q0 = (const uint4*)(s + l0 * qrow), *q1 = (const uint4*)(s + l1 * qrow);
+            const uint2 *d0 = (const uint2*)(s + tr * qrow + l0 * srow), *d1 = (const uint2*)(s + tr * qrow + l1 * srow);
+            const float4* xv = (const float4*)(x + (long long)z * x_z);
+            for (int h = ks * DS4_WARP + lane; h < hb; h += stride) { // mvr_acc's steps, in its order
+                const float4* xt = xv + 4 * (h & ~31) + (h & 31);
+                float4 xa = xt[0], xb = xt[32], xc = xt[64], xd = xt[96];
+                acc[0][0] = mvr_dot_i(q0[h], d0[h >> 3], xa, xb, xc, xd, acc[0][0]);
+                acc[1][0] = mvr_dot_i(q1[h], d1[h >> 3], xa, xb, xc, xd, acc[1][0]);
+            }
+        }
+        float v = mv_reduce<1, 2>(acc, kspl, red);
+        int r = r0 + 2 * gw + lane;
+        if (ks == 0 && lane < 2 && 2 * gw + lane < nr) {
+            float* yr = y + (long long)z * y_z + r;
+            *yr = ADD ? *yr + v : v;
+        }
+        __syncthreads(); // stage i % st and red are free again
+        if (threadIdx.x == 0 && i + st < nt) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the reads above before the copy's writes
+            issue(i + st);
+        }
+    }
+#else
+    (void)Q, (void)D, (void)x, (void)x_z, (void)y, (void)y_z, (void)rows, (void)cols, (void)kspl, (void)zs, (void)st;
+    ds4_pdl_enter();
+#endif
+}
+#define MVB_PARAMS MVR_PARAMS, int zs, int st
+#define MVB_ARGS MVR_ARGS, zs, st
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvb_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<false>(MVB_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvba_q8_0i(MVB_PARAMS) { DS4_PDL_LATE; mvb_body<true>(MVB_ARGS); }
+
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
 // the same cols, matrix m takes CTAs c_m .. c_{m+1} - 1 (c_0 = 0; c_m = 0x7fffffff for absent m), each CTA as one CTA of the single-matrix form at
