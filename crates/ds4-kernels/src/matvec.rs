@@ -93,8 +93,6 @@ pub const MATVEC: Module = Module {
         "mvr_r2u2_q8_0i",
         "mvra_r2u2_q8_0i",
         "mvr_r2u2_q8_0ip",
-        "mvb_q8_0i",
-        "mvba_q8_0i",
         "mvrm_r2u2_q8_0",
         "mvrm_r2u2_q8_0i",
         "mvqm_r2u4_f16",

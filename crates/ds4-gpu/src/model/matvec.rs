@@ -23,8 +23,7 @@ use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::gpu::DeviceBuffer;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec, Part};
-use super::switch::{env_pick, set_code};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 /// Warps per CTA (`MV_WARPS` in matvec.cu).
 const MV_WARPS: usize = 8;
@@ -126,26 +125,6 @@ static Q8_IL: AtomicBool = AtomicBool::new(true);
 static MVR_PIPE: AtomicBool = AtomicBool::new(false);
 /// Columns of one interleaved tile.
 const IL_TILE: usize = 512;
-/// The interleaved r2u2 products (`mvr[a]_r2u2_q8_0i`) as `mvb[a]_q8_0i` on CUDA sm_90+ (the
-/// same bits: gpu/matvec.cu): the weights staged into shared memory by bulk copies, the first
-/// stages issued before the PDL wait. `DS4_GPU_MVB` = `off` | `1` | `2` | `3` (stages of
-/// `(8 / kspl) * 2` rows a CTA; codes 1 off, 2..=4 stages + 1; 0 not read yet).
-static MVB: AtomicU8 = AtomicU8::new(0);
-/// Default stages (code 3 = 2 stages: 2 x 68 KB for out_a and out_b, one CTA an SM).
-const MVB_DEFAULT: u8 = 3;
-/// mvb launches so far, process-wide ([`GpuBackend::mvb_launches`]).
-static MVB_RUNS: AtomicU64 = AtomicU64::new(0);
-
-fn mvb_stages() -> usize {
-    env_pick(
-        &MVB,
-        "DS4_GPU_MVB",
-        &[("off", 1), ("1", 2), ("2", 3), ("3", 4)],
-        MVB_DEFAULT,
-    ) as usize
-        - 1
-}
-
 /// (name, rows per warp R, column steps U in flight).
 const MVR_FORMS: [(&str, usize); 2] = [("r4u2", 4), ("r2u2", 2)];
 
@@ -570,17 +549,6 @@ impl GpuBackend {
         Q8_IL.store(on, Ordering::Relaxed);
     }
 
-    /// The bulk-staged form of the interleaved r2u2 products (`MVB`) by its `DS4_GPU_MVB` name:
-    /// "off", or "1" | "2" | "3" stages. Process-wide; for tests and A/B.
-    pub fn set_matvec_mvb(form: &str) {
-        set_code(&MVB, "set_matvec_mvb", form, &["off", "1", "2", "3"]);
-    }
-
-    /// `mvb[a]_q8_0i` launches so far in this process.
-    pub fn mvb_launches() -> u64 {
-        MVB_RUNS.load(Ordering::Relaxed)
-    }
-
     /// The pipelined interleaved r2u2 product (`MVR_PIPE`) on or off.
     pub fn set_matvec_mvr_pipe(on: bool) {
         mvr_env();
@@ -766,17 +734,6 @@ impl GpuBackend {
         // warp/4 chunks of 32 columns, so it is asked about cols / 2.
         let (dims, k) = self.mv_dims(rows, r, 1, zs, cols / 2);
         let q = dec.ptr();
-        if il && form == 2 && !MVR_PIPE.load(Ordering::Relaxed) {
-            if let Some(d) = self.mvb_dims(rows, cols, zs, k) {
-                let (st, args) = (mvb_stages(), q8_args(q, q.offset((nb * 32) as u64), x, x_z, y, y_z, rows, cols, k));
-                let mut a = args.to_vec();
-                a.extend([Arg::I32(zs as i32), Arg::I32(st as i32)]);
-                MVB_RUNS.fetch_add(1, Ordering::Relaxed);
-                let name = if add { "mvba_q8_0i" } else { "mvb_q8_0i" };
-                self.run(&ds4_kernels::MATVEC, name, d, &a);
-                return true;
-            }
-        }
         self.run(
             &ds4_kernels::MATVEC,
             &format!(
@@ -1039,32 +996,6 @@ impl GpuBackend {
             ],
         );
         true
-    }
-
-    /// Launch dims of `mvb[a]_q8_0i` for the r2u2 product of `rows` rows × `zs` groups of
-    /// `cols` (interleaved) columns at `kspl` warps a row pair, or None where it does not run
-    /// (not CUDA sm_90+, `DS4_GPU_MVB=off`, stages over the shared memory a CTA may have). Tiles
-    /// of `(8 / kspl) * 2` rows (an mvr CTA's), one persistent CTA per SM for each
-    /// `stages × tile` bytes that fit, at most one CTA a tile.
-    fn mvb_dims(&self, rows: usize, cols: usize, zs: usize, kspl: usize) -> Option<LaunchDims> {
-        let info = self.gpu.info();
-        let st = mvb_stages();
-        if st == 0 || info.vendor != crate::runtime::Vendor::Nvidia || info.cc.0 < 9 {
-            return None;
-        }
-        let tr = MV_WARPS / kspl * 2;
-        let stage = tr * (cols + cols / 16); // quants, then scales
-        let smem = st * stage;
-        if smem > info.max_shared_per_block as usize {
-            return None;
-        }
-        let tiles = rows.div_ceil(tr) * zs;
-        let per_sm = (info.max_shared_per_block as usize / smem).max(1);
-        Some(LaunchDims {
-            grid: [tiles.min(per_sm * info.sm_count as usize) as u32, 1, 1],
-            block: [MV_WARPS as u32 * self.warp(), 1, 1],
-            shared_bytes: smem as u32,
-        })
     }
 
     /// Warps per row group (1, 2, 4, 8): the fewest that give about 16 working warps per SM,
