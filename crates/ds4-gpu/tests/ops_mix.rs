@@ -1131,3 +1131,34 @@ fn matmul_route_matches_two_calls() {
     });
     GpuBackend::set_route_form("on");
 }
+
+/// `DS4_GPU_SKIP` / `GpuBackend::set_skip` (timing knock-outs): a named kernel is not launched
+/// (its output keeps what the buffer held), others are, and an empty list launches it again.
+#[test]
+fn knocked_out_kernels_do_not_run() {
+    let _g = FORM.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_cpu, gpu)) = setup() else {
+        return;
+    };
+    let y0 = [1.0f32, 2.0, 3.0];
+    let x = gpu.upload(&[10.0f32, 20.0, 30.0]);
+    let mut y = gpu.upload(&y0);
+    GpuBackend::set_skip(&["add_f32"]);
+    gpu.add(&mut y, &x, 3);
+    gpu_ok(&gpu, "add knocked out");
+    assert_eq!(gpu.download(&y, 3), y0, "add_f32 ran while knocked out");
+    // Another kernel still runs: swiglu(1, 1) = silu(1) = 0.731 (clamp 10).
+    let mut g = gpu.upload(&[1.0f32; 3]);
+    gpu.swiglu(&mut g, &gpu.upload(&[1.0f32; 3]), 3, 10.0);
+    gpu_ok(&gpu, "swiglu");
+    for v in gpu.download(&g, 3) {
+        assert!(
+            (v - 0.731_058_6).abs() < 1e-5,
+            "swiglu while add_f32 is knocked out: {v}"
+        );
+    }
+    GpuBackend::set_skip(&[]);
+    gpu.add(&mut y, &x, 3);
+    gpu_ok(&gpu, "add");
+    assert_eq!(gpu.download(&y, 3), [11.0, 22.0, 33.0]);
+}

@@ -407,6 +407,53 @@ pub enum GpuComm {
 /// compressor that grows: every CSA layer of a new session's first prompt), so the device ran
 /// dry and then waited for the host's next launches; deferred, the free costs nothing (the
 /// device is idle then). Old form: `0`.
+/// Kernels never launched (`DS4_GPU_SKIP=name,name,..`, exact kernel names, read once, or
+/// [`GpuBackend::set_skip`]): a knock-out for timing experiments only. What such a kernel would
+/// have written keeps whatever the buffer held, so every result after it is wrong; the step's
+/// time less the full step's is then what that kernel costs where it runs (in the decode graph,
+/// with its overlap), which Nsight Compute's one-kernel-at-a-time times do not show. Kernels
+/// whose outputs are indices (the router's selection, the indexer's top-k) must not be knocked
+/// out: stale indices can address out of bounds. Printed once per name on stderr.
+static SKIP: Mutex<Option<Vec<String>>> = Mutex::new(None);
+/// Whether [`SKIP`] is known empty (1) or not (2); 0 before it is read.
+static SKIP_ANY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// The `DS4_GPU_SKIP` list: comma-separated names, blanks trimmed, empty items dropped.
+fn skip_list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Whether `name` is knocked out (see [`SKIP`]); says so on stderr the first time.
+fn knocked_out(name: &str) -> bool {
+    static TOLD: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    // 0: not read yet, 1: empty list (the launch path's only cost: this load), 2: a list.
+    let any = SKIP_ANY.load(Ordering::Relaxed);
+    if any == 1 {
+        return false;
+    }
+    let mut g = SKIP.lock().unwrap();
+    let list = g.get_or_insert_with(|| {
+        std::env::var("DS4_GPU_SKIP")
+            .map(|v| skip_list(&v))
+            .unwrap_or_default()
+    });
+    SKIP_ANY.store(if list.is_empty() { 1 } else { 2 }, Ordering::Relaxed);
+    if !list.iter().any(|k| k == name) {
+        return false;
+    }
+    drop(g);
+    let mut told = TOLD.lock().unwrap();
+    if !told.iter().any(|k| k == name) {
+        eprintln!("ds4: DS4_GPU_SKIP: {name} is not launched (timing experiments only: results are wrong)");
+        told.push(name.to_string());
+    }
+    true
+}
+
 static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
 
 /// Words of [`GpuBackend::tickets`].
@@ -882,7 +929,7 @@ impl GpuBackend {
     }
 
     /// Launch kernel `name` of `module` on the backend's stream (or record it, see
-    /// [`GraphState`]).
+    /// [`GraphState`]); not at all where `DS4_GPU_SKIP` names it ([`knocked_out`]).
     pub(crate) fn launch(
         &self,
         module: &ds4_kernels::Module,
@@ -890,11 +937,23 @@ impl GpuBackend {
         dims: LaunchDims,
         args: &[Arg],
     ) -> Result<()> {
+        if knocked_out(name) {
+            return Ok(());
+        }
         let f = self.gpu.kernel(module, name)?;
         if self.record(f, dims, args) {
             return Ok(());
         }
         self.gpu.runtime().launch(f, dims, self.stream, args)
+    }
+
+    /// Knock kernels out by name, as `DS4_GPU_SKIP` (which this replaces; an empty list launches
+    /// everything again). Process-wide; timing experiments and their test only: results after a
+    /// knocked-out kernel are wrong.
+    pub fn set_skip(names: &[&str]) {
+        let list: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        SKIP_ANY.store(if list.is_empty() { 1 } else { 2 }, Ordering::Relaxed);
+        *SKIP.lock().unwrap() = Some(list);
     }
 
     /// Launch and record any error (the form ops use).
@@ -1885,4 +1944,19 @@ impl Backend for GpuBackend {
 fn attend_label(spec: &AttnSpec, n: usize, what: &str) -> String {
     let n = if n == 1 { "=1" } else { ">1" };
     format!("attend ratio {} {what}n{n}", spec.ratio)
+}
+
+#[cfg(test)]
+mod skip_tests {
+    use super::skip_list;
+
+    #[test]
+    fn skip_list_takes_trimmed_comma_separated_names() {
+        assert_eq!(
+            skip_list(" hc_post_pre_norm_l,attend_one_tc5 ,, m3gu1_iq2_xxs"),
+            ["hc_post_pre_norm_l", "attend_one_tc5", "m3gu1_iq2_xxs"]
+        );
+        assert!(skip_list("").is_empty());
+        assert!(skip_list(" , ").is_empty());
+    }
 }
