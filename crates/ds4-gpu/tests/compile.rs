@@ -396,9 +396,10 @@ fn wgmma_kernels_not_serialized() {
 }
 
 /// ptxas's notes (registers, shared memory, spills per kernel) of the modules named in
-/// `DS4_PTXAS_MODULES` (space-separated, e.g. "matvec attention") for sm_90a, printed: a tool
-/// for kernel work (`cargo test --release -p ds4-gpu --test compile ptxas_notes -- --ignored
-/// --nocapture`), not a check.
+/// `DS4_PTXAS_MODULES` (space-separated, e.g. "matvec attention"; default "matvec") for sm_90a,
+/// printed: a tool for kernel work (`cargo test --release -p ds4-gpu --test compile ptxas_notes
+/// -- --ignored --nocapture`). It fails on a name that is no module and on a module of which
+/// ptxas reports no kernel's registers (a log without notes).
 #[test]
 #[ignore]
 fn ptxas_notes() {
@@ -406,22 +407,26 @@ fn ptxas_notes() {
         Ok(c) => c,
         Err(e) => return skip_or_fail("NVRTC", e),
     };
-    let want = std::env::var("DS4_PTXAS_MODULES").unwrap_or_default();
+    let want = std::env::var("DS4_PTXAS_MODULES").unwrap_or_else(|_| "matvec".into());
     let defines = cuda_defines(9, 0, 32);
-    for m in ds4_kernels::MODULES
-        .iter()
-        .filter(|m| want.split_whitespace().any(|w| w == m.name))
-    {
+    for name in want.split_whitespace() {
+        let m = ds4_kernels::MODULES
+            .iter()
+            .find(|m| m.name == name)
+            .unwrap_or_else(|| panic!("DS4_PTXAS_MODULES: no module {name:?}"));
         let (_, log) = c
             .compile_logged(m, "sm_90a", &defines, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", m.name));
         let mut func = String::new();
+        let mut used = 0;
         for line in log.lines() {
             if let Some(f) = line.split("Function properties for ").nth(1) {
                 func = f.trim().to_string();
             } else if line.contains("Used ") || line.contains("spill") {
+                used += line.contains("Used ") as usize;
                 println!("{}: {}", func, line.trim());
             }
         }
+        assert!(used > 0, "{name}: ptxas reported no kernel's registers");
     }
 }

@@ -401,12 +401,6 @@ pub enum GpuComm {
     },
 }
 
-/// `DS4_GPU_DEFER_FREE` (unset: on; `0` off): [`GpuBackend::reserve_rows`] keeps the old rows
-/// buffer until the next host wait instead of freeing it at once. cuMemFree waits for the
-/// device (session 8's driver-call timer: 20 such frees of ~38 ms each in a 2k prompt, one per
-/// compressor that grows: every CSA layer of a new session's first prompt), so the device ran
-/// dry and then waited for the host's next launches; deferred, the free costs nothing (the
-/// device is idle then). Old form: `0`.
 /// Kernels never launched (`DS4_GPU_SKIP=name,name,..`, exact kernel names, read once, or
 /// [`GpuBackend::set_skip`]): a knock-out for timing experiments only. What such a kernel would
 /// have written keeps whatever the buffer held, so every result after it is wrong; the step's
@@ -454,6 +448,12 @@ fn knocked_out(name: &str) -> bool {
     true
 }
 
+/// `DS4_GPU_DEFER_FREE` (unset: on; `0` off): [`GpuBackend::reserve_rows`] keeps the old rows
+/// buffer until the next host wait instead of freeing it at once. cuMemFree waits for the
+/// device (session 8's driver-call timer: 20 such frees of ~38 ms each in a 2k prompt, one per
+/// compressor that grows: every CSA layer of a new session's first prompt), so the device ran
+/// dry and then waited for the host's next launches; deferred, the free costs nothing (the
+/// device is idle then). Old form: `0`.
 static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
 
 /// Words of [`GpuBackend::tickets`].
