@@ -201,3 +201,60 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = v;
 }
+
+// Probe of a persistent decode step (examples/persist_bench.rs; the engine never launches it).
+// Phases p0 .. p0 + phases - 1; in phase p every thread reads its grid-strided 16-byte vectors of
+// W's [p vpp, (p + 1) vpp) (four loads in flight, xor-folded into a checksum); between phases all
+// CTAs meet at a grid barrier (bar[0] arrivals, bar[1] generation; every CTA must be resident:
+// the host launches at most one CTA an SM). `pre` (0..PROBE_PRE) of a thread's vectors of the next
+// phase are loaded before that barrier, and those of the first phase before the PDL wait: the
+// prefetch a persistent kernel (or a PDL one) can do across an op boundary. One word a CTA to sink.
+#define PROBE_PRE 8
+DS4_KERNEL void DS4_BOUNDS(256) probe_phases(const uint4* __restrict__ W, long long vpp, int p0, int phases, int pre,
+                                             unsigned int* bar, unsigned int* __restrict__ sink) {
+    DS4_PDL_LATE;
+    const long long stride = (long long)gridDim.x * blockDim.x, t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    uint4 held[PROBE_PRE];
+    unsigned int acc = 0;
+    auto prefetch = [&](int p) {
+        const uint4* w = W + (long long)p * vpp;
+#pragma unroll
+        for (int k = 0; k < PROBE_PRE; k++)
+            if (k < pre && t0 + k * stride < vpp) held[k] = w[t0 + k * stride];
+    };
+    prefetch(p0);
+    ds4_pdl_enter();
+    for (int p = p0; p < p0 + phases; p++) {
+        const uint4* w = W + (long long)p * vpp;
+#pragma unroll
+        for (int k = 0; k < PROBE_PRE; k++)
+            if (k < pre && t0 + k * stride < vpp) acc ^= held[k].x ^ held[k].y ^ held[k].z ^ held[k].w;
+        long long i = t0 + (long long)pre * stride;
+        for (; i + 3 * stride < vpp; i += 4 * stride) {
+            const uint4 a = w[i], b = w[i + stride], c = w[i + 2 * stride], d = w[i + 3 * stride];
+            acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+        }
+        for (; i < vpp; i += stride) acc ^= w[i].x ^ w[i].y ^ w[i].z ^ w[i].w;
+        if (p + 1 < p0 + phases) {
+            prefetch(p + 1);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                volatile unsigned int* vb = bar;
+                const unsigned int gen = vb[1];
+                __threadfence();
+                if (atomicAdd(&bar[0], 1u) == gridDim.x - 1) {
+                    bar[0] = 0;
+                    __threadfence();
+                    atomicAdd(&bar[1], 1u);
+                } else {
+                    while (vb[1] == gen) {
+                    }
+                }
+                __threadfence();
+            }
+            __syncthreads();
+        }
+    }
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) acc ^= ds4_shfl_xor(acc, o);
+    if (threadIdx.x == 0) sink[blockIdx.x] = acc;
+}

@@ -92,6 +92,7 @@ pub const ELEMENTWISE: Module = Module {
         "swiglu_f32",
         "copy_u32",
         "fill_u32",
+        "probe_phases",
     ],
 };
 
