@@ -40,7 +40,7 @@ fn main() {
     let fill_call = |p: ds4_gpu::runtime::DevPtr, v: u32, words: usize| {
         KernelCall::new(
             fill,
-            LaunchDims::linear(((words.div_ceil(256)).min(65535)).max(1) as u32, 256),
+            LaunchDims::linear(words.div_ceil(256).clamp(1, 65535) as u32, 256),
             &[Arg::Ptr(p), Arg::U32(v), Arg::I64(words as i64)],
         )
         .unwrap()
