@@ -3,8 +3,9 @@
 # (tools/gpu/build-devbin.sh): what each decode kernel costs inside the decode graph, by knocking
 # it out (DS4_GPU_SKIP: the named kernels are not launched, so results are wrong but the schedule
 # is the same) and timing the step against the full one. Rows alternate; ROUNDS rounds.
-# Never knock out kernels whose outputs are indices (the router's selection, the indexer's top-k):
-# stale indices can address out of bounds.
+# Kernels whose outputs are indices can make the run fail (stale indices read out of bounds):
+# knocking out the indexer's top-k (index_topk_r) does; the router (mvq_route_f16r) happened not
+# to on the H200 (bench/results/gpu-lead-s32-h200.txt run G). A failed run prints an empty rate.
 # Usage: tools/gpu/knockout.sh PACKDIR [CTX] [ROUNDS]   (CTX default 2048, ROUNDS default 2)
 # KNOCKOUT="k1 k2,k3 ..." overrides the list (space-separated sets; a set is comma-separated).
 set -u

@@ -406,8 +406,9 @@ pub enum GpuComm {
 /// have written keeps whatever the buffer held, so every result after it is wrong; the step's
 /// time less the full step's is then what that kernel costs where it runs (in the decode graph,
 /// with its overlap), which Nsight Compute's one-kernel-at-a-time times do not show. Kernels
-/// whose outputs are indices (the router's selection, the indexer's top-k) must not be knocked
-/// out: stale indices can address out of bounds. Printed once per name on stderr.
+/// whose outputs are indices (the router's selection, the indexer's top-k) can make the run fail:
+/// stale indices may read out of bounds (index_topk_r does on the H200). Printed once per name
+/// on stderr.
 static SKIP: Mutex<Option<Vec<String>>> = Mutex::new(None);
 /// Whether [`SKIP`] is known empty (1) or not (2); 0 before it is read.
 static SKIP_ANY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
