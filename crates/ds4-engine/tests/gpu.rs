@@ -194,20 +194,9 @@ fn gpu_accepted_drafts_match_single_steps() {
     let _serial = serial();
     let Some(_) = gpu() else { return };
     let perfect = |e: &Engine, full: &[u32]| {
-        let mut s = e.new_session(512);
-        s.sync(&PROMPT, &mut |_, _| {}).unwrap();
-        let mut out = Vec::new();
-        let st = s
-            .generate_with_drafter(
-                N,
-                &mut |_, _, pos| full.get(pos + 1).copied().unwrap_or(u32::MAX),
-                &mut |t| {
-                    out.push(t);
-                    true
-                },
-            )
-            .unwrap();
-        (out, st)
+        common::with_drafter(&mut e.new_session(512), N, &mut |_, _, pos| {
+            full.get(pos + 1).copied().unwrap_or(u32::MAX)
+        })
     };
     for p in [Precision::Exact, Precision::Fast] {
         let g = open_with(BackendChoice::Auto, |o| o.precision = p).unwrap();

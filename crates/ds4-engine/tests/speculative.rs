@@ -20,28 +20,14 @@ fn engine() -> Engine {
 const N: usize = 60; // crosses the 8-row window and several CSA/HCA windows
 
 fn greedy_reference(e: &Engine) -> Vec<u32> {
-    let mut s = e.new_session(512);
-    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..N {
-        let t = ds4_engine::argmax(s.logits().unwrap());
-        out.push(t);
-        s.eval(t).unwrap();
-    }
-    out
+    common::greedy(e, N).0
 }
 
 fn run(
     s: &mut Session,
     draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,
 ) -> (Vec<u32>, ds4_engine::SpecStats) {
-    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
-    let mut out = Vec::new();
-    let stats = s.generate_with_drafter(N, draft, &mut |t| {
-        out.push(t);
-        true
-    });
-    (out, stats.unwrap())
+    common::with_drafter(s, N, draft)
 }
 
 #[test]

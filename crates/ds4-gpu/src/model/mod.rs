@@ -409,7 +409,8 @@ pub enum GpuComm {
 /// whose outputs are indices (the router's selection, the indexer's top-k) can make the run fail:
 /// stale indices may read out of bounds (index_topk_r does on the H200). Printed once per name
 /// on stderr.
-static SKIP: Mutex<Option<Vec<String>>> = Mutex::new(None);
+/// Each entry: the name, and whether it was printed yet.
+static SKIP: Mutex<Option<Vec<(String, bool)>>> = Mutex::new(None);
 /// Whether [`SKIP`] is known empty (1) or not (2); 0 before it is read.
 static SKIP_ANY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
@@ -424,27 +425,22 @@ fn skip_list(v: &str) -> Vec<String> {
 
 /// Whether `name` is knocked out (see [`SKIP`]); says so on stderr the first time.
 fn knocked_out(name: &str) -> bool {
-    static TOLD: Mutex<Vec<String>> = Mutex::new(Vec::new());
     // 0: not read yet, 1: empty list (the launch path's only cost: this load), 2: a list.
-    let any = SKIP_ANY.load(Ordering::Relaxed);
-    if any == 1 {
+    if SKIP_ANY.load(Ordering::Relaxed) == 1 {
         return false;
     }
     let mut g = SKIP.lock().unwrap();
     let list = g.get_or_insert_with(|| {
-        std::env::var("DS4_GPU_SKIP")
-            .map(|v| skip_list(&v))
-            .unwrap_or_default()
+        let v = std::env::var("DS4_GPU_SKIP").unwrap_or_default();
+        skip_list(&v).into_iter().map(|n| (n, false)).collect()
     });
     SKIP_ANY.store(if list.is_empty() { 1 } else { 2 }, Ordering::Relaxed);
-    if !list.iter().any(|k| k == name) {
+    let Some((_, told)) = list.iter_mut().find(|(k, _)| k == name) else {
         return false;
-    }
-    drop(g);
-    let mut told = TOLD.lock().unwrap();
-    if !told.iter().any(|k| k == name) {
+    };
+    if !*told {
         eprintln!("ds4: DS4_GPU_SKIP: {name} is not launched (timing experiments only: results are wrong)");
-        told.push(name.to_string());
+        *told = true;
     }
     true
 }
@@ -952,7 +948,7 @@ impl GpuBackend {
     /// everything again). Process-wide; timing experiments and their test only: results after a
     /// knocked-out kernel are wrong.
     pub fn set_skip(names: &[&str]) {
-        let list: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        let list: Vec<(String, bool)> = names.iter().map(|s| (s.to_string(), false)).collect();
         SKIP_ANY.store(if list.is_empty() { 1 } else { 2 }, Ordering::Relaxed);
         *SKIP.lock().unwrap() = Some(list);
     }
