@@ -444,3 +444,56 @@ fn bench_writes_one_csv_row_per_frontier_after_the_warm_up() {
     assert!(!stderr(&o).contains("warm-up"), "{}", stderr(&o));
     assert_eq!(stdout(&o).lines().count(), 3);
 }
+
+#[test]
+fn bench_spec_accept_times_oracle_drafts_at_each_rate() {
+    let d = tmpdir("bench-spec");
+    let m = synth_tiny(&d);
+    let mut a = vec![
+        "bench",
+        "-m",
+        s(&m),
+        "--backend",
+        "cpu",
+        "--ctx-start",
+        "16",
+    ];
+    a.extend(["--ctx-max", "16", "--gen-tokens", "12", "--warmup", "0"]);
+    a.extend(["--spec-accept", "1,0"]);
+    let o = ds4(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes,\
+         spec1_tps,spec1_drafted,spec1_accepted,spec0_tps,spec0_drafted,spec0_accepted"
+    );
+    assert_eq!(lines.len(), 2, "{out}");
+    let f: Vec<&str> = lines[1].split(',').collect();
+    assert_eq!(f.len(), 12, "{out}");
+    let n = |i: usize| f[i].parse::<f64>().unwrap();
+    assert!(n(6) > 0.0 && n(9) > 0.0, "{out}");
+    // Always right: a 2-token step per draft, every one kept (the first token has no streams
+    // yet, so 12 tokens take one plain step, 5 drafts, and a last plain step).
+    assert!(n(7) >= 4.0 && n(8) == n(7), "{out}");
+    // Never right: a draft at every token but the first and last, none kept.
+    assert!(n(10) >= 9.0 && n(11) == 0.0, "{out}");
+    // The CPU's 2-token rows equal single steps: the same tokens as the plain run.
+    assert!(
+        !stderr(&o).contains("differ from the plain"),
+        "{}",
+        stderr(&o)
+    );
+    let o = ds4(&[
+        "bench",
+        "-m",
+        s(&m),
+        "--backend",
+        "cpu",
+        "--spec-accept",
+        "1.5",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--spec-accept 1.5"), "{}", stderr(&o));
+}

@@ -768,6 +768,7 @@ impl Engine {
             logits: None,
             streams: None,
             mtp: self.model.has_mtp().then(|| self.model.new_mtp_state()),
+            keep_streams: false,
             ctx,
         }
     }
@@ -811,6 +812,8 @@ pub struct Session {
     streams: Option<Vec<f32>>,
     /// The MTP block's own raw window (drafts only; rebuilt, never snapshotted).
     mtp: Option<AnyLayerState>,
+    /// Keep `streams` after each step without an MTP block ([`Session::set_keep_streams`]).
+    keep_streams: bool,
     ctx: usize,
 }
 
@@ -841,6 +844,13 @@ impl Session {
             });
         }
         Ok(())
+    }
+
+    /// Keep the last position's final streams after each step even without an MTP file, so
+    /// [`Session::generate_with_drafter`] drafts with any drafter (the benchmark's oracle, tests).
+    /// Costs one download of N·D floats a step; off by default (with MTP they are kept anyway).
+    pub fn set_keep_streams(&mut self, on: bool) {
+        self.keep_streams = on;
     }
 
     /// Evaluate one token at the next position.
@@ -911,7 +921,7 @@ impl Session {
     /// Evaluate a batch; keep the last position's logits and streams.
     fn step(&mut self, tokens: &[u32]) -> Result<(), EngineError> {
         // Streams feed the MTP drafter (its state may be lent out during generation).
-        let want = self.model.has_mtp();
+        let want = self.keep_streams || self.model.has_mtp();
         let r = self.model.eval_batch(&mut self.state, tokens, false, want);
         let (mut l, mut s) = self.backend_result(r)?;
         self.logits = l.pop();

@@ -47,6 +47,54 @@ pub struct Args {
     /// Also write the CSV to this file.
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// Also time speculative greedy decoding at each frontier, once per listed acceptance rate
+    /// A (0 to 1, comma-separated): an oracle drafter proposes the plain run's next-but-one
+    /// token with probability A, else a wrong one, and the engine verifies each draft in a
+    /// 2-token step (rejected: rolled back, then the token alone), as with `--mtp`. Measures the
+    /// verify steps, rollbacks and host traffic at that acceptance; an MTP block's own cost (one
+    /// layer and the output head a draft) is not in it. Adds the columns
+    /// spec<A>_tps,spec<A>_drafted,spec<A>_accepted per rate.
+    #[arg(long, value_delimiter = ',')]
+    spec_accept: Vec<f64>,
+}
+
+/// `n` tokens of speculative greedy decoding from the session's frontier `f` with an oracle that
+/// drafts `plain[t - f + 1]` (the plain run's token after `next` at position t) with probability
+/// `rate`, else another token: (tokens/s, draft counts, tokens that differ from `plain`).
+fn speculative(
+    s: &mut ds4_engine::Session,
+    plain: &[u32],
+    f: usize,
+    n: usize,
+    rate: f64,
+    vocab: u32,
+) -> Result<(f64, ds4_engine::SpecStats, usize)> {
+    s.set_keep_streams(true);
+    // Fixed-seed draws (splitmix64), so runs are repeatable.
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ rate.to_bits();
+    let mut uniform = move || {
+        seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut draft = |_: &[f32], _: u32, t: usize| match plain.get(t + 1 - f) {
+        Some(&right) if uniform() < rate => right,
+        Some(&right) => (right + 1) % vocab,
+        None => u32::MAX,
+    };
+    let mut got = Vec::with_capacity(n);
+    let t = Instant::now();
+    let st = s.generate_with_drafter(n, &mut draft, &mut |tok| {
+        got.push(tok);
+        true
+    });
+    let secs = t.elapsed().as_secs_f64();
+    s.set_keep_streams(false);
+    let st = st?;
+    let differ = got.iter().zip(plain).filter(|(a, b)| a != b).count();
+    Ok((got.len() as f64 / secs, st, differ))
 }
 
 const DEFAULT_TEXT: &str =
@@ -120,9 +168,17 @@ pub fn run(mut a: Args) -> Result<()> {
             t.elapsed().as_secs_f64()
         );
     }
+    if let Some(a) = a.spec_accept.iter().find(|a| !(0.0..=1.0).contains(*a)) {
+        bail!("--spec-accept {a}: an acceptance rate is between 0 and 1");
+    }
     let mut out =
-        String::from("ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n");
+        String::from("ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes");
+    for r in &a.spec_accept {
+        out.push_str(&format!(",spec{r}_tps,spec{r}_drafted,spec{r}_accepted"));
+    }
+    out.push('\n');
     print!("{out}");
+    let vocab = engine.hparams().n_vocab;
     let mut s = engine.new_session(a.model.ctx);
     for &f in &frontiers {
         let before = s.tokens().len();
@@ -135,16 +191,28 @@ pub fn run(mut a: Args) -> Result<()> {
         // Greedy, picked on the backend (DS4_GPU_SAMPLE=off: logits to the host).
         let mut greedy = Sampler::new(SamplerConfig::default());
         let mut next = argmax(s.logits().context("no logits")?);
+        // The plain run's tokens from position f on (the oracle's answers).
+        let mut plain = vec![next];
         for _ in 0..a.gen_tokens {
             next = s.eval_sampled(next, &mut greedy)?;
+            plain.push(next);
         }
         let gen = a.gen_tokens as f64 / t1.elapsed().as_secs_f64();
         s.restore(&snap)?;
-        let line = format!(
-            "{f},{},{pre:.2},{},{gen:.2},{kv}\n",
-            f - before,
-            a.gen_tokens
-        );
+        let mut line = format!("{f},{},{pre:.2},{},{gen:.2},{kv}", f - before, a.gen_tokens);
+        for &rate in &a.spec_accept {
+            let (tps, st, differ) = speculative(&mut s, &plain, f, a.gen_tokens, rate, vocab)?;
+            if differ > 0 {
+                eprintln!(
+                    "# {f}: speculative run at {rate}: {differ} of {} tokens differ from the plain \
+                     run (a 2-token step rounds differently near a tie)",
+                    a.gen_tokens
+                );
+            }
+            line.push_str(&format!(",{tps:.2},{},{}", st.drafted, st.accepted));
+            s.restore(&snap)?;
+        }
+        line.push('\n');
         print!("{line}");
         std::io::stdout().flush()?;
         out.push_str(&line);
