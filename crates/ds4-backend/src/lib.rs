@@ -340,6 +340,17 @@ pub trait Backend: Send + Sync + Sized {
     fn state_from_host(&self, dims: &LayerDims, h: &HostLayerState) -> Self::LayerState;
     fn mark(&self, st: &Self::LayerState) -> Self::Mark;
     fn rollback(&self, st: &mut Self::LayerState, m: Self::Mark);
+    /// Marks of several layers (a model's checkpoint: one device operation where the backend
+    /// batches them; the default marks each).
+    fn mark_all(&self, sts: &[Self::LayerState]) -> Vec<Self::Mark> {
+        sts.iter().map(|s| self.mark(s)).collect()
+    }
+    /// [`Backend::rollback`] of each layer to its mark (`ms` from [`Backend::mark_all`] of them).
+    fn rollback_all(&self, sts: &mut [Self::LayerState], ms: Vec<Self::Mark>) {
+        for (s, m) in sts.iter_mut().zip(ms) {
+            self.rollback(s, m);
+        }
+    }
 
     // ---- ops ----
     /// `out[i·copies + c] = table row tokens[i]` (width `d`): the embedding into N streams.

@@ -474,12 +474,12 @@ fn bench_spec_accept_times_oracle_drafts_at_each_rate() {
     assert_eq!(f.len(), 12, "{out}");
     let n = |i: usize| f[i].parse::<f64>().unwrap();
     assert!(n(6) > 0.0 && n(9) > 0.0, "{out}");
-    // Always right: a 2-token step per draft, every one kept (the first token has no streams
-    // yet, so 12 tokens take one plain step, 5 drafts, and a last plain step).
+    // Always kept: a 2-token step per draft (the first token has no streams yet, so 12 tokens
+    // take one plain step, 5 drafts, and a last plain step).
     assert!(n(7) >= 4.0 && n(8) == n(7), "{out}");
-    // Never right: a draft at every token but the first and last, none kept.
+    // Never kept: a draft at every token but the first and last, each rolled back.
     assert!(n(10) >= 9.0 && n(11) == 0.0, "{out}");
-    // The CPU's 2-token rows equal single steps: the same tokens as the plain run.
+    // Kept drafts are the plain run's tokens: at rate 1 the output is the plain run's.
     assert!(
         !stderr(&o).contains("differ from the plain"),
         "{}",

@@ -980,6 +980,30 @@ impl Session {
         draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<SpecStats, EngineError> {
+        self.speculate(n, draft, &mut |pick, d| pick == d, on_token)
+    }
+
+    /// [`Session::generate_with_drafter`] with the verdict on each draft given by `accept(model's
+    /// pick, draft)` instead of their equality: for benchmarks, which time the verify, rollback
+    /// and re-evaluation paths at a chosen acceptance rate on random weights (the tokens are
+    /// then not greedy's: an accepted draft is kept whatever the model picked).
+    pub fn generate_with_verdict(
+        &mut self,
+        n: usize,
+        draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,
+        accept: &mut dyn FnMut(u32, u32) -> bool,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<SpecStats, EngineError> {
+        self.speculate(n, draft, accept, on_token)
+    }
+
+    fn speculate(
+        &mut self,
+        n: usize,
+        draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,
+        accept: &mut dyn FnMut(u32, u32) -> bool,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<SpecStats, EngineError> {
         let mut stats = SpecStats::default();
         let v = self.model.hp().n_vocab as usize;
         let mut produced = 0;
@@ -1011,7 +1035,7 @@ impl Session {
                 .model
                 .eval_batch(&mut self.state, &[next, d], true, true);
             let (logits2, streams2) = self.backend_result(r)?;
-            if argmax(&logits2[0]) == d {
+            if accept(argmax(&logits2[0]), d) {
                 stats.accepted += 1;
                 self.logits = logits2.into_iter().nth(1);
                 self.streams = streams2.into_iter().nth(1);

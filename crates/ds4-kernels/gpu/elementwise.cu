@@ -195,6 +195,25 @@ DS4_KERNEL void DS4_BOUNDS(256) copy_u32(unsigned int* __restrict__ dst, const u
         dst[i] = src[i];
 }
 
+// Many device copies in one launch (the GPU's state checkpoints: every layer's ring and
+// compressor frontiers). list[3 e .. 3 e + 2] = (dst, src, words) of entry e = blockIdx.y; the
+// CTAs of a row stride over its 32-bit words, 16 bytes at a time where both ends allow it.
+DS4_KERNEL void DS4_BOUNDS(256) copy_list(const unsigned long long* __restrict__ list) {
+    ds4_pdl_enter();
+    const unsigned long long* e = list + 3 * (size_t)blockIdx.y;
+    unsigned int* dst = (unsigned int*)e[0];
+    const unsigned int* src = (const unsigned int*)e[1];
+    const long long n = (long long)e[2];
+    const long long t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if ((((unsigned long long)dst | (unsigned long long)src) & 15ull) == 0) {
+        const long long n4 = n / 4;
+        for (long long i = t0; i < n4; i += step) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+        done = 4 * n4;
+    }
+    for (long long i = done + t0; i < n; i += step) dst[i] = src[i];
+}
+
 // dst[i] = v over n 32-bit words, grid-stride (fills inside a recorded step).
 DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigned int v, long long n) {
     ds4_pdl_enter();

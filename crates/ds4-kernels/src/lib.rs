@@ -91,6 +91,7 @@ pub const ELEMENTWISE: Module = Module {
         "scale_f32",
         "swiglu_f32",
         "copy_u32",
+        "copy_list",
         "fill_u32",
         "probe_phases",
     ],

@@ -729,15 +729,13 @@ impl<B: Backend> Model<B> {
     pub fn checkpoint(&self, st: &State<B>) -> Checkpoint<B> {
         Checkpoint {
             n_tokens: st.tokens.len(),
-            marks: st.layers.iter().map(|l| self.backend.mark(l)).collect(),
+            marks: self.backend.mark_all(&st.layers),
         }
     }
 
     pub fn rollback(&self, st: &mut State<B>, cp: Checkpoint<B>) {
         st.tokens.truncate(cp.n_tokens);
-        for (l, m) in st.layers.iter_mut().zip(cp.marks) {
-            self.backend.rollback(l, m);
-        }
+        self.backend.rollback_all(&mut st.layers, cp.marks);
     }
 
     pub fn to_host(&self, st: &State<B>) -> HostState {
@@ -1428,7 +1426,7 @@ where
             .expect("state from this model");
         AnyCheckpoint(Box::new(Checkpoint::<B> {
             n_tokens: st.tokens.len(),
-            marks: layers.iter().map(|l| self.backend.mark(l)).collect(),
+            marks: self.backend.mark_all(layers),
         }))
     }
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint) {

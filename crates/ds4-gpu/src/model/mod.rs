@@ -344,10 +344,14 @@ impl GpuLayerState {
 
 /// A rollback point: copies of the ring and frontiers, and the row counts (rows are
 /// append-only, so only their count is kept).
+/// A layer's state at a checkpoint: copies of the ring, its positions and each compressor's
+/// frontier (pooled scratch: a speculative step's checkpoint allocates nothing once warm) and
+/// the compressed row counts. The compressed rows themselves are append-only: rows past the
+/// count are simply overwritten later.
 pub struct GpuMark {
-    raw: DeviceBuffer,
-    raw_pos: DeviceBuffer,
-    comps: Vec<(DeviceBuffer, DeviceBuffer, usize)>,
+    raw: GpuBuf,
+    raw_pos: GpuBuf,
+    comps: Vec<(GpuBuf, GpuBuf, usize)>,
 }
 
 pub struct GpuBackend {
@@ -444,6 +448,9 @@ fn knocked_out(name: &str) -> bool {
     }
     true
 }
+
+/// `copy_list` launches (process-wide; [`GpuBackend::copy_list_launches`]).
+static COPY_LISTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// `DS4_GPU_DEFER_FREE` (unset: on; `0` off): [`GpuBackend::reserve_rows`] keeps the old rows
 /// buffer until the next host wait instead of freeing it at once. cuMemFree waits for the
@@ -1139,10 +1146,49 @@ impl GpuBackend {
         }
     }
 
-    fn copy_buf(&self, src: &DeviceBuffer) -> Option<DeviceBuffer> {
-        let b = self.dev(src.bytes())?;
-        self.d2d(b.ptr(), src.ptr(), src.bytes());
-        Some(b)
+    /// `(dst, src, bytes)` device copies as one `copy_list` launch on the stream (the list
+    /// uploaded in order before it); byte counts not a multiple of 4 and unusable kernels fall
+    /// back to one copy each.
+    fn copy_many(&self, copies: &[(DevPtr, DevPtr, usize)]) {
+        let copies: Vec<_> = copies.iter().filter(|c| c.2 > 0).copied().collect();
+        if copies.is_empty() || self.failed() {
+            return;
+        }
+        let (whole, odd): (Vec<_>, Vec<_>) = copies.iter().partition(|c| c.2 % 4 == 0);
+        for &(d, s, n) in &odd {
+            self.d2d(d, s, n);
+        }
+        let Some(longest) = whole.iter().map(|c| c.2 / 4).max() else {
+            return;
+        };
+        let list: Vec<u64> = whole
+            .iter()
+            .flat_map(|&(d, s, n)| [d.0, s.0, (n / 4) as u64])
+            .collect();
+        let bytes: Vec<u8> = list.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let dev = self.scratch(bytes.len().div_ceil(4));
+        if self.note(self.upload_ordered(dev.ptr, &bytes)).is_none() {
+            return;
+        }
+        // Up to 16-byte vectors of 256 threads: enough CTAs a row for the longest copy.
+        let ctas = (longest.div_ceil(4 * 256)).clamp(1, 64) as u32;
+        let dims = LaunchDims {
+            grid: [ctas, whole.len() as u32, 1],
+            block: [256, 1, 1],
+            shared_bytes: 0,
+        };
+        self.run(
+            &ds4_kernels::ELEMENTWISE,
+            "copy_list",
+            dims,
+            &[Arg::Ptr(dev.ptr)],
+        );
+        COPY_LISTS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `copy_list` launches so far in this process (tests: a checkpoint is one launch).
+    pub fn copy_list_launches() -> u64 {
+        COPY_LISTS.load(Ordering::Relaxed)
     }
 
     fn weight_src(&self, src: &WeightSrc) -> Option<DeviceBuffer> {
@@ -1440,38 +1486,55 @@ impl Backend for GpuBackend {
     }
 
     fn mark(&self, st: &GpuLayerState) -> GpuMark {
-        self.interrupt();
-        let nb = |b: Option<DeviceBuffer>| b.unwrap_or_else(|| DeviceBuffer::null(&self.gpu));
-        let comps = [&st.comp, &st.index]
-            .iter()
-            .filter_map(|c| c.as_ref())
-            .map(|c| {
-                (
-                    nb(self.copy_buf(&c.front_kv)),
-                    nb(self.copy_buf(&c.front_score)),
-                    c.n_rows,
-                )
-            })
-            .collect();
-        GpuMark {
-            raw: nb(self.copy_buf(&st.raw)),
-            raw_pos: nb(self.copy_buf(&st.raw_pos)),
-            comps,
-        }
+        self.mark_all(std::slice::from_ref(st))
+            .pop()
+            .expect("one mark")
     }
 
     fn rollback(&self, st: &mut GpuLayerState, m: GpuMark) {
+        self.rollback_all(std::slice::from_mut(st), vec![m]);
+    }
+
+    /// Every layer's copies in one launch (`copy_list`) into pooled buffers.
+    fn mark_all(&self, sts: &[GpuLayerState]) -> Vec<GpuMark> {
         self.interrupt();
-        self.d2d(st.raw.ptr(), m.raw.ptr(), st.raw.bytes());
-        self.d2d(st.raw_pos.ptr(), m.raw_pos.ptr(), st.raw_pos.bytes());
-        let mut comps = m.comps.into_iter();
-        for c in [&mut st.comp, &mut st.index].into_iter().flatten() {
-            if let Some((kv, sc, n)) = comps.next() {
-                self.d2d(c.front_kv.ptr(), kv.ptr(), c.front_kv.bytes());
-                self.d2d(c.front_score.ptr(), sc.ptr(), c.front_score.bytes());
-                c.n_rows = n;
+        let mut copies = Vec::new();
+        let mut take = |src: &DeviceBuffer| {
+            let b = self.scratch(src.bytes() / 4);
+            copies.push((b.ptr, src.ptr(), src.bytes()));
+            b
+        };
+        let marks = sts
+            .iter()
+            .map(|st| GpuMark {
+                raw: take(&st.raw),
+                raw_pos: take(&st.raw_pos),
+                comps: [&st.comp, &st.index]
+                    .into_iter()
+                    .flatten()
+                    .map(|c| (take(&c.front_kv), take(&c.front_score), c.n_rows))
+                    .collect(),
+            })
+            .collect();
+        self.copy_many(&copies);
+        marks
+    }
+
+    fn rollback_all(&self, sts: &mut [GpuLayerState], ms: Vec<GpuMark>) {
+        self.interrupt();
+        let mut copies = Vec::new();
+        for (st, m) in sts.iter_mut().zip(&ms) {
+            copies.push((st.raw.ptr(), m.raw.ptr, st.raw.bytes()));
+            copies.push((st.raw_pos.ptr(), m.raw_pos.ptr, st.raw_pos.bytes()));
+            let comps = [&mut st.comp, &mut st.index].into_iter().flatten();
+            for (c, (kv, sc, n)) in comps.zip(&m.comps) {
+                copies.push((c.front_kv.ptr(), kv.ptr, c.front_kv.bytes()));
+                copies.push((c.front_score.ptr(), sc.ptr, c.front_score.bytes()));
+                c.n_rows = *n;
             }
         }
+        self.copy_many(&copies);
+        drop(ms); // back to the pool, ordered after the copies that read them
     }
 
     fn embed(
