@@ -1355,3 +1355,102 @@ fn matvec_interleaved() {
     }
     cases.finish();
 }
+
+/// Decode-layout Q8_0 products of n = 2..4 token rows (`mvrn2_*` / `mvrn4_*`: speculative
+/// verify steps) against the CPU (TOL) and, token by token, bitwise against the n = 1 kernel of
+/// the same form (`mvr_r2u2_q8_0[i]`: the same per-lane sums); the model's shapes (head rows
+/// cut; interleaved and plain copies), odd row counts, a 32-column row, grouped attn out_a;
+/// every product twice (bitwise equal); with `set_matvec_mvrn(false)` the staged / `mv<NT>`
+/// form as before (TOL). Process-wide switches: run with --test-threads=1 on a GPU.
+#[test]
+fn matvec_repacked_tokens() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    if std::env::var("DS4_GPU_Q8_REPACK").is_ok_and(|v| v == "off") {
+        println!("skipped: DS4_GPU_Q8_REPACK=off (no decode-layout copies)");
+        return;
+    }
+    let mut cases = Cases::default();
+    // (cols, rows, groups)
+    let shapes: &[(usize, usize, usize)] = &[
+        (1024, 32768, 1),
+        (8192, 4096, 1),
+        (4096, 2048, 1),
+        (2048, 4096, 1),
+        (4096, 12928, 1),
+        (4096, 8192, 8),
+        (4096, 3, 1),
+        (4096, 4099, 1),
+        (1056, 70, 1),
+        (32, 5, 1),
+    ];
+    for (si, &(cols, rows, groups)) in shapes.iter().enumerate() {
+        let w = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, 2600 + si as u64);
+        for n in 2..=4usize {
+            let xs = randn(
+                &mut rng(2700 + si as u64 * 4 + n as u64),
+                n * groups * cols,
+                1.0,
+            );
+            let (cx, gx) = (cpu.upload(&xs), gpu.upload(&xs));
+            let run = |b: &dyn Fn(&mut <GpuBackend as Backend>::Buf)| {
+                let mut gy = gpu.upload(&vec![f32::NAN; n * rows]);
+                b(&mut gy);
+                gpu.download(&gy, n * rows)
+            };
+            let mut cy = cpu.alloc(n * rows);
+            if groups > 1 {
+                cpu.matmul_grouped(&w.0, groups, &cx, n, &mut cy);
+            } else {
+                cpu.matmul(&w.0, Part::All, &cx, n, &mut cy);
+            }
+            let want = cpu.download(&cy, n * rows);
+            let product = |x: &<GpuBackend as Backend>::Buf, m: usize| {
+                run(&|gy| {
+                    if groups > 1 {
+                        gpu.matmul_grouped(&w.1, groups, x, m, gy);
+                    } else {
+                        gpu.matmul(&w.1, Part::All, x, m, gy);
+                    }
+                })
+            };
+            let before = GpuBackend::mvrn_launches();
+            let got = product(&gx, n);
+            let again = product(&gx, n);
+            let name = format!("mvrn Q8_0 {groups}x{cols}->{rows} n {n}");
+            assert!(
+                GpuBackend::mvrn_launches() >= before + 2,
+                "{name}: mvrn did not run"
+            );
+            cases.check(name.clone(), cols, &got, &want, &gpu);
+            assert!(
+                got.iter()
+                    .zip(&again)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{name}: results differ between runs"
+            );
+            // Token by token through the n = 1 kernel of the same form (r2u2, no mvx).
+            GpuBackend::set_matvec_repacked(2);
+            GpuBackend::set_matvec_q8_form(0, 255);
+            for t in 0..n {
+                let one = gpu.upload(&xs[t * groups * cols..(t + 1) * groups * cols]);
+                let alone = product(&one, 1);
+                let same = alone
+                    .iter()
+                    .zip(&got[t * rows..(t + 1) * rows])
+                    .all(|(p, q)| p.to_bits() == q.to_bits());
+                println!("{name}: token {t} bitwise equal to n = 1: {same}");
+                assert!(same, "{name}: token {t} differs from its n = 1 product");
+            }
+            GpuBackend::set_matvec_repacked(255);
+            GpuBackend::set_matvec_q8_form(1, 255);
+            GpuBackend::set_matvec_mvrn(false);
+            let old = product(&gx, n);
+            GpuBackend::set_matvec_mvrn(true);
+            cases.check(format!("{name} (mvrn off)"), cols, &old, &want, &gpu);
+        }
+    }
+    cases.finish();
+}

@@ -331,3 +331,84 @@ fn moe_decode_hard_x() {
     GpuBackend::set_moe_form(0);
     assert!(bad.is_empty(), "failing cases: {bad:#?}");
 }
+
+/// n = 2..4 tokens (speculative verify steps) in the default form: on CUDA sm_80+ with the q2
+/// mix at the model's shape, the n = 1 v3ip kernels once per token, so every token's output is
+/// bitwise the one it gets alone (its k slots, its x) and within TOL_L2 of the CPU; experts
+/// repeated across tokens and once within a token. `set_moe_per_token(false)`: the v1 kernels
+/// (TOL_L2). Elsewhere (other devices) the default runs and is checked against the CPU only.
+#[test]
+fn moe_decode_tokens_run_as_single_steps() {
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    GpuBackend::set_moe_decode(true);
+    GpuBackend::set_moe_form(0);
+    let info = gpu.gpu().info();
+    let tc = info.cc.0 >= 8 && info.warp == 32;
+    if !tc {
+        println!("per-token form not checked: needs CUDA sm_80+ (this device: the default only)");
+    }
+    let (d, ff, ne, k) = (4096, 2048, 8, 6);
+    let (cg, gg) = weight(&cpu, &gpu, GgmlType::IQ2_XXS, d, ff, ne, 3100);
+    let (cu, gu) = weight(&cpu, &gpu, GgmlType::IQ2_XXS, d, ff, ne, 3101);
+    let (cd, gd) = weight(&cpu, &gpu, GgmlType::Q2_K, ff, d, ne, 3102);
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d,
+        ff,
+        weight_scale: 1.0,
+        clamp: 0.3,
+    };
+    for n in 2..=4usize {
+        let mut r = rng(3200 + n as u64);
+        let z = randn(&mut r, n * d, 1.0);
+        let (mut sel, wgt) = random_routes(&mut r, n, ne, k);
+        sel[1] = sel[0]; // an expert twice in token 0
+        let (cz, cs, cw) = (cpu.upload(&z), cpu.upload_i32(&sel), cpu.upload(&wgt));
+        let mut co = cpu.alloc(n * d);
+        cpu.moe_experts(&spec, &cg, &cu, &cd, &cz, &cs, &cw, n, &mut co);
+        let want = cpu.download(&co, n * d);
+        let (gz, gs, gw) = (gpu.upload(&z), gpu.upload_i32(&sel), gpu.upload(&wgt));
+        type Buf = <GpuBackend as Backend>::Buf;
+        type IBuf = <GpuBackend as Backend>::IBuf;
+        let run = |m: usize, z: &Buf, s: &IBuf, w: &Buf| {
+            let mut go = gpu.upload(&vec![f32::NAN; m * d]);
+            gpu.moe_experts(&spec, &gg, &gu, &gd, z, s, w, m, &mut go);
+            gpu.download(&go, m * d)
+        };
+        let before = GpuBackend::moe_token_runs();
+        let got = run(n, &gz, &gs, &gw);
+        let ran = GpuBackend::moe_token_runs() - before;
+        let l2 = rel_l2(&got, &want);
+        println!("n {n}: default rel L2 {l2:.3e}, per-token runs {ran}");
+        assert!(l2 <= TOL_L2, "n {n}: default form off the CPU: {l2:.3e}");
+        if tc {
+            assert_eq!(ran, 1, "n {n}: the per-token form did not run");
+            for t in 0..n {
+                let zt = gpu.upload(&z[t * d..(t + 1) * d]);
+                let st = gpu.upload_i32(&sel[t * k..(t + 1) * k]);
+                let wt = gpu.upload(&wgt[t * k..(t + 1) * k]);
+                let one = run(1, &zt, &st, &wt);
+                let same = one
+                    .iter()
+                    .zip(&got[t * d..(t + 1) * d])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "n {n}: token {t} differs from its single step");
+            }
+        }
+        GpuBackend::set_moe_per_token(false);
+        let before = GpuBackend::moe_token_runs();
+        let old = run(n, &gz, &gs, &gw);
+        GpuBackend::set_moe_per_token(true);
+        assert_eq!(
+            GpuBackend::moe_token_runs(),
+            before,
+            "n {n}: switch off ignored"
+        );
+        let l2 = rel_l2(&old, &want);
+        println!("n {n}: v1 (per-token off) rel L2 {l2:.3e}");
+        assert!(l2 <= TOL_L2, "n {n}: v1 off the CPU: {l2:.3e}");
+    }
+}

@@ -911,6 +911,109 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LAT
 // The same with the loads pipelined step by step (PIPE; DS4_GPU_MVR_PIPE=1).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0ip(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true, true>(MVR_ARGS); }
 
+// ---- n = 2..4 token rows on the decode layout (mvrn<NT>_r2u2_q8_0[i]: speculative verify steps):
+// as mvr_r2u2_q8_0[i], the weights loaded once (the first round before the PDL wait) and each
+// slot's 16 quants converted once, then per token t < NT (t >= n repeats token n - 1 and is not
+// stored) the n = 1 kernel's sums in its order: every token row gets the bits mvr gives it alone.
+// y[t*y_tok + z*y_z + r] = W[z*rows + r] . x[t*x_tok + z*x_z ..].
+template <int R, int U, int NT, bool IL>
+__device__ __forceinline__ void mvrn_acc(const uint4* const (&qp)[R], const u16* const (&dp)[R],
+                                         const float4* __restrict__ xv, long long x_tok4, int n, int hb, int ks,
+                                         int kspl, float (&acc)[R][NT]) {
+    int lane = threadIdx.x % DS4_WARP, stride = kspl * DS4_WARP;
+    int h0 = ks * DS4_WARP;
+    uint4 v[U][R];
+    typename MvrD<IL>::T d[U][R];
+    mvr_ld<R, U, IL>(qp, dp, h0, hb, stride, v, d);
+    ds4_pdl_enter();
+    for (; h0 < hb; h0 += U * stride) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int h = h0 + u * stride + lane;
+            if (h < hb) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const u32 wd[4] = {v[u][i].x ^ 0x80808080u, v[u][i].y ^ 0x80808080u, v[u][i].z ^ 0x80808080u,
+                                       v[u][i].w ^ 0x80808080u};
+                    float w[16];
+#pragma unroll
+                    for (int k = 0; k < 16; k++) w[k] = mv_byte(wd[k / 4], k % 4, 128.0f);
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        const float4* xt = xv + (long long)min(t, n - 1) * x_tok4;
+                        float4 x4[4];
+                        if constexpr (IL) {
+                            xt += 4 * (h & ~31) + (h & 31);
+                            x4[0] = xt[0], x4[1] = xt[32], x4[2] = xt[64], x4[3] = xt[96];
+                        } else {
+                            xt += 4 * h;
+                            x4[0] = xt[0], x4[1] = xt[1], x4[2] = xt[2], x4[3] = xt[3];
+                        }
+                        if constexpr (IL) { // mvr_dot_i: scale j per word j
+#pragma unroll
+                            for (int j = 0; j < 4; j++) {
+                                float s = w[4 * j] * x4[j].x;
+                                s = fmaf(w[4 * j + 1], x4[j].y, s);
+                                s = fmaf(w[4 * j + 2], x4[j].z, s);
+                                s = fmaf(w[4 * j + 3], x4[j].w, s);
+                                const u32 dj = (j < 2 ? d[u][i].x : d[u][i].y) >> (16 * (j & 1));
+                                acc[i][t] = fmaf(ds4_h2f_fast(dj & 0xffffu), s, acc[i][t]);
+                            }
+                        } else { // mvr_dot: one scale per 16
+                            float s = w[0] * x4[0].x;
+#pragma unroll
+                            for (int k = 1; k < 16; k++) {
+                                const float4& xq = x4[k / 4];
+                                s = fmaf(w[k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
+                            }
+                            acc[i][t] = fmaf(ds4_h2f_fast(d[u][i]), s, acc[i][t]);
+                        }
+                    }
+                }
+            }
+        }
+        if (h0 + U * stride < hb) mvr_ld<R, U, IL>(qp, dp, h0 + U * stride, hb, stride, v, d); // warp-uniform
+    }
+}
+
+template <int R, int U, int NT, bool IL>
+__device__ __forceinline__ void mvrn_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
+                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
+                                          int kspl, long long x_tok, long long y_tok, int n) {
+    __shared__ float red[MV_WARPS * R * NT];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, z = blockIdx.z;
+    int r0 = (blockIdx.x * (MV_WARPS / kspl) + warp / kspl) * R;
+    float acc[R][NT];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+    if (r0 < rows) { // warp-uniform
+        const uint4* qp[R];
+        const u16* dp[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            long long g = (long long)z * rows + min(r0 + i, rows - 1);
+            qp[i] = (const uint4*)(Q + g * cols);
+            dp[i] = D + g * (cols / 32);
+        }
+        mvrn_acc<R, U, NT, IL>(qp, dp, (const float4*)(x + (long long)z * x_z), x_tok / 4, n, cols / 16, warp % kspl,
+                               kspl, acc);
+    } else {
+        ds4_pdl_enter();
+    }
+    float v = mv_reduce<NT, R>(acc, kspl, red);
+    int r = r0 + lane / NT, t = lane % NT;
+    if (warp % kspl == 0 && lane < R * NT && r < rows && t < n) y[(long long)t * y_tok + (long long)z * y_z + r] = v;
+}
+
+#define MVRN_PARAMS MVR_PARAMS, long long x_tok, long long y_tok, int n
+#define MVRN_ARGS MVR_ARGS, x_tok, y_tok, n
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, false>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, true>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, false>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, true>(MVRN_ARGS); }
+
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of
 // the same cols, matrix m takes CTAs c_m .. c_{m+1} - 1 (c_0 = 0; c_m = 0x7fffffff for absent m), each CTA as one CTA of the single-matrix form at

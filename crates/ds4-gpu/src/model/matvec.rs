@@ -123,6 +123,21 @@ static Q8_IL: AtomicBool = AtomicBool::new(true);
 /// graph us out_a 11.6 against 12.5, out_b 12.1 against 12.9, but 2k decode 157.4 against 157.0
 /// tok/s (4 pairs, within noise; bench/results/gpu-m119-h200.txt).
 static MVR_PIPE: AtomicBool = AtomicBool::new(false);
+/// `mvrn*` products for n = 2..4 (on unless `DS4_GPU_MVRN=off`; UNSET_B: read it).
+static MVRN: AtomicU8 = AtomicU8::new(UNSET_B);
+const UNSET_B: u8 = 2;
+/// `mvrn*` launches (process-wide; tests: the n = 2..4 form ran).
+static MVRN_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn mvrn_on() -> bool {
+    let mut v = MVRN.load(Ordering::Relaxed);
+    if v == UNSET_B {
+        v = (std::env::var("DS4_GPU_MVRN").as_deref() != Ok("off")) as u8;
+        MVRN.store(v, Ordering::Relaxed);
+    }
+    v == 1
+}
+
 /// Columns of one interleaved tile.
 const IL_TILE: usize = 512;
 /// (name, rows per warp R, column steps U in flight).
@@ -561,6 +576,17 @@ impl GpuBackend {
         MVQ_LATE.store(on, Ordering::Relaxed);
     }
 
+    /// The n = 2..4 decode-layout Q8_0 products (`mvrn*`) on or off (default on, or
+    /// `DS4_GPU_MVRN=off`); process-wide, for tests and benchmarks.
+    pub fn set_matvec_mvrn(on: bool) {
+        MVRN.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// `mvrn*` launches so far in this process.
+    pub fn mvrn_launches() -> u64 {
+        MVRN_LAUNCHES.load(Ordering::Relaxed)
+    }
+
     /// Whether `w` has an interleaved F16 copy (`F16_IL`); for tests.
     pub fn has_f16_il(w: &GpuWeight) -> bool {
         matches!(w, GpuWeight::Mat { f16i: Some(_), .. })
@@ -748,6 +774,60 @@ impl GpuBackend {
             dims,
             &q8_args(q, q.offset((nb * 32) as u64), x, x_z, y, y_z, rows, cols, k),
         );
+        true
+    }
+
+    /// n = 2..4 token rows of a decode-layout Q8_0 product (`mvrn<NT>_r2u2_q8_0[i]`, NT = 2 or
+    /// 4): every row's weights read once for all tokens, each token row the bits `mvr_r2u2`
+    /// gives it alone (same per-lane order). `x_tok` / `y_tok`: floats between token rows.
+    /// `DS4_GPU_MVRN=off` (or [`GpuBackend::set_matvec_mvrn`]) leaves them to the staged and
+    /// `mv<NT>` kernels, the form before.
+    #[allow(clippy::too_many_arguments)]
+    fn mvrn(
+        &self,
+        dec: &DeviceBuffer,
+        il: bool,
+        x: &GpuBuf,
+        (x_tok, x_z): (usize, usize),
+        y: DevPtr,
+        (y_tok, y_z): (usize, usize),
+        rows: usize,
+        cols: usize,
+        zs: usize,
+        n: usize,
+    ) -> bool {
+        mvr_env();
+        let nb = rows * zs * cols / 32;
+        if !(2..=4).contains(&n)
+            || !mvrn_on()
+            || MVR.load(Ordering::Relaxed) == 0
+            || !ENABLED.load(Ordering::Relaxed)
+            || !x.ptr.0.is_multiple_of(16)
+            || !x_tok.is_multiple_of(4)
+            || !x_z.is_multiple_of(4)
+            || !cols.is_multiple_of(32)
+            || dec.bytes() < nb * 34
+            || self.failed()
+        {
+            return false;
+        }
+        let nt = if n == 2 { 2 } else { 4 };
+        let (dims, k) = self.mv_dims(rows, 2, 1, zs, cols / 2);
+        let q = dec.ptr();
+        let mut args =
+            q8_args(q, q.offset((nb * 32) as u64), x, x_z, y, y_z, rows, cols, k).to_vec();
+        args.extend([
+            Arg::I64(x_tok as i64),
+            Arg::I64(y_tok as i64),
+            Arg::I32(n as i32),
+        ]);
+        self.run(
+            &ds4_kernels::MATVEC,
+            &format!("mvrn{nt}_r2u2_q8_0{}", if il { "i" } else { "" }),
+            dims,
+            &args,
+        );
+        MVRN_LAUNCHES.fetch_add(1, Ordering::Relaxed);
         true
     }
 
@@ -1222,6 +1302,22 @@ impl GpuBackend {
                 return true;
             }
         }
+        if let (Some(dec), 0) = (dec, byte0) {
+            if self.mvrn(
+                dec,
+                *dec_il,
+                x,
+                (cols, 0),
+                y.ptr,
+                (rows, 0),
+                rows,
+                cols,
+                1,
+                n,
+            ) {
+                return true;
+            }
+        }
         if let (1, Some(c), 0) = (n, f16i, byte0) {
             if self.mvq_il(c, x, y.ptr, rows, cols, rb) {
                 return true;
@@ -1372,6 +1468,12 @@ impl GpuBackend {
         let (x_tok, x_z) = (groups * cols, cols);
         if let (1, Some(dec)) = (n, dec) {
             if self.mvr(dec, *dec_il, x, x_z, y.ptr, r, r, cols, groups, false) {
+                return true;
+            }
+        }
+        if let Some(dec) = dec {
+            let (xs, ys) = ((x_tok, x_z), (rows, r));
+            if self.mvrn(dec, *dec_il, x, xs, y.ptr, ys, r, cols, groups, n) {
                 return true;
             }
         }

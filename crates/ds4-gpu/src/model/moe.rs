@@ -102,6 +102,29 @@ fn v3d_fits(dn: Mat, n: usize, k: usize) -> bool {
     n == 1 && dn.1 == "q2_k" && dn.2 == 2048 && dn.4 == 672 && k <= MAXP
 }
 
+/// A product's device operands: token rows z [n, d], slots sel / wgt [n, k], output [n, d].
+struct MoeIo {
+    z: DevPtr,
+    sel: DevPtr,
+    wgt: DevPtr,
+    out: DevPtr,
+}
+
+/// n = 2..4 by the n = 1 v3ip kernels once per token (default on; `DS4_GPU_MOE_TOKENS=off` or
+/// [`GpuBackend::set_moe_per_token`]: the v1 kernels, one launch pair for every token).
+static PER_TOKEN: AtomicUsize = AtomicUsize::new(2);
+/// Products run per token that way (process-wide; tests).
+static TOKEN_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+fn per_token() -> bool {
+    let mut v = PER_TOKEN.load(Ordering::Relaxed);
+    if v == 2 {
+        v = (std::env::var("DS4_GPU_MOE_TOKENS").as_deref() != Ok("off")) as usize;
+        PER_TOKEN.store(v, Ordering::Relaxed);
+    }
+    v == 1
+}
+
 /// Threads per CTA, row-dots per reduction group, most pairs, table bytes (`MOE_*` in moe.cu).
 const THREADS: usize = 256;
 const G: usize = 8;
@@ -178,6 +201,16 @@ impl GpuBackend {
         V3D_RUNS.load(Ordering::Relaxed)
     }
 
+    /// n = 2..4 products by the n = 1 v3ip kernels once per token (default on).
+    pub fn set_moe_per_token(on: bool) {
+        PER_TOKEN.store(on as usize, Ordering::Relaxed);
+    }
+
+    /// How many n = 2..4 products ran per token that way (process-wide).
+    pub fn moe_token_runs() -> usize {
+        TOKEN_RUNS.load(Ordering::Relaxed)
+    }
+
     /// How many of those were the v3ip form (process-wide).
     pub fn moe_v3ip_runs() -> usize {
         V3IP_RUNS.load(Ordering::Relaxed)
@@ -231,12 +264,37 @@ impl GpuBackend {
             }),
             f => f,
         };
+        let io = MoeIo {
+            z: z.ptr,
+            sel: sel.0.ptr,
+            wgt: wgt.ptr,
+            out: out.ptr,
+        };
+        // n = 2..4 (speculative verify steps): the n = 1 v3ip kernels once per token (the
+        // token's k slots, its x and output row), where they cover the product.
+        if form == 0 && n > 1 && per_token() && self.v3_fits(g, 1) && v3d_fits(dn, 1, k) {
+            for t in 0..n {
+                let at = |p: DevPtr, words: usize| p.offset((t * words * 4) as u64);
+                let one = MoeIo {
+                    z: at(io.z, d),
+                    sel: at(io.sel, k),
+                    wgt: at(io.wgt, k),
+                    out: at(io.out, d),
+                };
+                if !self.dec_moe_v2(spec, (g, u, dn), &one, 1, true, true) {
+                    return false; // not reached: the same checks as n = 1 (nothing run before)
+                }
+            }
+            RUNS.fetch_add(1, Ordering::Relaxed);
+            TOKEN_RUNS.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
         // n = 1: v3ip (v2 where its kernels do not cover the product).
         let form = if form == 0 && n == 1 { 4 } else { form };
         let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
         // v3ip: the int8 down.
         let i8dn = v3d && form == 4;
-        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), z, sel, wgt, n, out, v3d, i8dn) {
+        if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), &io, n, v3d, i8dn) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
             if v3d {
@@ -280,7 +338,7 @@ impl GpuBackend {
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: gu_smem(rb) as u32,
             },
-            &gu_args(spec, (g, u), z, sel, wgt, n, &h, &[Arg::I32(rb as i32)]),
+            &gu_args(spec, (g, u), &io, n, &h, &[Arg::I32(rb as i32)]),
         );
         self.run(
             &ds4_kernels::MOE,
@@ -290,7 +348,7 @@ impl GpuBackend {
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: (fixed + ub * slot) as u32,
             },
-            &dn_args(spec, dn, sel, &h, n, out, &[Arg::I32(ub as i32)]),
+            &dn_args(spec, dn, &io, &h, n, &[Arg::I32(ub as i32)]),
         );
         RUNS.fetch_add(1, Ordering::Relaxed);
         true
@@ -316,11 +374,8 @@ impl GpuBackend {
         &self,
         spec: &MoeSpec,
         (g, u, dn): (Mat, Mat, Mat),
-        z: &GpuBuf,
-        sel: &GpuIBuf,
-        wgt: &GpuBuf,
+        io: &MoeIo,
         n: usize,
-        out: &mut GpuBuf,
         v3d: bool,
         i8dn: bool,
     ) -> bool {
@@ -390,7 +445,7 @@ impl GpuBackend {
                 block: [THREADS as u32, 1, 1],
                 shared_bytes: smem as u32,
             },
-            &gu_args(spec, (g, u), z, sel, wgt, n, &h, &tail),
+            &gu_args(spec, (g, u), io, n, &h, &tail),
         );
         // Down + slot sum: v3d also takes the gate/up CTAs' maxima.
         let mut tail = vec![Arg::I32(nbr as i32), Arg::I32(hs as i32)];
@@ -420,7 +475,7 @@ impl GpuBackend {
                 block: [block as u32, 1, 1],
                 shared_bytes: smem as u32,
             },
-            &dn_args(spec, dn, sel, &h, n, out, &tail),
+            &dn_args(spec, dn, io, &h, n, &tail),
         );
         true
     }
@@ -432,9 +487,7 @@ impl GpuBackend {
 fn gu_args(
     spec: &MoeSpec,
     (g, u): (Mat, Mat),
-    z: &GpuBuf,
-    sel: &GpuIBuf,
-    wgt: &GpuBuf,
+    io: &MoeIo,
     n: usize,
     h: &GpuBuf,
     tail: &[Arg],
@@ -442,12 +495,12 @@ fn gu_args(
     let mut a = vec![
         Arg::Ptr(g.0),
         Arg::Ptr(u.0),
-        Arg::Ptr(sel.0.ptr),
+        Arg::Ptr(io.sel),
         Arg::I64((spec.ff * g.4) as i64),
-        Arg::Ptr(z.ptr),
+        Arg::Ptr(io.z),
         Arg::I32(n as i32),
         Arg::I32(spec.n_used as i32),
-        Arg::Ptr(wgt.ptr),
+        Arg::Ptr(io.wgt),
         Arg::F32(spec.clamp),
         Arg::Ptr(h.ptr),
         Arg::I32(spec.ff as i32),
@@ -459,23 +512,15 @@ fn gu_args(
 }
 
 /// The arguments every down kernel takes (up to row_bytes), then the form's own.
-fn dn_args(
-    spec: &MoeSpec,
-    dn: Mat,
-    sel: &GpuIBuf,
-    h: &GpuBuf,
-    n: usize,
-    out: &GpuBuf,
-    tail: &[Arg],
-) -> Vec<Arg> {
+fn dn_args(spec: &MoeSpec, dn: Mat, io: &MoeIo, h: &GpuBuf, n: usize, tail: &[Arg]) -> Vec<Arg> {
     let mut a = vec![
         Arg::Ptr(dn.0),
-        Arg::Ptr(sel.0.ptr),
+        Arg::Ptr(io.sel),
         Arg::I64((spec.d * dn.4) as i64),
         Arg::Ptr(h.ptr),
         Arg::I32(n as i32),
         Arg::I32(spec.n_used as i32),
-        Arg::Ptr(out.ptr),
+        Arg::Ptr(io.out),
         Arg::I32(spec.d as i32),
         Arg::I32(spec.ff as i32),
         Arg::I64(dn.4 as i64),
