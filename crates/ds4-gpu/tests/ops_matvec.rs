@@ -1424,7 +1424,9 @@ fn matvec_repacked_tokens() {
                 GpuBackend::mvrn_launches() >= before + 2,
                 "{name}: mvrn did not run"
             );
-            cases.check(name.clone(), cols, &got, &want, &gpu);
+            // The bound of the one-row tests, 1.5x: the max over n token rows of the same
+            // rounding (n times the samples; the bitwise check below ties each row to n = 1).
+            cases.check_scaled(name.clone(), cols, &got, &want, &gpu, 1.5);
             assert!(
                 got.iter()
                     .zip(&again)
@@ -1449,7 +1451,7 @@ fn matvec_repacked_tokens() {
             GpuBackend::set_matvec_mvrn(false);
             let old = product(&gx, n);
             GpuBackend::set_matvec_mvrn(true);
-            cases.check(format!("{name} (mvrn off)"), cols, &old, &want, &gpu);
+            cases.check_scaled(format!("{name} (mvrn off)"), cols, &old, &want, &gpu, 1.5);
         }
     }
     cases.finish();
