@@ -980,7 +980,7 @@ impl Session {
         draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<SpecStats, EngineError> {
-        self.speculate(n, draft, &mut |pick, d| pick == d, on_token)
+        self.generate_with_verdict(n, draft, &mut |pick, d| pick == d, on_token)
     }
 
     /// [`Session::generate_with_drafter`] with the verdict on each draft given by `accept(model's
@@ -988,16 +988,6 @@ impl Session {
     /// and re-evaluation paths at a chosen acceptance rate on random weights (the tokens are
     /// then not greedy's: an accepted draft is kept whatever the model picked).
     pub fn generate_with_verdict(
-        &mut self,
-        n: usize,
-        draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,
-        accept: &mut dyn FnMut(u32, u32) -> bool,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<SpecStats, EngineError> {
-        self.speculate(n, draft, accept, on_token)
-    }
-
-    fn speculate(
         &mut self,
         n: usize,
         draft: &mut dyn FnMut(&[f32], u32, usize) -> u32,

@@ -342,8 +342,6 @@ impl GpuLayerState {
     }
 }
 
-/// A rollback point: copies of the ring and frontiers, and the row counts (rows are
-/// append-only, so only their count is kept).
 /// A layer's state at a checkpoint: copies of the ring, its positions and each compressor's
 /// frontier (pooled scratch: a speculative step's checkpoint allocates nothing once warm) and
 /// the compressed row counts. The compressed rows themselves are append-only: rows past the
@@ -1500,7 +1498,7 @@ impl Backend for GpuBackend {
         self.interrupt();
         let mut copies = Vec::new();
         let mut take = |src: &DeviceBuffer| {
-            let b = self.scratch(src.bytes() / 4);
+            let b = self.scratch(src.bytes().div_ceil(4));
             copies.push((b.ptr, src.ptr(), src.bytes()));
             b
         };

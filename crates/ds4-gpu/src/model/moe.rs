@@ -8,8 +8,10 @@
 //! (gpu/moe.cu, form 3; its gate/up alone with v2's down tied with v2, an f16-normal weight
 //! variant lost: removed, code in git at bba6ee6). Where v3d does not cover the product, v2 (`m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight
 //! from global memory, x in registers, and passes h to the down kernel in that kernel's lane
-//! order; v1 (the default for n = 2..4, where it measured faster than v2) stages rows in shared
-//! memory. Numbers: bench/results/gpu-moe-m8-h200.txt, gpu-moe-m9-h200.txt (session 9: the v3d
+//! order; v1 (where v3ip does not cover n = 2..4; it measured faster than v2 there) stages rows
+//! in shared memory. n = 2..4 (speculative verify steps) runs v3ip's n = 1 kernels once per token
+//! where they cover the product (session 33: ~84 against ~117 us a layer at n = 2 on the H200,
+//! bench/results/gpu-spec-s33-h200.txt; `DS4_GPU_MOE_TOKENS=off`: v1). Numbers: bench/results/gpu-moe-m8-h200.txt, gpu-moe-m9-h200.txt (session 9: the v3d
 //! kernels' shared-memory loads and the down's expert-id loads trimmed, gate/up 35.6 -> 34.3 us,
 //! down 20.7 -> 20.5 us under ncu; a nibble-coded grid, two mma chains and a balanced down lost,
 //! code in 90d531e). Session 15 (bench/results/gpu-moe-i15-h200.txt): the gate/up on int8
@@ -51,7 +53,7 @@ static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v3ip ones (the int8 down).
 static V3IP_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Form: 0 default (v3ip for n = 1, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
+/// Form: 0 default (v3ip for n = 1, v3ip per token for n = 2..4, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
 /// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
 /// 4 v3ip (v3d with `m3dn1ip_q2_k`, the int8 down, where v3d runs);
 /// `DS4_GPU_MOE_FORM=v1|v2|v3d|v3ip`.
