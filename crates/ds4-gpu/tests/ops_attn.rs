@@ -995,6 +995,9 @@ const SIMPLE: Form = Form {
 
 fn set_form(f: Form) {
     GpuBackend::set_attn_tc(f.tc, f.fast);
+    // The tensor-core forms also take decode steps of 2-4 tokens (opt-in; the default runs
+    // them on the one-launch decode kernel, the `one` forms here).
+    GpuBackend::set_attn_step_tc(f.tc);
     GpuBackend::set_attn_tcg(f.tcg);
     GpuBackend::set_attn_wg(f.wg);
     // "one-vN": the one-launch form with `DS4_GPU_AOTC=vN`.
@@ -1140,6 +1143,7 @@ fn run_attend(
         outs.push(got);
     }
     set_form(TC);
+    GpuBackend::set_attn_step_tc(false); // the default
     outs
 }
 
@@ -1457,6 +1461,7 @@ fn attend_bench() {
         }
     }
     set_form(TC);
+    GpuBackend::set_attn_step_tc(false); // the default
     if tc_only {
         return;
     }
@@ -1657,5 +1662,6 @@ fn attend_qnorm_matches_norm_then_attend() {
     GpuBackend::set_attn_qnorm(true);
     GpuBackend::set_attn_rtab(true);
     set_form(TC);
+    GpuBackend::set_attn_step_tc(false); // the default
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }

@@ -225,6 +225,14 @@ fn tcg_mode() -> u8 {
     )
 }
 
+/// Decode steps of 2..=GRAPH_MAX_N tokens on the tensor-core prompt kernels (`DS4_GPU_ATTN_STEP=tc`
+/// or [`GpuBackend::set_attn_step_tc`]) instead of the one-launch decode kernel (the default).
+static STEP_TC: AtomicU8 = AtomicU8::new(0);
+
+fn step_tc() -> bool {
+    env_pick(&STEP_TC, "DS4_GPU_ATTN_STEP", &[("tc", 2)], 1) == 2
+}
+
 fn tc_mode() -> u8 {
     env_pick(&TC_MODE, "DS4_GPU_ATTN_TC", &[("off", 1), ("fast", 3)], 2)
 }
@@ -1103,6 +1111,12 @@ impl GpuBackend {
         QNORM_RUNS.load(Ordering::Relaxed)
     }
 
+    /// Decode steps of 2..=4 tokens on the tensor-core prompt kernels (true) or the one-launch
+    /// decode kernel (false, the default); process-wide (`DS4_GPU_ATTN_STEP=tc`; tests, A/B).
+    pub fn set_attn_step_tc(on: bool) {
+        STEP_TC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+
     /// Process-wide switch of the fused query norm (`DS4_GPU_ATTN_QNORM`; tests, A/B).
     pub fn set_attn_qnorm(on: bool) {
         QNORM.store(if on { 1 } else { 2 }, Ordering::Relaxed);
@@ -1176,7 +1190,11 @@ impl GpuBackend {
             && spec.n_rot.is_multiple_of(2)
             && aligned;
         let info = self.gpu.info();
-        let tc_ok = n > 1
+        // Decode steps of up to GRAPH_MAX_N tokens (speculative verify steps) take the one-launch
+        // decode kernel below, the one-token steps' (session 33: the prompt kernels' per-token
+        // set-up made a 2-token step's ratio-4 attention 60 us a layer against 16;
+        // `DS4_GPU_ATTN_STEP=tc` keeps them on the tensor-core prompt kernels).
+        let tc_ok = (n > super::GRAPH_MAX_N || (n > 1 && step_tc()))
             && tc_mode() != 1
             && info.cc.0 >= 8
             && info.warp == 32
