@@ -941,6 +941,11 @@ fn matvec_merged() {
         (GgmlType::F16, 96, &[3, 5, 7, 9, 11], 1),
         (GgmlType::F16, 96, &[3, 5, 7, 9, 11, 13, 15], 1),
         (GgmlType::Q8_0, 1024, &[64, 32], 2),
+        // 2-4-token steps: F16 sets once per token by the n = 1 merged form
+        (GgmlType::F16, 4096, &[1024, 1024, 256, 256, 64], 2),
+        (GgmlType::F16, 4096, &[512, 512], 3),
+        (GgmlType::F16, 1056, &[7, 1, 70], 4),
+        (GgmlType::F16, 96, &[3, 5, 7, 9, 11], 2),
     ];
     for (si, &(ty, cols, rows, n)) in sets.iter().enumerate() {
         let ws: Vec<Pair> = rows
@@ -1455,4 +1460,67 @@ fn matvec_repacked_tokens() {
         }
     }
     cases.finish();
+}
+
+/// F16 `matmul_multi` sets of 2-4 token rows run the merged n = 1 kernel once per token: each
+/// token's outputs bitwise the n = 1 product of that token alone (and `matvec_merged` holds them
+/// to the CPU). The compressor + indexer set and the HCA pair.
+#[test]
+fn matvec_merged_tokens() {
+    ds4_gpu::GpuBackend::set_matvec(true);
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    for (si, rows) in [&[1024usize, 1024, 256, 256, 64][..], &[512, 512]]
+        .iter()
+        .enumerate()
+    {
+        let cols = 4096;
+        let ws: Vec<Pair> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                weight(
+                    &cpu,
+                    &gpu,
+                    GgmlType::F16,
+                    cols,
+                    r,
+                    1,
+                    2900 + 10 * si as u64 + i as u64,
+                )
+            })
+            .collect();
+        let gws: Vec<_> = ws.iter().map(|w| &w.1).collect();
+        let run = |x: &[f32], n: usize| -> Vec<Vec<f32>> {
+            let gx = gpu.upload(x);
+            let mut gys: Vec<_> = rows
+                .iter()
+                .map(|&r| gpu.upload(&vec![f32::NAN; n * r]))
+                .collect();
+            let mut grefs: Vec<_> = gys.iter_mut().collect();
+            gpu.matmul_multi(&gws, &gx, n, &mut grefs);
+            gys.iter()
+                .zip(rows.iter())
+                .map(|(y, &r)| gpu.download(y, n * r))
+                .collect()
+        };
+        for n in 2..=4usize {
+            let xs = randn(&mut rng(3000 + 10 * si as u64 + n as u64), n * cols, 1.0);
+            let all = run(&xs, n);
+            for t in 0..n {
+                let one = run(&xs[t * cols..(t + 1) * cols], 1);
+                for (m, &r) in rows.iter().enumerate() {
+                    let same = one[m]
+                        .iter()
+                        .zip(&all[m][t * r..(t + 1) * r])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "set {si} n {n}: token {t}, matrix {m} differs from n = 1"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -931,40 +931,43 @@ __device__ __forceinline__ void mvrn_acc(const uint4* const (&qp)[R], const u16*
         for (int u = 0; u < U; u++) {
             int h = h0 + u * stride + lane;
             if (h < hb) {
+                float w[R][16]; // every row's 16 quants converted once, then each token's x loaded once
 #pragma unroll
                 for (int i = 0; i < R; i++) {
                     const u32 wd[4] = {v[u][i].x ^ 0x80808080u, v[u][i].y ^ 0x80808080u, v[u][i].z ^ 0x80808080u,
                                        v[u][i].w ^ 0x80808080u};
-                    float w[16];
 #pragma unroll
-                    for (int k = 0; k < 16; k++) w[k] = mv_byte(wd[k / 4], k % 4, 128.0f);
+                    for (int k = 0; k < 16; k++) w[i][k] = mv_byte(wd[k / 4], k % 4, 128.0f);
+                }
 #pragma unroll
-                    for (int t = 0; t < NT; t++) {
-                        const float4* xt = xv + (long long)min(t, n - 1) * x_tok4;
-                        float4 x4[4];
-                        if constexpr (IL) {
-                            xt += 4 * (h & ~31) + (h & 31);
-                            x4[0] = xt[0], x4[1] = xt[32], x4[2] = xt[64], x4[3] = xt[96];
-                        } else {
-                            xt += 4 * h;
-                            x4[0] = xt[0], x4[1] = xt[1], x4[2] = xt[2], x4[3] = xt[3];
-                        }
+                for (int t = 0; t < NT; t++) {
+                    const float4* xt = xv + (long long)min(t, n - 1) * x_tok4;
+                    float4 x4[4];
+                    if constexpr (IL) {
+                        xt += 4 * (h & ~31) + (h & 31);
+                        x4[0] = xt[0], x4[1] = xt[32], x4[2] = xt[64], x4[3] = xt[96];
+                    } else {
+                        xt += 4 * h;
+                        x4[0] = xt[0], x4[1] = xt[1], x4[2] = xt[2], x4[3] = xt[3];
+                    }
+#pragma unroll
+                    for (int i = 0; i < R; i++) {
                         if constexpr (IL) { // mvr_dot_i: scale j per word j
 #pragma unroll
                             for (int j = 0; j < 4; j++) {
-                                float s = w[4 * j] * x4[j].x;
-                                s = fmaf(w[4 * j + 1], x4[j].y, s);
-                                s = fmaf(w[4 * j + 2], x4[j].z, s);
-                                s = fmaf(w[4 * j + 3], x4[j].w, s);
+                                float s = w[i][4 * j] * x4[j].x;
+                                s = fmaf(w[i][4 * j + 1], x4[j].y, s);
+                                s = fmaf(w[i][4 * j + 2], x4[j].z, s);
+                                s = fmaf(w[i][4 * j + 3], x4[j].w, s);
                                 const u32 dj = (j < 2 ? d[u][i].x : d[u][i].y) >> (16 * (j & 1));
                                 acc[i][t] = fmaf(ds4_h2f_fast(dj & 0xffffu), s, acc[i][t]);
                             }
                         } else { // mvr_dot: one scale per 16
-                            float s = w[0] * x4[0].x;
+                            float s = w[i][0] * x4[0].x;
 #pragma unroll
                             for (int k = 1; k < 16; k++) {
                                 const float4& xq = x4[k / 4];
-                                s = fmaf(w[k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
+                                s = fmaf(w[i][k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
                             }
                             acc[i][t] = fmaf(ds4_h2f_fast(d[u][i]), s, acc[i][t]);
                         }

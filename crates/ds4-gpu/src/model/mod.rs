@@ -231,11 +231,29 @@ pub struct GpuBuf {
     pub(crate) ptr: DevPtr,
     pub(crate) len: usize,
     pool: Arc<Pool>,
+    /// A view into another buffer ([`GpuBuf::view`]): dropping it frees nothing.
+    view: bool,
+}
+
+impl GpuBuf {
+    /// `len` values from value `off` of this buffer, as a buffer that frees nothing when
+    /// dropped. For ops queued at once (one token of a step's rows): the parent must outlive
+    /// their recording; the stream orders any reuse of its block after them.
+    pub(crate) fn view(&self, off: usize, len: usize) -> GpuBuf {
+        GpuBuf {
+            ptr: self.ptr.offset((off * 4) as u64),
+            len,
+            pool: self.pool.clone(),
+            view: true,
+        }
+    }
 }
 
 impl Drop for GpuBuf {
     fn drop(&mut self) {
-        self.pool.put(self.len * 4, self.ptr);
+        if !self.view {
+            self.pool.put(self.len * 4, self.ptr);
+        }
     }
 }
 
@@ -927,6 +945,7 @@ impl GpuBackend {
             ptr: self.pool.get(len.max(1) * 4),
             len,
             pool: self.pool.clone(),
+            view: false,
         }
     }
 
@@ -1574,6 +1593,31 @@ impl Backend for GpuBackend {
         if n == 1 && !self.failed() {
             let _p = self.prof(|| format!("matmul_multi x{} n=1", ws.len()));
             if self.mv_multi(ws, x, n, ys) {
+                return;
+            }
+        }
+        // n = 2..4 F16 sets (the compressors' and indexer's projections of a verify step): the
+        // one-launch n = 1 form once per token (2 x 11.9 us against ~37 us of separate n = 2
+        // products for the CSA set on the H200, bench/results/gpu-spec-s33-h200.txt).
+        let f16 = |w: &&GpuWeight| matches!(w.mat_parts(), Some((_, GgmlType::F16, ..)));
+        if (2..=4).contains(&n) && !self.failed() && ws.iter().all(f16) {
+            let dims = |w: &GpuWeight| w.mat_parts().map_or((0, 0), |p| (p.2, p.3));
+            let cols = dims(ws[0]).0;
+            let rows: Vec<usize> = ws.iter().map(|w| dims(w).1).collect();
+            let one = |t: usize, ys: &mut [&mut GpuBuf]| {
+                let mut views: Vec<GpuBuf> = ys
+                    .iter()
+                    .zip(&rows)
+                    .map(|(y, &r)| y.view(t * r, r))
+                    .collect();
+                let mut refs: Vec<&mut GpuBuf> = views.iter_mut().collect();
+                self.mv_multi(ws, &x.view(t * cols, cols), 1, &mut refs)
+            };
+            if ws.iter().all(|w| dims(w).0 == cols) && one(0, ys) {
+                let _p = self.prof(|| format!("matmul_multi x{} n>1 per token", ws.len()));
+                for t in 1..n {
+                    one(t, ys); // the same shapes and alignments as token 0's: it runs
+                }
                 return;
             }
         }
