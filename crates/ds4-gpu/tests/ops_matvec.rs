@@ -991,6 +991,10 @@ fn matvec_merged() {
         (1056, 37, 1.0, 1),
         (96, 1, 3.0, 1),
         (1024, 64, 1.0, 2),
+        // 2-4-token steps: the fused form once per token
+        (4096, 2048, 0.5, 2),
+        (1056, 37, 1.0, 3),
+        (96, 1, 3.0, 4),
     ]
     .iter()
     .enumerate()
@@ -1025,9 +1029,9 @@ fn matvec_merged() {
 /// `mvxn_r4u2_q8_0` (row totals scaled by the norm); `Backend::matmul_add`: the shared down product added into the
 /// routed sum by `mvra_r2u2_q8_0`) against the CPU reference (the trait defaults: norm then
 /// product, product then add), with shapes the fused kernels take (Q8_0 decode copies, n = 1,
-/// <= 1024 columns for the norm, > 1024 for the add) and shapes that fall back (n = 2, longer or
-/// shorter rows): the product, the normed x left in `x`, and the sum; each GPU run twice,
-/// bitwise equal.
+/// <= 1024 columns for the norm, > 1024 for the add; the add also at n = 2..4, once per token)
+/// and shapes that fall back (longer or shorter rows): the product, the normed x left in `x`,
+/// and the sum; each GPU run twice, bitwise equal.
 #[test]
 fn matvec_fused() {
     ds4_gpu::GpuBackend::set_matvec(true);
@@ -1088,6 +1092,10 @@ fn matvec_fused() {
         (1056, 70, 1),
         (512, 72, 1),
         (2048, 300, 2),
+        // 2-4-token steps: mvra once per token
+        (2048, 4096, 2),
+        (4096, 1027, 3),
+        (1056, 70, 4),
     ];
     for (si, &(cols, rows, n)) in add_shapes.iter().enumerate() {
         let w = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, 2400 + si as u64);

@@ -1652,6 +1652,22 @@ impl Backend for GpuBackend {
         if n == 1 && self.product_width_ok(w) && self.mv_matmul_add(w, x, y) {
             return;
         }
+        // n = 2..4 (verify steps): that form once per token (2 x ~5 us against a separate
+        // product + add_f32 for the shared expert's down).
+        if (2..=4).contains(&n) && self.product_width_ok(w) && !self.failed() {
+            if let Some((_, _, cols, _, _)) = w.mat_parts() {
+                let one = |t: usize| {
+                    let mut yt = y.view(t * rows, rows);
+                    self.mv_matmul_add(w, &x.view(t * cols, cols), &mut yt)
+                };
+                if one(0) {
+                    for t in 1..n {
+                        one(t); // the same shapes and alignments as token 0's: it runs
+                    }
+                    return;
+                }
+            }
+        }
         // n > 4: the add in the BLAS product's epilogue (beta 1; same bits) where it takes it.
         if n > 4 && self.product_width_ok(w) && !self.failed() && self.blas_matmul_add(w, x, n, y) {
             return;
@@ -1679,6 +1695,23 @@ impl Backend for GpuBackend {
             let _p = self.prof(|| "matmul_gateup n=1".to_string());
             if self.mv_gateup(g, u, x, n, ff, h, clamp) {
                 return;
+            }
+        }
+        // n = 2..4 (verify steps): the fused n = 1 form once per token (two products and a
+        // SwiGLU launch otherwise).
+        if (2..=4).contains(&n) && !self.failed() {
+            if let Some((_, _, cols, _, _)) = g.mat_parts() {
+                let one = |t: usize| {
+                    let mut ht = h.view(t * ff, ff);
+                    self.mv_gateup(g, u, &x.view(t * cols, cols), 1, ff, &mut ht, clamp)
+                };
+                if one(0) {
+                    let _p = self.prof(|| "matmul_gateup n>1 per token".to_string());
+                    for t in 1..n {
+                        one(t);
+                    }
+                    return;
+                }
             }
         }
         let mut t = self.alloc(n * ff);
