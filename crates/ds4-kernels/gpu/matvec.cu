@@ -911,11 +911,10 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvra_r2u2_q8_0i(MVR_PARAMS) { DS4_PDL_LAT
 // The same with the loads pipelined step by step (PIPE; DS4_GPU_MVR_PIPE=1).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvr_r2u2_q8_0ip(MVR_PARAMS) { DS4_PDL_LATE; mvr_body<2, 2, false, true, true>(MVR_ARGS); }
 
-// ---- n = 2..4 token rows on the decode layout (mvrn2_r1u4_q8_0[i], mvrn4_r1u1_q8_0[i]: speculative
-// verify steps; one row a warp, the host takes mvr_r2u2's k-slices):
-// as mvr_r2u2_q8_0[i], the weights loaded once (the first round before the PDL wait), then per
-// token t < NT (t >= n repeats token n - 1 and is not stored) the n = 1 kernel's dot functions
-// in its order: every token row gets the bits mvr gives it alone.
+// ---- n = 2..4 token rows on the decode layout (mvrn<NT>_r2u2_q8_0[i]: speculative verify steps):
+// as mvr_r2u2_q8_0[i], the weights loaded once (the first round before the PDL wait) and each
+// slot's 16 quants converted once, then per token t < NT (t >= n repeats token n - 1 and is not
+// stored) the n = 1 kernel's sums in its order: every token row gets the bits mvr gives it alone.
 // y[t*y_tok + z*y_z + r] = W[z*rows + r] . x[t*x_tok + z*x_z ..].
 template <int R, int U, int NT, bool IL>
 __device__ __forceinline__ void mvrn_acc(const uint4* const (&qp)[R], const u16* const (&dp)[R],
@@ -932,23 +931,46 @@ __device__ __forceinline__ void mvrn_acc(const uint4* const (&qp)[R], const u16*
         for (int u = 0; u < U; u++) {
             int h = h0 + u * stride + lane;
             if (h < hb) {
-                // Token by token: its x (one load per step) into mvr's own dot with every row.
-                // The quants are converted once per token (PRMT + FADD: the loop is bound by
-                // loads, not issue); converting them once for all tokens took 80-100 registers,
-                // 2-3 CTAs an SM instead of 4, and ran at half mvr's rate (session 33).
+                float w[R][16]; // every row's 16 quants converted once, then each token's x loaded once
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const u32 wd[4] = {v[u][i].x ^ 0x80808080u, v[u][i].y ^ 0x80808080u, v[u][i].z ^ 0x80808080u,
+                                       v[u][i].w ^ 0x80808080u};
+#pragma unroll
+                    for (int k = 0; k < 16; k++) w[i][k] = mv_byte(wd[k / 4], k % 4, 128.0f);
+                }
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
                     const float4* xt = xv + (long long)min(t, n - 1) * x_tok4;
+                    float4 x4[4];
                     if constexpr (IL) {
                         xt += 4 * (h & ~31) + (h & 31);
-                        const float4 xa = xt[0], xb = xt[32], xc = xt[64], xd = xt[96];
-#pragma unroll
-                        for (int i = 0; i < R; i++) acc[i][t] = mvr_dot_i(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][t]);
+                        x4[0] = xt[0], x4[1] = xt[32], x4[2] = xt[64], x4[3] = xt[96];
                     } else {
                         xt += 4 * h;
-                        const float4 xa = xt[0], xb = xt[1], xc = xt[2], xd = xt[3];
+                        x4[0] = xt[0], x4[1] = xt[1], x4[2] = xt[2], x4[3] = xt[3];
+                    }
 #pragma unroll
-                        for (int i = 0; i < R; i++) acc[i][t] = mvr_dot(v[u][i], d[u][i], xa, xb, xc, xd, acc[i][t]);
+                    for (int i = 0; i < R; i++) {
+                        if constexpr (IL) { // mvr_dot_i: scale j per word j
+#pragma unroll
+                            for (int j = 0; j < 4; j++) {
+                                float s = w[i][4 * j] * x4[j].x;
+                                s = fmaf(w[i][4 * j + 1], x4[j].y, s);
+                                s = fmaf(w[i][4 * j + 2], x4[j].z, s);
+                                s = fmaf(w[i][4 * j + 3], x4[j].w, s);
+                                const u32 dj = (j < 2 ? d[u][i].x : d[u][i].y) >> (16 * (j & 1));
+                                acc[i][t] = fmaf(ds4_h2f_fast(dj & 0xffffu), s, acc[i][t]);
+                            }
+                        } else { // mvr_dot: one scale per 16
+                            float s = w[i][0] * x4[0].x;
+#pragma unroll
+                            for (int k = 1; k < 16; k++) {
+                                const float4& xq = x4[k / 4];
+                                s = fmaf(w[i][k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
+                            }
+                            acc[i][t] = fmaf(ds4_h2f_fast(d[u][i]), s, acc[i][t]);
+                        }
                     }
                 }
             }
@@ -988,14 +1010,12 @@ __device__ __forceinline__ void mvrn_body(const u8* __restrict__ Q, const u16* _
     if (warp % kspl == 0 && lane < R * NT && r < rows && t < n) y[(long long)t * y_tok + (long long)z * y_z + r] = v;
 }
 
-// 4 CTAs an SM (64 registers), as mvr: the loads in flight are what set the rate.
-#define MVRN_LB MV_THREADS, 4
 #define MVRN_PARAMS MVR_PARAMS, long long x_tok, long long y_tok, int n
 #define MVRN_ARGS MVR_ARGS, x_tok, y_tok, n
-DS4_KERNEL void DS4_BOUNDS(MVRN_LB) mvrn2_r1u4_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 4, 2, false>(MVRN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MVRN_LB) mvrn2_r1u4_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 4, 2, true>(MVRN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MVRN_LB) mvrn4_r1u1_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 1, 4, false>(MVRN_ARGS); }
-DS4_KERNEL void DS4_BOUNDS(MVRN_LB) mvrn4_r1u1_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 1, 4, true>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, false>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, true>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, false>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, true>(MVRN_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of

@@ -777,9 +777,9 @@ impl GpuBackend {
         true
     }
 
-    /// n = 2..4 token rows of a decode-layout Q8_0 product (`mvrn2_r1u4_q8_0[i]`,
-    /// `mvrn4_r1u2_q8_0[i]`): every row's weights read once for all tokens, each token row summed
-    /// as `mvr` sums one (per lane in step order, then the warp and k-slice sums). `x_tok` / `y_tok`: floats between token rows.
+    /// n = 2..4 token rows of a decode-layout Q8_0 product (`mvrn<NT>_r2u2_q8_0[i]`, NT = 2 or
+    /// 4): every row's weights read once for all tokens, each token row the bits `mvr_r2u2`
+    /// gives it alone (same per-lane order). `x_tok` / `y_tok`: floats between token rows.
     /// `DS4_GPU_MVRN=off` (or [`GpuBackend::set_matvec_mvrn`]) leaves them to the staged and
     /// `mv<NT>` kernels, the form before.
     #[allow(clippy::too_many_arguments)]
@@ -811,17 +811,8 @@ impl GpuBackend {
         {
             return false;
         }
-        // One row a warp (64 registers, 4 CTAs an SM, as mvr's n = 1 forms); steps in flight:
-        // 4 for two tokens, 1 for four (more spilled).
-        let (nt, u) = if n == 2 { (2, 4) } else { (4, 1) };
-        // The k-slices `mvr_r2u2` takes for these rows (mv_dims with 2 rows a warp), so each
-        // token's sums run in its order: the same bits as that n = 1 product.
-        let k = self.mv_kspl(rows.div_ceil(2) * zs, cols / 2);
-        let dims = LaunchDims {
-            grid: [rows.div_ceil(MV_WARPS / k) as u32, 1, zs as u32],
-            block: [MV_WARPS as u32 * self.warp(), 1, 1],
-            shared_bytes: 0,
-        };
+        let nt = if n == 2 { 2 } else { 4 };
+        let (dims, k) = self.mv_dims(rows, 2, 1, zs, cols / 2);
         let q = dec.ptr();
         let mut args =
             q8_args(q, q.offset((nb * 32) as u64), x, x_z, y, y_z, rows, cols, k).to_vec();
@@ -832,7 +823,7 @@ impl GpuBackend {
         ]);
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvrn{nt}_r1u{u}_q8_0{}", if il { "i" } else { "" }),
+            &format!("mvrn{nt}_r2u2_q8_0{}", if il { "i" } else { "" }),
             dims,
             &args,
         );
