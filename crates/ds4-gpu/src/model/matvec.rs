@@ -18,6 +18,10 @@
 //! merged F16 sets of >= 2048 rows take `mvxm_r4u2_f16` (`Q8_FORM`).
 //! Few-row F16 products can split their columns across CTAs (`mvq_splits`, opt-in). Also: the n = 1 variants `mv1v<v>_<t>` (opt-in) and `mvgu_<t>`/`mvdown_<t>`
 //! for the routed experts.
+//! n = 2..4 (speculative verify steps, session 33): Q8_0 products with a decode-layout copy run
+//! `mvrn2` / `mvrn4` (each row read once for every token; each token's sums as `mvr_r2u2`'s for
+//! it alone), and the model's merged n = 1 forms (F16 sets, the shared expert's gate/up and
+//! down + add: mod.rs) run once per token on views of the token rows.
 
 use super::{type_suffix as suffix, GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::gpu::DeviceBuffer;
