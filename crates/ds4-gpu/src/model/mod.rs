@@ -1203,6 +1203,21 @@ impl GpuBackend {
         COPY_LISTS.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A 2-4-token step's op as its one-token form once per token: `one(t)` queues token t's
+    /// (on views of the token rows) or says false, which only token 0 may (nothing queued: the
+    /// caller's general path runs); the others have its shapes and alignments. `label`: the
+    /// op profile's name for the rest.
+    fn per_token(&self, n: usize, label: &str, mut one: impl FnMut(usize) -> bool) -> bool {
+        if !(2..=4).contains(&n) || self.failed() || !one(0) {
+            return false;
+        }
+        let _p = self.prof(|| label.to_string());
+        for t in 1..n {
+            one(t);
+        }
+        true
+    }
+
     /// `copy_list` launches so far in this process (tests: a checkpoint is one launch).
     pub fn copy_list_launches() -> u64 {
         COPY_LISTS.load(Ordering::Relaxed)
@@ -1599,25 +1614,23 @@ impl Backend for GpuBackend {
         // n = 2..4 F16 sets (the compressors' and indexer's projections of a verify step): the
         // one-launch n = 1 form once per token (2 x 11.9 us against ~37 us of separate n = 2
         // products for the CSA set on the H200, bench/results/gpu-spec-s33-h200.txt).
-        let f16 = |w: &&GpuWeight| matches!(w.mat_parts(), Some((_, GgmlType::F16, ..)));
-        if (2..=4).contains(&n) && !self.failed() && ws.iter().all(f16) {
-            let dims = |w: &GpuWeight| w.mat_parts().map_or((0, 0), |p| (p.2, p.3));
-            let cols = dims(ws[0]).0;
-            let rows: Vec<usize> = ws.iter().map(|w| dims(w).1).collect();
-            let one = |t: usize, ys: &mut [&mut GpuBuf]| {
+        let dims = |w: &GpuWeight| match w.mat_parts() {
+            Some((_, GgmlType::F16, cols, rows, _)) => Some((cols, rows)),
+            _ => None,
+        };
+        let shapes: Option<Vec<(usize, usize)>> = ws.iter().map(|w| dims(w)).collect();
+        if let Some(shapes) = shapes.filter(|v| !v.is_empty() && v.iter().all(|d| d.0 == v[0].0)) {
+            let label = format!("matmul_multi x{} n>1 per token", ws.len());
+            let cols = shapes[0].0;
+            if self.per_token(n, &label, |t| {
                 let mut views: Vec<GpuBuf> = ys
                     .iter()
-                    .zip(&rows)
-                    .map(|(y, &r)| y.view(t * r, r))
+                    .zip(&shapes)
+                    .map(|(y, &(_, r))| y.view(t * r, r))
                     .collect();
                 let mut refs: Vec<&mut GpuBuf> = views.iter_mut().collect();
                 self.mv_multi(ws, &x.view(t * cols, cols), 1, &mut refs)
-            };
-            if ws.iter().all(|w| dims(w).0 == cols) && one(0, ys) {
-                let _p = self.prof(|| format!("matmul_multi x{} n>1 per token", ws.len()));
-                for t in 1..n {
-                    one(t, ys); // the same shapes and alignments as token 0's: it runs
-                }
+            }) {
                 return;
             }
         }
@@ -1654,18 +1667,12 @@ impl Backend for GpuBackend {
         }
         // n = 2..4 (verify steps): that form once per token (2 x ~5 us against a separate
         // product + add_f32 for the shared expert's down).
-        if (2..=4).contains(&n) && self.product_width_ok(w) && !self.failed() {
-            if let Some((_, _, cols, _, _)) = w.mat_parts() {
-                let one = |t: usize| {
-                    let mut yt = y.view(t * rows, rows);
-                    self.mv_matmul_add(w, &x.view(t * cols, cols), &mut yt)
-                };
-                if one(0) {
-                    for t in 1..n {
-                        one(t); // the same shapes and alignments as token 0's: it runs
-                    }
-                    return;
-                }
+        if let (true, Some((_, _, cols, _, _))) = (self.product_width_ok(w), w.mat_parts()) {
+            if self.per_token(n, "matmul_add n>1 per token", |t| {
+                let mut yt = y.view(t * rows, rows);
+                self.mv_matmul_add(w, &x.view(t * cols, cols), &mut yt)
+            }) {
+                return;
             }
         }
         // n > 4: the add in the BLAS product's epilogue (beta 1; same bits) where it takes it.
@@ -1699,19 +1706,12 @@ impl Backend for GpuBackend {
         }
         // n = 2..4 (verify steps): the fused n = 1 form once per token (two products and a
         // SwiGLU launch otherwise).
-        if (2..=4).contains(&n) && !self.failed() {
-            if let Some((_, _, cols, _, _)) = g.mat_parts() {
-                let one = |t: usize| {
-                    let mut ht = h.view(t * ff, ff);
-                    self.mv_gateup(g, u, &x.view(t * cols, cols), 1, ff, &mut ht, clamp)
-                };
-                if one(0) {
-                    let _p = self.prof(|| "matmul_gateup n>1 per token".to_string());
-                    for t in 1..n {
-                        one(t);
-                    }
-                    return;
-                }
+        if let Some((_, _, cols, _, _)) = g.mat_parts() {
+            if self.per_token(n, "matmul_gateup n>1 per token", |t| {
+                let mut ht = h.view(t * ff, ff);
+                self.mv_gateup(g, u, &x.view(t * cols, cols), 1, ff, &mut ht, clamp)
+            }) {
+                return;
             }
         }
         let mut t = self.alloc(n * ff);
