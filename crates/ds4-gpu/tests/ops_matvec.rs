@@ -1029,7 +1029,7 @@ fn matvec_merged() {
 /// `mvxn_r4u2_q8_0` (row totals scaled by the norm); `Backend::matmul_add`: the shared down product added into the
 /// routed sum by `mvra_r2u2_q8_0`) against the CPU reference (the trait defaults: norm then
 /// product, product then add), with shapes the fused kernels take (Q8_0 decode copies, n = 1,
-/// <= 1024 columns for the norm, > 1024 for the add; the add also at n = 2..4, once per token)
+/// <= 1024 columns for the norm, > 1024 for the add; both also at n = 2..4, once per token)
 /// and shapes that fall back (longer or shorter rows): the product, the normed x left in `x`,
 /// and the sum; each GPU run twice, bitwise equal.
 #[test]
@@ -1041,7 +1041,8 @@ fn matvec_fused() {
     let mut cases = Cases::default();
     let eps = 1e-6;
     // (cols, rows, n): the real q_b (1024 -> 32768) and indexer-free shapes, a ragged row
-    // count, short rows, then fallbacks (n = 2, 2048 columns).
+    // count, short rows, a fallback (2048 columns), and 2-4-token steps (the fused form per
+    // token, the normed rows gathered into x).
     let norm_shapes: &[(usize, usize, usize)] = &[
         (1024, 32768, 1),
         (1024, 4099, 1),
@@ -1049,6 +1050,10 @@ fn matvec_fused() {
         (96, 33, 1),
         (1024, 300, 2),
         (2048, 64, 1),
+        // 2-4-token steps: the fused form once per token
+        (1024, 32768, 2),
+        (1024, 4099, 3),
+        (512, 70, 4),
     ];
     for (si, &(cols, rows, n)) in norm_shapes.iter().enumerate() {
         let w = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, 2100 + si as u64);

@@ -1656,6 +1656,24 @@ impl Backend for GpuBackend {
         if n == 1 && self.product_width_ok(w) && self.mv_norm_matmul(x, cols, norm, eps, w, y) {
             return;
         }
+        // n = 2..4 (verify steps): that form once per token, each token's normed row copied
+        // into one buffer that then replaces `x` (rms_norm + a 2-token q_b product otherwise).
+        if let (true, Some((_, _, _, rows, _))) = (self.product_width_ok(w), w.mat_parts()) {
+            let normed = self.scratch(n * cols);
+            if self.per_token(n, "rms_norm_matmul n>1 per token", |t| {
+                let mut xt = x.view(t * cols, cols);
+                let mut yt = y.view(t * rows, rows);
+                let ran = self.mv_norm_matmul(&mut xt, cols, norm, eps, w, &mut yt);
+                if ran {
+                    // xt is now token t's normed row (its own scratch buffer).
+                    self.d2d(normed.ptr.offset((t * cols * 4) as u64), xt.ptr, cols * 4);
+                }
+                ran
+            }) {
+                *x = normed;
+                return;
+            }
+        }
         self.rms_norm(x, n, cols, norm, eps);
         self.matmul(w, Part::All, x, n, y);
     }
