@@ -21,7 +21,7 @@ pub struct ModelArgs {
     pub synthetic_seed: u64,
     /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): greedy generation then
     /// drafts one token per step with it and verifies it in the same batch (same output). On a
-    /// GPU a verify step costs ~1.8 plain steps, so it pays only when nearly every draft is kept
+    /// GPU a verify step costs ~1.9 plain steps, so it pays only when nearly every draft is kept
     /// (`ds4 bench --spec-accept 1,0.8` measures both).
     #[arg(long)]
     pub mtp: Option<PathBuf>,
