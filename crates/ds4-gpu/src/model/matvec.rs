@@ -127,19 +127,13 @@ static Q8_IL: AtomicBool = AtomicBool::new(true);
 /// graph us out_a 11.6 against 12.5, out_b 12.1 against 12.9, but 2k decode 157.4 against 157.0
 /// tok/s (4 pairs, within noise; bench/results/gpu-m119-h200.txt).
 static MVR_PIPE: AtomicBool = AtomicBool::new(false);
-/// `mvrn*` products for n = 2..4 (on unless `DS4_GPU_MVRN=off`; UNSET_B: read it).
-static MVRN: AtomicU8 = AtomicU8::new(UNSET_B);
-const UNSET_B: u8 = 2;
+/// `mvrn*` products for n = 2..4: 1 on, 2 off (`DS4_GPU_MVRN=off`), 0 not read yet.
+static MVRN: AtomicU8 = AtomicU8::new(0);
 /// `mvrn*` launches (process-wide; tests: the n = 2..4 form ran).
 static MVRN_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 fn mvrn_on() -> bool {
-    let mut v = MVRN.load(Ordering::Relaxed);
-    if v == UNSET_B {
-        v = (std::env::var("DS4_GPU_MVRN").as_deref() != Ok("off")) as u8;
-        MVRN.store(v, Ordering::Relaxed);
-    }
-    v == 1
+    super::switch::env_code(&MVRN, "DS4_GPU_MVRN", super::switch::on_unless_off) == 1
 }
 
 /// Columns of one interleaved tile.
@@ -583,7 +577,7 @@ impl GpuBackend {
     /// The n = 2..4 decode-layout Q8_0 products (`mvrn*`) on or off (default on, or
     /// `DS4_GPU_MVRN=off`); process-wide, for tests and benchmarks.
     pub fn set_matvec_mvrn(on: bool) {
-        MVRN.store(on as u8, Ordering::Relaxed);
+        MVRN.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// `mvrn*` launches so far in this process.

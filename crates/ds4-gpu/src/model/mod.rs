@@ -1658,7 +1658,9 @@ impl Backend for GpuBackend {
         }
         // n = 2..4 (verify steps): that form once per token, each token's normed row copied
         // into one buffer that then replaces `x` (rms_norm + a 2-token q_b product otherwise).
-        if let (true, Some((_, _, _, rows, _))) = (self.product_width_ok(w), w.mat_parts()) {
+        // (The gather buffer only for such steps: a prompt's rows never come here.)
+        let step = (2..=4).contains(&n) && self.product_width_ok(w);
+        if let (true, Some((_, _, _, rows, _))) = (step, w.mat_parts()) {
             let normed = self.scratch(n * cols);
             if self.per_token(n, "rms_norm_matmul n>1 per token", |t| {
                 let mut xt = x.view(t * cols, cols);

@@ -35,7 +35,7 @@
 use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, MoeSpec};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// Process-wide switch (on by default) so tests and benchmarks can compare with the older paths.
@@ -112,19 +112,19 @@ struct MoeIo {
     out: DevPtr,
 }
 
-/// n = 2..4 by the n = 1 v3ip kernels once per token (default on; `DS4_GPU_MOE_TOKENS=off` or
-/// [`GpuBackend::set_moe_per_token`]: the v1 kernels, one launch pair for every token).
-static PER_TOKEN: AtomicUsize = AtomicUsize::new(2);
+/// n = 2..4 by the n = 1 v3ip kernels once per token: 1 on (default), 2 off
+/// (`DS4_GPU_MOE_TOKENS=off` or [`GpuBackend::set_moe_per_token`]: the v1 kernels, one launch
+/// pair for every token), 0 not read yet.
+static PER_TOKEN: AtomicU8 = AtomicU8::new(0);
 /// Products run per token that way (process-wide; tests).
 static TOKEN_RUNS: AtomicUsize = AtomicUsize::new(0);
 
 fn per_token() -> bool {
-    let mut v = PER_TOKEN.load(Ordering::Relaxed);
-    if v == 2 {
-        v = (std::env::var("DS4_GPU_MOE_TOKENS").as_deref() != Ok("off")) as usize;
-        PER_TOKEN.store(v, Ordering::Relaxed);
-    }
-    v == 1
+    super::switch::env_code(
+        &PER_TOKEN,
+        "DS4_GPU_MOE_TOKENS",
+        super::switch::on_unless_off,
+    ) == 1
 }
 
 /// Threads per CTA, row-dots per reduction group, most pairs, table bytes (`MOE_*` in moe.cu).
@@ -205,7 +205,7 @@ impl GpuBackend {
 
     /// n = 2..4 products by the n = 1 v3ip kernels once per token (default on).
     pub fn set_moe_per_token(on: bool) {
-        PER_TOKEN.store(on as usize, Ordering::Relaxed);
+        PER_TOKEN.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// How many n = 2..4 products ran per token that way (process-wide).

@@ -3,7 +3,8 @@
 //! first, which then wins. Each variable's names, default and codes are documented beside its
 //! cell. Two cell conventions, as the files had them (their codes and setters are unchanged):
 //! - codes from 1, 0 = not read yet: [`env_code`], [`env_pick`], [`env_form`], [`set_code`]
-//!   (attn.rs, mix.rs, blas.rs `DS4_GPU_BLAS_ACC`);
+//!   (attn.rs, mix.rs, blas.rs `DS4_GPU_BLAS_ACC`, matvec.rs `DS4_GPU_MVRN`, moe.rs
+//!   `DS4_GPU_MOE_TOKENS`);
 //! - codes from 0, [`UNSET`] = not read yet: [`code`], [`switch_on`] (gemm*.rs, blas.rs).
 
 use std::sync::atomic::{AtomicU8, Ordering};
