@@ -640,8 +640,12 @@ fn index_select_matches_cpu() {
         // Decode: one token just past top_k rows, 64 heads; odd head count.
         run_index(&cpu, &gpu, 64, 512, true, 1, 2600, 11);
         run_index(&cpu, &gpu, 7, 8, true, 1, 301, 12);
-        // Decode past one top-k CTA's 16384 rows (two levels: index_topk_l1 + l2).
+        // Decode past one top-k CTA's 16384 rows (two levels: index_topk_l1 + l2); with that
+        // many rows decode's scores walk more than 64 rows a CTA (attn.rs ixt_rb_few: ~two CTAs
+        // an SM), also at a 400k / 300k context (100k / 75k rows, ragged last CTAs).
         run_index(&cpu, &gpu, 64, 512, true, 1, 70_000, 16);
+        run_index(&cpu, &gpu, 64, 512, true, 1, 400_000, 18);
+        run_index(&cpu, &gpu, 64, 512, true, 2, 300_001, 19);
     }
     GpuBackend::set_attn_simple(false);
     GpuBackend::set_attn_glue_old(false);

@@ -956,7 +956,7 @@ DS4_KERNEL void DS4_BOUNDS(M2_LB2) m2dn1_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2
 DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter(); m2dn_body<T_Q4_K, 2>(M2DN_ARGS); }
 
 // ===================================================================================================
-// Form 3 (m3*, "v3d", n = 1, CUDA sm_80+): gate + up of IQ2_XXS experts (m3gu1) and the Q2_K
+// Form 3 (m3*, "v3d", n = 1; n = 2..4 as n one-token products, CUDA sm_80+): gate + up of IQ2_XXS experts (m3gu1) and the Q2_K
 // down (m3dn1, below) on tensor cores, exact in the weights. Gate / up: mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows (rows 0-7: gate rows r..r+7,
 // rows 8-15: the same up rows, so one lane ends with gate and up of its row), B column 0 = x_hi,
 // column 1 = x_lo (x * 2^sigma split in two f16: ~22 bits; sigma puts max |x| in [2^14, 2^15)),
@@ -1092,12 +1092,15 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     float* wmax = red + 8 * 16;                 // [8 warps]
     u8* stg = (u8*)(wmax + 8);                  // 3 stages (16-byte aligned: see the host)
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
-    int p = blockIdx.y, e = sel[p];
-    for (int q = 0; q < p; q++)
-        if (sel[q] == e) return; // an earlier pair computes expert e (uniform over the CTA)
-    u32 pmask = 0;               // pairs (n = 1: slots, k <= 32) holding e
-    for (int q = p; q < k; q++)
+    // Pair p = (token p / k, slot p % k); n tokens (speculative verify steps: n <= 4, n k <= 32)
+    // are n independent one-token products: each token's pairs as n = 1 runs them (same bits).
+    int p = blockIdx.y, e = sel[p], q0 = p - p % k;
+    for (int q = q0; q < p; q++)
+        if (sel[q] == e) return; // an earlier pair of the token computes expert e (CTA-uniform)
+    u32 pmask = 0;               // the token's pairs holding e (bit = pair index, < 32)
+    for (int q = p; q < q0 + k; q++)
         if (sel[q] == e) pmask |= 1u << q;
+    x += (long long)(p / k) * cols;
     int ks_n = cols / 2048, r0c = blockIdx.x * nb * 8;
     int ntl = min(nb, (rows - r0c + 7) / 8), S = ntl * ks_n;
     const u8* gb = Wg + (long long)max(e, 0) * slab;
@@ -1194,7 +1197,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
                 uv = fminf(fmaxf(uv, -clamp), clamp);
                 float base = gv * (1.0f / (1.0f + expf(-gv))) * uv;
                 hmax = fmaxf(hmax, fabsf(base));
-                for (u32 m = pmask; m != 0; m &= m - 1) { // n = 1: token 0
+                for (u32 m = pmask; m != 0; m &= m - 1) {
                     int pp = __ffs(m) - 1;
                     h[(long long)pp * hs + r] = base * wgt[pp];
                 }
@@ -1216,7 +1219,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
 }
 #endif
 
-// Down (n = 1, Q2_K, 2048 columns = 8 blocks a row): out[r] = sum over slots s in order of row r
+// Down (a token a grid row, Q2_K, 2048 columns = 8 blocks a row): out[r] = sum over slots s in order of row r
 // of expert sel[s] . h[s]. CTA: 16 output rows (mma rows), 16 warps: warp w = block w / 2,
 // 128-column chunk w % 2 (lane tig: elements 32 j + 8 tig .. + 8 of the chunk's 32-column group
 // j, step 2 j + i: 4 i .. 4 i + 3 of them; weights q * scale <= 45, as f16 bits the subnormal
@@ -1460,11 +1463,16 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
     m3gu_body(M3GU_ARGS);
 #endif
 }
-// n = 1, cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu.
+// cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu. Token t = blockIdx.y (grid y
+// = n <= 4): its k slots, h and maxima, its output row -- the one-token product (same bits).
+#define M3DN_TOK(I8)                                                                                      \
+    const long long t_ = blockIdx.y;                                                                      \
+    m3dn_body<I8>(W, sel + t_ * k, slab, hx + t_ * k * hs, n, k, out + t_ * rows, rows, cols, row_bytes, hs, \
+                  mx + t_ * k * ngu, ngu);
 DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<false>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    M3DN_TOK(false)
 #endif
 }
 // The same on int8 tensor cores, 6 stages, the weights' loads before the PDL wait
@@ -1472,7 +1480,7 @@ DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restr
 DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     DS4_PDL_LATE;
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
-    m3dn_body<true>(W, sel, slab, hx, n, k, out, rows, cols, row_bytes, hs, mx, ngu);
+    M3DN_TOK(true)
 #endif
 }
 

@@ -136,6 +136,34 @@ const IXT_TOK: usize = 4;
 const IXT_RB: usize = 256;
 const IXT_RB_FEW: usize = 64;
 const IXT_FEW: usize = 4;
+/// Most rows a decode `index_scores_tc` CTA walks ([`ixt_rb_few`]).
+const IXT_RB_FEW_MAX: usize = 1024;
+/// `DS4_GPU_IXT_RB=N`: decode's rows per CTA fixed at N (a multiple of 32; A/B runs); unset or 0:
+/// [`ixt_rb_few`]'s choice. Read once.
+static IXT_RB_ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Rows per CTA of decode's `index_scores_tc` for a score row of `stride` candidates on `sms`
+/// SMs: `IXT_RB_FEW` until that makes more than two CTAs an SM, then the multiple of 32 that
+/// makes about two (at most `IXT_RB_FEW_MAX`). Past ~128k tokens of context 64 rows a CTA left
+/// each CTA one tile of rows in flight after loading its query fragments: 31 us a layer at 256k
+/// (64k rows, 32 MB of f32 rows: ~1 TB/s). Every row's score is computed as before (same bits);
+/// `stride` moves only when the rows' capacity doubles, so decode graphs stay valid.
+pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
+    let env = *IXT_RB_ENV.get_or_init(|| {
+        std::env::var("DS4_GPU_IXT_RB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0 && v.is_multiple_of(32))
+            .unwrap_or(0)
+    });
+    if env > 0 {
+        return env;
+    }
+    stride
+        .div_ceil(2 * sms.max(1))
+        .next_multiple_of(32)
+        .clamp(IXT_RB_FEW, IXT_RB_FEW_MAX)
+}
 
 /// The prompt's indexer scores on Hopper wgmma (`index_scores_wg`, sm_90a; same bits as
 /// `index_scores_tc`, which batches of at most `IXT_FEW` tokens keep): `DS4_GPU_INDEX_WG=off`
@@ -897,7 +925,11 @@ impl GpuBackend {
                 // (kernel, grid, the two arguments after the rows' stride): the same
                 // arguments otherwise (attention.cu / attn_tc.cu signatures).
                 let (module, name, dims, mid) = if tc {
-                    let rb = if nb <= IXT_FEW { IXT_RB_FEW } else { IXT_RB };
+                    let rb = if nb <= IXT_FEW {
+                        ixt_rb_few(stride, self.gpu.info().sm_count as usize)
+                    } else {
+                        IXT_RB
+                    };
                     let dims = LaunchDims {
                         grid: [stride.div_ceil(rb) as u32, nb.div_ceil(IXT_TOK) as u32, 1],
                         block: [256, 1, 1],
@@ -1610,5 +1642,38 @@ impl GpuBackend {
                 Arg::I32(spec.n_rot as i32),
             ],
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_index_rows_per_cta_grow_with_the_rows() {
+        if std::env::var("DS4_GPU_IXT_RB").is_ok() {
+            eprintln!("skipped: DS4_GPU_IXT_RB fixes the choice");
+            return;
+        }
+        // Up to ~128k tokens of context (32k rows) the old 64 rows a CTA.
+        assert_eq!(ixt_rb_few(512, 132), IXT_RB_FEW);
+        assert_eq!(ixt_rb_few(16384, 132), IXT_RB_FEW);
+        // Then about two CTAs an SM, in whole 32-row tiles.
+        assert_eq!(ixt_rb_few(32768, 132), 128);
+        assert_eq!(ixt_rb_few(65536, 132), 256);
+        assert_eq!(ixt_rb_few(262144, 132), IXT_RB_FEW_MAX);
+        for stride in [1, 100, 4096, 40000, 65536, 1 << 20] {
+            for sms in [0, 1, 16, 78, 132, 304] {
+                let rb = ixt_rb_few(stride, sms);
+                assert!(rb.is_multiple_of(32) && (IXT_RB_FEW..=IXT_RB_FEW_MAX).contains(&rb));
+                // Never fewer CTAs than SMs where there are rows for them at 64 a CTA.
+                if stride / IXT_RB_FEW >= sms && rb > IXT_RB_FEW {
+                    assert!(
+                        stride.div_ceil(rb) >= sms,
+                        "{stride} rows, {sms} SMs: rb {rb}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -9,9 +9,10 @@
 //! variant lost: removed, code in git at bba6ee6). Where v3d does not cover the product, v2 (`m2gu<NT>_<t>` + `m2dn<NT>_<t>`) loads each lane's bytes of every row straight
 //! from global memory, x in registers, and passes h to the down kernel in that kernel's lane
 //! order; v1 (where v3ip does not cover n = 2..4; it measured faster than v2 there) stages rows
-//! in shared memory. n = 2..4 (speculative verify steps) runs v3ip's n = 1 kernels once per token
-//! where they cover the product (session 33: ~84 against ~117 us a layer at n = 2 on the H200,
-//! bench/results/gpu-spec-s33-h200.txt; `DS4_GPU_MOE_TOKENS=off`: v1). Numbers: bench/results/gpu-moe-m8-h200.txt, gpu-moe-m9-h200.txt (session 9: the v3d
+//! in shared memory. n = 2..4 (speculative verify steps) runs v3ip's kernels with each token's
+//! pairs as its one-token product, where they cover the product (session 33, then a launch pair
+//! a token: ~84 against ~117 us a layer at n = 2 on the H200, bench/results/gpu-spec-s33-h200.txt;
+//! session 34: one launch pair for all tokens, gpu-long-s34-h200.txt; `DS4_GPU_MOE_TOKENS=off`: v1). Numbers: bench/results/gpu-moe-m8-h200.txt, gpu-moe-m9-h200.txt (session 9: the v3d
 //! kernels' shared-memory loads and the down's expert-id loads trimmed, gate/up 35.6 -> 34.3 us,
 //! down 20.7 -> 20.5 us under ncu; a nibble-coded grid, two mma chains and a balanced down lost,
 //! code in 90d531e). Session 15 (bench/results/gpu-moe-i15-h200.txt): the gate/up on int8
@@ -53,8 +54,8 @@ static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v3ip ones (the int8 down).
 static V3IP_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Form: 0 default (v3ip for n = 1, v3ip per token for n = 2..4, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
-/// `m3dn1_q2_k`: n = 1, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
+/// Form: 0 default (v3ip for n = 1, v3ip token by token for n = 2..4, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
+/// `m3dn1_q2_k`: n <= 4, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
 /// 4 v3ip (v3d with `m3dn1ip_q2_k`, the int8 down, where v3d runs);
 /// `DS4_GPU_MOE_FORM=v1|v2|v3d|v3ip`.
 static FORM: AtomicUsize = AtomicUsize::new(0);
@@ -99,9 +100,10 @@ fn v3d_smem(nst: usize) -> usize {
     2 * 512 * 16 + 2 * 8 * 2 * 16 * 2 + 16 * 16 * 4 + 64 * 4 + nst * 16 * 688
 }
 
-/// Whether the v3d down covers dn: n = 1, Q2_K rows of 2048 columns, at most MAXP slots.
+/// Whether the v3d down covers dn: n = 1..4 tokens (a grid row each), Q2_K rows of 2048
+/// columns, at most MAXP pairs.
 fn v3d_fits(dn: Mat, n: usize, k: usize) -> bool {
-    n == 1 && dn.1 == "q2_k" && dn.2 == 2048 && dn.4 == 672 && k <= MAXP
+    (1..=4).contains(&n) && dn.1 == "q2_k" && dn.2 == 2048 && dn.4 == 672 && n * k <= MAXP
 }
 
 /// A product's device operands: token rows z [n, d], slots sel / wgt [n, k], output [n, d].
@@ -112,9 +114,9 @@ struct MoeIo {
     out: DevPtr,
 }
 
-/// n = 2..4 by the n = 1 v3ip kernels once per token: 1 on (default), 2 off
-/// (`DS4_GPU_MOE_TOKENS=off` or [`GpuBackend::set_moe_per_token`]: the v1 kernels, one launch
-/// pair for every token), 0 not read yet.
+/// n = 2..4 by the v3ip kernels token by token (each token's pairs as its one-token product, all
+/// tokens in one launch pair): 1 on (default), 2 off (`DS4_GPU_MOE_TOKENS=off` or
+/// [`GpuBackend::set_moe_per_token`]: the v1 kernels), 0 not read yet.
 static PER_TOKEN: AtomicU8 = AtomicU8::new(0);
 /// Products run per token that way (process-wide; tests).
 static TOKEN_RUNS: AtomicUsize = AtomicUsize::new(0);
@@ -203,7 +205,7 @@ impl GpuBackend {
         V3D_RUNS.load(Ordering::Relaxed)
     }
 
-    /// n = 2..4 products by the n = 1 v3ip kernels once per token (default on).
+    /// n = 2..4 products by the v3ip kernels token by token (default on).
     pub fn set_moe_per_token(on: bool) {
         PER_TOKEN.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
@@ -272,21 +274,15 @@ impl GpuBackend {
             wgt: wgt.ptr,
             out: out.ptr,
         };
-        // n = 2..4 (speculative verify steps): the n = 1 v3ip kernels once per token (the
-        // token's k slots, its x and output row), where they cover the product.
-        if form == 0 && n > 1 && per_token() && self.v3_fits(g, 1) && v3d_fits(dn, 1, k) {
-            for t in 0..n {
-                let at = |p: DevPtr, words: usize| p.offset((t * words * 4) as u64);
-                let one = MoeIo {
-                    z: at(io.z, d),
-                    sel: at(io.sel, k),
-                    wgt: at(io.wgt, k),
-                    out: at(io.out, d),
-                };
-                if !self.dec_moe_v2(spec, (g, u, dn), &one, 1, true, true) {
-                    return false; // not reached: the same checks as n = 1 (nothing run before)
-                }
-            }
+        // n = 2..4 (speculative verify steps): the v3ip kernels with every token's pairs as the
+        // one-token product runs them (one launch pair for all tokens; same bits per token).
+        if form == 0
+            && n > 1
+            && per_token()
+            && self.v3_fits(g, n)
+            && v3d_fits(dn, n, k)
+            && self.dec_moe_v2(spec, (g, u, dn), &io, n, true, true)
+        {
             RUNS.fetch_add(1, Ordering::Relaxed);
             TOKEN_RUNS.fetch_add(1, Ordering::Relaxed);
             return true;
@@ -356,11 +352,12 @@ impl GpuBackend {
         true
     }
 
-    /// Whether the v3d gate/up (`m3gu1_iq2_xxs`) covers gate/up g at n tokens: n = 1, IQ2_XXS rows of a
-    /// multiple of 2048 columns (stages of 8 blocks), x fragments within shared memory, CUDA sm_80+.
+    /// Whether the v3d gate/up (`m3gu1_iq2_xxs`) covers gate/up g at n tokens: n = 1..4 (a token's
+    /// pairs as its one-token product), IQ2_XXS rows of a multiple of 2048 columns (stages of 8
+    /// blocks), x fragments within shared memory, CUDA sm_80+.
     fn v3_fits(&self, g: Mat, n: usize) -> bool {
         let info = self.gpu.info();
-        n == 1
+        (1..=4).contains(&n)
             && g.1 == "iq2_xxs"
             && g.2.is_multiple_of(2048)
             && g.4 == g.2 / 256 * 66
@@ -413,7 +410,7 @@ impl GpuBackend {
         let red_gu = (warps * nb * 2 * rb_gu * nt).next_multiple_of(4);
         let smem_gu = 2048 + 4 * red_gu + 16 * nt * 8 * upp;
         let smem_dn = 2048 + 4 * (4 * MAXP + 4) + 4 * wpg(ff) * pairs * tr_dn;
-        if smem_gu > SMEM || smem_dn > SMEM {
+        if !v3d && (smem_gu > SMEM || smem_dn > SMEM) {
             return false;
         }
         // h in the down kernel's lane order: per pair, whole warps of 32-column units (v3d:
@@ -469,11 +466,13 @@ impl GpuBackend {
                 smem_dn,
             ),
         };
+        // v3d: a token a grid row (m3dn1*: M3DN_TOK); v2 takes every token in each CTA.
+        let rows_y = if mx.is_some() { n } else { 1 };
         self.run(
             &ds4_kernels::MOE,
             &name,
             LaunchDims {
-                grid: [grid as u32, 1, 1],
+                grid: [grid as u32, rows_y as u32, 1],
                 block: [block as u32, 1, 1],
                 shared_bytes: smem as u32,
             },
