@@ -3,7 +3,7 @@
 //! (1) µs per call, `reps` launches back to back between two events (after 10), as model/attn.rs
 //! `index_topk` launches them: `index_topk_ps` (old), `index_topk_r` (one CTA,
 //! keys in registers; v <= 16384), `index_topk_l1` + `index_topk_l2` (two levels, a pair of
-//! launches per call; v > 16384). Every form's selection must equal the old one's (exit 1 if not).
+//! launches per call; v > 16384; level-1 chunks of 16384 (the default) down to 2048). Every form's selection must equal the old one's (exit 1 if not).
 //! (2) The indexer query of one decode token (64 heads × 128, 64 RoPE dims): the copy, `rope_f32`
 //! and `round_fp4h128_f32` against `index_qprep_f32` (its output must have their bits).
 
@@ -75,13 +75,14 @@ fn main() {
     let mut r = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(7);
     let up = |b: &[u8]| gpu.alloc_from(b).expect("device memory");
     let mut differ = false;
-    for &v in &[8192usize, 16384, 32768, 131_072, 262_144] {
+    for &v in &[8192usize, 16384, 32768, 65_536, 131_072, 262_144] {
         let sc: Vec<f32> = (0..v).map(|_| gauss(&mut r)).collect();
         let scores = up(&bytes(&sc, f32::to_le_bytes));
         let sel = gpu.alloc(TOPK * 4).unwrap();
-        let g = v.div_ceil(TK_N);
-        let surv = gpu.alloc(2 * g * TOPK * 4).unwrap();
-        let (skey, spos) = (surv.ptr(), surv.ptr().offset((g * TOPK * 4) as u64));
+        // Survivors for the most chunks any form below takes (TK_N / TOPK).
+        let gmax = TK_N / TOPK;
+        let surv = gpu.alloc(2 * gmax * TOPK * 4).unwrap();
+        let (skey, spos) = (surv.ptr(), surv.ptr().offset((gmax * TOPK * 4) as u64));
         let t = (RATIO * v - 1) as i64;
         let one = |name: &'static str| {
             let args = vec![
@@ -99,39 +100,54 @@ fn main() {
         if v <= TK_N {
             forms.push(("index_topk_r", one("index_topk_r")));
         } else {
-            let l1 = vec![
-                Arg::Ptr(scores.ptr()),
-                Arg::Ptr(skey),
-                Arg::Ptr(spos),
-                Arg::I64(t),
-                Arg::I64(v as i64),
-                Arg::I32(RATIO as i32),
-                Arg::I32(TOPK as i32),
-                Arg::I32(g as i32),
-                Arg::Null,
-            ];
-            let l2 = vec![
-                Arg::Ptr(skey),
-                Arg::Ptr(spos),
-                Arg::Ptr(sel.ptr()),
-                Arg::I64(t),
-                Arg::I32(RATIO as i32),
-                Arg::I32(TOPK as i32),
-                Arg::I32(g as i32),
-                Arg::Null,
-            ];
-            let d1 = LaunchDims {
-                grid: [g as u32, 1, 1],
-                block: [1024, 1, 1],
-                shared_bytes: 0,
-            };
-            forms.push((
-                "index_topk_l1+l2",
-                vec![
-                    ("index_topk_l1", d1, l1),
-                    ("index_topk_l2", LaunchDims::linear(1, 1024), l2),
-                ],
-            ));
+            // Level-1 chunks (attn.rs topk_chunk, DS4_GPU_TK_CHUNK): TK_N (the default) and
+            // smaller ones, while their survivors fit one level-2 CTA.
+            for chunk in [TK_N, 8192, 4096, 2048] {
+                let g = v.div_ceil(chunk);
+                if g * TOPK > TK_N {
+                    continue;
+                }
+                let l1 = vec![
+                    Arg::Ptr(scores.ptr()),
+                    Arg::Ptr(skey),
+                    Arg::Ptr(spos),
+                    Arg::I64(t),
+                    Arg::I64(v as i64),
+                    Arg::I32(RATIO as i32),
+                    Arg::I32(TOPK as i32),
+                    Arg::I32(g as i32),
+                    Arg::I32(chunk as i32),
+                    Arg::Null,
+                ];
+                let l2 = vec![
+                    Arg::Ptr(skey),
+                    Arg::Ptr(spos),
+                    Arg::Ptr(sel.ptr()),
+                    Arg::I64(t),
+                    Arg::I32(RATIO as i32),
+                    Arg::I32(TOPK as i32),
+                    Arg::I32(g as i32),
+                    Arg::I32(chunk as i32),
+                    Arg::Null,
+                ];
+                let d1 = LaunchDims {
+                    grid: [g as u32, 1, 1],
+                    block: [1024, 1, 1],
+                    shared_bytes: 0,
+                };
+                forms.push((
+                    match chunk {
+                        TK_N => "l1+l2 chunk 16384",
+                        8192 => "l1+l2 chunk 8192",
+                        4096 => "l1+l2 chunk 4096",
+                        _ => "l1+l2 chunk 2048",
+                    },
+                    vec![
+                        ("index_topk_l1", d1, l1),
+                        ("index_topk_l2", LaunchDims::linear(1, 1024), l2),
+                    ],
+                ));
+            }
         }
         let mut first: Option<Vec<i32>> = None;
         for round in 0..2 {

@@ -767,8 +767,11 @@ fn index_topk_matches_cpu() {
     const N: usize = 16384; // one top-k CTA's rows (index_topk_r; DS4_TK_N)
                             // One token seeing v rows: position 4v − 1.
     let at = |v: usize| 4 * v - 1;
-    for old in [false, true] {
+    // The old kernel, and the new ones with level-1 chunks of 16384 (the default), 4096, 2048.
+    for (old, chunk) in [(false, 0), (false, 4096), (false, 2048), (true, 0)] {
         GpuBackend::set_topk_old(old);
+        GpuBackend::set_topk_chunk(chunk);
+        println!("old {old}, level-1 chunk {chunk} (0: 16384)");
         let mut seed = 100;
         let mut case = |stride: usize, n: usize, t0: usize, k: usize| {
             seed += 1;
@@ -820,6 +823,7 @@ fn index_topk_matches_cpu() {
         case(2 * N, 1, at(30_000), 8193);
     }
     GpuBackend::set_topk_old(false);
+    GpuBackend::set_topk_chunk(0);
 }
 
 /// The indexer query's prep in one launch (index_qprep_f32) has the bits of the copy, rope_f32

@@ -1158,19 +1158,19 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk_r(const float* __restrict__ scores, 
     DS4_TK_EMIT(kk, n, e, thr, need, sm, out[slot] = r_)
 }
 
-// Two levels for rows of more than DS4_TK_N candidates (decode; host: top_k <= DS4_TK_N / G).
-// Level 1, grid (G, tokens): CTA c takes positions [c·N, c·N + N) (N = DS4_TK_N) of its token and
+// Two levels for rows of more than DS4_TK_N candidates (decode; host: top_k <= N <= DS4_TK_N and
+// G·top_k <= DS4_TK_N). Level 1, grid (G, tokens): CTA c takes positions [c·N, c·N + N) of its token and
 // writes its own top min(top_k, count) (keys and positions, ascending) to slot c of the token's
 // G·top_k survivors. The token's top_k are among the survivors (a key beaten by fewer than top_k
 // keys overall is beaten by fewer than top_k in its chunk), and the survivors lie contiguous and
 // in position order: every chunk before the last non-empty one is full (N >= top_k survivors).
-DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l1(const float* __restrict__ scores, u32* __restrict__ skey, int* __restrict__ spos, long long tba, long long max_vis, int ratio, int top_k, int G, const long long* __restrict__ sp) {
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l1(const float* __restrict__ scores, u32* __restrict__ skey, int* __restrict__ spos, long long tba, long long max_vis, int ratio, int top_k, int G, int N, const long long* __restrict__ sp) {
     ds4_pdl_enter();
     __shared__ ds4_tk_smem sm;
     const int c = blockIdx.x, i = blockIdx.y;
-    const long long vis = (DS4_POS(sp, tba) + i + 1) / ratio, c0 = (long long)c * DS4_TK_N;
+    const long long vis = (DS4_POS(sp, tba) + i + 1) / ratio, c0 = (long long)c * N;
     if (vis <= top_k || c0 >= vis) return; // level 2 writes the trivial selection
-    const int n = (int)min(vis - c0, (long long)DS4_TK_N), e = ds4_tk_e(n);
+    const int n = (int)min(vis - c0, (long long)N), e = ds4_tk_e(n);
     u32 kk[DS4_TK_E];
     ds4_tk_load(scores + (size_t)i * max_vis + c0, n, e, kk);
     u32 thr, need;
@@ -1181,7 +1181,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l1(const float* __restrict__ scores,
 
 // Level 2, grid tokens: the top_k of the token's survivors (count G' · top_k + min(top_k, rest)),
 // ties to the lower survivor slot (= the lower position), written ascending to sel.
-DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l2(const u32* __restrict__ skey, const int* __restrict__ spos, int* __restrict__ sel, long long tba, int ratio, int top_k, int G, const long long* __restrict__ sp) {
+DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l2(const u32* __restrict__ skey, const int* __restrict__ spos, int* __restrict__ sel, long long tba, int ratio, int top_k, int G, int N, const long long* __restrict__ sp) {
     ds4_pdl_enter();
     __shared__ ds4_tk_smem sm;
     const int i = blockIdx.x;
@@ -1191,7 +1191,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk_l2(const u32* __restrict__ skey, con
         for (int k = threadIdx.x; k < top_k; k += blockDim.x) out[k] = k < vis ? k : -1;
         return;
     }
-    const long long full = vis / DS4_TK_N, rest = vis % DS4_TK_N;
+    const long long full = vis / N, rest = vis % N;
     const int n = (int)min(full * top_k + min(rest, (long long)top_k), (long long)G * top_k), e = ds4_tk_e(n);
     const u32* ks = skey + (size_t)i * G * top_k;
     const int* ps = spos + (size_t)i * G * top_k;

@@ -7,7 +7,7 @@ use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
 use ds4_kernels::{ATTENTION, ATTN_TC};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// Most score values the indexer keeps at once (tokens are batched under this).
 const INDEX_SCORE_BUDGET: usize = 1 << 26;
@@ -121,6 +121,26 @@ static TOPK_MODE: AtomicU8 = AtomicU8::new(0);
 const TK_N: usize = 16384;
 /// Most tokens the two-level top-k takes at once (decode; its survivors are scratch).
 const TK2_MAX_TOK: usize = 64;
+/// Candidates a level-1 top-k CTA takes (`index_topk_l1`): 0 the default ([`TK_N`]), else
+/// [`GpuBackend::set_topk_chunk`] or `DS4_GPU_TK_CHUNK` (read once; clamped to top_k ..= TK_N).
+static TK_CHUNK: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// The level-1 chunk for top `k` (see [`TK_CHUNK`]): a multiple of 4 in `k ..= TK_N`.
+fn topk_chunk(k: usize) -> usize {
+    let mut c = TK_CHUNK.load(Ordering::Relaxed);
+    if c == usize::MAX {
+        c = std::env::var("DS4_GPU_TK_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        TK_CHUNK.store(c, Ordering::Relaxed);
+    }
+    if c == 0 {
+        return TK_N;
+    }
+    c.next_multiple_of(4)
+        .clamp(k.next_multiple_of(4).min(TK_N), TK_N)
+}
 
 fn topk_old() -> bool {
     env_form(&TOPK_MODE, "DS4_GPU_TOPK", "old")
@@ -327,6 +347,12 @@ impl GpuBackend {
     /// `DS4_GPU_TOPK=old`. For tests and benchmarks.
     pub fn set_topk_old(on: bool) {
         TOPK_MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// Candidates a level-1 top-k CTA takes for rows of more than 16384 (0: the default,
+    /// 16384); process-wide, overrides `DS4_GPU_TK_CHUNK`. The same selections at any chunk.
+    pub fn set_topk_chunk(chunk: usize) {
+        TK_CHUNK.store(chunk, Ordering::Relaxed);
     }
 
     /// The indexer query's preparation alone, as `index_select` runs it for `n` tokens from
@@ -1060,8 +1086,9 @@ impl GpuBackend {
             Arg::I32(k as i32),
         ];
         let new = !glue_old() && !topk_old() && k >= 1;
-        // Chunks of TK_N candidates for the two levels; their survivors must fit one CTA.
-        let chunks = stride.div_ceil(TK_N);
+        // Chunks of `chunk` candidates for the two levels; their survivors must fit one CTA.
+        let chunk = topk_chunk(k);
+        let chunks = stride.div_ceil(chunk);
         if new && stride <= TK_N {
             let mut args = vec![Arg::Ptr(scores), Arg::Ptr(sel)];
             args.extend(tail);
@@ -1081,6 +1108,7 @@ impl GpuBackend {
             let mut args = vec![Arg::Ptr(scores), Arg::Ptr(skey), Arg::Ptr(spos)];
             args.extend(tail);
             args.push(Arg::I32(chunks as i32));
+            args.push(Arg::I32(chunk as i32));
             args.push(sp_arg);
             let dims = LaunchDims {
                 grid: [chunks as u32, nb as u32, 1],
@@ -1100,6 +1128,7 @@ impl GpuBackend {
                     Arg::I32(ratio as i32),
                     Arg::I32(k as i32),
                     Arg::I32(chunks as i32),
+                    Arg::I32(chunk as i32),
                     sp_arg,
                 ],
             );
