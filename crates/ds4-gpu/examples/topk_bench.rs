@@ -3,7 +3,8 @@
 //! (1) µs per call, `reps` launches back to back between two events (after 10), as model/attn.rs
 //! `index_topk` launches them: `index_topk_ps` (old), `index_topk_r` (one CTA,
 //! keys in registers; v <= 16384), `index_topk_l1` + `index_topk_l2` (two levels, a pair of
-//! launches per call; v > 16384; level-1 chunks of 16384 (the default) down to 2048). Every form's selection must equal the old one's (exit 1 if not).
+//! launches per call; v > 16384; level-1 chunks of 16384 (the default) down to 2048). Every
+//! form's selection must equal the old one's (exit 1 if not).
 //! (2) The indexer query of one decode token (64 heads × 128, 64 RoPE dims): the copy, `rope_f32`
 //! and `round_fp4h128_f32` against `index_qprep_f32` (its output must have their bits).
 

@@ -164,9 +164,10 @@ static IXT_RB_ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
 /// Rows per CTA of decode's `index_scores_tc` for a score row of `stride` candidates on `sms`
 /// SMs: `IXT_RB_FEW` until that makes more than two CTAs an SM, then the multiple of 32 that
-/// makes about two (at most `IXT_RB_FEW_MAX`). Past ~128k tokens of context 64 rows a CTA left
-/// each CTA one tile of rows in flight after loading its query fragments: 31 us a layer at 256k
-/// (64k rows, 32 MB of f32 rows: ~1 TB/s). Every row's score is computed as before (same bits);
+/// makes about two (at most `IXT_RB_FEW_MAX`). At 64 rows a CTA (two 32-row tiles after its
+/// query fragments are loaded) a 256k context ran 1,024 CTAs: 31 us a layer for 32 MB of f32
+/// rows (~1 TB/s); about two CTAs an SM: decode +2% at 128k, +5% at 256k
+/// (bench/results/gpu-long-s34-h200.txt). Every row's score is computed as before (same bits);
 /// `stride` moves only when the rows' capacity doubles, so decode graphs stay valid.
 pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
     let env = *IXT_RB_ENV.get_or_init(|| {
