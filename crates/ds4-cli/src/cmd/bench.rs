@@ -16,9 +16,15 @@ use std::time::Instant;
     ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n\n\
     A header on stderr (lines starting with #) gives the backend, the device memory held by the \
     weights and the session state at 32k and 1M tokens of context.\n\n\
+    Long frontiers take long: every prompt token scores every compressed indexer row (quadratic \
+    in the context). One H200, full-q2: ~9,400 tok/s up to 64k, then 7,450 (64k to 128k), 5,600 \
+    (to 256k) and 3,700 (to 512k); a 256k prompt takes ~40 s, the 512k to 1M part more than 6 \
+    minutes.\n\n\
     Examples:\n  ds4 bench -m models/tiny.gguf --ctx-start 256 --ctx-max 4096 --step-mul 2 --gen-tokens 32\n  \
     ds4 bench --backend cuda --synthetic full-q2 --ctx-start 2048 --ctx-max 32768   (no file: random \
-    weights of the real shapes generated on the GPU)"
+    weights of the real shapes generated on the GPU)\n  \
+    ds4 bench --backend cuda --synthetic full-q2 --ctx-start 65536 --ctx-max 262144 --step-mul 2 \
+    --gen-tokens 32   (the long end)"
 )]
 pub struct Args {
     #[command(flatten)]
