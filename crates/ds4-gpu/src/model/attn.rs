@@ -121,20 +121,23 @@ static TOPK_MODE: AtomicU8 = AtomicU8::new(0);
 const TK_N: usize = 16384;
 /// Most tokens the two-level top-k takes at once (decode; its survivors are scratch).
 const TK2_MAX_TOK: usize = 64;
-/// Candidates a level-1 top-k CTA takes (`index_topk_l1`): 0 the default ([`TK_N`]), else
-/// [`GpuBackend::set_topk_chunk`] or `DS4_GPU_TK_CHUNK` (read once; clamped to top_k ..= TK_N).
+/// Candidates a level-1 top-k CTA takes (`index_topk_l1`), as set by
+/// [`GpuBackend::set_topk_chunk`] (0: the default, [`TK_N`]; `usize::MAX`: not set, then
+/// `DS4_GPU_TK_CHUNK`, read once).
 static TK_CHUNK: AtomicUsize = AtomicUsize::new(usize::MAX);
+static TK_CHUNK_ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
 /// The level-1 chunk for top `k` (see [`TK_CHUNK`]): a multiple of 4 in `k ..= TK_N`.
 fn topk_chunk(k: usize) -> usize {
-    let mut c = TK_CHUNK.load(Ordering::Relaxed);
-    if c == usize::MAX {
-        c = std::env::var("DS4_GPU_TK_CHUNK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        TK_CHUNK.store(c, Ordering::Relaxed);
-    }
+    let c = match TK_CHUNK.load(Ordering::Relaxed) {
+        usize::MAX => *TK_CHUNK_ENV.get_or_init(|| {
+            std::env::var("DS4_GPU_TK_CHUNK")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        }),
+        c => c,
+    };
     if c == 0 {
         return TK_N;
     }
