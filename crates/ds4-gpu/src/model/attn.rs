@@ -188,8 +188,8 @@ pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
 /// keeps `index_scores_tc` with [`ixt_rb_few`]'s rows.
 static INDEX_DEC: AtomicU8 = AtomicU8::new(0);
 /// `index_scores_d`'s dynamic shared bytes (attn_tc.cu `IXD_SMEM`: 3 stages of 32 f32 rows at a
-/// 136-float stride, two 64 x 36 term tiles).
-const IXD_SMEM: u32 = 70_656;
+/// 136-float stride, two 64 x 36 term tiles, 64 RoPE angles).
+const IXD_SMEM: u32 = 71_168;
 
 fn index_dec_ok() -> bool {
     !env_form(&INDEX_DEC, "DS4_GPU_INDEX_DEC", "off")
@@ -905,8 +905,27 @@ impl GpuBackend {
             Some(_) => (0, ix.cap),
             None => (t0, max_vis),
         };
-        let qr = self.scratch(if need_scores { n * nh * ihd } else { 1 });
-        if need_scores {
+        // Decode steps (1-4 tokens) on index_scores_d, which prepares the query itself (rotation
+        // and Hadamard + FP4 as index_qprep_f32, the same bits): no qprep launch, no copy. Where
+        // index_scores_tc would run (see `tc` below; pool scratch is 16-byte aligned) and the
+        // fused prep's own conditions hold (index_qprep).
+        let dec = need_scores
+            && n <= IXT_FEW
+            && index_dec_ok()
+            && !attn_simple()
+            && !glue_old()
+            && !topk_old()
+            && ihd == 128
+            && nh == 64
+            && spec.fp4
+            && spec.n_rot <= ihd
+            && spec.n_rot.is_multiple_of(2)
+            && self.warp() == 32
+            && q.ptr.0.is_multiple_of(16)
+            && ix.rows.ptr().0.is_multiple_of(16)
+            && index_tc_ok(self.gpu.info());
+        let qr = self.scratch(if need_scores && !dec { n * nh * ihd } else { 1 });
+        if need_scores && !dec {
             self.index_qprep(q.ptr, qr.ptr, n, spec, base, sp);
         }
         let ws = 1.0 / ((ihd * nh) as f32).sqrt();
@@ -978,6 +997,34 @@ impl GpuBackend {
                         Arg::F32(ws),
                     ],
                 );
+            } else if need_scores && dec {
+                let _ps = self.prof(|| "index_select: scores".to_string());
+                let rb = ixd_rb(stride, self.gpu.info().sm_count as usize);
+                let dims = LaunchDims {
+                    grid: [stride.div_ceil(rb) as u32, nb as u32, 1],
+                    block: [256, 1, 1],
+                    shared_bytes: IXD_SMEM,
+                };
+                self.run(
+                    &ATTN_TC,
+                    "index_scores_d",
+                    dims,
+                    &[
+                        Arg::Ptr(q.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                        Arg::Ptr(ix.rows.ptr()),
+                        Arg::Ptr(scores.ptr),
+                        Arg::I64(tb as i64),
+                        Arg::I64(stride as i64),
+                        Arg::I32(nb as i32),
+                        Arg::I32(rb as i32),
+                        Arg::I32(spec.ratio as i32),
+                        Arg::F32(ws),
+                        sp_arg,
+                        Arg::Ptr(self.rope_ptr(spec.rope)),
+                        Arg::I32(spec.n_rot as i32),
+                    ],
+                );
             } else if need_scores {
                 // DS4_GPU_PROFILE=1: the two halves of index_select apart.
                 let _ps = self.prof(|| "index_select: scores".to_string());
@@ -988,15 +1035,7 @@ impl GpuBackend {
                 };
                 // (kernel, grid, the two arguments after the rows' stride): the same
                 // arguments otherwise (attention.cu / attn_tc.cu signatures).
-                let (module, name, dims, mid) = if tc && nb <= IXT_FEW && index_dec_ok() {
-                    let rb = ixd_rb(stride, self.gpu.info().sm_count as usize);
-                    let dims = LaunchDims {
-                        grid: [stride.div_ceil(rb) as u32, nb as u32, 1],
-                        block: [256, 1, 1],
-                        shared_bytes: IXD_SMEM,
-                    };
-                    (&ATTN_TC, "index_scores_d", dims, [nb, rb])
-                } else if tc {
+                let (module, name, dims, mid) = if tc {
                     let rb = if nb <= IXT_FEW {
                         ixt_rb_few(stride, self.gpu.info().sm_count as usize)
                     } else {
