@@ -24,7 +24,6 @@
 #include "prelude.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
-#include "rowfmt.cuh"
 
 #define ATC_HG 16     // heads per CTA
 #define ATC_R 32      // rows per tile
@@ -807,13 +806,12 @@ __device__ __forceinline__ u32 ixt_pack(float lo, float hi) {
 }
 // The bf16 A fragments (as mma.m16n8k16) of 16 heads × 128 of one token's FP4-simulated query:
 // qh = the lane's first element (head g of the 16, column 2t); k-step ks: heads g, g + 8 at
-// columns 16 ks + 2t (+1) and + 8; hs floats from one head to the next. index_scores_tc (per
-// 16-head tile), index_scores_wg, index_scores_d (from shared memory).
-__device__ __forceinline__ void ixt_qfrag(const float* __restrict__ qh, u32 (&a)[8][4], int hs = 128) {
+// columns 16 ks + 2t (+1) and + 8. index_scores_tc (per 16-head tile) and index_scores_wg.
+__device__ __forceinline__ void ixt_qfrag(const float* __restrict__ qh, u32 (&a)[8][4]) {
 #pragma unroll
     for (int ks = 0; ks < 8; ks++) {
-        const float2 x0 = *(const float2*)(qh + ks * 16), x1 = *(const float2*)(qh + 8 * hs + ks * 16);
-        const float2 x2 = *(const float2*)(qh + ks * 16 + 8), x3 = *(const float2*)(qh + 8 * hs + ks * 16 + 8);
+        const float2 x0 = *(const float2*)(qh + ks * 16), x1 = *(const float2*)(qh + 8 * 128 + ks * 16);
+        const float2 x2 = *(const float2*)(qh + ks * 16 + 8), x3 = *(const float2*)(qh + 8 * 128 + ks * 16 + 8);
         a[ks][0] = ixt_pack(x0.x, x0.y);
         a[ks][1] = ixt_pack(x1.x, x1.y);
         a[ks][2] = ixt_pack(x2.x, x2.y);
@@ -922,150 +920,6 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
 #endif
 
 DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }
-
-// ---------------------------------------------------------------------------------------------
-// Decode's indexer scores (steps of 1-4 tokens; attn.rs index_select): the contract and bits of
-// index_scores_tc, one token a CTA (blockIdx.y), but from the RAW query q (the indexer's q_b
-// output): the CTA prepares it as index_qprep_f32 does (RoPE of the last n_rot values at the
-// token's position, freqs as its, angles before the PDL wait; Hadamard + FP4), the same
-// operations (rowfmt.cuh), into shared memory, so decode has no qprep launch (whose ~9 us a
-// layer at 128k were on the step's path: knock-out, bench/results/gpu-index-s35-h200.txt). index_scores_tc serves four tokens
-// a CTA, so at one token 6 of its 8 warps only stage rows, and at 218 registers one CTA fits an
-// SM (ncu, 64k context: 12.5% occupancy, 84% of issue slots with no eligible warp, the rows
-// read at ~0.6 TB/s). Here every warp computes: warp w takes heads 16 (w & 3) .. + 16 (its A
-// fragments, 32 registers) and rows 16 (w >> 2) .. + 16 of each 32-row tile; the tiles come
-// as raw f32 rows by cp.async, IXD_NS - 1 ahead, and each warp converts its B fragments to bf16
-// as it loads them (exact: FP4-simulated rows). Terms go to a [head][row] tile (two, taking
-// turns) and one warp a tile, in rotation, adds a row's 64 heads in head order while the others
-// go on: one barrier a tile. At most 80 registers: 3 CTAs an SM (IXD_SMEM each).
-// grid (ceil(max_vis / rb), ntok), blockDim 256, dynamic shared IXD_SMEM; rb a multiple of 32;
-// n_rot even, <= 128. Shared: the stages, the two term tiles, the angles; the prepared query
-// [64 heads][IXD_RS] overlays stage 2 and the term tiles (both first written after the loop's
-// first barrier, which every warp reaches only after loading its fragments).
-#define IXD_RS 136 // floats a staged row: 128 + 8 (a warp's float2 fragment loads hit 32 banks)
-#define IXD_NS 3   // row tile stages
-#define IXD_LB 256, 3 // at most 80 registers: 3 CTAs an SM
-#define IXD_SMEM (IXD_NS * 32 * IXD_RS * 4 + 2 * 64 * IXT_TS * 4 + 64 * 8) // 71,168 (attn.rs IXD_SMEM)
-
-#if ATC_HAVE_MMA
-__device__ __forceinline__ void index_scores_d_body(const float* __restrict__ q, const float* __restrict__ w,
-                                                    const float* __restrict__ rows, float* __restrict__ scores,
-                                                    long long tb, long long max_vis, int ntok, int ratio, float ws, int rb,
-                                                    const double* __restrict__ freqs, int n_rot) {
-    extern __shared__ __align__(16) u8 ixd_dyn[];
-    float* stg = (float*)ixd_dyn;             // [IXD_NS][32 rows][IXD_RS]
-    float* term = stg + IXD_NS * 32 * IXD_RS; // [2][64 heads][IXT_TS]
-    float2* cs_s = (float2*)(term + 2 * 64 * IXT_TS); // [pair]: (cos, sin)
-    float* qs = stg + 2 * 32 * IXD_RS;                // [64 heads][IXD_RS], over stage 2 and term
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
-    const int ti = blockIdx.y;
-    if (ti >= ntok) {
-        ds4_pdl_enter();
-        return;
-    }
-    const long long t = tb + ti;    // the token's position (the step block is written before the step)
-    const long long vis = (t + 1) / ratio; // rows this token sees
-    const long long r_begin = (long long)blockIdx.x * rb;
-    if (r_begin >= vis) { // CTA-uniform
-        ds4_pdl_enter();
-        return;
-    }
-    const long long r_end = min(r_begin + (long long)rb, vis);
-    const int half = n_rot / 2, off = 128 - n_rot;
-    for (int k = tid; k < half; k += 256) { // index_qprep_f32's angles (one token)
-        const double theta = ds4_mod_2pi((double)t * freqs[k]);
-        double sn, cn;
-        sincos(theta, &sn, &cn);
-        cs_s[k] = make_float2((float)cn, (float)sn);
-    }
-    ds4_pdl_enter();
-    const int ntl = (int)((r_end - r_begin + 31) / 32);
-    // Copies of tile i into stage i % IXD_NS: 32 rows x 32 16-byte pieces, 4 a thread (row e / 32,
-    // piece e % 32 for e = tid + 256 j); rows past the visible ones repeat the last (never stored).
-    auto issue = [&](int i) {
-        if (i < ntl) {
-            float* d = stg + (i % IXD_NS) * 32 * IXD_RS;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int e = tid + 256 * j;
-                const long long row = min(r_begin + 32LL * i + e / 32, r_end - 1);
-                ds4_cp16(d + (e / 32) * IXD_RS + (e % 32) * 4, rows + row * 128 + (e % 32) * 4, true);
-            }
-        }
-        ds4_cp_commit(); // (empty groups past the last tile keep the wait count uniform)
-    };
-#pragma unroll
-    for (int i = 0; i < IXD_NS - 1; i++) issue(i);
-    {   // The query, prepared: warp w takes heads 8 w .. 8 w + 7 (lane l: elements 4l .. 4l+3).
-        float4 x[8];
-#pragma unroll
-        for (int hh = 0; hh < 8; hh++) x[hh] = ((const float4*)(q + ((size_t)ti * 64 + 8 * warp + hh) * 128))[lane];
-        __syncthreads(); // the angles
-#pragma unroll
-        for (int hh = 0; hh < 8; hh++) {
-            float v[4] = {x[hh].x, x[hh].y, x[hh].z, x[hh].w};
-            ds4_rope_lane(v, lane, off, cs_s);
-            ds4_fp4h128_lane(v, lane, 0);
-            *(float4*)(qs + (8 * warp + hh) * IXD_RS + 4 * lane) = make_float4(v[0], v[1], v[2], v[3]);
-        }
-        __syncthreads();
-    }
-    const int mt = warp & 3, nh = warp >> 2;
-    u32 a[8][4];
-    ixt_qfrag(qs + (mt * 16 + g) * IXD_RS + 2 * tq, a, IXD_RS);
-    const float wh0 = __fmul_rn(w[(size_t)ti * 64 + mt * 16 + g], ws);
-    const float wh1 = __fmul_rn(w[(size_t)ti * 64 + mt * 16 + g + 8], ws);
-    // Row sums of tile i (its terms in term[i & 1]) by the lanes of one warp, in head order.
-    auto sum_tile = [&](int i) {
-        const long long row = r_begin + 32LL * i + lane;
-        if (row < r_end) {
-            const float* tp = term + (i & 1) * 64 * IXT_TS + lane;
-            float total = -0.0f;
-#pragma unroll 16
-            for (int h = 0; h < 64; h++) total = __fadd_rn(total, tp[h * IXT_TS]);
-            scores[(size_t)ti * max_vis + row] = total;
-        }
-    };
-    for (int i = 0; i < ntl; i++) {
-        ds4_cp_wait<IXD_NS - 2>(); // this thread's copies of tile i have landed
-        __syncthreads();           // everyone's; tile i - 1's stage is free, its terms complete
-        issue(i + IXD_NS - 1);
-        if (i > 0 && warp == (i - 1) % 8) sum_tile(i - 1);
-        const float* bt = stg + (i % IXD_NS) * 32 * IXD_RS + (16 * nh + g) * IXD_RS + 2 * tq;
-        float c[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) c[nt][k] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < 8; ks++) {
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const float* bp = bt + nt * 8 * IXD_RS + ks * 16;
-                const float2 x0 = *(const float2*)bp, x1 = *(const float2*)(bp + 8);
-                ds4_mma_bf16(c[nt], a[ks], ixt_pack(x0.x, x0.y), ixt_pack(x1.x, x1.y));
-            }
-        }
-        // Terms w_h max(0, s) of heads 16 mt + g (+ 8), rows 16 nh + 8 nt + 2 tq (+ 1). Buffer
-        // i & 1 was last read by tile i - 2's sums, before this iteration's barrier.
-        float* tt = term + (i & 1) * 64 * IXT_TS + (mt * 16 + g) * IXT_TS + 16 * nh + 2 * tq;
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-            const float s0 = c[nt][0], s1 = c[nt][1], s2 = c[nt][2], s3 = c[nt][3];
-            *(float2*)(tt + nt * 8) = make_float2(__fmul_rn(wh0, s0 > 0.0f ? s0 : 0.0f), __fmul_rn(wh0, s1 > 0.0f ? s1 : 0.0f));
-            *(float2*)(tt + 8 * IXT_TS + nt * 8) =
-                make_float2(__fmul_rn(wh1, s2 > 0.0f ? s2 : 0.0f), __fmul_rn(wh1, s3 > 0.0f ? s3 : 0.0f));
-        }
-    }
-    __syncthreads();
-    if (warp == (ntl - 1) % 8) sum_tile(ntl - 1);
-}
-#define IXD_BODY index_scores_d_body(q, w, rows, scores, tba + (sp ? *sp : 0LL), max_vis, ntok, ratio, ws, rb, freqs, n_rot);
-#else
-#define IXD_BODY ds4_pdl_enter();
-#endif
-
-DS4_KERNEL void DS4_BOUNDS(IXD_LB) index_scores_d(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp, const double* __restrict__ freqs, int n_rot) { DS4_PDL_LATE; IXD_BODY }
 
 // ---------------------------------------------------------------------------------------------
 // The same scores on Hopper warpgroup MMA (sm_90a; prefill batches of more than IXT_FEW tokens,

@@ -47,7 +47,6 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("route.cuh", include_str!("../gpu/route.cuh")),
     ("ptx.cuh", include_str!("../gpu/ptx.cuh")),
     ("wgmma.cuh", include_str!("../gpu/wgmma.cuh")),
-    ("rowfmt.cuh", include_str!("../gpu/rowfmt.cuh")),
 ];
 
 /// Weight types with `dequant_<t>` and `matvec_<t>` kernels in [`QUANT`], by kernel suffix.

@@ -173,7 +173,13 @@ static IXT_RB_ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 /// (bench/results/gpu-long-s34-h200.txt). Every row's score is computed as before (same bits);
 /// `stride` moves only when the rows' capacity doubles, so decode graphs stay valid.
 pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
-    let env = ixt_rb_env();
+    let env = *IXT_RB_ENV.get_or_init(|| {
+        std::env::var("DS4_GPU_IXT_RB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0 && v.is_multiple_of(32))
+            .unwrap_or(0)
+    });
     if env > 0 {
         return env;
     }
@@ -181,40 +187,6 @@ pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
         .div_ceil(2 * sms.max(1))
         .next_multiple_of(32)
         .clamp(IXT_RB_FEW, IXT_RB_FEW_MAX)
-}
-
-/// Decode steps' (1-4 tokens) indexer scores by `index_scores_d` (attn_tc.cu: a token a CTA,
-/// every warp computing, 3 CTAs an SM; same bits as `index_scores_tc`): `DS4_GPU_INDEX_DEC=off`
-/// keeps `index_scores_tc` with [`ixt_rb_few`]'s rows.
-static INDEX_DEC: AtomicU8 = AtomicU8::new(0);
-/// `index_scores_d`'s dynamic shared bytes (attn_tc.cu `IXD_SMEM`: 3 stages of 32 f32 rows at a
-/// 136-float stride, two 64 x 36 term tiles, 64 RoPE angles).
-const IXD_SMEM: u32 = 71_168;
-
-fn index_dec_ok() -> bool {
-    !env_form(&INDEX_DEC, "DS4_GPU_INDEX_DEC", "off")
-}
-
-/// Rows per CTA of `index_scores_d` for a score row of `stride` candidates on `sms` SMs: the
-/// multiple of 32 that makes about three CTAs an SM a token (its occupancy), at least one
-/// 32-row tile; `DS4_GPU_IXT_RB=N` fixes N. Follows `stride` (the rows' capacity in decode), so
-/// graphs stay valid.
-pub(crate) fn ixd_rb(stride: usize, sms: usize) -> usize {
-    let env = ixt_rb_env();
-    if env > 0 {
-        return env;
-    }
-    stride.div_ceil(3 * sms.max(1)).next_multiple_of(32).max(32)
-}
-
-fn ixt_rb_env() -> usize {
-    *IXT_RB_ENV.get_or_init(|| {
-        std::env::var("DS4_GPU_IXT_RB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&v| v > 0 && v.is_multiple_of(32))
-            .unwrap_or(0)
-    })
 }
 
 /// The prompt's indexer scores on Hopper wgmma (`index_scores_wg`, sm_90a; same bits as
@@ -434,12 +406,6 @@ impl GpuBackend {
     /// with `index_scores128h_f32`; process-wide, overrides `DS4_GPU_INDEX_TC=off`.
     pub fn set_index_tc(on: bool) {
         INDEX_TC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-    }
-
-    /// Score decode steps' (1-4 tokens) FP4 indexer by `index_scores_d` (default) or keep
-    /// `index_scores_tc` (false); overrides `DS4_GPU_INDEX_DEC`. For tests and benchmarks.
-    pub fn set_index_dec(on: bool) {
-        INDEX_DEC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     /// Score prompt batches' FP4 indexer on Hopper wgmma (`index_scores_wg`, default on sm_90a)
@@ -905,27 +871,8 @@ impl GpuBackend {
             Some(_) => (0, ix.cap),
             None => (t0, max_vis),
         };
-        // Decode steps (1-4 tokens) on index_scores_d, which prepares the query itself (rotation
-        // and Hadamard + FP4 as index_qprep_f32, the same bits): no qprep launch, no copy. Where
-        // index_scores_tc would run (see `tc` below; pool scratch is 16-byte aligned) and the
-        // fused prep's own conditions hold (index_qprep).
-        let dec = need_scores
-            && n <= IXT_FEW
-            && index_dec_ok()
-            && !attn_simple()
-            && !glue_old()
-            && !topk_old()
-            && ihd == 128
-            && nh == 64
-            && spec.fp4
-            && spec.n_rot <= ihd
-            && spec.n_rot.is_multiple_of(2)
-            && self.warp() == 32
-            && q.ptr.0.is_multiple_of(16)
-            && ix.rows.ptr().0.is_multiple_of(16)
-            && index_tc_ok(self.gpu.info());
-        let qr = self.scratch(if need_scores && !dec { n * nh * ihd } else { 1 });
-        if need_scores && !dec {
+        let qr = self.scratch(if need_scores { n * nh * ihd } else { 1 });
+        if need_scores {
             self.index_qprep(q.ptr, qr.ptr, n, spec, base, sp);
         }
         let ws = 1.0 / ((ihd * nh) as f32).sqrt();
@@ -995,34 +942,6 @@ impl GpuBackend {
                         Arg::I32(IXW_RB as i32),
                         Arg::I32(spec.ratio as i32),
                         Arg::F32(ws),
-                    ],
-                );
-            } else if need_scores && dec {
-                let _ps = self.prof(|| "index_select: scores".to_string());
-                let rb = ixd_rb(stride, self.gpu.info().sm_count as usize);
-                let dims = LaunchDims {
-                    grid: [stride.div_ceil(rb) as u32, nb as u32, 1],
-                    block: [256, 1, 1],
-                    shared_bytes: IXD_SMEM,
-                };
-                self.run(
-                    &ATTN_TC,
-                    "index_scores_d",
-                    dims,
-                    &[
-                        Arg::Ptr(q.ptr.offset((i0 * nh * ihd * 4) as u64)),
-                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                        Arg::Ptr(ix.rows.ptr()),
-                        Arg::Ptr(scores.ptr),
-                        Arg::I64(tb as i64),
-                        Arg::I64(stride as i64),
-                        Arg::I32(nb as i32),
-                        Arg::I32(rb as i32),
-                        Arg::I32(spec.ratio as i32),
-                        Arg::F32(ws),
-                        sp_arg,
-                        Arg::Ptr(self.rope_ptr(spec.rope)),
-                        Arg::I32(spec.n_rot as i32),
                     ],
                 );
             } else if need_scores {
@@ -1784,37 +1703,6 @@ mod tests {
                 if stride / IXT_RB_FEW >= sms && rb > IXT_RB_FEW {
                     assert!(
                         stride.div_ceil(rb) >= sms,
-                        "{stride} rows, {sms} SMs: rb {rb}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn decode_index_d_rows_fill_three_ctas_an_sm() {
-        if std::env::var("DS4_GPU_IXT_RB").is_ok() {
-            eprintln!("skipped: DS4_GPU_IXT_RB fixes the choice");
-            return;
-        }
-        // One 32-row tile a CTA until 3 x 132 CTAs, then whole tiles for about three an SM:
-        // 64k context (16k rows) 256 CTAs, 256k 342, 1M 391.
-        assert_eq!(ixd_rb(2048, 132), 32);
-        assert_eq!(ixd_rb(16384, 132), 64);
-        assert_eq!(ixd_rb(65536, 132), 192);
-        assert_eq!(ixd_rb(262144, 132), 672);
-        for stride in [1, 100, 4096, 40000, 65536, 1 << 20] {
-            for sms in [0, 1, 16, 78, 132, 304] {
-                let rb = ixd_rb(stride, sms);
-                assert!(
-                    rb.is_multiple_of(32) && rb >= 32,
-                    "{stride} rows, {sms} SMs: rb {rb}"
-                );
-                // Every row covered, and no more CTAs than ~3 an SM once the rows allow it.
-                assert!(stride.div_ceil(rb) * rb >= stride);
-                if rb > 32 {
-                    assert!(
-                        stride.div_ceil(rb) <= 3 * sms.max(1),
                         "{stride} rows, {sms} SMs: rb {rb}"
                     );
                 }
