@@ -446,6 +446,46 @@ fn bench_writes_one_csv_row_per_frontier_after_the_warm_up() {
 }
 
 #[test]
+fn bench_decode_only_times_decode_on_random_states() {
+    let d = tmpdir("bench-dec");
+    let m = synth_tiny(&d);
+    let run = |extra: &[&str]| {
+        let mut v = vec!["bench", "-m", s(&m), "--backend", "cpu", "--ctx-start", "8"];
+        v.extend(["--ctx-max", "16", "--gen-tokens", "3", "--warmup", "1"]);
+        v.extend(extra);
+        let o = ds4(&v);
+        assert!(o.status.success(), "{}", stderr(&o));
+        o
+    };
+    let o = run(&["--decode-only", "--spec-accept", "1"]);
+    let out = stdout(&o);
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    let plain = stdout(&run(&[]));
+    let plain_rows: Vec<Vec<&str>> = plain
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    for (r, p) in rows.iter().zip(&plain_rows) {
+        // No prefill: its columns empty; decode timed; the state's size that of the context.
+        assert_eq!(r.len(), 9, "{out}");
+        assert_eq!((r[1], r[2], r[3]), ("", "", "3"), "{out}");
+        assert!(r[4].parse::<f64>().unwrap() > 0.0 && r[6].parse::<f64>().unwrap() > 0.0);
+        assert_eq!((r[0], r[5]), (p[0], p[5]), "{out}\n{plain}");
+    }
+    let err = stderr(&o);
+    assert!(
+        err.contains("# 16: random state of 16 positions in"),
+        "{err}"
+    );
+}
+
+#[test]
 fn bench_spec_accept_times_oracle_drafts_at_each_rate() {
     let d = tmpdir("bench-spec");
     let m = synth_tiny(&d);

@@ -1069,6 +1069,60 @@ impl Session {
         self.mtp = self.model.has_mtp().then(|| self.model.new_mtp_state());
     }
 
+    /// Replace the state with one at position `tokens.len()` whose KV rows are random values
+    /// (uniform in [-1, 1)) of the sizes a real context gives: the raw window (positions
+    /// n - window .. n), every compressed and indexer row (n / ratio each), fresh compressor
+    /// frontiers. For decode benchmarks at long frontiers without computing their prompts
+    /// (`ds4 bench --decode-only`): the values stand in for computed ones, so the logits that
+    /// follow mean nothing, but every kernel sees the row counts it would. No logits afterwards.
+    /// At 1M tokens of the full model the host builds ~13 GB of rows for the upload.
+    pub fn fill_random(&mut self, tokens: &[u32], seed: u64) -> Result<(), EngineError> {
+        use rand::{Rng, SeedableRng};
+        self.check(tokens.len(), tokens)?;
+        self.reset(); // the old state's memory goes before the new one is uploaded
+        let n = tokens.len();
+        // A pool of 2^20 random values, cycled through from a moving start (a draw per value
+        // would take most of the fill at 1M); buffers of one layer do not repeat each other.
+        let mut r = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+        let pool: Vec<f32> = (0..1 << 20).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+        let mut at = 0usize;
+        let mut fill = |len: usize| {
+            let mut v = Vec::with_capacity(len);
+            while v.len() < len {
+                let take = (len - v.len()).min(pool.len() - at);
+                v.extend_from_slice(&pool[at..at + take]);
+                at = (at + take) % pool.len();
+            }
+            at = (at + 7919) % pool.len();
+            v
+        };
+        let layers = self
+            .model
+            .layer_dims()
+            .iter()
+            .map(|ld| {
+                let mut h = ds4_backend::HostLayerState::new(ld);
+                let w = ld.window;
+                h.raw = fill(w * ld.head_dim);
+                for p in n.saturating_sub(w)..n {
+                    h.raw_pos[p % w] = p as i64;
+                }
+                for (c, hc) in [(&ld.comp, &mut h.comp), (&ld.index, &mut h.index)] {
+                    if let (Some(c), Some(hc)) = (c, hc.as_mut()) {
+                        hc.rows = fill(n / c.ratio * c.d);
+                    }
+                }
+                h
+            })
+            .collect();
+        let host = ds4_model::forward::HostState {
+            tokens: tokens.to_vec(),
+            layers,
+        };
+        self.state = self.model.state_from_host(&host);
+        Ok(())
+    }
+
     /// Serialise the full state (versioned, checksummed; see `snapshot.rs`).
     pub fn snapshot(&self) -> Vec<u8> {
         snapshot::write(

@@ -96,3 +96,37 @@ fn sync_extends_prefixes_and_rebuilds_otherwise() {
         .contains("context full"));
     assert!(s.eval(9999).is_err());
 }
+
+/// `Session::fill_random` (`ds4 bench --decode-only`): the state it builds holds exactly the rows
+/// a computed context of the same length holds (its snapshot, which stores every row, has the
+/// same size, with no logits), the same tokens, and decoding goes on from it; a fill that does
+/// not fit the context is refused.
+#[test]
+fn random_fill_has_the_row_counts_of_a_real_context() {
+    let e = engine();
+    for n in [1usize, 7, 8, 37, 64, 130] {
+        let prompt = toks(n, 4);
+        let mut real = e.new_session(256);
+        real.sync(&prompt, &mut |_, _| {}).unwrap();
+        let logits_bytes = 4 * real.logits().unwrap().len();
+        let mut fake = e.new_session(256);
+        fake.fill_random(&prompt, 9).unwrap();
+        assert_eq!(fake.tokens(), &prompt[..]);
+        assert!(fake.logits().is_none());
+        assert_eq!(
+            fake.snapshot().len() + logits_bytes,
+            real.snapshot().len(),
+            "{n} tokens"
+        );
+        // Another seed fills other values into the same shapes.
+        let mut other = e.new_session(256);
+        other.fill_random(&prompt, 10).unwrap();
+        assert_eq!(other.snapshot().len(), fake.snapshot().len());
+        assert_ne!(other.snapshot(), fake.snapshot());
+        let l = fake.eval(3).unwrap();
+        assert!(l.iter().all(|v| v.is_finite()), "{n} tokens");
+        assert_eq!(fake.tokens().len(), n + 1);
+    }
+    let mut small = e.new_session(10);
+    assert!(small.fill_random(&toks(11, 5), 1).is_err());
+}

@@ -19,12 +19,15 @@ use std::time::Instant;
     Long frontiers take long: every prompt token scores every compressed indexer row (quadratic \
     in the context). One H200, full-q2: ~9,400 tok/s up to 64k, then 7,450 (64k to 128k), 5,600 \
     (to 256k) and 3,700 (to 512k); a 256k prompt takes ~40 s, the 512k to 1M part more than 6 \
-    minutes.\n\n\
+    minutes. --decode-only times decode there without the prompts: each frontier's state is random \
+    KV rows of that context's sizes (the prefill columns stay empty).\n\n\
     Examples:\n  ds4 bench -m models/tiny.gguf --ctx-start 256 --ctx-max 4096 --step-mul 2 --gen-tokens 32\n  \
     ds4 bench --backend cuda --synthetic full-q2 --ctx-start 2048 --ctx-max 32768   (no file: random \
     weights of the real shapes generated on the GPU)\n  \
     ds4 bench --backend cuda --synthetic full-q2 --ctx-start 65536 --ctx-max 262144 --step-mul 2 \
-    --gen-tokens 32   (the long end)"
+    --gen-tokens 32   (the long end)\n  \
+    ds4 bench --backend cuda --synthetic full-q2 --ctx-start 262144 --ctx-max 1048576 --step-mul 2 \
+    --decode-only   (decode at 256k, 512k and 1M in about a minute)"
 )]
 pub struct Args {
     #[command(flatten)]
@@ -62,6 +65,13 @@ pub struct Args {
     /// spec<A>_tps,spec<A>_drafted,spec<A>_accepted per rate.
     #[arg(long, value_delimiter = ',')]
     spec_accept: Vec<f64>,
+    /// Time decode only: at each frontier the session state is random KV rows of the sizes that
+    /// context gives (raw window, every compressed and indexer row) instead of the prompt's, so
+    /// decode at long frontiers (512k, 1M) takes seconds instead of a prefill of minutes. The
+    /// prefill columns stay empty; the generated tokens mean nothing (the rows are not the
+    /// model's), their cost is decode's at that context.
+    #[arg(long)]
+    decode_only: bool,
 }
 
 /// `n` tokens of speculative decoding from the session's frontier `f`, a draft at every step
@@ -107,6 +117,16 @@ fn speculative(
 const DEFAULT_TEXT: &str =
     "The quick brown fox jumps over the lazy dog. fn main() { println!(\"hello\"); } \
     Numbers 1234567890 and a CSV row: a,b,c\n";
+
+/// `--decode-only`'s state at frontier `toks.len()`: random rows for all but the last position
+/// (`Session::fill_random`, seeded by the frontier: the same state each time), then that token
+/// evaluated, so that logits (and the speculative loop's streams) exist as after a prompt.
+fn random_state(s: &mut ds4_engine::Session, toks: &[u32]) -> Result<()> {
+    let (last, head) = toks.split_last().context("an empty frontier")?;
+    s.fill_random(head, toks.len() as u64)?;
+    s.eval(*last)?;
+    Ok(())
+}
 
 pub fn run(mut a: Args) -> Result<()> {
     if a.ctx_start == 0 || a.ctx_start > a.ctx_max {
@@ -161,7 +181,11 @@ pub fn run(mut a: Args) -> Result<()> {
     for i in 0..a.warmup {
         let t = Instant::now();
         let mut s = engine.new_session(a.model.ctx);
-        s.sync(&prompt[..a.ctx_start], &mut |_, _| {})?;
+        if a.decode_only {
+            random_state(&mut s, &prompt[..a.ctx_start])?;
+        } else {
+            s.sync(&prompt[..a.ctx_start], &mut |_, _| {})?;
+        }
         let mut greedy = Sampler::new(SamplerConfig::default());
         let mut next = argmax(s.logits().context("no logits")?);
         for _ in 0..a.gen_tokens {
@@ -190,10 +214,27 @@ pub fn run(mut a: Args) -> Result<()> {
     for &f in &frontiers {
         let before = s.tokens().len();
         let t0 = Instant::now();
-        s.sync(&prompt[..f], &mut |_, _| {})?;
+        if a.decode_only {
+            random_state(&mut s, &prompt[..f])?;
+            eprintln!(
+                "# {f}: random state of {f} positions in {:.1} s (--decode-only)",
+                t0.elapsed().as_secs_f64()
+            );
+        } else {
+            s.sync(&prompt[..f], &mut |_, _| {})?;
+        }
         let pre = (f - before) as f64 / t0.elapsed().as_secs_f64();
         let kv = s.kv_bytes();
-        let snap = s.snapshot();
+        // The state to come back to after each timed run: a snapshot, or (--decode-only, where
+        // a 1M snapshot would be ~13 GB) the same random fill again.
+        let snap = (!a.decode_only).then(|| s.snapshot());
+        let back = |s: &mut ds4_engine::Session| -> Result<()> {
+            match &snap {
+                Some(b) => s.restore(b)?,
+                None => random_state(s, &prompt[..f])?,
+            }
+            Ok(())
+        };
         let t1 = Instant::now();
         // Greedy, picked on the backend (DS4_GPU_SAMPLE=off: logits to the host).
         let mut greedy = Sampler::new(SamplerConfig::default());
@@ -205,8 +246,14 @@ pub fn run(mut a: Args) -> Result<()> {
             plain.push(next);
         }
         let gen = a.gen_tokens as f64 / t1.elapsed().as_secs_f64();
-        s.restore(&snap)?;
-        let mut line = format!("{f},{},{pre:.2},{},{gen:.2},{kv}", f - before, a.gen_tokens);
+        if !a.decode_only || !a.spec_accept.is_empty() {
+            back(&mut s)?; // (--decode-only fills the next frontier's state anew)
+        }
+        let mut line = if a.decode_only {
+            format!("{f},,,{},{gen:.2},{kv}", a.gen_tokens)
+        } else {
+            format!("{f},{},{pre:.2},{},{gen:.2},{kv}", f - before, a.gen_tokens)
+        };
         for &rate in &a.spec_accept {
             let (tps, st, differ) = speculative(&mut s, &plain, f, a.gen_tokens, rate, vocab)?;
             if rate == 1.0 && differ > 0 {
@@ -217,7 +264,7 @@ pub fn run(mut a: Args) -> Result<()> {
                 );
             }
             line.push_str(&format!(",{tps:.2},{},{}", st.drafted, st.accepted));
-            s.restore(&snap)?;
+            back(&mut s)?;
         }
         line.push('\n');
         print!("{line}");
