@@ -601,22 +601,24 @@ fn index_select_matches_cpu() {
     // Glue forms: new (default), old (DS4_GPU_ATTN_GLUE=old); index_scores128h/index_topk_ps
     // run only with the new one, index_scores_tc (prefill, 64 heads, fp4) only with the new one
     // and tensor cores on (the first form).
-    // The fourth flag: the old top-k and query prep (DS4_GPU_TOPK=old). The last: prompt batches
-    // on index_scores_wg (sm_90a; elsewhere index_scores_tc either way) or index_scores_tc.
-    for (simple, old, tc, tk_old, wg) in [
-        (false, false, true, false, true),
-        (false, false, true, false, false),
-        (false, false, false, false, true),
-        (false, true, true, false, true),
-        (true, false, true, false, true),
-        (false, false, true, true, true),
+    // The fourth flag: the old top-k and query prep (DS4_GPU_TOPK=old). The fifth: prompt batches
+    // on index_scores_wg (sm_90a; elsewhere index_scores_tc either way) or index_scores_tc. The
+    // last: decode steps (1-4 tokens) on index_scores_d or index_scores_tc.
+    for (simple, old, tc, tk_old, wg, dec) in [
+        (false, false, true, false, true, true),
+        (false, false, true, false, false, false),
+        (false, false, false, false, true, true),
+        (false, true, true, false, true, true),
+        (true, false, true, false, true, true),
+        (false, false, true, true, true, true),
     ] {
         GpuBackend::set_attn_simple(simple);
         GpuBackend::set_attn_glue_old(old);
         GpuBackend::set_index_tc(tc);
         GpuBackend::set_topk_old(tk_old);
         GpuBackend::set_index_wg(wg);
-        println!("simple {simple} old glue {old} tc {tc} old top-k {tk_old} wg {wg}");
+        GpuBackend::set_index_dec(dec);
+        println!("simple {simple} old glue {old} tc {tc} old top-k {tk_old} wg {wg} dec {dec}");
         // Tiny: top_k 8, ratio 4: visible < 8, == 8 (t = 32..35), > 8; a chunk crossing all three.
         run_index(&cpu, &gpu, 4, 8, true, 1, 10, 1);
         run_index(&cpu, &gpu, 4, 8, true, 1, 31, 2);
@@ -646,11 +648,12 @@ fn index_select_matches_cpu() {
         run_index(&cpu, &gpu, 64, 512, true, 1, 70_000, 16);
         run_index(&cpu, &gpu, 64, 512, true, 1, 400_000, 18);
         run_index(&cpu, &gpu, 64, 512, true, 2, 300_001, 19);
-        // Verify steps of 3 and 4 tokens: rows of one tile, many tiles and CTAs (ragged last),
-        // the tokens' visible counts apart.
+        // Verify steps of 3 and 4 tokens (a token a CTA on index_scores_d): rows of one tile,
+        // many tiles and CTAs (ragged last), the tokens' visible counts apart.
         run_index(&cpu, &gpu, 64, 512, true, 3, 2046, 20);
         run_index(&cpu, &gpu, 64, 512, true, 4, 131_069, 21);
     }
+    GpuBackend::set_index_dec(true);
     GpuBackend::set_attn_simple(false);
     GpuBackend::set_attn_glue_old(false);
     GpuBackend::set_index_tc(true);

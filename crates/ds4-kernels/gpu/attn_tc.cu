@@ -922,6 +922,111 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
 DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }
 
 // ---------------------------------------------------------------------------------------------
+// Decode's indexer scores (steps of 1-4 tokens; attn.rs index_select): the contract, arguments
+// and bits of index_scores_tc, one token a CTA (blockIdx.y). index_scores_tc serves four tokens
+// a CTA, so at one token 6 of its 8 warps only stage rows, and at 218 registers one CTA fits an
+// SM (ncu, 64k context: 12.5% occupancy, 84% of issue slots with no eligible warp, the rows
+// read at ~0.6 TB/s). Here every warp computes: warp w takes heads 16 (w & 3) .. + 16 (its A
+// fragments, 32 registers) and rows 16 (w >> 2) .. + 16 of each 32-row tile; the tiles come
+// as raw f32 rows by cp.async, IXD_NS - 1 ahead, and each warp converts its B fragments to bf16
+// as it loads them (exact: FP4-simulated rows). Terms go to a [head][row] tile (two, taking
+// turns) and one warp a tile, in rotation, adds a row's 64 heads in head order while the others
+// go on: one barrier a tile. At most 80 registers: 3 CTAs an SM (IXD_SMEM each).
+// grid (ceil(max_vis / rb), ntok), blockDim 256, dynamic shared IXD_SMEM; rb a multiple of 32.
+#define IXD_RS 136 // floats a staged row: 128 + 8 (a warp's float2 fragment loads hit 32 banks)
+#define IXD_NS 3   // row tile stages
+#define IXD_LB 256, 3 // at most 80 registers: 3 CTAs an SM
+#define IXD_SMEM (IXD_NS * 32 * IXD_RS * 4 + 2 * 64 * IXT_TS * 4) // 70,656 (attn.rs IXD_SMEM)
+
+#if ATC_HAVE_MMA
+__device__ __forceinline__ void index_scores_d_body(const float* __restrict__ q, const float* __restrict__ w,
+                                                    const float* __restrict__ rows, float* __restrict__ scores,
+                                                    long long tb, long long max_vis, int ntok, int ratio, float ws, int rb) {
+    extern __shared__ __align__(16) u8 ixd_dyn[];
+    float* stg = (float*)ixd_dyn;             // [IXD_NS][32 rows][IXD_RS]
+    float* term = stg + IXD_NS * 32 * IXD_RS; // [2][64 heads][IXT_TS]
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+    const int ti = blockIdx.y;
+    if (ti >= ntok) return;
+    const long long vis = (tb + ti + 1) / ratio; // rows this token sees
+    const long long r_begin = (long long)blockIdx.x * rb;
+    if (r_begin >= vis) return; // CTA-uniform
+    const long long r_end = min(r_begin + (long long)rb, vis);
+    const int ntl = (int)((r_end - r_begin + 31) / 32);
+    // Copies of tile i into stage i % IXD_NS: 32 rows x 32 16-byte pieces, 4 a thread (row e / 32,
+    // piece e % 32 for e = tid + 256 j); rows past the visible ones repeat the last (never stored).
+    auto issue = [&](int i) {
+        if (i < ntl) {
+            float* d = stg + (i % IXD_NS) * 32 * IXD_RS;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int e = tid + 256 * j;
+                const long long row = min(r_begin + 32LL * i + e / 32, r_end - 1);
+                ds4_cp16(d + (e / 32) * IXD_RS + (e % 32) * 4, rows + row * 128 + (e % 32) * 4, true);
+            }
+        }
+        ds4_cp_commit(); // (empty groups past the last tile keep the wait count uniform)
+    };
+#pragma unroll
+    for (int i = 0; i < IXD_NS - 1; i++) issue(i);
+    const int mt = warp & 3, nh = warp >> 2;
+    u32 a[8][4];
+    ixt_qfrag(q + ((size_t)ti * 64 + mt * 16 + g) * 128 + 2 * tq, a);
+    const float wh0 = __fmul_rn(w[(size_t)ti * 64 + mt * 16 + g], ws);
+    const float wh1 = __fmul_rn(w[(size_t)ti * 64 + mt * 16 + g + 8], ws);
+    // Row sums of tile i (its terms in term[i & 1]) by the lanes of one warp, in head order.
+    auto sum_tile = [&](int i) {
+        const long long row = r_begin + 32LL * i + lane;
+        if (row < r_end) {
+            const float* tp = term + (i & 1) * 64 * IXT_TS + lane;
+            float total = -0.0f;
+#pragma unroll 16
+            for (int h = 0; h < 64; h++) total = __fadd_rn(total, tp[h * IXT_TS]);
+            scores[(size_t)ti * max_vis + row] = total;
+        }
+    };
+    for (int i = 0; i < ntl; i++) {
+        ds4_cp_wait<IXD_NS - 2>(); // this thread's copies of tile i have landed
+        __syncthreads();           // everyone's; tile i - 1's stage is free, its terms complete
+        issue(i + IXD_NS - 1);
+        if (i > 0 && warp == (i - 1) % 8) sum_tile(i - 1);
+        const float* bt = stg + (i % IXD_NS) * 32 * IXD_RS + (16 * nh + g) * IXD_RS + 2 * tq;
+        float c[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) c[nt][k] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++) {
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const float* bp = bt + nt * 8 * IXD_RS + ks * 16;
+                const float2 x0 = *(const float2*)bp, x1 = *(const float2*)(bp + 8);
+                ds4_mma_bf16(c[nt], a[ks], ixt_pack(x0.x, x0.y), ixt_pack(x1.x, x1.y));
+            }
+        }
+        // Terms w_h max(0, s) of heads 16 mt + g (+ 8), rows 16 nh + 8 nt + 2 tq (+ 1). Buffer
+        // i & 1 was last read by tile i - 2's sums, before this iteration's barrier.
+        float* tt = term + (i & 1) * 64 * IXT_TS + (mt * 16 + g) * IXT_TS + 16 * nh + 2 * tq;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            const float s0 = c[nt][0], s1 = c[nt][1], s2 = c[nt][2], s3 = c[nt][3];
+            *(float2*)(tt + nt * 8) = make_float2(__fmul_rn(wh0, s0 > 0.0f ? s0 : 0.0f), __fmul_rn(wh0, s1 > 0.0f ? s1 : 0.0f));
+            *(float2*)(tt + 8 * IXT_TS + nt * 8) =
+                make_float2(__fmul_rn(wh1, s2 > 0.0f ? s2 : 0.0f), __fmul_rn(wh1, s3 > 0.0f ? s3 : 0.0f));
+        }
+    }
+    __syncthreads();
+    if (warp == (ntl - 1) % 8) sum_tile(ntl - 1);
+}
+#define IXD_BODY index_scores_d_body(q, w, rows, scores, tba + (sp ? *sp : 0LL), max_vis, ntok, ratio, ws, rb);
+#else
+#define IXD_BODY
+#endif
+
+DS4_KERNEL void DS4_BOUNDS(IXD_LB) index_scores_d(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXD_BODY }
+
+// ---------------------------------------------------------------------------------------------
 // The same scores on Hopper warpgroup MMA (sm_90a; prefill batches of more than IXT_FEW tokens,
 // attn.rs; the contract and bits of index_scores_tc). H200, the 4th 8192-token chunk of a 32k
 // prompt: index_scores_tc took 6.68 ms a layer at one 218-register CTA an SM, a quarter of its

@@ -9,6 +9,7 @@ use crate::Module;
 /// (sm_90a, `DS4_GPU_ATTN_WG=on`; `n`: raw queries normed as they load); `atc_rope_tab` the
 /// chunk's RoPE angles those raw-query kernels read. `index_scores_tc`: the lightning indexer's scores
 /// (prefill, FP4-simulated queries and rows) by mma.sync bf16, the bits of `index_scores128h_f32`;
+/// `index_scores_d` the same for decode steps (1-4 tokens, a token a CTA, every warp computing);
 /// `index_scores_wg` the same by wgmma (sm_90a, prefill) from the bf16 rows of `ixw_rows_bf16`.
 pub const ATTN_TC: Module = Module {
     name: "attn_tc",
@@ -28,6 +29,7 @@ pub const ATTN_TC: Module = Module {
         "atc_rows_f16",
         "atc_rope_tab",
         "index_scores_tc",
+        "index_scores_d",
         "index_scores_wg",
         "ixw_rows_bf16",
     ],

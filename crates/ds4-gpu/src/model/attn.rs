@@ -173,13 +173,7 @@ static IXT_RB_ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 /// (bench/results/gpu-long-s34-h200.txt). Every row's score is computed as before (same bits);
 /// `stride` moves only when the rows' capacity doubles, so decode graphs stay valid.
 pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
-    let env = *IXT_RB_ENV.get_or_init(|| {
-        std::env::var("DS4_GPU_IXT_RB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&v| v > 0 && v.is_multiple_of(32))
-            .unwrap_or(0)
-    });
+    let env = ixt_rb_env();
     if env > 0 {
         return env;
     }
@@ -187,6 +181,40 @@ pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
         .div_ceil(2 * sms.max(1))
         .next_multiple_of(32)
         .clamp(IXT_RB_FEW, IXT_RB_FEW_MAX)
+}
+
+/// Decode steps' (1-4 tokens) indexer scores by `index_scores_d` (attn_tc.cu: a token a CTA,
+/// every warp computing, 3 CTAs an SM; same bits as `index_scores_tc`): `DS4_GPU_INDEX_DEC=off`
+/// keeps `index_scores_tc` with [`ixt_rb_few`]'s rows.
+static INDEX_DEC: AtomicU8 = AtomicU8::new(0);
+/// `index_scores_d`'s dynamic shared bytes (attn_tc.cu `IXD_SMEM`: 3 stages of 32 f32 rows at a
+/// 136-float stride, two 64 x 36 term tiles).
+const IXD_SMEM: u32 = 70_656;
+
+fn index_dec_ok() -> bool {
+    !env_form(&INDEX_DEC, "DS4_GPU_INDEX_DEC", "off")
+}
+
+/// Rows per CTA of `index_scores_d` for a score row of `stride` candidates on `sms` SMs: the
+/// multiple of 32 that makes about three CTAs an SM a token (its occupancy), at least one
+/// 32-row tile; `DS4_GPU_IXT_RB=N` fixes N. Follows `stride` (the rows' capacity in decode), so
+/// graphs stay valid.
+pub(crate) fn ixd_rb(stride: usize, sms: usize) -> usize {
+    let env = ixt_rb_env();
+    if env > 0 {
+        return env;
+    }
+    stride.div_ceil(3 * sms.max(1)).next_multiple_of(32).max(32)
+}
+
+fn ixt_rb_env() -> usize {
+    *IXT_RB_ENV.get_or_init(|| {
+        std::env::var("DS4_GPU_IXT_RB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0 && v.is_multiple_of(32))
+            .unwrap_or(0)
+    })
 }
 
 /// The prompt's indexer scores on Hopper wgmma (`index_scores_wg`, sm_90a; same bits as
@@ -406,6 +434,12 @@ impl GpuBackend {
     /// with `index_scores128h_f32`; process-wide, overrides `DS4_GPU_INDEX_TC=off`.
     pub fn set_index_tc(on: bool) {
         INDEX_TC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+
+    /// Score decode steps' (1-4 tokens) FP4 indexer by `index_scores_d` (default) or keep
+    /// `index_scores_tc` (false); overrides `DS4_GPU_INDEX_DEC`. For tests and benchmarks.
+    pub fn set_index_dec(on: bool) {
+        INDEX_DEC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     /// Score prompt batches' FP4 indexer on Hopper wgmma (`index_scores_wg`, default on sm_90a)
@@ -954,7 +988,15 @@ impl GpuBackend {
                 };
                 // (kernel, grid, the two arguments after the rows' stride): the same
                 // arguments otherwise (attention.cu / attn_tc.cu signatures).
-                let (module, name, dims, mid) = if tc {
+                let (module, name, dims, mid) = if tc && nb <= IXT_FEW && index_dec_ok() {
+                    let rb = ixd_rb(stride, self.gpu.info().sm_count as usize);
+                    let dims = LaunchDims {
+                        grid: [stride.div_ceil(rb) as u32, nb as u32, 1],
+                        block: [256, 1, 1],
+                        shared_bytes: IXD_SMEM,
+                    };
+                    (&ATTN_TC, "index_scores_d", dims, [nb, rb])
+                } else if tc {
                     let rb = if nb <= IXT_FEW {
                         ixt_rb_few(stride, self.gpu.info().sm_count as usize)
                     } else {
@@ -1703,6 +1745,37 @@ mod tests {
                 if stride / IXT_RB_FEW >= sms && rb > IXT_RB_FEW {
                     assert!(
                         stride.div_ceil(rb) >= sms,
+                        "{stride} rows, {sms} SMs: rb {rb}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_index_d_rows_fill_three_ctas_an_sm() {
+        if std::env::var("DS4_GPU_IXT_RB").is_ok() {
+            eprintln!("skipped: DS4_GPU_IXT_RB fixes the choice");
+            return;
+        }
+        // One 32-row tile a CTA until 3 x 132 CTAs, then whole tiles for about three an SM:
+        // 64k context (16k rows) 256 CTAs, 256k 342, 1M 391.
+        assert_eq!(ixd_rb(2048, 132), 32);
+        assert_eq!(ixd_rb(16384, 132), 64);
+        assert_eq!(ixd_rb(65536, 132), 192);
+        assert_eq!(ixd_rb(262144, 132), 672);
+        for stride in [1, 100, 4096, 40000, 65536, 1 << 20] {
+            for sms in [0, 1, 16, 78, 132, 304] {
+                let rb = ixd_rb(stride, sms);
+                assert!(
+                    rb.is_multiple_of(32) && rb >= 32,
+                    "{stride} rows, {sms} SMs: rb {rb}"
+                );
+                // Every row covered, and no more CTAs than ~3 an SM once the rows allow it.
+                assert!(stride.div_ceil(rb) * rb >= stride);
+                if rb > 32 {
+                    assert!(
+                        stride.div_ceil(rb) <= 3 * sms.max(1),
                         "{stride} rows, {sms} SMs: rb {rb}"
                     );
                 }
