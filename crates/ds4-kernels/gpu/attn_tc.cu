@@ -931,7 +931,11 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, con
 // as raw f32 rows by cp.async, IXD_NS - 1 ahead, and each warp converts its B fragments to bf16
 // as it loads them (exact: FP4-simulated rows). Terms go to a [head][row] tile (two, taking
 // turns) and one warp a tile, in rotation, adds a row's 64 heads in head order while the others
-// go on: one barrier a tile. At most 80 registers: 3 CTAs an SM (IXD_SMEM each).
+// go on: one barrier a tile. At most 80 registers: 3 CTAs an SM (IXD_SMEM each). H200
+// (bench/results/gpu-index-s35-h200.txt): a tie with index_scores_tc up to 256k of context (both
+// wait on the same chain: PDL wait, the first tiles' DRAM latency, the head sums), decode +1.5%
+// at 512k and +2.5% at 1M (bytes in flight start to matter: 134 MB of f32 rows a layer at 1M).
+// Preparing the query here too (no index_qprep_f32 launch) lost 1.3-2.0%: every CTA redid it.
 // grid (ceil(max_vis / rb), ntok), blockDim 256, dynamic shared IXD_SMEM; rb a multiple of 32.
 #define IXD_RS 136 // floats a staged row: 128 + 8 (a warp's float2 fragment loads hit 32 banks)
 #define IXD_NS 3   // row tile stages
