@@ -161,8 +161,8 @@ const IXT_RB_FEW: usize = 64;
 const IXT_FEW: usize = 4;
 /// Most rows a decode `index_scores_tc` CTA walks ([`ixt_rb_few`]).
 const IXT_RB_FEW_MAX: usize = 1024;
-/// `DS4_GPU_IXT_RB=N`: decode's rows per CTA fixed at N (a multiple of 32; A/B runs); unset or 0:
-/// [`ixt_rb_few`]'s choice. Read once.
+/// `DS4_GPU_IXT_RB=N`: decode's indexer rows per CTA fixed at N (a multiple of 32; A/B runs), for
+/// either scores kernel; unset or 0: [`ixt_rb_few`]'s or [`ixd_rb`]'s choice. Read once.
 static IXT_RB_ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
 /// Rows per CTA of decode's `index_scores_tc` for a score row of `stride` candidates on `sms`
