@@ -603,7 +603,8 @@ fn index_select_matches_cpu() {
     // and tensor cores on (the first form).
     // The fourth flag: the old top-k and query prep (DS4_GPU_TOPK=old). The fifth: prompt batches
     // on index_scores_wg (sm_90a; elsewhere index_scores_tc either way) or index_scores_tc. The
-    // last: decode steps (1-4 tokens) on index_scores_d or index_scores_tc.
+    // last: decode steps (1-4 tokens) of 16,384 or more rows (the 70k, 400k, 300k and 131k cases
+    // below) on index_scores_d or index_scores_tc.
     for (simple, old, tc, tk_old, wg, dec) in [
         (false, false, true, false, true, true),
         (false, false, true, false, false, false),
@@ -648,8 +649,8 @@ fn index_select_matches_cpu() {
         run_index(&cpu, &gpu, 64, 512, true, 1, 70_000, 16);
         run_index(&cpu, &gpu, 64, 512, true, 1, 400_000, 18);
         run_index(&cpu, &gpu, 64, 512, true, 2, 300_001, 19);
-        // Verify steps of 3 and 4 tokens (a token a CTA on index_scores_d): rows of one tile,
-        // many tiles and CTAs (ragged last), the tokens' visible counts apart.
+        // Verify steps of 3 and 4 tokens: rows of one tile, many tiles and CTAs (ragged last; the
+        // second a token a CTA on index_scores_d), the tokens' visible counts apart.
         run_index(&cpu, &gpu, 64, 512, true, 3, 2046, 20);
         run_index(&cpu, &gpu, 64, 512, true, 4, 131_069, 21);
     }

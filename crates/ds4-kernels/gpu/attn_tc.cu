@@ -936,6 +936,7 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, con
 // wait on the same chain: PDL wait, the first tiles' DRAM latency, the head sums), decode +1.5%
 // at 512k and +2.5% at 1M (bytes in flight start to matter: 134 MB of f32 rows a layer at 1M).
 // Preparing the query here too (no index_qprep_f32 launch) lost 1.3-2.0%: every CTA redid it.
+// The host takes it from 16,384 score rows (attn.rs IXD_MIN_ROWS), where it was measured.
 // grid (ceil(max_vis / rb), ntok), blockDim 256, dynamic shared IXD_SMEM; rb a multiple of 32.
 #define IXD_RS 136 // floats a staged row: 128 + 8 (a warp's float2 fragment loads hit 32 banks)
 #define IXD_NS 3   // row tile stages

@@ -184,10 +184,13 @@ pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
 }
 
 /// Decode steps' (1-4 tokens) indexer scores by `index_scores_d` (attn_tc.cu: a token a CTA,
-/// every warp computing, 3 CTAs an SM; same bits as `index_scores_tc`; H200: a tie up to 256k,
-/// decode +1.5% at 512k, +2.5% at 1M): `DS4_GPU_INDEX_DEC=off` keeps `index_scores_tc` with
-/// [`ixt_rb_few`]'s rows.
+/// every warp computing, 3 CTAs an SM; same bits as `index_scores_tc`) where the score rows
+/// hold at least `IXD_MIN_ROWS` (64k tokens of context): on the H200 a tie at 64k-256k, decode
+/// +1.5% at 512k, +2.5% at 1M; shorter contexts were not measured with it and keep
+/// `index_scores_tc` (bench/results/gpu-index-s35-h200.txt). `DS4_GPU_INDEX_DEC=off` keeps
+/// `index_scores_tc` everywhere.
 static INDEX_DEC: AtomicU8 = AtomicU8::new(0);
+const IXD_MIN_ROWS: usize = 16384;
 /// `index_scores_d`'s dynamic shared bytes (attn_tc.cu `IXD_SMEM`: 3 stages of 32 f32 rows at a
 /// 136-float stride, two 64 x 36 term tiles).
 const IXD_SMEM: u32 = 70_656;
@@ -989,7 +992,8 @@ impl GpuBackend {
                 };
                 // (kernel, grid, the two arguments after the rows' stride): the same
                 // arguments otherwise (attention.cu / attn_tc.cu signatures).
-                let (module, name, dims, mid) = if tc && nb <= IXT_FEW && index_dec_ok() {
+                let dec = nb <= IXT_FEW && stride >= IXD_MIN_ROWS && index_dec_ok();
+                let (module, name, dims, mid) = if tc && dec {
                     let rb = ixd_rb(stride, self.gpu.info().sm_count as usize);
                     let dims = LaunchDims {
                         grid: [stride.div_ceil(rb) as u32, nb as u32, 1],
