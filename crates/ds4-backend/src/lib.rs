@@ -163,6 +163,10 @@ pub struct LayerDims {
     pub head_dim: usize,
     pub comp: Option<CompDims>,
     pub index: Option<CompDims>,
+    /// The indexer's rows are FP4-simulated (Hadamard + E2M1 with power-of-two block scales):
+    /// every value is e2m1 · 2^k, exact in bf16, so a backend may store them in 2 bytes (the
+    /// GPU does); the host form ([`HostCompState`]) stays f32.
+    pub index_fp4: bool,
 }
 
 /// One compressor step over a chunk ([`Backend::compress`]).

@@ -158,6 +158,50 @@ mod tests {
         assert_eq!(e4m3(15.5), 16.0);
     }
 
+    /// The GPU stores the indexer's rows as bf16 (ds4-gpu `GpuComp::bf16`) because every
+    /// FP4-simulated value (e2m1 · 2^k, k from -127 up), f16-rounded or not, is exact in bf16:
+    /// blocks at magnitudes from f32 subnormals through the f16 subnormal range to past f16's
+    /// largest value (rounded to ±inf) and 0 round-trip in bits; an unrounded row does not.
+    #[test]
+    fn fp4_rows_are_exact_in_bf16() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let mut lossy = 0;
+        for e in (-140..=40).step_by(3) {
+            let mut row: Vec<f32> = (0..128).map(|_| next() * 2f32.powi(e)).collect();
+            row[5] = 0.0;
+            let raw = row.clone();
+            lossy += raw
+                .iter()
+                .filter(|v| half::bf16::from_f32(**v).to_f32() != **v)
+                .count();
+            fp4_hadamard_sim(&mut row);
+            for f16 in [false, true] {
+                let mut r = row.clone();
+                if f16 {
+                    f16_round(&mut r);
+                }
+                for (i, &v) in r.iter().enumerate() {
+                    let b = half::bf16::from_f32(v).to_f32();
+                    assert_eq!(
+                        b.to_bits(),
+                        v.to_bits(),
+                        "scale 2^{e} f16 {f16} value {i}: {v:e}"
+                    );
+                }
+            }
+        }
+        assert!(
+            lossy > 1000,
+            "unrounded rows should lose bits in bf16 ({lossy})"
+        );
+    }
+
     #[test]
     fn e2m1_grid() {
         assert_eq!(e2m1(0.25), 0.0); // tie 0 / 0.5 → code 0

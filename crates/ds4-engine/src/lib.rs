@@ -218,11 +218,13 @@ fn full_size_line() -> String {
     };
     format!(
         "full-size model: weights {:.1} GiB (q2) / {:.1} GiB (q4); session state {:.2} GiB at 32k \
-         context, {:.2} GiB at 1M",
+         context, {:.2} GiB at 1M ({:.2} / {:.2} GiB on a GPU: bf16 indexer rows)",
         gib(weights(Mix::Q2)),
         gib(weights(Mix::Q4)),
-        gib(hp.session_bytes(32 << 10, 4)),
-        gib(hp.session_bytes(1 << 20, 4))
+        gib(hp.session_bytes(32 << 10, 4, 4)),
+        gib(hp.session_bytes(1 << 20, 4, 4)),
+        gib(hp.session_bytes(32 << 10, 4, 2)),
+        gib(hp.session_bytes(1 << 20, 4, 2))
     )
 }
 
@@ -777,7 +779,18 @@ impl Engine {
     /// compressor frontiers, and the compressed/indexer rows at full context (f32, as the CPU
     /// backend stores them).
     pub fn memory_estimate(&self, ctx: usize) -> u64 {
-        self.hparams().session_bytes(ctx, 4)
+        self.hparams().session_bytes(ctx, 4, 4)
+    }
+
+    /// The same on the device of a GPU backend (None on the CPU): the indexer's rows take 2
+    /// bytes a value there when FP4-simulated (bf16, exact; ds4-gpu `GpuComp::bf16`).
+    pub fn gpu_state_estimate(&self, ctx: usize) -> Option<u64> {
+        self.weight_bytes?;
+        let fp4 = self.model.layer_dims().iter().any(|l| l.index_fp4);
+        Some(
+            self.hparams()
+                .session_bytes(ctx, 4, if fp4 { 2 } else { 4 }),
+        )
     }
 }
 

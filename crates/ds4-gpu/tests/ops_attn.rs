@@ -280,6 +280,8 @@ fn run_compress(cpu: &CpuBackend, gpu: &GpuBackend, case: &CompCase, seed: u64) 
         } else {
             None
         },
+        // FP4-rounded indexer rows: the GPU stores them as bf16 (exact).
+        index_fp4: case.round.fp4_hadamard,
     };
     let ape_v = randn(&mut r, ratio * w, 1.0);
     let (ape_c, ape_g) = matrices(cpu, gpu, case.ape_ty, &ape_v, ratio, w);
@@ -544,6 +546,7 @@ fn run_index(
         head_dim: 128,
         comp: None,
         index: Some(c),
+        index_fp4: fp4, // the GPU's rows bf16 (exact: rounded below)
     };
     let rows = (t0 + n) / ratio;
     let mut h = HostLayerState::new(&ld);
@@ -1055,6 +1058,7 @@ fn run_attend(
         head_dim: hd,
         comp,
         index: None,
+        index_fp4: false,
     };
     let mut h = HostLayerState::new(&ld);
     // Ring before t0: the last W positions, some slots empty or stale (MTP-style holes).
@@ -1356,6 +1360,7 @@ fn ring_layer(
             d: hd,
         }),
         index: None,
+        index_fp4: false,
     };
     let mut h = HostLayerState::new(&ld);
     h.raw = randn(r, win * hd, 1.0);
@@ -1494,6 +1499,7 @@ fn attend_bench() {
             head_dim: 128,
             comp: None,
             index: Some(c),
+            index_fp4: true, // bf16 rows (random values, rounded on upload: a timing only)
         };
         let mut h = HostLayerState::new(&ld);
         h.index.as_mut().unwrap().rows = randn(&mut r, (t0 + n) / ratio * ihd, 1.0);

@@ -390,7 +390,9 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_pool_f32(DS4_COMP_PARAMS, float* __rest
 // squares in this thread: rmsnorm (weights norm), RoPE at position pos, rounding, written to o
 // (f16-rounded when f16). scale_s (256 floats), part (blockDim / DS4_WARP doubles) and nscale_s
 // are the caller's shared scratch. Shared by compress_row_f32 and compress_fin_f32 (same bits).
-__device__ __forceinline__ void ds4_comp_finish(float* row_s, float* scale_s, double* part, float* nscale_s, double ss, int d, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos, int fp8_nope, int fp4, int f16, float* __restrict__ o) {
+// obf: o holds bf16 (u16) values, not floats (the indexer's FP4-simulated rows: exact, half the
+// bytes; mod.rs GpuComp::bf16).
+__device__ __forceinline__ void ds4_comp_finish(float* row_s, float* scale_s, double* part, float* nscale_s, double ss, int d, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos, int fp8_nope, int fp4, int f16, void* __restrict__ o, int obf) {
     int tid = threadIdx.x;
     ss = ds4_warp_sum_f64(ss);
     int warp = tid / DS4_WARP, nwarps = blockDim.x / DS4_WARP;
@@ -413,7 +415,11 @@ __device__ __forceinline__ void ds4_comp_finish(float* row_s, float* scale_s, do
     ds4_round_shared(row_s, scale_s, d, fp8_nope, fp4);
     for (int j = tid; j < d; j += blockDim.x) {
         float v = row_s[j];
-        o[j] = f16 ? ds4_f16_round(v) : v;
+        v = f16 ? ds4_f16_round(v) : v;
+        if (obf)
+            ((u16*)o)[j] = ds4_f2bf(v);
+        else
+            ((float*)o)[j] = v;
     }
 }
 
@@ -422,11 +428,13 @@ __device__ __forceinline__ void ds4_comp_finish(float* row_s, float* scale_s, do
 // shared memory (d floats). Pooling as compress_pool_f32 (same order); the norm's f64 sum of
 // squares is reduced in another order than rmsnorm_f32's (bit-near). With sp (DS4_POS) the
 // rows start at window t0/r: out is the rows' base and pos0 an offset, both moved by t0/r rows.
-DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0a, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, float* __restrict__ out, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos0, int fp8_nope, int fp4, int f16, const long long* __restrict__ sp) {
+// obf: out holds bf16 rows (ds4_comp_finish).
+DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g, const u8 *ape, const float *fkv, const float *fsc, long long t0a, int n, int r, int coff, int w, int ape_ty, int ape_row_bytes, void* __restrict__ out, const float* __restrict__ norm, float eps, const double* __restrict__ freqs, int n_rot, long long pos0, int fp8_nope, int fp4, int f16, const long long* __restrict__ sp, int obf) {
     ds4_pdl_enter();
     const long long t0 = DS4_POS(sp, t0a);
+    const size_t esz = obf ? 2 : 4; // bytes a stored value
     if (sp) {
-        out += (size_t)(t0 / r) * (size_t)(w / coff);
+        out = (u8*)out + (size_t)(t0 / r) * (size_t)(w / coff) * esz;
         pos0 += (t0 / r) * r;
     }
     DS4_COMP_MAKE;
@@ -459,7 +467,7 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_row_f32(const float *a, const float *g,
         ss += (double)acc * (double)acc;
     }
     long long pos = pos0 + (long long)blockIdx.x * c.r;
-    ds4_comp_finish(row_s, scale_s, part, &nscale_s, ss, d, norm, eps, freqs, n_rot, pos, fp8_nope, fp4, f16, out + (size_t)blockIdx.x * d);
+    ds4_comp_finish(row_s, scale_s, part, &nscale_s, ss, d, norm, eps, freqs, n_rot, pos, fp8_nope, fp4, f16, (u8*)out + (size_t)blockIdx.x * d * esz, obf);
 }
 
 // Channels per CTA of compress_pool_sh_f32 (a multiple dividing blockDim; 32 floats = 128 bytes a
@@ -546,7 +554,7 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_fin_f32(float* __restrict__ out, int r,
         ss += (double)v * (double)v;
     }
     long long pos = pos0 + (long long)blockIdx.x * r;
-    ds4_comp_finish(row_s, scale_s, part, &nscale_s, ss, d, norm, eps, freqs, n_rot, pos, fp8_nope, fp4, f16, o);
+    ds4_comp_finish(row_s, scale_s, part, &nscale_s, ss, d, norm, eps, freqs, n_rot, pos, fp8_nope, fp4, f16, o, 0);
 }
 
 // The frontier after the chunk, into nkv/nsc [slots, w] (never the old frontier itself).
@@ -616,11 +624,23 @@ DS4_KERNEL void DS4_BOUNDS(256) compress_frontier_ip_f32(const float *a, const f
 // dot with eight partial sums). grid (ceil(max_vis / blockDim), tokens), dynamic shared heads·ihd
 // floats; q already rotated/rounded. max_vis is the row stride of scores: at least every token's
 // visible count (the host passes the rows' capacity with sp, so that the grid stays put; CTAs
-// past the visible rows return).
+// past the visible rows return). rbf: rows are bf16 (u16) values, not floats (mod.rs GpuComp::bf16:
+// the FP4-simulated rows, exact), read as the same f32 values.
+__device__ __forceinline__ float ds4_ix_val(const void* __restrict__ rows, long long i, int rbf) {
+    return rbf ? ds4_bf2f(((const u16*)rows)[i]) : ((const float*)rows)[i];
+}
+// Values 4 i4 .. 4 i4 + 3 of the rows (16-byte aligned f32 rows, or 8-byte aligned bf16 rows).
+__device__ __forceinline__ float4 ds4_ix_val4(const void* __restrict__ rows, long long i4, int rbf) {
+    if (!rbf) return ((const float4*)rows)[i4];
+    const uint2 u = ((const uint2*)rows)[i4];
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+}
+
 DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, const float* __restrict__ w,
-                                                 const float* __restrict__ rows, float* __restrict__ scores,
+                                                 const void* __restrict__ rows, float* __restrict__ scores,
                                                  long long tba, long long max_vis, int heads, int ihd, int ratio,
-                                                 float ws, const long long* __restrict__ sp) {
+                                                 float ws, const long long* __restrict__ sp, int rbf) {
     ds4_pdl_enter();
     const long long tb = DS4_POS(sp, tba);
     extern __shared__ float qi[]; // token i's query, heads × ihd
@@ -632,7 +652,8 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, co
     for (int e = threadIdx.x; e < heads * ihd; e += blockDim.x) qi[e] = q[(size_t)i * heads * ihd + e];
     __syncthreads();
     if (r >= vis) return;
-    const float* key = rows + r * ihd;
+    const long long key0 = r * ihd;
+    auto key = [&](int e) { return ds4_ix_val(rows, key0 + e, rbf); };
     float total = -0.0f;
     int n8 = ihd / 8 * 8;
     for (int h = 0; h < heads; h++) {
@@ -640,12 +661,12 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, co
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int e = 0; e < n8; e += 8) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[k] = ds4_add_rn(acc[k], ds4_mul_rn(qh[e + k], key[e + k]));
+            for (int k = 0; k < 8; k++) acc[k] = ds4_add_rn(acc[k], ds4_mul_rn(qh[e + k], key(e + k)));
         }
         float s = -0.0f;
 #pragma unroll
         for (int k = 0; k < 8; k++) s = ds4_add_rn(s, acc[k]);
-        for (int e = n8; e < ihd; e++) s = ds4_add_rn(s, ds4_mul_rn(qh[e], key[e]));
+        for (int e = n8; e < ihd; e++) s = ds4_add_rn(s, ds4_mul_rn(qh[e], key(e)));
         float dm = s > 0.0f ? s : 0.0f;
         total = ds4_add_rn(total, ds4_mul_rn(ds4_mul_rn(w[(size_t)i * heads + h], ws), dm));
     }
@@ -656,7 +677,7 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_f32(const float* __restrict__ q, co
 // once) instead of re-read from memory for every head; identical operations and order, so the
 // same bits. Same grid, block (128) and dynamic shared memory (heads × 128 floats).
 #define DS4_IX_HD 128
-DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int heads, int ihd, int ratio, float ws, const long long* __restrict__ sp) {
+DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q, const float* __restrict__ w, const void* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int heads, int ihd, int ratio, float ws, const long long* __restrict__ sp, int rbf) {
     ds4_pdl_enter();
     const long long tb = DS4_POS(sp, tba);
     extern __shared__ float4 qi4[]; // token i's query, heads × DS4_IX_HD floats
@@ -670,10 +691,9 @@ DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q,
     __syncthreads();
     if (r >= vis) return;
     float key[DS4_IX_HD];
-    const float4* k4 = (const float4*)(rows + r * DS4_IX_HD);
 #pragma unroll
     for (int e = 0; e < DS4_IX_HD / 4; e++) {
-        float4 v = k4[e];
+        float4 v = ds4_ix_val4(rows, r * (DS4_IX_HD / 4) + e, rbf);
         key[4 * e] = v.x;
         key[4 * e + 1] = v.y;
         key[4 * e + 2] = v.z;
@@ -710,7 +730,7 @@ DS4_KERNEL void DS4_BOUNDS(128) index_scores128_f32(const float* __restrict__ q,
 // same operations, into shared [heads][R]; then one thread per row adds them in head order (the
 // same bits). grid (ceil(max_vis / R), tokens); dynamic shared heads × (128 + R) floats.
 #define DS4_IXH_R 32
-DS4_KERNEL void DS4_BOUNDS(256) index_scores128h_f32(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int heads, int ihd, int ratio, float ws, const long long* __restrict__ sp) {
+DS4_KERNEL void DS4_BOUNDS(256) index_scores128h_f32(const float* __restrict__ q, const float* __restrict__ w, const void* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int heads, int ihd, int ratio, float ws, const long long* __restrict__ sp, int rbf) {
     ds4_pdl_enter();
     const long long tb = DS4_POS(sp, tba);
     extern __shared__ float4 qh4[];                             // heads × DS4_IX_HD floats
@@ -727,10 +747,9 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores128h_f32(const float* __restrict__ q
     const float* wi = w + (size_t)i * heads;
     if (r < vis) {
         float key[DS4_IX_HD];
-        const float4* k4 = (const float4*)(rows + r * DS4_IX_HD);
 #pragma unroll
         for (int e = 0; e < DS4_IX_HD / 4; e++) {
-            float4 v = k4[e];
+            float4 v = ds4_ix_val4(rows, r * (DS4_IX_HD / 4) + e, rbf);
             key[4 * e] = v.x;
             key[4 * e + 1] = v.y;
             key[4 * e + 2] = v.z;

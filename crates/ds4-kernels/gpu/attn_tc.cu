@@ -787,12 +787,14 @@ DS4_KERNEL void DS4_BOUNDS(256) atc_rope_tab(const double* __restrict__ freqs, f
 // CTA = IXT_TOK tokens × 64 heads (M = 256), 8 warps: warp w takes token w/2 and heads
 // (w%2)·32 + [0, 32) as two m16 tiles, its Q fragments (bf16, 64 registers) loaded once; warps of
 // absent tokens (decode: 1 token) only help stage the rows. The CTA
-// walks rb rows (a multiple of 32) from blockIdx.x·rb in tiles of 32: the tile is converted to bf16 into
+// walks rb rows (a multiple of 32) from blockIdx.x·rb in tiles of 32: the tile is copied into
 // shared memory (row stride IXT_BS halves: the B fragment reads hit 32 banks), the next tile's
 // loads are in flight during the mma, each warp computes its 32 heads × 32 rows, the terms go to
 // shared [token][head][row], then 128 threads (token, row) add the 64 heads in order.
 // grid (ceil(max_vis / rb), ceil(ntok / IXT_TOK)), blockDim 256; heads 64, ihd 128;
-// q [ntok, 64, 128], w [ntok, 64], rows [≥ max_vis, 128] 16-byte aligned; scores [ntok, max_vis].
+// q [ntok, 64, 128], w [ntok, 64], rows [≥ max_vis, 128] bf16 (the indexer's rows as the
+// compressor stores them when FP4-simulated: exact; mod.rs GpuComp::bf16), 16-byte aligned;
+// scores [ntok, max_vis].
 #define IXT_TOK 4
 #define IXT_BS 136 // bf16 per row of the B tile: 128 + 8 (row g at bank 4g + t)
 #define IXT_TS 36  // floats per head of the term tile: 32 rows + 4
@@ -821,7 +823,7 @@ __device__ __forceinline__ void ixt_qfrag(const float* __restrict__ qh, u32 (&a)
 
 
 __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q, const float* __restrict__ w,
-                                                     const float* __restrict__ rows, float* __restrict__ scores,
+                                                     const u16* __restrict__ rows, float* __restrict__ scores,
                                                      long long tb, long long max_vis, int ntok, int ratio, float ws, int rb) {
     __shared__ __align__(16) u16 bs[32 * IXT_BS];        // B tile: 32 rows × 128 bf16 (8.5 KB)
     __shared__ __align__(16) float term[IXT_TOK * 64 * IXT_TS]; // [token][head][row] (36 KB)
@@ -842,29 +844,27 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
 #pragma unroll
         for (int u = 0; u < 2; u++) wh[mt][u] = __fmul_rn(w[(size_t)ti * 64 + hw + mt * 16 + g + 8 * u], ws);
     }
-    // Thread's share of a tile: 4 float4 (row e/32, column group e%32 for e = tid + 256·j).
-    float4 v[4];
+    // Thread's share of a tile: 2 pieces of 8 bf16 (row e/16, piece e%16 for e = tid + 256·j).
+    uint4 v[2];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 2; j++) {
         const int e = tid + 256 * j;
-        const long long row = min(r_begin + e / 32, vmax - 1);
-        v[j] = *((const float4*)(rows + row * 128) + e % 32);
+        const long long row = min(r_begin + e / 16, vmax - 1);
+        v[j] = *((const uint4*)(rows + row * 128) + e % 16);
     }
     for (long long r0 = r_begin; r0 < r_end; r0 += 32) {
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < 2; j++) {
             const int e = tid + 256 * j;
-            u32* d = (u32*)(bs + (e / 32) * IXT_BS + (e % 32) * 4);
-            d[0] = ixt_pack(v[j].x, v[j].y);
-            d[1] = ixt_pack(v[j].z, v[j].w);
+            *(uint4*)(bs + (e / 16) * IXT_BS + (e % 16) * 8) = v[j];
         }
         __syncthreads();
         if (r0 + 32 < r_end) { // warp-uniform; the next tile's loads overlap the mma
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < 2; j++) {
                 const int e = tid + 256 * j;
-                const long long row = min(r0 + 32 + e / 32, vmax - 1);
-                v[j] = *((const float4*)(rows + row * 128) + e % 32);
+                const long long row = min(r0 + 32 + e / 16, vmax - 1);
+                v[j] = *((const uint4*)(rows + row * 128) + e % 16);
             }
         }
         if (!act) { // the same barriers; its summing share below (token = warp >= 2·ntk) is absent too
@@ -919,7 +919,7 @@ __device__ __forceinline__ void index_scores_tc_body(const float* __restrict__ q
 #define IXT_BODY
 #endif
 
-DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }
+DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, const float* __restrict__ w, const u16* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXT_BODY }
 
 // ---------------------------------------------------------------------------------------------
 // Decode's indexer scores (steps of 1-4 tokens; attn.rs index_select): the contract, arguments
@@ -928,28 +928,29 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, con
 // SM (ncu, 64k context: 12.5% occupancy, 84% of issue slots with no eligible warp, the rows
 // read at ~0.6 TB/s). Here every warp computes: warp w takes heads 16 (w & 3) .. + 16 (its A
 // fragments, 32 registers) and rows 16 (w >> 2) .. + 16 of each 32-row tile; the tiles come
-// as raw f32 rows by cp.async, IXD_NS - 1 ahead, and each warp converts its B fragments to bf16
-// as it loads them (exact: FP4-simulated rows). Terms go to a [head][row] tile (two, taking
+// as bf16 rows (index_scores_tc's) by cp.async, IXD_NS - 1 ahead, and each warp reads its B
+// fragments from them. Terms go to a [head][row] tile (two, taking
 // turns) and one warp a tile, in rotation, adds a row's 64 heads in head order while the others
 // go on: one barrier a tile. At most 80 registers: 3 CTAs an SM (IXD_SMEM each). H200
 // (bench/results/gpu-index-s35-h200.txt): a tie with index_scores_tc up to 256k of context (both
 // wait on the same chain: PDL wait, the first tiles' DRAM latency, the head sums), decode +1.5%
-// at 512k and +2.5% at 1M (bytes in flight start to matter: 134 MB of f32 rows a layer at 1M).
+// at 512k and +2.5% at 1M (bytes in flight start to matter: 134 MB of f32 rows a layer at 1M,
+// 67 MB since the rows are stored as bf16).
 // Preparing the query here too (no index_qprep_f32 launch) lost 1.3-2.0%: every CTA redid it.
 // The host takes it from 16,384 score rows (attn.rs IXD_MIN_ROWS), where it was measured.
 // grid (ceil(max_vis / rb), ntok), blockDim 256, dynamic shared IXD_SMEM; rb a multiple of 32.
-#define IXD_RS 136 // floats a staged row: 128 + 8 (a warp's float2 fragment loads hit 32 banks)
-#define IXD_NS 3   // row tile stages
+#define IXD_RS 136 // bf16 a staged row: 128 + 8 (a warp's u32 fragment loads hit 32 banks)
+#define IXD_NS 4   // row tile stages (3 in flight: 24 KB, as the f32 form's 2 held 32 KB)
 #define IXD_LB 256, 3 // at most 80 registers: 3 CTAs an SM
-#define IXD_SMEM (IXD_NS * 32 * IXD_RS * 4 + 2 * 64 * IXT_TS * 4) // 70,656 (attn.rs IXD_SMEM)
+#define IXD_SMEM (IXD_NS * 32 * IXD_RS * 2 + 2 * 64 * IXT_TS * 4) // 53,248 (attn.rs IXD_SMEM)
 
 #if ATC_HAVE_MMA
 __device__ __forceinline__ void index_scores_d_body(const float* __restrict__ q, const float* __restrict__ w,
-                                                    const float* __restrict__ rows, float* __restrict__ scores,
+                                                    const u16* __restrict__ rows, float* __restrict__ scores,
                                                     long long tb, long long max_vis, int ntok, int ratio, float ws, int rb) {
     extern __shared__ __align__(16) u8 ixd_dyn[];
-    float* stg = (float*)ixd_dyn;             // [IXD_NS][32 rows][IXD_RS]
-    float* term = stg + IXD_NS * 32 * IXD_RS; // [2][64 heads][IXT_TS]
+    u16* stg = (u16*)ixd_dyn;                                     // [IXD_NS][32 rows][IXD_RS]
+    float* term = (float*)(ixd_dyn + IXD_NS * 32 * IXD_RS * 2); // [2][64 heads][IXT_TS]
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
     const int ti = blockIdx.y;
     if (ti >= ntok) return;
@@ -958,16 +959,16 @@ __device__ __forceinline__ void index_scores_d_body(const float* __restrict__ q,
     if (r_begin >= vis) return; // CTA-uniform
     const long long r_end = min(r_begin + (long long)rb, vis);
     const int ntl = (int)((r_end - r_begin + 31) / 32);
-    // Copies of tile i into stage i % IXD_NS: 32 rows x 32 16-byte pieces, 4 a thread (row e / 32,
-    // piece e % 32 for e = tid + 256 j); rows past the visible ones repeat the last (never stored).
+    // Copies of tile i into stage i % IXD_NS: 32 rows x 16 16-byte pieces, 2 a thread (row e / 16,
+    // piece e % 16 for e = tid + 256 j); rows past the visible ones repeat the last (never stored).
     auto issue = [&](int i) {
         if (i < ntl) {
-            float* d = stg + (i % IXD_NS) * 32 * IXD_RS;
+            u16* d = stg + (i % IXD_NS) * 32 * IXD_RS;
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < 2; j++) {
                 const int e = tid + 256 * j;
-                const long long row = min(r_begin + 32LL * i + e / 32, r_end - 1);
-                ds4_cp16(d + (e / 32) * IXD_RS + (e % 32) * 4, rows + row * 128 + (e % 32) * 4, true);
+                const long long row = min(r_begin + 32LL * i + e / 16, r_end - 1);
+                ds4_cp16(d + (e / 16) * IXD_RS + (e % 16) * 8, rows + row * 128 + (e % 16) * 8, true);
             }
         }
         ds4_cp_commit(); // (empty groups past the last tile keep the wait count uniform)
@@ -995,7 +996,7 @@ __device__ __forceinline__ void index_scores_d_body(const float* __restrict__ q,
         __syncthreads();           // everyone's; tile i - 1's stage is free, its terms complete
         issue(i + IXD_NS - 1);
         if (i > 0 && warp == (i - 1) % 8) sum_tile(i - 1);
-        const float* bt = stg + (i % IXD_NS) * 32 * IXD_RS + (16 * nh + g) * IXD_RS + 2 * tq;
+        const u16* bt = stg + (i % IXD_NS) * 32 * IXD_RS + (16 * nh + g) * IXD_RS + 2 * tq;
         float c[2][4];
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
@@ -1005,9 +1006,8 @@ __device__ __forceinline__ void index_scores_d_body(const float* __restrict__ q,
         for (int ks = 0; ks < 8; ks++) {
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
-                const float* bp = bt + nt * 8 * IXD_RS + ks * 16;
-                const float2 x0 = *(const float2*)bp, x1 = *(const float2*)(bp + 8);
-                ds4_mma_bf16(c[nt], a[ks], ixt_pack(x0.x, x0.y), ixt_pack(x1.x, x1.y));
+                const u16* bp = bt + nt * 8 * IXD_RS + ks * 16;
+                ds4_mma_bf16(c[nt], a[ks], *(const u32*)bp, *(const u32*)(bp + 8));
             }
         }
         // Terms w_h max(0, s) of heads 16 mt + g (+ 8), rows 16 nh + 8 nt + 2 tq (+ 1). Buffer
@@ -1029,7 +1029,7 @@ __device__ __forceinline__ void index_scores_d_body(const float* __restrict__ q,
 #define IXD_BODY
 #endif
 
-DS4_KERNEL void DS4_BOUNDS(IXD_LB) index_scores_d(const float* __restrict__ q, const float* __restrict__ w, const float* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXD_BODY }
+DS4_KERNEL void DS4_BOUNDS(IXD_LB) index_scores_d(const float* __restrict__ q, const float* __restrict__ w, const u16* __restrict__ rows, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, const long long* __restrict__ sp) { ds4_pdl_enter(); IXD_BODY }
 
 // ---------------------------------------------------------------------------------------------
 // The same scores on Hopper warpgroup MMA (sm_90a; prefill batches of more than IXT_FEW tokens,
@@ -1040,7 +1040,7 @@ DS4_KERNEL void DS4_BOUNDS(IXD_LB) index_scores_d(const float* __restrict__ q, c
 //   S = Q_t (64 heads × 128: bf16 A fragments in registers, loaded once) · R_tileᵀ
 // by 8 wgmma m64n64k16 (B: the tile's 64 rows × 128 bf16 in shared memory, K-major core
 // matrices of 8 rows × 16 bytes, core (row group, k group kg) at 128 (16 group + kg): LBO 128,
-// SBO 2048, k-step kk at + 256 kk). Rows are the bf16 copy made by ixw_rows_bf16 (exact),
+// SBO 2048, k-step kk at + 256 kk). Rows are the stored bf16 rows (index_scores_tc's),
 // staged by cp.async IXW_NS - 2 tiles ahead. Two accumulator sets: tile i + 1's wgmma run while
 // tile i's terms w_h max(0, s) go to the warpgroup's [row][head] tile (two, alternating) and 64
 // of its threads add a row's 64 heads in head order (the CPU's f32 sum); a warpgroup barrier,
@@ -1193,23 +1193,9 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
 #endif
 
 // grid (ceil(max_vis / rb), ceil(ntok / IXW_TOK)), blockDim 512, dynamic shared IXW_SMEM; rb a
-// multiple of IXW_N; rows16: rows [0, max_vis) as bf16 (ixw_rows_bf16), 16-byte aligned; the
+// multiple of IXW_N; rows16: rows [0, max_vis) as bf16 (index_scores_tc's), 16-byte aligned; the
 // rest as index_scores_tc (no step block: prefill only).
 DS4_KERNEL void DS4_BOUNDS(512) index_scores_wg(const float* __restrict__ q, const float* __restrict__ w, const u16* __restrict__ rows16, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws) { ds4_pdl_enter(); IXW_BODY }
-
-// rows [n4 float4s] f32 -> bf16 (round to nearest even: exact for the FP4-simulated rows), grid-stride.
-DS4_KERNEL void DS4_BOUNDS(256) ixw_rows_bf16(const float* __restrict__ rows, u32* __restrict__ out, long long n4) {
-    ds4_pdl_enter();
-#if ATC_HAVE_MMA
-    for (long long i = (long long)blockIdx.x * 256 + threadIdx.x; i < n4; i += (long long)gridDim.x * 256) {
-        const float4 v = ((const float4*)rows)[i];
-        ((uint2*)out)[i] = make_uint2(ixt_pack(v.x, v.y), ixt_pack(v.z, v.w));
-    }
-#else
-    (void)rows, (void)out, (void)n4;
-#endif
-}
-
 
 // ---------------------------------------------------------------------------------------------
 // Prompt attention on Hopper warpgroup MMA (sm_90a): the contract and rounding of

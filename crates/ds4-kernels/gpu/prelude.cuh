@@ -78,6 +78,14 @@ __device__ __forceinline__ float ds4_h2f_fast(u32 h) {
 
 __device__ __forceinline__ float ds4_bf2f(u16 h) { return __int_as_float((u32)h << 16); }
 
+// float -> bf16 bits, round to nearest even (NaN kept quiet). Exact for values with at most 8
+// significant bits, such as the FP4-simulated indexer rows (e2m1 · 2^k).
+__device__ __forceinline__ u16 ds4_f2bf(float v) {
+    u32 u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // Little-endian loads from byte pointers of any alignment.
 __device__ __forceinline__ u16 ds4_ld_u16(const u8* p) { return (u16)(p[0] | (p[1] << 8)); }
 __device__ __forceinline__ u32 ds4_ld_u32(const u8* p) {

@@ -10,7 +10,8 @@ use crate::Module;
 /// chunk's RoPE angles those raw-query kernels read. `index_scores_tc`: the lightning indexer's scores
 /// (prefill, FP4-simulated queries and rows) by mma.sync bf16, the bits of `index_scores128h_f32`;
 /// `index_scores_d` the same for decode steps (1-4 tokens, a token a CTA, every warp computing);
-/// `index_scores_wg` the same by wgmma (sm_90a, prefill) from the bf16 rows of `ixw_rows_bf16`.
+/// `index_scores_wg` the same by wgmma (sm_90a, prefill); all three read the indexer's rows as
+/// the compressor stores them when FP4-simulated: bf16 (exact).
 pub const ATTN_TC: Module = Module {
     name: "attn_tc",
     source: include_str!("../gpu/attn_tc.cu"),
@@ -31,6 +32,5 @@ pub const ATTN_TC: Module = Module {
         "index_scores_tc",
         "index_scores_d",
         "index_scores_wg",
-        "ixw_rows_bf16",
     ],
 };

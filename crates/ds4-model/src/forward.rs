@@ -386,6 +386,8 @@ struct Binder<'a, B: Backend> {
     src: &'a mut dyn WeightSource<B>,
     b: &'a B,
     shard: Shard,
+    /// The indexer's rows are FP4-simulated ([`LayerDims::index_fp4`]).
+    index_fp4: bool,
 }
 
 impl<B: Backend> Binder<'_, B> {
@@ -453,7 +455,7 @@ impl<B: Backend> Binder<'_, B> {
         p: &str,
         kind: LayerKind,
     ) -> Result<Layer<B::Weight>, String> {
-        let dims = layer_dims(hp, &kind);
+        let dims = layer_dims(hp, &kind, self.index_fp4);
         // The MTP block uses the last layer's clamp (every published layer has the same one).
         let l = (kind.index as usize).min(hp.swiglu_clamp.len() - 1);
         let comp = match dims.comp {
@@ -560,8 +562,9 @@ pub fn tp_splits(name: &str) -> bool {
     SPLIT.iter().any(|t| name.ends_with(t)) && !name.contains("indexer")
 }
 
-/// The attention-state shape of a layer.
-pub fn layer_dims(hp: &HParams, kind: &LayerKind) -> LayerDims {
+/// The attention-state shape of a layer; `index_fp4`: the model's indexer rows are
+/// FP4-simulated (`Rounding::fp4_indexer`).
+pub fn layer_dims(hp: &HParams, kind: &LayerKind, index_fp4: bool) -> LayerDims {
     let hd = hp.head_dim as usize;
     LayerDims {
         window: hp.sliding_window as usize,
@@ -576,6 +579,7 @@ pub fn layer_dims(hp: &HParams, kind: &LayerKind) -> LayerDims {
             coff: 2,
             d: hp.indexer_head_dim as usize,
         }),
+        index_fp4,
     }
 }
 
@@ -655,6 +659,7 @@ impl<B: Backend> Model<B> {
             src,
             b: &backend,
             shard,
+            index_fp4: rounding.fp4_indexer,
         };
         let mut layers = Vec::with_capacity(hp.n_layer as usize);
         for kind in hp.layers() {
@@ -711,7 +716,7 @@ impl<B: Backend> Model<B> {
 
     /// Attention-state shape of the MTP block.
     pub fn mtp_dims(&self) -> LayerDims {
-        layer_dims(&self.hp, &mtp_kind(&self.hp))
+        layer_dims(&self.hp, &mtp_kind(&self.hp), self.rounding.fp4_indexer)
     }
 
     /// A fresh session state.

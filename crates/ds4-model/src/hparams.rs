@@ -558,10 +558,16 @@ impl HParams {
     }
 
     /// Bytes of one session's state at a context of `ctx` tokens with cache rows of
-    /// `row_bytes_per_value` bytes per value (4 = f32 as the CPU stores them, 2 = f16, exact):
-    /// every layer's raw window, the compressor frontiers (always f32), the compressed and
+    /// `row_bytes_per_value` bytes per value (4 = f32 as the CPU stores them, 2 = f16, exact)
+    /// and indexer rows of `index_bytes_per_value` (the GPU stores FP4-simulated ones as bf16:
+    /// 2): every layer's raw window, the compressor frontiers (always f32), the compressed and
     /// indexer rows at full context (model.md §4.2), the token ids and one logits vector.
-    pub fn session_bytes(&self, ctx: usize, row_bytes_per_value: u64) -> u64 {
+    pub fn session_bytes(
+        &self,
+        ctx: usize,
+        row_bytes_per_value: u64,
+        index_bytes_per_value: u64,
+    ) -> u64 {
         let hd = self.head_dim as u64;
         let ihd = self.indexer_head_dim as u64;
         let v = row_bytes_per_value;
@@ -574,7 +580,7 @@ impl HParams {
                 b += 2 * (c * l.ratio as u64) * (c * hd) * 4 + ctx / l.ratio as u64 * hd * v;
             }
             if l.has_indexer() {
-                b += 2 * 8 * (2 * ihd) * 4 + ctx / 4 * ihd * v;
+                b += 2 * 8 * (2 * ihd) * 4 + ctx / 4 * ihd * index_bytes_per_value;
             }
         }
         b + self.n_vocab as u64 * 4 + ctx * 4

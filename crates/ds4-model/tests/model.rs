@@ -276,15 +276,20 @@ fn session_memory_matches_model_md_sizes() {
     // model.md §4.2: 3440 compressed values per token; fixed part ≈ 10.75 MiB raw window +
     // 11.64 MiB frontiers (f32); ≈ 430 MiB at 32K and 13.4 GiB at 1M in f32.
     let hp = HParams::flash();
-    let per_token =
-        (hp.session_bytes(2 << 20, 4) - hp.session_bytes(1 << 20, 4)) as f64 / (1u64 << 20) as f64;
+    let per_token = (hp.session_bytes(2 << 20, 4, 4) - hp.session_bytes(1 << 20, 4, 4)) as f64
+        / (1u64 << 20) as f64;
     assert!(
         (per_token - (3440.0 * 4.0 + 4.0)).abs() < 1.0,
         "{per_token}"
     );
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let fixed = gib(hp.session_bytes(0, 4));
+    let fixed = gib(hp.session_bytes(0, 4, 4));
     assert!((fixed - (10.75 + 11.64) / 1024.0).abs() < 0.01, "{fixed}");
-    assert!((gib(hp.session_bytes(1 << 20, 4)) - 13.47).abs() < 0.1);
-    assert!(hp.session_bytes(32768, 2) < hp.session_bytes(32768, 4));
+    assert!((gib(hp.session_bytes(1 << 20, 4, 4)) - 13.47).abs() < 0.1);
+    assert!(hp.session_bytes(32768, 2, 2) < hp.session_bytes(32768, 4, 4));
+    // bf16 indexer rows (the GPU): each indexer layer's 2^18 rows × 128 values at 1M, 2 bytes
+    // saved a value.
+    let saved = hp.session_bytes(1 << 20, 4, 4) - hp.session_bytes(1 << 20, 4, 2);
+    let ix_layers = hp.layers().filter(|l| l.has_indexer()).count() as u64;
+    assert_eq!(saved, ix_layers * (1 << 18) * 128 * 2);
 }

@@ -149,11 +149,22 @@ pub fn run(mut a: Args) -> Result<()> {
         };
         eprintln!("# weights on the device{each}: {:.2} GiB", gib(w));
     }
-    eprintln!(
-        "# session state: {:.2} GiB at 32k context, {:.2} GiB at 1M (f32 rows)",
-        gib(engine.memory_estimate(32 << 10)),
-        gib(engine.memory_estimate(1 << 20))
-    );
+    match (
+        engine.gpu_state_estimate(32 << 10),
+        engine.gpu_state_estimate(1 << 20),
+    ) {
+        (Some(a), Some(b)) => eprintln!(
+            "# session state on the device: {:.2} GiB at 32k context, {:.2} GiB at 1M (f32 rows, \
+             bf16 indexer rows)",
+            gib(a),
+            gib(b)
+        ),
+        _ => eprintln!(
+            "# session state: {:.2} GiB at 32k context, {:.2} GiB at 1M (f32 rows)",
+            gib(engine.memory_estimate(32 << 10)),
+            gib(engine.memory_estimate(1 << 20))
+        ),
+    }
     let tok = engine.tokenizer().clone();
     let text = match &a.prompt_file {
         Some(p) => {

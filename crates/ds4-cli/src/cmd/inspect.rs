@@ -188,9 +188,9 @@ fn print_hparams(hp: &HParams) {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     println!(
         "  session     {:.2} GiB at 32K tokens, {:.2} GiB at 1M (f32 cache rows; f16 rows: {:.2} / {:.2} GiB)",
-        gib(hp.session_bytes(32768, 4)),
-        gib(hp.session_bytes(1 << 20, 4)),
-        gib(hp.session_bytes(32768, 2)),
-        gib(hp.session_bytes(1 << 20, 2))
+        gib(hp.session_bytes(32768, 4, 4)),
+        gib(hp.session_bytes(1 << 20, 4, 4)),
+        gib(hp.session_bytes(32768, 2, 2)),
+        gib(hp.session_bytes(1 << 20, 2, 2))
     );
 }

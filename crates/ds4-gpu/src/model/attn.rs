@@ -191,9 +191,9 @@ pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
 /// `index_scores_tc` everywhere.
 static INDEX_DEC: AtomicU8 = AtomicU8::new(0);
 const IXD_MIN_ROWS: usize = 16384;
-/// `index_scores_d`'s dynamic shared bytes (attn_tc.cu `IXD_SMEM`: 3 stages of 32 f32 rows at a
-/// 136-float stride, two 64 x 36 term tiles).
-const IXD_SMEM: u32 = 70_656;
+/// `index_scores_d`'s dynamic shared bytes (attn_tc.cu `IXD_SMEM`: 4 stages of 32 bf16 rows at a
+/// 136-value stride, two 64 x 36 f32 term tiles).
+const IXD_SMEM: u32 = 53_248;
 
 fn index_dec_ok() -> bool {
     !env_form(&INDEX_DEC, "DS4_GPU_INDEX_DEC", "off")
@@ -717,12 +717,22 @@ impl GpuBackend {
         }
         // Rows first: they read the old frontier. New form: one fused launch per chunk.
         let rr = spec.round;
-        let fused = !glue_old()
-            && d <= 12288
+        let fused_ok = d <= 12288
             && rr.fp8_nope <= d
             && (!rr.fp4_hadamard || (d.is_power_of_two() && d <= 8192))
             && spec.n_rot <= d
             && spec.n_rot.is_multiple_of(2);
+        let bf16 = c.bf16;
+        if bf16 && !(rr.fp4_hadamard && fused_ok) {
+            // Only FP4-simulated rows are exact in bf16 (mod.rs GpuComp::bf16), and only
+            // compress_row_f32 writes them (the other forms stage f32 rows in `out`).
+            return self.attn_invalid(format!(
+                "compress: bf16 indexer rows need FP4 rounding and the fused row kernel (d {d}, \
+                 n_rot {})",
+                spec.n_rot
+            ));
+        }
+        let fused = fused_ok && (bf16 || !glue_old());
         // Decode (new glue): the position from the step block (mod.rs `step_pos`); the row
         // kernel then finds its rows at window t0 / r, so only when the rows are exactly those
         // (always, unless a state was built otherwise).
@@ -752,7 +762,10 @@ impl GpuBackend {
             // With sp the kernel adds the first new row (t0 / r = n_rows) to out and pos0.
             let (out, pos0) = match sp {
                 Some(_) => (c.rows.ptr(), 0),
-                None => (c.rows.ptr().offset((n_rows * d * 4) as u64), r * n_rows),
+                None => (
+                    c.rows.ptr().offset((n_rows * d * c.elem()) as u64),
+                    r * n_rows,
+                ),
             };
             // The row finish's arguments (norm, RoPE, roundings, sp): the tail of both
             // compress_row_f32's and compress_fin_f32's lists.
@@ -775,12 +788,14 @@ impl GpuBackend {
             // Candidates [nc][CP_CH] values and scores of compress_pool_sh_f32 in shared memory.
             let nc = dims.coff * r;
             let sh_pool = (2 * nc * CP_CH * 4) as u32;
-            let split = match comp_row_mode() {
-                1 => false,
-                3 => true,
-                _ => nc >= CP_MIN_NC,
-            };
+            let split = !bf16
+                && match comp_row_mode() {
+                    1 => false,
+                    3 => true,
+                    _ => nc >= CP_MIN_NC,
+                };
             if !split || sh_pool > 48 * 1024 {
+                args.push(Arg::I32(bf16 as i32)); // obf
                 self.run(&ATTENTION, "compress_row_f32", dims_r, &args);
             } else {
                 let mut pa = common(c.front_kv.ptr(), c.front_score.ptr());
@@ -929,27 +944,12 @@ impl GpuBackend {
             && ix.rows.ptr().0.is_multiple_of(16);
         // Heads split over threads: 32 rows per CTA, term buffer beside the query.
         let split = fast && !glue_old() && nh * (ihd + IXH_R) * 4 <= 48 * 1024;
-        // FP4-simulated queries and rows (the compressor rounds the rows under the same flag):
-        // tensor cores, the same bits (attn_tc.cu); decode too (grid and arguments fixed by the
-        // capacity, as above).
-        let tc = split && spec.fp4 && nh == 64 && index_tc_ok(self.gpu.info());
-        // Prompt batches on wgmma read a bf16 copy of the visible rows, made once a call (exact:
-        // the rows are FP4-simulated).
+        // FP4-simulated queries and rows (the compressor rounds the rows under the same flag and
+        // stores them as bf16): tensor cores, the same bits (attn_tc.cu); decode too (grid and
+        // arguments fixed by the capacity, as above).
+        let tc = split && spec.fp4 && ix.bf16 && nh == 64 && index_tc_ok(self.gpu.info());
+        // Prompt batches on wgmma.
         let wg = need_scores && tc && sp.is_none() && n > IXT_FEW && index_wg_ok(self.gpu.info());
-        let rows16 = self.scratch(if wg { max_vis * ihd / 2 } else { 1 });
-        if wg {
-            let n4 = max_vis * ihd / 4;
-            self.run(
-                &ATTN_TC,
-                "ixw_rows_bf16",
-                LaunchDims::linear(n4.div_ceil(256).min(4096) as u32, 256),
-                &[
-                    Arg::Ptr(ix.rows.ptr()),
-                    Arg::Ptr(rows16.ptr),
-                    Arg::I64(n4 as i64),
-                ],
-            );
-        }
         let mut i0 = 0;
         while i0 < n {
             let nb = batch.min(n - i0);
@@ -972,7 +972,7 @@ impl GpuBackend {
                     &[
                         Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
                         Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                        Arg::Ptr(rows16.ptr),
+                        Arg::Ptr(ix.rows.ptr()),
                         Arg::Ptr(scores.ptr),
                         Arg::I64(tb as i64),
                         Arg::I64(stride as i64),
@@ -1025,24 +1025,23 @@ impl GpuBackend {
                 } else {
                     (&ATTENTION, "index_scores_f32", dims, [nh, ihd])
                 };
-                self.run(
-                    module,
-                    name,
-                    dims,
-                    &[
-                        Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
-                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                        Arg::Ptr(ix.rows.ptr()),
-                        Arg::Ptr(scores.ptr),
-                        Arg::I64(tb as i64),
-                        Arg::I64(stride as i64),
-                        Arg::I32(mid[0] as i32),
-                        Arg::I32(mid[1] as i32),
-                        Arg::I32(spec.ratio as i32),
-                        Arg::F32(ws),
-                        sp_arg,
-                    ],
-                );
+                let mut args = vec![
+                    Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                    Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                    Arg::Ptr(ix.rows.ptr()),
+                    Arg::Ptr(scores.ptr),
+                    Arg::I64(tb as i64),
+                    Arg::I64(stride as i64),
+                    Arg::I32(mid[0] as i32),
+                    Arg::I32(mid[1] as i32),
+                    Arg::I32(spec.ratio as i32),
+                    Arg::F32(ws),
+                    sp_arg,
+                ];
+                if !tc {
+                    args.push(Arg::I32(ix.bf16 as i32)); // attention.cu's forms: rbf
+                }
+                self.run(module, name, dims, &args);
             }
             let _pt = self.prof(|| "index_select: top-k".to_string());
             let sel_i = sel.0.ptr.offset((i0 * k * 4) as u64);
