@@ -486,6 +486,58 @@ fn bench_decode_only_times_decode_on_random_states() {
 }
 
 #[test]
+fn bench_turn_times_a_prefill_on_random_states() {
+    let d = tmpdir("bench-turn");
+    let m = synth_tiny(&d);
+    let run = |extra: &[&str]| {
+        let mut v = vec!["bench", "-m", s(&m), "--backend", "cpu", "--ctx-start", "8"];
+        v.extend(["--ctx-max", "16", "--gen-tokens", "3", "--warmup", "1"]);
+        v.extend(extra);
+        ds4(&v)
+    };
+    let o = run(&["--turn", "3", "--spec-accept", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    let plain = stdout(&run(&[]));
+    let plain_rows: Vec<Vec<&str>> = plain
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    for (r, p) in rows.iter().zip(&plain_rows) {
+        // The turn's 3 tokens prefilled and timed, decode timed, the state a full context's.
+        assert_eq!(r.len(), 9, "{out}");
+        assert_eq!((r[1], r[3]), ("3", "3"), "{out}");
+        for c in [2, 4, 6] {
+            assert!(r[c].parse::<f64>().unwrap() > 0.0, "{out}");
+        }
+        assert_eq!((r[0], r[5]), (p[0], p[5]), "{out}\n{plain}");
+    }
+    let err = stderr(&o);
+    assert!(
+        err.contains("# 16: random state of 13 positions in"),
+        "{err}"
+    );
+    // A turn as long as the first frontier, or beside --decode-only: refused.
+    let o = run(&["--turn", "8"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--turn 8: a turn is 1 to --ctx-start - 1 tokens"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["--turn", "2", "--decode-only"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+}
+
+#[test]
 fn bench_spec_accept_times_oracle_drafts_at_each_rate() {
     let d = tmpdir("bench-spec");
     let m = synth_tiny(&d);

@@ -20,14 +20,18 @@ use std::time::Instant;
     in the context). One H200, full-q2: ~9,400 tok/s up to 64k, then 7,450 (64k to 128k), 5,600 \
     (to 256k) and 3,700 (to 512k); a 256k prompt takes ~40 s, the 512k to 1M part more than 6 \
     minutes. --decode-only times decode there without the prompts: each frontier's state is random \
-    KV rows of that context's sizes (the prefill columns stay empty).\n\n\
+    KV rows of that context's sizes (the prefill columns stay empty). --turn N times the last N \
+    prompt tokens of each frontier on such a state (a coding agent's next turn at that context: \
+    prefill of N, then decode).\n\n\
     Examples:\n  ds4 bench -m models/tiny.gguf --ctx-start 256 --ctx-max 4096 --step-mul 2 --gen-tokens 32\n  \
     ds4 bench --backend cuda --synthetic full-q2 --ctx-start 2048 --ctx-max 32768   (no file: random \
     weights of the real shapes generated on the GPU)\n  \
     ds4 bench --backend cuda --synthetic full-q2 --ctx-start 65536 --ctx-max 262144 --step-mul 2 \
     --gen-tokens 32   (the long end)\n  \
     ds4 bench --backend cuda --synthetic full-q2 --ctx-start 262144 --ctx-max 1048576 --step-mul 2 \
-    --decode-only   (decode at 256k, 512k and 1M: under a minute on one H200)"
+    --decode-only   (decode at 256k, 512k and 1M: under a minute on one H200)\n  \
+    ds4 bench --backend cuda --synthetic full-q2 --ctx-start 131072 --ctx-max 1048576 --step-mul 2 \
+    --turn 4096   (a 4,096-token turn and its answer at 128k .. 1M)"
 )]
 pub struct Args {
     #[command(flatten)]
@@ -72,6 +76,12 @@ pub struct Args {
     /// model's), their cost is decode's at that context.
     #[arg(long)]
     decode_only: bool,
+    /// Time an N-token turn at each frontier without the prompt before it: the state is random
+    /// KV rows of the sizes that `frontier - N` tokens give (as --decode-only), then the
+    /// frontier's last N prompt tokens are prefilled (the prefill columns) and --gen-tokens
+    /// generated, so prefill at 512k / 1M of context is timed in seconds. N below --ctx-start.
+    #[arg(long, conflicts_with = "decode_only")]
+    turn: Option<usize>,
 }
 
 /// `n` tokens of speculative decoding from the session's frontier `f`, a draft at every step
@@ -128,11 +138,26 @@ fn random_state(s: &mut ds4_engine::Session, toks: &[u32]) -> Result<()> {
     Ok(())
 }
 
+/// `--turn n`'s state before frontier `toks.len()`: random rows for all but the last `n`
+/// positions (seeded by the frontier), which the caller then prefills.
+fn turn_base(s: &mut ds4_engine::Session, toks: &[u32], n: usize) -> Result<()> {
+    s.fill_random(&toks[..toks.len() - n], toks.len() as u64)?;
+    Ok(())
+}
+
 pub fn run(mut a: Args) -> Result<()> {
     if a.ctx_start == 0 || a.ctx_start > a.ctx_max {
         bail!("--ctx-start must be between 1 and --ctx-max");
     }
     a.model.ctx = a.model.ctx.max(a.ctx_max + a.gen_tokens);
+    if let Some(n) = a.turn {
+        if n == 0 || n >= a.ctx_start {
+            bail!(
+                "--turn {n}: a turn is 1 to --ctx-start - 1 tokens (--ctx-start {})",
+                a.ctx_start
+            );
+        }
+    }
     let engine = a.model.open()?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     eprintln!(
@@ -195,6 +220,9 @@ pub fn run(mut a: Args) -> Result<()> {
         if a.decode_only {
             random_state(&mut s, &prompt[..a.ctx_start])?;
         } else {
+            if let Some(n) = a.turn {
+                turn_base(&mut s, &prompt[..a.ctx_start], n)?;
+            }
             s.sync(&prompt[..a.ctx_start], &mut |_, _| {})?;
         }
         let mut greedy = Sampler::new(SamplerConfig::default());
@@ -223,6 +251,15 @@ pub fn run(mut a: Args) -> Result<()> {
     let vocab = engine.hparams().n_vocab;
     let mut s = engine.new_session(a.model.ctx);
     for &f in &frontiers {
+        if let Some(n) = a.turn {
+            let t = Instant::now();
+            turn_base(&mut s, &prompt[..f], n)?;
+            eprintln!(
+                "# {f}: random state of {} positions in {:.1} s (--turn {n}, not timed)",
+                f - n,
+                t.elapsed().as_secs_f64()
+            );
+        }
         let before = s.tokens().len();
         let t0 = Instant::now();
         if a.decode_only {
@@ -236,13 +273,18 @@ pub fn run(mut a: Args) -> Result<()> {
         }
         let pre = (f - before) as f64 / t0.elapsed().as_secs_f64();
         let kv = s.kv_bytes();
-        // The state to come back to after each timed run: a snapshot, or (--decode-only, where
-        // a 1M snapshot would be ~13 GB) the same random fill again.
-        let snap = (!a.decode_only).then(|| s.snapshot());
+        // The state to come back to after each timed run: a snapshot, or (--decode-only and
+        // --turn, where a 1M snapshot would be ~13 GB) the same random fill again (and the turn).
+        let random = a.decode_only || a.turn.is_some();
+        let snap = (!random).then(|| s.snapshot());
         let back = |s: &mut ds4_engine::Session| -> Result<()> {
-            match &snap {
-                Some(b) => s.restore(b)?,
-                None => random_state(s, &prompt[..f])?,
+            match (&snap, a.turn) {
+                (Some(b), _) => s.restore(b)?,
+                (None, Some(n)) => {
+                    turn_base(s, &prompt[..f], n)?;
+                    s.sync(&prompt[..f], &mut |_, _| {})?;
+                }
+                (None, None) => random_state(s, &prompt[..f])?,
             }
             Ok(())
         };
@@ -257,8 +299,8 @@ pub fn run(mut a: Args) -> Result<()> {
             plain.push(next);
         }
         let gen = a.gen_tokens as f64 / t1.elapsed().as_secs_f64();
-        if !a.decode_only || !a.spec_accept.is_empty() {
-            back(&mut s)?; // (--decode-only fills the next frontier's state anew)
+        if !random || !a.spec_accept.is_empty() {
+            back(&mut s)?; // (--decode-only / --turn fill the next frontier's state anew)
         }
         let mut line = if a.decode_only {
             format!("{f},,,{},{gen:.2},{kv}", a.gen_tokens)
