@@ -111,7 +111,7 @@ static CACHE: AtomicU8 = AtomicU8::new(UNSET);
 const CACHE_AUTO: u8 = 2;
 /// Free device memory `auto` leaves after a W' copy: 8 GiB spare plus 16 GiB for what grows
 /// after the first prompt (a prompt step's scratch, ~6 GiB at 12288 tokens, gemm.rs; the session
-/// state, 13.5 GiB at 1M tokens of context). The H200 with the q2 weights has ~57 GiB free.
+/// state, 12.2 GiB at 1M tokens of context). The H200 with the q2 weights has ~57 GiB free.
 const CACHE_MARGIN: u64 = 24 << 30;
 /// `DS4_GPU_BLAS_XSHARE`: 0 off, 1 on; UNSET: read it.
 static XSHARE: AtomicU8 = AtomicU8::new(UNSET);

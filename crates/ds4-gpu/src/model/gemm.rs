@@ -104,7 +104,7 @@ const AUTO_CHUNKS: [usize; 4] = [DEFAULT_CHUNK, 8192, 4096, MIN_AUTO_CHUNK];
 const SCRATCH_PER_TOKEN: u64 = 512 << 10;
 
 /// The largest step of [`AUTO_CHUNKS`] whose scratch takes at most half of `free` (the other half
-/// stays for session state, which grows with the context: 13.5 GiB at 1M), else
+/// stays for session state, which grows with the context: 12.2 GiB at 1M), else
 /// [`MIN_AUTO_CHUNK`]. The H200 with the q2 weights (~57 GiB free) gets 12288, a 94 GiB card
 /// (~12 GiB free) too; 8 GiB free gets 8192, 5 GiB 4096. Unknown free memory: the default.
 pub(crate) fn auto_chunk(free: Option<u64>) -> usize {
