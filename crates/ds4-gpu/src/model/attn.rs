@@ -188,9 +188,14 @@ pub(crate) fn ixt_rb_few(stride: usize, sms: usize) -> usize {
 /// hold at least `IXD_MIN_ROWS` (64k tokens of context): on the H200 a tie at 64k-256k, decode
 /// +1.5% at 512k, +2.5% at 1M; shorter contexts were not measured with it and keep
 /// `index_scores_tc` (bench/results/gpu-index-s35-h200.txt). `DS4_GPU_INDEX_DEC=off` keeps
-/// `index_scores_tc` everywhere.
+/// `index_scores_tc` everywhere; `DS4_GPU_IXD_MIN=N` takes it from N score rows (A/B runs).
 static INDEX_DEC: AtomicU8 = AtomicU8::new(0);
 const IXD_MIN_ROWS: usize = 16384;
+
+fn ixd_min_rows() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| super::env_usize("DS4_GPU_IXD_MIN").unwrap_or(IXD_MIN_ROWS))
+}
 /// `index_scores_d`'s dynamic shared bytes (attn_tc.cu `IXD_SMEM`: 4 stages of 32 bf16 rows at a
 /// 136-value stride, two 64 x 36 f32 term tiles).
 const IXD_SMEM: u32 = 53_248;
@@ -992,7 +997,7 @@ impl GpuBackend {
                 };
                 // (kernel, grid, the two arguments after the rows' stride): the same
                 // arguments otherwise (attention.cu / attn_tc.cu signatures).
-                let dec = nb <= IXT_FEW && stride >= IXD_MIN_ROWS && index_dec_ok();
+                let dec = nb <= IXT_FEW && stride >= ixd_min_rows() && index_dec_ok();
                 let (module, name, dims, mid) = if tc && dec {
                     let rb = ixd_rb(stride, self.gpu.info().sm_count as usize);
                     let dims = LaunchDims {
