@@ -656,6 +656,9 @@ fn index_select_matches_cpu() {
         // second a token a CTA on index_scores_d), the tokens' visible counts apart.
         run_index(&cpu, &gpu, 64, 512, true, 3, 2046, 20);
         run_index(&cpu, &gpu, 64, 512, true, 4, 131_069, 21);
+        // A prompt chunk past 16,384 rows: the scores' CTAs token groups first on wgmma
+        // (attn.rs ixw_tok_first), a two-level top-k of 70 tokens.
+        run_index(&cpu, &gpu, 64, 512, true, 70, 70_000, 22);
     }
     GpuBackend::set_index_dec(true);
     GpuBackend::set_attn_simple(false);
@@ -824,6 +827,10 @@ fn index_topk_matches_cpu() {
         // Several tokens: visible counts crossing top_k; crossing one CTA's rows (two levels).
         case(N, 12, 4 * 510, 512);
         case(4 * N, 9, 4 * N - 3, 512);
+        // Prompt batches on two levels (more than session 35's 64 tokens): visible counts
+        // crossing one CTA's rows; 66 tokens at 100k candidates (7 chunks each).
+        case(4 * N, 100, 4 * N - 200, 512);
+        case(131_072, 66, at(100_000), 512);
         // Small top-k (deep ties), and the largest top-k whose survivors fill one CTA
         // (4 chunks × 4096), and one past it (the old kernel).
         case(2 * N, 3, at(20_000), 8);

@@ -1177,7 +1177,7 @@ DS4_KERNEL void DS4_BOUNDS(1024) index_topk_r(const float* __restrict__ scores, 
     DS4_TK_EMIT(kk, n, e, thr, need, sm, out[slot] = r_)
 }
 
-// Two levels for rows of more than DS4_TK_N candidates (decode; host: top_k <= N <= DS4_TK_N and
+// Two levels for rows of more than DS4_TK_N candidates (decode and prompt batches; host: top_k <= N <= DS4_TK_N and
 // G·top_k <= DS4_TK_N). Level 1, grid (G, tokens): CTA c takes positions [c·N, c·N + N) of its token and
 // writes its own top min(top_k, count) (keys and positions, ascending) to slot c of the token's
 // G·top_k survivors. The token's top_k are among the survivors (a key beaten by fewer than top_k

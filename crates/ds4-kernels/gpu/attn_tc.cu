@@ -1036,7 +1036,7 @@ DS4_KERNEL void DS4_BOUNDS(IXD_LB) index_scores_d(const float* __restrict__ q, c
 // attn.rs; the contract and bits of index_scores_tc). H200, the 4th 8192-token chunk of a 32k
 // prompt: index_scores_tc took 6.68 ms a layer at one 218-register CTA an SM, a quarter of its
 // stall samples at the two CTA barriers a 32-row tile that wait on 128 threads' head sums.
-// CTA = 4 warpgroups, one token each (IXW_TOK), over rows [blockIdx.x rb, + rb) in tiles of 64:
+// CTA = 4 warpgroups, one token each (IXW_TOK), over rows [rb · row block, + rb) in tiles of 64:
 //   S = Q_t (64 heads × 128: bf16 A fragments in registers, loaded once) · R_tileᵀ
 // by 8 wgmma m64n64k16 (B: the tile's 64 rows × 128 bf16 in shared memory, K-major core
 // matrices of 8 rows × 16 bytes, core (row group, k group kg) at 128 (16 group + kg): LBO 128,
@@ -1067,12 +1067,15 @@ __device__ __forceinline__ void ixw_mma(GwAcc<64>& acc, const u32 (&a)[8][4], u6
 
 __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q, const float* __restrict__ w,
                                                      const u16* __restrict__ rows16, float* __restrict__ scores,
-                                                     long long tb, long long max_vis, int ntok, int ratio, float ws, int rb) {
+                                                     long long tb, long long max_vis, int ntok, int ratio, float ws, int rb, int tfirst) {
     extern __shared__ __align__(128) u8 ixw_dyn[];
     const int tid = threadIdx.x, wg = tid >> 7, lt = tid & 127, qw = lt >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int i0 = blockIdx.y * IXW_TOK, ntk = min(IXW_TOK, ntok - i0);
+    // tfirst: token groups along x (consecutive CTAs share a row block: read from DRAM once while
+    // they run, then from L2), else row blocks along x.
+    const int tg = tfirst ? blockIdx.x : blockIdx.y, rblk = tfirst ? blockIdx.y : blockIdx.x;
+    const int i0 = tg * IXW_TOK, ntk = min(IXW_TOK, ntok - i0);
     const long long vmax = (tb + i0 + ntk) / ratio; // rows the CTA's last token sees
-    const long long r_begin = (long long)blockIdx.x * rb;
+    const long long r_begin = (long long)rblk * rb;
     if (r_begin >= vmax) return; // whole CTA past the visible rows
     const long long r_end = min(r_begin + (long long)rb, vmax);
     const int ntiles = (int)((r_end - r_begin + IXW_N - 1) / IXW_N);
@@ -1187,15 +1190,16 @@ __device__ __forceinline__ void index_scores_wg_body(const float* __restrict__ q
     gw_wait<0>();
     ds4_cp_wait<0>();
 }
-#define IXW_BODY index_scores_wg_body(q, w, rows16, scores, tba, max_vis, ntok, ratio, ws, rb);
+#define IXW_BODY index_scores_wg_body(q, w, rows16, scores, tba, max_vis, ntok, ratio, ws, rb, tfirst);
 #else
-#define IXW_BODY (void)q, (void)w, (void)rows16, (void)scores, (void)tba, (void)max_vis, (void)ntok, (void)rb, (void)ratio, (void)ws;
+#define IXW_BODY (void)q, (void)w, (void)rows16, (void)scores, (void)tba, (void)max_vis, (void)ntok, (void)rb, (void)ratio, (void)ws, (void)tfirst;
 #endif
 
-// grid (ceil(max_vis / rb), ceil(ntok / IXW_TOK)), blockDim 512, dynamic shared IXW_SMEM; rb a
-// multiple of IXW_N; rows16: rows [0, max_vis) as bf16 (index_scores_tc's), 16-byte aligned; the
-// rest as index_scores_tc (no step block: prefill only).
-DS4_KERNEL void DS4_BOUNDS(512) index_scores_wg(const float* __restrict__ q, const float* __restrict__ w, const u16* __restrict__ rows16, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws) { ds4_pdl_enter(); IXW_BODY }
+// grid (ceil(ntok / IXW_TOK), ceil(max_vis / rb)) with tfirst, else (ceil(max_vis / rb),
+// ceil(ntok / IXW_TOK)); blockDim 512, dynamic shared IXW_SMEM; rb a multiple of IXW_N; rows16:
+// rows [0, max_vis) as bf16 (index_scores_tc's), 16-byte aligned; the rest as index_scores_tc
+// (no step block: prefill only).
+DS4_KERNEL void DS4_BOUNDS(512) index_scores_wg(const float* __restrict__ q, const float* __restrict__ w, const u16* __restrict__ rows16, float* __restrict__ scores, long long tba, long long max_vis, int ntok, int rb, int ratio, float ws, int tfirst) { ds4_pdl_enter(); IXW_BODY }
 
 // ---------------------------------------------------------------------------------------------
 // Prompt attention on Hopper warpgroup MMA (sm_90a): the contract and rounding of

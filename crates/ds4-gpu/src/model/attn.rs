@@ -114,13 +114,19 @@ fn comp_row_mode() -> u8 {
 /// Indexer top-k and query prep: 0 not yet read from `DS4_GPU_TOPK`, 1 old (`index_topk_ps`
 /// for every row length; the query copied, then `rope_f32` and `round_fp4h128_f32`), 2 new (the
 /// default): `index_topk_r` (keys in registers) for rows of at most `TK_N` candidates, the two
-/// levels `index_topk_l1` + `index_topk_l2` for longer rows of up to `TK2_MAX_TOK` tokens, and
+/// levels `index_topk_l1` + `index_topk_l2` for longer rows (any batch; `index_topk_ps`, a CTA a
+/// token, for batches of more than `DS4_GPU_TK2_MAX` tokens where that is set), and
 /// the query prep in one launch (`index_qprep_f32`).
 static TOPK_MODE: AtomicU8 = AtomicU8::new(0);
 /// Most candidates one top-k CTA holds (`DS4_TK_N`: 1024 threads × 16 keys).
 const TK_N: usize = 16384;
-/// Most tokens the two-level top-k takes at once (decode; its survivors are scratch).
-const TK2_MAX_TOK: usize = 64;
+/// Most tokens the two-level top-k takes at once: `DS4_GPU_TK2_MAX=N` (A/B runs; session 35
+/// took it for at most 64, decode). Its survivors are scratch: 8 bytes a token, chunk and k,
+/// at most 16 MB for a batch of `INDEX_SCORE_BUDGET` scores at k = 512.
+fn tk2_max_tok() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| super::env_usize("DS4_GPU_TK2_MAX").unwrap_or(usize::MAX))
+}
 /// Candidates a level-1 top-k CTA takes (`index_topk_l1`), as set by
 /// [`GpuBackend::set_topk_chunk`] (0: the default, [`TK_N`]; `usize::MAX`: not set, then
 /// `DS4_GPU_TK_CHUNK`, read once).
@@ -235,6 +241,14 @@ static INDEX_WG: AtomicU8 = AtomicU8::new(0);
 const IXW_TOK: usize = 4;
 const IXW_RB: usize = 2048;
 const IXW_SMEM: u32 = 204_800;
+
+/// `index_scores_wg`'s CTA order: token groups first (default; the CTAs that run together share
+/// a row block, so a long context's rows, 67 MB a layer at 1M, are read from DRAM about once a
+/// batch instead of once a token group) or row blocks first (`DS4_GPU_IXW_ORDER=rows`).
+fn ixw_tok_first() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("DS4_GPU_IXW_ORDER").map_or(true, |v| v != "rows"))
+}
 
 fn index_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
     !env_form(&INDEX_WG, "DS4_GPU_INDEX_WG", "off") && info.cc == (9, 0) && info.warp == 32
@@ -961,12 +975,10 @@ impl GpuBackend {
             let tb = base + i0;
             if need_scores && wg {
                 let _ps = self.prof(|| "index_select: scores".to_string());
+                let (tgs, rbs) = (nb.div_ceil(IXW_TOK) as u32, stride.div_ceil(IXW_RB) as u32);
+                let tfirst = ixw_tok_first() && rbs <= 65535;
                 let dims = LaunchDims {
-                    grid: [
-                        stride.div_ceil(IXW_RB) as u32,
-                        nb.div_ceil(IXW_TOK) as u32,
-                        1,
-                    ],
+                    grid: if tfirst { [tgs, rbs, 1] } else { [rbs, tgs, 1] },
                     block: [512, 1, 1],
                     shared_bytes: IXW_SMEM,
                 };
@@ -985,6 +997,7 @@ impl GpuBackend {
                         Arg::I32(IXW_RB as i32),
                         Arg::I32(spec.ratio as i32),
                         Arg::F32(ws),
+                        Arg::I32(tfirst as i32),
                     ],
                 );
             } else if need_scores {
@@ -1155,7 +1168,7 @@ impl GpuBackend {
                 &args,
             );
         }
-        if new && nb <= TK2_MAX_TOK && chunks * k <= TK_N {
+        if new && nb <= tk2_max_tok() && chunks * k <= TK_N {
             // Survivors: keys (u32) then positions (i32), G·k of each a token.
             let m = nb * chunks * k;
             let surv = self.scratch(2 * m);
