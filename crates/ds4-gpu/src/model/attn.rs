@@ -114,18 +114,27 @@ fn comp_row_mode() -> u8 {
 /// Indexer top-k and query prep: 0 not yet read from `DS4_GPU_TOPK`, 1 old (`index_topk_ps`
 /// for every row length; the query copied, then `rope_f32` and `round_fp4h128_f32`), 2 new (the
 /// default): `index_topk_r` (keys in registers) for rows of at most `TK_N` candidates, the two
-/// levels `index_topk_l1` + `index_topk_l2` for longer rows (any batch; `index_topk_ps`, a CTA a
-/// token, for batches of more than `DS4_GPU_TK2_MAX` tokens where that is set), and
+/// levels `index_topk_l1` + `index_topk_l2` for longer rows of batches up to [`tk2_max_tok`]
+/// tokens (else `index_topk_ps`, a CTA a token), and
 /// the query prep in one launch (`index_qprep_f32`).
 static TOPK_MODE: AtomicU8 = AtomicU8::new(0);
 /// Most candidates one top-k CTA holds (`DS4_TK_N`: 1024 threads × 16 keys).
 const TK_N: usize = 16384;
-/// Most tokens the two-level top-k takes at once: `DS4_GPU_TK2_MAX=N` (A/B runs; session 35
-/// took it for at most 64, decode). Its survivors are scratch: 8 bytes a token, chunk and k,
-/// at most 16 MB for a batch of `INDEX_SCORE_BUDGET` scores at k = 512.
+/// Most tokens the two-level top-k takes at once: 64 (decode and verify steps, measured), or as
+/// [`GpuBackend::set_topk2_max`] / `DS4_GPU_TK2_MAX=N` set it. Prompt batches past 64k of
+/// context could take it too (a 1M turn's top-k is 363 of its 4,067 ms on `index_topk_ps`,
+/// bench/results/gpu-bf16ix-s36-h200.txt run B): written and tested, its speed not yet measured.
+/// Survivors are scratch: 8 bytes a token, chunk and k, at most 16 MB for a batch of
+/// `INDEX_SCORE_BUDGET` scores at k = 512.
+static TK2_MAX: AtomicUsize = AtomicUsize::new(0);
+const TK2_MAX_TOK: usize = 64;
+
 fn tk2_max_tok() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| super::env_usize("DS4_GPU_TK2_MAX").unwrap_or(usize::MAX))
+    static ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    match TK2_MAX.load(Ordering::Relaxed) {
+        0 => *ENV.get_or_init(|| super::env_usize("DS4_GPU_TK2_MAX").unwrap_or(TK2_MAX_TOK)),
+        n => n,
+    }
 }
 /// Candidates a level-1 top-k CTA takes (`index_topk_l1`), as set by
 /// [`GpuBackend::set_topk_chunk`] (0: the default, [`TK_N`]; `usize::MAX`: not set, then
@@ -242,12 +251,15 @@ const IXW_TOK: usize = 4;
 const IXW_RB: usize = 2048;
 const IXW_SMEM: u32 = 204_800;
 
-/// `index_scores_wg`'s CTA order: token groups first (default; the CTAs that run together share
-/// a row block, so a long context's rows, 67 MB a layer at 1M, are read from DRAM about once a
-/// batch instead of once a token group) or row blocks first (`DS4_GPU_IXW_ORDER=rows`).
+/// `index_scores_wg`'s CTA order: row blocks first (the default, measured) or token groups
+/// first (`DS4_GPU_IXW_ORDER=tokens`, [`GpuBackend::set_ixw_tok_first`]): the CTAs that run
+/// together then share a row block, so a long context's rows (67 MB a layer at 1M, more than
+/// the L2) would come from DRAM about once a batch instead of once a token group. Written and
+/// tested (the same bits), its speed not yet measured.
+static IXW_ORDER: AtomicU8 = AtomicU8::new(0);
+
 fn ixw_tok_first() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("DS4_GPU_IXW_ORDER").map_or(true, |v| v != "rows"))
+    env_form(&IXW_ORDER, "DS4_GPU_IXW_ORDER", "tokens")
 }
 
 fn index_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
@@ -408,6 +420,18 @@ impl GpuBackend {
     /// 16384); process-wide, overrides `DS4_GPU_TK_CHUNK`. The same selections at any chunk.
     pub fn set_topk_chunk(chunk: usize) {
         TK_CHUNK.store(chunk, Ordering::Relaxed);
+    }
+
+    /// Most tokens of a batch the two-level top-k takes (0: the default, 64); process-wide,
+    /// overrides `DS4_GPU_TK2_MAX`. The same selections either way. For tests and benchmarks.
+    pub fn set_topk2_max(n: usize) {
+        TK2_MAX.store(n, Ordering::Relaxed);
+    }
+
+    /// `index_scores_wg`'s CTAs token groups first (true) or row blocks first (false, the
+    /// default); process-wide, overrides `DS4_GPU_IXW_ORDER`. The same bits either way.
+    pub fn set_ixw_tok_first(on: bool) {
+        IXW_ORDER.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The indexer query's preparation alone, as `index_select` runs it for `n` tokens from
