@@ -179,8 +179,8 @@ pub fn run(mut a: Args) -> Result<()> {
         engine.gpu_state_estimate(1 << 20),
     ) {
         (Some(a), Some(b)) => eprintln!(
-            "# session state on the device: {:.2} GiB at 32k context, {:.2} GiB at 1M (f32 rows, \
-             bf16 indexer rows)",
+            "# session state on the device: {:.2} GiB at 32k context, {:.2} GiB at 1M (as the GPU \
+             stores its rows)",
             gib(a),
             gib(b)
         ),
