@@ -1083,7 +1083,7 @@ impl Session {
     }
 
     /// Replace the state with one at position `tokens.len()` whose KV rows are random values
-    /// (uniform in [-1, 1)) of the sizes a real context gives: the raw window (positions
+    /// (uniform in [-1, 1), rounded to f16) of the sizes a real context gives: the raw window (positions
     /// n - window .. n), every compressed and indexer row (n / ratio each), fresh compressor
     /// frontiers. For decode benchmarks at long frontiers without computing their prompts
     /// (`ds4 bench --decode-only`): the values stand in for computed ones, so the logits that
@@ -1097,7 +1097,11 @@ impl Session {
         // A pool of 2^20 random values, cycled through from a moving start (a draw per value
         // would take most of the fill at 1M); buffers of one layer do not repeat each other.
         let mut r = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
-        let pool: Vec<f32> = (0..1 << 20).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+        // f16 values, as the model's cache rows are (so a snapshot stores them as a computed
+        // context's, at 2 bytes a value).
+        let pool: Vec<f32> = (0..1 << 20)
+            .map(|_| half::f16::from_f32(r.gen_range(-1.0f32..1.0)).to_f32())
+            .collect();
         let mut at = 0usize;
         let mut fill = |len: usize| {
             let mut v = Vec::with_capacity(len);

@@ -1,16 +1,21 @@
-//! Session snapshot format, version 1 (all little-endian):
+//! Session snapshot format, version 2 (all little-endian):
 //!
 //! ```text
-//! magic "DS4SNAP\0" | u32 version = 1 | [u8; 32] model id (SHA-256 of the GGUF header)
+//! magic "DS4SNAP\0" | u32 version = 2 | [u8; 32] model id (SHA-256 of the GGUF header)
 //! u32 n_tokens | u32 vocab | u32 n_layer | u32 head_dim | u32 window | u32 has_logits
 //! u32 tokens[n_tokens] | f32 logits[vocab] (if has_logits)
-//! per layer: f32 raw rows, min(n, window) rows of head_dim, oldest first
-//!            if compressed: u32 rows, f32 rows[..], f32 front_kv[..], f32 front_score[..]
+//! per layer: ROWS raw rows, min(n, window) rows of head_dim, oldest first
+//!            if compressed: u32 rows, ROWS rows[..], f32 front_kv[..], f32 front_score[..]
 //!            if CSA:        the same for the indexer
 //! [u8; 32] SHA-256 of everything above
+//! ROWS = u32 encoding, then the values: 0 = f32, 1 = f16 (IEEE half)
 //! ```
 //! Frontier sizes are fixed by the model, so they are not stored. Raw rows are written in
 //! position order (not ring order), so the format does not depend on a backend's ring layout.
+//! Cache rows are written as f16 when every value of the array round-trips through f16 in bits
+//! (the model's rows are f16-rounded: half the bytes of a long context's checkpoint, exactly),
+//! else as f32 (rounding switched off, or values that are not the model's). Version 1 (every
+//! array f32, no encoding words) is still read.
 
 use ds4_backend::{HostCompState as CompState, HostLayerState, LayerDims};
 use ds4_model::forward::HostState as State;
@@ -18,7 +23,12 @@ use ds4_model::HParams;
 use sha2::{Digest, Sha256};
 
 const MAGIC: &[u8; 8] = b"DS4SNAP\0";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// Row array encodings (version 2).
+const ENC_F32: u32 = 0;
+const ENC_F16: u32 = 1;
+/// Values a conversion job takes (rayon, so a long context's checkpoint converts in parallel).
+const CHUNK: usize = 1 << 16;
 
 fn put_u32(b: &mut Vec<u8>, v: u32) {
     b.extend_from_slice(&v.to_le_bytes());
@@ -31,13 +41,65 @@ fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
     }
 }
 
+/// `v` as f16 when every value comes back from f16 with the same bits, else None.
+fn exact_f16(v: &[f32]) -> Option<Vec<u16>> {
+    use half::slice::HalfFloatSliceExt;
+    use rayon::prelude::*;
+    let mut h = vec![half::f16::ZERO; v.len()];
+    let ok = h
+        .par_chunks_mut(CHUNK)
+        .zip(v.par_chunks(CHUNK))
+        .all(|(h, v)| {
+            h.convert_from_f32_slice(v);
+            let mut back = vec![0f32; v.len()];
+            h.convert_to_f32_slice(&mut back);
+            back.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits())
+        });
+    ok.then(|| h.iter().map(|x| x.to_bits()).collect())
+}
+
+/// A row array (ROWS in the format): f16 when exact, else f32.
+fn put_rows(b: &mut Vec<u8>, v: &[f32]) {
+    match exact_f16(v) {
+        Some(h) => {
+            put_u32(b, ENC_F16);
+            b.reserve(h.len() * 2);
+            for x in h {
+                b.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        None => {
+            put_u32(b, ENC_F32);
+            put_f32s(b, v);
+        }
+    }
+}
+
 pub fn write(hp: &HParams, id: &[u8; 32], st: &State, logits: Option<&[f32]>) -> Vec<u8> {
+    write_version(hp, id, st, logits, VERSION)
+}
+
+/// [`write`] in `version` 1 or 2 (1: for the tests that read old snapshots).
+fn write_version(
+    hp: &HParams,
+    id: &[u8; 32],
+    st: &State,
+    logits: Option<&[f32]>,
+    version: u32,
+) -> Vec<u8> {
+    let rows = |b: &mut Vec<u8>, v: &[f32]| {
+        if version >= 2 {
+            put_rows(b, v)
+        } else {
+            put_f32s(b, v)
+        }
+    };
     let hd = hp.head_dim as usize;
     let win = hp.sliding_window as usize;
     let n = st.tokens.len();
     let mut b = Vec::new();
     b.extend_from_slice(MAGIC);
-    put_u32(&mut b, VERSION);
+    put_u32(&mut b, version);
     b.extend_from_slice(id);
     for v in [
         n as u32,
@@ -57,14 +119,16 @@ pub fn write(hp: &HParams, id: &[u8; 32], st: &State, logits: Option<&[f32]>) ->
     }
     let comp = |b: &mut Vec<u8>, c: &CompState, d: usize| {
         put_u32(b, (c.rows.len() / d) as u32);
-        put_f32s(b, &c.rows);
+        rows(b, &c.rows);
         put_f32s(b, &c.front_kv);
         put_f32s(b, &c.front_score);
     };
     for ls in &st.layers {
-        for p in n.saturating_sub(win)..n {
-            put_f32s(&mut b, &ls.raw[(p % win) * hd..(p % win + 1) * hd]);
-        }
+        // The window in position order (one array).
+        let raw: Vec<f32> = (n.saturating_sub(win)..n)
+            .flat_map(|p| ls.raw[(p % win) * hd..(p % win + 1) * hd].iter().copied())
+            .collect();
+        rows(&mut b, &raw);
         if let Some(c) = &ls.comp {
             comp(&mut b, c, hd);
         }
@@ -105,6 +169,32 @@ impl Reader<'_> {
         }
         Ok(())
     }
+    /// A row array: f32 in version 1, ROWS (encoding word, values) from version 2.
+    fn rows(&mut self, out: &mut [f32], version: u32, what: &str) -> Result<(), String> {
+        if version < 2 {
+            return self.f32s(out, what);
+        }
+        let at = self.pos;
+        match self.u32(what)? {
+            ENC_F32 => self.f32s(out, what),
+            ENC_F16 => {
+                use half::slice::HalfFloatSliceExt;
+                use rayon::prelude::*;
+                let s = self.take(out.len() * 2, what)?;
+                out.par_chunks_mut(CHUNK)
+                    .zip(s.par_chunks(2 * CHUNK))
+                    .for_each(|(o, s)| {
+                        let h: Vec<half::f16> = s
+                            .chunks_exact(2)
+                            .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+                            .collect();
+                        h.convert_to_f32_slice(o);
+                    });
+                Ok(())
+            }
+            e => Err(format!("{what}: unknown row encoding {e} at offset {at}")),
+        }
+    }
 }
 
 pub fn read(
@@ -123,9 +213,9 @@ pub fn read(
     }
     let mut r = Reader { b: body, pos: 8 };
     let version = r.u32("version")?;
-    if version != VERSION {
+    if !(1..=VERSION).contains(&version) {
         return Err(format!(
-            "unsupported version {version} (this build reads {VERSION})"
+            "unsupported version {version} (this build reads 1 to {VERSION})"
         ));
     }
     if r.take(32, "model id")? != id {
@@ -169,16 +259,16 @@ pub fn read(
             return Err(format!("{rows} compressed rows for {n} tokens"));
         }
         c.rows = vec![0f32; rows * d];
-        r.f32s(&mut c.rows, "compressed rows")?;
+        r.rows(&mut c.rows, version, "compressed rows")?;
         r.f32s(&mut c.front_kv, "compressor frontier")?;
         r.f32s(&mut c.front_score, "compressor frontier scores")
     };
     for (l, ls) in st.layers.iter_mut().enumerate() {
-        for p in n.saturating_sub(win)..n {
-            r.f32s(
-                &mut ls.raw[(p % win) * hd..(p % win + 1) * hd],
-                "raw window rows",
-            )?;
+        let first = n.saturating_sub(win);
+        let mut raw = vec![0f32; (n - first) * hd];
+        r.rows(&mut raw, version, "raw window rows")?;
+        for (k, p) in (first..n).enumerate() {
+            ls.raw[(p % win) * hd..(p % win + 1) * hd].copy_from_slice(&raw[k * hd..(k + 1) * hd]);
             ls.raw_pos[p % win] = p as i64;
         }
         let ratio = hp.compress_ratios[l].max(1) as usize;
@@ -196,4 +286,160 @@ pub fn read(
         ));
     }
     Ok((st, logits))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_model::forward::layer_dims;
+
+    /// A tiny model's state at `n` tokens: every row value f16-exact (as the model's), the
+    /// frontiers not; logits of the vocabulary.
+    fn state(n: usize) -> (HParams, Vec<LayerDims>, State, Vec<f32>) {
+        let hp = HParams::tiny();
+        let dims: Vec<LayerDims> = hp.layers().map(|k| layer_dims(&hp, &k, true)).collect();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut val = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let h16 = |v: f32| half::f16::from_f32(v).to_f32();
+        let win = hp.sliding_window as usize;
+        let layers = dims
+            .iter()
+            .map(|d| {
+                let mut h = HostLayerState::new(d);
+                h.raw.iter_mut().for_each(|v| *v = h16(val()));
+                for p in n.saturating_sub(win)..n {
+                    h.raw_pos[p % win] = p as i64;
+                }
+                for (c, hc) in [(&d.comp, &mut h.comp), (&d.index, &mut h.index)] {
+                    if let (Some(c), Some(hc)) = (c, hc.as_mut()) {
+                        hc.rows = (0..n / c.ratio * c.d).map(|_| h16(val())).collect();
+                        hc.front_kv.iter_mut().for_each(|v| *v = val());
+                        hc.front_score.iter_mut().for_each(|v| *v = val());
+                    }
+                }
+                h
+            })
+            .collect();
+        let st = State {
+            tokens: (0..n as u32).collect(),
+            layers,
+        };
+        let logits = (0..hp.n_vocab).map(|_| val()).collect();
+        (hp, dims, st, logits)
+    }
+
+    /// Every value of `a` and `b` (the raw rows of the window's positions only) in bits.
+    fn same(a: &State, b: &State, n: usize, win: usize) {
+        assert_eq!(a.tokens, b.tokens);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (l, (x, y)) in a.layers.iter().zip(&b.layers).enumerate() {
+            for p in n.saturating_sub(win)..n {
+                let s = (p % win) * 128..(p % win + 1) * 128;
+                assert_eq!(
+                    bits(&x.raw[s.clone()]),
+                    bits(&y.raw[s]),
+                    "layer {l} raw {p}"
+                );
+                assert_eq!(x.raw_pos[p % win], y.raw_pos[p % win]);
+            }
+            for (c, d) in [(&x.comp, &y.comp), (&x.index, &y.index)] {
+                let (c, d) = match (c, d) {
+                    (Some(c), Some(d)) => (c, d),
+                    (None, None) => continue,
+                    _ => panic!("layer {l}: a compressor on one side only"),
+                };
+                assert_eq!(bits(&c.rows), bits(&d.rows), "layer {l} rows");
+                assert_eq!(bits(&c.front_kv), bits(&d.front_kv), "layer {l} frontier");
+                assert_eq!(
+                    bits(&c.front_score),
+                    bits(&d.front_score),
+                    "layer {l} scores"
+                );
+            }
+        }
+    }
+
+    /// Row values a snapshot holds (raw window, compressed and indexer rows) and their arrays.
+    fn row_values(st: &State, n: usize, win: usize) -> (usize, usize) {
+        let mut vals = 0;
+        let mut arrays = 0;
+        for l in &st.layers {
+            vals += n.min(win) * 128;
+            arrays += 1;
+            for c in [&l.comp, &l.index].into_iter().flatten() {
+                vals += c.rows.len();
+                arrays += 1;
+            }
+        }
+        (vals, arrays)
+    }
+
+    #[test]
+    fn rows_are_stored_as_f16_when_exact_and_read_back_in_bits() {
+        let n = 41;
+        let (hp, dims, st, logits) = state(n);
+        let id = [7u8; 32];
+        let v2 = write(&hp, &id, &st, Some(&logits));
+        let v1 = write_version(&hp, &id, &st, Some(&logits), 1);
+        // Half the bytes of every row value, one encoding word an array.
+        let (vals, arrays) = row_values(&st, n, 8);
+        assert_eq!(v1.len() - v2.len(), 2 * vals - 4 * arrays);
+        for bytes in [&v2, &v1] {
+            let (back, l) = read(&hp, &dims, &id, bytes).unwrap();
+            same(&st, &back, n, 8);
+            assert_eq!(l.unwrap(), logits);
+        }
+    }
+
+    #[test]
+    fn an_array_that_f16_does_not_hold_stays_f32() {
+        let n = 41;
+        let (hp, dims, mut st, _) = state(n);
+        let id = [7u8; 32];
+        let exact = write(&hp, &id, &st, None);
+        // One value off f16 in the first layer with an indexer, a NaN with a payload in another
+        // layer's raw window (its f16 would drop the payload); -0 is exact.
+        let ix = st.layers.iter().position(|l| l.index.is_some()).unwrap();
+        st.layers[ix].index.as_mut().unwrap().rows[5] = 0.1;
+        st.layers[0].raw[3] = f32::from_bits(0x7fc0_0001);
+        st.layers[1].raw[0] = -0.0;
+        let rows = st.layers[ix].index.as_ref().unwrap().rows.len();
+        let got = write(&hp, &id, &st, None);
+        // The indexer array and layer 0's window in f32: 2 more bytes a value.
+        assert_eq!(got.len() - exact.len(), 2 * rows + 2 * n.min(8) * 128);
+        let (back, _) = read(&hp, &dims, &id, &got).unwrap();
+        same(&st, &back, n, 8);
+    }
+
+    #[test]
+    fn a_bad_row_encoding_is_refused_with_its_offset() {
+        let (hp, dims, st, _) = state(9);
+        let id = [7u8; 32];
+        let mut b = write(&hp, &id, &st, None);
+        // The first layer's window encoding word sits right after the header and the tokens.
+        let at = 8 + 4 + 32 + 6 * 4 + 9 * 4;
+        assert_eq!(&b[at..at + 4], &ENC_F16.to_le_bytes());
+        b[at] = 9;
+        let body = b.len() - 32;
+        let sum: [u8; 32] = Sha256::digest(&b[..body]).into();
+        b[body..].copy_from_slice(&sum);
+        let e = read(&hp, &dims, &id, &b).unwrap_err();
+        assert!(
+            e.contains(&format!("unknown row encoding 9 at offset {at}")),
+            "{e}"
+        );
+        // A future version is named.
+        let mut f = write(&hp, &id, &st, None);
+        f[8] = 3;
+        let body = f.len() - 32;
+        let sum: [u8; 32] = Sha256::digest(&f[..body]).into();
+        f[body..].copy_from_slice(&sum);
+        let e = read(&hp, &dims, &id, &f).unwrap_err();
+        assert!(e.contains("unsupported version 3"), "{e}");
+    }
 }
