@@ -934,8 +934,9 @@ DS4_KERNEL void DS4_BOUNDS(256) index_scores_tc(const float* __restrict__ q, con
 // go on: one barrier a tile. At most 80 registers: 3 CTAs an SM (IXD_SMEM each). H200
 // (bench/results/gpu-index-s35-h200.txt): a tie with index_scores_tc up to 256k of context (both
 // wait on the same chain: PDL wait, the first tiles' DRAM latency, the head sums), decode +1.5%
-// at 512k and +2.5% at 1M (bytes in flight start to matter: 134 MB of f32 rows a layer at 1M,
-// 67 MB since the rows are stored as bf16).
+// at 512k and +2.5% at 1M (bytes in flight start to matter: 134 MB of f32 rows a layer at 1M).
+// The rows stored as bf16 (67 MB; session 36, bench/results/gpu-bf16ix-s36-h200.txt): decode
+// +4.1% / +4.5% more at 512k / 1M; from any row count (DS4_GPU_IXD_MIN=0) a tie at 2k / 8k.
 // Preparing the query here too (no index_qprep_f32 launch) lost 1.3-2.0%: every CTA redid it.
 // The host takes it from 16,384 score rows (attn.rs IXD_MIN_ROWS), where it was measured.
 // grid (ceil(max_vis / rb), ntok), blockDim 256, dynamic shared IXD_SMEM; rb a multiple of 32.
