@@ -42,7 +42,7 @@ fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
 }
 
 /// `v` as f16 when every value comes back from f16 with the same bits, else None.
-fn exact_f16(v: &[f32]) -> Option<Vec<u16>> {
+fn exact_f16(v: &[f32]) -> Option<Vec<half::f16>> {
     use half::slice::HalfFloatSliceExt;
     use rayon::prelude::*;
     let mut h = vec![half::f16::ZERO; v.len()];
@@ -55,7 +55,7 @@ fn exact_f16(v: &[f32]) -> Option<Vec<u16>> {
             h.convert_to_f32_slice(&mut back);
             back.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits())
         });
-    ok.then(|| h.iter().map(|x| x.to_bits()).collect())
+    ok.then_some(h)
 }
 
 /// A row array (ROWS in the format): f16 when exact, else f32.
@@ -64,7 +64,7 @@ fn put_rows(b: &mut Vec<u8>, v: &[f32]) {
         Some(h) => {
             put_u32(b, ENC_F16);
             b.reserve(h.len() * 2);
-            for x in h {
+            for x in &h {
                 b.extend_from_slice(&x.to_le_bytes());
             }
         }
