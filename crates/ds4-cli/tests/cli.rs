@@ -445,38 +445,48 @@ fn bench_writes_one_csv_row_per_frontier_after_the_warm_up() {
     assert_eq!(stdout(&o).lines().count(), 3);
 }
 
+/// `ds4 bench` of the tiny model `m` on the CPU at frontiers 8 and 16, 3 generated tokens, one
+/// warm-up, plus `extra`.
+fn tiny_bench(m: &Path, extra: &[&str]) -> Output {
+    let mut v = vec!["bench", "-m", s(m), "--backend", "cpu", "--ctx-start", "8"];
+    v.extend(["--ctx-max", "16", "--gen-tokens", "3", "--warmup", "1"]);
+    v.extend(extra);
+    ds4(&v)
+}
+
+/// A bench CSV's rows after its header, split into fields.
+fn csv_rows(text: &str) -> Vec<Vec<String>> {
+    text.lines()
+        .skip(1)
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect()
+}
+
+/// [`tiny_bench`] with `extra` and without: both succeed with a row a frontier, and each row
+/// has the plain run's frontier and state size. The run's output and its rows.
+fn bench_against_plain(m: &Path, extra: &[&str]) -> (Output, Vec<Vec<String>>) {
+    let o = tiny_bench(m, extra);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plain = tiny_bench(m, &[]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let (rows, plain) = (csv_rows(&stdout(&o)), csv_rows(&stdout(&plain)));
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for (r, p) in rows.iter().zip(&plain) {
+        assert_eq!(r.len(), 9, "{rows:?}");
+        assert_eq!((&r[0], &r[5]), (&p[0], &p[5]), "{rows:?}\n{plain:?}");
+    }
+    (o, rows)
+}
+
 #[test]
 fn bench_decode_only_times_decode_on_random_states() {
     let d = tmpdir("bench-dec");
     let m = synth_tiny(&d);
-    let run = |extra: &[&str]| {
-        let mut v = vec!["bench", "-m", s(&m), "--backend", "cpu", "--ctx-start", "8"];
-        v.extend(["--ctx-max", "16", "--gen-tokens", "3", "--warmup", "1"]);
-        v.extend(extra);
-        let o = ds4(&v);
-        assert!(o.status.success(), "{}", stderr(&o));
-        o
-    };
-    let o = run(&["--decode-only", "--spec-accept", "1"]);
-    let out = stdout(&o);
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').collect())
-        .collect();
-    assert_eq!(rows.len(), 2, "{out}");
-    let plain = stdout(&run(&[]));
-    let plain_rows: Vec<Vec<&str>> = plain
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').collect())
-        .collect();
-    for (r, p) in rows.iter().zip(&plain_rows) {
+    let (o, rows) = bench_against_plain(&m, &["--decode-only", "--spec-accept", "1"]);
+    for r in &rows {
         // No prefill: its columns empty; decode timed; the state's size that of the context.
-        assert_eq!(r.len(), 9, "{out}");
-        assert_eq!((r[1], r[2], r[3]), ("", "", "3"), "{out}");
+        assert_eq!((&*r[1], &*r[2], &*r[3]), ("", "", "3"), "{rows:?}");
         assert!(r[4].parse::<f64>().unwrap() > 0.0 && r[6].parse::<f64>().unwrap() > 0.0);
-        assert_eq!((r[0], r[5]), (p[0], p[5]), "{out}\n{plain}");
     }
     let err = stderr(&o);
     assert!(
@@ -489,35 +499,14 @@ fn bench_decode_only_times_decode_on_random_states() {
 fn bench_turn_times_a_prefill_on_random_states() {
     let d = tmpdir("bench-turn");
     let m = synth_tiny(&d);
-    let run = |extra: &[&str]| {
-        let mut v = vec!["bench", "-m", s(&m), "--backend", "cpu", "--ctx-start", "8"];
-        v.extend(["--ctx-max", "16", "--gen-tokens", "3", "--warmup", "1"]);
-        v.extend(extra);
-        ds4(&v)
-    };
-    let o = run(&["--turn", "3", "--spec-accept", "1"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').collect())
-        .collect();
-    assert_eq!(rows.len(), 2, "{out}");
-    let plain = stdout(&run(&[]));
-    let plain_rows: Vec<Vec<&str>> = plain
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').collect())
-        .collect();
-    for (r, p) in rows.iter().zip(&plain_rows) {
+    let run = |extra: &[&str]| tiny_bench(&m, extra);
+    let (o, rows) = bench_against_plain(&m, &["--turn", "3", "--spec-accept", "1"]);
+    for r in &rows {
         // The turn's 3 tokens prefilled and timed, decode timed, the state a full context's.
-        assert_eq!(r.len(), 9, "{out}");
-        assert_eq!((r[1], r[3]), ("3", "3"), "{out}");
+        assert_eq!((&*r[1], &*r[3]), ("3", "3"), "{rows:?}");
         for c in [2, 4, 6] {
-            assert!(r[c].parse::<f64>().unwrap() > 0.0, "{out}");
+            assert!(r[c].parse::<f64>().unwrap() > 0.0, "{rows:?}");
         }
-        assert_eq!((r[0], r[5]), (p[0], p[5]), "{out}\n{plain}");
     }
     let err = stderr(&o);
     assert!(

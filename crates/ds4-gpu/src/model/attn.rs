@@ -997,6 +997,16 @@ impl GpuBackend {
         while i0 < n {
             let nb = batch.min(n - i0);
             let tb = base + i0;
+            // Every scores kernel's first arguments: the batch's queries and weights, the rows,
+            // the scores, its first position and the scores' row stride.
+            let head = [
+                Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
+                Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
+                Arg::Ptr(ix.rows.ptr()),
+                Arg::Ptr(scores.ptr),
+                Arg::I64(tb as i64),
+                Arg::I64(stride as i64),
+            ];
             if need_scores && wg {
                 let _ps = self.prof(|| "index_select: scores".to_string());
                 let (tgs, rbs) = (nb.div_ceil(IXW_TOK) as u32, stride.div_ceil(IXW_RB) as u32);
@@ -1011,18 +1021,16 @@ impl GpuBackend {
                     "index_scores_wg",
                     dims,
                     &[
-                        Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
-                        Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                        Arg::Ptr(ix.rows.ptr()),
-                        Arg::Ptr(scores.ptr),
-                        Arg::I64(tb as i64),
-                        Arg::I64(stride as i64),
-                        Arg::I32(nb as i32),
-                        Arg::I32(IXW_RB as i32),
-                        Arg::I32(spec.ratio as i32),
-                        Arg::F32(ws),
-                        Arg::I32(tfirst as i32),
-                    ],
+                        &head[..],
+                        &[
+                            Arg::I32(nb as i32),
+                            Arg::I32(IXW_RB as i32),
+                            Arg::I32(spec.ratio as i32),
+                            Arg::F32(ws),
+                            Arg::I32(tfirst as i32),
+                        ],
+                    ]
+                    .concat(),
                 );
             } else if need_scores {
                 // DS4_GPU_PROFILE=1: the two halves of index_select apart.
@@ -1067,19 +1075,14 @@ impl GpuBackend {
                 } else {
                     (&ATTENTION, "index_scores_f32", dims, [nh, ihd])
                 };
-                let mut args = vec![
-                    Arg::Ptr(qr.ptr.offset((i0 * nh * ihd * 4) as u64)),
-                    Arg::Ptr(w.ptr.offset((i0 * nh * 4) as u64)),
-                    Arg::Ptr(ix.rows.ptr()),
-                    Arg::Ptr(scores.ptr),
-                    Arg::I64(tb as i64),
-                    Arg::I64(stride as i64),
+                let mut args = head.to_vec();
+                args.extend([
                     Arg::I32(mid[0] as i32),
                     Arg::I32(mid[1] as i32),
                     Arg::I32(spec.ratio as i32),
                     Arg::F32(ws),
                     sp_arg,
-                ];
+                ]);
                 if !tc {
                     args.push(Arg::I32(ix.bf16 as i32)); // attention.cu's forms: rbf
                 }
