@@ -49,6 +49,25 @@ pub enum GpuError {
         cuda: Box<GpuError>,
         rocm: Box<GpuError>,
     },
+    /// A device allocation failed (`source`: the driver's status), with the device's free and
+    /// total memory at that moment when it could tell.
+    #[error(
+        "device memory: could not allocate {} ({}): {source}. Session state grows with the \
+         context (~12 GiB at 1M tokens of the full model on a GPU) and each live session holds \
+         its own: a smaller --ctx, fewer live sessions (--kv-mem-mb) or DS4_GPU_BF16_CACHE=0 (no \
+         bf16 copies of the dense weights) leave more room",
+        mib(*bytes),
+        match (free, total) {
+            (Some(f), Some(t)) => format!("{} of {} free", mib(*f), mib(*t)),
+            _ => "free memory unknown".to_string(),
+        }
+    )]
+    OutOfMemory {
+        bytes: u64,
+        free: Option<u64>,
+        total: Option<u64>,
+        source: Box<GpuError>,
+    },
     #[error("invalid argument: {0}")]
     Invalid(String),
     #[error("kernel cache {path}: {source}")]
@@ -61,3 +80,54 @@ pub enum GpuError {
 }
 
 pub type Result<T, E = GpuError> = std::result::Result<T, E>;
+
+/// Bytes as MiB (or GiB from 10 GiB) for messages.
+fn mib(b: u64) -> String {
+    if b >= 10 << 30 {
+        format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An allocation failure names the size, the free memory and what leaves more room.
+    #[test]
+    fn out_of_memory_names_sizes_and_remedies() {
+        let src = || {
+            Box::new(GpuError::Api {
+                api: "CUDA",
+                call: "cuMemAlloc",
+                code: 2,
+                name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+                message: "out of memory".into(),
+            })
+        };
+        let e = GpuError::OutOfMemory {
+            bytes: 512 << 20,
+            free: Some(300 << 20),
+            total: Some(140 << 30),
+            source: src(),
+        }
+        .to_string();
+        for want in [
+            "could not allocate 512.0 MiB (300.0 MiB of 140.0 GiB free)",
+            "CUDA_ERROR_OUT_OF_MEMORY",
+            "--ctx",
+            "--kv-mem-mb",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        let e = GpuError::OutOfMemory {
+            bytes: 12 << 30,
+            free: None,
+            total: None,
+            source: src(),
+        }
+        .to_string();
+        assert!(e.contains("12.0 GiB (free memory unknown)"), "{e}");
+    }
+}

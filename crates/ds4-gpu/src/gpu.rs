@@ -349,9 +349,18 @@ impl Gpu {
     }
 
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        let ptr = self.rt.alloc(bytes).map_err(|e| {
+            let (free, total) = self.rt.mem_info().ok().unzip();
+            GpuError::OutOfMemory {
+                bytes: bytes as u64,
+                free,
+                total,
+                source: Box::new(e),
+            }
+        })?;
         Ok(DeviceBuffer {
             rt: self.rt.clone(),
-            ptr: self.rt.alloc(bytes)?,
+            ptr,
             bytes,
         })
     }
