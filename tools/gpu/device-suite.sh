@@ -4,7 +4,8 @@
 # every GPU test (fast kernels and their fallbacks, the whole forward pass against the CPU and the
 # oracle, decode graphs, the engine on the GPU), then a per-op profile. The benchmark comes first
 # so that a run cut short by its time limit still returns numbers.
-# Logs go to $OUT (compile.log, bench.csv, bench.log, ab.log, tests.log, prof.log, ncu-decode.txt).
+# Logs go to $OUT (compile.log, bench.csv, decode-only.csv, turn.csv, bench.log, ab.log, tests.log,
+# prof.log, ncu-decode.txt).
 # Usage: device-suite.sh [quick]   (quick: skip the slow CPU-reference op tests)
 # A/B switches to compare against the default: DS4_SUITE_AB="DS4_GPU_GRAPH=off DS4_GPU_MIX=fast ..."
 set -u
@@ -19,6 +20,12 @@ s=$(date +%s); timeout 120 $B --ctx-start 128 --ctx-max 128 --gen-tokens 4 > "$O
 echo "kernel compilation (first open) + a 128-token bench: $(( $(date +%s) - s )) s rc=$rc"
 timeout 200 $B --ctx-start 2048 --ctx-max 32768 --step-mul 4 --gen-tokens 64 --csv "$OUT/bench.csv" 2> "$OUT/bench.log"
 echo "bench rc=$?"; cat "$OUT/bench.csv"
+# The long end in about a minute each: decode at 128k-1M on random KV states, and a 4,096-token
+# turn there (prefill and answer).
+timeout 120 $B --decode-only --ctx-start 131072 --ctx-max 1048576 --step-mul 2 --gen-tokens 64 \
+  --csv "$OUT/decode-only.csv" 2>> "$OUT/bench.log"; echo "decode-only rc=$?"
+timeout 150 $B --turn 4096 --ctx-start 131072 --ctx-max 1048576 --step-mul 2 --gen-tokens 32 \
+  --csv "$OUT/turn.csv" 2>> "$OUT/bench.log"; echo "turn rc=$?"
 echo "default: $(timeout 60 $B --ctx-start 2048 --ctx-max 2048 --gen-tokens 64 2>>"$OUT/ab.log" | tail -1)"
 for v in ${DS4_SUITE_AB:-}; do
   echo "$v: $(env "$v" timeout 60 $B --ctx-start 2048 --ctx-max 2048 --gen-tokens 64 2>>"$OUT/ab.log" | tail -1)"
