@@ -288,6 +288,12 @@ pub trait Backend: Send + Sync + Sized {
         0
     }
 
+    /// The device's free and total memory in bytes now (GPU backends); None where the backend
+    /// keeps its state in host memory.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     // ---- binding ----
     /// A matrix used by [`Backend::matmul`] / [`Backend::embed`] (any supported quant type).
     fn matrix(&self, src: &WeightSrc) -> Result<Self::Weight, String>;

@@ -757,6 +757,12 @@ impl Engine {
         self.weight_bytes.map(|_| self.model.weight_copy_bytes())
     }
 
+    /// Free and total device memory now (GPU backends; several ranks: the one with the least
+    /// free), None on the CPU.
+    pub fn gpu_memory(&self) -> Option<(u64, u64)> {
+        self.model.device_memory()
+    }
+
     pub fn backend_name(&self) -> &str {
         &self.backend
     }

@@ -1316,6 +1316,8 @@ pub trait Forward: Send + Sync {
     fn prefill_chunk(&self) -> usize;
     /// See [`Backend::weight_copy_bytes`].
     fn weight_copy_bytes(&self) -> u64;
+    /// See [`Backend::device_memory`] (several ranks: the least free).
+    fn device_memory(&self) -> Option<(u64, u64)>;
     fn new_state(&self) -> AnyState;
     /// See [`Model::eval_batch_streams`].
     fn eval_batch(
@@ -1396,6 +1398,9 @@ where
     }
     fn weight_copy_bytes(&self) -> u64 {
         self.backend.weight_copy_bytes()
+    }
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        self.backend.device_memory()
     }
     fn new_state(&self) -> AnyState {
         Self::wrap_state(Model::new_state(self))

@@ -103,6 +103,12 @@ impl Forward for Sharded {
     fn weight_copy_bytes(&self) -> u64 {
         self.ranks.iter().map(|r| r.weight_copy_bytes()).sum()
     }
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        self.ranks
+            .iter()
+            .filter_map(|r| r.device_memory())
+            .min_by_key(|m| m.0)
+    }
     fn new_state(&self) -> AnyState {
         AnyState {
             tokens: Vec::new(),

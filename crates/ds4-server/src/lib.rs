@@ -73,7 +73,8 @@ pub struct ServerConfig {
     pub kv_disk: Option<KvDiskConfig>,
     /// `--kv-mem-mb`: memory for live sessions, each counted at
     /// `Engine::memory_estimate(ctx)` (its size at a full context). `None`: room for
-    /// [`DEFAULT_LIVE_SESSIONS`]. At least one session is always kept.
+    /// [`DEFAULT_LIVE_SESSIONS`], fewer as [`default_live_sessions`] and, on a GPU,
+    /// [`device_live_sessions`] allow. At least one session is always kept.
     pub kv_mem_bytes: Option<u64>,
 }
 
@@ -86,6 +87,14 @@ pub const DEFAULT_LIVE_SESSIONS: usize = 4;
 pub fn default_live_sessions(per_session: u64, available: Option<u64>) -> usize {
     let fit = available.map_or(u64::MAX, |a| a / 4 / per_session.max(1));
     fit.clamp(1, DEFAULT_LIVE_SESSIONS as u64) as usize
+}
+
+/// Live sessions a GPU holds without `--kv-mem-mb`: as many of `per_session` (its session
+/// state at the full context) as fit half the device memory `free` at start, the other half
+/// kept for what the first prompts add (the bf16 weight copies, ~11.6 GiB for q2, and the
+/// prompt's scratch, ~6 GiB); at most [`DEFAULT_LIVE_SESSIONS`], at least one.
+pub fn device_live_sessions(per_session: u64, free: u64) -> usize {
+    (free / 2 / per_session.max(1)).clamp(1, DEFAULT_LIVE_SESSIONS as u64) as usize
 }
 
 /// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
@@ -366,7 +375,14 @@ impl AppState {
         let per = engine.memory_estimate(self.cfg.ctx).max(1);
         let max_sessions = match self.cfg.kv_mem_bytes {
             Some(b) => (b / per).max(1) as usize,
-            None => default_live_sessions(per, mem_available()),
+            None => {
+                let host = default_live_sessions(per, mem_available());
+                // On a GPU the sessions live in device memory: that bounds them too.
+                match (engine.gpu_state_estimate(self.cfg.ctx), engine.gpu_memory()) {
+                    (Some(dev), Some((free, _))) => host.min(device_live_sessions(dev, free)),
+                    _ => host,
+                }
+            }
         };
         eprintln!(
             "ds4 serve: up to {max_sessions} live sessions of {:.1} MiB each (--kv-mem-mb){}",
@@ -1199,5 +1215,20 @@ mod tests {
         assert_eq!(default_live_sessions(gib, Some(gib)), 1);
         assert_eq!(default_live_sessions(0, Some(0)), 1);
         assert!(mem_available().is_none_or(|b| b > 0));
+    }
+
+    /// The full model on one H200 (57 GiB free after the q2 weights): two 1M-token sessions
+    /// (12.15 GiB each on the GPU), four at 32k; a small card holds one whatever the context.
+    #[test]
+    fn device_live_sessions_fit_half_the_free_device_memory() {
+        let gib = 1u64 << 30;
+        // Engine::gpu_state_estimate of the full model at 1M, 256k and 32k tokens.
+        let at = |g: f64| (g * gib as f64) as u64;
+        assert_eq!(device_live_sessions(at(12.15), 57 * gib), 2);
+        assert_eq!(device_live_sessions(at(3.1), 57 * gib), 4);
+        assert_eq!(device_live_sessions(at(0.40), 57 * gib), 4);
+        assert_eq!(device_live_sessions(at(12.15), 10 * gib), 1);
+        assert_eq!(device_live_sessions(at(3.1), 20 * gib), 3);
+        assert_eq!(device_live_sessions(0, 0), 1);
     }
 }

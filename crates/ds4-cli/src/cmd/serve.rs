@@ -84,8 +84,9 @@ pub struct Args {
     trace: Option<PathBuf>,
     /// Memory for live sessions in MiB; each is counted at its full-context size (so the
     /// number kept is MiB / per-session size, at least 1; printed at start). Default: 4
-    /// sessions, fewer if they would take over a quarter of the available memory. The least
-    /// recently used one is evicted (to the disk cache, if on).
+    /// sessions, fewer if they would take over a quarter of the available memory (on a GPU
+    /// also: over half its free memory, as the GPU stores them). The least recently used one
+    /// is evicted (to the disk cache, if on).
     #[arg(long)]
     kv_mem_mb: Option<u64>,
     /// Directory of the disk KV cache (created with mode 0700). Off when not given.

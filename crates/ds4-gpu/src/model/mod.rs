@@ -1280,6 +1280,10 @@ impl Backend for GpuBackend {
         self.bf16_cache_bytes()
     }
 
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        self.gpu.mem_info().ok()
+    }
+
     fn prefill_chunk(&self) -> usize {
         gemm::prefill_chunk(|| {
             *self
