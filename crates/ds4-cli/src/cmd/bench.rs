@@ -15,7 +15,8 @@ use std::time::Instant;
     them, as a first prompt does). CSV on stdout (or --csv FILE):\n  \
     ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n\n\
     A header on stderr (lines starting with #) gives the backend, the device memory held by the \
-    weights and the session state at 32k and 1M tokens of context.\n\n\
+    weights and the session state at 32k and 1M tokens of context; on a GPU a # line after each \
+    frontier gives the device memory in use then (measured: weights, copies, state, scratch).\n\n\
     Long frontiers take long: every prompt token scores every compressed indexer row (quadratic \
     in the context). One H200, full-q2: ~9,400 tok/s up to 64k, then 7,450 (64k to 128k), 5,600 \
     (to 256k) and 3,700 (to 512k); a 256k prompt takes ~40 s, the 512k to 1M part more than 6 \
@@ -273,6 +274,16 @@ pub fn run(mut a: Args) -> Result<()> {
         }
         let pre = (f - before) as f64 / t0.elapsed().as_secs_f64();
         let kv = s.kv_bytes();
+        if let Some((free, total)) = engine.gpu_memory() {
+            // Measured: everything the process holds on the device (weights, their copies, the
+            // session state with its rows' spare capacity, pooled scratch).
+            eprintln!(
+                "# {f}: device memory in use {:.2} GiB of {:.2} GiB ({:.2} GiB free)",
+                gib(total - free),
+                gib(total),
+                gib(free)
+            );
+        }
         // The state to come back to after each timed run: a snapshot, or (--decode-only and
         // --turn, where a 1M snapshot would be ~13 GB) the same random fill again (and the turn).
         let random = a.decode_only || a.turn.is_some();
