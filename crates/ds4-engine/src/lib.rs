@@ -789,13 +789,15 @@ impl Engine {
     }
 
     /// The same on the device of a GPU backend (None on the CPU): the indexer's rows take 2
-    /// bytes a value there when FP4-simulated (bf16, exact; ds4-gpu `GpuComp::bf16`).
+    /// bytes a value there when FP4-simulated (bf16, exact; ds4-gpu `GpuComp::bf16`), and the
+    /// compressed rows' capacity grows by doubling, so a context that is not a power of two
+    /// holds the rows of the next one (up to twice its rows: 600k tokens hold 1M's).
     pub fn gpu_state_estimate(&self, ctx: usize) -> Option<u64> {
         self.weight_bytes?;
         let fp4 = self.model.layer_dims().iter().any(|l| l.index_fp4);
         Some(
             self.hparams()
-                .session_bytes(ctx, 4, if fp4 { 2 } else { 4 }),
+                .session_bytes(ctx.next_power_of_two(), 4, if fp4 { 2 } else { 4 }),
         )
     }
 }
