@@ -416,6 +416,41 @@ mod tests {
         same(&st, &back, n, 8);
     }
 
+    /// Hostile bytes under a valid checksum: any one byte changed (every 13th position, each
+    /// to three values) and any cut gives a snapshot or an error, never a panic or a huge
+    /// allocation.
+    #[test]
+    fn damaged_bodies_with_valid_checksums_never_panic() {
+        let (hp, dims, st, logits) = state(13);
+        let id = [7u8; 32];
+        let good = write(&hp, &id, &st, Some(&logits));
+        let seal = |b: &mut Vec<u8>| {
+            let body = b.len() - 32;
+            let sum: [u8; 32] = Sha256::digest(&b[..body]).into();
+            b[body..].copy_from_slice(&sum);
+        };
+        let (mut ok, mut err) = (0, 0);
+        for at in (8..good.len() - 32).step_by(13) {
+            for v in [0u8, 0x7f, 0xff] {
+                let mut b = good.clone();
+                b[at] = v;
+                seal(&mut b);
+                match read(&hp, &dims, &id, &b) {
+                    Ok(_) => ok += 1,
+                    Err(_) => err += 1,
+                }
+            }
+        }
+        for cut in (8..good.len() - 32).step_by(97) {
+            let mut b = good[..cut].to_vec();
+            b.extend_from_slice(&[0u8; 32]);
+            seal(&mut b);
+            assert!(read(&hp, &dims, &id, &b).is_err(), "cut at {cut}");
+        }
+        // Values change silently (they are data); counts, encodings and sizes do not.
+        assert!(ok > 0 && err > 0, "{ok} read, {err} refused");
+    }
+
     #[test]
     fn a_bad_row_encoding_is_refused_with_its_offset() {
         let (hp, dims, st, _) = state(9);
