@@ -384,9 +384,18 @@ impl AppState {
                 }
             }
         };
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
         eprintln!(
-            "ds4 serve: up to {max_sessions} live sessions of {:.1} MiB each (--kv-mem-mb){}",
-            per as f64 / (1 << 20) as f64,
+            "ds4 serve: up to {max_sessions} live sessions of {:.1} MiB each{} (--kv-mem-mb){}",
+            mib(per),
+            match (engine.gpu_state_estimate(self.cfg.ctx), engine.gpu_memory()) {
+                (Some(d), Some((free, _))) => format!(
+                    " ({:.1} MiB on the GPU, {:.1} MiB free there)",
+                    mib(d),
+                    mib(free)
+                ),
+                _ => String::new(),
+            },
             match &self.cfg.kv_disk {
                 Some(k) => format!(
                     "; disk KV cache in {} ({} MiB)",
