@@ -1091,9 +1091,9 @@ impl Session {
     }
 
     /// Replace the state with one at position `tokens.len()` whose KV rows are random values
-    /// (uniform in [-1, 1), rounded to f16) of the sizes a real context gives: the raw window (positions
-    /// n - window .. n), every compressed and indexer row (n / ratio each), fresh compressor
-    /// frontiers. For decode benchmarks at long frontiers without computing their prompts
+    /// (uniform in [-1, 1), rounded to f16) of the sizes a real context gives: the raw window
+    /// (positions n - window .. n), every compressed and indexer row (n / ratio each), fresh
+    /// compressor frontiers. For decode benchmarks at long frontiers without computing their prompts
     /// (`ds4 bench --decode-only`): the values stand in for computed ones, so the logits that
     /// follow mean nothing, but every kernel sees the row counts it would. No logits afterwards.
     /// At 1M tokens of the full model the host builds ~13 GB of rows for the upload.

@@ -373,23 +373,26 @@ impl AppState {
             },
         };
         let per = engine.memory_estimate(self.cfg.ctx).max(1);
+        // On a GPU the sessions live in device memory: (a session's bytes there, free bytes).
+        let gpu = match (engine.gpu_state_estimate(self.cfg.ctx), engine.gpu_memory()) {
+            (Some(dev), Some((free, _))) => Some((dev, free)),
+            _ => None,
+        };
         let max_sessions = match self.cfg.kv_mem_bytes {
             Some(b) => (b / per).max(1) as usize,
             None => {
                 let host = default_live_sessions(per, mem_available());
-                // On a GPU the sessions live in device memory: that bounds them too.
-                match (engine.gpu_state_estimate(self.cfg.ctx), engine.gpu_memory()) {
-                    (Some(dev), Some((free, _))) => host.min(device_live_sessions(dev, free)),
-                    _ => host,
-                }
+                gpu.map_or(host, |(dev, free)| {
+                    host.min(device_live_sessions(dev, free))
+                })
             }
         };
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         eprintln!(
             "ds4 serve: up to {max_sessions} live sessions of {:.1} MiB each{} (--kv-mem-mb){}",
             mib(per),
-            match (engine.gpu_state_estimate(self.cfg.ctx), engine.gpu_memory()) {
-                (Some(d), Some((free, _))) => format!(
+            match gpu {
+                Some((d, free)) => format!(
                     " ({:.1} MiB on the GPU, {:.1} MiB free there)",
                     mib(d),
                     mib(free)

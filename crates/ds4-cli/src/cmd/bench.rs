@@ -133,9 +133,9 @@ const DEFAULT_TEXT: &str =
 /// (`Session::fill_random`, seeded by the frontier: the same state each time), then that token
 /// evaluated, so that logits (and the speculative loop's streams) exist as after a prompt.
 fn random_state(s: &mut ds4_engine::Session, toks: &[u32]) -> Result<()> {
-    let (last, head) = toks.split_last().context("an empty frontier")?;
-    s.fill_random(head, toks.len() as u64)?;
-    s.eval(*last)?;
+    let last = *toks.last().context("an empty frontier")?;
+    turn_base(s, toks, 1)?;
+    s.eval(last)?;
     Ok(())
 }
 

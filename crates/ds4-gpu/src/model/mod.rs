@@ -348,11 +348,16 @@ pub struct GpuComp {
 impl GpuComp {
     /// Bytes a stored value.
     pub(crate) fn elem(&self) -> usize {
-        if self.bf16 {
-            2
-        } else {
-            4
-        }
+        row_elem(self.bf16)
+    }
+}
+
+/// Bytes a stored row value: 2 for bf16 rows, 4 for f32.
+fn row_elem(bf16: bool) -> usize {
+    if bf16 {
+        2
+    } else {
+        4
     }
 }
 
@@ -1115,12 +1120,11 @@ impl GpuBackend {
         self.zero(front_kv.ptr(), n);
         self.fill(front_score.ptr(), f32::NEG_INFINITY.to_bits(), n);
         let cap = 64;
-        let elem = if bf16 { 2 } else { 4 };
         Some(GpuComp {
             dims: *c,
             front_kv,
             front_score,
-            rows: self.dev(cap * c.d * elem)?,
+            rows: self.dev(cap * c.d * row_elem(bf16))?,
             cap,
             n_rows: 0,
             bf16,
