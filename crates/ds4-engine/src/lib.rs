@@ -41,6 +41,22 @@ pub enum EngineError {
     BadToken(u32, usize),
     #[error("snapshot: {0}")]
     Snapshot(String),
+    /// A sound snapshot written by a newer ds4 (format `found`; this build reads 1 to
+    /// `newest`): callers keep the file, it is not damaged.
+    #[error(
+        "snapshot: format version {found} is newer than this build reads (1 to {newest}); \
+         update ds4 to use it"
+    )]
+    SnapshotNewer { found: u32, newest: u32 },
+}
+
+impl EngineError {
+    /// True where a snapshot was refused for what it holds (damage, another model, a shape
+    /// that does not match), so a cache may delete it; false for a newer format and for a
+    /// context this session cannot hold (the file is sound: another process can use it).
+    pub fn snapshot_is_bad(&self) -> bool {
+        matches!(self, EngineError::Snapshot(_))
+    }
 }
 
 /// Which backend runs the model (`--backend`).
@@ -1166,7 +1182,13 @@ impl Session {
             &self.model_id,
             bytes,
         )
-        .map_err(EngineError::Snapshot)?;
+        .map_err(|e| match e {
+            snapshot::ReadError::Newer(found) => EngineError::SnapshotNewer {
+                found,
+                newest: snapshot::VERSION,
+            },
+            snapshot::ReadError::Invalid(s) => EngineError::Snapshot(s),
+        })?;
         if state.tokens.len() > self.ctx {
             return Err(EngineError::ContextFull {
                 needed: state.tokens.len(),

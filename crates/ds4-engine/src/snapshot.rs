@@ -23,7 +23,7 @@ use ds4_model::HParams;
 use sha2::{Digest, Sha256};
 
 const MAGIC: &[u8; 8] = b"DS4SNAP\0";
-const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 2;
 /// Row array encodings (version 2).
 const ENC_F32: u32 = 0;
 const ENC_F16: u32 = 1;
@@ -197,29 +197,52 @@ impl Reader<'_> {
     }
 }
 
+/// Why a snapshot was not read.
+#[derive(Debug, PartialEq)]
+pub enum ReadError {
+    /// A sound snapshot (its checksum holds) of a newer format than this build reads: it
+    /// belongs to a newer ds4 sharing the cache, so it is not this build's to delete.
+    Newer(u32),
+    /// Not a snapshot of this model, or damaged: what is wrong and where.
+    Invalid(String),
+}
+
+impl From<String> for ReadError {
+    fn from(s: String) -> Self {
+        ReadError::Invalid(s)
+    }
+}
+
 pub fn read(
     hp: &HParams,
     dims: &[LayerDims],
     id: &[u8; 32],
     bytes: &[u8],
-) -> Result<(State, Option<Vec<f32>>), String> {
+) -> Result<(State, Option<Vec<f32>>), ReadError> {
     if bytes.len() < MAGIC.len() + 4 + 32 + 32 || &bytes[..8] != MAGIC {
-        return Err("not a ds4 session snapshot (bad magic)".into());
+        return Err(ReadError::Invalid(
+            "not a ds4 session snapshot (bad magic)".into(),
+        ));
     }
     let (body, sum) = bytes.split_at(bytes.len() - 32);
     let want: [u8; 32] = Sha256::digest(body).into();
     if want != sum {
-        return Err("checksum mismatch: the snapshot is corrupt".into());
+        return Err(ReadError::Invalid(
+            "checksum mismatch: the snapshot is corrupt".into(),
+        ));
     }
     let mut r = Reader { b: body, pos: 8 };
     let version = r.u32("version")?;
-    if !(1..=VERSION).contains(&version) {
-        return Err(format!(
-            "unsupported version {version} (this build reads 1 to {VERSION})"
-        ));
+    if version > VERSION {
+        return Err(ReadError::Newer(version));
+    }
+    if version == 0 {
+        return Err(format!("unsupported version 0 (this build reads 1 to {VERSION})").into());
     }
     if r.take(32, "model id")? != id {
-        return Err("taken with a different model file".into());
+        return Err(ReadError::Invalid(
+            "taken with a different model file".into(),
+        ));
     }
     let n = r.u32("token count")? as usize;
     for (what, want) in [
@@ -230,7 +253,7 @@ pub fn read(
     ] {
         let got = r.u32(what)?;
         if got != want {
-            return Err(format!("{what} {got} does not match the model's {want}"));
+            return Err(format!("{what} {got} does not match the model's {want}").into());
         }
     }
     let has_logits = r.u32("logits flag")? != 0;
@@ -239,7 +262,7 @@ pub fn read(
         layers: dims.iter().map(HostLayerState::new).collect(),
     };
     if n > body.len() / 4 {
-        return Err(format!("token count {n} exceeds the snapshot size"));
+        return Err(format!("token count {n} exceeds the snapshot size").into());
     }
     for _ in 0..n {
         st.tokens.push(r.u32("tokens")?);
@@ -283,7 +306,8 @@ pub fn read(
         return Err(format!(
             "{} unexpected bytes after the last layer",
             body.len() - r.pos
-        ));
+        )
+        .into());
     }
     Ok((st, logits))
 }
@@ -464,17 +488,28 @@ mod tests {
         let sum: [u8; 32] = Sha256::digest(&b[..body]).into();
         b[body..].copy_from_slice(&sum);
         let e = read(&hp, &dims, &id, &b).unwrap_err();
+        let want = format!("unknown row encoding 9 at offset {at}");
         assert!(
-            e.contains(&format!("unknown row encoding 9 at offset {at}")),
-            "{e}"
+            matches!(&e, ReadError::Invalid(s) if s.contains(&want)),
+            "{e:?}"
         );
-        // A future version is named.
-        let mut f = write(&hp, &id, &st, None);
-        f[8] = 3;
-        let body = f.len() - 32;
-        let sum: [u8; 32] = Sha256::digest(&f[..body]).into();
-        f[body..].copy_from_slice(&sum);
-        let e = read(&hp, &dims, &id, &f).unwrap_err();
-        assert!(e.contains("unsupported version 3"), "{e}");
+        // A sound file of a future version is told apart from a damaged one (a cache keeps
+        // it); version 0 is damage.
+        for (v, newer) in [(3u8, true), (0, false)] {
+            let mut f = write(&hp, &id, &st, None);
+            f[8] = v;
+            let body = f.len() - 32;
+            let sum: [u8; 32] = Sha256::digest(&f[..body]).into();
+            f[body..].copy_from_slice(&sum);
+            let e = read(&hp, &dims, &id, &f).unwrap_err();
+            if newer {
+                assert_eq!(e, ReadError::Newer(3));
+            } else {
+                assert!(
+                    matches!(&e, ReadError::Invalid(s) if s.contains("unsupported version 0")),
+                    "{e:?}"
+                );
+            }
+        }
     }
 }

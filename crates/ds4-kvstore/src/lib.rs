@@ -14,7 +14,9 @@
 //! * **Crash safety**: see [`format`]: temporary file, fsync, rename, fsync the directory.
 //!   Temporary files left by dead processes are removed by [`KvStore::open`].
 //! * Invalid files (truncated, corrupt, other format version, other model) are skipped with
-//!   one `eprintln!` line per file and process, never loaded.
+//!   one `eprintln!` line per file and process, never loaded. A sound file whose snapshot the
+//!   engine cannot read (a newer snapshot format) is marked with [`KvStore::pass_over`]:
+//!   skipped from then on, and kept.
 
 pub mod format;
 pub mod policy;
@@ -285,6 +287,10 @@ pub struct KvStore {
     model_id: [u8; 32],
     /// Files already reported as invalid (name, length, mtime): one log line each.
     logged: Mutex<HashSet<(String, u64, SystemTime)>>,
+    /// Sound entries this process cannot use (path, creation time; [`KvStore::pass_over`]):
+    /// lookups skip them without reading them again. A rewrite of the same key has another
+    /// creation time, so it is looked at afresh.
+    passed: Mutex<HashSet<(PathBuf, u64)>>,
     seq: AtomicU64,
 }
 
@@ -304,6 +310,7 @@ impl KvStore {
             budget: budget_bytes,
             model_id,
             logged: Mutex::new(HashSet::new()),
+            passed: Mutex::new(HashSet::new()),
             seq: AtomicU64::new(0),
         };
         s.clean_tmp();
@@ -417,7 +424,10 @@ impl KvStore {
             .filter_map(|e| {
                 let m = e.meta.as_ref().ok()?;
                 let n = m.tokens.len();
-                let ok = prompt.starts_with(&m.key) && n >= min_tokens && n <= max_tokens;
+                let ok = prompt.starts_with(&m.key)
+                    && n >= min_tokens
+                    && n <= max_tokens
+                    && !self.is_passed(&e.path, m.header.created);
                 let k = m.key.len();
                 ok.then_some((e, k, n))
             })
@@ -460,6 +470,23 @@ impl KvStore {
             });
         }
         None
+    }
+
+    /// Mark a hit this process cannot use although the file is sound (a snapshot format
+    /// newer than its engine reads): later lookups pass over it and it is not deleted; the
+    /// budget still counts it and evicts it like any other entry.
+    pub fn pass_over(&self, hit: &Hit) {
+        self.passed
+            .lock()
+            .unwrap()
+            .insert((hit.path.clone(), hit.created));
+    }
+
+    fn is_passed(&self, path: &Path, created: u64) -> bool {
+        self.passed
+            .lock()
+            .unwrap()
+            .contains(&(path.to_path_buf(), created))
     }
 
     /// The extra bytes of every valid entry of this model that has some, with its key:

@@ -151,6 +151,46 @@ fn lookup_finds_the_longest_whole_entry_prefix() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// An entry passed over (sound, but of a snapshot format this process cannot read) is
+/// skipped by later lookups, which fall back to the next prefix, and stays on disk; a
+/// rewrite of its key (a new creation time) is looked at again.
+#[test]
+fn passed_over_entries_are_skipped_and_kept() {
+    let dir = tmpdir("pass");
+    let store = KvStore::open(&dir, 1 << 20, MODEL).unwrap();
+    save(&store, "sys:A", 5, 100);
+    save(&store, "sys:A|u1", 9, 100);
+    let long = store.lookup_longest_prefix(b"sys:A|u1|x", 1, 100).unwrap();
+    assert_eq!(long.key_len, 8);
+    store.pass_over(&long);
+    let h = store.lookup_longest_prefix(b"sys:A|u1|x", 1, 100).unwrap();
+    assert_eq!(h.key_len, 5, "falls back to the shorter prefix");
+    assert!(long.path.exists(), "a passed-over entry is not deleted");
+    // Another store on the same directory (another process) still finds it.
+    let other = KvStore::open(&dir, 1 << 20, MODEL).unwrap();
+    assert_eq!(
+        other
+            .lookup_longest_prefix(b"sys:A|u1|x", 1, 100)
+            .unwrap()
+            .key_len,
+        8
+    );
+    // Rewritten with other tokens (creation times are in seconds: make the new one differ).
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    assert!(matches!(
+        save(&store, "sys:A|u1", 10, 100),
+        Saved::Written { .. }
+    ));
+    assert_eq!(
+        store
+            .lookup_longest_prefix(b"sys:A|u1|x", 1, 100)
+            .unwrap()
+            .key_len,
+        8
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = list_dir(dir).unwrap().into_iter().map(|e| e.name).collect();
     v.sort();

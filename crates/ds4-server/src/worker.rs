@@ -542,8 +542,9 @@ fn pick(
 
 /// Disk lookup (interfaces.md §5.4): restore the longest stored prefix of the rendered
 /// prompt into `live` (which is empty); the effective prompt is its tokens plus the
-/// tokenisation of the remaining text (§4.4). `None` on a miss or a bad entry (which is
-/// deleted: the caller then prefills from scratch).
+/// tokenisation of the remaining text (§4.4). `None` on a miss or a damaged entry (which is
+/// deleted: the caller then prefills from scratch). A sound entry this build cannot read (a
+/// newer ds4's snapshot format) is kept, passed over from then on, and the next prefix tried.
 fn load_from_disk(
     disk: &DiskCache,
     tok: &Tokenizer,
@@ -553,37 +554,51 @@ fn load_from_disk(
 ) -> Option<Plan> {
     let ctx = live.session.ctx();
     let p = job.prompt_text.as_bytes();
-    let Some(hit) =
-        disk.store
-            .lookup_longest_prefix(p, disk.policy.min_tokens, ctx.saturating_sub(1))
-    else {
-        metrics.kv_disk_misses.inc();
-        return None;
+    // Ends: every pass-over removes a candidate.
+    let hit = loop {
+        let Some(hit) =
+            disk.store
+                .lookup_longest_prefix(p, disk.policy.min_tokens, ctx.saturating_sub(1))
+        else {
+            metrics.kv_disk_misses.inc();
+            return None;
+        };
+        if !job.prompt_text.is_char_boundary(hit.key_len) {
+            // A key ending inside a character cannot be a rendered-text boundary.
+            metrics.kv_disk_misses.inc();
+            return None;
+        }
+        let reject = |why: String| {
+            eprintln!(
+                "ds4 serve: kv cache: rejecting {}: {why}",
+                hit.path.display()
+            );
+            metrics.kv_disk_errors.inc();
+            metrics.kv_disk_misses.inc();
+            let _ = std::fs::remove_file(&hit.path);
+        };
+        match live.session.restore(&hit.snapshot) {
+            Err(e) if e.snapshot_is_bad() => {
+                reject(e.to_string());
+                live.session.reset();
+                return None;
+            }
+            Err(e) => {
+                eprintln!(
+                    "ds4 serve: kv cache: passing over {} (kept): {e}",
+                    hit.path.display()
+                );
+                disk.store.pass_over(&hit);
+                live.session.reset();
+            }
+            Ok(()) if live.session.tokens() != hit.tokens.as_slice() => {
+                reject("the snapshot's tokens differ from the entry's token list".into());
+                live.session.reset();
+                return None;
+            }
+            Ok(()) => break hit,
+        }
     };
-    let bad = |why: String| {
-        eprintln!(
-            "ds4 serve: kv cache: rejecting {}: {why}",
-            hit.path.display()
-        );
-        metrics.kv_disk_errors.inc();
-        metrics.kv_disk_misses.inc();
-        let _ = std::fs::remove_file(&hit.path);
-    };
-    if !job.prompt_text.is_char_boundary(hit.key_len) {
-        // A key ending inside a character cannot be a rendered-text boundary.
-        metrics.kv_disk_misses.inc();
-        return None;
-    }
-    if let Err(e) = live.session.restore(&hit.snapshot) {
-        bad(e.to_string());
-        live.session.reset();
-        return None;
-    }
-    if live.session.tokens() != hit.tokens.as_slice() {
-        bad("the snapshot's tokens differ from the entry's token list".into());
-        live.session.reset();
-        return None;
-    }
     metrics.kv_disk_hits.inc();
     metrics.kv_disk_reused_tokens.add(hit.tokens.len() as u64);
     live.stored = hit.tokens.len();

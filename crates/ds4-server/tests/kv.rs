@@ -354,6 +354,50 @@ async fn corrupt_truncated_and_foreign_entries_are_rejected_and_the_server_keeps
     assert_eq!(got, want);
 }
 
+/// A sound entry whose snapshot a newer ds4 wrote (format version above this build's, its
+/// checksum valid): the prompt is prefilled cold and the file stays for that build.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_newer_snapshot_format_is_passed_over_and_kept() {
+    use sha2::{Digest, Sha256};
+    let want = reference("newer").await;
+    let dir = fresh_dir("newer-src");
+    let src = first_turn_then_shutdown("newer", &dir).await.remove(0);
+    let entry = ds4_kvstore::read_file(&src).unwrap();
+    let mut snap = entry.snapshot.clone();
+    // Version word after the 8-byte magic; the last 32 bytes are the SHA-256 of the rest.
+    snap[8..12].copy_from_slice(&99u32.to_le_bytes());
+    let body = snap.len() - 32;
+    let sum: [u8; 32] = Sha256::digest(&snap[..body]).into();
+    snap[body..].copy_from_slice(&sum);
+    let d = fresh_dir("newer");
+    let id = Engine::open(&EngineOptions::new(model()))
+        .unwrap()
+        .model_id();
+    let store = ds4_kvstore::KvStore::open(&d, 1 << 30, id).unwrap();
+    let meta = ds4_kvstore::SaveMeta::new(ds4_kvstore::Reason::Shutdown, CTX);
+    store
+        .save(&entry.meta.key, &entry.meta.tokens, &snap, &meta)
+        .unwrap();
+    let s = Srv::new(1, Some((&d, 1 << 30)));
+    let (u, r) = turns("newer");
+    let msgs = [
+        ("user", u.as_str()),
+        ("assistant", r),
+        ("user", "And then?"),
+    ];
+    let got = s.chat(&msgs, None).await;
+    assert_eq!(got, (want.0.clone(), want.1, 0), "prefilled cold");
+    assert_eq!(s.metric("ds4_kv_disk_errors_total"), 0);
+    assert_eq!(s.metric("ds4_kv_disk_misses_total"), 1);
+    let left = kv_files(&d);
+    assert!(
+        left.iter().any(|p| ds4_kvstore::read_file(p)
+            .map(|e| e.snapshot == snap)
+            .unwrap_or(false)),
+        "the newer entry is kept: {left:?}"
+    );
+}
+
 /// Runs conversation `topic`'s next turn on `s` and returns its cached tokens; `hist` holds
 /// the conversation so far (user/assistant alternating).
 async fn next_turn(s: &Srv, hist: &mut Vec<(String, String)>, topic: &str) -> (u64, u64) {
