@@ -348,6 +348,10 @@ pub trait Backend: Send + Sync + Sized {
     fn state_to_host(&self, st: &Self::LayerState) -> HostLayerState;
     /// `h` has the shapes of `dims` (callers validate first).
     fn state_from_host(&self, dims: &LayerDims, h: &HostLayerState) -> Self::LayerState;
+    /// `st` will hold at most `tokens` positions (its session's context): a backend whose
+    /// row capacity grows in steps may stop growing there rather than at its next step. A
+    /// hint: rows past it still fit.
+    fn bound_state(&self, _st: &mut Self::LayerState, _tokens: usize) {}
     fn mark(&self, st: &Self::LayerState) -> Self::Mark;
     fn rollback(&self, st: &mut Self::LayerState, m: Self::Mark);
     /// Marks of several layers (a model's checkpoint: one device operation where the backend

@@ -70,7 +70,7 @@ fn compare_on(m: &dyn Forward, model: &str, expected: &str, chunk: Option<usize>
     let (shape, want) = npy(&fixtures().join(expected), "<f4", f32::from_le_bytes);
     let v = shape[1];
     assert_eq!(shape[0], tokens.len());
-    let mut st = m.new_state();
+    let mut st = m.new_state(tokens.len());
     let mut per_pos = Vec::new();
     let mut agree = 0;
     let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();

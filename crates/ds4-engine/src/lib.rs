@@ -788,7 +788,7 @@ impl Engine {
         Session {
             model: self.model.clone(),
             model_id: self.model_id,
-            state: self.model.new_state(),
+            state: self.model.new_state(ctx),
             logits: None,
             streams: None,
             mtp: self.model.has_mtp().then(|| self.model.new_mtp_state()),
@@ -806,15 +806,16 @@ impl Engine {
 
     /// The same on the device of a GPU backend (None on the CPU): the indexer's rows take 2
     /// bytes a value there when FP4-simulated (bf16, exact; ds4-gpu `GpuComp::bf16`), and the
-    /// compressed rows' capacity grows by doubling, so a context that is not a power of two
-    /// holds the rows of the next one (up to twice its rows: 600k tokens hold 1M's).
+    /// compressed rows' capacity is the context's rows rounded up to 64 (ds4-gpu `ROW_ALIGN`;
+    /// counted here as the context rounded up to 64 rows of the sparsest ratio, 128).
     pub fn gpu_state_estimate(&self, ctx: usize) -> Option<u64> {
         self.weight_bytes?;
         let fp4 = self.model.layer_dims().iter().any(|l| l.index_fp4);
-        Some(
-            self.hparams()
-                .session_bytes(ctx.next_power_of_two(), 4, if fp4 { 2 } else { 4 }),
-        )
+        Some(self.hparams().session_bytes(
+            ctx.next_multiple_of(64 * 128),
+            4,
+            if fp4 { 2 } else { 4 },
+        ))
     }
 }
 
@@ -1100,7 +1101,7 @@ impl Session {
 
     /// Drop all state.
     pub fn reset(&mut self) {
-        self.state = self.model.new_state();
+        self.state = self.model.new_state(self.ctx);
         self.logits = None;
         self.streams = None;
         self.mtp = self.model.has_mtp().then(|| self.model.new_mtp_state());
@@ -1160,7 +1161,7 @@ impl Session {
             tokens: tokens.to_vec(),
             layers,
         };
-        self.state = self.model.state_from_host(&host);
+        self.state = self.model.state_from_host(&host, self.ctx);
         Ok(())
     }
 
@@ -1196,7 +1197,7 @@ impl Session {
             });
         }
         self.reset();
-        self.state = self.model.state_from_host(&state);
+        self.state = self.model.state_from_host(&state, self.ctx);
         self.logits = logits;
         Ok(())
     }

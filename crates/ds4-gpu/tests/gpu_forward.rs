@@ -174,3 +174,74 @@ fn gpu_forward_matches_cpu_reference() {
     Gemm::Bf16.set();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Largest |Δ| between two runs' logits.
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+/// A state bound to its session's context (`Model::bound`, ds4-gpu `GpuComp::limit`) holds
+/// the context's rows rounded up to 64, not the next power of two, and gives the same logits
+/// as an unbound one; a restored state (power-of-two capacity) shrinks to the bound and goes
+/// on the same. The CSA layers (ratio 4) of the 640-token fixture: 160 rows in 192, not 256.
+#[test]
+fn bounded_row_capacity_changes_no_logit() {
+    let hp = HParams::tiny();
+    let Some(_) = common::open_gpu() else { return };
+    let ids = tokens();
+    let (_, gpu_b) = common::backends(&hp).unwrap();
+    let gpu = load(gpu_b, "tiny-q.gguf", Rounding::MODEL);
+    let n = ids.len();
+    let (head, tail) = ids.split_at(n - 8);
+    let mut open = gpu.new_state();
+    let mut bound = gpu.new_state();
+    gpu.bound(&mut bound, n);
+    let a = gpu.eval_batch(&mut open, head, true).unwrap();
+    let b = gpu.eval_batch(&mut bound, head, true).unwrap();
+    let d = max_diff(&a, &b);
+    println!("prefill of {}: max |Δ| {d:.3e}", head.len());
+    assert!(d <= 1e-4, "prefill: {d}");
+    let ratios = &gpu.hp.compress_ratios;
+    let mut csa = 0;
+    for (l, (o, b)) in open.layers.iter().zip(&bound.layers).enumerate() {
+        let (o, b) = (o.row_capacity(), b.row_capacity());
+        println!("layer {l} ratio {}: open {o:?}, bound {b:?}", ratios[l]);
+        for (o, b) in o.into_iter().zip(b) {
+            assert_eq!(o.is_some(), b.is_some());
+            if let (Some(o), Some(b)) = (o, b) {
+                let rows = head.len() / ratios[l] as usize;
+                assert!(b >= rows && b <= o && b % 64 == 0, "layer {l}: {b} of {o}");
+                if ratios[l] == 4 {
+                    assert_eq!((o, b), (256, 192), "layer {l}");
+                    csa += 1;
+                }
+            }
+        }
+    }
+    assert!(csa >= 2, "the fixture has CSA layers with indexers");
+    // Restored from the host form: its capacity is a power of two until bound.
+    let mut restored = gpu.from_host(&gpu.to_host(&open));
+    gpu.bound(&mut restored, n);
+    for (l, r) in restored.layers.iter().enumerate() {
+        if ratios[l] == 4 {
+            assert_eq!(r.row_capacity(), [Some(192), Some(192)], "layer {l}");
+        }
+    }
+    let step = |st: &mut ds4_model::forward::State<_>| -> Vec<Vec<f32>> {
+        tail.iter().map(|&t| gpu.eval(st, t).unwrap()).collect()
+    };
+    let (a, b, r) = (step(&mut open), step(&mut bound), step(&mut restored));
+    let (db, dr) = (max_diff(&a, &b), max_diff(&a, &r));
+    println!(
+        "decode of {}: bound max |Δ| {db:.3e}, restored {dr:.3e}",
+        tail.len()
+    );
+    assert!(
+        db <= 1e-4 && dr <= 1e-4,
+        "decode: bound {db}, restored {dr}"
+    );
+}

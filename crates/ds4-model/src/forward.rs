@@ -754,6 +754,13 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Tell the backend `st` holds at most `ctx` tokens ([`Backend::bound_state`]).
+    pub fn bound(&self, st: &mut State<B>, ctx: usize) {
+        for l in st.layers.iter_mut() {
+            self.backend.bound_state(l, ctx);
+        }
+    }
+
     /// `h` must have this model's shapes (snapshot readers validate before).
     pub fn from_host(&self, h: &HostState) -> State<B> {
         State {
@@ -1318,7 +1325,8 @@ pub trait Forward: Send + Sync {
     fn weight_copy_bytes(&self) -> u64;
     /// See [`Backend::device_memory`] (several ranks: the least free).
     fn device_memory(&self) -> Option<(u64, u64)>;
-    fn new_state(&self) -> AnyState;
+    /// A fresh state for a session of at most `ctx` tokens.
+    fn new_state(&self, ctx: usize) -> AnyState;
     /// See [`Model::eval_batch_streams`].
     fn eval_batch(
         &self,
@@ -1338,7 +1346,8 @@ pub trait Forward: Send + Sync {
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint);
     fn state_to_host(&self, st: &AnyState) -> HostState;
-    fn state_from_host(&self, h: &HostState) -> AnyState;
+    /// `h` on the backend, for a session of at most `ctx` tokens.
+    fn state_from_host(&self, h: &HostState, ctx: usize) -> AnyState;
     fn layer_dims(&self) -> Vec<LayerDims>;
     fn has_mtp(&self) -> bool;
     fn new_mtp_state(&self) -> AnyLayerState;
@@ -1402,8 +1411,10 @@ where
     fn device_memory(&self) -> Option<(u64, u64)> {
         self.backend.device_memory()
     }
-    fn new_state(&self) -> AnyState {
-        Self::wrap_state(Model::new_state(self))
+    fn new_state(&self, ctx: usize) -> AnyState {
+        let mut s = Model::new_state(self);
+        self.bound(&mut s, ctx);
+        Self::wrap_state(s)
     }
     fn eval_batch(
         &self,
@@ -1461,8 +1472,10 @@ where
                 .collect(),
         }
     }
-    fn state_from_host(&self, h: &HostState) -> AnyState {
-        Self::wrap_state(Model::from_host(self, h))
+    fn state_from_host(&self, h: &HostState, ctx: usize) -> AnyState {
+        let mut s = Model::from_host(self, h);
+        self.bound(&mut s, ctx);
+        Self::wrap_state(s)
     }
     fn layer_dims(&self) -> Vec<LayerDims> {
         Model::layer_dims(self)

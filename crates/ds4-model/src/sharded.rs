@@ -109,10 +109,15 @@ impl Forward for Sharded {
             .filter_map(|r| r.device_memory())
             .min_by_key(|m| m.0)
     }
-    fn new_state(&self) -> AnyState {
+    fn new_state(&self, ctx: usize) -> AnyState {
         AnyState {
             tokens: Vec::new(),
-            layers: Box::new(self.ranks.iter().map(|r| r.new_state()).collect::<Vec<_>>()),
+            layers: Box::new(
+                self.ranks
+                    .iter()
+                    .map(|r| r.new_state(ctx))
+                    .collect::<Vec<_>>(),
+            ),
         }
     }
     fn eval_batch(
@@ -165,13 +170,13 @@ impl Forward for Sharded {
             .expect("state of this expert-parallel model");
         self.ranks[0].state_to_host(&parts[0])
     }
-    fn state_from_host(&self, h: &HostState) -> AnyState {
+    fn state_from_host(&self, h: &HostState, ctx: usize) -> AnyState {
         AnyState {
             tokens: h.tokens.clone(),
             layers: Box::new(
                 self.ranks
                     .iter()
-                    .map(|r| r.state_from_host(h))
+                    .map(|r| r.state_from_host(h, ctx))
                     .collect::<Vec<_>>(),
             ),
         }

@@ -337,7 +337,12 @@ pub struct GpuComp {
     pub(crate) front_kv: DeviceBuffer,
     pub(crate) front_score: DeviceBuffer,
     pub(crate) rows: DeviceBuffer,
+    /// Rows `rows` holds: doubles as rows arrive, stopping at `limit` (64 first).
     pub(crate) cap: usize,
+    /// The rows of the session's whole context rounded up to [`ROW_ALIGN`]
+    /// ([`Backend::bound_state`]; `usize::MAX` unbounded): a 600k context holds 600k tokens'
+    /// rows, not 1M's. Only growth past it (a state longer than its context) doubles again.
+    pub(crate) limit: usize,
     pub(crate) n_rows: usize,
     /// Rows stored as bf16, not f32: the indexer's when FP4-simulated ([`LayerDims::index_fp4`];
     /// exact, half the bytes its scores read: 67 instead of 134 MB a layer at 1M tokens). Written
@@ -350,6 +355,23 @@ impl GpuComp {
     pub(crate) fn elem(&self) -> usize {
         row_elem(self.bf16)
     }
+}
+
+/// Row capacities are multiples of this: the decode scores use the capacity as their row
+/// stride, and the top-k reads them as float4 (a multiple of 4 keeps them 16-byte aligned).
+pub(crate) const ROW_ALIGN: usize = 64;
+
+/// The capacity that holds `rows` rows: the next power of two, or `limit` where that is
+/// smaller and holds them; a multiple of [`ROW_ALIGN`].
+fn grown_cap(rows: usize, limit: usize) -> usize {
+    let cap = rows.next_power_of_two();
+    let cap = if rows <= limit { cap.min(limit) } else { cap };
+    cap.next_multiple_of(ROW_ALIGN)
+}
+
+/// [`GpuComp::limit`] for a context of `tokens` positions at one row per `ratio`.
+fn row_limit(tokens: usize, ratio: usize) -> usize {
+    (tokens / ratio.max(1)).max(1).next_multiple_of(ROW_ALIGN)
 }
 
 /// Bytes a stored row value: 2 for bf16 rows, 4 for f32.
@@ -377,6 +399,11 @@ impl GpuLayerState {
             Which::Attn => self.comp.as_mut(),
             Which::Index => self.index.as_mut(),
         }
+    }
+
+    /// Rows the compressed and the indexer row buffers hold room for (tests, diagnostics).
+    pub fn row_capacity(&self) -> [Option<usize>; 2] {
+        [self.comp.as_ref(), self.index.as_ref()].map(|c| c.map(|c| c.cap))
     }
 }
 
@@ -1119,26 +1146,46 @@ impl GpuBackend {
         let front_score = self.dev(n * 4)?;
         self.zero(front_kv.ptr(), n);
         self.fill(front_score.ptr(), f32::NEG_INFINITY.to_bits(), n);
-        let cap = 64;
+        let cap = ROW_ALIGN;
         Some(GpuComp {
             dims: *c,
             front_kv,
             front_score,
             rows: self.dev(cap * c.d * row_elem(bf16))?,
             cap,
+            limit: usize::MAX,
             n_rows: 0,
             bf16,
         })
     }
 
-    /// Make room for `rows` rows in `c` (doubling; the old rows are copied).
+    /// Make room for `rows` rows in `c`: the capacity doubles (the old rows are copied), up
+    /// to the limit the session's context sets ([`GpuComp::limit`]).
     pub(crate) fn reserve_rows(&self, c: &mut GpuComp, rows: usize) {
         if rows <= c.cap {
             return;
         }
+        self.resize_rows(c, grown_cap(rows, c.limit));
+    }
+
+    /// Bound `c` by a context of `tokens` positions; a capacity already past the bound (a
+    /// restored state's power of two) shrinks to it, or to the rows held if more. True if
+    /// it shrank.
+    fn bound_comp(&self, c: &mut GpuComp, tokens: usize) -> bool {
+        c.limit = row_limit(tokens, c.dims.ratio);
+        let want = c.limit.max(c.n_rows.next_multiple_of(ROW_ALIGN));
+        if c.cap > want {
+            self.resize_rows(c, want);
+            return true;
+        }
+        false
+    }
+
+    /// Move `c`'s rows into a buffer of `cap` rows (at least the rows held).
+    fn resize_rows(&self, c: &mut GpuComp, cap: usize) {
+        debug_assert!(cap >= c.n_rows);
         // The old rows are freed below: what was recorded must run first.
         self.interrupt();
-        let cap = rows.next_power_of_two();
         if let Some(nb) = self.dev(cap * c.dims.d * c.elem()) {
             self.d2d(nb.ptr(), c.rows.ptr(), c.n_rows * c.dims.d * c.elem());
             let old = std::mem::replace(&mut c.rows, nb);
@@ -1537,6 +1584,23 @@ impl Backend for GpuBackend {
             raw_pos,
             comp: st.comp.as_ref().map(|c| self.download_comp(c)),
             index: st.index.as_ref().map(|c| self.download_comp(c)),
+        }
+    }
+
+    fn bound_state(&self, st: &mut GpuLayerState, tokens: usize) {
+        let mut shrank = false;
+        for c in [st.comp.as_mut(), st.index.as_mut()].into_iter().flatten() {
+            shrank |= self.bound_comp(c, tokens);
+        }
+        if shrank {
+            // Free the larger buffers now (a restore bounds every layer in turn: holding
+            // them all until the next synchronisation would need both sizes at once).
+            self.flush(false);
+            let r = self.gpu.synchronize();
+            if r.is_ok() {
+                self.free_retired();
+            }
+            self.note(r);
         }
     }
 
@@ -2159,5 +2223,32 @@ mod skip_tests {
         );
         assert!(skip_list("").is_empty());
         assert!(skip_list(" , ").is_empty());
+    }
+}
+
+#[cfg(test)]
+mod cap_tests {
+    use super::{grown_cap, row_limit, ROW_ALIGN};
+
+    #[test]
+    fn row_capacity_doubles_up_to_the_contexts_rows() {
+        let open = usize::MAX;
+        assert_eq!(grown_cap(65, open), 128);
+        assert_eq!(grown_cap(150_000, open), 262_144);
+        // A 600k context at ratio 4: 150,000 rows, held in 150,016 (not 262,144).
+        let lim = row_limit(600_000, 4);
+        assert_eq!(lim, 150_016);
+        assert_eq!(grown_cap(70_000, lim), 131_072);
+        assert_eq!(grown_cap(140_000, lim), lim);
+        assert_eq!(grown_cap(150_000, lim), lim);
+        // Past the context (a hint, not a limit): doubling again.
+        assert_eq!(grown_cap(150_017, lim), 262_144);
+        // Small contexts and the sparsest ratio; always a multiple of ROW_ALIGN.
+        assert_eq!(row_limit(100, 128), ROW_ALIGN);
+        assert_eq!(row_limit(1_000_000, 128), 7_872);
+        for (rows, lim) in [(1, 64), (65, 100_000), (5_000, 7_872), (3, 1)] {
+            assert_eq!(grown_cap(rows, lim) % ROW_ALIGN, 0);
+            assert!(grown_cap(rows, lim) >= rows);
+        }
     }
 }
