@@ -264,8 +264,17 @@ pub fn read(
     if n > body.len() / 4 {
         return Err(format!("token count {n} exceeds the snapshot size").into());
     }
-    for _ in 0..n {
-        st.tokens.push(r.u32("tokens")?);
+    for i in 0..n {
+        let at = r.pos;
+        let t = r.u32("tokens")?;
+        if t >= hp.n_vocab {
+            return Err(format!(
+                "token {i} = {t} at offset {at} is outside the vocabulary ({} ids)",
+                hp.n_vocab
+            )
+            .into());
+        }
+        st.tokens.push(t);
     }
     let logits = if has_logits {
         let mut l = vec![0f32; hp.n_vocab as usize];
@@ -489,6 +498,23 @@ mod tests {
         b[body..].copy_from_slice(&sum);
         let e = read(&hp, &dims, &id, &b).unwrap_err();
         let want = format!("unknown row encoding 9 at offset {at}");
+        assert!(
+            matches!(&e, ReadError::Invalid(s) if s.contains(&want)),
+            "{e:?}"
+        );
+        // A token id outside the vocabulary (a later step would embed it).
+        let mut t = write(&hp, &id, &st, None);
+        let at = 8 + 4 + 32 + 6 * 4 + 4;
+        assert_eq!(&t[at..at + 4], &1u32.to_le_bytes());
+        t[at..at + 4].copy_from_slice(&hp.n_vocab.to_le_bytes());
+        let body = t.len() - 32;
+        let sum: [u8; 32] = Sha256::digest(&t[..body]).into();
+        t[body..].copy_from_slice(&sum);
+        let e = read(&hp, &dims, &id, &t).unwrap_err();
+        let want = format!(
+            "token 1 = {} at offset {at} is outside the vocabulary",
+            hp.n_vocab
+        );
         assert!(
             matches!(&e, ReadError::Invalid(s) if s.contains(&want)),
             "{e:?}"
