@@ -107,6 +107,13 @@ fn key(k: &str) -> String {
     format!("{ARCH}.{k}")
 }
 
+/// Upper bounds [`HParams::validate`] holds the values to that no tensor shape bounds (each
+/// far above DeepSeek V4 Flash's: 128, 512, 20 and 128).
+pub const MAX_WINDOW: u32 = 8192;
+pub const MAX_TOP_K: u32 = 8192;
+pub const MAX_SINKHORN: u32 = 1000;
+pub const MAX_RATIO: u32 = 4096;
+
 impl HParams {
     /// DeepSeek V4 Flash as published (model.md §1).
     pub fn flash() -> HParams {
@@ -535,6 +542,32 @@ impl HParams {
                 k("rope.scaling.original_context_length")
             ),
         );
+        // Values no tensor shape bounds, that size buffers or loops: a file asking for more
+        // is refused here rather than failing an allocation (DeepSeek V4 Flash: window 128,
+        // top-k 512, 20 Sinkhorn iterations, ratios 4 and 128).
+        for (name, v, max) in [
+            ("attention.sliding_window", self.sliding_window, MAX_WINDOW),
+            ("attention.indexer.top_k", self.indexer_top_k, MAX_TOP_K),
+            (
+                "hyper_connection.sinkhorn_iterations",
+                self.hc_sinkhorn_iters,
+                MAX_SINKHORN,
+            ),
+        ] {
+            check(
+                v <= max,
+                format!("{} = {v}: at most {max} is supported", k(name)),
+            );
+        }
+        for (l, &r) in self.compress_ratios.iter().enumerate() {
+            check(
+                r <= MAX_RATIO,
+                format!(
+                    "{}[{l}] = {r}: at most {MAX_RATIO} is supported",
+                    k("attention.compress_ratios")
+                ),
+            );
+        }
         if p.is_empty() {
             Ok(())
         } else {

@@ -152,6 +152,23 @@ fn invariant_violations_name_their_key() {
             "deepseek4.swiglu_clamp_exp: 5 entries for 43 layers",
         ),
         (|h| h.n_hash_layer = 50, "deepseek4.hash_layer_count = 50"),
+        // Found by fuzz/model_load: a top-k of 1.6e9 asked the first token for 6 GB.
+        (
+            |h| h.indexer_top_k = 1_611_301_000,
+            "deepseek4.attention.indexer.top_k = 1611301000: at most 8192",
+        ),
+        (
+            |h| h.sliding_window = 1 << 20,
+            "deepseek4.attention.sliding_window = 1048576: at most 8192",
+        ),
+        (
+            |h| h.hc_sinkhorn_iters = 5000,
+            "deepseek4.hyper_connection.sinkhorn_iterations = 5000: at most 1000",
+        ),
+        (
+            |h| h.compress_ratios[1] = 1 << 16,
+            "deepseek4.attention.compress_ratios[1] = 65536: at most 4096",
+        ),
     ];
     for (mutate, expect) in cases {
         let mut hp = HParams::flash();
