@@ -4,31 +4,10 @@
 //! options (bit 0 thinking, bit 1 tool detection); next two: chunking seed.
 #![no_main]
 
-use ds4_chat::{parse_output_with, ParseOptions, ParsedOutput, StreamEvent, StreamParser};
+use ds4_chat::{
+    coalesce, parse_output_with, ParseOptions, ParsedOutput, StreamEvent, StreamParser,
+};
 use libfuzzer_sys::fuzz_target;
-
-/// Adjacent deltas of the same kind merged, so chunkings compare.
-fn coalesce(events: Vec<StreamEvent>) -> Vec<StreamEvent> {
-    let mut out: Vec<StreamEvent> = Vec::new();
-    for e in events {
-        match (out.last_mut(), e) {
-            (Some(StreamEvent::Reasoning(a)), StreamEvent::Reasoning(b)) => a.push_str(&b),
-            (Some(StreamEvent::Content(a)), StreamEvent::Content(b)) => a.push_str(&b),
-            (
-                Some(StreamEvent::ToolArgs {
-                    index: i,
-                    json_delta: a,
-                }),
-                StreamEvent::ToolArgs {
-                    index: j,
-                    json_delta: b,
-                },
-            ) if *i == j => a.push_str(&b),
-            (_, e) => out.push(e),
-        }
-    }
-    out
-}
 
 fn stream(text: &[u8], cuts: &[usize], opts: ParseOptions) -> (Vec<StreamEvent>, ParsedOutput) {
     let mut sp = StreamParser::new(opts);

@@ -9,6 +9,7 @@
 use ds4_gguf::{Array, GgmlType, GgufFile, GgufWriter, Value};
 use ds4_model::forward::{rope_tables, Model};
 use ds4_model::{bind_main, HParams};
+use ds4_quant::SUPPORTED;
 use libfuzzer_sys::fuzz_target;
 use std::sync::{Arc, OnceLock};
 
@@ -18,31 +19,12 @@ fn base() -> &'static GgufFile {
         let dir = std::env::temp_dir().join(format!("ds4-fuzz-model-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("tiny.gguf");
-        let (hparams, mix) = ds4_synth::Preset::Tiny.params();
-        let o = ds4_synth::SynthOptions {
-            hparams,
-            mix,
-            out: out.clone(),
-            seed: 7,
-            sparse: false,
-            mtp: false,
-        };
-        ds4_synth::synth(&o, &|_, _| {}).unwrap();
+        ds4_synth::synth_tiny(&out, 7).unwrap();
         let f = GgufFile::from_bytes("tiny.gguf", std::fs::read(&out).unwrap()).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         f
     })
 }
-
-const TYPES: [GgmlType; 7] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q4_K,
-    GgmlType::IQ2_XXS,
-];
 
 /// `v` as the numeric value `old` is, or one element of it; None for other values.
 fn edited(old: &Value, v: u32, which: u8) -> Option<Value> {
@@ -97,7 +79,7 @@ fuzz_target!(|data: &[u8]| {
             }
             _ => {
                 let t = (v as usize >> 8) % tensors.len();
-                tensors[t].1 = TYPES[e[1] as usize % TYPES.len()];
+                tensors[t].1 = SUPPORTED[e[1] as usize % SUPPORTED.len()];
             }
         }
     }
@@ -133,8 +115,13 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let backend = ds4_cpu::CpuBackend::new(rope_tables(&hp));
-    let Ok(m) = Model::load(backend, hp, &[(file, dir)], ds4_cpu::Rounding::MODEL, &mut |_, _| {})
-    else {
+    let Ok(m) = Model::load(
+        backend,
+        hp,
+        &[(file, dir)],
+        ds4_cpu::Rounding::MODEL,
+        &mut |_, _| {},
+    ) else {
         return;
     };
     let mut st = m.new_state();

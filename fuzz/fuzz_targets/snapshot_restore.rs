@@ -15,16 +15,7 @@ fn engine() -> &'static Engine {
         let dir = std::env::temp_dir().join(format!("ds4-fuzz-snap-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("tiny.gguf");
-        let (hparams, mix) = ds4_synth::Preset::Tiny.params();
-        let o = ds4_synth::SynthOptions {
-            hparams,
-            mix,
-            out: out.clone(),
-            seed: 7,
-            sparse: false,
-            mtp: false,
-        };
-        ds4_synth::synth(&o, &|_, _| {}).unwrap();
+        ds4_synth::synth_tiny(&out, 7).unwrap();
         let mut opts = EngineOptions::new(&out);
         opts.threads = Some(1);
         Engine::open(&opts).unwrap()

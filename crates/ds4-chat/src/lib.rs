@@ -26,5 +26,5 @@ pub use render::{
     tool_context, tool_schema_line, tools_section, ChatRequest, CliChat, DsmlReplay, Message,
     NoReplay, Piece, ReplayMap, Role, ToolCall,
 };
-pub use stream::{SamplingState, StreamEvent, StreamParser};
+pub use stream::{coalesce, SamplingState, StreamEvent, StreamParser};
 pub use think::{parse_effort, Effort, ThinkControls, ThinkError, ThinkMode, ThinkResolution};

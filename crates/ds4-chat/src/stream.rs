@@ -139,8 +139,9 @@ pub struct StreamParser {
     failed: Option<DsmlStatus>,
 }
 
-/// Merges adjacent deltas of the same kind (fewer, larger events per push).
-fn coalesce(events: Vec<StreamEvent>) -> Vec<StreamEvent> {
+/// Merges adjacent deltas of the same kind (fewer, larger events per push; streams of two
+/// chunkings compare equal after it).
+pub fn coalesce(events: Vec<StreamEvent>) -> Vec<StreamEvent> {
     let mut out: Vec<StreamEvent> = Vec::with_capacity(events.len());
     for e in events {
         match (out.last_mut(), e) {

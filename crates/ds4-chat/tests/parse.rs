@@ -103,29 +103,6 @@ fn parse_snapshots() {
     }
 }
 
-/// Merges adjacent deltas of the same kind so event streams compare across chunkings.
-fn coalesce(events: Vec<StreamEvent>) -> Vec<StreamEvent> {
-    let mut out: Vec<StreamEvent> = Vec::new();
-    for e in events {
-        match (out.last_mut(), e) {
-            (Some(StreamEvent::Reasoning(a)), StreamEvent::Reasoning(b)) => a.push_str(&b),
-            (Some(StreamEvent::Content(a)), StreamEvent::Content(b)) => a.push_str(&b),
-            (
-                Some(StreamEvent::ToolArgs {
-                    index: i,
-                    json_delta: a,
-                }),
-                StreamEvent::ToolArgs {
-                    index: j,
-                    json_delta: b,
-                },
-            ) if *i == j => a.push_str(&b),
-            (_, e) => out.push(e),
-        }
-    }
-    out
-}
-
 fn run_chunks(text: &[u8], cuts: &[usize], opts: ParseOptions) -> (Vec<StreamEvent>, ParsedOutput) {
     let mut sp = StreamParser::new(opts);
     let mut ev = Vec::new();

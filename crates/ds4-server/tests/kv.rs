@@ -25,16 +25,7 @@ fn model() -> PathBuf {
     PATH.get_or_init(|| {
         std::fs::create_dir_all(tmp()).unwrap();
         let out = tmp().join("tiny.gguf");
-        let (hparams, mix) = ds4_synth::Preset::Tiny.params();
-        let o = ds4_synth::SynthOptions {
-            hparams,
-            mix,
-            out: out.clone(),
-            seed: 7,
-            sparse: false,
-            mtp: false,
-        };
-        ds4_synth::synth(&o, &|_, _| {}).unwrap();
+        ds4_synth::synth_tiny(&out, 7).unwrap();
         out
     })
     .clone()

@@ -310,6 +310,21 @@ fn tokenizer_meta(hp: &HParams) -> Vec<(String, MetaValue)> {
     ]
 }
 
+/// The tiny preset (model.md §6.1) from `seed`, written to `out` in full, without MTP: the
+/// model tests, fuzz targets and examples run on.
+pub fn synth_tiny(out: &Path, seed: u64) -> Result<SynthReport> {
+    let (hparams, mix) = Preset::Tiny.params();
+    let o = SynthOptions {
+        hparams,
+        mix,
+        out: out.to_path_buf(),
+        seed,
+        sparse: false,
+        mtp: false,
+    };
+    synth(&o, &|_, _| {})
+}
+
 pub fn synth(opts: &SynthOptions, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<SynthReport> {
     let hp = &opts.hparams;
     hp.validate()
