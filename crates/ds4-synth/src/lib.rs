@@ -311,7 +311,7 @@ fn tokenizer_meta(hp: &HParams) -> Vec<(String, MetaValue)> {
 }
 
 /// The tiny preset (model.md §6.1) from `seed`, written to `out` in full, without MTP: the
-/// model tests, fuzz targets and examples run on.
+/// model that tests and fuzz targets run on.
 pub fn synth_tiny(out: &Path, seed: u64) -> Result<SynthReport> {
     let (hparams, mix) = Preset::Tiny.params();
     let o = SynthOptions {
