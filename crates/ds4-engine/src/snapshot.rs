@@ -285,10 +285,15 @@ pub fn read(
     };
     let hd = hp.head_dim as usize;
     let win = hp.sliding_window as usize;
-    let comp = |r: &mut Reader, c: &mut CompState, d: usize, limit: usize| -> Result<(), String> {
+    // A compressor closes one row every `ratio` tokens: floor(n / ratio) rows, no other count
+    // (attention reads every row up to there).
+    let comp = |r: &mut Reader, c: &mut CompState, d: usize, want: usize| -> Result<(), String> {
+        let at = r.pos;
         let rows = r.u32("compressed row count")? as usize;
-        if rows > limit {
-            return Err(format!("{rows} compressed rows for {n} tokens"));
+        if rows != want {
+            return Err(format!(
+                "{rows} compressed rows at offset {at} for {n} tokens (the layer holds {want})"
+            ));
         }
         c.rows = vec![0f32; rows * d];
         r.rows(&mut c.rows, version, "compressed rows")?;
@@ -500,6 +505,20 @@ mod tests {
         let want = format!("unknown row encoding 9 at offset {at}");
         assert!(
             matches!(&e, ReadError::Invalid(s) if s.contains(&want)),
+            "{e:?}"
+        );
+        // Fewer compressed rows than the tokens close (found by fuzz/snapshot_restore: the CPU's
+        // attention then read past them).
+        let (_, _, mut short, _) = state(9);
+        let l = short.layers.iter().position(|h| h.comp.is_some()).unwrap();
+        let c = short.layers[l].comp.as_mut().unwrap();
+        let d = c.rows.len() / (9 / hp.compress_ratios[l] as usize);
+        c.rows.truncate(c.rows.len() - d);
+        let s = write(&hp, &id, &short, None);
+        let e = read(&hp, &dims, &id, &s).unwrap_err();
+        assert!(
+            matches!(&e, ReadError::Invalid(m) if m.contains("compressed rows at offset")
+                && m.contains("for 9 tokens (the layer holds")),
             "{e:?}"
         );
         // A token id outside the vocabulary (a later step would embed it).
