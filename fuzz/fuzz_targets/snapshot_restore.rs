@@ -18,7 +18,9 @@ fn engine() -> &'static Engine {
         ds4_synth::synth_tiny(&out, 7).unwrap();
         let mut opts = EngineOptions::new(&out);
         opts.threads = Some(1);
-        Engine::open(&opts).unwrap()
+        let e = Engine::open(&opts).unwrap();
+        let _ = std::fs::remove_dir_all(&dir); // the mapping stays valid
+        e
     })
 }
 
