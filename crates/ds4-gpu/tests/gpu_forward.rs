@@ -186,8 +186,7 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// A state bound to its session's context (`Model::bound`, ds4-gpu `GpuComp::limit`) holds
 /// the context's rows rounded up to 64, not the next power of two, and gives the same logits
-/// as an unbound one; a restored state (power-of-two capacity) shrinks to the bound and goes
-/// on the same. The CSA layers (ratio 4) of the 640-token fixture: 160 rows in 192, not 256.
+/// as an unbound one; a restored state holds its rows rounded up to 64 and goes on the same. The CSA layers (ratio 4) of the 640-token fixture: 160 rows in 192, not 256.
 #[test]
 fn bounded_row_capacity_changes_no_logit() {
     let hp = HParams::tiny();
@@ -223,7 +222,7 @@ fn bounded_row_capacity_changes_no_logit() {
         }
     }
     assert!(csa >= 2, "the fixture has CSA layers with indexers");
-    // Restored from the host form: its capacity is a power of two until bound.
+    // Restored from the host form: its rows (158) rounded up to 64, whatever the bound.
     let mut restored = gpu.from_host(&gpu.to_host(&open));
     gpu.bound(&mut restored, n);
     for (l, r) in restored.layers.iter().enumerate() {

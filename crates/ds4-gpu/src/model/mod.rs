@@ -342,6 +342,7 @@ pub struct GpuComp {
     /// The rows of the session's whole context rounded up to [`ROW_ALIGN`]
     /// ([`Backend::bound_state`]; `usize::MAX` unbounded): a 600k context holds 600k tokens'
     /// rows, not 1M's. Only growth past it (a state longer than its context) doubles again.
+    /// A restored state holds its rows rounded up to ROW_ALIGN until it grows.
     pub(crate) limit: usize,
     pub(crate) n_rows: usize,
     /// Rows stored as bf16, not f32: the indexer's when FP4-simulated ([`LayerDims::index_fp4`];
@@ -1168,19 +1169,6 @@ impl GpuBackend {
         self.resize_rows(c, grown_cap(rows, c.limit));
     }
 
-    /// Bound `c` by a context of `tokens` positions; a capacity already past the bound (a
-    /// restored state's power of two) shrinks to it, or to the rows held if more. True if
-    /// it shrank.
-    fn bound_comp(&self, c: &mut GpuComp, tokens: usize) -> bool {
-        c.limit = row_limit(tokens, c.dims.ratio);
-        let want = c.limit.max(c.n_rows.next_multiple_of(ROW_ALIGN));
-        if c.cap > want {
-            self.resize_rows(c, want);
-            return true;
-        }
-        false
-    }
-
     /// Move `c`'s rows into a buffer of `cap` rows (at least the rows held).
     fn resize_rows(&self, c: &mut GpuComp, cap: usize) {
         debug_assert!(cap >= c.n_rows);
@@ -1208,7 +1196,11 @@ impl GpuBackend {
         self.interrupt();
         let n_rows = h.rows.len() / c.d;
         let mut g = self.new_comp(c, bf16)?;
-        self.reserve_rows(&mut g, n_rows);
+        // Room for the rows held and no more (a fresh state's capacity is within any context's
+        // bound; growth from here doubles up to it).
+        if n_rows > g.cap {
+            self.resize_rows(&mut g, n_rows.next_multiple_of(ROW_ALIGN));
+        }
         self.note(self.upload_ordered(g.front_kv.ptr(), f32_bytes(&h.front_kv)));
         self.note(self.upload_ordered(g.front_score.ptr(), f32_bytes(&h.front_score)));
         if bf16 {
@@ -1588,19 +1580,10 @@ impl Backend for GpuBackend {
     }
 
     fn bound_state(&self, st: &mut GpuLayerState, tokens: usize) {
-        let mut shrank = false;
+        // Capacities are never past the bound here: fresh states hold ROW_ALIGN rows, restored
+        // ones their rows rounded up (upload_comp).
         for c in [st.comp.as_mut(), st.index.as_mut()].into_iter().flatten() {
-            shrank |= self.bound_comp(c, tokens);
-        }
-        if shrank {
-            // Free the larger buffers now (a restore bounds every layer in turn: holding
-            // them all until the next synchronisation would need both sizes at once).
-            self.flush(false);
-            let r = self.gpu.synchronize();
-            if r.is_ok() {
-                self.free_retired();
-            }
-            self.note(r);
+            c.limit = row_limit(tokens, c.dims.ratio);
         }
     }
 
