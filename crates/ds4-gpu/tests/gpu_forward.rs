@@ -186,12 +186,19 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// A state bound to its session's context (`Model::bound`, ds4-gpu `GpuComp::limit`) holds
 /// the context's rows rounded up to 64, not the next power of two, and gives the same logits
-/// as an unbound one; a restored state holds its rows rounded up to 64 and goes on the same. The CSA layers (ratio 4) of the 640-token fixture: 160 rows in 192, not 256.
+/// as an unbound one; a restored state holds its rows rounded up to 64 and goes on the same.
+/// The fixture's 320 tokens twice (640): on the CSA layers (ratio 4) 158 rows after the prompt,
+/// held in 256 unbound (64 doubled past 128) and 192 bound (160 rounded up).
 #[test]
 fn bounded_row_capacity_changes_no_logit() {
     let hp = HParams::tiny();
     let Some(_) = common::open_gpu() else { return };
-    let ids = tokens();
+    let ids = tokens().repeat(2);
+    assert_eq!(
+        ids.len(),
+        640,
+        "the fixture's token count changed: redo the capacities"
+    );
     let (_, gpu_b) = common::backends(&hp).unwrap();
     let gpu = load(gpu_b, "tiny-q.gguf", Rounding::MODEL);
     let n = ids.len();

@@ -659,14 +659,15 @@ fn index_select_matches_cpu() {
         // A prompt chunk past 16,384 rows (wgmma scores, a top-k a CTA a token).
         run_index(&cpu, &gpu, 64, 512, true, 70, 70_000, 22);
     }
-    // The same chunk and a 3-batch one with wgmma's CTAs token groups first and the two-level
-    // top-k for the whole batch (DS4_GPU_IXW_ORDER=tokens, DS4_GPU_TK2_MAX): the same selections.
-    GpuBackend::set_ixw_tok_first(true);
-    GpuBackend::set_topk2_max(65535);
-    println!("wgmma token groups first, two-level top-k for any batch");
+    // The same chunk and a 3-batch one with session 36's forms, wgmma's CTAs row blocks first
+    // and a top-k CTA a token for prompt batches (DS4_GPU_IXW_ORDER=rows, DS4_GPU_TK2_MAX=64):
+    // the same selections.
+    GpuBackend::set_ixw_tok_first(false);
+    GpuBackend::set_topk2_max(64);
+    println!("wgmma row blocks first, two-level top-k for batches of at most 64");
     run_index(&cpu, &gpu, 64, 512, true, 70, 70_000, 22);
     run_index(&cpu, &gpu, 64, 512, true, 130, 9001, 14);
-    GpuBackend::set_ixw_tok_first(false);
+    GpuBackend::set_ixw_tok_first(true);
     GpuBackend::set_topk2_max(0);
     GpuBackend::set_index_dec(true);
     GpuBackend::set_attn_simple(false);
@@ -790,18 +791,18 @@ fn index_topk_matches_cpu() {
                             // One token seeing v rows: position 4v − 1.
     let at = |v: usize| 4 * v - 1;
     // The old kernel, and the new ones with level-1 chunks of 16384 (the default), 4096, 2048;
-    // the last set: two levels for batches of any size (DS4_GPU_TK2_MAX), not only up to 64.
+    // the last set: two levels only for batches of at most 64 (DS4_GPU_TK2_MAX=64), not any.
     for (old, chunk, tk2) in [
         (false, 0, 0),
         (false, 4096, 0),
         (false, 2048, 0),
         (true, 0, 0),
-        (false, 0, 65535),
+        (false, 0, 64),
     ] {
         GpuBackend::set_topk_old(old);
         GpuBackend::set_topk_chunk(chunk);
         GpuBackend::set_topk2_max(tk2);
-        println!("old {old}, level-1 chunk {chunk} (0: 16384), two levels up to {tk2} (0: 64)");
+        println!("old {old}, level-1 chunk {chunk} (0: 16384), two levels up to {tk2} (0: any)");
         let mut seed = 100;
         let mut case = |stride: usize, n: usize, t0: usize, k: usize| {
             seed += 1;
@@ -843,7 +844,7 @@ fn index_topk_matches_cpu() {
         // Several tokens: visible counts crossing top_k; crossing one CTA's rows (two levels).
         case(N, 12, 4 * 510, 512);
         case(4 * N, 9, 4 * N - 3, 512);
-        // Prompt-size batches (more than 64 tokens: two levels in the last set only): visible
+        // Prompt-size batches (more than 64 tokens: a CTA a token in the last set): visible
         // counts crossing one CTA's rows; 66 tokens at 100k candidates (7 chunks each).
         case(4 * N, 100, 4 * N - 200, 512);
         case(131_072, 66, at(100_000), 512);

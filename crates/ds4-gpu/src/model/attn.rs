@@ -120,14 +120,15 @@ fn comp_row_mode() -> u8 {
 static TOPK_MODE: AtomicU8 = AtomicU8::new(0);
 /// Most candidates one top-k CTA holds (`DS4_TK_N`: 1024 threads × 16 keys).
 const TK_N: usize = 16384;
-/// Most tokens the two-level top-k takes at once: 64 (decode and verify steps, measured), or as
-/// [`GpuBackend::set_topk2_max`] / `DS4_GPU_TK2_MAX=N` set it. Prompt batches past 64k of
-/// context could take it too (a 1M turn's top-k is 363 of its 4,067 ms on `index_topk_ps`,
-/// bench/results/gpu-bf16ix-s36-h200.txt run B): written and tested, its speed not yet measured.
+/// Most tokens the two-level top-k takes at once: any number (the default), or as
+/// [`GpuBackend::set_topk2_max`] / `DS4_GPU_TK2_MAX=N` set it (`64`: session 36's form, prompt
+/// batches past 64k of context on `index_topk_ps`, a CTA a token). On the H200 the two levels
+/// prefill a 4,096-token turn 4% faster at 128k and 10% at 1M, a tie at 2k-32k (rows of at most
+/// `TK_N` candidates take `index_topk_r` either way; bench/results/gpu-s38-h200.txt).
 /// Survivors are scratch: 8 bytes a token, chunk and k, at most 16 MB for a batch of
 /// `INDEX_SCORE_BUDGET` scores at k = 512.
 static TK2_MAX: AtomicUsize = AtomicUsize::new(0);
-const TK2_MAX_TOK: usize = 64;
+const TK2_MAX_TOK: usize = usize::MAX;
 
 fn tk2_max_tok() -> usize {
     static ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -251,15 +252,15 @@ const IXW_TOK: usize = 4;
 const IXW_RB: usize = 2048;
 const IXW_SMEM: u32 = 204_800;
 
-/// `index_scores_wg`'s CTA order: row blocks first (the default, measured) or token groups
-/// first (`DS4_GPU_IXW_ORDER=tokens`, [`GpuBackend::set_ixw_tok_first`]): the CTAs that run
-/// together then share a row block, so a long context's rows (67 MB a layer at 1M, more than
-/// the L2) would come from DRAM about once a batch instead of once a token group. Written and
-/// tested (the same bits), its speed not yet measured.
+/// `index_scores_wg`'s CTA order: token groups first (the default) or row blocks first
+/// (`DS4_GPU_IXW_ORDER=rows`, [`GpuBackend::set_ixw_tok_first`]). Token groups first, the CTAs
+/// that run together share a row block, so a long context's rows (67 MB a layer at 1M, more
+/// than the L2) come from DRAM about once a batch instead of once a token group: +1% on a
+/// 4,096-token turn at 128k and 1M on the H200, a tie at 2k-32k (gpu-s38-h200.txt). The same bits.
 static IXW_ORDER: AtomicU8 = AtomicU8::new(0);
 
 fn ixw_tok_first() -> bool {
-    env_form(&IXW_ORDER, "DS4_GPU_IXW_ORDER", "tokens")
+    !env_form(&IXW_ORDER, "DS4_GPU_IXW_ORDER", "rows")
 }
 
 fn index_wg_ok(info: &crate::runtime::DeviceInfo) -> bool {
@@ -422,16 +423,17 @@ impl GpuBackend {
         TK_CHUNK.store(chunk, Ordering::Relaxed);
     }
 
-    /// Most tokens of a batch the two-level top-k takes (0: the default, 64); process-wide,
-    /// overrides `DS4_GPU_TK2_MAX`. The same selections either way. For tests and benchmarks.
+    /// Most tokens of a batch the two-level top-k takes (0: the default, any number);
+    /// process-wide, overrides `DS4_GPU_TK2_MAX`. The same selections either way. For tests and
+    /// benchmarks.
     pub fn set_topk2_max(n: usize) {
         TK2_MAX.store(n, Ordering::Relaxed);
     }
 
-    /// `index_scores_wg`'s CTAs token groups first (true) or row blocks first (false, the
-    /// default); process-wide, overrides `DS4_GPU_IXW_ORDER`. The same bits either way.
+    /// `index_scores_wg`'s CTAs token groups first (true, the default) or row blocks first
+    /// (false); process-wide, overrides `DS4_GPU_IXW_ORDER`. The same bits either way.
     pub fn set_ixw_tok_first(on: bool) {
-        IXW_ORDER.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+        IXW_ORDER.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     }
 
     /// The indexer query's preparation alone, as `index_select` runs it for `n` tokens from
