@@ -125,8 +125,8 @@ const TK_N: usize = 16384;
 /// batches past 64k of context on `index_topk_ps`, a CTA a token). On the H200 the two levels
 /// prefill a 4,096-token turn 4% faster at 128k and 10% at 1M, a tie at 2k-32k (rows of at most
 /// `TK_N` candidates take `index_topk_r` either way; bench/results/gpu-s38-h200.txt).
-/// Survivors are scratch: 8 bytes a token, chunk and k, at most 16 MB for a batch of
-/// `INDEX_SCORE_BUDGET` scores at k = 512.
+/// Survivors are scratch: 8 bytes a token, chunk and k; a batch of `INDEX_SCORE_BUDGET` scores
+/// at k = 512 needs 16 MB over long rows, at most ~34 MB just past `TK_N` rows (two chunks).
 static TK2_MAX: AtomicUsize = AtomicUsize::new(0);
 const TK2_MAX_TOK: usize = usize::MAX;
 
