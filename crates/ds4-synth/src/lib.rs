@@ -313,16 +313,20 @@ fn tokenizer_meta(hp: &HParams) -> Vec<(String, MetaValue)> {
 /// The tiny preset (model.md §6.1) from `seed`, written to `out` in full, without MTP: the
 /// model that tests and fuzz targets run on.
 pub fn synth_tiny(out: &Path, seed: u64) -> Result<SynthReport> {
+    synth(&tiny_options(out, seed, false), &|_, _| {})
+}
+
+/// The tiny preset's options: written in full (no holes), with its MTP file when `mtp`.
+fn tiny_options(out: &Path, seed: u64, mtp: bool) -> SynthOptions {
     let (hparams, mix) = Preset::Tiny.params();
-    let o = SynthOptions {
+    SynthOptions {
         hparams,
         mix,
         out: out.to_path_buf(),
         seed,
         sparse: false,
-        mtp: false,
-    };
-    synth(&o, &|_, _| {})
+        mtp,
+    }
 }
 
 pub fn synth(opts: &SynthOptions, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<SynthReport> {
@@ -398,16 +402,7 @@ pub fn tiny_model_for_tests(seed: u64, mtp: bool) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ds4-tiny-{}-{seed}-{mtp}", std::process::id()));
     fs::create_dir_all(&dir).expect("creating a temp dir");
     let out = dir.join("tiny.gguf");
-    let (hparams, mix) = Preset::Tiny.params();
-    let opts = SynthOptions {
-        hparams,
-        mix,
-        out: out.clone(),
-        seed,
-        sparse: false,
-        mtp,
-    };
-    synth(&opts, &|_, _| {}).expect("writing the tiny model");
+    synth(&tiny_options(&out, seed, mtp), &|_, _| {}).expect("writing the tiny model");
     map.insert((seed, mtp), out.clone());
     out
 }
