@@ -3,7 +3,9 @@
 #   1. installs the run-time kernel compilers (NVRTC wheel, Debian hipRTC) so the GPU
 #      portability test compiles every kernel instead of skipping;
 #   2. cargo test --workspace --release (GPU device tests skip, saying why, without a GPU);
-#   3. the official openai + anthropic Python SDKs against `ds4 serve` (own venv).
+#   3. the official openai + anthropic Python SDKs against `ds4 serve` (own venv);
+#   4. a coding agent's session against `ds4 serve` (tools/agent-serve.sh, stdlib Python): turns
+#      continue the live KV session, and after a restart the next turn resumes from the disk cache.
 # The SDK venv is installed in the background while 2 builds (network and disk, not the cores).
 # Step 2 builds the test targets but not the examples (`cargo clippy --all-targets` in .ci/run
 # checks those; no test runs them). Each step prints its wall and CPU time.
@@ -33,3 +35,11 @@ if ! wait "$sdk_venv"; then
 fi
 rm -f "$sdk_log"
 time DS4_BIN="${CARGO_TARGET_DIR:-target}/release/ds4" bash crates/ds4-server/tests/sdk/run.sh
+
+echo "== agent session (tools/agent-serve.sh on the tiny model, CPU: live and disk KV cache reuse)"
+bin_dir="$(cd "${CARGO_TARGET_DIR:-target}/release" && pwd)"
+agent_out="$(mktemp -d)"
+"$bin_dir/ds4" synth --preset tiny -o "$agent_out/tiny.gguf" >/dev/null
+time PATH="$bin_dir:$PATH" OUT="$agent_out" MODEL="-m $agent_out/tiny.gguf" BACKEND=cpu \
+  SYSTEM_WORDS=300 TURNS=2 CTX=8192 PORT=$((20000 + RANDOM % 20000)) bash tools/agent-serve.sh
+rm -rf "$agent_out"
