@@ -316,6 +316,14 @@ pub trait Backend: Send + Sync + Sized {
         Err(format!("backend {} cannot generate weights", self.name()))
     }
 
+    /// The bytes of a matrix weight as a file stores them (its quant blocks) into `out`, whose
+    /// length must be the weight's size: generated weights kept in host memory
+    /// (`ds4_model::offload`). Backends that cannot say so.
+    fn read_weight(&self, w: &Self::Weight, out: &mut [u8]) -> Result<(), String> {
+        let _ = (w, out);
+        Err(format!("backend {} cannot read weights back", self.name()))
+    }
+
     // ---- memory ----
     /// A buffer of `len` values with unspecified contents: every op writes the whole of its
     /// output (the CPU backend happens to give zeros; a GPU backend gives recycled memory).

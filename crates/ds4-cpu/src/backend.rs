@@ -204,6 +204,21 @@ impl Backend for CpuBackend {
         Ok(CpuWeight::F32(Self::dequant_all(src)?))
     }
 
+    fn read_weight(&self, w: &CpuWeight, out: &mut [u8]) -> Result<(), String> {
+        let CpuWeight::Mat(m) = w else {
+            return Err("read_weight: not a matrix".into());
+        };
+        if out.len() != m.n_bytes {
+            return Err(format!(
+                "read_weight: {} bytes asked of a {}-byte matrix",
+                out.len(),
+                m.n_bytes
+            ));
+        }
+        out.copy_from_slice(m.bytes());
+        Ok(())
+    }
+
     fn table(&self, src: &WeightSrc) -> Result<CpuWeight, String> {
         if src.ty != GgmlType::I32 {
             return Err(format!("expected I32, found {:?}", src.ty));
@@ -736,5 +751,54 @@ impl Backend for CpuBackend {
         if let Some((rank, comm)) = &self.comm {
             comm.all_reduce(*rank, &mut y[..len]);
         }
+    }
+}
+
+/// A layer's routed experts in host memory (`ds4_model::offload`), run by this backend's
+/// [`Backend::moe_experts`] over the stacks' bytes: the reference arithmetic, so a GPU model
+/// with host experts computes those layers' experts as `--backend cpu` does.
+pub struct CpuHostExperts {
+    cpu: CpuBackend,
+    gate: CpuWeight,
+    up: CpuWeight,
+    down: CpuWeight,
+}
+
+impl CpuHostExperts {
+    /// Binds the gate, up and down stacks (no copy: their bytes stay where they are);
+    /// `ropes`: the model's tables (the backend's; the MoE uses none).
+    pub fn new(
+        stacks: &[ds4_model::offload::HostStack; 3],
+        ropes: &RopeTables,
+    ) -> Result<CpuHostExperts, String> {
+        let cpu = CpuBackend::new(ropes.clone());
+        let bind = |s: &ds4_model::offload::HostStack| {
+            s.with_src(0, s.experts(), |src| cpu.matrix(src))
+                .map_err(|e| format!("tensor {}: {e}", s.name))
+        };
+        Ok(CpuHostExperts {
+            gate: bind(&stacks[0])?,
+            up: bind(&stacks[1])?,
+            down: bind(&stacks[2])?,
+            cpu,
+        })
+    }
+}
+
+impl ds4_model::offload::HostExperts for CpuHostExperts {
+    fn run(&self, spec: &MoeSpec, z: &[f32], sel: &[i32], wgt: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0f32; n * spec.d];
+        self.cpu.moe_experts(
+            spec,
+            &self.gate,
+            &self.up,
+            &self.down,
+            &z.to_vec(),
+            &sel.to_vec(),
+            &wgt.to_vec(),
+            n,
+            &mut out,
+        );
+        out
     }
 }

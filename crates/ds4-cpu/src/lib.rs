@@ -4,7 +4,7 @@
 pub mod backend;
 pub mod math;
 
-pub use backend::{CpuBackend, CpuWeight};
+pub use backend::{CpuBackend, CpuHostExperts, CpuWeight};
 pub use ds4_backend::Rounding;
 use ds4_backend::{HostComm, Shard};
 use ds4_gguf::GgufFile;

@@ -10,6 +10,7 @@ pub use ds4_cpu::Rounding;
 use ds4_gguf::{GgmlType, GgufFile};
 pub use ds4_gpu::Precision;
 use ds4_model::forward::{rope_tables, AnyLayerState, AnyState, Forward, Model};
+use ds4_model::offload::{HostExperts, HostPlacement, HostStack};
 use ds4_model::sharded::Sharded;
 use ds4_model::synthetic::SynthSource;
 use ds4_model::{bind_main, HParams};
@@ -108,6 +109,117 @@ pub struct EngineOptions {
     /// Rounding of the GPU's prefill tensor-core products (`--precision`; ds4-gpu
     /// `model/precision.rs`). The CPU backend computes in f32 either way.
     pub precision: Precision,
+    /// Which layers' routed experts a GPU model keeps in host memory (`--cpu-experts`,
+    /// `ds4_model::offload`).
+    pub cpu_experts: CpuExperts,
+}
+
+/// `--cpu-experts`: where a one-GPU model's routed experts live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuExperts {
+    /// On the GPU when the model fits; else the last layers' experts in host memory, as few
+    /// layers as let the rest fit.
+    Auto,
+    /// All on the GPU (a model that does not fit is refused).
+    Off,
+    /// The last `n` layers' experts in host memory (`usize::MAX`: every layer's).
+    Last(usize),
+}
+
+impl CpuExperts {
+    /// `auto`, `off` / `none` / `0`, `all`, or a layer count.
+    pub fn parse(s: &str) -> Option<CpuExperts> {
+        Some(match s {
+            "auto" => CpuExperts::Auto,
+            "off" | "none" | "0" => CpuExperts::Off,
+            "all" => CpuExperts::Last(usize::MAX),
+            n => CpuExperts::Last(n.parse().ok().filter(|&n| n > 0)?),
+        })
+    }
+}
+
+/// Device bytes a prompt batch needs beside the weights when some experts are in host memory:
+/// one uploaded group of the largest layer's stacks ([`ds4_model::offload::GROUP`] experts).
+fn host_group_bytes(per_layer: &[u64], n_expert: usize) -> u64 {
+    let max = per_layer.iter().copied().max().unwrap_or(0);
+    max / n_expert.max(1) as u64 * ds4_model::offload::GROUP.min(n_expert) as u64
+}
+
+/// The layers whose routed experts stay in host memory (ascending): per `choice`, and for
+/// `Auto` the fewest last layers that let the other weights fit `free` bytes with the reserve
+/// ([`gpu_fit_error`]). `per_layer[i]`: layer i's routed-expert bytes; `weights`: all bytes.
+pub fn host_expert_layers(
+    choice: CpuExperts,
+    per_layer: &[u64],
+    n_expert: usize,
+    weights: u64,
+    free: Option<u64>,
+) -> Vec<usize> {
+    let n = per_layer.len();
+    let last = |k: usize| (n - k.min(n)..n).collect::<Vec<_>>();
+    match choice {
+        CpuExperts::Off => Vec::new(),
+        CpuExperts::Last(k) => last(k),
+        CpuExperts::Auto => {
+            let Some(free) = free else {
+                return Vec::new();
+            };
+            if weights.saturating_add(GPU_RESERVE) <= free {
+                return Vec::new();
+            }
+            let group = host_group_bytes(per_layer, n_expert);
+            let mut on_gpu = weights.saturating_add(group);
+            for k in 1..=n {
+                on_gpu -= per_layer[n - k];
+                if on_gpu.saturating_add(GPU_RESERVE) <= free {
+                    return last(k);
+                }
+            }
+            last(n) // still too big: the fit check says so with the numbers
+        }
+    }
+}
+
+/// Routed-expert bytes of each main layer, from `(name, bytes)` of every tensor.
+fn expert_bytes_per_layer<'a>(
+    n_layer: usize,
+    tensors: impl Iterator<Item = (&'a str, u64)>,
+) -> Vec<u64> {
+    let mut v = vec![0u64; n_layer];
+    for (name, b) in tensors {
+        let Some(rest) = name.strip_prefix("blk.") else {
+            continue;
+        };
+        let Some((i, t)) = rest.split_once('.') else {
+            continue;
+        };
+        if t.ends_with("_exps.weight") {
+            if let Some(x) = i.parse::<usize>().ok().and_then(|i| v.get_mut(i)) {
+                *x += b;
+            }
+        }
+    }
+    v
+}
+
+/// `--cpu-experts N|all` needs one GPU: several ranks hold 1/N of the experts each instead.
+fn check_cpu_experts(opts: &EngineOptions) -> Result<(), EngineError> {
+    if opts.devices.len() > 1 && matches!(opts.cpu_experts, CpuExperts::Last(_)) {
+        return Err(EngineError::Backend(
+            "gpu".into(),
+            "--cpu-experts keeps routed experts in host memory beside one GPU; with --devices \
+             the GPUs split the experts instead (leave --cpu-experts at auto or off)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Binds a layer's host-memory experts for the CPU's arithmetic.
+fn cpu_host_experts(
+    ropes: &ds4_backend::rope::RopeTables,
+) -> impl Fn(&[HostStack; 3]) -> Result<Box<dyn HostExperts>, String> + '_ {
+    move |s| Ok(Box::new(ds4_cpu::CpuHostExperts::new(s, ropes)?) as Box<dyn HostExperts>)
 }
 
 impl EngineOptions {
@@ -123,6 +235,7 @@ impl EngineOptions {
             tp: true,
             rounding: Rounding::MODEL,
             precision: DEFAULT_PRECISION,
+            cpu_experts: CpuExperts::Auto,
         }
     }
 }
@@ -317,7 +430,8 @@ pub fn gpu_fit_error(weights: u64, free: u64, total: u64, device: &str) -> Optio
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     Some(format!(
         "the model's weights need {:.1} GiB of device memory (plus ~{:.0} GiB for session state and \
-         scratch), but {device} has {:.1} of {:.1} GiB free: use a smaller mix (the q2 file is \
+         scratch), but {device} has {:.1} of {:.1} GiB free: keep routed experts in host memory \
+         (--cpu-experts auto, the default, or a layer count), use a smaller mix (the q2 file is \
          80.8 GiB), another GPU (--device N), or --backend cpu",
         gib(weights),
         gib(GPU_RESERVE),
@@ -345,6 +459,37 @@ fn gpu_backend(
     let b = ds4_gpu::GpuBackend::new(pick.gpu, &rope_tables(hp))
         .map_err(|e| EngineError::Backend(pick.name.into(), e.to_string()))?;
     Ok((b, line))
+}
+
+/// [`gpu_backend`] for a model whose routed experts may stay in host memory
+/// (`opts.cpu_experts`): the backend, its line (saying where the experts are) and the layers
+/// whose experts are in host memory.
+fn gpu_backend_placed(
+    pick: GpuPick,
+    hp: &HParams,
+    weights: u64,
+    per_layer: &[u64],
+    opts: &EngineOptions,
+) -> Result<(ds4_gpu::GpuBackend, String, Vec<usize>), EngineError> {
+    let free = pick.gpu.mem_info().ok().map(|(f, _)| f);
+    let n_expert = hp.n_expert as usize;
+    let host = host_expert_layers(opts.cpu_experts, per_layer, n_expert, weights, free);
+    let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
+    let group = if host.is_empty() {
+        0
+    } else {
+        host_group_bytes(per_layer, n_expert)
+    };
+    let (b, mut line) = gpu_backend(pick, hp, weights - on_host + group, opts.precision)?;
+    if !host.is_empty() {
+        line += &format!(
+            "; routed experts of {} of {} layers in host memory ({:.1} GiB, --cpu-experts)",
+            host.len(),
+            per_layer.len(),
+            on_host as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok((b, line, host))
 }
 
 /// Bytes of a model's weights: all of them, the routed experts' part (split between
@@ -580,6 +725,7 @@ impl Engine {
         opts: &EngineOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Engine, EngineError> {
+        check_cpu_experts(opts)?;
         let pick = if opts.devices.len() > 1 {
             None // expert parallelism: each rank's device below
         } else {
@@ -635,9 +781,28 @@ impl Engine {
                     .flat_map(|(f, _)| f.tensors())
                     .map(|t| t.n_bytes)
                     .sum();
-                let (b, line) = gpu_backend(pick, &hp, weights, opts.precision)?;
-                let m = Model::load(b, hp, &files, opts.rounding, progress)
-                    .map_err(|e| EngineError::Backend(name.into(), e))?;
+                let per_layer = expert_bytes_per_layer(
+                    hp.n_layer as usize,
+                    files[0]
+                        .0
+                        .tensors()
+                        .iter()
+                        .map(|t| (t.name.as_str(), t.n_bytes)),
+                );
+                let (b, line, host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+                let ropes = rope_tables(&hp);
+                let make = cpu_host_experts(&ropes);
+                let placement = HostPlacement::new(host, &make);
+                let mut src = ds4_model::forward::FileSource::new(&files, progress);
+                let m = Model::load_placed(
+                    b,
+                    hp,
+                    &mut src,
+                    opts.rounding,
+                    Shard::ONE,
+                    Some(&placement),
+                )
+                .map_err(|e| EngineError::Backend(name.into(), e))?;
                 m.backend
                     .finish()
                     .map_err(|e| EngineError::Backend(name.into(), e))?;
@@ -683,6 +848,7 @@ impl Engine {
         if opts.backend == BackendChoice::Cpu {
             return Err(on_cpu());
         }
+        check_cpu_experts(opts)?;
         let vocab = if hp.n_vocab as usize == ds4_tokenizer::builtin::DEEPSEEK_V4_VOCAB_SIZE {
             ds4_tokenizer::builtin::deepseek_v4()
         } else {
@@ -724,9 +890,20 @@ impl Engine {
             return Err(on_cpu());
         };
         let name = pick.name;
+        let per_layer = expert_bytes_per_layer(
+            hp.n_layer as usize,
+            ds4_model::main_tensors(&hp).iter().map(|t| {
+                let b = ds4_model::tensors::tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0);
+                (t.name.as_str(), b)
+            }),
+        );
         let mut src = SynthSource::new(&hp, mix, seed, progress);
-        let (b, line) = gpu_backend(pick, &hp, src.total_bytes() as u64, opts.precision)?;
-        let m = Model::load_from(b, hp, &mut src, opts.rounding)
+        let weights = src.total_bytes() as u64;
+        let (b, line, host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+        let ropes = rope_tables(&hp);
+        let make = cpu_host_experts(&ropes);
+        let placement = HostPlacement::new(host, &make);
+        let m = Model::load_placed(b, hp, &mut src, opts.rounding, Shard::ONE, Some(&placement))
             .map_err(|e| EngineError::Backend(name.into(), e))?;
         // Random weights are generated by queued kernels: wait for them here, so that the
         // caller's first prompt (a benchmark's timer) does not include their tail.
@@ -1248,6 +1425,47 @@ mod tests {
             // Two H200s (~139.5 GiB free each) hold the q4 mix either way.
             assert!(gib(r.per_rank(2, n_exp, false)) < 138.0);
         }
+    }
+
+    #[test]
+    fn host_expert_layers_keep_the_fewest_last_layers_that_let_the_rest_fit() {
+        let gib = 1u64 << 30;
+        // 4 layers of 2 GiB of experts (8 experts: a group of 8 is a whole layer's 2 GiB) plus
+        // 2 GiB of dense weights: 10 GiB.
+        let per = [2 * gib; 4];
+        let w = 10 * gib;
+        let plan = |c, free| host_expert_layers(c, &per, 8, w, free);
+        assert_eq!(
+            plan(CpuExperts::Auto, Some(w + GPU_RESERVE)),
+            Vec::<usize>::new()
+        );
+        assert_eq!(plan(CpuExperts::Auto, None), Vec::<usize>::new());
+        // 9 GiB free: 10 + 2 (group) - 2k + 1 (reserve) <= 9 first at k = 2.
+        assert_eq!(plan(CpuExperts::Auto, Some(9 * gib)), vec![2, 3]);
+        // 3 GiB free: dense 2 + group 2 + reserve 1 = 5 > 3 even with every layer on the host:
+        // all of them (the fit check then refuses with the numbers).
+        assert_eq!(plan(CpuExperts::Auto, Some(3 * gib)), vec![0, 1, 2, 3]);
+        assert_eq!(plan(CpuExperts::Off, Some(gib)), Vec::<usize>::new());
+        assert_eq!(plan(CpuExperts::Last(1), Some(100 * gib)), vec![3]);
+        assert_eq!(plan(CpuExperts::Last(usize::MAX), None), vec![0, 1, 2, 3]);
+        assert_eq!(CpuExperts::parse("all"), Some(CpuExperts::Last(usize::MAX)));
+        assert_eq!(CpuExperts::parse("12"), Some(CpuExperts::Last(12)));
+        assert_eq!(CpuExperts::parse("0"), Some(CpuExperts::Off));
+        assert_eq!(CpuExperts::parse("auto"), Some(CpuExperts::Auto));
+        assert_eq!(CpuExperts::parse("-1"), None);
+        let per_layer = expert_bytes_per_layer(
+            2,
+            [
+                ("blk.0.ffn_gate_exps.weight", 5),
+                ("blk.0.ffn_up_exps.weight", 5),
+                ("blk.1.ffn_down_exps.weight", 7),
+                ("blk.1.ffn_gate_shexp.weight", 100),
+                ("blk.9.ffn_down_exps.weight", 1),
+                ("token_embd.weight", 1000),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(per_layer, vec![10, 7]);
     }
 
     #[test]

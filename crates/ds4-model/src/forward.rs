@@ -2,6 +2,7 @@
 //! ([`ds4_backend::Backend`]). It owns the weight handles and the order of ops; backends own
 //! the arithmetic. Buffers are token-major: `x` is `[n, N, D]` (stream-major inside a token).
 
+use crate::offload::{self, HostExperts, HostPlacement, HostStack, GROUP, UPLOAD_MIN};
 use crate::{AttnKind, HParams, LayerKind, WeightDir};
 use ds4_backend::rope::{Rope, RopeTables};
 use ds4_backend::{
@@ -68,14 +69,25 @@ struct Layer<W> {
     router: W,
     bias: Option<W>,
     tid2eid: Option<W>,
-    gate_exps: W,
-    up_exps: W,
-    down_exps: W,
+    experts: Experts<W>,
     gate_sh: W,
     up_sh: W,
     down_sh: W,
     clamp: f32,
     clamp_sh: f32,
+}
+
+/// A layer's routed-expert stacks: on the backend, or in host memory (`offload.rs`).
+enum Experts<W> {
+    Here {
+        gate: W,
+        up: W,
+        down: W,
+    },
+    Host {
+        run: Box<dyn HostExperts>,
+        stacks: Box<[HostStack; 3]>,
+    },
 }
 
 /// The MTP speculative head's weights (model.md §2.5, §3.7).
@@ -102,6 +114,9 @@ pub struct Model<B: Backend> {
     output: B::Weight,
     layers: Vec<Layer<B::Weight>>,
     mtp: Option<Mtp<B::Weight>>,
+    /// Host-memory experts: prompt batches of at least `.0` tokens upload them `.1` at a time
+    /// (`offload.rs`; unused when no layer keeps them on the host).
+    host_batch: (usize, usize),
 }
 
 /// Logits per evaluated position, and (when asked) the final HC streams of the same
@@ -178,6 +193,13 @@ pub trait WeightSource<B: Backend> {
     fn cols(&mut self, b: &B, name: &str, c0: usize, count: usize) -> Result<B::Weight, String>;
     /// Whether the source has a tensor (optional parts: the MTP block).
     fn has(&self, name: &str) -> bool;
+    /// The expert stack `name` in host memory (`offload.rs`), for layers that keep their
+    /// routed experts there.
+    fn host_stack(&mut self, _b: &B, name: &str) -> Result<HostStack, String> {
+        Err(format!(
+            "tensor {name}: this weight source cannot keep tensors in host memory"
+        ))
+    }
 }
 
 /// Bound GGUF files (main model, then an optional MTP file); `progress(bytes_done,
@@ -379,6 +401,32 @@ impl<B: Backend> WeightSource<B> for FileSource<'_> {
     fn has(&self, name: &str) -> bool {
         self.files.iter().any(|(_, d)| d.get(name).is_some())
     }
+    fn host_stack(&mut self, _b: &B, name: &str) -> Result<HostStack, String> {
+        let (file, w) = self.bound(name)?;
+        let [c, r, e] = w.dims[..] else {
+            return Err(format!(
+                "tensor {name}: dims {:?}: not an expert stack",
+                w.dims
+            ));
+        };
+        if e == 0 || !w.n_bytes.is_multiple_of(e) {
+            return Err(format!(
+                "tensor {name}: {} bytes do not split into {e} experts",
+                w.n_bytes
+            ));
+        }
+        let s = HostStack {
+            name: name.to_string(),
+            file: file.clone(),
+            ty: w.ty,
+            dims: [c, r, e],
+            offset: w.offset as usize,
+            n_bytes: w.n_bytes as usize,
+        };
+        self.loaded += w.n_bytes as usize; // mapped, not copied: done
+        (self.progress)(self.loaded, self.total);
+        Ok(s)
+    }
 }
 
 /// Builds the model's weight structs from a [`WeightSource`].
@@ -386,6 +434,8 @@ struct Binder<'a, B: Backend> {
     src: &'a mut dyn WeightSource<B>,
     b: &'a B,
     shard: Shard,
+    /// Layers whose routed experts stay in host memory.
+    host: Option<&'a HostPlacement<'a>>,
     /// The indexer's rows are FP4-simulated ([`LayerDims::index_fp4`]).
     index_fp4: bool,
 }
@@ -401,6 +451,33 @@ impl<B: Backend> Binder<'_, B> {
         }
         let (e0, count) = self.shard.experts(hp.n_expert as usize);
         self.src.experts(self.b, name, e0, count)
+    }
+    /// A block's routed-expert stacks: in host memory for the placement's layers (main model
+    /// only), else on the backend.
+    fn experts(
+        &mut self,
+        hp: &HParams,
+        p: &str,
+        kind: &LayerKind,
+    ) -> Result<Experts<B::Weight>, String> {
+        let names = ["gate", "up", "down"].map(|w| format!("{p}ffn_{w}_exps.weight"));
+        let host = self
+            .host
+            .filter(|h| p.starts_with("blk.") && h.layers.contains(&(kind.index as usize)));
+        let Some(h) = host else {
+            return Ok(Experts::Here {
+                gate: self.x(hp, &names[0])?,
+                up: self.x(hp, &names[1])?,
+                down: self.x(hp, &names[2])?,
+            });
+        };
+        let stacks = Box::new([
+            self.src.host_stack(self.b, &names[0])?,
+            self.src.host_stack(self.b, &names[1])?,
+            self.src.host_stack(self.b, &names[2])?,
+        ]);
+        let run = (h.make)(&stacks).map_err(|e| format!("{p} routed experts: {e}"))?;
+        Ok(Experts::Host { run, stacks })
     }
     /// Rows `a .. a + count` of `name` on a tensor-parallel rank, the whole tensor otherwise.
     fn tp_rows(
@@ -516,9 +593,7 @@ impl<B: Backend> Binder<'_, B> {
             } else {
                 None
             },
-            gate_exps: self.x(hp, &format!("{p}ffn_gate_exps.weight"))?,
-            up_exps: self.x(hp, &format!("{p}ffn_up_exps.weight"))?,
-            down_exps: self.x(hp, &format!("{p}ffn_down_exps.weight"))?,
+            experts: self.experts(hp, p, &kind)?,
             gate_sh: self.tp_rows(&format!("{p}ffn_gate_shexp.weight"), mx, f0, fl)?,
             up_sh: self.tp_rows(&format!("{p}ffn_up_shexp.weight"), mx, f0, fl)?,
             down_sh: self.tp_cols(&format!("{p}ffn_down_shexp.weight"), f0, fl)?,
@@ -639,6 +714,26 @@ impl<B: Backend> Model<B> {
         rounding: Rounding,
         shard: Shard,
     ) -> Result<Model<B>, String> {
+        Model::load_placed(backend, hp, src, rounding, shard, None)
+    }
+
+    /// [`Model::load_from_shard`] with the routed experts of `host`'s layers kept in host
+    /// memory (`offload.rs`; one rank only).
+    pub fn load_placed(
+        backend: B,
+        hp: HParams,
+        src: &mut dyn WeightSource<B>,
+        rounding: Rounding,
+        shard: Shard,
+        host: Option<&HostPlacement>,
+    ) -> Result<Model<B>, String> {
+        if host.is_some_and(|h| !h.layers.is_empty()) && shard.is_split() {
+            return Err(
+                "routed experts in host memory (--cpu-experts) need one rank: not with \
+                 --devices"
+                    .into(),
+            );
+        }
         if shard.n_ranks == 0 || shard.rank >= shard.n_ranks {
             return Err(format!("rank {} of {} ranks", shard.rank, shard.n_ranks));
         }
@@ -659,6 +754,7 @@ impl<B: Backend> Model<B> {
             src,
             b: &backend,
             shard,
+            host,
             index_fp4: rounding.fp4_indexer,
         };
         let mut layers = Vec::with_capacity(hp.n_layer as usize);
@@ -697,7 +793,16 @@ impl<B: Backend> Model<B> {
             output,
             layers,
             mtp,
+            host_batch: host.map_or((UPLOAD_MIN, GROUP), |h| (h.upload_min, h.group)),
         })
+    }
+
+    /// Main-model layers whose routed experts are in host memory.
+    pub fn host_expert_layers(&self) -> Vec<usize> {
+        (self.layers.iter().enumerate())
+            .filter(|(_, l)| matches!(l.experts, Experts::Host { .. }))
+            .map(|(i, _)| i)
+            .collect()
     }
 
     fn hc_dims(&self) -> HcDims {
@@ -1213,23 +1318,70 @@ impl<B: Backend> Model<B> {
             b.moe_localize(&mut sel, &mut wgt, n, spec.n_used, e0, count);
             xspec.n_expert = count;
         }
-        b.moe_experts(
-            &xspec,
-            &l.gate_exps,
-            &l.up_exps,
-            &l.down_exps,
-            z,
-            &sel,
-            &wgt,
-            n,
-            &mut out,
-        );
+        match &l.experts {
+            Experts::Here { gate, up, down } => {
+                b.moe_experts(&xspec, gate, up, down, z, &sel, &wgt, n, &mut out)
+            }
+            Experts::Host { run, stacks } => {
+                out = self.moe_host(run.as_ref(), stacks, &xspec, z, &sel, &wgt, n)
+            }
+        }
         if let Some(g) = g {
             b.join();
             b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
         }
         if split {
             b.all_reduce_sum(&mut out, n * spec.d);
+        }
+        out
+    }
+
+    /// Routed experts held in host memory (`offload.rs`): run on the host for small batches,
+    /// else the selected experts uploaded a group at a time and run on the backend.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_host(
+        &self,
+        run: &dyn HostExperts,
+        stacks: &[HostStack; 3],
+        spec: &MoeSpec,
+        z: &B::Buf,
+        sel: &B::IBuf,
+        wgt: &B::Buf,
+        n: usize,
+    ) -> B::Buf {
+        let b = &self.backend;
+        let (k, d) = (spec.n_used, spec.d);
+        // Host reads: a recorded decode step ends here (the rest of it runs eagerly).
+        let s = b.download_i32(sel, n * k);
+        let w = b.download(wgt, n * k);
+        let (upload_min, group) = self.host_batch;
+        if n < upload_min {
+            let zh = b.download(z, n * d);
+            return b.upload(&run.run(spec, &zh, &s, &w, n));
+        }
+        let mut out = b.upload(&vec![0f32; n * d]);
+        for (e0, count, gs, gw) in offload::groups(&s, &w, k, spec.n_expert, group) {
+            let bind = |i: usize| stacks[i].with_src(e0, count, |src| b.matrix(src));
+            let (g, u, dn) = match (bind(0), bind(1), bind(2)) {
+                (Ok(g), Ok(u), Ok(dn)) => (g, u, dn),
+                // Binding failed (device memory ran short): this group on the host instead
+                // (a device backend that failed reports it at the step's check).
+                _ => {
+                    let zh = b.download(z, n * d);
+                    let global: Vec<i32> = gs.iter().map(|&e| e + e0 as i32).collect();
+                    let o = run.run(spec, &zh, &global, &gw, n);
+                    b.add(&mut out, &b.upload(&o), n * d);
+                    continue;
+                }
+            };
+            let gspec = MoeSpec {
+                n_expert: count,
+                ..*spec
+            };
+            let mut part = b.alloc(n * d);
+            let (si, wi) = (b.upload_i32(&gs), b.upload(&gw));
+            b.moe_experts(&gspec, &g, &u, &dn, z, &si, &wi, n, &mut part);
+            b.add(&mut out, &part, n * d);
         }
         out
     }

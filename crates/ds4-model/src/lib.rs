@@ -6,6 +6,7 @@ pub mod bind;
 pub mod forward;
 pub mod gguf_meta;
 pub mod hparams;
+pub mod offload;
 pub mod schedule;
 pub mod sharded;
 pub mod synthetic;

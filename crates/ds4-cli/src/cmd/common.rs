@@ -59,9 +59,22 @@ pub struct ModelArgs {
     /// ~1e-4. Decode steps and the CPU backend are the same either way.
     #[arg(long, default_value = ds4_engine::DEFAULT_PRECISION.name(), value_parser = ["exact", "fast"])]
     pub precision: String,
+    /// Routed experts in host memory, for a GPU whose memory cannot hold the model (an 8-24 GB
+    /// card with the q2 mix: every dense weight, ~8 GiB, stays on the GPU). `auto`: all on the
+    /// GPU when they fit, else those of as few of the last layers as let the rest fit; `N`: the
+    /// last N layers'; `all`; `off`: refuse a model that does not fit. Decode steps run those
+    /// experts on the CPU (memory bandwidth bound: as fast as the host's RAM); prompt batches of
+    /// 32 tokens or more upload the selected experts to the GPU, 32 at a time.
+    #[arg(long, default_value = "auto", value_parser = parse_cpu_experts)]
+    pub cpu_experts: ds4_engine::CpuExperts,
     /// Context size in tokens for the session.
     #[arg(long, default_value_t = 32768)]
     pub ctx: usize,
+}
+
+fn parse_cpu_experts(s: &str) -> Result<ds4_engine::CpuExperts, String> {
+    ds4_engine::CpuExperts::parse(s)
+        .ok_or_else(|| format!("{s}: expected auto, off, all or a number of layers"))
 }
 
 impl ModelArgs {
@@ -81,6 +94,7 @@ impl ModelArgs {
         o.precision = ds4_engine::Precision::parse(&self.precision)
             .ok_or_else(|| anyhow!("unknown precision {}", self.precision))?;
         o.mtp = self.mtp.clone();
+        o.cpu_experts = self.cpu_experts;
         let (what, msg) = match (&self.synthetic, &self.model) {
             (Some(p), _) => (format!("synthetic {p}"), "generating weights"),
             (None, Some(m)) => (m.display().to_string(), "loading weights"),

@@ -1466,6 +1466,35 @@ impl Backend for GpuBackend {
         self.op_random(kind, ty, dims, fill, seed)
     }
 
+    fn read_weight(&self, w: &GpuWeight, out: &mut [u8]) -> std::result::Result<(), String> {
+        let GpuWeight::Mat {
+            buf,
+            rows,
+            experts,
+            row_bytes,
+            ..
+        } = w
+        else {
+            return Err("read_weight: not a matrix".into());
+        };
+        let n = row_bytes * rows * experts.max(&1);
+        if out.len() != n {
+            return Err(format!(
+                "read_weight: {} bytes asked of a {n}-byte matrix",
+                out.len()
+            ));
+        }
+        self.flush(true);
+        let r = self.gpu.download(buf.ptr(), out);
+        let ok = r.is_ok();
+        self.note(r);
+        if ok {
+            Ok(())
+        } else {
+            Err(self.check().err().unwrap_or_default())
+        }
+    }
+
     fn table(&self, src: &WeightSrc) -> std::result::Result<GpuWeight, String> {
         if src.ty != GgmlType::I32 {
             return Err(format!("expected I32, found {:?}", src.ty));
