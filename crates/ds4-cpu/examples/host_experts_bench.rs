@@ -1,0 +1,133 @@
+//! Speed of routed experts in host memory (`--cpu-experts`): one full-size layer's stacks (q2
+//! mix: IQ2_XXS gate/up 4096 x 2048 x 256, Q2_K down 2048 x 4096 x 256, 1.69 GB of random
+//! blocks) and `CpuHostExperts::run` for a decode step (1 token, 6 random experts) and for small
+//! batches. Prints ms a layer and what 43 such layers allow per token.
+//!
+//!     cargo run --release -p ds4-cpu --example host_experts_bench [-- ITERS]
+
+use ds4_backend::{GgmlType, MoeSpec};
+use ds4_cpu::CpuHostExperts;
+use ds4_gguf::{GgufFile, GgufWriter};
+use ds4_model::forward::rope_tables;
+use ds4_model::offload::{HostExperts, HostStack};
+use ds4_model::synthetic::SynthPreset;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A stack of `e` experts of `rows x cols` random blocks of `ty`, with small f16 scales.
+fn stack(name: &str, ty: GgmlType, cols: u64, rows: u64, e: u64, seed: u64) -> HostStack {
+    let mut g = GgufWriter::new();
+    g.add_tensor(name, ty, &[cols, rows, e]).unwrap();
+    let (blk, d_at): (usize, &[usize]) = match ty {
+        GgmlType::IQ2_XXS => (66, &[0]),
+        GgmlType::Q2_K => (84, &[80, 82]),
+        _ => unreachable!(),
+    };
+    let bytes = g
+        .to_bytes(|_, out: &mut [u8]| {
+            let mut x = seed | 1;
+            for b in out.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                for (i, v) in b.iter_mut().enumerate() {
+                    *v = (x >> (8 * i)) as u8;
+                }
+            }
+            for block in out.chunks_exact_mut(blk) {
+                for &o in d_at {
+                    block[o..o + 2].copy_from_slice(&0x1800u16.to_le_bytes()); // f16 ~2^-9
+                }
+            }
+            Ok::<(), ds4_gguf::GgufError>(())
+        })
+        .unwrap();
+    let file = Arc::new(GgufFile::from_bytes(name, bytes).unwrap());
+    let t = file.tensors()[0].clone();
+    HostStack {
+        name: name.into(),
+        file,
+        ty,
+        dims: [cols, rows, e],
+        offset: t.offset as usize,
+        n_bytes: t.n_bytes as usize,
+    }
+}
+
+fn main() {
+    let iters: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(20);
+    let (hp, _) = SynthPreset::FullQ2.params();
+    let (d, ff, ne, k) = (
+        hp.n_embd as u64,
+        hp.n_ff_exp as u64,
+        hp.n_expert as u64,
+        hp.n_expert_used as usize,
+    );
+    let t = Instant::now();
+    let stacks = [
+        stack("gate", GgmlType::IQ2_XXS, d, ff, ne, 1),
+        stack("up", GgmlType::IQ2_XXS, d, ff, ne, 2),
+        stack("down", GgmlType::Q2_K, ff, d, ne, 3),
+    ];
+    let bytes: usize = stacks.iter().map(|s| s.n_bytes).sum();
+    println!(
+        "layer stacks: {:.2} GB in {:.1} s; {} threads",
+        bytes as f64 / 1e9,
+        t.elapsed().as_secs_f64(),
+        rayon::current_num_threads()
+    );
+    let run = CpuHostExperts::new(&stacks, &rope_tables(&hp)).unwrap();
+    let spec = MoeSpec {
+        n_expert: ne as usize,
+        n_used: k,
+        d: d as usize,
+        ff: ff as usize,
+        weight_scale: hp.expert_weights_scale,
+        clamp: 10.0,
+    };
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        x >> 33
+    };
+    for n in [1usize, 2, 4, 8] {
+        let z: Vec<f32> = (0..n * d as usize)
+            .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
+            .collect();
+        let mut times = Vec::new();
+        for _ in 0..iters {
+            // Distinct experts a token, new ones each iteration (cold in the caches, as decode).
+            let mut sel = Vec::new();
+            for _ in 0..n {
+                let mut s: Vec<i32> = Vec::new();
+                while s.len() < k {
+                    let e = (next() % ne) as i32;
+                    if !s.contains(&e) {
+                        s.push(e);
+                    }
+                }
+                sel.extend(s);
+            }
+            let wgt = vec![1.0 / k as f32; n * k];
+            let t = Instant::now();
+            let out = run.run(&spec, &z, &sel, &wgt, n);
+            times.push(t.elapsed().as_secs_f64());
+            assert!(out.iter().all(|v| v.is_finite()));
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let med = times[times.len() / 2];
+        let read = (n * k).min(ne as usize) as f64 * bytes as f64 / ne as f64;
+        println!(
+            "n = {n}: {:.2} ms a layer (median of {iters}), {:.1} GB/s of expert bytes; 43 layers: {:.1} tokens/s{}",
+            med * 1e3,
+            read / med / 1e9,
+            n as f64 / (43.0 * med),
+            if n == 1 { " (decode)" } else { "" }
+        );
+    }
+}
