@@ -31,9 +31,9 @@ for line in sys.stdin:
         shutil.copy(m["executable"], os.path.join(out, "t-" + name))
         print("test binary:", name)
 ' "$out"
-# DEVBIN_EXAMPLES="gemm_bench attn_bench": ds4-gpu examples built and carried too (as e-<name>).
+# DEVBIN_EXAMPLES="gemm_bench host_experts_bench": workspace examples built and carried too (as e-<name>).
 for e in ${DEVBIN_EXAMPLES:-}; do
-  cargo build --release -p ds4-gpu --example "$e" && cp "$CARGO_TARGET_DIR/release/examples/$e" "$out/e-$e"
+  cargo build --release --workspace --example "$e" && cp "$CARGO_TARGET_DIR/release/examples/$e" "$out/e-$e"
 done
 if [ -n "${DEVBIN_TESTS:-}" ]; then
   for f in "$out"/t-*; do

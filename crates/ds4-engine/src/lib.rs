@@ -900,6 +900,8 @@ impl Engine {
         let mut src = SynthSource::new(&hp, mix, seed, progress);
         let weights = src.total_bytes() as u64;
         let (b, line, host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+        // Host-memory stacks are generated on the device, then copied out and freed there.
+        let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
         let ropes = rope_tables(&hp);
         let make = cpu_host_experts(&ropes);
         let placement = HostPlacement::new(host, &make);
@@ -910,7 +912,7 @@ impl Engine {
         m.backend
             .finish()
             .map_err(|e| EngineError::Backend(name.into(), e))?;
-        let wb = m.backend.weight_bytes();
+        let wb = m.backend.weight_bytes().saturating_sub(on_host);
         Ok(Engine {
             model: Arc::new(m),
             tokenizer: Arc::new(tokenizer),
