@@ -146,6 +146,36 @@ fn bad_input_gives_one_clear_error_and_no_panic() {
     assert!(stderr(&o).contains("99999"), "{}", stderr(&o));
     let o = ds4(&["tokenize", "-m", s(&m), "--decode", "not json"]);
     assert!(stderr(&o).contains("JSON array"), "{}", stderr(&o));
+
+    // --cpu-experts: a bad value names the accepted ones; a layer count with several ranks
+    // (CPU reference ranks here) says why not.
+    let o = ds4(&["run", "-m", s(&m), "-p", "hi", "--cpu-experts", "some"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("expected auto, off, all or a number of layers"),
+        "{e}"
+    );
+    let o = ds4(&[
+        "run",
+        "-m",
+        s(&m),
+        "-p",
+        "hi",
+        "--backend",
+        "cpu",
+        "--devices",
+        "0,1",
+        "--cpu-experts",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("--cpu-experts") && e.contains("--devices"),
+        "{e}"
+    );
+    assert!(!e.contains("panicked"), "{e}");
     std::fs::remove_dir_all(&d).ok();
 }
 

@@ -206,9 +206,9 @@ fn expert_bytes_per_layer<'a>(
 fn check_cpu_experts(opts: &EngineOptions) -> Result<(), EngineError> {
     if opts.devices.len() > 1 && matches!(opts.cpu_experts, CpuExperts::Last(_)) {
         return Err(EngineError::Backend(
-            "gpu".into(),
+            format!("{:?}", opts.backend).to_lowercase(),
             "--cpu-experts keeps routed experts in host memory beside one GPU; with --devices \
-             the GPUs split the experts instead (leave --cpu-experts at auto or off)"
+             the ranks split the experts instead (leave --cpu-experts at auto or off)"
                 .into(),
         ));
     }
