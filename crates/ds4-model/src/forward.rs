@@ -1311,21 +1311,22 @@ impl<B: Backend> Model<B> {
             &mut sel,
             &mut wgt,
         );
-        let mut out = b.alloc(n * spec.d);
         let mut xspec = spec;
         if split {
             let (e0, count) = self.shard.experts(spec.n_expert);
             b.moe_localize(&mut sel, &mut wgt, n, spec.n_used, e0, count);
             xspec.n_expert = count;
         }
-        match &l.experts {
+        let mut out = match &l.experts {
             Experts::Here { gate, up, down } => {
-                b.moe_experts(&xspec, gate, up, down, z, &sel, &wgt, n, &mut out)
+                let mut out = b.alloc(n * spec.d);
+                b.moe_experts(&xspec, gate, up, down, z, &sel, &wgt, n, &mut out);
+                out
             }
             Experts::Host { run, stacks } => {
-                out = self.moe_host(run.as_ref(), stacks, &xspec, z, &sel, &wgt, n)
+                self.moe_host(run.as_ref(), stacks, &xspec, z, &sel, &wgt, n)
             }
-        }
+        };
         if let Some(g) = g {
             b.join();
             b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
