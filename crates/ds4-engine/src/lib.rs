@@ -170,7 +170,7 @@ pub fn host_expert_layers(
             let group = host_group_bytes(per_layer, n_expert);
             let mut on_gpu = weights.saturating_add(group);
             for k in 1..=n {
-                on_gpu -= per_layer[n - k];
+                on_gpu = on_gpu.saturating_sub(per_layer[n - k]);
                 if on_gpu.saturating_add(GPU_RESERVE) <= free {
                     return last(k);
                 }
@@ -200,6 +200,34 @@ fn expert_bytes_per_layer<'a>(
         }
     }
     v
+}
+
+/// Why the weights left on the device do not fit even with `what` = (layers, of layers, bytes)
+/// of routed experts in host memory (None: they fit with [`GPU_RESERVE`] to spare).
+fn host_fit_error(
+    what: (usize, usize, u64),
+    dev_weights: u64,
+    free: u64,
+    total: u64,
+    device: &str,
+) -> Option<String> {
+    if dev_weights.saturating_add(GPU_RESERVE) <= free {
+        return None;
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    Some(format!(
+        "with the routed experts of {} of {} layers in host memory ({:.1} GiB), the other \
+         weights still need {:.1} GiB of device memory (plus ~{:.0} GiB for session state and \
+         scratch), but {device} has {:.1} of {:.1} GiB free: use another GPU (--device N) or \
+         --backend cpu",
+        what.0,
+        what.1,
+        gib(what.2),
+        gib(dev_weights),
+        gib(GPU_RESERVE),
+        gib(free),
+        gib(total)
+    ))
 }
 
 /// `--cpu-experts N|all` needs one GPU: several ranks hold 1/N of the experts each instead.
@@ -480,7 +508,15 @@ fn gpu_backend_placed(
     } else {
         host_group_bytes(per_layer, n_expert)
     };
-    let (b, mut line) = gpu_backend(pick, hp, weights - on_host + group, opts.precision)?;
+    let dev_weights = weights.saturating_sub(on_host) + group;
+    if let (false, Ok((free, total))) = (host.is_empty(), pick.gpu.mem_info()) {
+        let dev = format!("GPU {} ({})", pick.gpu.info().index, pick.gpu.info().name);
+        let what = (host.len(), per_layer.len(), on_host);
+        if let Some(e) = host_fit_error(what, dev_weights, free, total, &dev) {
+            return Err(EngineError::Backend(pick.name.into(), e));
+        }
+    }
+    let (b, mut line) = gpu_backend(pick, hp, dev_weights, opts.precision)?;
     if !host.is_empty() {
         line += &format!(
             "; routed experts of {} of {} layers in host memory ({:.1} GiB, --cpu-experts)",
@@ -1468,6 +1504,22 @@ mod tests {
             .into_iter(),
         );
         assert_eq!(per_layer, vec![10, 7]);
+        // Dense weights too large even with every layer's experts on the host: said with the
+        // numbers; the same weights with room: no error.
+        let e =
+            host_fit_error((43, 43, 78 * gib), 8 * gib, 6 * gib, 8 * gib, "GPU 0 (T4)").unwrap();
+        assert!(
+            e.contains("43 of 43 layers in host memory (78.0 GiB)"),
+            "{e}"
+        );
+        assert!(
+            e.contains("still need 8.0 GiB") && e.contains("GPU 0 (T4) has 6.0 of 8.0"),
+            "{e}"
+        );
+        assert_eq!(
+            host_fit_error((43, 43, 78 * gib), 8 * gib, 10 * gib, 16 * gib, "d"),
+            None
+        );
     }
 
     #[test]
