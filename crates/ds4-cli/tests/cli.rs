@@ -149,26 +149,16 @@ fn bad_input_gives_one_clear_error_and_no_panic() {
 
     // --cpu-experts: a bad value names the accepted ones; a layer count with several ranks
     // (CPU reference ranks here) says why not.
-    let o = ds4(&["run", "-m", s(&m), "-p", "hi", "--cpu-experts", "some"]);
+    let run = ["run", "-m", s(&m), "-p", "hi"];
+    let o = ds4(&[&run[..], &["--cpu-experts", "some"]].concat());
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
         e.contains("expected auto, off, all or a number of layers"),
         "{e}"
     );
-    let o = ds4(&[
-        "run",
-        "-m",
-        s(&m),
-        "-p",
-        "hi",
-        "--backend",
-        "cpu",
-        "--devices",
-        "0,1",
-        "--cpu-experts",
-        "2",
-    ]);
+    let more = ["--backend", "cpu", "--devices", "0,1", "--cpu-experts", "2"];
+    let o = ds4(&[&run[..], &more[..]].concat());
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(

@@ -7,51 +7,36 @@
 
 use ds4_backend::{GgmlType, MoeSpec};
 use ds4_cpu::CpuHostExperts;
-use ds4_gguf::{GgufFile, GgufWriter};
 use ds4_model::forward::rope_tables;
 use ds4_model::offload::{HostExperts, HostStack};
 use ds4_model::synthetic::SynthPreset;
-use std::sync::Arc;
 use std::time::Instant;
 
 /// A stack of `e` experts of `rows x cols` random blocks of `ty`, with small f16 scales.
 fn stack(name: &str, ty: GgmlType, cols: u64, rows: u64, e: u64, seed: u64) -> HostStack {
-    let mut g = GgufWriter::new();
-    g.add_tensor(name, ty, &[cols, rows, e]).unwrap();
     let (blk, d_at): (usize, &[usize]) = match ty {
         GgmlType::IQ2_XXS => (66, &[0]),
         GgmlType::Q2_K => (84, &[80, 82]),
         _ => unreachable!(),
     };
-    let bytes = g
-        .to_bytes(|_, out: &mut [u8]| {
-            let mut x = seed | 1;
-            for b in out.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                for (i, v) in b.iter_mut().enumerate() {
-                    *v = (x >> (8 * i)) as u8;
-                }
+    HostStack::in_memory(name, ty, [cols, rows, e], |out| {
+        let mut x = seed | 1;
+        for b in out.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            for (i, v) in b.iter_mut().enumerate() {
+                *v = (x >> (8 * i)) as u8;
             }
-            for block in out.chunks_exact_mut(blk) {
-                for &o in d_at {
-                    block[o..o + 2].copy_from_slice(&0x1800u16.to_le_bytes()); // f16 ~2^-9
-                }
+        }
+        for block in out.chunks_exact_mut(blk) {
+            for &o in d_at {
+                block[o..o + 2].copy_from_slice(&0x1800u16.to_le_bytes()); // f16 ~2^-9
             }
-            Ok::<(), ds4_gguf::GgufError>(())
-        })
-        .unwrap();
-    let file = Arc::new(GgufFile::from_bytes(name, bytes).unwrap());
-    let t = file.tensors()[0].clone();
-    HostStack {
-        name: name.into(),
-        file,
-        ty,
-        dims: [cols, rows, e],
-        offset: t.offset as usize,
-        n_bytes: t.n_bytes as usize,
-    }
+        }
+        Ok(())
+    })
+    .unwrap()
 }
 
 fn main() {

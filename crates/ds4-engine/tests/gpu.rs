@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{max_abs, PROMPT};
+use common::{max_abs, max_abs_rows, PROMPT};
 use ds4_engine::{argmax, BackendChoice, Engine, EngineOptions};
 use std::sync::{Mutex, MutexGuard};
 
@@ -102,16 +102,11 @@ fn gpu_host_experts_match_cpu_reference() {
         g.backend_name()
     );
     let c = open(BackendChoice::Cpu).unwrap();
-    let (gt, gl) = greedy(&g);
-    let (ct, cl) = greedy(&c);
-    let worst = gl
-        .iter()
-        .zip(&cl)
-        .map(|(a, b)| max_abs(a, b))
-        .fold(0.0, f32::max);
-    println!("host experts, 13-token prompt + {N} steps: max |Δ logit| {worst:.3e}");
-    assert_eq!(gt, ct, "greedy tokens differ");
-    assert!(worst < 1e-3, "logits differ by {worst}");
+    same_greedy(
+        &c,
+        &g,
+        "host experts on the GPU (13-token prompt) vs the CPU",
+    );
     // A 65-token prompt: the grouped upload path, then decode steps on the host path.
     let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();
     let run = |e: &Engine| {
@@ -124,12 +119,7 @@ fn gpu_host_experts_match_cpu_reference() {
         }
         out
     };
-    let (a, b) = (run(&g), run(&c));
-    let worst = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| max_abs(x, y))
-        .fold(0.0, f32::max);
+    let worst = max_abs_rows(&run(&g), &run(&c));
     println!("host experts, 65-token prompt (grouped upload) + 8 steps: max |Δ logit| {worst:.3e}");
     assert!(worst < 1e-3, "logits differ by {worst}");
 }
@@ -505,15 +495,11 @@ fn gpu_expert_parallel_over_nccl() {
     same_greedy(&g, &ep, "2 NCCL ranks");
 }
 
-/// `ep` gives one GPU's (`g`) greedy tokens with logits within 1e-3; those tokens.
+/// `ep` gives `g`'s greedy tokens (one GPU's, or the CPU's) with logits within 1e-3; those tokens.
 fn same_greedy(g: &Engine, ep: &Engine, what: &str) -> Vec<u32> {
     let (gt, gl) = greedy(g);
     let (et, el) = greedy(ep);
-    let worst = gl
-        .iter()
-        .zip(&el)
-        .map(|(a, b)| max_abs(a, b))
-        .fold(0.0, f32::max);
+    let worst = max_abs_rows(&gl, &el);
     println!("{what} vs one GPU: max |Δ logit| {worst:.3e} over {N} steps");
     assert_eq!(et, gt, "{what}");
     assert!(worst < 1e-3, "{what}: {worst}");

@@ -42,6 +42,36 @@ impl HostStack {
         self.n_bytes / self.experts().max(1)
     }
 
+    /// A stack in memory (a one-tensor GGUF) whose bytes `fill` writes: generated weights.
+    pub fn in_memory(
+        name: &str,
+        ty: GgmlType,
+        dims: [u64; 3],
+        fill: impl FnOnce(&mut [u8]) -> Result<(), String>,
+    ) -> Result<HostStack, String> {
+        let mut g = ds4_gguf::GgufWriter::new();
+        g.add_tensor(name, ty, &dims)
+            .map_err(|e| format!("tensor {name}: {e}"))?;
+        let mut fill = Some(fill);
+        let bytes = g
+            .to_bytes(|_, out: &mut [u8]| match fill.take() {
+                Some(f) => f(out).map_err(FillError::Fill),
+                None => Ok(()), // one tensor: called once
+            })
+            .map_err(|e| format!("tensor {name}: {e}"))?;
+        let file =
+            Arc::new(GgufFile::from_bytes(name, bytes).map_err(|e| format!("tensor {name}: {e}"))?);
+        let info = file.tensors()[0].clone();
+        Ok(HostStack {
+            name: name.to_string(),
+            file,
+            ty,
+            dims,
+            offset: info.offset as usize,
+            n_bytes: info.n_bytes as usize,
+        })
+    }
+
     /// `f` with experts `e0 .. e0 + count` as a [`WeightSrc`] (a `[cols, rows, count]` stack).
     pub fn with_src<R>(&self, e0: usize, count: usize, f: impl FnOnce(&WeightSrc) -> R) -> R {
         let dims = [self.dims[0], self.dims[1], count as u64];
@@ -53,6 +83,27 @@ impl HostStack {
             offset: self.offset + e0 * self.slab(),
             n_bytes: count * self.slab(),
         })
+    }
+}
+
+/// Why [`HostStack::in_memory`] failed: its `fill`, or the in-memory file.
+enum FillError {
+    Fill(String),
+    File(ds4_gguf::GgufError),
+}
+
+impl From<ds4_gguf::GgufError> for FillError {
+    fn from(e: ds4_gguf::GgufError) -> FillError {
+        FillError::File(e)
+    }
+}
+
+impl std::fmt::Display for FillError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FillError::Fill(e) => write!(f, "{e}"),
+            FillError::File(e) => write!(f, "{e}"),
+        }
     }
 }
 

@@ -9,7 +9,6 @@ use crate::offload::HostStack;
 use crate::tensors::{main_tensors, tensor_bytes, Family, Mix, TensorSpec};
 use ds4_backend::{Backend, Fill, WeightKind};
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// A synthetic model shape (`--synthetic`), as `ds4 synth`'s presets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,47 +178,7 @@ impl<B: Backend> WeightSource<B> for SynthSource<'_> {
             ));
         };
         let w = self.weight(b, name, WeightKind::Matrix)?;
-        let mut g = ds4_gguf::GgufWriter::new();
-        g.add_tensor(name, ty, &[c, r, e])
-            .map_err(|e| format!("tensor {name}: {e}"))?;
-        let bytes = g
-            .to_bytes(|_, out: &mut [u8]| b.read_weight(&w, out).map_err(ReadBack::Backend))
-            .map_err(|e| format!("tensor {name}: {e}"))?;
-        drop(w);
-        let file = Arc::new(
-            ds4_gguf::GgufFile::from_bytes(name, bytes)
-                .map_err(|e| format!("tensor {name}: {e}"))?,
-        );
-        let info = file.tensors()[0].clone();
-        Ok(HostStack {
-            name: name.to_string(),
-            file,
-            ty,
-            dims: [c, r, e],
-            offset: info.offset as usize,
-            n_bytes: info.n_bytes as usize,
-        })
-    }
-}
-
-/// Why a generated stack could not be read back.
-enum ReadBack {
-    Backend(String),
-    File(ds4_gguf::GgufError),
-}
-
-impl From<ds4_gguf::GgufError> for ReadBack {
-    fn from(e: ds4_gguf::GgufError) -> ReadBack {
-        ReadBack::File(e)
-    }
-}
-
-impl std::fmt::Display for ReadBack {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ReadBack::Backend(e) => write!(f, "{e}"),
-            ReadBack::File(e) => write!(f, "{e}"),
-        }
+        HostStack::in_memory(name, ty, [c, r, e], |out| b.read_weight(&w, out))
     }
 }
 

@@ -47,3 +47,11 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// [`max_abs`] over rows of logits.
+pub fn max_abs_rows(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| max_abs(x, y))
+        .fold(0.0, f32::max)
+}
