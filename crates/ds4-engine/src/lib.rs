@@ -230,6 +230,39 @@ fn host_fit_error(
     ))
 }
 
+/// `MemAvailable` from `/proc/meminfo` (Linux), in bytes; None elsewhere.
+pub fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// Host memory kept free beside a synthetic model's host-memory experts.
+const HOST_RESERVE: u64 = 2 << 30;
+
+/// Why `bytes` of generated expert stacks (a synthetic model has no file to map them from) do
+/// not fit `available` bytes of host memory with [`HOST_RESERVE`] to spare.
+fn host_memory_error(layers: usize, bytes: u64, available: u64) -> Option<String> {
+    if bytes.saturating_add(HOST_RESERVE) <= available {
+        return None;
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    Some(format!(
+        "the routed experts of {layers} layers need {:.1} GiB of host memory (a synthetic \
+         model's are generated, not mapped from a file), but {:.1} GiB are available: keep \
+         fewer layers' experts in host memory (--cpu-experts N)",
+        gib(bytes),
+        gib(available)
+    ))
+}
+
 /// `--cpu-experts N|all` needs one GPU: several ranks hold 1/N of the experts each instead.
 fn check_cpu_experts(opts: &EngineOptions) -> Result<(), EngineError> {
     if opts.devices.len() > 1 && matches!(opts.cpu_experts, CpuExperts::Last(_)) {
@@ -938,6 +971,9 @@ impl Engine {
         let (b, line, host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
         // Host-memory stacks are generated on the device, then copied out and freed there.
         let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
+        if let Some(e) = mem_available().and_then(|a| host_memory_error(host.len(), on_host, a)) {
+            return Err(EngineError::Backend(name.into(), e));
+        }
         let ropes = rope_tables(&hp);
         let make = cpu_host_experts(&ropes);
         let placement = HostPlacement::new(host, &make);
@@ -1520,6 +1556,14 @@ mod tests {
             host_fit_error((43, 43, 78 * gib), 8 * gib, 10 * gib, 16 * gib, "d"),
             None
         );
+        let e = host_memory_error(43, 72 * gib, 60 * gib).unwrap();
+        assert!(
+            e.contains("43 layers need 72.0 GiB") && e.contains("60.0 GiB are available"),
+            "{e}"
+        );
+        assert_eq!(host_memory_error(43, 72 * gib, 74 * gib), None);
+        assert!(host_memory_error(43, 72 * gib, 74 * gib - 1).is_some());
+        assert!(mem_available().is_none_or(|b| b > 0));
     }
 
     #[test]

@@ -97,19 +97,7 @@ pub fn device_live_sessions(per_session: u64, free: u64) -> usize {
     (free / 2 / per_session.max(1)).clamp(1, DEFAULT_LIVE_SESSIONS as u64) as usize
 }
 
-/// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
-fn mem_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kb: u64 = s
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
-}
+use ds4_engine::mem_available;
 
 /// The disk KV cache settings (interfaces.md §5.3).
 #[derive(Clone, Debug)]
