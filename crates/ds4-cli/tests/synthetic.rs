@@ -83,4 +83,9 @@ fn devices_reports_full_size_memory() {
         out.contains("full-size model: weights 80.8 GiB (q2) / 153.3 GiB (q4)"),
         "{out}"
     );
+    // What a GPU holds with every routed expert in host memory (--cpu-experts all).
+    assert!(
+        out.contains("routed experts 72.6 / 145.1 GiB (--cpu-experts all leaves 8.2 / 8.2 GiB"),
+        "{out}"
+    );
 }

@@ -406,11 +406,23 @@ fn full_size_line() -> String {
             .map(|t| tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0))
             .sum()
     };
+    let experts = |mix: Mix| -> u64 {
+        main_tensors(&hp)
+            .iter()
+            .filter(|t| t.name.ends_with("_exps.weight"))
+            .map(|t| tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0))
+            .sum()
+    };
     format!(
-        "full-size model: weights {:.1} GiB (q2) / {:.1} GiB (q4); session state {:.2} GiB at 32k \
-         context, {:.2} GiB at 1M ({:.2} / {:.2} GiB on a GPU: bf16 indexer rows)",
+        "full-size model: weights {:.1} GiB (q2) / {:.1} GiB (q4), of which routed experts {:.1} / \
+         {:.1} GiB (--cpu-experts all leaves {:.1} / {:.1} GiB on the GPU); session state {:.2} GiB \
+         at 32k context, {:.2} GiB at 1M ({:.2} / {:.2} GiB on a GPU: bf16 indexer rows)",
         gib(weights(Mix::Q2)),
         gib(weights(Mix::Q4)),
+        gib(experts(Mix::Q2)),
+        gib(experts(Mix::Q4)),
+        gib(weights(Mix::Q2) - experts(Mix::Q2)),
+        gib(weights(Mix::Q4) - experts(Mix::Q4)),
         gib(hp.session_bytes(32 << 10, 4, 4)),
         gib(hp.session_bytes(1 << 20, 4, 4)),
         gib(hp.session_bytes(32 << 10, 4, 2)),
