@@ -785,8 +785,86 @@ impl CpuHostExperts {
     }
 }
 
+/// Decode-sized calls (at most this many slots) take [`CpuHostExperts::run_slots`];
+/// `DS4_HOST_EXPERTS_SLOTS=N` sets the bound (0: always the backend's form, for A/B runs: a tie
+/// on 2 cores, `examples/host_experts_bench.rs`; made for many cores, not yet measured there).
+fn host_slots_max() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("DS4_HOST_EXPERTS_SLOTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64)
+    })
+}
+/// Output rows a task in [`CpuHostExperts::run_slots`].
+const HOST_ROWS: usize = 32;
+
+impl CpuHostExperts {
+    /// [`Backend::moe_experts`]'s value with one parallel region for every slot's gate/up rows
+    /// and one for the down rows (the backend's form runs 3 products an expert one after
+    /// another, each split over the threads: 18 fork-joins a decode step, unbalanced on many
+    /// cores). Every output is the same row dot product and the slots are summed in the same
+    /// order, so the bits are the backend's (`tests/host_experts.rs`).
+    fn run_slots(&self, spec: &MoeSpec, z: &[f32], sel: &[i32], wgt: &[f32], n: usize) -> Vec<f32> {
+        use rayon::prelude::*;
+        let (k, ff, d, c) = (spec.n_used, spec.ff, spec.d, spec.clamp);
+        let (gm, um, dm) = (self.gate.mat(), self.up.mat(), self.down.mat());
+        fn row(m: &Mat, e: usize, r: usize) -> &[u8] {
+            let rb = m.row_bytes();
+            &m.bytes()[(e * m.rows + r) * rb..(e * m.rows + r + 1) * rb]
+        }
+        // Slots that add something (weight 0 adds exactly 0: skipped, as the backend does).
+        let slots: Vec<usize> = (0..n * k)
+            .filter(|&s| wgt[s] != 0.0 && (sel[s] as usize) < spec.n_expert && sel[s] >= 0)
+            .collect();
+        let mut h = vec![0f32; slots.len() * ff];
+        h.par_chunks_mut(HOST_ROWS)
+            .enumerate()
+            .for_each(|(ci, hc)| {
+                let (j, r0) = (ci * HOST_ROWS / ff, ci * HOST_ROWS % ff);
+                let s = slots[j];
+                let (e, x) = (sel[s] as usize, &z[(s / k) * d..(s / k + 1) * d]);
+                for (i, hv) in hc.iter_mut().enumerate() {
+                    let g = gm.kernel.dot(row(gm, e, r0 + i), x);
+                    let u = um.kernel.dot(row(um, e, r0 + i), x);
+                    *hv = silu(g.min(c)) * u.clamp(-c, c) * wgt[s];
+                }
+            });
+        let mut y = vec![0f32; slots.len() * d];
+        y.par_chunks_mut(HOST_ROWS)
+            .enumerate()
+            .for_each(|(ci, yc)| {
+                let (j, r0) = (ci * HOST_ROWS / d, ci * HOST_ROWS % d);
+                let e = sel[slots[j]] as usize;
+                let hj = &h[j * ff..(j + 1) * ff];
+                for (i, yv) in yc.iter_mut().enumerate() {
+                    *yv = dm.kernel.dot(row(dm, e, r0 + i), hj);
+                }
+            });
+        let mut slot_out = vec![0f32; n * k * d];
+        for (j, &s) in slots.iter().enumerate() {
+            slot_out[s * d..(s + 1) * d].copy_from_slice(&y[j * d..(j + 1) * d]);
+        }
+        let mut out = vec![0f32; n * d];
+        for i in 0..n {
+            let o = &mut out[i * d..(i + 1) * d];
+            for s in 0..k {
+                o.iter_mut()
+                    .zip(&slot_out[(i * k + s) * d..(i * k + s + 1) * d])
+                    .for_each(|(o, v)| *o += v);
+            }
+        }
+        out
+    }
+}
+
 impl ds4_model::offload::HostExperts for CpuHostExperts {
     fn run(&self, spec: &MoeSpec, z: &[f32], sel: &[i32], wgt: &[f32], n: usize) -> Vec<f32> {
+        let rows_whole = spec.ff.is_multiple_of(HOST_ROWS) && spec.d.is_multiple_of(HOST_ROWS);
+        if n * spec.n_used <= host_slots_max() && rows_whole {
+            return self.run_slots(spec, z, sel, wgt, n);
+        }
         let mut out = vec![0f32; n * spec.d];
         self.cpu.moe_experts(
             spec,
