@@ -786,8 +786,8 @@ impl CpuHostExperts {
 }
 
 /// Decode-sized calls (at most this many slots) take [`CpuHostExperts::run_slots`];
-/// `DS4_HOST_EXPERTS_SLOTS=N` sets the bound (0: always the backend's form, for A/B runs: a tie
-/// on 2 cores, `examples/host_experts_bench.rs`; made for many cores, not yet measured there).
+/// `DS4_HOST_EXPERTS_SLOTS=N` sets the bound (0: always the backend's form, for A/B runs: 6-9%
+/// slower on 2 cores, bench/results/host-experts-cpu-s39.txt; not yet measured on many cores).
 fn host_slots_max() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *V.get_or_init(|| {
