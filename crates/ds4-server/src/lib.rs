@@ -1114,9 +1114,10 @@ pub fn run_blocking(
             let t = Instant::now();
             let r = open();
             match &r {
-                Ok(_) => eprintln!(
-                    "ds4 serve: model ready in {:.1} s",
-                    t.elapsed().as_secs_f64()
+                Ok(e) => eprintln!(
+                    "ds4 serve: model ready in {:.1} s on {}",
+                    t.elapsed().as_secs_f64(),
+                    e.backend_name()
                 ),
                 Err(e) => eprintln!("ds4 serve: error: {e}"),
             }

@@ -72,6 +72,14 @@ pub struct ModelArgs {
     pub ctx: usize,
 }
 
+/// One stderr line when the GPU keeps routed experts in host memory (`--cpu-experts`), for the
+/// commands that otherwise print nothing about the backend (`run`, `logits`).
+pub fn note_host_experts(engine: &Engine) {
+    if engine.backend_name().contains("in host memory") {
+        eprintln!("ds4: {}", engine.backend_name());
+    }
+}
+
 fn parse_cpu_experts(s: &str) -> Result<ds4_engine::CpuExperts, String> {
     ds4_engine::CpuExperts::parse(s)
         .ok_or_else(|| format!("{s}: expected auto, off, all or a number of layers"))

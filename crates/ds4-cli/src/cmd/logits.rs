@@ -46,6 +46,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{}: no token ids", a.tokens.display());
     }
     let engine = a.model.open()?;
+    super::common::note_host_experts(&engine);
     let v = engine.hparams().n_vocab as usize;
     let mut session = engine.new_session(a.model.ctx.max(ids.len()));
     let mut rows: Vec<f32> = Vec::with_capacity(ids.len() * v);

@@ -52,6 +52,7 @@ pub fn run(a: Args) -> Result<()> {
         (None, None) => bail!("give a prompt with -p TEXT or --prompt-file FILE"),
     };
     let engine = a.model.open()?;
+    super::common::note_host_experts(&engine);
     let tok = engine.tokenizer().clone();
     let mode = think_mode(&a.think);
     let ids = encode_pieces(
