@@ -35,6 +35,7 @@ start() {
         if python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" \
             "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; then
             echo "server ready in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}") s" | tee -a "$OUT/agent.txt"
+            grep "model ready" "$OUT/serve.log" | tail -1 | tee -a "$OUT/agent.txt"
             return 0
         fi
         kill -0 $pid 2> /dev/null || break
