@@ -730,15 +730,7 @@ impl Backend for CpuBackend {
                 slot_out[s * d..(s + 1) * d].copy_from_slice(&y[r * d..(r + 1) * d]);
             }
         }
-        for i in 0..n {
-            let o = &mut out[i * d..(i + 1) * d];
-            o.fill(0.0);
-            for s in 0..k {
-                o.iter_mut()
-                    .zip(&slot_out[(i * k + s) * d..(i * k + s + 1) * d])
-                    .for_each(|(o, v)| *o += v);
-            }
-        }
+        sum_slots(&slot_out, n, k, d, out);
     }
 
     fn swiglu(&self, g: &mut Vec<f32>, u: &Vec<f32>, len: usize, c: f32) {
@@ -750,6 +742,20 @@ impl Backend for CpuBackend {
     fn all_reduce_sum(&self, y: &mut Vec<f32>, len: usize) {
         if let Some((rank, comm)) = &self.comm {
             comm.all_reduce(*rank, &mut y[..len]);
+        }
+    }
+}
+
+/// `out[i] = Σ over slots s < k in selection order of slot_out[i k + s]`, from zeros: the MoE's
+/// slot sum (one order for every form, so their bits agree).
+fn sum_slots(slot_out: &[f32], n: usize, k: usize, d: usize, out: &mut [f32]) {
+    for i in 0..n {
+        let o = &mut out[i * d..(i + 1) * d];
+        o.fill(0.0);
+        for s in 0..k {
+            o.iter_mut()
+                .zip(&slot_out[(i * k + s) * d..(i * k + s + 1) * d])
+                .for_each(|(o, v)| *o += v);
         }
     }
 }
@@ -847,14 +853,7 @@ impl CpuHostExperts {
             slot_out[s * d..(s + 1) * d].copy_from_slice(&y[j * d..(j + 1) * d]);
         }
         let mut out = vec![0f32; n * d];
-        for i in 0..n {
-            let o = &mut out[i * d..(i + 1) * d];
-            for s in 0..k {
-                o.iter_mut()
-                    .zip(&slot_out[(i * k + s) * d..(i * k + s + 1) * d])
-                    .for_each(|(o, v)| *o += v);
-            }
-        }
+        sum_slots(&slot_out, n, k, d, &mut out);
         out
     }
 }

@@ -211,10 +211,7 @@ fn host_fit_error(
     total: u64,
     device: &str,
 ) -> Option<String> {
-    if dev_weights.saturating_add(GPU_RESERVE) <= free {
-        return None;
-    }
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    gpu_fit_error(dev_weights, free, total, device)?;
     Some(format!(
         "with the routed experts of {} of {} layers in host memory ({:.1} GiB), the other \
          weights still need {:.1} GiB of device memory (plus ~{:.0} GiB for session state and \
@@ -244,6 +241,11 @@ pub fn mem_available() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Bytes as GiB (messages).
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
 /// Host memory kept free beside a synthetic model's host-memory experts.
 const HOST_RESERVE: u64 = 2 << 30;
 
@@ -253,7 +255,6 @@ fn host_memory_error(layers: usize, bytes: u64, available: u64) -> Option<String
     if bytes.saturating_add(HOST_RESERVE) <= available {
         return None;
     }
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     Some(format!(
         "the routed experts of {layers} layers need {:.1} GiB of host memory (a synthetic \
          model's are generated, not mapped from a file), but {:.1} GiB are available: keep \
@@ -399,7 +400,6 @@ pub fn device_report() -> Vec<String> {
 fn full_size_line() -> String {
     use ds4_model::tensors::{main_tensors, tensor_bytes, Mix};
     let hp = HParams::flash();
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let weights = |mix: Mix| -> u64 {
         main_tensors(&hp)
             .iter()
@@ -500,7 +500,6 @@ pub fn gpu_fit_error(weights: u64, free: u64, total: u64, device: &str) -> Optio
     if weights.saturating_add(GPU_RESERVE) <= free {
         return None;
     }
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     Some(format!(
         "the model's weights need {:.1} GiB of device memory (plus ~{:.0} GiB for session state and \
          scratch), but {device} has {:.1} of {:.1} GiB free: keep routed experts in host memory \
@@ -535,18 +534,24 @@ fn gpu_backend(
 }
 
 /// [`gpu_backend`] for a model whose routed experts may stay in host memory
-/// (`opts.cpu_experts`): the backend, its line (saying where the experts are) and the layers
-/// whose experts are in host memory.
+/// (`opts.cpu_experts`): the backend, its line (saying where the experts are), the layers
+/// whose experts are in host memory and their bytes.
 fn gpu_backend_placed(
     pick: GpuPick,
     hp: &HParams,
     weights: u64,
     per_layer: &[u64],
     opts: &EngineOptions,
-) -> Result<(ds4_gpu::GpuBackend, String, Vec<usize>), EngineError> {
-    let free = pick.gpu.mem_info().ok().map(|(f, _)| f);
+) -> Result<(ds4_gpu::GpuBackend, String, Vec<usize>, u64), EngineError> {
+    let mem = pick.gpu.mem_info().ok();
     let n_expert = hp.n_expert as usize;
-    let host = host_expert_layers(opts.cpu_experts, per_layer, n_expert, weights, free);
+    let host = host_expert_layers(
+        opts.cpu_experts,
+        per_layer,
+        n_expert,
+        weights,
+        mem.map(|m| m.0),
+    );
     let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
     let group = if host.is_empty() {
         0
@@ -554,7 +559,7 @@ fn gpu_backend_placed(
         host_group_bytes(per_layer, n_expert)
     };
     let dev_weights = weights.saturating_sub(on_host) + group;
-    if let (false, Ok((free, total))) = (host.is_empty(), pick.gpu.mem_info()) {
+    if let (false, Some((free, total))) = (host.is_empty(), mem) {
         let dev = format!("GPU {} ({})", pick.gpu.info().index, pick.gpu.info().name);
         let what = (host.len(), per_layer.len(), on_host);
         if let Some(e) = host_fit_error(what, dev_weights, free, total, &dev) {
@@ -567,10 +572,10 @@ fn gpu_backend_placed(
             "; routed experts of {} of {} layers in host memory ({:.1} GiB, --cpu-experts)",
             host.len(),
             per_layer.len(),
-            on_host as f64 / (1u64 << 30) as f64
+            gib(on_host)
         );
     }
-    Ok((b, line, host))
+    Ok((b, line, host, on_host))
 }
 
 /// Bytes of a model's weights: all of them, the routed experts' part (split between
@@ -870,7 +875,7 @@ impl Engine {
                         .iter()
                         .map(|t| (t.name.as_str(), t.n_bytes)),
                 );
-                let (b, line, host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+                let (b, line, host, _) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
                 let ropes = rope_tables(&hp);
                 let make = cpu_host_experts(&ropes);
                 let placement = HostPlacement::new(host, &make);
@@ -980,9 +985,8 @@ impl Engine {
         );
         let mut src = SynthSource::new(&hp, mix, seed, progress);
         let weights = src.total_bytes() as u64;
-        let (b, line, host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
         // Host-memory stacks are generated on the device, then copied out and freed there.
-        let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
+        let (b, line, host, on_host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
         if let Some(e) = mem_available().and_then(|a| host_memory_error(host.len(), on_host, a)) {
             return Err(EngineError::Backend(name.into(), e));
         }
@@ -1475,7 +1479,6 @@ mod tests {
     /// TP must take its tensors' bytes off each rank and apply only where N divides 8 groups.
     #[test]
     fn rank_sizes_of_the_full_mixes() {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         for preset in [
             ds4_model::synthetic::SynthPreset::FullQ2,
             ds4_model::synthetic::SynthPreset::FullQ4,
