@@ -1,7 +1,8 @@
 //! Speed of routed experts in host memory (`--cpu-experts`): one full-size layer's stacks (q2
 //! mix: IQ2_XXS gate/up 4096 x 2048 x 256, Q2_K down 2048 x 4096 x 256, 1.69 GB of random
 //! blocks) and `CpuHostExperts::run` for a decode step (1 token, 6 random experts) and for small
-//! batches. Prints ms a layer and what 43 such layers allow per token.
+//! batches, with f32 activations (`--precision exact`) and int8 ones (`fast`, the default),
+//! alternating. Prints ms a layer and what 43 such layers allow per token.
 //!
 //!     cargo run --release -p ds4-cpu --example host_experts_bench [-- ITERS]
 
@@ -64,7 +65,11 @@ fn main() {
         t.elapsed().as_secs_f64(),
         rayon::current_num_threads()
     );
-    let run = CpuHostExperts::new(&stacks, &rope_tables(&hp)).unwrap();
+    // `--precision exact`'s form (f32 activations) and `fast`'s (int8 activations).
+    let exact = CpuHostExperts::new(&stacks, &rope_tables(&hp)).unwrap();
+    let int8 = CpuHostExperts::new(&stacks, &rope_tables(&hp))
+        .unwrap()
+        .with_int8_activations();
     let spec = MoeSpec {
         n_expert: ne as usize,
         n_used: k,
@@ -84,35 +89,41 @@ fn main() {
         let z: Vec<f32> = (0..n * d as usize)
             .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
             .collect();
-        let mut times = Vec::new();
+        let mut times = [Vec::new(), Vec::new()];
         for _ in 0..iters {
-            // Distinct experts a token, new ones each iteration (cold in the caches, as decode).
-            let mut sel = Vec::new();
-            for _ in 0..n {
-                let mut s: Vec<i32> = Vec::new();
-                while s.len() < k {
-                    let e = (next() % ne) as i32;
-                    if !s.contains(&e) {
-                        s.push(e);
+            // The two forms alternate; each call gets new distinct experts a token (cold in
+            // the caches, as in decode).
+            for (form, run) in [&exact, &int8].into_iter().enumerate() {
+                let mut sel = Vec::new();
+                for _ in 0..n {
+                    let mut s: Vec<i32> = Vec::new();
+                    while s.len() < k {
+                        let e = (next() % ne) as i32;
+                        if !s.contains(&e) {
+                            s.push(e);
+                        }
                     }
+                    sel.extend(s);
                 }
-                sel.extend(s);
+                let wgt = vec![1.0 / k as f32; n * k];
+                let t = Instant::now();
+                let out = run.run(&spec, &z, &sel, &wgt, n);
+                times[form].push(t.elapsed().as_secs_f64());
+                assert!(out.iter().all(|v| v.is_finite()));
             }
-            let wgt = vec![1.0 / k as f32; n * k];
-            let t = Instant::now();
-            let out = run.run(&spec, &z, &sel, &wgt, n);
-            times.push(t.elapsed().as_secs_f64());
-            assert!(out.iter().all(|v| v.is_finite()));
         }
-        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let med = times[times.len() / 2];
-        let read = (n * k).min(ne as usize) as f64 * bytes as f64 / ne as f64;
-        println!(
-            "n = {n}: {:.2} ms a layer (median of {iters}), {:.1} GB/s of expert bytes; 43 layers: {:.1} tokens/s{}",
-            med * 1e3,
-            read / med / 1e9,
-            n as f64 / (43.0 * med),
-            if n == 1 { " (decode)" } else { "" }
-        );
+        for (form, mut times) in times.into_iter().enumerate() {
+            times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let med = times[times.len() / 2];
+            let read = (n * k).min(ne as usize) as f64 * bytes as f64 / ne as f64;
+            println!(
+                "n = {n}, {}: {:.2} ms a layer (median of {iters}), {:.1} GB/s of expert bytes; 43 layers: {:.1} tokens/s{}",
+                ["exact (f32 activations)", "fast (int8 activations)"][form],
+                med * 1e3,
+                read / med / 1e9,
+                n as f64 / (43.0 * med),
+                if n == 1 { " (decode)" } else { "" }
+            );
+        }
     }
 }

@@ -762,12 +762,17 @@ fn sum_slots(slot_out: &[f32], n: usize, k: usize, d: usize, out: &mut [f32]) {
 
 /// A layer's routed experts in host memory (`ds4_model::offload`), run by this backend's
 /// [`Backend::moe_experts`] over the stacks' bytes: the reference arithmetic, so a GPU model
-/// with host experts computes those layers' experts as `--backend cpu` does.
+/// with host experts computes those layers' experts as `--backend cpu` does. With
+/// [`CpuHostExperts::with_int8_activations`], decode-sized calls quantise the activations to
+/// 8 bits (`ds4_quant::act`) instead, about twice as fast.
 pub struct CpuHostExperts {
     cpu: CpuBackend,
     gate: CpuWeight,
     up: CpuWeight,
     down: CpuWeight,
+    /// Set by [`CpuHostExperts::with_int8_activations`]: the kernels of gate, up and down
+    /// (`None` for a type without one: that product stays exact).
+    act: Option<[Option<ds4_quant::act::ActKernel>; 3]>,
 }
 
 impl CpuHostExperts {
@@ -787,7 +792,45 @@ impl CpuHostExperts {
             up: bind(&stacks[1])?,
             down: bind(&stacks[2])?,
             cpu,
+            act: None,
         })
+    }
+
+    /// Decode-sized calls ([`CpuHostExperts::run_slots`]) quantise each token's MoE input and
+    /// each slot's hidden activation once, per block of 256 (Q8_K: one f32 scale, int8 codes,
+    /// as the original engine's CPU does), and take integer dot products with the weights'
+    /// codes (`ds4_quant::act`; ~6e-3 relative RMS per product, `examples/dot_bench.rs`). What
+    /// `--precision fast` (the default) runs; `exact` keeps f32 activations.
+    pub fn with_int8_activations(mut self) -> CpuHostExperts {
+        let k = |w: &CpuWeight| ds4_quant::act::ActKernel::new(w.mat().ty);
+        self.act = Some([k(&self.gate), k(&self.up), k(&self.down)]);
+        self
+    }
+}
+
+/// One activation row in the form a product's rows take: f32 for exact mode, quantised (once,
+/// shared by every row) for the act kernels.
+enum ActRow<'a> {
+    Exact(&'a [f32]),
+    Int8(ds4_quant::act::QuantizedAct),
+}
+
+impl ActRow<'_> {
+    fn new(x: &[f32], kernel: Option<ds4_quant::act::ActKernel>) -> ActRow<'_> {
+        // Rows of a K-quant or Q8_0 weight are whole blocks, so `x` quantises whole.
+        match kernel.and_then(|k| ds4_quant::act::QuantizedAct::new(k.format(), x).ok()) {
+            Some(q) => ActRow::Int8(q),
+            None => ActRow::Exact(x),
+        }
+    }
+
+    #[inline]
+    fn dot(&self, m: &Mat, kernel: Option<ds4_quant::act::ActKernel>, row: &[u8]) -> f32 {
+        match (self, kernel) {
+            (ActRow::Int8(q), Some(k)) => k.dot(row, q),
+            (ActRow::Exact(x), _) => m.kernel.dot(row, x),
+            (ActRow::Int8(_), None) => unreachable!("quantised without a kernel"),
+        }
     }
 }
 
@@ -811,11 +854,13 @@ impl CpuHostExperts {
     /// and one for the down rows (the backend's form runs 3 products an expert one after
     /// another, each split over the threads: 18 fork-joins a decode step, unbalanced on many
     /// cores). Every output is the same row dot product and the slots are summed in the same
-    /// order, so the bits are the backend's (`tests/host_experts.rs`).
+    /// order, so the bits are the backend's (`tests/host_experts.rs`) unless int8 activations
+    /// are on (then each product is `ds4_quant::act`'s).
     fn run_slots(&self, spec: &MoeSpec, z: &[f32], sel: &[i32], wgt: &[f32], n: usize) -> Vec<f32> {
         use rayon::prelude::*;
         let (k, ff, d, c) = (spec.n_used, spec.ff, spec.d, spec.clamp);
         let (gm, um, dm) = (self.gate.mat(), self.up.mat(), self.down.mat());
+        let [ka, ku, kd] = self.act.unwrap_or([None; 3]);
         fn row(m: &Mat, e: usize, r: usize) -> &[u8] {
             let rb = m.row_bytes();
             &m.bytes()[(e * m.rows + r) * rb..(e * m.rows + r + 1) * rb]
@@ -824,28 +869,31 @@ impl CpuHostExperts {
         let slots: Vec<usize> = (0..n * k)
             .filter(|&s| wgt[s] != 0.0 && (sel[s] as usize) < spec.n_expert && sel[s] >= 0)
             .collect();
+        // Each token's input as the gate's and the up's rows take it (quantised once a token).
+        let zg: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ka)).collect();
+        let zu: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ku)).collect();
         let mut h = vec![0f32; slots.len() * ff];
         h.par_chunks_mut(HOST_ROWS)
             .enumerate()
             .for_each(|(ci, hc)| {
                 let (j, r0) = (ci * HOST_ROWS / ff, ci * HOST_ROWS % ff);
                 let s = slots[j];
-                let (e, x) = (sel[s] as usize, &z[(s / k) * d..(s / k + 1) * d]);
+                let (e, t) = (sel[s] as usize, s / k);
                 for (i, hv) in hc.iter_mut().enumerate() {
-                    let g = gm.kernel.dot(row(gm, e, r0 + i), x);
-                    let u = um.kernel.dot(row(um, e, r0 + i), x);
+                    let g = zg[t].dot(gm, ka, row(gm, e, r0 + i));
+                    let u = zu[t].dot(um, ku, row(um, e, r0 + i));
                     *hv = silu(g.min(c)) * u.clamp(-c, c) * wgt[s];
                 }
             });
+        let hs: Vec<ActRow> = h.chunks(ff).map(|x| ActRow::new(x, kd)).collect();
         let mut y = vec![0f32; slots.len() * d];
         y.par_chunks_mut(HOST_ROWS)
             .enumerate()
             .for_each(|(ci, yc)| {
                 let (j, r0) = (ci * HOST_ROWS / d, ci * HOST_ROWS % d);
                 let e = sel[slots[j]] as usize;
-                let hj = &h[j * ff..(j + 1) * ff];
                 for (i, yv) in yc.iter_mut().enumerate() {
-                    *yv = dm.kernel.dot(row(dm, e, r0 + i), hj);
+                    *yv = hs[j].dot(dm, kd, row(dm, e, r0 + i));
                 }
             });
         let mut slot_out = vec![0f32; n * k * d];

@@ -277,11 +277,20 @@ fn check_cpu_experts(opts: &EngineOptions) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Binds a layer's host-memory experts for the CPU's arithmetic.
+/// Binds a layer's host-memory experts for the CPU's arithmetic: `--precision fast` (the
+/// default) quantises their decode steps' activations to 8 bits (~1.6x a step on the machines
+/// measured, `examples/host_experts_bench.rs`), `exact` keeps the CPU reference's f32.
 fn cpu_host_experts(
     ropes: &ds4_backend::rope::RopeTables,
+    precision: Precision,
 ) -> impl Fn(&[HostStack; 3]) -> Result<Box<dyn HostExperts>, String> + '_ {
-    move |s| Ok(Box::new(ds4_cpu::CpuHostExperts::new(s, ropes)?) as Box<dyn HostExperts>)
+    move |s| {
+        let e = ds4_cpu::CpuHostExperts::new(s, ropes)?;
+        Ok(Box::new(match precision {
+            Precision::Fast => e.with_int8_activations(),
+            Precision::Exact => e,
+        }) as Box<dyn HostExperts>)
+    }
 }
 
 impl EngineOptions {
@@ -568,14 +577,23 @@ fn gpu_backend_placed(
     }
     let (b, mut line) = gpu_backend(pick, hp, dev_weights, opts.precision)?;
     if !host.is_empty() {
-        line += &format!(
-            "; routed experts of {} of {} layers in host memory ({:.1} GiB, --cpu-experts)",
-            host.len(),
-            per_layer.len(),
-            gib(on_host)
-        );
+        line += &host_experts_line(host.len(), per_layer.len(), on_host, opts.precision);
     }
     Ok((b, line, host, on_host))
+}
+
+/// The backend line's part for host-memory experts: how many layers, how much memory, and the
+/// arithmetic of their decode steps ([`cpu_host_experts`]).
+fn host_experts_line(n_host: usize, n_layer: usize, bytes: u64, precision: Precision) -> String {
+    let act = match precision {
+        Precision::Fast => "int8",
+        Precision::Exact => "f32",
+    };
+    format!(
+        "; routed experts of {n_host} of {n_layer} layers in host memory ({:.1} GiB, {act} \
+         activations on the CPU; --cpu-experts)",
+        gib(bytes)
+    )
 }
 
 /// Bytes of a model's weights: all of them, the routed experts' part (split between
@@ -877,7 +895,7 @@ impl Engine {
                 );
                 let (b, line, host, _) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
                 let ropes = rope_tables(&hp);
-                let make = cpu_host_experts(&ropes);
+                let make = cpu_host_experts(&ropes, opts.precision);
                 let placement = HostPlacement::new(host, &make);
                 let mut src = ds4_model::forward::FileSource::new(&files, progress);
                 let m = Model::load_placed(
@@ -991,7 +1009,7 @@ impl Engine {
             return Err(EngineError::Backend(name.into(), e));
         }
         let ropes = rope_tables(&hp);
-        let make = cpu_host_experts(&ropes);
+        let make = cpu_host_experts(&ropes, opts.precision);
         let placement = HostPlacement::new(host, &make);
         let m = Model::load_placed(b, hp, &mut src, opts.rounding, Shard::ONE, Some(&placement))
             .map_err(|e| EngineError::Backend(name.into(), e))?;
@@ -1579,6 +1597,14 @@ mod tests {
         assert_eq!(host_memory_error(43, 72 * gib, 74 * gib), None);
         assert!(host_memory_error(43, 72 * gib, 74 * gib - 1).is_some());
         assert!(mem_available().is_none_or(|b| b > 0));
+        // The backend line says which arithmetic the host experts' decode steps use.
+        let fast = host_experts_line(35, 43, 59 * gib, Precision::Fast);
+        assert_eq!(
+            fast,
+            "; routed experts of 35 of 43 layers in host memory (59.0 GiB, int8 activations on \
+             the CPU; --cpu-experts)"
+        );
+        assert!(host_experts_line(1, 43, gib, Precision::Exact).contains("f32 activations"));
     }
 
     #[test]

@@ -173,6 +173,45 @@ pub fn dot_row_act(ty: GgmlType, row: &[u8], x: &QuantizedAct) -> Result<f32, Qu
     Ok(dot_act_unchecked(ty, row, x, crate::active_isa()))
 }
 
+/// The activation-quantised dot product for one weight type, its path resolved once (as
+/// [`crate::DotKernel`] is for exact mode), for loops over many rows.
+#[derive(Clone, Copy, Debug)]
+pub struct ActKernel {
+    ty: GgmlType,
+    format: ActFormat,
+    isa: Isa,
+}
+
+impl ActKernel {
+    /// The kernel for weights of `ty` on the active path; `None` where this path has no kernel
+    /// for `ty` (float weights: use exact mode).
+    pub fn new(ty: GgmlType) -> Option<ActKernel> {
+        Some(ActKernel {
+            ty,
+            format: ActFormat::for_weight(ty)?,
+            isa: crate::active_isa(),
+        })
+    }
+
+    /// The activation format the rows of this type pair with.
+    pub fn format(&self) -> ActFormat {
+        self.format
+    }
+
+    /// `Σ w_k · x̂_k` over the whole blocks present in both `row` and `x` (rows are not
+    /// validated: the caller slices whole rows). Panics if `x` is not in [`Self::format`] (a
+    /// programming error: the kernels index `x` by that format's block size).
+    #[inline]
+    pub fn dot(&self, row: &[u8], x: &QuantizedAct) -> f32 {
+        assert_eq!(
+            x.format, self.format,
+            "{} rows with a {:?} activation",
+            self.ty, x.format
+        );
+        dot_act_unchecked(self.ty, row, x, self.isa)
+    }
+}
+
 /// `y = W·x̂` for `rows` rows (rayon over rows when large), activation quantised once.
 pub fn matvec_act(
     ty: GgmlType,
@@ -337,6 +376,7 @@ mod avx2 {
         let mut sumf = 0f32;
         let mut ib = 0;
         while ib + 4 <= nb {
+            crate::prefetch_block(row.as_ptr().add(34 * ib), 4 * 34);
             let v: [__m256i; 4] =
                 std::array::from_fn(|k| mul32(rp.add(34 * (ib + k) + 2), xp.add(32 * (ib + k))));
             let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
@@ -364,15 +404,24 @@ mod avx2 {
     }
 
     /// Q2_K × Q8_K. Codes are unsigned (0..3), so maddubs takes them directly; each 32-code run
-    /// (half, j) covers two scale sub-blocks, applied by `madd` with [s_a ×8, s_b ×8].
+    /// (half, j) covers two scale sub-blocks s = 8·half + 2j (low 128 bits) and s + 1 (high),
+    /// applied by `madd` with [sc_s ×8, sc_s+1 ×8], picked from the block's 16 scales by one
+    /// byte shuffle (control bytes 0x80 + s keep their high bit: zero bytes).
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn q2_k(row: &[u8], x: &QuantizedAct) -> f32 {
         let m3 = _mm256_set1_epi8(3);
+        let m15 = _mm_set1_epi8(15);
+        let pick = _mm256_setr_epi8(
+            0, -128, 0, -128, 0, -128, 0, -128, 0, -128, 0, -128, 0, -128, 0, -128, 1, -127, 1,
+            -127, 1, -127, 1, -127, 1, -127, 1, -127, 1, -127, 1, -127,
+        );
         let mut sumf = 0f32;
         for (ib, b) in row.chunks_exact(84).enumerate().take(x.d.len()) {
-            let sc = &b[0..16];
+            crate::prefetch_block(b.as_ptr(), 84);
             let xq = x.q.as_ptr().add(QK_K * ib);
-            let mut acc = _mm256_setzero_si256();
+            let sc = _mm_loadu_si128(b.as_ptr() as *const __m128i);
+            let scales = _mm256_broadcastsi128_si256(_mm_and_si128(sc, m15));
+            let mut acc = [_mm256_setzero_si256(); 2];
             for half in 0..2 {
                 let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * half) as *const __m256i);
                 for j in 0..4 {
@@ -380,21 +429,22 @@ mod avx2 {
                     let codes = _mm256_and_si256(_mm256_srl_epi16(v, sh), m3);
                     let xv = _mm256_loadu_si256(xq.add(128 * half + 32 * j) as *const __m256i);
                     let p = _mm256_maddubs_epi16(codes, xv);
-                    let s = 8 * half + 2 * j;
-                    let scales = _mm256_set_m128i(
-                        _mm_set1_epi16((sc[s + 1] & 15) as i16),
-                        _mm_set1_epi16((sc[s] & 15) as i16),
-                    );
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales));
+                    let s = (8 * half + 2 * j) as i8;
+                    let sv =
+                        _mm256_shuffle_epi8(scales, _mm256_add_epi8(pick, _mm256_set1_epi8(s)));
+                    acc[j & 1] = _mm256_add_epi32(acc[j & 1], _mm256_madd_epi16(p, sv));
                 }
             }
-            let summs = q2k_summs(sc, &x.bsums[16 * ib..16 * ib + 16]);
+            // Σ_s bsums[s]·(sc[s] >> 4): the min term's integer part.
+            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sc), m15));
+            let bs = _mm256_loadu_si256(x.bsums.as_ptr().add(16 * ib) as *const __m256i);
+            let summs = hsum8(_mm256_madd_epi16(bs, mins));
             sumf = combine_affine(
                 sumf,
                 x.d[ib],
                 f16_at(b, 80),
                 f16_at(b, 82),
-                hsum8(acc),
+                hsum8(_mm256_add_epi32(acc[0], acc[1])),
                 summs,
             );
         }
@@ -407,6 +457,7 @@ mod avx2 {
         let m15 = _mm256_set1_epi8(15);
         let mut sumf = 0f32;
         for (ib, b) in row.chunks_exact(144).enumerate().take(x.d.len()) {
+            crate::prefetch_block(b.as_ptr(), 144);
             let scales = &b[4..16];
             let xq = x.q.as_ptr().add(QK_K * ib);
             let mut acc = _mm256_setzero_si256();
@@ -428,49 +479,57 @@ mod avx2 {
     }
 
     /// IQ2_XXS × Q8_K: grid magnitudes (unsigned) × activation with the weight signs applied
-    /// (`sign_epi8`, exact because activation codes are never −128), group scale via `madd`.
+    /// (`sign_epi8` by a ±1 byte mask from [`SIGNS_PM1`], exact because activation codes are
+    /// never −128), group scale via `madd`. Two groups an iteration, one accumulator each.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn iq2_xxs(row: &[u8], x: &QuantizedAct) -> f32 {
-        // Byte i of a 32-byte run takes sign byte i/8 (shuffle is per 128-bit lane: the
-        // broadcast u32 sits in each lane's bytes 0..4).
-        let spread = _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
-            3, 3, 3,
-        );
-        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let one = _mm256_set1_epi8(1);
         let mut sumf = 0f32;
         for (ib, b) in row.chunks_exact(66).enumerate().take(x.d.len()) {
             let xq = x.q.as_ptr().add(QK_K * ib);
-            let mut acc = _mm256_setzero_si256();
+            let gp = b.as_ptr().add(2);
+            crate::prefetch_block(b.as_ptr(), 66);
+            let mut acc = [_mm256_setzero_si256(); 2];
             for g in 0..8 {
-                let grp = &b[2 + 8 * g..10 + 8 * g];
-                let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
-                let grid = _mm256_set_epi64x(
-                    IQ2XXS_GRID[grp[3] as usize] as i64,
-                    IQ2XXS_GRID[grp[2] as usize] as i64,
-                    IQ2XXS_GRID[grp[1] as usize] as i64,
-                    IQ2XXS_GRID[grp[0] as usize] as i64,
+                // Group g: 4 grid indices (bytes 0..4), then 4 x 7 sign bits + a 4-bit scale.
+                let q = (gp.add(8 * g) as *const u64).read_unaligned();
+                let aux = (q >> 32) as u32;
+                let gi = |c: usize| IQ2XXS_GRID[*gp.add(8 * g + c) as usize] as i64;
+                let grid = _mm256_set_epi64x(gi(3), gi(2), gi(1), gi(0));
+                let sgn = _mm256_set_epi64x(
+                    SIGNS_PM1[((aux >> 21) & 127) as usize] as i64,
+                    SIGNS_PM1[((aux >> 14) & 127) as usize] as i64,
+                    SIGNS_PM1[((aux >> 7) & 127) as usize] as i64,
+                    SIGNS_PM1[(aux & 127) as usize] as i64,
                 );
-                let signs = u32::from_le_bytes([
-                    KSIGNS_IQ2XS[(aux & 127) as usize],
-                    KSIGNS_IQ2XS[((aux >> 7) & 127) as usize],
-                    KSIGNS_IQ2XS[((aux >> 14) & 127) as usize],
-                    KSIGNS_IQ2XS[((aux >> 21) & 127) as usize],
-                ]);
-                let sb = _mm256_shuffle_epi8(_mm256_set1_epi32(signs as i32), spread);
-                let neg = _mm256_cmpeq_epi8(_mm256_and_si256(sb, bit), bit); // 0xFF = negative
                 let xv = _mm256_loadu_si256(xq.add(32 * g) as *const __m256i);
-                let xs = _mm256_sign_epi8(xv, _mm256_or_si256(neg, one));
-                let p = _mm256_maddubs_epi16(grid, xs);
+                let p = _mm256_maddubs_epi16(grid, _mm256_sign_epi8(xv, sgn));
                 let ls = _mm256_set1_epi16((2 * (aux >> 28) + 1) as i16);
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ls));
+                acc[g & 1] = _mm256_add_epi32(acc[g & 1], _mm256_madd_epi16(p, ls));
             }
-            sumf = combine_iq2(sumf, f16_at(b, 0), x.d[ib], hsum8(acc));
+            let bsum = hsum8(_mm256_add_epi32(acc[0], acc[1]));
+            sumf = combine_iq2(sumf, f16_at(b, 0), x.d[ib], bsum);
         }
         0.125 * sumf
     }
 }
+
+/// ±1 bytes for each of the 128 IQ2_XS sign patterns (byte j = −1 where bit j of
+/// `KSIGNS_IQ2XS[i]` is set, else +1): `sign_epi8`'s operand, made at compile time.
+const SIGNS_PM1: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        let s = KSIGNS_IQ2XS[i];
+        let mut j = 0;
+        while j < 8 {
+            let byte: u64 = if (s >> j) & 1 != 0 { 0xff } else { 0x01 };
+            t[i] |= byte << (8 * j);
+            j += 1;
+        }
+        i += 1;
+    }
+    t
+};
 
 /// Per-block f32 combination for the affine K-quants, shared by every path so results agree
 /// bit for bit: `sumf + (dx·d·isum − dx·dmin·summs)` (ds4's `dall·isum − dmin·summs`).
@@ -533,12 +592,7 @@ fn dot_act_blocks(ty: GgmlType, row: &[u8], x: &QuantizedAct) -> f32 {
                     }
                 }
                 let s16 = isums16(&codes, xblock(ib));
-                let bs = &x.bsums[16 * ib..16 * ib + 16];
-                let summs: i32 = bs
-                    .iter()
-                    .zip(sc)
-                    .map(|(&s, &c)| s as i32 * (c >> 4) as i32)
-                    .sum();
+                let summs = q2k_summs(sc, &x.bsums[16 * ib..16 * ib + 16]);
                 let isum: i32 = s16.iter().zip(sc).map(|(&v, &c)| v * (c & 15) as i32).sum();
                 let dall = x.d[ib] * f16_at(b, 80);
                 let dmin = x.d[ib] * f16_at(b, 82);

@@ -93,6 +93,7 @@ mod avx2 {
         let mut a = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
+            crate::prefetch_block((w as *const u8).add(4 * i), 128);
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 8 * k;
                 *acc = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(o)), _mm256_loadu_ps(xp.add(o)), *acc);
@@ -122,6 +123,7 @@ mod avx2 {
         let mut a = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
+            crate::prefetch_block(w.add(2 * i), 64);
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 8 * k;
                 *acc = _mm256_fmadd_ps(ld(o), _mm256_loadu_ps(xp.add(o)), *acc);
@@ -154,6 +156,7 @@ mod avx2 {
         let mut a = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
+            crate::prefetch_block(w.add(2 * i), 64);
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 8 * k;
                 *acc = _mm256_fmadd_ps(ld(o), _mm256_loadu_ps(xp.add(o)), *acc);
@@ -181,6 +184,7 @@ mod avx2 {
         let mut total = [_mm256_setzero_ps(); 2];
         for ib in 0..nb {
             let b = row.as_ptr().add(34 * ib);
+            crate::prefetch_block(b, 34);
             let xp = x.as_ptr().add(32 * ib);
             // F16C conversion of the scale (exact; the scale is finite in valid data, and a NaN
             // scale gives NaN either way).
@@ -225,6 +229,7 @@ mod avx2 {
         let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
         for ib in 0..nb {
             let blk = &row[84 * ib..84 * ib + 84];
+            crate::prefetch_block(blk.as_ptr(), 84);
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             q2k_factors(blk, &mut dls, &mut mls);
@@ -259,6 +264,7 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[144 * ib..144 * ib + 144];
+            crate::prefetch_block(blk.as_ptr(), 144);
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             let d = f16_at(blk, 0);
@@ -292,6 +298,7 @@ mod avx2 {
         let mut total = [_mm256_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[66 * ib..66 * ib + 66];
+            crate::prefetch_block(blk.as_ptr(), 66);
             let d = f16_at(blk, 0);
             let xb = x.as_ptr().add(QK_K * ib);
             for g in 0..8 {
@@ -331,6 +338,7 @@ mod avx512 {
         let mut a = [_mm512_setzero_ps(); 4];
         let mut i = 0;
         while i + 64 <= n {
+            crate::prefetch_block((w as *const u8).add(4 * i), 256);
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 16 * k;
                 *acc = _mm512_fmadd_ps(_mm512_loadu_ps(w.add(o)), _mm512_loadu_ps(xp.add(o)), *acc);
@@ -362,6 +370,7 @@ mod avx512 {
         let mut a = [_mm512_setzero_ps(); 4];
         let mut i = 0;
         while i + 64 <= n {
+            crate::prefetch_block(w.add(2 * i), 128);
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 16 * k;
                 *acc = _mm512_fmadd_ps(ld(o), _mm512_loadu_ps(xp.add(o)), *acc);
@@ -394,6 +403,7 @@ mod avx512 {
         let mut a = [_mm512_setzero_ps(); 4];
         let mut i = 0;
         while i + 64 <= n {
+            crate::prefetch_block(w.add(2 * i), 128);
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 16 * k;
                 *acc = _mm512_fmadd_ps(ld(o), _mm512_loadu_ps(xp.add(o)), *acc);
@@ -421,6 +431,7 @@ mod avx512 {
         let mut total = [_mm512_setzero_ps(); 2];
         for ib in 0..nb {
             let b = row.as_ptr().add(34 * ib);
+            crate::prefetch_block(b, 34);
             let xp = x.as_ptr().add(32 * ib);
             let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
                 row[34 * ib],
@@ -450,6 +461,7 @@ mod avx512 {
         let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
         for ib in 0..nb {
             let blk = &row[84 * ib..84 * ib + 84];
+            crate::prefetch_block(blk.as_ptr(), 84);
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             // The 16 sub-block factors d·(sc & 15), dmin·(sc >> 4) at once (exact products).
@@ -490,6 +502,7 @@ mod avx512 {
         let mut acc = [_mm512_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[144 * ib..144 * ib + 144];
+            crate::prefetch_block(blk.as_ptr(), 144);
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             let d = f16_at(blk, 0);
@@ -524,6 +537,7 @@ mod avx512 {
         let mut total = [_mm512_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[66 * ib..66 * ib + 66];
+            crate::prefetch_block(blk.as_ptr(), 66);
             let d = f16_at(blk, 0);
             let xb = x.as_ptr().add(QK_K * ib);
             for g in 0..8 {
