@@ -229,16 +229,36 @@ fn host_fit_error(
 
 /// `MemAvailable` from `/proc/meminfo` (Linux), in bytes; None elsewhere.
 pub fn mem_available() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+/// A `/proc/meminfo` field (`key` with its colon) in bytes; None where there is none.
+fn meminfo(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kb: u64 = s
         .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .find_map(|l| l.strip_prefix(key))?
         .trim()
         .strip_suffix("kB")?
         .trim()
         .parse()
         .ok()?;
     Some(kb * 1024)
+}
+
+/// A file's host-memory experts stay in its mapping: where they exceed what the page cache can
+/// hold (RAM less [`HOST_RESERVE`] for everything else), the pages evicted between tokens are
+/// read from disk again on every decode step. Said on the backend line, not refused: it runs,
+/// at the disk's speed.
+fn host_cache_note(bytes: u64, ram: u64) -> Option<String> {
+    (bytes.saturating_add(HOST_RESERVE) > ram).then(|| {
+        format!(
+            "; note: {:.1} GiB of host-memory experts exceed what this machine's {:.1} GiB of RAM \
+             can cache: decode steps will read some from disk (fewer layers: --cpu-experts N)",
+            gib(bytes),
+            gib(ram)
+        )
+    })
 }
 
 /// Bytes as GiB (messages).
@@ -893,7 +913,11 @@ impl Engine {
                         .iter()
                         .map(|t| (t.name.as_str(), t.n_bytes)),
                 );
-                let (b, line, host, _) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+                let (b, mut line, host, on_host) =
+                    gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+                if let Some(note) = meminfo("MemTotal:").and_then(|r| host_cache_note(on_host, r)) {
+                    line += &note;
+                }
                 let ropes = rope_tables(&hp);
                 let make = cpu_host_experts(&ropes, opts.precision);
                 let placement = HostPlacement::new(host, &make);
@@ -1597,6 +1621,15 @@ mod tests {
         assert_eq!(host_memory_error(43, 72 * gib, 74 * gib), None);
         assert!(host_memory_error(43, 72 * gib, 74 * gib - 1).is_some());
         assert!(mem_available().is_none_or(|b| b > 0));
+        assert!(meminfo("MemTotal:").is_none_or(|t| t >= mem_available().unwrap_or(0)));
+        // A file's experts beyond what RAM can cache: a note, with the numbers.
+        let n = host_cache_note(60 * gib, 61 * gib).unwrap();
+        assert!(
+            n.contains("60.0 GiB of host-memory experts exceed") && n.contains("61.0 GiB of RAM"),
+            "{n}"
+        );
+        assert_eq!(host_cache_note(60 * gib, 62 * gib), None);
+        assert!(host_cache_note(60 * gib, 62 * gib - 1).is_some());
         // The backend line says which arithmetic the host experts' decode steps use.
         let fast = host_experts_line(35, 43, 59 * gib, Precision::Fast);
         assert_eq!(
