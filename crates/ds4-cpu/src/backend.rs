@@ -66,11 +66,31 @@ pub struct CpuBackend {
     /// This rank and its group's all-reduce, where the model is split by experts (tests of
     /// expert parallelism: `ds4_backend::shard`).
     comm: Option<(usize, Arc<HostComm>)>,
+    /// MoE calls of at most this many (token, expert) slots take [`moe_slots`]'s form.
+    slots_max: usize,
 }
 
 impl CpuBackend {
     pub fn new(ropes: RopeTables) -> CpuBackend {
-        CpuBackend { ropes, comm: None }
+        CpuBackend {
+            ropes,
+            comm: None,
+            slots_max: moe_slots_max(),
+        }
+    }
+
+    /// MoE calls of at most `n` slots in [`moe_slots`]'s form (decode-sized), larger ones expert
+    /// by expert (0: always expert by expert). Both give the same bits (`tests/host_experts.rs`).
+    pub fn with_moe_slots_max(mut self, n: usize) -> CpuBackend {
+        self.slots_max = n;
+        self
+    }
+
+    /// Whether a MoE call of `n` tokens takes [`moe_slots`]'s form.
+    fn slots_form(&self, spec: &MoeSpec, n: usize) -> bool {
+        n * spec.n_used <= self.slots_max
+            && spec.ff.is_multiple_of(SLOT_ROWS)
+            && spec.d.is_multiple_of(SLOT_ROWS)
     }
 
     /// This backend as rank `rank` of `comm`'s group ([`Backend::all_reduce_sum`]).
@@ -695,8 +715,13 @@ impl Backend for CpuBackend {
         n: usize,
         out: &mut Vec<f32>,
     ) {
-        let (k, ff, d, c) = (spec.n_used, spec.ff, spec.d, spec.clamp);
         let (gm, um, dm) = (gate.mat(), up.mat(), down.mat());
+        if self.slots_form(spec, n) {
+            let o = moe_slots(spec, [gm, um, dm], [None; 3], z, sel, wgt, n);
+            out[..n * spec.d].copy_from_slice(&o);
+            return;
+        }
+        let (k, ff, d, c) = (spec.n_used, spec.ff, spec.d, spec.clamp);
         let slab = |m: &Mat, e: usize| e * m.rows * m.row_bytes();
         // Per (token, slot) expert outputs, computed expert by expert as matrix products over
         // the tokens routed to it (each row bit-identical to its one-token product).
@@ -796,7 +821,7 @@ impl CpuHostExperts {
         })
     }
 
-    /// Decode-sized calls ([`CpuHostExperts::run_slots`]) quantise each token's MoE input and
+    /// Decode-sized calls ([`moe_slots`]) quantise each token's MoE input and
     /// each slot's hidden activation once, per block of 256 (Q8_K: one f32 scale, int8 codes,
     /// as the original engine's CPU does), and take integer dot products with the weights'
     /// codes (`ds4_quant::act`; ~6e-3 relative RMS per product, `examples/dot_bench.rs`). What
@@ -834,83 +859,90 @@ impl ActRow<'_> {
     }
 }
 
-/// Decode-sized calls (at most this many slots) take [`CpuHostExperts::run_slots`];
-/// `DS4_HOST_EXPERTS_SLOTS=N` sets the bound (0: always the backend's form, for A/B runs: 6-9%
-/// slower on 2 cores, bench/results/host-experts-cpu-s39.txt; not yet measured on many cores).
-fn host_slots_max() -> usize {
+/// The default of [`CpuBackend::with_moe_slots_max`]: 64 (a decode step's 6 slots, an MTP
+/// pair's 12, up to 10 tokens); `DS4_CPU_MOE_SLOTS=N` sets it (0: always expert by expert, for
+/// A/B runs: 6-9% slower on 2 cores, bench/results/host-experts-cpu-s39.txt).
+fn moe_slots_max() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *V.get_or_init(|| {
-        std::env::var("DS4_HOST_EXPERTS_SLOTS")
+        std::env::var("DS4_CPU_MOE_SLOTS")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(64)
     })
 }
-/// Output rows a task in [`CpuHostExperts::run_slots`].
-const HOST_ROWS: usize = 32;
+/// Output rows a task in [`moe_slots`].
+const SLOT_ROWS: usize = 32;
 
-impl CpuHostExperts {
-    /// [`Backend::moe_experts`]'s value with one parallel region for every slot's gate/up rows
-    /// and one for the down rows (the backend's form runs 3 products an expert one after
-    /// another, each split over the threads: 18 fork-joins a decode step, unbalanced on many
-    /// cores). Every output is the same row dot product and the slots are summed in the same
-    /// order, so the bits are the backend's (`tests/host_experts.rs`) unless int8 activations
-    /// are on (then each product is `ds4_quant::act`'s).
-    fn run_slots(&self, spec: &MoeSpec, z: &[f32], sel: &[i32], wgt: &[f32], n: usize) -> Vec<f32> {
-        use rayon::prelude::*;
-        let (k, ff, d, c) = (spec.n_used, spec.ff, spec.d, spec.clamp);
-        let (gm, um, dm) = (self.gate.mat(), self.up.mat(), self.down.mat());
-        let [ka, ku, kd] = self.act.unwrap_or([None; 3]);
-        fn row(m: &Mat, e: usize, r: usize) -> &[u8] {
-            let rb = m.row_bytes();
-            &m.bytes()[(e * m.rows + r) * rb..(e * m.rows + r + 1) * rb]
-        }
-        // Slots that add something (weight 0 adds exactly 0: skipped, as the backend does).
-        let slots: Vec<usize> = (0..n * k)
-            .filter(|&s| wgt[s] != 0.0 && (sel[s] as usize) < spec.n_expert && sel[s] >= 0)
-            .collect();
-        // Each token's input as the gate's and the up's rows take it (quantised once a token).
-        let zg: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ka)).collect();
-        let zu: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ku)).collect();
-        let mut h = vec![0f32; slots.len() * ff];
-        h.par_chunks_mut(HOST_ROWS)
-            .enumerate()
-            .for_each(|(ci, hc)| {
-                let (j, r0) = (ci * HOST_ROWS / ff, ci * HOST_ROWS % ff);
-                let s = slots[j];
-                let (e, t) = (sel[s] as usize, s / k);
-                for (i, hv) in hc.iter_mut().enumerate() {
-                    let g = zg[t].dot(gm, ka, row(gm, e, r0 + i));
-                    let u = zu[t].dot(um, ku, row(um, e, r0 + i));
-                    *hv = silu(g.min(c)) * u.clamp(-c, c) * wgt[s];
-                }
-            });
-        let hs: Vec<ActRow> = h.chunks(ff).map(|x| ActRow::new(x, kd)).collect();
-        let mut y = vec![0f32; slots.len() * d];
-        y.par_chunks_mut(HOST_ROWS)
-            .enumerate()
-            .for_each(|(ci, yc)| {
-                let (j, r0) = (ci * HOST_ROWS / d, ci * HOST_ROWS % d);
-                let e = sel[slots[j]] as usize;
-                for (i, yv) in yc.iter_mut().enumerate() {
-                    *yv = hs[j].dot(dm, kd, row(dm, e, r0 + i));
-                }
-            });
-        let mut slot_out = vec![0f32; n * k * d];
-        for (j, &s) in slots.iter().enumerate() {
-            slot_out[s * d..(s + 1) * d].copy_from_slice(&y[j * d..(j + 1) * d]);
-        }
-        let mut out = vec![0f32; n * d];
-        sum_slots(&slot_out, n, k, d, &mut out);
-        out
+/// [`Backend::moe_experts`]'s value with one parallel region for every slot's gate/up rows and
+/// one for the down rows (the expert-by-expert form runs 3 products an expert one after
+/// another, each split over the threads: 18 fork-joins a decode step, unbalanced on many
+/// cores). With `act` all `None` every output is the same row dot product and the slots are
+/// summed in the same order, so the bits are the expert-by-expert form's
+/// (`tests/host_experts.rs`); an `act` kernel makes that product `ds4_quant::act`'s (int8
+/// activations). `mats`: gate, up, down; `spec.ff` and `spec.d` are multiples of
+/// [`SLOT_ROWS`].
+#[allow(clippy::too_many_arguments)]
+fn moe_slots(
+    spec: &MoeSpec,
+    [gm, um, dm]: [&Mat; 3],
+    [ka, ku, kd]: [Option<ds4_quant::act::ActKernel>; 3],
+    z: &[f32],
+    sel: &[i32],
+    wgt: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let (k, ff, d, c) = (spec.n_used, spec.ff, spec.d, spec.clamp);
+    fn row(m: &Mat, e: usize, r: usize) -> &[u8] {
+        let rb = m.row_bytes();
+        &m.bytes()[(e * m.rows + r) * rb..(e * m.rows + r + 1) * rb]
     }
+    // Slots that add something (weight 0 adds exactly 0: skipped, as the backend does).
+    let slots: Vec<usize> = (0..n * k)
+        .filter(|&s| wgt[s] != 0.0 && (sel[s] as usize) < spec.n_expert && sel[s] >= 0)
+        .collect();
+    // Each token's input as the gate's and the up's rows take it (quantised once a token).
+    let zg: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ka)).collect();
+    let zu: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ku)).collect();
+    let mut h = vec![0f32; slots.len() * ff];
+    h.par_chunks_mut(SLOT_ROWS)
+        .enumerate()
+        .for_each(|(ci, hc)| {
+            let (j, r0) = (ci * SLOT_ROWS / ff, ci * SLOT_ROWS % ff);
+            let s = slots[j];
+            let (e, t) = (sel[s] as usize, s / k);
+            for (i, hv) in hc.iter_mut().enumerate() {
+                let g = zg[t].dot(gm, ka, row(gm, e, r0 + i));
+                let u = zu[t].dot(um, ku, row(um, e, r0 + i));
+                *hv = silu(g.min(c)) * u.clamp(-c, c) * wgt[s];
+            }
+        });
+    let hs: Vec<ActRow> = h.chunks(ff).map(|x| ActRow::new(x, kd)).collect();
+    let mut y = vec![0f32; slots.len() * d];
+    y.par_chunks_mut(SLOT_ROWS)
+        .enumerate()
+        .for_each(|(ci, yc)| {
+            let (j, r0) = (ci * SLOT_ROWS / d, ci * SLOT_ROWS % d);
+            let e = sel[slots[j]] as usize;
+            for (i, yv) in yc.iter_mut().enumerate() {
+                *yv = hs[j].dot(dm, kd, row(dm, e, r0 + i));
+            }
+        });
+    let mut slot_out = vec![0f32; n * k * d];
+    for (j, &s) in slots.iter().enumerate() {
+        slot_out[s * d..(s + 1) * d].copy_from_slice(&y[j * d..(j + 1) * d]);
+    }
+    let mut out = vec![0f32; n * d];
+    sum_slots(&slot_out, n, k, d, &mut out);
+    out
 }
 
 impl ds4_model::offload::HostExperts for CpuHostExperts {
     fn run(&self, spec: &MoeSpec, z: &[f32], sel: &[i32], wgt: &[f32], n: usize) -> Vec<f32> {
-        let rows_whole = spec.ff.is_multiple_of(HOST_ROWS) && spec.d.is_multiple_of(HOST_ROWS);
-        if n * spec.n_used <= host_slots_max() && rows_whole {
-            return self.run_slots(spec, z, sel, wgt, n);
+        let mats = [self.gate.mat(), self.up.mat(), self.down.mat()];
+        if self.cpu.slots_form(spec, n) {
+            return moe_slots(spec, mats, self.act.unwrap_or([None; 3]), z, sel, wgt, n);
         }
         let mut out = vec![0f32; n * spec.d];
         self.cpu.moe_experts(

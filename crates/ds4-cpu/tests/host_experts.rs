@@ -81,6 +81,35 @@ fn host_experts_give_the_plain_models_bits_one_token_at_a_time_and_in_a_batch() 
     assert_eq!(a, b, "the same session state");
 }
 
+/// The CPU backend's decode-sized MoE calls (one parallel region for all slots' rows) give the
+/// expert-by-expert form's bits: one token at a time, and batches of 2 and 10 tokens (60 slots,
+/// the form's bound is 64).
+#[test]
+fn the_slots_form_gives_the_expert_by_expert_bits() {
+    let path = ds4_synth::tiny_model_for_tests(7, false);
+    let slots = common::load(&path, Rounding::MODEL);
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let hp = HParams::from_meta(file.as_ref()).unwrap();
+    let dir = bind_main(&file, &hp).unwrap();
+    let b = CpuBackend::new(rope_tables(&hp)).with_moe_slots_max(0);
+    let by_expert = Model::load(b, hp, &[(file, dir)], Rounding::MODEL, &mut |_, _| {}).unwrap();
+    let (mut a, mut b) = (slots.new_state(), by_expert.new_state());
+    let toks = tokens();
+    for &t in &toks[..12] {
+        assert_eq!(
+            slots.eval(&mut a, t).unwrap(),
+            by_expert.eval(&mut b, t).unwrap()
+        );
+    }
+    for chunk in [&toks[12..14], &toks[14..24]] {
+        assert_eq!(
+            slots.eval_batch(&mut a, chunk, true).unwrap(),
+            by_expert.eval_batch(&mut b, chunk, true).unwrap()
+        );
+    }
+    assert_eq!(a, b, "the same session state");
+}
+
 #[test]
 fn prompt_batches_run_the_selected_experts_group_by_group() {
     let path = ds4_synth::tiny_model_for_tests(7, false);

@@ -240,6 +240,9 @@ pub struct DotKernel {
     ty: GgmlType,
     isa: Isa,
     f: RawDot,
+    /// The same kernel without prefetching: for a row already in cache (the second and later
+    /// inputs of [`DotKernel::matmul_unchecked`]); same bits.
+    f_cached: RawDot,
 }
 
 impl fmt::Debug for DotKernel {
@@ -320,7 +323,8 @@ impl DotKernel {
             for r in r0..r1 {
                 let row = &weight[r * rb..(r + 1) * rb];
                 for (k, x) in xs.chunks_exact(cols).enumerate() {
-                    t[(r - r0) * n_tok + k] = self.dot(row, x);
+                    let f = if k == 0 { self.f } else { self.f_cached };
+                    t[(r - r0) * n_tok + k] = f(row, x);
                 }
             }
             t
@@ -427,16 +431,24 @@ pub fn dot_kernel_for(ty: GgmlType, isa: Isa) -> Result<DotKernel, QuantError> {
     if !isa.is_available() {
         return Err(QuantError::IsaUnavailable(isa));
     }
-    let f: RawDot = match isa {
-        Isa::Portable => portable::dot_fn(ty),
+    let (f, f_cached): (RawDot, RawDot) = match isa {
+        Isa::Portable => (portable::dot_fn(ty), portable::dot_fn(ty)),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => x86::avx2_dot_fn(ty),
+        Isa::Avx2 => (x86::avx2_dot_fn::<true>(ty), x86::avx2_dot_fn::<false>(ty)),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => x86::avx512_dot_fn(ty),
+        Isa::Avx512 => (
+            x86::avx512_dot_fn::<true>(ty),
+            x86::avx512_dot_fn::<false>(ty),
+        ),
         #[cfg(not(target_arch = "x86_64"))]
         _ => return Err(QuantError::IsaUnavailable(isa)),
     };
-    Ok(DotKernel { ty, isa, f })
+    Ok(DotKernel {
+        ty,
+        isa,
+        f,
+        f_cached,
+    })
 }
 
 /// `Σ_k dequant(row)[k]·x[k]` in f32 (exact mode), on the active path.

@@ -17,30 +17,32 @@ use crate::{f16_at, GgmlType};
 
 type RawDot = fn(&[u8], &[f32]) -> f32;
 
-pub(crate) fn avx2_dot_fn(ty: GgmlType) -> RawDot {
+/// `PF`: whether the kernel prefetches the row's bytes ahead ([`crate::prefetch_block`]); the
+/// forms without it serve rows already in cache (a prompt's second and later tokens).
+pub(crate) fn avx2_dot_fn<const PF: bool>(ty: GgmlType) -> RawDot {
     // SAFETY (all closures): handed out only when AVX2+FMA+F16C were detected.
     match ty {
-        GgmlType::F32 => |r, x| unsafe { avx2::dot_f32(r, x) },
-        GgmlType::F16 => |r, x| unsafe { avx2::dot_f16(r, x) },
-        GgmlType::BF16 => |r, x| unsafe { avx2::dot_bf16(r, x) },
-        GgmlType::Q8_0 => |r, x| unsafe { avx2::dot_q8_0(r, x) },
-        GgmlType::Q2_K => |r, x| unsafe { avx2::dot_q2_k(r, x) },
-        GgmlType::Q4_K => |r, x| unsafe { avx2::dot_q4_k(r, x) },
-        GgmlType::IQ2_XXS => |r, x| unsafe { avx2::dot_iq2_xxs(r, x) },
+        GgmlType::F32 => |r, x| unsafe { avx2::dot_f32::<PF>(r, x) },
+        GgmlType::F16 => |r, x| unsafe { avx2::dot_f16::<PF>(r, x) },
+        GgmlType::BF16 => |r, x| unsafe { avx2::dot_bf16::<PF>(r, x) },
+        GgmlType::Q8_0 => |r, x| unsafe { avx2::dot_q8_0::<PF>(r, x) },
+        GgmlType::Q2_K => |r, x| unsafe { avx2::dot_q2_k::<PF>(r, x) },
+        GgmlType::Q4_K => |r, x| unsafe { avx2::dot_q4_k::<PF>(r, x) },
+        GgmlType::IQ2_XXS => |r, x| unsafe { avx2::dot_iq2_xxs::<PF>(r, x) },
         _ => unreachable!("caller checked the type is supported"),
     }
 }
 
-pub(crate) fn avx512_dot_fn(ty: GgmlType) -> RawDot {
+pub(crate) fn avx512_dot_fn<const PF: bool>(ty: GgmlType) -> RawDot {
     // SAFETY (all closures): handed out only when AVX-512F and F16C were detected.
     match ty {
-        GgmlType::F32 => |r, x| unsafe { avx512::dot_f32(r, x) },
-        GgmlType::F16 => |r, x| unsafe { avx512::dot_f16(r, x) },
-        GgmlType::BF16 => |r, x| unsafe { avx512::dot_bf16(r, x) },
-        GgmlType::Q8_0 => |r, x| unsafe { avx512::dot_q8_0(r, x) },
-        GgmlType::Q2_K => |r, x| unsafe { avx512::dot_q2_k(r, x) },
-        GgmlType::Q4_K => |r, x| unsafe { avx512::dot_q4_k(r, x) },
-        GgmlType::IQ2_XXS => |r, x| unsafe { avx512::dot_iq2_xxs(r, x) },
+        GgmlType::F32 => |r, x| unsafe { avx512::dot_f32::<PF>(r, x) },
+        GgmlType::F16 => |r, x| unsafe { avx512::dot_f16::<PF>(r, x) },
+        GgmlType::BF16 => |r, x| unsafe { avx512::dot_bf16::<PF>(r, x) },
+        GgmlType::Q8_0 => |r, x| unsafe { avx512::dot_q8_0::<PF>(r, x) },
+        GgmlType::Q2_K => |r, x| unsafe { avx512::dot_q2_k::<PF>(r, x) },
+        GgmlType::Q4_K => |r, x| unsafe { avx512::dot_q4_k::<PF>(r, x) },
+        GgmlType::IQ2_XXS => |r, x| unsafe { avx512::dot_iq2_xxs::<PF>(r, x) },
         _ => unreachable!("caller checked the type is supported"),
     }
 }
@@ -87,13 +89,15 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_f32<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 4);
         let (w, xp) = (row.as_ptr() as *const f32, x.as_ptr());
         let mut a = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
-            crate::prefetch_block((w as *const u8).add(4 * i), 128);
+            if PF {
+                crate::prefetch_block((w as *const u8).add(4 * i), 128);
+            }
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 8 * k;
                 *acc = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(o)), _mm256_loadu_ps(xp.add(o)), *acc);
@@ -116,14 +120,16 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_f16<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 2);
         let (w, xp) = (row.as_ptr(), x.as_ptr());
         let ld = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * o) as *const __m128i));
         let mut a = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
-            crate::prefetch_block(w.add(2 * i), 64);
+            if PF {
+                crate::prefetch_block(w.add(2 * i), 64);
+            }
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 8 * k;
                 *acc = _mm256_fmadd_ps(ld(o), _mm256_loadu_ps(xp.add(o)), *acc);
@@ -146,7 +152,7 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_bf16<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 2);
         let (w, xp) = (row.as_ptr(), x.as_ptr());
         let ld = |o: usize| {
@@ -156,7 +162,9 @@ mod avx2 {
         let mut a = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
-            crate::prefetch_block(w.add(2 * i), 64);
+            if PF {
+                crate::prefetch_block(w.add(2 * i), 64);
+            }
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 8 * k;
                 *acc = _mm256_fmadd_ps(ld(o), _mm256_loadu_ps(xp.add(o)), *acc);
@@ -179,12 +187,14 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_q8_0<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 34, 32);
         let mut total = [_mm256_setzero_ps(); 2];
         for ib in 0..nb {
             let b = row.as_ptr().add(34 * ib);
-            crate::prefetch_block(b, 34);
+            if PF {
+                crate::prefetch_block(b, 34);
+            }
             let xp = x.as_ptr().add(32 * ib);
             // F16C conversion of the scale (exact; the scale is finite in valid data, and a NaN
             // scale gives NaN either way).
@@ -222,14 +232,16 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_q2_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 84, QK_K);
         let three = _mm256_set1_epi32(3);
         let mut acc = [_mm256_setzero_ps(); 2];
         let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
         for ib in 0..nb {
             let blk = &row[84 * ib..84 * ib + 84];
-            crate::prefetch_block(blk.as_ptr(), 84);
+            if PF {
+                crate::prefetch_block(blk.as_ptr(), 84);
+            }
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             q2k_factors(blk, &mut dls, &mut mls);
@@ -258,13 +270,15 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 144, QK_K);
         let fifteen = _mm256_set1_epi32(15);
         let mut acc = [_mm256_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[144 * ib..144 * ib + 144];
-            crate::prefetch_block(blk.as_ptr(), 144);
+            if PF {
+                crate::prefetch_block(blk.as_ptr(), 144);
+            }
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             let d = f16_at(blk, 0);
@@ -293,12 +307,14 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_iq2_xxs(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_iq2_xxs<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 66, QK_K);
         let mut total = [_mm256_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[66 * ib..66 * ib + 66];
-            crate::prefetch_block(blk.as_ptr(), 66);
+            if PF {
+                crate::prefetch_block(blk.as_ptr(), 66);
+            }
             let d = f16_at(blk, 0);
             let xb = x.as_ptr().add(QK_K * ib);
             for g in 0..8 {
@@ -332,13 +348,15 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_f32<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 4);
         let (w, xp) = (row.as_ptr() as *const f32, x.as_ptr());
         let mut a = [_mm512_setzero_ps(); 4];
         let mut i = 0;
         while i + 64 <= n {
-            crate::prefetch_block((w as *const u8).add(4 * i), 256);
+            if PF {
+                crate::prefetch_block((w as *const u8).add(4 * i), 256);
+            }
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 16 * k;
                 *acc = _mm512_fmadd_ps(_mm512_loadu_ps(w.add(o)), _mm512_loadu_ps(xp.add(o)), *acc);
@@ -363,14 +381,16 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_f16<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 2);
         let (w, xp) = (row.as_ptr(), x.as_ptr());
         let ld = |o: usize| _mm512_cvtph_ps(_mm256_loadu_si256(w.add(2 * o) as *const __m256i));
         let mut a = [_mm512_setzero_ps(); 4];
         let mut i = 0;
         while i + 64 <= n {
-            crate::prefetch_block(w.add(2 * i), 128);
+            if PF {
+                crate::prefetch_block(w.add(2 * i), 128);
+            }
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 16 * k;
                 *acc = _mm512_fmadd_ps(ld(o), _mm512_loadu_ps(xp.add(o)), *acc);
@@ -393,7 +413,7 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_bf16<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let n = scalar_len(row, x, 2);
         let (w, xp) = (row.as_ptr(), x.as_ptr());
         let ld = |o: usize| {
@@ -403,7 +423,9 @@ mod avx512 {
         let mut a = [_mm512_setzero_ps(); 4];
         let mut i = 0;
         while i + 64 <= n {
-            crate::prefetch_block(w.add(2 * i), 128);
+            if PF {
+                crate::prefetch_block(w.add(2 * i), 128);
+            }
             for (k, acc) in a.iter_mut().enumerate() {
                 let o = i + 16 * k;
                 *acc = _mm512_fmadd_ps(ld(o), _mm512_loadu_ps(xp.add(o)), *acc);
@@ -426,12 +448,14 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_q8_0<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 34, 32);
         let mut total = [_mm512_setzero_ps(); 2];
         for ib in 0..nb {
             let b = row.as_ptr().add(34 * ib);
-            crate::prefetch_block(b, 34);
+            if PF {
+                crate::prefetch_block(b, 34);
+            }
             let xp = x.as_ptr().add(32 * ib);
             let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
                 row[34 * ib],
@@ -454,14 +478,16 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_q2_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 84, QK_K);
         let three = _mm512_set1_epi32(3);
         let mut acc = [_mm512_setzero_ps(); 2];
         let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
         for ib in 0..nb {
             let blk = &row[84 * ib..84 * ib + 84];
-            crate::prefetch_block(blk.as_ptr(), 84);
+            if PF {
+                crate::prefetch_block(blk.as_ptr(), 84);
+            }
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             // The 16 sub-block factors d·(sc & 15), dmin·(sc >> 4) at once (exact products).
@@ -496,13 +522,15 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 144, QK_K);
         let fifteen = _mm512_set1_epi32(15);
         let mut acc = [_mm512_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[144 * ib..144 * ib + 144];
-            crate::prefetch_block(blk.as_ptr(), 144);
+            if PF {
+                crate::prefetch_block(blk.as_ptr(), 144);
+            }
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
             let d = f16_at(blk, 0);
@@ -531,13 +559,15 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn dot_iq2_xxs(row: &[u8], x: &[f32]) -> f32 {
+    pub(super) unsafe fn dot_iq2_xxs<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let nb = block_count(row, x, 66, QK_K);
         let zero = _mm512_setzero_ps();
         let mut total = [_mm512_setzero_ps(); 2];
         for ib in 0..nb {
             let blk = &row[66 * ib..66 * ib + 66];
-            crate::prefetch_block(blk.as_ptr(), 66);
+            if PF {
+                crate::prefetch_block(blk.as_ptr(), 66);
+            }
             let d = f16_at(blk, 0);
             let xb = x.as_ptr().add(QK_K * ib);
             for g in 0..8 {
