@@ -877,7 +877,7 @@ const SLOT_ROWS: usize = 32;
 /// [`Backend::moe_experts`]'s value with one parallel region for every slot's gate/up rows and
 /// one for the down rows (the expert-by-expert form runs 3 products an expert one after
 /// another, each split over the threads: 18 fork-joins a decode step, unbalanced on many
-/// cores). With `act` all `None` every output is the same row dot product and the slots are
+/// cores); slots of the same expert share their row reads. With `act` all `None` every output is the same row dot product and the slots are
 /// summed in the same order, so the bits are the expert-by-expert form's
 /// (`tests/host_experts.rs`); an `act` kernel makes that product `ds4_quant::act`'s (int8
 /// activations). `mats`: gate, up, down; `spec.ff` and `spec.d` are multiples of
@@ -905,30 +905,66 @@ fn moe_slots(
     // Each token's input as the gate's and the up's rows take it (quantised once a token).
     let zg: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ka)).collect();
     let zu: Vec<ActRow> = z.chunks(d).take(n).map(|x| ActRow::new(x, ku)).collect();
-    let mut h = vec![0f32; slots.len() * ff];
-    h.par_chunks_mut(SLOT_ROWS)
-        .enumerate()
-        .for_each(|(ci, hc)| {
-            let (j, r0) = (ci * SLOT_ROWS / ff, ci * SLOT_ROWS % ff);
-            let s = slots[j];
-            let (e, t) = (sel[s] as usize, s / k);
-            for (i, hv) in hc.iter_mut().enumerate() {
-                let g = zg[t].dot(gm, ka, row(gm, e, r0 + i));
-                let u = zu[t].dot(um, ku, row(um, e, r0 + i));
-                *hv = silu(g.min(c)) * u.clamp(-c, c) * wgt[s];
+    // Slots grouped by expert (an MTP pair's tokens often share some): a task reads each of
+    // its rows once for all the group's slots.
+    let mut order: Vec<usize> = (0..slots.len()).collect();
+    order.sort_by_key(|&j| (sel[slots[j]], j));
+    let mut groups: Vec<&[usize]> = Vec::new();
+    let mut rest = &order[..];
+    while let Some(&j0) = rest.first() {
+        let len = rest
+            .iter()
+            .take_while(|&&j| sel[slots[j]] == sel[slots[j0]])
+            .count();
+        groups.push(&rest[..len]);
+        rest = &rest[len..];
+    }
+    // One parallel region over (group, SLOT_ROWS rows) tasks of a matrix with `rows` rows;
+    // `f(e, r, js, out)` writes row r's value for each slot of `js` into `out`; the values land
+    // in slot-major `dst` (`rows` a slot).
+    let region =
+        |rows: usize, dst: &mut [f32], f: &(dyn Fn(usize, usize, &[usize], &mut [f32]) + Sync)| {
+            let tasks: Vec<(usize, usize)> = (0..groups.len())
+                .flat_map(|g| (0..rows).step_by(SLOT_ROWS).map(move |r0| (g, r0)))
+                .collect();
+            let tiles: Vec<Vec<f32>> = tasks
+                .par_iter()
+                .map(|&(g, r0)| {
+                    let js = groups[g];
+                    let e = sel[slots[js[0]]] as usize;
+                    let mut t = vec![0f32; SLOT_ROWS * js.len()];
+                    for (i, vals) in t.chunks_exact_mut(js.len()).enumerate() {
+                        f(e, r0 + i, js, vals);
+                    }
+                    t
+                })
+                .collect();
+            for (&(g, r0), t) in tasks.iter().zip(&tiles) {
+                for (i, vals) in t.chunks_exact(groups[g].len()).enumerate() {
+                    for (&j, &v) in groups[g].iter().zip(vals) {
+                        dst[j * rows + r0 + i] = v;
+                    }
+                }
             }
-        });
+        };
+    let mut h = vec![0f32; slots.len() * ff];
+    region(ff, &mut h, &|e, r, js, out| {
+        let (rg, ru) = (row(gm, e, r), row(um, e, r));
+        for (o, &j) in out.iter_mut().zip(js) {
+            let (s, t) = (slots[j], slots[j] / k);
+            let g = zg[t].dot(gm, ka, rg);
+            let u = zu[t].dot(um, ku, ru);
+            *o = silu(g.min(c)) * u.clamp(-c, c) * wgt[s];
+        }
+    });
     let hs: Vec<ActRow> = h.chunks(ff).map(|x| ActRow::new(x, kd)).collect();
     let mut y = vec![0f32; slots.len() * d];
-    y.par_chunks_mut(SLOT_ROWS)
-        .enumerate()
-        .for_each(|(ci, yc)| {
-            let (j, r0) = (ci * SLOT_ROWS / d, ci * SLOT_ROWS % d);
-            let e = sel[slots[j]] as usize;
-            for (i, yv) in yc.iter_mut().enumerate() {
-                *yv = hs[j].dot(dm, kd, row(dm, e, r0 + i));
-            }
-        });
+    region(d, &mut y, &|e, r, js, out| {
+        let rd = row(dm, e, r);
+        for (o, &j) in out.iter_mut().zip(js) {
+            *o = hs[j].dot(dm, kd, rd);
+        }
+    });
     let mut slot_out = vec![0f32; n * k * d];
     for (j, &s) in slots.iter().enumerate() {
         slot_out[s * d..(s + 1) * d].copy_from_slice(&y[j * d..(j + 1) * d]);
