@@ -871,6 +871,9 @@ fn moe_slots_max() -> usize {
             .unwrap_or(64)
     })
 }
+/// `f(expert, row, slots, out)`: a row's value for each of `slots` ([`moe_slots`]).
+type SlotRowFn<'a> = dyn Fn(usize, usize, &[usize], &mut [f32]) + Sync + 'a;
+
 /// Output rows a task in [`moe_slots`].
 const SLOT_ROWS: usize = 32;
 
@@ -922,31 +925,30 @@ fn moe_slots(
     // One parallel region over (group, SLOT_ROWS rows) tasks of a matrix with `rows` rows;
     // `f(e, r, js, out)` writes row r's value for each slot of `js` into `out`; the values land
     // in slot-major `dst` (`rows` a slot).
-    let region =
-        |rows: usize, dst: &mut [f32], f: &(dyn Fn(usize, usize, &[usize], &mut [f32]) + Sync)| {
-            let tasks: Vec<(usize, usize)> = (0..groups.len())
-                .flat_map(|g| (0..rows).step_by(SLOT_ROWS).map(move |r0| (g, r0)))
-                .collect();
-            let tiles: Vec<Vec<f32>> = tasks
-                .par_iter()
-                .map(|&(g, r0)| {
-                    let js = groups[g];
-                    let e = sel[slots[js[0]]] as usize;
-                    let mut t = vec![0f32; SLOT_ROWS * js.len()];
-                    for (i, vals) in t.chunks_exact_mut(js.len()).enumerate() {
-                        f(e, r0 + i, js, vals);
-                    }
-                    t
-                })
-                .collect();
-            for (&(g, r0), t) in tasks.iter().zip(&tiles) {
-                for (i, vals) in t.chunks_exact(groups[g].len()).enumerate() {
-                    for (&j, &v) in groups[g].iter().zip(vals) {
-                        dst[j * rows + r0 + i] = v;
-                    }
+    let region = |rows: usize, dst: &mut [f32], f: &SlotRowFn| {
+        let tasks: Vec<(usize, usize)> = (0..groups.len())
+            .flat_map(|g| (0..rows).step_by(SLOT_ROWS).map(move |r0| (g, r0)))
+            .collect();
+        let tiles: Vec<Vec<f32>> = tasks
+            .par_iter()
+            .map(|&(g, r0)| {
+                let js = groups[g];
+                let e = sel[slots[js[0]]] as usize;
+                let mut t = vec![0f32; SLOT_ROWS * js.len()];
+                for (i, vals) in t.chunks_exact_mut(js.len()).enumerate() {
+                    f(e, r0 + i, js, vals);
+                }
+                t
+            })
+            .collect();
+        for (&(g, r0), t) in tasks.iter().zip(&tiles) {
+            for (i, vals) in t.chunks_exact(groups[g].len()).enumerate() {
+                for (&j, &v) in groups[g].iter().zip(vals) {
+                    dst[j * rows + r0 + i] = v;
                 }
             }
-        };
+        }
+    };
     let mut h = vec![0f32; slots.len() * ff];
     region(ff, &mut h, &|e, r, js, out| {
         let (rg, ru) = (row(gm, e, r), row(um, e, r));
