@@ -821,11 +821,12 @@ impl CpuHostExperts {
         })
     }
 
-    /// Decode-sized calls ([`moe_slots`]) quantise each token's MoE input and
-    /// each slot's hidden activation once, per block of 256 (Q8_K: one f32 scale, int8 codes,
-    /// as the original engine's CPU does), and take integer dot products with the weights'
-    /// codes (`ds4_quant::act`; ~6e-3 relative RMS per product, `examples/dot_bench.rs`). What
-    /// `--precision fast` (the default) runs; `exact` keeps f32 activations.
+    /// Calls in [`moe_slots`]'s form (all, unless `DS4_CPU_MOE_SLOTS=0`) quantise each token's
+    /// MoE input and each slot's hidden activation once, per block of 256 (Q8_K: one f32
+    /// scale, int8 codes, as the original engine's CPU does), and take integer dot products
+    /// with the weights' codes (`ds4_quant::act`; ~6e-3 relative RMS a product,
+    /// `examples/dot_bench.rs`). What `--precision fast` (the default) runs; `exact` keeps f32
+    /// activations.
     pub fn with_int8_activations(mut self) -> CpuHostExperts {
         let k = |w: &CpuWeight| ds4_quant::act::ActKernel::new(w.mat().ty);
         self.act = Some([k(&self.gate), k(&self.up), k(&self.down)]);
@@ -979,7 +980,10 @@ fn moe_slots(
 impl ds4_model::offload::HostExperts for CpuHostExperts {
     fn run(&self, spec: &MoeSpec, z: &[f32], sel: &[i32], wgt: &[f32], n: usize) -> Vec<f32> {
         let mats = [self.gate.mat(), self.up.mat(), self.down.mat()];
-        if self.cpu.slots_form(spec, n) {
+        // Every host call is small enough for the slots form (prompt batches of
+        // `HostPlacement::upload_min` tokens or more go to the GPU), which shares rows between
+        // a group's slots like the expert-by-expert form and runs the int8 kernels.
+        if self.cpu.slots_form(spec, 1) {
             return moe_slots(spec, mats, self.act.unwrap_or([None; 3]), z, sel, wgt, n);
         }
         let mut out = vec![0f32; n * spec.d];
