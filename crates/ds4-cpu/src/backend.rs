@@ -788,8 +788,8 @@ fn sum_slots(slot_out: &[f32], n: usize, k: usize, d: usize, out: &mut [f32]) {
 /// A layer's routed experts in host memory (`ds4_model::offload`), run by this backend's
 /// [`Backend::moe_experts`] over the stacks' bytes: the reference arithmetic, so a GPU model
 /// with host experts computes those layers' experts as `--backend cpu` does. With
-/// [`CpuHostExperts::with_int8_activations`], decode-sized calls quantise the activations to
-/// 8 bits (`ds4_quant::act`) instead, about twice as fast.
+/// [`CpuHostExperts::with_int8_activations`] its calls quantise the activations to 8 bits
+/// (`ds4_quant::act`) instead, ~1.6x as fast.
 pub struct CpuHostExperts {
     cpu: CpuBackend,
     gate: CpuWeight,
@@ -881,11 +881,11 @@ const SLOT_ROWS: usize = 32;
 /// [`Backend::moe_experts`]'s value with one parallel region for every slot's gate/up rows and
 /// one for the down rows (the expert-by-expert form runs 3 products an expert one after
 /// another, each split over the threads: 18 fork-joins a decode step, unbalanced on many
-/// cores); slots of the same expert share their row reads. With `act` all `None` every output is the same row dot product and the slots are
-/// summed in the same order, so the bits are the expert-by-expert form's
-/// (`tests/host_experts.rs`); an `act` kernel makes that product `ds4_quant::act`'s (int8
-/// activations). `mats`: gate, up, down; `spec.ff` and `spec.d` are multiples of
-/// [`SLOT_ROWS`].
+/// cores); slots of the same expert share their row reads. With `act` all `None` every output
+/// is the same row dot product and the slots are summed in the same order, so the bits are the
+/// expert-by-expert form's (`tests/host_experts.rs`); an `act` kernel makes that product
+/// `ds4_quant::act`'s (int8 activations). `mats`: gate, up, down; `spec.ff` and `spec.d` are
+/// multiples of [`SLOT_ROWS`].
 #[allow(clippy::too_many_arguments)]
 fn moe_slots(
     spec: &MoeSpec,

@@ -397,9 +397,10 @@ pub fn matmul(
 const PAR_MIN_BYTES: usize = 1 << 20;
 /// How far ahead of the bytes being read the SIMD kernels ask for weight bytes
 /// ([`prefetch_block`]). Streaming rows from DRAM (experts, a CPU decode step), the hardware
-/// prefetcher alone left the integer kernels at about half their in-cache rate on the machines
-/// measured (2-core and 16-core Xeon VMs): IQ2_XXS × Q8_K 1.65 -> 2.9 GB/s a core with it
-/// (`examples/dot_bench.rs`, `bench/results/quant-dot-cpu.txt`). 1-4 KiB measured alike.
+/// prefetcher alone left the kernels at about half their in-cache rate on this project's 2-core
+/// Xeon VM: IQ2_XXS × Q8_K 1.65 -> 2.9 GB/s a core with it, exact Q4_K 2.05 -> 5.4
+/// (`examples/dot_bench.rs`, `bench/results/quant-dot-cpu.txt`). 1-4 KiB ahead measured
+/// alike, 512 bytes ~5% less.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 1024;
 
