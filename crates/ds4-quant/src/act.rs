@@ -455,25 +455,36 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn q4_k(row: &[u8], x: &QuantizedAct) -> f32 {
         let m15 = _mm256_set1_epi8(15);
+        // i16 lanes = scale byte j: control bytes (j, 0x80) (0x80 + j keeps the high bit: 0).
+        let pick = _mm256_set1_epi16(0x8000u16 as i16);
+        let dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         let mut sumf = 0f32;
         for (ib, b) in row.chunks_exact(144).enumerate().take(x.d.len()) {
             crate::prefetch_block(b.as_ptr(), 144);
-            let scales = &b[4..16];
+            let (sc, mn) = q4k_unpack(&b[4..16]);
+            let scales = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128(i64::from_le_bytes(sc)));
             let xq = x.q.as_ptr().add(QK_K * ib);
-            let mut acc = _mm256_setzero_si256();
+            let mut acc = [_mm256_setzero_si256(); 2];
             for c in 0..4 {
                 let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * c) as *const __m256i);
                 let lo = _mm256_and_si256(v, m15);
                 let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m15);
                 let x0 = _mm256_loadu_si256(xq.add(64 * c) as *const __m256i);
                 let x1 = _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i);
-                let s0 = _mm256_set1_epi16(q4k_scale_min(scales, 2 * c).0 as i16);
-                let s1 = _mm256_set1_epi16(q4k_scale_min(scales, 2 * c + 1).0 as i16);
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
+                let sel = |j: usize| _mm256_add_epi8(pick, _mm256_set1_epi8(j as i8));
+                let s0 = _mm256_shuffle_epi8(scales, sel(2 * c));
+                let s1 = _mm256_shuffle_epi8(scales, sel(2 * c + 1));
+                let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0);
+                let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1);
+                acc[0] = _mm256_add_epi32(acc[0], p0);
+                acc[1] = _mm256_add_epi32(acc[1], p1);
             }
-            let summs = q4k_summs(scales, &x.bsums[16 * ib..16 * ib + 16]);
-            sumf = combine_affine(sumf, x.d[ib], f16_at(b, 0), f16_at(b, 2), hsum8(acc), summs);
+            // Σ_b m_b·(bsums[2b] + bsums[2b+1]): each min twice against the 16 sums.
+            let mins = _mm_shuffle_epi8(_mm_cvtsi64_si128(i64::from_le_bytes(mn)), dup);
+            let bs = _mm256_loadu_si256(x.bsums.as_ptr().add(16 * ib) as *const __m256i);
+            let summs = hsum8(_mm256_madd_epi16(bs, _mm256_cvtepu8_epi16(mins)));
+            let isum = hsum8(_mm256_add_epi32(acc[0], acc[1]));
+            sumf = combine_affine(sumf, x.d[ib], f16_at(b, 0), f16_at(b, 2), isum, summs);
         }
         sumf
     }
@@ -554,6 +565,25 @@ fn q2k_summs(sc: &[u8], bs: &[i16]) -> i32 {
         .zip(sc)
         .map(|(&s, &c)| s as i32 * (c >> 4) as i32)
         .sum()
+}
+
+/// A Q4_K block's 8 six-bit scales and 8 six-bit mins from its 12 packed bytes (the same values
+/// as [`q4k_scale_min`], by whole-word bit operations).
+#[inline(always)]
+fn q4k_unpack(p: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let w = |i: usize| u32::from_le_bytes([p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]]);
+    let (w0, w1, w2) = (w(0), w(1), w(2));
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const TOP2: u32 = 0x0303_0303;
+    // Scales 0-3: low 6 bits of bytes 0-3; 4-7: low nibbles of bytes 8-11, top 2 bits of 0-3.
+    let sc_lo = w0 & LOW6;
+    let sc_hi = (w2 & LOW4) | (((w0 >> 6) & TOP2) << 4);
+    // Mins 0-3: low 6 bits of bytes 4-7; 4-7: high nibbles of bytes 8-11, top 2 bits of 4-7.
+    let mn_lo = w1 & LOW6;
+    let mn_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & TOP2) << 4);
+    let join = |a: u32, b: u32| (a as u64 | (b as u64) << 32).to_le_bytes();
+    (join(sc_lo, sc_hi), join(mn_lo, mn_hi))
 }
 
 /// Q4_K `Σ_b m_b·(bsums[2b] + bsums[2b+1])`.
@@ -649,4 +679,29 @@ fn as_i8_32(b: &[u8]) -> &[i8; 32] {
     assert_eq!(b.len(), 32);
     // SAFETY: u8 and i8 have the same size and alignment; the slice is exactly 32 bytes.
     unsafe { &*(b.as_ptr() as *const [i8; 32]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The word-wise unpacking gives `q4k_scale_min`'s values for every byte pattern of each
+    /// position (and random blocks).
+    #[test]
+    fn q4k_unpack_matches_the_bytewise_form() {
+        let mut s = 0x1234_5678_9abc_def1u64;
+        for _ in 0..2000 {
+            let mut p = [0u8; 12];
+            for b in p.iter_mut() {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                *b = s as u8;
+            }
+            let (sc, mn) = q4k_unpack(&p);
+            for j in 0..8 {
+                assert_eq!((sc[j], mn[j]), q4k_scale_min(&p, j), "{p:?} sub-block {j}");
+            }
+        }
+    }
 }
