@@ -134,7 +134,7 @@ impl ModelArgs {
             b.finish_and_clear();
         }
         let e = e.with_context(|| format!("loading the model {what}"))?;
-        if let Some(note) = cpu_experts_note(self.cpu_experts, &e.backend_name()) {
+        if let Some(note) = cpu_experts_note(self.cpu_experts, e.backend_name()) {
             eprintln!("ds4: {note}");
         }
         Ok(e)
