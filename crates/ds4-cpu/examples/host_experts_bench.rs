@@ -1,10 +1,10 @@
 //! Speed of routed experts in host memory (`--cpu-experts`): one full-size layer's stacks (q2
-//! mix: IQ2_XXS gate/up 4096 x 2048 x 256, Q2_K down 2048 x 4096 x 256, 1.69 GB of random
-//! blocks) and `CpuHostExperts::run` for a decode step (1 token, 6 random experts) and for small
+//! mix: IQ2_XXS gate/up 4096 x 2048 x 256, Q2_K down 2048 x 4096 x 256, 1.81 GB of random
+//! blocks; with `q4`, the q4 mix's Q4_K stacks, 3.62 GB) and `CpuHostExperts::run` for a decode step (1 token, 6 random experts) and for small
 //! batches, with f32 activations (`--precision exact`) and int8 ones (`fast`, the default),
 //! alternating. Prints ms a layer and what 43 such layers allow per token.
 //!
-//!     cargo run --release -p ds4-cpu --example host_experts_bench [-- ITERS]
+//!     cargo run --release -p ds4-cpu --example host_experts_bench [-- ITERS [q4]]
 
 use ds4_backend::{GgmlType, MoeSpec};
 use ds4_cpu::CpuHostExperts;
@@ -18,6 +18,7 @@ fn stack(name: &str, ty: GgmlType, cols: u64, rows: u64, e: u64, seed: u64) -> H
     let (blk, d_at): (usize, &[usize]) = match ty {
         GgmlType::IQ2_XXS => (66, &[0]),
         GgmlType::Q2_K => (84, &[80, 82]),
+        GgmlType::Q4_K => (144, &[0, 2]),
         _ => unreachable!(),
     };
     HostStack::in_memory(name, ty, [cols, rows, e], |out| {
@@ -45,7 +46,12 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(20);
+    let q4 = std::env::args().nth(2).is_some_and(|a| a == "q4");
     let (hp, _) = SynthPreset::FullQ2.params();
+    let (tg, td) = match q4 {
+        true => (GgmlType::Q4_K, GgmlType::Q4_K),
+        false => (GgmlType::IQ2_XXS, GgmlType::Q2_K),
+    };
     let (d, ff, ne, k) = (
         hp.n_embd as u64,
         hp.n_ff_exp as u64,
@@ -54,13 +60,13 @@ fn main() {
     );
     let t = Instant::now();
     let stacks = [
-        stack("gate", GgmlType::IQ2_XXS, d, ff, ne, 1),
-        stack("up", GgmlType::IQ2_XXS, d, ff, ne, 2),
-        stack("down", GgmlType::Q2_K, ff, d, ne, 3),
+        stack("gate", tg, d, ff, ne, 1),
+        stack("up", tg, d, ff, ne, 2),
+        stack("down", td, ff, d, ne, 3),
     ];
     let bytes: usize = stacks.iter().map(|s| s.n_bytes).sum();
     println!(
-        "layer stacks: {:.2} GB in {:.1} s; {} threads",
+        "layer stacks ({tg} / {td}): {:.2} GB in {:.1} s; {} threads",
         bytes as f64 / 1e9,
         t.elapsed().as_secs_f64(),
         rayon::current_num_threads()
