@@ -42,6 +42,7 @@ fn load_placed_with(
     placement.group = group;
     let mut progress = |_: usize, _: usize| {};
     let mut src = FileSource::new(&files, &mut progress);
+    src.prefetch_host = true; // as the engine sets it where the stacks fit the RAM
     let b = CpuBackend::new(rope_tables(&hp));
     Model::load_placed(
         b,

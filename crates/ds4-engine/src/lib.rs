@@ -915,13 +915,16 @@ impl Engine {
                 );
                 let (b, mut line, host, on_host) =
                     gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
-                if let Some(note) = meminfo("MemTotal:").and_then(|r| host_cache_note(on_host, r)) {
-                    line += &note;
+                let note = meminfo("MemTotal:").and_then(|r| host_cache_note(on_host, r));
+                if let Some(note) = &note {
+                    line += note;
                 }
                 let ropes = rope_tables(&hp);
                 let make = cpu_host_experts(&ropes, opts.precision);
                 let placement = HostPlacement::new(host, &make);
                 let mut src = ds4_model::forward::FileSource::new(&files, progress);
+                // Host stacks that the page cache can hold: read in the background from now.
+                src.prefetch_host = note.is_none();
                 let m = Model::load_placed(
                     b,
                     hp,

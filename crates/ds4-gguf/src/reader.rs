@@ -163,6 +163,31 @@ impl GgufFile {
         }
     }
 
+    /// Asks the OS to read `len` bytes at `offset` of a mapped file into the page cache in the
+    /// background (`madvise(MADV_WILLNEED)`), so that later reads of them (host-memory experts'
+    /// first decode steps) find them cached. Best effort: a file held in memory, or a system
+    /// without the call, does nothing; a range outside the file is an error.
+    pub fn will_need(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.bytes().len())
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: bytes {offset}..+{len} are outside the file ({} bytes)",
+                    self.name,
+                    self.bytes().len()
+                ),
+            ));
+        }
+        match &self.storage {
+            #[cfg(unix)]
+            Storage::Mmap(m) if len > 0 => m.advise_range(memmap2::Advice::WillNeed, offset, len),
+            _ => Ok(()),
+        }
+    }
+
     pub fn file_size(&self) -> u64 {
         self.bytes().len() as u64
     }

@@ -99,6 +99,17 @@ fn write_to_path_then_mmap_open() {
     assert_eq!(f.bytes(), &w.to_bytes(fill).unwrap()[..]);
     assert_eq!(f.name(), path.display().to_string());
     walk(&f);
+    // Read-ahead advice: any range inside the file (unaligned included), none outside it.
+    let n = f.bytes().len();
+    f.will_need(0, n).unwrap();
+    f.will_need(3, n - 3).unwrap();
+    f.will_need(n, 0).unwrap();
+    let e = f.will_need(1, n).unwrap_err().to_string();
+    assert!(
+        e.contains("outside the file") && e.contains("sample.gguf"),
+        "{e}"
+    );
+    assert!(f.will_need(usize::MAX, 2).is_err());
     // Only the final file is left behind.
     let names: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()

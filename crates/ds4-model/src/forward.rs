@@ -207,6 +207,10 @@ pub trait WeightSource<B: Backend> {
 pub struct FileSource<'a> {
     pub files: &'a [(Arc<GgufFile>, WeightDir)],
     pub progress: &'a mut dyn FnMut(usize, usize),
+    /// Ask the OS to read host-memory expert stacks into the page cache in the background as
+    /// they are bound (`GgufFile::will_need`): set where they fit the RAM, so a cold file's first
+    /// decode steps do not fault their experts in from disk one by one.
+    pub prefetch_host: bool,
     loaded: usize,
     total: usize,
 }
@@ -223,6 +227,7 @@ impl<'a> FileSource<'a> {
         FileSource {
             files,
             progress,
+            prefetch_host: false,
             loaded: 0,
             total,
         }
@@ -423,6 +428,10 @@ impl<B: Backend> WeightSource<B> for FileSource<'_> {
             offset: w.offset as usize,
             n_bytes: w.n_bytes as usize,
         };
+        if self.prefetch_host {
+            // Best effort (the experts are read on demand anyway).
+            let _ = file.will_need(s.offset, s.n_bytes);
+        }
         self.loaded += w.n_bytes as usize; // mapped, not copied: done
         (self.progress)(self.loaded, self.total);
         Ok(s)
