@@ -11,7 +11,7 @@ use ds4_gguf::GgufFile;
 use ds4_model::forward::{rope_tables, FileSource, Model};
 use ds4_model::offload::{HostExperts, HostPlacement, HostStack};
 use ds4_model::{bind_main, HParams};
-use ds4_quant::act::{ActFormat, QuantizedAct};
+use ds4_quant::act::{ActKernel, QuantizedAct};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -201,10 +201,10 @@ fn deq_row(s: &HostStack, e: usize, r: usize) -> Vec<f32> {
 }
 
 /// `x` as the act kernels see it: quantised in the format `ty`'s rows pair with and
-/// dequantised (unchanged for a type without act kernels).
+/// dequantised (unchanged for a type without an act kernel on this machine's path).
 fn as_int8(ty: GgmlType, x: &[f32]) -> Vec<f32> {
-    match ActFormat::for_weight(ty) {
-        Some(f) => QuantizedAct::new(f, x).unwrap().dequantize(),
+    match ActKernel::new(ty) {
+        Some(k) => QuantizedAct::new(k.format(), x).unwrap().dequantize(),
         None => x.to_vec(),
     }
 }

@@ -184,12 +184,19 @@ pub struct ActKernel {
 
 impl ActKernel {
     /// The kernel for weights of `ty` on the active path; `None` where this path has no kernel
-    /// for `ty` (float weights: use exact mode).
+    /// for `ty` (float weights: use exact mode) or where exact mode is the faster one: IQ2_XXS
+    /// on the portable path (0.4 against 0.8 GB/s a core, `examples/dot_bench.rs` with
+    /// `DS4_QUANT_PORTABLE=1`; the portable K-quant and Q8_0 kernels are ~2x faster than
+    /// exact mode's).
     pub fn new(ty: GgmlType) -> Option<ActKernel> {
+        let isa = crate::active_isa();
+        if isa == Isa::Portable && ty == GgmlType::IQ2_XXS {
+            return None;
+        }
         Some(ActKernel {
             ty,
             format: ActFormat::for_weight(ty)?,
-            isa: crate::active_isa(),
+            isa,
         })
     }
 

@@ -190,3 +190,33 @@ fn matvec_act_matches_rows() {
         }
     }
 }
+
+/// The resolved kernel (`ActKernel`) gives `dot_row_act`'s bits; float types have none, and
+/// on the portable path IQ2_XXS has none (exact mode is faster there).
+#[test]
+fn act_kernel_matches_dot_row_act() {
+    use ds4_quant::act::ActKernel;
+    let mut r = rng(77);
+    for ty in TYPES {
+        let Some(k) = ActKernel::new(ty) else {
+            assert!(ty == GgmlType::IQ2_XXS && ds4_quant::active_isa() == Isa::Portable);
+            continue;
+        };
+        assert_eq!(Some(k.format()), ActFormat::for_weight(ty));
+        let x = gaussian(&mut r, 512);
+        let a = QuantizedAct::for_weight(ty, &x).unwrap();
+        let row = random_row(&mut r, ty, 512);
+        assert_eq!(
+            k.dot(&row, &a).to_bits(),
+            dot_row_act(ty, &row, &a).unwrap().to_bits()
+        );
+    }
+    assert!(ActKernel::new(GgmlType::F16).is_none());
+    ds4_quant::set_force_portable(true);
+    let (iq2, q2k) = (
+        ActKernel::new(GgmlType::IQ2_XXS),
+        ActKernel::new(GgmlType::Q2_K),
+    );
+    ds4_quant::set_force_portable(false);
+    assert!(iq2.is_none() && q2k.is_some());
+}
