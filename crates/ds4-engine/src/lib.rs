@@ -1561,6 +1561,47 @@ mod tests {
         }
     }
 
+    /// The plans the README quotes, from the full-size tensor lists: the q4 mix on one H200
+    /// (139.5 GiB free) keeps the experts of a few last layers on the host, the q2 mix on a
+    /// 24 GB card (~22.5 GiB free) those of ~35.
+    #[test]
+    fn full_size_plans() {
+        let gib = 1u64 << 30;
+        let plan = |preset: ds4_model::synthetic::SynthPreset, free: u64| {
+            let (hp, mix) = preset.params();
+            let specs = ds4_model::main_tensors(&hp);
+            let sizes: Vec<(String, u64)> = specs
+                .iter()
+                .map(|t| {
+                    let ty = t.family.type_in(mix);
+                    let b = ds4_model::tensors::tensor_bytes(t, ty).unwrap_or(0);
+                    (t.name.clone(), b)
+                })
+                .collect();
+            let weights = sizes.iter().map(|(_, b)| b).sum();
+            let per = expert_bytes_per_layer(
+                hp.n_layer as usize,
+                sizes.iter().map(|(n, b)| (n.as_str(), *b)),
+            );
+            let host = host_expert_layers(
+                CpuExperts::Auto,
+                &per,
+                hp.n_expert as usize,
+                weights,
+                Some(free),
+            );
+            let n_layer = hp.n_layer as usize;
+            assert!(host.iter().enumerate().all(|(i, &l)| l == n_layer - host.len() + i));
+            host.len()
+        };
+        let q4 = plan(ds4_model::synthetic::SynthPreset::FullQ4, 139 * gib + gib / 2);
+        let q2 = plan(ds4_model::synthetic::SynthPreset::FullQ2, 22 * gib + gib / 2);
+        println!("q4 on one H200: {q4} layers on the host; q2 on a 24 GB card: {q2}");
+        assert!((3..=8).contains(&q4), "{q4}");
+        assert!((30..=40).contains(&q2), "{q2}");
+        assert_eq!(plan(ds4_model::synthetic::SynthPreset::FullQ2, 139 * gib), 0);
+    }
+
     #[test]
     fn host_expert_layers_keep_the_fewest_last_layers_that_let_the_rest_fit() {
         let gib = 1u64 << 30;
