@@ -1566,8 +1566,9 @@ mod tests {
     /// 24 GB card (~22.5 GiB free) those of ~35.
     #[test]
     fn full_size_plans() {
+        use ds4_model::synthetic::SynthPreset;
         let gib = 1u64 << 30;
-        let plan = |preset: ds4_model::synthetic::SynthPreset, free: u64| {
+        let plan = |preset: SynthPreset, free: u64| {
             let (hp, mix) = preset.params();
             let specs = ds4_model::main_tensors(&hp);
             let sizes: Vec<(String, u64)> = specs
@@ -1591,15 +1592,18 @@ mod tests {
                 Some(free),
             );
             let n_layer = hp.n_layer as usize;
-            assert!(host.iter().enumerate().all(|(i, &l)| l == n_layer - host.len() + i));
+            assert!(host
+                .iter()
+                .enumerate()
+                .all(|(i, &l)| l == n_layer - host.len() + i));
             host.len()
         };
-        let q4 = plan(ds4_model::synthetic::SynthPreset::FullQ4, 139 * gib + gib / 2);
-        let q2 = plan(ds4_model::synthetic::SynthPreset::FullQ2, 22 * gib + gib / 2);
+        let q4 = plan(SynthPreset::FullQ4, 139 * gib + gib / 2);
+        let q2 = plan(SynthPreset::FullQ2, 22 * gib + gib / 2);
         println!("q4 on one H200: {q4} layers on the host; q2 on a 24 GB card: {q2}");
         assert!((3..=8).contains(&q4), "{q4}");
         assert!((30..=40).contains(&q2), "{q2}");
-        assert_eq!(plan(ds4_model::synthetic::SynthPreset::FullQ2, 139 * gib), 0);
+        assert_eq!(plan(SynthPreset::FullQ2, 139 * gib), 0);
     }
 
     #[test]
