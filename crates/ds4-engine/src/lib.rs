@@ -298,8 +298,9 @@ fn check_cpu_experts(opts: &EngineOptions) -> Result<(), EngineError> {
 }
 
 /// Binds a layer's host-memory experts for the CPU's arithmetic: `--precision fast` (the
-/// default) quantises their decode steps' activations to 8 bits (~1.6x a step on the machines
-/// measured, `examples/host_experts_bench.rs`), `exact` keeps the CPU reference's f32.
+/// default) quantises the activations of their CPU calls to 8 bits (~1.6x a decode step on this
+/// project's 2-core machine, `ds4-cpu/examples/host_experts_bench.rs`), `exact` keeps the CPU
+/// reference's f32.
 fn cpu_host_experts(
     ropes: &ds4_backend::rope::RopeTables,
     precision: Precision,
@@ -1562,8 +1563,8 @@ mod tests {
     }
 
     /// The plans the README quotes, from the full-size tensor lists: the q4 mix on one H200
-    /// (139.5 GiB free) keeps the experts of a few last layers on the host, the q2 mix on a
-    /// 24 GB card (~22.5 GiB free) those of ~35.
+    /// (139.5 GiB free) keeps the experts of its last 5 layers on the host, the q2 mix on a
+    /// 24 GB card (~22.5 GiB free) those of 36 (bounds kept loose: GPU_RESERVE may be tuned).
     #[test]
     fn full_size_plans() {
         use ds4_model::synthetic::SynthPreset;
