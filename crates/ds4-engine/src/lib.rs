@@ -382,7 +382,10 @@ pub fn device_report() -> Vec<String> {
                                 d.warp,
                                 d.sm_count,
                                 d.total_mem as f64 / (1u64 << 30) as f64
-                            ))
+                            ));
+                            if let Ok((free, _)) = g.mem_info() {
+                                out.push(device_plan_line(free));
+                            }
                         }
                         Err(e) => out.push(format!("{vendor} device {i}: cannot open: {e}")),
                     }
@@ -457,6 +460,59 @@ fn full_size_line() -> String {
         gib(hp.session_bytes(1 << 20, 4, 4)),
         gib(hp.session_bytes(32 << 10, 4, 2)),
         gib(hp.session_bytes(1 << 20, 4, 2))
+    )
+}
+
+/// What `--cpu-experts auto` does with a full-size `mix` on a GPU with `free` bytes free:
+/// (layers whose routed experts go to host memory, their bytes, whether the rest then fits).
+fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool) {
+    use ds4_model::tensors::{main_tensors, tensor_bytes};
+    let hp = HParams::flash();
+    let sizes: Vec<(String, u64)> = main_tensors(&hp)
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0),
+            )
+        })
+        .collect();
+    let weights: u64 = sizes.iter().map(|(_, b)| b).sum();
+    let n_expert = hp.n_expert as usize;
+    let per = expert_bytes_per_layer(
+        hp.n_layer as usize,
+        sizes.iter().map(|(n, b)| (n.as_str(), *b)),
+    );
+    let host = host_expert_layers(CpuExperts::Auto, &per, n_expert, weights, Some(free));
+    let on_host: u64 = host.iter().map(|&i| per[i]).sum();
+    let group = match host.is_empty() {
+        true => 0,
+        false => host_group_bytes(&per, n_expert),
+    };
+    let fits = gpu_fit_error(weights - on_host + group, free, free, "").is_none();
+    (host.len(), on_host, fits)
+}
+
+/// `ds4 devices`' line under a GPU with `free` bytes free: how each full-size mix would run on
+/// it alone with `--cpu-experts auto`.
+fn device_plan_line(free: u64) -> String {
+    use ds4_model::tensors::Mix;
+    let n_layer = HParams::flash().n_layer;
+    let one = |name: &str, mix: Mix| match full_size_plan(mix, free) {
+        (_, _, false) => {
+            format!("{name} does not fit (even with every layer's experts in host memory)")
+        }
+        (0, _, true) => format!("{name} all on the GPU"),
+        (n, bytes, true) => format!(
+            "{name} with the routed experts of {n} of {n_layer} layers in host memory ({:.1} GiB)",
+            gib(bytes)
+        ),
+    };
+    format!(
+        "  full-size model on it alone ({:.1} GiB free, --cpu-experts auto): {}; {}",
+        gib(free),
+        one("q2", Mix::Q2),
+        one("q4", Mix::Q4)
     )
 }
 
@@ -1564,47 +1620,35 @@ mod tests {
 
     /// The plans the README quotes, from the full-size tensor lists: the q4 mix on one H200
     /// (139.5 GiB free) keeps the experts of its last 5 layers on the host, the q2 mix on a
-    /// 24 GB card (~22.5 GiB free) those of 36 (bounds kept loose: GPU_RESERVE may be tuned).
+    /// 24 GB card (~22.5 GiB free) those of 36 (bounds kept loose: GPU_RESERVE may be tuned);
+    /// and `ds4 devices`' line that says so.
     #[test]
     fn full_size_plans() {
-        use ds4_model::synthetic::SynthPreset;
+        use ds4_model::tensors::Mix;
         let gib = 1u64 << 30;
-        let plan = |preset: SynthPreset, free: u64| {
-            let (hp, mix) = preset.params();
-            let specs = ds4_model::main_tensors(&hp);
-            let sizes: Vec<(String, u64)> = specs
-                .iter()
-                .map(|t| {
-                    let ty = t.family.type_in(mix);
-                    let b = ds4_model::tensors::tensor_bytes(t, ty).unwrap_or(0);
-                    (t.name.clone(), b)
-                })
-                .collect();
-            let weights = sizes.iter().map(|(_, b)| b).sum();
-            let per = expert_bytes_per_layer(
-                hp.n_layer as usize,
-                sizes.iter().map(|(n, b)| (n.as_str(), *b)),
-            );
-            let host = host_expert_layers(
-                CpuExperts::Auto,
-                &per,
-                hp.n_expert as usize,
-                weights,
-                Some(free),
-            );
-            let n_layer = hp.n_layer as usize;
-            assert!(host
-                .iter()
-                .enumerate()
-                .all(|(i, &l)| l == n_layer - host.len() + i));
-            host.len()
-        };
-        let q4 = plan(SynthPreset::FullQ4, 139 * gib + gib / 2);
-        let q2 = plan(SynthPreset::FullQ2, 22 * gib + gib / 2);
-        println!("q4 on one H200: {q4} layers on the host; q2 on a 24 GB card: {q2}");
-        assert!((3..=8).contains(&q4), "{q4}");
-        assert!((30..=40).contains(&q2), "{q2}");
-        assert_eq!(plan(SynthPreset::FullQ2, 139 * gib), 0);
+        let (q4, q4_bytes, fits) = full_size_plan(Mix::Q4, 139 * gib + gib / 2);
+        assert!((3..=8).contains(&q4) && fits, "{q4}");
+        // 3.37 GiB of Q4_K experts a layer.
+        assert!(q4_bytes > q4 as u64 * 3 * gib && q4_bytes < q4 as u64 * 4 * gib);
+        let (q2, _, fits) = full_size_plan(Mix::Q2, 22 * gib + gib / 2);
+        assert!((30..=40).contains(&q2) && fits, "{q2}");
+        assert_eq!(full_size_plan(Mix::Q2, 139 * gib), (0, 0, true));
+        assert!(
+            !full_size_plan(Mix::Q2, 6 * gib).2,
+            "8 GiB of dense weights in 6 GiB"
+        );
+        let h200 = device_plan_line(139 * gib + gib / 2);
+        println!("{h200}");
+        assert!(h200.contains("q2 all on the GPU"), "{h200}");
+        assert!(
+            h200.contains(&format!("q4 with the routed experts of {q4} of 43 layers")),
+            "{h200}"
+        );
+        let small = device_plan_line(6 * gib);
+        assert!(
+            small.contains("q2 does not fit") && small.contains("q4 does not fit"),
+            "{small}"
+        );
     }
 
     #[test]
