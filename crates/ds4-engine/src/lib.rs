@@ -431,19 +431,14 @@ pub fn device_report() -> Vec<String> {
 /// Memory a full-size model needs: weights of the two published mixes and one session's
 /// state at 32k and 1M tokens (`ds4 devices`).
 fn full_size_line() -> String {
-    use ds4_model::tensors::{main_tensors, tensor_bytes, Mix};
+    use ds4_model::tensors::{mix_sizes, Mix};
     let hp = HParams::flash();
-    let weights = |mix: Mix| -> u64 {
-        main_tensors(&hp)
-            .iter()
-            .map(|t| tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0))
-            .sum()
-    };
+    let weights = |mix: Mix| -> u64 { mix_sizes(&hp, mix).iter().map(|t| t.2).sum() };
     let experts = |mix: Mix| -> u64 {
-        main_tensors(&hp)
+        mix_sizes(&hp, mix)
             .iter()
-            .filter(|t| t.name.ends_with("_exps.weight"))
-            .map(|t| tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0))
+            .filter(|t| t.0.ends_with("_exps.weight"))
+            .map(|t| t.2)
             .sum()
     };
     format!(
@@ -466,22 +461,13 @@ fn full_size_line() -> String {
 /// What `--cpu-experts auto` does with a full-size `mix` on a GPU with `free` bytes free:
 /// (layers whose routed experts go to host memory, their bytes, whether the rest then fits).
 fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool) {
-    use ds4_model::tensors::{main_tensors, tensor_bytes};
     let hp = HParams::flash();
-    let sizes: Vec<(String, u64)> = main_tensors(&hp)
-        .iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0),
-            )
-        })
-        .collect();
-    let weights: u64 = sizes.iter().map(|(_, b)| b).sum();
+    let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
+    let weights: u64 = sizes.iter().map(|t| t.2).sum();
     let n_expert = hp.n_expert as usize;
     let per = expert_bytes_per_layer(
         hp.n_layer as usize,
-        sizes.iter().map(|(n, b)| (n.as_str(), *b)),
+        sizes.iter().map(|(n, _, b)| (n.as_str(), *b)),
     );
     let host = host_expert_layers(CpuExperts::Auto, &per, n_expert, weights, Some(free));
     let on_host: u64 = host.iter().map(|&i| per[i]).sum();
@@ -1047,12 +1033,8 @@ impl Engine {
             .map_err(|e| EngineError::Tokenizer(label.clone(), e))?;
         let model_id: [u8; 32] = Sha256::digest(label.as_bytes()).into();
         if opts.devices.len() > 1 {
-            let specs = ds4_model::main_tensors(&hp);
-            let sizes = RankBytes::of(specs.iter().map(|t| {
-                let ty = t.family.type_in(mix);
-                let b = ds4_model::tensors::tensor_bytes(t, ty).unwrap_or(0);
-                (t.name.as_str(), b, ty)
-            }));
+            let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
+            let sizes = RankBytes::of(sizes.iter().map(|(n, ty, b)| (n.as_str(), *b, *ty)));
             let rounding = opts.rounding;
             let (model, backend, wb) = open_ranks(
                 opts,
@@ -1080,10 +1062,9 @@ impl Engine {
         let name = pick.name;
         let per_layer = expert_bytes_per_layer(
             hp.n_layer as usize,
-            ds4_model::main_tensors(&hp).iter().map(|t| {
-                let b = ds4_model::tensors::tensor_bytes(t, t.family.type_in(mix)).unwrap_or(0);
-                (t.name.as_str(), b)
-            }),
+            ds4_model::tensors::mix_sizes(&hp, mix)
+                .iter()
+                .map(|(n, _, b)| (n.as_str(), *b)),
         );
         let mut src = SynthSource::new(&hp, mix, seed, progress);
         let weights = src.total_bytes() as u64;
@@ -1586,12 +1567,8 @@ mod tests {
             ds4_model::synthetic::SynthPreset::FullQ4,
         ] {
             let (hp, mix) = preset.params();
-            let specs = ds4_model::main_tensors(&hp);
-            let r = RankBytes::of(specs.iter().map(|t| {
-                let ty = t.family.type_in(mix);
-                let b = ds4_model::tensors::tensor_bytes(t, ty).unwrap_or(0);
-                (t.name.as_str(), b, ty)
-            }));
+            let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
+            let r = RankBytes::of(sizes.iter().map(|(n, ty, b)| (n.as_str(), *b, *ty)));
             assert!(r.experts > r.all / 2 && r.tp > 0 && r.tp < r.all - r.experts);
             assert_eq!(
                 (r.out_b_block, r.down_block),
