@@ -180,6 +180,46 @@ pub fn host_expert_layers(
     }
 }
 
+/// Where a GPU model's weights go on a device with `free` bytes free: the layers whose routed
+/// experts stay in host memory ([`host_expert_layers`]) and whether the GPU also makes its
+/// decode-layout copies (`copies` bytes: [`gpu_layout_bytes`]). The copies only speed up the
+/// one-token dense products, while each layer of experts in host memory costs a decode step
+/// milliseconds of CPU time, so under `Auto` they go first: a model that does not fit with them
+/// is placed without them (~7 GiB of the q2 mix: four layers of its experts). With a fixed
+/// choice they are made when they fit. `own`: the weights' own bytes (all of them).
+fn place_weights(
+    choice: CpuExperts,
+    per_layer: &[u64],
+    n_expert: usize,
+    own: u64,
+    copies: u64,
+    free: Option<u64>,
+) -> (Vec<usize>, bool) {
+    let Some(free) = free else {
+        return (
+            host_expert_layers(choice, per_layer, n_expert, own, None),
+            true,
+        );
+    };
+    let fits = |host: &[usize], with: bool| {
+        let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
+        let group = match host.is_empty() {
+            true => 0,
+            false => host_group_bytes(per_layer, n_expert),
+        };
+        let dev = own.saturating_sub(on_host) + group + if with { copies } else { 0 };
+        dev.saturating_add(GPU_RESERVE) <= free
+    };
+    let with = host_expert_layers(choice, per_layer, n_expert, own + copies, Some(free));
+    let without = host_expert_layers(choice, per_layer, n_expert, own, Some(free));
+    // The copies stay only where they cost no layer of experts more in host memory.
+    if with.len() <= without.len() && fits(&with, true) {
+        return (with, true);
+    }
+    let keep = fits(&without, true);
+    (without, keep)
+}
+
 /// Routed-expert bytes of each main layer, from `(name, bytes)` of every tensor.
 fn expert_bytes_per_layer<'a>(
     n_layer: usize,
@@ -200,6 +240,15 @@ fn expert_bytes_per_layer<'a>(
         }
     }
     v
+}
+
+/// Device bytes a GPU backend adds to weights of these (type, GGUF dims) for its copies in
+/// other layouts ([`ds4_gpu::GpuBackend::layout_copy_bytes`]); they stay on the GPU whatever
+/// `--cpu-experts` moves (expert stacks get none).
+fn gpu_layout_bytes<'a>(tensors: impl Iterator<Item = (GgmlType, &'a [u64])>) -> u64 {
+    tensors
+        .map(|(ty, dims)| ds4_gpu::GpuBackend::layout_copy_bytes(ty, dims))
+        .sum()
 }
 
 /// Why the weights left on the device do not fit even with `what` = (layers, of layers, bytes)
@@ -437,20 +486,30 @@ fn full_size_line() -> String {
     let experts = |mix: Mix| -> u64 {
         mix_sizes(&hp, mix)
             .iter()
-            .filter(|t| t.0.ends_with("_exps.weight"))
+            .filter(|t| t.0.name.ends_with("_exps.weight"))
             .map(|t| t.2)
             .sum()
     };
+    let copies = |mix: Mix| -> u64 {
+        gpu_layout_bytes(
+            mix_sizes(&hp, mix)
+                .iter()
+                .map(|(t, ty, _)| (*ty, &t.dims[..])),
+        )
+    };
     format!(
         "full-size model: weights {:.1} GiB (q2) / {:.1} GiB (q4), of which routed experts {:.1} / \
-         {:.1} GiB (--cpu-experts all leaves {:.1} / {:.1} GiB on the GPU); session state {:.2} GiB \
-         at 32k context, {:.2} GiB at 1M ({:.2} / {:.2} GiB on a GPU: bf16 indexer rows)",
+         {:.1} GiB; a GPU also holds {:.1} / {:.1} GiB of decode-layout copies (--cpu-experts all \
+         leaves {:.1} / {:.1} GiB on the GPU with them); session state {:.2} GiB at 32k context, \
+         {:.2} GiB at 1M ({:.2} / {:.2} GiB on a GPU: bf16 indexer rows)",
         gib(weights(Mix::Q2)),
         gib(weights(Mix::Q4)),
         gib(experts(Mix::Q2)),
         gib(experts(Mix::Q4)),
-        gib(weights(Mix::Q2) - experts(Mix::Q2)),
-        gib(weights(Mix::Q4) - experts(Mix::Q4)),
+        gib(copies(Mix::Q2)),
+        gib(copies(Mix::Q4)),
+        gib(weights(Mix::Q2) - experts(Mix::Q2) + copies(Mix::Q2)),
+        gib(weights(Mix::Q4) - experts(Mix::Q4) + copies(Mix::Q4)),
         gib(hp.session_bytes(32 << 10, 4, 4)),
         gib(hp.session_bytes(1 << 20, 4, 4)),
         gib(hp.session_bytes(32 << 10, 4, 2)),
@@ -459,24 +518,27 @@ fn full_size_line() -> String {
 }
 
 /// What `--cpu-experts auto` does with a full-size `mix` on a GPU with `free` bytes free:
-/// (layers whose routed experts go to host memory, their bytes, whether the rest then fits).
-fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool) {
+/// (layers whose routed experts go to host memory, their bytes, whether the rest then fits,
+/// whether the GPU keeps its decode-layout copies).
+fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool, bool) {
     let hp = HParams::flash();
     let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
-    let weights: u64 = sizes.iter().map(|t| t.2).sum();
+    let own: u64 = sizes.iter().map(|t| t.2).sum();
+    let copies = gpu_layout_bytes(sizes.iter().map(|(t, ty, _)| (*ty, &t.dims[..])));
     let n_expert = hp.n_expert as usize;
     let per = expert_bytes_per_layer(
         hp.n_layer as usize,
-        sizes.iter().map(|(n, _, b)| (n.as_str(), *b)),
+        sizes.iter().map(|(t, _, b)| (t.name.as_str(), *b)),
     );
-    let host = host_expert_layers(CpuExperts::Auto, &per, n_expert, weights, Some(free));
+    let (host, keep) = place_weights(CpuExperts::Auto, &per, n_expert, own, copies, Some(free));
     let on_host: u64 = host.iter().map(|&i| per[i]).sum();
     let group = match host.is_empty() {
         true => 0,
         false => host_group_bytes(&per, n_expert),
     };
-    let fits = gpu_fit_error(weights - on_host + group, free, free, "").is_none();
-    (host.len(), on_host, fits)
+    let dev = own - on_host + group + if keep { copies } else { 0 };
+    let fits = gpu_fit_error(dev, free, free, "").is_none();
+    (host.len(), on_host, fits, keep)
 }
 
 /// `ds4 devices`' line under a GPU with `free` bytes free: how each full-size mix would run on
@@ -484,16 +546,22 @@ fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool)
 fn device_plan_line(free: u64) -> String {
     use ds4_model::tensors::Mix;
     let n_layer = HParams::flash().n_layer;
-    let one = |name: &str, mix: Mix| match full_size_plan(mix, free) {
-        (_, _, false) => {
-            format!("{name} does not fit (even with every layer's experts in host memory)")
-        }
-        (0, _, true) => format!("{name} all on the GPU"),
-        (n, bytes, true) => format!(
-            "{name} with the routed experts of {n} of {n_layer} layers in host memory ({:.1} GiB)",
-            gib(bytes)
-        ),
-    };
+    let one =
+        |name: &str, mix: Mix| match full_size_plan(mix, free) {
+            (_, _, false, _) => {
+                format!("{name} does not fit (even with every layer's experts in host memory)")
+            }
+            (0, _, true, true) => format!("{name} all on the GPU"),
+            (0, _, true, false) => format!("{name} all on the GPU without decode-layout copies"),
+            (n, bytes, true, keep) => {
+                format!(
+            "{name} with the routed experts of {n} of {n_layer} layers in host memory ({:.1} \
+             GiB){}",
+            gib(bytes),
+            if keep { "" } else { ", no decode-layout copies" }
+        )
+            }
+        };
     format!(
         "  full-size model on it alone ({:.1} GiB free, --cpu-experts auto): {}; {}",
         gib(free),
@@ -510,8 +578,8 @@ pub struct Engine {
     path: PathBuf,
     /// Human-readable backend line (`cpu`, or the GPU and what runs on it).
     backend: String,
-    /// Device bytes of the weights on a GPU backend.
-    weight_bytes: Option<u64>,
+    /// Device bytes of the weights on a GPU backend: their own, their layout copies.
+    weight_bytes: Option<(u64, u64)>,
 }
 
 /// The device a GPU choice resolved to.
@@ -573,8 +641,8 @@ pub fn gpu_fit_error(weights: u64, free: u64, total: u64, device: &str) -> Optio
         return None;
     }
     Some(format!(
-        "the model's weights need {:.1} GiB of device memory (plus ~{:.0} GiB for session state and \
-         scratch), but {device} has {:.1} of {:.1} GiB free: keep routed experts in host memory \
+        "the model's weights need {:.1} GiB of device memory with the GPU's decode-layout copies \
+         of the Q8_0 matrices (plus ~{:.0} GiB for session state and scratch), but {device} has {:.1} of {:.1} GiB free: keep routed experts in host memory \
          (--cpu-experts auto, the default, or a layer count), use a smaller mix (the q2 file is \
          80.8 GiB), another GPU (--device N), or --backend cpu",
         gib(weights),
@@ -607,21 +675,24 @@ fn gpu_backend(
 
 /// [`gpu_backend`] for a model whose routed experts may stay in host memory
 /// (`opts.cpu_experts`): the backend, its line (saying where the experts are), the layers
-/// whose experts are in host memory and their bytes.
+/// whose experts are in host memory and their bytes. `weights`: all the weights' own bytes,
+/// `copies`: the GPU's layout copies of them ([`place_weights`] decides whether it makes them).
 fn gpu_backend_placed(
     pick: GpuPick,
     hp: &HParams,
     weights: u64,
+    copies: u64,
     per_layer: &[u64],
     opts: &EngineOptions,
 ) -> Result<(ds4_gpu::GpuBackend, String, Vec<usize>, u64), EngineError> {
     let mem = pick.gpu.mem_info().ok();
     let n_expert = hp.n_expert as usize;
-    let host = host_expert_layers(
+    let (host, keep) = place_weights(
         opts.cpu_experts,
         per_layer,
         n_expert,
         weights,
+        copies,
         mem.map(|m| m.0),
     );
     let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
@@ -630,7 +701,7 @@ fn gpu_backend_placed(
     } else {
         host_group_bytes(per_layer, n_expert)
     };
-    let dev_weights = weights.saturating_sub(on_host) + group;
+    let dev_weights = weights.saturating_sub(on_host) + group + if keep { copies } else { 0 };
     if let (false, Some((free, total))) = (host.is_empty(), mem) {
         let dev = format!("GPU {} ({})", pick.gpu.info().index, pick.gpu.info().name);
         let what = (host.len(), per_layer.len(), on_host);
@@ -639,8 +710,18 @@ fn gpu_backend_placed(
         }
     }
     let (b, mut line) = gpu_backend(pick, hp, dev_weights, opts.precision)?;
+    if !keep {
+        b.set_layout_copies(false);
+    }
     if !host.is_empty() {
         line += &host_experts_line(host.len(), per_layer.len(), on_host, opts.precision);
+    }
+    if !keep && copies > 0 {
+        line += &format!(
+            "; no decode-layout copies of the Q8_0 matrices ({:.1} GiB of device memory kept \
+             for the weights)",
+            gib(copies)
+        );
     }
     Ok((b, line, host, on_host))
 }
@@ -667,21 +748,27 @@ struct RankBytes {
     all: u64,
     experts: u64,
     tp: u64,
+    /// Layout copies a GPU rank makes ([`gpu_layout_bytes`]), of them those of TP-split tensors.
+    layout: u64,
+    layout_tp: u64,
     out_b_block: usize,
     down_block: usize,
 }
 
 impl RankBytes {
-    /// Sizes from a model's tensors as (name, bytes, type).
-    fn of<'a>(tensors: impl Iterator<Item = (&'a str, u64, GgmlType)>) -> RankBytes {
+    /// Sizes from a model's tensors as (name, bytes, type, GGUF dims).
+    fn of<'a>(tensors: impl Iterator<Item = (&'a str, u64, GgmlType, &'a [u64])>) -> RankBytes {
         let mut r = RankBytes::default();
-        for (name, bytes, ty) in tensors {
+        for (name, bytes, ty, dims) in tensors {
             let blk = ty.block_elems() as usize;
+            let copy = gpu_layout_bytes(std::iter::once((ty, dims)));
             r.all += bytes;
+            r.layout += copy;
             if name.contains("_exps.") {
                 r.experts += bytes; // routed expert stacks: split over the ranks
             } else if ds4_model::forward::tp_splits(name) {
                 r.tp += bytes;
+                r.layout_tp += copy;
             }
             if name.ends_with("attn_output_b.weight") {
                 r.out_b_block = r.out_b_block.max(blk);
@@ -697,17 +784,29 @@ impl RankBytes {
         asked && ds4_model::forward::tp_fits(hp, n, self.out_b_block, self.down_block)
     }
 
-    /// The most any of `n` ranks holds (ranks differ by at most one expert of each layer;
-    /// with `tp`, the TP-split tensors in equal parts).
+    /// The layout copies one of `n` ranks makes (with `tp`, of the TP-split tensors' parts).
+    fn layout_per_rank(&self, n: usize, tp: bool) -> u64 {
+        match tp {
+            true => self.layout - (self.layout_tp - self.layout_tp / n as u64),
+            false => self.layout,
+        }
+    }
+
+    /// The most any of `n` ranks holds, layout copies included (ranks differ by at most one
+    /// expert of each layer; with `tp`, the TP-split tensors in equal parts).
     fn per_rank(&self, n: usize, n_expert: usize, tp: bool) -> u64 {
         let most = n_expert.div_ceil(n) as u64;
-        let split = if tp { self.tp - self.tp / n as u64 } else { 0 };
-        self.all - self.experts - split + (self.experts * most).div_ceil(n_expert.max(1) as u64)
+        let split = match tp {
+            true => (self.tp - self.tp / n as u64) + (self.layout_tp - self.layout_tp / n as u64),
+            false => 0,
+        };
+        self.all + self.layout - self.experts - split
+            + (self.experts * most).div_ceil(n_expert.max(1) as u64)
     }
 }
 
 /// An opened model, its backend line, and the device bytes of its weights (GPU backends).
-type Opened = (Arc<dyn Forward>, String, Option<u64>);
+type Opened = (Arc<dyn Forward>, String, Option<(u64, u64)>);
 
 /// Loads one expert-parallel rank's model on backend `B` (its weights from a file or made on
 /// the device), reporting `progress(done, total)` of that rank.
@@ -809,7 +908,16 @@ fn open_ranks(
     let mut backends = Vec::with_capacity(n);
     for (rank, pick) in picks.into_iter().enumerate() {
         let dev = pick.gpu.info().index;
-        let (b, _) = gpu_backend(pick, hp, per_rank, opts.precision)?;
+        // A rank whose share fits only without the layout copies makes none (as one GPU does,
+        // `place_weights`); the fit check then counts the weights alone.
+        let copies = sizes.layout_per_rank(n, tp);
+        let keep = match pick.gpu.mem_info() {
+            Ok((free, _)) => per_rank.saturating_add(GPU_RESERVE) <= free,
+            Err(_) => true,
+        };
+        let need = if keep { per_rank } else { per_rank - copies };
+        let (b, _) = gpu_backend(pick, hp, need, opts.precision)?;
+        b.set_layout_copies(keep);
         let shard = Shard {
             rank,
             n_ranks: n,
@@ -870,7 +978,7 @@ fn open_ranks(
     let mut wb0 = None;
     for m in loaded {
         let m = m?;
-        wb0.get_or_insert(m.backend.weight_bytes());
+        wb0.get_or_insert((m.backend.weight_bytes(), m.backend.layout_bytes()));
         ranks.push(Box::new(m));
     }
     let m = Sharded::new(ranks).map_err(|e| EngineError::Backend(name.into(), e))?;
@@ -928,7 +1036,7 @@ impl Engine {
                     files
                         .iter()
                         .flat_map(|(f, _)| f.tensors())
-                        .map(|t| (t.name.as_str(), t.n_bytes, t.ty)),
+                        .map(|t| (t.name.as_str(), t.n_bytes, t.ty, &t.dims[..])),
                 );
                 let rounding = opts.rounding;
                 let (m, line, wb) = open_ranks(
@@ -943,11 +1051,9 @@ impl Engine {
             }
             Some(pick) => {
                 let name = pick.name;
-                let weights = files
-                    .iter()
-                    .flat_map(|(f, _)| f.tensors())
-                    .map(|t| t.n_bytes)
-                    .sum();
+                let tensors = || files.iter().flat_map(|(f, _)| f.tensors());
+                let weights = tensors().map(|t| t.n_bytes).sum::<u64>();
+                let copies = gpu_layout_bytes(tensors().map(|t| (t.ty, &t.dims[..])));
                 let per_layer = expert_bytes_per_layer(
                     hp.n_layer as usize,
                     files[0]
@@ -957,7 +1063,7 @@ impl Engine {
                         .map(|t| (t.name.as_str(), t.n_bytes)),
                 );
                 let (b, mut line, host, on_host) =
-                    gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+                    gpu_backend_placed(pick, &hp, weights, copies, &per_layer, opts)?;
                 let note = meminfo("MemTotal:").and_then(|r| host_cache_note(on_host, r));
                 if let Some(note) = &note {
                     line += note;
@@ -980,7 +1086,7 @@ impl Engine {
                 m.backend
                     .finish()
                     .map_err(|e| EngineError::Backend(name.into(), e))?;
-                let wb = m.backend.weight_bytes();
+                let wb = (m.backend.weight_bytes(), m.backend.layout_bytes());
                 (Arc::new(m), line, Some(wb))
             }
             None => {
@@ -1034,7 +1140,11 @@ impl Engine {
         let model_id: [u8; 32] = Sha256::digest(label.as_bytes()).into();
         if opts.devices.len() > 1 {
             let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
-            let sizes = RankBytes::of(sizes.iter().map(|(n, ty, b)| (n.as_str(), *b, *ty)));
+            let sizes = RankBytes::of(
+                sizes
+                    .iter()
+                    .map(|(t, ty, b)| (t.name.as_str(), *b, *ty, &t.dims[..])),
+            );
             let rounding = opts.rounding;
             let (model, backend, wb) = open_ranks(
                 opts,
@@ -1060,16 +1170,17 @@ impl Engine {
             return Err(on_cpu());
         };
         let name = pick.name;
+        let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
         let per_layer = expert_bytes_per_layer(
             hp.n_layer as usize,
-            ds4_model::tensors::mix_sizes(&hp, mix)
-                .iter()
-                .map(|(n, _, b)| (n.as_str(), *b)),
+            sizes.iter().map(|(t, _, b)| (t.name.as_str(), *b)),
         );
         let mut src = SynthSource::new(&hp, mix, seed, progress);
         let weights = src.total_bytes() as u64;
+        let copies = gpu_layout_bytes(sizes.iter().map(|(t, ty, _)| (*ty, &t.dims[..])));
         // Host-memory stacks are generated on the device, then copied out and freed there.
-        let (b, line, host, on_host) = gpu_backend_placed(pick, &hp, weights, &per_layer, opts)?;
+        let (b, line, host, on_host) =
+            gpu_backend_placed(pick, &hp, weights, copies, &per_layer, opts)?;
         if let Some(e) = mem_available().and_then(|a| host_memory_error(host.len(), on_host, a)) {
             return Err(EngineError::Backend(name.into(), e));
         }
@@ -1083,7 +1194,10 @@ impl Engine {
         m.backend
             .finish()
             .map_err(|e| EngineError::Backend(name.into(), e))?;
-        let wb = m.backend.weight_bytes().saturating_sub(on_host);
+        let wb = (
+            m.backend.weight_bytes().saturating_sub(on_host),
+            m.backend.layout_bytes(),
+        );
         Ok(Engine {
             model: Arc::new(m),
             tokenizer: Arc::new(tokenizer),
@@ -1096,7 +1210,13 @@ impl Engine {
 
     /// Device bytes held by the model's weights (GPU backends), None on the CPU.
     pub fn gpu_weight_bytes(&self) -> Option<u64> {
-        self.weight_bytes
+        self.weight_bytes.map(|w| w.0)
+    }
+
+    /// Device bytes of the weights' copies in other layouts made at upload (GPU backends: the
+    /// Q8_0 matrices' decode layout), None on the CPU. With several ranks: rank 0's.
+    pub fn gpu_layout_bytes(&self) -> Option<u64> {
+        self.weight_bytes.map(|w| w.1)
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -1568,8 +1688,22 @@ mod tests {
         ] {
             let (hp, mix) = preset.params();
             let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
-            let r = RankBytes::of(sizes.iter().map(|(n, ty, b)| (n.as_str(), *b, *ty)));
+            let r = RankBytes::of(
+                sizes
+                    .iter()
+                    .map(|(t, ty, b)| (t.name.as_str(), *b, *ty, &t.dims[..])),
+            );
             assert!(r.experts > r.all / 2 && r.tp > 0 && r.tp < r.all - r.experts);
+            // Every Q8_0 matrix that is not an expert stack once more (the decode layout), of
+            // them the TP-split ones: in both mixes most of the dense weights.
+            let q8: u64 = sizes
+                .iter()
+                .filter(|(t, ty, _)| *ty == GgmlType::Q8_0 && t.dims.len() == 2)
+                .map(|(_, _, b)| b)
+                .sum();
+            assert_eq!(r.layout, q8);
+            assert!(r.layout_tp > 0 && r.layout_tp < r.layout && r.layout_tp <= r.tp);
+            assert!(r.layout > (r.all - r.experts) / 2, "{} {}", r.layout, r.all);
             assert_eq!(
                 (r.out_b_block, r.down_block),
                 (32, 32),
@@ -1581,7 +1715,12 @@ mod tests {
                 assert!(!r.tp(&hp, n, false), "not asked");
                 let (ep, tp) = (r.per_rank(n, n_exp, false), r.per_rank(n, n_exp, true));
                 assert!(tp < ep && ep < r.all, "{n}: {tp} {ep}");
-                assert_eq!(ep - tp, r.tp - r.tp / n as u64);
+                let split = |b: u64| b - b / n as u64;
+                assert_eq!(ep - tp, split(r.tp) + split(r.layout_tp));
+                assert_eq!(
+                    ep,
+                    r.all + r.layout - r.experts + r.experts.div_ceil(n as u64)
+                );
                 println!(
                     "{} over {n}: {:.2} GiB a rank (ep {:.2})",
                     preset.name(),
@@ -1597,34 +1736,67 @@ mod tests {
 
     /// The plans the README quotes, from the full-size tensor lists: the q4 mix on one H200
     /// (139.5 GiB free) keeps the experts of its last 5 layers on the host, the q2 mix on a
-    /// 24 GB card (~22.5 GiB free) those of 36 (bounds kept loose: GPU_RESERVE may be tuned);
-    /// and `ds4 devices`' line that says so.
+    /// 24 GB card (~22.5 GiB free) those of 36, on an 80 GB H100 (78.6 GiB free) those of 2
+    /// (bounds kept loose: GPU_RESERVE may be tuned), each without the decode-layout copies;
+    /// the q2 mix on an H200 all on the GPU with them; and `ds4 devices`' line that says so.
     #[test]
     fn full_size_plans() {
         use ds4_model::tensors::Mix;
         let gib = 1u64 << 30;
-        let (q4, q4_bytes, fits) = full_size_plan(Mix::Q4, 139 * gib + gib / 2);
-        assert!((3..=8).contains(&q4) && fits, "{q4}");
+        let (q4, q4_bytes, fits, keep) = full_size_plan(Mix::Q4, 139 * gib + gib / 2);
+        assert!((3..=8).contains(&q4) && fits && !keep, "{q4}");
         // 3.37 GiB of Q4_K experts a layer.
         assert!(q4_bytes > q4 as u64 * 3 * gib && q4_bytes < q4 as u64 * 4 * gib);
-        let (q2, _, fits) = full_size_plan(Mix::Q2, 22 * gib + gib / 2);
-        assert!((30..=40).contains(&q2) && fits, "{q2}");
-        assert_eq!(full_size_plan(Mix::Q2, 139 * gib), (0, 0, true));
+        let (q2, _, fits, keep) = full_size_plan(Mix::Q2, 22 * gib + gib / 2);
+        assert!((30..=40).contains(&q2) && fits && !keep, "{q2}");
+        // Session 41: on an H100 the q2 mix with its copies and no host layers ran out of
+        // memory at load; without the copies 80.8 GiB still need a few layers on the host.
+        let (h100, _, fits, keep) = full_size_plan(Mix::Q2, 78 * gib + 6 * gib / 10);
+        assert!((1..=4).contains(&h100) && fits && !keep, "{h100}");
+        assert_eq!(full_size_plan(Mix::Q2, 139 * gib), (0, 0, true, true));
         assert!(
             !full_size_plan(Mix::Q2, 6 * gib).2,
             "8 GiB of dense weights in 6 GiB"
         );
         let h200 = device_plan_line(139 * gib + gib / 2);
         println!("{h200}");
-        assert!(h200.contains("q2 all on the GPU"), "{h200}");
+        assert!(h200.contains("q2 all on the GPU;"), "{h200}");
         assert!(
-            h200.contains(&format!("q4 with the routed experts of {q4} of 43 layers")),
+            h200.contains(&format!(
+                "q4 with the routed experts of {q4} of 43 layers in host memory"
+            )) && h200.ends_with("no decode-layout copies"),
             "{h200}"
         );
         let small = device_plan_line(6 * gib);
         assert!(
             small.contains("q2 does not fit") && small.contains("q4 does not fit"),
             "{small}"
+        );
+    }
+
+    /// The decode-layout copies go before any layer of experts moves to host memory, and stay
+    /// where they fit beside a fixed choice.
+    #[test]
+    fn place_weights_drops_the_layout_copies_first() {
+        let gib = 1u64 << 30;
+        // 4 layers of 2 GiB of experts (8 experts: a group is a whole layer) plus 2 GiB of
+        // dense weights: 10 GiB own bytes; 1 GiB of copies; the reserve is 1 GiB.
+        let per = [2 * gib; 4];
+        let place = |c, free| place_weights(c, &per, 8, 10 * gib, gib, Some(free));
+        assert_eq!(place(CpuExperts::Auto, 12 * gib), (vec![], true));
+        assert_eq!(place(CpuExperts::Auto, 11 * gib + gib / 2), (vec![], false));
+        // Without copies two layers go (10 - 4 + 2 for the group + 1 = 9 GiB).
+        assert_eq!(place(CpuExperts::Auto, 9 * gib), (vec![2, 3], false));
+        // Copies that fit beside the fewest layers stay.
+        assert_eq!(place(CpuExperts::Auto, 10 * gib), (vec![2, 3], true));
+        assert_eq!(place(CpuExperts::Last(1), 20 * gib), (vec![3], true));
+        assert_eq!(place(CpuExperts::Last(1), 11 * gib), (vec![3], false));
+        assert_eq!(place(CpuExperts::Off, 12 * gib), (vec![], true));
+        assert_eq!(place(CpuExperts::Off, 11 * gib), (vec![], false));
+        // No memory figure (a device that does not say): as asked, with copies.
+        assert_eq!(
+            place_weights(CpuExperts::Auto, &per, 8, 10 * gib, gib, None),
+            (vec![], true)
         );
     }
 

@@ -251,3 +251,27 @@ fn bounded_row_capacity_changes_no_logit() {
         "decode: bound {db}, restored {dr}"
     );
 }
+
+/// A backend told to make no layout copies (`GpuBackend::set_layout_copies(false)`: the
+/// engine's choice for a model that does not fit with them) holds none, the default holds its
+/// Q8_0 matrices' decode layout, and both decode to the same logits (other kernels, other
+/// summation orders: within 1e-4).
+#[test]
+fn layout_copies_off_keeps_the_logits() {
+    let hp = HParams::tiny();
+    let Some(_) = common::open_gpu() else { return };
+    let ids = &tokens()[..40];
+    let (_, with_b) = common::backends(&hp).unwrap();
+    let (_, without_b) = common::backends(&hp).unwrap();
+    without_b.set_layout_copies(false);
+    let with = load(with_b, "tiny-q.gguf", Rounding::NONE);
+    let without = load(without_b, "tiny-q.gguf", Rounding::NONE);
+    let (cw, cn) = (with.backend.layout_bytes(), without.backend.layout_bytes());
+    println!("layout copies: {cw} bytes by default, {cn} when off");
+    assert!(cw > 0 && cn == 0, "{cw} {cn}");
+    assert_eq!(with.backend.weight_bytes(), without.backend.weight_bytes());
+    let (a, b) = (run(&with, ids, None), run(&without, ids, None));
+    let d = max_diff(&a, &b);
+    println!("decode of {}: max |Δ| {d:.3e}", ids.len());
+    assert!(d <= 1e-4, "{d}");
+}

@@ -241,15 +241,15 @@ pub fn tensor_bytes(spec: &TensorSpec, ty: GgmlType) -> Option<u64> {
     row.checked_mul(spec.dims[1..].iter().product::<u64>())
 }
 
-/// Every main tensor of `hp` in `mix` as (name, type, bytes): what memory plans and rank
+/// Every main tensor of `hp` in `mix` with its type and bytes: what memory plans and rank
 /// splits sum over without a file (a size that is not a whole number of blocks counts 0).
-pub fn mix_sizes(hp: &HParams, mix: Mix) -> Vec<(String, GgmlType, u64)> {
+pub fn mix_sizes(hp: &HParams, mix: Mix) -> Vec<(TensorSpec, GgmlType, u64)> {
     main_tensors(hp)
         .into_iter()
         .map(|t| {
             let ty = t.family.type_in(mix);
             let b = tensor_bytes(&t, ty).unwrap_or(0);
-            (t.name, ty, b)
+            (t, ty, b)
         })
         .collect()
 }

@@ -173,7 +173,13 @@ pub fn run(mut a: Args) -> Result<()> {
         } else {
             ""
         };
-        eprintln!("# weights on the device{each}: {:.2} GiB", gib(w));
+        let copies = engine.gpu_layout_bytes().unwrap_or(0);
+        eprintln!(
+            "# weights on the device{each}: {:.2} GiB, and {:.2} GiB of their decode-layout copies \
+             (DS4_GPU_Q8_REPACK=off makes none: slower decode)",
+            gib(w),
+            gib(copies)
+        );
     }
     match (
         engine.gpu_state_estimate(32 << 10),

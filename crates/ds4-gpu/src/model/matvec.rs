@@ -141,6 +141,43 @@ const IL_TILE: usize = 512;
 /// (name, rows per warp R, column steps U in flight).
 const MVR_FORMS: [(&str, usize); 2] = [("r4u2", 4), ("r2u2", 2)];
 
+/// Bytes of `q8_decode_copy`'s copy of a matrix (0: none is made): Q8_0 with one slab,
+/// unless `DS4_GPU_Q8_REPACK=off`; as many bytes as the GGUF blocks (32 i8 + one f16 a block).
+fn q8_copy_bytes(ty: GgmlType, cols: usize, rows: usize, experts: usize) -> usize {
+    mvr_env();
+    if ty != GgmlType::Q8_0
+        || experts != 1
+        || !REPACK.load(Ordering::Relaxed)
+        || cols == 0
+        || rows == 0
+        || !cols.is_multiple_of(32)
+    {
+        return 0;
+    }
+    rows * cols / 32 * 34
+}
+
+/// Bytes of `f16_il_copy`'s copy (0: none): F16 matrices of at least F16_IL_ROWS rows and at
+/// most F16_IL_MAXC columns (a multiple of 256), with `DS4_GPU_F16_IL=on` (off by default).
+fn f16_il_bytes(ty: GgmlType, cols: usize, rows: usize, experts: usize) -> usize {
+    F16_IL_ENV.call_once(|| {
+        if let Ok(v) = std::env::var("DS4_GPU_F16_IL") {
+            F16_IL.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
+        }
+    });
+    if ty != GgmlType::F16
+        || experts != 1
+        || !F16_IL.load(Ordering::Relaxed)
+        || rows < F16_IL_ROWS
+        || cols > F16_IL_MAXC
+        || cols == 0
+        || !cols.is_multiple_of(256)
+    {
+        return 0;
+    }
+    rows * cols * 2
+}
+
 /// Reads `DS4_GPU_Q8_REPACK` once (before the first copy or product).
 fn mvr_env() {
     MVR_ENV.call_once(|| {
@@ -602,6 +639,16 @@ impl GpuBackend {
         MERGE.store(on, Ordering::Relaxed);
     }
 
+    /// Device bytes of the copies in other layouts that uploading a weight of type `ty` and
+    /// GGUF dims `dims` makes beside its own bytes (the Q8_0 decode layout, the interleaved
+    /// F16 copy; per the switches as they are now). Memory plans add them: on the q2 mix they
+    /// are ~7 GiB, every Q8_0 matrix that is not an expert stack a second time.
+    pub fn layout_copy_bytes(ty: GgmlType, dims: &[u64]) -> u64 {
+        let d = |i: usize| dims.get(i).copied().unwrap_or(1) as usize;
+        let (cols, rows, experts) = (d(0), d(1), d(2));
+        (q8_copy_bytes(ty, cols, rows, experts) + f16_il_bytes(ty, cols, rows, experts)) as u64
+    }
+
     /// The decode-layout copy of a Q8_0 matrix with one slab (None: another type, expert slabs,
     /// `DS4_GPU_Q8_REPACK=off`, or no memory for it, which is not an error): the buffer holds
     /// Q (rows × cols i8, row g at byte g·cols) then D (rows × cols/32 f16 scales), written by
@@ -617,14 +664,8 @@ impl GpuBackend {
     ) -> (Option<DeviceBuffer>, bool) {
         mvr_env();
         let il = q8_il(cols);
-        if ty != GgmlType::Q8_0
-            || experts != 1
-            || !REPACK.load(Ordering::Relaxed)
-            || cols == 0
-            || rows == 0
-            || !cols.is_multiple_of(32)
-            || self.failed()
-        {
+        let bytes = q8_copy_bytes(ty, cols, rows, experts);
+        if bytes == 0 || !self.layout_copies() || self.failed() {
             return (None, il);
         }
         let nb = rows * cols / 32;
@@ -633,9 +674,10 @@ impl GpuBackend {
         }
         self.interrupt();
         // Q: 32·nb bytes, then D: 2·nb
-        let Ok(dec) = self.gpu.alloc(nb * 34) else {
+        let Ok(dec) = self.gpu.alloc(bytes) else {
             return (None, il);
         };
+        self.count_layout_copy(bytes);
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
@@ -661,18 +703,9 @@ impl GpuBackend {
         rows: usize,
         experts: usize,
     ) -> Option<DeviceBuffer> {
-        F16_IL_ENV.call_once(|| {
-            if let Ok(v) = std::env::var("DS4_GPU_F16_IL") {
-                F16_IL.store(matches!(v.as_str(), "on" | "1"), Ordering::Relaxed);
-            }
-        });
-        if ty != GgmlType::F16
-            || experts != 1
-            || !F16_IL.load(Ordering::Relaxed)
-            || rows < F16_IL_ROWS
-            || cols > F16_IL_MAXC
-            || cols == 0
-            || !cols.is_multiple_of(256)
+        let bytes = f16_il_bytes(ty, cols, rows, experts);
+        if bytes == 0
+            || !self.layout_copies()
             || buf.bytes() < rows * cols * 2
             || !buf.ptr().0.is_multiple_of(16)
             || self.failed()
@@ -681,7 +714,8 @@ impl GpuBackend {
         }
         self.interrupt();
         let slots = rows * cols / 8;
-        let dst = self.gpu.alloc(slots * 16).ok()?;
+        let dst = self.gpu.alloc(bytes).ok()?;
+        self.count_layout_copy(bytes);
         self.run(
             &ds4_kernels::MATVEC,
             "f16_repack_i",

@@ -427,6 +427,10 @@ pub struct GpuBackend {
     pub(crate) rope_freqs: [DeviceBuffer; 2],
     /// Bytes of weights uploaded so far.
     weight_bytes: Mutex<u64>,
+    /// Bytes of the weights' copies in other layouts made so far ([`GpuBackend::layout_copy_bytes`]).
+    layout_bytes: Mutex<u64>,
+    /// Whether uploads make those copies ([`GpuBackend::set_layout_copies`]; default on).
+    layout_copies: std::sync::atomic::AtomicBool,
     /// `DS4_GPU_POISON=1`: new activation buffers are filled with NaN instead of left as they
     /// are (tests use it to prove every op writes its whole output).
     poison: bool,
@@ -622,6 +626,8 @@ impl GpuBackend {
             err,
             rope_freqs,
             weight_bytes: Mutex::new(0),
+            layout_bytes: Mutex::new(0),
+            layout_copies: std::sync::atomic::AtomicBool::new(true),
             poison: std::env::var("DS4_GPU_POISON").is_ok_and(|v| v == "1"),
             prof: std::env::var("DS4_GPU_PROFILE")
                 .is_ok_and(|v| v == "1")
@@ -956,9 +962,33 @@ impl GpuBackend {
         &self.gpu
     }
 
-    /// Device bytes held by weights.
+    /// Device bytes held by weights (their own bytes; the layout copies are
+    /// [`GpuBackend::layout_bytes`]).
     pub fn weight_bytes(&self) -> u64 {
         *self.weight_bytes.lock().unwrap()
+    }
+
+    /// Device bytes held by the weights' copies in other layouts (decode-layout Q8_0 and
+    /// interleaved F16 copies, made at upload).
+    pub fn layout_bytes(&self) -> u64 {
+        *self.layout_bytes.lock().unwrap()
+    }
+
+    /// Whether weights uploaded from now on get their layout copies (off: less device memory,
+    /// the one-token products then read the GGUF blocks; the engine turns them off for a model
+    /// that does not fit with them).
+    pub fn set_layout_copies(&self, on: bool) {
+        self.layout_copies
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn layout_copies(&self) -> bool {
+        self.layout_copies
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_layout_copy(&self, bytes: usize) {
+        *self.layout_bytes.lock().unwrap() += bytes as u64;
     }
 
     pub(crate) fn rope_ptr(&self, k: RopeKind) -> DevPtr {
