@@ -1758,6 +1758,9 @@ mod tests {
             !full_size_plan(Mix::Q2, 6 * gib).2,
             "8 GiB of dense weights in 6 GiB"
         );
+        for free in [22 * gib + gib / 2, 78 * gib + 6 * gib / 10] {
+            println!("{}", device_plan_line(free));
+        }
         let h200 = device_plan_line(139 * gib + gib / 2);
         println!("{h200}");
         assert!(h200.contains("q2 all on the GPU;"), "{h200}");
