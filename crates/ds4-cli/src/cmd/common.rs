@@ -59,12 +59,13 @@ pub struct ModelArgs {
     /// ~1e-4. Decode steps and the CPU backend are the same either way.
     #[arg(long, default_value = ds4_engine::DEFAULT_PRECISION.name(), value_parser = ["exact", "fast"])]
     pub precision: String,
-    /// Routed experts in host memory, for a GPU whose memory cannot hold the model (an 8-24 GB
+    /// Routed experts in host memory, for a GPU whose memory cannot hold the model (a 12-24 GB
     /// card with the q2 mix: every dense weight, ~8 GiB, stays on the GPU). `auto`: all on the
-    /// GPU when they fit, else those of as few of the last layers as let the rest fit; `N`: the
-    /// last N layers'; `all`; `off`: refuse a model that does not fit. Decode steps run those
-    /// experts on the CPU (memory bandwidth bound: as fast as the host's RAM); prompt batches of
-    /// 32 tokens or more upload the selected experts to the GPU, 32 at a time.
+    /// GPU when they fit, else those of as few of the last layers as let the rest fit (after
+    /// dropping the GPU's ~6 GiB of decode-layout copies of the Q8_0 matrices); `N`: the last N
+    /// layers'; `all`; `off`: refuse a model that does not fit. Decode steps run those experts
+    /// on the CPU (bound by its integer dot products: ~2.6 ms a q2 layer a token on 16 cores);
+    /// prompt batches of 32 tokens or more upload the selected experts to the GPU, 32 at a time.
     #[arg(long, default_value = "auto", value_parser = parse_cpu_experts)]
     pub cpu_experts: ds4_engine::CpuExperts,
     /// Context size in tokens for the session.
