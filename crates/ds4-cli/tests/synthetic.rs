@@ -83,9 +83,13 @@ fn devices_reports_full_size_memory() {
         out.contains("full-size model: weights 80.8 GiB (q2) / 153.3 GiB (q4)"),
         "{out}"
     );
-    // What a GPU holds with every routed expert in host memory (--cpu-experts all).
+    // What a GPU holds with every routed expert in host memory (--cpu-experts all): the dense
+    // 8.2 GiB and the decode-layout copies of their Q8_0 matrices.
     assert!(
-        out.contains("routed experts 72.6 / 145.1 GiB (--cpu-experts all leaves 8.2 / 8.2 GiB"),
+        out.contains(
+            "routed experts 72.6 / 145.1 GiB; a GPU also holds 6.1 / 6.1 GiB of decode-layout \
+             copies (--cpu-experts all leaves 14.3 / 14.3 GiB on the GPU with them)"
+        ),
         "{out}"
     );
 }
