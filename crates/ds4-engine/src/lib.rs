@@ -546,22 +546,25 @@ fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool,
 fn device_plan_line(free: u64) -> String {
     use ds4_model::tensors::Mix;
     let n_layer = HParams::flash().n_layer;
-    let one =
-        |name: &str, mix: Mix| match full_size_plan(mix, free) {
-            (_, _, false, _) => {
+    let one = |name: &str, mix: Mix| {
+        let (n, bytes, fits, keep) = full_size_plan(mix, free);
+        let copies = if keep {
+            ""
+        } else {
+            " without decode-layout copies"
+        };
+        match (n, fits) {
+            (_, false) => {
                 format!("{name} does not fit (even with every layer's experts in host memory)")
             }
-            (0, _, true, true) => format!("{name} all on the GPU"),
-            (0, _, true, false) => format!("{name} all on the GPU without decode-layout copies"),
-            (n, bytes, true, keep) => {
-                format!(
-            "{name} with the routed experts of {n} of {n_layer} layers in host memory ({:.1} \
-             GiB){}",
-            gib(bytes),
-            if keep { "" } else { ", no decode-layout copies" }
-        )
-            }
-        };
+            (0, true) => format!("{name} all on the GPU{copies}"),
+            (n, true) => format!(
+                "{name} with the routed experts of {n} of {n_layer} layers in host memory \
+                 ({:.1} GiB){copies}",
+                gib(bytes)
+            ),
+        }
+    };
     format!(
         "  full-size model on it alone ({:.1} GiB free, --cpu-experts auto): {}; {}",
         gib(free),
@@ -641,8 +644,9 @@ pub fn gpu_fit_error(weights: u64, free: u64, total: u64, device: &str) -> Optio
         return None;
     }
     Some(format!(
-        "the model's weights need {:.1} GiB of device memory with the GPU's decode-layout copies \
-         of the Q8_0 matrices (plus ~{:.0} GiB for session state and scratch), but {device} has {:.1} of {:.1} GiB free: keep routed experts in host memory \
+        "the model's weights need {:.1} GiB of device memory (with the GPU's decode-layout \
+         copies of the Q8_0 matrices where they fit; plus ~{:.0} GiB for session state and \
+         scratch), but {device} has {:.1} of {:.1} GiB free: keep routed experts in host memory \
          (--cpu-experts auto, the default, or a layer count), use a smaller mix (the q2 file is \
          80.8 GiB), another GPU (--device N), or --backend cpu",
         gib(weights),
@@ -1767,7 +1771,7 @@ mod tests {
         assert!(
             h200.contains(&format!(
                 "q4 with the routed experts of {q4} of 43 layers in host memory"
-            )) && h200.ends_with("no decode-layout copies"),
+            )) && h200.ends_with("without decode-layout copies"),
             "{h200}"
         );
         let small = device_plan_line(6 * gib);
