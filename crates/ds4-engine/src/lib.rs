@@ -180,6 +180,20 @@ pub fn host_expert_layers(
     }
 }
 
+/// A backend error, with what to change appended where the device ran out of memory during a
+/// step (the weights loaded, but the session state and scratch did not fit beside them).
+fn out_of_memory_hint(e: String) -> String {
+    let oom = ["OUT_OF_MEMORY", "hipErrorOutOfMemory", "out of memory"];
+    if !e.contains("device memory") || !oom.iter().any(|m| e.contains(m)) {
+        return e;
+    }
+    format!(
+        "{e}\nthe GPU ran out of memory beside the weights: a smaller --ctx (session state \
+         grows with it), fewer live sessions (ds4 serve --kv-mem-mb), or the routed experts of \
+         more layers in host memory (--cpu-experts N) leave more room"
+    )
+}
+
 /// Where a GPU model's weights go on a device with `free` bytes free: the layers whose routed
 /// experts stay in host memory ([`host_expert_layers`]) and whether the GPU also makes its
 /// decode-layout copies (`copies` bytes: [`gpu_layout_bytes`]). The copies only speed up the
@@ -1444,11 +1458,12 @@ impl Session {
         Ok(())
     }
 
-    /// A backend failure leaves the state undefined: drop it, report the error.
+    /// A backend failure leaves the state undefined: drop it, report the error (with what to
+    /// change where the device ran out of memory).
     fn backend_result<T>(&mut self, r: Result<T, String>) -> Result<T, EngineError> {
         r.map_err(|e| {
             self.reset();
-            EngineError::Backend(self.model.backend_name(), e)
+            EngineError::Backend(self.model.backend_name(), out_of_memory_hint(e))
         })
     }
 
@@ -1782,6 +1797,22 @@ mod tests {
             small.contains("q2 does not fit") && small.contains("q4 does not fit"),
             "{small}"
         );
+    }
+
+    #[test]
+    fn out_of_memory_errors_say_what_to_change() {
+        let e = "device memory: 134217728 bytes: CUDA driver cuMemAlloc failed: 2 \
+                 (CUDA_ERROR_OUT_OF_MEMORY: out of memory)";
+        let h = out_of_memory_hint(e.to_string());
+        assert!(
+            h.starts_with(e) && h.contains("--cpu-experts N") && h.contains("--ctx"),
+            "{h}"
+        );
+        let hip = out_of_memory_hint("device memory: 64 bytes: hipErrorOutOfMemory".into());
+        assert!(hip.contains("--kv-mem-mb"), "{hip}");
+        // Other failures pass unchanged.
+        let other = "kernel launch failed: CUDA_ERROR_ILLEGAL_ADDRESS".to_string();
+        assert_eq!(out_of_memory_hint(other.clone()), other);
     }
 
     /// The decode-layout copies go before any layer of experts moves to host memory, and stay
