@@ -1355,6 +1355,14 @@ impl Session {
         self.ctx
     }
 
+    /// Tokens [`Session::sync`] evaluates per batch: the backend's prompt step (128 on the
+    /// CPU; 2,048-12,288 on a GPU, sized to its free memory). A caller that prefills piecewise
+    /// (to check for cancellation) should cut at multiples of it: smaller pieces re-read every
+    /// routed expert's weights per piece, and host-memory experts cross the bus each time.
+    pub fn prefill_step(&self) -> usize {
+        self.model.prefill_chunk().max(1)
+    }
+
     /// Logits after the last evaluated token (None before the first).
     pub fn logits(&self) -> Option<&[f32]> {
         self.logits.as_deref()
