@@ -641,8 +641,8 @@ impl GpuBackend {
 
     /// Device bytes of the copies in other layouts that uploading a weight of type `ty` and
     /// GGUF dims `dims` makes beside its own bytes (the Q8_0 decode layout, the interleaved
-    /// F16 copy; per the switches as they are now). Memory plans add them: on the q2 mix they
-    /// are ~7 GiB, every Q8_0 matrix that is not an expert stack a second time.
+    /// F16 copy; per the switches as they are now). Memory plans add them: in both published mixes
+    /// 6.1 GiB, every Q8_0 matrix that is not an expert stack a second time.
     pub fn layout_copy_bytes(ty: GgmlType, dims: &[u64]) -> u64 {
         let d = |i: usize| dims.get(i).copied().unwrap_or(1) as usize;
         let (cols, rows, experts) = (d(0), d(1), d(2));
