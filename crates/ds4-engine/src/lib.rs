@@ -194,12 +194,31 @@ fn out_of_memory_hint(e: String) -> String {
     )
 }
 
+/// A placement's bytes: (routed experts in host memory, what the GPU holds: the other weights,
+/// one uploaded group of host experts for prompt batches, and the layout copies if `keep`).
+fn placed_bytes(
+    per_layer: &[u64],
+    n_expert: usize,
+    own: u64,
+    copies: u64,
+    host: &[usize],
+    keep: bool,
+) -> (u64, u64) {
+    let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
+    let group = match host.is_empty() {
+        true => 0,
+        false => host_group_bytes(per_layer, n_expert),
+    };
+    let dev = own.saturating_sub(on_host) + group + if keep { copies } else { 0 };
+    (on_host, dev)
+}
+
 /// Where a GPU model's weights go on a device with `free` bytes free: the layers whose routed
 /// experts stay in host memory ([`host_expert_layers`]) and whether the GPU also makes its
 /// decode-layout copies (`copies` bytes: [`gpu_layout_bytes`]). The copies only speed up the
 /// one-token dense products, while each layer of experts in host memory costs a decode step
 /// milliseconds of CPU time, so under `Auto` they go first: a model that does not fit with them
-/// is placed without them (~7 GiB of the q2 mix: four layers of its experts). With a fixed
+/// is placed without them (6.1 GiB in either mix: three to four layers of q2 experts). With a fixed
 /// choice they are made when they fit. `own`: the weights' own bytes (all of them).
 fn place_weights(
     choice: CpuExperts,
@@ -216,12 +235,7 @@ fn place_weights(
         );
     };
     let fits = |host: &[usize], with: bool| {
-        let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
-        let group = match host.is_empty() {
-            true => 0,
-            false => host_group_bytes(per_layer, n_expert),
-        };
-        let dev = own.saturating_sub(on_host) + group + if with { copies } else { 0 };
+        let dev = placed_bytes(per_layer, n_expert, own, copies, host, with).1;
         dev.saturating_add(GPU_RESERVE) <= free
     };
     let with = host_expert_layers(choice, per_layer, n_expert, own + copies, Some(free));
@@ -496,34 +510,33 @@ pub fn device_report() -> Vec<String> {
 fn full_size_line() -> String {
     use ds4_model::tensors::{mix_sizes, Mix};
     let hp = HParams::flash();
-    let weights = |mix: Mix| -> u64 { mix_sizes(&hp, mix).iter().map(|t| t.2).sum() };
-    let experts = |mix: Mix| -> u64 {
-        mix_sizes(&hp, mix)
-            .iter()
-            .filter(|t| t.0.name.ends_with("_exps.weight"))
-            .map(|t| t.2)
-            .sum()
-    };
-    let copies = |mix: Mix| -> u64 {
-        gpu_layout_bytes(
-            mix_sizes(&hp, mix)
-                .iter()
-                .map(|(t, ty, _)| (*ty, &t.dims[..])),
+    // (all weights, routed experts, the GPU's layout copies) of a mix.
+    let bytes = |mix: Mix| -> (u64, u64, u64) {
+        let sizes = mix_sizes(&hp, mix);
+        let sum = |f: &dyn Fn(&str) -> bool| -> u64 {
+            sizes.iter().filter(|t| f(&t.0.name)).map(|t| t.2).sum()
+        };
+        let copies = gpu_layout_bytes(sizes.iter().map(|(t, ty, _)| (*ty, &t.dims[..])));
+        (
+            sum(&|_| true),
+            sum(&|n| n.ends_with("_exps.weight")),
+            copies,
         )
     };
+    let (q2, q4) = (bytes(Mix::Q2), bytes(Mix::Q4));
     format!(
         "full-size model: weights {:.1} GiB (q2) / {:.1} GiB (q4), of which routed experts {:.1} / \
          {:.1} GiB; a GPU also holds {:.1} / {:.1} GiB of decode-layout copies (--cpu-experts all \
          leaves {:.1} / {:.1} GiB on the GPU with them); session state {:.2} GiB at 32k context, \
          {:.2} GiB at 1M ({:.2} / {:.2} GiB on a GPU: bf16 indexer rows)",
-        gib(weights(Mix::Q2)),
-        gib(weights(Mix::Q4)),
-        gib(experts(Mix::Q2)),
-        gib(experts(Mix::Q4)),
-        gib(copies(Mix::Q2)),
-        gib(copies(Mix::Q4)),
-        gib(weights(Mix::Q2) - experts(Mix::Q2) + copies(Mix::Q2)),
-        gib(weights(Mix::Q4) - experts(Mix::Q4) + copies(Mix::Q4)),
+        gib(q2.0),
+        gib(q4.0),
+        gib(q2.1),
+        gib(q4.1),
+        gib(q2.2),
+        gib(q4.2),
+        gib(q2.0 - q2.1 + q2.2),
+        gib(q4.0 - q4.1 + q4.2),
         gib(hp.session_bytes(32 << 10, 4, 4)),
         gib(hp.session_bytes(1 << 20, 4, 4)),
         gib(hp.session_bytes(32 << 10, 4, 2)),
@@ -545,12 +558,7 @@ fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool,
         sizes.iter().map(|(t, _, b)| (t.name.as_str(), *b)),
     );
     let (host, keep) = place_weights(CpuExperts::Auto, &per, n_expert, own, copies, Some(free));
-    let on_host: u64 = host.iter().map(|&i| per[i]).sum();
-    let group = match host.is_empty() {
-        true => 0,
-        false => host_group_bytes(&per, n_expert),
-    };
-    let dev = own - on_host + group + if keep { copies } else { 0 };
+    let (on_host, dev) = placed_bytes(&per, n_expert, own, copies, &host, keep);
     let fits = gpu_fit_error(dev, free, free, "").is_none();
     (host.len(), on_host, fits, keep)
 }
@@ -716,13 +724,7 @@ fn gpu_backend_placed(
         copies,
         mem.map(|m| m.0),
     );
-    let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
-    let group = if host.is_empty() {
-        0
-    } else {
-        host_group_bytes(per_layer, n_expert)
-    };
-    let dev_weights = weights.saturating_sub(on_host) + group + if keep { copies } else { 0 };
+    let (on_host, dev_weights) = placed_bytes(per_layer, n_expert, weights, copies, &host, keep);
     if let (false, Some((free, total))) = (host.is_empty(), mem) {
         let dev = format!("GPU {} ({})", pick.gpu.info().index, pick.gpu.info().name);
         let what = (host.len(), per_layer.len(), on_host);
@@ -817,12 +819,10 @@ impl RankBytes {
     /// expert of each layer; with `tp`, the TP-split tensors in equal parts).
     fn per_rank(&self, n: usize, n_expert: usize, tp: bool) -> u64 {
         let most = n_expert.div_ceil(n) as u64;
-        let split = match tp {
-            true => (self.tp - self.tp / n as u64) + (self.layout_tp - self.layout_tp / n as u64),
-            false => 0,
-        };
-        self.all + self.layout - self.experts - split
+        let split = if tp { self.tp - self.tp / n as u64 } else { 0 };
+        self.all - self.experts - split
             + (self.experts * most).div_ceil(n_expert.max(1) as u64)
+            + self.layout_per_rank(n, tp)
     }
 }
 
