@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod output;
 pub mod request;
 pub mod worker;
+mod writer;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -429,6 +430,14 @@ impl AppState {
     pub fn shutdown(&self) {
         if let Some(r) = self.ready.get() {
             r.scheduler.shutdown();
+        }
+    }
+
+    /// Returns once every disk KV cache checkpoint stored by the jobs queued so far is written
+    /// (the worker writes them on a background thread); a no-op before the model loaded.
+    pub fn wait_disk_writes(&self) {
+        if let Some(r) = self.ready.get() {
+            r.scheduler.wait_disk_writes();
         }
     }
 

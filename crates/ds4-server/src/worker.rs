@@ -6,6 +6,7 @@
 //! several live sessions can replace [`run_worker`] behind the same [`Scheduler`].
 
 use crate::metrics::Metrics;
+use crate::writer::Writer;
 use ds4_chat::{
     ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, THINK_CLOSE, THINK_OPEN,
 };
@@ -212,6 +213,20 @@ pub struct DiskCache {
     pub replay: Arc<Mutex<crate::ReplayStore>>,
 }
 
+/// The disk cache with the worker's background writer (`writer.rs`): what the worker's
+/// functions are handed.
+struct Disk<'a> {
+    cache: &'a Arc<DiskCache>,
+    writer: &'a Writer,
+}
+
+impl std::ops::Deref for Disk<'_> {
+    type Target = DiskCache;
+    fn deref(&self) -> &DiskCache {
+        self.cache
+    }
+}
+
 /// Everything the worker needs besides the engine.
 pub struct WorkerConfig {
     /// Context of every live session.
@@ -227,6 +242,8 @@ enum Msg {
     Job(Box<GenJob>),
     /// Save every live session to the disk cache, then acknowledge.
     Shutdown(mpsc::Sender<()>),
+    /// Acknowledge once the disk cache's writes so far are on disk.
+    WaitDisk(mpsc::Sender<()>),
 }
 
 /// The handle handlers submit jobs through. Cloneable; FIFO.
@@ -246,6 +263,15 @@ impl Scheduler {
             self.metrics.queue_depth.dec();
             "the generation worker has stopped".to_string()
         })
+    }
+
+    /// Returns once the jobs queued before this call have run and the disk KV cache
+    /// checkpoints they stored are written (they are written in the background, `writer.rs`).
+    pub fn wait_disk_writes(&self) {
+        let (tx, rx) = mpsc::channel();
+        if self.tx.send(Msg::WaitDisk(tx)).is_ok() {
+            let _ = rx.recv();
+        }
     }
 
     /// Clean shutdown: the running job stops at its next token, queued jobs fail, then every
@@ -341,13 +367,15 @@ impl Live {
 const FLAG_THINKING_VISIBLE: u8 = 4;
 
 /// Writes the session's whole state as a checkpoint: keyed by its decoded text, or, right
-/// after a thinking turn, by the visible transcripts a client will replay.
+/// after a thinking turn, by the visible transcripts a client will replay. The snapshot is
+/// taken here; the file is written on the disk writer's thread (`writer.rs`), after the
+/// previous write has finished (one snapshot in host memory at a time).
 fn store(
-    disk: &DiskCache,
+    disk: &Disk,
     tok: &Tokenizer,
     live: &mut Live,
     reason: ds4_kvstore::Reason,
-    metrics: &Metrics,
+    metrics: &Arc<Metrics>,
 ) {
     let s = &live.session;
     let n = s.tokens().len();
@@ -368,54 +396,67 @@ fn store(
             .map(|v| (v.as_bytes().to_vec(), FLAG_THINKING_VISIBLE))
             .collect()
     };
+    disk.writer.wait_idle();
     let t = Instant::now();
     let snap = s.snapshot();
-    for (key, flags) in keys {
-        let mut meta = ds4_kvstore::SaveMeta::new(reason, s.ctx());
-        meta.flags = flags;
-        meta.extra = disk
-            .replay
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .encode_for(&key);
-        match disk.store.save(&key, s.tokens(), &snap, &meta) {
-            Ok(ds4_kvstore::Saved::Written { bytes, evicted, .. }) => {
-                metrics.kv_disk_saves.inc();
-                metrics.kv_disk_written_bytes.add(bytes);
-                metrics.kv_disk_evictions.add(evicted.len() as u64);
-                eprintln!(
-                    "ds4 serve: kv cache: stored {n} tokens ({reason:?}, {:.1} MiB, {:.0} ms){}",
-                    bytes as f64 / (1 << 20) as f64,
-                    t.elapsed().as_secs_f64() * 1e3,
-                    if evicted.is_empty() {
-                        String::new()
-                    } else {
-                        format!(", evicted {} old entries", evicted.len())
-                    }
-                );
-            }
-            Ok(ds4_kvstore::Saved::Unchanged { .. }) => {}
-            Ok(ds4_kvstore::Saved::TooLarge { bytes, budget }) => eprintln!(
-                "ds4 serve: kv cache: not storing {n} tokens: {bytes} bytes exceed --kv-disk-space-mb ({budget} bytes)"
-            ),
-            Err(e) => {
-                metrics.kv_disk_errors.inc();
-                eprintln!("ds4 serve: {e}");
+    let snap_ms = t.elapsed().as_secs_f64() * 1e3;
+    let tokens = s.tokens().to_vec();
+    let metas: Vec<(Vec<u8>, ds4_kvstore::SaveMeta)> = keys
+        .into_iter()
+        .map(|(key, flags)| {
+            let mut meta = ds4_kvstore::SaveMeta::new(reason, s.ctx());
+            meta.flags = flags;
+            meta.extra = disk
+                .replay
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .encode_for(&key);
+            (key, meta)
+        })
+        .collect();
+    live.stored = n;
+    let (cache, metrics) = (disk.cache.clone(), metrics.clone());
+    disk.writer.submit(move || {
+        let t = Instant::now();
+        for (key, meta) in metas {
+            match cache.store.save(&key, &tokens, &snap, &meta) {
+                Ok(ds4_kvstore::Saved::Written { bytes, evicted, .. }) => {
+                    metrics.kv_disk_saves.inc();
+                    metrics.kv_disk_written_bytes.add(bytes);
+                    metrics.kv_disk_evictions.add(evicted.len() as u64);
+                    eprintln!(
+                        "ds4 serve: kv cache: stored {n} tokens ({reason:?}, {:.1} MiB, snapshot {snap_ms:.0} ms, written in the background in {:.0} ms){}",
+                        bytes as f64 / (1 << 20) as f64,
+                        t.elapsed().as_secs_f64() * 1e3,
+                        if evicted.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", evicted {} old entries", evicted.len())
+                        }
+                    );
+                }
+                Ok(ds4_kvstore::Saved::Unchanged { .. }) => {}
+                Ok(ds4_kvstore::Saved::TooLarge { bytes, budget }) => eprintln!(
+                    "ds4 serve: kv cache: not storing {n} tokens: {bytes} bytes exceed --kv-disk-space-mb ({budget} bytes)"
+                ),
+                Err(e) => {
+                    metrics.kv_disk_errors.inc();
+                    eprintln!("ds4 serve: {e}");
+                }
             }
         }
-    }
-    live.stored = n;
-    metrics.kv_disk_bytes.set(disk.store.total_bytes());
+        metrics.kv_disk_bytes.set(cache.store.total_bytes());
+    });
 }
 
 /// Stores a whole live session (reasons `evict` / `shutdown`) when it is long enough and not
 /// already on disk as it stands.
 fn store_whole(
-    disk: Option<&DiskCache>,
+    disk: Option<&Disk>,
     tok: &Tokenizer,
     live: &mut Live,
     reason: ds4_kvstore::Reason,
-    metrics: &Metrics,
+    metrics: &Arc<Metrics>,
 ) {
     let Some(d) = disk else { return };
     let n = live.session.tokens().len();
@@ -432,7 +473,14 @@ fn run_worker(
     stopping: Arc<AtomicBool>,
 ) {
     let tok = engine.tokenizer().clone();
-    let disk = cfg.disk.as_ref();
+    let cache = cfg.disk.map(Arc::new);
+    // Declared after `cache`, so dropped first: its queue is written before the worker ends.
+    let writer = Writer::new("ds4-kv-writer");
+    let disk = cache.as_ref().map(|cache| Disk {
+        cache,
+        writer: &writer,
+    });
+    let disk = disk.as_ref();
     let max_sessions = cfg.max_sessions.max(1);
     let mut pool: Vec<Live> = Vec::new();
     let mut tick = 0u64;
@@ -442,10 +490,16 @@ fn run_worker(
     while let Ok(msg) = rx.recv() {
         let job = match msg {
             Msg::Job(job) => *job,
+            Msg::WaitDisk(ack) => {
+                writer.wait_idle();
+                let _ = ack.send(());
+                continue;
+            }
             Msg::Shutdown(ack) => {
                 for live in &mut pool {
                     store_whole(disk, &tok, live, ds4_kvstore::Reason::Shutdown, &metrics);
                 }
+                writer.wait_idle();
                 let _ = ack.send(());
                 // Later jobs (there should be none) fail below.
                 continue;
@@ -506,9 +560,9 @@ fn pick(
     tok: &Tokenizer,
     pool: &mut Vec<Live>,
     max_sessions: usize,
-    disk: Option<&DiskCache>,
+    disk: Option<&Disk>,
     job: &GenJob,
-    metrics: &Metrics,
+    metrics: &Arc<Metrics>,
 ) -> (usize, Plan) {
     let mut best: Option<(usize, usize, u64, Plan)> = None;
     for (i, live) in pool.iter().enumerate() {
@@ -549,6 +603,9 @@ fn pick(
         i
     };
     let live = &mut pool[idx];
+    if let Some(d) = disk {
+        d.writer.wait_idle(); // a lookup sees every checkpoint stored before it
+    }
     if let Some(plan) = disk.and_then(|d| load_from_disk(d, tok, live, job, metrics)) {
         return (idx, plan);
     }
@@ -567,7 +624,7 @@ fn pick(
 /// deleted: the caller then prefills from scratch). A sound entry this build cannot read (a
 /// newer ds4's snapshot format) is kept, passed over from then on, and the next prefix tried.
 fn load_from_disk(
-    disk: &DiskCache,
+    disk: &Disk,
     tok: &Tokenizer,
     live: &mut Live,
     job: &GenJob,
@@ -690,8 +747,8 @@ fn run_job(
     plan: Plan,
     job: GenJob,
     forced: Option<Vec<u32>>,
-    metrics: &Metrics,
-    disk: Option<&DiskCache>,
+    metrics: &Arc<Metrics>,
+    disk: Option<&Disk>,
     stopping: &AtomicBool,
 ) -> Option<String> {
     let live_before = live.session.tokens().len();
@@ -905,9 +962,9 @@ fn decode(
     live: &mut Live,
     job: &GenJob,
     forced: Option<Vec<u32>>,
-    metrics: &Metrics,
+    metrics: &Arc<Metrics>,
     ctx: usize,
-    disk: Option<&DiskCache>,
+    disk: Option<&Disk>,
     stopping: &AtomicBool,
 ) -> DecodeOut {
     let eos = tok.specials().eos;

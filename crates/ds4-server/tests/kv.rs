@@ -102,6 +102,9 @@ impl Srv {
         let resp = router(self.state.clone()).oneshot(req).await.unwrap();
         let st = resp.status();
         let b = resp.into_body().collect().await.unwrap().to_bytes();
+        // Checkpoints are written in the background: the tests look at the files and
+        // counters once the request's writes are done.
+        self.state.wait_disk_writes();
         let s = String::from_utf8(b.to_vec()).unwrap();
         assert_eq!(st, StatusCode::OK, "{s}");
         serde_json::from_str(&s).unwrap()
