@@ -275,3 +275,29 @@ fn layout_copies_off_keeps_the_logits() {
     println!("decode of {}: max |Δ| {d:.3e}", ids.len());
     assert!(d <= 1e-4, "{d}");
 }
+
+/// `Backend::prefetch` is a hint: decode with the L2 prefetches on (24 MiB a hint) gives the
+/// same bits as with them off, and they were launched (three hints a layer).
+#[test]
+fn prefetch_hints_keep_the_logits() {
+    let hp = HParams::tiny();
+    let Some(_) = common::open_gpu() else { return };
+    let ids = &tokens()[..40];
+    let (_, b) = common::backends(&hp).unwrap();
+    let m = load(b, "tiny-q.gguf", Rounding::NONE);
+    ds4_gpu::GpuBackend::set_prefetch_mb(0);
+    let off = run(&m, ids, None);
+    let before = ds4_gpu::GpuBackend::prefetch_launches();
+    ds4_gpu::GpuBackend::set_prefetch_mb(24);
+    let on = run(&m, ids, None);
+    let launched = ds4_gpu::GpuBackend::prefetch_launches() - before;
+    ds4_gpu::GpuBackend::set_prefetch_mb(0);
+    println!("prefetch_l2 launches: {launched}");
+    assert!(launched >= 3 * hp.n_layer as u64, "{launched}");
+    let d = max_diff(&off, &on);
+    println!(
+        "decode of {} with and without prefetches: max |Δ| {d:.3e}",
+        ids.len()
+    );
+    assert_eq!(d, 0.0);
+}

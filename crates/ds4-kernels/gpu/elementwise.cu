@@ -221,6 +221,41 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
         dst[i] = v;
 }
 
+// L2 prefetch of weights that a decode step reads after some latency-bound ops
+// (`Backend::prefetch`): byte ranges (a[i], n[i]), i < 4, a 16-byte aligned, split into 4 KiB
+// chunks over the grid's threads. Nothing waits on it: the bytes arrive in L2 while the ops
+// after it run, and the product that reads them then finds them there. sm_90: one bulk
+// prefetch (TMA) a chunk; older CUDA: one prefetch a 128-byte line; HIP: nothing (the host does
+// not launch it there). Results never depend on it.
+DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const char* a1, long long n1,
+                                            const char* a2, long long n2, const char* a3, long long n3) {
+    ds4_pdl_enter(); // after the previous product: its streaming would evict these lines
+#if defined(DS4_CUDA)
+    const char* a[4] = {a0, a1, a2, a3};
+    const long long n[4] = {n0, n1, n2, n3};
+    const long long chunk = 4096, t = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    long long first = 0; // chunk index where range r starts
+    for (int r = 0; r < 4; r++) {
+        const long long cnt = (n[r] / 16 * 16 + chunk - 1) / chunk;
+        long long c = t - first; // this thread's chunks: global index = t (mod step)
+        if (c < 0) c += (-c + step - 1) / step * step;
+        for (; c < cnt; c += step) {
+            const char* p = a[r] + c * chunk;
+            const long long left = n[r] / 16 * 16 - c * chunk;
+            const unsigned int bytes = (unsigned int)(left < chunk ? left : chunk);
+#if DS4_ARCH >= 900
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+            for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+#endif
+        }
+        first += cnt;
+    }
+#else
+    (void)a0, (void)n0, (void)a1, (void)n1, (void)a2, (void)n2, (void)a3, (void)n3;
+#endif
+}
+
 // Probe of a persistent decode step (examples/persist_bench.rs; the engine never launches it).
 // Phases p0 .. p0 + phases - 1; in phase p every thread reads its grid-strided 16-byte vectors of
 // W's [p vpp, (p + 1) vpp) (four loads in flight, xor-folded into a checksum); between phases all

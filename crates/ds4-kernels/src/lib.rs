@@ -93,6 +93,7 @@ pub const ELEMENTWISE: Module = Module {
         "copy_u32",
         "copy_list",
         "fill_u32",
+        "prefetch_l2",
         "probe_phases",
     ],
 };

@@ -1002,6 +1002,9 @@ impl<B: Backend> Model<B> {
         t0: usize,
         pending: Option<Pending<B>>,
     ) -> Pending<B> {
+        // Prefetch hints (`Backend::prefetch`), each issued after the last weight product
+        // before ops that read little memory: here the HC ops, then the query's products.
+        self.backend.prefetch(&[&l.q_a, &l.kv, &l.q_b], n);
         let (z, post, comb) = match pending {
             Some((y, p, c)) => self.hc_post_pre(&l.hc_attn, &l.attn_norm, x, &y, &p, &c, n),
             None => self.hc_pre(&l.hc_attn, &l.attn_norm, x, n),
@@ -1196,6 +1199,11 @@ impl<B: Backend> Model<B> {
         // Query: low rank, norm, expand, per-head unweighted norm, RoPE.
         let mut q = b.alloc(n * nh * hd);
         b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
+        // Norms, RoPE, the indexer's selection and the attention, then the output products.
+        match &l.indexer {
+            Some(ix) => b.prefetch(&[&ix.q_b, &l.out_a], n),
+            None => b.prefetch(&[&l.out_a], n),
+        }
         // The query heads (unweighted) and the shared KV row of each position (kv_norm,
         // rounded as the cache stores it): one norm_rope_pair, or the KV row alone where the
         // attention norms and rotates the raw queries itself (`Backend::attend_qnorm`).
@@ -1267,6 +1275,9 @@ impl<B: Backend> Model<B> {
         b.matmul_grouped(&l.out_a, groups, &o, n, &mut u);
         let mut out = b.alloc(n * d);
         b.matmul(&l.out_b, Part::All, &u, n, &mut out);
+        // The HC ops, then the router and the shared expert (the routed experts are known
+        // only after the route).
+        b.prefetch(&[&l.router, &l.gate_sh, &l.up_sh, &l.down_sh], n);
         if self.shard.is_tp() {
             b.all_reduce_sum(&mut out, n * d); // the ranks' groups' partial products
         }

@@ -32,7 +32,9 @@ pub use precision::Precision;
 use crate::error::Result;
 pub(crate) use crate::gpu::type_suffix;
 use crate::gpu::{DeviceBuffer, Gpu, GraphStats, StepGraphs};
-use crate::runtime::{Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, FLOW_JOIN, FLOW_SIDE};
+use crate::runtime::{
+    Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, Vendor, FLOW_JOIN, FLOW_SIDE,
+};
 use ds4_backend::rope::RopeTables;
 use ds4_backend::{
     AttnSpec, Backend, CompDims, CompressSpec, GgmlType, HcDims, HostCompState, HostLayerState,
@@ -527,6 +529,17 @@ static COPY_LISTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 /// dry and then waited for the host's next launches; deferred, the free costs nothing (the
 /// device is idle then). Old form: `0`.
 static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
+
+/// `DS4_GPU_PREFETCH=MB` (`off` / `0`: none): the most bytes, in MiB, that one
+/// [`Backend::prefetch`] hint moves into L2 (the first bytes of its weights, in order; the
+/// kernel `prefetch_l2`, CUDA only, decode steps of <= 4 tokens). Unset: [`PREFETCH_MB`].
+static PREFETCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
+
+/// The default budget of a prefetch hint, MiB (an H200's L2 is 50 MiB; 0: off).
+const PREFETCH_MB: u8 = 0;
+
+/// `prefetch_l2` launches (process-wide; [`GpuBackend::prefetch_launches`]).
+static PREFETCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Words of [`GpuBackend::tickets`].
 pub(crate) const TICKET_WORDS: usize = 128;
@@ -1326,6 +1339,17 @@ impl GpuBackend {
         true
     }
 
+    /// Sets the budget of a [`Backend::prefetch`] hint in MiB (0: off) for the process,
+    /// overriding `DS4_GPU_PREFETCH` (tests, A/B benchmarks).
+    pub fn set_prefetch_mb(mb: u8) {
+        PREFETCH.store(mb.min(254), Ordering::Relaxed);
+    }
+
+    /// `prefetch_l2` launches (recorded into graphs included) so far in this process.
+    pub fn prefetch_launches() -> u64 {
+        PREFETCHES.load(Ordering::Relaxed)
+    }
+
     /// `copy_list` launches so far in this process (tests: a checkpoint is one launch).
     pub fn copy_list_launches() -> u64 {
         COPY_LISTS.load(Ordering::Relaxed)
@@ -1355,6 +1379,50 @@ impl Backend for GpuBackend {
 
     fn device_memory(&self) -> Option<(u64, u64)> {
         self.gpu.mem_info().ok()
+    }
+
+    fn prefetch(&self, ws: &[&GpuWeight], n: usize) {
+        let mb = switch::code(&PREFETCH, "DS4_GPU_PREFETCH", |v| match v {
+            None => PREFETCH_MB,
+            Some("off") => 0,
+            Some(v) => v.parse::<u8>().map_or(PREFETCH_MB, |m| m.min(254)),
+        });
+        if mb == 0 || n > 4 || self.failed() || self.gpu.info().vendor != Vendor::Nvidia {
+            return;
+        }
+        // The bytes the products of <= 4 tokens read: the decode-layout copy where there is one.
+        let mut left = (mb as usize) << 20;
+        let mut ranges: Vec<(DevPtr, usize)> = Vec::new();
+        for w in ws {
+            let GpuWeight::Mat { buf, dec, f16i, .. } = w else {
+                continue;
+            };
+            let b = dec.as_ref().or(f16i.as_ref()).unwrap_or(buf);
+            let take = b.bytes().min(left) / 16 * 16;
+            if take > 0 && ranges.len() < 4 {
+                ranges.push((b.ptr(), take));
+                left -= take;
+            }
+        }
+        if ranges.is_empty() {
+            return;
+        }
+        let chunks: usize = ranges.iter().map(|r| r.1.div_ceil(4096)).sum();
+        let mut args = Vec::with_capacity(8);
+        for i in 0..4 {
+            match ranges.get(i) {
+                Some(&(p, b)) => args.extend([Arg::Ptr(p), Arg::I64(b as i64)]),
+                None => args.extend([Arg::Null, Arg::I64(0)]),
+            }
+        }
+        PREFETCHES.fetch_add(1, Ordering::Relaxed);
+        let blocks = chunks.div_ceil(128).min(65535) as u32; // one 4 KiB chunk a thread
+        self.run(
+            &ds4_kernels::ELEMENTWISE,
+            "prefetch_l2",
+            LaunchDims::linear(blocks, 128),
+            &args,
+        );
     }
 
     fn prefill_chunk(&self) -> usize {
