@@ -277,7 +277,8 @@ fn layout_copies_off_keeps_the_logits() {
 }
 
 /// `Backend::prefetch` is a hint: decode with the L2 prefetches on (24 MiB a hint) gives the
-/// same bits as with them off, and they were launched (three hints a layer).
+/// same bits as with them off, and they were launched (three hints a layer; four with the
+/// hints ahead).
 #[test]
 fn prefetch_hints_keep_the_logits() {
     let hp = HParams::tiny();
@@ -291,10 +292,17 @@ fn prefetch_hints_keep_the_logits() {
     ds4_gpu::GpuBackend::set_prefetch_mb(24);
     let on = run(&m, ids, None);
     let launched = ds4_gpu::GpuBackend::prefetch_launches() - before;
+    // And the next layer's query weights hinted before each MoE (evict-last lines).
+    ds4_gpu::GpuBackend::set_prefetch_ahead(true);
+    let before = ds4_gpu::GpuBackend::prefetch_launches();
+    let ahead = run(&m, ids, None);
+    let launched_ahead = ds4_gpu::GpuBackend::prefetch_launches() - before;
+    ds4_gpu::GpuBackend::set_prefetch_ahead(false);
     ds4_gpu::GpuBackend::set_prefetch_mb(0);
-    println!("prefetch_l2 launches: {launched}");
+    println!("prefetch_l2 launches: {launched}, with the hints ahead {launched_ahead}");
     assert!(launched >= 3 * hp.n_layer as u64, "{launched}");
-    let d = max_diff(&off, &on);
+    assert!(launched_ahead > launched, "{launched_ahead} {launched}");
+    let d = max_diff(&off, &on).max(max_diff(&off, &ahead));
     println!(
         "decode of {} with and without prefetches: max |Δ| {d:.3e}",
         ids.len()

@@ -223,12 +223,12 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
 
 // L2 prefetch of weights that a decode step reads after some latency-bound ops
 // (`Backend::prefetch`): byte ranges (a[i], n[i]), i < 4, a 16-byte aligned, split into 4 KiB
-// chunks over the grid's threads. Nothing waits on it: the bytes arrive in L2 while the ops
+// chunks over the grid's threads; `last`: marked evict-last in L2 (sm_90 only). Nothing waits on it: the bytes arrive in L2 while the ops
 // after it run, and the product that reads them then finds them there. sm_90: one bulk
 // prefetch (TMA) a chunk; older CUDA: one prefetch a 128-byte line; HIP: nothing (the host does
 // not launch it there). Results never depend on it.
 DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const char* a1, long long n1,
-                                            const char* a2, long long n2, const char* a3, long long n3) {
+                                            const char* a2, long long n2, const char* a3, long long n3, int last) {
     ds4_pdl_enter(); // after the previous product: its streaming would evict these lines
 #if defined(DS4_CUDA)
     const char* a[4] = {a0, a1, a2, a3};
@@ -244,7 +244,11 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
             const long long left = n[r] / 16 * 16 - c * chunk;
             const unsigned int bytes = (unsigned int)(left < chunk ? left : chunk);
 #if DS4_ARCH >= 900
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+            if (last)
+                asm volatile("{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
+                             "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;\n\t}" ::"l"(p), "r"(bytes) : "memory");
+            else
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #else
             for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 #endif
@@ -252,7 +256,7 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
         first += cnt;
     }
 #else
-    (void)a0, (void)n0, (void)a1, (void)n1, (void)a2, (void)n2, (void)a3, (void)n3;
+    (void)a0, (void)n0, (void)a1, (void)n1, (void)a2, (void)n2, (void)a3, (void)n3, (void)last;
 #endif
 }
 

@@ -538,6 +538,12 @@ static PREFETCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(
 /// The default budget of a prefetch hint, MiB (an H200's L2 is 50 MiB; 0: off).
 const PREFETCH_MB: u8 = 0;
 
+/// `DS4_GPU_PREFETCH_AHEAD=1`: also the hints for weights read after other products (the
+/// next layer's query products, hinted before this layer's MoE), their lines marked
+/// evict-last so that the MoE's weight stream does not push them out. Unset: ignored.
+static PREFETCH_AHEAD: std::sync::atomic::AtomicU8 =
+    std::sync::atomic::AtomicU8::new(switch::UNSET);
+
 /// `prefetch_l2` launches (process-wide; [`GpuBackend::prefetch_launches`]).
 static PREFETCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -1345,6 +1351,12 @@ impl GpuBackend {
         PREFETCH.store(mb.min(254), Ordering::Relaxed);
     }
 
+    /// Honours the hints for weights read after other products (`DS4_GPU_PREFETCH_AHEAD`)
+    /// for the process (tests, A/B benchmarks).
+    pub fn set_prefetch_ahead(on: bool) {
+        PREFETCH_AHEAD.store(on as u8, Ordering::Relaxed);
+    }
+
     /// `prefetch_l2` launches (recorded into graphs included) so far in this process.
     pub fn prefetch_launches() -> u64 {
         PREFETCHES.load(Ordering::Relaxed)
@@ -1381,7 +1393,14 @@ impl Backend for GpuBackend {
         self.gpu.mem_info().ok()
     }
 
-    fn prefetch(&self, ws: &[&GpuWeight], n: usize) {
+    fn prefetch(&self, ws: &[&GpuWeight], n: usize, ahead: bool) {
+        if ahead
+            && switch::code(&PREFETCH_AHEAD, "DS4_GPU_PREFETCH_AHEAD", |v| {
+                (v == Some("1")) as u8
+            }) != 1
+        {
+            return;
+        }
         let mb = switch::code(&PREFETCH, "DS4_GPU_PREFETCH", |v| match v {
             None => PREFETCH_MB,
             Some("off") => 0,
@@ -1408,13 +1427,14 @@ impl Backend for GpuBackend {
             return;
         }
         let chunks: usize = ranges.iter().map(|r| r.1.div_ceil(4096)).sum();
-        let mut args = Vec::with_capacity(8);
+        let mut args = Vec::with_capacity(9);
         for i in 0..4 {
             match ranges.get(i) {
                 Some(&(p, b)) => args.extend([Arg::Ptr(p), Arg::I64(b as i64)]),
                 None => args.extend([Arg::Null, Arg::I64(0)]),
             }
         }
+        args.push(Arg::I32(ahead as i32));
         PREFETCHES.fetch_add(1, Ordering::Relaxed);
         let blocks = chunks.div_ceil(128).min(65535) as u32; // one 4 KiB chunk a thread
         self.run(
