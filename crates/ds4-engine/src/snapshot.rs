@@ -34,10 +34,14 @@ fn put_u32(b: &mut Vec<u8>, v: u32) {
     b.extend_from_slice(&v.to_le_bytes());
 }
 
+/// Appends `v` little-endian. Element by element into a sized slice, which compiles to a
+/// plain copy: a long context's checkpoint is hundreds of MiB (`extend_from_slice` per value
+/// took ~1 ns each).
 fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
-    b.reserve(v.len() * 4);
-    for x in v {
-        b.extend_from_slice(&x.to_le_bytes());
+    let at = b.len();
+    b.resize(at + v.len() * 4, 0);
+    for (d, x) in b[at..].chunks_exact_mut(4).zip(v) {
+        d.copy_from_slice(&x.to_le_bytes());
     }
 }
 
@@ -63,9 +67,10 @@ fn put_rows(b: &mut Vec<u8>, v: &[f32]) {
     match exact_f16(v) {
         Some(h) => {
             put_u32(b, ENC_F16);
-            b.reserve(h.len() * 2);
-            for x in &h {
-                b.extend_from_slice(&x.to_le_bytes());
+            let at = b.len();
+            b.resize(at + h.len() * 2, 0);
+            for (d, x) in b[at..].chunks_exact_mut(2).zip(&h) {
+                d.copy_from_slice(&x.to_le_bytes());
             }
         }
         None => {
@@ -97,7 +102,21 @@ fn write_version(
     let hd = hp.head_dim as usize;
     let win = hp.sliding_window as usize;
     let n = st.tokens.len();
-    let mut b = Vec::new();
+    // Room for everything as f32 at once: growing by doubling copied a long context's
+    // checkpoint several times over (rows that convert to f16 take half of it).
+    let values: usize = st
+        .layers
+        .iter()
+        .map(|l| {
+            let c = |c: &Option<CompState>| {
+                c.as_ref().map_or(0, |c| {
+                    c.rows.len() + c.front_kv.len() + c.front_score.len() + 2
+                })
+            };
+            l.raw.len() + 1 + c(&l.comp) + c(&l.index)
+        })
+        .sum();
+    let mut b = Vec::with_capacity(128 + 4 * (n + logits.map_or(0, |l| l.len()) + values) + 32);
     b.extend_from_slice(MAGIC);
     put_u32(&mut b, version);
     b.extend_from_slice(id);

@@ -535,7 +535,10 @@ static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::ne
 /// kernel `prefetch_l2`, CUDA only, decode steps of <= 4 tokens). Unset: [`PREFETCH_MB`].
 static PREFETCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
 
-/// The default budget of a prefetch hint, MiB (an H200's L2 is 50 MiB; 0: off).
+/// The default budget of a prefetch hint, MiB (an H200's L2 is 50 MiB; 0: off). Off: as one
+/// kernel in the decode graph's main chain the hints cost 14-18% of decode on an H200 (24 MiB:
+/// 162 -> 139 tokens/s at 2k, 160 -> 136 at 32k; `bench/results/gpu-s42-h200.txt` run C): the
+/// next kernel waits for the prefetch grid. A form on the graph's side chain is untried.
 const PREFETCH_MB: u8 = 0;
 
 /// `DS4_GPU_PREFETCH_AHEAD=1`: also the hints for weights read after other products (the
