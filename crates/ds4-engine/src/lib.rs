@@ -1332,6 +1332,32 @@ impl SpecStats {
 pub const PREFILL_CHUNK: usize = 128;
 
 /// One conversation's model state. Sessions are independent; several may exist at once.
+/// A session's state in host memory as [`Session::capture`] took it. Memory: the raw window
+/// and compressed rows as f32 (up to twice the encoded size, whose rows may be f16).
+pub struct Capture {
+    hp: HParams,
+    model_id: [u8; 32],
+    state: ds4_model::forward::HostState,
+    logits: Option<Vec<f32>>,
+}
+
+impl Capture {
+    /// The snapshot bytes (`snapshot.rs`), as [`Session::snapshot`] at capture time.
+    pub fn encode(&self) -> Vec<u8> {
+        snapshot::write(
+            &self.hp,
+            &self.model_id,
+            &self.state,
+            self.logits.as_deref(),
+        )
+    }
+
+    /// Positions held.
+    pub fn tokens(&self) -> &[u32] {
+        &self.state.tokens
+    }
+}
+
 pub struct Session {
     model: Arc<dyn Forward>,
     model_id: [u8; 32],
@@ -1667,12 +1693,20 @@ impl Session {
 
     /// Serialise the full state (versioned, checksummed; see `snapshot.rs`).
     pub fn snapshot(&self) -> Vec<u8> {
-        snapshot::write(
-            self.model.hp(),
-            &self.model_id,
-            &self.model.state_to_host(&self.state),
-            self.logits.as_deref(),
-        )
+        self.capture().encode()
+    }
+
+    /// The state copied to host memory, not yet encoded: [`Capture::encode`] gives the bytes
+    /// `snapshot` would have given now, on any thread, while the session moves on. The
+    /// download is the only part that needs the session (a GPU's state to host memory);
+    /// encoding and the checksum are most of a snapshot's time on a slow host core.
+    pub fn capture(&self) -> Capture {
+        Capture {
+            hp: self.model.hp().clone(),
+            model_id: self.model_id,
+            state: self.model.state_to_host(&self.state),
+            logits: self.logits.clone(),
+        }
     }
 
     /// Replace the state with a snapshot of the same model.

@@ -36,6 +36,27 @@ fn snapshot_restore_continues_bit_identically() {
     assert_eq!(a.snapshot(), b.snapshot());
 }
 
+/// A capture encoded after the session moved on gives the bytes of a snapshot taken when the
+/// capture was (the server encodes its checkpoints on another thread), and it restores.
+#[test]
+fn a_capture_encodes_later_to_the_snapshot_of_its_moment() {
+    let e = engine();
+    let mut a = e.new_session(256);
+    a.sync(&toks(37, 3), &mut |_, _| {}).unwrap();
+    let at = a.snapshot();
+    let cap = a.capture();
+    assert_eq!(cap.tokens(), a.tokens());
+    for t in toks(12, 4) {
+        a.eval(t).unwrap();
+    }
+    let later = std::thread::spawn(move || cap.encode()).join().unwrap();
+    assert_eq!(later, at);
+    assert_ne!(later, a.snapshot());
+    let mut b = e.new_session(256);
+    b.restore(&later).unwrap();
+    assert_eq!(b.tokens().len(), 37);
+}
+
 #[test]
 fn corrupt_or_truncated_snapshots_are_rejected() {
     let e = engine();

@@ -367,9 +367,10 @@ impl Live {
 const FLAG_THINKING_VISIBLE: u8 = 4;
 
 /// Writes the session's whole state as a checkpoint: keyed by its decoded text, or, right
-/// after a thinking turn, by the visible transcripts a client will replay. The snapshot is
-/// taken here; the file is written on the disk writer's thread (`writer.rs`), after the
-/// previous write has finished (one snapshot in host memory at a time).
+/// after a thinking turn, by the visible transcripts a client will replay. The state is copied
+/// to host memory here (`Session::capture`); it is encoded and the file written on the disk
+/// writer's thread (`writer.rs`), after the previous write has finished (one checkpoint in
+/// host memory at a time: its capture, then also its bytes while they are written).
 fn store(
     disk: &Disk,
     tok: &Tokenizer,
@@ -398,7 +399,7 @@ fn store(
     };
     disk.writer.wait_idle();
     let t = Instant::now();
-    let snap = s.snapshot();
+    let capture = s.capture();
     let snap_ms = t.elapsed().as_secs_f64() * 1e3;
     let tokens = s.tokens().to_vec();
     let metas: Vec<(Vec<u8>, ds4_kvstore::SaveMeta)> = keys
@@ -418,6 +419,10 @@ fn store(
     let (cache, metrics) = (disk.cache.clone(), metrics.clone());
     disk.writer.submit(move || {
         let t = Instant::now();
+        let snap = capture.encode();
+        drop(capture);
+        let enc_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
         for (key, meta) in metas {
             match cache.store.save(&key, &tokens, &snap, &meta) {
                 Ok(ds4_kvstore::Saved::Written { bytes, evicted, .. }) => {
@@ -425,7 +430,7 @@ fn store(
                     metrics.kv_disk_written_bytes.add(bytes);
                     metrics.kv_disk_evictions.add(evicted.len() as u64);
                     eprintln!(
-                        "ds4 serve: kv cache: stored {n} tokens ({reason:?}, {:.1} MiB, snapshot {snap_ms:.0} ms, written in the background in {:.0} ms){}",
+                        "ds4 serve: kv cache: stored {n} tokens ({reason:?}, {:.1} MiB, state copied in {snap_ms:.0} ms; in the background encoded in {enc_ms:.0} ms, written in {:.0} ms){}",
                         bytes as f64 / (1 << 20) as f64,
                         t.elapsed().as_secs_f64() * 1e3,
                         if evicted.is_empty() {
