@@ -786,6 +786,8 @@ pub struct StepGraphs {
     cap: Option<Stream>,
     /// The side branch's capture stream and the fork and join events (branched captures).
     side: Option<(Stream, Event, Event)>,
+    /// The hints' chain ([`FLOW_HINT`]): its stream and fork and join events.
+    hint: Option<(Stream, Event, Event)>,
     /// A branched capture failed: steps are captured as one chain from then on.
     one_chain: bool,
     graphs: Vec<CachedGraph>,
@@ -897,8 +899,11 @@ impl StepGraphs {
                 s
             }
         };
-        let mut branched =
-            !self.one_chain && rt.branches_supported() && calls.iter().any(|c| c.flow == FLOW_SIDE);
+        let mut branched = !self.one_chain
+            && rt.branches_supported()
+            && calls
+                .iter()
+                .any(|c| c.flow == FLOW_SIDE || c.flow == FLOW_HINT);
         if self.trace && self.stats.captures < 40 {
             eprintln!(
                 "ds4 graph: capturing tag {tag}: {} launches{}",
@@ -981,6 +986,8 @@ impl StepGraphs {
     /// are taken after each launch ([`Runtime::capture_node`]), so node i is call i for the
     /// updates by index. A branch's first call and a join launch without PDL: their edges
     /// (the fork, the join) stay full dependencies; PDL stays within each chain.
+    /// [`FLOW_HINT`] calls go to a third stream: each forks from the main chain at its place
+    /// (after the hint stream's previous call), and that stream is joined at the end.
     fn capture_branched(
         &mut self,
         rt: &dyn Runtime,
@@ -990,27 +997,34 @@ impl StepGraphs {
         let (side, fork, join) = match self.side {
             Some(x) => x,
             None => {
-                let s = rt.stream_create()?;
-                let e = rt.event_create().and_then(|a| Ok((a, rt.event_create()?)));
-                let (a, b) = match e {
-                    Ok(x) => x,
-                    Err(e) => {
-                        let _ = rt.stream_destroy(s);
-                        return Err(e);
-                    }
-                };
-                self.side = Some((s, a, b));
-                (s, a, b)
+                let x = chain(rt)?;
+                self.side = Some(x);
+                x
+            }
+        };
+        let (hint, hfork, hjoin) = match self.hint {
+            Some(x) => x,
+            None => {
+                let x = chain(rt)?;
+                self.hint = Some(x);
+                x
             }
         };
         rt.capture_begin(cap)?;
         let mut nodes = Vec::with_capacity(calls.len());
         let mut open = false; // side calls captured since the last join
         let mut in_side = false; // the previous call was a side call
+        let mut hinted = false; // hint calls captured
         let mut r: Result<()> = Ok(());
         for c in calls {
             r = (|| {
-                if c.flow == FLOW_SIDE {
+                if c.flow == FLOW_HINT {
+                    rt.event_record(hfork, cap)?;
+                    rt.stream_wait_event(hint, hfork)?;
+                    rt.launch_call_plain(c, hint)?;
+                    hinted = true;
+                    nodes.push(rt.capture_node(hint)?);
+                } else if c.flow == FLOW_SIDE {
                     let first = !in_side;
                     if first {
                         if open {
@@ -1054,6 +1068,14 @@ impl StepGraphs {
                 r = j;
             }
         }
+        if hinted {
+            let j = rt
+                .event_record(hjoin, hint)
+                .and_then(|_| rt.stream_wait_event(cap, hjoin));
+            if r.is_ok() {
+                r = j;
+            }
+        }
         let exec = rt.capture_end_nodes(cap, nodes);
         match (r, exec) {
             (Ok(()), Ok(x)) => Ok(x),
@@ -1076,10 +1098,22 @@ impl StepGraphs {
         if let Some(s) = self.cap.take() {
             let _ = rt.stream_destroy(s);
         }
-        if let Some((s, a, b)) = self.side.take() {
+        for (s, a, b) in [self.side.take(), self.hint.take()].into_iter().flatten() {
             let _ = rt.stream_destroy(s);
             let _ = rt.event_destroy(a);
             let _ = rt.event_destroy(b);
+        }
+    }
+}
+
+/// A stream and two events (a fork and a join) for a chain of a branched capture.
+fn chain(rt: &dyn Runtime) -> Result<(Stream, Event, Event)> {
+    let s = rt.stream_create()?;
+    match rt.event_create().and_then(|a| Ok((a, rt.event_create()?))) {
+        Ok((a, b)) => Ok((s, a, b)),
+        Err(e) => {
+            let _ = rt.stream_destroy(s);
+            Err(e)
         }
     }
 }

@@ -141,6 +141,10 @@ pub const FLOW_MAIN: u8 = 0;
 pub const FLOW_SIDE: u8 = 1;
 /// A main call that waits for the side branch too (the first consumer after the join).
 pub const FLOW_JOIN: u8 = 2;
+/// A hint (`Backend::prefetch`) on a chain of its own: it forks from the main chain's state
+/// at its place and nothing waits for it before the end of the graph, so the main chain's
+/// next call does not wait for it.
+pub const FLOW_HINT: u8 = 3;
 
 /// Equal kernel, shape, place in the branches and used argument slots (the graph recorder
 /// compares ~800 calls a decode step: the unused slots, always zero, are not read).

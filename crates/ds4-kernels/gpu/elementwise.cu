@@ -224,9 +224,9 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
 // L2 prefetch of weights that a decode step reads after some latency-bound ops
 // (`Backend::prefetch`, off by default): byte ranges (a[i], n[i]), i < 4, a 16-byte aligned,
 // split into 4 KiB chunks over the grid's threads; `last`: marked evict-last in L2 (sm_90 only).
-// The bytes are meant to arrive in L2 while the ops after it run; but the next kernel's PDL wait
-// holds it until this grid is done, which cost more than the prefetch saved (session 42: decode
-// -14%). sm_90: one bulk prefetch (TMA) a chunk; older CUDA: one prefetch a 128-byte line; HIP:
+// The bytes are meant to arrive in L2 while the ops after it run. In the main chain the next
+// kernel's PDL wait held it until this grid was done, which cost more than the prefetch saved
+// (session 42: decode -14%); a recorded step runs it on a chain of its own (FLOW_HINT). sm_90: one bulk prefetch (TMA) a chunk; older CUDA: one prefetch a 128-byte line; HIP:
 // nothing (the host does not launch it there). Results never depend on it.
 DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const char* a1, long long n1,
                                             const char* a2, long long n2, const char* a3, long long n3, int last) {

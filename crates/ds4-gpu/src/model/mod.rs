@@ -33,7 +33,7 @@ use crate::error::Result;
 pub(crate) use crate::gpu::type_suffix;
 use crate::gpu::{DeviceBuffer, Gpu, GraphStats, StepGraphs};
 use crate::runtime::{
-    Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, Vendor, FLOW_JOIN, FLOW_SIDE,
+    Arg, DevPtr, KernelCall, LaunchDims, Runtime, Stream, Vendor, FLOW_HINT, FLOW_JOIN, FLOW_SIDE,
 };
 use ds4_backend::rope::RopeTables;
 use ds4_backend::{
@@ -91,6 +91,8 @@ struct GraphState {
     in_side: bool,
     /// Joined: the next call is [`FLOW_JOIN`].
     pending_join: bool,
+    /// The next call is a hint on its own chain ([`FLOW_HINT`], `Backend::prefetch`).
+    hint: bool,
 }
 
 /// Two-chain decode steps (`Backend::side_begin`; the MoE's shared gate/up beside the router and
@@ -955,7 +957,10 @@ impl GpuBackend {
         match KernelCall::new(f, dims, args) {
             Some(mut c) => {
                 let mut g = self.graph.lock().unwrap();
-                if g.in_side {
+                if g.hint {
+                    c.flow = FLOW_HINT;
+                    g.hint = false;
+                } else if g.in_side {
                     c.flow = FLOW_SIDE;
                 } else if g.pending_join {
                     c.flow = FLOW_JOIN;
@@ -1440,12 +1445,19 @@ impl Backend for GpuBackend {
         args.push(Arg::I32(ahead as i32));
         PREFETCHES.fetch_add(1, Ordering::Relaxed);
         let blocks = chunks.div_ceil(128).min(65535) as u32; // one 4 KiB chunk a thread
+        if self.recording.load(Ordering::Acquire) {
+            // In a step's graph, off the main chain (FLOW_HINT): in the main chain the next
+            // kernel's PDL wait held it until this grid was done (session 42: decode -14%).
+            let mut g = self.graph.lock().unwrap();
+            g.hint = g.branch;
+        }
         self.run(
             &ds4_kernels::ELEMENTWISE,
             "prefetch_l2",
             LaunchDims::linear(blocks, 128),
             &args,
         );
+        self.graph.lock().unwrap().hint = false; // also where nothing was recorded
     }
 
     fn prefill_chunk(&self) -> usize {
