@@ -1136,7 +1136,18 @@ impl Engine {
         seed: u64,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Engine, EngineError> {
-        let (hp, mix) = preset.params();
+        let (mut hp, mix) = preset.params();
+        // A dev knob: the first N layers only (decode A/B runs on a GPU too small for all).
+        let layers = std::env::var("DS4_SYNTH_LAYERS").ok();
+        if let Some(v) = &layers {
+            let n = v.parse::<u32>().map_err(|_| {
+                EngineError::Backend(
+                    "synthetic".into(),
+                    format!("DS4_SYNTH_LAYERS={v}: expected a number of layers"),
+                )
+            })?;
+            hp.keep_layers(n);
+        }
         // --backend cpu, or auto finding no GPU (auto then means the CPU).
         let on_cpu = || {
             EngineError::Backend(
@@ -1155,7 +1166,14 @@ impl Engine {
         } else {
             ds4_tokenizer::builtin::tiny(hp.n_vocab as usize)
         };
-        let label = format!("<synthetic {} seed {seed}>", preset.name());
+        let label = match layers {
+            Some(_) => format!(
+                "<synthetic {} seed {seed}, first {} layers>",
+                preset.name(),
+                hp.n_layer
+            ),
+            None => format!("<synthetic {} seed {seed}>", preset.name()),
+        };
         let tokenizer = Tokenizer::from_vocab(vocab.tokens, vocab.merges)
             .map_err(|e| EngineError::Tokenizer(label.clone(), e))?;
         let model_id: [u8; 32] = Sha256::digest(label.as_bytes()).into();

@@ -166,6 +166,19 @@ impl HParams {
         }
     }
 
+    /// The first `n` (>= 1) of the layers only, the MTP block's entries kept: a synthetic
+    /// benchmark on a GPU too small for every layer (`DS4_SYNTH_LAYERS`; a layer costs what it
+    /// costs in the whole model, the totals are not the model's).
+    pub fn keep_layers(&mut self, n: u32) {
+        let n = n.clamp(1, self.n_layer);
+        let mtp = self.compress_ratios.get(self.n_layer as usize).copied();
+        self.compress_ratios.truncate(n as usize);
+        self.compress_ratios.extend(mtp);
+        self.swiglu_clamp.truncate(n as usize);
+        self.n_hash_layer = self.n_hash_layer.min(n);
+        self.n_layer = n;
+    }
+
     /// The tiny test configuration of model.md §6.1: every code path of the real model with
     /// small shapes (6 layers: 2 SWA, 2 CSA, 2 HCA with ratio 8; window 8; indexer top-4).
     pub fn tiny() -> HParams {
@@ -698,5 +711,29 @@ impl HParams {
         put("attention.layer_norm_rms_epsilon", F32(self.rms_eps));
         put("expert_weights_norm", Bool(self.expert_weights_norm));
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HParams;
+
+    #[test]
+    fn keep_layers_gives_a_valid_shorter_model() {
+        let mut hp = HParams::flash();
+        hp.keep_layers(36);
+        assert_eq!(hp.n_layer, 36);
+        assert_eq!(hp.compress_ratios.len(), 37);
+        assert_eq!(
+            hp.compress_ratios[..36],
+            HParams::flash().compress_ratios[..36]
+        );
+        assert_eq!(hp.compress_ratios[36], 0); // the MTP block
+        assert_eq!(hp.swiglu_clamp.len(), 36);
+        hp.validate().unwrap();
+        let mut one = HParams::flash();
+        one.keep_layers(0); // at least one layer
+        assert_eq!((one.n_layer, one.n_hash_layer), (1, 1));
+        one.validate().unwrap();
     }
 }
