@@ -468,6 +468,28 @@ impl Gpu {
         Ok(())
     }
 
+    /// `bytes` device bytes after all queued work on the device (synchronises), handed to `f`
+    /// a chunk at a time straight from the pinned staging buffer (chunks of whole 4-byte
+    /// words but the last): a caller converting them writes its output once, with no
+    /// intermediate copy (fresh pages cost as much as the copy on a slow host core).
+    pub fn download_with(&self, src: DevPtr, bytes: usize, mut f: impl FnMut(&[u8])) -> Result<()> {
+        self.rt.synchronize()?;
+        self.with_staging(|s| {
+            let mut done = 0;
+            while done < bytes {
+                let len = (bytes - done).min(STAGING_BYTES);
+                unsafe {
+                    self.rt
+                        .copy_d2h_async(s.bufs[0], src.offset(done as u64), len, s.stream)?;
+                }
+                self.rt.stream_sync(s.stream)?;
+                f(unsafe { std::slice::from_raw_parts(s.bufs[0], len) });
+                done += len;
+            }
+            Ok(())
+        })
+    }
+
     /// Copy device bytes to the host after all queued work on the device (synchronises).
     pub fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         self.rt.synchronize()?;

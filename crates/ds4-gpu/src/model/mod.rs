@@ -1198,6 +1198,34 @@ impl GpuBackend {
         out
     }
 
+    /// `n` device values of `size` bytes each, converted by `conv` as they leave the staging
+    /// buffer (one pass over fresh host memory; zeros after a failure, as `download_bytes`).
+    fn download_map<T: Default + Clone>(
+        &self,
+        p: DevPtr,
+        n: usize,
+        size: usize,
+        conv: impl Fn(&[u8]) -> T,
+    ) -> Vec<T> {
+        self.flush(true); // a host read ends a recorded step
+        let mut out = Vec::with_capacity(n);
+        if n > 0 && !self.failed() {
+            let r = self.gpu.download_with(p, n * size, |c| {
+                out.extend(c.chunks_exact(size).map(&conv));
+            });
+            if r.is_ok() {
+                self.free_retired(); // the download waited for the stream
+            }
+            self.note(r);
+        }
+        out.resize(n, T::default());
+        out
+    }
+
+    fn download_f32s(&self, p: DevPtr, n: usize) -> Vec<f32> {
+        self.download_map(p, n, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
     fn new_comp(&self, c: &CompDims, bf16: bool) -> Option<GpuComp> {
         let n = c.slots() * c.width();
         let front_kv = self.dev(n * 4)?;
@@ -1276,24 +1304,18 @@ impl GpuBackend {
     }
 
     fn download_comp(&self, c: &GpuComp) -> HostCompState {
-        let f = |p: DevPtr, n: usize| -> Vec<f32> {
-            self.download_bytes(p, n * 4)
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()
-        };
         let n = c.dims.slots() * c.dims.width();
         let rows = if c.bf16 {
-            self.download_bytes(c.rows.ptr(), c.n_rows * c.dims.d * 2)
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect()
+            // bf16 is an f32's high half.
+            self.download_map(c.rows.ptr(), c.n_rows * c.dims.d, 2, |b| {
+                f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+            })
         } else {
-            f(c.rows.ptr(), c.n_rows * c.dims.d)
+            self.download_f32s(c.rows.ptr(), c.n_rows * c.dims.d)
         };
         HostCompState {
-            front_kv: f(c.front_kv.ptr(), n),
-            front_score: f(c.front_score.ptr(), n),
+            front_kv: self.download_f32s(c.front_kv.ptr(), n),
+            front_score: self.download_f32s(c.front_score.ptr(), n),
             rows,
         }
     }
@@ -1673,10 +1695,7 @@ impl Backend for GpuBackend {
     }
 
     fn download(&self, b: &GpuBuf, len: usize) -> Vec<f32> {
-        self.download_bytes(b.ptr, len * 4)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        self.download_f32s(b.ptr, len)
     }
 
     fn sample(&self, logits: &GpuBuf, vocab: usize, p: &ds4_backend::SampleParams, u: f64) -> u32 {
@@ -1684,10 +1703,9 @@ impl Backend for GpuBackend {
     }
 
     fn download_i32(&self, b: &GpuIBuf, len: usize) -> Vec<i32> {
-        self.download_bytes(b.0.ptr, len * 4)
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        self.download_map(b.0.ptr, len, 4, |c| {
+            i32::from_le_bytes([c[0], c[1], c[2], c[3]])
+        })
     }
 
     fn copy(&self, src: &GpuBuf, so: usize, dst: &mut GpuBuf, d0: usize, len: usize) {
@@ -1723,16 +1741,10 @@ impl Backend for GpuBackend {
     fn state_to_host(&self, st: &GpuLayerState) -> HostLayerState {
         self.interrupt();
         let d = &st.dims;
-        let raw = self
-            .download_bytes(st.raw.ptr(), d.window * d.head_dim * 4)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let raw_pos = self
-            .download_bytes(st.raw_pos.ptr(), d.window * 4)
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-            .collect();
+        let raw = self.download_f32s(st.raw.ptr(), d.window * d.head_dim);
+        let raw_pos = self.download_map(st.raw_pos.ptr(), d.window, 4, |c| {
+            i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64
+        });
         HostLayerState {
             raw,
             raw_pos,
