@@ -298,11 +298,23 @@ fn prefetch_hints_keep_the_logits() {
     let ahead = run(&m, ids, None);
     let launched_ahead = ds4_gpu::GpuBackend::prefetch_launches() - before;
     ds4_gpu::GpuBackend::set_prefetch_ahead(false);
+    // And the selected experts' down rows during each decode MoE's gate/up (`prefetch_sel`).
+    ds4_gpu::GpuBackend::set_prefetch_experts(true);
+    let before = ds4_gpu::GpuBackend::prefetch_launches();
+    let experts = run(&m, ids, None);
+    let launched_experts = ds4_gpu::GpuBackend::prefetch_launches() - before;
+    ds4_gpu::GpuBackend::set_prefetch_experts(false);
     ds4_gpu::GpuBackend::set_prefetch_mb(0);
-    println!("prefetch_l2 launches: {launched}, with the hints ahead {launched_ahead}");
+    println!(
+        "prefetch launches: {launched}, with the hints ahead {launched_ahead}, with the experts' \
+         {launched_experts}"
+    );
     assert!(launched >= 3 * hp.n_layer as u64, "{launched}");
     assert!(launched_ahead > launched, "{launched_ahead} {launched}");
-    let d = max_diff(&off, &on).max(max_diff(&off, &ahead));
+    assert!(launched_experts > launched, "{launched_experts} {launched}");
+    let d = max_diff(&off, &on)
+        .max(max_diff(&off, &ahead))
+        .max(max_diff(&off, &experts));
     println!(
         "decode of {} with and without prefetches: max |Δ| {d:.3e}",
         ids.len()

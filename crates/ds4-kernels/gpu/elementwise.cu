@@ -261,6 +261,32 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
 #endif
 }
 
+// L2 prefetch of the routed experts' slabs a decode MoE will read next (the down rows while the
+// gate/up runs): pair p < pairs reads its expert e = sel[p] (skipped unless 0 <= e < n_expert)
+// and thread t takes 4 KiB chunk t % cpe of pair t / cpe's first `bytes` of base + e * slab. An
+// expert chosen twice is asked for twice (the second finds the lines present). Launched on the
+// decode graph's hint chain after the route; CUDA only, as prefetch_l2.
+DS4_KERNEL void DS4_BOUNDS(128) prefetch_sel(const char* base, long long slab, const int* __restrict__ sel, int pairs,
+                                             int n_expert, long long bytes) {
+#if defined(DS4_CUDA)
+    const long long chunk = 4096, n = bytes / 16 * 16, cpe = (n + chunk - 1) / chunk;
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= cpe * pairs) return;
+    const int e = sel[t / cpe];
+    if (e < 0 || e >= n_expert) return;
+    const long long c = t % cpe, left = n - c * chunk;
+    const char* p = base + (long long)e * slab + c * chunk;
+    const unsigned int len = (unsigned int)(left < chunk ? left : chunk);
+#if DS4_ARCH >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(len) : "memory");
+#else
+    for (unsigned int o = 0; o < len; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+#endif
+#else
+    (void)base, (void)slab, (void)sel, (void)pairs, (void)n_expert, (void)bytes;
+#endif
+}
+
 // Probe of a persistent decode step (examples/persist_bench.rs; the engine never launches it).
 // Phases p0 .. p0 + phases - 1; in phase p every thread reads its grid-strided 16-byte vectors of
 // W's [p vpp, (p + 1) vpp) (four loads in flight, xor-folded into a checksum); between phases all

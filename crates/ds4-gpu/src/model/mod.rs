@@ -549,7 +549,11 @@ const PREFETCH_MB: u8 = 0;
 static PREFETCH_AHEAD: std::sync::atomic::AtomicU8 =
     std::sync::atomic::AtomicU8::new(switch::UNSET);
 
-/// `prefetch_l2` launches (process-wide; [`GpuBackend::prefetch_launches`]).
+/// `DS4_GPU_PREFETCH_EXPERTS=1`: [`GpuBackend::hint_experts`]. Unset: off.
+static PREFETCH_EXPERTS: std::sync::atomic::AtomicU8 =
+    std::sync::atomic::AtomicU8::new(switch::UNSET);
+
+/// `prefetch_l2` / `prefetch_sel` launches (process-wide; [`GpuBackend::prefetch_launches`]).
 static PREFETCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Words of [`GpuBackend::tickets`].
@@ -1392,6 +1396,40 @@ impl GpuBackend {
         PREFETCHES.load(Ordering::Relaxed)
     }
 
+    /// A prefetch kernel of `elementwise.cu` (`blocks` CTAs of 128 threads). In a step's graph
+    /// it runs off the main chain (FLOW_HINT): in the main chain the next kernel's PDL wait held
+    /// it until its grid was done (session 42: decode -14%).
+    pub(crate) fn hint_run(&self, name: &str, blocks: u32, args: &[Arg]) {
+        PREFETCHES.fetch_add(1, Ordering::Relaxed);
+        if self.recording.load(Ordering::Acquire) {
+            let mut g = self.graph.lock().unwrap();
+            g.hint = g.branch;
+        }
+        self.run(
+            &ds4_kernels::ELEMENTWISE,
+            name,
+            LaunchDims::linear(blocks, 128),
+            args,
+        );
+        self.graph.lock().unwrap().hint = false; // also where nothing was recorded
+    }
+
+    /// Whether the decode MoE hints its selected experts' down rows into L2 while the
+    /// gate/up runs (`DS4_GPU_PREFETCH_EXPERTS=1`; recorded steps on CUDA only).
+    pub(crate) fn hint_experts(&self) -> bool {
+        switch::code(&PREFETCH_EXPERTS, "DS4_GPU_PREFETCH_EXPERTS", |v| {
+            (v == Some("1")) as u8
+        }) == 1
+            && self.recording.load(Ordering::Acquire)
+            && self.gpu.info().vendor == Vendor::Nvidia
+            && !self.failed()
+    }
+
+    /// Sets `DS4_GPU_PREFETCH_EXPERTS` for the process (tests, A/B benchmarks).
+    pub fn set_prefetch_experts(on: bool) {
+        PREFETCH_EXPERTS.store(on as u8, Ordering::Relaxed);
+    }
+
     /// `copy_list` launches so far in this process (tests: a checkpoint is one launch).
     pub fn copy_list_launches() -> u64 {
         COPY_LISTS.load(Ordering::Relaxed)
@@ -1465,21 +1503,8 @@ impl Backend for GpuBackend {
             }
         }
         args.push(Arg::I32(ahead as i32));
-        PREFETCHES.fetch_add(1, Ordering::Relaxed);
         let blocks = chunks.div_ceil(128).min(65535) as u32; // one 4 KiB chunk a thread
-        if self.recording.load(Ordering::Acquire) {
-            // In a step's graph, off the main chain (FLOW_HINT): in the main chain the next
-            // kernel's PDL wait held it until this grid was done (session 42: decode -14%).
-            let mut g = self.graph.lock().unwrap();
-            g.hint = g.branch;
-        }
-        self.run(
-            &ds4_kernels::ELEMENTWISE,
-            "prefetch_l2",
-            LaunchDims::linear(blocks, 128),
-            &args,
-        );
-        self.graph.lock().unwrap().hint = false; // also where nothing was recorded
+        self.hint_run("prefetch_l2", blocks, &args);
     }
 
     fn prefill_chunk(&self) -> usize {
