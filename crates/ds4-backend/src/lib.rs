@@ -276,11 +276,10 @@ pub trait Backend: Send + Sync + Sized {
     fn join(&self) {}
 
     /// A hint: the weights `ws` are read soon by a step of `n` tokens, after some ops that
-    /// read little memory (norms, attention, routing); `ahead`: only after other weight
-    /// products (the next layer's). A device may start moving their bytes into its cache
-    /// meanwhile (GPU decode: an L2 prefetch, `DS4_GPU_PREFETCH`); results are the same with
-    /// or without it. The CPU backend does nothing.
-    fn prefetch(&self, _ws: &[&Self::Weight], _n: usize, _ahead: bool) {}
+    /// read little memory (norms, attention, routing). A device may start moving their bytes
+    /// into its cache meanwhile (GPU decode: an L2 prefetch, `DS4_GPU_PREFETCH`); results are
+    /// the same with or without it. The CPU backend does nothing.
+    fn prefetch(&self, _ws: &[&Self::Weight], _n: usize) {}
 
     /// Tokens per prompt step the engine should batch (activation memory grows with it: about
     /// 200 KB per token at full size, plus the MoE's per-pair scratch). The CPU gains nothing

@@ -223,13 +223,13 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
 
 // L2 prefetch of weights that a decode step reads after some latency-bound ops
 // (`Backend::prefetch`, off by default): byte ranges (a[i], n[i]), i < 4, a 16-byte aligned,
-// split into 4 KiB chunks over the grid's threads; `last`: marked evict-last in L2 (sm_90 only).
-// The bytes are meant to arrive in L2 while the ops after it run. In the main chain the next
-// kernel's PDL wait held it until this grid was done, which cost more than the prefetch saved
-// (session 42: decode -14%); a recorded step runs it on a chain of its own (FLOW_HINT). sm_90: one bulk prefetch (TMA) a chunk; older CUDA: one prefetch a 128-byte line; HIP:
-// nothing (the host does not launch it there). Results never depend on it.
+// split into 4 KiB chunks over the grid's threads. The bytes are meant to arrive in L2 while the
+// ops after it run. In the main chain the next kernel's PDL wait held it until this grid was
+// done (session 42: decode -14%); a recorded step runs it on a chain of its own (FLOW_HINT),
+// where it ties (session 43). sm_90: one bulk prefetch (TMA) a chunk; older CUDA: one prefetch a
+// 128-byte line; HIP: nothing (the host does not launch it there). Results never depend on it.
 DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const char* a1, long long n1,
-                                            const char* a2, long long n2, const char* a3, long long n3, int last) {
+                                            const char* a2, long long n2, const char* a3, long long n3) {
     ds4_pdl_enter(); // after the previous product: its streaming would evict these lines
 #if defined(DS4_CUDA)
     const char* a[4] = {a0, a1, a2, a3};
@@ -245,11 +245,7 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
             const long long left = n[r] / 16 * 16 - c * chunk;
             const unsigned int bytes = (unsigned int)(left < chunk ? left : chunk);
 #if DS4_ARCH >= 900
-            if (last)
-                asm volatile("{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
-                             "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;\n\t}" ::"l"(p), "r"(bytes) : "memory");
-            else
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #else
             for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 #endif
@@ -257,33 +253,7 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
         first += cnt;
     }
 #else
-    (void)a0, (void)n0, (void)a1, (void)n1, (void)a2, (void)n2, (void)a3, (void)n3, (void)last;
-#endif
-}
-
-// L2 prefetch of the routed experts' slabs a decode MoE will read next (the down rows while the
-// gate/up runs): pair p < pairs reads its expert e = sel[p] (skipped unless 0 <= e < n_expert)
-// and thread t takes 4 KiB chunk t % cpe of pair t / cpe's first `bytes` of base + e * slab. An
-// expert chosen twice is asked for twice (the second finds the lines present). Launched on the
-// decode graph's hint chain after the route; CUDA only, as prefetch_l2.
-DS4_KERNEL void DS4_BOUNDS(128) prefetch_sel(const char* base, long long slab, const int* __restrict__ sel, int pairs,
-                                             int n_expert, long long bytes) {
-#if defined(DS4_CUDA)
-    const long long chunk = 4096, n = bytes / 16 * 16, cpe = (n + chunk - 1) / chunk;
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= cpe * pairs) return;
-    const int e = sel[t / cpe];
-    if (e < 0 || e >= n_expert) return;
-    const long long c = t % cpe, left = n - c * chunk;
-    const char* p = base + (long long)e * slab + c * chunk;
-    const unsigned int len = (unsigned int)(left < chunk ? left : chunk);
-#if DS4_ARCH >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(len) : "memory");
-#else
-    for (unsigned int o = 0; o < len; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-#endif
-#else
-    (void)base, (void)slab, (void)sel, (void)pairs, (void)n_expert, (void)bytes;
+    (void)a0, (void)n0, (void)a1, (void)n1, (void)a2, (void)n2, (void)a3, (void)n3;
 #endif
 }
 

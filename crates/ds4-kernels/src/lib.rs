@@ -94,7 +94,6 @@ pub const ELEMENTWISE: Module = Module {
         "copy_list",
         "fill_u32",
         "prefetch_l2",
-        "prefetch_sel",
         "probe_phases",
     ],
 };

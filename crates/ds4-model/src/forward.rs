@@ -974,9 +974,8 @@ impl<B: Backend> Model<B> {
         let mut x = b.alloc(n * w);
         b.embed(&self.embd, &tok, n, hc.n, hc.d, &mut x);
         let mut pending = None;
-        for (i, (layer, ls)) in self.layers.iter().zip(st.layers.iter_mut()).enumerate() {
-            let next = self.layers.get(i + 1);
-            pending = Some(self.layer_forward(layer, next, ls, &mut x, &tok, n, t0, pending));
+        for (layer, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
+            pending = Some(self.layer_forward(layer, ls, &mut x, &tok, n, t0, pending));
         }
         if let Some((y, post, comb)) = pending {
             b.hc_post(hc, &mut x, &y, &post, &comb, n);
@@ -996,7 +995,6 @@ impl<B: Backend> Model<B> {
     fn layer_forward(
         &self,
         l: &Layer<B::Weight>,
-        next: Option<&Layer<B::Weight>>,
         st: &mut B::LayerState,
         x: &mut B::Buf,
         tok: &B::IBuf,
@@ -1006,16 +1004,12 @@ impl<B: Backend> Model<B> {
     ) -> Pending<B> {
         // Prefetch hints (`Backend::prefetch`), each issued after the last weight product
         // before ops that read little memory: here the HC ops, then the query's products.
-        self.backend.prefetch(&[&l.q_a, &l.kv, &l.q_b], n, false);
+        self.backend.prefetch(&[&l.q_a, &l.kv, &l.q_b], n);
         let (z, post, comb) = match pending {
             Some((y, p, c)) => self.hc_post_pre(&l.hc_attn, &l.attn_norm, x, &y, &p, &c, n),
             None => self.hc_pre(&l.hc_attn, &l.attn_norm, x, n),
         };
         let o = self.attention(l, st, &z, n, t0);
-        if let Some(nx) = next {
-            // The next layer's query products, read after this layer's MoE.
-            self.backend.prefetch(&[&nx.q_a, &nx.kv, &nx.q_b], n, true);
-        }
         let (z, post, comb) = self.hc_post_pre(&l.hc_ffn, &l.ffn_norm, x, &o, &post, &comb, n);
         let y = self.moe(l, &z, tok, n);
         (y, post, comb)
@@ -1207,8 +1201,8 @@ impl<B: Backend> Model<B> {
         b.rms_norm_matmul(&mut cq, n, rank, Some(&l.q_a_norm), eps, &l.q_b, &mut q);
         // Norms, RoPE, the indexer's selection and the attention, then the output products.
         match &l.indexer {
-            Some(ix) => b.prefetch(&[&ix.q_b, &l.out_a], n, false),
-            None => b.prefetch(&[&l.out_a], n, false),
+            Some(ix) => b.prefetch(&[&ix.q_b, &l.out_a], n),
+            None => b.prefetch(&[&l.out_a], n),
         }
         // The query heads (unweighted) and the shared KV row of each position (kv_norm,
         // rounded as the cache stores it): one norm_rope_pair, or the KV row alone where the
@@ -1283,7 +1277,7 @@ impl<B: Backend> Model<B> {
         b.matmul(&l.out_b, Part::All, &u, n, &mut out);
         // The HC ops, then the router and the shared expert (the routed experts are known
         // only after the route).
-        b.prefetch(&[&l.router, &l.gate_sh, &l.up_sh, &l.down_sh], n, false);
+        b.prefetch(&[&l.router, &l.gate_sh, &l.up_sh, &l.down_sh], n);
         if self.shard.is_tp() {
             b.all_reduce_sum(&mut out, n * d); // the ranks' groups' partial products
         }
@@ -1482,7 +1476,7 @@ impl<B: Backend> Model<B> {
             b.copy(&ep, 0, &mut epn, i * hc.d, hc.d);
         }
         b.add(&mut x, &epn, hc.n * hc.d);
-        let (y, post, comb) = self.layer_forward(&mtp.block, None, st, &mut x, &ids, 1, pos, None);
+        let (y, post, comb) = self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos, None);
         b.hc_post(hc, &mut x, &y, &post, &comb, 1);
         let logits = self
             .head(&mtp.head, &mtp.norm, &x, 1)

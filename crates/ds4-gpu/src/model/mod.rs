@@ -540,20 +540,14 @@ static PREFETCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(
 /// The default budget of a prefetch hint, MiB (an H200's L2 is 50 MiB; 0: off). Off: as one
 /// kernel in the decode graph's main chain the hints cost 14-18% of decode on an H200 (24 MiB:
 /// 162 -> 139 tokens/s at 2k, 160 -> 136 at 32k; `bench/results/gpu-s42-h200.txt` run C): the
-/// next kernel waits for the prefetch grid. A form on the graph's side chain is untried.
+/// next kernel waited for the prefetch grid. On a chain of their own (FLOW_HINT, session 43)
+/// they cost nothing and gain nothing: 34 layers on an H100, 180.9 / 182.7 -> 181.3 / 181.8
+/// tokens/s at 2k, 180.6 / 179.2 -> 180.3 / 179.5 at 32k (`gpu-s43-h100.txt` run C; there too
+/// the next layer's query weights hinted ahead, evict-last, lost 3-4%, and the selected
+/// experts' down rows hinted during the gate/up tied; both forms were dropped).
 const PREFETCH_MB: u8 = 0;
 
-/// `DS4_GPU_PREFETCH_AHEAD=1`: also the hints for weights read after other products (the
-/// next layer's query products, hinted before this layer's MoE), their lines marked
-/// evict-last so that the MoE's weight stream does not push them out. Unset: ignored.
-static PREFETCH_AHEAD: std::sync::atomic::AtomicU8 =
-    std::sync::atomic::AtomicU8::new(switch::UNSET);
-
-/// `DS4_GPU_PREFETCH_EXPERTS=1`: [`GpuBackend::hint_experts`]. Unset: off.
-static PREFETCH_EXPERTS: std::sync::atomic::AtomicU8 =
-    std::sync::atomic::AtomicU8::new(switch::UNSET);
-
-/// `prefetch_l2` / `prefetch_sel` launches (process-wide; [`GpuBackend::prefetch_launches`]).
+/// `prefetch_l2` launches (process-wide; [`GpuBackend::prefetch_launches`]).
 static PREFETCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Words of [`GpuBackend::tickets`].
@@ -1385,12 +1379,6 @@ impl GpuBackend {
         PREFETCH.store(mb.min(254), Ordering::Relaxed);
     }
 
-    /// Honours the hints for weights read after other products (`DS4_GPU_PREFETCH_AHEAD`)
-    /// for the process (tests, A/B benchmarks).
-    pub fn set_prefetch_ahead(on: bool) {
-        PREFETCH_AHEAD.store(on as u8, Ordering::Relaxed);
-    }
-
     /// `prefetch_l2` launches (recorded into graphs included) so far in this process.
     pub fn prefetch_launches() -> u64 {
         PREFETCHES.load(Ordering::Relaxed)
@@ -1399,7 +1387,7 @@ impl GpuBackend {
     /// A prefetch kernel of `elementwise.cu` (`blocks` CTAs of 128 threads). In a step's graph
     /// it runs off the main chain (FLOW_HINT): in the main chain the next kernel's PDL wait held
     /// it until its grid was done (session 42: decode -14%).
-    pub(crate) fn hint_run(&self, name: &str, blocks: u32, args: &[Arg]) {
+    fn hint_run(&self, name: &str, blocks: u32, args: &[Arg]) {
         PREFETCHES.fetch_add(1, Ordering::Relaxed);
         if self.recording.load(Ordering::Acquire) {
             let mut g = self.graph.lock().unwrap();
@@ -1412,22 +1400,6 @@ impl GpuBackend {
             args,
         );
         self.graph.lock().unwrap().hint = false; // also where nothing was recorded
-    }
-
-    /// Whether the decode MoE hints its selected experts' down rows into L2 while the
-    /// gate/up runs (`DS4_GPU_PREFETCH_EXPERTS=1`; recorded steps on CUDA only).
-    pub(crate) fn hint_experts(&self) -> bool {
-        switch::code(&PREFETCH_EXPERTS, "DS4_GPU_PREFETCH_EXPERTS", |v| {
-            (v == Some("1")) as u8
-        }) == 1
-            && self.recording.load(Ordering::Acquire)
-            && self.gpu.info().vendor == Vendor::Nvidia
-            && !self.failed()
-    }
-
-    /// Sets `DS4_GPU_PREFETCH_EXPERTS` for the process (tests, A/B benchmarks).
-    pub fn set_prefetch_experts(on: bool) {
-        PREFETCH_EXPERTS.store(on as u8, Ordering::Relaxed);
     }
 
     /// `copy_list` launches so far in this process (tests: a checkpoint is one launch).
@@ -1461,14 +1433,7 @@ impl Backend for GpuBackend {
         self.gpu.mem_info().ok()
     }
 
-    fn prefetch(&self, ws: &[&GpuWeight], n: usize, ahead: bool) {
-        if ahead
-            && switch::code(&PREFETCH_AHEAD, "DS4_GPU_PREFETCH_AHEAD", |v| {
-                (v == Some("1")) as u8
-            }) != 1
-        {
-            return;
-        }
+    fn prefetch(&self, ws: &[&GpuWeight], n: usize) {
         let mb = switch::code(&PREFETCH, "DS4_GPU_PREFETCH", |v| match v {
             None => PREFETCH_MB,
             Some("off") => 0,
@@ -1502,7 +1467,6 @@ impl Backend for GpuBackend {
                 None => args.extend([Arg::Null, Arg::I64(0)]),
             }
         }
-        args.push(Arg::I32(ahead as i32));
         let blocks = chunks.div_ceil(128).min(65535) as u32; // one 4 KiB chunk a thread
         self.hint_run("prefetch_l2", blocks, &args);
     }

@@ -436,24 +436,6 @@ impl GpuBackend {
         if let Some(mx) = &mx {
             tail.push(Arg::Ptr(mx.ptr));
         }
-        if self.hint_experts() {
-            // The down rows of the selected experts into L2 while the gate/up runs (hint
-            // chain, forked after the route that wrote sel).
-            let slab = spec.d * dn.4;
-            let blocks = (pairs * slab.div_ceil(4096)).div_ceil(128);
-            self.hint_run(
-                "prefetch_sel",
-                blocks as u32,
-                &[
-                    Arg::Ptr(dn.0),
-                    Arg::I64(slab as i64),
-                    Arg::Ptr(io.sel),
-                    Arg::I32(pairs as i32),
-                    Arg::I32(spec.n_expert as i32),
-                    Arg::I64(slab as i64),
-                ],
-            );
-        }
         self.run(
             &ds4_kernels::MOE,
             &name,
