@@ -303,6 +303,25 @@ pub trait Backend: Send + Sync + Sized {
     // ---- binding ----
     /// A matrix used by [`Backend::matmul`] / [`Backend::embed`] (any supported quant type).
     fn matrix(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
+    /// Device room for `capacity` routed experts of type `ty`, `[cols, rows]` each (contents
+    /// undefined), that [`Backend::gather_experts`] fills: decode steps of experts held in host
+    /// memory upload the ones they select (ds4-model `offload.rs`). None where the backend
+    /// computes those on the host instead (the CPU).
+    fn expert_slots(
+        &self,
+        _ty: GgmlType,
+        _cols: usize,
+        _rows: usize,
+        _capacity: usize,
+    ) -> Option<Result<Self::Weight, String>> {
+        None
+    }
+
+    /// Copies `slabs` (one expert's bytes each, in order) into the first `slabs.len()` experts
+    /// of `slots` ([`Backend::expert_slots`]), after the ops issued so far (they may still read
+    /// the previous contents) and before the ops issued next.
+    fn gather_experts(&self, _slots: &Self::Weight, _slabs: &[&[u8]]) {}
+
     /// A small tensor used as f32 values (norm weights, scales, biases, sinks).
     fn vector(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
     /// An I32 table (hash routing `tid2eid`).

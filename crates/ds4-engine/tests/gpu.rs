@@ -83,9 +83,10 @@ fn gpu_engine_matches_cpu_reference() {
 }
 
 /// Routed experts in host memory (`--cpu-experts all`, `ds4_model::offload`): every layer's
-/// experts run on the CPU for the 13-token prompt and the decode steps, and are uploaded a
-/// group at a time for a 65-token prompt (>= 32 tokens). Greedy tokens and logits as the CPU
-/// reference's, within the one-GPU bound.
+/// experts run on the CPU for the 13-token prompt, are uploaded a group at a time for a
+/// 65-token prompt (>= 32 tokens), and for decode steps the selected ones are gathered into
+/// device slots and run there (counted). Greedy tokens and logits as the CPU reference's,
+/// within the one-GPU bound.
 #[test]
 fn gpu_host_experts_match_cpu_reference() {
     let _serial = serial();
@@ -102,10 +103,18 @@ fn gpu_host_experts_match_cpu_reference() {
         g.backend_name()
     );
     let c = open(BackendChoice::Cpu).unwrap();
+    let gathers = || ds4_model::offload::GATHERS.load(std::sync::atomic::Ordering::Relaxed);
+    let before = gathers();
     same_greedy(
         &c,
         &g,
         "host experts on the GPU (13-token prompt) vs the CPU",
+    );
+    assert!(
+        gathers() >= before + 6,
+        "decode steps did not gather their host experts: {} -> {}",
+        before,
+        gathers()
     );
     // A 65-token prompt: the grouped upload path, then decode steps on the host path.
     let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();

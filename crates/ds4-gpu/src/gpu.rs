@@ -123,6 +123,29 @@ fn par_copy(src: &[u8], dst: *mut u8) {
     });
 }
 
+/// Bytes `start .. start + len` of the concatenation of `srcs` to `dst` on the rayon pool, in
+/// pieces of at most 1 MiB (a few experts' slabs spread over every core).
+fn par_gather(srcs: &[&[u8]], start: usize, len: usize, dst: *mut u8) {
+    use rayon::prelude::*;
+    const PIECE: usize = 1 << 20;
+    let mut pieces: Vec<(usize, usize, usize)> = Vec::new(); // (source, its offset, dst offset)
+    let mut at = 0; // where source i starts in the concatenation
+    for (i, s) in srcs.iter().enumerate() {
+        let (a, b) = (start.max(at), (start + len).min(at + s.len()));
+        let mut o = a;
+        while o < b {
+            pieces.push((i, o - at, o - start));
+            o += PIECE.min(b - o);
+        }
+        at += s.len();
+    }
+    let dst = dst as usize;
+    pieces.par_iter().for_each(|&(i, so, d)| {
+        let n = PIECE.min(srcs[i].len() - so).min(len - d);
+        unsafe { std::ptr::copy_nonoverlapping(srcs[i][so..].as_ptr(), (dst + d) as *mut u8, n) }
+    });
+}
+
 struct Staging {
     bufs: [*mut u8; 2],
     done: [Event; 2],
@@ -413,14 +436,20 @@ impl Gpu {
     /// fill queued on `after` before the upload could land after the copy (a restored state
     /// differing under load: bench/results/gpu-lead-s13-h200.txt).
     pub fn upload_after(&self, dst: DevPtr, src: &[u8], after: Stream) -> Result<()> {
+        self.gather_after(dst, &[src], after)
+    }
+
+    /// [`Gpu::upload_after`] of the concatenation of `srcs` (routed experts' slabs gathered
+    /// into one stack: offload.rs).
+    pub fn gather_after(&self, dst: DevPtr, srcs: &[&[u8]], after: Stream) -> Result<()> {
         self.with_staging(|s| {
             self.rt.event_record(s.ready, after)?;
             if self.rt.stream_wait_event(s.stream, s.ready).is_err() {
                 self.rt.event_sync(s.ready)?;
-                self.queue_copies(s, dst, src, &mut |_| {})?;
+                self.queue_gather(s, dst, srcs)?;
                 return self.rt.stream_sync(s.stream);
             }
-            self.queue_copies(s, dst, src, &mut |_| {})?;
+            self.queue_gather(s, dst, srcs)?;
             // `ready` is re-recorded: a wait takes the event as it is when called.
             self.rt.event_record(s.ready, s.stream)?;
             self.rt.stream_wait_event(after, s.ready)
@@ -464,6 +493,26 @@ impl Gpu {
             }
             self.rt.event_record(s.done[k], s.stream)?;
             progress(i * STAGING_BYTES + chunk.len());
+        }
+        Ok(())
+    }
+
+    /// [`Gpu::queue_copies`] of the concatenation of `srcs`, a staging buffer at a time.
+    fn queue_gather(&self, s: &Staging, dst: DevPtr, srcs: &[&[u8]]) -> Result<()> {
+        let total: usize = srcs.iter().map(|x| x.len()).sum();
+        let mut start = 0;
+        let mut k = 0;
+        while start < total {
+            let len = (total - start).min(STAGING_BYTES);
+            self.rt.event_sync(s.done[k])?;
+            par_gather(srcs, start, len, s.bufs[k]);
+            unsafe {
+                self.rt
+                    .copy_h2d_async(dst.offset(start as u64), s.bufs[k], len, s.stream)?;
+            }
+            self.rt.event_record(s.done[k], s.stream)?;
+            start += len;
+            k ^= 1;
         }
         Ok(())
     }
@@ -1144,4 +1193,31 @@ fn chain(rt: &dyn Runtime) -> Result<(Stream, Event, Event)> {
 pub fn f32_bytes(v: &[f32]) -> &[u8] {
     // f32 has no padding or invalid bit patterns; x86-64 and aarch64 are little-endian.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every window of the concatenation, across source boundaries and 1 MiB pieces.
+    #[test]
+    fn par_gather_copies_windows_of_the_concatenation() {
+        let srcs: Vec<Vec<u8>> = [3usize, (1 << 20) + 7, 0, (2 << 20) + 1, 5]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (j * 31 + i * 7) as u8).collect())
+            .collect();
+        let refs: Vec<&[u8]> = srcs.iter().map(|v| v.as_slice()).collect();
+        let all: Vec<u8> = srcs.concat();
+        for (start, len) in [
+            (0, all.len()),
+            (0, 3),
+            (2, 5),
+            (3, 1 << 20),
+            ((1 << 20) + 9, (2 << 20) + 3),
+            (all.len() - 4, 4),
+        ] {
+            let mut out = vec![0xAAu8; len];
+            super::par_gather(&refs, start, len, out.as_mut_ptr());
+            assert!(out == all[start..start + len], "window {start} + {len}");
+        }
+    }
 }

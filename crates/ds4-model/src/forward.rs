@@ -117,7 +117,18 @@ pub struct Model<B: Backend> {
     /// Host-memory experts: prompt batches of at least `.0` tokens upload them `.1` at a time
     /// (`offload.rs`; unused when no layer keeps them on the host).
     host_batch: (usize, usize),
+    /// Host-memory experts of decode steps: gathered into device slots (`HostPlacement::gather`).
+    host_gather: bool,
+    /// Those slots (gate, up, down), made at the first such step for its stacks' types and
+    /// shapes, shared by every host layer (steps run one layer after another, and a gather is
+    /// ordered after the ops that read the previous one): [`offload::GATHER_MAX_TOKENS`] x
+    /// n_used experts a stack, ~170 MB of device memory in the q2 mix, ~340 MB in q4; within the
+    /// memory plan's allowance of one uploaded group (GROUP = 32 experts).
+    slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
 }
+
+/// Device slots for gathered host-memory experts: the stacks' (type, cols, rows) and weights.
+type Slots<W> = ([(ds4_backend::GgmlType, usize, usize); 3], Option<[W; 3]>);
 
 /// Logits per evaluated position, and (when asked) the final HC streams of the same
 /// positions.
@@ -803,6 +814,8 @@ impl<B: Backend> Model<B> {
             layers,
             mtp,
             host_batch: host.map_or((UPLOAD_MIN, GROUP), |h| (h.upload_min, h.group)),
+            host_gather: host.is_none_or(|h| h.gather),
+            slots: std::sync::Mutex::new(None),
         })
     }
 
@@ -1357,8 +1370,9 @@ impl<B: Backend> Model<B> {
         out
     }
 
-    /// Routed experts held in host memory (`offload.rs`): run on the host for small batches,
-    /// else the selected experts uploaded a group at a time and run on the backend.
+    /// Routed experts held in host memory (`offload.rs`): decode steps gather their selected
+    /// experts into device slots (`moe_gather`) where the backend has them; other small
+    /// batches run on the host; larger ones upload the selected experts a group at a time.
     #[allow(clippy::too_many_arguments)]
     fn moe_host(
         &self,
@@ -1374,6 +1388,9 @@ impl<B: Backend> Model<B> {
         let (k, d) = (spec.n_used, spec.d);
         // Host reads: a recorded decode step ends here (the rest of it runs eagerly).
         let s = b.download_i32(sel, n * k);
+        if let Some(out) = self.moe_gather(stacks, spec, z, &s, wgt, n) {
+            return out;
+        }
         let w = b.download(wgt, n * k);
         let (upload_min, group) = self.host_batch;
         if n < upload_min {
@@ -1405,6 +1422,81 @@ impl<B: Backend> Model<B> {
             b.add(&mut out, &part, n * d);
         }
         out
+    }
+
+    /// A decode step's host-memory experts on the backend: the experts that `sel` (host copy
+    /// `s`) names, gathered into the device slots in order of first use, then the backend's
+    /// MoE over those slots (the same kernels and sums as resident experts). None: not this
+    /// path (a larger batch, no slots on this backend, `DS4_HOST_EXPERTS_DECODE=host`).
+    fn moe_gather(
+        &self,
+        stacks: &[HostStack; 3],
+        spec: &MoeSpec,
+        z: &B::Buf,
+        s: &[i32],
+        wgt: &B::Buf,
+        n: usize,
+    ) -> Option<B::Buf> {
+        let b = &self.backend;
+        if !self.host_gather || n > offload::GATHER_MAX_TOKENS {
+            return None;
+        }
+        let cap = offload::GATHER_MAX_TOKENS * spec.n_used;
+        let key = stacks
+            .each_ref()
+            .map(|h| (h.ty, h.dims[0] as usize, h.dims[1] as usize));
+        let mut guard = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|(k, _)| *k != key) {
+            *guard = None; // the old slots go before the new ones are made
+            let make = |i: usize| {
+                let (ty, cols, rows) = key[i];
+                b.expert_slots(ty, cols, rows, cap)?.ok()
+            };
+            let slots = match (make(0), make(1), make(2)) {
+                (Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
+                _ => None, // no slots (CPU) or no room: the host path, from now on
+            };
+            *guard = Some((key, slots));
+        }
+        let slots = guard.as_ref()?.1.as_ref()?;
+        // Selections are this stack's experts (`moe_localize` points other ranks' slots at a
+        // held one); anything else goes to the host path, which says what is wrong.
+        if s.iter()
+            .any(|&e| e < 0 || e as usize >= stacks[0].experts())
+        {
+            return None;
+        }
+        // Local ids in order of first use.
+        let mut used: Vec<i32> = Vec::new();
+        let local: Vec<i32> = s
+            .iter()
+            .map(|&e| {
+                let i = used.iter().position(|&u| u == e).unwrap_or_else(|| {
+                    used.push(e);
+                    used.len() - 1
+                });
+                i as i32
+            })
+            .collect();
+        for (st, w) in stacks.iter().zip(slots) {
+            let (bytes, slab) = (&st.file.bytes()[st.offset..], st.slab());
+            let srcs: Vec<&[u8]> = used
+                .iter()
+                .map(|&e| &bytes[e as usize * slab..(e as usize + 1) * slab])
+                .collect();
+            b.gather_experts(w, &srcs);
+        }
+        let gspec = MoeSpec {
+            n_expert: cap,
+            ..*spec
+        };
+        let si = b.upload_i32(&local);
+        let mut out = b.alloc(n * spec.d);
+        b.moe_experts(
+            &gspec, &slots[0], &slots[1], &slots[2], z, &si, wgt, n, &mut out,
+        );
+        offload::GATHERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(out)
     }
 
     /// Output head (model.md §3.5) for `m` rows of streams `xs` (`[m, N, D]`).

@@ -2,10 +2,15 @@
 //! keeps every dense weight on the device and the routed-expert stacks of some layers in host
 //! memory (the file's mmap: no copy). The schedule then runs those layers' routed experts
 //!
-//! - on the host for small batches (decode steps): the router's selections and the MoE input
-//!   come back to the host, [`HostExperts::run`] computes `Backend::moe_experts`'s value there,
-//!   and the sum goes back up (a host read ends a recorded decode graph: the step's later
-//!   layers run eagerly);
+//! - for decode steps (at most [`GATHER_MAX_TOKENS`] tokens) on a GPU: the router's selections
+//!   come back to the host, the selected experts' slabs are copied into device slots
+//!   (`Backend::expert_slots` / `gather_experts`: ~43 MB a q2 layer over the bus, against
+//!   ~2.6 ms of 16 host cores' arithmetic) and the backend's MoE runs on them
+//!   (`DS4_HOST_EXPERTS_DECODE=host`: the next form instead);
+//! - on the host for other small batches: the router's selections and the MoE input come back
+//!   to the host, [`HostExperts::run`] computes `Backend::moe_experts`'s value there, and the
+//!   sum goes back up (a host read ends a recorded decode graph: the step's later layers run
+//!   eagerly);
 //! - on the device for prompt batches of at least [`HostPlacement::upload_min`] tokens: the
 //!   experts that the batch selects are uploaded [`HostPlacement::group`] at a time (each group
 //!   one stack slice, bound like an expert-parallel rank's part) and run there, their sums added.
@@ -129,7 +134,19 @@ pub struct HostPlacement<'a> {
     pub upload_min: usize,
     /// Experts uploaded (and run) at a time.
     pub group: usize,
+    /// Decode steps (at most [`GATHER_MAX_TOKENS`] tokens) upload the experts they select into
+    /// the backend's expert slots and run them there (`Backend::expert_slots`), where it has
+    /// them; else on the host (`DS4_HOST_EXPERTS_DECODE=host`).
+    pub gather: bool,
 }
+
+/// Tokens of the largest step whose host-memory experts are gathered onto the device (decode
+/// and speculative verify steps); larger batches below [`HostPlacement::upload_min`] run on the
+/// host. The slots hold this many tokens' selections.
+pub const GATHER_MAX_TOKENS: usize = 4;
+
+/// Steps whose host-memory experts were gathered onto the device (process-wide; tests).
+pub static GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// [`HostPlacement::upload_min`] unless `DS4_HOST_EXPERTS_UPLOAD_MIN` says otherwise.
 pub const UPLOAD_MIN: usize = 32;
@@ -152,6 +169,7 @@ impl HostPlacement<'_> {
             make,
             upload_min: env("DS4_HOST_EXPERTS_UPLOAD_MIN", UPLOAD_MIN),
             group: env("DS4_HOST_EXPERTS_GROUP", GROUP),
+            gather: !std::env::var("DS4_HOST_EXPERTS_DECODE").is_ok_and(|v| v == "host"),
         }
     }
 }

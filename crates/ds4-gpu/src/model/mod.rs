@@ -1589,6 +1589,62 @@ impl Backend for GpuBackend {
         })
     }
 
+    fn expert_slots(
+        &self,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        capacity: usize,
+    ) -> Option<std::result::Result<GpuWeight, String>> {
+        let Some(row_bytes) = ty.row_bytes(cols as u64) else {
+            return Some(Err(format!(
+                "{cols} columns do not fill whole {ty:?} blocks"
+            )));
+        };
+        let row_bytes = row_bytes as usize;
+        let buf = match self.dev(capacity * rows * row_bytes) {
+            Some(b) => b,
+            None => return Some(Err(self.check().unwrap_err())),
+        };
+        Some(Ok(GpuWeight::Mat {
+            f16i: None,
+            buf,
+            ty,
+            cols,
+            rows,
+            experts: capacity,
+            row_bytes,
+            dec: None,
+            dec_il: false,
+            bf: Default::default(),
+        }))
+    }
+
+    fn gather_experts(&self, slots: &GpuWeight, slabs: &[&[u8]]) {
+        let GpuWeight::Mat {
+            buf,
+            rows,
+            row_bytes,
+            experts,
+            ..
+        } = slots
+        else {
+            return;
+        };
+        let slab = rows * row_bytes;
+        if slabs.len() > *experts || slabs.iter().any(|s| s.len() != slab) {
+            self.note::<()>(Err(crate::error::GpuError::Invalid(format!(
+                "gather of {} experts into {experts} slots of {slab} bytes",
+                slabs.len()
+            ))));
+            return;
+        }
+        self.interrupt();
+        if !self.failed() {
+            self.note(self.gpu.gather_after(buf.ptr(), slabs, self.stream));
+        }
+    }
+
     fn vector(&self, src: &WeightSrc) -> std::result::Result<GpuWeight, String> {
         let mut v = vec![0f32; src.elems()];
         ds4_quant::dequantize_row(src.ty, src.bytes(), &mut v).map_err(|e| e.to_string())?;
