@@ -122,8 +122,9 @@ pub struct Model<B: Backend> {
     /// Those slots (gate, up, down), made at the first such step for its stacks' types and
     /// shapes, shared by every host layer (steps run one layer after another, and a gather is
     /// ordered after the ops that read the previous one): [`offload::GATHER_MAX_TOKENS`] x
-    /// n_used experts a stack, ~170 MB of device memory in the q2 mix, ~340 MB in q4; within the
-    /// memory plan's allowance of one uploaded group (GROUP = 32 experts).
+    /// n_used experts a stack, ~170 MB of device memory in the q2 mix, ~340 MB in q4. The memory
+    /// plan allows one uploaded group (GROUP = 32 experts) beside the weights: a prompt batch
+    /// that uploads groups drops the slots first (24 experts of the model fit in that room).
     slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
 }
 
@@ -1397,6 +1398,8 @@ impl<B: Backend> Model<B> {
             let zh = b.download(z, n * d);
             return b.upload(&run.run(spec, &zh, &s, &w, n));
         }
+        // The decode slots' room is the groups' (see `slots`).
+        *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut out = b.upload(&vec![0f32; n * d]);
         for (e0, count, gs, gw) in offload::groups(&s, &w, k, spec.n_expert, group) {
             let bind = |i: usize| stacks[i].with_src(e0, count, |src| b.matrix(src));
