@@ -111,6 +111,8 @@ struct Loaded {
 
 /// Bytes of each of the two pinned staging buffers used by [`Gpu::upload`].
 const STAGING_BYTES: usize = 64 << 20;
+/// Chunk of [`Gpu::gather_after`] (and so [`Gpu::upload_after`]), at most [`STAGING_BYTES`].
+const GATHER_CHUNK: usize = 8 << 20;
 
 /// Copy `src` into `dst` with all CPU threads (host → pinned staging is the slow half of an
 /// upload when done by one thread: ~10 GB/s against the bus's ~50).
@@ -124,10 +126,10 @@ fn par_copy(src: &[u8], dst: *mut u8) {
 }
 
 /// Bytes `start .. start + len` of the concatenation of `srcs` to `dst` on the rayon pool, in
-/// pieces of at most 1 MiB (a few experts' slabs spread over every core).
+/// pieces of at most 512 KiB (a staging chunk's share spread over the cores).
 fn par_gather(srcs: &[&[u8]], start: usize, len: usize, dst: *mut u8) {
     use rayon::prelude::*;
-    const PIECE: usize = 1 << 20;
+    const PIECE: usize = 512 << 10;
     let mut pieces: Vec<(usize, usize, usize)> = Vec::new(); // (source, its offset, dst offset)
     let mut at = 0; // where source i starts in the concatenation
     for (i, s) in srcs.iter().enumerate() {
@@ -497,13 +499,15 @@ impl Gpu {
         Ok(())
     }
 
-    /// [`Gpu::queue_copies`] of the concatenation of `srcs`, a staging buffer at a time.
+    /// [`Gpu::queue_copies`] of the concatenation of `srcs` in chunks of [`GATHER_CHUNK`]: the
+    /// host fills one staging buffer while the other's copy runs, so a few tens of MB (a decode
+    /// step's experts) take about the longer of the two, not their sum.
     fn queue_gather(&self, s: &Staging, dst: DevPtr, srcs: &[&[u8]]) -> Result<()> {
         let total: usize = srcs.iter().map(|x| x.len()).sum();
         let mut start = 0;
         let mut k = 0;
         while start < total {
-            let len = (total - start).min(STAGING_BYTES);
+            let len = (total - start).min(GATHER_CHUNK);
             self.rt.event_sync(s.done[k])?;
             par_gather(srcs, start, len, s.bufs[k]);
             unsafe {
