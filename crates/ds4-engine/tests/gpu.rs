@@ -84,53 +84,59 @@ fn gpu_engine_matches_cpu_reference() {
 
 /// Routed experts in host memory (`--cpu-experts all`, `ds4_model::offload`): every layer's
 /// experts run on the CPU for the 13-token prompt, are uploaded a group at a time for a
-/// 65-token prompt (>= 32 tokens), and for decode steps the selected ones are gathered into
-/// device slots and run there (counted). Greedy tokens and logits as the CPU reference's,
-/// within the one-GPU bound.
+/// 65-token prompt (>= 32 tokens), and decode steps run them on the CPU (the default) or, with
+/// the opt-in gather, gather the selected ones into device slots and run them there (counted).
+/// Greedy tokens and logits as the CPU reference's, within the one-GPU bound, both ways.
 #[test]
 fn gpu_host_experts_match_cpu_reference() {
     let _serial = serial();
     let Some(_) = gpu() else { return };
-    let g = open_with(BackendChoice::Auto, |o| {
-        o.cpu_experts = ds4_engine::CpuExperts::Last(usize::MAX)
-    })
-    .unwrap();
-    println!("GPU backend: {}", g.backend_name());
-    assert!(
-        g.backend_name()
-            .contains("routed experts of 6 of 6 layers in host memory"),
-        "{}",
-        g.backend_name()
-    );
     let c = open(BackendChoice::Cpu).unwrap();
     let gathers = || ds4_model::offload::GATHERS.load(std::sync::atomic::Ordering::Relaxed);
-    let before = gathers();
-    same_greedy(
-        &c,
-        &g,
-        "host experts on the GPU (13-token prompt) vs the CPU",
-    );
-    assert!(
-        gathers() >= before + 6,
-        "decode steps did not gather their host experts: {} -> {}",
-        before,
-        gathers()
-    );
-    // A 65-token prompt: the grouped upload path, then decode steps on the host path.
-    let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();
-    let run = |e: &Engine| {
-        let mut s = e.new_session(512);
-        s.sync(&long, &mut |_, _| {}).unwrap();
-        let mut out = vec![s.logits().unwrap().to_vec()];
-        for _ in 0..8 {
-            let t = argmax(out.last().unwrap());
-            out.push(s.eval(t).unwrap().to_vec());
-        }
-        out
-    };
-    let worst = max_abs_rows(&run(&g), &run(&c));
-    println!("host experts, 65-token prompt (grouped upload) + 8 steps: max |Δ logit| {worst:.3e}");
-    assert!(worst < 1e-3, "logits differ by {worst}");
+    for gather in [false, true] {
+        ds4_model::offload::set_gather(gather);
+        let g = open_with(BackendChoice::Auto, |o| {
+            o.cpu_experts = ds4_engine::CpuExperts::Last(usize::MAX)
+        })
+        .unwrap();
+        ds4_model::offload::set_gather(false);
+        println!("GPU backend: {} (gather {gather})", g.backend_name());
+        assert!(
+            g.backend_name()
+                .contains("routed experts of 6 of 6 layers in host memory"),
+            "{}",
+            g.backend_name()
+        );
+        let before = gathers();
+        same_greedy(
+            &c,
+            &g,
+            &format!("host experts on the GPU (13-token prompt, gather {gather}) vs the CPU"),
+        );
+        let n = gathers() - before;
+        assert!(
+            if gather { n >= 6 } else { n == 0 },
+            "gather {gather}: {n} decode steps gathered their host experts"
+        );
+        // A 65-token prompt: the grouped upload path, then decode steps.
+        let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();
+        let run = |e: &Engine| {
+            let mut s = e.new_session(512);
+            s.sync(&long, &mut |_, _| {}).unwrap();
+            let mut out = vec![s.logits().unwrap().to_vec()];
+            for _ in 0..8 {
+                let t = argmax(out.last().unwrap());
+                out.push(s.eval(t).unwrap().to_vec());
+            }
+            out
+        };
+        let worst = max_abs_rows(&run(&g), &run(&c));
+        println!(
+            "host experts, 65-token prompt (grouped upload) + 8 steps, gather {gather}: max |Δ \
+             logit| {worst:.3e}"
+        );
+        assert!(worst < 1e-3, "logits differ by {worst}");
+    }
 }
 
 /// `--precision fast` (one f16 product per prefill product): the prompt's logits stay close to

@@ -2,11 +2,10 @@
 //! keeps every dense weight on the device and the routed-expert stacks of some layers in host
 //! memory (the file's mmap: no copy). The schedule then runs those layers' routed experts
 //!
-//! - for decode steps (at most [`GATHER_MAX_TOKENS`] tokens) on a GPU: the router's selections
-//!   come back to the host, the selected experts' slabs are copied into device slots
-//!   (`Backend::expert_slots` / `gather_experts`: ~43 MB a q2 layer over the bus, against
-//!   ~2.6 ms of 16 host cores' arithmetic) and the backend's MoE runs on them
-//!   (`DS4_HOST_EXPERTS_DECODE=host`: the next form instead);
+//! - opt-in ([`gather_wanted`]), for decode steps (at most [`GATHER_MAX_TOKENS`] tokens) on a
+//!   GPU: the router's selections come back to the host, the selected experts' slabs are
+//!   copied into device slots (`Backend::expert_slots` / `gather_experts`: ~43 MB a q2 layer
+//!   over the bus) and the backend's MoE runs on them;
 //! - on the host for other small batches: the router's selections and the MoE input come back
 //!   to the host, [`HostExperts::run`] computes `Backend::moe_experts`'s value there, and the
 //!   sum goes back up (a host read ends a recorded decode graph: the step's later layers run
@@ -136,8 +135,30 @@ pub struct HostPlacement<'a> {
     pub group: usize,
     /// Decode steps (at most [`GATHER_MAX_TOKENS`] tokens) upload the experts they select into
     /// the backend's expert slots and run them there (`Backend::expert_slots`), where it has
-    /// them; else on the host (`DS4_HOST_EXPERTS_DECODE=host`).
+    /// them; else on the host ([`gather_wanted`]).
     pub gather: bool,
+}
+
+/// [`set_gather`]'s override: 0 none, 1 on, 2 off.
+static GATHER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether decode steps gather their host-memory experts onto the device
+/// (`DS4_HOST_EXPERTS_DECODE=gpu`, or [`set_gather`]). Off by default: on an H100 with 16
+/// host cores a gathered q2 layer cost ~2.6 ms a token against ~1.9 ms on the host's cores
+/// (decode with 8 layers on the host 35.6 against 38.8 tokens/s, with 4 57.1 against 55.1;
+/// bench/results/gpu-s43-h100.txt runs D-E): the slabs pass through pinned staging by the
+/// host's memcpy before the bus.
+pub fn gather_wanted() -> bool {
+    match GATHER.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => std::env::var("DS4_HOST_EXPERTS_DECODE").is_ok_and(|v| v == "gpu"),
+    }
+}
+
+/// Overrides `DS4_HOST_EXPERTS_DECODE` for engines opened from now on (tests, A/B benchmarks).
+pub fn set_gather(on: bool) {
+    GATHER.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Tokens of the largest step whose host-memory experts are gathered onto the device (decode
@@ -169,7 +190,7 @@ impl HostPlacement<'_> {
             make,
             upload_min: env("DS4_HOST_EXPERTS_UPLOAD_MIN", UPLOAD_MIN),
             group: env("DS4_HOST_EXPERTS_GROUP", GROUP),
-            gather: !std::env::var("DS4_HOST_EXPERTS_DECODE").is_ok_and(|v| v == "host"),
+            gather: gather_wanted(),
         }
     }
 }
