@@ -317,6 +317,13 @@ pub trait Backend: Send + Sync + Sized {
         None
     }
 
+    /// Page-locks host memory that [`Backend::gather_experts`] will copy from (the host-memory
+    /// experts' stacks; it must outlive the backend), so that the copies need no staging.
+    /// Returns the bytes locked (0: not done, the copies are staged).
+    fn register_host(&self, _ranges: &[&[u8]]) -> u64 {
+        0
+    }
+
     /// Copies `slabs` (one expert's bytes each, in order) into the first `slabs.len()` experts
     /// of `slots` ([`Backend::expert_slots`]), after the ops issued so far (they may still read
     /// the previous contents) and before the ops issued next.

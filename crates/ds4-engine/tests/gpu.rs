@@ -108,6 +108,7 @@ fn gpu_host_experts_match_cpu_reference() {
             g.backend_name()
         );
         let before = gathers();
+        let direct = ds4_gpu::DIRECT_GATHERS.load(std::sync::atomic::Ordering::Relaxed);
         same_greedy(
             &c,
             &g,
@@ -117,6 +118,13 @@ fn gpu_host_experts_match_cpu_reference() {
         assert!(
             if gather { n >= 6 } else { n == 0 },
             "gather {gather}: {n} decode steps gathered their host experts"
+        );
+        // The gathers copy from the page-locked stacks (3 copies a gathered step).
+        let d = ds4_gpu::DIRECT_GATHERS.load(std::sync::atomic::Ordering::Relaxed) - direct;
+        assert_eq!(
+            d,
+            3 * n,
+            "gather {gather}: {d} direct copies for {n} gathered steps"
         );
         // A 65-token prompt: the grouped upload path, then decode steps.
         let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();

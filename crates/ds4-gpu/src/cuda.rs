@@ -52,6 +52,8 @@ struct Api {
     cuMemFree: unsafe extern "C" fn(u64) -> R,
     cuMemHostAlloc: unsafe extern "C" fn(*mut Ptr, usize, c_uint) -> R,
     cuMemFreeHost: unsafe extern "C" fn(Ptr) -> R,
+    cuMemHostRegister: unsafe extern "C" fn(Ptr, usize, c_uint) -> R,
+    cuMemHostUnregister: unsafe extern "C" fn(Ptr) -> R,
     cuMemcpyHtoDAsync: unsafe extern "C" fn(u64, *const c_void, usize, Ptr) -> R,
     cuMemcpyDtoHAsync: unsafe extern "C" fn(*mut c_void, u64, usize, Ptr) -> R,
     cuMemcpyDtoDAsync: unsafe extern "C" fn(u64, u64, usize, Ptr) -> R,
@@ -195,6 +197,10 @@ const ATTR_MAX_SHARED_PER_BLOCK_OPTIN: c_int = 97;
 const CUDA_ERROR_NOT_FOUND: c_int = 500;
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
 const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+/// cuMemHostRegister flags: every context may use it; the device only reads it (what a
+/// read-only file mapping needs).
+const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
+const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 8;
 const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 const CU_GRAPH_NODE_TYPE_KERNEL: c_int = 0;
 
@@ -252,6 +258,8 @@ impl Api {
                 cuMemFree: lib.sym("cuMemFree_v2")?,
                 cuMemHostAlloc: lib.sym("cuMemHostAlloc")?,
                 cuMemFreeHost: lib.sym("cuMemFreeHost")?,
+                cuMemHostRegister: lib.sym("cuMemHostRegister_v2")?,
+                cuMemHostUnregister: lib.sym("cuMemHostUnregister")?,
                 cuMemcpyHtoDAsync: lib.sym("cuMemcpyHtoDAsync_v2")?,
                 cuMemcpyDtoHAsync: lib.sym("cuMemcpyDtoHAsync_v2")?,
                 cuMemcpyDtoDAsync: lib.sym("cuMemcpyDtoDAsync_v2")?,
@@ -825,6 +833,21 @@ impl Runtime for CudaRuntime {
     unsafe fn free_pinned(&self, h: *mut u8) -> Result<()> {
         self.cur()?;
         call!(self, cuMemFreeHost(h as Ptr))
+    }
+    unsafe fn host_register(&self, p: *const u8, bytes: usize) -> Result<()> {
+        self.cur()?;
+        call!(
+            self,
+            cuMemHostRegister(
+                p as Ptr,
+                bytes,
+                CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY
+            )
+        )
+    }
+    unsafe fn host_unregister(&self, p: *const u8) -> Result<()> {
+        self.cur()?;
+        call!(self, cuMemHostUnregister(p as Ptr))
     }
     unsafe fn copy_h2d_async(
         &self,

@@ -166,7 +166,17 @@ pub struct Gpu {
     cache: Option<PathBuf>,
     /// How each module was obtained the first time (for logs and tests).
     origins: Mutex<Vec<(&'static str, Origin)>>,
+    /// Host ranges page-locked by [`Gpu::register_host`] (start, end; page-aligned, disjoint),
+    /// unregistered when the Gpu is dropped.
+    registered: Mutex<Vec<(usize, usize)>>,
 }
+
+/// Host page size assumed by [`Gpu::register_host`] (ranges are widened to whole pages; a
+/// larger real page only makes a registration fail, and the gathers then go through staging).
+const HOST_PAGE: usize = 4096;
+
+/// Gathers that copied straight from registered host memory (process-wide; tests).
+pub static DIRECT_GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// How a matrix-vector product is cut: `splits` CTAs along K, each over `cps` chunks of 32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,7 +251,55 @@ impl Gpu {
             staging: Mutex::new(None),
             cache: cache_dir(),
             origins: Mutex::new(Vec::new()),
+            registered: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Page-locks `ranges` of host memory (widened to whole pages, merged; parts already
+    /// registered are skipped) so that [`Gpu::gather_after`] copies from them by DMA with no
+    /// staging memcpy. Returns the bytes registered; stops at the first failure (the driver's
+    /// error: pinned-memory limits, a mapping it cannot lock).
+    pub fn register_host(&self, ranges: &[&[u8]]) -> Result<usize> {
+        let mut v: Vec<(usize, usize)> = ranges
+            .iter()
+            .filter(|r| !r.is_empty())
+            .map(|r| {
+                let a = r.as_ptr() as usize;
+                (
+                    a / HOST_PAGE * HOST_PAGE,
+                    (a + r.len()).div_ceil(HOST_PAGE) * HOST_PAGE,
+                )
+            })
+            .collect();
+        v.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::new();
+        for (a, b) in v {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        let mut reg = self.registered.lock().unwrap();
+        let mut bytes = 0;
+        for (a, b) in merged {
+            if reg.iter().any(|&(x, y)| a < y && x < b) {
+                continue; // overlaps a registered range: the driver would refuse it
+            }
+            unsafe { self.rt.host_register(a as *const u8, b - a)? };
+            reg.push((a, b));
+            bytes += b - a;
+        }
+        Ok(bytes)
+    }
+
+    /// Whether `src` lies inside one registered range.
+    fn registered(&self, src: &[u8]) -> bool {
+        let (a, b) = (src.as_ptr() as usize, src.as_ptr() as usize + src.len());
+        self.registered
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|&(x, y)| x <= a && b <= y)
     }
 
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
@@ -438,12 +496,30 @@ impl Gpu {
     /// fill queued on `after` before the upload could land after the copy (a restored state
     /// differing under load: bench/results/gpu-lead-s13-h200.txt).
     pub fn upload_after(&self, dst: DevPtr, src: &[u8], after: Stream) -> Result<()> {
-        self.gather_after(dst, &[src], after)
+        self.staged_after(dst, &[src], after)
     }
 
     /// [`Gpu::upload_after`] of the concatenation of `srcs` (routed experts' slabs gathered
-    /// into one stack: offload.rs).
+    /// into one stack: offload.rs). Sources all in registered memory ([`Gpu::register_host`])
+    /// are copied by DMA on `after` itself, in its order, with no staging.
     pub fn gather_after(&self, dst: DevPtr, srcs: &[&[u8]], after: Stream) -> Result<()> {
+        if !srcs.is_empty() && srcs.iter().all(|s| self.registered(s)) {
+            let mut at = 0u64;
+            for s in srcs {
+                unsafe {
+                    self.rt
+                        .copy_h2d_async(dst.offset(at), s.as_ptr(), s.len(), after)?
+                };
+                at += s.len() as u64;
+            }
+            DIRECT_GATHERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(());
+        }
+        self.staged_after(dst, srcs, after)
+    }
+
+    /// [`Gpu::gather_after`] through the pinned staging buffers.
+    fn staged_after(&self, dst: DevPtr, srcs: &[&[u8]], after: Stream) -> Result<()> {
         self.with_staging(|s| {
             self.rt.event_record(s.ready, after)?;
             if self.rt.stream_wait_event(s.stream, s.ready).is_err() {
@@ -785,6 +861,9 @@ impl Gpu {
 impl Drop for Gpu {
     fn drop(&mut self) {
         let _ = self.rt.synchronize();
+        for (a, _) in self.registered.lock().unwrap().drain(..) {
+            let _ = unsafe { self.rt.host_unregister(a as *const u8) };
+        }
         if let Some(s) = self.staging.lock().unwrap().take() {
             unsafe {
                 let _ = self.rt.free_pinned(s.bufs[0]);

@@ -50,6 +50,8 @@ struct Api {
     hipFree: unsafe extern "C" fn(Ptr) -> R,
     hipHostMalloc: unsafe extern "C" fn(*mut Ptr, usize, c_uint) -> R,
     hipHostFree: unsafe extern "C" fn(Ptr) -> R,
+    hipHostRegister: unsafe extern "C" fn(Ptr, usize, c_uint) -> R,
+    hipHostUnregister: unsafe extern "C" fn(Ptr) -> R,
     hipMemcpyHtoDAsync: unsafe extern "C" fn(Ptr, Ptr, usize, Ptr) -> R,
     hipMemcpyDtoHAsync: unsafe extern "C" fn(Ptr, Ptr, usize, Ptr) -> R,
     hipMemcpyDtoDAsync: unsafe extern "C" fn(Ptr, Ptr, usize, Ptr) -> R,
@@ -123,6 +125,9 @@ const ATTR_WARP_SIZE: c_int = 87;
 const HIP_ERROR_NOT_FOUND: c_int = 500;
 const HIP_STREAM_NON_BLOCKING: c_uint = 1;
 const HIP_HOST_MALLOC_PORTABLE: c_uint = 1;
+/// hipHostRegister flags: portable, read-only for the device (as CUDA's).
+const HIP_HOST_REGISTER_PORTABLE: c_uint = 1;
+const HIP_HOST_REGISTER_READ_ONLY: c_uint = 8;
 const HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 const HIP_GRAPH_NODE_TYPE_KERNEL: c_int = 0;
 
@@ -164,6 +169,8 @@ impl Api {
                 hipFree: lib.sym("hipFree")?,
                 hipHostMalloc: lib.sym("hipHostMalloc")?,
                 hipHostFree: lib.sym("hipHostFree")?,
+                hipHostRegister: lib.sym("hipHostRegister")?,
+                hipHostUnregister: lib.sym("hipHostUnregister")?,
                 hipMemcpyHtoDAsync: lib.sym("hipMemcpyHtoDAsync")?,
                 hipMemcpyDtoHAsync: lib.sym("hipMemcpyDtoHAsync")?,
                 hipMemcpyDtoDAsync: lib.sym("hipMemcpyDtoDAsync")?,
@@ -578,6 +585,21 @@ impl Runtime for HipRuntime {
     unsafe fn free_pinned(&self, h: *mut u8) -> Result<()> {
         self.cur()?;
         call!(self, hipHostFree(h as Ptr))
+    }
+    unsafe fn host_register(&self, p: *const u8, bytes: usize) -> Result<()> {
+        self.cur()?;
+        call!(
+            self,
+            hipHostRegister(
+                p as Ptr,
+                bytes,
+                HIP_HOST_REGISTER_PORTABLE | HIP_HOST_REGISTER_READ_ONLY
+            )
+        )
+    }
+    unsafe fn host_unregister(&self, p: *const u8) -> Result<()> {
+        self.cur()?;
+        call!(self, hipHostUnregister(p as Ptr))
     }
     unsafe fn copy_h2d_async(
         &self,

@@ -290,6 +290,15 @@ pub trait Runtime: Send + Sync {
     /// # Safety
     /// `p` must come from [`Runtime::alloc_pinned`] of this runtime and not be used afterwards.
     unsafe fn free_pinned(&self, p: *mut u8) -> Result<()>;
+    /// Page-lock `bytes` host bytes at `p` (page-aligned) for the device to read by DMA
+    /// (read-only: a file's mapping may be registered).
+    ///
+    /// # Safety
+    /// The range must stay mapped until [`Runtime::host_unregister`] of `p`.
+    unsafe fn host_register(&self, p: *const u8, bytes: usize) -> Result<()>;
+    /// # Safety
+    /// `p` must be the start of a range registered by [`Runtime::host_register`].
+    unsafe fn host_unregister(&self, p: *const u8) -> Result<()>;
     /// Queue a copy of `bytes` bytes from host `src` to `dst`.
     ///
     /// # Safety

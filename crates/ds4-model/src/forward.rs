@@ -105,6 +105,8 @@ struct Mtp<W> {
 pub struct Model<B: Backend> {
     pub hp: HParams,
     pub rounding: Rounding,
+    /// Declared before `layers`, so dropped first: a GPU backend unlocks the host-memory
+    /// experts' pages (`Backend::register_host`) before their stacks' memory goes.
     pub backend: B,
     /// Which routed experts this model holds (expert parallelism; `Shard::ONE`: all).
     pub shard: Shard,
@@ -795,6 +797,18 @@ impl<B: Backend> Model<B> {
         } else {
             None
         };
+        if host.is_some_and(|h| h.gather) {
+            // The gathers' sources, page-locked where the backend can (DMA, no staging).
+            let ranges: Vec<&[u8]> = (layers.iter())
+                .filter_map(|l| match &l.experts {
+                    Experts::Host { stacks, .. } => Some(stacks.iter()),
+                    Experts::Here { .. } => None,
+                })
+                .flatten()
+                .map(|st| &st.file.bytes()[st.offset..st.offset + st.n_bytes])
+                .collect();
+            backend.register_host(&ranges);
+        }
         let embd = b.m("token_embd.weight")?;
         let out_hc = Hc {
             mixer: b.m("output_hc_fn.weight")?,

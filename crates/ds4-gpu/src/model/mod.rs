@@ -1620,6 +1620,19 @@ impl Backend for GpuBackend {
         }))
     }
 
+    fn register_host(&self, ranges: &[&[u8]]) -> u64 {
+        match self.gpu.register_host(ranges) {
+            Ok(b) => b as u64,
+            Err(e) => {
+                eprintln!(
+                    "ds4: host-memory experts not page-locked ({e}): decode steps copy them \
+                     through staging"
+                );
+                0
+            }
+        }
+    }
+
     fn gather_experts(&self, slots: &GpuWeight, slabs: &[&[u8]]) {
         let GpuWeight::Mat {
             buf,
