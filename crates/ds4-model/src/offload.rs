@@ -146,8 +146,9 @@ static GATHER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0)
 /// (`DS4_HOST_EXPERTS_DECODE=gpu`, or [`set_gather`]). Off by default: on an H100 with 16
 /// host cores a gathered q2 layer cost ~2.6 ms a token against ~1.9 ms on the host's cores
 /// (decode with 8 layers on the host 35.6 against 38.8 tokens/s, with 4 57.1 against 55.1;
-/// bench/results/gpu-s43-h100.txt runs D-E): the slabs pass through pinned staging by the
-/// host's memcpy before the bus.
+/// bench/results/gpu-s43-h100.txt runs D-E), when the slabs passed through pinned staging by
+/// the host's memcpy before the bus. With the gather on, the stacks are now page-locked at load
+/// (`Backend::register_host`) and copied by DMA: not yet measured.
 pub fn gather_wanted() -> bool {
     match GATHER.load(std::sync::atomic::Ordering::Relaxed) {
         1 => true,
