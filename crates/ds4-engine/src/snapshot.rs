@@ -34,15 +34,19 @@ fn put_u32(b: &mut Vec<u8>, v: u32) {
     b.extend_from_slice(&v.to_le_bytes());
 }
 
-/// Appends `v` little-endian. Element by element into a sized slice, which compiles to a
-/// plain copy: a long context's checkpoint is hundreds of MiB (`extend_from_slice` per value
-/// took ~1 ns each).
-fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
+/// Appends `v` as `N`-byte little-endian values. Element by element into a sized slice, which
+/// compiles to a plain copy: a long context's checkpoint is hundreds of MiB (`extend_from_slice`
+/// per value took ~1 ns each).
+fn put_le<T: Copy, const N: usize>(b: &mut Vec<u8>, v: &[T], le: impl Fn(T) -> [u8; N]) {
     let at = b.len();
-    b.resize(at + v.len() * 4, 0);
-    for (d, x) in b[at..].chunks_exact_mut(4).zip(v) {
-        d.copy_from_slice(&x.to_le_bytes());
+    b.resize(at + v.len() * N, 0);
+    for (d, &x) in b[at..].chunks_exact_mut(N).zip(v) {
+        d.copy_from_slice(&le(x));
     }
+}
+
+fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
+    put_le(b, v, f32::to_le_bytes);
 }
 
 /// `v` as f16 when every value comes back from f16 with the same bits, else None.
@@ -67,11 +71,7 @@ fn put_rows(b: &mut Vec<u8>, v: &[f32]) {
     match exact_f16(v) {
         Some(h) => {
             put_u32(b, ENC_F16);
-            let at = b.len();
-            b.resize(at + h.len() * 2, 0);
-            for (d, x) in b[at..].chunks_exact_mut(2).zip(&h) {
-                d.copy_from_slice(&x.to_le_bytes());
-            }
+            put_le(b, &h, half::f16::to_le_bytes);
         }
         None => {
             put_u32(b, ENC_F32);

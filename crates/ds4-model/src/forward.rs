@@ -829,7 +829,7 @@ impl<B: Backend> Model<B> {
             layers,
             mtp,
             host_batch: host.map_or((UPLOAD_MIN, GROUP), |h| (h.upload_min, h.group)),
-            host_gather: host.is_none_or(|h| h.gather),
+            host_gather: host.is_some_and(|h| h.gather),
             slots: std::sync::Mutex::new(None),
         })
     }
@@ -1444,7 +1444,8 @@ impl<B: Backend> Model<B> {
     /// A decode step's host-memory experts on the backend: the experts that `sel` (host copy
     /// `s`) names, gathered into the device slots in order of first use, then the backend's
     /// MoE over those slots (the same kernels and sums as resident experts). None: not this
-    /// path (a larger batch, no slots on this backend, `DS4_HOST_EXPERTS_DECODE=host`).
+    /// path (the gather off, the default: `offload::gather_wanted`; a larger batch; no slots on
+    /// this backend).
     fn moe_gather(
         &self,
         stacks: &[HostStack; 3],
