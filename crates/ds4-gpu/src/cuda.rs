@@ -836,14 +836,16 @@ impl Runtime for CudaRuntime {
     }
     unsafe fn host_register(&self, p: *const u8, bytes: usize) -> Result<()> {
         self.cur()?;
-        call!(
-            self,
-            cuMemHostRegister(
-                p as Ptr,
-                bytes,
-                CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY
+        // Read-only first (a file's read-only mapping needs it); a device without read-only
+        // registration (CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) refuses the
+        // flag, and writable memory registers without it.
+        let ro = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY;
+        call!(self, cuMemHostRegister(p as Ptr, bytes, ro)).or_else(|_| {
+            call!(
+                self,
+                cuMemHostRegister(p as Ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE)
             )
-        )
+        })
     }
     unsafe fn host_unregister(&self, p: *const u8) -> Result<()> {
         self.cur()?;

@@ -588,14 +588,14 @@ impl Runtime for HipRuntime {
     }
     unsafe fn host_register(&self, p: *const u8, bytes: usize) -> Result<()> {
         self.cur()?;
-        call!(
-            self,
-            hipHostRegister(
-                p as Ptr,
-                bytes,
-                HIP_HOST_REGISTER_PORTABLE | HIP_HOST_REGISTER_READ_ONLY
+        // Read-only first (as CUDA's), then plain for a runtime that refuses the flag.
+        let ro = HIP_HOST_REGISTER_PORTABLE | HIP_HOST_REGISTER_READ_ONLY;
+        call!(self, hipHostRegister(p as Ptr, bytes, ro)).or_else(|_| {
+            call!(
+                self,
+                hipHostRegister(p as Ptr, bytes, HIP_HOST_REGISTER_PORTABLE)
             )
-        )
+        })
     }
     unsafe fn host_unregister(&self, p: *const u8) -> Result<()> {
         self.cur()?;
