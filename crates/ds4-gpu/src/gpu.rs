@@ -621,33 +621,22 @@ impl Gpu {
 
     /// Copy device bytes to the host after all queued work on the device (synchronises).
     pub fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
-        self.rt.synchronize()?;
-        self.with_staging(|s| {
-            for (i, chunk) in dst.chunks_mut(STAGING_BYTES).enumerate() {
-                unsafe {
-                    self.rt.copy_d2h_async(
-                        s.bufs[0],
-                        src.offset((i * STAGING_BYTES) as u64),
-                        chunk.len(),
-                        s.stream,
-                    )?;
-                }
-                self.rt.stream_sync(s.stream)?;
-                unsafe {
-                    std::ptr::copy_nonoverlapping(s.bufs[0], chunk.as_mut_ptr(), chunk.len())
-                };
-            }
-            Ok(())
+        let mut at = 0;
+        self.download_with(src, dst.len(), |c| {
+            dst[at..at + c.len()].copy_from_slice(c);
+            at += c.len();
         })
     }
 
     pub fn download_f32(&self, src: DevPtr, n: usize) -> Result<Vec<f32>> {
-        let mut bytes = vec![0u8; n * 4];
-        self.download(src, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        let mut out = Vec::with_capacity(n);
+        self.download_with(src, n * 4, |c| {
+            out.extend(
+                c.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            )
+        })?;
+        Ok(out)
     }
 
     /// How [`Gpu::matvec`] cuts `rows × cols`: split K until the grid has about two CTAs per

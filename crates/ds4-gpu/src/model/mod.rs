@@ -1384,24 +1384,6 @@ impl GpuBackend {
         PREFETCHES.load(Ordering::Relaxed)
     }
 
-    /// A prefetch kernel of `elementwise.cu` (`blocks` CTAs of 128 threads). In a step's graph
-    /// it runs off the main chain (FLOW_HINT): in the main chain the next kernel's PDL wait held
-    /// it until its grid was done (session 42: decode -14%).
-    fn hint_run(&self, name: &str, blocks: u32, args: &[Arg]) {
-        PREFETCHES.fetch_add(1, Ordering::Relaxed);
-        if self.recording.load(Ordering::Acquire) {
-            let mut g = self.graph.lock().unwrap();
-            g.hint = g.branch;
-        }
-        self.run(
-            &ds4_kernels::ELEMENTWISE,
-            name,
-            LaunchDims::linear(blocks, 128),
-            args,
-        );
-        self.graph.lock().unwrap().hint = false; // also where nothing was recorded
-    }
-
     /// `copy_list` launches so far in this process (tests: a checkpoint is one launch).
     pub fn copy_list_launches() -> u64 {
         COPY_LISTS.load(Ordering::Relaxed)
@@ -1468,7 +1450,20 @@ impl Backend for GpuBackend {
             }
         }
         let blocks = chunks.div_ceil(128).min(65535) as u32; // one 4 KiB chunk a thread
-        self.hint_run("prefetch_l2", blocks, &args);
+        PREFETCHES.fetch_add(1, Ordering::Relaxed);
+        // In a step's graph, off the main chain (FLOW_HINT): in the main chain the next
+        // kernel's PDL wait held it until its grid was done (session 42: decode -14%).
+        if self.recording.load(Ordering::Acquire) {
+            let mut g = self.graph.lock().unwrap();
+            g.hint = g.branch;
+        }
+        self.run(
+            &ds4_kernels::ELEMENTWISE,
+            "prefetch_l2",
+            LaunchDims::linear(blocks, 128),
+            &args,
+        );
+        self.graph.lock().unwrap().hint = false; // also where nothing was recorded
     }
 
     fn prefill_chunk(&self) -> usize {
