@@ -807,7 +807,14 @@ impl<B: Backend> Model<B> {
                 .flatten()
                 .map(|st| &st.file.bytes()[st.offset..st.offset + st.n_bytes])
                 .collect();
-            backend.register_host(&ranges);
+            let locked = backend.register_host(&ranges);
+            if locked > 0 {
+                eprintln!(
+                    "ds4: {:.1} GiB of host-memory experts page-locked: decode steps copy the \
+                     selected ones to the GPU by DMA",
+                    locked as f64 / (1u64 << 30) as f64
+                );
+            }
         }
         let embd = b.m("token_embd.weight")?;
         let out_hc = Hc {
