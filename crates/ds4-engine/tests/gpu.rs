@@ -10,6 +10,7 @@ mod common;
 
 use common::{max_abs, max_abs_rows, PROMPT};
 use ds4_engine::{argmax, BackendChoice, Engine, EngineOptions};
+use ds4_model::offload::Gather;
 use std::sync::{Mutex, MutexGuard};
 
 /// One test at a time (held for the whole test): the engines share the device's context, and
@@ -84,22 +85,26 @@ fn gpu_engine_matches_cpu_reference() {
 
 /// Routed experts in host memory (`--cpu-experts all`, `ds4_model::offload`): every layer's
 /// experts run on the CPU for the 13-token prompt, are uploaded a group at a time for a
-/// 65-token prompt (>= 32 tokens), and decode steps run them on the CPU (the default) or, with
-/// the opt-in gather, gather the selected ones into device slots and run them there (counted).
-/// Greedy tokens and logits as the CPU reference's, within the one-GPU bound, both ways.
+/// 65-token prompt (>= 32 tokens), and decode steps run them on the CPU
+/// (`DS4_HOST_EXPERTS_DECODE=host`) or, by default, gather the selected ones by DMA from the
+/// page-locked stacks into device slots and run them there (counted). Greedy tokens and logits
+/// as the CPU reference's, within the one-GPU bound, both ways; page-locked stacks also make
+/// the prompt's grouped uploads direct copies.
 #[test]
 fn gpu_host_experts_match_cpu_reference() {
     let _serial = serial();
     let Some(_) = gpu() else { return };
     let c = open(BackendChoice::Cpu).unwrap();
     let gathers = || ds4_model::offload::GATHERS.load(std::sync::atomic::Ordering::Relaxed);
-    for gather in [false, true] {
-        ds4_model::offload::set_gather(gather);
+    let uploads = || ds4_gpu::DIRECT_UPLOADS.load(std::sync::atomic::Ordering::Relaxed);
+    for mode in [Gather::Host, Gather::Auto] {
+        let gather = mode == Gather::Auto;
+        ds4_model::offload::set_gather(Some(mode));
         let g = open_with(BackendChoice::Auto, |o| {
             o.cpu_experts = ds4_engine::CpuExperts::Last(usize::MAX)
         })
         .unwrap();
-        ds4_model::offload::set_gather(false);
+        ds4_model::offload::set_gather(None);
         println!("GPU backend: {} (gather {gather})", g.backend_name());
         assert!(
             g.backend_name()
@@ -127,6 +132,7 @@ fn gpu_host_experts_match_cpu_reference() {
             "gather {gather}: {d} direct copies for {n} gathered steps"
         );
         // A 65-token prompt: the grouped upload path, then decode steps.
+        let up0 = uploads();
         let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();
         let run = |e: &Engine| {
             let mut s = e.new_session(512);
@@ -144,6 +150,11 @@ fn gpu_host_experts_match_cpu_reference() {
              logit| {worst:.3e}"
         );
         assert!(worst < 1e-3, "logits differ by {worst}");
+        let up = uploads() - up0;
+        assert!(
+            if gather { up >= 3 } else { up == 0 },
+            "gather {gather}: {up} direct uploads of expert groups for the 65-token prompt"
+        );
     }
 }
 

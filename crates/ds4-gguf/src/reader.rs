@@ -163,6 +163,12 @@ impl GgufFile {
         }
     }
 
+    /// Whether the bytes are a mapping of the file (pages the OS may read in or drop), not a
+    /// copy held in this process's memory ([`GgufFile::from_bytes`]).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.storage, Storage::Mmap(_))
+    }
+
     /// Asks the OS to read `len` bytes at `offset` of a mapped file into the page cache in the
     /// background (`madvise(MADV_WILLNEED)`), so that later reads of them (host-memory experts'
     /// first decode steps) find them cached. Best effort: a file held in memory, or a system

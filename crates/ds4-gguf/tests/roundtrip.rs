@@ -99,6 +99,12 @@ fn write_to_path_then_mmap_open() {
     assert_eq!(f.bytes(), &w.to_bytes(fill).unwrap()[..]);
     assert_eq!(f.name(), path.display().to_string());
     walk(&f);
+    // A mapping (pages the OS may drop; host-memory experts budget their page-locking on it),
+    // unlike the same bytes held in memory.
+    assert!(f.is_mapped());
+    assert!(!GgufFile::from_bytes("m.gguf", w.to_bytes(fill).unwrap())
+        .unwrap()
+        .is_mapped());
     // Read-ahead advice: any range inside the file (unaligned included), none outside it.
     let n = f.bytes().len();
     f.will_need(0, n).unwrap();

@@ -177,6 +177,8 @@ const HOST_PAGE: usize = 4096;
 
 /// Gathers that copied straight from registered host memory (process-wide; tests).
 pub static DIRECT_GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Uploads ([`Gpu::upload`]) that copied straight from registered host memory (tests).
+pub static DIRECT_UPLOADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// How a matrix-vector product is cut: `splits` CTAs along K, each over `cps` chunks of 32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -256,9 +258,10 @@ impl Gpu {
     }
 
     /// Page-locks `ranges` of host memory (widened to whole pages, merged; parts already
-    /// registered are skipped) so that [`Gpu::gather_after`] copies from them by DMA with no
-    /// staging memcpy. Returns the bytes registered; stops at the first failure (the driver's
-    /// error: pinned-memory limits, a mapping it cannot lock).
+    /// registered are skipped) so that [`Gpu::gather_after`] and the uploads copy from them by
+    /// DMA with no staging memcpy. Returns the bytes registered; at the first failure (the
+    /// driver's error: pinned-memory limits, a mapping it cannot lock) releases what this call
+    /// registered and returns the error.
     pub fn register_host(&self, ranges: &[&[u8]]) -> Result<usize> {
         let mut v: Vec<(usize, usize)> = ranges
             .iter()
@@ -280,12 +283,19 @@ impl Gpu {
             }
         }
         let mut reg = self.registered.lock().unwrap();
-        let mut bytes = 0;
+        let (had, mut bytes) = (reg.len(), 0);
         for (a, b) in merged {
             if reg.iter().any(|&(x, y)| a < y && x < b) {
                 continue; // overlaps a registered range: the driver would refuse it
             }
-            unsafe { self.rt.host_register(a as *const u8, b - a)? };
+            if let Err(e) = unsafe { self.rt.host_register(a as *const u8, b - a) } {
+                // All or nothing: this call's ranges are released again (pinned memory that
+                // no copy would use).
+                for (x, _) in reg.drain(had..) {
+                    let _ = unsafe { self.rt.host_unregister(x as *const u8) };
+                }
+                return Err(e);
+            }
             reg.push((a, b));
             bytes += b - a;
         }
@@ -543,7 +553,17 @@ impl Gpu {
         progress: &mut dyn FnMut(usize),
     ) -> Result<()> {
         self.with_staging(|s| {
-            self.queue_copies(s, dst, src, progress)?;
+            if !src.is_empty() && self.registered(src) {
+                // Page-locked already (host-memory experts' grouped uploads): one DMA copy.
+                unsafe {
+                    self.rt
+                        .copy_h2d_async(dst, src.as_ptr(), src.len(), s.stream)?
+                };
+                DIRECT_UPLOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                progress(src.len());
+            } else {
+                self.queue_copies(s, dst, src, progress)?;
+            }
             self.rt.stream_sync(s.stream)
         })
     }

@@ -797,25 +797,55 @@ impl<B: Backend> Model<B> {
         } else {
             None
         };
-        if host.is_some_and(|h| h.gather) {
-            // The gathers' sources, page-locked where the backend can (DMA, no staging).
-            let ranges: Vec<&[u8]> = (layers.iter())
-                .filter_map(|l| match &l.experts {
-                    Experts::Host { stacks, .. } => Some(stacks.iter()),
-                    Experts::Here { .. } => None,
-                })
-                .flatten()
-                .map(|st| &st.file.bytes()[st.offset..st.offset + st.n_bytes])
-                .collect();
-            let locked = backend.register_host(&ranges);
-            if locked > 0 {
-                eprintln!(
-                    "ds4: {:.1} GiB of host-memory experts page-locked: decode steps copy the \
-                     selected ones to the GPU by DMA",
-                    locked as f64 / (1u64 << 30) as f64
-                );
+        // Decode steps gather host-memory experts onto the device where their stacks could be
+        // page-locked (DMA, no staging; `offload::Gather`). Locked pages also make the grouped
+        // uploads of prompt batches direct copies.
+        let host_gather = match host.map(|h| h.gather) {
+            None | Some(offload::Gather::Host) => false,
+            Some(mode) => {
+                let stacks: Vec<&HostStack> = (layers.iter())
+                    .filter_map(|l| match &l.experts {
+                        Experts::Host { stacks, .. } => Some(stacks.iter()),
+                        Experts::Here { .. } => None,
+                    })
+                    .flatten()
+                    .collect();
+                let ranges: Vec<&[u8]> = (stacks.iter())
+                    .map(|st| &st.file.bytes()[st.offset..st.offset + st.n_bytes])
+                    .collect();
+                // Only a mapped file's pages can need new memory to lock (generated stacks are
+                // this process's memory, resident already).
+                let total: usize = (stacks.iter())
+                    .filter(|st| st.file.is_mapped())
+                    .map(|st| st.n_bytes)
+                    .sum();
+                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+                let t = std::time::Instant::now();
+                let locked = match offload::lock_budget() {
+                    Some(budget) if mode == offload::Gather::Auto && total > budget => {
+                        eprintln!(
+                            "ds4: host-memory experts not page-locked: {:.1} GiB of the file \
+                             is more than available memory allows ({:.1} GiB); decode steps \
+                             run them on the host's cores (DS4_HOST_EXPERTS_DECODE=gpu copies \
+                             them through staging instead)",
+                            gib(total),
+                            gib(budget)
+                        );
+                        0
+                    }
+                    _ => backend.register_host(&ranges),
+                };
+                if locked > 0 {
+                    eprintln!(
+                        "ds4: {:.2} GiB of host-memory experts page-locked in {:.1} s: decode \
+                         steps copy the selected ones to the device by DMA",
+                        gib(locked as usize),
+                        t.elapsed().as_secs_f64()
+                    );
+                }
+                mode == offload::Gather::Gpu || locked > 0
             }
-        }
+        };
         let embd = b.m("token_embd.weight")?;
         let out_hc = Hc {
             mixer: b.m("output_hc_fn.weight")?,
@@ -836,7 +866,7 @@ impl<B: Backend> Model<B> {
             layers,
             mtp,
             host_batch: host.map_or((UPLOAD_MIN, GROUP), |h| (h.upload_min, h.group)),
-            host_gather: host.is_some_and(|h| h.gather),
+            host_gather,
             slots: std::sync::Mutex::new(None),
         })
     }
@@ -1451,7 +1481,7 @@ impl<B: Backend> Model<B> {
     /// A decode step's host-memory experts on the backend: the experts that `sel` (host copy
     /// `s`) names, gathered into the device slots in order of first use, then the backend's
     /// MoE over those slots (the same kernels and sums as resident experts). None: not this
-    /// path (the gather off, the default: `offload::gather_wanted`; a larger batch; no slots on
+    /// path (the gather off: `offload::Gather`, memory not page-locked; a larger batch; no slots on
     /// this backend).
     fn moe_gather(
         &self,

@@ -2,10 +2,10 @@
 //! keeps every dense weight on the device and the routed-expert stacks of some layers in host
 //! memory (the file's mmap: no copy). The schedule then runs those layers' routed experts
 //!
-//! - opt-in ([`gather_wanted`]), for decode steps (at most [`GATHER_MAX_TOKENS`] tokens) on a
-//!   GPU: the router's selections come back to the host, the selected experts' slabs are
-//!   copied into device slots (`Backend::expert_slots` / `gather_experts`: ~43 MB a q2 layer
-//!   over the bus) and the backend's MoE runs on them;
+//! - by default ([`Gather::Auto`]) for decode steps (at most [`GATHER_MAX_TOKENS`] tokens) on
+//!   a GPU that page-locked the stacks at load: the router's selections come back to the host,
+//!   the selected experts' slabs are copied by DMA into device slots (`Backend::expert_slots` /
+//!   `gather_experts`: ~43 MB a q2 layer over the bus) and the backend's MoE runs on them;
 //! - on the host for other small batches: the router's selections and the MoE input come back
 //!   to the host, [`HostExperts::run`] computes `Backend::moe_experts`'s value there, and the
 //!   sum goes back up (a host read ends a recorded decode graph: the step's later layers run
@@ -133,33 +133,94 @@ pub struct HostPlacement<'a> {
     pub upload_min: usize,
     /// Experts uploaded (and run) at a time.
     pub group: usize,
-    /// Decode steps (at most [`GATHER_MAX_TOKENS`] tokens) upload the experts they select into
-    /// the backend's expert slots and run them there (`Backend::expert_slots`), where it has
-    /// them; else on the host ([`gather_wanted`]).
-    pub gather: bool,
+    /// How decode steps (at most [`GATHER_MAX_TOKENS`] tokens) run these experts.
+    pub gather: Gather,
 }
 
-/// [`set_gather`]'s override: 0 none, 1 on, 2 off.
-static GATHER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// How decode steps run host-memory experts (`DS4_HOST_EXPERTS_DECODE=auto|gpu|host`).
+///
+/// Measured on an H100 (PCIe 5, 16 host cores; bench/results/gpu-s44-h100.txt run A, full-size
+/// q2 at 2k): with the stacks page-locked, a DMA gather of a layer's 6 selected experts costs
+/// ~1 ms a token, the host's cores 1.9-4 ms (8 layers on the host: 66-69 against 17-18 tokens/s
+/// on that host, 35.6-38.8 on session 43's; 4 layers: 84-85 against 35-57). Through pinned
+/// staging (memory not page-locked) a gather cost ~2.6 ms a layer (session 43).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gather {
+    /// Gather by DMA where the backend page-locks the stacks at load ([`lock_budget`]
+    /// allowing), else compute on the host's cores. The default.
+    Auto,
+    /// Gather wherever the backend has expert slots (through staging if not page-locked).
+    Gpu,
+    /// Always on the host's cores.
+    Host,
+}
 
-/// Whether decode steps gather their host-memory experts onto the device
-/// (`DS4_HOST_EXPERTS_DECODE=gpu`, or [`set_gather`]). Off by default: on an H100 with 16
-/// host cores a gathered q2 layer cost ~2.6 ms a token against ~1.9 ms on the host's cores
-/// (decode with 8 layers on the host 35.6 against 38.8 tokens/s, with 4 57.1 against 55.1;
-/// bench/results/gpu-s43-h100.txt runs D-E), when the slabs passed through pinned staging by
-/// the host's memcpy before the bus. With the gather on, the stacks are now page-locked at load
-/// (`Backend::register_host`) and copied by DMA: not yet measured.
-pub fn gather_wanted() -> bool {
-    match GATHER.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => std::env::var("DS4_HOST_EXPERTS_DECODE").is_ok_and(|v| v == "gpu"),
+impl Gather {
+    /// `DS4_HOST_EXPERTS_DECODE`'s value: `auto` (or empty), `gpu`, `host` (or `cpu`).
+    pub fn parse(v: &str) -> Result<Gather, String> {
+        match v {
+            "" | "auto" => Ok(Gather::Auto),
+            "gpu" => Ok(Gather::Gpu),
+            "host" | "cpu" => Ok(Gather::Host),
+            _ => Err(format!(
+                "DS4_HOST_EXPERTS_DECODE={v:?}: expected auto, gpu or host"
+            )),
+        }
     }
 }
 
-/// Overrides `DS4_HOST_EXPERTS_DECODE` for engines opened from now on (tests, A/B benchmarks).
-pub fn set_gather(on: bool) {
-    GATHER.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+/// [`set_gather`]'s override: 0 none (the environment), else 1 + the mode's position.
+static GATHER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// The mode of engines opened now: [`set_gather`]'s, else `DS4_HOST_EXPERTS_DECODE`'s (an
+/// unknown value says so once and counts as `auto`).
+pub fn gather_mode() -> Gather {
+    match GATHER.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => Gather::Auto,
+        2 => Gather::Gpu,
+        3 => Gather::Host,
+        _ => {
+            let v = std::env::var("DS4_HOST_EXPERTS_DECODE").unwrap_or_default();
+            Gather::parse(&v).unwrap_or_else(|e| {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| eprintln!("ds4: {e}; using auto"));
+                Gather::Auto
+            })
+        }
+    }
+}
+
+/// Overrides `DS4_HOST_EXPERTS_DECODE` for engines opened from now on (None: the environment
+/// again; tests, A/B benchmarks).
+pub fn set_gather(mode: Option<Gather>) {
+    let v = match mode {
+        None => 0,
+        Some(Gather::Auto) => 1,
+        Some(Gather::Gpu) => 2,
+        Some(Gather::Host) => 3,
+    };
+    GATHER.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Host memory that [`Gather::Auto`] may page-lock: `MemAvailable` (which counts the page
+/// cache that an mmap'd file's stacks sit in) less 4 GiB for everything else, so that locking
+/// never starves the machine. None where /proc/meminfo cannot tell (no limit).
+pub fn lock_budget() -> Option<usize> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    Some(lock_budget_of(meminfo_kib(&m, "MemAvailable")?))
+}
+
+/// [`lock_budget`] for `MemAvailable` = `kib` KiB.
+fn lock_budget_of(kib: u64) -> usize {
+    (kib.saturating_sub(4 << 20) as usize).saturating_mul(1024)
+}
+
+/// The kB figure of `key` in /proc/meminfo's text.
+fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+        rest.split_whitespace().next()?.parse().ok()
+    })
 }
 
 /// Tokens of the largest step whose host-memory experts are gathered onto the device (decode
@@ -191,7 +252,7 @@ impl HostPlacement<'_> {
             make,
             upload_min: env("DS4_HOST_EXPERTS_UPLOAD_MIN", UPLOAD_MIN),
             group: env("DS4_HOST_EXPERTS_GROUP", GROUP),
-            gather: gather_wanted(),
+            gather: gather_mode(),
         }
     }
 }
@@ -229,6 +290,31 @@ pub fn groups(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gather_modes_parse_and_bad_values_say_what_is_accepted() {
+        assert_eq!(Gather::parse(""), Ok(Gather::Auto));
+        assert_eq!(Gather::parse("auto"), Ok(Gather::Auto));
+        assert_eq!(Gather::parse("gpu"), Ok(Gather::Gpu));
+        assert_eq!(Gather::parse("host"), Ok(Gather::Host));
+        assert_eq!(Gather::parse("cpu"), Ok(Gather::Host));
+        let e = Gather::parse("dma").unwrap_err();
+        assert!(
+            e.contains("\"dma\"") && e.contains("auto, gpu or host"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_lock_budget_leaves_4_gib_of_available_memory() {
+        let text =
+            "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   20971520 kB\n";
+        assert_eq!(meminfo_kib(text, "MemAvailable"), Some(20971520));
+        assert_eq!(meminfo_kib(text, "MemAvail"), None); // whole keys only
+        assert_eq!(meminfo_kib("MemAvailable: x kB", "MemAvailable"), None);
+        assert_eq!(lock_budget_of(20971520), 16 << 30); // 20 GiB available -> 16 GiB
+        assert_eq!(lock_budget_of(1 << 20), 0); // less than the reserve: nothing
+    }
 
     #[test]
     fn groups_cover_the_selected_experts_once_each() {

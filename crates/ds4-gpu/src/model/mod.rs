@@ -1619,10 +1619,7 @@ impl Backend for GpuBackend {
         match self.gpu.register_host(ranges) {
             Ok(b) => b as u64,
             Err(e) => {
-                eprintln!(
-                    "ds4: host-memory experts not page-locked ({e}): decode steps copy them \
-                     through staging"
-                );
+                eprintln!("ds4: host-memory experts not page-locked ({e})");
                 0
             }
         }
