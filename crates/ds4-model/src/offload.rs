@@ -228,6 +228,110 @@ fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
 /// host. The slots hold this many tokens' selections.
 pub const GATHER_MAX_TOKENS: usize = 4;
 
+/// Splits a gathered decode step's experts between the bus (DMA into the device's slots and
+/// the device's MoE) and the host's cores, which then run at the same time: the host takes the
+/// share `g / (g + h)` of the step's experts, where `g` is the device part's measured time per
+/// gathered expert (timed synchronously over the first [`Split::CALIBRATION`] gathered steps:
+/// mostly the bus) and `h` the host's per expert (a running average of every host part). A
+/// host share of 0 is re-tried every [`Split::REPROBE`] steps so that `h` stays current.
+/// `DS4_HOST_EXPERTS_SPLIT=N` fixes the host's share at N experts a step (0: all on the bus).
+#[derive(Debug, Clone)]
+pub struct Split {
+    fixed: Option<usize>,
+    /// Seconds a gathered expert, the best of the calibration steps.
+    gpu: Option<f64>,
+    calibrated: u32,
+    /// Seconds a host expert (running average).
+    host: Option<f64>,
+    /// Steps since the host last took a share.
+    idle: u32,
+}
+
+impl Split {
+    pub const CALIBRATION: u32 = 3;
+    pub const REPROBE: u32 = 64;
+
+    /// A split with [`set_split`]'s fixed share, else `DS4_HOST_EXPERTS_SPLIT`'s if a number.
+    pub fn from_env() -> Split {
+        let fixed = match SPLIT_FIXED.load(std::sync::atomic::Ordering::Relaxed) {
+            usize::MAX => std::env::var("DS4_HOST_EXPERTS_SPLIT")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok()),
+            n => Some(n),
+        };
+        Split::new(fixed)
+    }
+
+    pub fn new(fixed: Option<usize>) -> Split {
+        Split {
+            fixed,
+            gpu: None,
+            calibrated: 0,
+            host: None,
+            idle: 0,
+        }
+    }
+
+    /// The host's share of a step's `u` distinct experts, and whether to time the device part
+    /// (calibration: the caller waits for it and reports [`Split::gpu_done`]).
+    pub fn plan(&mut self, u: usize) -> (usize, bool) {
+        if let Some(n) = self.fixed {
+            return (n.min(u), false);
+        }
+        if self.calibrated < Self::CALIBRATION || u == 0 {
+            return (0, u > 0);
+        }
+        let (g, h) = match (self.gpu, self.host) {
+            (Some(g), Some(h)) => (g, h),
+            _ => return ((u / 3).max(1), false), // the host's first measurement
+        };
+        let mut share = ((u as f64) * g / (g + h)).round() as usize;
+        if share == 0 {
+            self.idle += 1;
+            if self.idle >= Self::REPROBE {
+                share = 1;
+            }
+        }
+        if share > 0 {
+            self.idle = 0;
+        }
+        (share.min(u), false)
+    }
+
+    /// A timed device part: `secs` for `experts` gathered experts.
+    pub fn gpu_done(&mut self, secs: f64, experts: usize) {
+        if experts > 0 {
+            let t = secs / experts as f64;
+            self.gpu = Some(self.gpu.map_or(t, |g| g.min(t)));
+            self.calibrated += 1;
+        }
+    }
+
+    /// A host part: `secs` for `experts` experts.
+    pub fn host_done(&mut self, secs: f64, experts: usize) {
+        if experts > 0 {
+            let t = secs / experts as f64;
+            self.host = Some(self.host.map_or(t, |h| 0.8 * h + 0.2 * t));
+        }
+    }
+}
+
+/// [`set_split`]'s fixed share (usize::MAX: none).
+static SPLIT_FIXED: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// Fixes the host's share of gathered steps for engines opened from now on (None: the
+/// environment, else measured; tests, A/B benchmarks).
+pub fn set_split(fixed: Option<usize>) {
+    SPLIT_FIXED.store(
+        fixed.unwrap_or(usize::MAX),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+/// Gathered steps whose experts were shared with the host's cores (process-wide; tests).
+pub static SPLITS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Steps whose host-memory experts were gathered onto the device (process-wide; tests).
 pub static GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -290,6 +394,39 @@ pub fn groups(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_split_calibrates_then_balances_bus_and_host() {
+        let mut s = Split::new(None);
+        // Calibration: all on the bus, timed; the best time counts.
+        for t in [3.0e-3, 1.2e-3, 1.5e-3] {
+            assert_eq!(s.plan(6), (0, true));
+            s.gpu_done(t, 6);
+        }
+        // No host figure yet: a third of the experts to measure one.
+        assert_eq!(s.plan(6), (2, false));
+        s.host_done(0.8e-3, 2); // 0.4 ms an expert against the bus's 0.2
+        assert_eq!(s.plan(6), (2, false)); // 6 x 0.2 / 0.6
+                                           // A host as fast as the bus: half each; a slow host: none, re-probed every REPROBE.
+        let mut f = s.clone();
+        for _ in 0..20 {
+            f.host_done(0.2e-3, 1);
+        }
+        assert_eq!(f.plan(6), (3, false));
+        for _ in 0..20 {
+            s.host_done(20e-3, 1);
+        }
+        for _ in 1..Split::REPROBE {
+            assert_eq!(s.plan(6), (0, false));
+        }
+        assert_eq!(s.plan(6), (1, false));
+        assert_eq!(s.plan(6), (0, false));
+        // A fixed share (DS4_HOST_EXPERTS_SPLIT) is never more than the step's experts.
+        let mut x = Split::new(Some(4));
+        assert_eq!(x.plan(6), (4, false));
+        assert_eq!(x.plan(3), (3, false));
+        assert_eq!(Split::new(Some(0)).plan(6), (0, false));
+    }
 
     #[test]
     fn gather_modes_parse_and_bad_values_say_what_is_accepted() {
