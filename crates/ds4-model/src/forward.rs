@@ -1595,12 +1595,7 @@ impl<B: Backend> Model<B> {
                 .collect();
             let o = b.upload(&run.run(spec, &zh, s, &w_host, n));
             let secs = t.elapsed().as_secs_f64();
-            let mut split = self.split.lock().unwrap_or_else(|e| e.into_inner());
-            split.host_done(secs, host);
-            if let Some(line) = split.note(used.len()) {
-                eprintln!("{line}");
-            }
-            drop(split);
+            (self.split.lock().unwrap_or_else(|e| e.into_inner())).host_done(secs, host);
             out = Some(match out {
                 Some(mut sum) => {
                     b.add(&mut sum, &o, n * spec.d);

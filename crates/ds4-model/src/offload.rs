@@ -245,8 +245,6 @@ pub struct Split {
     host: Option<f64>,
     /// Steps since the host last took a share.
     idle: u32,
-    /// Whether [`Split::note`] has spoken.
-    noted: bool,
 }
 
 impl Split {
@@ -271,7 +269,6 @@ impl Split {
             calibrated: 0,
             host: None,
             idle: 0,
-            noted: false,
         }
     }
 
@@ -299,22 +296,6 @@ impl Split {
             self.idle = 0;
         }
         (share.min(u), false)
-    }
-
-    /// Once both times are known: a line saying them and the host's share of `u` experts.
-    pub fn note(&mut self, u: usize) -> Option<String> {
-        let (g, h) = (self.gpu?, self.host?);
-        if self.noted || self.fixed.is_some() {
-            return None;
-        }
-        self.noted = true;
-        let share = ((u as f64) * g / (g + h)).round() as usize;
-        Some(format!(
-            "ds4: host-memory experts: {:.3} ms an expert over the bus, {:.3} ms on the host's \
-             cores: the host runs {share} of a step's {u} (DS4_HOST_EXPERTS_SPLIT=N fixes it)",
-            g * 1e3,
-            h * 1e3
-        ))
     }
 
     /// A timed device part: `secs` for `experts` gathered experts.
@@ -426,14 +407,7 @@ mod tests {
         assert_eq!(s.plan(6), (2, false));
         s.host_done(0.8e-3, 2); // 0.4 ms an expert against the bus's 0.2
         assert_eq!(s.plan(6), (2, false)); // 6 x 0.2 / 0.6
-        let line = s.note(6).unwrap();
-        assert!(
-            line.contains("0.200 ms an expert over the bus, 0.400 ms"),
-            "{line}"
-        );
-        assert!(line.contains("the host runs 2 of a step's 6"), "{line}");
-        assert_eq!(s.note(6), None); // once
-                                     // A host as fast as the bus: half each; a slow host: none, re-probed every REPROBE.
+                                           // A host as fast as the bus: half each; a slow host: none, re-probed every REPROBE.
         let mut f = s.clone();
         for _ in 0..20 {
             f.host_done(0.2e-3, 1);
