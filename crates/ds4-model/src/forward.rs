@@ -128,8 +128,6 @@ pub struct Model<B: Backend> {
     /// plan allows one uploaded group (GROUP = 32 experts) beside the weights: a prompt batch
     /// that uploads groups drops the slots first (24 experts of the model fit in that room).
     slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
-    /// How gathered decode steps share their experts between the bus and the host's cores.
-    split: std::sync::Mutex<offload::Split>,
 }
 
 /// Device slots for gathered host-memory experts: the stacks' (type, cols, rows) and weights.
@@ -870,7 +868,6 @@ impl<B: Backend> Model<B> {
             host_batch: host.map_or((UPLOAD_MIN, GROUP), |h| (h.upload_min, h.group)),
             host_gather,
             slots: std::sync::Mutex::new(None),
-            split: std::sync::Mutex::new(offload::Split::from_env()),
         })
     }
 
@@ -1443,7 +1440,7 @@ impl<B: Backend> Model<B> {
         let (k, d) = (spec.n_used, spec.d);
         // Host reads: a recorded decode step ends here (the rest of it runs eagerly).
         let s = b.download_i32(sel, n * k);
-        if let Some(out) = self.moe_gather(run, stacks, spec, z, &s, wgt, n) {
+        if let Some(out) = self.moe_gather(stacks, spec, z, &s, wgt, n) {
             return out;
         }
         let w = b.download(wgt, n * k);
@@ -1486,10 +1483,8 @@ impl<B: Backend> Model<B> {
     /// MoE over those slots (the same kernels and sums as resident experts). None: not this
     /// path (the gather off: `offload::Gather`, memory not page-locked; a larger batch; no slots on
     /// this backend).
-    #[allow(clippy::too_many_arguments)]
     fn moe_gather(
         &self,
-        run: &dyn HostExperts,
         stacks: &[HostStack; 3],
         spec: &MoeSpec,
         z: &B::Buf,
@@ -1526,89 +1521,37 @@ impl<B: Backend> Model<B> {
         {
             return None;
         }
-        // Distinct experts in order of first use; the last `host` of them run on the host's
-        // cores while the others cross the bus (`offload::Split`).
+        // Local ids in order of first use.
         let mut used: Vec<i32> = Vec::new();
-        for &e in s {
-            if !used.contains(&e) {
-                used.push(e);
-            }
-        }
-        let (host, timed) = self
-            .split
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .plan(used.len());
-        let on_bus = &used[..used.len() - host];
-        // The host part's inputs first (the stream is idle since `sel` came down): a download
-        // later would wait for the bus.
-        let host_in = (host > 0).then(|| (b.download(z, n * spec.d), b.download(wgt, s.len())));
-        let mut out = None;
-        if !on_bus.is_empty() {
-            let t = std::time::Instant::now();
-            for (st, w) in stacks.iter().zip(slots) {
-                let (bytes, slab) = (&st.file.bytes()[st.offset..], st.slab());
-                let srcs: Vec<&[u8]> = on_bus
-                    .iter()
-                    .map(|&e| &bytes[e as usize * slab..(e as usize + 1) * slab])
-                    .collect();
-                b.gather_experts(w, &srcs);
-            }
-            // Slots of host experts point at slot 0 with weight 0 (they add exactly 0).
-            let local: Vec<i32> = (s.iter())
-                .map(|e| on_bus.iter().position(|u| u == e).unwrap_or(0) as i32)
+        let local: Vec<i32> = s
+            .iter()
+            .map(|&e| {
+                let i = used.iter().position(|&u| u == e).unwrap_or_else(|| {
+                    used.push(e);
+                    used.len() - 1
+                });
+                i as i32
+            })
+            .collect();
+        for (st, w) in stacks.iter().zip(slots) {
+            let (bytes, slab) = (&st.file.bytes()[st.offset..], st.slab());
+            let srcs: Vec<&[u8]> = used
+                .iter()
+                .map(|&e| &bytes[e as usize * slab..(e as usize + 1) * slab])
                 .collect();
-            let gspec = MoeSpec {
-                n_expert: cap,
-                ..*spec
-            };
-            let si = b.upload_i32(&local);
-            let mut o = b.alloc(n * spec.d);
-            let w_bus = host_in.as_ref().map(|(_, w)| {
-                let v: Vec<f32> = (s.iter().zip(w))
-                    .map(|(e, &w)| if on_bus.contains(e) { w } else { 0.0 })
-                    .collect();
-                b.upload(&v)
-            });
-            b.moe_experts(
-                &gspec,
-                &slots[0],
-                &slots[1],
-                &slots[2],
-                z,
-                &si,
-                w_bus.as_ref().unwrap_or(wgt),
-                n,
-                &mut o,
-            );
-            if timed {
-                let _ = b.download(&o, 1); // waits for the bus and the device's MoE
-                let secs = t.elapsed().as_secs_f64();
-                (self.split.lock().unwrap_or_else(|e| e.into_inner())).gpu_done(secs, on_bus.len());
-            }
-            out = Some(o);
+            b.gather_experts(w, &srcs);
         }
-        if let Some((zh, w)) = host_in {
-            let t = std::time::Instant::now();
-            let w_host: Vec<f32> = (s.iter().zip(&w))
-                .map(|(e, &w)| if on_bus.contains(e) { 0.0 } else { w })
-                .collect();
-            let o = b.upload(&run.run(spec, &zh, s, &w_host, n));
-            let secs = t.elapsed().as_secs_f64();
-            (self.split.lock().unwrap_or_else(|e| e.into_inner())).host_done(secs, host);
-            out = Some(match out {
-                Some(mut sum) => {
-                    b.add(&mut sum, &o, n * spec.d);
-                    sum
-                }
-                None => o,
-            });
-        }
+        let gspec = MoeSpec {
+            n_expert: cap,
+            ..*spec
+        };
+        let si = b.upload_i32(&local);
+        let mut out = b.alloc(n * spec.d);
+        b.moe_experts(
+            &gspec, &slots[0], &slots[1], &slots[2], z, &si, wgt, n, &mut out,
+        );
         offload::GATHERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if host > 0 {
-            offload::SPLITS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        out
+        Some(out)
     }
 
     /// Output head (model.md §3.5) for `m` rows of streams `xs` (`[m, N, D]`).
