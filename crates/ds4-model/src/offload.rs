@@ -139,11 +139,12 @@ pub struct HostPlacement<'a> {
 
 /// How decode steps run host-memory experts (`DS4_HOST_EXPERTS_DECODE=auto|gpu|host`).
 ///
-/// Measured on an H100 (PCIe 5, 16 host cores; bench/results/gpu-s44-h100.txt run A, full-size
+/// Measured on H100s (PCIe 5, 16 host cores; bench/results/gpu-s44-h100.txt runs A-C, full-size
 /// q2 at 2k): with the stacks page-locked, a DMA gather of a layer's 6 selected experts costs
-/// ~1 ms a token, the host's cores 1.9-4 ms (8 layers on the host: 66-69 against 17-18 tokens/s
-/// on that host, 35.6-38.8 on session 43's; 4 layers: 84-85 against 35-57). Through pinned
-/// staging (memory not page-locked) a gather cost ~2.6 ms a layer (session 43).
+/// ~1 ms a token, the host's cores 2-4 ms (8 layers on the host: 66-72 against 17-46 tokens/s,
+/// the hosts differing; 4 layers: 84-85 against 35-37); the q4 mix's 24 host layers tie (19.6-20.6
+/// against 19.5-22.1). Through pinned staging (memory not page-locked) a gather cost ~2.6 ms a
+/// q2 layer (session 43). Sharing a step's experts between bus and host lost (run C).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gather {
     /// Gather by DMA where the backend page-locks the stacks at load ([`lock_budget`]
