@@ -174,7 +174,7 @@ fn gpu_fast_precision_stays_close_to_cpu() {
 }
 
 /// `--precision fast` with every layer's routed experts in host memory: the 13-token prompt
-/// (under the upload bound) and the decode steps run them on the CPU with int8 activations
+/// (under the upload bound) runs them on the CPU with int8 activations
 /// (`CpuHostExperts::with_int8_activations`, ~2e-2 relative RMS on the first position of the
 /// tiny model against f32 ones, `ds4-cpu/tests/host_experts.rs`), beside the GPU's fast forms:
 /// within 10% RMS of the CPU reference; a broken host path moves the logits by their own size.
