@@ -139,12 +139,10 @@ impl CpuExperts {
 }
 
 /// Device bytes a prompt batch needs beside the weights when some experts are in host memory:
-/// the uploaded groups of the largest layer's stacks held at once (`GROUPS_HELD` x `GROUP`
-/// experts of `ds4_model::offload`).
+/// one uploaded group of the largest layer's stacks ([`ds4_model::offload::GROUP`] experts).
 fn host_group_bytes(per_layer: &[u64], n_expert: usize) -> u64 {
     let max = per_layer.iter().copied().max().unwrap_or(0);
-    let held = ds4_model::offload::GROUP * ds4_model::offload::GROUPS_HELD;
-    max / n_expert.max(1) as u64 * held.min(n_expert) as u64
+    max / n_expert.max(1) as u64 * ds4_model::offload::GROUP.min(n_expert) as u64
 }
 
 /// The layers whose routed experts stay in host memory (ascending): per `choice`, and for

@@ -85,11 +85,11 @@ fn gpu_engine_matches_cpu_reference() {
 
 /// Routed experts in host memory (`--cpu-experts all`, `ds4_model::offload`): every layer's
 /// experts run on the CPU for the 13-token prompt, are uploaded a group at a time for a
-/// 65-token prompt (>= 32 tokens; groups of 4, two held at once), and decode steps run them on
-/// the CPU (`DS4_HOST_EXPERTS_DECODE=host`) or, by default, gather the selected ones by DMA
-/// from the page-locked stacks into device slots and run them there (counted). Greedy tokens
-/// and logits as the CPU reference's, within the one-GPU bound, both ways; page-locked stacks
-/// also make the prompt's grouped uploads direct copies.
+/// 65-token prompt (>= 32 tokens), and decode steps run them on the CPU
+/// (`DS4_HOST_EXPERTS_DECODE=host`) or, by default, gather the selected ones by DMA from the
+/// page-locked stacks into device slots and run them there (counted). Greedy tokens and logits
+/// as the CPU reference's, within the one-GPU bound, both ways; page-locked stacks also make
+/// the prompt's grouped uploads direct copies.
 #[test]
 fn gpu_host_experts_match_cpu_reference() {
     let _serial = serial();
@@ -100,14 +100,10 @@ fn gpu_host_experts_match_cpu_reference() {
     for mode in [Gather::Host, Gather::Auto] {
         let gather = mode == Gather::Auto;
         ds4_model::offload::set_gather(Some(mode));
-        // Groups of 4 of the 16 experts: the 65-token prompt uploads several a layer, each
-        // freed once the next has landed (two on the device at once).
-        std::env::set_var("DS4_HOST_EXPERTS_GROUP", "4");
         let g = open_with(BackendChoice::Auto, |o| {
             o.cpu_experts = ds4_engine::CpuExperts::Last(usize::MAX)
         })
         .unwrap();
-        std::env::remove_var("DS4_HOST_EXPERTS_GROUP");
         ds4_model::offload::set_gather(None);
         println!("GPU backend: {} (gather {gather})", g.backend_name());
         assert!(

@@ -125,9 +125,8 @@ pub struct Model<B: Backend> {
     /// shapes, shared by every host layer (steps run one layer after another, and a gather is
     /// ordered after the ops that read the previous one): [`offload::GATHER_MAX_TOKENS`] x
     /// n_used experts a stack, ~170 MB of device memory in the q2 mix, ~340 MB in q4. The memory
-    /// plan allows two uploaded groups (2 x GROUP = 32 experts) beside the weights: a prompt
-    /// batch that uploads groups drops the slots first (24 experts of the model fit in that
-    /// room).
+    /// plan allows one uploaded group (GROUP = 32 experts) beside the weights: a prompt batch
+    /// that uploads groups drops the slots first (24 experts of the model fit in that room).
     slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
 }
 
@@ -1453,18 +1452,9 @@ impl<B: Backend> Model<B> {
         // The decode slots' room is the groups' (see `slots`).
         *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut out = b.upload(&vec![0f32; n * d]);
-        let overlap = offload::overlap_groups();
-        let mut last = None; // the last group's weights, freed once the next one has landed
         for (e0, count, gs, gw) in offload::groups(&s, &w, k, spec.n_expert, group) {
             let bind = |i: usize| stacks[i].with_src(e0, count, |src| b.matrix(src));
-            if !overlap {
-                last = None;
-            }
-            let bound = (bind(0), bind(1), bind(2));
-            // Freeing device memory waits for the device: the last group's kernels ran while
-            // this group crossed the bus.
-            drop(last.take());
-            let (g, u, dn) = match bound {
+            let (g, u, dn) = match (bind(0), bind(1), bind(2)) {
                 (Ok(g), Ok(u), Ok(dn)) => (g, u, dn),
                 // Binding failed (device memory ran short): this group on the host instead
                 // (a device backend that failed reports it at the step's check).
@@ -1484,7 +1474,6 @@ impl<B: Backend> Model<B> {
             let (si, wi) = (b.upload_i32(&gs), b.upload(&gw));
             b.moe_experts(&gspec, &g, &u, &dn, z, &si, &wi, n, &mut part);
             b.add(&mut out, &part, n * d);
-            last = Some((g, u, dn));
         }
         out
     }

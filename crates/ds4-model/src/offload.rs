@@ -234,20 +234,9 @@ pub static GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUs
 
 /// [`HostPlacement::upload_min`] unless `DS4_HOST_EXPERTS_UPLOAD_MIN` says otherwise.
 pub const UPLOAD_MIN: usize = 32;
-/// [`HostPlacement::group`] unless `DS4_HOST_EXPERTS_GROUP` says otherwise: 16 experts of the
-/// q2 mix are ~113 MB of device memory (q4 ~225 MB). [`GROUPS_HELD`] groups are on the device
-/// at once: the next crosses the bus while the last one's kernels run (a device free waits for
-/// the device, so each group is freed only once the next has landed).
-pub const GROUP: usize = 16;
-/// Uploaded groups on the device at once (the memory plans' room: `GROUPS_HELD x GROUP`
-/// experts); `DS4_HOST_EXPERTS_OVERLAP=off` holds one (each group's upload then waits for the
-/// last group's kernels).
-pub const GROUPS_HELD: usize = 2;
-
-/// Whether prompt batches hold two uploaded groups at once ([`GROUPS_HELD`]).
-pub fn overlap_groups() -> bool {
-    std::env::var("DS4_HOST_EXPERTS_OVERLAP").map_or(true, |v| v != "off" && v != "0")
-}
+/// [`HostPlacement::group`] unless `DS4_HOST_EXPERTS_GROUP` says otherwise: 32 experts of the
+/// q2 mix are ~225 MB of device memory (q4 ~450 MB).
+pub const GROUP: usize = 32;
 
 impl HostPlacement<'_> {
     /// `layers` with the defaults (or their environment overrides).
@@ -263,15 +252,7 @@ impl HostPlacement<'_> {
             layers,
             make,
             upload_min: env("DS4_HOST_EXPERTS_UPLOAD_MIN", UPLOAD_MIN),
-            // One group at a time gets the room of both.
-            group: env(
-                "DS4_HOST_EXPERTS_GROUP",
-                if overlap_groups() {
-                    GROUP
-                } else {
-                    GROUP * GROUPS_HELD
-                },
-            ),
+            group: env("DS4_HOST_EXPERTS_GROUP", GROUP),
             gather: gather_mode(),
         }
     }
