@@ -833,7 +833,17 @@ impl<B: Backend> Model<B> {
                         );
                         0
                     }
-                    _ => backend.register_host(&ranges),
+                    _ => {
+                        if total > 8 << 30 {
+                            // Locking reads in what the page cache does not hold yet.
+                            eprintln!(
+                                "ds4: page-locking {:.1} GiB of host-memory experts (pages not \
+                                 cached yet are read from the file first)",
+                                gib(total)
+                            );
+                        }
+                        backend.register_host(&ranges)
+                    }
                 };
                 if locked > 0 {
                     eprintln!(
@@ -1481,8 +1491,8 @@ impl<B: Backend> Model<B> {
     /// A decode step's host-memory experts on the backend: the experts that `sel` (host copy
     /// `s`) names, gathered into the device slots in order of first use, then the backend's
     /// MoE over those slots (the same kernels and sums as resident experts). None: not this
-    /// path (the gather off: `offload::Gather`, memory not page-locked; a larger batch; no slots on
-    /// this backend).
+    /// path (the gather off: `offload::Gather`, or the stacks not page-locked; a larger batch;
+    /// no slots on this backend).
     fn moe_gather(
         &self,
         stacks: &[HostStack; 3],
