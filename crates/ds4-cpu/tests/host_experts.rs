@@ -64,7 +64,11 @@ fn host_experts_give_the_plain_models_bits_one_token_at_a_time_and_in_a_batch() 
     let path = ds4_synth::tiny_model_for_tests(7, false);
     let plain = common::load(&path, Rounding::MODEL);
     let n_layer = plain.hp.n_layer as usize;
+    // Decode steps asked to gather onto the device (`DS4_HOST_EXPERTS_DECODE=gpu`): the CPU
+    // backend has no expert slots, so they run on the host all the same.
+    ds4_model::offload::set_gather(Some(ds4_model::offload::Gather::Gpu));
     let host = load_placed(&path, (0..n_layer).collect(), usize::MAX, 32);
+    ds4_model::offload::set_gather(None);
     assert_eq!(host.host_expert_layers(), (0..n_layer).collect::<Vec<_>>());
     assert!(plain.host_expert_layers().is_empty());
     let (mut a, mut b) = (plain.new_state(), host.new_state());
