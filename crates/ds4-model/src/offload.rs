@@ -142,7 +142,7 @@ pub struct HostPlacement<'a> {
 /// Measured on H100s (PCIe 5, 16 host cores; bench/results/gpu-s44-h100.txt runs A-C, full-size
 /// q2 at 2k): with the stacks page-locked, a DMA gather of a layer's 6 selected experts costs
 /// ~1 ms a token, the host's cores 2-4 ms (8 layers on the host: 66-72 against 17-46 tokens/s,
-/// the hosts differing; 4 layers: 84-85 against 35-37); the q4 mix's 24 host layers tie (19.6-20.6
+/// the hosts differing; 4 layers: 84-85 against 35-37); the q4 mix's 24 host layers tie (18.7-20.6
 /// against 19.5-22.1). Through pinned staging (memory not page-locked) a gather cost ~2.6 ms a
 /// q2 layer (session 43). Sharing a step's experts between bus and host lost (run C).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
