@@ -763,6 +763,23 @@ fn host_experts_line(n_host: usize, n_layer: usize, bytes: u64, precision: Preci
     )
 }
 
+/// The backend line once the model is loaded (the plan's line is written before the stacks
+/// are page-locked): where decode steps copy their host-memory experts over the bus, it says
+/// that the CPU's part is the middle-sized batches.
+fn with_gather_note(line: String, gathers: bool) -> String {
+    const END: &str = " activations on the CPU; --cpu-experts)";
+    if gathers {
+        line.replacen(
+            END,
+            " activations on the CPU for batches of 5-31 tokens, decode steps over the bus; \
+             --cpu-experts)",
+            1,
+        )
+    } else {
+        line
+    }
+}
+
 /// Bytes of a model's weights: all of them, the routed experts' part (split between
 /// expert-parallel ranks), the part tensor parallelism splits (attention heads, shared expert),
 /// and the quant block sizes of the tensors TP cuts by columns (`ds4_model::forward::tp_fits`).
@@ -1108,6 +1125,7 @@ impl Engine {
                     .finish()
                     .map_err(|e| EngineError::Backend(name.into(), e))?;
                 let wb = (m.backend.weight_bytes(), m.backend.layout_bytes());
+                let line = with_gather_note(line, m.gathers_host_experts());
                 (Arc::new(m), line, Some(wb))
             }
             None => {
@@ -1237,6 +1255,7 @@ impl Engine {
             m.backend.weight_bytes().saturating_sub(on_host),
             m.backend.layout_bytes(),
         );
+        let line = with_gather_note(line, m.gathers_host_experts());
         Ok(Engine {
             model: Arc::new(m),
             tokenizer: Arc::new(tokenizer),
@@ -1991,6 +2010,16 @@ mod tests {
              the CPU; --cpu-experts)"
         );
         assert!(host_experts_line(1, 43, gib, Precision::Exact).contains("f32 activations"));
+        // Loaded with decode steps over the bus, it says so; else it stays as planned.
+        let line = format!("cuda (H100){fast}");
+        assert_eq!(
+            with_gather_note(line.clone(), true),
+            "cuda (H100); routed experts of 35 of 43 layers in host memory (59.0 GiB, int8 \
+             activations on the CPU for batches of 5-31 tokens, decode steps over the bus; \
+             --cpu-experts)"
+        );
+        assert_eq!(with_gather_note(line.clone(), false), line);
+        assert_eq!(with_gather_note("cuda (H100)".into(), true), "cuda (H100)");
     }
 
     #[test]

@@ -106,6 +106,13 @@ fn gpu_host_experts_match_cpu_reference() {
         .unwrap();
         ds4_model::offload::set_gather(None);
         println!("GPU backend: {} (gather {gather})", g.backend_name());
+        // The backend line says where decode steps run the experts (once loaded).
+        assert_eq!(
+            g.backend_name().contains("decode steps over the bus"),
+            gather,
+            "{}",
+            g.backend_name()
+        );
         assert!(
             g.backend_name()
                 .contains("routed experts of 6 of 6 layers in host memory"),
