@@ -881,13 +881,13 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Main-model layers whose routed experts are in host memory.
     /// Whether decode steps copy host-memory experts to the backend (`offload::Gather`; the
     /// stacks page-locked at load, or the gather forced).
     pub fn gathers_host_experts(&self) -> bool {
         self.host_gather
     }
 
+    /// Main-model layers whose routed experts are in host memory.
     pub fn host_expert_layers(&self) -> Vec<usize> {
         (self.layers.iter().enumerate())
             .filter(|(_, l)| matches!(l.experts, Experts::Host { .. }))
