@@ -199,7 +199,7 @@ fn deq_row(s: &HostStack, e: usize, r: usize) -> Vec<f32> {
     let rb = s.ty.row_bytes(cols).unwrap() as usize;
     let at = (e * rows as usize + r) * rb;
     let mut w = vec![0f32; cols as usize];
-    let b = &s.file.bytes()[s.offset..s.offset + s.n_bytes];
+    let b = s.bytes();
     ds4_quant::dequantize_row(s.ty, &b[at..at + rb], &mut w).unwrap();
     w
 }

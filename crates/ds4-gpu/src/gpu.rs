@@ -302,16 +302,6 @@ impl Gpu {
         Ok(bytes)
     }
 
-    /// Whether `src` lies inside one registered range.
-    fn registered(&self, src: &[u8]) -> bool {
-        let (a, b) = (src.as_ptr() as usize, src.as_ptr() as usize + src.len());
-        self.registered
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|&(x, y)| x <= a && b <= y)
-    }
-
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
         &self.rt
     }
@@ -513,19 +503,35 @@ impl Gpu {
     /// into one stack: offload.rs). Sources all in registered memory ([`Gpu::register_host`])
     /// are copied by DMA on `after` itself, in its order, with no staging.
     pub fn gather_after(&self, dst: DevPtr, srcs: &[&[u8]], after: Stream) -> Result<()> {
-        if !srcs.is_empty() && srcs.iter().all(|s| self.registered(s)) {
-            let mut at = 0u64;
-            for s in srcs {
-                unsafe {
-                    self.rt
-                        .copy_h2d_async(dst.offset(at), s.as_ptr(), s.len(), after)?
-                };
-                at += s.len() as u64;
-            }
+        if self.copy_registered(dst, srcs, after)? {
             DIRECT_GATHERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Ok(());
         }
         self.staged_after(dst, srcs, after)
+    }
+
+    /// Queues the concatenation of `srcs` to `dst` on `stream` by DMA where every source lies
+    /// in registered memory ([`Gpu::register_host`]): true. Else nothing is queued: false.
+    fn copy_registered(&self, dst: DevPtr, srcs: &[&[u8]], stream: Stream) -> Result<bool> {
+        let direct = {
+            let reg = self.registered.lock().unwrap();
+            let inside = |s: &[u8]| {
+                let (a, b) = (s.as_ptr() as usize, s.as_ptr() as usize + s.len());
+                reg.iter().any(|&(x, y)| x <= a && b <= y)
+            };
+            !srcs.is_empty() && srcs.iter().all(|s| !s.is_empty() && inside(s))
+        };
+        if direct {
+            let mut at = 0u64;
+            for s in srcs {
+                unsafe {
+                    self.rt
+                        .copy_h2d_async(dst.offset(at), s.as_ptr(), s.len(), stream)?
+                };
+                at += s.len() as u64;
+            }
+        }
+        Ok(direct)
     }
 
     /// [`Gpu::gather_after`] through the pinned staging buffers.
@@ -553,12 +559,8 @@ impl Gpu {
         progress: &mut dyn FnMut(usize),
     ) -> Result<()> {
         self.with_staging(|s| {
-            if !src.is_empty() && self.registered(src) {
-                // Page-locked already (host-memory experts' grouped uploads): one DMA copy.
-                unsafe {
-                    self.rt
-                        .copy_h2d_async(dst, src.as_ptr(), src.len(), s.stream)?
-                };
+            // Page-locked already (host-memory experts' grouped uploads): one DMA copy.
+            if self.copy_registered(dst, &[src], s.stream)? {
                 DIRECT_UPLOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 progress(src.len());
             } else {
@@ -1222,21 +1224,15 @@ impl StepGraphs {
                 break;
             }
         }
-        if open {
-            // The capture ends joined (a side branch still open at the end of a piece).
-            let j = rt
-                .event_record(join, side)
-                .and_then(|_| rt.stream_wait_event(cap, join));
-            if r.is_ok() {
-                r = j;
-            }
-        }
-        if hinted {
-            let j = rt
-                .event_record(hjoin, hint)
-                .and_then(|_| rt.stream_wait_event(cap, hjoin));
-            if r.is_ok() {
-                r = j;
+        // The capture ends joined: a side branch still open at the end of a piece, the hints.
+        for (on, s, e) in [(open, side, join), (hinted, hint, hjoin)] {
+            if on {
+                let j = rt
+                    .event_record(e, s)
+                    .and_then(|_| rt.stream_wait_event(cap, e));
+                if r.is_ok() {
+                    r = j;
+                }
             }
         }
         let exec = rt.capture_end_nodes(cap, nodes);

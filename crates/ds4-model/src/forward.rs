@@ -629,6 +629,65 @@ impl<B: Backend> Binder<'_, B> {
     }
 }
 
+/// Whether decode steps gather host-memory experts onto the device (`offload::Gather`; `mode`
+/// None: no host placement). Where wanted, the stacks are page-locked for DMA (which also makes
+/// the grouped uploads of prompt batches direct copies); `auto` gathers only where that worked.
+fn lock_host_experts<B: Backend>(
+    backend: &B,
+    layers: &[Layer<B::Weight>],
+    mode: Option<offload::Gather>,
+) -> bool {
+    let Some(mode) = mode.filter(|&m| m != offload::Gather::Host) else {
+        return false;
+    };
+    let stacks: Vec<&HostStack> = (layers.iter())
+        .filter_map(|l| match &l.experts {
+            Experts::Host { stacks, .. } => Some(stacks.iter()),
+            Experts::Here { .. } => None,
+        })
+        .flatten()
+        .collect();
+    // Only a mapped file's pages can need new memory to lock (generated stacks are this
+    // process's memory, resident already).
+    let mapped: usize = (stacks.iter())
+        .filter(|st| st.file.is_mapped())
+        .map(|st| st.n_bytes)
+        .sum();
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    if let Some(budget) = offload::lock_budget() {
+        if mode == offload::Gather::Auto && mapped > budget {
+            eprintln!(
+                "ds4: host-memory experts not page-locked: {:.1} GiB of the file is more than \
+                 available memory allows ({:.1} GiB); decode steps run them on the host's cores \
+                 (DS4_HOST_EXPERTS_DECODE=gpu copies them through staging instead)",
+                gib(mapped),
+                gib(budget)
+            );
+            return false;
+        }
+    }
+    if mapped > 8 << 30 {
+        // Locking reads in what the page cache does not hold yet.
+        eprintln!(
+            "ds4: page-locking {:.1} GiB of host-memory experts (pages not cached yet are read \
+             from the file first)",
+            gib(mapped)
+        );
+    }
+    let t = std::time::Instant::now();
+    let ranges: Vec<&[u8]> = stacks.iter().map(|st| st.bytes()).collect();
+    let locked = backend.register_host(&ranges);
+    if locked > 0 {
+        eprintln!(
+            "ds4: {:.2} GiB of host-memory experts page-locked in {:.1} s: decode steps copy the \
+             selected ones to the device by DMA",
+            gib(locked as usize),
+            t.elapsed().as_secs_f64()
+        );
+    }
+    mode == offload::Gather::Gpu || locked > 0
+}
+
 /// Whether `n` ranks can also split this model's attention output groups and shared expert
 /// (tensor parallelism, `ds4_backend::Shard::tp_fits`): `out_b_block` / `down_block` are the
 /// quant block sizes of the `out_b` / shared `down` tensors (their column parts must be whole
@@ -797,65 +856,7 @@ impl<B: Backend> Model<B> {
         } else {
             None
         };
-        // Decode steps gather host-memory experts onto the device where their stacks could be
-        // page-locked (DMA, no staging; `offload::Gather`). Locked pages also make the grouped
-        // uploads of prompt batches direct copies.
-        let host_gather = match host.map(|h| h.gather) {
-            None | Some(offload::Gather::Host) => false,
-            Some(mode) => {
-                let stacks: Vec<&HostStack> = (layers.iter())
-                    .filter_map(|l| match &l.experts {
-                        Experts::Host { stacks, .. } => Some(stacks.iter()),
-                        Experts::Here { .. } => None,
-                    })
-                    .flatten()
-                    .collect();
-                let ranges: Vec<&[u8]> = (stacks.iter())
-                    .map(|st| &st.file.bytes()[st.offset..st.offset + st.n_bytes])
-                    .collect();
-                // Only a mapped file's pages can need new memory to lock (generated stacks are
-                // this process's memory, resident already).
-                let total: usize = (stacks.iter())
-                    .filter(|st| st.file.is_mapped())
-                    .map(|st| st.n_bytes)
-                    .sum();
-                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-                let t = std::time::Instant::now();
-                let locked = match offload::lock_budget() {
-                    Some(budget) if mode == offload::Gather::Auto && total > budget => {
-                        eprintln!(
-                            "ds4: host-memory experts not page-locked: {:.1} GiB of the file \
-                             is more than available memory allows ({:.1} GiB); decode steps \
-                             run them on the host's cores (DS4_HOST_EXPERTS_DECODE=gpu copies \
-                             them through staging instead)",
-                            gib(total),
-                            gib(budget)
-                        );
-                        0
-                    }
-                    _ => {
-                        if total > 8 << 30 {
-                            // Locking reads in what the page cache does not hold yet.
-                            eprintln!(
-                                "ds4: page-locking {:.1} GiB of host-memory experts (pages not \
-                                 cached yet are read from the file first)",
-                                gib(total)
-                            );
-                        }
-                        backend.register_host(&ranges)
-                    }
-                };
-                if locked > 0 {
-                    eprintln!(
-                        "ds4: {:.2} GiB of host-memory experts page-locked in {:.1} s: decode \
-                         steps copy the selected ones to the device by DMA",
-                        gib(locked as usize),
-                        t.elapsed().as_secs_f64()
-                    );
-                }
-                mode == offload::Gather::Gpu || locked > 0
-            }
-        };
+        let host_gather = lock_host_experts(&backend, &layers, host.map(|h| h.gather));
         let embd = b.m("token_embd.weight")?;
         let out_hc = Hc {
             mixer: b.m("output_hc_fn.weight")?,
@@ -1550,11 +1551,7 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         for (st, w) in stacks.iter().zip(slots) {
-            let (bytes, slab) = (&st.file.bytes()[st.offset..], st.slab());
-            let srcs: Vec<&[u8]> = used
-                .iter()
-                .map(|&e| &bytes[e as usize * slab..(e as usize + 1) * slab])
-                .collect();
+            let srcs: Vec<&[u8]> = used.iter().map(|&e| st.expert(e as usize)).collect();
             b.gather_experts(w, &srcs);
         }
         let gspec = MoeSpec {

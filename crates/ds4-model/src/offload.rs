@@ -46,6 +46,16 @@ impl HostStack {
         self.n_bytes / self.experts().max(1)
     }
 
+    /// The whole stack's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.file.bytes()[self.offset..self.offset + self.n_bytes]
+    }
+
+    /// Expert `e`'s slab.
+    pub fn expert(&self, e: usize) -> &[u8] {
+        &self.bytes()[e * self.slab()..(e + 1) * self.slab()]
+    }
+
     /// A stack in memory (a one-tensor GGUF) whose bytes `fill` writes: generated weights.
     pub fn in_memory(
         name: &str,

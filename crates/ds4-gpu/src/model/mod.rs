@@ -1184,20 +1184,11 @@ impl GpuBackend {
     }
 
     fn download_bytes(&self, p: DevPtr, bytes: usize) -> Vec<u8> {
-        self.flush(true); // a host read ends a recorded step
-        let mut out = vec![0u8; bytes];
-        if bytes > 0 && !self.failed() {
-            let r = self.gpu.download(p, &mut out);
-            if r.is_ok() {
-                self.free_retired(); // the download waited for the stream
-            }
-            self.note(r);
-        }
-        out
+        self.download_map(p, bytes, 1, |b| b[0])
     }
 
     /// `n` device values of `size` bytes each, converted by `conv` as they leave the staging
-    /// buffer (one pass over fresh host memory; zeros after a failure, as `download_bytes`).
+    /// buffer (one pass over fresh host memory; zeros after a failure).
     fn download_map<T: Default + Clone>(
         &self,
         p: DevPtr,
