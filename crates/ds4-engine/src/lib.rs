@@ -764,20 +764,24 @@ fn host_experts_line(n_host: usize, n_layer: usize, bytes: u64, precision: Preci
 }
 
 /// The backend line once the model is loaded (the plan's line is written before the stacks
-/// are page-locked): where decode steps copy their host-memory experts over the bus, it says
-/// that the CPU's part is the middle-sized batches.
+/// are page-locked): where batches copy their selected host-memory experts over the bus (decode
+/// steps and batches under the upload bound; larger ones upload them in groups), the CPU does
+/// none of their arithmetic, and the line says so.
 fn with_gather_note(line: String, gathers: bool) -> String {
-    const END: &str = " activations on the CPU; --cpu-experts)";
-    if gathers {
-        line.replacen(
-            END,
-            " activations on the CPU for batches of 5-31 tokens, decode steps over the bus; \
-             --cpu-experts)",
-            1,
-        )
-    } else {
-        line
+    if !gathers {
+        return line;
     }
+    for act in ["int8", "f32"] {
+        let planned = format!(", {act} activations on the CPU; --cpu-experts)");
+        if line.contains(&planned) {
+            return line.replacen(
+                &planned,
+                ", the selected ones copied to the GPU over the bus; --cpu-experts)",
+                1,
+            );
+        }
+    }
+    line
 }
 
 /// Bytes of a model's weights: all of them, the routed experts' part (split between
@@ -2010,14 +2014,18 @@ mod tests {
              the CPU; --cpu-experts)"
         );
         assert!(host_experts_line(1, 43, gib, Precision::Exact).contains("f32 activations"));
-        // Loaded with decode steps over the bus, it says so; else it stays as planned.
+        // Loaded with the selected experts copied over the bus, it says so; else as planned.
         let line = format!("cuda (H100){fast}");
         assert_eq!(
             with_gather_note(line.clone(), true),
-            "cuda (H100); routed experts of 35 of 43 layers in host memory (59.0 GiB, int8 \
-             activations on the CPU for batches of 5-31 tokens, decode steps over the bus; \
-             --cpu-experts)"
+            "cuda (H100); routed experts of 35 of 43 layers in host memory (59.0 GiB, the \
+             selected ones copied to the GPU over the bus; --cpu-experts)"
         );
+        let exact = format!(
+            "cuda (H100){}",
+            host_experts_line(1, 43, gib, Precision::Exact)
+        );
+        assert!(with_gather_note(exact, true).contains("GiB, the selected ones copied"));
         assert_eq!(with_gather_note(line.clone(), false), line);
         assert_eq!(with_gather_note("cuda (H100)".into(), true), "cuda (H100)");
     }

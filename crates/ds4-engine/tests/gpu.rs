@@ -96,7 +96,10 @@ fn gpu_host_experts_match_cpu_reference() {
     let Some(_) = gpu() else { return };
     let c = open(BackendChoice::Cpu).unwrap();
     let gathers = || ds4_model::offload::GATHERS.load(std::sync::atomic::Ordering::Relaxed);
+    let rounds = || ds4_model::offload::GATHER_ROUNDS.load(std::sync::atomic::Ordering::Relaxed);
+    let direct = || ds4_gpu::DIRECT_GATHERS.load(std::sync::atomic::Ordering::Relaxed);
     let uploads = || ds4_gpu::DIRECT_UPLOADS.load(std::sync::atomic::Ordering::Relaxed);
+    let groups = || ds4_model::offload::UPLOADED_GROUPS.load(std::sync::atomic::Ordering::Relaxed);
     for mode in [Gather::Host, Gather::Auto] {
         let gather = mode == Gather::Auto;
         ds4_model::offload::set_gather(Some(mode));
@@ -106,9 +109,10 @@ fn gpu_host_experts_match_cpu_reference() {
         .unwrap();
         ds4_model::offload::set_gather(None);
         println!("GPU backend: {} (gather {gather})", g.backend_name());
-        // The backend line says where decode steps run the experts (once loaded).
+        // The backend line says where the experts' arithmetic runs (once loaded).
         assert_eq!(
-            g.backend_name().contains("decode steps over the bus"),
+            g.backend_name()
+                .contains("the selected ones copied to the GPU over the bus"),
             gather,
             "{}",
             g.backend_name()
@@ -119,27 +123,48 @@ fn gpu_host_experts_match_cpu_reference() {
             "{}",
             g.backend_name()
         );
-        let before = gathers();
-        let direct = ds4_gpu::DIRECT_GATHERS.load(std::sync::atomic::Ordering::Relaxed);
+        // The 13-token prompt (under the upload bound) and the decode steps: gathered (the
+        // tiny model's 16 experts fit the 24 slots: one round a batch), or on the host.
+        let (g0, r0, d0) = (gathers(), rounds(), direct());
         same_greedy(
             &c,
             &g,
             &format!("host experts on the GPU (13-token prompt, gather {gather}) vs the CPU"),
         );
-        let n = gathers() - before;
+        let (n, r, d) = (gathers() - g0, rounds() - r0, direct() - d0);
         assert!(
-            if gather { n >= 6 } else { n == 0 },
-            "gather {gather}: {n} decode steps gathered their host experts"
+            if gather {
+                n >= 6 * 2 && r == n
+            } else {
+                n == 0 && r == 0
+            },
+            "gather {gather}: {n} batches ({r} rounds) gathered their host experts"
         );
-        // The gathers copy from the page-locked stacks (3 copies a gathered step).
-        let d = ds4_gpu::DIRECT_GATHERS.load(std::sync::atomic::Ordering::Relaxed) - direct;
+        // The gathers copy from the page-locked stacks (3 copies a round).
         assert_eq!(
             d,
-            3 * n,
-            "gather {gather}: {d} direct copies for {n} gathered steps"
+            3 * r,
+            "gather {gather}: {d} direct copies for {r} rounds"
         );
-        // A 65-token prompt: the grouped upload path, then decode steps.
-        let up0 = uploads();
+        if gather {
+            // Slots for 6 experts (one token's): the prompt's 16 experts in 3 rounds a layer.
+            ds4_model::offload::set_gather_slots(Some(6));
+            let (g0, r0) = (gathers(), rounds());
+            same_greedy(
+                &c,
+                &g,
+                "host experts gathered in rounds of 6 (13-token prompt) vs the CPU",
+            );
+            ds4_model::offload::set_gather_slots(None);
+            let (n, r) = (gathers() - g0, rounds() - r0);
+            assert!(
+                n >= 6 * 2 && r >= n + 6 * 2,
+                "{n} batches gathered in {r} rounds of 6 slots"
+            );
+        }
+        // A 65-token prompt (over the upload bound): gathered like any batch, or (gather off)
+        // the grouped upload path (staged: the stacks are not page-locked then); decode steps.
+        let (g0, up0, direct0) = (gathers(), groups(), uploads());
         let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();
         let run = |e: &Engine| {
             let mut s = e.new_session(512);
@@ -153,14 +178,21 @@ fn gpu_host_experts_match_cpu_reference() {
         };
         let worst = max_abs_rows(&run(&g), &run(&c));
         println!(
-            "host experts, 65-token prompt (grouped upload) + 8 steps, gather {gather}: max |Δ \
-             logit| {worst:.3e}"
+            "host experts, 65-token prompt + 8 steps, gather {gather}: max |Δ logit| {worst:.3e}"
         );
         assert!(worst < 1e-3, "logits differ by {worst}");
-        let up = uploads() - up0;
+        let (n, up, direct) = (gathers() - g0, groups() - up0, uploads() - direct0);
         assert!(
-            if gather { up >= 3 } else { up == 0 },
-            "gather {gather}: {up} direct uploads of expert groups for the 65-token prompt"
+            if gather {
+                n >= 6 * 9 && up == 0
+            } else {
+                n == 0 && up >= 6
+            },
+            "gather {gather}: {n} batches gathered, {up} expert groups uploaded"
+        );
+        assert_eq!(
+            direct, 0,
+            "{direct} grouped uploads from page-locked memory"
         );
     }
 }
@@ -180,7 +212,8 @@ fn gpu_fast_precision_stays_close_to_cpu() {
     assert_eq!(gt[0], ct[0], "the prompt's greedy token differs");
 }
 
-/// `--precision fast` with every layer's routed experts in host memory: the 13-token prompt
+/// `--precision fast` with every layer's routed experts in host memory, computed on the host
+/// (`DS4_HOST_EXPERTS_DECODE=host`; else they are gathered onto the GPU): the 13-token prompt
 /// (under the upload bound) runs them on the CPU with int8 activations
 /// (`CpuHostExperts::with_int8_activations`, ~2e-2 relative RMS on the first position of the
 /// tiny model against f32 ones, `ds4-cpu/tests/host_experts.rs`), beside the GPU's fast forms:
@@ -190,7 +223,9 @@ fn gpu_fast_host_experts_stay_close_to_cpu() {
     let _serial = serial();
     let Some(_) = gpu() else { return };
     let want = "int8 activations on the CPU";
+    ds4_model::offload::set_gather(Some(Gather::Host));
     let (d, r, _, _) = fast_vs_cpu(ds4_engine::CpuExperts::Last(usize::MAX), want);
+    ds4_model::offload::set_gather(None);
     assert!(d < 0.1 * r, "prompt logits differ by RMS {d} of {r}");
 }
 

@@ -116,22 +116,28 @@ pub struct Model<B: Backend> {
     output: B::Weight,
     layers: Vec<Layer<B::Weight>>,
     mtp: Option<Mtp<B::Weight>>,
-    /// Host-memory experts: prompt batches of at least `.0` tokens upload them `.1` at a time
-    /// (`offload.rs`; unused when no layer keeps them on the host).
+    /// Host-memory experts not gathered: prompt batches of at least `.0` tokens upload them
+    /// `.1` at a time, smaller ones run on the host (`offload.rs`; unused when no layer keeps
+    /// them on the host).
     host_batch: (usize, usize),
-    /// Host-memory experts of decode steps: gathered into device slots (`HostPlacement::gather`).
+    /// Host-memory experts of every batch gathered into device slots (`HostPlacement::gather`).
     host_gather: bool,
-    /// Those slots (gate, up, down), made at the first such step for its stacks' types and
-    /// shapes, shared by every host layer (steps run one layer after another, and a gather is
-    /// ordered after the ops that read the previous one): [`offload::GATHER_MAX_TOKENS`] x
-    /// n_used experts a stack, ~170 MB of device memory in the q2 mix, ~340 MB in q4. The memory
+    /// Those slots (gate, up, down), made at the first such batch for its stacks' types and
+    /// shapes, shared by every host layer (batches run one layer after another, and a gather is
+    /// ordered after the ops that read the previous one): [`offload::gather_slots`] experts a
+    /// stack (24), ~170 MB of device memory in the q2 mix, ~340 MB in q4. The memory
     /// plan allows one uploaded group (GROUP = 32 experts) beside the weights: a prompt batch
     /// that uploads groups drops the slots first (24 experts of the model fit in that room).
     slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
 }
 
-/// Device slots for gathered host-memory experts: the stacks' (type, cols, rows) and weights.
-type Slots<W> = ([(ds4_backend::GgmlType, usize, usize); 3], Option<[W; 3]>);
+/// Device slots for gathered host-memory experts: the stacks' (type, cols, rows), the experts
+/// a slot stack holds, and the weights.
+type Slots<W> = (
+    [(ds4_backend::GgmlType, usize, usize); 3],
+    usize,
+    Option<[W; 3]>,
+);
 
 /// Logits per evaluated position, and (when asked) the final HC streams of the same
 /// positions.
@@ -629,9 +635,10 @@ impl<B: Backend> Binder<'_, B> {
     }
 }
 
-/// Whether decode steps gather host-memory experts onto the device (`offload::Gather`; `mode`
-/// None: no host placement). Where wanted, the stacks are page-locked for DMA (which also makes
-/// the grouped uploads of prompt batches direct copies); `auto` gathers only where that worked.
+/// Whether batches gather host-memory experts onto the device (`offload::Gather`; `mode` None:
+/// no host placement). Where wanted, the stacks are page-locked for DMA (which also makes the
+/// grouped uploads, where slots could not be made, direct copies); `auto` gathers only where
+/// that worked.
 fn lock_host_experts<B: Backend>(
     backend: &B,
     layers: &[Layer<B::Weight>],
@@ -658,8 +665,9 @@ fn lock_host_experts<B: Backend>(
         if mode == offload::Gather::Auto && mapped > budget {
             eprintln!(
                 "ds4: host-memory experts not page-locked: {:.1} GiB of the file is more than \
-                 available memory allows ({:.1} GiB); decode steps run them on the host's cores \
-                 (DS4_HOST_EXPERTS_DECODE=gpu copies them through staging instead)",
+                 available memory allows ({:.1} GiB); batches under 32 tokens run them on the \
+                 host's cores, larger ones upload them in groups (DS4_HOST_EXPERTS_DECODE=gpu \
+                 gathers them through staging instead)",
                 gib(mapped),
                 gib(budget)
             );
@@ -679,8 +687,8 @@ fn lock_host_experts<B: Backend>(
     let locked = backend.register_host(&ranges);
     if locked > 0 {
         eprintln!(
-            "ds4: {:.2} GiB of host-memory experts page-locked in {:.1} s: decode steps copy the \
-             selected ones to the device by DMA",
+            "ds4: {:.2} GiB of host-memory experts page-locked in {:.1} s: each batch copies \
+             the ones it selects to the device by DMA",
             gib(locked as usize),
             t.elapsed().as_secs_f64()
         );
@@ -882,8 +890,8 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Whether decode steps copy host-memory experts to the backend (`offload::Gather`; the
-    /// stacks page-locked at load, or the gather forced).
+    /// Whether batches copy their selected host-memory experts to the backend
+    /// (`offload::Gather`; the stacks page-locked at load, or the gather forced).
     pub fn gathers_host_experts(&self) -> bool {
         self.host_gather
     }
@@ -1466,7 +1474,7 @@ impl<B: Backend> Model<B> {
             let zh = b.download(z, n * d);
             return b.upload(&run.run(spec, &zh, &s, &w, n));
         }
-        // The decode slots' room is the groups' (see `slots`).
+        // The gather's slots' room is the groups' (see `slots`).
         *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut out = b.upload(&vec![0f32; n * d]);
         for (e0, count, gs, gw) in offload::groups(&s, &w, k, spec.n_expert, group) {
@@ -1487,6 +1495,7 @@ impl<B: Backend> Model<B> {
                 n_expert: count,
                 ..*spec
             };
+            offload::UPLOADED_GROUPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let mut part = b.alloc(n * d);
             let (si, wi) = (b.upload_i32(&gs), b.upload(&gw));
             b.moe_experts(&gspec, &g, &u, &dn, z, &si, &wi, n, &mut part);
@@ -1495,11 +1504,18 @@ impl<B: Backend> Model<B> {
         out
     }
 
-    /// A decode step's host-memory experts on the backend: the experts that `sel` (host copy
-    /// `s`) names, gathered into the device slots in order of first use, then the backend's
-    /// MoE over those slots (the same kernels and sums as resident experts). None: not this
-    /// path (the gather off: `offload::Gather`, or the stacks not page-locked; a larger batch;
-    /// no slots on this backend).
+    /// A batch's host-memory experts on the backend (every batch, decode steps and prompts,
+    /// where the gather is on): the experts that `sel` (host copy `s`) names, gathered into the
+    /// device slots in order of first use, then the backend's MoE over those slots (the same
+    /// kernels and sums as resident experts). More experts than slots: in rounds of a slots'
+    /// fill (`offload::rounds`), each round's MoE with the other rounds' slots weighted 0 (the
+    /// GPU's prompt MoE drops such pairs), the rounds' sums added (f32 order as between
+    /// expert-parallel ranks). Session 45 (H100, full-size q2, bench/results/gpu-s45-h100.txt):
+    /// faster than the grouped uploads at every batch size tried (16 host layers: 2k prompt
+    /// 2,414-2,435 against 2,036-2,041 tok/s, 512-token batches 1,112 against 628) and than the
+    /// host's cores for 8-16-token batches (135-201 against 108-144). None: not this path (the
+    /// gather off: `offload::Gather`, or the stacks not page-locked; no slots on this backend).
+    #[allow(clippy::too_many_arguments)]
     fn moe_gather(
         &self,
         stacks: &[HostStack; 3],
@@ -1510,15 +1526,18 @@ impl<B: Backend> Model<B> {
         n: usize,
     ) -> Option<B::Buf> {
         let b = &self.backend;
-        if !self.host_gather || n > offload::GATHER_MAX_TOKENS {
+        if !self.host_gather {
             return None;
         }
-        let cap = offload::GATHER_MAX_TOKENS * spec.n_used;
         let key = stacks
             .each_ref()
             .map(|h| (h.ty, h.dims[0] as usize, h.dims[1] as usize));
+        let cap = offload::gather_slots(spec.n_used);
         let mut guard = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.as_ref().is_none_or(|(k, _)| *k != key) {
+        if guard
+            .as_ref()
+            .is_none_or(|(k, c, _)| *k != key || *c != cap)
+        {
             *guard = None; // the old slots go before the new ones are made
             let make = |i: usize| {
                 let (ty, cols, rows) = key[i];
@@ -1528,9 +1547,9 @@ impl<B: Backend> Model<B> {
                 (Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
                 _ => None, // no slots (CPU) or no room: the host path, from now on
             };
-            *guard = Some((key, slots));
+            *guard = Some((key, cap, slots));
         }
-        let slots = guard.as_ref()?.1.as_ref()?;
+        let slots = guard.as_ref()?.2.as_ref()?;
         // Selections are this stack's experts (`moe_localize` points other ranks' slots at a
         // held one); anything else goes to the host path, which says what is wrong.
         if s.iter()
@@ -1538,33 +1557,45 @@ impl<B: Backend> Model<B> {
         {
             return None;
         }
-        // Local ids in order of first use.
-        let mut used: Vec<i32> = Vec::new();
-        let local: Vec<i32> = s
-            .iter()
-            .map(|&e| {
-                let i = used.iter().position(|&u| u == e).unwrap_or_else(|| {
-                    used.push(e);
-                    used.len() - 1
-                });
-                i as i32
-            })
-            .collect();
-        for (st, w) in stacks.iter().zip(slots) {
-            let srcs: Vec<&[u8]> = used.iter().map(|&e| st.expert(e as usize)).collect();
-            b.gather_experts(w, &srcs);
-        }
+        let k = spec.n_used;
+        let one = offload::rounds(s, None, k, cap);
+        let rounds = match one {
+            Ok(r) => r,
+            // Several rounds: their weights masked on the host.
+            Err(_) => offload::rounds(s, Some(&b.download(wgt, n * k)), k, cap).ok()?,
+        };
         let gspec = MoeSpec {
             n_expert: cap,
             ..*spec
         };
-        let si = b.upload_i32(&local);
-        let mut out = b.alloc(n * spec.d);
-        b.moe_experts(
-            &gspec, &slots[0], &slots[1], &slots[2], z, &si, wgt, n, &mut out,
-        );
+        let mut out: Option<B::Buf> = None;
+        for r in &rounds {
+            for (st, w) in stacks.iter().zip(slots) {
+                let srcs: Vec<&[u8]> = r.experts.iter().map(|&e| st.expert(e as usize)).collect();
+                b.gather_experts(w, &srcs);
+            }
+            let si = b.upload_i32(&r.sel);
+            let wi = r.wgt.as_ref().map(|w| b.upload(w));
+            let mut part = b.alloc(n * spec.d);
+            b.moe_experts(
+                &gspec,
+                &slots[0],
+                &slots[1],
+                &slots[2],
+                z,
+                &si,
+                wi.as_ref().unwrap_or(wgt),
+                n,
+                &mut part,
+            );
+            match &mut out {
+                None => out = Some(part),
+                Some(o) => b.add(o, &part, n * spec.d),
+            }
+            offload::GATHER_ROUNDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         offload::GATHERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Some(out)
+        out
     }
 
     /// Output head (model.md §3.5) for `m` rows of streams `xs` (`[m, N, D]`).

@@ -2,22 +2,24 @@
 //! keeps every dense weight on the device and the routed-expert stacks of some layers in host
 //! memory (the file's mmap: no copy). The schedule then runs those layers' routed experts
 //!
-//! - by default ([`Gather::Auto`]) for decode steps (at most [`GATHER_MAX_TOKENS`] tokens) on
-//!   a GPU that page-locked the stacks at load: the router's selections come back to the host,
-//!   the selected experts' slabs are copied by DMA into device slots (`Backend::expert_slots` /
-//!   `gather_experts`: ~43 MB a q2 layer over the bus) and the backend's MoE runs on them;
-//! - on the host for other small batches: the router's selections and the MoE input come back
-//!   to the host, [`HostExperts::run`] computes `Backend::moe_experts`'s value there, and the
-//!   sum goes back up (a host read ends a recorded decode graph: the step's later layers run
-//!   eagerly);
-//! - on the device for prompt batches of at least [`HostPlacement::upload_min`] tokens: the
-//!   experts that the batch selects are uploaded [`HostPlacement::group`] at a time (each group
-//!   one stack slice, bound like an expert-parallel rank's part) and run there, their sums added.
-//!   Uploading a layer's used experts over the bus beats the host's arithmetic once a batch
-//!   routes more than a few tokens to each expert.
+//! - by default ([`Gather::Auto`]) on a GPU that page-locked the stacks at load, for every
+//!   batch: the router's selections come back to the host, the selected experts' slabs are
+//!   copied by DMA into device slots (`Backend::expert_slots` / `gather_experts`: ~43 MB a q2
+//!   layer for a decode step, the whole layer's 1.8 GB for a 2k prompt) and the backend's MoE
+//!   runs on them; a batch that selects more experts than the slots hold ([`gather_slots`])
+//!   is gathered in [`rounds`];
+//! - where the gather is off (`DS4_HOST_EXPERTS_DECODE=host`, or the stacks not page-locked),
+//!   batches under [`HostPlacement::upload_min`] tokens (decode steps among them) on the host:
+//!   the router's selections and the MoE input come back to the host, [`HostExperts::run`]
+//!   computes `Backend::moe_experts`'s value there, and the sum goes back up (a host read ends
+//!   a recorded decode graph: the step's later layers run eagerly);
+//! - and larger prompt batches on the device: the experts that the batch selects are uploaded
+//!   [`HostPlacement::group`] at a time (each group one stack slice, bound like an
+//!   expert-parallel rank's part) and run there, their sums added.
 //!
 //! Summation order: the host path sums the slots in selection order as every backend does; the
-//! grouped path adds the groups' sums (f32 order changes, as between expert-parallel ranks).
+//! grouped path and gathers of several rounds add the groups' (rounds') sums (f32 order
+//! changes, as between expert-parallel ranks).
 
 use ds4_backend::{GgmlType, MoeSpec, WeightSrc};
 use ds4_gguf::GgufFile;
@@ -138,16 +140,20 @@ pub struct HostPlacement<'a> {
     /// Main-model layers (block indices) whose routed experts stay in host memory.
     pub layers: Vec<usize>,
     pub make: &'a HostExpertsMaker<'a>,
-    /// Prompt batches of at least this many tokens upload the selected experts and run them on
-    /// the backend (smaller batches: on the host).
+    /// Where the experts are not gathered ([`Gather`]): prompt batches of at least this many
+    /// tokens upload the selected experts a group at a time and run them on the backend,
+    /// smaller batches run on the host.
     pub upload_min: usize,
     /// Experts uploaded (and run) at a time.
     pub group: usize,
-    /// How decode steps (at most [`GATHER_MAX_TOKENS`] tokens) run these experts.
+    /// Whether batches gather the experts they select onto the device, or run as above.
     pub gather: Gather,
 }
 
-/// How decode steps run host-memory experts (`DS4_HOST_EXPERTS_DECODE=auto|gpu|host`).
+/// Whether batches gather their host-memory experts onto the device
+/// (`DS4_HOST_EXPERTS_DECODE=auto|gpu|host`, named when only decode steps gathered; since
+/// session 45 every batch does, which beat the grouped uploads and the host's cores at every
+/// size measured: see `Model::moe_gather`).
 ///
 /// Measured on H100s (PCIe 5, 16 host cores; bench/results/gpu-s44-h100.txt runs A-C, full-size
 /// q2 at 2k): with the stacks page-locked, a DMA gather of a layer's 6 selected experts costs
@@ -158,11 +164,12 @@ pub struct HostPlacement<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gather {
     /// Gather by DMA where the backend page-locks the stacks at load ([`lock_budget`]
-    /// allowing), else compute on the host's cores. The default.
+    /// allowing), else as `Host`. The default.
     Auto,
     /// Gather wherever the backend has expert slots (through staging if not page-locked).
     Gpu,
-    /// Always on the host's cores.
+    /// Never gather: batches under [`HostPlacement::upload_min`] tokens on the host's cores,
+    /// larger ones uploaded in groups.
     Host,
 }
 
@@ -234,13 +241,113 @@ fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
     })
 }
 
-/// Tokens of the largest step whose host-memory experts are gathered onto the device (decode
-/// and speculative verify steps); larger batches below [`HostPlacement::upload_min`] run on the
-/// host. The slots hold this many tokens' selections.
+/// Tokens whose selections the gather's device slots hold at once (decode and speculative
+/// verify steps: one round). Larger batches are gathered in rounds of that many experts
+/// ([`rounds`]), so the slots stay ~173 MB (q2) whatever the batch.
 pub const GATHER_MAX_TOKENS: usize = 4;
 
-/// Steps whose host-memory experts were gathered onto the device (process-wide; tests).
+/// Batches whose host-memory experts were gathered onto the device (process-wide; tests).
 pub static GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Rounds of those gathers (one slots' fill each; process-wide; tests).
+pub static GATHER_ROUNDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Expert groups uploaded for prompt batches that were not gathered (process-wide; tests).
+pub static UPLOADED_GROUPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+static SLOTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Experts the gather's device slots hold: [`GATHER_MAX_TOKENS`] tokens' selections (24 of the
+/// model's 6 a token), or `DS4_HOST_EXPERTS_SLOTS` / [`set_gather_slots`] (tests: few slots
+/// force rounds), never fewer than one token's `n_used` (the GPU's MoE kernels take at least
+/// a token's selections of experts: with 4 slots for 6 a token, session 45's run B got wrong
+/// logits). Read when a model's slots are made.
+pub fn gather_slots(n_used: usize) -> usize {
+    let set = match SLOTS.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => std::env::var("DS4_HOST_EXPERTS_SLOTS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(GATHER_MAX_TOKENS * n_used),
+        v => v,
+    };
+    set.max(n_used).max(1)
+}
+
+/// Overrides [`gather_slots`] for this process (None: back to the default).
+pub fn set_gather_slots(slots: Option<usize>) {
+    SLOTS.store(slots.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// One fill of the gather's slots: the experts copied (global ids, slot order) and the batch's
+/// selections as slot numbers. `wgt`: the router weights with every slot that names another
+/// round's expert zeroed (that slot then points at a slot of this round that its token uses, or
+/// slot 0, as `ds4_backend::shard::localize` does); None where one round holds every expert
+/// (the weights unchanged).
+#[derive(Debug, PartialEq)]
+pub struct Round {
+    pub experts: Vec<i32>,
+    pub sel: Vec<i32>,
+    pub wgt: Option<Vec<f32>>,
+}
+
+/// A gathered batch's rounds: the experts that `sel` (`[n, k]`, valid ids) names, in order of
+/// first use, `cap` a round. `wgt` is needed only where more than one round is.
+pub fn rounds(
+    sel: &[i32],
+    wgt: Option<&[f32]>,
+    k: usize,
+    cap: usize,
+) -> Result<Vec<Round>, String> {
+    let cap = cap.max(1);
+    let mut used: Vec<i32> = Vec::new();
+    for &e in sel {
+        if !used.contains(&e) {
+            used.push(e);
+        }
+    }
+    let slot_of = |experts: &[i32], e: i32| experts.iter().position(|&u| u == e);
+    if used.len() <= cap {
+        let local = sel
+            .iter()
+            .map(|&e| slot_of(&used, e).unwrap_or(0) as i32)
+            .collect();
+        return Ok(vec![Round {
+            experts: used,
+            sel: local,
+            wgt: None,
+        }]);
+    }
+    let wgt = wgt.ok_or("a gather of several rounds needs the router weights")?;
+    if wgt.len() != sel.len() {
+        return Err(format!(
+            "{} router weights for {} selections",
+            wgt.len(),
+            sel.len()
+        ));
+    }
+    Ok(used
+        .chunks(cap)
+        .map(|experts| {
+            let (mut s, mut w) = (Vec::with_capacity(sel.len()), wgt.to_vec());
+            for (row, wrow) in sel.chunks(k.max(1)).zip(w.chunks_mut(k.max(1))) {
+                let first = row.iter().find_map(|&e| slot_of(experts, e)).unwrap_or(0);
+                for (&e, w) in row.iter().zip(wrow) {
+                    match slot_of(experts, e) {
+                        Some(i) => s.push(i as i32),
+                        None => {
+                            s.push(first as i32);
+                            *w = 0.0;
+                        }
+                    }
+                }
+            }
+            Round {
+                experts: experts.to_vec(),
+                sel: s,
+                wgt: Some(w),
+            }
+        })
+        .collect())
+}
 
 /// [`HostPlacement::upload_min`] unless `DS4_HOST_EXPERTS_UPLOAD_MIN` says otherwise.
 pub const UPLOAD_MIN: usize = 32;
@@ -314,6 +421,96 @@ mod tests {
             e.contains("\"dma\"") && e.contains("auto, gpu or host"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn one_round_keeps_the_weights_and_numbers_experts_by_first_use() {
+        // 2 tokens x 3 slots; expert 9 twice.
+        let sel = [9, 4, 7, 4, 9, 2];
+        let r = rounds(&sel, None, 3, 24).unwrap();
+        assert_eq!(
+            r,
+            vec![Round {
+                experts: vec![9, 4, 7, 2],
+                sel: vec![0, 1, 2, 1, 0, 3],
+                wgt: None,
+            }]
+        );
+        // Exactly full: still one round.
+        assert_eq!(rounds(&sel, None, 3, 4).unwrap().len(), 1);
+        // Several rounds need the weights.
+        let e = rounds(&sel, None, 3, 3).unwrap_err();
+        assert!(e.contains("router weights"), "{e}");
+        let e = rounds(&sel, Some(&[1.0; 5]), 3, 3).unwrap_err();
+        assert!(e.contains("5 router weights for 6 selections"), "{e}");
+    }
+
+    #[test]
+    fn rounds_cover_every_selection_once_with_its_weight() {
+        let (k, n, cap) = (6, 13, 4);
+        // A deterministic scatter of 16 experts over 13 tokens, no repeats within a token.
+        let sel: Vec<i32> = (0..n * k)
+            .map(|i| ((i / k) * 5 + (i % k) * 3) as i32 % 16)
+            .collect();
+        for row in sel.chunks(k) {
+            for (i, e) in row.iter().enumerate() {
+                assert!(
+                    !row[..i].contains(e),
+                    "test data repeats an expert: {row:?}"
+                );
+            }
+        }
+        let wgt: Vec<f32> = (0..n * k).map(|i| 0.5 + i as f32).collect();
+        let r = rounds(&sel, Some(&wgt), k, cap).unwrap();
+        assert_eq!(r.len(), 4, "16 experts in rounds of 4");
+        let mut seen = vec![0usize; n * k];
+        for round in &r {
+            assert!(round.experts.len() <= cap);
+            let w = round.wgt.as_ref().unwrap();
+            for (i, (&slot, &wi)) in round.sel.iter().zip(w).enumerate() {
+                assert!(
+                    (slot as usize) < round.experts.len(),
+                    "slot {slot} past the round"
+                );
+                if wi != 0.0 {
+                    // A live slot names the token's own expert with its own weight.
+                    assert_eq!(round.experts[slot as usize], sel[i]);
+                    assert_eq!(wi, wgt[i]);
+                    seen[i] += 1;
+                } else {
+                    assert!(
+                        !round.experts.contains(&sel[i]),
+                        "slot {i} dropped in its round"
+                    );
+                }
+            }
+        }
+        assert!(
+            seen.iter().all(|&c| c == 1),
+            "every selection in exactly one round: {seen:?}"
+        );
+        // Rounds partition the experts, in order of first use.
+        let all: Vec<i32> = r.iter().flat_map(|x| x.experts.clone()).collect();
+        let mut first = Vec::new();
+        for &e in &sel {
+            if !first.contains(&e) {
+                first.push(e);
+            }
+        }
+        assert_eq!(all, first);
+    }
+
+    #[test]
+    fn the_slot_count_defaults_to_four_tokens_and_can_be_set() {
+        set_gather_slots(Some(7));
+        assert_eq!(gather_slots(6), 7);
+        set_gather_slots(Some(4));
+        assert_eq!(gather_slots(6), 6, "at least a token's selections");
+        set_gather_slots(None);
+        if std::env::var("DS4_HOST_EXPERTS_SLOTS").is_err() {
+            assert_eq!(gather_slots(6), 24);
+            assert_eq!(gather_slots(8), 32);
+        }
     }
 
     #[test]

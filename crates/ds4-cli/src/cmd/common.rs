@@ -63,11 +63,12 @@ pub struct ModelArgs {
     /// card with the q2 mix: every dense weight, ~8 GiB, stays on the GPU). `auto`: all on the
     /// GPU when they fit, else those of as few of the last layers as let the rest fit (after
     /// dropping the GPU's ~6 GiB of decode-layout copies of the Q8_0 matrices); `N`: the last N
-    /// layers'; `all`; `off`: refuse a model that does not fit. Decode steps copy the experts
-    /// they select to the GPU by DMA from page-locked host memory (~1 ms a q2 layer a token on
-    /// PCIe 5; `DS4_HOST_EXPERTS_DECODE=host` computes them on the CPU's cores instead, ~2-4 ms
-    /// on 16 cores); prompt batches of 32 tokens or more upload the selected experts to the GPU,
-    /// 32 at a time; batches of 5-31 tokens run on the CPU.
+    /// layers'; `all`; `off`: refuse a model that does not fit. Every batch (decode step or
+    /// prompt) copies the experts it selects to the GPU by DMA from page-locked host memory
+    /// and runs them there (~1 ms a q2 layer a decode step on PCIe 5, the bus's speed for
+    /// prompts). `DS4_HOST_EXPERTS_DECODE=host` turns that off: batches under 32 tokens then
+    /// run those experts on the CPU's cores (~2-4 ms a decode step on 16 cores), larger ones
+    /// upload the selected experts 32 at a time.
     #[arg(long, default_value = "auto", value_parser = parse_cpu_experts)]
     pub cpu_experts: ds4_engine::CpuExperts,
     /// Context size in tokens for the session.
