@@ -329,23 +329,6 @@ pub trait Backend: Send + Sync + Sized {
     /// the previous contents) and before the ops issued next.
     fn gather_experts(&self, _slots: &Self::Weight, _slabs: &[&[u8]]) {}
 
-    /// [`Backend::gather_experts`] done by the device itself, with no host round trip (a
-    /// recorded decode step stays one graph): for each of the three stacks (whole host stacks
-    /// of `experts` equal slabs, registered by [`Backend::register_host`] and mapped into the
-    /// device's address space), slot p of `slots` gets the slab of expert `sel[p]`, p <
-    /// `pairs`. False, with nothing queued, where the backend cannot (a stack not mapped or
-    /// not 16-byte aligned, more pairs than slots).
-    fn gather_experts_mapped(
-        &self,
-        _slots: [&Self::Weight; 3],
-        _stacks: [&[u8]; 3],
-        _experts: usize,
-        _sel: &Self::IBuf,
-        _pairs: usize,
-    ) -> bool {
-        false
-    }
-
     /// A small tensor used as f32 values (norm weights, scales, biases, sinks).
     fn vector(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
     /// An I32 table (hash routing `tid2eid`).

@@ -169,9 +169,6 @@ pub struct Gpu {
     /// Host ranges page-locked by [`Gpu::register_host`] (start, end; page-aligned, disjoint),
     /// unregistered when the Gpu is dropped.
     registered: Mutex<Vec<(usize, usize)>>,
-    /// The device's address of each registered range's start, where the driver mapped it
-    /// (`Runtime::host_device_ptr`): kernels read those ranges over the bus.
-    mapped: Mutex<FastMap<usize, u64>>,
 }
 
 /// Host page size assumed by [`Gpu::register_host`] (ranges are widened to whole pages; a
@@ -180,8 +177,6 @@ const HOST_PAGE: usize = 4096;
 
 /// Gathers that copied straight from registered host memory (process-wide; tests).
 pub static DIRECT_GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-/// Gathers that the device made itself from mapped host memory (`gather_slabs`; tests).
-pub static MAPPED_GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 /// Uploads ([`Gpu::upload`]) that copied straight from registered host memory (tests).
 pub static DIRECT_UPLOADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -259,7 +254,6 @@ impl Gpu {
             cache: cache_dir(),
             origins: Mutex::new(Vec::new()),
             registered: Mutex::new(Vec::new()),
-            mapped: Mutex::new(FastMap::default()),
         }
     }
 
@@ -298,28 +292,14 @@ impl Gpu {
                 // All or nothing: this call's ranges are released again (pinned memory that
                 // no copy would use).
                 for (x, _) in reg.drain(had..) {
-                    self.mapped.lock().unwrap().remove(&x);
                     let _ = unsafe { self.rt.host_unregister(x as *const u8) };
                 }
                 return Err(e);
             }
             reg.push((a, b));
-            if let Ok(d) = unsafe { self.rt.host_device_ptr(a as *const u8) } {
-                self.mapped.lock().unwrap().insert(a, d.0);
-            }
             bytes += b - a;
         }
         Ok(bytes)
-    }
-
-    /// The device's address of `s` where it lies in one registered range that the driver
-    /// mapped (kernels may read it over the bus), else None.
-    pub fn mapped_ptr(&self, s: &[u8]) -> Option<DevPtr> {
-        let (a, b) = (s.as_ptr() as usize, s.as_ptr() as usize + s.len());
-        let reg = self.registered.lock().unwrap();
-        let &(x, _) = reg.iter().find(|&&(x, y)| x <= a && b <= y)?;
-        let base = *self.mapped.lock().unwrap().get(&x)?;
-        Some(DevPtr(base + (a - x) as u64))
     }
 
     pub fn runtime(&self) -> &Arc<dyn Runtime> {

@@ -21,9 +21,7 @@ pub mod runtime;
 
 pub use compiler::{Compiler, Hiprtc, Nvrtc};
 pub use error::{GpuError, Result};
-pub use gpu::{
-    probe, Backend, DeviceBuffer, Gpu, MatvecPlan, DIRECT_GATHERS, DIRECT_UPLOADS, MAPPED_GATHERS,
-};
+pub use gpu::{probe, Backend, DeviceBuffer, Gpu, MatvecPlan, DIRECT_GATHERS, DIRECT_UPLOADS};
 pub use model::{GpuBackend, GpuComm, Precision};
 pub use runtime::{
     Arg, DevPtr, DeviceInfo, Event, Function, LaunchDims, ModuleHandle, Runtime, Stream, Vendor,

@@ -1509,35 +1509,3 @@ DS4_KERNEL void DS4_BOUNDS(128) moe_localize(int* __restrict__ sel, float* __res
         }
     }
 }
-
-// Host-memory experts (ds4-model offload.rs): a decode step's selected experts copied from host
-// memory mapped into the device's address space (read over the bus by the SMs, no host round
-// trip, so the step's graph stays whole) into device slots: for stack z (gate, up, down: grid
-// z), slot p (grid y) <- expert sel[p]'s slab of words[z] 16-byte words. Selections outside
-// 0 .. n_expert - 1 copy nothing. Four 16-byte loads in flight a thread: the bus's latency
-// (~1-2 us) needs many outstanding reads.
-DS4_KERNEL void DS4_BOUNDS(256) gather_slabs(const int* __restrict__ sel, int n_expert,
-                                             const uint4* __restrict__ src0, const uint4* __restrict__ src1,
-                                             const uint4* __restrict__ src2, long long words0, long long words1,
-                                             long long words2, uint4* __restrict__ dst0, uint4* __restrict__ dst1,
-                                             uint4* __restrict__ dst2) {
-    ds4_pdl_enter();
-    const int p = blockIdx.y;
-    const int e = sel[p];
-    if (e < 0 || e >= n_expert) return;
-    const uint4* src = blockIdx.z == 0 ? src0 : blockIdx.z == 1 ? src1 : src2;
-    uint4* dst = blockIdx.z == 0 ? dst0 : blockIdx.z == 1 ? dst1 : dst2;
-    const long long words = blockIdx.z == 0 ? words0 : blockIdx.z == 1 ? words1 : words2;
-    const uint4* s = src + (long long)e * words;
-    uint4* d = dst + (long long)p * words;
-    const long long step = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * step < words; i += 4 * step) {
-        const uint4 a = s[i], b = s[i + step], c = s[i + 2 * step], f = s[i + 3 * step];
-        d[i] = a;
-        d[i + step] = b;
-        d[i + 2 * step] = c;
-        d[i + 3 * step] = f;
-    }
-    for (; i < words; i += step) d[i] = s[i];
-}

@@ -3,7 +3,7 @@ use crate::Module;
 /// Decode MoE (n ≤ 4 tokens): fused gate+up+SwiGLU and down+slot sum over the routed experts,
 /// each distinct expert read once (`gpu/moe.cu`): v1 `moe*` (rows staged in shared memory), v2
 /// `m2*` (direct loads), v3d `m3*` (n = 1, IQ2_XXS gate/up and Q2_K down on tensor cores, CUDA
-/// sm_80+); `gather_slabs`, host-memory experts copied into device slots over the bus.
+/// sm_80+).
 pub const MOE: Module = Module {
     name: "moe",
     source: include_str!("../gpu/moe.cu"),
@@ -37,6 +37,5 @@ pub const MOE: Module = Module {
         "m3dn1_q2_k",
         "m3dn1ip_q2_k",
         "moe_localize",
-        "gather_slabs",
     ],
 };

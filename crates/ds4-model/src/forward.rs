@@ -128,20 +128,16 @@ pub struct Model<B: Backend> {
     /// stack (24), ~170 MB of device memory in the q2 mix, ~340 MB in q4. The memory
     /// plan allows one uploaded group (GROUP = 32 experts) beside the weights: a prompt batch
     /// that uploads groups drops the slots first (24 experts of the model fit in that room).
-    slots: std::sync::Mutex<Option<Slots<B>>>,
+    slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
 }
 
-/// Device slots for gathered host-memory experts.
-struct Slots<B: Backend> {
-    /// The stacks' (type, cols, rows) and the experts a slot stack holds.
-    key: [(ds4_backend::GgmlType, usize, usize); 3],
-    cap: usize,
-    /// Gate, up, down; None where they could not be made (the host path from then on).
-    w: Option<[B::Weight; 3]>,
-    /// Slot numbers 0 .. cap: the MoE's selections after a mapped gather (slot p holds pair
-    /// p's expert), made at its first use.
-    ident: Option<B::IBuf>,
-}
+/// Device slots for gathered host-memory experts: the stacks' (type, cols, rows), the experts
+/// a slot stack holds, and the weights.
+type Slots<W> = (
+    [(ds4_backend::GgmlType, usize, usize); 3],
+    usize,
+    Option<[W; 3]>,
+);
 
 /// Logits per evaluated position, and (when asked) the final HC streams of the same
 /// positions.
@@ -1467,9 +1463,6 @@ impl<B: Backend> Model<B> {
     ) -> B::Buf {
         let b = &self.backend;
         let (k, d) = (spec.n_used, spec.d);
-        if let Some(out) = self.moe_mapped(stacks, spec, z, sel, wgt, n) {
-            return out;
-        }
         // Host reads: a recorded decode step ends here (the rest of it runs eagerly).
         let s = b.download_i32(sel, n * k);
         if let Some(out) = self.moe_gather(stacks, spec, z, &s, wgt, n) {
@@ -1511,84 +1504,6 @@ impl<B: Backend> Model<B> {
         out
     }
 
-    /// The gather's device slots for `stacks` with `cap` experts each, made (or remade for
-    /// other stacks or another `cap`) under the returned lock.
-    fn slots_for(
-        &self,
-        stacks: &[HostStack; 3],
-        cap: usize,
-    ) -> std::sync::MutexGuard<'_, Option<Slots<B>>> {
-        let b = &self.backend;
-        let key = stacks
-            .each_ref()
-            .map(|h| (h.ty, h.dims[0] as usize, h.dims[1] as usize));
-        let mut guard = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.as_ref().is_none_or(|s| s.key != key || s.cap != cap) {
-            *guard = None; // the old slots go before the new ones are made
-            let make = |i: usize| {
-                let (ty, cols, rows) = key[i];
-                b.expert_slots(ty, cols, rows, cap)?.ok()
-            };
-            let w = match (make(0), make(1), make(2)) {
-                (Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
-                _ => None, // no slots (CPU) or no room: the host path, from now on
-            };
-            *guard = Some(Slots {
-                key,
-                cap,
-                w,
-                ident: None,
-            });
-        }
-        guard
-    }
-
-    /// A decode step's host-memory experts gathered by the device itself from the stacks
-    /// mapped into its address space (`Backend::gather_experts_mapped`: slot p <- pair p's
-    /// expert), then the backend's MoE over the slots with selections 0 .. n*k: no host round
-    /// trip, so a recorded step stays one graph. None: not this path (the gather off, the
-    /// stacks not mapped, `DS4_HOST_EXPERTS_MAPPED=off`, more pairs than slots).
-    #[allow(clippy::too_many_arguments)]
-    fn moe_mapped(
-        &self,
-        stacks: &[HostStack; 3],
-        spec: &MoeSpec,
-        z: &B::Buf,
-        sel: &B::IBuf,
-        wgt: &B::Buf,
-        n: usize,
-    ) -> Option<B::Buf> {
-        let b = &self.backend;
-        let pairs = n * spec.n_used;
-        let cap = offload::gather_slots(spec.n_used);
-        if !self.host_gather || !offload::mapped_gather() || pairs > cap {
-            return None;
-        }
-        let mut guard = self.slots_for(stacks, cap);
-        let gs = guard.as_mut()?;
-        gs.w.as_ref()?;
-        if gs.ident.is_none() {
-            let ids: Vec<i32> = (0..cap as i32).collect();
-            gs.ident = Some(b.upload_i32(&ids));
-        }
-        let (slots, ident) = (gs.w.as_ref()?, gs.ident.as_ref()?);
-        let bytes = stacks.each_ref().map(|h| h.bytes());
-        if !b.gather_experts_mapped(slots.each_ref(), bytes, stacks[0].experts(), sel, pairs) {
-            return None;
-        }
-        let gspec = MoeSpec {
-            n_expert: cap,
-            ..*spec
-        };
-        let mut out = b.alloc(n * spec.d);
-        b.moe_experts(
-            &gspec, &slots[0], &slots[1], &slots[2], z, ident, wgt, n, &mut out,
-        );
-        offload::GATHERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        offload::GATHER_ROUNDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Some(out)
-    }
-
     /// A batch's host-memory experts on the backend (every batch, decode steps and prompts,
     /// where the gather is on): the experts that `sel` (host copy `s`) names, gathered into the
     /// device slots in order of first use, then the backend's MoE over those slots (the same
@@ -1614,9 +1529,27 @@ impl<B: Backend> Model<B> {
         if !self.host_gather {
             return None;
         }
+        let key = stacks
+            .each_ref()
+            .map(|h| (h.ty, h.dims[0] as usize, h.dims[1] as usize));
         let cap = offload::gather_slots(spec.n_used);
-        let guard = self.slots_for(stacks, cap);
-        let slots = guard.as_ref()?.w.as_ref()?;
+        let mut guard = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if guard
+            .as_ref()
+            .is_none_or(|(k, c, _)| *k != key || *c != cap)
+        {
+            *guard = None; // the old slots go before the new ones are made
+            let make = |i: usize| {
+                let (ty, cols, rows) = key[i];
+                b.expert_slots(ty, cols, rows, cap)?.ok()
+            };
+            let slots = match (make(0), make(1), make(2)) {
+                (Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
+                _ => None, // no slots (CPU) or no room: the host path, from now on
+            };
+            *guard = Some((key, cap, slots));
+        }
+        let slots = guard.as_ref()?.2.as_ref()?;
         // Selections are this stack's experts (`moe_localize` points other ranks' slots at a
         // held one); anything else goes to the host path, which says what is wrong.
         if s.iter()

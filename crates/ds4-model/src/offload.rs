@@ -254,32 +254,6 @@ pub static GATHER_ROUNDS: std::sync::atomic::AtomicUsize = std::sync::atomic::At
 pub static UPLOADED_GROUPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 static SLOTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-static MAPPED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Whether decode steps' gathers may run on the device from host memory mapped into its
-/// address space (`Backend::gather_experts_mapped`; else by DMA after the selections come back
-/// to the host): `DS4_HOST_EXPERTS_MAPPED=off` (or `0`) turns it off, [`set_mapped_gather`]
-/// overrides (tests).
-pub fn mapped_gather() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    match MAPPED.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => *ENV.get_or_init(|| {
-            !std::env::var("DS4_HOST_EXPERTS_MAPPED").is_ok_and(|v| v == "off" || v == "0")
-        }),
-    }
-}
-
-/// Overrides [`mapped_gather`] for this process (None: back to the environment's).
-pub fn set_mapped_gather(on: Option<bool>) {
-    let v = match on {
-        None => 0,
-        Some(true) => 1,
-        Some(false) => 2,
-    };
-    MAPPED.store(v, std::sync::atomic::Ordering::Relaxed);
-}
 
 /// Experts the gather's device slots hold: [`GATHER_MAX_TOKENS`] tokens' selections (24 of the
 /// model's 6 a token), or `DS4_HOST_EXPERTS_SLOTS` / [`set_gather_slots`] (tests: few slots

@@ -1641,65 +1641,6 @@ impl Backend for GpuBackend {
         }
     }
 
-    fn gather_experts_mapped(
-        &self,
-        slots: [&GpuWeight; 3],
-        stacks: [&[u8]; 3],
-        experts: usize,
-        sel: &GpuIBuf,
-        pairs: usize,
-    ) -> bool {
-        let mut args = Vec::with_capacity(11);
-        args.extend([Arg::Ptr(sel.0.ptr), Arg::I32(experts as i32)]);
-        let (mut srcs, mut words, mut dsts) = (vec![], vec![], vec![]);
-        let mut most = 0usize;
-        for (w, st) in slots.iter().zip(stacks) {
-            let GpuWeight::Mat {
-                buf,
-                rows,
-                row_bytes,
-                experts: cap,
-                ..
-            } = w
-            else {
-                return false;
-            };
-            let slab = rows * row_bytes;
-            let Some(src) = self.gpu.mapped_ptr(st) else {
-                return false;
-            };
-            if pairs > *cap
-                || experts == 0
-                || st.len() != experts * slab
-                || slab % 16 != 0
-                || src.0 % 16 != 0
-                || buf.ptr().0 % 16 != 0
-            {
-                return false;
-            }
-            srcs.push(Arg::Ptr(src));
-            words.push(Arg::I64((slab / 16) as i64));
-            dsts.push(Arg::Ptr(buf.ptr()));
-            most = most.max(slab / 16);
-        }
-        if pairs == 0 || self.failed() {
-            return pairs == 0;
-        }
-        args.extend(srcs);
-        args.extend(words);
-        args.extend(dsts);
-        // CTAs a slab: ~64 KB of it each (4 words a thread a pass), at most 64.
-        let per = most.div_ceil(4096).clamp(1, 64) as u32;
-        let dims = LaunchDims {
-            grid: [per, pairs as u32, 3],
-            block: [256, 1, 1],
-            shared_bytes: 0,
-        };
-        self.run(&ds4_kernels::MOE, "gather_slabs", dims, &args);
-        crate::MAPPED_GATHERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        true
-    }
-
     fn vector(&self, src: &WeightSrc) -> std::result::Result<GpuWeight, String> {
         let mut v = vec![0f32; src.elems()];
         ds4_quant::dequantize_row(src.ty, src.bytes(), &mut v).map_err(|e| e.to_string())?;
