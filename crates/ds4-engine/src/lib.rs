@@ -764,9 +764,8 @@ fn host_experts_line(n_host: usize, n_layer: usize, bytes: u64, precision: Preci
 }
 
 /// The backend line once the model is loaded (the plan's line is written before the stacks
-/// are page-locked): where batches copy their selected host-memory experts over the bus (decode
-/// steps and batches under the upload bound; larger ones upload them in groups), the CPU does
-/// none of their arithmetic, and the line says so.
+/// are page-locked): where every batch copies its selected host-memory experts over the bus
+/// (`ds4_model::offload::Gather`), the CPU does none of their arithmetic, and the line says so.
 fn with_gather_note(line: String, gathers: bool) -> String {
     if !gathers {
         return line;

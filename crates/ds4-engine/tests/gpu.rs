@@ -123,7 +123,7 @@ fn gpu_host_experts_match_cpu_reference() {
             "{}",
             g.backend_name()
         );
-        // The 13-token prompt (under the upload bound) and the decode steps: gathered (the
+        // The 13-token prompt and the decode steps: gathered (the
         // tiny model's 16 experts fit the 24 slots: one round a batch), or on the host.
         let (g0, r0, d0) = (gathers(), rounds(), direct());
         same_greedy(

@@ -1515,7 +1515,6 @@ impl<B: Backend> Model<B> {
     /// 2,414-2,435 against 2,036-2,041 tok/s, 512-token batches 1,112 against 628) and than the
     /// host's cores for 8-16-token batches (135-201 against 108-144). None: not this path (the
     /// gather off: `offload::Gather`, or the stacks not page-locked; no slots on this backend).
-    #[allow(clippy::too_many_arguments)]
     fn moe_gather(
         &self,
         stacks: &[HostStack; 3],
@@ -1557,11 +1556,11 @@ impl<B: Backend> Model<B> {
         {
             return None;
         }
+        // One round needs no weights on the host (the router's stay on the device); several
+        // mask theirs there (`rounds` then asks for them).
         let k = spec.n_used;
-        let one = offload::rounds(s, None, k, cap);
-        let rounds = match one {
+        let rounds = match offload::rounds(s, None, k, cap) {
             Ok(r) => r,
-            // Several rounds: their weights masked on the host.
             Err(_) => offload::rounds(s, Some(&b.download(wgt, n * k)), k, cap).ok()?,
         };
         let gspec = MoeSpec {
