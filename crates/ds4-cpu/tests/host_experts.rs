@@ -1,7 +1,8 @@
 //! Routed experts kept in host memory (`ds4_model::offload`, `--cpu-experts`) on the CPU
 //! backend, where both forms can be compared with the plain model: small batches run the
 //! experts through `HostExperts::run` (the bits of the plain model), prompt batches bind the
-//! selected experts a group at a time and add the groups' sums (f32 order only).
+//! selected experts a group at a time and add the groups' sums (f32 order only). The GPU's
+//! gather in rounds is held here to the whole MoE too (`gather_rounds_add_up_to_the_whole_moe`).
 
 mod common;
 
@@ -337,4 +338,87 @@ fn int8_host_experts_stay_close_to_the_plain_model() {
     );
     assert!(first > 1e-4 && first < 5e-2, "first position: {first:.2e}");
     assert!(median < 5e-2, "median: {median:.2e}");
+}
+
+/// A batch gathered in rounds (`offload::rounds`, the GPU's path for host-memory experts when a
+/// batch selects more experts than the device slots hold): each round's experts copied into
+/// slot stacks of `cap` experts, the MoE run on the slots with the round's selections and
+/// masked weights, the rounds' outputs added. That sum is the whole MoE's (f32 order only):
+/// masked pairs, which point at another slot of their token (or slot 0) with weight 0, add
+/// nothing, and every selection is counted once.
+#[test]
+fn gather_rounds_add_up_to_the_whole_moe() {
+    let (d, ff, ne, k, n, cap) = (512u64, 256u64, 12usize, 3usize, 7usize, 4usize);
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d: d as usize,
+        ff: ff as usize,
+        weight_scale: 1.5,
+        clamp: 10.0,
+    };
+    let ropes = rope_tables(&HParams::tiny());
+    let z: Vec<f32> = (0..n * d as usize)
+        .map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 2.0)
+        .collect();
+    // Distinct experts within a token, 11 of the 12 used (3 rounds of 4).
+    let sel: Vec<i32> = (0..n * k)
+        .map(|i| ((i / k) * 5 + (i % k) * 4) as i32 % 11)
+        .collect();
+    let wgt: Vec<f32> = (0..n * k).map(|i| 0.1 + (i % 5) as f32 * 0.2).collect();
+    let stacks = [
+        random_stack("gate", GgmlType::IQ2_XXS, d, ff, ne as u64, 21),
+        random_stack("up", GgmlType::IQ2_XXS, d, ff, ne as u64, 22),
+        random_stack("down", GgmlType::Q2_K, ff, d, ne as u64, 23),
+    ];
+    let want = CpuHostExperts::new(&stacks, &ropes)
+        .unwrap()
+        .run(&spec, &z, &sel, &wgt, n);
+    let rounds = ds4_model::offload::rounds(&sel, Some(&wgt), k, cap).unwrap();
+    assert_eq!(rounds.len(), 3, "11 experts in rounds of 4");
+    let mut got = vec![0f32; n * d as usize];
+    for r in &rounds {
+        // The slots: the round's experts' slabs in order, the rest zero (never selected).
+        let slots = stacks.each_ref().map(|st| {
+            HostStack::in_memory(
+                &st.name,
+                st.ty,
+                [st.dims[0], st.dims[1], cap as u64],
+                |out| {
+                    let slab = st.slab();
+                    out.fill(0);
+                    for (i, &e) in r.experts.iter().enumerate() {
+                        out[i * slab..(i + 1) * slab].copy_from_slice(st.expert(e as usize));
+                    }
+                    Ok(())
+                },
+            )
+            .unwrap()
+        });
+        let rspec = MoeSpec {
+            n_expert: cap,
+            ..spec
+        };
+        let part = CpuHostExperts::new(&slots, &ropes).unwrap().run(
+            &rspec,
+            &z,
+            &r.sel,
+            r.wgt.as_ref().unwrap(),
+            n,
+        );
+        for (g, p) in got.iter_mut().zip(&part) {
+            *g += p;
+        }
+    }
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    println!("rounds of {cap}: max |Δ| {diff:.3e} of max {scale:.3e}");
+    assert!(
+        scale > 0.0 && diff <= 1e-5 * scale,
+        "rounds differ by {diff} of {scale}"
+    );
 }
