@@ -214,14 +214,15 @@ fn as_int8(ty: GgmlType, x: &[f32]) -> Vec<f32> {
     }
 }
 
-/// `--precision fast`'s host experts: each product is the integer dot product of the weights'
-/// codes with 8-bit activations. Held to an f64 reference over the dequantised weights and the
-/// dequantised activations (relative RMS 1e-4: f32 sums, and an h value next to a rounding tie
-/// may take the neighbouring code), which the f32-activation form misses by ~6e-3; per quant
-/// mix, a type without act kernels (F16) staying exact.
-#[test]
-fn int8_activations_match_a_dequantised_reference() {
-    let (d, ff, ne, k, n) = (512u64, 256u64, 8usize, 3usize, 2usize);
+/// A MoE call's spec (`ne` experts, `k` a token, `[ff, d]` gate/up), the rope tables a
+/// `CpuHostExperts` takes, and an input `z [n, d]` of values in ±2.
+fn moe_case(
+    d: u64,
+    ff: u64,
+    ne: usize,
+    k: usize,
+    n: usize,
+) -> (MoeSpec, ds4_backend::rope::RopeTables, Vec<f32>) {
     let spec = MoeSpec {
         n_expert: ne,
         n_used: k,
@@ -230,10 +231,21 @@ fn int8_activations_match_a_dequantised_reference() {
         weight_scale: 1.5,
         clamp: 10.0,
     };
-    let ropes = rope_tables(&HParams::tiny());
     let z: Vec<f32> = (0..n * d as usize)
         .map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 2.0)
         .collect();
+    (spec, rope_tables(&HParams::tiny()), z)
+}
+
+/// `--precision fast`'s host experts: each product is the integer dot product of the weights'
+/// codes with 8-bit activations. Held to an f64 reference over the dequantised weights and the
+/// dequantised activations (relative RMS 1e-4: f32 sums, and an h value next to a rounding tie
+/// may take the neighbouring code), which the f32-activation form misses by ~6e-3; per quant
+/// mix, a type without act kernels (F16) staying exact.
+#[test]
+fn int8_activations_match_a_dequantised_reference() {
+    let (d, ff, ne, k, n) = (512u64, 256u64, 8usize, 3usize, 2usize);
+    let (spec, ropes, z) = moe_case(d, ff, ne, k, n);
     let sel = [1i32, 6, 3, 4, 1, 7];
     let wgt = [0.5f32, 0.25, 0.75, 0.4, 0.3, 0.2];
     for (tg, td) in [
@@ -349,18 +361,7 @@ fn int8_host_experts_stay_close_to_the_plain_model() {
 #[test]
 fn gather_rounds_add_up_to_the_whole_moe() {
     let (d, ff, ne, k, n, cap) = (512u64, 256u64, 12usize, 3usize, 7usize, 4usize);
-    let spec = MoeSpec {
-        n_expert: ne,
-        n_used: k,
-        d: d as usize,
-        ff: ff as usize,
-        weight_scale: 1.5,
-        clamp: 10.0,
-    };
-    let ropes = rope_tables(&HParams::tiny());
-    let z: Vec<f32> = (0..n * d as usize)
-        .map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 2.0)
-        .collect();
+    let (spec, ropes, z) = moe_case(d, ff, ne, k, n);
     // Distinct experts within a token, 11 of the 12 used (3 rounds of 4).
     let sel: Vec<i32> = (0..n * k)
         .map(|i| ((i / k) * 5 + (i % k) * 4) as i32 % 11)
