@@ -10,7 +10,7 @@ pub use ds4_cpu::Rounding;
 use ds4_gguf::{GgmlType, GgufFile};
 pub use ds4_gpu::Precision;
 use ds4_model::forward::{rope_tables, AnyLayerState, AnyState, Forward, Model};
-use ds4_model::offload::{HostExperts, HostPlacement, HostStack};
+use ds4_model::offload::{meminfo, HostExperts, HostPlacement, HostStack};
 use ds4_model::sharded::Sharded;
 use ds4_model::synthetic::SynthSource;
 use ds4_model::{bind_main, HParams};
@@ -306,21 +306,7 @@ fn host_fit_error(
 
 /// `MemAvailable` from `/proc/meminfo` (Linux), in bytes; None elsewhere.
 pub fn mem_available() -> Option<u64> {
-    meminfo("MemAvailable:")
-}
-
-/// A `/proc/meminfo` field (`key` with its colon) in bytes; None where there is none.
-fn meminfo(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kb: u64 = s
-        .lines()
-        .find_map(|l| l.strip_prefix(key))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
+    meminfo("MemAvailable")
 }
 
 /// A file's host-memory experts stay in its mapping: where they exceed what the page cache can
@@ -1105,7 +1091,7 @@ impl Engine {
                 );
                 let (b, mut line, host, on_host) =
                     gpu_backend_placed(pick, &hp, weights, copies, &per_layer, opts)?;
-                let note = meminfo("MemTotal:").and_then(|r| host_cache_note(on_host, r));
+                let note = meminfo("MemTotal").and_then(|r| host_cache_note(on_host, r));
                 if let Some(note) = &note {
                     line += note;
                 }
@@ -1996,7 +1982,7 @@ mod tests {
         assert_eq!(host_memory_error(43, 72 * gib, 74 * gib), None);
         assert!(host_memory_error(43, 72 * gib, 74 * gib - 1).is_some());
         assert!(mem_available().is_none_or(|b| b > 0));
-        assert!(meminfo("MemTotal:").is_none_or(|t| t >= mem_available().unwrap_or(0)));
+        assert!(meminfo("MemTotal").is_none_or(|t| t >= mem_available().unwrap_or(0)));
         // A file's experts beyond what RAM can cache: a note, with the numbers.
         let n = host_cache_note(60 * gib, 61 * gib).unwrap();
         assert!(

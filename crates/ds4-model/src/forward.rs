@@ -131,13 +131,15 @@ pub struct Model<B: Backend> {
     slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
 }
 
-/// Device slots for gathered host-memory experts: the stacks' (type, cols, rows), the experts
-/// a slot stack holds, and the weights.
-type Slots<W> = (
-    [(ds4_backend::GgmlType, usize, usize); 3],
-    usize,
-    Option<[W; 3]>,
-);
+/// Device slots for gathered host-memory experts.
+struct Slots<W> {
+    /// The stacks' (type, cols, rows) they were made for.
+    key: [(ds4_backend::GgmlType, usize, usize); 3],
+    /// Experts a slot stack holds.
+    cap: usize,
+    /// Gate, up, down; None where they could not be made (the host path from then on).
+    w: Option<[W; 3]>,
+}
 
 /// Logits per evaluated position, and (when asked) the final HC streams of the same
 /// positions.
@@ -635,18 +637,19 @@ impl<B: Backend> Binder<'_, B> {
     }
 }
 
-/// Whether batches gather host-memory experts onto the device (`offload::Gather`; `mode` None:
+/// Whether batches gather host-memory experts onto the device (`offload::Gather`; `host` None:
 /// no host placement). Where wanted, the stacks are page-locked for DMA (which also makes the
 /// grouped uploads, where slots could not be made, direct copies); `auto` gathers only where
 /// that worked.
 fn lock_host_experts<B: Backend>(
     backend: &B,
     layers: &[Layer<B::Weight>],
-    mode: Option<offload::Gather>,
+    host: Option<&HostPlacement>,
 ) -> bool {
-    let Some(mode) = mode.filter(|&m| m != offload::Gather::Host) else {
+    let Some(h) = host.filter(|h| h.gather != offload::Gather::Host) else {
         return false;
     };
+    let mode = h.gather;
     let stacks: Vec<&HostStack> = (layers.iter())
         .filter_map(|l| match &l.experts {
             Experts::Host { stacks, .. } => Some(stacks.iter()),
@@ -665,11 +668,12 @@ fn lock_host_experts<B: Backend>(
         if mode == offload::Gather::Auto && mapped > budget {
             eprintln!(
                 "ds4: host-memory experts not page-locked: {:.1} GiB of the file is more than \
-                 available memory allows ({:.1} GiB); batches under 32 tokens run them on the \
+                 available memory allows ({:.1} GiB); batches under {} tokens run them on the \
                  host's cores, larger ones upload them in groups (DS4_HOST_EXPERTS_DECODE=gpu \
                  gathers them through staging instead)",
                 gib(mapped),
-                gib(budget)
+                gib(budget),
+                h.upload_min
             );
             return false;
         }
@@ -864,7 +868,7 @@ impl<B: Backend> Model<B> {
         } else {
             None
         };
-        let host_gather = lock_host_experts(&backend, &layers, host.map(|h| h.gather));
+        let host_gather = lock_host_experts(&backend, &layers, host);
         let embd = b.m("token_embd.weight")?;
         let out_hc = Hc {
             mixer: b.m("output_hc_fn.weight")?,
@@ -1533,22 +1537,19 @@ impl<B: Backend> Model<B> {
             .map(|h| (h.ty, h.dims[0] as usize, h.dims[1] as usize));
         let cap = offload::gather_slots(spec.n_used);
         let mut guard = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        if guard
-            .as_ref()
-            .is_none_or(|(k, c, _)| *k != key || *c != cap)
-        {
+        if guard.as_ref().is_none_or(|s| s.key != key || s.cap != cap) {
             *guard = None; // the old slots go before the new ones are made
             let make = |i: usize| {
                 let (ty, cols, rows) = key[i];
                 b.expert_slots(ty, cols, rows, cap)?.ok()
             };
-            let slots = match (make(0), make(1), make(2)) {
+            let w = match (make(0), make(1), make(2)) {
                 (Some(g), Some(u), Some(dn)) => Some([g, u, dn]),
                 _ => None, // no slots (CPU) or no room: the host path, from now on
             };
-            *guard = Some((key, cap, slots));
+            *guard = Some(Slots { key, cap, w });
         }
-        let slots = guard.as_ref()?.2.as_ref()?;
+        let slots = guard.as_ref()?.w.as_ref()?;
         // Selections are this stack's experts (`moe_localize` points other ranks' slots at a
         // held one); anything else goes to the host path, which says what is wrong.
         if s.iter()

@@ -224,8 +224,14 @@ pub fn set_gather(mode: Option<Gather>) {
 /// cache that an mmap'd file's stacks sit in) less 4 GiB for everything else, so that locking
 /// never starves the machine. None where /proc/meminfo cannot tell (no limit).
 pub fn lock_budget() -> Option<usize> {
+    Some(lock_budget_of(meminfo("MemAvailable")? / 1024))
+}
+
+/// A `/proc/meminfo` field (`key` without its colon) in bytes; None where there is none (not
+/// Linux, or no such key).
+pub fn meminfo(key: &str) -> Option<u64> {
     let m = std::fs::read_to_string("/proc/meminfo").ok()?;
-    Some(lock_budget_of(meminfo_kib(&m, "MemAvailable")?))
+    Some(meminfo_kib(&m, key)? * 1024)
 }
 
 /// [`lock_budget`] for `MemAvailable` = `kib` KiB.
