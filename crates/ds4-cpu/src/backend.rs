@@ -38,13 +38,27 @@ pub enum CpuWeight {
     Mat(Mat),
     F32(Vec<f32>),
     I32(Vec<i32>),
+    /// Expert slots ([`CpuBackend::with_expert_slots`]): a stack in this process's memory that
+    /// [`Backend::gather_experts`] rewrites (each gather makes a new stack and swaps it in, so
+    /// a MoE call that took the old one keeps reading it).
+    Slots(std::sync::Mutex<Mat>),
 }
 
 impl CpuWeight {
     fn mat(&self) -> &Mat {
         match self {
             CpuWeight::Mat(m) => m,
+            CpuWeight::Slots(_) => panic!("expert slots are read by moe_experts only"),
             _ => panic!("a matrix op on a vector weight"),
+        }
+    }
+    /// The matrix a MoE call reads: [`CpuWeight::mat`], or the slots' stack as it is now.
+    fn experts(&self) -> std::borrow::Cow<'_, Mat> {
+        match self {
+            CpuWeight::Slots(m) => {
+                std::borrow::Cow::Owned(m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            }
+            w => std::borrow::Cow::Borrowed(w.mat()),
         }
     }
     fn f32s(&self) -> &[f32] {
@@ -68,6 +82,8 @@ pub struct CpuBackend {
     comm: Option<(usize, Arc<HostComm>)>,
     /// MoE calls of at most this many (token, expert) slots take [`moe_slots`]'s form.
     slots_max: usize,
+    /// Whether [`Backend::expert_slots`] gives slots ([`CpuBackend::with_expert_slots`]).
+    expert_slots: bool,
 }
 
 impl CpuBackend {
@@ -76,7 +92,17 @@ impl CpuBackend {
             ropes,
             comm: None,
             slots_max: moe_slots_max(),
+            expert_slots: false,
         }
+    }
+
+    /// Gives expert slots ([`Backend::expert_slots`], [`Backend::gather_experts`]) as a GPU
+    /// does, so that the schedule's gather of host-memory experts (`ds4_model::offload`, the
+    /// GPU's default for `--cpu-experts`) runs, slots, rounds and all, on the CPU in tests.
+    /// Off by default: the CPU runs host-memory experts where they lie (no copy).
+    pub fn with_expert_slots(mut self, on: bool) -> CpuBackend {
+        self.expert_slots = on;
+        self
     }
 
     /// MoE calls of at most `n` slots in [`moe_slots`]'s form (decode-sized), larger ones expert
@@ -91,6 +117,33 @@ impl CpuBackend {
         n * spec.n_used <= self.slots_max
             && spec.ff.is_multiple_of(SLOT_ROWS)
             && spec.d.is_multiple_of(SLOT_ROWS)
+    }
+
+    /// Expert slots of `dims` (`[cols, rows, capacity]`) in memory: `old`'s bytes (zeros
+    /// where empty) with the first `slabs.len()` experts replaced by `slabs`.
+    fn slots_stack(
+        &self,
+        ty: GgmlType,
+        [cols, rows, cap]: [usize; 3],
+        old: &[u8],
+        slabs: &[&[u8]],
+    ) -> Result<CpuWeight, String> {
+        let dims = [cols as u64, rows as u64, cap as u64];
+        let stack = ds4_model::offload::HostStack::in_memory("expert slots", ty, dims, |out| {
+            out.fill(0);
+            let keep = old.len().min(out.len());
+            out[..keep].copy_from_slice(&old[..keep]);
+            let mut at = 0;
+            for s in slabs {
+                out[at..at + s.len()].copy_from_slice(s);
+                at += s.len();
+            }
+            Ok(())
+        })?;
+        match stack.with_src(0, cap, |src| self.matrix(src))? {
+            CpuWeight::Mat(m) => Ok(CpuWeight::Slots(std::sync::Mutex::new(m))),
+            _ => unreachable!("matrix binds a matrix"),
+        }
     }
 
     /// This backend as rank `rank` of `comm`'s group ([`Backend::all_reduce_sum`]).
@@ -222,6 +275,41 @@ impl Backend for CpuBackend {
 
     fn vector(&self, src: &WeightSrc) -> Result<CpuWeight, String> {
         Ok(CpuWeight::F32(Self::dequant_all(src)?))
+    }
+
+    fn expert_slots(
+        &self,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        capacity: usize,
+    ) -> Option<Result<CpuWeight, String>> {
+        if !self.expert_slots {
+            return None;
+        }
+        Some(self.slots_stack(ty, [cols, rows, capacity], &[], &[]))
+    }
+
+    fn gather_experts(&self, slots: &CpuWeight, slabs: &[&[u8]]) {
+        let CpuWeight::Slots(cell) = slots else {
+            panic!("gather_experts into a weight that is not expert slots");
+        };
+        let mut m = cell.lock().unwrap_or_else(|e| e.into_inner());
+        let slab = m.rows * m.row_bytes();
+        let cap = m.n_bytes / slab.max(1);
+        assert!(
+            slabs.len() <= cap && slabs.iter().all(|s| s.len() == slab),
+            "gather of {} experts into {cap} slots of {slab} bytes",
+            slabs.len()
+        );
+        let old = m.bytes().to_vec();
+        let new = self
+            .slots_stack(m.ty, [m.cols, m.rows, cap], &old, slabs)
+            .unwrap_or_else(|e| panic!("expert slots: {e}"));
+        let CpuWeight::Slots(new) = new else {
+            unreachable!("slots_stack makes slots")
+        };
+        *m = new.into_inner().unwrap_or_else(|e| e.into_inner());
     }
 
     fn read_weight(&self, w: &CpuWeight, out: &mut [u8]) -> Result<(), String> {
@@ -715,7 +803,8 @@ impl Backend for CpuBackend {
         n: usize,
         out: &mut Vec<f32>,
     ) {
-        let (gm, um, dm) = (gate.mat(), up.mat(), down.mat());
+        let (gm, um, dm) = (gate.experts(), up.experts(), down.experts());
+        let (gm, um, dm) = (gm.as_ref(), um.as_ref(), dm.as_ref());
         if self.slots_form(spec, n) {
             let o = moe_slots(spec, [gm, um, dm], [None; 3], z, sel, wgt, n);
             out[..n * spec.d].copy_from_slice(&o);

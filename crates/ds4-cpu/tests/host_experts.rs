@@ -2,7 +2,9 @@
 //! backend, where both forms can be compared with the plain model: small batches run the
 //! experts through `HostExperts::run` (the bits of the plain model), prompt batches bind the
 //! selected experts a group at a time and add the groups' sums (f32 order only). The GPU's
-//! gather in rounds is held here to the whole MoE too (`gather_rounds_add_up_to_the_whole_moe`).
+//! gather in rounds is held here to the whole MoE too (`gather_rounds_add_up_to_the_whole_moe`),
+//! and the schedule's gather itself runs here on the CPU backend's expert slots
+//! (`CpuBackend::with_expert_slots`: slots, rounds, masked weights, sums, as on a GPU).
 
 mod common;
 
@@ -14,19 +16,38 @@ use ds4_model::offload::{HostExperts, HostPlacement, HostStack};
 use ds4_model::{bind_main, HParams};
 use ds4_quant::act::{ActKernel, QuantizedAct};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-fn load_placed(path: &Path, layers: Vec<usize>, upload_min: usize, group: usize) -> CpuModel {
-    load_placed_with(path, layers, upload_min, group, false)
+/// Held by the tests that set or read process-wide switches and counters of
+/// `ds4_model::offload` (gather mode, slot count, the gather / group counters).
+static GLOBALS: Mutex<()> = Mutex::new(());
+
+fn globals() -> std::sync::MutexGuard<'static, ()> {
+    GLOBALS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// [`load_placed`]; `int8`: the host experts quantise their activations (`--precision fast`).
+fn load_placed(path: &Path, layers: Vec<usize>, upload_min: usize, group: usize) -> CpuModel {
+    load_placed_with(
+        path,
+        layers,
+        upload_min,
+        group,
+        false,
+        false,
+        Rounding::MODEL,
+    )
+}
+
+/// [`load_placed`]; `int8`: the host experts quantise their activations (`--precision fast`);
+/// `slots`: the backend has expert slots and batches gather into them (as on a GPU).
 fn load_placed_with(
     path: &Path,
     layers: Vec<usize>,
     upload_min: usize,
     group: usize,
     int8: bool,
+    slots: bool,
+    rounding: Rounding,
 ) -> CpuModel {
     let file = Arc::new(GgufFile::open(path).unwrap());
     let hp = HParams::from_meta(file.as_ref()).unwrap();
@@ -41,19 +62,14 @@ fn load_placed_with(
     let mut placement = HostPlacement::new(layers, &make);
     placement.upload_min = upload_min;
     placement.group = group;
+    if slots {
+        placement.gather = ds4_model::offload::Gather::Gpu;
+    }
     let mut progress = |_: usize, _: usize| {};
     let mut src = FileSource::new(&files, &mut progress);
     src.prefetch_host = true; // as the engine sets it where the stacks fit the RAM
-    let b = CpuBackend::new(rope_tables(&hp));
-    Model::load_placed(
-        b,
-        hp,
-        &mut src,
-        Rounding::MODEL,
-        Shard::ONE,
-        Some(&placement),
-    )
-    .unwrap()
+    let b = CpuBackend::new(rope_tables(&hp)).with_expert_slots(slots);
+    Model::load_placed(b, hp, &mut src, rounding, Shard::ONE, Some(&placement)).unwrap()
 }
 
 fn tokens() -> Vec<u32> {
@@ -62,6 +78,7 @@ fn tokens() -> Vec<u32> {
 
 #[test]
 fn host_experts_give_the_plain_models_bits_one_token_at_a_time_and_in_a_batch() {
+    let _g = globals();
     let path = ds4_synth::tiny_model_for_tests(7, false);
     let plain = common::load(&path, Rounding::MODEL);
     let n_layer = plain.hp.n_layer as usize;
@@ -85,6 +102,96 @@ fn host_experts_give_the_plain_models_bits_one_token_at_a_time_and_in_a_batch() 
         host.eval_batch(&mut b, &tokens(), true).unwrap()
     );
     assert_eq!(a, b, "the same session state");
+}
+
+/// Largest |a - b| over `a`'s largest |value|, row by row.
+fn worst_relative(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        let scale = x.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs() / scale);
+        }
+    }
+    worst
+}
+
+/// The schedule's gather of host-memory experts (`Model::moe_gather`, a GPU's default for
+/// `--cpu-experts`) on the CPU backend's expert slots: the router's selections come back, the
+/// selected experts' slabs are copied into the slots in order of first use, and the MoE runs
+/// on the slots. One round (the default 24 slots hold every expert of the tiny model): the
+/// plain model's bits, one token at a time and in batches (the slots' experts are the same
+/// bytes and each token's selections are summed in the same order). Rounds of 6 slots (a
+/// decode step's 6 experts still one round; a batch's in rounds, the other rounds' pairs
+/// weighted 0, the rounds' sums added): the plain model's values to f32 order.
+#[test]
+fn gathered_host_experts_match_the_plain_model() {
+    use ds4_model::offload::{set_gather_slots, GATHERS, GATHER_ROUNDS, UPLOADED_GROUPS};
+    use std::sync::atomic::Ordering::Relaxed;
+    let _g = globals();
+    let path = ds4_synth::tiny_model_for_tests(7, false);
+    // Without the model's FP8 / FP4 rounding steps, which can turn the rounds' f32 reordering
+    // into a flipped rounding and a 1e-4 difference in a random model's later rows.
+    let plain = common::load(&path, Rounding::NONE);
+    let (n_layer, n_expert) = (plain.hp.n_layer as usize, plain.hp.n_expert as usize);
+    let n_used = plain.hp.n_expert_used as usize;
+    // The first layer (hash-routed in this model family) and the last two; upload_min 1: were
+    // the gather not taken, every batch would upload groups (counted below).
+    let layers = vec![0, n_layer - 2, n_layer - 1];
+    let host = load_placed_with(&path, layers.clone(), 1, 4, false, true, Rounding::NONE);
+    assert!(host.gathers_host_experts());
+    assert_eq!(host.host_expert_layers(), layers);
+    let toks = tokens();
+    for cap in [None, Some(n_used)] {
+        set_gather_slots(cap);
+        let slots = ds4_model::offload::gather_slots(n_used);
+        let one_round = slots >= n_expert;
+        let counts = || [&GATHERS, &GATHER_ROUNDS, &UPLOADED_GROUPS].map(|c| c.load(Relaxed));
+        let before = counts();
+        let (mut a, mut b) = (plain.new_state(), host.new_state());
+        for &t in &toks[..8] {
+            assert_eq!(
+                plain.eval(&mut a, t).unwrap(),
+                host.eval(&mut b, t).unwrap(),
+                "a decode step, {slots} slots"
+            );
+        }
+        for chunk in [&toks[8..11], &toks[11..]] {
+            let la = plain.eval_batch(&mut a, chunk, true).unwrap();
+            let lb = host.eval_batch(&mut b, chunk, true).unwrap();
+            if one_round {
+                assert_eq!(la, lb, "a {}-token batch, {slots} slots", chunk.len());
+            } else {
+                let w = worst_relative(&la, &lb);
+                println!(
+                    "{slots} slots, a {}-token batch: worst {w:.2e}",
+                    chunk.len()
+                );
+                assert!(w < 1e-5, "{slots} slots: worst relative difference {w}");
+            }
+        }
+        if one_round {
+            assert_eq!(a, b, "the same session state");
+        }
+        let after = counts();
+        let gathers = after[0] - before[0];
+        let rounds = after[1] - before[1];
+        println!("{slots} slots: {gathers} gathers, {rounds} rounds");
+        // Every host layer of every step and batch gathered; nothing uploaded by groups.
+        assert_eq!(gathers, layers.len() * (8 + 2), "{slots} slots");
+        assert_eq!(after[2], before[2], "no group uploads");
+        if one_round {
+            assert_eq!(rounds, gathers);
+        } else {
+            // The 29-token batch selects every expert: ceil(n_expert / 6) rounds a layer.
+            assert!(
+                rounds >= gathers - layers.len() + layers.len() * n_expert.div_ceil(slots),
+                "{rounds} rounds"
+            );
+        }
+    }
+    set_gather_slots(None);
 }
 
 /// The CPU backend's decode-sized MoE calls (one parallel region for all slots' rows) give the
@@ -118,6 +225,7 @@ fn the_slots_form_gives_the_expert_by_expert_bits() {
 
 #[test]
 fn prompt_batches_run_the_selected_experts_group_by_group() {
+    let _g = globals();
     let path = ds4_synth::tiny_model_for_tests(7, false);
     let plain = common::load(&path, Rounding::MODEL);
     let n_expert = plain.hp.n_expert as usize;
@@ -324,7 +432,15 @@ fn int8_host_experts_stay_close_to_the_plain_model() {
     let path = ds4_synth::tiny_model_for_tests(7, false);
     let plain = common::load(&path, Rounding::MODEL);
     let n_layer = plain.hp.n_layer as usize;
-    let host = load_placed_with(&path, (0..n_layer).collect(), usize::MAX, 32, true);
+    let host = load_placed_with(
+        &path,
+        (0..n_layer).collect(),
+        usize::MAX,
+        32,
+        true,
+        false,
+        Rounding::MODEL,
+    );
     let (mut a, mut b) = (plain.new_state(), host.new_state());
     let mut rels: Vec<f64> = tokens()
         .iter()
