@@ -18,7 +18,7 @@ if [ -f "$nv/libnvrtc.so.13" ] && [ -x "$out/ds4" ]; then
   kc=${DEVBIN_KCACHE:-/work/kcache}
   LD_LIBRARY_PATH="$nv" DS4_NVRTC_LIB="$nv/libnvrtc.so.13" "$out/ds4" kernels --target sm_90a \
     --cache "$kc" --prune | grep -v cached || true
-  mkdir -p "$out/kcache" && cp "$kc"/*-sm_90a-*.cubin "$out/kcache/"
+  mkdir -p "$out/kcache" && cp "$kc"/*-sm_90a-*.cubin.ds4 "$out/kcache/"
 else
   echo "pack-devbin: no NVRTC 13.0 at $nv (or no ds4 binary): kernels compile on the GPU machine"
 fi

@@ -418,7 +418,7 @@ fn kernels_precompiles_into_the_cache() {
     let cubins = std::fs::read_dir(&d)
         .unwrap()
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".cubin"))
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".cubin.ds4"))
         .count();
     assert_eq!(cubins, 1);
     std::fs::remove_dir_all(&d).ok();

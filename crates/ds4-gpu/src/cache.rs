@@ -1,7 +1,10 @@
 //! On-disk cache of compiled code objects. Key: SHA-256 over the module name and source, every
 //! header, the arch, the sorted defines and the compiler's name and version. Location:
 //! `$DS4_KERNEL_CACHE`, else `$XDG_CACHE_HOME/ds4/kernels`, else `~/.cache/ds4/kernels`.
-//! Entries are written to a temporary file and renamed, so concurrent writers are safe.
+//! Entries are written to a temporary file and renamed, so concurrent writers are safe. Each
+//! entry is the code object followed by its SHA-256 and a magic ([`seal`]): a damaged,
+//! truncated or foreign file is compiled again and replaced, never handed to the driver; a
+//! sound entry that the driver still refuses is compiled again once ([`load_or_rebuild`]).
 
 use std::path::{Path, PathBuf};
 
@@ -59,9 +62,44 @@ pub enum Origin {
     Cache,
 }
 
-/// Return the code object for `module`, from `dir` when present, else compiled (and stored in
-/// `dir` when given). A cache that cannot be written is not an error; one that holds an empty
-/// file is recompiled.
+/// The last bytes of a cache entry (after the code's SHA-256): format 1.
+const MAGIC: &[u8; 8] = b"ds4kc\x001\n";
+
+/// File-name suffix of entries written by `compiler` (`cubin` / `hsaco` before the seal: such
+/// files are no longer read, and `ds4 kernels --prune` removes them).
+pub fn entry_ext(nvidia: bool) -> &'static str {
+    if nvidia {
+        "cubin.ds4"
+    } else {
+        "hsaco.ds4"
+    }
+}
+
+/// A cache entry's file name.
+pub fn entry_name(module: &str, arch: &str, key: &str, nvidia: bool) -> String {
+    format!("{module}-{arch}-{key}.{}", entry_ext(nvidia))
+}
+
+/// A cache entry's bytes: `code`, its SHA-256, [`MAGIC`].
+pub fn seal(code: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(code.len() + 40);
+    out.extend_from_slice(code);
+    out.extend_from_slice(&Sha256::digest(code));
+    out.extend_from_slice(MAGIC);
+    out
+}
+
+/// The code object in a cache entry's bytes; None where they are not a sound entry (too
+/// short, another format, or a checksum that does not match: damaged or truncated).
+pub fn unseal(entry: &[u8]) -> Option<&[u8]> {
+    let body = entry.strip_suffix(MAGIC)?;
+    let (code, sum) = body.split_at_checked(body.len().checked_sub(32)?)?;
+    (!code.is_empty() && Sha256::digest(code).as_slice() == sum).then_some(code)
+}
+
+/// Return the code object for `module`, from `dir` when a sound entry is there, else compiled
+/// (and stored in `dir` when given). A cache that cannot be written is not an error; an entry
+/// that is empty, truncated or damaged is compiled again and replaced.
 pub fn compile_cached(
     compiler: &dyn Compiler,
     module: &Module,
@@ -69,34 +107,72 @@ pub fn compile_cached(
     defines: &[(String, String)],
     dir: Option<&Path>,
 ) -> Result<(Vec<u8>, Origin)> {
-    let key = cache_key(module, arch, defines, &compiler.version());
-    let ext = if compiler.name() == "nvrtc" {
-        "cubin"
-    } else {
-        "hsaco"
-    };
-    let path = dir.map(|d| d.join(format!("{}-{arch}-{key}.{ext}", module.name)));
-    if let Some(p) = &path {
-        if let Ok(code) = std::fs::read(p) {
-            if !code.is_empty() {
-                return Ok((code, Origin::Cache));
-            }
+    if let Some(p) = entry_path(compiler, module, arch, defines, dir) {
+        if let Some(code) = std::fs::read(&p).ok().as_deref().and_then(unseal) {
+            return Ok((code.to_vec(), Origin::Cache));
         }
     }
-    let code = compiler.compile(module, arch, defines)?;
-    if let (Some(p), Some(d)) = (&path, dir) {
-        let _ = store(d, p, &code);
-    }
-    Ok((code, Origin::Compiled))
+    Ok((
+        compile_fresh(compiler, module, arch, defines, dir)?,
+        Origin::Compiled,
+    ))
 }
 
-fn store(dir: &Path, path: &Path, code: &[u8]) -> Result<()> {
+/// Compiles `module` (no cache lookup) and stores the result in `dir` when given, replacing
+/// what was there: a cached object that the driver refused is rebuilt this way.
+pub fn compile_fresh(
+    compiler: &dyn Compiler,
+    module: &Module,
+    arch: &str,
+    defines: &[(String, String)],
+    dir: Option<&Path>,
+) -> Result<Vec<u8>> {
+    let code = compiler.compile(module, arch, defines)?;
+    if let (Some(p), Some(d)) = (entry_path(compiler, module, arch, defines, dir), dir) {
+        let _ = store(d, &p, &seal(&code));
+    }
+    Ok(code)
+}
+
+/// Where `module`'s entry for this compilation lives in `dir`.
+fn entry_path(
+    compiler: &dyn Compiler,
+    module: &Module,
+    arch: &str,
+    defines: &[(String, String)],
+    dir: Option<&Path>,
+) -> Option<std::path::PathBuf> {
+    let key = cache_key(module, arch, defines, &compiler.version());
+    let nvidia = compiler.name() == "nvrtc";
+    dir.map(|d| d.join(entry_name(module.name, arch, &key, nvidia)))
+}
+
+/// Loads a code object with `load`; where it came from the cache and the driver refuses it
+/// (a driver older than the compiler, say), `rebuild` compiles it again (replacing the entry)
+/// and that is loaded instead. `warn` hears about the retry. Returns what loaded and where
+/// its code came from.
+pub fn load_or_rebuild<T>(
+    (code, origin): (Vec<u8>, Origin),
+    mut load: impl FnMut(&[u8]) -> Result<T>,
+    rebuild: impl FnOnce() -> Result<Vec<u8>>,
+    warn: impl FnOnce(&GpuError),
+) -> Result<(T, Origin)> {
+    match load(&code) {
+        Err(e) if origin == Origin::Cache => {
+            warn(&e);
+            Ok((load(&rebuild()?)?, Origin::Compiled))
+        }
+        r => Ok((r?, origin)),
+    }
+}
+
+fn store(dir: &Path, path: &Path, entry: &[u8]) -> Result<()> {
     let err = |source| GpuError::Cache {
         path: path.to_path_buf(),
         source,
     };
     std::fs::create_dir_all(dir).map_err(err)?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, code).map_err(err)?;
+    std::fs::write(&tmp, entry).map_err(err)?;
     std::fs::rename(&tmp, path).map_err(err)
 }

@@ -368,12 +368,31 @@ impl Gpu {
         self.load_code(module, code)
     }
 
-    fn load_code(&self, module: &Module, (code, origin): (Vec<u8>, Origin)) -> Result<()> {
+    fn load_code(&self, module: &Module, code: (Vec<u8>, Origin)) -> Result<()> {
         let mut mods = self.modules.lock().unwrap();
         if mods.contains_key(module.name) {
             return Ok(());
         }
-        let handle = self.rt.load_module(&code)?;
+        let info = self.rt.info();
+        let (handle, origin) = crate::cache::load_or_rebuild(
+            code,
+            |c| self.rt.load_module(c),
+            || {
+                crate::cache::compile_fresh(
+                    self.rt.compiler(),
+                    module,
+                    &info.arch,
+                    &self.rt.defines(),
+                    self.cache.as_deref(),
+                )
+            },
+            |e| {
+                eprintln!(
+                    "ds4: the cached kernel module {} did not load ({e}); compiling it again",
+                    module.name
+                )
+            },
+        )?;
         let mut funcs = FastMap::default();
         let pdl = if pdl_wanted() {
             ds4_kernels::pdl_kernels(module)

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::cache::{cache_key, compile_cached, Origin};
+use crate::cache::{cache_key, compile_cached, entry_ext, entry_name, Origin};
 use crate::compiler::{cuda_arch, cuda_defines, hip_default_warp, hip_defines, Compiler};
 use crate::error::{GpuError, Result};
 use crate::{Hiprtc, Nvrtc};
@@ -116,12 +116,14 @@ pub fn precompile(target: &Target, dir: &Path, prune: bool, only: &[String]) -> 
     let modules = results.into_iter().collect::<Result<Vec<_>>>()?;
     let mut pruned = Vec::new();
     if prune {
-        let ext = if target.nvidia { "cubin" } else { "hsaco" };
+        let ext = entry_ext(target.nvidia);
+        // Entries from before the seal (a bare code object) are no longer read: removed too.
+        let old_ext = if target.nvidia { "cubin" } else { "hsaco" };
         let keep: Vec<String> = ds4_kernels::MODULES
             .iter()
             .map(|m| {
                 let key = cache_key(m, &target.arch, &target.defines, &c.version());
-                format!("{}-{}-{key}.{ext}", m.name, target.arch)
+                entry_name(m.name, &target.arch, &key, target.nvidia)
             })
             .collect();
         let rd = std::fs::read_dir(dir).map_err(|source| GpuError::Cache {
@@ -133,7 +135,7 @@ pub fn precompile(target: &Target, dir: &Path, prune: bool, only: &[String]) -> 
             let ours = ds4_kernels::MODULES
                 .iter()
                 .any(|m| name.starts_with(&format!("{}-{}-", m.name, target.arch)))
-                && name.ends_with(&format!(".{ext}"));
+                && (name.ends_with(&format!(".{ext}")) || name.ends_with(&format!(".{old_ext}")));
             if ours && !keep.contains(&name) && std::fs::remove_file(e.path()).is_ok() {
                 pruned.push(e.path());
             }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ds4_gpu::cache::{cache_key, compile_cached, Origin};
+use ds4_gpu::cache::{cache_key, compile_cached, entry_name, load_or_rebuild, unseal, Origin};
 use ds4_gpu::compiler::{cuda_arch, hip_default_warp, hip_defines, Compiler};
 use ds4_gpu::{GpuError, Result};
 use ds4_kernels::Module;
@@ -69,16 +69,91 @@ fn cache_hits_and_keys() {
     ];
     let rev: Vec<_> = two.iter().rev().cloned().collect();
     assert_eq!(cache_key(m, "x", &two, "v"), cache_key(m, "x", &rev, "v"));
-    // An empty (truncated) entry is recompiled.
-    for e in std::fs::read_dir(&dir).unwrap() {
-        std::fs::write(e.unwrap().path(), b"").unwrap();
+    // An empty, truncated, damaged or bare (pre-seal) entry is compiled again and replaced.
+    let entry = |arch: &str, d: &[(String, String)]| {
+        dir.join(entry_name(
+            m.name,
+            arch,
+            &cache_key(m, arch, d, "nvrtc 13.0"),
+            true,
+        ))
+    };
+    let p = entry("sm_90a", &d);
+    let sound = std::fs::read(&p).unwrap();
+    assert_eq!(unseal(&sound), Some(&a[..]));
+    let mut flipped = sound.clone();
+    flipped[1] ^= 0x10;
+    let damaged: [Vec<u8>; 5] = [
+        Vec::new(),
+        sound[..sound.len() - 1].to_vec(),
+        sound[..sound.len() / 2].to_vec(),
+        flipped,
+        a.clone(),
+    ];
+    for (i, bytes) in damaged.iter().enumerate() {
+        std::fs::write(&p, bytes).unwrap();
+        let calls = c.calls.load(Ordering::SeqCst);
+        let (code, o) = compile_cached(&c, m, "sm_90a", &d, Some(&dir)).unwrap();
+        assert_eq!((o, &code), (Origin::Compiled, &a), "case {i}");
+        assert_eq!(c.calls.load(Ordering::SeqCst), calls + 1, "case {i}");
+        assert_eq!(
+            std::fs::read(&p).unwrap(),
+            sound,
+            "case {i}: the entry replaced"
+        );
     }
-    let (_, o) = compile_cached(&c, m, "sm_90a", &d, Some(&dir)).unwrap();
-    assert_eq!(o, Origin::Compiled);
     // No cache folder: always compiles.
     let (_, o) = compile_cached(&c, m, "sm_90a", &d, None).unwrap();
     assert_eq!(o, Origin::Compiled);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A code object that the driver refuses is compiled again once where it came from the cache
+/// (and the new one loaded); a fresh compilation's refusal is the error.
+#[test]
+fn a_refused_cached_object_is_rebuilt_once() {
+    let refuse_old = |c: &[u8]| match c {
+        b"new" => Ok(7),
+        _ => Err(GpuError::Invalid("image refused".into())),
+    };
+    let mut warned = Vec::new();
+    let r = load_or_rebuild(
+        (b"old".to_vec(), Origin::Cache),
+        refuse_old,
+        || Ok(b"new".to_vec()),
+        |e| warned.push(e.to_string()),
+    );
+    assert_eq!(r.unwrap(), (7, Origin::Compiled));
+    assert!(
+        warned.len() == 1 && warned[0].contains("image refused"),
+        "{warned:?}"
+    );
+    // Loaded from the cache: nothing rebuilt.
+    let r = load_or_rebuild(
+        (b"new".to_vec(), Origin::Cache),
+        refuse_old,
+        || -> Result<Vec<u8>> { panic!("not rebuilt") },
+        |_| panic!("no warning"),
+    );
+    assert_eq!(r.unwrap(), (7, Origin::Cache));
+    // Just compiled and refused: the driver's error, no second compile.
+    let e = load_or_rebuild(
+        (b"old".to_vec(), Origin::Compiled),
+        refuse_old,
+        || -> Result<Vec<u8>> { panic!("not rebuilt") },
+        |_| panic!("no warning"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("image refused"), "{e}");
+    // Rebuilt and still refused: that error.
+    let e = load_or_rebuild(
+        (b"old".to_vec(), Origin::Cache),
+        refuse_old,
+        || Ok(b"older".to_vec()),
+        |_| {},
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("image refused"), "{e}");
 }
 
 #[test]
