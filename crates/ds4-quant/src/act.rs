@@ -311,8 +311,138 @@ fn dot_act_unchecked(ty: GgmlType, row: &[u8], x: &QuantizedAct, isa: Isa) -> f3
             }
         };
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        // SAFETY: NEON is a baseline feature of the aarch64 targets; the format matches `ty`.
+        return unsafe {
+            match ty {
+                GgmlType::Q2_K => neon::q2_k(row, x),
+                GgmlType::Q4_K => neon::q4_k(row, x),
+                GgmlType::IQ2_XXS => neon::iq2_xxs(row, x),
+                GgmlType::Q8_0 => neon::q8_0(row, x),
+                _ => 0.0, // unreachable: callers checked the type
+            }
+        };
+    }
     let _ = isa;
     dot_act_blocks(ty, row, x)
+}
+
+/// AArch64 NEON kernels: the integer sums by widening multiplies (`smull`, |w·x| ≤ 128·127 fits
+/// i16) and pairwise accumulation into i32 (`sadalp`), then the portable path's per-block f32
+/// combination in block order: bit-identical to it.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::*;
+    use std::arch::aarch64::*;
+
+    /// `Σ w_i·x_i` over 16 codes.
+    #[inline(always)]
+    unsafe fn dot16(w: int8x16_t, x: int8x16_t) -> i32 {
+        let p = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+        let p = vpadalq_s16(vpaddlq_s16(p), vmull_high_s8(w, x));
+        vaddvq_s32(p)
+    }
+
+    pub(super) unsafe fn q8_0(row: &[u8], x: &QuantizedAct) -> f32 {
+        let nb = (row.len() / 34).min(x.d.len());
+        let (rp, xp) = (row.as_ptr(), x.q.as_ptr());
+        let mut sumf = 0f32;
+        for ib in 0..nb {
+            crate::prefetch_block(rp.add(34 * ib), 34);
+            let w = rp.add(34 * ib + 2) as *const i8;
+            let xq = xp.add(32 * ib);
+            let isum =
+                dot16(vld1q_s8(w), vld1q_s8(xq)) + dot16(vld1q_s8(w.add(16)), vld1q_s8(xq.add(16)));
+            sumf += f16_at(row, 34 * ib) * x.d[ib] * isum as f32;
+        }
+        sumf
+    }
+
+    pub(super) unsafe fn q2_k(row: &[u8], x: &QuantizedAct) -> f32 {
+        let three = vdupq_n_u8(3);
+        let mut sumf = 0f32;
+        for (ib, b) in row.chunks_exact(84).enumerate().take(x.d.len()) {
+            crate::prefetch_block(b.as_ptr(), 84);
+            let (sc, qs) = (&b[0..16], b.as_ptr().add(16));
+            let xq = x.q.as_ptr().add(QK_K * ib);
+            let mut isum = 0i32;
+            for half in 0..2 {
+                for i in 0..2 {
+                    // Run s = 8·half + 2j + i: (qs[32·half + 16·i + l] >> 2j) & 3, l < 16.
+                    let q = vld1q_u8(qs.add(32 * half + 16 * i));
+                    for j in 0..4 {
+                        let codes = vandq_u8(vshlq_u8(q, vdupq_n_s8(-2 * j as i8)), three);
+                        let s = 8 * half + 2 * j + i;
+                        let xv = vld1q_s8(xq.add(16 * s));
+                        isum += dot16(vreinterpretq_s8_u8(codes), xv) * (sc[s] & 15) as i32;
+                    }
+                }
+            }
+            let summs = q2k_summs(sc, &x.bsums[16 * ib..16 * ib + 16]);
+            sumf = combine_affine(sumf, x.d[ib], f16_at(b, 80), f16_at(b, 82), isum, summs);
+        }
+        sumf
+    }
+
+    pub(super) unsafe fn q4_k(row: &[u8], x: &QuantizedAct) -> f32 {
+        let fifteen = vdupq_n_u8(15);
+        let mut sumf = 0f32;
+        for (ib, b) in row.chunks_exact(144).enumerate().take(x.d.len()) {
+            crate::prefetch_block(b.as_ptr(), 144);
+            let (sc, _) = q4k_unpack(&b[4..16]);
+            let qs = b.as_ptr().add(16);
+            let xq = x.q.as_ptr().add(QK_K * ib);
+            let mut isum = 0i32;
+            for c in 0..4 {
+                // Sub-block 2c: low nibbles of qs[32c..32c + 32]; 2c + 1: the high nibbles.
+                let mut lo = 0i32;
+                let mut hi = 0i32;
+                for h in 0..2 {
+                    let v = vld1q_u8(qs.add(32 * c + 16 * h));
+                    let l = vreinterpretq_s8_u8(vandq_u8(v, fifteen));
+                    let u = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                    lo += dot16(l, vld1q_s8(xq.add(64 * c + 16 * h)));
+                    hi += dot16(u, vld1q_s8(xq.add(64 * c + 32 + 16 * h)));
+                }
+                isum += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
+            }
+            let summs = q4k_summs(&b[4..16], &x.bsums[16 * ib..16 * ib + 16]);
+            sumf = combine_affine(sumf, x.d[ib], f16_at(b, 0), f16_at(b, 2), isum, summs);
+        }
+        sumf
+    }
+
+    pub(super) unsafe fn iq2_xxs(row: &[u8], x: &QuantizedAct) -> f32 {
+        let mut sumf = 0f32;
+        for (ib, b) in row.chunks_exact(66).enumerate().take(x.d.len()) {
+            crate::prefetch_block(b.as_ptr(), 66);
+            let xq = x.q.as_ptr().add(QK_K * ib);
+            let mut bsum = 0i32;
+            for g in 0..8 {
+                let grp = &b[2 + 8 * g..10 + 8 * g];
+                let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
+                let mut gsum = 0i32;
+                for h in 0..2 {
+                    // Two grid rows of 8 magnitudes (<= 43: fit i8), times their ±1 signs.
+                    let c = 2 * h;
+                    let mag = vcombine_u64(
+                        vcreate_u64(IQ2XXS_GRID[grp[c] as usize]),
+                        vcreate_u64(IQ2XXS_GRID[grp[c + 1] as usize]),
+                    );
+                    let sgn = vcombine_u64(
+                        vcreate_u64(SIGNS_PM1[((aux >> (7 * c)) & 127) as usize]),
+                        vcreate_u64(SIGNS_PM1[((aux >> (7 * (c + 1))) & 127) as usize]),
+                    );
+                    let w = vmulq_s8(vreinterpretq_s8_u64(mag), vreinterpretq_s8_u64(sgn));
+                    gsum += dot16(w, vld1q_s8(xq.add(32 * g + 16 * h)));
+                }
+                bsum += (2 * (aux >> 28) as i32 + 1) * gsum;
+            }
+            sumf = combine_iq2(sumf, f16_at(b, 0), x.d[ib], bsum);
+        }
+        0.125 * sumf
+    }
 }
 
 /// Integer parts: Σ w_i·x_i over 32 codes.

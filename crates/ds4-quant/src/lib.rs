@@ -5,11 +5,14 @@
 //! elements). Dot products are *exact mode*: `Σ dequant(w)·x` in f32 with f32 activations (no
 //! activation quantisation); SIMD paths differ from the portable one only in summation order.
 //!
-//! ISA paths (x86-64): AVX2+FMA+F16C and AVX-512F, detected once at first use. Set
-//! `DS4_QUANT_PORTABLE=1` (read once) or call [`set_force_portable`] to force the portable path.
+//! ISA paths: on x86-64 AVX2+FMA+F16C and AVX-512F, detected once at first use; on AArch64
+//! NEON (always present there). Set `DS4_QUANT_PORTABLE=1` (read once) or call
+//! [`set_force_portable`] to force the portable path.
 
 pub mod act;
 mod iq2_tables;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod portable;
 mod quantize;
 #[cfg(target_arch = "x86_64")]
@@ -137,6 +140,8 @@ pub enum Isa {
     Avx2,
     /// x86-64 AVX-512F (+F16C), 512-bit.
     Avx512,
+    /// AArch64 Advanced SIMD, 128-bit (every AArch64 CPU has it).
+    Neon,
 }
 
 impl fmt::Display for Isa {
@@ -145,6 +150,7 @@ impl fmt::Display for Isa {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
         })
     }
 }
@@ -194,12 +200,13 @@ impl Isa {
             Isa::Portable => true,
             Isa::Avx2 => detected().avx2,
             Isa::Avx512 => detected().avx512,
+            Isa::Neon => cfg!(target_arch = "aarch64"),
         }
     }
 
     /// All paths this CPU can run, portable first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+        [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Neon]
             .into_iter()
             .filter(|i| i.is_available())
             .collect()
@@ -211,6 +218,8 @@ impl Isa {
             Isa::Avx512
         } else if Isa::Avx2.is_available() {
             Isa::Avx2
+        } else if Isa::Neon.is_available() {
+            Isa::Neon
         } else {
             Isa::Portable
         }
@@ -401,7 +410,7 @@ const PAR_MIN_BYTES: usize = 1 << 20;
 /// Xeon VM: IQ2_XXS × Q8_K 1.65 -> 2.9 GB/s a core with it, exact Q4_K 2.05 -> 5.4
 /// (`examples/dot_bench.rs`, `bench/results/quant-dot-cpu.txt`). 1-4 KiB ahead measured
 /// alike, 512 bytes ~5% less.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const PREFETCH_BYTES: usize = 1024;
 
 /// Asks for the cache lines of the `bytes` bytes at `p + PREFETCH_BYTES`. A prefetch never
@@ -414,6 +423,23 @@ pub(crate) fn prefetch_block(p: *const u8, bytes: usize) {
     while o < bytes {
         // SAFETY: prefetch is a hint; any address is allowed (wrapping_add: no provenance use).
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + o) as *const i8) };
+        o += 64;
+    }
+}
+
+/// [`prefetch_block`] for AArch64 (`prfm pldl1keep`; 64-byte steps, as most AArch64 cores'
+/// lines; Apple's 128-byte lines are then asked for twice, which costs nothing).
+#[cfg(target_arch = "aarch64")]
+#[inline(always)]
+pub(crate) fn prefetch_block(p: *const u8, bytes: usize) {
+    let mut o = 0;
+    while o < bytes {
+        let a = p.wrapping_add(PREFETCH_BYTES + o);
+        // SAFETY: a prefetch is a hint that never faults; it reads no memory and writes none.
+        unsafe {
+            std::arch::asm!("prfm pldl1keep, [{a}]", a = in(reg) a,
+                options(nostack, readonly, preserves_flags));
+        }
         o += 64;
     }
 }
@@ -441,7 +467,9 @@ pub fn dot_kernel_for(ty: GgmlType, isa: Isa) -> Result<DotKernel, QuantError> {
             x86::avx512_dot_fn::<true>(ty),
             x86::avx512_dot_fn::<false>(ty),
         ),
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => (neon::dot_fn::<true>(ty), neon::dot_fn::<false>(ty)),
+        #[allow(unreachable_patterns)] // every path of this target is matched above
         _ => return Err(QuantError::IsaUnavailable(isa)),
     };
     Ok(DotKernel {

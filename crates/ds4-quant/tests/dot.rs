@@ -100,6 +100,31 @@ fn every_path_matches_on_quantised_gaussian_rows() {
     }
 }
 
+/// Every f16 and bf16 bit pattern (Inf, NaN, subnormals, ±0 among them) converted by every
+/// path as `dequantize_row` converts it: each value alone in a 32-element row (inside the SIMD
+/// loops), dotted with ones.
+#[test]
+fn every_half_value_converts_exactly_on_every_path() {
+    for ty in [GgmlType::F16, GgmlType::BF16] {
+        let ones = [1f32; 32];
+        for isa in Isa::available() {
+            let k = dot_kernel_for(ty, isa).unwrap();
+            for bits in 0..=u16::MAX {
+                let at = bits as usize % 32;
+                let mut row = [0u8; 64];
+                row[2 * at..2 * at + 2].copy_from_slice(&bits.to_le_bytes());
+                let mut want = [0f32; 32];
+                dequantize_row(ty, &row, &mut want).unwrap();
+                let (got, want) = (k.dot(&row, &ones), want[at]);
+                assert!(
+                    got == want || (got.is_nan() && want.is_nan()),
+                    "{ty} {isa} {bits:#06x}: {got:e}, expected {want:e}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn wrong_weights_are_detected() {
     // The tolerance is tight enough that a single flipped code changes the verdict.
