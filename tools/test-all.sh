@@ -3,8 +3,9 @@
 #   1. installs the run-time kernel compilers (NVRTC wheel, Debian hipRTC) so the GPU
 #      portability test compiles every kernel instead of skipping;
 #   2. cargo test --workspace --release (GPU device tests skip, saying why, without a GPU);
-#   3. the official openai + anthropic Python SDKs against `ds4 serve` (own venv);
-#   4. a coding agent's session against `ds4 serve` (tools/agent-serve.sh, stdlib Python): turns
+#   3. the AArch64 CPU kernels (NEON) under qemu-user (tools/arm-test.sh);
+#   4. the official openai + anthropic Python SDKs against `ds4 serve` (own venv);
+#   5. a coding agent's session against `ds4 serve` (tools/agent-serve.sh, stdlib Python): turns
 #      continue the live KV session, and after a restart the next turn resumes from the disk cache.
 # The SDK venv is installed in the background while 2 builds (network and disk, not the cores).
 # Step 2 builds the test targets but not the examples (`cargo clippy --all-targets` in .ci/run
@@ -26,6 +27,9 @@ echo "== cargo test --workspace --release"
 time cargo test --workspace --release --lib --bins --tests
 echo "== cargo test --workspace --release --doc"
 time cargo test --workspace --release --doc
+
+echo "== AArch64 (NEON kernels, the CPU backend against the oracle): cross-built, run under qemu-user"
+time bash tools/arm-test.sh
 
 echo "== SDK tests (official openai + anthropic Python SDKs against ds4 serve on the tiny model)"
 if ! wait "$sdk_venv"; then

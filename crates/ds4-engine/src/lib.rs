@@ -423,8 +423,9 @@ fn lib_line(name: &str, r: Result<String, ds4_gpu::GpuError>, missing: &str) -> 
 pub fn device_report() -> Vec<String> {
     use ds4_gpu::Compiler;
     let mut out = vec![format!(
-        "cpu: {} threads available (the reference backend; always present)",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        "cpu: {} threads available, {} dot products (the reference backend; always present)",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ds4_quant::active_isa()
     )];
     for (vendor, r) in ds4_gpu::probe() {
         let backend = match vendor {

@@ -280,12 +280,12 @@ unsafe fn dot_iq2_xxs<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
                 let gv = GRID_F32[grp[c] as usize].as_ptr();
                 let m = SIGN_MASKS[((aux >> (7 * c)) & 127) as usize].as_ptr();
                 let xo = xb.add(32 * g + 8 * c);
-                for k in 0..2 {
+                for (k, acc) in sg.iter_mut().enumerate() {
                     let w = veorq_u32(
                         vreinterpretq_u32_f32(vld1q_f32(gv.add(4 * k))),
                         vld1q_u32(m.add(4 * k)),
                     );
-                    sg[k] = vfmaq_f32(sg[k], vreinterpretq_f32_u32(w), vld1q_f32(xo.add(4 * k)));
+                    *acc = vfmaq_f32(*acc, vreinterpretq_f32_u32(w), vld1q_f32(xo.add(4 * k)));
                 }
             }
             let db = vdupq_n_f32(iq2_db(d, aux));
