@@ -5,8 +5,9 @@
 #      toolchain (the linker and glibc); clippy on ds4-quant for the target (its NEON code);
 #   2. ds4-quant's tests: every dot product and int8-activation kernel on the portable and NEON
 #      paths against the dequantised f64 references and each other (bit-identical where integer);
-#   3. the CPU backend against the HF transformers oracle (ds4-cpu tests/oracle.rs), so the whole
-#      forward pass is checked on AArch64 with the NEON kernels.
+#   3. the CPU backend against the HF transformers oracle (ds4-cpu tests/oracle.rs, the first 128
+#      positions), so the whole forward pass is checked on AArch64 with the NEON kernels;
+#   4. `cargo check` of the whole workspace for aarch64-apple-darwin (macOS on Apple silicon).
 # qemu checks results, not speed (it emulates the instructions): no timing here means anything.
 # Used by tools/test-all.sh; by hand: bash tools/arm-test.sh
 set -euo pipefail
@@ -49,3 +50,9 @@ echo "== aarch64: CPU backend against the HF oracle under qemu (first 128 positi
 # a time and through the chunked prompt path; all 640 positions take ~20 minutes under qemu.
 time DS4_ORACLE_TOKENS=128 cargo test --release -p ds4-cpu --target "$TARGET" --test oracle \
   -- quantised_weights_plain_math_matches_hf chunked_prefill_path_matches_hf --nocapture
+
+echo "== aarch64-apple-darwin: the workspace type-checks for macOS on Apple silicon"
+# No macOS machine runs anything here: this only keeps Linux-only calls out of the code that a
+# Mac build compiles (the CPU backend on NEON is what runs there; --backend metal is not built).
+rustup target list --installed | grep -qx aarch64-apple-darwin || rustup target add aarch64-apple-darwin
+time cargo check --release --target aarch64-apple-darwin --workspace --all-targets

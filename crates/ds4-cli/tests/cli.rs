@@ -81,6 +81,39 @@ fn full_size_sparse_files_match_the_published_totals() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// `ds4 synth --layers N`: the real shapes with the first N layers (their routing and
+/// compression as in the whole model), a layout `inspect` accepts; past the preset's count, an
+/// error naming it.
+#[test]
+fn synth_keeps_the_first_layers_when_asked() {
+    let d = tmpdir("layers");
+    let m = d.join("q2-4.gguf");
+    let o = ds4(&[
+        "synth",
+        "--preset",
+        "full-q2",
+        "--layers",
+        "4",
+        "--sparse",
+        "-o",
+        s(&m),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&ds4(&["inspect", s(&m)]));
+    assert!(out.contains("layers      4 ("), "{out}");
+    assert!(out.contains("weights       OK:"), "{out}");
+    let o = ds4(&["synth", "--preset", "tiny", "--layers", "7", "-o", s(&m)]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--layers 7: the tiny preset has 6 layers"),
+        "{}",
+        stderr(&o)
+    );
+    let o = ds4(&["synth", "--preset", "tiny", "--layers", "0", "-o", s(&m)]);
+    assert!(!o.status.success(), "0 layers refused");
+    std::fs::remove_dir_all(&d).ok();
+}
+
 #[test]
 fn tiny_model_round_trips_text_through_the_tokenizer() {
     let d = tmpdir("tiny");

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 #[command(after_help = "Examples:\n  \
     ds4 synth --preset tiny -o models/tiny.gguf          # ~40 MB, every code path, seconds\n  \
     ds4 synth --preset full-q2 --sparse -o /tmp/q2.gguf   # 80.76 GiB file of holes, for loader checks\n  \
-    ds4 synth --preset full-q2 --mtp -o models/q2.gguf    # real-size random weights + MTP file")]
+    ds4 synth --preset full-q2 --mtp -o models/q2.gguf    # real-size random weights + MTP file\n  \
+    ds4 synth --preset full-q2 --layers 4 -o /tmp/q2-4.gguf  # real shapes, 4 of 43 layers (8.85 GiB): benches on a small machine")]
 pub struct Args {
     /// Model shape and quant mix: tiny (model.md §6.1), full-q2 (80.76 GiB), full-q4 (153.33 GiB).
     #[arg(long, default_value = "tiny", value_parser = ["tiny", "full-q2", "full-q4"])]
@@ -24,6 +25,10 @@ pub struct Args {
     /// Also write the matching MTP GGUF (speculative decoding) as <out stem>-mtp.gguf.
     #[arg(long)]
     mtp: bool,
+    /// Keep only the first N layers (the MTP block's shapes unchanged): real per-layer shapes and
+    /// costs in a file that fits a small machine; a model's totals are then not the real one's.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    layers: Option<u32>,
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -39,7 +44,17 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    let (hparams, mix) = preset.params();
+    let (mut hparams, mix) = preset.params();
+    if let Some(n) = a.layers {
+        if n > hparams.n_layer {
+            return Err(anyhow!(
+                "--layers {n}: the {} preset has {} layers",
+                a.preset,
+                hparams.n_layer
+            ));
+        }
+        hparams.keep_layers(n);
+    }
     let opts = SynthOptions {
         hparams,
         mix,
