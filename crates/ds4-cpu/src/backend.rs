@@ -84,6 +84,9 @@ pub struct CpuBackend {
     slots_max: usize,
     /// Whether [`Backend::expert_slots`] gives slots ([`CpuBackend::with_expert_slots`]).
     expert_slots: bool,
+    /// Work from which a token's attention heads / indexer rows run on the threads
+    /// ([`PAR_ATTEND_MIN`]; [`CpuBackend::with_par_attend_min`]).
+    par_attend_min: usize,
 }
 
 impl CpuBackend {
@@ -93,7 +96,15 @@ impl CpuBackend {
             comm: None,
             slots_max: moe_slots_max(),
             expert_slots: false,
+            par_attend_min: PAR_ATTEND_MIN,
         }
+    }
+
+    /// Splits a token's attention heads and indexer rows over the threads from `n`
+    /// multiply-adds on (0: always, `usize::MAX`: never); the same bits either way (tests).
+    pub fn with_par_attend_min(mut self, n: usize) -> CpuBackend {
+        self.par_attend_min = n;
+        self
     }
 
     /// Gives expert slots ([`Backend::expert_slots`], [`Backend::gather_experts`]) as a GPU
@@ -652,7 +663,7 @@ impl Backend for CpuBackend {
             let visible = (t + 1) / spec.ratio;
             let out = &mut sel[i * k..(i + 1) * k];
             out.fill(-1);
-            if visible <= k {
+            if visible <= k || k == 0 {
                 for (r, o) in out.iter_mut().take(visible).enumerate() {
                     *o = r as i32;
                 }
@@ -666,16 +677,30 @@ impl Backend for CpuBackend {
                 }
             }
             let wi = &w[i * nh..(i + 1) * nh];
-            let scores: Vec<f32> = (0..visible)
-                .map(|r| {
-                    let key = &rows[r * ihd..(r + 1) * ihd];
-                    (0..nh)
-                        .map(|h| wi[h] * ws * dot(&qi[h * ihd..(h + 1) * ihd], key).max(0.0))
-                        .sum()
-                })
-                .collect();
+            let score = |r: usize| -> f32 {
+                let key = &rows[r * ihd..(r + 1) * ihd];
+                (0..nh)
+                    .map(|h| wi[h] * ws * dot(&qi[h * ihd..(h + 1) * ihd], key).max(0.0))
+                    .sum()
+            };
+            // Rows are scored independently (the same bits on any thread): split over the
+            // threads once there are enough of them.
+            let scores: Vec<f32> = if visible * nh * ihd >= self.par_attend_min {
+                use rayon::prelude::*;
+                (0..visible)
+                    .into_par_iter()
+                    .with_min_len(64)
+                    .map(score)
+                    .collect()
+            } else {
+                (0..visible).map(score).collect()
+            };
+            // The k best (score descending, then position: a total order, so the set is the
+            // one a full sort would keep), found in linear time, then in position order.
             let mut order: Vec<usize> = (0..visible).collect();
-            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            order.select_nth_unstable_by(k - 1, |&a, &b| {
+                scores[b].total_cmp(&scores[a]).then(a.cmp(&b))
+            });
             order.truncate(k);
             order.sort_unstable();
             for (o, r) in out.iter_mut().zip(order) {
@@ -724,14 +749,14 @@ impl Backend for CpuBackend {
                 .map(|p| &st.raw[(p % win) * hd..(p % win + 1) * hd])
                 .chain(selected.iter().map(|&r| &comp_rows[r * hd..(r + 1) * hd]))
                 .collect();
-            let mut scores = vec![0f32; rows.len()];
             let qi = &q[i * nh * hd..(i + 1) * nh * hd];
             let oi = &mut out[i * nh * hd..(i + 1) * nh * hd];
-            for h in 0..nh {
+            // One head: scores against every visible row, softmax with the sink, the weighted
+            // sum of the rows. Heads are independent (each its own arithmetic, whatever runs
+            // them), so long contexts split them over the threads: the same bits.
+            let head = |h: usize, oh: &mut [f32]| {
                 let qh = &qi[h * hd..(h + 1) * hd];
-                for (s, r) in scores.iter_mut().zip(&rows) {
-                    *s = dot(qh, r) * scale;
-                }
+                let mut scores: Vec<f32> = rows.iter().map(|r| dot(qh, r) * scale).collect();
                 let sink = sinks[h];
                 let m = scores.iter().copied().fold(sink, f32::max);
                 let mut zsum = (sink - m).exp();
@@ -739,13 +764,22 @@ impl Backend for CpuBackend {
                     *s = (*s - m).exp();
                     zsum += *s;
                 }
-                let oh = &mut oi[h * hd..(h + 1) * hd];
                 for (s, r) in scores.iter().zip(&rows) {
                     let p = s / zsum;
                     oh.iter_mut().zip(r.iter()).for_each(|(o, v)| *o += p * v);
                 }
                 // Values are the rotated keys: undo the rotation at the query position.
                 rope.apply(oh, t as u64, true);
+            };
+            if rows.len() * nh * hd >= self.par_attend_min {
+                use rayon::prelude::*;
+                oi.par_chunks_mut(hd)
+                    .enumerate()
+                    .for_each(|(h, oh)| head(h, oh));
+            } else {
+                for (h, oh) in oi.chunks_mut(hd).enumerate() {
+                    head(h, oh);
+                }
             }
         }
     }
@@ -966,6 +1000,11 @@ type SlotRowFn<'a> = dyn Fn(usize, usize, &[usize], &mut [f32]) + Sync + 'a;
 
 /// Output rows a task in [`moe_slots`].
 const SLOT_ROWS: usize = 32;
+
+/// Multiply-adds (rows × heads × head size) from which one token's attention or indexer scores
+/// are split over the threads: ~1 ms of one core's work (a decode step at a few thousand
+/// tokens of context); below it the fork-join costs more than it saves.
+const PAR_ATTEND_MIN: usize = 1 << 20;
 
 /// [`Backend::moe_experts`]'s value with one parallel region for every slot's gate/up rows and
 /// one for the down rows (the expert-by-expert form runs 3 products an expert one after

@@ -45,3 +45,34 @@ fn chunked_prefill_is_bit_identical_to_decode() {
         assert_eq!(last[0], decode[len - 1], "prompt length {len}");
     }
 }
+
+/// A token's attention heads and indexer scores split over the threads (the form long contexts
+/// take) give the one-thread form's bits: decode steps and a batch, past the window and the
+/// indexer's top-k.
+#[test]
+fn attention_split_over_threads_gives_the_same_bits() {
+    use ds4_cpu::{CpuBackend, Rounding};
+    use ds4_gguf::GgufFile;
+    use ds4_model::forward::{rope_tables, Model};
+    use ds4_model::{bind_main, HParams};
+    use std::sync::Arc;
+    let path = ds4_synth::tiny_model_for_tests(11, false);
+    let load = |par_min: usize| {
+        let file = Arc::new(GgufFile::open(&path).unwrap());
+        let hp = HParams::from_meta(file.as_ref()).unwrap();
+        let dir = bind_main(&file, &hp).unwrap();
+        let b = CpuBackend::new(rope_tables(&hp)).with_par_attend_min(par_min);
+        Model::load(b, hp, &[(file, dir)], Rounding::MODEL, &mut |_, _| {}).unwrap()
+    };
+    let (one, split) = (load(usize::MAX), load(0));
+    let tokens: Vec<u32> = (0..70u32).map(|i| (i * 193 + 5) % 512).collect();
+    let (mut a, mut b) = (one.new_state(), split.new_state());
+    for &t in &tokens[..40] {
+        assert_eq!(one.eval(&mut a, t).unwrap(), split.eval(&mut b, t).unwrap());
+    }
+    assert_eq!(
+        one.eval_batch(&mut a, &tokens[40..], true).unwrap(),
+        split.eval_batch(&mut b, &tokens[40..], true).unwrap()
+    );
+    assert_eq!(a, b, "the same state");
+}
