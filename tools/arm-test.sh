@@ -19,19 +19,7 @@ echo "== aarch64: toolchain"
 if ! rustup target list --installed | grep -qx "$TARGET"; then
   rustup target add "$TARGET"
 fi
-PKGS="qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
-missing=""
-for p in $PKGS; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
-done
-if [ -n "$missing" ]; then
-  echo "arm-test: apt-get install$missing"
-  export DEBIAN_FRONTEND=noninteractive
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO="sudo -E"; fi
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
-fi
+bash tools/apt-ensure.sh arm-test qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
 

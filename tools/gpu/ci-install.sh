@@ -22,21 +22,7 @@ site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "ci-install: nvrtc: libraries: $(ls "$site"/nvidia/*/lib/libnvrtc.so* 2>/dev/null | tr '\n' ' ')"
 
 # --- hipRTC (Debian) ---------------------------------------------------------------------------
-HIP_PKGS="libamdhip64-5 libhiprtc-builtins5 clang-19 libamdhip64-dev"
-missing=""
-for p in $HIP_PKGS; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
-done
-if [ -z "$missing" ]; then
-  echo "ci-install: hip: Debian packages already installed:$(for p in $HIP_PKGS; do printf ' %s=%s' "$p" "$(dpkg-query -W -f='${Version}' "$p")"; done)"
-else
-  echo "ci-install: hip: apt-get install$missing"
-  export DEBIAN_FRONTEND=noninteractive
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO="sudo -E"; fi
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
-fi
+bash "$(dirname "$0")/../apt-ensure.sh" "ci-install: hip" libamdhip64-5 libhiprtc-builtins5 clang-19 libamdhip64-dev
 echo "ci-install: hiprtc: libraries: $(ls /usr/lib/x86_64-linux-gnu/libamdhip64.so* 2>/dev/null | tr '\n' ' ')"
 echo "ci-install: clang: $(command -v clang-19 || echo 'clang-19 missing'), HIP headers: $(ls /usr/include/hip/hip_runtime.h 2>/dev/null || echo missing)"
 echo "ci-install: done in $(( $(date +%s) - t0 )) s"

@@ -10,7 +10,7 @@
 
 use std::arch::aarch64::*;
 
-use crate::portable::{iq2_db, q4k_scale_min, GRID_F32, QK_K, SIGN_MASKS};
+use crate::portable::{iq2_db, q4k_factors, GRID_F32, QK_K, SIGN_MASKS};
 use crate::{f16_at, f16_to_f32, GgmlType};
 
 type RawDot = fn(&[u8], &[f32]) -> f32;
@@ -234,16 +234,12 @@ unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         }
         let qs = blk.as_ptr().add(16);
         let xb = x.as_ptr().add(QK_K * ib);
-        let d = f16_at(blk, 0);
-        let dmin = f16_at(blk, 2);
-        let scales = &blk[4..16];
+        let (dl, ml) = q4k_factors(blk);
         for c in 0..4 {
-            let (sc0, m0) = q4k_scale_min(scales, 2 * c);
-            let (sc1, m1) = q4k_scale_min(scales, 2 * c + 1);
-            let dl0 = vdupq_n_f32(d * sc0 as f32);
-            let ml0 = vdupq_n_f32(dmin * m0 as f32);
-            let dl1 = vdupq_n_f32(d * sc1 as f32);
-            let ml1 = vdupq_n_f32(dmin * m1 as f32);
+            let dl0 = vdupq_n_f32(dl[2 * c]);
+            let ml0 = vdupq_n_f32(ml[2 * c]);
+            let dl1 = vdupq_n_f32(dl[2 * c + 1]);
+            let ml1 = vdupq_n_f32(ml[2 * c + 1]);
             for t in 0..4 {
                 let (v0, v1) = u8x8(qs.add(32 * c + 8 * t));
                 let xo = xb.add(64 * c + 8 * t);

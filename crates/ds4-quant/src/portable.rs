@@ -129,19 +129,30 @@ pub(crate) fn q4k_scale_min(scales: &[u8], b: usize) -> (u8, u8) {
     }
 }
 
+/// A Q4_K block's sub-block factors `d·sc` and `dmin·m` (exact f32 products), by sub-block;
+/// every path forms its weights `dl·q − ml` from these.
+#[inline(always)]
+pub(crate) fn q4k_factors(b: &[u8]) -> ([f32; 8], [f32; 8]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (mut dl, mut ml) = ([0f32; 8], [0f32; 8]);
+    for s in 0..8 {
+        let (sc, m) = q4k_scale_min(&b[4..16], s);
+        dl[s] = d * sc as f32;
+        ml[s] = dmin * m as f32;
+    }
+    (dl, ml)
+}
+
 /// Q4_K, 144 bytes: `d: f16`, `dmin: f16`, `scales: u8[12]`, `qs: u8[128]`.
 #[inline]
 pub(crate) fn deq_q4_k(b: &[u8], o: &mut [f32; QK_K]) {
-    let d = f16_at(b, 0);
-    let dmin = f16_at(b, 2);
-    let (scales, qs) = (&b[4..16], &b[16..144]);
+    let (dls, mls) = q4k_factors(b);
+    let qs = &b[16..144];
     // Chunk c of 64 weights: low nibbles of qs[32c..32c+32] (sub-block 2c), then high (2c+1).
     for c in 0..4 {
         let q = &qs[32 * c..32 * c + 32];
         for (h, shift) in [(0usize, 0u8), (1, 4)] {
-            let (sc, m) = q4k_scale_min(scales, 2 * c + h);
-            let dl = d * sc as f32;
-            let ml = dmin * m as f32;
+            let (dl, ml) = (dls[2 * c + h], mls[2 * c + h]);
             let out = &mut o[64 * c + 32 * h..][..32];
             for (w, &byte) in out.iter_mut().zip(q) {
                 *w = dl * ((byte >> shift) & 15) as f32 - ml;

@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 
 use crate::iq2_tables::KSIGNS_IQ2XS;
-use crate::portable::{iq2_db, q4k_scale_min, GRID_F32, QK_K, SIGN_MASKS};
+use crate::portable::{iq2_db, q4k_factors, GRID_F32, QK_K, SIGN_MASKS};
 use crate::{f16_at, GgmlType};
 
 type RawDot = fn(&[u8], &[f32]) -> f32;
@@ -281,16 +281,12 @@ mod avx2 {
             }
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
-            let d = f16_at(blk, 0);
-            let dmin = f16_at(blk, 2);
-            let scales = &blk[4..16];
+            let (dl, ml) = q4k_factors(blk);
             for c in 0..4 {
-                let (sc0, m0) = q4k_scale_min(scales, 2 * c);
-                let (sc1, m1) = q4k_scale_min(scales, 2 * c + 1);
-                let dl0 = _mm256_set1_ps(d * sc0 as f32);
-                let ml0 = _mm256_set1_ps(dmin * m0 as f32);
-                let dl1 = _mm256_set1_ps(d * sc1 as f32);
-                let ml1 = _mm256_set1_ps(dmin * m1 as f32);
+                let dl0 = _mm256_set1_ps(dl[2 * c]);
+                let ml0 = _mm256_set1_ps(ml[2 * c]);
+                let dl1 = _mm256_set1_ps(dl[2 * c + 1]);
+                let ml1 = _mm256_set1_ps(ml[2 * c + 1]);
                 for t in 0..4 {
                     let v = u8x8(qs.add(32 * c + 8 * t));
                     let qlo = _mm256_cvtepi32_ps(_mm256_and_si256(v, fifteen));
@@ -533,16 +529,12 @@ mod avx512 {
             }
             let qs = blk.as_ptr().add(16);
             let xb = x.as_ptr().add(QK_K * ib);
-            let d = f16_at(blk, 0);
-            let dmin = f16_at(blk, 2);
-            let scales = &blk[4..16];
+            let (dl, ml) = q4k_factors(blk);
             for c in 0..4 {
-                let (sc0, m0) = q4k_scale_min(scales, 2 * c);
-                let (sc1, m1) = q4k_scale_min(scales, 2 * c + 1);
-                let dl0 = _mm512_set1_ps(d * sc0 as f32);
-                let ml0 = _mm512_set1_ps(dmin * m0 as f32);
-                let dl1 = _mm512_set1_ps(d * sc1 as f32);
-                let ml1 = _mm512_set1_ps(dmin * m1 as f32);
+                let dl0 = _mm512_set1_ps(dl[2 * c]);
+                let ml0 = _mm512_set1_ps(ml[2 * c]);
+                let dl1 = _mm512_set1_ps(dl[2 * c + 1]);
+                let ml1 = _mm512_set1_ps(ml[2 * c + 1]);
                 for t in 0..2 {
                     let v = u8x16(qs.add(32 * c + 16 * t));
                     let qlo = _mm512_cvtepi32_ps(_mm512_and_si512(v, fifteen));
