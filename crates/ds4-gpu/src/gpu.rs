@@ -171,9 +171,44 @@ pub struct Gpu {
     registered: Mutex<Vec<(usize, usize)>>,
 }
 
-/// Host page size assumed by [`Gpu::register_host`] (ranges are widened to whole pages; a
-/// larger real page only makes a registration fail, and the gathers then go through staging).
-const HOST_PAGE: usize = 4096;
+/// The host's page size (`sysconf(_SC_PAGESIZE)`: 4 KiB on most x86 Linux hosts, 16 KiB on
+/// Apple silicon, often 64 KiB on AArch64 servers such as NVIDIA Grace); 4 KiB where it cannot
+/// be read. [`Gpu::register_host`] widens its ranges to whole pages of this size: ranges
+/// aligned to a smaller page than the real one are refused by the driver, and the gathers
+/// then go through staging (~2.5x slower a host layer).
+pub fn host_page() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf reads a constant of the system; no memory is passed.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if p > 0 && (p as usize).is_power_of_two() {
+            return p as usize;
+        }
+    }
+    4096
+}
+
+/// `ranges` as (start, end) addresses widened to whole pages of `page` bytes (a power of two),
+/// sorted, with overlapping or touching ranges merged; empty ranges dropped.
+pub fn page_ranges(ranges: &[&[u8]], page: usize) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = ranges
+        .iter()
+        .filter(|r| !r.is_empty())
+        .map(|r| {
+            let a = r.as_ptr() as usize;
+            (a / page * page, (a + r.len()).div_ceil(page) * page)
+        })
+        .collect();
+    v.sort_unstable();
+    let mut merged: Vec<(usize, usize)> = Vec::new();
+    for (a, b) in v {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    merged
+}
 
 /// Gathers that copied straight from registered host memory (process-wide; tests).
 pub static DIRECT_GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -263,25 +298,7 @@ impl Gpu {
     /// driver's error: pinned-memory limits, a mapping it cannot lock) releases what this call
     /// registered and returns the error.
     pub fn register_host(&self, ranges: &[&[u8]]) -> Result<usize> {
-        let mut v: Vec<(usize, usize)> = ranges
-            .iter()
-            .filter(|r| !r.is_empty())
-            .map(|r| {
-                let a = r.as_ptr() as usize;
-                (
-                    a / HOST_PAGE * HOST_PAGE,
-                    (a + r.len()).div_ceil(HOST_PAGE) * HOST_PAGE,
-                )
-            })
-            .collect();
-        v.sort_unstable();
-        let mut merged: Vec<(usize, usize)> = Vec::new();
-        for (a, b) in v {
-            match merged.last_mut() {
-                Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                _ => merged.push((a, b)),
-            }
-        }
+        let merged = page_ranges(ranges, host_page());
         let mut reg = self.registered.lock().unwrap();
         let (had, mut bytes) = (reg.len(), 0);
         for (a, b) in merged {

@@ -225,3 +225,65 @@ fn backend_names_parse() {
         .to_string()
         .contains("metal"));
 }
+
+/// Host-memory ranges to page-lock: widened to whole pages of the host's size (read from the
+/// system, not assumed: 64 KiB pages on many AArch64 servers), merged where they touch.
+#[test]
+fn registered_ranges_are_whole_pages_of_the_hosts_size() {
+    let page = ds4_gpu::gpu::host_page();
+    assert!(page.is_power_of_two() && page >= 4096, "{page}");
+    #[cfg(target_os = "linux")]
+    if let Ok(out) = std::process::Command::new("getconf")
+        .arg("PAGESIZE")
+        .output()
+    {
+        let want: usize = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        assert_eq!(page, want, "getconf PAGESIZE");
+    }
+    let buf = vec![0u8; 1 << 20];
+    let base = buf.as_ptr() as usize;
+    for page in [4096usize, 16384, 65536] {
+        // Two ranges inside one page merge; one ending on the next's page merges with it; a
+        // distant one stays apart; an empty one is dropped.
+        let r = [
+            &buf[10..20],
+            &buf[30..40],
+            &buf[200_000..200_001],
+            &buf[600_000..700_000],
+            &buf[5..5],
+        ];
+        let got = ds4_gpu::gpu::page_ranges(&r, page);
+        for &(a, b) in &got {
+            assert!(
+                a % page == 0 && b % page == 0 && a < b,
+                "{page}: {a:#x}..{b:#x}"
+            );
+        }
+        for s in r.iter().filter(|s| !s.is_empty()) {
+            let (a, b) = (s.as_ptr() as usize, s.as_ptr() as usize + s.len());
+            assert_eq!(
+                got.iter().filter(|&&(x, y)| x <= a && b <= y).count(),
+                1,
+                "{page}: {:#x}..{:#x} in exactly one range",
+                a - base,
+                b - base
+            );
+        }
+        for w in got.windows(2) {
+            assert!(w[0].1 < w[1].0, "{page}: sorted, apart: {got:x?}");
+        }
+        let want = |a: usize, b: usize| (a / page * page, b.div_ceil(page) * page);
+        let (first, second) = (
+            want(base + 10, base + 40),
+            want(base + 200_000, base + 200_001),
+        );
+        assert_eq!(got[0].0, first.0);
+        if first.1 >= second.0 {
+            assert_eq!(
+                got[0].1,
+                first.1.max(second.1),
+                "{page}: touching pages merge"
+            );
+        }
+    }
+}
