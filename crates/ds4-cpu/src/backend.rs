@@ -82,8 +82,9 @@ pub struct CpuBackend {
     comm: Option<(usize, Arc<HostComm>)>,
     /// MoE calls of at most this many (token, expert) slots take [`moe_slots`]'s form.
     slots_max: usize,
-    /// Whether [`Backend::expert_slots`] gives slots ([`CpuBackend::with_expert_slots`]).
-    expert_slots: bool,
+    /// How many experts [`Backend::expert_slots`] finds room for (None: it gives no slots;
+    /// [`CpuBackend::with_expert_slots`], [`CpuBackend::with_expert_slot_room`]).
+    slot_room: Option<usize>,
     /// Work from which a token's attention heads / indexer rows run on the threads
     /// ([`PAR_ATTEND_MIN`]; [`CpuBackend::with_par_attend_min`]).
     par_attend_min: usize,
@@ -95,7 +96,7 @@ impl CpuBackend {
             ropes,
             comm: None,
             slots_max: moe_slots_max(),
-            expert_slots: false,
+            slot_room: None,
             par_attend_min: PAR_ATTEND_MIN,
         }
     }
@@ -112,7 +113,14 @@ impl CpuBackend {
     /// GPU's default for `--cpu-experts`) runs, slots, rounds and all, on the CPU in tests.
     /// Off by default: the CPU runs host-memory experts where they lie (no copy).
     pub fn with_expert_slots(mut self, on: bool) -> CpuBackend {
-        self.expert_slots = on;
+        self.slot_room = on.then_some(usize::MAX);
+        self
+    }
+
+    /// [`CpuBackend::with_expert_slots`] with room for `n` experts a request: asking for more
+    /// fails as a GPU's allocation does when its memory runs short (tests of the fallback).
+    pub fn with_expert_slot_room(mut self, n: usize) -> CpuBackend {
+        self.slot_room = Some(n);
         self
     }
 
@@ -295,8 +303,11 @@ impl Backend for CpuBackend {
         rows: usize,
         capacity: usize,
     ) -> Option<Result<CpuWeight, String>> {
-        if !self.expert_slots {
-            return None;
+        let room = self.slot_room?;
+        if capacity > room {
+            return Some(Err(format!(
+                "no room for {capacity} expert slots (room for {room})"
+            )));
         }
         Some(self.slots_stack(ty, [cols, rows, capacity], &[], &[]))
     }

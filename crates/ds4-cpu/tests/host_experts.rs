@@ -33,20 +33,21 @@ fn load_placed(path: &Path, layers: Vec<usize>, upload_min: usize, group: usize)
         upload_min,
         group,
         false,
-        false,
+        None,
         Rounding::MODEL,
     )
 }
 
 /// [`load_placed`]; `int8`: the host experts quantise their activations (`--precision fast`);
-/// `slots`: the backend has expert slots and batches gather into them (as on a GPU).
+/// `slots`: the backend has expert slots with room for that many experts and batches gather
+/// into them (as on a GPU).
 fn load_placed_with(
     path: &Path,
     layers: Vec<usize>,
     upload_min: usize,
     group: usize,
     int8: bool,
-    slots: bool,
+    slots: Option<usize>,
     rounding: Rounding,
 ) -> CpuModel {
     let file = Arc::new(GgufFile::open(path).unwrap());
@@ -62,13 +63,17 @@ fn load_placed_with(
     let mut placement = HostPlacement::new(layers, &make);
     placement.upload_min = upload_min;
     placement.group = group;
-    if slots {
+    if slots.is_some() {
         placement.gather = ds4_model::offload::Gather::Gpu;
     }
     let mut progress = |_: usize, _: usize| {};
     let mut src = FileSource::new(&files, &mut progress);
     src.prefetch_host = true; // as the engine sets it where the stacks fit the RAM
-    let b = CpuBackend::new(rope_tables(&hp)).with_expert_slots(slots);
+    let b = CpuBackend::new(rope_tables(&hp));
+    let b = match slots {
+        Some(room) => b.with_expert_slot_room(room),
+        None => b,
+    };
     Model::load_placed(b, hp, &mut src, rounding, Shard::ONE, Some(&placement)).unwrap()
 }
 
@@ -139,7 +144,15 @@ fn gathered_host_experts_match_the_plain_model() {
     // The first layer (hash-routed in this model family) and the last two; upload_min 1: were
     // the gather not taken, every batch would upload groups (counted below).
     let layers = vec![0, n_layer - 2, n_layer - 1];
-    let host = load_placed_with(&path, layers.clone(), 1, 4, false, true, Rounding::NONE);
+    let host = load_placed_with(
+        &path,
+        layers.clone(),
+        1,
+        4,
+        false,
+        Some(usize::MAX),
+        Rounding::NONE,
+    );
     assert!(host.gathers_host_experts());
     assert_eq!(host.host_expert_layers(), layers);
     let toks = tokens();
@@ -192,6 +205,50 @@ fn gathered_host_experts_match_the_plain_model() {
         }
     }
     set_gather_slots(None);
+}
+
+/// Slots that find no room (device memory short): the schedule gives up on the gather for the
+/// rest of the run and takes the paths of a backend without slots: decode steps on the host
+/// (the plain model's bits), batches of `upload_min` tokens or more by groups uploaded (f32
+/// order only), no gathers.
+#[test]
+fn slots_without_room_fall_back_to_the_host_and_group_paths() {
+    use ds4_model::offload::{GATHERS, UPLOADED_GROUPS};
+    use std::sync::atomic::Ordering::Relaxed;
+    let _g = globals();
+    let path = ds4_synth::tiny_model_for_tests(7, false);
+    let plain = common::load(&path, Rounding::NONE);
+    let n_layer = plain.hp.n_layer as usize;
+    let layers = vec![n_layer - 2, n_layer - 1];
+    // Room for 3 experts: less than any gather asks for (at least a token's 6).
+    let host = load_placed_with(&path, layers, 4, 4, false, Some(3), Rounding::NONE);
+    assert!(
+        host.gathers_host_experts(),
+        "asked for; the room runs out at the first batch"
+    );
+    let toks = tokens();
+    let (g0, u0) = (GATHERS.load(Relaxed), UPLOADED_GROUPS.load(Relaxed));
+    let (mut a, mut b) = (plain.new_state(), host.new_state());
+    for &t in &toks[..6] {
+        assert_eq!(
+            plain.eval(&mut a, t).unwrap(),
+            host.eval(&mut b, t).unwrap()
+        );
+    }
+    assert_eq!(
+        UPLOADED_GROUPS.load(Relaxed),
+        u0,
+        "decode steps ran on the host"
+    );
+    let la = plain.eval_batch(&mut a, &toks[6..], true).unwrap();
+    let lb = host.eval_batch(&mut b, &toks[6..], true).unwrap();
+    let w = worst_relative(&la, &lb);
+    assert!(w < 1e-5, "worst relative difference {w}");
+    assert_eq!(GATHERS.load(Relaxed), g0, "nothing gathered");
+    assert!(
+        UPLOADED_GROUPS.load(Relaxed) > u0,
+        "the batch uploaded groups"
+    );
 }
 
 /// The CPU backend's decode-sized MoE calls (one parallel region for all slots' rows) give the
@@ -438,7 +495,7 @@ fn int8_host_experts_stay_close_to_the_plain_model() {
         usize::MAX,
         32,
         true,
-        false,
+        None,
         Rounding::MODEL,
     );
     let (mut a, mut b) = (plain.new_state(), host.new_state());
