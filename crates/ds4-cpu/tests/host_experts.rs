@@ -71,6 +71,7 @@ fn load_placed_with(
     src.prefetch_host = true; // as the engine sets it where the stacks fit the RAM
     let b = CpuBackend::new(rope_tables(&hp));
     let b = match slots {
+        Some(usize::MAX) => b.with_expert_slots(true),
         Some(room) => b.with_expert_slot_room(room),
         None => b,
     };

@@ -65,7 +65,7 @@ pub enum Origin {
 /// The last bytes of a cache entry (after the code's SHA-256): format 1.
 const MAGIC: &[u8; 8] = b"ds4kc\x001\n";
 
-/// File-name suffix of entries written by `compiler` (`cubin` / `hsaco` before the seal: such
+/// File-name suffix of entries for NVRTC (`nvidia`) or hipRTC (`cubin` / `hsaco` before the seal: such
 /// files are no longer read, and `ds4 kernels --prune` removes them).
 pub fn entry_ext(nvidia: bool) -> &'static str {
     if nvidia {
