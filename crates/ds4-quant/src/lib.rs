@@ -252,7 +252,13 @@ pub struct DotKernel {
     /// The same kernel without prefetching: for a row already in cache (the second and later
     /// inputs of [`DotKernel::matmul_unchecked`]); same bits.
     f_cached: RawDot,
+    /// Four tokens a pass over the row (prompt batches), each token `f`'s bits; with and
+    /// without prefetching. None where this path has no such kernel for the type.
+    f4: Option<(RawDot4, RawDot4)>,
 }
+
+/// Four tokens' dot products with one row at once (see [`DotKernel::matmul_unchecked`]).
+type RawDot4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
 impl fmt::Debug for DotKernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -331,9 +337,22 @@ impl DotKernel {
             let mut t = vec![0f32; (r1 - r0) * n_tok];
             for r in r0..r1 {
                 let row = &weight[r * rb..(r + 1) * rb];
-                for (k, x) in xs.chunks_exact(cols).enumerate() {
+                let out = &mut t[(r - r0) * n_tok..(r - r0 + 1) * n_tok];
+                // Four tokens a pass where the path has the kernel (the row's codes unpacked
+                // once for four: same bits per token), the rest one by one.
+                let mut k = 0;
+                if let Some((f4, f4_cached)) = self.f4 {
+                    while k + 4 <= n_tok {
+                        let x = |i: usize| &xs[(k + i) * cols..(k + i + 1) * cols];
+                        let f = if k == 0 { f4 } else { f4_cached };
+                        out[k..k + 4].copy_from_slice(&f(row, [x(0), x(1), x(2), x(3)]));
+                        k += 4;
+                    }
+                }
+                while k < n_tok {
                     let f = if k == 0 { self.f } else { self.f_cached };
-                    t[(r - r0) * n_tok + k] = f(row, x);
+                    out[k] = f(row, &xs[k * cols..(k + 1) * cols]);
+                    k += 1;
                 }
             }
             t
@@ -458,6 +477,13 @@ pub fn dot_kernel_for(ty: GgmlType, isa: Isa) -> Result<DotKernel, QuantError> {
     if !isa.is_available() {
         return Err(QuantError::IsaUnavailable(isa));
     }
+    let f4 = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::avx512_dot4_fn::<true>(ty).zip(x86::avx512_dot4_fn::<false>(ty)),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::avx2_dot4_fn::<true>(ty).zip(x86::avx2_dot4_fn::<false>(ty)),
+        _ => None,
+    };
     let (f, f_cached): (RawDot, RawDot) = match isa {
         Isa::Portable => (portable::dot_fn(ty), portable::dot_fn(ty)),
         #[cfg(target_arch = "x86_64")]
@@ -477,6 +503,7 @@ pub fn dot_kernel_for(ty: GgmlType, isa: Isa) -> Result<DotKernel, QuantError> {
         isa,
         f,
         f_cached,
+        f4,
     })
 }
 

@@ -47,6 +47,35 @@ pub(crate) fn avx512_dot_fn<const PF: bool>(ty: GgmlType) -> RawDot {
     }
 }
 
+/// Four tokens' dot products with one row at once: `out[t] = dot(row, xs[t])`.
+pub(crate) type RawDot4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
+
+/// AVX2 kernels that take four tokens a pass over the row (prompt batches): as
+/// [`avx512_dot4_fn`].
+pub(crate) fn avx2_dot4_fn<const PF: bool>(ty: GgmlType) -> Option<RawDot4> {
+    // SAFETY (all closures): handed out only when AVX2+FMA+F16C were detected.
+    match ty {
+        GgmlType::Q8_0 => Some(|r, x| unsafe { avx2::dot_n_q8_0::<PF, 4>(r, x) }),
+        GgmlType::Q2_K => Some(|r, x| unsafe { avx2::dot_n_q2_k::<PF, 4>(r, x) }),
+        GgmlType::IQ2_XXS => Some(|r, x| unsafe { avx2::dot_n_iq2_xxs::<PF, 4>(r, x) }),
+        _ => None,
+    }
+}
+
+/// AVX-512 kernels that take four tokens a pass over the row (prompt batches): the row's codes
+/// are unpacked once for all four, and each token's sums run through exactly the operations,
+/// in the same order, of its one-token kernel (the same code with one token), so every result
+/// is that kernel's bits. None for the types without one (they run token by token).
+pub(crate) fn avx512_dot4_fn<const PF: bool>(ty: GgmlType) -> Option<RawDot4> {
+    // SAFETY (all closures): handed out only when AVX-512F and F16C were detected.
+    match ty {
+        GgmlType::Q8_0 => Some(|r, x| unsafe { avx512::dot_n_q8_0::<PF, 4>(r, x) }),
+        GgmlType::Q2_K => Some(|r, x| unsafe { avx512::dot_n_q2_k::<PF, 4>(r, x) }),
+        GgmlType::IQ2_XXS => Some(|r, x| unsafe { avx512::dot_n_iq2_xxs::<PF, 4>(r, x) }),
+        _ => None,
+    }
+}
+
 #[inline(always)]
 fn f16_bits_to_f32(b: u16) -> f32 {
     crate::f16_to_f32(b)
@@ -67,6 +96,15 @@ fn scalar_len(row: &[u8], x: &[f32], es: usize) -> usize {
 #[inline(always)]
 fn block_count(row: &[u8], x: &[f32], bb: usize, be: usize) -> usize {
     (row.len() / bb).min(x.len() / be)
+}
+
+/// Whole blocks present in the row and in every token of `xs`.
+#[inline(always)]
+fn block_count_n<const T: usize>(row: &[u8], xs: &[&[f32]; T], bb: usize, be: usize) -> usize {
+    xs.iter()
+        .map(|x| block_count(row, x, bb, be))
+        .min()
+        .unwrap_or(0)
 }
 
 mod avx2 {
@@ -188,31 +226,44 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q8_0<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 34, 32);
-        let mut total = [_mm256_setzero_ps(); 2];
+        dot_n_q8_0::<PF, 1>(row, [x])[0]
+    }
+
+    /// Q8_0 for `T` tokens: each block's codes converted once, each token's sums in its own
+    /// accumulators (one token: [`dot_q8_0`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_n_q8_0<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 34, 32);
+        let mut total = [[_mm256_setzero_ps(); 2]; T];
         for ib in 0..nb {
             let b = row.as_ptr().add(34 * ib);
             if PF {
                 crate::prefetch_block(b, 34);
             }
-            let xp = x.as_ptr().add(32 * ib);
             // F16C conversion of the scale (exact; the scale is finite in valid data, and a NaN
             // scale gives NaN either way).
             let d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
                 row[34 * ib],
                 row[34 * ib + 1],
             ]) as i32)));
-            let q = |k: usize| {
+            let q: [__m256; 4] = std::array::from_fn(|k| {
                 let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(2 + 8 * k) as *const __m128i));
                 _mm256_cvtepi32_ps(v)
-            };
-            let mut s0 = _mm256_mul_ps(q(0), _mm256_loadu_ps(xp));
-            let mut s1 = _mm256_mul_ps(q(1), _mm256_loadu_ps(xp.add(8)));
-            s0 = _mm256_fmadd_ps(q(2), _mm256_loadu_ps(xp.add(16)), s0);
-            s1 = _mm256_fmadd_ps(q(3), _mm256_loadu_ps(xp.add(24)), s1);
-            total[ib & 1] = _mm256_fmadd_ps(d, _mm256_add_ps(s0, s1), total[ib & 1]);
+            });
+            for (x, tot) in xs.iter().zip(total.iter_mut()) {
+                let xp = x.as_ptr().add(32 * ib);
+                let mut s0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
+                let mut s1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xp.add(8)));
+                s0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp.add(16)), s0);
+                s1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp.add(24)), s1);
+                tot[ib & 1] = _mm256_fmadd_ps(d, _mm256_add_ps(s0, s1), tot[ib & 1]);
+            }
         }
-        hsum(_mm256_add_ps(total[0], total[1]))
+        total.map(|t| hsum(_mm256_add_ps(t[0], t[1])))
     }
 
     /// Q2_K sub-block factors `d·(sc & 15)` and `dmin·(sc >> 4)` for the 16 scale bytes
@@ -233,9 +284,20 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q2_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 84, QK_K);
+        dot_n_q2_k::<PF, 1>(row, [x])[0]
+    }
+
+    /// Q2_K for `T` tokens: each weight vector formed once, then each token's FMA into its own
+    /// accumulators (one token: [`dot_q2_k`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_n_q2_k<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 84, QK_K);
         let three = _mm256_set1_epi32(3);
-        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
         let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
         for ib in 0..nb {
             let blk = &row[84 * ib..84 * ib + 84];
@@ -243,7 +305,6 @@ mod avx2 {
                 crate::prefetch_block(blk.as_ptr(), 84);
             }
             let qs = blk.as_ptr().add(16);
-            let xb = x.as_ptr().add(QK_K * ib);
             q2k_factors(blk, &mut dls, &mut mls);
             for half in 0..2 {
                 for i in 0..2 {
@@ -259,14 +320,17 @@ mod avx2 {
                         let q1 = _mm256_and_si256(_mm256_srl_epi32(hi, sh), three);
                         let w0 = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(q0), ml);
                         let w1 = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(q1), ml);
-                        let xo = xb.add(128 * half + 32 * j + 16 * i);
-                        acc[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xo), acc[0]);
-                        acc[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xo.add(8)), acc[1]);
+                        let o = QK_K * ib + 128 * half + 32 * j + 16 * i;
+                        for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                            let xo = x.as_ptr().add(o);
+                            a[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xo), a[0]);
+                            a[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xo.add(8)), a[1]);
+                        }
                     }
                 }
             }
         }
-        hsum(_mm256_add_ps(acc[0], acc[1]))
+        acc.map(|a| hsum(_mm256_add_ps(a[0], a[1])))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -304,32 +368,47 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_iq2_xxs<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 66, QK_K);
-        let mut total = [_mm256_setzero_ps(); 2];
+        dot_n_iq2_xxs::<PF, 1>(row, [x])[0]
+    }
+
+    /// IQ2_XXS for `T` tokens: each group's signed grid vectors formed once (one token:
+    /// [`dot_iq2_xxs`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_n_iq2_xxs<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 66, QK_K);
+        let mut total = [[_mm256_setzero_ps(); 2]; T];
         for ib in 0..nb {
             let blk = &row[66 * ib..66 * ib + 66];
             if PF {
                 crate::prefetch_block(blk.as_ptr(), 66);
             }
             let d = f16_at(blk, 0);
-            let xb = x.as_ptr().add(QK_K * ib);
             for g in 0..8 {
                 let grp = &blk[2 + 8 * g..10 + 8 * g];
                 let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
-                let mut sg = [_mm256_setzero_ps(); 2];
-                for c in 0..4 {
-                    // Magnitudes from the f32 grid, signs by XOR with the expanded sign mask.
+                // Magnitudes from the f32 grid, signs by XOR with the expanded sign mask.
+                let w: [__m256; 4] = std::array::from_fn(|c| {
                     let gv = _mm256_loadu_ps(GRID_F32[grp[c] as usize].as_ptr());
                     let m = SIGN_MASKS[((aux >> (7 * c)) & 127) as usize].as_ptr();
-                    let w = _mm256_xor_ps(gv, _mm256_loadu_ps(m as *const f32));
-                    let xv = _mm256_loadu_ps(xb.add(32 * g + 8 * c));
-                    sg[c & 1] = _mm256_fmadd_ps(w, xv, sg[c & 1]);
-                }
+                    _mm256_xor_ps(gv, _mm256_loadu_ps(m as *const f32))
+                });
                 let db = _mm256_set1_ps(iq2_db(d, aux));
-                total[g & 1] = _mm256_fmadd_ps(db, _mm256_add_ps(sg[0], sg[1]), total[g & 1]);
+                for (x, tot) in xs.iter().zip(total.iter_mut()) {
+                    let xb = x.as_ptr().add(QK_K * ib + 32 * g);
+                    let mut sg = [_mm256_setzero_ps(); 2];
+                    for (c, wc) in w.iter().enumerate() {
+                        let xv = _mm256_loadu_ps(xb.add(8 * c));
+                        sg[c & 1] = _mm256_fmadd_ps(*wc, xv, sg[c & 1]);
+                    }
+                    tot[g & 1] = _mm256_fmadd_ps(db, _mm256_add_ps(sg[0], sg[1]), tot[g & 1]);
+                }
             }
         }
-        hsum(_mm256_add_ps(total[0], total[1]))
+        total.map(|t| hsum(_mm256_add_ps(t[0], t[1])))
     }
 }
 
@@ -445,76 +524,12 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_q8_0<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 34, 32);
-        let mut total = [_mm512_setzero_ps(); 2];
-        for ib in 0..nb {
-            let b = row.as_ptr().add(34 * ib);
-            if PF {
-                crate::prefetch_block(b, 34);
-            }
-            let xp = x.as_ptr().add(32 * ib);
-            let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
-                row[34 * ib],
-                row[34 * ib + 1],
-            ]) as i32)));
-            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                b.add(2) as *const __m128i
-            )));
-            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                b.add(18) as *const __m128i
-            )));
-            let s = _mm512_fmadd_ps(
-                q1,
-                _mm512_loadu_ps(xp.add(16)),
-                _mm512_mul_ps(q0, _mm512_loadu_ps(xp)),
-            );
-            total[ib & 1] = _mm512_fmadd_ps(d, s, total[ib & 1]);
-        }
-        _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]))
+        dot_n_q8_0::<PF, 1>(row, [x])[0]
     }
 
     #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_q2_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 84, QK_K);
-        let three = _mm512_set1_epi32(3);
-        let mut acc = [_mm512_setzero_ps(); 2];
-        let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
-        for ib in 0..nb {
-            let blk = &row[84 * ib..84 * ib + 84];
-            if PF {
-                crate::prefetch_block(blk.as_ptr(), 84);
-            }
-            let qs = blk.as_ptr().add(16);
-            let xb = x.as_ptr().add(QK_K * ib);
-            // The 16 sub-block factors d·(sc & 15), dmin·(sc >> 4) at once (exact products).
-            let sc = u8x16(blk.as_ptr());
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15)));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sc));
-            _mm512_storeu_ps(
-                dls.as_mut_ptr(),
-                _mm512_mul_ps(_mm512_set1_ps(f16_at(blk, 80)), lo),
-            );
-            _mm512_storeu_ps(
-                mls.as_mut_ptr(),
-                _mm512_mul_ps(_mm512_set1_ps(f16_at(blk, 82)), hi),
-            );
-            for half in 0..2 {
-                for (i, acc_i) in acc.iter_mut().enumerate() {
-                    let v = u8x16(qs.add(32 * half + 16 * i));
-                    for j in 0..4 {
-                        let s = 8 * half + 2 * j + i;
-                        let dl = _mm512_set1_ps(dls[s]);
-                        let ml = _mm512_set1_ps(mls[s]);
-                        let sh = _mm_cvtsi32_si128(2 * j as i32);
-                        let q = _mm512_and_si512(_mm512_srl_epi32(v, sh), three);
-                        let w = _mm512_fmsub_ps(dl, _mm512_cvtepi32_ps(q), ml);
-                        let xo = xb.add(128 * half + 32 * j + 16 * i);
-                        *acc_i = _mm512_fmadd_ps(w, _mm512_loadu_ps(xo), *acc_i);
-                    }
-                }
-            }
-        }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+        dot_n_q2_k::<PF, 1>(row, [x])[0]
     }
 
     #[target_feature(enable = "avx512f,f16c")]
@@ -552,22 +567,119 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_iq2_xxs<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 66, QK_K);
+        dot_n_iq2_xxs::<PF, 1>(row, [x])[0]
+    }
+
+    /// Q8_0 for `T` tokens: each block's `q` and `d` formed once, each token's sums in its own
+    /// accumulators (one token: [`dot_q8_0`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn dot_n_q8_0<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 34, 32);
+        let mut total = [[_mm512_setzero_ps(); 2]; T];
+        for ib in 0..nb {
+            let b = row.as_ptr().add(34 * ib);
+            if PF {
+                crate::prefetch_block(b, 34);
+            }
+            let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([
+                row[34 * ib],
+                row[34 * ib + 1],
+            ]) as i32)));
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                b.add(2) as *const __m128i
+            )));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                b.add(18) as *const __m128i
+            )));
+            for (x, tot) in xs.iter().zip(total.iter_mut()) {
+                let xp = x.as_ptr().add(32 * ib);
+                let s = _mm512_fmadd_ps(
+                    q1,
+                    _mm512_loadu_ps(xp.add(16)),
+                    _mm512_mul_ps(q0, _mm512_loadu_ps(xp)),
+                );
+                tot[ib & 1] = _mm512_fmadd_ps(d, s, tot[ib & 1]);
+            }
+        }
+        total.map(|t| _mm512_reduce_add_ps(_mm512_add_ps(t[0], t[1])))
+    }
+
+    /// Q2_K for `T` tokens: each weight vector formed once, then each token's FMA into its own
+    /// accumulators (one token: [`dot_q2_k`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn dot_n_q2_k<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 84, QK_K);
+        let three = _mm512_set1_epi32(3);
+        let mut acc = [[_mm512_setzero_ps(); 2]; T];
+        let (mut dls, mut mls) = ([0f32; 16], [0f32; 16]);
+        for ib in 0..nb {
+            let blk = &row[84 * ib..84 * ib + 84];
+            if PF {
+                crate::prefetch_block(blk.as_ptr(), 84);
+            }
+            let qs = blk.as_ptr().add(16);
+            let sc = u8x16(blk.as_ptr());
+            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15)));
+            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sc));
+            _mm512_storeu_ps(
+                dls.as_mut_ptr(),
+                _mm512_mul_ps(_mm512_set1_ps(f16_at(blk, 80)), lo),
+            );
+            _mm512_storeu_ps(
+                mls.as_mut_ptr(),
+                _mm512_mul_ps(_mm512_set1_ps(f16_at(blk, 82)), hi),
+            );
+            for half in 0..2 {
+                for i in 0..2 {
+                    let v = u8x16(qs.add(32 * half + 16 * i));
+                    for j in 0..4 {
+                        let s = 8 * half + 2 * j + i;
+                        let dl = _mm512_set1_ps(dls[s]);
+                        let ml = _mm512_set1_ps(mls[s]);
+                        let sh = _mm_cvtsi32_si128(2 * j as i32);
+                        let q = _mm512_and_si512(_mm512_srl_epi32(v, sh), three);
+                        let w = _mm512_fmsub_ps(dl, _mm512_cvtepi32_ps(q), ml);
+                        let o = QK_K * ib + 128 * half + 32 * j + 16 * i;
+                        for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                            a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x.as_ptr().add(o)), a[i]);
+                        }
+                    }
+                }
+            }
+        }
+        acc.map(|a| _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])))
+    }
+
+    /// IQ2_XXS for `T` tokens: each group's signed grid vectors formed once (one token:
+    /// [`dot_iq2_xxs`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn dot_n_iq2_xxs<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 66, QK_K);
         let zero = _mm512_setzero_ps();
-        let mut total = [_mm512_setzero_ps(); 2];
+        let mut total = [[_mm512_setzero_ps(); 2]; T];
         for ib in 0..nb {
             let blk = &row[66 * ib..66 * ib + 66];
             if PF {
                 crate::prefetch_block(blk.as_ptr(), 66);
             }
             let d = f16_at(blk, 0);
-            let xb = x.as_ptr().add(QK_K * ib);
             for g in 0..8 {
                 let grp = &blk[2 + 8 * g..10 + 8 * g];
                 let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
-                let mut sg = [_mm512_setzero_ps(); 2];
-                for h in 0..2 {
-                    // Two sub-chunks of 8 weights per 16-lane vector.
+                let mut w = [zero; 2];
+                for (h, wh) in w.iter_mut().enumerate() {
                     let g0 = _mm256_loadu_ps(GRID_F32[grp[2 * h] as usize].as_ptr());
                     let g1 = _mm256_loadu_ps(GRID_F32[grp[2 * h + 1] as usize].as_ptr());
                     let gv = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
@@ -576,14 +688,18 @@ mod avx512 {
                     ));
                     let s0 = KSIGNS_IQ2XS[((aux >> (14 * h)) & 127) as usize] as u16;
                     let s1 = KSIGNS_IQ2XS[((aux >> (14 * h + 7)) & 127) as usize] as u16;
-                    let w = _mm512_mask_sub_ps(gv, s0 | (s1 << 8), zero, gv);
-                    let xv = _mm512_loadu_ps(xb.add(32 * g + 16 * h));
-                    sg[h] = _mm512_fmadd_ps(w, xv, sg[h]);
+                    *wh = _mm512_mask_sub_ps(gv, s0 | (s1 << 8), zero, gv);
                 }
                 let db = _mm512_set1_ps(iq2_db(d, aux));
-                total[g & 1] = _mm512_fmadd_ps(db, _mm512_add_ps(sg[0], sg[1]), total[g & 1]);
+                for (x, tot) in xs.iter().zip(total.iter_mut()) {
+                    let xb = x.as_ptr().add(QK_K * ib + 32 * g);
+                    // sg[h] starts at zero: fma(w, x, 0) as in the one-token kernel.
+                    let sg0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), zero);
+                    let sg1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb.add(16)), zero);
+                    tot[g & 1] = _mm512_fmadd_ps(db, _mm512_add_ps(sg0, sg1), tot[g & 1]);
+                }
             }
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]))
+        total.map(|t| _mm512_reduce_add_ps(_mm512_add_ps(t[0], t[1])))
     }
 }

@@ -189,11 +189,18 @@ fn forcing_portable_changes_the_path() {
 #[test]
 fn matmul_equals_matvec_per_token_bit_for_bit() {
     let mut r = rng(5);
+    // Token counts below, at and past 4: the four-token kernels (AVX-512: Q8_0, Q2_K, IQ2_XXS)
+    // and the tokens left over run token by token.
     for (ty, cols, rows, n_tok) in [
         (GgmlType::Q8_0, 1024, 700, 5), // > 1 MiB of work: the rayon path
+        (GgmlType::Q8_0, 96, 11, 8),
         (GgmlType::Q2_K, 512, 33, 3),
+        (GgmlType::Q2_K, 768, 21, 9),
+        (GgmlType::Q4_K, 512, 5, 6),
         (GgmlType::F16, 100, 7, 4),
         (GgmlType::IQ2_XXS, 256, 9, 1),
+        (GgmlType::IQ2_XXS, 512, 13, 7),
+        (GgmlType::IQ2_XXS, 4096, 300, 4), // > 1 MiB: rayon
     ] {
         let w: Vec<u8> = (0..rows)
             .flat_map(|_| random_row(&mut r, ty, cols))
@@ -210,6 +217,24 @@ fn matmul_equals_matvec_per_token_bit_for_bit() {
                     y[i].to_bits(),
                     "{ty} token {t} row {i}"
                 );
+            }
+        }
+        // Every path's own batched form against its one-token kernel.
+        let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+        for isa in Isa::available() {
+            let k = dot_kernel_for(ty, isa).unwrap();
+            let mut ys = vec![f32::NAN; rows * n_tok];
+            k.matmul_unchecked(&w, &xs, cols, &mut ys);
+            for t in 0..n_tok {
+                let x = &xs[t * cols..(t + 1) * cols];
+                for i in 0..rows {
+                    let want = k.dot(&w[i * rb..(i + 1) * rb], x);
+                    assert_eq!(
+                        ys[t * rows + i].to_bits(),
+                        want.to_bits(),
+                        "{ty} {isa} token {t} row {i}"
+                    );
+                }
             }
         }
     }
