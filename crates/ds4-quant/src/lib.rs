@@ -258,7 +258,7 @@ pub struct DotKernel {
 }
 
 /// Four tokens' dot products with one row at once (see [`DotKernel::matmul_unchecked`]).
-type RawDot4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
+pub(crate) type RawDot4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
 impl fmt::Debug for DotKernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -482,6 +482,8 @@ pub fn dot_kernel_for(ty: GgmlType, isa: Isa) -> Result<DotKernel, QuantError> {
         Isa::Avx512 => x86::avx512_dot4_fn::<true>(ty).zip(x86::avx512_dot4_fn::<false>(ty)),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => x86::avx2_dot4_fn::<true>(ty).zip(x86::avx2_dot4_fn::<false>(ty)),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => neon::dot4_fn::<true>(ty).zip(neon::dot4_fn::<false>(ty)),
         _ => None,
     };
     let (f, f_cached): (RawDot, RawDot) = match isa {

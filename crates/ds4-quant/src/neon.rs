@@ -150,40 +150,63 @@ unsafe fn dot_bf16<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
 }
 
 unsafe fn dot_q8_0<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-    let nb = (row.len() / 34).min(x.len() / 32);
-    let mut total = [vdupq_n_f32(0.0); 2];
+    dot_n_q8_0::<PF, 1>(row, [x])[0]
+}
+
+/// Whole blocks present in the row and in every token of `xs`.
+#[inline(always)]
+fn block_count_n<const T: usize>(row: &[u8], xs: &[&[f32]; T], bb: usize, be: usize) -> usize {
+    xs.iter()
+        .map(|x| (row.len() / bb).min(x.len() / be))
+        .min()
+        .unwrap_or(0)
+}
+
+/// Q8_0 for `T` tokens: each block's codes converted once, each token's sums in its own
+/// accumulators (one token: [`dot_q8_0`]).
+#[inline]
+unsafe fn dot_n_q8_0<const PF: bool, const T: usize>(row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
+    let nb = block_count_n(row, &xs, 34, 32);
+    let mut total = [[vdupq_n_f32(0.0); 2]; T];
     for ib in 0..nb {
         let b = row.as_ptr().add(34 * ib);
         if PF {
             crate::prefetch_block(b, 34);
         }
-        let xp = x.as_ptr().add(32 * ib);
         let d = vdupq_n_f32(f16_at(row, 34 * ib));
-        let mut s = [vdupq_n_f32(0.0); 2];
+        // 32 codes: i8 -> i16 -> i32 -> f32 (exact).
+        let mut q = [vdupq_n_f32(0.0); 8];
         for h in 0..2 {
-            // 16 codes: i8 -> i16 -> i32 -> f32 (exact), times x.
-            let q = vld1q_s8(b.add(2 + 16 * h) as *const i8);
-            let (lo, hi) = (vmovl_s8(vget_low_s8(q)), vmovl_s8(vget_high_s8(q)));
-            let parts = [
-                vmovl_s16(vget_low_s16(lo)),
-                vmovl_s16(vget_high_s16(lo)),
-                vmovl_s16(vget_low_s16(hi)),
-                vmovl_s16(vget_high_s16(hi)),
-            ];
-            for (k, p) in parts.into_iter().enumerate() {
-                let xv = vld1q_f32(xp.add(16 * h + 4 * k));
-                s[k & 1] = vfmaq_f32(s[k & 1], vcvtq_f32_s32(p), xv);
-            }
+            let v = vld1q_s8(b.add(2 + 16 * h) as *const i8);
+            let (lo, hi) = (vmovl_s8(vget_low_s8(v)), vmovl_s8(vget_high_s8(v)));
+            q[4 * h] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+            q[4 * h + 1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+            q[4 * h + 2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+            q[4 * h + 3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
         }
-        total[ib & 1] = vfmaq_f32(total[ib & 1], d, vaddq_f32(s[0], s[1]));
+        for (x, tot) in xs.iter().zip(total.iter_mut()) {
+            let xp = x.as_ptr().add(32 * ib);
+            let mut s = [vdupq_n_f32(0.0); 2];
+            for (k, qk) in q.iter().enumerate() {
+                s[k & 1] = vfmaq_f32(s[k & 1], *qk, vld1q_f32(xp.add(4 * k)));
+            }
+            tot[ib & 1] = vfmaq_f32(tot[ib & 1], d, vaddq_f32(s[0], s[1]));
+        }
     }
-    vaddvq_f32(vaddq_f32(total[0], total[1]))
+    total.map(|t| vaddvq_f32(vaddq_f32(t[0], t[1])))
 }
 
 unsafe fn dot_q2_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-    let nb = (row.len() / 84).min(x.len() / QK_K);
+    dot_n_q2_k::<PF, 1>(row, [x])[0]
+}
+
+/// Q2_K for `T` tokens: each weight vector formed once, then each token's FMA into its own
+/// accumulators (one token: [`dot_q2_k`]).
+#[inline]
+unsafe fn dot_n_q2_k<const PF: bool, const T: usize>(row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
+    let nb = block_count_n(row, &xs, 84, QK_K);
     let three = vdupq_n_u32(3);
-    let mut acc = [vdupq_n_f32(0.0); 4];
+    let mut acc = [[vdupq_n_f32(0.0); 4]; T];
     for ib in 0..nb {
         let blk = &row[84 * ib..84 * ib + 84];
         if PF {
@@ -192,7 +215,6 @@ unsafe fn dot_q2_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
         let (scales, qs) = (&blk[0..16], blk.as_ptr().add(16));
         let d = f16_at(blk, 80);
         let dmin = f16_at(blk, 82);
-        let xb = x.as_ptr().add(QK_K * ib);
         for half in 0..2 {
             for i in 0..2 {
                 // 16 weights per (half, i, j) share the bytes qs[32·half + 16·i ..][..16].
@@ -209,18 +231,23 @@ unsafe fn dot_q2_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
                     let dl = vdupq_n_f32(d * (s & 15) as f32);
                     let ml = vdupq_n_f32(dmin * (s >> 4) as f32);
                     let sh = vdupq_n_s32(-2 * j as i32);
-                    let xo = xb.add(128 * half + 32 * j + 16 * i);
-                    for (k, v) in bytes.iter().enumerate() {
-                        let q = vcvtq_f32_u32(vandq_u32(vshlq_u32(*v, sh), three));
-                        // dl·q is exact: one rounding for dl·q − ml either way.
-                        let w = vsubq_f32(vmulq_f32(dl, q), ml);
-                        acc[k] = vfmaq_f32(acc[k], w, vld1q_f32(xo.add(4 * k)));
+                    // dl·q is exact: one rounding for dl·q − ml either way.
+                    let w = bytes.map(|v| {
+                        let q = vcvtq_f32_u32(vandq_u32(vshlq_u32(v, sh), three));
+                        vsubq_f32(vmulq_f32(dl, q), ml)
+                    });
+                    let o = QK_K * ib + 128 * half + 32 * j + 16 * i;
+                    for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                        let xo = x.as_ptr().add(o);
+                        for (k, wk) in w.iter().enumerate() {
+                            a[k] = vfmaq_f32(a[k], *wk, vld1q_f32(xo.add(4 * k)));
+                        }
                     }
                 }
             }
         }
     }
-    hsum4(acc)
+    acc.map(|a| hsum4(a))
 }
 
 unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
@@ -258,35 +285,57 @@ unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
 }
 
 unsafe fn dot_iq2_xxs<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-    let nb = (row.len() / 66).min(x.len() / QK_K);
-    let mut total = [vdupq_n_f32(0.0); 2];
+    dot_n_iq2_xxs::<PF, 1>(row, [x])[0]
+}
+
+/// IQ2_XXS for `T` tokens: each group's signed grid vectors formed once (one token:
+/// [`dot_iq2_xxs`]).
+#[inline]
+unsafe fn dot_n_iq2_xxs<const PF: bool, const T: usize>(row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
+    let nb = block_count_n(row, &xs, 66, QK_K);
+    let mut total = [[vdupq_n_f32(0.0); 2]; T];
     for ib in 0..nb {
         let blk = &row[66 * ib..66 * ib + 66];
         if PF {
             crate::prefetch_block(blk.as_ptr(), 66);
         }
         let d = f16_at(blk, 0);
-        let xb = x.as_ptr().add(QK_K * ib);
         for g in 0..8 {
             let grp = &blk[2 + 8 * g..10 + 8 * g];
             let aux = u32::from_le_bytes([grp[4], grp[5], grp[6], grp[7]]);
-            let mut sg = [vdupq_n_f32(0.0); 2];
-            for c in 0..4 {
-                // Magnitudes from the f32 grid, signs by XOR with the expanded sign mask.
+            // Magnitudes from the f32 grid, signs by XOR with the expanded sign mask: 8 lanes a
+            // grid entry, two vectors each.
+            let w: [float32x4_t; 8] = std::array::from_fn(|i| {
+                let (c, k) = (i / 2, i % 2);
                 let gv = GRID_F32[grp[c] as usize].as_ptr();
                 let m = SIGN_MASKS[((aux >> (7 * c)) & 127) as usize].as_ptr();
-                let xo = xb.add(32 * g + 8 * c);
-                for (k, acc) in sg.iter_mut().enumerate() {
-                    let w = veorq_u32(
-                        vreinterpretq_u32_f32(vld1q_f32(gv.add(4 * k))),
-                        vld1q_u32(m.add(4 * k)),
-                    );
-                    *acc = vfmaq_f32(*acc, vreinterpretq_f32_u32(w), vld1q_f32(xo.add(4 * k)));
-                }
-            }
+                vreinterpretq_f32_u32(veorq_u32(
+                    vreinterpretq_u32_f32(vld1q_f32(gv.add(4 * k))),
+                    vld1q_u32(m.add(4 * k)),
+                ))
+            });
             let db = vdupq_n_f32(iq2_db(d, aux));
-            total[g & 1] = vfmaq_f32(total[g & 1], db, vaddq_f32(sg[0], sg[1]));
+            for (x, tot) in xs.iter().zip(total.iter_mut()) {
+                let xo = x.as_ptr().add(QK_K * ib + 32 * g);
+                let mut sg = [vdupq_n_f32(0.0); 2];
+                for (i, wi) in w.iter().enumerate() {
+                    sg[i % 2] = vfmaq_f32(sg[i % 2], *wi, vld1q_f32(xo.add(4 * i)));
+                }
+                tot[g & 1] = vfmaq_f32(tot[g & 1], db, vaddq_f32(sg[0], sg[1]));
+            }
         }
     }
-    vaddvq_f32(vaddq_f32(total[0], total[1]))
+    total.map(|t| vaddvq_f32(vaddq_f32(t[0], t[1])))
+}
+
+/// Four tokens a pass over the row (prompt batches) for the types with a `dot_n_*` kernel:
+/// each token's bits are its one-token kernel's (the same code).
+pub(crate) fn dot4_fn<const PF: bool>(ty: GgmlType) -> Option<crate::RawDot4> {
+    // SAFETY (all closures): NEON is a baseline feature of the aarch64 targets.
+    match ty {
+        GgmlType::Q8_0 => Some(|r, x| unsafe { dot_n_q8_0::<PF, 4>(r, x) }),
+        GgmlType::Q2_K => Some(|r, x| unsafe { dot_n_q2_k::<PF, 4>(r, x) }),
+        GgmlType::IQ2_XXS => Some(|r, x| unsafe { dot_n_iq2_xxs::<PF, 4>(r, x) }),
+        _ => None,
+    }
 }

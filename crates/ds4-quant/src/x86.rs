@@ -47,8 +47,7 @@ pub(crate) fn avx512_dot_fn<const PF: bool>(ty: GgmlType) -> RawDot {
     }
 }
 
-/// Four tokens' dot products with one row at once: `out[t] = dot(row, xs[t])`.
-pub(crate) type RawDot4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
+use crate::RawDot4;
 
 /// AVX2 kernels that take four tokens a pass over the row (prompt batches): as
 /// [`avx512_dot4_fn`].
