@@ -251,16 +251,22 @@ unsafe fn dot_n_q2_k<const PF: bool, const T: usize>(row: &[u8], xs: [&[f32]; T]
 }
 
 unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-    let nb = (row.len() / 144).min(x.len() / QK_K);
+    dot_n_q4_k::<PF, 1>(row, [x])[0]
+}
+
+/// Q4_K for `T` tokens: each weight vector formed once, then each token's FMA into its own
+/// accumulators (one token: [`dot_q4_k`]).
+#[inline]
+unsafe fn dot_n_q4_k<const PF: bool, const T: usize>(row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
+    let nb = block_count_n(row, &xs, 144, QK_K);
     let fifteen = vdupq_n_u32(15);
-    let mut acc = [vdupq_n_f32(0.0); 4];
+    let mut acc = [[vdupq_n_f32(0.0); 4]; T];
     for ib in 0..nb {
         let blk = &row[144 * ib..144 * ib + 144];
         if PF {
             crate::prefetch_block(blk.as_ptr(), 144);
         }
         let qs = blk.as_ptr().add(16);
-        let xb = x.as_ptr().add(QK_K * ib);
         let (dl, ml) = q4k_factors(blk);
         for c in 0..4 {
             let dl0 = vdupq_n_f32(dl[2 * c]);
@@ -269,19 +275,22 @@ unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
             let ml1 = vdupq_n_f32(ml[2 * c + 1]);
             for t in 0..4 {
                 let (v0, v1) = u8x8(qs.add(32 * c + 8 * t));
-                let xo = xb.add(64 * c + 8 * t);
+                let o = QK_K * ib + 64 * c + 8 * t;
                 for (k, v) in [v0, v1].into_iter().enumerate() {
                     let qlo = vcvtq_f32_u32(vandq_u32(v, fifteen));
                     let qhi = vcvtq_f32_u32(vshrq_n_u32::<4>(v));
                     let w0 = vsubq_f32(vmulq_f32(dl0, qlo), ml0);
                     let w1 = vsubq_f32(vmulq_f32(dl1, qhi), ml1);
-                    acc[k] = vfmaq_f32(acc[k], w0, vld1q_f32(xo.add(4 * k)));
-                    acc[2 + k] = vfmaq_f32(acc[2 + k], w1, vld1q_f32(xo.add(32 + 4 * k)));
+                    for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                        let xo = x.as_ptr().add(o);
+                        a[k] = vfmaq_f32(a[k], w0, vld1q_f32(xo.add(4 * k)));
+                        a[2 + k] = vfmaq_f32(a[2 + k], w1, vld1q_f32(xo.add(32 + 4 * k)));
+                    }
                 }
             }
         }
     }
-    hsum4(acc)
+    acc.map(|a| hsum4(a))
 }
 
 unsafe fn dot_iq2_xxs<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
@@ -335,6 +344,7 @@ pub(crate) fn dot4_fn<const PF: bool>(ty: GgmlType) -> Option<crate::RawDot4> {
     match ty {
         GgmlType::Q8_0 => Some(|r, x| unsafe { dot_n_q8_0::<PF, 4>(r, x) }),
         GgmlType::Q2_K => Some(|r, x| unsafe { dot_n_q2_k::<PF, 4>(r, x) }),
+        GgmlType::Q4_K => Some(|r, x| unsafe { dot_n_q4_k::<PF, 4>(r, x) }),
         GgmlType::IQ2_XXS => Some(|r, x| unsafe { dot_n_iq2_xxs::<PF, 4>(r, x) }),
         _ => None,
     }

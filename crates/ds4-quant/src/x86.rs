@@ -56,6 +56,7 @@ pub(crate) fn avx2_dot4_fn<const PF: bool>(ty: GgmlType) -> Option<RawDot4> {
     match ty {
         GgmlType::Q8_0 => Some(|r, x| unsafe { avx2::dot_n_q8_0::<PF, 4>(r, x) }),
         GgmlType::Q2_K => Some(|r, x| unsafe { avx2::dot_n_q2_k::<PF, 4>(r, x) }),
+        GgmlType::Q4_K => Some(|r, x| unsafe { avx2::dot_n_q4_k::<PF, 4>(r, x) }),
         GgmlType::IQ2_XXS => Some(|r, x| unsafe { avx2::dot_n_iq2_xxs::<PF, 4>(r, x) }),
         _ => None,
     }
@@ -70,6 +71,7 @@ pub(crate) fn avx512_dot4_fn<const PF: bool>(ty: GgmlType) -> Option<RawDot4> {
     match ty {
         GgmlType::Q8_0 => Some(|r, x| unsafe { avx512::dot_n_q8_0::<PF, 4>(r, x) }),
         GgmlType::Q2_K => Some(|r, x| unsafe { avx512::dot_n_q2_k::<PF, 4>(r, x) }),
+        GgmlType::Q4_K => Some(|r, x| unsafe { avx512::dot_n_q4_k::<PF, 4>(r, x) }),
         GgmlType::IQ2_XXS => Some(|r, x| unsafe { avx512::dot_n_iq2_xxs::<PF, 4>(r, x) }),
         _ => None,
     }
@@ -334,16 +336,26 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 144, QK_K);
+        dot_n_q4_k::<PF, 1>(row, [x])[0]
+    }
+
+    /// Q4_K for `T` tokens: each weight vector formed once, then each token's FMA into its own
+    /// accumulators (one token: [`dot_q4_k`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_n_q4_k<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 144, QK_K);
         let fifteen = _mm256_set1_epi32(15);
-        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
         for ib in 0..nb {
             let blk = &row[144 * ib..144 * ib + 144];
             if PF {
                 crate::prefetch_block(blk.as_ptr(), 144);
             }
             let qs = blk.as_ptr().add(16);
-            let xb = x.as_ptr().add(QK_K * ib);
             let (dl, ml) = q4k_factors(blk);
             for c in 0..4 {
                 let dl0 = _mm256_set1_ps(dl[2 * c]);
@@ -356,13 +368,16 @@ mod avx2 {
                     let qhi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
                     let w0 = _mm256_fmsub_ps(dl0, qlo, ml0);
                     let w1 = _mm256_fmsub_ps(dl1, qhi, ml1);
-                    let xo = xb.add(64 * c + 8 * t);
-                    acc[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xo), acc[0]);
-                    acc[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xo.add(32)), acc[1]);
+                    let o = QK_K * ib + 64 * c + 8 * t;
+                    for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                        let xo = x.as_ptr().add(o);
+                        a[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xo), a[0]);
+                        a[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xo.add(32)), a[1]);
+                    }
                 }
             }
         }
-        hsum(_mm256_add_ps(acc[0], acc[1]))
+        acc.map(|a| hsum(_mm256_add_ps(a[0], a[1])))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -533,16 +548,26 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn dot_q4_k<const PF: bool>(row: &[u8], x: &[f32]) -> f32 {
-        let nb = block_count(row, x, 144, QK_K);
+        dot_n_q4_k::<PF, 1>(row, [x])[0]
+    }
+
+    /// Q4_K for `T` tokens: each weight vector formed once, then each token's FMA into its own
+    /// accumulators (one token: [`dot_q4_k`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn dot_n_q4_k<const PF: bool, const T: usize>(
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let nb = block_count_n(row, &xs, 144, QK_K);
         let fifteen = _mm512_set1_epi32(15);
-        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut acc = [[_mm512_setzero_ps(); 2]; T];
         for ib in 0..nb {
             let blk = &row[144 * ib..144 * ib + 144];
             if PF {
                 crate::prefetch_block(blk.as_ptr(), 144);
             }
             let qs = blk.as_ptr().add(16);
-            let xb = x.as_ptr().add(QK_K * ib);
             let (dl, ml) = q4k_factors(blk);
             for c in 0..4 {
                 let dl0 = _mm512_set1_ps(dl[2 * c]);
@@ -555,13 +580,16 @@ mod avx512 {
                     let qhi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
                     let w0 = _mm512_fmsub_ps(dl0, qlo, ml0);
                     let w1 = _mm512_fmsub_ps(dl1, qhi, ml1);
-                    let xo = xb.add(64 * c + 16 * t);
-                    acc[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xo), acc[0]);
-                    acc[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xo.add(32)), acc[1]);
+                    let o = QK_K * ib + 64 * c + 16 * t;
+                    for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                        let xo = x.as_ptr().add(o);
+                        a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xo), a[0]);
+                        a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xo.add(32)), a[1]);
+                    }
                 }
             }
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+        acc.map(|a| _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])))
     }
 
     #[target_feature(enable = "avx512f,f16c")]

@@ -189,7 +189,7 @@ fn forcing_portable_changes_the_path() {
 #[test]
 fn matmul_equals_matvec_per_token_bit_for_bit() {
     let mut r = rng(5);
-    // Token counts below, at and past 4: the four-token kernels (AVX-512: Q8_0, Q2_K, IQ2_XXS)
+    // Token counts below, at and past 4: the four-token kernels (Q8_0, Q2_K, Q4_K, IQ2_XXS)
     // and the tokens left over run token by token.
     for (ty, cols, rows, n_tok) in [
         (GgmlType::Q8_0, 1024, 700, 5), // > 1 MiB of work: the rayon path
