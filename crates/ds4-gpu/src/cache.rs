@@ -107,13 +107,16 @@ pub fn compile_cached(
     defines: &[(String, String)],
     dir: Option<&Path>,
 ) -> Result<(Vec<u8>, Origin)> {
-    if let Some(p) = entry_path(compiler, module, arch, defines, dir) {
-        if let Some(code) = std::fs::read(&p).ok().as_deref().and_then(unseal) {
-            return Ok((code.to_vec(), Origin::Cache));
+    let path = entry_path(compiler, module, arch, defines, dir);
+    if let Some(mut entry) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        // The entry's own buffer, cut to the code object (no second copy).
+        if let Some(n) = unseal(&entry).map(<[u8]>::len) {
+            entry.truncate(n);
+            return Ok((entry, Origin::Cache));
         }
     }
     Ok((
-        compile_fresh(compiler, module, arch, defines, dir)?,
+        compile_store(compiler, module, arch, defines, dir.zip(path.as_deref()))?,
         Origin::Compiled,
     ))
 }
@@ -127,9 +130,22 @@ pub fn compile_fresh(
     defines: &[(String, String)],
     dir: Option<&Path>,
 ) -> Result<Vec<u8>> {
+    let path = entry_path(compiler, module, arch, defines, dir);
+    compile_store(compiler, module, arch, defines, dir.zip(path.as_deref()))
+}
+
+/// Compiles `module` and, given `(dir, entry path)`, stores the sealed result there (a cache
+/// that cannot be written is not an error).
+fn compile_store(
+    compiler: &dyn Compiler,
+    module: &Module,
+    arch: &str,
+    defines: &[(String, String)],
+    at: Option<(&Path, &Path)>,
+) -> Result<Vec<u8>> {
     let code = compiler.compile(module, arch, defines)?;
-    if let (Some(p), Some(d)) = (entry_path(compiler, module, arch, defines, dir), dir) {
-        let _ = store(d, &p, &seal(&code));
+    if let Some((d, p)) = at {
+        let _ = store(d, p, &seal(&code));
     }
     Ok(code)
 }
