@@ -329,6 +329,19 @@ pub trait Backend: Send + Sync + Sized {
     /// the previous contents) and before the ops issued next.
     fn gather_experts(&self, _slots: &Self::Weight, _slabs: &[&[u8]]) {}
 
+    /// [`Backend::gather_experts`] that may run beside the ops issued next: the copies start
+    /// after the ops issued so far (which may still read the previous contents) and are
+    /// visible to the ops issued after [`Backend::await_experts`]; ops issued in between must
+    /// not read `slots`. A GPU copies on a stream of its own (page-locked sources), so a
+    /// layer's experts cross the bus while earlier layers compute; the default copies at once.
+    fn prefetch_experts(&self, slots: &Self::Weight, slabs: &[&[u8]]) {
+        self.gather_experts(slots, slabs)
+    }
+
+    /// Orders the ops issued from now on after the copies of every
+    /// [`Backend::prefetch_experts`] so far.
+    fn await_experts(&self) {}
+
     /// A small tensor used as f32 values (norm weights, scales, biases, sinks).
     fn vector(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
     /// An I32 table (hash routing `tid2eid`).

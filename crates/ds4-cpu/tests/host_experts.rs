@@ -145,6 +145,8 @@ fn gathered_host_experts_match_the_plain_model() {
     // The first layer (hash-routed in this model family) and the last two; upload_min 1: were
     // the gather not taken, every batch would upload groups (counted below).
     let layers = vec![0, n_layer - 2, n_layer - 1];
+    // Every host layer gathered: no layer buffer (`layer_buffer_runs_host_layers_as_resident`).
+    ds4_model::offload::set_layer_buffer(Some(false));
     let host = load_placed_with(
         &path,
         layers.clone(),
@@ -154,7 +156,9 @@ fn gathered_host_experts_match_the_plain_model() {
         Some(usize::MAX),
         Rounding::NONE,
     );
+    ds4_model::offload::set_layer_buffer(None);
     assert!(host.gathers_host_experts());
+    assert_eq!(host.buffered_host_layer(), None);
     assert_eq!(host.host_expert_layers(), layers);
     let toks = tokens();
     for cap in [None, Some(n_used)] {
@@ -206,6 +210,102 @@ fn gathered_host_experts_match_the_plain_model() {
         }
     }
     set_gather_slots(None);
+}
+
+/// The layer buffer (`forward.rs` `LayerBuffer`, on by default where the backend has expert
+/// slots): between batches it holds the last host layer, which decode steps and small batches
+/// run as resident (no gather); a batch of `offload::prefetch_min()` tokens fills it with each
+/// host layer in turn before that layer's MoE (`Backend::prefetch_experts` / `await_experts`,
+/// at once on the CPU) and leaves the last one in it. Every form gives the plain model's bits
+/// (the same bytes, summed in the same order); the counters show which path each layer took.
+#[test]
+fn layer_buffer_runs_host_layers_as_resident() {
+    use ds4_model::offload::{
+        prefetch_min, BUFFERED_RUNS, GATHERS, LAYER_PREFETCHES, UPLOADED_GROUPS,
+    };
+    use std::sync::atomic::Ordering::Relaxed;
+    let _g = globals();
+    let path = ds4_synth::tiny_model_for_tests(7, false);
+    let plain = common::load(&path, Rounding::NONE);
+    let n_layer = plain.hp.n_layer as usize;
+    let layers = ds4_model::offload::spread(3, n_layer);
+    let last = *layers.last().unwrap();
+    ds4_model::offload::set_layer_buffer(Some(true));
+    let host = load_placed_with(
+        &path,
+        layers.clone(),
+        1,
+        4,
+        false,
+        Some(usize::MAX),
+        Rounding::NONE,
+    );
+    ds4_model::offload::set_layer_buffer(None);
+    assert_eq!(host.host_expert_layers(), layers);
+    assert_eq!(
+        host.buffered_host_layer(),
+        Some(last),
+        "made holding the last"
+    );
+    let counts = || {
+        [
+            &BUFFERED_RUNS,
+            &GATHERS,
+            &LAYER_PREFETCHES,
+            &UPLOADED_GROUPS,
+        ]
+        .map(|c| c.load(Relaxed))
+    };
+    let delta = |a: [usize; 4], b: [usize; 4]| [0, 1, 2, 3].map(|i| b[i] - a[i]);
+    let n_big = prefetch_min() + 5;
+    let toks: Vec<u32> = (0..n_big as u32 + 16)
+        .map(|i| (i * 97 + 13) % 512)
+        .collect();
+    let (mut a, mut b) = (plain.new_state(), host.new_state());
+    // Decode steps: the last host layer from the buffer, the others gathered.
+    let c0 = counts();
+    for &t in &toks[..4] {
+        assert_eq!(
+            plain.eval(&mut a, t).unwrap(),
+            host.eval(&mut b, t).unwrap()
+        );
+    }
+    let k = layers.len();
+    assert_eq!(delta(c0, counts()), [4, 4 * (k - 1), 0, 0], "decode steps");
+    // A prompt batch: every host layer through the buffer, each copied ahead of its use.
+    let c1 = counts();
+    let big = &toks[4..4 + n_big];
+    assert_eq!(
+        plain.eval_batch(&mut a, big, true).unwrap(),
+        host.eval_batch(&mut b, big, true).unwrap(),
+        "a {n_big}-token batch"
+    );
+    assert_eq!(delta(c1, counts()), [k, 0, k, 0], "the big batch");
+    assert_eq!(
+        host.buffered_host_layer(),
+        Some(last),
+        "left holding the last"
+    );
+    // A small batch and decode steps after it: as before the big batch.
+    let c2 = counts();
+    let small = &toks[4 + n_big..8 + n_big];
+    assert_eq!(
+        plain.eval_batch(&mut a, small, true).unwrap(),
+        host.eval_batch(&mut b, small, true).unwrap()
+    );
+    for &t in &toks[8 + n_big..] {
+        assert_eq!(
+            plain.eval(&mut a, t).unwrap(),
+            host.eval(&mut b, t).unwrap()
+        );
+    }
+    let steps = toks.len() - 8 - n_big;
+    assert_eq!(
+        delta(c2, counts()),
+        [1 + steps, (1 + steps) * (k - 1), 0, 0],
+        "small batch and decode steps"
+    );
+    assert_eq!(a, b, "the same session state");
 }
 
 /// Slots that find no room (device memory short): the schedule gives up on the gather for the

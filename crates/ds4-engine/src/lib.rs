@@ -117,13 +117,14 @@ pub struct EngineOptions {
 /// `--cpu-experts`: where a one-GPU model's routed experts live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CpuExperts {
-    /// On the GPU when the model fits; else the last layers' experts in host memory, as few
-    /// layers as let the rest fit.
+    /// On the GPU when the model fits; else as few layers' experts in host memory as let the
+    /// rest fit, spread through the model ([`ds4_model::offload::spread`]).
     Auto,
     /// All on the GPU (a model that does not fit is refused).
     Off,
-    /// The last `n` layers' experts in host memory (`usize::MAX`: every layer's).
-    Last(usize),
+    /// `n` layers' experts in host memory, spread through the model, the last layer among
+    /// them (`usize::MAX`: every layer's).
+    Layers(usize),
 }
 
 impl CpuExperts {
@@ -132,8 +133,8 @@ impl CpuExperts {
         Some(match s {
             "auto" => CpuExperts::Auto,
             "off" | "none" | "0" => CpuExperts::Off,
-            "all" => CpuExperts::Last(usize::MAX),
-            n => CpuExperts::Last(n.parse().ok().filter(|&n| n > 0)?),
+            "all" => CpuExperts::Layers(usize::MAX),
+            n => CpuExperts::Layers(n.parse().ok().filter(|&n| n > 0)?),
         })
     }
 }
@@ -146,8 +147,10 @@ fn host_group_bytes(per_layer: &[u64], n_expert: usize) -> u64 {
 }
 
 /// The layers whose routed experts stay in host memory (ascending): per `choice`, and for
-/// `Auto` the fewest last layers that let the other weights fit `free` bytes with the reserve
-/// ([`gpu_fit_error`]). `per_layer[i]`: layer i's routed-expert bytes; `weights`: all bytes.
+/// `Auto` the fewest layers (spread through the model: [`ds4_model::offload::spread`]) that
+/// let the other weights fit `free` bytes with the reserve ([`gpu_fit_error`]), beside one
+/// uploaded group and the layer buffer ([`host_extra_bytes`]). `per_layer[i]`: layer i's
+/// routed-expert bytes; `weights`: all bytes.
 pub fn host_expert_layers(
     choice: CpuExperts,
     per_layer: &[u64],
@@ -156,10 +159,10 @@ pub fn host_expert_layers(
     free: Option<u64>,
 ) -> Vec<usize> {
     let n = per_layer.len();
-    let last = |k: usize| (n - k.min(n)..n).collect::<Vec<_>>();
+    let spread = |k: usize| ds4_model::offload::spread(k, n);
     match choice {
         CpuExperts::Off => Vec::new(),
-        CpuExperts::Last(k) => last(k),
+        CpuExperts::Layers(k) => spread(k),
         CpuExperts::Auto => {
             let Some(free) = free else {
                 return Vec::new();
@@ -167,17 +170,31 @@ pub fn host_expert_layers(
             if weights.saturating_add(GPU_RESERVE) <= free {
                 return Vec::new();
             }
-            let group = host_group_bytes(per_layer, n_expert);
-            let mut on_gpu = weights.saturating_add(group);
             for k in 1..=n {
-                on_gpu = on_gpu.saturating_sub(per_layer[n - k]);
+                let host = spread(k);
+                let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
+                let extra = host_extra_bytes(per_layer, n_expert, &host);
+                let on_gpu = weights.saturating_sub(on_host).saturating_add(extra);
                 if on_gpu.saturating_add(GPU_RESERVE) <= free {
-                    return last(k);
+                    return host;
                 }
             }
-            last(n) // still too big: the fit check says so with the numbers
+            spread(n) // still too big: the fit check says so with the numbers
         }
     }
+}
+
+/// Device bytes beside the resident weights when the routed experts of layers `host` are in
+/// host memory: one uploaded group ([`host_group_bytes`]) and the layer buffer that holds one
+/// host layer's experts (`ds4_model::offload::layer_buffer_bytes`: decode steps run that
+/// layer as resident, prompts fill it with each host layer ahead of use). Nothing without
+/// host layers.
+fn host_extra_bytes(per_layer: &[u64], n_expert: usize, host: &[usize]) -> u64 {
+    if host.is_empty() {
+        return 0;
+    }
+    host_group_bytes(per_layer, n_expert)
+        + ds4_model::offload::layer_buffer_bytes(host.iter().map(|&i| per_layer[i]))
 }
 
 /// A backend error, with what to change appended where the device ran out of memory during a
@@ -195,7 +212,7 @@ fn out_of_memory_hint(e: String) -> String {
 }
 
 /// A placement's bytes: (routed experts in host memory, what the GPU holds: the other weights,
-/// one uploaded group of host experts for prompt batches, and the layout copies if `keep`).
+/// what host layers add ([`host_extra_bytes`]), and the layout copies if `keep`).
 fn placed_bytes(
     per_layer: &[u64],
     n_expert: usize,
@@ -205,11 +222,8 @@ fn placed_bytes(
     keep: bool,
 ) -> (u64, u64) {
     let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
-    let group = match host.is_empty() {
-        true => 0,
-        false => host_group_bytes(per_layer, n_expert),
-    };
-    let dev = own.saturating_sub(on_host) + group + if keep { copies } else { 0 };
+    let extra = host_extra_bytes(per_layer, n_expert, host);
+    let dev = own.saturating_sub(on_host) + extra + if keep { copies } else { 0 };
     (on_host, dev)
 }
 
@@ -349,7 +363,7 @@ fn host_memory_error(layers: usize, bytes: u64, available: u64) -> Option<String
 
 /// `--cpu-experts N|all` needs one GPU: several ranks hold 1/N of the experts each instead.
 fn check_cpu_experts(opts: &EngineOptions) -> Result<(), EngineError> {
-    if opts.devices.len() > 1 && matches!(opts.cpu_experts, CpuExperts::Last(_)) {
+    if opts.devices.len() > 1 && matches!(opts.cpu_experts, CpuExperts::Layers(_)) {
         return Err(EngineError::Backend(
             format!("{:?}", opts.backend).to_lowercase(),
             "--cpu-experts keeps routed experts in host memory beside one GPU; with --devices \
@@ -752,22 +766,35 @@ fn host_experts_line(n_host: usize, n_layer: usize, bytes: u64, precision: Preci
 
 /// The backend line once the model is loaded (the plan's line is written before the stacks
 /// are page-locked): where every batch copies its selected host-memory experts over the bus
-/// (`ds4_model::offload::Gather`), the CPU does none of their arithmetic, and the line says so.
-fn with_gather_note(line: String, gathers: bool) -> String {
-    if !gathers {
-        return line;
-    }
-    for act in ["int8", "f32"] {
-        let planned = format!(", {act} activations on the CPU; --cpu-experts)");
-        if line.contains(&planned) {
-            return line.replacen(
-                &planned,
-                ", the selected ones copied to the GPU over the bus; --cpu-experts)",
-                1,
-            );
+/// (`ds4_model::offload::Gather`), the CPU does none of their arithmetic, and the line says so;
+/// where the model holds one host layer on the GPU (`buffered`: the layer buffer of
+/// `ds4_model::forward`), it says that too.
+fn with_gather_note(line: String, gathers: bool, buffered: Option<usize>) -> String {
+    let mut line = line;
+    if gathers {
+        for act in ["int8", "f32"] {
+            let planned = format!(", {act} activations on the CPU; --cpu-experts)");
+            if line.contains(&planned) {
+                line = line.replacen(
+                    &planned,
+                    ", the selected ones copied to the GPU over the bus; --cpu-experts)",
+                    1,
+                );
+                break;
+            }
         }
     }
-    line
+    match buffered {
+        Some(l) => line.replacen(
+            "; --cpu-experts)",
+            &format!(
+                "; layer {l}'s held on the GPU, prompts copy each host layer ahead of its use; \
+                 --cpu-experts)"
+            ),
+            1,
+        ),
+        None => line,
+    }
 }
 
 /// Bytes of a model's weights: all of them, the routed experts' part (split between
@@ -1115,7 +1142,8 @@ impl Engine {
                     .finish()
                     .map_err(|e| EngineError::Backend(name.into(), e))?;
                 let wb = (m.backend.weight_bytes(), m.backend.layout_bytes());
-                let line = with_gather_note(line, m.gathers_host_experts());
+                let line =
+                    with_gather_note(line, m.gathers_host_experts(), m.buffered_host_layer());
                 (Arc::new(m), line, Some(wb))
             }
             None => {
@@ -1245,7 +1273,7 @@ impl Engine {
             m.backend.weight_bytes().saturating_sub(on_host),
             m.backend.layout_bytes(),
         );
-        let line = with_gather_note(line, m.gathers_host_experts());
+        let line = with_gather_note(line, m.gathers_host_experts(), m.buffered_host_layer());
         Ok(Engine {
             model: Arc::new(m),
             tokenizer: Arc::new(tokenizer),
@@ -1835,15 +1863,16 @@ mod tests {
         use ds4_model::tensors::Mix;
         let gib = 1u64 << 30;
         let (q4, q4_bytes, fits, keep) = full_size_plan(Mix::Q4, 139 * gib + gib / 2);
-        assert!((3..=8).contains(&q4) && fits && !keep, "{q4}");
+        // One layer more than the weights alone need: the layer buffer holds one of them.
+        assert!((4..=9).contains(&q4) && fits && !keep, "{q4}");
         // 3.37 GiB of Q4_K experts a layer.
         assert!(q4_bytes > q4 as u64 * 3 * gib && q4_bytes < q4 as u64 * 4 * gib);
         let (q2, _, fits, keep) = full_size_plan(Mix::Q2, 22 * gib + gib / 2);
-        assert!((30..=40).contains(&q2) && fits && !keep, "{q2}");
+        assert!((30..=41).contains(&q2) && fits && !keep, "{q2}");
         // Session 41: on an H100 the q2 mix with its copies and no host layers ran out of
         // memory at load; without the copies 80.8 GiB still need a few layers on the host.
         let (h100, _, fits, keep) = full_size_plan(Mix::Q2, 78 * gib + 6 * gib / 10);
-        assert!((1..=4).contains(&h100) && fits && !keep, "{h100}");
+        assert!((2..=5).contains(&h100) && fits && !keep, "{h100}");
         assert_eq!(full_size_plan(Mix::Q2, 139 * gib), (0, 0, true, true));
         assert!(
             !full_size_plan(Mix::Q2, 6 * gib).2,
@@ -1897,12 +1926,13 @@ mod tests {
         assert_eq!(place(CpuExperts::Auto, 11 * gib + r), (vec![], true));
         assert_eq!(place(CpuExperts::Auto, 11 * gib + r - 1), (vec![], false));
         assert_eq!(place(CpuExperts::Auto, 10 * gib + r), (vec![], false));
-        // Without copies two layers go (10 - 4 + 2 for the group = 8 GiB).
-        assert_eq!(place(CpuExperts::Auto, 8 * gib + r), (vec![2, 3], false));
-        // Copies that fit beside the fewest layers stay.
-        assert_eq!(place(CpuExperts::Auto, 9 * gib + r), (vec![2, 3], true));
-        assert_eq!(place(CpuExperts::Last(1), 20 * gib), (vec![3], true));
-        assert_eq!(place(CpuExperts::Last(1), 10 * gib + r), (vec![3], false));
+        // Host layers add a group (2 GiB here) and the layer buffer (a layer, 2 GiB). Without
+        // copies three layers go (10 - 6 + 2 + 2 = 8 GiB).
+        assert_eq!(place(CpuExperts::Auto, 8 * gib + r), (vec![0, 1, 3], false));
+        // Copies that fit beside the fewest layers stay (9 GiB).
+        assert_eq!(place(CpuExperts::Auto, 9 * gib + r), (vec![0, 1, 3], true));
+        assert_eq!(place(CpuExperts::Layers(1), 20 * gib), (vec![3], true));
+        assert_eq!(place(CpuExperts::Layers(1), 10 * gib + r), (vec![3], false));
         assert_eq!(place(CpuExperts::Off, 11 * gib + r), (vec![], true));
         assert_eq!(place(CpuExperts::Off, 10 * gib + r), (vec![], false));
         // No memory figure (a device that does not say): as asked, with copies.
@@ -1913,7 +1943,7 @@ mod tests {
     }
 
     #[test]
-    fn host_expert_layers_keep_the_fewest_last_layers_that_let_the_rest_fit() {
+    fn host_expert_layers_keep_the_fewest_spread_layers_that_let_the_rest_fit() {
         let gib = 1u64 << 30;
         // 4 layers of 2 GiB of experts (8 experts: a group of 8 is a whole layer's 2 GiB) plus
         // 2 GiB of dense weights: 10 GiB.
@@ -1925,18 +1955,26 @@ mod tests {
             Vec::<usize>::new()
         );
         assert_eq!(plan(CpuExperts::Auto, None), Vec::<usize>::new());
-        // r: the reserve. 8 GiB + r free: 10 + 2 (group) - 2k + r <= 8 + r first at k = 2.
+        // r: the reserve. 8 GiB + r free: 10 + 2 (group) + 2 (layer buffer) - 2k + r <= 8 + r
+        // first at k = 3, the layers spread with the last among them.
         let r = GPU_RESERVE;
-        assert_eq!(plan(CpuExperts::Auto, Some(8 * gib + r)), vec![2, 3]);
-        assert_eq!(plan(CpuExperts::Auto, Some(8 * gib + r - 1)), vec![1, 2, 3]);
-        // 2 GiB + r free: dense 2 + group 2 = 4 > 2 even with every layer on the host: all of
-        // them (the fit check then refuses with the numbers).
+        assert_eq!(plan(CpuExperts::Auto, Some(8 * gib + r)), vec![0, 1, 3]);
+        assert_eq!(
+            plan(CpuExperts::Auto, Some(8 * gib + r - 1)),
+            vec![0, 1, 2, 3]
+        );
+        assert_eq!(plan(CpuExperts::Layers(2), None), vec![1, 3]);
+        // 2 GiB + r free: dense 2 + group 2 + buffer 2 = 6 > 2 even with every layer on the
+        // host: all of them (the fit check then refuses with the numbers).
         assert_eq!(plan(CpuExperts::Auto, Some(2 * gib + r)), vec![0, 1, 2, 3]);
         assert_eq!(plan(CpuExperts::Off, Some(gib)), Vec::<usize>::new());
-        assert_eq!(plan(CpuExperts::Last(1), Some(100 * gib)), vec![3]);
-        assert_eq!(plan(CpuExperts::Last(usize::MAX), None), vec![0, 1, 2, 3]);
-        assert_eq!(CpuExperts::parse("all"), Some(CpuExperts::Last(usize::MAX)));
-        assert_eq!(CpuExperts::parse("12"), Some(CpuExperts::Last(12)));
+        assert_eq!(plan(CpuExperts::Layers(1), Some(100 * gib)), vec![3]);
+        assert_eq!(plan(CpuExperts::Layers(usize::MAX), None), vec![0, 1, 2, 3]);
+        assert_eq!(
+            CpuExperts::parse("all"),
+            Some(CpuExperts::Layers(usize::MAX))
+        );
+        assert_eq!(CpuExperts::parse("12"), Some(CpuExperts::Layers(12)));
         assert_eq!(CpuExperts::parse("0"), Some(CpuExperts::Off));
         assert_eq!(CpuExperts::parse("auto"), Some(CpuExperts::Auto));
         assert_eq!(CpuExperts::parse("-1"), None);
@@ -2003,17 +2041,26 @@ mod tests {
         // Loaded with the selected experts copied over the bus, it says so; else as planned.
         let line = format!("cuda (H100){fast}");
         assert_eq!(
-            with_gather_note(line.clone(), true),
+            with_gather_note(line.clone(), true, None),
             "cuda (H100); routed experts of 35 of 43 layers in host memory (59.0 GiB, the \
              selected ones copied to the GPU over the bus; --cpu-experts)"
+        );
+        assert_eq!(
+            with_gather_note(line.clone(), true, Some(42)),
+            "cuda (H100); routed experts of 35 of 43 layers in host memory (59.0 GiB, the \
+             selected ones copied to the GPU over the bus; layer 42's held on the GPU, prompts \
+             copy each host layer ahead of its use; --cpu-experts)"
         );
         let exact = format!(
             "cuda (H100){}",
             host_experts_line(1, 43, gib, Precision::Exact)
         );
-        assert!(with_gather_note(exact, true).contains("GiB, the selected ones copied"));
-        assert_eq!(with_gather_note(line.clone(), false), line);
-        assert_eq!(with_gather_note("cuda (H100)".into(), true), "cuda (H100)");
+        assert!(with_gather_note(exact, true, None).contains("GiB, the selected ones copied"));
+        assert_eq!(with_gather_note(line.clone(), false, None), line);
+        assert_eq!(
+            with_gather_note("cuda (H100)".into(), true, Some(3)),
+            "cuda (H100)"
+        );
     }
 
     #[test]

@@ -92,6 +92,7 @@ fn gpu_engine_matches_cpu_reference() {
 /// the prompt's grouped uploads direct copies.
 #[test]
 fn gpu_host_experts_match_cpu_reference() {
+    use std::sync::atomic::Ordering::Relaxed;
     let _serial = serial();
     let Some(_) = gpu() else { return };
     let c = open(BackendChoice::Cpu).unwrap();
@@ -104,7 +105,7 @@ fn gpu_host_experts_match_cpu_reference() {
         let gather = mode == Gather::Auto;
         ds4_model::offload::set_gather(Some(mode));
         let g = open_with(BackendChoice::Auto, |o| {
-            o.cpu_experts = ds4_engine::CpuExperts::Last(usize::MAX)
+            o.cpu_experts = ds4_engine::CpuExperts::Layers(usize::MAX)
         })
         .unwrap();
         ds4_model::offload::set_gather(None);
@@ -123,6 +124,15 @@ fn gpu_host_experts_match_cpu_reference() {
             "{}",
             g.backend_name()
         );
+        // The layer buffer holds the last layer (`ds4_model::forward` `LayerBuffer`): batches
+        // under `prefetch_min` tokens run it as resident, so 5 layers a batch gather (or run on
+        // the host, or upload groups).
+        assert!(
+            g.backend_name().contains("layer 5's held on the GPU"),
+            "{}",
+            g.backend_name()
+        );
+        let per_batch = 5;
         // The 13-token prompt and the decode steps: gathered (the
         // tiny model's 16 experts fit the 24 slots: one round a batch), or on the host.
         let (g0, r0, d0) = (gathers(), rounds(), direct());
@@ -134,7 +144,7 @@ fn gpu_host_experts_match_cpu_reference() {
         let (n, r, d) = (gathers() - g0, rounds() - r0, direct() - d0);
         assert!(
             if gather {
-                n >= 6 * 2 && r == n
+                n >= per_batch * 2 && r == n
             } else {
                 n == 0 && r == 0
             },
@@ -158,7 +168,7 @@ fn gpu_host_experts_match_cpu_reference() {
             ds4_model::offload::set_gather_slots(None);
             let (n, r) = (gathers() - g0, rounds() - r0);
             assert!(
-                n >= 6 * 2 && r >= n + 6 * 2,
+                n >= per_batch * 2 && r >= n + per_batch * 2,
                 "{n} batches gathered in {r} rounds of 6 slots"
             );
         }
@@ -184,15 +194,51 @@ fn gpu_host_experts_match_cpu_reference() {
         let (n, up, direct) = (gathers() - g0, groups() - up0, uploads() - direct0);
         assert!(
             if gather {
-                n >= 6 * 9 && up == 0
+                n >= per_batch * 9 && up == 0
             } else {
-                n == 0 && up >= 6
+                n == 0 && up >= per_batch
             },
             "gather {gather}: {n} batches gathered, {up} expert groups uploaded"
         );
         assert_eq!(
             direct, 0,
             "{direct} grouped uploads from page-locked memory"
+        );
+        // A prompt of `prefetch_min` tokens or more: each host layer copied whole into the
+        // layer buffer ahead of its use, on the copy stream (page-locked: 3 copies a layer)
+        // or, gather off (not page-locked), in order through staging; nothing gathered.
+        let prefetches = || ds4_model::offload::LAYER_PREFETCHES.load(Relaxed);
+        let aside = || ds4_gpu::PREFETCHES.load(Relaxed);
+        let (g0, p0, a0) = (gathers(), prefetches(), aside());
+        let n_big = ds4_model::offload::prefetch_min() + 22;
+        let big: Vec<u32> = PROMPT.iter().cycle().take(n_big).copied().collect();
+        let run = |e: &Engine| {
+            let mut s = e.new_session(1024);
+            s.sync(&big, &mut |_, _| {}).unwrap();
+            let mut out = vec![s.logits().unwrap().to_vec()];
+            for _ in 0..4 {
+                let t = argmax(out.last().unwrap());
+                out.push(s.eval(t).unwrap().to_vec());
+            }
+            out
+        };
+        let worst = max_abs_rows(&run(&g), &run(&c));
+        println!(
+            "host experts, {n_big}-token prompt (layer buffer) + 4 steps, gather {gather}: max \
+             |Δ logit| {worst:.3e}"
+        );
+        assert!(worst < 1e-3, "logits differ by {worst}");
+        let (n, p, a) = (gathers() - g0, prefetches() - p0, aside() - a0);
+        assert_eq!(p, 6, "gather {gather}: {p} layers prefetched");
+        assert_eq!(
+            a,
+            if gather { 3 * 6 } else { 0 },
+            "gather {gather}: {a} copies aside"
+        );
+        assert_eq!(
+            n,
+            if gather { 4 * per_batch } else { 0 },
+            "gather {gather}: {n} gathered"
         );
     }
 }
@@ -224,7 +270,7 @@ fn gpu_fast_host_experts_stay_close_to_cpu() {
     let Some(_) = gpu() else { return };
     let want = "int8 activations on the CPU";
     ds4_model::offload::set_gather(Some(Gather::Host));
-    let (d, r, _, _) = fast_vs_cpu(ds4_engine::CpuExperts::Last(usize::MAX), want);
+    let (d, r, _, _) = fast_vs_cpu(ds4_engine::CpuExperts::Layers(usize::MAX), want);
     ds4_model::offload::set_gather(None);
     assert!(d < 0.1 * r, "prompt logits differ by RMS {d} of {r}");
 }

@@ -169,7 +169,21 @@ pub struct Gpu {
     /// Host ranges page-locked by [`Gpu::register_host`] (start, end; page-aligned, disjoint),
     /// unregistered when the Gpu is dropped.
     registered: Mutex<Vec<(usize, usize)>>,
+    /// [`Gpu::prefetch_after`]'s copy stream and events, made at its first use.
+    aside: Mutex<Option<Aside>>,
 }
+
+/// A copy stream of its own for prefetches: `ready` is recorded on the caller's stream (the
+/// copies wait for it), `done` after the copies (the caller's stream waits for it at
+/// [`Gpu::prefetch_wait`]).
+struct Aside {
+    stream: Stream,
+    ready: Event,
+    done: Event,
+    /// Copies queued since the last wait.
+    pending: bool,
+}
+unsafe impl Send for Aside {}
 
 /// The host's page size (`sysconf(_SC_PAGESIZE)`: 4 KiB on most x86 Linux hosts, 16 KiB on
 /// Apple silicon, often 64 KiB on AArch64 servers such as NVIDIA Grace); 4 KiB where it cannot
@@ -210,6 +224,21 @@ pub fn page_ranges(ranges: &[&[u8]], page: usize) -> Vec<(usize, usize)> {
     merged
 }
 
+/// `srcs` as copies of (start, length): sources that follow each other in memory (a whole
+/// stack's experts in order, a layer's prefetch) are one copy.
+pub fn runs(srcs: &[&[u8]]) -> Vec<(*const u8, usize)> {
+    let mut out: Vec<(*const u8, usize)> = Vec::new();
+    for s in srcs.iter().filter(|s| !s.is_empty()) {
+        match out.last_mut() {
+            Some((p, n)) if (*p as usize) + *n == s.as_ptr() as usize => *n += s.len(),
+            _ => out.push((s.as_ptr(), s.len())),
+        }
+    }
+    out
+}
+
+/// Copies queued by [`Gpu::prefetch_after`] on its own stream (process-wide; tests).
+pub static PREFETCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 /// Gathers that copied straight from registered host memory (process-wide; tests).
 pub static DIRECT_GATHERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 /// Uploads ([`Gpu::upload`]) that copied straight from registered host memory (tests).
@@ -289,6 +318,7 @@ impl Gpu {
             cache: cache_dir(),
             origins: Mutex::new(Vec::new()),
             registered: Mutex::new(Vec::new()),
+            aside: Mutex::new(None),
         }
     }
 
@@ -546,6 +576,55 @@ impl Gpu {
         self.staged_after(dst, srcs, after)
     }
 
+    /// The concatenation of `srcs` to `dst` on a copy stream of its own, after the work queued
+    /// so far on `after`, so that it runs beside the work queued next there (a layer's experts
+    /// cross the bus while the layers before it compute); [`Gpu::prefetch_wait`] orders
+    /// `after`'s later work after it. Sources not page-locked are copied as
+    /// [`Gpu::gather_after`] does (through staging, in `after`'s order: nothing beside).
+    pub fn prefetch_after(&self, dst: DevPtr, srcs: &[&[u8]], after: Stream) -> Result<()> {
+        let mut a = self.aside.lock().unwrap();
+        if a.is_none() {
+            *a = Some(Aside {
+                stream: self.rt.stream_create()?,
+                ready: self.rt.event_create()?,
+                done: self.rt.event_create()?,
+                pending: false,
+            });
+        }
+        let a = a.as_mut().unwrap();
+        self.rt.event_record(a.ready, after)?;
+        self.rt.stream_wait_event(a.stream, a.ready)?;
+        if !self.copy_registered(dst, srcs, a.stream)? {
+            return self.gather_after(dst, srcs, after);
+        }
+        PREFETCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.rt.event_record(a.done, a.stream)?;
+        a.pending = true;
+        Ok(())
+    }
+
+    /// Whether copies of [`Gpu::prefetch_after`] are not yet waited for.
+    pub fn prefetch_pending(&self) -> bool {
+        self.aside
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|a| a.pending)
+    }
+
+    /// Orders the work queued on `stream` from now on after every [`Gpu::prefetch_after`]'s
+    /// copies so far (nothing where none is pending).
+    pub fn prefetch_wait(&self, stream: Stream) -> Result<()> {
+        let mut a = self.aside.lock().unwrap();
+        match a.as_mut() {
+            Some(a) if a.pending => {
+                a.pending = false;
+                self.rt.stream_wait_event(stream, a.done)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Queues the concatenation of `srcs` to `dst` on `stream` by DMA where every source lies
     /// in registered memory ([`Gpu::register_host`]): true. Else nothing is queued: false.
     fn copy_registered(&self, dst: DevPtr, srcs: &[&[u8]], stream: Stream) -> Result<bool> {
@@ -559,12 +638,9 @@ impl Gpu {
         };
         if direct {
             let mut at = 0u64;
-            for s in srcs {
-                unsafe {
-                    self.rt
-                        .copy_h2d_async(dst.offset(at), s.as_ptr(), s.len(), stream)?
-                };
-                at += s.len() as u64;
+            for (ptr, len) in runs(srcs) {
+                unsafe { self.rt.copy_h2d_async(dst.offset(at), ptr, len, stream)? };
+                at += len as u64;
             }
         }
         Ok(direct)
@@ -910,6 +986,11 @@ impl Drop for Gpu {
         let _ = self.rt.synchronize();
         for (a, _) in self.registered.lock().unwrap().drain(..) {
             let _ = unsafe { self.rt.host_unregister(a as *const u8) };
+        }
+        if let Some(a) = self.aside.lock().unwrap().take() {
+            let _ = self.rt.event_destroy(a.ready);
+            let _ = self.rt.event_destroy(a.done);
+            let _ = self.rt.stream_destroy(a.stream);
         }
         if let Some(s) = self.staging.lock().unwrap().take() {
             unsafe {

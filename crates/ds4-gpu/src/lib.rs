@@ -21,7 +21,9 @@ pub mod runtime;
 
 pub use compiler::{Compiler, Hiprtc, Nvrtc};
 pub use error::{GpuError, Result};
-pub use gpu::{probe, Backend, DeviceBuffer, Gpu, MatvecPlan, DIRECT_GATHERS, DIRECT_UPLOADS};
+pub use gpu::{
+    probe, Backend, DeviceBuffer, Gpu, MatvecPlan, DIRECT_GATHERS, DIRECT_UPLOADS, PREFETCHES,
+};
 pub use model::{GpuBackend, GpuComm, Precision};
 pub use runtime::{
     Arg, DevPtr, DeviceInfo, Event, Function, LaunchDims, ModuleHandle, Runtime, Stream, Vendor,

@@ -87,6 +87,8 @@ enum Experts<W> {
     Host {
         run: Box<dyn HostExperts>,
         stacks: Box<[HostStack; 3]>,
+        /// The block's index (the layer buffer's key).
+        layer: usize,
     },
 }
 
@@ -129,6 +131,28 @@ pub struct Model<B: Backend> {
     /// plan allows one uploaded group (GROUP = 32 experts) beside the weights: a prompt batch
     /// that uploads groups drops the slots first (24 experts of the model fit in that room).
     slots: std::sync::Mutex<Option<Slots<B::Weight>>>,
+    /// One host layer's whole expert stacks on the device ([`LayerBuffer`]; None: not made).
+    layer_buf: std::sync::Mutex<Option<LayerBuffer<B::Weight>>>,
+}
+
+/// Device room for one host layer's whole routed-expert stacks (gate, up, down: every expert;
+/// a q2 layer's 1.8 GB), which the engine's memory plan pays for with one more layer in host
+/// memory (`ds4_engine::host_expert_layers`). Between batches it holds the last host layer
+/// (made at load): decode steps and small batches run that layer as if resident, so the plan
+/// decodes as fast as one without the buffer and one layer fewer on the host. A prompt batch of
+/// [`offload::prefetch_min`] tokens or more (which selects nearly every expert, so a gather
+/// would copy the whole layer anyway) fills it with each host layer in turn, ahead of use: the
+/// first at the batch's start, the next right after a layer's MoE is issued, each copy on its
+/// own stream (`Backend::prefetch_experts`) while the layers before it compute, and ends with
+/// the last host layer in it again. Host layers spread through the model (the engine's plan)
+/// leave each copy the layers between two of them to hide behind.
+struct LayerBuffer<W> {
+    w: [W; 3],
+    /// The stacks' (type, cols, rows) it was made for: host layers of other shapes gather.
+    key: [(ds4_backend::GgmlType, usize, usize); 3],
+    /// The host layer whose experts it holds, or is being filled with (`pending`).
+    holds: usize,
+    pending: bool,
 }
 
 /// Device slots for gathered host-memory experts.
@@ -508,7 +532,11 @@ impl<B: Backend> Binder<'_, B> {
             self.src.host_stack(self.b, &names[2])?,
         ]);
         let run = (h.make)(&stacks).map_err(|e| format!("{p} routed experts: {e}"))?;
-        Ok(Experts::Host { run, stacks })
+        Ok(Experts::Host {
+            run,
+            stacks,
+            layer: kind.index as usize,
+        })
     }
     /// Rows `a .. a + count` of `name` on a tensor-parallel rank, the whole tensor otherwise.
     fn tp_rows(
@@ -634,6 +662,75 @@ impl<B: Backend> Binder<'_, B> {
                 .as_ref()
                 .map_or(hp.swiglu_clamp[l], |s| s[l.min(s.len() - 1)]),
         })
+    }
+}
+
+/// (type, cols, rows) of each of a layer's three stacks.
+fn stack_key(stacks: &[HostStack; 3]) -> [(ds4_backend::GgmlType, usize, usize); 3] {
+    stacks
+        .each_ref()
+        .map(|h| (h.ty, h.dims[0] as usize, h.dims[1] as usize))
+}
+
+/// The [`LayerBuffer`], holding the last host layer's experts (None: no host layers, the
+/// buffer off (`offload::layer_buffer_wanted`), no expert slots on this backend (the CPU's
+/// reference backend), or no device room: a note says so and batches gather as before).
+fn layer_buffer<B: Backend>(
+    backend: &B,
+    layers: &[Layer<B::Weight>],
+) -> Option<LayerBuffer<B::Weight>> {
+    let (layer, stacks) = layers.iter().rev().find_map(|l| match &l.experts {
+        Experts::Host { stacks, layer, .. } => Some((*layer, stacks)),
+        Experts::Here { .. } => None,
+    })?;
+    if !offload::layer_buffer_wanted() {
+        return None;
+    }
+    let key = stack_key(stacks);
+    let mut w = Vec::with_capacity(3);
+    for (st, &(ty, cols, rows)) in stacks.iter().zip(&key) {
+        match backend.expert_slots(ty, cols, rows, st.experts())? {
+            Ok(x) => w.push(x),
+            Err(e) => {
+                eprintln!(
+                    "ds4: no device room for a host layer's experts ({e}): prompts gather the \
+                     experts they select instead"
+                );
+                return None;
+            }
+        }
+    }
+    let w: [B::Weight; 3] = w.try_into().ok()?;
+    let mut lb = LayerBuffer {
+        w,
+        key,
+        holds: usize::MAX,
+        pending: false,
+    };
+    fill_buffer(backend, &mut lb, layer, stacks, false);
+    Some(lb)
+}
+
+/// Queues the copies of `layer`'s whole stacks into the layer buffer: beside the ops issued
+/// next (`aside`: `Backend::prefetch_experts`, awaited before the layer's MoE), or in order.
+fn fill_buffer<B: Backend>(
+    b: &B,
+    lb: &mut LayerBuffer<B::Weight>,
+    layer: usize,
+    stacks: &[HostStack; 3],
+    aside: bool,
+) {
+    for (st, w) in stacks.iter().zip(&lb.w) {
+        let slabs: Vec<&[u8]> = (0..st.experts()).map(|e| st.expert(e)).collect();
+        match aside {
+            true => b.prefetch_experts(w, &slabs),
+            false => b.gather_experts(w, &slabs),
+        }
+    }
+    lb.holds = layer;
+    lb.pending = aside;
+    if aside {
+        offload::LAYER_PREFETCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -869,6 +966,7 @@ impl<B: Backend> Model<B> {
             None
         };
         let host_gather = lock_host_experts(&backend, &layers, host);
+        let layer_buf = std::sync::Mutex::new(layer_buffer(&backend, &layers));
         let embd = b.m("token_embd.weight")?;
         let out_hc = Hc {
             mixer: b.m("output_hc_fn.weight")?,
@@ -891,7 +989,80 @@ impl<B: Backend> Model<B> {
             host_batch: host.map_or((UPLOAD_MIN, GROUP), |h| (h.upload_min, h.group)),
             host_gather,
             slots: std::sync::Mutex::new(None),
+            layer_buf,
         })
+    }
+
+    /// The host layer whose experts the layer buffer holds now ([`LayerBuffer`]; tests).
+    pub fn buffered_host_layer(&self) -> Option<usize> {
+        let g = self.layer_buf.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().map(|lb| lb.holds)
+    }
+
+    /// Host layers after `after` (all: None) whose stacks have the layer buffer's shapes, in
+    /// order.
+    fn buffered_layers(
+        &self,
+        key: &[(ds4_backend::GgmlType, usize, usize); 3],
+        after: Option<usize>,
+    ) -> impl Iterator<Item = (usize, &[HostStack; 3])> + '_ {
+        let key = *key;
+        self.layers.iter().filter_map(move |l| match &l.experts {
+            Experts::Host { stacks, layer, .. }
+                if after.is_none_or(|a| *layer > a) && stack_key(stacks) == key =>
+            {
+                Some((*layer, stacks.as_ref()))
+            }
+            _ => None,
+        })
+    }
+
+    /// A prompt batch of `n` tokens: the layer buffer starts filling with the first host layer
+    /// (see [`LayerBuffer`]).
+    fn prefetch_first(&self, n: usize) {
+        if n < offload::prefetch_min() {
+            return;
+        }
+        let mut g = self.layer_buf.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(lb) = g.as_mut() else { return };
+        if let Some((first, stacks)) = self.buffered_layers(&lb.key, None).next() {
+            if lb.holds != first {
+                fill_buffer(&self.backend, lb, first, stacks, true);
+            }
+        }
+    }
+
+    /// Host layer `layer`'s routed experts from the layer buffer where it holds them (waiting
+    /// for its copies if still in flight), with no host read: the backend's MoE over the whole
+    /// stacks, as resident experts. Then, in a batch of [`offload::prefetch_min`] tokens or
+    /// more, the next host layer's copies start. None: the buffer holds another layer.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_buffered(
+        &self,
+        layer: usize,
+        spec: &MoeSpec,
+        z: &B::Buf,
+        sel: &B::IBuf,
+        wgt: &B::Buf,
+        n: usize,
+    ) -> Option<B::Buf> {
+        let b = &self.backend;
+        let mut g = self.layer_buf.lock().unwrap_or_else(|e| e.into_inner());
+        let lb = g.as_mut().filter(|lb| lb.holds == layer)?;
+        if lb.pending {
+            b.await_experts();
+            lb.pending = false;
+        }
+        let mut out = b.alloc(n * spec.d);
+        b.moe_experts(spec, &lb.w[0], &lb.w[1], &lb.w[2], z, sel, wgt, n, &mut out);
+        offload::BUFFERED_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n >= offload::prefetch_min() {
+            // The copies wait for the MoE just issued (the buffer's readers).
+            if let Some((next, stacks)) = self.buffered_layers(&lb.key, Some(layer)).next() {
+                fill_buffer(b, lb, next, stacks, true);
+            }
+        }
+        Some(out)
     }
 
     /// Whether batches copy their selected host-memory experts to the backend
@@ -1062,6 +1233,8 @@ impl<B: Backend> Model<B> {
         let n = tokens.len();
         let t0 = st.tokens.len();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        // A prompt batch's first host layer starts crossing the bus now (`LayerBuffer`).
+        self.prefetch_first(n);
         // Decode steps may run as one device graph (ends at the logits' download).
         b.graph_begin(n);
         let tok = b.upload_i32(&ids);
@@ -1437,8 +1610,11 @@ impl<B: Backend> Model<B> {
                 b.moe_experts(&xspec, gate, up, down, z, &sel, &wgt, n, &mut out);
                 out
             }
-            Experts::Host { run, stacks } => {
-                self.moe_host(run.as_ref(), stacks, &xspec, z, &sel, &wgt, n)
+            Experts::Host { run, stacks, layer } => {
+                match (!split).then(|| self.moe_buffered(*layer, &xspec, z, &sel, &wgt, n)) {
+                    Some(Some(out)) => out,
+                    _ => self.moe_host(run.as_ref(), stacks, &xspec, z, &sel, &wgt, n),
+                }
             }
         };
         if let Some(g) = g {
@@ -1532,9 +1708,7 @@ impl<B: Backend> Model<B> {
         if !self.host_gather {
             return None;
         }
-        let key = stacks
-            .each_ref()
-            .map(|h| (h.ty, h.dims[0] as usize, h.dims[1] as usize));
+        let key = stack_key(stacks);
         let cap = offload::gather_slots(spec.n_used);
         let mut guard = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         if guard.as_ref().is_none_or(|s| s.key != key || s.cap != cap) {

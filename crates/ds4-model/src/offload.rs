@@ -362,6 +362,71 @@ pub fn rounds(
         .collect())
 }
 
+/// Prompt batches of at least this many tokens fill the layer buffer with every host layer
+/// in turn (`forward.rs` `LayerBuffer`); smaller ones gather the experts they select (a
+/// 128-token batch selects ~95% of 256 experts, 6 a token; a 32-token batch ~53%).
+/// `DS4_HOST_LAYER_PREFETCH_MIN` overrides it.
+pub const PREFETCH_MIN: usize = 128;
+
+/// [`PREFETCH_MIN`] or its override.
+pub fn prefetch_min() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("DS4_HOST_LAYER_PREFETCH_MIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v: &usize| v > 0)
+            .unwrap_or(PREFETCH_MIN)
+    })
+}
+
+/// [`set_layer_buffer`]'s override: 0 none (the environment), 1 off, 2 on.
+static LAYER_BUFFER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether models loaded now make the layer buffer (`forward.rs` `LayerBuffer`): on unless
+/// `DS4_HOST_LAYER_BUFFER=off` (or [`set_layer_buffer`]). The engine's memory plan counts
+/// its bytes where it is wanted ([`layer_buffer_bytes`]).
+pub fn layer_buffer_wanted() -> bool {
+    match LAYER_BUFFER.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => !std::env::var("DS4_HOST_LAYER_BUFFER").is_ok_and(|v| v == "off" || v == "0"),
+    }
+}
+
+/// Overrides `DS4_HOST_LAYER_BUFFER` for models loaded from now on (None: the environment).
+pub fn set_layer_buffer(on: Option<bool>) {
+    let v = match on {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    LAYER_BUFFER.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The layer buffer's device bytes for a placement with host layers of these routed-expert
+/// byte counts (the largest; 0 where there are none or the buffer is off).
+pub fn layer_buffer_bytes(host_layer_bytes: impl Iterator<Item = u64>) -> u64 {
+    match layer_buffer_wanted() {
+        true => host_layer_bytes.max().unwrap_or(0),
+        false => 0,
+    }
+}
+
+/// Fills of the layer buffer beside the compute (process-wide; tests).
+pub static LAYER_PREFETCHES: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+/// Host layers' MoE runs from the layer buffer (process-wide; tests).
+pub static BUFFERED_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `k` of `n` layers spread through the model, the last one last: layer `(j + 1) n / k - 1`
+/// for `j < k` (k = 1: the last layer; k = n: all). Each host layer's experts then have the
+/// layers since the previous one to cross the bus behind (`forward.rs` `LayerBuffer`).
+pub fn spread(k: usize, n: usize) -> Vec<usize> {
+    let k = k.min(n);
+    (0..k).map(|j| (j + 1) * n / k - 1).collect()
+}
+
 /// [`HostPlacement::upload_min`] unless `DS4_HOST_EXPERTS_UPLOAD_MIN` says otherwise.
 pub const UPLOAD_MIN: usize = 32;
 /// [`HostPlacement::group`] unless `DS4_HOST_EXPERTS_GROUP` says otherwise: 32 experts of the
@@ -421,6 +486,27 @@ pub fn groups(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spread_layers_end_at_the_last_and_leave_even_gaps() {
+        assert_eq!(spread(1, 43), vec![42]);
+        assert_eq!(spread(5, 43), vec![7, 16, 24, 33, 42]);
+        assert_eq!(spread(2, 4), vec![1, 3]);
+        assert_eq!(spread(4, 4), vec![0, 1, 2, 3]);
+        assert_eq!(spread(usize::MAX, 3), vec![0, 1, 2]);
+        assert!(spread(0, 43).is_empty());
+        for k in 1..=43 {
+            let s = spread(k, 43);
+            assert_eq!(s.len(), k);
+            assert!(s.windows(2).all(|w| w[0] < w[1]), "{k}: {s:?}");
+            assert_eq!(*s.last().unwrap(), 42);
+            // Gaps differ by at most one layer.
+            let gaps: Vec<usize> = s.windows(2).map(|w| w[1] - w[0]).collect();
+            if let (Some(lo), Some(hi)) = (gaps.iter().min(), gaps.iter().max()) {
+                assert!(hi - lo <= 1, "{k}: {gaps:?}");
+            }
+        }
+    }
 
     #[test]
     fn gather_modes_parse_and_bad_values_say_what_is_accepted() {

@@ -148,7 +148,7 @@ impl ModelArgs {
 /// `--cpu-experts N|all` asked of a model that runs on the CPU backend: said, not refused (every
 /// weight is in host memory there already).
 fn cpu_experts_note(choice: ds4_engine::CpuExperts, backend: &str) -> Option<&'static str> {
-    (matches!(choice, ds4_engine::CpuExperts::Last(_)) && backend == "cpu").then_some(
+    (matches!(choice, ds4_engine::CpuExperts::Layers(_)) && backend == "cpu").then_some(
         "--cpu-experts has no effect on the CPU backend (every weight is in host memory); it \
          splits a model between one GPU and the host",
     )
@@ -161,11 +161,11 @@ mod tests {
     #[test]
     fn cpu_experts_on_the_cpu_backend_is_noted() {
         use ds4_engine::CpuExperts;
-        assert!(cpu_experts_note(CpuExperts::Last(3), "cpu").is_some());
-        assert!(cpu_experts_note(CpuExperts::Last(usize::MAX), "cpu").is_some());
+        assert!(cpu_experts_note(CpuExperts::Layers(3), "cpu").is_some());
+        assert!(cpu_experts_note(CpuExperts::Layers(usize::MAX), "cpu").is_some());
         assert_eq!(cpu_experts_note(CpuExperts::Auto, "cpu"), None);
         assert_eq!(
-            cpu_experts_note(CpuExperts::Last(3), "cuda (NVIDIA H200 sm_90a)"),
+            cpu_experts_note(CpuExperts::Layers(3), "cuda (NVIDIA H200 sm_90a)"),
             None
         );
     }

@@ -928,6 +928,32 @@ impl GpuBackend {
         }
     }
 
+    /// The device address that a gather of `slabs` into `slots` copies to, after checking that
+    /// they fit (else the error is noted: None), with the recorded calls so far launched (the
+    /// copies are ordered after them).
+    fn slots_for(&self, slots: &GpuWeight, slabs: &[&[u8]]) -> Option<crate::runtime::DevPtr> {
+        let GpuWeight::Mat {
+            buf,
+            rows,
+            row_bytes,
+            experts,
+            ..
+        } = slots
+        else {
+            return None;
+        };
+        let slab = rows * row_bytes;
+        if slabs.len() > *experts || slabs.iter().any(|s| s.len() != slab) {
+            self.note::<()>(Err(crate::error::GpuError::Invalid(format!(
+                "gather of {} experts into {experts} slots of {slab} bytes",
+                slabs.len()
+            ))));
+            return None;
+        }
+        self.interrupt();
+        (!self.failed()).then(|| buf.ptr())
+    }
+
     pub(crate) fn interrupt(&self) {
         if self.recording.load(Ordering::Acquire) {
             self.flush(false);
@@ -1617,27 +1643,24 @@ impl Backend for GpuBackend {
     }
 
     fn gather_experts(&self, slots: &GpuWeight, slabs: &[&[u8]]) {
-        let GpuWeight::Mat {
-            buf,
-            rows,
-            row_bytes,
-            experts,
-            ..
-        } = slots
-        else {
-            return;
-        };
-        let slab = rows * row_bytes;
-        if slabs.len() > *experts || slabs.iter().any(|s| s.len() != slab) {
-            self.note::<()>(Err(crate::error::GpuError::Invalid(format!(
-                "gather of {} experts into {experts} slots of {slab} bytes",
-                slabs.len()
-            ))));
-            return;
+        if let Some(dst) = self.slots_for(slots, slabs) {
+            self.note(self.gpu.gather_after(dst, slabs, self.stream));
         }
-        self.interrupt();
-        if !self.failed() {
-            self.note(self.gpu.gather_after(buf.ptr(), slabs, self.stream));
+    }
+
+    fn prefetch_experts(&self, slots: &GpuWeight, slabs: &[&[u8]]) {
+        if let Some(dst) = self.slots_for(slots, slabs) {
+            self.note(self.gpu.prefetch_after(dst, slabs, self.stream));
+        }
+    }
+
+    fn await_experts(&self) {
+        // Nothing pending (decode steps): nothing to do, and a recorded step goes on.
+        if self.gpu.prefetch_pending() {
+            self.interrupt();
+            if !self.failed() {
+                self.note(self.gpu.prefetch_wait(self.stream));
+            }
         }
     }
 
