@@ -287,3 +287,29 @@ fn registered_ranges_are_whole_pages_of_the_hosts_size() {
         }
     }
 }
+
+/// A gather's or prefetch's sources become one copy per run of sources that follow each other
+/// in memory (a whole stack's experts in order: one copy a stack), in order, lengths kept;
+/// empty sources vanish.
+#[test]
+fn adjacent_sources_are_copied_as_one() {
+    let buf = vec![0u8; 4096];
+    let base = buf.as_ptr() as usize;
+    let r = [
+        &buf[0..100],
+        &buf[100..300],
+        &buf[300..300],
+        &buf[300..400],
+        &buf[1000..1100],
+        &buf[0..50],
+        &buf[50..60],
+    ];
+    let got: Vec<(usize, usize)> = ds4_gpu::gpu::runs(&r)
+        .into_iter()
+        .map(|(p, n)| (p as usize - base, n))
+        .collect();
+    assert_eq!(got, vec![(0, 400), (1000, 100), (0, 60)]);
+    let total: usize = r.iter().map(|s| s.len()).sum();
+    assert_eq!(got.iter().map(|g| g.1).sum::<usize>(), total);
+    assert!(ds4_gpu::gpu::runs(&[]).is_empty());
+}

@@ -61,12 +61,14 @@ pub struct ModelArgs {
     pub precision: String,
     /// Routed experts in host memory, for a GPU whose memory cannot hold the model (a 12-24 GB
     /// card with the q2 mix: every dense weight, ~8 GiB, stays on the GPU). `auto`: all on the
-    /// GPU when they fit, else those of as few of the last layers as let the rest fit (after
-    /// dropping the GPU's ~6 GiB of decode-layout copies of the Q8_0 matrices); `N`: the last N
-    /// layers'; `all`; `off`: refuse a model that does not fit. Every batch (decode step or
-    /// prompt) copies the experts it selects to the GPU by DMA from page-locked host memory
-    /// and runs them there (~1 ms a q2 layer a decode step on PCIe 5, the bus's speed for
-    /// prompts). `DS4_HOST_EXPERTS_DECODE=host` turns that off: batches under 32 tokens then
+    /// GPU when they fit, else those of as few layers as let the rest fit (after dropping the
+    /// GPU's ~6 GiB of decode-layout copies of the Q8_0 matrices), spread through the model;
+    /// `N`: N layers', spread, the last among them; `all`; `off`: refuse a model that does not
+    /// fit. The GPU holds one host layer's experts at a time (the plan counts it): decode
+    /// steps run the last host layer as resident and copy the 6 selected experts of each
+    /// other one by DMA from page-locked host memory (~1 ms a q2 layer on PCIe 5); prompts of
+    /// 128 tokens or more copy each host layer whole ahead of its use, beside the compute
+    /// (`DS4_HOST_LAYER_BUFFER=off`: no such layer; smaller prompts gather what they select). `DS4_HOST_EXPERTS_DECODE=host` turns that off: batches under 32 tokens then
     /// run those experts on the CPU's cores (~2-4 ms a decode step on 16 cores), larger ones
     /// upload the selected experts 32 at a time.
     #[arg(long, default_value = "auto", value_parser = parse_cpu_experts)]
