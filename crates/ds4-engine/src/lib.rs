@@ -1854,9 +1854,9 @@ mod tests {
     }
 
     /// The plans the README quotes, from the full-size tensor lists: the q4 mix on one H200
-    /// (139.5 GiB free) keeps the experts of its last 6 layers on the host, the q2 mix on a
-    /// 24 GB card (~22.5 GiB free) those of 37, on an 80 GB H100 (78.6 GiB free) those of 4
-    /// (bounds kept loose: GPU_RESERVE may be tuned), each without the decode-layout copies;
+    /// (139.5 GiB free) keeps the experts of 7 layers on the host, the q2 mix on a 24 GB card
+    /// (~22.5 GiB free) those of 38, on an 80 GB H100 (78.6 GiB free) those of 5, one of them
+    /// held in the layer buffer each time (bounds kept loose: GPU_RESERVE may be tuned), each without the decode-layout copies;
     /// the q2 mix on an H200 all on the GPU with them; and `ds4 devices`' line that says so.
     #[test]
     fn full_size_plans() {
