@@ -78,6 +78,24 @@ fn load_placed_with(
     Model::load_placed(b, hp, &mut src, rounding, Shard::ONE, Some(&placement)).unwrap()
 }
 
+/// `layers` in host memory on a backend with room for every expert slot, gathering (upload_min
+/// 1: were the gather not taken, batches would upload groups of 4), without rounding steps;
+/// `buffer`: with the layer buffer. Callers hold [`globals`].
+fn load_gathering(path: &Path, layers: &[usize], buffer: bool) -> CpuModel {
+    ds4_model::offload::set_layer_buffer(Some(buffer));
+    let m = load_placed_with(
+        path,
+        layers.to_vec(),
+        1,
+        4,
+        false,
+        Some(usize::MAX),
+        Rounding::NONE,
+    );
+    ds4_model::offload::set_layer_buffer(None);
+    m
+}
+
 fn tokens() -> Vec<u32> {
     (0..40u32).map(|i| (i * 97 + 13) % 512).collect()
 }
@@ -146,17 +164,7 @@ fn gathered_host_experts_match_the_plain_model() {
     // the gather not taken, every batch would upload groups (counted below).
     let layers = vec![0, n_layer - 2, n_layer - 1];
     // Every host layer gathered: no layer buffer (`layer_buffer_runs_host_layers_as_resident`).
-    ds4_model::offload::set_layer_buffer(Some(false));
-    let host = load_placed_with(
-        &path,
-        layers.clone(),
-        1,
-        4,
-        false,
-        Some(usize::MAX),
-        Rounding::NONE,
-    );
-    ds4_model::offload::set_layer_buffer(None);
+    let host = load_gathering(&path, &layers, false);
     assert!(host.gathers_host_experts());
     assert_eq!(host.buffered_host_layer(), None);
     assert_eq!(host.host_expert_layers(), layers);
@@ -230,17 +238,7 @@ fn layer_buffer_runs_host_layers_as_resident() {
     let n_layer = plain.hp.n_layer as usize;
     let layers = ds4_model::offload::spread(3, n_layer);
     let last = *layers.last().unwrap();
-    ds4_model::offload::set_layer_buffer(Some(true));
-    let host = load_placed_with(
-        &path,
-        layers.clone(),
-        1,
-        4,
-        false,
-        Some(usize::MAX),
-        Rounding::NONE,
-    );
-    ds4_model::offload::set_layer_buffer(None);
+    let host = load_gathering(&path, &layers, true);
     assert_eq!(host.host_expert_layers(), layers);
     assert_eq!(
         host.buffered_host_layer(),

@@ -90,6 +90,20 @@ fn gpu_engine_matches_cpu_reference() {
 /// page-locked stacks into device slots and run them there (counted). Greedy tokens and logits
 /// as the CPU reference's, within the one-GPU bound, both ways; page-locked stacks also make
 /// the prompt's grouped uploads direct copies.
+/// The logits after a prompt of `n` tokens (PROMPT repeated) and after each of `steps` greedy
+/// decode steps, in a fresh session.
+fn prompt_then_greedy(e: &Engine, n: usize, steps: usize) -> Vec<Vec<f32>> {
+    let prompt: Vec<u32> = PROMPT.iter().cycle().take(n).copied().collect();
+    let mut s = e.new_session((n + steps + 1).next_power_of_two().max(512));
+    s.sync(&prompt, &mut |_, _| {}).unwrap();
+    let mut out = vec![s.logits().unwrap().to_vec()];
+    for _ in 0..steps {
+        let t = argmax(out.last().unwrap());
+        out.push(s.eval(t).unwrap().to_vec());
+    }
+    out
+}
+
 #[test]
 fn gpu_host_experts_match_cpu_reference() {
     use std::sync::atomic::Ordering::Relaxed;
@@ -175,17 +189,7 @@ fn gpu_host_experts_match_cpu_reference() {
         // A 65-token prompt (over the upload bound): gathered like any batch, or (gather off)
         // the grouped upload path (staged: the stacks are not page-locked then); decode steps.
         let (g0, up0, direct0) = (gathers(), groups(), uploads());
-        let long: Vec<u32> = PROMPT.iter().cycle().take(65).copied().collect();
-        let run = |e: &Engine| {
-            let mut s = e.new_session(512);
-            s.sync(&long, &mut |_, _| {}).unwrap();
-            let mut out = vec![s.logits().unwrap().to_vec()];
-            for _ in 0..8 {
-                let t = argmax(out.last().unwrap());
-                out.push(s.eval(t).unwrap().to_vec());
-            }
-            out
-        };
+        let run = |e: &Engine| prompt_then_greedy(e, 65, 8);
         let worst = max_abs_rows(&run(&g), &run(&c));
         println!(
             "host experts, 65-token prompt + 8 steps, gather {gather}: max |Δ logit| {worst:.3e}"
@@ -211,17 +215,7 @@ fn gpu_host_experts_match_cpu_reference() {
         let aside = || ds4_gpu::PREFETCHES.load(Relaxed);
         let (g0, p0, a0) = (gathers(), prefetches(), aside());
         let n_big = ds4_model::offload::prefetch_min() + 22;
-        let big: Vec<u32> = PROMPT.iter().cycle().take(n_big).copied().collect();
-        let run = |e: &Engine| {
-            let mut s = e.new_session(1024);
-            s.sync(&big, &mut |_, _| {}).unwrap();
-            let mut out = vec![s.logits().unwrap().to_vec()];
-            for _ in 0..4 {
-                let t = argmax(out.last().unwrap());
-                out.push(s.eval(t).unwrap().to_vec());
-            }
-            out
-        };
+        let run = |e: &Engine| prompt_then_greedy(e, n_big, 4);
         let worst = max_abs_rows(&run(&g), &run(&c));
         println!(
             "host experts, {n_big}-token prompt (layer buffer) + 4 steps, gather {gather}: max \
