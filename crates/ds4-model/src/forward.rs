@@ -993,7 +993,7 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// The host layer whose experts the layer buffer holds now ([`LayerBuffer`]; tests).
+    /// The host layer whose experts the layer buffer holds now (`LayerBuffer`; tests).
     pub fn buffered_host_layer(&self) -> Option<usize> {
         let g = self.layer_buf.lock().unwrap_or_else(|e| e.into_inner());
         g.as_ref().map(|lb| lb.holds)

@@ -17,6 +17,12 @@
 //!   [`HostPlacement::group`] at a time (each group one stack slice, bound like an
 //!   expert-parallel rank's part) and run there, their sums added.
 //!
+//! Beside these, the schedule holds one host layer's whole stacks on the device (the layer
+//! buffer, `forward.rs` `LayerBuffer`): the last host layer between batches (run as resident),
+//! each host layer in turn, copied ahead of use, during prompt batches of [`prefetch_min`]
+//! tokens or more; host layers are [`spread`] through the model so that each copy has the
+//! layers before it to hide behind.
+//!
 //! Summation order: the host path sums the slots in selection order as every backend does; the
 //! grouped path and gathers of several rounds add the groups' (rounds') sums (f32 order
 //! changes, as between expert-parallel ranks).
