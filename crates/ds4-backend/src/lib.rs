@@ -303,6 +303,16 @@ pub trait Backend: Send + Sync + Sized {
     // ---- binding ----
     /// A matrix used by [`Backend::matmul`] / [`Backend::embed`] (any supported quant type).
     fn matrix(&self, src: &WeightSrc) -> Result<Self::Weight, String>;
+    /// A matrix that the backend reads in place from host memory instead of copying it: for a
+    /// table read a few rows a step (the embedding: 8 KiB a token of a 1 GiB table), so that a
+    /// model with routed experts in host memory leaves that device memory to experts. `src`'s
+    /// bytes must stay mapped while the backend lives. None where the backend does not do
+    /// this (the CPU reads every weight from host memory anyway); an error says why it could
+    /// not (the caller then binds it with [`Backend::matrix`]).
+    fn host_matrix(&self, _src: &WeightSrc) -> Option<Result<Self::Weight, String>> {
+        None
+    }
+
     /// Device room for `capacity` routed experts of type `ty`, `[cols, rows]` each (contents
     /// undefined), that [`Backend::gather_experts`] fills: decode steps of experts held in host
     /// memory upload the ones they select (ds4-model `offload.rs`). None where the backend

@@ -296,6 +296,13 @@ impl Backend for CpuBackend {
         Ok(CpuWeight::F32(Self::dequant_all(src)?))
     }
 
+    fn host_matrix(&self, src: &WeightSrc) -> Option<Result<CpuWeight, String>> {
+        // With expert slots, as a GPU (tests of the schedule's host table); the CPU reads
+        // every matrix in place anyway, so this is `matrix` under another name.
+        self.slot_room?;
+        Some(self.matrix(src))
+    }
+
     fn expert_slots(
         &self,
         ty: GgmlType,

@@ -113,6 +113,8 @@ fn host_experts_give_the_plain_models_bits_one_token_at_a_time_and_in_a_batch() 
     ds4_model::offload::set_gather(None);
     assert_eq!(host.host_expert_layers(), (0..n_layer).collect::<Vec<_>>());
     assert!(plain.host_expert_layers().is_empty());
+    // A backend that does not read tables in place (no expert slots) copies the embedding.
+    assert_eq!((host.host_table_bytes(), plain.host_table_bytes()), (0, 0));
     let (mut a, mut b) = (plain.new_state(), host.new_state());
     for &t in &tokens() {
         assert_eq!(
@@ -164,10 +166,23 @@ fn gathered_host_experts_match_the_plain_model() {
     // the gather not taken, every batch would upload groups (counted below).
     let layers = vec![0, n_layer - 2, n_layer - 1];
     // Every host layer gathered: no layer buffer (`layer_buffer_runs_host_layers_as_resident`).
+    let tables = || ds4_model::offload::HOST_TABLES.load(Relaxed);
+    let t0 = tables();
     let host = load_gathering(&path, &layers, false);
     assert!(host.gathers_host_experts());
     assert_eq!(host.buffered_host_layer(), None);
     assert_eq!(host.host_expert_layers(), layers);
+    // With host layers the embedding table is read in place (`offload::HOST_TABLE`), unless
+    // DS4_HOST_EMBED=off; the steps below hold it to the plain model's bits.
+    let embd = ds4_gguf::GgufFile::open(&path).unwrap();
+    let embd = embd.tensor(ds4_model::offload::HOST_TABLE).unwrap().n_bytes as usize;
+    assert_eq!((host.host_table_bytes(), tables() - t0), (embd, 1));
+    assert_eq!(plain.host_table_bytes(), 0);
+    ds4_model::offload::set_host_table(Some(false));
+    let copied = load_gathering(&path, &layers, false);
+    ds4_model::offload::set_host_table(None);
+    assert_eq!((copied.host_table_bytes(), tables() - t0), (0, 1));
+    drop(copied);
     let toks = tokens();
     for cap in [None, Some(n_used)] {
         set_gather_slots(cap);

@@ -139,6 +139,36 @@ impl CpuExperts {
     }
 }
 
+/// What a placement may move to host memory: each main layer's routed-expert bytes
+/// (`per_layer[i]`), the experts a layer has, and the bytes of the table that goes with them
+/// once any layer is on the host (`ds4_model::offload::HOST_TABLE`, read there in place; 0
+/// where `DS4_HOST_EMBED=off`).
+#[derive(Clone, Copy)]
+pub struct Movable<'a> {
+    pub per_layer: &'a [u64],
+    pub n_expert: usize,
+    pub table: u64,
+}
+
+impl Movable<'_> {
+    /// Weight bytes that leave the device with host layers `host`: their routed experts and
+    /// the table (none without host layers).
+    fn moved(&self, host: &[usize]) -> u64 {
+        match host.is_empty() {
+            true => 0,
+            false => host.iter().map(|&i| self.per_layer[i]).sum::<u64>() + self.table,
+        }
+    }
+}
+
+/// [`Movable::table`] of a model with these `(name, bytes)` tensors.
+fn host_table_bytes<'a>(mut tensors: impl Iterator<Item = (&'a str, u64)>) -> u64 {
+    match ds4_model::offload::host_table_wanted() {
+        true => (tensors.find(|t| t.0 == ds4_model::offload::HOST_TABLE)).map_or(0, |t| t.1),
+        false => 0,
+    }
+}
+
 /// Device bytes a prompt batch needs beside the weights when some experts are in host memory:
 /// one uploaded group of the largest layer's stacks ([`ds4_model::offload::GROUP`] experts).
 fn host_group_bytes(per_layer: &[u64], n_expert: usize) -> u64 {
@@ -149,15 +179,14 @@ fn host_group_bytes(per_layer: &[u64], n_expert: usize) -> u64 {
 /// The layers whose routed experts stay in host memory (ascending): per `choice`, and for
 /// `Auto` the fewest layers (spread through the model: [`ds4_model::offload::spread`]) that
 /// let the other weights fit `free` bytes with the reserve ([`gpu_fit_error`]), beside one
-/// uploaded group and the layer buffer ([`host_extra_bytes`]). `per_layer[i]`: layer i's
-/// routed-expert bytes; `weights`: all bytes.
+/// uploaded group and the layer buffer ([`host_extra_bytes`]); `weights`: all bytes.
 pub fn host_expert_layers(
     choice: CpuExperts,
-    per_layer: &[u64],
-    n_expert: usize,
+    m: &Movable,
     weights: u64,
     free: Option<u64>,
 ) -> Vec<usize> {
+    let (per_layer, n_expert) = (m.per_layer, m.n_expert);
     let n = per_layer.len();
     let spread = |k: usize| ds4_model::offload::spread(k, n);
     match choice {
@@ -172,9 +201,8 @@ pub fn host_expert_layers(
             }
             for k in 1..=n {
                 let host = spread(k);
-                let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
                 let extra = host_extra_bytes(per_layer, n_expert, &host);
-                let on_gpu = weights.saturating_sub(on_host).saturating_add(extra);
+                let on_gpu = weights.saturating_sub(m.moved(&host)).saturating_add(extra);
                 if on_gpu.saturating_add(GPU_RESERVE) <= free {
                     return host;
                 }
@@ -211,19 +239,13 @@ fn out_of_memory_hint(e: String) -> String {
     )
 }
 
-/// A placement's bytes: (routed experts in host memory, what the GPU holds: the other weights,
-/// what host layers add ([`host_extra_bytes`]), and the layout copies if `keep`).
-fn placed_bytes(
-    per_layer: &[u64],
-    n_expert: usize,
-    own: u64,
-    copies: u64,
-    host: &[usize],
-    keep: bool,
-) -> (u64, u64) {
-    let on_host: u64 = host.iter().map(|&i| per_layer[i]).sum();
-    let extra = host_extra_bytes(per_layer, n_expert, host);
-    let dev = own.saturating_sub(on_host) + extra + if keep { copies } else { 0 };
+/// A placement's bytes: (routed experts in host memory, what the GPU holds: the other weights
+/// (all but those experts and, with them, the table: [`Movable::moved`]), what host layers
+/// add ([`host_extra_bytes`]), and the layout copies if `keep`).
+fn placed_bytes(m: &Movable, own: u64, copies: u64, host: &[usize], keep: bool) -> (u64, u64) {
+    let on_host: u64 = host.iter().map(|&i| m.per_layer[i]).sum();
+    let extra = host_extra_bytes(m.per_layer, m.n_expert, host);
+    let dev = own.saturating_sub(m.moved(host)) + extra + if keep { copies } else { 0 };
     (on_host, dev)
 }
 
@@ -236,24 +258,20 @@ fn placed_bytes(
 /// choice they are made when they fit. `own`: the weights' own bytes (all of them).
 fn place_weights(
     choice: CpuExperts,
-    per_layer: &[u64],
-    n_expert: usize,
+    m: &Movable,
     own: u64,
     copies: u64,
     free: Option<u64>,
 ) -> (Vec<usize>, bool) {
     let Some(free) = free else {
-        return (
-            host_expert_layers(choice, per_layer, n_expert, own, None),
-            true,
-        );
+        return (host_expert_layers(choice, m, own, None), true);
     };
     let fits = |host: &[usize], with: bool| {
-        let dev = placed_bytes(per_layer, n_expert, own, copies, host, with).1;
+        let dev = placed_bytes(m, own, copies, host, with).1;
         dev.saturating_add(GPU_RESERVE) <= free
     };
-    let with = host_expert_layers(choice, per_layer, n_expert, own + copies, Some(free));
-    let without = host_expert_layers(choice, per_layer, n_expert, own, Some(free));
+    let with = host_expert_layers(choice, m, own + copies, Some(free));
+    let without = host_expert_layers(choice, m, own, Some(free));
     // The copies stay only where they cost no layer of experts more in host memory.
     if with.len() <= without.len() && fits(&with, true) {
         return (with, true);
@@ -549,17 +567,28 @@ fn full_size_line() -> String {
 /// (layers whose routed experts go to host memory, their bytes, whether the rest then fits,
 /// whether the GPU keeps its decode-layout copies).
 fn full_size_plan(mix: ds4_model::tensors::Mix, free: u64) -> (usize, u64, bool, bool) {
+    full_size_plan_table(mix, free, ds4_model::offload::host_table_wanted())
+}
+
+/// [`full_size_plan`] with the embedding table moving with host layers or not (`table`).
+fn full_size_plan_table(
+    mix: ds4_model::tensors::Mix,
+    free: u64,
+    table: bool,
+) -> (usize, u64, bool, bool) {
     let hp = HParams::flash();
     let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
     let own: u64 = sizes.iter().map(|t| t.2).sum();
     let copies = gpu_layout_bytes(sizes.iter().map(|(t, ty, _)| (*ty, &t.dims[..])));
-    let n_expert = hp.n_expert as usize;
-    let per = expert_bytes_per_layer(
-        hp.n_layer as usize,
-        sizes.iter().map(|(t, _, b)| (t.name.as_str(), *b)),
-    );
-    let (host, keep) = place_weights(CpuExperts::Auto, &per, n_expert, own, copies, Some(free));
-    let (on_host, dev) = placed_bytes(&per, n_expert, own, copies, &host, keep);
+    let named = || sizes.iter().map(|(t, _, b)| (t.name.as_str(), *b));
+    let per = expert_bytes_per_layer(hp.n_layer as usize, named());
+    let m = Movable {
+        per_layer: &per,
+        n_expert: hp.n_expert as usize,
+        table: if table { host_table_bytes(named()) } else { 0 },
+    };
+    let (host, keep) = place_weights(CpuExperts::Auto, &m, own, copies, Some(free));
+    let (on_host, dev) = placed_bytes(&m, own, copies, &host, keep);
     let fits = gpu_fit_error(dev, free, free, "").is_none();
     (host.len(), on_host, fits, keep)
 }
@@ -712,20 +741,14 @@ fn gpu_backend_placed(
     hp: &HParams,
     weights: u64,
     copies: u64,
-    per_layer: &[u64],
+    movable: &Movable,
     opts: &EngineOptions,
 ) -> Result<(ds4_gpu::GpuBackend, String, Vec<usize>, u64), EngineError> {
     let mem = pick.gpu.mem_info().ok();
-    let n_expert = hp.n_expert as usize;
-    let (host, keep) = place_weights(
-        opts.cpu_experts,
-        per_layer,
-        n_expert,
-        weights,
-        copies,
-        mem.map(|m| m.0),
-    );
-    let (on_host, dev_weights) = placed_bytes(per_layer, n_expert, weights, copies, &host, keep);
+    let free = mem.map(|m| m.0);
+    let (host, keep) = place_weights(opts.cpu_experts, movable, weights, copies, free);
+    let (on_host, dev_weights) = placed_bytes(movable, weights, copies, &host, keep);
+    let per_layer = movable.per_layer;
     if let (false, Some((free, total))) = (host.is_empty(), mem) {
         let dev = format!("GPU {} ({})", pick.gpu.info().index, pick.gpu.info().name);
         let what = (host.len(), per_layer.len(), on_host);
@@ -762,6 +785,18 @@ fn host_experts_line(n_host: usize, n_layer: usize, bytes: u64, precision: Preci
          activations on the CPU; --cpu-experts)",
         gib(bytes)
     )
+}
+
+/// The backend line once the model is loaded, where the model reads its embedding table from
+/// host memory in place (`bytes` > 0: `ds4_model::offload::HOST_TABLE`).
+fn with_table_note(line: String, bytes: usize) -> String {
+    match bytes {
+        0 => line,
+        b => format!(
+            "{line}; embedding table in host memory ({:.1} GiB, its rows read over the bus)",
+            gib(b as u64)
+        ),
+    }
 }
 
 /// The backend line once the model is loaded (the plan's line is written before the stacks
@@ -1109,16 +1144,21 @@ impl Engine {
                 let tensors = || files.iter().flat_map(|(f, _)| f.tensors());
                 let weights = tensors().map(|t| t.n_bytes).sum::<u64>();
                 let copies = gpu_layout_bytes(tensors().map(|t| (t.ty, &t.dims[..])));
-                let per_layer = expert_bytes_per_layer(
-                    hp.n_layer as usize,
+                let named = || {
                     files[0]
                         .0
                         .tensors()
                         .iter()
-                        .map(|t| (t.name.as_str(), t.n_bytes)),
-                );
+                        .map(|t| (t.name.as_str(), t.n_bytes))
+                };
+                let per_layer = expert_bytes_per_layer(hp.n_layer as usize, named());
+                let movable = Movable {
+                    per_layer: &per_layer,
+                    n_expert: hp.n_expert as usize,
+                    table: host_table_bytes(named()),
+                };
                 let (b, mut line, host, on_host) =
-                    gpu_backend_placed(pick, &hp, weights, copies, &per_layer, opts)?;
+                    gpu_backend_placed(pick, &hp, weights, copies, &movable, opts)?;
                 let note = meminfo("MemTotal").and_then(|r| host_cache_note(on_host, r));
                 if let Some(note) = &note {
                     line += note;
@@ -1144,6 +1184,7 @@ impl Engine {
                 let wb = (m.backend.weight_bytes(), m.backend.layout_bytes());
                 let line =
                     with_gather_note(line, m.gathers_host_experts(), m.buffered_host_layer());
+                let line = with_table_note(line, m.host_table_bytes());
                 (Arc::new(m), line, Some(wb))
             }
             None => {
@@ -1246,16 +1287,19 @@ impl Engine {
         };
         let name = pick.name;
         let sizes = ds4_model::tensors::mix_sizes(&hp, mix);
-        let per_layer = expert_bytes_per_layer(
-            hp.n_layer as usize,
-            sizes.iter().map(|(t, _, b)| (t.name.as_str(), *b)),
-        );
+        let named = || sizes.iter().map(|(t, _, b)| (t.name.as_str(), *b));
+        let per_layer = expert_bytes_per_layer(hp.n_layer as usize, named());
+        let movable = Movable {
+            per_layer: &per_layer,
+            n_expert: hp.n_expert as usize,
+            table: host_table_bytes(named()),
+        };
         let mut src = SynthSource::new(&hp, mix, seed, progress);
         let weights = src.total_bytes() as u64;
         let copies = gpu_layout_bytes(sizes.iter().map(|(t, ty, _)| (*ty, &t.dims[..])));
         // Host-memory stacks are generated on the device, then copied out and freed there.
         let (b, line, host, on_host) =
-            gpu_backend_placed(pick, &hp, weights, copies, &per_layer, opts)?;
+            gpu_backend_placed(pick, &hp, weights, copies, &movable, opts)?;
         if let Some(e) = mem_available().and_then(|a| host_memory_error(host.len(), on_host, a)) {
             return Err(EngineError::Backend(name.into(), e));
         }
@@ -1269,11 +1313,13 @@ impl Engine {
         m.backend
             .finish()
             .map_err(|e| EngineError::Backend(name.into(), e))?;
+        // The host table was generated there too (counted, then freed).
         let wb = (
-            m.backend.weight_bytes().saturating_sub(on_host),
+            (m.backend.weight_bytes()).saturating_sub(on_host + m.host_table_bytes() as u64),
             m.backend.layout_bytes(),
         );
         let line = with_gather_note(line, m.gathers_host_experts(), m.buffered_host_layer());
+        let line = with_table_note(line, m.host_table_bytes());
         Ok(Engine {
             model: Arc::new(m),
             tokenizer: Arc::new(tokenizer),
@@ -1854,8 +1900,8 @@ mod tests {
     }
 
     /// The plans the README quotes, from the full-size tensor lists: the q4 mix on one H200
-    /// (139.5 GiB free) keeps the experts of 7 layers on the host, the q2 mix on a 24 GB card
-    /// (~22.5 GiB free) those of 38, on an 80 GB H100 (78.6 GiB free) those of 5, one of them
+    /// (139.5 GiB free) keeps the experts of 6 layers on the host, the q2 mix on a 24 GB card
+    /// (~22.5 GiB free) those of 37, on an 80 GB H100 (78.6 GiB free) those of 4, one of them
     /// held in the layer buffer each time (bounds kept loose: GPU_RESERVE may be tuned), each without the decode-layout copies;
     /// the q2 mix on an H200 all on the GPU with them; and `ds4 devices`' line that says so.
     #[test]
@@ -1873,6 +1919,18 @@ mod tests {
         // memory at load; without the copies 80.8 GiB still need a few layers on the host.
         let (h100, _, fits, keep) = full_size_plan(Mix::Q2, 78 * gib + 6 * gib / 10);
         assert!((2..=5).contains(&h100) && fits && !keep, "{h100}");
+        // The embedding table read from host memory (1 GiB) saves a layer of experts on the
+        // H100 (q2) and the H200 (q4): 4 and 6 against 5 and 7 (DS4_HOST_EMBED=off).
+        if ds4_model::offload::host_table_wanted() {
+            for (mix, free, k) in [
+                (Mix::Q2, 78 * gib + 6 * gib / 10, h100),
+                (Mix::Q4, 139 * gib + gib / 2, q4),
+            ] {
+                let off = full_size_plan_table(mix, free, false);
+                assert_eq!(off.0, k + 1, "{mix:?}");
+                assert!(off.2);
+            }
+        }
         assert_eq!(full_size_plan(Mix::Q2, 139 * gib), (0, 0, true, true));
         assert!(
             !full_size_plan(Mix::Q2, 6 * gib).2,
@@ -1922,7 +1980,12 @@ mod tests {
         // dense weights: 10 GiB own bytes; 1 GiB of copies; r: the reserve.
         let r = GPU_RESERVE;
         let per = [2 * gib; 4];
-        let place = |c, free| place_weights(c, &per, 8, 10 * gib, gib, Some(free));
+        let m = Movable {
+            per_layer: &per,
+            n_expert: 8,
+            table: 0,
+        };
+        let place = |c, free| place_weights(c, &m, 10 * gib, gib, Some(free));
         assert_eq!(place(CpuExperts::Auto, 11 * gib + r), (vec![], true));
         assert_eq!(place(CpuExperts::Auto, 11 * gib + r - 1), (vec![], false));
         assert_eq!(place(CpuExperts::Auto, 10 * gib + r), (vec![], false));
@@ -1937,7 +2000,7 @@ mod tests {
         assert_eq!(place(CpuExperts::Off, 10 * gib + r), (vec![], false));
         // No memory figure (a device that does not say): as asked, with copies.
         assert_eq!(
-            place_weights(CpuExperts::Auto, &per, 8, 10 * gib, gib, None),
+            place_weights(CpuExperts::Auto, &m, 10 * gib, gib, None),
             (vec![], true)
         );
     }
@@ -1949,7 +2012,12 @@ mod tests {
         // 2 GiB of dense weights: 10 GiB.
         let per = [2 * gib; 4];
         let w = 10 * gib;
-        let plan = |c, free| host_expert_layers(c, &per, 8, w, free);
+        let m = Movable {
+            per_layer: &per,
+            n_expert: 8,
+            table: 0,
+        };
+        let plan = |c, free| host_expert_layers(c, &m, w, free);
         assert_eq!(
             plan(CpuExperts::Auto, Some(w + GPU_RESERVE)),
             Vec::<usize>::new()
@@ -1964,6 +2032,22 @@ mod tests {
             vec![0, 1, 2, 3]
         );
         assert_eq!(plan(CpuExperts::Layers(2), None), vec![1, 3]);
+        // A table of 1 GiB leaves with the first host layer (part of the 10 GiB): 7 GiB + r
+        // free take 3 layers (10 - 1 + 4 - 6 = 7), not 4; with room for all it stays.
+        let mt = Movable { table: gib, ..m };
+        assert_eq!(
+            host_expert_layers(CpuExperts::Auto, &mt, w, Some(7 * gib + r)),
+            vec![0, 1, 3]
+        );
+        assert_eq!(plan(CpuExperts::Auto, Some(7 * gib + r)), vec![0, 1, 2, 3]);
+        assert!(host_expert_layers(CpuExperts::Auto, &mt, w, Some(w + r)).is_empty());
+        assert_eq!(mt.moved(&[]), 0);
+        assert_eq!(mt.moved(&[1, 3]), 5 * gib);
+        assert_eq!(
+            placed_bytes(&mt, w, gib, &[1, 3], false),
+            (4 * gib, 9 * gib)
+        );
+        assert_eq!(placed_bytes(&mt, w, gib, &[], true), (0, 11 * gib));
         // 2 GiB + r free: dense 2 + group 2 + buffer 2 = 6 > 2 even with every layer on the
         // host: all of them (the fit check then refuses with the numbers).
         assert_eq!(plan(CpuExperts::Auto, Some(2 * gib + r)), vec![0, 1, 2, 3]);

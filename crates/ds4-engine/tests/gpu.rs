@@ -146,6 +146,13 @@ fn gpu_host_experts_match_cpu_reference() {
             "{}",
             g.backend_name()
         );
+        // The embedding table is read from host memory in place (mapped into the device's
+        // address space: `Backend::host_matrix`); the comparisons below cover its rows.
+        assert!(
+            g.backend_name().contains("embedding table in host memory"),
+            "{}",
+            g.backend_name()
+        );
         let per_batch = 5;
         // The 13-token prompt and the decode steps: gathered (the
         // tiny model's 16 experts fit the 24 slots: one round a batch), or on the host.

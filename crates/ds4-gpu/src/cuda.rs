@@ -54,6 +54,7 @@ struct Api {
     cuMemFreeHost: unsafe extern "C" fn(Ptr) -> R,
     cuMemHostRegister: unsafe extern "C" fn(Ptr, usize, c_uint) -> R,
     cuMemHostUnregister: unsafe extern "C" fn(Ptr) -> R,
+    cuMemHostGetDevicePointer: unsafe extern "C" fn(*mut u64, Ptr, c_uint) -> R,
     cuMemcpyHtoDAsync: unsafe extern "C" fn(u64, *const c_void, usize, Ptr) -> R,
     cuMemcpyDtoHAsync: unsafe extern "C" fn(*mut c_void, u64, usize, Ptr) -> R,
     cuMemcpyDtoDAsync: unsafe extern "C" fn(u64, u64, usize, Ptr) -> R,
@@ -197,9 +198,11 @@ const ATTR_MAX_SHARED_PER_BLOCK_OPTIN: c_int = 97;
 const CUDA_ERROR_NOT_FOUND: c_int = 500;
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
 const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
-/// cuMemHostRegister flags: every context may use it; the device only reads it (what a
-/// read-only file mapping needs).
+/// cuMemHostRegister flags: every context may use it, mapped into the device's address space
+/// (kernels may read it over the bus); the device only reads it (what a read-only file mapping
+/// needs).
 const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
+const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 2;
 const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 8;
 const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 const CU_GRAPH_NODE_TYPE_KERNEL: c_int = 0;
@@ -260,6 +263,7 @@ impl Api {
                 cuMemFreeHost: lib.sym("cuMemFreeHost")?,
                 cuMemHostRegister: lib.sym("cuMemHostRegister_v2")?,
                 cuMemHostUnregister: lib.sym("cuMemHostUnregister")?,
+                cuMemHostGetDevicePointer: lib.sym("cuMemHostGetDevicePointer_v2")?,
                 cuMemcpyHtoDAsync: lib.sym("cuMemcpyHtoDAsync_v2")?,
                 cuMemcpyDtoHAsync: lib.sym("cuMemcpyDtoHAsync_v2")?,
                 cuMemcpyDtoDAsync: lib.sym("cuMemcpyDtoDAsync_v2")?,
@@ -836,20 +840,33 @@ impl Runtime for CudaRuntime {
     }
     unsafe fn host_register(&self, p: *const u8, bytes: usize) -> Result<()> {
         self.cur()?;
-        // Read-only first (a file's read-only mapping needs it); a device without read-only
+        // Mapped first (kernels may then read it: `host_device_ptr`), then unmapped (DMA only);
+        // read-only first (a file's read-only mapping needs it): a device without read-only
         // registration (CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) refuses the
         // flag, and writable memory registers without it.
-        let ro = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY;
-        call!(self, cuMemHostRegister(p as Ptr, bytes, ro)).or_else(|_| {
-            call!(
-                self,
-                cuMemHostRegister(p as Ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE)
-            )
-        })
+        let (pt, m, ro) = (
+            CU_MEMHOSTREGISTER_PORTABLE,
+            CU_MEMHOSTREGISTER_DEVICEMAP,
+            CU_MEMHOSTREGISTER_READ_ONLY,
+        );
+        let mut r = Ok(());
+        for flags in [pt | m | ro, pt | m, pt | ro, pt] {
+            r = call!(self, cuMemHostRegister(p as Ptr, bytes, flags));
+            if r.is_ok() {
+                break;
+            }
+        }
+        r
     }
     unsafe fn host_unregister(&self, p: *const u8) -> Result<()> {
         self.cur()?;
         call!(self, cuMemHostUnregister(p as Ptr))
+    }
+    unsafe fn host_device_ptr(&self, p: *const u8) -> Result<DevPtr> {
+        self.cur()?;
+        let mut d = 0u64;
+        call!(self, cuMemHostGetDevicePointer(&mut d, p as Ptr, 0))?;
+        Ok(DevPtr(d))
     }
     unsafe fn copy_h2d_async(
         &self,

@@ -52,6 +52,8 @@ pub struct DeviceBuffer {
     rt: Arc<dyn Runtime>,
     ptr: DevPtr,
     bytes: usize,
+    /// Device memory this buffer frees at drop (false: [`DeviceBuffer::borrowed`]).
+    owned: bool,
 }
 
 impl DeviceBuffer {
@@ -70,13 +72,26 @@ impl DeviceBuffer {
             rt: gpu.rt.clone(),
             ptr: DevPtr(0),
             bytes: 0,
+            owned: true,
+        }
+    }
+
+    /// `bytes` at device address `ptr` that this buffer does not own (nothing freed at drop):
+    /// host memory mapped into the device's address space ([`Gpu::mapped_ptr`]), which the
+    /// Gpu unregisters when it is dropped.
+    pub fn borrowed(gpu: &Gpu, ptr: DevPtr, bytes: usize) -> DeviceBuffer {
+        DeviceBuffer {
+            rt: gpu.rt.clone(),
+            ptr,
+            bytes,
+            owned: false,
         }
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.ptr.0 != 0 {
+        if self.ptr.0 != 0 && self.owned {
             let _ = self.rt.free(self.ptr);
         }
     }
@@ -169,6 +184,10 @@ pub struct Gpu {
     /// Host ranges page-locked by [`Gpu::register_host`] (start, end; page-aligned, disjoint),
     /// unregistered when the Gpu is dropped.
     registered: Mutex<Vec<(usize, usize)>>,
+    /// The device's address of each registered range's start where the driver mapped it
+    /// (`Runtime::host_device_ptr`): kernels may read those ranges over the bus
+    /// ([`Gpu::mapped_ptr`]).
+    mapped: Mutex<FastMap<usize, u64>>,
     /// [`Gpu::prefetch_after`]'s copy stream and events, made at its first use.
     aside: Mutex<Option<Aside>>,
 }
@@ -318,6 +337,7 @@ impl Gpu {
             cache: cache_dir(),
             origins: Mutex::new(Vec::new()),
             registered: Mutex::new(Vec::new()),
+            mapped: Mutex::new(FastMap::default()),
             aside: Mutex::new(None),
         }
     }
@@ -339,14 +359,28 @@ impl Gpu {
                 // All or nothing: this call's ranges are released again (pinned memory that
                 // no copy would use).
                 for (x, _) in reg.drain(had..) {
+                    self.mapped.lock().unwrap().remove(&x);
                     let _ = unsafe { self.rt.host_unregister(x as *const u8) };
                 }
                 return Err(e);
             }
             reg.push((a, b));
+            if let Ok(d) = unsafe { self.rt.host_device_ptr(a as *const u8) } {
+                self.mapped.lock().unwrap().insert(a, d.0);
+            }
             bytes += b - a;
         }
         Ok(bytes)
+    }
+
+    /// The device's address of `s` where it lies inside one registered range that the driver
+    /// mapped (kernels may read it over the bus), else None.
+    pub fn mapped_ptr(&self, s: &[u8]) -> Option<DevPtr> {
+        let (a, b) = (s.as_ptr() as usize, s.as_ptr() as usize + s.len());
+        let reg = self.registered.lock().unwrap();
+        let &(x, _) = reg.iter().find(|&&(x, y)| x <= a && b <= y)?;
+        let base = *self.mapped.lock().unwrap().get(&x)?;
+        Some(DevPtr(base + (a - x) as u64))
     }
 
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
@@ -511,6 +545,7 @@ impl Gpu {
             rt: self.rt.clone(),
             ptr,
             bytes,
+            owned: true,
         })
     }
 

@@ -52,6 +52,7 @@ struct Api {
     hipHostFree: unsafe extern "C" fn(Ptr) -> R,
     hipHostRegister: unsafe extern "C" fn(Ptr, usize, c_uint) -> R,
     hipHostUnregister: unsafe extern "C" fn(Ptr) -> R,
+    hipHostGetDevicePointer: unsafe extern "C" fn(*mut u64, Ptr, c_uint) -> R,
     hipMemcpyHtoDAsync: unsafe extern "C" fn(Ptr, Ptr, usize, Ptr) -> R,
     hipMemcpyDtoHAsync: unsafe extern "C" fn(Ptr, Ptr, usize, Ptr) -> R,
     hipMemcpyDtoDAsync: unsafe extern "C" fn(Ptr, Ptr, usize, Ptr) -> R,
@@ -125,8 +126,9 @@ const ATTR_WARP_SIZE: c_int = 87;
 const HIP_ERROR_NOT_FOUND: c_int = 500;
 const HIP_STREAM_NON_BLOCKING: c_uint = 1;
 const HIP_HOST_MALLOC_PORTABLE: c_uint = 1;
-/// hipHostRegister flags: portable, read-only for the device (as CUDA's).
+/// hipHostRegister flags: portable, mapped, read-only for the device (as CUDA's).
 const HIP_HOST_REGISTER_PORTABLE: c_uint = 1;
+const HIP_HOST_REGISTER_MAPPED: c_uint = 2;
 const HIP_HOST_REGISTER_READ_ONLY: c_uint = 8;
 const HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 const HIP_GRAPH_NODE_TYPE_KERNEL: c_int = 0;
@@ -171,6 +173,7 @@ impl Api {
                 hipHostFree: lib.sym("hipHostFree")?,
                 hipHostRegister: lib.sym("hipHostRegister")?,
                 hipHostUnregister: lib.sym("hipHostUnregister")?,
+                hipHostGetDevicePointer: lib.sym("hipHostGetDevicePointer")?,
                 hipMemcpyHtoDAsync: lib.sym("hipMemcpyHtoDAsync")?,
                 hipMemcpyDtoHAsync: lib.sym("hipMemcpyDtoHAsync")?,
                 hipMemcpyDtoDAsync: lib.sym("hipMemcpyDtoDAsync")?,
@@ -588,18 +591,30 @@ impl Runtime for HipRuntime {
     }
     unsafe fn host_register(&self, p: *const u8, bytes: usize) -> Result<()> {
         self.cur()?;
-        // Read-only first (as CUDA's), then plain for a runtime that refuses the flag.
-        let ro = HIP_HOST_REGISTER_PORTABLE | HIP_HOST_REGISTER_READ_ONLY;
-        call!(self, hipHostRegister(p as Ptr, bytes, ro)).or_else(|_| {
-            call!(
-                self,
-                hipHostRegister(p as Ptr, bytes, HIP_HOST_REGISTER_PORTABLE)
-            )
-        })
+        // As CUDA's: mapped and read-only first, then without what the runtime refuses.
+        let (pt, m, ro) = (
+            HIP_HOST_REGISTER_PORTABLE,
+            HIP_HOST_REGISTER_MAPPED,
+            HIP_HOST_REGISTER_READ_ONLY,
+        );
+        let mut r = Ok(());
+        for flags in [pt | m | ro, pt | m, pt | ro, pt] {
+            r = call!(self, hipHostRegister(p as Ptr, bytes, flags));
+            if r.is_ok() {
+                break;
+            }
+        }
+        r
     }
     unsafe fn host_unregister(&self, p: *const u8) -> Result<()> {
         self.cur()?;
         call!(self, hipHostUnregister(p as Ptr))
+    }
+    unsafe fn host_device_ptr(&self, p: *const u8) -> Result<DevPtr> {
+        self.cur()?;
+        let mut d = 0u64;
+        call!(self, hipHostGetDevicePointer(&mut d, p as Ptr, 0))?;
+        Ok(DevPtr(d))
     }
     unsafe fn copy_h2d_async(
         &self,

@@ -299,6 +299,12 @@ pub trait Runtime: Send + Sync {
     /// # Safety
     /// `p` must be the start of a range registered by [`Runtime::host_register`].
     unsafe fn host_unregister(&self, p: *const u8) -> Result<()>;
+    /// The device's address of registered host memory at `p` (registered mapped: kernels may
+    /// read it over the bus), or an error where the driver cannot map it.
+    ///
+    /// # Safety
+    /// `p` must lie in a range registered by [`Runtime::host_register`].
+    unsafe fn host_device_ptr(&self, p: *const u8) -> Result<DevPtr>;
     /// Queue a copy of `bytes` bytes from host `src` to `dst`.
     ///
     /// # Safety

@@ -112,6 +112,10 @@ pub struct Model<B: Backend> {
     pub backend: B,
     /// Which routed experts this model holds (expert parallelism; `Shard::ONE`: all).
     pub shard: Shard,
+    /// The host memory `embd` is read from where the backend reads it in place
+    /// (`Backend::host_matrix`; None: `embd` is the backend's copy). Declared after `backend`:
+    /// dropped after the GPU unlocks its pages.
+    embd_host: Option<HostStack>,
     embd: B::Weight,
     out_hc: Hc<B::Weight>,
     out_norm: B::Weight,
@@ -242,6 +246,14 @@ pub trait WeightSource<B: Backend> {
     /// The expert stack `name` in host memory (`offload.rs`), for layers that keep their
     /// routed experts there.
     fn host_stack(&mut self, _b: &B, name: &str) -> Result<HostStack, String> {
+        Err(format!(
+            "tensor {name}: this weight source cannot keep tensors in host memory"
+        ))
+    }
+    /// The matrix `name` (GGUF dims `[cols, rows]`) in host memory, as a one-expert
+    /// [`HostStack`] (dims `[cols, rows, 1]`): a table the backend reads in place
+    /// ([`offload::HOST_TABLE`]).
+    fn host_matrix(&mut self, _b: &B, name: &str) -> Result<HostStack, String> {
         Err(format!(
             "tensor {name}: this weight source cannot keep tensors in host memory"
         ))
@@ -481,6 +493,57 @@ impl<B: Backend> WeightSource<B> for FileSource<'_> {
         self.loaded += w.n_bytes as usize; // mapped, not copied: done
         (self.progress)(self.loaded, self.total);
         Ok(s)
+    }
+    fn host_matrix(&mut self, _b: &B, name: &str) -> Result<HostStack, String> {
+        let (file, w) = self.bound(name)?;
+        let [c, r] = w.dims[..] else {
+            return Err(format!("tensor {name}: dims {:?}: not a matrix", w.dims));
+        };
+        let s = HostStack {
+            name: name.to_string(),
+            file: file.clone(),
+            ty: w.ty,
+            dims: [c, r, 1],
+            offset: w.offset as usize,
+            n_bytes: w.n_bytes as usize,
+        };
+        self.loaded += s.n_bytes;
+        (self.progress)(self.loaded, self.total);
+        Ok(s)
+    }
+}
+
+/// The matrix `name` in host memory, read there in place by the backend
+/// (`Backend::host_matrix`), with that memory; where the backend does not (the CPU) or
+/// cannot (it says why, once), the backend's own copy of it and None.
+fn host_table<B: Backend>(
+    b: &B,
+    src: &mut dyn WeightSource<B>,
+    name: &str,
+) -> Result<(B::Weight, Option<HostStack>), String> {
+    let st = src.host_matrix(b, name)?;
+    let dims = [st.dims[0], st.dims[1]];
+    let ws = WeightSrc {
+        name,
+        file: &st.file,
+        ty: st.ty,
+        dims: &dims,
+        offset: st.offset,
+        n_bytes: st.n_bytes,
+    };
+    let copy = |why: Option<String>| {
+        if let Some(why) = why {
+            eprintln!("ds4: {name} copied to the device: {why}");
+        }
+        b.matrix(&ws).map_err(|e| format!("tensor {name}: {e}"))
+    };
+    match b.host_matrix(&ws) {
+        Some(Ok(w)) => {
+            offload::HOST_TABLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok((w, Some(st.clone())))
+        }
+        Some(Err(e)) => Ok((copy(Some(e))?, None)),
+        None => Ok((copy(None)?, None)),
     }
 }
 
@@ -967,7 +1030,13 @@ impl<B: Backend> Model<B> {
         };
         let host_gather = lock_host_experts(&backend, &layers, host);
         let layer_buf = std::sync::Mutex::new(layer_buffer(&backend, &layers));
-        let embd = b.m("token_embd.weight")?;
+        // With host layers the embedding table stays in host memory too, read in place
+        // (`offload::HOST_TABLE`); elsewhere, or where the backend cannot, it is copied.
+        let (embd, embd_host) =
+            match host.is_some_and(|h| !h.layers.is_empty()) && offload::host_table_wanted() {
+                true => host_table(&backend, &mut *b.src, offload::HOST_TABLE)?,
+                false => (b.m(offload::HOST_TABLE)?, None),
+            };
         let out_hc = Hc {
             mixer: b.m("output_hc_fn.weight")?,
             scale: b.v("output_hc_scale.weight")?,
@@ -980,6 +1049,7 @@ impl<B: Backend> Model<B> {
             rounding,
             backend,
             shard,
+            embd_host,
             embd,
             out_hc,
             out_norm,
@@ -991,6 +1061,12 @@ impl<B: Backend> Model<B> {
             slots: std::sync::Mutex::new(None),
             layer_buf,
         })
+    }
+
+    /// Bytes of the embedding table read from host memory in place (`offload::HOST_TABLE`;
+    /// 0: the backend holds its own copy).
+    pub fn host_table_bytes(&self) -> usize {
+        self.embd_host.as_ref().map_or(0, |t| t.n_bytes)
     }
 
     /// The host layer whose experts the layer buffer holds now (`LayerBuffer`; tests).

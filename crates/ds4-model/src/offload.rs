@@ -419,6 +419,39 @@ pub fn layer_buffer_bytes(host_layer_bytes: impl Iterator<Item = u64>) -> u64 {
     }
 }
 
+/// The tensor that a model with host layers reads from host memory in place (the GPU maps
+/// it: `Backend::host_matrix`): the embedding table, 1 GiB of F16 of which a token reads one
+/// 8 KiB row, so that the device memory goes to routed experts (on an 80 GB H100 the q2 mix
+/// then keeps one layer fewer on the host; so does the q4 mix on an H200).
+pub const HOST_TABLE: &str = "token_embd.weight";
+
+/// [`set_host_table`]'s override: 0 none (the environment), 1 off, 2 on.
+static HOST_TABLE_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether models loaded now with host layers read [`HOST_TABLE`] from host memory: on unless
+/// `DS4_HOST_EMBED=off` (or [`set_host_table`]). The engine's memory plan leaves its bytes
+/// off the device where this holds and host layers exist.
+pub fn host_table_wanted() -> bool {
+    match HOST_TABLE_MODE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => !std::env::var("DS4_HOST_EMBED").is_ok_and(|v| v == "off" || v == "0"),
+    }
+}
+
+/// Overrides `DS4_HOST_EMBED` for models loaded from now on (None: the environment).
+pub fn set_host_table(on: Option<bool>) {
+    let v = match on {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    HOST_TABLE_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Tables bound in host memory, read in place by the backend (process-wide; tests).
+pub static HOST_TABLES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Fills of the layer buffer beside the compute (process-wide; tests).
 pub static LAYER_PREFETCHES: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(0);

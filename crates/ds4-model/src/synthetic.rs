@@ -180,6 +180,20 @@ impl<B: Backend> WeightSource<B> for SynthSource<'_> {
         let w = self.weight(b, name, WeightKind::Matrix)?;
         HostStack::in_memory(name, ty, [c, r, e], |out| b.read_weight(&w, out))
     }
+
+    fn host_matrix(&mut self, b: &B, name: &str) -> Result<HostStack, String> {
+        let (_, spec) = self
+            .specs
+            .get(name)
+            .ok_or_else(|| format!("synthetic model has no tensor {name}"))?;
+        let ty = spec.family.type_in(self.mix);
+        let [c, r] = spec.dims[..] else {
+            return Err(format!("tensor {name}: dims {:?}: not a matrix", spec.dims));
+        };
+        // Generated on the backend as any weight, copied out, freed there.
+        let w = self.weight(b, name, WeightKind::Matrix)?;
+        HostStack::in_memory(name, ty, [c, r, 1], |out| b.read_weight(&w, out))
+    }
 }
 
 impl SynthSource<'_> {

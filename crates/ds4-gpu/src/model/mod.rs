@@ -1601,6 +1601,33 @@ impl Backend for GpuBackend {
         })
     }
 
+    fn host_matrix(&self, src: &WeightSrc) -> Option<std::result::Result<GpuWeight, String>> {
+        let row_bytes = src.ty.row_bytes(src.cols() as u64)? as usize;
+        // Page-locked and mapped into the device's address space: kernels read its rows over
+        // the bus (no copy on the device). The Gpu unregisters it when dropped.
+        if let Err(e) = self.gpu.register_host(&[src.bytes()]) {
+            return Some(Err(format!("host memory not page-locked ({e})")));
+        }
+        let Some(ptr) = self.gpu.mapped_ptr(src.bytes()) else {
+            return Some(Err(
+                "the driver did not map page-locked host memory into the device's address space"
+                    .into(),
+            ));
+        };
+        Some(Ok(GpuWeight::Mat {
+            buf: DeviceBuffer::borrowed(&self.gpu, ptr, src.n_bytes),
+            ty: src.ty,
+            cols: src.cols(),
+            rows: src.rows(),
+            experts: src.dims.get(2).copied().unwrap_or(1) as usize,
+            row_bytes,
+            dec: None,
+            dec_il: false,
+            f16i: None,
+            bf: Default::default(),
+        }))
+    }
+
     fn expert_slots(
         &self,
         ty: GgmlType,
