@@ -21,7 +21,8 @@
 //! buffer, `forward.rs` `LayerBuffer`): the last host layer between batches (run as resident),
 //! each host layer in turn, copied ahead of use, during prompt batches of [`prefetch_min`]
 //! tokens or more; host layers are [`spread`] through the model so that each copy has the
-//! layers before it to hide behind.
+//! layers before it to hide behind. With any host layer the embedding table stays in host
+//! memory as well ([`HOST_TABLE`]: a token reads one row), read in place by the backend.
 //!
 //! Summation order: the host path sums the slots in selection order as every backend does; the
 //! grouped path and gathers of several rounds add the groups' (rounds') sums (f32 order

@@ -68,7 +68,10 @@ pub struct ModelArgs {
     /// steps run the last host layer as resident and copy the 6 selected experts of each
     /// other one by DMA from page-locked host memory (~1 ms a q2 layer on PCIe 5); prompts of
     /// 128 tokens or more copy each host layer whole ahead of its use, beside the compute
-    /// (`DS4_HOST_LAYER_BUFFER=off`: no such layer; smaller prompts gather what they select). `DS4_HOST_EXPERTS_DECODE=host` turns that off: batches under 32 tokens then
+    /// (`DS4_HOST_LAYER_BUFFER=off`: no such layer; smaller prompts gather what they select).
+    /// With any host layer the 1 GiB embedding table stays in host memory too, a row a token
+    /// read over the bus (`DS4_HOST_EMBED=off`: on the GPU).
+    /// `DS4_HOST_EXPERTS_DECODE=host` turns the copies off: batches under 32 tokens then
     /// run those experts on the CPU's cores (~2-4 ms a decode step on 16 cores), larger ones
     /// upload the selected experts 32 at a time.
     #[arg(long, default_value = "auto", value_parser = parse_cpu_experts)]
