@@ -387,28 +387,48 @@ pub fn prefetch_min() -> usize {
     })
 }
 
-/// [`set_layer_buffer`]'s override: 0 none (the environment), 1 off, 2 on.
-static LAYER_BUFFER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// A default-on switch: off where the environment variable `var` is `off` or `0`, unless
+/// [`Switch::set`] overrode it (tests, callers) for models loaded from then on.
+struct Switch {
+    var: &'static str,
+    /// 0: none (the environment), 1 off, 2 on.
+    over: std::sync::atomic::AtomicU8,
+}
+
+impl Switch {
+    const fn new(var: &'static str) -> Switch {
+        Switch {
+            var,
+            over: std::sync::atomic::AtomicU8::new(0),
+        }
+    }
+
+    fn on(&self) -> bool {
+        match self.over.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => false,
+            2 => true,
+            _ => !std::env::var(self.var).is_ok_and(|v| v == "off" || v == "0"),
+        }
+    }
+
+    fn set(&self, on: Option<bool>) {
+        let v = on.map_or(0, |on| if on { 2 } else { 1 });
+        self.over.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+static LAYER_BUFFER: Switch = Switch::new("DS4_HOST_LAYER_BUFFER");
 
 /// Whether models loaded now make the layer buffer (`forward.rs` `LayerBuffer`): on unless
 /// `DS4_HOST_LAYER_BUFFER=off` (or [`set_layer_buffer`]). The engine's memory plan counts
 /// its bytes where it is wanted ([`layer_buffer_bytes`]).
 pub fn layer_buffer_wanted() -> bool {
-    match LAYER_BUFFER.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => !std::env::var("DS4_HOST_LAYER_BUFFER").is_ok_and(|v| v == "off" || v == "0"),
-    }
+    LAYER_BUFFER.on()
 }
 
 /// Overrides `DS4_HOST_LAYER_BUFFER` for models loaded from now on (None: the environment).
 pub fn set_layer_buffer(on: Option<bool>) {
-    let v = match on {
-        None => 0,
-        Some(false) => 1,
-        Some(true) => 2,
-    };
-    LAYER_BUFFER.store(v, std::sync::atomic::Ordering::Relaxed);
+    LAYER_BUFFER.set(on)
 }
 
 /// The layer buffer's device bytes for a placement with host layers of these routed-expert
@@ -426,28 +446,18 @@ pub fn layer_buffer_bytes(host_layer_bytes: impl Iterator<Item = u64>) -> u64 {
 /// then keeps one layer fewer on the host; so does the q4 mix on an H200).
 pub const HOST_TABLE: &str = "token_embd.weight";
 
-/// [`set_host_table`]'s override: 0 none (the environment), 1 off, 2 on.
-static HOST_TABLE_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static HOST_TABLE_SWITCH: Switch = Switch::new("DS4_HOST_EMBED");
 
 /// Whether models loaded now with host layers read [`HOST_TABLE`] from host memory: on unless
 /// `DS4_HOST_EMBED=off` (or [`set_host_table`]). The engine's memory plan leaves its bytes
 /// off the device where this holds and host layers exist.
 pub fn host_table_wanted() -> bool {
-    match HOST_TABLE_MODE.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => !std::env::var("DS4_HOST_EMBED").is_ok_and(|v| v == "off" || v == "0"),
-    }
+    HOST_TABLE_SWITCH.on()
 }
 
 /// Overrides `DS4_HOST_EMBED` for models loaded from now on (None: the environment).
 pub fn set_host_table(on: Option<bool>) {
-    let v = match on {
-        None => 0,
-        Some(false) => 1,
-        Some(true) => 2,
-    };
-    HOST_TABLE_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+    HOST_TABLE_SWITCH.set(on)
 }
 
 /// Tables bound in host memory, read in place by the backend (process-wide; tests).

@@ -163,40 +163,37 @@ impl<B: Backend> WeightSource<B> for SynthSource<'_> {
         self.specs.contains_key(name)
     }
 
-    /// Generated on the backend like any weight, then read back into an in-memory GGUF (the
-    /// device copy is dropped): the host memory holds the stack, as a file's mapping would.
+    /// [`SynthSource::in_host_memory`].
     fn host_stack(&mut self, b: &B, name: &str) -> Result<HostStack, String> {
-        let (_, spec) = self
-            .specs
-            .get(name)
-            .ok_or_else(|| format!("synthetic model has no tensor {name}"))?;
-        let ty = spec.family.type_in(self.mix);
-        let [c, r, e] = spec.dims[..] else {
-            return Err(format!(
-                "tensor {name}: dims {:?}: not an expert stack",
-                spec.dims
-            ));
-        };
-        let w = self.weight(b, name, WeightKind::Matrix)?;
-        HostStack::in_memory(name, ty, [c, r, e], |out| b.read_weight(&w, out))
+        match self.dims_of(name)? {
+            &[c, r, e] => self.in_host_memory(b, name, [c, r, e]),
+            d => Err(format!("tensor {name}: dims {d:?}: not an expert stack")),
+        }
     }
 
     fn host_matrix(&mut self, b: &B, name: &str) -> Result<HostStack, String> {
-        let (_, spec) = self
-            .specs
-            .get(name)
-            .ok_or_else(|| format!("synthetic model has no tensor {name}"))?;
-        let ty = spec.family.type_in(self.mix);
-        let [c, r] = spec.dims[..] else {
-            return Err(format!("tensor {name}: dims {:?}: not a matrix", spec.dims));
-        };
-        // Generated on the backend as any weight, copied out, freed there.
-        let w = self.weight(b, name, WeightKind::Matrix)?;
-        HostStack::in_memory(name, ty, [c, r, 1], |out| b.read_weight(&w, out))
+        match self.dims_of(name)? {
+            &[c, r] => self.in_host_memory(b, name, [c, r, 1]),
+            d => Err(format!("tensor {name}: dims {d:?}: not a matrix")),
+        }
     }
 }
 
 impl SynthSource<'_> {
+    /// Tensor `name` (GGUF dims `dims`, a trailing 1 for a matrix) generated on the backend
+    /// like any weight, then read back into an in-memory GGUF (the device copy is dropped):
+    /// host memory holds it, as a file's mapping would.
+    fn in_host_memory<B: Backend>(
+        &mut self,
+        b: &B,
+        name: &str,
+        dims: [u64; 3],
+    ) -> Result<HostStack, String> {
+        let ty = self.specs[name].1.family.type_in(self.mix);
+        let w = <Self as WeightSource<B>>::weight(self, b, name, WeightKind::Matrix)?;
+        HostStack::in_memory(name, ty, dims, |out| b.read_weight(&w, out))
+    }
+
     fn dims_of(&self, name: &str) -> Result<&[u64], String> {
         self.specs
             .get(name)
