@@ -96,13 +96,8 @@ const DEFAULT_CHUNK: usize = 12288;
 const _: () = assert!(DEFAULT_CHUNK * 64 * 512 * 4 < 1 << 31);
 /// Smallest step [`auto_chunk`] picks (the old default's neighbourhood: ~1,000 tok/s at 2048).
 const MIN_AUTO_CHUNK: usize = 2048;
-/// The steps [`auto_chunk`] tries, largest first. 6144 and 3072 (session 48) for GPUs a few
-/// GiB short of the next power of two: an 80 GB H100 with the q2 mix and its host layers
-/// (~3.6 GiB free after load) took 2048-token steps, and with host layers every step copies
-/// each host layer and decodes every expert once, so a longer step pays directly. They hold
-/// ~3/4 of the next power of two's memory through the pool's finer classes for large blocks
-/// (`Pool::class`).
-const AUTO_CHUNKS: [usize; 6] = [DEFAULT_CHUNK, 8192, 6144, 4096, 3072, MIN_AUTO_CHUNK];
+/// The steps [`auto_chunk`] tries, largest first.
+const AUTO_CHUNKS: [usize; 4] = [DEFAULT_CHUNK, 8192, 4096, MIN_AUTO_CHUNK];
 /// Scratch a prompt step holds per token, an upper estimate for the full-size model (~6 GB at
 /// 12288 tokens: the MoE's gate/up/h rows of 6 pairs a token, attention's 64-head rows, the dense
 /// products' split operands).
@@ -111,8 +106,7 @@ const SCRATCH_PER_TOKEN: u64 = 512 << 10;
 /// The largest step of [`AUTO_CHUNKS`] whose scratch takes at most half of `free` (the other half
 /// stays for session state, which grows with the context: 12.2 GiB at 1M), else
 /// [`MIN_AUTO_CHUNK`]. The H200 with the q2 weights (~57 GiB free) gets 12288, a 94 GiB card
-/// (~12 GiB free) too; 8 GiB free gets 8192, 6 GiB 6144, 4 GiB 4096, 3 GiB 3072. Unknown free
-/// memory: the default.
+/// (~12 GiB free) too; 8 GiB free gets 8192, 5 GiB 4096. Unknown free memory: the default.
 pub(crate) fn auto_chunk(free: Option<u64>) -> usize {
     let Some(free) = free else {
         return DEFAULT_CHUNK;
@@ -1423,14 +1417,11 @@ mod tests {
         // 12288 tokens need 6 GiB: 12 GiB free is the edge, just below it 8192.
         assert_eq!(auto_chunk(Some(12 * GIB)), 12288);
         assert_eq!(auto_chunk(Some(12 * GIB - 1)), 8192);
-        // 8192 tokens need 4 GiB: 8 GiB free is the edge, just below it 6144 (3 GiB).
+        // 8192 tokens need 4 GiB: 8 GiB free is the edge, just below it halves the step.
         assert_eq!(auto_chunk(Some(8 * GIB)), 8192);
-        assert_eq!(auto_chunk(Some(8 * GIB - 1)), 6144);
-        assert_eq!(auto_chunk(Some(6 * GIB - 1)), 4096);
+        assert_eq!(auto_chunk(Some(8 * GIB - 1)), 4096);
         assert_eq!(auto_chunk(Some(4 * GIB)), 4096);
-        // An H100 with the q2 mix's 4 host layers (~3.6 GiB free): 3072 (1.5 GiB).
-        assert_eq!(auto_chunk(Some(3 * GIB)), 3072);
-        assert_eq!(auto_chunk(Some(3 * GIB - 1)), 2048);
+        assert_eq!(auto_chunk(Some(3 * GIB)), 2048);
         // Never below the floor, even with almost nothing free.
         assert_eq!(auto_chunk(Some(GIB)), MIN_AUTO_CHUNK);
         assert_eq!(auto_chunk(Some(0)), MIN_AUTO_CHUNK);

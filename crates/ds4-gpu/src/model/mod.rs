@@ -131,21 +131,7 @@ struct StepPos {
 // SAFETY: `host` is pinned memory owned by this struct, only touched under the backend's mutex.
 unsafe impl Send for StepPos {}
 
-/// Blocks of at least this many bytes take the finer classes of [`Pool::class`]
-/// (`DS4_GPU_POOL_FINE_MIN` overrides: tests run every block through them).
-const POOL_FINE_MIN: usize = 64 << 20;
-
-fn pool_fine_min() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("DS4_GPU_POOL_FINE_MIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(POOL_FINE_MIN)
-    })
-}
-
-/// Device memory for activations, reused by size class (see [`Pool::class`]). All
+/// Device memory for activations, reused by size class (powers of two from 256 bytes). All
 /// work runs on one stream, so a block freed by a dropped buffer is safe to hand out again:
 /// its next user is ordered after its last. The exception, a recorded step's two branches
 /// (`Backend::side_begin` to `join`), holds freed blocks back until the join ([`Pool::defer`]).
@@ -161,25 +147,8 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    /// The block size that serves `bytes`: the next power of two (from 256 bytes), except
-    /// blocks of [`pool_fine_min`] bytes or more that are not a power of two: sixteenths of
-    /// the power of two above them, 2 MiB past their end at least (never more than that power
-    /// of two). Those are prompt steps' activations: a 3072-token step then holds ~3/4 of a
-    /// 4096-token step's memory, not all of it (with powers of two alone it could not run where
-    /// a 4096-token step does not fit); the 2 MiB keep a small read past a buffer's end inside
-    /// its block.
     fn class(bytes: usize) -> usize {
-        Self::class_from(bytes, pool_fine_min())
-    }
-
-    fn class_from(bytes: usize, fine_min: usize) -> usize {
-        let b = bytes.max(256);
-        let p = b.next_power_of_two();
-        if b < fine_min || b == p {
-            return p;
-        }
-        let step = p / 16;
-        ((b + (2 << 20)).div_ceil(step) * step).min(p)
+        bytes.max(256).next_power_of_two()
     }
 
     fn get(&self, bytes: usize) -> DevPtr {
@@ -2528,43 +2497,6 @@ mod cap_tests {
         for (rows, lim) in [(1, 64), (65, 100_000), (5_000, 7_872), (3, 1)] {
             assert_eq!(grown_cap(rows, lim) % ROW_ALIGN, 0);
             assert!(grown_cap(rows, lim) >= rows);
-        }
-    }
-}
-
-#[cfg(test)]
-mod pool_tests {
-    use super::Pool;
-
-    #[test]
-    fn large_blocks_take_sixteenths_of_an_octave_with_two_mib_to_spare() {
-        const MIB: usize = 1 << 20;
-        let fine = 64 * MIB;
-        let class = |b| Pool::class_from(b, fine);
-        // Small blocks and powers of two: as before.
-        assert_eq!((class(1), class(300), class(5 * MIB)), (256, 512, 8 * MIB));
-        assert_eq!(class(256 * MIB), 256 * MIB);
-        assert_eq!(class(63 * MIB), 64 * MIB);
-        // A 3072-token step's 64-head query rows (384 MiB): 416 MiB, not 512.
-        assert_eq!(class(384 * MIB), 416 * MIB);
-        // The same at 2048 tokens of 48 KiB (96 MiB): 104 MiB, not 128.
-        assert_eq!(class(96 * MIB), 104 * MIB);
-        for b in [
-            65 * MIB,
-            100 * MIB + 1,
-            383 * MIB,
-            1000 * MIB,
-            1536 * MIB + 7,
-        ] {
-            let c = class(b);
-            let p = b.next_power_of_two();
-            // Never more than a power of two, at least 2 MiB to spare below it, a sixteenth.
-            assert!(
-                c <= p && (c >= b + 2 * MIB || c == p) && c % (p / 16) == 0,
-                "{b} {c}"
-            );
-            // A block freed under its size class is found again by the same size.
-            assert_eq!(class(b), c);
         }
     }
 }
