@@ -598,6 +598,10 @@ fn full_size_plan_table(
 fn device_plan_line(free: u64) -> String {
     use ds4_model::tensors::Mix;
     let n_layer = HParams::flash().n_layer;
+    let table = match ds4_model::offload::host_table_wanted() {
+        true => " and the embedding table",
+        false => "",
+    };
     let one = |name: &str, mix: Mix| {
         let (n, bytes, fits, keep) = full_size_plan(mix, free);
         let copies = if keep {
@@ -611,8 +615,8 @@ fn device_plan_line(free: u64) -> String {
             }
             (0, true) => format!("{name} all on the GPU{copies}"),
             (n, true) => format!(
-                "{name} with the routed experts of {n} of {n_layer} layers in host memory \
-                 ({:.1} GiB){copies}",
+                "{name} with the routed experts of {n} of {n_layer} layers{table} in host \
+                 memory ({:.1} GiB of experts){copies}",
                 gib(bytes)
             ),
         }
@@ -1919,6 +1923,10 @@ mod tests {
         // memory at load; without the copies 80.8 GiB still need a few layers on the host.
         let (h100, _, fits, keep) = full_size_plan(Mix::Q2, 78 * gib + 6 * gib / 10);
         assert!((2..=5).contains(&h100) && fits && !keep, "{h100}");
+        assert_eq!(
+            device_plan_line(78 * gib + 6 * gib / 10).contains("layers and the embedding table"),
+            ds4_model::offload::host_table_wanted()
+        );
         // The embedding table read from host memory (1 GiB) saves a layer of experts on the
         // H100 (q2) and the H200 (q4): 4 and 6 against 5 and 7 (DS4_HOST_EMBED=off).
         if ds4_model::offload::host_table_wanted() {
@@ -1943,9 +1951,9 @@ mod tests {
         println!("{h200}");
         assert!(h200.contains("q2 all on the GPU;"), "{h200}");
         assert!(
-            h200.contains(&format!(
-                "q4 with the routed experts of {q4} of 43 layers in host memory"
-            )) && h200.ends_with("without decode-layout copies"),
+            h200.contains(&format!("q4 with the routed experts of {q4} of 43 layers"))
+                && h200.contains("in host memory")
+                && h200.ends_with("without decode-layout copies"),
             "{h200}"
         );
         let small = device_plan_line(6 * gib);
