@@ -465,7 +465,7 @@ impl<B: Backend> WeightSource<B> for FileSource<'_> {
         self.files.iter().any(|(_, d)| d.get(name).is_some())
     }
     fn host_stack(&mut self, _b: &B, name: &str) -> Result<HostStack, String> {
-        let (file, w) = self.bound(name)?;
+        let (_, w) = self.bound(name)?;
         let [c, r, e] = w.dims[..] else {
             return Err(format!(
                 "tensor {name}: dims {:?}: not an expert stack",
@@ -478,32 +478,32 @@ impl<B: Backend> WeightSource<B> for FileSource<'_> {
                 w.n_bytes
             ));
         }
-        let s = HostStack {
-            name: name.to_string(),
-            file: file.clone(),
-            ty: w.ty,
-            dims: [c, r, e],
-            offset: w.offset as usize,
-            n_bytes: w.n_bytes as usize,
-        };
+        let s = self.in_host_memory(name, [c, r, e])?;
         if self.prefetch_host {
             // Best effort (the experts are read on demand anyway).
-            let _ = file.will_need(s.offset, s.n_bytes);
+            let _ = s.file.will_need(s.offset, s.n_bytes);
         }
-        self.loaded += w.n_bytes as usize; // mapped, not copied: done
-        (self.progress)(self.loaded, self.total);
         Ok(s)
     }
     fn host_matrix(&mut self, _b: &B, name: &str) -> Result<HostStack, String> {
+        let (_, w) = self.bound(name)?;
+        match w.dims[..] {
+            [c, r] => self.in_host_memory(name, [c, r, 1]),
+            _ => Err(format!("tensor {name}: dims {:?}: not a matrix", w.dims)),
+        }
+    }
+}
+
+impl FileSource<'_> {
+    /// Bound tensor `name` where the mapping holds it (GGUF dims `dims`, a trailing 1 for a
+    /// matrix), counted as loaded: mapped, not copied.
+    fn in_host_memory(&mut self, name: &str, dims: [u64; 3]) -> Result<HostStack, String> {
         let (file, w) = self.bound(name)?;
-        let [c, r] = w.dims[..] else {
-            return Err(format!("tensor {name}: dims {:?}: not a matrix", w.dims));
-        };
         let s = HostStack {
             name: name.to_string(),
             file: file.clone(),
             ty: w.ty,
-            dims: [c, r, 1],
+            dims,
             offset: w.offset as usize,
             n_bytes: w.n_bytes as usize,
         };
@@ -522,29 +522,25 @@ fn host_table<B: Backend>(
     name: &str,
 ) -> Result<(B::Weight, Option<HostStack>), String> {
     let st = src.host_matrix(b, name)?;
-    let dims = [st.dims[0], st.dims[1]];
-    let ws = WeightSrc {
-        name,
-        file: &st.file,
-        ty: st.ty,
-        dims: &dims,
-        offset: st.offset,
-        n_bytes: st.n_bytes,
-    };
-    let copy = |why: Option<String>| {
-        if let Some(why) = why {
-            eprintln!("ds4: {name} copied to the device: {why}");
+    // The one-expert stack's own source ([cols, rows, 1]).
+    let placed: Result<(B::Weight, bool), String> = st.with_src(0, 1, |ws| {
+        let copy = |why: Option<String>| {
+            if let Some(why) = why {
+                eprintln!("ds4: {name} copied to the device: {why}");
+            }
+            b.matrix(ws).map_err(|e| format!("tensor {name}: {e}"))
+        };
+        match b.host_matrix(ws) {
+            Some(Ok(w)) => Ok((w, true)),
+            Some(Err(e)) => Ok((copy(Some(e))?, false)),
+            None => Ok((copy(None)?, false)),
         }
-        b.matrix(&ws).map_err(|e| format!("tensor {name}: {e}"))
-    };
-    match b.host_matrix(&ws) {
-        Some(Ok(w)) => {
-            offload::HOST_TABLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            Ok((w, Some(st.clone())))
-        }
-        Some(Err(e)) => Ok((copy(Some(e))?, None)),
-        None => Ok((copy(None)?, None)),
+    });
+    let (w, in_place) = placed?;
+    if in_place {
+        offload::HOST_TABLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
+    Ok((w, in_place.then_some(st)))
 }
 
 /// Builds the model's weight structs from a [`WeightSource`].

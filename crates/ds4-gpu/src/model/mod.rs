@@ -302,6 +302,28 @@ pub enum GpuWeight {
 }
 
 impl GpuWeight {
+    /// A matrix of GGUF blocks in `buf` with no copies in other layouts (expert slots, a table
+    /// read from host memory).
+    fn plain_mat(
+        buf: DeviceBuffer,
+        ty: GgmlType,
+        [cols, rows, experts]: [usize; 3],
+        row_bytes: usize,
+    ) -> GpuWeight {
+        GpuWeight::Mat {
+            buf,
+            ty,
+            cols,
+            rows,
+            experts,
+            row_bytes,
+            dec: None,
+            dec_il: false,
+            f16i: None,
+            bf: Default::default(),
+        }
+    }
+
     pub(crate) fn ptr(&self) -> DevPtr {
         match self {
             GpuWeight::Mat { buf, .. }
@@ -1614,18 +1636,13 @@ impl Backend for GpuBackend {
                     .into(),
             ));
         };
-        Some(Ok(GpuWeight::Mat {
-            buf: DeviceBuffer::borrowed(&self.gpu, ptr, src.n_bytes),
-            ty: src.ty,
-            cols: src.cols(),
-            rows: src.rows(),
-            experts: src.dims.get(2).copied().unwrap_or(1) as usize,
+        let experts = src.dims.get(2).copied().unwrap_or(1) as usize;
+        Some(Ok(GpuWeight::plain_mat(
+            DeviceBuffer::borrowed(&self.gpu, ptr, src.n_bytes),
+            src.ty,
+            [src.cols(), src.rows(), experts],
             row_bytes,
-            dec: None,
-            dec_il: false,
-            f16i: None,
-            bf: Default::default(),
-        }))
+        )))
     }
 
     fn expert_slots(
@@ -1645,18 +1662,12 @@ impl Backend for GpuBackend {
             Some(b) => b,
             None => return Some(Err(self.check().unwrap_err())),
         };
-        Some(Ok(GpuWeight::Mat {
-            f16i: None,
+        Some(Ok(GpuWeight::plain_mat(
             buf,
             ty,
-            cols,
-            rows,
-            experts: capacity,
+            [cols, rows, capacity],
             row_bytes,
-            dec: None,
-            dec_il: false,
-            bf: Default::default(),
-        }))
+        )))
     }
 
     fn register_host(&self, ranges: &[&[u8]]) -> u64 {
