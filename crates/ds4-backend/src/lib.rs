@@ -281,9 +281,10 @@ pub trait Backend: Send + Sync + Sized {
     /// the same with or without it. The CPU backend does nothing.
     fn prefetch(&self, _ws: &[&Self::Weight], _n: usize) {}
 
-    /// Tokens per prompt step the engine should batch (activation memory grows with it: about
-    /// 200 KB per token at full size, plus the MoE's per-pair scratch). The CPU gains nothing
-    /// past 128; a GPU reads each expert's weights once per step, so it wants more.
+    /// Tokens per prompt step the engine should batch now, asked before every step (activation
+    /// memory grows with it: ~0.8 MiB a token at full size on a GPU). The CPU gains nothing
+    /// past 128; a GPU reads each expert's weights once per step, so it wants the most that fits
+    /// the memory free at that point.
     fn prefill_chunk(&self) -> usize {
         128
     }

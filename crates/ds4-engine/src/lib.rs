@@ -1390,6 +1390,7 @@ impl Engine {
             mtp: self.model.has_mtp().then(|| self.model.new_mtp_state()),
             keep_streams: false,
             ctx,
+            steps: Vec::new(),
         }
     }
 
@@ -1475,6 +1476,8 @@ pub struct Session {
     /// Keep `streams` after each step without an MTP block ([`Session::set_keep_streams`]).
     keep_streams: bool,
     ctx: usize,
+    /// Tokens of each step the last [`Session::sync`] evaluated.
+    steps: Vec<usize>,
 }
 
 impl Session {
@@ -1486,12 +1489,17 @@ impl Session {
         self.ctx
     }
 
-    /// Tokens [`Session::sync`] evaluates per batch: the backend's prompt step (128 on the
-    /// CPU; 2,048-12,288 on a GPU, sized to its free memory). A caller that prefills piecewise
+    /// Tokens [`Session::sync`] evaluates per batch now: the backend's prompt step (128 on the
+    /// CPU; 2,048-12,288 on a GPU, sized to the memory free before each step). A caller that prefills piecewise
     /// (to check for cancellation) should cut at multiples of it: smaller pieces re-read every
     /// routed expert's weights per piece, and host-memory experts cross the bus each time.
     pub fn prefill_step(&self) -> usize {
         self.model.prefill_chunk().max(1)
+    }
+
+    /// Tokens of each batch the last [`Session::sync`] evaluated (the GPU's prompt steps).
+    pub fn last_steps(&self) -> &[usize] {
+        &self.steps
     }
 
     /// Logits after the last evaluated token (None before the first).
@@ -1577,10 +1585,15 @@ impl Session {
         }
         let todo = &tokens[reuse..];
         let mut done = 0;
-        for chunk in todo.chunks(self.model.prefill_chunk()) {
+        self.steps.clear();
+        while done < todo.len() {
+            // Asked before every step: a GPU sizes it to the memory free now, which the
+            // session state takes more of as the context grows.
+            let step = self.model.prefill_chunk().max(1).min(todo.len() - done);
             // Bit-identical to evaluating one token at a time (see ds4-cpu's prefill test).
-            self.step(chunk)?;
-            done += chunk.len();
+            self.step(&todo[done..done + step])?;
+            self.steps.push(step);
+            done += step;
             progress(done, todo.len());
         }
         Ok(reuse)

@@ -301,3 +301,33 @@ fn prefetch_hints_keep_the_logits() {
     );
     assert_eq!(d, 0.0);
 }
+
+/// A prompt step of 256 tokens or more is measured: the scratch pool's peak over it, per
+/// token, is what later steps are sized by (`GpuBackend::step_scratch_per_token`). Every block
+/// a step takes is back in the pool when it ends (handed out: 0), shorter steps teach nothing,
+/// and the step the backend asks for stays within its bounds.
+#[test]
+fn prompt_steps_measure_their_scratch() {
+    use ds4_backend::Backend;
+    let hp = HParams::tiny();
+    let Some(_) = common::open_gpu() else { return };
+    let ids = tokens().repeat(2); // 640
+    let (_, b) = common::backends(&hp).unwrap();
+    let m = load(b, "tiny-q.gguf", Rounding::MODEL);
+    assert_eq!(m.backend.step_scratch_per_token(), None);
+    let mut st = m.new_state();
+    m.eval_batch(&mut st, &ids[..100], false).unwrap();
+    assert_eq!(m.backend.step_scratch_per_token(), None, "100 tokens teach nothing");
+    m.eval_batch(&mut st, &ids[100..], false).unwrap();
+    let n = ids.len() - 100;
+    let t = m.backend.step_scratch_per_token().expect("a 540-token step is measured");
+    let (in_use, idle) = m.backend.pool_bytes();
+    println!("{n}-token step: {t} bytes a token; pool: {in_use} handed out, {idle} idle");
+    // At least the step's own rows: the HC streams (n_hc x n_embd f32) of every token.
+    let streams = (hp.hc_count * hp.n_embd * 4) as u64;
+    assert!(t >= streams && t < 64 << 20, "{t} vs {streams}");
+    assert_eq!(in_use, 0, "every scratch block is back in the pool after the step");
+    assert!(idle >= t * n as u64 / 2, "the step's blocks stay pooled: {idle}");
+    let c = m.backend.prefill_chunk();
+    assert!((2048..=12288).contains(&c), "{c}");
+}

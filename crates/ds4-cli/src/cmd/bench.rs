@@ -85,6 +85,25 @@ pub struct Args {
     turn: Option<usize>,
 }
 
+/// Step sizes as runs: `[4096, 4096, 2048]` -> "4096 x 2, 2048" tokens.
+fn step_list(steps: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &n in steps {
+        match runs.last_mut() {
+            Some((m, k)) if *m == n => *k += 1,
+            _ => runs.push((n, 1)),
+        }
+    }
+    let parts: Vec<String> = runs
+        .iter()
+        .map(|&(n, k)| if k > 1 { format!("{n} x {k}") } else { n.to_string() })
+        .collect();
+    if parts.is_empty() {
+        return "none (nothing new to evaluate)".into();
+    }
+    format!("{} tokens", parts.join(", "))
+}
+
 /// `n` tokens of speculative decoding from the session's frontier `f`, a draft at every step
 /// (the plain run's token after `next` at position t where there is one), each kept with
 /// probability `rate` whatever the model picked (the verdict is forced, so the acceptance is the
@@ -280,6 +299,10 @@ pub fn run(mut a: Args) -> Result<()> {
         }
         let pre = (f - before) as f64 / t0.elapsed().as_secs_f64();
         let kv = s.kv_bytes();
+        if !a.decode_only && engine.gpu_memory().is_some() {
+            // The GPU sizes each step to the memory free before it (DS4_GPU_PREFILL_CHUNK fixes it).
+            eprintln!("# {f}: prompt steps of {}", step_list(s.last_steps()));
+        }
         if let Some((free, total)) = engine.gpu_memory() {
             // Measured: everything the process holds on the device (weights, their copies, the
             // session state with its rows' spare capacity, pooled scratch).
@@ -351,4 +374,17 @@ pub fn run(mut a: Args) -> Result<()> {
         std::fs::write(p, out).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_list;
+
+    #[test]
+    fn step_list_counts_runs_of_equal_steps() {
+        assert_eq!(step_list(&[4096, 4096, 2048]), "4096 x 2, 2048 tokens");
+        assert_eq!(step_list(&[3072, 2048, 2048, 3072]), "3072, 2048 x 2, 3072 tokens");
+        assert_eq!(step_list(&[12288]), "12288 tokens");
+        assert_eq!(step_list(&[]), "none (nothing new to evaluate)");
+    }
 }

@@ -10,7 +10,7 @@
 //! (`gm_group_*_i32`: count, scan, scatter, O(pairs); runs cut at the item tile), then gate, up
 //! (GEMM each), SwiGLU and the slot sum with matmul.cu's `moe_swiglu_f32` / `moe_sum_f32`.
 //! Prompts run in chunks of `prefill_chunk()` tokens (12288 where memory allows: MoE weights read
-//! once per chunk).
+//! once per chunk; fewer where the memory free beside the weights holds less: `auto_chunk`).
 //! The MoE's IQ2_XXS gate/up (the q2 mix) take `gemmc_iq2_xxs` on CUDA sm_80+: z split into
 //! bf16 hi/lo once per product (`gemm_xb_f32`; `DS4_GPU_GEMM_XB=0`: the bf16 hi/lo form
 //! `gemm_iq2_xxs`, split per CTA), weights g * sign exact in bf16 (two mma per tile, the chunk
@@ -73,8 +73,8 @@ const BN: usize = 128;
 /// Fewest token rows the GEMM takes (decode, n ≤ 4, belongs to matvec.rs).
 const MIN_N: usize = 5;
 /// Tokens per prompt step on the GPU (`Backend::prefill_chunk`): `DS4_GPU_PREFILL_CHUNK` (read at
-/// every call, so a test can switch it), else `auto` (the backend's [`auto_chunk`], fixed at its
-/// first prompt).
+/// every call, so a test can switch it), else `auto` (the backend's [`auto_chunk`], chosen
+/// before every step).
 pub(crate) fn prefill_chunk(auto: impl FnOnce() -> usize) -> usize {
     std::env::var("DS4_GPU_PREFILL_CHUNK")
         .ok()
@@ -94,26 +94,34 @@ pub(crate) fn prefill_chunk(auto: impl FnOnce() -> usize) -> usize {
 const DEFAULT_CHUNK: usize = 12288;
 // A step's query and attention-output rows (64 heads × 512 f32) stay under 2 GiB.
 const _: () = assert!(DEFAULT_CHUNK * 64 * 512 * 4 < 1 << 31);
-/// Smallest step [`auto_chunk`] picks (the old default's neighbourhood: ~1,000 tok/s at 2048).
+/// Smallest step [`auto_chunk`] picks (the old default's neighbourhood: ~1,000 tok/s at 2048);
+/// the engine's memory plan keeps room for it beside the weights (`GPU_RESERVE`).
 const MIN_AUTO_CHUNK: usize = 2048;
-/// The steps [`auto_chunk`] tries, largest first.
-const AUTO_CHUNKS: [usize; 4] = [DEFAULT_CHUNK, 8192, 4096, MIN_AUTO_CHUNK];
-/// Scratch a prompt step holds per token, an upper estimate for the full-size model (~6 GB at
-/// 12288 tokens: the MoE's gate/up/h rows of 6 pairs a token, attention's 64-head rows, the dense
-/// products' split operands).
-const SCRATCH_PER_TOKEN: u64 = 512 << 10;
+/// The steps [`auto_chunk`] tries, largest first. 6144 and 3072 use the scratch pool's finer
+/// classes for large blocks (mod.rs `Pool::class`): with powers of two alone a 3072-token step
+/// would hold as much as a 4096-token one.
+const AUTO_CHUNKS: [usize; 6] = [DEFAULT_CHUNK, 8192, 6144, 4096, 3072, MIN_AUTO_CHUNK];
+/// Scratch a prompt step holds per token before one has been measured (mod.rs `StepMemory`): a
+/// little above the full-size model's (~0.8 MiB a token on the H100 with the q2 mix).
+const SCRATCH_PER_TOKEN: u64 = 1 << 20;
+/// Memory left beside a step's scratch: at least this, or an eighth of what is available (the
+/// step's own session-state growth, the BLAS library's workspace, driver allocations).
+const STEP_KEEP: u64 = 512 << 20;
 
-/// The largest step of [`AUTO_CHUNKS`] whose scratch takes at most half of `free` (the other half
-/// stays for session state, which grows with the context: 12.2 GiB at 1M), else
-/// [`MIN_AUTO_CHUNK`]. The H200 with the q2 weights (~57 GiB free) gets 12288, a 94 GiB card
-/// (~12 GiB free) too; 8 GiB free gets 8192, 5 GiB 4096. Unknown free memory: the default.
-pub(crate) fn auto_chunk(free: Option<u64>) -> usize {
-    let Some(free) = free else {
+/// The largest step of [`AUTO_CHUNKS`] whose scratch fits `avail` (device memory free now plus
+/// the scratch pool's idle blocks) less what is kept, at `per_token` bytes a token (measured by
+/// earlier steps, an eighth added; else [`SCRATCH_PER_TOKEN`]), else [`MIN_AUTO_CHUNK`].
+/// Chosen before every step: the session state takes more as the context grows. Unknown free
+/// memory: the default.
+pub(crate) fn auto_chunk(avail: Option<u64>, per_token: Option<u64>) -> usize {
+    let Some(avail) = avail else {
         return DEFAULT_CHUNK;
     };
+    let per_token = per_token.map_or(SCRATCH_PER_TOKEN, |t| t + t / 8);
+    let budget = avail.saturating_sub((avail / 8).max(STEP_KEEP));
     AUTO_CHUNKS
         .into_iter()
-        .find(|&c| c as u64 * SCRATCH_PER_TOKEN <= free / 2)
+        .find(|&c| c as u64 * per_token <= budget)
         .unwrap_or(MIN_AUTO_CHUNK)
 }
 
@@ -1409,28 +1417,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_chunk_keeps_half_of_free_memory_for_session_state() {
+    fn auto_chunk_fits_the_step_beside_what_is_kept() {
+        const MIB: u64 = 1 << 20;
         const GIB: u64 = 1 << 30;
-        assert_eq!(auto_chunk(None), DEFAULT_CHUNK);
-        // H200 after the q2 weights: ~57 GiB free.
-        assert_eq!(auto_chunk(Some(57 * GIB)), 12288);
-        // 12288 tokens need 6 GiB: 12 GiB free is the edge, just below it 8192.
-        assert_eq!(auto_chunk(Some(12 * GIB)), 12288);
-        assert_eq!(auto_chunk(Some(12 * GIB - 1)), 8192);
-        // 8192 tokens need 4 GiB: 8 GiB free is the edge, just below it halves the step.
-        assert_eq!(auto_chunk(Some(8 * GIB)), 8192);
-        assert_eq!(auto_chunk(Some(8 * GIB - 1)), 4096);
-        assert_eq!(auto_chunk(Some(4 * GIB)), 4096);
-        assert_eq!(auto_chunk(Some(3 * GIB)), 2048);
+        assert_eq!(auto_chunk(None, None), DEFAULT_CHUNK);
+        // H200 after the q2 weights: ~57 GiB free, the longest step.
+        assert_eq!(auto_chunk(Some(57 * GIB), None), 12288);
+        // 80 GB H100, q2 with 4 host layers (~3.4 GiB free): 2048 until a step was measured,
+        // 3072 at 0.8 MiB a token; at a longer context (the state took 400 MiB) 2048 again.
+        assert_eq!(auto_chunk(Some(3400 * MIB), None), 2048);
+        assert_eq!(auto_chunk(Some(3400 * MIB), Some(800 << 10)), 3072);
+        assert_eq!(auto_chunk(Some(3000 * MIB), Some(800 << 10)), 2048);
+        // 512 MiB kept below 4 GiB: 3072 tokens of 1 MiB fit 3.5 GiB, not a byte less.
+        assert_eq!(auto_chunk(Some(3584 * MIB), None), 3072);
+        assert_eq!(auto_chunk(Some(3584 * MIB - 1), None), 2048);
+        // An eighth kept above: 8192 tokens of 1 MiB need 64/7 GiB (9362.3 MiB) available.
+        assert_eq!(auto_chunk(Some(9363 * MIB), None), 8192);
+        assert_eq!(auto_chunk(Some(9362 * MIB), None), 6144);
+        // A measured figure gets an eighth more: 1 MiB measured is 1.125 MiB a token.
+        assert_eq!(auto_chunk(Some(9363 * MIB), Some(MIB)), 6144);
         // Never below the floor, even with almost nothing free.
-        assert_eq!(auto_chunk(Some(GIB)), MIN_AUTO_CHUNK);
-        assert_eq!(auto_chunk(Some(0)), MIN_AUTO_CHUNK);
-        for f in [0, GIB, 3 * GIB, 20 * GIB, 200 * GIB] {
-            let c = auto_chunk(Some(f));
-            assert!(AUTO_CHUNKS.contains(&c) && (MIN_AUTO_CHUNK..=DEFAULT_CHUNK).contains(&c));
-            // The step's scratch fits half of what is free (the floor excepted).
-            assert!(c == MIN_AUTO_CHUNK || c as u64 * SCRATCH_PER_TOKEN <= f / 2);
+        assert_eq!(auto_chunk(Some(GIB), None), MIN_AUTO_CHUNK);
+        assert_eq!(auto_chunk(Some(0), Some(MIB)), MIN_AUTO_CHUNK);
+        let mut last = 0;
+        for f in (0..200).map(|i| i * 512 * MIB) {
+            let c = auto_chunk(Some(f), Some(700 << 10));
+            assert!(AUTO_CHUNKS.contains(&c) && c >= last, "{f}: {c}");
+            let kept = (f / 8).max(STEP_KEEP);
+            assert!(c == MIN_AUTO_CHUNK || c as u64 * (700 << 10) * 9 / 8 <= f - kept);
+            last = c;
         }
+        assert_eq!(last, DEFAULT_CHUNK);
     }
 
     #[test]

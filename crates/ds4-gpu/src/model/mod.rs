@@ -131,10 +131,20 @@ struct StepPos {
 // SAFETY: `host` is pinned memory owned by this struct, only touched under the backend's mutex.
 unsafe impl Send for StepPos {}
 
-/// Device memory for activations, reused by size class (powers of two from 256 bytes). All
+/// Blocks of at least this many bytes that are not a power of two take the finer classes of
+/// [`Pool::class`] (`DS4_GPU_POOL_FINE_MIN` overrides: tests run every block through them).
+const POOL_FINE_MIN: usize = 64 << 20;
+
+fn pool_fine_min() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| env_usize("DS4_GPU_POOL_FINE_MIN").unwrap_or(POOL_FINE_MIN))
+}
+
+/// Device memory for activations, reused by size class ([`Pool::class`]). All
 /// work runs on one stream, so a block freed by a dropped buffer is safe to hand out again:
 /// its next user is ordered after its last. The exception, a recorded step's two branches
 /// (`Backend::side_begin` to `join`), holds freed blocks back until the join ([`Pool::defer`]).
+/// Byte counts (of whole blocks) say what a prompt step needs ([`StepMemory`]).
 pub(crate) struct Pool {
     rt: Arc<dyn Runtime>,
     free: Mutex<HashMap<usize, Vec<DevPtr>>>,
@@ -144,16 +154,60 @@ pub(crate) struct Pool {
     deferred: Mutex<Option<Vec<(usize, DevPtr)>>>,
     /// Sticky error shared with the backend (an allocation can fail inside an op).
     err: Arc<Mutex<Option<String>>>,
+    /// Bytes of blocks handed out and not yet back in a free list (deferred ones included).
+    in_use: AtomicU64,
+    /// Most of `in_use` since [`Pool::reset_peak`].
+    peak: AtomicU64,
+    /// Bytes of blocks in the free lists (device memory the pool holds but nothing uses).
+    cached: AtomicU64,
 }
 
 impl Pool {
+    fn new(rt: Arc<dyn Runtime>, err: Arc<Mutex<Option<String>>>) -> Pool {
+        Pool {
+            rt,
+            free: Mutex::new(HashMap::new()),
+            deferred: Mutex::new(None),
+            err,
+            in_use: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            cached: AtomicU64::new(0),
+        }
+    }
+
+    /// The block size that serves `bytes`: the next power of two (from 256 bytes), except
+    /// blocks of [`pool_fine_min`] bytes or more that are not a power of two: sixteenths of the
+    /// power of two above them, 2 MiB past their end at least (never more than that power of
+    /// two). Those are prompt steps' activations: a 3072-token step then holds ~3/4 of a
+    /// 4096-token step's memory, not all of it; the 2 MiB keep a small read past a buffer's end
+    /// (vector loads of a last partial tile) inside its block.
     fn class(bytes: usize) -> usize {
-        bytes.max(256).next_power_of_two()
+        Self::class_from(bytes, pool_fine_min())
+    }
+
+    fn class_from(bytes: usize, fine_min: usize) -> usize {
+        let b = bytes.max(256);
+        let p = b.next_power_of_two();
+        if b < fine_min || b == p {
+            return p;
+        }
+        let step = p / 16;
+        ((b + (2 << 20)).div_ceil(step) * step).min(p)
     }
 
     fn get(&self, bytes: usize) -> DevPtr {
         let c = Self::class(bytes);
+        let p = self.take(c);
+        if p.0 != 0 {
+            let now = self.in_use.fetch_add(c as u64, Ordering::Relaxed) + c as u64;
+            self.peak.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    fn take(&self, c: usize) -> DevPtr {
         if let Some(p) = self.free.lock().unwrap().get_mut(&c).and_then(|v| v.pop()) {
+            self.cached.fetch_sub(c as u64, Ordering::Relaxed);
             return p;
         }
         match self.rt.alloc(c) {
@@ -163,11 +217,18 @@ impl Pool {
                 self.trim();
                 self.rt.alloc(c).unwrap_or_else(|_| {
                     let mut err = self.err.lock().unwrap();
-                    err.get_or_insert_with(|| format!("device memory: {bytes} bytes: {e}"));
+                    err.get_or_insert_with(|| format!("device memory: {c} bytes: {e}"));
                     DevPtr(0)
                 })
             }
         }
+    }
+
+    /// Start a new peak at what is in use now.
+    fn reset_peak(&self) -> u64 {
+        let now = self.in_use.load(Ordering::Relaxed);
+        self.peak.store(now, Ordering::Relaxed);
+        now
     }
 
     fn put(&self, bytes: usize, p: DevPtr) {
@@ -178,14 +239,10 @@ impl Pool {
             d.push((bytes, p));
             return;
         }
-        {
-            self.free
-                .lock()
-                .unwrap()
-                .entry(Self::class(bytes))
-                .or_default()
-                .push(p);
-        }
+        let c = Self::class(bytes);
+        self.free.lock().unwrap().entry(c).or_default().push(p);
+        self.in_use.fetch_sub(c as u64, Ordering::Relaxed);
+        self.cached.fetch_add(c as u64, Ordering::Relaxed);
     }
 
     /// Hold freed blocks back (`on`), or return those held to the free lists (in the order
@@ -215,9 +272,11 @@ impl Pool {
 
     fn trim(&self) {
         let _ = self.rt.synchronize();
-        for (_, v) in self.free.lock().unwrap().drain() {
+        let mut free = self.free.lock().unwrap();
+        for (c, v) in free.drain() {
             for p in v {
                 let _ = self.rt.free(p);
+                self.cached.fetch_sub(c as u64, Ordering::Relaxed);
             }
         }
     }
@@ -227,6 +286,29 @@ impl Drop for Pool {
     fn drop(&mut self) {
         self.defer(false);
         self.trim();
+    }
+}
+
+/// What prompt steps hold of the scratch pool, measured: the pool's peak over a step less what
+/// was in use when it began (its outputs included). Steps hold nearly the same per token
+/// whatever their length (rows of every activation), a little more as the context grows
+/// (attention's per-query rows over the compressed keys), so the most per token seen so far
+/// (with a margin, `auto_chunk`) sizes the next step.
+#[derive(Default)]
+struct StepMemory {
+    /// The step being issued: its tokens and the pool's bytes in use at its start.
+    open: Option<(usize, u64)>,
+    /// Most pool bytes a token of a step of [`StepMemory::LEARN_MIN`] tokens or more held.
+    per_token: Option<u64>,
+}
+
+impl StepMemory {
+    /// Shorter steps are not measured (fixed costs would dominate their per-token figure).
+    const LEARN_MIN: usize = 256;
+
+    fn learn(&mut self, n: usize, held: u64) {
+        let t = held.div_ceil(n.max(1) as u64);
+        self.per_token = Some(self.per_token.map_or(t, |p| p.max(t)));
     }
 }
 
@@ -477,9 +559,9 @@ pub struct GpuBackend {
     /// The step position in device memory ([`StepPos`]); None where it could not be set up
     /// (positions are then kernel arguments).
     step: Mutex<Option<StepPos>>,
-    /// Tokens per prompt step chosen from the free memory at the first prompt, after the weights
-    /// are resident (gemm.rs `auto_chunk`).
-    chunk: std::sync::OnceLock<usize>,
+    /// What prompt steps have needed of the scratch pool (each prompt step's size is chosen
+    /// from it and the memory available then: gemm.rs `auto_chunk`).
+    step_mem: Mutex<StepMemory>,
     /// Compressor row buffers replaced by larger ones ([`GpuBackend::reserve_rows`]), freed at
     /// the next point where the host waits for the device anyway ([`GpuBackend::free_retired`]).
     retired: Mutex<Vec<DeviceBuffer>>,
@@ -620,12 +702,7 @@ impl GpuBackend {
     /// A backend on `gpu` for a model with these RoPE tables.
     pub fn new(gpu: Gpu, ropes: &RopeTables) -> Result<GpuBackend> {
         let err = Arc::new(Mutex::new(None));
-        let pool = Arc::new(Pool {
-            rt: gpu.runtime().clone(),
-            free: Mutex::new(HashMap::new()),
-            deferred: Mutex::new(None),
-            err: err.clone(),
-        });
+        let pool = Arc::new(Pool::new(gpu.runtime().clone(), err.clone()));
         // DS4_GPU_MATVEC=off|on|v1|v2|v3: matvec.rs off, on for one-row products too (default:
         // only 2..4 rows), or an n = 1 variant.
         match std::env::var("DS4_GPU_MATVEC").as_deref() {
@@ -659,7 +736,7 @@ impl GpuBackend {
         let step = Mutex::new(Self::step_setup(&gpu));
         Ok(GpuBackend {
             step,
-            chunk: std::sync::OnceLock::new(),
+            step_mem: Mutex::new(StepMemory::default()),
             retired: Mutex::new(Vec::new()),
             comm: None,
             tickets,
@@ -835,6 +912,20 @@ impl GpuBackend {
         self.prof.is_none()
             && self.graph.lock().unwrap().enabled
             && self.gpu.runtime().graphs_supported()
+    }
+
+    /// Most scratch-pool bytes a token of a prompt step has held so far (steps of 256 tokens
+    /// or more; None before the first), which sizes the next steps (`Backend::prefill_chunk`).
+    pub fn step_scratch_per_token(&self) -> Option<u64> {
+        self.step_mem.lock().unwrap().per_token
+    }
+
+    /// Bytes of scratch-pool blocks handed out now and held idle in the pool.
+    pub fn pool_bytes(&self) -> (u64, u64) {
+        (
+            self.pool.in_use.load(Ordering::Relaxed),
+            self.pool.cached.load(Ordering::Relaxed),
+        )
     }
 
     /// Counts of graph captures, replays and node updates so far.
@@ -1505,16 +1596,25 @@ impl Backend for GpuBackend {
         self.graph.lock().unwrap().hint = false; // also where nothing was recorded
     }
 
+    /// Chosen again for every step: the memory free now (session state grows with the context)
+    /// plus the pool's idle blocks, and the most a token of an earlier step held.
     fn prefill_chunk(&self) -> usize {
         gemm::prefill_chunk(|| {
-            *self
-                .chunk
-                .get_or_init(|| gemm::auto_chunk(self.gpu.mem_info().ok().map(|(free, _)| free)))
+            let avail = self
+                .gpu
+                .mem_info()
+                .ok()
+                .map(|(free, _)| free + self.pool.cached.load(Ordering::Relaxed));
+            let per_token = self.step_mem.lock().unwrap().per_token;
+            gemm::auto_chunk(avail, per_token)
         })
     }
 
     fn graph_begin(&self, n: usize) {
         self.profiler_range(n);
+        if n >= StepMemory::LEARN_MIN {
+            self.step_mem.lock().unwrap().open = Some((n, self.pool.reset_peak()));
+        }
         if n == 0 || n > GRAPH_MAX_N || self.prof.is_some() || self.failed() {
             return;
         }
@@ -1539,6 +1639,22 @@ impl Backend for GpuBackend {
 
     fn graph_end(&self) {
         self.flush(true);
+        let mut sm = self.step_mem.lock().unwrap();
+        if let Some((n, base)) = sm.open.take() {
+            let held = self.pool.peak.load(Ordering::Relaxed).saturating_sub(base);
+            sm.learn(n, held);
+            if std::env::var_os("DS4_GPU_STEP_LOG").is_some() {
+                let free = self.gpu.mem_info().map_or(0, |m| m.0);
+                eprintln!(
+                    "ds4: prompt step of {n} tokens: {:.1} MiB of scratch ({:.0} KiB a token); \
+                     {:.2} GiB free, {:.2} GiB idle in the pool",
+                    held as f64 / (1u64 << 20) as f64,
+                    held as f64 / n as f64 / 1024.0,
+                    free as f64 / (1u64 << 30) as f64,
+                    self.pool.cached.load(Ordering::Relaxed) as f64 / (1u64 << 30) as f64
+                );
+            }
+        }
     }
 
     /// A recorded step's side branch: its calls become a second chain of the step's graph
@@ -2508,6 +2624,42 @@ mod cap_tests {
         for (rows, lim) in [(1, 64), (65, 100_000), (5_000, 7_872), (3, 1)] {
             assert_eq!(grown_cap(rows, lim) % ROW_ALIGN, 0);
             assert!(grown_cap(rows, lim) >= rows);
+        }
+    }
+}
+#[cfg(test)]
+mod pool_tests {
+    use super::Pool;
+
+    #[test]
+    fn large_blocks_take_sixteenths_of_an_octave_with_two_mib_to_spare() {
+        const MIB: usize = 1 << 20;
+        let fine = 64 * MIB;
+        let class = |b| Pool::class_from(b, fine);
+        // Small blocks and powers of two: as before.
+        assert_eq!((class(1), class(300), class(5 * MIB)), (256, 512, 8 * MIB));
+        assert_eq!(class(256 * MIB), 256 * MIB);
+        assert_eq!(class(63 * MIB), 64 * MIB);
+        // A 3072-token step's 64-head query rows (384 MiB): 416 MiB, not 512.
+        assert_eq!(class(384 * MIB), 416 * MIB);
+        // The same at 2048 tokens of 48 KiB (96 MiB): 104 MiB, not 128.
+        assert_eq!(class(96 * MIB), 104 * MIB);
+        for b in [
+            65 * MIB,
+            100 * MIB + 1,
+            383 * MIB,
+            1000 * MIB,
+            1536 * MIB + 7,
+        ] {
+            let c = class(b);
+            let p = b.next_power_of_two();
+            // Never more than a power of two, at least 2 MiB to spare below it, a sixteenth.
+            assert!(
+                c <= p && (c >= b + 2 * MIB || c == p) && c % (p / 16) == 0,
+                "{b} {c}"
+            );
+            // A block freed under its size class is found again by the same size.
+            assert_eq!(class(b), c);
         }
     }
 }
