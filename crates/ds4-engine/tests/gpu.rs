@@ -497,7 +497,8 @@ fn gpu_sampling_in_the_step_matches_the_host() {
 /// Long prompts: the full-size synthetic q2 model (real shapes, 81 GB; skipped, saying why,
 /// where it does not fit) reads a 20,000-token prompt (several prompt steps, the last one
 /// partial), then 4 greedy tokens, twice in fresh sessions: the logits are finite and bit-identical
-/// (no stale scratch, ring or frontier state leaks from one session or step into the next).
+/// (no stale scratch, ring or frontier state leaks from one session or step into the next), and
+/// both sessions took the same prompt steps.
 /// Different step sizes are not compared: on this random model any rounding change (another step
 /// size, another GEMM) moves the logits after thousands of tokens by O(1) of their spread, through
 /// flipped expert and indexer top-k choices (bench/results/gpu-lead-s11-h200.txt).
@@ -528,11 +529,17 @@ fn gpu_long_prompt_is_deterministic_on_the_full_size_model() {
             ((x >> 33) % vocab) as u32
         })
         .collect();
-    let run = || -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut steps = Vec::new();
+    let mut run = || -> (Vec<u32>, Vec<Vec<f32>>) {
         let mut s = e.new_session(LEN + 8);
         let t = std::time::Instant::now();
         s.sync(&prompt, &mut |_, _| {}).unwrap();
-        println!("{LEN} tokens in {:.2} s", t.elapsed().as_secs_f64());
+        println!(
+            "{LEN} tokens in {:.2} s, steps {:?}",
+            t.elapsed().as_secs_f64(),
+            s.last_steps()
+        );
+        steps.push(s.last_steps().to_vec());
         let (mut toks, mut out) = (Vec::new(), vec![s.logits().unwrap().to_vec()]);
         for _ in 0..4 {
             let tok = argmax(out.last().unwrap());
@@ -543,6 +550,12 @@ fn gpu_long_prompt_is_deterministic_on_the_full_size_model() {
     };
     let (ta, a) = run();
     let (tb, b) = run();
+    // The GPU keeps its first prompt's step while it fits (the same steps, the same logits).
+    assert_eq!(
+        steps[0], steps[1],
+        "the second session took other prompt steps"
+    );
+    assert!(steps[0].len() >= 2, "several steps: {:?}", steps[0]);
     for (i, (la, lb)) in a.iter().zip(&b).enumerate() {
         assert!(
             la.iter().all(|v| v.is_finite()),

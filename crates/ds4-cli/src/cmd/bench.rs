@@ -96,7 +96,13 @@ fn step_list(steps: &[usize]) -> String {
     }
     let parts: Vec<String> = runs
         .iter()
-        .map(|&(n, k)| if k > 1 { format!("{n} x {k}") } else { n.to_string() })
+        .map(|&(n, k)| {
+            if k > 1 {
+                format!("{n} x {k}")
+            } else {
+                n.to_string()
+            }
+        })
         .collect();
     if parts.is_empty() {
         return "none (nothing new to evaluate)".into();
@@ -383,7 +389,10 @@ mod tests {
     #[test]
     fn step_list_counts_runs_of_equal_steps() {
         assert_eq!(step_list(&[4096, 4096, 2048]), "4096 x 2, 2048 tokens");
-        assert_eq!(step_list(&[3072, 2048, 2048, 3072]), "3072, 2048 x 2, 3072 tokens");
+        assert_eq!(
+            step_list(&[3072, 2048, 2048, 3072]),
+            "3072, 2048 x 2, 3072 tokens"
+        );
         assert_eq!(step_list(&[12288]), "12288 tokens");
         assert_eq!(step_list(&[]), "none (nothing new to evaluate)");
     }

@@ -101,9 +101,10 @@ const MIN_AUTO_CHUNK: usize = 2048;
 /// classes for large blocks (mod.rs `Pool::class`): with powers of two alone a 3072-token step
 /// would hold as much as a 4096-token one.
 const AUTO_CHUNKS: [usize; 6] = [DEFAULT_CHUNK, 8192, 6144, 4096, 3072, MIN_AUTO_CHUNK];
-/// Scratch a prompt step holds per token before one has been measured (mod.rs `StepMemory`): a
-/// little above the full-size model's (~0.8 MiB a token on the H100 with the q2 mix).
-const SCRATCH_PER_TOKEN: u64 = 1 << 20;
+/// Scratch a prompt step holds per token before one has been measured (mod.rs `StepMemory`):
+/// the full-size model's peak, 504 KiB a token at 2048-token steps and 488 at 4096 on the H100
+/// with the q2 mix (`bench/results/gpu-s49-h100.txt`), an eighth added as for a measured one.
+const SCRATCH_PER_TOKEN: u64 = 576 << 10;
 /// Memory left beside a step's scratch: at least this, or an eighth of what is available (the
 /// step's own session-state growth, the BLAS library's workspace, driver allocations).
 const STEP_KEEP: u64 = 512 << 20;
@@ -111,8 +112,8 @@ const STEP_KEEP: u64 = 512 << 20;
 /// The largest step of [`AUTO_CHUNKS`] whose scratch fits `avail` (device memory free now plus
 /// the scratch pool's idle blocks) less what is kept, at `per_token` bytes a token (measured by
 /// earlier steps, an eighth added; else [`SCRATCH_PER_TOKEN`]), else [`MIN_AUTO_CHUNK`].
-/// Chosen before every step: the session state takes more as the context grows. Unknown free
-/// memory: the default.
+/// Asked before every step (the backend keeps its first answer while it fits: mod.rs
+/// `prefill_chunk`). Unknown free memory: the default.
 pub(crate) fn auto_chunk(avail: Option<u64>, per_token: Option<u64>) -> usize {
     let Some(avail) = avail else {
         return DEFAULT_CHUNK;
@@ -1423,19 +1424,20 @@ mod tests {
         assert_eq!(auto_chunk(None, None), DEFAULT_CHUNK);
         // H200 after the q2 weights: ~57 GiB free, the longest step.
         assert_eq!(auto_chunk(Some(57 * GIB), None), 12288);
-        // 80 GB H100, q2 with 4 host layers (~3.4 GiB free): 2048 until a step was measured,
-        // 3072 at 0.8 MiB a token; at a longer context (the state took 400 MiB) 2048 again.
-        assert_eq!(auto_chunk(Some(3400 * MIB), None), 2048);
-        assert_eq!(auto_chunk(Some(3400 * MIB), Some(800 << 10)), 3072);
-        assert_eq!(auto_chunk(Some(3000 * MIB), Some(800 << 10)), 2048);
-        // 512 MiB kept below 4 GiB: 3072 tokens of 1 MiB fit 3.5 GiB, not a byte less.
-        assert_eq!(auto_chunk(Some(3584 * MIB), None), 3072);
-        assert_eq!(auto_chunk(Some(3584 * MIB - 1), None), 2048);
-        // An eighth kept above: 8192 tokens of 1 MiB need 64/7 GiB (9362.3 MiB) available.
-        assert_eq!(auto_chunk(Some(9363 * MIB), None), 8192);
-        assert_eq!(auto_chunk(Some(9362 * MIB), None), 6144);
-        // A measured figure gets an eighth more: 1 MiB measured is 1.125 MiB a token.
-        assert_eq!(auto_chunk(Some(9363 * MIB), Some(MIB)), 6144);
+        // 80 GB H100, q2 with 4 host layers (~3.4 GiB free after loading): 4096, before and
+        // after a step measured 504 KiB a token; less room as the context grows: shorter.
+        assert_eq!(auto_chunk(Some(3400 * MIB), None), 4096);
+        assert_eq!(auto_chunk(Some(3400 * MIB), Some(504 << 10)), 4096);
+        assert_eq!(auto_chunk(Some(2400 * MIB), Some(504 << 10)), 3072);
+        assert_eq!(auto_chunk(Some(1800 * MIB), Some(504 << 10)), 2048);
+        // 512 MiB kept below 4 GiB: 4096 tokens of 576 KiB fit 2816 MiB, not a byte less.
+        assert_eq!(auto_chunk(Some(2816 * MIB), None), 4096);
+        assert_eq!(auto_chunk(Some(2816 * MIB - 1), None), 3072);
+        // An eighth kept above: 8192 tokens of 576 KiB need 4608 * 8/7 MiB (5266.3) available.
+        assert_eq!(auto_chunk(Some(5267 * MIB), None), 8192);
+        assert_eq!(auto_chunk(Some(5266 * MIB), None), 6144);
+        // A measured figure gets an eighth more: 576 KiB measured is 648 KiB a token.
+        assert_eq!(auto_chunk(Some(5267 * MIB), Some(576 << 10)), 6144);
         // Never below the floor, even with almost nothing free.
         assert_eq!(auto_chunk(Some(GIB), None), MIN_AUTO_CHUNK);
         assert_eq!(auto_chunk(Some(0), Some(MIB)), MIN_AUTO_CHUNK);

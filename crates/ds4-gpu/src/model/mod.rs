@@ -11,6 +11,7 @@
 //! compressors, indexer, attention; `mix.rs` embedding, hyper-connections, router,
 //! elementwise; `matmul.rs` weight products; `switch.rs` the `DS4_GPU_*` environment switches.
 
+mod arena;
 mod attn;
 mod blas;
 mod gemm;
@@ -131,16 +132,23 @@ struct StepPos {
 // SAFETY: `host` is pinned memory owned by this struct, only touched under the backend's mutex.
 unsafe impl Send for StepPos {}
 
-/// Blocks of at least this many bytes that are not a power of two take the finer classes of
-/// [`Pool::class`] (`DS4_GPU_POOL_FINE_MIN` overrides: tests run every block through them).
-const POOL_FINE_MIN: usize = 64 << 20;
+/// Blocks of at least this many bytes come from [`arena::Arenas`] (shared by every size),
+/// smaller ones from size classes (a decode step's blocks: the same addresses every step).
+/// `DS4_GPU_POOL_ARENA_MIN` overrides (bytes; tests run every block through the arenas).
+const ARENA_MIN: usize = 4 << 20;
+/// The least a new arena region takes (a first prompt step's blocks then share one or two).
+const REGION_MIN: u64 = 512 << 20;
+/// Bytes past a region's usable end, never handed out: a small read past a block's end (vector
+/// loads of a last partial tile) stays inside the allocation.
+const REGION_SLACK: u64 = 2 << 20;
 
-fn pool_fine_min() -> usize {
+fn arena_min() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| env_usize("DS4_GPU_POOL_FINE_MIN").unwrap_or(POOL_FINE_MIN))
+    *V.get_or_init(|| env_usize("DS4_GPU_POOL_ARENA_MIN").unwrap_or(ARENA_MIN))
 }
 
-/// Device memory for activations, reused by size class ([`Pool::class`]). All
+/// Device memory for activations: blocks under [`ARENA_MIN`] reused by size class (powers of
+/// two from 256 bytes), larger ones suballocated from a few big regions ([`arena::Arenas`]). All
 /// work runs on one stream, so a block freed by a dropped buffer is safe to hand out again:
 /// its next user is ordered after its last. The exception, a recorded step's two branches
 /// (`Backend::side_begin` to `join`), holds freed blocks back until the join ([`Pool::defer`]).
@@ -148,17 +156,18 @@ fn pool_fine_min() -> usize {
 pub(crate) struct Pool {
     rt: Arc<dyn Runtime>,
     free: Mutex<HashMap<usize, Vec<DevPtr>>>,
+    arenas: Mutex<arena::Arenas>,
     /// Blocks freed while a recorded step has two branches open (from `side_begin` to `join`):
     /// kept out of the free lists until the join, since the two branches are not ordered (a
     /// block freed in one must not be handed to the other).
     deferred: Mutex<Option<Vec<(usize, DevPtr)>>>,
     /// Sticky error shared with the backend (an allocation can fail inside an op).
     err: Arc<Mutex<Option<String>>>,
-    /// Bytes of blocks handed out and not yet back in a free list (deferred ones included).
+    /// Bytes of blocks handed out and not yet back (deferred ones included).
     in_use: AtomicU64,
     /// Most of `in_use` since [`Pool::reset_peak`].
     peak: AtomicU64,
-    /// Bytes of blocks in the free lists (device memory the pool holds but nothing uses).
+    /// Bytes the pool holds that nothing uses: free class blocks and free arena ranges.
     cached: AtomicU64,
 }
 
@@ -167,6 +176,7 @@ impl Pool {
         Pool {
             rt,
             free: Mutex::new(HashMap::new()),
+            arenas: Mutex::new(arena::Arenas::default()),
             deferred: Mutex::new(None),
             err,
             in_use: AtomicU64::new(0),
@@ -175,31 +185,28 @@ impl Pool {
         }
     }
 
-    /// The block size that serves `bytes`: the next power of two (from 256 bytes), except
-    /// blocks of [`pool_fine_min`] bytes or more that are not a power of two: sixteenths of the
-    /// power of two above them, 2 MiB past their end at least (never more than that power of
-    /// two). Those are prompt steps' activations: a 3072-token step then holds ~3/4 of a
-    /// 4096-token step's memory, not all of it; the 2 MiB keep a small read past a buffer's end
-    /// (vector loads of a last partial tile) inside its block.
     fn class(bytes: usize) -> usize {
-        Self::class_from(bytes, pool_fine_min())
+        bytes.max(256).next_power_of_two()
     }
 
-    fn class_from(bytes: usize, fine_min: usize) -> usize {
-        let b = bytes.max(256);
-        let p = b.next_power_of_two();
-        if b < fine_min || b == p {
-            return p;
+    /// What a block of `bytes` takes from the pool.
+    fn held(bytes: usize) -> u64 {
+        if bytes >= arena_min() {
+            arena::Arenas::len_for(bytes as u64)
+        } else {
+            Self::class(bytes) as u64
         }
-        let step = p / 16;
-        ((b + (2 << 20)).div_ceil(step) * step).min(p)
     }
 
     fn get(&self, bytes: usize) -> DevPtr {
-        let c = Self::class(bytes);
-        let p = self.take(c);
+        let p = if bytes >= arena_min() {
+            self.take_large(bytes as u64)
+        } else {
+            self.take(Self::class(bytes))
+        };
         if p.0 != 0 {
-            let now = self.in_use.fetch_add(c as u64, Ordering::Relaxed) + c as u64;
+            let h = Self::held(bytes);
+            let now = self.in_use.fetch_add(h, Ordering::Relaxed) + h;
             self.peak.fetch_max(now, Ordering::Relaxed);
         }
         p
@@ -213,15 +220,54 @@ impl Pool {
         match self.rt.alloc(c) {
             Ok(p) => p,
             Err(e) => {
-                // Return everything cached to the device and try once more.
+                // Return everything idle to the device and try once more.
                 self.trim();
-                self.rt.alloc(c).unwrap_or_else(|_| {
-                    let mut err = self.err.lock().unwrap();
-                    err.get_or_insert_with(|| format!("device memory: {c} bytes: {e}"));
-                    DevPtr(0)
-                })
+                self.rt
+                    .alloc(c)
+                    .unwrap_or_else(|_| self.failed(c as u64, e))
             }
         }
+    }
+
+    /// A block of `bytes` from the arenas; a new region where none has a free range that long
+    /// ([`REGION_MIN`] or more, else just this block's; idle memory returned first if need be).
+    fn take_large(&self, bytes: u64) -> DevPtr {
+        let len = arena::Arenas::len_for(bytes);
+        let mut ar = self.arenas.lock().unwrap();
+        if let Some(s) = ar.take(bytes) {
+            self.cached.fetch_sub(len, Ordering::Relaxed);
+            return DevPtr(s);
+        }
+        let region = |ar: &mut arena::Arenas, usable: u64| -> crate::error::Result<()> {
+            let p = self.rt.alloc((usable + REGION_SLACK) as usize)?;
+            ar.add_region(p.0, usable);
+            self.cached.fetch_add(usable, Ordering::Relaxed);
+            Ok(())
+        };
+        let mut made = region(&mut ar, len.max(REGION_MIN));
+        if made.is_err() {
+            made = region(&mut ar, len);
+        }
+        if made.is_err() {
+            drop(ar);
+            self.trim();
+            ar = self.arenas.lock().unwrap();
+            made = region(&mut ar, len);
+        }
+        match made {
+            Ok(()) => {
+                let s = ar.take(bytes).expect("a fresh region holds the block");
+                self.cached.fetch_sub(len, Ordering::Relaxed);
+                DevPtr(s)
+            }
+            Err(e) => self.failed(len + REGION_SLACK, e),
+        }
+    }
+
+    fn failed(&self, bytes: u64, e: crate::error::GpuError) -> DevPtr {
+        let mut err = self.err.lock().unwrap();
+        err.get_or_insert_with(|| format!("device memory: {bytes} bytes: {e}"));
+        DevPtr(0)
     }
 
     /// Start a new peak at what is in use now.
@@ -239,10 +285,20 @@ impl Pool {
             d.push((bytes, p));
             return;
         }
-        let c = Self::class(bytes);
-        self.free.lock().unwrap().entry(c).or_default().push(p);
-        self.in_use.fetch_sub(c as u64, Ordering::Relaxed);
-        self.cached.fetch_add(c as u64, Ordering::Relaxed);
+        let h = Self::held(bytes);
+        if bytes >= arena_min() {
+            let given = self.arenas.lock().unwrap().give(p.0);
+            debug_assert_eq!(given, Some(h), "an arena block returns with its own length");
+        } else {
+            self.free
+                .lock()
+                .unwrap()
+                .entry(h as usize)
+                .or_default()
+                .push(p);
+        }
+        self.in_use.fetch_sub(h, Ordering::Relaxed);
+        self.cached.fetch_add(h, Ordering::Relaxed);
     }
 
     /// Hold freed blocks back (`on`), or return those held to the free lists (in the order
@@ -263,22 +319,32 @@ impl Pool {
 
     /// Put every free list in address order (lowest handed out first). Called at the start of
     /// a recorded step: the same schedule then gets the same addresses every step, so a graph
-    /// replays with few updates (drop order would otherwise permute the lists).
+    /// replays with few updates (drop order would otherwise permute the lists). (Arena ranges
+    /// are best fit by address: the same sequence from the same free ranges, the same addresses.)
     fn canonical(&self) {
         for v in self.free.lock().unwrap().values_mut() {
             v.sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
         }
     }
 
-    fn trim(&self) {
+    /// Returns every idle block and arena region to the device (after the device is idle);
+    /// whether anything was returned.
+    fn trim(&self) -> bool {
         let _ = self.rt.synchronize();
-        let mut free = self.free.lock().unwrap();
-        for (c, v) in free.drain() {
+        let mut any = false;
+        for (c, v) in self.free.lock().unwrap().drain() {
             for p in v {
                 let _ = self.rt.free(p);
                 self.cached.fetch_sub(c as u64, Ordering::Relaxed);
+                any = true;
             }
         }
+        for (base, usable) in self.arenas.lock().unwrap().take_idle_regions() {
+            let _ = self.rt.free(DevPtr(base));
+            self.cached.fetch_sub(usable, Ordering::Relaxed);
+            any = true;
+        }
+        any
     }
 }
 
@@ -300,6 +366,8 @@ struct StepMemory {
     open: Option<(usize, u64)>,
     /// Most pool bytes a token of a step of [`StepMemory::LEARN_MIN`] tokens or more held.
     per_token: Option<u64>,
+    /// The prompt step in use (`Backend::prefill_chunk`): set at the first prompt, only shortened.
+    step: Option<usize>,
 }
 
 impl StepMemory {
@@ -1308,7 +1376,12 @@ impl GpuBackend {
     }
 
     fn dev(&self, bytes: usize) -> Option<DeviceBuffer> {
-        self.note(self.gpu.alloc(bytes.max(4)))
+        let r = match self.gpu.alloc(bytes.max(4)) {
+            // The scratch pool's idle blocks back to the device, then once more.
+            Err(_) if self.pool.trim() => self.gpu.alloc(bytes.max(4)),
+            r => r,
+        };
+        self.note(r)
     }
 
     /// Host bytes into device memory that kernels queued on the backend's stream may still
@@ -1596,8 +1669,10 @@ impl Backend for GpuBackend {
         self.graph.lock().unwrap().hint = false; // also where nothing was recorded
     }
 
-    /// Chosen again for every step: the memory free now (session state grows with the context)
-    /// plus the pool's idle blocks, and the most a token of an earlier step held.
+    /// The first prompt's step is the longest that fits the memory free then (plus the pool's
+    /// idle blocks); later steps keep it (the same steps for the same prompt: the same logits)
+    /// unless what fits before a step is shorter, as the session state grows with the context
+    /// or other sessions take memory: then the shorter one from there on.
     fn prefill_chunk(&self) -> usize {
         gemm::prefill_chunk(|| {
             let avail = self
@@ -1605,8 +1680,11 @@ impl Backend for GpuBackend {
                 .mem_info()
                 .ok()
                 .map(|(free, _)| free + self.pool.cached.load(Ordering::Relaxed));
-            let per_token = self.step_mem.lock().unwrap().per_token;
-            gemm::auto_chunk(avail, per_token)
+            let mut sm = self.step_mem.lock().unwrap();
+            let fit = gemm::auto_chunk(avail, sm.per_token);
+            let step = sm.step.map_or(fit, |s| s.min(fit));
+            sm.step = Some(step);
+            step
         })
     }
 
@@ -2624,42 +2702,6 @@ mod cap_tests {
         for (rows, lim) in [(1, 64), (65, 100_000), (5_000, 7_872), (3, 1)] {
             assert_eq!(grown_cap(rows, lim) % ROW_ALIGN, 0);
             assert!(grown_cap(rows, lim) >= rows);
-        }
-    }
-}
-#[cfg(test)]
-mod pool_tests {
-    use super::Pool;
-
-    #[test]
-    fn large_blocks_take_sixteenths_of_an_octave_with_two_mib_to_spare() {
-        const MIB: usize = 1 << 20;
-        let fine = 64 * MIB;
-        let class = |b| Pool::class_from(b, fine);
-        // Small blocks and powers of two: as before.
-        assert_eq!((class(1), class(300), class(5 * MIB)), (256, 512, 8 * MIB));
-        assert_eq!(class(256 * MIB), 256 * MIB);
-        assert_eq!(class(63 * MIB), 64 * MIB);
-        // A 3072-token step's 64-head query rows (384 MiB): 416 MiB, not 512.
-        assert_eq!(class(384 * MIB), 416 * MIB);
-        // The same at 2048 tokens of 48 KiB (96 MiB): 104 MiB, not 128.
-        assert_eq!(class(96 * MIB), 104 * MIB);
-        for b in [
-            65 * MIB,
-            100 * MIB + 1,
-            383 * MIB,
-            1000 * MIB,
-            1536 * MIB + 7,
-        ] {
-            let c = class(b);
-            let p = b.next_power_of_two();
-            // Never more than a power of two, at least 2 MiB to spare below it, a sixteenth.
-            assert!(
-                c <= p && (c >= b + 2 * MIB || c == p) && c % (p / 16) == 0,
-                "{b} {c}"
-            );
-            // A block freed under its size class is found again by the same size.
-            assert_eq!(class(b), c);
         }
     }
 }
