@@ -118,6 +118,28 @@ fn sync_extends_prefixes_and_rebuilds_otherwise() {
     assert!(s.eval(9999).is_err());
 }
 
+/// `Session::sync` evaluates in the backend's prompt steps (128 on the CPU), the last one
+/// partial, reports them (`last_steps`), reports progress after each, and a sync with nothing
+/// new evaluates no step.
+#[test]
+fn sync_steps_are_the_backends_prompt_steps() {
+    let e = engine();
+    let p = toks(300, 6);
+    let mut s = e.new_session(512);
+    assert_eq!(s.prefill_step(), 128);
+    let mut seen = Vec::new();
+    s.sync(&p, &mut |done, total| seen.push((done, total)))
+        .unwrap();
+    assert_eq!(s.last_steps(), &[128, 128, 44]);
+    assert_eq!(seen, vec![(128, 300), (256, 300), (300, 300)]);
+    assert_eq!(s.sync(&p, &mut |_, _| {}).unwrap(), 300);
+    assert!(s.last_steps().is_empty());
+    let mut more = p.clone();
+    more.extend(toks(5, 7));
+    s.sync(&more, &mut |_, _| {}).unwrap();
+    assert_eq!(s.last_steps(), &[5]);
+}
+
 /// `Session::fill_random` (`ds4 bench --decode-only`): the state it builds holds exactly the rows
 /// a computed context of the same length holds (its snapshot, which stores every row, has the
 /// same size, with no logits), the same tokens, and decoding goes on from it; a fill that does
