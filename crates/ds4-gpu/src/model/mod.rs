@@ -1683,6 +1683,15 @@ impl Backend for GpuBackend {
             let mut sm = self.step_mem.lock().unwrap();
             let fit = gemm::auto_chunk(avail, sm.per_token);
             let step = sm.step.map_or(fit, |s| s.min(fit));
+            if sm.step.is_some_and(|s| s > step) {
+                // Said once a shortening: prompts go slower from here (every step reads each
+                // expert's weights once).
+                eprintln!(
+                    "ds4: prompt steps shortened to {step} tokens ({:.2} GiB of device memory \
+                     available beside the weights and session state)",
+                    avail.unwrap_or(0) as f64 / (1u64 << 30) as f64
+                );
+            }
             sm.step = Some(step);
             step
         })
