@@ -41,6 +41,6 @@ if [ -n "${DEVBIN_TESTS:-}" ]; then
   done
 fi
 "$repo/tools/gpu/pack-devbin.sh" "$out.tmp" "$out"/* && rm -rf "$out" && mv "$out.tmp" "$out"
-grep -qx '/.devbin*/' "$repo/.git/info/exclude" || echo '/.devbin*/' >> "$repo/.git/info/exclude"
+grep -qxF '/.devbin*/' "$repo/.git/info/exclude" || echo '/.devbin*/' >> "$repo/.git/info/exclude"
 du -sh "$out"; ls "$out"
 echo "commit: $(git rev-parse --short HEAD)"
