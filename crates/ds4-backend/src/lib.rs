@@ -282,7 +282,7 @@ pub trait Backend: Send + Sync + Sized {
     fn prefetch(&self, _ws: &[&Self::Weight], _n: usize) {}
 
     /// Tokens per prompt step the engine should batch now, asked before every step (activation
-    /// memory grows with it: ~0.8 MiB a token at full size on a GPU). The CPU gains nothing
+    /// memory grows with it: ~0.5 MiB a token at full size on a GPU). The CPU gains nothing
     /// past 128; a GPU reads each expert's weights once per step, so it wants the most that fits
     /// the memory free at that point.
     fn prefill_chunk(&self) -> usize {

@@ -305,11 +305,12 @@ pub fn run(mut a: Args) -> Result<()> {
         }
         let pre = (f - before) as f64 / t0.elapsed().as_secs_f64();
         let kv = s.kv_bytes();
-        if !a.decode_only && engine.gpu_memory().is_some() {
-            // The GPU sizes each step to the memory free before it (DS4_GPU_PREFILL_CHUNK fixes it).
-            eprintln!("# {f}: prompt steps of {}", step_list(s.last_steps()));
-        }
         if let Some((free, total)) = engine.gpu_memory() {
+            if !a.decode_only {
+                // The GPU sizes each step to the memory free before it (DS4_GPU_PREFILL_CHUNK
+                // fixes it).
+                eprintln!("# {f}: prompt steps of {}", step_list(s.last_steps()));
+            }
             // Measured: everything the process holds on the device (weights, their copies, the
             // session state with its rows' spare capacity, pooled scratch).
             eprintln!(

@@ -97,9 +97,8 @@ const _: () = assert!(DEFAULT_CHUNK * 64 * 512 * 4 < 1 << 31);
 /// Smallest step [`auto_chunk`] picks (the old default's neighbourhood: ~1,000 tok/s at 2048);
 /// the engine's memory plan keeps room for it beside the weights (`GPU_RESERVE`).
 const MIN_AUTO_CHUNK: usize = 2048;
-/// The steps [`auto_chunk`] tries, largest first. 6144 and 3072 use the scratch pool's finer
-/// classes for large blocks (mod.rs `Pool::class`): with powers of two alone a 3072-token step
-/// would hold as much as a 4096-token one.
+/// The steps [`auto_chunk`] tries, largest first (a step's large blocks come from the scratch
+/// pool's arenas, mod.rs `Pool`, so a 3072-token step holds less than a 4096-token one).
 const AUTO_CHUNKS: [usize; 6] = [DEFAULT_CHUNK, 8192, 6144, 4096, 3072, MIN_AUTO_CHUNK];
 /// Scratch a prompt step holds per token before one has been measured (mod.rs `StepMemory`):
 /// the full-size model's peak, 504 KiB a token at 2048-token steps and 488 at 4096 on the H100
