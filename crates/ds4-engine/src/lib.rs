@@ -607,7 +607,7 @@ fn device_plan_line(free: u64) -> String {
         let copies = if keep {
             ""
         } else {
-            " without decode-layout copies"
+            " with its Q8_0 matrices in the decode layout only"
         };
         match (n, fits) {
             (_, false) => {
@@ -762,15 +762,19 @@ fn gpu_backend_placed(
     }
     let (b, mut line) = gpu_backend(pick, hp, dev_weights, opts.precision)?;
     if !keep {
+        // No room for both layouts: the Q8_0 matrices keep the decode layout alone (the
+        // decode kernels' layout, 16-byte aligned: ~20% faster decode than the blocks at the
+        // same bytes), the F16 ones their plain layout.
         b.set_layout_copies(false);
+        b.set_q8_decode_only(true);
     }
     if !host.is_empty() {
         line += &host_experts_line(host.len(), per_layer.len(), on_host, opts.precision);
     }
     if !keep && copies > 0 {
         line += &format!(
-            "; no decode-layout copies of the Q8_0 matrices ({:.1} GiB of device memory kept \
-             for the weights)",
+            "; Q8_0 matrices in the decode layout only, without their GGUF blocks (no layout \
+             copies: {:.1} GiB of device memory kept for the weights)",
             gib(copies)
         );
     }
@@ -1002,8 +1006,9 @@ fn open_ranks(
     let mut backends = Vec::with_capacity(n);
     for (rank, pick) in picks.into_iter().enumerate() {
         let dev = pick.gpu.info().index;
-        // A rank whose share fits only without the layout copies makes none (as one GPU does,
-        // `place_weights`); the fit check then counts the weights alone.
+        // A rank whose share fits only without the layout copies makes none and keeps its Q8_0
+        // matrices in the decode layout alone (as one GPU does, `place_weights`); the fit
+        // check then counts the weights alone.
         let copies = sizes.layout_per_rank(n, tp);
         let keep = match pick.gpu.mem_info() {
             Ok((free, _)) => per_rank.saturating_add(GPU_RESERVE) <= free,
@@ -1012,6 +1017,9 @@ fn open_ranks(
         let need = if keep { per_rank } else { per_rank - copies };
         let (b, _) = gpu_backend(pick, hp, need, opts.precision)?;
         b.set_layout_copies(keep);
+        if !keep {
+            b.set_q8_decode_only(true);
+        }
         let shard = Shard {
             rank,
             n_ranks: n,
@@ -1966,7 +1974,7 @@ mod tests {
         assert!(
             h200.contains(&format!("q4 with the routed experts of {q4} of 43 layers"))
                 && h200.contains("in host memory")
-                && h200.ends_with("without decode-layout copies"),
+                && h200.ends_with("with its Q8_0 matrices in the decode layout only"),
             "{h200}"
         );
         let small = device_plan_line(6 * gib);

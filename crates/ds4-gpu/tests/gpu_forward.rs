@@ -287,6 +287,58 @@ fn layout_copies_off_keeps_the_logits() {
     assert!(d <= 1e-4, "{d}");
 }
 
+/// Q8_0 matrices held in the decode layout only (`GpuBackend::set_q8_decode_only`: the engine's
+/// choice where the copies do not fit beside the GGUF blocks) hold the blocks' bytes and no
+/// copy, decode to the default's logits bit for bit (the same decode kernels), and give prompt
+/// steps of 2, 5 and 40 tokens the logits of a backend that holds only the blocks, bit for bit
+/// (the library's bf16 operand converted from either layout is the same).
+#[test]
+fn decode_layout_only_keeps_the_logits() {
+    let hp = HParams::tiny();
+    arenas_for_most_blocks();
+    let Some(_) = common::open_gpu() else { return };
+    let ids = &tokens()[..40];
+    let (_, both_b) = common::backends(&hp).unwrap();
+    let (_, blocks_b) = common::backends(&hp).unwrap();
+    let (_, dec_b) = common::backends(&hp).unwrap();
+    blocks_b.set_layout_copies(false);
+    dec_b.set_q8_decode_only(true);
+    let both = load(both_b, "tiny-q.gguf", Rounding::NONE);
+    let blocks = load(blocks_b, "tiny-q.gguf", Rounding::NONE);
+    let dec = load(dec_b, "tiny-q.gguf", Rounding::NONE);
+    let bytes =
+        |m: &Model<ds4_gpu::GpuBackend>| (m.backend.weight_bytes(), m.backend.layout_bytes());
+    let (wb, cb) = bytes(&both);
+    let (wd, cd) = bytes(&dec);
+    let f16i = blocks.backend.layout_bytes(); // 0: no copies at all
+    println!("weights / copies: both {wb} / {cb}, decode layout only {wd} / {cd}");
+    assert_eq!(wb, wd);
+    assert!(cb > cd && f16i == 0, "{cb} {cd} {f16i}");
+    let d = max_diff(&run(&both, ids, None), &run(&dec, ids, None));
+    println!(
+        "decode of {}: max |Δ| {d:.3e} against both layouts",
+        ids.len()
+    );
+    assert_eq!(d, 0.0);
+    if !dec.backend.blas_available() {
+        // Prompt steps of a matrix without its blocks run on the library alone.
+        println!("prompt steps skipped: the BLAS-Lt library did not load");
+        return;
+    }
+    for chunk in [2usize, 5, 40] {
+        let d = max_diff(
+            &run(&blocks, ids, Some(chunk)),
+            &run(&dec, ids, Some(chunk)),
+        );
+        println!("prompt steps of {chunk}: max |Δ| {d:.3e} against the blocks alone");
+        if chunk >= 5 {
+            assert_eq!(d, 0.0, "steps of {chunk}");
+        } else {
+            assert!(d <= 1e-4, "steps of {chunk}: {d}"); // the decode kernels against the blocks'
+        }
+    }
+}
+
 /// `Backend::prefetch` is a hint: decode with the L2 prefetches on (24 MiB a hint, on the
 /// graph's hint chain) gives the same logits bit for bit as without.
 #[test]

@@ -552,6 +552,126 @@ fn blas_matmul_add_same_bits() {
     assert!(bad.is_empty(), "failed cases: {bad:?}");
 }
 
+/// Q8_0 matrices held in the decode layout only (`GpuBackend::set_q8_decode_only`: the engine's
+/// choice where the layout copies do not fit beside the blocks): the same device bytes as the
+/// blocks alone, no copy counted, and every product the same bits as from the blocks: prompt
+/// products through the library (W' converted from the decode layout, plain and interleaved
+/// rows: 1024 and 4096 columns; dense and grouped; default, fast and f16 forms, f16 taking the
+/// fast form there) and one- and two-token products by the decode kernels, which the default
+/// (both layouts) runs too. With the library off the product is refused with an error that
+/// says why, not run on blocks that are not there.
+#[test]
+fn blas_from_the_decode_layout_same_bits() {
+    let Some((cpu, gpu)) = blas_backends() else {
+        return;
+    };
+    // (cols, rows, groups): plain rows, interleaved rows, the model's out_a at a few rows.
+    let shapes = [
+        (1024usize, 512usize, 1usize),
+        (4096, 256, 1),
+        (4096, 8 * 64, 8),
+    ];
+    let mut bad = Vec::new();
+    for (si, &(cols, rows, groups)) in shapes.iter().enumerate() {
+        let seed = 900 + si as u64;
+        // One upload of the same bytes per layout: blocks only, both, decode layout only.
+        let upload = |copies: bool, dec_only: bool| {
+            gpu.set_layout_copies(copies);
+            gpu.set_q8_decode_only(dec_only);
+            let (b0, l0) = (gpu.weight_bytes(), gpu.layout_bytes());
+            let (_, w) = weight(&cpu, &gpu, GgmlType::Q8_0, cols, rows, 1, seed);
+            (w, gpu.weight_bytes() - b0, gpu.layout_bytes() - l0)
+        };
+        let (blocks, bb, bl) = upload(false, false);
+        let (both, tb, tl) = upload(true, false);
+        let (dec, db, dl) = upload(true, true);
+        gpu.set_layout_copies(true);
+        gpu.set_q8_decode_only(false);
+        println!(
+            "{cols}x{rows}: weight / copy bytes: blocks {bb} / {bl}, both {tb} / {tl}, decode \
+             layout only {db} / {dl}"
+        );
+        if !(bb == tb && tb == db && bl == 0 && tl == bb && dl == 0) {
+            bad.push(format!(
+                "{cols}x{rows}: bytes {bb}/{bl} {tb}/{tl} {db}/{dl}"
+            ));
+        }
+        let prod = |w: &<GpuBackend as Backend>::Weight, n: usize| -> Vec<f32> {
+            let x = randn(&mut rng(seed + 50 + n as u64), n * cols * groups, 1.0);
+            let gx = gpu.upload(&x);
+            let out = rows;
+            let mut gy = gpu.alloc(n * out);
+            if groups == 1 {
+                gpu.matmul(w, Part::All, &gx, n, &mut gy);
+            } else {
+                gpu.matmul_grouped(w, groups, &gx, n, &mut gy);
+            }
+            gpu.download(&gy, n * out)
+        };
+        let differ = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count()
+        };
+        for form in ["on", "fast", "f16"] {
+            match form {
+                "f16" => GpuBackend::set_blas_f16(),
+                _ => GpuBackend::set_blas(true, form == "fast"),
+            }
+            GpuBackend::set_bf16_cache(Some(false));
+            let n = 37;
+            let l0 = GpuBackend::blas_launches();
+            let (a, b) = (prod(&dec, n), prod(&blocks, n));
+            let took = GpuBackend::blas_launches() - l0;
+            if let Err(e) = gpu.check() {
+                bad.push(format!("{cols}x{rows} {form}: GPU error {e}"));
+                continue;
+            }
+            // f16: the blocks take the f16 form, the decode layout the fast one: compare
+            // with the fast form's product of the blocks instead.
+            let b = if form == "f16" {
+                GpuBackend::set_blas(true, true);
+                prod(&blocks, n)
+            } else {
+                b
+            };
+            let d = differ(&a, &b);
+            println!("{cols}x{rows} groups {groups} {form} n={n}: {d} of {} values differ from the blocks' product ({took} library products)", a.len());
+            if d != 0 || took != 2 {
+                bad.push(format!(
+                    "{cols}x{rows} {form}: {d} differ, {took} library products"
+                ));
+            }
+        }
+        GpuBackend::set_blas(true, false);
+        GpuBackend::set_bf16_cache(None);
+        for n in [1usize, 2] {
+            let (a, b) = (prod(&dec, n), prod(&both, n));
+            let d = differ(&a, &b);
+            println!(
+                "{cols}x{rows} groups {groups} n={n}: {d} values differ from both layouts' product"
+            );
+            if d != 0 || gpu.check().is_err() {
+                bad.push(format!("{cols}x{rows} n={n}: {d} differ"));
+            }
+        }
+        // No library: the product needs the blocks, which are gone: an error, not garbage.
+        GpuBackend::set_blas(false, false);
+        let _ = prod(&dec, 37);
+        let e = gpu.check();
+        GpuBackend::set_blas(true, false);
+        println!("{cols}x{rows} without the library: {e:?}");
+        match e {
+            Err(e) if e.contains("decode layout only") => {}
+            other => bad.push(format!("{cols}x{rows} without the library: {other:?}")),
+        }
+        let _ = gpu.check();
+    }
+    GpuBackend::set_bf16_cache(None);
+    assert!(bad.is_empty(), "failed cases: {bad:?}");
+}
+
 /// Host test (no GPU, no library needed): a failed load lists every place searched, in the
 /// one line the backend prints before falling back to the built-in GEMM.
 #[test]

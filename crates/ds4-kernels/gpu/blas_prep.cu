@@ -62,6 +62,54 @@ DS4_KERNEL void DS4_BOUNDS(256) blas_w_f16(const u8* __restrict__ W, long long r
 DS4_KERNEL void DS4_BOUNDS(256) blas_w_bf16(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) { bp_w<T_BF16>(W, row_bytes, K, rows, parts, out); }
 DS4_KERNEL void DS4_BOUNDS(256) blas_w_q8_0(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) { bp_w<T_Q8_0>(W, row_bytes, K, rows, parts, out); }
 
+// Slice i of a Q8_0 matrix in the decode layout (matvec.cu q8_repack / q8_repack_i: quants Q,
+// row r at byte r·K, then the f16 scales D, block b of row r at r·K/32 + b; IL: tiles of 512
+// columns whose slot s holds in word j the quants of tile columns 128j + 4s .. + 3, the scale of
+// tile block 4j + q at D[16·tile + 4q + j]): the 8 values bp_w_slice<T_Q8_0> gives from the GGUF
+// blocks (d·q, one rounding), so W' is the same bits from either layout.
+template <bool IL>
+__device__ __forceinline__ bool bp_wd_slice(const u8* __restrict__ Q, const u16* __restrict__ D, int K, long long rows, long long i, float (&v)[8]) {
+    const int per = K / 8;
+    if (i >= rows * per) return false;
+    const long long e0 = 8 * i; // the slice's first element (row-major: r·K + 8s)
+    u32 a, b;
+    float d;
+    if (IL) {
+        const long long t = e0 >> 9; // tiles never straddle rows (K % 512 == 0)
+        const int c = (int)(e0 & 511), j = c >> 7, sl = (c & 127) >> 2;
+        const u8* tb = Q + t * 512 + 4 * j;
+        a = *(const u32*)(tb + 16 * sl); // columns c .. c + 3
+        b = *(const u32*)(tb + 16 * (sl + 1)); // c + 4 .. c + 7 (same word j, same block)
+        d = ds4_h2f(D[t * 16 + 4 * ((c & 127) >> 5) + j]);
+    } else {
+        const uint2 q = *(const uint2*)(Q + e0);
+        a = q.x, b = q.y;
+        d = ds4_h2f(D[e0 >> 5]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        v[k] = ds4_mul_rn((float)(signed char)((a >> (8 * k)) & 0xffu), d);
+        v[4 + k] = ds4_mul_rn((float)(signed char)((b >> (8 * k)) & 0xffu), d);
+    }
+    return true;
+}
+
+// bp_w from the decode layout (model/blas.rs `blas_w` where the matrix has one).
+template <bool IL>
+__device__ __forceinline__ void bp_wd(const u8* __restrict__ Q, const u16* __restrict__ D, int K, long long rows, int parts, uint4* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
+    float v[8];
+    if (!bp_wd_slice<IL>(Q, D, K, rows, i, v)) return;
+    uint4 hi, lo;
+    bp_split8(v, hi, lo);
+    const int per = K / 8;
+    uint4* o = out + (i / per) * (parts - 1) * per + i;
+    for (int p = 0; p < parts; p++) o[p * per] = p == 2 ? lo : hi;
+}
+
+DS4_KERNEL void DS4_BOUNDS(256) blas_w_q8_0d(const u8* __restrict__ Q, const u16* __restrict__ D, int K, long long rows, int parts, uint4* __restrict__ out) { bp_wd<false>(Q, D, K, rows, parts, out); }
+DS4_KERNEL void DS4_BOUNDS(256) blas_w_q8_0di(const u8* __restrict__ Q, const u16* __restrict__ D, int K, long long rows, int parts, uint4* __restrict__ out) { bp_wd<true>(Q, D, K, rows, parts, out); }
+
 // Slice i (8 elements) of X [n rows, stride x_tok floats; G groups of K], in X' order: row t,
 // group g, slice s of the group (i = (t·G + g)·K/8 + s). False past the end.
 __device__ __forceinline__ bool bp_x_slice(const float* __restrict__ X, long long x_tok, int K, int G, long long n, long long i, float4& a, float4& b) {

@@ -279,6 +279,10 @@ struct Job<'a> {
     y_z: usize,
     /// y += the product (the library's beta 1) instead of y = it.
     acc: bool,
+    /// A Q8_0 matrix's decode layout (matvec.rs `q8_decode_copy`: quants then scales) and
+    /// whether it is interleaved: W' is converted from it (the same values as from the blocks,
+    /// 16-byte aligned loads), and it is the only layout of a matrix held without its blocks.
+    dec: Option<(DevPtr, bool)>,
 }
 
 impl Job<'_> {
@@ -600,6 +604,7 @@ impl GpuBackend {
         };
         self.blas_job(&Job {
             w: p.offset(slab as u64),
+            dec: matches!(part, Part::All).then(|| w.dec_parts()).flatten(),
             bf: matches!(part, Part::All).then(|| w.bf_slot()).flatten(),
             ty,
             row_bytes,
@@ -633,6 +638,7 @@ impl GpuBackend {
         }
         self.blas_job(&Job {
             w: p,
+            dec: w.dec_parts(),
             bf: w.bf_slot(),
             ty,
             row_bytes,
@@ -672,11 +678,14 @@ impl GpuBackend {
         let Some(st) = self.blas_state() else {
             return false;
         };
-        if m == F16 && matches!(j.ty, GgmlType::Q8_0 | GgmlType::F16) {
+        // (The f16 form scans and converts GGUF blocks: a matrix held in the decode layout
+        // only takes the fast bf16 form instead.)
+        let blocks = j.w.0 != 0;
+        if m == F16 && blocks && matches!(j.ty, GgmlType::Q8_0 | GgmlType::F16) {
             return self.blas_job_f16(st, j, sfx);
         }
         // Parts along K: hi/lo terms (see the module doc); BF16 weights have no lo part.
-        let parts = if m == FAST {
+        let parts = if m == FAST || (m == F16 && !blocks) {
             1
         } else if j.ty == GgmlType::BF16 {
             2
@@ -728,6 +737,24 @@ impl GpuBackend {
     fn blas_w(&self, j: &Job, parts: usize, sfx: &str, out: DevPtr) {
         W_CONV.fetch_add(1, Ordering::Relaxed);
         let wslices = j.rows * j.cols / 8;
+        if let (GgmlType::Q8_0, Some((q, il))) = (j.ty, j.dec) {
+            // From the decode layout: quants Q (rows × cols bytes), then the scales D.
+            let d = q.offset((j.rows * j.cols) as u64);
+            self.run(
+                &ds4_kernels::BLAS_PREP,
+                if il { "blas_w_q8_0di" } else { "blas_w_q8_0d" },
+                LaunchDims::linear(wslices.div_ceil(256) as u32, 256),
+                &[
+                    Arg::Ptr(q),
+                    Arg::Ptr(d),
+                    Arg::I32(j.cols as i32),
+                    Arg::I64(j.rows as i64),
+                    Arg::I32(parts as i32),
+                    Arg::Ptr(out),
+                ],
+            );
+            return;
+        }
         self.run(
             &ds4_kernels::BLAS_PREP,
             &format!("blas_w_{sfx}"),

@@ -1153,6 +1153,9 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) -> bool {
+        if !w.blocks() {
+            return false; // decode layout only: matmul.rs `mat` says why
+        }
         let GpuWeight::Mat {
             buf,
             ty,
@@ -1210,6 +1213,9 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) -> bool {
+        if !w.blocks() {
+            return false; // decode layout only: matmul.rs `mat` says why
+        }
         let GpuWeight::Mat {
             buf,
             ty,

@@ -210,7 +210,22 @@ impl GpuBackend {
     }
 
     /// The weight's pointer and an [`Mm`] over all its rows for one item (or an error noted).
+    /// The general kernels read GGUF blocks: a matrix held in the decode layout only is an
+    /// error here (the decode kernels and the vendor BLAS, which run its products, declined).
     fn mat(&self, w: &GpuWeight) -> Option<(DevPtr, Mm)> {
+        if !w.blocks() {
+            let (cols, rows) = match w {
+                GpuWeight::Mat { cols, rows, .. } => (*cols, *rows),
+                _ => (0, 0),
+            };
+            self.note::<()>(Err(GpuError::Invalid(format!(
+                "a Q8_0 product of {cols} x {rows} held in the decode layout only (the GGUF \
+                 blocks were dropped to fit the device) has no kernel on this path: the \
+                 vendor BLAS declined it (DS4_GPU_BLAS=off?); DS4_GPU_Q8_REPACK=off keeps the \
+                 blocks instead"
+            ))));
+            return None;
+        }
         let GpuWeight::Mat {
             buf,
             ty,

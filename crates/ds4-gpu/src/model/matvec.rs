@@ -665,7 +665,7 @@ impl GpuBackend {
         mvr_env();
         let il = q8_il(cols);
         let bytes = q8_copy_bytes(ty, cols, rows, experts);
-        if bytes == 0 || !self.layout_copies() || self.failed() {
+        if bytes == 0 || !(self.layout_copies() || self.q8_decode_only()) || self.failed() {
             return (None, il);
         }
         let nb = rows * cols / 32;
@@ -691,6 +691,35 @@ impl GpuBackend {
             ],
         );
         (Some(dec), il)
+    }
+
+    /// A matrix's layouts from its GGUF blocks in `buf`: (the weight's `buf`, `dec`, `dec_il`).
+    /// `q8_decode_copy`'s copy beside the blocks, or with [`GpuBackend::q8_decode_only`] in
+    /// place of them: the blocks are freed once the repack has read them (`buf` becomes a null
+    /// buffer, [`GpuWeight::blocks`] false) and the decode layout counts as the weight's own
+    /// bytes (the same 34 bytes a block), not as a copy.
+    pub(crate) fn q8_layouts(
+        &self,
+        buf: DeviceBuffer,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        experts: usize,
+    ) -> (DeviceBuffer, Option<DeviceBuffer>, bool) {
+        let (dec, il) = self.q8_decode_copy(&buf, ty, cols, rows, experts);
+        let Some(d) = dec.as_ref() else {
+            return (buf, None, il);
+        };
+        if !self.q8_decode_only() {
+            return (buf, dec, il);
+        }
+        // The repack reads the blocks on the stream: they are freed after it has run.
+        if self.note(self.gpu.synchronize()).is_none() {
+            return (buf, dec, il);
+        }
+        *self.layout_bytes.lock().unwrap() -= d.bytes() as u64;
+        drop(buf);
+        (DeviceBuffer::null(&self.gpu), dec, il)
     }
 
     /// The interleaved F16 copy of `buf` (see `F16_IL`), or None (another type or shape, the
@@ -1355,6 +1384,9 @@ impl GpuBackend {
                 return true;
             }
         }
+        if !w.blocks() {
+            return false; // the kernels below read GGUF blocks
+        }
         let w0 = p.offset(byte0 as u64);
         if n == 1 && self.mvq(*ty, w0, 0, x, 0, y.ptr, 0, rows, cols, rb, 1) {
             return true;
@@ -1508,6 +1540,9 @@ impl GpuBackend {
             if self.mvrn(dec, *dec_il, x, xs, y.ptr, ys, r, cols, groups, n) {
                 return true;
             }
+        }
+        if !w.blocks() {
+            return false; // the kernels below read GGUF blocks
         }
         if n == 1 && self.mvq(*ty, p, r * rb, x, x_z, y.ptr, r, r, cols, rb, groups) {
             return true;
@@ -1690,6 +1725,9 @@ impl GpuBackend {
             };
             self.run(&ds4_kernels::MATVEC, name, dims, &args);
             return true;
+        }
+        if ws.iter().any(|w| !w.blocks()) {
+            return false; // the kernels below read GGUF blocks
         }
         let sfx = match ty {
             GgmlType::F16 => "f16",

@@ -982,6 +982,9 @@ impl GpuBackend {
         else {
             return self.invalid("embed: the table must be a matrix weight");
         };
+        if !table.blocks() {
+            return self.invalid("embed: the table is held in the decode layout only");
+        }
         let code = match ty {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,

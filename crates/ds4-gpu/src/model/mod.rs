@@ -490,7 +490,28 @@ impl GpuWeight {
         }
     }
 
-    /// A matrix's (pointer, type, cols, rows, row_bytes); None for vectors and tables.
+    /// False for a Q8_0 matrix held in the decode layout only ([`GpuBackend::set_q8_decode_only`]:
+    /// `buf` is then a null buffer and `dec` the weight); true for every other weight.
+    pub(crate) fn blocks(&self) -> bool {
+        !matches!(self, GpuWeight::Mat { buf, dec: Some(_), .. } if buf.ptr().0 == 0)
+    }
+
+    /// A Q8_0 matrix's decode layout (matvec.rs `q8_decode_copy`) and whether it is
+    /// interleaved; None where it has none.
+    pub(crate) fn dec_parts(&self) -> Option<(DevPtr, bool)> {
+        match self {
+            GpuWeight::Mat {
+                ty: GgmlType::Q8_0,
+                dec: Some(d),
+                dec_il,
+                ..
+            } => Some((d.ptr(), *dec_il)),
+            _ => None,
+        }
+    }
+
+    /// A matrix's (pointer, type, cols, rows, row_bytes); None for vectors and tables. The
+    /// pointer is null where [`GpuWeight::blocks`] is false.
     pub(crate) fn mat_parts(&self) -> Option<(DevPtr, GgmlType, usize, usize, usize)> {
         match self {
             GpuWeight::Mat {
@@ -607,6 +628,9 @@ pub struct GpuBackend {
     layout_bytes: Mutex<u64>,
     /// Whether uploads make those copies ([`GpuBackend::set_layout_copies`]; default on).
     layout_copies: std::sync::atomic::AtomicBool,
+    /// Whether uploads keep Q8_0 matrices in the decode layout only, their GGUF blocks dropped
+    /// ([`GpuBackend::set_q8_decode_only`]; `DS4_GPU_Q8_DEC_ONLY=1` forces it).
+    q8_dec_only: std::sync::atomic::AtomicBool,
     /// `DS4_GPU_POISON=1`: new activation buffers are filled with NaN instead of left as they
     /// are (tests use it to prove every op writes its whole output).
     poison: bool,
@@ -817,6 +841,9 @@ impl GpuBackend {
             weight_bytes: Mutex::new(0),
             layout_bytes: Mutex::new(0),
             layout_copies: std::sync::atomic::AtomicBool::new(true),
+            q8_dec_only: std::sync::atomic::AtomicBool::new(
+                std::env::var("DS4_GPU_Q8_DEC_ONLY").is_ok_and(|v| v == "1" || v == "on"),
+            ),
             poison: std::env::var("DS4_GPU_POISON").is_ok_and(|v| v == "1"),
             prof: std::env::var("DS4_GPU_PROFILE")
                 .is_ok_and(|v| v == "1")
@@ -1217,6 +1244,24 @@ impl GpuBackend {
     pub(crate) fn layout_copies(&self) -> bool {
         self.layout_copies
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether Q8_0 matrices uploaded from now on are held in the decode layout only (matvec.rs
+    /// `q8_decode_copy`'s layout, made from the GGUF blocks, which are then dropped): the same
+    /// device bytes as the blocks alone, and the one-token products as fast as with both. The
+    /// engine turns it on where the layout copies do not fit beside the blocks (an 80 GB card
+    /// with the q2 mix, one H200 with q4). Every product of such a matrix runs from that layout:
+    /// n <= 4 tokens by the decode kernels, prompts by the vendor BLAS (its bf16 operand
+    /// converted from the decode layout, blas.rs); a path that would need the blocks (the
+    /// built-in GEMM, `DS4_GPU_BLAS=off`) is refused with an error naming the weight's layout
+    /// (matmul.rs `mat`). `DS4_GPU_Q8_REPACK=off` (no decode layout at all) wins over it.
+    pub fn set_q8_decode_only(&self, on: bool) {
+        self.q8_dec_only
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn q8_decode_only(&self) -> bool {
+        self.q8_dec_only.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(crate) fn count_layout_copy(&self, bytes: usize) {
@@ -1810,8 +1855,8 @@ impl Backend for GpuBackend {
             .weight_src(src)
             .ok_or_else(|| self.check().unwrap_err())?;
         let experts = src.dims.get(2).copied().unwrap_or(1) as usize;
-        let (dec, dec_il) = self.q8_decode_copy(&buf, src.ty, src.cols(), src.rows(), experts);
         let f16i = self.f16_il_copy(&buf, src.ty, src.cols(), src.rows(), experts);
+        let (buf, dec, dec_il) = self.q8_layouts(buf, src.ty, src.cols(), src.rows(), experts);
         Ok(GpuWeight::Mat {
             f16i,
             buf,
@@ -1937,6 +1982,9 @@ impl Backend for GpuBackend {
         else {
             return Err("read_weight: not a matrix".into());
         };
+        if !w.blocks() {
+            return Err("read_weight: the matrix is held in the decode layout only".into());
+        }
         let n = row_bytes * rows * experts.max(&1);
         if out.len() != n {
             return Err(format!(

@@ -215,10 +215,10 @@ impl GpuBackend {
                         ))
                     }
                 }
-                let (dec, dec_il) =
-                    self.q8_decode_copy(&buf, ty, cols as usize, rows as usize, experts as usize);
                 let f16i =
                     self.f16_il_copy(&buf, ty, cols as usize, rows as usize, experts as usize);
+                let (buf, dec, dec_il) =
+                    self.q8_layouts(buf, ty, cols as usize, rows as usize, experts as usize);
                 GpuWeight::Mat {
                     f16i,
                     dec,
@@ -238,6 +238,8 @@ impl GpuBackend {
             return Err(self.check().err().unwrap_or_default());
         }
         *self.weight_bytes.lock().unwrap() += match &w {
+            // Held in the decode layout only: that layout is the weight's bytes.
+            GpuWeight::Mat { dec: Some(d), .. } if !w.blocks() => d.bytes() as u64,
             GpuWeight::Mat { buf, .. }
             | GpuWeight::F32 { buf, .. }
             | GpuWeight::I32 { buf, .. } => buf.bytes() as u64,
