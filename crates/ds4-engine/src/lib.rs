@@ -764,17 +764,22 @@ fn gpu_backend_placed(
     if !keep {
         // No room for both layouts: the Q8_0 matrices keep the decode layout alone (the
         // decode kernels' layout, 16-byte aligned: ~20% faster decode than the blocks at the
-        // same bytes), the F16 ones their plain layout.
+        // same bytes), the F16 ones their plain layout. Prompt products then need the vendor
+        // BLAS (the built-in GEMM reads blocks): without it the blocks stay.
         b.set_layout_copies(false);
-        b.set_q8_decode_only(true);
+        b.set_q8_decode_only(b.blas_available());
     }
     if !host.is_empty() {
         line += &host_experts_line(host.len(), per_layer.len(), on_host, opts.precision);
     }
     if !keep && copies > 0 {
         line += &format!(
-            "; Q8_0 matrices in the decode layout only, without their GGUF blocks (no layout \
-             copies: {:.1} GiB of device memory kept for the weights)",
+            "; {} ({:.1} GiB of device memory kept for the weights)",
+            if b.q8_decode_only() {
+                "Q8_0 matrices in the decode layout only, without their GGUF blocks"
+            } else {
+                "no decode-layout copies of the Q8_0 matrices"
+            },
             gib(copies)
         );
     }
@@ -1017,7 +1022,7 @@ fn open_ranks(
         let need = if keep { per_rank } else { per_rank - copies };
         let (b, _) = gpu_backend(pick, hp, need, opts.precision)?;
         b.set_layout_copies(keep);
-        if !keep {
+        if !keep && b.blas_available() {
             b.set_q8_decode_only(true);
         }
         let shard = Shard {

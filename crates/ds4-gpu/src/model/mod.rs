@@ -1260,7 +1260,7 @@ impl GpuBackend {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub(crate) fn q8_decode_only(&self) -> bool {
+    pub fn q8_decode_only(&self) -> bool {
         self.q8_dec_only.load(std::sync::atomic::Ordering::Relaxed)
     }
 
