@@ -201,7 +201,8 @@ pub fn run(mut a: Args) -> Result<()> {
         let copies = engine.gpu_layout_bytes().unwrap_or(0);
         eprintln!(
             "# weights on the device{each}: {:.2} GiB, and {:.2} GiB of their decode-layout copies \
-             (DS4_GPU_Q8_REPACK=off makes none: slower decode)",
+             (none where the Q8_0 matrices are held in that layout only, as the backend line \
+             says; DS4_GPU_Q8_REPACK=off: none, the blocks alone, slower decode)",
             gib(w),
             gib(copies)
         );
