@@ -767,7 +767,7 @@ fn gpu_backend_placed(
         // same bytes), the F16 ones their plain layout. Prompt products then need the vendor
         // BLAS (the built-in GEMM reads blocks): without it the blocks stay.
         b.set_layout_copies(false);
-        b.set_q8_decode_only(b.blas_available());
+        b.set_q8_decode_only(b.blas_runs_prompts());
     }
     if !host.is_empty() {
         line += &host_experts_line(host.len(), per_layer.len(), on_host, opts.precision);
@@ -1022,7 +1022,7 @@ fn open_ranks(
         let need = if keep { per_rank } else { per_rank - copies };
         let (b, _) = gpu_backend(pick, hp, need, opts.precision)?;
         b.set_layout_copies(keep);
-        if !keep && b.blas_available() {
+        if !keep && b.blas_runs_prompts() {
             b.set_q8_decode_only(true);
         }
         let shard = Shard {

@@ -432,6 +432,12 @@ impl GpuBackend {
         self.blas_state().is_some()
     }
 
+    /// Whether prompt products go to the library: it loaded and `DS4_GPU_BLAS` is not `off`
+    /// (what a matrix held in the decode layout only needs: `set_q8_decode_only`).
+    pub fn blas_runs_prompts(&self) -> bool {
+        mode() != OFF && self.blas_available()
+    }
+
     fn blas_state(&self) -> Option<&BlasState> {
         self.blas
             .st
