@@ -62,7 +62,8 @@ pub struct ModelArgs {
     /// Routed experts in host memory, for a GPU whose memory cannot hold the model (a 12-24 GB
     /// card with the q2 mix: every dense weight, ~8 GiB, stays on the GPU). `auto`: all on the
     /// GPU when they fit, else those of as few layers as let the rest fit (after dropping the
-    /// GPU's ~6 GiB of decode-layout copies of the Q8_0 matrices), spread through the model;
+    /// GPU's ~6 GiB of decode-layout copies of the Q8_0 matrices: those then keep that layout
+    /// alone, not their GGUF blocks, at the same bytes and decode speed), spread through the model;
     /// `N`: N layers', spread, the last among them; `all`; `off`: refuse a model that does not
     /// fit. The GPU holds one host layer's experts at a time (the plan counts it): decode
     /// steps run the last host layer as resident and copy the 6 selected experts of each
