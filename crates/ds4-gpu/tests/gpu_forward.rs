@@ -262,38 +262,16 @@ fn bounded_row_capacity_changes_no_logit() {
     );
 }
 
-/// A backend told to make no layout copies (`GpuBackend::set_layout_copies(false)`: the
-/// engine's choice for a model that does not fit with them) holds none, the default holds its
-/// Q8_0 matrices' decode layout, and both decode to the same logits (other kernels, other
-/// summation orders: within 1e-4).
+/// The Q8_0 matrices' layouts. A backend told to make no layout copies
+/// (`GpuBackend::set_layout_copies(false)`) holds the GGUF blocks alone; the default holds the
+/// decode layout beside them; one told to hold the decode layout only
+/// (`GpuBackend::set_q8_decode_only`: the engine's choice where both do not fit) holds the
+/// blocks' bytes and no copy. Decode: the blocks alone within 1e-4 of the default (other
+/// kernels), the decode layout alone bit for bit (the same kernels). Prompt steps of 5 and 40
+/// tokens: the decode layout alone bit for bit as the blocks alone (the library's bf16 operand
+/// converted from either layout is the same); steps of 2 within 1e-4 (the decode kernels).
 #[test]
-fn layout_copies_off_keeps_the_logits() {
-    let hp = HParams::tiny();
-    arenas_for_most_blocks();
-    let Some(_) = common::open_gpu() else { return };
-    let ids = &tokens()[..40];
-    let (_, with_b) = common::backends(&hp).unwrap();
-    let (_, without_b) = common::backends(&hp).unwrap();
-    without_b.set_layout_copies(false);
-    let with = load(with_b, "tiny-q.gguf", Rounding::NONE);
-    let without = load(without_b, "tiny-q.gguf", Rounding::NONE);
-    let (cw, cn) = (with.backend.layout_bytes(), without.backend.layout_bytes());
-    println!("layout copies: {cw} bytes by default, {cn} when off");
-    assert!(cw > 0 && cn == 0, "{cw} {cn}");
-    assert_eq!(with.backend.weight_bytes(), without.backend.weight_bytes());
-    let (a, b) = (run(&with, ids, None), run(&without, ids, None));
-    let d = max_diff(&a, &b);
-    println!("decode of {}: max |Δ| {d:.3e}", ids.len());
-    assert!(d <= 1e-4, "{d}");
-}
-
-/// Q8_0 matrices held in the decode layout only (`GpuBackend::set_q8_decode_only`: the engine's
-/// choice where the copies do not fit beside the GGUF blocks) hold the blocks' bytes and no
-/// copy, decode to the default's logits bit for bit (the same decode kernels), and give prompt
-/// steps of 2, 5 and 40 tokens the logits of a backend that holds only the blocks, bit for bit
-/// (the library's bf16 operand converted from either layout is the same).
-#[test]
-fn decode_layout_only_keeps_the_logits() {
+fn q8_layouts_keep_the_logits() {
     let hp = HParams::tiny();
     arenas_for_most_blocks();
     let Some(_) = common::open_gpu() else { return };
@@ -308,18 +286,23 @@ fn decode_layout_only_keeps_the_logits() {
     let dec = load(dec_b, "tiny-q.gguf", Rounding::NONE);
     let bytes =
         |m: &Model<ds4_gpu::GpuBackend>| (m.backend.weight_bytes(), m.backend.layout_bytes());
-    let (wb, cb) = bytes(&both);
-    let (wd, cd) = bytes(&dec);
-    let f16i = blocks.backend.layout_bytes(); // 0: no copies at all
-    println!("weights / copies: both {wb} / {cb}, decode layout only {wd} / {cd}");
-    assert_eq!(wb, wd);
-    assert!(cb > cd && f16i == 0, "{cb} {cd} {f16i}");
-    let d = max_diff(&run(&both, ids, None), &run(&dec, ids, None));
+    let ((wt, ct), (wb, cb), (wd, cd)) = (bytes(&both), bytes(&blocks), bytes(&dec));
     println!(
-        "decode of {}: max |Δ| {d:.3e} against both layouts",
+        "weights / copies: both {wt} / {ct}, blocks {wb} / {cb}, decode layout only {wd} / {cd}"
+    );
+    assert!(wt == wb && wb == wd, "{wt} {wb} {wd}");
+    assert!(ct > cd && cb == 0, "{ct} {cd} {cb}"); // dec: the F16 copies alone
+    let t = run(&both, ids, None);
+    let (db, dd) = (
+        max_diff(&t, &run(&blocks, ids, None)),
+        max_diff(&t, &run(&dec, ids, None)),
+    );
+    println!(
+        "decode of {}: max |Δ| {db:.3e} (blocks), {dd:.3e} (decode layout only)",
         ids.len()
     );
-    assert_eq!(d, 0.0);
+    assert!(db <= 1e-4, "{db}");
+    assert_eq!(dd, 0.0);
     if !dec.backend.blas_available() {
         // Prompt steps of a matrix without its blocks run on the library alone.
         println!("prompt steps skipped: the BLAS-Lt library did not load");

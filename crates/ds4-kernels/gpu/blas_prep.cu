@@ -43,18 +43,21 @@ __device__ __forceinline__ bool bp_w_slice(const u8* __restrict__ W, long long r
     return true;
 }
 
-// W (rows of row_bytes GGUF bytes, K elements) -> W' (rows × parts·K bf16). Part p: lo when
-// p == 2, else hi.
-template <int T>
-__device__ __forceinline__ void bp_w(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
-    float v[8];
-    if (!bp_w_slice<T>(W, row_bytes, K, rows, i, v)) return;
+// Slice i's 8 values v into W' (rows × parts·K bf16). Part p: lo when p == 2, else hi.
+__device__ __forceinline__ void bp_w_store(long long i, const float (&v)[8], int K, int parts, uint4* __restrict__ out) {
     uint4 hi, lo;
     bp_split8(v, hi, lo);
     const int per = K / 8;
     uint4* o = out + (i / per) * (parts - 1) * per + i; // row r's parts·per slices, slice s of part p at p·per + s
     for (int p = 0; p < parts; p++) o[p * per] = p == 2 ? lo : hi;
+}
+
+// W (rows of row_bytes GGUF bytes, K elements) -> W' (rows × parts·K bf16).
+template <int T>
+__device__ __forceinline__ void bp_w(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
+    float v[8];
+    if (bp_w_slice<T>(W, row_bytes, K, rows, i, v)) bp_w_store(i, v, K, parts, out);
 }
 
 DS4_KERNEL void DS4_BOUNDS(256) blas_w_f32(const u8* __restrict__ W, long long row_bytes, int K, long long rows, int parts, uint4* __restrict__ out) { bp_w<T_F32>(W, row_bytes, K, rows, parts, out); }
@@ -99,12 +102,7 @@ template <bool IL>
 __device__ __forceinline__ void bp_wd(const u8* __restrict__ Q, const u16* __restrict__ D, int K, long long rows, int parts, uint4* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; // 8-element slice
     float v[8];
-    if (!bp_wd_slice<IL>(Q, D, K, rows, i, v)) return;
-    uint4 hi, lo;
-    bp_split8(v, hi, lo);
-    const int per = K / 8;
-    uint4* o = out + (i / per) * (parts - 1) * per + i;
-    for (int p = 0; p < parts; p++) o[p * per] = p == 2 ? lo : hi;
+    if (bp_wd_slice<IL>(Q, D, K, rows, i, v)) bp_w_store(i, v, K, parts, out);
 }
 
 DS4_KERNEL void DS4_BOUNDS(256) blas_w_q8_0d(const u8* __restrict__ Q, const u16* __restrict__ D, int K, long long rows, int parts, uint4* __restrict__ out) { bp_wd<false>(Q, D, K, rows, parts, out); }
