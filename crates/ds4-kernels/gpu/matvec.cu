@@ -703,7 +703,7 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16i(MVQ_PARAMS) { ds4_pdl_enter
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_r2u4_f16il(MVQ_PARAMS) { DS4_PDL_LATE; mvq_body<T_F16, 2, 4, true, true>(MVQ_ARGS); }
 
 // ---- Q8_0 in the decode layout (GpuWeight::Mat `dec`, written at upload by q8_repack from the
-// GGUF blocks, which stay for the GEMM): quants Q[g * cols + k] (i8, g = global row: rows are
+// GGUF blocks, which stay for the GEMM unless the matrix is held in this layout only): quants Q[g * cols + k] (i8, g = global row: rows are
 // cols bytes, 16-byte aligned) then scales D[g * (cols / 32) + b] (f16). One row product
 // (mvr_r<R>u<U>_q8_0, n = 1): a lane owns a half block (16 quants: one 16-byte load + its
 // scale halfword), a warp step covers DS4_WARP half blocks of a row (512 columns with warp 32),

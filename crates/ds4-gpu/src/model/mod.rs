@@ -427,7 +427,9 @@ pub enum GpuWeight {
         /// A second copy in the decode layout (matvec.rs `q8_decode_copy`: Q8_0 single-slab
         /// matrices; None otherwise or with `DS4_GPU_Q8_REPACK=off`). `buf` stays the GGUF blocks
         /// for the GEMM and everything else (`mat_parts`); the copy costs the same bytes again
-        /// (~5 GB for the q2 mix: its attention, shared-expert and head matrices).
+        /// (~6 GiB for the q2 mix: its attention, shared-expert and head matrices). With
+        /// [`GpuBackend::set_q8_decode_only`] it is the weight's only layout (`buf` null:
+        /// [`GpuWeight::blocks`]).
         dec: Option<DeviceBuffer>,
         /// `dec` is in the interleaved layout (matvec.rs `Q8_IL`, kernels `*_q8_0i`), fixed at
         /// upload.
