@@ -764,10 +764,8 @@ fn gpu_backend_placed(
     if !keep {
         // No room for both layouts: the Q8_0 matrices keep the decode layout alone (the
         // decode kernels' layout, 16-byte aligned: ~20% faster decode than the blocks at the
-        // same bytes), the F16 ones their plain layout. Prompt products then need the vendor
-        // BLAS (the built-in GEMM reads blocks): without it the blocks stay.
-        b.set_layout_copies(false);
-        b.set_q8_decode_only(b.blas_runs_prompts());
+        // same bytes) where the vendor BLAS runs prompts, the F16 ones their plain layout.
+        b.without_layout_copies();
     }
     if !host.is_empty() {
         line += &host_experts_line(host.len(), per_layer.len(), on_host, opts.precision);
@@ -1021,9 +1019,8 @@ fn open_ranks(
         };
         let need = if keep { per_rank } else { per_rank - copies };
         let (b, _) = gpu_backend(pick, hp, need, opts.precision)?;
-        b.set_layout_copies(keep);
-        if !keep && b.blas_runs_prompts() {
-            b.set_q8_decode_only(true);
+        if !keep {
+            b.without_layout_copies();
         }
         let shard = Shard {
             rank,

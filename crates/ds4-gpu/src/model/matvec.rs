@@ -653,7 +653,7 @@ impl GpuBackend {
     /// `DS4_GPU_Q8_REPACK=off`, or no memory for it, which is not an error): the buffer holds
     /// Q (rows × cols i8, row g at byte g·cols) then D (rows × cols/32 f16 scales), written by
     /// `q8_repack` on the stream from the GGUF blocks in `buf`; with whether it is in the
-    /// interleaved layout (`q8_repack_i`, `Q8_IL`).
+    /// interleaved layout (`q8_repack_i`, `Q8_IL`). Counted as a copy (or not) by `q8_layouts`.
     pub(crate) fn q8_decode_copy(
         &self,
         buf: &DeviceBuffer,
@@ -677,7 +677,6 @@ impl GpuBackend {
         let Ok(dec) = self.gpu.alloc(bytes) else {
             return (None, il);
         };
-        self.count_layout_copy(bytes);
         let q = dec.ptr();
         self.run(
             &ds4_kernels::MATVEC,
@@ -710,14 +709,11 @@ impl GpuBackend {
         let Some(d) = dec.as_ref() else {
             return (buf, None, il);
         };
-        if !self.q8_decode_only() {
-            return (buf, dec, il);
-        }
         // The repack reads the blocks on the stream: they are freed after it has run.
-        if self.note(self.gpu.synchronize()).is_none() {
+        if !self.q8_decode_only() || self.note(self.gpu.synchronize()).is_none() {
+            self.count_layout_copy(d.bytes());
             return (buf, dec, il);
         }
-        *self.layout_bytes.lock().unwrap() -= d.bytes() as u64;
         drop(buf);
         (DeviceBuffer::null(&self.gpu), dec, il)
     }

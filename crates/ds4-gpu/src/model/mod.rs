@@ -1262,6 +1262,14 @@ impl GpuBackend {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// A backend whose weights fit only without the layout copies (the engine's plan): none are
+    /// made, and the Q8_0 matrices keep the decode layout alone where the vendor BLAS runs the
+    /// prompt products (the built-in GEMM reads blocks: without the library they stay blocks).
+    pub fn without_layout_copies(&self) {
+        self.set_layout_copies(false);
+        self.set_q8_decode_only(self.blas_runs_prompts());
+    }
+
     pub fn q8_decode_only(&self) -> bool {
         self.q8_dec_only.load(std::sync::atomic::Ordering::Relaxed)
     }
