@@ -604,6 +604,34 @@ pub trait Backend: Send + Sync + Sized {
         );
         self.attend(st, spec, &qn, kv, sinks, sel, n, t0, out);
     }
+    /// The attention ([`Backend::attend`], or with `qeps` [`Backend::attend_qnorm`] of raw
+    /// queries) and its grouped output projection: `y = matmul_grouped(w, groups, o)` of the
+    /// attention's output o (`[n, heads, head_dim]`, used by nothing else). A backend may hand o
+    /// to the product in the product's own operand format and never store it in f32 (the GPU's
+    /// `fast` prompt steps: bf16). Default: the two ops through an f32 o.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_project(
+        &self,
+        st: &mut Self::LayerState,
+        spec: &AttnSpec,
+        q: &Self::Buf,
+        qeps: Option<f32>,
+        kv: &Self::Buf,
+        sinks: &Self::Weight,
+        sel: Option<&Self::IBuf>,
+        n: usize,
+        t0: usize,
+        w: &Self::Weight,
+        groups: usize,
+        y: &mut Self::Buf,
+    ) {
+        let mut o = self.alloc(n * spec.n_head * spec.head_dim);
+        match qeps {
+            Some(eps) => self.attend_qnorm(st, spec, q, eps, kv, sinks, sel, n, t0, &mut o),
+            None => self.attend(st, spec, q, kv, sinks, sel, n, t0, &mut o),
+        }
+        self.matmul_grouped(w, groups, &o, n, y);
+    }
     /// Router (model.md §3.4): scores `sqrt(softplus(logit))`; experts from `tid2eid[token]`
     /// (hash layers) or the top `n_used` of score + bias (ties: lower id); weights = score /
     /// Σ selected scores · `weight_scale`. `sel`, `wgt` are `[n, n_used]`.

@@ -1712,3 +1712,147 @@ fn attend_qnorm_matches_norm_then_attend() {
     GpuBackend::set_attn_step_tc(false); // the default
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// `attend_project` (the attention and its grouped output projection as one op): under the
+/// `fast` forms (one-f16 attention, one-term bf16 BLAS product) the one-CTA-a-token kernel
+/// writes the product's bf16 X' itself (`attn_tc512g[n]_bf`), and the product's output and the
+/// ring are those of f32 o converted by the product (attend, then matmul_grouped), bit for bit;
+/// with the exact forms (the three-term product) and with the switch off it takes the two ops.
+/// Raw and normed queries, top-k and plain compressed rows, 64 and 40 heads (5 groups of 4096).
+#[test]
+fn attend_project_bf16_same_bits() {
+    let Some((cpu, gpu)) = setup() else { return };
+    let lib = gpu.blas_available();
+    if !lib {
+        println!("the BLAS-Lt library did not load: only the two-op path is checked");
+    }
+    let eps = 1e-6f32;
+    let cases = [
+        (64usize, 4usize, true, 70usize, 3000usize, true),
+        (64, 128, false, 200, 1000, false),
+        (40, 4, true, 9, 2100, true),
+        (64, 0, false, 37, 300, false),
+    ];
+    let mut bad = Vec::new();
+    for (ci, &(nh, ratio, with_sel, n, t0, raw)) in cases.iter().enumerate() {
+        let (hd, win, top_k) = (512usize, 128usize, 512usize);
+        let mut r = rng(1300 + ci as u64);
+        let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
+        f16_vals(&mut h.raw);
+        if let Some(c) = h.comp.as_mut() {
+            f16_vals(&mut c.rows);
+        }
+        let spec = AttnSpec {
+            n_head: nh,
+            head_dim: hd,
+            n_rot: 64,
+            window: win,
+            ratio,
+            top_k: if with_sel { top_k } else { 0 },
+            rope: RopeKind::Comp,
+        };
+        let q = randn(&mut r, n * nh * hd, 3.0);
+        let mut kv = randn(&mut r, n * hd, 1.0);
+        f16_vals(&mut kv);
+        let (_, sk_g) = vectors(&cpu, &gpu, &randn(&mut r, nh, 2.0));
+        let sel: Option<Vec<i32>> = with_sel.then(|| {
+            (0..n)
+                .flat_map(|i| {
+                    let vis = ((t0 + i + 1) / ratio) as i32;
+                    (0..top_k as i32).map(move |k| {
+                        if k < vis && k % 5 != 2 {
+                            vis - 1 - k
+                        } else {
+                            -1
+                        }
+                    })
+                })
+                .collect()
+        });
+        let groups = nh * hd / 4096;
+        let rows = groups * 96;
+        let (_, w) = common::weight(&cpu, &gpu, GgmlType::Q8_0, 4096, rows, 1, 1400 + ci as u64);
+        let (kvg, selg) = (gpu.upload(&kv), sel.as_ref().map(|s| gpu.upload_i32(s)));
+        let mut qg = gpu.upload(&q);
+        let qeps = if raw {
+            Some(eps)
+        } else {
+            gpu.norm_rope(&mut qg, n, nh, hd, None, eps, 64, t0, RopeKind::Comp, None);
+            None
+        };
+        for (fast, on) in [(true, true), (true, false), (false, true)] {
+            set_form(if fast { TC_FAST } else { TC });
+            GpuBackend::set_blas(true, fast);
+            GpuBackend::set_attn_bf16(on);
+            let op = format!(
+                "attend_project fast {fast} bf16 {on} heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0} raw {raw}"
+            );
+            // The two ops: attention into f32 o, then the grouped product.
+            let mut gs = gpu.state_from_host(&ld, &h);
+            let mut og = gpu.alloc(n * nh * hd);
+            match qeps {
+                Some(e) => gpu.attend_qnorm(
+                    &mut gs,
+                    &spec,
+                    &qg,
+                    e,
+                    &kvg,
+                    &sk_g,
+                    selg.as_ref(),
+                    n,
+                    t0,
+                    &mut og,
+                ),
+                None => gpu.attend(
+                    &mut gs,
+                    &spec,
+                    &qg,
+                    &kvg,
+                    &sk_g,
+                    selg.as_ref(),
+                    n,
+                    t0,
+                    &mut og,
+                ),
+            }
+            let mut yw = gpu.alloc(n * rows);
+            gpu.matmul_grouped(&w, groups, &og, n, &mut yw);
+            let want = gpu.download(&yw, n * rows);
+            let want_ring = gpu.state_to_host(&gs).raw;
+            // The one op.
+            let l0 = GpuBackend::attn_bf16_launches();
+            let mut gs = gpu.state_from_host(&ld, &h);
+            let mut y = gpu.alloc(n * rows);
+            gpu.attend_project(
+                &mut gs,
+                &spec,
+                &qg,
+                qeps,
+                &kvg,
+                &sk_g,
+                selg.as_ref(),
+                n,
+                t0,
+                &w,
+                groups,
+                &mut y,
+            );
+            let got = gpu.download(&y, n * rows);
+            let ring = gpu.state_to_host(&gs).raw;
+            gpu_ok(&gpu, &op);
+            let ran = GpuBackend::attn_bf16_launches() - l0;
+            let diff = bit_diffs(&got, &want);
+            let nonzero = got.iter().filter(|v| **v != 0.0).count();
+            println!("{op}: bf16 kernel ran {ran}, {diff} of {} outputs differ in bits ({nonzero} non-zero)", got.len());
+            let expect = u64::from(fast && on && lib);
+            if ran != expect || diff != 0 || ring != want_ring || nonzero < got.len() / 2 {
+                bad.push(format!("{op}: ran {ran} (want {expect}), {diff} differ, ring same {}, {nonzero} non-zero", ring == want_ring));
+            }
+        }
+    }
+    GpuBackend::set_attn_bf16(true);
+    GpuBackend::set_blas(true, false);
+    set_form(TC);
+    GpuBackend::set_attn_step_tc(false); // the default
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

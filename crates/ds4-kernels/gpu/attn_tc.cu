@@ -417,7 +417,10 @@ __device__ __forceinline__ int atg_list(int* idx, int* wcnt, long long t0, const
 // pos·ω mod 2π rounded to f32, a' = a·cos − b·sin, b' = a·sin + b·cos unfused. Only the order of
 // the f64 sum differs (the scale's f32 bits in all but ~1e-9 of heads), and the separate
 // norm_rope pass (reading and writing q: 189 us a 2k layer on the H200) goes.
-template <int R, bool PIPE, bool QN = false>
+// BO (attn_tc512g[n]_bf): out holds bf16 (ds4_f2bf: round to nearest even, the bits blas_x_f32
+// gives the f32 value), the X' of the `fast` output projection (Backend::attend_project): no f32
+// o written and converted again (at 2,048 tokens 268 MB written, read and 134 MB written a layer).
+template <int R, bool PIPE, bool QN = false, bool BO = false>
 __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict__ rows16, float qeps = 0.0f,
                                               const float4* __restrict__ rtab = nullptr) {
     extern __shared__ __align__(16) unsigned char atg_sm[];
@@ -727,15 +730,22 @@ __device__ __forceinline__ void attn_tcg_body(ATC_PARAMS, const u16* __restrict_
                     const int p = (col - rot0) >> 1;
                     atc_rot(a, b, rot_s[2 * p], rot_s[2 * p + 1]);
                 }
-                if (h < heads) *(float2*)(out + ((size_t)i * heads + h) * 512 + col) = make_float2(a, b);
+                if (h >= heads) continue;
+                const size_t oi = ((size_t)i * heads + h) * 512 + col;
+                if constexpr (BO) *(u32*)((u16*)out + oi) = (u32)ds4_f2bf(a) | ((u32)ds4_f2bf(b) << 16);
+                else *(float2*)(out + oi) = make_float2(a, b);
             }
         }
 }
 #define ATG_BODY(R, PIPE) attn_tcg_body<R, PIPE>(ATC_ARGS, rows16);
 #define ATGN_BODY attn_tcg_body<32, false, true>(ATC_ARGS, rows16, qeps, rtab);
+#define ATGB_BODY attn_tcg_body<32, false, false, true>(ATC_ARGS, rows16);
+#define ATGNB_BODY attn_tcg_body<32, false, true, true>(ATC_ARGS, rows16, qeps, rtab);
 #else
 #define ATG_BODY(R, PIPE)
 #define ATGN_BODY
+#define ATGB_BODY
+#define ATGNB_BODY
 #endif
 
 // grid (ceil(heads / 16), n), blockDim 128; q [n, heads, hd], out [n, heads, hd], rows16 the f16
@@ -751,6 +761,9 @@ DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_f32(ATC_PARAMS, const u16* __restric
 // its token's position applied as Q loads (attn_tcg_body QN).
 // rtab: null, or atc_rope_tab's table for the chunk (the f64 angles off the CTA's path).
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gn_f32(ATC_PARAMS, const u16* __restrict__ rows16, float qeps, const float4* __restrict__ rtab) { ds4_pdl_enter(); ATGN_BODY }
+// The same two with bf16 output (attn_tcg_body BO; out: n x heads x 512 bf16).
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g_bf(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATGB_BODY }
+DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gn_bf(ATC_PARAMS, const u16* __restrict__ rows16, float qeps, const float4* __restrict__ rtab) { ds4_pdl_enter(); ATGNB_BODY }
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512g64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(64, false) }
 DS4_KERNEL void DS4_BOUNDS(256) attn_tc512gp_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATG_BODY(32, true) }
 DS4_KERNEL void DS4_BOUNDS(128) attn_tc64_f32(ATC_PARAMS, const u16* __restrict__ rows16) { ds4_pdl_enter(); ATC_BODY(64, true) }

@@ -137,6 +137,16 @@ DS4_KERNEL void DS4_BOUNDS(256) blas_x_f32(const float* __restrict__ X, long lon
     for (int p = 0; p < parts; p++) o[p * per] = p == 1 ? lo : hi;
 }
 
+// bf16 -> f32 (exact): n8 slices of 8 values. The fallback of Backend::attend_project when the
+// library declines the product whose X' the attention wrote (model/mod.rs).
+DS4_KERNEL void DS4_BOUNDS(256) blas_x_widen(const uint4* __restrict__ in, long long n8, float4* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n8) return;
+    const uint4 v = in[i];
+    out[2 * i] = make_float4(__int_as_float(v.x << 16), __int_as_float(v.x & 0xffff0000u), __int_as_float(v.y << 16), __int_as_float(v.y & 0xffff0000u));
+    out[2 * i + 1] = make_float4(__int_as_float(v.z << 16), __int_as_float(v.z & 0xffff0000u), __int_as_float(v.w << 16), __int_as_float(v.w & 0xffff0000u));
+}
+
 // ---- The f16 form (DS4_GPU_BLAS=f16): ONE product of f16 operands, f32 accumulation ----
 // W' = f16(W · 2^-u) (rows × K), X' = f16(X · 2^s) ([n][G][K]), and the library scales by a
 // device-side alpha = 2^(u-s), so y = W·X up to one f16 rounding per operand (~2^-11 each).

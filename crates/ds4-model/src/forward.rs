@@ -1592,26 +1592,24 @@ impl<B: Backend> Model<B> {
             b.index_select(st, &spec, iq, iw, n, t0, &mut sel);
             sel
         });
-        let mut o = b.alloc(n * nh * hd);
-        if q_raw {
-            b.attend_qnorm(
-                st,
-                &spec,
-                &q,
-                eps,
-                &kv,
-                &l.sinks,
-                sel.as_ref(),
-                n,
-                t0,
-                &mut o,
-            );
-        } else {
-            b.attend(st, &spec, &q, &kv, &l.sinks, sel.as_ref(), n, t0, &mut o);
-        }
-        // Grouped low-rank output projection, then the dense one.
+        // The attention and the grouped low-rank output projection (one op: the backend may
+        // hand the attention's output to the product in the product's operand format), then
+        // the dense one.
         let mut u = b.alloc(n * groups * hp.o_lora_rank as usize);
-        b.matmul_grouped(&l.out_a, groups, &o, n, &mut u);
+        b.attend_project(
+            st,
+            &spec,
+            &q,
+            q_raw.then_some(eps),
+            &kv,
+            &l.sinks,
+            sel.as_ref(),
+            n,
+            t0,
+            &l.out_a,
+            groups,
+            &mut u,
+        );
         let mut out = b.alloc(n * d);
         b.matmul(&l.out_b, Part::All, &u, n, &mut out);
         // The HC ops, then the router and the shared expert (the routed experts are known

@@ -303,6 +303,17 @@ static QNORM_RUNS: AtomicU64 = AtomicU64::new(0);
 static ATTN_WG: AtomicU8 = AtomicU8::new(0);
 /// `attn_wg512[n]_f32` launches so far in this process (tests: the wgmma form ran).
 static AWG_RUNS: AtomicU64 = AtomicU64::new(0);
+/// `Backend::attend_project` with the `fast` output projection (blas.rs one bf16 term): the
+/// one-CTA-a-token kernel writes the product's bf16 X' itself (`attn_tc512g[n]_bf`) instead of
+/// f32 o that `blas_x_f32` reads again (same bits: the same rounding). 0 not yet read from
+/// `DS4_GPU_ATTN_BF16`, 1 on (default), 2 off.
+static ATTN_BF16: AtomicU8 = AtomicU8::new(0);
+/// `attn_tc512g[n]_bf` launches so far in this process (tests: the bf16 form ran).
+static BF16_RUNS: AtomicU64 = AtomicU64::new(0);
+
+fn attn_bf16_on() -> bool {
+    env_code(&ATTN_BF16, "DS4_GPU_ATTN_BF16", on_unless_off) == 1
+}
 /// Its dynamic shared bytes before 4 a candidate (`AWG_SMEM`, attn_tc.cu): four 32-row K/V
 /// stages, the S exchange, the norm's sums and scales, two RoPE tables, scan counts.
 const AWG_SMEM: usize =
@@ -585,6 +596,18 @@ impl GpuBackend {
     /// `attn_wg512[n]_f32` launches so far in this process.
     pub fn attn_wg_launches() -> u64 {
         AWG_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// `Backend::attend_project`'s bf16 hand-over (`attn_tc512g[n]_bf` writing the `fast`
+    /// output projection's X'): on (true, the default) or off (f32 o, then `blas_x_f32`);
+    /// process-wide, overrides `DS4_GPU_ATTN_BF16`. For tests and benchmarks.
+    pub fn set_attn_bf16(on: bool) {
+        ATTN_BF16.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// `attn_tc512g[n]_bf` launches so far in this process.
+    pub fn attn_bf16_launches() -> u64 {
+        BF16_RUNS.load(Ordering::Relaxed)
     }
 
     /// Prefill attention on tensor cores where the device has them (CUDA sm_80+), else the f32
@@ -1297,6 +1320,53 @@ impl GpuBackend {
         t0: usize,
         out: &mut GpuBuf,
     ) {
+        self.op_attend_to(st, spec, q, qeps, kv, sinks, sel, n, t0, out, false);
+    }
+
+    /// Whether [`Self::op_attend_to`] of these operands takes the one-CTA-a-token kernel
+    /// `attn_tc512g[n]_f32`, so that it can write bf16 (`attn_bf16_on` aside).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn_bf16_form(
+        &self,
+        st: &GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        selected: bool,
+        n: usize,
+        t0: usize,
+    ) -> bool {
+        let comp = st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr());
+        // (a raw-query copy made by op_attend_to is scratch: aligned like these)
+        let aligned = [q.ptr, kv.ptr, st.raw.ptr(), comp]
+            .iter()
+            .all(|p| p.0.is_multiple_of(16));
+        attn_bf16_on()
+            && self.attn_tc_ok(spec, n, aligned)
+            && matches!(
+                self.attn_tcg_kernel(spec, selected, n, t0),
+                Some(("attn_tc512g_f32", _, false))
+            )
+    }
+
+    /// [`Self::op_attend`]; `bf16`: `out` holds n × heads × head_dim bf16 (half its f32 length)
+    /// for the one-CTA-a-token kernel's bf16 form, and any other path is an error (the caller
+    /// asked [`Self::attn_bf16_form`] first).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn op_attend_to(
+        &self,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        qeps: Option<f32>,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        out: &mut GpuBuf,
+        bf16: bool,
+    ) {
         if n == 0 || self.failed() {
             return;
         }
@@ -1348,20 +1418,13 @@ impl GpuBackend {
             && spec.n_rot.is_multiple_of(2)
             && aligned;
         let info = self.gpu.info();
-        // Decode steps of up to GRAPH_MAX_N tokens (speculative verify steps) take the one-launch
-        // decode kernel below, the one-token steps' (session 33: the prompt kernels' per-token
-        // set-up made a 2-token step's ratio-4 attention 60 us a layer against 16;
-        // `DS4_GPU_ATTN_STEP=tc` keeps them on the tensor-core prompt kernels).
-        let tc_ok = (n > super::GRAPH_MAX_N || (n > 1 && step_tc()))
-            && tc_mode() != 1
-            && info.cc.0 >= 8
-            && info.warp == 32
-            && (hd == 512 || hd == 64)
-            && spec.n_rot <= hd.min(ATC_MAXROT)
-            && spec.n_rot.is_multiple_of(2)
-            && aligned;
-        if tc_ok {
-            return self.attend_tc(st, spec, q, qeps, kv, sinks, sel, n, t0, out, comp, scale);
+        if self.attn_tc_ok(spec, n, aligned) {
+            return self.attend_tc(
+                st, spec, q, qeps, kv, sinks, sel, n, t0, out, comp, scale, bf16,
+            );
+        }
+        if bf16 {
+            return self.attn_invalid("attend: bf16 output off the tensor-core path".into());
         }
         if qeps.is_some() {
             return self.attn_invalid("attend: raw queries off the tensor-core path".into());
@@ -1417,6 +1480,57 @@ impl GpuBackend {
         self.ring_store(st, kv, n, t0, hd, win);
     }
 
+    /// Whether op_attend_to takes the tensor-core prompt kernels (attend_tc).
+    fn attn_tc_ok(&self, spec: &AttnSpec, n: usize, aligned: bool) -> bool {
+        let info = self.gpu.info();
+        let hd = spec.head_dim;
+        // Decode steps of up to GRAPH_MAX_N tokens (speculative verify steps) take the one-launch
+        // decode kernel (attend_one), the one-token steps' (session 33: the prompt kernels'
+        // per-token set-up made a 2-token step's ratio-4 attention 60 us a layer against 16;
+        // `DS4_GPU_ATTN_STEP=tc` keeps them on the tensor-core prompt kernels).
+        (n > super::GRAPH_MAX_N || (n > 1 && step_tc()))
+            && tc_mode() != 1
+            && info.cc.0 >= 8
+            && info.warp == 32
+            && (hd == 512 || hd == 64)
+            && spec.n_rot <= hd.min(ATC_MAXROT)
+            && spec.n_rot.is_multiple_of(2)
+            && aligned
+    }
+
+    /// attend_tc's one-CTA-a-token kernel for these operands, its dynamic shared bytes and
+    /// whether it is the wgmma form (None: the 16-head CTAs of `attn_tc<hd>[h]_f32`).
+    fn attn_tcg_kernel(
+        &self,
+        spec: &AttnSpec,
+        selected: bool,
+        n: usize,
+        t0: usize,
+    ) -> Option<(&'static str, usize, bool)> {
+        // The one-f16-product forms (`fast`) take prompt chunks only: a decode step of 2-4 tokens
+        // (speculative verification, short appends) keeps the hi/lo split, so decode runs the same
+        // arithmetic under both precisions and its rows stay within ~1e-6 of single steps (an
+        // accepted draft keeps them; engine tests/gpu.rs gpu_accepted_drafts_match_single_steps).
+        let fast = tc_mode() == 3 && n > super::GRAPH_MAX_N;
+        if spec.head_dim != 512 || !fast || spec.n_head > 64 {
+            return None;
+        }
+        // Its dynamic shared memory holds the token's candidate list.
+        let cand = 4 * candidates(spec, selected, n, t0).1;
+        let smax = self.gpu.info().max_shared_per_block as usize;
+        let g = match tcg_mode() {
+            3 if atg_smem(64, 2) + cand <= smax => ("attn_tc512g64_f32", atg_smem(64, 2) + cand),
+            4 if atg_smem(32, 3) + cand <= smax => ("attn_tc512gp_f32", atg_smem(32, 3) + cand),
+            2..=4 if atg_smem(32, 2) + cand <= smax => ("attn_tc512g_f32", atg_smem(32, 2) + cand),
+            _ => return None,
+        };
+        // On sm_90a the 32-row form may run on wgmma (where its shared memory fits).
+        if g.0 == "attn_tc512g_f32" && attn_wg_ok(self.gpu.info()) && AWG_SMEM + cand <= smax {
+            return Some(("attn_wg512_f32", AWG_SMEM + cand, true));
+        }
+        Some((g.0, g.1, false))
+    }
+
     /// Prefill attention on tensor cores: `atc_rows_f16` (f16 copies of the rows; for the
     /// raw-query and wgmma kernels also `atc_rope_tab`, the chunk's RoPE angles), then
     /// `attn_tc<hd>[h]_f32` over (head groups of 16, tokens) or a one-CTA-a-token form (sink and
@@ -1436,13 +1550,10 @@ impl GpuBackend {
         out: &mut GpuBuf,
         comp: DevPtr,
         scale: f32,
+        bf16: bool,
     ) {
         let (nh, hd, win) = (spec.n_head, spec.head_dim, spec.window);
         let top_k = if sel.is_some() { spec.top_k } else { 0 };
-        // The one-f16-product forms (`fast`) take prompt chunks only: a decode step of 2-4 tokens
-        // (speculative verification, short appends) keeps the hi/lo split, so decode runs the same
-        // arithmetic under both precisions and its rows stay within ~1e-6 of single steps (an
-        // accepted draft keeps them; engine tests/gpu.rs gpu_accepted_drafts_match_single_steps).
         let fast = tc_mode() == 3 && n > super::GRAPH_MAX_N;
         let name = match (hd, fast) {
             (512, false) => "attn_tc512_f32",
@@ -1450,30 +1561,9 @@ impl GpuBackend {
             (_, false) => "attn_tc64_f32",
             (_, true) => "attn_tc64h_f32",
         };
-        // attn_tc512g[64]_f32: its dynamic shared memory holds the token's candidate list.
-        let cand = 4 * candidates(spec, sel.is_some(), n, t0).1;
-        let smax = self.gpu.info().max_shared_per_block as usize;
-        let grouped = match tcg_mode() {
-            _ if name != "attn_tc512h_f32" || nh > 64 => None,
-            3 if atg_smem(64, 2) + cand <= smax => {
-                Some(("attn_tc512g64_f32", atg_smem(64, 2) + cand))
-            }
-            4 if atg_smem(32, 3) + cand <= smax => {
-                Some(("attn_tc512gp_f32", atg_smem(32, 3) + cand))
-            }
-            2..=4 if atg_smem(32, 2) + cand <= smax => {
-                Some(("attn_tc512g_f32", atg_smem(32, 2) + cand))
-            }
-            _ => None,
-        };
-        // On sm_90a the 32-row form may run on wgmma (where its shared memory fits).
-        let wg = matches!(grouped, Some(("attn_tc512g_f32", _)))
-            && attn_wg_ok(self.gpu.info())
-            && AWG_SMEM + cand <= smax;
-        let grouped = match grouped {
-            Some(_) if wg => Some(("attn_wg512_f32", AWG_SMEM + cand)),
-            g => g,
-        };
+        let tcg = self.attn_tcg_kernel(spec, sel.is_some(), n, t0);
+        let wg = matches!(tcg, Some((_, _, true)));
+        let grouped = tcg.map(|(g, smem, _)| (g, smem));
         // Raw queries (op_attend checked that the 32-row grouped kernel runs): its QN form.
         let grouped = match (grouped, qeps) {
             (Some((g @ ("attn_tc512g_f32" | "attn_wg512_f32"), smem)), Some(_)) => {
@@ -1490,8 +1580,20 @@ impl GpuBackend {
                 return self.attn_invalid("attend: raw queries without attn_tc512gn_f32".into())
             }
         };
+        // bf16 output (attend_project asked attn_bf16_form): the 32-row mma.sync kernel's form.
+        let grouped = match (grouped, bf16) {
+            (g, false) => g,
+            (Some(("attn_tc512g_f32", smem)), true) => Some(("attn_tc512g_bf", smem)),
+            (Some(("attn_tc512gn_f32", smem)), true) => Some(("attn_tc512gn_bf", smem)),
+            (_, true) => {
+                return self.attn_invalid("attend: bf16 output without attn_tc512g[n]_f32".into())
+            }
+        };
         if wg {
             AWG_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
+        if bf16 {
+            BF16_RUNS.fetch_add(1, Ordering::Relaxed);
         }
         let (name, dims) = if let Some((g, smem)) = grouped {
             let d = LaunchDims {
@@ -1539,7 +1641,7 @@ impl GpuBackend {
             ],
         );
         // The raw-query and wgmma kernels take the chunk's RoPE table (or null: they compute it).
-        let takes_tab = name == "attn_tc512gn_f32" || wg;
+        let takes_tab = name == "attn_tc512gn_f32" || name == "attn_tc512gn_bf" || wg;
         let npair = spec.n_rot / 2;
         let tab = (takes_tab && attn_rtab_on() && npair > 0).then(|| {
             let tab = self.scratch(n * npair * 4);

@@ -283,6 +283,9 @@ struct Job<'a> {
     /// whether it is interleaved: W' is converted from it (the same values as from the blocks,
     /// 16-byte aligned loads), and it is the only layout of a matrix held without its blocks.
     dec: Option<(DevPtr, bool)>,
+    /// X' made by the caller (the one-term bf16 form's n × groups × K; `blas_grouped_pre`):
+    /// x is not read.
+    xpre: Option<DevPtr>,
 }
 
 impl Job<'_> {
@@ -624,6 +627,7 @@ impl GpuBackend {
             y_tok: rows,
             y_z: 0,
             acc,
+            xpre: None,
         })
     }
 
@@ -658,11 +662,85 @@ impl GpuBackend {
             y_tok: rows,
             y_z: rows / groups,
             acc: false,
+            xpre: None,
+        })
+    }
+
+    /// Whether a grouped product of `w` over `n` rows would take the one-term bf16 form
+    /// (`DS4_GPU_BLAS=fast`, the engine's `--precision fast`) whose X' a caller may make itself
+    /// ([`Self::blas_grouped_pre`]). Only the plan can still decline it.
+    pub(crate) fn blas_fast_x_ok(&self, w: &GpuWeight, groups: usize, n: usize) -> bool {
+        let Some((_, ty, cols, rows, _)) = w.mat_parts() else {
+            return false;
+        };
+        mode() == FAST
+            && n >= MIN_N
+            && groups > 0
+            && rows.is_multiple_of(groups)
+            && !self.failed()
+            && !self.recording.load(Ordering::Acquire)
+            && matches!(
+                ty,
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
+            )
+            && cols > 0
+            && cols.is_multiple_of(32)
+            && suffix(ty).is_some()
+            && self.blas_state().is_some()
+    }
+
+    /// `len` bf16 values of `xb` as f32 into `out` (exact; `len` a multiple of 8).
+    pub(crate) fn blas_widen(&self, xb: &GpuBuf, len: usize, out: &mut GpuBuf) {
+        let n8 = len / 8;
+        self.run(
+            &ds4_kernels::BLAS_PREP,
+            "blas_x_widen",
+            LaunchDims::linear(n8.div_ceil(256) as u32, 256),
+            &[Arg::Ptr(xb.ptr), Arg::I64(n8 as i64), Arg::Ptr(out.ptr)],
+        );
+    }
+
+    /// Backend::matmul_grouped of the X' the caller made (`xb`: n × groups × cols bf16, what
+    /// `blas_x_f32` makes of X in the one-term form); false: declined (nothing queued).
+    pub(crate) fn blas_grouped_pre(
+        &self,
+        w: &GpuWeight,
+        groups: usize,
+        xb: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+    ) -> bool {
+        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
+            return false;
+        };
+        if !self.blas_fast_x_ok(w, groups, n) {
+            return false;
+        }
+        self.blas_job(&Job {
+            w: p,
+            dec: w.dec_parts(),
+            bf: w.bf_slot(),
+            ty,
+            row_bytes,
+            rows,
+            cols,
+            groups,
+            x: xb.ptr,
+            x_tok: groups * cols,
+            n,
+            y: y.ptr,
+            y_tok: rows,
+            y_z: rows / groups,
+            acc: false,
+            xpre: Some(xb.ptr),
         })
     }
 
     fn blas_job(&self, j: &Job) -> bool {
         let m = mode();
+        if j.xpre.is_some() && m != FAST {
+            return false; // a caller's X' is the one-term bf16 form's (parts 1)
+        }
         if m == OFF
             || j.n < MIN_N
             || self.failed()
@@ -718,8 +796,9 @@ impl GpuBackend {
         let mut xs = st.xshare.lock().unwrap();
         let share = xs.depth > 0 && xshare_on();
         let mut xtmp = None;
-        let xptr = match &xs.buf {
-            Some(b) if share && xs.key == Some(key) => b.ptr,
+        let xptr = match (&xs.buf, j.xpre) {
+            (_, Some(p)) => p,
+            (Some(b), None) if share && xs.key == Some(key) => b.ptr,
             _ => {
                 let xp = self.scratch(j.n * g * kk / 2);
                 self.blas_x(j, parts, xp.ptr);

@@ -2529,6 +2529,57 @@ impl Backend for GpuBackend {
         self.op_attend(st, spec, q, Some(eps), kv, sinks, sel, n, t0, out)
     }
 
+    fn attend_project(
+        &self,
+        st: &mut GpuLayerState,
+        spec: &AttnSpec,
+        q: &GpuBuf,
+        qeps: Option<f32>,
+        kv: &GpuBuf,
+        sinks: &GpuWeight,
+        sel: Option<&GpuIBuf>,
+        n: usize,
+        t0: usize,
+        w: &GpuWeight,
+        groups: usize,
+        y: &mut GpuBuf,
+    ) {
+        let len = n * spec.n_head * spec.head_dim;
+        let raw = if qeps.is_some() { "raw q " } else { "" };
+        // `fast` prompt steps: the one-CTA-a-token attention writes the product's one-term bf16
+        // X' itself (attn.rs `ATTN_BF16`: the same bits as f32 o converted by blas_x_f32; at
+        // 2,048 tokens 402 MB less traffic a layer), and o is never stored in f32.
+        if n > GRAPH_MAX_N
+            && len.is_multiple_of(8)
+            && !self.failed()
+            && self.product_width_ok(w)
+            && self.blas_fast_x_ok(w, groups, n)
+            && self.attn_bf16_form(st, spec, q, kv, sel.is_some(), n, t0)
+        {
+            let mut xb = self.alloc(len / 2); // len bf16 values
+            {
+                let _p = self.prof(|| attend_label(spec, n, raw));
+                self.op_attend_to(st, spec, q, qeps, kv, sinks, sel, n, t0, &mut xb, true);
+            }
+            let _p = self.prof(|| "matmul_grouped".to_string());
+            if self.failed() || self.blas_grouped_pre(w, groups, &xb, n, y) {
+                return;
+            }
+            // The library declined after all (no algorithm, or it failed): o from its bf16
+            // values (exact), then the product's other forms.
+            let mut o = self.scratch(len);
+            self.blas_widen(&xb, len, &mut o);
+            self.op_matmul_grouped(w, groups, &o, n, y);
+            return;
+        }
+        let mut o = self.alloc(len);
+        match qeps {
+            Some(eps) => self.attend_qnorm(st, spec, q, eps, kv, sinks, sel, n, t0, &mut o),
+            None => self.attend(st, spec, q, kv, sinks, sel, n, t0, &mut o),
+        }
+        self.matmul_grouped(w, groups, &o, n, y);
+    }
+
     fn moe_route(
         &self,
         spec: &MoeSpec,
