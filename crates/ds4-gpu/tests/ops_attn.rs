@@ -1781,7 +1781,8 @@ fn attend_project_bf16_same_bits() {
             None
         };
         for (fast, on) in [(true, true), (true, false), (false, true)] {
-            set_form(if fast { TC_FAST } else { TC });
+            // (the mma.sync kernel: the engine's default; the wgmma form keeps the two ops)
+            set_form(if fast { TC_FAST_MMA } else { TC });
             GpuBackend::set_blas(true, fast);
             GpuBackend::set_attn_bf16(on);
             let op = format!(
