@@ -60,6 +60,10 @@
 //!   converted for the first product and reused by the next ones of the same shape (the
 //!   attention's q_a + kv, the compressors' and indexer's five projections of z, the shared
 //!   expert's gate + up). Same bits either way.
+//! - X' made by the producer: `blas_grouped_pre` takes a one-term bf16 X' the caller wrote
+//!   (`Backend::attend_project`: the prompt attention stores its output in that form, mod.rs),
+//!   so the f32 X is neither written nor converted; `blas_fast_x_ok` says beforehand whether
+//!   the product would take that form. Same bits as `blas_x_f32` of the f32 values.
 //! - Plans by token-count bucket, `DS4_GPU_BLAS_NBUCKET=0|1|N` (unset or `1` or any
 //!   value that is not a number: on with the limit 2048; N: the limit N; `0`: off): a plan's heuristic query and
 //!   the first call of each new algorithm (the library loads its kernel then, 3-22 ms of host
