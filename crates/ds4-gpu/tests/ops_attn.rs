@@ -1717,7 +1717,9 @@ fn attend_qnorm_matches_norm_then_attend() {
 /// `fast` forms (one-f16 attention, one-term bf16 BLAS product) the one-CTA-a-token kernel
 /// writes the product's bf16 X' itself (`attn_tc512g[n]_bf`), and the product's output and the
 /// ring are those of f32 o converted by the product (attend, then matmul_grouped), bit for bit;
-/// with the exact forms (the three-term product) and with the switch off it takes the two ops.
+/// with the exact forms (the three-term product) and with the switch off it takes the two ops;
+/// its fallback (as if the library declined the product: the output widened to f32) gives the
+/// same bits too.
 /// Raw and normed queries, top-k and plain compressed rows, 64 and 40 heads (5 groups of 4096).
 #[test]
 fn attend_project_bf16_same_bits() {
@@ -1780,13 +1782,20 @@ fn attend_project_bf16_same_bits() {
             gpu.norm_rope(&mut qg, n, nh, hd, None, eps, 64, t0, RopeKind::Comp, None);
             None
         };
-        for (fast, on) in [(true, true), (true, false), (false, true)] {
+        // (fast, on, fallback): the last as if the library declined the bf16 X' product.
+        for (fast, on, fb) in [
+            (true, true, false),
+            (true, false, false),
+            (false, true, false),
+            (true, true, true),
+        ] {
             // (the mma.sync kernel: the engine's default; the wgmma form keeps the two ops)
             set_form(if fast { TC_FAST_MMA } else { TC });
             GpuBackend::set_blas(true, fast);
             GpuBackend::set_attn_bf16(on);
+            GpuBackend::set_attn_bf16_fallback(fb);
             let op = format!(
-                "attend_project fast {fast} bf16 {on} heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0} raw {raw}"
+                "attend_project fast {fast} bf16 {on} fallback {fb} heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0} raw {raw}"
             );
             // The two ops: attention into f32 o, then the grouped product.
             let mut gs = gpu.state_from_host(&ld, &h);
@@ -1852,6 +1861,7 @@ fn attend_project_bf16_same_bits() {
         }
     }
     GpuBackend::set_attn_bf16(true);
+    GpuBackend::set_attn_bf16_fallback(false);
     GpuBackend::set_blas(true, false);
     set_form(TC);
     GpuBackend::set_attn_step_tc(false); // the default

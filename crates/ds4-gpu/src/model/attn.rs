@@ -7,7 +7,7 @@ use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{AttnSpec, CompressSpec, GgmlType, IndexSpec, RopeKind, RowRounding, Which};
 use ds4_kernels::{ATTENTION, ATTN_TC};
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// Most score values the indexer keeps at once (tokens are batched under this).
 const INDEX_SCORE_BUDGET: usize = 1 << 26;
@@ -311,6 +311,14 @@ static ATTN_BF16: AtomicU8 = AtomicU8::new(0);
 /// `attn_tc512g[n]_bf` launches so far in this process (tests: the bf16 form ran).
 static BF16_RUNS: AtomicU64 = AtomicU64::new(0);
 
+/// Tests: `attend_project` takes its fallback (the bf16 output widened to f32, then the product's
+/// other forms) as if the library had declined the product.
+static BF16_FALLBACK: AtomicBool = AtomicBool::new(false);
+
+pub(crate) fn attn_bf16_fallback() -> bool {
+    BF16_FALLBACK.load(Ordering::Relaxed)
+}
+
 fn attn_bf16_on() -> bool {
     env_code(&ATTN_BF16, "DS4_GPU_ATTN_BF16", on_unless_off) == 1
 }
@@ -603,6 +611,12 @@ impl GpuBackend {
     /// process-wide, overrides `DS4_GPU_ATTN_BF16`. For tests and benchmarks.
     pub fn set_attn_bf16(on: bool) {
         ATTN_BF16.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// Tests: `attend_project`'s bf16 path behaves as if the library declined its product (the
+    /// output widened to f32 and multiplied by the other forms: the same bits under `fast`).
+    pub fn set_attn_bf16_fallback(on: bool) {
+        BF16_FALLBACK.store(on, Ordering::Relaxed);
     }
 
     /// `attn_tc512g[n]_bf` launches so far in this process.

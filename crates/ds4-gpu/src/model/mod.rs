@@ -2562,11 +2562,14 @@ impl Backend for GpuBackend {
                 self.op_attend_to(st, spec, q, qeps, kv, sinks, sel, n, t0, &mut xb, true);
             }
             let _p = self.prof(|| "matmul_grouped".to_string());
-            if self.failed() || self.blas_grouped_pre(w, groups, &xb, n, y) {
+            if self.failed()
+                || (!attn::attn_bf16_fallback() && self.blas_grouped_pre(w, groups, &xb, n, y))
+            {
                 return;
             }
             // The library declined after all (no algorithm, or it failed): o from its bf16
-            // values (exact), then the product's other forms.
+            // values (exact), then the product's other forms (under `fast` the same bits: the
+            // library's X' of bf16 values is those values).
             let mut o = self.scratch(len);
             self.blas_widen(&xb, len, &mut o);
             self.op_matmul_grouped(w, groups, &o, n, y);
