@@ -1556,6 +1556,75 @@ fn attend_bench() {
     GpuBackend::set_attn_simple(false);
 }
 
+/// A prompt-attention case of head width 512 (window 128, 64 rotated columns, top-k 512 where
+/// selected): its ring layer with f16 rows, raw queries at the scale of q_b's outputs (the norm
+/// matters), f16 KV rows, sinks, and selections (slot k of a token absent past its visible rows
+/// and where k % m == r for `absent` = (m, r)).
+struct RawCase {
+    ld: LayerDims,
+    h: HostLayerState,
+    spec: AttnSpec,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    sinks: Vec<f32>,
+    sel: Option<Vec<i32>>,
+}
+
+fn raw_case(
+    seed: u64,
+    nh: usize,
+    ratio: usize,
+    with_sel: bool,
+    n: usize,
+    t0: usize,
+    absent: (i32, i32),
+) -> RawCase {
+    let (hd, win, top_k) = (512usize, 128usize, 512usize);
+    let mut r = rng(seed);
+    let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
+    f16_vals(&mut h.raw);
+    if let Some(c) = h.comp.as_mut() {
+        f16_vals(&mut c.rows);
+    }
+    let spec = AttnSpec {
+        n_head: nh,
+        head_dim: hd,
+        n_rot: 64,
+        window: win,
+        ratio,
+        top_k: if with_sel { top_k } else { 0 },
+        rope: RopeKind::Comp,
+    };
+    let q = randn(&mut r, n * nh * hd, 3.0);
+    let mut kv = randn(&mut r, n * hd, 1.0);
+    f16_vals(&mut kv);
+    let sinks = randn(&mut r, nh, 2.0);
+    let (m, rm) = absent;
+    let sel = with_sel.then(|| {
+        (0..n)
+            .flat_map(|i| {
+                let vis = ((t0 + i + 1) / ratio) as i32;
+                (0..top_k as i32).map(move |k| {
+                    if k < vis && k % m != rm {
+                        vis - 1 - k
+                    } else {
+                        -1
+                    }
+                })
+            })
+            .collect()
+    });
+    RawCase {
+        ld,
+        h,
+        spec,
+        q,
+        kv,
+        sinks,
+        sel,
+    }
+}
+
 /// `attend_qnorm` of raw queries (`attn_tc512gn_f32`: each head RMS-normed and rotated as the
 /// prefill attention loads it) against the separate norm_rope + attend on the GPU, in bits
 /// (output and ring), with the fused kernel on and off; against the CPU's default (a normed
@@ -1581,42 +1650,17 @@ fn attend_qnorm_matches_norm_then_attend() {
     {
         GpuBackend::set_attn_wg(wg);
         GpuBackend::set_attn_rtab(rtab);
-        let (hd, win, top_k) = (512usize, 128usize, 512usize);
-        let mut r = rng(900 + ci as u64);
-        let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
-        f16_vals(&mut h.raw);
-        if let Some(c) = h.comp.as_mut() {
-            f16_vals(&mut c.rows);
-        }
-        let spec = AttnSpec {
-            n_head: nh,
-            head_dim: hd,
-            n_rot: 64,
-            window: win,
-            ratio,
-            top_k: if with_sel { top_k } else { 0 },
-            rope: RopeKind::Comp,
-        };
-        // Raw queries at the scale of q_b's outputs (the norm matters), f16 KV rows.
-        let q = randn(&mut r, n * nh * hd, 3.0);
-        let mut kv = randn(&mut r, n * hd, 1.0);
-        f16_vals(&mut kv);
-        let sinks = randn(&mut r, nh, 2.0);
+        let RawCase {
+            ld,
+            h,
+            spec,
+            q,
+            kv,
+            sinks,
+            sel,
+        } = raw_case(900 + ci as u64, nh, ratio, with_sel, n, t0, (7, 3));
+        let hd = spec.head_dim;
         let (sk_c, sk_g) = vectors(&cpu, &gpu, &sinks);
-        let sel: Option<Vec<i32>> = with_sel.then(|| {
-            (0..n)
-                .flat_map(|i| {
-                    let vis = ((t0 + i + 1) / ratio) as i32;
-                    (0..top_k as i32).map(move |k| {
-                        if k < vis && k % 7 != 3 {
-                            vis - 1 - k
-                        } else {
-                            -1
-                        }
-                    })
-                })
-                .collect()
-        });
         let op =
             format!("attend_qnorm wg {wg} rtab {rtab} heads {nh} ratio {ratio} sel {with_sel} n {n} t0 {t0}");
         GpuBackend::set_attn_qnorm(true); // the previous case ended with it off
@@ -1737,40 +1781,17 @@ fn attend_project_bf16_same_bits() {
     ];
     let mut bad = Vec::new();
     for (ci, &(nh, ratio, with_sel, n, t0, raw)) in cases.iter().enumerate() {
-        let (hd, win, top_k) = (512usize, 128usize, 512usize);
-        let mut r = rng(1300 + ci as u64);
-        let (ld, mut h) = ring_layer(&mut r, win, hd, ratio, n, t0);
-        f16_vals(&mut h.raw);
-        if let Some(c) = h.comp.as_mut() {
-            f16_vals(&mut c.rows);
-        }
-        let spec = AttnSpec {
-            n_head: nh,
-            head_dim: hd,
-            n_rot: 64,
-            window: win,
-            ratio,
-            top_k: if with_sel { top_k } else { 0 },
-            rope: RopeKind::Comp,
-        };
-        let q = randn(&mut r, n * nh * hd, 3.0);
-        let mut kv = randn(&mut r, n * hd, 1.0);
-        f16_vals(&mut kv);
-        let (_, sk_g) = vectors(&cpu, &gpu, &randn(&mut r, nh, 2.0));
-        let sel: Option<Vec<i32>> = with_sel.then(|| {
-            (0..n)
-                .flat_map(|i| {
-                    let vis = ((t0 + i + 1) / ratio) as i32;
-                    (0..top_k as i32).map(move |k| {
-                        if k < vis && k % 5 != 2 {
-                            vis - 1 - k
-                        } else {
-                            -1
-                        }
-                    })
-                })
-                .collect()
-        });
+        let RawCase {
+            ld,
+            h,
+            spec,
+            q,
+            kv,
+            sinks,
+            sel,
+        } = raw_case(1300 + ci as u64, nh, ratio, with_sel, n, t0, (5, 2));
+        let hd = spec.head_dim;
+        let (_, sk_g) = vectors(&cpu, &gpu, &sinks);
         let groups = nh * hd / 4096;
         let rows = groups * 96;
         let (_, w) = common::weight(&cpu, &gpu, GgmlType::Q8_0, 4096, rows, 1, 1400 + ci as u64);

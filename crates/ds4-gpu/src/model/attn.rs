@@ -1317,26 +1317,6 @@ impl GpuBackend {
         QNORM.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
-    /// Attention of `q`; with `qeps`, `q` is raw and each head is first RMS-normed (no weight,
-    /// eps `qeps`) and rotated at its position: inside `attn_tc512gn_f32` where that kernel
-    /// runs, else into a copy by norm_rope.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn op_attend(
-        &self,
-        st: &mut GpuLayerState,
-        spec: &AttnSpec,
-        q: &GpuBuf,
-        qeps: Option<f32>,
-        kv: &GpuBuf,
-        sinks: &GpuWeight,
-        sel: Option<&GpuIBuf>,
-        n: usize,
-        t0: usize,
-        out: &mut GpuBuf,
-    ) {
-        self.op_attend_to(st, spec, q, qeps, kv, sinks, sel, n, t0, out, false);
-    }
-
     /// Whether [`Self::op_attend_to`] of these operands takes the one-CTA-a-token kernel
     /// `attn_tc512g[n]_f32`, so that it can write bf16 (`attn_bf16_on` aside).
     #[allow(clippy::too_many_arguments)]
@@ -1363,7 +1343,9 @@ impl GpuBackend {
             )
     }
 
-    /// [`Self::op_attend`]; `bf16`: `out` holds n × heads × head_dim bf16 (half its f32 length)
+    /// Attention of `q` into `out`; with `qeps`, `q` is raw and each head is first RMS-normed (no
+    /// weight, eps `qeps`) and rotated at its position: inside `attn_tc512gn_f32` where that
+    /// kernel runs, else into a copy by norm_rope. `bf16`: `out` holds n × heads × head_dim bf16 (half its f32 length)
     /// for the one-CTA-a-token kernel's bf16 form, and any other path is an error (the caller
     /// asked [`Self::attn_bf16_form`] first).
     #[allow(clippy::too_many_arguments)]

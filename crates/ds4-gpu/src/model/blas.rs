@@ -644,6 +644,19 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) -> bool {
+        self.blas_grouped_job(w, groups, x, n, y, false)
+    }
+
+    /// The grouped product's job; `xpre`: x is the caller's one-term bf16 X' (blas_grouped_pre).
+    fn blas_grouped_job(
+        &self,
+        w: &GpuWeight,
+        groups: usize,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+        xpre: bool,
+    ) -> bool {
         let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
             return false;
         };
@@ -666,7 +679,7 @@ impl GpuBackend {
             y_tok: rows,
             y_z: rows / groups,
             acc: false,
-            xpre: None,
+            xpre: xpre.then_some(x.ptr),
         })
     }
 
@@ -714,30 +727,7 @@ impl GpuBackend {
         n: usize,
         y: &mut GpuBuf,
     ) -> bool {
-        let Some((p, ty, cols, rows, row_bytes)) = w.mat_parts() else {
-            return false;
-        };
-        if !self.blas_fast_x_ok(w, groups, n) {
-            return false;
-        }
-        self.blas_job(&Job {
-            w: p,
-            dec: w.dec_parts(),
-            bf: w.bf_slot(),
-            ty,
-            row_bytes,
-            rows,
-            cols,
-            groups,
-            x: xb.ptr,
-            x_tok: groups * cols,
-            n,
-            y: y.ptr,
-            y_tok: rows,
-            y_z: rows / groups,
-            acc: false,
-            xpre: Some(xb.ptr),
-        })
+        self.blas_fast_x_ok(w, groups, n) && self.blas_grouped_job(w, groups, xb, n, y, true)
     }
 
     fn blas_job(&self, j: &Job) -> bool {

@@ -2505,7 +2505,7 @@ impl Backend for GpuBackend {
     ) {
         let _p = self.prof(|| attend_label(spec, n, ""));
 
-        self.op_attend(st, spec, q, None, kv, sinks, sel, n, t0, out)
+        self.op_attend_to(st, spec, q, None, kv, sinks, sel, n, t0, out, false)
     }
 
     fn attend_norms_q(&self, spec: &AttnSpec, n: usize) -> bool {
@@ -2526,7 +2526,7 @@ impl Backend for GpuBackend {
         out: &mut GpuBuf,
     ) {
         let _p = self.prof(|| attend_label(spec, n, "raw q "));
-        self.op_attend(st, spec, q, Some(eps), kv, sinks, sel, n, t0, out)
+        self.op_attend_to(st, spec, q, Some(eps), kv, sinks, sel, n, t0, out, false)
     }
 
     fn attend_project(
