@@ -502,25 +502,10 @@ DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long
     __shared__ float red[128 / DS4_WARP];
     const int tid = threadIdx.x;
     const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
-    // Rows of at most 128 chunks (the model's 4096): thread c's chunk is loaded once, into
-    // registers, for both the maximum and the conversion (one pass: 38 -> ? us a 2k call on
-    // an H100, bench/results/gpu-s52-h100.txt); longer rows read the row twice.
-    const bool one = width / 32 <= 128;
-    float4 f[8];
     float m = 0.0f;
-    if (one) {
-        if (tid < width / 32) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) f[i] = p[8 * tid + i];
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                m = fmaxf(m, fmaxf(fmaxf(fabsf(f[i].x), fabsf(f[i].y)), fmaxf(fabsf(f[i].z), fabsf(f[i].w))));
-        }
-    } else {
-        for (int i = tid; i < width / 4; i += 128) {
-            const float4 v = p[i];
-            m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-        }
+    for (int i = tid; i < width / 4; i += 128) {
+        const float4 v = p[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
 #pragma unroll
     for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
@@ -537,8 +522,8 @@ DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long
         float v[32];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const float4 g = one ? f[i] : p[8 * c + i];
-            v[4 * i] = g.x * sc, v[4 * i + 1] = g.y * sc, v[4 * i + 2] = g.z * sc, v[4 * i + 3] = g.w * sc; // exact
+            const float4 f = p[8 * c + i];
+            v[4 * i] = f.x * sc, v[4 * i + 1] = f.y * sc, v[4 * i + 2] = f.z * sc, v[4 * i + 3] = f.w * sc; // exact
         }
         u32 hw[16], lw[16];
 #pragma unroll
