@@ -396,6 +396,15 @@ fn attn_inputs(
     ]
 }
 
+/// Whether the 16-byte vector loads of the tensor-core, split and fused-norm kernels may read the
+/// queries, this chunk's KV rows, the raw ring and the compressed rows (null counts as aligned).
+fn attn_aligned(st: &GpuLayerState, q: &GpuBuf, kv: &GpuBuf) -> bool {
+    let comp = st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr());
+    [q.ptr, kv.ptr, st.raw.ptr(), comp]
+        .iter()
+        .all(|p| p.0.is_multiple_of(16))
+}
+
 /// Attention rows read per token of a chunk of `n` at `t0`: (selected compressed rows, the
 /// candidates of the last token, the most of any token in the chunk: window + selected rows, or
 /// window + every compressed row when nothing selects).
@@ -1330,13 +1339,9 @@ impl GpuBackend {
         n: usize,
         t0: usize,
     ) -> bool {
-        let comp = st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr());
         // (a raw-query copy made by op_attend_to is scratch: aligned like these)
-        let aligned = [q.ptr, kv.ptr, st.raw.ptr(), comp]
-            .iter()
-            .all(|p| p.0.is_multiple_of(16));
         attn_bf16_on()
-            && self.attn_tc_ok(spec, n, aligned)
+            && self.attn_tc_ok(spec, n, attn_aligned(st, q, kv))
             && matches!(
                 self.attn_tcg_kernel(spec, selected, n, t0),
                 Some(("attn_tc512g_f32", _, false))
@@ -1368,14 +1373,7 @@ impl GpuBackend {
         }
         let fused = qeps.is_some()
             && self.attn_norms_q(spec, n)
-            && [
-                q.ptr,
-                kv.ptr,
-                st.raw.ptr(),
-                st.comp.as_ref().map_or(DevPtr(0), |c| c.rows.ptr()),
-            ]
-            .iter()
-            .all(|p| p.0.is_multiple_of(16))
+            && attn_aligned(st, q, kv)
             && atg_smem(32, 2) + 4 * candidates(spec, sel.is_some(), n, t0).1
                 <= self.gpu.info().max_shared_per_block as usize;
         let qn;
@@ -1405,9 +1403,7 @@ impl GpuBackend {
             return self.attn_invalid("attend: compressed rows wanted, layer has none".into());
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let aligned = [q.ptr, kv.ptr, st.raw.ptr(), comp]
-            .iter()
-            .all(|p| p.0.is_multiple_of(16));
+        let aligned = attn_aligned(st, q, kv);
         let split_ok = hd <= AP_MAXHD
             && hd.is_multiple_of(4)
             && spec.n_rot <= hd
