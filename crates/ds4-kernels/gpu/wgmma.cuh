@@ -191,6 +191,11 @@ __device__ __forceinline__ void gw_stage_blocks(u32 so, const u8* wbase, int r0,
 // passes a barrier) before its first decode. The store then reads the scale from shared memory:
 // it loaded xinv and divided by xdiv per stored value before (ncu, 2k prompt: the N = 128
 // form's epilogue alone was 6.6% of the gate/up's stall samples, its FMULs waiting on xinv).
+// Pairs in run `by` (< ngroups) of the runs of BM (64, or the wide runs of 128), at most BM.
+template <int BM = GW_BM> __device__ __forceinline__ int gw_run_len(const int* __restrict__ grp, int n, int gmax, int by) {
+    const int* gs = BM == GW_BM ? grp : grp + 1 + gmax + n; // [ngroups, starts[]]
+    return min(max((by + 1 < gs[0] ? gs[2 + by] : n) - gs[1 + by], 0), BM);
+}
 template <int BM = GW_BM>
 __device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* __restrict__ sel, int n, int gmax,
                                         int* items, int* expert, const float* __restrict__ xinv, int xdiv, float* xs,
@@ -207,7 +212,7 @@ __device__ __forceinline__ int gw_items(const int* __restrict__ grp, const int* 
         if (tid == 0) *expert = e;
     }
     __syncthreads();
-    return min(max((by + 1 < gs[0] ? gs[2 + by] : n) - gs[1 + by], 0), BM);
+    return gw_run_len<BM>(grp, n, gmax, by);
 }
 
 // Persistent forms (_fwp): a CTA an SM takes tiles from a launch-wide counter ctr[0] until they

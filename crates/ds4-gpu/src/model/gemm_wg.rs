@@ -64,7 +64,7 @@ use super::switch::{code, switch_on, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WG` (`0` = off; default on) on first use.
 static WG: AtomicU8 = AtomicU8::new(UNSET);
@@ -92,6 +92,20 @@ static WIDE: AtomicU8 = AtomicU8::new(UNSET);
 const WIDE_DEFAULT: u8 = 4;
 /// Wide (folded) gate/up launches so far (process-wide; tests).
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// The small-run gate/up (`gws_iq2_xxs_fw`, gemm_wg.cu): the folded wide form's runs of at most
+/// this many pairs go to it (0: none; at most [`GS_TOK`]); UNSET_N: read `DS4_GPU_GW_SMALL`
+/// (a number; default [`SMALL_DEFAULT`]) on first use.
+static SMALL: AtomicUsize = AtomicUsize::new(UNSET_N);
+const UNSET_N: usize = usize::MAX;
+const SMALL_DEFAULT: usize = 0;
+/// Most pairs of a run `gws_iq2_xxs_fw` takes (`GS_TOK`: two n-tiles of 8) and its CTA's rows
+/// and dynamic shared memory (`sizeof(GsSmem)`: 8 copies of the 4 KiB f16 grid, 3 stages of 128
+/// rows x 20 + 4 raw words and of 16 items x 132 X words; a static_assert there).
+pub(in crate::model) const GS_TOK: usize = 16;
+const GS_ROWS: usize = 128;
+const GS_SMEM: usize = 8 * 4096 + 3 * (GS_ROWS * 20 + 4) * 4 + 3 * GS_TOK * 132 * 4;
+/// `gws_iq2_xxs_fw` launches so far (process-wide; tests).
+static SMALL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
@@ -154,6 +168,20 @@ fn wide() -> u8 {
     })
 }
 
+/// Runs of at most this many pairs take `gws_iq2_xxs_fw` (0: none).
+fn small() -> usize {
+    let v = SMALL.load(Ordering::Relaxed);
+    if v != UNSET_N {
+        return v;
+    }
+    let v = std::env::var("DS4_GPU_GW_SMALL")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .map_or(SMALL_DEFAULT, |n| n.min(GS_TOK));
+    SMALL.store(v, Ordering::Relaxed);
+    v
+}
+
 fn dq() -> u8 {
     code(&DQ, "DS4_GPU_GW_DQ", |v| match v {
         Some(s) if s.trim() == "0" => 0,
@@ -181,6 +209,23 @@ impl GpuBackend {
     pub fn set_gemm_wg_wide(mode: u8) {
         assert!(matches!(mode, 0 | 3 | 4), "wide modes 0, 3 and 4");
         WIDE.store(mode, Ordering::Relaxed);
+    }
+
+    /// Runs of at most `max` pairs (clamped to 16) to the small-run gate/up `gws_iq2_xxs_fw`
+    /// beside the folded wide form (0: none; default [`SMALL_DEFAULT`], or `DS4_GPU_GW_SMALL`).
+    /// Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_small(max: usize) {
+        SMALL.store(max.min(GS_TOK), Ordering::Relaxed);
+    }
+
+    /// The small-run bound in use (see [`Self::set_gemm_wg_small`]).
+    pub fn gemm_wg_small() -> usize {
+        small()
+    }
+
+    /// `gws_iq2_xxs_fw` launches so far in this process.
+    pub fn gemm_wg_small_launches() -> u64 {
+        SMALL_LAUNCHES.load(Ordering::Relaxed)
     }
 
     /// The wide gate/up mode in use (see [`Self::set_gemm_wg_wide`]).
@@ -334,6 +379,8 @@ impl GpuBackend {
             (name, [ff.div_ceil(WG_BN) as u32, gy_max as u32, 2])
         };
         let ctr = self.tickets.ptr().offset((GW_TICKET * 4) as u64);
+        // The folded wide form leaves runs of <= smax pairs to gws_iq2_xxs_fw (below).
+        let smax = if w == 4 { small() } else { 0 };
         let args = [
             Arg::Ptr(g.0),
             Arg::Ptr(u.0),
@@ -351,6 +398,7 @@ impl GpuBackend {
             Arg::I32((n * k) as i32),
             Arg::Ptr(grp),
             Arg::I32(gmax as i32),
+            Arg::I32(smax as i32),
         ];
         self.run(
             &ds4_kernels::GEMM_WG,
@@ -365,6 +413,20 @@ impl GpuBackend {
                 .chain(pers.then_some(Arg::Ptr(ctr)))
                 .collect::<Vec<_>>(),
         );
+        if smax > 0 {
+            SMALL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+            let runs = wide_gmax(n * k, bm, gmax);
+            self.run(
+                &ds4_kernels::GEMM_WG,
+                "gws_iq2_xxs_fw",
+                LaunchDims {
+                    grid: [ff.div_ceil(GS_ROWS) as u32, runs as u32, 2],
+                    block: [256, 1, 1],
+                    shared_bytes: GS_SMEM as u32,
+                },
+                &args,
+            );
+        }
         true
     }
 
