@@ -1121,34 +1121,21 @@ fn short_runs_sel(n: usize, k: usize) -> Vec<i32> {
     sel
 }
 
-/// The small-run gate/up (`set_gemm_wg_small`, `DS4_GPU_GW_SMALL`: `gws_iq2_xxs_fw`, the folded
-/// wide form's runs of at most 16 pairs on mma.sync) against the f64 reference per (pair, row):
-/// runs of 1, 2, 7, 8, 9, 15, 16, 17 and ~9-10 pairs (both n-tile forms and the bound's edges)
-/// beside one of 60, with token rows of magnitudes 1e-6 .. 1e6; d = 1280 (5 super-blocks: the 3
-/// stages wrap; 330-byte rows of alternating alignment), ff = 320 (a partial CTA of 128 rows).
-/// Same arithmetic as the folded form, so the same bound (2^-10 B + 2e-5 sum |w x|). Also: the
-/// small kernel ran exactly when asked (bound 16, 8: the runs of 9..16 back on wgmma; 0: never),
-/// every bound gives finite outputs within the bound, and the persistent and one-CTA-a-tile
-/// wgmma forms leave it the same runs (same bits).
+/// The small-run gate/up (`set_gemm_wg_small`, `DS4_GPU_GW_SMALL`: the folded wide form's runs
+/// of at most 16 pairs leave wgmma for `m3gus_iq2_xxs` (runs of <= 8, m3gu's decode) or
+/// `gws_iq2_xxs_fw` (the wgmma K order on mma.sync)) against the f64 reference per (pair, row):
+/// runs of 1, 2, 7, 8, 9, 15, 16, 17 and ~9-10 pairs (both n-tile forms and the bounds' edges)
+/// beside one of 60, token rows of magnitudes 1e-6 .. 1e6; d = 2048 (m3gus's one stage a tile) and
+/// 1280 (5 super-blocks: the 3 stages wrap; 330-byte rows of alternating alignment: gws alone),
+/// ff = 320 (a partial CTA). Bound 2^-10 B + 2e-5 sum |w x| (the folded form's two roundings;
+/// m3gus rounds x once, its weights exact). Also: the small kernels ran exactly when asked (bound
+/// 16, 8, 0; each form), outputs are finite, and the persistent and one-CTA-a-tile wgmma forms
+/// leave gws the same runs (same bits).
 #[test]
 fn gemm_moe_small_runs_match_f64() {
     let Some(gpu) = wg_backend() else {
         return;
     };
-    let (ne, k, n, d, ff) = (32usize, 6usize, 60usize, 1280usize, 320usize);
-    let sel = short_runs_sel(n, k);
-    let gs = gpu.upload_i32(&sel);
-    let mut r = rng(2800);
-    let ty = GgmlType::IQ2_XXS;
-    let (gb, gw) = random_experts(&gpu, ty, d, ff, ne, 2801);
-    let (ub, uw) = random_experts(&gpu, ty, d, ff, ne, 2802);
-    let z = scaled_rows(&mut r, n, d);
-    let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
-    let want = [&gb, &ub].map(|bytes| {
-        let r = expert_ref(ty, bytes, ff, d, &sel, xz);
-        r.into_iter().map(|(s, a)| (s, a, a)).collect::<Vec<_>>()
-    });
-    let gz = gpu.upload(&z);
     GpuBackend::set_gemm_planes(1);
     let (wide0, persist0, small0) = (
         GpuBackend::gemm_wg_wide(),
@@ -1157,58 +1144,77 @@ fn gemm_moe_small_runs_match_f64() {
     );
     GpuBackend::set_gemm_wg_wide(4);
     let mut bad = Vec::new();
-    let mut outs = Vec::new();
-    for (small, pers) in [(16usize, 1u8), (16, 0), (8, 1), (0, 1)] {
-        GpuBackend::set_gemm_wg_small(small);
-        GpuBackend::set_gemm_wg_persist(pers);
-        let s0 = GpuBackend::gemm_wg_small_launches();
-        let (g, u) = gpu
-            .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
-            .expect("sm_90a: the wide wgmma gate/up covers this product");
-        let ran = GpuBackend::gemm_wg_small_launches() - s0;
-        if ran != (small > 0) as u64 {
-            bad.push(format!("small {small} persist {pers}: {ran} gws launches"));
+    for (case, d) in [2048usize, 1280].into_iter().enumerate() {
+        let (ne, k, n, ff) = (32usize, 6usize, 60usize, 320usize);
+        let sel = short_runs_sel(n, k);
+        let gs = gpu.upload_i32(&sel);
+        let mut r = rng(2800 + case as u64);
+        let ty = GgmlType::IQ2_XXS;
+        let (gb, gw) = random_experts(&gpu, ty, d, ff, ne, 2801);
+        let (ub, uw) = random_experts(&gpu, ty, d, ff, ne, 2802);
+        let z = scaled_rows(&mut r, n, d);
+        let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
+        let want = [&gb, &ub].map(|bytes| {
+            let r = expert_ref(ty, bytes, ff, d, &sel, xz);
+            r.into_iter().map(|(s, a)| (s, a, a)).collect::<Vec<_>>()
+        });
+        let gz = gpu.upload(&z);
+        let mut outs = Vec::new();
+        for (small, m3, pers) in [
+            (16usize, true, 1u8),
+            (16, false, 1),
+            (16, false, 0),
+            (8, true, 1),
+            (8, false, 1),
+            (0, true, 1),
+        ] {
+            GpuBackend::set_gemm_wg_small(small);
+            GpuBackend::set_gemm_wg_small_form(m3);
+            GpuBackend::set_gemm_wg_persist(pers);
+            let s0 = GpuBackend::gemm_wg_small_launches();
+            let (g, u) = gpu
+                .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
+                .expect("sm_90a: the wide wgmma gate/up covers this product");
+            let s1 = GpuBackend::gemm_wg_small_launches();
+            let m3_runs = m3 && d % 2048 == 0;
+            let want_ran = match (small > 0, m3_runs) {
+                (false, _) => (0, 0),
+                (true, true) => (0, 1),
+                (true, false) => (1, 0),
+            };
+            let name = format!("d {d} small {small} m3 {m3} persist {pers}");
+            if (s1.0 - s0.0, s1.1 - s0.1) != want_ran {
+                bad.push(format!("{name}: launches {s0:?} -> {s1:?}"));
+            }
+            if g.iter().chain(&u).any(|v| !v.is_finite()) {
+                bad.push(format!("{name}: not finite"));
+            }
+            let b = 2.0 * U11;
+            check_one_plane(&format!("gate {name}"), b, ff, &g, &want[0], &sel, &mut bad);
+            check_one_plane(&format!("up {name}"), b, ff, &u, &want[1], &sel, &mut bad);
+            outs.push((g, u));
         }
-        if g.iter().chain(&u).any(|v| !v.is_finite()) {
-            bad.push(format!("small {small} persist {pers}: not finite"));
+        let differ = |a: &(Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>)| {
+            a.0.iter()
+                .chain(&a.1)
+                .zip(b.0.iter().chain(&b.1))
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count()
+        };
+        if differ(&outs[1], &outs[2]) != 0 {
+            bad.push(format!(
+                "d {d}: gws with persistent and one-CTA-a-tile wgmma differ"
+            ));
         }
-        let name = format!("small {small} persist {pers}");
-        check_one_plane(
-            &format!("gate {name}"),
-            2.0 * U11,
-            ff,
-            &g,
-            &want[0],
-            &sel,
-            &mut bad,
+        println!(
+            "d {d}: outputs differing in bits from no small runs: m3 {}, gws {} of {}",
+            differ(&outs[0], &outs[5]),
+            differ(&outs[1], &outs[5]),
+            2 * n * k * ff
         );
-        check_one_plane(
-            &format!("up {name}"),
-            2.0 * U11,
-            ff,
-            &u,
-            &want[1],
-            &sel,
-            &mut bad,
-        );
-        outs.push((g, u));
     }
-    let differ = |a: &(Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>)| {
-        a.0.iter()
-            .chain(&a.1)
-            .zip(b.0.iter().chain(&b.1))
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count()
-    };
-    if differ(&outs[0], &outs[1]) != 0 {
-        bad.push("small 16: persistent and one-CTA-a-tile wgmma differ".into());
-    }
-    println!(
-        "small 16 vs none: {} of {} outputs differ in bits (another summation order)",
-        differ(&outs[0], &outs[3]),
-        2 * n * k * ff
-    );
     GpuBackend::set_gemm_wg_small(small0);
+    GpuBackend::set_gemm_wg_small_form(true);
     GpuBackend::set_gemm_wg_persist(persist0);
     GpuBackend::set_gemm_wg_wide(wide0);
     GpuBackend::set_gemm_planes(2);

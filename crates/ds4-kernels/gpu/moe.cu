@@ -1463,6 +1463,171 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
     m3gu_body(M3GU_ARGS);
 #endif
 }
+// ---- Small runs of the prompt MoE (m3gus_iq2_xxs; gemm_wg.rs DS4_GPU_GW_SMALL) ----
+// The grouping's wide runs of at most min(smax, 8) pairs (gemm.rs group_pairs; the folded wide
+// wgmma gate/up skips them): m3gu's decode (lane tig holds a whole sub-block of a row: one aux
+// word, scale and sign set per 32 weights, where the wgmma K order pays them per 8) with the
+// run's items as the 8 B columns (one f16 plane: x 2^sigma rounded once, sigma per item as m3gu;
+// weights exact; f32 sums). Gate rows as A rows 0-7 and the same up rows as 8-15, so a CTA
+// writes both. CTA: nb tiles of 8 rows, stages of 16 rows x 2048 columns as m3gu_body (warp w:
+// block w of a stage, partials summed over the warps by a fixed tree a tile). Shared: the grid,
+// the items' x fragments ([cols / 128][4 entries][8 items][4 tig] uint4: cols x 16 bytes), red
+// [8 warps][16 rows][8 items], the 3 stages. cols % 2048 == 0, rows % 8 == 0 (the host checks).
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+template <bool A8>
+__device__ __forceinline__ void m3gus_dec(const u8* rg, const u8* ru, const u64* gs, const uint4* xf, int warp, int tig,
+                                          int lane, int bw, float (&c4)[4]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        int sb = 4 * hh + tig, c = 2 * bw + hh, o = 66 * warp + 2 + 8 * sb;
+        u32 ig, xg, iu, xu;
+        m3_sub<A8>(rg, o, ig, xg);
+        m3_sub<A8>(ru, o, iu, xu);
+        u32 mg = 1u + 2u * (xg >> 28), mu = 1u + 2u * (xu >> 28);
+        const u32 b1k = 0x64006400u;
+        u32 m2g = ds4_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = ds4_hsub2((mu | (mu << 16)) | b1k, b1k);
+        const uint4* xb = xf + (c * 4) * 32 + lane; // item gid's entry, this lane's tig
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const uint4 bx = xb[q * 32];
+            u32 slg, shg, slu, shu;
+            m3_signs((xg >> (7 * q)) & 127u, slg, shg);
+            m3_signs((xu >> (7 * q)) & 127u, slu, shu);
+            u32 wg[4], wu[4];
+            m3_entry(gs[(ig >> (8 * q)) & 0xffu], slg, shg, m2g, wg);
+            m3_entry(gs[(iu >> (8 * q)) & 0xffu], slu, shu, m2u, wu);
+            m3_mma(c4, wg[0], wu[0], wg[1], wu[1], bx.x, bx.y);
+            m3_mma(c4, wg[2], wu[2], wg[3], wu[3], bx.z, bx.w);
+        }
+    }
+}
+#endif
+#define M3S_LB2 M3_THREADS, 2 // two CTAs an SM (shared memory: ~96 KiB each at cols 4096)
+// Grid (rows / (8 nb), wide runs, 1), 256 threads, dynamic shared memory 2048 + 16 cols + 4096 +
+// 64 + 3 * 16 * 544 bytes (gemm_wg.rs). z: token rows [.][cols] (pair i reads row i / xdiv);
+// gy / uy[pair * y_tok + r]; grp: [ngroups, starts[gmax], perm[n], ngroups2, starts2[]].
+DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long slab,
+                                                  const int* __restrict__ sel, const float* __restrict__ z, int xdiv,
+                                                  float* __restrict__ gy, float* __restrict__ uy, long long y_tok,
+                                                  int rows, int cols, long long row_bytes, int n,
+                                                  const int* __restrict__ grp, int gmax, int smax, int nb) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    const int* perm = grp + 1 + gmax;
+    const int* g2 = perm + n; // [ngroups2, starts2[]]
+    const int by = blockIdx.y;
+    if (by >= g2[0]) return; // uniform over the CTA
+    const int st = g2[1 + by], len = min(max((by + 1 < g2[0] ? g2[2 + by] : n) - st, 0), 128);
+    if (len == 0 || len > min(smax, 8)) return;
+    const int e = max(sel[perm[st]], 0);
+    u64* gs = (u64*)moe_smem;
+    uint4* xf = (uint4*)(gs + 256);
+    float* red = (float*)(xf + cols); // [8 warps][16 rows][8 items]
+    float* fin = red + 8 * 16 * 8;    // [8 items]: 2^(21 - sigma)
+    float* tmax = fin + 8;            // [8 items]: max |x|
+    u8* stg = (u8*)(tmax + 8);        // 3 stages (16-byte aligned: 2048 + 16 cols + 4096 + 64)
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    const int ks_n = cols / 2048, r0c = blockIdx.x * nb * 8;
+    const int ntl = min(nb, (rows - r0c + 7) / 8), S = ntl * ks_n;
+    const u8* gb = Wg + (long long)e * slab;
+    const u8* ub = Wu + (long long)e * slab;
+    // Stages as m3gu_body (its offsets; rows % 8 == 0: no row past the end).
+    int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;
+    int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * M3_SROW + 16 * (tid - 33 * R0);
+    int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * M3_SROW + 16 * (tid + M3_THREADS - 33 * R1);
+    int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * M3_SROW + 16 * (tid + 2 * M3_THREADS - 33 * 15);
+    int is_t = 0, is_k = 0, is_b = 0;
+    auto issue = [&]() {
+        if (is_t < ntl) {
+            long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;
+            u8* dst = stg + is_b * M3_STAGE;
+            m3_cp16(dst + do0, gb + to + so0);
+            m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);
+            if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);
+            if (++is_k == ks_n) is_k = 0, is_t++;
+            is_b = is_b == 2 ? 0 : is_b + 1;
+        }
+        ds4_cp_commit();
+    };
+    issue();
+    issue();
+    m2_grid<T_IQ2_XXS>(gs);
+    // Item m (< len): pair perm[st + m], token row perm[st + m] / xdiv. Warp m: its max |x|.
+    auto xrow = [&](int m) { return z + (long long)(perm[st + m] / xdiv) * cols; };
+    {
+        float am = 0.0f;
+        if (warp < len) {
+            const float4* xr = (const float4*)xrow(warp);
+            for (int i = lane; i < cols / 4; i += 32) {
+                float4 v = xr[i];
+                am = fmaxf(am, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+            }
+        }
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        if (lane == 0) tmax[warp] = am;
+    }
+    __syncthreads();
+    if (tid < 8) {
+        int ex = (int)((__float_as_uint(tmax[tid]) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+        fin[tid] = __uint_as_float((u32)(127 + 21 - sig) << 23);
+    }
+    // x fragments: entry q = ((chunk c, entry jj, item m), tig t) = x_m[128 c + 32 t + 8 jj ..] in f16.
+    for (int q = tid; q < cols; q += M3_THREADS) {
+        const int t = q & 3, m = (q >> 2) & 7, jj = (q >> 5) & 3, c = q >> 7;
+        uint4 hv = make_uint4(0u, 0u, 0u, 0u);
+        if (m < len) {
+            int ex = (int)((__float_as_uint(tmax[m]) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+            const float xsc = __uint_as_float((u32)(127 + sig) << 23);
+            const float4* src = (const float4*)(xrow(m) + 128 * c + 32 * t + 8 * jj);
+            const float4 a = src[0], b = src[1];
+            hv = make_uint4(ds4_f16x2(a.x * xsc, a.y * xsc), ds4_f16x2(a.z * xsc, a.w * xsc), ds4_f16x2(b.x * xsc, b.y * xsc),
+                            ds4_f16x2(b.z * xsc, b.w * xsc));
+        }
+        xf[q] = hv;
+    }
+    float ag0 = 0.0f, ag1 = 0.0f, au0 = 0.0f, au1 = 0.0f;
+    int kq = 0, tl = 0, bs = 0;
+    const bool al8 = ((66 * warp + 2) & 4) == 0;
+    for (int s = 0; s < S; s++) {
+        ds4_cp_wait<1>();
+        __syncthreads(); // stage s landed for all; stage s - 1 (and red, at a tile's end) no longer read
+        issue();
+        int bw = 8 * kq + warp;
+        const u8* rg = stg + bs * M3_STAGE + gid * M3_SROW;
+        const u8* ru = rg + 8 * M3_SROW;
+        float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (al8)
+            m3gus_dec<true>(rg, ru, gs, xf, warp, tig, lane, bw, c4);
+        else
+            m3gus_dec<false>(rg, ru, gs, xf, warp, tig, lane, bw, c4);
+        float dg = ds4_h2f_fast(*(const u16*)(rg + 66 * warp)), du = ds4_h2f_fast(*(const u16*)(ru + 66 * warp));
+        // c4: gate row gid of items 2 tig, 2 tig + 1; up row gid of the same
+        ag0 = fmaf(dg, c4[0], ag0), ag1 = fmaf(dg, c4[1], ag1);
+        au0 = fmaf(du, c4[2], au0), au1 = fmaf(du, c4[3], au1);
+        bs = bs == 2 ? 0 : bs + 1;
+        if (++kq == ks_n) { // tile done: red[warp][row][item], then sums over the warps in order
+            kq = 0;
+            float* rw = red + (warp * 16 + gid) * 8 + 2 * tig;
+            rw[0] = ag0, rw[1] = ag1, rw[64] = au0, rw[65] = au1; // + 8 rows = + 64
+            ag0 = ag1 = au0 = au1 = 0.0f;
+            __syncthreads();
+            if (tid < 128) {
+                const int rr = tid >> 3, m = tid & 7; // rows 0-7 gate, 8-15 up
+                float v = 0.0f;
+                for (int w = 0; w < 8; w++) v += red[(w * 16 + rr) * 8 + m];
+                const int r = r0c + 8 * tl + (rr & 7);
+                if (m < len && r < rows) (rr < 8 ? gy : uy)[(long long)perm[st + m] * y_tok + r] = v * fin[m];
+            }
+            tl++;
+        }
+    }
+    ds4_cp_wait<0>();
+#else
+    (void)Wg, (void)Wu, (void)slab, (void)sel, (void)z, (void)xdiv, (void)gy, (void)uy, (void)y_tok, (void)rows, (void)cols,
+        (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)smax, (void)nb;
+#endif
+}
+
 // cols = 2048 only (see m3dn_body); h in plain order, mx from m3gu. Token t = blockIdx.y (grid y
 // = n <= 4): its k slots, h and maxima, its output row -- the one-token product (same bits).
 #define M3DN_TOK(I8)                                                                                      \

@@ -36,6 +36,7 @@ pub const MOE: Module = Module {
         "m3gu1_iq2_xxs",
         "m3dn1_q2_k",
         "m3dn1ip_q2_k",
+        "m3gus_iq2_xxs",
         "moe_localize",
     ],
 };

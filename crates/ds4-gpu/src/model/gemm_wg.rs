@@ -106,6 +106,14 @@ const GS_ROWS: usize = 128;
 const GS_SMEM: usize = 8 * 4096 + 3 * (GS_ROWS * 20 + 4) * 4 + 3 * GS_TOK * 132 * 4;
 /// `gws_iq2_xxs_fw` launches so far (process-wide; tests).
 static SMALL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Form of the small-run gate/up: 1 `m3gus_iq2_xxs` (moe.cu: m3gu's decode, runs of <= 8, d %
+/// 2048 == 0; else the other), 2 `gws_iq2_xxs_fw` (the wgmma K order); UNSET: read
+/// `DS4_GPU_GW_SMALL_FORM` (`wg`: 2; else 1) on first use.
+static SMALL_FORM: AtomicU8 = AtomicU8::new(UNSET);
+/// `m3gus_iq2_xxs` launches so far (process-wide; tests).
+static SMALL_M3_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Row tiles of 8 a `m3gus_iq2_xxs` CTA (the items' x conversion is paid once a CTA).
+const M3S_NB: usize = 16;
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
@@ -182,6 +190,15 @@ fn small() -> usize {
     v
 }
 
+fn small_m3() -> bool {
+    code(&SMALL_FORM, "DS4_GPU_GW_SMALL_FORM", |v| {
+        match v.map(str::trim) {
+            Some("wg") => 2,
+            _ => 1,
+        }
+    }) == 1
+}
+
 fn dq() -> u8 {
     code(&DQ, "DS4_GPU_GW_DQ", |v| match v {
         Some(s) if s.trim() == "0" => 0,
@@ -223,9 +240,18 @@ impl GpuBackend {
         small()
     }
 
-    /// `gws_iq2_xxs_fw` launches so far in this process.
-    pub fn gemm_wg_small_launches() -> u64 {
-        SMALL_LAUNCHES.load(Ordering::Relaxed)
+    /// Small-run launches so far in this process: (`gws_iq2_xxs_fw`, `m3gus_iq2_xxs`).
+    pub fn gemm_wg_small_launches() -> (u64, u64) {
+        (
+            SMALL_LAUNCHES.load(Ordering::Relaxed),
+            SMALL_M3_LAUNCHES.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The small-run form: `m3` true for `m3gus_iq2_xxs` where it applies (default, or
+    /// `DS4_GPU_GW_SMALL_FORM`), false for `gws_iq2_xxs_fw`. Process-wide (tests, benchmarks).
+    pub fn set_gemm_wg_small_form(m3: bool) {
+        SMALL_FORM.store(if m3 { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The wide gate/up mode in use (see [`Self::set_gemm_wg_wide`]).
@@ -381,6 +407,9 @@ impl GpuBackend {
         let ctr = self.tickets.ptr().offset((GW_TICKET * 4) as u64);
         // The folded wide form leaves runs of <= smax pairs to gws_iq2_xxs_fw (below).
         let smax = if w == 4 { small() } else { 0 };
+        // m3gus_iq2_xxs takes runs of <= 8 (one n-tile) of stages of 2048 columns, 8-row tiles.
+        let m3 = smax > 0 && small_m3() && d.is_multiple_of(2048) && ff.is_multiple_of(8);
+        let smax = if m3 { smax.min(8) } else { smax };
         let args = [
             Arg::Ptr(g.0),
             Arg::Ptr(u.0),
@@ -413,9 +442,41 @@ impl GpuBackend {
                 .chain(pers.then_some(Arg::Ptr(ctr)))
                 .collect::<Vec<_>>(),
         );
-        if smax > 0 {
+        let runs = wide_gmax(n * k, bm, gmax);
+        if m3 {
+            SMALL_M3_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+            // grid, x fragments (16 bytes an item and 8 columns), red, fin / tmax, 3 stages
+            let smem = 2048 + 16 * d + 4096 + 64 + 3 * 16 * 544;
+            self.run(
+                &ds4_kernels::MOE,
+                "m3gus_iq2_xxs",
+                LaunchDims {
+                    grid: [ff.div_ceil(8 * M3S_NB) as u32, runs as u32, 1],
+                    block: [256, 1, 1],
+                    shared_bytes: smem as u32,
+                },
+                &[
+                    Arg::Ptr(g.0),
+                    Arg::Ptr(u.0),
+                    Arg::I64((ff * rb) as i64),
+                    Arg::Ptr(sel),
+                    Arg::Ptr(z),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(gy),
+                    Arg::Ptr(uy),
+                    Arg::I64(ff as i64),
+                    Arg::I32(ff as i32),
+                    Arg::I32(d as i32),
+                    Arg::I64(rb as i64),
+                    Arg::I32((n * k) as i32),
+                    Arg::Ptr(grp),
+                    Arg::I32(gmax as i32),
+                    Arg::I32(smax as i32),
+                    Arg::I32(M3S_NB as i32),
+                ],
+            );
+        } else if smax > 0 {
             SMALL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
-            let runs = wide_gmax(n * k, bm, gmax);
             self.run(
                 &ds4_kernels::GEMM_WG,
                 "gws_iq2_xxs_fw",
