@@ -364,19 +364,18 @@ __device__ __forceinline__ void gw_body(GwSmem<64 * NWG>& sm, const int* items, 
 #if GW_HAVE
 // The grid as bytes and as f16 (bytes (b, 0x64) = f16 1024 + b, minus 1024: b exactly), the
 // latter in GW_GHC copies (entry e of copy j at 8 e + j). Every thread; a barrier follows (gw_items).
-__device__ __forceinline__ void gw_tables_to(u64* grid, uint4* gh) { // grid: null where unused
+template <int BN> __device__ __forceinline__ void gw_tables(GwSmem<BN>& sm) {
     for (int i = threadIdx.x; i < 256 * GW_GHC; i += blockDim.x) {
         const int e = i / GW_GHC;
         const u64 gv = ds4_iq2xxs_grid[e];
-        if (grid && i % GW_GHC == 0) grid[e] = gv;
+        if (i % GW_GHC == 0) sm.grid[e] = gv;
         const u32 lo = (u32)gv, hi = (u32)(gv >> 32);
-        gh[i] = make_uint4(ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4140u), 0x64006400u),
-                           ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4342u), 0x64006400u),
-                           ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
-                           ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
+        sm.gh[i] = make_uint4(ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4140u), 0x64006400u),
+                              ds4_hsub2(ds4_prmt(lo, 0x64646464u, 0x4342u), 0x64006400u),
+                              ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4140u), 0x64006400u),
+                              ds4_hsub2(ds4_prmt(hi, 0x64646464u, 0x4342u), 0x64006400u));
     }
 }
-template <int BN> __device__ __forceinline__ void gw_tables(GwSmem<BN>& sm) { gw_tables_to(sm.grid, sm.gh); }
 // One tile: item run by (BM: 64, or the wide runs of 128), row tile bx, gate (z 0) or up (1),
 // the product with N = the run's valid items rounded up to 16. FD: gw_body's folded form.
 template <int NWG, int PL, int DQ, int BM, int FD>
@@ -387,7 +386,7 @@ __device__ __forceinline__ void gw_tile(GwSmem<64 * NWG>& sm, int* items, float*
                                         float* __restrict__ Y1, long long y_tok, int rows, int cols, long long row_bytes,
                                         int n, const int* __restrict__ grp, int gmax, int smax, u32* ctr = nullptr,
                                         int* s_tile = nullptr) {
-    // Runs of at most smax pairs belong to gws_iq2_xxs_fw (launched beside): skipped here. The
+    // Runs of at most smax pairs belong to moe.cu's m3gus_iq2_xxs (launched beside): skipped here. The
     // persistent form draws its next tile (after a barrier: the loop's reads of s_tile are done).
     if (smax > 0 && gw_run_len<BM>(grp, n, gmax, by) <= smax) {
         if (ctr) {
@@ -497,145 +496,6 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_fwp(GW_PARAMS, u32* ctr) {
     gw_kernel_p(GW_ARGS, ctr);
 #else
     GW_RUN(1, 2), (void)ctr;
-#endif
-}
-
-// ---- Small runs: gws_iq2_xxs_fw ----
-// The wide runs of at most smax <= GS_TOK pairs (gemm_wg.rs DS4_GPU_GW_SMALL; the folded wide
-// gate/up skips them): a wgmma CTA pays a whole expert slice's decode for them however few its
-// pairs, at the pace of its pipeline (ncu, 2k prompt: ~1.7-2.4 T weights/s), where the decode
-// steps' mma.sync kernels decode 4-5 T weights/s. Same arithmetic as the folded form (gw_deq_w
-// FD: f16(f16((2 ls + 1) 16 d) grid), X's hi plane from gwg_x_f32, f32 sums, 2^-7 and the row
-// scale at the store); another summation order, so other bits.
-// CTA: 8 warps, GS_ROWS = 128 weight rows (warp w: rows 16 w + g and + 8 as mma.m16n8k16 A, the
-// wgmma kernels' A fragment and K order), the run's items as B in n-tiles of 8 (NTN = 1 for
-// runs of <= 8, else 2), all K in one accumulator set per n-tile. Stages (GS_NS = 3, one
-// cp.async group each): super-block S's raw blocks of the 128 rows (gw_stage_blocks) and the
-// items' hi words of its 8 chunks, token rows GS_XW words apart (16 words a chunk; + 4 so that
-// lane (g, t)'s loads of word 16 p + t + 4 i of item g hit 32 distinct banks).
-#define GS_ROWS 128
-#define GS_TOK 16
-#define GS_NS 3
-#define GS_XW 132
-#define GS_RAWW (GS_ROWS * GW_RW + 4) // words of a raw stage (+4: the decode's 3rd word of the last row)
-#if GW_HAVE
-struct alignas(16) GsSmem {
-    uint4 gh[256 * GW_GHC];     // the f16 grid, GW_GHC copies (gw_tables_to)
-    u32 raw[GS_NS][GS_RAWW];    // raw super-blocks
-    u32 x[GS_NS][GS_TOK * GS_XW]; // items' hi words of a super-block's chunks
-};
-static_assert(sizeof(GsSmem) == 88880, "gemm_wg.rs GS_SMEM");
-
-template <int NTN>
-__device__ __forceinline__ void gs_body(GsSmem& sm, const int* items, const float* xs, int nv, int expert,
-                                        const u8* __restrict__ W, float* __restrict__ Y, const u32* __restrict__ XW,
-                                        int xdiv, long long slab, long long y_tok, int rows, int cols,
-                                        long long row_bytes) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * GS_ROWS, nsb = cols / 256;
-    const u8* wbase = W + (long long)expert * slab;
-    const u32 sr = (u32)__cvta_generic_to_shared(&sm.raw[0][0]);
-    const u32 sx = (u32)__cvta_generic_to_shared(&sm.x[0][0]);
-    // X pieces of a stage: 8 NTN items x 8 chunks x 4 pieces of 16 bytes; piece i = tid + 256 j:
-    // item i / 32, chunk (i / 4) % 8, piece i % 4 (words 4 (i % 4) .. of the chunk's hi plane).
-    // Absent items (>= nv) are zero-filled (src-size 0, row 0's address).
-    constexpr int XP = (NTN * 8 * 32 + 255) / 256;
-    const u32* xsrc[XP];
-    u32 xdst[XP];
-    int xn[XP];
-#pragma unroll
-    for (int j = 0; j < XP; j++) {
-        const int i = tid + 256 * j, m = i >> 5, it = m < nv ? items[m] : -1;
-        xsrc[j] = XW + (long long)(it >= 0 ? it / xdiv : 0) * cols + 32 * ((i >> 2) & 7) + 4 * (i & 3);
-        xdst[j] = sx + 4u * (u32)(m * GS_XW + 16 * ((i >> 2) & 7) + 4 * (i & 3));
-        xn[j] = it >= 0 ? 16 : 0;
-    }
-    auto issue = [&](int S) {
-        if (S < nsb) {
-            const u32 st = (u32)(S % GS_NS);
-            gw_stage_blocks<GS_ROWS, 256, 66, GW_RW, GW_RP>(sr + st * (u32)(GS_RAWW * 4), wbase, r0, rows, row_bytes, S);
-#pragma unroll
-            for (int j = 0; j < XP; j++)
-                if (tid + 256 * j < NTN * 8 * 32)
-                    ds4_cp16n(xdst[j] + st * (u32)(GS_TOK * GS_XW * 4), xsrc[j] + 256LL * S, xn[j]);
-        }
-        ds4_cp_commit();
-    };
-    issue(0);
-    issue(1);
-    const int R0 = 16 * warp + g, R1 = R0 + 8;
-    const uint4* ghl = sm.gh + (lane & (GW_GHC - 1));
-    const u32 a16_0 = (u32)((size_t)(wbase + (long long)min(r0 + R0, rows - 1) * row_bytes) & 15);
-    const u32 a16_1 = (u32)((size_t)(wbase + (long long)min(r0 + R1, rows - 1) * row_bytes) & 15);
-    float acc[NTN][4];
-#pragma unroll
-    for (int j = 0; j < NTN; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    for (int S = 0; S < nsb; S++) {
-        ds4_cp_wait<1>(); // this thread's copies of stage S (and the items' scales) have landed
-        __syncthreads();  // everyone's; stage S - 1 is no longer read
-        issue(S + 2);
-        const u32* rs = sm.raw[S % GS_NS];
-        const u32 sh0 = (a16_0 + 2u * (u32)S) & 15u, sh1 = (a16_1 + 2u * (u32)S) & 15u;
-        const u32 o0 = sh0 + 2u, o1 = sh1 + 2u; // the block's byte 2: its first grid byte
-        const u32 *rw0 = rs + GW_RW * R0 + (o0 >> 2), *rw1 = rs + GW_RW * R1 + (o1 >> 2);
-        const u32 fs0 = (o0 & 3u) * 8u, fs1 = (o1 & 3u) * 8u;
-        const u32 dm0 = gw_dm(rs + GW_RW * R0, sh0), dm1 = gw_dm(rs + GW_RW * R1, sh1);
-        const u32* xb = sm.x[S % GS_NS] + g * GS_XW + t;
-#pragma unroll
-        for (int p = 0; p < 8; p++) {
-            u32 w0[4], w1[4], a[8];
-            gw_deq_h<2, 1>(rw0, fs0, p, t, nullptr, ghl, w0, dm0);
-            gw_deq_h<2, 1>(rw1, fs1, p, t, nullptr, ghl, w1, dm1);
-            gw_afrag(w0, w1, a);
-#pragma unroll
-            for (int j = 0; j < NTN; j++) {
-                const u32* b = xb + 8 * GS_XW * j + 16 * p; // item 8 j + g, chunk p: words t + 4 i
-                ds4_mma_f16(acc[j], a, b[0], b[4]);
-                ds4_mma_f16(acc[j], a + 4, b[8], b[12]);
-            }
-        }
-    }
-    ds4_cp_wait<0>();
-    // acc[j][e]: row R0 + 8 (e >> 1), item 8 j + 2 t + (e & 1).
-#pragma unroll
-    for (int j = 0; j < NTN; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int m = 8 * j + 2 * t + (e & 1), r = r0 + ((e & 2) ? R1 : R0);
-            const int it = m < nv ? items[m] : -1;
-            if (it >= 0 && r < rows) Y[(long long)it * y_tok + r] = acc[j][e] * 0x1p-7f * xs[m];
-        }
-}
-#endif
-#if defined(DS4_CUDA)
-#define GS_B2 256, 2 // two CTAs an SM: <= 128 registers
-#else
-#define GS_B2 256
-#endif
-// Grid (rows / GS_ROWS, wide runs (gemm.rs wide_gmax), 2: gate / up), 256 threads, dynamic shared
-// memory sizeof(GsSmem); arguments as gwg_iq2_xxs_p1_d2_fw, smax: the runs it takes (1 ..
-// GS_TOK pairs; longer runs and absent ones leave at once).
-DS4_KERNEL void DS4_BOUNDS(GS_B2) gws_iq2_xxs_fw(GW_PARAMS) {
-#if GW_HAVE
-    extern __shared__ uint4 gw_dyn[];
-    GsSmem& sm = *reinterpret_cast<GsSmem*>(gw_dyn);
-    __shared__ int items[2 * GW_BM];
-    __shared__ float xs[2 * GW_BM];
-    __shared__ int expert;
-    const int by = blockIdx.y;
-    if (by >= grp[1 + gmax + n]) return; // uniform over the CTA (ngroups2)
-    const int len = gw_run_len<2 * GW_BM>(grp, n, gmax, by);
-    if (len == 0 || len > min(smax, GS_TOK)) return;
-    gw_tables_to(nullptr, sm.gh);
-    const int nv = gw_items<2 * GW_BM>(grp, sel, n, gmax, items, &expert, xinv, xdiv, xs, by); // a barrier
-    const u8* W = blockIdx.z ? W1 : W0;
-    float* Y = blockIdx.z ? Y1 : Y0;
-    if (nv <= 8)
-        gs_body<1>(sm, items, xs, nv, expert, W, Y, XW, xdiv, slab, y_tok, rows, cols, row_bytes);
-    else
-        gs_body<2>(sm, items, xs, nv, expert, W, Y, XW, xdiv, slab, y_tok, rows, cols, row_bytes);
-#else
-    GW_RUN(1, 2);
 #endif
 }
 

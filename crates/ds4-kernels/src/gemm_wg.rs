@@ -18,7 +18,6 @@ pub const GEMM_WG: Module = Module {
         "gwg_iq2_xxs_p1_d2_f",
         "gwg_iq2_xxs_p1_d2_fw",
         "gwg_iq2_xxs_p1_d2_fwp",
-        "gws_iq2_xxs_fw",
         "gwg_x_f32",
     ],
 };

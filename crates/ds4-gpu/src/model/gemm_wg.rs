@@ -92,28 +92,19 @@ static WIDE: AtomicU8 = AtomicU8::new(UNSET);
 const WIDE_DEFAULT: u8 = 4;
 /// Wide (folded) gate/up launches so far (process-wide; tests).
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// The small-run gate/up (`gws_iq2_xxs_fw`, gemm_wg.cu): the folded wide form's runs of at most
-/// this many pairs go to it (0: none; at most [`GS_TOK`]); UNSET_N: read `DS4_GPU_GW_SMALL`
-/// (a number; default [`SMALL_DEFAULT`]) on first use.
+/// The small-run gate/up (moe.cu `m3gus_iq2_xxs`): the folded wide form's runs of at most this
+/// many pairs go to it (0: none; at most [`M3S_MAX`]); UNSET_N: read `DS4_GPU_GW_SMALL` (a
+/// number; default [`SMALL_DEFAULT`]) on first use.
 static SMALL: AtomicUsize = AtomicUsize::new(UNSET_N);
 const UNSET_N: usize = usize::MAX;
-const SMALL_DEFAULT: usize = 0;
-/// Most pairs of a run `gws_iq2_xxs_fw` takes (`GS_TOK`: two n-tiles of 8) and its CTA's rows
-/// and dynamic shared memory (`sizeof(GsSmem)`: 8 copies of the 4 KiB f16 grid, 3 stages of 128
-/// rows x 20 + 4 raw words and of 16 items x 132 X words; a static_assert there).
-pub(in crate::model) const GS_TOK: usize = 16;
-const GS_ROWS: usize = 128;
-const GS_SMEM: usize = 8 * 4096 + 3 * (GS_ROWS * 20 + 4) * 4 + 3 * GS_TOK * 132 * 4;
-/// `gws_iq2_xxs_fw` launches so far (process-wide; tests).
-static SMALL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Form of the small-run gate/up: 1 `m3gus_iq2_xxs` (moe.cu: m3gu's decode, runs of <= 8, d %
-/// 2048 == 0; else the other), 2 `gws_iq2_xxs_fw` (the wgmma K order); UNSET: read
-/// `DS4_GPU_GW_SMALL_FORM` (`wg`: 2; else 1) on first use.
-static SMALL_FORM: AtomicU8 = AtomicU8::new(UNSET);
-/// `m3gus_iq2_xxs` launches so far (process-wide; tests).
-static SMALL_M3_LAUNCHES: AtomicU64 = AtomicU64::new(0);
-/// Row tiles of 8 a `m3gus_iq2_xxs` CTA (the items' x conversion is paid once a CTA).
+/// H100 (34 layers), 2k prompt +1.6%, 8k +0.2% against 0 (bench/results/gpu-s53-h100.txt).
+const SMALL_DEFAULT: usize = 8;
+/// Most pairs of a run `m3gus_iq2_xxs` takes (its 8 B columns) and its CTA's row tiles of 8 (the
+/// items' x conversion is paid once a CTA).
+const M3S_MAX: usize = 8;
 const M3S_NB: usize = 16;
+/// `m3gus_iq2_xxs` launches so far (process-wide; tests).
+static SMALL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// Pairs per CTA of `gwg_iq2_xxs` (`GW_BM`: the grouping's run).
 pub(in crate::model) const WG_BM: usize = 64;
 
@@ -176,7 +167,7 @@ fn wide() -> u8 {
     })
 }
 
-/// Runs of at most this many pairs take `gws_iq2_xxs_fw` (0: none).
+/// Runs of at most this many pairs take `m3gus_iq2_xxs` (0: none).
 fn small() -> usize {
     let v = SMALL.load(Ordering::Relaxed);
     if v != UNSET_N {
@@ -185,18 +176,9 @@ fn small() -> usize {
     let v = std::env::var("DS4_GPU_GW_SMALL")
         .ok()
         .and_then(|s| s.trim().parse::<usize>().ok())
-        .map_or(SMALL_DEFAULT, |n| n.min(GS_TOK));
+        .map_or(SMALL_DEFAULT, |n| n.min(M3S_MAX));
     SMALL.store(v, Ordering::Relaxed);
     v
-}
-
-fn small_m3() -> bool {
-    code(&SMALL_FORM, "DS4_GPU_GW_SMALL_FORM", |v| {
-        match v.map(str::trim) {
-            Some("wg") => 2,
-            _ => 1,
-        }
-    }) == 1
 }
 
 fn dq() -> u8 {
@@ -228,11 +210,11 @@ impl GpuBackend {
         WIDE.store(mode, Ordering::Relaxed);
     }
 
-    /// Runs of at most `max` pairs (clamped to 16) to the small-run gate/up `gws_iq2_xxs_fw`
+    /// Runs of at most `max` pairs (clamped to 8) to the small-run gate/up `m3gus_iq2_xxs`
     /// beside the folded wide form (0: none; default [`SMALL_DEFAULT`], or `DS4_GPU_GW_SMALL`).
     /// Process-wide (tests, benchmarks).
     pub fn set_gemm_wg_small(max: usize) {
-        SMALL.store(max.min(GS_TOK), Ordering::Relaxed);
+        SMALL.store(max.min(M3S_MAX), Ordering::Relaxed);
     }
 
     /// The small-run bound in use (see [`Self::set_gemm_wg_small`]).
@@ -240,18 +222,9 @@ impl GpuBackend {
         small()
     }
 
-    /// Small-run launches so far in this process: (`gws_iq2_xxs_fw`, `m3gus_iq2_xxs`).
-    pub fn gemm_wg_small_launches() -> (u64, u64) {
-        (
-            SMALL_LAUNCHES.load(Ordering::Relaxed),
-            SMALL_M3_LAUNCHES.load(Ordering::Relaxed),
-        )
-    }
-
-    /// The small-run form: `m3` true for `m3gus_iq2_xxs` where it applies (default, or
-    /// `DS4_GPU_GW_SMALL_FORM`), false for `gws_iq2_xxs_fw`. Process-wide (tests, benchmarks).
-    pub fn set_gemm_wg_small_form(m3: bool) {
-        SMALL_FORM.store(if m3 { 1 } else { 2 }, Ordering::Relaxed);
+    /// `m3gus_iq2_xxs` launches so far in this process.
+    pub fn gemm_wg_small_launches() -> u64 {
+        SMALL_LAUNCHES.load(Ordering::Relaxed)
     }
 
     /// The wide gate/up mode in use (see [`Self::set_gemm_wg_wide`]).
@@ -405,11 +378,13 @@ impl GpuBackend {
             (name, [ff.div_ceil(WG_BN) as u32, gy_max as u32, 2])
         };
         let ctr = self.tickets.ptr().offset((GW_TICKET * 4) as u64);
-        // The folded wide form leaves runs of <= smax pairs to gws_iq2_xxs_fw (below).
-        let smax = if w == 4 { small() } else { 0 };
-        // m3gus_iq2_xxs takes runs of <= 8 (one n-tile) of stages of 2048 columns, 8-row tiles.
-        let m3 = smax > 0 && small_m3() && d.is_multiple_of(2048) && ff.is_multiple_of(8);
-        let smax = if m3 { smax.min(8) } else { smax };
+        // The folded wide form leaves runs of <= smax pairs to m3gus_iq2_xxs (below: stages of
+        // 2048 columns, tiles of 8 rows); where that does not apply, wgmma keeps them all.
+        let smax = if w == 4 && d.is_multiple_of(2048) && ff.is_multiple_of(8) {
+            small()
+        } else {
+            0
+        };
         let args = [
             Arg::Ptr(g.0),
             Arg::Ptr(u.0),
@@ -442,16 +417,19 @@ impl GpuBackend {
                 .chain(pers.then_some(Arg::Ptr(ctr)))
                 .collect::<Vec<_>>(),
         );
-        let runs = wide_gmax(n * k, bm, gmax);
-        if m3 {
-            SMALL_M3_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        if smax > 0 {
+            SMALL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
             // grid, x fragments (16 bytes an item and 8 columns), red, fin / tmax, 3 stages
             let smem = 2048 + 16 * d + 4096 + 64 + 3 * 16 * 544;
             self.run(
                 &ds4_kernels::MOE,
                 "m3gus_iq2_xxs",
                 LaunchDims {
-                    grid: [ff.div_ceil(8 * M3S_NB) as u32, runs as u32, 1],
+                    grid: [
+                        ff.div_ceil(8 * M3S_NB) as u32,
+                        wide_gmax(n * k, bm, gmax) as u32,
+                        1,
+                    ],
                     block: [256, 1, 1],
                     shared_bytes: smem as u32,
                 },
@@ -474,18 +452,6 @@ impl GpuBackend {
                     Arg::I32(smax as i32),
                     Arg::I32(M3S_NB as i32),
                 ],
-            );
-        } else if smax > 0 {
-            SMALL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
-            self.run(
-                &ds4_kernels::GEMM_WG,
-                "gws_iq2_xxs_fw",
-                LaunchDims {
-                    grid: [ff.div_ceil(GS_ROWS) as u32, runs as u32, 2],
-                    block: [256, 1, 1],
-                    shared_bytes: GS_SMEM as u32,
-                },
-                &args,
             );
         }
         true
