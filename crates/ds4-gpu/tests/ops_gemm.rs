@@ -1208,6 +1208,12 @@ fn gemm_moe_small_runs_match_f64() {
                     "d {d} run {i}: {over} pairs of runs over {bound} changed"
                 ));
             }
+            // m3gus's sums differ from wgmma's (another order) where it ran, and only there.
+            if (n_diff > 0) != (d % 2048 == 0) {
+                bad.push(format!(
+                    "d {d} run {i}: {n_diff} pairs differ from wgmma alone"
+                ));
+            }
         }
     }
     GpuBackend::set_gemm_wg_small(small0);
