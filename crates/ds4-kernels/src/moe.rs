@@ -3,7 +3,8 @@ use crate::Module;
 /// Decode MoE (n ≤ 4 tokens): fused gate+up+SwiGLU and down+slot sum over the routed experts,
 /// each distinct expert read once (`gpu/moe.cu`): v1 `moe*` (rows staged in shared memory), v2
 /// `m2*` (direct loads), v3d `m3*` (n = 1, IQ2_XXS gate/up and Q2_K down on tensor cores, CUDA
-/// sm_80+).
+/// sm_80+); `m3gus_iq2_xxs`: the prompt MoE's runs of <= 8 pairs on m3gu's gate/up decode
+/// (beside gemm_wg.cu's wgmma form, which skips them).
 pub const MOE: Module = Module {
     name: "moe",
     source: include_str!("../gpu/moe.cu"),

@@ -58,6 +58,18 @@
 //! arithmetic per tile (same bits). H200, ncu, a 2k / 8k prompt's 43 calls: gate/up 2,009 ->
 //! 1,965 / 5,416 -> 5,298 us a call; down 1,038 -> 1,078 / 2,834 -> 2,979 (slower: not default;
 //! bench/results/gpu-moe-s27-h200.txt).
+//!
+//! Small runs (`DS4_GPU_GW_SMALL=0..8`, default 8, or [`GpuBackend::set_gemm_wg_small`]; the
+//! folded wide form, d % 2048 == 0, ff % 8 == 0): the wide runs of at most that many pairs are
+//! skipped by the wgmma kernel (`smax`, gemm_wg.cu `gw_tile`) and computed by moe.cu's
+//! `m3gus_iq2_xxs` in the same stream: the decode steps' m3gu decode (a lane holds a whole
+//! 32-weight sub-block of a row: its aux word, scale and signs once, where the wgmma operand
+//! order pays them per 8 weights) with the run's items as the 8 mma.sync B columns (x rounded
+//! once to f16, weights exact). A wgmma CTA pays its whole expert slice's decode however few
+//! its pairs. H100 (34 layers; bench/results/gpu-s53-h100.txt): prefill 2k +1.6 %, 8k +0.2 %;
+//! ncu, 2k: the skipped runs cost wgmma ~0.41 ms a call and m3gus 0.42-0.44 (ncu's cold caches;
+//! in the stream it gains). A form on mma.sync in the wgmma operand order (`gws_iq2_xxs_fw`,
+//! runs of <= 16) gained +0.7 % at 2k and was deleted (code in 43e29cc).
 
 use super::gemm::wide_gmax;
 use super::switch::{code, switch_on, UNSET};
