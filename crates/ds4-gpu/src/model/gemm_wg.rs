@@ -445,25 +445,14 @@ impl GpuBackend {
                     block: [256, 1, 1],
                     shared_bytes: smem as u32,
                 },
-                &[
-                    Arg::Ptr(g.0),
-                    Arg::Ptr(u.0),
-                    Arg::I64((ff * rb) as i64),
-                    Arg::Ptr(sel),
-                    Arg::Ptr(z),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(gy),
-                    Arg::Ptr(uy),
-                    Arg::I64(ff as i64),
-                    Arg::I32(ff as i32),
-                    Arg::I32(d as i32),
-                    Arg::I64(rb as i64),
-                    Arg::I32((n * k) as i32),
-                    Arg::Ptr(grp),
-                    Arg::I32(gmax as i32),
-                    Arg::I32(smax as i32),
-                    Arg::I32(M3S_NB as i32),
-                ],
+                // the wgmma kernel's arguments with z for its (xw, inv), then the tiles a CTA
+                &args[..4]
+                    .iter()
+                    .copied()
+                    .chain([Arg::Ptr(z)])
+                    .chain(args[6..].iter().copied())
+                    .chain([Arg::I32(M3S_NB as i32)])
+                    .collect::<Vec<_>>(),
             );
         }
         true
