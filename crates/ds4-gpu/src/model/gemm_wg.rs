@@ -391,8 +391,14 @@ impl GpuBackend {
         };
         let ctr = self.tickets.ptr().offset((GW_TICKET * 4) as u64);
         // The folded wide form leaves runs of <= smax pairs to m3gus_iq2_xxs (below: stages of
-        // 2048 columns, tiles of 8 rows); where that does not apply, wgmma keeps them all.
-        let smax = if w == 4 && d.is_multiple_of(2048) && ff.is_multiple_of(8) {
+        // 2048 columns, tiles of 8 rows; shared memory: the grid, x fragments (16 bytes an item
+        // and 8 columns), red, fin / tmax, 3 stages); where that does not apply, wgmma keeps them.
+        let smem = 2048 + 16 * d + 4096 + 64 + 3 * 16 * 544;
+        let smax = if w == 4
+            && d.is_multiple_of(2048)
+            && ff.is_multiple_of(8)
+            && smem <= self.gpu.info().max_shared_per_block as usize
+        {
             small()
         } else {
             0
@@ -431,8 +437,6 @@ impl GpuBackend {
         );
         if smax > 0 {
             SMALL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
-            // grid, x fragments (16 bytes an item and 8 columns), red, fin / tmax, 3 stages
-            let smem = 2048 + 16 * d + 4096 + 64 + 3 * 16 * 544;
             self.run(
                 &ds4_kernels::MOE,
                 "m3gus_iq2_xxs",
