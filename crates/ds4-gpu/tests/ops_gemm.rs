@@ -1098,6 +1098,34 @@ fn scaled_rows(r: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
     x
 }
 
+/// A one-plane gate/up case: IQ2_XXS gate and up experts (seeds `seed`, `seed + 1`), `n` token
+/// rows of `scaled_rows`, and the f64 references (sum, sum |w x|, B = sum |w x|) per (product,
+/// pair, row) for the pairs of `sel`.
+#[allow(clippy::type_complexity)]
+fn gate_up_case(
+    gpu: &GpuBackend,
+    r: &mut impl Rng,
+    (ne, k, n, d, ff): (usize, usize, usize, usize, usize),
+    sel: &[i32],
+    seed: u64,
+) -> (
+    <GpuBackend as Backend>::Weight,
+    <GpuBackend as Backend>::Weight,
+    <GpuBackend as Backend>::Buf,
+    [Vec<(f64, f64, f64)>; 2],
+) {
+    let ty = GgmlType::IQ2_XXS;
+    let (gb, gw) = random_experts(gpu, ty, d, ff, ne, seed);
+    let (ub, uw) = random_experts(gpu, ty, d, ff, ne, seed + 1);
+    let z = scaled_rows(r, n, d);
+    let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
+    let want = [&gb, &ub].map(|bytes| {
+        let r = expert_ref(ty, bytes, ff, d, sel, xz);
+        r.into_iter().map(|(s, a)| (s, a, a)).collect::<Vec<_>>()
+    });
+    (gw, uw, gpu.upload(&z), want)
+}
+
 /// Expert choices `[n][k]` with many short runs (n >= 17, k >= 2): token t takes expert 0, then
 /// expert 1 + i where t < [1, 2, 7, 8, 9, 15, 16, 17][i] (runs of those lengths), then experts
 /// 9 .. 9 + 22 in turn (runs of ~(6 n - 135) / 23 each); slot order rotates.
@@ -1149,16 +1177,7 @@ fn gemm_moe_small_runs_match_f64() {
         let sel = short_runs_sel(n, k);
         let gs = gpu.upload_i32(&sel);
         let mut r = rng(2800 + case as u64);
-        let ty = GgmlType::IQ2_XXS;
-        let (gb, gw) = random_experts(&gpu, ty, d, ff, ne, 2801);
-        let (ub, uw) = random_experts(&gpu, ty, d, ff, ne, 2802);
-        let z = scaled_rows(&mut r, n, d);
-        let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
-        let want = [&gb, &ub].map(|bytes| {
-            let r = expert_ref(ty, bytes, ff, d, &sel, xz);
-            r.into_iter().map(|(s, a)| (s, a, a)).collect::<Vec<_>>()
-        });
-        let gz = gpu.upload(&z);
+        let (gw, uw, gz, want) = gate_up_case(&gpu, &mut r, (ne, k, n, d, ff), &sel, 2801);
         let mut outs = Vec::new();
         for (small, pers) in [(8usize, 1u8), (8, 0), (2, 1), (0, 1)] {
             GpuBackend::set_gemm_wg_small(small);
@@ -1335,17 +1354,7 @@ fn gemm_moe_one_plane_matches_f64() {
     let mut bad = Vec::new();
     // Gate/up: d = 1280 columns, ff = 320 rows.
     let (d, ff) = (1280usize, 320usize);
-    let ty = GgmlType::IQ2_XXS;
-    let (gb, gw) = random_experts(&gpu, ty, d, ff, ne, 1701);
-    let (ub, uw) = random_experts(&gpu, ty, d, ff, ne, 1702);
-    let z = scaled_rows(&mut r, n, d);
-    // (sum, sum |w x|, B = sum |w x|) per (product, pair, row).
-    let xz = |p: usize| &z[(p / k) * d..(p / k + 1) * d];
-    let want = [&gb, &ub].map(|bytes| {
-        let r = expert_ref(ty, bytes, ff, d, &sel, xz);
-        r.into_iter().map(|(s, a)| (s, a, a)).collect::<Vec<_>>()
-    });
-    let gz = gpu.upload(&z);
+    let (gw, uw, gz, want) = gate_up_case(&gpu, &mut r, (ne, k, n, d, ff), &sel, 1701);
     GpuBackend::set_gemm_planes(1);
     let wide0 = GpuBackend::gemm_wg_wide();
     GpuBackend::set_gemm_wg_wide(0);
