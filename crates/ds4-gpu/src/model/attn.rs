@@ -1350,9 +1350,9 @@ impl GpuBackend {
 
     /// Attention of `q` into `out`; with `qeps`, `q` is raw and each head is first RMS-normed (no
     /// weight, eps `qeps`) and rotated at its position: inside `attn_tc512gn_f32` where that
-    /// kernel runs, else into a copy by norm_rope. `bf16`: `out` holds n × heads × head_dim bf16 (half its f32 length)
-    /// for the one-CTA-a-token kernel's bf16 form, and any other path is an error (the caller
-    /// asked [`Self::attn_bf16_form`] first).
+    /// kernel runs, else into a copy by norm_rope. `bf16`: `out` holds n × heads × head_dim bf16
+    /// (half its f32 length) for the one-CTA-a-token kernel's bf16 form, and any other path is an
+    /// error (the caller asked [`Self::attn_bf16_form`] first).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_attend_to(
         &self,

@@ -76,7 +76,7 @@ use super::switch::{code, switch_on, UNSET};
 use super::{GpuBackend, GpuBuf, GpuWeight};
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::GgmlType;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WG` (`0` = off; default on) on first use.
 static WG: AtomicU8 = AtomicU8::new(UNSET);
@@ -105,15 +105,14 @@ const WIDE_DEFAULT: u8 = 4;
 /// Wide (folded) gate/up launches so far (process-wide; tests).
 static WIDE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 /// The small-run gate/up (moe.cu `m3gus_iq2_xxs`): the folded wide form's runs of at most this
-/// many pairs go to it (0: none; at most [`M3S_MAX`]); UNSET_N: read `DS4_GPU_GW_SMALL` (a
+/// many pairs go to it (0: none; at most [`M3S_MAX`]); UNSET: read `DS4_GPU_GW_SMALL` (a
 /// number; default [`SMALL_DEFAULT`]) on first use.
-static SMALL: AtomicUsize = AtomicUsize::new(UNSET_N);
-const UNSET_N: usize = usize::MAX;
+static SMALL: AtomicU8 = AtomicU8::new(UNSET);
 /// H100 (34 layers), 2k prompt +1.6%, 8k +0.2% against 0 (bench/results/gpu-s53-h100.txt).
-const SMALL_DEFAULT: usize = 8;
+const SMALL_DEFAULT: u8 = 8;
 /// Most pairs of a run `m3gus_iq2_xxs` takes (its 8 B columns) and its CTA's row tiles of 8 (the
 /// items' x conversion is paid once a CTA).
-const M3S_MAX: usize = 8;
+const M3S_MAX: u8 = 8;
 const M3S_NB: usize = 16;
 /// `m3gus_iq2_xxs` launches so far (process-wide; tests).
 static SMALL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
@@ -181,16 +180,10 @@ fn wide() -> u8 {
 
 /// Runs of at most this many pairs take `m3gus_iq2_xxs` (0: none).
 fn small() -> usize {
-    let v = SMALL.load(Ordering::Relaxed);
-    if v != UNSET_N {
-        return v;
-    }
-    let v = std::env::var("DS4_GPU_GW_SMALL")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .map_or(SMALL_DEFAULT, |n| n.min(M3S_MAX));
-    SMALL.store(v, Ordering::Relaxed);
-    v
+    code(&SMALL, "DS4_GPU_GW_SMALL", |v| {
+        v.and_then(|s| s.trim().parse::<u8>().ok())
+            .map_or(SMALL_DEFAULT, |n| n.min(M3S_MAX))
+    }) as usize
 }
 
 fn dq() -> u8 {
@@ -226,7 +219,7 @@ impl GpuBackend {
     /// beside the folded wide form (0: none; default [`SMALL_DEFAULT`], or `DS4_GPU_GW_SMALL`).
     /// Process-wide (tests, benchmarks).
     pub fn set_gemm_wg_small(max: usize) {
-        SMALL.store(max.min(M3S_MAX), Ordering::Relaxed);
+        SMALL.store(max.min(M3S_MAX as usize) as u8, Ordering::Relaxed);
     }
 
     /// The small-run bound in use (see [`Self::set_gemm_wg_small`]).
