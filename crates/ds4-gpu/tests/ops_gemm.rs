@@ -1247,6 +1247,103 @@ fn gemm_moe_small_runs_match_f64() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// The small-run down (`set_gemm_wgd_small`, `DS4_GPU_GWD_SMALL`: the folded wide form's runs of
+/// at most 8 pairs leave wgmma for `gwds_q2_k`, mma.sync with the items as B columns) against the
+/// f64 reference per (pair, row) on the short runs of `gemm_moe_small_runs_match_f64` (1, 2, 7, 8,
+/// 9, 15, 16, 17 and ~10 pairs beside one of 60), pair rows of magnitudes 1e-6 .. 1e6, d = 320
+/// rows (a partial CTA of 128). ff = 2048 (8 super-blocks: one a warp) and 3072 (12: warps 0-3
+/// take two) take it; ff = 768 (rows of 252 bytes, not whole 16-byte pieces) must not, and wgmma
+/// then keeps every run (poisoned scratch shows a skipped one). Bound 2^-10 B + 2e-5 sum |w x|
+/// (the folded form's; gwds's weights are exact and X the same hi plane), outputs finite, launches
+/// exactly where asked (bound 8, 2, 0; the persistent wgmma down and the one-CTA-a-tile one), the
+/// pairs of runs over the bound keep wgmma's bits and every pair of the runs within it changes
+/// them (gwds sums in another order, with unfolded weights: it wrote them).
+#[test]
+fn gemm_moe_small_down_runs_match_f64() {
+    let Some(gpu) = wg_backend() else {
+        return;
+    };
+    GpuBackend::set_gemm_planes(1);
+    GpuBackend::set_gemm_wgd_wide(true);
+    let (persist0, small0) = (GpuBackend::gemm_wg_persist(), GpuBackend::gemm_wgd_small());
+    let mut bad = Vec::new();
+    let ty = GgmlType::Q2_K;
+    for (case, fd) in [2048usize, 3072, 768].into_iter().enumerate() {
+        let (ne, k, n, dd) = (32usize, 6usize, 60usize, 320usize);
+        let pairs = n * k;
+        let sel = short_runs_sel(n, k);
+        let gs = gpu.upload_i32(&sel);
+        let mut r = rng(2900 + case as u64);
+        let rb = ty.row_bytes(fd as u64).unwrap() as usize;
+        let (db, dw) = random_experts(&gpu, ty, fd, dd, ne, 2901 + case as u64);
+        let h = scaled_rows(&mut r, pairs, fd);
+        let want = q2k_down_ref(&db, dd, fd, rb, &h, &sel);
+        let gh = gpu.upload(&h);
+        let taken = rb.is_multiple_of(16);
+        let mut outs = Vec::new();
+        for (small, pers) in [(8usize, 0u8), (8, 2), (2, 0), (0, 0)] {
+            GpuBackend::set_gemm_wgd_small(small);
+            GpuBackend::set_gemm_wg_persist(pers);
+            let (s0, w0) = (
+                GpuBackend::gemm_wgd_small_launches(),
+                GpuBackend::gemm_wgd_wide_launches(),
+            );
+            let got = gpu
+                .moe_down_download(&dw, &gh, &gs, pairs, ne)
+                .expect("the tiled form takes the Q2_K down");
+            let ran = (
+                GpuBackend::gemm_wgd_small_launches() - s0,
+                GpuBackend::gemm_wgd_wide_launches() - w0,
+            );
+            let name = format!("ff {fd} small {small} persist {pers}");
+            if ran != ((small > 0 && taken) as u64, 1) {
+                bad.push(format!("{name}: (gwds, fw) launches {ran:?}"));
+            }
+            if got.iter().any(|v| !v.is_finite()) {
+                bad.push(format!("{name}: not finite"));
+            }
+            check_one_plane(
+                &format!("down {name}"),
+                2.0 * U11,
+                dd,
+                &got,
+                &want,
+                &sel,
+                &mut bad,
+            );
+            outs.push(got);
+        }
+        let count = |e: i32| sel.iter().filter(|&&x| x == e).count();
+        for (i, bound) in [(0usize, 8usize), (1, 8), (2, 2)] {
+            let (mut n_diff, mut over) = (0, 0);
+            for (p, &e) in sel.iter().enumerate() {
+                let rows = p * dd..(p + 1) * dd;
+                let same = outs[i][rows.clone()]
+                    .iter()
+                    .zip(&outs[3][rows])
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                if !same {
+                    n_diff += 1;
+                    over += (count(e) > bound) as usize;
+                }
+            }
+            println!("ff {fd} run {i} (bound {bound}): {n_diff} of {pairs} pairs differ in bits from wgmma alone, {over} of them in longer runs");
+            let took = (0..pairs)
+                .filter(|&p| taken && count(sel[p]) <= bound)
+                .count();
+            if over != 0 || n_diff != took {
+                bad.push(format!(
+                    "ff {fd} run {i}: {n_diff} pairs differ from wgmma alone ({over} in runs over {bound}), want {took}"
+                ));
+            }
+        }
+    }
+    GpuBackend::set_gemm_wgd_small(small0);
+    GpuBackend::set_gemm_wg_persist(persist0);
+    GpuBackend::set_gemm_planes(2);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
 /// The persistent forms of the folded wide MoE kernels (`set_gemm_wg_persist(3)`,
 /// `DS4_GPU_GW_PERSIST=3`: `gwg_iq2_xxs_p1_d2_fwp`, `gwd_q2_k_p1_fwp`, one CTA an SM drawing tiles
 /// from a counter) give the one-tile-a-CTA forms' outputs bit for bit: on the skewed runs (fewer

@@ -411,12 +411,12 @@ __device__ __forceinline__ void gwd_body_fw(GwdSmemW<256>& sm, const int* items,
     const u8 *__restrict__ W, long long w_z, const int *__restrict__ sel, long long slab, const u32 *__restrict__ XT, \
         const u32 *__restrict__ XS, const float *__restrict__ xinv, long long x_tok, long long x_z, int xdiv,          \
         float *__restrict__ Y, long long y_tok, long long y_z, long long y_s, int rows, int cols, long long row_bytes, \
-        int n, int ks, int kc, const int *__restrict__ grp, int gmax, int skip
+        int n, int ks, int kc, const int *__restrict__ grp, int gmax, int smax
 
 // The kernels' shared part (PL: X planes): the CTA's item run, then the product with N = its
 // valid items rounded up to 16.
 template <int PL> __device__ __forceinline__ void gwd_kernel(GWD_PARAMS) {
-    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)smax;
 #if GW_HAVE
     extern __shared__ uint4 gwd_dyn[];
     GwdSmem<256>& sm = *reinterpret_cast<GwdSmem<256>*>(gwd_dyn);
@@ -444,7 +444,16 @@ template <int PL> __device__ __forceinline__ void gwd_kernel(GWD_PARAMS) {
 // items rounded up to 16.
 __device__ __forceinline__ void gwd_tile_fw(GwdSmemW<256>& sm, int* items, float* xs, int* expert, int bx, int by,
                                             u32* ctr, int* s_tile, GWD_PARAMS) {
-    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc;
+    // Runs of at most smax pairs belong to gwds_q2_k (launched beside): skipped here, as gemm_wg.cu
+    // gw_tile (the persistent form draws its next tile after a barrier).
+    if (smax > 0 && gw_run_len<2 * GW_BM>(grp, n, gmax, by) <= smax) {
+        if (ctr) {
+            __syncthreads();
+            if (threadIdx.x == 0) *s_tile = (int)atomicAdd(ctr, 1u);
+        }
+        return;
+    }
     const int nv = gw_items<2 * GW_BM>(grp, sel, n, gmax, items, expert, xinv, xdiv, xs, by);
     const int ex = *expert;
 #define GWD_FW(NN) gwd_body_fw<NN>(sm, items, ex, W, slab, XT, XS, xs, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, bx, ctr, s_tile)
@@ -459,10 +468,10 @@ __device__ __forceinline__ void gwd_tile_fw(GwdSmemW<256>& sm, int* items, float
 #undef GWD_FW
 }
 #endif
-#define GWD_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, skip
+#define GWD_ARGS W, w_z, sel, slab, XT, XS, xinv, x_tok, x_z, xdiv, Y, y_tok, y_z, y_s, rows, cols, row_bytes, n, ks, kc, grp, gmax, smax
 // The folded wide form's kernel part: one tile a CTA (blockIdx: row tile, wide run).
 __device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
-    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)smax;
 #if GW_HAVE
     extern __shared__ uint4 gwd_dyn[];
     GwdSmemW<256>& sm = *reinterpret_cast<GwdSmemW<256>*>(gwd_dyn);
@@ -479,7 +488,7 @@ __device__ __forceinline__ void gwd_kernel_fw(GWD_PARAMS) {
 // Its persistent form (wgmma.cuh gw_first_tile): tiles t < ngroups2 * TX, wide run t / TX, row
 // tile t % TX.
 __device__ __forceinline__ void gwd_kernel_fwp(GWD_PARAMS, u32* ctr) {
-    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)skip;
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc, (void)smax;
 #if GW_HAVE
     extern __shared__ uint4 gwd_dyn[];
     GwdSmemW<256>& sm = *reinterpret_cast<GwdSmemW<256>*>(gwd_dyn);
@@ -519,3 +528,149 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fw(GWD_PARAMS) { gwd_kernel_fw(GW
 // Its persistent form (gemm_wgd.rs DS4_GPU_GW_PERSIST): grid (CTAs, 1, 1), one an SM; ctr: two
 // words, zero between launches (the kernel leaves them so).
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fwp(GWD_PARAMS, u32* ctr) { gwd_kernel_fwp(GWD_ARGS, ctr); }
+
+// ---- Small runs (gwds_q2_k; gemm_wgd.rs DS4_GPU_GWD_SMALL) ----
+// The grouping's wide runs of at most min(smax, 8) pairs (the folded wide form above skips them):
+// a wgmma CTA pays its 256 rows' whole decode however few its pairs, so these take mma.sync
+// m16n8k16 with the run's items as the 8 B columns and the decode of the one-token down (moe.cu
+// m3dn1, f16 form): a lane holds weights 8t .. 8t+7 of a 32-column chunk for rows g and g + 8,
+// the integers sl q <= 45 as f16 subnormals (value 2^-24 sl q: one PRMT and one IMAD a pair,
+// exact), X the same hi plane of gemm_xt_f32's unit layout as the folded form (v = x 2^s, one f16
+// rounding), f32 sums. Per super-block a fresh chain cc over its 8 chunks, acc += d cc, then the
+// min term as one more mma (A: the integer mins m_j as subnormals, k = j; B: the sums S_j / 16)
+// and acc -= 16 dmin cm; y = acc 2^24 2^-s. Exact in the weights (the folded form rounds them
+// twice): bits differ from it, bound as the two-plane tiles' (ops_gemm).
+// CTA: 8 warps, nb tiles of 16 rows of the run's expert; a tile is one cp.async stage (16 rows x
+// row_bytes at a stride of srw words, srw / 4 odd: each lane's two q words of rows g = 0..7 fall
+// on 2 lanes a bank at most), 3 stages, 2 in flight; warp w takes super-blocks w, w + 8, .. of a
+// tile, the 8 warps' partials summed in order by a fixed tree. Shared (dynamic; gemm_wgd.rs
+// gwds_smem): stages 3 x 16 x 4 srw, X [cols / 32 chunks][8 items][4 t] uint4 (the hi words of
+// k-steps 0 and 1: b0, b1 of each), sums [cols / 256][8][4] uint2, red [8 warps][16 rows][8].
+#define GWDS_LB3 256, 3 // at most 85 registers: 3 CTAs an SM (~70 KiB of shared memory each at cols 2048)
+__device__ __forceinline__ int gwds_srw(long long row_bytes) {
+    const int w = (int)((row_bytes + 15) / 16) * 4; // words, a multiple of 4 (16-byte copies)
+    return ((w / 4) & 1) ? w : w + 4;
+}
+DS4_KERNEL void DS4_BOUNDS(GWDS_LB3) gwds_q2_k(GWD_PARAMS, int nb) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc;
+#if GW_HAVE // launched only beside the folded wide form (sm_90a)
+    const int* perm = grp + 1 + gmax;
+    const int* g2 = perm + n; // [ngroups2, starts2[]]
+    const int by = blockIdx.y;
+    if (by >= g2[0]) return; // uniform over the CTA
+    const int len = gw_run_len<2 * GW_BM>(grp, n, gmax, by);
+    if (len == 0 || len > min(smax, 8)) return;
+    const int st = g2[1 + by], e = max(sel[perm[st]], 0);
+    extern __shared__ uint4 gwd_dyn[];
+    __shared__ int items[8];
+    __shared__ float xs[8];
+    const int nsb = cols / 256, srw = gwds_srw(row_bytes);
+    u8* stg = (u8*)gwd_dyn;                              // 3 stages of 16 rows
+    uint4* xf = (uint4*)(stg + 3 * 16 * 4 * srw);        // [cols / 32][8][4]
+    uint2* xsum = (uint2*)(xf + cols);                   // [nsb][8][4]
+    float* red = (float*)(xsum + 32 * nsb);              // [8][16][8]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int r0c = blockIdx.x * nb * 16, ntl = min(nb, (rows - r0c + 15) / 16);
+    const u8* wb = W + (long long)e * slab;
+    const int rv = (int)(row_bytes / 16); // 16-byte pieces a row (row_bytes % 16 == 0: the host)
+    int is_t = 0;                         // next tile to stage
+    auto issue = [&]() {
+        if (is_t < ntl) {
+            u8* dst = stg + (is_t % 3) * 16 * 4 * srw;
+            for (int i = tid; i < 16 * rv; i += 256) {
+                const int R = i / rv, v = i - R * rv;
+                const long long r = min(r0c + 16 * is_t + R, rows - 1); // rows past the end: computed, not stored
+                ds4_cp16n((u32)__cvta_generic_to_shared(dst + R * 4 * srw + 16 * v), wb + r * row_bytes + 16 * v, 16);
+            }
+            is_t++;
+        }
+        ds4_cp_commit();
+    };
+    issue();
+    issue();
+    if (tid < 8) {
+        const int it = tid < len ? perm[st + tid] : -1;
+        items[tid] = it;
+        xs[tid] = it >= 0 ? xinv[it / xdiv] : 0.0f;
+    }
+    // X and the sums of item m (< len; the others zero): its token row perm[st + m] / xdiv.
+    for (int q = tid; q < cols; q += 256) {
+        const int tq = q & 3, m = (q >> 2) & 7, c = q >> 5;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (m < len) {
+            const u32* src = XT + (long long)(perm[st + m] / xdiv) * x_tok + 32 * c + tq; // units 0, 1, 4, 5: hi01 / hi23 of k-steps 0, 1
+            v = make_uint4(src[0], src[4], src[16], src[20]);
+        }
+        xf[q] = v;
+    }
+    for (int q = tid; q < 32 * nsb; q += 256) {
+        const int tq = q & 3, m = (q >> 2) & 7, S = q >> 5;
+        uint2 v = make_uint2(0u, 0u);
+        if (m < len) {
+            const u32* src = XS + (long long)(perm[st + m] / xdiv) * (x_tok / 16) + 16 * S + tq; // hi pieces: j 0-7, 8-15
+            v = make_uint2(src[0], src[4]);
+        }
+        xsum[q] = v;
+    }
+    for (int tl = 0; tl < ntl; tl++) {
+        ds4_cp_wait<1>();
+        __syncthreads(); // tile tl's stage landed for all (and X at the first); tile tl - 1's stage and red free
+        issue();
+        const u32* s0 = (const u32*)(stg + (tl % 3) * 16 * 4 * srw) + g * srw; // row g
+        const u32* s1 = s0 + 8 * srw;                                          // row g + 8
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; // rows g, g (items 2t, 2t + 1), g + 8, g + 8
+        for (int S = warp; S < nsb; S += 8) {
+            const u32* rb0 = s0 + 21 * S; // the super-block's 84 bytes
+            const u32* rb1 = s1 + 21 * S;
+            const uint4* xb = xf + 8 * S * 32 + lane; // chunk 8 S, item g, t
+            float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int P = 0; P < 8; P++) {
+                const int nn = P >> 2, j = P & 3, sh = 8 * (2 * (P & 1) + (t >> 1));
+                const u32 l0 = (rb0[P >> 1] >> sh) & 15u, l1 = (rb1[P >> 1] >> sh) & 15u; // scale of weights 8t .. of chunk P
+                const u32 msk = 0x03030303u;
+                const u32 qa0 = (rb0[4 + 8 * nn + 2 * t] >> (2 * j)) & msk, qb0 = (rb0[5 + 8 * nn + 2 * t] >> (2 * j)) & msk;
+                const u32 qa1 = (rb1[4 + 8 * nn + 2 * t] >> (2 * j)) & msk, qb1 = (rb1[5 + 8 * nn + 2 * t] >> (2 * j)) & msk;
+                const uint4 b = xb[32 * P];
+                // [q0, 0, q1, 0] * scale: the f16 subnormals 2^-24 sl q (no carry: sl q <= 45)
+                const u32 a0[4] = {ds4_prmt(qa0, 0u, 0x7170) * l0, ds4_prmt(qa1, 0u, 0x7170) * l1,
+                                   ds4_prmt(qa0, 0u, 0x7372) * l0, ds4_prmt(qa1, 0u, 0x7372) * l1};
+                ds4_mma_f16(cc, a0, b.x, b.y);
+                const u32 a1[4] = {ds4_prmt(qb0, 0u, 0x7170) * l0, ds4_prmt(qb1, 0u, 0x7170) * l1,
+                                   ds4_prmt(qb0, 0u, 0x7372) * l0, ds4_prmt(qb1, 0u, 0x7372) * l1};
+                ds4_mma_f16(cc, a1, b.z, b.w);
+            }
+            const u32 dd0 = rb0[20], dd1 = rb1[20]; // (d, dmin) of rows g, g + 8
+            const float d0 = ds4_h2f_fast(dd0 & 0xffffu), d1 = ds4_h2f_fast(dd1 & 0xffffu);
+            acc[0] = fmaf(d0, cc[0], acc[0]), acc[1] = fmaf(d0, cc[1], acc[1]);
+            acc[2] = fmaf(d1, cc[2], acc[2]), acc[3] = fmaf(d1, cc[3], acc[3]);
+            // Mins of sub-blocks 2t, 2t + 1 (k 2t, 2t + 1) and 2t + 8, 2t + 9: scale bytes' high nibbles.
+            auto mins = [&](const u32* rb, int h) {
+                const u32 v = (rb[2 * h + (t >> 1)] >> (16 * (t & 1))) & 0xffffu;
+                return ((v >> 4) & 15u) | ((v >> 12) << 16);
+            };
+            const u32 am[4] = {mins(rb0, 0), mins(rb1, 0), mins(rb0, 1), mins(rb1, 1)};
+            const uint2 sb = xsum[32 * S + lane];
+            float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            ds4_mma_f16(cm, am, sb.x, sb.y);
+            const float m0 = -16.0f * ds4_h2f_fast(dd0 >> 16), m1 = -16.0f * ds4_h2f_fast(dd1 >> 16);
+            acc[0] = fmaf(m0, cm[0], acc[0]), acc[1] = fmaf(m0, cm[1], acc[1]);
+            acc[2] = fmaf(m1, cm[2], acc[2]), acc[3] = fmaf(m1, cm[3], acc[3]);
+        }
+        // red[warp][row][item]; then thread (row rr, item m) sums the 8 warps in order.
+        float* rw = red + (warp * 16 + g) * 8 + 2 * t;
+        rw[0] = acc[0], rw[1] = acc[1], rw[64] = acc[2], rw[65] = acc[3]; // + 8 rows = + 64
+        __syncthreads();
+        if (tid < 128) {
+            const int rr = tid >> 3, m = tid & 7, r = r0c + 16 * tl + rr;
+            float v = 0.0f;
+            for (int w = 0; w < 8; w++) v += red[(w * 16 + rr) * 8 + m];
+            if (m < len && r < rows) Y[(long long)items[m] * y_tok + r] = v * 0x1p24f * xs[m];
+        }
+    }
+    ds4_cp_wait<0>();
+#else
+    (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
+    (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)smax, (void)nb;
+#endif
+}

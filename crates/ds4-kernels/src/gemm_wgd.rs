@@ -5,7 +5,8 @@ use crate::Module;
 /// unit layout with super-block sums), 256 weight rows x 64 pairs per CTA, wgmma m64nNk16 f16
 /// with the integer weights `sl * q` decoded into the A registers and the min term as one more
 /// wgmma pair per super-block; `gwd_q2_k_p1` the same with the hi planes of X and the sums alone
-/// (opt-in `DS4_GPU_GEMM_PLANES=1`).
+/// (opt-in `DS4_GPU_GEMM_PLANES=1`); `gwd_q2_k_p1_fw(p)` the folded wide form, whose runs of at
+/// most `smax` pairs `gwds_q2_k` computes beside it (mma.sync, the items as B columns).
 pub const GEMM_WGD: Module = Module {
     name: "gemm_wgd",
     source: include_str!("../gpu/gemm_wgd.cu"),
@@ -15,5 +16,6 @@ pub const GEMM_WGD: Module = Module {
         "gwd_q2_k_p1",
         "gwd_q2_k_p1_fw",
         "gwd_q2_k_p1_fwp",
+        "gwds_q2_k",
     ],
 };

@@ -1066,7 +1066,14 @@ impl GpuBackend {
         // CUDA sm_90a: the grouped Q2_K down on wgmma (gemm_wgd.rs; DS4_GPU_GEMM_WGD=0 off).
         let wgd = (form == "gemmu")
             .then(|| {
-                self.gemm_wgd_dims(m.grp.is_some(), bm, m.zs * ks, m.rows, m.cols, ytiles, m.n)
+                self.gemm_wgd_dims(
+                    m.grp.is_some(),
+                    bm,
+                    m.zs * ks,
+                    (m.rows, m.cols, m.row_bytes, m.w),
+                    ytiles,
+                    m.n,
+                )
             })
             .flatten();
         if form == "gemmu" && wgd.is_none() {
@@ -1076,9 +1083,9 @@ impl GpuBackend {
             Some((s, g, gm)) => (Arg::Ptr(s), Arg::Ptr(g), gm),
             None => (Arg::Null, Arg::Null, 0),
         };
-        let ctr = wgd.and_then(|w| w.2); // the persistent down's tile counter (its last argument)
-        let (module, name, dims) = match wgd {
-            Some((k, d, _)) => (&ds4_kernels::GEMM_WGD, k.to_string(), d), // gemmu's arguments
+        let ctr = wgd.as_ref().and_then(|w| w.ctr); // the persistent down's tile counter (its last argument)
+        let (module, name, dims) = match &wgd {
+            Some(w) => (&ds4_kernels::GEMM_WGD, w.name.to_string(), w.dims), // gemmu's arguments
             None => (
                 &ds4_kernels::GEMM,
                 format!("{form}_{sfx}"),
@@ -1093,42 +1100,42 @@ impl GpuBackend {
                 },
             ),
         };
-        self.run(
-            module,
-            &name,
-            dims,
-            &[
-                Arg::Ptr(m.w),
-                Arg::I64(m.w_z as i64),
-                sel,
-                Arg::I64(m.slab as i64),
-                Arg::Ptr(m.x),
-            ]
-            .into_iter()
-            .chain(m.xt.map(|s| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmt: sums
-            .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmt: inverse row scales
-            .chain([
-                Arg::I64(m.x_tok as i64),
-                Arg::I64(m.x_z as i64),
-                Arg::I32(m.xdiv.max(1) as i32),
-                Arg::Ptr(part.as_ref().map_or(m.y, |p| p.ptr)),
-                Arg::I64(m.y_tok as i64),
-                Arg::I64(m.y_z as i64),
-                Arg::I64(if ks > 1 { total as i64 } else { 0 }),
-                Arg::I32(m.rows as i32),
-                Arg::I32(m.cols as i32),
-                Arg::I64(m.row_bytes as i64),
-                Arg::I32(m.n as i32),
-                Arg::I32(ks as i32),
-                Arg::I32(kc as i32),
-                grp,
-                Arg::I32(gmax as i32),
-                Arg::I32(skip_empty() as i32),
-            ])
-            .chain(half.then(|| Arg::I32(dbuf() as i32))) // gemmh: db
-            .chain(ctr.map(Arg::Ptr))
-            .collect::<Vec<_>>(),
-        );
+        let args = [
+            Arg::Ptr(m.w),
+            Arg::I64(m.w_z as i64),
+            sel,
+            Arg::I64(m.slab as i64),
+            Arg::Ptr(m.x),
+        ]
+        .into_iter()
+        .chain(m.xt.map(|s| if s.0 == 0 { Arg::Null } else { Arg::Ptr(s) })) // gemmt: sums
+        .chain(m.xs.map(Arg::Ptr)) // gemmh/gemmt: inverse row scales
+        .chain([
+            Arg::I64(m.x_tok as i64),
+            Arg::I64(m.x_z as i64),
+            Arg::I32(m.xdiv.max(1) as i32),
+            Arg::Ptr(part.as_ref().map_or(m.y, |p| p.ptr)),
+            Arg::I64(m.y_tok as i64),
+            Arg::I64(m.y_z as i64),
+            Arg::I64(if ks > 1 { total as i64 } else { 0 }),
+            Arg::I32(m.rows as i32),
+            Arg::I32(m.cols as i32),
+            Arg::I64(m.row_bytes as i64),
+            Arg::I32(m.n as i32),
+            Arg::I32(ks as i32),
+            Arg::I32(kc as i32),
+            grp,
+            Arg::I32(gmax as i32),
+            // the wgmma down: runs of at most smax pairs left to gwds_q2_k (gemm_wgd.rs)
+            Arg::I32(wgd.as_ref().map_or(skip_empty() as usize, |w| w.smax) as i32),
+        ])
+        .chain(half.then(|| Arg::I32(dbuf() as i32))) // gemmh: db
+        .chain(ctr.map(Arg::Ptr))
+        .collect::<Vec<_>>();
+        self.run(module, &name, dims, &args);
+        if let Some(w) = &wgd {
+            self.launch_wgd_small(w, &args);
+        }
         if let Some(p) = part {
             self.run(
                 &ds4_kernels::GEMM,

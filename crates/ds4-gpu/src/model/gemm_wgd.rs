@@ -20,12 +20,20 @@
 //! term's). Results: bench/results/gpu-gwd-s22-h200.txt. Its persistent form
 //! (`gwd_q2_k_p1_fwp`, bit 1 of `DS4_GPU_GW_PERSIST`, gemm_wg.rs) gives the same bits but ran
 //! 4-5% slower a call, so it is off by default (bench/results/gpu-moe-s27-h200.txt).
+//!
+//! Small runs (`DS4_GPU_GWD_SMALL=0..8`, default 8, or [`GpuBackend::set_gemm_wgd_small`]; the
+//! folded wide form, row_bytes % 16 == 0, i.e. ff % 1024 == 0): the wide runs of at most that many
+//! pairs are skipped by the wgmma kernel (its `smax` argument, gemm_wgd.cu `gwd_tile_fw`) and
+//! computed by `gwds_q2_k` in the same stream, as the gate/up's small runs (gemm_wg.rs): mma.sync
+//! with the run's items as the 8 B columns and the one-token down's decode (weights `sl q` exact,
+//! the min term as one more mma a super-block), so a run of a few pairs no longer pays a 256-row
+//! wgmma CTA's whole decode.
 
 use super::gemm::wide_gmax;
 use super::gemm_wg::{lean_x, one_plane, persist, GW_TICKET, P1_LAUNCHES, PERSIST_LAUNCHES};
-use super::switch::{switch_on, UNSET};
+use super::switch::{code, switch_on, UNSET};
 use super::GpuBackend;
-use crate::runtime::{DevPtr, LaunchDims};
+use crate::runtime::{Arg, DevPtr, LaunchDims};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// 0 off, 1 on, UNSET: read `DS4_GPU_GEMM_WGD` (`0` = off; default on) on first use.
@@ -44,6 +52,49 @@ const WGD_SMEM: usize = 16 * 8192 + 2 * 4096 + 2 * WGD_BN * 28 * 4;
 /// `sizeof(GwdSmemW<256>)` of the folded wide form: 16 X slots (128 items' hi units), 3 sums
 /// stages of 4 KiB, 3 raw stages (the min wgmma is waited a chunk later than in `gwd_q2_k`).
 const WGD_SMEM_W: usize = 16 * 8192 + 3 * 4096 + 3 * WGD_BN * 28 * 4;
+
+/// The small-run down (`gwds_q2_k`): the folded wide form's runs of at most this many pairs go to
+/// it (0: none; at most [`SMALL_MAX`]); UNSET: read `DS4_GPU_GWD_SMALL` (a number; default
+/// [`SMALL_DEFAULT`]) on first use.
+static SMALL: AtomicU8 = AtomicU8::new(UNSET);
+const SMALL_DEFAULT: u8 = 8;
+/// Most pairs of a run `gwds_q2_k` takes (its 8 B columns), and its CTA's row tiles of 16 (the
+/// items' X is loaded once a CTA).
+const SMALL_MAX: u8 = 8;
+const SMALL_NB: usize = 8;
+/// `gwds_q2_k` launches so far (process-wide; tests).
+static SMALL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// Runs of at most this many pairs take `gwds_q2_k` (0: none).
+fn small() -> usize {
+    code(&SMALL, "DS4_GPU_GWD_SMALL", |v| {
+        v.and_then(|s| s.trim().parse::<u8>().ok())
+            .map_or(SMALL_DEFAULT, |n| n.min(SMALL_MAX))
+    }) as usize
+}
+
+/// `gwds_q2_k`'s dynamic shared memory for `cols` columns of `row_bytes` (gemm_wgd.cu): 3 stages
+/// of 16 rows at `gwds_srw` words (a multiple of 4, its quarter odd), X (16 bytes an item per 8
+/// columns: cols x 16), the sums (256 bytes a super-block) and red (8 x 16 x 8 floats).
+fn small_smem(cols: usize, row_bytes: usize) -> usize {
+    let w = row_bytes.div_ceil(16) * 4;
+    let srw = if (w / 4) % 2 == 1 { w } else { w + 4 };
+    3 * 16 * 4 * srw + 16 * cols + 256 * (cols / 256) + 4096
+}
+
+/// A launch of the wgmma down in place of `gemmu_q2_k` (gemm.rs `gemm`).
+pub(in crate::model) struct WgdLaunch {
+    pub name: &'static str,
+    pub dims: LaunchDims,
+    /// The persistent form's tile counter (its last argument).
+    pub ctr: Option<DevPtr>,
+    /// The kernel's `smax` (gemmu's `skip` position): runs of at most this many pairs are left
+    /// to `gwds_q2_k`, launched by `launch_wgd_small` (0: none).
+    pub smax: usize,
+    /// `gwds_q2_k`'s launch dimensions where `smax > 0`: grid (rows / 128, the wide runs'
+    /// bound), 256 threads.
+    small: Option<LaunchDims>,
+}
 
 fn wgd_on() -> bool {
     switch_on(&WGD, "DS4_GPU_GEMM_WGD")
@@ -72,6 +123,23 @@ impl GpuBackend {
         WIDE_LAUNCHES.load(Ordering::Relaxed)
     }
 
+    /// Runs of at most `max` pairs (clamped to 8) to the small-run down `gwds_q2_k` beside the
+    /// folded wide form (0: none; default [`SMALL_DEFAULT`], or `DS4_GPU_GWD_SMALL`).
+    /// Process-wide (tests, benchmarks).
+    pub fn set_gemm_wgd_small(max: usize) {
+        SMALL.store(max.min(SMALL_MAX as usize) as u8, Ordering::Relaxed);
+    }
+
+    /// The small-run bound in use (see [`Self::set_gemm_wgd_small`]).
+    pub fn gemm_wgd_small() -> usize {
+        small()
+    }
+
+    /// `gwds_q2_k` launches so far in this process.
+    pub fn gemm_wgd_small_launches() -> u64 {
+        SMALL_LAUNCHES.load(Ordering::Relaxed)
+    }
+
     /// Whether [`Self::gemm_wgd_dims`] takes a product with these parameters.
     fn wgd_takes(&self, grouped: bool, bm: usize, zs_ks: usize, cols: usize) -> bool {
         wgd_on()
@@ -94,17 +162,17 @@ impl GpuBackend {
     /// when the switch is on and the kernel covers it: grouped pairs in runs of `bm` = 64, one
     /// batch and no split K (`zs_ks` = 1), `cols` a multiple of 256, a CUDA sm_90a device.
     /// Counts the launch.
+    /// `w`, `row_bytes`: the weights (the small-run down stages 16-byte pieces of whole rows).
     #[allow(clippy::too_many_arguments)]
     pub(in crate::model) fn gemm_wgd_dims(
         &self,
         grouped: bool,
         bm: usize,
         zs_ks: usize,
-        rows: usize,
-        cols: usize,
+        (rows, cols, row_bytes, w): (usize, usize, usize, DevPtr),
         ytiles: usize,
         n: usize,
-    ) -> Option<(&'static str, LaunchDims, Option<DevPtr>)> {
+    ) -> Option<WgdLaunch> {
         if !self.wgd_takes(grouped, bm, zs_ks, cols) {
             return None;
         }
@@ -137,6 +205,43 @@ impl GpuBackend {
             block: [2 * WGD_BN as u32, 1, 1],
             shared_bytes: smem as u32,
         };
-        Some((name, dims, ctr))
+        let smax = if wide
+            && row_bytes.is_multiple_of(16)
+            && w.0.is_multiple_of(16)
+            && small_smem(cols, row_bytes) <= self.gpu.info().max_shared_per_block as usize
+        {
+            small()
+        } else {
+            0
+        };
+        let small = (smax > 0).then(|| LaunchDims {
+            grid: [rows.div_ceil(16 * SMALL_NB) as u32, gy as u32, 1],
+            block: [256, 1, 1],
+            shared_bytes: small_smem(cols, row_bytes) as u32,
+        });
+        Some(WgdLaunch {
+            name,
+            dims,
+            ctr,
+            smax,
+            small,
+        })
+    }
+
+    /// After a [`Self::gemm_wgd_dims`] launch with `smax > 0`: `gwds_q2_k` on the runs it left,
+    /// with that launch's first 23 arguments (gemmu's, `smax` last) and the row tiles a CTA.
+    pub(in crate::model) fn launch_wgd_small(&self, l: &WgdLaunch, args: &[Arg]) {
+        let Some(dims) = l.small else { return };
+        SMALL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        self.run(
+            &ds4_kernels::GEMM_WGD,
+            "gwds_q2_k",
+            dims,
+            &args[..23]
+                .iter()
+                .copied()
+                .chain([Arg::I32(SMALL_NB as i32)])
+                .collect::<Vec<_>>(),
+        );
     }
 }
