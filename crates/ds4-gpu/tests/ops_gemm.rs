@@ -1248,16 +1248,17 @@ fn gemm_moe_small_runs_match_f64() {
 }
 
 /// The small-run down (`set_gemm_wgd_small`, `DS4_GPU_GWD_SMALL`: the folded wide form's runs of
-/// at most 8 pairs leave wgmma for `gwds_q2_k`, mma.sync with the items as B columns) against the
-/// f64 reference per (pair, row) on the short runs of `gemm_moe_small_runs_match_f64` (1, 2, 7, 8,
-/// 9, 15, 16, 17 and ~10 pairs beside one of 60), pair rows of magnitudes 1e-6 .. 1e6, d = 320
-/// rows (a partial CTA of 128). ff = 2048 (8 super-blocks: one a warp) and 3072 (12: warps 0-3
-/// take two) take it; ff = 768 (rows of 252 bytes, not whole 16-byte pieces) must not, and wgmma
-/// then keeps every run (poisoned scratch shows a skipped one). Bound 2^-10 B + 2e-5 sum |w x|
-/// (the folded form's; gwds's weights are exact and X the same hi plane), outputs finite, launches
-/// exactly where asked (bound 8, 2, 0; the persistent wgmma down and the one-CTA-a-tile one), the
-/// pairs of runs over the bound keep wgmma's bits and every pair of the runs within it changes
-/// them (gwds sums in another order, with unfolded weights: it wrote them).
+/// at most 8 (`gwds_q2_k`) or 16 pairs (`gwds16_q2_k`: two n8 tiles) leave wgmma for mma.sync with
+/// the items as B columns) against the f64 reference per (pair, row) on the short runs of
+/// `gemm_moe_small_runs_match_f64` (1, 2, 7, 8, 9, 15, 16, 17 and ~10 pairs beside one of 60),
+/// pair rows of magnitudes 1e-6 .. 1e6, d = 320 rows (a partial CTA of 128). ff = 2048 (8
+/// super-blocks: one a warp) and 3072 (12: warps 0-3 take two) take it; ff = 768 (rows of 252
+/// bytes, not whole 16-byte pieces) must not, and wgmma then keeps every run (poisoned scratch
+/// shows a skipped one). Bound 2^-10 B + 2e-5 sum |w x| (the folded form's; gwds's weights are
+/// exact and X the same hi plane), outputs finite, launches exactly where asked (bounds 8, 2, 16,
+/// 0; the persistent wgmma down and the one-CTA-a-tile one), the pairs of runs over the bound keep
+/// wgmma's bits and every pair of the runs within it changes them (gwds sums in another order,
+/// with unfolded weights: it wrote them).
 #[test]
 fn gemm_moe_small_down_runs_match_f64() {
     let Some(gpu) = wg_backend() else {
@@ -1281,7 +1282,7 @@ fn gemm_moe_small_down_runs_match_f64() {
         let gh = gpu.upload(&h);
         let taken = rb.is_multiple_of(16);
         let mut outs = Vec::new();
-        for (small, pers) in [(8usize, 0u8), (8, 2), (2, 0), (0, 0)] {
+        for (small, pers) in [(8usize, 0u8), (8, 2), (2, 0), (16, 0), (0, 0)] {
             GpuBackend::set_gemm_wgd_small(small);
             GpuBackend::set_gemm_wg_persist(pers);
             let (s0, w0) = (
@@ -1314,13 +1315,13 @@ fn gemm_moe_small_down_runs_match_f64() {
             outs.push(got);
         }
         let count = |e: i32| sel.iter().filter(|&&x| x == e).count();
-        for (i, bound) in [(0usize, 8usize), (1, 8), (2, 2)] {
+        for (i, bound) in [(0usize, 8usize), (1, 8), (2, 2), (3, 16)] {
             let (mut n_diff, mut over) = (0, 0);
             for (p, &e) in sel.iter().enumerate() {
                 let rows = p * dd..(p + 1) * dd;
                 let same = outs[i][rows.clone()]
                     .iter()
-                    .zip(&outs[3][rows])
+                    .zip(&outs[4][rows])
                     .all(|(x, y)| x.to_bits() == y.to_bits());
                 if !same {
                     n_diff += 1;

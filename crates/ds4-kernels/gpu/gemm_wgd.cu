@@ -530,48 +530,45 @@ DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fw(GWD_PARAMS) { gwd_kernel_fw(GW
 DS4_KERNEL void DS4_BOUNDS(GWD_B4) gwd_q2_k_p1_fwp(GWD_PARAMS, u32* ctr) { gwd_kernel_fwp(GWD_ARGS, ctr); }
 
 // ---- Small runs (gwds_q2_k; gemm_wgd.rs DS4_GPU_GWD_SMALL) ----
-// The grouping's wide runs of at most min(smax, 8) pairs (the folded wide form above skips them):
+// The grouping's wide runs of at most min(smax, 16) pairs (the folded wide form above skips them):
 // a wgmma CTA pays its 256 rows' whole decode however few its pairs, so these take mma.sync
-// m16n8k16 with the run's items as the 8 B columns and the decode of the one-token down (moe.cu
-// m3dn1, f16 form): a lane holds weights 8t .. 8t+7 of a 32-column chunk for rows g and g + 8,
-// the integers sl q <= 45 as f16 subnormals (value 2^-24 sl q: one PRMT and one IMAD a pair,
-// exact), X the same hi plane of gemm_xt_f32's unit layout as the folded form (v = x 2^s, one f16
-// rounding), f32 sums. Per super-block a fresh chain cc over its 8 chunks, acc += d cc, then the
-// min term as one more mma (A: the integer mins m_j as subnormals, k = j; B: the sums S_j / 16)
-// and acc -= 16 dmin cm; y = acc 2^24 2^-s. Exact in the weights (the folded form rounds them
-// twice): bits differ from it, bound as the two-plane tiles' (ops_gemm).
+// m16n8k16 with the run's items as B columns (NI = 8 or 16: one or two n8 tiles a k-step, the A
+// fragment decoded once for both) and the decode of the one-token down (moe.cu m3dn1, f16 form):
+// a lane holds weights 8t .. 8t+7 of a 32-column chunk for rows g and g + 8, the integers
+// sl q <= 45 as f16 subnormals (value 2^-24 sl q: one PRMT and one IMAD a pair, exact), X the
+// same hi plane of gemm_xt_f32's unit layout as the folded form (v = x 2^s, one f16 rounding),
+// f32 sums. Per super-block a fresh chain cc over its 8 chunks, acc += d cc, then the min term as
+// one more mma an n8 tile (A: the integer mins m_j as subnormals, k = j; B: the sums S_j / 16) and
+// acc -= 16 dmin cm; y = acc 2^24 2^-s. Exact in the weights (the folded form rounds them twice):
+// bits differ from it, bound as the folded form's (ops_gemm).
 // CTA: 8 warps, nb tiles of 16 rows of the run's expert; a tile is one cp.async stage (16 rows x
 // row_bytes at a stride of srw words, srw / 4 odd: each lane's two q words of rows g = 0..7 fall
 // on 2 lanes a bank at most), 3 stages, 2 in flight; warp w takes super-blocks w, w + 8, .. of a
 // tile, the 8 warps' partials summed in order by a fixed tree. Shared (dynamic; gemm_wgd.rs
-// gwds_smem): stages 3 x 16 x 4 srw, X [cols / 32 chunks][8 items][4 t] uint4 (the hi words of
-// k-steps 0 and 1: b0, b1 of each), sums [cols / 256][8][4] uint2, red [8 warps][16 rows][8].
-#define GWDS_LB3 256, 3 // at most 85 registers: 3 CTAs an SM (~70 KiB of shared memory each at cols 2048)
+// small_smem), with nx = 8 or 16 item slots (the host's bound): stages 3 x 16 x 4 srw, X
+// [cols / 32 chunks][nx items][4 t] uint4 (the hi words of k-steps 0 and 1: b0, b1 of each), sums
+// [cols / 256][nx][4] uint2, red [8 warps][16 rows][nx].
+#define GWDS_LB3 256, 3 // at most 85 registers: 3 CTAs an SM (~70 KiB of shared memory each at cols 2048, nx 8)
+#define GWDS_LB2 256, 2 // at most 128 registers: 2 CTAs an SM (~109 KiB at nx 16)
 __device__ __forceinline__ int gwds_srw(long long row_bytes) {
     const int w = (int)((row_bytes + 15) / 16) * 4; // words, a multiple of 4 (16-byte copies)
     return ((w / 4) & 1) ? w : w + 4;
 }
-DS4_KERNEL void DS4_BOUNDS(GWDS_LB3) gwds_q2_k(GWD_PARAMS, int nb) {
-    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc;
-#if GW_HAVE // launched only beside the folded wide form (sm_90a)
-    const int* perm = grp + 1 + gmax;
-    const int* g2 = perm + n; // [ngroups2, starts2[]]
-    const int by = blockIdx.y;
-    if (by >= g2[0]) return; // uniform over the CTA
-    const int len = gw_run_len<2 * GW_BM>(grp, n, gmax, by);
-    if (len == 0 || len > min(smax, 8)) return;
-    const int st = g2[1 + by], e = max(sel[perm[st]], 0);
+#if GW_HAVE
+template <int NI>
+__device__ __forceinline__ void gwds_body(const u8* __restrict__ wb, const u32* __restrict__ XT, const u32* __restrict__ XS,
+                                          const int* __restrict__ perm, int st, int len, int nx, const float* __restrict__ xinv,
+                                          long long x_tok, int xdiv, float* __restrict__ Y, long long y_tok, int rows,
+                                          int cols, long long row_bytes, int nb, int* items, float* xs) {
+    constexpr int NT = NI / 8; // n8 tiles
     extern __shared__ uint4 gwd_dyn[];
-    __shared__ int items[8];
-    __shared__ float xs[8];
     const int nsb = cols / 256, srw = gwds_srw(row_bytes);
-    u8* stg = (u8*)gwd_dyn;                              // 3 stages of 16 rows
-    uint4* xf = (uint4*)(stg + 3 * 16 * 4 * srw);        // [cols / 32][8][4]
-    uint2* xsum = (uint2*)(xf + cols);                   // [nsb][8][4]
-    float* red = (float*)(xsum + 32 * nsb);              // [8][16][8]
+    u8* stg = (u8*)gwd_dyn;                       // 3 stages of 16 rows
+    uint4* xf = (uint4*)(stg + 3 * 16 * 4 * srw); // [cols / 32][nx][4]
+    uint2* xsum = (uint2*)(xf + cols / 8 * nx);   // [nsb][nx][4]
+    float* red = (float*)(xsum + 4 * nx * nsb);   // [8][16][nx]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int r0c = blockIdx.x * nb * 16, ntl = min(nb, (rows - r0c + 15) / 16);
-    const u8* wb = W + (long long)e * slab;
     const int rv = (int)(row_bytes / 16); // 16-byte pieces a row (row_bytes % 16 == 0: the host)
     int is_t = 0;                         // next tile to stage
     auto issue = [&]() {
@@ -588,29 +585,29 @@ DS4_KERNEL void DS4_BOUNDS(GWDS_LB3) gwds_q2_k(GWD_PARAMS, int nb) {
     };
     issue();
     issue();
-    if (tid < 8) {
+    if (tid < NI) {
         const int it = tid < len ? perm[st + tid] : -1;
         items[tid] = it;
         xs[tid] = it >= 0 ? xinv[it / xdiv] : 0.0f;
     }
-    // X and the sums of item m (< len; the others zero): its token row perm[st + m] / xdiv.
-    for (int q = tid; q < cols; q += 256) {
-        const int tq = q & 3, m = (q >> 2) & 7, c = q >> 5;
+    // X and the sums of item m (< len; the others zero up to NI): its token row perm[st + m] / xdiv.
+    for (int q = tid; q < cols / 8 * NI; q += 256) {
+        const int tq = q & 3, m = (q >> 2) % NI, c = (q >> 2) / NI;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (m < len) {
             const u32* src = XT + (long long)(perm[st + m] / xdiv) * x_tok + 32 * c + tq; // units 0, 1, 4, 5: hi01 / hi23 of k-steps 0, 1
             v = make_uint4(src[0], src[4], src[16], src[20]);
         }
-        xf[q] = v;
+        xf[(c * nx + m) * 4 + tq] = v;
     }
-    for (int q = tid; q < 32 * nsb; q += 256) {
-        const int tq = q & 3, m = (q >> 2) & 7, S = q >> 5;
+    for (int q = tid; q < 4 * NI * nsb; q += 256) {
+        const int tq = q & 3, m = (q >> 2) % NI, S = (q >> 2) / NI;
         uint2 v = make_uint2(0u, 0u);
         if (m < len) {
             const u32* src = XS + (long long)(perm[st + m] / xdiv) * (x_tok / 16) + 16 * S + tq; // hi pieces: j 0-7, 8-15
             v = make_uint2(src[0], src[4]);
         }
-        xsum[q] = v;
+        xsum[(S * nx + m) * 4 + tq] = v;
     }
     for (int tl = 0; tl < ntl; tl++) {
         ds4_cp_wait<1>();
@@ -618,12 +615,16 @@ DS4_KERNEL void DS4_BOUNDS(GWDS_LB3) gwds_q2_k(GWD_PARAMS, int nb) {
         issue();
         const u32* s0 = (const u32*)(stg + (tl % 3) * 16 * 4 * srw) + g * srw; // row g
         const u32* s1 = s0 + 8 * srw;                                          // row g + 8
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; // rows g, g (items 2t, 2t + 1), g + 8, g + 8
+        float acc[NT][4];                                                      // rows g, g (items 8h + 2t, +1), g + 8, g + 8
+#pragma unroll
+        for (int h = 0; h < NT; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
         for (int S = warp; S < nsb; S += 8) {
             const u32* rb0 = s0 + 21 * S; // the super-block's 84 bytes
             const u32* rb1 = s1 + 21 * S;
-            const uint4* xb = xf + 8 * S * 32 + lane; // chunk 8 S, item g, t
-            float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const uint4* xb = xf + 8 * S * 4 * nx + lane; // chunk 8 S, item g, t
+            float cc[NT][4];
+#pragma unroll
+            for (int h = 0; h < NT; h++) cc[h][0] = cc[h][1] = cc[h][2] = cc[h][3] = 0.0f;
 #pragma unroll
             for (int P = 0; P < 8; P++) {
                 const int nn = P >> 2, j = P & 3, sh = 8 * (2 * (P & 1) + (t >> 1));
@@ -631,46 +632,81 @@ DS4_KERNEL void DS4_BOUNDS(GWDS_LB3) gwds_q2_k(GWD_PARAMS, int nb) {
                 const u32 msk = 0x03030303u;
                 const u32 qa0 = (rb0[4 + 8 * nn + 2 * t] >> (2 * j)) & msk, qb0 = (rb0[5 + 8 * nn + 2 * t] >> (2 * j)) & msk;
                 const u32 qa1 = (rb1[4 + 8 * nn + 2 * t] >> (2 * j)) & msk, qb1 = (rb1[5 + 8 * nn + 2 * t] >> (2 * j)) & msk;
-                const uint4 b = xb[32 * P];
                 // [q0, 0, q1, 0] * scale: the f16 subnormals 2^-24 sl q (no carry: sl q <= 45)
                 const u32 a0[4] = {ds4_prmt(qa0, 0u, 0x7170) * l0, ds4_prmt(qa1, 0u, 0x7170) * l1,
                                    ds4_prmt(qa0, 0u, 0x7372) * l0, ds4_prmt(qa1, 0u, 0x7372) * l1};
-                ds4_mma_f16(cc, a0, b.x, b.y);
                 const u32 a1[4] = {ds4_prmt(qb0, 0u, 0x7170) * l0, ds4_prmt(qb1, 0u, 0x7170) * l1,
                                    ds4_prmt(qb0, 0u, 0x7372) * l0, ds4_prmt(qb1, 0u, 0x7372) * l1};
-                ds4_mma_f16(cc, a1, b.z, b.w);
+#pragma unroll
+                for (int h = 0; h < NT; h++) {
+                    const uint4 b = xb[(4 * P * nx) + 32 * h];
+                    ds4_mma_f16(cc[h], a0, b.x, b.y);
+                    ds4_mma_f16(cc[h], a1, b.z, b.w);
+                }
             }
             const u32 dd0 = rb0[20], dd1 = rb1[20]; // (d, dmin) of rows g, g + 8
             const float d0 = ds4_h2f_fast(dd0 & 0xffffu), d1 = ds4_h2f_fast(dd1 & 0xffffu);
-            acc[0] = fmaf(d0, cc[0], acc[0]), acc[1] = fmaf(d0, cc[1], acc[1]);
-            acc[2] = fmaf(d1, cc[2], acc[2]), acc[3] = fmaf(d1, cc[3], acc[3]);
+            const float m0 = -16.0f * ds4_h2f_fast(dd0 >> 16), m1 = -16.0f * ds4_h2f_fast(dd1 >> 16);
             // Mins of sub-blocks 2t, 2t + 1 (k 2t, 2t + 1) and 2t + 8, 2t + 9: scale bytes' high nibbles.
-            auto mins = [&](const u32* rb, int h) {
-                const u32 v = (rb[2 * h + (t >> 1)] >> (16 * (t & 1))) & 0xffffu;
+            auto mins = [&](const u32* rb, int hh) {
+                const u32 v = (rb[2 * hh + (t >> 1)] >> (16 * (t & 1))) & 0xffffu;
                 return ((v >> 4) & 15u) | ((v >> 12) << 16);
             };
             const u32 am[4] = {mins(rb0, 0), mins(rb1, 0), mins(rb0, 1), mins(rb1, 1)};
-            const uint2 sb = xsum[32 * S + lane];
-            float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            ds4_mma_f16(cm, am, sb.x, sb.y);
-            const float m0 = -16.0f * ds4_h2f_fast(dd0 >> 16), m1 = -16.0f * ds4_h2f_fast(dd1 >> 16);
-            acc[0] = fmaf(m0, cm[0], acc[0]), acc[1] = fmaf(m0, cm[1], acc[1]);
-            acc[2] = fmaf(m1, cm[2], acc[2]), acc[3] = fmaf(m1, cm[3], acc[3]);
+#pragma unroll
+            for (int h = 0; h < NT; h++) {
+                acc[h][0] = fmaf(d0, cc[h][0], acc[h][0]), acc[h][1] = fmaf(d0, cc[h][1], acc[h][1]);
+                acc[h][2] = fmaf(d1, cc[h][2], acc[h][2]), acc[h][3] = fmaf(d1, cc[h][3], acc[h][3]);
+                const uint2 sb = ((const uint2*)xsum)[S * 4 * nx + 32 * h + lane];
+                float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                ds4_mma_f16(cm, am, sb.x, sb.y);
+                acc[h][0] = fmaf(m0, cm[0], acc[h][0]), acc[h][1] = fmaf(m0, cm[1], acc[h][1]);
+                acc[h][2] = fmaf(m1, cm[2], acc[h][2]), acc[h][3] = fmaf(m1, cm[3], acc[h][3]);
+            }
         }
         // red[warp][row][item]; then thread (row rr, item m) sums the 8 warps in order.
-        float* rw = red + (warp * 16 + g) * 8 + 2 * t;
-        rw[0] = acc[0], rw[1] = acc[1], rw[64] = acc[2], rw[65] = acc[3]; // + 8 rows = + 64
+#pragma unroll
+        for (int h = 0; h < NT; h++) {
+            float* rw = red + (warp * 16 + g) * nx + 8 * h + 2 * t;
+            rw[0] = acc[h][0], rw[1] = acc[h][1], rw[8 * nx] = acc[h][2], rw[8 * nx + 1] = acc[h][3]; // + 8 rows
+        }
         __syncthreads();
-        if (tid < 128) {
-            const int rr = tid >> 3, m = tid & 7, r = r0c + 16 * tl + rr;
+        if (tid < 16 * NI) {
+            const int rr = tid / NI, m = tid % NI, r = r0c + 16 * tl + rr;
             float v = 0.0f;
-            for (int w = 0; w < 8; w++) v += red[(w * 16 + rr) * 8 + m];
+            for (int w = 0; w < 8; w++) v += red[(w * 16 + rr) * nx + m];
             if (m < len && r < rows) Y[(long long)items[m] * y_tok + r] = v * 0x1p24f * xs[m];
         }
     }
     ds4_cp_wait<0>();
+}
+#endif
+// The kernels' shared part: run blockIdx.y if it holds 1 .. min(smax, NMAX) pairs, on the body
+// for its size.
+template <int NMAX> __device__ __forceinline__ void gwds_kernel(GWD_PARAMS, int nb) {
+    (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc;
+#if GW_HAVE // launched only beside the folded wide form (sm_90a)
+    const int* perm = grp + 1 + gmax;
+    const int* g2 = perm + n; // [ngroups2, starts2[]]
+    const int by = blockIdx.y;
+    if (by >= g2[0]) return; // uniform over the CTA
+    const int len = gw_run_len<2 * GW_BM>(grp, n, gmax, by);
+    if (len == 0 || len > min(smax, NMAX)) return;
+    const int st = g2[1 + by];
+    const u8* wb = W + (long long)max(sel[perm[st]], 0) * slab;
+    __shared__ int items[NMAX];
+    __shared__ float xs[NMAX];
+    if (NMAX == 8 || len <= 8)
+        gwds_body<8>(wb, XT, XS, perm, st, len, NMAX, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, nb, items, xs);
+    else
+        gwds_body<NMAX>(wb, XT, XS, perm, st, len, NMAX, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, nb, items, xs);
 #else
     (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
     (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)smax, (void)nb;
 #endif
 }
+// Runs of at most min(smax, 8) pairs (nx = 8 item slots); grid (rows / (16 nb), the wide runs'
+// bound, 1), 256 threads, dynamic shared memory gemm_wgd.rs small_smem (~70 KiB at cols 2048).
+DS4_KERNEL void DS4_BOUNDS(GWDS_LB3) gwds_q2_k(GWD_PARAMS, int nb) { gwds_kernel<8>(GWD_ARGS, nb); }
+// Runs of at most min(smax, 16) (nx = 16: two n8 tiles for the runs of 9 .. 16; ~109 KiB).
+DS4_KERNEL void DS4_BOUNDS(GWDS_LB2) gwds16_q2_k(GWD_PARAMS, int nb) { gwds_kernel<16>(GWD_ARGS, nb); }

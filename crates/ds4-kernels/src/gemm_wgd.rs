@@ -17,5 +17,6 @@ pub const GEMM_WGD: Module = Module {
         "gwd_q2_k_p1_fw",
         "gwd_q2_k_p1_fwp",
         "gwds_q2_k",
+        "gwds16_q2_k",
     ],
 };

@@ -21,11 +21,11 @@
 //! (`gwd_q2_k_p1_fwp`, bit 1 of `DS4_GPU_GW_PERSIST`, gemm_wg.rs) gives the same bits but ran
 //! 4-5% slower a call, so it is off by default (bench/results/gpu-moe-s27-h200.txt).
 //!
-//! Small runs (`DS4_GPU_GWD_SMALL=0..8`, default 8, or [`GpuBackend::set_gemm_wgd_small`]; the
+//! Small runs (`DS4_GPU_GWD_SMALL=0..16`, default 8, or [`GpuBackend::set_gemm_wgd_small`]; the
 //! folded wide form, row_bytes % 16 == 0, i.e. ff % 1024 == 0): the wide runs of at most that many
 //! pairs are skipped by the wgmma kernel (its `smax` argument, gemm_wgd.cu `gwd_tile_fw`) and
 //! computed by `gwds_q2_k` in the same stream, as the gate/up's small runs (gemm_wg.rs): mma.sync
-//! with the run's items as the 8 B columns and the one-token down's decode (weights `sl q` exact,
+//! with the run's items as B columns (one or two n8 tiles) and the one-token down's decode (weights `sl q` exact,
 //! the min term as one more mma a super-block), so a run of a few pairs no longer pays a 256-row
 //! wgmma CTA's whole decode.
 
@@ -58,11 +58,11 @@ const WGD_SMEM_W: usize = 16 * 8192 + 3 * 4096 + 3 * WGD_BN * 28 * 4;
 /// [`SMALL_DEFAULT`]) on first use.
 static SMALL: AtomicU8 = AtomicU8::new(UNSET);
 const SMALL_DEFAULT: u8 = 8;
-/// Most pairs of a run `gwds_q2_k` takes (its 8 B columns), and its CTA's row tiles of 16 (the
-/// items' X is loaded once a CTA).
-const SMALL_MAX: u8 = 8;
+/// Most pairs of a run `gwds_q2_k` takes (two n8 tiles of B columns), and its CTA's row tiles of
+/// 16 (the items' X is loaded once a CTA).
+const SMALL_MAX: u8 = 16;
 const SMALL_NB: usize = 8;
-/// `gwds_q2_k` launches so far (process-wide; tests).
+/// `gwds_q2_k` / `gwds16_q2_k` launches so far (process-wide; tests).
 static SMALL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// Runs of at most this many pairs take `gwds_q2_k` (0: none).
@@ -73,13 +73,14 @@ fn small() -> usize {
     }) as usize
 }
 
-/// `gwds_q2_k`'s dynamic shared memory for `cols` columns of `row_bytes` (gemm_wgd.cu): 3 stages
-/// of 16 rows at `gwds_srw` words (a multiple of 4, its quarter odd), X (16 bytes an item per 8
-/// columns: cols x 16), the sums (256 bytes a super-block) and red (8 x 16 x 8 floats).
-fn small_smem(cols: usize, row_bytes: usize) -> usize {
+/// `gwds_q2_k`'s dynamic shared memory for `cols` columns of `row_bytes` and `nx` item slots (8
+/// or 16; gemm_wgd.cu): 3 stages of 16 rows at `gwds_srw` words (a multiple of 4, its quarter
+/// odd), X (16 bytes an item per 8 columns), the sums (32 bytes an item a super-block) and red
+/// (8 x 16 x nx floats).
+fn small_smem(cols: usize, row_bytes: usize, nx: usize) -> usize {
     let w = row_bytes.div_ceil(16) * 4;
     let srw = if (w / 4) % 2 == 1 { w } else { w + 4 };
-    3 * 16 * 4 * srw + 16 * cols + 256 * (cols / 256) + 4096
+    3 * 16 * 4 * srw + 2 * cols * nx + 32 * nx * (cols / 256) + 512 * nx
 }
 
 /// A launch of the wgmma down in place of `gemmu_q2_k` (gemm.rs `gemm`).
@@ -91,9 +92,9 @@ pub(in crate::model) struct WgdLaunch {
     /// The kernel's `smax` (gemmu's `skip` position): runs of at most this many pairs are left
     /// to `gwds_q2_k`, launched by `launch_wgd_small` (0: none).
     pub smax: usize,
-    /// `gwds_q2_k`'s launch dimensions where `smax > 0`: grid (rows / 128, the wide runs'
-    /// bound), 256 threads.
-    small: Option<LaunchDims>,
+    /// `gwds_q2_k` (or `gwds16_q2_k` where the bound is over 8) and its launch dimensions where
+    /// `smax > 0`: grid (rows / 128, the wide runs' bound), 256 threads.
+    small: Option<(&'static str, LaunchDims)>,
 }
 
 fn wgd_on() -> bool {
@@ -123,7 +124,7 @@ impl GpuBackend {
         WIDE_LAUNCHES.load(Ordering::Relaxed)
     }
 
-    /// Runs of at most `max` pairs (clamped to 8) to the small-run down `gwds_q2_k` beside the
+    /// Runs of at most `max` pairs (clamped to 16) to the small-run down `gwds_q2_k` beside the
     /// folded wide form (0: none; default [`SMALL_DEFAULT`], or `DS4_GPU_GWD_SMALL`).
     /// Process-wide (tests, benchmarks).
     pub fn set_gemm_wgd_small(max: usize) {
@@ -135,7 +136,7 @@ impl GpuBackend {
         small()
     }
 
-    /// `gwds_q2_k` launches so far in this process.
+    /// `gwds_q2_k` / `gwds16_q2_k` launches so far in this process.
     pub fn gemm_wgd_small_launches() -> u64 {
         SMALL_LAUNCHES.load(Ordering::Relaxed)
     }
@@ -205,19 +206,27 @@ impl GpuBackend {
             block: [2 * WGD_BN as u32, 1, 1],
             shared_bytes: smem as u32,
         };
+        // gwds_q2_k's item slots: 16 where runs of more than 8 pairs go to it (its shared memory
+        // is sized by the bound: runs of <= 8 alone keep 8 slots).
+        let bound = small();
+        let nx = if bound > 8 { 16 } else { 8 };
+        let smem_s = small_smem(cols, row_bytes, nx);
         let smax = if wide
             && row_bytes.is_multiple_of(16)
             && w.0.is_multiple_of(16)
-            && small_smem(cols, row_bytes) <= self.gpu.info().max_shared_per_block as usize
+            && smem_s <= self.gpu.info().max_shared_per_block as usize
         {
-            small()
+            bound
         } else {
             0
         };
-        let small = (smax > 0).then(|| LaunchDims {
-            grid: [rows.div_ceil(16 * SMALL_NB) as u32, gy as u32, 1],
-            block: [256, 1, 1],
-            shared_bytes: small_smem(cols, row_bytes) as u32,
+        let small = (smax > 0).then(|| {
+            let dims = LaunchDims {
+                grid: [rows.div_ceil(16 * SMALL_NB) as u32, gy as u32, 1],
+                block: [256, 1, 1],
+                shared_bytes: smem_s as u32,
+            };
+            (if nx == 16 { "gwds16_q2_k" } else { "gwds_q2_k" }, dims)
         });
         Some(WgdLaunch {
             name,
@@ -231,11 +240,11 @@ impl GpuBackend {
     /// After a [`Self::gemm_wgd_dims`] launch with `smax > 0`: `gwds_q2_k` on the runs it left,
     /// with that launch's first 23 arguments (gemmu's, `smax` last) and the row tiles a CTA.
     pub(in crate::model) fn launch_wgd_small(&self, l: &WgdLaunch, args: &[Arg]) {
-        let Some(dims) = l.small else { return };
+        let Some((name, dims)) = l.small else { return };
         SMALL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
         self.run(
             &ds4_kernels::GEMM_WGD,
-            "gwds_q2_k",
+            name,
             dims,
             &args[..23]
                 .iter()
