@@ -256,3 +256,46 @@ __device__ __forceinline__ void gw_store(const GwAcc<N>& acc, const int* items, 
     if (ctr && threadIdx.x == 0) *s_tile = (int)nxt;
 }
 #endif
+
+// The small-run kernels beside the folded wide forms (gemm_wgd.cu gwds_q2_k, moe.cu m3gus_iq2_xxs)
+// launch a CTA or three an SM, not one per (run, row tile) of the wide runs' bound: at 8k-32k
+// prompt steps that grid was ~10^4 CTAs that found their run long and left (-0.15% prefill).
+// Each CTA lists the small runs itself and takes tiles blockIdx.x, + gridDim.x, .. of them.
+// gw_small_runs: the wide runs base .. base + GW_SW - 1 (< ngroups2) holding 1 .. lim pairs, in
+// run order, into list[]; returns their count. Every thread of a CTA of 256 calls it; it starts
+// and ends with a barrier. The list is an ordered compaction (per-thread flags, a block scan), so
+// every CTA builds the same one and a tile index names the same (run, row tile) in each.
+#define GW_SW 1024 // runs a window: 4 a thread (the small runs are at most the experts: one partial run each)
+__device__ __forceinline__ int gw_small_runs(const int* __restrict__ grp, int n, int gmax, int base, int lim, int* list,
+                                             int* wsum) {
+    const int* gs = grp + 1 + gmax + n; // [ngroups2, starts2[]]
+    const int ng = gs[0], tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int f = 0, cnt = 0; // bit i: run base + 4 tid + i is small
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = base + 4 * tid + i;
+        if (r < ng) {
+            const int len = min(max((r + 1 < ng ? gs[2 + r] : n) - gs[1 + r], 0), 2 * GW_BM);
+            if (len > 0 && len <= lim) f |= 1 << i, cnt++;
+        }
+    }
+    int x = cnt; // inclusive scan over the warp, then the warps' totals
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads(); // the previous window's readers of list / wsum are done
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    int off = x - cnt, total = 0;
+    for (int w = 0; w < 8; w++) {
+        off += w < warp ? wsum[w] : 0;
+        total += wsum[w];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        if (f >> i & 1) list[off++] = base + 4 * tid + i;
+    __syncthreads();
+    return total;
+}
