@@ -69,7 +69,10 @@
 //! its pairs. H100 (34 layers; bench/results/gpu-s53-h100.txt): prefill 2k +1.6 %, 8k +0.2 %;
 //! ncu, 2k: the skipped runs cost wgmma ~0.41 ms a call and m3gus 0.42-0.44 (ncu's cold caches;
 //! in the stream it gains). A form on mma.sync in the wgmma operand order (`gws_iq2_xxs_fw`,
-//! runs of <= 16) gained +0.7 % at 2k and was deleted (code in 43e29cc).
+//! runs of <= 16) gained +0.7 % at 2k and was deleted (code in 43e29cc). m3gus launches two CTAs
+//! an SM that list the small runs themselves (wgmma.cuh `gw_small_runs`) and stride over their
+//! tiles: a CTA per (run, row tile) of the wide runs' bound was ~10^4 CTAs at 8k-32k prompt steps
+//! that found their run long and left.
 
 use super::gemm::wide_gmax;
 use super::switch::{code, switch_on, UNSET};

@@ -25,9 +25,12 @@
 //! folded wide form, row_bytes % 16 == 0, i.e. ff % 1024 == 0): the wide runs of at most that many
 //! pairs are skipped by the wgmma kernel (its `smax` argument, gemm_wgd.cu `gwd_tile_fw`) and
 //! computed by `gwds_q2_k` in the same stream, as the gate/up's small runs (gemm_wg.rs): mma.sync
-//! with the run's items as B columns (one or two n8 tiles) and the one-token down's decode (weights `sl q` exact,
-//! the min term as one more mma a super-block), so a run of a few pairs no longer pays a 256-row
-//! wgmma CTA's whole decode.
+//! with the run's items as B columns and the one-token down's decode (weights `sl q` exact, the
+//! min term as one more mma a super-block), so a run of a few pairs no longer pays a 256-row
+//! wgmma CTA's whole decode. H100 (34 layers; bench/results/gpu-s54-h100.txt): prefill 2k +0.7 %
+//! / +0.9 %, 8k and 32k -0.1 %; ncu, 2k: 1.27-1.34 ms a call on wgmma alone, 1.01 + 0.18-0.22
+//! with it. Bounds over 8 take `gwds16_q2_k` (two n8 tiles of items a decoded A fragment, 2 CTAs
+//! an SM for its shared memory): 2k +0.5 %, so 8 stays the default.
 
 use super::gemm::wide_gmax;
 use super::gemm_wg::{lean_x, one_plane, persist, GW_TICKET, P1_LAUNCHES, PERSIST_LAUNCHES};
