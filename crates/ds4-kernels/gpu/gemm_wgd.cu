@@ -559,7 +559,7 @@ template <int NI>
 __device__ __forceinline__ void gwds_body(const u8* __restrict__ wb, const u32* __restrict__ XT, const u32* __restrict__ XS,
                                           const int* __restrict__ perm, int st, int len, int nx, const float* __restrict__ xinv,
                                           long long x_tok, int xdiv, float* __restrict__ Y, long long y_tok, int rows,
-                                          int cols, long long row_bytes, int nb, int bx, int* items, float* xs) {
+                                          int cols, long long row_bytes, int nb, int* items, float* xs) {
     constexpr int NT = NI / 8; // n8 tiles
     extern __shared__ uint4 gwd_dyn[];
     const int nsb = cols / 256, srw = gwds_srw(row_bytes);
@@ -568,7 +568,7 @@ __device__ __forceinline__ void gwds_body(const u8* __restrict__ wb, const u32* 
     uint2* xsum = (uint2*)(xf + cols / 8 * nx);   // [nsb][nx][4]
     float* red = (float*)(xsum + 4 * nx * nsb);   // [8][16][nx]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int r0c = bx * nb * 16, ntl = min(nb, (rows - r0c + 15) / 16);
+    const int r0c = blockIdx.x * nb * 16, ntl = min(nb, (rows - r0c + 15) / 16);
     const int rv = (int)(row_bytes / 16); // 16-byte pieces a row (row_bytes % 16 == 0: the host)
     int is_t = 0;                         // next tile to stage
     auto issue = [&]() {
@@ -681,39 +681,32 @@ __device__ __forceinline__ void gwds_body(const u8* __restrict__ wb, const u32* 
     ds4_cp_wait<0>();
 }
 #endif
-// The kernels' shared part: the tiles (small run, 16 nb rows) of the runs of 1 .. min(smax,
-// NMAX) pairs (wgmma.cuh gw_small_runs), blockIdx.x, + gridDim.x, .., each on the body for its
-// run's size.
+// The kernels' shared part: run blockIdx.y if it holds 1 .. min(smax, NMAX) pairs, on the body
+// for its size.
 template <int NMAX> __device__ __forceinline__ void gwds_kernel(GWD_PARAMS, int nb) {
     (void)w_z, (void)x_z, (void)y_z, (void)y_s, (void)ks, (void)kc;
 #if GW_HAVE // launched only beside the folded wide form (sm_90a)
     const int* perm = grp + 1 + gmax;
     const int* g2 = perm + n; // [ngroups2, starts2[]]
-    __shared__ int items[NMAX], runs[GW_SW], wsum[8];
+    const int by = blockIdx.y;
+    if (by >= g2[0]) return; // uniform over the CTA
+    const int len = gw_run_len<2 * GW_BM>(grp, n, gmax, by);
+    if (len == 0 || len > min(smax, NMAX)) return;
+    const int st = g2[1 + by];
+    const u8* wb = W + (long long)max(sel[perm[st]], 0) * slab;
+    __shared__ int items[NMAX];
     __shared__ float xs[NMAX];
-    const int tx = (rows + 16 * nb - 1) / (16 * nb), lim = min(smax, NMAX);
-    for (int base = 0; base < g2[0]; base += GW_SW) {
-        const int tiles = gw_small_runs(grp, n, gmax, base, lim, runs, wsum) * tx;
-        for (int tt = blockIdx.x; tt < tiles; tt += gridDim.x) {
-            __syncthreads(); // the previous tile's reads of items / xs / red are done
-            const int by = runs[tt / tx], st = g2[1 + by], len = gw_run_len<2 * GW_BM>(grp, n, gmax, by);
-            const u8* wb = W + (long long)max(sel[perm[st]], 0) * slab;
-            if (NMAX == 8 || len <= 8)
-                gwds_body<8>(wb, XT, XS, perm, st, len, NMAX, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, nb, tt % tx,
-                             items, xs);
-            else
-                gwds_body<NMAX>(wb, XT, XS, perm, st, len, NMAX, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, nb,
-                                tt % tx, items, xs);
-        }
-    }
+    if (NMAX == 8 || len <= 8)
+        gwds_body<8>(wb, XT, XS, perm, st, len, NMAX, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, nb, items, xs);
+    else
+        gwds_body<NMAX>(wb, XT, XS, perm, st, len, NMAX, xinv, x_tok, xdiv, Y, y_tok, rows, cols, row_bytes, nb, items, xs);
 #else
     (void)W, (void)sel, (void)slab, (void)XT, (void)XS, (void)xinv, (void)x_tok, (void)xdiv, (void)Y, (void)y_tok;
     (void)rows, (void)cols, (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)smax, (void)nb;
 #endif
 }
-// Runs of at most min(smax, 8) pairs (nx = 8 item slots); grid (3 CTAs an SM, or fewer, 1, 1),
-// 256 threads, dynamic shared memory gemm_wgd.rs small_smem (~70 KiB at cols 2048).
+// Runs of at most min(smax, 8) pairs (nx = 8 item slots); grid (rows / (16 nb), the wide runs'
+// bound, 1), 256 threads, dynamic shared memory gemm_wgd.rs small_smem (~70 KiB at cols 2048).
 DS4_KERNEL void DS4_BOUNDS(GWDS_LB3) gwds_q2_k(GWD_PARAMS, int nb) { gwds_kernel<8>(GWD_ARGS, nb); }
-// Runs of at most min(smax, 16) (nx = 16: two n8 tiles for the runs of 9 .. 16; ~109 KiB; 2 CTAs
-// an SM).
+// Runs of at most min(smax, 16) (nx = 16: two n8 tiles for the runs of 9 .. 16; ~109 KiB).
 DS4_KERNEL void DS4_BOUNDS(GWDS_LB2) gwds16_q2_k(GWD_PARAMS, int nb) { gwds_kernel<16>(GWD_ARGS, nb); }

@@ -21,7 +21,6 @@
 #include "prelude.cuh"
 #include "dequant.cuh"
 #include "ptx.cuh"
-#include "wgmma.cuh" // gw_small_runs (m3gus_iq2_xxs)
 
 #define MOE_THREADS 256
 #define MOE_WARPS (MOE_THREADS / DS4_WARP)
@@ -1507,7 +1506,7 @@ __device__ __forceinline__ void m3gus_dec(const u8* rg, const u8* ru, const u64*
 }
 #endif
 #define M3S_LB2 M3_THREADS, 2 // two CTAs an SM (shared memory: ~96 KiB each at cols 4096)
-// Grid (2 CTAs an SM, or fewer, 1, 1), 256 threads, dynamic shared memory 2048 + 16 cols + 4096 +
+// Grid (rows / (8 nb), wide runs, 1), 256 threads, dynamic shared memory 2048 + 16 cols + 4096 +
 // 64 + 3 * 16 * 544 bytes (gemm_wg.rs). z: token rows [.][cols] (pair i reads row i / xdiv);
 // gy / uy[pair * y_tok + r]; grp: [ngroups, starts[gmax], perm[n], ngroups2, starts2[]].
 DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long slab,
@@ -1518,37 +1517,39 @@ DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, con
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     const int* perm = grp + 1 + gmax;
     const int* g2 = perm + n; // [ngroups2, starts2[]]
-    // Tile (run st .. st + len, rows 8 nb bx ..).
-    auto tile = [&](int bx, int st, int len) {
-        const int e = max(sel[perm[st]], 0);
-        u64* gs = (u64*)moe_smem;
-        uint4* xf = (uint4*)(gs + 256);
-        float* red = (float*)(xf + cols); // [8 warps][16 rows][8 items]
-        float* fin = red + 8 * 16 * 8;    // [8 items]: 2^(21 - sigma)
-        float* tmax = fin + 8;            // [8 items]: max |x|
-        u8* stg = (u8*)(tmax + 8);        // 3 stages (16-byte aligned: 2048 + 16 cols + 4096 + 64)
-        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
-        const int ks_n = cols / 2048, r0c = bx * nb * 8;
-        const int ntl = min(nb, (rows - r0c + 7) / 8), S = ntl * ks_n;
-        const u8* gb = Wg + (long long)e * slab;
-        const u8* ub = Wu + (long long)e * slab;
-        // Stages as m3gu_body (its offsets; rows % 8 == 0: no row past the end).
-        int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;
-        int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * M3_SROW + 16 * (tid - 33 * R0);
-        int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * M3_SROW + 16 * (tid + M3_THREADS - 33 * R1);
-        int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * M3_SROW + 16 * (tid + 2 * M3_THREADS - 33 * 15);
-        int is_t = 0, is_k = 0, is_b = 0;
-        auto issue = [&]() {
-            if (is_t < ntl) {
-                long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;
-                u8* dst = stg + is_b * M3_STAGE;
-                m3_cp16(dst + do0, gb + to + so0);
-                m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);
-                if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);
-                if (++is_k == ks_n) is_k = 0, is_t++;
-                is_b = is_b == 2 ? 0 : is_b + 1;
-            }
-            ds4_cp_commit();
+    const int by = blockIdx.y;
+    if (by >= g2[0]) return; // uniform over the CTA
+    const int st = g2[1 + by], len = min(max((by + 1 < g2[0] ? g2[2 + by] : n) - st, 0), 128);
+    if (len == 0 || len > min(smax, 8)) return;
+    const int e = max(sel[perm[st]], 0);
+    u64* gs = (u64*)moe_smem;
+    uint4* xf = (uint4*)(gs + 256);
+    float* red = (float*)(xf + cols); // [8 warps][16 rows][8 items]
+    float* fin = red + 8 * 16 * 8;    // [8 items]: 2^(21 - sigma)
+    float* tmax = fin + 8;            // [8 items]: max |x|
+    u8* stg = (u8*)(tmax + 8);        // 3 stages (16-byte aligned: 2048 + 16 cols + 4096 + 64)
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    const int ks_n = cols / 2048, r0c = blockIdx.x * nb * 8;
+    const int ntl = min(nb, (rows - r0c + 7) / 8), S = ntl * ks_n;
+    const u8* gb = Wg + (long long)e * slab;
+    const u8* ub = Wu + (long long)e * slab;
+    // Stages as m3gu_body (its offsets; rows % 8 == 0: no row past the end).
+    int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;
+    int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * M3_SROW + 16 * (tid - 33 * R0);
+    int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * M3_SROW + 16 * (tid + M3_THREADS - 33 * R1);
+    int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * M3_SROW + 16 * (tid + 2 * M3_THREADS - 33 * 15);
+    int is_t = 0, is_k = 0, is_b = 0;
+    auto issue = [&]() {
+        if (is_t < ntl) {
+            long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;
+            u8* dst = stg + is_b * M3_STAGE;
+            m3_cp16(dst + do0, gb + to + so0);
+            m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);
+            if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);
+            if (++is_k == ks_n) is_k = 0, is_t++;
+            is_b = is_b == 2 ? 0 : is_b + 1;
+        }
+        ds4_cp_commit();
     };
     issue();
     issue();
@@ -1624,19 +1625,6 @@ DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, con
         }
     }
     ds4_cp_wait<0>();
-    };
-    // The tiles of the runs of 1 .. min(smax, 8) pairs (wgmma.cuh gw_small_runs), blockIdx.x, +
-    // gridDim.x, ..
-    __shared__ int runs[GW_SW], wsum[8];
-    const int tx = (rows + 8 * nb - 1) / (8 * nb);
-    for (int base = 0; base < g2[0]; base += GW_SW) {
-        const int tiles = gw_small_runs(grp, n, gmax, base, min(smax, 8), runs, wsum) * tx;
-        for (int tt = blockIdx.x; tt < tiles; tt += gridDim.x) {
-            __syncthreads(); // the previous tile's reads of red / fin / xf are done
-            const int by = runs[tt / tx], st = g2[1 + by];
-            tile(tt % tx, st, min(max((by + 1 < g2[0] ? g2[2 + by] : n) - st, 0), 128));
-        }
-    }
 #else
     (void)Wg, (void)Wu, (void)slab, (void)sel, (void)z, (void)xdiv, (void)gy, (void)uy, (void)y_tok, (void)rows, (void)cols,
         (void)row_bytes, (void)n, (void)grp, (void)gmax, (void)smax, (void)nb;

@@ -436,14 +436,10 @@ impl GpuBackend {
             self.run(
                 &ds4_kernels::MOE,
                 "m3gus_iq2_xxs",
-                // Two CTAs an SM (or the tiles' bound), each listing the small runs itself and
-                // taking every grid-th of their tiles (moe.cu m3gus_iq2_xxs).
                 LaunchDims {
                     grid: [
-                        (self.gpu.info().sm_count as usize * 2)
-                            .min(ff.div_ceil(8 * M3S_NB) * wide_gmax(n * k, bm, gmax))
-                            .max(1) as u32,
-                        1,
+                        ff.div_ceil(8 * M3S_NB) as u32,
+                        wide_gmax(n * k, bm, gmax) as u32,
                         1,
                     ],
                     block: [256, 1, 1],

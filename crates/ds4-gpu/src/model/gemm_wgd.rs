@@ -96,7 +96,7 @@ pub(in crate::model) struct WgdLaunch {
     /// to `gwds_q2_k`, launched by `launch_wgd_small` (0: none).
     pub smax: usize,
     /// `gwds_q2_k` (or `gwds16_q2_k` where the bound is over 8) and its launch dimensions where
-    /// `smax > 0`: 2-3 CTAs an SM, 256 threads.
+    /// `smax > 0`: grid (rows / 128, the wide runs' bound), 256 threads.
     small: Option<(&'static str, LaunchDims)>,
 }
 
@@ -223,16 +223,9 @@ impl GpuBackend {
         } else {
             0
         };
-        // A CTA an SM per 2 (nx 16) or 3 (nx 8) resident, each listing the small runs itself and
-        // taking every grid-th of their tiles (gemm_wgd.cu gwds_kernel), or the tiles' bound.
         let small = (smax > 0).then(|| {
-            let per_sm = if nx == 16 { 2 } else { 3 };
-            let bound = rows.div_ceil(16 * SMALL_NB) * gy;
-            let ctas = (self.gpu.info().sm_count as usize * per_sm)
-                .min(bound)
-                .max(1);
             let dims = LaunchDims {
-                grid: [ctas as u32, 1, 1],
+                grid: [rows.div_ceil(16 * SMALL_NB) as u32, gy as u32, 1],
                 block: [256, 1, 1],
                 shared_bytes: smem_s as u32,
             };
