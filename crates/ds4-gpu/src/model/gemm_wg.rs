@@ -69,10 +69,12 @@
 //! its pairs. H100 (34 layers; bench/results/gpu-s53-h100.txt): prefill 2k +1.6 %, 8k +0.2 %;
 //! ncu, 2k: the skipped runs cost wgmma ~0.41 ms a call and m3gus 0.42-0.44 (ncu's cold caches;
 //! in the stream it gains). A form on mma.sync in the wgmma operand order (`gws_iq2_xxs_fw`,
-//! runs of <= 16) gained +0.7 % at 2k and was deleted (code in 43e29cc). m3gus launches two CTAs
-//! an SM that list the small runs themselves (wgmma.cuh `gw_small_runs`) and stride over their
-//! tiles: a CTA per (run, row tile) of the wide runs' bound was ~10^4 CTAs at 8k-32k prompt steps
-//! that found their run long and left.
+//! runs of <= 16) gained +0.7 % at 2k and was deleted (code in 43e29cc). Its grid (and the
+//! down's `gwds_q2_k`, gemm_wgd.rs) is a CTA per (run, row tile) of the wide runs' bound: ~10^4
+//! CTAs at 8k-32k prompt steps that find their run long and leave, the likely cause of the
+//! down's -0.1 % there. A compact grid (2-3 CTAs an SM, each listing the small runs by an ordered
+//! compaction and striding over their tiles) is in 311a6b6: compiled, never run on a GPU (no
+//! device could be started), so reverted.
 
 use super::gemm::wide_gmax;
 use super::switch::{code, switch_on, UNSET};
