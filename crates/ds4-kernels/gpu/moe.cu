@@ -1054,7 +1054,9 @@ __device__ __forceinline__ void m3_signs(u32 s7, u32& lo, u32& hi) {
 // columns 2-7 are never read, and a column of C depends on its column of B only). A 16-byte LDS
 // costs a wavefront per 8 lanes even where lanes repeat addresses, so the old duplicate loads
 // of lanes 8-31 cost 4 instead of 1 (ncu: L1/TEX 80% -> 69%). bx: two fragments in turn.
-template <bool A8>
+// ITEMS (m3gus_iq2_xxs): the 8 columns are 8 items' x (one f16 plane), every lane loads its item
+// gid's fragment (xf: [chunk][entry][item][tig]).
+template <bool A8, bool ITEMS = false>
 __device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const u64* gs, const uint4* xf, int warp, int tig,
                                          int lane, int bw, float (&c4)[4], uint4 (&bx)[2]) {
 #pragma unroll
@@ -1066,10 +1068,13 @@ __device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const u64* 
         u32 mg = 1u + 2u * (xg >> 28), mu = 1u + 2u * (xu >> 28);
         const u32 b1k = 0x64006400u;
         u32 m2g = ds4_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = ds4_hsub2((mu | (mu << 16)) | b1k, b1k);
-        const uint4* xb = xf + (c * 4) * 8 + (lane & 7);
+        const uint4* xb = ITEMS ? xf + (c * 4) * 32 + lane : xf + (c * 4) * 8 + (lane & 7);
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            if (lane < 8) bx[q & 1] = xb[q * 8];
+            if (ITEMS)
+                bx[q & 1] = xb[q * 32];
+            else if (lane < 8)
+                bx[q & 1] = xb[q * 8];
             u32 slg, shg, slu, shu;
             m3_signs((xg >> (7 * q)) & 127u, slg, shg);
             m3_signs((xu >> (7 * q)) & 127u, slu, shu);
@@ -1081,6 +1086,31 @@ __device__ __forceinline__ void m3gu_dec(const u8* rg, const u8* ru, const u64* 
         }
     }
 }
+
+// The row stages of m3gu_body and m3gus_iq2_xxs (a macro, not a struct or a function: the two
+// kernels' SASS stays the one that was tested and timed; a struct changed ptxas's allocation of
+// m3gu1_iq2_xxs, 84f49a9): this thread's copy offsets of a stage (item i = tid + 256 m of 16 rows
+// x 33 vectors: item 0 is a gate row, item 2 an up row) and issue(), which stages the next (tile,
+// 2048 columns kq) in order into buffer is_b of 3 and commits a group (an empty one past the
+// last). Reads the caller's tid, row_bytes, ntl, r0c, ks_n, stg, gb, ub.
+#define M3GU_STAGES \
+    int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;                                                                                   \
+    int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * M3_SROW + 16 * (tid - 33 * R0);                                   \
+    int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * M3_SROW + 16 * (tid + M3_THREADS - 33 * R1);   \
+    int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * M3_SROW + 16 * (tid + 2 * M3_THREADS - 33 * 15);  \
+    int is_t = 0, is_k = 0, is_b = 0; /* next stage to issue: tile, kq, buffer */                                                      \
+    auto issue = [&]() {                                                                                                               \
+        if (is_t < ntl) {                                                                                                              \
+            long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;                                                       \
+            u8* dst = stg + is_b * M3_STAGE;                                                                                           \
+            m3_cp16(dst + do0, gb + to + so0);                                                                                         \
+            m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);                                                                         \
+            if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);                                                     \
+            if (++is_k == ks_n) is_k = 0, is_t++;                                                                                      \
+            is_b = is_b == 2 ? 0 : is_b + 1;                                                                                           \
+        }                                                                                                                              \
+        ds4_cp_commit();                                                                                                               \
+    };
 
 __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu, const int* __restrict__ sel,
                                           long long slab, const float* __restrict__ x, int n, int k,
@@ -1109,23 +1139,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     // gate (R < 8) or up row r0 + (R & 7) (clamped: rows past the end are computed, not written).
     // This thread's copies of a stage (item i = tid + 256 m of 16 rows x 33 vectors: item 0 is a
     // gate row, item 2 an up row; offsets precomputed; rows % 8 == 0: no row past the end).
-    int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;
-    int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * M3_SROW + 16 * (tid - 33 * R0);
-    int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * M3_SROW + 16 * (tid + M3_THREADS - 33 * R1);
-    int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * M3_SROW + 16 * (tid + 2 * M3_THREADS - 33 * 15);
-    int is_t = 0, is_k = 0, is_b = 0; // next stage to issue: tile, kq, buffer
-    auto issue = [&]() {
-        if (is_t < ntl) {
-            long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;
-            u8* dst = stg + is_b * M3_STAGE;
-            m3_cp16(dst + do0, gb + to + so0);
-            m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);
-            if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);
-            if (++is_k == ks_n) is_k = 0, is_t++;
-            is_b = is_b == 2 ? 0 : is_b + 1;
-        }
-        ds4_cp_commit();
-    };
+    M3GU_STAGES
     issue();
     issue();
     m2_grid<T_IQ2_XXS>(gs);
@@ -1473,38 +1487,8 @@ DS4_KERNEL void DS4_BOUNDS(M3_LB4) m3gu1_iq2_xxs(M3GU_PARAMS) {
 // block w of a stage, partials summed over the warps by a fixed tree a tile). Shared: the grid,
 // the items' x fragments ([cols / 128][4 entries][8 items][4 tig] uint4: cols x 16 bytes), red
 // [8 warps][16 rows][8 items], the 3 stages. cols % 2048 == 0, rows % 8 == 0 (the host checks).
-// m3gus_dec and the stage set-up below copy m3gu_dec's and m3gu_body's: a form sharing them
-// (84f49a9: m3gu1_iq2_xxs's SASS unchanged, this kernel's set-up reordered) compiled but could
-// not be run on a GPU in session 53, so this is the form the tests and timings ran.
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-template <bool A8>
-__device__ __forceinline__ void m3gus_dec(const u8* rg, const u8* ru, const u64* gs, const uint4* xf, int warp, int tig,
-                                          int lane, int bw, float (&c4)[4]) {
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        int sb = 4 * hh + tig, c = 2 * bw + hh, o = 66 * warp + 2 + 8 * sb;
-        u32 ig, xg, iu, xu;
-        m3_sub<A8>(rg, o, ig, xg);
-        m3_sub<A8>(ru, o, iu, xu);
-        u32 mg = 1u + 2u * (xg >> 28), mu = 1u + 2u * (xu >> 28);
-        const u32 b1k = 0x64006400u;
-        u32 m2g = ds4_hsub2((mg | (mg << 16)) | b1k, b1k), m2u = ds4_hsub2((mu | (mu << 16)) | b1k, b1k);
-        const uint4* xb = xf + (c * 4) * 32 + lane; // item gid's entry, this lane's tig
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const uint4 bx = xb[q * 32];
-            u32 slg, shg, slu, shu;
-            m3_signs((xg >> (7 * q)) & 127u, slg, shg);
-            m3_signs((xu >> (7 * q)) & 127u, slu, shu);
-            u32 wg[4], wu[4];
-            m3_entry(gs[(ig >> (8 * q)) & 0xffu], slg, shg, m2g, wg);
-            m3_entry(gs[(iu >> (8 * q)) & 0xffu], slu, shu, m2u, wu);
-            m3_mma(c4, wg[0], wu[0], wg[1], wu[1], bx.x, bx.y);
-            m3_mma(c4, wg[2], wu[2], wg[3], wu[3], bx.z, bx.w);
-        }
-    }
-}
-#endif
+// It shares m3gu_dec (ITEMS) and the stages (M3GU_STAGES) with m3gu_body; with them both
+// kernels' SASS is byte for byte the one the tests and timings ran (sm_90a, session 54).
 #define M3S_LB2 M3_THREADS, 2 // two CTAs an SM (shared memory: ~96 KiB each at cols 4096)
 // Grid (rows / (8 nb), wide runs, 1), 256 threads, dynamic shared memory 2048 + 16 cols + 4096 +
 // 64 + 3 * 16 * 544 bytes (gemm_wg.rs). z: token rows [.][cols] (pair i reads row i / xdiv);
@@ -1533,24 +1517,7 @@ DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, con
     const int ntl = min(nb, (rows - r0c + 7) / 8), S = ntl * ks_n;
     const u8* gb = Wg + (long long)e * slab;
     const u8* ub = Wu + (long long)e * slab;
-    // Stages as m3gu_body (its offsets; rows % 8 == 0: no row past the end).
-    int R1 = (tid + M3_THREADS) / 33, R0 = tid / 33;
-    int so0 = R0 * (int)row_bytes + 16 * (tid - 33 * R0), do0 = R0 * M3_SROW + 16 * (tid - 33 * R0);
-    int so1 = (R1 & 7) * (int)row_bytes + 16 * (tid + M3_THREADS - 33 * R1), do1 = R1 * M3_SROW + 16 * (tid + M3_THREADS - 33 * R1);
-    int so2 = 7 * (int)row_bytes + 16 * (tid + 2 * M3_THREADS - 33 * 15), do2 = 15 * M3_SROW + 16 * (tid + 2 * M3_THREADS - 33 * 15);
-    int is_t = 0, is_k = 0, is_b = 0;
-    auto issue = [&]() {
-        if (is_t < ntl) {
-            long long to = (long long)(r0c + 8 * is_t) * row_bytes + 528 * is_k;
-            u8* dst = stg + is_b * M3_STAGE;
-            m3_cp16(dst + do0, gb + to + so0);
-            m3_cp16(dst + do1, (R1 < 8 ? gb : ub) + to + so1);
-            if (tid < 16 * 33 - 2 * M3_THREADS) m3_cp16(dst + do2, ub + to + so2);
-            if (++is_k == ks_n) is_k = 0, is_t++;
-            is_b = is_b == 2 ? 0 : is_b + 1;
-        }
-        ds4_cp_commit();
-    };
+    M3GU_STAGES // as m3gu_body (rows % 8 == 0: no row past the end)
     issue();
     issue();
     m2_grid<T_IQ2_XXS>(gs);
@@ -1590,6 +1557,7 @@ DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, con
     }
     float ag0 = 0.0f, ag1 = 0.0f, au0 = 0.0f, au1 = 0.0f;
     int kq = 0, tl = 0, bs = 0;
+    uint4 bx[2]; // m3gu_dec's B fragments (ITEMS: every lane loads its own)
     const bool al8 = ((66 * warp + 2) & 4) == 0;
     for (int s = 0; s < S; s++) {
         ds4_cp_wait<1>();
@@ -1600,9 +1568,9 @@ DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, con
         const u8* ru = rg + 8 * M3_SROW;
         float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (al8)
-            m3gus_dec<true>(rg, ru, gs, xf, warp, tig, lane, bw, c4);
+            m3gu_dec<true, true>(rg, ru, gs, xf, warp, tig, lane, bw, c4, bx);
         else
-            m3gus_dec<false>(rg, ru, gs, xf, warp, tig, lane, bw, c4);
+            m3gu_dec<false, true>(rg, ru, gs, xf, warp, tig, lane, bw, c4, bx);
         float dg = ds4_h2f_fast(*(const u16*)(rg + 66 * warp)), du = ds4_h2f_fast(*(const u16*)(ru + 66 * warp));
         // c4: gate row gid of items 2 tig, 2 tig + 1; up row gid of the same
         ag0 = fmaf(dg, c4[0], ag0), ag1 = fmaf(dg, c4[1], ag1);
