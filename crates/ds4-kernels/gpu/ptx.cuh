@@ -36,6 +36,14 @@ __device__ __forceinline__ u32 ds4_f16x2(float v0, float v1) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
     return r;
 }
+// bf16x2 of (v0 low half, v1 high half), round to nearest even: for finite values the bits of
+// prelude.cuh ds4_f2bf (and blas_prep.cu bp_bf16) in one instruction instead of ~12 a pair; a NaN
+// becomes the canonical 0x7fff.
+__device__ __forceinline__ u32 ds4_bf16x2(float v0, float v1) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
+    return r;
+}
 // A pair as hi = f16(v) and lo = f16(v - hi) (the difference is exact in f32): ~22 bits of v in
 // two f16, the hi/lo operands of the exact-weight products.
 __device__ __forceinline__ void ds4_f16x2_split(float v0, float v1, u32& hi, u32& lo) {
