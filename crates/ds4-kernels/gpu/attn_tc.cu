@@ -414,9 +414,10 @@ __device__ __forceinline__ int atg_list(int* idx, int* wcnt, long long t0, const
 // attn_tcg_body's output: warp w's 64 columns of the CTA's heads, O / softmax sum with the sink,
 // RoPE of the columns >= rot0 where ROT (rot_s: the token's cos, sin pairs), f32 pairs or (BO)
 // bf16 pairs by one cvt (ds4_bf16x2: the bits of ds4_f2bf for finite values). Absent heads (h >=
-// heads) are dropped before their columns. This form (ROT apart, one cvt a pair) takes the store
-// from ~2,250 to ~600 instructions a warp (ncu, 2k prompt, H100: the old one was 14% / 25% of a
-// ratio-4 / ratio-128 layer's stall samples).
+// heads) are dropped before their columns. The earlier form (RoPE predicated in every warp, a
+// branch and ~12 integer instructions a bf16 pair) was 14% / 25% of a ratio-4 / ratio-128 layer's
+// stall samples at a 2k prompt (ncu, H100); this one: calls -2.3% / -4.0% on the H200, prefill
+// +0.2-0.3% (bench/results/gpu-s55-h200.txt).
 template <bool ROT, bool BO>
 __device__ __forceinline__ void atg_store(const float (&acc)[4][8][4], float* __restrict__ out, const float* __restrict__ sinks,
                                           const float* m_s, const float* z_s, const float* rot_s, int heads, int i, int w,
