@@ -1136,9 +1136,7 @@ __device__ __forceinline__ void m3gu_body(const u8* __restrict__ Wg, const u8* _
     const u8* gb = Wg + (long long)max(e, 0) * slab;
     const u8* ub = Wu + (long long)max(e, 0) * slab;
     // Stages in order (tile, columns 2048 kq ..), counters instead of divisions. Staged row R =
-    // gate (R < 8) or up row r0 + (R & 7) (clamped: rows past the end are computed, not written).
-    // This thread's copies of a stage (item i = tid + 256 m of 16 rows x 33 vectors: item 0 is a
-    // gate row, item 2 an up row; offsets precomputed; rows % 8 == 0: no row past the end).
+    // gate (R < 8) or up row r0 + (R & 7); rows % 8 == 0: no row past the end.
     M3GU_STAGES
     issue();
     issue();

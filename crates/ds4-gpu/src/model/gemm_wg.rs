@@ -71,10 +71,10 @@
 //! in the stream it gains). A form on mma.sync in the wgmma operand order (`gws_iq2_xxs_fw`,
 //! runs of <= 16) gained +0.7 % at 2k and was deleted (code in 43e29cc). Its grid (and the
 //! down's `gwds_q2_k`, gemm_wgd.rs) is a CTA per (run, row tile) of the wide runs' bound: ~10^4
-//! CTAs at 8k-32k prompt steps that find their run long and leave, the likely cause of the
-//! down's -0.1 % there. A compact grid (2-3 CTAs an SM, each listing the small runs by an ordered
-//! compaction and striding over their tiles) is in 311a6b6: compiled, never run on a GPU (no
-//! device could be started), so reverted.
+//! CTAs at 8k-32k prompt steps that find their run long and leave. A compact grid (2-3 CTAs an
+//! SM, each listing the small runs by an ordered compaction and striding over their tiles;
+//! 311a6b6) passed the tests but tied (session 55, bench/results/gpu-s55-h200.txt: H100 2k
+//! -0.2 %, 32k +0.5 %; H200 2k +0.3 %, 8k -0.1 %, 32k 0.0 %), so the simpler grid stays.
 
 use super::gemm::wide_gmax;
 use super::switch::{code, switch_on, UNSET};
