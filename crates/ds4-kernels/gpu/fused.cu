@@ -1366,6 +1366,8 @@ __device__ __forceinline__ void hp_finish(const float* __restrict__ x, const dou
     else fu_finish<NN, false>(dsum, xt, scale, base, norm, z, post, comb, t, D, iters, hc_eps, eps);
 }
 
+// A form that keeps each thread's z columns in registers until the rms scale is known (z written
+// once, the same bits; 2549212) compiled but has not run on a GPU (bench/results/README.md, s55).
 // The HC pre's epilogue after hcp_mix: grid n CTAs (a token each), blockDim a multiple of
 // DS4_WARP, >= 2 warps, <= 256 (the host: 256; bounded so that fu_finish_keep's columns fit in
 // registers without spills); keep: fu_finish_keep (DS4_GPU_HCP_KEEP), else fu_finish; x as the
