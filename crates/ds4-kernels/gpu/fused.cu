@@ -1291,7 +1291,7 @@ __device__ __forceinline__ void hp_finish(const float* __restrict__ x, const dou
 }
 
 // A form that keeps each thread's z columns in registers until the rms scale is known (z written
-// once, the same bits; 2549212) compiled but has not run on a GPU (bench/results/README.md, s55).
+// once, the same bits; 0cdedf6) compiled but has not run on a GPU (bench/results/README.md, s55, s56).
 // The HC pre's epilogue after hcp_mix: grid n CTAs (a token each), blockDim a multiple of
 // DS4_WARP, >= 2 warps, <= 1024; x as the mix read it, part from it; outputs z [n, D] (normalised by norm), post [n, N], comb [n, N·N] as hc_pre_norm_f32.
 // Host: 16-byte aligned x, z, norm.

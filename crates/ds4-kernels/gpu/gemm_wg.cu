@@ -504,7 +504,9 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_fwp(GW_PARAMS, u32* ctr) {
 // chunk c (32 elements) of row t -> the 32 words xw[t * width + 32 c ..]: hi plane words 0..15, lo
 // plane 16..31 (lo = f16(v - hi)); word 4 kg + w of a plane = f16x2 of elements (8w + 2kg, +1),
 // i.e. 16-byte piece kg holds the k group kg of the wgmma K order (header). lo == 0: the lo plane
-// is not written (the one-plane kernels never read it).
+// is not written (the one-plane kernels never read it). Two passes over the row (38 us a 2k call
+// on an H100, 1.28 TB/s); a one-pass form (each thread's chunk loaded once, into registers;
+// aa7ef0d: gwg_x1_f32, DS4_GPU_GWX_ONE, a same-bits test) compiled but has not run on a GPU.
 DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xw,
                                           float* __restrict__ xinv, int lo) {
 #if GW_HAVE
