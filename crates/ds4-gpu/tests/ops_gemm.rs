@@ -1643,7 +1643,8 @@ fn gemm_moe_one_plane_matches_f64() {
 /// and lo sums) leave the one-plane gate/up and down bits unchanged, and the down with the wgmma
 /// switch off (`gemmu_q2_k`, which reads the lo plane) and with two planes unchanged too (the
 /// conversion keeps the lo plane there). DS4_GPU_POISON=1 fills scratch with NaN: a lo word
-/// read but not written shows. Shapes and the skewed expert runs of the f64 tests; rows of
+/// read but not written shows. The gate/up's X conversion in one pass (`set_gemm_x_one`,
+/// `gwg_x1_f32`) gives the bits of the two-pass one. Shapes and the skewed expert runs of the f64 tests; rows of
 /// magnitudes 1e-6 .. 1e6.
 #[test]
 fn gemm_moe_wg_decode_forms_same_bits() {
@@ -1668,15 +1669,23 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     for planes in [2u8, 1] {
         GpuBackend::set_gemm_planes(planes);
         let mut base: Option<(Vec<u32>, Vec<u32>)> = None;
-        for (dq, lean) in [(0u8, false), (0, true), (2, true), (2, false)] {
+        // The X conversion in two passes (gwg_x_f32) for the first, in one (gwg_x1_f32) after.
+        for (dq, lean, one) in [
+            (0u8, false, false),
+            (0, true, true),
+            (2, true, false),
+            (2, true, true),
+            (2, false, true),
+        ] {
             GpuBackend::set_gemm_wg_dq(dq);
             GpuBackend::set_gemm_lean_x(lean);
+            GpuBackend::set_gemm_x_one(one);
             let (gg, gu) = gpu
                 .moe_gate_up_wg_download(&gw, &uw, &gz, &gs, n, k, ne)
                 .expect("sm_90a: the wgmma kernel covers this product");
             if gg.iter().chain(&gu).any(|x| !x.is_finite()) {
                 bad.push(format!(
-                    "gate/up planes={planes} dq={dq} lean={lean}: not finite"
+                    "gate/up planes={planes} dq={dq} lean={lean} one={one}: not finite"
                 ));
             }
             let got = (bits(&gg), bits(&gu));
@@ -1689,7 +1698,7 @@ fn gemm_moe_wg_decode_forms_same_bits() {
                             .zip(got.0.iter().chain(&got.1))
                             .filter(|(a, b)| a != b)
                             .count();
-                    bad.push(format!("gate/up planes={planes} dq={dq} lean={lean}: {diff} outputs differ from dq=0"));
+                    bad.push(format!("gate/up planes={planes} dq={dq} lean={lean} one={one}: {diff} outputs differ from dq=0"));
                 }
                 _ => {}
             }
@@ -1697,6 +1706,7 @@ fn gemm_moe_wg_decode_forms_same_bits() {
     }
     GpuBackend::set_gemm_wg_dq(dq0);
     GpuBackend::set_gemm_wg_wide(wide0);
+    GpuBackend::set_gemm_x_one(true);
 
     // Down (Q2_K, ff = 768 columns, d = 320 rows): lean on / off, wgmma down on / off, planes 1 / 2.
     let (dd, fd) = (320usize, 768usize);

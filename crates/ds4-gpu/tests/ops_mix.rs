@@ -711,6 +711,7 @@ fn hc_prefill_precision() {
             ("tc-pf0", "on", "on"),
             ("tc-lb0", "on", "on"),
             ("tc-sep", "on", "off"),
+            ("tc-keep0", "on", "on"),
             ("on", "off", "on"),
             ("off", "off", "on"),
         ] {
@@ -719,6 +720,7 @@ fn hc_prefill_precision() {
             GpuBackend::set_hcp_post(hpost);
             GpuBackend::set_hcp_lb(if hcp == "tc-lb0" { "off" } else { "on" });
             GpuBackend::set_hcp_pf(if hcp == "tc-pf0" { "off" } else { "on" });
+            GpuBackend::set_hcp_keep(if hcp == "tc-keep0" { "off" } else { "on" });
             let runs = GpuBackend::hcp_tc_launches();
             let runs4 = GpuBackend::hcp_lb_launches();
             let runs_p = GpuBackend::hcp_pf_launches();
@@ -772,10 +774,10 @@ fn hc_prefill_precision() {
             let want = hcp.starts_with("tc") && tc_dev;
             assert_eq!(ran > 0, want, "hcp_mix_tc ran {ran} times ({hcp})");
             let ran4 = GpuBackend::hcp_lb_launches() - runs4;
-            let want4 = (hcp == "tc" || hcp == "tc-pf0") && with_post && tc_dev;
+            let want4 = matches!(hcp, "tc" | "tc-pf0" | "tc-keep0") && with_post && tc_dev;
             assert_eq!(ran4 > 0, want4, "hcp_post_mix_tc4 ran {ran4} times ({hcp})");
             let ran_p = GpuBackend::hcp_pf_launches() - runs_p;
-            let want_p = hcp == "tc" && with_post && tc_dev;
+            let want_p = matches!(hcp, "tc" | "tc-keep0") && with_post && tc_dev;
             assert_eq!(
                 ran_p > 0,
                 want_p,
@@ -788,6 +790,12 @@ fn hc_prefill_precision() {
         GpuBackend::set_hcp_post("on");
         GpuBackend::set_hcp_lb("on");
         GpuBackend::set_hcp_pf("on");
+        GpuBackend::set_hcp_keep("on");
+        // hcp_finish's one-pass z (fu_finish_keep) and its two-pass fu_finish: the same bits.
+        assert_eq!(
+            outs[0], outs[4],
+            "post {with_post}: hcp_finish with DS4_GPU_HCP_KEEP=off differs in bits"
+        );
         // hcp_post_mix_tc4p (L2 fetches), the register-bounded hcp_post_mix_tc4 and the
         // unbounded kernel: one code, one result.
         assert_eq!(

@@ -149,6 +149,81 @@ __device__ __forceinline__ void fu_finish(const double* dsum, const float4* xt, 
     }
 }
 
+// hcp_finish's form of fu_finish<NN, false>: where each collapse thread holds at most 2 KEEP float4
+// columns of z (D 4096 at 256 threads: KEEP 3), they stay in registers until the rms scale is
+// known and z is written once, normalised, instead of written, read back and written again. The
+// same operations in the same order (the same bits); other shapes take fu_finish. Run first in
+// session 57 with gwg_x1_f32 (prefill +0.3% / +0.2% at 2k / 8k on an H100: gpu-s57-h100.txt).
+template <int NN, int KEEP>
+__device__ __forceinline__ void fu_finish_keep(const double* dsum, const float4* xt, const float* __restrict__ scale,
+                                               const float* __restrict__ base, const float* __restrict__ norm,
+                                               float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb,
+                                               int t, int D, int iters, float hc_eps, float eps) {
+    constexpr int MIX = (2 + NN) * NN;
+    const int tid = threadIdx.x, D4 = D / 4, step = blockDim.x - DS4_WARP;
+    if (D4 > 2 * KEEP * step) { // CTA-uniform
+        fu_finish<NN, false>(dsum, xt, scale, base, norm, z, post, comb, t, D, iters, hc_eps, eps);
+        return;
+    }
+    __shared__ double red[32];
+    __shared__ float m_s[MIX], pre_s[NN];
+    if (tid < MIX) {
+        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
+        m_s[tid] = (float)dsum[tid] * sc;
+    }
+    __syncthreads();
+    if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
+    __syncthreads();
+    float4* zt = (float4*)(z + (size_t)t * D);
+    double zz = 0.0;
+    float4 ko[2 * KEEP]; // column tid - DS4_WARP + step k of z, unnormalised
+    if (tid < DS4_WARP) {
+        hc_sinkhorn_by_warp<NN>(m_s, scale, base, post + (size_t)t * NN, comb + (size_t)t * NN * NN, iters, hc_eps);
+    } else {
+#pragma unroll
+        for (int it = 0; it < KEEP; it++) { // fu_finish's passes: columns c0, c0 + step in flight
+            const int c0 = tid - DS4_WARP + 2 * step * it;
+            float4 v[2][NN];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int c = c0 + u * step;
+                if (c < D4) {
+#pragma unroll
+                    for (int i = 0; i < NN; i++) v[u][i] = xt[i * D4 + c];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (c0 + u * step < D4) {
+#pragma unroll
+                    for (int i = 0; i < NN; i++) {
+                        const float p = pre_s[i];
+                        o.x += ds4_mul_rn(p, v[u][i].x), o.y += ds4_mul_rn(p, v[u][i].y);
+                        o.z += ds4_mul_rn(p, v[u][i].z), o.w += ds4_mul_rn(p, v[u][i].w);
+                    }
+                    zz += (double)o.x * (double)o.x + (double)o.y * (double)o.y + (double)o.z * (double)o.z +
+                          (double)o.w * (double)o.w;
+                }
+                ko[2 * it + u] = o;
+            }
+        }
+    }
+    zz = fu_block_sum(zz, red);
+    const float zs = (float)(1.0 / sqrt(zz / (double)D + (double)eps));
+    const float4* nr = (const float4*)norm;
+    if (tid >= DS4_WARP) {
+#pragma unroll
+        for (int k = 0; k < 2 * KEEP; k++) {
+            const int c = tid - DS4_WARP + step * k;
+            if (c < D4) {
+                const float4 o = ko[k], g = nr[c];
+                zt[c] = make_float4(o.x * zs * g.x, o.y * zs * g.y, o.z * zs * g.z, o.w * zs * g.w);
+            }
+        }
+    }
+}
+
 // One (token t, split s) CTA of hc_pre_norm_f32 (NN streams, MIX = (2+NN)·NN mixer rows).
 template <int NN>
 __device__ __forceinline__ void fu_hc_pre(const float* __restrict__ x, const u8* __restrict__ mixer, long long row_bytes, int wty,
@@ -1275,7 +1350,8 @@ template <int NN>
 __device__ __forceinline__ void hp_finish(const float* __restrict__ x, const double* __restrict__ part,
                                           const float* __restrict__ scale, const float* __restrict__ base,
                                           const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post,
-                                          float* __restrict__ comb, int D, int S, int iters, float hc_eps, float eps) {
+                                          float* __restrict__ comb, int D, int S, int iters, float hc_eps, float eps,
+                                          int keep) {
     constexpr int MIX = (2 + NN) * NN;
     __shared__ double dsum[MIX + 1];
     const int t = blockIdx.x, tid = threadIdx.x;
@@ -1286,21 +1362,23 @@ __device__ __forceinline__ void hp_finish(const float* __restrict__ x, const dou
         dsum[tid] = v;
     }
     __syncthreads();
-    fu_finish<NN, false>(dsum, (const float4*)(x + (size_t)t * NN * D), scale, base, norm, z, post, comb, t, D, iters,
-                         hc_eps, eps);
+    const float4* xt = (const float4*)(x + (size_t)t * NN * D);
+    if (keep) fu_finish_keep<NN, 3>(dsum, xt, scale, base, norm, z, post, comb, t, D, iters, hc_eps, eps);
+    else fu_finish<NN, false>(dsum, xt, scale, base, norm, z, post, comb, t, D, iters, hc_eps, eps);
 }
 
-// A form that keeps each thread's z columns in registers until the rms scale is known (z written
-// once, the same bits; 0cdedf6) compiled but has not run on a GPU (bench/results/README.md, s55, s56).
 // The HC pre's epilogue after hcp_mix: grid n CTAs (a token each), blockDim a multiple of
-// DS4_WARP, >= 2 warps, <= 1024; x as the mix read it, part from it; outputs z [n, D] (normalised by norm), post [n, N], comb [n, N·N] as hc_pre_norm_f32.
+// DS4_WARP, >= 2 warps, <= 256 (the host: 256; bounded so that fu_finish_keep's columns fit in
+// registers without spills); keep: fu_finish_keep (DS4_GPU_HCP_KEEP), else fu_finish; x as the
+// mix read it, part from it; outputs z [n, D] (normalised by norm), post [n, N], comb [n, N·N] as
+// hc_pre_norm_f32.
 // Host: 16-byte aligned x, z, norm.
-DS4_KERNEL void DS4_BOUNDS(1024) hcp_finish(const float* __restrict__ x, const double* __restrict__ part, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int S, int iters, float hc_eps, float eps) {
+DS4_KERNEL void DS4_BOUNDS(256) hcp_finish(const float* __restrict__ x, const double* __restrict__ part, const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm, float* __restrict__ z, float* __restrict__ post, float* __restrict__ comb, int N, int D, int S, int iters, float hc_eps, float eps, int keep) {
     ds4_pdl_enter();
     switch (N) {
-    case 1: hp_finish<1>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps); break;
-    case 2: hp_finish<2>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps); break;
-    case 3: hp_finish<3>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps); break;
-    default: hp_finish<4>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps); break;
+    case 1: hp_finish<1>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps, keep); break;
+    case 2: hp_finish<2>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps, keep); break;
+    case 3: hp_finish<3>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps, keep); break;
+    default: hp_finish<4>(x, part, scale, base, norm, z, post, comb, D, S, iters, hc_eps, eps, keep); break;
     }
 }

@@ -504,19 +504,36 @@ DS4_KERNEL void DS4_BOUNDS(GW_B4) gwg_iq2_xxs_p1_d2_fwp(GW_PARAMS, u32* ctr) {
 // chunk c (32 elements) of row t -> the 32 words xw[t * width + 32 c ..]: hi plane words 0..15, lo
 // plane 16..31 (lo = f16(v - hi)); word 4 kg + w of a plane = f16x2 of elements (8w + 2kg, +1),
 // i.e. 16-byte piece kg holds the k group kg of the wgmma K order (header). lo == 0: the lo plane
-// is not written (the one-plane kernels never read it). Two passes over the row (38 us a 2k call
-// on an H100, 1.28 TB/s); a one-pass form (each thread's chunk loaded once, into registers;
-// aa7ef0d: gwg_x1_f32, DS4_GPU_GWX_ONE, a same-bits test) compiled but has not run on a GPU.
-DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xw,
-                                          float* __restrict__ xinv, int lo) {
+// is not written (the one-plane kernels never read it).
+// ONE (gwg_x1_f32, the default: gemm_wg.rs DS4_GPU_GWX_ONE): rows of at most 128 chunks (the
+// model's 4096) in one pass, thread c's chunk loaded once into registers for both the maximum
+// and the conversion; the two-pass form (gwg_x_f32) reads the row twice (38 us a 2k call on an
+// H100, 1.28 TB/s: bench/results/gpu-s52-h100.txt run B; one pass: 31.0 against 40.1 us under
+// ncu, with hcp_finish's one-pass z prefill +0.3% / +0.2% at 2k / 8k: gpu-s57-h100.txt). The
+// maximum is order-free: same bits.
+template <bool ONE>
+__device__ __forceinline__ void gwg_x_body(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xw,
+                                           float* __restrict__ xinv, int lo) {
 #if GW_HAVE
     __shared__ float red[128 / DS4_WARP];
     const int tid = threadIdx.x;
     const float4* p = (const float4*)(X + (long long)blockIdx.x * x_tok);
+    const bool one = ONE && width / 32 <= 128;
+    float4 f[8];
     float m = 0.0f;
-    for (int i = tid; i < width / 4; i += 128) {
-        const float4 v = p[i];
-        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    if (one) {
+        if (tid < width / 32) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] = p[8 * tid + i];
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                m = fmaxf(m, fmaxf(fmaxf(fabsf(f[i].x), fabsf(f[i].y)), fmaxf(fabsf(f[i].z), fabsf(f[i].w))));
+        }
+    } else {
+        for (int i = tid; i < width / 4; i += 128) {
+            const float4 v = p[i];
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
     }
 #pragma unroll
     for (int o = DS4_WARP / 2; o > 0; o >>= 1) m = fmaxf(m, ds4_shfl_xor(m, o));
@@ -529,12 +546,12 @@ DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long
     const float sc = __int_as_float((sh + 127) << 23);
     if (tid == 0) xinv[blockIdx.x] = __int_as_float((127 - sh) << 23);
     u32* o = xw + (long long)blockIdx.x * width;
-    for (int c = tid; c < width / 32; c += 128) {
+    for (int c = tid; c < width / 32; c += 128) { // one pass: c = tid, one round
         float v[32];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const float4 f = p[8 * c + i];
-            v[4 * i] = f.x * sc, v[4 * i + 1] = f.y * sc, v[4 * i + 2] = f.z * sc, v[4 * i + 3] = f.w * sc; // exact
+            const float4 g = one ? f[i] : p[8 * c + i];
+            v[4 * i] = g.x * sc, v[4 * i + 1] = g.y * sc, v[4 * i + 2] = g.z * sc, v[4 * i + 3] = g.w * sc; // exact
         }
         u32 hw[16], lw[16];
 #pragma unroll
@@ -553,4 +570,12 @@ DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long
 #else
     (void)X, (void)x_tok, (void)width, (void)xw, (void)xinv, (void)lo;
 #endif
+}
+DS4_KERNEL void DS4_BOUNDS(128) gwg_x_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xw,
+                                          float* __restrict__ xinv, int lo) {
+    gwg_x_body<false>(X, x_tok, width, xw, xinv, lo);
+}
+DS4_KERNEL void DS4_BOUNDS(128) gwg_x1_f32(const float* __restrict__ X, long long x_tok, int width, u32* __restrict__ xw,
+                                           float* __restrict__ xinv, int lo) {
+    gwg_x_body<true>(X, x_tok, width, xw, xinv, lo);
 }

@@ -96,6 +96,10 @@ pub(in crate::model) static P1_LAUNCHES: [AtomicU64; 2] = [AtomicU64::new(0), At
 /// one X plane the conversions (`gwg_x_f32`, gemm.rs `gemm_xt_f32` for `gwd_q2_k_p1`) skip the
 /// lo plane (and lo sums) that the one-plane kernels never read.
 static LEAN_X: AtomicU8 = AtomicU8::new(UNSET);
+/// 0 off, 1 on, UNSET: read `DS4_GPU_GWX_ONE` (`0` = off; default on) on first use. On: the
+/// gate/up's X conversion reads each row once (`gwg_x1_f32`; rows of at most 4096), off: twice
+/// (`gwg_x_f32`); the same bits (ops_gemm `gemm_moe_wg_decode_forms_same_bits`).
+static X_ONE: AtomicU8 = AtomicU8::new(UNSET);
 /// Decode form of `gwg_iq2_xxs*` (gemm_wg.cu `gw_deq` DQ 0 or 2, same bits); UNSET: read
 /// `DS4_GPU_GW_DQ` on first use (`0`: the previous form; default [`DQ_DEFAULT`]).
 static DQ: AtomicU8 = AtomicU8::new(UNSET);
@@ -174,6 +178,10 @@ pub(in crate::model) fn lean_x() -> bool {
     switch_on(&LEAN_X, "DS4_GPU_GEMM_LEAN_X")
 }
 
+fn x_one() -> bool {
+    switch_on(&X_ONE, "DS4_GPU_GWX_ONE")
+}
+
 fn wide() -> u8 {
     code(&WIDE, "DS4_GPU_GW_WIDE", |v| match v.map(str::trim) {
         Some("0") => 0,
@@ -203,6 +211,12 @@ impl GpuBackend {
     /// Process-wide (tests, benchmarks).
     pub fn set_gemm_lean_x(on: bool) {
         LEAN_X.store(on as u8, Ordering::Relaxed);
+    }
+
+    /// The gate/up's X conversion in one pass (`gwg_x1_f32`, default on, or `DS4_GPU_GWX_ONE`)
+    /// or two (`gwg_x_f32`). Process-wide (tests, benchmarks).
+    pub fn set_gemm_x_one(on: bool) {
+        X_ONE.store(on as u8, Ordering::Relaxed);
     }
 
     /// Decode form of the wgmma gate/up, 0 or 2 (gemm_wg.cu `gw_deq`; default [`DQ_DEFAULT`] or
@@ -348,7 +362,7 @@ impl GpuBackend {
         let inv: GpuBuf = self.scratch(n);
         self.run(
             &ds4_kernels::GEMM_WG,
-            "gwg_x_f32",
+            if x_one() { "gwg_x1_f32" } else { "gwg_x_f32" },
             LaunchDims::linear(n as u32, 128),
             &[
                 Arg::Ptr(z),

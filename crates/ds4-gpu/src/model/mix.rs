@@ -166,6 +166,15 @@ fn hcp_pf_on() -> bool {
     env_code(&HCP_PF, "DS4_GPU_HCP_PF", on_unless_off) == 1
 }
 
+/// hcp_finish with z kept in registers until its rms scale is known (fused.cu fu_finish_keep:
+/// written once, the same bits): 0 not yet read from `DS4_GPU_HCP_KEEP`, 1 on (default), 2 off
+/// (process-wide).
+static HCP_KEEP: AtomicU8 = AtomicU8::new(0);
+
+fn hcp_keep_on() -> bool {
+    env_code(&HCP_KEEP, "DS4_GPU_HCP_KEEP", on_unless_off) == 1
+}
+
 /// hcp_mix_tc launches so far, process-wide ([`GpuBackend::hcp_tc_launches`]).
 static HCP_TC_RUNS: AtomicU64 = AtomicU64::new(0);
 
@@ -398,6 +407,12 @@ impl GpuBackend {
     /// `hcp_post_mix_tc4p` launches so far in this process.
     pub fn hcp_pf_launches() -> u64 {
         HCP_PF_RUNS.load(Ordering::Relaxed)
+    }
+
+    /// hcp_finish's one-pass z (`DS4_GPU_HCP_KEEP`): "on" (the default) or "off" (z written,
+    /// read back and written normalised). Process-wide; for tests and A/B.
+    pub fn set_hcp_keep(form: &str) {
+        set_code(&HCP_KEEP, "set_hcp_keep", form, &["on", "off"]);
     }
 
     /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
@@ -773,6 +788,7 @@ impl GpuBackend {
                 Arg::I32(hc.sinkhorn_iters as i32),
                 Arg::F32(hc.eps),
                 Arg::F32(eps),
+                Arg::I32(hcp_keep_on() as i32),
             ],
         );
         true
