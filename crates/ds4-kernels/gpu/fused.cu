@@ -49,6 +49,21 @@ __device__ __forceinline__ float4 fu_ld_cg(const float4* p) {
 // The CTA's MIX dot products and Σx² (this split's columns) to part[t, s], then the token's
 // arrival ticket. True in the token's last CTA, which then holds the sums over all splits in
 // dsum[0 .. MIX] (dot products) and dsum[MIX] (Σx²), and has reset the ticket.
+// One float4 column of the collapse z = Σ_i pre_i X[i] (the CPU's order, uncontracted) from the
+// N streams' values v; its squares added to zz (f64).
+template <int NN>
+__device__ __forceinline__ float4 fu_collapse(const float* pre, const float4 (&v)[NN], double& zz) {
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < NN; i++) {
+        const float p = pre[i];
+        o.x += ds4_mul_rn(p, v[i].x), o.y += ds4_mul_rn(p, v[i].y);
+        o.z += ds4_mul_rn(p, v[i].z), o.w += ds4_mul_rn(p, v[i].w);
+    }
+    zz += (double)o.x * (double)o.x + (double)o.y * (double)o.y + (double)o.z * (double)o.z + (double)o.w * (double)o.w;
+    return o;
+}
+
 template <int MIX>
 __device__ __forceinline__ bool fu_arrive(const float* acc, double ss, double* part, u32* tickets, int t, int s, int S,
                                           double* dsum) {
@@ -127,16 +142,7 @@ __device__ __forceinline__ void fu_finish(const double* dsum, const float4* xt, 
             for (int u = 0; u < 2; u++) {
                 const int c = u ? c1 : c0;
                 if (c >= D4) break;
-                float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                for (int i = 0; i < NN; i++) {
-                    const float p = pre_s[i];
-                    o.x += ds4_mul_rn(p, v[u][i].x), o.y += ds4_mul_rn(p, v[u][i].y);
-                    o.z += ds4_mul_rn(p, v[u][i].z), o.w += ds4_mul_rn(p, v[u][i].w);
-                }
-                zz += (double)o.x * (double)o.x + (double)o.y * (double)o.y + (double)o.z * (double)o.z +
-                      (double)o.w * (double)o.w;
-                zt[c] = o;
+                zt[c] = fu_collapse<NN>(pre_s, v[u], zz);
             }
         }
     }
@@ -194,18 +200,7 @@ __device__ __forceinline__ void fu_finish_keep(const double* dsum, const float4*
             }
 #pragma unroll
             for (int u = 0; u < 2; u++) {
-                float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (c0 + u * step < D4) {
-#pragma unroll
-                    for (int i = 0; i < NN; i++) {
-                        const float p = pre_s[i];
-                        o.x += ds4_mul_rn(p, v[u][i].x), o.y += ds4_mul_rn(p, v[u][i].y);
-                        o.z += ds4_mul_rn(p, v[u][i].z), o.w += ds4_mul_rn(p, v[u][i].w);
-                    }
-                    zz += (double)o.x * (double)o.x + (double)o.y * (double)o.y + (double)o.z * (double)o.z +
-                          (double)o.w * (double)o.w;
-                }
-                ko[2 * it + u] = o;
+                ko[2 * it + u] = c0 + u * step < D4 ? fu_collapse<NN>(pre_s, v[u], zz) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
         }
     }
@@ -614,18 +609,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
 #pragma unroll
         for (int k = 0; k < FW_ZR; k++) {
             const int c = c0 + k * step;
-            float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (c < D4) {
-#pragma unroll
-                for (int i = 0; i < NN; i++) {
-                    const float p = pre_s[i];
-                    q.x += ds4_mul_rn(p, xv[k][i].x), q.y += ds4_mul_rn(p, xv[k][i].y);
-                    q.z += ds4_mul_rn(p, xv[k][i].z), q.w += ds4_mul_rn(p, xv[k][i].w);
-                }
-                zz += (double)q.x * (double)q.x + (double)q.y * (double)q.y + (double)q.z * (double)q.z +
-                      (double)q.w * (double)q.w;
-            }
-            xv[k][0] = q;
+            xv[k][0] = c < D4 ? fu_collapse<NN>(pre_s, xv[k], zz) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
         if (PROBE && tid == DS4_WARP) {
             stamps[(size_t)blockIdx.x * FP_NST + 7] = fp_now();
