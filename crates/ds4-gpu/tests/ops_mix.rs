@@ -712,7 +712,6 @@ fn hc_prefill_precision() {
             ("tc-lb0", "on", "on"),
             ("tc-sep", "on", "off"),
             ("tc-keep0", "on", "on"),
-            ("tc-chunk", "on", "on"),
             ("on", "off", "on"),
             ("off", "off", "on"),
         ] {
@@ -722,9 +721,6 @@ fn hc_prefill_precision() {
             GpuBackend::set_hcp_lb(if hcp == "tc-lb0" { "off" } else { "on" });
             GpuBackend::set_hcp_pf(if hcp == "tc-pf0" { "off" } else { "on" });
             GpuBackend::set_hcp_keep(if hcp == "tc-keep0" { "off" } else { "on" });
-            // 128-token chunks: 300 tokens as 128 + 128 + 44.
-            GpuBackend::set_hcp_chunk(if hcp == "tc-chunk" { 128 } else { 0 });
-            let chunked = GpuBackend::hcp_chunked_calls();
             let runs = GpuBackend::hcp_tc_launches();
             let runs4 = GpuBackend::hcp_lb_launches();
             let runs_p = GpuBackend::hcp_pf_launches();
@@ -778,17 +774,10 @@ fn hc_prefill_precision() {
             let want = hcp.starts_with("tc") && tc_dev;
             assert_eq!(ran > 0, want, "hcp_mix_tc ran {ran} times ({hcp})");
             let ran4 = GpuBackend::hcp_lb_launches() - runs4;
-            let calls = GpuBackend::hcp_chunked_calls() - chunked;
-            assert_eq!(
-                calls > 0,
-                hcp == "tc-chunk",
-                "chunked calls {calls} ({hcp})"
-            );
-            let want4 =
-                matches!(hcp, "tc" | "tc-pf0" | "tc-keep0" | "tc-chunk") && with_post && tc_dev;
+            let want4 = matches!(hcp, "tc" | "tc-pf0" | "tc-keep0") && with_post && tc_dev;
             assert_eq!(ran4 > 0, want4, "hcp_post_mix_tc4 ran {ran4} times ({hcp})");
             let ran_p = GpuBackend::hcp_pf_launches() - runs_p;
-            let want_p = matches!(hcp, "tc" | "tc-keep0" | "tc-chunk") && with_post && tc_dev;
+            let want_p = matches!(hcp, "tc" | "tc-keep0") && with_post && tc_dev;
             assert_eq!(
                 ran_p > 0,
                 want_p,
@@ -802,7 +791,6 @@ fn hc_prefill_precision() {
         GpuBackend::set_hcp_lb("on");
         GpuBackend::set_hcp_pf("on");
         GpuBackend::set_hcp_keep("on");
-        GpuBackend::set_hcp_chunk(0);
         // hcp_finish's one-pass z (fu_finish_keep) and its two-pass fu_finish: the same bits.
         assert_eq!(
             outs[0], outs[4],

@@ -14,7 +14,7 @@ use super::{GpuBackend, GpuBuf, GpuIBuf, GpuWeight};
 use crate::error::GpuError;
 use crate::runtime::{Arg, DevPtr, LaunchDims};
 use ds4_backend::{GgmlType, HcDims, MoeSpec, RopeKind, RowRounding};
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// Most hyper-connection streams the `hc_*` kernels take (`DS4_HC_MAX` in model.cu).
 const HC_MAX: usize = 16;
@@ -177,28 +177,6 @@ fn hcp_keep_on() -> bool {
 
 /// hcp_mix_tc launches so far, process-wide ([`GpuBackend::hcp_tc_launches`]).
 static HCP_TC_RUNS: AtomicU64 = AtomicU64::new(0);
-
-/// Tokens per chunk of the prefill HC pre (0: one mix + finish over all n tokens, the default);
-/// usize::MAX: not yet read from `DS4_GPU_HCP_CHUNK` (process-wide). A chunk's mix writes X' and
-/// its finish reads it back at once, while it may still sit in L2 (a 2k step's X' is 134 MB a
-/// call, past the 50 MB L2, so hcp_finish rereads all of it from DRAM).
-static HCP_CHUNK: AtomicUsize = AtomicUsize::new(usize::MAX);
-/// HC pre calls that ran in more than one chunk, process-wide ([`GpuBackend::hcp_chunked_calls`]).
-static HCP_CHUNKED: AtomicU64 = AtomicU64::new(0);
-
-/// Tokens per chunk of the prefill HC pre, 0: none ([`HCP_CHUNK`]).
-fn hcp_chunk() -> usize {
-    let v = HCP_CHUNK.load(Ordering::Relaxed);
-    if v != usize::MAX {
-        return v;
-    }
-    let v = std::env::var("DS4_GPU_HCP_CHUNK")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .unwrap_or(0);
-    HCP_CHUNK.store(v, Ordering::Relaxed);
-    v
-}
 
 /// Tokens of a `hcp_mix_tc` CTA (HT_W warps of 16 in fused.cu) and the CTAs per SM its splits
 /// aim at by default.
@@ -435,17 +413,6 @@ impl GpuBackend {
     /// read back and written normalised). Process-wide; for tests and A/B.
     pub fn set_hcp_keep(form: &str) {
         set_code(&HCP_KEEP, "set_hcp_keep", form, &["on", "off"]);
-    }
-
-    /// The prefill HC pre in chunks of `tokens` (rounded up to the mix's 64-token tiles; 0: one
-    /// chunk), as `DS4_GPU_HCP_CHUNK` (overrides it). Process-wide; for tests and A/B.
-    pub fn set_hcp_chunk(tokens: usize) {
-        HCP_CHUNK.store(tokens, Ordering::Relaxed);
-    }
-
-    /// Prefill HC pre calls run in more than one chunk so far in this process.
-    pub fn hcp_chunked_calls() -> u64 {
-        HCP_CHUNKED.load(Ordering::Relaxed)
     }
 
     /// hcp_mix_tc aiming at `ctas` CTAs per SM (1..=16; 0: off, hcp_mix), as
@@ -757,13 +724,7 @@ impl GpuBackend {
             (None, None) => ("hcp_mix", HP_T / HP_L, HP_T, HP_CTAS_PER_SM),
             (None, Some(_)) => return false, // the caller runs the post first
         };
-        // Chunks of `cn` tokens (whole tiles), each a mix then its finish; the splits are sized
-        // to a chunk, so chunked and whole calls sum the partials in different orders.
-        let cn = match hcp_chunk() {
-            0 => n,
-            c => c.next_multiple_of(tok).min(n),
-        };
-        let tiles = cn.div_ceil(tok);
+        let tiles = n.div_ceil(tok);
         // Splits per token tile. hcp_post_mix_tc4 takes at most one wave of `ctas` CTAs an SM
         // (tiles · splits <= ctas · SMs: a 6144-row prompt step as 96 tiles x 6 splits was 1.09
         // waves, its last 48 CTAs alone on the device); the other forms round up, as measured.
@@ -776,10 +737,7 @@ impl GpuBackend {
         .clamp(1, 64);
         let per = d4.div_ceil(want).next_multiple_of(HP_QC).min(d4);
         let splits = d4.div_ceil(per);
-        let part = self.scratch(cn * splits * FUSE_PART * 2); // f64 partials of a chunk
-        if cn < n {
-            HCP_CHUNKED.fetch_add(1, Ordering::Relaxed);
-        }
+        let part = self.scratch(n * splits * FUSE_PART * 2); // f64 partials
         if tc.is_some() {
             HCP_TC_RUNS.fetch_add(1, Ordering::Relaxed);
         }
@@ -789,63 +747,50 @@ impl GpuBackend {
         if pf {
             HCP_PF_RUNS.fetch_add(1, Ordering::Relaxed);
         }
-        let (nh, d) = (hc.n as u64, hc.d as u64);
-        let keep = hcp_keep_on() as i32;
-        let mut t0 = 0usize;
-        while t0 < n {
-            // This chunk's rows (f32): x [., N·D], o / z [., D], post [., N], comb [., N·N].
-            let len = cn.min(n - t0);
-            let at = |p: DevPtr, width: u64| p.offset(4 * width * t0 as u64);
-            let xc = at(x, nh * d);
-            let post_args =
-                pin.map(|(o, p, c)| [at(o, d), at(p, nh), at(c, nh * nh)].map(Arg::Ptr));
-            let args: Vec<Arg> = [Arg::Ptr(xc)]
-                .into_iter()
-                .chain(post_args.into_iter().flatten())
-                .chain([
-                    Arg::Ptr(wp),
-                    Arg::I64(rb as i64),
-                    Arg::I32(code),
-                    Arg::Ptr(part.ptr),
-                    Arg::I32(len as i32),
-                    Arg::I32(hc.n as i32),
-                    Arg::I32(hc.d as i32),
-                    Arg::I32(splits as i32),
-                    Arg::I32(per as i32),
-                ])
-                .collect();
-            self.run(
-                &ds4_kernels::FUSED,
-                name,
-                LaunchDims::linear((len.div_ceil(tok) * splits) as u32, threads as u32),
-                &args,
-            );
-            // The finish reuses the chunk's partials region: the next chunk's mix writes it only
-            // after its PDL wait, i.e. after this finish.
-            self.run(
-                &ds4_kernels::FUSED,
-                "hcp_finish",
-                LaunchDims::linear(len as u32, 256),
-                &[
-                    Arg::Ptr(xc),
-                    Arg::Ptr(part.ptr),
-                    Arg::Ptr(scale.ptr()),
-                    Arg::Ptr(base.ptr()),
-                    Arg::Ptr(norm.ptr()),
-                    Arg::Ptr(at(z.ptr, d)),
-                    Arg::Ptr(at(post.ptr, nh)),
-                    Arg::Ptr(at(comb.ptr, nh * nh)),
-                    Arg::I32(hc.n as i32),
-                    Arg::I32(hc.d as i32),
-                    Arg::I32(splits as i32),
-                    Arg::I32(hc.sinkhorn_iters as i32),
-                    Arg::F32(hc.eps),
-                    Arg::F32(eps),
-                    Arg::I32(keep),
-                ],
-            );
-            t0 += len;
-        }
+        let post_args = pin.map(|(o, p, c)| [Arg::Ptr(o), Arg::Ptr(p), Arg::Ptr(c)]);
+        let args: Vec<Arg> = [Arg::Ptr(x)]
+            .into_iter()
+            .chain(post_args.into_iter().flatten())
+            .chain([
+                Arg::Ptr(wp),
+                Arg::I64(rb as i64),
+                Arg::I32(code),
+                Arg::Ptr(part.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(hc.n as i32),
+                Arg::I32(hc.d as i32),
+                Arg::I32(splits as i32),
+                Arg::I32(per as i32),
+            ])
+            .collect();
+        self.run(
+            &ds4_kernels::FUSED,
+            name,
+            LaunchDims::linear((tiles * splits) as u32, threads as u32),
+            &args,
+        );
+        self.run(
+            &ds4_kernels::FUSED,
+            "hcp_finish",
+            LaunchDims::linear(n as u32, 256),
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(part.ptr),
+                Arg::Ptr(scale.ptr()),
+                Arg::Ptr(base.ptr()),
+                Arg::Ptr(norm.ptr()),
+                Arg::Ptr(z.ptr),
+                Arg::Ptr(post.ptr),
+                Arg::Ptr(comb.ptr),
+                Arg::I32(hc.n as i32),
+                Arg::I32(hc.d as i32),
+                Arg::I32(splits as i32),
+                Arg::I32(hc.sinkhorn_iters as i32),
+                Arg::F32(hc.eps),
+                Arg::F32(eps),
+                Arg::I32(hcp_keep_on() as i32),
+            ],
+        );
         true
     }
 
