@@ -100,6 +100,22 @@ __device__ __forceinline__ bool fu_arrive(const float* acc, double ss, double* p
     return true;
 }
 
+// The finish's first steps, CTA-wide: m = the dots · the N·D row's RMS scale into m_s (MIX
+// values), then pre = sigmoid(m·scale + base) + hc_eps into pre_s (N).
+template <int NN>
+__device__ __forceinline__ void fu_m_pre(const double* dsum, const float* __restrict__ scale, const float* __restrict__ base,
+                                         int D, float hc_eps, float eps, float* m_s, float* pre_s) {
+    constexpr int MIX = (2 + NN) * NN;
+    const int tid = threadIdx.x;
+    if (tid < MIX) {
+        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
+        m_s[tid] = (float)dsum[tid] * sc;
+    }
+    __syncthreads();
+    if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
+    __syncthreads();
+}
+
 // Epilogue of the token's last CTA: m = dots · rms scale of the N·D row, pre; then warp 0
 // runs split + Sinkhorn (post, comb) while the other warps collapse z = Σ pre_i X[i] (CPU
 // order, uncontracted); then rms_norm(z, norm) over D by all. CG: X was written by other CTAs
@@ -113,13 +129,7 @@ __device__ __forceinline__ void fu_finish(const double* dsum, const float4* xt, 
     __shared__ double red[32];
     __shared__ float m_s[MIX], pre_s[NN];
     const int tid = threadIdx.x;
-    if (tid < MIX) {
-        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
-        m_s[tid] = (float)dsum[tid] * sc;
-    }
-    __syncthreads();
-    if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
-    __syncthreads();
+    fu_m_pre<NN>(dsum, scale, base, D, hc_eps, eps, m_s, pre_s);
     const int D4 = D / 4;
     float4* zt = (float4*)(z + (size_t)t * D);
     double zz = 0.0;
@@ -173,13 +183,7 @@ __device__ __forceinline__ void fu_finish_keep(const double* dsum, const float4*
     }
     __shared__ double red[32];
     __shared__ float m_s[MIX], pre_s[NN];
-    if (tid < MIX) {
-        const float sc = (float)(1.0 / sqrt(dsum[MIX] / (double)(NN * D) + (double)eps));
-        m_s[tid] = (float)dsum[tid] * sc;
-    }
-    __syncthreads();
-    if (tid < NN) pre_s[tid] = ds4_sigmoid(ds4_mul_rn(m_s[tid], scale[0]) + base[tid]) + hc_eps;
-    __syncthreads();
+    fu_m_pre<NN>(dsum, scale, base, D, hc_eps, eps, m_s, pre_s);
     float4* zt = (float4*)(z + (size_t)t * D);
     double zz = 0.0;
     float4 ko[2 * KEEP]; // column tid - DS4_WARP + step k of z, unnormalised
