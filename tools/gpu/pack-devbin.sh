@@ -6,7 +6,9 @@
 # time compiling. xz makes the carry ~4x smaller. On the GPU machine: `. tools/gpu/unpack.sh DIR`.
 # NVRTC 13.0: `pip download nvidia-cuda-nvrtc==13.0.48 --no-deps` and unzip; DEVBIN_NVRTC names
 # its lib folder (default /work/nvrtc130/nvidia/cu13/lib). DEVBIN_KCACHE is the cache kept
-# between packs (unchanged modules are not recompiled).
+# between packs (unchanged modules are not recompiled). DEVBIN_KVARIANTS="DS4_GPU_L2_STREAM=1 ..."
+# also precompiles the kernels under each of those settings (compile defines: the cache keys
+# keep the forms apart), for A/B runs of a define-switched form.
 # Usage: tools/gpu/pack-devbin.sh DIR FILE...
 set -euo pipefail
 out=$1; shift
@@ -18,6 +20,10 @@ if [ -f "$nv/libnvrtc.so.13" ] && [ -x "$out/ds4" ]; then
   kc=${DEVBIN_KCACHE:-/work/kcache}
   LD_LIBRARY_PATH="$nv" DS4_NVRTC_LIB="$nv/libnvrtc.so.13" "$out/ds4" kernels --target sm_90a \
     --cache "$kc" --prune | grep -v cached || true
+  for v in ${DEVBIN_KVARIANTS:-}; do
+    env "$v" LD_LIBRARY_PATH="$nv" DS4_NVRTC_LIB="$nv/libnvrtc.so.13" "$out/ds4" kernels --target sm_90a \
+      --cache "$kc" | grep -v cached || true
+  done
   mkdir -p "$out/kcache" && cp "$kc"/*-sm_90a-*.cubin.ds4 "$out/kcache/"
 else
   echo "pack-devbin: no NVRTC 13.0 at $nv (or no ds4 binary): kernels compile on the GPU machine"
