@@ -18,11 +18,11 @@ strip "$out"/* 2>/dev/null || true
 nv=${DEVBIN_NVRTC:-/work/nvrtc130/nvidia/cu13/lib}
 if [ -f "$nv/libnvrtc.so.13" ] && [ -x "$out/ds4" ]; then
   kc=${DEVBIN_KCACHE:-/work/kcache}
-  LD_LIBRARY_PATH="$nv" DS4_NVRTC_LIB="$nv/libnvrtc.so.13" "$out/ds4" kernels --target sm_90a \
-    --cache "$kc" --prune | grep -v cached || true
-  for v in ${DEVBIN_KVARIANTS:-}; do
-    env "$v" LD_LIBRARY_PATH="$nv" DS4_NVRTC_LIB="$nv/libnvrtc.so.13" "$out/ds4" kernels --target sm_90a \
-      --cache "$kc" | grep -v cached || true
+  prune=--prune # the plain form first: stale entries go before the variants are added
+  for v in "" ${DEVBIN_KVARIANTS:-}; do
+    env $v LD_LIBRARY_PATH="$nv" DS4_NVRTC_LIB="$nv/libnvrtc.so.13" "$out/ds4" kernels --target sm_90a \
+      --cache "$kc" $prune | grep -v cached || true
+    prune=
   done
   mkdir -p "$out/kcache" && cp "$kc"/*-sm_90a-*.cubin.ds4 "$out/kcache/"
 else

@@ -46,9 +46,6 @@ __device__ __forceinline__ float4 fu_ld_cg(const float4* p) {
 #endif
 }
 
-// The CTA's MIX dot products and Σx² (this split's columns) to part[t, s], then the token's
-// arrival ticket. True in the token's last CTA, which then holds the sums over all splits in
-// dsum[0 .. MIX] (dot products) and dsum[MIX] (Σx²), and has reset the ticket.
 // One float4 column of the collapse z = Σ_i pre_i X[i] (the CPU's order, uncontracted) from the
 // N streams' values v; its squares added to zz (f64).
 template <int NN>
@@ -64,6 +61,9 @@ __device__ __forceinline__ float4 fu_collapse(const float* pre, const float4 (&v
     return o;
 }
 
+// The CTA's MIX dot products and Σx² (this split's columns) to part[t, s], then the token's
+// arrival ticket. True in the token's last CTA, which then holds the sums over all splits in
+// dsum[0 .. MIX] (dot products) and dsum[MIX] (Σx²), and has reset the ticket.
 template <int MIX>
 __device__ __forceinline__ bool fu_arrive(const float* acc, double ss, double* part, u32* tickets, int t, int s, int S,
                                           double* dsum) {
