@@ -468,16 +468,7 @@ pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> 
     if std::env::var("DS4_GPU_M3D_BAL").is_ok_and(|v| v.trim() == "0") {
         d.push(("DS4_M3D_OLD".into(), "1".into()));
     }
-    if m3d_r32() {
-        d.push(("DS4_M3D_R32".into(), "1".into()));
-    }
     d
-}
-
-/// DS4_GPU_M3D_R32=1: `m3dn1ip_q2_k` with 32 rows a CTA (moe.cu `m3dn2_body`, a define; the
-/// host launches half the CTAs with more shared memory: model/moe.rs). Not yet the default.
-pub fn m3d_r32() -> bool {
-    std::env::var("DS4_GPU_M3D_R32").is_ok_and(|v| v.trim() == "1")
 }
 
 /// The NVRTC arch for compute capability `major.minor`: the arch-specific `a` variant from 9.0
