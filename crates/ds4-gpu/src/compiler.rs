@@ -463,11 +463,6 @@ pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> 
     if std::env::var("DS4_GPU_L2_STREAM").is_ok_and(|v| v.trim() == "1") {
         d.push(("DS4_L2_STREAM".into(), "1".into()));
     }
-    // DS4_GPU_M3D_BAL=0: m3dn1ip / m3dn1's x conversion on threads < 256 as before session 58
-    // (moe.cu DS4_M3D_OLD; same bits), for A/B runs.
-    if std::env::var("DS4_GPU_M3D_BAL").is_ok_and(|v| v.trim() == "0") {
-        d.push(("DS4_M3D_OLD".into(), "1".into()));
-    }
     d
 }
 

@@ -1308,14 +1308,11 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     // The slots' expert ids in lanes (k <= 32), taken by a shuffle when a stage is issued (a
     // global load there stalled every warp right after the slot's barrier).
     int selr = lane < k ? sel[lane] : 0;
-    // Stage buffers by counters (issue is called for s = 0, 1, .. in order): no s % NST.
-    int ib = 0;
     auto issue = [&](int s) {
         int es = __shfl_sync(0xffffffffu, selr, s & 31);
-        u8* dst = stg + ib * (16 * M3D_SROW);
-        ib = ib == NST - 1 ? 0 : ib + 1;
         if (s < k) {
             const u8* wb = W + (long long)max(es, 0) * slab;
+            u8* dst = stg + (s % NST) * 16 * M3D_SROW;
             m3_cp16(dst + ci0 * M3D_SROW + 16 * cj0, wb + co0);
             if (tid + M3D_THREADS < 16 * 42) m3_cp16(dst + ci1 * M3D_SROW + 16 * cj1, wb + co1);
         }
@@ -1327,22 +1324,11 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     // kernel (they read only weights and sel, whose writer, the router, finished before any
     // gate/up CTA passed its own wait, hence before this grid started).
     if (LATE) ds4_pdl_enter();
-    // x of slot s in registers (256 threads, entry xt = (chunk c, group j, tig): h[128c + 32j + 8tig ..]).
-    // XBAL (the default; DS4_GPU_M3D_BAL=0 defines DS4_M3D_OLD): the odd warps (hh = 1) convert
-    // it, the even ones take the mins mma: no warp does both (threads < 256 did: warps 0, 2, 4, 6
-    // ran ~360 instructions a slot against ~200 for warps 9, 11, .., and every warp waits for
-    // the slowest at the slot barrier). Same values, same places: same bits.
-#if defined(DS4_M3D_OLD)
-    const bool xw = tid < 256;
-    const int xt = tid;
-#else
-    const bool xw = (warp & 1) == 1;
-    const int xt = (warp >> 1) * 32 + lane;
-#endif
+    // x of slot s in registers (threads < 256: entry q = (chunk c, group j, tig): h[128c + 32j + 8tig ..]).
     float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
     auto xload = [&](int s) {
-        if (xw && s < k) {
-            int c = xt >> 4, jj = (xt >> 2) & 3, t = xt & 3;
+        if (tid < 256 && s < k) {
+            int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3;
             const float4* src = (const float4*)(hx + (long long)s * hs + 128 * c + 32 * jj + 8 * t);
             xa = src[0], xb = src[1];
         }
@@ -1366,24 +1352,16 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     }
     __syncthreads();
     auto xstore = [&](int s) {
-        if (xw && s < k) {
-            int c = xt >> 4, jj = (xt >> 2) & 3, t = xt & 3, buf = s & 1;
-            // I8: v carries the limbs' 2^15 too (one product a value, not two; powers of two,
-            // so the same values: v is ~2^29 at most), taken back out of the group sums.
-#if defined(DS4_M3D_OLD)
-            constexpr float lf = 32768.0f, g16 = 0.0625f; // lf: the limbs' factor still to apply
+        if (tid < 256 && s < k) {
+            int c = tid >> 4, jj = (tid >> 2) & 3, t = tid & 3, buf = s & 1;
             float xsc = scl[s];
-#else
-            constexpr float lf = I8 ? 1.0f : 32768.0f, g16 = I8 ? 0x1p-19f : 0.0625f;
-            float xsc = I8 ? scl[s] * 32768.0f : scl[s];
-#endif
             float v[8] = {xa.x * xsc, xa.y * xsc, xa.z * xsc, xa.w * xsc, xb.x * xsc, xb.y * xsc, xb.z * xsc, xb.w * xsc};
             if constexpr (I8) {
                 u32 lo[4], hi[4];
-                m3_limbs4(__float2int_rn(v[0] * lf), __float2int_rn(v[1] * lf),
-                          __float2int_rn(v[2] * lf), __float2int_rn(v[3] * lf), lo);
-                m3_limbs4(__float2int_rn(v[4] * lf), __float2int_rn(v[5] * lf),
-                          __float2int_rn(v[6] * lf), __float2int_rn(v[7] * lf), hi);
+                m3_limbs4(__float2int_rn(v[0] * 32768.0f), __float2int_rn(v[1] * 32768.0f),
+                          __float2int_rn(v[2] * 32768.0f), __float2int_rn(v[3] * 32768.0f), lo);
+                m3_limbs4(__float2int_rn(v[4] * 32768.0f), __float2int_rn(v[5] * 32768.0f),
+                          __float2int_rn(v[6] * 32768.0f), __float2int_rn(v[7] * 32768.0f), hi);
                 uint2* xd = (uint2*)(xf + buf * 512) + (c * 4 + jj) * 16 + t;
 #pragma unroll
                 for (int n = 0; n < 4; n++) xd[4 * (n ^ jj)] = make_uint2(lo[n], hi[n]);
@@ -1394,7 +1372,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             // 16-column group sums (this thread's 8 and its neighbour's, lower tig first) / 16.
             float sm = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
             float ot = __shfl_xor_sync(0xffffffffu, sm, 1);
-            float g = ((t & 1) ? ot + sm : sm + ot) * g16;
+            float g = ((t & 1) ? ot + sm : sm + ot) * 0.0625f;
             if ((t & 1) == 0) {
                 u16* sd = sxh + ((buf * 8 + (c >> 1)) * 2) * 16 + 8 * (c & 1) + 2 * jj + (t >> 1);
                 u32 gh = ds4_f16x2(g, 0.0f) & 0xffffu;
@@ -1406,15 +1384,12 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     xstore(0);
     int blk = warp >> 1, hh = warp & 1, c = 2 * blk + hh;
     float og = 0.0f, ou = 0.0f;
-    const u8* bg0 = stg + 84 * blk + gid * M3D_SROW; // this lane's rows in stage buffer 0
-    int cb = 0;                                        // stage s's buffer (s % NST)
     for (int s = 0; s < k; s++) {
         ds4_cp_wait<NST - 2>(); // this thread's copies of stage s have landed
         __syncthreads(); // everyone's, and x of slot s; stage s - 1 and x of slot s - 1 are free
         issue(s + NST - 1);
         xload(s + 1); // in flight during the math
-        const u8* bg = bg0 + cb * (16 * M3D_SROW);
-        cb = cb == NST - 1 ? 0 : cb + 1;
+        const u8* bg = stg + (s % NST) * 16 * M3D_SROW + 84 * blk + gid * M3D_SROW;
         const u8* bu = bg + 8 * M3D_SROW;
         const u32* qg = (const u32*)(bg + 16 + 32 * hh + 8 * tig);
         const u32* qu = (const u32*)(bu + 16 + 32 * hh + 8 * tig);
