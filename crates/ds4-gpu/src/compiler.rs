@@ -452,18 +452,11 @@ static HIPRTC_MOST: AtomicUsize = AtomicUsize::new(0);
 
 /// The defines every module gets on an NVIDIA device of compute capability `major.minor`.
 pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> {
-    let mut d = vec![
+    vec![
         ("DS4_CUDA".into(), "1".into()),
         ("DS4_WARP".into(), warp.to_string()),
         ("DS4_ARCH".into(), (100 * major + 10 * minor).to_string()),
-    ];
-    // DS4_GPU_L2_STREAM=1 (opt-in, read at each module compile): the one-token products' weight
-    // loads under an L2 evict-first policy (prelude.cuh ds4_ldw); a define, so the kernel cache
-    // keeps both forms apart.
-    if std::env::var("DS4_GPU_L2_STREAM").is_ok_and(|v| v.trim() == "1") {
-        d.push(("DS4_L2_STREAM".into(), "1".into()));
-    }
-    d
+    ]
 }
 
 /// The NVRTC arch for compute capability `major.minor`: the arch-specific `a` variant from 9.0

@@ -595,7 +595,7 @@ template <> struct MvqRaw<T_Q8_0> {
 template <> struct MvqRaw<T_F16> {
     uint4 v;
     __device__ __forceinline__ void load(const u8* __restrict__ row, int c, int q) {
-        v = ds4_ldw((const uint4*)(row + (size_t)c * 64 + q * 16));
+        v = *(const uint4*)(row + (size_t)c * 64 + q * 16);
     }
     __device__ __forceinline__ float dot(const float4& xa, const float4& xb, float acc) const {
         acc = fmaf(ds4_h2f_fast(v.x & 0xffffu), xa.x, acc);
@@ -807,7 +807,7 @@ __device__ __forceinline__ void mvr_ld(const uint4* const (&qp)[R], const u16* c
         if (h < hb)
 #pragma unroll
             for (int i = 0; i < R; i++) {
-                v[u][i] = ds4_ldw(qp[i] + h);
+                v[u][i] = qp[i][h];
                 if constexpr (IL) d[u][i] = ((const uint2*)dp[i])[h >> 3];
                 else d[u][i] = dp[i][h >> 1];
             }
@@ -850,7 +850,7 @@ __device__ __forceinline__ void mvr_acc(const uint4* const (&qp)[R], const u16* 
             if (PIPE && h + U * stride < hb) {
 #pragma unroll
                 for (int i = 0; i < R; i++) {
-                    v[u][i] = ds4_ldw(qp[i] + h + U * stride);
+                    v[u][i] = qp[i][h + U * stride];
                     if constexpr (IL) d[u][i] = ((const uint2*)dp[i])[(h + U * stride) >> 3];
                     else d[u][i] = dp[i][(h + U * stride) >> 1];
                 }
@@ -1258,7 +1258,7 @@ template <int T> struct MvxT;
 template <> struct MvxT<T_Q8_0> {
     static constexpr int C = 16; // columns per slot
     static __device__ __forceinline__ void load(const MvxRow& r, int h, uint4& v, u32& d) {
-        v = ds4_ldw(r.q + r.qo + h);
+        v = r.q[r.qo + h];
         d = r.d[r.dof + (h >> 1)];
     }
     static __device__ __forceinline__ void xload(const float4* xs, int h, float4 (&xv)[4]) {
@@ -1272,7 +1272,7 @@ template <> struct MvxT<T_Q8_0> {
 template <> struct MvxT<T_F16> {
     static constexpr int C = 8;
     static __device__ __forceinline__ void load(const MvxRow& r, int h, uint4& v, u32& d) {
-        v = ds4_ldw(r.q + r.qo + h);
+        v = r.q[r.qo + h];
         d = 0u;
     }
     static __device__ __forceinline__ void xload(const float4* xs, int h, float4 (&xv)[4]) {

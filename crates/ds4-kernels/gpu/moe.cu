@@ -994,11 +994,7 @@ DS4_KERNEL void DS4_BOUNDS(M2_THREADS) m2dn2_q4_k(M2DN_PARAMS) { ds4_pdl_enter()
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
 __device__ __forceinline__ void m3_cp16(void* dst, const void* src) {
     u32 d = (u32)__cvta_generic_to_shared(dst);
-#if defined(DS4_L2_STREAM) // weights: L2 evict-first (prelude.cuh ds4_ldw)
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "l"(ds4_l2_first()) : "memory");
-#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-#endif
 }
 // Eight floats as f16 pairs hi = f16(v) and lo = f16(v - hi) (the differences are exact): x to
 // ~22 bits as two B columns of one mma.

@@ -148,25 +148,3 @@ __device__ __forceinline__ void ds4_bar_named(int id, int n) {
 #define DS4_PDL_LATE \
     do {             \
     } while (0)
-
-// Weight streams of the one-token products (each byte read once a token: ~9.6 GB through a 50 MB
-// L2). With DS4_L2_STREAM (the host's DS4_GPU_L2_STREAM=1; CUDA sm_80+) they are loaded under an
-// L2 evict-first policy, so they evict one another before the glue's activations, partials and
-// KV rows; else (the default, HIP, older CUDA) plain loads. Weights never change during a
-// kernel, so the loads are plain (non-volatile) asm the compiler may schedule as loads.
-#if defined(DS4_CUDA) && DS4_ARCH >= 800 && defined(DS4_L2_STREAM)
-__device__ __forceinline__ u64 ds4_l2_first() {
-    u64 p;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ uint4 ds4_ldw(const uint4* a) {
-    uint4 r;
-    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(a), "l"(ds4_l2_first()));
-    return r;
-}
-#else
-__device__ __forceinline__ uint4 ds4_ldw(const uint4* a) { return *a; }
-#endif
