@@ -452,11 +452,24 @@ static HIPRTC_MOST: AtomicUsize = AtomicUsize::new(0);
 
 /// The defines every module gets on an NVIDIA device of compute capability `major.minor`.
 pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> {
-    vec![
+    let mut d = vec![
         ("DS4_CUDA".into(), "1".into()),
         ("DS4_WARP".into(), warp.to_string()),
         ("DS4_ARCH".into(), (100 * major + 10 * minor).to_string()),
-    ]
+    ];
+    // DS4_GPU_M3D_R32=0 (read at each module compile): the one-token routed down m3dn1ip_q2_k
+    // with 16 rows a CTA as before session 58 (moe.cu DS4_M3D_R16; the host launches d / 16).
+    if !m3d_r32() {
+        d.push(("DS4_M3D_R16".into(), "1".into()));
+    }
+    d
+}
+
+/// Whether `m3dn1ip_q2_k` takes 32 rows a CTA (moe.cu `m3dn2_body`, the default since session
+/// 58: decode +2.0% at 2k on the H200); DS4_GPU_M3D_R32=0 keeps 16 (a define, so the kernel
+/// cache keeps both; model/moe.rs launches d / 32 or d / 16 CTAs to match).
+pub fn m3d_r32() -> bool {
+    !std::env::var("DS4_GPU_M3D_R32").is_ok_and(|v| v.trim() == "0")
 }
 
 /// The NVRTC arch for compute capability `major.minor`: the arch-specific `a` variant from 9.0

@@ -1465,6 +1465,168 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
 }
 #endif
 
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+// m3dn1ip with 32 rows a CTA (the default; DS4_GPU_M3D_R32=0 defines DS4_M3D_R16, m3dn_body's 16;
+// the host launches d / 32 CTAs, one an SM): warp w takes row tile w / 8 and a whole block w % 8 (both 128-column halves
+// in turn, kept in separate sums so that the warps' order of m3dn_body stays: same bits), so a
+// slot's barrier, stage issue, x limbs and x-fragment loads serve twice the weights. Every
+// thread converts 4 values of x (not 256 threads 8): each warp the same work. Stage: 32 rows x
+// 688 bytes, M3D_DEEP of them (132 KB); red: [2 tiles][16 (block, half)][16 rows].
+#define M3D2_ROWS 32
+__device__ __forceinline__ void m3dn2_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
+                                           const float* __restrict__ hx, int k, float* __restrict__ out, int rows,
+                                           long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
+    constexpr int NST = M3D_DEEP;
+    uint4* xf = (uint4*)moe_smem;                 // [2][cols / 128 chunks][4 groups][4 limbs][4 tig] uint2
+    u16* sxh = (u16*)(xf + 2 * 512);              // [2][8 blocks][2 parts][16 groups]
+    float* red = (float*)(sxh + 2 * 8 * 2 * 16); // [2 tiles][16][16 rows]
+    float* scl = red + 2 * 16 * 16;               // [2][32]: x scale (with the limbs' 2^15), final factor
+    u8* stg = (u8*)(scl + 64);                    // NST stages of 32 rows
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    int r0 = blockIdx.x * M3D2_ROWS;
+    // This thread's copies of a stage: items tid + 512 m (m < 3) of 32 rows x 42 vectors.
+    int cd[3];
+    long long co[3];
+#pragma unroll
+    for (int m = 0; m < 3; m++) {
+        int it = min(tid + M3D_THREADS * m, M3D2_ROWS * 42 - 1), r = it / 42, v = it - 42 * r;
+        cd[m] = r * M3D_SROW + 16 * v;
+        co[m] = (long long)min(r0 + r, rows - 1) * row_bytes + 16 * v;
+    }
+    const bool c2 = tid + 2 * M3D_THREADS < M3D2_ROWS * 42;
+    int selr = lane < k ? sel[lane] : 0;
+    int ib = 0;
+    auto issue = [&](int s) {
+        int es = __shfl_sync(0xffffffffu, selr, s & 31);
+        u8* dst = stg + ib * (M3D2_ROWS * M3D_SROW);
+        ib = ib == NST - 1 ? 0 : ib + 1;
+        if (s < k) {
+            const u8* wb = W + (long long)max(es, 0) * slab;
+            m3_cp16(dst + cd[0], wb + co[0]);
+            m3_cp16(dst + cd[1], wb + co[1]);
+            if (c2) m3_cp16(dst + cd[2], wb + co[2]);
+        }
+        ds4_cp_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < NST - 1; i++) issue(i);
+    ds4_pdl_enter(); // the rows above read only weights and sel (see m3dn_body's LATE)
+    // x: thread tid holds 4 values, quad tid of the 8-value entries q = tid / 2 of m3dn_body
+    // (entry q = (chunk c, group jj, tig t): h[128c + 32jj + 8t ..]; half tid & 1).
+    const int xq = tid >> 1, xh = tid & 1, xc = xq >> 4, xj = (xq >> 2) & 3, xt = xq & 3;
+    float4 xa = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto xload = [&](int s) {
+        if (s < k) xa = *(const float4*)(hx + (long long)s * hs + 128 * xc + 32 * xj + 8 * xt + 4 * xh);
+    };
+    xload(0);
+    for (int s = warp; s < k; s += 16) { // sigma per slot (as m3dn_body)
+        float mv[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) mv[j] = lane + 32 * j < ngu ? mx[s * ngu + lane + 32 * j] : 0.0f;
+        float am = fmaxf(fmaxf(0.0f, mv[0]), fmaxf(mv[1], fmaxf(mv[2], mv[3])));
+        for (int i = lane + 128; i < ngu; i += 32) am = fmaxf(am, mx[s * ngu + i]);
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+        if (lane == 0) scl[s] = __uint_as_float((u32)(127 + 15 + sig) << 23), scl[32 + s] = __uint_as_float((u32)(127 + 24 - sig) << 23);
+    }
+    __syncthreads();
+    // Slot s's x as limbs (m3dn_body's values: v = x 2^(sigma + 15)) and its 16-column group
+    // sums: a = this thread's 4, a + the other half's 4 (commutative: the same sum as m3dn_body's
+    // 8), + the neighbour entry's (lower tig first) / 16.
+    auto xstore = [&](int s) {
+        if (s < k) {
+            int buf = s & 1;
+            float xsc = scl[s];
+            float v[4] = {xa.x * xsc, xa.y * xsc, xa.z * xsc, xa.w * xsc};
+            u32 l[4];
+            m3_limbs4(__float2int_rn(v[0]), __float2int_rn(v[1]), __float2int_rn(v[2]), __float2int_rn(v[3]), l);
+            u32* xd = (u32*)((uint2*)(xf + buf * 512) + (xc * 4 + xj) * 16 + xt) + xh;
+#pragma unroll
+            for (int n = 0; n < 4; n++) xd[8 * (n ^ xj)] = l[n];
+            float a = (v[0] + v[1]) + (v[2] + v[3]);
+            float o = __shfl_xor_sync(0xffffffffu, a, 1);
+            float sm = xh ? o + a : a + o;
+            float ot = __shfl_xor_sync(0xffffffffu, sm, 2);
+            float g = ((xt & 1) ? ot + sm : sm + ot) * 0x1p-19f;
+            if ((xt & 1) == 0 && xh == 0) {
+                u16* sd = sxh + ((buf * 8 + (xc >> 1)) * 2) * 16 + 8 * (xc & 1) + 2 * xj + (xt >> 1);
+                u32 gh = ds4_f16x2(g, 0.0f) & 0xffffu;
+                sd[0] = (u16)gh;
+                sd[16] = (u16)(ds4_f16x2(g - ds4_h2f_fast(gh), 0.0f) & 0xffffu);
+            }
+        }
+    };
+    xstore(0);
+    const int rt = warp >> 3, blk = warp & 7;
+    float og[2] = {0.0f, 0.0f}, ou[2] = {0.0f, 0.0f}; // per half (m3dn_body's warps 2 blk + hh)
+    const u8* bg0 = stg + (16 * rt + gid) * M3D_SROW + 84 * blk;
+    int cb = 0;
+    for (int s = 0; s < k; s++) {
+        ds4_cp_wait<NST - 2>();
+        __syncthreads();
+        issue(s + NST - 1);
+        xload(s + 1);
+        const u8* bg = bg0 + cb * (M3D2_ROWS * M3D_SROW);
+        const u8* bu = bg + 8 * M3D_SROW;
+        cb = cb == NST - 1 ? 0 : cb + 1;
+        const float fin = scl[32 + s];
+        const u32 ddg = *(const u32*)(bg + 80), ddu = *(const u32*)(bu + 80);
+        const float dg = ds4_h2f_fast(ddg & 0xffffu), du = ds4_h2f_fast(ddu & 0xffffu);
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int c = 2 * blk + hh;
+            const u32* qg = (const u32*)(bg + 16 + 32 * hh + 8 * tig);
+            const u32* qu = (const u32*)(bu + 16 + 32 * hh + 8 * tig);
+            u32 q0g = qg[0], q1g = qg[1], q0u = qu[0], q1u = qu[1];
+            u32 s0g = *(const u32*)(bg + 8 * hh), s1g = *(const u32*)(bg + 8 * hh + 4);
+            u32 s0u = *(const u32*)(bu + 8 * hh), s1u = *(const u32*)(bu + 8 * hh + 4);
+            const uint2* xp = (const uint2*)(xf + (s & 1) * 512) + (c * 4) * 16 + tig;
+            int cc[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                uint2 b = xp[j * 16 + 4 * ((gid & 3) ^ j)];
+                int sh = 8 * (2 * (j & 1) + (tig >> 1));
+                u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
+                u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
+                u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
+                m3_mma_s8(cc, v0g * mg, v0u * mu, v1g * mg, v1u * mu, b.x, b.y);
+            }
+            float f0 = tig ? 0x1p-23f : 0x1p-39f, f1 = tig ? 0x1p-15f : 0x1p-31f;
+            float ag = dg * fmaf((float)cc[1], f1, (float)cc[0] * f0);
+            float au = du * fmaf((float)cc[3], f1, (float)cc[2] * f0);
+            if (hh == 0) { // the block's mins (m3dn_body's hh = 0 warp)
+                u32 m0g = *(const u16*)(bg + 2 * tig), m1g = *(const u16*)(bg + 2 * tig + 8);
+                u32 m0u = *(const u16*)(bu + 2 * tig), m1u = *(const u16*)(bu + 2 * tig + 8);
+                auto mins = [](u32 v) { return ((v >> 4) & 15u) | ((v >> 12) << 16); };
+                const u32* sp = (const u32*)(sxh + (((s & 1) * 8 + blk) * 2 + (gid & 1)) * 16);
+                u32 b0 = sp[tig], b1 = sp[tig + 4];
+                float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                m3_mma(cm, mins(m0g), mins(m0u), mins(m1g), mins(m1u), b0, b1);
+                float mf = tig != 0 ? 0.0f : -16.0f;
+                ag = fmaf(mf * ds4_h2f_fast(ddg >> 16), cm[0] + cm[1], ag);
+                au = fmaf(mf * ds4_h2f_fast(ddu >> 16), cm[2] + cm[3], au);
+            }
+            og[hh] = fmaf(fin, ag, og[hh]);
+            ou[hh] = fmaf(fin, au, ou[hh]);
+        }
+        xstore(s + 1);
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        float a = og[hh] + __shfl_xor_sync(0xffffffffu, og[hh], 1);
+        float b = ou[hh] + __shfl_xor_sync(0xffffffffu, ou[hh], 1);
+        if (tig == 0) red[(rt * 16 + 2 * blk + hh) * 16 + gid] = a, red[(rt * 16 + 2 * blk + hh) * 16 + 8 + gid] = b;
+    }
+    __syncthreads();
+    if (tid < M3D2_ROWS && r0 + tid < rows) {
+        float o = 0.0f; // m3dn_body's warps in order
+        for (int w = 0; w < 16; w++) o += red[((tid >> 4) * 16 + w) * 16 + (tid & 15)];
+        out[r0 + tid] = o;
+    }
+}
+#endif
+
 // The v2 gate/up parameters (lk unused: h in plain order) and mx. HIP and sm < 80: no body (the
 // host launches these only on CUDA sm_80+).
 #define M3GU_PARAMS M2GU_PARAMS, float *__restrict__ mx
@@ -1611,12 +1773,22 @@ DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restr
 }
 // The same on int8 tensor cores, 6 stages, the weights' loads before the PDL wait
 // (m3dn_body<true>: see there).
+#if !defined(DS4_M3D_R16)
+DS4_KERNEL void DS4_BOUNDS(M3D_THREADS) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+    DS4_PDL_LATE;
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    const long long t_ = blockIdx.y;
+    m3dn2_body(W, sel + t_ * k, slab, hx + t_ * k * hs, k, out + t_ * rows, rows, row_bytes, hs, mx + t_ * k * ngu, ngu);
+#endif
+}
+#else
 DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     DS4_PDL_LATE;
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     M3DN_TOK(true)
 #endif
 }
+#endif
 
 // Expert parallelism (ds4_backend::shard::localize, the host rule these values must equal): the
 // router's [n, k] global selections and weights of a rank holding experts e0 .. e0 + count.

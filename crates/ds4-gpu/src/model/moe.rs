@@ -100,6 +100,12 @@ fn v3d_smem(nst: usize) -> usize {
     2 * 512 * 16 + 2 * 8 * 2 * 16 * 2 + 16 * 16 * 4 + 64 * 4 + nst * 16 * 688
 }
 
+/// `m3dn2_body` (the v3ip down's default; DS4_GPU_M3D_R32=0: v3d_smem): as v3d_smem with
+/// partials of two row tiles and `V3D_DEEP` stages of 32 rows.
+fn v3d_smem_r32() -> usize {
+    2 * 512 * 16 + 2 * 8 * 2 * 16 * 2 + 2 * 16 * 16 * 4 + 64 * 4 + V3D_DEEP * 32 * 688
+}
+
 /// Whether the v3d down covers dn: n = 1..4 tokens (a grid row each), Q2_K rows of 2048
 /// columns, at most MAXP pairs.
 fn v3d_fits(dn: Mat, n: usize, k: usize) -> bool {
@@ -452,11 +458,13 @@ impl GpuBackend {
             Some(mx) => {
                 tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
                 let (f, nst) = if i8dn { ("ip", V3D_DEEP) } else { ("", 2) };
+                // The int8 down with 32 rows a CTA (m3dn2_body; DS4_GPU_M3D_R32=0: 16).
+                let r32 = i8dn && crate::compiler::m3d_r32();
                 (
                     format!("m3dn1{f}_{}", dn.1),
-                    d.div_ceil(16),
+                    d.div_ceil(if r32 { 32 } else { 16 }),
                     V3D_THREADS,
-                    v3d_smem(nst),
+                    if r32 { v3d_smem_r32() } else { v3d_smem(nst) },
                 )
             }
             None => (
