@@ -459,17 +459,20 @@ pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> 
     ];
     // DS4_GPU_M3D_R32=0 (read at each module compile): the one-token routed down m3dn1ip_q2_k
     // with 16 rows a CTA as before session 58 (moe.cu DS4_M3D_R16; the host launches d / 16).
-    if !m3d_r32() {
+    if !m3d_r32(major, minor) {
         d.push(("DS4_M3D_R16".into(), "1".into()));
     }
     d
 }
 
-/// Whether `m3dn1ip_q2_k` takes 32 rows a CTA (moe.cu `m3dn2_body`, the default since session
-/// 58: decode +2.0% at 2k on the H200); DS4_GPU_M3D_R32=0 keeps 16 (a define, so the kernel
-/// cache keeps both; model/moe.rs launches d / 32 or d / 16 CTAs to match).
-pub fn m3d_r32() -> bool {
-    !std::env::var("DS4_GPU_M3D_R32").is_ok_and(|v| v.trim() == "0")
+/// Whether `m3dn1ip_q2_k` takes 32 rows a CTA on compute capability `major.minor` (moe.cu
+/// `m3dn2_body`; decode +2.0% at 2k on the H200, session 58): Hopper and datacenter Blackwell
+/// only. Its 148 KB of shared memory exceed the 99 KB of sm_86 / sm_89 / sm_120 cards, and its
+/// d / 32 = 128 CTAs (one an SM) would leave an A100's 108 SMs a second wave. DS4_GPU_M3D_R32=0
+/// keeps 16 rows everywhere (a define, so the kernel cache keeps both; model/moe.rs launches d /
+/// 32 or d / 16 CTAs to match).
+pub fn m3d_r32(major: u32, _minor: u32) -> bool {
+    (major == 9 || major == 10) && !std::env::var("DS4_GPU_M3D_R32").is_ok_and(|v| v.trim() == "0")
 }
 
 /// The NVRTC arch for compute capability `major.minor`: the arch-specific `a` variant from 9.0
@@ -505,5 +508,31 @@ pub fn hip_default_warp(gfx: &str) -> u32 {
         32
     } else {
         64
+    }
+}
+
+#[cfg(test)]
+mod m3d_form_tests {
+    use super::*;
+
+    /// The 32-row routed down (148 KB of shared memory, one CTA an SM) only where it fits and
+    /// was measured to pay: Hopper and datacenter Blackwell; 16 rows on Ampere / Ada / sm_120.
+    #[test]
+    fn m3d_rows_follow_the_arch() {
+        if std::env::var("DS4_GPU_M3D_R32").is_ok() {
+            eprintln!("skipped: DS4_GPU_M3D_R32 is set in the environment");
+            return;
+        }
+        let r16 = |ma, mi| {
+            cuda_defines(ma, mi, 32)
+                .iter()
+                .any(|(k, _)| k == "DS4_M3D_R16")
+        };
+        for (ma, mi) in [(8, 0), (8, 6), (8, 9), (12, 0)] {
+            assert!(r16(ma, mi) && !m3d_r32(ma, mi), "sm_{ma}{mi}: 16 rows");
+        }
+        for (ma, mi) in [(9, 0), (10, 0)] {
+            assert!(!r16(ma, mi) && m3d_r32(ma, mi), "sm_{ma}{mi}: 32 rows");
+        }
     }
 }

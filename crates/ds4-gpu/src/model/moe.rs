@@ -459,7 +459,11 @@ impl GpuBackend {
                 tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
                 let (f, nst) = if i8dn { ("ip", V3D_DEEP) } else { ("", 2) };
                 // The int8 down with 32 rows a CTA (m3dn2_body; DS4_GPU_M3D_R32=0: 16).
-                let r32 = i8dn && crate::compiler::m3d_r32();
+                // (cuda_defines picks the kernel's form by the same rule.)
+                let info = self.gpu.info();
+                let r32 = i8dn
+                    && info.vendor == crate::runtime::Vendor::Nvidia
+                    && crate::compiler::m3d_r32(info.cc.0, info.cc.1);
                 (
                     format!("m3dn1{f}_{}", dn.1),
                     d.div_ceil(if r32 { 32 } else { 16 }),
