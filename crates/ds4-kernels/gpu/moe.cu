@@ -1284,6 +1284,22 @@ __device__ __forceinline__ void m3_limbs4(int x0, int x1, int x2, int x3, u32 (&
     l[2] = ds4_prmt(b, d, 0x5410) ^ 0x80808080u;
     l[3] = ds4_prmt(b, d, 0x7632) ^ 0x80808080u;
 }
+// A warp's 128-column half of a Q2_K block for 16 rows (gate-named rows gid, up-named gid + 8;
+// qs words q0 / q1 and scale words s0 / s1 of each) on int8 tensor cores: 4 mma into c. B: limb
+// gid & 3 of x (xp: this half's limbs, lane tig).
+__device__ __forceinline__ void m3d_half_i8(int (&c)[4], const uint2* xp, int gid, int tig, u32 q0g, u32 q1g, u32 q0u,
+                                            u32 q1u, u32 s0g, u32 s1g, u32 s0u, u32 s1u) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint2 b = xp[j * 16 + 4 * ((gid & 3) ^ j)];
+        int sh = 8 * (2 * (j & 1) + (tig >> 1));
+        u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
+        u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
+        u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
+        // Four bytes q * scale <= 45 each (no carry): the int8 weights.
+        m3_mma_s8(c, v0g * mg, v0u * mu, v1g * mg, v1u * mu, b.x, b.y);
+    }
+}
 template <bool I8>
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
@@ -1398,16 +1414,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
             // B: limb gid & 3 (lanes gid >= 4 duplicate 0-3 into C columns never read).
             const uint2* xp = (const uint2*)(xf + (s & 1) * 512) + (c * 4) * 16 + tig;
             int ci[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                uint2 b = xp[j * 16 + 4 * ((gid & 3) ^ j)];
-                int sh = 8 * (2 * (j & 1) + (tig >> 1));
-                u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
-                u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
-                u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
-                // Four bytes q * scale <= 45 each (no carry): the int8 weights.
-                m3_mma_s8(ci, v0g * mg, v0u * mu, v1g * mg, v1u * mu, b.x, b.y);
-            }
+            m3d_half_i8(ci, xp, gid, tig, q0g, q1g, q0u, q1u, s0g, s1g, s0u, s1u);
             // Columns 2 tig, 2 tig + 1 = limbs of weight 2^(16 tig), 2^(16 tig + 8); times 2^-39.
             float f0 = tig ? 0x1p-23f : 0x1p-39f, f1 = tig ? 0x1p-15f : 0x1p-31f;
             sg2 = fmaf((float)ci[1], f1, (float)ci[0] * f0);
@@ -1583,15 +1590,7 @@ __device__ __forceinline__ void m3dn2_body(const u8* __restrict__ W, const int* 
             u32 s0u = *(const u32*)(bu + 8 * hh), s1u = *(const u32*)(bu + 8 * hh + 4);
             const uint2* xp = (const uint2*)(xf + (s & 1) * 512) + (c * 4) * 16 + tig;
             int cc[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                uint2 b = xp[j * 16 + 4 * ((gid & 3) ^ j)];
-                int sh = 8 * (2 * (j & 1) + (tig >> 1));
-                u32 mg = ((j < 2 ? s0g : s1g) >> sh) & 15u, mu = ((j < 2 ? s0u : s1u) >> sh) & 15u;
-                u32 v0g = (q0g >> (2 * j)) & 0x03030303u, v1g = (q1g >> (2 * j)) & 0x03030303u;
-                u32 v0u = (q0u >> (2 * j)) & 0x03030303u, v1u = (q1u >> (2 * j)) & 0x03030303u;
-                m3_mma_s8(cc, v0g * mg, v0u * mu, v1g * mg, v1u * mu, b.x, b.y);
-            }
+            m3d_half_i8(cc, xp, gid, tig, q0g, q1g, q0u, q1u, s0g, s1g, s0u, s1u);
             float f0 = tig ? 0x1p-23f : 0x1p-39f, f1 = tig ? 0x1p-15f : 0x1p-31f;
             float ag = dg * fmaf((float)cc[1], f1, (float)cc[0] * f0);
             float au = du * fmaf((float)cc[3], f1, (float)cc[2] * f0);
