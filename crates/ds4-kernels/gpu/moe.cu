@@ -1772,22 +1772,24 @@ DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restr
 }
 // The same on int8 tensor cores, 6 stages, the weights' loads before the PDL wait
 // (m3dn_body<true>: see there).
+// One definition (the kernel lists are read from the sources): 32 rows a CTA, one CTA an SM
+// (m3dn2_body), or with DS4_M3D_R16 m3dn_body's 16 rows, two CTAs an SM.
 #if !defined(DS4_M3D_R16)
-DS4_KERNEL void DS4_BOUNDS(M3D_THREADS) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
+#define M3D_IP_LB M3D_THREADS
+#else
+#define M3D_IP_LB M3D_LB2
+#endif
+DS4_KERNEL void DS4_BOUNDS(M3D_IP_LB) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     DS4_PDL_LATE;
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
+#if !defined(DS4_M3D_R16)
     const long long t_ = blockIdx.y;
     m3dn2_body(W, sel + t_ * k, slab, hx + t_ * k * hs, k, out + t_ * rows, rows, row_bytes, hs, mx + t_ * k * ngu, ngu);
-#endif
-}
 #else
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
-    DS4_PDL_LATE;
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
     M3DN_TOK(true)
 #endif
-}
 #endif
+}
 
 // Expert parallelism (ds4_backend::shard::localize, the host rule these values must equal): the
 // router's [n, k] global selections and weights of a rank holding experts e0 .. e0 + count.
