@@ -9,13 +9,14 @@ Prints, per kernel whose name contains KERNEL_SUBSTRING: its instruction count, 
 backward branch's target .. the branch: instructions in that span and their mix by opcode), and
 with --full the whole listing. --env sets an environment variable for the compile (kernel
 variants keyed by a define, e.g. DS4_GPU_L2_STREAM=1).
-Needs LD_LIBRARY_PATH / DS4_NVRTC_LIB pointing at an NVRTC 13 (README: "Offline kernel checks").
+Needs LD_LIBRARY_PATH / DS4_NVRTC_LIB pointing at an NVRTC 13 (13.0 is what the H200 machine runs).
 """
 import argparse
 import collections
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ def find_nvdisasm():
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("module")
     ap.add_argument("kernel", nargs="?", default="")

@@ -1284,6 +1284,25 @@ __device__ __forceinline__ void m3_limbs4(int x0, int x1, int x2, int x3, u32 (&
     l[2] = ds4_prmt(b, d, 0x5410) ^ 0x80808080u;
     l[3] = ds4_prmt(b, d, 0x7632) ^ 0x80808080u;
 }
+// The down's x scale per slot (16 warps): sigma from the gate/up CTAs' maxima mx[s][ngu] (max
+// is order-free: deterministic); scl[s] = 2^(sigma + e), scl[32 + s] = 2^(24 - sigma). The first
+// 128 of a slot requested at once (ngu = 86 at the model shape; a loop that waited on each in turn
+// had its two FMNMX on long scoreboard at 13% of m3dn1ip's stall samples under ncu).
+__device__ __forceinline__ void m3d_sigma(const float* __restrict__ mx, int k, int ngu, int warp, int lane, int e,
+                                          float* scl) {
+    for (int s = warp; s < k; s += 16) {
+        float mv[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) mv[j] = lane + 32 * j < ngu ? mx[s * ngu + lane + 32 * j] : 0.0f;
+        float am = fmaxf(fmaxf(0.0f, mv[0]), fmaxf(mv[1], fmaxf(mv[2], mv[3])));
+        for (int i = lane + 128; i < ngu; i += 32) am = fmaxf(am, mx[s * ngu + i]);
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
+        if (lane == 0) scl[s] = __uint_as_float((u32)(127 + e + sig) << 23), scl[32 + s] = __uint_as_float((u32)(127 + 24 - sig) << 23);
+    }
+}
+
 // A warp's 128-column half of a Q2_K block for 16 rows (gate-named rows gid, up-named gid + 8;
 // qs words q0 / q1 and scale words s0 / s1 of each) on int8 tensor cores: 4 mma into c. B: limb
 // gid & 3 of x (xp: this half's limbs, lane tig).
@@ -1348,20 +1367,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     // Slot 0's x (written by the gate/up kernel) requested now, in flight with the maxima: the
     // two load latencies overlap instead of following each other (xstore(0) below converts it).
     xload(0);
-    // sigma per slot from the gate/up maxima (max is order-free: deterministic); the first 128
-    // of a slot requested at once (ngu = 86 at the model shape; the loop waited on each in turn:
-    // ncu, its two FMNMX on long scoreboard were 13% of m3dn1ip's stall samples).
-    for (int s = warp; s < k; s += 16) {
-        float mv[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) mv[j] = lane + 32 * j < ngu ? mx[s * ngu + lane + 32 * j] : 0.0f;
-        float am = fmaxf(fmaxf(0.0f, mv[0]), fmaxf(mv[1], fmaxf(mv[2], mv[3])));
-        for (int i = lane + 128; i < ngu; i += 32) am = fmaxf(am, mx[s * ngu + i]);
-#pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
-        if (lane == 0) scl[s] = __uint_as_float((u32)(127 + sig) << 23), scl[32 + s] = __uint_as_float((u32)(127 + 24 - sig) << 23);
-    }
+    m3d_sigma(mx, k, ngu, warp, lane, 0, scl);
     __syncthreads();
     auto xstore = [&](int s) {
         if (tid < 256 && s < k) {
@@ -1526,17 +1532,7 @@ __device__ __forceinline__ void m3dn2_body(const u8* __restrict__ W, const int* 
         if (s < k) xa = *(const float4*)(hx + (long long)s * hs + 128 * xc + 32 * xj + 8 * xt + 4 * xh);
     };
     xload(0);
-    for (int s = warp; s < k; s += 16) { // sigma per slot (as m3dn_body)
-        float mv[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) mv[j] = lane + 32 * j < ngu ? mx[s * ngu + lane + 32 * j] : 0.0f;
-        float am = fmaxf(fmaxf(0.0f, mv[0]), fmaxf(mv[1], fmaxf(mv[2], mv[3])));
-        for (int i = lane + 128; i < ngu; i += 32) am = fmaxf(am, mx[s * ngu + i]);
-#pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-        int ex = (int)((__float_as_uint(am) >> 23) & 255u) - 127, sig = min(max(14 - ex, -100), 100);
-        if (lane == 0) scl[s] = __uint_as_float((u32)(127 + 15 + sig) << 23), scl[32 + s] = __uint_as_float((u32)(127 + 24 - sig) << 23);
-    }
+    m3d_sigma(mx, k, ngu, warp, lane, 15, scl); // sigma per slot, with the limbs' 2^15
     __syncthreads();
     // Slot s's x as limbs (m3dn_body's values: v = x 2^(sigma + 15)) and its 16-column group
     // sums: a = this thread's 4, a + the other half's 4 (commutative: the same sum as m3dn_body's
