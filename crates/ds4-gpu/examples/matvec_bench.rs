@@ -136,8 +136,16 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
 /// `matvec_bench reps q8`: the n = 1 decode products of the model (Q8_0 on the decode-layout
 /// copy, F16 rows, the merged sets), the previous forms (`mvr`/`mvrm`/`mvrgu`, `mvq`/`mvqm`:
 /// q8 form 0) against the `mvx*` forms (x staged in shared memory) and grids; eager (wall clock
-/// of queued launches) and graph-recorded (about device time) per call.
-fn q8_only(gpu: &GpuBackend, reps: usize) {
+/// of queued launches) and graph-recorded (about device time) per call. `hot` (`matvec_bench
+/// REPS q8 hot`): one copy of each weight, called over and over, so that a product that fits the
+/// L2 (H100 / H200: 50 MB) reads it from there: the ceiling of an L2 prefetch of that product.
+fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool) {
+    let keep = |mut v: Vec<W>| {
+        if hot {
+            v.truncate(1);
+        }
+        v
+    };
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
     let line = |what: String, bytes: f64, e: f64, g: f64| {
         println!(
@@ -168,6 +176,7 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
         ("head", 4096, 129280, 1),
     ] {
         let (ws, bytes) = copies(gpu, GgmlType::Q8_0, cols, rows);
+        let ws = keep(ws);
         let x: Vec<f32> = (0..cols * groups)
             .map(|_| rng.gen_range(-1.0..1.0))
             .collect();
@@ -214,7 +223,10 @@ fn q8_only(gpu: &GpuBackend, reps: usize) {
         ),
     ];
     for (name, ty, cols, rows) in sets {
-        let (sets, bytes) = set_copies(gpu, ty, cols, rows);
+        let (mut sets, bytes) = set_copies(gpu, ty, cols, rows);
+        if hot {
+            sets.truncate(1);
+        }
         let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let x = gpu.upload(&x);
         let mut ys: Vec<B> = rows.iter().map(|&r| gpu.alloc(r)).collect();
@@ -564,6 +576,7 @@ fn f2(gpu: &GpuBackend, reps: usize) {
 fn main() {
     let reps: usize = common::arg(1, 100);
     let only_q8 = std::env::args().nth(2).as_deref() == Some("q8");
+    let hot = std::env::args().nth(3).as_deref() == Some("hot");
     let g = common::open_gpu();
     let info = g.info().clone();
     println!(
@@ -572,7 +585,15 @@ fn main() {
     );
     let gpu = GpuBackend::new(g, &rope_tables(&HParams::tiny())).expect("backend");
     if only_q8 {
-        q8_only(&gpu, reps);
+        println!(
+            "-- {} --",
+            if hot {
+                "hot: one copy of each weight (L2-resident where it fits)"
+            } else {
+                "cold: copies rotated over >= 256 MB"
+            }
+        );
+        q8_only(&gpu, reps, hot);
         return;
     }
     if std::env::args().nth(2).as_deref() == Some("il") {

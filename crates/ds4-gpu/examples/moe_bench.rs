@@ -9,7 +9,8 @@
 //! on tensor cores, nbA gate/up tiles of 8 rows per CTA, default 3; elsewhere v2 with nbA/B),
 //! v3ip (v3d with the int8 down `m3dn1ip_q2_k`, the n = 1 default).
 //! `moe_bench [reps] [n_max]`; `MOE_BENCH_FORMS=v2,v3d` runs only the forms so named,
-//! `MOE_BENCH_WARM=0` without the 5 warm-up calls (profilers).
+//! `MOE_BENCH_WARM=0` without the 5 warm-up calls (profilers), `MOE_BENCH_SELS=1` one selection
+//! every call (its experts from L2).
 
 use ds4_backend::{Backend, Fill, GgmlType, MoeSpec, WeightKind};
 use ds4_gpu::{Gpu, GpuBackend};
@@ -115,6 +116,14 @@ fn main() {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(5);
+            // MOE_BENCH_SELS=s: rotate over the first s selections only (1: the same 6 experts
+            // every call, ~43 MB at n = 1 in the q2 mix: mostly L2-resident, the ceiling of a
+            // prefetch of the selected experts).
+            let nsel: usize = std::env::var("MOE_BENCH_SELS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(64)
+                .clamp(1, 64);
             for (form, on, f, rb, (nb, nbr)) in forms {
                 if !only.is_empty() && !only.split(',').any(|o| form.contains(o)) {
                     continue;
@@ -124,7 +133,7 @@ fn main() {
                 GpuBackend::set_moe_gu_rows(rb);
                 GpuBackend::set_moe_v2_tiles(nb, nbr);
                 let call = |i: usize, out: &mut B| {
-                    gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &sels[i % 64], &wgt, n, out)
+                    gpu.moe_experts(&spec, &wg, &wu, &wd, &z, &sels[i % nsel], &wgt, n, out)
                 };
                 for i in 0..warm {
                     call(i, &mut out);
