@@ -139,7 +139,11 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
 /// of queued launches) and graph-recorded (about device time) per call. `hot` (`matvec_bench
 /// REPS q8 hot`): one copy of each weight, called over and over, so that a product that fits the
 /// L2 (H100 / H200: 50 MB) reads it from there: the ceiling of an L2 prefetch of that product.
-fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool) {
+/// `pf` (`q8 pf-same` / `q8 pf-next`, the default forms only): before each product the L2 hint
+/// kernel (`Backend::prefetch`, elementwise.cu `prefetch_l2`; `DS4_GPU_PF_FORM` picks its form)
+/// for the same weight (1: racing the product; where the hint fills the L2 usefully the pair
+/// costs about the bytes at full DRAM speed, else the bytes twice) or the next call's (2).
+fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool, pf: usize) {
     let keep = |mut v: Vec<W>| {
         if hot {
             v.truncate(1);
@@ -183,10 +187,16 @@ fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool) {
         let x = gpu.upload(&x);
         let mut y = gpu.alloc(rows);
         for (fname, form, ctas, spread) in forms {
+            if pf > 0 && fname != "default" {
+                continue;
+            }
             GpuBackend::set_matvec_defaults();
             GpuBackend::set_matvec_q8_form(form, ctas);
             GpuBackend::set_matvec_mvx_spread(spread);
             let mut call = |i: usize| {
+                if pf > 0 {
+                    gpu.prefetch(&[&ws[(i + pf - 1) % ws.len()]], 1);
+                }
                 let w = &ws[i % ws.len()];
                 if groups > 1 {
                     gpu.matmul_grouped(w, groups, &x, 1, &mut y)
@@ -576,7 +586,16 @@ fn f2(gpu: &GpuBackend, reps: usize) {
 fn main() {
     let reps: usize = common::arg(1, 100);
     let only_q8 = std::env::args().nth(2).as_deref() == Some("q8");
-    let hot = std::env::args().nth(3).as_deref() == Some("hot");
+    let mode = std::env::args().nth(3).unwrap_or_default();
+    let hot = mode == "hot";
+    let pf = match mode.as_str() {
+        "pf-same" => 1,
+        "pf-next" => 2,
+        _ => 0,
+    };
+    if pf > 0 {
+        GpuBackend::set_prefetch_mb(254);
+    }
     let g = common::open_gpu();
     let info = g.info().clone();
     println!(
@@ -587,13 +606,14 @@ fn main() {
     if only_q8 {
         println!(
             "-- {} --",
-            if hot {
-                "hot: one copy of each weight (L2-resident where it fits)"
-            } else {
-                "cold: copies rotated over >= 256 MB"
+            match (hot, pf) {
+                (true, _) => "hot: one copy of each weight (L2-resident where it fits)",
+                (_, 1) => "cold, each product after an L2 hint for its own weight",
+                (_, 2) => "cold, each product after an L2 hint for the next call's weight",
+                _ => "cold: copies rotated over >= 256 MB",
             }
         );
-        q8_only(&gpu, reps, hot);
+        q8_only(&gpu, reps, hot, pf);
         return;
     }
     if std::env::args().nth(2).as_deref() == Some("il") {

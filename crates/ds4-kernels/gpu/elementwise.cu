@@ -244,8 +244,10 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
             const char* p = a[r] + c * chunk;
             const long long left = n[r] / 16 * 16 - c * chunk;
             const unsigned int bytes = (unsigned int)(left < chunk ? left : chunk);
-#if DS4_ARCH >= 900
+#if DS4_ARCH >= 900 && !defined(DS4_PF_FORM)
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#elif defined(DS4_PF_FORM) && DS4_PF_FORM == 2
+            for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + o));
 #else
             for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 #endif
