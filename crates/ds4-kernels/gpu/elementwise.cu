@@ -248,6 +248,21 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #elif defined(DS4_PF_FORM) && DS4_PF_FORM == 2
             for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + o));
+#elif defined(DS4_PF_FORM) && DS4_PF_FORM == 3
+            // Loads that complete (one word a 32-byte sector, L2 only), kept alive by a store that
+            // never happens (the sum of random weights is not this value in practice).
+            u32 acc = 0;
+            for (unsigned int o = 0; o < bytes; o += 256) {
+                u32 w[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    w[k] = 0u;
+                    if (o + 32u * k < bytes) asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(w[k]) : "l"(p + o + 32 * k));
+                }
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc ^= w[k];
+            }
+            if (acc == 0x9e3779b9u && bytes == 16u) *(volatile u32*)a0 = acc;
 #else
             for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 #endif
