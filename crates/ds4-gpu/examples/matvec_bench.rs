@@ -140,9 +140,11 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
 /// REPS q8 hot`): one copy of each weight, called over and over, so that a product that fits the
 /// L2 (H100 / H200: 50 MB) reads it from there: the ceiling of an L2 prefetch of that product.
 /// `pf` (`q8 pf-same` / `q8 pf-next`, the default forms only): before each product the L2 hint
-/// kernel (`Backend::prefetch`, elementwise.cu `prefetch_l2`; `DS4_GPU_PF_FORM` picks its form)
-/// for the same weight (1: racing the product; where the hint fills the L2 usefully the pair
-/// costs about the bytes at full DRAM speed, else the bytes twice) or the next call's (2).
+/// kernel (`Backend::prefetch`, elementwise.cu `prefetch_l2`) for the same weight (1: racing the
+/// product; where the hint fills the L2 usefully the pair costs about the bytes at full DRAM
+/// speed, else the bytes twice) or the next call's (2). Session 59 (H100,
+/// bench/results/gpu-s59-h100.txt): the bytes twice, for the bulk form and for the per-line,
+/// evict_last and completing-load forms of a2086cf / a5d2bed.
 fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool, pf: usize) {
     let keep = |mut v: Vec<W>| {
         if hot {
