@@ -142,9 +142,10 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
 /// `pf` (`q8 pf-same` / `q8 pf-next`, the default forms only): before each product the L2 hint
 /// kernel (`Backend::prefetch`, elementwise.cu `prefetch_l2`) for the same weight (1: racing the
 /// product; where the hint fills the L2 usefully the pair costs about the bytes at full DRAM
-/// speed, else the bytes twice) or the next call's (2). Session 59 (H100,
-/// bench/results/gpu-s59-h100.txt): the bytes twice, for the bulk form and for the per-line,
-/// evict_last and completing-load forms of a2086cf / a5d2bed.
+/// speed, else the bytes twice) or the next call's (2); `MV_BENCH_PF_ONLY=1` times the hint alone.
+/// Session 59 (H100, bench/results/gpu-s59-h100.txt): the bytes twice for the 36 MB products, in
+/// the bulk form and the per-line, evict_last and completing-load forms of a2086cf / a5d2bed /
+/// 8ef64e2; the 8.9 MB shared-expert down at its L2 speed.
 fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool, pf: usize) {
     let keep = |mut v: Vec<W>| {
         if hot {
@@ -195,9 +196,13 @@ fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool, pf: usize) {
             GpuBackend::set_matvec_defaults();
             GpuBackend::set_matvec_q8_form(form, ctas);
             GpuBackend::set_matvec_mvx_spread(spread);
+            let pf_only = std::env::var("MV_BENCH_PF_ONLY").is_ok();
             let mut call = |i: usize| {
                 if pf > 0 {
                     gpu.prefetch(&[&ws[(i + pf - 1) % ws.len()]], 1);
+                    if pf_only {
+                        return;
+                    }
                 }
                 let w = &ws[i % ws.len()];
                 if groups > 1 {

@@ -462,15 +462,6 @@ pub fn cuda_defines(major: u32, minor: u32, warp: u32) -> Vec<(String, String)> 
     if !m3d_r32(major, minor) {
         d.push(("DS4_M3D_R16".into(), "1".into()));
     }
-    // DS4_GPU_PF_FORM=1|2|3 (an experiment's switch, read at each module compile): the L2
-    // prefetch hint kernel (elementwise.cu prefetch_l2) by per-line prefetch.global.L2 (1),
-    // prefetch.global.L2::evict_last (2) or loads that complete (3) instead of sm_90's bulk
-    // prefetch.
-    if let Ok(v) = std::env::var("DS4_GPU_PF_FORM") {
-        if matches!(v.trim(), "1" | "2" | "3" | "4") {
-            d.push(("DS4_PF_FORM".into(), v.trim().into()));
-        }
-    }
     d
 }
 

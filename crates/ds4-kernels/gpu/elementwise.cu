@@ -228,6 +228,12 @@ DS4_KERNEL void DS4_BOUNDS(256) fill_u32(unsigned int* __restrict__ dst, unsigne
 // done (session 42: decode -14%); a recorded step runs it on a chain of its own (FLOW_HINT),
 // where it ties (session 43). sm_90: one bulk prefetch (TMA) a chunk; older CUDA: one prefetch a
 // 128-byte line; HIP: nothing (the host does not launch it there). Results never depend on it.
+// Session 59 (H100, bench/results/gpu-s59-h100.txt): a 36 MB product after a hint for its own
+// weight reads every byte from DRAM again (ncu: the same DRAM bytes and L2 hit rate; matvec_bench
+// q8 pf-same: the pair costs the bytes twice), in this form and by per-line prefetch,
+// ::evict_last or loads that complete (a2086cf, a5d2bed, 8ef64e2), though the same product run
+// again right after itself reads from L2 (out_a 15.8 -> 10.4 us); an 8.9 MB one does hit the
+// hinted lines. Hints of a few MB a call tie end to end (+0.5%, 8 pairs). So it stays off.
 DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const char* a1, long long n1,
                                             const char* a2, long long n2, const char* a3, long long n3) {
     ds4_pdl_enter(); // after the previous product: its streaming would evict these lines
@@ -244,39 +250,8 @@ DS4_KERNEL void DS4_BOUNDS(128) prefetch_l2(const char* a0, long long n0, const 
             const char* p = a[r] + c * chunk;
             const long long left = n[r] / 16 * 16 - c * chunk;
             const unsigned int bytes = (unsigned int)(left < chunk ? left : chunk);
-#if DS4_ARCH >= 900 && !defined(DS4_PF_FORM)
+#if DS4_ARCH >= 900
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#elif defined(DS4_PF_FORM) && DS4_PF_FORM == 2
-            for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + o));
-#elif defined(DS4_PF_FORM) && DS4_PF_FORM == 4
-            // Every byte by 16-byte read-only loads (the products' own load form, LDG.128.CONSTANT).
-            u32 acc = 0;
-            for (unsigned int o = 0; o < bytes; o += 128) {
-                uint4 w[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    w[k] = make_uint4(0u, 0u, 0u, 0u);
-                    if (o + 16u * k < bytes) w[k] = __ldg((const uint4*)(p + o + 16 * k));
-                }
-#pragma unroll
-                for (int k = 0; k < 8; k++) acc ^= w[k].x ^ w[k].y ^ w[k].z ^ w[k].w;
-            }
-            if (acc == 0x9e3779b9u && bytes == 16u) *(volatile u32*)a0 = acc;
-#elif defined(DS4_PF_FORM) && DS4_PF_FORM == 3
-            // Loads that complete (one word a 32-byte sector, L2 only), kept alive by a store that
-            // never happens (the sum of random weights is not this value in practice).
-            u32 acc = 0;
-            for (unsigned int o = 0; o < bytes; o += 256) {
-                u32 w[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    w[k] = 0u;
-                    if (o + 32u * k < bytes) asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(w[k]) : "l"(p + o + 32 * k));
-                }
-#pragma unroll
-                for (int k = 0; k < 8; k++) acc ^= w[k];
-            }
-            if (acc == 0x9e3779b9u && bytes == 16u) *(volatile u32*)a0 = acc;
 #else
             for (unsigned int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 #endif
