@@ -139,7 +139,8 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
 /// of queued launches) and graph-recorded (about device time) per call. `hot` (`matvec_bench
 /// REPS q8 hot`): one copy of each weight, called over and over, so that a product that fits the
 /// L2 (H100 / H200: 50 MB) reads it from there: the ceiling of an L2 prefetch of that product.
-/// `pf` (`q8 pf-same` / `q8 pf-next`, the default forms only): before each product the L2 hint
+/// `pf` (`q8 pf-same` / `q8 pf-next`; the single products' default forms only, the merged sets
+/// run unhinted): before each product the L2 hint
 /// kernel (`Backend::prefetch`, elementwise.cu `prefetch_l2`) for the same weight (1: racing the
 /// product; where the hint fills the L2 usefully the pair costs about the bytes at full DRAM
 /// speed, else the bytes twice) or the next call's (2); `MV_BENCH_PF_ONLY=1` times the hint alone.
@@ -147,12 +148,6 @@ fn time_graph(gpu: &GpuBackend, probe: &B, reps: usize, mut f: impl FnMut(usize)
 /// the bulk form and the per-line, evict_last and completing-load forms of a2086cf / a5d2bed /
 /// 8ef64e2; the 8.9 MB shared-expert down at its L2 speed.
 fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool, pf: usize) {
-    let keep = |mut v: Vec<W>| {
-        if hot {
-            v.truncate(1);
-        }
-        v
-    };
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
     let line = |what: String, bytes: f64, e: f64, g: f64| {
         println!(
@@ -182,8 +177,10 @@ fn q8_only(gpu: &GpuBackend, reps: usize, hot: bool, pf: usize) {
         ("attn q_a", 4096, 1024, 1),
         ("head", 4096, 129280, 1),
     ] {
-        let (ws, bytes) = copies(gpu, GgmlType::Q8_0, cols, rows);
-        let ws = keep(ws);
+        let (mut ws, bytes) = copies(gpu, GgmlType::Q8_0, cols, rows);
+        if hot {
+            ws.truncate(1);
+        }
         let x: Vec<f32> = (0..cols * groups)
             .map(|_| rng.gen_range(-1.0..1.0))
             .collect();
