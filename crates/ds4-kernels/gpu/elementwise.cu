@@ -319,3 +319,126 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_phases(const uint4* __restrict__ W, long l
     for (int o = DS4_WARP / 2; o > 0; o >>= 1) acc ^= ds4_shfl_xor(acc, o);
     if (threadIdx.x == 0) sink[blockIdx.x] = acc;
 }
+
+// Probes of a dataflow-flag product (examples/overlap_bench.rs; the engine never launches them):
+// can a product stage its weights in shared memory while a chain of dependent glue ops runs, then
+// wait for its input on a flag instead of a kernel boundary?
+//
+// probe_idx: idx[i] = a hash of i mod words (a random map: chains of dependent loads over it).
+DS4_KERNEL void DS4_BOUNDS(256) probe_idx(u32* __restrict__ idx, u32 words) {
+    ds4_pdl_enter();
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) {
+        u32 h = i * 2654435761u;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        idx[i] = h % words;
+    }
+}
+
+// probe_glue: one latency-bound glue op. Every thread follows `chase` dependent loads through idx
+// from a start that depends on the previous op's result io[0]; the CTAs' xors meet in io[1] and
+// the last CTA (ticket) moves io[1] to io[0] and, when flag is non-null, releases *flag = 1: the
+// signal a dataflow consumer waits for (its input complete and visible).
+DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 words, int chase, u32* io, u32* ticket,
+                                           u32* flag) {
+    ds4_pdl_enter();
+    __shared__ u32 red[256 / 32];
+    u32 j = (((volatile u32*)io)[0] + blockIdx.x * blockDim.x + threadIdx.x) * 2654435761u % words;
+    for (int k = 0; k < chase; k++) j = idx[j];
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) j ^= ds4_shfl_xor(j, o);
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = j;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 v = 0;
+        for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) v ^= red[w];
+        atomicXor(&io[1], v);
+        __threadfence();
+        if (atomicAdd(ticket, 1u) == gridDim.x - 1) {
+            *ticket = 0;
+            io[0] = atomicExch(&io[1], 0u);
+            __threadfence();
+            if (flag) atomicExch(flag, 1u);
+        }
+    }
+}
+
+// probe_pre: a product streaming W's vpp 16-byte vectors (CTA b owns the contiguous slice
+// [b per, (b + 1) per), one CTA an SM, xor-folded into sink[b]). The first `pre` vectors of the
+// slice are copied to shared memory first (cp.async on CUDA sm_80+, else plain loads); then,
+// when flag is non-null, thread 0 waits until *flag != 0 (traps after ~2 s instead of hanging:
+// a flag that never comes is a schedule bug) — only then does the kernel read what the flag
+// guards (here: nothing; a real product's x) and the rest of its slice. flag null: the PDL wait
+// instead (the serial form). pre = 0, flag null: a plain streaming product.
+DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long vpp, int pre, u32* flag,
+                                          u32* __restrict__ sink) {
+    DS4_PDL_LATE;
+    extern __shared__ uint4 stage[];
+    const long long per = (vpp + gridDim.x - 1) / gridDim.x;
+    const long long s0 = (long long)blockIdx.x * per;
+    const long long s1 = s0 + per < vpp ? s0 + per : vpp;
+    const int np = (int)(s1 - s0 < (long long)pre ? (s1 > s0 ? s1 - s0 : 0) : pre);
+    for (int i = threadIdx.x; i < np; i += blockDim.x) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+        const u32 d = (u32)__cvta_generic_to_shared(&stage[i]);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(W + s0 + i) : "memory");
+#else
+        stage[i] = W[s0 + i];
+#endif
+    }
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+    if (flag) {
+        if (threadIdx.x == 0) {
+            long long spins = 0;
+            while (atomicAdd(flag, 0u) == 0) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 700
+                asm volatile("nanosleep.u32 128;");
+#endif
+                if (++spins > 20000000LL) {
+#if defined(DS4_CUDA)
+                    __trap();
+#else
+                    __builtin_trap();
+#endif
+                }
+            }
+            __threadfence();
+        }
+        __syncthreads();
+    } else {
+        ds4_pdl_enter();
+    }
+    u32 acc = 0;
+    long long i = s0 + np + threadIdx.x;
+    const long long st = blockDim.x;
+    for (; i + 7 * st < s1; i += 8 * st) {
+        uint4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = W[i + k * st];
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+    }
+    for (; i < s1; i += st) acc ^= W[i].x ^ W[i].y ^ W[i].z ^ W[i].w;
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+    __syncthreads();
+    for (int k = threadIdx.x; k < np; k += blockDim.x) acc ^= stage[k].x ^ stage[k].y ^ stage[k].z ^ stage[k].w;
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) acc ^= ds4_shfl_xor(acc, o);
+    __shared__ u32 red[256 / 32];
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 v = 0;
+        for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) v ^= red[w];
+        sink[blockIdx.x] = v;
+    }
+}
+
+// probe_join: the consumer after both chains: resets the flag for the next replay.
+DS4_KERNEL void DS4_BOUNDS(32) probe_join(u32* flag) {
+    ds4_pdl_enter();
+    if (threadIdx.x == 0 && blockIdx.x == 0) *flag = 0;
+}

@@ -95,6 +95,10 @@ pub const ELEMENTWISE: Module = Module {
         "fill_u32",
         "prefetch_l2",
         "probe_phases",
+        "probe_idx",
+        "probe_glue",
+        "probe_pre",
+        "probe_join",
     ],
 };
 

@@ -1,0 +1,173 @@
+//! `overlap_bench [MB] [glue ops] [chase] [idx MB]`: what a dataflow-flag product would buy. A
+//! decode step's products wait behind chains of small dependent glue ops (~2.2 ms of a 6.2 ms
+//! step, README "Against the issue's targets"); an L2 prefetch beside the glue did not help
+//! (the products re-read DRAM, session 59). Here the product is launched at the chain's start
+//! on a second branch of the graph, copies the first `pre` bytes of each CTA's slice into its
+//! shared memory while the glue runs, and waits for its input on a flag the glue's last op
+//! releases (elementwise.cu `probe_pre`, `probe_glue`).
+//!
+//! Forms, each one CUDA graph replayed (the engine's launch form: PDL within a chain):
+//! - glue: `glue ops` kernels of 16 CTAs, each thread following `chase` dependent loads through a
+//!   random map of `idx MB` (256: DRAM latency; 8: L2), then the join kernel;
+//! - product: the streaming product alone (MB of weights, one CTA an SM);
+//! - serial: glue, then the product after a kernel boundary (how the engine runs it now);
+//! - overlap pre=K: the product on the side branch staging K KiB a CTA, the glue on the main
+//!   chain releasing the flag, the join after both.
+//!
+//! Prints µs a replay (best of 5 rounds of 20 replays, host clock to completion) and, for
+//! overlap, the time saved against serial and the bytes staged over the whole grid.
+
+mod common;
+
+use ds4_gpu::gpu::StepGraphs;
+use ds4_gpu::runtime::{Arg, KernelCall, LaunchDims, Stream, FLOW_JOIN, FLOW_MAIN, FLOW_SIDE};
+use std::time::Instant;
+
+fn main() {
+    let mb: f64 = common::arg(1, 36.0);
+    let glue_ops: usize = common::arg(2, 8);
+    let chase: i32 = common::arg(3, 4);
+    let idx_mb: f64 = common::arg(4, 256.0);
+    let gpu = common::open_gpu();
+    let rt = gpu.runtime().clone();
+    let info = gpu.info().clone();
+    let k = |name: &str| {
+        gpu.kernel(&ds4_kernels::ELEMENTWISE, name)
+            .unwrap_or_else(|e| panic!("kernel {name}: {e}"))
+    };
+    let (f_idx, f_glue, f_pre, f_join) = (
+        k("probe_idx"),
+        k("probe_glue"),
+        k("probe_pre"),
+        k("probe_join"),
+    );
+    let vpp = (mb * 1e6 / 16.0) as usize;
+    let w = gpu.alloc(vpp * 16).expect("weights");
+    let words = ((idx_mb * 1e6 / 4.0) as usize).max(1024);
+    let idx = gpu.alloc(words * 4).expect("idx");
+    let io = gpu.alloc(64).expect("io words"); // io[0..2], ticket at 8, flag at 16 (u32 words)
+    let sink = gpu.alloc(info.sm_count as usize * 4).expect("sink");
+    let s = Stream::DEFAULT;
+    rt.memset_u32_async(w.ptr(), 0x5a5a_0101, vpp * 4, s)
+        .unwrap();
+    rt.memset_u32_async(io.ptr(), 0, 16, s).unwrap();
+    rt.launch(
+        f_idx,
+        LaunchDims::linear(1024, 256),
+        s,
+        &[Arg::Ptr(idx.ptr()), Arg::U32(words as u32)],
+    )
+    .unwrap();
+    gpu.synchronize().unwrap();
+    let ticket = io.ptr().offset(32);
+    let flag = io.ptr().offset(64);
+    let glue = |last_flag: bool| -> Vec<KernelCall> {
+        (0..glue_ops)
+            .map(|i| {
+                let fl = if last_flag && i + 1 == glue_ops {
+                    Arg::Ptr(flag)
+                } else {
+                    Arg::Null
+                };
+                KernelCall::new(
+                    f_glue,
+                    LaunchDims::linear(16, 256),
+                    &[
+                        Arg::Ptr(idx.ptr()),
+                        Arg::U32(words as u32),
+                        Arg::I32(chase),
+                        Arg::Ptr(io.ptr()),
+                        Arg::Ptr(ticket),
+                        fl,
+                    ],
+                )
+                .unwrap()
+            })
+            .collect()
+    };
+    let product = |pre_vecs: usize, fl: bool, flow: u8| {
+        let mut d = LaunchDims::linear(info.sm_count, 256);
+        d.shared_bytes = (pre_vecs * 16) as u32;
+        let mut c = KernelCall::new(
+            f_pre,
+            d,
+            &[
+                Arg::Ptr(w.ptr()),
+                Arg::I64(vpp as i64),
+                Arg::I32(pre_vecs as i32),
+                if fl { Arg::Ptr(flag) } else { Arg::Null },
+                Arg::Ptr(sink.ptr()),
+            ],
+        )
+        .unwrap();
+        c.flow = flow;
+        c
+    };
+    let join = |flow: u8| {
+        let mut c = KernelCall::new(f_join, LaunchDims::linear(1, 32), &[Arg::Ptr(flag)]).unwrap();
+        c.flow = flow;
+        c
+    };
+    let time = |calls: &[KernelCall]| -> (f64, u64) {
+        let mut g = StepGraphs::default();
+        g.run(rt.as_ref(), calls, s, 0).expect("capture");
+        gpu.synchronize().expect("first replay");
+        let reps = 20;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                g.run(rt.as_ref(), calls, s, 0).unwrap();
+            }
+            gpu.synchronize().expect("replays");
+            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+        }
+        let branched = g.stats.branched;
+        g.clear(rt.as_ref());
+        (best * 1e6, branched)
+    };
+    println!(
+        "{} ({} SMs, {} KiB shared a block): product {:.1} MB, {glue_ops} glue ops of {chase} \
+         dependent loads a thread over {idx_mb} MB",
+        info.name,
+        info.sm_count,
+        info.max_shared_per_block / 1024,
+        vpp as f64 * 16.0 / 1e6
+    );
+    let mut g_calls = glue(false);
+    g_calls.push(join(FLOW_MAIN));
+    let (t_glue, _) = time(&g_calls);
+    let (t_prod, _) = time(&[product(0, false, FLOW_MAIN)]);
+    let mut s_calls = glue(false);
+    s_calls.push(product(0, false, FLOW_MAIN));
+    s_calls.push(join(FLOW_MAIN));
+    let (t_serial, _) = time(&s_calls);
+    println!(
+        "glue {t_glue:8.2} us | product {t_prod:8.2} us ({:.2} TB/s) | serial {t_serial:8.2} us",
+        vpp as f64 * 16.0 / t_prod / 1e6
+    );
+    let max_kib = (info.max_shared_per_block / 1024).saturating_sub(2) as usize;
+    let mut pres = vec![0usize, 32, 96, 160];
+    pres.push(max_kib.min(224));
+    pres.retain(|&p| p <= max_kib);
+    pres.dedup();
+    for kib in pres {
+        let pre_vecs = kib * 1024 / 16;
+        let mut calls = vec![product(pre_vecs, true, FLOW_SIDE)];
+        calls.extend(glue(true));
+        calls.push(join(FLOW_JOIN));
+        let (t, branched) = time(&calls);
+        let staged = (pre_vecs * 16 * info.sm_count as usize).min(vpp * 16);
+        println!(
+            "overlap pre {kib:3} KiB: {t:8.2} us, {:+7.2} us against serial, {:5.1} MB staged{}",
+            t - t_serial,
+            staged as f64 / 1e6,
+            if branched == 0 {
+                " (NOT branched: one chain)"
+            } else {
+                ""
+            }
+        );
+    }
+    gpu.synchronize().expect("device errors");
+}
