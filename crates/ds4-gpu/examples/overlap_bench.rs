@@ -1,4 +1,4 @@
-//! `overlap_bench [MB] [glue ops] [chase] [idx MB]`: what a dataflow-flag product would buy. A
+//! `overlap_bench [MB] [glue ops] [chase] [idx MB] [segments]`: what a dataflow-flag product would buy. A
 //! decode step's products wait behind chains of small dependent glue ops (~2.2 ms of a 6.2 ms
 //! step, README "Against the targets"); an L2 prefetch beside the glue did not help
 //! (the products re-read DRAM, session 59). Here the product is launched at the chain's start
@@ -6,16 +6,18 @@
 //! shared memory while the glue runs, and waits for its input on a flag the glue's last op
 //! releases (elementwise.cu `probe_pre`, `probe_glue`).
 //!
-//! Forms, each one CUDA graph replayed (the engine's launch form: PDL within a chain):
+//! Forms, each one CUDA graph of `segments` (4) segments replayed, segment s with its own copy of
+//! the weights (so that they come from DRAM, as a decode step's do: 4 x 36 MB exceed the L2):
 //! - glue: `glue ops` kernels of 16 CTAs, each thread following `chase` dependent loads through a
 //!   random map of `idx MB` (256: DRAM latency; 8: L2), then the join kernel;
-//! - product: the streaming product alone (MB of weights, one CTA an SM);
-//! - serial: glue, then the product after a kernel boundary (how the engine runs it now);
+//! - product: the streaming products alone (MB of weights each, one CTA an SM);
+//! - serial pre=K: glue, then the product after a PDL boundary (how the engine runs it now),
+//!   staging K KiB a CTA before its PDL wait (while the last glue op runs);
 //! - overlap pre=K: the product on the side branch staging K KiB a CTA, the glue on the main
 //!   chain releasing the flag, the join after both.
 //!
-//! Prints µs a replay (best of 5 rounds of 20 replays, host clock to completion) and, for
-//! overlap, the time saved against serial and the bytes staged over the whole grid.
+//! Prints µs a segment (best of 5 rounds of 20 replays, host clock to completion) and the time
+//! against serial pre=0, with the bytes staged over the whole grid.
 
 mod common;
 
@@ -28,6 +30,7 @@ fn main() {
     let glue_ops: usize = common::arg(2, 8);
     let chase: i32 = common::arg(3, 4);
     let idx_mb: f64 = common::arg(4, 256.0);
+    let segs: usize = common::arg(5, 4usize).max(1);
     let gpu = common::open_gpu();
     let rt = gpu.runtime().clone();
     let info = gpu.info().clone();
@@ -42,13 +45,13 @@ fn main() {
         k("probe_join"),
     );
     let vpp = (mb * 1e6 / 16.0) as usize;
-    let w = gpu.alloc(vpp * 16).expect("weights");
+    let w = gpu.alloc(vpp * 16 * segs).expect("weights");
     let words = ((idx_mb * 1e6 / 4.0) as usize).max(1024);
     let idx = gpu.alloc(words * 4).expect("idx");
     let io = gpu.alloc(64).expect("io words"); // io[0..2], ticket at 8, flag at 16 (u32 words)
     let sink = gpu.alloc(info.sm_count as usize * 4).expect("sink");
     let s = Stream::DEFAULT;
-    rt.memset_u32_async(w.ptr(), 0x5a5a_0101, vpp * 4, s)
+    rt.memset_u32_async(w.ptr(), 0x5a5a_0101, vpp * 4 * segs, s)
         .unwrap();
     rt.memset_u32_async(io.ptr(), 0, 16, s).unwrap();
     rt.launch(
@@ -85,14 +88,14 @@ fn main() {
             })
             .collect()
     };
-    let product = |pre_vecs: usize, fl: bool, flow: u8| {
+    let product = |seg: usize, pre_vecs: usize, fl: bool, flow: u8| {
         let mut d = LaunchDims::linear(info.sm_count, 256);
         d.shared_bytes = (pre_vecs * 16) as u32;
         let mut c = KernelCall::new(
             f_pre,
             d,
             &[
-                Arg::Ptr(w.ptr()),
+                Arg::Ptr(w.ptr().offset((seg * vpp * 16) as u64)),
                 Arg::I64(vpp as i64),
                 Arg::I32(pre_vecs as i32),
                 if fl { Arg::Ptr(flag) } else { Arg::Null },
@@ -120,7 +123,7 @@ fn main() {
                 g.run(rt.as_ref(), calls, s, 0).unwrap();
             }
             gpu.synchronize().expect("replays");
-            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+            best = best.min(t.elapsed().as_secs_f64() / (reps * segs) as f64);
         }
         let branched = g.stats.branched;
         g.clear(rt.as_ref());
@@ -134,16 +137,17 @@ fn main() {
         info.max_shared_per_block / 1024,
         vpp as f64 * 16.0 / 1e6
     );
-    let mut g_calls = glue(false);
-    g_calls.push(join(FLOW_MAIN));
+    let mut g_calls = Vec::new();
+    let mut p_calls = Vec::new();
+    for seg in 0..segs {
+        g_calls.extend(glue(false));
+        g_calls.push(join(FLOW_MAIN));
+        p_calls.push(product(seg, 0, false, FLOW_MAIN));
+    }
     let (t_glue, _) = time(&g_calls);
-    let (t_prod, _) = time(&[product(0, false, FLOW_MAIN)]);
-    let mut s_calls = glue(false);
-    s_calls.push(product(0, false, FLOW_MAIN));
-    s_calls.push(join(FLOW_MAIN));
-    let (t_serial, _) = time(&s_calls);
+    let (t_prod, _) = time(&p_calls);
     println!(
-        "glue {t_glue:8.2} us | product {t_prod:8.2} us ({:.2} TB/s) | serial {t_serial:8.2} us",
+        "glue {t_glue:8.2} us | product {t_prod:8.2} us ({:.2} TB/s), a segment",
         vpp as f64 * 16.0 / t_prod / 1e6
     );
     let max_kib = (info.max_shared_per_block / 1024).saturating_sub(2) as usize;
@@ -151,17 +155,30 @@ fn main() {
     pres.push(max_kib.min(224));
     pres.retain(|&p| p <= max_kib);
     pres.dedup();
+    let mut base = 0.0;
     for kib in pres {
         let pre_vecs = kib * 1024 / 16;
-        let mut calls = vec![product(pre_vecs, true, FLOW_SIDE)];
-        calls.extend(glue(true));
-        calls.push(join(FLOW_JOIN));
-        let (t, branched) = time(&calls);
         let staged = (pre_vecs * 16 * info.sm_count as usize).min(vpp * 16);
+        let mut serial = Vec::new();
+        let mut over = Vec::new();
+        for seg in 0..segs {
+            serial.extend(glue(false));
+            serial.push(product(seg, pre_vecs, false, FLOW_MAIN));
+            serial.push(join(FLOW_MAIN));
+            over.push(product(seg, pre_vecs, true, FLOW_SIDE));
+            over.extend(glue(true));
+            over.push(join(FLOW_JOIN));
+        }
+        let (ts, _) = time(&serial);
+        if kib == 0 {
+            base = ts;
+        }
+        let (to, branched) = time(&over);
         println!(
-            "overlap pre {kib:3} KiB: {t:8.2} us, {:+7.2} us against serial, {:5.1} MB staged{}",
-            t - t_serial,
+            "pre {kib:3} KiB ({:5.1} MB staged): serial {ts:8.2} us ({:+6.2}) | overlap {to:8.2} us ({:+6.2}){}",
             staged as f64 / 1e6,
+            ts - base,
+            to - base,
             if branched == 0 {
                 " (NOT branched: one chain)"
             } else {

@@ -369,7 +369,8 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
 // when flag is non-null, thread 0 waits until *flag != 0 (traps after ~2 s instead of hanging:
 // a flag that never comes is a schedule bug) — only then does the kernel read what the flag
 // guards (here: nothing; a real product's x) and the rest of its slice. flag null: the PDL wait
-// instead (the serial form). pre = 0, flag null: a plain streaming product.
+// instead, after the staging (the serial form: staged while the previous op drains). pre = 0,
+// flag null: a plain streaming product.
 DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long vpp, int pre, u32* flag,
                                           u32* __restrict__ sink) {
     DS4_PDL_LATE;
@@ -392,7 +393,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
     if (flag) {
         if (threadIdx.x == 0) {
             long long spins = 0;
-            while (atomicAdd(flag, 0u) == 0) {
+            while (*(volatile u32*)flag == 0) {
 #if defined(DS4_CUDA) && DS4_ARCH >= 700
                 asm volatile("nanosleep.u32 128;");
 #endif
