@@ -64,7 +64,11 @@ fn main() {
     gpu.synchronize().unwrap();
     let ticket = io.ptr().offset(32);
     let flag = io.ptr().offset(64);
-    let glue = |last_flag: bool| -> Vec<KernelCall> {
+    // Stamps (ns): glue op i at 2i, 2i + 1; the product's CTA b at 64 + 4b .. (4 a CTA).
+    let stamps = gpu
+        .alloc((64 + 4 * info.sm_count as usize) * 8)
+        .expect("stamps");
+    let glue_st = |last_flag: bool, st: bool| -> Vec<KernelCall> {
         (0..glue_ops)
             .map(|i| {
                 let fl = if last_flag && i + 1 == glue_ops {
@@ -82,13 +86,19 @@ fn main() {
                         Arg::Ptr(io.ptr()),
                         Arg::Ptr(ticket),
                         fl,
+                        if st && i < 32 {
+                            Arg::Ptr(stamps.ptr().offset(16 * i as u64))
+                        } else {
+                            Arg::Null
+                        },
                     ],
                 )
                 .unwrap()
             })
             .collect()
     };
-    let product = |seg: usize, pre_vecs: usize, fl: bool, flow: u8| {
+    let glue = |last_flag: bool| glue_st(last_flag, false);
+    let product_st = |seg: usize, pre_vecs: usize, fl: bool, flow: u8, st: bool| {
         let mut d = LaunchDims::linear(info.sm_count, 256);
         d.shared_bytes = (pre_vecs * 16) as u32;
         let mut c = KernelCall::new(
@@ -100,11 +110,19 @@ fn main() {
                 Arg::I32(pre_vecs as i32),
                 if fl { Arg::Ptr(flag) } else { Arg::Null },
                 Arg::Ptr(sink.ptr()),
+                if st {
+                    Arg::Ptr(stamps.ptr().offset(64 * 8))
+                } else {
+                    Arg::Null
+                },
             ],
         )
         .unwrap();
         c.flow = flow;
         c
+    };
+    let product = |seg: usize, pre_vecs: usize, fl: bool, flow: u8| {
+        product_st(seg, pre_vecs, fl, flow, false)
     };
     let join = |flow: u8| {
         let mut c = KernelCall::new(f_join, LaunchDims::linear(1, 32), &[Arg::Ptr(flag)]).unwrap();
@@ -184,6 +202,52 @@ fn main() {
             } else {
                 ""
             }
+        );
+    }
+    // Where the time goes: one graph's last segment stamped (ns from its first glue op's start).
+    let n_sm = info.sm_count as usize;
+    for (kib, fl) in [(0usize, false), (0, true), (160, true)] {
+        let pre_vecs = (kib * 1024 / 16).min(info.max_shared_per_block as usize / 16 - 128);
+        let mut calls = Vec::new();
+        for seg in 0..segs {
+            let last = seg + 1 == segs;
+            if fl {
+                calls.push(product_st(seg, pre_vecs, true, FLOW_SIDE, last));
+                calls.extend(glue_st(true, last));
+                calls.push(join(FLOW_JOIN));
+            } else {
+                calls.extend(glue_st(false, last));
+                calls.push(product_st(seg, pre_vecs, false, FLOW_MAIN, last));
+                calls.push(join(FLOW_MAIN));
+            }
+        }
+        let _ = time(&calls);
+        let mut st = vec![0u64; 64 + 4 * n_sm];
+        // SAFETY: st holds exactly the stamps buffer's bytes; the device is idle after time().
+        unsafe {
+            rt.copy_d2h_async(st.as_mut_ptr() as *mut u8, stamps.ptr(), st.len() * 8, s)
+                .unwrap();
+        }
+        gpu.synchronize().unwrap();
+        let t0 = st[0] as i64;
+        let rel = |v: u64| (v as i64 - t0) as f64 / 1e3;
+        let ops: Vec<String> = (0..glue_ops.min(32))
+            .map(|i| format!("{:.1}-{:.1}", rel(st[2 * i]), rel(st[2 * i + 1])))
+            .collect();
+        let col = |k: usize| {
+            let mut v: Vec<f64> = (0..n_sm).map(|b| rel(st[64 + 4 * b + k])).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            format!("{:.1}/{:.1}/{:.1}", v[0], v[n_sm / 2], v[n_sm - 1])
+        };
+        println!(
+            "stamps ({}, pre {kib} KiB), us from the glue's start: glue ops {} | product CTAs \
+             (min/median/max) start {} waited {} streamed {} end {}",
+            if fl { "overlap" } else { "serial" },
+            ops.join(" "),
+            col(0),
+            col(1),
+            col(2),
+            col(3)
         );
     }
     gpu.synchronize().expect("device errors");

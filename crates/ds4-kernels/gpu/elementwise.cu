@@ -336,13 +336,26 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_idx(u32* __restrict__ idx, u32 words) {
     }
 }
 
+// ns (CUDA %globaltimer; HIP: clock64 ticks) for the probes' optional stamps.
+__device__ __forceinline__ unsigned long long probe_clock() {
+#if defined(DS4_CUDA)
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#else
+    return (unsigned long long)clock64();
+#endif
+}
+
 // probe_glue: one latency-bound glue op. Every thread follows `chase` dependent loads through idx
 // from a start that depends on the previous op's result io[0]; the CTAs' xors meet in io[1] and
 // the last CTA (ticket) moves io[1] to io[0] and, when flag is non-null, releases *flag = 1: the
-// signal a dataflow consumer waits for (its input complete and visible).
+// signal a dataflow consumer waits for (its input complete and visible). st (optional): st[0] the
+// op's start (CTA 0 past the PDL wait), st[1] its end (the last CTA's release).
 DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 words, int chase, u32* io, u32* ticket,
-                                           u32* flag) {
+                                           u32* flag, unsigned long long* st) {
     ds4_pdl_enter();
+    if (st && blockIdx.x == 0 && threadIdx.x == 0) st[0] = probe_clock();
     __shared__ u32 red[256 / 32];
     u32 j = (((volatile u32*)io)[0] + blockIdx.x * blockDim.x + threadIdx.x) * 2654435761u % words;
     for (int k = 0; k < chase; k++) j = idx[j];
@@ -359,6 +372,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
             io[0] = atomicExch(&io[1], 0u);
             __threadfence();
             if (flag) atomicExch(flag, 1u);
+            if (st) st[1] = probe_clock();
         }
     }
 }
@@ -370,10 +384,13 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
 // a flag that never comes is a schedule bug) — only then does the kernel read what the flag
 // guards (here: nothing; a real product's x) and the rest of its slice. flag null: the PDL wait
 // instead, after the staging (the serial form: staged while the previous op drains). pre = 0,
-// flag null: a plain streaming product.
+// flag null: a plain streaming product. st (optional): 4 stamps a CTA: start, past the wait,
+// streaming done, end.
 DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long vpp, int pre, u32* flag,
-                                          u32* __restrict__ sink) {
+                                          u32* __restrict__ sink, unsigned long long* st) {
     DS4_PDL_LATE;
+    unsigned long long* sb = st ? st + 4 * blockIdx.x : nullptr;
+    if (sb && threadIdx.x == 0) sb[0] = probe_clock();
     extern __shared__ uint4 stage[];
     const long long per = (vpp + gridDim.x - 1) / gridDim.x;
     const long long s0 = (long long)blockIdx.x * per;
@@ -411,6 +428,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
     } else {
         ds4_pdl_enter();
     }
+    if (sb && threadIdx.x == 0) sb[1] = probe_clock();
     u32 acc = 0;
     long long i = s0 + np + threadIdx.x;
     const long long st = blockDim.x;
@@ -422,6 +440,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
         for (int k = 0; k < 8; k++) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
     }
     for (; i < s1; i += st) acc ^= W[i].x ^ W[i].y ^ W[i].z ^ W[i].w;
+    if (sb && threadIdx.x == 0) sb[2] = probe_clock();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif
@@ -435,6 +454,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
         u32 v = 0;
         for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) v ^= red[w];
         sink[blockIdx.x] = v;
+        if (sb) sb[3] = probe_clock();
     }
 }
 
