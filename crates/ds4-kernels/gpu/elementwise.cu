@@ -431,15 +431,15 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
     if (sb && threadIdx.x == 0) sb[1] = probe_clock();
     u32 acc = 0;
     long long i = s0 + np + threadIdx.x;
-    const long long st = blockDim.x;
-    for (; i + 7 * st < s1; i += 8 * st) {
+    const long long stride = blockDim.x;
+    for (; i + 7 * stride < s1; i += 8 * stride) {
         uint4 v[8];
 #pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = W[i + k * st];
+        for (int k = 0; k < 8; k++) v[k] = W[i + k * stride];
 #pragma unroll
         for (int k = 0; k < 8; k++) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
     }
-    for (; i < s1; i += st) acc ^= W[i].x ^ W[i].y ^ W[i].z ^ W[i].w;
+    for (; i < s1; i += stride) acc ^= W[i].x ^ W[i].y ^ W[i].z ^ W[i].w;
     if (sb && threadIdx.x == 0) sb[2] = probe_clock();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     asm volatile("cp.async.wait_group 0;" ::: "memory");
