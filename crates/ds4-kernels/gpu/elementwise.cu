@@ -385,9 +385,10 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
 // guards (here: nothing; a real product's x) and the rest of its slice. flag null: the PDL wait
 // instead, after the staging (the serial form: staged while the previous op drains). pre = 0,
 // flag null: a plain streaming product. st (optional): 4 stamps a CTA: start, past the wait,
-// streaming done, end.
+// streaming done, end. pace > 0: the staging paced, round r (blockDim.x vectors) not issued before
+// r * pace ns after the start (a burst of staging slows latency-bound glue beside it).
 DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long vpp, int pre, u32* flag,
-                                          u32* __restrict__ sink, unsigned long long* st) {
+                                          u32* __restrict__ sink, unsigned long long* st, int pace) {
     DS4_PDL_LATE;
     unsigned long long* sb = st ? st + 4 * blockIdx.x : nullptr;
     if (sb && threadIdx.x == 0) sb[0] = probe_clock();
@@ -396,7 +397,14 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
     const long long s0 = (long long)blockIdx.x * per;
     const long long s1 = s0 + per < vpp ? s0 + per : vpp;
     const int np = (int)(s1 - s0 < (long long)pre ? (s1 > s0 ? s1 - s0 : 0) : pre);
-    for (int i = threadIdx.x; i < np; i += blockDim.x) {
+    const unsigned long long t_s = pace > 0 ? probe_clock() : 0;
+    for (int i = threadIdx.x, r = 0; i < np; i += blockDim.x, r++) {
+        if (pace > 0)
+            while (probe_clock() < t_s + (unsigned long long)r * (unsigned long long)pace) {
+#if defined(DS4_CUDA) && DS4_ARCH >= 700
+                asm volatile("nanosleep.u32 64;");
+#endif
+            }
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
         const u32 d = (u32)__cvta_generic_to_shared(&stage[i]);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(W + s0 + i) : "memory");
