@@ -209,9 +209,19 @@ fn main() {
         );
     }
     // Paced staging (ns a round of 4 KiB a CTA): spread over the glue instead of one burst.
-    let pace_kib = 160usize.min(max_kib);
-    let mut best = (f64::MAX, 0);
-    for pace in [250, 500, 750, 1000, 1500] {
+    let mut best = (f64::MAX, 0, 0);
+    for (pace_kib, pace) in [
+        (96usize, 125),
+        (96, 250),
+        (96, 500),
+        (160, 125),
+        (160, 250),
+        (160, 500),
+        (224, 125),
+        (224, 250),
+        (224, 500),
+    ] {
+        let pace_kib = pace_kib.min(max_kib);
         let pre_vecs = pace_kib * 1024 / 16;
         let mut over = Vec::new();
         for seg in 0..segs {
@@ -221,7 +231,7 @@ fn main() {
         }
         let (to, _) = time(&over);
         if to < best.0 {
-            best = (to, pace);
+            best = (to, pace, pace_kib);
         }
         println!(
             "pre {pace_kib:3} KiB paced {pace:4} ns a round: overlap {to:8.2} us ({:+6.2})",

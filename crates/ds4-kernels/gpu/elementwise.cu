@@ -437,9 +437,25 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
         ds4_pdl_enter();
     }
     if (sb && threadIdx.x == 0) sb[1] = probe_clock();
+    // The staged part is read while the first round of global loads is in flight (a thread
+    // reads back only its own copies, so its own wait suffices: no barrier).
     u32 acc = 0;
     long long i = s0 + np + threadIdx.x;
     const long long stride = blockDim.x;
+    {
+        uint4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            if (i + k * stride < s1) v[k] = W[i + k * stride];
+#if defined(DS4_CUDA) && DS4_ARCH >= 800
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+        for (int k = threadIdx.x; k < np; k += blockDim.x) acc ^= stage[k].x ^ stage[k].y ^ stage[k].z ^ stage[k].w;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            if (i + k * stride < s1) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+        i += 8 * stride;
+    }
     for (; i + 7 * stride < s1; i += 8 * stride) {
         uint4 v[8];
 #pragma unroll
@@ -449,11 +465,6 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
     }
     for (; i < s1; i += stride) acc ^= W[i].x ^ W[i].y ^ W[i].z ^ W[i].w;
     if (sb && threadIdx.x == 0) sb[2] = probe_clock();
-#if defined(DS4_CUDA) && DS4_ARCH >= 800
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#endif
-    __syncthreads();
-    for (int k = threadIdx.x; k < np; k += blockDim.x) acc ^= stage[k].x ^ stage[k].y ^ stage[k].z ^ stage[k].w;
     for (int o = DS4_WARP / 2; o > 0; o >>= 1) acc ^= ds4_shfl_xor(acc, o);
     __shared__ u32 red[256 / 32];
     if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = acc;
