@@ -380,8 +380,8 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
 // probe_pre: a product streaming W's vpp 16-byte vectors (CTA b owns the contiguous slice
 // [b per, (b + 1) per), one CTA an SM, xor-folded into sink[b]). The first `pre` vectors of the
 // slice are copied to shared memory first (cp.async on CUDA sm_80+, else plain loads); then,
-// when flag is non-null, thread 0 waits until *flag != 0 (traps after ~2 s instead of hanging:
-// a flag that never comes is a schedule bug) — only then does the kernel read what the flag
+// when flag is non-null, thread 0 waits until *flag != 0 (traps after 2e7 polls, seconds, instead
+// of hanging: a flag that never comes is a schedule bug) — only then does the kernel read what the flag
 // guards (here: nothing; a real product's x) and the rest of its slice. flag null: the PDL wait
 // instead, after the staging (the serial form: staged while the previous op drains). pre = 0,
 // flag null: a plain streaming product. st (optional): 4 stamps a CTA: start, past the wait,
