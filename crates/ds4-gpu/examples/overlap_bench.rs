@@ -16,6 +16,9 @@
 //! - overlap pre=K: the product on the side branch staging K KiB a CTA, the glue on the main
 //!   chain releasing the flag, the join after both.
 //!
+//! `OVERLAP_GLUE_ONLY=1`: instead, what a glue op costs: graphs of 32 ops of 1 / 16 / 132 CTAs
+//! and 0-8 dependent loads a thread (the op boundary, the ticket's atomics, each round trip).
+//!
 //! Prints µs a segment (best of 5 rounds of 20 replays, host clock to completion) and the time
 //! against serial pre=0, with the bytes staged over the whole grid.
 
@@ -68,6 +71,22 @@ fn main() {
     let stamps = gpu
         .alloc((64 + 4 * info.sm_count as usize) * 8)
         .expect("stamps");
+    let glue_call = |ctas: u32, ch: i32| {
+        KernelCall::new(
+            f_glue,
+            LaunchDims::linear(ctas, 256),
+            &[
+                Arg::Ptr(idx.ptr()),
+                Arg::U32(words as u32),
+                Arg::I32(ch),
+                Arg::Ptr(io.ptr()),
+                Arg::Ptr(ticket),
+                Arg::Null,
+                Arg::Null,
+            ],
+        )
+        .unwrap()
+    };
     let glue_st = |last_flag: bool, st: bool| -> Vec<KernelCall> {
         (0..glue_ops)
             .map(|i| {
@@ -151,6 +170,24 @@ fn main() {
         g.clear(rt.as_ref());
         (best * 1e6, branched)
     };
+    if std::env::var("OVERLAP_GLUE_ONLY").is_ok_and(|v| v == "1") {
+        println!(
+            "{}: us a glue op (32 ops a graph, PDL), dependent loads over {idx_mb} MB",
+            info.name
+        );
+        for ctas in [1u32, 16, info.sm_count] {
+            let row: Vec<String> = [0, 1, 2, 4, 8]
+                .iter()
+                .map(|&ch| {
+                    let calls: Vec<KernelCall> = (0..32).map(|_| glue_call(ctas, ch)).collect();
+                    let (t, _) = time(&calls);
+                    format!("{ch} loads {:6.2}", t * segs as f64 / 32.0)
+                })
+                .collect();
+            println!("{ctas:4} CTAs: {}", row.join(" | "));
+        }
+        return;
+    }
     println!(
         "{} ({} SMs, {} KiB shared a block): product {:.1} MB, {glue_ops} glue ops of {chase} \
          dependent loads a thread over {idx_mb} MB",
