@@ -17,7 +17,8 @@
 //!   chain releasing the flag, the join after both.
 //!
 //! `OVERLAP_GLUE_ONLY=1`: instead, what a glue op costs: graphs of 32 ops of 1 / 16 / 132 CTAs
-//! and 0-8 dependent loads a thread (the op boundary, the ticket's atomics, each round trip).
+//! and 0-8 dependent loads a thread (the op boundary, each round trip), with the last-CTA ticket
+//! (an atomic xor, a fence, the ticket, the last CTA's exchange) and without (plain stores).
 //!
 //! Prints µs a segment (best of 5 rounds of 20 replays, host clock to completion) and the time
 //! against serial pre=0, with the bytes staged over the whole grid.
@@ -51,12 +52,14 @@ fn main() {
     let w = gpu.alloc(vpp * 16 * segs).expect("weights");
     let words = ((idx_mb * 1e6 / 4.0) as usize).max(1024);
     let idx = gpu.alloc(words * 4).expect("idx");
-    let io = gpu.alloc(64).expect("io words"); // io[0..2], ticket at 8, flag at 16 (u32 words)
+    // u32 words: io[0..16] (probe_glue's start word, xor word, plain stores), the ticket at 32,
+    // the flag at 48.
+    let io = gpu.alloc(256).expect("io words");
     let sink = gpu.alloc(info.sm_count as usize * 4).expect("sink");
     let s = Stream::DEFAULT;
     rt.memset_u32_async(w.ptr(), 0x5a5a_0101, vpp * 4 * segs, s)
         .unwrap();
-    rt.memset_u32_async(io.ptr(), 0, 16, s).unwrap();
+    rt.memset_u32_async(io.ptr(), 0, 64, s).unwrap();
     rt.launch(
         f_idx,
         LaunchDims::linear(1024, 256),
@@ -65,13 +68,13 @@ fn main() {
     )
     .unwrap();
     gpu.synchronize().unwrap();
-    let ticket = io.ptr().offset(32);
-    let flag = io.ptr().offset(64);
+    let ticket = io.ptr().offset(128);
+    let flag = io.ptr().offset(192);
     // Stamps (ns): glue op i at 2i, 2i + 1; the product's CTA b at 64 + 4b .. (4 a CTA).
     let stamps = gpu
         .alloc((64 + 4 * info.sm_count as usize) * 8)
         .expect("stamps");
-    let glue_call = |ctas: u32, ch: i32| {
+    let glue_call = |ctas: u32, ch: i32, plain: bool| {
         KernelCall::new(
             f_glue,
             LaunchDims::linear(ctas, 256),
@@ -83,6 +86,7 @@ fn main() {
                 Arg::Ptr(ticket),
                 Arg::Null,
                 Arg::Null,
+                Arg::I32(plain as i32),
             ],
         )
         .unwrap()
@@ -110,6 +114,7 @@ fn main() {
                         } else {
                             Arg::Null
                         },
+                        Arg::I32(0),
                     ],
                 )
                 .unwrap()
@@ -175,16 +180,23 @@ fn main() {
             "{}: us a glue op (32 ops a graph, PDL), dependent loads over {idx_mb} MB",
             info.name
         );
-        for ctas in [1u32, 16, info.sm_count] {
-            let row: Vec<String> = [0, 1, 2, 4, 8]
-                .iter()
-                .map(|&ch| {
-                    let calls: Vec<KernelCall> = (0..32).map(|_| glue_call(ctas, ch)).collect();
-                    let (t, _) = time(&calls);
-                    format!("{ch} loads {:6.2}", t * segs as f64 / 32.0)
-                })
-                .collect();
-            println!("{ctas:4} CTAs: {}", row.join(" | "));
+        for plain in [false, true] {
+            for ctas in [1u32, 16, info.sm_count] {
+                let row: Vec<String> = [0, 1, 2, 4, 8]
+                    .iter()
+                    .map(|&ch| {
+                        let calls: Vec<KernelCall> =
+                            (0..32).map(|_| glue_call(ctas, ch, plain)).collect();
+                        let (t, _) = time(&calls);
+                        format!("{ch} loads {:6.2}", t * segs as f64 / 32.0)
+                    })
+                    .collect();
+                println!(
+                    "{ctas:4} CTAs{}: {}",
+                    if plain { ", no ticket" } else { ", ticket  " },
+                    row.join(" | ")
+                );
+            }
         }
         return;
     }
