@@ -17,8 +17,8 @@
 //!   chain releasing the flag, the join after both.
 //!
 //! `OVERLAP_GLUE_ONLY=1`: instead, what a glue op costs: graphs of 32 ops of 1 / 16 / 132 CTAs
-//! and 0-8 dependent loads a thread (the op boundary, each round trip), with the last-CTA ticket
-//! (an atomic xor, a fence, the ticket, the last CTA's exchange) and without (plain stores).
+//! and 0-8 dependent loads a thread (the op boundary, the last-CTA ticket: an atomic xor, a
+//! fence, the ticket, the last CTA's exchange; each dependent round trip).
 //!
 //! Prints µs a segment (best of 5 rounds of 20 replays, host clock to completion) and the time
 //! against serial pre=0, with the bytes staged over the whole grid.
@@ -52,8 +52,8 @@ fn main() {
     let w = gpu.alloc(vpp * 16 * segs).expect("weights");
     let words = ((idx_mb * 1e6 / 4.0) as usize).max(1024);
     let idx = gpu.alloc(words * 4).expect("idx");
-    // u32 words: io[0..16] (probe_glue's start word, xor word, plain stores), the ticket at 32,
-    // the flag at 48.
+    // u32 words: io[0..2] (probe_glue's start word and xor word), the ticket at 32, the flag at
+    // 48 (each on its own 64-byte span).
     let io = gpu.alloc(256).expect("io words");
     let sink = gpu.alloc(info.sm_count as usize * 4).expect("sink");
     let s = Stream::DEFAULT;
@@ -74,7 +74,7 @@ fn main() {
     let stamps = gpu
         .alloc((64 + 4 * info.sm_count as usize) * 8)
         .expect("stamps");
-    let glue_call = |ctas: u32, ch: i32, plain: bool| {
+    let glue_call = |ctas: u32, ch: i32| {
         KernelCall::new(
             f_glue,
             LaunchDims::linear(ctas, 256),
@@ -86,7 +86,6 @@ fn main() {
                 Arg::Ptr(ticket),
                 Arg::Null,
                 Arg::Null,
-                Arg::I32(plain as i32),
             ],
         )
         .unwrap()
@@ -114,7 +113,6 @@ fn main() {
                         } else {
                             Arg::Null
                         },
-                        Arg::I32(0),
                     ],
                 )
                 .unwrap()
@@ -180,23 +178,16 @@ fn main() {
             "{}: us a glue op (32 ops a graph, PDL), dependent loads over {idx_mb} MB",
             info.name
         );
-        for plain in [false, true] {
-            for ctas in [1u32, 16, info.sm_count] {
-                let row: Vec<String> = [0, 1, 2, 4, 8]
-                    .iter()
-                    .map(|&ch| {
-                        let calls: Vec<KernelCall> =
-                            (0..32).map(|_| glue_call(ctas, ch, plain)).collect();
-                        let (t, _) = time(&calls);
-                        format!("{ch} loads {:6.2}", t * segs as f64 / 32.0)
-                    })
-                    .collect();
-                println!(
-                    "{ctas:4} CTAs{}: {}",
-                    if plain { ", no ticket" } else { ", ticket  " },
-                    row.join(" | ")
-                );
-            }
+        for ctas in [1u32, 16, info.sm_count] {
+            let row: Vec<String> = [0, 1, 2, 4, 8]
+                .iter()
+                .map(|&ch| {
+                    let calls: Vec<KernelCall> = (0..32).map(|_| glue_call(ctas, ch)).collect();
+                    let (t, _) = time(&calls);
+                    format!("{ch} loads {:6.2}", t * segs as f64 / 32.0)
+                })
+                .collect();
+            println!("{ctas:4} CTAs: {}", row.join(" | "));
         }
         return;
     }

@@ -351,10 +351,9 @@ __device__ __forceinline__ unsigned long long probe_clock() {
 // from a start that depends on the previous op's result io[0]; the CTAs' xors meet in io[1] and
 // the last CTA (ticket) moves io[1] to io[0] and, when flag is non-null, releases *flag = 1: the
 // signal a dataflow consumer waits for (its input complete and visible). st (optional): st[0] the
-// op's start (CTA 0 past the PDL wait), st[1] its end (the last CTA's release). plain = 1: no
-// ticket (each CTA stores its word; what the ticket and its fences cost, against 0).
+// op's start (CTA 0 past the PDL wait), st[1] its end (the last CTA's release).
 DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 words, int chase, u32* io, u32* ticket,
-                                           u32* flag, unsigned long long* st, int plain) {
+                                           u32* flag, unsigned long long* st) {
     ds4_pdl_enter();
     if (st && blockIdx.x == 0 && threadIdx.x == 0) st[0] = probe_clock();
     __shared__ u32 red[256 / 32];
@@ -363,13 +362,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
     for (int o = DS4_WARP / 2; o > 0; o >>= 1) j ^= ds4_shfl_xor(j, o);
     if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = j;
     __syncthreads();
-    if (threadIdx.x == 0 && plain) {
-        // No ticket: each CTA stores its own word (io[2 + b]); CTA 0's becomes the next start.
-        u32 v = 0;
-        for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) v ^= red[w];
-        io[2 + blockIdx.x % 14] = v;
-        if (blockIdx.x == 0) io[0] = v;
-    } else if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
         u32 v = 0;
         for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) v ^= red[w];
         atomicXor(&io[1], v);
