@@ -1,5 +1,5 @@
-//! `overlap_bench [MB] [glue ops] [chase] [idx MB] [segments]`: what a dataflow-flag product would buy. A
-//! decode step's products wait behind chains of small dependent glue ops (~2.2 ms of a 6.2 ms
+//! `overlap_bench [MB] [glue ops] [chase] [idx MB] [segments]`: what a dataflow-flag product
+//! would buy. A decode step's products wait behind chains of small dependent glue ops (~2.2 ms of a 6.2 ms
 //! step, README "Against the targets"); an L2 prefetch beside the glue did not help
 //! (the products re-read DRAM, session 59). Here the product is launched at the chain's start
 //! on a second branch of the graph, copies the first `pre` bytes of each CTA's slice into its
@@ -14,7 +14,12 @@
 //! - serial pre=K: glue, then the product after a PDL boundary (how the engine runs it now),
 //!   staging K KiB a CTA before its PDL wait (while the last glue op runs);
 //! - overlap pre=K: the product on the side branch staging K KiB a CTA, the glue on the main
-//!   chain releasing the flag, the join after both.
+//!   chain releasing the flag, the join after both;
+//! - paced: overlap with the staging spread over the glue (a 4 KiB round a CTA every 125-500 ns
+//!   at 96 / 160 / 224 KiB: a burst slows the glue beside it);
+//! - stamps: one graph's last segment by %globaltimer (each glue op's start and end; the product
+//!   CTAs' start, wait, streamed and end as min / median / max) for serial, overlap and the best
+//!   paced form. Results: bench/results/gpu-s60-h100.txt.
 //!
 //! `OVERLAP_GLUE_ONLY=1`: instead, what a glue op costs: graphs of 32 ops of 1 / 16 / 132 CTAs
 //! and 0-8 dependent loads a thread (the op boundary, the last-CTA ticket: an atomic xor, a
