@@ -79,7 +79,9 @@ fn main() {
     let stamps = gpu
         .alloc((64 + 4 * info.sm_count as usize) * 8)
         .expect("stamps");
-    let glue_call = |ctas: u32, ch: i32| {
+    // One glue op: `ctas` CTAs, `ch` dependent loads a thread, the flag it releases and its stamps
+    // (either may be Arg::Null).
+    let glue_call = |ctas: u32, ch: i32, fl: Arg, st: Arg| {
         KernelCall::new(
             f_glue,
             LaunchDims::linear(ctas, 256),
@@ -89,12 +91,13 @@ fn main() {
                 Arg::I32(ch),
                 Arg::Ptr(io.ptr()),
                 Arg::Ptr(ticket),
-                Arg::Null,
-                Arg::Null,
+                fl,
+                st,
             ],
         )
         .unwrap()
     };
+    // The chain: glue_ops ops of 16 CTAs, the last one releasing the flag when last_flag.
     let glue_st = |last_flag: bool, st: bool| -> Vec<KernelCall> {
         (0..glue_ops)
             .map(|i| {
@@ -103,24 +106,12 @@ fn main() {
                 } else {
                     Arg::Null
                 };
-                KernelCall::new(
-                    f_glue,
-                    LaunchDims::linear(16, 256),
-                    &[
-                        Arg::Ptr(idx.ptr()),
-                        Arg::U32(words as u32),
-                        Arg::I32(chase),
-                        Arg::Ptr(io.ptr()),
-                        Arg::Ptr(ticket),
-                        fl,
-                        if st && i < 32 {
-                            Arg::Ptr(stamps.ptr().offset(16 * i as u64))
-                        } else {
-                            Arg::Null
-                        },
-                    ],
-                )
-                .unwrap()
+                let sa = if st && i < 32 {
+                    Arg::Ptr(stamps.ptr().offset(16 * i as u64))
+                } else {
+                    Arg::Null
+                };
+                glue_call(16, chase, fl, sa)
             })
             .collect()
     };
@@ -149,11 +140,8 @@ fn main() {
         c.flow = flow;
         c
     };
-    let product_st = |seg: usize, pre_vecs: usize, fl: bool, flow: u8, st: bool| {
-        product_sp(seg, pre_vecs, fl, flow, st, 0)
-    };
     let product = |seg: usize, pre_vecs: usize, fl: bool, flow: u8| {
-        product_st(seg, pre_vecs, fl, flow, false)
+        product_sp(seg, pre_vecs, fl, flow, false, 0)
     };
     let join = |flow: u8| {
         let mut c = KernelCall::new(f_join, LaunchDims::linear(1, 32), &[Arg::Ptr(flag)]).unwrap();
@@ -172,11 +160,16 @@ fn main() {
                 g.run(rt.as_ref(), calls, s, 0).unwrap();
             }
             gpu.synchronize().expect("replays");
-            best = best.min(t.elapsed().as_secs_f64() / (reps * segs) as f64);
+            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
         }
         let branched = g.stats.branched;
         g.clear(rt.as_ref());
         (best * 1e6, branched)
+    };
+    // µs a segment of a graph of `segs` segments.
+    let seg_us = |calls: &[KernelCall]| {
+        let (t, b) = time(calls);
+        (t / segs as f64, b)
     };
     if std::env::var("OVERLAP_GLUE_ONLY").is_ok_and(|v| v == "1") {
         println!(
@@ -187,9 +180,11 @@ fn main() {
             let row: Vec<String> = [0, 1, 2, 4, 8]
                 .iter()
                 .map(|&ch| {
-                    let calls: Vec<KernelCall> = (0..32).map(|_| glue_call(ctas, ch)).collect();
+                    let calls: Vec<KernelCall> = (0..32)
+                        .map(|_| glue_call(ctas, ch, Arg::Null, Arg::Null))
+                        .collect();
                     let (t, _) = time(&calls);
-                    format!("{ch} loads {:6.2}", t * segs as f64 / 32.0)
+                    format!("{ch} loads {:6.2}", t / 32.0)
                 })
                 .collect();
             println!("{ctas:4} CTAs: {}", row.join(" | "));
@@ -211,8 +206,8 @@ fn main() {
         g_calls.push(join(FLOW_MAIN));
         p_calls.push(product(seg, 0, false, FLOW_MAIN));
     }
-    let (t_glue, _) = time(&g_calls);
-    let (t_prod, _) = time(&p_calls);
+    let (t_glue, _) = seg_us(&g_calls);
+    let (t_prod, _) = seg_us(&p_calls);
     println!(
         "glue {t_glue:8.2} us | product {t_prod:8.2} us ({:.2} TB/s), a segment",
         vpp as f64 * 16.0 / t_prod / 1e6
@@ -236,11 +231,11 @@ fn main() {
             over.extend(glue(true));
             over.push(join(FLOW_JOIN));
         }
-        let (ts, _) = time(&serial);
+        let (ts, _) = seg_us(&serial);
         if kib == 0 {
             base = ts;
         }
-        let (to, branched) = time(&over);
+        let (to, branched) = seg_us(&over);
         println!(
             "pre {kib:3} KiB ({:5.1} MB staged): serial {ts:8.2} us ({:+6.2}) | overlap {to:8.2} us ({:+6.2}){}",
             staged as f64 / 1e6,
@@ -274,7 +269,7 @@ fn main() {
             over.extend(glue(true));
             over.push(join(FLOW_JOIN));
         }
-        let (to, _) = time(&over);
+        let (to, _) = seg_us(&over);
         if to < best.0 {
             best = (to, pace, pace_kib);
         }
@@ -301,7 +296,7 @@ fn main() {
                 calls.push(join(FLOW_JOIN));
             } else {
                 calls.extend(glue_st(false, last));
-                calls.push(product_st(seg, pre_vecs, false, FLOW_MAIN, last));
+                calls.push(product_sp(seg, pre_vecs, false, FLOW_MAIN, last, 0));
                 calls.push(join(FLOW_MAIN));
             }
         }

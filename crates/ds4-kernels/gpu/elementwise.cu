@@ -347,6 +347,18 @@ __device__ __forceinline__ unsigned long long probe_clock() {
 #endif
 }
 
+// The xor of v over the CTA (blockDim.x <= 256; red: 256 / 32 words of shared memory), in
+// thread 0 (other threads: 0); every thread must call it.
+__device__ __forceinline__ u32 probe_cta_xor(u32 v, u32* red) {
+    for (int o = DS4_WARP / 2; o > 0; o >>= 1) v ^= ds4_shfl_xor(v, o);
+    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = v;
+    __syncthreads();
+    u32 t = 0;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) t ^= red[w];
+    return t;
+}
+
 // probe_glue: one latency-bound glue op. Every thread follows `chase` dependent loads through idx
 // from a start that depends on the previous op's result io[0]; the CTAs' xors meet in io[1] and
 // the last CTA (ticket) moves io[1] to io[0] and, when flag is non-null, releases *flag = 1: the
@@ -359,12 +371,8 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
     __shared__ u32 red[256 / 32];
     u32 j = (((volatile u32*)io)[0] + blockIdx.x * blockDim.x + threadIdx.x) * 2654435761u % words;
     for (int k = 0; k < chase; k++) j = idx[j];
-    for (int o = DS4_WARP / 2; o > 0; o >>= 1) j ^= ds4_shfl_xor(j, o);
-    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = j;
-    __syncthreads();
+    const u32 v = probe_cta_xor(j, red);
     if (threadIdx.x == 0) {
-        u32 v = 0;
-        for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) v ^= red[w];
         atomicXor(&io[1], v);
         __threadfence();
         if (atomicAdd(ticket, 1u) == gridDim.x - 1) {
@@ -465,13 +473,9 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
     }
     for (; i < s1; i += stride) acc ^= W[i].x ^ W[i].y ^ W[i].z ^ W[i].w;
     if (sb && threadIdx.x == 0) sb[2] = probe_clock();
-    for (int o = DS4_WARP / 2; o > 0; o >>= 1) acc ^= ds4_shfl_xor(acc, o);
     __shared__ u32 red[256 / 32];
-    if (threadIdx.x % DS4_WARP == 0) red[threadIdx.x / DS4_WARP] = acc;
-    __syncthreads();
+    const u32 v = probe_cta_xor(acc, red);
     if (threadIdx.x == 0) {
-        u32 v = 0;
-        for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) v ^= red[w];
         sink[blockIdx.x] = v;
         if (sb) sb[3] = probe_clock();
     }
