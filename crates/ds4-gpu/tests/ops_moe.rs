@@ -414,3 +414,144 @@ fn moe_decode_tokens_run_as_single_steps() {
         assert!(l2 <= TOL_L2, "n {n}: v1 off the CPU: {l2:.3e}");
     }
 }
+
+/// `Backend::moe_experts_add` with the shared expert's down product from
+/// `Backend::matmul_addend` (decode's `DS4_GPU_SHARED_BESIDE` path: the product on the step's
+/// side branch, added by the routed experts' int8 down, which joins the branches) equals
+/// `moe_experts` then `matmul_add` bit for bit, at the model's shape (d 4096, ff 2048, 6 of 8
+/// IQ2_XXS / Q2_K experts, a Q8_0 shared down of 2048 -> 4096): launched one by one, and
+/// recorded as a decode step with the product on a side branch (replayed twice); the v3d down
+/// must have added it (CUDA sm_80+), the step (with `GpuBackend::set_shared_beside`) must have asked for the side path
+/// (`moe_shared_beside`) and, where the driver captures two streams, run branched. The CPU's
+/// default composition (experts, join, add) is within the decode tolerance of the GPU's.
+#[test]
+fn moe_shared_beside_same_bits() {
+    let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
+        return;
+    };
+    let info = gpu.gpu().info();
+    let tc = info.cc.0 >= 8 && info.warp == 32;
+    GpuBackend::set_shared_beside(true); // off by default (DS4_GPU_SHARED_BESIDE=1)
+    GpuBackend::set_moe_decode(true);
+    GpuBackend::set_moe_form(0);
+    GpuBackend::set_moe_gu_rows(0);
+    GpuBackend::set_moe_v2_tiles(0, 0);
+    let (d, ff, ne, k, n) = (4096, 2048, 8, 6, 1);
+    let (cg, gg) = weight(&cpu, &gpu, GgmlType::IQ2_XXS, d, ff, ne, 51);
+    let (cu, gu) = weight(&cpu, &gpu, GgmlType::IQ2_XXS, d, ff, ne, 52);
+    let (cd, gd) = weight(&cpu, &gpu, GgmlType::Q2_K, ff, d, ne, 53);
+    let (cs_w, gs_w) = weight(&cpu, &gpu, GgmlType::Q8_0, ff, d, 1, 54);
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_used: k,
+        d,
+        ff,
+        weight_scale: 1.0,
+        clamp: 10.0,
+    };
+    let mut r = rng(55);
+    let z = randn(&mut r, n * d, 1.0);
+    let h = randn(&mut r, n * ff, 0.5);
+    let (sel, wgt) = random_routes(&mut r, n, ne, k);
+
+    // CPU: the trait default (experts, join, add of the plain product).
+    let (cz, csel, cw, ch) = (
+        cpu.upload(&z),
+        cpu.upload_i32(&sel),
+        cpu.upload(&wgt),
+        cpu.upload(&h),
+    );
+    let mut csh = cpu.alloc(n * d);
+    cpu.matmul_addend(&cs_w, &ch, n, d, &mut csh);
+    let mut co = cpu.alloc(n * d);
+    cpu.moe_experts_add(&spec, &cg, &cu, &cd, &cz, &csel, &cw, n, &csh, &mut co);
+    let want = cpu.download(&co, n * d);
+
+    let (gz, gsel, gw, gh) = (
+        gpu.upload(&z),
+        gpu.upload_i32(&sel),
+        gpu.upload(&wgt),
+        gpu.upload(&h),
+    );
+    // The old path, launched one by one.
+    let mut go = gpu.upload(&vec![f32::NAN; n * d]);
+    gpu.moe_experts(&spec, &gg, &gu, &gd, &gz, &gsel, &gw, n, &mut go);
+    gpu.matmul_add(&gs_w, &gh, n, d, &mut go);
+    let old = gpu.download(&go, n * d);
+    gpu.check().unwrap();
+    let l2 = rel_l2(&old, &want);
+    println!("shared beside: old GPU path vs CPU rel L2 {l2:.3e}");
+    assert!(l2 <= TOL_L2, "old path vs CPU: rel L2 {l2:.3e}");
+    let bits = |a: &[f32], what: &str| {
+        let diff = a
+            .iter()
+            .zip(&old)
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        println!(
+            "shared beside: {what}: {diff} of {} values differ",
+            old.len()
+        );
+        assert_eq!(
+            diff, 0,
+            "{what}: values differ from moe_experts + matmul_add"
+        );
+    };
+
+    // The new ops launched one by one.
+    let adds = GpuBackend::moe_add_runs();
+    let mut gsh = gpu.upload(&vec![f32::NAN; n * d]);
+    gpu.matmul_addend(&gs_w, &gh, n, d, &mut gsh);
+    let mut go = gpu.upload(&vec![f32::NAN; n * d]);
+    gpu.moe_experts_add(&spec, &gg, &gu, &gd, &gz, &gsel, &gw, n, &gsh, &mut go);
+    let eager = gpu.download(&go, n * d);
+    gpu.check().unwrap();
+    bits(&eager, "moe_experts_add, launches");
+    assert_eq!(
+        GpuBackend::moe_add_runs() - adds,
+        usize::from(tc),
+        "the v3d down's add (CUDA sm_80+)"
+    );
+
+    // Recorded as decode steps: the product on the side branch, replayed.
+    if !gpu.graph_on() {
+        println!("graphs unsupported by this driver: recorded form not checked");
+        return;
+    }
+    gpu.set_graph_split(0);
+    gpu.set_branch(true);
+    let s0 = gpu.graph_stats();
+    for round in 0..3 {
+        let mut go = gpu.upload(&vec![f32::NAN; n * d]);
+        gpu.graph_begin(1);
+        let beside = gpu.moe_shared_beside(1);
+        assert!(beside, "a recorded one-token step asks for the side path");
+        gpu.side_begin();
+        let mut gsh = gpu.alloc(n * d);
+        gpu.matmul_addend(&gs_w, &gh, n, d, &mut gsh);
+        gpu.side_end();
+        gpu.moe_experts_add(&spec, &gg, &gu, &gd, &gz, &gsel, &gw, n, &gsh, &mut go);
+        gpu.join();
+        gpu.graph_end();
+        let got = gpu.download(&go, n * d);
+        gpu.check().unwrap();
+        bits(&got, &format!("recorded step {round}"));
+    }
+    let s1 = gpu.graph_stats();
+    println!("shared beside: graph stats {s0:?} -> {s1:?}");
+    assert!(s1.replays > s0.replays, "the steps ran as graphs: {s1:?}");
+    if gpu.gpu().runtime().branches_supported() {
+        assert!(s1.branched > s0.branched, "no branched graph: {s1:?}");
+    }
+    GpuBackend::set_shared_beside(false);
+    gpu.graph_begin(1);
+    assert!(!gpu.moe_shared_beside(1), "DS4_GPU_SHARED_BESIDE off");
+    gpu.graph_end();
+    GpuBackend::set_shared_beside(true);
+    gpu.set_graph(false);
+    gpu.graph_begin(1);
+    assert!(!gpu.moe_shared_beside(1), "not recording: no side path");
+    gpu.graph_end();
+    gpu.set_graph(true);
+    GpuBackend::set_shared_beside(false);
+}
