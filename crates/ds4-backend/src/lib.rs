@@ -665,50 +665,6 @@ pub trait Backend: Send + Sync + Sized {
         n: usize,
         out: &mut Self::Buf,
     );
-    /// [`Backend::moe_experts`] plus `add` (`[n, d]`): `out = Σ routed + add`, each value
-    /// `routed + add` as [`Backend::matmul_add`] adds the shared expert's down product into the
-    /// routed sum. `add` was written on the open side branch ([`Backend::side_begin`]); this
-    /// joins the branches before its first read of `add`. Default: the routed experts (main
-    /// branch), [`Backend::join`], [`Backend::add`]. A device may join later, at the routed
-    /// experts' last kernel, which then adds `add` in its epilogue.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_experts_add(
-        &self,
-        spec: &MoeSpec,
-        gate: &Self::Weight,
-        up: &Self::Weight,
-        down: &Self::Weight,
-        z: &Self::Buf,
-        sel: &Self::IBuf,
-        wgt: &Self::Buf,
-        n: usize,
-        add: &Self::Buf,
-        out: &mut Self::Buf,
-    ) {
-        self.moe_experts(spec, gate, up, down, z, sel, wgt, n, out);
-        self.join();
-        self.add(out, add, n * spec.d);
-    }
-    /// Whether the MoE sublayer of `n` tokens should run the shared expert's down product on
-    /// the side branch ([`Backend::matmul_addend`]) and add it by [`Backend::moe_experts_add`]
-    /// (off the main branch's path) instead of [`Backend::matmul_add`] after the join. Both give
-    /// the same values; default false (no branches).
-    fn moe_shared_beside(&self, _n: usize) -> bool {
-        false
-    }
-    /// `y = w·x` computed as [`Backend::matmul_add`] computes the product it adds (a device may
-    /// take another kernel, another summation order, for a plain [`Backend::matmul`]), so that
-    /// `y0 + y` equals `matmul_add` into `y0`. Default: [`Backend::matmul`].
-    fn matmul_addend(
-        &self,
-        w: &Self::Weight,
-        x: &Self::Buf,
-        n: usize,
-        _rows: usize,
-        y: &mut Self::Buf,
-    ) {
-        self.matmul(w, Part::All, x, n, y);
-    }
     /// `g = silu(min(g, c)) · clamp(u, −c, c)` over `len` values (the shared expert).
     fn swiglu(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize, clamp: f32);
 

@@ -1322,8 +1322,7 @@ __device__ __forceinline__ void m3d_half_i8(int (&c)[4], const uint2* xp, int gi
 template <bool I8>
 __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                           const float* __restrict__ hx, int n, int k, float* __restrict__ out, int rows,
-                                          int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu,
-                                          const float* __restrict__ add) {
+                                          int cols, long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
     constexpr int NST = I8 ? M3D_DEEP : 2;
     constexpr bool LATE = I8; // the caller starts with DS4_PDL_LATE
     uint4* xf = (uint4*)moe_smem;                 // [2][cols / 128 chunks][4 groups][2 parts][4 tig]
@@ -1474,7 +1473,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
     if (tid < 16 && r0 + tid < rows) {
         float o = 0.0f; // warps in order
         for (int w = 0; w < 16; w++) o += red[w * 16 + tid];
-        out[r0 + tid] = add ? o + add[r0 + tid] : o; // add: see m3dn2_body's store
+        out[r0 + tid] = o;
     }
 }
 #endif
@@ -1489,8 +1488,7 @@ __device__ __forceinline__ void m3dn_body(const u8* __restrict__ W, const int* _
 #define M3D2_ROWS 32
 __device__ __forceinline__ void m3dn2_body(const u8* __restrict__ W, const int* __restrict__ sel, long long slab,
                                            const float* __restrict__ hx, int k, float* __restrict__ out, int rows,
-                                           long long row_bytes, int hs, const float* __restrict__ mx, int ngu,
-                                           const float* __restrict__ add) {
+                                           long long row_bytes, int hs, const float* __restrict__ mx, int ngu) {
     constexpr int NST = M3D_DEEP;
     uint4* xf = (uint4*)moe_smem;                 // [2][cols / 128 chunks][4 groups][4 limbs][4 tig] uint2
     u16* sxh = (u16*)(xf + 2 * 512);              // [2][8 blocks][2 parts][16 groups]
@@ -1619,10 +1617,7 @@ __device__ __forceinline__ void m3dn2_body(const u8* __restrict__ W, const int* 
     if (tid < M3D2_ROWS && r0 + tid < rows) {
         float o = 0.0f; // m3dn_body's warps in order
         for (int w = 0; w < 16; w++) o += red[((tid >> 4) * 16 + w) * 16 + (tid & 15)];
-        // add (or null): the shared expert's down product, written on the decode step's side
-        // branch, which joins at this kernel (moe.rs); o + add[r] is the routed sum + the
-        // shared product as mvra_r2u2_q8_0i adds it after the join otherwise: the same bits.
-        out[r0 + tid] = add ? o + add[r0 + tid] : o;
+        out[r0 + tid] = o;
     }
 }
 #endif
@@ -1764,9 +1759,8 @@ DS4_KERNEL void DS4_BOUNDS(M3S_LB2) m3gus_iq2_xxs(const u8* __restrict__ Wg, con
 #define M3DN_TOK(I8)                                                                                      \
     const long long t_ = blockIdx.y;                                                                      \
     m3dn_body<I8>(W, sel + t_ * k, slab, hx + t_ * k * hs, n, k, out + t_ * rows, rows, cols, row_bytes, hs, \
-                  mx + t_ * k * ngu, ngu, add ? add + t_ * rows : add);
-// add: null, or the [n, rows] values added to the sums (m3dn2_body's store).
-DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu, const float* __restrict__ add) {
+                  mx + t_ * k * ngu, ngu);
+DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     ds4_pdl_enter();
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
     M3DN_TOK(false)
@@ -1781,13 +1775,12 @@ DS4_KERNEL void DS4_BOUNDS(M3D_LB2) m3dn1_q2_k(M2DN_PARAMS, const float* __restr
 #else
 #define M3D_IP_LB M3D_LB2
 #endif
-DS4_KERNEL void DS4_BOUNDS(M3D_IP_LB) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu, const float* __restrict__ add) {
+DS4_KERNEL void DS4_BOUNDS(M3D_IP_LB) m3dn1ip_q2_k(M2DN_PARAMS, const float* __restrict__ mx, int ngu) {
     DS4_PDL_LATE;
 #if defined(DS4_CUDA) && DS4_ARCH >= 800
 #if !defined(DS4_M3D_R16)
     const long long t_ = blockIdx.y;
-    m3dn2_body(W, sel + t_ * k, slab, hx + t_ * k * hs, k, out + t_ * rows, rows, row_bytes, hs, mx + t_ * k * ngu, ngu,
-               add ? add + t_ * rows : add);
+    m3dn2_body(W, sel + t_ * k, slab, hx + t_ * k * hs, k, out + t_ * rows, rows, row_bytes, hs, mx + t_ * k * ngu, ngu);
 #else
     M3DN_TOK(true)
 #endif

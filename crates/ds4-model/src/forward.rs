@@ -1642,25 +1642,15 @@ impl<B: Backend> Model<B> {
         let shared = self.shard.rank == 0 || self.shard.is_tp();
         let ff_sh = self.shard.part(spec.ff).1;
         // The shared expert's gate/up reads only z (side branch, `Backend::side_begin`); the
-        // router and the routed experts (main branch) too. Its down product adds into the
-        // routed sum: after the join (`matmul_add`), or, where the backend asks
-        // (`moe_shared_beside`: a recorded decode step), computed on the side branch too and
-        // added by the routed experts (`moe_experts_add`), which join as late as they can.
-        let beside = shared && b.moe_shared_beside(n);
+        // router and the routed experts (main branch) too; the shared down product adds into
+        // the routed sum after the join.
         let mut g = None;
-        let mut sh = None;
         if shared {
             b.side_begin();
             let mut gs = b.alloc(n * ff_sh);
             b.matmul_gateup(&l.gate_sh, &l.up_sh, z, n, ff_sh, &mut gs, l.clamp_sh);
-            if beside {
-                let mut s = b.alloc(n * spec.d);
-                b.matmul_addend(&l.down_sh, &gs, n, spec.d, &mut s);
-                sh = Some(s);
-            } else {
-                g = Some(gs);
-            }
             b.side_end();
+            g = Some(gs);
         }
         let mut logits = b.alloc(n * spec.n_expert);
         let mut sel = b.alloc_i32(n * spec.n_used);
@@ -1687,12 +1677,7 @@ impl<B: Backend> Model<B> {
         let mut out = match &l.experts {
             Experts::Here { gate, up, down } => {
                 let mut out = b.alloc(n * spec.d);
-                match sh.take() {
-                    Some(sh) => {
-                        b.moe_experts_add(&xspec, gate, up, down, z, &sel, &wgt, n, &sh, &mut out)
-                    }
-                    None => b.moe_experts(&xspec, gate, up, down, z, &sel, &wgt, n, &mut out),
-                }
+                b.moe_experts(&xspec, gate, up, down, z, &sel, &wgt, n, &mut out);
                 out
             }
             Experts::Host { run, stacks, layer } => {
@@ -1705,11 +1690,6 @@ impl<B: Backend> Model<B> {
         if let Some(g) = g {
             b.join();
             b.matmul_add(&l.down_sh, &g, n, spec.d, &mut out);
-        }
-        if let Some(sh) = sh {
-            // Host-held experts (not `moe_experts_add`): the shared product added after them.
-            b.join();
-            b.add(&mut out, &sh, n * spec.d);
         }
         if split {
             b.all_reduce_sum(&mut out, n * spec.d);

@@ -366,7 +366,7 @@ impl GpuBackend {
         out: &mut GpuBuf,
     ) {
         if self.failed()
-            || self.dec_moe(spec, gate, up, down, z, sel, wgt, n, out, None)
+            || self.dec_moe(spec, gate, up, down, z, sel, wgt, n, out)
             || self.mv_moe(spec, gate, up, down, z, sel, wgt, n, out)
             || self.gemm_moe(spec, gate, up, down, z, sel, wgt, n, out)
         {

@@ -178,17 +178,6 @@ fn f16_il_bytes(ty: GgmlType, cols: usize, rows: usize, experts: usize) -> usize
     rows * cols * 2
 }
 
-/// What an `mvr` product does with y: store W·x (`No`: the form the shape picks), add it into
-/// y (`Add`: `mvra_r2u2_q8_0*`), or store the sums of that add form without the add (`Addend`:
-/// `mvr_r2u2_q8_0*`, not the pipelined variant: the shared expert's down product computed on a
-/// decode step's side branch and added by the routed experts' down, the same bits).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum MvrAdd {
-    No,
-    Add,
-    Addend,
-}
-
 /// Reads `DS4_GPU_Q8_REPACK` once (before the first copy or product).
 fn mvr_env() {
     MVR_ENV.call_once(|| {
@@ -781,9 +770,8 @@ impl GpuBackend {
         rows: usize,
         cols: usize,
         zs: usize,
-        mode: MvrAdd,
+        add: bool,
     ) -> bool {
-        let add = mode != MvrAdd::No; // the add's form (r2u2, not pipelined), with or without the add
         mvr_env();
         let form = match MVR.load(Ordering::Relaxed) {
             MVQ_AUTO => mvr_auto(rows * zs, cols),
@@ -833,7 +821,7 @@ impl GpuBackend {
             &ds4_kernels::MATVEC,
             &format!(
                 "mvr{}_{name}_q8_0{}",
-                if mode == MvrAdd::Add { "a" } else { "" },
+                if add { "a" } else { "" },
                 match (il, !add && form == 2 && MVR_PIPE.load(Ordering::Relaxed)) {
                     (true, true) => "ip",
                     (true, false) => "i",
@@ -1367,7 +1355,7 @@ impl GpuBackend {
             return false;
         };
         if let (1, Some(dec), 0) = (n, dec, byte0) {
-            if self.mvr(dec, *dec_il, x, 0, y.ptr, 0, rows, cols, 1, MvrAdd::No) {
+            if self.mvr(dec, *dec_il, x, 0, y.ptr, 0, rows, cols, 1, false) {
                 return true;
             }
         }
@@ -1508,34 +1496,7 @@ impl GpuBackend {
         else {
             return false;
         };
-        self.mvr(dec, *dec_il, x, 0, y.ptr, 0, *rows, *cols, 1, MvrAdd::Add)
-    }
-
-    /// Backend::matmul_addend at n = 1: y = W·x by the kernel [`Self::mv_matmul_add`] takes,
-    /// less the add (the same sums: `y0 + y` is its result), or false where that would not run.
-    pub(crate) fn mv_matmul_addend(&self, w: &GpuWeight, x: &GpuBuf, y: &mut GpuBuf) -> bool {
-        let GpuWeight::Mat {
-            dec: Some(dec),
-            dec_il,
-            rows,
-            cols,
-            ..
-        } = w
-        else {
-            return false;
-        };
-        self.mvr(
-            dec,
-            *dec_il,
-            x,
-            0,
-            y.ptr,
-            0,
-            *rows,
-            *cols,
-            1,
-            MvrAdd::Addend,
-        )
+        self.mvr(dec, *dec_il, x, 0, y.ptr, 0, *rows, *cols, 1, true)
     }
 
     /// Backend::matmul_grouped.
@@ -1566,7 +1527,7 @@ impl GpuBackend {
         };
         let (x_tok, x_z) = (groups * cols, cols);
         if let (1, Some(dec)) = (n, dec) {
-            if self.mvr(dec, *dec_il, x, x_z, y.ptr, r, r, cols, groups, MvrAdd::No) {
+            if self.mvr(dec, *dec_il, x, x_z, y.ptr, r, r, cols, groups, false) {
                 return true;
             }
         }

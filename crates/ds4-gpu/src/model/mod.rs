@@ -730,13 +730,6 @@ static COPY_LISTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 /// device is idle then). Old form: `0`.
 static DEFER_FREE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
 
-/// `DS4_GPU_SHARED_BESIDE` (`1` on; unset or anything else: off; [`GpuBackend::set_shared_beside`]):
-/// recorded one-token decode steps run the shared expert's down product on the MoE's side
-/// branch and the routed experts' down adds it (`Backend::moe_shared_beside`), so the two chains
-/// join at that down instead of at the shared down product (`mvra_r2u2_q8_0i`, otherwise on the
-/// main chain between the routed experts and the next HC). Same bits either way.
-static SHARED_BESIDE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(switch::UNSET);
-
 /// `DS4_GPU_PREFETCH=MB` (`off` / `0`: none): the most bytes, in MiB, that one
 /// [`Backend::prefetch`] hint moves into L2 (the first bytes of its weights, in order; the
 /// kernel `prefetch_l2`, CUDA only, decode steps of <= 4 tokens). Unset: [`PREFETCH_MB`].
@@ -1002,12 +995,6 @@ impl GpuBackend {
         let mut g = self.graph.lock().unwrap();
         g.split = calls;
         g.first = calls;
-    }
-
-    /// Compute the shared expert's down product beside the routed experts in recorded decode
-    /// steps (on) or after them (off), process-wide ([`SHARED_BESIDE`]; same bits either way).
-    pub fn set_shared_beside(on: bool) {
-        SHARED_BESIDE.store(on as u8, Ordering::Relaxed);
     }
 
     /// Which branch edges of two-chain graphs launch with PDL (`gpu::StepGraphs::edge_pdl`:
@@ -2658,51 +2645,6 @@ impl Backend for GpuBackend {
         let _p = self.prof(|| format!("moe_experts n{}", if n == 1 { "=1" } else { ">1" }));
 
         self.op_moe_experts(spec, gate, up, down, z, sel, wgt, n, out)
-    }
-
-    fn moe_experts_add(
-        &self,
-        spec: &MoeSpec,
-        gate: &GpuWeight,
-        up: &GpuWeight,
-        down: &GpuWeight,
-        z: &GpuBuf,
-        sel: &GpuIBuf,
-        wgt: &GpuBuf,
-        n: usize,
-        add: &GpuBuf,
-        out: &mut GpuBuf,
-    ) {
-        // The v3d / v3ip decode kernels: the join at the down, which adds `add` in its epilogue.
-        if !self.failed() && {
-            let _p = self.prof(|| format!("moe_experts n{}", if n == 1 { "=1" } else { ">1" }));
-            self.dec_moe(spec, gate, up, down, z, sel, wgt, n, out, Some(add))
-        } {
-            return;
-        }
-        self.moe_experts(spec, gate, up, down, z, sel, wgt, n, out);
-        self.join();
-        self.add(out, add, n * spec.d);
-    }
-
-    /// Recorded one-token decode steps with branches, where `DS4_GPU_SHARED_BESIDE=1`: the
-    /// shared expert's down product (8.9 MB, ~6 us a layer) leaves the main chain.
-    fn moe_shared_beside(&self, n: usize) -> bool {
-        n == 1
-            && switch::code(&SHARED_BESIDE, "DS4_GPU_SHARED_BESIDE", |v| {
-                (v == Some("1")) as u8
-            }) == 1
-            && self.recording.load(Ordering::Acquire)
-            && self.graph.lock().unwrap().branch
-    }
-
-    fn matmul_addend(&self, w: &GpuWeight, x: &GpuBuf, n: usize, _rows: usize, y: &mut GpuBuf) {
-        // As matmul_add: at n = 1 the add form's kernel less the add, else the plain product
-        // that its fallback adds.
-        if n == 1 && self.product_width_ok(w) && self.mv_matmul_addend(w, x, y) {
-            return;
-        }
-        self.matmul(w, Part::All, x, n, y);
     }
 
     fn hc_pre_norm(

@@ -54,8 +54,6 @@ static V2_RUNS: AtomicUsize = AtomicUsize::new(0);
 static V3D_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Of those, the v3ip ones (the int8 down).
 static V3IP_RUNS: AtomicUsize = AtomicUsize::new(0);
-/// Of those, the ones whose down added a side branch's product (`Backend::moe_experts_add`).
-static ADD_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// Form: 0 default (v3ip for n = 1, v3ip token by token for n = 2..4, else v1), 1 v1, 2 v2, 3 v3d (`m3gu1_iq2_xxs` +
 /// `m3dn1_q2_k`: n <= 4, IQ2_XXS gate/up, Q2_K down of 2048 columns, CUDA sm_80+; else v2),
 /// 4 v3ip (v3d with `m3dn1ip_q2_k`, the int8 down, where v3d runs);
@@ -120,10 +118,6 @@ struct MoeIo {
     sel: DevPtr,
     wgt: DevPtr,
     out: DevPtr,
-    /// Added to the down's sums (the v3d / v3ip downs only, `m3dn1*` `add`): the shared
-    /// expert's down product from the step's side branch, joined at the down
-    /// (`Backend::moe_experts_add`); else null.
-    add: Option<DevPtr>,
 }
 
 /// n = 2..4 by the v3ip kernels token by token (each token's pairs as its one-token product, all
@@ -232,12 +226,6 @@ impl GpuBackend {
         V3IP_RUNS.load(Ordering::Relaxed)
     }
 
-    /// How many v3d / v3ip products added a side branch's product in their down
-    /// (`Backend::moe_experts_add`; process-wide).
-    pub fn moe_add_runs() -> usize {
-        ADD_RUNS.load(Ordering::Relaxed)
-    }
-
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn dec_moe(
         &self,
@@ -250,7 +238,6 @@ impl GpuBackend {
         wgt: &GpuBuf,
         n: usize,
         out: &mut GpuBuf,
-        add: Option<&GpuBuf>,
     ) -> bool {
         let (k, d, ff) = (spec.n_used, spec.d, spec.ff);
         let pairs = n * k;
@@ -292,7 +279,6 @@ impl GpuBackend {
             sel: sel.0.ptr,
             wgt: wgt.ptr,
             out: out.ptr,
-            add: add.map(|a| a.ptr),
         };
         // n = 2..4 (speculative verify steps): the v3ip kernels with every token's pairs as the
         // one-token product runs them (one launch pair for all tokens; same bits per token).
@@ -312,10 +298,6 @@ impl GpuBackend {
         let v3d = form >= 3 && self.v3_fits(g, n) && v3d_fits(dn, n, k);
         // v3ip: the int8 down.
         let i8dn = v3d && form == 4;
-        // add: only the v3d / v3ip downs take it (their epilogue); else nothing runs here.
-        if add.is_some() && !v3d {
-            return false;
-        }
         if form >= 2 && self.dec_moe_v2(spec, (g, u, dn), &io, n, v3d, i8dn) {
             RUNS.fetch_add(1, Ordering::Relaxed);
             V2_RUNS.fetch_add(1, Ordering::Relaxed);
@@ -325,13 +307,7 @@ impl GpuBackend {
             if i8dn {
                 V3IP_RUNS.fetch_add(1, Ordering::Relaxed);
             }
-            if add.is_some() {
-                ADD_RUNS.fetch_add(1, Ordering::Relaxed);
-            }
             return true;
-        }
-        if add.is_some() {
-            return false;
         }
         let warps = THREADS / self.warp() as usize;
         let nt = match n {
@@ -480,11 +456,7 @@ impl GpuBackend {
         let mut tail = vec![Arg::I32(nbr as i32), Arg::I32(hs as i32)];
         let (name, grid, block, smem) = match &mx {
             Some(mx) => {
-                tail.extend([
-                    Arg::Ptr(mx.ptr),
-                    Arg::I32(ngu as i32),
-                    io.add.map_or(Arg::Null, Arg::Ptr),
-                ]);
+                tail.extend([Arg::Ptr(mx.ptr), Arg::I32(ngu as i32)]);
                 let (f, nst) = if i8dn { ("ip", V3D_DEEP) } else { ("", 2) };
                 // The int8 down with 32 rows a CTA (m3dn2_body; DS4_GPU_M3D_R32=0: 16).
                 // (cuda_defines picks the kernel's form by the same rule.)
@@ -508,11 +480,6 @@ impl GpuBackend {
         };
         // v3d: a token a grid row (m3dn1*: M3DN_TOK); v2 takes every token in each CTA.
         let rows_y = if mx.is_some() { n } else { 1 };
-        if io.add.is_some() {
-            // The side branch wrote `add`: the step's two chains join at the down (the gate/up
-            // above ran beside the branch's end, on the main chain).
-            ds4_backend::Backend::join(self);
-        }
         self.run(
             &ds4_kernels::MOE,
             &name,
