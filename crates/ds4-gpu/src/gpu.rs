@@ -1114,23 +1114,6 @@ pub struct StepGraphs {
     /// With `trace`: each node updated since the last [`StepGraphs::take_diffs`] (kernel,
     /// bit i set when argument slot i changed, bit 31 when the grid or block changed).
     pub diffs: Vec<(Function, u32)>,
-    /// Branch edges launched with PDL too (bit 0: the join call, bit 1: a branch's first
-    /// call; `DS4_GPU_EDGE_PDL=join|fork|both`, default none: [`edge_pdl_env`]).
-    pub edge_pdl: u8,
-}
-
-/// `DS4_GPU_EDGE_PDL`: which branch edges of a two-chain graph launch with PDL (bits as
-/// [`StepGraphs::edge_pdl`]). A PDL kernel waits for every kernel it depends on, in either
-/// chain, before its first dependent load (prelude.cuh ds4_pdl_enter), so only the time its
-/// CTAs start changes: a join kernel's prologue (weight loads) then overlaps the main chain's
-/// last kernel, as within a chain.
-pub fn edge_pdl_env() -> u8 {
-    match std::env::var("DS4_GPU_EDGE_PDL").as_deref() {
-        Ok("join") => 1,
-        Ok("fork") => 2,
-        Ok("both") => 3,
-        _ => 0,
-    }
 }
 
 /// Which of `new`'s argument slots (bit i) and shape (bit 31) differ from `old`'s.
@@ -1152,7 +1135,6 @@ impl StepGraphs {
     pub fn new() -> StepGraphs {
         StepGraphs {
             trace: std::env::var("DS4_GPU_GRAPH_TRACE").is_ok_and(|v| v == "1"),
-            edge_pdl: edge_pdl_env(),
             ..StepGraphs::default()
         }
     }
@@ -1179,8 +1161,7 @@ impl StepGraphs {
         tag: u64,
     ) -> Result<()> {
         self.stats.calls += calls.len() as u64;
-        // Graphs captured under another edge_pdl hold other edges: never reused.
-        let key = Self::key(calls) ^ (self.edge_pdl as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let key = Self::key(calls);
         let hit = self.graphs.iter().position(|g| {
             g.key == key
                 && g.tag == tag
@@ -1320,9 +1301,8 @@ impl StepGraphs {
     /// from the main chain's last node), the side calls chain on it, and at the next
     /// [`FLOW_JOIN`] call (or the end) the main stream waits for the side stream. The nodes
     /// are taken after each launch ([`Runtime::capture_node`]), so node i is call i for the
-    /// updates by index. A branch's first call and a join launch without PDL (their edges, the
-    /// fork and the join, stay full dependencies; PDL stays within each chain) unless
-    /// [`StepGraphs::edge_pdl`] says otherwise.
+    /// updates by index. A branch's first call and a join launch without PDL: their edges
+    /// (the fork, the join) stay full dependencies; PDL stays within each chain.
     /// [`FLOW_HINT`] calls go to a third stream: each forks from the main chain at its place
     /// (after the hint stream's previous call), and that stream is joined at the end.
     fn capture_branched(
@@ -1371,11 +1351,7 @@ impl StepGraphs {
                         }
                         rt.event_record(fork, cap)?;
                         rt.stream_wait_event(side, fork)?;
-                        if self.edge_pdl & 2 != 0 {
-                            rt.launch_call(c, side)?;
-                        } else {
-                            rt.launch_call_plain(c, side)?;
-                        }
+                        rt.launch_call_plain(c, side)?;
                     } else {
                         rt.launch_call(c, side)?;
                     }
@@ -1388,11 +1364,7 @@ impl StepGraphs {
                         rt.event_record(join, side)?;
                         rt.stream_wait_event(cap, join)?;
                         open = false;
-                        if self.edge_pdl & 1 != 0 {
-                            rt.launch_call(c, cap)?;
-                        } else {
-                            rt.launch_call_plain(c, cap)?;
-                        }
+                        rt.launch_call_plain(c, cap)?;
                     } else {
                         rt.launch_call(c, cap)?;
                     }

@@ -188,11 +188,6 @@ fn branched_steps_are_bit_identical() {
     m.backend.set_graph_split(64);
     let two64 = decode(&m, &toks);
     let s3 = m.backend.graph_stats();
-    // The fork's and the join's kernels launched with PDL too (DS4_GPU_EDGE_PDL=both).
-    m.backend.set_graph_split(0);
-    m.backend.set_edge_pdl(3);
-    let two_pdl = decode(&m, &toks);
-    m.backend.set_edge_pdl(ds4_gpu::gpu::edge_pdl_env());
     println!("one chain: {s1:?}\ntwo chains: {s2:?}\ntwo chains, pieces of 64: {s3:?}");
     same(&eager, &one, "one-chain graphs differ from launches");
     same(&one, &two, "two-chain graphs differ from one chain");
@@ -200,11 +195,6 @@ fn branched_steps_are_bit_identical() {
         &one,
         &two64,
         "two-chain graphs in pieces of 64 differ from one chain",
-    );
-    same(
-        &one,
-        &two_pdl,
-        "two-chain graphs with PDL branch edges differ from one chain",
     );
     assert_eq!(
         s1.branched, s0.branched,

@@ -997,13 +997,6 @@ impl GpuBackend {
         g.first = calls;
     }
 
-    /// Which branch edges of two-chain graphs launch with PDL (`gpu::StepGraphs::edge_pdl`:
-    /// bit 0 the join, bit 1 the fork; default `DS4_GPU_EDGE_PDL`). Tests, A/B.
-    pub fn set_edge_pdl(&self, bits: u8) {
-        self.flush(false);
-        self.graph.lock().unwrap().graphs.edge_pdl = bits & 3;
-    }
-
     /// Record decode steps' side branches as a second chain of their graphs (default on unless
     /// `DS4_GPU_BRANCH=off`), or keep one chain.
     pub fn set_branch(&self, on: bool) {
