@@ -1750,18 +1750,9 @@ __device__ __forceinline__ void ds4_rope_inv_cs(float* v, float2 cs) {
 // 0 entry (after the PDL wait), 1 first row pointers listed, 2 first tile in shared memory,
 // 3 tile loop done, 4 partials stored, 5 past the grid barrier, 6 merge done, 7 exit.
 #define DS4_AO_NST 8
-__device__ __forceinline__ u64 ds4_ao_now() {
-#if defined(DS4_CUDA)
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-#else
-    return (u64)clock64();
-#endif
-}
 #define DS4_AO_STAMP(k)                                                                                     \
     do {                                                                                                    \
-        if (PROBE && tid == 0) stamps[(size_t)blockIdx.x * DS4_AO_NST + (k)] = ds4_ao_now();               \
+        if (PROBE && tid == 0) stamps[(size_t)blockIdx.x * DS4_AO_NST + (k)] = ds4_now();               \
     } while (0)
 
 #define DS4_AO_NCS 256 // (cos, sin) entries in shared memory: n · n_rot / 2 at most, else inline

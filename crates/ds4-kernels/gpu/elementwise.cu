@@ -336,17 +336,6 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_idx(u32* __restrict__ idx, u32 words) {
     }
 }
 
-// ns (CUDA %globaltimer; HIP: clock64 ticks) for the probes' optional stamps.
-__device__ __forceinline__ unsigned long long probe_clock() {
-#if defined(DS4_CUDA)
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-#else
-    return (unsigned long long)clock64();
-#endif
-}
-
 // The xor of v over the CTA (blockDim.x <= 256; red: 256 / 32 words of shared memory), in
 // thread 0 (other threads: 0); every thread must call it.
 __device__ __forceinline__ u32 probe_cta_xor(u32 v, u32* red) {
@@ -367,7 +356,7 @@ __device__ __forceinline__ u32 probe_cta_xor(u32 v, u32* red) {
 DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 words, int chase, u32* io, u32* ticket,
                                            u32* flag, unsigned long long* st) {
     ds4_pdl_enter();
-    if (st && blockIdx.x == 0 && threadIdx.x == 0) st[0] = probe_clock();
+    if (st && blockIdx.x == 0 && threadIdx.x == 0) st[0] = ds4_now();
     __shared__ u32 red[256 / 32];
     u32 j = (((volatile u32*)io)[0] + blockIdx.x * blockDim.x + threadIdx.x) * 2654435761u % words;
     for (int k = 0; k < chase; k++) j = idx[j];
@@ -380,7 +369,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_glue(const u32* __restrict__ idx, u32 word
             io[0] = atomicExch(&io[1], 0u);
             __threadfence();
             if (flag) atomicExch(flag, 1u);
-            if (st) st[1] = probe_clock();
+            if (st) st[1] = ds4_now();
         }
     }
 }
@@ -399,16 +388,16 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
                                           u32* __restrict__ sink, unsigned long long* st, int pace) {
     DS4_PDL_LATE;
     unsigned long long* sb = st ? st + 4 * blockIdx.x : nullptr;
-    if (sb && threadIdx.x == 0) sb[0] = probe_clock();
+    if (sb && threadIdx.x == 0) sb[0] = ds4_now();
     extern __shared__ uint4 stage[];
     const long long per = (vpp + gridDim.x - 1) / gridDim.x;
     const long long s0 = (long long)blockIdx.x * per;
     const long long s1 = s0 + per < vpp ? s0 + per : vpp;
     const int np = (int)(s1 - s0 < (long long)pre ? (s1 > s0 ? s1 - s0 : 0) : pre);
-    const unsigned long long t_s = pace > 0 ? probe_clock() : 0;
+    const unsigned long long t_s = pace > 0 ? ds4_now() : 0;
     for (int i = threadIdx.x, r = 0; i < np; i += blockDim.x, r++) {
         if (pace > 0)
-            while (probe_clock() < t_s + (unsigned long long)r * (unsigned long long)pace) {
+            while (ds4_now() < t_s + (unsigned long long)r * (unsigned long long)pace) {
 #if defined(DS4_CUDA) && DS4_ARCH >= 700
                 asm volatile("nanosleep.u32 64;");
 #endif
@@ -444,7 +433,7 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
     } else {
         ds4_pdl_enter();
     }
-    if (sb && threadIdx.x == 0) sb[1] = probe_clock();
+    if (sb && threadIdx.x == 0) sb[1] = ds4_now();
     // The staged part is read while the first round of global loads is in flight (a thread
     // reads back only its own copies, so its own wait suffices: no barrier).
     u32 acc = 0;
@@ -472,12 +461,12 @@ DS4_KERNEL void DS4_BOUNDS(256) probe_pre(const uint4* __restrict__ W, long long
         for (int k = 0; k < 8; k++) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
     }
     for (; i < s1; i += stride) acc ^= W[i].x ^ W[i].y ^ W[i].z ^ W[i].w;
-    if (sb && threadIdx.x == 0) sb[2] = probe_clock();
+    if (sb && threadIdx.x == 0) sb[2] = ds4_now();
     __shared__ u32 red[256 / 32];
     const u32 v = probe_cta_xor(acc, red);
     if (threadIdx.x == 0) {
         sink[blockIdx.x] = v;
-        if (sb) sb[3] = probe_clock();
+        if (sb) sb[3] = ds4_now();
     }
 }
 

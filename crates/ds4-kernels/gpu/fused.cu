@@ -362,20 +362,11 @@ DS4_KERNEL void DS4_BOUNDS(1024) hc_post_pre_norm_f32(float* x, const float* __r
 #define FW_NW (FW_T / DS4_WARP)
 
 // Probe stamps (hc_post_pre_norm_p only; compiled out of the other kernels): thread 0 of each CTA
-// writes the time at phase k to stamps[blockIdx.x·FP_NST + k] (CUDA %globaltimer, ns).
+// writes the time at phase k to stamps[blockIdx.x·FP_NST + k] (prelude.cuh ds4_now).
 #define FP_NST 12
-__device__ __forceinline__ u64 fp_now() {
-#if defined(DS4_CUDA)
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-#else
-    return (u64)clock64();
-#endif
-}
 #define FP_STAMP(k)                                                                            \
     do {                                                                                       \
-        if (PROBE && threadIdx.x == 0) stamps[(size_t)blockIdx.x * FP_NST + (k)] = fp_now();  \
+        if (PROBE && threadIdx.x == 0) stamps[(size_t)blockIdx.x * FP_NST + (k)] = ds4_now();  \
     } while (0)
 
 #define FL_SUB 8 // threads summing one partial row
@@ -596,7 +587,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
         if (!(PROBE && stop == 5))
             hc_sinkhorn_regs<NN>(e_s, comb + (size_t)t * NN * NN, iters, hc_eps);
         if (PROBE && lane == 0) {
-            stamps[(size_t)blockIdx.x * FP_NST + 6] = fp_now();
+            stamps[(size_t)blockIdx.x * FP_NST + 6] = ds4_now();
             stamps[(size_t)blockIdx.x * FP_NST + 10] = (u64)(clock64() - c_0);
         }
     } else if (cw && !(PROBE && stop == 6)) {
@@ -616,7 +607,7 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
             xv[k][0] = c < D4 ? fu_collapse<NN>(pre_s, xv[k], zz) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
         if (PROBE && tid == DS4_WARP) {
-            stamps[(size_t)blockIdx.x * FP_NST + 7] = fp_now();
+            stamps[(size_t)blockIdx.x * FP_NST + 7] = ds4_now();
             stamps[(size_t)blockIdx.x * FP_NST + 11] = (u64)(clock64() - c_0);
         }
 #if defined(DS4_CUDA)
@@ -626,9 +617,9 @@ __device__ __forceinline__ void fl_hc(float* x, const float* __restrict__ o, con
             ds4_bar_named(1, NCW * DS4_WARP);
             double t2 = 0.0;
             for (int i = 0; i < NCW; i++) t2 += red[i];
-            if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 8] = fp_now();
+            if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 8] = ds4_now();
             fl_store_z(z + (size_t)t * D, xv, gr, (float)(1.0 / sqrt(t2 / (double)D + (double)eps)), c0, step, D4);
-            if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 9] = fp_now();
+            if (PROBE && tid == DS4_WARP) stamps[(size_t)blockIdx.x * FP_NST + 9] = ds4_now();
         }
 #endif
     }

@@ -116,6 +116,18 @@ __device__ __forceinline__ float ds4_moe_swiglu(float g, float u, float clamp, f
     return gv * (1.0f / (1.0f + expf(-gv))) * uv * w;
 }
 
+// A probe's time stamp: CUDA %globaltimer (ns), HIP clock64 (ticks). Probes only (fused.cu
+// hc_post_pre_norm_p, attention.cu attend_one_p / _tc*p, elementwise.cu probe_*).
+__device__ __forceinline__ u64 ds4_now() {
+#if defined(DS4_CUDA)
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#else
+    return (u64)clock64();
+#endif
+}
+
 // Programmatic dependent launch (CUDA, sm_90+). A kernel whose body STARTS with
 // `ds4_pdl_enter();` may be launched with the PDL attribute (the host finds these kernels by
 // that text: ds4_kernels::pdl_kernels): it is then scheduled while the previous kernel still
