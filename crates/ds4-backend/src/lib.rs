@@ -169,6 +169,47 @@ pub struct LayerDims {
     pub index_fp4: bool,
 }
 
+/// What one token at position `pos` writes to a layer's state when it closes no compressor
+/// window (model.md §4.1): its raw ring slot (`pos mod window`, the row and its position) and,
+/// per compressor, one frontier slot (`slot`, `width` values of `state_kv` and of
+/// `state_score`). Undoing these undoes the token: speculative decoding drops a rejected draft,
+/// the last token of its verify batch, this way (no row was pooled, no counter moved).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenSlots {
+    pub ring: usize,
+    /// (frontier slot, width) of the attention compressor and of the indexer's.
+    pub comp: Option<(usize, usize)>,
+    pub index: Option<(usize, usize)>,
+}
+
+impl TokenSlots {
+    /// The slots of a token at `pos`; None where it closes a window of one of the layer's
+    /// compressors (it then pools a row and shifts the CSA frontier: only a whole mark undoes
+    /// that).
+    pub fn of(dims: &LayerDims, pos: usize) -> Option<TokenSlots> {
+        let slot = |c: &Option<CompDims>| -> Result<Option<(usize, usize)>, ()> {
+            match c {
+                None => Ok(None),
+                Some(c) if (pos + 1).is_multiple_of(c.ratio) => Err(()),
+                // The frontier rule (ds4-cpu compress_one): CSA's window in slots r..2r.
+                Some(c) => Ok(Some((
+                    if c.coff == 2 {
+                        c.ratio + pos % c.ratio
+                    } else {
+                        pos % c.ratio
+                    },
+                    c.width(),
+                ))),
+            }
+        };
+        Some(TokenSlots {
+            ring: pos % dims.window,
+            comp: slot(&dims.comp).ok()?,
+            index: slot(&dims.index).ok()?,
+        })
+    }
+}
+
 /// One compressor step over a chunk ([`Backend::compress`]).
 #[derive(Clone, Copy, Debug)]
 pub struct CompressSpec {
@@ -423,7 +464,19 @@ pub trait Backend: Send + Sync + Sized {
     fn mark_all(&self, sts: &[Self::LayerState]) -> Vec<Self::Mark> {
         sts.iter().map(|s| self.mark(s)).collect()
     }
-    /// [`Backend::rollback`] of each layer to its mark (`ms` from [`Backend::mark_all`] of them).
+    /// Marks that undo only what one token writes ([`TokenSlots`], a layer each), taken before
+    /// a batch whose last token it is: [`Backend::rollback_all`] then drops that token and keeps
+    /// the batch's others. None where the backend has no such marks (the caller then marks
+    /// everything and re-evaluates the kept tokens).
+    fn mark_slots_all(
+        &self,
+        _sts: &[Self::LayerState],
+        _slots: &[TokenSlots],
+    ) -> Option<Vec<Self::Mark>> {
+        None
+    }
+    /// [`Backend::rollback`] of each layer to its mark (`ms` from [`Backend::mark_all`] or
+    /// [`Backend::mark_slots_all`] of them).
     fn rollback_all(&self, sts: &mut [Self::LayerState], ms: Vec<Self::Mark>) {
         for (s, m) in sts.iter_mut().zip(ms) {
             self.rollback(s, m);

@@ -405,6 +405,18 @@ impl Backend for CpuBackend {
     fn rollback(&self, st: &mut HostLayerState, m: Self::Mark) {
         st.rollback(m)
     }
+    fn mark_slots_all(
+        &self,
+        sts: &[HostLayerState],
+        slots: &[ds4_backend::TokenSlots],
+    ) -> Option<Vec<Self::Mark>> {
+        Some(
+            sts.iter()
+                .zip(slots)
+                .map(|(s, t)| s.mark_slots(t))
+                .collect(),
+        )
+    }
 
     fn embed(
         &self,

@@ -1426,11 +1426,21 @@ impl Engine {
     }
 }
 
+/// `DS4_SPEC_ROLLBACK=whole`: every rejected draft rolls its verify batch back whole and
+/// evaluates the kept token again (the form before slot marks; for A/B timings).
+fn spec_rollback_whole() -> bool {
+    std::env::var("DS4_SPEC_ROLLBACK").is_ok_and(|v| v == "whole")
+}
+
 /// Speculative decoding counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpecStats {
     pub drafted: usize,
     pub accepted: usize,
+    /// Rejected drafts dropped in place: the verify batch's first row kept, only the draft's
+    /// writes undone (`Forward::checkpoint_last`); the other rejections rolled the batch back
+    /// and evaluated the kept token again (the draft closed a compressor window).
+    pub undone: usize,
 }
 
 impl SpecStats {
@@ -1712,7 +1722,18 @@ impl Session {
                 continue;
             }
             stats.drafted += 1;
-            let cp = self.model.checkpoint(&self.state);
+            // Where the draft (position t + 1) closes no compressor window, a rejection undoes
+            // its writes alone and keeps the batch's row of `next`; else the whole batch is
+            // rolled back and `next` evaluated again. DS4_SPEC_ROLLBACK=whole: always the latter.
+            let light = if spec_rollback_whole() {
+                None
+            } else {
+                self.model.checkpoint_last(&self.state, t + 1)
+            };
+            let (cp, light) = match light {
+                Some(cp) => (cp, true),
+                None => (self.model.checkpoint(&self.state), false),
+            };
             let r = self
                 .model
                 .eval_batch(&mut self.state, &[next, d], true, true);
@@ -1725,6 +1746,15 @@ impl Session {
                     break;
                 }
                 produced += 1;
+            } else if light {
+                // Rejected: the draft's ring and frontier slots restored; the state, logits
+                // and streams are the batch's row of `next` (on the CPU bit-identical to a
+                // step of `next` alone; on a GPU the 2-token kernels' sums, as an accepted
+                // draft's rows are).
+                self.model.rollback(&mut self.state, cp);
+                self.logits = logits2.into_iter().next();
+                self.streams = streams2.into_iter().next();
+                stats.undone += 1;
             } else {
                 // Rejected: back to before the batch, then the certain token alone (bit-identical
                 // to its row of the batch).

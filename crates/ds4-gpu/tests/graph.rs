@@ -255,3 +255,79 @@ fn rollback_restores_the_state_bitwise() {
         );
     }
 }
+
+/// Slot marks (`Model::checkpoint_last`) on the GPU: a verify batch [kept, draft] rolled back
+/// to them holds exactly the batch's state except the draft's raw ring row, its position and
+/// its frontier slots, which hold their values from before the batch again (bit for bit, every
+/// layer; the batch replays to the same bits). Positions 20..60 of the tiny model (raw window
+/// 8, compressor ratios 4 and 8): where the draft closes a window there are no slot marks.
+#[test]
+fn slot_marks_undo_the_last_token_of_a_batch() {
+    let Some(m) = tiny() else { return };
+    let mut rng = common::rng(13);
+    let vocab = m.hp.n_vocab;
+    let toks: Vec<u32> = (0..64).map(|_| rng.gen_range(0..vocab)).collect();
+    let dims = m.layer_dims();
+    let mut st = m.new_state();
+    for &t in &toks[..20] {
+        m.eval(&mut st, t).unwrap();
+    }
+    let (mut undone, mut whole) = (0, 0);
+    for t in 20..60 {
+        let draft = (toks[t + 1] + 1) % vocab;
+        let before = m.to_host(&st);
+        let Some(cp) = m.checkpoint_last(&st, t + 1) else {
+            whole += 1;
+            m.eval(&mut st, toks[t]).unwrap();
+            continue;
+        };
+        // The batch's own state, from a copy of the state before it.
+        let mut b = m.from_host(&before);
+        m.eval_batch(&mut b, &[toks[t], draft], true).unwrap();
+        let mut want = m.to_host(&b);
+        want.tokens.pop();
+        for (l, (w, p)) in want.layers.iter_mut().zip(&before.layers).enumerate() {
+            let slots = ds4_backend::TokenSlots::of(&dims[l], t + 1).expect("slot marks given");
+            let hd = dims[l].head_dim;
+            let r = slots.ring * hd..(slots.ring + 1) * hd;
+            w.raw[r.clone()].copy_from_slice(&p.raw[r]);
+            w.raw_pos[slots.ring] = p.raw_pos[slots.ring];
+            for (wc, pc, at) in [
+                (&mut w.comp, &p.comp, slots.comp),
+                (&mut w.index, &p.index, slots.index),
+            ] {
+                if let (Some(wc), Some(pc), Some((s, n))) = (wc.as_mut(), pc, at) {
+                    let r = s * n..(s + 1) * n;
+                    wc.front_kv[r.clone()].copy_from_slice(&pc.front_kv[r.clone()]);
+                    wc.front_score[r.clone()].copy_from_slice(&pc.front_score[r]);
+                }
+            }
+        }
+        m.eval_batch(&mut st, &[toks[t], draft], true).unwrap();
+        m.rollback(&mut st, cp);
+        let got = m.to_host(&st);
+        assert_eq!(got.tokens, toks[..=t].to_vec());
+        for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                g.raw_pos, w.raw_pos,
+                "position {t}, layer {l}: ring positions"
+            );
+            assert_eq!(
+                bits(&g.raw),
+                bits(&w.raw),
+                "position {t}, layer {l}: ring rows"
+            );
+            for (gc, wc) in [(&g.comp, &w.comp), (&g.index, &w.index)] {
+                if let (Some(gc), Some(wc)) = (gc, wc) {
+                    assert_eq!(bits(&gc.front_kv), bits(&wc.front_kv), "{t} {l}: frontier");
+                    assert_eq!(bits(&gc.front_score), bits(&wc.front_score), "{t} {l}");
+                    assert_eq!(bits(&gc.rows), bits(&wc.rows), "{t} {l}: rows");
+                }
+            }
+        }
+        undone += 1;
+    }
+    println!("slot marks: {undone} drafts undone in place, {whole} positions with a whole mark");
+    assert!(undone > 20 && whole > 5, "{undone} undone, {whole} whole");
+}

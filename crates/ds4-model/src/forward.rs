@@ -1189,6 +1189,27 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// A checkpoint taken before a batch whose last token sits at `pos`: rolling back to it
+    /// drops that token alone and keeps the batch's others (a rejected speculative draft, with
+    /// no re-evaluation of the token before it). None where the token closes a compressor
+    /// window in some layer (it pools a row and shifts the frontier) or the backend has no
+    /// such marks: then [`Model::checkpoint`].
+    pub fn checkpoint_last(&self, st: &State<B>, pos: usize) -> Option<Checkpoint<B>> {
+        self.slot_checkpoint(&st.layers, pos)
+    }
+
+    fn slot_checkpoint(&self, layers: &[B::LayerState], pos: usize) -> Option<Checkpoint<B>> {
+        let slots = self
+            .layers
+            .iter()
+            .map(|l| ds4_backend::TokenSlots::of(&l.dims, pos))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Checkpoint {
+            n_tokens: pos,
+            marks: self.backend.mark_slots_all(layers, &slots)?,
+        })
+    }
+
     pub fn rollback(&self, st: &mut State<B>, cp: Checkpoint<B>) {
         st.tokens.truncate(cp.n_tokens);
         self.backend.rollback_all(&mut st.layers, cp.marks);
@@ -1952,6 +1973,8 @@ pub trait Forward: Send + Sync {
         u: f64,
     ) -> Result<u32, String>;
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
+    /// See [`Model::checkpoint_last`] (rolled back by [`Forward::rollback`]).
+    fn checkpoint_last(&self, st: &AnyState, pos: usize) -> Option<AnyCheckpoint>;
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint);
     fn state_to_host(&self, st: &AnyState) -> HostState;
     /// `h` on the backend, for a session of at most `ctx` tokens.
@@ -2057,6 +2080,14 @@ where
             n_tokens: st.tokens.len(),
             marks: self.backend.mark_all(layers),
         }))
+    }
+    fn checkpoint_last(&self, st: &AnyState, pos: usize) -> Option<AnyCheckpoint> {
+        let layers = st
+            .layers
+            .downcast_ref::<Vec<B::LayerState>>()
+            .expect("state from this model");
+        let cp = self.slot_checkpoint(layers, pos)?;
+        Some(AnyCheckpoint(Box::new(cp)))
     }
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint) {
         let cp = *cp

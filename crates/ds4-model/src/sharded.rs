@@ -152,6 +152,19 @@ impl Forward for Sharded {
                 .collect::<Vec<_>>(),
         ))
     }
+    fn checkpoint_last(&self, st: &AnyState, pos: usize) -> Option<AnyCheckpoint> {
+        let parts = st
+            .layers
+            .downcast_ref::<Vec<AnyState>>()
+            .expect("state of this expert-parallel model");
+        let cps = self
+            .ranks
+            .iter()
+            .zip(parts)
+            .map(|(r, s)| r.checkpoint_last(s, pos))
+            .collect::<Option<Vec<_>>>()?;
+        Some(AnyCheckpoint(Box::new(cps)))
+    }
     fn rollback(&self, st: &mut AnyState, cp: AnyCheckpoint) {
         let cps = *cp
             .0

@@ -607,14 +607,46 @@ impl GpuLayerState {
     }
 }
 
-/// A layer's state at a checkpoint: copies of the ring, its positions and each compressor's
-/// frontier (pooled scratch: a speculative step's checkpoint allocates nothing once warm) and
-/// the compressed row counts. The compressed rows themselves are append-only: rows past the
+/// A layer's state at a checkpoint: copies of byte ranges of its buffers (pooled scratch: a
+/// speculative step's checkpoint allocates nothing once warm) and the compressed row counts.
+/// A whole mark ([`Backend::mark_all`]) keeps the ring, its positions and each compressor's
+/// frontier; a slot mark ([`Backend::mark_slots_all`]) one ring row, its position and one
+/// frontier slot a compressor. The compressed rows themselves are append-only: rows past the
 /// count are simply overwritten later.
 pub struct GpuMark {
-    raw: GpuBuf,
-    raw_pos: GpuBuf,
-    comps: Vec<(GpuBuf, GpuBuf, usize)>,
+    /// (buffer, byte offset in it, the copy, bytes).
+    saved: Vec<(Field, usize, GpuBuf, usize)>,
+    /// The attention compressor's and the indexer's row counts.
+    n_rows: [Option<usize>; 2],
+}
+
+/// A state buffer of a layer, as [`GpuMark`] names it (resolved at rollback).
+#[derive(Clone, Copy)]
+enum Field {
+    Raw,
+    RawPos,
+    /// Frontier `state_kv` / `state_score` of the attention compressor (0) or the indexer's (1).
+    Kv(usize),
+    Score(usize),
+}
+
+impl GpuLayerState {
+    fn field(&self, f: Field) -> DevPtr {
+        let comp = |i: usize| {
+            [&self.comp, &self.index][i]
+                .as_ref()
+                .expect("a mark names only compressors the layer has")
+        };
+        match f {
+            Field::Raw => self.raw.ptr(),
+            Field::RawPos => self.raw_pos.ptr(),
+            Field::Kv(i) => comp(i).front_kv.ptr(),
+            Field::Score(i) => comp(i).front_score.ptr(),
+        }
+    }
+    fn n_rows(&self) -> [Option<usize>; 2] {
+        [&self.comp, &self.index].map(|c| c.as_ref().map(|c| c.n_rows))
+    }
 }
 
 pub struct GpuBackend {
@@ -1559,6 +1591,33 @@ impl GpuBackend {
         Some(g)
     }
 
+    /// Copies of `(field, byte offset, bytes)` ranges of each layer's buffers into pooled
+    /// scratch, one `copy_list` launch: a [`GpuMark`] a layer.
+    fn save_ranges(
+        &self,
+        sts: &[GpuLayerState],
+        ranges: impl Iterator<Item = Vec<(Field, usize, usize)>>,
+    ) -> Vec<GpuMark> {
+        let mut copies = Vec::new();
+        let marks = sts
+            .iter()
+            .zip(ranges)
+            .map(|(st, r)| GpuMark {
+                saved: r
+                    .into_iter()
+                    .map(|(f, off, n)| {
+                        let b = self.scratch(n.div_ceil(4));
+                        copies.push((b.ptr, st.field(f).offset(off as u64), n));
+                        (f, off, b, n)
+                    })
+                    .collect(),
+                n_rows: st.n_rows(),
+            })
+            .collect();
+        self.copy_many(&copies);
+        marks
+    }
+
     fn download_comp(&self, c: &GpuComp) -> HostCompState {
         let n = c.dims.slots() * c.dims.width();
         let rows = if c.bf16 {
@@ -2160,39 +2219,58 @@ impl Backend for GpuBackend {
     /// Every layer's copies in one launch (`copy_list`) into pooled buffers.
     fn mark_all(&self, sts: &[GpuLayerState]) -> Vec<GpuMark> {
         self.interrupt();
-        let mut copies = Vec::new();
-        let mut take = |src: &DeviceBuffer| {
-            let b = self.scratch(src.bytes().div_ceil(4));
-            copies.push((b.ptr, src.ptr(), src.bytes()));
-            b
+        let whole = |st: &GpuLayerState| {
+            let mut r = vec![
+                (Field::Raw, 0, st.raw.bytes()),
+                (Field::RawPos, 0, st.raw_pos.bytes()),
+            ];
+            for (i, c) in [&st.comp, &st.index].into_iter().enumerate() {
+                if let Some(c) = c {
+                    r.push((Field::Kv(i), 0, c.front_kv.bytes()));
+                    r.push((Field::Score(i), 0, c.front_score.bytes()));
+                }
+            }
+            r
         };
-        let marks = sts
-            .iter()
-            .map(|st| GpuMark {
-                raw: take(&st.raw),
-                raw_pos: take(&st.raw_pos),
-                comps: [&st.comp, &st.index]
-                    .into_iter()
-                    .flatten()
-                    .map(|c| (take(&c.front_kv), take(&c.front_score), c.n_rows))
-                    .collect(),
-            })
-            .collect();
-        self.copy_many(&copies);
-        marks
+        self.save_ranges(sts, sts.iter().map(whole))
+    }
+
+    /// One ring row with its position and one frontier slot a compressor, a layer each: what
+    /// the token at the slots' position writes (a few KB a layer, one `copy_list` launch).
+    fn mark_slots_all(
+        &self,
+        sts: &[GpuLayerState],
+        slots: &[ds4_backend::TokenSlots],
+    ) -> Option<Vec<GpuMark>> {
+        self.interrupt();
+        let ranges = sts.iter().zip(slots).map(|(st, t)| {
+            let hd = st.dims.head_dim;
+            let mut r = vec![
+                (Field::Raw, 4 * t.ring * hd, 4 * hd),
+                (Field::RawPos, 4 * t.ring, 4),
+            ];
+            for (i, at) in [t.comp, t.index].into_iter().enumerate() {
+                if let Some((slot, w)) = at {
+                    r.push((Field::Kv(i), 4 * slot * w, 4 * w));
+                    r.push((Field::Score(i), 4 * slot * w, 4 * w));
+                }
+            }
+            r
+        });
+        Some(self.save_ranges(sts, ranges))
     }
 
     fn rollback_all(&self, sts: &mut [GpuLayerState], ms: Vec<GpuMark>) {
         self.interrupt();
         let mut copies = Vec::new();
         for (st, m) in sts.iter_mut().zip(&ms) {
-            copies.push((st.raw.ptr(), m.raw.ptr, st.raw.bytes()));
-            copies.push((st.raw_pos.ptr(), m.raw_pos.ptr, st.raw_pos.bytes()));
-            let comps = [&mut st.comp, &mut st.index].into_iter().flatten();
-            for (c, (kv, sc, n)) in comps.zip(&m.comps) {
-                copies.push((c.front_kv.ptr(), kv.ptr, c.front_kv.bytes()));
-                copies.push((c.front_score.ptr(), sc.ptr, c.front_score.bytes()));
-                c.n_rows = *n;
+            for (f, off, b, n) in &m.saved {
+                copies.push((st.field(*f).offset(*off as u64), b.ptr, *n));
+            }
+            for (c, n) in [&mut st.comp, &mut st.index].into_iter().zip(m.n_rows) {
+                if let (Some(c), Some(n)) = (c.as_mut(), n) {
+                    c.n_rows = n;
+                }
             }
         }
         self.copy_many(&copies);
