@@ -169,44 +169,51 @@ pub struct LayerDims {
     pub index_fp4: bool,
 }
 
-/// What one token at position `pos` writes to a layer's state when it closes no compressor
-/// window (model.md §4.1): its raw ring slot (`pos mod window`, the row and its position) and,
-/// per compressor, one frontier slot (`slot`, `width` values of `state_kv` and of
-/// `state_score`). Undoing these undoes the token: speculative decoding drops a rejected draft,
-/// the last token of its verify batch, this way (no row was pooled, no counter moved).
+/// What one token at position `pos` writes to a layer's state (model.md §4.1): its raw ring
+/// slot (`pos mod window`: the row and its position) and, per compressor, frontier slots
+/// ([`FrontSlots`]) and possibly one pooled row. Putting these back undoes the token:
+/// speculative decoding drops a rejected draft, the last token of its verify batch, this way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TokenSlots {
     pub ring: usize,
-    /// (frontier slot, width) of the attention compressor and of the indexer's.
-    pub comp: Option<(usize, usize)>,
-    pub index: Option<(usize, usize)>,
+    /// The attention compressor's and the indexer's frontier slots.
+    pub comp: Option<FrontSlots>,
+    pub index: Option<FrontSlots>,
+}
+
+/// Frontier slots a token changes: `ranges` of (first slot, count), `width` values a slot in
+/// `state_kv` and in `state_score`. Its own slot (`pos mod r`, CSA `r + pos mod r`), and where it
+/// closes a CSA window (`pos + 1` a multiple of `r`) also slots `0..r`, which the window then
+/// moves into; the window's other slots keep what the earlier tokens wrote. A closing token also
+/// pools a row of `pooled` values (`d`; 0 for the others): undoing it drops the last row (the
+/// batch's earlier tokens may have pooled rows of their own, which stay).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrontSlots {
+    pub ranges: [(usize, usize); 2],
+    pub width: usize,
+    pub pooled: usize,
 }
 
 impl TokenSlots {
-    /// The slots of a token at `pos`; None where it closes a window of one of the layer's
-    /// compressors (it then pools a row and shifts the CSA frontier: only a whole mark undoes
-    /// that).
-    pub fn of(dims: &LayerDims, pos: usize) -> Option<TokenSlots> {
-        let slot = |c: &Option<CompDims>| -> Result<Option<(usize, usize)>, ()> {
-            match c {
-                None => Ok(None),
-                Some(c) if (pos + 1).is_multiple_of(c.ratio) => Err(()),
-                // The frontier rule (ds4-cpu compress_one): CSA's window in slots r..2r.
-                Some(c) => Ok(Some((
-                    if c.coff == 2 {
-                        c.ratio + pos % c.ratio
-                    } else {
-                        pos % c.ratio
-                    },
-                    c.width(),
-                ))),
-            }
+    pub fn of(dims: &LayerDims, pos: usize) -> TokenSlots {
+        let front = |c: &Option<CompDims>| {
+            c.map(|c| {
+                let r = c.ratio;
+                let own = if c.coff == 2 { r + pos % r } else { pos % r };
+                let pools = (pos + 1).is_multiple_of(r);
+                let shift = c.coff == 2 && pools;
+                FrontSlots {
+                    ranges: [(own, 1), (0, if shift { r } else { 0 })],
+                    width: c.width(),
+                    pooled: if pools { c.d } else { 0 },
+                }
+            })
         };
-        Some(TokenSlots {
+        TokenSlots {
             ring: pos % dims.window,
-            comp: slot(&dims.comp).ok()?,
-            index: slot(&dims.index).ok()?,
-        })
+            comp: front(&dims.comp),
+            index: front(&dims.index),
+        }
     }
 }
 
@@ -466,8 +473,9 @@ pub trait Backend: Send + Sync + Sized {
     }
     /// Marks that undo only what one token writes ([`TokenSlots`], a layer each), taken before
     /// a batch whose last token it is: [`Backend::rollback_all`] then drops that token and keeps
-    /// the batch's others. None where the backend has no such marks (the caller then marks
-    /// everything and re-evaluates the kept tokens).
+    /// the batch's others (their frontier slots and the rows they pooled).
+    /// None where the backend has no such marks (the caller then marks everything and
+    /// re-evaluates the kept tokens).
     fn mark_slots_all(
         &self,
         _sts: &[Self::LayerState],

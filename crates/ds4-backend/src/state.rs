@@ -57,18 +57,27 @@ impl HostLayerState {
         })
     }
 
-    /// What one token writes where it closes no window ([`crate::TokenSlots`]): its ring slot
-    /// and one frontier slot a compressor. Rolling back to it undoes only that token.
+    /// What one token writes ([`crate::TokenSlots`]): its ring slot, its frontier slots a
+    /// compressor and a row it pools. Rolling back to it undoes only that token.
     pub fn mark_slots(&self, s: &crate::TokenSlots) -> HostMark {
         let hd = self.raw.len() / self.raw_pos.len();
-        let front = |c: &Option<HostCompState>, at: Option<(usize, usize)>| {
-            c.as_ref().zip(at).map(|(c, (slot, w))| {
-                let r = slot * w..(slot + 1) * w;
-                (
-                    slot,
-                    c.front_kv[r.clone()].to_vec(),
-                    c.front_score[r].to_vec(),
-                )
+        let front = |c: &Option<HostCompState>, at: Option<crate::FrontSlots>| {
+            c.as_ref().zip(at).map(|(c, f)| {
+                let w = f.width;
+                let saved = f
+                    .ranges
+                    .iter()
+                    .filter(|r| r.1 > 0)
+                    .map(|&(s0, n)| {
+                        let r = s0 * w..(s0 + n) * w;
+                        (
+                            r.start,
+                            c.front_kv[r.clone()].to_vec(),
+                            c.front_score[r].to_vec(),
+                        )
+                    })
+                    .collect();
+                (saved, f.pooled)
             })
         };
         HostMark(Kept::Slots {
@@ -110,10 +119,12 @@ impl HostLayerState {
                 self.raw[slot * hd..(slot + 1) * hd].copy_from_slice(&row);
                 self.raw_pos[slot] = pos;
                 for (dst, src) in [(&mut self.comp, comp), (&mut self.index, index)] {
-                    if let (Some(c), Some((s, kv, score))) = (dst.as_mut(), src) {
-                        let w = kv.len();
-                        c.front_kv[s * w..(s + 1) * w].copy_from_slice(&kv);
-                        c.front_score[s * w..(s + 1) * w].copy_from_slice(&score);
+                    if let (Some(c), Some((saved, pooled))) = (dst.as_mut(), src) {
+                        for (off, kv, score) in saved {
+                            c.front_kv[off..off + kv.len()].copy_from_slice(&kv);
+                            c.front_score[off..off + score.len()].copy_from_slice(&score);
+                        }
+                        c.rows.truncate(c.rows.len() - pooled);
                     }
                 }
             }
@@ -122,8 +133,9 @@ impl HostLayerState {
 }
 
 type CompMark = Option<(Vec<f32>, Vec<f32>, usize)>;
-/// A frontier slot's index and its saved `state_kv` / `state_score` rows.
-type SlotMark = Option<(usize, Vec<f32>, Vec<f32>)>;
+/// Saved frontier ranges (value offset, `state_kv` values, `state_score` values) and the values
+/// of the row the token pools (0: none).
+type SlotMark = Option<(Vec<(usize, Vec<f32>, Vec<f32>)>, usize)>;
 
 #[derive(Clone, Debug)]
 enum Kept {
@@ -134,7 +146,7 @@ enum Kept {
         comp: CompMark,
         index: CompMark,
     },
-    /// One token's ring slot (row and position) and frontier slots.
+    /// One token's ring slot (row and position), frontier slots and pooled row.
     Slots {
         slot: usize,
         row: Vec<f32>,
@@ -171,7 +183,9 @@ mod tests {
         }
     }
 
-    // A token's writes, as the CPU's compress_one and ring store make them.
+    // A token's writes, as the CPU's compress_one and ring store make them: its ring slot,
+    // its frontier slot and, closing a window, a pooled row and the shift of the window into
+    // slots 0..r.
     fn write(st: &mut HostLayerState, d: &LayerDims, pos: usize, v: f32) {
         let hd = d.head_dim;
         let r = pos % d.window;
@@ -179,49 +193,67 @@ mod tests {
         st.raw_pos[r] = pos as i64;
         for (c, cd) in [(&mut st.comp, d.comp), (&mut st.index, d.index)] {
             let (c, cd) = (c.as_mut().unwrap(), cd.unwrap());
-            let (slot, w) = (cd.ratio + pos % cd.ratio, cd.width());
+            let (q, w) = (cd.ratio, cd.width());
+            let slot = q + pos % q;
             c.front_kv[slot * w..(slot + 1) * w].fill(v);
             c.front_score[slot * w..(slot + 1) * w].fill(-v);
+            if (pos + 1) % q == 0 {
+                c.rows.extend(std::iter::repeat_n(v, cd.d));
+                c.front_kv.copy_within(q * w..2 * q * w, 0);
+                c.front_score.copy_within(q * w..2 * q * w, 0);
+            }
         }
     }
 
     #[test]
     fn slot_marks_undo_only_the_last_token() {
         let d = dims();
+        // Drafts at 14 (inside a window), 15 (closing one: a pooled row, the shift) and 16
+        // (after a kept token that closed one: its row stays).
+        for draft in [14, 15, 16] {
+            let mut st = HostLayerState::new(&d);
+            for p in 0..draft - 1 {
+                write(&mut st, &d, p, p as f32 + 1.0);
+            }
+            let slots = TokenSlots::of(&d, draft);
+            assert_eq!(slots.ring, draft % 8);
+            let m = st.mark_slots(&slots);
+            write(&mut st, &d, draft - 1, 100.0);
+            let kept = st.clone();
+            write(&mut st, &d, draft, 200.0);
+            assert_ne!(st, kept);
+            st.rollback(m);
+            assert_eq!(
+                st, kept,
+                "draft {draft}: its writes undone, the kept token's stay"
+            );
+        }
+        // A whole mark still restores everything.
         let mut st = HostLayerState::new(&d);
         for p in 0..13 {
             write(&mut st, &d, p, p as f32 + 1.0);
         }
-        // Positions 13 and 14 as one batch; 14 is the draft (14 + 1 closes no window of 4).
-        let slots = TokenSlots::of(&d, 14).expect("no window closes at 14");
-        assert_eq!(slots.ring, 6);
-        assert_eq!(slots.comp, Some((6, 6)));
-        assert_eq!(slots.index, Some((6, 4)));
-        let m = st.mark_slots(&slots);
-        write(&mut st, &d, 13, 100.0);
-        let mut only_13 = st.clone();
-        write(&mut st, &d, 14, 200.0);
-        assert_ne!(st, only_13);
-        st.rollback(m);
-        assert_eq!(
-            st, only_13,
-            "the draft's writes undone, the kept token's stay"
-        );
-        // A whole mark still restores everything.
-        let whole = only_13.mark();
-        let before = only_13.clone();
-        write(&mut only_13, &d, 14, 300.0);
-        only_13.rollback(whole);
-        assert_eq!(only_13, before);
+        let whole = st.mark();
+        let before = st.clone();
+        write(&mut st, &d, 13, 300.0);
+        st.rollback(whole);
+        assert_eq!(st, before);
     }
 
     #[test]
-    fn no_slot_marks_where_a_window_closes() {
+    fn token_slots_follow_the_frontier_rule() {
         let d = dims();
-        assert!(TokenSlots::of(&d, 3).is_none());
-        assert!(TokenSlots::of(&d, 15).is_none());
-        assert!(TokenSlots::of(&d, 16).is_some());
-        // HCA (coff 1): slot pos mod ratio, closing at multiples of 128 less one.
+        let t = TokenSlots::of(&d, 14);
+        assert_eq!(t.ring, 6);
+        assert_eq!(t.comp.unwrap().ranges, [(6, 1), (0, 0)]);
+        assert_eq!(t.comp.unwrap().width, 6);
+        assert_eq!(t.index.unwrap().width, 4);
+        // Closing a CSA window: the window's slots 0..4 too.
+        assert_eq!(
+            TokenSlots::of(&d, 15).comp.unwrap().ranges,
+            [(7, 1), (0, 4)]
+        );
+        // HCA (coff 1): slot pos mod ratio, no shift even where a window closes.
         let h = LayerDims {
             comp: Some(CompDims {
                 ratio: 128,
@@ -231,22 +263,8 @@ mod tests {
             index: None,
             ..d
         };
-        assert_eq!(
-            TokenSlots::of(&h, 130),
-            Some(TokenSlots {
-                ring: 2,
-                comp: Some((2, 5)),
-                index: None
-            })
-        );
-        assert!(TokenSlots::of(&h, 127).is_none());
-        assert!(TokenSlots::of(&h, 126).is_some());
-        // No compressor: any position.
-        let swa = LayerDims {
-            comp: None,
-            index: None,
-            ..d
-        };
-        assert!(TokenSlots::of(&swa, 3).is_some());
+        let t = TokenSlots::of(&h, 127);
+        assert_eq!((t.ring, t.index), (7, None));
+        assert_eq!(t.comp.unwrap().ranges, [(127, 1), (0, 0)]);
     }
 }

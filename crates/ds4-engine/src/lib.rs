@@ -1439,7 +1439,8 @@ pub struct SpecStats {
     pub accepted: usize,
     /// Rejected drafts dropped in place: the verify batch's first row kept, only the draft's
     /// writes undone (`Forward::checkpoint_last`); the other rejections rolled the batch back
-    /// and evaluated the kept token again (the draft closed a compressor window).
+    /// and evaluated the kept token again (`DS4_SPEC_ROLLBACK=whole`, or a backend without
+    /// slot marks).
     pub undone: usize,
 }
 
@@ -1722,9 +1723,10 @@ impl Session {
                 continue;
             }
             stats.drafted += 1;
-            // Where the draft (position t + 1) closes no compressor window, a rejection undoes
-            // its writes alone and keeps the batch's row of `next`; else the whole batch is
-            // rolled back and `next` evaluated again. DS4_SPEC_ROLLBACK=whole: always the latter.
+            // A rejection undoes the draft's writes alone (position t + 1: its ring row, its
+            // frontier slots, a row it pooled) and keeps the batch's row of `next`; without
+            // slot marks (DS4_SPEC_ROLLBACK=whole) the batch is rolled back whole and `next`
+            // evaluated again.
             let light = if spec_rollback_whole() {
                 None
             } else {

@@ -1191,19 +1191,18 @@ impl<B: Backend> Model<B> {
 
     /// A checkpoint taken before a batch whose last token sits at `pos`: rolling back to it
     /// drops that token alone and keeps the batch's others (a rejected speculative draft, with
-    /// no re-evaluation of the token before it). None where the token closes a compressor
-    /// window in some layer (it pools a row and shifts the frontier) or the backend has no
-    /// such marks: then [`Model::checkpoint`].
+    /// no re-evaluation of the token before it). None where the backend has no such marks:
+    /// then [`Model::checkpoint`].
     pub fn checkpoint_last(&self, st: &State<B>, pos: usize) -> Option<Checkpoint<B>> {
         self.slot_checkpoint(&st.layers, pos)
     }
 
     fn slot_checkpoint(&self, layers: &[B::LayerState], pos: usize) -> Option<Checkpoint<B>> {
-        let slots = self
+        let slots: Vec<_> = self
             .layers
             .iter()
             .map(|l| ds4_backend::TokenSlots::of(&l.dims, pos))
-            .collect::<Option<Vec<_>>>()?;
+            .collect();
         Some(Checkpoint {
             n_tokens: pos,
             marks: self.backend.mark_slots_all(layers, &slots)?,

@@ -616,8 +616,18 @@ impl GpuLayerState {
 pub struct GpuMark {
     /// (buffer, byte offset in it, the copy, bytes).
     saved: Vec<(Field, usize, GpuBuf, usize)>,
-    /// The attention compressor's and the indexer's row counts.
-    n_rows: [Option<usize>; 2],
+    /// The attention compressor's and the indexer's row counts to return to.
+    n_rows: [Rows; 2],
+}
+
+/// A compressor's row count at a rollback.
+#[derive(Clone, Copy)]
+enum Rows {
+    Keep,
+    /// A whole mark's count.
+    To(usize),
+    /// One less: a slot mark's token pooled a row (the batch's earlier rows stay).
+    DropLast,
 }
 
 /// A state buffer of a layer, as [`GpuMark`] names it (resolved at rollback).
@@ -644,8 +654,8 @@ impl GpuLayerState {
             Field::Score(i) => comp(i).front_score.ptr(),
         }
     }
-    fn n_rows(&self) -> [Option<usize>; 2] {
-        [&self.comp, &self.index].map(|c| c.as_ref().map(|c| c.n_rows))
+    fn n_rows(&self) -> [Rows; 2] {
+        [&self.comp, &self.index].map(|c| c.as_ref().map_or(Rows::Keep, |c| Rows::To(c.n_rows)))
     }
 }
 
@@ -2235,8 +2245,9 @@ impl Backend for GpuBackend {
         self.save_ranges(sts, sts.iter().map(whole))
     }
 
-    /// One ring row with its position and one frontier slot a compressor, a layer each: what
-    /// the token at the slots' position writes (a few KB a layer, one `copy_list` launch).
+    /// One ring row with its position and the frontier slots a compressor that the token at
+    /// the slots' position writes, a layer each (a few KB a layer; 4 more slots where it closes
+    /// a CSA window), and the row counts; one `copy_list` launch.
     fn mark_slots_all(
         &self,
         sts: &[GpuLayerState],
@@ -2250,14 +2261,22 @@ impl Backend for GpuBackend {
                 (Field::RawPos, 4 * t.ring, 4),
             ];
             for (i, at) in [t.comp, t.index].into_iter().enumerate() {
-                if let Some((slot, w)) = at {
-                    r.push((Field::Kv(i), 4 * slot * w, 4 * w));
-                    r.push((Field::Score(i), 4 * slot * w, 4 * w));
+                for &(s0, n) in at.iter().flat_map(|f| f.ranges.iter()).filter(|r| r.1 > 0) {
+                    let w = at.map_or(0, |f| f.width);
+                    r.push((Field::Kv(i), 4 * s0 * w, 4 * n * w));
+                    r.push((Field::Score(i), 4 * s0 * w, 4 * n * w));
                 }
             }
             r
         });
-        Some(self.save_ranges(sts, ranges))
+        let mut marks = self.save_ranges(sts, ranges);
+        for (m, t) in marks.iter_mut().zip(slots) {
+            m.n_rows = [t.comp, t.index].map(|f| match f {
+                Some(f) if f.pooled > 0 => Rows::DropLast,
+                _ => Rows::Keep,
+            });
+        }
+        Some(marks)
     }
 
     fn rollback_all(&self, sts: &mut [GpuLayerState], ms: Vec<GpuMark>) {
@@ -2268,8 +2287,12 @@ impl Backend for GpuBackend {
                 copies.push((st.field(*f).offset(*off as u64), b.ptr, *n));
             }
             for (c, n) in [&mut st.comp, &mut st.index].into_iter().zip(m.n_rows) {
-                if let (Some(c), Some(n)) = (c.as_mut(), n) {
-                    c.n_rows = n;
+                if let Some(c) = c.as_mut() {
+                    match n {
+                        Rows::Keep => {}
+                        Rows::To(n) => c.n_rows = n,
+                        Rows::DropLast => c.n_rows -= 1,
+                    }
                 }
             }
         }
