@@ -197,7 +197,7 @@ mod tests {
             let slot = q + pos % q;
             c.front_kv[slot * w..(slot + 1) * w].fill(v);
             c.front_score[slot * w..(slot + 1) * w].fill(-v);
-            if (pos + 1) % q == 0 {
+            if (pos + 1).is_multiple_of(q) {
                 c.rows.extend(std::iter::repeat_n(v, cd.d));
                 c.front_kv.copy_within(q * w..2 * q * w, 0);
                 c.front_score.copy_within(q * w..2 * q * w, 0);
