@@ -101,3 +101,38 @@ fn slot_marks_undo_the_last_token_of_a_batch() {
         m.eval(&mut st, tokens[t]).unwrap();
     }
 }
+
+/// The MTP block's draft picked on the backend (`Model::mtp_draft`, what speculative decoding
+/// uses) is the argmax of the logits `Model::mtp_eval` returns, at every position of a short
+/// run (the two MTP states fed alike).
+#[test]
+fn mtp_draft_is_the_argmax_of_mtp_logits() {
+    use ds4_cpu::Rounding;
+    use ds4_gguf::GgufFile;
+    use ds4_model::{bind_main, bind_mtp, HParams};
+    use std::sync::Arc;
+    let path = ds4_synth::tiny_model_for_tests(21, true);
+    let main = Arc::new(GgufFile::open(&path).unwrap());
+    let mtp = Arc::new(GgufFile::open(ds4_synth::mtp_path(&path)).unwrap());
+    let hp = HParams::from_meta(main.as_ref()).unwrap();
+    let (dm, dt) = (bind_main(&main, &hp).unwrap(), bind_mtp(&mtp, &hp).unwrap());
+    let m = ds4_cpu::load(hp, &[(main, dm), (mtp, dt)], Rounding::MODEL).unwrap();
+    assert!(m.has_mtp());
+    let tokens: Vec<u32> = (0..24u32).map(|i| (i * 193 + 5) % 512).collect();
+    let mut st = m.new_state();
+    let (mut a, mut b) = (m.new_mtp_state(), m.new_mtp_state());
+    let mut differ = 0;
+    for t in 0..tokens.len() - 1 {
+        let (_, hs) = m
+            .eval_batch_streams(&mut st, &tokens[t..=t], false, true)
+            .unwrap();
+        let (l, _) = m.mtp_eval(&mut a, &hs[0], tokens[t + 1], t + 1).unwrap();
+        let d = m.mtp_draft(&mut b, &hs[0], tokens[t + 1], t + 1).unwrap();
+        assert_eq!(d, ds4_backend::sample::argmax(&l), "position {}", t + 1);
+        differ += usize::from(t > 0 && d != tokens[t]);
+    }
+    assert!(
+        differ > 0,
+        "drafts all equal to a token: a constant pick would pass"
+    );
+}

@@ -1660,10 +1660,9 @@ impl Session {
             let mut mtp = self.mtp.take();
             let mut draft = |hs: &[f32], tok: u32, pos: usize| {
                 let st = mtp.as_mut().expect("MTP state present");
-                // A failed draft is no draft: the main model decides alone.
-                model
-                    .mtp_eval(st, hs, tok, pos)
-                    .map_or(u32::MAX, |(l, _)| argmax(&l))
+                // A failed draft is no draft: the main model decides alone. The pick is made
+                // on the backend (only the id crosses to the host).
+                model.mtp_draft(st, hs, tok, pos).unwrap_or(u32::MAX)
             };
             let r = self.generate_with_drafter(n, &mut draft, on_token);
             self.mtp = mtp;

@@ -1911,6 +1911,45 @@ impl<B: Backend> Model<B> {
         tok: u32,
         pos: usize,
     ) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let (x, logits) = self.mtp_forward(st, hs, tok, pos)?;
+        let b = &self.backend;
+        let logits = b.download(&logits, self.hp.n_vocab as usize);
+        let streams = b.download(&x, self.hc_dims().n * self.hc_dims().d);
+        b.check()?;
+        Ok((logits, streams))
+    }
+
+    /// [`Model::mtp_eval`]'s greedy draft alone: the argmax of its logits picked on the
+    /// backend (the same id as the host's argmax, ties to the lowest), so neither the logits nor
+    /// the streams cross to the host.
+    pub fn mtp_draft(
+        &self,
+        st: &mut B::LayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> Result<u32, String> {
+        let (_, logits) = self.mtp_forward(st, hs, tok, pos)?;
+        let b = &self.backend;
+        let id = b.sample(
+            &logits,
+            self.hp.n_vocab as usize,
+            &ds4_backend::SampleParams::default(),
+            0.0,
+        );
+        b.check()?;
+        Ok(id)
+    }
+
+    /// The MTP block on (streams `hs` of position pos − 1, token `tok` at pos): its final
+    /// streams and logits, left on the backend.
+    fn mtp_forward(
+        &self,
+        st: &mut B::LayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> Result<(B::Buf, B::Buf), String> {
         let mtp = self.mtp.as_ref().ok_or("no MTP weights loaded")?;
         let b = &self.backend;
         let hc = self.hc_dims();
@@ -1933,13 +1972,8 @@ impl<B: Backend> Model<B> {
         b.add(&mut x, &epn, hc.n * hc.d);
         let (y, post, comb) = self.layer_forward(&mtp.block, st, &mut x, &ids, 1, pos, None);
         b.hc_post(hc, &mut x, &y, &post, &comb, 1);
-        let logits = self
-            .head(&mtp.head, &mtp.norm, &x, 1)
-            .pop()
-            .unwrap_or_default();
-        let streams = b.download(&x, hc.n * hc.d);
-        b.check()?;
-        Ok((logits, streams))
+        let logits = self.head_logits(&mtp.head, &mtp.norm, &x, 1);
+        Ok((x, logits))
     }
 }
 
@@ -1988,6 +2022,14 @@ pub trait Forward: Send + Sync {
         tok: u32,
         pos: usize,
     ) -> Result<(Vec<f32>, Vec<f32>), String>;
+    /// See [`Model::mtp_draft`].
+    fn mtp_draft(
+        &self,
+        st: &mut AnyLayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> Result<u32, String>;
 }
 
 /// A session state of some backend ([`Forward`]).
@@ -2135,5 +2177,17 @@ where
             st.0.downcast_mut::<B::LayerState>()
                 .expect("MTP state from this model");
         Model::mtp_eval(self, s, hs, tok, pos)
+    }
+    fn mtp_draft(
+        &self,
+        st: &mut AnyLayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> Result<u32, String> {
+        let s =
+            st.0.downcast_mut::<B::LayerState>()
+                .expect("MTP state from this model");
+        Model::mtp_draft(self, s, hs, tok, pos)
     }
 }

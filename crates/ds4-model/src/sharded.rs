@@ -219,4 +219,16 @@ impl Forward for Sharded {
             m.mtp_eval(s, hs, tok, pos)
         })
     }
+    fn mtp_draft(
+        &self,
+        st: &mut AnyLayerState,
+        hs: &[f32],
+        tok: u32,
+        pos: usize,
+    ) -> Result<u32, String> {
+        // Every rank picks from the same logits: the same id.
+        self.all(Self::parts::<AnyLayerState>(&mut st.0), |m, s| {
+            m.mtp_draft(s, hs, tok, pos)
+        })
+    }
 }
