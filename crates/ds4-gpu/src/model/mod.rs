@@ -610,9 +610,10 @@ impl GpuLayerState {
 /// A layer's state at a checkpoint: copies of byte ranges of its buffers (pooled scratch: a
 /// speculative step's checkpoint allocates nothing once warm) and the compressed row counts.
 /// A whole mark ([`Backend::mark_all`]) keeps the ring, its positions and each compressor's
-/// frontier; a slot mark ([`Backend::mark_slots_all`]) one ring row, its position and one
-/// frontier slot a compressor. The compressed rows themselves are append-only: rows past the
-/// count are simply overwritten later.
+/// frontier; a slot mark ([`Backend::mark_slots_all`]) what one token writes: its ring row and
+/// position, its frontier slots (with the previous window's where it closes a CSA window) and
+/// whether it pooled a row. The compressed rows themselves are append-only: rows past the count
+/// are simply overwritten later.
 pub struct GpuMark {
     /// (buffer, byte offset in it, the copy, bytes).
     saved: Vec<(Field, usize, GpuBuf, usize)>,
