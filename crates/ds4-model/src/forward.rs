@@ -2055,6 +2055,10 @@ impl<B: Backend + 'static> Model<B> {
                 .expect("state from this model"),
         }
     }
+    fn mtp_state(st: &mut AnyLayerState) -> &mut B::LayerState {
+        st.0.downcast_mut::<B::LayerState>()
+            .expect("MTP state from this model")
+    }
     fn wrap_state(st: State<B>) -> AnyState {
         AnyState {
             tokens: st.tokens,
@@ -2173,10 +2177,7 @@ where
         tok: u32,
         pos: usize,
     ) -> Result<(Vec<f32>, Vec<f32>), String> {
-        let s =
-            st.0.downcast_mut::<B::LayerState>()
-                .expect("MTP state from this model");
-        Model::mtp_eval(self, s, hs, tok, pos)
+        Model::mtp_eval(self, Self::mtp_state(st), hs, tok, pos)
     }
     fn mtp_draft(
         &self,
@@ -2185,9 +2186,6 @@ where
         tok: u32,
         pos: usize,
     ) -> Result<u32, String> {
-        let s =
-            st.0.downcast_mut::<B::LayerState>()
-                .expect("MTP state from this model");
-        Model::mtp_draft(self, s, hs, tok, pos)
+        Model::mtp_draft(self, Self::mtp_state(st), hs, tok, pos)
     }
 }
