@@ -64,9 +64,10 @@ pub struct Args {
     /// Also time speculative decoding at each frontier, once per listed acceptance rate A (0 to
     /// 1, comma-separated): a draft at every step, verified in a 2-token step as with `--mtp`,
     /// kept with probability A whatever the model picked (forced, so random weights give the
-    /// same acceptance; rejected: rolled back, then the token alone). Times the engine's verify
-    /// steps, rollbacks and host traffic at that acceptance; an MTP block's own cost (one layer
-    /// and the output head a draft) is not in it. Adds the columns
+    /// same acceptance; rejected: the draft's writes undone in place, or with
+    /// DS4_SPEC_ROLLBACK=whole the step rolled back and the token evaluated alone). Times the
+    /// engine's verify steps, rollbacks and host traffic at that acceptance; an MTP block's own
+    /// cost (one layer and the output head a draft) is not in it. Adds the columns
     /// spec<A>_tps,spec<A>_drafted,spec<A>_accepted per rate.
     #[arg(long, value_delimiter = ',')]
     spec_accept: Vec<f64>,

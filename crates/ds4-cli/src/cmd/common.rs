@@ -21,8 +21,9 @@ pub struct ModelArgs {
     pub synthetic_seed: u64,
     /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): greedy generation then
     /// drafts one token per step with it and verifies it in the same batch (same output). On a
-    /// GPU a verify step costs ~1.9 plain steps, so it pays only when nearly every draft is kept
-    /// (`ds4 bench --spec-accept 1,0.8` measures both).
+    /// GPU a verify step costs ~1.95 plain steps and a rejected draft nothing more, so it pays
+    /// when most drafts are kept (on an H100 about 80% breaks even; `ds4 bench --spec-accept
+    /// 1,0.8` measures both).
     #[arg(long)]
     pub mtp: Option<PathBuf>,
     /// Compute backend: auto picks a CUDA or ROCm GPU when one is usable, else the CPU.
