@@ -1603,17 +1603,17 @@ impl GpuBackend {
     }
 
     /// Copies of `(field, byte offset, bytes)` ranges of each layer's buffers into pooled
-    /// scratch, one `copy_list` launch: a [`GpuMark`] a layer.
+    /// scratch, one `copy_list` launch: a [`GpuMark`] a layer, with its row-count rule.
     fn save_ranges(
         &self,
         sts: &[GpuLayerState],
-        ranges: impl Iterator<Item = Vec<(Field, usize, usize)>>,
+        ranges: impl Iterator<Item = (Vec<(Field, usize, usize)>, [Rows; 2])>,
     ) -> Vec<GpuMark> {
         let mut copies = Vec::new();
         let marks = sts
             .iter()
             .zip(ranges)
-            .map(|(st, r)| GpuMark {
+            .map(|(st, (r, n_rows))| GpuMark {
                 saved: r
                     .into_iter()
                     .map(|(f, off, n)| {
@@ -1622,7 +1622,7 @@ impl GpuBackend {
                         (f, off, b, n)
                     })
                     .collect(),
-                n_rows: st.n_rows(),
+                n_rows,
             })
             .collect();
         self.copy_many(&copies);
@@ -2241,7 +2241,7 @@ impl Backend for GpuBackend {
                     r.push((Field::Score(i), 0, c.front_score.bytes()));
                 }
             }
-            r
+            (r, st.n_rows())
         };
         self.save_ranges(sts, sts.iter().map(whole))
     }
@@ -2261,23 +2261,20 @@ impl Backend for GpuBackend {
                 (Field::Raw, 4 * t.ring * hd, 4 * hd),
                 (Field::RawPos, 4 * t.ring, 4),
             ];
-            for (i, at) in [t.comp, t.index].into_iter().enumerate() {
-                for &(s0, n) in at.iter().flat_map(|f| f.ranges.iter()).filter(|r| r.1 > 0) {
-                    let w = at.map_or(0, |f| f.width);
-                    r.push((Field::Kv(i), 4 * s0 * w, 4 * n * w));
-                    r.push((Field::Score(i), 4 * s0 * w, 4 * n * w));
+            for (i, f) in [t.comp, t.index].into_iter().enumerate() {
+                let Some(f) = f else { continue };
+                for &(s0, n) in f.ranges.iter().filter(|r| r.1 > 0) {
+                    r.push((Field::Kv(i), 4 * s0 * f.width, 4 * n * f.width));
+                    r.push((Field::Score(i), 4 * s0 * f.width, 4 * n * f.width));
                 }
             }
-            r
-        });
-        let mut marks = self.save_ranges(sts, ranges);
-        for (m, t) in marks.iter_mut().zip(slots) {
-            m.n_rows = [t.comp, t.index].map(|f| match f {
+            let rows = [t.comp, t.index].map(|f| match f {
                 Some(f) if f.pooled > 0 => Rows::DropLast,
                 _ => Rows::Keep,
             });
-        }
-        Some(marks)
+            (r, rows)
+        });
+        Some(self.save_ranges(sts, ranges))
     }
 
     fn rollback_all(&self, sts: &mut [GpuLayerState], ms: Vec<GpuMark>) {
