@@ -1914,7 +1914,8 @@ impl<B: Backend> Model<B> {
         let (x, logits) = self.mtp_forward(st, hs, tok, pos)?;
         let b = &self.backend;
         let logits = b.download(&logits, self.hp.n_vocab as usize);
-        let streams = b.download(&x, self.hc_dims().n * self.hc_dims().d);
+        let hc = self.hc_dims();
+        let streams = b.download(&x, hc.n * hc.d);
         b.check()?;
         Ok((logits, streams))
     }
