@@ -5,7 +5,8 @@ nvdisasm (pip wheel nvidia-cuda-nvdisasm) prints the code.
 
   tools/gpu/sass.py MODULE [KERNEL_SUBSTRING] [--arch sm_90a] [--ds4 BIN] [--full] [--env K=V ...]
 
-Prints, per kernel whose name contains KERNEL_SUBSTRING: its instruction count, its loops (a
+Prints, per kernel whose name contains KERNEL_SUBSTRING: its instruction count, registers (the
+cubin's .text section info) and local-memory instructions (STL/LDL: spills), its loops (a
 backward branch's target .. the branch: instructions in that span and their mix by opcode), and
 with --full the whole listing. --env sets an environment variable for the compile (kernel
 variants keyed by a define, e.g. DS4_GPU_L2_STREAM=1).
@@ -41,6 +42,39 @@ def find_nvdisasm():
     sys.exit("sass.py: no nvdisasm (pip install nvidia-cuda-nvdisasm==13.*, or NVDISASM=PATH)")
 
 
+def cubin_regs(raw):
+    """Registers per kernel: the EIATTR_REGCOUNT (0x2f) records of the cubin's `.nv.info`
+    section, each (symbol index, count), the symbol named by `.symtab` (ELF64)."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", raw, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", raw, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", raw, shoff + i * shentsize) for i in range(shnum)]
+
+    def cstr(base, off):
+        return raw[base + off:raw.index(b"\0", base + off)].decode()
+
+    by_name = {cstr(secs[shstrndx][4], sec[0]): sec for sec in secs}
+    symtab = by_name.get(".symtab")
+    info = by_name.get(".nv.info")
+    if symtab is None or info is None:
+        return {}
+    strtab = secs[symtab[6]][4]
+    syms = [cstr(strtab, struct.unpack_from("<I", raw, symtab[4] + i * 24)[0]) for i in range(symtab[5] // 24)]
+    regs = {}
+    o, end = info[4], info[4] + info[5]
+    while o < end:  # records: format byte, attribute byte, then (format 4) a u16 size and payload
+        fmt, attr, size = struct.unpack_from("<BBH", raw, o)
+        if fmt != 4:
+            o += 4
+            continue
+        if attr == 0x2F:
+            sym, count = struct.unpack_from("<II", raw, o + 4)
+            regs[syms[sym]] = count
+        o += 4 + size
+    return regs
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,6 +102,7 @@ def main():
         cubin = os.path.join(d, "m.cubin")
         open(cubin, "wb").write(raw[:-MAGIC_LEN])
         text = subprocess.run([nvd, "-c", cubin], capture_output=True, text=True, check=True).stdout
+        regs = cubin_regs(raw[:-MAGIC_LEN])
     # Split by function: `.text.<name>:` section headers.
     funcs = collections.OrderedDict()
     cur = None
@@ -93,7 +128,8 @@ def main():
             m = ins_re.search(line)
             if m:
                 ins.append((int(m.group(1), 16), m.group(2).strip()))
-        print(f"== {name}: {len(ins)} instructions")
+        local = sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t))
+        print(f"== {name}: {len(ins)} instructions, {regs.get(name, '?')} registers, {local} STL/LDL")
         for i, (_, t) in enumerate(ins):
             bm = re.search(r"\bBRA\b.*?`?\(?\.(L_x_\d+)\)?", t)
             if bm and labels.get(bm.group(1), i + 1) <= i:

@@ -1029,9 +1029,10 @@ fn matvec_merged() {
 /// `mvxn_r4u2_q8_0` (row totals scaled by the norm); `Backend::matmul_add`: the shared down product added into the
 /// routed sum by `mvra_r2u2_q8_0`) against the CPU reference (the trait defaults: norm then
 /// product, product then add), with shapes the fused kernels take (Q8_0 decode copies, n = 1,
-/// <= 1024 columns for the norm, > 1024 for the add; both also at n = 2..4, once per token)
-/// and shapes that fall back (longer or shorter rows): the product, the normed x left in `x`,
-/// and the sum; each GPU run twice, bitwise equal.
+/// <= 1024 columns for the norm, > 1024 for the add; at n = 2..4 the norm's n-token form
+/// `mvxn2` / `mvxn4`, bitwise equal to `mvxn` once per token, and the add once per token) and
+/// shapes that fall back (longer or shorter rows): the product, the normed x left in `x`, and
+/// the sum; each GPU run twice, bitwise equal.
 #[test]
 fn matvec_fused() {
     ds4_gpu::GpuBackend::set_matvec(true);
@@ -1073,13 +1074,14 @@ fn matvec_fused() {
         let mut cy = cpu.alloc(n * rows);
         cpu.rms_norm_matmul(&mut cx, n, cols, Some(&nc), eps, &w.0, &mut cy);
         let (want_x, want_y) = (cpu.download(&cx, n * cols), cpu.download(&cy, n * rows));
-        let mut outs = Vec::new();
-        for _ in 0..2 {
+        let run = || {
             let mut gx = gpu.upload(&xs);
             let mut gy = gpu.upload(&vec![f32::NAN; n * rows]);
             gpu.rms_norm_matmul(&mut gx, n, cols, Some(&ng), eps, &w.1, &mut gy);
-            outs.push((gpu.download(&gx, n * cols), gpu.download(&gy, n * rows)));
-        }
+            (gpu.download(&gx, n * cols), gpu.download(&gy, n * rows))
+        };
+        let before = GpuBackend::mvxn_tok_launches();
+        let outs = [run(), run()];
         let name = format!("rms_norm_matmul Q8_0 {cols}->{rows} n={n}");
         cases.check(format!("{name} x"), cols, &outs[0].0, &want_x, &gpu);
         cases.check(format!("{name} y"), cols, &outs[0].1, &want_y, &gpu);
@@ -1088,6 +1090,20 @@ fn matvec_fused() {
             bits(&outs[0].0, &outs[1].0) && bits(&outs[0].1, &outs[1].1),
             "{name}: results differ between runs"
         );
+        if n > 1 && cols <= 1024 {
+            // The n-token form (mvxn2 / mvxn4) ran, and each token's normed row and product are
+            // the bits of the one-token form run once per token.
+            assert!(
+                GpuBackend::mvxn_tok_launches() >= before + 2,
+                "{name}: mvxn{n} did not run"
+            );
+            GpuBackend::set_matvec_mvxn_tok(false);
+            let per = run();
+            GpuBackend::set_matvec_mvxn_tok(true);
+            let same = bits(&outs[0].0, &per.0) && bits(&outs[0].1, &per.1);
+            println!("{name}: n-token form bitwise equal to per-token mvxn: {same}");
+            assert!(same, "{name}: the n-token form differs from mvxn per token");
+        }
     }
     // (cols, rows, n): the real shared down (2048 -> 4096), a ragged row count, 1056 columns
     // (the mvr form), then fallbacks (<= 1024 columns: mvx; n = 2).

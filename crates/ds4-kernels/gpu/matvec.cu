@@ -1268,6 +1268,22 @@ template <> struct MvxT<T_Q8_0> {
     static __device__ __forceinline__ float dot(uint4 v, u32 d, const float4 (&xv)[4], float acc) {
         return mvr_dot(v, d, xv[0], xv[1], xv[2], xv[3], acc);
     }
+    // mvr_dot in two parts (mvx_run NT > 1: a slot's quants converted once for every token):
+    // the same values and the same fma chain, so the same bits.
+    static __device__ __forceinline__ void cvt(uint4 v, float (&w)[16]) {
+        const u32 q[4] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u}; // u8 + 128
+#pragma unroll
+        for (int k = 0; k < 16; k++) w[k] = mv_byte(q[k / 4], k % 4, 128.0f);
+    }
+    static __device__ __forceinline__ float dotw(const float (&w)[16], u32 d, const float4 (&xv)[4], float acc) {
+        float s = w[0] * xv[0].x;
+#pragma unroll
+        for (int k = 1; k < 16; k++) {
+            const float4& xq = xv[k / 4];
+            s = fmaf(w[k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
+        }
+        return fmaf(ds4_h2f_fast(d), s, acc);
+    }
 };
 template <> struct MvxT<T_F16> {
     static constexpr int C = 8;
@@ -1302,20 +1318,25 @@ __device__ __forceinline__ void mvx_fetch(const Src& src, int cb, int gi, int h,
 }
 
 // src.row(cb, gi, i): row i (< R) of row group gi of CTA batch cb (rows past the end clamped to
-// a real one); snk.put(cb, gi, v): called by every lane of the first warp of each group, lane
-// i < R holding the total of row i. x: cols floats (cols a multiple of 16 for Q8_0, 8 for F16,
-// <= MVX_MAXC). ncb: CTA batches of this z. NORM (mvxn): the product of the RMSNorm of x weighted
-// by nw (x * s * nw[i], s = 1 / sqrt(mean(x^2) + eps), the sum of squares in double as
+// a real one); snk.put(cb, gi, v, t): called by every lane of the first warp of each group, lane
+// i < R holding the total of row i for token t. x: cols floats (cols a multiple of 16 for Q8_0, 8
+// for F16, <= MVX_MAXC). ncb: CTA batches of this z. NORM (mvxn): the product of the RMSNorm of x
+// weighted by nw (x * s * nw[i], s = 1 / sqrt(mean(x^2) + eps), the sum of squares in double as
 // rmsnorm_f32w): x * nw is staged, every CTA computes s itself from the cols floats it stages (a
 // 1024 row: 4 KB, cheaper than the rmsnorm launch it replaces) and scales each row total by s
 // (W . (x s nw) = s W . (x nw)); CTA (0, 0) also writes the normed row to xn (when not null) for
 // the later readers of the normed x.
-template <int T, int R, int U, class Src, class Snk, bool NORM = false>
+// NT > 1 (speculative verify steps: mvxn2 / mvxn4): n <= NT token rows of x at x_tok floats apart
+// (token t >= n repeats token n - 1 and is not stored), each staged at t * cols / 4 (host: NT cols
+// <= MVX_MAXC, cols % 128 == 0, so the slot swizzle of every token's copy is the one-token
+// copy's), each weight slot loaded once for all of them; each token's sums, s and normed row
+// (xn + t cols) in the one-token kernel's order: every token gets the bits it gets alone.
+template <int T, int R, int U, class Src, class Snk, bool NORM = false, int NT = 1>
 __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, int ks_n, int ncb, const Src& src,
                                         const Snk& snk, const float* __restrict__ nw = nullptr, float eps = 0.0f,
-                                        float* __restrict__ xn = nullptr) {
+                                        float* __restrict__ xn = nullptr, long long x_tok = 0, int n = 1) {
     __shared__ float4 xs[MVX_MAXC / 4];
-    __shared__ float part[2][MV_WARPS][R];
+    __shared__ float part[2][MV_WARPS][R * NT];
     constexpr int W = DS4_WARP, C = MvxT<T>::C;
     int warp = threadIdx.x / W, lane = threadIdx.x % W;
     int ks = warp % ks_n, gi = warp / ks_n;
@@ -1332,38 +1353,46 @@ __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, i
         for (int u = 0; u < U; u++) mvx_fetch<T, R>(src, blockIdx.x, gi, hs + u * W + lane, he, v[u], d[u]);
     }
     ds4_pdl_enter(); // round 0's weight loads in flight across the wait; x after it
-    const float4* xg = (const float4*)x;
-    float sc = 1.0f; // NORM: the row scale s, applied to each row total
-    if (NORM) {
-        // x * nw staged in one load round (x and nw together); the sum of squares rides the
-        // staging barrier.
-        __shared__ double nred[MV_WARPS];
-        const float4* wg = (const float4*)nw;
-        double ss = 0.0;
-        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-            float4 a = xg[i], g = wg[i];
-            ss += (double)a.x * (double)a.x + (double)a.y * (double)a.y + (double)a.z * (double)a.z +
-                  (double)a.w * (double)a.w;
-            xs[mvx_sw(i)] = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
-        }
-        ss = ds4_warp_sum_f64(ss);
-        if (lane == 0) nred[warp] = ss;
-        __syncthreads();
-        ss = 0.0;
-        for (int k = 0; k < (int)blockDim.x / W; k++) ss += nred[k]; // warp order: every CTA the same s
-        sc = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
-        if (xn != nullptr && blockIdx.x == 0 && blockIdx.z == 0) // the normed row as rmsnorm_f32w
+    float sc[NT]; // NORM: each token's row scale s, applied to its row totals
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        const float4* xg = (const float4*)(x + (NT > 1 ? (long long)min(t, n - 1) * x_tok : 0));
+        float4* xst = xs + t * (cols / 4);
+        sc[t] = 1.0f;
+        if (NORM) {
+            // x * nw staged in one load round (x and nw together); the sum of squares rides the
+            // staging barrier.
+            __shared__ double nred[NT][MV_WARPS];
+            const float4* wg = (const float4*)nw;
+            double ss = 0.0;
             for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
                 float4 a = xg[i], g = wg[i];
-                ((float4*)xn)[i] = make_float4(a.x * sc * g.x, a.y * sc * g.y, a.z * sc * g.z, a.w * sc * g.w);
+                ss += (double)a.x * (double)a.x + (double)a.y * (double)a.y + (double)a.z * (double)a.z +
+                      (double)a.w * (double)a.w;
+                xst[mvx_sw(i)] = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
             }
-    } else {
-        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) xs[mvx_sw(i)] = xg[i];
-        __syncthreads();
+            ss = ds4_warp_sum_f64(ss);
+            if (lane == 0) nred[t][warp] = ss;
+            __syncthreads();
+            ss = 0.0;
+            for (int k = 0; k < (int)blockDim.x / W; k++) ss += nred[t][k]; // warp order: every CTA the same s
+            sc[t] = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
+            if (xn != nullptr && blockIdx.x == 0 && blockIdx.z == 0 && t < n) // the normed row as rmsnorm_f32w
+                for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+                    float4 a = xg[i], g = wg[i];
+                    ((float4*)(xn + (long long)t * cols))[i] =
+                        make_float4(a.x * sc[t] * g.x, a.y * sc[t] * g.y, a.z * sc[t] * g.z, a.w * sc[t] * g.w);
+                }
+        } else {
+            for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) xst[mvx_sw(i)] = xg[i];
+            __syncthreads();
+        }
     }
-    float acc[R];
+    float acc[R][NT];
 #pragma unroll
-    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
     int cb = blockIdx.x, s = 0, p = 0;
     for (int j = 0; j < total; j++) {
         // Round j + 1: step s + 1 of batch cb, or step 0 of the next batch.
@@ -1373,32 +1402,57 @@ __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, i
         for (int u = 0; u < U; u++) {
             int h = hs + (s * U + u) * W + lane;
             if (h < he) {
-                float4 xv[4];
-                MvxT<T>::xload(xs, h, xv);
+                if constexpr (NT == 1) {
+                    float4 xv[4];
+                    MvxT<T>::xload(xs, h, xv);
 #pragma unroll
-                for (int i = 0; i < R; i++) acc[i] = MvxT<T>::dot(v[u][i], d[u][i], xv, acc[i]);
+                    for (int i = 0; i < R; i++) acc[i][0] = MvxT<T>::dot(v[u][i], d[u][i], xv, acc[i][0]);
+                } else { // each row's quants converted once, then every token's x loaded once
+                    float w[R][16];
+#pragma unroll
+                    for (int i = 0; i < R; i++) MvxT<T>::cvt(v[u][i], w[i]);
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        float4 xv[4];
+                        MvxT<T>::xload(xs + t * (cols / 4), h, xv);
+#pragma unroll
+                        for (int i = 0; i < R; i++) acc[i][t] = MvxT<T>::dotw(w[i], d[u][i], xv, acc[i][t]);
+                    }
+                }
             }
             if (more) mvx_fetch<T, R>(src, cb1, gi, hs + (s1 * U + u) * W + lane, he, v[u], d[u]);
         }
         if (s1 == 0) { // batch cb done (CTA-uniform)
-            float t = 0.0f;
+            float tv[NT];
 #pragma unroll
-            for (int i = 0; i < R; i++) {
-                float a = ds4_warp_sum(acc[i]);
-                if (lane == i) t = a;
-                acc[i] = 0.0f;
+            for (int t = 0; t < NT; t++) {
+                tv[t] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    float a = ds4_warp_sum(acc[i][t]);
+                    if (lane == i) tv[t] = a;
+                    acc[i][t] = 0.0f;
+                }
             }
             if (ks_n > 1) {
-                if (lane < R) part[p][warp][lane] = t;
+                if (lane < R)
+#pragma unroll
+                    for (int t = 0; t < NT; t++) part[p][warp][t * R + lane] = tv[t];
                 __syncthreads();
                 if (ks == 0) {
-                    t = 0.0f;
-                    if (lane < R)
-                        for (int k = 0; k < ks_n; k++) t += part[p][warp + k][lane];
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        tv[t] = 0.0f;
+                        if (lane < R)
+                            for (int k = 0; k < ks_n; k++) tv[t] += part[p][warp + k][t * R + lane];
+                    }
                 }
                 p ^= 1;
             }
-            if (ks == 0) snk.put(cb, gi, NORM ? t * sc : t);
+            if (ks == 0)
+#pragma unroll
+                for (int t = 0; t < NT; t++)
+                    if (NT == 1 || t < n) snk.put(cb, gi, NORM ? tv[t] * sc[t] : tv[t], t);
         }
         s = s1, cb = cb1;
     }
@@ -1419,25 +1473,29 @@ template <int T, int R> struct MvxOne {
 template <int R> struct MvxPut {
     float* y;
     int rows, groups;
-    __device__ __forceinline__ void put(int cb, int gi, float v) const {
+    long long y_tok; // token t's row at y + t y_tok (NT > 1)
+    __device__ __forceinline__ void put(int cb, int gi, float v, int t) const {
         int lane = threadIdx.x % DS4_WARP, r = (cb * groups + gi) * R + lane;
-        if (lane < R && r < rows) y[r] = v;
+        if (lane < R && r < rows) y[(long long)t * y_tok + r] = v;
     }
 };
 
 // y[z*y_z + r] = W[z*rows + r] . x[z*x_z ..], r < rows; Q8_0: W = Q (decode layout), D its scales;
 // F16: W rows of cols halfs (D unused). ks: k-slices per row group.
 // NORM: the product of x normed (mvx_run; nw the norm weight, xn the normed row or null).
-template <int T, int R, int U, bool NORM = false>
+// NT > 1: n token rows (x at x_tok, y at y_tok floats apart; mvx_run).
+template <int T, int R, int U, bool NORM = false, int NT = 1>
 __device__ __forceinline__ void mvx_body(const u8* __restrict__ W, const u16* __restrict__ D, const float* __restrict__ x,
                                          long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                          int ks, const float* __restrict__ nw = nullptr, float eps = 0.0f,
-                                         float* __restrict__ xn = nullptr) {
+                                         float* __restrict__ xn = nullptr, long long x_tok = 0, long long y_tok = 0,
+                                         int n = 1) {
     int groups = MV_WARPS / ks, z = blockIdx.z;
     int ncb = (rows + groups * R - 1) / (groups * R);
     MvxOne<T, R> src{W, D, (long long)z * rows, rows, cols, groups};
-    MvxPut<R> snk{y + (long long)z * y_z, rows, groups};
-    mvx_run<T, R, U, MvxOne<T, R>, MvxPut<R>, NORM>(x + (long long)z * x_z, cols, ks, ncb, src, snk, nw, eps, xn);
+    MvxPut<R> snk{y + (long long)z * y_z, rows, groups, y_tok};
+    mvx_run<T, R, U, MvxOne<T, R>, MvxPut<R>, NORM, NT>(x + (long long)z * x_z, cols, ks, ncb, src, snk, nw, eps, xn,
+                                                         x_tok, n);
 }
 
 #define MVX_PARAMS                                                                                                     \
@@ -1452,6 +1510,18 @@ DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxn_r4u2_q8_0(MVX_PARAMS, const float* __res
     DS4_PDL_LATE;
     mvx_body<T_Q8_0, 4, 2, true>(MVX_ARGS, nw, eps, xn);
 }
+// mvxn_r4u2_q8_0 for n <= NT token rows (speculative verify steps; zs = 1): x and xn rows cols
+// floats apart, y rows `rows` apart; each token's y and xn the bits mvxn gives it alone (a row's
+// sums depend on the k-slices ks, which the host plans as for mvxn, not on the rows a warp
+// takes: R = 2 here, R = 4 spilled at 80 registers).
+#define MVXN_NT(NT, R, U)                                                                                              \
+    DS4_KERNEL void DS4_BOUNDS(MVX_LB)                                                                                 \
+        mvxn##NT##_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn, int n) {     \
+        DS4_PDL_LATE;                                                                                                  \
+        mvx_body<T_Q8_0, R, U, true, NT>(MVX_ARGS, nw, eps, xn, cols, rows, n);                                        \
+    }
+MVXN_NT(2, 2, 2)
+MVXN_NT(4, 1, 2)
 
 // Several matrices of one x (equal cols; the CSA compressor and indexer projections): matrix m
 // takes CTA batches c_m .. c_{m+1} - 1 (c_0 = 0, absent m: INT_MAX), its rows in batch order as
@@ -1475,7 +1545,7 @@ template <int T, int R> struct MvxMulti {
         u32 g = min(((cb - mvx_at(m, c)) * groups + gi) * R + i, mvx_at(m, rows) - 1);
         return MvxRow{(const uint4*)mvx_at(m, W), mvx_at(m, D), g * (u32)(cols / MvxT<T>::C), g * (u32)(cols / 32)};
     }
-    __device__ __forceinline__ void put(int cb, int gi, float v) const {
+    __device__ __forceinline__ void put(int cb, int gi, float v, int) const {
         int m = pick(cb), lane = threadIdx.x % DS4_WARP, r = ((cb - mvx_at(m, c)) * groups + gi) * R + lane;
         if (lane < R && r < mvx_at(m, rows)) mvx_at(m, y)[r] = v;
     }

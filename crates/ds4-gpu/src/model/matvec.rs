@@ -131,6 +131,15 @@ static MVR_PIPE: AtomicBool = AtomicBool::new(false);
 static MVRN: AtomicU8 = AtomicU8::new(0);
 /// `mvrn*` launches (process-wide; tests: the n = 2..4 form ran).
 static MVRN_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// `mvxn2` / `mvxn4` for the query's norm + q_b of n = 2..4 token rows (verify steps): 1 on, 2
+/// off (`DS4_GPU_MVXN_TOK=off`: `mvxn` once per token), 0 not read yet.
+static MVXN_TOK: AtomicU8 = AtomicU8::new(0);
+/// `mvxn2` / `mvxn4` launches (process-wide; tests: the n-token form ran).
+static MVXN_TOK_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn mvxn_tok_on() -> bool {
+    super::switch::env_code(&MVXN_TOK, "DS4_GPU_MVXN_TOK", super::switch::on_unless_off) == 1
+}
 
 fn mvrn_on() -> bool {
     super::switch::env_code(&MVRN, "DS4_GPU_MVRN", super::switch::on_unless_off) == 1
@@ -620,6 +629,17 @@ impl GpuBackend {
     /// `mvrn*` launches so far in this process.
     pub fn mvrn_launches() -> u64 {
         MVRN_LAUNCHES.load(Ordering::Relaxed)
+    }
+
+    /// The n-token norm + product (`mvxn2` / `mvxn4`) on or off (default on, or
+    /// `DS4_GPU_MVXN_TOK=off`); process-wide, for tests and benchmarks.
+    pub fn set_matvec_mvxn_tok(on: bool) {
+        MVXN_TOK.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// `mvxn2` / `mvxn4` launches so far in this process.
+    pub fn mvxn_tok_launches() -> u64 {
+        MVXN_TOK_LAUNCHES.load(Ordering::Relaxed)
     }
 
     /// Whether `w` has an interleaved F16 copy (`F16_IL`); for tests.
@@ -1419,10 +1439,15 @@ impl GpuBackend {
     /// (bench/results/gpu-fuse-f8-h200.txt): with `mv_matmul_add` 127.0 against 126.0 tok/s
     /// unfused; the deferred scale 127.2/126.5 against 125.7/125.9 for x normed before staging
     /// (17.6 us a call, the rmsnorm + product pair's time; deleted).
+    /// n = 2..4 (verify steps): `mvxn2` / `mvxn4`, the n token rows staged side by side and each
+    /// weight slot loaded once for all (q_b's 35 MB read once, not n times); each token's product
+    /// and normed row the bits `mvxn` gives it alone (`DS4_GPU_MVXN_TOK=off`: false, so the
+    /// caller runs `mvxn` once per token).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mv_norm_matmul(
         &self,
         x: &mut GpuBuf,
+        n: usize,
         cols: usize,
         norm: Option<&GpuWeight>,
         eps: f32,
@@ -1444,6 +1469,23 @@ impl GpuBackend {
         else {
             return false;
         };
+        let name = match n {
+            1 => "mvxn_r4u2_q8_0",
+            // Each token's copy of x at t cols / 4 float4s keeps the one-token slot swizzle
+            // (128-column multiples); all copies within the kernel's MVX_MAXC floats.
+            2..=4
+                if mvxn_tok_on()
+                    && cols.is_multiple_of(128)
+                    && n.next_power_of_two() * cols <= MVX_MAXC =>
+            {
+                if n == 2 {
+                    "mvxn2_r4u2_q8_0"
+                } else {
+                    "mvxn4_r4u2_q8_0"
+                }
+            }
+            _ => return false,
+        };
         let (xf, ctas) = q8_form(0);
         let nq = rows * cols / 32;
         if !ENABLED.load(Ordering::Relaxed)
@@ -1460,10 +1502,15 @@ impl GpuBackend {
         {
             return false;
         }
-        let xn = self.scratch(cols);
+        let xn = self.scratch(n * cols);
         let q = dec.ptr();
+        let mut extra = vec![Arg::Ptr(nb.ptr()), Arg::F32(eps), Arg::Ptr(xn.ptr)];
+        if n > 1 {
+            extra.push(Arg::I32(n as i32));
+            MVXN_TOK_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
         self.mvx(
-            "mvxn_r4u2_q8_0",
+            name,
             q,
             q.offset((nq * 32) as u64),
             x,
@@ -1476,9 +1523,9 @@ impl GpuBackend {
             4,
             16,
             ctas,
-            &[Arg::Ptr(nb.ptr()), Arg::F32(eps), Arg::Ptr(xn.ptr)],
+            &extra,
         );
-        *x = xn; // the raw row goes back to the pool (stream-ordered, as every scratch buffer)
+        *x = xn; // the raw rows go back to the pool (stream-ordered, as every scratch buffer)
         true
     }
 

@@ -2381,20 +2381,22 @@ impl Backend for GpuBackend {
         w: &GpuWeight,
         y: &mut GpuBuf,
     ) {
-        // n = 1: the norm folded into the product where matvec.rs takes it.
-        if n == 1 && self.product_width_ok(w) && self.mv_norm_matmul(x, cols, norm, eps, w, y) {
+        // n = 1, and n = 2..4 (verify steps) in one launch: the norm folded into the product
+        // where matvec.rs takes it.
+        if n <= 4 && self.product_width_ok(w) && self.mv_norm_matmul(x, n, cols, norm, eps, w, y) {
             return;
         }
-        // n = 2..4 (verify steps): that form once per token, each token's normed row copied
-        // into one buffer that then replaces `x` (rms_norm + a 2-token q_b product otherwise).
-        // (The gather buffer only for such steps: a prompt's rows never come here.)
+        // n = 2..4 otherwise (`DS4_GPU_MVXN_TOK=off`): the one-token form once per token, each
+        // token's normed row copied into one buffer that then replaces `x` (rms_norm + a 2-token
+        // q_b product otherwise). (The gather buffer only for such steps: a prompt's rows never
+        // come here.)
         let step = (2..=4).contains(&n) && self.product_width_ok(w);
         if let (true, Some((_, _, _, rows, _))) = (step, w.mat_parts()) {
             let normed = self.scratch(n * cols);
             if self.per_token(n, "rms_norm_matmul n>1 per token", |t| {
                 let mut xt = x.view(t * cols, cols);
                 let mut yt = y.view(t * rows, rows);
-                let ran = self.mv_norm_matmul(&mut xt, cols, norm, eps, w, &mut yt);
+                let ran = self.mv_norm_matmul(&mut xt, 1, cols, norm, eps, w, &mut yt);
                 if ran {
                     // xt is now token t's normed row (its own scratch buffer).
                     self.d2d(normed.ptr.offset((t * cols * 4) as u64), xt.ptr, cols * 4);
