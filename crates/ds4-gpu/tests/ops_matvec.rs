@@ -1467,6 +1467,16 @@ fn matvec_repacked_tokens() {
                     .all(|(p, q)| p.to_bits() == q.to_bits()),
                 "{name}: results differ between runs"
             );
+            // One row a warp (DS4_GPU_MVRN_R=1, interleaved copies): the same bits.
+            GpuBackend::set_matvec_mvrn_rows(1);
+            let one_row = product(&gx, n);
+            GpuBackend::set_matvec_mvrn_rows(2);
+            assert!(
+                got.iter()
+                    .zip(&one_row)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{name}: one row a warp differs from two"
+            );
             // Token by token through the n = 1 kernel of the same form (r2u2, no mvx).
             GpuBackend::set_matvec_repacked(2);
             GpuBackend::set_matvec_q8_form(0, 255);

@@ -1016,6 +1016,10 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LA
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, true>(MVRN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, false>(MVRN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, true>(MVRN_ARGS); }
+// One row a warp (R = 1: 16 converted quants a lane, not 32; the host keeps kspl as r2u2 plans it,
+// so every row's sums, and each token's bits, are unchanged; DS4_GPU_MVRN_R=1).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r1u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 2, 2, true>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r1u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 2, 4, true>(MVRN_ARGS); }
 
 // ---- Several n = 1 products of one x in one launch (decode: q_a + kv, the compressor and
 // indexer projections): matrices m < 4 (mvrm) or 5 (mvqm; kernels take at most 24 arguments) of

@@ -145,6 +145,15 @@ fn mvrn_on() -> bool {
     super::switch::env_code(&MVRN, "DS4_GPU_MVRN", super::switch::on_unless_off) == 1
 }
 
+/// Rows a warp of the interleaved `mvrn*` products: 2 (`mvrn<NT>_r2u2_q8_0i`) or 1
+/// (`mvrn<NT>_r1u2_q8_0i`, `DS4_GPU_MVRN_R=1`: half the converted quants in registers; kspl
+/// planned as for two rows, so the same bits); 0 not read yet.
+static MVRN_R: AtomicU8 = AtomicU8::new(0);
+
+fn mvrn_rows() -> usize {
+    super::switch::env_pick(&MVRN_R, "DS4_GPU_MVRN_R", &[("1", 1), ("2", 2)], 2) as usize
+}
+
 /// Columns of one interleaved tile.
 const IL_TILE: usize = 512;
 /// (name, rows per warp R, column steps U in flight).
@@ -626,6 +635,11 @@ impl GpuBackend {
         MVRN.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
+    /// Rows a warp of the interleaved `mvrn*` products (1 or 2; `DS4_GPU_MVRN_R`), process-wide.
+    pub fn set_matvec_mvrn_rows(r: u8) {
+        MVRN_R.store(r.clamp(1, 2), Ordering::Relaxed);
+    }
+
     /// `mvrn*` launches so far in this process.
     pub fn mvrn_launches() -> u64 {
         MVRN_LAUNCHES.load(Ordering::Relaxed)
@@ -889,7 +903,10 @@ impl GpuBackend {
             return false;
         }
         let nt = if n == 2 { 2 } else { 4 };
-        let (dims, k) = self.mv_dims(rows, 2, 1, zs, cols / 2);
+        // kspl as r2u2 plans it (a row's sums depend on it); the grid for r rows a warp.
+        let r = if il { mvrn_rows() } else { 2 };
+        let (mut dims, k) = self.mv_dims(rows, 2, 1, zs, cols / 2);
+        dims.grid[0] = rows.div_ceil(MV_WARPS / k * r) as u32;
         let q = dec.ptr();
         let mut args =
             q8_args(q, q.offset((nb * 32) as u64), x, x_z, y, y_z, rows, cols, k).to_vec();
@@ -900,7 +917,7 @@ impl GpuBackend {
         ]);
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvrn{nt}_r2u2_q8_0{}", if il { "i" } else { "" }),
+            &format!("mvrn{nt}_r{r}u2_q8_0{}", if il { "i" } else { "" }),
             dims,
             &args,
         );
