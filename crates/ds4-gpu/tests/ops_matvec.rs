@@ -919,8 +919,9 @@ fn matvec_split() {
 /// `set_matvec_merge(false)`: the model's sets (q_a + kv; compressor + indexer projections),
 /// odd row counts (CTAs of a matrix partly empty), one-row matrices, column counts ending mid
 /// warp-step, 5 Q8_0 matrices (`mvqm_*_q8_0` on the GGUF blocks), more matrices than one launch
-/// takes (falls back), n = 2 (falls back), and the
-/// shared expert's gate/up with a clamp that cuts (0.5) and one that does not.
+/// takes (falls back), n = 2 (falls back), and the shared expert's gate/up with a clamp that cuts
+/// (0.5) and one that does not, at n = 2..4 (`mvrgun2` / `mvrgun4` on interleaved copies, each
+/// token bitwise equal to its n = 1 launch).
 #[test]
 fn matvec_merged() {
     ds4_gpu::GpuBackend::set_matvec(true);
@@ -991,8 +992,11 @@ fn matvec_merged() {
         (1056, 37, 1.0, 1),
         (96, 1, 3.0, 1),
         (1024, 64, 1.0, 2),
-        // 2-4-token steps: the fused form once per token
+        // 2-4-token steps: mvrgun2 / mvrgun4 on interleaved copies (> 1024 columns in 512-column
+        // tiles), else the fused form once per token
         (4096, 2048, 0.5, 2),
+        (2048, 33, 2.0, 3),
+        (4096, 64, 1.0, 4),
         (1056, 37, 1.0, 3),
         (96, 1, 3.0, 4),
     ]
@@ -1017,6 +1021,36 @@ fn matvec_merged() {
             let name =
                 format!("gateup Q8_0 {cols}->{ff} clamp {clamp} n={n} merge {merge} x {xf}/{ctas}");
             cases.check_scaled(name, cols, &gpu.download(&gh, n * ff), &want, &gpu, 4.0);
+        }
+        if n > 1 {
+            // Defaults: every token's h the bits of its own n = 1 launch (mvrgun's promise).
+            GpuBackend::set_matvec_merge(true);
+            GpuBackend::set_matvec_q8_form(1, 255);
+            GpuBackend::set_matvec_mvx_spread(6);
+            let before = GpuBackend::mvrn_launches();
+            let mut gh = gpu.upload(&vec![f32::NAN; n * ff]);
+            gpu.matmul_gateup(&g.1, &u.1, &gx, n, ff, &mut gh, clamp);
+            let all = gpu.download(&gh, n * ff);
+            let il = cols > 1024 && cols % 512 == 0;
+            assert_eq!(
+                GpuBackend::mvrn_launches() > before,
+                il,
+                "gateup {cols}->{ff} n={n}: mvrgun ran only on interleaved copies"
+            );
+            for t in 0..n {
+                let one = gpu.upload(&xs[t * cols..(t + 1) * cols]);
+                let mut oh = gpu.upload(&vec![f32::NAN; ff]);
+                gpu.matmul_gateup(&g.1, &u.1, &one, 1, ff, &mut oh, clamp);
+                let same = gpu
+                    .download(&oh, ff)
+                    .iter()
+                    .zip(&all[t * ff..(t + 1) * ff])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "gateup {cols}->{ff} n={n}: token {t} differs from n = 1"
+                );
+            }
         }
     }
     GpuBackend::set_matvec_merge(true);

@@ -1228,6 +1228,42 @@ __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16*
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body<false>(MVRGU_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgu_r2u2_q8_0i(MVRGU_PARAMS) { DS4_PDL_LATE; mvrgu_body<true>(MVRGU_ARGS); }
 
+// mvrgu_r2u2_q8_0i for n <= NT token rows (speculative verify steps): x rows cols floats apart, h
+// rows `rows` apart; each gate / up row read once for every token (mvrn_acc: token t >= n repeats
+// token n - 1 and is not stored), each token's sums, SwiGLU and bits as mvrgu's alone.
+template <int NT>
+__device__ __forceinline__ void mvrgun_body(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu,
+                                            const u16* __restrict__ Du, const float* __restrict__ x, float* __restrict__ h,
+                                            int rows, int cols, float clamp, int kspl, int n) {
+    __shared__ float red[MV_WARPS * 2 * NT];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int r = blockIdx.x * (MV_WARPS / kspl) + warp / kspl;
+    float acc[2][NT]; // gate row r, up row r; per token
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+    if (r < rows) { // warp-uniform
+        long long o = (long long)r * cols, od = (long long)r * (cols / 32);
+        const uint4* qp[2] = {(const uint4*)(Qg + o), (const uint4*)(Qu + o)};
+        const u16* dp[2] = {Dg + od, Du + od};
+        mvrn_acc<2, 2, NT, true>(qp, dp, (const float4*)x, cols / 4, n, cols / 16, warp % kspl, kspl, acc);
+    } else {
+        ds4_pdl_enter();
+    }
+    float v = mv_reduce<NT, 2>(acc, kspl, red); // lane t: gate of token t, lane NT + t: its up
+    float u = ds4_shfl_xor(v, NT);
+    if (warp % kspl == 0 && lane < n && r < rows) {
+        float gv = fminf(v, clamp), uv = fminf(fmaxf(u, -clamp), clamp);
+        float silu = gv * (1.0f / (1.0f + expf(-gv)));
+        h[(long long)lane * rows + r] = silu * uv;
+    }
+}
+#define MVRGUN_PARAMS MVRGU_PARAMS, int n
+#define MVRGUN_ARGS MVRGU_ARGS, n
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgun2_r2u2_q8_0i(MVRGUN_PARAMS) { DS4_PDL_LATE; mvrgun_body<2>(MVRGUN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrgun4_r2u2_q8_0i(MVRGUN_PARAMS) { DS4_PDL_LATE; mvrgun_body<4>(MVRGUN_ARGS); }
+
 // ---- One-row products with x staged once per CTA in shared memory (mvx*_r4u2_<t>, n = 1): the
 // default for Q8_0 decode-layout products of <= 1024 columns (attn q_b: 12.9 against 15.0 us by
 // mvr_r2u2 on the H200) and merged F16 sets of >= 2048 rows (CSA compressor + indexer: 8.9

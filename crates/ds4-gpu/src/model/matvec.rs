@@ -1848,7 +1848,11 @@ impl GpuBackend {
         h: &mut GpuBuf,
         clamp: f32,
     ) -> bool {
-        if n != 1 || !merge_on() || !ENABLED.load(Ordering::Relaxed) || self.failed() {
+        // n = 2..4 (verify steps): `mvrgun2` / `mvrgun4` on interleaved copies (each row read
+        // once for every token, each token's bits as n = 1; `DS4_GPU_MVRN=off`: false, so the
+        // caller runs the n = 1 form once per token).
+        let tok = (2..=4).contains(&n) && mvrn_on();
+        if !(n == 1 || tok) || !merge_on() || !ENABLED.load(Ordering::Relaxed) || self.failed() {
             return false;
         }
         mvr_env();
@@ -1887,33 +1891,36 @@ impl GpuBackend {
             || !x.ptr.0.is_multiple_of(16)
             || dg.bytes() < nb * 34
             || du.bytes() < nb * 34
+            || (n > 1 && !*gi)
         {
             return false;
         }
         // One row pair per warp (R = 1 in mv_dims' terms), steps of cols / 2 (see mvr).
         let (dims, k) = self.mv_dims(rows, 1, 1, 1, cols / 2);
         let (qg, qu) = (dg.ptr(), du.ptr());
-        self.run(
-            &ds4_kernels::MATVEC,
-            if *gi {
-                "mvrgu_r2u2_q8_0i"
-            } else {
-                "mvrgu_r2u2_q8_0"
-            },
-            dims,
-            &[
-                Arg::Ptr(qg),
-                Arg::Ptr(qg.offset((nb * 32) as u64)),
-                Arg::Ptr(qu),
-                Arg::Ptr(qu.offset((nb * 32) as u64)),
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(h.ptr),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-                Arg::F32(clamp),
-                Arg::I32(k as i32),
-            ],
-        );
+        let name = match (n, *gi) {
+            (1, true) => "mvrgu_r2u2_q8_0i",
+            (1, false) => "mvrgu_r2u2_q8_0",
+            (2, _) => "mvrgun2_r2u2_q8_0i",
+            _ => "mvrgun4_r2u2_q8_0i",
+        };
+        let mut args = vec![
+            Arg::Ptr(qg),
+            Arg::Ptr(qg.offset((nb * 32) as u64)),
+            Arg::Ptr(qu),
+            Arg::Ptr(qu.offset((nb * 32) as u64)),
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(h.ptr),
+            Arg::I32(rows as i32),
+            Arg::I32(cols as i32),
+            Arg::F32(clamp),
+            Arg::I32(k as i32),
+        ];
+        if n > 1 {
+            args.push(Arg::I32(n as i32));
+            MVRN_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
+        self.run(&ds4_kernels::MATVEC, name, dims, &args);
         true
     }
 

@@ -2449,14 +2449,14 @@ impl Backend for GpuBackend {
         if !self.product_width_ok(g) || !self.product_width_ok(u) {
             return;
         }
-        if n == 1 && !self.failed() {
-            let _p = self.prof(|| "matmul_gateup n=1".to_string());
+        if n <= 4 && !self.failed() {
+            let _p = self.prof(|| format!("matmul_gateup n={}", if n == 1 { "1" } else { ">1" }));
             if self.mv_gateup(g, u, x, n, ff, h, clamp) {
                 return;
             }
         }
-        // n = 2..4 (verify steps): the fused n = 1 form once per token (two products and a
-        // SwiGLU launch otherwise).
+        // n = 2..4 (verify steps) otherwise: the fused n = 1 form once per token (two products
+        // and a SwiGLU launch otherwise).
         if let Some((_, _, cols, _, _)) = g.mat_parts() {
             if self.per_token(n, "matmul_gateup n>1 per token", |t| {
                 let mut ht = h.view(t * ff, ff);
