@@ -137,6 +137,14 @@ static MVXN_TOK: AtomicU8 = AtomicU8::new(0);
 /// `mvxn2` / `mvxn4` launches (process-wide; tests: the n-token form ran).
 static MVXN_TOK_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// `mvrgun2` / `mvrgun4` for the shared expert's gate/up of n = 2..4 token rows: 1 on, 2 off
+/// (`DS4_GPU_MVRGUN=off`: `mvrgu` once per token), 0 not read yet.
+static MVRGUN: AtomicU8 = AtomicU8::new(0);
+
+fn mvrgun_on() -> bool {
+    super::switch::env_code(&MVRGUN, "DS4_GPU_MVRGUN", super::switch::on_unless_off) == 1
+}
+
 fn mvxn_tok_on() -> bool {
     super::switch::env_code(&MVXN_TOK, "DS4_GPU_MVXN_TOK", super::switch::on_unless_off) == 1
 }
@@ -1849,9 +1857,9 @@ impl GpuBackend {
         clamp: f32,
     ) -> bool {
         // n = 2..4 (verify steps): `mvrgun2` / `mvrgun4` on interleaved copies (each row read
-        // once for every token, each token's bits as n = 1; `DS4_GPU_MVRN=off`: false, so the
-        // caller runs the n = 1 form once per token).
-        let tok = (2..=4).contains(&n) && mvrn_on();
+        // once for every token, each token's bits as n = 1; `DS4_GPU_MVRGUN=off` or
+        // `DS4_GPU_MVRN=off`: false, so the caller runs the n = 1 form once per token).
+        let tok = (2..=4).contains(&n) && mvrn_on() && mvrgun_on();
         if !(n == 1 || tok) || !merge_on() || !ENABLED.load(Ordering::Relaxed) || self.failed() {
             return false;
         }
