@@ -1064,7 +1064,8 @@ fn matvec_merged() {
 /// routed sum by `mvra_r2u2_q8_0`) against the CPU reference (the trait defaults: norm then
 /// product, product then add), with shapes the fused kernels take (Q8_0 decode copies, n = 1,
 /// <= 1024 columns for the norm, > 1024 for the add; at n = 2..4 the norm's n-token form
-/// `mvxn2` / `mvxn4`, bitwise equal to `mvxn` once per token, and the add once per token) and
+/// `mvxn2` / `mvxn4`, bitwise equal to `mvxn` once per token, and the add's `mvran2` / `mvran4`
+/// on interleaved copies, bitwise equal to `mvra` once per token) and
 /// shapes that fall back (longer or shorter rows): the product, the normed x left in `x`, and
 /// the sum; each GPU run twice, bitwise equal.
 #[test]
@@ -1176,6 +1177,29 @@ fn matvec_fused() {
                 .all(|(p, q)| p.to_bits() == q.to_bits()),
             "{name}: results differ between runs"
         );
+        if n > 1 {
+            // mvran2 / mvran4 on interleaved copies: each token the bits of its n = 1 mvra.
+            let before = GpuBackend::mvrn_launches();
+            let mut gy = gpu.upload(&y0);
+            gpu.matmul_add(&w.1, &gx, n, rows, &mut gy);
+            let il = cols > 1024 && cols % 512 == 0;
+            assert_eq!(
+                GpuBackend::mvrn_launches() > before,
+                il,
+                "{name}: mvran ran only on interleaved copies"
+            );
+            for t in 0..n {
+                let one = gpu.upload(&xs[t * cols..(t + 1) * cols]);
+                let mut oy = gpu.upload(&y0[t * rows..(t + 1) * rows]);
+                gpu.matmul_add(&w.1, &one, 1, rows, &mut oy);
+                let same = gpu
+                    .download(&oy, rows)
+                    .iter()
+                    .zip(&outs[0][t * rows..(t + 1) * rows])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{name}: token {t} differs from its n = 1 mvra");
+            }
+        }
     }
     cases.finish();
 }

@@ -979,7 +979,7 @@ __device__ __forceinline__ void mvrn_acc(const uint4* const (&qp)[R], const u16*
     }
 }
 
-template <int R, int U, int NT, bool IL>
+template <int R, int U, int NT, bool IL, bool ADD = false>
 __device__ __forceinline__ void mvrn_body(const u8* __restrict__ Q, const u16* __restrict__ D, const float* __restrict__ x,
                                           long long x_z, float* __restrict__ y, long long y_z, int rows, int cols,
                                           int kspl, long long x_tok, long long y_tok, int n) {
@@ -1007,7 +1007,10 @@ __device__ __forceinline__ void mvrn_body(const u8* __restrict__ Q, const u16* _
     }
     float v = mv_reduce<NT, R>(acc, kspl, red);
     int r = r0 + lane / NT, t = lane % NT;
-    if (warp % kspl == 0 && lane < R * NT && r < rows && t < n) y[(long long)t * y_tok + (long long)z * y_z + r] = v;
+    if (warp % kspl == 0 && lane < R * NT && r < rows && t < n) {
+        float* yr = y + (long long)t * y_tok + (long long)z * y_z + r;
+        *yr = ADD ? *yr + v : v; // ADD (mvran): y += W . x, as mvra
+    }
 }
 
 #define MVRN_PARAMS MVR_PARAMS, long long x_tok, long long y_tok, int n
@@ -1016,6 +1019,10 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LA
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, true>(MVRN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, false>(MVRN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, true>(MVRN_ARGS); }
+// y += W . x for n token rows (the shared expert's down added into the routed sum of a verify
+// step; each token's bits as mvra_r2u2_q8_0i alone).
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvran2_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, true, true>(MVRN_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvran4_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, true, true>(MVRN_ARGS); }
 // One row a warp (R = 1: 16 converted quants a lane, not 32; the host keeps kspl as r2u2 plans it,
 // so every row's sums, and each token's bits, are unchanged; DS4_GPU_MVRN_R=1).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r1u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 2, 2, true>(MVRN_ARGS); }

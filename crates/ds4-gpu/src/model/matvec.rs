@@ -894,11 +894,13 @@ impl GpuBackend {
         cols: usize,
         zs: usize,
         n: usize,
+        add: bool,
     ) -> bool {
         mvr_env();
         let nb = rows * zs * cols / 32;
         if !(2..=4).contains(&n)
             || !mvrn_on()
+            || (add && (!il || !mvrgun_on()))
             || MVR.load(Ordering::Relaxed) == 0
             || !ENABLED.load(Ordering::Relaxed)
             || !x.ptr.0.is_multiple_of(16)
@@ -912,7 +914,7 @@ impl GpuBackend {
         }
         let nt = if n == 2 { 2 } else { 4 };
         // kspl as r2u2 plans it (a row's sums depend on it); the grid for r rows a warp.
-        let r = if il { mvrn_rows() } else { 2 };
+        let r = if il && !add { mvrn_rows() } else { 2 };
         let (mut dims, k) = self.mv_dims(rows, 2, 1, zs, cols / 2);
         dims.grid[0] = rows.div_ceil(MV_WARPS / k * r) as u32;
         let q = dec.ptr();
@@ -925,7 +927,11 @@ impl GpuBackend {
         ]);
         self.run(
             &ds4_kernels::MATVEC,
-            &format!("mvrn{nt}_r{r}u2_q8_0{}", if il { "i" } else { "" }),
+            &format!(
+                "mvr{}n{nt}_r{r}u2_q8_0{}",
+                if add { "a" } else { "" },
+                if il { "i" } else { "" }
+            ),
             dims,
             &args,
         );
@@ -1416,6 +1422,7 @@ impl GpuBackend {
                 cols,
                 1,
                 n,
+                false,
             ) {
                 return true;
             }
@@ -1557,7 +1564,16 @@ impl GpuBackend {
     /// Backend::matmul_add at n = 1 (`mvra_r2u2_q8_0`: y += W·x in the product's epilogue), or
     /// false (nothing run: the product would take another form). ncu: 7.6 us a call, the product
     /// alone's time (add_f32's 2.1 us a layer gone).
-    pub(crate) fn mv_matmul_add(&self, w: &GpuWeight, x: &GpuBuf, y: &mut GpuBuf) -> bool {
+    /// n = 2..4 (verify steps): `mvran2` / `mvran4` on interleaved copies (each row read once
+    /// for every token, each token's bits as `mvra` alone; `DS4_GPU_MVRGUN=off` or
+    /// `DS4_GPU_MVRN=off`: false, so the caller runs `mvra` once per token).
+    pub(crate) fn mv_matmul_add(
+        &self,
+        w: &GpuWeight,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+    ) -> bool {
         let GpuWeight::Mat {
             dec: Some(dec),
             dec_il,
@@ -1568,7 +1584,22 @@ impl GpuBackend {
         else {
             return false;
         };
-        self.mvr(dec, *dec_il, x, 0, y.ptr, 0, *rows, *cols, 1, true)
+        if n == 1 {
+            return self.mvr(dec, *dec_il, x, 0, y.ptr, 0, *rows, *cols, 1, true);
+        }
+        self.mvrn(
+            dec,
+            *dec_il,
+            x,
+            (*cols, 0),
+            y.ptr,
+            (*rows, 0),
+            *rows,
+            *cols,
+            1,
+            n,
+            true,
+        )
     }
 
     /// Backend::matmul_grouped.
@@ -1605,7 +1636,7 @@ impl GpuBackend {
         }
         if let Some(dec) = dec {
             let (xs, ys) = ((x_tok, x_z), (rows, r));
-            if self.mvrn(dec, *dec_il, x, xs, y.ptr, ys, r, cols, groups, n) {
+            if self.mvrn(dec, *dec_il, x, xs, y.ptr, ys, r, cols, groups, n, false) {
                 return true;
             }
         }

@@ -2412,16 +2412,17 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_add(&self, w: &GpuWeight, x: &GpuBuf, n: usize, rows: usize, y: &mut GpuBuf) {
-        // n = 1: the add in the product's epilogue where matvec.rs takes it.
-        if n == 1 && self.product_width_ok(w) && self.mv_matmul_add(w, x, y) {
+        // n = 1, and n = 2..4 (verify steps) in one launch: the add in the product's epilogue
+        // where matvec.rs takes it.
+        if n <= 4 && self.product_width_ok(w) && self.mv_matmul_add(w, x, n, y) {
             return;
         }
-        // n = 2..4 (verify steps): that form once per token (2 x ~5 us against a separate
+        // n = 2..4 otherwise: the n = 1 form once per token (2 x ~5 us against a separate
         // product + add_f32 for the shared expert's down).
         if let (true, Some((_, _, cols, _, _))) = (self.product_width_ok(w), w.mat_parts()) {
             if self.per_token(n, "matmul_add n>1 per token", |t| {
                 let mut yt = y.view(t * rows, rows);
-                self.mv_matmul_add(w, &x.view(t * cols, cols), &mut yt)
+                self.mv_matmul_add(w, &x.view(t * cols, cols), 1, &mut yt)
             }) {
                 return;
             }
