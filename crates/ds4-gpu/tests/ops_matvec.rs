@@ -1559,9 +1559,10 @@ fn matvec_repacked_tokens() {
     cases.finish();
 }
 
-/// F16 `matmul_multi` sets of 2-4 token rows run the merged n = 1 kernel once per token: each
-/// token's outputs bitwise the n = 1 product of that token alone (and `matvec_merged` holds them
-/// to the CPU). The compressor + indexer set and the HCA pair.
+/// F16 `matmul_multi` sets of 2-4 token rows: the compressor + indexer set (on `mvxm`) at n = 2
+/// in one launch (`mvxm2`), else the merged n = 1 kernel once per token: each token's outputs
+/// bitwise the n = 1 product of that token alone (and `matvec_merged` holds them to the CPU).
+/// The compressor + indexer set and the HCA pair.
 #[test]
 fn matvec_merged_tokens() {
     ds4_gpu::GpuBackend::set_matvec(true);
@@ -1604,7 +1605,13 @@ fn matvec_merged_tokens() {
         };
         for n in 2..=4usize {
             let xs = randn(&mut rng(3000 + 10 * si as u64 + n as u64), n * cols, 1.0);
+            let before = GpuBackend::mvrn_launches();
             let all = run(&xs, n);
+            assert_eq!(
+                GpuBackend::mvrn_launches() > before,
+                si == 0 && n == 2,
+                "set {si} n {n}: mvxm2 runs the mvxm set at n = 2 only"
+            );
             for t in 0..n {
                 let one = run(&xs[t * cols..(t + 1) * cols], 1);
                 for (m, &r) in rows.iter().enumerate() {

@@ -1449,12 +1449,15 @@ __device__ __forceinline__ void mvx_run(const float* __restrict__ x, int cols, i
         for (int u = 0; u < U; u++) {
             int h = hs + (s * U + u) * W + lane;
             if (h < he) {
-                if constexpr (NT == 1) {
-                    float4 xv[4];
-                    MvxT<T>::xload(xs, h, xv);
+                if constexpr (NT == 1 || T != T_Q8_0) { // F16: converting again per token is cheap
 #pragma unroll
-                    for (int i = 0; i < R; i++) acc[i][0] = MvxT<T>::dot(v[u][i], d[u][i], xv, acc[i][0]);
-                } else { // each row's quants converted once, then every token's x loaded once
+                    for (int t = 0; t < NT; t++) {
+                        float4 xv[4];
+                        MvxT<T>::xload(xs + t * (cols / 4), h, xv);
+#pragma unroll
+                        for (int i = 0; i < R; i++) acc[i][t] = MvxT<T>::dot(v[u][i], d[u][i], xv, acc[i][t]);
+                    }
+                } else { // Q8_0: each row's quants converted once, then every token's x loaded once
                     float w[R][16];
 #pragma unroll
                     for (int i = 0; i < R; i++) MvxT<T>::cvt(v[u][i], w[i]);
@@ -1592,9 +1595,10 @@ template <int T, int R> struct MvxMulti {
         u32 g = min(((cb - mvx_at(m, c)) * groups + gi) * R + i, mvx_at(m, rows) - 1);
         return MvxRow{(const uint4*)mvx_at(m, W), mvx_at(m, D), g * (u32)(cols / MvxT<T>::C), g * (u32)(cols / 32)};
     }
-    __device__ __forceinline__ void put(int cb, int gi, float v, int) const {
+    __device__ __forceinline__ void put(int cb, int gi, float v, int t) const {
         int m = pick(cb), lane = threadIdx.x % DS4_WARP, r = ((cb - mvx_at(m, c)) * groups + gi) * R + lane;
-        if (lane < R && r < mvx_at(m, rows)) mvx_at(m, y)[r] = v;
+        // token t's row of matrix m at y_m + t rows_m (NT > 1)
+        if (lane < R && r < mvx_at(m, rows)) mvx_at(m, y)[r + (long long)t * mvx_at(m, rows)] = v;
     }
 };
 
@@ -1607,3 +1611,13 @@ template <int T, int R> struct MvxMulti {
                           {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};             \
     mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>>(x, cols, ks, ncb, mm, mm);
 DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm_r4u2_f16(MVXMF_PARAMS) { DS4_PDL_LATE; MVXM_BODY }
+// mvxm_r4u2_f16 for n <= 2 token rows (a verify step's compressor + indexer projections: each F16
+// row read once for both tokens; x rows cols floats apart, matrix m's y rows rows_m apart; each
+// token's bits as mvxm alone). Host: 2 cols <= MVX_MAXC, cols % 128 == 0.
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxm2_r4u2_f16(MVXMF_PARAMS, int n) {
+    DS4_PDL_LATE;
+    MvxMulti<T_F16, 4> mm{{W0, W1, W2, W3, W4}, {nullptr, nullptr, nullptr, nullptr, nullptr}, {y0, y1, y2, y3, y4},
+                          {rows0, rows1, rows2, rows3, rows4}, {0, c1, c2, c3, c4}, cols, MV_WARPS / ks};
+    mvx_run<T_F16, 4, 2, MvxMulti<T_F16, 4>, MvxMulti<T_F16, 4>, false, 2>(x, cols, ks, ncb, mm, mm, nullptr, 0.0f, nullptr,
+                                                                          cols, n);
+}

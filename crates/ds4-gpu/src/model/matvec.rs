@@ -137,12 +137,14 @@ static MVXN_TOK: AtomicU8 = AtomicU8::new(0);
 /// `mvxn2` / `mvxn4` launches (process-wide; tests: the n-token form ran).
 static MVXN_TOK_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// `mvrgun2` / `mvrgun4` for the shared expert's gate/up of n = 2..4 token rows: 1 on, 2 off
-/// (`DS4_GPU_MVRGUN=off`: `mvrgu` once per token), 0 not read yet.
-static MVRGUN: AtomicU8 = AtomicU8::new(0);
+/// The n-token forms of the fused and merged decode products for verify steps (the shared
+/// expert's gate/up `mvrgun2` / `mvrgun4` and down + add `mvran2` / `mvran4`, the compressor
+/// sets `mvxm2`): 1 on, 2 off (`DS4_GPU_MVN=off`: their n = 1 forms once per token), 0 not read
+/// yet.
+static MVN: AtomicU8 = AtomicU8::new(0);
 
-fn mvrgun_on() -> bool {
-    super::switch::env_code(&MVRGUN, "DS4_GPU_MVRGUN", super::switch::on_unless_off) == 1
+fn mvn_on() -> bool {
+    super::switch::env_code(&MVN, "DS4_GPU_MVN", super::switch::on_unless_off) == 1
 }
 
 fn mvxn_tok_on() -> bool {
@@ -900,7 +902,7 @@ impl GpuBackend {
         let nb = rows * zs * cols / 32;
         if !(2..=4).contains(&n)
             || !mvrn_on()
-            || (add && (!il || !mvrgun_on()))
+            || (add && (!il || !mvn_on()))
             || MVR.load(Ordering::Relaxed) == 0
             || !ENABLED.load(Ordering::Relaxed)
             || !x.ptr.0.is_multiple_of(16)
@@ -1565,7 +1567,7 @@ impl GpuBackend {
     /// false (nothing run: the product would take another form). ncu: 7.6 us a call, the product
     /// alone's time (add_f32's 2.1 us a layer gone).
     /// n = 2..4 (verify steps): `mvran2` / `mvran4` on interleaved copies (each row read once
-    /// for every token, each token's bits as `mvra` alone; `DS4_GPU_MVRGUN=off` or
+    /// for every token, each token's bits as `mvra` alone; `DS4_GPU_MVN=off` or
     /// `DS4_GPU_MVRN=off`: false, so the caller runs `mvra` once per token).
     pub(crate) fn mv_matmul_add(
         &self,
@@ -1697,7 +1699,8 @@ impl GpuBackend {
         n: usize,
         ys: &mut [&mut GpuBuf],
     ) -> bool {
-        if n != 1
+        // n = 2 (verify steps): the F16 sets' `mvxm2` only (each token's bits as n = 1).
+        if !(n == 1 || (n == 2 && mvn_on()))
             || ws.len() < 2
             || ws.len() > MVQM_MAX
             || ws.len() != ys.len()
@@ -1759,6 +1762,9 @@ impl GpuBackend {
             && rows.iter().sum::<usize>() >= MVXM_MIN_ROWS
             && rb == cols * 2
             && parts.iter().all(|p| p.0 .0.is_multiple_of(16));
+        if n > 1 && !(xf > 0 && f16 && cols.is_multiple_of(128) && n * cols <= MVX_MAXC) {
+            return false;
+        }
         if xf > 0 && cols <= MVX_MAXC && f16 {
             // mvxm_r4u2_f16: R = 4, batches of (MV_WARPS / ks)·4 rows per matrix.
             let sm = self.gpu.info().sm_count as usize;
@@ -1781,7 +1787,14 @@ impl GpuBackend {
                 block,
                 shared_bytes: 0,
             };
-            self.run(&ds4_kernels::MATVEC, "mvxm_r4u2_f16", dims, &args);
+            let name = if n == 1 {
+                "mvxm_r4u2_f16"
+            } else {
+                args.push(Arg::I32(n as i32));
+                MVRN_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+                "mvxm2_r4u2_f16"
+            };
+            self.run(&ds4_kernels::MATVEC, name, dims, &args);
             return true;
         }
         if decoded {
@@ -1888,9 +1901,9 @@ impl GpuBackend {
         clamp: f32,
     ) -> bool {
         // n = 2..4 (verify steps): `mvrgun2` / `mvrgun4` on interleaved copies (each row read
-        // once for every token, each token's bits as n = 1; `DS4_GPU_MVRGUN=off` or
+        // once for every token, each token's bits as n = 1; `DS4_GPU_MVN=off` or
         // `DS4_GPU_MVRN=off`: false, so the caller runs the n = 1 form once per token).
-        let tok = (2..=4).contains(&n) && mvrn_on() && mvrgun_on();
+        let tok = (2..=4).contains(&n) && mvrn_on() && mvn_on();
         if !(n == 1 || tok) || !merge_on() || !ENABLED.load(Ordering::Relaxed) || self.failed() {
             return false;
         }

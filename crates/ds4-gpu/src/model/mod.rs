@@ -2334,8 +2334,8 @@ impl Backend for GpuBackend {
         if !ws.iter().all(|w| self.product_width_ok(w)) {
             return;
         }
-        if n == 1 && !self.failed() {
-            let _p = self.prof(|| format!("matmul_multi x{} n=1", ws.len()));
+        if n <= 2 && !self.failed() {
+            let _p = self.prof(|| format!("matmul_multi x{} n={n}", ws.len()));
             if self.mv_multi(ws, x, n, ys) {
                 return;
             }
