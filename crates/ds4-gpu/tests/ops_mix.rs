@@ -1004,8 +1004,10 @@ fn norm_rope_pair_matches_two_calls() {
 /// product's CTAs, then the route in the last CTA) against the two GPU calls (matmul, moe_route)
 /// bit for bit (logits, selections, weights), and the CPU: its moe_route of the same logits
 /// (selections exactly, weights to TOL) and its matmul_route's logits (F16 products: 1e-4 of the
-/// largest). Top k and hash layers; n = 2, 16 experts (the product takes another kernel), a Q8_0
-/// router, the simple forms and `DS4_GPU_ROUTE=off` run the two calls (no fused launch); `on`
+/// largest). Top k and hash layers; at n = 2 the rank form fuses too (mvq_route2_f16r: each
+/// token's logits, selections and weights bit for bit its own n = 1 launch's; the CPU checks read
+/// the fused launch's); 16 experts (the product takes another kernel), a Q8_0 router, the simple
+/// forms, `rounds` at n = 2 and `DS4_GPU_ROUTE=off` run the two calls (no fused launch); `on`
 /// (mvq_route_f16r: top k by ranks) and `rounds` (mvq_route_f16: k rounds of a warp max) fuse,
 /// with tied scores and a last group of fewer than k experts among the cases. Each case routes twice, so the second launch finds the ticket the
 /// first reset.
@@ -1099,17 +1101,46 @@ fn matmul_route_matches_two_calls() {
                         "matmul_route {form} {route} n {n} {k} of {ne} experts over {d} {ty:?} hash {hash}"
                     );
                 let fuses = ty == GgmlType::F16 && ne >= 128 && route != "off";
-                let want = if n == 1 && fuses && form != "simple" {
-                    2
+                // n = 2 fuses in the rank form (mvq_route2_f16r): each token as its n = 1 launch.
+                let fuses_n = fuses && form != "simple" && (n == 1 || route == "on");
+                assert_eq!(runs, if fuses_n { 2 } else { 0 }, "{case}: fused launches");
+                let (lg2, sg2, wg2) = if n > 1 && fuses_n {
+                    for t in 0..n {
+                        let zt = gpu.upload(&z[t * d..(t + 1) * d]);
+                        let tt = gpu.upload_i32(&toks[t..t + 1]);
+                        let mut lg = gpu.alloc(ne);
+                        let (mut sg, mut wtg) = (gpu.alloc_i32(k), gpu.alloc(k));
+                        gpu.matmul_route(
+                            &spec, &rg, &zt, 1, &mut lg, bgs, tgs, &tt, &mut sg, &mut wtg,
+                        );
+                        let (l1, s1, w1) = (
+                            gpu.download(&lg, ne),
+                            gpu.download_i32(&sg, k),
+                            gpu.download(&wtg, k),
+                        );
+                        for (i, (lgn, sgn, wgn)) in fused.iter().enumerate() {
+                            let tok = format!("{case} call {i} token {t}");
+                            assert!(
+                                bits(&lgn[t * ne..(t + 1) * ne]) == bits(&l1),
+                                "{tok}: logits differ from its n = 1 launch"
+                            );
+                            assert_eq!(&sgn[t * k..(t + 1) * k], &s1[..], "{tok}: selections");
+                            assert!(
+                                bits(&wgn[t * k..(t + 1) * k]) == bits(&w1),
+                                "{tok}: weights differ from its n = 1 launch"
+                            );
+                        }
+                    }
+                    // The CPU checks below then read the fused launch's logits and route.
+                    fused[0].clone()
                 } else {
-                    0
+                    for (i, (lg1, sg1, wg1)) in fused.iter().enumerate() {
+                        assert!(bits(lg1) == bits(&lg2), "{case} call {i}: logits differ");
+                        assert_eq!(sg1, &sg2, "{case} call {i}: selections differ");
+                        assert!(bits(wg1) == bits(&wg2), "{case} call {i}: weights differ");
+                    }
+                    (lg2, sg2, wg2)
                 };
-                assert_eq!(runs, want, "{case}: fused launches");
-                for (i, (lg1, sg1, wg1)) in fused.iter().enumerate() {
-                    assert!(bits(lg1) == bits(&lg2), "{case} call {i}: logits differ");
-                    assert_eq!(sg1, &sg2, "{case} call {i}: selections differ");
-                    assert!(bits(wg1) == bits(&wg2), "{case} call {i}: weights differ");
-                }
                 // The CPU's route of the GPU's logits, and the CPU's own logits.
                 let (bcs, tcs) = if hash {
                     (None, Some(&tc))

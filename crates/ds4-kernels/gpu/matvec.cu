@@ -1075,15 +1075,18 @@ __device__ __forceinline__ void mvr_cta(const u8* __restrict__ Q, const u16* __r
 // One CTA (index bx) of y[r] = W[r] . x, W rows of row_bytes (GGUF blocks or F16), r < rows.
 // LATE (a kernel started with DS4_PDL_LATE): ds4_pdl_enter() after the warp's first round of
 // weight loads (x is read after it); the same sums either way.
-template <int T, int R, int U, bool LATE = false>
+template <int T, int R, int U, bool LATE = false, int NT = 1>
 __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
-                                        int rows, int cols, long long row_bytes, int kspl, int bx) {
-    __shared__ float red[MV_WARPS * R];
+                                        int rows, int cols, long long row_bytes, int kspl, int bx, long long x_tok = 0,
+                                        long long y_tok = 0, int n = 1) {
+    __shared__ float red[MV_WARPS * R * NT];
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int r0 = (bx * (MV_WARPS / kspl) + warp / kspl) * R;
-    float acc[R];
+    float acc[R][NT];
 #pragma unroll
-    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
     bool wait = LATE; // ds4_pdl_enter() still to come
     if (r0 < rows) { // warp-uniform
         const u8* rp[R];
@@ -1107,21 +1110,22 @@ __device__ __forceinline__ void mvq_cta(const u8* __restrict__ W, const float* _
             for (int u = 0; u < U; u++) {
                 int c = c0 + u * stride + lane / 4;
                 if (c < chunks) {
-                    const float4* xv = (const float4*)(x + (long long)c * 32 + 8 * q);
-                    float4 xa = xv[0], xc = xv[1];
 #pragma unroll
-                    for (int i = 0; i < R; i++) acc[i] = raw[u][i].dot(xa, xc, acc[i]);
+                    for (int t = 0; t < NT; t++) { // NT > 1: token t's x at x_tok floats (t >= n: token n - 1)
+                        const float4* xv = (const float4*)(x + (NT > 1 ? (long long)min(t, n - 1) * x_tok : 0) +
+                                                           (long long)c * 32 + 8 * q);
+                        float4 xa = xv[0], xc = xv[1];
+#pragma unroll
+                        for (int i = 0; i < R; i++) acc[i][t] = raw[u][i].dot(xa, xc, acc[i][t]);
+                    }
                 }
             }
         }
     }
     if (LATE && wait) ds4_pdl_enter();
-    float a2[R][1];
-#pragma unroll
-    for (int i = 0; i < R; i++) a2[i][0] = acc[i];
-    float v = mv_reduce<1, R>(a2, kspl, red);
-    int r = r0 + lane;
-    if (warp % kspl == 0 && lane < R && r < rows) y[r] = v;
+    float v = mv_reduce<NT, R>(acc, kspl, red);
+    int r = r0 + lane / NT, t = lane % NT;
+    if (warp % kspl == 0 && lane < R * NT && r < rows && t < n) y[(NT > 1 ? (long long)t * y_tok : 0) + r] = v;
 }
 
 #define MVM_SEL(a0, a1, a2, a3, a4) (m == 0 ? (a0) : m == 1 ? (a1) : m == 2 ? (a2) : m == 3 ? (a3) : (a4))
@@ -1203,6 +1207,33 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route_f16r(const u8* __restrict__ W, 
     if (!mvq_last_cta(ticket)) return;
     ds4_route_token_rank<true>(y, bv, tid2eid, tok, sel, wgt, rows, k, weight_scale);
 }
+
+// mvq_route_f16r for n <= NT token rows (speculative verify steps): the router read once for all
+// (mvq_cta NT: token t's x at cols floats, its logits at y + t rows, each token's sums as
+// mvq_cta's alone), then the last CTA routes token t < n after token t - 1 (one barrier between:
+// the route's shared arrays) into sel / wgt + t k.
+template <int NT>
+__device__ __forceinline__ void mvq_route_n(const u8* __restrict__ W, const float* __restrict__ x, float* y, int rows, int cols,
+                                            long long row_bytes, int kspl, const float* __restrict__ bias,
+                                            const int* __restrict__ tid2eid, const int* __restrict__ tok, int* __restrict__ sel,
+                                            float* __restrict__ wgt, int k, float weight_scale, u32* ticket, int n) {
+    float bv[MVQ_ROUTE_NB];
+    ds4_route_bias(bias, rows, bv);
+    mvq_cta<T_F16, 2, 4, true, NT>(W, x, y, rows, cols, row_bytes, kspl, blockIdx.x, cols, rows, n);
+    if (!mvq_last_cta(ticket)) return;
+    for (int t = 0; t < n; t++) {
+        if (t > 0) __syncthreads();
+        ds4_route_token_rank<true>(y + (long long)t * rows, bv, tid2eid, tok + t, sel + (long long)t * k,
+                                   wgt + (long long)t * k, rows, k, weight_scale);
+    }
+}
+#define MVQ_ROUTE_PARAMS                                                                                               \
+    const u8 *__restrict__ W, const float *__restrict__ x, float *y, int rows, int cols, long long row_bytes, int kspl, \
+        const float *__restrict__ bias, const int *__restrict__ tid2eid, const int *__restrict__ tok,                  \
+        int *__restrict__ sel, float *__restrict__ wgt, int k, float weight_scale, u32 *ticket, int n
+#define MVQ_ROUTE_ARGS W, x, y, rows, cols, row_bytes, kspl, bias, tid2eid, tok, sel, wgt, k, weight_scale, ticket, n
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route2_f16r(MVQ_ROUTE_PARAMS) { DS4_PDL_LATE; mvq_route_n<2>(MVQ_ROUTE_ARGS); }
+DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvq_route4_f16r(MVQ_ROUTE_PARAMS) { DS4_PDL_LATE; mvq_route_n<4>(MVQ_ROUTE_ARGS); }
 
 template <bool IL>
 __device__ __forceinline__ void mvrgu_body(const u8* __restrict__ Qg, const u16* __restrict__ Dg, const u8* __restrict__ Qu,

@@ -139,11 +139,11 @@ static MVXN_TOK_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::Atom
 
 /// The n-token forms of the fused and merged decode products for verify steps (the shared
 /// expert's gate/up `mvrgun2` / `mvrgun4` and down + add `mvran2` / `mvran4`, the compressor
-/// sets `mvxm2`): 1 on, 2 off (`DS4_GPU_MVN=off`: their n = 1 forms once per token), 0 not read
+/// sets `mvxm2`, the router + route `mvq_route2_f16r` / `mvq_route4_f16r` in mix.rs): 1 on, 2 off (`DS4_GPU_MVN=off`: their n = 1 forms once per token), 0 not read
 /// yet.
 static MVN: AtomicU8 = AtomicU8::new(0);
 
-fn mvn_on() -> bool {
+pub(super) fn mvn_on() -> bool {
     super::switch::env_code(&MVN, "DS4_GPU_MVN", super::switch::on_unless_off) == 1
 }
 

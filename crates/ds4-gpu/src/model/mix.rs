@@ -1388,6 +1388,7 @@ impl GpuBackend {
         spec: &MoeSpec,
         router: &GpuWeight,
         z: &GpuBuf,
+        n: usize,
         logits: &mut GpuBuf,
         bias: Option<&GpuWeight>,
         tid2eid: Option<&GpuWeight>,
@@ -1407,6 +1408,8 @@ impl GpuBackend {
             || k > ROUTE_MAX_K.min(self.warp() as usize)
             || k > ne
             || (tid2eid.is_none() && bias.is_none())
+            || !(1..=4).contains(&n)
+            || (n > 1 && (route_code() != 3 || !super::matvec::mvn_on()))
             || self.failed()
         {
             return false;
@@ -1426,10 +1429,14 @@ impl GpuBackend {
         };
         let ticket = self.tickets.ptr().offset((ROUTE_TICKET * 4) as u64);
         ROUTE_RUNS.fetch_add(1, Ordering::Relaxed);
-        let name = if route_code() == 3 {
-            "mvq_route_f16r"
-        } else {
-            "mvq_route_f16"
+        // n = 2..4 (verify steps): `mvq_route2_f16r` / `mvq_route4_f16r`, the router read once
+        // for every token and the tokens routed one after another by the last CTA (each token's
+        // logits, selections and weights the bits of its n = 1 launch).
+        let name = match (n, route_code() == 3) {
+            (1, true) => "mvq_route_f16r",
+            (1, false) => "mvq_route_f16",
+            (2, _) => "mvq_route2_f16r",
+            _ => "mvq_route4_f16r",
         };
         self.run(
             &ds4_kernels::MATVEC,
@@ -1451,7 +1458,10 @@ impl GpuBackend {
                 Arg::I32(k as i32),
                 Arg::F32(spec.weight_scale),
                 Arg::Ptr(ticket),
-            ],
+            ]
+            .into_iter()
+            .chain((n > 1).then_some(Arg::I32(n as i32)))
+            .collect::<Vec<_>>(),
         );
         true
     }

@@ -2714,10 +2714,10 @@ impl Backend for GpuBackend {
         sel: &mut GpuIBuf,
         wgt: &mut GpuBuf,
     ) {
-        // n = 1: one launch where mix.rs takes it, else the two calls.
-        if n == 1 && self.product_width_ok(router) && !self.failed() {
-            let _p = self.prof(|| "matmul_route n=1".to_string());
-            if self.op_route_fused(spec, router, z, logits, bias, tid2eid, tokens, sel, wgt) {
+        // n = 1..4: one launch where mix.rs takes it, else the two calls.
+        if n <= 4 && self.product_width_ok(router) && !self.failed() {
+            let _p = self.prof(|| format!("matmul_route n={}", if n == 1 { "1" } else { ">1" }));
+            if self.op_route_fused(spec, router, z, n, logits, bias, tid2eid, tokens, sel, wgt) {
                 return;
             }
         }
