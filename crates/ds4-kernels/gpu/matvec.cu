@@ -1594,15 +1594,15 @@ DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxn_r4u2_q8_0(MVX_PARAMS, const float* __res
 // mvxn_r4u2_q8_0 for n <= NT token rows (speculative verify steps; zs = 1): x and xn rows cols
 // floats apart, y rows `rows` apart; each token's y and xn the bits mvxn gives it alone (a row's
 // sums depend on the k-slices ks, which the host plans as for mvxn, not on the rows a warp
-// takes: R = 2 here, R = 4 spilled at 80 registers).
-#define MVXN_NT(NT, R, U)                                                                                              \
-    DS4_KERNEL void DS4_BOUNDS(MVX_LB)                                                                                 \
-        mvxn##NT##_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn, int n) {     \
-        DS4_PDL_LATE;                                                                                                  \
-        mvx_body<T_Q8_0, R, U, true, NT>(MVX_ARGS, nw, eps, xn, cols, rows, n);                                        \
-    }
-MVXN_NT(2, 2, 2)
-MVXN_NT(4, 1, 2)
+// takes: R = 2 at NT = 2 and 1 at NT = 4 here, R = 4 spilled at 80 registers).
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxn2_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn, int n) {
+    DS4_PDL_LATE;
+    mvx_body<T_Q8_0, 2, 2, true, 2>(MVX_ARGS, nw, eps, xn, cols, rows, n);
+}
+DS4_KERNEL void DS4_BOUNDS(MVX_LB) mvxn4_r4u2_q8_0(MVX_PARAMS, const float* __restrict__ nw, float eps, float* __restrict__ xn, int n) {
+    DS4_PDL_LATE;
+    mvx_body<T_Q8_0, 1, 2, true, 4>(MVX_ARGS, nw, eps, xn, cols, rows, n);
+}
 
 // Several matrices of one x (equal cols; the CSA compressor and indexer projections): matrix m
 // takes CTA batches c_m .. c_{m+1} - 1 (c_0 = 0, absent m: INT_MAX), its rows in batch order as
