@@ -925,6 +925,9 @@ fn matvec_split() {
 #[test]
 fn matvec_merged() {
     ds4_gpu::GpuBackend::set_matvec(true);
+    // The n-token verify-step forms (opt-in in the engine) under test here.
+    GpuBackend::set_matvec_mvxn_tok(true);
+    GpuBackend::set_matvec_mvn(true);
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };
@@ -1071,6 +1074,9 @@ fn matvec_merged() {
 #[test]
 fn matvec_fused() {
     ds4_gpu::GpuBackend::set_matvec(true);
+    // The n-token verify-step forms (opt-in in the engine) under test here.
+    GpuBackend::set_matvec_mvxn_tok(true);
+    GpuBackend::set_matvec_mvn(true);
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };
@@ -1566,6 +1572,9 @@ fn matvec_repacked_tokens() {
 #[test]
 fn matvec_merged_tokens() {
     ds4_gpu::GpuBackend::set_matvec(true);
+    // The n-token verify-step forms (opt-in in the engine) under test here.
+    GpuBackend::set_matvec_mvxn_tok(true);
+    GpuBackend::set_matvec_mvn(true);
     let Some((cpu, gpu)) = backends(&HParams::tiny()) else {
         return;
     };

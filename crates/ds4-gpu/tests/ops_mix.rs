@@ -1014,6 +1014,7 @@ fn norm_rope_pair_matches_two_calls() {
 #[test]
 fn matmul_route_matches_two_calls() {
     let Some((cpu, gpu)) = setup() else { return };
+    GpuBackend::set_matvec_mvn(true); // the n-token route (opt-in in the engine) under test
     both_forms(|form| {
         let mut r = rng(12);
         // (experts, used, columns, router type, rows and bias of experts ne/2.. copy those of

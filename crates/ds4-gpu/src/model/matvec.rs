@@ -131,24 +131,26 @@ static MVR_PIPE: AtomicBool = AtomicBool::new(false);
 static MVRN: AtomicU8 = AtomicU8::new(0);
 /// `mvrn*` launches (process-wide; tests: the n = 2..4 form ran).
 static MVRN_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// `mvxn2` / `mvxn4` for the query's norm + q_b of n = 2..4 token rows (verify steps): 1 on, 2
-/// off (`DS4_GPU_MVXN_TOK=off`: `mvxn` once per token), 0 not read yet.
+/// `mvxn2` / `mvxn4` for the query's norm + q_b of n = 2..4 token rows (verify steps): 1 on
+/// (`DS4_GPU_MVXN_TOK=on`), 2 off (the default until timed on a GPU: `mvxn` once per token), 0
+/// not read yet.
 static MVXN_TOK: AtomicU8 = AtomicU8::new(0);
 /// `mvxn2` / `mvxn4` launches (process-wide; tests: the n-token form ran).
 static MVXN_TOK_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The n-token forms of the fused and merged decode products for verify steps (the shared
 /// expert's gate/up `mvrgun2` / `mvrgun4` and down + add `mvran2` / `mvran4`, the compressor
-/// sets `mvxm2`, the router + route `mvq_route2_f16r` / `mvq_route4_f16r` in mix.rs): 1 on, 2 off (`DS4_GPU_MVN=off`: their n = 1 forms once per token), 0 not read
-/// yet.
+/// sets `mvxm2`, the router + route `mvq_route2_f16r` / `mvq_route4_f16r` in mix.rs): 1 on
+/// (`DS4_GPU_MVN=on`), 2 off (the default until timed on a GPU: their n = 1 forms once per
+/// token, the router's product and route apart), 0 not read yet.
 static MVN: AtomicU8 = AtomicU8::new(0);
 
 pub(super) fn mvn_on() -> bool {
-    super::switch::env_code(&MVN, "DS4_GPU_MVN", super::switch::on_unless_off) == 1
+    super::switch::env_code(&MVN, "DS4_GPU_MVN", super::switch::off_unless_on) == 1
 }
 
 fn mvxn_tok_on() -> bool {
-    super::switch::env_code(&MVXN_TOK, "DS4_GPU_MVXN_TOK", super::switch::on_unless_off) == 1
+    super::switch::env_code(&MVXN_TOK, "DS4_GPU_MVXN_TOK", super::switch::off_unless_on) == 1
 }
 
 fn mvrn_on() -> bool {
@@ -655,10 +657,16 @@ impl GpuBackend {
         MVRN_LAUNCHES.load(Ordering::Relaxed)
     }
 
-    /// The n-token norm + product (`mvxn2` / `mvxn4`) on or off (default on, or
-    /// `DS4_GPU_MVXN_TOK=off`); process-wide, for tests and benchmarks.
+    /// The n-token norm + product (`mvxn2` / `mvxn4`) on or off (default off, or
+    /// `DS4_GPU_MVXN_TOK=on`); process-wide, for tests and benchmarks.
     pub fn set_matvec_mvxn_tok(on: bool) {
         MVXN_TOK.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// The n-token fused / merged verify-step forms (`MVN`: `mvrgun*`, `mvran*`, `mvxm2`,
+    /// `mvq_route2/4_f16r`) on or off (default off, or `DS4_GPU_MVN=on`); process-wide.
+    pub fn set_matvec_mvn(on: bool) {
+        MVN.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// `mvxn2` / `mvxn4` launches so far in this process.
@@ -1475,8 +1483,8 @@ impl GpuBackend {
     /// (17.6 us a call, the rmsnorm + product pair's time; deleted).
     /// n = 2..4 (verify steps): `mvxn2` / `mvxn4`, the n token rows staged side by side and each
     /// weight slot loaded once for all (q_b's 35 MB read once, not n times); each token's product
-    /// and normed row the bits `mvxn` gives it alone (`DS4_GPU_MVXN_TOK=off`: false, so the
-    /// caller runs `mvxn` once per token).
+    /// and normed row the bits `mvxn` gives it alone (`DS4_GPU_MVXN_TOK` not `on`: false, so
+    /// the caller runs `mvxn` once per token).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mv_norm_matmul(
         &self,
@@ -1567,7 +1575,7 @@ impl GpuBackend {
     /// false (nothing run: the product would take another form). ncu: 7.6 us a call, the product
     /// alone's time (add_f32's 2.1 us a layer gone).
     /// n = 2..4 (verify steps): `mvran2` / `mvran4` on interleaved copies (each row read once
-    /// for every token, each token's bits as `mvra` alone; `DS4_GPU_MVN=off` or
+    /// for every token, each token's bits as `mvra` alone; `DS4_GPU_MVN` not `on` or
     /// `DS4_GPU_MVRN=off`: false, so the caller runs `mvra` once per token).
     pub(crate) fn mv_matmul_add(
         &self,
@@ -1901,7 +1909,7 @@ impl GpuBackend {
         clamp: f32,
     ) -> bool {
         // n = 2..4 (verify steps): `mvrgun2` / `mvrgun4` on interleaved copies (each row read
-        // once for every token, each token's bits as n = 1; `DS4_GPU_MVN=off` or
+        // once for every token, each token's bits as n = 1; `DS4_GPU_MVN` not `on` or
         // `DS4_GPU_MVRN=off`: false, so the caller runs the n = 1 form once per token).
         let tok = (2..=4).contains(&n) && mvrn_on() && mvn_on();
         if !(n == 1 || tok) || !merge_on() || !ENABLED.load(Ordering::Relaxed) || self.failed() {
