@@ -914,6 +914,32 @@ fn matvec_split() {
     cases.finish();
 }
 
+/// An n-token verify-step form (`mvrgun*`, `mvran*`): it ran (the `mvrn*` launch count grew past
+/// `before`) exactly where the weights have interleaved copies (> 1024 columns in 512-column
+/// tiles), and each token's `per` outputs in `all` are the bits of its own n = 1 launch (`one`).
+fn tokens_as_one_launch(
+    name: &str,
+    cols: usize,
+    before: u64,
+    all: &[f32],
+    per: usize,
+    one: impl Fn(usize) -> Vec<f32>,
+) {
+    let il = cols > 1024 && cols.is_multiple_of(512);
+    assert_eq!(
+        GpuBackend::mvrn_launches() > before,
+        il,
+        "{name}: the n-token form runs on interleaved copies only"
+    );
+    for t in 0..all.len() / per {
+        let same = one(t)
+            .iter()
+            .zip(&all[t * per..(t + 1) * per])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name}: token {t} differs from its n = 1 launch");
+    }
+}
+
 /// Merged n = 1 products (`matmul_multi`: `mvrm_*` on decode copies, `mvqm_*` on F16/Q8_0
 /// rows; `matmul_gateup`: `mvrgu_*`) against the CPU's default composition, merged and with
 /// `set_matvec_merge(false)`: the model's sets (q_a + kv; compressor + indexer projections),
@@ -1034,26 +1060,19 @@ fn matvec_merged() {
             let mut gh = gpu.upload(&vec![f32::NAN; n * ff]);
             gpu.matmul_gateup(&g.1, &u.1, &gx, n, ff, &mut gh, clamp);
             let all = gpu.download(&gh, n * ff);
-            let il = cols > 1024 && cols % 512 == 0;
-            assert_eq!(
-                GpuBackend::mvrn_launches() > before,
-                il,
-                "gateup {cols}->{ff} n={n}: mvrgun ran only on interleaved copies"
+            tokens_as_one_launch(
+                &format!("gateup {cols}->{ff} n={n} (mvrgun)"),
+                cols,
+                before,
+                &all,
+                ff,
+                |t| {
+                    let one = gpu.upload(&xs[t * cols..(t + 1) * cols]);
+                    let mut oh = gpu.upload(&vec![f32::NAN; ff]);
+                    gpu.matmul_gateup(&g.1, &u.1, &one, 1, ff, &mut oh, clamp);
+                    gpu.download(&oh, ff)
+                },
             );
-            for t in 0..n {
-                let one = gpu.upload(&xs[t * cols..(t + 1) * cols]);
-                let mut oh = gpu.upload(&vec![f32::NAN; ff]);
-                gpu.matmul_gateup(&g.1, &u.1, &one, 1, ff, &mut oh, clamp);
-                let same = gpu
-                    .download(&oh, ff)
-                    .iter()
-                    .zip(&all[t * ff..(t + 1) * ff])
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "gateup {cols}->{ff} n={n}: token {t} differs from n = 1"
-                );
-            }
         }
     }
     GpuBackend::set_matvec_merge(true);
@@ -1188,23 +1207,13 @@ fn matvec_fused() {
             let before = GpuBackend::mvrn_launches();
             let mut gy = gpu.upload(&y0);
             gpu.matmul_add(&w.1, &gx, n, rows, &mut gy);
-            let il = cols > 1024 && cols % 512 == 0;
-            assert_eq!(
-                GpuBackend::mvrn_launches() > before,
-                il,
-                "{name}: mvran ran only on interleaved copies"
-            );
-            for t in 0..n {
+            let all = gpu.download(&gy, n * rows);
+            tokens_as_one_launch(&format!("{name} (mvran)"), cols, before, &all, rows, |t| {
                 let one = gpu.upload(&xs[t * cols..(t + 1) * cols]);
                 let mut oy = gpu.upload(&y0[t * rows..(t + 1) * rows]);
                 gpu.matmul_add(&w.1, &one, 1, rows, &mut oy);
-                let same = gpu
-                    .download(&oy, rows)
-                    .iter()
-                    .zip(&outs[0][t * rows..(t + 1) * rows])
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{name}: token {t} differs from its n = 1 mvra");
-            }
+                gpu.download(&oy, rows)
+            });
         }
     }
     cases.finish();
