@@ -773,6 +773,23 @@ __device__ __forceinline__ float mvr_dot(uint4 v, u32 d, const float4& xa, const
     return fmaf(ds4_h2f_fast(d), s, acc);
 }
 
+// mvr_dot in two parts, for products of several token rows (mvrn_acc, mvx_run NT > 1): a slot's
+// 16 quants converted once, then each token's dot; the same values and fma chain, so the same bits.
+__device__ __forceinline__ void mvr_cvt16(uint4 v, float (&w)[16]) {
+    const u32 q[4] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u}; // u8 + 128
+#pragma unroll
+    for (int k = 0; k < 16; k++) w[k] = mv_byte(q[k / 4], k % 4, 128.0f);
+}
+__device__ __forceinline__ float mvr_dotw(const float (&w)[16], u32 d, const float4 (&x)[4], float acc) {
+    float s = w[0] * x[0].x;
+#pragma unroll
+    for (int k = 1; k < 16; k++) {
+        const float4& xq = x[k / 4];
+        s = fmaf(w[k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
+    }
+    return fmaf(ds4_h2f_fast(d), s, acc);
+}
+
 // The interleaved layout's slot: word j of v times xj (x columns 128j + 4s ..), scale j of d
 // (halfwords d.x lo, d.x hi, d.y lo, d.y hi).
 __device__ __forceinline__ float mvr_dot4(u32 w, u32 d, const float4& x, float acc) {
@@ -933,12 +950,7 @@ __device__ __forceinline__ void mvrn_acc(const uint4* const (&qp)[R], const u16*
             if (h < hb) {
                 float w[R][16]; // every row's 16 quants converted once, then each token's x loaded once
 #pragma unroll
-                for (int i = 0; i < R; i++) {
-                    const u32 wd[4] = {v[u][i].x ^ 0x80808080u, v[u][i].y ^ 0x80808080u, v[u][i].z ^ 0x80808080u,
-                                       v[u][i].w ^ 0x80808080u};
-#pragma unroll
-                    for (int k = 0; k < 16; k++) w[i][k] = mv_byte(wd[k / 4], k % 4, 128.0f);
-                }
+                for (int i = 0; i < R; i++) mvr_cvt16(v[u][i], w[i]);
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
                     const float4* xt = xv + (long long)min(t, n - 1) * x_tok4;
@@ -963,13 +975,7 @@ __device__ __forceinline__ void mvrn_acc(const uint4* const (&qp)[R], const u16*
                                 acc[i][t] = fmaf(ds4_h2f_fast(dj & 0xffffu), s, acc[i][t]);
                             }
                         } else { // mvr_dot: one scale per 16
-                            float s = w[i][0] * x4[0].x;
-#pragma unroll
-                            for (int k = 1; k < 16; k++) {
-                                const float4& xq = x4[k / 4];
-                                s = fmaf(w[i][k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
-                            }
-                            acc[i][t] = fmaf(ds4_h2f_fast(d[u][i]), s, acc[i][t]);
+                            acc[i][t] = mvr_dotw(w[i], d[u][i], x4, acc[i][t]);
                         }
                     }
                 }
@@ -1346,21 +1352,10 @@ template <> struct MvxT<T_Q8_0> {
     static __device__ __forceinline__ float dot(uint4 v, u32 d, const float4 (&xv)[4], float acc) {
         return mvr_dot(v, d, xv[0], xv[1], xv[2], xv[3], acc);
     }
-    // mvr_dot in two parts (mvx_run NT > 1: a slot's quants converted once for every token):
-    // the same values and the same fma chain, so the same bits.
-    static __device__ __forceinline__ void cvt(uint4 v, float (&w)[16]) {
-        const u32 q[4] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u}; // u8 + 128
-#pragma unroll
-        for (int k = 0; k < 16; k++) w[k] = mv_byte(q[k / 4], k % 4, 128.0f);
-    }
+    // mvx_run NT > 1: a slot's quants converted once for every token (mvr_cvt16 / mvr_dotw).
+    static __device__ __forceinline__ void cvt(uint4 v, float (&w)[16]) { mvr_cvt16(v, w); }
     static __device__ __forceinline__ float dotw(const float (&w)[16], u32 d, const float4 (&xv)[4], float acc) {
-        float s = w[0] * xv[0].x;
-#pragma unroll
-        for (int k = 1; k < 16; k++) {
-            const float4& xq = xv[k / 4];
-            s = fmaf(w[k], k % 4 == 0 ? xq.x : k % 4 == 1 ? xq.y : k % 4 == 2 ? xq.z : xq.w, s);
-        }
-        return fmaf(ds4_h2f_fast(d), s, acc);
+        return mvr_dotw(w, d, xv, acc);
     }
 };
 template <> struct MvxT<T_F16> {

@@ -2334,7 +2334,7 @@ impl Backend for GpuBackend {
         if !ws.iter().all(|w| self.product_width_ok(w)) {
             return;
         }
-        if n <= 2 && !self.failed() {
+        if (n == 1 || (n == 2 && matvec::mvn_on())) && !self.failed() {
             let _p = self.prof(|| format!("matmul_multi x{} n={n}", ws.len()));
             if self.mv_multi(ws, x, n, ys) {
                 return;
@@ -2450,7 +2450,7 @@ impl Backend for GpuBackend {
         if !self.product_width_ok(g) || !self.product_width_ok(u) {
             return;
         }
-        if n <= 4 && !self.failed() {
+        if (n == 1 || (n <= 4 && matvec::mvn_on())) && !self.failed() {
             let _p = self.prof(|| format!("matmul_gateup n={}", if n == 1 { "1" } else { ">1" }));
             if self.mv_gateup(g, u, x, n, ff, h, clamp) {
                 return;
@@ -2715,7 +2715,10 @@ impl Backend for GpuBackend {
         wgt: &mut GpuBuf,
     ) {
         // n = 1..4: one launch where mix.rs takes it, else the two calls.
-        if n <= 4 && self.product_width_ok(router) && !self.failed() {
+        if (n == 1 || (n <= 4 && matvec::mvn_on()))
+            && self.product_width_ok(router)
+            && !self.failed()
+        {
             let _p = self.prof(|| format!("matmul_route n={}", if n == 1 { "1" } else { ">1" }));
             if self.op_route_fused(spec, router, z, n, logits, bias, tid2eid, tokens, sel, wgt) {
                 return;
