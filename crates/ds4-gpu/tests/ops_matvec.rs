@@ -1524,6 +1524,7 @@ fn matvec_repacked_tokens() {
                 })
             };
             let before = GpuBackend::mvrn_launches();
+            GpuBackend::set_matvec_mvrn_rows(2);
             let got = product(&gx, n);
             let again = product(&gx, n);
             let name = format!("mvrn Q8_0 {groups}x{cols}->{rows} n {n}");
@@ -1540,10 +1541,10 @@ fn matvec_repacked_tokens() {
                     .all(|(p, q)| p.to_bits() == q.to_bits()),
                 "{name}: results differ between runs"
             );
-            // One row a warp (DS4_GPU_MVRN_R=1, interleaved copies): the same bits.
+            // One row a warp (the default, DS4_GPU_MVRN_R=1; interleaved copies): the same bits
+            // as two rows a warp (DS4_GPU_MVRN_R=2).
             GpuBackend::set_matvec_mvrn_rows(1);
             let one_row = product(&gx, n);
-            GpuBackend::set_matvec_mvrn_rows(2);
             assert!(
                 got.iter()
                     .zip(&one_row)

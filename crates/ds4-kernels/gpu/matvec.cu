@@ -1030,7 +1030,7 @@ DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_L
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvran2_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 2, true, true>(MVRN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvran4_r2u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<2, 2, 4, true, true>(MVRN_ARGS); }
 // One row a warp (R = 1: 16 converted quants a lane, not 32; the host keeps kspl as r2u2 plans it,
-// so every row's sums, and each token's bits, are unchanged; DS4_GPU_MVRN_R=1).
+// so every row's sums, and each token's bits, are unchanged; the default, DS4_GPU_MVRN_R=2 for two rows).
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn2_r1u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 2, 2, true>(MVRN_ARGS); }
 DS4_KERNEL void DS4_BOUNDS(MV_THREADS) mvrn4_r1u2_q8_0i(MVRN_PARAMS) { DS4_PDL_LATE; mvrn_body<1, 2, 4, true>(MVRN_ARGS); }
 

@@ -132,8 +132,7 @@ static MVRN: AtomicU8 = AtomicU8::new(0);
 /// `mvrn*` launches (process-wide; tests: the n = 2..4 form ran).
 static MVRN_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// `mvxn2` / `mvxn4` for the query's norm + q_b of n = 2..4 token rows (verify steps): 1 on
-/// (`DS4_GPU_MVXN_TOK=on`), 2 off (the default until timed on a GPU: `mvxn` once per token), 0
-/// not read yet.
+/// (the default), 2 off (`DS4_GPU_MVXN_TOK=off`: `mvxn` once per token), 0 not read yet.
 static MVXN_TOK: AtomicU8 = AtomicU8::new(0);
 /// `mvxn2` / `mvxn4` launches (process-wide; tests: the n-token form ran).
 static MVXN_TOK_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -141,29 +140,30 @@ static MVXN_TOK_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::Atom
 /// The n-token forms of the fused and merged decode products for verify steps (the shared
 /// expert's gate/up `mvrgun2` / `mvrgun4` and down + add `mvran2` / `mvran4`, the compressor
 /// sets `mvxm2`, the router + route `mvq_route2_f16r` / `mvq_route4_f16r` in mix.rs): 1 on
-/// (`DS4_GPU_MVN=on`), 2 off (the default until timed on a GPU: their n = 1 forms once per
-/// token, the router's product and route apart), 0 not read yet.
+/// (the default; with `mvxn2` and one-row `mvrn2` a 2k verify step at 2 tokens went 198 -> 214
+/// tok/s, bench/results/gpu-s64-h100.txt), 2 off (`DS4_GPU_MVN=off`: their n = 1 forms once
+/// per token, the router's product and route apart), 0 not read yet.
 static MVN: AtomicU8 = AtomicU8::new(0);
 
 pub(super) fn mvn_on() -> bool {
-    super::switch::env_code(&MVN, "DS4_GPU_MVN", super::switch::off_unless_on) == 1
+    super::switch::env_code(&MVN, "DS4_GPU_MVN", super::switch::on_unless_off) == 1
 }
 
 fn mvxn_tok_on() -> bool {
-    super::switch::env_code(&MVXN_TOK, "DS4_GPU_MVXN_TOK", super::switch::off_unless_on) == 1
+    super::switch::env_code(&MVXN_TOK, "DS4_GPU_MVXN_TOK", super::switch::on_unless_off) == 1
 }
 
 fn mvrn_on() -> bool {
     super::switch::env_code(&MVRN, "DS4_GPU_MVRN", super::switch::on_unless_off) == 1
 }
 
-/// Rows a warp of the interleaved `mvrn*` products: 2 (`mvrn<NT>_r2u2_q8_0i`) or 1
-/// (`mvrn<NT>_r1u2_q8_0i`, `DS4_GPU_MVRN_R=1`: half the converted quants in registers; kspl
-/// planned as for two rows, so the same bits); 0 not read yet.
+/// Rows a warp of the interleaved `mvrn*` products: 1 (`mvrn<NT>_r1u2_q8_0i`, the default: half
+/// the converted quants in registers, 64 against 80 and a spill; kspl planned as for two rows, so
+/// the same bits) or 2 (`mvrn<NT>_r2u2_q8_0i`, `DS4_GPU_MVRN_R=2`); 0 not read yet.
 static MVRN_R: AtomicU8 = AtomicU8::new(0);
 
 fn mvrn_rows() -> usize {
-    super::switch::env_pick(&MVRN_R, "DS4_GPU_MVRN_R", &[("1", 1), ("2", 2)], 2) as usize
+    super::switch::env_pick(&MVRN_R, "DS4_GPU_MVRN_R", &[("1", 1), ("2", 2)], 1) as usize
 }
 
 /// Columns of one interleaved tile.
@@ -657,14 +657,14 @@ impl GpuBackend {
         MVRN_LAUNCHES.load(Ordering::Relaxed)
     }
 
-    /// The n-token norm + product (`mvxn2` / `mvxn4`) on or off (default off, or
-    /// `DS4_GPU_MVXN_TOK=on`); process-wide, for tests and benchmarks.
+    /// The n-token norm + product (`mvxn2` / `mvxn4`) on or off (default on, or
+    /// `DS4_GPU_MVXN_TOK=off`); process-wide, for tests and benchmarks.
     pub fn set_matvec_mvxn_tok(on: bool) {
         MVXN_TOK.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
 
     /// The n-token fused / merged verify-step forms (`MVN`: `mvrgun*`, `mvran*`, `mvxm2`,
-    /// `mvq_route2/4_f16r`) on or off (default off, or `DS4_GPU_MVN=on`); process-wide.
+    /// `mvq_route2/4_f16r`) on or off (default on, or `DS4_GPU_MVN=off`); process-wide.
     pub fn set_matvec_mvn(on: bool) {
         MVN.store(if on { 1 } else { 2 }, Ordering::Relaxed);
     }
@@ -1483,7 +1483,7 @@ impl GpuBackend {
     /// (17.6 us a call, the rmsnorm + product pair's time; deleted).
     /// n = 2..4 (verify steps): `mvxn2` / `mvxn4`, the n token rows staged side by side and each
     /// weight slot loaded once for all (q_b's 35 MB read once, not n times); each token's product
-    /// and normed row the bits `mvxn` gives it alone (`DS4_GPU_MVXN_TOK` not `on`: false, so
+    /// and normed row the bits `mvxn` gives it alone (`DS4_GPU_MVXN_TOK=off`: false, so
     /// the caller runs `mvxn` once per token).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mv_norm_matmul(
@@ -1575,7 +1575,7 @@ impl GpuBackend {
     /// false (nothing run: the product would take another form). ncu: 7.6 us a call, the product
     /// alone's time (add_f32's 2.1 us a layer gone).
     /// n = 2..4 (verify steps): `mvran2` / `mvran4` on interleaved copies (each row read once
-    /// for every token, each token's bits as `mvra` alone; `DS4_GPU_MVN` not `on` or
+    /// for every token, each token's bits as `mvra` alone; `DS4_GPU_MVN=off` or
     /// `DS4_GPU_MVRN=off`: false, so the caller runs `mvra` once per token).
     pub(crate) fn mv_matmul_add(
         &self,
@@ -1909,7 +1909,7 @@ impl GpuBackend {
         clamp: f32,
     ) -> bool {
         // n = 2..4 (verify steps): `mvrgun2` / `mvrgun4` on interleaved copies (each row read
-        // once for every token, each token's bits as n = 1; `DS4_GPU_MVN` not `on` or
+        // once for every token, each token's bits as n = 1; `DS4_GPU_MVN=off` or
         // `DS4_GPU_MVRN=off`: false, so the caller runs the n = 1 form once per token).
         let tok = (2..=4).contains(&n) && mvrn_on() && mvn_on();
         if !(n == 1 || tok) || !merge_on() || !ENABLED.load(Ordering::Relaxed) || self.failed() {

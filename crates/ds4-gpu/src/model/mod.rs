@@ -2386,7 +2386,7 @@ impl Backend for GpuBackend {
         if n <= 4 && self.product_width_ok(w) && self.mv_norm_matmul(x, n, cols, norm, eps, w, y) {
             return;
         }
-        // n = 2..4 otherwise (`DS4_GPU_MVXN_TOK` not `on`): the one-token form once per token, each
+        // n = 2..4 otherwise (`DS4_GPU_MVXN_TOK=off`): the one-token form once per token, each
         // token's normed row copied into one buffer that then replaces `x` (rms_norm + a 2-token
         // q_b product otherwise). (The gather buffer only for such steps: a prompt's rows never
         // come here.)

@@ -56,15 +56,6 @@ pub(super) fn on_unless_off(v: Option<&str>) -> u8 {
     }
 }
 
-/// `on` or `1`: 1 (on), anything else (or unset): 2 (off).
-pub(super) fn off_unless_on(v: Option<&str>) -> u8 {
-    if matches!(v, Some("on") | Some("1")) {
-        1
-    } else {
-        2
-    }
-}
-
 /// A form setter's store into a cell of codes from 1: `names[i]` is code `i + 1` (overrides the
 /// variable); an unknown name panics, naming the setter `what` and the known names.
 pub(super) fn set_code(cell: &AtomicU8, what: &str, form: &str, names: &[&str]) {
