@@ -1401,6 +1401,7 @@ impl Engine {
             keep_streams: false,
             ctx,
             steps: Vec::new(),
+            undo: None,
         }
     }
 
@@ -1499,6 +1500,43 @@ pub struct Session {
     ctx: usize,
     /// Tokens of each step the last [`Session::sync`] evaluated.
     steps: Vec<usize>,
+    /// How to take back the draft that [`Session::eval_draft`] kept, until the next evaluation.
+    undo: Option<Undo>,
+}
+
+/// A kept draft's way back: the verify step's checkpoint of the draft's writes (or of the whole
+/// state before the batch, `whole`), and the batch's row of the token before the draft.
+struct Undo {
+    cp: ds4_model::forward::AnyCheckpoint,
+    whole: bool,
+    token: u32,
+    logits: Vec<f32>,
+    streams: Option<Vec<f32>>,
+}
+
+/// How [`Session::verify`] left a draft.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    Kept,
+    /// Rejected; its writes restored in place.
+    Undone,
+    /// Rejected; the batch rolled back whole and the token before it evaluated again.
+    Redone,
+}
+
+/// What [`Session::eval_draft`] did with its token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drafted {
+    /// No draft this step (no MTP block, no streams of the last position, the context's end,
+    /// or the drafter failed): nothing was evaluated; evaluate the token another way.
+    NoDraft,
+    /// The pick after the token was not the draft: the state is after the token and this is
+    /// the pick (as [`Session::eval_sampled`] returns it).
+    Rejected(u32),
+    /// The pick after the token was the draft, this id: the state is after the token and the
+    /// draft, [`Session::logits`] are those after the draft (pick the next token from them), and
+    /// [`Session::undo_draft`] takes the draft back until the next evaluation.
+    Accepted(u32),
 }
 
 impl Session {
@@ -1553,6 +1591,7 @@ impl Session {
     /// Evaluate one token at the next position.
     pub fn eval(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.check(self.state.tokens.len() + 1, &[token])?;
+        self.undo = None;
         self.step(&[token])?;
         Ok(self.logits.as_deref().unwrap_or_default())
     }
@@ -1563,6 +1602,7 @@ impl Session {
     /// session keeps no logits afterwards (use [`Session::eval`] where logprobs are wanted).
     pub fn eval_sampled(&mut self, token: u32, sampler: &mut Sampler) -> Result<u32, EngineError> {
         self.check(self.state.tokens.len() + 1, &[token])?;
+        self.undo = None;
         let u = sampler.draw();
         let r = self
             .model
@@ -1576,6 +1616,7 @@ impl Session {
     /// Evaluate `tokens` through the batched prompt path; logits after every position.
     pub fn eval_all(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
         self.check(self.state.tokens.len() + tokens.len(), tokens)?;
+        self.undo = None;
         let mut out = Vec::with_capacity(tokens.len());
         for chunk in tokens.chunks(PREFILL_CHUNK) {
             let r = self.model.eval_batch(&mut self.state, chunk, true, false);
@@ -1595,6 +1636,7 @@ impl Session {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<usize, EngineError> {
         self.check(tokens.len(), tokens)?;
+        self.undo = None;
         let live = &self.state.tokens;
         let reuse = if live.len() <= tokens.len() && tokens[..live.len()] == live[..] {
             live.len()
@@ -1643,6 +1685,131 @@ impl Session {
     /// Whether MTP drafting is available (an MTP file was loaded).
     pub fn has_mtp(&self) -> bool {
         self.mtp.is_some()
+    }
+
+    /// Evaluates [`next`, `d`] (positions t, t + 1) as one step and keeps the draft when
+    /// `keep(logits after next)` says so: the state is then after `d` with its row's logits and
+    /// streams, and `self.undo` holds the way back to `next`. Otherwise the draft is undone: its
+    /// writes alone restored, the batch's row of `next` kept (on the CPU bit-identical to a step
+    /// of `next` alone; on a GPU the 2-token kernels' sums, as a kept draft's rows are), or
+    /// without slot marks (`DS4_SPEC_ROLLBACK=whole`) the batch rolled back and `next`
+    /// evaluated again.
+    fn verify(
+        &mut self,
+        next: u32,
+        d: u32,
+        keep: &mut dyn FnMut(&[f32]) -> bool,
+    ) -> Result<Verdict, EngineError> {
+        let t = self.state.tokens.len();
+        let light = if spec_rollback_whole() {
+            None
+        } else {
+            self.model.checkpoint_last(&self.state, t + 1)
+        };
+        let (cp, whole) = match light {
+            Some(cp) => (cp, false),
+            None => (self.model.checkpoint(&self.state), true),
+        };
+        let r = self
+            .model
+            .eval_batch(&mut self.state, &[next, d], true, true);
+        let (logits2, streams2) = self.backend_result(r)?;
+        let mut rows = logits2.into_iter();
+        let mut srows = streams2.into_iter();
+        let (l0, s0) = (rows.next().unwrap_or_default(), srows.next());
+        if keep(&l0) {
+            self.logits = rows.next();
+            self.streams = srows.next();
+            self.undo = Some(Undo {
+                cp,
+                whole,
+                token: next,
+                logits: l0,
+                streams: s0,
+            });
+            Ok(Verdict::Kept)
+        } else {
+            self.undo = None;
+            self.model.rollback(&mut self.state, cp);
+            if whole {
+                self.step(&[next])?;
+                Ok(Verdict::Redone)
+            } else {
+                self.logits = Some(l0);
+                self.streams = s0;
+                Ok(Verdict::Undone)
+            }
+        }
+    }
+
+    /// Evaluate `token` at the next position together with the MTP block's draft of the token
+    /// after it, and pick the token after `token` with `sampler` (on the host, from the verify
+    /// step's logits: one draw, as [`Session::eval_sampled`] takes). Kept when the pick is the
+    /// draft, so the tokens are those plain sampling gives for the same draws, whatever the
+    /// sampler (temperature, top-k, top-p, min-p; greedy too). On the CPU the logits are bit for
+    /// bit a plain step's; on a GPU a 2-token step's sums. [`Drafted::NoDraft`]: nothing was
+    /// evaluated (evaluate `token` with [`Session::eval`], which keeps the streams the next
+    /// draft needs; [`Session::eval_sampled`] does not).
+    pub fn eval_draft(&mut self, token: u32, sampler: &mut Sampler) -> Result<Drafted, EngineError> {
+        let t = self.state.tokens.len(); // position of `token`
+        self.check(t + 1, &[token])?;
+        self.undo = None;
+        if t + 2 > self.ctx {
+            return Ok(Drafted::NoDraft);
+        }
+        let (Some(mtp), Some(hs)) = (self.mtp.as_mut(), self.streams.as_deref()) else {
+            return Ok(Drafted::NoDraft);
+        };
+        // A failed draft is no draft (the main model decides alone); the MTP block's row of
+        // position t is written either way, as generate_greedy's drafts write it.
+        let d = self.model.mtp_draft(mtp, hs, token, t).unwrap_or(u32::MAX);
+        self.eval_with_draft(token, d, sampler)
+    }
+
+    /// [`Session::eval_draft`] with the draft `d` given (`u32::MAX` or another id out of the
+    /// vocabulary: no draft): for other drafters, and for tests, which drive the kept and the
+    /// rejected paths with perfect and adversarial drafts.
+    pub fn eval_with_draft(
+        &mut self,
+        token: u32,
+        d: u32,
+        sampler: &mut Sampler,
+    ) -> Result<Drafted, EngineError> {
+        let t = self.state.tokens.len();
+        self.check(t + 1, &[token])?;
+        self.undo = None;
+        if t + 2 > self.ctx || d as usize >= self.model.hp().n_vocab as usize {
+            return Ok(Drafted::NoDraft);
+        }
+        let mut picked = u32::MAX;
+        let v = self.verify(token, d, &mut |l| {
+            picked = sampler.sample(l);
+            picked == d
+        })?;
+        Ok(if v == Verdict::Kept {
+            Drafted::Accepted(d)
+        } else {
+            Drafted::Rejected(picked)
+        })
+    }
+
+    /// Take back the draft that the last [`Session::eval_draft`] kept (nothing evaluated since):
+    /// the state, logits and streams become those after the token before it, as a plain step
+    /// of that token leaves them (bit for bit on the CPU). For a caller that stops at the draft
+    /// (an end token, a stop sequence, the token limit), so the live state ends where plain
+    /// decoding's does. False when there is nothing to take back.
+    pub fn undo_draft(&mut self) -> Result<bool, EngineError> {
+        let Some(u) = self.undo.take() else {
+            return Ok(false);
+        };
+        self.model.rollback(&mut self.state, u.cp);
+        if u.whole {
+            self.step(&[u.token])?;
+        } else {
+            self.logits = Some(u.logits);
+            self.streams = u.streams;
+        }
+        Ok(true)
     }
 
     /// Greedy generation of up to `n` tokens. Each token is passed to `on_token`, which returns
@@ -1722,45 +1889,19 @@ impl Session {
                 continue;
             }
             stats.drafted += 1;
-            // A rejection undoes the draft's writes alone (position t + 1: its ring row, its
-            // frontier slots, a row it pooled) and keeps the batch's row of `next`; without
-            // slot marks (DS4_SPEC_ROLLBACK=whole) the batch is rolled back whole and `next`
-            // evaluated again.
-            let light = if spec_rollback_whole() {
-                None
-            } else {
-                self.model.checkpoint_last(&self.state, t + 1)
-            };
-            let (cp, light) = match light {
-                Some(cp) => (cp, true),
-                None => (self.model.checkpoint(&self.state), false),
-            };
-            let r = self
-                .model
-                .eval_batch(&mut self.state, &[next, d], true, true);
-            let (logits2, streams2) = self.backend_result(r)?;
-            if accept(argmax(&logits2[0]), d) {
-                stats.accepted += 1;
-                self.logits = logits2.into_iter().nth(1);
-                self.streams = streams2.into_iter().nth(1);
-                if !on_token(d) {
-                    break;
+            match self.verify(next, d, &mut |l| accept(argmax(l), d))? {
+                Verdict::Kept => {
+                    stats.accepted += 1;
+                    if !on_token(d) {
+                        // A token the caller stops at is not evaluated: take the draft back.
+                        self.undo_draft()?;
+                        break;
+                    }
+                    self.undo = None;
+                    produced += 1;
                 }
-                produced += 1;
-            } else if light {
-                // Rejected: the draft's ring and frontier slots restored; the state, logits
-                // and streams are the batch's row of `next` (on the CPU bit-identical to a
-                // step of `next` alone; on a GPU the 2-token kernels' sums, as an accepted
-                // draft's rows are).
-                self.model.rollback(&mut self.state, cp);
-                self.logits = logits2.into_iter().next();
-                self.streams = streams2.into_iter().next();
-                stats.undone += 1;
-            } else {
-                // Rejected: back to before the batch, then the certain token alone (bit-identical
-                // to its row of the batch).
-                self.model.rollback(&mut self.state, cp);
-                self.step(&[next])?;
+                Verdict::Undone => stats.undone += 1,
+                Verdict::Redone => {}
             }
         }
         Ok(stats)
@@ -1786,6 +1927,7 @@ impl Session {
 
     /// Drop all state.
     pub fn reset(&mut self) {
+        self.undo = None;
         self.state = self.model.new_state(self.ctx);
         self.logits = None;
         self.streams = None;
