@@ -631,3 +631,50 @@ fn bench_spec_accept_times_oracle_drafts_at_each_rate() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--spec-accept 1.5"), "{}", stderr(&o));
 }
+
+/// `run --mtp`: speculative decoding under a sampler prints plain sampling's reply (the CPU's
+/// 2-token rows are bit-identical to single steps) and the drafts' count.
+#[test]
+fn run_with_mtp_prints_the_plain_reply() {
+    let d = tmpdir("run-mtp");
+    let m = d.join("tiny.gguf");
+    let o = ds4(&["synth", "--preset", "tiny", "--mtp", "-o", s(&m)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mtp = d.join("tiny-mtp.gguf");
+    for sample in [
+        &["--temp", "0"][..],
+        &["--temp", "0.9", "--top-k", "50", "--seed", "5"],
+    ] {
+        let base = [
+            &[
+                "run",
+                "-m",
+                s(&m),
+                "-p",
+                "Hello",
+                "-n",
+                "24",
+                "--backend",
+                "cpu",
+            ][..],
+            sample,
+        ]
+        .concat();
+        let plain = ds4(&base);
+        assert!(plain.status.success(), "{}", stderr(&plain));
+        let spec = ds4(&[&base[..], &["--mtp", s(&mtp)]].concat());
+        assert!(spec.status.success(), "{}", stderr(&spec));
+        assert_eq!(stdout(&plain), stdout(&spec), "{sample:?}");
+        let e = stderr(&spec);
+        // A draft at every step but the last (24 tokens, no end token on these weights).
+        let drafts: usize = e
+            .split("mtp: ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no draft count: {e}"));
+        assert!(drafts >= 12, "{e}");
+        assert!(!stderr(&plain).contains("mtp: "));
+    }
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -1750,7 +1750,11 @@ impl Session {
     /// bit a plain step's; on a GPU a 2-token step's sums. [`Drafted::NoDraft`]: nothing was
     /// evaluated (evaluate `token` with [`Session::eval`], which keeps the streams the next
     /// draft needs; [`Session::eval_sampled`] does not).
-    pub fn eval_draft(&mut self, token: u32, sampler: &mut Sampler) -> Result<Drafted, EngineError> {
+    pub fn eval_draft(
+        &mut self,
+        token: u32,
+        sampler: &mut Sampler,
+    ) -> Result<Drafted, EngineError> {
         let t = self.state.tokens.len(); // position of `token`
         self.check(t + 1, &[token])?;
         self.undo = None;

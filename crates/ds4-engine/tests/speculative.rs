@@ -193,7 +193,11 @@ fn drafts_under_any_sampler_give_the_plain_samplers_tokens() {
         );
         assert_eq!(got, want, "{cfg:?}: perfect drafts");
         assert!(c[0] > 20 && c[1] == 0, "{cfg:?}: {c:?}");
-        assert_eq!(s.snapshot(), plain.snapshot(), "{cfg:?}: state after kept drafts");
+        assert_eq!(
+            s.snapshot(),
+            plain.snapshot(),
+            "{cfg:?}: state after kept drafts"
+        );
         // Wrong drafts: every one rejected and undone in place.
         let (got, c, s) = sampled_with_drafts(
             &e,
@@ -203,12 +207,20 @@ fn drafts_under_any_sampler_give_the_plain_samplers_tokens() {
         );
         assert_eq!(got, want, "{cfg:?}: wrong drafts");
         assert!(c[0] == 0 && c[1] > 20, "{cfg:?}: {c:?}");
-        assert_eq!(s.snapshot(), plain.snapshot(), "{cfg:?}: state after rejected drafts");
+        assert_eq!(
+            s.snapshot(),
+            plain.snapshot(),
+            "{cfg:?}: state after rejected drafts"
+        );
         // The MTP block's drafts.
         let (got, c, s) = sampled_with_drafts(&e, cfg, N, None);
         assert_eq!(got, want, "{cfg:?}: MTP drafts");
         assert!(c[0] + c[1] >= N / 2, "{cfg:?}: drafting stopped: {c:?}");
-        assert_eq!(s.snapshot(), plain.snapshot(), "{cfg:?}: state after MTP drafts");
+        assert_eq!(
+            s.snapshot(),
+            plain.snapshot(),
+            "{cfg:?}: state after MTP drafts"
+        );
         eprintln!("{cfg:?}: MTP drafts kept / rejected / none: {c:?}");
     }
 }
@@ -218,9 +230,12 @@ fn a_kept_draft_taken_back_leaves_the_plain_state() {
     let e = engine();
     let (want, _) = sampled_plain(&e, &SamplerConfig::default(), 8);
     let mut plain = e.new_session(512);
-    plain.sync(&common::after_prompt(&want[..5]), &mut |_, _| {}).unwrap();
+    plain
+        .sync(&common::after_prompt(&want[..5]), &mut |_, _| {})
+        .unwrap();
     let mut s = e.new_session(512);
-    s.sync(&common::after_prompt(&want[..4]), &mut |_, _| {}).unwrap();
+    s.sync(&common::after_prompt(&want[..4]), &mut |_, _| {})
+        .unwrap();
     assert!(!s.undo_draft().unwrap(), "nothing to take back yet");
     let mut greedy = Sampler::new(SamplerConfig::default());
     let r = s.eval_with_draft(want[4], want[5], &mut greedy).unwrap();

@@ -97,6 +97,9 @@ pub struct Metrics {
     pub cache_hits: Counter,
     pub cache_reused_tokens: Counter,
     pub cancelled: Counter,
+    /// Speculative decoding (`--mtp`): drafts the MTP block made, and those kept.
+    pub spec_drafted: Counter,
+    pub spec_accepted: Counter,
     pub queue_depth: Gauge,
     pub in_flight: Gauge,
     /// 1 while the worker runs a job.
@@ -230,6 +233,18 @@ impl Metrics {
             "counter",
             "Jobs stopped because the client disconnected.",
             c(&self.cancelled),
+        );
+        one(
+            "ds4_spec_drafted_total",
+            "counter",
+            "Tokens the MTP block drafted (serve --mtp).",
+            c(&self.spec_drafted),
+        );
+        one(
+            "ds4_spec_accepted_total",
+            "counter",
+            "Drafted tokens that were the sampler's pick, so a step gave two tokens.",
+            c(&self.spec_accepted),
         );
         let g = |x: &Gauge| x.get().to_string();
         one(

@@ -10,7 +10,9 @@ use crate::writer::Writer;
 use ds4_chat::{
     ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, THINK_CLOSE, THINK_OPEN,
 };
-use ds4_engine::{argmax, log_sum_exp, top_logprobs, Engine, Sampler, SamplerConfig, Session};
+use ds4_engine::{
+    argmax, log_sum_exp, top_logprobs, Drafted, Engine, Sampler, SamplerConfig, Session,
+};
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -839,15 +841,20 @@ fn run_job(
         },
     );
     let t1 = Instant::now();
-    let (finish, text, n, sampled, error, parsed) =
+    let (finish, text, n, sampled, spec, error, parsed) =
         decode(tok, live, &job, forced, metrics, ctx, disk, stopping);
     let decode_s = t1.elapsed().as_secs_f64();
     // One line per request on stderr: the cache decision and speeds.
     eprintln!(
-        "ds4 serve: prompt={total} cached={cached} source={source} prefill={:.1} t/s generated={n} decode={:.1} t/s finish={finish:?} tools={}{}",
+        "ds4 serve: prompt={total} cached={cached} source={source} prefill={:.1} t/s generated={n} decode={:.1} t/s finish={finish:?} tools={}{}{}",
         (total - cached) as f64 / prefill_s.max(1e-9),
         n as f64 / decode_s.max(1e-9),
         parsed.tool_calls.len(),
+        if spec.0 > 0 {
+            format!(" drafts={}/{}", spec.1, spec.0)
+        } else {
+            String::new()
+        },
         error.as_deref().map(|e| format!(" error={e}")).unwrap_or_default(),
     );
     if let Some(tr) = &job.trace {
@@ -863,6 +870,8 @@ fn run_job(
                 ("finish", format!("{finish:?}")),
                 ("generated_tokens", n.to_string()),
                 ("backend_sampled_tokens", sampled.to_string()),
+                ("spec_drafted", spec.0.to_string()),
+                ("spec_accepted", spec.1.to_string()),
                 (
                     "elapsed_sec",
                     format!("{:.3}", job.enqueued.elapsed().as_secs_f64()),
@@ -951,8 +960,17 @@ impl StopFilter {
     }
 }
 
-/// (finish, text, generated tokens, tokens picked by the backend, error, parsed).
-type DecodeOut = (Finish, String, usize, usize, Option<String>, ParsedOutput);
+/// (finish, text, generated tokens, tokens picked by the backend, (drafts, kept drafts),
+/// error, parsed).
+type DecodeOut = (
+    Finish,
+    String,
+    usize,
+    usize,
+    (usize, usize),
+    Option<String>,
+    ParsedOutput,
+);
 
 /// `DS4_SERVER_SAMPLE=logits`: every decode step reads the logits back and the host picks
 /// (the A/B switch for the backend-sampled steps).
@@ -980,7 +998,16 @@ fn decode(
     // instead of the vocabulary's logits) unless logprobs need the logits. `next`: that token.
     let backend_picks = job.logprobs.is_none() && forced.is_none() && backend_sampling_on();
     let mut next: Option<u32> = None;
+    let mut next_sampled = false; // `next` was picked on the backend
     let mut sampled = 0usize;
+    // Speculative steps (`serve --mtp`): the MTP block drafts the token after each one, a
+    // 2-token step evaluates both, and the pick after the token (the request's sampler, one draw
+    // as a plain step) keeps the draft when it is the draft: the tokens plain sampling gives.
+    // Not with logprobs (each token's logits) or forced tokens. `pre`: `next` is a kept draft,
+    // already evaluated; the logits after it are the session's.
+    let spec = live.session.has_mtp() && job.logprobs.is_none() && forced.is_none();
+    let mut pre = false;
+    let mut spec_stats = (0usize, 0usize); // (drafted, kept)
     let mut parser = StreamParser::new(job.parse);
     let mut dec = StreamDecoder::new();
     let mut stop = StopFilter::new(job.stop.clone());
@@ -1023,7 +1050,8 @@ fn decode(
             error = Some("no logits after prefill".into());
             break;
         }
-        let from_backend = next.is_some();
+        let from_backend = next.is_some() && next_sampled;
+        next_sampled = false;
         let t = match (forced.as_mut(), next.take(), logits) {
             (Some(it), _, _) => it.next().unwrap_or(eos),
             (None, Some(t), _) => t,
@@ -1064,19 +1092,47 @@ fn decode(
         }
         // Continued checkpoints during long generations, never inside a tool block; the
         // step before one keeps its logits (the checkpoint stores them, as after a prefill).
+        let after = live.session.tokens().len() + !pre as usize; // tokens once `t` is in
         let checkpoint = disk.is_some_and(|d| {
             parser.sampling_state() == SamplingState::Outside
-                && d.policy
-                    .continued_due(live.session.tokens().len() + 1, live.stored)
+                && d.policy.continued_due(after, live.stored)
         });
-        let r = if backend_picks && !checkpoint {
+        let r = if pre {
+            pre = false; // evaluated with the token before it
+            Ok(())
+        } else if spec && !checkpoint {
+            let s = if parser.sampling_state() == SamplingState::Structure {
+                &mut greedy
+            } else {
+                &mut sampler
+            };
+            match live.session.eval_draft(t, s) {
+                Ok(Drafted::Accepted(d)) => {
+                    spec_stats.0 += 1;
+                    spec_stats.1 += 1;
+                    (next, pre) = (Some(d), true);
+                    Ok(())
+                }
+                Ok(Drafted::Rejected(x)) => {
+                    spec_stats.0 += 1;
+                    next = Some(x);
+                    Ok(())
+                }
+                // Evaluated with its logits and streams kept (the next step's draft needs them).
+                Ok(Drafted::NoDraft) => live.session.eval(t).map(|_| ()),
+                Err(e) => Err(e),
+            }
+        } else if backend_picks && !checkpoint {
             // The same pick the host would make from this step's logits at the loop's top.
             let s = if parser.sampling_state() == SamplingState::Structure {
                 &mut greedy
             } else {
                 &mut sampler
             };
-            live.session.eval_sampled(t, s).map(|id| next = Some(id))
+            live.session.eval_sampled(t, s).map(|id| {
+                next = Some(id);
+                next_sampled = true;
+            })
         } else {
             live.session.eval(t).map(|_| ())
         };
@@ -1091,6 +1147,16 @@ fn decode(
             }
         }
     }
+    // A kept draft the loop stopped at (an end token, a stop sequence, the token limit, a closed
+    // tool block, a cancel) is taken back: the live state ends where plain decoding's does.
+    if pre {
+        if let Err(e) = live.session.undo_draft() {
+            finish = Finish::Error;
+            error.get_or_insert(format!("decode failed: {e}"));
+        }
+    }
+    metrics.spec_drafted.add(spec_stats.0 as u64);
+    metrics.spec_accepted.add(spec_stats.1 as u64);
     if !hit_stop && !parser.block_closed() {
         let tail = dec.flush();
         let (out, hit) = stop.push(&tail);
@@ -1119,7 +1185,7 @@ fn decode(
             _ => {}
         }
     }
-    (finish, text, n, sampled, error, parsed)
+    (finish, text, n, sampled, spec_stats, error, parsed)
 }
 
 #[cfg(test)]
@@ -1188,6 +1254,70 @@ mod tests {
             }
         }
         panic!("no result");
+    }
+
+    /// `serve --mtp`: speculative steps under the request's sampler give the plain tokens (the
+    /// CPU's 2-token rows are bit-identical to single steps), counted in the metrics, and the
+    /// live session they leave serves the next request as plain decoding's does.
+    #[test]
+    fn mtp_drafts_give_the_plain_replies() {
+        let path = ds4_synth::tiny_model_for_tests(21, true);
+        let open = |mtp: bool| {
+            let mut o = ds4_engine::EngineOptions::new(&path);
+            o.backend = ds4_engine::BackendChoice::Cpu;
+            o.mtp = mtp.then(|| ds4_synth::mtp_path(&path));
+            Engine::open(&o).unwrap()
+        };
+        let (plain, spec) = (open(false), open(true));
+        let tok = plain.tokenizer().clone();
+        let m_plain = Arc::new(Metrics::default());
+        let m_spec = Arc::new(Metrics::default());
+        let s_plain = spawn_worker(plain, 512, ForceOutput(None), m_plain.clone());
+        let s_spec = spawn_worker(spec, 512, ForceOutput(None), m_spec.clone());
+        let cfgs = [
+            SamplerConfig::default(),
+            SamplerConfig {
+                temperature: 1.0,
+                seed: 11,
+                ..Default::default()
+            },
+            SamplerConfig {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.02,
+                seed: 12,
+            },
+        ];
+        for cfg in cfgs {
+            // Twice each: the second request reuses the live session the first left.
+            for round in 0..2 {
+                let (a, _) = run_one(&s_plain, &tok, cfg.clone(), None);
+                let before = m_spec.spec_drafted.get();
+                let (b, _) = run_one(&s_spec, &tok, cfg.clone(), None);
+                assert!(a.completion_tokens > 1, "{cfg:?}: {a:?}");
+                assert_eq!(
+                    (a.text.as_str(), a.completion_tokens, a.finish),
+                    (b.text.as_str(), b.completion_tokens, b.finish),
+                    "{cfg:?} round {round}"
+                );
+                assert_eq!(b.cached_tokens, a.cached_tokens, "{cfg:?} round {round}");
+                // A draft at every step but the last (random weights: mostly rejected).
+                let drafted = m_spec.spec_drafted.get() - before;
+                assert!(
+                    drafted + 1 >= b.completion_tokens as u64 - 1,
+                    "{cfg:?}: {drafted} drafts for {} tokens",
+                    b.completion_tokens
+                );
+                // Picked on the host from the verify step's logits, not by eval_sampled.
+                assert_eq!(b.sampled_tokens, 0, "{cfg:?}");
+            }
+        }
+        assert_eq!(m_plain.spec_drafted.get(), 0);
+        assert!(m_spec.render(true).contains(&format!(
+            "ds4_spec_drafted_total {}",
+            m_spec.spec_drafted.get()
+        )));
     }
 
     #[test]

@@ -19,11 +19,12 @@ pub struct ModelArgs {
     /// Seed of the --synthetic weights.
     #[arg(long, default_value_t = 1)]
     pub synthetic_seed: u64,
-    /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): greedy generation then
-    /// drafts one token per step with it and verifies it in the same batch (same output). On a
-    /// GPU a verify step costs ~1.95 plain steps and a rejected draft nothing more, so it pays
-    /// when most drafts are kept (on an H100 about 80% breaks even; `ds4 bench --spec-accept
-    /// 1,0.8` measures both).
+    /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): speculative decoding. Each
+    /// step drafts the next token with it and evaluates both in one 2-token step; the draft is
+    /// kept when the sampler picks it, so the tokens are plain sampling's (any --temp, top-k,
+    /// top-p, min-p; not with logprobs). `run` and `serve` use it. On a GPU a verify step costs
+    /// ~1.73 plain steps and a rejected draft nothing more, so it pays when most drafts are kept
+    /// (H100: 80% kept drafts 13% faster than plain; `ds4 bench --spec-accept 1,0.8` measures).
     #[arg(long)]
     pub mtp: Option<PathBuf>,
     /// Compute backend: auto picks a CUDA or ROCm GPU when one is usable, else the CPU.

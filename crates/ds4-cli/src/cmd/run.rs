@@ -1,7 +1,7 @@
 use super::common::{encode_pieces, think_mode, ModelArgs, SampleArgs};
 use crate::progress;
 use anyhow::{bail, Context, Result};
-use ds4_engine::{top_logprobs, Sampler};
+use ds4_engine::{top_logprobs, Drafted, Sampler};
 use ds4_tokenizer::StreamDecoder;
 use std::io::Write;
 use std::path::PathBuf;
@@ -76,44 +76,13 @@ pub fn run(a: Args) -> Result<()> {
     let eos = tok.specials().eos;
     let mut dec = StreamDecoder::new();
     let mut out = std::io::stdout().lock();
-    if session.has_mtp() && a.sample.temp <= 0.0 && logprobs.is_none() {
-        // Speculative greedy decoding: identical output, fewer sequential steps.
-        let mut err = None;
-        let stats = session.generate_greedy(a.max_tokens, true, &mut |t| {
-            if a.dump_tokens {
-                eprintln!("token {t}");
-            }
-            if t == eos {
-                return false;
-            }
-            let r = dec
-                .push(&tok, t)
-                .map_err(anyhow::Error::from)
-                .and_then(|s| {
-                    out.write_all(s.as_bytes())?;
-                    out.flush().map_err(anyhow::Error::from)
-                });
-            if let Err(e) = r {
-                err = Some(e);
-                return false;
-            }
-            true
-        })?;
-        if let Some(e) = err {
-            return Err(e);
-        }
-        out.write_all(dec.flush().as_bytes())?;
-        writeln!(out)?;
-        eprintln!(
-            "mtp: {} drafts, {} accepted ({:.1} %)",
-            stats.drafted,
-            stats.accepted,
-            100.0 * stats.acceptance()
-        );
-        return Ok(());
-    }
-    // Without logprobs each step samples on the backend (only the id comes back).
+    // Without logprobs each step samples on the backend (only the id comes back); with an MTP
+    // file each step also drafts the token after it and checks it in the same 2-token step,
+    // kept when the sampler picks it (the tokens plain sampling gives, any sampler).
+    let spec = session.has_mtp() && logprobs.is_none();
     let mut picked: Option<u32> = None;
+    let mut pre = false; // `picked` is a kept draft, already evaluated
+    let (mut drafted, mut kept) = (0usize, 0usize);
     for _ in 0..a.max_tokens {
         let next = match picked.take() {
             Some(t) => t,
@@ -138,11 +107,34 @@ pub fn run(a: Args) -> Result<()> {
         }
         out.write_all(dec.push(&tok, next)?.as_bytes())?;
         out.flush()?;
-        if logprobs.is_some() {
+        if std::mem::take(&mut pre) {
+            continue; // evaluated with the token before it; its logits are the session's
+        }
+        if spec {
+            match session.eval_draft(next, &mut sampler)? {
+                Drafted::Accepted(d) => {
+                    (drafted, kept) = (drafted + 1, kept + 1);
+                    (picked, pre) = (Some(d), true);
+                }
+                Drafted::Rejected(x) => {
+                    drafted += 1;
+                    picked = Some(x);
+                }
+                Drafted::NoDraft => {
+                    session.eval(next)?;
+                }
+            }
+        } else if logprobs.is_some() {
             session.eval(next)?;
         } else {
             picked = Some(session.eval_sampled(next, &mut sampler)?);
         }
+    }
+    if spec {
+        eprintln!(
+            "mtp: {drafted} drafts, {kept} accepted ({:.1} %)",
+            100.0 * kept as f64 / drafted.max(1) as f64
+        );
     }
     out.write_all(dec.flush().as_bytes())?;
     writeln!(out)?;

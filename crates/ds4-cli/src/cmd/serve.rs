@@ -126,9 +126,6 @@ pub fn run(a: Args) -> Result<()> {
     let ip: IpAddr = host
         .parse()
         .map_err(|_| anyhow!("--host {:?}: not an IP address", a.host))?;
-    if a.model.mtp.is_some() {
-        eprintln!("ds4 serve: note: --mtp is not used by the server yet (plain decoding)");
-    }
     if a.model.ctx < 16 {
         return Err(anyhow!("--ctx {}: too small", a.model.ctx));
     }
