@@ -1402,6 +1402,7 @@ impl Engine {
             ctx,
             steps: Vec::new(),
             undo: None,
+            device_picks: self.weight_bytes.is_some(),
         }
     }
 
@@ -1502,6 +1503,9 @@ pub struct Session {
     steps: Vec<usize>,
     /// How to take back the draft that [`Session::eval_draft`] kept, until the next evaluation.
     undo: Option<Undo>,
+    /// The backend picks tokens on a device ([`Session::eval_sampled`] hands back only the id),
+    /// so a pick on the host (speculative steps) costs a download and a host `select`.
+    device_picks: bool,
 }
 
 /// A kept draft's way back: the verify step's checkpoint of the draft's writes (or of the whole
@@ -1513,6 +1517,10 @@ struct Undo {
     logits: Vec<f32>,
     streams: Option<Vec<f32>>,
 }
+
+/// The largest top-k whose host pick [`Session::drafts_pay`] takes on a GPU (a partial select
+/// over the vocabulary and a sort of k).
+pub const DRAFT_TOP_K: usize = 64;
 
 /// How [`Session::verify`] left a draft.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1795,6 +1803,17 @@ impl Session {
         } else {
             Drafted::Rejected(picked)
         })
+    }
+
+    /// Whether speculative steps ([`Session::eval_draft`]) pay for picks with `sampler`: an MTP
+    /// block is loaded, and the pick is cheap on the host (the CPU backend; on a GPU greedy
+    /// picks and top-k of at most [`DRAFT_TOP_K`]). Elsewhere a GPU step that picks on the device
+    /// ([`Session::eval_sampled`]) is faster: a host pick over the whole vocabulary sorts 129,280
+    /// logits (~2-3 ms, near half a decode step), twice in a step whose draft was kept.
+    pub fn drafts_pay(&self, sampler: &Sampler) -> bool {
+        let p = sampler.params();
+        self.mtp.is_some()
+            && (!self.device_picks || p.greedy() || (p.top_k > 0 && p.top_k <= DRAFT_TOP_K))
     }
 
     /// Take back the draft that the last [`Session::eval_draft`] kept (nothing evaluated since):

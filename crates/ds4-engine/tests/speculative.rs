@@ -182,6 +182,15 @@ fn drafts_under_any_sampler_give_the_plain_samplers_tokens() {
         },
     ];
     for cfg in &configs {
+        // The CPU picks on the host anyway: drafts pay under every sampler.
+        assert!(e.new_session(64).drafts_pay(&Sampler::new(cfg.clone())));
+        // Without an MTP block there is nothing to draft with.
+        let mut o = EngineOptions::new(ds4_synth::tiny_model_for_tests(21, true));
+        o.backend = BackendChoice::Cpu;
+        let no_mtp = Engine::open(&o).unwrap();
+        assert!(!no_mtp
+            .new_session(64)
+            .drafts_pay(&Sampler::new(cfg.clone())));
         let (want, plain) = sampled_plain(&e, cfg, N);
         let full = common::after_prompt(&want);
         // Perfect drafts: every one kept (one pick a step, the same draws as plain sampling).

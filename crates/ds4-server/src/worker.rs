@@ -1003,8 +1003,10 @@ fn decode(
     // Speculative steps (`serve --mtp`): the MTP block drafts the token after each one, a
     // 2-token step evaluates both, and the pick after the token (the request's sampler, one draw
     // as a plain step) keeps the draft when it is the draft: the tokens plain sampling gives.
-    // Not with logprobs (each token's logits) or forced tokens. `pre`: `next` is a kept draft,
-    // already evaluated; the logits after it are the session's.
+    // Not with logprobs (each token's logits) or forced tokens, nor on a GPU where the pick is
+    // costly on the host (`Session::drafts_pay`: full-vocabulary sampling; those steps pick on
+    // the device). `pre`: `next` is a kept draft, already evaluated; the logits after it are
+    // the session's.
     let spec = live.session.has_mtp() && job.logprobs.is_none() && forced.is_none();
     let mut pre = false;
     let mut spec_stats = (0usize, 0usize); // (drafted, kept)
@@ -1097,15 +1099,16 @@ fn decode(
             parser.sampling_state() == SamplingState::Outside
                 && d.policy.continued_due(after, live.stored)
         });
+        // The pick after `t`: tool-block structure greedily, payload with the request's sampler.
+        let s = if parser.sampling_state() == SamplingState::Structure {
+            &mut greedy
+        } else {
+            &mut sampler
+        };
         let r = if pre {
             pre = false; // evaluated with the token before it
             Ok(())
-        } else if spec && !checkpoint {
-            let s = if parser.sampling_state() == SamplingState::Structure {
-                &mut greedy
-            } else {
-                &mut sampler
-            };
+        } else if spec && !checkpoint && live.session.drafts_pay(s) {
             match live.session.eval_draft(t, s) {
                 Ok(Drafted::Accepted(d)) => {
                     spec_stats.0 += 1;
@@ -1124,11 +1127,6 @@ fn decode(
             }
         } else if backend_picks && !checkpoint {
             // The same pick the host would make from this step's logits at the loop's top.
-            let s = if parser.sampling_state() == SamplingState::Structure {
-                &mut greedy
-            } else {
-                &mut sampler
-            };
             live.session.eval_sampled(t, s).map(|id| {
                 next = Some(id);
                 next_sampled = true;

@@ -22,7 +22,8 @@ pub struct ModelArgs {
     /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): speculative decoding. Each
     /// step drafts the next token with it and evaluates both in one 2-token step; the draft is
     /// kept when the sampler picks it, so the tokens are plain sampling's (any --temp, top-k,
-    /// top-p, min-p; not with logprobs). `run` and `serve` use it. On a GPU a verify step costs
+    /// top-p, min-p; not with logprobs). `run` and `serve` use it; on a GPU only for greedy and
+    /// top-k <= 64 picks (the pick is made on the host). On a GPU a verify step costs
     /// ~1.73 plain steps and a rejected draft nothing more, so it pays when most drafts are kept
     /// (H100: 80% kept drafts 13% faster than plain; `ds4 bench --spec-accept 1,0.8` measures).
     #[arg(long)]

@@ -78,8 +78,9 @@ pub fn run(a: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
     // Without logprobs each step samples on the backend (only the id comes back); with an MTP
     // file each step also drafts the token after it and checks it in the same 2-token step,
-    // kept when the sampler picks it (the tokens plain sampling gives, any sampler).
-    let spec = session.has_mtp() && logprobs.is_none();
+    // kept when the sampler picks it (the tokens plain sampling gives, any sampler; on a GPU
+    // only where the host's pick is cheap: `Session::drafts_pay`).
+    let spec = session.drafts_pay(&sampler) && logprobs.is_none();
     let mut picked: Option<u32> = None;
     let mut pre = false; // `picked` is a kept draft, already evaluated
     let (mut drafted, mut kept) = (0usize, 0usize);
