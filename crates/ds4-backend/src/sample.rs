@@ -59,17 +59,9 @@ pub fn select(logits: &[f32], c: &SampleParams, u: f64) -> u32 {
         logits.len()
     };
     let cand = if keep < logits.len() / 16 {
-        // A short top-k: select, then sort the few kept.
-        let by_logit = |a: &u32, b: &u32| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        };
-        let mut cand: Vec<u32> = (0..logits.len() as u32).collect();
-        cand.select_nth_unstable_by(keep - 1, by_logit);
-        cand.truncate(keep);
-        cand.sort_by(by_logit);
-        cand
+        // A short top-k: select, then sort the few kept, on (key, id) pairs as one u64 each
+        // (distinct, so the order is the comparison's).
+        top(logits, keep)
     } else {
         let mut cand = order(logits);
         cand.truncate(keep);
@@ -118,6 +110,24 @@ fn desc_key(v: f32) -> u32 {
     !k
 }
 
+/// The first `k` (≥ 1) ids of [`order`], by a selection and a sort of those `k`.
+fn top(logits: &[f32], k: usize) -> Vec<u32> {
+    let mut a = keys(logits);
+    a.select_nth_unstable(k - 1);
+    a.truncate(k);
+    a.sort_unstable();
+    a.into_iter().map(|x| x as u32).collect()
+}
+
+/// `(desc_key << 32) | id` of every value: ascending order is the candidates' order.
+fn keys(logits: &[f32]) -> Vec<u64> {
+    logits
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| ((desc_key(v) as u64) << 32) | i as u64)
+        .collect()
+}
+
 /// All ids of `logits` in order of logit (`total_cmp`, descending), lower id first among equal
 /// values: the order a comparison sort by (logit, id) gives, by a stable LSD radix sort of the
 /// ids (taken in ascending order) on their 32-bit keys, 3 passes of 11 bits. ~5x faster than the
@@ -125,13 +135,8 @@ fn desc_key(v: f32) -> u32 {
 /// step's pick on a GPU).
 fn order(logits: &[f32]) -> Vec<u32> {
     const BITS: u32 = 11;
-    let n = logits.len();
-    let mut a: Vec<u64> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| ((desc_key(v) as u64) << 32) | i as u64)
-        .collect();
-    let mut b = vec![0u64; n];
+    let mut a = keys(logits);
+    let mut b = vec![0u64; a.len()];
     for pass in 0..3 {
         let shift = 32 + pass * BITS;
         let digit = |x: u64| ((x >> shift) & ((1 << BITS) - 1)) as usize;
@@ -197,6 +202,9 @@ mod tests {
             let mut want: Vec<u32> = (0..n as u32).collect();
             want.sort_by(|a, b| v[*b as usize].total_cmp(&v[*a as usize]).then(a.cmp(b)));
             assert_eq!(order(&v), want, "n {n}");
+            for k in [1, n.div_ceil(20), n] {
+                assert_eq!(top(&v, k), want[..k], "n {n} top {k}");
+            }
         }
     }
 
