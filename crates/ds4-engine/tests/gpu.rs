@@ -363,6 +363,82 @@ fn gpu_speculative_equals_greedy() {
     assert_eq!(spec, plain);
 }
 
+/// `Session::eval_draft` on the GPU (`serve --mtp`, `run --mtp`): greedy picks through the
+/// MTP block's drafts give the plain greedy tokens (the 2-token rows' argmax is the single
+/// steps', gpu_accepted_drafts_match_single_steps), a kept draft taken back continues as plain
+/// decoding does, and drafts pay only where the host's pick is cheap (greedy, top-k <= 64).
+#[test]
+fn gpu_drafts_give_the_greedy_tokens() {
+    use ds4_engine::{Drafted, Sampler, SamplerConfig, DRAFT_TOP_K};
+    let _serial = serial();
+    let Some(g) = gpu() else { return };
+    let (reference, _) = greedy(&g);
+    let cfg = |temperature, top_k| SamplerConfig {
+        temperature,
+        top_k,
+        ..Default::default()
+    };
+    let s = g.new_session(512);
+    assert!(s.drafts_pay(&Sampler::new(cfg(0.0, 0))));
+    assert!(s.drafts_pay(&Sampler::new(cfg(1.0, DRAFT_TOP_K))));
+    assert!(
+        !s.drafts_pay(&Sampler::new(cfg(1.0, 0))),
+        "a full-vocabulary pick on the host"
+    );
+    assert!(!s.drafts_pay(&Sampler::new(cfg(1.0, DRAFT_TOP_K + 1))));
+    let full = common::after_prompt(&reference);
+    // The MTP block's drafts (rows: drafted, kept), then a drafter that is always right.
+    for perfect in [false, true] {
+        let mut s = g.new_session(512);
+        s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+        let mut sm = Sampler::new(cfg(0.0, 0));
+        let (mut out, mut next, mut kept, mut drafted) = (Vec::new(), None, 0, 0);
+        while out.len() < N {
+            let t = next.take().unwrap_or_else(|| argmax(s.logits().unwrap()));
+            out.push(t);
+            let r = if perfect {
+                let d = full.get(s.tokens().len() + 1).copied().unwrap_or(u32::MAX);
+                s.eval_with_draft(t, d, &mut sm).unwrap()
+            } else {
+                s.eval_draft(t, &mut sm).unwrap()
+            };
+            match r {
+                Drafted::Accepted(d) if out.len() < N => {
+                    (drafted, kept) = (drafted + 1, kept + 1);
+                    out.push(d);
+                }
+                Drafted::Accepted(_) => assert!(s.undo_draft().unwrap()),
+                Drafted::Rejected(x) => {
+                    drafted += 1;
+                    next = Some(x);
+                }
+                Drafted::NoDraft => {
+                    s.eval(t).unwrap();
+                }
+            }
+        }
+        println!("eval_draft on the GPU (perfect drafter: {perfect}): {kept} of {drafted} kept");
+        assert_eq!(out, reference, "perfect drafter: {perfect}");
+        assert!(drafted >= N / 3, "{drafted}");
+        if perfect {
+            assert_eq!(kept, drafted);
+        }
+    }
+    // Kept, then taken back: the next logits are a plain step's argmax, and the state goes on.
+    let mut s = g.new_session(512);
+    s.sync(&full[..PROMPT.len() + 4], &mut |_, _| {}).unwrap();
+    let mut sm = Sampler::new(cfg(0.0, 0));
+    let r = s
+        .eval_with_draft(reference[4], reference[5], &mut sm)
+        .unwrap();
+    assert_eq!(r, Drafted::Accepted(reference[5]));
+    assert!(s.undo_draft().unwrap());
+    assert_eq!(s.tokens(), &full[..PROMPT.len() + 5]);
+    assert_eq!(argmax(s.logits().unwrap()), reference[5]);
+    s.eval(reference[5]).unwrap();
+    assert_eq!(argmax(s.logits().unwrap()), reference[6]);
+}
+
 /// Accepted drafts on the GPU. A speculative step evaluates [next, draft] as one 2-token decode
 /// step, and an accepted draft keeps that step's rows (logits and state); the 2-token step runs
 /// other kernels than single steps (another summation order), so unlike the CPU it is not
