@@ -1808,8 +1808,9 @@ impl Session {
     /// Whether speculative steps ([`Session::eval_draft`]) pay for picks with `sampler`: an MTP
     /// block is loaded, and the pick is cheap on the host (the CPU backend; on a GPU greedy
     /// picks and top-k of at most [`DRAFT_TOP_K`]). Elsewhere a GPU step that picks on the device
-    /// ([`Session::eval_sampled`]) is faster: a host pick over the whole vocabulary sorts 129,280
-    /// logits (~2-3 ms, near half a decode step), twice in a step whose draft was kept.
+    /// ([`Session::eval_sampled`]) is faster: a host pick over the whole vocabulary orders
+    /// 129,280 logits (4.7 ms on a 2-core host, `ds4-backend` example `select_bench`; a decode
+    /// step is ~5.4), twice in a step whose draft was kept.
     pub fn drafts_pay(&self, sampler: &Sampler) -> bool {
         let p = sampler.params();
         self.mtp.is_some()
