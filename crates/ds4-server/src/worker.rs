@@ -1214,6 +1214,25 @@ mod tests {
         assert_eq!(e.new_session(256).prefill_step(), PREFILL_STEP);
     }
 
+    /// Samplers the decode tests run: full-vocabulary temperature, every filter, greedy.
+    fn samplers() -> [SamplerConfig; 3] {
+        [
+            SamplerConfig {
+                temperature: 1.0,
+                seed: 11,
+                ..Default::default()
+            },
+            SamplerConfig {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.02,
+                seed: 12,
+            },
+            SamplerConfig::default(),
+        ]
+    }
+
     /// Runs one job on a CPU worker; returns (result, the Logprob events' count).
     fn run_one(
         sched: &Scheduler,
@@ -1272,22 +1291,7 @@ mod tests {
         let m_spec = Arc::new(Metrics::default());
         let s_plain = spawn_worker(plain, 512, ForceOutput(None), m_plain.clone());
         let s_spec = spawn_worker(spec, 512, ForceOutput(None), m_spec.clone());
-        let cfgs = [
-            SamplerConfig::default(),
-            SamplerConfig {
-                temperature: 1.0,
-                seed: 11,
-                ..Default::default()
-            },
-            SamplerConfig {
-                temperature: 0.8,
-                top_k: 40,
-                top_p: 0.95,
-                min_p: 0.02,
-                seed: 12,
-            },
-        ];
-        for cfg in cfgs {
+        for cfg in samplers() {
             // Twice each: the second request reuses the live session the first left.
             for round in 0..2 {
                 let (a, _) = run_one(&s_plain, &tok, cfg.clone(), None);
@@ -1326,22 +1330,7 @@ mod tests {
         let engine = Engine::open(&o).unwrap();
         let tok = engine.tokenizer().clone();
         let sched = spawn_worker(engine, 512, ForceOutput(None), Arc::new(Metrics::default()));
-        let cfgs = [
-            SamplerConfig {
-                temperature: 1.0,
-                seed: 11,
-                ..Default::default()
-            },
-            SamplerConfig {
-                temperature: 0.8,
-                top_k: 40,
-                top_p: 0.95,
-                min_p: 0.02,
-                seed: 12,
-            },
-            SamplerConfig::default(),
-        ];
-        for cfg in cfgs {
+        for cfg in samplers() {
             // No logprobs: every step after the first returns the backend's pick.
             let (a, lp_a) = run_one(&sched, &tok, cfg.clone(), None);
             // Logprobs: every step reads the logits (the host picks).
