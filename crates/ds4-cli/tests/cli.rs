@@ -676,5 +676,28 @@ fn run_with_mtp_prints_the_plain_reply() {
         assert!(drafts >= 12, "{e}");
         assert!(!stderr(&plain).contains("mtp: "));
     }
+    // Logprobs need every step's logits: no drafts, and it says why.
+    let lp = d.join("lp.jsonl");
+    let o = ds4(&[
+        "run",
+        "-m",
+        s(&m),
+        "-p",
+        "Hi",
+        "-n",
+        "4",
+        "--backend",
+        "cpu",
+        "--mtp",
+        s(&mtp),
+        "--dump-logprobs",
+        s(&lp),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("mtp: drafts not used (--dump-logprobs"),
+        "{}",
+        stderr(&o)
+    );
     std::fs::remove_dir_all(&d).ok();
 }

@@ -81,6 +81,17 @@ pub fn run(a: Args) -> Result<()> {
     // kept when the sampler picks it (the tokens plain sampling gives, any sampler; on a GPU
     // only where the host's pick is cheap: `Session::drafts_pay`).
     let spec = session.drafts_pay(&sampler) && logprobs.is_none();
+    if session.has_mtp() && !spec {
+        eprintln!(
+            "mtp: drafts not used ({})",
+            if logprobs.is_some() {
+                "--dump-logprobs reads every step's logits"
+            } else {
+                "a full-vocabulary pick is made on the device; drafts need a host pick: use \
+                 --temp 0 or --top-k 64 or less"
+            }
+        );
+    }
     let mut picked: Option<u32> = None;
     let mut pre = false; // `picked` is a kept draft, already evaluated
     let (mut drafted, mut kept) = (0usize, 0usize);
