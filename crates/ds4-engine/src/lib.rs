@@ -1447,6 +1447,17 @@ pub struct SpecStats {
 }
 
 impl SpecStats {
+    /// Counts one [`Session::eval_draft`] step: a draft made (kept or not), or none.
+    pub fn note(&mut self, r: Drafted) {
+        match r {
+            Drafted::Accepted(_) => {
+                (self.drafted, self.accepted) = (self.drafted + 1, self.accepted + 1)
+            }
+            Drafted::Rejected(_) => self.drafted += 1,
+            Drafted::NoDraft => {}
+        }
+    }
+
     pub fn acceptance(&self) -> f64 {
         if self.drafted == 0 {
             0.0

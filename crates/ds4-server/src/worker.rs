@@ -11,7 +11,7 @@ use ds4_chat::{
     ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, THINK_CLOSE, THINK_OPEN,
 };
 use ds4_engine::{
-    argmax, log_sum_exp, top_logprobs, Drafted, Engine, Sampler, SamplerConfig, Session,
+    argmax, log_sum_exp, top_logprobs, Drafted, Engine, Sampler, SamplerConfig, Session, SpecStats,
 };
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
 use std::path::PathBuf;
@@ -850,8 +850,8 @@ fn run_job(
         (total - cached) as f64 / prefill_s.max(1e-9),
         n as f64 / decode_s.max(1e-9),
         parsed.tool_calls.len(),
-        if spec.0 > 0 {
-            format!(" drafts={}/{}", spec.1, spec.0)
+        if spec.drafted > 0 {
+            format!(" drafts={}/{}", spec.accepted, spec.drafted)
         } else {
             String::new()
         },
@@ -870,8 +870,8 @@ fn run_job(
                 ("finish", format!("{finish:?}")),
                 ("generated_tokens", n.to_string()),
                 ("backend_sampled_tokens", sampled.to_string()),
-                ("spec_drafted", spec.0.to_string()),
-                ("spec_accepted", spec.1.to_string()),
+                ("spec_drafted", spec.drafted.to_string()),
+                ("spec_accepted", spec.accepted.to_string()),
                 (
                     "elapsed_sec",
                     format!("{:.3}", job.enqueued.elapsed().as_secs_f64()),
@@ -960,14 +960,13 @@ impl StopFilter {
     }
 }
 
-/// (finish, text, generated tokens, tokens picked by the backend, (drafts, kept drafts),
-/// error, parsed).
+/// (finish, text, generated tokens, tokens picked by the backend, drafts, error, parsed).
 type DecodeOut = (
     Finish,
     String,
     usize,
     usize,
-    (usize, usize),
+    SpecStats,
     Option<String>,
     ParsedOutput,
 );
@@ -1007,9 +1006,9 @@ fn decode(
     // costly on the host (`Session::drafts_pay`: full-vocabulary sampling; those steps pick on
     // the device). `pre`: `next` is a kept draft, already evaluated; the logits after it are
     // the session's.
-    let spec = live.session.has_mtp() && job.logprobs.is_none() && forced.is_none();
+    let spec = job.logprobs.is_none() && forced.is_none();
     let mut pre = false;
-    let mut spec_stats = (0usize, 0usize); // (drafted, kept)
+    let mut spec_stats = SpecStats::default();
     let mut parser = StreamParser::new(job.parse);
     let mut dec = StreamDecoder::new();
     let mut stop = StopFilter::new(job.stop.clone());
@@ -1109,15 +1108,16 @@ fn decode(
             pre = false; // evaluated with the token before it
             Ok(())
         } else if spec && !checkpoint && live.session.drafts_pay(s) {
-            match live.session.eval_draft(t, s) {
+            let r = live.session.eval_draft(t, s);
+            if let Ok(d) = r {
+                spec_stats.note(d);
+            }
+            match r {
                 Ok(Drafted::Accepted(d)) => {
-                    spec_stats.0 += 1;
-                    spec_stats.1 += 1;
                     (next, pre) = (Some(d), true);
                     Ok(())
                 }
                 Ok(Drafted::Rejected(x)) => {
-                    spec_stats.0 += 1;
                     next = Some(x);
                     Ok(())
                 }
@@ -1153,8 +1153,8 @@ fn decode(
             error.get_or_insert(format!("decode failed: {e}"));
         }
     }
-    metrics.spec_drafted.add(spec_stats.0 as u64);
-    metrics.spec_accepted.add(spec_stats.1 as u64);
+    metrics.spec_drafted.add(spec_stats.drafted as u64);
+    metrics.spec_accepted.add(spec_stats.accepted as u64);
     if !hit_stop && !parser.block_closed() {
         let tail = dec.flush();
         let (out, hit) = stop.push(&tail);

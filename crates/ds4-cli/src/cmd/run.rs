@@ -1,7 +1,7 @@
 use super::common::{encode_pieces, think_mode, ModelArgs, SampleArgs};
 use crate::progress;
 use anyhow::{bail, Context, Result};
-use ds4_engine::{top_logprobs, Drafted, Sampler};
+use ds4_engine::{top_logprobs, Drafted, Sampler, SpecStats};
 use ds4_tokenizer::StreamDecoder;
 use std::io::Write;
 use std::path::PathBuf;
@@ -94,7 +94,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let mut picked: Option<u32> = None;
     let mut pre = false; // `picked` is a kept draft, already evaluated
-    let (mut drafted, mut kept) = (0usize, 0usize);
+    let mut stats = SpecStats::default();
     for _ in 0..a.max_tokens {
         let next = match picked.take() {
             Some(t) => t,
@@ -123,15 +123,11 @@ pub fn run(a: Args) -> Result<()> {
             continue; // evaluated with the token before it; its logits are the session's
         }
         if spec {
-            match session.eval_draft(next, &mut sampler)? {
-                Drafted::Accepted(d) => {
-                    (drafted, kept) = (drafted + 1, kept + 1);
-                    (picked, pre) = (Some(d), true);
-                }
-                Drafted::Rejected(x) => {
-                    drafted += 1;
-                    picked = Some(x);
-                }
+            let r = session.eval_draft(next, &mut sampler)?;
+            stats.note(r);
+            match r {
+                Drafted::Accepted(d) => (picked, pre) = (Some(d), true),
+                Drafted::Rejected(x) => picked = Some(x),
                 Drafted::NoDraft => {
                     session.eval(next)?;
                 }
@@ -144,8 +140,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     if spec {
         eprintln!(
-            "mtp: {drafted} drafts, {kept} accepted ({:.1} %)",
-            100.0 * kept as f64 / drafted.max(1) as f64
+            "mtp: {} drafts, {} accepted ({:.1} %)",
+            stats.drafted,
+            stats.accepted,
+            100.0 * stats.acceptance()
         );
     }
     out.write_all(dec.flush().as_bytes())?;
