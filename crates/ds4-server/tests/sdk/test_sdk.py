@@ -110,8 +110,8 @@ def openai_chat_tool_call_and_reasoning():
 @test
 def openai_completions():
     force("")
-    r = oa.completions.create(model="deepseek-v4-flash", prompt="Once upon", max_tokens=4)
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    r = oa.completions.create(model="deepseek-v4-flash", prompt="Once upon", max_tokens=4, seed=7)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4, r
     force("one two STOP three")
     r = oa.completions.create(model="m", prompt="count", stop=["STOP"], max_tokens=50)
     assert r.choices[0].text == "one two " and r.choices[0].finish_reason == "stop", r
@@ -184,7 +184,7 @@ def anthropic_messages():
     assert m2.usage.cache_read_input_tokens > 0
     force("")
     m3 = an.messages.create(model="m", max_tokens=4, messages=USER, thinking={"type": "disabled"})
-    assert m3.stop_reason == "max_tokens" and m3.usage.output_tokens == 4
+    assert m3.stop_reason == "max_tokens" and m3.usage.output_tokens == 4, m3
     assert m3.content[0].type == "text"
 
 
