@@ -1,7 +1,7 @@
 //! Host pick cost at the vocabulary's size: `cargo run --release -p ds4-backend --example
 //! select_bench` prints ms a pick of `sample::select` for greedy, full-vocabulary and top-k
 //! samplers on 129,280 random logits (what a speculative step on a GPU adds a pick, and why
-//! `Session::drafts_pay` keeps full-vocabulary picks on the device).
+//! a GPU session picks on the device, speculative steps included).
 use ds4_backend::sample::select;
 use ds4_backend::SampleParams;
 use std::time::Instant;

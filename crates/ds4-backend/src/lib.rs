@@ -445,6 +445,21 @@ pub trait Backend: Send + Sync + Sized {
     fn sample(&self, logits: &Self::Buf, vocab: usize, p: &SampleParams, u: f64) -> u32 {
         sample::select(&self.download(logits, vocab), p, u)
     }
+    /// Row r of `logits` `[draws.len(), vocab]` picked as [`Backend::sample`] picks it, with
+    /// draw `draws[r]` (a speculative step's rows). A device reads the ids back in one go.
+    fn sample_rows(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        p: &SampleParams,
+        draws: &[f64],
+    ) -> Vec<u32> {
+        let all = self.download(logits, draws.len() * vocab);
+        all.chunks(vocab.max(1))
+            .zip(draws)
+            .map(|(l, &u)| sample::select(l, p, u))
+            .collect()
+    }
     /// `dst[dst_off ..][.. len] = src[src_off ..][.. len]`.
     fn copy(
         &self,

@@ -1401,6 +1401,7 @@ impl Engine {
             keep_streams: false,
             ctx,
             steps: Vec::new(),
+            model_steps: 0,
             undo: None,
             device_picks: self.weight_bytes.is_some(),
         }
@@ -1512,10 +1513,13 @@ pub struct Session {
     ctx: usize,
     /// Tokens of each step the last [`Session::sync`] evaluated.
     steps: Vec<usize>,
+    /// Model steps run ([`Session::model_steps`]).
+    model_steps: u64,
     /// How to take back the draft that [`Session::eval_draft`] kept, until the next evaluation.
     undo: Option<Undo>,
-    /// The backend picks tokens on a device ([`Session::eval_sampled`] hands back only the id),
-    /// so a pick on the host (speculative steps) costs a download and a host `select`.
+    /// The backend picks tokens on a device ([`Session::eval_sampled`] hands back only the id):
+    /// speculative steps pick there too (a host pick costs a download and a host `select`, 4.7
+    /// ms over the whole vocabulary on a 2-core host, `ds4-backend` example `select_bench`).
     device_picks: bool,
 }
 
@@ -1525,13 +1529,35 @@ struct Undo {
     cp: ds4_model::forward::AnyCheckpoint,
     whole: bool,
     token: u32,
-    logits: Vec<f32>,
+    /// None where the verify step picked on the device (no logits left it).
+    logits: Option<Vec<f32>>,
     streams: Option<Vec<f32>>,
+    /// The verify step's device pick after the draft ([`Session::pick`] takes it).
+    ahead: Option<Ahead>,
 }
 
-/// The largest top-k whose host pick [`Session::drafts_pay`] takes on a GPU (a partial select
-/// over the vocabulary and a sort of k).
-pub const DRAFT_TOP_K: usize = 64;
+/// A pick after a kept draft made on the device by its verify step, with the settings and the
+/// draw it was made with: the caller's next pick is this one when its sampler has those settings
+/// and that next draw (the draw plain decoding would take there).
+#[derive(Clone, Copy)]
+struct Ahead {
+    id: u32,
+    p: SampleParams,
+    u: f64,
+}
+
+/// How a verify step judges the draft.
+enum Judge<'a> {
+    /// On the host, from the logits after the token before the draft.
+    Host(&'a mut dyn FnMut(&[f32]) -> bool),
+    /// On the device: both rows picked with `p` and `draws` (only the ids leave it);
+    /// `keep(pick after the token before the draft)`.
+    Device {
+        p: SampleParams,
+        draws: [f64; 2],
+        keep: &'a mut dyn FnMut(u32) -> bool,
+    },
+}
 
 /// How [`Session::verify`] left a draft.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1573,6 +1599,12 @@ impl Session {
     /// routed expert's weights per piece, and host-memory experts cross the bus each time.
     pub fn prefill_step(&self) -> usize {
         self.model.prefill_chunk().max(1)
+    }
+
+    /// Model steps this session has run: each prompt batch, decode step and speculative verify
+    /// step counts one (what drafts save; a pick that re-evaluates a draft shows here).
+    pub fn model_steps(&self) -> u64 {
+        self.model_steps
     }
 
     /// Tokens of each batch the last [`Session::sync`] evaluated (the GPU's prompt steps).
@@ -1623,6 +1655,7 @@ impl Session {
         self.check(self.state.tokens.len() + 1, &[token])?;
         self.undo = None;
         let u = sampler.draw();
+        self.model_steps += 1;
         let r = self
             .model
             .eval_sample(&mut self.state, token, &sampler.params(), u);
@@ -1638,6 +1671,7 @@ impl Session {
         self.undo = None;
         let mut out = Vec::with_capacity(tokens.len());
         for chunk in tokens.chunks(PREFILL_CHUNK) {
+            self.model_steps += 1;
             let r = self.model.eval_batch(&mut self.state, chunk, true, false);
             out.extend(self.backend_result(r)?.0);
         }
@@ -1683,6 +1717,7 @@ impl Session {
 
     /// Evaluate a batch; keep the last position's logits and streams.
     fn step(&mut self, tokens: &[u32]) -> Result<(), EngineError> {
+        self.model_steps += 1;
         // Streams feed the MTP drafter (its state may be lent out during generation).
         let want = self.keep_streams || self.model.has_mtp();
         let r = self.model.eval_batch(&mut self.state, tokens, false, want);
@@ -1706,19 +1741,20 @@ impl Session {
         self.mtp.is_some()
     }
 
-    /// Evaluates [`next`, `d`] (positions t, t + 1) as one step and keeps the draft when
-    /// `keep(logits after next)` says so: the state is then after `d` with its row's logits and
-    /// streams, and `self.undo` holds the way back to `next`. Otherwise the draft is undone: its
-    /// writes alone restored, the batch's row of `next` kept (on the CPU bit-identical to a step
-    /// of `next` alone; on a GPU the 2-token kernels' sums, as a kept draft's rows are), or
-    /// without slot marks (`DS4_SPEC_ROLLBACK=whole`) the batch rolled back and `next`
-    /// evaluated again.
+    /// Evaluates [`next`, `d`] (positions t, t + 1) as one step and keeps the draft when the
+    /// judge says so (from the logits after next on the host, or from the device's pick after
+    /// next): the state is then after `d` with its row's logits (host judge) and streams, and
+    /// `self.undo` holds the way back to `next`. Otherwise the draft is undone: its writes alone
+    /// restored, the batch's row of `next` kept (on the CPU bit-identical to a step of `next`
+    /// alone; on a GPU the 2-token kernels' sums, as a kept draft's rows are), or without slot
+    /// marks (`DS4_SPEC_ROLLBACK=whole`) the batch rolled back and `next` evaluated again. The
+    /// device judge's picks after next and after d are returned.
     fn verify(
         &mut self,
         next: u32,
         d: u32,
-        keep: &mut dyn FnMut(&[f32]) -> bool,
-    ) -> Result<Verdict, EngineError> {
+        judge: Judge,
+    ) -> Result<(Verdict, Option<[u32; 2]>), EngineError> {
         let t = self.state.tokens.len();
         let light = if spec_rollback_whole() {
             None
@@ -1729,34 +1765,52 @@ impl Session {
             Some(cp) => (cp, false),
             None => (self.model.checkpoint(&self.state), true),
         };
-        let r = self
-            .model
-            .eval_batch(&mut self.state, &[next, d], true, true);
-        let (logits2, streams2) = self.backend_result(r)?;
-        let mut rows = logits2.into_iter();
+        self.model_steps += 1;
+        let (keep, picks, mut rows, streams2) = match judge {
+            Judge::Host(keep) => {
+                let r = self
+                    .model
+                    .eval_batch(&mut self.state, &[next, d], true, true);
+                let (logits2, streams2) = self.backend_result(r)?;
+                let mut rows = logits2.into_iter();
+                let l0 = rows.next().unwrap_or_default();
+                let k = keep(&l0);
+                (k, None, vec![Some(l0), rows.next()], streams2)
+            }
+            Judge::Device { p, draws, keep } => {
+                let r = self
+                    .model
+                    .eval_pick(&mut self.state, &[next, d], &p, &draws, true);
+                let (ids, streams2) = self.backend_result(r)?;
+                let picks = [ids[0], ids[1]];
+                (keep(picks[0]), Some(picks), vec![None, None], streams2)
+            }
+        };
+        let (l1, l0) = (rows.pop().flatten(), rows.pop().flatten());
         let mut srows = streams2.into_iter();
-        let (l0, s0) = (rows.next().unwrap_or_default(), srows.next());
-        if keep(&l0) {
-            self.logits = rows.next();
-            self.streams = srows.next();
+        let (s0, s1) = (srows.next(), srows.next());
+        if keep {
+            self.logits = l1;
+            self.streams = s1;
             self.undo = Some(Undo {
                 cp,
                 whole,
                 token: next,
                 logits: l0,
                 streams: s0,
+                ahead: None,
             });
-            Ok(Verdict::Kept)
+            Ok((Verdict::Kept, picks))
         } else {
             self.undo = None;
             self.model.rollback(&mut self.state, cp);
             if whole {
                 self.step(&[next])?;
-                Ok(Verdict::Redone)
+                Ok((Verdict::Redone, picks))
             } else {
-                self.logits = Some(l0);
+                self.logits = l0;
                 self.streams = s0;
-                Ok(Verdict::Undone)
+                Ok((Verdict::Undone, picks))
             }
         }
     }
@@ -1804,11 +1858,42 @@ impl Session {
         if t + 2 > self.ctx || d as usize >= self.model.hp().n_vocab as usize {
             return Ok(Drafted::NoDraft);
         }
+        if self.device_picks {
+            // Both rows picked on the device: after `token` with this pick's draw, after the
+            // draft with the sampler's next draw, which the caller's next pick takes where the
+            // draft stands (`Session::pick`); a rejected draft's second pick is dropped, its draw
+            // not taken.
+            let p = sampler.params();
+            let draws = [sampler.draw(), sampler.peek()];
+            let judge = Judge::Device {
+                p,
+                draws,
+                keep: &mut |id| id == d,
+            };
+            let (v, picks) = self.verify(token, d, judge)?;
+            let [first, after] = picks.unwrap_or([u32::MAX; 2]);
+            return Ok(if v == Verdict::Kept {
+                if let Some(u) = self.undo.as_mut() {
+                    u.ahead = Some(Ahead {
+                        id: after,
+                        p,
+                        u: draws[1],
+                    });
+                }
+                Drafted::Accepted(d)
+            } else {
+                Drafted::Rejected(first)
+            });
+        }
         let mut picked = u32::MAX;
-        let v = self.verify(token, d, &mut |l| {
-            picked = sampler.sample(l);
-            picked == d
-        })?;
+        let (v, _) = self.verify(
+            token,
+            d,
+            Judge::Host(&mut |l| {
+                picked = sampler.sample(l);
+                picked == d
+            }),
+        )?;
         Ok(if v == Verdict::Kept {
             Drafted::Accepted(d)
         } else {
@@ -1816,16 +1901,38 @@ impl Session {
         })
     }
 
-    /// Whether speculative steps ([`Session::eval_draft`]) pay for picks with `sampler`: an MTP
-    /// block is loaded, and the pick is cheap on the host (the CPU backend; on a GPU greedy
-    /// picks and top-k of at most [`DRAFT_TOP_K`]). Elsewhere a GPU step that picks on the device
-    /// ([`Session::eval_sampled`]) is faster: a host pick over the whole vocabulary orders
-    /// 129,280 logits (4.7 ms on a 2-core host, `ds4-backend` example `select_bench`; a decode
-    /// step is ~5.4), twice in a step whose draft was kept.
-    pub fn drafts_pay(&self, sampler: &Sampler) -> bool {
-        let p = sampler.params();
-        self.mtp.is_some()
-            && (!self.device_picks || p.greedy() || (p.top_k > 0 && p.top_k <= DRAFT_TOP_K))
+    /// The token `sampler` picks after the last evaluated token, taking one draw as
+    /// `sampler.sample(logits)` does: from the session's logits, or after a draft kept by a step
+    /// that picked on the device ([`Session::eval_draft`] on a GPU: no logits left the device),
+    /// that step's pick after the draft where it was made with this sampler's settings and next
+    /// draw. A sampler that differs there (the caller changed samplers at the draft: a tool
+    /// block's structure is picked greedily) has the draft evaluated again alone for its logits
+    /// (a step more; rare). None when there is nothing to pick from: nothing evaluated yet, or
+    /// [`Session::eval_sampled`] handed its pick back instead of logits.
+    pub fn pick(&mut self, sampler: &mut Sampler) -> Result<Option<u32>, EngineError> {
+        if let Some(l) = self.logits.as_deref() {
+            return Ok(Some(sampler.sample(l)));
+        }
+        let Some(u) = self.undo.as_mut() else {
+            return Ok(None);
+        };
+        if let Some(a) = u.ahead.take() {
+            if a.p == sampler.params() && a.u == sampler.peek() {
+                sampler.draw();
+                return Ok(Some(a.id));
+            }
+        }
+        let d = self.state.tokens.last().copied().unwrap_or_default();
+        self.undo_draft()?;
+        self.step(&[d])?;
+        Ok(self.logits.as_deref().map(|l| sampler.sample(l)))
+    }
+
+    /// Make speculative steps pick on the backend ([`Backend::sample_rows`]) as a device's
+    /// session does, or on the host from the logits. For tests: on the CPU backend the two paths
+    /// give the same picks, so the device path's bookkeeping runs without a device.
+    pub fn set_device_picks(&mut self, on: bool) {
+        self.device_picks = on;
     }
 
     /// Take back the draft that the last [`Session::eval_draft`] kept (nothing evaluated since):
@@ -1841,7 +1948,7 @@ impl Session {
         if u.whole {
             self.step(&[u.token])?;
         } else {
-            self.logits = Some(u.logits);
+            self.logits = u.logits;
             self.streams = u.streams;
         }
         Ok(true)
@@ -1924,7 +2031,10 @@ impl Session {
                 continue;
             }
             stats.drafted += 1;
-            match self.verify(next, d, &mut |l| accept(argmax(l), d))? {
+            match self
+                .verify(next, d, Judge::Host(&mut |l| accept(argmax(l), d)))?
+                .0
+            {
                 Verdict::Kept => {
                     stats.accepted += 1;
                     if !on_token(d) {

@@ -99,6 +99,15 @@ impl Sampler {
         }
     }
 
+    /// The draw [`Sampler::draw`] would give next, not taken.
+    pub fn peek(&self) -> f64 {
+        if self.params().greedy() {
+            0.0
+        } else {
+            self.rng.clone().gen::<f64>()
+        }
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let u = self.draw();
         select(logits, &self.params(), u)

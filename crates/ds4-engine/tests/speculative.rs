@@ -116,22 +116,27 @@ fn sampled_plain(e: &Engine, cfg: &SamplerConfig, n: usize) -> (Vec<u32>, Sessio
 
 /// The same through [`Session::eval_with_draft`] (`draft(position of the token, token)` gives
 /// the draft; None: the MTP block's, [`Session::eval_draft`]), as a server's decode loop runs
-/// it: a kept draft is the next token, already evaluated, and the pick after it comes from
-/// the session's logits. Returns the tokens, (kept, rejected, no draft) counts, the session.
+/// it: a kept draft is the next token, already evaluated, and the pick after it is the
+/// session's ([`Session::pick`]: from its logits, or with `device` picks, as a GPU session
+/// makes them, the verify step's, with no step of its own: checked). Returns the tokens,
+/// (kept, rejected, no draft) counts, the session.
 fn sampled_with_drafts(
     e: &Engine,
     cfg: &SamplerConfig,
     n: usize,
+    device: bool,
     mut draft: Option<&mut dyn FnMut(usize, u32) -> u32>,
 ) -> (Vec<u32>, [usize; 3], Session) {
     let mut s = e.new_session(512);
+    s.set_device_picks(device);
     s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let prompt_steps = s.model_steps();
     let mut sm = Sampler::new(cfg.clone());
     let (mut out, mut counts, mut next) = (Vec::new(), [0; 3], None);
     while out.len() < n {
         let t = next
             .take()
-            .unwrap_or_else(|| sm.sample(s.logits().unwrap()));
+            .unwrap_or_else(|| s.pick(&mut sm).unwrap().expect("a pick"));
         out.push(t);
         let r = match draft.as_mut() {
             Some(f) => {
@@ -160,6 +165,14 @@ fn sampled_with_drafts(
             }
         }
     }
+    // One step a loop turn (a verify step, or a plain one without a draft): no pick made a
+    // step of its own.
+    let turns = counts.iter().sum::<usize>() as u64;
+    assert_eq!(
+        s.model_steps() - prompt_steps,
+        turns,
+        "{cfg:?}, device picks {device}"
+    );
     (out, counts, s)
 }
 
@@ -181,56 +194,110 @@ fn drafts_under_any_sampler_give_the_plain_samplers_tokens() {
             seed: 11,
         },
     ];
-    for cfg in &configs {
-        // The CPU picks on the host anyway: drafts pay under every sampler.
-        assert!(e.new_session(64).drafts_pay(&Sampler::new(cfg.clone())));
-        // Without an MTP block there is nothing to draft with.
-        let mut o = EngineOptions::new(ds4_synth::tiny_model_for_tests(21, true));
-        o.backend = BackendChoice::Cpu;
-        let no_mtp = Engine::open(&o).unwrap();
-        assert!(!no_mtp
-            .new_session(64)
-            .drafts_pay(&Sampler::new(cfg.clone())));
-        let (want, plain) = sampled_plain(&e, cfg, N);
+    // Without an MTP block there is nothing to draft with.
+    let mut o = EngineOptions::new(ds4_synth::tiny_model_for_tests(21, true));
+    o.backend = BackendChoice::Cpu;
+    let no_mtp = Engine::open(&o).unwrap();
+    let mut s = no_mtp.new_session(64);
+    s.sync(&PROMPT, &mut |_, _| {}).unwrap();
+    let mut sm = Sampler::new(SamplerConfig::default());
+    assert_eq!(s.eval_draft(1, &mut sm).unwrap(), Drafted::NoDraft);
+    assert_eq!(s.tokens().len(), PROMPT.len(), "nothing evaluated");
+    // Host picks (the CPU's) and device picks (a GPU's; `Backend::sample_rows` on the CPU makes
+    // them from the same logits): the plain tokens either way.
+    for (cfg, device) in configs.iter().flat_map(|c| [(c, false), (c, true)]) {
+        let (want, mut plain) = sampled_plain(&e, cfg, N);
         let full = common::after_prompt(&want);
+        let what = format!("{cfg:?}, device picks {device}");
+        // States compared one token on (a kept draft's device picks leave no logits to
+        // snapshot): that token's step reads every cache row the drafts wrote.
+        plain.eval(1).unwrap();
+        let plain = plain.snapshot();
+        let same = |mut s: Session, what: &str| {
+            s.eval(1).unwrap();
+            assert!(s.snapshot() == plain, "{what}");
+        };
         // Perfect drafts: every one kept (one pick a step, the same draws as plain sampling).
         let (got, c, s) = sampled_with_drafts(
             &e,
             cfg,
             N,
+            device,
             Some(&mut |pos, _| full.get(pos + 1).copied().unwrap_or(u32::MAX)),
         );
-        assert_eq!(got, want, "{cfg:?}: perfect drafts");
-        assert!(c[0] > 20 && c[1] == 0, "{cfg:?}: {c:?}");
-        assert_eq!(
-            s.snapshot(),
-            plain.snapshot(),
-            "{cfg:?}: state after kept drafts"
-        );
+        assert_eq!(got, want, "{what}: perfect drafts");
+        assert!(c[0] > 20 && c[1] == 0, "{what}: {c:?}");
+        same(s, &format!("{what}: state after kept drafts"));
         // Wrong drafts: every one rejected and undone in place.
         let (got, c, s) = sampled_with_drafts(
             &e,
             cfg,
             N,
+            device,
             Some(&mut |pos, _| (full.get(pos + 1).copied().unwrap_or(0) + 1) % 512),
         );
-        assert_eq!(got, want, "{cfg:?}: wrong drafts");
-        assert!(c[0] == 0 && c[1] > 20, "{cfg:?}: {c:?}");
-        assert_eq!(
-            s.snapshot(),
-            plain.snapshot(),
-            "{cfg:?}: state after rejected drafts"
-        );
+        assert_eq!(got, want, "{what}: wrong drafts");
+        assert!(c[0] == 0 && c[1] > 20, "{what}: {c:?}");
+        same(s, &format!("{what}: state after rejected drafts"));
         // The MTP block's drafts.
-        let (got, c, s) = sampled_with_drafts(&e, cfg, N, None);
-        assert_eq!(got, want, "{cfg:?}: MTP drafts");
-        assert!(c[0] + c[1] >= N / 2, "{cfg:?}: drafting stopped: {c:?}");
+        let (got, c, s) = sampled_with_drafts(&e, cfg, N, device, None);
+        assert_eq!(got, want, "{what}: MTP drafts");
+        assert!(c[0] + c[1] >= N / 2, "{what}: drafting stopped: {c:?}");
+        same(s, &format!("{what}: state after MTP drafts"));
+        eprintln!("{what}: MTP drafts kept / rejected / none: {c:?}");
+    }
+}
+
+/// A device-picked step made its pick after the kept draft with the request's sampler; a
+/// caller that picks there with another sampler (a tool block's structure, greedily) gets that
+/// sampler's pick from the draft's logits, the draft evaluated again alone.
+#[test]
+fn a_pick_with_another_sampler_after_a_device_kept_draft_is_that_samplers() {
+    let e = engine();
+    let (want, _) = sampled_plain(&e, &SamplerConfig::default(), 8);
+    let hot = SamplerConfig {
+        temperature: 1.0,
+        seed: 5,
+        ..Default::default()
+    };
+    let mut plain = e.new_session(512);
+    plain
+        .sync(&common::after_prompt(&want[..6]), &mut |_, _| {})
+        .unwrap();
+    for device in [false, true] {
+        let mut s = e.new_session(512);
+        s.set_device_picks(device);
+        s.sync(&common::after_prompt(&want[..4]), &mut |_, _| {})
+            .unwrap();
+        // The draft is the greedy token, so kept only where the hot sampler picks it too: the
+        // first seed whose first draw does.
+        let mut p = e.new_session(512);
+        p.sync(&common::after_prompt(&want[..5]), &mut |_, _| {})
+            .unwrap();
+        let seed = (0..100_000)
+            .find(|&seed| {
+                let mut probe = Sampler::new(SamplerConfig {
+                    seed,
+                    ..hot.clone()
+                });
+                probe.sample(p.logits().unwrap()) == want[5]
+            })
+            .expect("a seed that picks the greedy token");
+        let mut hs = Sampler::new(SamplerConfig {
+            seed,
+            ..hot.clone()
+        });
+        let r = s.eval_with_draft(want[4], want[5], &mut hs).unwrap();
+        assert_eq!(r, Drafted::Accepted(want[5]), "device picks {device}");
+        // The greedy pick after the draft, not the hot sampler's.
+        let mut greedy = Sampler::new(SamplerConfig::default());
         assert_eq!(
-            s.snapshot(),
-            plain.snapshot(),
-            "{cfg:?}: state after MTP drafts"
+            s.pick(&mut greedy).unwrap(),
+            Some(want[6]),
+            "device picks {device}"
         );
-        eprintln!("{cfg:?}: MTP drafts kept / rejected / none: {c:?}");
+        assert_eq!(s.tokens(), plain.tokens());
+        assert!(s.snapshot() == plain.snapshot(), "device picks {device}");
     }
 }
 
@@ -242,22 +309,35 @@ fn a_kept_draft_taken_back_leaves_the_plain_state() {
     plain
         .sync(&common::after_prompt(&want[..5]), &mut |_, _| {})
         .unwrap();
-    let mut s = e.new_session(512);
-    s.sync(&common::after_prompt(&want[..4]), &mut |_, _| {})
-        .unwrap();
-    assert!(!s.undo_draft().unwrap(), "nothing to take back yet");
-    let mut greedy = Sampler::new(SamplerConfig::default());
-    let r = s.eval_with_draft(want[4], want[5], &mut greedy).unwrap();
-    assert_eq!(r, Drafted::Accepted(want[5]));
-    assert_eq!(s.tokens().len(), PROMPT.len() + 6);
-    assert!(s.undo_draft().unwrap());
-    assert!(!s.undo_draft().unwrap(), "taken back once");
-    assert_eq!(s.tokens(), plain.tokens());
-    assert_eq!(s.snapshot(), plain.snapshot());
-    assert_eq!(s.logits(), plain.logits());
-    // And decoding goes on from there as plainly: the next greedy token is the reference's.
-    assert_eq!(argmax(s.logits().unwrap()), want[5]);
-    s.eval(want[5]).unwrap();
-    plain.eval(want[5]).unwrap();
-    assert_eq!(s.snapshot(), plain.snapshot());
+    for device in [false, true] {
+        let mut s = e.new_session(512);
+        s.set_device_picks(device);
+        s.sync(&common::after_prompt(&want[..4]), &mut |_, _| {})
+            .unwrap();
+        assert!(!s.undo_draft().unwrap(), "nothing to take back yet");
+        let mut greedy = Sampler::new(SamplerConfig::default());
+        let r = s.eval_with_draft(want[4], want[5], &mut greedy).unwrap();
+        assert_eq!(r, Drafted::Accepted(want[5]));
+        assert_eq!(s.tokens().len(), PROMPT.len() + 6);
+        assert!(s.undo_draft().unwrap());
+        assert!(!s.undo_draft().unwrap(), "taken back once");
+        assert_eq!(s.tokens(), plain.tokens());
+        if device {
+            // No logits left the device: nothing to pick from (a plain GPU step that picked
+            // on the device leaves the same).
+            assert_eq!(s.logits(), None);
+            assert_eq!(s.pick(&mut greedy).unwrap(), None);
+        } else {
+            assert!(s.snapshot() == plain.snapshot(), "the plain state");
+            assert_eq!(s.logits(), plain.logits());
+            // Decoding goes on from there as plainly: the next greedy token is the reference's.
+            assert_eq!(argmax(s.logits().unwrap()), want[5]);
+        }
+        s.eval(want[5]).unwrap();
+        let mut p2 = e.new_session(512);
+        p2.sync(&common::after_prompt(&want[..6]), &mut |_, _| {})
+            .unwrap();
+        assert!(s.snapshot() == p2.snapshot(), "device picks {device}");
+        assert_eq!(s.logits(), p2.logits());
+    }
 }

@@ -1315,6 +1315,39 @@ impl<B: Backend> Model<B> {
         Ok(id)
     }
 
+    /// Process `tokens` at the next positions as one batch and pick the token after each
+    /// position r with [`Backend::sample_rows`] (draw `draws[r]`; one per token): only the ids
+    /// leave the device (a speculative step's verify), with the final streams of every position
+    /// when `streams`. The picks are [`ds4_backend::sample::select`]'s on
+    /// [`Model::eval_batch`]'s logits of all positions.
+    pub fn eval_pick(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        p: &ds4_backend::SampleParams,
+        draws: &[f64],
+        streams: bool,
+    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
+        let b = &self.backend;
+        let n = tokens.len();
+        if n == 0 || draws.len() != n {
+            return Err(format!("eval_pick: {n} tokens but {} draws", draws.len()));
+        }
+        let w = self.hc_dims().n * self.hc_dims().d;
+        let (xs, m) = self.layers_forward(st, tokens, true);
+        let logits = self.head_logits(&self.out_hc, &self.out_norm, &xs, m);
+        let ids = b.sample_rows(&logits, self.hp.n_vocab as usize, p, draws);
+        let streams = if streams {
+            let v = b.download(&xs, m * w);
+            v.chunks(w).map(|c| c.to_vec()).collect()
+        } else {
+            Vec::new()
+        };
+        b.graph_end();
+        b.check()?;
+        Ok((ids, streams))
+    }
+
     /// Embedding and every layer over `tokens` (n ≥ 1) at the next positions, as one step that
     /// a device may record (ends at the first host read): the final streams `[m, N, D]` of every
     /// position (`all`, m = n) or of the last (m = 1).
@@ -2006,6 +2039,15 @@ pub trait Forward: Send + Sync {
         p: &ds4_backend::SampleParams,
         u: f64,
     ) -> Result<u32, String>;
+    /// See [`Model::eval_pick`].
+    fn eval_pick(
+        &self,
+        st: &mut AnyState,
+        tokens: &[u32],
+        p: &ds4_backend::SampleParams,
+        draws: &[f64],
+        streams: bool,
+    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String>;
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
     /// See [`Model::checkpoint_last`] (rolled back by [`Forward::rollback`]).
     fn checkpoint_last(&self, st: &AnyState, pos: usize) -> Option<AnyCheckpoint>;
@@ -2114,6 +2156,19 @@ where
     ) -> Result<u32, String> {
         let mut s = Self::unwrap_state(st);
         let r = Model::eval_sample(self, &mut s, token, p, u);
+        *st = Self::wrap_state(s);
+        r
+    }
+    fn eval_pick(
+        &self,
+        st: &mut AnyState,
+        tokens: &[u32],
+        p: &ds4_backend::SampleParams,
+        draws: &[f64],
+        streams: bool,
+    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
+        let mut s = Self::unwrap_state(st);
+        let r = Model::eval_pick(self, &mut s, tokens, p, draws, streams);
         *st = Self::wrap_state(s);
         r
     }

@@ -139,6 +139,17 @@ impl Forward for Sharded {
         // Every rank samples the same logits with the same draw: the same id.
         self.with_states(st, |m, s| m.eval_sample(s, token, p, u))
     }
+    fn eval_pick(
+        &self,
+        st: &mut AnyState,
+        tokens: &[u32],
+        p: &SampleParams,
+        draws: &[f64],
+        streams: bool,
+    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
+        // As eval_sample: the same logits and draws on every rank, the same ids.
+        self.with_states(st, |m, s| m.eval_pick(s, tokens, p, draws, streams))
+    }
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint {
         let parts = st
             .layers

@@ -11,7 +11,7 @@ use ds4_chat::{
     ParseOptions, ParsedOutput, SamplingState, StreamEvent, StreamParser, THINK_CLOSE, THINK_OPEN,
 };
 use ds4_engine::{
-    argmax, log_sum_exp, top_logprobs, Drafted, Engine, Sampler, SamplerConfig, Session, SpecStats,
+    log_sum_exp, top_logprobs, Drafted, Engine, Sampler, SamplerConfig, Session, SpecStats,
 };
 use ds4_tokenizer::{StreamDecoder, Tokenizer};
 use std::path::PathBuf;
@@ -1002,11 +1002,10 @@ fn decode(
     // Speculative steps (`serve --mtp`): the MTP block drafts the token after each one, a
     // 2-token step evaluates both, and the pick after the token (the request's sampler, one draw
     // as a plain step) keeps the draft when it is the draft: the tokens plain sampling gives.
-    // Not with logprobs (each token's logits) or forced tokens, nor on a GPU where the pick is
-    // costly on the host (`Session::drafts_pay`: full-vocabulary sampling; those steps pick on
-    // the device). `pre`: `next` is a kept draft, already evaluated; the logits after it are
-    // the session's.
-    let spec = job.logprobs.is_none() && forced.is_none();
+    // Not with logprobs (each token's logits) or forced tokens. A GPU picks both rows of the
+    // step itself. `pre`: `next` is a kept draft, already evaluated; the pick after it is the
+    // session's (`Session::pick`: its logits, or that step's device pick).
+    let spec = live.session.has_mtp() && job.logprobs.is_none() && forced.is_none();
     let mut pre = false;
     let mut spec_stats = SpecStats::default();
     let mut parser = StreamParser::new(job.parse);
@@ -1045,23 +1044,33 @@ fn decode(
         if live.session.tokens().len() >= ctx {
             break; // context full: length
         }
-        let logits = live.session.logits();
-        if next.is_none() && logits.is_none() {
-            finish = Finish::Error;
-            error = Some("no logits after prefill".into());
-            break;
-        }
         let from_backend = next.is_some() && next_sampled;
         next_sampled = false;
-        let t = match (forced.as_mut(), next.take(), logits) {
-            (Some(it), _, _) => it.next().unwrap_or(eos),
-            (None, Some(t), _) => t,
-            // Tool-block structure is sampled greedily, payload with the request's settings.
-            (None, None, Some(l)) if parser.sampling_state() == SamplingState::Structure => {
-                argmax(l)
+        let t = if let Some(it) = forced.as_mut() {
+            it.next().unwrap_or(eos)
+        } else if let Some(t) = next.take() {
+            t
+        } else {
+            // Tool-block structure is picked greedily, payload with the request's settings:
+            // from the session's logits, or (a kept draft) its step's pick on the device.
+            let s = if parser.sampling_state() == SamplingState::Structure {
+                &mut greedy
+            } else {
+                &mut sampler
+            };
+            match live.session.pick(s) {
+                Ok(Some(t)) => t,
+                Ok(None) => {
+                    finish = Finish::Error;
+                    error = Some("no logits after prefill".into());
+                    break;
+                }
+                Err(e) => {
+                    finish = Finish::Error;
+                    error = Some(format!("decode failed: {e}"));
+                    break;
+                }
             }
-            (None, None, Some(l)) => sampler.sample(l),
-            (None, None, None) => unreachable!("checked above"),
         };
         if t == eos {
             finish = Finish::Stop;
@@ -1069,7 +1078,7 @@ fn decode(
         }
         n += 1;
         sampled += from_backend as usize;
-        if let (Some(k), Some(l)) = (job.logprobs, logits) {
+        if let (Some(k), Some(l)) = (job.logprobs, live.session.logits()) {
             send(job, GenEvent::Logprob(token_logprob(tok, l, t, k)));
         }
         if first {
@@ -1107,7 +1116,7 @@ fn decode(
         let r = if pre {
             pre = false; // evaluated with the token before it
             Ok(())
-        } else if spec && !checkpoint && live.session.drafts_pay(s) {
+        } else if spec && !checkpoint {
             let r = live.session.eval_draft(t, s);
             if let Ok(d) = r {
                 spec_stats.note(d);

@@ -78,19 +78,11 @@ pub fn run(a: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
     // Without logprobs each step samples on the backend (only the id comes back); with an MTP
     // file each step also drafts the token after it and checks it in the same 2-token step,
-    // kept when the sampler picks it (the tokens plain sampling gives, any sampler; on a GPU
-    // only where the host's pick is cheap: `Session::drafts_pay`).
-    let spec = session.drafts_pay(&sampler) && logprobs.is_none();
+    // kept when the sampler picks it (the tokens plain sampling gives, any sampler; a GPU
+    // picks both rows of the step itself).
+    let spec = session.has_mtp() && logprobs.is_none();
     if session.has_mtp() && !spec {
-        eprintln!(
-            "mtp: drafts not used ({})",
-            if logprobs.is_some() {
-                "--dump-logprobs reads every step's logits"
-            } else {
-                "a full-vocabulary pick is made on the device; drafts need a host pick: use \
-                 --temp 0 or --top-k 64 or less"
-            }
-        );
+        eprintln!("mtp: drafts not used (--dump-logprobs reads every step's logits)");
     }
     let mut picked: Option<u32> = None;
     let mut pre = false; // `picked` is a kept draft, already evaluated
@@ -99,9 +91,11 @@ pub fn run(a: Args) -> Result<()> {
         let next = match picked.take() {
             Some(t) => t,
             None => {
-                let logits = session.logits().context("no logits after the prompt")?;
-                let next = sampler.sample(logits);
-                if let Some(w) = logprobs.as_mut() {
+                // The session's logits, or a kept draft's step's pick after it.
+                let next = session
+                    .pick(&mut sampler)?
+                    .context("no logits after the prompt")?;
+                if let (Some(w), Some(logits)) = (logprobs.as_mut(), session.logits()) {
                     let top: Vec<serde_json::Value> = top_logprobs(logits, a.logprobs_top_k)
                         .into_iter()
                         .map(|(id, lp)| serde_json::json!({"id": id, "logprob": lp}))
@@ -120,7 +114,7 @@ pub fn run(a: Args) -> Result<()> {
         out.write_all(dec.push(&tok, next)?.as_bytes())?;
         out.flush()?;
         if std::mem::take(&mut pre) {
-            continue; // evaluated with the token before it; its logits are the session's
+            continue; // evaluated with the token before it; the pick after it is the session's
         }
         if spec {
             let r = session.eval_draft(next, &mut sampler)?;

@@ -2135,6 +2135,16 @@ impl Backend for GpuBackend {
         self.op_sample(logits, vocab, p, u)
     }
 
+    fn sample_rows(
+        &self,
+        logits: &GpuBuf,
+        vocab: usize,
+        p: &ds4_backend::SampleParams,
+        draws: &[f64],
+    ) -> Vec<u32> {
+        self.op_sample_rows(logits, vocab, p, draws)
+    }
+
     fn download_i32(&self, b: &GpuIBuf, len: usize) -> Vec<i32> {
         self.download_map(b.0.ptr, len, 4, |c| {
             i32::from_le_bytes([c[0], c[1], c[2], c[3]])

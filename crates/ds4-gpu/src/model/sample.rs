@@ -36,11 +36,56 @@ fn mode() -> Mode {
 
 impl GpuBackend {
     pub(crate) fn op_sample(&self, logits: &GpuBuf, vocab: usize, p: &SampleParams, u: f64) -> u32 {
+        self.op_sample_rows(logits, vocab, p, &[u])[0]
+    }
+
+    /// Row r of `logits` `[draws.len(), vocab]` picked with draw `draws[r]`: the kernels of
+    /// every row queued, then one read of the ids (a speculative step's rows, one round trip).
+    pub(crate) fn op_sample_rows(
+        &self,
+        logits: &GpuBuf,
+        vocab: usize,
+        p: &SampleParams,
+        draws: &[f64],
+    ) -> Vec<u32> {
+        let rows = draws.len();
         let mode = mode();
-        if vocab == 0 || mode == Mode::Off || vocab >= 1 << 24 || self.failed() {
-            return select(&self.download(logits, vocab), p, u);
+        if rows == 0 {
+            return Vec::new();
         }
-        let out = self.scratch(1);
+        if vocab == 0 || mode == Mode::Off || vocab >= 1 << 24 || self.failed() {
+            let all = self.download(logits, rows * vocab);
+            return all
+                .chunks(vocab.max(1))
+                .zip(draws)
+                .map(|(l, &u)| select(l, p, u))
+                .collect();
+        }
+        let out = self.scratch(rows);
+        // Workspaces live until the read below (each row its own: the rows' kernels may share
+        // nothing but the stream's order).
+        let mut keep = Vec::new();
+        for (r, &u) in draws.iter().enumerate() {
+            let row = logits.view(r * vocab, vocab);
+            keep.push(self.queue_pick(&row, vocab, p, u, out.ptr.offset(4 * r as u64), mode));
+        }
+        let ids = self.download_bytes(out.ptr, 4 * rows);
+        drop(keep);
+        ids.chunks(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    /// Queue one row's pick into the u32 at `out`; returns the workspaces it uses.
+    fn queue_pick(
+        &self,
+        logits: &GpuBuf,
+        vocab: usize,
+        p: &SampleParams,
+        u: f64,
+        out: crate::runtime::DevPtr,
+        mode: Mode,
+    ) -> Vec<GpuBuf> {
         let n = Arg::I32(vocab as i32);
         let g = ARGMAX_CTAS.min(vocab.div_ceil(256) as u32).max(1);
         if p.greedy() {
@@ -58,74 +103,73 @@ impl GpuBackend {
                     Arg::Ptr(part.ptr),
                     Arg::Ptr(part.ptr.offset(4 * g as u64)),
                     Arg::Ptr(ticket),
-                    Arg::Ptr(out.ptr),
+                    Arg::Ptr(out),
                 ],
             );
-        } else {
-            let probs = self.scratch(2 * vocab); // f64 per logit (the single-CTA form)
-            let top_k = Arg::I32(p.top_k.min(i32::MAX as usize) as i32);
-            let u_bits = Arg::I64(u.to_bits() as i64);
-            if mode == Mode::OneCta {
-                self.run(
-                    &ds4_kernels::SAMPLE,
-                    "sample_pick",
-                    LaunchDims::linear(1, 1024),
-                    &[
-                        Arg::Ptr(logits.ptr),
-                        n,
-                        Arg::Ptr(probs.ptr),
-                        Arg::F32(p.temperature),
-                        top_k,
-                        Arg::F32(p.top_p),
-                        Arg::F32(p.min_p),
-                        u_bits,
-                        Arg::Ptr(out.ptr),
-                    ],
-                );
-            } else {
-                // Fixed-point weights w · 2^qshift: n of them sum below 2^63.
-                let qshift = 63 - ceil_log2(vocab) as i32;
-                let ws = self.scratch(WS_HEAD + vocab);
-                self.zero(ws.ptr, WS_ZERO);
-                let (x, w) = (Arg::Ptr(logits.ptr), Arg::Ptr(ws.ptr));
-                let m = &ds4_kernels::SAMPLE;
-                let t = Arg::F32(p.temperature);
-                self.run(m, "sample_top", LaunchDims::linear(g, 256), &[x, n, w]);
-                self.run(
-                    m,
-                    "sample_hist",
-                    LaunchDims::linear(g, 256),
-                    &[x, n, t, Arg::F32(p.min_p), Arg::I32(qshift), w],
-                );
-                let gs = vocab.div_ceil(256).min(65535) as u32;
-                self.run(
-                    m,
-                    "sample_scatter",
-                    LaunchDims::linear(gs, 256),
-                    &[x, n, t, w],
-                );
-                self.run(
-                    m,
-                    "sample_finish",
-                    LaunchDims::linear(1, 1024),
-                    &[
-                        x,
-                        n,
-                        Arg::Ptr(probs.ptr),
-                        t,
-                        top_k,
-                        Arg::F32(p.top_p),
-                        Arg::F32(p.min_p),
-                        u_bits,
-                        Arg::I32(qshift),
-                        w,
-                        Arg::Ptr(out.ptr),
-                    ],
-                );
-            }
+            return vec![part];
         }
-        let id = self.download_bytes(out.ptr, 4);
-        u32::from_le_bytes([id[0], id[1], id[2], id[3]])
+        let probs = self.scratch(2 * vocab); // f64 per logit (the single-CTA form)
+        let top_k = Arg::I32(p.top_k.min(i32::MAX as usize) as i32);
+        let u_bits = Arg::I64(u.to_bits() as i64);
+        if mode == Mode::OneCta {
+            self.run(
+                &ds4_kernels::SAMPLE,
+                "sample_pick",
+                LaunchDims::linear(1, 1024),
+                &[
+                    Arg::Ptr(logits.ptr),
+                    n,
+                    Arg::Ptr(probs.ptr),
+                    Arg::F32(p.temperature),
+                    top_k,
+                    Arg::F32(p.top_p),
+                    Arg::F32(p.min_p),
+                    u_bits,
+                    Arg::Ptr(out),
+                ],
+            );
+            return vec![probs];
+        }
+        // Fixed-point weights w · 2^qshift: n of them sum below 2^63.
+        let qshift = 63 - ceil_log2(vocab) as i32;
+        let ws = self.scratch(WS_HEAD + vocab);
+        self.zero(ws.ptr, WS_ZERO);
+        let (x, w) = (Arg::Ptr(logits.ptr), Arg::Ptr(ws.ptr));
+        let m = &ds4_kernels::SAMPLE;
+        let t = Arg::F32(p.temperature);
+        self.run(m, "sample_top", LaunchDims::linear(g, 256), &[x, n, w]);
+        self.run(
+            m,
+            "sample_hist",
+            LaunchDims::linear(g, 256),
+            &[x, n, t, Arg::F32(p.min_p), Arg::I32(qshift), w],
+        );
+        let gs = vocab.div_ceil(256).min(65535) as u32;
+        self.run(
+            m,
+            "sample_scatter",
+            LaunchDims::linear(gs, 256),
+            &[x, n, t, w],
+        );
+        self.run(
+            m,
+            "sample_finish",
+            LaunchDims::linear(1, 1024),
+            &[
+                x,
+                n,
+                Arg::Ptr(probs.ptr),
+                t,
+                top_k,
+                Arg::F32(p.top_p),
+                Arg::F32(p.min_p),
+                u_bits,
+                Arg::I32(qshift),
+                w,
+                Arg::Ptr(out),
+            ],
+        );
+        vec![probs, ws]
     }
 }
 
