@@ -1935,9 +1935,10 @@ impl Session {
         self.device_picks = on;
     }
 
-    /// Take back the draft that the last [`Session::eval_draft`] kept (nothing evaluated since):
-    /// the state, logits and streams become those after the token before it, as a plain step
-    /// of that token leaves them (bit for bit on the CPU). For a caller that stops at the draft
+    /// Take back the draft that the last speculative step kept ([`Session::eval_draft`], or the
+    /// last of [`Session::generate_with_verdict`]'s; nothing evaluated since): the state, logits
+    /// and streams become those after the token before it, as a plain step of that token leaves
+    /// them (bit for bit on the CPU; no logits where the step picked on the device). For a caller that stops at the draft
     /// (an end token, a stop sequence, the token limit), so the live state ends where plain
     /// decoding's does. False when there is nothing to take back.
     pub fn undo_draft(&mut self) -> Result<bool, EngineError> {
@@ -2008,11 +2009,18 @@ impl Session {
         let mut stats = SpecStats::default();
         let v = self.model.hp().n_vocab as usize;
         let mut produced = 0;
+        // Greedy picks: from the logits, or after a kept draft its verify step's device pick;
+        // `known`: a rejected draft's verify step picked the token after `next` on the device.
+        let mut greedy = Sampler::new(SamplerConfig::default());
+        let mut known = None;
         while produced < n {
-            let Some(logits) = self.logits.as_deref() else {
-                break;
+            let next = match known.take() {
+                Some(t) => t,
+                None => match self.pick(&mut greedy)? {
+                    Some(t) => t,
+                    None => break,
+                },
             };
-            let next = argmax(logits);
             if !on_token(next) {
                 break;
             }
@@ -2031,22 +2039,37 @@ impl Session {
                 continue;
             }
             stats.drafted += 1;
-            match self
-                .verify(next, d, Judge::Host(&mut |l| accept(argmax(l), d)))?
-                .0
-            {
-                Verdict::Kept => {
+            let p = greedy.params();
+            let judge = if self.device_picks {
+                Judge::Device {
+                    p,
+                    draws: [0.0; 2],
+                    keep: &mut |id| accept(id, d),
+                }
+            } else {
+                Judge::Host(&mut |l| accept(argmax(l), d))
+            };
+            match self.verify(next, d, judge)? {
+                (Verdict::Kept, picks) => {
                     stats.accepted += 1;
                     if !on_token(d) {
                         // A token the caller stops at is not evaluated: take the draft back.
                         self.undo_draft()?;
                         break;
                     }
-                    self.undo = None;
+                    if let (Some([_, after]), Some(u)) = (picks, self.undo.as_mut()) {
+                        u.ahead = Some(Ahead {
+                            id: after,
+                            p,
+                            u: 0.0,
+                        });
+                    }
                     produced += 1;
                 }
-                Verdict::Undone => stats.undone += 1,
-                Verdict::Redone => {}
+                (v, picks) => {
+                    stats.undone += (v == Verdict::Undone) as usize;
+                    known = picks.map(|p| p[0]);
+                }
             }
         }
         Ok(stats)

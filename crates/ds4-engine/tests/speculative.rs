@@ -37,50 +37,71 @@ fn speculative_output_equals_greedy() {
     let e = engine();
     let reference = greedy_reference(&e);
     let full = common::after_prompt(&reference);
-
-    // Perfect drafter: every draft is the true next-next token → every draft accepted.
-    let mut s = e.new_session(512);
-    let (out, st) = run(&mut s, &mut |_, _, pos| {
-        full.get(pos + 1).copied().unwrap_or(u32::MAX)
-    });
-    assert_eq!(out, reference);
-    assert!(st.drafted > 20 && st.accepted == st.drafted, "{st:?}");
-    let after_perfect = s.snapshot();
-
-    // Adversarial drafter: always wrong → every draft rejected and rolled back.
-    let mut s2 = e.new_session(512);
-    let (out, st) = run(&mut s2, &mut |_, _, pos| {
-        (full.get(pos + 1).copied().unwrap_or(0) + 1) % 512
-    });
-    assert_eq!(out, reference);
-    assert!(st.drafted > 20 && st.accepted == 0, "{st:?}");
-    // Every rejected draft undone in place (its slots restored, no re-evaluation), those that
-    // close compressor windows included.
-    assert_eq!(st.undone, st.drafted, "{st:?}");
-    // Rollback leaves exactly the state plain decoding reaches.
+    // Plain decoding's state, compared one token on (a kept draft picked on the device leaves
+    // no logits to snapshot).
     let mut plain = e.new_session(512);
     plain.sync(&full, &mut |_, _| {}).unwrap();
-    assert_eq!(s2.snapshot(), plain.snapshot());
-    assert_eq!(after_perfect, plain.snapshot());
+    plain.eval(1).unwrap();
+    let plain = plain.snapshot();
+    let same = |s: &mut Session| {
+        s.eval(1).unwrap();
+        s.snapshot() == plain
+    };
+    // Host picks (the CPU's), and the picks a GPU makes in its verify steps.
+    for device in [false, true] {
+        // Perfect drafter: every draft is the true next-next token → every draft accepted.
+        let mut s = e.new_session(512);
+        s.set_device_picks(device);
+        let (out, st) = run(&mut s, &mut |_, _, pos| {
+            full.get(pos + 1).copied().unwrap_or(u32::MAX)
+        });
+        assert_eq!(out, reference, "device picks {device}");
+        assert!(st.drafted > 20 && st.accepted == st.drafted, "{st:?}");
+        // One step a draft, one a token without: no pick evaluated anything again.
+        assert_eq!(
+            s.model_steps() as usize,
+            1 + st.drafted + (N - 2 * st.accepted),
+            "device picks {device}"
+        );
+        assert!(same(&mut s), "device picks {device}: after kept drafts");
 
-    // The MTP block itself.
-    let mut s3 = e.new_session(512);
-    s3.sync(&PROMPT, &mut |_, _| {}).unwrap();
-    assert!(s3.has_mtp());
-    let mut out = Vec::new();
-    let st = s3
-        .generate_greedy(N, true, &mut |t| {
-            out.push(t);
-            true
-        })
-        .unwrap();
-    assert_eq!(out, reference);
-    // A draft at every step that follows a rejection or a plain step: drafting never stops.
-    assert!(st.drafted >= N / 2, "{st:?}");
-    eprintln!(
-        "MTP on random weights: {} drafted, {} accepted",
-        st.drafted, st.accepted
-    );
+        // Adversarial drafter: always wrong → every draft rejected and rolled back.
+        let mut s2 = e.new_session(512);
+        s2.set_device_picks(device);
+        let (out, st) = run(&mut s2, &mut |_, _, pos| {
+            (full.get(pos + 1).copied().unwrap_or(0) + 1) % 512
+        });
+        assert_eq!(out, reference, "device picks {device}");
+        assert!(st.drafted > 20 && st.accepted == 0, "{st:?}");
+        // Every rejected draft undone in place (its slots restored, no re-evaluation), those
+        // that close compressor windows included.
+        assert_eq!(st.undone, st.drafted, "{st:?}");
+        // Rollback leaves exactly the state plain decoding reaches.
+        assert!(
+            same(&mut s2),
+            "device picks {device}: after rejected drafts"
+        );
+
+        // The MTP block itself.
+        let mut s3 = e.new_session(512);
+        s3.set_device_picks(device);
+        s3.sync(&PROMPT, &mut |_, _| {}).unwrap();
+        assert!(s3.has_mtp());
+        let mut out = Vec::new();
+        let st = s3
+            .generate_greedy(N, true, &mut |t| {
+                out.push(t);
+                true
+            })
+            .unwrap();
+        assert_eq!(out, reference, "device picks {device}");
+        // A draft at every step that follows a rejection or a plain step: drafting never stops.
+        assert!(st.drafted >= N / 2, "{st:?}");
+        eprintln!(
+            "MTP on random weights (device picks {device}): {} drafted, {} accepted",
+            st.drafted, st.accepted
+        );
+    }
 }
 
 #[test]
