@@ -639,6 +639,8 @@ pub struct Engine {
     backend: String,
     /// Device bytes of the weights on a GPU backend: their own, their layout copies.
     weight_bytes: Option<(u64, u64)>,
+    /// Where new sessions' speculative steps pick ([`Engine::set_device_picks`]).
+    device_picks: Option<bool>,
 }
 
 /// The device a GPU choice resolved to.
@@ -1215,6 +1217,7 @@ impl Engine {
             path: opts.model.clone(),
             backend,
             weight_bytes,
+            device_picks: None,
         })
     }
 
@@ -1294,6 +1297,7 @@ impl Engine {
                 path: PathBuf::from(label),
                 backend,
                 weight_bytes: wb,
+                device_picks: None,
             });
         }
         let Some(pick) = pick_gpu(opts.backend, opts.device)? else {
@@ -1341,10 +1345,18 @@ impl Engine {
             path: PathBuf::from(label),
             backend: line,
             weight_bytes: Some(wb),
+            device_picks: None,
         })
     }
 
     /// Device bytes held by the model's weights (GPU backends), None on the CPU.
+    /// Where new sessions' speculative steps pick: on the backend (`Some(true)`, a GPU's way),
+    /// on the host from the logits (`Some(false)`, the CPU's), or as the backend does (None).
+    /// [`Session::set_device_picks`] for one session; for tests and A/B runs.
+    pub fn set_device_picks(&mut self, on: Option<bool>) {
+        self.device_picks = on;
+    }
+
     pub fn gpu_weight_bytes(&self) -> Option<u64> {
         self.weight_bytes.map(|w| w.0)
     }
@@ -1403,7 +1415,7 @@ impl Engine {
             steps: Vec::new(),
             model_steps: 0,
             undo: None,
-            device_picks: self.weight_bytes.is_some(),
+            device_picks: self.device_picks.unwrap_or(self.weight_bytes.is_some()),
         }
     }
 

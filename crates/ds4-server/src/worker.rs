@@ -1294,25 +1294,45 @@ mod tests {
             o.mtp = mtp.then(|| ds4_synth::mtp_path(&path));
             Engine::open(&o).unwrap()
         };
-        let (plain, spec) = (open(false), open(true));
+        let plain = open(false);
         let tok = plain.tokenizer().clone();
         let m_plain = Arc::new(Metrics::default());
-        let m_spec = Arc::new(Metrics::default());
         let s_plain = spawn_worker(plain, 512, ForceOutput(None), m_plain.clone());
-        let s_spec = spawn_worker(spec, 512, ForceOutput(None), m_spec.clone());
+        // Picks on the host from the verify step's logits (the CPU's way), then as a GPU makes
+        // them (both rows on the backend, the pick after a kept draft taken from that step).
+        for device in [false, true] {
+            let mut spec = open(true);
+            spec.set_device_picks(Some(device));
+            let m_spec = Arc::new(Metrics::default());
+            let s_spec = spawn_worker(spec, 512, ForceOutput(None), m_spec.clone());
+            spec_replies_are_plain(&tok, &s_plain, &s_spec, &m_spec, device);
+        }
+        assert_eq!(m_plain.spec_drafted.get(), 0);
+    }
+
+    fn spec_replies_are_plain(
+        tok: &Tokenizer,
+        s_plain: &Scheduler,
+        s_spec: &Scheduler,
+        m_spec: &Metrics,
+        device: bool,
+    ) {
         for cfg in samplers() {
             // Twice each: the second request reuses the live session the first left.
             for round in 0..2 {
-                let (a, _) = run_one(&s_plain, &tok, cfg.clone(), None);
+                let (a, _) = run_one(s_plain, tok, cfg.clone(), None);
                 let before = m_spec.spec_drafted.get();
-                let (b, _) = run_one(&s_spec, &tok, cfg.clone(), None);
+                let (b, _) = run_one(s_spec, tok, cfg.clone(), None);
                 assert!(a.completion_tokens > 1, "{cfg:?}: {a:?}");
                 assert_eq!(
                     (a.text.as_str(), a.completion_tokens, a.finish),
                     (b.text.as_str(), b.completion_tokens, b.finish),
-                    "{cfg:?} round {round}"
+                    "{cfg:?} round {round}, device picks {device}"
                 );
-                assert_eq!(b.cached_tokens, a.cached_tokens, "{cfg:?} round {round}");
+                assert_eq!(
+                    b.cached_tokens, a.cached_tokens,
+                    "{cfg:?} round {round}, device picks {device}"
+                );
                 // A draft at every step but the last (random weights: mostly rejected).
                 let drafted = m_spec.spec_drafted.get() - before;
                 assert!(
@@ -1320,11 +1340,10 @@ mod tests {
                     "{cfg:?}: {drafted} drafts for {} tokens",
                     b.completion_tokens
                 );
-                // Picked on the host from the verify step's logits, not by eval_sampled.
+                // Picked in the verify steps, not by eval_sampled.
                 assert_eq!(b.sampled_tokens, 0, "{cfg:?}");
             }
         }
-        assert_eq!(m_plain.spec_drafted.get(), 0);
         assert!(m_spec.render(true).contains(&format!(
             "ds4_spec_drafted_total {}",
             m_spec.spec_drafted.get()
