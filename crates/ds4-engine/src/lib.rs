@@ -1349,7 +1349,6 @@ impl Engine {
         })
     }
 
-    /// Device bytes held by the model's weights (GPU backends), None on the CPU.
     /// Where new sessions' speculative steps pick: on the backend (`Some(true)`, a GPU's way),
     /// on the host from the logits (`Some(false)`, the CPU's), or as the backend does (None).
     /// [`Session::set_device_picks`] for one session; for tests and A/B runs.
@@ -1357,6 +1356,7 @@ impl Engine {
         self.device_picks = on;
     }
 
+    /// Device bytes held by the model's weights (GPU backends), None on the CPU.
     pub fn gpu_weight_bytes(&self) -> Option<u64> {
         self.weight_bytes.map(|w| w.0)
     }
@@ -1778,7 +1778,8 @@ impl Session {
             None => (self.model.checkpoint(&self.state), true),
         };
         self.model_steps += 1;
-        let (keep, picks, mut rows, streams2) = match judge {
+        // The rows' logits (host judge) or picks (device judge), and streams.
+        let (keep, picks, l0, l1, streams2) = match judge {
             Judge::Host(keep) => {
                 let r = self
                     .model
@@ -1786,8 +1787,7 @@ impl Session {
                 let (logits2, streams2) = self.backend_result(r)?;
                 let mut rows = logits2.into_iter();
                 let l0 = rows.next().unwrap_or_default();
-                let k = keep(&l0);
-                (k, None, vec![Some(l0), rows.next()], streams2)
+                (keep(&l0), None, Some(l0), rows.next(), streams2)
             }
             Judge::Device { p, draws, keep } => {
                 let r = self
@@ -1795,10 +1795,9 @@ impl Session {
                     .eval_pick(&mut self.state, &[next, d], &p, &draws, true);
                 let (ids, streams2) = self.backend_result(r)?;
                 let picks = [ids[0], ids[1]];
-                (keep(picks[0]), Some(picks), vec![None, None], streams2)
+                (keep(picks[0]), Some(picks), None, None, streams2)
             }
         };
-        let (l1, l0) = (rows.pop().flatten(), rows.pop().flatten());
         let mut srows = streams2.into_iter();
         let (s0, s1) = (srows.next(), srows.next());
         if keep {
@@ -1950,9 +1949,9 @@ impl Session {
     /// Take back the draft that the last speculative step kept ([`Session::eval_draft`], or the
     /// last of [`Session::generate_with_verdict`]'s; nothing evaluated since): the state, logits
     /// and streams become those after the token before it, as a plain step of that token leaves
-    /// them (bit for bit on the CPU; no logits where the step picked on the device). For a caller that stops at the draft
-    /// (an end token, a stop sequence, the token limit), so the live state ends where plain
-    /// decoding's does. False when there is nothing to take back.
+    /// them (bit for bit on the CPU; no logits where the step picked on the device). For a
+    /// caller that stops at the draft (an end token, a stop sequence, the token limit), so the
+    /// live state ends where plain decoding's does. False when there is nothing to take back.
     pub fn undo_draft(&mut self) -> Result<bool, EngineError> {
         let Some(u) = self.undo.take() else {
             return Ok(false);
