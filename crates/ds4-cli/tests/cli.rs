@@ -632,6 +632,50 @@ fn bench_spec_accept_times_oracle_drafts_at_each_rate() {
     assert!(stderr(&o).contains("--spec-accept 1.5"), "{}", stderr(&o));
 }
 
+/// `bench --spec-mtp`: the drafts come from the MTP block (`--mtp FILE`), a draft at every step
+/// but the first and last as with the oracle, at each forced rate; refused without an MTP block.
+#[test]
+fn bench_spec_mtp_times_the_mtp_blocks_drafts() {
+    let d = tmpdir("bench-spec-mtp");
+    let m = d.join("tiny.gguf");
+    let o = ds4(&["synth", "--preset", "tiny", "--mtp", "-o", s(&m)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mtp = d.join("tiny-mtp.gguf");
+    let mut a = vec![
+        "bench",
+        "-m",
+        s(&m),
+        "--backend",
+        "cpu",
+        "--ctx-start",
+        "16",
+    ];
+    a.extend(["--ctx-max", "16", "--gen-tokens", "12", "--warmup", "0"]);
+    a.extend(["--spec-accept", "1,0", "--spec-mtp"]);
+    let o = ds4(&[&a[..], &["--mtp", s(&mtp)]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let f: Vec<f64> = out
+        .lines()
+        .nth(1)
+        .unwrap_or_default()
+        .split(',')
+        .map(|v| v.parse().unwrap_or(-1.0))
+        .collect();
+    assert_eq!(f.len(), 12, "{out}");
+    assert!(f[6] > 0.0 && f[9] > 0.0, "{out}");
+    assert!(f[7] >= 4.0 && f[8] == f[7], "{out}");
+    assert!(f[10] >= 9.0 && f[11] == 0.0, "{out}");
+    // Without an MTP block: a clear refusal.
+    let o = ds4(&a);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--spec-mtp: the model has no MTP block"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// `run --mtp`: speculative decoding under a sampler prints plain sampling's reply (the CPU's
 /// 2-token rows are bit-identical to single steps) and the drafts' count.
 #[test]

@@ -88,6 +88,8 @@ pub struct EngineOptions {
     pub model: PathBuf,
     /// MTP GGUF for speculative decoding (model.md §2.5).
     pub mtp: Option<PathBuf>,
+    /// [`Engine::open_synthetic`] also generates a random MTP block (benchmarks of drafts).
+    pub synthetic_mtp: bool,
     pub backend: BackendChoice,
     /// CPU worker threads (None: all cores).
     pub threads: Option<usize>,
@@ -414,6 +416,7 @@ impl EngineOptions {
         EngineOptions {
             model: model.into(),
             mtp: None,
+            synthetic_mtp: false,
             backend: BackendChoice::Auto,
             threads: None,
             device: 0,
@@ -1285,7 +1288,7 @@ impl Engine {
                 sizes,
                 progress,
                 &|b, shard, p| {
-                    let mut src = SynthSource::new(&hp, mix, seed, p);
+                    let mut src = SynthSource::new(&hp, mix, seed, p).with_mtp(opts.synthetic_mtp);
                     Model::load_from_shard(b, hp.clone(), &mut src, rounding, shard)
                 },
                 &|_, _, _| Err("synthetic models are generated on a GPU".into()),
@@ -1312,7 +1315,7 @@ impl Engine {
             n_expert: hp.n_expert as usize,
             table: host_table_bytes(named()),
         };
-        let mut src = SynthSource::new(&hp, mix, seed, progress);
+        let mut src = SynthSource::new(&hp, mix, seed, progress).with_mtp(opts.synthetic_mtp);
         let weights = src.total_bytes() as u64;
         let copies = gpu_layout_bytes(sizes.iter().map(|(t, ty, _)| (*ty, &t.dims[..])));
         // Host-memory stacks are generated on the device, then copied out and freed there.
@@ -1354,6 +1357,11 @@ impl Engine {
     /// [`Session::set_device_picks`] for one session; for tests and A/B runs.
     pub fn set_device_picks(&mut self, on: Option<bool>) {
         self.device_picks = on;
+    }
+
+    /// Whether an MTP block is loaded (sessions can draft).
+    pub fn has_mtp(&self) -> bool {
+        self.model.has_mtp()
     }
 
     /// Device bytes held by the model's weights (GPU backends), None on the CPU.
@@ -1977,20 +1985,31 @@ impl Session {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<SpecStats, EngineError> {
         if speculative && self.mtp.is_some() {
-            let model = self.model.clone();
-            let mut mtp = self.mtp.take();
-            let mut draft = |hs: &[f32], tok: u32, pos: usize| {
-                let st = mtp.as_mut().expect("MTP state present");
-                // A failed draft is no draft: the main model decides alone. The pick is made
-                // on the backend (only the id crosses to the host).
-                model.mtp_draft(st, hs, tok, pos).unwrap_or(u32::MAX)
-            };
-            let r = self.generate_with_drafter(n, &mut draft, on_token);
-            self.mtp = mtp;
-            r
+            self.generate_mtp_with_verdict(n, &mut |pick, d| pick == d, on_token)
         } else {
             self.generate_with_drafter(n, &mut |_, _, _| u32::MAX, on_token)
         }
+    }
+
+    /// [`Session::generate_with_verdict`] with the MTP block as the drafter (no MTP block: no
+    /// drafts): for benchmarks that time its drafts too (`ds4 bench --spec-mtp`).
+    pub fn generate_mtp_with_verdict(
+        &mut self,
+        n: usize,
+        accept: &mut dyn FnMut(u32, u32) -> bool,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<SpecStats, EngineError> {
+        let model = self.model.clone();
+        let mut mtp = self.mtp.take();
+        let mut draft = |hs: &[f32], tok: u32, pos: usize| match mtp.as_mut() {
+            // A failed draft is no draft: the main model decides alone. The pick is made on
+            // the backend (only the id crosses to the host).
+            Some(st) => model.mtp_draft(st, hs, tok, pos).unwrap_or(u32::MAX),
+            None => u32::MAX,
+        };
+        let r = self.generate_with_verdict(n, &mut draft, accept, on_token);
+        self.mtp = mtp;
+        r
     }
 
     /// Greedy generation with an arbitrary drafter. With positions 0..t−1 consumed and `next`

@@ -6,7 +6,7 @@
 use crate::forward::WeightSource;
 use crate::hparams::HParams;
 use crate::offload::HostStack;
-use crate::tensors::{main_tensors, tensor_bytes, Family, Mix, TensorSpec};
+use crate::tensors::{main_tensors, mtp_tensors, tensor_bytes, Family, Mix, TensorSpec};
 use ds4_backend::{Backend, Fill, WeightKind};
 use std::collections::HashMap;
 
@@ -102,6 +102,19 @@ impl<'a> SynthSource<'a> {
             done: 0,
             total,
         }
+    }
+
+    /// With `on`, the MTP block's tensors too (`mtp.0.*`, model.md §2.5, in the mix's types):
+    /// the model then loads a random MTP block, for benchmarks of speculative steps.
+    pub fn with_mtp(mut self, on: bool) -> Self {
+        if on {
+            for s in mtp_tensors(&self.hp) {
+                self.total += tensor_bytes(&s, s.family.type_in(self.mix)).unwrap_or(0) as usize;
+                let i = self.specs.len();
+                self.specs.insert(s.name.clone(), (i, s));
+            }
+        }
+        self
     }
 
     /// Bytes of every tensor as the mix stores them.
@@ -256,6 +269,19 @@ mod tests {
         assert!((79.0..83.0).contains(&gib), "{gib}");
         assert!(!s.specs.contains_key("mtp.0.e_proj.weight"));
         assert!(s.specs.contains_key("blk.0.ffn_gate_tid2eid.weight"));
+        // With the MTP block: its tensors (the names an MTP file binds), one layer's bytes more.
+        let base = s.total_bytes();
+        let m = SynthSource::new(&hp, mix, 1, &mut p).with_mtp(true);
+        for t in mtp_tensors(&hp) {
+            assert!(m.specs.contains_key(&t.name), "{}", t.name);
+        }
+        let extra = (m.total_bytes() - base) as f64 / (1u64 << 30) as f64;
+        assert!((1.0..3.0).contains(&extra), "{extra} GiB");
+        // Indices stay distinct (one random stream per tensor).
+        let mut idx: Vec<usize> = m.specs.values().map(|(i, _)| *i).collect();
+        idx.sort_unstable();
+        idx.dedup();
+        assert_eq!(idx.len(), m.specs.len());
     }
 
     #[test]

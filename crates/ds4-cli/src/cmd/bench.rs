@@ -66,11 +66,16 @@ pub struct Args {
     /// kept with probability A whatever the model picked (forced, so random weights give the
     /// same acceptance; rejected: the draft's writes undone in place, or with
     /// DS4_SPEC_ROLLBACK=whole the step rolled back and the token evaluated alone). Times the
-    /// engine's verify steps, rollbacks and host traffic at that acceptance; an MTP block's own
-    /// cost (one layer and the output head a draft) is not in it. Adds the columns
+    /// engine's verify steps, rollbacks and host traffic at that acceptance; the drafts are the
+    /// plain run's tokens (free), unless --spec-mtp. Adds the columns
     /// spec<A>_tps,spec<A>_drafted,spec<A>_accepted per rate.
     #[arg(long, value_delimiter = ',')]
     spec_accept: Vec<f64>,
+    /// With --spec-accept: the drafts come from the model's MTP block, so its cost (one layer
+    /// and the output head a draft) is in the speculative columns (the verdicts stay forced).
+    /// With --synthetic a random MTP block is generated too; with -m pass --mtp FILE.
+    #[arg(long, requires = "spec_accept")]
+    spec_mtp: bool,
     /// Time decode only: at each frontier the session state is random KV rows of the sizes that
     /// context gives (raw window, every compressed and indexer row) instead of the prompt's, so
     /// decode at long frontiers (512k, 1M) takes seconds instead of a prefill of minutes. The
@@ -112,7 +117,8 @@ fn step_list(steps: &[usize]) -> String {
 }
 
 /// `n` tokens of speculative decoding from the session's frontier `f`, a draft at every step
-/// (the plain run's token after `next` at position t where there is one), each kept with
+/// (the MTP block's with `mtp`, else the plain run's token after `next` at position t where
+/// there is one), each kept with
 /// probability `rate` whatever the model picked (the verdict is forced, so the acceptance is the
 /// same on any weights; random weights' near-tie logits would otherwise make a 2-token step's
 /// picks leave the plain run's): (tokens/s, draft counts, tokens that differ from `plain`).
@@ -123,6 +129,7 @@ fn speculative(
     n: usize,
     rate: f64,
     vocab: u32,
+    mtp: bool,
 ) -> Result<(f64, ds4_engine::SpecStats, usize)> {
     s.set_keep_streams(true);
     // Fixed-seed draws (splitmix64), so runs are repeatable.
@@ -140,10 +147,16 @@ fn speculative(
     };
     let mut got = Vec::with_capacity(n);
     let t = Instant::now();
-    let st = s.generate_with_verdict(n, &mut draft, &mut |_, _| uniform() < rate, &mut |tok| {
+    let mut accept = |_: u32, _: u32| uniform() < rate;
+    let mut on_token = |tok| {
         got.push(tok);
         true
-    });
+    };
+    let st = if mtp {
+        s.generate_mtp_with_verdict(n, &mut accept, &mut on_token)
+    } else {
+        s.generate_with_verdict(n, &mut draft, &mut accept, &mut on_token)
+    };
     let secs = t.elapsed().as_secs_f64();
     s.set_keep_streams(false);
     let st = st?;
@@ -185,7 +198,12 @@ pub fn run(mut a: Args) -> Result<()> {
             );
         }
     }
-    let engine = a.model.open()?;
+    let mut margs = a.model.clone();
+    margs.synthetic_mtp = a.spec_mtp;
+    let engine = margs.open()?;
+    if a.spec_mtp && !engine.has_mtp() {
+        bail!("--spec-mtp: the model has no MTP block (pass --mtp FILE with -m)");
+    }
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     eprintln!(
         "# model: {}  backend: {}",
@@ -357,8 +375,9 @@ pub fn run(mut a: Args) -> Result<()> {
             format!("{f},{},{pre:.2},{},{gen:.2},{kv}", f - before, a.gen_tokens)
         };
         for &rate in &a.spec_accept {
-            let (tps, st, differ) = speculative(&mut s, &plain, f, a.gen_tokens, rate, vocab)?;
-            if rate == 1.0 && differ > 0 {
+            let (tps, st, differ) =
+                speculative(&mut s, &plain, f, a.gen_tokens, rate, vocab, a.spec_mtp)?;
+            if rate == 1.0 && differ > 0 && !a.spec_mtp {
                 eprintln!(
                     "# {f}: speculative run at 1: {differ} of {} tokens differ from the plain run (the \
                      model's picks after kept drafts come from 2-token rows: near-ties round apart)",

@@ -22,12 +22,15 @@ pub struct ModelArgs {
     /// MTP GGUF (e.g. `<model>-mtp.gguf` from `ds4 synth --mtp`): speculative decoding. Each
     /// step drafts the next token with it and evaluates both in one 2-token step; the draft is
     /// kept when the sampler picks it, so the tokens are plain sampling's (any --temp, top-k,
-    /// top-p, min-p; not with logprobs). `run` and `serve` use it; on a GPU only for greedy and
-    /// top-k <= 64 picks (the pick is made on the host). On a GPU a verify step costs
-    /// ~1.73 plain steps and a rejected draft nothing more, so it pays when most drafts are kept
-    /// (H100: 80% kept drafts 13% faster than plain; `ds4 bench --spec-accept 1,0.8` measures).
+    /// top-p, min-p; not with logprobs). `run` and `serve` use it; a GPU picks in the verify
+    /// step itself. On a GPU a verify step costs ~1.73 plain steps and a rejected draft nothing
+    /// more, so it pays when most drafts are kept (H100: 80% kept drafts 13% faster than
+    /// plain; `ds4 bench --spec-accept 1,0.8 --spec-mtp` measures).
     #[arg(long)]
     pub mtp: Option<PathBuf>,
+    /// Set by `bench --spec-mtp`: a --synthetic model gets a random MTP block.
+    #[arg(skip)]
+    pub synthetic_mtp: bool,
     /// Compute backend: auto picks a CUDA or ROCm GPU when one is usable, else the CPU.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda", "rocm", "metal"])]
     pub backend: String,
@@ -115,6 +118,7 @@ impl ModelArgs {
         o.precision = ds4_engine::Precision::parse(&self.precision)
             .ok_or_else(|| anyhow!("unknown precision {}", self.precision))?;
         o.mtp = self.mtp.clone();
+        o.synthetic_mtp = self.synthetic_mtp;
         o.cpu_experts = self.cpu_experts;
         let (what, msg) = match (&self.synthetic, &self.model) {
             (Some(p), _) => (format!("synthetic {p}"), "generating weights"),
