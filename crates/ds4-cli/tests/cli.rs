@@ -579,22 +579,20 @@ fn bench_turn_times_a_prefill_on_random_states() {
     assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
 }
 
+/// `ds4 bench` of the tiny model `m` on the CPU at frontier 16, 12 generated tokens, no warm-up,
+/// speculative at rates 1 and 0.
+fn spec_bench_args(m: &Path) -> Vec<&str> {
+    let mut a = vec!["bench", "-m", s(m), "--backend", "cpu", "--ctx-start", "16"];
+    a.extend(["--ctx-max", "16", "--gen-tokens", "12", "--warmup", "0"]);
+    a.extend(["--spec-accept", "1,0"]);
+    a
+}
+
 #[test]
 fn bench_spec_accept_times_oracle_drafts_at_each_rate() {
     let d = tmpdir("bench-spec");
     let m = synth_tiny(&d);
-    let mut a = vec![
-        "bench",
-        "-m",
-        s(&m),
-        "--backend",
-        "cpu",
-        "--ctx-start",
-        "16",
-    ];
-    a.extend(["--ctx-max", "16", "--gen-tokens", "12", "--warmup", "0"]);
-    a.extend(["--spec-accept", "1,0"]);
-    let o = ds4(&a);
+    let o = ds4(&spec_bench_args(&m));
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     let lines: Vec<&str> = out.lines().collect();
@@ -641,17 +639,8 @@ fn bench_spec_mtp_times_the_mtp_blocks_drafts() {
     let o = ds4(&["synth", "--preset", "tiny", "--mtp", "-o", s(&m)]);
     assert!(o.status.success(), "{}", stderr(&o));
     let mtp = d.join("tiny-mtp.gguf");
-    let mut a = vec![
-        "bench",
-        "-m",
-        s(&m),
-        "--backend",
-        "cpu",
-        "--ctx-start",
-        "16",
-    ];
-    a.extend(["--ctx-max", "16", "--gen-tokens", "12", "--warmup", "0"]);
-    a.extend(["--spec-accept", "1,0", "--spec-mtp"]);
+    let mut a = spec_bench_args(&m);
+    a.push("--spec-mtp");
     let o = ds4(&[&a[..], &["--mtp", s(&mtp)]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);

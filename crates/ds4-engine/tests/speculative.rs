@@ -197,6 +197,16 @@ fn sampled_with_drafts(
     (out, counts, s)
 }
 
+/// A session after the prompt and `tokens`, its speculative steps picking on the host or, with
+/// `device`, as a GPU's do.
+fn session_after(e: &Engine, tokens: &[u32], device: bool) -> Session {
+    let mut s = e.new_session(512);
+    s.set_device_picks(device);
+    s.sync(&common::after_prompt(tokens), &mut |_, _| {})
+        .unwrap();
+    s
+}
+
 #[test]
 fn drafts_under_any_sampler_give_the_plain_samplers_tokens() {
     let e = engine();
@@ -281,20 +291,12 @@ fn a_pick_with_another_sampler_after_a_device_kept_draft_is_that_samplers() {
         seed: 5,
         ..Default::default()
     };
-    let mut plain = e.new_session(512);
-    plain
-        .sync(&common::after_prompt(&want[..6]), &mut |_, _| {})
-        .unwrap();
+    let plain = session_after(&e, &want[..6], false);
     for device in [false, true] {
-        let mut s = e.new_session(512);
-        s.set_device_picks(device);
-        s.sync(&common::after_prompt(&want[..4]), &mut |_, _| {})
-            .unwrap();
+        let mut s = session_after(&e, &want[..4], device);
         // The draft is the greedy token, so kept only where the hot sampler picks it too: the
         // first seed whose first draw does.
-        let mut p = e.new_session(512);
-        p.sync(&common::after_prompt(&want[..5]), &mut |_, _| {})
-            .unwrap();
+        let p = session_after(&e, &want[..5], false);
         let seed = (0..100_000)
             .find(|&seed| {
                 let mut probe = Sampler::new(SamplerConfig {
@@ -326,15 +328,9 @@ fn a_pick_with_another_sampler_after_a_device_kept_draft_is_that_samplers() {
 fn a_kept_draft_taken_back_leaves_the_plain_state() {
     let e = engine();
     let (want, _) = sampled_plain(&e, &SamplerConfig::default(), 8);
-    let mut plain = e.new_session(512);
-    plain
-        .sync(&common::after_prompt(&want[..5]), &mut |_, _| {})
-        .unwrap();
+    let plain = session_after(&e, &want[..5], false);
     for device in [false, true] {
-        let mut s = e.new_session(512);
-        s.set_device_picks(device);
-        s.sync(&common::after_prompt(&want[..4]), &mut |_, _| {})
-            .unwrap();
+        let mut s = session_after(&e, &want[..4], device);
         assert!(!s.undo_draft().unwrap(), "nothing to take back yet");
         let mut greedy = Sampler::new(SamplerConfig::default());
         let r = s.eval_with_draft(want[4], want[5], &mut greedy).unwrap();
@@ -355,9 +351,7 @@ fn a_kept_draft_taken_back_leaves_the_plain_state() {
             assert_eq!(argmax(s.logits().unwrap()), want[5]);
         }
         s.eval(want[5]).unwrap();
-        let mut p2 = e.new_session(512);
-        p2.sync(&common::after_prompt(&want[..6]), &mut |_, _| {})
-            .unwrap();
+        let p2 = session_after(&e, &want[..6], false);
         assert!(s.snapshot() == p2.snapshot(), "device picks {device}");
         assert_eq!(s.logits(), p2.logits());
     }

@@ -1277,23 +1277,26 @@ impl<B: Backend> Model<B> {
         streams: bool,
     ) -> Result<Evaluated, String> {
         let b = &self.backend;
-        let hc = self.hc_dims();
-        let w = hc.n * hc.d;
         let n = tokens.len();
         if n == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
         let (xs, m) = self.layers_forward(st, tokens, all);
         let logits = self.head(&self.out_hc, &self.out_norm, &xs, m);
-        let streams = if streams {
-            let v = b.download(&xs, m * w);
-            v.chunks(w).map(|c| c.to_vec()).collect()
-        } else {
-            Vec::new()
-        };
+        let streams = self.host_streams(&xs, m, streams);
         b.graph_end();
         b.check()?;
         Ok((logits, streams))
+    }
+
+    /// The final streams of `m` positions on the host, one N·D row each (none unless `want`).
+    fn host_streams(&self, xs: &B::Buf, m: usize, want: bool) -> Vec<Vec<f32>> {
+        if !want {
+            return Vec::new();
+        }
+        let w = self.hc_dims().n * self.hc_dims().d;
+        let v = self.backend.download(xs, m * w);
+        v.chunks(w).map(|c| c.to_vec()).collect()
     }
 
     /// Process one token at the next position and pick the token after it with
@@ -1333,16 +1336,10 @@ impl<B: Backend> Model<B> {
         if n == 0 || draws.len() != n {
             return Err(format!("eval_pick: {n} tokens but {} draws", draws.len()));
         }
-        let w = self.hc_dims().n * self.hc_dims().d;
         let (xs, m) = self.layers_forward(st, tokens, true);
         let logits = self.head_logits(&self.out_hc, &self.out_norm, &xs, m);
         let ids = b.sample_rows(&logits, self.hp.n_vocab as usize, p, draws);
-        let streams = if streams {
-            let v = b.download(&xs, m * w);
-            v.chunks(w).map(|c| c.to_vec()).collect()
-        } else {
-            Vec::new()
-        };
+        let streams = self.host_streams(&xs, m, streams);
         b.graph_end();
         b.check()?;
         Ok((ids, streams))
