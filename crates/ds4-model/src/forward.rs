@@ -1960,16 +1960,29 @@ impl<B: Backend> Model<B> {
         tok: u32,
         pos: usize,
     ) -> Result<u32, String> {
-        let (_, logits) = self.mtp_forward(st, hs, tok, pos)?;
         let b = &self.backend;
-        let id = b.sample(
-            &logits,
-            self.hp.n_vocab as usize,
-            &ds4_backend::SampleParams::default(),
-            0.0,
-        );
+        // `DS4_MTP_GRAPH=on`: one recorded step, as a decode step (a device replays it as a
+        // graph, its own cached kernel sequence), ended by the pick's read; off: eager launches.
+        // Opt-in and untimed (written in session 65 when the device pool stopped lending).
+        let graph = mtp_graph();
+        if graph {
+            b.graph_begin(1);
+        }
+        let r = self.mtp_forward(st, hs, tok, pos);
+        let id = r.as_ref().ok().map(|(_, logits)| {
+            b.sample(
+                logits,
+                self.hp.n_vocab as usize,
+                &ds4_backend::SampleParams::default(),
+                0.0,
+            )
+        });
+        if graph {
+            b.graph_end();
+        }
+        r?;
         b.check()?;
-        Ok(id)
+        Ok(id.unwrap_or(u32::MAX))
     }
 
     /// The MTP block on (streams `hs` of position pos − 1, token `tok` at pos): its final
@@ -2006,6 +2019,12 @@ impl<B: Backend> Model<B> {
         let logits = self.head_logits(&mtp.head, &mtp.norm, &x, 1);
         Ok((x, logits))
     }
+}
+
+/// `DS4_MTP_GRAPH=on`: [`Model::mtp_draft`] records its step for a device graph.
+fn mtp_graph() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DS4_MTP_GRAPH").is_ok_and(|v| v == "on" || v == "1"))
 }
 
 /// A model behind a trait object: the engine picks the backend at run time.
