@@ -173,6 +173,10 @@ struct Slots<W> {
 /// positions.
 pub type Evaluated = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// The pick after every evaluated position ([`Model::eval_pick`]), and (when asked) the final
+/// HC streams of the same positions.
+pub type Picked = (Vec<u32>, Vec<Vec<f32>>);
+
 /// A block's MoE output with its HC post still to apply: `(y, post, comb)`.
 type Pending<B> = (
     <B as Backend>::Buf,
@@ -1330,7 +1334,7 @@ impl<B: Backend> Model<B> {
         p: &ds4_backend::SampleParams,
         draws: &[f64],
         streams: bool,
-    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
+    ) -> Result<Picked, String> {
         let b = &self.backend;
         let n = tokens.len();
         if n == 0 || draws.len() != n {
@@ -2063,7 +2067,7 @@ pub trait Forward: Send + Sync {
         p: &ds4_backend::SampleParams,
         draws: &[f64],
         streams: bool,
-    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String>;
+    ) -> Result<Picked, String>;
     fn checkpoint(&self, st: &AnyState) -> AnyCheckpoint;
     /// See [`Model::checkpoint_last`] (rolled back by [`Forward::rollback`]).
     fn checkpoint_last(&self, st: &AnyState, pos: usize) -> Option<AnyCheckpoint>;
@@ -2182,7 +2186,7 @@ where
         p: &ds4_backend::SampleParams,
         draws: &[f64],
         streams: bool,
-    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
+    ) -> Result<Picked, String> {
         let mut s = Self::unwrap_state(st);
         let r = Model::eval_pick(self, &mut s, tokens, p, draws, streams);
         *st = Self::wrap_state(s);

@@ -4,7 +4,9 @@
 //! the same replicated schedule, MoE outputs made equal by the all-reduce), so a state's
 //! snapshot is rank 0's and a restored one goes to every rank.
 
-use crate::forward::{AnyCheckpoint, AnyLayerState, AnyState, Evaluated, Forward, HostState};
+use crate::forward::{
+    AnyCheckpoint, AnyLayerState, AnyState, Evaluated, Forward, HostState, Picked,
+};
 use crate::HParams;
 use ds4_backend::{LayerDims, SampleParams};
 
@@ -146,7 +148,7 @@ impl Forward for Sharded {
         p: &SampleParams,
         draws: &[f64],
         streams: bool,
-    ) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
+    ) -> Result<Picked, String> {
         // As eval_sample: the same logits and draws on every rank, the same ids.
         self.with_states(st, |m, s| m.eval_pick(s, tokens, p, draws, streams))
     }
