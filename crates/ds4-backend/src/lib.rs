@@ -455,10 +455,7 @@ pub trait Backend: Send + Sync + Sized {
         draws: &[f64],
     ) -> Vec<u32> {
         let all = self.download(logits, draws.len() * vocab);
-        all.chunks(vocab.max(1))
-            .zip(draws)
-            .map(|(l, &u)| sample::select(l, p, u))
-            .collect()
+        sample::select_rows(&all, vocab, p, draws)
     }
     /// `dst[dst_off ..][.. len] = src[src_off ..][.. len]`.
     fn copy(

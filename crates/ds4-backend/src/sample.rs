@@ -44,6 +44,15 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
+/// [`select`] of each `vocab`-long row of `logits` with its draw (`draws[r]` for row r).
+pub fn select_rows(logits: &[f32], vocab: usize, c: &SampleParams, draws: &[f64]) -> Vec<u32> {
+    logits
+        .chunks(vocab.max(1))
+        .zip(draws)
+        .map(|(l, &u)| select(l, c, u))
+        .collect()
+}
+
 /// The token for draw `u` ∈ [0, 1). Candidates in order of logit (`total_cmp`, ties: lower id
 /// first); top-k keeps the first k; weights `exp(f64((l − max) / T))` (the difference and the
 /// division in f32) normalised over those; min-p keeps `p ≥ p_best · min_p` (at least one);

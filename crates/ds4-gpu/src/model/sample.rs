@@ -7,7 +7,7 @@
 
 use super::{GpuBackend, GpuBuf};
 use crate::runtime::{Arg, LaunchDims};
-use ds4_backend::sample::{select, SampleParams};
+use ds4_backend::sample::{select_rows, SampleParams};
 use ds4_backend::Backend;
 
 /// CTAs of the greedy argmax and of the max / histogram passes (256 threads each; 129,280
@@ -55,11 +55,7 @@ impl GpuBackend {
         }
         if vocab == 0 || mode == Mode::Off || vocab >= 1 << 24 || self.failed() {
             let all = self.download(logits, rows * vocab);
-            return all
-                .chunks(vocab.max(1))
-                .zip(draws)
-                .map(|(l, &u)| select(l, p, u))
-                .collect();
+            return select_rows(&all, vocab, p, draws);
         }
         let out = self.scratch(rows);
         // Workspaces live until the read below (each row its own: the rows' kernels may share
